@@ -1,0 +1,1 @@
+"""pagoda.services.tokenizer"""

@@ -1,0 +1,144 @@
+"""Every message that crosses a process boundary: frozen, tagged msgspec Structs, one union per socket."""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+
+import msgspec
+
+from pagoda.shared.errors import InvalidRequestError
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class FinishReason(IntEnum):
+    """Why a sequence ended; small ints on the wire, OpenAI strings at the API."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the model's context
+    ABORT = 2  # the client went away or the server is shutting down
+    ERROR = 3  # the request failed inside the engine
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort", "error")[self]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """How to pick tokens and when to stop; the shape of vLLM's SamplingParams.
+
+    `validate()` raises InvalidRequestError naming the parameter; every field is honoured.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def validate(self) -> SamplingParams:
+        """Check every field; return self so calls can chain."""
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}]")
+        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
+               "temperature must be a finite number >= 0")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+               "top_k must be -1 or 0 (disabled) or a positive integer")
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2]")
+        _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               "repetition_penalty", "repetition_penalty must be in (0, 10]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", "max_tokens must be an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               "min_tokens must be an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               "min_tokens must not exceed max_tokens")
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
+               "stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "stop_token_ids must be non-negative integers")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        return self
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler -> worker: one plan per step, a diff against what the worker already knows
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A request the worker has not seen (or forgot after a preemption): sent once."""
+
+    req_id: int
+    token_ids: list[int]  # prompt plus any tokens generated before a preemption
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose K/V already sit in block_ids (prefix cache, fork)
+    sampling: SamplingParams
+    seed: int  # the effective sampling seed (the request's, or one drawn at arrival)
+
+
+class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """What the worker runs this step.
+
+    Batch order is `req_ids`; each scheduled request computes `num_scheduled_tokens` more of its
+    tokens. A request samples a token when this step reaches the end of its known tokens.
+    """
+
+    step_id: int
+    req_ids: list[int]
+    num_scheduled_tokens: list[int]
+    new_requests: list[NewRequest] = []
+    appended_block_req_ids: list[int] = []  # with appended_block_ids: (request, new block) pairs
+    appended_block_ids: list[int] = []
+    finished_req_ids: list[int] = []  # drop their state (finished, aborted or preempted)
+
+
+class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Tokens sampled in one step; logprob columns are filled only for requests that asked."""
+
+    step_id: int
+    req_ids: list[int]
+    sampled_token_ids: list[int]
+    sampled_logprobs: list[float] = []  # aligned with req_ids when any request asked, else empty
+    top_token_ids: list[list[int]] = []  # likewise; an inner list is empty for logprobs=0 / None
+    top_logprobs: list[list[float]] = []
+    error: str = ""
