@@ -1,1 +1,24 @@
-"""pagoda: an LLM inference server."""
+"""pagoda: an LLM inference server with a paged KV cache, continuous batching and an OpenAI-compatible API."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pagoda.shared.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, PagodaError
+from pagoda.shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.llm import LLM
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "PagodaError", "InvalidRequestError", "ContextLengthError",
+           "ModelNotFoundError", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch; the api process imports pagoda.* and must not load it.
+    if name == "LLM":
+        from pagoda.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

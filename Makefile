@@ -1,0 +1,45 @@
+# pagoda: make install | model | test | run | bench | lint | clean   (GNU make)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+PIP := $(PY) -m pip --disable-pip-version-check
+PIP_QUIET := -q
+MODEL_DIR := models/smollm2-135m-instruct
+TORCH_PKGS ?= torch==2.13.0 triton==3.6.0
+ARGS ?=
+
+.PHONY: install model test run bench lint clean distclean
+
+install: $(VENV)/.installed
+
+# Torch goes in first: a plain "torch" dependency with no torch present pulls the multi-GB CUDA build.
+# Skipped where the venv already has a torch (e.g. the CUDA one on a GPU machine).
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || { echo "pip install $(TORCH_PKGS)"; $(PIP) install $(PIP_QUIET) $(TORCH_PKGS); }
+	@echo "pip install -e '.[test,convert,bench]'"
+	@$(PIP) install $(PIP_QUIET) -e '.[test,convert,bench]'
+	@touch $@
+
+model: install
+	$(PY) -m pagoda.prepare smollm2
+
+test: install model
+	$(PY) -m pytest -q $(ARGS)
+
+run: install model
+	$(VENV)/bin/pagoda serve --model $(MODEL_DIR) $(ARGS)
+
+bench: install
+	$(VENV)/bin/pagoda bench throughput $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf .pytest_cache .ruff_cache .hypothesis build dist bench/out
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Also removes the venv and the converted models (both take a while to rebuild).
+distclean: clean
+	rm -rf $(VENV) models

@@ -1,0 +1,119 @@
+"""Plain-PyTorch references for every kernel: the CPU path of the worker and the oracle for the Triton tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: statistics in fp32, scale in the input dtype."""
+    x32 = x.float()  # [..., D]
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x, then normalise: returns (normed [T, D], new residual [T, D])."""
+    summed = x if residual is None else x + residual  # [T, D]
+    return rms_norm(summed, weight, eps), summed
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] for rotate-half rope; angles in fp32 as Hugging Face does."""
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, head_dim / 2]
+    emb = torch.cat((angles, angles), dim=-1)  # [T, head_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by position; cos/sin [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, head_dim]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] -> [T, I]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset) of the caches
+    [num_blocks, block_size, kv_heads, head_dim]. Slot -1 means padding: skipped."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    valid = slot_mapping >= 0  # [T]
+    slots = slot_mapping[valid]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first seq_len cached rows: [seq_len, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    rows = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, head_dim]
+    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: list[int], query_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of a flattened batch of query chunks over paged K/V (GQA aware).
+
+    q [T, heads, head_dim], T = sum(query_lens); sequence b's queries are the last query_lens[b] of
+    its seq_lens[b] tokens, whose K/V are already in the caches. Returns [T, heads, head_dim].
+    Single-token queries (decode) run as one batch; longer chunks run one sequence at a time.
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)  # [T, heads, head_dim]
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    decode_rows = [b for b, query_len in enumerate(query_lens) if query_len == 1]
+    if decode_rows:
+        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, starts, decode_rows, scale, out)
+    for b, query_len in enumerate(query_lens):
+        if query_len == 1:
+            continue
+        seq_len, start = seq_lens[b], starts[b]
+        k = gather_kv(k_cache, block_tables[b], seq_len).transpose(0, 1)  # [kv_heads, L, head_dim]
+        v = gather_kv(v_cache, block_tables[b], seq_len).transpose(0, 1)
+        q_b = q[start:start + query_len].transpose(0, 1)  # [heads, query_len, head_dim]
+        key_pos = torch.arange(seq_len, device=q.device)  # [L]
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
+        mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, L]
+        attn = F.scaled_dot_product_attention(q_b, k.to(q.dtype).repeat_interleave(group, 0),
+                                              v.to(q.dtype).repeat_interleave(group, 0),
+                                              attn_mask=mask, scale=scale)  # [heads, query_len, head_dim]
+        out[start:start + query_len] = attn.transpose(0, 1)
+    return out
+
+
+def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: list[int], starts: list[int], rows: list[int], scale: float,
+                  out: torch.Tensor) -> None:
+    """All single-query sequences at once: gather their blocks, mask past each length."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    device = q.device
+    rows_t = torch.tensor(rows, device=device)
+    token_index = torch.tensor([starts[b] for b in rows], device=device)  # [B]
+    lens = torch.tensor([seq_lens[b] for b in rows], device=device)  # [B]
+    max_blocks = -(-max(seq_lens[b] for b in rows) // block_size)
+    tables = block_tables[rows_t, :max_blocks].long()  # [B, max_blocks]
+    batch = len(rows)
+    k = k_cache[tables].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)  # [B, L, kvh, D]
+    v = v_cache[tables].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    q_b = q[token_index].reshape(batch, num_kv_heads, group, head_dim)  # [B, kvh, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", q_b.float(), k.float()) * scale  # [B, kvh, G, L]
+    valid = torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None]  # [B, L]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)  # [B, kvh, G, L]
+    attn = torch.einsum("bhgl,blhd->bhgd", probs, v.float())  # [B, kvh, G, D]
+    out[token_index] = attn.reshape(batch, num_heads, head_dim).to(out.dtype)

@@ -1,0 +1,143 @@
+"""The in-process engine: scheduler, model runner and detokenization in one loop (the offline API's core).
+
+The server runs the same pieces in separate processes; here a plan goes straight from
+Scheduler.schedule() to ModelRunner.execute() and the result back to Scheduler.update().
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
+from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.services.tokenizer.text_stream import TextStream
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.services.worker.model_config import SHAPES
+from pagoda.services.worker.model_runner import ModelRunner
+from pagoda.shared.config import EngineConfig
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import FinishReason, SamplingParams, StepResult
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    """The model folder's tokenizer (or --tokenizer); None for a dummy shape given no tokenizer."""
+    path = config.tokenizer
+    if path is None and not (config.load_format == "dummy" and config.model in SHAPES):
+        path = config.model
+    return Tokenizer(path) if path is not None else None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = load_tokenizer(config)
+        arch = self.runner.arch
+        eos_ids = set(arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(
+            num_blocks=self.runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.runner.device.type),
+            max_model_len=self.runner.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos_ids,
+            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
+        self._outputs: dict[str, RequestOutput] = {}
+        self._streams: dict[int, TextStream] = {}  # seq id -> its text
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- requests
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: give prompts as token ids", param="prompt")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        """Validate and queue a request; raises InvalidRequestError (naming the parameter) on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
+        params.validate()
+        token_ids = self.encode_prompt(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        request = Request(req_id=request_id, prompt_token_ids=token_ids, sampling=params,
+                          arrival_time=time.monotonic(), priority=priority)
+        self.scheduler.add_request(request)
+        self._outputs[request_id] = RequestOutput(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,
+            outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
+                                      cumulative_logprob=0.0 if params.logprobs is not None else None)
+                     for i in range(params.n)])
+        for seq in request.sequences:
+            self._streams[seq.seq_id] = TextStream(self.tokenizer, token_ids, params)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.scheduler.abort_request(request_id)
+        output = self._outputs.get(request_id)
+        if request is None or output is None:
+            return
+        for seq in request.sequences:
+            self._streams.pop(seq.seq_id, None)
+            completion = output.outputs[seq.index]
+            if completion.finish_reason is None:
+                completion.finish_reason = FinishReason.ABORT.openai_name
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        return self._outputs[request_id]
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        return self._outputs.pop(request_id)
+
+    # ---------------------------------------------------------------- one step
+
+    def step(self) -> list[StreamDelta]:
+        """Schedule, run and apply one step; return what each advanced completion gained."""
+        plan = self.scheduler.schedule()
+        if not plan.req_ids and self.scheduler.has_unfinished() and not self.scheduler.running:
+            raise RuntimeError("the scheduler found nothing it can run; the KV cache is too small")
+        result = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, result)
+        return [self._apply(update, result) for update in updates]
+
+    def _apply(self, update: SeqUpdate, result: StepResult) -> StreamDelta:
+        seq = update.seq
+        output = self._outputs[seq.request.req_id]
+        completion = output.outputs[seq.index]
+        completion.token_ids.append(update.token_id)
+        output.num_cached_tokens = seq.request.sequences[0].num_cached_tokens
+        if completion.logprobs is not None and result.sampled_logprobs:
+            row = update.result_index
+            entry = {update.token_id: result.sampled_logprobs[row]}
+            entry.update(zip(result.top_token_ids[row], result.top_logprobs[row], strict=True))
+            entry[update.token_id] = result.sampled_logprobs[row]
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + result.sampled_logprobs[row]
+        stream = self._streams[seq.seq_id]
+        reason = update.finish_reason
+        # A stop token's own text (EOS, stop_token_ids) is not part of the output.
+        text = "" if reason == FinishReason.STOP else stream.push([update.token_id])
+        if reason is None and stream.stopped:
+            reason = FinishReason.STOP
+            self.scheduler.finish_sequence(seq.seq_id, reason)
+        if reason is not None:
+            text += stream.close()
+            del self._streams[seq.seq_id]
+            completion.finish_reason = reason.openai_name
+        completion.text += text
+        return StreamDelta(request_id=output.request_id, index=seq.index, text=text,
+                           token_ids=[update.token_id], finish_reason=completion.finish_reason)
+
+
+def is_model_reference(model: str) -> bool:
+    """True for a folder with a config.json; dummy shapes are names, not folders."""
+    return Path(model, "config.json").is_file()

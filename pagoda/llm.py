@@ -1,0 +1,110 @@
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...)) and .chat(...)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pagoda.engine import LLMEngine, is_model_reference
+from pagoda.outputs import RequestOutput, StreamDelta
+from pagoda.services.worker.model_config import SHAPES
+from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. `model` is a model folder or a dummy shape name (random weights)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL_DIR, **engine_args: Any) -> None:
+        if "load_format" not in engine_args and model in SHAPES and not is_model_reference(model):
+            engine_args["load_format"] = "dummy"
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; one RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _per_prompt(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise InvalidRequestError("priority needs one entry per prompt", param="priority")
+        request_ids = self._add_all(prompt_list, params_list, priorities)
+        engine = self.engine
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException:
+            for request_id in request_ids:  # leave the engine clean for the next call
+                engine.abort_request(request_id)
+            raise
+        return [engine.pop_output(request_id) for request_id in request_ids]
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer and so no chat template", param="messages")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                          chat_template_kwargs=chat_template_kwargs)
+            for conversation in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Generate one prompt, yielding text as it is produced (the demo and tests use it)."""
+        engine = self.engine
+        request_id = engine.add_request(prompt, sampling_params or SamplingParams())
+        try:
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    if delta.request_id == request_id:
+                        yield delta
+        finally:
+            engine.abort_request(request_id)
+            engine._outputs.pop(request_id, None)
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int]) -> list[str]:
+        """Add every request or none: a bad prompt aborts the ones already queued."""
+        request_ids: list[str] = []
+        try:
+            for prompt, sampling, priority in zip(prompts, params, priorities, strict=True):
+                request_ids.append(self.engine.add_request(prompt, sampling, priority=priority))
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+                self.engine.pop_output(request_id)
+            raise
+        return request_ids
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequestError("prompts must be a non-empty string, token id list, or list of them",
+                                  param="prompt")
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise InvalidRequestError("sampling_params needs one entry per prompt", param="sampling_params")
+    return list(params)

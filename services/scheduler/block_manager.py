@@ -1,0 +1,227 @@
+"""KV block allocation with automatic prefix caching: ref counts, a hash chain over full blocks, LRU eviction.
+
+Every block is in exactly one of three states (check_integrity asserts it):
+
+    free       ref 0, no hash        -> in `_free_ids` (a stack: cheapest to take)
+    cached     ref 0, hash           -> in `_evictable` (LRU order: oldest first), found by hash
+    owned      ref > 0, hash or not  -> in some sequence's BlockTable (hashed once full and computed)
+
+    allocate: free -> owned, else evict the LRU cached block (drop its hash) -> owned
+    acquire (prefix hit, fork): cached -> owned, or owned ref += 1
+    release: owned ref -= 1; at 0: hashed -> cached (most recent end), unhashed -> free
+
+No torch, no zmq: plain Python so the scheduler's policy is testable with plain objects.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ROOT_HASH = 0x5A6F_D1E5  # parent of a sequence's first block
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by allocate() when asked for more blocks than can be freed; callers check first."""
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """One sequence's blocks: logical block i holds tokens [i * block_size, (i + 1) * block_size)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of the leading full, computed blocks
+
+
+def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Chain hash: equal hashes mean the same tokens after the same prefix (verified on lookup)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Owns the pool of KV blocks; sequences hold ids in their BlockTable."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[int | None] = [None] * num_blocks
+        self._keys: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # to verify hits
+        self._block_by_hash: dict[int, int] = {}
+        self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0
+
+    # ---------------------------------------------------------------- counts
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new sequence could take: free plus unreferenced cached ones."""
+        return len(self._free_ids) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_by_hash)
+
+    def usage_ratio(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_unreferenced(self, block_ids: Sequence[int]) -> int:
+        """How many of these blocks sit in the cache with no holder (acquiring them shrinks the free pool)."""
+        return sum(1 for block_id in block_ids if self._ref_counts[block_id] == 0)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---------------------------------------------------------------- block level
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` blocks with ref 1, preferring never-cached ones, then the LRU cached ones."""
+        if count > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        taken: list[int] = []
+        for _ in range(count):
+            if self._free_ids:
+                block_id = self._free_ids.pop()
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                self._forget_hash(block_id)
+                self.num_evictions += 1
+            self._ref_counts[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to blocks another sequence already holds or the cache keeps."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                assert self._hashes[block_id] is not None, "only cached blocks can be acquired at ref 0"
+                del self._evictable[block_id]
+            self._ref_counts[block_id] += 1
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; release tail-first so prefix roots are evicted last."""
+        for block_id in reversed(block_ids):
+            count = self._ref_counts[block_id] - 1
+            assert count >= 0, f"block {block_id} released more often than taken"
+            self._ref_counts[block_id] = count
+            if count == 0:
+                if self._hashes[block_id] is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free_ids.append(block_id)
+
+    def evict(self, count: int) -> int:
+        """Drop up to `count` unreferenced cached blocks from the cache (LRU first); return how many."""
+        evicted = 0
+        while evicted < count and self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._forget_hash(block_id)
+            self._free_ids.append(block_id)
+            evicted += 1
+        self.num_evictions += evicted
+        return evicted
+
+    def reset_prefix_cache(self) -> int:
+        return self.evict(len(self._evictable))
+
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self._hashes[block_id]
+        if block_hash is not None:
+            del self._block_by_hash[block_hash]
+            self._hashes[block_id] = None
+            self._keys[block_id] = None
+
+    # ---------------------------------------------------------------- sequence level
+
+    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks that starts `token_ids`: (block ids, their hashes).
+
+        Takes no references; the caller acquires what it keeps.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        size = self.block_size
+        block_ids: list[int] = []
+        hashes: list[int] = []
+        parent = ROOT_HASH
+        for index in range(min(max_blocks, len(token_ids) // size)):
+            tokens = tuple(token_ids[index * size:(index + 1) * size])
+            block_hash = hash_block(parent, tokens)
+            block_id = self._block_by_hash.get(block_hash)
+            if block_id is None or self._keys[block_id] != (parent, tokens):
+                break  # a miss, or a hash collision that the stored key exposes
+            block_ids.append(block_id)
+            hashes.append(block_hash)
+            parent = block_hash
+        return block_ids, hashes
+
+    def grow(self, table: BlockTable, num_tokens: int) -> list[int]:
+        """Give `table` enough blocks for `num_tokens` slots; return the new ids ([] when none needed)."""
+        missing = self.num_blocks_for(num_tokens) - len(table.block_ids)
+        if missing <= 0:
+            return []
+        new_ids = self.allocate(missing)
+        table.block_ids.extend(new_ids)
+        return new_ids
+
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Hash the blocks that became full of computed tokens so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        num_full = min(num_computed_tokens // size, len(table.block_ids))
+        parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
+        for index in range(len(table.block_hashes), num_full):
+            tokens = tuple(token_ids[index * size:(index + 1) * size])
+            block_hash = hash_block(parent, tokens)
+            block_id = table.block_ids[index]
+            if block_hash not in self._block_by_hash and self._hashes[block_id] is None:
+                self._block_by_hash[block_hash] = block_id
+                self._hashes[block_id] = block_hash
+                self._keys[block_id] = (parent, tokens)
+            # else: the same content is cached in another block already; this one stays unhashed
+            table.block_hashes.append(block_hash)
+            parent = block_hash
+
+    def fork(self, parent: BlockTable, num_tokens: int) -> BlockTable:
+        """A child that shares the parent's first full blocks covering at most `num_tokens` tokens."""
+        num_shared = min(num_tokens // self.block_size, len(parent.block_ids))
+        shared = parent.block_ids[:num_shared]
+        self.acquire(shared)
+        return BlockTable(list(shared), list(parent.block_hashes[:num_shared]))
+
+    def free(self, table: BlockTable) -> None:
+        self.release(table.block_ids)
+        table.block_ids.clear()
+        table.block_hashes.clear()
+
+    # ---------------------------------------------------------------- checks
+
+    def check_integrity(self, tables: Sequence[BlockTable] | None = None) -> None:
+        """Assert the three-state invariant; with `tables`, also that ref counts match their holders."""
+        free = set(self._free_ids)
+        assert len(free) == len(self._free_ids), "a block is on the free list twice"
+        evictable = set(self._evictable)
+        assert not free & evictable, "a block is both free and cached"
+        for block_id in range(self.num_blocks):
+            refs, block_hash = self._ref_counts[block_id], self._hashes[block_id]
+            if block_id in free:
+                assert refs == 0 and block_hash is None, f"free block {block_id} is referenced or hashed"
+            elif block_id in evictable:
+                assert refs == 0 and block_hash is not None, f"cached block {block_id} has refs or no hash"
+            else:
+                assert refs > 0, f"block {block_id} leaked: unreferenced yet neither free nor cached"
+            if block_hash is not None:
+                assert self._block_by_hash[block_hash] == block_id, f"hash index wrong for block {block_id}"
+        assert len(self._block_by_hash) == sum(h is not None for h in self._hashes)
+        if tables is not None:
+            holders = [0] * self.num_blocks
+            for table in tables:
+                for block_id in table.block_ids:
+                    holders[block_id] += 1
+                assert len(table.block_hashes) <= len(table.block_ids)
+            assert holders == self._ref_counts, "ref counts differ from the tables holding the blocks"

@@ -1,0 +1,397 @@
+"""Continuous-batching policy: a token budget per step, chunked prefill, prefix reuse, preemption by recompute.
+
+No phases: every running sequence's num_computed_tokens catches up with its length. A step takes, in
+order: one token for each decoding sequence (rank order), then prefill chunks of running sequences,
+then new admissions from the waiting queue, until the token budget or max_num_seqs runs out. When
+blocks run out, the lowest-ranked sequence (priority, then latest arrival) is preempted: its blocks
+are released and it waits again; its prefix-cache hits make the recompute cheap.
+
+    waiting --admit--> running --finish--> finished
+       ^                  |
+       '----preempt-------'
+
+No torch, no zmq: `schedule()` returns the StepPlan message, `update()` takes the StepResult.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
+from pagoda.shared.errors import ContextLengthError, InvalidRequestError
+from pagoda.shared.messages import FinishReason, NewRequest, SamplingParams, StepPlan, StepResult
+
+SEED_MODULUS = 1 << 63
+
+
+class SeqStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(slots=True)
+class Request:
+    """What a client asked for, already tokenized."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first
+    owner: int = 0  # the process that owns the request (deltas route back to it)
+    sequences: list[Sequence] = field(default_factory=list)
+    num_finished: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One of a request's n completions: its tokens, how many are computed, and its blocks."""
+
+    seq_id: int
+    request: Request
+    index: int  # 0..n-1 within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_len: int  # total tokens at which it stops for length (prompt + max_tokens, capped by context)
+    seed: int
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    rank: tuple[int, float, int] = (0, 0.0, 0)  # (priority, arrival, seq_id): smaller runs first
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """One sequence's news from a step: the token it sampled and whether that ended it."""
+
+    seq: Sequence
+    token_id: int
+    result_index: int  # row in the StepResult (for logprobs)
+    finish_reason: FinishReason | None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the block manager of one model replica."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = (),
+                 enable_prefix_caching: bool = True, seed: int = 0) -> None:
+        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap by rank
+        self.running: list[Sequence] = []  # sorted by rank
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._seqs: dict[int, Sequence] = {}
+        self._next_seq_id = 0
+        self._step_id = 0
+        self._forgotten: list[int] = []  # seq ids the worker should drop at the next plan
+        self._scheduled: list[Sequence] = []
+        self._rng = random.Random(seed)
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def validate(self, request: Request) -> None:
+        """Raise a typed error naming the parameter if the request cannot run on this model."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(not 0 <= token < self.vocab_size for token in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        if any(token >= self.vocab_size for token in request.sampling.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be < {self.vocab_size}", param="stop_token_ids")
+        if self.blocks.num_blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens; the KV cache holds at most "
+                f"{self.blocks.num_blocks * self.block_size - 1}", param="prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt)} tokens, leaving no room to generate", param="prompt")
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you asked for "
+                f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} to generate)",
+                param="max_tokens")
+
+    def add_request(self, request: Request) -> None:
+        request.sampling.validate()
+        self.validate(request)
+        if request.req_id in self.requests:
+            raise InvalidRequestError(f"request id {request.req_id!r} is already in use", param="request_id")
+        params = request.sampling
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        # the cache can never hold more than num_blocks * block_size tokens of one sequence
+        capacity = self.blocks.num_blocks * self.block_size
+        max_len = min(len(request.prompt_token_ids) + max_tokens, self.max_model_len, capacity)
+        base_seed = (params.seed if params.seed is not None else self._rng.getrandbits(63))
+        for index in range(params.n):
+            seq = Sequence(seq_id=self._next_seq_id, request=request, index=index,
+                           token_ids=list(request.prompt_token_ids),
+                           num_prompt_tokens=len(request.prompt_token_ids), max_len=max_len,
+                           seed=(base_seed + index) % SEED_MODULUS)
+            seq.rank = (request.priority, request.arrival_time, seq.seq_id)
+            self._next_seq_id += 1
+            request.sequences.append(seq)
+            self._seqs[seq.seq_id] = seq
+        self.requests[request.req_id] = request
+        # Siblings wait for the first sequence's prefill and then fork its blocks (see _fork_siblings).
+        self._push_waiting(request.sequences[0])
+
+    def abort_request(self, req_id: str) -> Request | None:
+        """Finish every sequence of the request now and free its blocks; None if unknown."""
+        request = self.requests.get(req_id)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+        return request
+
+    def finish_sequence(self, seq_id: int, reason: FinishReason) -> None:
+        """End a sequence for a reason found outside the scheduler (a stop string, an error)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, reason)
+
+    def get_sequence(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> StepPlan:
+        """Pick this step's work and describe it to the worker as a diff."""
+        assert not self._scheduled, "update() must consume the previous plan first"
+        budget = self.max_num_batched_tokens
+        num_tokens: dict[int, int] = {}  # seq_id -> tokens this step, in batch order
+        new_requests: list[NewRequest] = []
+        appended_req_ids: list[int] = []
+        appended_block_ids: list[int] = []
+        preemptions_before = self.stats.num_preemptions
+
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            count = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            count = self._fit_running(seq, count, num_tokens)
+            if count == 0:
+                continue
+            new_ids = self.blocks.grow(seq.table, seq.num_computed_tokens + count)
+            if new_ids:
+                appended_req_ids.extend([seq.seq_id] * len(new_ids))
+                appended_block_ids.extend(new_ids)
+            num_tokens[seq.seq_id] = count
+            budget -= count
+        if self.stats.num_preemptions == preemptions_before:  # admitting now would only thrash
+            budget = self._admit_waiting(budget, num_tokens, new_requests)
+
+        self._step_id += 1
+        self.stats.num_steps += 1
+        self._scheduled = [self._seqs[seq_id] for seq_id in num_tokens]
+        for seq in self._scheduled:
+            seq.num_computed_tokens += num_tokens[seq.seq_id]
+        forgotten, self._forgotten = self._forgotten, []
+        return StepPlan(step_id=self._step_id, req_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
+                        new_requests=new_requests, appended_block_req_ids=appended_req_ids,
+                        appended_block_ids=appended_block_ids, finished_req_ids=forgotten)
+
+    def _fit_running(self, seq: Sequence, count: int, scheduled: dict[int, int]) -> int:
+        """Shrink `count` to the blocks available, preempting lower-ranked unscheduled sequences if needed."""
+        while True:
+            needed = self.blocks.num_blocks_for(seq.num_computed_tokens + count) - len(seq.table.block_ids)
+            if needed <= self.blocks.num_free_blocks:
+                return count
+            victim = self._pick_victim(seq, scheduled)
+            if victim is None:
+                if seq.num_tokens - seq.num_computed_tokens > 1:  # a prefill chunk can shrink instead
+                    room = (len(seq.table.block_ids) + self.blocks.num_free_blocks) * self.block_size
+                    if room > seq.num_computed_tokens:
+                        return min(count, room - seq.num_computed_tokens)
+                if not scheduled:
+                    self._preempt(seq)  # nothing else runs: give its blocks back and wait
+                return 0
+            self._preempt(victim)
+
+    def _pick_victim(self, seq: Sequence, scheduled: dict[int, int]) -> Sequence | None:
+        """The lowest-ranked running sequence ranked below `seq` that this step has not scheduled."""
+        for victim in reversed(self.running):
+            if victim is seq or victim.rank < seq.rank:
+                return None
+            if victim.seq_id not in scheduled:
+                return victim
+        return None
+
+    def _admit_waiting(self, budget: int, num_tokens: dict[int, int], new_requests: list[NewRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0][1]
+            if seq.status == SeqStatus.FINISHED:  # aborted while waiting
+                heapq.heappop(self.waiting)
+                continue
+            count = self._admit_one(seq, budget)
+            if count == 0:
+                break  # the head of the queue does not fit: FCFS, nothing overtakes it
+            heapq.heappop(self.waiting)
+            bisect.insort(self.running, seq, key=_rank)
+            seq.status = SeqStatus.RUNNING
+            num_tokens[seq.seq_id] = count
+            budget -= count
+            new_requests.append(NewRequest(
+                req_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+                block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
+                sampling=seq.request.sampling, seed=seq.seed))
+        return budget
+
+    def _admit_one(self, seq: Sequence, budget: int) -> int:
+        """Reuse cached prefix blocks, then take blocks for a first chunk; 0 if it does not fit now."""
+        table = self.blocks
+        hit_ids: list[int] = []
+        if seq.num_computed_tokens == 0:
+            max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # keep one token to compute
+            hit_ids, hit_hashes = table.lookup_prefix(seq.token_ids, max_hit_blocks)
+        num_hit_tokens = len(hit_ids) * self.block_size
+        start = seq.num_computed_tokens + num_hit_tokens
+        held = len(seq.table.block_ids) + len(hit_ids)
+        available = table.num_free_blocks - table.num_unreferenced(hit_ids)  # hits leave the free pool
+        room = (held + available) * self.block_size - start
+        count = min(seq.num_tokens - start, budget, room)
+        if count <= 0:
+            return 0
+        if hit_ids:
+            table.acquire(hit_ids)
+            seq.table.block_ids.extend(hit_ids)
+            seq.table.block_hashes.extend(hit_hashes)
+            seq.num_computed_tokens = num_hit_tokens
+        if seq.num_preemptions == 0 and seq.index == 0:
+            seq.num_cached_tokens = num_hit_tokens
+            self.stats.prefix_query_tokens += seq.num_tokens
+            self.stats.prefix_hit_tokens += num_hit_tokens
+        table.grow(seq.table, start + count)
+        return count
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
+        """Append sampled tokens, finish sequences that stop, cache newly full blocks."""
+        assert result.step_id == plan.step_id, "result for another step"
+        scheduled, self._scheduled = self._scheduled, []
+        for seq in scheduled:
+            if not seq.is_finished:
+                self.blocks.commit(seq.table, seq.token_ids, seq.num_computed_tokens)
+        updates: list[SeqUpdate] = []
+        for row, (seq_id, token_id) in enumerate(zip(result.req_ids, result.sampled_token_ids, strict=True)):
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.is_finished:
+                continue  # aborted while the step ran
+            seq.token_ids.append(token_id)
+            if seq.index == 0 and seq.num_output_tokens == 1 and seq.request.sampling.n > 1:
+                self._fork_siblings(seq)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+            updates.append(SeqUpdate(seq, token_id, row, reason))
+        return updates
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.request.sampling
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_tokens >= seq.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _fork_siblings(self, first: Sequence) -> None:
+        """n > 1: siblings share the first sequence's prompt blocks and recompute only the tail."""
+        for sibling in first.request.sequences[1:]:
+            if sibling.is_finished:
+                continue
+            sibling.table = self.blocks.fork(first.table, sibling.num_prompt_tokens - 1)
+            sibling.num_computed_tokens = len(sibling.table.block_ids) * self.block_size
+            self._push_waiting(sibling)
+
+    # ---------------------------------------------------------------- state changes
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self.waiting, (seq.rank, seq))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._forgotten.append(seq.seq_id)
+        self._push_waiting(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._forgotten.append(seq.seq_id)
+        # a waiting sequence stays in the heap until admission skips it (removal from a heap is O(n))
+        self.blocks.free(seq.table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+        request = seq.request
+        request.num_finished += 1
+        if request.num_finished == len(request.sequences):
+            del self.requests[request.req_id]
+        elif seq.index == 0 and seq.num_output_tokens == 0:
+            for sibling in request.sequences[1:]:  # never forked: they end with the first one
+                if not sibling.is_finished:
+                    self._finish(sibling, reason)
+
+
+def _rank(seq: Sequence) -> tuple[int, float, int]:
+    return seq.rank

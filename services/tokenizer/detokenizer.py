@@ -1,0 +1,80 @@
+"""Incremental detokenization: one sequence's new token ids in, its newly finished text out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, as vLLM does
+# A UTF-8 character is at most 4 bytes, so a window still ending in U+FFFD after this many held tokens
+# holds invalid bytes (which the whole decode shows as U+FFFD too), not a character waiting for its
+# last byte. Letting it go keeps the per-token cost bounded on a model that emits garbage bytes.
+MAX_HELD_TOKENS = 32
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Prefix-offset / read-offset detokenization over a short window of token ids.
+
+    window:  [ prefix tokens (already emitted) | read tokens (held, not yet emitted) ]
+              ^ 0                               ^ read_offset                        ^ len(window)
+    Each push decodes the window, and emits what it adds to `prefix_text` (the decode of the prefix
+    tokens alone) unless it ends in U+FFFD: then the last bytes of a character are still to come.
+    Decoding from the prefix, not from the first new token, keeps what a token's text depends on
+    (a leading space a SentencePiece decoder strips at the start of a text, a byte run). On each
+    emission the window slides to start at the tokens just emitted, so its length is the size of the
+    last push plus whatever is held: the cost per token does not grow with the sequence.
+
+    For byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) the deltas plus `flush()` equal
+    `decode(output_ids)` exactly. The first delta is the text in the prompt's context, which differs
+    from decoding the output alone only where a decoder strips a leading space at the start.
+    """
+
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window, self._prefix_text = self._context(list(prompt_token_ids[-NUM_CONTEXT_TOKENS:]))
+        self._read_offset = len(self._window)
+
+    def _context(self, tail: list[int]) -> tuple[list[int], str]:
+        """The prompt tail and its text, or nothing when the prompt ends inside a character."""
+        text = self._decode(tail)
+        if text.endswith(REPLACEMENT_CHAR):
+            # Output bytes could complete that character; the text of the output alone is then what
+            # decode(output_ids) gives.
+            return [], ""
+        return tail, text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def push(self, new_token_ids: Sequence[int]) -> str:
+        """Text finished by these tokens (often "", when they end inside a character)."""
+        if not new_token_ids:
+            return ""
+        self._window.extend(new_token_ids)
+        text = self._decode(self._window)
+        num_held = len(self._window) - self._read_offset
+        if (len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR)) \
+                and num_held < MAX_HELD_TOKENS:
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """Whatever is still held (the sequence ended): invalid trailing bytes come out as U+FFFD."""
+        if self._read_offset == len(self._window):
+            return ""
+        return self._emit(self._decode(self._window))
+
+    def _emit(self, text: str) -> str:
+        delta = text[len(self._prefix_text):]
+        # Slide: the tokens just emitted become the prefix of the next window.
+        del self._window[:self._read_offset]
+        self._read_offset = len(self._window)
+        self._prefix_text = self._decode(self._window)
+        return delta

@@ -1,0 +1,70 @@
+"""Stop strings over streamed text: hold back what could still begin a stop string, cut at a match."""
+
+from __future__ import annotations
+
+
+class StopChecker:
+    """One sequence's stop strings; the emitted text is the full text cut at the first stop string.
+
+    "First" means the match that starts earliest (of two starting at one place, the shorter). So a
+    completed match still waits while a longer stop string that starts before it may yet complete.
+
+    text seen:  [ emitted ..................... | held: may begin a stop string ]
+    Nothing emitted can begin a match: every position where one could still start is held.
+    """
+
+    def __init__(self, stop: list[str], include_stop_str_in_output: bool = False) -> None:
+        assert all(stop), "empty stop strings are rejected by SamplingParams.validate"
+        self._stop = list(dict.fromkeys(stop))
+        self._include_stop_str = include_stop_str_in_output
+        self._held = ""
+        self._done = False
+        self.matched_stop: str | None = None  # the stop string that ended the sequence, if any
+
+    def push(self, delta_text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string matched); no pushes after a match."""
+        assert not self._done, "push after the sequence stopped"
+        if not self._stop:
+            return delta_text, False
+        text = self._held + delta_text
+        match = self._first_match(text)
+        partial_start = self._partial_start(text)
+        if match is not None and match[0] <= partial_start:
+            return self._cut(text, match), True
+        # With a match after partial_start, a stop string starting earlier may still complete.
+        self._held = text[partial_start:]
+        return text[:partial_start], False
+
+    def flush(self) -> str:
+        """The held text, when the sequence ended for another reason (a match may be waiting in it)."""
+        assert not self._done, "flush after the sequence stopped"
+        text, self._held = self._held, ""
+        self._done = True
+        match = self._first_match(text)
+        return text if match is None else self._cut(text, match)
+
+    def _cut(self, text: str, match: tuple[int, int]) -> str:
+        start, end = match
+        self._done = True
+        self.matched_stop = text[start:end]
+        self._held = ""
+        return text[:end] if self._include_stop_str else text[:start]
+
+    def _first_match(self, text: str) -> tuple[int, int] | None:
+        """(start, end) of the earliest-starting, then shortest, complete match."""
+        best: tuple[int, int] | None = None
+        for stop in self._stop:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start, start + len(stop)) < best):
+                best = (start, start + len(stop))
+        return best
+
+    def _partial_start(self, text: str) -> int:
+        """Where the longest tail of `text` that is a proper prefix of a stop string begins."""
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return len(text) - longest

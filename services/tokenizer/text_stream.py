@@ -1,0 +1,47 @@
+"""One sequence's output text as tokens arrive: incremental detokenization, then stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagoda.services.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
+from pagoda.services.tokenizer.stop import StopChecker
+from pagoda.shared.messages import SamplingParams
+
+
+class TextStream:
+    """push() token ids, get text safe to show; `stopped` turns true when a stop string matched."""
+
+    def __init__(self, tokenizer: Decoder | None, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                             if tokenizer is not None else None)
+        self._stop = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.text = ""
+        self.stopped = False
+        self._closed = False
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Text these tokens finish; "" while a character or a possible stop string is incomplete."""
+        if self._detokenizer is None or self._closed:
+            return ""
+        return self._accept(self._detokenizer.push(token_ids))
+
+    def close(self) -> str:
+        """The sequence ended for another reason: release what was held back."""
+        if self._detokenizer is None or self._closed:
+            return ""
+        delta = self._accept(self._detokenizer.flush())
+        if not self.stopped and self._stop is not None:
+            tail = self._stop.flush()
+            self.text += tail
+            delta += tail
+        self._closed = True
+        return delta
+
+    def _accept(self, text: str) -> str:
+        if self._stop is not None and not self.stopped:
+            text, self.stopped = self._stop.push(text)
+            if self.stopped:
+                self._closed = True
+        self.text += text
+        return text

@@ -1,0 +1,183 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flattened token batch with paged KV.
+
+Tensor parallel: q/k/v and gate/up are split by columns (heads, MLP units), o and down by rows, with
+an all-reduce after each; embeddings and the LM head are split by vocabulary rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.kernels import reference as ref
+from pagoda.services.worker.model_config import ModelArch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and what each query attends to; passed, never global."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32: sequence b's queries are rows [qsl[b], qsl[b+1])
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend over the paged cache (PyTorch reference)."""
+    ref.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return ref.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_host,
+                               meta.query_lens_host, scale)
+
+
+class TensorParallel(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class SingleDevice:
+    """tensor_parallel_size 1: the collectives are identities."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, with linear or llama3 scaling where configured."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif scaling.get("rope_type") == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.arch = arch
+        self.tp = tp
+        self.num_heads = arch.num_heads // tp.size
+        self.num_kv_heads = arch.num_kv_heads // tp.size
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
+        local_mlp = arch.intermediate_size // tp.size
+        h = arch.hidden_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.input_norm = param(h)  # [H]
+        self.post_attn_norm = param(h)  # [H]
+        self.qkv_weight = param(self.q_size + 2 * self.kv_size, h)  # [Q + 2KV, H] local heads
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if arch.attention_bias else None
+        self.q_norm = param(arch.head_dim) if arch.qk_norm else None  # [D]
+        self.k_norm = param(arch.head_dim) if arch.qk_norm else None
+        self.o_weight = param(h, self.q_size)  # [H, Q] local columns
+        self.gate_up_weight = param(2 * local_mlp, h)  # [2I, H] local units: gate rows then up rows
+        self.down_weight = param(h, local_mlp)  # [H, I]
+        self.scale = arch.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                attention: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.arch.rms_norm_eps
+        h, residual = ref.add_rms_norm(x, residual, self.input_norm, eps)  # [T, H] each
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, Q + 2KV]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = ref.rms_norm(q, self.q_norm, eps)
+            k = ref.rms_norm(k, self.k_norm, eps)
+        q = ref.apply_rope(q, cos, sin)
+        k = ref.apply_rope(k, cos, sin)
+        attn = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, heads, D]
+        x = self.tp.all_reduce(F.linear(attn.reshape(-1, self.q_size), self.o_weight))  # [T, H]
+        h, residual = ref.add_rms_norm(x, residual, self.post_attn_norm, eps)
+        mlp = ref.silu_and_mul(F.linear(h, self.gate_up_weight))  # [T, I]
+        return self.tp.all_reduce(F.linear(mlp, self.down_weight)), residual
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and the LM head of one tensor-parallel rank."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.tp = tp or SingleDevice()
+        self.dtype = dtype
+        self.vocab_per_rank = -(-arch.vocab_size // self.tp.size)
+        self.vocab_start = self.tp.rank * self.vocab_per_rank
+        h = arch.hidden_size
+        # [V / tp, H]: this rank's vocabulary rows (the last rank's tail past vocab_size stays zero)
+        self.embed = nn.Parameter(torch.zeros(self.vocab_per_rank, h, dtype=dtype, device=device),
+                                  requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(arch, self.tp, dtype, device) for _ in range(arch.num_layers))
+        self.final_norm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
+        self.lm_head = self.embed if arch.tie_word_embeddings else nn.Parameter(
+            torch.zeros(self.vocab_per_rank, h, dtype=dtype, device=device), requires_grad=False)
+        self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
+        self.attention: AttentionBackend = reference_attention
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)  # [T, H]
+        local = input_ids - self.vocab_start  # [T]
+        mine = (local >= 0) & (local < self.vocab_per_rank)
+        rows = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed)  # [T, H]
+        return self.tp.all_reduce(rows * mine[:, None].to(rows.dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = ref.rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.attention)
+        x, _ = ref.add_rms_norm(x, residual, self.final_norm, self.arch.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, vocab_size] fp32 logits (gathered across ranks)."""
+        logits = F.linear(hidden, self.lm_head).float()  # [N, V / tp]
+        logits = self.tp.all_gather_last_dim(logits)  # [N, V rounded up to tp]
+        return logits[:, :self.arch.vocab_size]

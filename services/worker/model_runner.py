@@ -1,0 +1,250 @@
+"""Runs one StepPlan: builds the flattened batch from persistent state, runs the model, samples on device."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.services.worker.batch_state import BatchState
+from pagoda.services.worker.model import AttentionMetadata, CausalLM, TensorParallel
+from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
+from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagoda.services.worker.weights import load_model
+from pagoda.shared.config import EngineConfig
+from pagoda.shared.errors import ConfigError
+from pagoda.shared.messages import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's inputs on the device, plus the host-side bookkeeping to apply its results."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    rows: np.ndarray  # [B] state rows in batch order
+    seq_lens: np.ndarray  # [B] tokens computed after this step
+    sampled: np.ndarray  # [S] indices into the batch of the sequences that sample
+    logits_indices: torch.Tensor  # [S] int64 token rows whose hidden state feeds the LM head
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the per-request state of one tensor-parallel rank."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.dtype: torch.dtype = getattr(torch, config.resolved_dtype(self.device.type))
+        self.arch: ModelArch = resolve_arch(config.model, config.load_format)
+        tp_size = tp.size if tp is not None else 1
+        check_divisible(self.arch, tp_size)
+        self.max_model_len = self._max_model_len()
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = CausalLM(self.arch, self.dtype, self.device, tp)
+        self.bytes_read = load_model(self.model, config.model, config.load_format, config.seed)
+        self.num_blocks = self._num_kv_blocks()
+        kv_shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size,
+                    self.arch.num_kv_heads // tp_size, self.arch.head_dim)
+        self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)  # [L, 2, N, bs, kvh, D]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
+        self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
+        self.sampler = Sampler()
+        log.info("model %s: %.1fM params, %s on %s, %d KV blocks of %d tokens", config.model,
+                 self.arch.num_params() / 1e6, self.dtype, self.device, self.num_blocks, self.block_size)
+
+    # ---------------------------------------------------------------- sizing
+
+    def _max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window:
+            limit = min(limit, self.arch.sliding_window)  # no sliding-window attention: stay inside it
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ConfigError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens",
+                              param="max_model_len")
+        return wanted
+
+    def kv_bytes_per_block(self) -> int:
+        kv_heads = self.arch.num_kv_heads // self.model.tp.size
+        itemsize = torch.finfo(self.dtype).bits // 8
+        return 2 * self.arch.num_layers * self.block_size * kv_heads * self.arch.head_dim * itemsize
+
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory is not None:
+            budget = config.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = min(DEFAULT_CPU_KV_BYTES, _available_ram() // 4)
+        num_blocks = budget // self.kv_bytes_per_block()
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache budget of {budget} bytes holds no block of "
+                              f"{self.kv_bytes_per_block()} bytes", param="kv_cache_memory")
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """What is left of gpu_memory_utilization after weights and a profiled peak of activations."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.gpu_memory_utilization) - peak - used_by_others
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward pass of max_num_batched_tokens prompt tokens without a cache, to find peak memory."""
+        num_tokens = self.config.resolved_max_num_batched_tokens(self.device.type)
+        num_tokens = min(num_tokens, self.max_model_len)
+        scratch = torch.zeros((self.arch.num_layers, 2, 1 + num_tokens // self.block_size, self.block_size,
+                               self.arch.num_kv_heads // self.model.tp.size, self.arch.head_dim),
+                              dtype=self.dtype, device=self.device)  # [L, 2, n, bs, kvh, D]
+        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.arch.num_layers)]
+        positions = torch.arange(num_tokens, device=self.device)  # [T]
+        blocks = torch.arange(scratch.shape[2], dtype=torch.int32, device=self.device)[None, :]  # [1, n]
+        meta = AttentionMetadata(
+            slot_mapping=positions, block_tables=blocks,
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens_host=[num_tokens], query_lens_host=[num_tokens], max_query_len=num_tokens,
+            max_seq_len=num_tokens)
+        hidden = self.model(torch.zeros_like(positions), positions, caches, meta)
+        self.model.compute_logits(hidden[-min(self.config.max_num_seqs, num_tokens):])
+        del scratch, caches, hidden
+
+    # ---------------------------------------------------------------- one step
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.state.apply(plan)
+        if not plan.req_ids:
+            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+        batch = self._prepare(plan)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, H]
+        state = self.state
+        state.num_computed[batch.rows] = batch.seq_lens
+        if len(batch.sampled) == 0:
+            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, V] fp32
+        sampled_rows = batch.rows[batch.sampled]  # [S]
+        metadata = self._sampling_metadata(sampled_rows, logits.shape[1])
+        output = self.sampler(logits, metadata)
+        token_ids = output.token_ids.tolist()  # the step's one host sync
+        state.token_ids[sampled_rows, state.num_tokens[sampled_rows]] = token_ids
+        state.num_tokens[sampled_rows] += 1
+        req_ids = [plan.req_ids[i] for i in batch.sampled.tolist()]
+        if output.logprobs is None:
+            return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids)
+        return self._with_logprobs(plan.step_id, req_ids, token_ids, sampled_rows, output)
+
+    def _prepare(self, plan: StepPlan) -> StepBatch:
+        state, size = self.state, self.block_size
+        rows = state.rows_for(plan.req_ids)  # [B]
+        counts = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)  # [B]
+        starts = state.num_computed[rows]  # [B]
+        seq_lens = starts + counts  # [B]
+        assert (seq_lens <= state.num_tokens[rows]).all(), "plan schedules tokens the worker does not have"
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)  # [B + 1]
+        np.cumsum(counts, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        token_rows = np.repeat(rows, counts)  # [T]
+        positions = np.repeat(starts - query_start[:-1], counts) + np.arange(num_tokens)  # [T]
+        input_ids = state.token_ids[token_rows, positions].astype(np.int64)  # [T]
+        slots = state.block_table[token_rows, positions // size].astype(np.int64) * size + positions % size  # [T]
+        max_seq_len = int(seq_lens.max())
+        block_tables = state.block_table[rows, :-(-max_seq_len // size)]  # [B, max_blocks]
+        sampled = np.flatnonzero(seq_lens == state.num_tokens[rows])  # [S]
+        to = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to(slots), block_tables=to(block_tables), seq_lens=to(seq_lens.astype(np.int32)),
+            query_start_loc=to(query_start.astype(np.int32)), seq_lens_host=seq_lens.tolist(),
+            query_lens_host=plan.num_scheduled_tokens, max_query_len=int(counts.max()), max_seq_len=max_seq_len)
+        return StepBatch(input_ids=to(input_ids), positions=to(positions), meta=meta, rows=rows,
+                         seq_lens=seq_lens, sampled=sampled, logits_indices=to(query_start[1:][sampled] - 1))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+        """Gather the sampled rows' settings; optional parts only when some row uses them."""
+        state, to = self.state, self._to_device
+        temperature = state.temperature[rows]
+        num_output = state.num_tokens[rows] - state.num_prompt_tokens[rows]  # [S]
+        metadata = SamplingMetadata(temperature=to(temperature), seeds=to(state.seed[rows]), offsets=to(num_output),
+                                    all_greedy=bool((temperature == 0.0).all()))
+        if (state.top_k[rows] > 0).any():
+            metadata.top_k = to(state.top_k[rows])
+        if (state.top_p[rows] < 1.0).any():
+            metadata.top_p = to(state.top_p[rows])
+        if (state.min_p[rows] > 0.0).any():
+            metadata.min_p = to(state.min_p[rows])
+        presence, frequency = state.presence_penalty[rows], state.frequency_penalty[rows]
+        repetition = state.repetition_penalty[rows]
+        if (presence != 0).any() or (frequency != 0).any() or (repetition != 1).any():
+            metadata.presence_penalty, metadata.frequency_penalty = to(presence), to(frequency)
+            metadata.repetition_penalty = to(repetition)
+            metadata.prompt_token_ids, metadata.output_token_ids = self._penalty_tokens(rows, vocab_size)
+        short = np.flatnonzero(num_output < state.min_tokens[rows])
+        if len(short):
+            metadata.banned_token_ids = to(self._banned(rows, short, vocab_size))
+        num_logprobs = state.num_logprobs[rows]
+        if (num_logprobs >= 0).any():
+            metadata.max_num_logprobs = int(num_logprobs.max())
+        return metadata
+
+    def _penalty_tokens(self, rows: np.ndarray, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt [S, P] and output [S, O] token ids, padded with vocab_size."""
+        state = self.state
+        num_prompt, num_tokens = state.num_prompt_tokens[rows], state.num_tokens[rows]
+        max_prompt = int(num_prompt.max())
+        prompt = state.token_ids[rows, :max_prompt].astype(np.int64)  # [S, P]
+        prompt[np.arange(max_prompt)[None, :] >= num_prompt[:, None]] = vocab_size
+        max_output = max(int((num_tokens - num_prompt).max()), 1)
+        index = num_prompt[:, None] + np.arange(max_output)[None, :]  # [S, O]
+        output = state.token_ids[rows[:, None], np.minimum(index, self.max_model_len - 1)].astype(np.int64)
+        output[index >= num_tokens[:, None]] = vocab_size
+        return self._to_device(prompt), self._to_device(output)
+
+    def _banned(self, rows: np.ndarray, short: np.ndarray, vocab_size: int) -> np.ndarray:
+        short_set = set(short.tolist())
+        lists = [self.state.banned_while_short[row] if i in short_set else [] for i, row in enumerate(rows.tolist())]
+        width = max(1, max(len(ids) for ids in lists))
+        banned = np.full((len(rows), width), vocab_size, dtype=np.int64)  # [S, K]
+        for i, ids in enumerate(lists):
+            banned[i, :len(ids)] = ids
+        return banned
+
+    def _with_logprobs(self, step_id: int, req_ids: list[int], token_ids: list[int], rows: np.ndarray,
+                       output: SamplerOutput) -> StepResult:
+        assert output.logprobs is not None and output.top_token_ids is not None and output.top_logprobs is not None
+        wanted = self.state.num_logprobs[rows].tolist()
+        sampled = output.logprobs.tolist()
+        top_ids = output.top_token_ids.tolist()
+        top_logprobs = output.top_logprobs.tolist()
+        return StepResult(
+            step_id=step_id, req_ids=req_ids, sampled_token_ids=token_ids, sampled_logprobs=sampled,
+            top_token_ids=[ids[:max(k, 0)] for ids, k in zip(top_ids, wanted, strict=True)],
+            top_logprobs=[lps[:max(k, 0)] for lps, k in zip(top_logprobs, wanted, strict=True)])
+
+
+def _available_ram() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30

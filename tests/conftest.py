@@ -1,0 +1,44 @@
+"""Test setup: Triton's interpreter where there is no GPU, a `gpu` marker, and the SmolLM2 model folder."""
+
+import os
+
+# Before torch: ask CUDA through NVML, so checking for a GPU here does not initialize CUDA in this
+# process (a process forked after CUDA init cannot use CUDA).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import torch  # noqa: E402  (importing torch does not import triton)
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must happen before any module defines a @triton.jit kernel; TRITON_INTERPRET=0 opts out.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked gpu when no CUDA device is present."""
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder: $PAGODA_TEST_MODEL_DIR, else models/ (made if missing)."""
+    from pagoda.prepare import is_prepared, prepare_model
+
+    env_dir = os.environ.get("PAGODA_TEST_MODEL_DIR")
+    if env_dir:
+        path = Path(env_dir)
+        if not is_prepared(path):
+            pytest.fail(f"PAGODA_TEST_MODEL_DIR={env_dir} is not a finished model folder")
+        return path
+    return prepare_model("smollm2", REPO_ROOT / "models")

@@ -1,0 +1,293 @@
+"""Tokenizer, incremental detokenizer and stop strings: streamed text must equal the whole decode."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pagoda.services.tokenizer.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
+from pagoda.services.tokenizer.stop import StopChecker
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = Path(os.environ.get("PAGODA_TEST_MODEL_DIR") or REPO_ROOT / "models/smollm2-135m-instruct")
+MULTIBYTE_TEXT = "héllo 世界 🎉 naïve"
+CORPUS = ["hello world", "héllo naïve café", "世界 你好 世界", "🎉 party 🎉", "the quick brown fox",
+          "jumps over the lazy dog", "ünïcödé téxt", "日本語のテキスト"]
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    if not (MODEL_DIR / "tokenizer.json").is_file() and not (MODEL_DIR / "tokenizer_config.json").is_file():
+        pytest.skip(f"no tokenizer at {MODEL_DIR} (set PAGODA_TEST_MODEL_DIR)")
+    return Tokenizer(MODEL_DIR)
+
+
+def _save(rust: RustTokenizer, folder: Path, **special: str) -> Tokenizer:
+    PreTrainedTokenizerFast(tokenizer_object=rust, **special).save_pretrained(str(folder))
+    return Tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_bytelevel(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """GPT-2 style byte-level BPE: every byte is a token, so any id sequence is some byte string."""
+    rust = RustTokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return _save(rust, tmp_path_factory.mktemp("bytelevel"), eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def tiny_byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """Llama 2 style: Metaspace words, characters missing from the vocab spelled as <0xXX> tokens."""
+    folder = tmp_path_factory.mktemp("bytefallback")
+    trained = RustTokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=list("abcdefghijklmnopqrstuvwxyz▁"), limit_alphabet=27))
+    vocab_file, merges_file = trained.model.save(str(folder))
+    vocab = json.loads(Path(vocab_file).read_text())
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    Path(vocab_file).write_text(json.dumps(vocab))
+    rust = RustTokenizer(models.BPE.from_file(vocab_file, merges_file, byte_fallback=True, unk_token="<unk>"))
+    rust.add_special_tokens(["<unk>", "<s>", "</s>"])
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    return _save(rust, folder / "hf", eos_token="</s>", unk_token="<unk>", bos_token="<s>")
+
+
+def _stream(tok: Tokenizer, prompt_ids: list[int], output_ids: list[int], skip: bool,
+            rng: random.Random | None = None) -> list[str]:
+    """Deltas for output_ids pushed one at a time (or in random chunks), checking each against decode."""
+    full = tok.decode(output_ids, skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    deltas: list[str] = []
+    i = 0
+    while i < len(output_ids):
+        size = rng.randint(1, 4) if rng else 1
+        deltas.append(detok.push(output_ids[i:i + size]))
+        i += size
+        # Every prefix of the stream is a prefix of the whole decode: no U+FFFD it does not have.
+        assert full.startswith("".join(deltas)), (output_ids[:i], deltas, full)
+    deltas.append(detok.flush())
+    assert "".join(deltas) == full, (prompt_ids, output_ids, deltas, full)
+    return deltas
+
+
+def _random_sequences(tok: Tokenizer, pool: list[int], num: int,
+                      seed: int) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        prompt = [rng.choice(pool) for _ in range(rng.randint(0, 8))]
+        output = [rng.choice(pool) if rng.random() < 0.8 else rng.randrange(tok.vocab_size)
+                  for _ in range(rng.randint(1, MAX_HELD_TOKENS - 2))]
+        out.append((prompt, output))
+    return out
+
+
+# ---- detokenizer ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_real_tokenizer_random_ids(smol: Tokenizer, skip: bool) -> None:
+    # Byte tokens of multi-byte characters, emoji split over byte tokens, and the special tokens.
+    pool = smol.encode(MULTIBYTE_TEXT + " 👍🏽👨‍👩‍👧 ∑ 𝔘 ☃ 日本語", add_special_tokens=False)
+    pool += smol.all_special_ids
+    rng = random.Random(1)
+    for prompt, output in _random_sequences(smol, pool, 300, seed=int(skip)):
+        _stream(smol, prompt, output, skip)
+        _stream(smol, prompt, output, skip, rng)
+
+
+def test_real_tokenizer_text_round_trip(smol: Tokenizer) -> None:
+    chat = smol.apply_chat_template([{"role": "user", "content": "hi"}])
+    for text in [MULTIBYTE_TEXT, " leading space", "a\n\nb  c", "🎉🎉🎉", "x" * 50 + " 世界"]:
+        ids = smol.encode(text, add_special_tokens=False)
+        for prompt in ([], chat, smol.encode("Say:", add_special_tokens=False)):
+            deltas = _stream(smol, prompt, ids + [smol.eos_token_id], skip=True)
+            assert "".join(deltas) == text
+            assert all("\ufffd" not in d for d in deltas)
+    # An emoji is several byte tokens: nothing comes out until its last byte has.
+    ids = smol.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(smol, chat)
+    assert [detok.push([t]) for t in ids] == [""] * (len(ids) - 1) + ["🎉"]
+
+
+def test_decode_matches_transformers(smol: Tokenizer, tiny_byte_fallback: Tokenizer) -> None:
+    rng = random.Random(0)
+    for tok in (smol, tiny_byte_fallback):
+        for _ in range(50):
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 20))]
+            for skip in (True, False):
+                assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip,
+                                                               clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_tiny_bytelevel_random_ids(tiny_bytelevel: Tokenizer, skip: bool) -> None:
+    # Any id sequence, valid UTF-8 or not: byte-level decoding is lossy over the whole byte string.
+    pool = list(range(tiny_bytelevel.vocab_size))
+    rng = random.Random(2)
+    for prompt, output in _random_sequences(tiny_bytelevel, pool, 400, seed=3 + int(skip)):
+        _stream(tiny_bytelevel, prompt, output, skip)
+        _stream(tiny_bytelevel, prompt, output, skip, rng)
+
+
+def test_tiny_byte_fallback_text(tiny_byte_fallback: Tokenizer) -> None:
+    # Valid text only: ByteFallback turns a whole run of byte tokens into U+FFFDs if any byte in it is
+    # invalid, which no stream can know in advance.
+    tok = tiny_byte_fallback
+    assert "<0xE4>" in tok.hf.convert_ids_to_tokens(tok.encode("世", add_special_tokens=False))
+    rng = random.Random(5)
+    alphabet = "abcxyz ḫéï世界日本🎉👍🏽"
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        ids = tok.encode(text, add_special_tokens=False)
+        deltas = _stream(tok, [], ids, True, rng)
+        assert all("\ufffd" not in d for d in deltas)
+
+
+def test_first_token_keeps_its_space_after_a_prompt(tiny_byte_fallback: Tokenizer) -> None:
+    tok = tiny_byte_fallback
+    prompt = tok.encode("hello", add_special_tokens=False)
+    output = tok.encode("world", add_special_tokens=False)  # "▁world": a word that follows a space
+    assert tok.decode(output) == "world"  # decoded alone, the decoder strips the leading space
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert "".join(detok.push([t]) for t in output) + detok.flush() == " world"
+
+
+def test_garbage_run_is_bounded(tiny_bytelevel: Tokenizer) -> None:
+    # Lone continuation bytes never complete a character: held at most MAX_HELD_TOKENS tokens.
+    cont = tiny_bytelevel.hf.convert_tokens_to_ids(pre_tokenizers.ByteLevel.alphabet())
+    cont = [i for i in cont if tiny_bytelevel.decode([i]) == "\ufffd"][:4]
+    output = [cont[i % len(cont)] for i in range(5 * MAX_HELD_TOKENS)]
+    output += tiny_bytelevel.encode("ok", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tiny_bytelevel, [])
+    deltas = [detok.push([t]) for t in output]
+    assert sum(1 for d in deltas if d) >= 4
+    assert "".join(deltas) + detok.flush() == tiny_bytelevel.decode(output)
+
+
+# ---- tokenizer --------------------------------------------------------------------------------
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2? Answer in 中文."},
+    {"role": "assistant", "content": "四"},
+    {"role": "user", "content": [{"type": "text", "text": "And 3+3?"}]},
+]
+
+
+def test_chat_template_matches_transformers(smol: Tokenizer) -> None:
+    expected_conv = [*CONVERSATION[:3], {"role": "user", "content": "And 3+3?"}]
+    for gen in (True, False):
+        expected = smol.hf.apply_chat_template(expected_conv, add_generation_prompt=gen, tokenize=True,
+                                               return_dict=False)
+        assert smol.apply_chat_template(CONVERSATION, add_generation_prompt=gen) == list(expected)
+        assert smol.render_chat(CONVERSATION, add_generation_prompt=gen) == smol.hf.apply_chat_template(
+            expected_conv, add_generation_prompt=gen, tokenize=False)
+    assert smol.render_chat([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("messages", [
+    [], "hello", None, [{"content": "hi"}], [{"role": "", "content": "hi"}], [{"role": 3, "content": "hi"}],
+    [{"role": "user"}], [{"role": "user", "content": 5}], ["hi"],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "user", "content": [{"type": "text", "text": 1}]}],
+    [{"role": "user", "content": [{"type": "text"}]}],
+])
+def test_bad_messages(smol: Tokenizer, messages: object) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        smol.apply_chat_template(messages)  # type: ignore[arg-type]
+    assert info.value.param == "messages"
+
+
+def test_tokenizer_properties(smol: Tokenizer, tiny_bytelevel: Tokenizer, tmp_path: Path) -> None:
+    assert smol.eos_token_id == 2
+    assert smol.vocab_size == len(smol.hf) == 49152
+    assert 2 in smol.all_special_ids
+    assert smol.decode(smol.encode(MULTIBYTE_TEXT)) == MULTIBYTE_TEXT
+    assert smol.decode([2], skip_special_tokens=False) == "<|im_end|>"
+    assert smol.decode([2]) == ""
+    with pytest.raises(InvalidRequestError):  # a tokenizer with no chat template
+        tiny_bytelevel.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ModelNotFoundError):
+        Tokenizer(tmp_path)
+    with pytest.raises(ModelNotFoundError):
+        Tokenizer(tmp_path / "missing")
+
+
+# ---- stop strings -----------------------------------------------------------------------------
+
+
+def _reference_stop(full: str, stop: list[str], include: bool) -> tuple[str, bool]:
+    matches = [(i, i + len(s)) for s in stop if (i := full.find(s)) >= 0]
+    if not matches:
+        return full, False
+    start, end = min(matches)
+    return full[:end] if include else full[:start], True
+
+
+def _run_stop(deltas: list[str], stop: list[str], include: bool) -> tuple[str, bool]:
+    checker = StopChecker(stop, include)
+    out = []
+    for delta in deltas:
+        text, matched = checker.push(delta)
+        out.append(text)
+        if matched:
+            assert checker.matched_stop in stop
+            return "".join(out), True
+    out.append(checker.flush())
+    return "".join(out), checker.matched_stop is not None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_stop_checker_matches_reference(data: st.DataObject) -> None:
+    full = data.draw(st.text(alphabet="ab é🎉", max_size=30))
+    stop = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        if full and data.draw(st.booleans()):
+            i = data.draw(st.integers(0, len(full) - 1))
+            stop.append(full[i:data.draw(st.integers(i + 1, min(len(full), i + 6)))])
+        else:
+            stop.append(data.draw(st.text(alphabet="ab é🎉", min_size=1, max_size=5)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(full)), max_size=10)))
+    deltas = [full[a:b] for a, b in zip([0, *cuts], [*cuts, len(full)], strict=True)]
+    include = data.draw(st.booleans())
+    assert _run_stop(deltas, stop, include) == _reference_stop(full, stop, include)
+
+
+def test_stop_checker_cases() -> None:
+    # Spans many deltas; the held tail comes out when the match fails.
+    checker = StopChecker(["STOP"], False)
+    assert checker.push("abc S") == ("abc ", False)
+    assert checker.push("T") == ("", False)
+    assert checker.push("Ox") == ("STOx", False)
+    assert checker.push("yST") == ("y", False)
+    assert checker.push("OP more") == ("", True)
+    with pytest.raises(AssertionError):
+        checker.push("again")
+    # An earlier-starting, longer stop string beats a shorter one that completes first.
+    assert _run_stop(["xab", "c", "d"], ["abcd", "bc"], False) == ("x", True)
+    assert _run_stop(["xab", "c", "X"], ["abcd", "bc"], False) == ("xa", True)
+    assert _run_stop(["xab", "c"], ["abcd", "bc"], True) == ("xabc", True)  # flush finds the wait
+    assert _run_stop(["hello"], [], False) == ("hello", False)
+    assert _run_stop(["a<|", "end|>b"], ["<|end|>"], True) == ("a<|end|>", True)
