@@ -7,26 +7,33 @@ Scheduler.schedule() to ModelRunner.execute() and the result back to Scheduler.u
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.tokenizer.text_stream import TextStream
-from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.services.tokenizer.tokenizer import Tokenizer, has_tokenizer
 from pagoda.services.worker.model_config import SHAPES
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import FinishReason, SamplingParams, StepResult
 
+log = logging.getLogger(__name__)
+
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    """The model folder's tokenizer (or --tokenizer); None for a dummy shape given no tokenizer."""
-    path = config.tokenizer
-    if path is None and not (config.load_format == "dummy" and config.model in SHAPES):
-        path = config.model
-    return Tokenizer(path) if path is not None else None
+    """--tokenizer if given, else the model folder's own; None when there is none (prompts are then ids)."""
+    if config.tokenizer is not None:
+        return Tokenizer(config.tokenizer)
+    if config.load_format == "dummy" and config.model in SHAPES:
+        return None
+    if not has_tokenizer(config.model):
+        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", config.model)
+        return None
+    return Tokenizer(config.model)
 
 
 class LLMEngine:
@@ -131,6 +138,8 @@ class LLMEngine:
             self.scheduler.finish_sequence(seq.seq_id, reason)
         if reason is not None:
             text += stream.close()
+            if stream.stopped:  # a stop string completed in the text held back until now
+                reason = FinishReason.STOP
             del self._streams[seq.seq_id]
             completion.finish_reason = reason.openai_name
         completion.text += text

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 from pagoda.services.tokenizer.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
 from pagoda.services.tokenizer.stop import StopChecker
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
-from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("PAGODA_TEST_MODEL_DIR") or REPO_ROOT / "models/smollm2-135m-instruct")
@@ -204,6 +205,9 @@ def test_chat_template_matches_transformers(smol: Tokenizer) -> None:
         assert smol.render_chat(CONVERSATION, add_generation_prompt=gen) == smol.hf.apply_chat_template(
             expected_conv, add_generation_prompt=gen, tokenize=False)
     assert smol.render_chat([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+    with pytest.raises(InvalidRequestError) as info:
+        smol.render_chat(CONVERSATION, chat_template_kwargs={"tokenize": True})
+    assert info.value.param == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize("messages", [
@@ -219,13 +223,16 @@ def test_bad_messages(smol: Tokenizer, messages: object) -> None:
     assert info.value.param == "messages"
 
 
-def test_tokenizer_properties(smol: Tokenizer, tiny_bytelevel: Tokenizer, tmp_path: Path) -> None:
+def test_tokenizer_properties(smol: Tokenizer) -> None:
     assert smol.eos_token_id == 2
     assert smol.vocab_size == len(smol.hf) == 49152
     assert 2 in smol.all_special_ids
     assert smol.decode(smol.encode(MULTIBYTE_TEXT)) == MULTIBYTE_TEXT
     assert smol.decode([2], skip_special_tokens=False) == "<|im_end|>"
     assert smol.decode([2]) == ""
+
+
+def test_tokenizer_errors(tiny_bytelevel: Tokenizer, tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError):  # a tokenizer with no chat template
         tiny_bytelevel.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(ModelNotFoundError):

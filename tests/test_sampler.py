@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from pagoda.services.worker.sampler import (
     Sampler,
     SamplingMetadata,

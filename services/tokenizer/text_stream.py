@@ -33,6 +33,7 @@ class TextStream:
         delta = self._accept(self._detokenizer.flush())
         if not self.stopped and self._stop is not None:
             tail = self._stop.flush()
+            self.stopped = self._stop.matched_stop is not None
             self.text += tail
             delta += tail
         self._closed = True

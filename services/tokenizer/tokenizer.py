@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import tokenizers
-from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 
 # Any one of these marks a folder that holds a tokenizer (fast, sentencepiece, or GPT-2 style files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_HF_CHAT_ARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    folder = Path(path)
+    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 class Tokenizer:
@@ -20,7 +28,7 @@ class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         folder = Path(path)
         # Checked before transformers sees the name: a missing folder would otherwise be taken as a hub id.
-        if not folder.is_dir() or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if not has_tokenizer(folder):
             raise ModelNotFoundError(f"no tokenizer found in folder {str(folder)!r}")
         try:
             self._hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -74,6 +82,13 @@ class Tokenizer:
         conversation = validate_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
+        kwargs = chat_template_kwargs or {}
+        # Template variables only: a key naming one of transformers' own arguments would change how it
+        # renders or tokenizes (tokenize=True, chat_template=...), not what the template sees.
+        reserved = sorted(set(kwargs) & (_HF_CHAT_ARGS - {"kwargs"}))
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}",
+                                      param="chat_template_kwargs")
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("add_generation_prompt and continue_final_message exclude each other",
                                       param="messages")
@@ -81,7 +96,7 @@ class Tokenizer:
             text = self._hf.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=False,
-                **(chat_template_kwargs or {}))
+                **kwargs)
         except jinja2.TemplateError as exc:
             # Templates reject conversations themselves (raise_exception: roles must alternate, ...).
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}",

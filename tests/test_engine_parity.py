@@ -1,0 +1,202 @@
+"""The engine against Hugging Face transformers on the real SmolLM2 model and a tiny random Qwen3:
+greedy tokens equal (also under preemption and chunked prefill), logits equal, prefix reuse exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.shared.messages import StepPlan
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+PROMPT_LENGTHS = [5, 8, 13, 21, 34, 50, 64, 90, 120, 150, 190, 230, 270, 320, 360, 400]
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from wine making. Within fifty years "
+    "printing shops had spread to more than two hundred cities across Europe, and the price of books fell "
+    "sharply. Scholars could compare identical copies of a text for the first time, which changed how "
+    "knowledge was checked and shared. Meanwhile, in the kitchen, a good loaf of bread needs only flour, "
+    "water, salt and yeast, yet bakers argue endlessly about hydration, fermentation time and oven "
+    "temperature. A sourdough starter is a colony of wild yeast and lactic acid bacteria that gives the "
+    "bread its sour taste. Question: how many planets are in the solar system, and which one is largest? "
+    "Answer: there are eight planets, and Jupiter is the largest, more than twice as massive as all the "
+    "others combined. def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+    "fibonacci(n - 2)\n\nprint([fibonacci(i) for i in range(10)])\nThe output of this program is a list "
+    "of the first ten Fibonacci numbers. In 1969 Apollo 11 landed on the Moon; Neil Armstrong and Buzz "
+    "Aldrin walked on the surface while Michael Collins orbited above. Les fleurs du jardin sont belles au "
+    "printemps, et les enfants jouent dans le parc jusqu'au soir. Climate scientists measure the "
+    "concentration of carbon dioxide in the atmosphere at observatories such as Mauna Loa, where the "
+    "record began in 1958. The seasons follow from the tilt of the Earth's axis, not from its distance "
+    "to the Sun, which is a common misconception among students and adults alike. "
+)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_dir: Path):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    ids = tokenizer.encode(TEXT * 3)
+    assert len(ids) >= 300 + max(PROMPT_LENGTHS)
+    # Different starting points so the prompts are not prefixes of one another.
+    return [ids[(37 * i) % 300:(37 * i) % 300 + length] for i, length in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
+    """transformers' greedy continuation of each prompt, generated one prompt at a time."""
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=NEW_TOKENS, pad_token_id=2)
+            outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
+
+
+def _pagoda_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+def _record_plans(llm: LLM) -> list[StepPlan]:
+    """Spy on the plans the engine sends its runner."""
+    plans: list[StepPlan] = []
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def recording(plan: StepPlan):  # noqa: ANN202
+        plans.append(plan)
+        return execute(plan)
+
+    runner.execute = recording  # type: ignore[method-assign]
+    return plans
+
+
+def test_greedy_matches_transformers_batched(smollm2_dir: Path, prompts, hf_greedy) -> None:  # noqa: ANN001
+    llm = LLM(str(smollm2_dir))
+    plans = _record_plans(llm)
+    assert _pagoda_greedy(llm, prompts) == hf_greedy
+    assert max(len(plan.req_ids) for plan in plans) == len(prompts), "the prompts never ran together"
+
+
+def test_greedy_matches_transformers_under_preemption(smollm2_dir: Path, prompts, hf_greedy) -> None:  # noqa: ANN001
+    # 40 blocks x 16 tokens hold the longest sequence (464 tokens) but not all 16 at once.
+    llm = LLM(str(smollm2_dir), num_kv_blocks=40)
+    assert _pagoda_greedy(llm, prompts) == hf_greedy
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    llm.engine.scheduler.blocks.check_integrity([])
+
+
+def test_greedy_matches_transformers_with_every_prompt_chunked(smollm2_dir: Path, prompts,  # noqa: ANN001
+                                                               hf_greedy) -> None:  # noqa: ANN001
+    budget = min(PROMPT_LENGTHS) - 1
+    llm = LLM(str(smollm2_dir), max_num_batched_tokens=budget, enable_prefix_caching=False)
+    plans = _record_plans(llm)
+    assert _pagoda_greedy(llm, prompts) == hf_greedy
+    assert all(sum(plan.num_scheduled_tokens) <= budget for plan in plans)
+    first_chunks = [new.req_id for plan in plans for new in plan.new_requests]
+    assert len(first_chunks) == len(prompts)
+
+
+def _spy_logits(llm: LLM) -> list[torch.Tensor]:
+    """Capture the logits the runner hands its sampler."""
+    captured: list[torch.Tensor] = []
+    sampler = llm.engine.runner.sampler
+
+    def spying(logits: torch.Tensor, metadata):  # noqa: ANN001, ANN202
+        captured.append(logits.clone())
+        return sampler(logits, metadata)
+
+    llm.engine.runner.sampler = spying  # type: ignore[assignment]
+    return captured
+
+
+def _hf_last_logits(model, prompt: list[int]) -> torch.Tensor:  # noqa: ANN001
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0, -1].float()
+
+
+def test_logits_match_transformers_smollm2(smollm2_dir: Path, hf_model, prompts) -> None:  # noqa: ANN001
+    # A small budget makes the longer prompts arrive in chunks over several steps.
+    llm = LLM(str(smollm2_dir), max_num_batched_tokens=96)
+    captured = _spy_logits(llm)
+    chosen = [prompts[0], prompts[6], prompts[11], prompts[15]]
+    llm.generate(chosen, SamplingParams(temperature=0.0, max_tokens=1))
+    ours = torch.cat(captured)  # rows in the order the prompts finished prefill
+    for prompt in chosen:
+        expected = _hf_last_logits(hf_model, prompt)
+        diffs = (ours - expected).abs().amax(dim=-1)
+        assert diffs.min().item() <= 1e-3, f"no pagoda row matches prompt of {len(prompt)} tokens"
+
+
+def _tiny_qwen3(tmp_path: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, eos_token_id=2)
+    model = Qwen3ForCausalLM(config).float()
+    with torch.no_grad():  # HF initialises norms to 1: perturb them so q/k norm weights matter
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_logits_match_transformers_tiny_qwen3(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = _tiny_qwen3(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert not hf.config.tie_word_embeddings
+    generator = torch.Generator().manual_seed(1)
+    chosen = [torch.randint(3, 320, (length,), generator=generator).tolist() for length in (7, 33, 70, 129)]
+    llm = LLM(str(folder), max_num_batched_tokens=64, num_kv_blocks=64)
+    captured = _spy_logits(llm)
+    outputs = llm.generate(chosen, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    ours = torch.cat(captured)
+    for prompt, output in zip(chosen, outputs, strict=True):
+        # the prefill logits, then each decode step's, against transformers on the growing sequence
+        sequence = prompt + output.outputs[0].token_ids
+        for end in range(len(prompt), len(sequence)):
+            expected = _hf_last_logits(hf, sequence[:end])
+            assert (ours - expected).abs().amax(dim=-1).min().item() <= 1e-3
+
+
+def test_prefix_cache_recomputes_only_the_tail(smollm2_dir: Path, prompts) -> None:  # noqa: ANN001
+    llm = LLM(str(smollm2_dir))
+    shared = (prompts[15] * 2)[:256]
+    first = shared + prompts[3][:20]
+    second = shared + prompts[5][:30]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    llm.generate([first], params)
+    plans = _record_plans(llm)
+    [cached_output] = llm.generate([second], params)
+    seq_id = plans[0].new_requests[0].req_id
+    computed = sum(count for plan in plans for req, count in zip(plan.req_ids, plan.num_scheduled_tokens,
+                                                                  strict=True) if req == seq_id)
+    num_outputs = len(cached_output.outputs[0].token_ids)
+    # the 30-token tail, then one decode step per generated token after the first
+    assert computed == len(second) - 256 + num_outputs - 1
+    assert plans[0].new_requests[0].num_computed_tokens == 256
+    assert cached_output.num_cached_tokens == 256
+    fresh = LLM(str(smollm2_dir), enable_prefix_caching=False)
+    [uncached_output] = fresh.generate([second], params)
+    assert cached_output.outputs[0].token_ids == uncached_output.outputs[0].token_ids
