@@ -46,10 +46,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset) of the caches
     [num_blocks, block_size, kv_heads, head_dim]. Slot -1 means padding: skipped."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    valid = slot_mapping >= 0  # [T]
-    slots = slot_mapping[valid]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+    if bool((slot_mapping < 0).any()):
+        valid = slot_mapping >= 0  # [T]
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(num_slots, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -68,8 +69,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     its seq_lens[b] tokens, whose K/V are already in the caches. Returns [T, heads, head_dim].
     Single-token queries (decode) run as one batch; longer chunks run one sequence at a time.
     """
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)  # [T, heads, head_dim]
     starts = [0]
     for query_len in query_lens:
@@ -84,12 +83,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = gather_kv(k_cache, block_tables[b], seq_len).transpose(0, 1)  # [kv_heads, L, head_dim]
         v = gather_kv(v_cache, block_tables[b], seq_len).transpose(0, 1)
         q_b = q[start:start + query_len].transpose(0, 1)  # [heads, query_len, head_dim]
-        key_pos = torch.arange(seq_len, device=q.device)  # [L]
-        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
-        mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, L]
-        attn = F.scaled_dot_product_attention(q_b, k.to(q.dtype).repeat_interleave(group, 0),
-                                              v.to(q.dtype).repeat_interleave(group, 0),
-                                              attn_mask=mask, scale=scale)  # [heads, query_len, head_dim]
+        if query_len == seq_len:  # no cached prefix: plain causal
+            mask, causal = None, True
+        else:
+            key_pos = torch.arange(seq_len, device=q.device)  # [L]
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
+            mask, causal = key_pos[None, :] <= query_pos[:, None], False  # [query_len, L]
+        attn = F.scaled_dot_product_attention(q_b, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)  # [heads, query_len, head_dim]
         out[start:start + query_len] = attn.transpose(0, 1)
     return out
 
@@ -100,7 +101,6 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """All single-query sequences at once: gather their blocks, mask past each length."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
     device = q.device
     rows_t = torch.tensor(rows, device=device)
     token_index = torch.tensor([starts[b] for b in rows], device=device)  # [B]
@@ -110,10 +110,9 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch = len(rows)
     k = k_cache[tables].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)  # [B, L, kvh, D]
     v = v_cache[tables].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    q_b = q[token_index].reshape(batch, num_kv_heads, group, head_dim)  # [B, kvh, G, D]
-    scores = torch.einsum("bhgd,blhd->bhgl", q_b.float(), k.float()) * scale  # [B, kvh, G, L]
+    q_b = q[token_index].reshape(batch, num_heads, 1, head_dim)  # [B, heads, 1, D]
     valid = torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None]  # [B, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)  # [B, kvh, G, L]
-    attn = torch.einsum("bhgl,blhd->bhgd", probs, v.float())  # [B, kvh, G, D]
-    out[token_index] = attn.reshape(batch, num_heads, head_dim).to(out.dtype)
+    attn = F.scaled_dot_product_attention(q_b, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                          attn_mask=valid[:, None, None, :], scale=scale,
+                                          enable_gqa=True)  # [B, heads, 1, D]
+    out[token_index] = attn.reshape(batch, num_heads, head_dim)

@@ -280,6 +280,8 @@ class Scheduler:
                 continue
             count = self._admit_one(seq, budget)
             if count == 0:
+                if not self.running and self._release_waiting_blocks(seq):
+                    continue  # forked siblings waiting behind it held the blocks it needs
                 break  # the head of the queue does not fit: FCFS, nothing overtakes it
             heapq.heappop(self.waiting)
             bisect.insort(self.running, seq, key=_rank)
@@ -291,6 +293,20 @@ class Scheduler:
                 block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
                 sampling=seq.request.sampling, seed=seq.seed))
         return budget
+
+    def _release_waiting_blocks(self, head: Sequence) -> bool:
+        """Nothing runs and the head does not fit: waiting sequences behind it drop their forked blocks.
+
+        Otherwise no step could ever free a block (preemption only takes running sequences). Their
+        prompt blocks stay in the prefix cache, so admission finds them again.
+        """
+        released = False
+        for _, seq in self.waiting:
+            if seq is not head and seq.table.block_ids and not seq.is_finished:
+                self.blocks.free(seq.table)
+                seq.num_computed_tokens = 0
+                released = True
+        return released
 
     def _admit_one(self, seq: Sequence, budget: int) -> int:
         """Reuse cached prefix blocks, then take blocks for a first chunk; 0 if it does not fit now."""

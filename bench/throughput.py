@@ -1,0 +1,139 @@
+"""Offline throughput: pagoda's engine against the Hugging Face peers, same model, weights and workload.
+
+Every system runs in its own process, one after the other, so none inherits another's GPU memory;
+this process only orchestrates and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pagoda.bench.workload import Workload
+
+
+def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any]) -> dict[str, Any]:
+    from pagoda import LLM, SamplingParams
+
+    load_start = time.perf_counter()
+    llm = LLM(model, load_format=load_format, **engine_args)
+    load_s = time.perf_counter() - load_start
+    runner = llm.engine.runner
+    prompts = workload.prompts(runner.arch.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    steps_before = llm.engine.scheduler.stats.num_steps
+    _sync(runner.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    _sync(runner.device)
+    elapsed = time.perf_counter() - start
+    token_lists = [o.outputs[0].token_ids for o in outputs]
+    num_output = sum(len(t) for t in token_lists)
+    return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_output,
+            "output_tok_per_s": num_output / elapsed, "load_s": load_s,
+            "num_steps": llm.engine.scheduler.stats.num_steps - steps_before,
+            "num_preemptions": llm.engine.scheduler.stats.num_preemptions, "num_kv_blocks": runner.num_blocks,
+            "device": str(runner.device), "dtype": str(runner.dtype),
+            "first_outputs": [t[:32] for t in token_lists[:4]]}
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """Run a single system in this process (the child side)."""
+    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.input_len_jitter, args.seed)
+    if args.system == "pagoda":
+        engine_args = {"seed": args.seed, "dtype": args.dtype, "device": args.device}
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager"):
+            value = getattr(args, name)
+            if value not in (None, False):
+                engine_args[name] = value
+        return run_pagoda(args.model, args.load_format, workload, engine_args)
+    from pagoda.bench.hf_peer import run_peer
+    from pagoda.shared.config import EngineConfig
+
+    config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device)
+    device = config.resolved_device()
+    return run_peer(args.system, args.model, args.load_format, workload, config.resolved_dtype(device), device,
+                    args.seed)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="models/smollm2-135m-instruct", help="model folder or dummy shape")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--input-len-jitter", type=float, default=0.1)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--peer", action="append", default=[], choices=("hf-static", "hf-compiled", "hf-cb"),
+                        help="also run this Hugging Face peer (repeatable)")
+    parser.add_argument("--out", default=None, help="write the results here as JSON")
+    parser.add_argument("--system", default=None, help=argparse.SUPPRESS)  # child mode
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.system:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return 0
+    results = [_run_child(args, system) for system in ["pagoda", *args.peer]]
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "load_format": args.load_format,
+              "workload": Workload(args.num_prompts, args.input_len, args.output_len, args.input_len_jitter,
+                                   args.seed).to_dict(), "results": results}
+    _print_table(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+_FORWARDED = ("model", "load_format", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed", "dtype",
+              "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager")
+
+
+def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "pagoda.bench", "throughput", "--system", system]
+    for key in _FORWARDED:
+        value = getattr(args, key)
+        if value in (None, False):
+            continue
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout)[-2000:]
+    print(f"{system} failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
+    return {"system": system, "error": tail}
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    results = report["results"]
+    base = next((r for r in results if r["system"] == "pagoda" and "error" not in r), None)
+    print(f"\nmodel {report['model']}  workload {report['workload']}")
+    print(f"{'system':<14}{'out tok/s':>12}{'elapsed s':>12}{'pagoda x':>10}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['system']:<14}{'failed':>12}")
+            continue
+        ratio = base["output_tok_per_s"] / r["output_tok_per_s"] if base else float("nan")
+        print(f"{r['system']:<14}{r['output_tok_per_s']:>12.1f}{r['elapsed_s']:>12.2f}{ratio:>10.2f}")

@@ -1,0 +1,181 @@
+"""The offline LLM API: bad input raises typed errors naming the parameter and leaves the engine usable;
+n > 1, logprobs, stop strings, seeds and chat behave as documented."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from pagoda import LLM, ContextLengthError, InvalidRequestError, ModelNotFoundError, SamplingParams
+from pagoda.shared.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir: Path) -> LLM:
+    return LLM(str(smollm2_dir), max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def reference_text(llm: LLM) -> str:
+    return llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0].text
+
+
+def _assert_still_serves(llm: LLM, reference_text: str) -> None:
+    assert llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0].text == reference_text
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.scheduler.blocks.num_blocks
+
+
+@pytest.mark.parametrize(("prompt", "params", "param_name", "error"), [
+    ("", GREEDY, "prompt", InvalidRequestError),
+    ([], GREEDY, "prompt", InvalidRequestError),
+    ("word " * 600, GREEDY, "prompt", ContextLengthError),
+    ("hello", SamplingParams(max_tokens=600), "max_tokens", ContextLengthError),
+    ("hello", SamplingParams(max_tokens=0), "max_tokens", InvalidRequestError),
+    ("hello", SamplingParams(max_tokens=-3), "max_tokens", InvalidRequestError),
+    ("hello", SamplingParams(top_p=0.0), "top_p", InvalidRequestError),
+    ("hello", SamplingParams(top_p=1.5), "top_p", InvalidRequestError),
+    ("hello", SamplingParams(temperature=-1.0), "temperature", InvalidRequestError),
+    ("hello", SamplingParams(temperature=math.nan), "temperature", InvalidRequestError),
+    ("hello", SamplingParams(top_k=-5), "top_k", InvalidRequestError),
+    ("hello", SamplingParams(min_p=2.0), "min_p", InvalidRequestError),
+    ("hello", SamplingParams(n=0), "n", InvalidRequestError),
+    ("hello", SamplingParams(logprobs=99), "logprobs", InvalidRequestError),
+    ("hello", SamplingParams(stop=[""]), "stop", InvalidRequestError),
+    ("hello", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids", InvalidRequestError),
+    ([1, 2, 10**9], GREEDY, "prompt", InvalidRequestError),
+    ([1, -4], GREEDY, "prompt", InvalidRequestError),
+])
+def test_bad_input_raises_typed_error_and_engine_survives(llm: LLM, reference_text: str, prompt: object,
+                                                          params: SamplingParams, param_name: str,
+                                                          error: type[Exception]) -> None:
+    with pytest.raises(error) as caught:
+        llm.generate([prompt], params)  # type: ignore[list-item]
+    assert caught.value.param == param_name  # type: ignore[attr-defined]
+    assert param_name in str(caught.value) or caught.value.param == param_name  # type: ignore[attr-defined]
+    _assert_still_serves(llm, reference_text)
+
+
+def test_a_bad_prompt_in_a_batch_queues_none_of_it(llm: LLM, reference_text: str) -> None:
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", "also fine", ""], GREEDY)
+    _assert_still_serves(llm, reference_text)
+
+
+def test_unknown_model_path_names_the_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as caught:
+        LLM(str(tmp_path / "no-such-model"))
+    assert caught.value.param == "model"
+    with pytest.raises(ModelNotFoundError):
+        LLM("no-such-shape", load_format="dummy")
+    with pytest.raises(ConfigError) as config_error:
+        LLM("tiny", no_such_argument=1)
+    assert config_error.value.param == "no_such_argument"
+
+
+def test_n_completions_share_the_prompt_and_differ(llm: LLM) -> None:
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    [output] = llm.generate(["Once upon a time"], params)
+    assert [c.index for c in output.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in output.outputs)
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    [again] = llm.generate(["Once upon a time"], params)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
+
+
+def test_greedy_n_gives_identical_completions(llm: LLM) -> None:
+    [output] = llm.generate(["Once upon a time"], SamplingParams(n=3, temperature=0.0, max_tokens=10))
+    assert len({tuple(c.token_ids) for c in output.outputs}) == 1
+
+
+def test_seeded_request_is_reproducible_whatever_its_companions(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["My favourite food is"], seeded)[0].outputs[0].token_ids
+    noisy = SamplingParams(temperature=1.2, max_tokens=20, ignore_eos=True)
+    mixed = llm.generate(["Tell me a joke", "My favourite food is", "Why is the sky blue?"],
+                         [noisy, seeded, noisy])
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_logprobs_are_consistent(llm: LLM) -> None:
+    [output] = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3))
+    completion = output.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+    total = 0.0
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token_id in entry and len(entry) in (3, 4)
+        assert entry[token_id] == max(entry.values())  # greedy picks the most likely token
+        assert all(value <= 0.0 for value in entry.values())
+        total += entry[token_id]
+    assert completion.cumulative_logprob == pytest.approx(total)
+
+
+def test_stop_string_cuts_the_text_and_ends_the_sequence(llm: LLM) -> None:
+    base = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    text = base.outputs[0].text
+    stop = text[len(text) // 3:len(text) // 3 + 3]
+    assert stop.strip(), "the greedy text is too short to pick a stop string from"
+    cut = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))[0]
+    assert cut.outputs[0].text == text[:text.index(stop)]
+    assert cut.outputs[0].finish_reason == "stop"
+    assert len(cut.outputs[0].token_ids) < len(base.outputs[0].token_ids)
+    kept = llm.generate(["Count: one, two, three,"], SamplingParams(
+        temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].text == text[:text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    base = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
+    stop_id = base.token_ids[3]
+    stopped = llm.generate(["Count: one, two, three,"], SamplingParams(
+        temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert stopped.token_ids == base.token_ids[:base.token_ids.index(stop_id) + 1]
+    assert stopped.finish_reason == "stop"
+    held = llm.generate(["Count: one, two, three,"], SamplingParams(
+        temperature=0.0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=10))[0].outputs[0]
+    assert stop_id not in held.token_ids[:10]
+    assert len(held.token_ids) >= 10
+
+
+def test_chat_applies_the_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    [output] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=24))
+    tokenizer = llm.get_tokenizer()
+    assert output.prompt_token_ids == tokenizer.apply_chat_template(messages)
+    assert "Paris" in output.outputs[0].text
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.chat([{"role": "user"}], GREEDY)
+    assert caught.value.param == "messages"
+
+
+def test_streaming_deltas_concatenate_to_the_text(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    deltas = list(llm.stream("Write a haiku about autumn:", params))
+    full = llm.generate(["Write a haiku about autumn:"], params)[0].outputs[0]
+    assert "".join(d.text for d in deltas) == full.text
+    assert deltas[-1].finish_reason == full.finish_reason
+
+
+def test_priority_runs_first_when_only_one_fits(smollm2_dir: Path) -> None:
+    llm = LLM(str(smollm2_dir), max_num_seqs=1)
+    plans = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]  # type: ignore[method-assign]
+    llm.generate(["low", "high"], SamplingParams(temperature=0.0, max_tokens=2), priority=[5, 0])
+    order = [new.req_id for plan in plans for new in plan.new_requests]
+    assert order == [1, 0], "the priority-0 request (seq 1) must be admitted first"
+
+
+def test_dummy_shape_runs_on_token_ids() -> None:
+    llm = LLM("tiny", seed=3)
+    [output] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert len(output.outputs[0].token_ids) == 5 and output.outputs[0].text == ""
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.generate(["text needs a tokenizer"], GREEDY)
+    assert caught.value.param == "prompt"

@@ -1,0 +1,613 @@
+"""Scheduler policy driven with plain objects and a fake worker that rebuilds its state from the plan diff alone.
+
+The fake worker keeps, per request id, exactly what the real worker keeps (tokens, computed count, block
+ids), learned only from StepPlan fields; after every step the test compares that mirror with the
+scheduler's own sequences, so a diff that forgot something fails here. Its sampled token depends only on
+(sequence id, output index), so a run's outputs do not depend on batching, chunking or preemption.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqStatus, SeqUpdate
+from pagoda.shared.errors import ContextLengthError, InvalidRequestError
+from pagoda.shared.messages import FinishReason, SamplingParams, StepPlan, StepResult
+
+EOS = 1
+VOCAB_SIZE = 1000
+TokenFn = Callable[[int, int], int]
+
+
+def default_token(seq_id: int, output_index: int) -> int:
+    return (seq_id * 7 + output_index) % 50 + 10  # in [10, 60): never EOS, never a prompt-only id
+
+
+def make_scheduler(**overrides: object) -> Scheduler:
+    config: dict[str, object] = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
+                                     max_model_len=2048, vocab_size=VOCAB_SIZE, eos_token_ids=(EOS,))
+    config.update(overrides)
+    return Scheduler(**config)  # type: ignore[arg-type]
+
+
+def make_request(req_id: str, prompt: list[int] | int, max_tokens: int | None = 8, *, priority: int = 0,
+                 arrival_time: float = 0.0, **params: object) -> Request:
+    prompt_ids = prompt if isinstance(prompt, list) else [100 + (i % 800) for i in range(prompt)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+    return Request(req_id=req_id, prompt_token_ids=prompt_ids, sampling=sampling, arrival_time=arrival_time,
+                   priority=priority)
+
+
+@dataclass
+class WorkerSeq:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_ids: list[int]
+
+
+@dataclass
+class FakeWorker:
+    """The worker's side of the diff, in plain Python; samples token_fn(seq id, output index)."""
+
+    block_size: int
+    token_fn: TokenFn = default_token
+    state: dict[int, WorkerSeq] = field(default_factory=dict)
+    dropped: dict[int, list[int]] = field(default_factory=dict)  # tokens held when last dropped
+    num_resent: int = 0  # NewRequests for a request dropped earlier
+    num_resent_with_output: int = 0  # ... that carried tokens generated before the drop
+
+    def apply(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            assert req_id in self.state, f"told to drop {req_id}, which it never had"
+            self.dropped[req_id] = self.state.pop(req_id).token_ids
+        for new in plan.new_requests:
+            assert new.req_id not in self.state, f"request {new.req_id} sent twice"
+            assert 0 <= new.num_computed_tokens < len(new.token_ids)
+            if new.req_id in self.dropped:  # recompute after a preemption: same tokens, output included
+                assert new.token_ids == self.dropped[new.req_id]
+                self.num_resent += 1
+                self.num_resent_with_output += len(new.token_ids) > new.num_prompt_tokens
+            self.state[new.req_id] = WorkerSeq(list(new.token_ids), new.num_prompt_tokens,
+                                               new.num_computed_tokens, list(new.block_ids))
+        for req_id, block_id in zip(plan.appended_block_req_ids, plan.appended_block_ids, strict=True):
+            self.state[req_id].block_ids.append(block_id)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        sampled_ids: list[int] = []
+        sampled_tokens: list[int] = []
+        for req_id, count in zip(plan.req_ids, plan.num_scheduled_tokens, strict=True):
+            seq = self.state[req_id]
+            assert count >= 1
+            seq.num_computed += count
+            assert seq.num_computed <= len(seq.token_ids), "plan schedules tokens the worker does not have"
+            assert seq.num_computed <= len(seq.block_ids) * self.block_size, "no KV slot for a token"
+            if seq.num_computed == len(seq.token_ids):
+                token = self.token_fn(req_id, len(seq.token_ids) - seq.num_prompt_tokens)
+                seq.token_ids.append(token)
+                sampled_ids.append(req_id)
+                sampled_tokens.append(token)
+        return StepResult(step_id=plan.step_id, req_ids=sampled_ids, sampled_token_ids=sampled_tokens)
+
+
+def live_tables(sched: Scheduler) -> list:
+    return [seq.table for request in sched.requests.values() for seq in request.sequences if not seq.is_finished]
+
+
+def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list[SeqUpdate]]:
+    """One schedule -> worker -> update round, checking every invariant a step must keep."""
+    plan = sched.schedule()
+    assert sum(plan.num_scheduled_tokens) <= sched.max_num_batched_tokens
+    assert len(plan.req_ids) == len(plan.num_scheduled_tokens) <= sched.max_num_seqs
+    assert len(set(plan.req_ids)) == len(plan.req_ids)
+    assert len(sched.running) <= sched.max_num_seqs
+    worker.apply(plan)
+    assert set(worker.state) == {seq.seq_id for seq in sched.running}, "worker and scheduler disagree on who runs"
+    result = worker.execute(plan)
+    updates = sched.update(plan, result)
+    sched.blocks.check_integrity(live_tables(sched))
+    for seq in sched.running:
+        mirror = worker.state[seq.seq_id]
+        assert mirror.token_ids == seq.token_ids
+        assert mirror.num_computed == seq.num_computed_tokens
+        assert mirror.block_ids == seq.table.block_ids
+    return plan, updates
+
+
+def run_until_done(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> list[StepPlan]:
+    plans = []
+    while sched.has_unfinished():
+        assert len(plans) < max_steps, "the scheduler stopped making progress"
+        plans.append(step(sched, worker)[0])
+    return plans
+
+
+def outputs(requests: list[Request]) -> dict[tuple[str, int], list[int]]:
+    return {(r.req_id, seq.index): seq.token_ids[seq.num_prompt_tokens:] for r in requests for seq in r.sequences}
+
+
+def assert_all_free(sched: Scheduler) -> None:
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+    sched.blocks.check_integrity(tables=[])
+    assert not sched.running and not sched.requests
+
+
+# ---------------------------------------------------------------- a. random workload
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
+    rng = random.Random(seed)
+    block_size = rng.choice([8, 16])
+    sched = make_scheduler(num_blocks=rng.choice([24, 32]) * 16 // block_size, block_size=block_size,
+                           max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([64, 128, 256]),
+                           max_model_len=512, seed=seed)
+    worker = FakeWorker(block_size)
+    shared_prefixes = [[rng.randrange(2, VOCAB_SIZE) for _ in range(64)] for _ in range(3)]
+    arrivals: list[tuple[int, Request]] = []
+    for index in range(24):
+        num_prompt = rng.randint(1, 300)
+        prompt = [rng.randrange(2, VOCAB_SIZE) for _ in range(num_prompt)]
+        if rng.random() < 0.4:
+            prompt = (rng.choice(shared_prefixes) + prompt)[:num_prompt]
+        n = rng.choice([1, 1, 1, 2, 3])
+        request = make_request(f"r{index}", prompt, rng.randint(1, 40), n=n, priority=rng.randint(0, 2),
+                               arrival_time=float(index))
+        arrivals.append((rng.randint(0, 20), request))
+    arrivals.sort(key=lambda item: item[0])
+    requests = [request for _, request in arrivals]
+
+    num_steps = 0
+    while arrivals or sched.has_unfinished():
+        while arrivals and arrivals[0][0] <= num_steps:
+            sched.add_request(arrivals.pop(0)[1])
+        step(sched, worker)
+        num_steps += 1
+        assert num_steps < 5_000, "the scheduler stopped making progress"
+
+    for request in requests:
+        assert len(request.sequences) == request.sampling.n
+        for seq in request.sequences:
+            assert seq.status == SeqStatus.FINISHED and seq.finish_reason == FinishReason.LENGTH
+            assert seq.num_output_tokens == request.sampling.max_tokens
+            assert seq.token_ids[seq.num_prompt_tokens:] == [
+                default_token(seq.seq_id, i) for i in range(seq.num_output_tokens)]
+    assert sched.stats.num_preemptions > 0, "the pool is meant to be small enough to preempt"
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------- b. chunked prefill beside decodes
+
+
+def test_long_prompt_does_not_stall_decoders() -> None:
+    budget = 512
+    sched = make_scheduler(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=8192)
+    worker = FakeWorker(16)
+    decoders = [make_request(f"d{i}", 10 + i, max_tokens=40) for i in range(8)]
+    for request in decoders:
+        sched.add_request(request)
+    for _ in range(3):
+        step(sched, worker)
+    decoder_ids = {request.sequences[0].seq_id for request in decoders}
+    assert all(seq.num_output_tokens == 3 for seq in (r.sequences[0] for r in decoders))
+
+    long_request = make_request("long", 4000, max_tokens=4)
+    sched.add_request(long_request)
+    long_seq = long_request.sequences[0]
+    num_prefill_steps = 0
+    while sched.has_unfinished():
+        unfinished = {seq_id for seq_id in decoder_ids if sched.get_sequence(seq_id) is not None}
+        remaining = long_seq.num_prompt_tokens - long_seq.num_computed_tokens
+        plan, _ = step(sched, worker)
+        scheduled = dict(zip(plan.req_ids, plan.num_scheduled_tokens, strict=True))
+        for seq_id in unfinished:
+            assert scheduled.get(seq_id) == 1, "a decoding sequence was left out of a step"
+        if remaining > 0:
+            num_prefill_steps += 1
+            assert unfinished == decoder_ids, "the decoders were meant to outlive the long prefill"
+            assert scheduled[long_seq.seq_id] == min(remaining, budget - len(unfinished))
+    assert num_prefill_steps == -(-4000 // (budget - 8))
+    assert long_seq.finish_reason == FinishReason.LENGTH and long_seq.num_output_tokens == 4
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------- c. priority
+
+
+def first_scheduled_order(sched: Scheduler, worker: FakeWorker) -> list[int]:
+    order: list[int] = []
+    for plan in run_until_done(sched, worker):
+        order.extend(new.req_id for new in plan.new_requests)
+    return order
+
+
+def test_priority_then_arrival_decides_who_runs_first() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    specs = {"p2-t0": (2, 0.0), "p0-t3": (0, 3.0), "p1-t1": (1, 1.0), "p0-t2": (0, 2.0), "p1-t05": (1, 0.5)}
+    requests = {name: make_request(name, 20, max_tokens=3, priority=p, arrival_time=t)
+                for name, (p, t) in specs.items()}
+    for request in requests.values():
+        sched.add_request(request)
+    order = first_scheduled_order(sched, FakeWorker(16))
+    names = [next(n for n, r in requests.items() if r.sequences[0].seq_id == seq_id) for seq_id in order]
+    assert names == ["p0-t2", "p0-t3", "p1-t05", "p1-t1", "p2-t0"]
+
+
+def test_later_urgent_request_overtakes_the_waiting_queue_but_not_the_running_one() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    worker = FakeWorker(16)
+    first = make_request("first", 20, max_tokens=5, priority=1, arrival_time=0.0)
+    queued = make_request("queued", 20, max_tokens=5, priority=1, arrival_time=1.0)
+    sched.add_request(first)
+    sched.add_request(queued)
+    step(sched, worker)
+    urgent = make_request("urgent", 20, max_tokens=5, priority=0, arrival_time=2.0)
+    sched.add_request(urgent)
+    order = first_scheduled_order(sched, worker)
+    assert order == [urgent.sequences[0].seq_id, queued.sequences[0].seq_id]
+    assert first.sequences[0].num_preemptions == 0
+
+
+def test_block_pressure_preempts_the_lowest_ranked_sequence() -> None:
+    # 6 blocks of 4 tokens: three 7-token prompts take 2 blocks each; the 9th token needs a third block.
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    worker = FakeWorker(4)
+    late_urgent = make_request("late-urgent", 7, max_tokens=10, priority=0, arrival_time=5.0)
+    latest = make_request("latest", 7, max_tokens=10, priority=1, arrival_time=2.0)  # added before `early`
+    early = make_request("early", 7, max_tokens=10, priority=1, arrival_time=1.0)
+    for request in (latest, early, late_urgent):
+        sched.add_request(request)
+    step(sched, worker)
+    step(sched, worker)
+    assert sched.blocks.num_free_blocks == 0 and sched.stats.num_preemptions == 0
+    victim = latest.sequences[0]
+    plan, _ = step(sched, worker)
+    assert sched.stats.num_preemptions == 1
+    assert victim.status == SeqStatus.WAITING and victim.num_preemptions == 1 and victim.table.block_ids == []
+    assert late_urgent.sequences[0].status == early.sequences[0].status == SeqStatus.RUNNING
+    assert late_urgent.sequences[0].seq_id in plan.req_ids and victim.seq_id not in plan.req_ids
+    assert plan.finished_req_ids == [victim.seq_id]
+    assert plan.new_requests == []  # no admission in a step that had to preempt
+    run_until_done(sched, worker)
+    for request in (latest, early, late_urgent):
+        assert request.sequences[0].num_output_tokens == 10
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------- d. preemption by recompute
+
+
+def test_preempted_sequences_recompute_to_the_same_outputs() -> None:
+    def workload() -> list[Request]:
+        rng = random.Random(7)
+        return [make_request(f"r{i}", [rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(20, 100))],
+                             rng.randint(20, 40)) for i in range(12)]
+
+    def run(num_blocks: int) -> tuple[Scheduler, FakeWorker, list[Request]]:
+        sched = make_scheduler(num_blocks=num_blocks, block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
+                               max_model_len=256)
+        worker = FakeWorker(8)
+        requests = workload()
+        for request in requests:
+            sched.add_request(request)
+        run_until_done(sched, worker)
+        assert_all_free(sched)
+        return sched, worker, requests
+
+    small, small_worker, small_requests = run(num_blocks=30)
+    huge, _, huge_requests = run(num_blocks=4096)
+    assert small.stats.num_preemptions > 0 and huge.stats.num_preemptions == 0
+    assert small_worker.num_resent_with_output > 0, "no preempted sequence came back with its output"
+    assert outputs(small_requests) == outputs(huge_requests)
+    for request in small_requests:
+        assert request.sequences[0].finish_reason == FinishReason.LENGTH
+        assert request.sequences[0].num_output_tokens == request.sampling.max_tokens
+
+
+# ---------------------------------------------------------------- e. prefix caching
+
+
+def first_new_request(sched: Scheduler, worker: FakeWorker, request: Request):
+    plan, _ = step(sched, worker)
+    (new,) = [new for new in plan.new_requests if new.req_id == request.sequences[0].seq_id]
+    count = dict(zip(plan.req_ids, plan.num_scheduled_tokens, strict=True))[new.req_id]
+    return new, count
+
+
+def test_prefix_cache_hit_after_the_first_request_finishes() -> None:
+    sched = make_scheduler(block_size=16)
+    worker = FakeWorker(16)
+    shared = [2 + i for i in range(64)]
+    first = make_request("first", shared + [500 + i for i in range(10)], max_tokens=3)
+    sched.add_request(first)
+    new_first, _ = first_new_request(sched, worker, first)
+    assert new_first.num_computed_tokens == 0
+    run_until_done(sched, worker)
+
+    second = make_request("second", shared + [700 + i for i in range(10)], max_tokens=3)
+    sched.add_request(second)
+    new_second, count = first_new_request(sched, worker, second)
+    assert new_second.num_computed_tokens == 64 and count == 10
+    assert new_second.block_ids[:4] == new_first.block_ids[:4]
+    assert second.sequences[0].num_cached_tokens == 64
+    assert sched.stats.prefix_hit_tokens == 64 and sched.stats.prefix_query_tokens == 74 + 74
+    run_until_done(sched, worker)
+
+    # the whole prompt cached: its last block is recomputed anyway so the step has a token to sample from
+    whole = make_request("whole", list(shared), max_tokens=3)
+    sched.add_request(whole)
+    new_whole, count = first_new_request(sched, worker, whole)
+    assert new_whole.num_computed_tokens == 48 and count == 16
+    assert sched.stats.prefix_hit_tokens == 64 + 48
+    run_until_done(sched, worker)
+    assert whole.sequences[0].token_ids[64:] == [default_token(whole.sequences[0].seq_id, i) for i in range(3)]
+    assert_all_free(sched)
+
+
+def test_prefix_cache_hit_on_a_running_sequence() -> None:
+    sched = make_scheduler(block_size=16)
+    worker = FakeWorker(16)
+    shared = [2 + i for i in range(40)]
+    first = make_request("first", shared + [3], max_tokens=20)
+    sched.add_request(first)
+    step(sched, worker)
+    second = make_request("second", shared + [4], max_tokens=3)
+    sched.add_request(second)
+    new_second, _ = first_new_request(sched, worker, second)
+    assert new_second.num_computed_tokens == 32
+    assert new_second.block_ids[:2] == first.sequences[0].table.block_ids[:2]
+    run_until_done(sched, worker)
+    assert_all_free(sched)
+
+
+def test_no_hits_with_prefix_caching_disabled() -> None:
+    sched = make_scheduler(block_size=16, enable_prefix_caching=False)
+    worker = FakeWorker(16)
+    prompt = list(range(2, 70))
+    for name in ("a", "b"):
+        request = make_request(name, prompt, max_tokens=2)
+        sched.add_request(request)
+        new, count = first_new_request(sched, worker, request)
+        assert new.num_computed_tokens == 0 and count == len(prompt)
+        run_until_done(sched, worker)
+    assert sched.stats.prefix_hit_tokens == 0 and sched.blocks.num_cached_blocks == 0
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------- f. n > 1
+
+
+def test_n_siblings_fork_after_the_first_prefill() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=16)
+    worker = FakeWorker(16)
+    request = make_request("n3", 40, max_tokens=5, n=3)
+    sched.add_request(request)
+    first, *siblings = request.sequences
+    assert len(siblings) == 2
+
+    plan, _ = step(sched, worker)
+    assert plan.req_ids == [first.seq_id] and plan.num_scheduled_tokens == [40]
+    shared = first.table.block_ids[:2]  # (40 - 1) // 16 full blocks
+    assert len(first.table.block_ids) == 3
+    for sibling in siblings:
+        assert sibling.table.block_ids == shared and sibling.num_computed_tokens == 32
+    sched.blocks.check_integrity([seq.table for seq in request.sequences])  # ref counts: 3 holders each
+    assert sched.blocks.num_free_blocks == 64 - 3
+
+    plan, _ = step(sched, worker)
+    news = {new.req_id: new for new in plan.new_requests}
+    assert set(news) == {sibling.seq_id for sibling in siblings}
+    scheduled = dict(zip(plan.req_ids, plan.num_scheduled_tokens, strict=True))
+    assert scheduled[first.seq_id] == 1
+    for sibling in siblings:
+        new = news[sibling.seq_id]
+        assert new.num_computed_tokens == 32 and new.block_ids[:2] == shared and len(new.block_ids) == 3
+        assert new.token_ids == request.prompt_token_ids and scheduled[sibling.seq_id] == 8
+    assert sched.blocks.num_free_blocks == 64 - 5
+
+    run_until_done(sched, worker)
+    for seq in request.sequences:
+        assert seq.finish_reason == FinishReason.LENGTH and seq.num_output_tokens == 5
+    assert len({seq.seq_id for seq in request.sequences}) == 3
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------- g. abort
+
+
+def test_abort_waiting_request() -> None:
+    sched = make_scheduler()
+    request = make_request("w", 50)
+    sched.add_request(request)
+    assert sched.abort_request("w") is request
+    assert request.sequences[0].finish_reason == FinishReason.ABORT
+    assert not sched.has_unfinished()
+    worker = FakeWorker(16)
+    plan, _ = step(sched, worker)
+    assert plan.req_ids == [] and plan.new_requests == [] and plan.finished_req_ids == []
+    assert sched.abort_request("w") is None and sched.abort_request("never-seen") is None
+    assert_all_free(sched)
+
+
+def test_abort_running_request() -> None:
+    sched = make_scheduler()
+    worker = FakeWorker(16)
+    request = make_request("r", 50, max_tokens=20)
+    sched.add_request(request)
+    for _ in range(3):
+        step(sched, worker)
+    assert sched.blocks.num_free_blocks < sched.blocks.num_blocks
+    sched.abort_request("r")
+    assert_all_free(sched)
+    plan, _ = step(sched, worker)
+    assert plan.finished_req_ids == [request.sequences[0].seq_id] and plan.req_ids == []
+    assert worker.state == {}
+
+
+def test_abort_mid_prefill_and_mid_step() -> None:
+    sched = make_scheduler(max_num_batched_tokens=128)
+    worker = FakeWorker(16)
+    long_request = make_request("long", 1000, max_tokens=4)
+    sched.add_request(long_request)
+    step(sched, worker)
+    step(sched, worker)
+    assert 0 < long_request.sequences[0].num_computed_tokens < 1000
+    sched.abort_request("long")
+    assert_all_free(sched)
+    plan, _ = step(sched, worker)
+    assert plan.finished_req_ids == [long_request.sequences[0].seq_id]
+
+    # aborted while its step runs: the result's token is dropped, the blocks are free at once
+    request = make_request("mid", 30, max_tokens=4)
+    sched.add_request(request)
+    plan = sched.schedule()
+    worker.apply(plan)
+    result = worker.execute(plan)
+    sched.abort_request("mid")
+    assert_all_free(sched)
+    assert sched.update(plan, result) == []
+    assert request.sequences[0].num_output_tokens == 0
+    plan, _ = step(sched, worker)
+    assert plan.finished_req_ids == [request.sequences[0].seq_id]
+
+
+def test_abort_forked_request() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    worker = FakeWorker(16)
+    request = make_request("n3", 40, max_tokens=5, n=3)
+    sched.add_request(request)
+    step(sched, worker)  # the first sequence prefilled; its siblings forked and wait (max_num_seqs=1)
+    first, *siblings = request.sequences
+    assert all(sibling.table.block_ids for sibling in siblings)
+    sched.abort_request("n3")
+    assert all(seq.finish_reason == FinishReason.ABORT for seq in request.sequences)
+    assert_all_free(sched)
+    plan, _ = step(sched, worker)
+    assert plan.finished_req_ids == [first.seq_id] and plan.new_requests == []
+
+
+# ---------------------------------------------------------------- h. validation
+
+
+@pytest.mark.parametrize(("request_args", "error", "param"), [
+    (dict(prompt=[]), InvalidRequestError, "prompt"),
+    (dict(prompt=128), ContextLengthError, "prompt"),
+    (dict(prompt=200), ContextLengthError, "prompt"),
+    (dict(prompt=100, max_tokens=29), ContextLengthError, "max_tokens"),
+    (dict(prompt=[5, VOCAB_SIZE, 6]), InvalidRequestError, "prompt"),
+    (dict(prompt=[5, -1]), InvalidRequestError, "prompt"),
+    (dict(prompt=10, stop_token_ids=[3, VOCAB_SIZE]), InvalidRequestError, "stop_token_ids"),
+    (dict(prompt=10, n=0), InvalidRequestError, "n"),
+    (dict(prompt=10, max_tokens=0), InvalidRequestError, "max_tokens"),
+])
+def test_invalid_requests_raise_and_leave_the_scheduler_working(
+        request_args: dict, error: type[Exception], param: str) -> None:
+    sched = make_scheduler(max_model_len=128)
+    worker = FakeWorker(16)
+    args = dict(max_tokens=8) | request_args
+    bad = make_request("bad", args.pop("prompt"), **args)
+    with pytest.raises(error) as info:
+        sched.add_request(bad)
+    assert info.value.param == param
+    if error is ContextLengthError:
+        assert info.value.code == "context_length_exceeded"
+    else:
+        assert not isinstance(info.value, ContextLengthError)
+    assert not sched.has_unfinished() and not sched.waiting
+
+    good = make_request("bad", 100, max_tokens=28)  # the same id is free to use; exactly fills the context
+    sched.add_request(good)
+    run_until_done(sched, worker)
+    assert good.sequences[0].num_output_tokens == 28
+    assert good.sequences[0].finish_reason == FinishReason.LENGTH
+    assert_all_free(sched)
+
+
+def test_prompt_larger_than_the_kv_cache_and_duplicate_ids_are_refused() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=16, max_model_len=1024)
+    with pytest.raises(ContextLengthError) as info:
+        sched.add_request(make_request("big", 64, max_tokens=1))  # 64 prompt slots + 1 > 4 blocks * 16
+    assert info.value.param == "prompt"
+    sched.add_request(make_request("dup", 10))
+    with pytest.raises(InvalidRequestError) as info:
+        sched.add_request(make_request("dup", 10))
+    assert info.value.param == "request_id"
+    run_until_done(sched, FakeWorker(16))
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------- i. stop conditions
+
+
+def run_one(request: Request, token_fn: TokenFn, **overrides: object) -> tuple[Scheduler, list[SeqUpdate]]:
+    sched = make_scheduler(**overrides)
+    worker = FakeWorker(16, token_fn)
+    sched.add_request(request)
+    updates: list[SeqUpdate] = []
+    while sched.has_unfinished():
+        updates.extend(step(sched, worker)[1])
+    assert_all_free(sched)
+    return sched, updates
+
+
+def eos_at(index: int, token: int = EOS) -> TokenFn:
+    return lambda seq_id, output_index: token if output_index == index else default_token(seq_id, output_index)
+
+
+def test_eos_stops_with_stop() -> None:
+    request = make_request("eos", 10, max_tokens=10)
+    _, updates = run_one(request, eos_at(3))
+    seq = request.sequences[0]
+    assert seq.finish_reason == FinishReason.STOP and seq.num_output_tokens == 4 and seq.token_ids[-1] == EOS
+    assert [u.finish_reason for u in updates] == [None, None, None, FinishReason.STOP]
+    assert [u.token_id for u in updates] == seq.token_ids[10:]
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    request = make_request("ignore", 10, max_tokens=10, ignore_eos=True)
+    run_one(request, eos_at(3))
+    seq = request.sequences[0]
+    assert seq.finish_reason == FinishReason.LENGTH and seq.num_output_tokens == 10
+    assert seq.token_ids[10 + 3] == EOS
+
+
+def test_stop_token_ids_stop_with_stop() -> None:
+    request = make_request("stop-id", 10, max_tokens=10, stop_token_ids=[42])
+    run_one(request, eos_at(2, token=42))
+    seq = request.sequences[0]
+    assert seq.finish_reason == FinishReason.STOP and seq.num_output_tokens == 3 and seq.token_ids[-1] == 42
+
+
+def test_max_tokens_stops_with_length() -> None:
+    request = make_request("length", 10, max_tokens=7)
+    _, updates = run_one(request, default_token)
+    seq = request.sequences[0]
+    assert seq.finish_reason == FinishReason.LENGTH and seq.num_output_tokens == 7
+    assert updates[-1].finish_reason == FinishReason.LENGTH
+    assert all(u.finish_reason is None for u in updates[:-1])
+
+
+def test_no_max_tokens_stops_at_the_context_length() -> None:
+    request = make_request("context", 10, max_tokens=None)
+    run_one(request, default_token, max_model_len=50)
+    seq = request.sequences[0]
+    assert seq.finish_reason == FinishReason.LENGTH and seq.num_tokens == 50
+
+
+def test_finish_sequence_from_outside() -> None:
+    sched = make_scheduler()
+    worker = FakeWorker(16)
+    request = make_request("stop-string", 10, max_tokens=20)
+    sched.add_request(request)
+    step(sched, worker)
+    step(sched, worker)
+    seq = request.sequences[0]
+    sched.finish_sequence(seq.seq_id, FinishReason.STOP)  # e.g. the tokenizer matched a stop string
+    assert seq.finish_reason == FinishReason.STOP and seq.num_output_tokens == 2
+    assert_all_free(sched)
+    plan, _ = step(sched, worker)
+    assert plan.finished_req_ids == [seq.seq_id]
