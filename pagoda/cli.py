@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pagoda.shared.config import add_engine_args, engine_config_from_args
+from pagoda.shared.config import add_engine_args, add_server_args, engine_config_from_args, server_config_from_args
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -38,6 +38,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagoda.launcher import serve
+
+    return serve(engine_config_from_args(args), server_config_from_args(args))
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     return args.bench_main(args)
 
@@ -58,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=200)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.set_defaults(func=_cmd_chat)
+
+    server = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(server)
+    add_server_args(server)
+    server.set_defaults(func=_cmd_serve)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

@@ -15,7 +15,7 @@ from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, has_tokenizer
-from pagoda.services.worker.model_config import SHAPES
+from pagoda.services.worker.model_config import SHAPES, ModelArch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError
@@ -36,15 +36,23 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     return Tokenizer(config.model)
 
 
+def eos_token_ids(config: EngineConfig, arch: ModelArch, tokenizer: Tokenizer | None = None) -> set[int]:
+    """End-of-sequence ids: the model config's, generation_config's, and the tokenizer's own."""
+    ids = set(arch.eos_token_ids)
+    if tokenizer is None and not (config.load_format == "dummy" and config.model in SHAPES):
+        tokenizer = load_tokenizer(config)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config)
         arch = self.runner.arch
-        eos_ids = set(arch.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos_ids.add(self.tokenizer.eos_token_id)
+        eos_ids = eos_token_ids(config, arch, self.tokenizer)
         self.scheduler = Scheduler(
             num_blocks=self.runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.runner.device.type),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import re
+import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from pagoda.shared.errors import ConfigError
 
@@ -94,57 +96,171 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
-def _env(name: str) -> str | None:
-    return os.environ.get(ENV_PREFIX + name.upper())
+
+@dataclass(slots=True)
+class ServerConfig:
+    """The server's processes and the sockets between them; endpoints default to ipc:// in runtime_dir."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model folder's name
+    api_workers: int = 1  # api processes sharing the port (SO_REUSEPORT)
+    tokenizer_workers: int = 1
+    runtime_dir: str | None = None  # where ipc:// endpoints live (the launcher makes a private one)
+    api_endpoints: str | None = None  # comma-separated, one per api process; tokenizers connect to each
+    scheduler_endpoint: str | None = None  # scheduler binds (ROUTER); tokenizers connect
+    plan_endpoint: str | None = None  # scheduler binds (PUB); workers subscribe
+    result_endpoint: str | None = None  # scheduler binds (PULL); workers push
+    stats_endpoint: str | None = None  # scheduler binds (PUB); apis subscribe
+    api_index: int = 0  # which api endpoint this api process binds
+    worker_rank: int = 0
+    tokenizer_id: str | None = None  # default: host name and pid
+    heartbeat_interval: float = 0.5  # seconds between signs of life
+    heartbeat_timeout: float = 5.0  # a peer silent this long is taken for dead
+    shutdown_grace: float = 3.0  # seconds in-flight requests get to finish on SIGTERM
+    max_inflight_requests: int = 4096  # per api process; more get HTTP 503
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("api_workers", "tokenizer_workers", "max_inflight_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1", param=name)
+        if not 0 < self.port < 65536:
+            raise ConfigError("port must be in 1..65535", param="port")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
+
+    def endpoints(self) -> Endpoints:
+        """Every socket address, each given explicitly or derived from runtime_dir."""
+
+        def pick(value: str | None, name: str) -> str:
+            if value:
+                return value
+            if not self.runtime_dir:
+                raise ConfigError(f"{name}_endpoint is not set and there is no runtime_dir to derive it from",
+                                  param=f"{name}_endpoint")
+            return f"ipc://{self.runtime_dir}/{name}.sock"
+
+        if self.api_endpoints:
+            apis = [e.strip() for e in self.api_endpoints.split(",") if e.strip()]
+        else:
+            apis = [pick(None, f"api{i}") for i in range(self.api_workers)]
+        return Endpoints(api=apis, scheduler=pick(self.scheduler_endpoint, "scheduler"),
+                         plan=pick(self.plan_endpoint, "plan"), result=pick(self.result_endpoint, "result"),
+                         stats=pick(self.stats_endpoint, "stats"))
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    api: list[str]
+    scheduler: str
+    plan: str
+    result: str
+    stats: str
+
+
+def bind_address(endpoint: str) -> str:
+    """Where to bind for a connect address: tcp://name:port binds every interface, IP literals bind as given."""
+    match = re.fullmatch(r"tcp://([^:/]+|\[[^\]]+\]):(\d+)", endpoint)
+    if match is None:
+        return endpoint
+    host = match.group(1).strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return f"tcp://*:{match.group(2)}"
+    return endpoint
+
+
+# --------------------------------------------------------------------------------------------
+# flags and environment variables, derived from the dataclass fields
+
+_PARSERS: dict[str, Any] = {"kv_cache_memory": parse_bytes}
+_FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching"}  # True by default: a --no- flag
+_HELP: dict[str, str] = {
+    "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
+    "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1 routes",
+}
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def env_names() -> list[str]:
+    """Every environment variable the config module reads (compose files are checked against this)."""
+    names = [env_name(f.name) for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls)]
+    return sorted(names)
+
+
+def _base_type(annotation: Any) -> type:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return next(arg for arg in get_args(annotation) if arg is not type(None))
+    return annotation
+
+
+def _from_text(field_name: str, kind: type, text: str) -> Any:
+    if field_name in _PARSERS:
+        return _PARSERS[field_name](text)
+    if kind is bool:
+        return text.strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return kind(text)
+    except ValueError as exc:
+        raise ConfigError(f"{env_name(field_name)}={text!r} is not a valid {kind.__name__}",
+                          param=field_name) from exc
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = _base_type(hints[f.name])
+        env_text = os.environ.get(env_name(f.name))
+        default = _from_text(f.name, kind, env_text) if env_text else f.default
+        if kind is bool:
+            flag = _FLAG_NAMES.get(f.name, f.name.replace("_", "-"))
+            inverted = flag.startswith("no-")
+            group.add_argument("--" + flag, dest=f.name, action="store_false" if inverted else "store_true",
+                               default=default, help=_HELP.get(f.name))
+            continue
+        parse = _PARSERS.get(f.name, kind)
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse, default=default,
+                           help=_HELP.get(f.name, f"(env {env_name(f.name)})"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags; each defaults to its PAGODA_<NAME> environment variable, then the dataclass."""
-    defaults = EngineConfig()
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=_env("model") or defaults.model,
-                       help="model folder (config.json + safetensors) or dummy shape name")
-    group.add_argument("--tokenizer", default=_env("tokenizer"), help="tokenizer folder (default: the model's)")
-    group.add_argument("--load-format", choices=LOAD_FORMATS, default=_env("load_format") or "auto")
-    group.add_argument("--shape", default=None, help="dummy shape name (same as --model with --load-format dummy)")
-    group.add_argument("--dtype", choices=DTYPES, default=_env("dtype") or "auto")
-    group.add_argument("--device", default=_env("device") or "auto")
-    group.add_argument("--seed", type=int, default=int(_env("seed") or 0))
-    group.add_argument("--max-model-len", type=int, default=_int_env("max_model_len"))
-    group.add_argument("--block-size", type=int, default=int(_env("block_size") or defaults.block_size))
-    group.add_argument("--kv-cache-memory", type=parse_bytes, default=_bytes_env("kv_cache_memory"),
-                       help="bytes for the KV cache, e.g. 2GiB (default: a fraction of device memory)")
-    group.add_argument("--gpu-memory-utilization", type=float,
-                       default=float(_env("gpu_memory_utilization") or defaults.gpu_memory_utilization))
-    group.add_argument("--num-kv-blocks", type=int, default=_int_env("num_kv_blocks"))
-    group.add_argument("--no-prefix-caching", action="store_true",
-                       default=(_env("no_prefix_caching") or "") in ("1", "true"))
-    group.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs") or defaults.max_num_seqs))
-    group.add_argument("--max-num-batched-tokens", type=int, default=_int_env("max_num_batched_tokens"))
-    group.add_argument("--enforce-eager", action="store_true", default=(_env("enforce_eager") or "") in ("1", "true"))
-    group.add_argument("--tensor-parallel-size", type=int, default=int(_env("tensor_parallel_size") or 1))
+    """Engine flags; each defaults to its PAGODA_<NAME> environment variable, then the dataclass default."""
+    _add_dataclass_args(parser, EngineConfig, "engine")
+    parser.add_argument("--shape", default=None, help="dummy shape name (= --model NAME --load-format dummy)")
 
 
-def _int_env(name: str) -> int | None:
-    value = _env(name)
-    return int(value) if value else None
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    _add_dataclass_args(parser, ServerConfig, "server")
 
 
-def _bytes_env(name: str) -> int | None:
-    value = _env(name)
-    return parse_bytes(value) if value else None
+def _from_namespace(cls: type, args: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    model, load_format = args.model, args.load_format
-    if args.shape:
-        model, load_format = args.shape, "dummy"
-    return EngineConfig(
-        model=model, tokenizer=args.tokenizer, load_format=load_format, dtype=args.dtype,
-        device=args.device, seed=args.seed, max_model_len=args.max_model_len, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-    )
+    if getattr(args, "shape", None):
+        args.model, args.load_format = args.shape, "dummy"
+    return _from_namespace(EngineConfig, args)
 
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return _from_namespace(ServerConfig, args)
+
+
+def to_env(*configs: EngineConfig | ServerConfig) -> dict[str, str]:
+    """PAGODA_* variables that rebuild these configs in a child process (None fields are left out)."""
+    env: dict[str, str] = {}
+    for config in configs:
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if value is not None:
+                env[env_name(f.name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return env

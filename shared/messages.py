@@ -142,3 +142,218 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     top_token_ids: list[list[int]] = []  # likewise; an inner list is empty for logprobs=0 / None
     top_logprobs: list[list[float]] = []
     error: str = ""
+
+# worker -> scheduler (besides StepResult)
+
+
+class WorkerReady(msgspec.Struct, array_like=True, tag="ready", frozen=True):
+    """A worker rank loaded its weights and sized its KV cache; rank 0's numbers size the scheduler."""
+
+    rank: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_num_batched_tokens: int  # the token budget per step resolved for the worker's device
+
+
+class Heartbeat(msgspec.Struct, array_like=True, tag="hb", frozen=True):
+    """A sign of life from a process that has nothing else to say."""
+
+    sender: str
+    num_inflight: int = 0
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown", frozen=True):
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# api <-> tokenizer
+
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str
+    content: str
+    name: str | None = None
+
+
+class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):
+    """A validated HTTP request on its way to tokenization; exactly one of the prompt fields is set."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, str | int | float | bool] = {}
+    add_special_tokens: bool = True
+    priority: int = 0
+    arrival_time: float = 0.0  # time.time() at the api
+    return_prompt_text: bool = False  # echo
+
+
+class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
+    request_id: str
+
+
+class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=True, omit_defaults=True):
+    request_id: str
+    prompt_text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):
+    request_id: str
+    token_ids: list[int]
+
+
+class TokenizerHello(msgspec.Struct, array_like=True, tag="hello", frozen=True):
+    """A tokenizer process announces itself to an api or the scheduler (and again after a restart)."""
+
+    tokenizer_id: str
+    pid: int
+
+
+class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omit_defaults=True):
+    """The prompt tokenized and fits: the api may start the response."""
+
+    request_id: str
+    num_prompt_tokens: int
+    prompt_text: str | None = None
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    token: str
+    token_id: int
+    logprob: float
+    bytes: list[int]
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One generated token's logprob and the top alternatives at its position."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob]
+
+
+class TextDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True, gc=False):
+    """New text of one completion; finish_reason -1 while it runs."""
+
+    request_id: str
+    index: int
+    text: str
+    num_new_tokens: int
+    finish_reason: int = -1
+    logprobs: list[PositionLogprobs] = []
+    num_cached_tokens: int = 0
+    stop_reason: str | None = None  # the stop string that ended it
+
+
+class TextDeltas(msgspec.Struct, array_like=True, tag="texts", frozen=True, gc=False):
+    deltas: list[TextDelta]
+
+
+class RequestFailed(msgspec.Struct, array_like=True, tag="failed", frozen=True, omit_defaults=True):
+    """The request cannot be served: an HTTP status and an OpenAI error body."""
+
+    request_id: str
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class TokenizeResult(msgspec.Struct, array_like=True, tag="tokenized", frozen=True):
+    request_id: str
+    token_ids: list[int]
+    max_model_len: int
+
+
+class DetokenizeResult(msgspec.Struct, array_like=True, tag="detokenized", frozen=True):
+    request_id: str
+    text: str
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer <-> scheduler
+
+
+class AddRequest(msgspec.Struct, array_like=True, tag="add", frozen=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class StopSequence(msgspec.Struct, array_like=True, tag="stopseq", frozen=True):
+    """A stop string matched in one completion: finish it now."""
+
+    request_id: str
+    index: int
+
+
+class ModelInfo(msgspec.Struct, array_like=True, tag="welcome", frozen=True):
+    """What a tokenizer needs to validate prompts before they reach the scheduler."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_tokens: int  # the most tokens one sequence can hold in the KV cache
+    eos_token_ids: list[int]
+
+
+class TokenDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True, gc=False):
+    """Tokens one completion gained in a step; logprob columns filled when the request asked."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: int = -1
+    logprobs: list[float] = []
+    top_token_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    num_cached_tokens: int = 0
+
+
+class TokenDeltas(msgspec.Struct, array_like=True, tag="tokens", frozen=True, gc=False):
+    deltas: list[TokenDelta]
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler -> api: state for /metrics and /health
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
+    time: float
+    num_running: int
+    num_waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_cache_usage: float
+    prefix_hit_tokens_total: int
+    prefix_query_tokens_total: int
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps_total: int
+    worker_ready: bool
+    worker_alive: bool
+    tokenizer_ids: list[str]
+    max_model_len: int = 0
+
+
+# One union per socket direction; decoders are built once per process from these.
+ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
+TokenizerToApi = TokenizerHello | Heartbeat | Accepted | TextDeltas | RequestFailed | TokenizeResult | DetokenizeResult
+TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence
+SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat
+SchedulerToWorker = StepPlan | Shutdown | Heartbeat  # heartbeats double as subscription probes
+WorkerToScheduler = WorkerReady | StepResult | Heartbeat
+SchedulerToApi = SchedulerStats

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqStatus, SeqUpdate
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
@@ -98,7 +100,8 @@ def live_tables(sched: Scheduler) -> list:
     return [seq.table for request in sched.requests.values() for seq in request.sequences if not seq.is_finished]
 
 
-def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list[SeqUpdate]]:
+def step(sched: Scheduler, worker: FakeWorker,
+         while_running: Callable[[], object] | None = None) -> tuple[StepPlan, list[SeqUpdate]]:
     """One schedule -> worker -> update round, checking every invariant a step must keep."""
     plan = sched.schedule()
     assert sum(plan.num_scheduled_tokens) <= sched.max_num_batched_tokens
@@ -108,6 +111,8 @@ def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list[SeqUpdate
     worker.apply(plan)
     assert set(worker.state) == {seq.seq_id for seq in sched.running}, "worker and scheduler disagree on who runs"
     result = worker.execute(plan)
+    if while_running is not None:
+        while_running()  # e.g. an abort that lands while the worker runs the step
     updates = sched.update(plan, result)
     sched.blocks.check_integrity(live_tables(sched))
     for seq in sched.running:
@@ -139,7 +144,7 @@ def assert_all_free(sched: Scheduler) -> None:
 # ---------------------------------------------------------------- a. random workload
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
     rng = random.Random(seed)
     block_size = rng.choice([8, 16])
@@ -177,6 +182,75 @@ def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
             assert seq.token_ids[seq.num_prompt_tokens:] == [
                 default_token(seq.seq_id, i) for i in range(seq.num_output_tokens)]
     assert sched.stats.num_preemptions > 0, "the pool is meant to be small enough to preempt"
+    assert_all_free(sched)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
+    """Tiny pools, budgets down to 1 token, n up to 3, shared prefixes, aborts before and during steps."""
+    block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
+    num_blocks = data.draw(st.integers(max(2, -(-2 // block_size)), max(2, 64 // block_size)), label="num_blocks")
+    max_model_len = data.draw(st.integers(2, min(64, num_blocks * block_size)), label="max_model_len")
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                           max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
+                           max_num_batched_tokens=data.draw(st.integers(1, 48), label="budget"),
+                           enable_prefix_caching=data.draw(st.booleans(), label="prefix_caching"))
+    worker = FakeWorker(block_size)
+    arrivals: list[tuple[int, Request]] = []
+    abort_at: dict[str, tuple[int, bool]] = {}  # req_id -> (step, during the step?)
+    for index in range(data.draw(st.integers(1, 8), label="num_requests")):
+        num_prompt = data.draw(st.integers(1, max_model_len - 1))
+        prompt = data.draw(st.lists(st.integers(2, 3), min_size=num_prompt, max_size=num_prompt))
+        request = make_request(f"r{index}", prompt, data.draw(st.integers(1, max_model_len - num_prompt)),
+                               n=data.draw(st.integers(1, 3)), priority=data.draw(st.integers(0, 2)),
+                               arrival_time=float(index))
+        arrival = data.draw(st.integers(0, 10))
+        arrivals.append((arrival, request))
+        if data.draw(st.integers(0, 3)) == 0:
+            abort_at[request.req_id] = (arrival + data.draw(st.integers(0, 20)), data.draw(st.booleans()))
+    arrivals.sort(key=lambda item: item[0])
+    requests = [request for _, request in arrivals]
+
+    num_steps = 0
+    while arrivals or sched.has_unfinished():
+        while arrivals and arrivals[0][0] <= num_steps:
+            sched.add_request(arrivals.pop(0)[1])
+        due = {req_id: during for req_id, (at, during) in abort_at.items() if at == num_steps}
+        for req_id in [req_id for req_id, during in due.items() if not during]:
+            sched.abort_request(req_id)
+        step(sched, worker, lambda: [sched.abort_request(r) for r, during in due.items() if during])
+        num_steps += 1
+        assert num_steps < 20_000, "the scheduler stopped making progress"
+
+    for request in requests:
+        for seq in request.sequences:
+            assert seq.is_finished
+            if seq.finish_reason == FinishReason.ABORT:
+                assert request.req_id in abort_at
+                assert seq.num_output_tokens < request.sampling.max_tokens
+            else:
+                assert seq.finish_reason == FinishReason.LENGTH
+                assert seq.num_output_tokens == request.sampling.max_tokens
+            assert seq.token_ids[seq.num_prompt_tokens:] == [
+                default_token(seq.seq_id, i) for i in range(seq.num_output_tokens)]
+    assert_all_free(sched)
+
+
+def test_waiting_siblings_give_back_their_forked_blocks_when_nothing_can_run() -> None:
+    """Regression: forked siblings waiting in the queue held blocks nothing could reclaim (deadlock)."""
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64)
+    worker = FakeWorker(4)
+    forked = make_request("forked", [100 + i for i in range(25)], max_tokens=2, n=2, priority=2)
+    sched.add_request(forked)
+    step(sched, worker)
+    sibling = forked.sequences[1]
+    assert len(sibling.table.block_ids) == 6 and sibling.status == SeqStatus.WAITING  # max_num_seqs=1
+    urgent = make_request("urgent", [500 + i for i in range(30)], max_tokens=2, priority=0)
+    sched.add_request(urgent)  # needs 8 of the 4 blocks the waiting sibling leaves
+    run_until_done(sched, worker, max_steps=50)
+    assert urgent.sequences[0].finish_reason == FinishReason.LENGTH
+    assert all(seq.num_output_tokens == 2 for seq in forked.sequences)
     assert_all_free(sched)
 
 

@@ -122,6 +122,7 @@ class Scheduler:
         self._step_id = 0
         self._forgotten: list[int] = []  # seq ids the worker should drop at the next plan
         self._scheduled: list[Sequence] = []
+        self._forked_waiting: list[Sequence] = []  # siblings that may wait holding forked blocks
         self._rng = random.Random(seed)
 
     # ---------------------------------------------------------------- requests in and out
@@ -254,6 +255,8 @@ class Scheduler:
                 return count
             victim = self._pick_victim(seq, scheduled)
             if victim is None:
+                if self._release_waiting_blocks(seq):
+                    continue  # forked siblings waiting behind it held blocks; try again
                 if seq.num_tokens - seq.num_computed_tokens > 1:  # a prefill chunk can shrink instead
                     room = (len(seq.table.block_ids) + self.blocks.num_free_blocks) * self.block_size
                     if room > seq.num_computed_tokens:
@@ -294,17 +297,20 @@ class Scheduler:
                 sampling=seq.request.sampling, seed=seq.seed))
         return budget
 
-    def _release_waiting_blocks(self, head: Sequence) -> bool:
-        """Nothing runs and the head does not fit: waiting sequences behind it drop their forked blocks.
+    def _release_waiting_blocks(self, seq: Sequence) -> bool:
+        """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked.
 
-        Otherwise no step could ever free a block (preemption only takes running sequences). Their
-        prompt blocks stay in the prefix cache, so admission finds them again.
+        Forked siblings wait holding blocks and preemption only takes running sequences, so without
+        this the pool can stay full with nothing running (a deadlock) or the only runner can be admitted
+        and preempted forever. Their prompt blocks stay in the prefix cache, so admission finds them again.
         """
+        self._forked_waiting = [sibling for sibling in self._forked_waiting
+                                if sibling.status == SeqStatus.WAITING and sibling.table.block_ids]
         released = False
-        for _, seq in self.waiting:
-            if seq is not head and seq.table.block_ids and not seq.is_finished:
-                self.blocks.free(seq.table)
-                seq.num_computed_tokens = 0
+        for sibling in self._forked_waiting:
+            if sibling.rank > seq.rank:
+                self.blocks.free(sibling.table)
+                sibling.num_computed_tokens = 0
                 released = True
         return released
 
@@ -368,12 +374,15 @@ class Scheduler:
 
     def _fork_siblings(self, first: Sequence) -> None:
         """n > 1: siblings share the first sequence's prompt blocks and recompute only the tail."""
+        self._forked_waiting = [sibling for sibling in self._forked_waiting  # drop admitted/finished ones
+                                if sibling.status == SeqStatus.WAITING and sibling.table.block_ids]
         for sibling in first.request.sequences[1:]:
             if sibling.is_finished:
                 continue
             sibling.table = self.blocks.fork(first.table, sibling.num_prompt_tokens - 1)
             sibling.num_computed_tokens = len(sibling.table.block_ids) * self.block_size
             self._push_waiting(sibling)
+            self._forked_waiting.append(sibling)
 
     # ---------------------------------------------------------------- state changes
 

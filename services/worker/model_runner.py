@@ -150,6 +150,14 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids)
         return self._with_logprobs(plan.step_id, req_ids, token_ids, sampled_rows, output)
 
+    def recover(self, plan: StepPlan) -> None:
+        """After a failed step: forget the plan's requests (the scheduler aborts them too)."""
+        state = self.state
+        for req_id in [*plan.req_ids, *(new.req_id for new in plan.new_requests)]:
+            row = state.row_of.pop(req_id, None)
+            if row is not None:
+                state.free_rows.append(row)
+
     def _prepare(self, plan: StepPlan) -> StepBatch:
         state, size = self.state, self.block_size
         rows = state.rows_for(plan.req_ids)  # [B]

@@ -1,0 +1,168 @@
+"""`pagoda serve`: start every process on private ipc:// endpoints, wait until healthy, supervise, stop cleanly.
+
+Start order: worker rank(s), scheduler, tokenizers, apis; the api's /health turns 200 only once all
+of them answer. If any child dies the rest are stopped and the launcher exits non-zero. SIGTERM or
+SIGINT stops the apis first (they finish or fail in-flight requests), then everything else; a child
+still alive after SHUTDOWN_DEADLINE_S is killed. Children get SIGTERM if the launcher itself dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pagoda.shared.config import EngineConfig, ServerConfig, to_env
+
+SHUTDOWN_DEADLINE_S = 10.0
+STARTUP_TIMEOUT_S = 900.0
+PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT]
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: unblock the signals the launcher blocks (children inherit the mask),
+    and have the kernel send SIGTERM when the launcher dies (Linux)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS + [signal.SIGCHLD])
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Launcher:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.own_runtime_dir = server_config.runtime_dir is None
+        runtime_dir = server_config.runtime_dir or tempfile.mkdtemp(prefix="pagoda-")
+        self.server_config = replace(server_config, runtime_dir=runtime_dir)
+        self.runtime_dir = Path(runtime_dir)
+        self.children: list[Child] = []
+
+    def _spawn(self, name: str, module: str, **overrides: object) -> None:
+        server = replace(self.server_config, **overrides)  # type: ignore[arg-type]
+        env = {**os.environ, **to_env(self.engine_config, server)}
+        if module == "api":
+            metrics_dir = self.runtime_dir / "prometheus"
+            metrics_dir.mkdir(exist_ok=True)
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        process = subprocess.Popen([sys.executable, "-m", f"pagoda.services.{module}"], env=env,
+                                   preexec_fn=_die_with_parent)
+        self.children.append(Child(name, process))
+
+    def start(self) -> None:
+        config = self.server_config
+        for rank in range(self.engine_config.tensor_parallel_size):
+            self._spawn(f"worker{rank}", "worker", worker_rank=rank)
+        self._spawn("scheduler", "scheduler")
+        for index in range(config.tokenizer_workers):
+            self._spawn(f"tokenizer{index}", "tokenizer", tokenizer_id=f"tokenizer{index}-{os.getpid()}")
+        for index in range(config.api_workers):
+            self._spawn(f"api{index}", "api", api_index=index)
+
+    def wait_until_healthy(self) -> bool:
+        url = f"http://{self._url_host()}:{self.server_config.port}/health"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.dead_child() is not None or _pending_stop():
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)  # polling an HTTP endpoint: there is nothing to wait on instead
+        return False
+
+    def dead_child(self) -> Child | None:
+        return next((child for child in self.children if child.process.poll() is not None), None)
+
+    def supervise(self) -> int:
+        """Block until a signal or a child's death; return the exit code."""
+        while True:
+            dead = self.dead_child()
+            if dead is not None:
+                print(f"pagoda: {dead.name} exited with code {dead.process.returncode}; stopping", file=sys.stderr)
+                return 1
+            info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD], 0.5)
+            if info is not None and info.si_signo in STOP_SIGNALS:
+                print("pagoda: stopping", file=sys.stderr)
+                return 0
+
+    def shutdown(self) -> None:
+        """APIs first (they drain or fail in-flight requests), then the rest; kill stragglers at the deadline."""
+        deadline = time.monotonic() + SHUTDOWN_DEADLINE_S
+        apis = [c for c in self.children if c.name.startswith("api")]
+        others = [c for c in self.children if not c.name.startswith("api")]
+        self._terminate(apis)
+        self._wait(apis, min(deadline, time.monotonic() + self.server_config.shutdown_grace + 3.0))
+        self._terminate(others)
+        self._wait(self.children, deadline - 0.5)
+        for child in self.children:
+            if child.process.poll() is None:
+                print(f"pagoda: killing {child.name}", file=sys.stderr)
+                child.process.kill()
+                child.process.wait()
+        if self.own_runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    @staticmethod
+    def _terminate(children: list[Child]) -> None:
+        for child in children:
+            if child.process.poll() is None:
+                child.process.terminate()
+
+    @staticmethod
+    def _wait(children: list[Child], deadline: float) -> None:
+        for child in children:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _url_host(self) -> str:
+        host = self.server_config.host
+        return "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+
+    def url(self) -> str:
+        return f"http://{self._url_host()}:{self.server_config.port}/v1"
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    launcher = Launcher(engine_config, server_config)
+    # Handled synchronously by sigtimedwait in supervise(); blocked so they don't interrupt start-up.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS + [signal.SIGCHLD])
+    code = 1
+    try:
+        launcher.start()
+        print(f"pagoda: starting {engine_config.model} ({len(launcher.children)} processes)...", file=sys.stderr)
+        if not launcher.wait_until_healthy():
+            if _pending_stop():
+                return 0
+            print("pagoda: start-up failed", file=sys.stderr)
+            return 1
+        print(f"pagoda: serving {engine_config.model} at {launcher.url()}", flush=True)
+        code = launcher.supervise()
+    finally:
+        launcher.shutdown()
+    return code
+
+
+def _pending_stop() -> bool:
+    return bool(set(STOP_SIGNALS) & signal.sigpending())

@@ -1,0 +1,12 @@
+"""`python -m pagoda.services.scheduler`: run the scheduler process on its own (compose, several hosts)."""
+
+from __future__ import annotations
+
+import sys
+
+from pagoda.services.launcher_args import parse_service_args
+from pagoda.services.scheduler.service import run_scheduler
+
+if __name__ == "__main__":
+    engine_config, server_config = parse_service_args("scheduler", sys.argv[1:])
+    run_scheduler(engine_config, server_config)

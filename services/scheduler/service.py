@@ -1,0 +1,361 @@
+"""The scheduler process: requests in from tokenizers, one plan per step out to the workers, tokens back.
+
+    tokenizers --AddRequest/AbortRequest/StopSequence--> [ROUTER]            [PUB] --StepPlan--> workers
+    tokenizers <--ModelInfo/TokenDeltas/RequestFailed--- [ROUTER] scheduler [PULL] <--StepResult-- rank 0
+                                                                             [PUB] --SchedulerStats--> apis
+This file only moves messages; the policy is Scheduler (pure Python).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import zmq
+
+from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.errors import PagodaError
+from pagoda.shared.messages import (
+    AbortRequest,
+    AddRequest,
+    FinishReason,
+    Heartbeat,
+    ModelInfo,
+    RequestFailed,
+    SchedulerStats,
+    SchedulerToApi,
+    SchedulerToTokenizer,
+    SchedulerToWorker,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    StopSequence,
+    TokenDelta,
+    TokenDeltas,
+    TokenizerHello,
+    TokenizerToScheduler,
+    WorkerReady,
+    WorkerToScheduler,
+)
+from pagoda.shared.transport import Codec, make_socket, single_frame, split_routed
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.25
+STEP_TIMEOUT_S = 600.0  # a step running longer than this marks the worker dead
+
+
+@dataclass(slots=True)
+class Peer:
+    last_seen: float
+    request_ids: set[str] = field(default_factory=set)
+
+
+class SchedulerService:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.config = server_config
+        endpoints = server_config.endpoints()
+        self.context = zmq.Context()
+        self.front = make_socket(self.context, zmq.ROUTER, endpoints.scheduler, bind=True)
+        self.plans = make_socket(self.context, zmq.PUB, endpoints.plan, bind=True)
+        self.results = make_socket(self.context, zmq.PULL, endpoints.result, bind=True)
+        self.stats_out = make_socket(self.context, zmq.PUB, endpoints.stats, bind=True)
+        self.from_tokenizers: Codec[TokenizerToScheduler] = Codec(TokenizerToScheduler)
+        self.to_tokenizers: Codec[SchedulerToTokenizer] = Codec(SchedulerToTokenizer)
+        self.to_workers: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
+        self.from_workers: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
+        self.stats_codec: Codec[SchedulerToApi] = Codec(SchedulerToApi)
+        self.scheduler: Scheduler | None = None  # built once every worker rank is ready
+        self.model_info: ModelInfo | None = None
+        self.ready_ranks: set[int] = set()
+        self.tokenizers: dict[bytes, Peer] = {}
+        self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
+        self.inflight: StepPlan | None = None
+        self.inflight_since = 0.0
+        self.worker_last_seen = 0.0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.running = True
+        self.stalled = False
+        self._next_heartbeat = 0.0
+        self._next_stats = 0.0
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.results, zmq.POLLIN)
+        log.info("scheduler up; waiting for %d worker rank(s)", self.engine_config.tensor_parallel_size)
+        while self.running:
+            busy = (self.inflight is None and not self.stalled and self.scheduler is not None
+                    and self.scheduler.has_unfinished())
+            timeout_ms = 0 if busy else int(self.config.heartbeat_interval * 1000 / 2)
+            events = dict(poller.poll(timeout_ms))
+            if events:
+                self.stalled = False
+            if self.front in events:
+                self._drain(self.front, self._on_tokenizer_frames)
+            if self.results in events:
+                self._drain(self.results, self._on_worker_frames)
+            self._maybe_step()
+            self._periodic()
+        self._close()
+
+    def _drain(self, sock: zmq.Socket, handle: object) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)  # type: ignore[operator]
+
+    def _maybe_step(self) -> None:
+        scheduler = self.scheduler
+        if self.inflight is not None or scheduler is None or not scheduler.has_unfinished():
+            return
+        plan = scheduler.schedule()
+        if not plan.req_ids and not plan.finished_req_ids:
+            self.stalled = True  # nothing runnable until a message changes something
+            return
+        self.plans.send(self.to_workers.encode(plan), copy=False)
+        if plan.req_ids:
+            self.inflight, self.inflight_since = plan, time.monotonic()
+        else:  # only forgotten ids to pass on: no result will come
+            scheduler.update(plan, StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[]))
+
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval
+            self._heartbeat_tokenizers()
+            self._sweep_dead_tokenizers(now)
+            if len(self.ready_ranks) < self.engine_config.tensor_parallel_size:
+                self.plans.send(self.to_workers.encode(Heartbeat(sender="scheduler")))  # subscription probe
+        if now >= self._next_stats:
+            self._next_stats = now + STATS_INTERVAL_S
+            self.stats_out.send(self.stats_codec.encode(self._stats(now)))
+
+    # ---------------------------------------------------------------- tokenizers
+
+    def _on_tokenizer_frames(self, frames: list[zmq.Frame]) -> None:
+        routed = split_routed(frames)
+        if routed is None:
+            return
+        identity, payload = routed
+        message = self.from_tokenizers.decode(payload)
+        if message is None:
+            return
+        peer = self.tokenizers.get(identity)
+        if peer is None:
+            peer = self.tokenizers[identity] = Peer(time.monotonic())
+            log.info("tokenizer %s registered", identity.decode(errors="replace"))
+            if self.model_info is not None:
+                self._send_tokenizer(identity, self.model_info)
+        peer.last_seen = time.monotonic()
+        if isinstance(message, AddRequest):
+            self._on_add(identity, peer, message)
+        elif isinstance(message, AbortRequest):
+            self._abort(message.request_id)
+        elif isinstance(message, StopSequence):
+            self._on_stop_sequence(message)
+        elif isinstance(message, TokenizerHello) and self.model_info is not None:
+            self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
+
+    def _on_add(self, identity: bytes, peer: Peer, message: AddRequest) -> None:
+        if self.scheduler is None:
+            self._fail(identity, message.request_id, 503, "the model is still loading", "server_error")
+            return
+        request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+                          sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
+        try:
+            self.scheduler.add_request(request)
+        except PagodaError as exc:
+            self._fail(identity, message.request_id, exc.http_status, exc.message, exc.error_type, exc.param,
+                       exc.code)
+            return
+        self.owner[message.request_id] = identity
+        peer.request_ids.add(message.request_id)
+        self.prompt_tokens_total += len(message.prompt_token_ids)
+
+    def _on_stop_sequence(self, message: StopSequence) -> None:
+        assert self.scheduler is not None
+        request = self.scheduler.requests.get(message.request_id)
+        if request is not None and 0 <= message.index < len(request.sequences):
+            self.scheduler.finish_sequence(request.sequences[message.index].seq_id, FinishReason.STOP)
+            self._forget_if_done(message.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort_request(request_id)
+        self._forget(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        if self.scheduler is not None and request_id not in self.scheduler.requests:
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        identity = self.owner.pop(request_id, None)
+        peer = self.tokenizers.get(identity) if identity is not None else None
+        if peer is not None:
+            peer.request_ids.discard(request_id)
+
+    def _sweep_dead_tokenizers(self, now: float) -> None:
+        """A tokenizer gone silent takes its requests with it: abort them and free their blocks."""
+        for identity, peer in list(self.tokenizers.items()):
+            if now - peer.last_seen > self.config.heartbeat_timeout:
+                log.warning("tokenizer %s is silent: aborting its %d request(s)", identity.decode(errors="replace"),
+                            len(peer.request_ids))
+                for request_id in list(peer.request_ids):
+                    self._abort(request_id)
+                del self.tokenizers[identity]
+
+    def _heartbeat_tokenizers(self) -> None:
+        beat = self.to_tokenizers.encode(Heartbeat(sender="scheduler"))
+        for identity in list(self.tokenizers):
+            self._send_raw(identity, beat)
+
+    def _send_tokenizer(self, identity: bytes, message: SchedulerToTokenizer) -> None:
+        self._send_raw(identity, self.to_tokenizers.encode(message))
+
+    def _send_raw(self, identity: bytes, payload: bytes) -> None:
+        try:
+            self.front.send_multipart([identity, payload], copy=False)
+        except zmq.ZMQError:  # the peer vanished (ROUTER_MANDATORY): the sweep will drop it
+            log.debug("tokenizer %r unreachable", identity)
+
+    def _fail(self, identity: bytes, request_id: str, status: int, message: str, error_type: str,
+              param: str | None = None, code: str | None = None) -> None:
+        self._send_tokenizer(identity, RequestFailed(request_id=request_id, status=status, message=message,
+                                                     error_type=error_type, param=param, code=code))
+
+    # ---------------------------------------------------------------- workers
+
+    def _on_worker_frames(self, frames: list[zmq.Frame]) -> None:
+        frame = single_frame(frames)
+        message = self.from_workers.decode(frame) if frame is not None else None
+        if message is None:
+            return
+        self.worker_last_seen = time.monotonic()
+        if isinstance(message, StepResult):
+            self._on_result(message)
+        elif isinstance(message, WorkerReady):
+            self._on_worker_ready(message)
+
+    def _on_worker_ready(self, ready: WorkerReady) -> None:
+        self.ready_ranks.add(ready.rank)
+        if ready.rank != 0 or self.scheduler is not None:
+            return
+        config = self.engine_config
+        self.scheduler = Scheduler(
+            num_blocks=ready.num_kv_blocks, block_size=ready.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=ready.max_num_batched_tokens,
+            max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, eos_token_ids=ready.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
+        self.model_info = ModelInfo(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+                                    max_num_tokens=ready.num_kv_blocks * ready.block_size,
+                                    eos_token_ids=ready.eos_token_ids)
+        log.info("worker ready: %d KV blocks of %d tokens", ready.num_kv_blocks, ready.block_size)
+        for identity in self.tokenizers:
+            self._send_tokenizer(identity, self.model_info)
+
+    def _on_result(self, result: StepResult) -> None:
+        plan, scheduler = self.inflight, self.scheduler
+        if plan is None or scheduler is None or result.step_id != plan.step_id:
+            log.warning("dropped a result for step %d (in flight: %s)", result.step_id,
+                        plan.step_id if plan else None)
+            return
+        self.inflight = None
+        if result.error:
+            self._fail_plan(plan, result.error)
+            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+        updates = scheduler.update(plan, result)
+        self.generation_tokens_total += len(updates)
+        self._send_deltas(updates, result)
+
+    def _fail_plan(self, plan: StepPlan, error: str) -> None:
+        """The worker could not run this step: its requests end with an error, the rest go on."""
+        assert self.scheduler is not None
+        log.error("step %d failed on the worker: %s", plan.step_id, error)
+        request_ids = {seq.request.req_id for seq_id in plan.req_ids
+                       if (seq := self.scheduler.get_sequence(seq_id)) is not None}
+        for request_id in request_ids:
+            identity = self.owner.get(request_id)
+            if identity is not None:
+                self._fail(identity, request_id, 500, f"the worker failed: {error}", "server_error")
+            self._abort(request_id)
+
+    def _send_deltas(self, updates: list[SeqUpdate], result: StepResult) -> None:
+        by_owner: dict[bytes, list[TokenDelta]] = defaultdict(list)
+        with_logprobs = bool(result.sampled_logprobs)
+        finished: list[str] = []
+        for update in updates:
+            request = update.seq.request
+            identity = self.owner.get(request.req_id)
+            if identity is None:
+                continue
+            row = update.result_index
+            reason = -1 if update.finish_reason is None else int(update.finish_reason)
+            if with_logprobs and request.sampling.logprobs is not None:
+                delta = TokenDelta(request.req_id, update.seq.index, [update.token_id], reason,
+                                   [result.sampled_logprobs[row]], [result.top_token_ids[row]],
+                                   [result.top_logprobs[row]], request.sequences[0].num_cached_tokens)
+            else:
+                delta = TokenDelta(request.req_id, update.seq.index, [update.token_id], reason,
+                                   num_cached_tokens=request.sequences[0].num_cached_tokens)
+            by_owner[identity].append(delta)
+            if reason >= 0 and request.num_finished == len(request.sequences):
+                finished.append(request.req_id)
+        for identity, deltas in by_owner.items():
+            self._send_tokenizer(identity, TokenDeltas(deltas))
+        for request_id in finished:
+            self._forget(request_id)
+
+    # ---------------------------------------------------------------- stats and shutdown
+
+    def _worker_alive(self, now: float) -> bool:
+        if self.inflight is not None:
+            return now - self.inflight_since < STEP_TIMEOUT_S
+        return now - self.worker_last_seen < self.config.heartbeat_timeout
+
+    def _stats(self, now: float) -> SchedulerStats:
+        scheduler = self.scheduler
+        blocks = scheduler.blocks if scheduler is not None else None
+        stats = scheduler.stats if scheduler is not None else None
+        running = len({seq.request.req_id for seq in scheduler.running}) if scheduler is not None else 0
+        waiting = len({seq.request.req_id for _, seq in scheduler.waiting if not seq.is_finished}) \
+            if scheduler is not None else 0
+        return SchedulerStats(
+            time=time.time(), num_running=running, num_waiting=waiting,
+            kv_blocks_free=blocks.num_free_blocks if blocks else 0, kv_blocks_total=blocks.num_blocks if blocks else 0,
+            kv_cache_usage=blocks.usage_ratio() if blocks else 0.0,
+            prefix_hit_tokens_total=stats.prefix_hit_tokens if stats else 0,
+            prefix_query_tokens_total=stats.prefix_query_tokens if stats else 0,
+            num_preemptions_total=stats.num_preemptions if stats else 0,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            num_steps_total=stats.num_steps if stats else 0, worker_ready=scheduler is not None,
+            worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
+            max_model_len=self.model_info.max_model_len if self.model_info else 0)
+
+    def stop(self, *_: object) -> None:
+        self.running = False
+
+    def _close(self) -> None:
+        try:
+            self.plans.send(self.to_workers.encode(Shutdown(reason="scheduler stopping")))
+        finally:
+            for sock in (self.front, self.plans, self.results, self.stats_out):
+                sock.close(linger=0)
+            self.context.term()
+
+
+def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    service = SchedulerService(engine_config, server_config)
+    signal.signal(signal.SIGTERM, service.stop)
+    signal.signal(signal.SIGINT, service.stop)
+    service.run()

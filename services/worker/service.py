@@ -1,0 +1,112 @@
+"""The worker process: owns the GPU (or CPU), runs one step per plan it receives, rank 0 replies.
+
+    scheduler [PUB] --StepPlan--> [SUB] worker rank r --StepResult (rank 0)--> [PUSH] scheduler [PULL]
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import traceback
+
+import zmq
+
+from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.messages import (
+    Heartbeat,
+    SchedulerToWorker,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    WorkerReady,
+    WorkerToScheduler,
+)
+from pagoda.shared.transport import Codec, make_socket, single_frame
+
+log = logging.getLogger(__name__)
+
+
+class WorkerService:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.config = server_config
+        self.rank = server_config.worker_rank
+        endpoints = server_config.endpoints()
+        self.context = zmq.Context()
+        # Subscribe before the slow model load so the subscription has long reached the scheduler.
+        self.plans = make_socket(self.context, zmq.SUB, endpoints.plan, bind=False)
+        self.results = make_socket(self.context, zmq.PUSH, endpoints.result, bind=False)
+        self.from_scheduler: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
+        self.to_scheduler: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
+        self.running = True
+        from pagoda.services.worker.parallel import init_tensor_parallel
+
+        tp = init_tensor_parallel(engine_config, self.rank)
+        from pagoda.engine import eos_token_ids
+        from pagoda.services.worker.model_runner import ModelRunner
+
+        self.runner = ModelRunner(engine_config, tp)
+        self.eos_token_ids = sorted(eos_token_ids(engine_config, self.runner.arch))
+
+    def run(self) -> None:
+        self._wait_for_subscription()
+        if not self.running:
+            return
+        runner = self.runner
+        self._send(WorkerReady(rank=self.rank, num_kv_blocks=runner.num_blocks, block_size=runner.block_size,
+                               max_model_len=runner.max_model_len, vocab_size=runner.arch.vocab_size,
+                               eos_token_ids=self.eos_token_ids,
+                               max_num_batched_tokens=self.engine_config.resolved_max_num_batched_tokens(
+                                   runner.device.type)))
+        log.info("worker rank %d ready", self.rank)
+        interval_ms = int(self.config.heartbeat_interval * 1000)
+        while self.running:
+            if not self.plans.poll(interval_ms):
+                self._send(Heartbeat(sender=f"worker{self.rank}"))
+                continue
+            message = self._recv()
+            if isinstance(message, StepPlan):
+                self._execute(message)
+            elif isinstance(message, Shutdown):
+                log.info("worker rank %d: %s", self.rank, message.reason or "shutdown")
+                break
+        self._close()
+
+    def _wait_for_subscription(self) -> None:
+        """A PUB drops what it sends before a subscription arrives: wait for the scheduler's probe."""
+        while self.running:
+            if self.plans.poll(int(self.config.heartbeat_interval * 1000)) and self._recv() is not None:
+                return
+
+    def _recv(self) -> SchedulerToWorker | None:
+        frame = single_frame(self.plans.recv_multipart(copy=False))
+        return self.from_scheduler.decode(frame) if frame is not None else None
+
+    def _execute(self, plan: StepPlan) -> None:
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - the scheduler must hear of every failed step
+            log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
+            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[],
+                                error=f"{type(exc).__name__}: {exc}")
+            self.runner.recover(plan)
+        if self.rank == 0 and plan.req_ids:
+            self._send(result)
+
+    def _send(self, message: WorkerToScheduler) -> None:
+        self.results.send(self.to_scheduler.encode(message), copy=False)
+
+    def stop(self, *_: object) -> None:
+        self.running = False
+
+    def _close(self) -> None:
+        self.plans.close(linger=0)
+        self.results.close(linger=0)
+        self.context.term()
+
+
+def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    service = WorkerService(engine_config, server_config)
+    signal.signal(signal.SIGTERM, service.stop)
+    signal.signal(signal.SIGINT, service.stop)
+    service.run()
