@@ -330,12 +330,13 @@ def test_block_pressure_preempts_the_lowest_ranked_sequence() -> None:
     # 6 blocks of 4 tokens: three 7-token prompts take 2 blocks each; the 9th token needs a third block.
     sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     worker = FakeWorker(4)
-    late_urgent = make_request("late-urgent", 7, max_tokens=10, priority=0, arrival_time=5.0)
-    latest = make_request("latest", 7, max_tokens=10, priority=1, arrival_time=2.0)  # added before `early`
-    early = make_request("early", 7, max_tokens=10, priority=1, arrival_time=1.0)
-    for request in (latest, early, late_urgent):
-        sched.add_request(request)
+    late_urgent = make_request("late-urgent", [200] * 7, max_tokens=10, priority=0, arrival_time=5.0)
+    latest = make_request("latest", [300] * 7, max_tokens=10, priority=1, arrival_time=2.0)  # added before `early`
+    early = make_request("early", [400] * 7, max_tokens=10, priority=1, arrival_time=1.0)
+    sched.add_request(latest)
+    sched.add_request(early)
     step(sched, worker)
+    sched.add_request(late_urgent)  # admitted after the others, yet it ranks first among the running
     step(sched, worker)
     assert sched.blocks.num_free_blocks == 0 and sched.stats.num_preemptions == 0
     victim = latest.sequences[0]

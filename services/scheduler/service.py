@@ -9,6 +9,7 @@ This file only moves messages; the policy is Scheduler (pure Python).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections import defaultdict
@@ -82,6 +83,7 @@ class SchedulerService:
         self.generation_tokens_total = 0
         self.running = True
         self.stalled = False
+        self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
         self._next_heartbeat = 0.0
         self._next_stats = 0.0
 
@@ -216,7 +218,7 @@ class SchedulerService:
                 del self.tokenizers[identity]
 
     def _heartbeat_tokenizers(self) -> None:
-        beat = self.to_tokenizers.encode(Heartbeat(sender="scheduler"))
+        beat = self.to_tokenizers.encode(Heartbeat(sender=self.instance_id))
         for identity in list(self.tokenizers):
             self._send_raw(identity, beat)
 

@@ -20,6 +20,11 @@ class TextStream:
         self.stopped = False
         self._closed = False
 
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stop.matched_stop if self._stop is not None else None
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Text these tokens finish; "" while a character or a possible stop string is incomplete."""
         if self._detokenizer is None or self._closed:

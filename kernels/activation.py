@@ -1,0 +1,45 @@
+"""Triton fused SiLU-and-multiply for the gated MLP: [T, 2I] -> silu(gate) * up [T, I]."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr):
+    """Grid (tokens, column blocks): gate is x[t, :I], up is x[t, I:]."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = cols < inter_size
+    gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_xt + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up  # fp32 throughout, one rounding at the store
+    tl.store(out_ptr + token * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as [T, I]; reference.silu_and_mul. Rows of x may be strided."""
+    _require(x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2 * I], got {tuple(x.shape)}")
+    _require(x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x dtype {x.dtype} is not a float type")
+    _require(x.stride(1) == 1, "x must be contiguous along its last dim")
+    _require(block >= 16 and block & (block - 1) == 0, f"block must be a power of two >= 16, got {block}")
+    num_tokens, inter_size = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)  # [T, I]
+    _require(out.shape == (num_tokens, inter_size) and out.dtype == x.dtype and out.device == x.device
+             and out.stride(1) == 1,
+             f"out must be [{num_tokens}, {inter_size}] {x.dtype} on {x.device}, contiguous along its last dim, "
+             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if num_tokens == 0 or inter_size == 0:
+        return out
+    block = min(block, max(16, triton.next_power_of_2(inter_size)))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
+        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return out

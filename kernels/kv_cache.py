@@ -1,0 +1,77 @@
+"""Triton kernel that writes this step's K/V rows into their slots of the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr,
+                     HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One program per token: copy its [kv_heads, head_dim] K and V rows to slot_mapping[token]."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token (CUDA-graph batch filler): nothing to store
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [HEADS_P, HEAD_DIM_P]
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    # A pure copy (with the cache-dtype cast the reference does): no arithmetic, so no fp32 upcast is needed.
+    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset) of the caches
+    [num_blocks, block_size, kv_heads, head_dim]; slot -1 is padding and is skipped. k and v may be strided views
+    (e.g. of the fused qkv output) as long as head_dim is contiguous. Slots must be < num_blocks * block_size
+    (not checked: it would cost a device sync)."""
+    _require(k.dim() == 3 and k.shape == v.shape, f"k and v must both be [T, kv_heads, head_dim], got "
+             f"{tuple(k.shape)} and {tuple(v.shape)}")
+    _require(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+             f"caches must both be [num_blocks, block_size, kv_heads, head_dim], got {tuple(k_cache.shape)} and "
+             f"{tuple(v_cache.shape)}")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _require(k_cache.shape[2:] == k.shape[1:], f"cache rows {tuple(k_cache.shape[2:])} != k rows {tuple(k.shape[1:])}")
+    _require(head_dim <= _MAX_HEAD_DIM, f"head_dim must be <= {_MAX_HEAD_DIM}, got {head_dim}")
+    _require(k.dtype.is_floating_point and v.dtype == k.dtype and k_cache.dtype.is_floating_point
+             and v_cache.dtype == k_cache.dtype,
+             f"k/v and the caches must be float tensors, pairwise of one dtype, got {k.dtype}, {v.dtype}, "
+             f"{k_cache.dtype}, {v_cache.dtype}")
+    _require(slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
+             and slot_mapping.is_contiguous(),
+             f"slot_mapping must be [T={num_tokens}] int32/int64 contiguous, got {tuple(slot_mapping.shape)} "
+             f"{slot_mapping.dtype}")
+    _require(k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
+             "k, v and the caches must be contiguous along head_dim")
+    devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
+    _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if num_tokens == 0:
+        return
+    heads_p, head_dim_p = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_P=heads_p, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if heads_p * head_dim_p <= 2048 else 8)

@@ -1,0 +1,340 @@
+"""Triton paged attention: causal GQA attention of a flattened batch of query chunks over the paged KV cache."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Finite stand-in for -inf as the running max: a row that has seen no key yet computes
+# exp2(NEG_BIG - NEG_BIG) = 1 times a zero sum, never exp2(-inf - -inf) = nan.
+_NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E = math.log2(math.e)
+_MAX_HEAD_DIM = 256
+_MAX_SPLITS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Launch shape of one paged_attention call. Host-side only, so one batch size keeps one shape (CUDA graphs)."""
+
+    block_m: int = 64  # score-tile rows when some query chunk is longer than 1: BLOCK_Q tokens x G heads
+    tile_n: int = 64  # keys per inner-loop step (power of two >= 16); any multiple or fraction of block_size
+    num_splits: int = 1  # KV splits per query tile (flash decoding); 1 = no split, no reduce kernel
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_num_splits(num_tokens: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                    num_sms: int = 132) -> int:
+    """Split-KV only for decode batches too small to fill the GPU: aim for ~2 waves of programs, but keep
+    >= 512 keys per split so the partial writes and the reduce cost less than the parallelism wins.
+    Depends on host ints only: under CUDA graphs pass max_seq_len = max_model_len so it stays fixed."""
+    if max_query_len > 1:
+        return 1
+    base = num_tokens * num_kv_heads  # programs without splitting
+    if base >= num_sms:
+        return 1
+    by_occupancy = -(-2 * num_sms // max(base, 1))
+    by_length = max(1, max_seq_len // 512)
+    return max(1, min(_MAX_SPLITS, by_occupancy, by_length))
+
+
+def pick_config(num_tokens: int, num_kv_heads: int, group_size: int, max_query_len: int, max_seq_len: int,
+                num_sms: int = 132) -> AttentionConfig:
+    """Default launch shape: small tiles for decode (memory bound), 64/128-row tiles for prefill (compute bound)."""
+    num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
+    if max_query_len <= 1:
+        return AttentionConfig(block_m=16, tile_n=64, num_splits=num_splits, num_warps=4, num_stages=2)
+    if max_query_len * group_size >= 128:
+        return AttentionConfig(block_m=128, tile_n=64, num_splits=1, num_warps=8, num_stages=2)
+    return AttentionConfig(block_m=64, tile_n=64, num_splits=1, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b in [0, num_seqs] whose first query tile is <= tile_idx. Sequence b owns tiles
+    [qsl[b] // BLOCK_Q + b, ...) (the + b because tiles never straddle two sequences; with BLOCK_Q == 1 a tile is
+    a token and needs no slack). b == num_seqs is the padding tail [qsl[num_seqs], num_tokens)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if BLOCK_Q > 1:
+            first_tile = start // BLOCK_Q + mid
+        else:
+            first_tile = start
+        if first_tile <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  qk_scale, row_pos, kv_end, tile_lo, tile_hi,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
+    limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised)."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_mask = offs_d < HEAD_DIM
+    for j in range(tile_lo, tile_hi):
+        key = j * TILE_N + offs_n  # [TILE_N] absolute key positions
+        slot = key % BLOCK_SIZE
+        k_off_d = kv_head * stride_kh + offs_d[None, :]
+        v_off_d = kv_head * stride_vh + offs_d[None, :]
+        if MASKED:
+            key_mask = key < kv_end
+            block = tl.load(block_table_row + key // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)  # [TILE_N]
+            kv_mask = key_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + k_off_d,
+                        mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + v_off_d,
+                        mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
+        else:
+            block = tl.load(block_table_row + key // BLOCK_SIZE).to(tl.int64)  # [TILE_N]
+            if HEAD_DIM == HEAD_DIM_P:
+                k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + k_off_d)
+                v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + v_off_d)
+            else:
+                k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + k_off_d,
+                            mask=d_mask[None, :], other=0.0)
+                v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + v_off_d,
+                            mask=d_mask[None, :], other=0.0)
+        # Dot operands stay in the storage dtype (tensor-core inputs); products accumulate in fp32 and all the
+        # softmax arithmetic below is fp32. Scores are in log2 units: qk_scale = scale * log2(e), so exp2 works.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if MASKED:
+            s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        part_out_ptr, part_max_ptr, part_sum_ptr,
+        qk_scale, num_seqs, num_tokens,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
+    head m % GROUP), over one split of the keys. Grid: (query tiles, kv heads, splits)."""
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    b = _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q)
+    is_seq = b < num_seqs  # else: the padding tail past the last sequence, which attends nothing
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_end = tl.where(is_seq, tl.load(query_start_loc_ptr + b + 1, mask=is_seq, other=0), num_tokens)
+    seq_len = tl.load(seq_lens_ptr + b, mask=is_seq, other=0)
+    if BLOCK_Q > 1:
+        q_lo = (tile_idx - (q_start // BLOCK_Q + b)) * BLOCK_Q  # first query of this tile, within the sequence
+    else:
+        q_lo = tile_idx - q_start
+    q_len = q_end - q_start
+    if q_lo >= q_len:
+        return
+    context_len = seq_len - q_len  # cached tokens before this chunk; < 0 only for padding rows
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    row_q = q_lo + offs_m // GROUP  # [BLOCK_M] query index within the sequence
+    row_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (row_q < q_len)
+    row_token = (q_start + row_q).to(tl.int64)  # [BLOCK_M] row of q / out
+    row_pos = context_len + row_q  # [BLOCK_M] absolute position: attends keys 0..row_pos
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+
+    # Keys below context_len + q_lo + 1 are visible to every row (no mask); the rest up to the last row's
+    # position need the causal mask. Bounds come from the tensors, so a CUDA-graph replay stays right.
+    last_q = tl.minimum(q_lo + BLOCK_Q, q_len) - 1
+    kv_end = tl.maximum(context_len + last_q + 1, 0)
+    num_full = tl.maximum(context_len + q_lo + 1, 0) // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                  qk_scale, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                  qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
+
+    if NUM_SPLITS > 1:
+        # Unnormalised partials; the reduce kernel rescales them to the global max. Empty splits write
+        # (0, NEG_BIG, 0), which the reduce weighs to nothing.
+        part_row = (row_token * NUM_HEADS + row_head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_valid[:, None])
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows that saw no key (padding) come out zero
+        tl.store(out_ptr + row_token[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+    """Merge the NUM_SPLITS partial softmaxes of one (token, head). Grid: (tokens, heads)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    s_mask = offs_s < NUM_SPLITS
+    part_row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_P]
+    m = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
+    l = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
+    acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_mask[:, None],
+                  other=0.0)  # [SPLITS_P, HEAD_DIM_P]
+    weight = tl.exp2(m - tl.max(m, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
+    total = tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_P]
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor | None) -> None:
+    _require(q.dim() == 3, f"q must be [T, heads, head_dim], got {tuple(q.shape)}")
+    _require(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+             f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], got "
+             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    _require(k_cache.shape[3] == head_dim, f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    _require(num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+             f"heads {num_heads} must be a multiple of kv_heads {num_kv_heads}")
+    _require(0 < head_dim <= _MAX_HEAD_DIM, f"head_dim must be in 1..{_MAX_HEAD_DIM}, got {head_dim}")
+    _require(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q dtype {q.dtype} is not a float type")
+    _require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+             f"caches must have q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
+    _require(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
+             "q and the caches must be contiguous along head_dim")
+    _require(block_tables.dim() == 2 and block_tables.dtype in (torch.int32, torch.int64)
+             and block_tables.stride(1) == 1,
+             f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got {tuple(block_tables.shape)} "
+             f"{block_tables.dtype}")
+    num_seqs = block_tables.shape[0]
+    _require(seq_lens.shape == (num_seqs,) and seq_lens.dtype in (torch.int32, torch.int64) and seq_lens.is_contiguous(),
+             f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    _require(query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype in (torch.int32, torch.int64)
+             and query_start_loc.is_contiguous(),
+             f"query_start_loc must be [B + 1 = {num_seqs + 1}] int32/int64 contiguous, got "
+             f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    tensors = [q, k_cache, v_cache, block_tables, seq_lens, query_start_loc]
+    if out is not None:
+        _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1,
+                 f"out must be {tuple(q.shape)} {q.dtype} contiguous along head_dim, got {tuple(out.shape)} "
+                 f"{out.dtype}")
+        tensors.append(out)
+    _require(len({t.device for t in tensors}) == 1, f"all tensors must be on one device, got "
+             f"{sorted({str(t.device) for t in tensors})}")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float, out: torch.Tensor | None = None,
+                    config: AttentionConfig | None = None) -> torch.Tensor:
+    """Causal attention of q [T, heads, head_dim] over the paged caches [num_blocks, block_size, kv_heads,
+    head_dim]; semantics of reference.paged_attention. Sequence b's queries are rows [qsl[b], qsl[b+1]) and are
+    the last ones of its seq_lens[b] tokens, whose K/V are already in the caches. Rows of sequences with
+    seq_lens[b] == 0 and rows past qsl[B] (padding) come out zero. Not checked (it would cost a device sync):
+    qsl is non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covers seq_lens.
+    max_query_len and max_seq_len are upper bounds that pick the launch shape only. Returns out [T, heads, D]."""
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [T, heads, D]
+    if num_tokens == 0:
+        return out
+    if config is None:
+        num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+        config = pick_config(num_tokens, num_kv_heads, group, max_query_len, max_seq_len, num_sms)
+    _require(config.tile_n >= 16 and config.tile_n & (config.tile_n - 1) == 0,
+             f"tile_n must be a power of two >= 16, got {config.tile_n}")
+    _require(config.block_m >= 16 and config.block_m & (config.block_m - 1) == 0,
+             f"block_m must be a power of two >= 16, got {config.block_m}")
+    _require(1 <= config.num_splits <= 64, f"num_splits must be in 1..64, got {config.num_splits}")
+
+    if max_query_len <= 1:  # decode: one token per program, its G heads padded to >= 16 rows for tl.dot
+        block_q, block_m = 1, max(16, triton.next_power_of_2(group))
+        num_q_tiles = num_tokens
+    else:
+        block_m = max(config.block_m, triton.next_power_of_2(group))
+        block_q = block_m // group
+        num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    num_splits = config.num_splits
+    if num_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32,
+                               device=q.device)  # [T, heads, splits, D_p]
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=q.device)  # [T, heads, splits]
+        part_sum = torch.empty_like(part_max)  # [T, heads, splits]
+    else:
+        part_out = part_max = part_sum = out  # unused
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        part_out, part_max, part_sum,
+        scale * _LOG2E, num_seqs, num_tokens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.tile_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if num_splits > 1:
+        _split_reduce_kernel[(num_tokens, num_heads)](
+            out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+            NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4)
+    return out

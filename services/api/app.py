@@ -1,0 +1,80 @@
+"""The aiohttp application: routes, API-key check, and JSON error bodies for every failure."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from pagoda.services.api.errors import AuthenticationError
+from pagoda.services.api.handlers import ApiState, Handlers, json_response
+from pagoda.services.api.metrics import ApiMetrics
+from pagoda.services.api.protocol import error_body
+from pagoda.shared.errors import PagodaError
+
+log = logging.getLogger(__name__)
+
+# Large enough for a long prompt as token ids in JSON, small enough that its wire message fits a frame.
+MAX_BODY_BYTES = 32 << 20
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health and /metrics stay open
+
+
+def build_app(state: ApiState) -> web.Application:
+    handlers = Handlers(state)
+    app = web.Application(middlewares=[_error_middleware(state.metrics), _auth_middleware(state.config.api_key)],
+                          client_max_size=MAX_BODY_BYTES)
+    app.add_routes([
+        web.post("/v1/completions", handlers.completions),
+        web.post("/v1/chat/completions", handlers.chat_completions),
+        web.get("/v1/models", handlers.models),
+        web.post("/tokenize", handlers.tokenize),
+        web.post("/detokenize", handlers.detokenize),
+        web.get("/health", handlers.health),
+        web.get("/metrics", handlers.metrics),
+    ])
+    return app
+
+
+def _auth_middleware(api_key: str | None) -> web.middleware:  # type: ignore[valid-type]
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path.startswith(PROTECTED_PREFIXES):
+            given = request.headers.get("Authorization", "").strip().encode()
+            if not hmac.compare_digest(given, expected):  # constant time: no key guessing by timing
+                raise AuthenticationError()
+        return await handler(request)
+
+    return check_key
+
+
+def _error_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _error_middleware(metrics: ApiMetrics) -> web.middleware:  # type: ignore[valid-type]
+    @web.middleware
+    async def to_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except PagodaError as exc:
+            response = json_response(exc.to_dict(), status=exc.http_status)
+        except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+            response = json_response(error_body(f"{exc.reason}: {request.method} {request.path}",
+                                                _error_type(exc.status)), status=exc.status)
+            if "Allow" in exc.headers:
+                response.headers["Allow"] = exc.headers["Allow"]
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            response = json_response(error_body("internal server error", "server_error"), status=500)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"  # bounded label values
+        metrics.http_requests.labels(route, str(response.status)).inc()
+        return response
+
+    return to_json

@@ -1,0 +1,215 @@
+"""The HTTP routes: each parses and checks its body, asks a tokenizer, and writes the OpenAI answer."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from pagoda.services.api.errors import UpstreamError
+from pagoda.services.api.generation import Generation
+from pagoda.services.api.metrics import ApiMetrics
+from pagoda.services.api.pool import Reply, TokenizerPool
+from pagoda.services.api.protocol import SSE_DONE, ChatRenderer, CompletionRenderer, Renderer, encode_json, sse
+from pagoda.services.api.schemas import (
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    chat_messages,
+    chat_request,
+    completion_requests,
+    decode_body,
+)
+from pagoda.services.api.stats import StatsFeed
+from pagoda.shared.config import ServerConfig
+from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
+from pagoda.shared.messages import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    GenerateRequest,
+    RequestFailed,
+    TokenizeRequest,
+    TokenizeResult,
+)
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}  # proxies must pass each event on at once
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=encode_json(obj), status=status, content_type="application/json")
+
+
+@dataclass(slots=True)
+class ApiState:
+    """What every handler shares in one api process."""
+
+    config: ServerConfig
+    served_model_name: str
+    model_names: frozenset[str]  # names a request may use for the one model served
+    pool: TokenizerPool
+    stats: StatsFeed
+    metrics: ApiMetrics
+    started: int  # time.time() at start, the models' "created"
+    shutting_down: bool = False
+
+
+class Handlers:
+    def __init__(self, state: ApiState) -> None:
+        self.state = state
+
+    def _check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.state.model_names:
+            raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
+                                     f"`{self.state.served_model_name}`.")
+        return self.state.served_model_name
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        started_at = time.monotonic()
+        body = decode_body(await request.read(), CompletionBody)
+        model = self._check_model(body.model)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        messages = completion_requests(body, response_id, time.time())
+        renderer = CompletionRenderer(response_id, model, int(time.time()), want_logprobs=body.logprobs is not None,
+                                      include_usage=body.include_usage, echo=bool(body.echo))
+        return await self._generate(request, messages, renderer, bool(body.stream), started_at)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        started_at = time.monotonic()
+        body = decode_body(await request.read(), ChatBody)
+        model = self._check_model(body.model)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        message = chat_request(body, response_id, time.time())
+        renderer = ChatRenderer(response_id, model, int(time.time()), want_logprobs=bool(body.logprobs),
+                                include_usage=body.include_usage)
+        return await self._generate(request, [message], renderer, bool(body.stream), started_at)
+
+    async def _generate(self, request: web.Request, messages: list[GenerateRequest], renderer: Renderer,
+                        stream: bool, started_at: float) -> web.StreamResponse:
+        ticket = self.state.pool.submit(messages)
+        gen = Generation(ticket, messages[0].params.n, started_at, self.state.metrics)
+        try:
+            await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
+            if stream:
+                return await self._stream(request, gen, renderer)
+            while not gen.finished:
+                await gen.next_batch()
+            self.state.metrics.e2e.observe(time.monotonic() - started_at)
+            return json_response(renderer.body(gen))
+        finally:
+            # Runs on success, on error and on cancellation (the client hung up): whatever still runs is aborted.
+            self.state.pool.finish(ticket, gen.unfinished_request_ids())
+
+    async def _stream(self, request: web.Request, gen: Generation, renderer: Renderer) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            try:
+                await response.write(renderer.opening(gen))
+                while not gen.finished:
+                    data = renderer.chunks(await gen.next_batch())
+                    if data:
+                        await response.write(data)
+                self.state.metrics.e2e.observe(time.monotonic() - gen.started_at)
+                await response.write(renderer.closing(gen))
+            except Exception as exc:
+                # The status line is sent already: the error travels as an event, then the stream ends.
+                if not isinstance(exc, PagodaError):
+                    if isinstance(exc, ConnectionResetError):
+                        raise
+                    log.exception("stream %s failed", gen.ticket.request_ids[0])
+                    exc = PagodaError("internal server error")
+                await response.write(sse(exc.to_dict()) + SSE_DONE)
+        except ConnectionResetError:
+            log.info("client left stream %s", gen.ticket.request_ids[0])  # the caller's finally aborts it
+        return response
+
+    # ------------------------------------------------------------------ tokenizer utilities
+
+    async def _ask(self, message: TokenizeRequest | DetokenizeRequest) -> Reply:
+        ticket = self.state.pool.submit([message])
+        try:
+            reply = await ticket.queue.get()
+        finally:
+            self.state.pool.finish(ticket, [])  # nothing to abort: the tokenizer answers these at once
+        if isinstance(reply, RequestFailed):
+            raise UpstreamError.from_failed(reply)
+        return reply
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), TokenizeBody)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        request_id = f"tokenize-{uuid.uuid4().hex}"
+        if body.messages is not None:
+            # chat templates carry their own BOS; adding one more would double it
+            message = TokenizeRequest(request_id, messages=chat_messages(body.messages),
+                                      add_special_tokens=bool(body.add_special_tokens),
+                                      add_generation_prompt=body.add_generation_prompt is not False)
+        else:
+            message = TokenizeRequest(request_id, prompt_text=body.prompt,
+                                      add_special_tokens=body.add_special_tokens is not False)
+        reply = await self._ask(message)
+        if not isinstance(reply, TokenizeResult):
+            raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
+        return json_response({"tokens": reply.token_ids, "count": len(reply.token_ids),
+                              "max_model_len": reply.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), DetokenizeBody)
+        self._check_model(body.model)
+        if any(t < 0 for t in body.tokens):
+            raise InvalidRequestError("token ids must be non-negative", param="tokens")
+        reply = await self._ask(DetokenizeRequest(f"detokenize-{uuid.uuid4().hex}", body.tokens))
+        if not isinstance(reply, DetokenizeResult):
+            raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
+        return json_response({"prompt": reply.text})
+
+    # ------------------------------------------------------------------ state
+
+    async def models(self, request: web.Request) -> web.Response:
+        stats = self.state.stats.latest
+        max_model_len = stats.max_model_len if stats is not None and stats.max_model_len > 0 else None
+        card = {"id": self.state.served_model_name, "object": "model", "created": self.state.started,
+                "owned_by": "pagoda", "max_model_len": max_model_len}
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        problems = self.health_problems()
+        if problems:
+            return json_response({"status": "unavailable", "problems": problems}, status=503)
+        return json_response({"status": "ok"})
+
+    def health_problems(self) -> list[str]:
+        state = self.state
+        problems = []
+        if state.shutting_down:
+            problems.append("the server is shutting down")
+        if state.pool.num_live == 0:
+            problems.append("no live tokenizer process")
+        age = state.stats.age()
+        if age is None:
+            problems.append("no scheduler stats received yet")
+        elif age > state.config.heartbeat_timeout:
+            problems.append(f"the scheduler's latest stats are {age:.1f} s old")
+        stats = state.stats.latest
+        if stats is not None and not stats.worker_alive:
+            problems.append("the worker is not alive")
+        if stats is not None and not stats.worker_ready:
+            problems.append("the worker is not ready")
+        return problems
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.state.metrics.render(request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+

@@ -1,0 +1,83 @@
+"""Prometheus metrics: latency histograms observed here, scheduler numbers from its latest snapshot."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from pagoda.shared.messages import SchedulerStats
+
+# prometheus_client picks its value storage from this variable when first imported; the launcher sets it
+# (for api_workers > 1) before this process starts, and we only mirror prometheus_client's own choice.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                 240.0, 480.0, 960.0, 1920.0)
+
+
+class SnapshotCollector:
+    """Scheduler gauges and counters read from the latest snapshot at scrape time.
+
+    Every api process sees the same snapshot, so these are never summed across processes.
+    """
+
+    def __init__(self, latest: Callable[[], SchedulerStats | None]) -> None:
+        self._latest = latest
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._latest()
+        if stats is None:
+            return  # nothing known yet: absent, not a fake zero
+        gauges = (("pagoda_num_requests_running", "Requests the scheduler is running", stats.num_running),
+                  ("pagoda_num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
+                  ("pagoda_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", stats.kv_cache_usage),
+                  ("pagoda_kv_blocks_free", "Free KV cache blocks", stats.kv_blocks_free),
+                  ("pagoda_kv_blocks_total", "KV cache blocks in all", stats.kv_blocks_total))
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        # CounterMetricFamily appends the _total suffix itself.
+        counters = (("pagoda_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                     stats.prefix_hit_tokens_total),
+                    ("pagoda_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                     stats.prefix_query_tokens_total),
+                    ("pagoda_num_preemptions", "Sequences preempted for lack of KV blocks",
+                     stats.num_preemptions_total),
+                    ("pagoda_prompt_tokens", "Prompt tokens computed", stats.prompt_tokens_total),
+                    ("pagoda_generation_tokens", "Tokens generated", stats.generation_tokens_total))
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ApiMetrics:
+    """This process's metrics and the registry /metrics renders."""
+
+    def __init__(self, latest: Callable[[], SchedulerStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        multiprocess = bool(os.environ.get(MULTIPROC_ENV))
+        if multiprocess:
+            # Histogram values live in files every api process writes; the collector sums them all.
+            MultiProcessCollector(self.registry)
+        own = None if multiprocess else self.registry
+        self.ttft = Histogram("pagoda_time_to_first_token_seconds", "Time from HTTP arrival to the first token",
+                              buckets=TTFT_BUCKETS_S, registry=own)
+        self.itl = Histogram("pagoda_inter_token_latency_seconds", "Time between tokens of one completion",
+                             buckets=ITL_BUCKETS_S, registry=own)
+        self.e2e = Histogram("pagoda_e2e_request_latency_seconds", "Time from HTTP arrival to the last token",
+                             buckets=E2E_BUCKETS_S, registry=own)
+        self.http_requests = Counter("pagoda_http_requests", "HTTP requests answered", ["route", "status"],
+                                     registry=own)
+        self.registry.register(SnapshotCollector(latest))
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type, in the format the scraper asked for."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

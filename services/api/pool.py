@@ -1,0 +1,269 @@
+"""The tokenizer processes behind this api: a ZeroMQ ROUTER, their liveness, and replies routed to requests.
+
+    tokenizer A --DEALER--.                       .--> Ticket(queue) --> HTTP handler
+    tokenizer B --DEALER--+--> ROUTER (this pool) +--> Ticket(queue) --> HTTP handler
+                          '<-- [identity, ApiToTokenizer] <-- submit / abort
+
+Invariants: every id in `_tickets` belongs to a ticket in `_open`; a ticket's ids are in its owner's
+`request_ids` while the owner is live; a closed ticket has nothing left to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pagoda.shared.config import ServerConfig
+from pagoda.shared.errors import ServerOverloadedError
+from pagoda.shared.messages import (
+    AbortRequest,
+    Accepted,
+    ApiToTokenizer,
+    DetokenizeResult,
+    Heartbeat,
+    RequestFailed,
+    TextDelta,
+    TextDeltas,
+    TokenizeResult,
+    TokenizerHello,
+    TokenizerToApi,
+)
+from pagoda.shared.transport import Codec, make_socket, split_routed
+
+log = logging.getLogger(__name__)
+
+# What a handler finds in its queue: one reply, or this request's share of a TextDeltas batch.
+Reply = Accepted | RequestFailed | TokenizeResult | DetokenizeResult | list[TextDelta]
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One HTTP request in flight: its wire request ids, the tokenizer that owns them, its reply queue."""
+
+    request_ids: list[str]
+    identity: bytes
+    queue: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
+    closed: bool = False  # the pool ended it (owner lost, shutdown): the tokenizer has nothing to abort
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    pid: int
+    last_seen: float  # time.monotonic() of its latest message
+    request_ids: set[str] = field(default_factory=set)
+
+
+class TokenizerPool:
+    """Registry of live tokenizers and of the requests each owns."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, config: ServerConfig) -> None:
+        self._config = config
+        self._sock = make_socket(context, zmq.ROUTER, endpoint, bind=True)
+        self._decoder: Codec[TokenizerToApi] = Codec(TokenizerToApi)
+        self._encoder: Codec[ApiToTokenizer] = Codec(ApiToTokenizer)
+        self._peers: dict[bytes, Peer] = {}
+        self._tickets: dict[str, Ticket] = {}  # wire request id -> its ticket
+        self._open: set[Ticket] = set()
+        self._num_picks = 0  # round robin among equally loaded tokenizers
+        self._accepting = True
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="tokenizer-recv"),
+                       asyncio.create_task(self._reap_loop(), name="tokenizer-reap")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close(linger=0)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._peers)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no request is open, False if `timeout` seconds pass first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, messages: Sequence[ApiToTokenizer]) -> Ticket:
+        """Send one HTTP request's messages to the least loaded live tokenizer; its replies go to the ticket."""
+        if not self._accepting:
+            raise ServerOverloadedError("the server is shutting down")
+        if len(self._open) >= self._config.max_inflight_requests:
+            raise ServerOverloadedError(
+                f"too many requests in flight (at most {self._config.max_inflight_requests} per api process)")
+        request_ids = [m.request_id for m in messages]
+        while True:
+            peer = self._pick()
+            if all(self._send(peer.identity, m) for m in messages):
+                break
+            self._drop(peer, "unreachable")  # it vanished since its last message: try the next one
+        ticket = Ticket(request_ids, peer.identity)
+        for request_id in request_ids:
+            assert request_id not in self._tickets, request_id
+            self._tickets[request_id] = ticket
+        peer.request_ids.update(request_ids)
+        self._open.add(ticket)
+        self._idle.clear()
+        return ticket
+
+    def finish(self, ticket: Ticket, unfinished_ids: Sequence[str]) -> None:
+        """Forget the ticket; the tokenizer aborts the ids that still run (the client left or gave up)."""
+        if not ticket.closed:
+            for request_id in unfinished_ids:
+                self._send(ticket.identity, AbortRequest(request_id))
+        ticket.closed = True
+        self._forget(ticket)
+
+    def fail_all(self, status: int, message: str) -> None:
+        """End every open request with an error (shutdown), telling each tokenizer to abort its part."""
+        for ticket in list(self._open):
+            if not ticket.closed:
+                for request_id in ticket.request_ids:
+                    self._send(ticket.identity, AbortRequest(request_id))
+                self._fail(ticket, status, message)
+
+    def _forget(self, ticket: Ticket) -> None:
+        peer = self._peers.get(ticket.identity)
+        for request_id in ticket.request_ids:
+            if self._tickets.get(request_id) is ticket:
+                del self._tickets[request_id]
+            if peer is not None:
+                peer.request_ids.discard(request_id)
+        self._open.discard(ticket)
+        if not self._open:
+            self._idle.set()
+
+    def _fail(self, ticket: Ticket, status: int, message: str) -> None:
+        ticket.closed = True
+        # Ids dropped now so that late replies from a tokenizer that comes back are ignored.
+        for request_id in ticket.request_ids:
+            if self._tickets.get(request_id) is ticket:
+                del self._tickets[request_id]
+        ticket.queue.put_nowait(RequestFailed(ticket.request_ids[0], status, message, error_type="server_error"))
+
+    def _pick(self) -> Peer:
+        if not self._peers:
+            raise ServerOverloadedError("no tokenizer process is available")
+        peers = list(self._peers.values())
+        least = min(len(p.request_ids) for p in peers)
+        candidates = [p for p in peers if len(p.request_ids) == least]
+        self._num_picks += 1
+        return candidates[self._num_picks % len(candidates)]
+
+    def _send(self, identity: bytes, message: ApiToTokenizer) -> bool:
+        """Send without awaiting (safe in a cancelled handler's cleanup); False if the peer is unreachable."""
+        future = self._sock.send_multipart([identity, self._encoder.encode(message)])
+        # With no high-water mark the send completes at once unless another one is queued before it.
+        if not future.done():
+            future.add_done_callback(_log_send_error)
+            return True
+        exc = future.exception()
+        if exc is None:
+            return True
+        log.warning("cannot send %s to tokenizer %r: %s", type(message).__name__, identity, exc)
+        return False
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                    return
+                log.error("tokenizer socket receive failed: %s", exc)
+                await asyncio.sleep(0.1)  # do not spin on a persistent error
+                continue
+            routed = split_routed(frames)
+            message = None if routed is None else self._decoder.decode(routed[1])
+            if routed is None or message is None:
+                continue  # malformed: already logged by split_routed / Codec
+            try:
+                self._dispatch(routed[0], message)
+            except Exception:  # one bad message must not stop every request's replies
+                log.exception("failed to handle %s from tokenizer %r", type(message).__name__, routed[0])
+
+    def _dispatch(self, identity: bytes, message: TokenizerToApi) -> None:
+        peer = self._peers.get(identity)
+        if isinstance(message, TokenizerHello):
+            if peer is not None and peer.pid != message.pid:
+                self._drop(peer, f"restarted as pid {message.pid}")
+                peer = None
+            if peer is None:
+                log.info("tokenizer %r (pid %d) joined", identity, message.pid)
+        if peer is None:
+            # Any valid message registers its sender: this api may have restarted under a live tokenizer.
+            pid = message.pid if isinstance(message, TokenizerHello) else 0
+            peer = self._peers[identity] = Peer(identity, pid, time.monotonic())
+        peer.last_seen = time.monotonic()
+        if isinstance(message, (TokenizerHello, Heartbeat)):
+            return
+        if isinstance(message, TextDeltas):
+            self._route_deltas(identity, message.deltas)
+            return
+        ticket = self._tickets.get(message.request_id)
+        if ticket is not None and ticket.identity == identity:
+            ticket.queue.put_nowait(message)
+
+    def _route_deltas(self, identity: bytes, deltas: list[TextDelta]) -> None:
+        """Split one batch by request so each handler wakes once per batch."""
+        groups: dict[Ticket, list[TextDelta]] = {}
+        for delta in deltas:
+            ticket = self._tickets.get(delta.request_id)
+            if ticket is not None and ticket.identity == identity:
+                groups.setdefault(ticket, []).append(delta)
+        for ticket, group in groups.items():
+            ticket.queue.put_nowait(group)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.heartbeat_interval)
+            now = time.monotonic()
+            for peer in list(self._peers.values()):
+                silent_s = now - peer.last_seen
+                if silent_s > self._config.heartbeat_timeout:
+                    self._drop(peer, f"silent for {silent_s:.1f} s")
+
+    def _drop(self, peer: Peer, why: str) -> None:
+        """Take a tokenizer for dead: each request it owned gets an error, and it is asked to abort them."""
+        log.warning("tokenizer %r dropped (%s); failing its %d request(s)", peer.identity, why,
+                    len(peer.request_ids))
+        del self._peers[peer.identity]
+        tickets = {self._tickets[r] for r in peer.request_ids if r in self._tickets}
+        for ticket in tickets:
+            # If it was only slow, the abort frees its work; if it is gone, the send fails quietly.
+            for request_id in ticket.request_ids:
+                self._send(peer.identity, AbortRequest(request_id))
+            self._fail(ticket, 503, f"the tokenizer process serving this request is gone ({why})")
+
+
+def _log_send_error(future: asyncio.Future[object]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("a send to a tokenizer failed: %s", future.exception())

@@ -1,0 +1,162 @@
+"""OpenAI response shapes: whole bodies, SSE chunks and error bodies; pure functions of a Generation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pagoda.services.api.generation import Choice, Generation
+from pagoda.shared.messages import FinishReason, PositionLogprobs, TextDelta
+
+_encoder = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def encode_json(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _finish_name(reason: int) -> str | None:
+    return FinishReason(reason).openai_name if reason >= 0 else None
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    prompt_tokens, completion_tokens = gen.prompt_tokens, gen.completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+
+def completion_logprobs(positions: list[PositionLogprobs], offset: int) -> dict[str, Any]:
+    """The legacy shape; `offset` is where the first token starts in the choice's text."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for position in positions:
+        sampled = position.sampled
+        tokens.append(sampled.token)
+        token_logprobs.append(sampled.logprob)
+        alternatives = {t.token: t.logprob for t in position.top}
+        alternatives.setdefault(sampled.token, sampled.logprob)  # vLLM's convention: the pick is always listed
+        top_logprobs.append(alternatives)
+        text_offset.append(offset)
+        offset += len(sampled.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
+    content = [{"token": p.sampled.token, "logprob": p.sampled.logprob, "bytes": p.sampled.bytes,
+                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in p.top]}
+               for p in positions]
+    return {"content": content, "refusal": None}
+
+
+class Renderer:
+    """One response's envelope (id, created, model) and the parts shared by both routes."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool,
+                 include_usage: bool) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = created
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+
+    def body(self, gen: Generation) -> dict[str, Any]:
+        """The non-streaming response."""
+        return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": [self._choice(gen, c) for c in gen.choices], "usage": usage(gen)}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        chunk: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
+                                 "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI's convention: only the final chunk carries usage
+        return sse(chunk)
+
+    def opening(self, gen: Generation) -> bytes:
+        """SSE bytes before the first delta."""
+        return b""
+
+    def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
+        """One chunk per delta that says something (text, logprobs or an end), in one write."""
+        return b"".join(self._chunk([self._delta_choice(choice, delta)]) for choice, delta in batch
+                        if delta.text or delta.logprobs or delta.finish_reason >= 0)
+
+    def closing(self, gen: Generation) -> bytes:
+        """The usage chunk when asked for, then [DONE]."""
+        if not self.include_usage:
+            return SSE_DONE
+        return sse({"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
+                    "model": self.model, "choices": [], "usage": usage(gen)}) + SSE_DONE
+
+    def _choice(self, gen: Generation, choice: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionRenderer(Renderer):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
+                 echo: bool) -> None:
+        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage)
+        self.echo = echo
+        self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token (streaming)
+
+    def _prompt_text(self, gen: Generation, choice: Choice) -> str:
+        return gen.prompt_texts[choice.index // gen.n] if self.echo else ""
+
+    def _choice(self, gen: Generation, choice: Choice) -> dict[str, Any]:
+        logprobs = completion_logprobs(choice.logprobs, 0) if self.want_logprobs else None
+        return {"index": choice.index, "text": self._prompt_text(gen, choice) + choice.text, "logprobs": logprobs,
+                "finish_reason": _finish_name(choice.finish_reason)}
+
+    def opening(self, gen: Generation) -> bytes:
+        if not self.echo:
+            return b""
+        return b"".join(self._chunk([{"index": c.index, "text": self._prompt_text(gen, c), "logprobs": None,
+                                      "finish_reason": None}]) for c in gen.choices)
+
+    def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        logprobs = None
+        if self.want_logprobs:
+            offset = self._offsets.get(choice.index, 0)
+            logprobs = completion_logprobs(delta.logprobs, offset)
+            self._offsets[choice.index] = offset + sum(len(p.sampled.token) for p in delta.logprobs)
+        return {"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": _finish_name(delta.finish_reason)}
+
+
+class ChatRenderer(Renderer):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _choice(self, gen: Generation, choice: Choice) -> dict[str, Any]:
+        logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": logprobs, "finish_reason": _finish_name(choice.finish_reason)}
+
+    def opening(self, gen: Generation) -> bytes:
+        # Every choice's first chunk carries the role, as OpenAI's do.
+        return b"".join(self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]) for c in gen.choices)
+
+    def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": chat_logprobs(delta.logprobs) if self.want_logprobs else None,
+                "finish_reason": _finish_name(delta.finish_reason)}

@@ -1,0 +1,271 @@
+"""HTTP request bodies of the OpenAI routes as msgspec Structs, checked and turned into wire messages."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5 alternatives
+MAX_CHAT_TOP_LOGPROBS = 20
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+T = TypeVar("T")
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool | None = None
+
+
+class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields the two generation routes share; every one is honoured or rejected, never ignored."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # metadata only: they change nothing about the answer
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None
+    add_special_tokens: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionBody(_GenerationBody):
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class MessageBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: str
+    # parts are checked by hand so that an image part gets a clear message, not "unknown field"
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatBody(_GenerationBody):
+    messages: list[MessageBody]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, str | int | float | bool] | None = None
+
+
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[MessageBody] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# decoding
+
+
+_FIELD_RE = re.compile(r"(unknown|missing required) field `([^`]*)`")
+_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def decode_body(data: bytes, kind: type[T]) -> T:
+    """The body as a `kind`, or InvalidRequestError naming the offending parameter."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _validation_error(text: str) -> InvalidRequestError:
+    path_match = _PATH_RE.search(text)
+    path = path_match.group(1) if path_match else ""
+    detail = text[:path_match.start()] if path_match else text
+    field_match = _FIELD_RE.search(detail)
+    if field_match:
+        param = f"{path}.{field_match.group(2)}" if path else field_match.group(2)
+        if field_match.group(1) == "unknown":
+            return InvalidRequestError(f"Unrecognized request argument supplied: {param}", param=param)
+        return InvalidRequestError(f"Missing required parameter: {param}", param=param)
+    if not path:
+        return InvalidRequestError(f"the request body must be a JSON object: {detail}")
+    return InvalidRequestError(f"Invalid value for '{path}': {detail}", param=path)
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)
+
+
+# --------------------------------------------------------------------------------------------
+# bodies -> wire messages
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
+
+
+def _common_checks(body: _GenerationBody) -> None:
+    _require(not body.logit_bias, "logit_bias", "logit_bias is not supported")
+    _require(not body.store, "store", "store is not supported: nothing is kept after the answer")
+    _require(body.stream_options is None or bool(body.stream), "stream_options",
+             "stream_options is only allowed when stream is true")
+
+
+def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
+    """SamplingParams fields the client set; the others keep SamplingParams' defaults."""
+    names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
+             "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+             "include_stop_str_in_output")
+    kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    kwargs["stop"] = _stop_list(body.stop)
+    return kwargs
+
+
+def completion_params(body: CompletionBody) -> SamplingParams:
+    _common_checks(body)
+    _require(not body.suffix, "suffix", "suffix is not supported")
+    _require(body.best_of is None or body.best_of == (body.n or 1), "best_of",
+             "best_of is not supported unless it equals n")
+    _require(body.logprobs is None or 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS, "logprobs",
+             f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
+    _require(not (body.echo and body.logprobs is not None), "echo", "echo together with logprobs is not supported")
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    return SamplingParams(**_sampling_kwargs(body), max_tokens=max_tokens, logprobs=body.logprobs).validate()
+
+
+def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """One entry per prompt: text, or token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    _require(len(prompt) > 0, "prompt", "prompt must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        ids: list[int] = prompt  # type: ignore[assignment]
+        _require(all(t >= 0 for t in ids), "prompt", "token ids must be non-negative")
+        return [ids]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    _require(all(isinstance(p, list) for p in prompt), "prompt",
+             "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids")
+    for ids in prompt:
+        _require(len(ids) > 0 and all(t >= 0 for t in ids), "prompt",  # type: ignore[union-attr]
+                 "each token id list must be non-empty and hold non-negative ids")
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def completion_requests(body: CompletionBody, base_id: str, arrival_time: float) -> list[GenerateRequest]:
+    """One GenerateRequest per prompt; several prompts get ids suffixed -0, -1, ..."""
+    params = completion_params(body)
+    prompts = completion_prompts(body.prompt)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        requests.append(GenerateRequest(
+            request_id, params, prompt_text=text, prompt_token_ids=ids,
+            add_special_tokens=True if body.add_special_tokens is None else body.add_special_tokens,
+            priority=body.priority or 0, arrival_time=arrival_time, return_prompt_text=bool(body.echo)))
+    return requests
+
+
+def chat_messages(messages: list[MessageBody], param: str = "messages") -> list[ChatMessage]:
+    _require(len(messages) > 0, param, "messages must not be empty")
+    return [_chat_message(m, f"{param}[{i}]") for i, m in enumerate(messages)]
+
+
+def _chat_message(message: MessageBody, param: str) -> ChatMessage:
+    if message.role in ("tool", "function"):
+        raise InvalidRequestError("tools are not supported", param=f"{param}.role")
+    _require(message.role in CHAT_ROLES, f"{param}.role",
+             f"role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+    content = message.content
+    _require(content is not None, f"{param}.content", "content is required")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            _require(kind == "text", f"{param}.content[{j}].type",
+                     f"only text content parts are supported, got {kind!r}")
+            _require(set(part) <= {"type", "text"} and isinstance(part.get("text"), str),
+                     f"{param}.content[{j}]", "a text part is {\"type\": \"text\", \"text\": string}")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    assert isinstance(content, str)
+    return ChatMessage(CHAT_ROLES[message.role], content, message.name)
+
+
+def _chat_checks(body: ChatBody) -> None:
+    _common_checks(body)
+    _require(not body.tools, "tools", "tools are not supported")
+    _require(body.tool_choice in (None, "none"), "tool_choice", "tool_choice other than 'none' is not supported")
+    _require(body.response_format is None or body.response_format == {"type": "text"}, "response_format",
+             "only response_format {\"type\": \"text\"} is supported")
+    _require(body.top_logprobs is None or bool(body.logprobs), "top_logprobs",
+             "top_logprobs requires logprobs to be true")
+    _require(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_CHAT_TOP_LOGPROBS, "top_logprobs",
+             f"top_logprobs must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}]")
+    _require(not (body.continue_final_message and body.add_generation_prompt), "continue_final_message",
+             "continue_final_message and add_generation_prompt cannot both be true")
+
+
+def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> GenerateRequest:
+    _chat_checks(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = SamplingParams(**_sampling_kwargs(body), max_tokens=max_tokens, logprobs=logprobs).validate()
+    messages = chat_messages(body.messages)
+    continue_final = bool(body.continue_final_message)
+    _require(not continue_final or messages[-1].role == "assistant", "continue_final_message",
+             "continue_final_message needs an assistant message last")
+    # Continuing the last message implies no new assistant turn, unless the client asked (refused above).
+    add_generation_prompt = not continue_final if body.add_generation_prompt is None else body.add_generation_prompt
+    return GenerateRequest(
+        request_id, params, messages=messages, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final, chat_template_kwargs=body.chat_template_kwargs or {},
+        # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
+        add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
+        arrival_time=arrival_time)

@@ -1,0 +1,95 @@
+"""The api process: serve HTTP on a shared port until SIGTERM, then drain in-flight requests and exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import zmq.asyncio
+from aiohttp import web
+
+from pagoda.services.api.app import build_app
+from pagoda.services.api.handlers import ApiState
+from pagoda.services.api.metrics import ApiMetrics
+from pagoda.services.api.pool import TokenizerPool
+from pagoda.services.api.stats import StatsFeed
+from pagoda.shared.config import EngineConfig, ServerConfig
+
+log = logging.getLogger(__name__)
+
+FAIL_FLUSH_S = 2.0  # after the grace period: time for handlers to write their error and return
+CLOSE_TIMEOUT_S = 1.0  # then aiohttp cancels whatever is left
+
+
+def served_model_name(engine_config: EngineConfig, config: ServerConfig) -> str:
+    return config.served_model_name or os.path.basename(engine_config.model.rstrip("/")) or engine_config.model
+
+
+def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Serve until SIGTERM or SIGINT; returns after a clean shutdown."""
+    try:
+        import uvloop
+    except ImportError:  # not on Windows; the default loop works, only slower
+        asyncio.run(_serve(engine_config, server_config))
+        return
+    uvloop.run(_serve(engine_config, server_config))
+
+
+def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, config: ServerConfig) -> ApiState:
+    endpoints = config.endpoints()
+    name = served_model_name(engine_config, config)
+    pool = TokenizerPool(context, endpoints.api[config.api_index], config)
+    stats = StatsFeed(context, endpoints.stats)
+    return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
+                    pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest), started=int(time.time()))
+
+
+async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+    context = zmq.asyncio.Context()
+    try:
+        state = _make_state(context, engine_config, config)
+        app = build_app(state)
+        access_log = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S,
+                               access_log=access_log)
+        await runner.setup()
+        try:
+            state.pool.start()
+            state.stats.start()
+            site = web.TCPSite(runner, config.host, config.port, reuse_port=True)
+            await site.start()
+            log.info("api %d serving %s on http://%s:%d", config.api_index, state.served_model_name,
+                     config.host, config.port)
+            await _wait_for_signal()
+            await _drain(state, site, config.shutdown_grace)
+        finally:
+            await runner.cleanup()
+            await state.pool.close()
+            await state.stats.close()
+    finally:
+        context.destroy(linger=0)
+    log.info("api %d stopped", config.api_index)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _drain(state: ApiState, site: web.TCPSite, grace_s: float) -> None:
+    """Stop taking connections, give in-flight requests `grace_s`, then end the rest with an error."""
+    log.info("shutting down: %d request(s) in flight, %.1f s grace", state.pool.num_open, grace_s)
+    state.shutting_down = True
+    state.pool.stop_accepting()
+    await site.stop()  # the listening socket closes; open connections keep their requests
+    if await state.pool.wait_idle(grace_s):
+        return
+    log.warning("ending %d request(s) still in flight after the grace period", state.pool.num_open)
+    state.pool.fail_all(503, "the server is shutting down")
+    await state.pool.wait_idle(FAIL_FLUSH_S)

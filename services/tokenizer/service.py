@@ -1,0 +1,550 @@
+"""The tokenizer process: prompts become token ids for the scheduler, token ids become text for the apis."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from pagoda.services.tokenizer.text_stream import TextStream
+from pagoda.services.tokenizer.tokenizer import Tokenizer, has_tokenizer
+from pagoda.services.worker.model_config import SHAPES
+from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.errors import (
+    ConfigError,
+    ContextLengthError,
+    InvalidRequestError,
+    PagodaError,
+    ServerOverloadedError,
+)
+from pagoda.shared.messages import (
+    AbortRequest,
+    Accepted,
+    AddRequest,
+    ApiToTokenizer,
+    ChatMessage,
+    DetokenizeRequest,
+    DetokenizeResult,
+    FinishReason,
+    GenerateRequest,
+    Heartbeat,
+    ModelInfo,
+    PositionLogprobs,
+    RequestFailed,
+    SamplingParams,
+    SchedulerToTokenizer,
+    StopSequence,
+    TextDelta,
+    TextDeltas,
+    TokenDelta,
+    TokenDeltas,
+    TokenizeRequest,
+    TokenizeResult,
+    TokenizerHello,
+    TokenizerToApi,
+    TokenizerToScheduler,
+    TokenLogprob,
+)
+from pagoda.shared.transport import Codec, make_socket, single_frame
+
+log = logging.getLogger(__name__)
+
+MAX_POLL_S = 0.1  # timers (heartbeats, liveness, shutdown) are looked at least this often
+MAX_DRAIN = 512  # messages taken from one socket before the other sockets get a turn
+CLOSE_LINGER_MS = 500  # the last answers (503s on shutdown) get this long to leave
+SCHEDULER_UNAVAILABLE = "the scheduler is not available; try again later"
+_UNUSED_ENDPOINT = "inproc://unused-by-tokenizer"
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    """--tokenizer if given, else the model folder's own; None for a dummy shape or a folder without one.
+
+    The same rule as pagoda.engine.load_tokenizer, which cannot be imported here: it pulls in torch.
+    """
+    if config.tokenizer is not None:
+        return Tokenizer(config.tokenizer)
+    if config.load_format == "dummy" and config.model in SHAPES:
+        return None
+    if not has_tokenizer(config.model):
+        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", config.model)
+        return None
+    return Tokenizer(config.model)
+
+
+def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], str]:
+    """The api and scheduler addresses; the worker and stats ones need not be set for this process."""
+    unused = {name: getattr(config, name) or _UNUSED_ENDPOINT
+              for name in ("plan_endpoint", "result_endpoint", "stats_endpoint")}
+    endpoints = dataclasses.replace(config, **unused).endpoints()
+    if not endpoints.api:
+        raise ConfigError("no api endpoint to connect to", param="api_endpoints")
+    return endpoints.api, endpoints.scheduler
+
+
+# --------------------------------------------------------------------------------------------
+# prompts: pure functions of a request, the tokenizer and the model's limits
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the text the ids came from (None for token-id prompts)
+    param: str  # the request field errors about this prompt name
+
+
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        entry: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, prompt_token_ids: list[int] | None,
+                    messages: list[ChatMessage] | None, add_special_tokens: bool = True,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault."""
+    if sum(field is not None for field in (prompt_text, prompt_token_ids, messages)) != 1:
+        raise InvalidRequestError("exactly one of a prompt, prompt token ids or messages must be given",
+                                  param="prompt")
+    if prompt_token_ids is not None:
+        return Prompt(list(prompt_token_ids), None, "prompt")
+    param = "messages" if messages is not None else "prompt"
+    if tokenizer is None:
+        raise InvalidRequestError(f"this model has no tokenizer: send the prompt as token ids, not {param}",
+                                  param=param)
+    try:
+        if messages is not None:
+            # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
+            text = tokenizer.render_chat(chat_dicts(messages), add_generation_prompt,
+                                         continue_final_message=continue_final_message,
+                                         chat_template_kwargs=chat_template_kwargs)
+            return Prompt(tokenizer.encode(text, add_special_tokens=False), text, param)
+        assert prompt_text is not None
+        return Prompt(tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens), prompt_text, param)
+    except PagodaError:
+        raise
+    except Exception as exc:
+        # A template or tokenizer that raises is the request's problem, never the process's.
+        raise InvalidRequestError(f"cannot tokenize the {param}: {exc}", param=param) from exc
+
+
+def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, param: str) -> None:
+    """Raise InvalidRequestError unless the scheduler can run this prompt with these params."""
+    if not token_ids:
+        raise InvalidRequestError(f"the {param} is empty", param=param)
+    if min(token_ids) < 0 or max(token_ids) >= info.vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < info.vocab_size)
+        raise InvalidRequestError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
+    # At least one token must be generated, in the context and in the KV cache.
+    max_prompt_len = min(info.max_model_len, info.max_num_tokens) - 1
+    num_tokens = len(token_ids)
+    if num_tokens > max_prompt_len:
+        raise ContextLengthError(f"the {param} has {num_tokens} tokens; this model accepts at most "
+                                 f"{max_prompt_len} prompt tokens", param=param)
+    if params.max_tokens is not None and num_tokens + params.max_tokens > info.max_model_len:
+        raise ContextLengthError(f"this model's maximum context length is {info.max_model_len} tokens, but "
+                                 f"{num_tokens} prompt tokens plus max_tokens={params.max_tokens} exceed it",
+                                 param="max_tokens")
+    if any(t >= info.vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be < {info.vocab_size}", param="stop_token_ids")
+
+
+def request_failed(request_id: str, error: PagodaError) -> RequestFailed:
+    return RequestFailed(request_id, error.http_status, error.message, error.error_type, error.param, error.code)
+
+
+# --------------------------------------------------------------------------------------------
+# the process
+
+
+@dataclass(slots=True)
+class RequestState:
+    api: int  # index of the owning api's socket
+    params: SamplingParams
+    streams: list[TextStream | None]  # one per completion; None once that completion finished
+    num_unfinished: int
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A request that needs ModelInfo, which the scheduler has not sent (yet, or again)."""
+
+    api: int
+    message: GenerateRequest | TokenizeRequest
+    received_at: float  # time.monotonic()
+
+
+class TokenizerService:
+    """One tokenizer process: a DEALER per api and one to the scheduler, served by one poll loop."""
+
+    def __init__(self, server_config: ServerConfig, tokenizer: Tokenizer | None,
+                 context: zmq.Context | None = None) -> None:
+        self.tokenizer_id = server_config.tokenizer_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._tokenizer = tokenizer
+        self._interval = server_config.heartbeat_interval
+        self._timeout = server_config.heartbeat_timeout
+        self._max_waiting = server_config.max_inflight_requests
+        api_endpoints, scheduler_endpoint = tokenizer_endpoints(server_config)
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        identity = self.tokenizer_id.encode()
+        self._apis = [make_socket(self._context, zmq.DEALER, endpoint, bind=False, identity=identity)
+                      for endpoint in api_endpoints]
+        self._scheduler = make_socket(self._context, zmq.DEALER, scheduler_endpoint, bind=False, identity=identity)
+        self._api_in: Codec[ApiToTokenizer] = Codec(ApiToTokenizer)
+        self._api_out: Codec[TokenizerToApi] = Codec(TokenizerToApi)
+        self._scheduler_in: Codec[SchedulerToTokenizer] = Codec(SchedulerToTokenizer)
+        self._scheduler_out: Codec[TokenizerToScheduler] = Codec(TokenizerToScheduler)
+        self._poller = zmq.Poller()
+        self._handlers: dict[zmq.Socket, Callable[[Any], None]] = {self._scheduler: self._on_scheduler_frame}
+        for index, sock in enumerate(self._apis):
+            self._handlers[sock] = lambda frame, index=index: self._on_api_frame(index, frame)
+        for sock in self._handlers:
+            self._poller.register(sock, zmq.POLLIN)
+
+        self._requests: dict[str, RequestState] = {}
+        self._waiting: deque[Waiting] = deque()
+        self._model_info: ModelInfo | None = None
+        self._scheduler_heard_at: float | None = None  # None: not heard since start, or since it was lost
+        self._scheduler_lost = False  # True: taken for dead; the next word from it gets a fresh hello
+        self._scheduler_sender: str | None = None  # its heartbeats' sender: a new one means it restarted
+        self._next_heartbeat = 0.0
+        self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
+        self._stopping = False
+        log.info("tokenizer %s: apis %s, scheduler %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoint,
+                 f"tokenizer {tokenizer.path}" if tokenizer is not None else "no tokenizer (token ids only)")
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self) -> None:
+        hello = TokenizerHello(self.tokenizer_id, os.getpid())
+        for api in range(len(self._apis)):
+            self._send_api(api, hello)
+        self._send_scheduler(hello)
+        self._next_heartbeat = time.monotonic() + self._interval
+        try:
+            while not self._stopping:
+                self._poll_once()
+                self._tick(time.monotonic())
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to end (from a signal handler): it does within MAX_POLL_S."""
+        self._stopping = True
+
+    def _poll_once(self) -> None:
+        timeout_s = min(MAX_POLL_S, max(0.0, self._next_heartbeat - time.monotonic()))
+        for sock, _ in self._poller.poll(timeout_s * 1000):
+            handle = self._handlers[sock]
+            for _ in range(MAX_DRAIN):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                frame = single_frame(frames)
+                if frame is not None:
+                    handle(frame)
+
+    def _tick(self, now: float) -> None:
+        if now >= self._next_heartbeat:
+            self._send_heartbeats()
+            self._next_heartbeat = now + self._interval
+        if self._scheduler_heard_at is not None and now - self._scheduler_heard_at > self._timeout:
+            self._lose_scheduler(f"the scheduler has not answered for {self._timeout:g} s")
+        while self._waiting and now - self._waiting[0].received_at > self._timeout:
+            waiting = self._waiting.popleft()
+            self._fail(waiting.api, waiting.message.request_id,
+                       ServerOverloadedError(SCHEDULER_UNAVAILABLE))
+
+    def _send_heartbeats(self) -> None:
+        beat = Heartbeat(self.tokenizer_id, num_inflight=len(self._requests) + len(self._waiting))
+        data = self._api_out.encode(beat)
+        for sock in self._apis:
+            _send(sock, data)
+        # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
+        # only registers a tokenizer on its hello (it answers each with ModelInfo, so repeats are harmless).
+        self._send_scheduler(beat if self._model_info is not None else TokenizerHello(self.tokenizer_id, os.getpid()))
+
+    def _shutdown(self) -> None:
+        self._fail_all(ServerOverloadedError("the server is shutting down"))
+        for sock in self._handlers:
+            sock.close(linger=CLOSE_LINGER_MS)
+        if self._own_context:
+            self._context.term()
+        log.info("tokenizer %s stopped", self.tokenizer_id)
+
+    # ---------------------------------------------------------------- api -> tokenizer
+
+    def _on_api_frame(self, api: int, frame: Any) -> None:
+        message = self._api_in.decode(frame)
+        if message is not None:
+            self._dispatch_api(api, message)
+
+    def _dispatch_api(self, api: int, message: ApiToTokenizer) -> None:
+        try:
+            if isinstance(message, GenerateRequest | TokenizeRequest):
+                if self._model_info is None:
+                    self._wait_for_model_info(api, message)
+                elif isinstance(message, GenerateRequest):
+                    self._on_generate(api, message, self._model_info)
+                else:
+                    self._on_tokenize(api, message, self._model_info)
+            elif isinstance(message, AbortRequest):
+                self._on_abort(message.request_id)
+            elif isinstance(message, DetokenizeRequest):
+                self._on_detokenize(api, message)
+            else:
+                log.warning("dropped an unexpected %s from api %d", type(message).__name__, api)
+        except Exception:
+            # A bug must cost one request, not the process.
+            log.exception("failed on %s %s", type(message).__name__, message.request_id)
+            self._drop(message.request_id, abort=True)
+            self._fail(api, message.request_id, PagodaError("internal error in the tokenizer"))
+
+    def _wait_for_model_info(self, api: int, message: GenerateRequest | TokenizeRequest) -> None:
+        if len(self._waiting) >= self._max_waiting:
+            self._fail(api, message.request_id, ServerOverloadedError(SCHEDULER_UNAVAILABLE))
+            return
+        self._waiting.append(Waiting(api, message, time.monotonic()))
+
+    def _on_generate(self, api: int, request: GenerateRequest, info: ModelInfo) -> None:
+        request_id, params = request.request_id, request.params
+        if request_id in self._requests:
+            self._fail(api, request_id, InvalidRequestError(f"request id {request_id!r} is already in flight"))
+            return
+        try:
+            params.validate()
+            prompt = tokenize_prompt(
+                self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=request.prompt_token_ids,
+                messages=request.messages, add_special_tokens=request.add_special_tokens,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs)
+            check_prompt(prompt.token_ids, params, info, prompt.param)
+        except PagodaError as exc:
+            self._fail(api, request_id, exc)
+            return
+        streams: list[TextStream | None] = [TextStream(self._tokenizer, prompt.token_ids, params)
+                                            for _ in range(params.n)]
+        self._requests[request_id] = RequestState(api, params, streams, params.n)
+        self._send_scheduler(AddRequest(request_id, prompt.token_ids, params, request.priority,
+                                        request.arrival_time))
+        echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
+        self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo))
+
+    def _prompt_text(self, prompt: Prompt, params: SamplingParams) -> str | None:
+        if prompt.text is not None or self._tokenizer is None:
+            return prompt.text
+        return self._tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _on_abort(self, request_id: str) -> None:
+        if request_id in self._requests:
+            self._drop(request_id, abort=True)
+        elif self._waiting:
+            self._waiting = deque(w for w in self._waiting if w.message.request_id != request_id)
+        # Otherwise it already finished or failed here; its last deltas crossed the abort.
+
+    def _on_tokenize(self, api: int, request: TokenizeRequest, info: ModelInfo) -> None:
+        try:
+            prompt = tokenize_prompt(self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=None,
+                                     messages=request.messages, add_special_tokens=request.add_special_tokens,
+                                     add_generation_prompt=request.add_generation_prompt)
+        except PagodaError as exc:
+            self._fail(api, request.request_id, exc)
+            return
+        self._send_api(api, TokenizeResult(request.request_id, prompt.token_ids, info.max_model_len))
+
+    def _on_detokenize(self, api: int, request: DetokenizeRequest) -> None:
+        if self._tokenizer is None:
+            self._fail(api, request.request_id, InvalidRequestError("this model has no tokenizer", param="tokens"))
+            return
+        vocab_size = self._model_info.vocab_size if self._model_info is not None else self._tokenizer.vocab_size
+        bad = next((t for t in request.token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            self._fail(api, request.request_id,
+                       InvalidRequestError(f"token id {bad} is out of range [0, {vocab_size})", param="tokens"))
+            return
+        try:
+            text = self._tokenizer.decode(request.token_ids, skip_special_tokens=False)
+        except Exception as exc:
+            self._fail(api, request.request_id, InvalidRequestError(f"cannot decode: {exc}", param="tokens"))
+            return
+        self._send_api(api, DetokenizeResult(request.request_id, text))
+
+    # ---------------------------------------------------------------- scheduler -> tokenizer
+
+    def _on_scheduler_frame(self, frame: Any) -> None:
+        message = self._scheduler_in.decode(frame)
+        if message is None:
+            return
+        self._heard_from_scheduler(message)
+        if isinstance(message, TokenDeltas):
+            self._on_token_deltas(message)
+        elif isinstance(message, ModelInfo):
+            self._on_model_info(message)
+        elif isinstance(message, RequestFailed):
+            state = self._requests.pop(message.request_id, None)
+            if state is not None:
+                self._send_api(state.api, message)
+        elif not isinstance(message, Heartbeat):
+            log.warning("dropped an unexpected %s from the scheduler", type(message).__name__)
+
+    def _heard_from_scheduler(self, message: SchedulerToTokenizer) -> None:
+        if isinstance(message, Heartbeat):
+            if self._scheduler_sender is not None and message.sender != self._scheduler_sender:
+                self._lose_scheduler(f"the scheduler restarted ({self._scheduler_sender} -> {message.sender})")
+            self._scheduler_sender = message.sender
+        if self._scheduler_lost:
+            log.info("the scheduler is back: registering again")
+            self._scheduler_lost = False
+            self._send_scheduler(TokenizerHello(self.tokenizer_id, os.getpid()))
+        self._scheduler_heard_at = time.monotonic()
+
+    def _on_model_info(self, info: ModelInfo) -> None:
+        if info != self._model_info:
+            log.info("registered with the scheduler: %s", info)
+        self._model_info = info
+        waiting, self._waiting = self._waiting, deque()
+        for entry in waiting:
+            self._dispatch_api(entry.api, entry.message)
+
+    def _lose_scheduler(self, reason: str) -> None:
+        """Fail what is in flight; new requests wait for the scheduler to register this process again."""
+        log.warning("%s: failing %d in-flight requests", reason, len(self._requests))
+        self._fail_all(ServerOverloadedError(reason))
+        self._model_info = None
+        self._scheduler_heard_at = None
+        self._scheduler_lost = True
+
+    def _on_token_deltas(self, message: TokenDeltas) -> None:
+        # One TextDeltas per api per scheduler step: a step carries up to max_num_seqs deltas.
+        outgoing: dict[int, list[TextDelta]] = {}
+        for delta in message.deltas:
+            state = self._requests.get(delta.request_id)
+            if state is None:
+                continue  # aborted or failed here: these tokens were already on their way
+            try:
+                text_delta = self._text_delta(state, delta)
+            except Exception:
+                log.exception("failed on the tokens of %s", delta.request_id)
+                self._drop(delta.request_id, abort=True)
+                self._fail(state.api, delta.request_id, PagodaError("internal error in the tokenizer"))
+                continue
+            if text_delta is not None:
+                outgoing.setdefault(state.api, []).append(text_delta)
+        for api, deltas in outgoing.items():
+            self._send_api(api, TextDeltas(deltas))
+
+    def _text_delta(self, state: RequestState, delta: TokenDelta) -> TextDelta | None:
+        """The text one completion gained; finishes it (and tells the scheduler) on a stop string."""
+        if not 0 <= delta.index < len(state.streams):
+            log.warning("dropped tokens for completion %d of %s (n=%d)", delta.index, delta.request_id,
+                        len(state.streams))
+            return None
+        stream = state.streams[delta.index]
+        if stream is None:
+            return None  # a stop string finished it here; tokens sampled before the scheduler knew are dropped
+        token_ids, reason = delta.token_ids, delta.finish_reason
+        if not token_ids and reason < 0:
+            return None
+        # A stop token's own text (EOS, stop_token_ids) is not part of the output: with STOP it is the last.
+        text = stream.push(token_ids[:-1] if reason == FinishReason.STOP else token_ids)
+        if reason < 0 and stream.stopped:
+            reason = FinishReason.STOP
+            self._send_scheduler(StopSequence(delta.request_id, delta.index))
+        if reason >= 0:
+            text += stream.close()
+            if stream.stopped:  # a stop string completed in the text held back until now
+                reason = FinishReason.STOP
+            self._finish_completion(state, delta.request_id, delta.index)
+        logprobs = self._logprobs(delta) if state.params.logprobs is not None else []
+        return TextDelta(delta.request_id, delta.index, text, len(token_ids), int(reason), logprobs,
+                         delta.num_cached_tokens, stream.stop_reason)
+
+    def _finish_completion(self, state: RequestState, request_id: str, index: int) -> None:
+        state.streams[index] = None
+        state.num_unfinished -= 1
+        if state.num_unfinished == 0:
+            del self._requests[request_id]
+
+    def _logprobs(self, delta: TokenDelta) -> list[PositionLogprobs]:
+        positions: list[PositionLogprobs] = []
+        num_top = min(len(delta.top_token_ids), len(delta.top_logprobs))
+        for i, (token_id, logprob) in enumerate(zip(delta.token_ids, delta.logprobs, strict=False)):
+            top = ([self._token_logprob(t, lp) for t, lp in zip(delta.top_token_ids[i], delta.top_logprobs[i],
+                                                                  strict=False)]
+                   if i < num_top else [])
+            positions.append(PositionLogprobs(self._token_logprob(token_id, logprob), top))
+        return positions
+
+    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
+        cached = self._token_texts.get(token_id)
+        if cached is None:
+            if self._tokenizer is not None:
+                token = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            else:
+                token = f"token_id:{token_id}"
+            cached = self._token_texts[token_id] = (token, list(token.encode("utf-8")))
+        return TokenLogprob(cached[0], token_id, logprob, cached[1])
+
+    # ---------------------------------------------------------------- sending
+
+    def _drop(self, request_id: str, abort: bool) -> None:
+        if self._requests.pop(request_id, None) is not None and abort:
+            self._send_scheduler(AbortRequest(request_id))
+
+    def _fail_all(self, error: PagodaError) -> None:
+        """Every request here gets `error`; the scheduler is told to drop them (it may only be slow)."""
+        for waiting in self._waiting:
+            self._fail(waiting.api, waiting.message.request_id, error)
+        self._waiting.clear()
+        for request_id, state in self._requests.items():
+            self._fail(state.api, request_id, error)
+            self._send_scheduler(AbortRequest(request_id))
+        self._requests.clear()
+
+    def _fail(self, api: int, request_id: str, error: PagodaError) -> None:
+        self._send_api(api, request_failed(request_id, error))
+
+    def _send_api(self, api: int, message: Any) -> None:
+        _send(self._apis[api], self._api_out.encode(message))
+
+    def _send_scheduler(self, message: Any) -> None:
+        _send(self._scheduler, self._scheduler_out.encode(message))
+
+
+def _send(sock: zmq.Socket, data: bytes) -> None:
+    # Never block the loop: with no high-water mark a DEALER queues while its peer is away.
+    try:
+        sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        log.warning("dropped an outgoing message of %d bytes: the socket cannot take it", len(data))
+
+
+def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Serve until SIGTERM or SIGINT; in-flight requests then get a 503."""
+    service = TokenizerService(server_config, load_tokenizer(engine_config))
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda signum, frame: service.stop())
+    try:
+        service.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,501 @@
+"""The real tokenizer process, driven over ZeroMQ by a fake api and a fake scheduler (two ROUTER sockets)."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.messages import (
+    AbortRequest,
+    Accepted,
+    AddRequest,
+    ApiToTokenizer,
+    ChatMessage,
+    DetokenizeRequest,
+    DetokenizeResult,
+    FinishReason,
+    GenerateRequest,
+    Heartbeat,
+    ModelInfo,
+    RequestFailed,
+    SamplingParams,
+    SchedulerToTokenizer,
+    StopSequence,
+    TextDelta,
+    TextDeltas,
+    TokenDelta,
+    TokenDeltas,
+    TokenizeRequest,
+    TokenizeResult,
+    TokenizerHello,
+    TokenizerToApi,
+    TokenizerToScheduler,
+)
+from pagoda.shared.transport import Codec, make_socket
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_INTERVAL = 0.2
+HEARTBEAT_TIMEOUT = 2.0
+MAX_MODEL_LEN = 128
+STARTUP_TIMEOUT = 30.0  # importing transformers and loading the tokenizer, on a slow CI machine
+REPLY_TIMEOUT = 5.0
+UNICODE_TEXT = "Grüße, 世界! 🎉 family: 👨‍👩‍👧 ok"
+
+_ids = itertools.count()
+
+
+def new_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+class Harness:
+    """One tokenizer process; the test plays its api and its scheduler.
+
+    While the test waits for a message, the fake scheduler sends heartbeats (when `scheduler_alive`) and
+    answers every TokenizerHello with `model_info`, as the real one does.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pg", dir="/tmp"))  # ipc paths must stay short
+        self.context = zmq.Context()
+        api_endpoint, scheduler_endpoint = f"ipc://{self.dir}/api0.sock", f"ipc://{self.dir}/sched.sock"
+        self.api = make_socket(self.context, zmq.ROUTER, api_endpoint, bind=True)
+        self.scheduler = make_socket(self.context, zmq.ROUTER, scheduler_endpoint, bind=True)
+        self.api_in, self.api_out = Codec(TokenizerToApi), Codec(ApiToTokenizer)
+        self.scheduler_in, self.scheduler_out = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
+        self.api_inbox: list[Any] = []
+        self.scheduler_inbox: list[Any] = []
+        self.identity: bytes | None = None  # the tokenizer's, once it spoke to the api
+        self.scheduler_peer: bytes | None = None  # the same, once it spoke to the scheduler
+        self.model_info: ModelInfo | None = None
+        self.scheduler_alive = True
+        self.scheduler_name = "sched-test"  # its heartbeats' sender
+        self.last_scheduler_send = 0.0
+        self.log_path = self.dir / "tokenizer.log"
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pagoda.services.tokenizer", "--model", str(model_dir),
+                 "--api-endpoints", api_endpoint, "--scheduler-endpoint", scheduler_endpoint,
+                 "--heartbeat-interval", str(HEARTBEAT_INTERVAL), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
+                 "--tokenizer-id", "tok-test", "--log-level", "info"],
+                stdout=log_file, stderr=subprocess.STDOUT)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.context.destroy(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    # ---------------------------------------------------------------- sending
+
+    def send_api(self, message: msgspec.Struct) -> None:
+        self.send_api_frames([self.api_out.encode(message)])
+
+    def send_api_frames(self, frames: list[bytes]) -> None:
+        assert self.identity is not None, "the tokenizer has not said hello yet"
+        self.api.send_multipart([self.identity, *frames])
+
+    def send_scheduler(self, message: msgspec.Struct) -> None:
+        self.send_scheduler_frames([self.scheduler_out.encode(message)])
+
+    def send_scheduler_frames(self, frames: list[bytes]) -> None:
+        assert self.scheduler_peer is not None, "the tokenizer has not said hello yet"
+        self.scheduler.send_multipart([self.scheduler_peer, *frames])
+        self.last_scheduler_send = time.monotonic()
+
+    # ---------------------------------------------------------------- receiving
+
+    def _pump(self, until: float) -> None:
+        """Receive what arrives before `until` (returning at the first arrival) and play the scheduler."""
+        poller = zmq.Poller()
+        poller.register(self.api, zmq.POLLIN)
+        poller.register(self.scheduler, zmq.POLLIN)
+        while True:
+            now = time.monotonic()
+            if self.scheduler_alive and self.scheduler_peer is not None \
+                    and now - self.last_scheduler_send >= HEARTBEAT_INTERVAL:
+                self.send_scheduler(Heartbeat(self.scheduler_name))
+            timeout_ms = max(0.0, min(until, now + HEARTBEAT_INTERVAL) - now) * 1000
+            events = dict(poller.poll(timeout_ms))
+            if self.api in events:
+                identity, payload = self.api.recv_multipart()
+                self.identity = identity
+                self.api_inbox.append(self.api_in.decode(payload))
+            if self.scheduler in events:
+                self.scheduler_peer, payload = self.scheduler.recv_multipart()
+                message = self.scheduler_in.decode(payload)
+                self.scheduler_inbox.append(message)
+                if isinstance(message, TokenizerHello) and self.scheduler_alive and self.model_info is not None:
+                    self.send_scheduler(self.model_info)
+            if events or time.monotonic() >= until:
+                return
+
+    def _expect(self, inbox: list[Any], match: Callable[[Any], bool], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, message in enumerate(inbox):
+                if match(message):
+                    return inbox.pop(i)
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no {what} within {timeout} s; tokenizer log:\n{self.log_tail()}")
+            self._pump(deadline)
+
+    def expect_api(self, match: Callable[[Any], bool], timeout: float = REPLY_TIMEOUT, what: str = "message") -> Any:
+        return self._expect(self.api_inbox, match, timeout, f"{what} at the api")
+
+    def expect_scheduler(self, match: Callable[[Any], bool], timeout: float = REPLY_TIMEOUT,
+                         what: str = "message") -> Any:
+        return self._expect(self.scheduler_inbox, match, timeout, f"{what} at the scheduler")
+
+    def expect_reply(self, request_id: str, kind: type, timeout: float = REPLY_TIMEOUT) -> Any:
+        """The next answer to `request_id`, which must be of type `kind`."""
+        reply = self.expect_api(lambda m: getattr(m, "request_id", None) == request_id, timeout,
+                                f"answer to {request_id}")
+        assert isinstance(reply, kind), reply
+        return reply
+
+    def expect_text(self, request_id: str) -> TextDelta:
+        """The next TextDelta of `request_id` (its TextDeltas must hold nothing else: tests run one at a time)."""
+        batch = self.expect_api(lambda m: isinstance(m, TextDeltas), what="TextDeltas")
+        assert [d.request_id for d in batch.deltas] == [request_id], batch
+        return batch.deltas[0]
+
+    # ---------------------------------------------------------------- scenarios
+
+    def start(self, info: ModelInfo | None) -> None:
+        """Wait for both hellos and register the tokenizer (None: the scheduler is not ready to)."""
+        self.model_info = info
+        self.expect_api(lambda m: isinstance(m, TokenizerHello), STARTUP_TIMEOUT, "hello")
+        self.expect_scheduler(lambda m: isinstance(m, TokenizerHello), STARTUP_TIMEOUT, "hello")
+
+    def generate(self, params: SamplingParams | None = None, **prompt: Any) -> tuple[str, Accepted, AddRequest]:
+        request_id = new_id()
+        self.send_api(GenerateRequest(request_id, params or SamplingParams(max_tokens=None), **prompt))
+        accepted = self.expect_reply(request_id, Accepted)
+        added = self.expect_scheduler(lambda m: isinstance(m, AddRequest) and m.request_id == request_id)
+        return request_id, accepted, added
+
+    def feed(self, request_id: str, token_ids: list[int], finish_reason: int = -1, index: int = 0,
+             **columns: Any) -> TextDelta:
+        self.send_scheduler(TokenDeltas([TokenDelta(request_id, index, token_ids, finish_reason, **columns)]))
+        return self.expect_text(request_id)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+def model_info(tokenizer: Tokenizer) -> ModelInfo:
+    assert tokenizer.eos_token_id is not None
+    return ModelInfo(max_model_len=MAX_MODEL_LEN, vocab_size=tokenizer.vocab_size, max_num_tokens=4096,
+                     eos_token_ids=[tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir: Path, tokenizer: Tokenizer) -> Iterator[Harness]:
+    """One tokenizer process shared by the tests that leave it serving."""
+    harness = Harness(smollm2_dir)
+    try:
+        harness.start(model_info(tokenizer))
+        yield harness
+    finally:
+        harness.close()
+
+
+@pytest.fixture()
+def own_tok(smollm2_dir: Path, tokenizer: Tokenizer) -> Iterator[Harness]:
+    """A tokenizer process for a test that makes it lose its scheduler or stop."""
+    harness = Harness(smollm2_dir)
+    try:
+        harness.start(model_info(tokenizer))
+        yield harness
+    finally:
+        harness.close()
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+def test_heartbeats_reach_api_and_scheduler(tok: Harness) -> None:
+    for expect in (tok.expect_api, tok.expect_scheduler):
+        for _ in range(2):
+            beat = expect(lambda m: isinstance(m, Heartbeat), 2 * HEARTBEAT_INTERVAL + 1.0, "Heartbeat")
+            assert beat.sender == "tok-test"
+
+
+def test_text_prompt_is_accepted_and_added(tok: Harness, tokenizer: Tokenizer) -> None:
+    text = "The capital of France is"
+    request_id, accepted, added = tok.generate(SamplingParams(max_tokens=8), prompt_text=text, priority=3,
+                                               arrival_time=123.5, return_prompt_text=True)
+    expected = tokenizer.encode(text)
+    assert accepted.num_prompt_tokens == len(expected)
+    assert accepted.prompt_text == text
+    assert added.prompt_token_ids == expected
+    assert added.params == SamplingParams(max_tokens=8)
+    assert (added.priority, added.arrival_time) == (3, 123.5)
+    tok.send_api(AbortRequest(request_id))
+
+
+def test_token_id_prompt_echo_decodes_the_ids(tok: Harness, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("echo me")
+    request_id, accepted, added = tok.generate(prompt_token_ids=ids, return_prompt_text=True)
+    assert (accepted.num_prompt_tokens, accepted.prompt_text, added.prompt_token_ids) == (len(ids), "echo me", ids)
+    tok.send_api(AbortRequest(request_id))
+
+
+def test_streamed_text_equals_the_whole_decode(tok: Harness, tokenizer: Tokenizer) -> None:
+    request_id, _, _ = tok.generate(prompt_text="Say:")
+    ids = tokenizer.encode(UNICODE_TEXT, add_special_tokens=False)
+    deltas = [tok.feed(request_id, [t]) for t in ids[:-1]]
+    deltas.append(tok.feed(request_id, ids[-1:], FinishReason.LENGTH))
+    assert "".join(d.text for d in deltas) == tokenizer.decode(ids) == UNICODE_TEXT
+    assert any(d.text == "" for d in deltas), "an emoji's bytes span tokens: some deltas must hold text back"
+    assert all("\ufffd" not in d.text for d in deltas)
+    assert [d.num_new_tokens for d in deltas] == [1] * len(ids)
+    assert [d.finish_reason for d in deltas] == [-1] * (len(ids) - 1) + [FinishReason.LENGTH]
+    # The request is gone: more tokens for it are ignored (the next TextDeltas is another request's).
+    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, [42])]))
+    other_id, _, _ = tok.generate(prompt_text="x")
+    assert tok.feed(other_id, [42], FinishReason.LENGTH).request_id == other_id
+
+
+def test_stop_string_across_deltas_stops_the_sequence(tok: Harness, tokenizer: Tokenizer) -> None:
+    params = SamplingParams(max_tokens=None, stop=["stop here"])
+    request_id, _, _ = tok.generate(params, prompt_text="Count:")
+    ids = tokenizer.encode("Count: 1 2 3 stop here and more", add_special_tokens=False)
+    assert not any("stop here" in tokenizer.decode([t]) for t in ids), "the stop string must span tokens"
+    deltas: list[TextDelta] = []
+    for token_id in ids:
+        deltas.append(tok.feed(request_id, [token_id]))
+        if deltas[-1].finish_reason >= 0:
+            break
+    stop = tok.expect_scheduler(lambda m: isinstance(m, StopSequence), what="StopSequence")
+    assert stop == StopSequence(request_id, 0)
+    assert "".join(d.text for d in deltas) == "Count: 1 2 3 "
+    assert deltas[-1].finish_reason == FinishReason.STOP
+    assert deltas[-1].stop_reason == "stop here"
+    assert all(d.finish_reason == -1 and d.stop_reason is None for d in deltas[:-1])
+    # Tokens the scheduler sampled before it got the StopSequence are dropped.
+    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, ids[-1:], FinishReason.STOP)]))
+    other_id, _, _ = tok.generate(prompt_text="x")
+    assert tok.feed(other_id, [42], FinishReason.LENGTH).request_id == other_id
+
+
+def test_eos_as_last_token_adds_no_text(tok: Harness, tokenizer: Tokenizer) -> None:
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    # skip_special_tokens=False: were the EOS pushed, "<|im_end|>" would show in the text.
+    request_id, _, _ = tok.generate(SamplingParams(max_tokens=None, skip_special_tokens=False), prompt_text="Hi")
+    ids = tokenizer.encode("Hello, 世界!", add_special_tokens=False)
+    deltas = [tok.feed(request_id, [t]) for t in ids[:-1]]
+    deltas.append(tok.feed(request_id, [ids[-1], eos], FinishReason.STOP))
+    assert "".join(d.text for d in deltas) == "Hello, 世界!"
+    assert deltas[-1].num_new_tokens == 2  # the EOS counts as generated
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == (FinishReason.STOP, None)
+
+
+def test_n_completions_finish_independently(tok: Harness, tokenizer: Tokenizer) -> None:
+    request_id, _, _ = tok.generate(SamplingParams(n=2, max_tokens=None), prompt_text="Hi")
+    a, b = tokenizer.encode(" one", add_special_tokens=False), tokenizer.encode(" two", add_special_tokens=False)
+    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, a, FinishReason.LENGTH),
+                                    TokenDelta(request_id, 1, b)]))
+    batch = tok.expect_api(lambda m: isinstance(m, TextDeltas))
+    assert [(d.index, d.text, d.finish_reason) for d in batch.deltas] == [(0, " one", 1), (1, " two", -1)]
+    assert tok.feed(request_id, [tokenizer.eos_token_id], FinishReason.STOP, index=1).text == ""
+
+
+def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> None:
+    request_id, _, _ = tok.generate(SamplingParams(max_tokens=None, logprobs=2), prompt_text="Hi")
+    first, second = tokenizer.encode(" héllo", add_special_tokens=False)[:2]
+    delta = tok.feed(request_id, [first], logprobs=[-0.5], top_token_ids=[[first, second]],
+                     top_logprobs=[[-0.5, -1.25]])
+    [position] = delta.logprobs
+    token = tokenizer.decode([first], skip_special_tokens=False)
+    assert (position.sampled.token, position.sampled.token_id, position.sampled.logprob) == (token, first, -0.5)
+    assert position.sampled.bytes == list(token.encode("utf-8"))
+    assert [(t.token_id, t.logprob, t.token) for t in position.top] == [
+        (first, -0.5, token), (second, -1.25, tokenizer.decode([second], skip_special_tokens=False))]
+    # Without logprobs asked, none are sent.
+    plain_id, _, _ = tok.generate(prompt_text="Hi")
+    assert tok.feed(plain_id, [first], FinishReason.LENGTH).logprobs == []
+    tok.send_api(AbortRequest(request_id))
+
+
+def test_chat_messages_use_the_chat_template(tok: Harness, tokenizer: Tokenizer) -> None:
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there!", name="ann")]
+    request_id, accepted, added = tok.generate(messages=messages)
+    expected = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hi there!", "name": "ann"}])
+    assert added.prompt_token_ids == expected
+    assert accepted.num_prompt_tokens == len(expected)
+    tok.send_api(AbortRequest(request_id))
+
+
+LONG_TEXT = "hello " * MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("prompt, params, param, code", [
+    ({"prompt_token_ids": [5] * MAX_MODEL_LEN}, {}, "prompt", "context_length_exceeded"),
+    ({"prompt_text": LONG_TEXT}, {}, "prompt", "context_length_exceeded"),
+    ({"messages": [ChatMessage("user", LONG_TEXT)]}, {}, "messages", "context_length_exceeded"),
+    ({"prompt_token_ids": [5] * 100}, {"max_tokens": 29}, "max_tokens", "context_length_exceeded"),
+    ({"prompt_text": ""}, {}, "prompt", None),
+    ({"prompt_token_ids": []}, {}, "prompt", None),
+    ({"prompt_token_ids": [1, 49152]}, {}, "prompt", None),
+    ({"prompt_token_ids": [-1]}, {}, "prompt", None),
+    ({}, {}, "prompt", None),
+    ({"prompt_text": "hi"}, {"stop_token_ids": [49152]}, "stop_token_ids", None),
+    ({"prompt_text": "hi"}, {"temperature": -1.0}, "temperature", None),
+    ({"messages": []}, {}, "messages", None),
+    ({"messages": [ChatMessage("user", "hi")], "chat_template_kwargs": {"tokenize": True}}, {},
+     "chat_template_kwargs", None),
+])
+def test_bad_requests_fail_with_400(tok: Harness, tokenizer: Tokenizer, prompt: dict[str, Any],
+                                    params: dict[str, Any], param: str, code: str | None) -> None:
+    assert tokenizer.vocab_size == 49152
+    request_id = new_id()
+    tok.send_api(GenerateRequest(request_id, SamplingParams(**{"max_tokens": None, **params}), **prompt))
+    failed = tok.expect_reply(request_id, RequestFailed)
+    assert (failed.status, failed.error_type, failed.param, failed.code) == (
+        400, "invalid_request_error", param, code), failed
+
+
+def test_prompt_plus_max_tokens_at_the_limit_is_accepted(tok: Harness) -> None:
+    request_id, accepted, _ = tok.generate(SamplingParams(max_tokens=28), prompt_token_ids=[5] * 100)
+    assert accepted.num_prompt_tokens == 100
+    tok.send_api(AbortRequest(request_id))
+
+
+def test_abort_is_forwarded_and_later_tokens_ignored(tok: Harness) -> None:
+    request_id, _, _ = tok.generate(prompt_text="abort me")
+    tok.send_api(AbortRequest(request_id))
+    tok.expect_scheduler(lambda m: m == AbortRequest(request_id), what="the forwarded AbortRequest")
+    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, [42])]))
+    other_id, _, _ = tok.generate(prompt_text="x")
+    assert tok.feed(other_id, [42], FinishReason.LENGTH).request_id == other_id
+
+
+def test_scheduler_failure_is_forwarded(tok: Harness) -> None:
+    request_id, _, _ = tok.generate(prompt_text="fail me")
+    tok.send_scheduler(RequestFailed(request_id, 500, "worker error", "internal_error"))
+    assert tok.expect_reply(request_id, RequestFailed) == RequestFailed(request_id, 500, "worker error",
+                                                                        "internal_error")
+
+
+def test_tokenize_and_detokenize(tok: Harness, tokenizer: Tokenizer) -> None:
+    request_id = new_id()
+    tok.send_api(TokenizeRequest(request_id, prompt_text="hello world"))
+    assert tok.expect_reply(request_id, TokenizeResult) == TokenizeResult(
+        request_id, tokenizer.encode("hello world"), MAX_MODEL_LEN)
+    chat_id = new_id()
+    tok.send_api(TokenizeRequest(chat_id, messages=[ChatMessage("user", "hi")]))
+    assert tok.expect_reply(chat_id, TokenizeResult).token_ids == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}])
+    ids = tokenizer.encode(UNICODE_TEXT)
+    request_id = new_id()
+    tok.send_api(DetokenizeRequest(request_id, ids))
+    assert tok.expect_reply(request_id, DetokenizeResult) == DetokenizeResult(request_id, UNICODE_TEXT)
+    request_id = new_id()
+    tok.send_api(DetokenizeRequest(request_id, [1, 10**9]))
+    assert tok.expect_reply(request_id, RequestFailed).status == 400
+
+
+def test_garbage_frames_are_dropped(tok: Harness) -> None:
+    tok.send_api_frames([b"\xc1 not msgpack"])
+    tok.send_api_frames([b"two", b"frames"])
+    tok.send_api_frames([msgspec.msgpack.encode(["gen", "no params"])])
+    tok.send_scheduler_frames([b"\xff\xfe garbage"])
+    tok.send_scheduler_frames([b"two", b"frames"])
+    tok.send_scheduler_frames([msgspec.msgpack.encode(["tokens", [["x", "not an index", []]]])])
+    request_id, _, _ = tok.generate(prompt_text="still serving")
+    assert tok.feed(request_id, [42], FinishReason.LENGTH).finish_reason == FinishReason.LENGTH
+    assert tok.proc.poll() is None
+
+
+def test_silent_scheduler_fails_inflight_then_tokenizer_registers_again(own_tok: Harness) -> None:
+    request_id, _, _ = own_tok.generate(prompt_text="wait for me")
+    own_tok.scheduler_alive = False
+    silent_since = own_tok.last_scheduler_send
+    failed = own_tok.expect_reply(request_id, RequestFailed, timeout=HEARTBEAT_TIMEOUT + 2.0)
+    assert time.monotonic() - silent_since < HEARTBEAT_TIMEOUT + 1.0
+    assert (failed.status, failed.error_type) == (503, "server_error")
+    # The scheduler may only be slow: it is told to drop the request.
+    own_tok.expect_scheduler(lambda m: m == AbortRequest(request_id), what="an AbortRequest")
+    # Back again: the tokenizer says hello, gets ModelInfo, and serves.
+    own_tok.scheduler_inbox.clear()
+    own_tok.scheduler_alive = True
+    own_tok.expect_scheduler(lambda m: isinstance(m, TokenizerHello), what="a fresh hello")
+    request_id, accepted, _ = own_tok.generate(prompt_text="again")
+    assert accepted.num_prompt_tokens > 0
+
+
+def test_scheduler_restart_is_seen_in_its_heartbeats(tok: Harness) -> None:
+    request_id, _, _ = tok.generate(prompt_text="in flight across a restart")
+    tok.scheduler_inbox.clear()
+    tok.scheduler_name = "sched-test-restarted"
+    tok.send_scheduler(Heartbeat(tok.scheduler_name))
+    failed = tok.expect_reply(request_id, RequestFailed)
+    assert (failed.status, failed.error_type) == (503, "server_error")
+    tok.expect_scheduler(lambda m: isinstance(m, TokenizerHello), what="a fresh hello")
+    request_id, _, _ = tok.generate(prompt_text="after the restart")
+    assert tok.feed(request_id, [42], FinishReason.LENGTH).text
+
+
+def test_sigterm_fails_inflight_and_exits_zero(own_tok: Harness) -> None:
+    request_id, _, _ = own_tok.generate(prompt_text="in flight")
+    own_tok.proc.send_signal(signal.SIGTERM)
+    signalled_at = time.monotonic()
+    failed = own_tok.expect_reply(request_id, RequestFailed)
+    assert (failed.status, failed.error_type) == (503, "server_error")
+    assert own_tok.proc.wait(timeout=5.0) == 0, own_tok.log_tail()
+    assert time.monotonic() - signalled_at < 3.0
+
+
+def test_no_tokenizer_serves_token_ids_only() -> None:
+    """A folder without tokenizer files (as a dummy shape): ids in, empty text out, text prompts refused."""
+    model_dir = Path(tempfile.mkdtemp(prefix="pgm", dir="/tmp"))
+    harness = Harness(model_dir)
+    try:
+        # A scheduler that does not answer the hello yet: requests wait, then get a 503 ...
+        harness.start(None)
+        late_id = new_id()
+        harness.send_api(GenerateRequest(late_id, SamplingParams(), prompt_token_ids=[1]))
+        failed = harness.expect_reply(late_id, RequestFailed, timeout=HEARTBEAT_TIMEOUT + 2.0)
+        assert (failed.status, failed.error_type) == (503, "server_error")
+        harness.expect_scheduler(lambda m: isinstance(m, TokenizerHello), what="a repeated hello")
+        # ... or are served once it answers one of the hellos the tokenizer repeats until then.
+        waiting_id = new_id()
+        harness.send_api(TokenizeRequest(waiting_id, prompt_text="no tokenizer"))
+        harness.model_info = ModelInfo(max_model_len=64, vocab_size=1000, max_num_tokens=64, eos_token_ids=[0])
+        assert harness.expect_reply(waiting_id, RequestFailed).status == 400
+        request_id, accepted, _ = harness.generate(SamplingParams(max_tokens=None, logprobs=0),
+                                                   prompt_token_ids=[1, 2, 3])
+        assert accepted.num_prompt_tokens == 3
+        delta = harness.feed(request_id, [7], FinishReason.LENGTH, logprobs=[-0.1])
+        assert (delta.text, delta.num_new_tokens, delta.logprobs[0].sampled.token) == ("", 1, "token_id:7")
+        text_id = new_id()
+        harness.send_api(GenerateRequest(text_id, SamplingParams(), prompt_text="hello"))
+        assert harness.expect_reply(text_id, RequestFailed).status == 400
+    finally:
+        harness.close()
+        shutil.rmtree(model_dir, ignore_errors=True)
+
