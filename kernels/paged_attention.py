@@ -222,12 +222,12 @@ def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stri
     offs_d = tl.arange(0, HEAD_DIM_P)
     s_mask = offs_s < NUM_SPLITS
     part_row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_P]
-    m = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
-    l = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
+    part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
+    part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
     acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_mask[:, None],
                   other=0.0)  # [SPLITS_P, HEAD_DIM_P]
-    weight = tl.exp2(m - tl.max(m, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
-    total = tl.sum(l * weight, 0)
+    weight = tl.exp2(part_max - tl.max(part_max, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
+    total = tl.sum(part_sum * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_P]
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -260,7 +260,8 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got {tuple(block_tables.shape)} "
              f"{block_tables.dtype}")
     num_seqs = block_tables.shape[0]
-    _require(seq_lens.shape == (num_seqs,) and seq_lens.dtype in (torch.int32, torch.int64) and seq_lens.is_contiguous(),
+    _require(seq_lens.shape == (num_seqs,) and seq_lens.dtype in (torch.int32, torch.int64)
+             and seq_lens.is_contiguous(),
              f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     _require(query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype in (torch.int32, torch.int64)
              and query_start_loc.is_contiguous(),

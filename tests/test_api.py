@@ -660,6 +660,29 @@ def test_client_disconnect_aborts(stack: Stack) -> None:
     wait_until(lambda: request_id in stack.tokenizer.aborted, 5.0, "an AbortRequest after a hang-up")
 
 
+def test_requests_spread_over_tokenizers(stack: Stack) -> None:
+    second = FakeTokenizer(stack.api_endpoint, identity=b"fake-tok-2").start()
+    client = stack.openai()
+    try:
+        wait_until(lambda: client.completions.create(model=MODEL, prompt="probe", max_tokens=1).id in second.requests,
+                   5.0, "the second tokenizer to get a request")
+        ids = [client.completions.create(model=MODEL, prompt="spread", max_tokens=1).id for _ in range(4)]
+        assert sum(i in second.requests for i in ids) == 2  # two idle tokenizers take turns
+        # The least loaded one gets new work: the other holds a hung request.
+        with httpx.stream("POST", stack.url + "/v1/completions", json={"prompt": "hang on", "stream": True},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10.0) as response:
+            assert response.status_code == 200  # the headers come once a tokenizer accepted it
+            on_second = any(g.prompt_text == "hang on" for g in second.requests.values())
+            idle = stack.tokenizer if on_second else second
+            ids = [client.completions.create(model=MODEL, prompt="spread", max_tokens=1).id for _ in range(3)]
+            assert all(i in idle.requests for i in ids)
+    finally:
+        second.stop()
+    wait_until(lambda: "tokenizer b'fake-tok-2' dropped" in stack.log(), 5.0, "the api to drop the second one")
+    for _ in range(3):
+        assert client.completions.create(model=MODEL, prompt="after", max_tokens=1).id in stack.tokenizer.requests
+
+
 def test_tokenizer_death_fails_its_requests(stack: Stack) -> None:
     results: dict[str, Any] = {}
 
@@ -675,7 +698,7 @@ def test_tokenizer_death_fails_its_requests(stack: Stack) -> None:
     threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
     for thread in threads:
         thread.start()
-    hung = lambda: [r for r, g in stack.tokenizer.requests.items() if (g.prompt_text or "").startswith("hang")]
+    hung = lambda: [r for r, g in stack.tokenizer.requests.items() if g.prompt_text in ("hang plain", "hang streamed")]
     wait_until(lambda: len(hung()) == 2, 5.0, "both requests to reach the tokenizer")
     stack.tokenizer.alive.clear()  # from now on it says nothing, like a hung process
     try:
@@ -737,3 +760,26 @@ def test_sigterm_drains_then_fails_what_is_left() -> None:
     finally:
         stop_stack(stack)
         print(stack.log())
+
+
+def test_unhandled_handler_error_is_a_json_500() -> None:
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pagoda.services.api.app import error_middleware
+    from pagoda.services.api.metrics import ApiMetrics
+
+    async def broken(request: web.Request) -> web.Response:
+        raise RuntimeError("a bug")
+
+    async def call() -> tuple[int, Any]:
+        app = web.Application(middlewares=[error_middleware(ApiMetrics(lambda: None))])
+        app.router.add_get("/broken", broken)
+        async with TestClient(TestServer(app)) as client:
+            response = await client.get("/broken")
+            return response.status, await response.json()
+
+    status, body = asyncio.run(call())
+    assert status == 500 and body["error"]["type"] == "server_error"

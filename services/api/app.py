@@ -6,7 +6,7 @@ import hmac
 import logging
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from pagoda.services.api.errors import AuthenticationError
 from pagoda.services.api.handlers import ApiState, Handlers, json_response
@@ -23,7 +23,7 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health and /metric
 
 def build_app(state: ApiState) -> web.Application:
     handlers = Handlers(state)
-    app = web.Application(middlewares=[_error_middleware(state.metrics), _auth_middleware(state.config.api_key)],
+    app = web.Application(middlewares=[error_middleware(state.metrics), auth_middleware(state.config.api_key)],
                           client_max_size=MAX_BODY_BYTES)
     app.add_routes([
         web.post("/v1/completions", handlers.completions),
@@ -37,7 +37,7 @@ def build_app(state: ApiState) -> web.Application:
     return app
 
 
-def _auth_middleware(api_key: str | None) -> web.middleware:  # type: ignore[valid-type]
+def auth_middleware(api_key: str | None) -> Middleware:
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @web.middleware
@@ -57,7 +57,7 @@ def _error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def _error_middleware(metrics: ApiMetrics) -> web.middleware:  # type: ignore[valid-type]
+def error_middleware(metrics: ApiMetrics) -> Middleware:
     @web.middleware
     async def to_json(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:

@@ -111,8 +111,8 @@ class Handlers:
 
     async def _stream(self, request: web.Request, gen: Generation, renderer: Renderer) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             try:
                 await response.write(renderer.opening(gen))
                 while not gen.finished:

@@ -1,12 +1,11 @@
-"""The tokenizer processes behind this api: a ZeroMQ ROUTER, their liveness, and replies routed to requests.
+"""The tokenizer processes behind this api: a ZeroMQ ROUTER, their liveness, and replies routed to requests."""
 
-    tokenizer A --DEALER--.                       .--> Ticket(queue) --> HTTP handler
-    tokenizer B --DEALER--+--> ROUTER (this pool) +--> Ticket(queue) --> HTTP handler
-                          '<-- [identity, ApiToTokenizer] <-- submit / abort
-
-Invariants: every id in `_tickets` belongs to a ticket in `_open`; a ticket's ids are in its owner's
-`request_ids` while the owner is live; a closed ticket has nothing left to abort.
-"""
+#   tokenizer A --DEALER--.                       .--> Ticket(queue) --> HTTP handler
+#   tokenizer B --DEALER--+--> ROUTER (this pool) +--> Ticket(queue) --> HTTP handler
+#                         '<-- [identity, ApiToTokenizer] <-- submit / finish (abort)
+#
+# Invariants: every id in `_tickets` belongs to a ticket in `_open`; a ticket's ids are in its owner's
+# `request_ids` while the owner is live; a closed ticket has nothing left to abort.
 
 from __future__ import annotations
 
@@ -178,7 +177,11 @@ class TokenizerPool:
 
     def _send(self, identity: bytes, message: ApiToTokenizer) -> bool:
         """Send without awaiting (safe in a cancelled handler's cleanup); False if the peer is unreachable."""
-        future = self._sock.send_multipart([identity, self._encoder.encode(message)])
+        try:
+            future = self._sock.send_multipart([identity, self._encoder.encode(message)])
+        except zmq.ZMQError as exc:  # the socket itself is closed (shutdown)
+            log.warning("cannot send %s to tokenizer %r: %s", type(message).__name__, identity, exc)
+            return False
         # With no high-water mark the send completes at once unless another one is queued before it.
         if not future.done():
             future.add_done_callback(_log_send_error)
@@ -218,6 +221,8 @@ class TokenizerPool:
                 peer = None
             if peer is None:
                 log.info("tokenizer %r (pid %d) joined", identity, message.pid)
+        elif peer is None:
+            log.info("tokenizer %r is back", identity)
         if peer is None:
             # Any valid message registers its sender: this api may have restarted under a live tokenizer.
             pid = message.pid if isinstance(message, TokenizerHello) else 0

@@ -48,6 +48,7 @@ def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, confi
 
 
 async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+    stop = _stop_on_signal()  # first: a SIGTERM during start-up still shuts down cleanly
     context = zmq.asyncio.Context()
     try:
         state = _make_state(context, engine_config, config)
@@ -63,7 +64,7 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
             await site.start()
             log.info("api %d serving %s on http://%s:%d", config.api_index, state.served_model_name,
                      config.host, config.port)
-            await _wait_for_signal()
+            await stop.wait()
             await _drain(state, site, config.shutdown_grace)
         finally:
             await runner.cleanup()
@@ -74,12 +75,12 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     log.info("api %d stopped", config.api_index)
 
 
-async def _wait_for_signal() -> None:
+def _stop_on_signal() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 async def _drain(state: ApiState, site: web.TCPSite, grace_s: float) -> None:
