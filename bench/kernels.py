@@ -25,6 +25,7 @@ class Row:
     kernel: str
     shape: str
     us: float  # median GPU time per call, cold L2 (triton do_bench)
+    graph_us: float  # median per call replayed in a CUDA graph: no launch overhead, but L2 stays warm
     host_us: float  # wall time per call of back-to-back eager calls: >= us when Python launch overhead dominates
     bytes_moved: float
     flops: float = 0.0
@@ -32,25 +33,29 @@ class Row:
     baseline_us: float = 0.0
 
 
-def bench(fn: Callable[[], object], quick: bool) -> tuple[float, float]:
-    """(median GPU us with L2 flushed between calls, eager wall us per call)."""
+def bench(fn: Callable[[], object], quick: bool, graph: bool = True) -> tuple[float, float, float]:
+    """(median GPU us with L2 flushed between calls, median us in a CUDA graph (nan if not graph), eager wall us
+    per call)."""
     import triton.testing
 
     gpu_ms = triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")
+    graph_ms = float("nan")
+    if graph:
+        graph_ms = triton.testing.do_bench_cudagraph(fn, rep=10 if quick else 30, return_mode="median")
     calls = 20 if quick else 100
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     torch.cuda.synchronize()
-    return gpu_ms * 1e3, (time.perf_counter() - start) / calls * 1e6
+    return gpu_ms * 1e3, graph_ms * 1e3, (time.perf_counter() - start) / calls * 1e6
 
 
 def measure(kernel: str, shape: str, fn: Callable[[], object], baseline: str, baseline_fn: Callable[[], object],
             bytes_moved: float, flops: float, quick: bool) -> Row:
-    us, host_us = bench(fn, quick)
-    baseline_us, _ = bench(baseline_fn, quick)
-    return Row(kernel, shape, us, host_us, bytes_moved, flops, baseline, baseline_us)
+    us, graph_us, host_us = bench(fn, quick)
+    baseline_us = bench(baseline_fn, quick, graph=False)[0]  # the references sync with the host: no graphs
+    return Row(kernel, shape, us, graph_us, host_us, bytes_moved, flops, baseline, baseline_us)
 
 
 def paged_batch(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int) -> dict:
@@ -188,13 +193,16 @@ def sweep(quick: bool) -> None:
     """Try launch shapes of the attention kernel on llama3-8b shapes; prints the best few per workload."""
     import triton.testing
 
-    from pagoda.kernels.paged_attention import AttentionConfig, paged_attention
+    from pagoda.kernels.paged_attention import AttentionConfig, paged_attention, pick_config
 
     num_heads, num_kv_heads = MODELS["llama3-8b"][:2]
     workloads = {
         "decode B=32 ctx=2048": ([1] * 32, [2048] * 32),
         "decode B=256 ctx=2048": ([1] * 256, [2048] * 256),
+        "decode B=1 ctx=512": ([1], [512]),
+        "decode B=1 ctx=2048": ([1], [2048]),
         "decode B=1 ctx=8192": ([1], [8192]),
+        "decode B=8 ctx=2048": ([1] * 8, [2048] * 8),
         "decode B=4 ctx=4096": ([1] * 4, [4096] * 4),
         "prefill 8x512": ([512] * 8, [512] * 8),
         "mixed 4x512 + 124 decodes": ([512] * 4 + [1] * 124, [512, 512, 1536, 2560] + [1024] * 124),
@@ -202,42 +210,51 @@ def sweep(quick: bool) -> None:
     for name, (query_lens, seq_lens) in workloads.items():
         args = paged_batch(query_lens, seq_lens, num_heads, num_kv_heads)
         if max(query_lens) == 1 and len(query_lens) < 32:  # few long sequences: how many KV splits
-            configs = [AttentionConfig(16, 64, s, 4, 2) for s in (1, 2, 4, 8, 16)]
+            configs = [AttentionConfig(num_splits=s) for s in (1, 2, 4, 8, 16)]
         elif max(query_lens) == 1:
-            configs = [AttentionConfig(16, t, 1, w, st) for t in (16, 32, 64, 128) for w in (2, 4, 8)
-                       for st in (1, 2, 3)]
+            configs = [AttentionConfig(decode_tile_n=t, decode_num_warps=w, decode_num_stages=st)
+                       for t in (16, 32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)]
         else:
-            configs = [AttentionConfig(m, t, 1, w, st) for m in (64, 128) for t in (32, 64, 128) for w in (4, 8)
-                       for st in (1, 2, 3)]
+            configs = [AttentionConfig(prefill_block_m=m, prefill_tile_n=t, prefill_num_warps=w,
+                                       prefill_num_stages=st)
+                       for m in (64, 128) for t in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+        default = pick_config(len(query_lens), num_kv_heads, num_heads // num_kv_heads, max(query_lens),
+                              max(seq_lens))
+        configs.append(default)
         results = []
         for config in configs:
             try:
-                ms = triton.testing.do_bench(partial(paged_attention, **args, config=config), warmup=5,
-                                             rep=20 if quick else 50, return_mode="median")
+                # in a CUDA graph, as decode runs in the worker: no Python launch overhead in the number
+                ms = triton.testing.do_bench_cudagraph(partial(paged_attention, **args, config=config),
+                                                       rep=10 if quick else 30, return_mode="median")
             except Exception as exc:  # out of shared memory / registers for this shape: skip it
                 print(f"  {config}: failed ({type(exc).__name__})")
                 continue
             results.append((ms * 1e3, config))
         results.sort(key=lambda r: r[0])
         print(f"\n{name}: best of {len(results)}")
-        for us, config in results[:5]:
+        for us, config in results[:4]:
             print(f"  {us:9.1f} us  {config}")
+        rank, default_us = next((i, us) for i, (us, config) in enumerate(results) if config is default)
+        print(f"  default: {default_us:.1f} us (rank {rank + 1}) {default}")
         del args
 
 
 def print_table(rows: list[Row]) -> None:
-    header = (f"{'kernel':<24} {'shape':<36} {'us':>9} {'host_us':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} "
+    header = (f"{'kernel':<24} {'shape':<36} {'us':>8} {'graph_us':>8} {'host_us':>8} {'GB/s':>6} {'%bw':>5} "
+              f"{'TFLOP/s':>7} "
               f"{'baseline':<24} {'base_us':>9} {'speedup':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
         gbs = r.bytes_moved / (r.us * 1e-6) / 1e9
         tflops = r.flops / (r.us * 1e-6) / 1e12
-        print(f"{r.kernel:<24} {r.shape:<36} {r.us:9.1f} {r.host_us:9.1f} {gbs:7.0f} "
-              f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:5.1f} {tflops:8.1f} {r.baseline:<24} {r.baseline_us:9.1f} "
+        print(f"{r.kernel:<24} {r.shape:<36} {r.us:8.1f} {r.graph_us:8.1f} {r.host_us:8.1f} {gbs:6.0f} "
+              f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:5.1f} {tflops:7.1f} {r.baseline:<24} {r.baseline_us:9.1f} "
               f"{r.baseline_us / r.us:7.2f}")
     print(f"\n%bw is against {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; prefill TFLOP/s against ~{PEAK_FLOPS / 1e12:.0f}. "
-          "us = median GPU time with L2 flushed; host_us = eager wall time per call (Python launch overhead).")
+          "us = median GPU time with L2 flushed (GB/s, TFLOP/s, speedup use it); graph_us = in a CUDA graph, L2 warm; "
+          "host_us = eager wall time per call (Python launch overhead).")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,24 +19,23 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK
     tl.store(out_ptr + token * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as [T, I]; reference.silu_and_mul. Rows of x may be strided."""
-    _require(x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2 * I], got {tuple(x.shape)}")
-    _require(x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x dtype {x.dtype} is not a float type")
-    _require(x.stride(1) == 1, "x must be contiguous along its last dim")
-    _require(block >= 16 and block & (block - 1) == 0, f"block must be a power of two >= 16, got {block}")
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [T, 2 * I], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype} is not a float type")
+    if x.stride(1) != 1:
+        raise ValueError("x must be contiguous along its last dim")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
     num_tokens, inter_size = x.shape[0], x.shape[1] // 2
     if out is None:
         out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)  # [T, I]
-    _require(out.shape == (num_tokens, inter_size) and out.dtype == x.dtype and out.device == x.device
-             and out.stride(1) == 1,
-             f"out must be [{num_tokens}, {inter_size}] {x.dtype} on {x.device}, contiguous along its last dim, "
-             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if (out.shape != (num_tokens, inter_size) or out.dtype != x.dtype or out.device != x.device
+            or out.stride(1) != 1):
+        raise ValueError(f"out must be [{num_tokens}, {inter_size}] {x.dtype} on {x.device}, contiguous along its "
+                         f"last dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
     if num_tokens == 0 or inter_size == 0:
         return out
     block = min(block, max(16, triton.next_power_of_2(inter_size)))

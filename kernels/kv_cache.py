@@ -34,37 +34,35 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset) of the caches
     [num_blocks, block_size, kv_heads, head_dim]; slot -1 is padding and is skipped. k and v may be strided views
     (e.g. of the fused qkv output) as long as head_dim is contiguous. Slots must be < num_blocks * block_size
     (not checked: it would cost a device sync)."""
-    _require(k.dim() == 3 and k.shape == v.shape, f"k and v must both be [T, kv_heads, head_dim], got "
-             f"{tuple(k.shape)} and {tuple(v.shape)}")
-    _require(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-             f"caches must both be [num_blocks, block_size, kv_heads, head_dim], got {tuple(k_cache.shape)} and "
-             f"{tuple(v_cache.shape)}")
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [T, kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must both be [num_blocks, block_size, kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     num_tokens, num_kv_heads, head_dim = k.shape
-    _require(k_cache.shape[2:] == k.shape[1:], f"cache rows {tuple(k_cache.shape[2:])} != k rows {tuple(k.shape[1:])}")
-    _require(head_dim <= _MAX_HEAD_DIM, f"head_dim must be <= {_MAX_HEAD_DIM}, got {head_dim}")
-    _require(k.dtype.is_floating_point and v.dtype == k.dtype and k_cache.dtype.is_floating_point
-             and v_cache.dtype == k_cache.dtype,
-             f"k/v and the caches must be float tensors, pairwise of one dtype, got {k.dtype}, {v.dtype}, "
-             f"{k_cache.dtype}, {v_cache.dtype}")
-    _require(slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
-             and slot_mapping.is_contiguous(),
-             f"slot_mapping must be [T={num_tokens}] int32/int64 contiguous, got {tuple(slot_mapping.shape)} "
-             f"{slot_mapping.dtype}")
-    _require(k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
-             "k, v and the caches must be contiguous along head_dim")
-    devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
-    _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"cache rows {tuple(k_cache.shape[2:])} != k rows {tuple(k.shape[1:])}")
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be <= {_MAX_HEAD_DIM}, got {head_dim}")
+    if (not k.dtype.is_floating_point or v.dtype != k.dtype or not k_cache.dtype.is_floating_point
+            or v_cache.dtype != k_cache.dtype):
+        raise ValueError(f"k/v and the caches must be float tensors, pairwise of one dtype, got {k.dtype}, "
+                         f"{v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if (slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or not slot_mapping.is_contiguous()):
+        raise ValueError(f"slot_mapping must be [T={num_tokens}] int32/int64 contiguous, got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k, v and the caches must be contiguous along head_dim")
+    if not (k.device == v.device == k_cache.device == v_cache.device == slot_mapping.device):
+        raise ValueError(f"all tensors must be on one device, got k on {k.device}, v on {v.device}, caches on "
+                         f"{k_cache.device} and {v_cache.device}, slot_mapping on {slot_mapping.device}")
     if num_tokens == 0:
         return
     heads_p, head_dim_p = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)

@@ -39,34 +39,35 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
              (normed * weight[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _row_strides(t: torch.Tensor) -> tuple[int, int]:
     """(stride of dim 0, stride of dim 1) of a [R, N] or [R0, R1, N] tensor; [R, N] has no inner dim."""
     return (t.stride(0), 0) if t.dim() == 2 else (t.stride(0), t.stride(1))
 
 
 def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    _require(t.shape == like.shape and t.dtype == like.dtype and t.device == like.device,
-             f"{name} must be {tuple(like.shape)} {like.dtype} on {like.device}, got {tuple(t.shape)} {t.dtype} "
-             f"on {t.device}")
-    _require(t.stride(-1) == 1, f"{name} must be contiguous along its last dim")
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name} must be {tuple(like.shape)} {like.dtype} on {like.device}, got {tuple(t.shape)} "
+                         f"{t.dtype} on {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim")
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor,
             residual_out: torch.Tensor | None) -> None:
-    _require(x.dim() in (2, 3), f"x must be [T, N] or [T, heads, N], got {tuple(x.shape)}")
-    _require(x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x dtype {x.dtype} is not a float type")
-    _require(x.stride(-1) == 1, "x must be contiguous along its last dim")
+    """Checks (messages built only on failure: this runs several times a layer), then one launch."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [T, N] or [T, heads, N], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype} is not a float type")
+    if x.stride(-1) != 1:
+        raise ValueError("x must be contiguous along its last dim")
     num_cols = x.shape[-1]
-    _require(0 < num_cols <= _MAX_HIDDEN, f"the normalised dim must be in 1..{_MAX_HIDDEN}, got {num_cols}")
-    _require(weight.shape == (num_cols,) and weight.dtype == x.dtype and weight.is_contiguous()
-             and weight.device == x.device,
-             f"weight must be [{num_cols}] {x.dtype} contiguous on {x.device}, got {tuple(weight.shape)} "
-             f"{weight.dtype} on {weight.device}")
+    if not 0 < num_cols <= _MAX_HIDDEN:
+        raise ValueError(f"the normalised dim must be in 1..{_MAX_HIDDEN}, got {num_cols}")
+    if (weight.shape != (num_cols,) or weight.dtype != x.dtype or not weight.is_contiguous()
+            or weight.device != x.device):
+        raise ValueError(f"weight must be [{num_cols}] {x.dtype} contiguous on {x.device}, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     _check("out", out, x)
     if residual is not None and residual_out is not None:
         _check("residual", residual, x)

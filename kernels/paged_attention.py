@@ -16,17 +16,23 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
 _MAX_SPLITS = 16
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionConfig:
-    """Launch shape of one paged_attention call. Host-side only, so one batch size keeps one shape (CUDA graphs)."""
+    """Launch shapes of one paged_attention call. Host-side only, so one batch size keeps one shape (CUDA graphs).
+    Decode sequences (query length 1) run one program per (sequence, kv head); longer chunks run in tiles of
+    prefill_block_m rows = prefill_block_m // G query tokens x G heads."""
 
-    block_m: int = 64  # score-tile rows when some query chunk is longer than 1: BLOCK_Q tokens x G heads
-    tile_n: int = 64  # keys per inner-loop step (power of two >= 16); any multiple or fraction of block_size
-    num_splits: int = 1  # KV splits per query tile (flash decoding); 1 = no split, no reduce kernel
-    num_warps: int = 4
-    num_stages: int = 2
+    num_splits: int = 1  # KV splits per program (flash decoding); 1 = no split, no reduce kernel
+    decode_tile_n: int = 64  # keys per inner-loop step (power of two >= 16), any multiple/fraction of block_size
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    prefill_block_m: int = 128  # score-tile rows (power of two >= 16)
+    prefill_tile_n: int = 32
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 1
 
 
 @functools.lru_cache(maxsize=8)
@@ -36,44 +42,41 @@ def _num_sms(device_index: int) -> int:
 
 def pick_num_splits(num_tokens: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                     num_sms: int = 132) -> int:
-    """Split-KV only for decode batches too small to fill the GPU: aim for ~2 waves of programs, but keep
-    >= 512 keys per split so the partial writes and the reduce cost less than the parallelism wins.
-    Depends on host ints only: under CUDA graphs pass max_seq_len = max_model_len so it stays fixed."""
+    """Split-KV only for decode batches too small to fill the GPU: aim for ~4 programs per SM, with at least one
+    64-key tile per split. Measured on an H200 (llama3-8b, bf16): B=1 ctx=2048 37.6 us -> 8.7 us with 16 splits,
+    B=4 ctx=4096 104 -> 24 us, B=8 ctx=2048 55 -> 25 us. Depends on host ints only: under CUDA graphs pass
+    max_seq_len = max_model_len so the choice stays fixed for a batch size."""
     if max_query_len > 1:
         return 1
     base = num_tokens * num_kv_heads  # programs without splitting
     if base >= num_sms:
         return 1
-    by_occupancy = -(-2 * num_sms // max(base, 1))
-    by_length = max(1, max_seq_len // 512)
+    by_occupancy = -(-4 * num_sms // max(base, 1))
+    by_length = max(1, max_seq_len // 64)
     return max(1, min(_MAX_SPLITS, by_occupancy, by_length))
 
 
+@functools.lru_cache(maxsize=256)
 def pick_config(num_tokens: int, num_kv_heads: int, group_size: int, max_query_len: int, max_seq_len: int,
                 num_sms: int = 132) -> AttentionConfig:
-    """Default launch shape: small tiles for decode (memory bound), 64/128-row tiles for prefill (compute bound)."""
+    """Default launch shapes (from an H200 sweep, bench/kernels.py --sweep): 128-row prefill tiles when chunks are
+    long enough to fill them, else 64."""
     num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
-    if max_query_len <= 1:
-        return AttentionConfig(block_m=16, tile_n=64, num_splits=num_splits, num_warps=4, num_stages=2)
     if max_query_len * group_size >= 128:
-        return AttentionConfig(block_m=128, tile_n=64, num_splits=1, num_warps=8, num_stages=2)
-    return AttentionConfig(block_m=64, tile_n=64, num_splits=1, num_warps=4, num_stages=2)
+        return AttentionConfig(num_splits=num_splits)
+    return AttentionConfig(num_splits=num_splits, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=2)
 
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest b in [0, num_seqs] whose first query tile is <= tile_idx. Sequence b owns tiles
-    [qsl[b] // BLOCK_Q + b, ...) (the + b because tiles never straddle two sequences; with BLOCK_Q == 1 a tile is
-    a token and needs no slack). b == num_seqs is the padding tail [qsl[num_seqs], num_tokens)."""
+    [qsl[b] // BLOCK_Q + b, ...): the + b is slack for tiles never straddling two sequences, so T // BLOCK_Q + B + 1
+    programs cover any batch. b == num_seqs is the padding tail [qsl[num_seqs], num_tokens)."""
     lo: tl.int32 = 0
     hi: tl.int32 = num_seqs + 1
     while lo < hi:
         mid = (lo + hi) // 2
-        start = tl.load(query_start_loc_ptr + mid)
-        if BLOCK_Q > 1:
-            first_tile = start // BLOCK_Q + mid
-        else:
-            first_tile = start
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
         if first_tile <= tile_idx:
             lo = mid + 1
         else:
@@ -131,6 +134,24 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
 
 
 @triton.jit
+def _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
+                split, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Write finished rows to out, or with split-KV their unnormalised partials (acc, max, sum), which the
+    reduce kernel rescales to the global max. Rows that saw no key (padding) come out zero either way."""
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    if NUM_SPLITS > 1:
+        part_row = (row_token * NUM_HEADS + row_head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_valid[:, None])
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row_token[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -139,29 +160,56 @@ def _paged_attention_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
-    head m % GROUP), over one split of the keys. Grid: (query tiles, kv heads, splits)."""
-    tile_idx = tl.program_id(0)
+    head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
+    DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
+    num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th query tile
+    of the flattened batch, found by binary search; SKIP_DECODE leaves length-1 sequences to a DECODE launch."""
+    pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    b = _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q)
-    is_seq = b < num_seqs  # else: the padding tail past the last sequence, which attends nothing
-    q_start = tl.load(query_start_loc_ptr + b)
-    q_end = tl.where(is_seq, tl.load(query_start_loc_ptr + b + 1, mask=is_seq, other=0), num_tokens)
-    seq_len = tl.load(seq_lens_ptr + b, mask=is_seq, other=0)
-    if BLOCK_Q > 1:
-        q_lo = (tile_idx - (q_start // BLOCK_Q + b)) * BLOCK_Q  # first query of this tile, within the sequence
-    else:
-        q_lo = tile_idx - q_start
-    q_len = q_end - q_start
-    if q_lo >= q_len:
-        return
-    context_len = seq_len - q_len  # cached tokens before this chunk; < 0 only for padding rows
-
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
+
+    if DECODE:
+        b = pid
+        if b == num_seqs:  # the padding tail [qsl[B], T): write empty rows, BLOCK_M // GROUP tokens at a time
+            zero_acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+            zero_sum = tl.zeros([BLOCK_M], tl.float32)
+            empty_max = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+            tail_row_head = kv_head * GROUP + offs_m % GROUP
+            for first in range(tl.load(query_start_loc_ptr + num_seqs), num_tokens, BLOCK_M // GROUP):
+                tail_token = first + offs_m // GROUP
+                tail_valid = (offs_m < (BLOCK_M // GROUP) * GROUP) & (tail_token < num_tokens)
+                _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, zero_acc, zero_sum, empty_max,
+                            tail_token.to(tl.int64), tail_row_head, tail_valid, split, stride_ot, stride_oh,
+                            NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
+            return
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+        if q_len != 1:  # longer chunks belong to the tiled launch; empty sequences own no rows
+            return
+        seq_len = tl.load(seq_lens_ptr + b)
+        q_lo = 0
+    else:
+        # Last tiles first: a sequence's later query tiles attend the most keys, so starting them early shortens
+        # the tail of the launch.
+        pid = tl.num_programs(0) - 1 - pid
+        b = _find_seq(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+        is_seq = b < num_seqs  # else: the padding tail past the last sequence, which attends nothing
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_end = tl.where(is_seq, tl.load(query_start_loc_ptr + b + 1, mask=is_seq, other=0), num_tokens)
+        seq_len = tl.load(seq_lens_ptr + b, mask=is_seq, other=0)
+        q_lo = (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q  # first query of this tile, within the sequence
+        q_len = q_end - q_start
+        if q_lo >= q_len:
+            return
+        if SKIP_DECODE:
+            if is_seq & (q_len == 1):
+                return
+    context_len = seq_len - q_len  # cached tokens before this chunk; < 0 only for padding rows
+
     row_q = q_lo + offs_m // GROUP  # [BLOCK_M] query index within the sequence
     row_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
     row_valid = (offs_m < BLOCK_Q * GROUP) & (row_q < q_len)
@@ -198,17 +246,8 @@ def _paged_attention_kernel(
                                   qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
 
-    if NUM_SPLITS > 1:
-        # Unnormalised partials; the reduce kernel rescales them to the global max. Empty splits write
-        # (0, NEG_BIG, 0), which the reduce weighs to nothing.
-        part_row = (row_token * NUM_HEADS + row_head) * NUM_SPLITS + split  # [BLOCK_M]
-        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_valid[:, None])
-    else:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows that saw no key (padding) come out zero
-        tl.store(out_ptr + row_token[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
+                split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
 
 
 @triton.jit
@@ -233,48 +272,56 @@ def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stri
              mask=offs_d < HEAD_DIM)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor | None) -> None:
-    _require(q.dim() == 3, f"q must be [T, heads, head_dim], got {tuple(q.shape)}")
-    _require(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-             f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], got "
-             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    """ValueError on anything the kernels rely on; messages are built only on failure (this runs every step)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, heads, head_dim], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    _require(k_cache.shape[3] == head_dim, f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
-    _require(num_kv_heads > 0 and num_heads % num_kv_heads == 0,
-             f"heads {num_heads} must be a multiple of kv_heads {num_kv_heads}")
-    _require(0 < head_dim <= _MAX_HEAD_DIM, f"head_dim must be in 1..{_MAX_HEAD_DIM}, got {head_dim}")
-    _require(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q dtype {q.dtype} is not a float type")
-    _require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
-             f"caches must have q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
-    _require(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
-             "q and the caches must be contiguous along head_dim")
-    _require(block_tables.dim() == 2 and block_tables.dtype in (torch.int32, torch.int64)
-             and block_tables.stride(1) == 1,
-             f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got {tuple(block_tables.shape)} "
-             f"{block_tables.dtype}")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"heads {num_heads} must be a multiple of kv_heads {num_kv_heads}")
+    if not 0 < head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{_MAX_HEAD_DIM}, got {head_dim}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} is not a float type")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q and the caches must be contiguous along head_dim")
+    if block_tables.dim() != 2 or block_tables.dtype not in _INDEX_DTYPES or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
     num_seqs = block_tables.shape[0]
-    _require(seq_lens.shape == (num_seqs,) and seq_lens.dtype in (torch.int32, torch.int64)
-             and seq_lens.is_contiguous(),
-             f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    _require(query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype in (torch.int32, torch.int64)
-             and query_start_loc.is_contiguous(),
-             f"query_start_loc must be [B + 1 = {num_seqs + 1}] int32/int64 contiguous, got "
-             f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
-    tensors = [q, k_cache, v_cache, block_tables, seq_lens, query_start_loc]
-    if out is not None:
-        _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1,
-                 f"out must be {tuple(q.shape)} {q.dtype} contiguous along head_dim, got {tuple(out.shape)} "
-                 f"{out.dtype}")
-        tensors.append(out)
-    _require(len({t.device for t in tensors}) == 1, f"all tensors must be on one device, got "
-             f"{sorted({str(t.device) for t in tensors})}")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in _INDEX_DTYPES or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} "
+                         f"{seq_lens.dtype}")
+    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype not in _INDEX_DTYPES
+            or not query_start_loc.is_contiguous()):
+        raise ValueError(f"query_start_loc must be [B + 1 = {num_seqs + 1}] int32/int64 contiguous, got "
+                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} contiguous along head_dim, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    device = q.device
+    if (k_cache.device != device or v_cache.device != device or block_tables.device != device
+            or seq_lens.device != device or query_start_loc.device != device
+            or (out is not None and out.device != device)):
+        raise ValueError("all tensors must be on q's device " + str(device))
+
+
+def _check_config(config: AttentionConfig) -> None:
+    for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if not 1 <= config.num_splits <= 64:
+        raise ValueError(f"num_splits must be in 1..64, got {config.num_splits}")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -286,7 +333,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the last ones of its seq_lens[b] tokens, whose K/V are already in the caches. Rows of sequences with
     seq_lens[b] == 0 and rows past qsl[B] (padding) come out zero. Not checked (it would cost a device sync):
     qsl is non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covers seq_lens.
-    max_query_len and max_seq_len are upper bounds that pick the launch shape only. Returns out [T, heads, D]."""
+    max_query_len and max_seq_len are upper bounds that pick the launch shape only. Returns out [T, heads, D].
+
+    Launches: one DECODE launch (a program per (sequence, kv head, split) for length-1 queries); if
+    max_query_len > 1 also a tiled launch for the longer chunks; with num_splits > 1 a reduce launch."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -299,19 +349,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if config is None:
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
         config = pick_config(num_tokens, num_kv_heads, group, max_query_len, max_seq_len, num_sms)
-    _require(config.tile_n >= 16 and config.tile_n & (config.tile_n - 1) == 0,
-             f"tile_n must be a power of two >= 16, got {config.tile_n}")
-    _require(config.block_m >= 16 and config.block_m & (config.block_m - 1) == 0,
-             f"block_m must be a power of two >= 16, got {config.block_m}")
-    _require(1 <= config.num_splits <= 64, f"num_splits must be in 1..64, got {config.num_splits}")
-
-    if max_query_len <= 1:  # decode: one token per program, its G heads padded to >= 16 rows for tl.dot
-        block_q, block_m = 1, max(16, triton.next_power_of_2(group))
-        num_q_tiles = num_tokens
     else:
-        block_m = max(config.block_m, triton.next_power_of_2(group))
-        block_q = block_m // group
-        num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
+        _check_config(config)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     num_splits = config.num_splits
     if num_splits > 1:
@@ -322,17 +361,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_sum = torch.empty_like(part_max)  # [T, heads, splits]
     else:
         part_out = part_max = part_sum = out  # unused
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_out, part_max, part_sum,
-        scale * _LOG2E, num_seqs, num_tokens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.tile_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    args = (out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
+            scale * _LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
+                 NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    decode_only = max_query_len <= 1
+    # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
+    # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.
+    num_decode_programs = num_seqs + 1 if decode_only else num_seqs
+    if num_decode_programs:
+        _paged_attention_kernel[(num_decode_programs, num_kv_heads, num_splits)](
+            *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
+            DECODE=True, SKIP_DECODE=False, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+    if not decode_only:
+        block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
+        block_q = block_m // group
+        num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
+        _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+            *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
+            DECODE=False, SKIP_DECODE=True, num_warps=config.prefill_num_warps,
+            num_stages=config.prefill_num_stages)
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1),

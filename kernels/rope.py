@@ -50,11 +50,6 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions
                   NUM_KV_HEADS, KV_HEADS_P, HALF, HALF_P)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                positions: torch.Tensor | None = None,
                inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,29 +57,31 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     each. Without positions, cos/sin are [T, D] (row t for token t); with positions [T], cos/sin are a cache
     [max_pos, D] and token t uses row positions[t] (positions < max_pos is not checked: a device sync).
     inplace=False returns new contiguous tensors; inplace=True writes q and k themselves and returns them."""
-    _require(q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2],
-             f"q must be [T, heads, D] and k [T, kv_heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [T, heads, D] and k [T, kv_heads, D], got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    _require(head_dim % 2 == 0, f"rotate-half rope needs an even head_dim, got {head_dim}")
-    _require(q.dtype.is_floating_point and k.dtype == q.dtype, f"q and k must share a float dtype, got {q.dtype} "
-             f"and {k.dtype}")
-    _require(cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == head_dim,
-             f"cos and sin must both be [rows, {head_dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    _require(cos.dtype.is_floating_point and sin.dtype == cos.dtype, f"cos/sin must share a float dtype, got "
-             f"{cos.dtype} and {sin.dtype}")
-    if positions is None:
-        _require(cos.shape[0] == num_tokens, f"cos/sin need one row per token ({num_tokens}), got {cos.shape[0]}")
-    else:
-        _require(positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64)
-                 and positions.is_contiguous(),
-                 f"positions must be [T={num_tokens}] int32/int64 contiguous, got {tuple(positions.shape)} "
-                 f"{positions.dtype}")
-    _require(q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1,
-             "q, k, cos and sin must be contiguous along head_dim")
-    tensors = [q, k, cos, sin] + ([positions] if positions is not None else [])
-    _require(len({t.device for t in tensors}) == 1, f"all tensors must be on one device, got "
-             f"{sorted({str(t.device) for t in tensors})}")
+    if head_dim % 2:
+        raise ValueError(f"rotate-half rope needs an even head_dim, got {head_dim}")
+    if not q.dtype.is_floating_point or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share a float dtype, got {q.dtype} and {k.dtype}")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim:
+        raise ValueError(f"cos and sin must both be [rows, {head_dim}], got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if not cos.dtype.is_floating_point or sin.dtype != cos.dtype:
+        raise ValueError(f"cos/sin must share a float dtype, got {cos.dtype} and {sin.dtype}")
+    if positions is None and cos.shape[0] != num_tokens:
+        raise ValueError(f"cos/sin need one row per token ({num_tokens}), got {cos.shape[0]}")
+    if positions is not None and (positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64)
+                                  or not positions.is_contiguous()):
+        raise ValueError(f"positions must be [T={num_tokens}] int32/int64 contiguous, got "
+                         f"{tuple(positions.shape)} {positions.dtype}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("q, k, cos and sin must be contiguous along head_dim")
+    if not (q.device == k.device == cos.device == sin.device
+            and (positions is None or positions.device == q.device)):
+        raise ValueError(f"all tensors must be on q's device {q.device}")
     if inplace:
         q_out, k_out = q, k
     else:

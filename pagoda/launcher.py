@@ -52,6 +52,7 @@ class Launcher:
         runtime_dir = server_config.runtime_dir or tempfile.mkdtemp(prefix="pagoda-")
         self.server_config = replace(server_config, runtime_dir=runtime_dir)
         self.runtime_dir = Path(runtime_dir)
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.children: list[Child] = []
 
     def _spawn(self, name: str, module: str, **overrides: object) -> None:

@@ -346,6 +346,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     worker_ready: bool
     worker_alive: bool
     tokenizer_ids: list[str]
+    tokenizer_requests_total: list[int]  # requests each tokenizer (aligned with tokenizer_ids) has sent
     max_model_len: int = 0
 
 

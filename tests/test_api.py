@@ -56,7 +56,7 @@ FAKE_STATS = SchedulerStats(
     time=0.0, num_running=3, num_waiting=2, kv_blocks_free=90, kv_blocks_total=100, kv_cache_usage=0.1,
     prefix_hit_tokens_total=40, prefix_query_tokens_total=100, num_preemptions_total=1, prompt_tokens_total=1234,
     generation_tokens_total=567, num_steps_total=10, worker_ready=True, worker_alive=True,
-    tokenizer_ids=["fake-tok"], max_model_len=MAX_MODEL_LEN)
+    tokenizer_ids=["fake-tok"], tokenizer_requests_total=[7], max_model_len=MAX_MODEL_LEN)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -101,10 +101,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert hit_ids == []
         assert hit_hashes == chain_hashes(token_ids, len(hit_ids))
         for index, block_id in enumerate(hit_ids):
-            expected = tuple(token_ids[:(index + 1) * BLOCK_SIZE])
-            if not self.exact_prefix_hits:  # the stored key vouches for the block's own tokens only
-                expected = expected[-BLOCK_SIZE:]
-            assert self.contents.get(block_id, ())[-len(expected):] == expected, "a hit on stale K/V"
+            expected, written = tuple(token_ids[:(index + 1) * BLOCK_SIZE]), self.contents.get(block_id)
+            if self.exact_prefix_hits:
+                assert written == expected, "a hit on stale K/V"
+            else:  # the stored key vouches for the block's own tokens only
+                assert written is not None and written[-BLOCK_SIZE:] == expected[-BLOCK_SIZE:], "a hit on stale K/V"
         self.num_hits += len(hit_ids)
         needed = self.bm.num_blocks_for(len(token_ids)) - len(hit_ids)
         available = self.bm.num_free_blocks - self.bm.num_unreferenced(hit_ids)

@@ -143,7 +143,13 @@ def run_attention(case: AttentionCase, dtype: torch.dtype, device: str, atol: fl
     assert bool((padding == 0).all()), "padding rows must come out exactly zero"
 
 
-SMALL_TILES = AttentionConfig(block_m=16, tile_n=16)
+SMALL_TILES = AttentionConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16)
+
+
+def small_tiles(num_splits: int) -> AttentionConfig:
+    return replace(SMALL_TILES, num_splits=num_splits)
+
+
 SMALL_ATTENTION_CASES = {
     # decode rows, a chunk without prefix, chunks with cached prefixes, a 1-token sequence
     "mixed": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50)),
@@ -159,16 +165,19 @@ SMALL_ATTENTION_CASES = {
     "g8-bs32": AttentionCase((1, 4, 1), (45, 20, 33), num_heads=8, num_kv_heads=1, block_size=32,
                              config=SMALL_TILES),
     "decode": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16)),
-    "decode-split3": AttentionCase((1, 1, 1), (70, 5, 129), config=AttentionConfig(tile_n=16, num_splits=3)),
+    "decode-split3": AttentionCase((1, 1, 1), (70, 5, 129), config=small_tiles(3)),
     # more splits than key tiles: some splits are empty
-    "decode-split2-short": AttentionCase((1, 1), (20, 1), config=AttentionConfig(tile_n=16, num_splits=2)),
+    "decode-split2-short": AttentionCase((1, 1), (20, 1), config=small_tiles(2)),
     "decode-graph-padding": AttentionCase((1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3),
     "decode-graph-padding-split2": AttentionCase((1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
-                                                 config=AttentionConfig(tile_n=16, num_splits=2)),
+                                                 config=small_tiles(2)),
     "prefill-padding-tail": AttentionCase((1, 6, 3), (20, 6, 19), pad_tokens=5, config=SMALL_TILES),
     # split-KV over query tiles longer than 1 (the kernel allows it, though pick_config never chooses it)
-    "prefill-split2": AttentionCase((1, 9, 5), (37, 9, 40), config=AttentionConfig(block_m=16, tile_n=16,
-                                                                                     num_splits=2)),
+    "prefill-split2": AttentionCase((1, 9, 5), (37, 9, 40), config=small_tiles(2)),
+    "mixed-graph-padding-split2": AttentionCase((1, 6, 3), (20, 6, 19), num_pad_seqs=1, pad_tokens=4,
+                                                config=small_tiles(2)),
+    # a sequence with no query rows this step owns no output row and must not disturb its neighbours
+    "empty-query-seq": AttentionCase((1, 0, 4, 1), (10, 5, 8, 3), config=SMALL_TILES),
 }
 
 
@@ -273,8 +282,9 @@ def test_paged_attention_strided_q_and_reused_launch_shape() -> None:
 def test_pick_num_splits_depends_on_host_shape_only() -> None:
     assert pick_num_splits(256, 8, 1, 4096) == 1  # enough programs already
     assert pick_num_splits(4, 8, 7, 4096) == 1  # prefill never splits
-    assert pick_num_splits(1, 8, 1, 256) == 1  # short context: the reduce would cost more than it saves
-    assert 1 < pick_num_splits(1, 8, 1, 4096) <= 16
+    assert pick_num_splits(1, 8, 1, 64) == 1  # one key tile: nothing to split
+    assert pick_num_splits(1, 8, 1, 4096) == 16
+    assert 1 < pick_num_splits(8, 8, 1, 4096) < 16
     assert pick_num_splits(2, 8, 1, 32768) == pick_num_splits(2, 8, 1, 32768)
 
 
@@ -297,7 +307,7 @@ def test_paged_attention_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError):
         paged_attention(**args, out=torch.empty(3, 4, 16))
     with pytest.raises(ValueError):
-        paged_attention(**args, config=AttentionConfig(tile_n=24))
+        paged_attention(**args, config=AttentionConfig(decode_tile_n=24))
     with pytest.raises(ValueError, match="heads"):
         paged_attention(**{**args, "q": torch.randn(3, 3, 32)})  # 3 heads over 2 kv heads
 

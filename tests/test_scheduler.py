@@ -216,10 +216,11 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= num_steps:
             sched.add_request(arrivals.pop(0)[1])
-        due = {req_id: during for req_id, (at, during) in abort_at.items() if at == num_steps}
-        for req_id in [req_id for req_id, during in due.items() if not during]:
+        due = [(req_id, during) for req_id, (at, during) in abort_at.items() if at == num_steps]
+        for req_id in [req_id for req_id, during in due if not during]:
             sched.abort_request(req_id)
-        step(sched, worker, lambda: [sched.abort_request(r) for r, during in due.items() if during])
+        mid_step = [req_id for req_id, during in due if during]
+        step(sched, worker, lambda ids=mid_step: [sched.abort_request(req_id) for req_id in ids])
         num_steps += 1
         assert num_steps < 20_000, "the scheduler stopped making progress"
 
@@ -251,6 +252,41 @@ def test_waiting_siblings_give_back_their_forked_blocks_when_nothing_can_run() -
     run_until_done(sched, worker, max_steps=50)
     assert urgent.sequences[0].finish_reason == FinishReason.LENGTH
     assert all(seq.num_output_tokens == 2 for seq in forked.sequences)
+    assert_all_free(sched)
+
+
+def test_head_blocked_by_waiting_siblings_with_nothing_running_is_admitted() -> None:
+    """Regression: nothing runs, the head's cache hits are all the free blocks, forked siblings hold the rest."""
+    sched = make_scheduler(num_blocks=5, block_size=1, max_model_len=5, max_num_seqs=2, max_num_batched_tokens=5)
+    worker = FakeWorker(1)
+    forked = make_request("forked", [2, 2, 3, 2], max_tokens=1, n=2, priority=1, arrival_time=0.0)
+    filler = make_request("filler", [3, 3], max_tokens=1, priority=2, arrival_time=1.0)
+    sched.add_request(forked)
+    sched.add_request(filler)
+    step(sched, worker)
+    assert len(forked.sequences[1].table.block_ids) == 3 and forked.sequences[1].status == SeqStatus.WAITING
+    urgent = make_request("urgent", [3, 3, 2], max_tokens=1, priority=0, arrival_time=2.0)  # hits filler's blocks
+    sched.add_request(urgent)
+    run_until_done(sched, worker, max_steps=50)
+    assert urgent.sequences[0].finish_reason == FinishReason.LENGTH
+    assert all(seq.num_output_tokens == 1 for seq in forked.sequences)
+    assert_all_free(sched)
+
+
+def test_runner_blocked_by_a_waiting_sibling_takes_its_blocks_instead_of_thrashing() -> None:
+    """Regression: the only runner needed a block a waiting sibling held; it was preempted and re-admitted forever."""
+    sched = make_scheduler(num_blocks=2, block_size=4, max_model_len=8, max_num_seqs=1, max_num_batched_tokens=1,
+                           enable_prefix_caching=False)
+    worker = FakeWorker(4)
+    forked = make_request("forked", [2] * 5, max_tokens=1, n=2, arrival_time=1.0)
+    sched.add_request(forked)
+    step(sched, worker)
+    runner = make_request("runner", [3], max_tokens=7, arrival_time=0.0)  # ranks first; needs both blocks
+    sched.add_request(runner)
+    run_until_done(sched, worker, max_steps=100)
+    assert runner.sequences[0].num_output_tokens == 7
+    assert runner.sequences[0].num_preemptions == 0
+    assert all(seq.num_output_tokens == 1 for seq in forked.sequences)
     assert_all_free(sched)
 
 

@@ -55,6 +55,12 @@ class SnapshotCollector:
                     ("pagoda_generation_tokens", "Tokens generated", stats.generation_tokens_total))
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        per_tokenizer = CounterMetricFamily("pagoda_tokenizer_requests", "Requests each tokenizer process sent",
+                                            labels=["tokenizer"])
+        for tokenizer_id, count in zip(stats.tokenizer_ids, stats.tokenizer_requests_total, strict=False):
+            per_tokenizer.add_metric([tokenizer_id], count)
+        yield per_tokenizer
+        yield GaugeMetricFamily("pagoda_num_tokenizers", "Live tokenizer processes", value=len(stats.tokenizer_ids))
 
 
 class ApiMetrics:

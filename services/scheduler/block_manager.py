@@ -15,6 +15,8 @@ No torch, no zmq: plain Python so the scheduler's policy is testable with plain 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,8 +37,13 @@ class BlockTable:
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Chain hash: equal hashes mean the same tokens after the same prefix (verified on lookup)."""
-    return hash((parent_hash, token_ids))
+    """Chain hash (128-bit BLAKE2b): equal hashes mean the same tokens after the same whole prefix.
+
+    A cryptographic hash, because a collision anywhere up the chain would hand one request another
+    prompt's K/V (the stored key check below only covers the last link).
+    """
+    digest = hashlib.blake2b(parent_hash.to_bytes(16, "little") + array("q", token_ids).tobytes(), digest_size=16)
+    return int.from_bytes(digest.digest(), "little")
 
 
 class BlockManager:

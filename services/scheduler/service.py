@@ -54,6 +54,7 @@ STEP_TIMEOUT_S = 600.0  # a step running longer than this marks the worker dead
 class Peer:
     last_seen: float
     request_ids: set[str] = field(default_factory=set)
+    num_requests: int = 0
 
 
 class SchedulerService:
@@ -183,6 +184,7 @@ class SchedulerService:
             return
         self.owner[message.request_id] = identity
         peer.request_ids.add(message.request_id)
+        peer.num_requests += 1
         self.prompt_tokens_total += len(message.prompt_token_ids)
 
     def _on_stop_sequence(self, message: StopSequence) -> None:
@@ -342,6 +344,7 @@ class SchedulerService:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_steps_total=stats.num_steps if stats else 0, worker_ready=scheduler is not None,
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
+            tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
             max_model_len=self.model_info.max_model_len if self.model_info else 0)
 
     def stop(self, *_: object) -> None:

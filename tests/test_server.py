@@ -1,0 +1,342 @@
+"""The whole server as users run it: `pagoda serve` with SmolLM2, real processes, the official openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import zmq
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SERVED = "smollm2-135m-instruct"
+PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "1, 2, 3, 4,",
+           "def fibonacci(n):", "The best way to learn a language is"]
+CHAT = [{"role": "user", "content": "What is the boiling point of water?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[str]
+    port: int
+    runtime_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            match = re.fullmatch(r"([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+|NaN|\+Inf)", line)
+            if match:
+                values[match.group(1)] = float(match.group(2))
+        return values
+
+    def children(self) -> dict[str, list[int]]:
+        """Child pids by service name, read from /proc."""
+        found: dict[str, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (entry / "status").read_text()
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            ppid = int(re.search(r"PPid:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+            match = re.search(r"pagoda\.services\.(\w+)", cmdline)
+            if ppid == self.process.pid and match:
+                found.setdefault(match.group(1), []).append(int(entry.name))
+        return found
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, *extra: str) -> Iterator[Server]:
+    port = _free_port()
+    runtime_dir = Path(f"/tmp/pgt{port}")
+    runtime_dir.mkdir(exist_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--runtime-dir", str(runtime_dir), "--max-model-len", "1024", "--heartbeat-timeout", "3", *extra],
+        stdout=subprocess.PIPE, text=True)
+    server = Server(process, port, runtime_dir)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # the launcher prints one line once every process is healthy
+        assert "serving" in line and f":{port}/v1" in line, f"server did not start: {line!r}"
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[Server]:
+    with running_server(smollm2_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_dir: Path) -> LLM:
+    return LLM(str(smollm2_dir), max_model_len=1024)
+
+
+def _offline_text(llm: LLM, prompt: str | list[int], max_tokens: int) -> tuple[str, str, int, int]:
+    """Greedy text, finish reason, prompt tokens and generated tokens of the in-process engine."""
+    [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    completion = out.outputs[0]
+    return completion.text, completion.finish_reason or "", len(out.prompt_token_ids), len(completion.token_ids)
+
+
+# ------------------------------------------------------------------ 1. chat and completions
+
+
+def test_completions_match_the_offline_engine(server: Server, offline: LLM) -> None:
+    client = server.client()
+    for prompt, max_tokens in zip(PROMPTS, (8, 40, 24, 32, 16), strict=True):
+        text, reason, num_prompt, num_generated = _offline_text(offline, prompt, max_tokens)
+        response = client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        choice = response.choices[0]
+        assert response.object == "text_completion"
+        assert choice.text == text and choice.finish_reason == reason
+        assert response.usage.prompt_tokens == num_prompt
+        assert response.usage.completion_tokens == num_generated
+        assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_streamed_completion_concatenates_to_the_same_text(server: Server, offline: LLM) -> None:
+    text, reason, num_prompt, _ = _offline_text(offline, PROMPTS[1], 40)
+    stream = server.client().completions.create(model=SERVED, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == num_prompt
+
+
+def test_chat_streaming_and_not(server: Server, offline: LLM) -> None:
+    [expected] = offline.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=48))
+    client = server.client()
+    response = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=48, temperature=0)
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+    chunks = list(client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=48, temperature=0,
+                                                 stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_raw_stream_ends_with_done(server: Server) -> None:
+    body = {"model": SERVED, "prompt": "Hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+# ------------------------------------------------------------------ 2. concurrency and batching
+
+
+def _stream_text(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, str | None]:
+    chunks = list(client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            stream=True))
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return "".join(c.choices[0].text for c in chunks if c.choices), reasons[-1] if reasons else None
+
+
+def test_64_concurrent_streams_complete_and_batch(server: Server, offline: LLM) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(64)]
+    lengths = [4 + (i * 7) % 29 for i in range(64)]
+    expected = offline.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths])
+    client = server.client(timeout=600)
+    peak_running = 0
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        futures = [pool.submit(_stream_text, client, p, n) for p, n in zip(prompts, lengths, strict=True)]
+        while not all(f.done() for f in futures):
+            peak_running = max(peak_running, server.metrics().get("pagoda_num_requests_running", 0))
+            time.sleep(0.1)  # sampling a gauge while the load runs
+        results = [f.result() for f in futures]
+    for (text, reason), out in zip(results, expected, strict=True):
+        assert text == out.outputs[0].text and reason == out.outputs[0].finish_reason
+    assert peak_running > 1
+
+
+# ------------------------------------------------------------------ 4. abort frees blocks
+
+
+def test_disconnected_streams_are_aborted_and_free_their_blocks(server: Server) -> None:
+    wait_until(lambda: server.metrics().get("pagoda_num_requests_running") == 0, 30, "the server to be idle")
+    idle_free = server.metrics()["pagoda_kv_blocks_free"]
+
+    def read_a_few_then_leave(i: int) -> int:
+        body = {"model": SERVED, "prompt": f"Tell me a long story, part {i}.", "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        seen = 0
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                seen += line.startswith("data: {")
+                if seen >= 3:
+                    break  # closing the stream mid-way is the disconnect
+        return seen
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(n >= 3 for n in pool.map(read_a_few_then_leave, range(8)))
+    left_at = time.monotonic()
+    wait_until(lambda: server.metrics().get("pagoda_num_requests_running") == 0
+               and server.metrics().get("pagoda_kv_blocks_free") == idle_free, 2.0, "aborted requests to free blocks")
+    assert time.monotonic() - left_at <= 2.0
+
+
+# ------------------------------------------------------------------ 5. process layout
+
+
+def test_each_service_is_its_own_process_and_the_api_has_no_torch(server: Server) -> None:
+    children = server.children()
+    assert set(children) == {"api", "tokenizer", "scheduler", "worker"}
+    pids = [pid for group in children.values() for pid in group]
+    assert len(pids) == len(set(pids)) == 4
+    [api_pid] = children["api"]
+    assert "libtorch" not in Path(f"/proc/{api_pid}/maps").read_text()
+    [worker_pid] = children["worker"]
+    assert "libtorch" in Path(f"/proc/{worker_pid}/maps").read_text()
+
+
+# ------------------------------------------------------------------ 6. bad input
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    (b"{not json", 400, None),
+    ({"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    ({"model": SERVED, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": SERVED, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ({"model": SERVED, "prompt": "hi", "temperature": [1]}, 400, "temperature"),
+    ({"model": SERVED, "prompt": "word " * 1100}, 400, "prompt"),
+    ({"model": SERVED, "prompt": "hi", "max_tokens": 2000}, 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_errors(server: Server, body: object, status: int, param: str | None) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(server.url + "/v1/completions", timeout=30, **kwargs)  # type: ignore[arg-type]
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_garbage_frames_are_dropped(server: Server) -> None:
+    context = zmq.Context()
+    try:
+        for name, kind in (("api0", zmq.DEALER), ("scheduler", zmq.DEALER), ("result", zmq.PUSH)):
+            sock = context.socket(kind)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"ipc://{server.runtime_dir}/{name}.sock")
+            sock.send_multipart([b"\xff\x00garbage", b"more"])
+            sock.send(b"\xc1\xc1\xc1")
+            sock.close()
+    finally:
+        context.term()
+    response = server.client().completions.create(model=SERVED, prompt="Still alive?", max_tokens=4)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# ------------------------------------------------------------------ 3. several tokenizers and apis
+
+
+def test_two_tokenizers_and_two_apis(smollm2_dir: Path, offline: LLM) -> None:
+    with running_server(smollm2_dir, "--tokenizer-workers", "2", "--api-workers", "2") as server:
+        children = server.children()
+        assert len(children["tokenizer"]) == 2 and len(children["api"]) == 2
+        client = server.client(timeout=300)
+        prompts = [f"{PROMPTS[i % len(PROMPTS)]} [{i}]" for i in range(16)]
+        expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda p: _stream_text(client, p, 12), prompts))
+        for (text, _), out in zip(results, expected, strict=True):
+            assert text == out.outputs[0].text
+        chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content
+        per_tokenizer = {k: v for k, v in server.metrics().items() if k.startswith("pagoda_tokenizer_requests_total")}
+        assert len(per_tokenizer) == 2 and all(v > 0 for v in per_tokenizer.values()), per_tokenizer
+
+
+# ------------------------------------------------------------------ 7. SIGTERM under load
+
+
+def test_sigterm_during_load_ends_cleanly(smollm2_dir: Path) -> None:
+    with running_server(smollm2_dir) as server:
+        client = server.client(timeout=60)
+        pids = [pid for group in server.children().values() for pid in group]
+
+        def one(i: int) -> str:
+            try:
+                text, reason = _stream_text(client, f"Count slowly to one hundred, take {i}:", 200)
+                return f"done:{reason}"
+            except (openai.APIError, httpx.HTTPError) as exc:
+                return f"error:{type(exc).__name__}"
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(one, i) for i in range(6)]
+            wait_until(lambda: server.metrics().get("pagoda_num_requests_running", 0) > 0, 60, "load to start")
+            stopped_at = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            outcomes = [f.result(timeout=30) for f in futures]
+        server.process.wait(timeout=15)
+        assert time.monotonic() - stopped_at <= 12.0
+        assert all(o.startswith(("done:", "error:")) for o in outcomes)
+        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists() and _alive(pid)]
+        assert not server.runtime_dir.exists() or not any(server.runtime_dir.glob("*.sock"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in state
+
