@@ -122,6 +122,12 @@ class Launcher:
                 child.process.wait()
         if self.own_runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            return
+        endpoints = self.server_config.endpoints()
+        for endpoint in [*endpoints.api, endpoints.scheduler, endpoints.plan, endpoints.result, endpoints.stats]:
+            if endpoint.startswith("ipc://"):  # a process killed mid-way leaves its socket file behind
+                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        shutil.rmtree(self.runtime_dir / "prometheus", ignore_errors=True)
 
     @staticmethod
     def _terminate(children: list[Child]) -> None:
