@@ -218,8 +218,8 @@ def sweep(quick: bool) -> None:
             configs = [AttentionConfig(prefill_block_m=m, prefill_tile_n=t, prefill_num_warps=w,
                                        prefill_num_stages=st)
                        for m in (64, 128) for t in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
-        default = pick_config(len(query_lens), num_kv_heads, num_heads // num_kv_heads, max(query_lens),
-                              max(seq_lens))
+        default = pick_config(sum(query_lens), len(query_lens), num_kv_heads, num_heads // num_kv_heads,
+                              max(query_lens), max(seq_lens))
         configs.append(default)
         results = []
         for config in configs:

@@ -72,10 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    from pagoda.bench import scheduler_step, throughput
+    from pagoda.bench import ipc, scheduler_step, serve, throughput
 
     for name, module, help_text in (("throughput", throughput, "offline throughput vs the HF peers"),
-                                    ("scheduler", scheduler_step, "pure-Python cost of a scheduler step")):
+                                    ("serve", serve, "online serving against a running server"),
+                                    ("scheduler", scheduler_step, "pure-Python cost of a scheduler step"),
+                                    ("ipc", ipc, "scheduler<->worker round trip over ZeroMQ")):
         sub = bench_commands.add_parser(name, help=help_text)
         module.add_arguments(sub)
         sub.set_defaults(func=_cmd_bench, bench_main=module.main)

@@ -223,6 +223,55 @@ def test_paged_attention_matches_reference_gpu(name: str, dtype: torch.dtype) ->
     run_attention(GPU_ATTENTION_CASES[name], dtype, "cuda", ATTENTION_ATOL[dtype])
 
 
+@pytest.mark.gpu
+def test_decode_step_replays_in_a_cuda_graph() -> None:
+    """write_kv + paged_attention captured once, as the worker's decode graphs are, then replayed with new tokens
+    and shorter lengths written into the same tensors. max_seq_len = 4096 (a fixed upper bound) picks split-KV."""
+    case = AttentionCase((1,) * 6, (100, 2000, 1, 517, 3000, 64), num_heads=32, num_kv_heads=8, head_dim=128,
+                         num_pad_seqs=2)
+    batch = make_paged_batch(case, torch.bfloat16, "cuda")
+    num_tokens, _, head_dim = batch.q.shape
+    scale = head_dim ** -0.5
+    new_k = torch.empty(num_tokens, case.num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    new_v = torch.empty_like(new_k)  # [T, kv_heads, D]
+    slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device="cuda")  # padding rows stay -1
+    out = torch.empty_like(batch.q)  # [T, heads, D]
+
+    def step() -> None:
+        write_kv(new_k, new_v, batch.k_cache, batch.v_cache, slot_mapping)
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                        batch.query_start_loc, 1, 4096, scale, out=out)
+
+    def load(seq_lens: tuple[int, ...]) -> None:
+        """This step's tokens: sequence b's new token is its last, at position seq_lens[b] - 1."""
+        for b, seq_len in enumerate(seq_lens):
+            block = int(batch.block_tables[b, (seq_len - 1) // case.block_size])
+            slot_mapping[b] = block * case.block_size + (seq_len - 1) % case.block_size
+        batch.seq_lens[:len(seq_lens)] = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        batch.q.copy_(torch.randn_like(batch.q))
+        new_k.copy_(torch.randn_like(new_k))
+        new_v.copy_(torch.randn_like(new_v))
+
+    load(case.seq_lens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seq_lens in (case.seq_lens, (77, 1500, 1, 16, 2999, 3)):
+        load(seq_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = reference_attention(batch, replace(case, seq_lens=seq_lens), scale)
+        err = (out[:batch.num_real_tokens].float() - expected).abs().max().item()
+        assert err < ATTENTION_ATOL[torch.bfloat16], f"max abs err {err:.3e}"
+        assert bool((out[batch.num_real_tokens:] == 0).all())
+
+
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Textbook oracle for one sequence: q [Q, heads, D] are the last Q of the L tokens of k, v [L, kv_heads, D];
     explicit GQA head mapping, causal mask, softmax. Returns [Q, heads, D]."""
@@ -270,7 +319,7 @@ def test_paged_attention_strided_q_and_reused_launch_shape() -> None:
     qkv = torch.randn(num_tokens, (num_heads + 4) * head_dim, device=DEVICE)  # [T, (heads + 2 kv_heads) * D]
     q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # strided rows
     q.copy_(batch.q)
-    config = pick_config(num_tokens, case.num_kv_heads, 2, max_query_len=1, max_seq_len=4096)
+    config = pick_config(num_tokens, 3, case.num_kv_heads, 2, max_query_len=1, max_seq_len=4096)
     for seq_lens in ((40, 3, 17), (25, 1, 9)):  # shorter lengths written into the same tensor
         batch.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
         out = paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
