@@ -17,8 +17,45 @@ from typing import Any
 
 from pagoda.bench.workload import Workload
 
+HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
+MATMUL_FLOPS = 780e12  # measured bf16 matmul on the lent H200
 
-def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any]) -> dict[str, Any]:
+
+def single_request_latency(llm: Any, prompt: list[int], num_tokens: int) -> dict[str, float]:
+    """Batch-1 decode: the median wall time of a decode step (one token) after a prompt's prefill."""
+    from pagoda import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
+    step_times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start)
+    decode = sorted(step_times[1:])  # the first step is the prefill
+    return {"batch1_prompt_len": len(prompt), "batch1_decode_ms_p50": 1e3 * decode[len(decode) // 2],
+            "batch1_prefill_ms": 1e3 * step_times[0]}
+
+
+def roofline_seconds(arch: Any, workload: Workload, dtype_bytes: int = 2) -> dict[str, float]:
+    """The physical floor of the workload: prefill FLOPs at the matrix rate, decode bytes at HBM bandwidth.
+
+    Decode reads every weight and every cached K/V byte once per step (all sequences in lockstep);
+    prefill does 2 FLOPs per weight per token plus causal attention.
+    """
+    weight_bytes = arch.num_params() * dtype_bytes
+    kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
+    n, p, o = workload.num_prompts, workload.input_len, workload.output_len
+    embed = arch.vocab_size * arch.hidden_size
+    prefill_flops = 2 * (arch.num_params() - embed) * n * p + 2 * arch.num_layers * arch.q_size * n * p * p
+    decode_bytes = sum(weight_bytes + n * (p + i) * kv_per_token for i in range(o))
+    prefill_s, decode_s = prefill_flops / MATMUL_FLOPS, decode_bytes / HBM_BYTES_PER_S
+    return {"floor_s": prefill_s + decode_s, "floor_prefill_s": prefill_s, "floor_decode_s": decode_s,
+            "floor_out_tok_per_s": n * o / (prefill_s + decode_s)}
+
+
+def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any],
+               latency_prompt_len: int = 0) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
     load_start = time.perf_counter()
@@ -36,7 +73,8 @@ def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: di
     elapsed = time.perf_counter() - start
     token_lists = [o.outputs[0].token_ids for o in outputs]
     num_output = sum(len(t) for t in token_lists)
-    return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_output,
+    latency = single_request_latency(llm, prompts[0][:latency_prompt_len], 64) if latency_prompt_len else {}
+    return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_output, **latency,
             "output_tok_per_s": num_output / elapsed, "load_s": load_s,
             "num_steps": llm.engine.scheduler.stats.num_steps - steps_before,
             "num_preemptions": llm.engine.scheduler.stats.num_preemptions, "num_kv_blocks": runner.num_blocks,
@@ -60,7 +98,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             value = getattr(args, name)
             if value not in (None, False):
                 engine_args[name] = value
-        return run_pagoda(args.model, args.load_format, workload, engine_args)
+        return run_pagoda(args.model, args.load_format, workload, engine_args, args.latency_prompt_len)
     from pagoda.bench.hf_peer import run_peer
     from pagoda.shared.config import EngineConfig
 
@@ -86,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--peer", action="append", default=[], choices=("hf-static", "hf-compiled", "hf-cb"),
                         help="also run this Hugging Face peer (repeatable)")
+    parser.add_argument("--skip-pagoda", action="store_true", help="run only the peers")
+    parser.add_argument("--latency-prompt-len", type=int, default=0,
+                        help="also time batch-1 decode after a prompt of this many tokens")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds each system may run")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     parser.add_argument("--system", default=None, help=argparse.SUPPRESS)  # child mode
 
@@ -94,10 +136,11 @@ def main(args: argparse.Namespace) -> int:
     if args.system:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return 0
-    results = [_run_child(args, system) for system in ["pagoda", *args.peer]]
+    systems = ([] if args.skip_pagoda else ["pagoda"]) + args.peer
+    results = [_run_child(args, system) for system in systems]
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "load_format": args.load_format,
               "workload": Workload(args.num_prompts, args.input_len, args.output_len, args.input_len_jitter,
-                                   args.seed).to_dict(), "results": results}
+                                   args.seed).to_dict(), "results": results, "roofline": _roofline(args)}
     _print_table(report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +149,18 @@ def main(args: argparse.Namespace) -> int:
 
 
 _FORWARDED = ("model", "load_format", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed", "dtype",
-              "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager")
+              "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager",
+              "latency_prompt_len")
+
+
+def _roofline(args: argparse.Namespace) -> dict[str, float]:
+    from pagoda.services.worker.model_config import resolve_arch
+
+    try:
+        arch = resolve_arch(args.model, "dummy" if args.load_format == "dummy" else "auto")
+    except Exception:  # noqa: BLE001 - the floor is a courtesy; the run itself reports real errors
+        return {}
+    return roofline_seconds(arch, Workload(args.num_prompts, args.input_len, args.output_len, 0.0, args.seed))
 
 
 def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
@@ -117,7 +171,11 @@ def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
             continue
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=args.timeout)
+    except subprocess.TimeoutExpired as exc:
+        print(f"{system} timed out after {args.timeout} s", file=sys.stderr)
+        return {"system": system, "error": f"timed out after {args.timeout} s: {str(exc.stderr or '')[-500:]}"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -128,6 +186,7 @@ def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
 
 def _print_table(report: dict[str, Any]) -> None:
     results = report["results"]
+    floor = report.get("roofline") or {}
     base = next((r for r in results if r["system"] == "pagoda" and "error" not in r), None)
     print(f"\nmodel {report['model']}  workload {report['workload']}")
     print(f"{'system':<14}{'out tok/s':>12}{'elapsed s':>12}{'pagoda x':>10}")
@@ -137,3 +196,9 @@ def _print_table(report: dict[str, Any]) -> None:
             continue
         ratio = base["output_tok_per_s"] / r["output_tok_per_s"] if base else float("nan")
         print(f"{r['system']:<14}{r['output_tok_per_s']:>12.1f}{r['elapsed_s']:>12.2f}{ratio:>10.2f}")
+    if floor:
+        print(f"roofline floor {floor['floor_s']:.2f} s ({floor['floor_out_tok_per_s']:.0f} out tok/s)"
+              + (f"; pagoda at {floor['floor_s'] / base['elapsed_s']:.0%} of it" if base else ""))
+    if base and "batch1_decode_ms_p50" in base:
+        print(f"batch-1 decode after {base['batch1_prompt_len']} prompt tokens: "
+              f"{base['batch1_decode_ms_p50']:.2f} ms/token")

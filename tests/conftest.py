@@ -13,6 +13,28 @@ if not HAS_CUDA:
     # Must happen before any module defines a @triton.jit kernel; TRITON_INTERPRET=0 opts out.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a loop bound with int(array),
+    which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream after 3.6): index through element 0."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_pagoda_scalar_index_fix", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._pagoda_scalar_index_fix = True
+
+
+_fix_interpreter_scalar_index()
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import zlib
 from dataclasses import dataclass, replace
 
@@ -15,28 +14,6 @@ from pagoda.kernels.kv_cache import write_kv
 from pagoda.kernels.norm import add_rms_norm, rms_norm
 from pagoda.kernels.paged_attention import AttentionConfig, paged_attention, pick_config, pick_num_splits
 from pagoda.kernels.rope import apply_rope
-
-
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a loop bound with int(array),
-    which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream after 3.6): index through element 0."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_pagoda_scalar_index_fix", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._pagoda_scalar_index_fix = True
-
-
-_fix_interpreter_scalar_index()
 
 # The small cases run in Triton's interpreter on a machine without CUDA, and on the GPU where there is one.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

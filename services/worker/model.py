@@ -7,6 +7,7 @@ an all-reduce after each; embeddings and the LM head are split by vocabulary row
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +44,56 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     ref.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return ref.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_host,
                                meta.query_lens_host, scale)
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The same with the Triton kernels (GPU): write K/V into their slots, then paged attention."""
+    from pagoda.kernels.kv_cache import write_kv
+    from pagoda.kernels.paged_attention import paged_attention
+
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                           meta.max_query_len, meta.max_seq_len, scale)
+
+
+@dataclass(frozen=True, slots=True)
+class Ops:
+    """The kernels one model instance uses: plain PyTorch on CPU, Triton on CUDA (same semantics)."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float],
+                           tuple[torch.Tensor, torch.Tensor]]
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[torch.Tensor, torch.Tensor]]  # (q, k, cos cache, sin cache, positions) -> q, k
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    attention: AttentionBackend
+
+
+def _reference_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_cache[positions], sin_cache[positions]  # [T, D] each
+    return ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+
+
+def reference_ops() -> Ops:
+    return Ops(rms_norm=ref.rms_norm, add_rms_norm=ref.add_rms_norm, rope=_reference_rope,
+               silu_and_mul=ref.silu_and_mul, attention=reference_attention)
+
+
+def triton_ops() -> Ops:
+    from pagoda.kernels import activation, norm, rope
+
+    def fused_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.apply_rope(q, k, cos_cache, sin_cache, positions=positions, inplace=True)
+
+    return Ops(rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, rope=fused_rope,
+               silu_and_mul=activation.silu_and_mul, attention=triton_attention)
+
+
+def ops_for(device: torch.device) -> Ops:
+    return triton_ops() if device.type == "cuda" else reference_ops()
 
 
 class TensorParallel(Protocol):
@@ -113,25 +164,24 @@ class DecoderLayer(nn.Module):
         self.down_weight = param(h, local_mlp)  # [H, I]
         self.scale = arch.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                attention: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope_cache: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.arch.rms_norm_eps
-        h, residual = ref.add_rms_norm(x, residual, self.input_norm, eps)  # [T, H] each
+        h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)  # [T, H] each
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, Q + 2KV]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = ref.rms_norm(q, self.q_norm, eps)
-            k = ref.rms_norm(k, self.k_norm, eps)
-        q = ref.apply_rope(q, cos, sin)
-        k = ref.apply_rope(k, cos, sin)
-        attn = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, heads, D]
+            q = ops.rms_norm(q, self.q_norm, eps)
+            k = ops.rms_norm(k, self.k_norm, eps)
+        q, k = ops.rope(q, k, rope_cache[0], rope_cache[1], positions)
+        attn = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, heads, D]
         x = self.tp.all_reduce(F.linear(attn.reshape(-1, self.q_size), self.o_weight))  # [T, H]
-        h, residual = ref.add_rms_norm(x, residual, self.post_attn_norm, eps)
-        mlp = ref.silu_and_mul(F.linear(h, self.gate_up_weight))  # [T, I]
+        h, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, eps)
+        mlp = ops.silu_and_mul(F.linear(h, self.gate_up_weight))  # [T, I]
         return self.tp.all_reduce(F.linear(mlp, self.down_weight)), residual
 
 
@@ -139,9 +189,10 @@ class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and the LM head of one tensor-parallel rank."""
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, max_positions: int | None = None, ops: Ops | None = None) -> None:
         super().__init__()
         self.arch = arch
+        self.ops = ops or ops_for(device)
         self.tp = tp or SingleDevice()
         self.dtype = dtype
         self.vocab_per_rank = -(-arch.vocab_size // self.tp.size)
@@ -154,8 +205,9 @@ class CausalLM(nn.Module):
         self.final_norm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
         self.lm_head = self.embed if arch.tie_word_embeddings else nn.Parameter(
             torch.zeros(self.vocab_per_rank, h, dtype=dtype, device=device), requires_grad=False)
-        self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
-        self.attention: AttentionBackend = reference_attention
+        positions = torch.arange(max_positions or arch.max_position_embeddings, device=device)  # [P]
+        cos, sin = ref.rope_cos_sin(rope_inv_freq(arch).to(device), positions, dtype)  # [P, D] each
+        self.rope_cache = (cos, sin)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -169,11 +221,10 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H]."""
         x = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = ref.rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.attention)
-        x, _ = ref.add_rms_norm(x, residual, self.final_norm, self.arch.rms_norm_eps)
+            x, residual = layer(x, residual, positions, self.rope_cache, kv_cache, meta, self.ops)
+        x, _ = self.ops.add_rms_norm(x, residual, self.final_norm, self.arch.rms_norm_eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

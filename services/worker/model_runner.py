@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from pagoda.services.worker.batch_state import BatchState
-from pagoda.services.worker.model import AttentionMetadata, CausalLM, TensorParallel
+from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
+from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagoda.services.worker.weights import load_model
@@ -24,22 +25,25 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
-class StepBatch:
-    """One step's inputs on the device, plus the host-side bookkeeping to apply its results."""
+class HostBatch:
+    """One step's inputs on the host, before they go to the device."""
 
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
     rows: np.ndarray  # [B] state rows in batch order
+    counts: np.ndarray  # [B] tokens each sequence computes this step
     seq_lens: np.ndarray  # [B] tokens computed after this step
+    query_start: np.ndarray  # [B + 1] offsets of each sequence's tokens in the flat batch
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T] flat KV cache slots
+    block_tables: np.ndarray  # [B, max_blocks]
     sampled: np.ndarray  # [S] indices into the batch of the sequences that sample
-    logits_indices: torch.Tensor  # [S] int64 token rows whose hidden state feeds the LM head
+    is_decode: bool  # one token per sequence
 
 
 class ModelRunner:
     """Owns the model, the KV cache and the per-request state of one tensor-parallel rank."""
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, ops: Ops | None = None) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.dtype: torch.dtype = getattr(torch, config.resolved_dtype(self.device.type))
@@ -49,7 +53,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = CausalLM(self.arch, self.dtype, self.device, tp)
+        self.model = CausalLM(self.arch, self.dtype, self.device, tp, max_positions=self.max_model_len, ops=ops)
         self.bytes_read = load_model(self.model, config.model, config.load_format, config.seed)
         self.num_blocks = self._num_kv_blocks()
         kv_shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size,
@@ -58,6 +62,12 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
+        self.staging = PinnedStaging(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
+                                       self.state.block_table.shape[1], self.max_model_len, self.staging)
+            self.graphs.capture()
         log.info("model %s: %.1fM params, %s on %s, %d KV blocks of %d tokens", config.model,
                  self.arch.num_params() / 1e6, self.dtype, self.device, self.num_blocks, self.block_size)
 
@@ -132,23 +142,42 @@ class ModelRunner:
         self.state.apply(plan)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
-        batch = self._prepare(plan)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, H]
+        host = self._prepare(plan)
         state = self.state
-        state.num_computed[batch.rows] = batch.seq_lens
-        if len(batch.sampled) == 0:
+        if self.graphs is not None and host.is_decode and self.graphs.fits(len(host.rows)):
+            logits = self.graphs.replay(host.input_ids, host.positions, host.slots, host.seq_lens,
+                                        host.block_tables)  # [B, V] fp32: every decode row samples
+        else:
+            logits = self._forward_eager(host)
+        state.num_computed[host.rows] = host.seq_lens
+        if logits is None:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, V] fp32
-        sampled_rows = batch.rows[batch.sampled]  # [S]
+        sampled_rows = host.rows[host.sampled]  # [S]
         metadata = self._sampling_metadata(sampled_rows, logits.shape[1])
         output = self.sampler(logits, metadata)
         token_ids = output.token_ids.tolist()  # the step's one host sync
         state.token_ids[sampled_rows, state.num_tokens[sampled_rows]] = token_ids
         state.num_tokens[sampled_rows] += 1
-        req_ids = [plan.req_ids[i] for i in batch.sampled.tolist()]
+        req_ids = [plan.req_ids[i] for i in host.sampled.tolist()]
         if output.logprobs is None:
             return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids)
         return self._with_logprobs(plan.step_id, req_ids, token_ids, sampled_rows, output)
+
+    def _forward_eager(self, host: HostBatch) -> torch.Tensor | None:
+        """The model on a mixed or large batch; logits [S, V] of the rows that sample, None if none do."""
+        to = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to(host.slots, "slots"), block_tables=to(host.block_tables, "block_tables"),
+            seq_lens=to(host.seq_lens.astype(np.int32), "seq_lens"),
+            query_start_loc=to(host.query_start.astype(np.int32), "query_start"),
+            seq_lens_host=host.seq_lens.tolist(), query_lens_host=host.counts.tolist(),
+            max_query_len=int(host.counts.max()), max_seq_len=int(host.seq_lens.max()))
+        hidden = self.model(to(host.input_ids, "input_ids"), to(host.positions, "positions"), self.kv_caches,
+                            meta)  # [T, H]
+        if len(host.sampled) == 0:
+            return None
+        logits_indices = to(host.query_start[1:][host.sampled] - 1, "logits_indices")  # [S]
+        return self.model.compute_logits(hidden[logits_indices])  # [S, V] fp32
 
     def recover(self, plan: StepPlan) -> None:
         """After a failed step: forget the plan's requests (the scheduler aborts them too)."""
@@ -158,7 +187,8 @@ class ModelRunner:
             if row is not None:
                 state.free_rows.append(row)
 
-    def _prepare(self, plan: StepPlan) -> StepBatch:
+    def _prepare(self, plan: StepPlan) -> HostBatch:
+        """The step's flattened inputs as numpy arrays, gathered from the persistent state."""
         state, size = self.state, self.block_size
         rows = state.rows_for(plan.req_ids)  # [B]
         counts = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)  # [B]
@@ -172,45 +202,43 @@ class ModelRunner:
         positions = np.repeat(starts - query_start[:-1], counts) + np.arange(num_tokens)  # [T]
         input_ids = state.token_ids[token_rows, positions].astype(np.int64)  # [T]
         slots = state.block_table[token_rows, positions // size].astype(np.int64) * size + positions % size  # [T]
-        max_seq_len = int(seq_lens.max())
-        block_tables = state.block_table[rows, :-(-max_seq_len // size)]  # [B, max_blocks]
-        sampled = np.flatnonzero(seq_lens == state.num_tokens[rows])  # [S]
-        to = self._to_device
-        meta = AttentionMetadata(
-            slot_mapping=to(slots), block_tables=to(block_tables), seq_lens=to(seq_lens.astype(np.int32)),
-            query_start_loc=to(query_start.astype(np.int32)), seq_lens_host=seq_lens.tolist(),
-            query_lens_host=plan.num_scheduled_tokens, max_query_len=int(counts.max()), max_seq_len=max_seq_len)
-        return StepBatch(input_ids=to(input_ids), positions=to(positions), meta=meta, rows=rows,
-                         seq_lens=seq_lens, sampled=sampled, logits_indices=to(query_start[1:][sampled] - 1))
+        max_blocks = -(-int(seq_lens.max()) // size)
+        return HostBatch(rows=rows, counts=counts, seq_lens=seq_lens, query_start=query_start, input_ids=input_ids,
+                         positions=positions, slots=slots, block_tables=state.block_table[rows, :max_blocks],
+                         sampled=np.flatnonzero(seq_lens == state.num_tokens[rows]),
+                         is_decode=num_tokens == len(rows))
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, array: np.ndarray, name: str) -> torch.Tensor:
+        """Host array -> device tensor; on CUDA through a reused pinned buffer and an async copy."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cpu":
             return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return self.staging.to_device(tensor, name)
 
     def _sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
         """Gather the sampled rows' settings; optional parts only when some row uses them."""
         state, to = self.state, self._to_device
         temperature = state.temperature[rows]
         num_output = state.num_tokens[rows] - state.num_prompt_tokens[rows]  # [S]
-        metadata = SamplingMetadata(temperature=to(temperature), seeds=to(state.seed[rows]), offsets=to(num_output),
+        metadata = SamplingMetadata(temperature=to(temperature, "temperature"), seeds=to(state.seed[rows], "seeds"),
+                                    offsets=to(num_output, "offsets"),
                                     all_greedy=bool((temperature == 0.0).all()))
         if (state.top_k[rows] > 0).any():
-            metadata.top_k = to(state.top_k[rows])
+            metadata.top_k = to(state.top_k[rows], "top_k")
         if (state.top_p[rows] < 1.0).any():
-            metadata.top_p = to(state.top_p[rows])
+            metadata.top_p = to(state.top_p[rows], "top_p")
         if (state.min_p[rows] > 0.0).any():
-            metadata.min_p = to(state.min_p[rows])
+            metadata.min_p = to(state.min_p[rows], "min_p")
         presence, frequency = state.presence_penalty[rows], state.frequency_penalty[rows]
         repetition = state.repetition_penalty[rows]
         if (presence != 0).any() or (frequency != 0).any() or (repetition != 1).any():
-            metadata.presence_penalty, metadata.frequency_penalty = to(presence), to(frequency)
-            metadata.repetition_penalty = to(repetition)
+            metadata.presence_penalty = to(presence, "presence")
+            metadata.frequency_penalty = to(frequency, "frequency")
+            metadata.repetition_penalty = to(repetition, "repetition")
             metadata.prompt_token_ids, metadata.output_token_ids = self._penalty_tokens(rows, vocab_size)
         short = np.flatnonzero(num_output < state.min_tokens[rows])
         if len(short):
-            metadata.banned_token_ids = to(self._banned(rows, short, vocab_size))
+            metadata.banned_token_ids = self._to_device(self._banned(rows, short, vocab_size), "banned")
         num_logprobs = state.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             metadata.max_num_logprobs = int(num_logprobs.max())
@@ -227,7 +255,7 @@ class ModelRunner:
         index = num_prompt[:, None] + np.arange(max_output)[None, :]  # [S, O]
         output = state.token_ids[rows[:, None], np.minimum(index, self.max_model_len - 1)].astype(np.int64)
         output[index >= num_tokens[:, None]] = vocab_size
-        return self._to_device(prompt), self._to_device(output)
+        return self._to_device(prompt, "prompt_ids"), self._to_device(output, "output_ids")
 
     def _banned(self, rows: np.ndarray, short: np.ndarray, vocab_size: int) -> np.ndarray:
         short_set = set(short.tolist())

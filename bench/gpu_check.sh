@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels and the project, run the GPU tests, greedy parity against
+# transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
+# process) on qwen3-0.6b and llama3-8b, and print a short table last.
+#   PHASES=tests,parity,pagoda,peers,compiled,cb   (default: all but cb)   OUT=dir for JSON logs
+# Carry .whl (pyzmq, msgspec wheels for cp312; README "Notes") with the call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pagoda-gpu}
+PHASES=${PHASES:-tests,parity,pagoda,peers,compiled}
+mkdir -p "$OUT"
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)"
+has() { [[ ",$PHASES," == *",$1,"* ]]; }
+WORKLOAD=(--num-prompts 256 --input-len 512 --input-len-jitter 0 --output-len 256 --load-format dummy)
+
+if has tests; then
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_kernels.py tests/test_kernels.py \
+    -k "gpu or graph or model" 2>&1 | tail -5
+fi
+if has parity; then
+  timeout 240 python3 -m pagoda.bench.gpu_parity --shape qwen3-0.6b --num-prompts 64 --new-tokens 32 \
+    | tee "$OUT/parity.txt" | grep PARITY
+fi
+for shape in qwen3-0.6b llama3-8b; do
+  peers=()
+  has peers && peers+=(--peer hf-static)
+  has compiled && peers+=(--peer hf-compiled)
+  has cb && peers+=(--peer hf-cb)
+  skip=()
+  has pagoda || skip=(--skip-pagoda)
+  [[ ${#peers[@]} -eq 0 && ${#skip[@]} -gt 0 ]] && continue
+  latency=()
+  [[ $shape == llama3-8b ]] && latency=(--latency-prompt-len 512)
+  timeout 560 python3 -m pagoda.bench throughput --model "$shape" "${WORKLOAD[@]}" "${skip[@]}" "${peers[@]}" \
+    "${latency[@]}" --timeout 300 --out "$OUT/throughput_$shape.json" 2>&1 | tail -12
+done
