@@ -21,7 +21,7 @@ WORKLOAD=(--num-prompts 256 --input-len 512 --input-len-jitter 0 --output-len 25
 
 if has tests; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_kernels.py tests/test_kernels.py \
-    -k "gpu or graph or model" 2>&1 | tail -5
+    -k "${TEST_FILTER:-gpu or graph or model}" 2>&1 | tail -5
 fi
 if has parity; then
   timeout 240 python3 -m pagoda.bench.gpu_parity --shape qwen3-0.6b --num-prompts 64 --new-tokens 32 \
@@ -38,5 +38,6 @@ for shape in qwen3-0.6b llama3-8b; do
   latency=()
   [[ $shape == llama3-8b ]] && latency=(--latency-prompt-len 512)
   timeout 560 python3 -m pagoda.bench throughput --model "$shape" "${WORKLOAD[@]}" "${skip[@]}" "${peers[@]}" \
-    "${latency[@]}" --timeout 300 --out "$OUT/throughput_$shape.json" 2>&1 | tail -12
+    "${latency[@]}" --timeout "${SYSTEM_TIMEOUT:-300}" --out "$OUT/throughput_$shape.json" 2>&1 \
+    | grep -v "^pagoda: \|^hf-" | tail -12
 done

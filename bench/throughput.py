@@ -21,6 +21,29 @@ HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
 MATMUL_FLOPS = 780e12  # measured bf16 matmul on the lent H200
 
 
+def _time_steps(runner: Any) -> list[tuple[bool, float]]:
+    """Record (decode-only?, seconds) of every runner step; execute ends in a host sync, so it is device time
+    plus input preparation."""
+    records: list[tuple[bool, float]] = []
+    execute = runner.execute
+
+    def timed(plan: Any) -> Any:
+        start = time.perf_counter()
+        result = execute(plan)
+        records.append((sum(plan.num_scheduled_tokens) == len(plan.req_ids), time.perf_counter() - start))
+        return result
+
+    runner.execute = timed
+    return records
+
+
+def _step_summary(records: list[tuple[bool, float]]) -> dict[str, float]:
+    decode = sorted(t for is_decode, t in records if is_decode)
+    mixed = [t for is_decode, t in records if not is_decode]
+    return {"decode_steps": len(decode), "decode_step_ms_p50": 1e3 * decode[len(decode) // 2] if decode else 0.0,
+            "decode_steps_total_s": sum(decode), "mixed_steps": len(mixed), "mixed_steps_total_s": sum(mixed)}
+
+
 def single_request_latency(llm: Any, prompt: list[int], num_tokens: int) -> dict[str, float]:
     """Batch-1 decode: the median wall time of a decode step (one token) after a prompt's prefill."""
     from pagoda import SamplingParams
@@ -66,15 +89,18 @@ def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: di
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     steps_before = llm.engine.scheduler.stats.num_steps
+    step_times = _time_steps(runner)
     _sync(runner.device)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     _sync(runner.device)
     elapsed = time.perf_counter() - start
+    runner.execute = runner.__class__.execute.__get__(runner)  # type: ignore[method-assign]
     token_lists = [o.outputs[0].token_ids for o in outputs]
     num_output = sum(len(t) for t in token_lists)
     latency = single_request_latency(llm, prompts[0][:latency_prompt_len], 64) if latency_prompt_len else {}
     return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_output, **latency,
+            **_step_summary(step_times),
             "output_tok_per_s": num_output / elapsed, "load_s": load_s,
             "num_steps": llm.engine.scheduler.stats.num_steps - steps_before,
             "num_preemptions": llm.engine.scheduler.stats.num_preemptions, "num_kv_blocks": runner.num_blocks,
@@ -137,14 +163,18 @@ def main(args: argparse.Namespace) -> int:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return 0
     systems = ([] if args.skip_pagoda else ["pagoda"]) + args.peer
-    results = [_run_child(args, system) for system in systems]
+    results: list[dict[str, Any]] = []
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "load_format": args.load_format,
               "workload": Workload(args.num_prompts, args.input_len, args.output_len, args.input_len_jitter,
                                    args.seed).to_dict(), "results": results, "roofline": _roofline(args)}
+    for system in systems:
+        results.append(_run_child(args, system))
+        if args.out:  # after every system, so a run cut short still leaves what it measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"{system}: " + json.dumps({k: v for k, v in results[-1].items() if k != "first_outputs"}),
+              flush=True)
     _print_table(report)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["inter_size"])
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr):
     """Grid (tokens, column blocks): gate is x[t, :I], up is x[t, I:]."""
     token = tl.program_id(0).to(tl.int64)
@@ -15,7 +15,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK
     mask = cols < inter_size
     gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + token * stride_xt + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up  # fp32 throughout, one rounding at the store
+    # silu rounded to the storage dtype before the product, as F.silu(gate) * up rounds in PyTorch
+    silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = silu * up
     tl.store(out_ptr + token * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

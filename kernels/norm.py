@@ -9,7 +9,7 @@ import triton.language as tl
 _MAX_HIDDEN = 32768  # one row lives in registers; beyond this it would spill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "inner_rows"])  # they change every step: no recompiles
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      num_rows, inner_rows, num_cols, eps,
                      stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,

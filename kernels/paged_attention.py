@@ -155,7 +155,7 @@ def _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # they change every step: no recompiles
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         part_out_ptr, part_max_ptr, part_sum_ptr,

@@ -18,8 +18,11 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride
     x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)  # [HEADS_P, HALF_P]
     x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
     # Both halves are loaded before either store, so out may alias x (in place).
-    o1 = x1 * c1[None, :] - x2 * s1[None, :]
-    o2 = x2 * c2[None, :] + x1 * s2[None, :]
+    # Each product is rounded to the storage dtype before the sum, as x * cos + rotate_half(x) * sin does in
+    # PyTorch (and so in Hugging Face models): bf16 results then match the reference bit for bit.
+    dtype = out_ptr.dtype.element_ty
+    o1 = (x1 * c1[None, :]).to(dtype).to(tl.float32) + (-x2 * s1[None, :]).to(dtype).to(tl.float32)
+    o2 = (x2 * c2[None, :]).to(dtype).to(tl.float32) + (x1 * s2[None, :]).to(dtype).to(tl.float32)
     out_row = out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
     tl.store(out_row, o1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_row + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)

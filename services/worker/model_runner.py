@@ -68,6 +68,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
                                        self.state.block_table.shape[1], self.max_model_len, self.staging)
             self.graphs.capture()
+            self.warm_up()
         log.info("model %s: %.1fM params, %s on %s, %d KV blocks of %d tokens", config.model,
                  self.arch.num_params() / 1e6, self.dtype, self.device, self.num_blocks, self.block_size)
 
@@ -114,25 +115,40 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         return int(total * self.config.gpu_memory_utilization) - peak - used_by_others
 
-    @torch.inference_mode()
     def profile_run(self) -> None:
-        """A forward pass of max_num_batched_tokens prompt tokens without a cache, to find peak memory."""
-        num_tokens = self.config.resolved_max_num_batched_tokens(self.device.type)
-        num_tokens = min(num_tokens, self.max_model_len)
-        scratch = torch.zeros((self.arch.num_layers, 2, 1 + num_tokens // self.block_size, self.block_size,
+        """A forward pass of max_num_batched_tokens prompt tokens, to find the peak activation memory."""
+        num_tokens = min(self.config.resolved_max_num_batched_tokens(self.device.type), self.max_model_len)
+        self.dummy_forward([num_tokens], num_logits=min(self.config.max_num_seqs, num_tokens))
+
+    def warm_up(self) -> None:
+        """Compile the kernel variants eager steps use (a step mixing decodes and a prefill chunk), so no
+        Triton JIT lands inside a served request; prefill-only and decode variants compile in
+        profile_run and the CUDA-graph capture."""
+        self.dummy_forward([1] * 64 + [64], num_logits=65)
+        self.dummy_forward([1] * 3 + [40, 24], num_logits=5)
+
+    @torch.inference_mode()
+    def dummy_forward(self, query_lens: list[int], num_logits: int) -> None:
+        """The model once on a synthetic batch of fresh prompts over a scratch KV cache (the real one untouched)."""
+        size, device = self.block_size, self.device
+        blocks_per_seq = -(-max(query_lens) // size)
+        num_seqs = len(query_lens)
+        scratch = torch.zeros((self.arch.num_layers, 2, num_seqs * blocks_per_seq, size,
                                self.arch.num_kv_heads // self.model.tp.size, self.arch.head_dim),
-                              dtype=self.dtype, device=self.device)  # [L, 2, n, bs, kvh, D]
+                              dtype=self.dtype, device=device)  # [L, 2, n, bs, kvh, D]
         caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.arch.num_layers)]
-        positions = torch.arange(num_tokens, device=self.device)  # [T]
-        blocks = torch.arange(scratch.shape[2], dtype=torch.int32, device=self.device)[None, :]  # [1, n]
+        positions = np.concatenate([np.arange(n) for n in query_lens])  # [T]
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [T]
+        query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)  # [B + 1]
+        to = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=positions, block_tables=blocks,
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens_host=[num_tokens], query_lens_host=[num_tokens], max_query_len=num_tokens,
-            max_seq_len=num_tokens)
-        hidden = self.model(torch.zeros_like(positions), positions, caches, meta)
-        self.model.compute_logits(hidden[-min(self.config.max_num_seqs, num_tokens):])
+            slot_mapping=to(seq_index * blocks_per_seq * size + positions),
+            block_tables=to(np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)),
+            seq_lens=to(np.asarray(query_lens, dtype=np.int32)), query_start_loc=to(query_start),
+            seq_lens_host=list(query_lens), query_lens_host=list(query_lens), max_query_len=max(query_lens),
+            max_seq_len=max(query_lens))
+        hidden = self.model(to(np.zeros(len(positions), dtype=np.int64)), to(positions), caches, meta)  # [T, H]
+        self.model.compute_logits(hidden[-num_logits:])
         del scratch, caches, hidden
 
     # ---------------------------------------------------------------- one step
