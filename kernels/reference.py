@@ -57,17 +57,20 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """One sequence's first seq_len cached rows: [seq_len, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    rows = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, head_dim]
+    rows = cache.index_select(0, block_table[:num_blocks].long())  # [num_blocks, block_size, kv_heads, head_dim]
     return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: list[int], query_lens: list[int], scale: float) -> torch.Tensor:
+                    seq_lens: list[int], query_lens: list[int], scale: float,
+                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of a flattened batch of query chunks over paged K/V (GQA aware).
 
     q [T, heads, head_dim], T = sum(query_lens); sequence b's queries are the last query_lens[b] of
     its seq_lens[b] tokens, whose K/V are already in the caches. Returns [T, heads, head_dim].
     Single-token queries (decode) run as one batch; longer chunks run one sequence at a time.
+    fresh_kv: this step's k, v [T, kv_heads, head_dim] (already in the caches): a chunk with no cached
+    prefix attends to them directly instead of gathering its blocks back.
     """
     out = torch.empty_like(q)  # [T, heads, head_dim]
     starts = [0]
@@ -80,8 +83,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if query_len == 1:
             continue
         seq_len, start = seq_lens[b], starts[b]
-        k = gather_kv(k_cache, block_tables[b], seq_len).transpose(0, 1)  # [kv_heads, L, head_dim]
-        v = gather_kv(v_cache, block_tables[b], seq_len).transpose(0, 1)
+        if fresh_kv is not None and query_len == seq_len:
+            k = fresh_kv[0][start:start + query_len].transpose(0, 1)  # [kv_heads, L, head_dim]
+            v = fresh_kv[1][start:start + query_len].transpose(0, 1)
+        else:
+            k = gather_kv(k_cache, block_tables[b], seq_len).transpose(0, 1)  # [kv_heads, L, head_dim]
+            v = gather_kv(v_cache, block_tables[b], seq_len).transpose(0, 1)
         q_b = q[start:start + query_len].transpose(0, 1)  # [heads, query_len, head_dim]
         if query_len == seq_len:  # no cached prefix: plain causal
             mask, causal = None, True
@@ -106,10 +113,11 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     token_index = torch.tensor([starts[b] for b in rows], device=device)  # [B]
     lens = torch.tensor([seq_lens[b] for b in rows], device=device)  # [B]
     max_blocks = -(-max(seq_lens[b] for b in rows) // block_size)
-    tables = block_tables[rows_t, :max_blocks].long()  # [B, max_blocks]
+    tables = block_tables[rows_t, :max_blocks].long().flatten()  # [B * max_blocks]
     batch = len(rows)
-    k = k_cache[tables].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)  # [B, L, kvh, D]
-    v = v_cache[tables].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    # index_select on the first dim is a plain row gather, much faster on CPU than advanced indexing
+    k = k_cache.index_select(0, tables).view(batch, max_blocks * block_size, num_kv_heads, head_dim)  # [B, L, kvh, D]
+    v = v_cache.index_select(0, tables).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
     q_b = q[token_index].reshape(batch, num_heads, 1, head_dim)  # [B, heads, 1, D]
     valid = torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None]  # [B, L]
     attn = F.scaled_dot_product_attention(q_b, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),

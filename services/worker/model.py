@@ -43,7 +43,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     """Write this step's K/V into the cache, then attend over the paged cache (PyTorch reference)."""
     ref.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return ref.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_host,
-                               meta.query_lens_host, scale)
+                               meta.query_lens_host, scale, fresh_kv=(k, v))
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
