@@ -18,7 +18,7 @@ from pagoda.services.tokenizer.tokenizer import Tokenizer, has_tokenizer
 from pagoda.services.worker.model_config import SHAPES, ModelArch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
-from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.errors import ConfigError, InvalidRequestError
 from pagoda.shared.messages import FinishReason, SamplingParams, StepResult
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,9 @@ def eos_token_ids(config: EngineConfig, arch: ModelArch, tokenizer: Tokenizer | 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ConfigError("the in-process engine runs on one device; serve with `pagoda serve "
+                              "--tensor-parallel-size N` for tensor parallelism", param="tensor_parallel_size")
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config)

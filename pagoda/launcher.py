@@ -12,6 +12,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,9 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pagoda.services.worker.model_config import check_divisible, resolve_arch
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
+from pagoda.shared.errors import PagodaError
 
 SHUTDOWN_DEADLINE_S = 10.0
 STARTUP_TIMEOUT_S = 900.0
@@ -45,9 +48,25 @@ def _die_with_parent() -> None:
         pass
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
+    """Fail before any process starts on what can be known up front; pick a meeting address for the ranks."""
+    tp_size = engine_config.tensor_parallel_size
+    arch = resolve_arch(engine_config.model, engine_config.load_format)
+    check_divisible(arch, tp_size)
+    if tp_size > 1 and engine_config.tp_init_address is None:
+        engine_config = replace(engine_config, tp_init_address=f"tcp://127.0.0.1:{_free_port()}")
+    return engine_config
+
+
 class Launcher:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
-        self.engine_config = engine_config
+        self.engine_config = check_engine_config(engine_config)
         self.own_runtime_dir = server_config.runtime_dir is None
         runtime_dir = server_config.runtime_dir or tempfile.mkdtemp(prefix="pagoda-")
         self.server_config = replace(server_config, runtime_dir=runtime_dir)
@@ -152,7 +171,11 @@ class Launcher:
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    launcher = Launcher(engine_config, server_config)
+    try:
+        launcher = Launcher(engine_config, server_config)
+    except PagodaError as exc:
+        print(f"pagoda: error: {exc.message}", file=sys.stderr)
+        return 2
     # Handled synchronously by sigtimedwait in supervise(); blocked so they don't interrupt start-up.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS + [signal.SIGCHLD])
     code = 1

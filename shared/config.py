@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on CPU
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1
+    tp_init_address: str | None = None  # tcp://host:port where the ranks meet (torch.distributed); None: local
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

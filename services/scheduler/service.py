@@ -75,6 +75,7 @@ class SchedulerService:
         self.scheduler: Scheduler | None = None  # built once every worker rank is ready
         self.model_info: ModelInfo | None = None
         self.ready_ranks: set[int] = set()
+        self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.inflight: StepPlan | None = None
@@ -253,8 +254,12 @@ class SchedulerService:
 
     def _on_worker_ready(self, ready: WorkerReady) -> None:
         self.ready_ranks.add(ready.rank)
-        if ready.rank != 0 or self.scheduler is not None:
-            return
+        if ready.rank == 0:
+            self.rank0_ready = ready
+        if self.scheduler is not None or len(self.ready_ranks) < self.engine_config.tensor_parallel_size:
+            return  # every rank must be subscribed before the first plan goes out
+        ready = self.rank0_ready
+        assert ready is not None
         config = self.engine_config
         self.scheduler = Scheduler(
             num_blocks=ready.num_kv_blocks, block_size=ready.block_size, max_num_seqs=config.max_num_seqs,

@@ -102,6 +102,7 @@ class TensorParallel(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor: ...
+    def agree_min(self, value: int, device: torch.device) -> int: ...
 
 
 class SingleDevice:
@@ -115,6 +116,9 @@ class SingleDevice:
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        return value
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:

@@ -46,6 +46,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, ops: Ops | None = None) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
+        if tp is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         self.dtype: torch.dtype = getattr(torch, config.resolved_dtype(self.device.type))
         self.arch: ModelArch = resolve_arch(config.model, config.load_format)
         tp_size = tp.size if tp is not None else 1
@@ -55,7 +57,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = CausalLM(self.arch, self.dtype, self.device, tp, max_positions=self.max_model_len, ops=ops)
         self.bytes_read = load_model(self.model, config.model, config.load_format, config.seed)
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self.model.tp.agree_min(self._num_kv_blocks(), self.device)
         kv_shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size,
                     self.arch.num_kv_heads // tp_size, self.arch.head_dim)
         self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)  # [L, 2, N, bs, kvh, D]
