@@ -14,8 +14,8 @@ from pathlib import Path
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.tokenizer.text_stream import TextStream
-from pagoda.services.tokenizer.tokenizer import Tokenizer, has_tokenizer
-from pagoda.services.worker.model_config import SHAPES, ModelArch
+from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from pagoda.services.worker.model_config import ModelArch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
@@ -24,22 +24,10 @@ from pagoda.shared.messages import FinishReason, SamplingParams, StepResult
 log = logging.getLogger(__name__)
 
 
-def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    """--tokenizer if given, else the model folder's own; None when there is none (prompts are then ids)."""
-    if config.tokenizer is not None:
-        return Tokenizer(config.tokenizer)
-    if config.load_format == "dummy" and config.model in SHAPES:
-        return None
-    if not has_tokenizer(config.model):
-        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", config.model)
-        return None
-    return Tokenizer(config.model)
-
-
 def eos_token_ids(config: EngineConfig, arch: ModelArch, tokenizer: Tokenizer | None = None) -> set[int]:
     """End-of-sequence ids: the model config's, generation_config's, and the tokenizer's own."""
     ids = set(arch.eos_token_ids)
-    if tokenizer is None and not (config.load_format == "dummy" and config.model in SHAPES):
+    if tokenizer is None:
         tokenizer = load_tokenizer(config)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -132,24 +132,30 @@ class ServerConfig:
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
 
-    def endpoints(self) -> Endpoints:
-        """Every socket address, each given explicitly or derived from runtime_dir."""
+    def endpoint(self, name: str) -> str:
+        """One socket address (scheduler, plan, result or stats): given explicitly, or derived from runtime_dir.
+        Each process asks only for the ones it uses, so a service run alone needs only those set."""
+        value = getattr(self, f"{name}_endpoint")
+        if value:
+            return value
+        if not self.runtime_dir:
+            raise ConfigError(f"{name}_endpoint is not set and there is no runtime_dir to derive it from",
+                              param=f"{name}_endpoint")
+        return f"ipc://{self.runtime_dir}/{name}.sock"
 
-        def pick(value: str | None, name: str) -> str:
-            if value:
-                return value
-            if not self.runtime_dir:
-                raise ConfigError(f"{name}_endpoint is not set and there is no runtime_dir to derive it from",
-                                  param=f"{name}_endpoint")
-            return f"ipc://{self.runtime_dir}/{name}.sock"
-
+    def api_endpoint_list(self) -> list[str]:
+        """One address per api process; tokenizers connect to each."""
         if self.api_endpoints:
-            apis = [e.strip() for e in self.api_endpoints.split(",") if e.strip()]
-        else:
-            apis = [pick(None, f"api{i}") for i in range(self.api_workers)]
-        return Endpoints(api=apis, scheduler=pick(self.scheduler_endpoint, "scheduler"),
-                         plan=pick(self.plan_endpoint, "plan"), result=pick(self.result_endpoint, "result"),
-                         stats=pick(self.stats_endpoint, "stats"))
+            return [e.strip() for e in self.api_endpoints.split(",") if e.strip()]
+        if not self.runtime_dir:
+            raise ConfigError("api_endpoints is not set and there is no runtime_dir to derive it from",
+                              param="api_endpoints")
+        return [f"ipc://{self.runtime_dir}/api{i}.sock" for i in range(self.api_workers)]
+
+    def endpoints(self) -> Endpoints:
+        """Every socket address (the launcher's view)."""
+        return Endpoints(api=self.api_endpoint_list(), scheduler=self.endpoint("scheduler"),
+                         plan=self.endpoint("plan"), result=self.endpoint("result"), stats=self.endpoint("stats"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ from pagoda.shared.messages import SamplingParams
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run(ops_name: str, shape: str, prompts: list[list[int]], budget: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _run(ops_name: str, shape: str, prompts: list[list[int]],
+         budget: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     config = EngineConfig(model=shape, load_format="dummy", device=DEVICE, dtype="float32", num_kv_blocks=48,
                           max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=5)
     runner = ModelRunner(config, ops=triton_ops() if ops_name == "triton" else reference_ops())

@@ -28,7 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine_config = engine_config_from_args(args)
         server_config = server_config_from_args(args)
-        server_config.endpoints()  # fail here, with the parameter named, rather than half started
+        server_config.api_endpoint_list()  # fail here, with the parameter named, rather than half started
+        server_config.endpoint("stats")
     except ConfigError as exc:
         print(f"error: {exc.message} ({exc.param})", file=sys.stderr)
         return 2

@@ -39,10 +39,9 @@ def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
 
 
 def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, config: ServerConfig) -> ApiState:
-    endpoints = config.endpoints()
     name = served_model_name(engine_config, config)
-    pool = TokenizerPool(context, endpoints.api[config.api_index], config)
-    stats = StatsFeed(context, endpoints.stats)
+    pool = TokenizerPool(context, config.api_endpoint_list()[config.api_index], config)
+    stats = StatsFeed(context, config.endpoint("stats"))
     return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
                     pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest), started=int(time.time()))
 

@@ -61,12 +61,12 @@ class SchedulerService:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.engine_config = engine_config
         self.config = server_config
-        endpoints = server_config.endpoints()
+        endpoint = server_config.endpoint
         self.context = zmq.Context()
-        self.front = make_socket(self.context, zmq.ROUTER, endpoints.scheduler, bind=True)
-        self.plans = make_socket(self.context, zmq.PUB, endpoints.plan, bind=True)
-        self.results = make_socket(self.context, zmq.PULL, endpoints.result, bind=True)
-        self.stats_out = make_socket(self.context, zmq.PUB, endpoints.stats, bind=True)
+        self.front = make_socket(self.context, zmq.ROUTER, endpoint("scheduler"), bind=True)
+        self.plans = make_socket(self.context, zmq.PUB, endpoint("plan"), bind=True)
+        self.results = make_socket(self.context, zmq.PULL, endpoint("result"), bind=True)
+        self.stats_out = make_socket(self.context, zmq.PUB, endpoint("stats"), bind=True)
         self.from_tokenizers: Codec[TokenizerToScheduler] = Codec(TokenizerToScheduler)
         self.to_tokenizers: Codec[SchedulerToTokenizer] = Codec(SchedulerToTokenizer)
         self.to_workers: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)

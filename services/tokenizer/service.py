@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -17,8 +16,7 @@ from typing import Any
 import zmq
 
 from pagoda.services.tokenizer.text_stream import TextStream
-from pagoda.services.tokenizer.tokenizer import Tokenizer, has_tokenizer
-from pagoda.services.worker.model_config import SHAPES
+from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import (
     ConfigError,
@@ -63,32 +61,14 @@ MAX_POLL_S = 0.1  # timers (heartbeats, liveness, shutdown) are looked at least 
 MAX_DRAIN = 512  # messages taken from one socket before the other sockets get a turn
 CLOSE_LINGER_MS = 500  # the last answers (503s on shutdown) get this long to leave
 SCHEDULER_UNAVAILABLE = "the scheduler is not available; try again later"
-_UNUSED_ENDPOINT = "inproc://unused-by-tokenizer"
-
-
-def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    """--tokenizer if given, else the model folder's own; None for a dummy shape or a folder without one.
-
-    The same rule as pagoda.engine.load_tokenizer, which cannot be imported here: it pulls in torch.
-    """
-    if config.tokenizer is not None:
-        return Tokenizer(config.tokenizer)
-    if config.load_format == "dummy" and config.model in SHAPES:
-        return None
-    if not has_tokenizer(config.model):
-        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", config.model)
-        return None
-    return Tokenizer(config.model)
 
 
 def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], str]:
-    """The api and scheduler addresses; the worker and stats ones need not be set for this process."""
-    unused = {name: getattr(config, name) or _UNUSED_ENDPOINT
-              for name in ("plan_endpoint", "result_endpoint", "stats_endpoint")}
-    endpoints = dataclasses.replace(config, **unused).endpoints()
-    if not endpoints.api:
+    """The api and scheduler addresses (the only ones this process uses)."""
+    apis = config.api_endpoint_list()
+    if not apis:
         raise ConfigError("no api endpoint to connect to", param="api_endpoints")
-    return endpoints.api, endpoints.scheduler
+    return apis, config.endpoint("scheduler")
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,11 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagoda.services.worker.model_config import SHAPES
+from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
 
 # Any one of these marks a folder that holds a tokenizer (fast, sentencepiece, or GPT-2 style files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -146,3 +151,15 @@ def _part_text(part: object, i: int) -> str:
         raise InvalidRequestError(f"messages[{i}].content parts must be text parts "
                                   '{"type": "text", "text": "..."}', param="messages")
     return part["text"]
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    """--tokenizer if given, else the model folder's own; None when there is none (prompts are then ids)."""
+    if config.tokenizer is not None:
+        return Tokenizer(config.tokenizer)
+    if config.load_format == "dummy" and config.model in SHAPES:
+        return None
+    if not has_tokenizer(config.model):
+        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", config.model)
+        return None
+    return Tokenizer(config.model)

@@ -31,11 +31,10 @@ class WorkerService:
         self.engine_config = engine_config
         self.config = server_config
         self.rank = server_config.worker_rank
-        endpoints = server_config.endpoints()
         self.context = zmq.Context()
         # Subscribe before the slow model load so the subscription has long reached the scheduler.
-        self.plans = make_socket(self.context, zmq.SUB, endpoints.plan, bind=False)
-        self.results = make_socket(self.context, zmq.PUSH, endpoints.result, bind=False)
+        self.plans = make_socket(self.context, zmq.SUB, server_config.endpoint("plan"), bind=False)
+        self.results = make_socket(self.context, zmq.PUSH, server_config.endpoint("result"), bind=False)
         self.from_scheduler: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
         self.to_scheduler: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
         self.running = True
