@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -173,7 +174,9 @@ class TokenizerService:
 
     def __init__(self, server_config: ServerConfig, tokenizer: Tokenizer | None,
                  context: zmq.Context | None = None) -> None:
-        self.tokenizer_id = server_config.tokenizer_id or f"{socket.gethostname()}-{os.getpid()}"
+        # A random part: a restarted container has the same host name and often the same pid, and its
+        # peers must not mistake it for the process that owned the requests they still wait on.
+        self.tokenizer_id = server_config.tokenizer_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._tokenizer = tokenizer
         self._interval = server_config.heartbeat_interval
         self._timeout = server_config.heartbeat_timeout

@@ -40,6 +40,11 @@ class BatchState:
         self.min_tokens = np.zeros(rows, dtype=np.int64)
         self.banned_while_short: list[list[int]] = [[] for _ in range(rows)]  # EOS/stop ids under min_tokens
 
+    def reset(self) -> None:
+        """Forget every request (a new scheduler starts from nothing)."""
+        self.row_of.clear()
+        self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
+
     def apply(self, plan: StepPlan) -> None:
         """Drop finished requests, add new ones, append new blocks: the worker's side of the diff."""
         for req_id in plan.finished_req_ids:

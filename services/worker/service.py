@@ -51,12 +51,7 @@ class WorkerService:
         self._wait_for_subscription()
         if not self.running:
             return
-        runner = self.runner
-        self._send(WorkerReady(rank=self.rank, num_kv_blocks=runner.num_blocks, block_size=runner.block_size,
-                               max_model_len=runner.max_model_len, vocab_size=runner.arch.vocab_size,
-                               eos_token_ids=self.eos_token_ids,
-                               max_num_batched_tokens=self.engine_config.resolved_max_num_batched_tokens(
-                                   runner.device.type)))
+        self._send_ready()
         log.info("worker rank %d ready", self.rank)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         while self.running:
@@ -66,10 +61,24 @@ class WorkerService:
             message = self._recv()
             if isinstance(message, StepPlan):
                 self._execute(message)
+            elif isinstance(message, Heartbeat):
+                # Probes come only from a scheduler that has not heard every rank: a restarted one. Its
+                # request ids start afresh, so the old requests go.
+                log.warning("worker rank %d: a new scheduler (%s); starting over", self.rank, message.sender)
+                self.runner.state.reset()
+                self._send_ready()
             elif isinstance(message, Shutdown):
                 log.info("worker rank %d: %s", self.rank, message.reason or "shutdown")
                 break
         self._close()
+
+    def _send_ready(self) -> None:
+        runner = self.runner
+        self._send(WorkerReady(rank=self.rank, num_kv_blocks=runner.num_blocks, block_size=runner.block_size,
+                               max_model_len=runner.max_model_len, vocab_size=runner.arch.vocab_size,
+                               eos_token_ids=self.eos_token_ids,
+                               max_num_batched_tokens=self.engine_config.resolved_max_num_batched_tokens(
+                                   runner.device.type)))
 
     def _wait_for_subscription(self) -> None:
         """A PUB drops what it sends before a subscription arrives: wait for the scheduler's probe."""

