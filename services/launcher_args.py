@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 from pagoda.shared.config import (
     EngineConfig,
@@ -14,6 +15,7 @@ from pagoda.shared.config import (
     engine_config_from_args,
     server_config_from_args,
 )
+from pagoda.shared.errors import PagodaError
 
 
 def parse_service_args(name: str, argv: Sequence[str]) -> tuple[EngineConfig, ServerConfig]:
@@ -25,3 +27,13 @@ def parse_service_args(name: str, argv: Sequence[str]) -> tuple[EngineConfig, Se
     logging.basicConfig(level=server_config.log_level.upper(),
                         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s")
     return engine_config, server_config
+
+
+def service_main(name: str, run: Callable[[EngineConfig, ServerConfig], None]) -> None:
+    """`python -m pagoda.services.<name>`: parse the settings, run; a bad setting is one line naming it."""
+    try:
+        engine_config, server_config = parse_service_args(name, sys.argv[1:])
+        run(engine_config, server_config)
+    except PagodaError as exc:
+        print(f"error: {exc.message} ({exc.param})", file=sys.stderr)
+        sys.exit(2)
