@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -76,3 +78,17 @@ def single_frame(frames: list[Any]) -> Any | None:
         log.warning("dropped a message of %d frames", len(frames))
         return None
     return frames[0]
+
+
+async def receive_forever(sock: zmq.asyncio.Socket, name: str) -> AsyncIterator[list[Any]]:
+    """Yield every multipart message until the socket closes; a receive error is logged, never fatal."""
+    while True:
+        try:
+            frames = await sock.recv_multipart()
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                return
+            log.error("%s socket receive failed: %s", name, exc)
+            await asyncio.sleep(0.1)  # do not spin on a persistent error
+            continue
+        yield frames

@@ -33,7 +33,7 @@ from pagoda.shared.messages import (
     TokenizerHello,
     TokenizerToApi,
 )
-from pagoda.shared.transport import Codec, make_socket, split_routed
+from pagoda.shared.transport import Codec, make_socket, receive_forever, split_routed
 
 log = logging.getLogger(__name__)
 
@@ -195,15 +195,7 @@ class TokenizerPool:
     # ------------------------------------------------------------------ inbound
 
     async def _recv_loop(self) -> None:
-        while True:
-            try:
-                frames = await self._sock.recv_multipart()
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
-                    return
-                log.error("tokenizer socket receive failed: %s", exc)
-                await asyncio.sleep(0.1)  # do not spin on a persistent error
-                continue
+        async for frames in receive_forever(self._sock, "tokenizer"):
             routed = split_routed(frames)
             message = None if routed is None else self._decoder.decode(routed[1])
             if routed is None or message is None:

@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from pagoda.shared.messages import SchedulerStats, SchedulerToApi
-from pagoda.shared.transport import Codec, make_socket, single_frame
+from pagoda.shared.transport import Codec, make_socket, receive_forever, single_frame
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,7 @@ class StatsFeed:
         return None if self.latest is None else time.monotonic() - self._received_at
 
     async def _recv_loop(self) -> None:
-        while True:
-            try:
-                frames = await self._sock.recv_multipart()
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
-                    return
-                log.error("stats socket receive failed: %s", exc)
-                await asyncio.sleep(0.1)  # do not spin on a persistent error
-                continue
+        async for frames in receive_forever(self._sock, "stats"):
             frame = single_frame(frames)
             stats = None if frame is None else self._codec.decode(frame)
             if isinstance(stats, SchedulerStats):

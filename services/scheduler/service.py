@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -111,13 +112,13 @@ class SchedulerService:
             self._periodic()
         self._close()
 
-    def _drain(self, sock: zmq.Socket, handle: object) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            handle(frames)  # type: ignore[operator]
+            handle(frames)
 
     def _maybe_step(self) -> None:
         scheduler = self.scheduler
