@@ -2,7 +2,9 @@
 # One device call: install the carried wheels and the project, run the GPU tests, greedy parity against
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
-#   PHASES=tests,parity,pagoda,peers,compiled,cb   (default: all but cb)   OUT=dir for JSON logs
+#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb   (default: tests,parity,pagoda,peers,compiled)
+#   SHAPES="qwen3-0.6b llama3-8b" (the default)   PARITY_VARIANTS=pagoda-torch-ops,hf-efficient,hf-eager (default none)
+#   OUT=dir for JSON logs
 # Carry .whl (pyzmq, msgspec wheels for cp312; README "Notes") with the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +25,15 @@ if has tests; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_kernels.py tests/test_kernels.py \
     -k "${TEST_FILTER:-gpu or graph or model}" 2>&1 | tail -5
 fi
-if has parity; then
-  timeout 240 python3 -m pagoda.bench.gpu_parity --shape qwen3-0.6b --num-prompts 64 --new-tokens 32 \
-    | tee "$OUT/parity.txt" | grep PARITY
+if has probe; then
+  timeout 120 python3 -m pagoda.bench.parity_probe --shape qwen3-0.6b --prompt-len 100 2>&1 \
+    | tee "$OUT/probe.txt" | grep -v "^PROBE\|Warning\|forward_call"
 fi
-for shape in qwen3-0.6b llama3-8b; do
+if has parity; then
+  timeout 300 python3 -m pagoda.bench.gpu_parity --shape qwen3-0.6b --num-prompts 64 --new-tokens 32 \
+    --variants "${PARITY_VARIANTS:-}" | tee "$OUT/parity.txt" | grep PARITY
+fi
+for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do
   peers=()
   has peers && peers+=(--peer hf-static)
   has compiled && peers+=(--peer hf-compiled)
