@@ -69,7 +69,7 @@ def run_pagoda(shape: str, prompts: list[list[int]], new_tokens: int, dtype: str
         tokens.append(out.outputs[0].token_ids)
         prefill_logits.append(captured[0][0])
     elapsed = time.perf_counter() - start
-    del llm, runner, sampler
+    del llm, runner
     _free(device)
     return tokens, prefill_logits, elapsed
 
