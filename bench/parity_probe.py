@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from pagoda.bench.hf_peer import load_hf_model
 from pagoda.bench.workload import Workload
-from pagoda.services.worker.model import AttentionMetadata, CausalLM, reference_attention
+from pagoda.services.worker.model import AttentionMetadata, CausalLM, reference_attention, rope_inv_freq
 from pagoda.services.worker.model_config import resolve_arch
 from pagoda.services.worker.weights import load_model
 
@@ -130,9 +130,18 @@ def probe_layers(model: CausalLM, hf: torch.nn.Module, captures: list[Capture], 
             tallies[prefix + "q_norm"].add(ops.rms_norm(heads, layer.q_norm, eps), t["q_norm"])
             heads, kv_heads = t["q_norm"], t["k_norm"]
         their_q, their_k = hf_rope(hf, heads, kv_heads, positions)
+        their_qk = torch.cat([their_q.flatten(1), their_k.flatten(1)], -1)
         our_q, our_k = ops.rope(heads.clone(), kv_heads.clone(), model.rope_cache[0], model.rope_cache[1], positions)
-        tallies[prefix + "rope"].add(torch.cat([our_q.flatten(1), our_k.flatten(1)], -1),
-                                     torch.cat([their_q.flatten(1), their_k.flatten(1)], -1))
+        tallies[prefix + "rope"].add(torch.cat([our_q.flatten(1), our_k.flatten(1)], -1), their_qk)
+        if index == 0:  # is it the cos/sin table or the kernel?
+            their_cos, their_sin = (t[0] for t in hf.model.rotary_emb(heads, positions[None, :]))  # [T, D] each
+            tallies[prefix + "rope_table"].add(torch.cat([model.rope_cache[0][positions],
+                                                          model.rope_cache[1][positions]], -1),
+                                               torch.cat([their_cos, their_sin], -1))
+            table_q, table_k = ops.rope(heads.clone(), kv_heads.clone(), their_cos.contiguous(),
+                                        their_sin.contiguous(), torch.arange(tokens, device=positions.device))
+            tallies[prefix + "rope_kernel_on_their_table"].add(
+                torch.cat([table_q.flatten(1), table_k.flatten(1)], -1), their_qk)
         their_v = t["v_proj"].view(tokens, layer.num_kv_heads, layer.head_dim)
         meta = single_sequence_meta(seq_len, tokens, block_size, positions.device)
         attn = ops.attention(their_q.contiguous(), their_k.contiguous(), their_v.contiguous(),
@@ -187,6 +196,8 @@ def run(shape: str, prompt_len: int, dtype_name: str, device_name: str, seed: in
         meta = single_sequence_meta(prompt_len, prompt_len, block_size, device)
         hidden = model(ids[0], torch.arange(prompt_len, device=device), fresh, meta)
         tallies["model.logits"].add(model.compute_logits(hidden[-1:])[0], out.logits[0, -1].float())
+        ours = rope_inv_freq(arch).to(device)
+        tallies["model.rope_inv_freq"].add(ours, hf.model.rotary_emb.inv_freq.to(ours.dtype))
     return {name: tally.row() for name, tally in sorted(tallies.items())}
 
 
