@@ -12,8 +12,8 @@ OUT=${OUT:-/tmp/pagoda-gpu}
 PHASES=${PHASES:-tests,parity,pagoda,peers,compiled}
 mkdir -p "$OUT"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -45,5 +45,5 @@ for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do
   [[ $shape == llama3-8b ]] && latency=(--latency-prompt-len 512)
   timeout 560 python3 -m pagoda.bench throughput --model "$shape" "${WORKLOAD[@]}" "${skip[@]}" "${peers[@]}" \
     "${latency[@]}" --timeout "${SYSTEM_TIMEOUT:-300}" --out "$OUT/throughput_$shape.json" 2>&1 \
-    | grep -v "^pagoda: \|^hf-" | tail -12
+    | grep -v "^[a-z-]*: {" | tail -12  # drop the per-system JSON lines, keep the table
 done
