@@ -200,3 +200,16 @@ def test_prefix_cache_recomputes_only_the_tail(smollm2_dir: Path, prompts) -> No
     fresh = LLM(str(smollm2_dir), enable_prefix_caching=False)
     [uncached_output] = fresh.generate([second], params)
     assert cached_output.outputs[0].token_ids == uncached_output.outputs[0].token_ids
+
+
+def test_ops_bit_identical_to_transformers_in_bf16() -> None:
+    """The parity probe on CPU, bf16, tiny random Qwen3: every op but attention, fed transformers' own inputs,
+    gives transformers' bits; attention and the whole model stay within bf16 rounding."""
+    from pagoda.bench.parity_probe import run as probe
+
+    rows = probe("tiny-qwen3", prompt_len=40, dtype_name="bfloat16", device_name="cpu", seed=3)
+    exact = [name for name in rows if name.split(".")[1] not in ("attention", "attention_torch_ref", "logits")]
+    assert {"prefill.rope", "decode.rope", "prefill.qkv_gemm_fused", "decode.silu_and_mul"} <= set(exact)
+    assert {name: rows[name]["differ"] for name in exact if rows[name]["differ"]} == {}
+    for name in ("prefill.attention", "decode.attention", "model.logits"):
+        assert rows[name]["max_abs"] <= 0.02 * rows[name]["max"], (name, rows[name])
