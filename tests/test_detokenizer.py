@@ -298,3 +298,27 @@ def test_stop_checker_cases() -> None:
     assert _run_stop(["xab", "c"], ["abcd", "bc"], True) == ("xabc", True)  # flush finds the wait
     assert _run_stop(["hello"], [], False) == ("hello", False)
     assert _run_stop(["a<|", "end|>b"], ["<|end|>"], True) == ("a<|end|>", True)
+
+
+@pytest.mark.parametrize("name", ["smol", "tiny_bytelevel", "tiny_byte_fallback"])
+def test_token_bytes_spell_the_text(name: str, request: pytest.FixtureRequest) -> None:
+    """Logprobs' `bytes`: a token's raw bytes, also for tokens holding part of a character; joined over an
+    encoding they give the text's UTF-8 (SentencePiece may add the leading space its decoder strips)."""
+    tok: Tokenizer = request.getfixturevalue(name)
+    partial_tokens = 0
+    for text in [*CORPUS, "naïve 🤖 €5 — 日本"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces) in (text.encode(), b" " + text.encode()), (name, text, pieces)
+        partial_tokens += sum(1 for piece in pieces if not _is_utf8(piece))
+    assert partial_tokens > 0, "the texts must include characters split across tokens"
+    eos = tok.eos_token_id
+    assert eos is not None and tok.token_bytes(eos) == tok.decode([eos], skip_special_tokens=False).encode()
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -331,7 +331,7 @@ def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> Non
     [position] = delta.logprobs
     token = tokenizer.decode([first], skip_special_tokens=False)
     assert (position.sampled.token, position.sampled.token_id, position.sampled.logprob) == (token, first, -0.5)
-    assert position.sampled.bytes == list(token.encode("utf-8"))
+    assert position.sampled.bytes == list(tokenizer.token_bytes(first))
     assert [(t.token_id, t.logprob, t.token) for t in position.top] == [
         (first, -0.5, token), (second, -1.25, tokenizer.decode([second], skip_special_tokens=False))]
     # Without logprobs asked, none are sent.

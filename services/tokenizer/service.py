@@ -480,9 +480,11 @@ class TokenizerService:
         if cached is None:
             if self._tokenizer is not None:
                 token = self._tokenizer.decode([token_id], skip_special_tokens=False)
+                raw = self._tokenizer.token_bytes(token_id)
             else:
                 token = f"token_id:{token_id}"
-            cached = self._token_texts[token_id] = (token, list(token.encode("utf-8")))
+                raw = token.encode("utf-8")
+            cached = self._token_texts[token_id] = (token, list(raw))
         return TokenLogprob(cached[0], token_id, logprob, cached[1])
 
     # ---------------------------------------------------------------- sending

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,29 @@ log = logging.getLogger(__name__)
 # Any one of these marks a folder that holds a tokenizer (fast, sentencepiece, or GPT-2 style files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _HF_CHAT_ARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2 and its descendants) spells each byte as one printable character: printable
+    Latin-1 bytes as themselves, the other 68 bytes as chr(256 + n) in byte order. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    alphabet = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in alphabet.values()]
+    alphabet.update({chr(256 + n): b for n, b in enumerate(others)})
+    return alphabet
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_SENTENCEPIECE_SPACE = "\u2581"  # "▁", how SentencePiece vocabularies write a leading space
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _uses_byte_level(backend: tokenizers.Tokenizer | None) -> bool:
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return "ByteLevel" in json.dumps(decoder)
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -47,6 +72,7 @@ class Tokenizer:
         # detokenizer decodes twice per token of every sequence.
         backend = getattr(self._hf, "backend_tokenizer", None)
         self._backend = backend if isinstance(backend, tokenizers.Tokenizer) else None
+        self._byte_level = _uses_byte_level(self._backend)
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:
@@ -75,6 +101,21 @@ class Tokenizer:
             return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for, also when it is part of a multi-byte character (logprobs'
+        `bytes`: the concatenation over a completion's tokens is its UTF-8 text)."""
+        piece = self._hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._all_special_ids:
+            return piece.encode("utf-8")
+        if self._byte_level and all(ch in _BYTE_LEVEL_ALPHABET for ch in piece):
+            return bytes(_BYTE_LEVEL_ALPHABET[ch] for ch in piece)
+        byte_fallback = _BYTE_FALLBACK.fullmatch(piece)  # SentencePiece's "<0xE2>" for a byte it has no piece for
+        if byte_fallback:
+            return bytes([int(byte_fallback.group(1), 16)])
+        return piece.replace(_SENTENCEPIECE_SPACE, " ").encode("utf-8")
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
