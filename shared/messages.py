@@ -12,6 +12,8 @@ from pagoda.shared.errors import InvalidRequestError
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+LOGIT_BIAS_LIMIT = 100.0  # |bias| as in OpenAI's API
 
 
 class FinishReason(IntEnum):
@@ -50,6 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
 
     @property
     def is_greedy(self) -> bool:
@@ -88,6 +91,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias",
+               "logit_bias keys must be non-negative token ids")
+        _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
+               f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         return self
 
 

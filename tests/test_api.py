@@ -401,7 +401,8 @@ def test_chat_defaults_content_parts_and_logprobs(stack: Stack) -> None:
         model=MODEL_PATH, messages=[{"role": "developer", "content": "rules"},
                                     {"role": "user", "content": [{"type": "text", "text": "hi"},
                                                                  {"type": "text", "text": "you"}]}],
-        logprobs=True, top_logprobs=2, temperature=0.0, seed=7, stop=["zzz"], extra_body={"top_k": 5})
+        logprobs=True, top_logprobs=2, temperature=0.0, seed=7, stop=["zzz"], logit_bias={"42": -100, "7": 2.5},
+        extra_body={"top_k": 5})
     choice = response.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content == fake_text("hi", 0, NUM_FAKE_TOKENS)
     content = choice.logprobs.content
@@ -414,6 +415,7 @@ def test_chat_defaults_content_parts_and_logprobs(stack: Stack) -> None:
     params = sent.params
     assert (params.max_tokens, params.logprobs, params.temperature, params.seed, params.stop, params.top_k) == \
         (None, 2, 0.0, 7, ["zzz"], 5)
+    assert params.logit_bias == {42: -100.0, 7: 2.5}
 
 
 def test_chat_streaming(stack: Stack) -> None:
@@ -520,7 +522,9 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"fifty": -100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"7": "up"}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
@@ -534,7 +538,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
      400, "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 1}},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 1}},
      400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),

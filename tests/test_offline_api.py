@@ -49,6 +49,8 @@ def _assert_still_serves(llm: LLM, reference_text: str) -> None:
     ("hello", SamplingParams(logprobs=99), "logprobs", InvalidRequestError),
     ("hello", SamplingParams(stop=[""]), "stop", InvalidRequestError),
     ("hello", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids", InvalidRequestError),
+    ("hello", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias", InvalidRequestError),
+    ("hello", SamplingParams(logit_bias={5: math.inf}), "logit_bias", InvalidRequestError),
     ([1, 2, 10**9], GREEDY, "prompt", InvalidRequestError),
     ([1, -4], GREEDY, "prompt", InvalidRequestError),
 ])
@@ -141,6 +143,23 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
         temperature=0.0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=10))[0].outputs[0]
     assert stop_id not in held.token_ids[:10]
     assert len(held.token_ids) >= 10
+
+
+def test_logit_bias_steers_greedy_decoding(llm: LLM) -> None:
+    prompt = "Count: one, two, three,"
+    base = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].token_ids
+    forced_id = base[5]  # a token the model would only say later
+    forced = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                   logit_bias={forced_id: 100.0}))[0].outputs[0]
+    assert forced.token_ids == [forced_id] * 4
+    avoided = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                    logit_bias={base[0]: -100.0}))[0].outputs[0]
+    assert avoided.token_ids[0] != base[0] and base[0] not in avoided.token_ids
+    # Bias in one request leaves its batch companions alone.
+    both = llm.generate([prompt, prompt], [SamplingParams(temperature=0.0, max_tokens=8),
+                                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                          logit_bias={forced_id: 100.0})])
+    assert [o.outputs[0].token_ids for o in both] == [base, [forced_id] * 4]
 
 
 def test_chat_applies_the_template(llm: LLM) -> None:

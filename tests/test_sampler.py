@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 from collections import Counter
 
@@ -316,6 +318,30 @@ def test_banned_tokens_never_sampled(temperature: float) -> None:
         assert torch.equal(token_ids[half:], masked[half:].argmax(dim=-1))
     else:
         assert (token_ids[half:] == 3).any()  # banned only in the first half
+
+
+def test_logit_bias_shifts_the_distribution_per_row() -> None:
+    """Row 0 biases token 2 by +ln 3 (so its probability triples against the rest); row 1 biases nothing
+    (padding only); greedy rows follow the biased argmax."""
+    num_rows, vocab_size = 20000, 4
+    logits = torch.zeros(num_rows, vocab_size)  # [B, V]: uniform before the bias
+    half = num_rows // 2
+    ids = torch.tensor([[2, vocab_size]] * half + [[vocab_size, vocab_size]] * half)  # [B, 2]
+    values = torch.tensor([[torch.log(torch.tensor(3.0)).item(), 99.0]] * half + [[99.0, 99.0]] * half)
+    metadata = make_metadata(num_rows, temperature=1.0, logit_bias_ids=ids, logit_bias_values=values)
+    token_ids = sample(logits, metadata).token_ids  # [B]
+    biased = torch.tensor([1 / 6, 1 / 6, 3 / 6, 1 / 6])
+    assert total_variation(empirical(token_ids[:half], vocab_size), biased) < 0.02
+    assert total_variation(empirical(token_ids[half:], vocab_size), torch.full((vocab_size,), 0.25)) < 0.02
+    greedy_logits = torch.randn(3, vocab_size)  # [3, V]
+    top = greedy_logits.argmax(dim=-1)  # [3]
+    ids = torch.stack([top, torch.full_like(top, vocab_size)], dim=1)  # [3, 2]: push each row's argmax away
+    greedy = make_metadata(3, temperature=0.0, logit_bias_ids=ids, logit_bias_values=torch.full((3, 2), -100.0))
+    expected = greedy_logits.scatter(1, top[:, None], -math.inf).argmax(dim=-1)  # [3]
+    output = sample(greedy_logits, dataclasses.replace(greedy, max_num_logprobs=0))
+    assert torch.equal(output.token_ids, expected)
+    assert output.logprobs is not None  # logprobs stay those of the model's own distribution
+    assert torch.allclose(output.logprobs, torch.log_softmax(greedy_logits, -1).gather(1, expected[:, None])[:, 0])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

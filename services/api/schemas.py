@@ -122,6 +122,7 @@ def decode_body(data: bytes, kind: type[T]) -> T:
 def _validation_error(text: str) -> InvalidRequestError:
     path_match = _PATH_RE.search(text)
     path = path_match.group(1) if path_match else ""
+    path = path.replace("[...]", "")  # a value of an object such as logit_bias: name the object
     detail = text[:path_match.start()] if path_match else text
     field_match = _FIELD_RE.search(detail)
     if field_match:
@@ -150,7 +151,6 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def _common_checks(body: _GenerationBody) -> None:
-    _require(not body.logit_bias, "logit_bias", "logit_bias is not supported")
     _require(not body.store, "store", "store is not supported: nothing is kept after the answer")
     _require(body.stream_options is None or bool(body.stream), "stream_options",
              "stream_options is only allowed when stream is true")
@@ -163,7 +163,19 @@ def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
              "include_stop_str_in_output")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     kwargs["stop"] = _stop_list(body.stop)
+    if body.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(body.logit_bias)
     return kwargs
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys, so as strings: "50256" -> 50256."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        _require(key.isascii() and key.isdigit(), "logit_bias",
+                 f"logit_bias keys must be token ids written as decimal integers, got {key!r}")
+        out[int(key)] = value
+    return out
 
 
 def completion_params(body: CompletionBody) -> SamplingParams:

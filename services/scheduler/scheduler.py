@@ -136,6 +136,8 @@ class Scheduler:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         if any(token >= self.vocab_size for token in request.sampling.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be < {self.vocab_size}", param="stop_token_ids")
+        if any(token >= self.vocab_size for token in request.sampling.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be < {self.vocab_size}", param="logit_bias")
         if self.blocks.num_blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens; the KV cache holds at most "

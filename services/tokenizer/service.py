@@ -142,6 +142,8 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
                                  param="max_tokens")
     if any(t >= info.vocab_size for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be < {info.vocab_size}", param="stop_token_ids")
+    if any(t >= info.vocab_size for t in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias token ids must be < {info.vocab_size}", param="logit_bias")
 
 
 def request_failed(request_id: str, error: PagodaError) -> RequestFailed:

@@ -39,6 +39,8 @@ class BatchState:
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none wanted
         self.min_tokens = np.zeros(rows, dtype=np.int64)
         self.banned_while_short: list[list[int]] = [[] for _ in range(rows)]  # EOS/stop ids under min_tokens
+        self.has_logit_bias = np.zeros(rows, dtype=bool)
+        self.logit_bias: list[dict[int, float]] = [{} for _ in range(rows)]
 
     def reset(self) -> None:
         """Forget every request (a new scheduler starts from nothing)."""
@@ -82,6 +84,8 @@ class BatchState:
         self.min_tokens[row] = params.min_tokens
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         self.banned_while_short[row] = banned if params.min_tokens > 0 else []
+        self.logit_bias[row] = params.logit_bias
+        self.has_logit_bias[row] = bool(params.logit_bias)
 
     def rows_for(self, req_ids: list[int]) -> np.ndarray:
         return np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))  # [B]

@@ -254,6 +254,9 @@ class ModelRunner:
             metadata.frequency_penalty = to(frequency, "frequency")
             metadata.repetition_penalty = to(repetition, "repetition")
             metadata.prompt_token_ids, metadata.output_token_ids = self._penalty_tokens(rows, vocab_size)
+        if state.has_logit_bias[rows].any():
+            ids, values = self._logit_bias(rows, vocab_size)
+            metadata.logit_bias_ids, metadata.logit_bias_values = to(ids, "bias_ids"), to(values, "bias_values")
         short = np.flatnonzero(num_output < state.min_tokens[rows])
         if len(short):
             metadata.banned_token_ids = self._to_device(self._banned(rows, short, vocab_size), "banned")
@@ -274,6 +277,17 @@ class ModelRunner:
         output = state.token_ids[rows[:, None], np.minimum(index, self.max_model_len - 1)].astype(np.int64)
         output[index >= num_tokens[:, None]] = vocab_size
         return self._to_device(prompt, "prompt_ids"), self._to_device(output, "output_ids")
+
+    def _logit_bias(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Biased token ids [S, K] (padded with vocab_size) and their biases [S, K] float32."""
+        biases = [self.state.logit_bias[row] for row in rows.tolist()]
+        width = max(1, max(len(b) for b in biases))
+        ids = np.full((len(rows), width), vocab_size, dtype=np.int64)  # [S, K]
+        values = np.zeros((len(rows), width), dtype=np.float32)  # [S, K]
+        for i, bias in enumerate(biases):
+            ids[i, :len(bias)] = list(bias.keys())
+            values[i, :len(bias)] = list(bias.values())
+        return ids, values
 
     def _banned(self, rows: np.ndarray, short: np.ndarray, vocab_size: int) -> np.ndarray:
         short_set = set(short.tolist())

@@ -27,6 +27,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [B] float32
     prompt_token_ids: torch.Tensor | None = None  # [B, P] int64 padded with vocab_size
     output_token_ids: torch.Tensor | None = None  # [B, O] int64 padded with vocab_size
+    logit_bias_ids: torch.Tensor | None = None  # [B, K] int64 padded with vocab_size; None when no row biases
+    logit_bias_values: torch.Tensor | None = None  # [B, K] float32
     banned_token_ids: torch.Tensor | None = None  # [B, K] int64 padded with vocab_size
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: sampled logprob plus top k
     all_greedy: bool = False  # every row greedy: skip the random path entirely
@@ -51,6 +53,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of `logits` [B, V]; no host sync, no loop over rows."""
     raw_logits = logits.float()  # [B, V]
     logits = apply_penalties(raw_logits, metadata)  # [B, V]; every step is out of place: raw stays intact
+    logits = apply_logit_bias(logits, metadata.logit_bias_ids, metadata.logit_bias_values)  # [B, V]
     logits = apply_banned_tokens(logits, metadata.banned_token_ids)  # [B, V]
     token_ids = logits.argmax(dim=-1)  # [B] int64
     if not metadata.all_greedy:
@@ -108,6 +111,17 @@ def token_mask(token_ids: torch.Tensor | None, num_rows: int, vocab_size: int,
     if token_ids is not None:
         mask.scatter_(1, token_ids, True)
     return mask[:, :vocab_size]  # [B, V]
+
+
+def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor | None,
+                     values: torch.Tensor | None) -> torch.Tensor:
+    """Add each row's bias to its chosen ids; padding ids (= vocab_size) land in a dropped extra column."""
+    if ids is None or values is None:
+        return logits
+    num_rows, vocab_size = logits.shape
+    bias = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)  # [B, V+1]
+    bias.scatter_add_(1, ids, values.to(logits.dtype))
+    return logits + bias[:, :vocab_size]  # [B, V]
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: torch.Tensor | None) -> torch.Tensor:
