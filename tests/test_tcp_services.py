@@ -1,6 +1,6 @@
 """The four services started one by one as separate processes on tcp:// loopback endpoints, as compose.yaml
-runs them (without docker): end-to-end streaming, requests spread over two tokenizers, and a tokenizer
-killed mid-stream costing only its own requests."""
+runs them (without docker): end-to-end streaming, requests spread over two tokenizers, a tokenizer
+killed mid-stream costing only its own requests, and a scheduler killed and started again taking over."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ class Cluster:
     env: dict[str, str]
     log_dir: Path
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    common_flags: list[str] = field(default_factory=list)  # every service's flags (model, heartbeat timeout)
     num_generations: int = 0  # generation requests sent so far: what the scheduler's counts must add up to
 
     @property
@@ -138,8 +139,8 @@ def cluster(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "PAGODA_PORT": str(http),
         "PAGODA_MAX_MODEL_LEN": "1024",
     })
-    cluster = Cluster(http, env, tmp_path_factory.mktemp("tcp-services"))
     common = ["--model", str(smollm2_dir), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+    cluster = Cluster(http, env, tmp_path_factory.mktemp("tcp-services"), common_flags=common)
     try:
         cluster.start("worker", "worker", *common)
         cluster.start("scheduler", "scheduler", *common)
@@ -247,7 +248,7 @@ def test_killing_a_tokenizer_fails_only_its_own_requests(cluster: Cluster) -> No
         # Who owns which stream is not visible; how many each tokenizer sent is.
         num_owned_by_victim = int(cluster.settled_tokenizer_counts()[victim] - before[victim])
         cluster.processes[victim].kill()
-        cluster.processes[victim].wait(timeout=10)
+        cluster.processes.pop(victim).wait(timeout=10)  # gone for good: later checks need not expect it
         outcomes = [f.result(timeout=90) for f in futures]
 
     errors = [o for o in outcomes if o != "done"]
@@ -269,3 +270,45 @@ def test_killing_a_tokenizer_fails_only_its_own_requests(cluster: Cluster) -> No
         assert text and reason == "length" and num_tokens == 8
     counts = cluster.tokenizer_counts()
     assert set(counts) == {survivor}
+
+
+# ------------------------------------------------------------------ (d) the scheduler dies and comes back
+
+
+def test_a_restarted_scheduler_takes_over(cluster: Cluster) -> None:
+    """Kill -9 the scheduler mid-stream and start a new one: the stream ends with an error that says why
+    (no hang), the worker and tokenizers register with the newcomer, and requests run again."""
+    started = threading.Event()
+    outcome: dict[str, str] = {}
+
+    def stream() -> None:
+        try:
+            _, reason, _ = _chat_stream(cluster, "Tell a very long story about a lighthouse.", 600,
+                                        on_first_chunk=started.set)
+            outcome["finished"] = str(reason)
+        except (openai.APIError, httpx.HTTPError) as exc:
+            outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60), "the stream did not start"
+    scheduler = cluster.processes["scheduler"]
+    scheduler.kill()
+    scheduler.wait(timeout=10)
+    cluster.start("scheduler", "scheduler", *cluster.common_flags)
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the stream hung after its scheduler died"
+    assert "scheduler" in outcome.get("error", ""), outcome
+
+    def serves_again() -> bool:
+        cluster.check_alive()
+        if cluster.health() != 200:
+            return False
+        try:
+            _, reason, num_tokens = _chat_stream(cluster, "Say hello once more.", 8)
+        except (openai.APIError, httpx.HTTPError):
+            return False  # registration still under way: the api may answer 503 meanwhile
+        return reason == "length" and num_tokens == 8
+
+    wait_until(serves_again, 60, "requests to run on the new scheduler")
+    cluster.check_alive()
