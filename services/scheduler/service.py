@@ -141,7 +141,8 @@ class SchedulerService:
             self._heartbeat_tokenizers()
             self._sweep_dead_tokenizers(now)
             if len(self.ready_ranks) < self.engine_config.tensor_parallel_size:
-                self.plans.send(self.to_workers.encode(Heartbeat(sender="scheduler")))  # subscription probe
+                # subscription probe; its sender tells a worker whether this is the scheduler it knows
+                self.plans.send(self.to_workers.encode(Heartbeat(sender=self.instance_id)))
         if now >= self._next_stats:
             self._next_stats = now + STATS_INTERVAL_S
             self.stats_out.send(self.stats_codec.encode(self._stats(now)))

@@ -38,6 +38,7 @@ class WorkerService:
         self.from_scheduler: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
         self.to_scheduler: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
         self.running = True
+        self.scheduler_id = ""  # the instance id of the scheduler this worker answers (its probes say it)
         from pagoda.services.worker.parallel import init_tensor_parallel
 
         tp = init_tensor_parallel(engine_config, self.rank)
@@ -62,15 +63,22 @@ class WorkerService:
             if isinstance(message, StepPlan):
                 self._execute(message)
             elif isinstance(message, Heartbeat):
-                # Probes come only from a scheduler that has not heard every rank: a restarted one. Its
-                # request ids start afresh, so the old requests go.
-                log.warning("worker rank %d: a new scheduler (%s); starting over", self.rank, message.sender)
-                self.runner.state.reset()
-                self._send_ready()
+                self._on_probe(message.sender)
             elif isinstance(message, Shutdown):
                 log.info("worker rank %d: %s", self.rank, message.reason or "shutdown")
                 break
         self._close()
+
+    def _on_probe(self, sender: str) -> None:
+        """Probes come from a scheduler that has not heard every rank. The same one again (our answer crossed
+        its next probe): answer again. Another one (the scheduler restarted): its request ids start afresh,
+        so the old requests go."""
+        if sender != self.scheduler_id:
+            log.warning("worker rank %d: a new scheduler (%s, was %s); starting over", self.rank, sender,
+                        self.scheduler_id)
+            self.scheduler_id = sender
+            self.runner.state.reset()
+        self._send_ready()
 
     def _send_ready(self) -> None:
         runner = self.runner
@@ -83,8 +91,12 @@ class WorkerService:
     def _wait_for_subscription(self) -> None:
         """A PUB drops what it sends before a subscription arrives: wait for the scheduler's probe."""
         while self.running:
-            if self.plans.poll(int(self.config.heartbeat_interval * 1000)) and self._recv() is not None:
-                return
+            if self.plans.poll(int(self.config.heartbeat_interval * 1000)):
+                message = self._recv()
+                if isinstance(message, Heartbeat):
+                    self.scheduler_id = message.sender
+                if message is not None:
+                    return
 
     def _recv(self) -> SchedulerToWorker | None:
         frame = single_frame(self.plans.recv_multipart(copy=False))
