@@ -19,7 +19,7 @@ from pagoda.services.worker.model_config import ModelArch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
-from pagoda.shared.messages import FinishReason, SamplingParams, StepResult
+from pagoda.shared.messages import FinishReason, PromptScores, SamplingParams, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class LLMEngine:
             request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,
             outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
-                     for i in range(params.n)])
+                     for i in range(params.n)],
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         for seq in request.sequences:
             self._streams[seq.seq_id] = TextStream(self.tokenizer, token_ids, params)
         return request_id
@@ -113,7 +114,19 @@ class LLMEngine:
             raise RuntimeError("the scheduler found nothing it can run; the KV cache is too small")
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, result)
-        return [self._apply(update, result) for update in updates]
+        for update in updates:
+            if update.prompt_scores is not None:
+                self._add_prompt_scores(self._outputs[update.seq.request.req_id], update.prompt_scores)
+        return [self._apply(update, result) for update in updates if update.has_token]
+
+    @staticmethod
+    def _add_prompt_scores(output: RequestOutput, scores: PromptScores) -> None:
+        assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == scores.first
+        for token_id, logprob, top_ids, top_logprobs in zip(scores.token_ids, scores.logprobs, scores.top_token_ids,
+                                                            scores.top_logprobs, strict=True):
+            entry = dict(zip(top_ids, top_logprobs, strict=True))
+            entry[token_id] = logprob
+            output.prompt_logprobs.append(entry)
 
     def _apply(self, update: SeqUpdate, result: StepResult) -> StreamDelta:
         seq = update.seq

@@ -50,6 +50,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (all but the first)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
@@ -91,6 +92,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
         _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias",
@@ -141,6 +145,17 @@ class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, 
     finished_req_ids: list[int] = []  # drop their state (finished, aborted or preempted)
 
 
+class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Logprobs of consecutive prompt tokens, from one step's prompt chunk (prompt_logprobs)."""
+
+    req_id: int
+    first: int  # index in the prompt of token_ids[0]; the first prompt token (index 0) is never scored
+    token_ids: list[int]
+    logprobs: list[float]
+    top_token_ids: list[list[int]]  # [len(token_ids)][k]
+    top_logprobs: list[list[float]]
+
+
 class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False, frozen=True):
     """Tokens sampled in one step; logprob columns are filled only for requests that asked."""
 
@@ -151,6 +166,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     top_token_ids: list[list[int]] = []  # likewise; an inner list is empty for logprobs=0 / None
     top_logprobs: list[list[float]] = []
     error: str = ""
+    prompt_scores: list[PromptScores] = []  # requests with prompt_logprobs whose prompt ran this step
 
 # worker -> scheduler (besides StepResult)
 
@@ -262,6 +278,7 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True
     logprobs: list[PositionLogprobs] = []
     num_cached_tokens: int = 0
     stop_reason: str | None = None  # the stop string that ended it
+    prompt_logprobs: list[PositionLogprobs] = []  # prompt tokens scored this step, in prompt order
 
 
 class TextDeltas(msgspec.Struct, array_like=True, tag="texts", frozen=True, gc=False):
@@ -329,6 +346,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     top_token_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
     num_cached_tokens: int = 0
+    prompt_scores: PromptScores | None = None  # prompt logprobs that came with this step (req_id unused)
 
 
 class TokenDeltas(msgspec.Struct, array_like=True, tag="tokens", frozen=True, gc=False):

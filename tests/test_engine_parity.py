@@ -113,6 +113,33 @@ def test_greedy_matches_transformers_with_every_prompt_chunked(smollm2_dir: Path
     assert len(first_chunks) == len(prompts)
 
 
+def test_prompt_logprobs_match_transformers(smollm2_dir: Path, hf_model, prompts) -> None:  # noqa: ANN001
+    """prompt_logprobs over chunked prompts, n=2, and a prompt whose blocks sit in the prefix cache (its scores
+    must be computed anyway): each prompt token's logprob and top 3 are transformers' log_softmax."""
+    llm = LLM(str(smollm2_dir), max_num_batched_tokens=48)
+    chosen = [prompts[3], prompts[9], prompts[12]]
+    params = [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
+              SamplingParams(temperature=0.8, max_tokens=3, n=2, seed=5, prompt_logprobs=0),
+              SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)]
+    llm.generate([prompts[12]], SamplingParams(temperature=0.0, max_tokens=1))  # its blocks now cached
+    outputs = llm.generate(chosen, params)
+    assert outputs[2].num_cached_tokens == 0  # scored prompts skip the prefix cache
+    plain = llm.generate([prompts[3]], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
+    for prompt, param, output in zip(chosen, params, outputs, strict=True):
+        with torch.inference_mode():
+            expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)  # [L, V]
+        scores = output.prompt_logprobs
+        assert scores is not None and len(scores) == len(prompt) and scores[0] is None
+        k = param.prompt_logprobs
+        for i in range(1, len(prompt)):
+            row = expected[i - 1]
+            top = row.topk(k).indices.tolist() if k else []
+            assert set(scores[i]) == {prompt[i], *top}, i
+            got = torch.tensor([scores[i][t] for t in [prompt[i], *top]])
+            torch.testing.assert_close(got, row[[prompt[i], *top]], atol=2e-4, rtol=1e-4)
+
+
 def _spy_logits(llm: LLM) -> list[torch.Tensor]:
     """Capture the logits the runner hands its sampler."""
     captured: list[torch.Tensor] = []

@@ -24,7 +24,7 @@ from enum import IntEnum
 
 from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
-from pagoda.shared.messages import FinishReason, NewRequest, SamplingParams, StepPlan, StepResult
+from pagoda.shared.messages import FinishReason, NewRequest, PromptScores, SamplingParams, StepPlan, StepResult
 
 SEED_MODULUS = 1 << 63
 
@@ -66,6 +66,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    next_prompt_score: int = 1  # prompt_logprobs: prompt tokens [1, this) have been scored and passed on
     rank: tuple[int, float, int] = (0, 0.0, 0)  # (priority, arrival, seq_id): smaller runs first
 
     @property
@@ -83,12 +84,18 @@ class Sequence:
 
 @dataclass(slots=True)
 class SeqUpdate:
-    """One sequence's news from a step: the token it sampled and whether that ended it."""
+    """One sequence's news from a step: the token it sampled and whether that ended it, and prompt tokens
+    scored for prompt_logprobs. A prompt chunk that samples nothing gives token_id -1 with scores."""
 
     seq: Sequence
     token_id: int
-    result_index: int  # row in the StepResult (for logprobs)
+    result_index: int  # row in the StepResult (for logprobs); -1 with token_id -1
     finish_reason: FinishReason | None
+    prompt_scores: PromptScores | None = None
+
+    @property
+    def has_token(self) -> bool:
+        return self.token_id >= 0
 
 
 @dataclass(slots=True)
@@ -320,7 +327,7 @@ class Scheduler:
         """Reuse cached prefix blocks, then take blocks for a first chunk; 0 if it does not fit now."""
         table = self.blocks
         hit_ids: list[int] = []
-        if seq.num_computed_tokens == 0:
+        if seq.num_computed_tokens == 0 and not _needs_prompt_scores(seq):  # cached positions are never scored
             max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # keep one token to compute
             hit_ids, hit_hashes = table.lookup_prefix(seq.token_ids, max_hit_blocks)
         num_hit_tokens = len(hit_ids) * self.block_size
@@ -350,19 +357,40 @@ class Scheduler:
         for seq in scheduled:
             if not seq.is_finished:
                 self.blocks.commit(seq.table, seq.token_ids, seq.num_computed_tokens)
+        scores = self._new_prompt_scores(result)
         updates: list[SeqUpdate] = []
         for row, (seq_id, token_id) in enumerate(zip(result.req_ids, result.sampled_token_ids, strict=True)):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.is_finished:
                 continue  # aborted while the step ran
+            prompt_scores = scores.pop(seq_id, None)
             seq.token_ids.append(token_id)
             if seq.index == 0 and seq.num_output_tokens == 1 and seq.request.sampling.n > 1:
                 self._fork_siblings(seq)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
-            updates.append(SeqUpdate(seq, token_id, row, reason))
+            updates.append(SeqUpdate(seq, token_id, row, reason, prompt_scores))
+        updates += [SeqUpdate(self._seqs[seq_id], -1, -1, None, s) for seq_id, s in scores.items()]
         return updates
+
+    def _new_prompt_scores(self, result: StepResult) -> dict[int, PromptScores]:
+        """The step's prompt scores that clients have not had yet (a recomputed prompt is scored again)."""
+        fresh: dict[int, PromptScores] = {}
+        for scores in result.prompt_scores:
+            seq = self._seqs.get(scores.req_id)
+            if seq is None or seq.is_finished or not _needs_prompt_scores(seq):
+                continue
+            skip = seq.next_prompt_score - scores.first
+            if not 0 <= skip < len(scores.token_ids):  # all seen already (recomputed), or past a gap: unusable
+                continue
+            if skip:
+                scores = PromptScores(scores.req_id, seq.next_prompt_score, scores.token_ids[skip:],
+                                      scores.logprobs[skip:], scores.top_token_ids[skip:],
+                                      scores.top_logprobs[skip:])
+            seq.next_prompt_score = scores.first + len(scores.token_ids)
+            fresh[seq.seq_id] = scores
+        return fresh
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.request.sampling
@@ -418,6 +446,12 @@ class Scheduler:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
                 if not sibling.is_finished:
                     self._finish(sibling, reason)
+
+
+def _needs_prompt_scores(seq: Sequence) -> bool:
+    """prompt_logprobs asked and not all given yet: one completion (the first) carries them."""
+    return (seq.request.sampling.prompt_logprobs is not None and seq.index == 0
+            and seq.next_prompt_score < seq.num_prompt_tokens)
 
 
 def _rank(seq: Sequence) -> tuple[int, float, int]:

@@ -37,6 +37,7 @@ class BatchState:
         self.repetition_penalty = np.ones(rows, dtype=np.float32)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none wanted
+        self.num_prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # -1: prompt tokens not scored
         self.min_tokens = np.zeros(rows, dtype=np.int64)
         self.banned_while_short: list[list[int]] = [[] for _ in range(rows)]  # EOS/stop ids under min_tokens
         self.has_logit_bias = np.zeros(rows, dtype=bool)
@@ -81,6 +82,7 @@ class BatchState:
         self.repetition_penalty[row] = params.repetition_penalty
         self.seed[row] = new.seed
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         self.min_tokens[row] = params.min_tokens
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         self.banned_while_short[row] = banned if params.min_tokens > 0 else []

@@ -17,11 +17,12 @@ from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetad
 from pagoda.services.worker.weights import load_model
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
-from pagoda.shared.messages import StepPlan, StepResult
+from pagoda.shared.messages import PromptScores, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+PROMPT_SCORE_ROWS = 256  # prompt_logprobs: logits of at most this many positions at once ([rows, V] fp32)
 
 
 @dataclass(slots=True)
@@ -162,14 +163,18 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
         host = self._prepare(plan)
         state = self.state
-        if self.graphs is not None and host.is_decode and self.graphs.fits(len(host.rows)):
+        if (self.graphs is not None and host.is_decode and self.graphs.fits(len(host.rows))
+                and not self._scores_prompt(host).any()):
             logits = self.graphs.replay(host.input_ids, host.positions, host.slots, host.seq_lens,
                                         host.block_tables)  # [B, V] fp32: every decode row samples
+            prompt_scores: list[PromptScores] = []
         else:
-            logits = self._forward_eager(host)
+            hidden = self._forward_eager(host)
+            logits = self._sampled_logits(host, hidden)
+            prompt_scores = self._prompt_scores(plan, host, hidden)
         state.num_computed[host.rows] = host.seq_lens
         if logits is None:
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], prompt_scores=prompt_scores)
         sampled_rows = host.rows[host.sampled]  # [S]
         metadata = self._sampling_metadata(sampled_rows, logits.shape[1])
         output = self.sampler(logits, metadata)
@@ -178,11 +183,12 @@ class ModelRunner:
         state.num_tokens[sampled_rows] += 1
         req_ids = [plan.req_ids[i] for i in host.sampled.tolist()]
         if output.logprobs is None:
-            return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids)
-        return self._with_logprobs(plan.step_id, req_ids, token_ids, sampled_rows, output)
+            return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids,
+                              prompt_scores=prompt_scores)
+        return self._with_logprobs(plan.step_id, req_ids, token_ids, sampled_rows, output, prompt_scores)
 
-    def _forward_eager(self, host: HostBatch) -> torch.Tensor | None:
-        """The model on a mixed or large batch; logits [S, V] of the rows that sample, None if none do."""
+    def _forward_eager(self, host: HostBatch) -> torch.Tensor:
+        """The model on a mixed or large batch: final hidden states [T, H] of every token."""
         to = self._to_device
         meta = AttentionMetadata(
             slot_mapping=to(host.slots, "slots"), block_tables=to(host.block_tables, "block_tables"),
@@ -190,12 +196,50 @@ class ModelRunner:
             query_start_loc=to(host.query_start.astype(np.int32), "query_start"),
             seq_lens_host=host.seq_lens.tolist(), query_lens_host=host.counts.tolist(),
             max_query_len=int(host.counts.max()), max_seq_len=int(host.seq_lens.max()))
-        hidden = self.model(to(host.input_ids, "input_ids"), to(host.positions, "positions"), self.kv_caches,
-                            meta)  # [T, H]
+        return self.model(to(host.input_ids, "input_ids"), to(host.positions, "positions"), self.kv_caches,
+                          meta)  # [T, H]
+
+    def _sampled_logits(self, host: HostBatch, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [S, V] fp32 at the last token of each sequence that samples; None if none does."""
         if len(host.sampled) == 0:
             return None
-        logits_indices = to(host.query_start[1:][host.sampled] - 1, "logits_indices")  # [S]
+        logits_indices = self._to_device(host.query_start[1:][host.sampled] - 1, "logits_indices")  # [S]
         return self.model.compute_logits(hidden[logits_indices])  # [S, V] fp32
+
+    def _scores_prompt(self, host: HostBatch) -> np.ndarray:
+        """[B] bool: the sequence asked for prompt_logprobs and this step computes a position that predicts
+        a prompt token (one before the last prompt token)."""
+        state = self.state
+        starts = host.seq_lens - host.counts  # [B]
+        return (state.num_prompt_logprobs[host.rows] >= 0) & (starts < state.num_prompt_tokens[host.rows] - 1)
+
+    def _prompt_scores(self, plan: StepPlan, host: HostBatch, hidden: torch.Tensor) -> list[PromptScores]:
+        """prompt_logprobs: the logprob of each prompt token this step's chunk predicts (token p + 1 from
+        position p), with the top k, for the sequences that asked. Every rank runs this (compute_logits
+        gathers across tensor-parallel ranks)."""
+        state = self.state
+        wanted = state.num_prompt_logprobs[host.rows]  # [B]
+        scores = []
+        for b in np.flatnonzero(self._scores_prompt(host)).tolist():
+            row, start = int(host.rows[b]), int(host.seq_lens[b] - host.counts[b])
+            end = min(int(host.seq_lens[b]), int(state.num_prompt_tokens[row]) - 1)  # positions [start, end)
+            if end <= start:
+                continue
+            first_index = int(host.query_start[b])
+            targets = state.token_ids[row, start + 1:end + 1].astype(np.int64)  # [N]
+            logprobs, top_ids, top_logprobs = [], [], []
+            for lo in range(0, end - start, PROMPT_SCORE_ROWS):  # bounded [rows, V] logits at a time
+                hi = min(end - start, lo + PROMPT_SCORE_ROWS)
+                logits = self.model.compute_logits(hidden[first_index + lo:first_index + hi])  # [n, V] fp32
+                log_probs = torch.log_softmax(logits, dim=-1)  # [n, V]
+                target = torch.from_numpy(targets[lo:hi]).to(log_probs.device)  # [n]
+                logprobs += log_probs.gather(1, target[:, None])[:, 0].tolist()
+                top = log_probs.topk(int(wanted[b]), dim=-1)  # [n, k]
+                top_ids += top.indices.tolist()
+                top_logprobs += top.values.tolist()
+            scores.append(PromptScores(plan.req_ids[b], start + 1, targets.tolist(), logprobs, top_ids,
+                                       top_logprobs))
+        return scores
 
     def recover(self, plan: StepPlan) -> None:
         """After a failed step: forget the plan's requests (the scheduler aborts them too)."""
@@ -299,7 +343,7 @@ class ModelRunner:
         return banned
 
     def _with_logprobs(self, step_id: int, req_ids: list[int], token_ids: list[int], rows: np.ndarray,
-                       output: SamplerOutput) -> StepResult:
+                       output: SamplerOutput, prompt_scores: list[PromptScores]) -> StepResult:
         assert output.logprobs is not None and output.top_token_ids is not None and output.top_logprobs is not None
         wanted = self.state.num_logprobs[rows].tolist()
         sampled = output.logprobs.tolist()
@@ -308,7 +352,8 @@ class ModelRunner:
         return StepResult(
             step_id=step_id, req_ids=req_ids, sampled_token_ids=token_ids, sampled_logprobs=sampled,
             top_token_ids=[ids[:max(k, 0)] for ids, k in zip(top_ids, wanted, strict=True)],
-            top_logprobs=[lps[:max(k, 0)] for lps, k in zip(top_logprobs, wanted, strict=True)])
+            top_logprobs=[lps[:max(k, 0)] for lps, k in zip(top_logprobs, wanted, strict=True)],
+            prompt_scores=prompt_scores)
 
 
 def _available_ram() -> int:
