@@ -256,7 +256,7 @@ class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omi
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (prompt_logprobs: nothing predicts it)
     bytes: list[int]
 
 

@@ -526,7 +526,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"7": "up"}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),

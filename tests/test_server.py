@@ -139,6 +139,27 @@ def test_completions_match_the_offline_engine(server: Server, offline: LLM) -> N
         assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
+def test_echo_with_logprobs_scores_the_prompt_like_the_offline_engine(server: Server, offline: LLM) -> None:
+    """The legacy scoring call (lm-eval-harness's loglikelihood): echo + logprobs lists every prompt token,
+    the first with no logprob, then the completion's; the numbers are the in-process engine's."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    [out] = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, logprobs=2))
+    assert out.prompt_logprobs is not None
+    response = server.client().completions.create(model=SERVED, prompt=prompt, max_tokens=1, temperature=0,
+                                                  echo=True, logprobs=2)
+    choice = response.choices[0]
+    num_prompt = len(out.prompt_token_ids)
+    assert choice.text == prompt + out.outputs[0].text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == num_prompt + 1 and "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:], strict=True)]
+    assert logprobs.token_logprobs[1:num_prompt] == pytest.approx(expected, abs=1e-4)
+    assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(num_prompt + 1)]
+    assert response.usage.prompt_tokens == num_prompt and response.usage.completion_tokens == 1
+
+
 def test_streamed_completion_concatenates_to_the_same_text(server: Server, offline: LLM) -> None:
     text, reason, num_prompt, _ = _offline_text(offline, PROMPTS[1], 40)
     stream = server.client().completions.create(model=SERVED, prompt=PROMPTS[1], max_tokens=40, temperature=0,

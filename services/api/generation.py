@@ -45,6 +45,7 @@ class Generation:
         self.num_prompt_tokens = [0] * num_prompts
         self.num_cached_tokens = [0] * num_prompts
         self.prompt_texts: list[str] = [""] * num_prompts
+        self.prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in range(num_prompts)]  # echo + logprobs
         self._num_running = [n] * num_prompts  # unfinished completions per prompt
         self._failed: set[int] = set()  # prompts the tokenizer already ended with RequestFailed
         self._early: deque[list[TextDelta]] = deque()  # deltas that overtook another prompt's Accepted
@@ -116,6 +117,7 @@ class Generation:
             self._observe(choice, delta.num_new_tokens, now)
             choice.texts.append(delta.text)
             choice.logprobs.extend(delta.logprobs)
+            self.prompt_logprobs[i].extend(delta.prompt_logprobs)
             choice.num_tokens += delta.num_new_tokens
             self.num_cached_tokens[i] = max(self.num_cached_tokens[i], delta.num_cached_tokens)
             if delta.finish_reason >= 0:

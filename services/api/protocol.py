@@ -38,14 +38,20 @@ def usage(gen: Generation) -> dict[str, Any]:
 
 def completion_logprobs(positions: list[PositionLogprobs], offset: int) -> dict[str, Any]:
     """The legacy shape; `offset` is where the first token starts in the choice's text."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float | None] | None] = []
+    text_offset: list[int] = []
     for position in positions:
         sampled = position.sampled
         tokens.append(sampled.token)
         token_logprobs.append(sampled.logprob)
-        alternatives = {t.token: t.logprob for t in position.top}
-        alternatives.setdefault(sampled.token, sampled.logprob)  # vLLM's convention: the pick is always listed
-        top_logprobs.append(alternatives)
+        if sampled.logprob is None:  # a prompt's first token (echo): nothing before it to score it
+            top_logprobs.append(None)
+        else:
+            alternatives = {t.token: t.logprob for t in position.top}
+            alternatives.setdefault(sampled.token, sampled.logprob)  # vLLM's convention: the pick is listed
+            top_logprobs.append(alternatives)
         text_offset.append(offset)
         offset += len(sampled.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -122,8 +128,12 @@ class CompletionRenderer(Renderer):
         return gen.prompt_texts[choice.index // gen.n] if self.echo else ""
 
     def _choice(self, gen: Generation, choice: Choice) -> dict[str, Any]:
-        logprobs = completion_logprobs(choice.logprobs, 0) if self.want_logprobs else None
-        return {"index": choice.index, "text": self._prompt_text(gen, choice) + choice.text, "logprobs": logprobs,
+        prompt_text = self._prompt_text(gen, choice)
+        logprobs = completion_logprobs(choice.logprobs, len(prompt_text)) if self.want_logprobs else None
+        if logprobs is not None and self.echo:  # the prompt's tokens first, then the completion's
+            prompt = completion_logprobs(gen.prompt_logprobs[choice.index // gen.n], 0)
+            logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+        return {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
                 "finish_reason": _finish_name(choice.finish_reason)}
 
     def opening(self, gen: Generation) -> bytes:

@@ -185,9 +185,12 @@ def completion_params(body: CompletionBody) -> SamplingParams:
              "best_of is not supported unless it equals n")
     _require(body.logprobs is None or 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS, "logprobs",
              f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
-    _require(not (body.echo and body.logprobs is not None), "echo", "echo together with logprobs is not supported")
+    scores_prompt = bool(body.echo) and body.logprobs is not None  # echo's logprobs cover the prompt too
+    _require(not (scores_prompt and body.stream), "echo",
+             "echo together with logprobs is not supported when streaming")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    return SamplingParams(**_sampling_kwargs(body), max_tokens=max_tokens, logprobs=body.logprobs).validate()
+    return SamplingParams(**_sampling_kwargs(body), max_tokens=max_tokens, logprobs=body.logprobs,
+                          prompt_logprobs=body.logprobs if scores_prompt else None).validate()
 
 
 def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:

@@ -286,7 +286,7 @@ class SchedulerService:
             self._fail_plan(plan, result.error)
             result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
         updates = scheduler.update(plan, result)
-        self.generation_tokens_total += len(updates)
+        self.generation_tokens_total += sum(1 for update in updates if update.has_token)
         self._send_deltas(updates, result)
 
     def _fail_plan(self, plan: StepPlan, error: str) -> None:
@@ -312,13 +312,15 @@ class SchedulerService:
                 continue
             row = update.result_index
             reason = -1 if update.finish_reason is None else int(update.finish_reason)
-            if with_logprobs and request.sampling.logprobs is not None:
-                delta = TokenDelta(request.req_id, update.seq.index, [update.token_id], reason,
+            token_ids = [update.token_id] if update.has_token else []
+            num_cached = request.sequences[0].num_cached_tokens
+            if with_logprobs and update.has_token and request.sampling.logprobs is not None:
+                delta = TokenDelta(request.req_id, update.seq.index, token_ids, reason,
                                    [result.sampled_logprobs[row]], [result.top_token_ids[row]],
-                                   [result.top_logprobs[row]], request.sequences[0].num_cached_tokens)
+                                   [result.top_logprobs[row]], num_cached, update.prompt_scores)
             else:
-                delta = TokenDelta(request.req_id, update.seq.index, [update.token_id], reason,
-                                   num_cached_tokens=request.sequences[0].num_cached_tokens)
+                delta = TokenDelta(request.req_id, update.seq.index, token_ids, reason,
+                                   num_cached_tokens=num_cached, prompt_scores=update.prompt_scores)
             by_owner[identity].append(delta)
             if reason >= 0 and request.num_finished == len(request.sequences):
                 finished.append(request.req_id)

@@ -39,6 +39,7 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     PositionLogprobs,
+    PromptScores,
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
@@ -160,6 +161,7 @@ class RequestState:
     params: SamplingParams
     streams: list[TextStream | None]  # one per completion; None once that completion finished
     num_unfinished: int
+    first_prompt_token: int = -1  # prompt_logprobs: listed first, with no logprob
 
 
 @dataclass(slots=True)
@@ -326,7 +328,7 @@ class TokenizerService:
             return
         streams: list[TextStream | None] = [TextStream(self._tokenizer, prompt.token_ids, params)
                                             for _ in range(params.n)]
-        self._requests[request_id] = RequestState(api, params, streams, params.n)
+        self._requests[request_id] = RequestState(api, params, streams, params.n, prompt.token_ids[0])
         self._send_scheduler(AddRequest(request_id, prompt.token_ids, params, request.priority,
                                         request.arrival_time))
         echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
@@ -445,8 +447,11 @@ class TokenizerService:
         if stream is None:
             return None  # a stop string finished it here; tokens sampled before the scheduler knew are dropped
         token_ids, reason = delta.token_ids, delta.finish_reason
+        prompt_logprobs = (self._prompt_logprobs(delta.prompt_scores, state.first_prompt_token)
+                           if delta.prompt_scores is not None else [])
         if not token_ids and reason < 0:
-            return None
+            return TextDelta(delta.request_id, delta.index, "", 0, prompt_logprobs=prompt_logprobs) \
+                if prompt_logprobs else None
         # A stop token's own text (EOS, stop_token_ids) is not part of the output: with STOP it is the last.
         text = stream.push(token_ids[:-1] if reason == FinishReason.STOP else token_ids)
         if reason < 0 and stream.stopped:
@@ -459,7 +464,7 @@ class TokenizerService:
             self._finish_completion(state, delta.request_id, delta.index)
         logprobs = self._logprobs(delta) if state.params.logprobs is not None else []
         return TextDelta(delta.request_id, delta.index, text, len(token_ids), int(reason), logprobs,
-                         delta.num_cached_tokens, stream.stop_reason)
+                         delta.num_cached_tokens, stream.stop_reason, prompt_logprobs)
 
     def _finish_completion(self, state: RequestState, request_id: str, index: int) -> None:
         state.streams[index] = None
@@ -477,7 +482,16 @@ class TokenizerService:
             positions.append(PositionLogprobs(self._token_logprob(token_id, logprob), top))
         return positions
 
-    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
+    def _prompt_logprobs(self, scores: PromptScores, first_token: int) -> list[PositionLogprobs]:
+        """Scored prompt tokens; the prompt's first token leads the first batch, with no logprob."""
+        lead = [PositionLogprobs(self._token_logprob(first_token, None), [])] if scores.first == 1 else []
+        return lead + [PositionLogprobs(self._token_logprob(token_id, logprob),
+                                 [self._token_logprob(t, lp) for t, lp in zip(top_ids, top_lps, strict=False)])
+                for token_id, logprob, top_ids, top_lps in zip(scores.token_ids, scores.logprobs,
+                                                               scores.top_token_ids, scores.top_logprobs,
+                                                               strict=False)]
+
+    def _token_logprob(self, token_id: int, logprob: float | None) -> TokenLogprob:
         cached = self._token_texts.get(token_id)
         if cached is None:
             if self._tokenizer is not None:
