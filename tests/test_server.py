@@ -158,6 +158,10 @@ def test_echo_with_logprobs_scores_the_prompt_like_the_offline_engine(server: Se
     assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(num_prompt + 1)]
     assert response.usage.prompt_tokens == num_prompt and response.usage.completion_tokens == 1
+    # A one-token prompt has nothing scored, yet is listed.
+    single = server.client().completions.create(model=SERVED, prompt=[out.prompt_token_ids[0]], max_tokens=2,
+                                                temperature=0, echo=True, logprobs=0).choices[0].logprobs
+    assert len(single.tokens) == 3 and single.token_logprobs[0] is None and single.tokens[0] == logprobs.tokens[0]
 
 
 def test_streamed_completion_concatenates_to_the_same_text(server: Server, offline: LLM) -> None:

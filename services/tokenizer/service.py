@@ -39,7 +39,6 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     PositionLogprobs,
-    PromptScores,
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
@@ -161,7 +160,7 @@ class RequestState:
     params: SamplingParams
     streams: list[TextStream | None]  # one per completion; None once that completion finished
     num_unfinished: int
-    first_prompt_token: int = -1  # prompt_logprobs: listed first, with no logprob
+    first_prompt_token: int = -1  # prompt_logprobs: listed first (no logprob) with completion 0's first delta
 
 
 @dataclass(slots=True)
@@ -328,7 +327,8 @@ class TokenizerService:
             return
         streams: list[TextStream | None] = [TextStream(self._tokenizer, prompt.token_ids, params)
                                             for _ in range(params.n)]
-        self._requests[request_id] = RequestState(api, params, streams, params.n, prompt.token_ids[0])
+        first_token = prompt.token_ids[0] if params.prompt_logprobs is not None else -1
+        self._requests[request_id] = RequestState(api, params, streams, params.n, first_token)
         self._send_scheduler(AddRequest(request_id, prompt.token_ids, params, request.priority,
                                         request.arrival_time))
         echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
@@ -447,8 +447,7 @@ class TokenizerService:
         if stream is None:
             return None  # a stop string finished it here; tokens sampled before the scheduler knew are dropped
         token_ids, reason = delta.token_ids, delta.finish_reason
-        prompt_logprobs = (self._prompt_logprobs(delta.prompt_scores, state.first_prompt_token)
-                           if delta.prompt_scores is not None else [])
+        prompt_logprobs = self._prompt_logprobs(state, delta)
         if not token_ids and reason < 0:
             return TextDelta(delta.request_id, delta.index, "", 0, prompt_logprobs=prompt_logprobs) \
                 if prompt_logprobs else None
@@ -482,9 +481,16 @@ class TokenizerService:
             positions.append(PositionLogprobs(self._token_logprob(token_id, logprob), top))
         return positions
 
-    def _prompt_logprobs(self, scores: PromptScores, first_token: int) -> list[PositionLogprobs]:
-        """Scored prompt tokens; the prompt's first token leads the first batch, with no logprob."""
-        lead = [PositionLogprobs(self._token_logprob(first_token, None), [])] if scores.first == 1 else []
+    def _prompt_logprobs(self, state: RequestState, delta: TokenDelta) -> list[PositionLogprobs]:
+        """Scored prompt tokens. The prompt's first token, which nothing scores, leads completion 0's first
+        delta (scores come before or with a completion's first token; a 1-token prompt has none)."""
+        lead = []
+        if state.first_prompt_token >= 0 and delta.index == 0:
+            lead = [PositionLogprobs(self._token_logprob(state.first_prompt_token, None), [])]
+            state.first_prompt_token = -1
+        scores = delta.prompt_scores
+        if scores is None:
+            return lead
         return lead + [PositionLogprobs(self._token_logprob(token_id, logprob),
                                  [self._token_logprob(t, lp) for t, lp in zip(top_ids, top_lps, strict=False)])
                 for token_id, logprob, top_ids, top_lps in zip(scores.token_ids, scores.logprobs,
