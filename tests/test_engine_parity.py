@@ -140,6 +140,21 @@ def test_prompt_logprobs_match_transformers(smollm2_dir: Path, hf_model, prompts
             torch.testing.assert_close(got, row[[prompt[i], *top]], atol=2e-4, rtol=1e-4)
 
 
+def test_prompt_logprobs_survive_preemption(smollm2_dir: Path, prompts) -> None:  # noqa: ANN001
+    """A preempted prompt is computed again: its scores still come once each, and equal an unhurried run's."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=1)
+    calm = LLM(str(smollm2_dir)).generate(prompts, params)
+    cramped = LLM(str(smollm2_dir), num_kv_blocks=40)
+    pressed = cramped.generate(prompts, params)
+    assert cramped.engine.scheduler.stats.num_preemptions > 0
+    for prompt, a, b in zip(prompts, calm, pressed, strict=True):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            assert b.prompt_logprobs[i].keys() == a.prompt_logprobs[i].keys()
+            assert b.prompt_logprobs[i][prompt[i]] == pytest.approx(a.prompt_logprobs[i][prompt[i]], abs=1e-4)
+
+
 def _spy_logits(llm: LLM) -> list[torch.Tensor]:
     """Capture the logits the runner hands its sampler."""
     captured: list[torch.Tensor] = []
