@@ -117,7 +117,8 @@ class LLMEngine:
         for update in updates:
             if update.prompt_scores is not None:
                 self._add_prompt_scores(self._outputs[update.seq.request.req_id], update.prompt_scores)
-        return [self._apply(update, result) for update in updates if update.has_token]
+        return [self._apply(update, result) for update in updates
+                if update.has_token or update.finish_reason is not None]
 
     @staticmethod
     def _add_prompt_scores(output: RequestOutput, scores: PromptScores) -> None:
@@ -132,9 +133,10 @@ class LLMEngine:
         seq = update.seq
         output = self._outputs[seq.request.req_id]
         completion = output.outputs[seq.index]
-        completion.token_ids.append(update.token_id)
+        new_tokens = [update.token_id] if update.has_token else []  # none: max_tokens=0 ends after the prompt
+        completion.token_ids += new_tokens
         output.num_cached_tokens = seq.request.sequences[0].num_cached_tokens
-        if completion.logprobs is not None and result.sampled_logprobs:
+        if completion.logprobs is not None and result.sampled_logprobs and update.has_token:
             row = update.result_index
             entry = {update.token_id: result.sampled_logprobs[row]}
             entry.update(zip(result.top_token_ids[row], result.top_logprobs[row], strict=True))
@@ -144,7 +146,7 @@ class LLMEngine:
         stream = self._streams[seq.seq_id]
         reason = update.finish_reason
         # A stop token's own text (EOS, stop_token_ids) is not part of the output.
-        text = "" if reason == FinishReason.STOP else stream.push([update.token_id])
+        text = "" if reason == FinishReason.STOP else stream.push(new_tokens)
         if reason is None and stream.stopped:
             reason = FinishReason.STOP
             self.scheduler.finish_sequence(seq.seq_id, reason)
@@ -156,7 +158,7 @@ class LLMEngine:
             completion.finish_reason = reason.openai_name
         completion.text += text
         return StreamDelta(request_id=output.request_id, index=seq.index, text=text,
-                           token_ids=[update.token_id], finish_reason=completion.finish_reason)
+                           token_ids=new_tokens, finish_reason=completion.finish_reason)
 
 
 def is_model_reference(model: str) -> bool:

@@ -79,8 +79,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                "repetition_penalty", "repetition_penalty must be in (0, 10]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", "max_tokens must be an integer >= 1")
+        scoring_only = self.prompt_logprobs is not None and self.n == 1  # max_tokens=0: score the prompt, no more
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
+                                           and self.max_tokens >= (0 if scoring_only else 1)),
+               "max_tokens", "max_tokens must be an integer >= 1 (0 only to score a prompt: prompt_logprobs, or "
+                             "echo with logprobs, and n=1)")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
                "min_tokens must be an integer >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

@@ -50,6 +50,9 @@ def _assert_still_serves(llm: LLM, reference_text: str) -> None:
     ("hello", SamplingParams(stop=[""]), "stop", InvalidRequestError),
     ("hello", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids", InvalidRequestError),
     ("hello", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias", InvalidRequestError),
+    ("hello", SamplingParams(max_tokens=0), "max_tokens", InvalidRequestError),
+    ("hello", SamplingParams(max_tokens=0, n=2, prompt_logprobs=0), "max_tokens", InvalidRequestError),
+    ("hello", SamplingParams(prompt_logprobs=21), "prompt_logprobs", InvalidRequestError),
     ("hello", SamplingParams(logit_bias={5: math.inf}), "logit_bias", InvalidRequestError),
     ([1, 2, 10**9], GREEDY, "prompt", InvalidRequestError),
     ([1, -4], GREEDY, "prompt", InvalidRequestError),
@@ -160,6 +163,17 @@ def test_logit_bias_steers_greedy_decoding(llm: LLM) -> None:
                                            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
                                                           logit_bias={forced_id: 100.0})])
     assert [o.outputs[0].token_ids for o in both] == [base, [forced_id] * 4]
+
+
+def test_max_tokens_zero_only_scores_the_prompt(llm: LLM, reference_text: str) -> None:
+    prompt = "Count: one, two, three,"
+    [scored] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=1))
+    [longer] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1))
+    assert scored.outputs[0].token_ids == [] and scored.outputs[0].text == ""
+    assert scored.outputs[0].finish_reason == "length"
+    assert scored.prompt_logprobs is not None and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
+    assert scored.prompt_logprobs == longer.prompt_logprobs
+    _assert_still_serves(llm, reference_text)  # nothing left behind: no request, no block
 
 
 def test_chat_applies_the_template(llm: LLM) -> None:

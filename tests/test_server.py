@@ -158,6 +158,12 @@ def test_echo_with_logprobs_scores_the_prompt_like_the_offline_engine(server: Se
     assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(num_prompt + 1)]
     assert response.usage.prompt_tokens == num_prompt and response.usage.completion_tokens == 1
+    # max_tokens=0 (the older scoring call): the prompt and its scores, nothing generated.
+    scored = server.client().completions.create(model=SERVED, prompt=prompt, max_tokens=0, temperature=0,
+                                                echo=True, logprobs=2)
+    assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:num_prompt]
+    assert scored.usage.completion_tokens == 0
     # A one-token prompt has nothing scored, yet is listed.
     single = server.client().completions.create(model=SERVED, prompt=[out.prompt_token_ids[0]], max_tokens=2,
                                                 temperature=0, echo=True, logprobs=0).choices[0].logprobs

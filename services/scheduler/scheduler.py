@@ -364,6 +364,10 @@ class Scheduler:
             if seq is None or seq.is_finished:
                 continue  # aborted while the step ran
             prompt_scores = scores.pop(seq_id, None)
+            if seq.request.sampling.max_tokens == 0:  # the prompt was all it wanted (scored): no token
+                self._finish(seq, FinishReason.LENGTH)
+                updates.append(SeqUpdate(seq, -1, -1, FinishReason.LENGTH, prompt_scores))
+                continue
             seq.token_ids.append(token_id)
             if seq.index == 0 and seq.num_output_tokens == 1 and seq.request.sampling.n > 1:
                 self._fork_siblings(seq)
