@@ -22,7 +22,9 @@ from pagoda.shared.messages import PromptScores, StepPlan, StepResult
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
-PROMPT_SCORE_ROWS = 256  # prompt_logprobs: logits of at most this many positions at once ([rows, V] fp32)
+# prompt_logprobs: logits of at most this many positions at once, and at most max_num_seqs / 2, so that their
+# [rows, V] fp32 logits and log-softmax together stay within the [max_num_seqs, V] logits profile_run measured.
+PROMPT_SCORE_ROWS = 128
 
 
 @dataclass(slots=True)
@@ -228,8 +230,9 @@ class ModelRunner:
             first_index = int(host.query_start[b])
             targets = state.token_ids[row, start + 1:end + 1].astype(np.int64)  # [N]
             logprobs, top_ids, top_logprobs = [], [], []
-            for lo in range(0, end - start, PROMPT_SCORE_ROWS):  # bounded [rows, V] logits at a time
-                hi = min(end - start, lo + PROMPT_SCORE_ROWS)
+            step = max(1, min(PROMPT_SCORE_ROWS, self.config.max_num_seqs // 2))
+            for lo in range(0, end - start, step):  # bounded [rows, V] logits at a time
+                hi = min(end - start, lo + step)
                 logits = self.model.compute_logits(hidden[first_index + lo:first_index + hi])  # [n, V] fp32
                 log_probs = torch.log_softmax(logits, dim=-1)  # [n, V]
                 target = torch.from_numpy(targets[lo:hi]).to(log_probs.device)  # [n]
