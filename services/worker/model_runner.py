@@ -224,24 +224,24 @@ class ModelRunner:
         scores = []
         for b in np.flatnonzero(self._scores_prompt(host)).tolist():
             row, start = int(host.rows[b]), int(host.seq_lens[b] - host.counts[b])
-            end = min(int(host.seq_lens[b]), int(state.num_prompt_tokens[row]) - 1)  # positions [start, end)
-            if end <= start:
-                continue
+            # positions [start, end); _scores_prompt guarantees start < end
+            end = min(int(host.seq_lens[b]), int(state.num_prompt_tokens[row]) - 1)
             first_index = int(host.query_start[b])
             targets = state.token_ids[row, start + 1:end + 1].astype(np.int64)  # [N]
-            logprobs, top_ids, top_logprobs = [], [], []
+            picked, tops, top_ids = [], [], []
             step = max(1, min(PROMPT_SCORE_ROWS, self.config.max_num_seqs // 2))
             for lo in range(0, end - start, step):  # bounded [rows, V] logits at a time
                 hi = min(end - start, lo + step)
                 logits = self.model.compute_logits(hidden[first_index + lo:first_index + hi])  # [n, V] fp32
                 log_probs = torch.log_softmax(logits, dim=-1)  # [n, V]
                 target = torch.from_numpy(targets[lo:hi]).to(log_probs.device)  # [n]
-                logprobs += log_probs.gather(1, target[:, None])[:, 0].tolist()
+                picked.append(log_probs.gather(1, target[:, None])[:, 0])  # [n]
                 top = log_probs.topk(int(wanted[b]), dim=-1)  # [n, k]
-                top_ids += top.indices.tolist()
-                top_logprobs += top.values.tolist()
-            scores.append(PromptScores(plan.req_ids[b], start + 1, targets.tolist(), logprobs, top_ids,
-                                       top_logprobs))
+                tops.append(top.values)
+                top_ids.append(top.indices)
+            # one host copy per sequence, after all its slices
+            scores.append(PromptScores(plan.req_ids[b], start + 1, targets.tolist(), torch.cat(picked).tolist(),
+                                       torch.cat(top_ids).tolist(), torch.cat(tops).tolist()))
         return scores
 
     def recover(self, plan: StepPlan) -> None:
