@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from pagoda.bench.workload import Workload
+from pagoda.bench.workload import PRESETS, Workload, preset
 
 
 @dataclass(slots=True)
@@ -32,8 +33,8 @@ class RequestRecord:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int] | str,
-               output_len: int, headers: dict[str, str]) -> RequestRecord:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+               output_len: int, headers: dict[str, str], sampling: dict[str, Any]) -> RequestRecord:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, **sampling,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     record = RequestRecord(ok=False)
@@ -65,7 +66,8 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
 
 
 async def run_level(url: str, model: str, prompts: list[Any], output_len: int, concurrency: int | None,
-                    rate: float | None, headers: dict[str, str], seed: int) -> dict[str, Any]:
+                    rate: float | None, headers: dict[str, str], seed: int,
+                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """Send every prompt, at most `concurrency` at once, or arriving as a Poisson process at `rate`/s."""
     limit = asyncio.Semaphore(concurrency or len(prompts))
     rng = random.Random(seed)
@@ -74,7 +76,7 @@ async def run_level(url: str, model: str, prompts: list[Any], output_len: int, c
 
         async def limited(prompt: Any) -> RequestRecord:
             async with limit:
-                return await _one(session, url, model, prompt, output_len, headers)
+                return await _one(session, url, model, prompt, output_len, headers, sampling or {"temperature": 0.0})
 
         start = time.perf_counter()
         tasks = []
@@ -116,39 +118,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the served model name")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (ignored with --request-rate)")
-    parser.add_argument("--request-rate", default=None, help="comma-separated Poisson arrival rates, requests/s")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels ('' for none)")
+    parser.add_argument("--request-rate", default=None,
+                        help="comma-separated Poisson arrival rates, requests/s (run after the concurrency levels)")
+    parser.add_argument("--workload", default=None, choices=tuple(PRESETS),
+                        help="prompt shape and sampling of a named workload; size flags override its numbers")
+    parser.add_argument("--num-prompts", type=int, default=None, help="per load level (default 64)")
+    parser.add_argument("--input-len", type=int, default=None, help="default 128")
+    parser.add_argument("--output-len", type=int, default=None, help="default 64")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT p99 bound for the best-rate line")
+    parser.add_argument("--slo-itl-ms", type=float, default=50.0, help="ITL p99 bound for the best-rate line")
     parser.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON results (a PNG plot is written beside it)")
 
 
+def _workload(args: argparse.Namespace) -> Workload:
+    sizes = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len}
+    if args.workload:
+        return preset(args.workload, seed=args.seed, **sizes)
+    defaults = {"num_prompts": 64, "input_len": 128, "output_len": 64}
+    return Workload(seed=args.seed, **{k: v if v is not None else defaults[k] for k, v in sizes.items()})
+
+
 def main(args: argparse.Namespace) -> int:
-    workload = Workload(args.num_prompts, args.input_len, args.output_len, 0.0, args.seed)
-    prompts = workload.prompts(args.vocab_size)
+    workload = _workload(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    levels: list[tuple[int | None, float | None]]
-    if args.request_rate:
-        levels = [(None, float(r)) for r in args.request_rate.split(",")]
-    else:
-        levels = [(int(c), None) for c in args.concurrency.split(",")]
+    levels: list[tuple[int | None, float | None]] = [(int(c), None) for c in args.concurrency.split(",") if c]
+    levels += [(None, float(r)) for r in (args.request_rate or "").split(",") if r]
     results = []
+    offset = 0
     for concurrency, rate in levels:
-        count = args.num_prompts if rate else max(args.num_prompts, concurrency or 1)
-        result = asyncio.run(run_level(args.url, args.model, prompts[:count], args.output_len, concurrency, rate,
-                                       headers, args.seed))
+        count = workload.num_prompts if rate else max(workload.num_prompts, concurrency or 1)
+        # fresh prompts per level: the prefix cache would otherwise skip the prefill of prompts sent before
+        prompts = Workload(**{**workload.to_dict(), "num_prompts": count}).prompts(args.vocab_size, offset)
+        offset += count
+        result = asyncio.run(run_level(args.url, args.model, prompts, workload.output_len, concurrency, rate,
+                                       headers, args.seed, workload.sampling_kwargs()))
         results.append(result)
         _print_row(result)
+    best = best_rate(results, args.slo_ttft_ms, args.slo_itl_ms)
+    if any(r["request_rate"] for r in results):
+        print(f"highest rate with TTFT p99 <= {args.slo_ttft_ms:g} ms and ITL p99 <= {args.slo_itl_ms:g} ms: "
+              + (f"{best:g} req/s" if best else "none of those tried"), flush=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url, "model": args.model,
-              "workload": asdict(workload), "levels": results}
+              "workload_name": args.workload or "custom", "workload": asdict(workload), "levels": results,
+              "slo": {"ttft_p99_ms": args.slo_ttft_ms, "itl_p99_ms": args.slo_itl_ms, "best_rate": best}}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
-        plot(report, Path(args.out).with_suffix(".png"))
+        for kind in ("concurrency", "request_rate"):
+            levels_of_kind = [r for r in results if r[kind]]
+            if levels_of_kind:
+                plot({**report, "levels": levels_of_kind}, Path(args.out).with_suffix(f".{kind}.png"))
     return 0 if all(r["num_failed"] == 0 for r in results) else 1
+
+
+def best_rate(levels: list[dict[str, Any]], ttft_ms: float, itl_ms: float) -> float | None:
+    """The highest Poisson rate tried whose TTFT p99 and ITL p99 stay within the bounds, with no failures."""
+    ok = [r["request_rate"] for r in levels if r["request_rate"] and r["num_failed"] == 0
+          and r["ttft_p99_ms"] <= ttft_ms and (r["itl_p99_ms"] <= itl_ms or math.isnan(r["itl_p99_ms"]))]
+    return max(ok) if ok else None
 
 
 def _print_row(r: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagoda.bench.workload import Workload
+from pagoda.bench.workload import PRESETS, Workload, preset
 
 HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
 MATMUL_FLOPS = 780e12  # measured bf16 matmul on the lent H200
@@ -69,12 +69,17 @@ def roofline_seconds(arch: Any, workload: Workload, dtype_bytes: int = 2) -> dic
     weight_bytes = arch.num_params() * dtype_bytes
     kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
     n, p, o = workload.num_prompts, workload.input_len, workload.output_len
+    shared, seqs = workload.shared_prefix_len, workload.num_prompts * workload.n
     embed = arch.vocab_size * arch.hidden_size
-    prefill_flops = 2 * (arch.num_params() - embed) * n * p + 2 * arch.num_layers * arch.q_size * n * p * p
-    decode_bytes = sum(weight_bytes + n * (p + i) * kv_per_token for i in range(o))
+    # a shared prefix is computed once (the prefix cache serves the rest); n > 1 forks after the prompt
+    prefill_tokens = shared + n * p
+    attention_pairs = shared * shared + n * p * (2 * shared + p)  # causal (query, key) pairs, x2 folded in
+    prefill_flops = (2 * (arch.num_params() - embed) * prefill_tokens
+                     + 2 * arch.num_layers * arch.q_size * attention_pairs)
+    decode_bytes = sum(weight_bytes + seqs * (shared + p + i) * kv_per_token for i in range(o))
     prefill_s, decode_s = prefill_flops / MATMUL_FLOPS, decode_bytes / HBM_BYTES_PER_S
     return {"floor_s": prefill_s + decode_s, "floor_prefill_s": prefill_s, "floor_decode_s": decode_s,
-            "floor_out_tok_per_s": n * o / (prefill_s + decode_s)}
+            "floor_out_tok_per_s": seqs * o / (prefill_s + decode_s)}
 
 
 def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any],
@@ -86,7 +91,7 @@ def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: di
     load_s = time.perf_counter() - load_start
     runner = llm.engine.runner
     prompts = workload.prompts(runner.arch.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=workload.output_len, ignore_eos=True, **workload.sampling_kwargs())
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     steps_before = llm.engine.scheduler.stats.num_steps
     step_times = _time_steps(runner)
@@ -96,10 +101,11 @@ def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: di
     _sync(runner.device)
     elapsed = time.perf_counter() - start
     runner.execute = runner.__class__.execute.__get__(runner)  # type: ignore[method-assign]
-    token_lists = [o.outputs[0].token_ids for o in outputs]
+    token_lists = [c.token_ids for o in outputs for c in o.outputs]
     num_output = sum(len(t) for t in token_lists)
     latency = single_request_latency(llm, prompts[0][:latency_prompt_len], 64) if latency_prompt_len else {}
-    return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_output, **latency,
+    return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_output,
+            "prefix_hit_tokens": llm.engine.scheduler.stats.prefix_hit_tokens, **latency,
             **_step_summary(step_times),
             "output_tok_per_s": num_output / elapsed, "load_s": load_s,
             "num_steps": llm.engine.scheduler.stats.num_steps - steps_before,
@@ -117,7 +123,7 @@ def _sync(device: Any) -> None:
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """Run a single system in this process (the child side)."""
-    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.input_len_jitter, args.seed)
+    workload = workload_from_args(args)
     if args.system == "pagoda":
         engine_args = {"seed": args.seed, "dtype": args.dtype, "device": args.device}
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager"):
@@ -134,13 +140,27 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     args.seed)
 
 
+# Without --workload: the small CPU default (32 x ~100 -> 128, greedy).
+CUSTOM_DEFAULTS = {"num_prompts": 32, "input_len": 100, "input_len_jitter": 0.1, "output_len": 128}
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The named preset (adjusted to the model), or the custom defaults; explicit size flags override either."""
+    sizes = {name: getattr(args, name) for name in CUSTOM_DEFAULTS}
+    if args.workload:
+        return preset(args.workload, args.model, seed=args.seed, **sizes)
+    return Workload(seed=args.seed, **{k: v if v is not None else CUSTOM_DEFAULTS[k] for k, v in sizes.items()})
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="models/smollm2-135m-instruct", help="model folder or dummy shape")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=100)
-    parser.add_argument("--input-len-jitter", type=float, default=0.1)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--workload", default=None, choices=tuple(PRESETS),
+                        help="a named workload (bench/workload.py); size flags below override its numbers")
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=None)
+    parser.add_argument("--input-len-jitter", type=float, default=None)
+    parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
@@ -163,10 +183,14 @@ def main(args: argparse.Namespace) -> int:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return 0
     systems = ([] if args.skip_pagoda else ["pagoda"]) + args.peer
+    workload = workload_from_args(args)
+    if args.peer and (workload.n > 1 or workload.sampling != "greedy"):
+        print(f"the Hugging Face peers run greedy n=1 workloads only, not {args.workload}", file=sys.stderr)
+        return 2
     results: list[dict[str, Any]] = []
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "load_format": args.load_format,
-              "workload": Workload(args.num_prompts, args.input_len, args.output_len, args.input_len_jitter,
-                                   args.seed).to_dict(), "results": results, "roofline": _roofline(args)}
+              "workload_name": args.workload or "custom", "workload": workload.to_dict(), "results": results,
+              "roofline": _roofline(args)}
     for system in systems:
         results.append(_run_child(args, system))
         if args.out:  # after every system, so a run cut short still leaves what it measured
@@ -178,8 +202,8 @@ def main(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
-_FORWARDED = ("model", "load_format", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed", "dtype",
-              "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager",
+_FORWARDED = ("model", "load_format", "workload", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed",
+              "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager",
               "latency_prompt_len")
 
 
@@ -190,7 +214,7 @@ def _roofline(args: argparse.Namespace) -> dict[str, float]:
         arch = resolve_arch(args.model, "dummy" if args.load_format == "dummy" else "auto")
     except Exception:  # noqa: BLE001 - the floor is a courtesy; the run itself reports real errors
         return {}
-    return roofline_seconds(arch, Workload(args.num_prompts, args.input_len, args.output_len, 0.0, args.seed))
+    return roofline_seconds(arch, workload_from_args(args))
 
 
 def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:

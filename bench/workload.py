@@ -1,26 +1,82 @@
-"""The benchmark workload: seeded random prompts of given lengths, the same for pagoda and every peer."""
+"""The benchmark workloads: seeded random prompts of given lengths, the same for pagoda and every peer.
+
+Named presets cover what users send, not only the greedy reference (issue 10):
+
+| name          | prompts x (shared + own) tokens -> output | sampling                                         |
+|---------------|-------------------------------------------|--------------------------------------------------|
+| reference     | 256 x 512 -> 256                          | greedy                                           |
+| sampled       | 256 x 512 -> 256                          | T 0.8, top_p 0.9, top_k 50, presence 0.5,        |
+|               |                                           | frequency 0.2, seed                              |
+| shared-prefix | 256 x (2048 + 64) -> 128                  | greedy; one 2048-token prefix for every prompt   |
+| long          | 16 x 16384 -> 128 (llama3-8b: 16 x 7936)  | greedy                                           |
+| n4            | 64 x 512 -> 256, n=4                      | T 0.8, seed                                      |
+
+EOS is ignored everywhere, so every request produces exactly its output length.
+"""
 
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+GREEDY: dict[str, Any] = {"temperature": 0.0}
+SAMPLED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "presence_penalty": 0.5,
+                           "frequency_penalty": 0.2, "seed": 1234}
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
     num_prompts: int = 256
-    input_len: int = 512
+    input_len: int = 512  # tokens of each prompt's own part (after any shared prefix)
     output_len: int = 256
     input_len_jitter: float = 0.0  # lengths uniform in input_len * [1 - jitter, 1 + jitter]
     seed: int = 0
+    shared_prefix_len: int = 0  # tokens every prompt starts with (one system prompt for all)
+    n: int = 1  # completions per prompt
+    sampling: str = "greedy"  # "greedy" or "sampled" (the SAMPLED settings)
 
-    def prompts(self, vocab_size: int) -> list[list[int]]:
-        """Token ids away from the ends of the vocabulary, where special tokens usually sit."""
+    def prompts(self, vocab_size: int, offset: int = 0) -> list[list[int]]:
+        """Token ids away from the ends of the vocabulary, where special tokens usually sit. `offset` skips that
+        many prompts of the seeded stream, so a later load level gets prompts no earlier level sent."""
         rng = random.Random(self.seed)
         low, high = min(100, vocab_size // 4), max(vocab_size - 300, vocab_size // 2)
+        prefix = [rng.randrange(low, high) for _ in range(self.shared_prefix_len)]
         lengths = [max(1, round(self.input_len * (1 + rng.uniform(-self.input_len_jitter, self.input_len_jitter))))
-                   for _ in range(self.num_prompts)]
-        return [[rng.randrange(low, high) for _ in range(length)] for length in lengths]
+                   for _ in range(offset + self.num_prompts)]
+        prompts = [prefix + [rng.randrange(low, high) for _ in range(length)] for length in lengths]
+        return prompts[offset:]
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams / OpenAI body fields for this workload, besides max_tokens and ignore_eos."""
+        kwargs = dict(SAMPLED if self.sampling == "sampled" else GREEDY)
+        if self.n > 1:
+            kwargs["n"] = self.n
+            kwargs.setdefault("seed", 1234)
+            if kwargs["temperature"] == 0.0:
+                kwargs["temperature"] = 0.8  # n identical greedy copies would measure nothing
+        return kwargs
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+PRESETS: dict[str, Workload] = {
+    "reference": Workload(),
+    "sampled": Workload(sampling="sampled"),
+    "shared-prefix": Workload(num_prompts=256, input_len=64, output_len=128, shared_prefix_len=2048),
+    "long": Workload(num_prompts=16, input_len=16384, output_len=128),
+    "n4": Workload(num_prompts=64, input_len=512, output_len=256, n=4),  # n > 1: T 0.8 + seed (sampling_kwargs)
+}
+# llama3-8b's context is 8192 tokens: its long prompts leave room for the 128 outputs and a block of slack.
+LONG_INPUT_LEN = {"llama3-8b": 7936}
+
+
+def preset(name: str, model: str = "", **overrides: Any) -> Workload:
+    """A named workload, adjusted for the model where it must be, with explicit overrides (None = keep)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown workload {name!r} (known: {', '.join(PRESETS)})")
+    workload = PRESETS[name]
+    if name == "long" and model in LONG_INPUT_LEN:
+        workload = replace(workload, input_len=LONG_INPUT_LEN[model])
+    return replace(workload, **{k: v for k, v in overrides.items() if v is not None})
