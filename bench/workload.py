@@ -42,9 +42,11 @@ class Workload:
         rng = random.Random(self.seed)
         low, high = min(100, vocab_size // 4), max(vocab_size - 300, vocab_size // 2)
         prefix = [rng.randrange(low, high) for _ in range(self.shared_prefix_len)]
-        lengths = [max(1, round(self.input_len * (1 + rng.uniform(-self.input_len_jitter, self.input_len_jitter))))
-                   for _ in range(offset + self.num_prompts)]
-        prompts = [prefix + [rng.randrange(low, high) for _ in range(length)] for length in lengths]
+        prompts = []
+        for _ in range(offset + self.num_prompts):  # each prompt drawn whole, so the stream is prefix-stable
+            jitter = rng.uniform(-self.input_len_jitter, self.input_len_jitter)
+            length = max(1, round(self.input_len * (1 + jitter)))
+            prompts.append(prefix + [rng.randrange(low, high) for _ in range(length)])
         return prompts[offset:]
 
     def sampling_kwargs(self) -> dict[str, Any]:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from pagoda.shared.errors import ConfigError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -158,13 +161,37 @@ SHAPES: dict[str, ModelArch] = {
 }
 
 
-def resolve_arch(model: str, load_format: str) -> ModelArch:
-    """The architecture for a model folder, or for a dummy shape name."""
+def resolve_arch(model: str, load_format: str, tokenizer: str | None = None) -> ModelArch:
+    """The architecture for a model folder, or for a dummy shape name (fitted to `tokenizer`'s vocabulary when one
+    is given, so that dummy weights can serve real text)."""
     if load_format == "dummy" and model in SHAPES:
-        return SHAPES[model]
+        return fit_vocab_to_tokenizer(SHAPES[model], tokenizer) if tokenizer else SHAPES[model]
     if load_format == "dummy" and not Path(model, "config.json").is_file():
         raise ModelNotFoundError(f"unknown dummy shape {model!r} (known: {', '.join(SHAPES)})")
     return load_arch(model)
+
+
+def tokenizer_vocab_size(folder: str) -> int:
+    """Token ids a tokenizer folder can produce and decode, added tokens included."""
+    from tokenizers import Tokenizer as FastTokenizer  # the Rust library alone: no transformers import here
+
+    path = Path(folder, "tokenizer.json")
+    if not path.is_file():
+        raise ConfigError(f"no tokenizer.json in {folder}", param="tokenizer")
+    return FastTokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+
+
+def fit_vocab_to_tokenizer(arch: ModelArch, tokenizer: str) -> ModelArch:
+    """A dummy shape whose vocabulary is larger than the tokenizer's shrinks to it (sampled ids must decode);
+    EOS ids outside the new vocabulary are dropped (the tokenizer's own EOS is added where EOS ids are merged)."""
+    vocab_size = tokenizer_vocab_size(tokenizer)
+    if vocab_size >= arch.vocab_size:
+        return arch
+    log.warning("dummy weights: vocabulary %d shrinks to the tokenizer's %d (%s)", arch.vocab_size, vocab_size,
+                tokenizer)
+    eos_ids = tuple(i for i in arch.eos_token_ids if i < vocab_size)
+    bos_id = arch.bos_token_id if arch.bos_token_id is not None and arch.bos_token_id < vocab_size else None
+    return ModelArch(**{**asdict(arch), "vocab_size": vocab_size, "eos_token_ids": eos_ids, "bos_token_id": bos_id})
 
 
 def check_divisible(arch: ModelArch, tp_size: int) -> None:

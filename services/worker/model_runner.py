@@ -52,7 +52,7 @@ class ModelRunner:
         if tp is not None and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         self.dtype: torch.dtype = getattr(torch, config.resolved_dtype(self.device.type))
-        self.arch: ModelArch = resolve_arch(config.model, config.load_format)
+        self.arch: ModelArch = resolve_arch(config.model, config.load_format, config.tokenizer)
         tp_size = tp.size if tp is not None else 1
         check_divisible(self.arch, tp_size)
         self.max_model_len = self._max_model_len()

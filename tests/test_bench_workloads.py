@@ -1,0 +1,81 @@
+"""The benchmark workloads and dummy shapes fitted to a real tokenizer (what the GPU benchmarks run)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pagoda.bench.serve import best_rate
+from pagoda.bench.throughput import roofline_seconds
+from pagoda.bench.workload import PRESETS, preset
+from pagoda.services.worker.model_config import SHAPES, fit_vocab_to_tokenizer, resolve_arch
+
+
+def test_presets_have_the_shapes_the_issue_names() -> None:
+    shared = preset("shared-prefix")
+    assert (shared.num_prompts, shared.shared_prefix_len, shared.input_len, shared.output_len) == (256, 2048, 64, 128)
+    assert preset("long", "qwen3-0.6b").input_len == 16384
+    llama_long = preset("long", "llama3-8b")
+    assert llama_long.input_len + llama_long.output_len <= SHAPES["llama3-8b"].max_position_embeddings
+    n4 = preset("n4")
+    assert n4.n == 4 and n4.sampling_kwargs()["temperature"] == 0.8 and n4.sampling_kwargs()["n"] == 4
+    assert preset("reference").sampling_kwargs() == {"temperature": 0.0}
+    sampled = preset("sampled").sampling_kwargs()
+    assert sampled["top_k"] == 50 and sampled["top_p"] == 0.9 and "seed" in sampled
+    assert preset("reference", num_prompts=3, input_len=None).num_prompts == 3
+    with pytest.raises(ValueError, match="unknown workload"):
+        preset("nope")
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix() -> None:
+    workload = replace(PRESETS["shared-prefix"], num_prompts=4, shared_prefix_len=32, input_len=8)
+    prompts = workload.prompts(1000)
+    assert all(len(p) == 40 for p in prompts)
+    assert all(p[:32] == prompts[0][:32] for p in prompts)
+    assert len({tuple(p[32:]) for p in prompts}) == 4
+
+
+def test_later_levels_get_prompts_no_earlier_level_sent() -> None:
+    workload = replace(PRESETS["reference"], num_prompts=5, input_len=16)
+    first, second = workload.prompts(1000), workload.prompts(1000, offset=5)
+    both = replace(workload, num_prompts=10).prompts(1000)
+    assert first + second == both
+    assert not {tuple(p) for p in first} & {tuple(p) for p in second}
+
+
+def test_roofline_counts_a_shared_prefix_once_and_every_completion() -> None:
+    arch = SHAPES["qwen3-0.6b"]
+    plain = roofline_seconds(arch, replace(PRESETS["reference"], input_len=64))
+    shared = roofline_seconds(arch, replace(PRESETS["reference"], input_len=64, shared_prefix_len=2048))
+    assert shared["floor_prefill_s"] < 2 * plain["floor_prefill_s"] + 0.05  # not 256 prefixes
+    assert shared["floor_decode_s"] > plain["floor_decode_s"]  # longer contexts to read
+    n4 = roofline_seconds(arch, replace(PRESETS["reference"], n=4))
+    assert n4["floor_out_tok_per_s"] > roofline_seconds(arch, PRESETS["reference"])["floor_out_tok_per_s"]
+
+
+def test_best_rate_is_the_highest_rate_within_both_bounds() -> None:
+    def level(rate: float, ttft: float, itl: float, failed: int = 0) -> dict:
+        return {"request_rate": rate, "concurrency": None, "num_failed": failed, "ttft_p99_ms": ttft,
+                "itl_p99_ms": itl}
+
+    levels = [level(1, 100, 10), level(2, 900, 40), level(4, 1500, 30), level(8, 200, 20, failed=1)]
+    assert best_rate(levels, 1000, 50) == 2
+    assert best_rate(levels, 50, 50) is None
+
+
+def test_dummy_shape_shrinks_to_a_smaller_tokenizer_vocabulary(smollm2_dir: Path) -> None:
+    big = replace(SHAPES["tiny"], vocab_size=60000, eos_token_ids=(2, 59000), bos_token_id=59001)
+    fitted = fit_vocab_to_tokenizer(big, str(smollm2_dir))
+    assert fitted.vocab_size == 49152
+    assert fitted.eos_token_ids == (2,) and fitted.bos_token_id is None
+    assert fit_vocab_to_tokenizer(SHAPES["tiny"], str(smollm2_dir)) == SHAPES["tiny"]  # smaller: unchanged
+    assert resolve_arch("qwen3-0.6b", "dummy", str(smollm2_dir)).vocab_size == 49152
+
+
+def test_dummy_weights_with_a_tokenizer_generate_text(smollm2_dir: Path) -> None:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM("tiny", load_format="dummy", tokenizer=str(smollm2_dir), num_kv_blocks=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 6
+    assert out.outputs[0].text == llm.engine.tokenizer.decode(out.outputs[0].token_ids)
