@@ -2,10 +2,13 @@
 # One device call: install the carried wheels and the project, run the GPU tests, greedy parity against
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
-#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb   (default: tests,parity,pagoda,peers,compiled)
+#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve   (default: tests,parity,pagoda,peers,compiled)
 #   SHAPES="qwen3-0.6b llama3-8b" (the default)   PARITY_VARIANTS=pagoda-torch-ops,hf-efficient,hf-eager (default none)
+#   WORKLOADS="reference sampled shared-prefix long n4" (the workloads phase; bench/workload.py)
+#   TOKENIZER=dir of a real tokenizer for the serve phase (default .gpu/smollm2-tok: the SmolLM2 folder without
+#   its weights); SERVE_CONCURRENCY=1,16,64,256  SERVE_RATES=4,8,16,32,64  SERVE_PROMPTS=256 (per level)
 #   OUT=dir for JSON logs
-# Carry .whl (pyzmq, msgspec wheels for cp312; README "Notes") with the call.
+# Carry .whl (pyzmq, msgspec wheels for cp312; README "Notes") and .gpu (the tokenizer) with the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagoda-gpu}
@@ -47,3 +50,29 @@ for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do
     "${latency[@]}" --timeout "${SYSTEM_TIMEOUT:-300}" --out "$OUT/throughput_$shape.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -12  # drop the per-system JSON lines, keep the table
 done
+
+if has workloads; then
+  for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do
+    for workload in ${WORKLOADS:-reference sampled shared-prefix long n4}; do
+      echo "== workload $workload on $shape"
+      timeout 400 python3 -m pagoda.bench throughput --model "$shape" --load-format dummy --workload "$workload" \
+        --timeout "${SYSTEM_TIMEOUT:-300}" --out "$OUT/workload_${shape}_${workload}.json" 2>&1 \
+        | grep -v "^[a-z-]*: {" | tail -4
+    done
+  done
+fi
+if has serve; then
+  # Served with real text: a dummy shape whose vocabulary shrinks to the tokenizer's; 1 api, 1 tokenizer.
+  for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do
+    port=8123
+    python3 -m pagoda.cli serve --model "$shape" --load-format dummy --tokenizer "${TOKENIZER:-.gpu/smollm2-tok}" \
+      --port $port > "$OUT/serve_$shape.log" 2>&1 &
+    server=$!
+    for _ in $(seq 240); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+    echo "== serve $shape (1 api, 1 tokenizer, real text)"
+    timeout 420 python3 -m pagoda.bench serve --url "http://127.0.0.1:$port" --model "$shape" --workload reference \
+      --num-prompts "${SERVE_PROMPTS:-256}" --vocab-size 49000 --concurrency "${SERVE_CONCURRENCY:-1,16,64,256}" \
+      --request-rate "${SERVE_RATES:-}" --out "$OUT/serve_$shape.json" 2>&1 | tail -12
+    kill -TERM $server; wait $server
+  done
+fi

@@ -126,6 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="per load level (default 64)")
     parser.add_argument("--input-len", type=int, default=None, help="default 128")
     parser.add_argument("--output-len", type=int, default=None, help="default 64")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="a concurrency level c sends max(c, min(num_prompts, rounds * c)) prompts")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT p99 bound for the best-rate line")
     parser.add_argument("--slo-itl-ms", type=float, default=50.0, help="ITL p99 bound for the best-rate line")
     parser.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
@@ -149,7 +151,9 @@ def main(args: argparse.Namespace) -> int:
     results = []
     offset = 0
     for concurrency, rate in levels:
-        count = workload.num_prompts if rate else max(workload.num_prompts, concurrency or 1)
+        # a concurrency level sends at most `rounds` prompts per slot: batch-1 levels stay short
+        count = workload.num_prompts if rate else max(concurrency or 1, min(workload.num_prompts,
+                                                                              args.rounds * (concurrency or 1)))
         # fresh prompts per level: the prefix cache would otherwise skip the prefill of prompts sent before
         prompts = Workload(**{**workload.to_dict(), "num_prompts": count}).prompts(args.vocab_size, offset)
         offset += count
