@@ -11,6 +11,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from pagoda.services.tokenizer.routing import (
@@ -21,6 +22,7 @@ from pagoda.services.tokenizer.routing import (
     choose_replica,
     overload_limit,
     rendezvous_order,
+    replica_load,
 )
 from pagoda.shared.errors import ServerOverloadedError
 
@@ -122,6 +124,21 @@ def test_no_live_replica_is_an_error() -> None:
     assert info.value.http_status == 503
     with pytest.raises(ServerOverloadedError):
         PrefixRouter().choose([1] * 64)
+
+
+def test_replica_load_from_stats() -> None:
+    from pagoda.shared.messages import SchedulerStats
+
+    stats = SchedulerStats(time=0.0, num_running=3, num_waiting=2, kv_blocks_free=40, kv_blocks_total=100,
+                           kv_cache_usage=0.6, prefix_hit_tokens_total=0, prefix_query_tokens_total=0,
+                           num_preemptions_total=0, prompt_tokens_total=0, generation_tokens_total=0,
+                           num_steps_total=0, worker_ready=True, worker_alive=True, tokenizer_ids=[],
+                           tokenizer_requests_total=[])
+    assert replica_load("r0", stats, 0.1, 5.0) == ReplicaLoad("r0", 2, 3, 40, 100, alive=True)
+    assert not replica_load("r0", stats, 5.1, 5.0).alive  # stale: the scheduler stopped publishing
+    for change in ({"worker_alive": False}, {"worker_ready": False}):
+        assert not replica_load("r0", msgspec.structs.replace(stats, **change), 0.1, 5.0).alive
+    assert not replica_load("r0", None, None, 5.0).alive
 
 
 # ------------------------------------------------------------------ load

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.shared.errors import ServerOverloadedError
+from pagoda.shared.messages import SchedulerStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,17 @@ class ReplicaLoad:
     kv_blocks_free: int
     kv_blocks_total: int
     alive: bool = True
+
+
+def replica_load(replica_id: str, stats: SchedulerStats | None, age_s: float | None,
+                 heartbeat_timeout: float) -> ReplicaLoad:
+    """A replica's load from its latest stats and their age (seconds, on the receiver's clock): alive while
+    the stats are fresh and say the worker is ready and alive."""
+    if stats is None or age_s is None:
+        return ReplicaLoad(replica_id, 0, 0, 0, 0, alive=False)
+    alive = age_s <= heartbeat_timeout and stats.worker_ready and stats.worker_alive
+    return ReplicaLoad(replica_id, num_waiting=stats.num_waiting, num_running=stats.num_running,
+                       kv_blocks_free=stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total, alive=alive)
 
 
 @dataclass(frozen=True, slots=True)
