@@ -333,3 +333,134 @@ def test_dockerfile_installs_what_compose_runs(rendered: dict[str, Any]) -> None
     assert "docker/healthcheck.py /opt/pagoda/healthcheck.py" in copies
     for service in rendered["services"].values():
         assert service["healthcheck"]["test"][1:] == ["/opt/venv/bin/python", "/opt/pagoda/healthcheck.py"]
+
+
+# ------------------------------------------------------------------ (f): profiles tp2, tp4 and replicas
+
+PROFILES = {"tp2": 2, "tp4": 4, "replicas": 1}  # profile -> tensor-parallel size it is for
+RANK_RE = re.compile(r"worker-rank(\d+)")
+
+
+def service_module(name: str) -> str:
+    """The pagoda service a compose service runs: replica1-scheduler -> scheduler, worker-rank1 -> worker."""
+    return re.sub(r"^replica\d+-|-rank\d+$", "", name)
+
+
+@pytest.fixture(scope="module")
+def profiles(empty_env_file: Path) -> dict[str, dict[str, Any]]:
+    rendered_profiles = {}
+    for profile, tp_size in PROFILES.items():
+        env = {"PAGODA_TENSOR_PARALLEL_SIZE": str(tp_size)} if tp_size > 1 else {}
+        result = compose("--profile", profile, "config", "--format", "json", env_file=empty_env_file, env=env)
+        assert result.returncode == 0, f"--profile {profile}: {result.stderr}"
+        rendered_profiles[profile] = json.loads(result.stdout)["services"]
+    return rendered_profiles
+
+
+def test_profiles_are_valid_and_off_by_default(rendered: dict[str, Any], empty_env_file: Path,
+                                               profiles: dict[str, dict[str, Any]]) -> None:
+    for profile in PROFILES:
+        for env_file in (empty_env_file, ENV_EXAMPLE):
+            result = compose("--profile", profile, "config", "--quiet", env_file=env_file)
+            assert result.returncode == 0, f"--profile {profile} --env-file {env_file.name}: {result.stderr}"
+        added = set(profiles[profile]) - SERVICES
+        assert added, profile
+        assert set(profiles[profile]) - added == SERVICES  # the base services stay as they are
+        for name in added:
+            assert profile in profiles[profile][name]["profiles"]
+            assert name not in rendered["services"]  # plain `docker compose up` starts none of them
+    result = compose("--profile", "no-such-profile", "config", "--services", env_file=empty_env_file)
+    assert result.returncode == 0 and set(result.stdout.split()) == SERVICES
+
+
+def test_profile_services_run_their_module_with_real_settings(profiles: dict[str, dict[str, Any]]) -> None:
+    known = set(env_names())
+    for profile, services in profiles.items():
+        for name, service in services.items():
+            module = service_module(name)
+            assert module in SERVICES, (profile, name)
+            assert f"-m pagoda.services.{module}" in _command_text(service), (profile, name)
+            assert service["image"] == "pagoda:latest" and service["healthcheck"]["test"][0] == "CMD"
+            pagoda_vars = {k for k in service["environment"] if k.startswith("PAGODA_")}
+            assert pagoda_vars <= known, (profile, name, sorted(pagoda_vars - known))
+            # A worker rank is the one identity a service may fix: it names the rank (and is never scaled).
+            rank = RANK_RE.fullmatch(name)
+            assert service["environment"].get("PAGODA_WORKER_RANK") == (rank.group(1) if rank else None), name
+            assert "PAGODA_TOKENIZER_ID" not in pagoda_vars and "PAGODA_API_INDEX" not in pagoda_vars
+
+
+def _gpus(service: dict[str, Any]) -> list[str]:
+    [device] = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    return device.get("device_ids") or [f"first {device['count']}"]
+
+
+@pytest.mark.parametrize("profile", ["tp2", "tp4"])
+def test_tensor_parallel_profile_has_one_service_per_rank(profiles: dict[str, dict[str, Any]], profile: str) -> None:
+    services = profiles[profile]
+    tp_size = PROFILES[profile]
+    workers = {n: s for n, s in services.items() if service_module(n) == "worker"}
+    ranks = sorted(int(s["environment"].get("PAGODA_WORKER_RANK", "0")) for s in workers.values())
+    assert ranks == list(range(tp_size))
+    # Every process of the replica agrees on the size; the scheduler waits for that many ranks.
+    assert {s["environment"]["PAGODA_TENSOR_PARALLEL_SIZE"] for s in services.values()} == {str(tp_size)}
+    # Rank 0 is the service `worker`; the others meet it at its store and share its IPC namespace (NCCL's /dev/shm).
+    address = workers["worker"]["environment"]["PAGODA_TP_INIT_ADDRESS"]
+    host, port = re.fullmatch(r"tcp://([\w-]+):(\d+)", address).groups()
+    assert host == "worker" and 1024 <= int(port) < 65536
+    assert workers["worker"]["ipc"] == "shareable"
+    for name, service in workers.items():
+        assert service["environment"]["PAGODA_TP_INIT_ADDRESS"] == f"tcp://{host}:{port}"
+        assert service["volumes"][0]["target"] == "/models" and service["volumes"][0]["read_only"] is True
+        if name != "worker":
+            assert service["ipc"] == "service:worker"
+            assert service["depends_on"]["worker"]["condition"] == "service_started"
+            assert service["depends_on"]["scheduler"]["condition"] == "service_healthy"
+            assert "ports" not in service
+    # One GPU each, none shared: rank r on GPU r (rank 0 takes the first, as without the profile).
+    by_rank = {int(s["environment"].get("PAGODA_WORKER_RANK", "0")): s for s in workers.values()}
+    assert [_gpus(by_rank[r]) for r in range(tp_size)] == [["first 1"]] + [[str(r)] for r in range(1, tp_size)]
+
+
+def test_a_rank_service_refuses_a_size_that_does_not_include_it(profiles: dict[str, dict[str, Any]],
+                                                                tmp_path: Path) -> None:
+    """The guard in the rank services' command, run by a real shell (the service itself swapped for a marker)."""
+    service = profiles["tp4"]["worker-rank2"]
+    [shell, flag, script] = service["command"]
+    assert (shell, flag) == ("sh", "-c")
+    script = script.replace("$$", "$")  # compose's escape, as the container sees it
+    assert script.endswith("exec python -m pagoda.services.worker")
+    script = script.removesuffix("exec python -m pagoda.services.worker") + "echo started"
+    base = {"PATH": os.environ["PATH"], "PAGODA_WORKER_RANK": "2"}
+    for size, started in (("", False), ("2", False), ("3", True), ("4", True)):
+        result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10,
+                                env={**base, "PAGODA_TENSOR_PARALLEL_SIZE": size})
+        if started:
+            assert result.returncode == 0 and result.stdout.strip() == "started", (size, result)
+        else:
+            assert result.returncode == 2 and "PAGODA_TENSOR_PARALLEL_SIZE" in result.stderr, (size, result)
+            assert result.stdout == ""
+
+
+def test_replicas_profile_runs_a_second_engine_on_its_own_endpoints(profiles: dict[str, dict[str, Any]]) -> None:
+    services = profiles["replicas"]
+    replica0 = {n: s for n, s in services.items() if not n.startswith("replica1-")}
+    replica1 = {n: s for n, s in services.items() if n.startswith("replica1-")}
+    assert set(replica1) == {"replica1-scheduler", "replica1-worker", "replica1-tokenizer"}
+    keys = ("PAGODA_SCHEDULER_ENDPOINT", "PAGODA_PLAN_ENDPOINT", "PAGODA_RESULT_ENDPOINT", "PAGODA_STATS_ENDPOINT")
+    for name, service in replica1.items():
+        for key in keys:
+            # its own scheduler, by service name (which binds every interface), on the usual ports
+            assert service["environment"][key] == replica0[service_module(name)]["environment"][key].replace(
+                "tcp://scheduler:", "tcp://replica1-scheduler:"), (name, key)
+        assert service["environment"]["PAGODA_API_ENDPOINTS"] == "tcp://api:5560"  # the one api serves both
+        assert service["environment"]["PAGODA_MODEL"] == replica0["scheduler"]["environment"]["PAGODA_MODEL"]
+        assert "ports" not in service
+    assert replica1["replica1-worker"]["depends_on"]["replica1-scheduler"]["condition"] == "service_healthy"
+    assert replica1["replica1-tokenizer"]["depends_on"]["replica1-scheduler"]["condition"] == "service_healthy"
+    assert replica1["replica1-tokenizer"]["depends_on"]["api"]["condition"] == "service_started"
+    assert not replica1["replica1-scheduler"].get("depends_on")
+    assert _gpus(replica1["replica1-worker"]) == ["1"] and _gpus(replica0["worker"]) == ["first 1"]
+    assert replica1["replica1-tokenizer"]["command"] == replica0["tokenizer"]["command"]  # ids unique per start
+    # Replica 0 is untouched; the profile only adds.
+    assert all("replica1" not in json.dumps(s["environment"]) for s in replica0.values())
