@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from pagoda.kernels import reference as ref
 from pagoda.services.scheduler.scheduler import Request, Scheduler
-from pagoda.services.worker.model import CausalLM, Fp8Weights, reference_ops
+from pagoda.services.worker.model import CausalLM, Fp8Weights, Ops, reference_ops
 from pagoda.services.worker.model_config import ModelArch, load_arch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.services.worker.weights import SafetensorsSource, checkpoint_fp8, fill, placements
@@ -374,10 +374,10 @@ def test_tensor_parallel_shard_of_a_block_checkpoint(tiny_llama_dir: Path, tmp_p
 # ------------------------------------------------------------------ the engine against fp32
 
 
-def _greedy_logits(config: EngineConfig, prompts: list[list[int]],
-                   max_tokens: int = 4) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+def _greedy_logits(config: EngineConfig, prompts: list[list[int]], max_tokens: int = 4,
+                   ops: Ops | None = None) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
     """Greedy tokens and the logits row of each sampled step, per request (chunked prefill, prefix hits)."""
-    runner = ModelRunner(config)
+    runner = ModelRunner(config, ops=ops)
     steps: list[torch.Tensor] = []
     sampler = runner.sampler
     runner.sampler = lambda logits, meta: (steps.append(logits.detach().float().cpu()), sampler(logits, meta))[1]  # type: ignore[assignment]
@@ -470,3 +470,24 @@ def test_dummy_weights_quantize_like_loaded_ones() -> None:
         assert torch.equal(b.gate_up_weight.view(torch.uint8), expected_q.view(torch.uint8))
         assert torch.equal(b.gate_up_weight_scale, expected_s)
     assert torch.equal(plain.embed, quant.embed)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3"])
+def test_triton_fp8_model_matches_reference_model(shape: str) -> None:
+    """FP8 weights and FP8 KV through the Triton ops (interpreter on CPU; cuBLASLt + Triton on GPU) against the
+    reference ops: the same quantization and the same logits up to fp32 summation order."""
+    from pagoda.services.worker.model import triton_ops
+
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (3, 20)]
+    results = []
+    for ops in (reference_ops(), triton_ops()):
+        config = EngineConfig(model=shape, load_format="dummy", device=DEVICE, dtype="float32", num_kv_blocks=16,
+                              max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=5, quantization="fp8",
+                              kv_cache_dtype="fp8")
+        results.append(_greedy_logits(config, prompts, max_tokens=3, ops=ops))
+    (ref_tokens, ref_logits), (tri_tokens, tri_logits) = results
+    assert tri_tokens == ref_tokens
+    for req_id, rows in ref_logits.items():
+        for expected, ours in zip(rows, tri_logits[req_id], strict=True):
+            torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-3)
