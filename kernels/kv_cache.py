@@ -46,9 +46,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale: torch.Tensor | None = None) -> None:
     """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset) of the caches
     [num_blocks, block_size, kv_heads, head_dim]; slot -1 is padding and is skipped. An fp8 (e4m3) cache
-    needs k_scale, v_scale [1] fp32 and stores k / k_scale, v / v_scale (as reference.write_kv). k and v may be strided views
-    (e.g. of the fused qkv output) as long as head_dim is contiguous. Slots must be < num_blocks * block_size
-    (not checked: it would cost a device sync)."""
+    needs k_scale, v_scale [1] fp32 and stores k / k_scale, v / v_scale (as reference.write_kv). k and v may
+    be strided views (e.g. of the fused qkv output) as long as head_dim is contiguous. Slots must be
+    < num_blocks * block_size (not checked: it would cost a device sync)."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [T, kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
