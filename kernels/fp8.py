@@ -13,7 +13,7 @@ import triton.language as tl
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_MIN_AMAX = 1e-10  # as reference.FP8_MIN_AMAX
-_ROW_TILE = 1024  # columns per step of the per-token quantization loop
+_ROW_TILE = 8192  # most columns one per-token quantization program holds at once (rows longer loop twice)
 
 
 @triton.jit
@@ -32,33 +32,41 @@ def round_to_e4m3(x):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, stride_sm,
-                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr):
+                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr):
     """PER_ROW: program (row, 0) quantizes a whole row with one scale (two passes over TILE-column tiles: amax,
-    then scale and cast). Else program (row, g) quantizes columns [g * GROUP, (g + 1) * GROUP) (GROUP == TILE)."""
+    then scale and cast). Else program (row, g) quantizes columns [g * GROUP, (g + 1) * GROUP) (GROUP == TILE).
+    Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, TILE)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
-    if PER_ROW:
+    if ONE_TILE:  # the whole row in registers: read once
+        cols = offs
+        x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX), FP8_MAX)
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
+        tl.store(s_ptr + row * stride_sm, scale)
+    elif PER_ROW:
         amax = tl.zeros([TILE], tl.float32)
         for start in range(0, num_cols, TILE):
             cols = start + offs
             x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX) / FP8_MAX
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX), FP8_MAX)
         for start in range(0, num_cols, TILE):
             cols = start + offs
             x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
-            q = round_to_e4m3(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
+            q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
         tl.store(s_ptr + row * stride_sm, scale)
     else:
         cols = group * GROUP + offs
         mask = cols < num_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX) / FP8_MAX
-        q = round_to_e4m3(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX), FP8_MAX)
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_sm + group, scale)
 
@@ -81,11 +89,13 @@ def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[t
     if group_size is None:
         tile = min(_ROW_TILE, triton.next_power_of_2(num_cols))
         _quantize_rows_kernel[(num_rows, 1)](x, q, scale, num_cols, x.stride(0), q.stride(0), scale.stride(0),
-                                             GROUP=tile, TILE=tile, PER_ROW=True, num_warps=4)
+                                             GROUP=tile, TILE=tile, PER_ROW=True, ONE_TILE=num_cols <= tile,
+                                             num_warps=4 if tile <= 2048 else 8)
     else:
         _quantize_rows_kernel[(num_rows, num_groups)](x, q, scale, num_cols, x.stride(0), q.stride(0),
                                                       scale.stride(0), GROUP=group_size, TILE=group_size,
-                                                      PER_ROW=False, num_warps=1 if group_size <= 128 else 4)
+                                                      PER_ROW=False, ONE_TILE=False,
+                                                      num_warps=1 if group_size <= 128 else 4)
     return q, scale
 
 
@@ -203,7 +213,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W^T (W e4m3 [N, K], fp32 scales [N, 1] or [N, ceil(K / g)]), activations quantized
     per token (and group) on the fly; semantics of reference.fp8_linear. Per channel: cuBLASLt where it fits
-    (Ada/Hopper, K and N multiples of 16), else the Triton GEMM; per group: the Triton GEMM."""
+    (Ada/Hopper, bf16 activations, K and N multiples of 16), else the Triton GEMM; per group: the Triton GEMM."""
     if weight.dim() != 2 or weight.dtype != FP8_DTYPE or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be e4m3 [N, K={x.shape[-1]}], got {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
@@ -211,8 +221,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     x_q, x_scale = quantize_fp8_rows(x2, group_size)  # [M, K] e4m3, [M, G] fp32
-    if (group_size is None and x.is_cuda and k % 16 == 0 and n % 16 == 0
-            and scaled_mm_supported(x.device.index or 0)):
+    # cuBLASLt's row-wise FP8 GEMM writes bf16 only: fp32/fp16 models take the Triton GEMM (exact output dtype)
+    if (group_size is None and x.dtype == torch.bfloat16 and x.is_cuda and k % 16 == 0 and n % 16 == 0
+            and x2.shape[0] > 0 and scaled_mm_supported(x.device.index or 0)):
         out = scaled_mm_rowwise(x_q, x_scale, weight, weight_scale, x.dtype)  # [M, N]
         if bias is not None:
             out = out + bias
