@@ -209,6 +209,117 @@ def scaled_mm_rowwise(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
+def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               group_size: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] out_dtype = quantized activations x_q [M, K] (scales [M, 1 or G]) @ W^T; reference.fp8_matmul.
+    Per channel with bf16 out: cuBLASLt where it fits (Ada/Hopper, K and N multiples of 16); else Triton."""
+    n, k = weight.shape
+    if (group_size is None and out_dtype == torch.bfloat16 and x_q.is_cuda and k % 16 == 0 and n % 16 == 0
+            and x_q.shape[0] > 0 and scaled_mm_supported(x_q.device.index or 0)):
+        out = scaled_mm_rowwise(x_q, x_scale, weight, weight_scale, out_dtype)  # [M, N]
+        return out if bias is None else out + bias
+    return fp8_gemm(x_q, x_scale, weight, weight_scale, group_size, out_dtype, bias)  # [M, N]
+
+
+@triton.jit
+def _add_rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr, num_cols, eps,
+                               stride_x, stride_r, stride_q, stride_ro, HAS_RESIDUAL: tl.constexpr,
+                               BLOCK_N: tl.constexpr):
+    """One row: summed = x + residual (rounded to the model dtype, stored), normed = weight * rms-normalised row
+    (rounded as norm.py and the reference round), then per-token e4m3 quantization of normed."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / num_cols + eps)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)  # the model-dtype activation
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), FP8_MIN_AMAX), FP8_MAX)
+    q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual [T, D] -> (e4m3 [T, D], fp32 scales [T, 1], summed [T, D]) in one pass per row: the residual add
+    and RMSNorm of norm.add_rms_norm, then per-token quantization; reference.add_rms_norm_quant_fp8."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be [T, D] float, contiguous along D, got {tuple(x.shape)} {x.dtype}")
+    num_rows, num_cols = x.shape
+    if weight.shape != (num_cols,) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"weight must be [{num_cols}] {x.dtype} contiguous, got {tuple(weight.shape)} {weight.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"residual must be like x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)}")
+    if num_cols > 32768:
+        raise ValueError(f"rows longer than 32768 do not fit one program, got {num_cols}")
+    q = torch.empty((num_rows, num_cols), dtype=FP8_DTYPE, device=x.device)  # [T, D]
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)  # [T, 1]
+    summed = x if residual is None else torch.empty_like(x)  # [T, D]
+    if num_rows == 0:
+        return q, scale, summed
+    block_n = triton.next_power_of_2(num_cols)
+    _add_rms_norm_quant_kernel[(num_rows,)](
+        x, residual if residual is not None else x, weight, q, scale, summed, num_cols, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0), summed.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
+        num_warps=4 if block_n <= 4096 else (8 if block_n <= 8192 else 16))
+    return q, scale, summed
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, inter_size, stride_x, stride_q, TILE: tl.constexpr):
+    """One token: silu(gate) * up rounded to the model dtype as activation.py does, in TILE-column tiles twice
+    (amax, then quantize: recomputing the cheap product beats keeping a 14336-wide row in registers)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, TILE)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([TILE], tl.float32)
+    for start in range(0, inter_size, TILE):
+        cols = start + offs
+        mask = cols < inter_size
+        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(h))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX), FP8_MAX)
+    for start in range(0, inter_size, TILE):
+        cols = start + offs
+        mask = cols < inter_size
+        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def silu_and_mul_quant_fp8(gate_up: torch.Tensor, tile: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [T, 2I] -> (e4m3 silu(gate) * up [T, I], fp32 scales [T, 1]); reference.silu_and_mul_quant_fp8."""
+    if (gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1
+            or gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        raise ValueError(f"gate_up must be [T, 2I] float, contiguous along its last dim, got {tuple(gate_up.shape)}")
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    num_rows, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty((num_rows, inter_size), dtype=FP8_DTYPE, device=gate_up.device)  # [T, I]
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=gate_up.device)  # [T, 1]
+    if num_rows == 0:
+        return q, scale
+    tile = min(tile, triton.next_power_of_2(inter_size))
+    _silu_and_mul_quant_kernel[(num_rows,)](gate_up, q, scale, inter_size, gate_up.stride(0), q.stride(0),
+                                            TILE=tile, num_warps=4 if tile <= 1024 else 8)
+    return q, scale
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int | None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W^T (W e4m3 [N, K], fp32 scales [N, 1] or [N, ceil(K / g)]), activations quantized
@@ -222,11 +333,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x2 = x2.contiguous()
     x_q, x_scale = quantize_fp8_rows(x2, group_size)  # [M, K] e4m3, [M, G] fp32
     # cuBLASLt's row-wise FP8 GEMM writes bf16 only: fp32/fp16 models take the Triton GEMM (exact output dtype)
-    if (group_size is None and x.dtype == torch.bfloat16 and x.is_cuda and k % 16 == 0 and n % 16 == 0
-            and x2.shape[0] > 0 and scaled_mm_supported(x.device.index or 0)):
-        out = scaled_mm_rowwise(x_q, x_scale, weight, weight_scale, x.dtype)  # [M, N]
-        if bias is not None:
-            out = out + bias
-    else:
-        out = fp8_gemm(x_q, x_scale, weight, weight_scale, group_size, x.dtype, bias)  # [M, N]
+    out = fp8_matmul(x_q, x_scale, weight, weight_scale, group_size, x.dtype, bias)  # [M, N]
     return out.view(*x.shape[:-1], n)

@@ -210,3 +210,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               group_size: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM of fp8_linear on already quantized activations: x_q e4m3 [M, K] with scales [M, 1 or G] ->
+    [M, N] out_dtype."""
+    out = dequantize_fp8(x_q, x_scale, group_size) @ dequantize_fp8(weight, weight_scale, group_size).t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm, then per-token FP8 quantization of the normed rows: (e4m3 [T, D], scales [T, 1], summed)."""
+    normed, summed = add_rms_norm(x, residual, weight, eps)
+    q, scale = quantize_fp8_rows(normed)
+    return q, scale, summed
+
+
+def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul, then per-token FP8 quantization: (e4m3 [T, I], scales [T, 1])."""
+    return quantize_fp8_rows(silu_and_mul(gate_up))

@@ -499,3 +499,52 @@ def test_quantize_kernel_long_rows_take_two_passes() -> None:
     x[1, -5] = 40.0  # the row's largest element sits in the second tile
     q, scale = fp8.quantize_fp8_rows(x)
     _assert_same_quantization(q, scale, *ref.quantize_fp8_rows(x))
+
+
+def _assert_close_quantization(q: torch.Tensor, scale: torch.Tensor, q_ref: torch.Tensor,
+                               s_ref: torch.Tensor) -> None:
+    """Fused kernels sum in another order than torch: scales within 1e-5, e4m3 values at most one step apart."""
+    torch.testing.assert_close(scale.cpu(), s_ref.cpu(), rtol=1e-5, atol=0)
+    back, back_ref = q.cpu().float() * scale.cpu(), q_ref.cpu().float() * s_ref.cpu()
+    assert (back - back_ref).abs().le(2 * _bound(back_ref, s_ref.cpu()) + 1e-6).all()
+    assert (q.cpu().view(torch.uint8) != q_ref.cpu().view(torch.uint8)).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_quant_kernel_matches_reference(with_residual: bool) -> None:
+    from pagoda.kernels.fp8 import add_rms_norm_quant_fp8
+
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 96, generator=generator).to(DEVICE)
+    residual = torch.randn(3, 96, generator=generator).to(DEVICE) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(96, generator=generator)).to(DEVICE)
+    q, scale, summed = add_rms_norm_quant_fp8(x, residual, weight, 1e-6)
+    q_ref, s_ref, summed_ref = ref.add_rms_norm_quant_fp8(x, residual, weight, 1e-6)
+    torch.testing.assert_close(summed, summed_ref)
+    _assert_close_quantization(q, scale, q_ref, s_ref)
+
+
+def test_silu_and_mul_quant_kernel_matches_reference() -> None:
+    from pagoda.kernels.fp8 import silu_and_mul_quant_fp8
+
+    generator = torch.Generator().manual_seed(12)
+    gate_up = (torch.randn(3, 2 * 80, generator=generator) * 3).to(DEVICE)
+    q, scale = silu_and_mul_quant_fp8(gate_up, tile=32)  # 80 columns: three tiles, the last partial
+    _assert_close_quantization(q, scale, *ref.silu_and_mul_quant_fp8(gate_up))
+
+
+@pytest.mark.gpu
+def test_fused_quant_kernels_gpu_bf16() -> None:
+    """bf16 rows of llama3-8b width through the fused kernels on the GPU."""
+    from pagoda.kernels.fp8 import add_rms_norm_quant_fp8, silu_and_mul_quant_fp8
+
+    generator = torch.Generator(device="cuda").manual_seed(13)
+    x = torch.randn(37, 4096, device="cuda", generator=generator).bfloat16()
+    residual = torch.randn(37, 4096, device="cuda", generator=generator).bfloat16()
+    weight = (1 + 0.1 * torch.randn(4096, device="cuda", generator=generator)).bfloat16()
+    q, scale, summed = add_rms_norm_quant_fp8(x, residual, weight, 1e-5)
+    q_ref, s_ref, summed_ref = ref.add_rms_norm_quant_fp8(x, residual, weight, 1e-5)
+    assert torch.equal(summed, summed_ref)
+    _assert_close_quantization(q, scale, q_ref, s_ref)
+    gate_up = torch.randn(37, 2 * 14336, device="cuda", generator=generator).bfloat16()
+    _assert_close_quantization(*silu_and_mul_quant_fp8(gate_up), *ref.silu_and_mul_quant_fp8(gate_up))

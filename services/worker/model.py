@@ -75,6 +75,13 @@ class Ops:
     # (x [..., K], e4m3 weight [N, K], fp32 scales [N, 1] or [N, K / g], group size g or None, bias) -> [..., N]
     fp8_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None, torch.Tensor | None],
                          torch.Tensor] = ref.fp8_linear
+    # Per-channel FP8: the activation quantization fused into the op before each GEMM, and the GEMM alone.
+    # (x, residual, weight, eps) -> (e4m3 [T, D], scales [T, 1], summed residual [T, D])
+    add_rms_norm_quant: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float],
+                                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ref.add_rms_norm_quant_fp8
+    silu_and_mul_quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = ref.silu_and_mul_quant_fp8
+    # (x_q, x_scale, weight, weight_scale, group_size, out dtype, bias) -> [M, N]
+    fp8_matmul: Callable[..., torch.Tensor] = ref.fp8_matmul
 
 
 def _reference_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -96,7 +103,9 @@ def triton_ops() -> Ops:
         return rope.apply_rope(q, k, cos_cache, sin_cache, positions=positions, inplace=True)
 
     return Ops(rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, rope=fused_rope,
-               silu_and_mul=activation.silu_and_mul, attention=triton_attention, fp8_linear=fp8.fp8_linear)
+               silu_and_mul=activation.silu_and_mul, attention=triton_attention, fp8_linear=fp8.fp8_linear,
+               add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
+               fp8_matmul=fp8.fp8_matmul)
 
 
 def ops_for(device: torch.device) -> Ops:
@@ -218,12 +227,32 @@ class DecoderLayer(nn.Module):
         self.v_scale.copy_(v.abs().amax().float().clamp(min=FP8_MIN_AMAX) * 2.0 / FP8_MAX)
         self.calibrate_kv = False
 
+    def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
+                     weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                     ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm then a linear layer: (out [T, N], new residual [T, H]). Per-channel FP8 quantizes the
+        activations in the norm's pass (one kernel fewer per GEMM)."""
+        eps = self.arch.rms_norm_eps
+        if weight_scale is not None and self.fp8 is not None and self.fp8.group_size is None:
+            h_q, h_scale, residual = ops.add_rms_norm_quant(x, residual, norm, eps)  # [T, H] e4m3, [T, 1]
+            return ops.fp8_matmul(h_q, h_scale, weight, weight_scale, None, x.dtype, bias), residual
+        h, residual = ops.add_rms_norm(x, residual, norm, eps)  # [T, H] each
+        return self.linear(h, weight, weight_scale, bias, ops), residual
+
+    def _mlp(self, gate_up: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """silu(gate) * up, then down [T, H] (per-channel FP8: quantized in the activation's pass)."""
+        if self.down_weight_scale is not None and self.fp8 is not None and self.fp8.group_size is None:
+            mlp_q, mlp_scale = ops.silu_and_mul_quant(gate_up)  # [T, I] e4m3, [T, 1]
+            return ops.fp8_matmul(mlp_q, mlp_scale, self.down_weight, self.down_weight_scale, None, gate_up.dtype)
+        mlp = ops.silu_and_mul(gate_up)  # [T, I]
+        return self.linear(mlp, self.down_weight, self.down_weight_scale, None, ops)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope_cache: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.arch.rms_norm_eps
-        h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)  # [T, H] each
-        qkv = self.linear(h, self.qkv_weight, self.qkv_weight_scale, self.qkv_bias, ops)  # [T, Q + 2KV]
+        qkv, residual = self._norm_linear(x, residual, self.input_norm, self.qkv_weight, self.qkv_weight_scale,
+                                          self.qkv_bias, ops)  # [T, Q + 2KV], [T, H]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]
@@ -241,10 +270,9 @@ class DecoderLayer(nn.Module):
             attn = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, heads, D]
         o = self.linear(attn.reshape(-1, self.q_size), self.o_weight, self.o_weight_scale, None, ops)  # [T, H]
         x = self.tp.all_reduce(o)
-        h, residual = ops.add_rms_norm(x, residual, self.post_attn_norm, eps)
-        gate_up = self.linear(h, self.gate_up_weight, self.gate_up_weight_scale, None, ops)  # [T, 2I]
-        mlp = ops.silu_and_mul(gate_up)  # [T, I]
-        return self.tp.all_reduce(self.linear(mlp, self.down_weight, self.down_weight_scale, None, ops)), residual
+        gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,
+                                              self.gate_up_weight_scale, None, ops)  # [T, 2I], [T, H]
+        return self.tp.all_reduce(self._mlp(gate_up, ops)), residual
 
 
 class CausalLM(nn.Module):
