@@ -53,6 +53,8 @@ def _gemm_row(name: str, m: int, w: torch.Tensor, w_q: torch.Tensor, w_s: torch.
         "bf16": _time_ms(lambda: F.linear(x, w)),
         "fp8_quant_token": _time_ms(lambda: fp8.quantize_fp8_rows(x)),
         "fp8_rowwise_scaled_mm": _time_ms(lambda: fp8.scaled_mm_rowwise(x_q, x_s, w_q, w_s, torch.bfloat16)),
+        "fp8_rowwise_scaled_mm_fast_accum": _time_ms(
+            lambda: fp8.scaled_mm_rowwise(x_q, x_s, w_q, w_s, torch.bfloat16, fast_accum=True)),
         "fp8_rowwise_triton": _time_ms(lambda: fp8.fp8_gemm(x_q, x_s, w_q, w_s, None, torch.bfloat16)),
         "fp8_rowwise_linear": _time_ms(lambda: fp8.fp8_linear(x, w_q, w_s, None)),
         "fp8_block_triton": _time_ms(lambda: fp8.fp8_gemm(x_gq, x_gs, w_bq, w_bs, 128, torch.bfloat16)),
@@ -87,7 +89,8 @@ def gemm_bench() -> list[dict[str, Any]]:
             row = _gemm_row(name, m, w, w_q, w_s, w_bq, w_bs)
             rows.append(row)
             print(f"{name:8s} M={m:5d} bf16 {row['bf16_us']:8.1f} us | fp8 rowwise: quant "
-                  f"{row['fp8_quant_token_us']:6.1f} + cuBLASLt {row['fp8_rowwise_scaled_mm_us']:8.1f} (triton "
+                  f"{row['fp8_quant_token_us']:6.1f} + cuBLASLt {row['fp8_rowwise_scaled_mm_us']:8.1f} (fast accum "
+                  f"{row['fp8_rowwise_scaled_mm_fast_accum_us']:8.1f}, triton "
                   f"{row['fp8_rowwise_triton_us']:8.1f}) = linear {row['fp8_rowwise_linear_us']:8.1f} us "
                   f"({row['speedup_linear_rowwise']:.2f}x) | block: triton {row['fp8_block_triton_us']:8.1f}, "
                   f"linear {row['fp8_block_linear_us']:8.1f} us ({row['speedup_linear_block']:.2f}x) | min cosine "

@@ -196,11 +196,13 @@ def scaled_mm_supported(device_index: int) -> bool:
 
 
 def scaled_mm_rowwise(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+                      out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """cuBLASLt: a e4m3 [M, K] with scales [M, 1], b e4m3 [N, K] with [N, 1] -> [M, N]. Row-wise scaling returns
-    bf16 only, so other out dtypes are cast after."""
+    bf16 only, so other out dtypes are cast after. fast_accum: Hopper's FP8 accumulation without periodic fp32
+    promotion (faster, less exact; measured in bench/fp8_bench.py, off in the model)."""
     try:
-        out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.view(1, -1), out_dtype=torch.bfloat16)
+        out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.view(1, -1), out_dtype=torch.bfloat16,
+                               use_fast_accum=fast_accum)
     except (RuntimeError, TypeError) as exc:
         raise RuntimeError(f"torch._scaled_mm (torch {torch.__version__}) rejected FP8 row-wise GEMM a "
                            f"{tuple(a.shape)}, b {tuple(b.shape)}: {exc}") from exc

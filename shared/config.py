@@ -200,6 +200,12 @@ _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes",
+    "quantization": "fp8: e4m3 linear weights (per-channel scales, quantized at load; FP8 checkpoints load as "
+                    "they ship whatever this says)",
+    "kv_cache_dtype": "auto (the model dtype) or fp8: e4m3 KV cache with per-layer K/V scales from the checkpoint, "
+                      "else 1.0 (see --kv-scale-calibration)",
+    "kv_scale_calibration": "fp8 KV: set each layer's K/V scales from the first prefill (2 x amax / 448), "
+                            "overriding checkpoint scales",
 }
 
 

@@ -302,7 +302,7 @@ def load_model(model: CausalLM, model_dir: str | Path | None, load_format: str, 
 
 def export_hf_state_dict(model: CausalLM, arch: ModelArch) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names (tensor_parallel_size 1): to build a peer model."""
-    assert model.tp.size == 1
+    assert model.tp.size == 1 and model.fp8 is None, "exports bf16/fp32 weights of one rank only"
     state: dict[str, torch.Tensor] = {}
     for place in placements(model):
         state[place.hf_name] = place.target.detach().clone()
