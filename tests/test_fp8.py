@@ -548,3 +548,34 @@ def test_fused_quant_kernels_gpu_bf16() -> None:
     _assert_close_quantization(q, scale, q_ref, s_ref)
     gate_up = torch.randn(37, 2 * 14336, device="cuda", generator=generator).bfloat16()
     _assert_close_quantization(*silu_and_mul_quant_fp8(gate_up), *ref.silu_and_mul_quant_fp8(gate_up))
+
+
+def test_offline_llm_serves_an_fp8_checkpoint_with_fp8_kv(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The whole engine (scheduler, worker, sampler) through the offline API on a pre-quantized checkpoint."""
+    from pagoda import LLM
+
+    _write_fp8_checkpoint(tiny_llama_dir, tmp_path / "ct", "ct-channel")
+    llm = LLM(str(tmp_path / "ct"), kv_cache_dtype="fp8", num_kv_blocks=32, max_model_len=128)
+    assert llm.engine.runner.model.fp8 is not None
+    outputs = llm.generate([[5, 6, 7], [9, 10, 11, 12, 13]],
+                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5]
+
+
+def test_fp8_settings_travel_through_the_environment() -> None:
+    """The launcher hands settings to worker processes as PAGODA_* variables: the FP8 ones survive the trip."""
+    import argparse
+
+    from pagoda.shared.config import add_engine_args, engine_config_from_args, to_env
+
+    config = EngineConfig(model="tiny", load_format="dummy", quantization="fp8", kv_cache_dtype="fp8",
+                          kv_scale_calibration=True)
+    env = to_env(config)
+    assert env["PAGODA_QUANTIZATION"] == "fp8" and env["PAGODA_KV_SCALE_CALIBRATION"] == "1"
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        rebuilt = engine_config_from_args(parser.parse_args([]))
+    assert (rebuilt.quantization, rebuilt.kv_cache_dtype, rebuilt.kv_scale_calibration) == ("fp8", "fp8", True)
