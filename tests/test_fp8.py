@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from pagoda.kernels import reference as ref
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.services.worker.model import CausalLM, Fp8Weights, Ops, reference_ops
-from pagoda.services.worker.model_config import ModelArch, load_arch
+from pagoda.services.worker.model_config import ModelArch, load_arch, resolve_arch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.services.worker.weights import SafetensorsSource, checkpoint_fp8, fill, placements
 from pagoda.shared.config import EngineConfig
@@ -455,7 +455,7 @@ def test_kv_blocks_double_for_the_same_memory() -> None:
 
 
 def test_dummy_weights_quantize_like_loaded_ones() -> None:
-    arch: ModelArch = load_arch.__globals__["SHAPES"]["tiny-qwen3"]
+    arch: ModelArch = resolve_arch("tiny-qwen3", "dummy")
     plain = CausalLM(arch, torch.float32, torch.device("cpu"), ops=reference_ops())
     quant = CausalLM(arch, torch.float32, torch.device("cpu"), ops=reference_ops(), fp8=Fp8Weights())
     from pagoda.services.worker.weights import load_model
