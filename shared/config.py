@@ -17,7 +17,9 @@ ENV_PREFIX = "PAGODA_"
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("fp8",)  # fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales
+# fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales; fp8_block: scales per row and
+# 128 columns, activations per token and 128 columns (the layout and GEMM of 128x128 block-wise checkpoints)
+QUANTIZATIONS = ("fp8", "fp8_block")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
 
 

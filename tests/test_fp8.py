@@ -408,7 +408,8 @@ def _compare(base: tuple[dict, dict], ours: tuple[dict, dict]) -> tuple[float, f
 
 
 @pytest.mark.parametrize("variant", [{"quantization": "fp8"}, {"kv_cache_dtype": "fp8"},
-                                     {"quantization": "fp8", "kv_cache_dtype": "fp8"}])
+                                     {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+                                     {"quantization": "fp8_block", "kv_cache_dtype": "fp8"}])
 def test_engine_fp8_close_to_fp32(tiny_llama_dir: Path, variant: dict) -> None:
     generator = torch.Generator().manual_seed(8)
     shared = torch.randint(2, 256, (32,), generator=generator).tolist()
@@ -469,8 +470,8 @@ def test_dummy_weights_quantize_like_loaded_ones() -> None:
     assert torch.equal(plain.embed, quant.embed)
 
 
-@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3"])
-def test_triton_fp8_model_matches_reference_model(shape: str) -> None:
+@pytest.mark.parametrize(("shape", "quantization"), [("tiny", "fp8"), ("tiny-qwen3", "fp8"), ("tiny", "fp8_block")])
+def test_triton_fp8_model_matches_reference_model(shape: str, quantization: str) -> None:
     """FP8 weights and FP8 KV through the Triton ops (interpreter on CPU; cuBLASLt + Triton on GPU) against the
     reference ops: the same quantization and the same logits up to fp32 summation order."""
     from pagoda.services.worker.model import triton_ops
@@ -480,7 +481,7 @@ def test_triton_fp8_model_matches_reference_model(shape: str) -> None:
     results = []
     for ops in (reference_ops(), triton_ops()):
         config = EngineConfig(model=shape, load_format="dummy", device=DEVICE, dtype="float32", num_kv_blocks=16,
-                              max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=5, quantization="fp8",
+                              max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=5, quantization=quantization,
                               kv_cache_dtype="fp8")
         results.append(_greedy_logits(config, prompts, max_tokens=3, ops=ops))
     (ref_tokens, ref_logits), (tri_tokens, tri_logits) = results

@@ -266,6 +266,8 @@ def resolve_fp8(quantization: str | None, model_dir: str | Path | None, load_for
         return Fp8Weights(group_size=found.block[1] if found.block else None)
     if quantization == "fp8":
         return Fp8Weights(group_size=None)
+    if quantization == "fp8_block":
+        return Fp8Weights(group_size=128)
     return None
 
 
