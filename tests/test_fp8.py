@@ -580,3 +580,17 @@ def test_fp8_settings_travel_through_the_environment() -> None:
         add_engine_args(parser)
         rebuilt = engine_config_from_args(parser.parse_args([]))
     assert (rebuilt.quantization, rebuilt.kv_cache_dtype, rebuilt.kv_scale_calibration) == ("fp8", "fp8", True)
+
+
+@pytest.mark.gpu
+def test_engine_fp8_bf16_cuda_graphs_close_to_bf16(tiny_llama_dir: Path) -> None:
+    """The serving configuration: bf16 activations (cuBLASLt row-wise GEMMs, fused quantization), an fp8 KV cache
+    and CUDA-graph decode steps, against the bf16 engine."""
+    generator = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(2, 256, (n,), generator=generator).tolist() for n in (3, 20, 41, 70)]
+    common = dict(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16", num_kv_blocks=48, max_model_len=256,
+                  max_num_seqs=8)
+    base = _greedy_logits(EngineConfig(**common), prompts, max_tokens=6)
+    for variant in ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, {"quantization": "fp8_block"}):
+        cosine, agreement = _compare(base, _greedy_logits(EngineConfig(**common, **variant), prompts, max_tokens=6))
+        assert cosine >= 0.99, (variant, cosine, agreement)
