@@ -184,8 +184,6 @@ class DecoderLayer(nn.Module):
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
-        self.input_norm = param(h)  # [H]
-        self.post_attn_norm = param(h)  # [H]
         def linear(rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter | None]:
             """A weight [rows, cols] in the model dtype, or in e4m3 with its fp32 scales."""
             if fp8 is None:
@@ -209,7 +207,7 @@ class DecoderLayer(nn.Module):
         # Tensors, not floats, so CUDA graphs captured before a calibration read the new values.
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32, device=device))  # [1]
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32, device=device))  # [1]
-        self.calibrate_kv = False  # set for one step: k_scale, v_scale := amax / 448 of that step's K, V
+        self.calibrate_kv = False  # set for one step: k_scale, v_scale := 2 x amax / 448 of that step's K, V
         self.scale = arch.head_dim ** -0.5
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
