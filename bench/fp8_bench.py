@@ -21,13 +21,20 @@ LLAMA3_8B_GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 40
 TOKEN_COUNTS = (1, 16, 256, 8192)
 
 
+_L2_FLUSH: list[torch.Tensor] = []
+
+
 def _time_ms(fn: Any, iters: int = 50) -> float:
-    """Median of CUDA-event timings after warm-up (each timing one call)."""
+    """Median of CUDA-event timings after warm-up, each of one call after wiping L2 (the H200's 50 MB L2 would
+    otherwise hold a 25 MB fp8 weight between calls and flatter it)."""
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        _L2_FLUSH[0].zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
