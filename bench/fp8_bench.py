@@ -111,7 +111,8 @@ def _runner(model: str, **kwargs: Any) -> Any:
     from pagoda.services.worker.model_runner import ModelRunner
     from pagoda.shared.config import EngineConfig
 
-    return ModelRunner(EngineConfig(model=model, load_format="dummy", **kwargs))
+    load_format = "auto" if Path(model, "config.json").is_file() else "dummy"  # a folder: its real weights
+    return ModelRunner(EngineConfig(model=model, load_format=load_format, **kwargs))
 
 
 def kv_blocks(model: str) -> list[dict[str, Any]]:
