@@ -126,7 +126,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     workload = workload_from_args(args)
     if args.system == "pagoda":
         engine_args = {"seed": args.seed, "dtype": args.dtype, "device": args.device}
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager", "quantization",
+                     "kv_cache_dtype"):
             value = getattr(args, name)
             if value not in (None, False):
                 engine_args[name] = value
@@ -168,6 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", default=None, help="pagoda only: fp8 weights")
+    parser.add_argument("--kv-cache-dtype", default=None, help="pagoda only: fp8 KV cache")
     parser.add_argument("--peer", action="append", default=[], choices=("hf-static", "hf-compiled", "hf-cb"),
                         help="also run this Hugging Face peer (repeatable)")
     parser.add_argument("--skip-pagoda", action="store_true", help="run only the peers")
@@ -204,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
 
 _FORWARDED = ("model", "load_format", "workload", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed",
               "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager",
-              "latency_prompt_len")
+              "latency_prompt_len", "quantization", "kv_cache_dtype")
 
 
 def _roofline(args: argparse.Namespace) -> dict[str, float]:

@@ -6,16 +6,20 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.fp8 import FP8_MAX, round_to_e4m3
+
 _MAX_HEAD_DIM = 256
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr,
-                     HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """One program per token: copy its [kv_heads, head_dim] K and V rows to slot_mapping[token]."""
+                     HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """One program per token: copy its [kv_heads, head_dim] K and V rows to slot_mapping[token]. FP8: store
+    k / k_scale and v / v_scale clamped to +-448, rounded to e4m3."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token (CUDA-graph batch filler): nothing to store
@@ -27,7 +31,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [HEADS_P, HEAD_DIM_P]
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    # A pure copy (with the cache-dtype cast the reference does): no arithmetic, so no fp32 upcast is needed.
+    if FP8:
+        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX))
+        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX))
+    # Else a pure copy (with the cache-dtype cast the reference does): no arithmetic, no fp32 upcast needed.
     tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :],
@@ -35,11 +42,13 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset) of the caches
-    [num_blocks, block_size, kv_heads, head_dim]; slot -1 is padding and is skipped. k and v may be strided views
-    (e.g. of the fused qkv output) as long as head_dim is contiguous. Slots must be < num_blocks * block_size
-    (not checked: it would cost a device sync)."""
+    [num_blocks, block_size, kv_heads, head_dim]; slot -1 is padding and is skipped. An fp8 (e4m3) cache
+    needs k_scale, v_scale [1] fp32 and stores k / k_scale, v / v_scale (as reference.write_kv). k and v may
+    be strided views (e.g. of the fused qkv output) as long as head_dim is contiguous. Slots must be
+    < num_blocks * block_size (not checked: it would cost a device sync)."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [T, kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -50,7 +59,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"cache rows {tuple(k_cache.shape[2:])} != k rows {tuple(k.shape[1:])}")
     if head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be <= {_MAX_HEAD_DIM}, got {head_dim}")
-    if (not k.dtype.is_floating_point or v.dtype != k.dtype or not k_cache.dtype.is_floating_point
+    if (not k.dtype.is_floating_point or v.dtype != k.dtype or k_cache.dtype not in _CACHE_DTYPES
             or v_cache.dtype != k_cache.dtype):
         raise ValueError(f"k/v and the caches must be float tensors, pairwise of one dtype, got {k.dtype}, "
                          f"{v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
@@ -63,13 +72,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if not (k.device == v.device == k_cache.device == v_cache.device == slot_mapping.device):
         raise ValueError(f"all tensors must be on one device, got k on {k.device}, v on {v.device}, caches on "
                          f"{k_cache.device} and {v_cache.device}, slot_mapping on {slot_mapping.device}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and not all(s is not None and s.shape == (1,) and s.dtype == torch.float32 and s.device == k.device
+                       for s in (k_scale, v_scale)):
+        raise ValueError("an fp8 cache needs k_scale and v_scale as [1] fp32 tensors on the caches' device")
     if num_tokens == 0:
         return
     heads_p, head_dim_p = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_P=heads_p, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if heads_p * head_dim_p <= 2048 else 8)
+        BLOCK_SIZE=k_cache.shape[1], FP8=fp8, num_warps=4 if heads_p * head_dim_p <= 2048 else 8)

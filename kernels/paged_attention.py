@@ -93,7 +93,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   qk_scale, row_pos, kv_end, tile_lo, tile_hi,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
     limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised)."""
     offs_n = tl.arange(0, TILE_N)
@@ -124,6 +124,9 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
                             mask=d_mask[None, :], other=0.0)
         # Dot operands stay in the storage dtype (tensor-core inputs); products accumulate in fp32 and all the
         # softmax arithmetic below is fp32. Scores are in log2 units: qk_scale = scale * log2(e), so exp2 works.
+        if FP8_KV:  # an fp8 cache: to the compute dtype; its scales are folded into qk_scale and the output
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         if MASKED:
             s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
@@ -158,13 +161,14 @@ def _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # they change every step: no recompiles
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        part_out_ptr, part_max_ptr, part_sum_ptr,
+        part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
         qk_scale, num_seqs, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FP8_KV: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -240,15 +244,19 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    if FP8_KV:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_KV)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_KV)
+    if FP8_KV:  # sum_j p_j (v_fp8_j * v_scale) = v_scale * sum_j p_j v_fp8_j (also for split partials)
+        acc = acc * tl.load(v_scale_ptr)
 
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
@@ -294,8 +302,9 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"head_dim must be in 1..{_MAX_HEAD_DIM}, got {head_dim}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q dtype {q.dtype} is not a float type")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches must have q's dtype {q.dtype} or both be float8_e4m3fn, got {k_cache.dtype} "
+                         f"and {v_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q and the caches must be contiguous along head_dim")
     if block_tables.dim() != 2 or block_tables.dtype not in _INDEX_DTYPES or block_tables.stride(1) != 1:
@@ -331,17 +340,23 @@ def _check_config(config: AttentionConfig) -> None:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, out: torch.Tensor | None = None,
-                    config: AttentionConfig | None = None) -> torch.Tensor:
+                    config: AttentionConfig | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, heads, head_dim] over the paged caches [num_blocks, block_size, kv_heads,
     head_dim]; semantics of reference.paged_attention. Sequence b's queries are rows [qsl[b], qsl[b+1]) and are
     the last ones of its seq_lens[b] tokens, whose K/V are already in the caches. Rows of sequences with
     seq_lens[b] == 0 and rows past qsl[B] (padding) come out zero. Not checked (it would cost a device sync):
     qsl is non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covers seq_lens.
     max_query_len and max_seq_len are upper bounds that pick the launch shape only. Returns out [T, heads, D].
+    An fp8 (e4m3) cache needs k_scale, v_scale [1] fp32: it holds k / k_scale and v / v_scale.
 
     Launches: one DECODE launch (a program per (sequence, kv head, split) for length-1 queries); if
     max_query_len > 1 also a tiled launch for the longer chunks; with num_splits > 1 a reduce launch."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if fp8_kv and not all(s is not None and s.shape == (1,) and s.dtype == torch.float32 and s.device == q.device
+                          for s in (k_scale, v_scale)):
+        raise ValueError("an fp8 cache needs k_scale and v_scale as [1] fp32 tensors on q's device")
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = block_tables.shape[0]
@@ -366,11 +381,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_out = part_max = part_sum = out  # unused
     args = (out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
+            k_scale if fp8_kv else out, v_scale if fp8_kv else out,
             scale * _LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-                 NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                 NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                 FP8_KV=fp8_kv)
     decode_only = max_query_len <= 1
     # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
     # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.

@@ -42,15 +42,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset) of the caches
-    [num_blocks, block_size, kv_heads, head_dim]. Slot -1 means padding: skipped."""
+    [num_blocks, block_size, kv_heads, head_dim]. Slot -1 means padding: skipped. An fp8 cache stores
+    k / k_scale and v / v_scale (scales [1] fp32, default 1), clamped to +-448."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if bool((slot_mapping < 0).any()):
         valid = slot_mapping >= 0  # [T]
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(num_slots, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+    k_cache.view(num_slots, *k_cache.shape[2:])[slot_mapping] = _to_cache(k, k_cache.dtype, k_scale)
+    v_cache.view(num_slots, *v_cache.shape[2:])[slot_mapping] = _to_cache(v, v_cache.dtype, v_scale)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return quantize_fp8(x, scale if scale is not None else torch.ones(1, device=x.device))
+
+
+def _from_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached rows in the compute dtype: fp8 rows times their per-tensor scale (in fp32), others cast."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() * (scale if scale is not None else 1.0)).to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -63,22 +78,26 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: list[int], query_lens: list[int], scale: float,
-                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flattened batch of query chunks over paged K/V (GQA aware).
 
     q [T, heads, head_dim], T = sum(query_lens); sequence b's queries are the last query_lens[b] of
     its seq_lens[b] tokens, whose K/V are already in the caches. Returns [T, heads, head_dim].
     Single-token queries (decode) run as one batch; longer chunks run one sequence at a time.
     fresh_kv: this step's k, v [T, kv_heads, head_dim] (already in the caches): a chunk with no cached
-    prefix attends to them directly instead of gathering its blocks back.
+    prefix attends to them directly instead of gathering its blocks back (not with an fp8 cache: attention
+    sees what the cache holds). k_scale, v_scale [1] fp32: an fp8 cache's per-tensor scales.
     """
+    if k_cache.dtype == torch.float8_e4m3fn:
+        fresh_kv = None
     out = torch.empty_like(q)  # [T, heads, head_dim]
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
     decode_rows = [b for b, query_len in enumerate(query_lens) if query_len == 1]
     if decode_rows:
-        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, starts, decode_rows, scale, out)
+        _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, starts, decode_rows, scale, out, k_scale, v_scale)
     for b, query_len in enumerate(query_lens):
         if query_len == 1:
             continue
@@ -96,7 +115,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             key_pos = torch.arange(seq_len, device=q.device)  # [L]
             query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
             mask, causal = key_pos[None, :] <= query_pos[:, None], False  # [query_len, L]
-        attn = F.scaled_dot_product_attention(q_b, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
+        k, v = _from_cache(k, q.dtype, k_scale), _from_cache(v, q.dtype, v_scale)
+        attn = F.scaled_dot_product_attention(q_b, k, v, attn_mask=mask, is_causal=causal,
                                               scale=scale, enable_gqa=True)  # [heads, query_len, head_dim]
         out[start:start + query_len] = attn.transpose(0, 1)
     return out
@@ -104,7 +124,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: list[int], starts: list[int], rows: list[int], scale: float,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     """All single-query sequences at once: gather their blocks, mask past each length."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -120,7 +141,95 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v = v_cache.index_select(0, tables).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
     q_b = q[token_index].reshape(batch, num_heads, 1, head_dim)  # [B, heads, 1, D]
     valid = torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None]  # [B, L]
-    attn = F.scaled_dot_product_attention(q_b, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+    k, v = _from_cache(k, q.dtype, k_scale), _from_cache(v, q.dtype, v_scale)
+    attn = F.scaled_dot_product_attention(q_b, k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=valid[:, None, None, :], scale=scale,
                                           enable_gqa=True)  # [B, heads, 1, D]
     out[token_index] = attn.reshape(batch, num_heads, head_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 (e4m3): quantization, dequantization and the linear layer, as the Triton kernels and cuBLASLt compute them
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MIN_AMAX = 1e-10  # an all-zero row or group still gets a positive scale (it quantizes to zeros)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale, clamped to +-448, cast to e4m3 (round to nearest even); scale broadcasts against x."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row (per-token, per-output-channel) scales, or per row and group of group_size columns:
+    x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1] or [M, ceil(K / group_size)]); x ~= q * scale."""
+    num_rows, k = x.shape
+    if group_size is None:
+        amax = x.float().abs().amax(dim=1, keepdim=True)  # [M, 1]
+        scale = amax.clamp(min=FP8_MIN_AMAX) / FP8_MAX
+        return quantize_fp8(x, scale), scale
+    num_groups = -(-k // group_size)
+    padded = F.pad(x.float(), (0, num_groups * group_size - k)).view(num_rows, num_groups, group_size)
+    scale = padded.abs().amax(dim=2).clamp(min=FP8_MIN_AMAX) / FP8_MAX  # [M, G]
+    return quantize_fp8(x, expand_group_scales(scale, k, group_size)), scale
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per block of block[0] rows x block[1] columns (DeepSeek / Qwen FP8 checkpoints):
+    w [N, K] -> (e4m3 [N, K], fp32 scales [ceil(N / bn), ceil(K / bk)]); w ~= q * scale of its block."""
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    scale = padded.abs().amax(dim=(1, 3)).clamp(min=FP8_MIN_AMAX) / FP8_MAX  # [nb, kb]
+    full = expand_group_scales(scale.repeat_interleave(bn, dim=0)[:n], k, bk)  # [N, K]
+    return quantize_fp8(w, full), scale
+
+
+def expand_group_scales(scale: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
+    """[M, ceil(K / g)] -> [M, K]: each column gets its group's scale."""
+    return scale.repeat_interleave(group_size, dim=1)[:, :k]
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """e4m3 [M, K] with scales [M, 1] (per row) or [M, ceil(K / g)] (per row and group) -> fp32 [M, K]."""
+    if group_size is not None:
+        scale = expand_group_scales(scale, q.shape[1], group_size)
+    return q.float() * scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T with W e4m3 [N, K] and fp32 scales [N, 1] or [N, ceil(K / g)]: x [..., K] is quantized
+    dynamically (per token, or per token and group of g columns when group_size is set), both sides are
+    dequantized and multiplied in fp32. Returns [..., N] in x's dtype."""
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    x_q, x_scale = quantize_fp8_rows(x2, group_size)
+    out = dequantize_fp8(x_q, x_scale, group_size) @ dequantize_fp8(weight, weight_scale, group_size).t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               group_size: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM of fp8_linear on already quantized activations: x_q e4m3 [M, K] with scales [M, 1 or G] ->
+    [M, N] out_dtype."""
+    out = dequantize_fp8(x_q, x_scale, group_size) @ dequantize_fp8(weight, weight_scale, group_size).t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm, then per-token FP8 quantization of the normed rows: (e4m3 [T, D], scales [T, 1], summed)."""
+    normed, summed = add_rms_norm(x, residual, weight, eps)
+    q, scale = quantize_fp8_rows(normed)
+    return q, scale, summed
+
+
+def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul, then per-token FP8 quantization: (e4m3 [T, I], scales [T, 1])."""
+    return quantize_fp8_rows(silu_and_mul(gate_up))

@@ -17,6 +17,10 @@ ENV_PREFIX = "PAGODA_"
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+# fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales; fp8_block: scales per row and
+# 128 columns, activations per token and 128 columns (the layout and GEMM of 128x128 block-wise checkpoints)
+QUANTIZATIONS = ("fp8", "fp8_block")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
 
 
 @dataclass(slots=True)
@@ -40,6 +44,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1
     tp_init_address: str | None = None  # tcp://host:port where the ranks meet (torch.distributed); None: local
+    quantization: str | None = None  # fp8: quantize linear weights at load; FP8 checkpoints are detected anyway
+    kv_cache_dtype: str = "auto"  # fp8: e4m3 KV cache (per-layer K and V scales), twice the blocks per byte
+    kv_scale_calibration: bool = False  # fp8 KV without checkpoint scales: set them from the first prefill's amax
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -53,6 +60,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}",
+                              param="quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                              param="kv_cache_dtype")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
 
@@ -189,6 +202,12 @@ _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes",
+    "quantization": "fp8: e4m3 linear weights (per-channel scales, quantized at load; FP8 checkpoints load as "
+                    "they ship whatever this says)",
+    "kv_cache_dtype": "auto (the model dtype) or fp8: e4m3 KV cache with per-layer K/V scales from the checkpoint, "
+                      "else 1.0 (see --kv-scale-calibration)",
+    "kv_scale_calibration": "fp8 KV: set each layer's K/V scales from the first prefill (2 x amax / 448), "
+                            "overriding checkpoint scales",
 }
 
 

@@ -14,7 +14,7 @@ from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
-from pagoda.services.worker.weights import load_model
+from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import PromptScores, StepPlan, StepResult
@@ -58,12 +58,15 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = CausalLM(self.arch, self.dtype, self.device, tp, max_positions=self.max_model_len, ops=ops)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
+        fp8 = resolve_fp8(config.quantization, config.model, config.load_format)
+        self.model = CausalLM(self.arch, self.dtype, self.device, tp, max_positions=self.max_model_len, ops=ops,
+                              fp8=fp8)
         self.bytes_read = load_model(self.model, config.model, config.load_format, config.seed)
         self.num_blocks = self.model.tp.agree_min(self._num_kv_blocks(), self.device)
         kv_shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size,
                     self.arch.num_kv_heads // tp_size, self.arch.head_dim)
-        self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)  # [L, 2, N, bs, kvh, D]
+        self.kv_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)  # [L, 2, N, bs, kvh, D]
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
@@ -74,6 +77,9 @@ class ModelRunner:
                                        self.state.block_table.shape[1], self.max_model_len, self.staging)
             self.graphs.capture()
             self.warm_up()
+        if config.kv_scale_calibration and self.kv_dtype == torch.float8_e4m3fn:
+            for layer in self.model.layers:  # after the dummy passes above: the first real prefill sets them
+                layer.calibrate_kv = True
         log.info("model %s: %.1fM params, %s on %s, %d KV blocks of %d tokens", config.model,
                  self.arch.num_params() / 1e6, self.dtype, self.device, self.num_blocks, self.block_size)
 
@@ -91,7 +97,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         kv_heads = self.arch.num_kv_heads // self.model.tp.size
-        itemsize = torch.finfo(self.dtype).bits // 8
+        itemsize = torch.finfo(self.kv_dtype).bits // 8
         return 2 * self.arch.num_layers * self.block_size * kv_heads * self.arch.head_dim * itemsize
 
     def _num_kv_blocks(self) -> int:
@@ -140,7 +146,7 @@ class ModelRunner:
         num_seqs = len(query_lens)
         scratch = torch.zeros((self.arch.num_layers, 2, num_seqs * blocks_per_seq, size,
                                self.arch.num_kv_heads // self.model.tp.size, self.arch.head_dim),
-                              dtype=self.dtype, device=device)  # [L, 2, n, bs, kvh, D]
+                              dtype=self.kv_dtype, device=device)  # [L, 2, n, bs, kvh, D]
         caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.arch.num_layers)]
         positions = np.concatenate([np.arange(n) for n in query_lens])  # [T]
         seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [T]

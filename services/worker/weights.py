@@ -1,5 +1,10 @@
 """Fill a CausalLM from Hugging Face safetensors (single or sharded, each rank reading only its slice)
-or from seeded random "dummy" weights that are the same whatever the tensor-parallel size."""
+or from seeded random "dummy" weights that are the same whatever the tensor-parallel size.
+
+FP8: with Fp8Weights on the model, linear weights come from an FP8 checkpoint as they are (Hugging Face
+`quant_method: fp8` with block-wise `weight_scale_inv`, or compressed-tensors `float-quantized` with per-channel
+or per-tensor `weight_scale`), or are quantized here per output channel from bf16/fp16/fp32 weights (also dummy
+ones; on a tensor-parallel shard the channel's scale covers this rank's columns only)."""
 
 from __future__ import annotations
 
@@ -12,9 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pagoda.services.worker.model import CausalLM
+from pagoda.kernels import reference as ref
+from pagoda.services.worker.model import CausalLM, Fp8Weights
 from pagoda.services.worker.model_config import ModelArch
-from pagoda.shared.errors import ModelNotFoundError
+from pagoda.shared.errors import ConfigError, ModelNotFoundError
 
 # (HF tensor name, its full shape, destination parameter, row offset in it, shard dim or None)
 Source = Callable[[str, tuple[int, ...], int | None, int, int], torch.Tensor]
@@ -28,10 +34,11 @@ class Placement:
     shard_dim: int | None  # None: replicated on every rank
     shard_start: int = 0
     shard_len: int = 0
+    scale_target: torch.Tensor | None = None  # an FP8 weight's scale rows [rows, 1 or K / g]
 
 
 def placements(model: CausalLM) -> Iterator[Placement]:
-    """Every HF tensor this rank needs and where its slice goes."""
+    """Every HF tensor this rank needs and where its slice goes (scale_target: where an FP8 weight's scales go)."""
     arch, rank = model.arch, model.tp.rank
     h, d = arch.hidden_size, arch.head_dim
     vocab_rows = min(model.vocab_per_rank, arch.vocab_size - model.vocab_start)
@@ -51,28 +58,62 @@ def placements(model: CausalLM) -> Iterator[Placement]:
                                        ("k_proj", slice(q, q + kv), kv, arch.kv_size),
                                        ("v_proj", slice(q + kv, q + 2 * kv), kv, arch.kv_size)):
             attn = prefix + "self_attn." + name
-            yield Placement(attn + ".weight", (full, h), layer.qkv_weight[rows], 0, rank * size, size)
+            yield Placement(attn + ".weight", (full, h), layer.qkv_weight[rows], 0, rank * size, size,
+                            _rows(layer.qkv_weight_scale, rows))
             if layer.qkv_bias is not None:
                 yield Placement(attn + ".bias", (full,), layer.qkv_bias[rows], 0, rank * size, size)
-        yield Placement(prefix + "self_attn.o_proj.weight", (h, arch.q_size), layer.o_weight, 1, rank * q, q)
+        yield Placement(prefix + "self_attn.o_proj.weight", (h, arch.q_size), layer.o_weight, 1, rank * q, q,
+                        layer.o_weight_scale)
         if layer.q_norm is not None and layer.k_norm is not None:
             yield Placement(prefix + "self_attn.q_norm.weight", (d,), layer.q_norm, None)
             yield Placement(prefix + "self_attn.k_norm.weight", (d,), layer.k_norm, None)
         full_mlp = arch.intermediate_size
         yield Placement(prefix + "mlp.gate_proj.weight", (full_mlp, h), layer.gate_up_weight[:local_mlp], 0,
-                        rank * local_mlp, local_mlp)
+                        rank * local_mlp, local_mlp, _rows(layer.gate_up_weight_scale, slice(0, local_mlp)))
         yield Placement(prefix + "mlp.up_proj.weight", (full_mlp, h), layer.gate_up_weight[local_mlp:], 0,
-                        rank * local_mlp, local_mlp)
+                        rank * local_mlp, local_mlp, _rows(layer.gate_up_weight_scale, slice(local_mlp, None)))
         yield Placement(prefix + "mlp.down_proj.weight", (h, full_mlp), layer.down_weight, 1,
-                        rank * local_mlp, local_mlp)
+                        rank * local_mlp, local_mlp, layer.down_weight_scale)
+
+
+def _rows(scale: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if scale is None else scale[rows]
 
 
 def fill(model: CausalLM, source: Source) -> None:
+    group_size = model.fp8.group_size if model.fp8 is not None else None
     with torch.no_grad():
         for place in placements(model):
             tensor = source(place.hf_name, place.full_shape, place.shard_dim, place.shard_start, place.shard_len)
             assert tensor.shape == place.target.shape, (place.hf_name, tensor.shape, place.target.shape)
+            if place.scale_target is None:
+                place.target.copy_(tensor)
+                continue
+            if tensor.dtype == torch.float8_e4m3fn:  # as the checkpoint ships it, with its scales
+                assert isinstance(source, SafetensorsSource)
+                scale = source.fp8_scale(place.hf_name, place.full_shape, place.shard_dim, place.shard_start,
+                                         place.shard_len)
+            else:  # quantize here (a bf16 checkpoint, dummy weights, or a layer the checkpoint left unquantized)
+                tensor, scale = ref.quantize_fp8_rows(tensor.to(place.target.device), group_size)
+            assert scale.shape == place.scale_target.shape, (place.hf_name, scale.shape, place.scale_target.shape)
             place.target.copy_(tensor)
+            place.scale_target.copy_(scale)
+        load_kv_scales(model, source)
+
+
+def load_kv_scales(model: CausalLM, source: Source) -> None:
+    """Per-layer fp8 KV-cache scales where the checkpoint has them (else they stay 1): `self_attn.k_scale` /
+    `v_scale` (compressed-tensors, vLLM), `self_attn.{k,v}_proj.{k,v}_scale` (older exports) or one
+    `kv_scale` for both."""
+    if not isinstance(source, SafetensorsSource):
+        return
+    for i, layer in enumerate(model.layers):
+        attn = f"model.layers.{i}.self_attn."
+        for target, names in ((layer.k_scale, ("k_scale", "k_proj.k_scale", "kv_scale", "k_proj.output_scale")),
+                              (layer.v_scale, ("v_scale", "v_proj.v_scale", "kv_scale", "v_proj.output_scale"))):
+            value = source.scalar(*(attn + name for name in names))
+            if value is not None:
+                target.fill_(value)
 
 
 class SafetensorsSource:
@@ -91,6 +132,7 @@ class SafetensorsSource:
         self._handles = {name: safe_open(str(folder / name), framework="pt") for name in files}
         self._file_of = {key: name for name, handle in self._handles.items() for key in handle.keys()}
         self.bytes_read = 0
+        self.fp8 = checkpoint_fp8(folder)
 
     def __call__(self, name: str, full_shape: tuple[int, ...], shard_dim: int | None, start: int,
                  length: int) -> torch.Tensor:
@@ -110,6 +152,123 @@ class SafetensorsSource:
             tensor = view[:, start:start + length]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+    def _read_whole(self, name: str) -> torch.Tensor | None:
+        file = self._file_of.get(name)
+        if file is None:
+            return None
+        tensor = self._handles[file].get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def scalar(self, *names: str) -> float | None:
+        """The value of the first of these one-element tensors the checkpoint has."""
+        for name in names:
+            tensor = self._read_whole(name)
+            if tensor is not None:
+                if tensor.numel() != 1:
+                    raise ModelNotFoundError(f"{name!r} should hold one value, has shape {tuple(tensor.shape)}",
+                                             param="model")
+                return float(tensor.float().item())
+        return None
+
+    def fp8_scale(self, name: str, full_shape: tuple[int, ...], shard_dim: int | None, start: int,
+                  length: int) -> torch.Tensor:
+        """The fp32 scales of an e4m3 weight `name` [N, K] for this rank's slice, as the model keeps them:
+        [rows, 1] per channel, or [rows, ceil(cols / g)] per row and g columns."""
+        if self.fp8 is None:
+            raise ModelNotFoundError(f"{name!r} is float8 but config.json has no fp8 quantization_config",
+                                     param="model")
+        n, k = full_shape
+        stem = name.removesuffix("weight")
+        if self.fp8.block is not None:
+            scale = self._read_whole(stem + "weight_scale_inv")
+            if scale is None:
+                scale = self._read_whole(stem + "weight_scale")  # compressed-tensors block strategy
+            bn, bk = self.fp8.block
+            expected = (-(-n // bn), -(-k // bk))
+            if scale is None or tuple(scale.shape) != expected:
+                raise ModelNotFoundError(f"{name!r}: expected block scales {expected}, found "
+                                         f"{None if scale is None else tuple(scale.shape)}", param="model")
+            rows = scale.float().repeat_interleave(bn, dim=0)[:n]  # [N, K / bk]
+            if shard_dim == 0:
+                return rows[start:start + length]
+            if shard_dim == 1:
+                if start % bk or (length % bk and start + length != k):
+                    raise ConfigError(f"{name!r}: tensor_parallel_size splits its {k} columns at {start}, inside a "
+                                      f"{bk}-column scale block", param="tensor_parallel_size")
+                return rows[:, start // bk:-(-(start + length) // bk)]
+            return rows
+        scale = self._read_whole(stem + "weight_scale")
+        if scale is None or scale.numel() not in (1, n):
+            raise ModelNotFoundError(f"{name!r}: expected a weight_scale of {n} or 1 values, found "
+                                     f"{None if scale is None else tuple(scale.shape)}", param="model")
+        rows = scale.float().reshape(-1, 1).expand(n, 1)  # [N, 1]: per tensor -> the same for every row
+        return rows[start:start + length] if shard_dim == 0 else rows
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFp8:
+    """How a checkpoint stores FP8 linear weights."""
+
+    method: str  # "fp8" (Hugging Face) or "compressed-tensors"
+    block: tuple[int, int] | None  # (rows, cols) of one weight scale block; None: per channel or per tensor
+
+
+def checkpoint_fp8(model_dir: str | Path) -> CheckpointFp8 | None:
+    """The FP8 format config.json declares (quantization_config), None for an unquantized checkpoint; any other
+    quantization is a ConfigError."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    quant = json.loads(path.read_text()).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method == "fp8":
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"fp8 checkpoint format {quant.get('fmt')!r} is not supported (only e4m3)",
+                              param="quantization")
+        block = quant.get("weight_block_size")
+        return CheckpointFp8("fp8", (int(block[0]), int(block[1])) if block else None)
+    if method == "compressed-tensors":
+        return CheckpointFp8("compressed-tensors", _compressed_tensors_block(quant))
+    raise ConfigError(f"quantization_config quant_method {method!r} is not supported (fp8, compressed-tensors "
+                      f"FP8)", param="quantization")
+
+
+def _compressed_tensors_block(quant: dict) -> tuple[int, int] | None:
+    """Check a compressed-tensors config is FP8 weights (8-bit float, channel/tensor/block strategy) on every
+    group; return the block shape for the block strategy."""
+    if quant.get("format") not in (None, "float-quantized", "naive-quantized"):
+        raise ConfigError(f"compressed-tensors format {quant.get('format')!r} is not supported (float-quantized)",
+                          param="quantization")
+    blocks = set()
+    for group in (quant.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        strategy = weights.get("strategy")
+        if weights.get("num_bits") != 8 or weights.get("type") != "float" or strategy not in (
+                "channel", "tensor", "block"):
+            raise ConfigError(f"compressed-tensors weights {weights} are not FP8 per channel, tensor or block",
+                              param="quantization")
+        block = tuple(weights.get("block_structure") or ()) if strategy == "block" else None
+        blocks.add(block)
+    if len(blocks) > 1:
+        raise ConfigError("compressed-tensors groups mix weight strategies", param="quantization")
+    block = blocks.pop() if blocks else None
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def resolve_fp8(quantization: str | None, model_dir: str | Path | None, load_format: str) -> Fp8Weights | None:
+    """The model's FP8 layout: the checkpoint's (whatever `quantization` says), else per channel when asked."""
+    found = checkpoint_fp8(model_dir) if model_dir is not None and load_format != "dummy" else None
+    if found is not None:
+        return Fp8Weights(group_size=found.block[1] if found.block else None)
+    if quantization == "fp8":
+        return Fp8Weights(group_size=None)
+    if quantization == "fp8_block":
+        return Fp8Weights(group_size=128)
+    return None
 
 
 class DummySource:
@@ -145,7 +304,7 @@ def load_model(model: CausalLM, model_dir: str | Path | None, load_format: str, 
 
 def export_hf_state_dict(model: CausalLM, arch: ModelArch) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names (tensor_parallel_size 1): to build a peer model."""
-    assert model.tp.size == 1
+    assert model.tp.size == 1 and model.fp8 is None, "exports bf16/fp32 weights of one rank only"
     state: dict[str, torch.Tensor] = {}
     for place in placements(model):
         state[place.hf_name] = place.target.detach().clone()
