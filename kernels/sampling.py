@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-GOLDEN32 = 0x9E3779B9
-ROW_KEY_SALT = 0x5BD1E995
-UNIFORM_SCALE = 2.0**-24
+# kernels may only read constexpr globals; the values are reference.GOLDEN32 / ROW_KEY_SALT / UNIFORM_SCALE
+GOLDEN32: tl.constexpr = tl.constexpr(0x9E3779B9)
+ROW_KEY_SALT: tl.constexpr = tl.constexpr(0x5BD1E995)
+UNIFORM_SCALE: tl.constexpr = tl.constexpr(2.0**-24)
 PROCESS_BLOCK = 2048
 ARGMAX_BLOCK = 1024
 ARGMAX_SPLIT = 8192  # vocab ids per program of the Gumbel argmax: B * V / 8192 programs fill the GPU
@@ -42,11 +43,10 @@ def _mix32(x):
 @triton.jit
 def _row_key(seed, offset):
     """reference.row_keys for one row: seed and offset int64 scalars -> uint32."""
-    low = 0xFFFFFFFF
     key = _mix32((offset >> 32).to(tl.uint32) ^ tl.full((), ROW_KEY_SALT, tl.uint32))
-    key = _mix32(key ^ (offset & low).to(tl.uint32))
+    key = _mix32(key ^ (offset & 0xFFFFFFFF).to(tl.uint32))
     key = _mix32(key ^ (seed >> 32).to(tl.uint32))
-    return _mix32(key ^ (seed & low).to(tl.uint32))
+    return _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
 
 
 @triton.jit

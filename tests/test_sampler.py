@@ -556,6 +556,9 @@ def run_kernel_checks(num_rows: int, vocab_size: int, seed: int) -> None:
     expected = reference.process_logits(logits, counts[state_rows], prompt[state_rows], presence, frequency,
                                         repetition, bitmask, rows)
     torch.testing.assert_close(processed, expected, rtol=1e-6, atol=1e-6)
+    only_frequency = kernels.process_logits(logits, state_rows, counts, None, None, frequency, None)
+    torch.testing.assert_close(only_frequency, reference.process_logits(logits, counts[state_rows], None, None,
+                                                                        frequency, None), rtol=1e-6, atol=1e-6)
     settings = {k: v.to(device) for k, v in random_settings(num_rows, vocab_size, seed).items()}
     temperature = settings["temperature"]
     temperature[-1] = 0.0  # a greedy row
@@ -576,6 +579,11 @@ def run_kernel_checks(num_rows: int, vocab_size: int, seed: int) -> None:
         got_ids = kernels.gumbel_argmax(expected, temperature, thr, seeds, offsets, greedy)
         want_ids = reference.gumbel_argmax(expected, temperature, thr, seeds, offsets, greedy)
         assert torch.equal(got_ids, want_ids)
+
+
+def test_kernel_constants_match_reference() -> None:
+    assert (kernels.GOLDEN32, kernels.ROW_KEY_SALT, kernels.UNIFORM_SCALE) == (
+        reference.GOLDEN32, reference.ROW_KEY_SALT, reference.UNIFORM_SCALE)
 
 
 def test_kernels_match_reference_interpreted() -> None:
