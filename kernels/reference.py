@@ -132,8 +132,8 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 #
 # Counter-based noise: a pure function of (seed, offset, vocab id), so a seeded request draws the same
 # token whatever else shares its batch, and no torch.Generator per row is needed. Values are 32-bit
-# words held in int64; every product stays < 2^49 and every shift sees x >= 0. The [B, V] work runs in
-# place (trailing underscore): fresh [B, V] temporaries cost ~3x on CPU.
+# words held in int64 (a product may wrap past 2^63; its low 32 bits stay exact) and every shift sees
+# x >= 0. The [B, V] work runs in place (trailing underscore): fresh [B, V] temporaries cost ~3x on CPU.
 
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9  # odd: spreads consecutive vocab ids over the whole 32-bit range
@@ -142,9 +142,9 @@ UNIFORM_SCALE = 2.0**-24  # 24-bit odd numerators give u in (0, 1), exact in flo
 
 
 def mul32_(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """x = x * constant mod 2^32 in place, for x in [0, 2^32), split in 16-bit halves: no int64 overflow."""
-    low = x * (constant & 0xFFFF)  # same shape as x, < 2^48
-    return x.mul_(constant >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(low).bitwise_and_(MASK32)
+    """x = x * constant mod 2^32 in place, for x and constant in [0, 2^32). The int64 product may wrap
+    (two's complement, as every torch backend computes it), which leaves its low 32 bits exact."""
+    return x.mul_(constant).bitwise_and_(MASK32)
 
 
 def mix32_(x: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,7 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
         return reference.truncation_thresholds(logits, m.temperature, top_k, m.top_p, m.min_p)  # [B]
     from pagoda.kernels import sampling
 
-    temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature)  # [B]
+    temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).float()  # [B] contiguous
     threshold = torch.full_like(temperature, float("-inf"))  # [B]
     candidates = has_k = None
     if top_k is not None:
@@ -159,7 +159,8 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
         kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
         threshold = torch.where(has_k, kth, threshold)  # [B]
     if m.top_p is not None:
-        threshold = sampling.top_p_threshold(logits, temperature, m.top_p, threshold, candidates, has_k)  # [B]
+        threshold = sampling.top_p_threshold(logits, temperature, m.top_p.float().contiguous(), threshold,
+                                             candidates, has_k)  # [B]
     if m.min_p is not None:
         row_max = candidates[:, 0] if candidates is not None else logits.amax(dim=-1)  # [B]
         threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p))  # [B]
@@ -170,7 +171,8 @@ def _triton_gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, thres
                           seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     from pagoda.kernels import sampling
 
-    return sampling.gumbel_argmax(logits, temperature, threshold, seeds, offsets, greedy)
+    return sampling.gumbel_argmax(logits, temperature.float().contiguous(), threshold, seeds.contiguous(),
+                                  offsets.contiguous(), greedy.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------
