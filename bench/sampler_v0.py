@@ -1,4 +1,4 @@
-"""The sampler as of commit c011cff (before the per-row state and fused kernels): the baseline for bench/sampler_bench.py."""
+"""The sampler as of commit c011cff (before per-row state and fused kernels): bench/sampler_bench.py's baseline."""
 
 from __future__ import annotations
 

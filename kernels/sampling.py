@@ -120,6 +120,11 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.apply_token_bitmask: a new tensor like logits [B, V] with disallowed tokens at -inf."""
+    return apply_token_bitmask_(logits.clone(), bitmask, rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # the fused pass: penalties (gated per row) then the bitmask, raw logits in, fp32 out
 

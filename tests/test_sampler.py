@@ -540,8 +540,9 @@ def run_kernel_checks(num_rows: int, vocab_size: int, seed: int) -> None:
     bitmask = random_bitmask(num_rows, vocab_size, seed).to(device)
     bitmask[:, 0] |= 1  # token 0 allowed everywhere, so no row is all -inf
     rows = (torch.arange(num_rows) % 3 != 1).to(device)  # [B]
-    assert torch.equal(kernels.apply_token_bitmask_(logits.clone(), bitmask, rows),
+    assert torch.equal(kernels.apply_token_bitmask(logits, bitmask, rows),
                        reference.apply_token_bitmask(logits, bitmask, rows))
+    assert torch.equal(kernels.apply_token_bitmask(logits, bitmask), reference.apply_token_bitmask(logits, bitmask))
     gen = torch.Generator().manual_seed(seed)
     table_rows = num_rows + 2
     counts = torch.randint(0, 3, (table_rows, vocab_size), generator=gen, dtype=torch.int32).to(device)

@@ -188,7 +188,8 @@ class SamplingState:
         floats = self.floats_device.index_select(0, state_rows).T.contiguous()  # [6, B]
         host = self.floats[rows]  # [B, 6]
         temperature = host[:, TEMPERATURE]
-        metadata = SamplingMetadata(temperature=floats[TEMPERATURE], seeds=self.seeds_device.index_select(0, state_rows),
+        metadata = SamplingMetadata(temperature=floats[TEMPERATURE],
+                                    seeds=self.seeds_device.index_select(0, state_rows),
                                     offsets=offsets, state_rows=state_rows,
                                     all_greedy=bool((temperature == 0.0).all()))
         top_k = self.top_k[rows]  # [B]
