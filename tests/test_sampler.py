@@ -678,3 +678,25 @@ def test_state_bias_and_bans() -> None:
     state.admit([(0, new_request(4, [1], 1))])  # a reused row sheds its old bias
     assert state.metadata(np.array([0])).logit_bias_ids is None
     assert state.bias_ids[0].tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. the worker end to end (dummy "tiny" shape): state survives companions and preemption
+
+
+def test_engine_penalised_seeded_output_survives_companions_and_preemption() -> None:
+    """A seeded, penalised request gives the same tokens alone and when crowded into preemption: the counts
+    and prompt presence rebuilt at re-admission equal the ones the scatter kept."""
+    from pagoda import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(temperature=0.8, seed=99, max_tokens=40, ignore_eos=True, presence_penalty=1.5,
+                            frequency_penalty=0.7, repetition_penalty=1.3, top_k=30, min_tokens=5,
+                            logit_bias={3: 2.0})
+    alone = LLM("tiny", seed=3).generate([prompt], params)[0].outputs[0].token_ids
+    crowded_llm = LLM("tiny", seed=3, num_kv_blocks=9)  # 3 x 4 blocks wanted
+    others = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    outputs = crowded_llm.generate([[9, 10, 11] * 8, [12, 13] * 12, prompt],
+                                   [others, others, params])  # the last arrived is the one preempted
+    assert crowded_llm.engine.scheduler.stats.num_preemptions > 0
+    assert outputs[2].outputs[0].token_ids == alone
