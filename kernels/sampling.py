@@ -23,6 +23,8 @@ ARGMAX_BLOCK = 1024
 ARGMAX_SPLIT = 8192  # vocab ids per program of the Gumbel argmax: B * V / 8192 programs fill the GPU
 TOP_P_BLOCK = 1024
 TOP_P_PIVOTS = 16  # thresholds tried per pass of the top-p search: 32 key bits in 8 passes
+TOP_P_PASSES = 8  # 17^8 > 2^32: the search interval shrinks >= 17x a pass
+TOP_P_SPLIT = 8192  # vocab ids per program of the whole-row top-p passes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,21 +256,23 @@ def _search(src_ptr, num, lo, hi, target, row_max, temperature, BLOCK: tl.conste
 
 
 @triton.jit(do_not_specialize=["vocab_size", "num_cand"])
-def _top_p_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand, use_cand_ptr,
-                  temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
-                  HAS_CAND: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand, use_cand_ptr,
+                             temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
+                             BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One program per row with top-k candidates: one pass over the row for its max and the mass above the
+    k-th logit, then the search over the K candidates (every token above the k-th logit is one of them,
+    so the masses above it are exact). Other rows get `lower` back."""
     b = tl.program_id(0).to(tl.int64)
     lower = tl.load(lower_ptr + b)
     top_p = tl.load(top_p_ptr + b)
     threshold = lower
-    if top_p < 1.0:
+    if (top_p < 1.0) & (tl.load(use_cand_ptr + b) != 0):
         temperature = tl.load(temperature_ptr + b)
         temperature = tl.where(temperature == 0.0, 1.0, temperature)
         row = logits_ptr + b * stride_l
-        # one pass: row max and the mass above `lower` (online rescaling per lane)
         lane_max = tl.full([BLOCK], -3.0e38, tl.float32)
         lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, vocab_size, BLOCK):
+        for start in range(0, vocab_size, BLOCK):  # online max and sum per lane
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf"))
             x = tl.where(x >= lower, x, float("-inf"))
@@ -277,26 +281,102 @@ def _top_p_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand
             lane_max = new_max
         row_max = tl.max(lane_max, axis=0)
         total = tl.sum(lane_sum * tl.exp((lane_max - row_max) / temperature), axis=0)
-        target = top_p * total
-        lo = _float_key(lower).to(tl.int64)
-        hi = _float_key(row_max).to(tl.int64)
-        use_cand = False
-        if HAS_CAND:
-            use_cand = tl.load(use_cand_ptr + b) != 0
-        if use_cand:  # every token above the k-th logit is a candidate: the masses above it are exact
-            key = _search(cand_ptr + b * stride_c, num_cand, lo, hi, target, row_max, temperature, BLOCK, NUM_PIVOTS)
-        else:
-            key = _search(row, vocab_size, lo, hi, target, row_max, temperature, BLOCK, NUM_PIVOTS)
+        key = _search(cand_ptr + b * stride_c, num_cand, _float_key(lower).to(tl.int64),
+                      _float_key(row_max).to(tl.int64), top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
         threshold = _key_float(key.to(tl.int32))
     tl.store(threshold_ptr + b, threshold)
 
 
+@triton.jit(do_not_specialize=["vocab_size"])
+def _row_stats_kernel(logits_ptr, stride_l, vocab_size, lower_ptr, temperature_ptr, part_max_ptr, part_sum_ptr,
+                      num_splits, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, split of the vocab): the max logit and sum of exp((x - max) / T) over x >= lower."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lower = tl.load(lower_ptr + b)
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    row = logits_ptr + b * stride_l
+    lane_max = tl.full([BLOCK], -3.0e38, tl.float32)
+    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    first = split * SPLIT
+    for start in range(first, first + SPLIT, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf"))
+        x = tl.where(x >= lower, x, float("-inf"))
+        new_max = tl.maximum(lane_max, x)
+        lane_sum = lane_sum * tl.exp((lane_max - new_max) / temperature) + tl.exp((x - new_max) / temperature)
+        lane_max = new_max
+    split_max = tl.max(lane_max, axis=0)
+    tl.store(part_max_ptr + b * num_splits + split, split_max)
+    tl.store(part_sum_ptr + b * num_splits + split, tl.sum(lane_sum * tl.exp((lane_max - split_max) / temperature),
+                                                           axis=0))
+
+
+@triton.jit(do_not_specialize=["vocab_size"])
+def _pivot_mass_kernel(logits_ptr, stride_l, vocab_size, pivots_ptr, row_max_ptr, temperature_ptr, mass_ptr,
+                       num_splits, SPLIT: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """Per (row, split): the mass above each of the row's NUM_PIVOTS key pivots, into mass[b, split, :]."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    pivots = tl.load(pivots_ptr + b * NUM_PIVOTS + tl.arange(0, NUM_PIVOTS))  # [NUM_PIVOTS] int64
+    first = split * SPLIT
+    mass = _mass_at(logits_ptr + b * stride_l + first, tl.minimum(vocab_size - first, SPLIT), pivots,
+                    tl.load(row_max_ptr + b), temperature, BLOCK, NUM_PIVOTS)
+    tl.store(mass_ptr + (b * num_splits + split) * NUM_PIVOTS + tl.arange(0, NUM_PIVOTS), mass)
+
+
+def float_keys(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int64 keys ordered as the floats (_float_key on the host side)."""
+    bits = torch.where(x == 0.0, 0.0, x).view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+
+
+def key_floats(key: torch.Tensor) -> torch.Tensor:
+    bits = key.to(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).view(torch.float32)
+
+
+def _split_search(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  lower: torch.Tensor) -> torch.Tensor:
+    """The top-p search over whole rows, each pass spread over (row, vocab split) programs: one stats pass
+    then 8 passes of 16 pivots (17^8 > 2^32 keys); the few [B, 16] updates in between stay on the device."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    num_splits = triton.cdiv(vocab_size, TOP_P_SPLIT)
+    part_max = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
+    part_sum = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
+    grid = (num_rows, num_splits)
+    _row_stats_kernel[grid](logits, logits.stride(0), vocab_size, lower, temperature, part_max, part_sum, num_splits,
+                            SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_BLOCK)
+    row_max = part_max.amax(dim=1)  # [B]
+    safe_t = torch.where(temperature == 0.0, 1.0, temperature)  # [B]
+    total = (part_sum * torch.exp((part_max - row_max[:, None]) / safe_t[:, None])).sum(dim=1)  # [B]
+    target = (top_p * total)[:, None]  # [B, 1]
+    lo, hi = float_keys(lower), float_keys(row_max)  # [B] int64 each
+    steps = torch.arange(1, TOP_P_PIVOTS + 1, device=device)  # [P]
+    mass = torch.empty((num_rows, num_splits, TOP_P_PIVOTS), dtype=torch.float32, device=device)  # [B, S, P]
+    for _ in range(TOP_P_PASSES):
+        step = torch.clamp((hi - lo + TOP_P_PIVOTS) // (TOP_P_PIVOTS + 1), min=1)  # [B]
+        pivots = torch.minimum(lo[:, None] + steps[None, :] * step[:, None], hi[:, None]).contiguous()  # [B, P]
+        _pivot_mass_kernel[grid](logits, logits.stride(0), vocab_size, pivots, row_max, temperature, mass,
+                                 num_splits, SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS)
+        ok = mass.sum(dim=1) >= target  # [B, P]
+        lo = torch.maximum(lo, torch.where(ok, pivots, lo[:, None]).amax(dim=1))  # [B]
+        hi = torch.minimum(hi, torch.where(ok, hi[:, None], pivots - 1).amin(dim=1))  # [B]
+    return key_floats(lo)  # [B]
+
+
 def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor,
-                    candidates: torch.Tensor | None = None, use_candidates: torch.Tensor | None = None) -> torch.Tensor:
+                    candidates: torch.Tensor | None = None, use_candidates: torch.Tensor | None = None,
+                    search_full_rows: bool = True) -> torch.Tensor:
     """Per-row top-p threshold [B] fp32 on fp32 logits [B, V], over the tokens with logit >= lower [B]
     (the top-k threshold, or -inf), with reference.truncation_thresholds' rule. candidates [B, K] hold each
-    row's K largest logits (descending; torch.topk): rows flagged in use_candidates [B] bool search those
-    instead of the whole row. Rows with top_p >= 1 get `lower` back."""
+    row's K largest logits (descending; torch.topk): rows flagged in use_candidates [B] bool search those;
+    the others search their whole row, unless search_full_rows is False (the caller knows no row with
+    top_p < 1 lacks candidates). Rows with top_p >= 1 get `lower` back."""
     _check_logits(logits)
     if logits.dtype != torch.float32:
         raise ValueError("top_p_threshold needs fp32 logits")
@@ -310,15 +390,23 @@ def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
             raise ValueError(f"candidates must be [{num_rows}, K] fp32, got {tuple(candidates.shape)} "
                              f"{candidates.dtype}")
         _check_rows("use_candidates", use_candidates, num_rows, torch.bool, device)
-    threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
     if num_rows == 0:
+        return lower.clone()
+    if candidates is None or use_candidates is None:
+        threshold = lower
+    else:
+        threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
+        _top_p_candidates_kernel[(num_rows,)](
+            logits, logits.stride(0), vocab_size, candidates, candidates.stride(0), candidates.shape[1],
+            use_candidates, temperature, top_p, lower, threshold, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS,
+            num_warps=8)
+    if candidates is not None and not search_full_rows:
         return threshold
-    cand = candidates if candidates is not None else logits
-    _top_p_kernel[(num_rows,)](
-        logits, logits.stride(0), vocab_size, cand, cand.stride(0), cand.shape[1],
-        use_candidates if use_candidates is not None else threshold, temperature, top_p, lower, threshold,
-        HAS_CAND=candidates is not None, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS, num_warps=8)
-    return threshold
+    full = _split_search(logits, temperature, top_p, lower)  # [B]
+    searched = top_p < 1.0  # [B]
+    if use_candidates is not None and candidates is not None:
+        searched &= ~use_candidates
+    return torch.where(searched, full, threshold)  # [B]
 
 
 # ---------------------------------------------------------------------------------------------

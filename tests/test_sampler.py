@@ -587,10 +587,16 @@ def test_kernel_constants_match_reference() -> None:
         reference.GOLDEN32, reference.ROW_KEY_SALT, reference.UNIFORM_SCALE)
 
 
-def test_kernels_match_reference_interpreted() -> None:
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_kernels_match_reference_interpreted(small_blocks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """small_blocks: several vocab splits and tiles per row, so the cross-split reductions run too."""
     if torch.cuda.is_available():
         pytest.skip("the gpu test covers this")
-    run_kernel_checks(num_rows=3, vocab_size=70, seed=0)
+    if small_blocks:
+        for name, value in (("PROCESS_BLOCK", 32), ("ARGMAX_BLOCK", 16), ("ARGMAX_SPLIT", 32), ("TOP_P_BLOCK", 16),
+                            ("TOP_P_SPLIT", 32)):
+            monkeypatch.setattr(kernels, name, value)
+    run_kernel_checks(num_rows=3, vocab_size=70, seed=int(small_blocks))
 
 
 @pytest.mark.gpu
@@ -654,6 +660,10 @@ def test_state_counts_scatter_reuse_and_readmission() -> None:
     assert meta.offsets.tolist() == [1] and meta.top_k.tolist() == [3] and meta.max_top_k == 3
     assert meta.repetition_penalty is None and meta.presence_penalty is None
     assert meta.frequency_penalty.tolist() == [1.0]
+    # top-p rows without top-k ask the sampler for the whole-row search; with top-k they do not
+    state.admit([(2, new_request(5, [1], 1, top_p=0.9, top_k=5)), (3, new_request(6, [1], 1, top_p=0.9))])
+    assert not state.metadata(np.array([2, 1])).top_p_without_top_k
+    assert state.metadata(np.array([2, 3])).top_p_without_top_k
 
 
 def test_state_bias_and_bans() -> None:

@@ -55,6 +55,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: sampled logprob plus top k
     all_greedy: bool = False  # every row greedy: skip the random path entirely
     max_top_k: int = 0  # host copy of max(top_k) (0: read it from top_k, a device sync)
+    top_p_without_top_k: bool = True  # host flag: some row has top_p < 1 and no top-k (False skips a search)
 
 
 @dataclass(slots=True)
@@ -160,7 +161,7 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
         threshold = torch.where(has_k, kth, threshold)  # [B]
     if m.top_p is not None:
         threshold = sampling.top_p_threshold(logits, temperature, m.top_p.float().contiguous(), threshold,
-                                             candidates, has_k)  # [B]
+                                             candidates, has_k, search_full_rows=m.top_p_without_top_k)  # [B]
     if m.min_p is not None:
         row_max = candidates[:, 0] if candidates is not None else logits.amax(dim=-1)  # [B]
         threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p))  # [B]

@@ -198,6 +198,7 @@ class SamplingState:
             metadata.max_top_k = int(top_k.max())
         if (host[:, TOP_P] < 1.0).any():
             metadata.top_p = floats[TOP_P]
+            metadata.top_p_without_top_k = bool(((host[:, TOP_P] < 1.0) & (top_k <= 0)).any())
         if (host[:, MIN_P] > 0.0).any():
             metadata.min_p = floats[MIN_P]
         if (host[:, PRESENCE] != 0.0).any():
