@@ -270,7 +270,7 @@ def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_
         temperature = tl.load(temperature_ptr + b)
         temperature = tl.where(temperature == 0.0, 1.0, temperature)
         row = logits_ptr + b * stride_l
-        lane_max = tl.full([BLOCK], -3.0e38, tl.float32)
+        lane_max = tl.full([BLOCK], -1.0e30, tl.float32)
         lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, vocab_size, BLOCK):  # online max and sum per lane
             cols = start + tl.arange(0, BLOCK)
@@ -297,7 +297,7 @@ def _row_stats_kernel(logits_ptr, stride_l, vocab_size, lower_ptr, temperature_p
     temperature = tl.load(temperature_ptr + b)
     temperature = tl.where(temperature == 0.0, 1.0, temperature)
     row = logits_ptr + b * stride_l
-    lane_max = tl.full([BLOCK], -3.0e38, tl.float32)
+    lane_max = tl.full([BLOCK], -1.0e30, tl.float32)
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     first = split * SPLIT
     for start in range(first, first + SPLIT, BLOCK):
