@@ -33,7 +33,7 @@ SETTINGS: dict[str, dict] = {
     "top_p": dict(temperature=1.0, top_p=0.9),
 }
 # full [B, V] fp32 passes of the new path, per setting (read = 1, read + write = 2)
-NEW_PASSES = {"greedy": 1, "sampled": 2 + 1 + 1 + 1, "top_p": 1 + 9 + 1}
+NEW_PASSES = {"greedy": 1, "sampled": 3 + 1 + 1 + 1, "top_p": 1 + 8 + 1}  # sampled: logits + counts in, out
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:

@@ -3,7 +3,8 @@ top-k/p, min-p and seeded Gumbel-max, reading the [B, V] logits about once.
 
 Order (as OpenAI / vLLM): penalties on the raw logits (repetition over prompt + output tokens, then
 frequency and presence over output tokens), then logit bias, then bans (min_tokens) and the grammar
-bitmask (-inf); then greedy rows take the argmax, and the others draw from softmax(logits / T) after
+bitmask (-inf; the bitmask runs in the penalty pass, which gives the same result as -inf absorbs the
+bias); then greedy rows take the argmax, and the others draw from softmax(logits / T) after
 truncation. Truncation is a per-row threshold on the processed logits (kernels/reference.py
 `truncation_thresholds` states the rule, ties at the threshold are kept); the draw is
 argmax(logits / T + Gumbel noise) where the noise is a hash of (seed, output index, token id), so a
