@@ -233,3 +233,146 @@ def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weigh
 def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul, then per-token FP8 quantization: (e4m3 [T, I], scales [T, 1])."""
     return quantize_fp8_rows(silu_and_mul(gate_up))
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling (kernels/sampling.py): the fused logits pass, the token bitmask, the truncation thresholds
+# and the Gumbel-max draw. These are also the worker's CPU path.
+#
+# Counter-based noise: a pure function of (seed, offset, vocab id), so a seeded request draws the same
+# token whatever else shares its batch, and no torch.Generator per row is needed. Values are 32-bit
+# words held in int64 (a product may wrap past 2^63; its low 32 bits stay exact) and every shift sees
+# x >= 0. The [B, V] work runs in place (trailing underscore): fresh [B, V] temporaries cost ~3x on CPU.
+
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B9  # odd: spreads consecutive vocab ids over the whole 32-bit range
+ROW_KEY_SALT = 0x5BD1E995
+UNIFORM_SCALE = 2.0**-24  # 24-bit odd numerators give u in (0, 1), exact in float32
+
+
+def mul32_(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """x = x * constant mod 2^32 in place, for x and constant in [0, 2^32). The int64 product may wrap
+    (two's complement, as every torch backend computes it), which leaves its low 32 bits exact."""
+    return x.mul_(constant).bitwise_and_(MASK32)
+
+
+def mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons) in place: a bijective 32-bit finaliser with near-ideal avalanche."""
+    x ^= x >> 16
+    mul32_(x, 0x7FEB352D)
+    x ^= x >> 15
+    mul32_(x, 0x846CA68B)
+    x ^= x >> 16
+    return x
+
+
+def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row [B] absorbing all 63 seed bits and the offset, word by word."""
+    key = mix32_((offsets >> 32) ^ ROW_KEY_SALT)  # [B]
+    key = mix32_(key ^ (offsets & MASK32))  # [B]
+    key = mix32_(key ^ (seeds >> 32))  # [B]
+    return mix32_(key ^ (seeds & MASK32))  # [B]
+
+
+def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u [B, V] float32 strictly inside (0, 1), a hash of (seed, offset, vocab id)."""
+    vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
+    vocab_words = mul32_(vocab_ids, GOLDEN32)  # [V]
+    # The golden-ratio spread makes two rows' XOR-keyed inputs almost never coincide inside [0, V).
+    bits = mix32_(row_keys(seeds, offsets).unsqueeze(1) ^ vocab_words.unsqueeze(0))  # [B, V] in [0, 2^32)
+    numerators = bits.bitwise_right_shift_(8).bitwise_or_(1)  # [B, V] odd in [1, 2^24): exact in float32
+    return numerators.float().mul_(UNIFORM_SCALE)  # [B, V], never 0 or 1
+
+
+def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, V]: argmax(logits + noise) samples from softmax(logits)."""
+    return uniform_noise(seeds, offsets, vocab_size).log_().neg_().log_().neg_()  # [B, V] = -log(-log u)
+
+
+def token_bitmask_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, ceil(V/32)] int32 words -> [B, V] bool: bit j of word w allows token 32 * w + j."""
+    vocab_ids = torch.arange(vocab_size, device=bitmask.device)  # [V]
+    words = bitmask[:, vocab_ids // 32]  # [B, V] int32
+    return ((words >> (vocab_ids % 32).to(torch.int32)) & 1).bool()  # [B, V]; >> is arithmetic, & 1 is not
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """-inf where a row's bitmask disallows a token, for the rows flagged in `rows` [B] bool (None: all);
+    returns a new tensor like logits [B, V]."""
+    disallowed = ~token_bitmask_allowed(bitmask, logits.shape[1])  # [B, V]
+    if rows is not None:
+        disallowed &= rows.unsqueeze(1)
+    return logits.masked_fill(disallowed, float("-inf"))  # [B, V]
+
+
+def process_logits(logits: torch.Tensor, output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None,
+                   presence: torch.Tensor | None, frequency: torch.Tensor | None, repetition: torch.Tensor | None,
+                   bitmask: torch.Tensor | None = None, bitmask_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused pass of kernels/sampling.py: repetition (over prompt + output tokens), frequency and
+    presence penalties on the raw logits, then the grammar bitmask. logits [B, V]; output_counts [B, V]
+    (any number type) and prompt_mask [B, V] bool, already gathered for the batch rows. Returns new fp32 [B, V]."""
+    out = logits.float()  # [B, V]; a new tensor unless logits is fp32
+    if repetition is not None:
+        assert output_counts is not None
+        seen = output_counts > 0  # [B, V] bool
+        if prompt_mask is not None:
+            seen |= prompt_mask
+        penalty = repetition.unsqueeze(1)  # [B, 1]
+        out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)  # [B, V]
+    if frequency is not None:
+        assert output_counts is not None
+        out = out - frequency.unsqueeze(1) * output_counts.float()  # [B, V]
+    if presence is not None:
+        assert output_counts is not None
+        out = out - presence.unsqueeze(1) * (output_counts > 0).float()  # [B, V]
+    if bitmask is not None:
+        out = apply_token_bitmask(out, bitmask, bitmask_rows)  # [B, V]
+    if out is logits:
+        out = out.clone()
+    return out
+
+
+def truncation_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                          top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Per-row threshold [B] fp32 on the processed logits [B, V]: a row keeps exactly the tokens whose
+    logit is >= its threshold (-inf: all). Sort-based. The rule (ties at the threshold are all kept):
+      top-k: the k-th largest logit (k <= 0: off);
+      top-p (after top-k): over the tokens top-k keeps, with probabilities softmax(logit / T), the logit
+        of the m-th largest token where m is the smallest count whose mass reaches top_p (1.0: off);
+      min-p: max_logit + T * log(min_p), i.e. prob >= min_p * max_prob (0: off);
+    the row's threshold is the largest of these. Greedy rows (T = 0) use T = 1 here."""
+    num_rows, vocab_size = logits.shape
+    temperature = torch.where(temperature == 0.0, 1.0, temperature)  # [B]
+    threshold = torch.full((num_rows,), float("-inf"), device=logits.device)  # [B]
+    if top_k is None and top_p is None and min_p is None:
+        return threshold
+    ordered = logits.sort(dim=-1, descending=True).values  # [B, V]
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab_size, top_k).clamp(1, vocab_size)  # [B]
+        kth = ordered.gather(1, (k - 1).unsqueeze(1)).squeeze(1)  # [B]
+        threshold = torch.where(top_k > 0, kth, threshold)  # [B]
+    if top_p is not None:
+        kept = ordered.masked_fill(ordered < threshold.unsqueeze(1), float("-inf"))  # [B, V]
+        cum_probs = (kept / temperature.unsqueeze(1)).softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+        m = (cum_probs < top_p.unsqueeze(1)).sum(dim=-1).clamp(max=vocab_size - 1)  # [B]: 0-based index of m-th
+        pth = kept.gather(1, m.unsqueeze(1)).squeeze(1)  # [B]
+        threshold = torch.where(top_p < 1.0, torch.maximum(threshold, pth), threshold)  # [B]
+    if min_p is not None:
+        mth = ordered[:, 0] + temperature * torch.log(min_p)  # [B]; log 0 = -inf keeps all
+        threshold = torch.maximum(threshold, mth)  # [B]
+    return threshold
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
+                  seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor:
+    """Token ids [B] int64: the argmax of logits [B, V] for greedy rows ([B] bool, None: none), otherwise
+    argmax(logits / T + Gumbel(seed, offset, id)) over the tokens with logit >= threshold [B]."""
+    temperature = torch.where(temperature == 0.0, 1.0, temperature)  # [B]; greedy rows are replaced below
+    scaled = logits / temperature.unsqueeze(1)  # [B, V]
+    if threshold is not None:
+        scaled.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+    noise = gumbel_noise(seeds, offsets, logits.shape[1])  # [B, V]
+    token_ids = noise.add_(scaled).argmax(dim=-1)  # [B] int64
+    if greedy is not None:
+        token_ids = torch.where(greedy, logits.argmax(dim=-1), token_ids)  # [B]
+    return token_ids

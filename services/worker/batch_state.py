@@ -27,21 +27,9 @@ class BatchState:
         self.num_computed = np.zeros(rows, dtype=np.int64)  # [R]
         self.block_table = np.zeros((rows, max_blocks), dtype=np.int32)  # [R, max_blocks]
         self.num_blocks = np.zeros(rows, dtype=np.int64)  # [R]
-        # sampling settings, one entry per row
-        self.temperature = np.ones(rows, dtype=np.float32)
-        self.top_k = np.zeros(rows, dtype=np.int64)
-        self.top_p = np.ones(rows, dtype=np.float32)
-        self.min_p = np.zeros(rows, dtype=np.float32)
-        self.presence_penalty = np.zeros(rows, dtype=np.float32)
-        self.frequency_penalty = np.zeros(rows, dtype=np.float32)
-        self.repetition_penalty = np.ones(rows, dtype=np.float32)
-        self.seed = np.zeros(rows, dtype=np.int64)
+        # logprob settings (the sampling settings live in SamplingState, on the device)
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none wanted
         self.num_prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # -1: prompt tokens not scored
-        self.min_tokens = np.zeros(rows, dtype=np.int64)
-        self.banned_while_short: list[list[int]] = [[] for _ in range(rows)]  # EOS/stop ids under min_tokens
-        self.has_logit_bias = np.zeros(rows, dtype=bool)
-        self.logit_bias: list[dict[int, float]] = [{} for _ in range(rows)]
 
     def reset(self) -> None:
         """Forget every request (a new scheduler starts from nothing)."""
@@ -73,21 +61,8 @@ class BatchState:
         self.block_table[row, :len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
         params = new.sampling
-        self.temperature[row] = 0.0 if params.is_greedy else params.temperature
-        self.top_k[row] = max(params.top_k, 0)
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.presence_penalty[row] = params.presence_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.repetition_penalty[row] = params.repetition_penalty
-        self.seed[row] = new.seed
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
-        self.min_tokens[row] = params.min_tokens
-        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-        self.banned_while_short[row] = banned if params.min_tokens > 0 else []
-        self.logit_bias[row] = params.logit_bias
-        self.has_logit_bias[row] = bool(params.logit_bias)
 
     def rows_for(self, req_ids: list[int]) -> np.ndarray:
         return np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))  # [B]

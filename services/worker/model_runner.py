@@ -13,7 +13,8 @@ from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
-from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagoda.services.worker.sampler import Sampler, SamplerOutput
+from pagoda.services.worker.sampling_state import SamplingState
 from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
@@ -71,6 +72,8 @@ class ModelRunner:
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
         self.staging = PinnedStaging(self.device)
+        self.sampling = SamplingState(config.max_num_seqs, self.arch.vocab_size, self.device, self.arch.eos_token_ids,
+                                      self._to_device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
@@ -167,6 +170,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self.state.apply(plan)
+        self.sampling.admit([(self.state.row_of[new.req_id], new) for new in plan.new_requests])
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
         host = self._prepare(plan)
@@ -184,8 +188,9 @@ class ModelRunner:
         if logits is None:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], prompt_scores=prompt_scores)
         sampled_rows = host.rows[host.sampled]  # [S]
-        metadata = self._sampling_metadata(sampled_rows, logits.shape[1])
+        metadata = self.sampling.metadata(sampled_rows)
         output = self.sampler(logits, metadata)
+        self.sampling.record(sampled_rows, output.token_ids, metadata.state_rows)  # on the device
         token_ids = output.token_ids.tolist()  # the step's one host sync
         state.token_ids[sampled_rows, state.num_tokens[sampled_rows]] = token_ids
         state.num_tokens[sampled_rows] += 1
@@ -285,71 +290,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             return tensor
         return self.staging.to_device(tensor, name)
-
-    def _sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
-        """Gather the sampled rows' settings; optional parts only when some row uses them."""
-        state, to = self.state, self._to_device
-        temperature = state.temperature[rows]
-        num_output = state.num_tokens[rows] - state.num_prompt_tokens[rows]  # [S]
-        metadata = SamplingMetadata(temperature=to(temperature, "temperature"), seeds=to(state.seed[rows], "seeds"),
-                                    offsets=to(num_output, "offsets"),
-                                    all_greedy=bool((temperature == 0.0).all()))
-        if (state.top_k[rows] > 0).any():
-            metadata.top_k = to(state.top_k[rows], "top_k")
-        if (state.top_p[rows] < 1.0).any():
-            metadata.top_p = to(state.top_p[rows], "top_p")
-        if (state.min_p[rows] > 0.0).any():
-            metadata.min_p = to(state.min_p[rows], "min_p")
-        presence, frequency = state.presence_penalty[rows], state.frequency_penalty[rows]
-        repetition = state.repetition_penalty[rows]
-        if (presence != 0).any() or (frequency != 0).any() or (repetition != 1).any():
-            metadata.presence_penalty = to(presence, "presence")
-            metadata.frequency_penalty = to(frequency, "frequency")
-            metadata.repetition_penalty = to(repetition, "repetition")
-            metadata.prompt_token_ids, metadata.output_token_ids = self._penalty_tokens(rows, vocab_size)
-        if state.has_logit_bias[rows].any():
-            ids, values = self._logit_bias(rows, vocab_size)
-            metadata.logit_bias_ids, metadata.logit_bias_values = to(ids, "bias_ids"), to(values, "bias_values")
-        short = np.flatnonzero(num_output < state.min_tokens[rows])
-        if len(short):
-            metadata.banned_token_ids = self._to_device(self._banned(rows, short, vocab_size), "banned")
-        num_logprobs = state.num_logprobs[rows]
-        if (num_logprobs >= 0).any():
-            metadata.max_num_logprobs = int(num_logprobs.max())
-        return metadata
-
-    def _penalty_tokens(self, rows: np.ndarray, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt [S, P] and output [S, O] token ids, padded with vocab_size."""
-        state = self.state
-        num_prompt, num_tokens = state.num_prompt_tokens[rows], state.num_tokens[rows]
-        max_prompt = int(num_prompt.max())
-        prompt = state.token_ids[rows, :max_prompt].astype(np.int64)  # [S, P]
-        prompt[np.arange(max_prompt)[None, :] >= num_prompt[:, None]] = vocab_size
-        max_output = max(int((num_tokens - num_prompt).max()), 1)
-        index = num_prompt[:, None] + np.arange(max_output)[None, :]  # [S, O]
-        output = state.token_ids[rows[:, None], np.minimum(index, self.max_model_len - 1)].astype(np.int64)
-        output[index >= num_tokens[:, None]] = vocab_size
-        return self._to_device(prompt, "prompt_ids"), self._to_device(output, "output_ids")
-
-    def _logit_bias(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Biased token ids [S, K] (padded with vocab_size) and their biases [S, K] float32."""
-        biases = [self.state.logit_bias[row] for row in rows.tolist()]
-        width = max(1, max(len(b) for b in biases))
-        ids = np.full((len(rows), width), vocab_size, dtype=np.int64)  # [S, K]
-        values = np.zeros((len(rows), width), dtype=np.float32)  # [S, K]
-        for i, bias in enumerate(biases):
-            ids[i, :len(bias)] = list(bias.keys())
-            values[i, :len(bias)] = list(bias.values())
-        return ids, values
-
-    def _banned(self, rows: np.ndarray, short: np.ndarray, vocab_size: int) -> np.ndarray:
-        short_set = set(short.tolist())
-        lists = [self.state.banned_while_short[row] if i in short_set else [] for i, row in enumerate(rows.tolist())]
-        width = max(1, max(len(ids) for ids in lists))
-        banned = np.full((len(rows), width), vocab_size, dtype=np.int64)  # [S, K]
-        for i, ids in enumerate(lists):
-            banned[i, :len(ids)] = ids
-        return banned
 
     def _with_logprobs(self, step_id: int, req_ids: list[int], token_ids: list[int], rows: np.ndarray,
                        output: SamplerOutput, prompt_scores: list[PromptScores]) -> StepResult:

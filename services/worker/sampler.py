@@ -1,4 +1,25 @@
-"""Batched token sampling on the device: penalties, greedy, temperature, top-k/p, min-p, seeded Gumbel-max."""
+"""Batched token sampling on the device: penalties, bias, bans, grammar bitmask, greedy, temperature,
+top-k/p, min-p and seeded Gumbel-max, reading the [B, V] logits about once.
+
+Order (as OpenAI / vLLM): penalties on the raw logits (repetition over prompt + output tokens, then
+frequency and presence over output tokens), then logit bias, then bans (min_tokens) and the grammar
+bitmask (-inf; the bitmask runs in the penalty pass, which gives the same result as -inf absorbs the
+bias); then greedy rows take the argmax, and the others draw from softmax(logits / T) after
+truncation. Truncation is a per-row threshold on the processed logits (kernels/reference.py
+`truncation_thresholds` states the rule, ties at the threshold are kept); the draw is
+argmax(logits / T + Gumbel noise) where the noise is a hash of (seed, output index, token id), so a
+seeded row draws the same token whatever shares its batch, on CPU and GPU alike. Logprobs are those of
+the raw model distribution.
+
+On CUDA the work runs in kernels/sampling.py (one fused pass for penalties + bitmask, torch.topk for the
+batch's largest k, a per-row top-p threshold search, one Gumbel-argmax kernel); on CPU in the PyTorch
+references of kernels/reference.py.
+
+Grammar hook (structured output): set `metadata.token_bitmask` [B, ceil(V/32)] int32 (bit j of word w set:
+token 32 * w + j allowed, the xgrammar / llguidance layout) and, when only some rows have a grammar,
+`metadata.bitmask_rows` [B] bool. Disallowed tokens become -inf for greedy and random rows alike, before
+top-k/p thresholds; logprobs stay those of the raw distribution.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +27,36 @@ from dataclasses import dataclass
 
 import torch
 
-MASK32 = 0xFFFFFFFF
-GOLDEN32 = 0x9E3779B9  # odd: spreads consecutive vocab ids over the whole 32-bit range
-ROW_KEY_SALT = 0x5BD1E995
-UNIFORM_SCALE = 2.0**-24  # 24-bit odd numerators give u in (0, 1), exact in float32
+from pagoda.kernels import reference
+from pagoda.kernels.reference import gumbel_noise, mix32_, mul32_, row_keys, uniform_noise  # noqa: F401 (re-exported)
 
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """Per-row sampling settings for the B rows sampled this step (all tensors on the logits' device)."""
+    """Per-row sampling settings for the B rows sampled this step (all tensors on the logits' device).
+    An optional field is None when no row of the batch uses it."""
 
     temperature: torch.Tensor  # [B] float32; 0 means greedy for that row
     seeds: torch.Tensor  # [B] int64, the request's seed, in [0, 2^63)
     offsets: torch.Tensor  # [B] int64, index of the sampled token within the request's output
-    top_k: torch.Tensor | None = None  # [B] int64, 0 or -1 = off; None when no row uses top-k
-    top_p: torch.Tensor | None = None  # [B] float32, 1.0 = off; None when no row uses it
-    min_p: torch.Tensor | None = None  # [B] float32, 0.0 = off; None when no row uses it
-    presence_penalty: torch.Tensor | None = None  # [B] float32; None when no row has any penalty
-    frequency_penalty: torch.Tensor | None = None  # [B] float32
-    repetition_penalty: torch.Tensor | None = None  # [B] float32
-    prompt_token_ids: torch.Tensor | None = None  # [B, P] int64 padded with vocab_size
-    output_token_ids: torch.Tensor | None = None  # [B, O] int64 padded with vocab_size
-    logit_bias_ids: torch.Tensor | None = None  # [B, K] int64 padded with vocab_size; None when no row biases
+    top_k: torch.Tensor | None = None  # [B] int64, 0 or -1 = off
+    top_p: torch.Tensor | None = None  # [B] float32, 1.0 = off
+    min_p: torch.Tensor | None = None  # [B] float32, 0.0 = off
+    presence_penalty: torch.Tensor | None = None  # [B] float32, 0 = off
+    frequency_penalty: torch.Tensor | None = None  # [B] float32, 0 = off
+    repetition_penalty: torch.Tensor | None = None  # [B] float32, 1 = off
+    state_rows: torch.Tensor | None = None  # [B] int64: row b's row in output_counts / prompt_mask
+    output_counts: torch.Tensor | None = None  # [R, V] int32: how often each id was generated (penalties)
+    prompt_mask: torch.Tensor | None = None  # [R, V] bool: ids in the prompt (repetition penalty)
+    logit_bias_ids: torch.Tensor | None = None  # [B, K] int64, padded with id 0 and value 0
     logit_bias_values: torch.Tensor | None = None  # [B, K] float32
-    banned_token_ids: torch.Tensor | None = None  # [B, K] int64 padded with vocab_size
+    banned_token_ids: torch.Tensor | None = None  # [B, K] int64, padded with -1
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 grammar masks
+    bitmask_rows: torch.Tensor | None = None  # [B] bool: rows whose token_bitmask applies (None: all)
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: sampled logprob plus top k
     all_greedy: bool = False  # every row greedy: skip the random path entirely
+    max_top_k: int = 0  # host copy of max(top_k) (0: read it from top_k, a device sync)
+    top_p_without_top_k: bool = True  # host flag: some row has top_p < 1 and no top-k (False skips a search)
 
 
 @dataclass(slots=True)
@@ -51,13 +76,16 @@ class Sampler:
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of `logits` [B, V]; no host sync, no loop over rows."""
-    raw_logits = logits.float()  # [B, V]
-    logits = apply_penalties(raw_logits, metadata)  # [B, V]; every step is out of place: raw stays intact
-    logits = apply_logit_bias(logits, metadata.logit_bias_ids, metadata.logit_bias_values)  # [B, V]
-    logits = apply_banned_tokens(logits, metadata.banned_token_ids)  # [B, V]
-    token_ids = logits.argmax(dim=-1)  # [B] int64
-    if not metadata.all_greedy:
-        token_ids = torch.where(is_greedy_row(metadata), token_ids, sample_random(logits, metadata))  # [B]
+    raw_logits = logits.float()  # [B, V]; the same tensor when logits is fp32: never written
+    use_triton = logits.is_cuda
+    processed = process_logits(raw_logits, metadata, use_triton)  # [B, V] fp32
+    if metadata.all_greedy:
+        token_ids = processed.argmax(dim=-1)  # [B] int64
+    else:
+        threshold = truncation_thresholds(processed, metadata, use_triton)  # [B] or None
+        draw = _triton_gumbel_argmax if use_triton else reference.gumbel_argmax
+        token_ids = draw(processed, metadata.temperature, threshold, metadata.seeds, metadata.offsets,
+                         is_greedy_row(metadata))  # [B] int64
     return gather_logprobs(raw_logits, token_ids, metadata.max_num_logprobs)
 
 
@@ -70,158 +98,83 @@ def is_greedy_row(metadata: SamplingMetadata) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# penalties and bans: on the model's logits, before temperature (OpenAI / vLLM order)
+# penalties, bias, bans, bitmask: on the model's logits, before temperature
 
 
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Repetition over prompt+output tokens, then frequency and presence over output tokens."""
-    if (metadata.presence_penalty is None and metadata.frequency_penalty is None
-            and metadata.repetition_penalty is None):
-        return logits
-    num_rows, vocab_size = logits.shape
-    output_counts = token_counts(metadata.output_token_ids, num_rows, vocab_size, logits.device)  # [B, V]
-    output_seen = output_counts > 0  # [B, V] bool
-    if metadata.repetition_penalty is not None:
-        prompt_seen = token_mask(metadata.prompt_token_ids, num_rows, vocab_size, logits.device)  # [B, V]
-        seen = output_seen | prompt_seen  # [B, V] bool
-        penalty = metadata.repetition_penalty.unsqueeze(1)  # [B, 1]
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # [B, V]
-        logits = torch.where(seen, penalised, logits)  # [B, V]
-    if metadata.frequency_penalty is not None:
-        logits = logits - metadata.frequency_penalty.unsqueeze(1) * output_counts  # [B, V]
-    if metadata.presence_penalty is not None:
-        logits = logits - metadata.presence_penalty.unsqueeze(1) * output_seen  # [B, V]
+def process_logits(raw_logits: torch.Tensor, metadata: SamplingMetadata, use_triton: bool) -> torch.Tensor:
+    """Processed fp32 logits [B, V]; raw_logits itself when nothing applies (never written in place)."""
+    m = metadata
+    penalised = m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
+    prompt_mask = m.prompt_mask if m.repetition_penalty is not None else None
+    logits = raw_logits
+    if penalised or m.token_bitmask is not None:
+        if use_triton:
+            from pagoda.kernels import sampling
+
+            logits = sampling.process_logits(raw_logits, m.state_rows, m.output_counts, prompt_mask,
+                                             m.presence_penalty, m.frequency_penalty, m.repetition_penalty,
+                                             m.token_bitmask, m.bitmask_rows)  # [B, V] new
+        else:
+            counts = prompts = None
+            if penalised:
+                assert m.output_counts is not None and m.state_rows is not None, "penalties need output_counts"
+                counts = m.output_counts.index_select(0, m.state_rows)  # [B, V]
+                prompts = prompt_mask.index_select(0, m.state_rows) if prompt_mask is not None else None
+            logits = reference.process_logits(raw_logits, counts, prompts, m.presence_penalty, m.frequency_penalty,
+                                              m.repetition_penalty, m.token_bitmask, m.bitmask_rows)  # [B, V] new
+    if m.logit_bias_ids is not None and m.logit_bias_values is not None:
+        # padding adds 0.0 to id 0: harmless, and order-independent under duplicate ids
+        logits = (logits.clone() if logits is raw_logits else logits).scatter_add_(
+            1, m.logit_bias_ids, m.logit_bias_values)
+    if m.banned_token_ids is not None:
+        banned = m.banned_token_ids >= 0  # [B, K]
+        values = torch.where(banned, float("-inf"), float("inf"))  # [B, K]; amin with +inf changes nothing
+        logits = (logits.clone() if logits is raw_logits else logits).scatter_reduce_(
+            1, m.banned_token_ids.clamp(min=0), values, reduce="amin")
     return logits
 
 
-def token_counts(token_ids: torch.Tensor | None, num_rows: int, vocab_size: int,
-                 device: torch.device) -> torch.Tensor:
-    """How often each vocab id occurs per row; padding (= vocab_size) lands in a dropped extra column."""
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)  # [B, V+1]
-    if token_ids is not None:
-        ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)  # [B, O]
-        counts.scatter_add_(1, token_ids, ones)
-    return counts[:, :vocab_size]  # [B, V]
-
-
-def token_mask(token_ids: torch.Tensor | None, num_rows: int, vocab_size: int,
-               device: torch.device) -> torch.Tensor:
-    """True where a vocab id occurs in the row's padded id list."""
-    mask = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=device)  # [B, V+1]
-    if token_ids is not None:
-        mask.scatter_(1, token_ids, True)
-    return mask[:, :vocab_size]  # [B, V]
-
-
-def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor | None,
-                     values: torch.Tensor | None) -> torch.Tensor:
-    """Add each row's bias to its chosen ids; padding ids (= vocab_size) land in a dropped extra column."""
-    if ids is None or values is None:
-        return logits
-    num_rows, vocab_size = logits.shape
-    bias = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)  # [B, V+1]
-    bias.scatter_add_(1, ids, values.to(logits.dtype))
-    return logits + bias[:, :vocab_size]  # [B, V]
-
-
-def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: torch.Tensor | None) -> torch.Tensor:
-    """-inf on ids a row must not emit yet (EOS and stop ids under min_tokens)."""
-    if banned_token_ids is None:
-        return logits
-    num_rows, vocab_size = logits.shape
-    banned = token_mask(banned_token_ids, num_rows, vocab_size, logits.device)  # [B, V] bool
-    return logits.masked_fill(banned, float("-inf"))  # [B, V]
-
-
 # ---------------------------------------------------------------------------------------------
-# the random path: temperature, truncation, then Gumbel-max with hashed noise
+# truncation thresholds and the draw
 
 
-def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Token ids [B] drawn from softmax(logits / T) after top-k, top-p and min-p truncation."""
-    # Greedy rows get T=1 here only to stay finite; their result is replaced by the argmax.
-    temperature = torch.where(metadata.temperature == 0.0, 1.0, metadata.temperature)  # [B]
-    logits = logits / temperature.unsqueeze(1)  # [B, V]
-    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)  # [B, V]
-    logits = apply_min_p(logits, metadata.min_p)  # [B, V]
-    noise = gumbel_noise(metadata.seeds, metadata.offsets, logits.shape[1])  # [B, V]
-    return noise.add_(logits).argmax(dim=-1)  # [B] int64
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf what top-k / top-p drop; one ascending sort serves both (vLLM's scheme)."""
-    if top_k is None and top_p is None:
-        return logits
-    vocab_size = logits.shape[1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1)  # [B, V] ascending, [B, V] int64
+def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_triton: bool) -> torch.Tensor | None:
+    """Per-row threshold [B] fp32 (keep logit >= threshold), or None when no row truncates."""
+    m = metadata
+    top_k = m.top_k
     if top_k is not None:
-        k = torch.where(top_k <= 0, vocab_size, top_k).clamp(1, vocab_size)  # [B] int64
-        kth_largest = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [B, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    if top_p is not None:
-        # Drop a token when it and everything below it hold <= 1 - p of the mass: what stays is the
-        # smallest top set with mass >= p. The largest token always stays.
-        cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-        drop = cum_probs <= (1.0 - top_p).unsqueeze(1)  # [B, V] bool
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)  # [B, V]
+        max_top_k = min(m.max_top_k or int(top_k.max()), logits.shape[1])
+        if max_top_k <= 0:
+            top_k = None
+    if top_k is None and m.top_p is None and m.min_p is None:
+        return None
+    if not use_triton:
+        return reference.truncation_thresholds(logits, m.temperature, top_k, m.top_p, m.min_p)  # [B]
+    from pagoda.kernels import sampling
+
+    temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).float()  # [B] contiguous
+    threshold = torch.full_like(temperature, float("-inf"))  # [B]
+    candidates = has_k = None
+    if top_k is not None:
+        candidates = logits.topk(max_top_k, dim=-1).values  # [B, k_max] descending: the batch's largest k
+        has_k = top_k > 0  # [B]
+        kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
+        threshold = torch.where(has_k, kth, threshold)  # [B]
+    if m.top_p is not None:
+        threshold = sampling.top_p_threshold(logits, temperature, m.top_p.float().contiguous(), threshold,
+                                             candidates, has_k, search_full_rows=m.top_p_without_top_k)  # [B]
+    if m.min_p is not None:
+        row_max = candidates[:, 0] if candidates is not None else logits.amax(dim=-1)  # [B]
+        threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p))  # [B]
+    return threshold
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Drop tokens with prob < min_p * max_prob, compared in log space (no softmax needed)."""
-    if min_p is None:
-        return logits
-    max_logit = logits.amax(dim=-1, keepdim=True)  # [B, 1]
-    threshold = max_logit + torch.log(min_p).unsqueeze(1)  # [B, 1]; log(0) = -inf keeps everything
-    return logits.masked_fill(logits < threshold, float("-inf"))  # [B, V]
+def _triton_gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
+                          seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    from pagoda.kernels import sampling
 
-
-# ---------------------------------------------------------------------------------------------
-# counter-based noise: a pure function of (seed, offset, vocab id), so a seeded request draws the
-# same token whatever else shares its batch, and no torch.Generator per row is needed.
-# Values are 32-bit words held in int64; every product stays < 2^49 and every shift sees x >= 0.
-# The [B, V] work runs in place (trailing underscore): fresh [B, V] temporaries cost ~3x on CPU.
-
-
-def mul32_(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """x = x * constant mod 2^32 in place, for x in [0, 2^32), split in 16-bit halves: no int64 overflow."""
-    low = x * (constant & 0xFFFF)  # same shape as x, < 2^48
-    return x.mul_(constant >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(low).bitwise_and_(MASK32)
-
-
-def mix32_(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (C. Wellons) in place: a bijective 32-bit finaliser with near-ideal avalanche."""
-    x ^= x >> 16
-    mul32_(x, 0x7FEB352D)
-    x ^= x >> 15
-    mul32_(x, 0x846CA68B)
-    x ^= x >> 16
-    return x
-
-
-def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per row [B] absorbing all 63 seed bits and the offset, word by word."""
-    key = mix32_((offsets >> 32) ^ ROW_KEY_SALT)  # [B]
-    key = mix32_(key ^ (offsets & MASK32))  # [B]
-    key = mix32_(key ^ (seeds >> 32))  # [B]
-    return mix32_(key ^ (seeds & MASK32))  # [B]
-
-
-def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u [B, V] float32 strictly inside (0, 1), a hash of (seed, offset, vocab id)."""
-    vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
-    vocab_words = mul32_(vocab_ids, GOLDEN32)  # [V]
-    # The golden-ratio spread makes two rows' XOR-keyed inputs almost never coincide inside [0, V).
-    bits = mix32_(row_keys(seeds, offsets).unsqueeze(1) ^ vocab_words.unsqueeze(0))  # [B, V] in [0, 2^32)
-    numerators = bits.bitwise_right_shift_(8).bitwise_or_(1)  # [B, V] odd in [1, 2^24): exact in float32
-    return numerators.float().mul_(UNIFORM_SCALE)  # [B, V], never 0 or 1
-
-
-def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise [B, V]: argmax(logits + noise) samples from softmax(logits)."""
-    return uniform_noise(seeds, offsets, vocab_size).log_().neg_().log_().neg_()  # [B, V] = -log(-log u)
+    return sampling.gumbel_argmax(logits, temperature.float().contiguous(), threshold, seeds.contiguous(),
+                                  offsets.contiguous(), greedy.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------

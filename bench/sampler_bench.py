@@ -1,0 +1,119 @@
+"""Sampler step time, old (bench/sampler_v0.py, commit c011cff) vs new (per-row state + fused kernels).
+
+    python -m bench.sampler_bench                       # CUDA: B=256, V=151936 and 128256
+    python -m bench.sampler_bench --device cpu --batch 8 --vocab 49152 --iters 20
+
+Settings: greedy; "sampled" (temperature 0.8, top_p 0.9, top_k 50, presence 0.5, frequency 0.2, seed);
+top_p 0.9 only. Each row has 512 prompt and 256 output tokens. Times are ms per step (CUDA events on GPU,
+perf_counter on CPU), medians over --iters after warm-up; "new" includes building the step's metadata from
+the state (a gather by row ids), "old" is the sampler call alone on prebuilt metadata (its host-side padded
+arrays were built every step in the worker and are not counted). Bytes: the [B, V] fp32 passes the new path
+makes (an estimate: reads plus writes of full rows), and the bandwidth they imply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from bench import sampler_v0 as old
+from pagoda.services.worker.sampler import sample
+from pagoda.services.worker.sampling_state import SamplingState
+from pagoda.shared.messages import NewRequest, SamplingParams
+
+PROMPT_LEN, OUTPUT_LEN = 512, 256
+SETTINGS: dict[str, dict] = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.5, frequency_penalty=0.2),
+    "top_p": dict(temperature=1.0, top_p=0.9),
+}
+# full [B, V] fp32 passes of the new path, per setting (read = 1, read + write = 2)
+NEW_PASSES = {"greedy": 1, "sampled": 3 + 1 + 1 + 1, "top_p": 1 + 8 + 1}  # sampled: logits + counts in, out
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def tokens(batch: int, vocab: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, vocab, size=(batch, PROMPT_LEN + OUTPUT_LEN))  # [B, P + O]
+
+
+def new_step(batch: int, vocab: int, params: dict, device: torch.device) -> Callable[[torch.Tensor], object]:
+    state = SamplingState(batch, vocab, device, eos_token_ids=[0])
+    ids = tokens(batch, vocab)
+    state.admit([(row, NewRequest(req_id=row, token_ids=ids[row].tolist(), num_prompt_tokens=PROMPT_LEN, block_ids=[],
+                                  num_computed_tokens=0, sampling=SamplingParams(**params), seed=1234 + row))
+                 for row in range(batch)])
+    rows = np.arange(batch)
+    return lambda logits: sample(logits, state.metadata(rows))
+
+
+def old_step(batch: int, vocab: int, params: dict, device: torch.device) -> Callable[[torch.Tensor], object]:
+    ids = torch.from_numpy(tokens(batch, vocab)).to(device)  # [B, P + O]
+    full = lambda value, dtype=torch.float32: torch.full((batch,), value, dtype=dtype, device=device)  # noqa: E731
+    meta = old.SamplingMetadata(temperature=full(params.get("temperature", 1.0)),
+                                seeds=torch.arange(batch, device=device) + 1234,
+                                offsets=full(OUTPUT_LEN, torch.int64),
+                                all_greedy=params.get("temperature", 1.0) == 0.0)
+    if "top_k" in params:
+        meta.top_k = full(params["top_k"], torch.int64)
+    if "top_p" in params:
+        meta.top_p = full(params["top_p"])
+    if "presence_penalty" in params or "frequency_penalty" in params:
+        meta.presence_penalty = full(params.get("presence_penalty", 0.0))
+        meta.frequency_penalty = full(params.get("frequency_penalty", 0.0))
+        meta.repetition_penalty = full(1.0)
+        meta.prompt_token_ids, meta.output_token_ids = ids[:, :PROMPT_LEN], ids[:, PROMPT_LEN:]
+    return lambda logits: old.sample(logits, meta)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 128256])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, B={args.batch}")
+    header = ("V", "setting", "old ms", "new ms", "speedup", "new GB", "new GB/s", "same")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 8, 8, 8, 8, 7, 9, 5), strict=True)))
+    for vocab in args.vocab:
+        torch.manual_seed(0)
+        logits = torch.randn(args.batch, vocab, device=device) * 3  # [B, V] fp32, as compute_logits returns
+        for name in args.settings:
+            params = SETTINGS[name]
+            old_fn, new_fn = old_step(args.batch, vocab, params, device), new_step(args.batch, vocab, params, device)
+            old_ms = time_ms(lambda: old_fn(logits), device, args.iters)  # noqa: B023
+            new_ms = time_ms(lambda: new_fn(logits), device, args.iters)  # noqa: B023
+            # same seed, offset and processing: the old and new draws agree up to float rounding
+            same = (old_fn(logits).token_ids == new_fn(logits).token_ids).float().mean().item()
+            gb = NEW_PASSES[name] * args.batch * vocab * 4 / 1e9
+            print(f"{vocab:>7} {name:>8} {old_ms:>8.3f} {new_ms:>8.3f} {old_ms / new_ms:>7.1f}x {gb:>7.2f} "
+                  f"{gb / new_ms * 1e3:>9.0f} {same:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()

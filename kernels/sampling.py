@@ -1,0 +1,482 @@
+"""Triton sampling kernels: the fused logits pass, the grammar bitmask, the top-p threshold and Gumbel-max.
+
+Each reads the [B, V] logits once (the top-p search reads a row a few times from L2 when no top-k
+bounds it) and none materialises a [B, V] noise tensor. References: kernels/reference.py
+(process_logits, apply_token_bitmask, truncation_thresholds, gumbel_argmax).
+
+Grammar bitmask layout (xgrammar / llguidance): `bitmask [B, ceil(V / 32)] int32`; bit j of word w set
+means token 32 * w + j is allowed; `rows [B] bool` says which rows have a mask (None: every row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# kernels may only read constexpr globals; the values are reference.GOLDEN32 / ROW_KEY_SALT / UNIFORM_SCALE
+GOLDEN32: tl.constexpr = tl.constexpr(0x9E3779B9)
+ROW_KEY_SALT: tl.constexpr = tl.constexpr(0x5BD1E995)
+UNIFORM_SCALE: tl.constexpr = tl.constexpr(2.0**-24)
+PROCESS_BLOCK = 2048
+ARGMAX_BLOCK = 1024
+ARGMAX_SPLIT = 8192  # vocab ids per program of the Gumbel argmax: B * V / 8192 programs fill the GPU
+TOP_P_BLOCK = 1024
+TOP_P_PIVOTS = 16  # thresholds tried per pass of the top-p search: 32 key bits in 8 passes
+TOP_P_PASSES = 8  # 17^8 > 2^32: the search interval shrinks >= 17x a pass
+TOP_P_SPLIT = 8192  # vocab ids per program of the whole-row top-p passes
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 (wraps mod 2^32): reference.mix32_."""
+    x ^= x >> 16
+    x *= tl.full((), 0x7FEB352D, tl.uint32)
+    x ^= x >> 15
+    x *= tl.full((), 0x846CA68B, tl.uint32)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _row_key(seed, offset):
+    """reference.row_keys for one row: seed and offset int64 scalars -> uint32."""
+    key = _mix32((offset >> 32).to(tl.uint32) ^ tl.full((), ROW_KEY_SALT, tl.uint32))
+    key = _mix32(key ^ (offset & 0xFFFFFFFF).to(tl.uint32))
+    key = _mix32(key ^ (seed >> 32).to(tl.uint32))
+    return _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
+def _float_key(x):
+    """fp32 -> int32 whose signed order is the float order (-0.0 and +0.0 share a key)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_float(key):
+    """Inverse of _float_key for an int32 key."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [B, V] contiguous along V, got {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"logits dtype {logits.dtype} is not a float type")
+
+
+def _check_rows(name: str, t: torch.Tensor | None, num_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    if t is None:
+        return
+    if t.shape != (num_rows,) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be [{num_rows}] {dtype} contiguous on {device}, got {tuple(t.shape)} "
+                         f"{t.dtype} on {t.device}")
+
+
+def _check_bitmask(bitmask: torch.Tensor, num_rows: int, vocab_size: int, device: torch.device) -> None:
+    words = -(-vocab_size // 32)
+    if (bitmask.dim() != 2 or bitmask.shape[0] != num_rows or bitmask.shape[1] < words
+            or bitmask.dtype != torch.int32 or bitmask.device != device or bitmask.stride(1) != 1):
+        raise ValueError(f"bitmask must be [{num_rows}, >= {words}] int32 on {device}, got "
+                         f"{tuple(bitmask.shape)} {bitmask.dtype} on {bitmask.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# grammar bitmask, in place
+
+
+@triton.jit(do_not_specialize=["vocab_size"])
+def _bitmask_kernel(logits_ptr, stride_l, vocab_size, bitmask_ptr, stride_m, rows_ptr,
+                    HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    apply = True
+    if HAS_ROWS:
+        apply = tl.load(rows_ptr + b) != 0
+    if apply:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        in_vocab = cols < vocab_size
+        words = tl.load(bitmask_ptr + b * stride_m + cols // 32, mask=in_vocab, other=-1)  # [BLOCK] int32
+        disallowed = ((words >> (cols % 32)) & 1) == 0
+        tl.store(logits_ptr + b * stride_l + cols, float("-inf"), mask=in_vocab & disallowed)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: -inf where the row's bitmask [B, ceil(V/32)] int32 clears a token's bit, for rows [B] bool
+    (None: all). Returns logits [B, V]."""
+    _check_logits(logits)
+    num_rows, vocab_size = logits.shape
+    _check_bitmask(bitmask, num_rows, vocab_size, logits.device)
+    _check_rows("rows", rows, num_rows, torch.bool, logits.device)
+    if num_rows == 0:
+        return logits
+    grid = (num_rows, triton.cdiv(vocab_size, PROCESS_BLOCK))
+    _bitmask_kernel[grid](logits, logits.stride(0), vocab_size, bitmask, bitmask.stride(0),
+                          rows if rows is not None else bitmask, HAS_ROWS=rows is not None, BLOCK=PROCESS_BLOCK)
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.apply_token_bitmask: a new tensor like logits [B, V] with disallowed tokens at -inf."""
+    return apply_token_bitmask_(logits.clone(), bitmask, rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused pass: penalties (gated per row) then the bitmask, raw logits in, fp32 out
+
+
+@triton.jit(do_not_specialize=["vocab_size"])
+def _process_kernel(logits_ptr, stride_l, out_ptr, vocab_size, state_rows_ptr, counts_ptr, stride_c,
+                    prompt_ptr, stride_p, presence_ptr, frequency_ptr, repetition_ptr,
+                    bitmask_ptr, stride_m, bitmask_rows_ptr,
+                    HAS_PRESENCE: tl.constexpr, HAS_FREQUENCY: tl.constexpr, HAS_REPETITION: tl.constexpr,
+                    HAS_PROMPT: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_BITMASK_ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    in_vocab = cols < vocab_size
+    x = tl.load(logits_ptr + b * stride_l + cols, mask=in_vocab, other=0.0).to(tl.float32)  # [BLOCK]
+    if HAS_PRESENCE or HAS_FREQUENCY or HAS_REPETITION:
+        presence = 0.0
+        frequency = 0.0
+        repetition = 1.0
+        if HAS_PRESENCE:
+            presence = tl.load(presence_ptr + b)
+        if HAS_FREQUENCY:
+            frequency = tl.load(frequency_ptr + b)
+        if HAS_REPETITION:
+            repetition = tl.load(repetition_ptr + b)
+        if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):  # rows without penalties read nothing
+            row = tl.load(state_rows_ptr + b)
+            counts = tl.load(counts_ptr + row * stride_c + cols, mask=in_vocab, other=0).to(tl.float32)
+            seen = counts > 0.0
+            if HAS_REPETITION:
+                if repetition != 1.0:
+                    rep_seen = seen
+                    if HAS_PROMPT:
+                        rep_seen = rep_seen | (tl.load(prompt_ptr + row * stride_p + cols, mask=in_vocab,
+                                                       other=0) != 0)
+                    x = tl.where(rep_seen, tl.where(x > 0, x / repetition, x * repetition), x)
+            if HAS_FREQUENCY:
+                x = x - frequency * counts
+            if HAS_PRESENCE:
+                x = x - presence * seen.to(tl.float32)
+    if HAS_BITMASK:
+        apply = True
+        if HAS_BITMASK_ROWS:
+            apply = tl.load(bitmask_rows_ptr + b) != 0
+        if apply:
+            words = tl.load(bitmask_ptr + b * stride_m + cols // 32, mask=in_vocab, other=-1)
+            x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+    tl.store(out_ptr + b * vocab_size + cols, x, mask=in_vocab)
+
+
+def process_logits(logits: torch.Tensor, state_rows: torch.Tensor | None, output_counts: torch.Tensor | None,
+                   prompt_mask: torch.Tensor | None, presence: torch.Tensor | None, frequency: torch.Tensor | None,
+                   repetition: torch.Tensor | None, bitmask: torch.Tensor | None = None,
+                   bitmask_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.process_logits with the per-row tables left in place: output_counts [R, V] (int32 or fp32)
+    and prompt_mask [R, V] bool are read at row state_rows[b] for batch row b. Returns new fp32 [B, V]."""
+    _check_logits(logits)
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    penalised = presence is not None or frequency is not None or repetition is not None
+    if penalised:
+        if output_counts is None or state_rows is None:
+            raise ValueError("penalties need output_counts and state_rows")
+        if (output_counts.dim() != 2 or output_counts.shape[1] != vocab_size or output_counts.stride(1) != 1
+                or output_counts.dtype not in (torch.int32, torch.float32) or output_counts.device != device):
+            raise ValueError(f"output_counts must be [R, {vocab_size}] int32/fp32 on {device}, got "
+                             f"{tuple(output_counts.shape)} {output_counts.dtype}")
+        _check_rows("state_rows", state_rows, num_rows, torch.int64, device)
+        if prompt_mask is not None and (prompt_mask.shape != output_counts.shape or prompt_mask.dtype != torch.bool
+                                        or prompt_mask.stride(1) != 1 or prompt_mask.device != device):
+            raise ValueError(f"prompt_mask must be {tuple(output_counts.shape)} bool, got {tuple(prompt_mask.shape)} "
+                             f"{prompt_mask.dtype}")
+    for name, t in (("presence", presence), ("frequency", frequency), ("repetition", repetition)):
+        _check_rows(name, t, num_rows, torch.float32, device)
+    if bitmask is not None:
+        _check_bitmask(bitmask, num_rows, vocab_size, device)
+        _check_rows("bitmask_rows", bitmask_rows, num_rows, torch.bool, device)
+    out = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=device)  # [B, V]
+    if num_rows == 0:
+        return out
+    dummy = out
+    counts = output_counts if penalised else dummy
+    prompt = prompt_mask.view(torch.uint8) if prompt_mask is not None else dummy
+    grid = (num_rows, triton.cdiv(vocab_size, PROCESS_BLOCK))
+    _process_kernel[grid](
+        logits, logits.stride(0), out, vocab_size, state_rows if state_rows is not None else dummy,
+        counts, counts.stride(0), prompt, prompt.stride(0),
+        presence if presence is not None else dummy, frequency if frequency is not None else dummy,
+        repetition if repetition is not None else dummy,
+        bitmask if bitmask is not None else dummy, bitmask.stride(0) if bitmask is not None else 0,
+        bitmask_rows if bitmask_rows is not None else dummy,
+        HAS_PRESENCE=presence is not None, HAS_FREQUENCY=frequency is not None,
+        HAS_REPETITION=repetition is not None, HAS_PROMPT=prompt_mask is not None and repetition is not None,
+        HAS_BITMASK=bitmask is not None, HAS_BITMASK_ROWS=bitmask_rows is not None, BLOCK=PROCESS_BLOCK)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# top-p threshold: the largest logit t whose {logit >= t} holds >= top_p of the mass, searched over
+# the 32-bit float keys with NUM_PIVOTS thresholds per pass; over the top-k candidates when a row has them
+
+
+@triton.jit
+def _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """[NUM_PIVOTS] sum of exp((x - row_max) / T) over the x in src[:num] whose key >= each pivot."""
+    mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
+    for start in range(0, num, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(src_ptr + cols, mask=cols < num, other=float("-inf"))  # [BLOCK]
+        weight = tl.exp((x - row_max) / temperature)  # [BLOCK]; -inf -> 0
+        hit = _float_key(x).to(tl.int64)[:, None] >= pivots[None, :]  # [BLOCK, NUM_PIVOTS]
+        mass += tl.sum(tl.where(hit, weight[:, None], 0.0), axis=0)
+    return mass
+
+
+@triton.jit
+def _search(src_ptr, num, lo, hi, target, row_max, temperature, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """Largest key in [lo, hi] with mass >= target, given mass(lo) >= target."""
+    offsets = tl.arange(0, NUM_PIVOTS).to(tl.int64) + 1  # [NUM_PIVOTS]
+    while lo < hi:
+        step = (hi - lo + NUM_PIVOTS) // (NUM_PIVOTS + 1)
+        pivots = tl.minimum(lo + offsets * step, hi)  # [NUM_PIVOTS] increasing
+        ok = _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK, NUM_PIVOTS) >= target
+        lo = tl.maximum(lo, tl.max(tl.where(ok, pivots, lo), axis=0))
+        hi = tl.minimum(hi, tl.min(tl.where(ok, hi, pivots - 1), axis=0))
+    return lo
+
+
+@triton.jit(do_not_specialize=["vocab_size", "num_cand"])
+def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand, use_cand_ptr,
+                             temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
+                             BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One program per row with top-k candidates: one pass over the row for its max and the mass above the
+    k-th logit, then the search over the K candidates (every token above the k-th logit is one of them,
+    so the masses above it are exact). Other rows get `lower` back."""
+    b = tl.program_id(0).to(tl.int64)
+    lower = tl.load(lower_ptr + b)
+    top_p = tl.load(top_p_ptr + b)
+    threshold = lower
+    if (top_p < 1.0) & (tl.load(use_cand_ptr + b) != 0):
+        temperature = tl.load(temperature_ptr + b)
+        temperature = tl.where(temperature == 0.0, 1.0, temperature)
+        row = logits_ptr + b * stride_l
+        lane_max = tl.full([BLOCK], -1.0e30, tl.float32)
+        lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, vocab_size, BLOCK):  # online max and sum per lane
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf"))
+            x = tl.where(x >= lower, x, float("-inf"))
+            new_max = tl.maximum(lane_max, x)
+            lane_sum = lane_sum * tl.exp((lane_max - new_max) / temperature) + tl.exp((x - new_max) / temperature)
+            lane_max = new_max
+        row_max = tl.max(lane_max, axis=0)
+        total = tl.sum(lane_sum * tl.exp((lane_max - row_max) / temperature), axis=0)
+        key = _search(cand_ptr + b * stride_c, num_cand, _float_key(lower).to(tl.int64),
+                      _float_key(row_max).to(tl.int64), top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
+        threshold = _key_float(key.to(tl.int32))
+    tl.store(threshold_ptr + b, threshold)
+
+
+@triton.jit(do_not_specialize=["vocab_size"])
+def _row_stats_kernel(logits_ptr, stride_l, vocab_size, lower_ptr, temperature_ptr, part_max_ptr, part_sum_ptr,
+                      num_splits, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, split of the vocab): the max logit and sum of exp((x - max) / T) over x >= lower."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lower = tl.load(lower_ptr + b)
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    row = logits_ptr + b * stride_l
+    lane_max = tl.full([BLOCK], -1.0e30, tl.float32)
+    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    first = split * SPLIT
+    for start in range(first, first + SPLIT, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf"))
+        x = tl.where(x >= lower, x, float("-inf"))
+        new_max = tl.maximum(lane_max, x)
+        lane_sum = lane_sum * tl.exp((lane_max - new_max) / temperature) + tl.exp((x - new_max) / temperature)
+        lane_max = new_max
+    split_max = tl.max(lane_max, axis=0)
+    tl.store(part_max_ptr + b * num_splits + split, split_max)
+    tl.store(part_sum_ptr + b * num_splits + split, tl.sum(lane_sum * tl.exp((lane_max - split_max) / temperature),
+                                                           axis=0))
+
+
+@triton.jit(do_not_specialize=["vocab_size"])
+def _pivot_mass_kernel(logits_ptr, stride_l, vocab_size, pivots_ptr, row_max_ptr, temperature_ptr, mass_ptr,
+                       num_splits, SPLIT: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """Per (row, split): the mass above each of the row's NUM_PIVOTS key pivots, into mass[b, split, :]."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    pivots = tl.load(pivots_ptr + b * NUM_PIVOTS + tl.arange(0, NUM_PIVOTS))  # [NUM_PIVOTS] int64
+    first = split * SPLIT
+    mass = _mass_at(logits_ptr + b * stride_l + first, tl.minimum(vocab_size - first, SPLIT), pivots,
+                    tl.load(row_max_ptr + b), temperature, BLOCK, NUM_PIVOTS)
+    tl.store(mass_ptr + (b * num_splits + split) * NUM_PIVOTS + tl.arange(0, NUM_PIVOTS), mass)
+
+
+def float_keys(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int64 keys ordered as the floats (_float_key on the host side)."""
+    bits = torch.where(x == 0.0, 0.0, x).view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+
+
+def key_floats(key: torch.Tensor) -> torch.Tensor:
+    bits = key.to(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).view(torch.float32)
+
+
+def _split_search(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  lower: torch.Tensor) -> torch.Tensor:
+    """The top-p search over whole rows, each pass spread over (row, vocab split) programs: one stats pass
+    then 8 passes of 16 pivots (17^8 > 2^32 keys); the few [B, 16] updates in between stay on the device."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    num_splits = triton.cdiv(vocab_size, TOP_P_SPLIT)
+    part_max = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
+    part_sum = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
+    grid = (num_rows, num_splits)
+    _row_stats_kernel[grid](logits, logits.stride(0), vocab_size, lower, temperature, part_max, part_sum, num_splits,
+                            SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_BLOCK)
+    row_max = part_max.amax(dim=1)  # [B]
+    safe_t = torch.where(temperature == 0.0, 1.0, temperature)  # [B]
+    total = (part_sum * torch.exp((part_max - row_max[:, None]) / safe_t[:, None])).sum(dim=1)  # [B]
+    target = (top_p * total)[:, None]  # [B, 1]
+    lo, hi = float_keys(lower), float_keys(row_max)  # [B] int64 each
+    steps = torch.arange(1, TOP_P_PIVOTS + 1, device=device)  # [P]
+    mass = torch.empty((num_rows, num_splits, TOP_P_PIVOTS), dtype=torch.float32, device=device)  # [B, S, P]
+    for _ in range(TOP_P_PASSES):
+        step = torch.clamp((hi - lo + TOP_P_PIVOTS) // (TOP_P_PIVOTS + 1), min=1)  # [B]
+        pivots = torch.minimum(lo[:, None] + steps[None, :] * step[:, None], hi[:, None]).contiguous()  # [B, P]
+        _pivot_mass_kernel[grid](logits, logits.stride(0), vocab_size, pivots, row_max, temperature, mass,
+                                 num_splits, SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS)
+        ok = mass.sum(dim=1) >= target  # [B, P]
+        lo = torch.maximum(lo, torch.where(ok, pivots, lo[:, None]).amax(dim=1))  # [B]
+        hi = torch.minimum(hi, torch.where(ok, hi[:, None], pivots - 1).amin(dim=1))  # [B]
+    return key_floats(lo)  # [B]
+
+
+def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor,
+                    candidates: torch.Tensor | None = None, use_candidates: torch.Tensor | None = None,
+                    search_full_rows: bool = True) -> torch.Tensor:
+    """Per-row top-p threshold [B] fp32 on fp32 logits [B, V], over the tokens with logit >= lower [B]
+    (the top-k threshold, or -inf), with reference.truncation_thresholds' rule. candidates [B, K] hold each
+    row's K largest logits (descending; torch.topk): rows flagged in use_candidates [B] bool search those;
+    the others search their whole row, unless search_full_rows is False (the caller knows no row with
+    top_p < 1 lacks candidates). Rows with top_p >= 1 get `lower` back."""
+    _check_logits(logits)
+    if logits.dtype != torch.float32:
+        raise ValueError("top_p_threshold needs fp32 logits")
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    for name, t in (("temperature", temperature), ("top_p", top_p), ("lower", lower)):
+        _check_rows(name, t, num_rows, torch.float32, device)
+    if candidates is not None:
+        if (candidates.dim() != 2 or candidates.shape[0] != num_rows or candidates.dtype != torch.float32
+                or candidates.stride(1) != 1 or candidates.device != device):
+            raise ValueError(f"candidates must be [{num_rows}, K] fp32, got {tuple(candidates.shape)} "
+                             f"{candidates.dtype}")
+        _check_rows("use_candidates", use_candidates, num_rows, torch.bool, device)
+    if num_rows == 0:
+        return lower.clone()
+    if candidates is None or use_candidates is None:
+        threshold = lower
+    else:
+        threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
+        _top_p_candidates_kernel[(num_rows,)](
+            logits, logits.stride(0), vocab_size, candidates, candidates.stride(0), candidates.shape[1],
+            use_candidates, temperature, top_p, lower, threshold, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS,
+            num_warps=8)
+    if candidates is not None and not search_full_rows:
+        return threshold
+    full = _split_search(logits, temperature, top_p, lower)  # [B]
+    searched = top_p < 1.0  # [B]
+    if use_candidates is not None and candidates is not None:
+        searched &= ~use_candidates
+    return torch.where(searched, full, threshold)  # [B]
+
+
+# ---------------------------------------------------------------------------------------------
+# Gumbel-max: noise from the (seed, offset, id) hash in registers, threshold mask, running argmax
+
+
+@triton.jit(do_not_specialize=["vocab_size"])
+def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, threshold_ptr, seeds_ptr,
+                          offsets_ptr, greedy_ptr, best_value_ptr, best_index_ptr, num_splits,
+                          HAS_THRESHOLD: tl.constexpr, HAS_GREEDY: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    greedy = False
+    if HAS_GREEDY:
+        greedy = tl.load(greedy_ptr + b) != 0
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    threshold = float("-inf")
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + b)
+    key = _row_key(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b))
+    row = logits_ptr + b * stride_l
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_index = tl.full([BLOCK], 2147483647, tl.int32)
+    first = split * SPLIT
+    for start in range(first, first + SPLIT, BLOCK):
+        cols = start + tl.arange(0, BLOCK)  # [BLOCK]
+        in_vocab = cols < vocab_size
+        x = tl.load(row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        if greedy:
+            score = x
+        else:
+            bits = _mix32(key ^ (cols.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
+            u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE  # (0, 1), exact as in the reference
+            score = tl.where(x >= threshold, x / temperature - tl.log(-tl.log(u)), float("-inf"))
+        score = tl.where(in_vocab, score, float("-inf"))
+        better = score > best  # strict: a lane keeps its first maximum
+        best = tl.where(better, score, best)
+        best_index = tl.where(better, cols, best_index)
+    top = tl.max(best, axis=0)
+    index = tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
+    index = tl.where(index == 2147483647, first, index)  # all -inf: the split's first id, like torch.argmax
+    tl.store(best_value_ptr + b * num_splits + split, top)
+    tl.store(best_index_ptr + b * num_splits + split, index)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
+                  seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor:
+    """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64."""
+    _check_logits(logits)
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    _check_rows("temperature", temperature, num_rows, torch.float32, device)
+    _check_rows("threshold", threshold, num_rows, torch.float32, device)
+    _check_rows("seeds", seeds, num_rows, torch.int64, device)
+    _check_rows("offsets", offsets, num_rows, torch.int64, device)
+    _check_rows("greedy", greedy, num_rows, torch.bool, device)
+    if not 0 < vocab_size < 2**31:
+        raise ValueError(f"vocab size {vocab_size} out of range")
+    num_splits = triton.cdiv(vocab_size, ARGMAX_SPLIT)
+    best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
+    best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=device)  # [B, S]
+    if num_rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    _gumbel_argmax_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), vocab_size, temperature, threshold if threshold is not None else temperature,
+        seeds, offsets, greedy if greedy is not None else temperature, best_value, best_index, num_splits,
+        HAS_THRESHOLD=threshold is not None, HAS_GREEDY=greedy is not None, SPLIT=ARGMAX_SPLIT,
+        BLOCK=ARGMAX_BLOCK)
+    # the first split holding the maximum has its smallest id (splits ascend): torch.argmax's tie rule
+    winner = best_value.argmax(dim=1, keepdim=True)  # [B, 1]
+    return best_index.gather(1, winner).squeeze(1).long()  # [B]

@@ -1,0 +1,236 @@
+"""Per-row sampling state on the device: settings written once at admission, token counts updated by one
+scatter of the sampled ids per step, so a step's SamplingMetadata is a gather by row index.
+
+Rows are BatchState's rows (request slots, reused when requests finish). [rows, V] tables exist only once
+some admitted row needs them: output-token counts for presence / frequency / repetition penalties,
+prompt-token presence for repetition penalty; logit bias and min_tokens bans are short padded id lists.
+A request admitted again after a preemption rebuilds its counts from the tokens it carries.
+
+The host keeps a mirror of every setting and of each row's output length (known without the token values),
+so which optional parts a step needs is decided on the host with no device sync, and the sampled ids never
+have to come back to the host for the state to advance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from pagoda.services.worker.sampler import SamplingMetadata
+from pagoda.shared.messages import NewRequest
+
+# columns of the per-row float table
+TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
+NUM_FLOAT_PARAMS = 6
+
+
+def _default_to_device(device: torch.device) -> Callable[[np.ndarray, str], torch.Tensor]:
+    return lambda array, name: torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+class SamplingState:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, eos_token_ids: Sequence[int],
+                 to_device: Callable[[np.ndarray, str], torch.Tensor] | None = None) -> None:
+        self.max_rows = max_rows
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.to_device = to_device or _default_to_device(device)
+        rows = max_rows
+        # host mirrors [R]
+        self.floats = np.zeros((rows, NUM_FLOAT_PARAMS), dtype=np.float32)  # [R, 6]
+        self.floats[:, [TEMPERATURE, TOP_P, REPETITION]] = 1.0
+        self.top_k = np.zeros(rows, dtype=np.int64)  # [R] 0 = off
+        self.min_tokens = np.zeros(rows, dtype=np.int64)  # [R]
+        self.num_output = np.zeros(rows, dtype=np.int64)  # [R] tokens generated so far = next offset
+        self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # [R] -1: none
+        self.num_bias = np.zeros(rows, dtype=np.int64)  # [R] logit_bias entries
+        self.num_banned = np.zeros(rows, dtype=np.int64)  # [R] ids banned while output < min_tokens
+        # device tables
+        self.floats_device = torch.from_numpy(self.floats.copy()).to(device)  # [R, 6] fp32
+        self.seeds_device = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
+        self.top_k_device = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
+        self.min_tokens_device = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
+        self.ones = torch.ones(rows, dtype=torch.int32, device=device)  # [R] scatter source
+        self.output_counts: torch.Tensor | None = None  # [R, V] int32, made when a row first has penalties
+        self.prompt_mask: torch.Tensor | None = None  # [R, V] bool, made when a row first has repetition
+        self.bias_ids: torch.Tensor | None = None  # [R, K] int64 padded with 0
+        self.bias_values: torch.Tensor | None = None  # [R, K] fp32 padded with 0
+        self.banned_ids: torch.Tensor | None = None  # [R, K] int64 padded with -1
+
+    # ---------------------------------------------------------------- admission
+
+    def admit(self, entries: Sequence[tuple[int, NewRequest]]) -> None:
+        """Write the settings of newly placed requests (row, request) and rebuild their token statistics."""
+        if not entries:
+            return
+        rows = np.fromiter((row for row, _ in entries), dtype=np.int64, count=len(entries))  # [N]
+        seeds = np.zeros(len(entries), dtype=np.int64)  # [N]
+        for i, (row, new) in enumerate(entries):
+            self._admit_host(row, new)
+            seeds[i] = new.seed
+        rows_t = self.to_device(rows, "admit_rows")  # [N]
+        self.floats_device[rows_t] = self.to_device(self.floats[rows], "admit_floats")
+        self.seeds_device[rows_t] = self.to_device(seeds, "admit_seeds")
+        self.top_k_device[rows_t] = self.to_device(self.top_k[rows], "admit_top_k")
+        self.min_tokens_device[rows_t] = self.to_device(self.min_tokens[rows], "admit_min_tokens")
+        self._admit_counts(entries)
+        self._admit_lists(entries)
+
+    def _admit_host(self, row: int, new: NewRequest) -> None:
+        params = new.sampling
+        self.floats[row] = (0.0 if params.is_greedy else params.temperature, params.top_p, params.min_p,
+                            params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
+        self.top_k[row] = max(params.top_k, 0)
+        self.min_tokens[row] = params.min_tokens
+        self.num_output[row] = len(new.token_ids) - new.num_prompt_tokens
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_bias[row] = len(params.logit_bias)
+        banned = self._banned_ids(new)
+        self.num_banned[row] = len(banned)
+
+    def _banned_ids(self, new: NewRequest) -> list[int]:
+        params = new.sampling
+        if params.min_tokens <= 0:
+            return []
+        return list(dict.fromkeys([*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]))
+
+    def _admit_counts(self, entries: Sequence[tuple[int, NewRequest]]) -> None:
+        """Zero and refill the count rows of penalised requests (output tokens) and the prompt rows of
+        repetition-penalised ones; other rows' entries are never read."""
+        penalised = [(row, new) for row, new in entries if new.sampling.has_penalties]
+        if not penalised:
+            return
+        rows, size = self.max_rows, self.vocab_size
+        if self.output_counts is None:
+            self.output_counts = torch.zeros((rows, size), dtype=torch.int32, device=self.device)  # [R, V]
+        self._fill(self.output_counts, [(row, new.token_ids[new.num_prompt_tokens:]) for row, new in penalised],
+                   accumulate=True, name="counts")
+        repeated = [(row, new) for row, new in penalised if new.sampling.repetition_penalty != 1.0]
+        if not repeated:
+            return
+        if self.prompt_mask is None:
+            self.prompt_mask = torch.zeros((rows, size), dtype=torch.bool, device=self.device)  # [R, V]
+        self._fill(self.prompt_mask, [(row, new.token_ids[:new.num_prompt_tokens]) for row, new in repeated],
+                   accumulate=False, name="prompt")
+
+    def _fill(self, table: torch.Tensor, rows_tokens: list[tuple[int, list[int]]], accumulate: bool,
+              name: str) -> None:
+        """Zero the given rows of table [R, V], then add one (or set True) at each (row, token)."""
+        rows = np.asarray([row for row, _ in rows_tokens], dtype=np.int64)  # [N]
+        table[self.to_device(rows, f"{name}_rows")] = 0
+        lengths = [len(tokens) for _, tokens in rows_tokens]
+        if sum(lengths) == 0:
+            return
+        flat_rows = np.repeat(rows, lengths)  # [M]
+        flat_tokens = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens in rows_tokens])  # [M]
+        index = self.to_device(np.stack([flat_rows, flat_tokens]), f"{name}_index")  # [2, M]
+        values = torch.ones(len(flat_rows), dtype=table.dtype, device=self.device)  # [M]
+        table.index_put_((index[0], index[1]), values, accumulate=accumulate)
+
+    def _admit_lists(self, entries: Sequence[tuple[int, NewRequest]]) -> None:
+        """Logit bias and min_tokens bans as padded per-row id lists (rewritten for every admitted row once
+        the table exists: a reused row must not keep its last owner's list)."""
+        rows = np.fromiter((row for row, _ in entries), dtype=np.int64, count=len(entries))  # [N]
+        if self.bias_ids is not None or self.num_bias[rows].any():
+            width = max(1, int(self.num_bias[rows].max()))
+            ids = np.zeros((len(entries), width), dtype=np.int64)  # [N, K]
+            values = np.zeros((len(entries), width), dtype=np.float32)  # [N, K]
+            for i, (_, new) in enumerate(entries):
+                bias = new.sampling.logit_bias
+                ids[i, :len(bias)] = list(bias.keys())
+                values[i, :len(bias)] = list(bias.values())
+            self.bias_ids, self.bias_values = self._write_list(self.bias_ids, self.bias_values, rows, ids, values,
+                                                               pad=0, name="bias")
+        if self.banned_ids is not None or self.num_banned[rows].any():
+            width = max(1, int(self.num_banned[rows].max()))
+            banned = np.full((len(entries), width), -1, dtype=np.int64)  # [N, K]
+            for i, (_, new) in enumerate(entries):
+                ids = self._banned_ids(new)
+                banned[i, :len(ids)] = ids
+            self.banned_ids, _ = self._write_list(self.banned_ids, None, rows, banned, None, pad=-1, name="banned")
+
+    def _write_list(self, ids_table: torch.Tensor | None, values_table: torch.Tensor | None, rows: np.ndarray,
+                    ids: np.ndarray, values: np.ndarray | None, pad: int,
+                    name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Grow the [R, K] tables to the width needed, then write the rows (padding: id `pad`, value 0.0)."""
+        width = ids.shape[1]
+        if ids_table is None or ids_table.shape[1] < width:
+            old = ids_table
+            ids_table = torch.full((self.max_rows, width), pad, dtype=torch.int64, device=self.device)  # [R, K]
+            if old is not None:
+                ids_table[:, :old.shape[1]] = old
+            if values is not None:
+                old_values = values_table
+                values_table = torch.zeros((self.max_rows, width), dtype=torch.float32, device=self.device)
+                if old_values is not None:
+                    values_table[:, :old_values.shape[1]] = old_values
+        full_ids = np.full((len(rows), ids_table.shape[1]), pad, dtype=np.int64)  # [N, K]
+        full_ids[:, :width] = ids
+        rows_t = self.to_device(rows, f"{name}_rows")
+        ids_table[rows_t] = self.to_device(full_ids, f"{name}_ids")
+        if values is not None and values_table is not None:
+            full_values = np.zeros((len(rows), values_table.shape[1]), dtype=np.float32)  # [N, K]
+            full_values[:, :width] = values
+            values_table[rows_t] = self.to_device(full_values, f"{name}_values")
+        return ids_table, values_table
+
+    # ---------------------------------------------------------------- per step
+
+    def metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The settings of the rows sampled this step [B]: one small host -> device copy, then gathers."""
+        num_output = self.num_output[rows]  # [B]
+        short = (num_output < self.min_tokens[rows]) & (self.num_banned[rows] > 0)  # [B] bans active
+        packed = self.to_device(np.stack([rows, num_output, short]).astype(np.int64), "sampling_rows")  # [3, B]
+        state_rows, offsets = packed[0], packed[1]  # [B], [B]
+        floats = self.floats_device.index_select(0, state_rows).T.contiguous()  # [6, B]
+        host = self.floats[rows]  # [B, 6]
+        temperature = host[:, TEMPERATURE]
+        metadata = SamplingMetadata(temperature=floats[TEMPERATURE],
+                                    seeds=self.seeds_device.index_select(0, state_rows),
+                                    offsets=offsets, state_rows=state_rows,
+                                    all_greedy=bool((temperature == 0.0).all()))
+        top_k = self.top_k[rows]  # [B]
+        if (top_k > 0).any():
+            metadata.top_k = self.top_k_device.index_select(0, state_rows)
+            metadata.max_top_k = int(top_k.max())
+        if (host[:, TOP_P] < 1.0).any():
+            metadata.top_p = floats[TOP_P]
+            metadata.top_p_without_top_k = bool(((host[:, TOP_P] < 1.0) & (top_k <= 0)).any())
+        if (host[:, MIN_P] > 0.0).any():
+            metadata.min_p = floats[MIN_P]
+        if (host[:, PRESENCE] != 0.0).any():
+            metadata.presence_penalty = floats[PRESENCE]
+        if (host[:, FREQUENCY] != 0.0).any():
+            metadata.frequency_penalty = floats[FREQUENCY]
+        if (host[:, REPETITION] != 1.0).any():
+            metadata.repetition_penalty = floats[REPETITION]
+            metadata.prompt_mask = self.prompt_mask
+        if metadata.presence_penalty is not None or metadata.frequency_penalty is not None or \
+                metadata.repetition_penalty is not None:
+            assert self.output_counts is not None, "a penalised row was admitted without its counts"
+            metadata.output_counts = self.output_counts
+        if self.bias_ids is not None and self.bias_values is not None and self.num_bias[rows].any():
+            width = int(self.num_bias[rows].max())
+            metadata.logit_bias_ids = self.bias_ids.index_select(0, state_rows)[:, :width]
+            metadata.logit_bias_values = self.bias_values.index_select(0, state_rows)[:, :width]
+        if self.banned_ids is not None and short.any():
+            width = int(self.num_banned[rows][short].max())
+            banned = self.banned_ids.index_select(0, state_rows)[:, :width]  # [B, K]
+            metadata.banned_token_ids = torch.where(packed[2].bool().unsqueeze(1), banned, -1)  # [B, K]
+        num_logprobs = self.num_logprobs[rows]
+        if (num_logprobs >= 0).any():
+            metadata.max_num_logprobs = int(num_logprobs.max())
+        return metadata
+
+    def record(self, rows: np.ndarray, token_ids: torch.Tensor, state_rows: torch.Tensor | None = None) -> None:
+        """The rows [B] sampled token_ids [B] (on the device, not read here): offsets advance, and one
+        scatter adds them to the counts. state_rows: rows already on the device (metadata.state_rows)."""
+        self.num_output[rows] += 1
+        if self.output_counts is None or len(rows) == 0:
+            return
+        if state_rows is None:
+            state_rows = self.to_device(np.asarray(rows, dtype=np.int64), "record_rows")
+        self.output_counts.index_put_((state_rows, token_ids), self.ones[:len(rows)], accumulate=True)
