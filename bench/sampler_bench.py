@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bench import sampler_v0 as old
+from pagoda.bench import sampler_v0 as old
 from pagoda.services.worker.sampler import sample
 from pagoda.services.worker.sampling_state import SamplingState
 from pagoda.shared.messages import NewRequest, SamplingParams

@@ -13,6 +13,10 @@ import triton.language as tl
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_MIN_AMAX = 1e-10  # as reference.FP8_MIN_AMAX
+# The same numbers for use inside @triton.jit functions: compiled kernels only read constexpr globals
+# (the interpreter reads any global, so only a GPU run catches a plain one).
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+FP8_MIN_AMAX_C = tl.constexpr(FP8_MIN_AMAX)
 _ROW_TILE = 8192  # most columns one per-token quantization program holds at once (rows longer loop twice)
 
 
@@ -44,8 +48,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, s
     if ONE_TILE:  # the whole row in registers: read once
         cols = offs
         x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX), FP8_MAX)
-        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
         tl.store(s_ptr + row * stride_sm, scale)
     elif PER_ROW:
@@ -54,19 +58,19 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, s
             cols = start + offs
             x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX), FP8_MAX)
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX_C), FP8_MAX_C)
         for start in range(0, num_cols, TILE):
             cols = start + offs
             x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
-            q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+            q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
         tl.store(s_ptr + row * stride_sm, scale)
     else:
         cols = group * GROUP + offs
         mask = cols < num_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX), FP8_MAX)
-        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_sm + group, scale)
 
@@ -242,8 +246,8 @@ def _add_rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, re
     normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)  # the model-dtype activation
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), FP8_MIN_AMAX), FP8_MAX)
-    q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
+    q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX_C, FP8_MAX_C))
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -291,7 +295,7 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, inter_size, stride_x, stride
         silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
         h = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(h))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX), FP8_MAX)
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX_C), FP8_MAX_C)
     for start in range(0, inter_size, TILE):
         cols = start + offs
         mask = cols < inter_size
@@ -299,7 +303,7 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, inter_size, stride_x, stride
         up = tl.load(x_row + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
         h = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX_C, FP8_MAX_C))
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.fp8 import FP8_MAX, round_to_e4m3
+from pagoda.kernels.fp8 import FP8_MAX_C, round_to_e4m3
 
 _MAX_HEAD_DIM = 256
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -32,8 +32,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if FP8:
-        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX))
-        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX))
+        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX_C, FP8_MAX_C))
+        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX_C, FP8_MAX_C))
     # Else a pure copy (with the cache-dtype cast the reference does): no arithmetic, no fp32 upcast needed.
     tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
