@@ -553,6 +553,18 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "extra": 1}]},
      400, "messages[0].extra"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    # integers the wire (int64) or the worker's rows cannot hold: a 400 naming the field, never a 500
+    *[("/v1/completions", {"prompt": "x", name: value}, 400, name)
+      for name in ("seed", "priority", "max_tokens", "top_k", "min_tokens", "n")
+      for value in (2**63, 2**64, -(2**64), 10**30)],
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**64]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 30: 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": [1, 2**64]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2**63]]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"k": 2**64}}, 400, "chat_template_kwargs"),
+    ("/detokenize", {"tokens": [2**64]}, 400, "tokens"),
 ]
 
 
@@ -582,6 +594,36 @@ def test_malformed_bodies_and_routes(stack: Stack) -> None:
     assert info.value.body["param"] == "top_p"
     with pytest.raises(openai.NotFoundError):
         stack.openai().completions.create(model="other", prompt="x")
+
+
+def test_hostile_bodies_and_headers(stack: Stack) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for depth in (65, 2000, 100_000):  # the decoder recurses per level: refused before decoding
+        content = b'{"prompt": "x", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+        response = stack.post("/v1/completions", content=content, headers=auth | {"Content-Type": "application/json"})
+        assert response.status_code == 400 and "deep" in response.json()["error"]["message"], response.text
+    nested_ok = {"prompt": "x", "max_tokens": 1, "user": "[[[[" * 100}  # brackets inside strings do not count
+    assert stack.post("/v1/completions", nested_ok).status_code == 200
+    form = stack.post("/v1/completions", content=b'{"prompt": "x"}',
+                      headers=auth | {"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
+    big = stack.post("/v1/completions", {"prompt": "x" * ((4 << 20) + 1)})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "prompt"
+    # a non-UTF-8 byte in Authorization, a second header that does not match: 401, never a 500
+    raw = [(b"Authorization", b"Bearer \xff\xfe"), (b"Content-Type", b"application/json")]
+    assert httpx.post(stack.url + "/v1/completions", content=b'{"prompt": "x"}', headers=raw).status_code == 401
+    twice = [(b"Authorization", f"Bearer {API_KEY}".encode()), (b"Authorization", b"Bearer wrong")]
+    assert httpx.get(stack.url + "/v1/models", headers=twice).status_code == 401
+    same = [(b"Authorization", f"Bearer {API_KEY}".encode())] * 2
+    assert httpx.get(stack.url + "/v1/models", headers=same).status_code == 200
+    assert stack.healthy()
+
+
+def test_retrieve_model(stack: Stack) -> None:
+    model = stack.openai().models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        stack.openai().models.retrieve("other-model")
 
 
 def test_tokenize_and_detokenize(stack: Stack) -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
-from pagoda.services.api.errors import UpstreamError
+from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
@@ -24,11 +25,13 @@ from pagoda.services.api.schemas import (
     chat_request,
     completion_requests,
     decode_body,
+    prompt_bytes,
 )
 from pagoda.services.api.stats import StatsFeed
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
 from pagoda.shared.messages import (
+    MAX_INT32,
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
@@ -38,6 +41,7 @@ from pagoda.shared.messages import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # proxies must pass each event on at once
@@ -71,11 +75,27 @@ class Handlers:
                                      f"`{self.state.served_model_name}`.")
         return self.state.served_model_name
 
+    async def _read(self, request: web.Request, kind: type[T]) -> T:
+        """The body, read within body_read_timeout (a slow client gets 408) and decoded as `kind`."""
+        timeout = self.state.config.body_read_timeout or None
+        try:
+            data = await asyncio.wait_for(request.read(), timeout)
+        except TimeoutError:
+            raise RequestTimeoutError(f"the request body did not arrive within {timeout:g} s") from None
+        body = decode_body(data, kind)
+        limit = self.state.config.max_prompt_bytes
+        size = prompt_bytes(body)
+        if size > limit:
+            param = "messages" if hasattr(body, "messages") and getattr(body, "messages", None) else "prompt"
+            raise InvalidRequestError(f"the prompt has {size} bytes; this server accepts at most {limit} "
+                                      "(--max-prompt-bytes)", param=param)
+        return body
+
     # ------------------------------------------------------------------ generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
-        body = decode_body(await request.read(), CompletionBody)
+        body = await self._read(request, CompletionBody)
         model = self._check_model(body.model)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         messages = completion_requests(body, response_id, time.time())
@@ -85,7 +105,7 @@ class Handlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
-        body = decode_body(await request.read(), ChatBody)
+        body = await self._read(request, ChatBody)
         model = self._check_model(body.model)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         message = chat_request(body, response_id, time.time())
@@ -96,7 +116,9 @@ class Handlers:
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], renderer: Renderer,
                         stream: bool, started_at: float) -> web.StreamResponse:
         ticket = self.state.pool.submit(messages)
-        gen = Generation(ticket, messages[0].params.n, started_at, self.state.metrics)
+        timeout = self.state.config.request_timeout
+        gen = Generation(ticket, messages[0].params.n, started_at, self.state.metrics,
+                         deadline=started_at + timeout if timeout > 0 else None)
         try:
             await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
             if stream:
@@ -146,7 +168,7 @@ class Handlers:
         return reply
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = decode_body(await request.read(), TokenizeBody)
+        body = await self._read(request, TokenizeBody)
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
@@ -166,10 +188,10 @@ class Handlers:
                               "max_model_len": reply.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = decode_body(await request.read(), DetokenizeBody)
+        body = await self._read(request, DetokenizeBody)
         self._check_model(body.model)
-        if any(t < 0 for t in body.tokens):
-            raise InvalidRequestError("token ids must be non-negative", param="tokens")
+        if any(not 0 <= t <= MAX_INT32 for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be integers in [0, {MAX_INT32}]", param="tokens")
         reply = await self._ask(DetokenizeRequest(f"detokenize-{uuid.uuid4().hex}", body.tokens))
         if not isinstance(reply, DetokenizeResult):
             raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
@@ -177,12 +199,19 @@ class Handlers:
 
     # ------------------------------------------------------------------ state
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_card(self) -> dict[str, Any]:
         stats = self.state.stats.latest
         max_model_len = stats.max_model_len if stats is not None and stats.max_model_len > 0 else None
-        card = {"id": self.state.served_model_name, "object": "model", "created": self.state.started,
+        return {"id": self.state.served_model_name, "object": "model", "created": self.state.started,
                 "owned_by": "pagoda", "max_model_len": max_model_len}
-        return json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the SDK's models.retrieve; 404 for a name this server does not serve."""
+        self._check_model(request.match_info["model_id"])
+        return json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         problems = self.health_problems()

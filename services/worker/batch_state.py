@@ -10,6 +10,8 @@ import numpy as np
 
 from pagoda.shared.messages import NewRequest, StepPlan
 
+INT32_MAX = 2**31 - 1
+
 
 class BatchState:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids: tuple[int, ...]) -> None:
@@ -74,7 +76,10 @@ class BatchState:
         self.num_blocks[row] = len(new.block_ids)
         params = new.sampling
         self.temperature[row] = 0.0 if params.is_greedy else params.temperature
-        self.top_k[row] = max(params.top_k, 0)
+        # Clamped, not trusted: a value that slipped past validation must not overflow a row and fail the
+        # step for every request in it (top_k beyond the vocabulary means no cut; min_tokens beyond the context
+        # means all of it).
+        self.top_k[row] = min(max(params.top_k, 0), INT32_MAX)
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.presence_penalty[row] = params.presence_penalty
@@ -83,7 +88,7 @@ class BatchState:
         self.seed[row] = new.seed
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
-        self.min_tokens[row] = params.min_tokens
+        self.min_tokens[row] = min(max(params.min_tokens, 0), self.max_model_len)
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         self.banned_while_short[row] = banned if params.min_tokens > 0 else []
         self.logit_bias[row] = params.logit_bias
