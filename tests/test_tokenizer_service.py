@@ -419,6 +419,34 @@ def test_tokenize_and_detokenize(tok: Harness, tokenizer: Tokenizer) -> None:
     assert tok.expect_reply(request_id, RequestFailed).status == 400
 
 
+def test_large_prompt_tokenizes_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:
+    """A prompt large enough to take a while is tokenized on a thread: a small request sent after it is
+    answered first, and the large one is refused (it is far past the context) without a 500."""
+    large_id, small_id = new_id(), new_id()
+    tok.send_api(GenerateRequest(large_id, SamplingParams(max_tokens=1), prompt_text="lorem ipsum " * 200_000))
+    tok.send_api(TokenizeRequest(small_id, prompt_text="hello"))
+    first = tok.expect_api(lambda m: getattr(m, "request_id", None) in (large_id, small_id), what="an answer")
+    assert first == TokenizeResult(small_id, tokenizer.encode("hello"), MAX_MODEL_LEN)
+    failed = tok.expect_reply(large_id, RequestFailed, timeout=60.0)
+    assert failed.status == 400 and failed.code == "context_length_exceeded"
+    large_ids = list(range(100, 200)) * 400  # 40,000 ids: decoded on the thread too
+    detok_id = new_id()
+    tok.send_api(DetokenizeRequest(detok_id, large_ids))
+    assert tok.expect_reply(detok_id, DetokenizeResult).text == tokenizer.decode(large_ids, skip_special_tokens=False)
+
+
+def test_abort_while_a_thread_tokenizes(tok: Harness) -> None:
+    request_id = new_id()
+    tok.send_api(GenerateRequest(request_id, SamplingParams(max_tokens=1), prompt_text="lorem " * 100_000))
+    tok.send_api(AbortRequest(request_id))
+    probe = new_id()
+    tok.send_api(TokenizeRequest(probe, prompt_text="after"))
+    tok.expect_reply(probe, TokenizeResult)
+    tok.send_api(TokenizeRequest(probe2 := new_id(), prompt_text="x" * 40_000))  # queued behind the aborted job
+    tok.expect_reply(probe2, TokenizeResult, timeout=30.0)
+    assert not [m for m in tok.api_inbox if getattr(m, "request_id", None) == request_id]
+
+
 def test_garbage_frames_are_dropped(tok: Harness) -> None:
     tok.send_api_frames([b"\xc1 not msgpack"])
     tok.send_api_frames([b"two", b"frames"])
