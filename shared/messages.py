@@ -239,6 +239,8 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=Tr
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False  # the tokens' vocabulary strings too (vLLM's /tokenize)
 
 
 class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):
@@ -308,6 +310,7 @@ class TokenizeResult(msgspec.Struct, array_like=True, tag="tokenized", frozen=Tr
     request_id: str
     token_ids: list[int]
     max_model_len: int
+    token_strs: list[str] = []  # when asked: one vocabulary string per token
 
 
 class DetokenizeResult(msgspec.Struct, array_like=True, tag="detokenized", frozen=True):
@@ -383,6 +386,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     tokenizer_ids: list[str]
     tokenizer_requests_total: list[int]  # requests each tokenizer (aligned with tokenizer_ids) has sent
     max_model_len: int = 0
+    problem: str = ""  # why the worker counts as hung (its step ran past the bound); "" while it progresses
 
 
 # One union per socket direction; decoders are built once per process from these.

@@ -340,6 +340,30 @@ def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> Non
     tok.send_api(AbortRequest(request_id))
 
 
+def test_logprob_tokens_join_to_the_text(tok: Harness, tokenizer: Tokenizer) -> None:
+    """The EOS that ends a completion is not in its text, so not in its logprob tokens either."""
+    request_id, _, _ = tok.generate(SamplingParams(max_tokens=None, logprobs=0), prompt_text="Hi")
+    ids = tokenizer.encode(" fine", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    delta = tok.feed(request_id, [*ids, eos], FinishReason.STOP, logprobs=[-0.1] * (len(ids) + 1),
+                     top_token_ids=[[]] * (len(ids) + 1), top_logprobs=[[]] * (len(ids) + 1))
+    assert "".join(p.sampled.token for p in delta.logprobs) == delta.text == " fine"
+    assert delta.num_new_tokens == len(ids) + 1  # usage still counts it
+
+
+def test_tokenize_token_strs_and_continue_final_message(tok: Harness, tokenizer: Tokenizer) -> None:
+    request_id = new_id()
+    tok.send_api(TokenizeRequest(request_id, prompt_text="hello world", return_token_strs=True))
+    result = tok.expect_reply(request_id, TokenizeResult)
+    assert result.token_strs == tokenizer.hf.convert_ids_to_tokens(result.token_ids)
+    messages = [ChatMessage("user", "Hi"), ChatMessage("assistant", "Once upon")]
+    request_id = new_id()
+    tok.send_api(TokenizeRequest(request_id, messages=messages, add_generation_prompt=False,
+                                 continue_final_message=True))
+    ids = tok.expect_reply(request_id, TokenizeResult).token_ids
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith("Once upon")
+
+
 def test_chat_messages_use_the_chat_template(tok: Harness, tokenizer: Tokenizer) -> None:
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there!", name="ann")]
     request_id, accepted, added = tok.generate(messages=messages)

@@ -173,19 +173,37 @@ class Handlers:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
         request_id = f"tokenize-{uuid.uuid4().hex}"
+        continue_final = bool(body.continue_final_message)
+        if continue_final and body.messages is None:
+            raise InvalidRequestError("continue_final_message needs messages", param="continue_final_message")
+        if continue_final and body.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                      param="continue_final_message")
+        want_strs = bool(body.return_token_strs)
         if body.messages is not None:
+            messages = chat_messages(body.messages)
+            if continue_final and messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                          param="continue_final_message")
             # chat templates carry their own BOS; adding one more would double it
-            message = TokenizeRequest(request_id, messages=chat_messages(body.messages),
+            add_generation_prompt = not continue_final if body.add_generation_prompt is None \
+                else body.add_generation_prompt
+            message = TokenizeRequest(request_id, messages=messages,
                                       add_special_tokens=bool(body.add_special_tokens),
-                                      add_generation_prompt=body.add_generation_prompt is not False)
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final, return_token_strs=want_strs)
         else:
             message = TokenizeRequest(request_id, prompt_text=body.prompt,
-                                      add_special_tokens=body.add_special_tokens is not False)
+                                      add_special_tokens=body.add_special_tokens is not False,
+                                      return_token_strs=want_strs)
         reply = await self._ask(message)
         if not isinstance(reply, TokenizeResult):
             raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
-        return json_response({"tokens": reply.token_ids, "count": len(reply.token_ids),
-                              "max_model_len": reply.max_model_len})
+        out: dict[str, Any] = {"tokens": reply.token_ids, "count": len(reply.token_ids),
+                               "max_model_len": reply.max_model_len}
+        if want_strs:
+            out["token_strs"] = reply.token_strs
+        return json_response(out)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._read(request, DetokenizeBody)
@@ -232,7 +250,9 @@ class Handlers:
         elif age > state.config.heartbeat_timeout:
             problems.append(f"the scheduler's latest stats are {age:.1f} s old")
         stats = state.stats.latest
-        if stats is not None and not stats.worker_alive:
+        if stats is not None and stats.problem:
+            problems.append(stats.problem)
+        elif stats is not None and not stats.worker_alive:
             problems.append("the worker is not alive")
         if stats is not None and not stats.worker_ready:
             problems.append("the worker is not ready")

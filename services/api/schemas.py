@@ -95,6 +95,8 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     messages: list[MessageBody] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    return_token_strs: bool | None = None
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -393,7 +393,8 @@ class TokenizerService:
     def _prompt_text(self, prompt: Prompt, params: SamplingParams) -> str | None:
         if prompt.text is not None or self._tokenizer is None:
             return prompt.text
-        return self._tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
+        # Special tokens kept: echo's text must be what its prompt tokens (logprobs.tokens) join to.
+        return self._tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _on_abort(self, request_id: str) -> None:
         if self._tokenizing.pop(request_id, None) is not None:
@@ -405,14 +406,23 @@ class TokenizerService:
         # Otherwise it already finished or failed here; its last deltas crossed the abort.
 
     def _on_tokenize(self, api: int, request: TokenizeRequest, info: ModelInfo) -> None:
-        def tokenize() -> Prompt:
-            return tokenize_prompt(self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=None,
-                                   messages=request.messages, add_special_tokens=request.add_special_tokens,
-                                   add_generation_prompt=request.add_generation_prompt)
+        def tokenize() -> TokenizeResult:
+            prompt = tokenize_prompt(self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=None,
+                                     messages=request.messages, add_special_tokens=request.add_special_tokens,
+                                     add_generation_prompt=request.add_generation_prompt,
+                                     continue_final_message=request.continue_final_message)
+            token_strs = ([self._token_str(t) for t in prompt.token_ids]
+                          if request.return_token_strs and self._tokenizer is not None else [])
+            return TokenizeResult(request.request_id, prompt.token_ids, info.max_model_len, token_strs)
 
         self._work(api, request.request_id, tokenize, _prompt_chars(request.prompt_text, request.messages),
-                   lambda prompt: self._send_api(api, TokenizeResult(request.request_id, prompt.token_ids,
-                                                                     info.max_model_len)))
+                   lambda result: self._send_api(api, result))
+
+    def _token_str(self, token_id: int) -> str:
+        """The vocabulary entry of a token, as vLLM's return_token_strs lists it (byte-level pieces as is)."""
+        assert self._tokenizer is not None
+        piece = self._tokenizer.hf.convert_ids_to_tokens(token_id)
+        return piece if isinstance(piece, str) else ""
 
     def _on_detokenize(self, api: int, request: DetokenizeRequest) -> None:
         if self._tokenizer is None:
@@ -525,6 +535,8 @@ class TokenizerService:
                 reason = FinishReason.STOP
             self._finish_completion(state, delta.request_id, delta.index)
         logprobs = self._logprobs(delta) if state.params.logprobs is not None else []
+        if reason == FinishReason.STOP and delta.finish_reason == FinishReason.STOP and logprobs:
+            logprobs = logprobs[:len(token_ids) - 1]  # the stop token is not in the text: nor in its tokens
         return TextDelta(delta.request_id, delta.index, text, len(token_ids), int(reason), logprobs,
                          delta.num_cached_tokens, stream.stop_reason, prompt_logprobs)
 
