@@ -86,8 +86,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         scoring_only = self.prompt_logprobs is not None and self.n == 1  # max_tokens=0: score the prompt, no more
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
                                            and (0 if scoring_only else 1) <= self.max_tokens <= MAX_INT32),
-               "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}] (0 only to score a prompt: prompt_logprobs, or "
-                             "echo with logprobs, and n=1)")
+               "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}] (0 only to score a prompt: "
+                             "prompt_logprobs, or echo with logprobs, and n=1)")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= MAX_INT32, "min_tokens",
                f"min_tokens must be an integer in [0, {MAX_INT32}]")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

@@ -18,7 +18,7 @@ class StepWatch:
     """The bound on one step: `step_timeout` when set, else max(floor, BOUND_FACTOR x the slowest recent)."""
 
     step_timeout: float = 0.0  # fixed bound in seconds; 0: derived from measured steps
-    floor: float = 30.0  # a derived bound is never below this (compiles, long prefills, a loaded host)
+    floor: float = 120.0  # a derived bound is never below this (compiles, long prefills, a loaded host)
     heartbeat_timeout: float = 5.0  # an idle worker silent this long is taken as hung
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
 

@@ -107,11 +107,13 @@ def _body_cases() -> list[Case]:
     for depth in (65, 200, 2_000, 100_000):
         for path, key in (("/v1/completions", "metadata"), ("/v1/chat/completions", "response_format")):
             nested = b"[" * depth + b"]" * depth
-            base = b'{"prompt": "hi", ' if path == "/v1/completions" else b'{"messages": [{"role": "user", "content": "hi"}], '
+            chat = b'{"messages": [{"role": "user", "content": "hi"}], '
+            base = b'{"prompt": "hi", ' if path == "/v1/completions" else chat
             cases.append(Case(f"{path}:nested {depth}", path, raw=base + b'"' + key.encode() + b'": ' + nested + b"}"))
         cases.append(Case(f"chat:nested content parts {depth}", "/v1/chat/completions",
                           raw=b'{"messages": [{"role": "user", "content": [' + b"[" * depth + b"]" * depth + b"]}]}"))
-    for raw in [b"{bad json", b"[1, 2]", b"", b"\xff\xfe", b"null", b"5", b'"x"', b'{"prompt": "hi", "max_tokens": 1e400}',
+    for raw in [b"{bad json", b"[1, 2]", b"", b"\xff\xfe", b"null", b"5", b'"x"',
+                b'{"prompt": "hi", "max_tokens": 1e400}',
                 b'{"prompt": "hi", "n": 123456789012345678901234567890123456789012345678901234567890}',
                 b'{"prompt": "hi", "seed": -99999999999999999999999}', b'{"prompt": NaN}', b'{"prompt": "\\ud800"}',
                 b'{"prompt": "hi",}', b'{"prompt": "hi"', b"\x00" * 100, b'{"prompt": "hi", "prompt": 5}']:
