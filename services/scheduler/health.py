@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 STEP_HISTORY = 256  # recent step durations the bound is derived from
 BOUND_FACTOR = 10.0  # a step this many times slower than the slowest recent one counts as hung
+WARMUP_STEPS = 8  # until this many steps are measured, the derived bound is at least WARMUP_BOUND_S:
+WARMUP_BOUND_S = 120.0  # first steps allocate and warm caches (seen: 10 s for step 1 on a loaded CPU)
 
 
 @dataclass(slots=True)
@@ -29,7 +31,8 @@ class StepWatch:
         if self.step_timeout > 0:
             return self.step_timeout
         slowest = max(self.durations, default=0.0)
-        return max(self.floor, BOUND_FACTOR * slowest)
+        warmup = WARMUP_BOUND_S if len(self.durations) < WARMUP_STEPS else 0.0
+        return max(self.floor, BOUND_FACTOR * slowest, warmup)
 
     def verdict(self, now: float, step_started_at: float | None, step_id: int, worker_last_seen: float,
                 ready: bool) -> str:

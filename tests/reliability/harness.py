@@ -130,7 +130,7 @@ def running_server(model_dir: Path, *extra: str) -> Iterator[Server]:
              "--heartbeat-timeout", "3", *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(process, port, runtime_dir, log_path)
     try:
-        wait_until(lambda: "serving" in server.log() or process.poll() is not None, START_TIMEOUT_S,
+        wait_until(lambda: "pagoda: serving" in server.log() or process.poll() is not None, START_TIMEOUT_S,
                    "the server to start", interval=0.2)
         assert process.poll() is None, server.log()[-4000:]
         yield server

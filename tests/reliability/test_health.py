@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.services.scheduler.health import BOUND_FACTOR, StepWatch
+from pagoda.services.scheduler.health import BOUND_FACTOR, WARMUP_BOUND_S, WARMUP_STEPS, StepWatch
 from pagoda.services.scheduler.service import _columns_agree
 from pagoda.shared.messages import PromptScores, StepResult
 
@@ -10,8 +10,8 @@ from pagoda.shared.messages import PromptScores, StepResult
 def test_bound_is_fixed_or_derived_with_a_floor() -> None:
     assert StepWatch(step_timeout=7.0, floor=30.0).bound() == 7.0
     watch = StepWatch(floor=2.0)
-    assert watch.bound() == 2.0  # nothing measured yet
-    for seconds in (0.01, 0.05, 0.02):
+    assert watch.bound() == WARMUP_BOUND_S  # nothing measured yet: first steps may be slow
+    for seconds in [0.01, 0.05, 0.02] * WARMUP_STEPS:
         watch.record(seconds)
     assert watch.bound() == 2.0  # fast steps: the floor holds
     watch.record(1.0)
@@ -20,6 +20,8 @@ def test_bound_is_fixed_or_derived_with_a_floor() -> None:
 
 def test_verdict() -> None:
     watch = StepWatch(floor=2.0, heartbeat_timeout=5.0)
+    for _ in range(WARMUP_STEPS):
+        watch.record(0.1)
     assert watch.verdict(100.0, None, -1, worker_last_seen=0.0, ready=False) == ""  # loading: no verdict
     assert watch.verdict(100.0, 99.0, 7, worker_last_seen=99.0, ready=True) == ""
     hung = watch.verdict(100.0, 97.5, 7, worker_last_seen=97.5, ready=True)
