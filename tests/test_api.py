@@ -829,3 +829,32 @@ def test_unhandled_handler_error_is_a_json_500() -> None:
 
     status, body = asyncio.run(call())
     assert status == 500 and body["error"]["type"] == "server_error"
+
+
+def test_request_timeout_aborts_and_answers_408() -> None:
+    stack = start_stack("--request-timeout", "1", "--max-inflight-requests", "2")
+    try:
+        started = time.monotonic()
+        response = stack.post("/v1/completions", {"prompt": "hang plain"})
+        assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < 5
+        [request_id] = [rid for rid, g in stack.tokenizer.requests.items() if g.prompt_text == "hang plain"]
+        wait_until(lambda: request_id in stack.tokenizer.aborted, 5.0, "an AbortRequest at the deadline")
+        with httpx.stream("POST", stack.url + "/v1/completions", json={"prompt": "hang streamed", "stream": True},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10) as streamed:
+            assert streamed.status_code == 200  # the status line went before the deadline: an error event ends it
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert "request_timeout" in events[-2] and events[-1] == "data: [DONE]"
+        # past --max-inflight-requests: 503 with Retry-After
+        threads = [threading.Thread(target=stack.post, args=("/v1/completions", {"prompt": f"hang {i}"}))
+                   for i in range(2)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: sum(g.prompt_text.startswith("hang ") for g in stack.tokenizer.requests.values()
+                               if g.prompt_text) >= 4, 5.0, "two requests in flight")
+        overloaded = stack.post("/v1/completions", {"prompt": "one more"})
+        assert overloaded.status_code == 503 and overloaded.headers["Retry-After"] == "1"
+        for thread in threads:
+            thread.join(10)
+    finally:
+        stop_stack(stack)
