@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -126,13 +127,16 @@ class FakeTokenizer:
         sock.send(out.encode(TokenizerHello(self.identity.decode(), os.getpid())))
         streams: dict[str, FakeStream] = {}
         next_heartbeat = 0.0
+        beats = itertools.count(1)
         while not self._stop.is_set():
             if not self.alive.is_set():
                 self._stop.wait(0.02)
                 continue
             now = time.monotonic()
             if now >= next_heartbeat:
-                sock.send(out.encode(Heartbeat(self.identity.decode(), len(streams))))
+                beat = (TokenizerHello(self.identity.decode(), os.getpid()) if next(beats) % 4 == 0
+                        else Heartbeat(self.identity.decode(), len(streams)))  # a hello every 4 beats, as the real one
+                sock.send(out.encode(beat))
                 next_heartbeat = now + HEARTBEAT_S
             due = min([s.next_at for s in streams.values()] + [next_heartbeat])
             if sock.poll(max(0, min(50, int((due - now) * 1000)))):

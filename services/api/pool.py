@@ -227,11 +227,14 @@ class TokenizerPool:
             if peer is None:
                 log.info("tokenizer %r (pid %d) joined", identity, message.pid)
         elif peer is None:
-            log.info("tokenizer %r is back", identity)
+            # Registration takes a hello (tokenizers send one every few heartbeats, so an api that restarted,
+            # or dropped a tokenizer that was only slow, takes it back within seconds): a stray peer's
+            # heartbeat does not make it a tokenizer that requests are sent to.
+            log.debug("ignored a %s from unregistered peer %r", type(message).__name__, identity[:64])
+            return
         if peer is None:
-            # Any valid message registers its sender: this api may have restarted under a live tokenizer.
-            pid = message.pid if isinstance(message, TokenizerHello) else 0
-            peer = self._peers[identity] = Peer(identity, pid, time.monotonic())
+            assert isinstance(message, TokenizerHello)
+            peer = self._peers[identity] = Peer(identity, message.pid, time.monotonic())
         peer.last_seen = time.monotonic()
         if isinstance(message, (TokenizerHello, Heartbeat)):
             return

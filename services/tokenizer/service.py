@@ -63,6 +63,7 @@ MAX_POLL_S = 0.1  # timers (heartbeats, liveness, shutdown) are looked at least 
 MAX_DRAIN = 512  # messages taken from one socket before the other sockets get a turn
 CLOSE_LINGER_MS = 500  # the last answers (503s on shutdown) get this long to leave
 SCHEDULER_UNAVAILABLE = "the scheduler is not available; try again later"
+API_HELLO_EVERY = 4  # heartbeats to the apis per hello (registration) sent in their place
 
 
 def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], str]:
@@ -218,6 +219,7 @@ class TokenizerService:
         self._scheduler_lost = False  # True: taken for dead; the next word from it gets a fresh hello
         self._scheduler_sender: str | None = None  # its heartbeats' sender: a new one means it restarted
         self._next_heartbeat = 0.0
+        self._num_beats = 0
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
         self._stopping = False
         log.info("tokenizer %s: apis %s, scheduler %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoint,
@@ -272,7 +274,11 @@ class TokenizerService:
     def _send_heartbeats(self) -> None:
         beat = Heartbeat(self.tokenizer_id,
                          num_inflight=len(self._requests) + len(self._waiting) + len(self._tokenizing))
-        data = self._api_out.encode(beat)
+        # Every API_HELLO_EVERY-th beat is a hello: an api registers tokenizers only on their hello, and one
+        # that restarted (or dropped this process as silent) takes it back on the next.
+        self._num_beats += 1
+        hello = self._num_beats % API_HELLO_EVERY == 0
+        data = self._api_out.encode(TokenizerHello(self.tokenizer_id, os.getpid()) if hello else beat)
         for sock in self._apis:
             _send(sock, data)
         # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
