@@ -11,7 +11,7 @@ import pytest
 
 from tests.reliability.harness import running_server, stream_completion, wait_until
 
-NUM_KV_BLOCKS = 12  # 192 tokens for up to 8 sequences of up to ~75 tokens: constant preemption
+NUM_KV_BLOCKS = 6  # 96 tokens for up to 8 sequences of up to ~75 tokens: constant preemption
 
 
 def _run_load(smollm2_dir: Path, num_requests: int, concurrency: int, lengths: list[int]) -> dict[str, object]:
