@@ -12,7 +12,7 @@ from pagoda.shared.messages import MAX_INT32, MAX_INT64, MIN_INT64, ChatMessage,
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5 alternatives
 MAX_CHAT_TOP_LOGPROBS = 20
-MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this are refused before decoding
+MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused before decoding
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 T = TypeVar("T")

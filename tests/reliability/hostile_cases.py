@@ -104,7 +104,7 @@ def _utility_cases() -> list[Case]:
 
 def _body_cases() -> list[Case]:
     cases = []
-    for depth in (65, 200, 2_000, 100_000):
+    for depth in (129, 200, 2_000, 100_000):
         for path, key in (("/v1/completions", "metadata"), ("/v1/chat/completions", "response_format")):
             nested = b"[" * depth + b"]" * depth
             chat = b'{"messages": [{"role": "user", "content": "hi"}], '
