@@ -1,4 +1,4 @@
-# pagoda: make install | model | test | run | bench | lint | clean   (GNU make)
+# pagoda: make install | model | test | test-reliability | run | bench | lint | clean   (GNU make)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
@@ -8,7 +8,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 TORCH_PKGS ?= torch==2.13.0 triton==3.6.0
 ARGS ?=
 
-.PHONY: install model test run bench lint clean distclean
+.PHONY: install model test test-reliability run bench lint clean distclean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ model: install
 
 test: install model
 	$(PY) -m pytest -q $(ARGS)
+
+# Every reliability test, the long ones too (kill -9 / SIGSTOP of each process kind, the full load test).
+test-reliability: install model
+	$(PY) -m pytest -q -s -m "reliability_full or not reliability_full" tests/reliability $(ARGS)
 
 run: install model
 	$(VENV)/bin/pagoda serve --model $(MODEL_DIR) $(ARGS)

@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pagoda.services.worker.model_config import check_divisible, resolve_arch
@@ -32,10 +32,25 @@ PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT]
 
 
+RESTARTABLE = ("tokenizer", "api")  # stateless per request: a fresh one serves new requests at once
+
+
 @dataclass(slots=True)
 class Child:
     name: str
     process: subprocess.Popen[bytes]
+    module: str = ""
+    overrides: dict[str, object] = field(default_factory=dict)
+    stopped_since: float | None = None  # time.monotonic() when it was first seen stopped (SIGSTOP, a debugger)
+    num_restarts: int = 0
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (R, S, D, T stopped, t traced, Z zombie), "" if unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _die_with_parent() -> None:
@@ -83,7 +98,7 @@ class Launcher:
             env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         process = subprocess.Popen([sys.executable, "-m", f"pagoda.services.{module}"], env=env,
                                    preexec_fn=_die_with_parent)
-        self.children.append(Child(name, process))
+        self.children.append(Child(name, process, module, dict(overrides)))
 
     def start(self) -> None:
         config = self.server_config
@@ -113,12 +128,47 @@ class Launcher:
     def dead_child(self) -> Child | None:
         return next((child for child in self.children if child.process.poll() is not None), None)
 
+    def hung_child(self, now: float) -> Child | None:
+        """A child stopped (SIGSTOP) for longer than the heartbeat timeout: its peers already gave up on it."""
+        for child in self.children:
+            if process_state(child.process.pid) in ("T", "t"):
+                child.stopped_since = child.stopped_since or now
+                if now - child.stopped_since > self.server_config.heartbeat_timeout:
+                    return child
+            else:
+                child.stopped_since = None
+        return None
+
+    def restart(self, child: Child, why: str) -> None:
+        """A fresh process in the child's place (tokenizer or api); its peers register it on its hello."""
+        if child.process.poll() is None:
+            child.process.kill()  # stopped or hung: SIGKILL works on a stopped process too
+            child.process.wait()
+        self.children.remove(child)
+        started = time.monotonic()
+        overrides = dict(child.overrides)
+        if child.module == "tokenizer":  # a new identity: peers drop the old one's requests, not the new one's
+            overrides["tokenizer_id"] = f"{child.name}-{os.getpid()}-r{child.num_restarts + 1}"
+        self._spawn(child.name, child.module, **overrides)
+        self.children[-1].overrides = child.overrides
+        self.children[-1].num_restarts = child.num_restarts + 1
+        print(f"pagoda: {child.name} {why}; restarted it (restart {child.num_restarts + 1}, "
+              f"{time.monotonic() - started:.2f} s to spawn)", file=sys.stderr)
+
     def supervise(self) -> int:
-        """Block until a signal or a child's death; return the exit code."""
+        """Block until a signal, or a child's death or hang that the policy does not restart; return the exit
+        code. With --restart-on-failure a dead or stopped tokenizer or api process is replaced."""
         while True:
+            now = time.monotonic()
             dead = self.dead_child()
-            if dead is not None:
-                print(f"pagoda: {dead.name} exited with code {dead.process.returncode}; stopping", file=sys.stderr)
+            failed = dead or self.hung_child(now)
+            if failed is not None:
+                why = (f"exited with code {failed.process.returncode}" if failed is dead
+                       else f"has been stopped for over {self.server_config.heartbeat_timeout:g} s (hung)")
+                if self.server_config.restart_on_failure and failed.module in RESTARTABLE:
+                    self.restart(failed, why)
+                    continue
+                print(f"pagoda: {failed.name} {why}; stopping", file=sys.stderr)
                 return 1
             info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD], 0.5)
             if info is not None and info.si_signo in STOP_SIGNALS:
@@ -137,7 +187,7 @@ class Launcher:
         for child in self.children:
             if child.process.poll() is None:
                 print(f"pagoda: killing {child.name}", file=sys.stderr)
-                child.process.kill()
+                child.process.kill()  # a stopped child too: SIGKILL needs no SIGCONT
                 child.process.wait()
         if self.own_runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -153,6 +203,7 @@ class Launcher:
         for child in children:
             if child.process.poll() is None:
                 child.process.terminate()
+                child.process.send_signal(signal.SIGCONT)  # a stopped child acts on SIGTERM only once continued
 
     @staticmethod
     def _wait(children: list[Child], deadline: float) -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from pagoda.shared.errors import ConfigError
@@ -135,15 +136,28 @@ class ServerConfig:
     shutdown_grace: float = 3.0  # seconds in-flight requests get to finish on SIGTERM
     max_inflight_requests: int = 4096  # per api process; more get HTTP 503
     log_level: str = "info"
+    api_key_file: str | None = None  # a file holding the key (keeps it out of `ps`); PAGODA_API_KEY works too
+    max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of prompt text or message contents per request; more: 400
+    request_timeout: float = 0.0  # seconds one HTTP request may take in all (aborted after); 0: no limit
+    body_read_timeout: float = 30.0  # seconds to receive a request's headers and body (slow clients: 408)
+    max_waiting_requests: int = 0  # waiting requests past which the scheduler answers 503 + Retry-After; 0: none
+    step_timeout: float = 0.0  # a worker step running longer is taken as hung; 0: derived (see hang_floor)
+    hang_floor: float = 120.0  # the least a step may run before it counts as hung (with step_timeout 0)
+    restart_on_failure: bool = False  # restart a dead or hung tokenizer or api process instead of stopping
 
     def __post_init__(self) -> None:
-        for name in ("api_workers", "tokenizer_workers", "max_inflight_requests"):
+        for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)
         if not 0 < self.port < 65536:
             raise ConfigError("port must be in 1..65535", param="port")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
+        for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0", param=name)
+        if self.api_key is None and self.api_key_file:
+            self.api_key = read_key_file(self.api_key_file)
 
     def endpoint(self, name: str) -> str:
         """One socket address (scheduler, plan, result or stats): given explicitly, or derived from runtime_dir.
@@ -169,6 +183,16 @@ class ServerConfig:
         """Every socket address (the launcher's view)."""
         return Endpoints(api=self.api_endpoint_list(), scheduler=self.endpoint("scheduler"),
                          plan=self.endpoint("plan"), result=self.endpoint("result"), stats=self.endpoint("stats"))
+
+
+def read_key_file(path: str) -> str:
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the api key file {path}: {exc}", param="api_key_file") from exc
+    if not key:
+        raise ConfigError(f"the api key file {path} is empty", param="api_key_file")
+    return key
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +225,10 @@ _FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching"}  # 
 _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1 routes",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer --api-key-file or "
+               "PAGODA_API_KEY)",
+    "api_key_file": "read the API key from this file (or set PAGODA_API_KEY)",
+    "restart_on_failure": "restart a dead or hung tokenizer or api process (default: stop the server)",
     "quantization": "fp8: e4m3 linear weights (per-channel scales, quantized at load; FP8 checkpoints load as "
                     "they ship whatever this says)",
     "kv_cache_dtype": "auto (the model dtype) or fp8: e4m3 KV cache with per-layer K/V scales from the checkpoint, "

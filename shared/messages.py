@@ -14,6 +14,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 LOGIT_BIAS_LIMIT = 100.0  # |bias| as in OpenAI's API
+MAX_INT32 = 2**31 - 1  # bound of counts and token ids: the worker holds them in int32/int64 rows
+MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the wire's int64
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class FinishReason(IntEnum):
@@ -70,28 +73,30 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
                "temperature must be a finite number >= 0")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
-               "top_k must be -1 or 0 (disabled) or a positive integer")
+        _check(isinstance(self.top_k, int) and (0 <= self.top_k <= MAX_INT32 or self.top_k == -1), "top_k",
+               f"top_k must be -1 or 0 (disabled) or a positive integer <= {MAX_INT32}")
         _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2]")
         _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                "repetition_penalty", "repetition_penalty must be in (0, 10]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and MIN_INT64 <= self.seed <= MAX_INT64), "seed",
+               f"seed must be an integer in [{MIN_INT64}, {MAX_INT64}]")
         scoring_only = self.prompt_logprobs is not None and self.n == 1  # max_tokens=0: score the prompt, no more
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
-                                           and self.max_tokens >= (0 if scoring_only else 1)),
-               "max_tokens", "max_tokens must be an integer >= 1 (0 only to score a prompt: prompt_logprobs, or "
-                             "echo with logprobs, and n=1)")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-               "min_tokens must be an integer >= 0")
+                                           and (0 if scoring_only else 1) <= self.max_tokens <= MAX_INT32),
+               "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}] (0 only to score a prompt: "
+                             "prompt_logprobs, or echo with logprobs, and n=1)")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= MAX_INT32, "min_tokens",
+               f"min_tokens must be an integer in [0, {MAX_INT32}]")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                "min_tokens must not exceed max_tokens")
         _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
                "stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "stop_token_ids must be non-negative integers")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
+               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers in [0, {MAX_INT32}]")
         _check(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
@@ -100,8 +105,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias",
-               "logit_bias keys must be non-negative token ids")
+        _check(all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.logit_bias), "logit_bias",
+               f"logit_bias keys must be token ids in [0, {MAX_INT32}]")
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         return self
@@ -234,6 +239,8 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=Tr
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False  # the tokens' vocabulary strings too (vLLM's /tokenize)
 
 
 class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):
@@ -303,6 +310,7 @@ class TokenizeResult(msgspec.Struct, array_like=True, tag="tokenized", frozen=Tr
     request_id: str
     token_ids: list[int]
     max_model_len: int
+    token_strs: list[str] = []  # when asked: one vocabulary string per token
 
 
 class DetokenizeResult(msgspec.Struct, array_like=True, tag="detokenized", frozen=True):
@@ -378,6 +386,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     tokenizer_ids: list[str]
     tokenizer_requests_total: list[int]  # requests each tokenizer (aligned with tokenizer_ids) has sent
     max_model_len: int = 0
+    problem: str = ""  # why the worker counts as hung (its step ran past the bound); "" while it progresses
 
 
 # One union per socket direction; decoders are built once per process from these.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -126,13 +127,16 @@ class FakeTokenizer:
         sock.send(out.encode(TokenizerHello(self.identity.decode(), os.getpid())))
         streams: dict[str, FakeStream] = {}
         next_heartbeat = 0.0
+        beats = itertools.count(1)
         while not self._stop.is_set():
             if not self.alive.is_set():
                 self._stop.wait(0.02)
                 continue
             now = time.monotonic()
             if now >= next_heartbeat:
-                sock.send(out.encode(Heartbeat(self.identity.decode(), len(streams))))
+                beat = (TokenizerHello(self.identity.decode(), os.getpid()) if next(beats) % 4 == 0
+                        else Heartbeat(self.identity.decode(), len(streams)))  # a hello every 4 beats, as the real one
+                sock.send(out.encode(beat))
                 next_heartbeat = now + HEARTBEAT_S
             due = min([s.next_at for s in streams.values()] + [next_heartbeat])
             if sock.poll(max(0, min(50, int((due - now) * 1000)))):
@@ -553,6 +557,18 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "extra": 1}]},
      400, "messages[0].extra"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    # integers the wire (int64) or the worker's rows cannot hold: a 400 naming the field, never a 500
+    *[("/v1/completions", {"prompt": "x", name: value}, 400, name)
+      for name in ("seed", "priority", "max_tokens", "top_k", "min_tokens", "n")
+      for value in (2**63, 2**64, -(2**64), 10**30)],
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**64]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 30: 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": [1, 2**64]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2**63]]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"k": 2**64}}, 400, "chat_template_kwargs"),
+    ("/detokenize", {"tokens": [2**64]}, 400, "tokens"),
 ]
 
 
@@ -582,6 +598,36 @@ def test_malformed_bodies_and_routes(stack: Stack) -> None:
     assert info.value.body["param"] == "top_p"
     with pytest.raises(openai.NotFoundError):
         stack.openai().completions.create(model="other", prompt="x")
+
+
+def test_hostile_bodies_and_headers(stack: Stack) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for depth in (129, 2000, 100_000):  # the decoder recurses per level: refused before decoding
+        content = b'{"prompt": "x", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+        response = stack.post("/v1/completions", content=content, headers=auth | {"Content-Type": "application/json"})
+        assert response.status_code == 400 and "deep" in response.json()["error"]["message"], response.text
+    nested_ok = {"prompt": "x", "max_tokens": 1, "user": "[[[[" * 100}  # brackets inside strings do not count
+    assert stack.post("/v1/completions", nested_ok).status_code == 200
+    form = stack.post("/v1/completions", content=b'{"prompt": "x"}',
+                      headers=auth | {"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
+    big = stack.post("/v1/completions", {"prompt": "x" * ((4 << 20) + 1)})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "prompt"
+    # a non-UTF-8 byte in Authorization, a second header that does not match: 401, never a 500
+    raw = [(b"Authorization", b"Bearer \xff\xfe"), (b"Content-Type", b"application/json")]
+    assert httpx.post(stack.url + "/v1/completions", content=b'{"prompt": "x"}', headers=raw).status_code == 401
+    twice = [(b"Authorization", f"Bearer {API_KEY}".encode()), (b"Authorization", b"Bearer wrong")]
+    assert httpx.get(stack.url + "/v1/models", headers=twice).status_code == 401
+    same = [(b"Authorization", f"Bearer {API_KEY}".encode())] * 2
+    assert httpx.get(stack.url + "/v1/models", headers=same).status_code == 200
+    assert stack.healthy()
+
+
+def test_retrieve_model(stack: Stack) -> None:
+    model = stack.openai().models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        stack.openai().models.retrieve("other-model")
 
 
 def test_tokenize_and_detokenize(stack: Stack) -> None:
@@ -787,3 +833,32 @@ def test_unhandled_handler_error_is_a_json_500() -> None:
 
     status, body = asyncio.run(call())
     assert status == 500 and body["error"]["type"] == "server_error"
+
+
+def test_request_timeout_aborts_and_answers_408() -> None:
+    stack = start_stack("--request-timeout", "1", "--max-inflight-requests", "2")
+    try:
+        started = time.monotonic()
+        response = stack.post("/v1/completions", {"prompt": "hang plain"})
+        assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < 5
+        [request_id] = [rid for rid, g in stack.tokenizer.requests.items() if g.prompt_text == "hang plain"]
+        wait_until(lambda: request_id in stack.tokenizer.aborted, 5.0, "an AbortRequest at the deadline")
+        with httpx.stream("POST", stack.url + "/v1/completions", json={"prompt": "hang streamed", "stream": True},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10) as streamed:
+            assert streamed.status_code == 200  # the status line went before the deadline: an error event ends it
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert "request_timeout" in events[-2] and events[-1] == "data: [DONE]"
+        # past --max-inflight-requests: 503 with Retry-After
+        threads = [threading.Thread(target=stack.post, args=("/v1/completions", {"prompt": f"hang {i}"}))
+                   for i in range(2)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: sum(g.prompt_text.startswith("hang ") for g in stack.tokenizer.requests.values()
+                               if g.prompt_text) >= 4, 5.0, "two requests in flight")
+        overloaded = stack.post("/v1/completions", {"prompt": "one more"})
+        assert overloaded.status_code == 503 and overloaded.headers["Retry-After"] == "1"
+        for thread in threads:
+            thread.join(10)
+    finally:
+        stop_stack(stack)

@@ -51,7 +51,7 @@ pytestmark = pytest.mark.slow
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 2.0
 MAX_MODEL_LEN = 128
-STARTUP_TIMEOUT = 30.0  # importing transformers and loading the tokenizer, on a slow CI machine
+STARTUP_TIMEOUT = 120.0  # importing transformers and loading the tokenizer, on a slow or shared CI machine
 REPLY_TIMEOUT = 5.0
 UNICODE_TEXT = "Grüße, 世界! 🎉 family: 👨‍👩‍👧 ok"
 
@@ -340,6 +340,30 @@ def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> Non
     tok.send_api(AbortRequest(request_id))
 
 
+def test_logprob_tokens_join_to_the_text(tok: Harness, tokenizer: Tokenizer) -> None:
+    """The EOS that ends a completion is not in its text, so not in its logprob tokens either."""
+    request_id, _, _ = tok.generate(SamplingParams(max_tokens=None, logprobs=0), prompt_text="Hi")
+    ids = tokenizer.encode(" fine", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    delta = tok.feed(request_id, [*ids, eos], FinishReason.STOP, logprobs=[-0.1] * (len(ids) + 1),
+                     top_token_ids=[[]] * (len(ids) + 1), top_logprobs=[[]] * (len(ids) + 1))
+    assert "".join(p.sampled.token for p in delta.logprobs) == delta.text == " fine"
+    assert delta.num_new_tokens == len(ids) + 1  # usage still counts it
+
+
+def test_tokenize_token_strs_and_continue_final_message(tok: Harness, tokenizer: Tokenizer) -> None:
+    request_id = new_id()
+    tok.send_api(TokenizeRequest(request_id, prompt_text="hello world", return_token_strs=True))
+    result = tok.expect_reply(request_id, TokenizeResult)
+    assert result.token_strs == tokenizer.hf.convert_ids_to_tokens(result.token_ids)
+    messages = [ChatMessage("user", "Hi"), ChatMessage("assistant", "Once upon")]
+    request_id = new_id()
+    tok.send_api(TokenizeRequest(request_id, messages=messages, add_generation_prompt=False,
+                                 continue_final_message=True))
+    ids = tok.expect_reply(request_id, TokenizeResult).token_ids
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith("Once upon")
+
+
 def test_chat_messages_use_the_chat_template(tok: Harness, tokenizer: Tokenizer) -> None:
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there!", name="ann")]
     request_id, accepted, added = tok.generate(messages=messages)
@@ -417,6 +441,34 @@ def test_tokenize_and_detokenize(tok: Harness, tokenizer: Tokenizer) -> None:
     request_id = new_id()
     tok.send_api(DetokenizeRequest(request_id, [1, 10**9]))
     assert tok.expect_reply(request_id, RequestFailed).status == 400
+
+
+def test_large_prompt_tokenizes_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:
+    """A prompt large enough to take a while is tokenized on a thread: a small request sent after it is
+    answered first, and the large one is refused (it is far past the context) without a 500."""
+    large_id, small_id = new_id(), new_id()
+    tok.send_api(GenerateRequest(large_id, SamplingParams(max_tokens=1), prompt_text="lorem ipsum " * 200_000))
+    tok.send_api(TokenizeRequest(small_id, prompt_text="hello"))
+    first = tok.expect_api(lambda m: getattr(m, "request_id", None) in (large_id, small_id), what="an answer")
+    assert first == TokenizeResult(small_id, tokenizer.encode("hello"), MAX_MODEL_LEN)
+    failed = tok.expect_reply(large_id, RequestFailed, timeout=60.0)
+    assert failed.status == 400 and failed.code == "context_length_exceeded"
+    large_ids = list(range(100, 200)) * 400  # 40,000 ids: decoded on the thread too
+    detok_id = new_id()
+    tok.send_api(DetokenizeRequest(detok_id, large_ids))
+    assert tok.expect_reply(detok_id, DetokenizeResult).text == tokenizer.decode(large_ids, skip_special_tokens=False)
+
+
+def test_abort_while_a_thread_tokenizes(tok: Harness) -> None:
+    request_id = new_id()
+    tok.send_api(GenerateRequest(request_id, SamplingParams(max_tokens=1), prompt_text="lorem " * 100_000))
+    tok.send_api(AbortRequest(request_id))
+    probe = new_id()
+    tok.send_api(TokenizeRequest(probe, prompt_text="after"))
+    tok.expect_reply(probe, TokenizeResult)
+    tok.send_api(TokenizeRequest(probe2 := new_id(), prompt_text="x" * 40_000))  # queued behind the aborted job
+    tok.expect_reply(probe2, TokenizeResult, timeout=30.0)
+    assert not [m for m in tok.api_inbox if getattr(m, "request_id", None) == request_id]
 
 
 def test_garbage_frames_are_dropped(tok: Harness) -> None:

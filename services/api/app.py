@@ -8,7 +8,7 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pagoda.services.api.errors import AuthenticationError
+from pagoda.services.api.errors import AuthenticationError, UnsupportedMediaTypeError
 from pagoda.services.api.handlers import ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.protocol import error_body
@@ -19,16 +19,19 @@ log = logging.getLogger(__name__)
 # Large enough for a long prompt as token ids in JSON, small enough that its wire message fits a frame.
 MAX_BODY_BYTES = 32 << 20
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health and /metrics stay open
+RETRY_AFTER_S = "1"
 
 
 def build_app(state: ApiState) -> web.Application:
     handlers = Handlers(state)
-    app = web.Application(middlewares=[error_middleware(state.metrics), auth_middleware(state.config.api_key)],
+    app = web.Application(middlewares=[error_middleware(state.metrics), auth_middleware(state.config.api_key),
+                                       content_type_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app.add_routes([
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
         web.get("/v1/models", handlers.models),
+        web.get("/v1/models/{model_id:.+}", handlers.model),
         web.post("/tokenize", handlers.tokenize),
         web.post("/detokenize", handlers.detokenize),
         web.get("/health", handlers.health),
@@ -43,12 +46,29 @@ def auth_middleware(api_key: str | None) -> Middleware:
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if expected is not None and request.path.startswith(PROTECTED_PREFIXES):
-            given = request.headers.get("Authorization", "").strip().encode()
-            if not hmac.compare_digest(given, expected):  # constant time: no key guessing by timing
+            # Every Authorization header must hold the key (a proxy may add or keep one). Header values are
+            # str with surrogates for bytes that are not UTF-8: those bytes compare as themselves.
+            given = [value.strip().encode("utf-8", "surrogateescape")
+                     for value in request.headers.getall("Authorization", [])]
+            # constant time: no key guessing by timing
+            if not given or not all([hmac.compare_digest(value, expected) for value in given]):
                 raise AuthenticationError()
         return await handler(request)
 
     return check_key
+
+
+JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/octet-stream")  # the last two: lenient clients
+
+
+@web.middleware
+async def content_type_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body that is not JSON is refused with 415 before anything reads it (a form post is not JSON)."""
+    if request.method == "POST" and request.headers.get("Content-Type"):
+        media_type = request.content_type.lower()
+        if media_type not in JSON_CONTENT_TYPES and not media_type.endswith("+json"):
+            raise UnsupportedMediaTypeError(media_type)
+    return await handler(request)
 
 
 def _error_type(status: int) -> str:
@@ -74,6 +94,8 @@ def error_middleware(metrics: ApiMetrics) -> Middleware:
             response = json_response(error_body("internal server error", "server_error"), status=500)
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"  # bounded label values
+        if response.status == 503 and "Retry-After" not in response.headers:
+            response.headers["Retry-After"] = RETRY_AFTER_S  # overloaded or a process restarting: come back soon
         metrics.http_requests.labels(route, str(response.status)).inc()
         return response
 

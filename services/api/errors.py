@@ -14,6 +14,20 @@ class AuthenticationError(PagodaError):
         super().__init__("Invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
+class UnsupportedMediaTypeError(PagodaError):
+    http_status = 415
+    error_type = "invalid_request_error"
+
+    def __init__(self, media_type: str) -> None:
+        super().__init__(f"Content-Type {media_type} is not supported: send the body as application/json",
+                         code="unsupported_media_type")
+
+
+class RequestTimeoutError(PagodaError):
+    http_status = 408
+    error_type = "invalid_request_error"
+
+
 class UpstreamError(PagodaError):
     """A request failed behind the api; status and type come from the failure, not the class."""
 

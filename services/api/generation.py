@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagoda.services.api.errors import UpstreamError
+from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, Ticket
 from pagoda.shared.messages import Accepted, FinishReason, PositionLogprobs, RequestFailed, TextDelta
@@ -34,8 +35,10 @@ class Choice:
 class Generation:
     """Folds a ticket's replies into choices; raises UpstreamError for any failure the client must see."""
 
-    def __init__(self, ticket: Ticket, n: int, started_at: float, metrics: ApiMetrics) -> None:
+    def __init__(self, ticket: Ticket, n: int, started_at: float, metrics: ApiMetrics,
+                 deadline: float | None = None) -> None:
         self.ticket = ticket
+        self.deadline = deadline  # time.monotonic() past which the request ends with 408 (--request-timeout)
         self.n = n
         self.started_at = started_at  # time.monotonic() at HTTP arrival
         self._metrics = metrics
@@ -76,7 +79,7 @@ class Generation:
         """Wait until every prompt is tokenized and admitted; the first refusal becomes the response."""
         pending = set(self.ticket.request_ids)
         while pending:
-            reply = await self.ticket.queue.get()
+            reply = await self._get()
             if isinstance(reply, Accepted) and reply.request_id in pending:
                 i = self._prompt_index[reply.request_id]
                 self.num_prompt_tokens[i] = reply.num_prompt_tokens
@@ -90,10 +93,20 @@ class Generation:
     async def next_batch(self) -> list[tuple[Choice, TextDelta]]:
         """The next deltas of this request, already applied to the choices."""
         while True:
-            reply = self._early.popleft() if self._early else await self.ticket.queue.get()
+            reply = self._early.popleft() if self._early else await self._get()
             if isinstance(reply, list):
                 return self._apply(reply)
             self._raise_if_failed(reply)
+
+    async def _get(self) -> Reply:
+        if self.deadline is None:
+            return await self.ticket.queue.get()
+        try:
+            return await asyncio.wait_for(self.ticket.queue.get(), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            # The handler's finally aborts what still runs: the scheduler frees its blocks.
+            raise RequestTimeoutError(f"the request did not finish within {self.deadline - self.started_at:g} s "
+                                      "(--request-timeout)", code="request_timeout") from None
 
     def _raise_if_failed(self, reply: Reply) -> None:
         if isinstance(reply, RequestFailed):

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
-from pagoda.services.api.errors import UpstreamError
+from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
@@ -24,11 +25,13 @@ from pagoda.services.api.schemas import (
     chat_request,
     completion_requests,
     decode_body,
+    prompt_bytes,
 )
 from pagoda.services.api.stats import StatsFeed
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
 from pagoda.shared.messages import (
+    MAX_INT32,
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
@@ -38,6 +41,7 @@ from pagoda.shared.messages import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # proxies must pass each event on at once
@@ -71,11 +75,27 @@ class Handlers:
                                      f"`{self.state.served_model_name}`.")
         return self.state.served_model_name
 
+    async def _read(self, request: web.Request, kind: type[T]) -> T:
+        """The body, read within body_read_timeout (a slow client gets 408) and decoded as `kind`."""
+        timeout = self.state.config.body_read_timeout or None
+        try:
+            data = await asyncio.wait_for(request.read(), timeout)
+        except TimeoutError:
+            raise RequestTimeoutError(f"the request body did not arrive within {timeout:g} s") from None
+        body = decode_body(data, kind)
+        limit = self.state.config.max_prompt_bytes
+        size = prompt_bytes(body)
+        if size > limit:
+            param = "messages" if hasattr(body, "messages") and getattr(body, "messages", None) else "prompt"
+            raise InvalidRequestError(f"the prompt has {size} bytes; this server accepts at most {limit} "
+                                      "(--max-prompt-bytes)", param=param)
+        return body
+
     # ------------------------------------------------------------------ generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
-        body = decode_body(await request.read(), CompletionBody)
+        body = await self._read(request, CompletionBody)
         model = self._check_model(body.model)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         messages = completion_requests(body, response_id, time.time())
@@ -85,7 +105,7 @@ class Handlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
-        body = decode_body(await request.read(), ChatBody)
+        body = await self._read(request, ChatBody)
         model = self._check_model(body.model)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         message = chat_request(body, response_id, time.time())
@@ -96,7 +116,9 @@ class Handlers:
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], renderer: Renderer,
                         stream: bool, started_at: float) -> web.StreamResponse:
         ticket = self.state.pool.submit(messages)
-        gen = Generation(ticket, messages[0].params.n, started_at, self.state.metrics)
+        timeout = self.state.config.request_timeout
+        gen = Generation(ticket, messages[0].params.n, started_at, self.state.metrics,
+                         deadline=started_at + timeout if timeout > 0 else None)
         try:
             await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
             if stream:
@@ -146,30 +168,48 @@ class Handlers:
         return reply
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = decode_body(await request.read(), TokenizeBody)
+        body = await self._read(request, TokenizeBody)
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
         request_id = f"tokenize-{uuid.uuid4().hex}"
+        continue_final = bool(body.continue_final_message)
+        if continue_final and body.messages is None:
+            raise InvalidRequestError("continue_final_message needs messages", param="continue_final_message")
+        if continue_final and body.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                      param="continue_final_message")
+        want_strs = bool(body.return_token_strs)
         if body.messages is not None:
+            messages = chat_messages(body.messages)
+            if continue_final and messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                          param="continue_final_message")
             # chat templates carry their own BOS; adding one more would double it
-            message = TokenizeRequest(request_id, messages=chat_messages(body.messages),
+            add_generation_prompt = not continue_final if body.add_generation_prompt is None \
+                else body.add_generation_prompt
+            message = TokenizeRequest(request_id, messages=messages,
                                       add_special_tokens=bool(body.add_special_tokens),
-                                      add_generation_prompt=body.add_generation_prompt is not False)
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final, return_token_strs=want_strs)
         else:
             message = TokenizeRequest(request_id, prompt_text=body.prompt,
-                                      add_special_tokens=body.add_special_tokens is not False)
+                                      add_special_tokens=body.add_special_tokens is not False,
+                                      return_token_strs=want_strs)
         reply = await self._ask(message)
         if not isinstance(reply, TokenizeResult):
             raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
-        return json_response({"tokens": reply.token_ids, "count": len(reply.token_ids),
-                              "max_model_len": reply.max_model_len})
+        out: dict[str, Any] = {"tokens": reply.token_ids, "count": len(reply.token_ids),
+                               "max_model_len": reply.max_model_len}
+        if want_strs:
+            out["token_strs"] = reply.token_strs
+        return json_response(out)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = decode_body(await request.read(), DetokenizeBody)
+        body = await self._read(request, DetokenizeBody)
         self._check_model(body.model)
-        if any(t < 0 for t in body.tokens):
-            raise InvalidRequestError("token ids must be non-negative", param="tokens")
+        if any(not 0 <= t <= MAX_INT32 for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be integers in [0, {MAX_INT32}]", param="tokens")
         reply = await self._ask(DetokenizeRequest(f"detokenize-{uuid.uuid4().hex}", body.tokens))
         if not isinstance(reply, DetokenizeResult):
             raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
@@ -177,12 +217,19 @@ class Handlers:
 
     # ------------------------------------------------------------------ state
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_card(self) -> dict[str, Any]:
         stats = self.state.stats.latest
         max_model_len = stats.max_model_len if stats is not None and stats.max_model_len > 0 else None
-        card = {"id": self.state.served_model_name, "object": "model", "created": self.state.started,
+        return {"id": self.state.served_model_name, "object": "model", "created": self.state.started,
                 "owned_by": "pagoda", "max_model_len": max_model_len}
-        return json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the SDK's models.retrieve; 404 for a name this server does not serve."""
+        self._check_model(request.match_info["model_id"])
+        return json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         problems = self.health_problems()
@@ -203,7 +250,9 @@ class Handlers:
         elif age > state.config.heartbeat_timeout:
             problems.append(f"the scheduler's latest stats are {age:.1f} s old")
         stats = state.stats.latest
-        if stats is not None and not stats.worker_alive:
+        if stats is not None and stats.problem:
+            problems.append(stats.problem)
+        elif stats is not None and not stats.worker_alive:
             problems.append("the worker is not alive")
         if stats is not None and not stats.worker_ready:
             problems.append("the worker is not ready")

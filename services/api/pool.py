@@ -15,11 +15,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from pagoda.shared.config import ServerConfig
-from pagoda.shared.errors import ServerOverloadedError
+from pagoda.shared.errors import InvalidRequestError, ServerOverloadedError
 from pagoda.shared.messages import (
     AbortRequest,
     Accepted,
@@ -117,9 +118,11 @@ class TokenizerPool:
             raise ServerOverloadedError(
                 f"too many requests in flight (at most {self._config.max_inflight_requests} per api process)")
         request_ids = [m.request_id for m in messages]
+        frames = [self._encode(m) for m in messages]
         while True:
             peer = self._pick()
-            if all(self._send(peer.identity, m) for m in messages):
+            if all(self._send_data(peer.identity, data, type(m).__name__) for m, data in zip(messages, frames,
+                                                                                              strict=True)):
                 break
             self._drop(peer, "unreachable")  # it vanished since its last message: try the next one
         ticket = Ticket(request_ids, peer.identity)
@@ -175,12 +178,22 @@ class TokenizerPool:
         self._num_picks += 1
         return candidates[self._num_picks % len(candidates)]
 
+    def _encode(self, message: ApiToTokenizer) -> bytes:
+        """The wire bytes; a value the wire cannot carry (an int beyond 64 bits the checks missed) is a 400."""
+        try:
+            return self._encoder.encode(message)
+        except (OverflowError, ValueError, TypeError, msgspec.EncodeError) as exc:
+            raise InvalidRequestError(f"the request holds a value out of range: {exc}") from None
+
     def _send(self, identity: bytes, message: ApiToTokenizer) -> bool:
         """Send without awaiting (safe in a cancelled handler's cleanup); False if the peer is unreachable."""
+        return self._send_data(identity, self._encoder.encode(message), type(message).__name__)
+
+    def _send_data(self, identity: bytes, data: bytes, what: str) -> bool:
         try:
-            future = self._sock.send_multipart([identity, self._encoder.encode(message)])
+            future = self._sock.send_multipart([identity, data])
         except zmq.ZMQError as exc:  # the socket itself is closed (shutdown)
-            log.warning("cannot send %s to tokenizer %r: %s", type(message).__name__, identity, exc)
+            log.warning("cannot send %s to tokenizer %r: %s", what, identity, exc)
             return False
         # With no high-water mark the send completes at once unless another one is queued before it.
         if not future.done():
@@ -189,7 +202,7 @@ class TokenizerPool:
         exc = future.exception()
         if exc is None:
             return True
-        log.warning("cannot send %s to tokenizer %r: %s", type(message).__name__, identity, exc)
+        log.warning("cannot send %s to tokenizer %r: %s", what, identity, exc)
         return False
 
     # ------------------------------------------------------------------ inbound
@@ -214,11 +227,14 @@ class TokenizerPool:
             if peer is None:
                 log.info("tokenizer %r (pid %d) joined", identity, message.pid)
         elif peer is None:
-            log.info("tokenizer %r is back", identity)
+            # Registration takes a hello (tokenizers send one every few heartbeats, so an api that restarted,
+            # or dropped a tokenizer that was only slow, takes it back within seconds): a stray peer's
+            # heartbeat does not make it a tokenizer that requests are sent to.
+            log.debug("ignored a %s from unregistered peer %r", type(message).__name__, identity[:64])
+            return
         if peer is None:
-            # Any valid message registers its sender: this api may have restarted under a live tokenizer.
-            pid = message.pid if isinstance(message, TokenizerHello) else 0
-            peer = self._peers[identity] = Peer(identity, pid, time.monotonic())
+            assert isinstance(message, TokenizerHello)
+            peer = self._peers[identity] = Peer(identity, message.pid, time.monotonic())
         peer.last_seen = time.monotonic()
         if isinstance(message, (TokenizerHello, Heartbeat)):
             return

@@ -36,8 +36,10 @@ def usage(gen: Generation) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
-def completion_logprobs(positions: list[PositionLogprobs], offset: int) -> dict[str, Any]:
-    """The legacy shape; `offset` is where the first token starts in the choice's text."""
+def completion_logprobs(positions: list[PositionLogprobs], offset: int, end: int | None = None) -> dict[str, Any]:
+    """The legacy shape; `offset` is where the first token starts in the choice's text. With `end` (the
+    length of the text these tokens make), offsets never pass it: a token whose string is not in the text
+    (a special token the text skips) keeps the offsets monotone and inside the text."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float | None] | None] = []
@@ -52,7 +54,7 @@ def completion_logprobs(positions: list[PositionLogprobs], offset: int) -> dict[
             alternatives = {t.token: t.logprob for t in position.top}
             alternatives.setdefault(sampled.token, sampled.logprob)  # vLLM's convention: the pick is listed
             top_logprobs.append(alternatives)
-        text_offset.append(offset)
+        text_offset.append(offset if end is None else min(offset, end))
         offset += len(sampled.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
@@ -131,7 +133,7 @@ class CompletionRenderer(Renderer):
         prompt_text = self._prompt_text(gen, choice)
         logprobs = completion_logprobs(choice.logprobs, len(prompt_text)) if self.want_logprobs else None
         if logprobs is not None and self.echo:  # the prompt's tokens first, then the completion's
-            prompt = completion_logprobs(gen.prompt_logprobs[choice.index // gen.n], 0)
+            prompt = completion_logprobs(gen.prompt_logprobs[choice.index // gen.n], 0, len(prompt_text))
             logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
         return {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
                 "finish_reason": _finish_name(choice.finish_reason)}

@@ -8,10 +8,11 @@ from typing import Any, TypeVar
 import msgspec
 
 from pagoda.shared.errors import InvalidRequestError
-from pagoda.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from pagoda.shared.messages import MAX_INT32, MAX_INT64, MIN_INT64, ChatMessage, GenerateRequest, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5 alternatives
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused before decoding
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 T = TypeVar("T")
@@ -94,6 +95,8 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     messages: list[MessageBody] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    return_token_strs: bool | None = None
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -109,14 +112,39 @@ _FIELD_RE = re.compile(r"(unknown|missing required) field `([^`]*)`")
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
+_JSON_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_EMPTY_PAIR_RE = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def check_json_depth(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """InvalidRequestError if arrays/objects nest deeper than `max_depth` (the decoder recurses per level).
+
+    C-speed passes only: strings are cut out, everything but brackets dropped, then innermost pairs are
+    removed once per allowed level; brackets left over mean a deeper (or unbalanced) body."""
+    if data.count(b"[") + data.count(b"{") <= max_depth:
+        return
+    brackets = _JSON_STRING_RE.sub(b"", data).translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        brackets, count = _EMPTY_PAIR_RE.subn(b"", brackets)
+        if not brackets or count == 0:
+            break
+    if brackets:
+        raise InvalidRequestError(f"the request body nests arrays or objects more than {max_depth} deep "
+                                  "(or is not valid JSON)")
+
+
 def decode_body(data: bytes, kind: type[T]) -> T:
     """The body as a `kind`, or InvalidRequestError naming the offending parameter."""
+    check_json_depth(data)
     try:
         return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(f"the request body nests more than {MAX_JSON_DEPTH} deep") from None
 
 
 def _validation_error(text: str) -> InvalidRequestError:
@@ -154,6 +182,8 @@ def _common_checks(body: _GenerationBody) -> None:
     _require(not body.store, "store", "store is not supported: nothing is kept after the answer")
     _require(body.stream_options is None or bool(body.stream), "stream_options",
              "stream_options is only allowed when stream is true")
+    _require(body.priority is None or MIN_INT64 <= body.priority <= MAX_INT64, "priority",
+             f"priority must be an integer in [{MIN_INT64}, {MAX_INT64}]")
 
 
 def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
@@ -172,7 +202,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI sends token ids as JSON object keys, so as strings: "50256" -> 50256."""
     out: dict[int, float] = {}
     for key, value in bias.items():
-        _require(key.isascii() and key.isdigit(), "logit_bias",
+        _require(key.isascii() and key.isdigit() and len(key) <= 10, "logit_bias",
                  f"logit_bias keys must be token ids written as decimal integers, got {key!r}")
         out[int(key)] = value
     return out
@@ -200,15 +230,15 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
     _require(len(prompt) > 0, "prompt", "prompt must not be empty")
     if all(isinstance(p, int) for p in prompt):
         ids: list[int] = prompt  # type: ignore[assignment]
-        _require(all(t >= 0 for t in ids), "prompt", "token ids must be non-negative")
+        _require(all(0 <= t <= MAX_INT32 for t in ids), "prompt", f"token ids must be integers in [0, {MAX_INT32}]")
         return [ids]
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)  # type: ignore[arg-type]
     _require(all(isinstance(p, list) for p in prompt), "prompt",
              "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids")
     for ids in prompt:
-        _require(len(ids) > 0 and all(t >= 0 for t in ids), "prompt",  # type: ignore[union-attr]
-                 "each token id list must be non-empty and hold non-negative ids")
+        _require(len(ids) > 0 and all(0 <= t <= MAX_INT32 for t in ids), "prompt",  # type: ignore[union-attr]
+                 f"each token id list must be non-empty and hold token ids in [0, {MAX_INT32}]")
     return list(prompt)  # type: ignore[arg-type]
 
 
@@ -265,6 +295,9 @@ def _chat_checks(body: ChatBody) -> None:
              f"top_logprobs must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}]")
     _require(not (body.continue_final_message and body.add_generation_prompt), "continue_final_message",
              "continue_final_message and add_generation_prompt cannot both be true")
+    _require(all(MIN_INT64 <= v <= MAX_INT64 for v in (body.chat_template_kwargs or {}).values()
+                 if isinstance(v, int)), "chat_template_kwargs",
+             f"chat_template_kwargs integers must be in [{MIN_INT64}, {MAX_INT64}]")
 
 
 def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> GenerateRequest:
@@ -284,3 +317,21 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> Genera
         # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
         arrival_time=arrival_time)
+
+
+def prompt_bytes(body: object) -> int:
+    """UTF-8 bytes of the text a body asks to tokenize (prompt strings, message contents); ids count 0."""
+    texts: list[str] = []
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, str):
+        texts.append(prompt)
+    elif isinstance(prompt, list):
+        texts.extend(p for p in prompt if isinstance(p, str))
+    for message in getattr(body, "messages", None) or []:
+        if isinstance(message.content, str):
+            texts.append(message.content)
+        elif isinstance(message.content, list):
+            texts.extend(part["text"] for part in message.content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    # len() of a str counts code points; up to 4 bytes each, so encode only when it could matter
+    return sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)

@@ -53,8 +53,10 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         state = _make_state(context, engine_config, config)
         app = build_app(state)
         access_log = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None
+        # keepalive_timeout also bounds a new connection that never completes its headers (slow-loris):
+        # aiohttp closes a connection still waiting for a request that long after it opened.
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S,
-                               access_log=access_log)
+                               access_log=access_log, keepalive_timeout=config.body_read_timeout or 75.0)
         await runner.setup()
         try:
             state.pool.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import PagodaError
@@ -48,7 +50,7 @@ from pagoda.shared.transport import Codec, make_socket, single_frame, split_rout
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
-STEP_TIMEOUT_S = 600.0  # a step running longer than this marks the worker dead
+HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
 @dataclass(slots=True)
@@ -89,6 +91,9 @@ class SchedulerService:
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
         self._next_heartbeat = 0.0
         self._next_stats = 0.0
+        self.watch = StepWatch(server_config.step_timeout, server_config.hang_floor, server_config.heartbeat_timeout)
+        self.problem = ""  # why the worker counts as hung ("" while it makes progress)
+        self.exit_code = 0
 
     # ---------------------------------------------------------------- loop
 
@@ -140,6 +145,7 @@ class SchedulerService:
             self._next_heartbeat = now + self.config.heartbeat_interval
             self._heartbeat_tokenizers()
             self._sweep_dead_tokenizers(now)
+            self._check_progress(now)
             if len(self.ready_ranks) < self.engine_config.tensor_parallel_size:
                 # subscription probe; its sender tells a worker whether this is the scheduler it knows
                 self.plans.send(self.to_workers.encode(Heartbeat(sender=self.instance_id)))
@@ -158,6 +164,14 @@ class SchedulerService:
         if message is None:
             return
         peer = self.tokenizers.get(identity)
+        if peer is None and not isinstance(message, TokenizerHello):
+            # Registration takes a hello: a stray peer's heartbeat must not make it a tokenizer. A request
+            # from it still gets an answer (it re-registers once it misses our heartbeats).
+            log.warning("dropped a %s from unregistered peer %r", type(message).__name__, identity[:64])
+            if isinstance(message, AddRequest):
+                self._fail(identity, message.request_id, 503, "this tokenizer is not registered; try again",
+                           "server_error")
+            return
         if peer is None:
             peer = self.tokenizers[identity] = Peer(time.monotonic())
             log.info("tokenizer %s registered", identity.decode(errors="replace"))
@@ -170,12 +184,22 @@ class SchedulerService:
             self._abort(message.request_id)
         elif isinstance(message, StopSequence):
             self._on_stop_sequence(message)
-        elif isinstance(message, TokenizerHello) and self.model_info is not None:
-            self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
+        elif isinstance(message, TokenizerHello):
+            # A tokenizer says hello only when it holds no request here (it started, or gave us up and failed
+            # them): whatever it owned is orphaned.
+            for request_id in list(peer.request_ids):
+                self._abort(request_id)
+            if self.model_info is not None:
+                self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
 
     def _on_add(self, identity: bytes, peer: Peer, message: AddRequest) -> None:
         if self.scheduler is None:
             self._fail(identity, message.request_id, 503, "the model is still loading", "server_error")
+            return
+        limit = self.config.max_waiting_requests
+        if limit and len(self.scheduler.waiting) >= limit:  # bounded queue: the api adds Retry-After to the 503
+            self._fail(identity, message.request_id, 503, f"the server is overloaded ({limit} requests waiting); "
+                       "try again later", "server_error")
             return
         request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
@@ -282,6 +306,12 @@ class SchedulerService:
                         plan.step_id if plan else None)
             return
         self.inflight = None
+        self.watch.record(time.monotonic() - self.inflight_since)
+        if not result.error and not _columns_agree(result):
+            log.error("step %d: the worker's result has columns of different lengths; failing the step",
+                      result.step_id)
+            result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
+                                error="malformed result (columns of different lengths)")
         if result.error:
             self._fail_plan(plan, result.error)
             result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
@@ -331,9 +361,29 @@ class SchedulerService:
 
     # ---------------------------------------------------------------- stats and shutdown
 
+    def _check_progress(self, now: float) -> None:
+        """A hung worker: every request gets an error now, /health says why, and this process exits
+        (HUNG_EXIT_CODE) so that the launcher stops the server; compose restarts per its policy."""
+        if self.problem:
+            return
+        self.problem = self.watch.verdict(now, self.inflight_since if self.inflight is not None else None,
+                                          self.inflight.step_id if self.inflight is not None else -1,
+                                          self.worker_last_seen, self.scheduler is not None)
+        if not self.problem:
+            return
+        log.error("%s; failing %d request(s) and stopping", self.problem, len(self.owner))
+        for request_id, identity in list(self.owner.items()):
+            self._fail(identity, request_id, 503, self.problem, "server_error")
+            self._abort(request_id)
+        self.stats_out.send(self.stats_codec.encode(self._stats(now)))
+        self.exit_code = HUNG_EXIT_CODE
+        self.running = False
+
     def _worker_alive(self, now: float) -> bool:
+        if self.problem:
+            return False
         if self.inflight is not None:
-            return now - self.inflight_since < STEP_TIMEOUT_S
+            return now - self.inflight_since < self.watch.bound()
         return now - self.worker_last_seen < self.config.heartbeat_timeout
 
     def _stats(self, now: float) -> SchedulerStats:
@@ -354,7 +404,7 @@ class SchedulerService:
             num_steps_total=stats.num_steps if stats else 0, worker_ready=scheduler is not None,
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
-            max_model_len=self.model_info.max_model_len if self.model_info else 0)
+            max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem)
 
     def stop(self, *_: object) -> None:
         self.running = False
@@ -373,3 +423,16 @@ def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> N
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     service.run()
+    if service.exit_code:
+        sys.exit(service.exit_code)
+
+
+def _columns_agree(result: StepResult) -> bool:
+    """Every per-row column of a StepResult has one entry per request (logprob columns: or none)."""
+    num_rows = len(result.req_ids)
+    optional = (result.sampled_logprobs, result.top_token_ids, result.top_logprobs)
+    return (len(result.sampled_token_ids) == num_rows and all(len(c) in (0, num_rows) for c in optional)
+            and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,
+                                                                strict=False))
+            and all(len(p.token_ids) == len(p.logprobs) == len(p.top_token_ids) == len(p.top_logprobs)
+                    for p in result.prompt_scores))

@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
@@ -62,6 +63,7 @@ MAX_POLL_S = 0.1  # timers (heartbeats, liveness, shutdown) are looked at least 
 MAX_DRAIN = 512  # messages taken from one socket before the other sockets get a turn
 CLOSE_LINGER_MS = 500  # the last answers (503s on shutdown) get this long to leave
 SCHEDULER_UNAVAILABLE = "the scheduler is not available; try again later"
+API_HELLO_EVERY = 4  # heartbeats to the apis per hello (registration) sent in their place
 
 
 def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], str]:
@@ -146,6 +148,11 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
         raise InvalidRequestError(f"logit_bias token ids must be < {info.vocab_size}", param="logit_bias")
 
 
+def _prompt_chars(prompt_text: str | None, messages: list[ChatMessage] | None) -> int:
+    """Characters to tokenize: what decides whether the work moves off the loop."""
+    return len(prompt_text or "") + sum(len(m.content) for m in messages or [])
+
+
 def request_failed(request_id: str, error: PagodaError) -> RequestFailed:
     return RequestFailed(request_id, error.http_status, error.message, error.error_type, error.param, error.code)
 
@@ -201,6 +208,9 @@ class TokenizerService:
             self._handlers[sock] = lambda frame, index=index: self._on_api_frame(index, frame)
         for sock in self._handlers:
             self._poller.register(sock, zmq.POLLIN)
+        self._offload = Offloader()  # large prompts tokenize on a thread: heartbeats keep going meanwhile
+        self._tokenizing: dict[str, int] = {}  # request id -> owning api, while its work runs on a thread
+        self._poller.register(self._offload.fd, zmq.POLLIN)
 
         self._requests: dict[str, RequestState] = {}
         self._waiting: deque[Waiting] = deque()
@@ -209,6 +219,7 @@ class TokenizerService:
         self._scheduler_lost = False  # True: taken for dead; the next word from it gets a fresh hello
         self._scheduler_sender: str | None = None  # its heartbeats' sender: a new one means it restarted
         self._next_heartbeat = 0.0
+        self._num_beats = 0
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
         self._stopping = False
         log.info("tokenizer %s: apis %s, scheduler %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoint,
@@ -236,6 +247,9 @@ class TokenizerService:
     def _poll_once(self) -> None:
         timeout_s = min(MAX_POLL_S, max(0.0, self._next_heartbeat - time.monotonic()))
         for sock, _ in self._poller.poll(timeout_s * 1000):
+            if sock == self._offload.fd:
+                self._offload.drain()
+                continue
             handle = self._handlers[sock]
             for _ in range(MAX_DRAIN):
                 try:
@@ -258,8 +272,13 @@ class TokenizerService:
                        ServerOverloadedError(SCHEDULER_UNAVAILABLE))
 
     def _send_heartbeats(self) -> None:
-        beat = Heartbeat(self.tokenizer_id, num_inflight=len(self._requests) + len(self._waiting))
-        data = self._api_out.encode(beat)
+        beat = Heartbeat(self.tokenizer_id,
+                         num_inflight=len(self._requests) + len(self._waiting) + len(self._tokenizing))
+        # Every API_HELLO_EVERY-th beat is a hello: an api registers tokenizers only on their hello, and one
+        # that restarted (or dropped this process as silent) takes it back on the next.
+        self._num_beats += 1
+        hello = self._num_beats % API_HELLO_EVERY == 0
+        data = self._api_out.encode(TokenizerHello(self.tokenizer_id, os.getpid()) if hello else beat)
         for sock in self._apis:
             _send(sock, data)
         # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
@@ -268,6 +287,7 @@ class TokenizerService:
 
     def _shutdown(self) -> None:
         self._fail_all(ServerOverloadedError("the server is shutting down"))
+        self._offload.close()
         for sock in self._handlers:
             sock.close(linger=CLOSE_LINGER_MS)
         if self._own_context:
@@ -310,21 +330,63 @@ class TokenizerService:
 
     def _on_generate(self, api: int, request: GenerateRequest, info: ModelInfo) -> None:
         request_id, params = request.request_id, request.params
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._tokenizing:
             self._fail(api, request_id, InvalidRequestError(f"request id {request_id!r} is already in flight"))
             return
         try:
             params.validate()
-            prompt = tokenize_prompt(
+        except PagodaError as exc:
+            self._fail(api, request_id, exc)
+            return
+
+        def tokenize() -> Prompt:
+            return tokenize_prompt(
                 self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=request.prompt_token_ids,
                 messages=request.messages, add_special_tokens=request.add_special_tokens,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs)
-            check_prompt(prompt.token_ids, params, info, prompt.param)
-        except PagodaError as exc:
-            self._fail(api, request_id, exc)
+
+        self._work(api, request_id, tokenize, _prompt_chars(request.prompt_text, request.messages),
+                   lambda prompt: self._admit(api, request, prompt))
+
+    def _work(self, api: int, request_id: str, job: Callable[[], Any], size: int,
+              finish: Callable[[Any], None]) -> None:
+        """finish(job()) now, or on a thread for a large input (the loop goes on; finish runs on it later).
+        A PagodaError from either fails the request; any other error fails it as an internal one."""
+        if size < OFFLOAD_MIN_CHARS:
+            try:
+                finish(job())
+            except PagodaError as exc:
+                self._fail(api, request_id, exc)
             return
+        if self._offload.full():
+            self._fail(api, request_id, ServerOverloadedError("too many large prompts are being tokenized"))
+            return
+        self._tokenizing[request_id] = api
+
+        def done(value: Any, failed: bool) -> None:
+            if self._tokenizing.pop(request_id, None) is None:
+                return  # failed meanwhile (scheduler lost, shutdown)
+            try:
+                if failed:
+                    raise value
+                finish(value)
+            except PagodaError as exc:
+                self._fail(api, request_id, exc)
+            except Exception:
+                log.exception("failed on the large input of %s", request_id)
+                self._fail(api, request_id, PagodaError("internal error in the tokenizer"))
+
+        self._offload.submit(request_id, job, done)
+
+    def _admit(self, api: int, request: GenerateRequest, prompt: Prompt) -> None:
+        """A tokenized prompt that fits goes to the scheduler; the api hears Accepted."""
+        request_id, params = request.request_id, request.params
+        info = self._model_info
+        if info is None:  # the scheduler went away while a thread tokenized
+            raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
+        check_prompt(prompt.token_ids, params, info, prompt.param)
         streams: list[TextStream | None] = [TextStream(self._tokenizer, prompt.token_ids, params)
                                             for _ in range(params.n)]
         first_token = prompt.token_ids[0] if params.prompt_logprobs is not None else -1
@@ -337,24 +399,36 @@ class TokenizerService:
     def _prompt_text(self, prompt: Prompt, params: SamplingParams) -> str | None:
         if prompt.text is not None or self._tokenizer is None:
             return prompt.text
-        return self._tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
+        # Special tokens kept: echo's text must be what its prompt tokens (logprobs.tokens) join to.
+        return self._tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _on_abort(self, request_id: str) -> None:
-        if request_id in self._requests:
+        if self._tokenizing.pop(request_id, None) is not None:
+            self._offload.cancel(request_id)
+        elif request_id in self._requests:
             self._drop(request_id, abort=True)
         elif self._waiting:
             self._waiting = deque(w for w in self._waiting if w.message.request_id != request_id)
         # Otherwise it already finished or failed here; its last deltas crossed the abort.
 
     def _on_tokenize(self, api: int, request: TokenizeRequest, info: ModelInfo) -> None:
-        try:
+        def tokenize() -> TokenizeResult:
             prompt = tokenize_prompt(self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=None,
                                      messages=request.messages, add_special_tokens=request.add_special_tokens,
-                                     add_generation_prompt=request.add_generation_prompt)
-        except PagodaError as exc:
-            self._fail(api, request.request_id, exc)
-            return
-        self._send_api(api, TokenizeResult(request.request_id, prompt.token_ids, info.max_model_len))
+                                     add_generation_prompt=request.add_generation_prompt,
+                                     continue_final_message=request.continue_final_message)
+            token_strs = ([self._token_str(t) for t in prompt.token_ids]
+                          if request.return_token_strs and self._tokenizer is not None else [])
+            return TokenizeResult(request.request_id, prompt.token_ids, info.max_model_len, token_strs)
+
+        self._work(api, request.request_id, tokenize, _prompt_chars(request.prompt_text, request.messages),
+                   lambda result: self._send_api(api, result))
+
+    def _token_str(self, token_id: int) -> str:
+        """The vocabulary entry of a token, as vLLM's return_token_strs lists it (byte-level pieces as is)."""
+        assert self._tokenizer is not None
+        piece = self._tokenizer.hf.convert_ids_to_tokens(token_id)
+        return piece if isinstance(piece, str) else ""
 
     def _on_detokenize(self, api: int, request: DetokenizeRequest) -> None:
         if self._tokenizer is None:
@@ -366,12 +440,17 @@ class TokenizerService:
             self._fail(api, request.request_id,
                        InvalidRequestError(f"token id {bad} is out of range [0, {vocab_size})", param="tokens"))
             return
-        try:
-            text = self._tokenizer.decode(request.token_ids, skip_special_tokens=False)
-        except Exception as exc:
-            self._fail(api, request.request_id, InvalidRequestError(f"cannot decode: {exc}", param="tokens"))
-            return
-        self._send_api(api, DetokenizeResult(request.request_id, text))
+        tokenizer = self._tokenizer
+
+        def decode() -> str:
+            try:
+                return tokenizer.decode(request.token_ids, skip_special_tokens=False)
+            except Exception as exc:
+                raise InvalidRequestError(f"cannot decode: {exc}", param="tokens") from exc
+
+        size = OFFLOAD_MIN_CHARS if len(request.token_ids) >= OFFLOAD_MIN_TOKENS else 0
+        self._work(api, request.request_id, decode, size,
+                   lambda text: self._send_api(api, DetokenizeResult(request.request_id, text)))
 
     # ---------------------------------------------------------------- scheduler -> tokenizer
 
@@ -462,6 +541,8 @@ class TokenizerService:
                 reason = FinishReason.STOP
             self._finish_completion(state, delta.request_id, delta.index)
         logprobs = self._logprobs(delta) if state.params.logprobs is not None else []
+        if reason == FinishReason.STOP and delta.finish_reason == FinishReason.STOP and logprobs:
+            logprobs = logprobs[:len(token_ids) - 1]  # the stop token is not in the text: nor in its tokens
         return TextDelta(delta.request_id, delta.index, text, len(token_ids), int(reason), logprobs,
                          delta.num_cached_tokens, stream.stop_reason, prompt_logprobs)
 
@@ -517,6 +598,10 @@ class TokenizerService:
 
     def _fail_all(self, error: PagodaError) -> None:
         """Every request here gets `error`; the scheduler is told to drop them (it may only be slow)."""
+        for request_id, api in self._tokenizing.items():
+            self._offload.cancel(request_id)
+            self._fail(api, request_id, error)
+        self._tokenizing.clear()
         for waiting in self._waiting:
             self._fail(waiting.api, waiting.message.request_id, error)
         self._waiting.clear()

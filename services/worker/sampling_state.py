@@ -30,6 +30,9 @@ def _default_to_device(device: torch.device) -> Callable[[np.ndarray, str], torc
     return lambda array, name: torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
+INT32_MAX = 2**31 - 1
+
+
 class SamplingState:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, eos_token_ids: Sequence[int],
                  to_device: Callable[[np.ndarray, str], torch.Tensor] | None = None) -> None:
@@ -83,8 +86,10 @@ class SamplingState:
         params = new.sampling
         self.floats[row] = (0.0 if params.is_greedy else params.temperature, params.top_p, params.min_p,
                             params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
-        self.top_k[row] = max(params.top_k, 0)
-        self.min_tokens[row] = params.min_tokens
+        # Clamped, not trusted: a value that slipped past validation must not overflow a row or fail the step for
+        # every request in it (top_k at or beyond the vocabulary is no cut; min_tokens beyond int32 is all of them).
+        self.top_k[row] = params.top_k if 0 < params.top_k < self.vocab_size else 0
+        self.min_tokens[row] = min(max(params.min_tokens, 0), INT32_MAX)
         self.num_output[row] = len(new.token_ids) - new.num_prompt_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_bias[row] = len(params.logit_bias)

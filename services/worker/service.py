@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 import traceback
 
 import zmq
@@ -24,6 +26,14 @@ from pagoda.shared.messages import (
 from pagoda.shared.transport import Codec, make_socket, single_frame
 
 log = logging.getLogger(__name__)
+
+FORCE_EXIT_S = 3.0  # after SIGTERM, the loop gets this long to end on its own
+
+
+def _force_exit() -> None:
+    log.warning("worker still running %.0f s after SIGTERM: exiting now", FORCE_EXIT_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 class WorkerService:
@@ -118,6 +128,10 @@ class WorkerService:
 
     def stop(self, *_: object) -> None:
         self.running = False
+        # Whatever the loop is blocked in (a long step, a send nobody takes), the process ends soon.
+        timer = threading.Timer(FORCE_EXIT_S, _force_exit)
+        timer.daemon = True
+        timer.start()
 
     def _close(self) -> None:
         self.plans.close(linger=0)

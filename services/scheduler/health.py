@@ -1,0 +1,54 @@
+"""Is the worker making progress? Step times measured, a bound derived from them, and a verdict.
+
+A worker that is alive but stuck (SIGSTOP, a wedged device, a deadlock) still holds its sockets open:
+only the time a step takes, against what steps usually take, tells. Pure logic: no zmq, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+STEP_HISTORY = 256  # recent step durations the bound is derived from
+BOUND_FACTOR = 10.0  # a step this many times slower than the slowest recent one counts as hung
+WARMUP_STEPS = 8  # until this many steps are measured, the derived bound is at least WARMUP_BOUND_S:
+WARMUP_BOUND_S = 120.0  # first steps allocate and warm caches (seen: 10 s for step 1 on a loaded CPU)
+
+
+@dataclass(slots=True)
+class StepWatch:
+    """The bound on one step: `step_timeout` when set, else max(floor, BOUND_FACTOR x the slowest recent)."""
+
+    step_timeout: float = 0.0  # fixed bound in seconds; 0: derived from measured steps
+    floor: float = 120.0  # a derived bound is never below this (compiles, long prefills, a loaded host)
+    heartbeat_timeout: float = 5.0  # an idle worker silent this long is taken as hung
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
+
+    def record(self, seconds: float) -> None:
+        self.durations.append(seconds)
+
+    def bound(self) -> float:
+        if self.step_timeout > 0:
+            return self.step_timeout
+        slowest = max(self.durations, default=0.0)
+        warmup = WARMUP_BOUND_S if len(self.durations) < WARMUP_STEPS else 0.0
+        return max(self.floor, BOUND_FACTOR * slowest, warmup)
+
+    def verdict(self, now: float, step_started_at: float | None, step_id: int, worker_last_seen: float,
+                ready: bool) -> str:
+        """Why the worker counts as hung, or "" while it makes progress.
+
+        step_started_at: when the step in flight went out (None: no step in flight);
+        worker_last_seen: when any message (result, heartbeat) last came from it."""
+        if not ready:
+            return ""  # loading weights: no progress to expect yet
+        if step_started_at is not None:
+            running_s = now - step_started_at
+            if running_s > self.bound():
+                return (f"the worker is hung: step {step_id} has run {running_s:.1f} s (bound {self.bound():.1f} s, "
+                        f"slowest recent step {max(self.durations, default=0.0):.2f} s)")
+            return ""
+        silent_s = now - worker_last_seen
+        if silent_s > self.heartbeat_timeout:
+            return f"the worker is hung: idle and silent for {silent_s:.1f} s"
+        return ""
