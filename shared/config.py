@@ -122,8 +122,14 @@ class ServerConfig:
     shutdown_grace: float = 3.0  # seconds in-flight requests get to finish on SIGTERM
     max_inflight_requests: int = 4096  # per api process; more get HTTP 503
     log_level: str = "info"
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: by the model's family
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
+            raise ConfigError("tool_call_parser must be hermes, llama3_json or mistral", param="tool_call_parser")
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ConfigError("reasoning_parser must be qwen3 or deepseek_r1", param="reasoning_parser")
         for name in ("api_workers", "tokenizer_workers", "max_inflight_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)

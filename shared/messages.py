@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -14,6 +15,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 LOGIT_BIAS_LIMIT = 100.0  # |bias| as in OpenAI's API
+MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
+MAX_CHOICES = 1024
 
 
 class FinishReason(IntEnum):
@@ -27,6 +30,45 @@ class FinishReason(IntEnum):
     @property
     def openai_name(self) -> str:
         return ("stop", "length", "abort", "error")[self]
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """A constraint on the generated text; vLLM's StructuredOutputsParams: exactly one kind is set.
+
+    `grammar` is a Lark grammar in llguidance's dialect, or GBNF (told apart by `::=`).
+    `reasoning_end` is set by the server, never the client: constraints start after this text appears
+    in the output (a reasoning model's `</think>`); empty means from the first token.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False  # any JSON object
+    reasoning_end: str = ""
+
+    @property
+    def kind(self) -> str:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return kinds[0] if kinds else "json_object"
+
+    def validate(self) -> StructuredOutputs:
+        num_set = sum(getattr(self, name) is not None for name in ("json", "regex", "choice", "grammar"))
+        _check(num_set + int(bool(self.json_object)) == 1, "structured_outputs",
+               "structured_outputs needs exactly one of json, regex, choice, grammar and json_object")
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
+               "json must be a JSON schema (an object, or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and 0 < len(value) <= MAX_GRAMMAR_CHARS),
+                   f"structured_outputs.{name}", f"{name} must be a non-empty string of at most "
+                                                 f"{MAX_GRAMMAR_CHARS} characters")
+        _check(self.choice is None or (0 < len(self.choice) <= MAX_CHOICES
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", f"choice must be 1 to {MAX_CHOICES} non-empty strings")
+        _check(isinstance(self.json, dict) or len(self.json or "") <= MAX_GRAMMAR_CHARS,
+               "structured_outputs.json", f"json must be at most {MAX_GRAMMAR_CHARS} characters")
+        return self
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -54,6 +96,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
+    structured_outputs: StructuredOutputs | None = None  # constrained decoding (a grammar's token mask)
 
     @property
     def is_greedy(self) -> bool:
@@ -104,7 +147,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                "logit_bias keys must be non-negative token ids")
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        self._validate_structured()
         return self
+
+    def _validate_structured(self) -> None:
+        constraint = self.structured_outputs
+        if constraint is None:
+            return
+        _check(isinstance(constraint, StructuredOutputs), "structured_outputs",
+               "structured_outputs must be a StructuredOutputs")
+        constraint.validate()
+        # A finished grammar only allows EOS: ignoring EOS, or banning it under min_tokens, leaves no token.
+        _check(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured outputs")
+        _check(self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured outputs")
 
 
 def _finite(value: object) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from pagoda.services.tokenizer.structured import GrammarChecker, constrain_after_reasoning, ll_tokenizer
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
@@ -210,6 +211,8 @@ class TokenizerService:
         self._scheduler_sender: str | None = None  # its heartbeats' sender: a new one means it restarted
         self._next_heartbeat = 0.0
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
+        self._grammars: GrammarChecker | None = None  # built on the first structured-output request
+        self._reasoning_parser = server_config.reasoning_parser
         self._stopping = False
         log.info("tokenizer %s: apis %s, scheduler %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoint,
                  f"tokenizer {tokenizer.path}" if tokenizer is not None else "no tokenizer (token ids only)")
@@ -322,6 +325,8 @@ class TokenizerService:
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs)
             check_prompt(prompt.token_ids, params, info, prompt.param)
+            if params.structured_outputs is not None:
+                params = self._check_structured(params, prompt, info, request.messages is not None)
         except PagodaError as exc:
             self._fail(api, request_id, exc)
             return
@@ -333,6 +338,20 @@ class TokenizerService:
                                         request.arrival_time))
         echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo))
+
+    def _check_structured(self, params: SamplingParams, prompt: Prompt, info: ModelInfo,
+                          is_chat: bool) -> SamplingParams:
+        """Compile the grammar here (cached), never on the worker's step loop; 400 if the library rejects it."""
+        if self._tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer", param="response_format")
+        if self._grammars is None or self._grammars.tokenizer_vocab != info.vocab_size:
+            self._grammars = GrammarChecker(ll_tokenizer(self._tokenizer.hf, info.vocab_size, info.eos_token_ids),
+                                            tokenizer_vocab=info.vocab_size)
+        assert params.structured_outputs is not None
+        self._grammars.check(params.structured_outputs)
+        if is_chat and self._reasoning_parser is not None:
+            return constrain_after_reasoning(params, prompt.text or "")
+        return params
 
     def _prompt_text(self, prompt: Prompt, params: SamplingParams) -> str | None:
         if prompt.text is not None or self._tokenizer is None:

@@ -11,6 +11,7 @@ import torch
 
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
+from pagoda.services.worker.grammar import GrammarRows, apply_token_bitmask, grammar_tokenizer_loader
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -67,6 +68,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
+        self.grammars = GrammarRows(grammar_tokenizer_loader(config, self.arch), self.arch.vocab_size)
         self.staging = PinnedStaging(self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -161,6 +163,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self.state.apply(plan)
+        self.grammars.apply(plan)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
         host = self._prepare(plan)
@@ -179,11 +182,14 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], prompt_scores=prompt_scores)
         sampled_rows = host.rows[host.sampled]  # [S]
         metadata = self._sampling_metadata(sampled_rows, logits.shape[1])
+        req_ids = [plan.req_ids[i] for i in host.sampled.tolist()]
+        if (masks := self.grammars.bitmask(req_ids)) is not None:  # structured outputs: only their rows
+            apply_token_bitmask(logits, *masks)
         output = self.sampler(logits, metadata)
         token_ids = output.token_ids.tolist()  # the step's one host sync
+        self.grammars.accept(req_ids, token_ids)
         state.token_ids[sampled_rows, state.num_tokens[sampled_rows]] = token_ids
         state.num_tokens[sampled_rows] += 1
-        req_ids = [plan.req_ids[i] for i in host.sampled.tolist()]
         if output.logprobs is None:
             return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids,
                               prompt_scores=prompt_scores)
@@ -247,6 +253,7 @@ class ModelRunner:
     def recover(self, plan: StepPlan) -> None:
         """After a failed step: forget the plan's requests (the scheduler aborts them too)."""
         state = self.state
+        self.grammars.drop([*plan.req_ids, *(new.req_id for new in plan.new_requests)])
         for req_id in [*plan.req_ids, *(new.req_id for new in plan.new_requests)]:
             row = state.row_of.pop(req_id, None)
             if row is not None:
