@@ -256,10 +256,20 @@ class Shutdown(msgspec.Struct, array_like=True, tag="shutdown", frozen=True):
 # api <-> tokenizer
 
 
+class ToolCallMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A tool call an assistant turn made earlier in the conversation."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
-    role: str
+    role: str  # system | user | assistant | tool
     content: str
     name: str | None = None
+    tool_calls: list[ToolCallMessage] = []  # assistant turns that called tools (content may then be "")
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):
@@ -277,6 +287,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     priority: int = 0
     arrival_time: float = 0.0  # time.time() at the api
     return_prompt_text: bool = False  # echo
+    tools: list[dict[str, Any]] = []  # OpenAI tool definitions to render into the prompt
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):

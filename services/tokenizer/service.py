@@ -18,6 +18,7 @@ import zmq
 
 from pagoda.services.tokenizer.structured import GrammarChecker, constrain_after_reasoning, ll_tokenizer
 from pagoda.services.tokenizer.text_stream import TextStream
+from pagoda.services.tokenizer.tools import tool_conversation
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import (
@@ -90,6 +91,12 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                "arguments": c.arguments}}
+                                   for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
 
@@ -97,7 +104,8 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, prompt_token_ids: list[int] | None,
                     messages: list[ChatMessage] | None, add_special_tokens: bool = True,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> Prompt:
     """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault."""
     if sum(field is not None for field in (prompt_text, prompt_token_ids, messages)) != 1:
         raise InvalidRequestError("exactly one of a prompt, prompt token ids or messages must be given",
@@ -111,7 +119,8 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
     try:
         if messages is not None:
             # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
-            text = tokenizer.render_chat(chat_dicts(messages), add_generation_prompt,
+            conversation, tools = tool_conversation(tokenizer.hf.chat_template, chat_dicts(messages), tools)
+            text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
                                          continue_final_message=continue_final_message,
                                          chat_template_kwargs=chat_template_kwargs)
             return Prompt(tokenizer.encode(text, add_special_tokens=False), text, param)
@@ -323,7 +332,7 @@ class TokenizerService:
                 messages=request.messages, add_special_tokens=request.add_special_tokens,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
             check_prompt(prompt.token_ids, params, info, prompt.param)
             if params.structured_outputs is not None:
                 params = self._check_structured(params, prompt, info, request.messages is not None)
