@@ -208,7 +208,8 @@ def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
             given.append((f"guided_{name}", StructuredOutputs(**{name: value})))
     if not given:
         return None
-    _require(len(given) == 1, given[1][0], f"give only one of {', '.join(name for name, _ in given)}")
+    if len(given) > 1:
+        raise InvalidRequestError(f"give only one of {', '.join(name for name, _ in given)}", param=given[1][0])
     name, constraint = given[0]
     try:
         return constraint.validate()
