@@ -107,7 +107,9 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
 
 def _call_dict(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function", {})
-    return {"name": function.get("name"), "arguments": function.get("arguments")}
+    arguments = function.get("arguments")
+    parsed = _loads(arguments) if isinstance(arguments, str) else arguments
+    return {"name": function.get("name"), "arguments": parsed if isinstance(parsed, dict) else arguments}
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
