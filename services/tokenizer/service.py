@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from pagoda.services.tokenizer.structured import GrammarChecker, constrain_after_reasoning, ll_tokenizer
+from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tools import tool_conversation
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
@@ -220,7 +220,7 @@ class TokenizerService:
         self._scheduler_sender: str | None = None  # its heartbeats' sender: a new one means it restarted
         self._next_heartbeat = 0.0
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
-        self._grammars: GrammarChecker | None = None  # built on the first structured-output request
+        self._grammars = LazyGrammarChecker(tokenizer)  # llguidance's tokenizer builds in the background
         self._reasoning_parser = server_config.reasoning_parser
         self._stopping = False
         log.info("tokenizer %s: apis %s, scheduler %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoint,
@@ -351,11 +351,6 @@ class TokenizerService:
     def _check_structured(self, params: SamplingParams, prompt: Prompt, info: ModelInfo,
                           is_chat: bool) -> SamplingParams:
         """Compile the grammar here (cached), never on the worker's step loop; 400 if the library rejects it."""
-        if self._tokenizer is None:
-            raise InvalidRequestError("structured outputs need the model's tokenizer", param="response_format")
-        if self._grammars is None or self._grammars.tokenizer_vocab != info.vocab_size:
-            self._grammars = GrammarChecker(ll_tokenizer(self._tokenizer.hf, info.vocab_size, info.eos_token_ids),
-                                            tokenizer_vocab=info.vocab_size)
         assert params.structured_outputs is not None
         self._grammars.check(params.structured_outputs)
         if is_chat and self._reasoning_parser is not None:

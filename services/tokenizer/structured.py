@@ -21,6 +21,8 @@ Where each part runs (issue 12):
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -31,6 +33,8 @@ import msgspec
 
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
+
+log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 512  # distinct constraints remembered per process
 
@@ -93,10 +97,8 @@ def cache_key(constraint: StructuredOutputs) -> bytes:
 class GrammarChecker:
     """Compiles constraints against one tokenizer; remembers the last GRAMMAR_CACHE_SIZE outcomes."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = GRAMMAR_CACHE_SIZE,
-                 tokenizer_vocab: int = 0) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = GRAMMAR_CACHE_SIZE) -> None:
         self.tokenizer = tokenizer
-        self.tokenizer_vocab = tokenizer_vocab  # the vocabulary size it was built for
         self.max_entries = max_entries
         self._errors: OrderedDict[bytes, str] = OrderedDict()  # key -> "" (compiles) or llguidance's error
         self.last_compile_s = 0.0  # the latest compile that missed the cache (for figures and logs)
@@ -125,3 +127,33 @@ class GrammarChecker:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         self.last_compile_s = time.perf_counter() - started
         return matcher.get_error() if matcher.is_error() else ""
+
+
+class LazyGrammarChecker:
+    """A GrammarChecker whose llguidance tokenizer is built on a thread from process start (it walks the whole
+    vocabulary in Python: seconds on a loaded CPU, which the tokenizer's poll loop must not spend at once).
+    Validity does not depend on the mask width, so the tokenizer's own vocabulary and EOS are used."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self._checker: GrammarChecker | None = None
+        self._hf = tokenizer.hf if tokenizer is not None else None
+        self._eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+        self._vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
+        self._loader = threading.Thread(target=self._load, name="grammar-tokenizer", daemon=True)
+        if self._hf is not None:
+            self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            self._checker = GrammarChecker(ll_tokenizer(self._hf, self._vocab_size, self._eos))
+        except Exception:
+            log.exception("cannot build llguidance's tokenizer; structured outputs will be refused")
+
+    def check(self, constraint: StructuredOutputs) -> None:
+        if self._hf is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer", param=_param(constraint))
+        self._loader.join()
+        if self._checker is None:
+            raise InvalidRequestError("structured outputs are unavailable: the grammar library could not load "
+                                      "this tokenizer", param=_param(constraint))
+        self._checker.check(constraint)

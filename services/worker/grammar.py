@@ -24,6 +24,7 @@ A grammar that is complete allows only the model's EOS ids, so the sequence ends
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,9 @@ class GrammarRows:
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer | None], vocab_size: int) -> None:
         self._make_tokenizer = make_tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
+        # Built in the background from start-up (seconds on a busy CPU): never inside a step.
+        self._loader = threading.Thread(target=self._load_tokenizer, name="grammar-tokenizer", daemon=True)
+        self._loader.start()
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
@@ -164,11 +168,16 @@ class GrammarRows:
         """llguidance's tokenizer (the in-process engine compiles with the worker's own)."""
         return self._ensure_tokenizer()
 
-    def _ensure_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
+    def _load_tokenizer(self) -> None:
+        try:
             self._tokenizer = self._make_tokenizer()
-            if self._tokenizer is None:
-                raise RuntimeError("structured outputs need the model's tokenizer on the worker")
+        except Exception:
+            log.exception("cannot build the grammar tokenizer; structured outputs will fail")
+
+    def _ensure_tokenizer(self) -> llguidance.LLTokenizer:
+        self._loader.join()
+        if self._tokenizer is None:
+            raise RuntimeError("structured outputs need the model's tokenizer on the worker")
         return self._tokenizer
 
 
