@@ -97,7 +97,7 @@ def test_reasoning_split_whole_and_streamed(parser: str) -> None:
         stream = ReasoningStream(parser)
         parts = [stream.push(text[i:i + size]) for i in range(0, len(text), size)] + [stream.close()]
         assert "".join(r for r, _ in parts) == reasoning
-        assert "".join(c for _, c in parts).lstrip("\n") == content
+        assert "".join(c for _, c in parts) == content
     assert split_reasoning("qwen3", "Plain answer.") == (None, "Plain answer.")
 
 

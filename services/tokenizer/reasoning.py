@@ -31,6 +31,7 @@ class ReasoningStream:
     state: str = "start"  # start -> reasoning -> content (or start -> content)
     pending: str = ""
     saw_reasoning: bool = False
+    strip_newlines: bool = False  # just after </think>: the template's newlines are not content
 
     def __post_init__(self) -> None:
         assert self.parser in REASONING_PARSERS, self.parser
@@ -60,16 +61,19 @@ class ReasoningStream:
                 reasoning, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
                 return reasoning, ""
             reasoning = self.pending[:end]
-            self.pending = self.pending[end + len(THINK_END):].lstrip("\n")
-            self.state = "content"
+            self.pending = self.pending[end + len(THINK_END):]
+            self.state, self.strip_newlines = "content", True
         content, self.pending = self.pending, ""
+        if self.strip_newlines:
+            content = content.lstrip("\n")
+            self.strip_newlines = not content
         return reasoning, content
 
     def close(self) -> tuple[str, str]:
         rest, self.pending = self.pending, ""
         if self.state == "reasoning":
             return rest, ""
-        return "", rest
+        return "", rest.lstrip("\n") if self.strip_newlines else rest
 
 
 def _partial_suffix(text: str, marker: str) -> int:
