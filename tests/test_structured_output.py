@@ -304,7 +304,7 @@ def test_grammar_errors_are_400(server: Server, extra: dict[str, object], param:
 def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> None:
     client = server.client(timeout=300)
     schema = SCHEMAS[0]
-    before = server.metrics()["pagoda_num_preemptions"]
+    before = server.metrics()["pagoda_num_preemptions_total"]
 
     def constrained(i: int) -> str:
         response = _chat(client, f"Describe person {i} as JSON.", max_tokens=80, temperature=0.8, seed=i,
@@ -334,5 +334,5 @@ def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> N
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
     assert any(not story.lstrip().startswith("{") for story in stories)  # free rows stayed free
-    assert server.metrics()["pagoda_num_preemptions"] > before
+    assert server.metrics()["pagoda_num_preemptions_total"] > before
     wait_until(lambda: server.metrics().get("pagoda_num_requests_running", 0) == 0, 30, "aborted streams to end")

@@ -24,6 +24,7 @@ A grammar that is complete allows only the model's EOS ids, so the sequence ends
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,7 +43,10 @@ from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
-MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copied for each sequence
+MATCHER_CACHE_SIZE = 256
+# Below this many constrained rows (or on a small CPU) one thread fills faster than llguidance's pool: ~0.1 ms
+# a row on a busy 2-core machine, where the pool's hand-off cost more than the work.
+PARALLEL_FILL_ROWS = 16  # pristine matchers per distinct constraint, deep-copied for each sequence
 
 
 @dataclass(slots=True)
@@ -111,8 +115,9 @@ class GrammarRows:
         if not picked:
             return None
         mask = torch.empty((len(picked), self.num_words), dtype=torch.int32)  # [K, W]
-        if len(picked) == 1:
-            llguidance.torch.fill_next_token_bitmask(picked[0][1], mask, 0)
+        if len(picked) < PARALLEL_FILL_ROWS or (os.cpu_count() or 1) < 8:
+            for k, (_, matcher) in enumerate(picked):
+                llguidance.torch.fill_next_token_bitmask(matcher, mask, k)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
