@@ -37,6 +37,9 @@ from pagoda.shared.messages import SamplingParams, StructuredOutputs
 log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 512  # distinct constraints remembered per process
+# JSON as json.dumps writes it: no free whitespace, which small models otherwise fill with runs of newlines and
+# indentation until max_tokens (a schema's "x-guidance" options still override these).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_text(constraint: StructuredOutputs) -> str:
@@ -47,7 +50,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param="response_format")
-            return matcher.grammar_from_json_schema(schema)
+            return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if constraint.regex is not None:
             return matcher.grammar_from_regex(constraint.regex)
         if constraint.choice is not None:
@@ -58,7 +61,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             if "::=" in text:  # GBNF (llama.cpp's, as vLLM's xgrammar backend takes it)
                 text = llguidance.gbnf_to_lark(text)
             return matcher.grammar_from_lark(text)
-        return matcher.grammar_from_json_schema({"type": "object"})
+        return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     except InvalidRequestError:
         raise
     except Exception as exc:  # the library's own parse errors (bad JSON text, bad GBNF)
