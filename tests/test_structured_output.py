@@ -336,3 +336,9 @@ def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> N
     assert any(not story.lstrip().startswith("{") for story in stories)  # free rows stayed free
     assert server.metrics()["pagoda_num_preemptions_total"] > before
     wait_until(lambda: server.metrics().get("pagoda_num_requests_running", 0) == 0, 30, "aborted streams to end")
+
+
+def test_host_and_device_unpacking_agree() -> None:
+    from pagoda.services.worker.grammar import blocked_tokens, blocked_tokens_host
+    _, _, bitmask = _random_case(5, 5, 1000, 9)
+    assert torch.equal(blocked_tokens(bitmask, 1000), blocked_tokens_host(bitmask, 1000))
