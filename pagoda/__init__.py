@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from pagoda.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "PagodaError", "InvalidRequestError", "ContextLengthError",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
+           "PagodaError", "InvalidRequestError", "ContextLengthError",
            "ModelNotFoundError", "__version__"]
 
 

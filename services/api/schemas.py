@@ -7,9 +7,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from pagoda.shared.errors import InvalidRequestError
 from pagoda.services.api.chat_output import ChatOutputSpec
 from pagoda.services.tokenizer.tools import named_schema, required_schema
+from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import ChatMessage, GenerateRequest, SamplingParams, StructuredOutputs, ToolCallMessage
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5 alternatives

@@ -58,7 +58,8 @@ class ReasoningStream:
             end = self.pending.find(THINK_END)
             if end < 0:
                 keep = _partial_suffix(self.pending, THINK_END)
-                reasoning, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+                cut = len(self.pending) - keep
+                reasoning, self.pending = self.pending[:cut], self.pending[cut:]
                 return reasoning, ""
             reasoning = self.pending[:end]
             self.pending = self.pending[end + len(THINK_END):]

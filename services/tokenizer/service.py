@@ -18,8 +18,8 @@ import zmq
 
 from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
-from pagoda.services.tokenizer.tools import tool_conversation
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from pagoda.services.tokenizer.tools import tool_conversation
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import (
     ConfigError,
