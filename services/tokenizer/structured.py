@@ -72,7 +72,9 @@ def grammar_text(constraint: StructuredOutputs) -> str:
 def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     """llguidance's view of the tokenizer; masks are `vocab_size` bits wide (the model's logits), and a
     finished grammar allows exactly the model's EOS ids."""
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+    # A dummy-weight shape served with some real tokenizer may name EOS ids the tokenizer does not have.
+    known = [t for t in eos_token_ids if 0 <= t < len(hf_tokenizer)]
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=known or None)
 
 
 REASONING_END = "</think>"
