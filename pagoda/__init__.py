@@ -5,13 +5,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, PagodaError
-from pagoda.shared.messages import SamplingParams
+from pagoda.shared.messages import SamplingParams, StructuredOutputs
+
+StructuredOutputsParams = StructuredOutputs  # vLLM's name for the same thing
 
 if TYPE_CHECKING:
     from pagoda.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "PagodaError", "InvalidRequestError", "ContextLengthError",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
+           "PagodaError", "InvalidRequestError", "ContextLengthError",
            "ModelNotFoundError", "__version__"]
 
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.services.tokenizer.structured import GrammarChecker
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.services.worker.model_config import ModelArch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
-from pagoda.shared.messages import FinishReason, PromptScores, SamplingParams, StepResult
+from pagoda.shared.messages import FinishReason, PromptScores, SamplingParams, StepResult, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class LLMEngine:
         self._outputs: dict[str, RequestOutput] = {}
         self._streams: dict[int, TextStream] = {}  # seq id -> its text
         self._ids = itertools.count()
+        self._grammars: GrammarChecker | None = None
 
     # ---------------------------------------------------------------- requests
 
@@ -71,6 +73,8 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         params.validate()
         token_ids = self.encode_prompt(prompt)
+        if params.structured_outputs is not None:
+            self._check_grammar(params.structured_outputs)
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(req_id=request_id, prompt_token_ids=token_ids, sampling=params,
                           arrival_time=time.monotonic(), priority=priority)
@@ -84,6 +88,14 @@ class LLMEngine:
         for seq in request.sequences:
             self._streams[seq.seq_id] = TextStream(self.tokenizer, token_ids, params)
         return request_id
+
+    def _check_grammar(self, constraint: StructuredOutputs) -> None:
+        """Structured outputs: compile (cached) before queueing; InvalidRequestError if the library rejects it."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
+        if self._grammars is None:
+            self._grammars = GrammarChecker(self.runner.grammars.tokenizer())
+        self._grammars.check(constraint)
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)

@@ -144,8 +144,14 @@ class ServerConfig:
     step_timeout: float = 0.0  # a worker step running longer is taken as hung; 0: derived (see hang_floor)
     hang_floor: float = 120.0  # the least a step may run before it counts as hung (with step_timeout 0)
     restart_on_failure: bool = False  # restart a dead or hung tokenizer or api process instead of stopping
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: by the model's family
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
+            raise ConfigError("tool_call_parser must be hermes, llama3_json or mistral", param="tool_call_parser")
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ConfigError("reasoning_parser must be qwen3 or deepseek_r1", param="reasoning_parser")
         for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -17,6 +18,8 @@ LOGIT_BIAS_LIMIT = 100.0  # |bias| as in OpenAI's API
 MAX_INT32 = 2**31 - 1  # bound of counts and token ids: the worker holds them in int32/int64 rows
 MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the wire's int64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
+MAX_CHOICES = 1024
 
 
 class FinishReason(IntEnum):
@@ -30,6 +33,45 @@ class FinishReason(IntEnum):
     @property
     def openai_name(self) -> str:
         return ("stop", "length", "abort", "error")[self]
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """A constraint on the generated text; vLLM's StructuredOutputsParams: exactly one kind is set.
+
+    `grammar` is a Lark grammar in llguidance's dialect, or GBNF (told apart by `::=`).
+    `reasoning_end` is set by the server, never the client: constraints start after this text appears
+    in the output (a reasoning model's `</think>`); empty means from the first token.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False  # any JSON object
+    reasoning_end: str = ""
+
+    @property
+    def kind(self) -> str:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return kinds[0] if kinds else "json_object"
+
+    def validate(self) -> StructuredOutputs:
+        num_set = sum(getattr(self, name) is not None for name in ("json", "regex", "choice", "grammar"))
+        _check(num_set + int(bool(self.json_object)) == 1, "structured_outputs",
+               "structured_outputs needs exactly one of json, regex, choice, grammar and json_object")
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
+               "json must be a JSON schema (an object, or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and 0 < len(value) <= MAX_GRAMMAR_CHARS),
+                   f"structured_outputs.{name}", f"{name} must be a non-empty string of at most "
+                                                 f"{MAX_GRAMMAR_CHARS} characters")
+        _check(self.choice is None or (0 < len(self.choice) <= MAX_CHOICES
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", f"choice must be 1 to {MAX_CHOICES} non-empty strings")
+        _check(isinstance(self.json, dict) or len(self.json or "") <= MAX_GRAMMAR_CHARS,
+               "structured_outputs.json", f"json must be at most {MAX_GRAMMAR_CHARS} characters")
+        return self
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -57,6 +99,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
+    structured_outputs: StructuredOutputs | None = None  # constrained decoding (a grammar's token mask)
 
     @property
     def is_greedy(self) -> bool:
@@ -109,7 +152,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                f"logit_bias keys must be token ids in [0, {MAX_INT32}]")
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        self._validate_structured()
         return self
+
+    def _validate_structured(self) -> None:
+        constraint = self.structured_outputs
+        if constraint is None:
+            return
+        _check(isinstance(constraint, StructuredOutputs), "structured_outputs",
+               "structured_outputs must be a StructuredOutputs")
+        constraint.validate()
+        # A finished grammar only allows EOS: ignoring EOS, or banning it under min_tokens, leaves no token.
+        _check(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured outputs")
+        _check(self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured outputs")
 
 
 def _finite(value: object) -> bool:
@@ -206,10 +261,20 @@ class Shutdown(msgspec.Struct, array_like=True, tag="shutdown", frozen=True):
 # api <-> tokenizer
 
 
+class ToolCallMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A tool call an assistant turn made earlier in the conversation."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
-    role: str
+    role: str  # system | user | assistant | tool
     content: str
     name: str | None = None
+    tool_calls: list[ToolCallMessage] = []  # assistant turns that called tools (content may then be "")
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):
@@ -227,6 +292,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     priority: int = 0
     arrival_time: float = 0.0  # time.time() at the api
     return_prompt_text: bool = False  # echo
+    tools: list[dict[str, Any]] = []  # OpenAI tool definitions to render into the prompt
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):

@@ -22,12 +22,14 @@ from pagoda.services.api.schemas import (
     DetokenizeBody,
     TokenizeBody,
     chat_messages,
+    chat_output_spec,
     chat_request,
     completion_requests,
     decode_body,
     prompt_bytes,
 )
 from pagoda.services.api.stats import StatsFeed
+from pagoda.services.tokenizer.tools import default_tool_parser
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
 from pagoda.shared.messages import (
@@ -109,8 +111,11 @@ class Handlers:
         model = self._check_model(body.model)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         message = chat_request(body, response_id, time.time())
+        config = self.state.config
+        output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
+                                  config.reasoning_parser)
         renderer = ChatRenderer(response_id, model, int(time.time()), want_logprobs=bool(body.logprobs),
-                                include_usage=body.include_usage)
+                                include_usage=body.include_usage, output=output)
         return await self._generate(request, [message], renderer, bool(body.stream), started_at)
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], renderer: Renderer,

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from pagoda.services.api.chat_output import ChatOutputSpec, ChatStreams, whole_message
 from pagoda.services.api.generation import Choice, Generation
 from pagoda.shared.messages import FinishReason, PositionLogprobs, TextDelta
 
@@ -27,6 +28,13 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
 
 def _finish_name(reason: int) -> str | None:
     return FinishReason(reason).openai_name if reason >= 0 else None
+
+
+def _tools_finish(reason: int, calls_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" when a choice that ended normally called tools."""
+    if calls_tools and reason == FinishReason.STOP:
+        return "tool_calls"
+    return _finish_name(reason)
 
 
 def usage(gen: Generation) -> dict[str, Any]:
@@ -158,10 +166,42 @@ class ChatRenderer(Renderer):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
+                 output: ChatOutputSpec | None = None) -> None:
+        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage)
+        self.output = output if output is not None and output.active else None  # tools / reasoning parsing
+        self._streams = ChatStreams(self.output) if self.output is not None else None
+
     def _choice(self, gen: Generation, choice: Choice) -> dict[str, Any]:
         logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
+        if self.output is not None:
+            message, calls_tools = whole_message(self.output, choice.text)
+            return {"index": choice.index, "message": message, "logprobs": logprobs,
+                    "finish_reason": _tools_finish(choice.finish_reason, calls_tools)}
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                 "logprobs": logprobs, "finish_reason": _finish_name(choice.finish_reason)}
+
+    def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
+        if self._streams is None:
+            return super().chunks(batch)
+        out = []
+        for choice, delta in batch:
+            stream = self._streams.get(choice.index)
+            parts = stream.push(delta.text)
+            calls_tools = False
+            if delta.finish_reason >= 0:
+                more, calls_tools = stream.finish()
+                parts += more
+            logprobs = chat_logprobs(delta.logprobs) if self.want_logprobs else None
+            if logprobs is not None and not parts:
+                parts = [{}]
+            for i, part in enumerate(parts):
+                out.append(self._chunk([{"index": choice.index, "delta": part,
+                                         "logprobs": logprobs if i == 0 else None, "finish_reason": None}]))
+            if delta.finish_reason >= 0:
+                out.append(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                                         "finish_reason": _tools_finish(delta.finish_reason, calls_tools)}]))
+        return b"".join(out)
 
     def opening(self, gen: Generation) -> bytes:
         # Every choice's first chunk carries the role, as OpenAI's do.

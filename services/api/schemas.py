@@ -7,8 +7,19 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from pagoda.services.api.chat_output import ChatOutputSpec
+from pagoda.services.tokenizer.tools import named_schema, required_schema
 from pagoda.shared.errors import InvalidRequestError
-from pagoda.shared.messages import MAX_INT32, MAX_INT64, MIN_INT64, ChatMessage, GenerateRequest, SamplingParams
+from pagoda.shared.messages import (
+    MAX_INT32,
+    MAX_INT64,
+    MIN_INT64,
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    StructuredOutputs,
+    ToolCallMessage,
+)
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5 alternatives
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -52,6 +63,13 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool | None = None
     priority: int | None = None
     add_special_tokens: bool | None = None
+    # structured outputs, vLLM's extensions (response_format is OpenAI's)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -72,6 +90,9 @@ class MessageBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # parts are checked by hand so that an image part gets a clear message, not "unknown field"
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
+    reasoning_content: str | None = None  # an earlier answer sent back: dropped, as chat templates drop it
 
 
 class ChatBody(_GenerationBody):
@@ -80,10 +101,9 @@ class ChatBody(_GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, str | int | float | bool] | None = None
@@ -195,7 +215,64 @@ def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
     kwargs["stop"] = _stop_list(body.stop)
     if body.logit_bias:
         kwargs["logit_bias"] = _logit_bias(body.logit_bias)
+    constraint = structured_outputs(body)
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint
     return kwargs
+
+
+_STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object"})
+
+
+def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
+    """The one constraint a body asks for (response_format, structured_outputs or a guided_* field)."""
+    given: list[tuple[str, StructuredOutputs]] = []
+    if body.response_format is not None:
+        constraint = _response_format(body.response_format)
+        if constraint is not None:
+            given.append(("response_format", constraint))
+    if body.structured_outputs is not None:
+        unknown = sorted(set(body.structured_outputs) - _STRUCTURED_KEYS)
+        _require(not unknown, "structured_outputs",
+                 f"structured_outputs supports {sorted(_STRUCTURED_KEYS)}; not {unknown}")
+        try:
+            constraint = msgspec.convert(body.structured_outputs, StructuredOutputs)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(f"Invalid value for 'structured_outputs': {exc}",
+                                      param="structured_outputs") from None
+        given.append(("structured_outputs", constraint))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{name}")
+        if value is not None:
+            given.append((f"guided_{name}", StructuredOutputs(**{name: value})))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequestError(f"give only one of {', '.join(name for name, _ in given)}", param=given[1][0])
+    name, constraint = given[0]
+    try:
+        return constraint.validate()
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(exc.message, param=name) from None
+
+
+def _response_format(response_format: dict[str, Any]) -> StructuredOutputs | None:
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    _require(kind == "json_schema", "response_format.type",
+             f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    spec = response_format.get("json_schema")
+    _require(isinstance(spec, dict), "response_format.json_schema",
+             "response_format json_schema needs a json_schema object {name, schema, strict}")
+    assert isinstance(spec, dict)
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    _require(not unknown, "response_format.json_schema", f"unknown json_schema fields {unknown}")
+    schema = spec.get("schema", {"type": "object"})  # OpenAI: a missing schema allows any object
+    _require(isinstance(schema, dict), "response_format.json_schema.schema", "schema must be a JSON object")
+    return StructuredOutputs(json=schema)
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -263,11 +340,18 @@ def chat_messages(messages: list[MessageBody], param: str = "messages") -> list[
 
 
 def _chat_message(message: MessageBody, param: str) -> ChatMessage:
-    if message.role in ("tool", "function"):
-        raise InvalidRequestError("tools are not supported", param=f"{param}.role")
-    _require(message.role in CHAT_ROLES, f"{param}.role",
-             f"role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+    _require(message.role != "function", f"{param}.role", "the deprecated function role is not supported; "
+                                                            "use tool")
+    _require(message.role in CHAT_ROLES or message.role == "tool", f"{param}.role",
+             f"role must be one of {', '.join(CHAT_ROLES)}, tool, got {message.role!r}")
+    _require(message.tool_calls is None or message.role == "assistant", f"{param}.tool_calls",
+             "only assistant messages carry tool_calls")
+    _require((message.tool_call_id is not None) == (message.role == "tool"), f"{param}.tool_call_id",
+             "tool messages need a tool_call_id (and only they have one)")
+    tool_calls = _message_tool_calls(message.tool_calls or [], f"{param}.tool_calls")
     content = message.content
+    if content is None and tool_calls:
+        content = ""
     _require(content is not None, f"{param}.content", "content is required")
     if isinstance(content, list):
         texts = []
@@ -280,15 +364,81 @@ def _chat_message(message: MessageBody, param: str) -> ChatMessage:
             texts.append(part["text"])
         content = "\n".join(texts)
     assert isinstance(content, str)
-    return ChatMessage(CHAT_ROLES[message.role], content, message.name)
+    return ChatMessage(CHAT_ROLES.get(message.role, message.role), content, message.name, tool_calls,
+                       message.tool_call_id)
+
+
+def _message_tool_calls(calls: list[dict[str, Any]], param: str) -> list[ToolCallMessage]:
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function")
+        ok = (isinstance(call.get("id"), str) and call.get("type", "function") == "function"
+              and isinstance(function, dict) and isinstance(function.get("name"), str)
+              and isinstance(function.get("arguments"), str))
+        _require(ok, f"{param}[{i}]", 'a tool call is {"id": string, "type": "function", "function": '
+                                      '{"name": string, "arguments": string}}')
+        assert isinstance(function, dict)
+        out.append(ToolCallMessage(call["id"], function["name"], function["arguments"]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# tools
+
+
+def _tools(body: ChatBody) -> list[dict[str, Any]]:
+    tools = body.tools or []
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        ok = (tool.get("type") == "function" and isinstance(function, dict)
+              and isinstance(function.get("name"), str) and function["name"]
+              and isinstance(function.get("parameters", {}), dict))
+        _require(ok, f"tools[{i}]", 'a tool is {"type": "function", "function": {"name": string, '
+                                    '"description"?: string, "parameters"?: JSON schema}}')
+    names = [t["function"]["name"] for t in tools]
+    _require(len(set(names)) == len(names), "tools", "tool names must be unique")
+    return tools
+
+
+def _tool_choice(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str]:
+    """(mode, function name): mode none | auto | required | named."""
+    choice = body.tool_choice
+    if choice is None:
+        return ("auto" if tools else "none"), ""
+    if isinstance(choice, str):
+        _require(choice in ("none", "auto", "required"), "tool_choice",
+                 "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\"}}")
+        _require(choice == "none" or bool(tools), "tool_choice", f"tool_choice {choice!r} needs tools")
+        return choice, ""
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    _require(choice.get("type") == "function" and isinstance(name, str), "tool_choice",
+             'a named tool_choice is {"type": "function", "function": {"name": string}}')
+    assert isinstance(name, str)
+    _require(any(t["function"]["name"] == name for t in tools), "tool_choice", f"no tool named {name!r}")
+    return "named", name
+
+
+def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | None) -> ChatOutputSpec:
+    """How the api reads this request's choices (tools and reasoning)."""
+    tools = _tools(body)
+    mode, name = _tool_choice(body, tools)
+    return ChatOutputSpec(tool_mode=mode, tool_parser=tool_parser, tool_name=name,
+                          reasoning_parser=reasoning_parser,
+                          max_calls=1 if body.parallel_tool_calls is False else 0)
+
+
+def _tool_constraint(body: ChatBody, tools: list[dict[str, Any]], mode: str, name: str) -> StructuredOutputs | None:
+    """tool_choice required / named decode under a schema built from the functions' parameters."""
+    if mode == "required":
+        return StructuredOutputs(json=required_schema(tools, parallel=body.parallel_tool_calls is not False))
+    if mode == "named":
+        return StructuredOutputs(json=named_schema(next(t for t in tools if t["function"]["name"] == name)))
+    return None
 
 
 def _chat_checks(body: ChatBody) -> None:
     _common_checks(body)
-    _require(not body.tools, "tools", "tools are not supported")
-    _require(body.tool_choice in (None, "none"), "tool_choice", "tool_choice other than 'none' is not supported")
-    _require(body.response_format is None or body.response_format == {"type": "text"}, "response_format",
-             "only response_format {\"type\": \"text\"} is supported")
     _require(body.top_logprobs is None or bool(body.logprobs), "top_logprobs",
              "top_logprobs requires logprobs to be true")
     _require(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_CHAT_TOP_LOGPROBS, "top_logprobs",
@@ -304,7 +454,15 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> Genera
     _chat_checks(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = SamplingParams(**_sampling_kwargs(body), max_tokens=max_tokens, logprobs=logprobs).validate()
+    kwargs = _sampling_kwargs(body)
+    tools = _tools(body)
+    mode, name = _tool_choice(body, tools)
+    tool_constraint = _tool_constraint(body, tools, mode, name)
+    if tool_constraint is not None:
+        _require("structured_outputs" not in kwargs, "tool_choice",
+                 f"tool_choice {mode!r} constrains the output itself: drop response_format / structured outputs")
+        kwargs["structured_outputs"] = tool_constraint.validate()
+    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs).validate()
     messages = chat_messages(body.messages)
     continue_final = bool(body.continue_final_message)
     _require(not continue_final or messages[-1].role == "assistant", "continue_final_message",
@@ -316,7 +474,7 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> Genera
         continue_final_message=continue_final, chat_template_kwargs=body.chat_template_kwargs or {},
         # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
-        arrival_time=arrival_time)
+        arrival_time=arrival_time, tools=tools if mode != "none" else [])
 
 
 def prompt_bytes(body: object) -> int:

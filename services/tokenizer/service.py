@@ -17,8 +17,10 @@ from typing import Any
 import zmq
 
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
+from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from pagoda.services.tokenizer.tools import tool_conversation
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import (
     ConfigError,
@@ -91,6 +93,12 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                "arguments": c.arguments}}
+                                   for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
 
@@ -98,7 +106,8 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, prompt_token_ids: list[int] | None,
                     messages: list[ChatMessage] | None, add_special_tokens: bool = True,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> Prompt:
     """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault."""
     if sum(field is not None for field in (prompt_text, prompt_token_ids, messages)) != 1:
         raise InvalidRequestError("exactly one of a prompt, prompt token ids or messages must be given",
@@ -112,7 +121,8 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
     try:
         if messages is not None:
             # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
-            text = tokenizer.render_chat(chat_dicts(messages), add_generation_prompt,
+            conversation, tools = tool_conversation(tokenizer.hf.chat_template, chat_dicts(messages), tools)
+            text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
                                          continue_final_message=continue_final_message,
                                          chat_template_kwargs=chat_template_kwargs)
             return Prompt(tokenizer.encode(text, add_special_tokens=False), text, param)
@@ -221,6 +231,8 @@ class TokenizerService:
         self._next_heartbeat = 0.0
         self._num_beats = 0
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
+        self._grammars = LazyGrammarChecker(tokenizer)  # llguidance's tokenizer builds in the background
+        self._reasoning_parser = server_config.reasoning_parser
         self._stopping = False
         log.info("tokenizer %s: apis %s, scheduler %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoint,
                  f"tokenizer {tokenizer.path}" if tokenizer is not None else "no tokenizer (token ids only)")
@@ -345,7 +357,7 @@ class TokenizerService:
                 messages=request.messages, add_special_tokens=request.add_special_tokens,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
 
         self._work(api, request_id, tokenize, _prompt_chars(request.prompt_text, request.messages),
                    lambda prompt: self._admit(api, request, prompt))
@@ -387,6 +399,8 @@ class TokenizerService:
         if info is None:  # the scheduler went away while a thread tokenized
             raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
         check_prompt(prompt.token_ids, params, info, prompt.param)
+        if params.structured_outputs is not None:
+            params = self._check_structured(params, prompt, info, request.messages is not None)
         streams: list[TextStream | None] = [TextStream(self._tokenizer, prompt.token_ids, params)
                                             for _ in range(params.n)]
         first_token = prompt.token_ids[0] if params.prompt_logprobs is not None else -1
@@ -395,6 +409,15 @@ class TokenizerService:
                                         request.arrival_time))
         echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo))
+
+    def _check_structured(self, params: SamplingParams, prompt: Prompt, info: ModelInfo,
+                          is_chat: bool) -> SamplingParams:
+        """Compile the grammar here (cached), never on the worker's step loop; 400 if the library rejects it."""
+        assert params.structured_outputs is not None
+        self._grammars.check(params.structured_outputs)
+        if is_chat and self._reasoning_parser is not None:
+            return constrain_after_reasoning(params, prompt.text or "")
+        return params
 
     def _prompt_text(self, prompt: Prompt, params: SamplingParams) -> str | None:
         if prompt.text is not None or self._tokenizer is None:

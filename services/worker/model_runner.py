@@ -11,9 +11,10 @@ import torch
 
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
+from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
-from pagoda.services.worker.sampler import Sampler, SamplerOutput
+from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagoda.services.worker.sampling_state import SamplingState
 from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig
@@ -71,6 +72,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
+        self.grammars = GrammarRows(grammar_tokenizer_loader(config, self.arch), self.arch.vocab_size)
         self.staging = PinnedStaging(self.device)
         self.sampling = SamplingState(config.max_num_seqs, self.arch.vocab_size, self.device, self.arch.eos_token_ids,
                                       self._to_device)
@@ -171,6 +173,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         self.state.apply(plan)
         self.sampling.admit([(self.state.row_of[new.req_id], new) for new in plan.new_requests])
+        self.grammars.apply(plan)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
         host = self._prepare(plan)
@@ -189,16 +192,32 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], prompt_scores=prompt_scores)
         sampled_rows = host.rows[host.sampled]  # [S]
         metadata = self.sampling.metadata(sampled_rows)
+        req_ids = [plan.req_ids[i] for i in host.sampled.tolist()]
+        self._attach_grammar_masks(metadata, req_ids)
         output = self.sampler(logits, metadata)
         self.sampling.record(sampled_rows, output.token_ids, metadata.state_rows)  # on the device
         token_ids = output.token_ids.tolist()  # the step's one host sync
+        self.grammars.accept(req_ids, token_ids)
         state.token_ids[sampled_rows, state.num_tokens[sampled_rows]] = token_ids
         state.num_tokens[sampled_rows] += 1
-        req_ids = [plan.req_ids[i] for i in host.sampled.tolist()]
         if output.logprobs is None:
             return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids,
                               prompt_scores=prompt_scores)
         return self._with_logprobs(plan.step_id, req_ids, token_ids, sampled_rows, output, prompt_scores)
+
+    def _attach_grammar_masks(self, metadata: SamplingMetadata, req_ids: list[int]) -> None:
+        """Structured outputs: the constrained rows' token bitmasks join the sampler's fused pass (the other
+        rows are flagged off and pay nothing)."""
+        masks = self.grammars.bitmask(req_ids)
+        if masks is None:
+            return
+        rows, bitmask = masks  # [K] batch indices, [K, W] int32 on the host
+        full = np.full((len(req_ids), bitmask.shape[1]), -1, dtype=np.int32)  # [B, W]: every token allowed
+        full[rows] = bitmask.numpy()
+        flags = np.zeros(len(req_ids), dtype=bool)  # [B]
+        flags[rows] = True
+        metadata.token_bitmask = self._to_device(full, "token_bitmask")
+        metadata.bitmask_rows = self._to_device(flags, "bitmask_rows")
 
     def _forward_eager(self, host: HostBatch) -> torch.Tensor:
         """The model on a mixed or large batch: final hidden states [T, H] of every token."""
@@ -258,6 +277,7 @@ class ModelRunner:
     def recover(self, plan: StepPlan) -> None:
         """After a failed step: forget the plan's requests (the scheduler aborts them too)."""
         state = self.state
+        self.grammars.drop([*plan.req_ids, *(new.req_id for new in plan.new_requests)])
         for req_id in [*plan.req_ids, *(new.req_id for new in plan.new_requests)]:
             row = state.row_of.pop(req_id, None)
             if row is not None:

@@ -88,6 +88,7 @@ class WorkerService:
                         self.scheduler_id)
             self.scheduler_id = sender
             self.runner.state.reset()
+            self.runner.grammars.reset()
         self._send_ready()
 
     def _send_ready(self) -> None:

@@ -1,0 +1,167 @@
+"""A chat choice's text as OpenAI message parts: reasoning_content, content and tool_calls, whole or streamed.
+
+Streaming follows OpenAI: a tool call's first delta carries its index, id, type and name with empty arguments,
+later deltas carry argument fragments. Text that may begin a tool call is held back until the choice ends
+(auto and required modes); with a named function every token is an argument fragment at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.services.tokenizer.reasoning import ReasoningStream, split_reasoning
+from pagoda.services.tokenizer.tools import (
+    ToolCall,
+    new_call_id,
+    parse_required,
+    parse_tool_calls,
+    tool_start_marker,
+)
+
+
+@dataclass(slots=True, frozen=True)
+class ChatOutputSpec:
+    """How a response's choices are read: tool mode none|auto|required|named, parsers by name."""
+
+    tool_mode: str = "none"
+    tool_parser: str = "hermes"
+    tool_name: str = ""  # named mode
+    reasoning_parser: str | None = None
+    max_calls: int = 0  # parallel_tool_calls=false: 1 (the first call is kept); 0: no limit
+
+    @property
+    def active(self) -> bool:
+        return self.tool_mode != "none" or self.reasoning_parser is not None
+
+
+def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool]:
+    """The message of a finished choice, and whether it calls tools."""
+    reasoning, content = (split_reasoning(spec.reasoning_parser, text) if spec.reasoning_parser
+                          else (None, text))
+    calls = _calls(spec, content)
+    message: dict[str, Any] = {"role": "assistant"}
+    if calls is not None:
+        leftover, parsed = calls
+        message["content"] = leftover or None
+        message["tool_calls"] = [c.to_openai(new_call_id()) for c in parsed]
+    else:
+        message["content"] = content
+    if spec.reasoning_parser is not None:
+        message["reasoning_content"] = reasoning
+    return message, calls is not None
+
+
+def _calls(spec: ChatOutputSpec, content: str) -> tuple[str, list[ToolCall]] | None:
+    """(content left, calls) when the content holds tool calls, else None."""
+    if spec.tool_mode == "named":
+        return "", [ToolCall(spec.tool_name, content)]
+    leftover, calls = "", []
+    if spec.tool_mode == "required":
+        calls = parse_required(content)
+    elif spec.tool_mode == "auto":
+        leftover, calls = parse_tool_calls(spec.tool_parser, content)
+    if not calls:
+        return None
+    return leftover, calls[:spec.max_calls] if spec.max_calls else calls
+
+
+@dataclass(slots=True)
+class ChoiceStream:
+    """One streamed choice: push text, get delta dicts; finish() flushes and says whether tools were called."""
+
+    spec: ChatOutputSpec
+    reasoning: ReasoningStream | None = None
+    held: str = ""  # content that may be a tool call
+    holding: bool = False
+    num_calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.spec.reasoning_parser is not None:
+            self.reasoning = ReasoningStream(self.spec.reasoning_parser)
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        if self.reasoning is None:
+            return self._content(text)
+        reasoning, content = self.reasoning.push(text)
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        return deltas + self._content(content)
+
+    def finish(self) -> tuple[list[dict[str, Any]], bool]:
+        deltas: list[dict[str, Any]] = []
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.close()
+            if reasoning:
+                deltas.append({"reasoning_content": reasoning})
+            deltas += self._content(content)
+        if self.spec.tool_mode == "named":
+            return deltas, True
+        if not self.held:
+            return deltas, False
+        calls = _calls(self.spec, self.held)
+        if calls is None:
+            return deltas + [{"content": self.held}], False
+        leftover, parsed = calls
+        if leftover:
+            deltas.append({"content": leftover})
+        for i, call in enumerate(parsed):
+            deltas.append({"tool_calls": [{"index": i, "id": new_call_id(), "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+        return deltas, True
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        mode = self.spec.tool_mode
+        if mode == "none":
+            return [{"content": text}]
+        if mode == "named":
+            deltas = []
+            if self.num_calls == 0:
+                self.num_calls = 1
+                deltas.append({"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
+                                               "function": {"name": self.spec.tool_name, "arguments": ""}}]})
+            return deltas + [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
+        if mode == "required" or self.holding:
+            self.held += text
+            return []
+        return self._auto(text)
+
+    def _auto(self, text: str) -> list[dict[str, Any]]:
+        """Send content up to where a tool call could start; hold the rest until the end."""
+        marker = tool_start_marker(self.spec.tool_parser)
+        pending = self.held + text
+        self.held = ""
+        if self.spec.tool_parser == "llama3_json":  # calls are the whole answer: hold if it opens with {
+            stripped = pending.lstrip()
+            if not stripped:
+                self.held = pending
+                return []
+            if stripped.startswith("{") or "<|python_tag|>".startswith(stripped[:14]):
+                self.holding, self.held = True, pending
+                return []
+            return [{"content": pending}]
+        start = pending.find(marker)
+        if start >= 0:
+            self.holding, self.held = True, pending[start:]
+            return [{"content": pending[:start]}] if start else []
+        keep = next((n for n in range(min(len(marker) - 1, len(pending)), 0, -1)
+                     if marker.startswith(pending[-n:])), 0)
+        self.held = pending[len(pending) - keep:]
+        send = pending[:len(pending) - keep]
+        return [{"content": send}] if send else []
+
+
+@dataclass(slots=True)
+class ChatStreams:
+    """The ChoiceStreams of one response, by choice index."""
+
+    spec: ChatOutputSpec
+    streams: dict[int, ChoiceStream] = field(default_factory=dict)
+
+    def get(self, index: int) -> ChoiceStream:
+        stream = self.streams.get(index)
+        if stream is None:
+            stream = self.streams[index] = ChoiceStream(self.spec)
+        return stream

@@ -1,0 +1,85 @@
+"""Reasoning parsers: `<think>...</think>` becomes `reasoning_content`, the rest `content`; whole or streamed.
+
+- qwen3: reasoning only when the output opens with `<think>` (enable_thinking=False gives none).
+- deepseek_r1: the template opens the think block in the prompt, so the output starts inside it and
+  everything up to `</think>` is reasoning; an output that never closes it is all reasoning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
+    """(reasoning_content or None, content) of a finished output."""
+    stream = ReasoningStream(parser)
+    reasoning, content = stream.push(text)
+    more_reasoning, more_content = stream.close()
+    reasoning += more_reasoning
+    content += more_content
+    return (reasoning if stream.saw_reasoning else None), content
+
+
+@dataclass(slots=True)
+class ReasoningStream:
+    """Splits streamed text; holds back a tail that may be the start of a marker."""
+
+    parser: str
+    state: str = "start"  # start -> reasoning -> content (or start -> content)
+    pending: str = ""
+    saw_reasoning: bool = False
+    strip_newlines: bool = False  # just after </think>: the template's newlines are not content
+
+    def __post_init__(self) -> None:
+        assert self.parser in REASONING_PARSERS, self.parser
+        if self.parser == "deepseek_r1":
+            self.state = "reasoning"
+            self.saw_reasoning = True
+
+    def push(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) that can be sent now."""
+        self.pending += text
+        reasoning = content = ""
+        if self.state == "start":
+            stripped = self.pending.lstrip()
+            if stripped.startswith(THINK_START):
+                self.state, self.saw_reasoning = "reasoning", True
+                self.pending = stripped[len(THINK_START):]
+            elif THINK_START.startswith(stripped):
+                return "", ""  # could still become "<think>"
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            if self.parser == "deepseek_r1" and self.pending.lstrip().startswith(THINK_START):
+                self.pending = self.pending.lstrip()[len(THINK_START):]  # some R1 variants repeat the opener
+            end = self.pending.find(THINK_END)
+            if end < 0:
+                keep = _partial_suffix(self.pending, THINK_END)
+                cut = len(self.pending) - keep
+                reasoning, self.pending = self.pending[:cut], self.pending[cut:]
+                return reasoning, ""
+            reasoning = self.pending[:end]
+            self.pending = self.pending[end + len(THINK_END):]
+            self.state, self.strip_newlines = "content", True
+        content, self.pending = self.pending, ""
+        if self.strip_newlines:
+            content = content.lstrip("\n")
+            self.strip_newlines = not content
+        return reasoning, content
+
+    def close(self) -> tuple[str, str]:
+        rest, self.pending = self.pending, ""
+        if self.state == "reasoning":
+            return rest, ""
+        return "", rest.lstrip("\n") if self.strip_newlines else rest
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,164 @@
+"""Structured outputs: a request's constraint becomes an llguidance grammar, checked once per tokenizer and cached.
+
+Where each part runs (issue 12):
+
+- api: OpenAI's `response_format` and vLLM's `structured_outputs` / `guided_*` become one `StructuredOutputs`
+  inside SamplingParams (shape checks only).
+- tokenizer process (this module): `GrammarChecker.check` turns the constraint into llguidance's grammar text
+  and compiles it against the real tokenizer, off the worker's step loop. Results are cached per constraint
+  (LRU, bounded), so a repeated schema costs a dict lookup. A grammar the library rejects is an
+  InvalidRequestError (400) with llguidance's reason.
+- the constraint travels as it came, inside SamplingParams: tokenizer -> scheduler (which never looks inside)
+  -> worker (NewRequest.sampling). llguidance has no serialized compiled form to ship, and building a matcher
+  from the grammar text takes milliseconds (a 50-field schema: ~3 ms), so the worker rebuilds it, cached.
+- worker (services/worker/grammar.py): one matcher per sequence; each step it fills the bitmask of the rows
+  that sample under a grammar, on the host, after the previous token was accepted, and applies it to their
+  logits on the device; the sampled tokens then advance the matchers.
+
+`grammar_text` is pure and shared by the tokenizer and the worker, so both compile the same grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import msgspec
+
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import SamplingParams, StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 512  # distinct constraints remembered per process
+# JSON as json.dumps writes it: no free whitespace, which small models otherwise fill with runs of newlines and
+# indentation until max_tokens (a schema's "x-guidance" options still override these).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(constraint: StructuredOutputs) -> str:
+    """llguidance's grammar for a constraint (not yet checked; `compile_error` does that)."""
+    matcher = llguidance.LLMatcher
+    try:
+        if constraint.json is not None:
+            schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("a JSON schema must be an object", param="response_format")
+            return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if constraint.regex is not None:
+            return matcher.grammar_from_regex(constraint.regex)
+        if constraint.choice is not None:
+            # Lark string literals take JSON's escapes, so each choice is matched verbatim.
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choice))
+        if constraint.grammar is not None:
+            text = constraint.grammar
+            if "::=" in text:  # GBNF (llama.cpp's, as vLLM's xgrammar backend takes it)
+                text = llguidance.gbnf_to_lark(text)
+            return matcher.grammar_from_lark(text)
+        return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # the library's own parse errors (bad JSON text, bad GBNF)
+        raise InvalidRequestError(f"invalid {constraint.kind} for structured outputs: {exc}",
+                                  param=_param(constraint)) from exc
+
+
+def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer; masks are `vocab_size` bits wide (the model's logits), and a
+    finished grammar allows exactly the model's EOS ids."""
+    # A dummy-weight shape served with some real tokenizer may name EOS ids the tokenizer does not have.
+    known = [t for t in eos_token_ids if 0 <= t < len(hf_tokenizer)]
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=known or None)
+
+
+REASONING_END = "</think>"
+
+
+def constrain_after_reasoning(params: SamplingParams, prompt_text: str) -> SamplingParams:
+    """With a reasoning parser on, the grammar applies after the model's `</think>` (its reasoning stays free),
+    unless the prompt closed the think block already (Qwen3's enable_thinking=False renders an empty one)."""
+    constraint = params.structured_outputs
+    if constraint is None or prompt_text.rstrip().endswith(REASONING_END):
+        return params
+    return msgspec.structs.replace(
+        params, structured_outputs=msgspec.structs.replace(constraint, reasoning_end=REASONING_END))
+
+
+def _param(constraint: StructuredOutputs) -> str:
+    return "response_format" if constraint.kind in ("json", "json_object") else f"guided_{constraint.kind}"
+
+
+def cache_key(constraint: StructuredOutputs) -> bytes:
+    """The constraint without server-set fields: what decides the grammar."""
+    return msgspec.json.encode(msgspec.structs.replace(constraint, reasoning_end=""))
+
+
+class GrammarChecker:
+    """Compiles constraints against one tokenizer; remembers the last GRAMMAR_CACHE_SIZE outcomes."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = GRAMMAR_CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self._errors: OrderedDict[bytes, str] = OrderedDict()  # key -> "" (compiles) or llguidance's error
+        self.last_compile_s = 0.0  # the latest compile that missed the cache (for figures and logs)
+
+    def check(self, constraint: StructuredOutputs) -> None:
+        """Raise InvalidRequestError (400) unless the constraint compiles for this tokenizer."""
+        key = cache_key(constraint)
+        error = self._errors.get(key)
+        if error is None:
+            error = self._compile(constraint)
+            self._errors[key] = error
+            if len(self._errors) > self.max_entries:
+                self._errors.popitem(last=False)
+        else:
+            self._errors.move_to_end(key)
+        if error:
+            raise InvalidRequestError(f"the {constraint.kind} constraint cannot be compiled: {error}",
+                                      param=_param(constraint))
+
+    def _compile(self, constraint: StructuredOutputs) -> str:
+        started = time.perf_counter()
+        try:
+            grammar = grammar_text(constraint)
+        except InvalidRequestError as exc:
+            return exc.message
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        self.last_compile_s = time.perf_counter() - started
+        return matcher.get_error() if matcher.is_error() else ""
+
+
+class LazyGrammarChecker:
+    """A GrammarChecker whose llguidance tokenizer is built on a thread from process start (it walks the whole
+    vocabulary in Python: seconds on a loaded CPU, which the tokenizer's poll loop must not spend at once).
+    Validity does not depend on the mask width, so the tokenizer's own vocabulary and EOS are used."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self._checker: GrammarChecker | None = None
+        self._hf = tokenizer.hf if tokenizer is not None else None
+        self._eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+        self._vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
+        self._loader = threading.Thread(target=self._load, name="grammar-tokenizer", daemon=True)
+        if self._hf is not None:
+            self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            self._checker = GrammarChecker(ll_tokenizer(self._hf, self._vocab_size, self._eos))
+        except Exception:
+            log.exception("cannot build llguidance's tokenizer; structured outputs will be refused")
+
+    def check(self, constraint: StructuredOutputs) -> None:
+        if self._hf is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer", param=_param(constraint))
+        self._loader.join()
+        if self._checker is None:
+            raise InvalidRequestError("structured outputs are unavailable: the grammar library could not load "
+                                      "this tokenizer", param=_param(constraint))
+        self._checker.check(constraint)

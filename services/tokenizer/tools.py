@@ -1,0 +1,274 @@
+"""Tool calling: tools into the prompt (the model's template, else the Hermes default) and tool calls out of
+the text (Hermes/Qwen `<tool_call>`, Llama 3.x JSON, Mistral `[TOOL_CALLS]`). Pure functions; no torch.
+
+Output modes (chosen by the api from tool_choice):
+- "auto": the model may answer in text or call tools in its family's format; `parse_tool_calls` finds them.
+- "required": constrained decoding to a JSON array `[{"name": ..., "parameters": {...}}, ...]` (one entry per
+  call, each validated against its function's parameter schema); `parse_required` reads it.
+- "named": constrained decoding to the named function's arguments object; the text IS the arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+HERMES_SYSTEM = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = ""
+
+    def to_openai(self, call_id: str) -> dict[str, Any]:
+        return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def default_tool_parser(model_names: list[str]) -> str:
+    """The parser for a model family, by its name: Llama 3.x JSON, Mistral, else Hermes (Qwen, and every
+    model whose template takes no tools, which get the Hermes prompt)."""
+    names = " ".join(model_names).lower()
+    if re.search(r"llama-?3", names):
+        return "llama3_json"
+    if "mistral" in names or "mixtral" in names:
+        return "mistral"
+    return "hermes"
+
+
+# --------------------------------------------------------------------------------------------
+# tools into the prompt
+
+
+def template_takes_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template  # type: ignore[operator]
+
+
+def tool_conversation(chat_template: str | None, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for the chat template: as they are when it takes tools, else in the Hermes format
+    (then the template gets no tools argument)."""
+    has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if not tools and not has_tool_turns:
+        return messages, None
+    if template_takes_tools(chat_template):
+        return template_messages(messages), tools
+    return hermes_messages(messages, tools), None
+
+
+def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The conversation for a template that knows nothing of tools: the tool list joins the system prompt,
+    assistant tool calls become `<tool_call>` text, tool results become user turns in `<tool_response>`."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message["role"]
+        if role == "assistant" and message.get("tool_calls"):
+            calls = "\n".join(f"<tool_call>\n{json.dumps(_call_dict(c), ensure_ascii=False)}\n</tool_call>"
+                              for c in message["tool_calls"])
+            content = message.get("content") or ""
+            out.append({"role": "assistant", "content": f"{content}\n{calls}".strip()})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n"
+                                                   "</tool_response>"})
+        else:
+            out.append({key: value for key, value in message.items() if key in ("role", "content", "name")})
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        system = HERMES_SYSTEM.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _call_dict(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function", {})
+    arguments = function.get("arguments")
+    parsed = _loads(arguments) if isinstance(arguments, str) else arguments
+    return {"name": function.get("name"), "arguments": parsed if isinstance(parsed, dict) else arguments}
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For templates that take tools: arguments as objects (Qwen's and Llama's templates `tojson` them)."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function", {}))
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        function["arguments"] = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**call, "function": function})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# constrained schemas for tool_choice required / named
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of calls, each one of the tools with arguments matching its parameters."""
+    variants = [{"type": "object",
+                 "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                "parameters": _parameters(t)},
+                 "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    item = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    return _parameters(tool)
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    parameters = tool["function"].get("parameters")
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object", "properties": {}}
+
+
+# --------------------------------------------------------------------------------------------
+# tool calls out of the text
+
+
+def tool_start_marker(parser: str) -> str:
+    """Where calls begin in a model's output; llama3_json has none (the answer is a JSON object)."""
+    return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
+
+
+def parse_tool_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
+    """(content left over, calls) of a finished text; no calls when the text holds none that parse."""
+    if parser == "hermes":
+        return _parse_hermes(text)
+    if parser == "mistral":
+        return _parse_mistral(text)
+    if parser == "llama3_json":
+        return _parse_llama3(text)
+    raise ValueError(f"unknown tool call parser {parser!r}")
+
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls = []
+    for body in _HERMES_CALL.findall(text[start:]):
+        call = _call_from_object(_loads(body))
+        if call is None:
+            return text, []
+        calls.append(call)
+    return text[:start].strip(), calls
+
+
+def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return text, []
+    body = text[start + len("[TOOL_CALLS]"):].strip()
+    parsed = _loads(body)
+    if parsed is None:  # newer Mistral templates: [TOOL_CALLS]name[ARGS]{...}
+        calls = []
+        for chunk in body.split("[TOOL_CALLS]"):
+            name, sep, arguments = chunk.partition("[ARGS]")
+            call = _call_from_object({"name": name.strip(), "arguments": _loads(arguments)}) if sep else None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:start].strip(), calls
+    objects = parsed if isinstance(parsed, list) else [parsed]
+    calls = [_call_from_object(o) for o in objects]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return text[:start].strip(), calls  # type: ignore[return-value]
+
+
+def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
+    """Llama 3.x: the whole answer is `{"name": ..., "parameters": {...}}`, several joined by `;`."""
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):].strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    for part in _split_objects(body):
+        call = _call_from_object(_loads(part))
+        if call is None:
+            return text, []
+        calls.append(call)
+    return "", calls
+
+
+def _split_objects(body: str) -> list[str]:
+    decoder = json.JSONDecoder()
+    parts, index = [], 0
+    while index < len(body):
+        try:
+            _, end = decoder.raw_decode(body, index)
+        except json.JSONDecodeError:
+            return [body]  # not a sequence of objects: the whole body fails to parse later
+        parts.append(body[index:end])
+        index = end
+        while index < len(body) and body[index] in " \n\t;":
+            index += 1
+    return parts
+
+
+def parse_required(text: str) -> list[ToolCall]:
+    """The constrained `required` output: [{"name", "parameters"}, ...]."""
+    parsed = _loads(text)
+    if not isinstance(parsed, list):
+        return []
+    calls = [_call_from_object(o) for o in parsed]
+    return [c for c in calls if c is not None]
+
+
+def _call_from_object(obj: Any) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        arguments = _loads(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return None

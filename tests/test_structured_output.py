@@ -1,0 +1,344 @@
+"""Structured outputs: bitmask application, grammar compile and cache, per-sequence matchers, and the whole
+server through the openai client (json_schema, guided_choice / regex, parse with pydantic, errors, preemption)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import llguidance
+import numpy as np
+import openai
+import pydantic
+import pytest
+import torch
+from test_server import SERVED, Server, running_server, wait_until
+
+from pagoda.services.tokenizer.structured import GrammarChecker, constrain_after_reasoning, grammar_text, ll_tokenizer
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.services.worker.grammar import GrammarRows, apply_token_bitmask, apply_token_bitmask_reference
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import NewRequest, SamplingParams, StepPlan, StructuredOutputs
+
+# --------------------------------------------------------------------------------------------
+# bitmask application against the plain reference
+
+
+def _random_case(rows: int, batch: int, vocab: int, seed: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=gen)  # [S, V]
+    picked = np.sort(np.random.default_rng(seed).choice(batch, size=rows, replace=False))  # [K]
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    return logits, picked, bitmask
+
+
+@pytest.mark.parametrize(("rows", "batch", "vocab", "seed"), [(1, 1, 32, 0), (3, 5, 100, 1), (4, 4, 1000, 2),
+                                                              (2, 7, 65, 3)])
+def test_bitmask_matches_reference_on_random_masks(rows: int, batch: int, vocab: int, seed: int) -> None:
+    logits, picked, bitmask = _random_case(rows, batch, vocab, seed)
+    expected = apply_token_bitmask_reference(logits, picked, bitmask)
+    apply_token_bitmask(logits, picked, bitmask)
+    assert torch.equal(logits, expected)
+    untouched = np.setdiff1d(np.arange(batch), picked)
+    assert torch.isfinite(logits[untouched]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bitmask_on_gpu_matches_reference() -> None:
+    logits, picked, bitmask = _random_case(6, 9, 151936, 4)
+    expected = apply_token_bitmask_reference(logits[:, :2000].contiguous(), picked, bitmask[:, :63])
+    on_device = logits[:, :2000].contiguous().cuda()
+    apply_token_bitmask(on_device, picked, bitmask[:, :63].contiguous())
+    assert torch.equal(on_device.cpu(), expected)
+
+
+# --------------------------------------------------------------------------------------------
+# compile and matchers with SmolLM2's tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}},
+                            "required": ["a"]}),
+    StructuredOutputs(json={"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}),
+    StructuredOutputs(json={"type": "nonsense"}),
+    StructuredOutputs(regex="(unclosed"),
+    StructuredOutputs(grammar="start: undefined_rule"),
+])
+def test_rejected_grammars_raise_invalid_request(ll: llguidance.LLTokenizer, constraint: StructuredOutputs) -> None:
+    checker = GrammarChecker(ll)
+    for _ in range(2):  # the cached outcome too
+        with pytest.raises(InvalidRequestError) as info:
+            checker.check(constraint)
+        assert "cannot be compiled" in info.value.message and info.value.param
+
+
+def test_compile_is_cached_per_constraint(ll: llguidance.LLTokenizer) -> None:
+    checker = GrammarChecker(ll, max_entries=2)
+    a, b, c = (StructuredOutputs(regex=r) for r in ("a+", "b+", "c+"))
+    checker.check(a)
+    checker.check(b)
+    checker.check(a)  # a is now the most recent
+    checker.check(c)  # evicts b
+    assert set(checker._errors) == {m for m in map(_key, (a, c))}
+
+
+def _key(constraint: StructuredOutputs) -> bytes:
+    from pagoda.services.tokenizer.structured import cache_key
+    return cache_key(constraint)
+
+
+def test_choice_grammar_matches_only_the_choices(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+    grammar = grammar_text(StructuredOutputs(choice=['say "hi"', "a|b"]))
+    for text, ok in [('say "hi"', True), ("a|b", True), ("a", False), ("say hi", False)]:
+        matcher = llguidance.LLMatcher(ll, grammar)
+        consumed = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        assert (consumed and matcher.is_accepting()) == ok, text
+
+
+def _rows(ll: llguidance.LLTokenizer, vocab: int) -> GrammarRows:
+    return GrammarRows(lambda: ll, vocab)
+
+
+def _new(req_id: int, prompt: list[int], generated: list[int], constraint: StructuredOutputs | None) -> NewRequest:
+    return NewRequest(req_id, prompt + generated, len(prompt), [0], 0,
+                      SamplingParams(structured_outputs=constraint), 0)
+
+
+def test_recomputed_sequence_gets_the_same_mask_as_one_that_never_left(ll: llguidance.LLTokenizer,
+                                                                       tokenizer: Tokenizer) -> None:
+    constraint = StructuredOutputs(json={"type": "object", "properties": {"name": {"type": "string"}},
+                                         "required": ["name"]})
+    text_ids = tokenizer.encode('{"name": "Bo', add_special_tokens=False)
+    vocab = tokenizer.vocab_size
+    running = _rows(ll, vocab)
+    running.apply(StepPlan(0, [], [], new_requests=[_new(7, [1, 2], [], constraint),
+                                                    _new(8, [1, 2], [], None)]))
+    for token_id in text_ids:
+        mask = running.bitmask([8, 7])
+        assert mask is not None and mask[0].tolist() == [1]  # only row 1 (request 7) is constrained
+        assert _allowed(mask[1][0], token_id)
+        running.accept([8, 7], [5, token_id])
+    # preempted and recomputed: a new NewRequest carries the tokens generated so far
+    recomputed = _rows(ll, vocab)
+    recomputed.apply(StepPlan(0, [], [], new_requests=[_new(7, [1, 2], text_ids, constraint)]))
+    first, second = running.bitmask([7]), recomputed.bitmask([7])
+    assert first is not None and second is not None and torch.equal(first[1], second[1])
+    # finished or preempted: dropped
+    running.apply(StepPlan(1, [], [], finished_req_ids=[7]))
+    assert running.bitmask([7, 8]) is None
+
+
+def _allowed(words: torch.Tensor, token_id: int) -> bool:
+    return bool((int(words[token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def test_finished_grammar_allows_only_eos(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+    rows = _rows(ll, tokenizer.vocab_size)
+    rows.apply(StepPlan(0, [], [], new_requests=[_new(1, [3], [], StructuredOutputs(choice=["yes"]))]))
+    rows.accept([1], tokenizer.encode("yes", add_special_tokens=False))
+    mask = rows.bitmask([1])
+    assert mask is not None
+    allowed = [t for t in range(tokenizer.vocab_size) if _allowed(mask[1][0], t)]
+    assert allowed == [tokenizer.eos_token_id]
+
+
+def test_reasoning_models_are_constrained_after_think(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+    params = SamplingParams(structured_outputs=StructuredOutputs(choice=["yes"]))
+    assert constrain_after_reasoning(params, "<think>\n\n</think>\n\n").structured_outputs.reasoning_end == ""
+    params = constrain_after_reasoning(params, "<|im_start|>assistant\n")
+    rows = _rows(ll, tokenizer.vocab_size)
+    rows.apply(StepPlan(0, [], [], new_requests=[NewRequest(1, [3], 1, [0], 0, params, 0)]))
+    for token_id in tokenizer.encode("<think>I may say no</thi", add_special_tokens=False):
+        assert rows.bitmask([1]) is None  # free while it reasons
+        rows.accept([1], [token_id])
+    for token_id in tokenizer.encode("nk>", add_special_tokens=False):
+        rows.accept([1], [token_id])
+    mask = rows.bitmask([1])
+    assert mask is not None and not _allowed(mask[1][0], tokenizer.encode("no", add_special_tokens=False)[0])
+
+
+def test_structured_outputs_validation() -> None:
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputs(json={"type": "object"}, regex="a").validate()
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputs().validate()
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputs(regex="a")).validate()
+    assert info.value.param == "ignore_eos"
+
+
+# --------------------------------------------------------------------------------------------
+# the whole server
+
+pytestmark_slow = pytest.mark.slow
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                      "location": {"type": "object", "properties": {
+                                          "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                                          "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+                                          "required": ["lat", "lon"], "additionalProperties": False}},
+     "required": ["city", "location"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "mood": {"type": "string", "enum": ["happy", "sad"]}},
+     "required": ["color", "mood"], "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 10},
+                                      "passed": {"type": "boolean"}, "note": {"type": "string", "maxLength": 20}},
+     "required": ["score", "passed"], "additionalProperties": False},
+]
+TOPICS = ["a cat", "Paris", "a bicycle", "the moon", "a teacher", "a river", "coffee", "a violin", "winter",
+          "a robot", "the ocean", "a library", "football", "a volcano", "chess", "a garden", "a train", "music",
+          "a desert", "a computer"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[Server]:
+    # A small KV cache (256 blocks of 16 tokens) so that 50 concurrent requests preempt one another.
+    with running_server(smollm2_dir, "--num-kv-blocks", "256", "--max-num-seqs", "64") as running:
+        yield running
+
+
+def _chat(client: openai.OpenAI, content: str, **kwargs: object) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": content}],
+                                          **kwargs)  # type: ignore[call-overload]
+
+
+@pytest.mark.slow
+def test_json_schema_answers_validate_for_20_prompts_and_5_schemas(server: Server) -> None:
+    client = server.client(timeout=300)
+    jobs = [(schema, topic) for schema in SCHEMAS for topic in TOPICS]
+
+    def one(job: tuple[dict[str, object], str]) -> tuple[dict[str, object], str, str | None]:
+        schema, topic = job
+        response = _chat(client, f"Describe {topic} as JSON.", max_tokens=80, temperature=0.7, seed=1,
+                         response_format={"type": "json_schema",
+                                          "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+        choice = response.choices[0]
+        return schema, choice.message.content or "", choice.finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        results = list(pool.map(one, jobs))
+    for schema, text, finish_reason in results:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.slow
+def test_json_object_guided_choice_and_regex(server: Server) -> None:
+    client = server.client(timeout=120)
+    text = _chat(client, "Give me a JSON object about dogs.", max_tokens=80,
+                 response_format={"type": "json_object"}).choices[0].message.content
+    assert isinstance(json.loads(text or ""), dict)
+    choices = ["positive", "negative", "neutral"]
+    for n_choice in _chat(client, "I love this!", n=3, max_tokens=10, temperature=1.0,
+                          extra_body={"guided_choice": choices}).choices:
+        assert n_choice.message.content in choices and n_choice.finish_reason == "stop"
+    completion = client.completions.create(model=SERVED, prompt="My phone number is", max_tokens=20,
+                                           extra_body={"structured_outputs": {"regex": r"\d{3}-\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{3}-\d{4}", completion.choices[0].text)
+    grammar = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]+/'
+    text = client.completions.create(model=SERVED, prompt="2+2?", max_tokens=20,
+                                     extra_body={"guided_grammar": grammar}).choices[0].text
+    assert re.fullmatch(r"The answer is [0-9]+\.", text)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=30)
+    age: int = pydantic.Field(ge=0, le=120)
+    hobbies: list[str] = pydantic.Field(max_length=3)
+
+
+@pytest.mark.slow
+def test_openai_parse_with_a_pydantic_model(server: Server) -> None:
+    client = server.client(timeout=120)
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    response = parse(model=SERVED, messages=[{"role": "user", "content": "Invent a person."}],
+                     response_format=Person, max_tokens=150)
+    person = response.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+])
+def test_grammar_errors_are_400(server: Server, extra: dict[str, object], param: str) -> None:
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **extra}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+@pytest.mark.slow
+def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> None:
+    client = server.client(timeout=300)
+    schema = SCHEMAS[0]
+    before = server.metrics()["pagoda_num_preemptions_total"]
+
+    def constrained(i: int) -> str:
+        response = _chat(client, f"Describe person {i} as JSON.", max_tokens=80, temperature=0.8, seed=i,
+                         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        return response.choices[0].message.content or ""
+
+    def free(i: int) -> str:
+        return _chat(client, f"Tell me a long story about {TOPICS[i]}.", max_tokens=200, temperature=0.8,
+                     seed=i).choices[0].message.content or ""
+
+    def aborted(i: int) -> int:
+        with client.chat.completions.create(model=SERVED, stream=True, max_tokens=200,
+                                            messages=[{"role": "user", "content": f"Count to {i}"}],
+                                            extra_body={"guided_regex": "[0-9, ]+"}) as stream:
+            for seen, _ in enumerate(stream):
+                if seen >= 3:
+                    return seen
+        return -1
+
+    with concurrent.futures.ThreadPoolExecutor(44) as pool:
+        kept = [pool.submit(constrained, i) for i in range(20)]
+        loose = [pool.submit(free, i) for i in range(20)]
+        cut = [pool.submit(aborted, i) for i in range(4)]
+        texts = [f.result() for f in kept]
+        stories = [f.result() for f in loose]
+        assert all(f.result() == 3 for f in cut)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert any(not story.lstrip().startswith("{") for story in stories)  # free rows stayed free
+    assert server.metrics()["pagoda_num_preemptions_total"] > before
+    wait_until(lambda: server.metrics().get("pagoda_num_requests_running", 0) == 0, 30, "aborted streams to end")
+
+
+def test_host_and_device_unpacking_agree() -> None:
+    from pagoda.services.worker.grammar import blocked_tokens, blocked_tokens_host
+    _, _, bitmask = _random_case(5, 5, 1000, 9)
+    assert torch.equal(blocked_tokens(bitmask, 1000), blocked_tokens_host(bitmask, 1000))

@@ -1,0 +1,241 @@
+"""Tool calling and reasoning: parsers on plain strings, streamed deltas against whole answers, and the server
+through the openai client (tool_choice required / named, a tool round trip, streamed tool calls)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from test_server import SERVED, Server, running_server
+
+from pagoda.services.api.chat_output import ChatOutputSpec, ChoiceStream, whole_message
+from pagoda.services.tokenizer.reasoning import ReasoningStream, split_reasoning
+from pagoda.services.tokenizer.tools import (
+    default_tool_parser,
+    hermes_messages,
+    parse_required,
+    parse_tool_calls,
+    required_schema,
+)
+
+# --------------------------------------------------------------------------------------------
+# parsers
+
+
+def test_hermes_parser() -> None:
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    content, calls = parse_tool_calls("hermes", text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("get_time", {})]
+    assert parse_tool_calls("hermes", "no tools here") == ("no tools here", [])
+    assert parse_tool_calls("hermes", "<tool_call>{broken") == ("<tool_call>{broken", [])
+    _, unclosed = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}}')
+    assert [c.name for c in unclosed] == ["f"]
+
+
+def test_llama3_json_parser() -> None:
+    content, calls = parse_tool_calls("llama3_json", '{"name": "f", "parameters": {"a": 1}}; '
+                                                     '{"name": "g", "parameters": {"b": "x"}}')
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}),
+                                                                                    ("g", {"b": "x"})]
+    _, tagged = parse_tool_calls("llama3_json", '<|python_tag|>{"name": "f", "arguments": "{\\"a\\": 2}"}')
+    assert json.loads(tagged[0].arguments) == {"a": 2}
+    assert parse_tool_calls("llama3_json", "The answer is 4.") == ("The answer is 4.", [])
+    assert parse_tool_calls("llama3_json", '{"not": "a call"}')[1] == []
+
+
+def test_mistral_parser() -> None:
+    content, calls = parse_tool_calls("mistral", 'ok [TOOL_CALLS] [{"name": "f", "arguments": {"q": "z"}}]')
+    assert content == "ok" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"q": "z"}
+    _, newer = parse_tool_calls("mistral", '[TOOL_CALLS]f[ARGS]{"q": 1}[TOOL_CALLS]g[ARGS]{}')
+    assert [(c.name, json.loads(c.arguments)) for c in newer] == [("f", {"q": 1}), ("g", {})]
+
+
+def test_required_output_and_schema() -> None:
+    tools = [_tool("f", {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}),
+             _tool("g", {})]
+    schema = required_schema(tools, parallel=False)
+    jsonschema.validate([{"name": "f", "parameters": {"x": 1}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "parameters": {"x": "1"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "g", "parameters": {}}, {"name": "g", "parameters": {}}], schema)
+    calls = parse_required('[{"name": "f", "parameters": {"x": 3}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 3})]
+
+
+def test_default_parser_by_family() -> None:
+    assert default_tool_parser(["Meta-Llama-3.1-8B-Instruct"]) == "llama3_json"
+    assert default_tool_parser(["Mistral-7B-Instruct-v0.3"]) == "mistral"
+    assert default_tool_parser(["Qwen3-0.6B"]) == "hermes"
+    assert default_tool_parser(["smollm2-135m-instruct"]) == "hermes"
+
+
+def test_hermes_prompt_for_templates_without_tools() -> None:
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"c": "P"}'}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    out = hermes_messages(messages, [_tool("w", {})])
+    assert out[0]["role"] == "system" and '"name": "w"' in out[0]["content"] and "<tool_call>" in out[0]["content"]
+    assert "<tool_call>" in out[2]["content"] and '"c": "P"' in out[2]["content"]
+    assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_reasoning_split_whole_and_streamed(parser: str) -> None:
+    text = ("<think>" if parser == "qwen3" else "") + "Hmm, 2+2.\nIt is 4.</think>\n\nThe answer is 4."
+    reasoning, content = split_reasoning(parser, text)
+    assert reasoning == "Hmm, 2+2.\nIt is 4." and content == "The answer is 4."
+    for size in (1, 2, 3, 7):
+        stream = ReasoningStream(parser)
+        parts = [stream.push(text[i:i + size]) for i in range(0, len(text), size)] + [stream.close()]
+        assert "".join(r for r, _ in parts) == reasoning
+        assert "".join(c for _, c in parts) == content
+    assert split_reasoning("qwen3", "Plain answer.") == (None, "Plain answer.")
+
+
+def _reassemble(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """A client's view: content and reasoning concatenated, tool calls merged by index."""
+    content, reasoning, calls = "", "", {}
+    for delta in deltas:
+        content += delta.get("content") or ""
+        reasoning += delta.get("reasoning_content") or ""
+        for call in delta.get("tool_calls", []):
+            entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            if "id" in call:
+                assert call["id"].startswith("call_") and call["type"] == "function"
+                entry["name"] = call["function"]["name"]
+            entry["arguments"] += call["function"].get("arguments", "")
+    return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)]}
+
+
+@pytest.mark.parametrize(("spec", "text"), [
+    (ChatOutputSpec("auto", "hermes"), 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>'),
+    (ChatOutputSpec("auto", "hermes"), "Just text, a < b."),
+    (ChatOutputSpec("auto", "llama3_json"), '{"name": "f", "parameters": {"a": 1}}'),
+    (ChatOutputSpec("auto", "mistral"), '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]'),
+    (ChatOutputSpec("required"), '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'),
+    (ChatOutputSpec("named", tool_name="f"), '{"a": 1, "b": "x"}'),
+    (ChatOutputSpec("auto", "hermes", reasoning_parser="qwen3"),
+     '<think>I should call f.</think>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'),
+])
+def test_streamed_deltas_reassemble_into_the_whole_message(spec: ChatOutputSpec, text: str) -> None:
+    message, calls_tools = whole_message(spec, text)
+    for size in (1, 4, 1000):
+        stream = ChoiceStream(spec)
+        deltas = [d for i in range(0, len(text), size) for d in stream.push(text[i:i + size])]
+        more, streamed_calls = stream.finish()
+        got = _reassemble(deltas + more)
+        assert streamed_calls == calls_tools
+        assert got["content"].strip() == (message["content"] or "").strip()
+        assert got["reasoning"] == (message.get("reasoning_content") or "")
+        whole_calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                       for c in message.get("tool_calls", [])]
+        assert got["calls"] == whole_calls
+
+
+def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": f"the {name} tool",
+                                             "parameters": parameters}}
+
+
+# --------------------------------------------------------------------------------------------
+# the whole server
+
+WEATHER = _tool("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False})
+TIME = _tool("get_time", {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                          "required": ["timezone"], "additionalProperties": False})
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[Server]:
+    with running_server(smollm2_dir) as running:
+        yield running
+
+
+def _check_calls(calls: list[Any], allowed: dict[str, dict[str, Any]]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id
+        schema = allowed[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.slow
+def test_tool_choice_required_and_named_give_valid_calls(server: Server) -> None:
+    client = server.client(timeout=120)
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    required = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER, TIME],
+                                              tool_choice="required", max_tokens=120)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _check_calls(choice.message.tool_calls or [], tools)
+    named = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = named.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_time"]
+    _check_calls(calls, tools)
+
+
+@pytest.mark.slow
+def test_round_trip_with_a_tool_message(server: Server) -> None:
+    client = server.client(timeout=120)
+    first = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=120)
+    call = (first.choices[0].message.tool_calls or [])[0]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                          "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+    answer = client.chat.completions.create(model=SERVED, messages=messages, tools=[WEATHER], max_tokens=40,
+                                            temperature=0.0)
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    assert answer.usage is not None and answer.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_reassemble_into_the_answer(server: Server, tool_choice: Any) -> None:
+    client = server.client(timeout=120)
+    kwargs = {"model": SERVED, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice,
+              "max_tokens": 120, "temperature": 0.0}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    with client.chat.completions.create(stream=True, **kwargs) as stream:
+        for chunk in stream:
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                    if call.function and call.function.name:
+                        entry["name"] = call.function.name
+                    entry["arguments"] += (call.function.arguments or "") if call.function else ""
+                finish = choice.finish_reason or finish
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [calls[i] for i in sorted(calls)] == [{"name": c.function.name, "arguments": c.function.arguments}
+                                                 for c in whole.message.tool_calls or []]
+
+
+@pytest.mark.slow
+def test_tool_requests_that_are_refused(server: Server) -> None:
+    import httpx
+    for extra, param in [({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                          "tool_choice"),
+                         ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+                         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice")]:
+        body = {"model": SERVED, "messages": ASK, "max_tokens": 5, **extra}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
