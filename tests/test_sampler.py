@@ -448,6 +448,22 @@ def test_threshold_masks_match_sorted_rule(seed: int) -> None:
         assert (logits[b] >= threshold[b]).tolist() == expected, f"row {b}"
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_top_k_candidate_thresholds_match_reference(seed: int) -> None:
+    """The CPU path without a full sort (every top-p row has top-k) keeps exactly the reference's tokens."""
+    from pagoda.services.worker.sampler import truncation_thresholds
+
+    num_rows, vocab_size = 40, 300
+    logits = tied_logits(num_rows, vocab_size, seed)  # [B, V]
+    settings = random_settings(num_rows, vocab_size, seed)
+    settings["top_k"] = settings["top_k"] % 40 + 1  # every row has top-k, some with ties beyond the k-th
+    settings["top_k"][0] = 1
+    meta = make_metadata(num_rows, **settings, top_p_without_top_k=False)
+    got = truncation_thresholds(logits, meta, use_triton=False)  # [B]
+    want = reference.truncation_thresholds(logits, **settings)  # [B]
+    assert torch.equal(logits >= got[:, None], logits >= want[:, None])
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. distributions with penalties, bias and truncation together
 

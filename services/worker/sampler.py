@@ -149,6 +149,8 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
     if top_k is None and m.top_p is None and m.min_p is None:
         return None
     if not use_triton:
+        if top_k is not None and not (m.top_p is not None and m.top_p_without_top_k):
+            return _top_k_thresholds(logits, m, top_k, max_top_k)  # [B]: no full sort
         return reference.truncation_thresholds(logits, m.temperature, top_k, m.top_p, m.min_p)  # [B]
     from pagoda.kernels import sampling
 
@@ -167,6 +169,32 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
         row_max = candidates[:, 0] if candidates is not None else logits.amax(dim=-1)  # [B]
         threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p))  # [B]
     return threshold
+
+
+def _top_k_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_k: torch.Tensor,
+                      max_top_k: int) -> torch.Tensor:
+    """CPU thresholds when every top-p row also has top-k: the batch's largest k instead of a full sort.
+    Top-p runs over those candidates with the mass of the whole kept set {logit >= k-th} (ties beyond the
+    candidates included), so the result is reference.truncation_thresholds'."""
+    m = metadata
+    temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).unsqueeze(1)  # [B, 1]
+    candidates = logits.topk(max_top_k, dim=-1).values  # [B, K] descending
+    has_k = top_k > 0  # [B]
+    kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1))  # [B, 1]
+    threshold = torch.where(has_k.unsqueeze(1), kth, float("-inf"))  # [B, 1]
+    row_max = candidates[:, :1]  # [B, 1]
+    if m.top_p is not None:
+        weights = ((logits - row_max) / temperature).exp_().masked_fill_(logits < threshold, 0.0)  # [B, V]
+        total = weights.sum(dim=1, keepdim=True)  # [B, 1]
+        kept = candidates.masked_fill(candidates < threshold, float("-inf"))  # [B, K]
+        cum = ((kept - row_max) / temperature).exp().cumsum(dim=1)  # [B, K]
+        reached = cum >= m.top_p.unsqueeze(1) * total  # [B, K]
+        index = reached.int().argmax(dim=1, keepdim=True)  # [B, 1] first True (0 when none)
+        pth = torch.where(reached.any(dim=1, keepdim=True), kept.gather(1, index), threshold)  # [B, 1]
+        threshold = torch.where(m.top_p.unsqueeze(1) < 1.0, torch.maximum(threshold, pth), threshold)
+    if m.min_p is not None:
+        threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p).unsqueeze(1))
+    return threshold.squeeze(1)  # [B]
 
 
 def _triton_gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
