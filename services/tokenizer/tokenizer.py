@@ -13,7 +13,7 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagoda.services.worker.model_config import SHAPES
+from pagoda.shared.shapes import SHAPES
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 
