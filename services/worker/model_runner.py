@@ -20,16 +20,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
-
 import numpy as np
 import torch
 
 from pagoda.services.worker.batch_state import BatchState
-from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
+from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
-from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagoda.services.worker.sampler import Sampler, SamplingMetadata
 from pagoda.services.worker.weights import load_model
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
@@ -93,7 +92,7 @@ class StepTimer:
         the device waiting for the host. Call after the device is synchronized."""
         busy = span = 0.0
         count = 0
-        for (prev_decode, _, prev_end), (decode, start, end) in zip(self.steps, self.steps[1:]):
+        for (prev_decode, _, prev_end), (decode, start, end) in zip(self.steps, self.steps[1:], strict=False):
             if prev_decode and decode:
                 busy += start.elapsed_time(end)
                 span += prev_end.elapsed_time(end)
@@ -245,7 +244,6 @@ class ModelRunner:
             return True
 
     def _launch(self, sent: StepPlan) -> bool:
-        self.staging.flip()  # step N-1's copies may still read the other set of pinned buffers
         plan = self._without_lost(sent)
         self.state.apply(plan)
         for new in plan.new_requests:
@@ -254,6 +252,7 @@ class ModelRunner:
             if sent.req_ids:  # every request it ran belonged to a failed step: an empty result, in order
                 self._launched.append(LaunchedStep(sent, synced=True))
             return bool(sent.req_ids)
+        self.staging.flip()  # the previous step's copies may still read the other set of pinned buffers
         host = self._prepare(plan)
         if self._reads_generated_tokens(host):
             self._sync_all()  # penalties read generated tokens on the host: they must be there
