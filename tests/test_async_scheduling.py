@@ -202,3 +202,109 @@ def test_async_equals_serial_on_cuda_with_graphs(shape: str) -> None:
     assert [[c[:4] for c in completions] for _, completions in runs[True]] == \
         [[c[:4] for c in completions] for _, completions in runs[False]]
     assert rounded(runs[True]) == rounded(runs[False])
+
+
+class _Outbox:
+    """Stands in for a socket: keeps what the service sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, payload: Any, copy: bool = True) -> None:
+        self.sent.append(payload)
+
+    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
+        self.sent.append(frames)
+
+
+def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_steps_requests(
+        tmp_path: Path) -> None:
+    """SchedulerService with a worker that runs plans as they come: two plans go out before a result, results
+    complete them in order, a failed step fails its own requests and the next result still applies."""
+    from test_scheduler import FakeWorker, default_token
+
+    from pagoda.services.scheduler.service import Peer, SchedulerService
+    from pagoda.shared.config import ServerConfig
+    from pagoda.shared.messages import (
+        AddRequest,
+        RequestFailed,
+        SchedulerToTokenizer,
+        SchedulerToWorker,
+        StepPlan,
+        StepResult,
+        TokenDeltas,
+        WorkerReady,
+    )
+    from pagoda.shared.transport import Codec
+
+    service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path)))
+    real_sockets = service.plans, service.front
+    plans_out, front_out = _Outbox(), _Outbox()
+    service.plans, service.front = plans_out, front_out  # type: ignore[assignment]
+    try:
+        service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256,
+                                             vocab_size=VOCAB, eos_token_ids=[2], max_num_batched_tokens=256,
+                                             max_inflight_plans=2))
+        identity = b"tok0"
+        peer = service.tokenizers[identity] = Peer(0.0)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        to_worker, to_tokenizer = Codec(SchedulerToWorker), Codec(SchedulerToTokenizer)
+        worker = FakeWorker(16)
+
+        def sent_plans() -> list[StepPlan]:
+            plans = [to_worker.decode(payload) for payload in plans_out.sent]
+            plans_out.sent.clear()
+            return [plan for plan in plans if isinstance(plan, StepPlan)]
+
+        def to_tokenizers() -> list[Any]:
+            messages = [to_tokenizer.decode(frames[1]) for frames in front_out.sent]
+            front_out.sent.clear()
+            return messages
+
+        service._on_add(identity, peer, AddRequest("doomed", list(range(5, 14)), params))
+        service._maybe_step()
+        first = sent_plans()
+        assert len(first) == 2 and first[1].step_id == first[0].step_id + 1, "plan N+1 goes out while N runs"
+        results = []
+        for plan in first:
+            worker.apply(plan)
+            results.append(worker.execute(plan))
+        for name, length in (("a", 5), ("b", 30)):
+            service._on_add(identity, peer, AddRequest(name, list(range(5, 5 + length)), params))
+        service._maybe_step()
+        assert sent_plans() == [], "no third plan before a result"
+        service._on_result(StepResult(step_id=first[0].step_id, req_ids=[], sampled_token_ids=[],
+                                      error="RuntimeError: boom"))
+        failed = [m.request_id for m in to_tokenizers() if isinstance(m, RequestFailed)]
+        assert failed == ["doomed"] and "doomed" not in service.scheduler.requests
+        service._on_result(results[1])  # the second plan's result completes the second plan
+        assert service.pipeline is not None and not service.pipeline.inflight
+        assert not [m for m in to_tokenizers() if isinstance(m, TokenDeltas) and m.deltas], "doomed's token dropped"
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        reasons: dict[str, int] = {}
+        for _ in range(100):
+            if not service.scheduler.has_unfinished():
+                break
+            service._maybe_step()
+            plans = sent_plans()
+            assert len(plans) <= 2
+            for plan in plans:
+                worker.apply(plan)
+            for plan in plans:
+                if plan.req_ids:
+                    service._on_result(worker.execute(plan))
+            for message in to_tokenizers():
+                assert isinstance(message, TokenDeltas)
+                for delta in message.deltas:
+                    tokens[delta.request_id] += delta.token_ids
+                    if delta.finish_reason >= 0:
+                        reasons[delta.request_id] = delta.finish_reason
+        seq_ids = {name: 1 + i for i, name in enumerate(("a", "b"))}
+        for name in ("a", "b"):
+            assert tokens[name] == [default_token(seq_ids[name], i) for i in range(6)]
+        assert set(reasons) == {"a", "b"}
+        service.scheduler.blocks.check_integrity(tables=[])
+        assert service.scheduler.blocks.num_free_blocks == service.scheduler.blocks.num_blocks
+    finally:
+        service.plans, service.front = real_sockets
+        service._close()
