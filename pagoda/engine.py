@@ -1,7 +1,8 @@
 """The in-process engine: scheduler, model runner and detokenization in one loop (the offline API's core).
 
-The server runs the same pieces in separate processes; here a plan goes straight from
-Scheduler.schedule() to ModelRunner.execute() and the result back to Scheduler.update().
+The server runs the same pieces in separate processes; here the step loop (services/scheduler/pipeline.py)
+runs schedule -> ModelRunner.launch -> ModelRunner.finish -> update in this process, with step N+1 launched
+before step N finishes when async scheduling is on.
 """
 
 from __future__ import annotations
@@ -12,27 +13,18 @@ import time
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
+from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.tokenizer.structured import GrammarChecker
 from pagoda.services.tokenizer.text_stream import TextStream
-from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
-from pagoda.services.worker.model_config import ModelArch
+from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
 from pagoda.shared.messages import FinishReason, PromptScores, SamplingParams, StepResult, StructuredOutputs
+from pagoda.shared.shapes import eos_token_ids
 
 log = logging.getLogger(__name__)
-
-
-def eos_token_ids(config: EngineConfig, arch: ModelArch, tokenizer: Tokenizer | None = None) -> set[int]:
-    """End-of-sequence ids: the model config's, generation_config's, and the tokenizer's own."""
-    ids = set(arch.eos_token_ids)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(config)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 class LLMEngine:
@@ -44,12 +36,15 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config)
         arch = self.runner.arch
-        eos_ids = eos_token_ids(config, arch, self.tokenizer)
+        eos_ids = eos_token_ids(arch, self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+        device = self.runner.device.type
         self.scheduler = Scheduler(
             num_blocks=self.runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.runner.device.type),
+            max_num_batched_tokens=config.resolved_max_num_batched_tokens(device),
             max_model_len=self.runner.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos_ids,
-            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
+            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+            max_inflight_plans=config.resolved_max_inflight_plans(device))
+        self.pipeline = PlanPipeline(self.scheduler)
         self._outputs: dict[str, RequestOutput] = {}
         self._streams: dict[int, TextStream] = {}  # seq id -> its text
         self._ids = itertools.count()
@@ -120,17 +115,31 @@ class LLMEngine:
     # ---------------------------------------------------------------- one step
 
     def step(self) -> list[StreamDelta]:
-        """Schedule, run and apply one step; return what each advanced completion gained."""
-        plan = self.scheduler.schedule()
-        if not plan.req_ids and self.scheduler.has_unfinished() and not self.scheduler.running:
-            raise RuntimeError("the scheduler found nothing it can run; the KV cache is too small")
-        result = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, result)
+        """Run the step loop one turn (schedule -> launch -> finish -> update); return what each advanced
+        completion gained. With async scheduling the next step is already running when this returns."""
+        try:
+            done = run_step(self.pipeline, self.runner.launch, self.runner.finish)
+        except BaseException:
+            self._drop_inflight()
+            raise
+        if done is None:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("the scheduler found nothing it can run; the KV cache is too small")
+            return []
+        result, updates = done
+        if result.error:
+            self._drop_inflight()
+            raise RuntimeError(f"the model step failed: {result.error}")
         for update in updates:
             if update.prompt_scores is not None:
                 self._add_prompt_scores(self._outputs[update.seq.request.req_id], update.prompt_scores)
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
+
+    def _drop_inflight(self) -> None:
+        """After a failure: no launched step's result will be applied; their sequences end (aborted)."""
+        self.runner.discard_launched()
+        self.pipeline.cancel()
 
     @staticmethod
     def _add_prompt_scores(output: RequestOutput, scores: PromptScores) -> None:

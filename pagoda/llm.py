@@ -7,10 +7,10 @@ from typing import Any
 
 from pagoda.engine import LLMEngine, is_model_reference
 from pagoda.outputs import RequestOutput, StreamDelta
-from pagoda.services.worker.model_config import SHAPES
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import SamplingParams
+from pagoda.shared.shapes import SHAPES
 
 Prompt = str | list[int]
 Message = dict[str, Any]

@@ -48,6 +48,7 @@ class EngineConfig:
     quantization: str | None = None  # fp8: quantize linear weights at load; FP8 checkpoints are detected anyway
     kv_cache_dtype: str = "auto"  # fp8: e4m3 KV cache (per-layer K and V scales), twice the blocks per byte
     kv_scale_calibration: bool = False  # fp8 KV without checkpoint scales: set them from the first prefill's amax
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for CUDA, off for CPU
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -81,12 +82,11 @@ class EngineConfig:
             kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"])
         return cls(**kwargs)
 
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch  # only the worker side asks; the api process never calls this
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    def resolved_max_inflight_plans(self, device: str) -> int:
+        """2 with async scheduling (step N+1 planned and launched while step N runs), 1 for the serial loop.
+        `device` is the worker's resolved device (services/worker/device.py; this module never imports torch)."""
+        enabled = self.async_scheduling if self.async_scheduling is not None else device.startswith("cuda")
+        return 2 if enabled else 1
 
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":
@@ -227,7 +227,8 @@ def bind_address(endpoint: str) -> str:
 # flags and environment variables, derived from the dataclass fields
 
 _PARSERS: dict[str, Any] = {"kv_cache_memory": parse_bytes}
-_FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching"}  # True by default: a --no- flag
+# True (or auto) by default: a --no- flag
+_FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "async_scheduling": "no-async-scheduling"}
 _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
@@ -241,6 +242,8 @@ _HELP: dict[str, str] = {
                       "else 1.0 (see --kv-scale-calibration)",
     "kv_scale_calibration": "fp8 KV: set each layer's K/V scales from the first prefill (2 x amax / 448), "
                             "overriding checkpoint scales",
+    "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
+                        "(default: overlap planning with the GPU on CUDA)",
 }
 
 

@@ -244,6 +244,7 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="ready", frozen=True):
     vocab_size: int
     eos_token_ids: list[int]
     max_num_batched_tokens: int  # the token budget per step resolved for the worker's device
+    max_inflight_plans: int = 1  # 2: async scheduling (the worker resolved it for its device), 1: serial
 
 
 class Heartbeat(msgspec.Struct, array_like=True, tag="hb", frozen=True):

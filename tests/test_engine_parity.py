@@ -77,13 +77,13 @@ def _record_plans(llm: LLM) -> list[StepPlan]:
     """Spy on the plans the engine sends its runner."""
     plans: list[StepPlan] = []
     runner = llm.engine.runner
-    execute = runner.execute
+    launch = runner.launch
 
     def recording(plan: StepPlan):  # noqa: ANN202
         plans.append(plan)
-        return execute(plan)
+        return launch(plan)
 
-    runner.execute = recording  # type: ignore[method-assign]
+    runner.launch = recording  # type: ignore[method-assign]
     return plans
 
 

@@ -198,8 +198,8 @@ def test_streaming_deltas_concatenate_to_the_text(llm: LLM) -> None:
 def test_priority_runs_first_when_only_one_fits(smollm2_dir: Path) -> None:
     llm = LLM(str(smollm2_dir), max_num_seqs=1)
     plans = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]  # type: ignore[method-assign]
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda plan: (plans.append(plan), launch(plan))[1]  # type: ignore[method-assign]
     llm.generate(["low", "high"], SamplingParams(temperature=0.0, max_tokens=2), priority=[5, 0])
     order = [new.req_id for plan in plans for new in plan.new_requests]
     assert order == [1, 0], "the priority-0 request (seq 1) must be admitted first"

@@ -9,6 +9,7 @@ scheduler's own sequences, so a diff that forgot something fails here. Its sampl
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqStatus, SeqUpdate
+from pagoda.services.scheduler.scheduler import PLACEHOLDER, Request, Scheduler, SeqStatus, SeqUpdate
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
 from pagoda.shared.messages import FinishReason, SamplingParams, StepPlan, StepResult
 
@@ -722,3 +723,176 @@ def test_finish_sequence_from_outside() -> None:
     assert_all_free(sched)
     plan, _ = step(sched, worker)
     assert plan.finished_req_ids == [seq.seq_id]
+
+
+# ---------------------------------------------------------------- h. overlap: two plans in flight
+
+
+def check_async_mirror(sched: Scheduler, worker: FakeWorker) -> None:
+    """The worker has executed every plan sent; the scheduler may not know the newest tokens yet."""
+    for seq in sched.running:
+        mirror = worker.state[seq.seq_id]
+        known = seq.num_known_tokens
+        assert mirror.token_ids[:known] == seq.token_ids[:known]
+        assert seq.token_ids[known:] == [PLACEHOLDER] * seq.num_pending
+        assert len(mirror.token_ids) == seq.num_tokens, "one placeholder per token the worker sampled ahead"
+        assert mirror.num_computed == seq.num_computed_tokens
+        assert mirror.block_ids == seq.table.block_ids
+
+
+def run_overlapped(sched: Scheduler, worker: FakeWorker, arrivals: list[tuple[int, Request]],
+                   aborts: dict[str, int] | None = None, max_turns: int = 20_000) -> None:
+    """schedule N+1 before update N, as the async engine does; integrity after every plan and every update."""
+    inflight: deque[tuple[StepPlan, StepResult]] = deque()
+    aborts = dict(aborts or {})
+    turn = 0
+    while arrivals or sched.has_unfinished() or inflight:
+        turn += 1
+        assert turn < max_turns, "the scheduler stopped making progress"
+        while arrivals and arrivals[0][0] <= turn:
+            sched.add_request(arrivals.pop(0)[1])
+        for req_id in [r for r, at in aborts.items() if at == turn]:
+            sched.abort_request(req_id)  # lands while up to two plans are in flight
+            sched.blocks.check_integrity(live_tables(sched))
+        while sched.has_unfinished() and len(inflight) < sched.max_inflight_plans:
+            plan = sched.schedule()
+            assert sum(plan.num_scheduled_tokens) <= sched.max_num_batched_tokens
+            assert len(set(plan.req_ids)) == len(plan.req_ids) <= sched.max_num_seqs
+            worker.apply(plan)
+            assert set(worker.state) == {seq.seq_id for seq in sched.running}
+            for new in plan.new_requests:
+                assert PLACEHOLDER not in new.token_ids, "a provisional token went to the worker"
+            sched.blocks.check_integrity(live_tables(sched))
+            if not plan.req_ids:
+                break
+            inflight.append((plan, worker.execute(plan)))
+            check_async_mirror(sched, worker)
+        if inflight:
+            plan, result = inflight.popleft()
+            sched.update(plan, result)
+            sched.blocks.check_integrity(live_tables(sched))
+            assert all(seq.num_pending <= len(inflight) for seq in sched.running)
+
+
+def expected_tokens(seq_id: int, max_tokens: int, token_fn: TokenFn, stop_ids: set[int]) -> tuple[list[int], bool]:
+    """What a sequence generates when nothing interrupts it, and whether a stop token ended it."""
+    tokens: list[int] = []
+    for index in range(max_tokens):
+        tokens.append(token_fn(seq_id, index))
+        if tokens[-1] in stop_ids:
+            return tokens, True
+    return tokens, False
+
+
+def stopping_token(seq_id: int, output_index: int) -> int:
+    """EOS (1) or the stop id 7 now and then, so sequences stop at different points."""
+    value = (seq_id * 13 + output_index * 5) % 23
+    return EOS if value == 0 else 7 if value == 1 else 10 + value
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_overlapped_scheduling_gives_serial_outputs_and_keeps_blocks_whole(seed: int) -> None:
+    """Two plans in flight: stops (EOS, stop ids, length) discard the extra token, preemption, n > 1 forks,
+    aborts mid-flight; every output equals what the sequence generates uninterrupted, blocks always add up."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16])
+    sched = make_scheduler(num_blocks=rng.choice([12, 20, 40]) * 16 // block_size, block_size=block_size,
+                           max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([8, 64, 256]),
+                           max_model_len=256, seed=seed, max_inflight_plans=2,
+                           enable_prefix_caching=rng.random() < 0.7)
+    worker = FakeWorker(block_size, stopping_token)
+    arrivals: list[tuple[int, Request]] = []
+    aborts: dict[str, int] = {}
+    for index in range(16):
+        num_prompt = rng.randint(1, 120)
+        prompt = [rng.randrange(2, VOCAB_SIZE) for _ in range(num_prompt)]
+        request = make_request(f"r{index}", prompt, rng.randint(0, 30) if rng.random() < 0.9 else 0,
+                               n=rng.choice([1, 1, 2, 3]), stop_token_ids=[7], priority=rng.randint(0, 2),
+                               arrival_time=float(index))
+        if request.sampling.max_tokens == 0:
+            request.sampling = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=1)
+        at = rng.randint(0, 30)
+        arrivals.append((at, request))
+        if rng.random() < 0.2:
+            aborts[request.req_id] = at + rng.randint(0, 12)
+    arrivals.sort(key=lambda item: item[0])
+    requests = [request for _, request in arrivals]
+    run_overlapped(sched, worker, arrivals, aborts)
+
+    for request in requests:
+        for seq in request.sequences:
+            assert seq.is_finished and seq.num_pending == 0
+            want, stopped = expected_tokens(seq.seq_id, request.sampling.max_tokens or 0, stopping_token, {EOS, 7})
+            got = seq.token_ids[seq.num_prompt_tokens:]
+            if seq.finish_reason == FinishReason.ABORT:
+                assert request.req_id in aborts and got == want[:len(got)]
+            else:
+                assert got == want
+                assert seq.finish_reason == (FinishReason.STOP if stopped else FinishReason.LENGTH)
+    assert_all_free(sched)
+
+
+def test_overlap_discards_the_extra_token_of_a_stopped_sequence() -> None:
+    sched = make_scheduler(max_inflight_plans=2)
+    worker = FakeWorker(16, lambda seq_id, index: EOS if index == 1 else 20 + index)
+    request = make_request("r", 20, max_tokens=10)
+    sched.add_request(request)
+    seq = request.sequences[0]
+    plans = []
+    for _ in range(3):  # prefill (samples output 0), decode (output 1 = EOS), decode (output 2: past the end)
+        plan = sched.schedule()
+        worker.apply(plan)
+        plans.append((plan, worker.execute(plan)))
+        if len(plans) == 2:
+            assert seq.token_ids[-2:] == [PLACEHOLDER, PLACEHOLDER] and seq.num_pending == 2
+            assert seq.num_output_tokens == 0
+            sched.update(*plans[0])
+            assert seq.token_ids[-2:] == [20, PLACEHOLDER] and seq.num_output_tokens == 1
+    updates = sched.update(*plans[1])
+    assert [(u.token_id, u.finish_reason) for u in updates] == [(EOS, FinishReason.STOP)]
+    assert seq.token_ids[seq.num_prompt_tokens:] == [20, EOS] and seq.num_pending == 0
+    assert_all_free(sched)
+    assert sched.update(*plans[2]) == []  # the third step's token for it is dropped, nothing freed twice
+    assert_all_free(sched)
+
+
+def test_overlap_does_not_plan_past_max_tokens() -> None:
+    sched = make_scheduler(max_inflight_plans=2)
+    worker = FakeWorker(16)
+    request = make_request("r", 5, max_tokens=1)
+    sched.add_request(request)
+    first = sched.schedule()
+    worker.apply(first)
+    result = worker.execute(first)
+    second = sched.schedule()  # its one token is in flight: nothing more to compute
+    assert second.req_ids == []
+    updates = sched.update(first, result)
+    assert [u.finish_reason for u in updates] == [FinishReason.LENGTH]
+    assert_all_free(sched)
+
+
+def test_preempted_with_a_token_in_flight_is_resent_only_with_real_tokens() -> None:
+    """One block each: the second sequence's decode needs the first one's block while its token is in flight."""
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=12,
+                           enable_prefix_caching=False, max_inflight_plans=2)
+    worker = FakeWorker(4)
+    low = make_request("low", [2, 3, 4], max_tokens=4, priority=1, arrival_time=1.0)
+    high = make_request("high", [5, 6, 7], max_tokens=6, priority=0, arrival_time=0.0)
+    sched.add_request(high)
+    sched.add_request(low)
+    run_overlapped(sched, worker, [])
+    assert low.sequences[0].num_preemptions > 0, "the pool is meant to force a preemption"
+    assert worker.num_resent_with_output > 0
+    for request in (low, high):
+        seq = request.sequences[0]
+        assert seq.token_ids[seq.num_prompt_tokens:] == [default_token(seq.seq_id, i)
+                                                         for i in range(request.sampling.max_tokens)]
+    assert_all_free(sched)
+
+
+def test_serial_scheduler_refuses_a_second_plan_in_flight() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("r", 5))
+    sched.schedule()
+    with pytest.raises(AssertionError):
+        sched.schedule()

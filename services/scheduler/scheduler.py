@@ -11,6 +11,21 @@ are released and it waits again; its prefix-cache hits make the recompute cheap.
        '----preempt-------'
 
 No torch, no zmq: `schedule()` returns the StepPlan message, `update()` takes the StepResult.
+
+Overlap (asynchronous scheduling): up to `max_inflight_plans` plans may be scheduled before the oldest one's
+result comes back; results come back in plan order. A sequence that samples in a plan gets one provisional
+token (PLACEHOLDER) at the end of token_ids, counted in its length so its next decode can be planned and its
+blocks grown; the oldest placeholder becomes the real token when its plan's result arrives. A sequence's
+provisional tokens, from oldest to newest step in flight:
+
+    [prompt ... known outputs][P(step N)][P(step N+1)]      num_pending = 0..max_inflight_plans
+
+    result N: P(step N) -> real token   --stops (EOS, stop id, length)--> finished: P(step N+1) dropped,
+                                                                           its result row ignored
+    abort / stop string / preemption: finished drops every P; a preempted sequence keeps its P (the token
+    is real and comes back) and is not admitted again until num_pending == 0 (a NewRequest carries only
+    real tokens). A sequence whose length with placeholders reaches max_len is not scheduled: its pending
+    token ends it. With max_inflight_plans = 1 (serial) a placeholder lives only inside one step.
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -27,6 +43,7 @@ from pagoda.shared.errors import ContextLengthError, InvalidRequestError
 from pagoda.shared.messages import FinishReason, NewRequest, PromptScores, SamplingParams, StepPlan, StepResult
 
 SEED_MODULUS = 1 << 63
+PLACEHOLDER = -1  # a provisional token: sampled by a step in flight, not known yet
 
 
 class SeqStatus(IntEnum):
@@ -68,14 +85,21 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     next_prompt_score: int = 1  # prompt_logprobs: prompt tokens [1, this) have been scored and passed on
     rank: tuple[int, float, int] = (0, 0.0, 0)  # (priority, arrival, seq_id): smaller runs first
+    num_pending: int = 0  # provisional tokens (PLACEHOLDER) at the end of token_ids: sampled by steps in flight
 
     @property
     def num_tokens(self) -> int:
+        """Tokens including provisional ones (what scheduling counts)."""
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens whose value is known."""
+        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -99,6 +123,16 @@ class SeqUpdate:
 
 
 @dataclass(slots=True)
+class InflightStep:
+    """A plan whose result has not come back: what update() needs to apply it."""
+
+    step_id: int
+    seqs: list[Sequence]  # scheduled, in batch order
+    num_computed: list[int]  # each one's computed tokens after this step (what the prefix cache may hash)
+    sampler_ids: set[int]  # seq ids that sample in this step (each got one placeholder)
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_preemptions: int = 0
     prefix_query_tokens: int = 0
@@ -111,8 +145,8 @@ class Scheduler:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = (),
-                 enable_prefix_caching: bool = True, seed: int = 0) -> None:
-        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1
+                 enable_prefix_caching: bool = True, seed: int = 0, max_inflight_plans: int = 1) -> None:
+        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1 and max_inflight_plans >= 1
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -128,7 +162,8 @@ class Scheduler:
         self._next_seq_id = 0
         self._step_id = 0
         self._forgotten: list[int] = []  # seq ids the worker should drop at the next plan
-        self._scheduled: list[Sequence] = []
+        self.max_inflight_plans = max_inflight_plans  # 1: serial; 2: overlap (plan N+1 while N runs)
+        self._inflight: deque[InflightStep] = deque()  # plans scheduled, results not applied, oldest first
         self._forked_waiting: list[Sequence] = []  # siblings that may wait holding forked blocks
         self._rng = random.Random(seed)
 
@@ -214,11 +249,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_inflight(self) -> int:
+        """Plans with requests scheduled whose results update() has not applied yet."""
+        return len(self._inflight)
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> StepPlan:
         """Pick this step's work and describe it to the worker as a diff."""
-        assert not self._scheduled, "update() must consume the previous plan first"
+        assert len(self._inflight) < self.max_inflight_plans, "update() must consume an earlier plan first"
         budget = self.max_num_batched_tokens
         num_tokens: dict[int, int] = {}  # seq_id -> tokens this step, in batch order
         new_requests: list[NewRequest] = []
@@ -226,8 +266,10 @@ class Scheduler:
         appended_block_ids: list[int] = []
         preemptions_before = self.stats.num_preemptions
 
-        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
-        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        # a sequence at max_len with a provisional token is done once that token arrives: nothing to compute
+        runnable = [seq for seq in self.running if seq.num_tokens < seq.max_len or not seq.num_pending]
+        decoding = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens == 1]
+        prefilling = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -248,13 +290,26 @@ class Scheduler:
 
         self._step_id += 1
         self.stats.num_steps += 1
-        self._scheduled = [self._seqs[seq_id] for seq_id in num_tokens]
-        for seq in self._scheduled:
-            seq.num_computed_tokens += num_tokens[seq.seq_id]
+        if num_tokens:
+            self._inflight.append(self._launch(num_tokens))
         forgotten, self._forgotten = self._forgotten, []
         return StepPlan(step_id=self._step_id, req_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
                         new_requests=new_requests, appended_block_req_ids=appended_req_ids,
                         appended_block_ids=appended_block_ids, finished_req_ids=forgotten)
+
+    def _launch(self, num_tokens: dict[int, int]) -> InflightStep:
+        """Count the step's tokens as computed; each sequence that reaches its end samples: one placeholder."""
+        seqs = [self._seqs[seq_id] for seq_id in num_tokens]
+        samplers: set[int] = set()
+        for seq in seqs:
+            seq.num_computed_tokens += num_tokens[seq.seq_id]
+            assert seq.num_computed_tokens <= seq.num_tokens
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
+                assert seq.num_pending <= self.max_inflight_plans
+                samplers.add(seq.seq_id)
+        return InflightStep(self._step_id, seqs, [seq.num_computed_tokens for seq in seqs], samplers)
 
     def _fit_running(self, seq: Sequence, count: int, scheduled: dict[int, int]) -> int:
         """Shrink `count` to the blocks available, preempting lower-ranked unscheduled sequences if needed."""
@@ -290,6 +345,8 @@ class Scheduler:
             if seq.status == SeqStatus.FINISHED:  # aborted while waiting
                 heapq.heappop(self.waiting)
                 continue
+            if seq.num_pending:  # preempted with a token in flight: the worker gets real tokens only
+                break
             count = self._admit_one(seq, budget)
             if count == 0:
                 if not self.running and self._release_waiting_blocks(seq):
@@ -351,32 +408,62 @@ class Scheduler:
         return count
 
     def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
-        """Append sampled tokens, finish sequences that stop, cache newly full blocks."""
+        """Apply the oldest plan in flight: real tokens replace its placeholders, sequences that stop finish
+        (dropping any later placeholder), newly full blocks are cached."""
         assert result.step_id == plan.step_id, "result for another step"
-        scheduled, self._scheduled = self._scheduled, []
-        for seq in scheduled:
-            if not seq.is_finished:
-                self.blocks.commit(seq.table, seq.token_ids, seq.num_computed_tokens)
+        if not plan.req_ids:
+            return []  # nothing ran: no record was kept, no result will carry tokens
+        step = self._inflight.popleft()
+        assert step.step_id == plan.step_id, f"result of step {plan.step_id} before step {step.step_id}'s"
+        for seq, num_computed in zip(step.seqs, step.num_computed, strict=True):
+            if seq.status == SeqStatus.RUNNING:  # not finished, not preempted since
+                assert num_computed <= seq.num_known_tokens, "hashing a provisional token"
+                self.blocks.commit(seq.table, seq.token_ids, num_computed)
         scores = self._new_prompt_scores(result)
         updates: list[SeqUpdate] = []
+        resolved: set[int] = set()
         for row, (seq_id, token_id) in enumerate(zip(result.req_ids, result.sampled_token_ids, strict=True)):
             seq = self._seqs.get(seq_id)
-            if seq is None or seq.is_finished:
-                continue  # aborted while the step ran
+            if seq is None or seq.is_finished or seq_id not in step.sampler_ids or seq_id in resolved:
+                continue  # aborted or stopped while the step ran (its provisional token is dropped)
+            resolved.add(seq_id)
             prompt_scores = scores.pop(seq_id, None)
             if seq.request.sampling.max_tokens == 0:  # the prompt was all it wanted (scored): no token
                 self._finish(seq, FinishReason.LENGTH)
                 updates.append(SeqUpdate(seq, -1, -1, FinishReason.LENGTH, prompt_scores))
                 continue
-            seq.token_ids.append(token_id)
-            if seq.index == 0 and seq.num_output_tokens == 1 and seq.request.sampling.n > 1:
+            index = self._resolve(seq, token_id)
+            if seq.index == 0 and index == seq.num_prompt_tokens and seq.request.sampling.n > 1:
                 self._fork_siblings(seq)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
             updates.append(SeqUpdate(seq, token_id, row, reason, prompt_scores))
-        updates += [SeqUpdate(self._seqs[seq_id], -1, -1, None, s) for seq_id, s in scores.items()]
+        for seq_id in step.sampler_ids - resolved:  # the worker gave no token (it dropped the request)
+            seq = self._seqs.get(seq_id)
+            if seq is not None and not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+                updates.append(SeqUpdate(seq, -1, -1, FinishReason.ABORT, scores.pop(seq_id, None)))
+        updates += [SeqUpdate(self._seqs[seq_id], -1, -1, None, s) for seq_id, s in scores.items()
+                    if seq_id in self._seqs]
         return updates
+
+    @staticmethod
+    def _resolve(seq: Sequence, token_id: int) -> int:
+        """The oldest placeholder becomes `token_id`; returns its index in token_ids."""
+        assert seq.num_pending > 0 and token_id >= 0
+        index = len(seq.token_ids) - seq.num_pending
+        assert seq.token_ids[index] == PLACEHOLDER
+        seq.token_ids[index] = token_id
+        seq.num_pending -= 1
+        return index
+
+    def cancel_inflight(self) -> None:
+        """Forget every plan in flight (their results will never come): their sequences are aborted."""
+        while self._inflight:
+            for seq in self._inflight.popleft().seqs:
+                if not seq.is_finished:
+                    self._finish(seq, FinishReason.ABORT)
 
     def _new_prompt_scores(self, result: StepResult) -> dict[int, PromptScores]:
         """The step's prompt scores that clients have not had yet (a recomputed prompt is scored again)."""
@@ -402,7 +489,7 @@ class Scheduler:
             return FinishReason.STOP
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_tokens >= seq.max_len:
+        if seq.num_known_tokens >= seq.max_len:
             return FinishReason.LENGTH
         return None
 
@@ -413,8 +500,9 @@ class Scheduler:
         for sibling in first.request.sequences[1:]:
             if sibling.is_finished:
                 continue
-            sibling.table = self.blocks.fork(first.table, sibling.num_prompt_tokens - 1)
-            sibling.num_computed_tokens = len(sibling.table.block_ids) * self.block_size
+            if first.status == SeqStatus.RUNNING:  # preempted while its first token was in flight: no blocks
+                sibling.table = self.blocks.fork(first.table, sibling.num_prompt_tokens - 1)
+                sibling.num_computed_tokens = len(sibling.table.block_ids) * self.block_size
             self._push_waiting(sibling)
             self._forked_waiting.append(sibling)
 
@@ -434,6 +522,9 @@ class Scheduler:
         self._push_waiting(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.num_pending:  # tokens of steps in flight past the end: never emitted, never counted
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
             self._forgotten.append(seq.seq_id)

@@ -3,7 +3,9 @@
     tokenizers --AddRequest/AbortRequest/StopSequence--> [ROUTER]            [PUB] --StepPlan--> workers
     tokenizers <--ModelInfo/TokenDeltas/RequestFailed--- [ROUTER] scheduler [PULL] <--StepResult-- rank 0
                                                                              [PUB] --SchedulerStats--> apis
-This file only moves messages; the policy is Scheduler (pure Python).
+This file only moves messages; the policy is Scheduler (pure Python). Up to max_inflight_plans plans (2 with
+async scheduling) are out at the worker at once; PlanPipeline keeps them in order and matches each result
+to the oldest.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
+from pagoda.services.scheduler.pipeline import PlanPipeline
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import PagodaError
@@ -81,8 +84,8 @@ class SchedulerService:
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
-        self.inflight: StepPlan | None = None
-        self.inflight_since = 0.0
+        self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
+        self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
         self.worker_last_seen = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -103,8 +106,7 @@ class SchedulerService:
         poller.register(self.results, zmq.POLLIN)
         log.info("scheduler up; waiting for %d worker rank(s)", self.engine_config.tensor_parallel_size)
         while self.running:
-            busy = (self.inflight is None and not self.stalled and self.scheduler is not None
-                    and self.scheduler.has_unfinished())
+            busy = not self.stalled and self.pipeline is not None and self.pipeline.wants_plan()
             timeout_ms = 0 if busy else int(self.config.heartbeat_interval * 1000 / 2)
             events = dict(poller.poll(timeout_ms))
             if events:
@@ -126,18 +128,19 @@ class SchedulerService:
             handle(frames)
 
     def _maybe_step(self) -> None:
-        scheduler = self.scheduler
-        if self.inflight is not None or scheduler is None or not scheduler.has_unfinished():
-            return
-        plan = scheduler.schedule()
-        if not plan.req_ids and not plan.finished_req_ids:
-            self.stalled = True  # nothing runnable until a message changes something
-            return
-        self.plans.send(self.to_workers.encode(plan), copy=False)
-        if plan.req_ids:
-            self.inflight, self.inflight_since = plan, time.monotonic()
-        else:  # only forgotten ids to pass on: no result will come
-            scheduler.update(plan, StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[]))
+        """Send plans while the pipeline has room: with async scheduling, step N+1's plan goes out while
+        step N runs."""
+        pipeline = self.pipeline
+        while pipeline is not None and not self.stalled and pipeline.wants_plan():
+            plan = pipeline.schedule()
+            if not plan.req_ids and not plan.finished_req_ids:
+                self.stalled = True  # nothing runnable until a message (or a result) changes something
+                return
+            self.plans.send(self.to_workers.encode(plan), copy=False)
+            if not plan.req_ids:  # only forgotten ids to pass on: no result will come
+                return
+            if len(pipeline.inflight) == 1:
+                self.inflight_since = time.monotonic()
 
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -291,7 +294,9 @@ class SchedulerService:
             num_blocks=ready.num_kv_blocks, block_size=ready.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=ready.max_num_batched_tokens,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, eos_token_ids=ready.eos_token_ids,
-            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
+            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+            max_inflight_plans=ready.max_inflight_plans)
+        self.pipeline = PlanPipeline(self.scheduler)
         self.model_info = ModelInfo(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                                     max_num_tokens=ready.num_kv_blocks * ready.block_size,
                                     eos_token_ids=ready.eos_token_ids)
@@ -300,22 +305,25 @@ class SchedulerService:
             self._send_tokenizer(identity, self.model_info)
 
     def _on_result(self, result: StepResult) -> None:
-        plan, scheduler = self.inflight, self.scheduler
-        if plan is None or scheduler is None or result.step_id != plan.step_id:
-            log.warning("dropped a result for step %d (in flight: %s)", result.step_id,
+        """Results come in plan order: each one completes the oldest plan in flight."""
+        pipeline = self.pipeline
+        plan = pipeline.oldest() if pipeline is not None else None
+        if pipeline is None or plan is None or result.step_id != plan.step_id:
+            log.warning("dropped a result for step %d (oldest in flight: %s)", result.step_id,
                         plan.step_id if plan else None)
             return
-        self.inflight = None
-        self.watch.record(time.monotonic() - self.inflight_since)
+        now = time.monotonic()
+        self.watch.record(now - self.inflight_since)
+        self.inflight_since = now  # the next plan in flight starts its clock
         if not result.error and not _columns_agree(result):
             log.error("step %d: the worker's result has columns of different lengths; failing the step",
                       result.step_id)
             result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
                                 error="malformed result (columns of different lengths)")
         if result.error:
-            self._fail_plan(plan, result.error)
+            self._fail_plan(plan, result.error)  # its requests end with an error; later plans skip them
             result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
-        updates = scheduler.update(plan, result)
+        _, updates = pipeline.complete(result)
         self.generation_tokens_total += sum(1 for update in updates if update.has_token)
         self._send_deltas(updates, result)
 
@@ -366,8 +374,9 @@ class SchedulerService:
         (HUNG_EXIT_CODE) so that the launcher stops the server; compose restarts per its policy."""
         if self.problem:
             return
-        self.problem = self.watch.verdict(now, self.inflight_since if self.inflight is not None else None,
-                                          self.inflight.step_id if self.inflight is not None else -1,
+        oldest = self.pipeline.oldest() if self.pipeline is not None else None
+        self.problem = self.watch.verdict(now, self.inflight_since if oldest is not None else None,
+                                          oldest.step_id if oldest is not None else -1,
                                           self.worker_last_seen, self.scheduler is not None)
         if not self.problem:
             return
@@ -382,7 +391,7 @@ class SchedulerService:
     def _worker_alive(self, now: float) -> bool:
         if self.problem:
             return False
-        if self.inflight is not None:
+        if self.pipeline is not None and self.pipeline.inflight:
             return now - self.inflight_since < self.watch.bound()
         return now - self.worker_last_seen < self.config.heartbeat_timeout
 

@@ -13,9 +13,9 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagoda.services.worker.model_config import SHAPES
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
+from pagoda.shared.shapes import SHAPES
 
 log = logging.getLogger(__name__)
 

@@ -24,20 +24,32 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class PinnedStaging:
-    """One reusable pinned buffer per named input; each step ends with a sync (the sampled ids), so a buffer
-    is never rewritten while its previous copy is in flight."""
+    """Reusable pinned buffers per named input (host -> device) and output (device -> host), in two sets.
+
+    Copies from and into pinned memory are asynchronous: a buffer may be rewritten only once the copy that
+    read it has run. With up to two steps in flight, step N uses set N % 2; when step N+2 reuses the set, the
+    host has already waited on step N's event (finish), which follows all of step N's copies.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._set = 0
+
+    def flip(self) -> None:
+        """A new step: use the other set of buffers."""
+        self._set ^= 1
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (name, self._set)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = torch.empty(max(numel, 1024), dtype=dtype).pin_memory()
+            self._buffers[key] = buffer
+        return buffer[:numel]
 
     def pinned(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        numel = tensor.numel()
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(max(numel, 1024), dtype=tensor.dtype).pin_memory()
-            self._buffers[name] = buffer
-        staged = buffer[:numel].view(tensor.shape)
+        staged = self._buffer(name, tensor.numel(), tensor.dtype).view(tensor.shape)
         staged.copy_(tensor)
         return staged
 
@@ -46,6 +58,14 @@ class PinnedStaging:
 
     def copy_into(self, dest: torch.Tensor, array: np.ndarray, name: str) -> None:
         dest.copy_(self.pinned(torch.from_numpy(np.ascontiguousarray(array)), name), non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Start copying a device tensor into pinned memory; read it after the step's event. On CPU: itself."""
+        if tensor.device.type == "cpu":
+            return tensor
+        host = self._buffer("out_" + name, tensor.numel(), tensor.dtype).view(tensor.shape)
+        host.copy_(tensor, non_blocking=True)
+        return host
 
 
 class DecodeGraphs:
@@ -95,13 +115,14 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def replay(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+    def replay(self, input_ids: torch.Tensor, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
                block_tables: np.ndarray) -> torch.Tensor:
-        """Logits [B, V] of a decode batch of B sequences (one token each)."""
-        batch = len(input_ids)
+        """Logits [B, V] of a decode batch of B sequences (one token each); input_ids [B] already on the device
+        (gathered there from the last sampled ids: the host may not know them yet)."""
+        batch = len(positions)
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
         copy = self.staging.copy_into
-        copy(self.input_ids[:batch], input_ids, "graph_input_ids")
+        self.input_ids[:batch].copy_(input_ids)
         copy(self.positions[:batch], positions, "graph_positions")
         copy(self.slots[:batch], slots, "graph_slots")
         copy(self.seq_lens[:batch], seq_lens.astype(np.int32), "graph_seq_lens")

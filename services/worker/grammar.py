@@ -78,6 +78,10 @@ class GrammarRows:
     def active(self) -> bool:
         return bool(self._seqs)
 
+    def constrains(self, req_ids: list[int]) -> bool:
+        """Some of these requests has a grammar (their sampling needs bitmasks)."""
+        return bool(self._seqs) and any(req_id in self._seqs for req_id in req_ids)
+
     def reset(self) -> None:
         self._seqs.clear()
 

@@ -1,20 +1,35 @@
-"""Runs one StepPlan: builds the flattened batch from persistent state, runs the model, samples on device."""
+"""Runs StepPlans: builds the flattened batch from persistent state, runs the model, samples on device.
+
+A step is split in two so the host can prepare step N+1 while the device runs step N:
+
+    launch(plan N):  apply the diff, build inputs, enqueue forward + sampling, start a non-blocking copy of
+                     the sampled ids (and logprobs) into pinned memory, record an event
+    finish():        wait on the oldest step's event, write its tokens into host state, build its StepResult
+
+Decode input ids come from the device: `last_token[row]` holds each row's last sampled id, written on the
+device by the sampling of the step that drew it, so step N+1 can be enqueued before the host knows step N's
+tokens. On CPU the same code runs and every launch is complete when it returns. `execute` = both at once.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
+from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
-from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagoda.services.worker.sampler import Sampler, SamplingMetadata
 from pagoda.services.worker.sampling_state import SamplingState
 from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig
@@ -43,6 +58,48 @@ class HostBatch:
     block_tables: np.ndarray  # [B, max_blocks]
     sampled: np.ndarray  # [S] indices into the batch of the sequences that sample
     is_decode: bool  # one token per sequence
+    from_device: np.ndarray  # [K] flat indices whose input token was sampled by a step the host has not finished
+    from_device_rows: np.ndarray  # [K] their state rows (last_token[row] holds the token)
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step enqueued on the device whose sampled ids may still be on their way to the host."""
+
+    plan: StepPlan
+    req_ids: list[int] = field(default_factory=list)  # [S] the requests that sampled, in result order
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] their state rows
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] index of the token
+    token_ids: torch.Tensor | None = None  # [S] int64, host (pinned on CUDA): valid once the event completed
+    logprobs: torch.Tensor | None = None  # [S] fp32, host, when some row asked
+    top_token_ids: torch.Tensor | None = None  # [S, k] int64, host
+    top_logprobs: torch.Tensor | None = None  # [S, k] fp32, host
+    num_logprobs: list[int] = field(default_factory=list)  # [S] top-k each row asked for (-1: none)
+    prompt_scores: list[PromptScores] = field(default_factory=list)
+    event: torch.cuda.Event | None = None  # CUDA: recorded after the copies to the host
+    is_decode: bool = False
+    synced: bool = False  # host state holds this step's tokens
+    error: str = ""  # the step failed: its requests were dropped, its result says why
+
+
+@dataclass(slots=True)
+class StepTimer:
+    """CUDA events around each step's device work, for the decode GPU busy fraction (benchmarks only)."""
+
+    steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # (decode, start, end)
+
+    def decode_busy_fraction(self) -> tuple[float, int]:
+        """Sum of decode steps' device time / the device time between their ends, over runs of consecutive
+        decode steps; and how many steps that covers. Gaps between one step's end and the next one's start are
+        the device waiting for the host. Call after the device is synchronized."""
+        busy = span = 0.0
+        count = 0
+        for (prev_decode, _, prev_end), (decode, start, end) in zip(self.steps, self.steps[1:], strict=False):
+            if prev_decode and decode:
+                busy += start.elapsed_time(end)
+                span += prev_end.elapsed_time(end)
+                count += 1
+        return (busy / span if span > 0 else 0.0), count
 
 
 class ModelRunner:
@@ -50,7 +107,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, ops: Ops | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.resolved_device())
+        self.device = torch.device(resolve_device(config))
         if tp is not None and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         self.dtype: torch.dtype = getattr(torch, config.resolved_dtype(self.device.type))
@@ -76,6 +133,11 @@ class ModelRunner:
         self.staging = PinnedStaging(self.device)
         self.sampling = SamplingState(config.max_num_seqs, self.arch.vocab_size, self.device, self.arch.eos_token_ids,
                                       self._to_device)
+        self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [R]
+        self.pending_step = np.full(config.max_num_seqs, -1, dtype=np.int64)  # [R] step whose last token host lacks
+        self._launched: deque[LaunchedStep] = deque()  # oldest first
+        self._lost: set[int] = set()  # requests of failed steps: later plans in flight may still name them
+        self.step_timer: StepTimer | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
@@ -171,39 +233,200 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """The serial step: launch and finish at once."""
+        if not self.launch(plan):
+            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+        return self.finish()
+
+    @property
+    def num_launched(self) -> int:
+        return len(self._launched)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> bool:
+        """Enqueue the step on the device; True if finish() will return its result (the plan runs requests).
+        A step that cannot run drops its requests and finishes with StepResult.error, in order."""
+        try:
+            return self._launch(plan)
+        except Exception as exc:  # noqa: BLE001 - one failed step must not take the worker down
+            log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
+            self.recover(plan)
+            self._launched.append(LaunchedStep(plan, synced=True, error=f"{type(exc).__name__}: {exc}"))
+            return True
+
+    def _launch(self, sent: StepPlan) -> bool:
+        plan = self._without_lost(sent)
         self.state.apply(plan)
         self.sampling.admit([(self.state.row_of[new.req_id], new) for new in plan.new_requests])
         self.grammars.apply(plan)
+        for new in plan.new_requests:
+            self.pending_step[self.state.row_of[new.req_id]] = -1  # a NewRequest carries real tokens only
         if not plan.req_ids:
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            if sent.req_ids:  # every request it ran belonged to a failed step: an empty result, in order
+                self._launched.append(LaunchedStep(sent, synced=True))
+            return bool(sent.req_ids)
+        self.staging.flip()  # the previous step's copies may still read the other set of pinned buffers
         host = self._prepare(plan)
-        state = self.state
+        timer_start = self._timer_event()
+        step = LaunchedStep(plan, is_decode=host.is_decode)
+        input_ids = self._input_ids(host)  # [T] on the device
         if (self.graphs is not None and host.is_decode and self.graphs.fits(len(host.rows))
                 and not self._scores_prompt(host).any()):
-            logits = self.graphs.replay(host.input_ids, host.positions, host.slots, host.seq_lens,
+            logits = self.graphs.replay(input_ids, host.positions, host.slots, host.seq_lens,
                                         host.block_tables)  # [B, V] fp32: every decode row samples
-            prompt_scores: list[PromptScores] = []
         else:
-            hidden = self._forward_eager(host)
+            hidden = self._forward_eager(host, input_ids)
             logits = self._sampled_logits(host, hidden)
-            prompt_scores = self._prompt_scores(plan, host, hidden)
-        state.num_computed[host.rows] = host.seq_lens
-        if logits is None:
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], prompt_scores=prompt_scores)
+            step.prompt_scores = self._prompt_scores(plan, host, hidden)
+        self.state.num_computed[host.rows] = host.seq_lens
+        if logits is not None:
+            self._sample(step, host, logits)
+        self._record(step, timer_start)
+        self._launched.append(step)
+        return True
+
+    def _sample(self, step: LaunchedStep, host: HostBatch, logits: torch.Tensor) -> None:
+        """Sample on the device, keep the ids there for the next step's inputs, start their copy to the host."""
+        state = self.state
         sampled_rows = host.rows[host.sampled]  # [S]
+        positions = host.seq_lens[host.sampled]  # [S] index in token_ids of each sampled token
+        req_ids = [step.plan.req_ids[i] for i in host.sampled.tolist()]
         metadata = self.sampling.metadata(sampled_rows)
-        req_ids = [plan.req_ids[i] for i in host.sampled.tolist()]
-        self._attach_grammar_masks(metadata, req_ids)
+        assert (self.sampling.num_output[sampled_rows] == positions - state.num_prompt_tokens[sampled_rows]).all(), \
+            "the sampling offsets disagree with the plan's positions"
+        if self.grammars.constrains(req_ids):
+            # Masks follow the previous step's tokens: wait for them here, after this step's forward is enqueued,
+            # so the device computes while the host advances the matchers.
+            self._sync_all()
+            self._attach_grammar_masks(metadata, req_ids)
         output = self.sampler(logits, metadata)
-        self.sampling.record(sampled_rows, output.token_ids, metadata.state_rows)  # on the device
-        token_ids = output.token_ids.tolist()  # the step's one host sync
-        self.grammars.accept(req_ids, token_ids)
-        state.token_ids[sampled_rows, state.num_tokens[sampled_rows]] = token_ids
-        state.num_tokens[sampled_rows] += 1
-        if output.logprobs is None:
-            return StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=token_ids,
-                              prompt_scores=prompt_scores)
-        return self._with_logprobs(plan.step_id, req_ids, token_ids, sampled_rows, output, prompt_scores)
+        self.sampling.record(sampled_rows, output.token_ids, metadata.state_rows)  # counts, on the device
+        self.last_token[self._to_device(sampled_rows, "sampled_rows")] = output.token_ids
+        assert (state.num_tokens[sampled_rows] == positions).all(), "a row samples past a token it lacks"
+        state.num_tokens[sampled_rows] += 1  # the new token's value reaches host state in finish()
+        self.pending_step[sampled_rows] = step.plan.step_id
+        step.req_ids = req_ids
+        step.rows, step.positions = sampled_rows, positions
+        to_host = self.staging.to_host
+        step.token_ids = to_host(output.token_ids, "sampled_ids")
+        if output.logprobs is not None:
+            assert output.top_token_ids is not None and output.top_logprobs is not None
+            step.logprobs = to_host(output.logprobs, "sampled_logprobs")
+            step.top_token_ids = to_host(output.top_token_ids, "top_token_ids")
+            step.top_logprobs = to_host(output.top_logprobs, "top_logprobs")
+            step.num_logprobs = state.num_logprobs[sampled_rows].tolist()
+
+    def _timer_event(self) -> torch.cuda.Event | None:
+        if self.step_timer is None or self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _record(self, step: LaunchedStep, timer_start: torch.cuda.Event | None) -> None:
+        if self.device.type != "cuda":
+            return  # every CPU op has run by now
+        step.event = torch.cuda.Event(enable_timing=timer_start is not None)
+        step.event.record()
+        if self.step_timer is not None and timer_start is not None:
+            self.step_timer.steps.append((step.is_decode, timer_start, step.event))
+
+    def step_done(self) -> bool:
+        """The oldest launched step's device work and copies are complete (finish() will not wait)."""
+        step = self._launched[0]
+        return step.event is None or step.event.query()
+
+    @torch.inference_mode()
+    def finish(self) -> StepResult:
+        """Wait for the oldest launched step; its tokens go into host state and the result."""
+        step = self._launched.popleft()
+        try:
+            self._sync(step)
+            return self._result(step)
+        except Exception as exc:  # noqa: BLE001
+            log.error("step %d failed:\n%s", step.plan.step_id, traceback.format_exc())
+            self.recover(step.plan)
+            return StepResult(step_id=step.plan.step_id, req_ids=[], sampled_token_ids=[],
+                              error=f"{type(exc).__name__}: {exc}")
+
+    def _sync(self, step: LaunchedStep) -> None:
+        """Wait on the step's event and write its sampled ids into the rows that still hold its requests."""
+        if step.synced:
+            return
+        if step.event is not None:
+            step.event.synchronize()
+        step.synced = True
+        if step.token_ids is None:
+            return
+        state = self.state
+        token_ids = step.token_ids.numpy()  # [S]
+        owned = np.fromiter((state.row_of.get(req_id, -1) == row for req_id, row
+                             in zip(step.req_ids, step.rows.tolist(), strict=True)), dtype=bool,
+                            count=len(step.req_ids))  # [S] rows not dropped (or reused) since the launch
+        rows = step.rows[owned]
+        state.token_ids[rows, step.positions[owned]] = token_ids[owned]
+        self.grammars.accept([r for r, keep in zip(step.req_ids, owned.tolist(), strict=True) if keep],
+                             token_ids[owned].tolist())  # matchers advance once per token, in step order
+        mine = rows[self.pending_step[rows] == step.plan.step_id]
+        self.pending_step[mine] = -1
+
+    def _sync_all(self) -> None:
+        for step in self._launched:
+            self._sync(step)
+
+    def _result(self, step: LaunchedStep) -> StepResult:
+        plan = step.plan
+        if step.error:
+            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], error=step.error)
+        if step.token_ids is None:
+            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[],
+                              prompt_scores=step.prompt_scores)
+        token_ids = step.token_ids.tolist()
+        if step.logprobs is None:
+            return StepResult(step_id=plan.step_id, req_ids=step.req_ids, sampled_token_ids=token_ids,
+                              prompt_scores=step.prompt_scores)
+        assert step.top_token_ids is not None and step.top_logprobs is not None
+        wanted = step.num_logprobs
+        top_ids, top_logprobs = step.top_token_ids.tolist(), step.top_logprobs.tolist()
+        return StepResult(
+            step_id=plan.step_id, req_ids=step.req_ids, sampled_token_ids=token_ids,
+            sampled_logprobs=step.logprobs.tolist(),
+            top_token_ids=[ids[:max(k, 0)] for ids, k in zip(top_ids, wanted, strict=True)],
+            top_logprobs=[lps[:max(k, 0)] for lps, k in zip(top_logprobs, wanted, strict=True)],
+            prompt_scores=step.prompt_scores)
+
+    def discard_launched(self) -> None:
+        """Forget every launched step (the caller gave up on their results); wait for the device first."""
+        while self._launched:
+            step = self._launched.popleft()
+            if step.event is not None:
+                step.event.synchronize()
+            self.recover(step.plan)
+
+    def _without_lost(self, plan: StepPlan) -> StepPlan:
+        """Drop requests of a failed step from a plan sent before the scheduler heard of the failure."""
+        if not self._lost:
+            return plan
+        self._lost.difference_update(plan.finished_req_ids)
+        if not self._lost.intersection(plan.req_ids):
+            return plan
+        kept = [(r, n) for r, n in zip(plan.req_ids, plan.num_scheduled_tokens, strict=True) if r not in self._lost]
+        blocks = [(r, b) for r, b in zip(plan.appended_block_req_ids, plan.appended_block_ids, strict=True)
+                  if r not in self._lost]
+        return msgspec.structs.replace(
+            plan, req_ids=[r for r, _ in kept], num_scheduled_tokens=[n for _, n in kept],
+            appended_block_req_ids=[r for r, _ in blocks], appended_block_ids=[b for _, b in blocks])
+
+    def _input_ids(self, host: HostBatch) -> torch.Tensor:
+        """The step's input ids [T] on the device: from the host, except tokens the host does not know yet,
+        which come from last_token (the previous step wrote them there on the device)."""
+        if len(host.from_device) == len(host.input_ids):  # a decode batch right after the step that sampled
+            return self.last_token[self._to_device(host.from_device_rows, "from_device_rows")]  # [T]
+        input_ids = self._to_device(host.input_ids, "input_ids")  # [T]
+        if len(host.from_device):
+            index = self._to_device(host.from_device, "from_device")  # [K]
+            input_ids[index] = self.last_token[self._to_device(host.from_device_rows, "from_device_rows")]
+        return input_ids
 
     def _attach_grammar_masks(self, metadata: SamplingMetadata, req_ids: list[int]) -> None:
         """Structured outputs: the constrained rows' token bitmasks join the sampler's fused pass (the other
@@ -219,7 +442,7 @@ class ModelRunner:
         metadata.token_bitmask = self._to_device(full, "token_bitmask")
         metadata.bitmask_rows = self._to_device(flags, "bitmask_rows")
 
-    def _forward_eager(self, host: HostBatch) -> torch.Tensor:
+    def _forward_eager(self, host: HostBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """The model on a mixed or large batch: final hidden states [T, H] of every token."""
         to = self._to_device
         meta = AttentionMetadata(
@@ -228,8 +451,7 @@ class ModelRunner:
             query_start_loc=to(host.query_start.astype(np.int32), "query_start"),
             seq_lens_host=host.seq_lens.tolist(), query_lens_host=host.counts.tolist(),
             max_query_len=int(host.counts.max()), max_seq_len=int(host.seq_lens.max()))
-        return self.model(to(host.input_ids, "input_ids"), to(host.positions, "positions"), self.kv_caches,
-                          meta)  # [T, H]
+        return self.model(input_ids, to(host.positions, "positions"), self.kv_caches, meta)  # [T, H]
 
     def _sampled_logits(self, host: HostBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [S, V] fp32 at the last token of each sequence that samples; None if none does."""
@@ -275,13 +497,15 @@ class ModelRunner:
         return scores
 
     def recover(self, plan: StepPlan) -> None:
-        """After a failed step: forget the plan's requests (the scheduler aborts them too)."""
+        """After a failed step: forget the plan's requests (the scheduler aborts them too); plans already in
+        flight may still name them, and skip them."""
         state = self.state
         self.grammars.drop([*plan.req_ids, *(new.req_id for new in plan.new_requests)])
         for req_id in [*plan.req_ids, *(new.req_id for new in plan.new_requests)]:
             row = state.row_of.pop(req_id, None)
             if row is not None:
                 state.free_rows.append(row)
+            self._lost.add(req_id)
 
     def _prepare(self, plan: StepPlan) -> HostBatch:
         """The step's flattened inputs as numpy arrays, gathered from the persistent state."""
@@ -299,10 +523,14 @@ class ModelRunner:
         input_ids = state.token_ids[token_rows, positions].astype(np.int64)  # [T]
         slots = state.block_table[token_rows, positions // size].astype(np.int64) * size + positions % size  # [T]
         max_blocks = -(-int(seq_lens.max()) // size)
+        # the last token of a row whose sampling step has not finished is known on the device only
+        from_device = np.flatnonzero((self.pending_step[token_rows] >= 0)
+                                     & (positions == state.num_tokens[token_rows] - 1))  # [K]
         return HostBatch(rows=rows, counts=counts, seq_lens=seq_lens, query_start=query_start, input_ids=input_ids,
                          positions=positions, slots=slots, block_tables=state.block_table[rows, :max_blocks],
                          sampled=np.flatnonzero(seq_lens == state.num_tokens[rows]),
-                         is_decode=num_tokens == len(rows))
+                         is_decode=num_tokens == len(rows), from_device=from_device,
+                         from_device_rows=token_rows[from_device])
 
     def _to_device(self, array: np.ndarray, name: str) -> torch.Tensor:
         """Host array -> device tensor; on CUDA through a reused pinned buffer and an async copy."""
@@ -311,18 +539,6 @@ class ModelRunner:
             return tensor
         return self.staging.to_device(tensor, name)
 
-    def _with_logprobs(self, step_id: int, req_ids: list[int], token_ids: list[int], rows: np.ndarray,
-                       output: SamplerOutput, prompt_scores: list[PromptScores]) -> StepResult:
-        assert output.logprobs is not None and output.top_token_ids is not None and output.top_logprobs is not None
-        wanted = self.state.num_logprobs[rows].tolist()
-        sampled = output.logprobs.tolist()
-        top_ids = output.top_token_ids.tolist()
-        top_logprobs = output.top_logprobs.tolist()
-        return StepResult(
-            step_id=step_id, req_ids=req_ids, sampled_token_ids=token_ids, sampled_logprobs=sampled,
-            top_token_ids=[ids[:max(k, 0)] for ids, k in zip(top_ids, wanted, strict=True)],
-            top_logprobs=[lps[:max(k, 0)] for lps, k in zip(top_logprobs, wanted, strict=True)],
-            prompt_scores=prompt_scores)
 
 
 def _available_ram() -> int:

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.model import TensorParallel
 from pagoda.shared.config import EngineConfig
 
@@ -47,7 +48,7 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> TensorParallel | No
     if size == 1:
         return None
     assert 0 <= rank < size, f"rank {rank} outside tensor_parallel_size {size}"
-    on_cuda = config.resolved_device().startswith("cuda")
+    on_cuda = resolve_device(config).startswith("cuda")
     if on_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     address = config.tp_init_address or DEFAULT_INIT_ADDRESS

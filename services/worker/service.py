@@ -1,6 +1,10 @@
 """The worker process: owns the GPU (or CPU), runs one step per plan it receives, rank 0 replies.
 
     scheduler [PUB] --StepPlan--> [SUB] worker rank r --StepResult (rank 0)--> [PUSH] scheduler [PULL]
+
+Each plan is launched (enqueued on the device) and later finished (its tokens read back), in plan order.
+While the oldest launched step runs on the device the loop watches for the next plan: when it comes first,
+it is launched before the oldest step is finished, so the device never waits for the host's round trip.
 """
 
 from __future__ import annotations
@@ -9,7 +13,6 @@ import logging
 import os
 import signal
 import threading
-import traceback
 
 import zmq
 
@@ -19,7 +22,6 @@ from pagoda.shared.messages import (
     SchedulerToWorker,
     Shutdown,
     StepPlan,
-    StepResult,
     WorkerReady,
     WorkerToScheduler,
 )
@@ -52,11 +54,14 @@ class WorkerService:
         from pagoda.services.worker.parallel import init_tensor_parallel
 
         tp = init_tensor_parallel(engine_config, self.rank)
-        from pagoda.engine import eos_token_ids
+        from pagoda.services.tokenizer.tokenizer import load_tokenizer
         from pagoda.services.worker.model_runner import ModelRunner
+        from pagoda.shared.shapes import eos_token_ids
 
         self.runner = ModelRunner(engine_config, tp)
-        self.eos_token_ids = sorted(eos_token_ids(engine_config, self.runner.arch))
+        tokenizer = load_tokenizer(engine_config)
+        self.eos_token_ids = sorted(eos_token_ids(self.runner.arch, tokenizer.eos_token_id if tokenizer else None))
+        self.max_inflight_plans = engine_config.resolved_max_inflight_plans(self.runner.device.type)
 
     def run(self) -> None:
         self._wait_for_subscription()
@@ -66,12 +71,18 @@ class WorkerService:
         log.info("worker rank %d ready", self.rank)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         while self.running:
-            if not self.plans.poll(interval_ms):
+            if self.runner.num_launched:
+                message = self._message_while_busy()
+                if message is None:  # the device finished first: no plan to launch ahead
+                    self._finish()
+                    continue
+            elif not self.plans.poll(interval_ms):
                 self._send(Heartbeat(sender=f"worker{self.rank}"))
                 continue
-            message = self._recv()
+            else:
+                message = self._recv()
             if isinstance(message, StepPlan):
-                self._execute(message)
+                self._launch(message)
             elif isinstance(message, Heartbeat):
                 self._on_probe(message.sender)
             elif isinstance(message, Shutdown):
@@ -87,6 +98,7 @@ class WorkerService:
             log.warning("worker rank %d: a new scheduler (%s, was %s); starting over", self.rank, sender,
                         self.scheduler_id)
             self.scheduler_id = sender
+            self.runner.discard_launched()
             self.runner.state.reset()
             self.runner.grammars.reset()
         self._send_ready()
@@ -97,7 +109,7 @@ class WorkerService:
                                max_model_len=runner.max_model_len, vocab_size=runner.arch.vocab_size,
                                eos_token_ids=self.eos_token_ids,
                                max_num_batched_tokens=self.engine_config.resolved_max_num_batched_tokens(
-                                   runner.device.type)))
+                                   runner.device.type), max_inflight_plans=self.max_inflight_plans))
 
     def _wait_for_subscription(self) -> None:
         """A PUB drops what it sends before a subscription arrives: wait for the scheduler's probe."""
@@ -113,15 +125,24 @@ class WorkerService:
         frame = single_frame(self.plans.recv_multipart(copy=False))
         return self.from_scheduler.decode(frame) if frame is not None else None
 
-    def _execute(self, plan: StepPlan) -> None:
-        try:
-            result = self.runner.execute(plan)
-        except Exception as exc:  # noqa: BLE001 - the scheduler must hear of every failed step
-            log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
-            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[],
-                                error=f"{type(exc).__name__}: {exc}")
-            self.runner.recover(plan)
-        if self.rank == 0 and plan.req_ids:
+    def _message_while_busy(self) -> SchedulerToWorker | None:
+        """The next message if it arrives before the oldest launched step completes on the device, else None."""
+        while not self.runner.step_done():
+            if self.plans.poll(0):
+                message = self._recv()
+                if message is not None:
+                    return message
+        return None
+
+    def _launch(self, plan: StepPlan) -> None:
+        """Enqueue the plan's step; a failed launch becomes an error result in its turn (runner.launch)."""
+        if self.runner.num_launched >= self.max_inflight_plans:
+            self._finish()  # the scheduler sends no more than this ahead; keep the bound anyway
+        self.runner.launch(plan)
+
+    def _finish(self) -> None:
+        result = self.runner.finish()
+        if self.rank == 0:
             self._send(result)
 
     def _send(self, message: WorkerToScheduler) -> None:

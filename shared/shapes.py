@@ -1,0 +1,215 @@
+"""Model architecture from a Hugging Face config.json, and the named dummy shapes used by tests and benchmarks.
+
+Plain Python (no torch): the worker sizes tensors from it, the tokenizer and the launcher read it too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pagoda.shared.errors import ConfigError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    """The numbers that decide every tensor shape of a Llama-family decoder."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None  # rope_type != default: its parameters
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    sliding_window: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json that transformers reads back into the same architecture (for peers and tests)."""
+        model_type = self.model_type
+        arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        config: dict[str, Any] = {
+            "architectures": [arch_name], "model_type": model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta, "rope_parameters": rope, "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "eos_token_id": list(self.eos_token_ids) or None, "bos_token_id": self.bos_token_id,
+            "torch_dtype": "bfloat16",
+        }
+        if model_type in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = False
+        return config
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Rope theta and scaling, wherever this config keeps them (rope_parameters, rope_theta, rope_scaling)."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    params = {**scaling, **params}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})",
+                          param="rope_scaling")
+    if rope_type == "default":
+        return float(theta), None
+    params["rope_type"] = rope_type
+    params.pop("type", None)
+    return float(theta), params
+
+
+def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
+    model_type = config.get("model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})",
+                          param="model")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {config.get('hidden_act')!r} is not supported (only silu)", param="model")
+    num_heads = config["num_attention_heads"]
+    theta, scaling = _rope_settings(config)
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    return ModelArch(
+        model_type=model_type, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"], num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=config.get("max_position_embeddings", 4096), rope_theta=theta,
+        rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+        qk_norm=model_type == "qwen3", eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"),
+        sliding_window=window,
+    )
+
+
+def load_arch(model_dir: str | Path) -> ModelArch:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"no model at {str(model_dir)!r}: expected a folder with config.json, "
+                                 f"or a dummy shape ({', '.join(SHAPES)}) with load_format='dummy'")
+    config = json.loads(path.read_text())
+    arch = arch_from_hf_config(config)
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.is_file():  # chat models often list their end-of-turn tokens only here
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
+        arch = ModelArch(**{**asdict(arch), "eos_token_ids": merged})
+    return arch
+
+
+SHAPES: dict[str, ModelArch] = {
+    "tiny": ModelArch(model_type="llama", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
+                      max_position_embeddings=2048, rope_theta=10000.0, eos_token_ids=(2,), bos_token_id=1),
+    "tiny-qwen3": ModelArch(model_type="qwen3", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=32, intermediate_size=128, rms_norm_eps=1e-6,
+                            max_position_embeddings=2048, rope_theta=1_000_000.0, qk_norm=True,
+                            eos_token_ids=(2,), bos_token_id=1),
+    "qwen3-0.6b": ModelArch(model_type="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28,
+                            num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
+                            rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                            tie_word_embeddings=True, qk_norm=True, eos_token_ids=(151645,),
+                            bos_token_id=151643),
+    "llama3-8b": ModelArch(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
+                           num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                           rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0,
+                           eos_token_ids=(128001, 128009), bos_token_id=128000),
+}
+
+
+def resolve_arch(model: str, load_format: str, tokenizer: str | None = None) -> ModelArch:
+    """The architecture for a model folder, or for a dummy shape name (fitted to `tokenizer`'s vocabulary when one
+    is given, so that dummy weights can serve real text)."""
+    if load_format == "dummy" and model in SHAPES:
+        return fit_vocab_to_tokenizer(SHAPES[model], tokenizer) if tokenizer else SHAPES[model]
+    if load_format == "dummy" and not Path(model, "config.json").is_file():
+        raise ModelNotFoundError(f"unknown dummy shape {model!r} (known: {', '.join(SHAPES)})")
+    return load_arch(model)
+
+
+def tokenizer_vocab_size(folder: str) -> int:
+    """Token ids a tokenizer folder can produce and decode, added tokens included."""
+    from tokenizers import Tokenizer as FastTokenizer  # the Rust library alone: no transformers import here
+
+    path = Path(folder, "tokenizer.json")
+    if not path.is_file():
+        raise ConfigError(f"no tokenizer.json in {folder}", param="tokenizer")
+    return FastTokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+
+
+def fit_vocab_to_tokenizer(arch: ModelArch, tokenizer: str) -> ModelArch:
+    """A dummy shape whose vocabulary is larger than the tokenizer's shrinks to it (sampled ids must decode);
+    EOS ids outside the new vocabulary are dropped (the tokenizer's own EOS is added where EOS ids are merged)."""
+    vocab_size = tokenizer_vocab_size(tokenizer)
+    if vocab_size >= arch.vocab_size:
+        return arch
+    log.warning("dummy weights: vocabulary %d shrinks to the tokenizer's %d (%s)", arch.vocab_size, vocab_size,
+                tokenizer)
+    eos_ids = tuple(i for i in arch.eos_token_ids if i < vocab_size)
+    bos_id = arch.bos_token_id if arch.bos_token_id is not None and arch.bos_token_id < vocab_size else None
+    return ModelArch(**{**asdict(arch), "vocab_size": vocab_size, "eos_token_ids": eos_ids, "bos_token_id": bos_id})
+
+
+def check_divisible(arch: ModelArch, tp_size: int) -> None:
+    """Tensor parallelism splits heads and MLP columns evenly; say which number does not divide."""
+    for name, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                        ("intermediate_size", arch.intermediate_size)):
+        if value % tp_size:
+            raise ConfigError(f"tensor_parallel_size {tp_size} does not divide {name} = {value}",
+                              param="tensor_parallel_size")
+    assert math.gcd(arch.num_heads, arch.num_kv_heads) == arch.num_kv_heads, "heads must be a multiple of kv heads"
+
+
+def eos_token_ids(arch: ModelArch, tokenizer_eos_token_id: int | None = None) -> set[int]:
+    """End-of-sequence ids: the model config's, generation_config's, and the tokenizer's own."""
+    ids = set(arch.eos_token_ids)
+    if tokenizer_eos_token_id is not None:
+        ids.add(tokenizer_eos_token_id)
+    return ids

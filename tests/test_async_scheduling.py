@@ -1,0 +1,310 @@
+"""Async (overlap) scheduling gives the serial path's outputs: tokens, logprobs, finish reasons, prompt scores.
+
+The same requests run through LLM(async_scheduling=False) and LLM(async_scheduling=True) on CPU with the tiny
+random model (and SmolLM2's tokenizer, for text and stop strings). On CPU every launch completes before it
+returns, but the async engine still launches step N+1 before it finishes step N, so step N+1's decode inputs
+come from the device-side last sampled ids and the scheduler plans with provisional tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.services.scheduler.scheduler import PLACEHOLDER
+from pagoda.shared.config import EngineConfig
+
+VOCAB = 512  # the tiny shape's
+
+
+def make_llm(smollm2_dir: Path, async_scheduling: bool, **kwargs: Any) -> LLM:
+    llm = LLM("tiny", tokenizer=str(smollm2_dir), async_scheduling=async_scheduling, max_model_len=256, seed=0,
+              max_num_seqs=8, **kwargs)
+    assert llm.engine.scheduler.max_inflight_plans == (2 if async_scheduling else 1)
+    return llm
+
+
+def spy_overlap(llm: LLM) -> list[int]:
+    """How many steps were launched and not finished at each launch (1 or more: the launch overlapped)."""
+    seen: list[int] = []
+    runner = llm.engine.runner
+    launch = runner.launch
+
+    def recording(plan: Any) -> bool:
+        seen.append(runner.num_launched)
+        return launch(plan)
+
+    runner.launch = recording  # type: ignore[method-assign]
+    return seen
+
+
+def prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % (VOCAB - 10) + 5 for j in range(length)]
+            for i, length in enumerate([5, 17, 40, 9, 33, 23, 12, 60])]
+
+
+def request_params(stop_text: str, stop_id: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_text]),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20, logprobs=0),
+        SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=16, prompt_logprobs=1),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=18, presence_penalty=0.5, frequency_penalty=0.3,
+                       min_tokens=4),
+        SamplingParams(temperature=0.0, max_tokens=1),
+    ]
+
+
+def summary(outputs: list[Any]) -> list[Any]:
+    return [(out.prompt_logprobs, [(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs, c.cumulative_logprob)
+                                   for c in out.outputs]) for out in outputs]
+
+
+def rounded(value: Any) -> Any:
+    """Logprobs to 1e-4: a step's batch (and so a matmul's reduction order) differs between the two runs once
+    preemption recomputes a prompt, which moves fp32 logprobs by an ulp; tokens and text must match exactly."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(rounded(v) for v in value)
+    return value
+
+
+@pytest.fixture(scope="module")
+def stops(smollm2_dir: Path) -> tuple[str, int]:
+    """A stop string and a stop token that the serial run of the first requests actually meets."""
+    llm = make_llm(smollm2_dir, False)
+    out = llm.generate(prompts()[:2], SamplingParams(temperature=0.0, max_tokens=30))
+    text, token_ids = out[1].outputs[0].text, out[0].outputs[0].token_ids
+    assert len(text) > 12 and len(token_ids) > 8
+    return text[6:9], token_ids[6]
+
+
+@pytest.mark.parametrize("num_kv_blocks", [None, 12])
+def test_async_outputs_equal_serial(smollm2_dir: Path, stops: tuple[str, int], num_kv_blocks: int | None) -> None:
+    params = request_params(*stops)
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(smollm2_dir, async_scheduling, num_kv_blocks=num_kv_blocks)
+        overlap = spy_overlap(llm)
+        runs[async_scheduling] = summary(llm.generate(prompts(), params))
+        scheduler = llm.engine.scheduler
+        scheduler.blocks.check_integrity(tables=[])
+        assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
+        assert (max(overlap) >= 1) == async_scheduling, "async launches step N+1 before finishing step N"
+        if num_kv_blocks is not None:
+            assert scheduler.stats.num_preemptions > 0, "the small cache is meant to force preemption"
+    assert rounded(runs[True]) == rounded(runs[False])
+    assert [[c[:4] for c in completions] for _, completions in runs[True]] == \
+        [[c[:4] for c in completions] for _, completions in runs[False]]  # tokens, text, finish: exact
+    reasons = [c[3] for _, completions in runs[True] for c in completions]
+    assert reasons.count("stop") >= 2 and "length" in reasons  # the stop string and the stop token were met
+    assert runs[True][4][0] is not None and len(runs[True][4][0]) == len(prompts()[4])  # max_tokens=0 scored
+    assert runs[True][4][1][0][1] == []
+
+
+def test_abort_mid_run_leaves_the_others_unchanged(smollm2_dir: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    finals = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(smollm2_dir, async_scheduling)
+        engine = llm.engine
+        ids = [engine.add_request(prompt, params) for prompt in prompts()[:4]]
+        for _ in range(6):
+            engine.step()
+        engine.abort_request(ids[1])
+        scheduler = engine.scheduler
+        assert ids[1] not in scheduler.requests
+        while engine.has_unfinished_requests():
+            engine.step()
+        finals[async_scheduling] = [engine.pop_output(i) for i in ids]
+        scheduler.blocks.check_integrity(tables=[])
+        assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
+    uninterrupted = make_llm(smollm2_dir, True).generate(prompts()[:4], params)
+    for outputs in finals.values():
+        aborted = outputs[1].outputs[0]
+        assert aborted.finish_reason == "abort" and PLACEHOLDER not in aborted.token_ids
+        full = uninterrupted[1].outputs[0].token_ids
+        assert 0 < len(aborted.token_ids) < len(full) and aborted.token_ids == full[:len(aborted.token_ids)]
+        for index in (0, 2, 3):
+            assert outputs[index].outputs[0].token_ids == uninterrupted[index].outputs[0].token_ids
+
+
+def test_stream_stops_at_a_stop_string_with_async(smollm2_dir: Path, stops: tuple[str, int]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop=[stops[0]])
+    texts = []
+    for async_scheduling in (False, True):
+        llm = make_llm(smollm2_dir, async_scheduling)
+        deltas = list(llm.stream(prompts()[1], params))
+        texts.append(("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                      deltas[-1].finish_reason))
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.scheduler.blocks.num_blocks
+    assert texts[0] == texts[1] and texts[0][2] == "stop"
+
+
+def test_async_scheduling_is_auto_by_device() -> None:
+    assert EngineConfig().resolved_max_inflight_plans("cuda") == 2
+    assert EngineConfig().resolved_max_inflight_plans("cpu") == 1
+    assert EngineConfig(async_scheduling=False).resolved_max_inflight_plans("cuda") == 1
+    assert EngineConfig(async_scheduling=True).resolved_max_inflight_plans("cpu") == 2
+
+
+def test_no_async_scheduling_flag() -> None:
+    import argparse
+
+    from pagoda.shared.config import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).async_scheduling is None
+    assert engine_config_from_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
+
+
+def test_shared_modules_stay_light() -> None:
+    """shared/config.py never imports torch; the tokenizer does not import the worker; the worker not the engine."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import pagoda.shared.config, pagoda.shared.shapes; assert 'torch' not in sys.modules; "
+            "import pagoda.services.tokenizer.tokenizer; "  # (transformers may import torch itself)
+            "bad = [m for m in sys.modules if m.startswith('pagoda.services.worker')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    worker = Path(__file__).resolve().parent.parent / "services" / "worker"
+    for path in worker.glob("*.py"):
+        assert "pagoda.engine" not in path.read_text(), path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3"])
+def test_async_equals_serial_on_cuda_with_graphs(shape: str) -> None:
+    """CUDA: CUDA-graph decode with device-gathered input ids, pinned double buffers, events; same outputs."""
+    many = [[(11 * i + 5 * j) % (VOCAB - 10) + 5 for j in range(3 + 7 * i)] for i in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, logprobs=1),
+              SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=33),
+              SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=25, presence_penalty=0.4)] * 8
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(shape, async_scheduling=async_scheduling, max_model_len=512, seed=0, max_num_seqs=32,
+                  num_kv_blocks=64)
+        assert llm.engine.runner.graphs is not None
+        overlap = spy_overlap(llm)
+        runs[async_scheduling] = summary(llm.generate(many, params))
+        assert (max(overlap) >= 1) == async_scheduling
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert [[c[:4] for c in completions] for _, completions in runs[True]] == \
+        [[c[:4] for c in completions] for _, completions in runs[False]]
+    assert rounded(runs[True]) == rounded(runs[False])
+
+
+class _Outbox:
+    """Stands in for a socket: keeps what the service sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, payload: Any, copy: bool = True) -> None:
+        self.sent.append(payload)
+
+    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
+        self.sent.append(frames)
+
+
+def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_steps_requests(
+        tmp_path: Path) -> None:
+    """SchedulerService with a worker that runs plans as they come: two plans go out before a result, results
+    complete them in order, a failed step fails its own requests and the next result still applies."""
+    from test_scheduler import FakeWorker, default_token
+
+    from pagoda.services.scheduler.service import Peer, SchedulerService
+    from pagoda.shared.config import ServerConfig
+    from pagoda.shared.messages import (
+        AddRequest,
+        RequestFailed,
+        SchedulerToTokenizer,
+        SchedulerToWorker,
+        StepPlan,
+        StepResult,
+        TokenDeltas,
+        WorkerReady,
+    )
+    from pagoda.shared.transport import Codec
+
+    service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path)))
+    real_sockets = service.plans, service.front
+    plans_out, front_out = _Outbox(), _Outbox()
+    service.plans, service.front = plans_out, front_out  # type: ignore[assignment]
+    try:
+        service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256,
+                                             vocab_size=VOCAB, eos_token_ids=[2], max_num_batched_tokens=256,
+                                             max_inflight_plans=2))
+        identity = b"tok0"
+        peer = service.tokenizers[identity] = Peer(0.0)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        to_worker, to_tokenizer = Codec(SchedulerToWorker), Codec(SchedulerToTokenizer)
+        worker = FakeWorker(16)
+
+        def sent_plans() -> list[StepPlan]:
+            plans = [to_worker.decode(payload) for payload in plans_out.sent]
+            plans_out.sent.clear()
+            return [plan for plan in plans if isinstance(plan, StepPlan)]
+
+        def to_tokenizers() -> list[Any]:
+            messages = [to_tokenizer.decode(frames[1]) for frames in front_out.sent]
+            front_out.sent.clear()
+            return messages
+
+        service._on_add(identity, peer, AddRequest("doomed", list(range(5, 14)), params))
+        service._maybe_step()
+        first = sent_plans()
+        assert len(first) == 2 and first[1].step_id == first[0].step_id + 1, "plan N+1 goes out while N runs"
+        results = []
+        for plan in first:
+            worker.apply(plan)
+            results.append(worker.execute(plan))
+        for name, length in (("a", 5), ("b", 30)):
+            service._on_add(identity, peer, AddRequest(name, list(range(5, 5 + length)), params))
+        service._maybe_step()
+        assert sent_plans() == [], "no third plan before a result"
+        service._on_result(StepResult(step_id=first[0].step_id, req_ids=[], sampled_token_ids=[],
+                                      error="RuntimeError: boom"))
+        failed = [m.request_id for m in to_tokenizers() if isinstance(m, RequestFailed)]
+        assert failed == ["doomed"] and "doomed" not in service.scheduler.requests
+        service._on_result(results[1])  # the second plan's result completes the second plan
+        assert service.pipeline is not None and not service.pipeline.inflight
+        assert not [m for m in to_tokenizers() if isinstance(m, TokenDeltas) and m.deltas], "doomed's token dropped"
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        reasons: dict[str, int] = {}
+        for _ in range(100):
+            if not service.scheduler.has_unfinished():
+                break
+            service._maybe_step()
+            plans = sent_plans()
+            assert len(plans) <= 2
+            for plan in plans:
+                worker.apply(plan)
+            for plan in plans:
+                if plan.req_ids:
+                    service._on_result(worker.execute(plan))
+            for message in to_tokenizers():
+                assert isinstance(message, TokenDeltas)
+                for delta in message.deltas:
+                    tokens[delta.request_id] += delta.token_ids
+                    if delta.finish_reason >= 0:
+                        reasons[delta.request_id] = delta.finish_reason
+        seq_ids = {name: 1 + i for i, name in enumerate(("a", "b"))}
+        for name in ("a", "b"):
+            assert tokens[name] == [default_token(seq_ids[name], i) for i in range(6)]
+        assert set(reasons) == {"a", "b"}
+        service.scheduler.blocks.check_integrity(tables=[])
+        assert service.scheduler.blocks.num_free_blocks == service.scheduler.blocks.num_blocks
+    finally:
+        service.plans, service.front = real_sockets
+        service._close()
