@@ -308,3 +308,30 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
     finally:
         service.plans, service.front = real_sockets
         service._close()
+
+
+@pytest.mark.parametrize("num_kv_blocks", [None, 12])
+def test_async_structured_outputs_equal_serial(smollm2_dir: Path, num_kv_blocks: int | None) -> None:
+    """Constrained rows next to free ones: with two plans in flight the mask of step N+1 must follow step N's
+    token, so both modes give the same (valid) outputs, also through preemption."""
+    import re
+
+    from pagoda.shared.messages import StructuredOutputs
+
+    pattern = r"[a-c]{3}-[0-9]{2}"
+    params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputs(regex=pattern)),
+              SamplingParams(temperature=0.0, max_tokens=20),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=12,
+                             structured_outputs=StructuredOutputs(choice=["red", "green", "blue"])),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=16)] * 2
+    runs = {}
+    for async_scheduling in (False, True):  # the real model: a grammar needs the tokenizer's whole vocabulary
+        llm = LLM(str(smollm2_dir), async_scheduling=async_scheduling, max_model_len=256, max_num_seqs=8,
+                  num_kv_blocks=num_kv_blocks)
+        runs[async_scheduling] = summary(llm.generate(prompts(), params))
+        llm.engine.scheduler.blocks.check_integrity(tables=[])
+    assert [[c[:4] for c in completions] for _, completions in runs[True]] == \
+        [[c[:4] for c in completions] for _, completions in runs[False]]
+    texts = [completions[0][2] for _, completions in runs[True]]
+    assert all(re.fullmatch(pattern, texts[i]) for i in (0, 4))
+    assert all(texts[i] in ("red", "green", "blue") for i in (2, 6))
