@@ -228,7 +228,7 @@ def _chat(client: openai.OpenAI, content: str, **kwargs: object) -> openai.types
 
 @pytest.mark.slow
 def test_json_schema_answers_validate_for_20_prompts_and_5_schemas(server: Server) -> None:
-    client = server.client(timeout=300)
+    client = server.client(timeout=900)
     jobs = [(schema, topic) for schema in SCHEMAS for topic in TOPICS]
 
     def one(job: tuple[dict[str, object], str]) -> tuple[dict[str, object], str, str | None]:
@@ -248,7 +248,7 @@ def test_json_schema_answers_validate_for_20_prompts_and_5_schemas(server: Serve
 
 @pytest.mark.slow
 def test_json_object_guided_choice_and_regex(server: Server) -> None:
-    client = server.client(timeout=120)
+    client = server.client(timeout=600)
     text = _chat(client, "Give me a JSON object about dogs.", max_tokens=80,
                  response_format={"type": "json_object"}).choices[0].message.content
     assert isinstance(json.loads(text or ""), dict)
@@ -273,7 +273,7 @@ class Person(pydantic.BaseModel):
 
 @pytest.mark.slow
 def test_openai_parse_with_a_pydantic_model(server: Server) -> None:
-    client = server.client(timeout=120)
+    client = server.client(timeout=600)
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
     response = parse(model=SERVED, messages=[{"role": "user", "content": "Invent a person."}],
                      response_format=Person, max_tokens=150)
@@ -302,7 +302,7 @@ def test_grammar_errors_are_400(server: Server, extra: dict[str, object], param:
 
 @pytest.mark.slow
 def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> None:
-    client = server.client(timeout=300)
+    client = server.client(timeout=900)
     schema = SCHEMAS[0]
     before = server.metrics()["pagoda_num_preemptions_total"]
 

@@ -173,7 +173,7 @@ def _check_calls(calls: list[Any], allowed: dict[str, dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 def test_tool_choice_required_and_named_give_valid_calls(server: Server) -> None:
-    client = server.client(timeout=120)
+    client = server.client(timeout=600)
     tools = {"get_weather": WEATHER, "get_time": TIME}
     required = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER, TIME],
                                               tool_choice="required", max_tokens=120)
@@ -189,7 +189,7 @@ def test_tool_choice_required_and_named_give_valid_calls(server: Server) -> None
 
 @pytest.mark.slow
 def test_round_trip_with_a_tool_message(server: Server) -> None:
-    client = server.client(timeout=120)
+    client = server.client(timeout=600)
     first = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER], tool_choice="required",
                                            max_tokens=120)
     call = (first.choices[0].message.tool_calls or [])[0]
@@ -208,7 +208,7 @@ def test_round_trip_with_a_tool_message(server: Server) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_tool_calls_reassemble_into_the_answer(server: Server, tool_choice: Any) -> None:
-    client = server.client(timeout=120)
+    client = server.client(timeout=600)
     kwargs = {"model": SERVED, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice,
               "max_tokens": 120, "temperature": 0.0}
     whole = client.chat.completions.create(**kwargs).choices[0]
