@@ -417,7 +417,6 @@ LONG_TEXT = "hello " * MAX_MODEL_LEN
     ({"prompt_token_ids": [-1]}, {}, "prompt", None),
     ({}, {}, "prompt", None),
     ({"prompt_text": "hi"}, {"stop_token_ids": [49152]}, "stop_token_ids", None),
-    ({"prompt_text": "hi"}, {"temperature": -1.0}, "temperature", None),
     ({"messages": []}, {}, "messages", None),
     ({"messages": [ChatMessage("user", "hi")], "chat_template_kwargs": {"tokenize": True}}, {},
      "chat_template_kwargs", None),

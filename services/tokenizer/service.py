@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
+from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
@@ -342,16 +343,13 @@ class TokenizerService:
         self._waiting.append(Waiting(api, message, time.monotonic()))
 
     def _on_generate(self, api: int, request: GenerateRequest, info: ModelInfo) -> None:
-        request_id, params = request.request_id, request.params
+        request_id = request.request_id
         if request_id in self._requests or request_id in self._tokenizing:
             self._fail(api, request_id, InvalidRequestError(f"request id {request_id!r} is already in flight"))
             return
-        try:
-            params.validate()
-        except PagodaError as exc:
-            self._fail(api, request_id, exc)
-            return
-
+        # The api validated the params (SamplingParams.validate, at the edge); what it cannot know, the prompt's
+        # length against the context and token ids against the vocabulary, check_prompt checks below, and the
+        # scheduler re-checks only the invariants it relies on.
         def tokenize() -> Prompt:
             return tokenize_prompt(
                 self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=request.prompt_token_ids,
@@ -580,22 +578,16 @@ class TokenizerService:
         if token_id < 0 and reason < 0:
             return TextDelta(request_id, index, "", 0, prompt_logprobs=prompt_logprobs) if prompt_logprobs else None
         token_ids = [token_id] if token_id >= 0 else []
-        # A stop token's own text (EOS, stop_token_ids) is not part of the output: with STOP it is the last.
-        stop_token = reason == FinishReason.STOP and token_id >= 0
-        text = stream.push(token_ids if not stop_token else ())
-        finish = reason
-        if reason < 0 and stream.stopped:
-            finish = FinishReason.STOP
+        step = advance(stream, token_id, reason)
+        if step.stop_string:
             self._send_scheduler(StopSequence(request_id, index))
-        if finish >= 0:
-            text += stream.close()
-            if stream.stopped:  # a stop string completed in the text held back until now
-                finish = FinishReason.STOP
+        if step.finish_reason >= 0:
             self._finish_completion(state, request_id, index)
+        stop_token = reason == FinishReason.STOP and token_id >= 0
         logprobs = [logprob] if logprob is not None and state.params.logprobs is not None and not stop_token else []
         shown_ids = token_ids if state.return_token_ids and not stop_token else []
-        return TextDelta(request_id, index, text, len(token_ids), int(finish), logprobs, num_cached_tokens,
-                         stream.stop_reason, prompt_logprobs, shown_ids)
+        return TextDelta(request_id, index, step.text, len(token_ids), step.finish_reason, logprobs,
+                         num_cached_tokens, stream.stop_reason, prompt_logprobs, shown_ids)
 
     def _finish_completion(self, state: RequestState, request_id: str, index: int) -> None:
         state.streams[index] = None
