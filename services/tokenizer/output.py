@@ -11,7 +11,7 @@ from pagoda.shared.messages import FinishReason
 RUNNING = -1  # the finish reason of a completion that goes on
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class TextStep:
     text: str  # text safe to show now (held back while a character or a possible stop string is incomplete)
     finish_reason: int  # a FinishReason, or RUNNING

@@ -538,7 +538,8 @@ class TokenizerService:
             try:
                 text_delta = self._text_delta(state, request_id, index, token_id, reason,
                                               message.num_cached_tokens[row],
-                                              self._row_logprobs(message, lp_at, row, token_id),
+                                              self._row_logprobs(message, lp_at, row, token_id)
+                                              if lp_at is not None else None,
                                               scores_at.get(row) if scores_at is not None else None)
             except Exception:
                 log.exception("failed on the tokens of %s", request_id)
