@@ -1,7 +1,8 @@
 """Cost of the process split: scheduler -> worker -> scheduler round trip of one decode step over ZeroMQ.
 
 The worker side here decodes the plan and answers a result of the same size at once (no model), so
-the time is encode + send + decode on both sides, the same sockets the services use.
+the time is encode + send + decode on both sides, the same sockets the services use. Also timed, in
+process: the scheduler -> tokenizer message of one decode step (TokenDeltas columns), encode + decode.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import time
 
 import zmq
 
-from pagoda.shared.messages import SchedulerToWorker, StepPlan, StepResult, WorkerToScheduler
+from pagoda.shared.messages import (
+    SchedulerToTokenizer,
+    SchedulerToWorker,
+    StepPlan,
+    StepResult,
+    TokenDeltas,
+    WorkerToScheduler,
+)
 from pagoda.shared.transport import Codec, make_socket
 
 
@@ -78,11 +86,32 @@ def measure(num_seqs: int, num_steps: int) -> dict[str, float]:
             "plan_bytes": len(to_worker.encode(decode_plan(1, num_seqs)))}
 
 
+def decode_deltas(num_seqs: int) -> TokenDeltas:
+    """A steady-state decode step's news for one tokenizer: one token per sequence, none finished."""
+    return TokenDeltas(request_ids=[f"cmpl-{r:032x}" for r in range(num_seqs)], indices=[0] * num_seqs,
+                       token_ids=[1000 + r % 977 for r in range(num_seqs)], finish_reasons=[-1] * num_seqs,
+                       num_cached_tokens=[0] * num_seqs)
+
+
+def measure_deltas(num_seqs: int, num_steps: int) -> dict[str, float]:
+    """Encode + decode of one step's TokenDeltas (the scheduler's and the tokenizer's share of the hop)."""
+    codec: Codec[SchedulerToTokenizer] = Codec(SchedulerToTokenizer)
+    message = decode_deltas(num_seqs)
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        decoded = codec.decode(codec.encode(message))
+        times.append(time.perf_counter() - start)
+        assert isinstance(decoded, TokenDeltas) and len(decoded) == num_seqs
+    times.sort()
+    return {"deltas_p50_us": 1e6 * times[len(times) // 2], "deltas_bytes": len(codec.encode(message))}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2000)
 
 
 def main(args: argparse.Namespace) -> int:
-    print(json.dumps(measure(args.num_seqs, args.steps)))
+    print(json.dumps(measure(args.num_seqs, args.steps) | measure_deltas(args.num_seqs, args.steps)))
     return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.structured import GrammarChecker
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
@@ -165,18 +166,14 @@ class LLMEngine:
             completion.logprobs.append(entry)
             completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + result.sampled_logprobs[row]
         stream = self._streams[seq.seq_id]
-        reason = update.finish_reason
-        # A stop token's own text (EOS, stop_token_ids) is not part of the output.
-        text = "" if reason == FinishReason.STOP else stream.push(new_tokens)
-        if reason is None and stream.stopped:
-            reason = FinishReason.STOP
-            self.scheduler.finish_sequence(seq.seq_id, reason)
-        if reason is not None:
-            text += stream.close()
-            if stream.stopped:  # a stop string completed in the text held back until now
-                reason = FinishReason.STOP
+        step = advance(stream, update.token_id if update.has_token else -1,
+                       -1 if update.finish_reason is None else int(update.finish_reason))
+        text = step.text
+        if step.stop_string:
+            self.scheduler.finish_sequence(seq.seq_id, FinishReason.STOP)
+        if step.finish_reason >= 0:
             del self._streams[seq.seq_id]
-            completion.finish_reason = reason.openai_name
+            completion.finish_reason = FinishReason(step.finish_reason).openai_name
         completion.text += text
         return StreamDelta(request_id=output.request_id, index=seq.index, text=text,
                            token_ids=new_tokens, finish_reason=completion.finish_reason)

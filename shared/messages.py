@@ -294,6 +294,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     arrival_time: float = 0.0  # time.time() at the api
     return_prompt_text: bool = False  # echo
     tools: list[dict[str, Any]] = []  # OpenAI tool definitions to render into the prompt
+    return_token_ids: bool = False  # deltas carry their token ids, Accepted the prompt's (vLLM's return_token_ids)
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -328,6 +329,7 @@ class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omi
     request_id: str
     num_prompt_tokens: int
     prompt_text: str | None = None
+    prompt_token_ids: list[int] = []  # only when the request asked (return_token_ids)
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -356,6 +358,7 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True
     num_cached_tokens: int = 0
     stop_reason: str | None = None  # the stop string that ended it
     prompt_logprobs: list[PositionLogprobs] = []  # prompt tokens scored this step, in prompt order
+    token_ids: list[int] = []  # the new token ids: when the request asked (return_token_ids) or no tokenizer
 
 
 class TextDeltas(msgspec.Struct, array_like=True, tag="texts", frozen=True, gc=False):
@@ -413,22 +416,41 @@ class ModelInfo(msgspec.Struct, array_like=True, tag="welcome", frozen=True):
     eos_token_ids: list[int]
 
 
-class TokenDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True, gc=False):
-    """Tokens one completion gained in a step; logprob columns filled when the request asked."""
+class TokenDeltas(msgspec.Struct, tag="tokens", array_like=True, frozen=True, omit_defaults=True, gc=False):
+    """One step's tokens for one tokenizer, as columns: row r is one completion's news this step.
 
-    request_id: str
-    index: int
-    token_ids: list[int]
-    finish_reason: int = -1
-    logprobs: list[float] = []
-    top_token_ids: list[list[int]] = []
+    The columns are plain lists of ints and strings (no per-row struct): decoding costs msgspec a few
+    list builds whatever the batch size. A row's token is -1 when the step sampled none for it (a prompt
+    chunk that only scored prompt tokens, or an abort). Logprob columns cover only the rows listed in
+    `logprob_rows` (requests that asked); `prompt_scores` only requests with prompt_logprobs, each naming
+    its row in `req_id`.
+    """
+
+    request_ids: list[str]
+    indices: list[int]  # the completion's index within its request (n > 1)
+    token_ids: list[int]  # one per row; -1: none this step
+    finish_reasons: list[int]  # a FinishReason, -1 while the completion runs
+    num_cached_tokens: list[int]  # prompt tokens served from the prefix cache (the request's)
+    logprob_rows: list[int] = []  # rows whose request asked for logprobs, ascending
+    logprobs: list[float] = []  # aligned with logprob_rows: the sampled token's logprob
+    top_token_ids: list[list[int]] = []  # aligned with logprob_rows; empty inner lists for logprobs=0
     top_logprobs: list[list[float]] = []
-    num_cached_tokens: int = 0
-    prompt_scores: PromptScores | None = None  # prompt logprobs that came with this step (req_id unused)
+    prompt_scores: list[PromptScores] = []  # req_id is the row these scores belong to
 
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
-class TokenDeltas(msgspec.Struct, array_like=True, tag="tokens", frozen=True, gc=False):
-    deltas: list[TokenDelta]
+    def columns_agree(self) -> bool:
+        """Every per-row column has one entry per row, and the logprob columns agree: a frame that breaks
+        this is dropped whole, never half applied."""
+        rows = len(self.request_ids)
+        if not (len(self.indices) == len(self.token_ids) == len(self.finish_reasons)
+                == len(self.num_cached_tokens) == rows):
+            return False
+        num_lp = len(self.logprob_rows)
+        return (len(self.logprobs) == num_lp and len(self.top_token_ids) == num_lp
+                and len(self.top_logprobs) == num_lp and all(0 <= r < rows for r in self.logprob_rows)
+                and all(0 <= s.req_id < rows for s in self.prompt_scores))
 
 
 # --------------------------------------------------------------------------------------------

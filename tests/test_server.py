@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -371,3 +372,55 @@ def _alive(pid: int) -> bool:
         return False
     return "State:\tZ" not in state
 
+
+
+# ------------------------------------------------------------------ token ids (vLLM's return_token_ids)
+
+
+def test_return_token_ids_on_both_endpoints(server: Server, offline: LLM) -> None:
+    tokenizer = offline.get_tokenizer()
+    body = {"model": SERVED, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    [choice] = out["choices"]
+    assert len(choice["token_ids"]) == out["usage"]["completion_tokens"]
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    assert choice["prompt_token_ids"] == tokenizer.encode(PROMPTS[0])
+    # Streamed: every chunk's ids, joined, are the whole response's; the first chunk brings the prompt's.
+    chunks = _sse_json(server, "/v1/completions", {**body, "stream": True})
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    chat = {"model": SERVED, "messages": CHAT, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+    out = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    [choice] = out["choices"]
+    assert len(out["prompt_token_ids"]) == out["usage"]["prompt_tokens"]
+    assert tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    chunks = _sse_json(server, "/v1/chat/completions", {**chat, "stream": True})
+    assert chunks[0]["prompt_token_ids"] == out["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == choice["token_ids"]
+
+
+def _sse_json(server: Server, path: str, body: dict[str, object]) -> list[dict]:
+    """The JSON chunks of a raw SSE stream, in order, up to [DONE]."""
+    chunks = []
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def test_dummy_weights_without_tokenizer_stream_one_chunk_per_step() -> None:
+    """No tokenizer: no text, yet every step's token goes out as a chunk with its token_ids."""
+    with running_server(Path("tiny"), "--load-format", "dummy") as dummy:
+        body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        whole = httpx.post(dummy.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=60).json()
+        [choice] = whole["choices"]
+        assert choice["prompt_token_ids"] == [1, 2, 3] and len(choice["token_ids"]) == 6
+        chunks = _sse_json(dummy, "/v1/completions", {**body, "stream": True})
+        with_ids = [c["choices"][0]["token_ids"] for c in chunks if c["choices"][0].get("token_ids")]
+        assert with_ids == [[t] for t in choice["token_ids"]]  # one chunk per step, one token each
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        asked = _sse_json(dummy, "/v1/completions", {**body, "stream": True, "return_token_ids": True})
+        assert asked[0]["choices"][0]["prompt_token_ids"] == [1, 2, 3]
+        assert [t for c in asked for t in c["choices"][0]["token_ids"]] == choice["token_ids"]

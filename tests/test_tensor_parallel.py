@@ -96,10 +96,12 @@ def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int
                 for i, prompt in enumerate(_prompts()):
                     sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt, params=params)))
             elif isinstance(message, TokenDeltas):
-                for delta in message.deltas:
-                    outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
-                    if delta.finish_reason >= 0:
-                        finished.add(delta.request_id)
+                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
+                                                        message.finish_reasons, strict=True):
+                    if token_id >= 0:
+                        outputs.setdefault(request_id, []).append(token_id)
+                    if reason >= 0:
+                        finished.add(request_id)
             elif isinstance(message, Heartbeat):
                 sock.send(send.encode(Heartbeat(sender="test-tokenizer")))
     finally:

@@ -36,7 +36,6 @@ from pagoda.shared.messages import (
     StopSequence,
     TextDelta,
     TextDeltas,
-    TokenDelta,
     TokenDeltas,
     TokenizeRequest,
     TokenizeResult,
@@ -195,8 +194,38 @@ class Harness:
 
     def feed(self, request_id: str, token_ids: list[int], finish_reason: int = -1, index: int = 0,
              **columns: Any) -> TextDelta:
-        self.send_scheduler(TokenDeltas([TokenDelta(request_id, index, token_ids, finish_reason, **columns)]))
-        return self.expect_text(request_id)
+        """Send tokens (one row each, as over several steps, in one frame); their TextDeltas merged in one."""
+        self.send_scheduler(token_deltas([(request_id, index, token_ids, finish_reason)], **columns))
+        batch = self.expect_api(lambda m: isinstance(m, TextDeltas), what="TextDeltas")
+        assert {d.request_id for d in batch.deltas} == {request_id}, batch
+        return merged(batch.deltas)
+
+
+def token_deltas(completions: list[tuple[str, int, list[int], int]], logprobs: list[float] | None = None,
+                 top_token_ids: list[list[int]] | None = None,
+                 top_logprobs: list[list[float]] | None = None) -> TokenDeltas:
+    """The scheduler's columns for (request id, index, token ids, finish reason) completions: one row per
+    token (the finish reason on the last); logprob columns, when given, cover every row in order."""
+    rows: list[tuple[str, int, int, int]] = []
+    for request_id, index, ids, reason in completions:
+        rows += [(request_id, index, t, reason if i == len(ids) - 1 else -1) for i, t in enumerate(ids)]
+        if not ids:
+            rows.append((request_id, index, -1, reason))
+    request_ids, indices, tokens, reasons = (list(column) for column in zip(*rows, strict=True))
+    lp_rows = list(range(len(rows))) if logprobs is not None else []
+    no_top: list[list[Any]] = [[] for _ in lp_rows]
+    return TokenDeltas(request_ids, indices, tokens, reasons, [0] * len(rows), lp_rows, logprobs or [],
+                       top_token_ids or no_top, top_logprobs or no_top)
+
+
+def merged(deltas: list[TextDelta]) -> TextDelta:
+    """One TextDelta for a completion's consecutive deltas (what one multi-token step would have made)."""
+    last = deltas[-1]
+    return msgspec.structs.replace(last, text="".join(d.text for d in deltas),
+                                   num_new_tokens=sum(d.num_new_tokens for d in deltas),
+                                   logprobs=[p for d in deltas for p in d.logprobs],
+                                   prompt_logprobs=[p for d in deltas for p in d.prompt_logprobs],
+                                   token_ids=[t for d in deltas for t in d.token_ids])
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +302,7 @@ def test_streamed_text_equals_the_whole_decode(tok: Harness, tokenizer: Tokenize
     assert [d.num_new_tokens for d in deltas] == [1] * len(ids)
     assert [d.finish_reason for d in deltas] == [-1] * (len(ids) - 1) + [FinishReason.LENGTH]
     # The request is gone: more tokens for it are ignored (the next TextDeltas is another request's).
-    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, [42])]))
+    tok.send_scheduler(token_deltas([(request_id, 0, [42], -1)]))
     other_id, _, _ = tok.generate(prompt_text="x")
     assert tok.feed(other_id, [42], FinishReason.LENGTH).request_id == other_id
 
@@ -295,7 +324,7 @@ def test_stop_string_across_deltas_stops_the_sequence(tok: Harness, tokenizer: T
     assert deltas[-1].stop_reason == "stop here"
     assert all(d.finish_reason == -1 and d.stop_reason is None for d in deltas[:-1])
     # Tokens the scheduler sampled before it got the StopSequence are dropped.
-    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, ids[-1:], FinishReason.STOP)]))
+    tok.send_scheduler(token_deltas([(request_id, 0, ids[-1:], FinishReason.STOP)]))
     other_id, _, _ = tok.generate(prompt_text="x")
     assert tok.feed(other_id, [42], FinishReason.LENGTH).request_id == other_id
 
@@ -316,10 +345,10 @@ def test_eos_as_last_token_adds_no_text(tok: Harness, tokenizer: Tokenizer) -> N
 def test_n_completions_finish_independently(tok: Harness, tokenizer: Tokenizer) -> None:
     request_id, _, _ = tok.generate(SamplingParams(n=2, max_tokens=None), prompt_text="Hi")
     a, b = tokenizer.encode(" one", add_special_tokens=False), tokenizer.encode(" two", add_special_tokens=False)
-    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, a, FinishReason.LENGTH),
-                                    TokenDelta(request_id, 1, b)]))
+    tok.send_scheduler(token_deltas([(request_id, 0, a, FinishReason.LENGTH), (request_id, 1, b, -1)]))
     batch = tok.expect_api(lambda m: isinstance(m, TextDeltas))
-    assert [(d.index, d.text, d.finish_reason) for d in batch.deltas] == [(0, " one", 1), (1, " two", -1)]
+    by_index = [merged([d for d in batch.deltas if d.index == i]) for i in (0, 1)]
+    assert [(d.index, d.text, d.finish_reason) for d in by_index] == [(0, " one", 1), (1, " two", -1)]
     assert tok.feed(request_id, [tokenizer.eos_token_id], FinishReason.STOP, index=1).text == ""
 
 
@@ -388,7 +417,6 @@ LONG_TEXT = "hello " * MAX_MODEL_LEN
     ({"prompt_token_ids": [-1]}, {}, "prompt", None),
     ({}, {}, "prompt", None),
     ({"prompt_text": "hi"}, {"stop_token_ids": [49152]}, "stop_token_ids", None),
-    ({"prompt_text": "hi"}, {"temperature": -1.0}, "temperature", None),
     ({"messages": []}, {}, "messages", None),
     ({"messages": [ChatMessage("user", "hi")], "chat_template_kwargs": {"tokenize": True}}, {},
      "chat_template_kwargs", None),
@@ -413,7 +441,7 @@ def test_abort_is_forwarded_and_later_tokens_ignored(tok: Harness) -> None:
     request_id, _, _ = tok.generate(prompt_text="abort me")
     tok.send_api(AbortRequest(request_id))
     tok.expect_scheduler(lambda m: m == AbortRequest(request_id), what="the forwarded AbortRequest")
-    tok.send_scheduler(TokenDeltas([TokenDelta(request_id, 0, [42])]))
+    tok.send_scheduler(token_deltas([(request_id, 0, [42], -1)]))
     other_id, _, _ = tok.generate(prompt_text="x")
     assert tok.feed(other_id, [42], FinishReason.LENGTH).request_id == other_id
 

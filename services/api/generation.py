@@ -24,6 +24,7 @@ class Choice:
     texts: list[str] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # filled when the deltas carry them (return_token_ids)
     finish_reason: int = -1  # a FinishReason once it ends
     last_token_at: float = 0.0  # time.monotonic() of its latest tokens, for inter-token latency
 
@@ -48,10 +49,11 @@ class Generation:
         self.num_prompt_tokens = [0] * num_prompts
         self.num_cached_tokens = [0] * num_prompts
         self.prompt_texts: list[str] = [""] * num_prompts
+        self.prompt_token_ids: list[list[int]] = [[] for _ in range(num_prompts)]  # return_token_ids
         self.prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in range(num_prompts)]  # echo + logprobs
         self._num_running = [n] * num_prompts  # unfinished completions per prompt
         self._failed: set[int] = set()  # prompts the tokenizer already ended with RequestFailed
-        self._early: deque[list[TextDelta]] = deque()  # deltas that overtook another prompt's Accepted
+        self._early: deque[Reply] = deque()  # replies taken off the queue, not handled yet
         self.first_token_at: float | None = None
 
     @property
@@ -84,6 +86,7 @@ class Generation:
                 i = self._prompt_index[reply.request_id]
                 self.num_prompt_tokens[i] = reply.num_prompt_tokens
                 self.prompt_texts[i] = reply.prompt_text or ""
+                self.prompt_token_ids[i] = reply.prompt_token_ids
                 pending.discard(reply.request_id)
             elif isinstance(reply, list):
                 self._early.append(reply)
@@ -91,12 +94,29 @@ class Generation:
                 self._raise_if_failed(reply)
 
     async def next_batch(self) -> list[tuple[Choice, TextDelta]]:
-        """The next deltas of this request, already applied to the choices."""
+        """The deltas of this request that arrived by the time it woke, already applied to the choices: one
+        wake-up (and one write) takes everything queued, not one scheduler step at a time."""
         while True:
             reply = self._early.popleft() if self._early else await self._get()
             if isinstance(reply, list):
-                return self._apply(reply)
+                return self._apply(self._take_queued(reply))
             self._raise_if_failed(reply)
+
+    def _take_queued(self, deltas: list[TextDelta]) -> list[TextDelta]:
+        """`deltas` plus every batch queued behind them, up to the first reply of another kind."""
+        more: list[TextDelta] | None = None
+        while self._early and isinstance(self._early[0], list):
+            more = more if more is not None else list(deltas)
+            more.extend(self._early.popleft())
+        queue = self.ticket.queue
+        while not self._early and not queue.empty():
+            reply = queue.get_nowait()
+            if not isinstance(reply, list):
+                self._early.append(reply)  # a failure is raised after the deltas before it are shown
+                break
+            more = more if more is not None else list(deltas)
+            more.extend(reply)
+        return more if more is not None else deltas
 
     async def _get(self) -> Reply:
         if self.deadline is None:
@@ -130,6 +150,7 @@ class Generation:
             self._observe(choice, delta.num_new_tokens, now)
             choice.texts.append(delta.text)
             choice.logprobs.extend(delta.logprobs)
+            choice.token_ids.extend(delta.token_ids)
             self.prompt_logprobs[i].extend(delta.prompt_logprobs)
             choice.num_tokens += delta.num_new_tokens
             self.num_cached_tokens[i] = max(self.num_cached_tokens[i], delta.num_cached_tokens)

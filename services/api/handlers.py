@@ -102,7 +102,8 @@ class Handlers:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         messages = completion_requests(body, response_id, time.time())
         renderer = CompletionRenderer(response_id, model, int(time.time()), want_logprobs=body.logprobs is not None,
-                                      include_usage=body.include_usage, echo=bool(body.echo))
+                                      include_usage=body.include_usage, echo=bool(body.echo),
+                                      return_token_ids=bool(body.return_token_ids))
         return await self._generate(request, messages, renderer, bool(body.stream), started_at)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -115,7 +116,8 @@ class Handlers:
         output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
                                   config.reasoning_parser)
         renderer = ChatRenderer(response_id, model, int(time.time()), want_logprobs=bool(body.logprobs),
-                                include_usage=body.include_usage, output=output)
+                                include_usage=body.include_usage, output=output,
+                                return_token_ids=bool(body.return_token_ids))
         return await self._generate(request, [message], renderer, bool(body.stream), started_at)
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], renderer: Renderer,

@@ -82,12 +82,19 @@ class Renderer:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool,
-                 include_usage: bool) -> None:
+                 include_usage: bool, return_token_ids: bool = False) -> None:
         self.response_id = response_id
         self.model = model
         self.created = created
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids  # vLLM's: choices carry token_ids, the prompt's ids come too
+
+    def _with_ids(self, out: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        """`out` with the choice's token ids, when asked for or when they are all there is (no tokenizer)."""
+        if self.return_token_ids or token_ids:
+            out["token_ids"] = token_ids
+        return out
 
     def body(self, gen: Generation) -> dict[str, Any]:
         """The non-streaming response."""
@@ -107,8 +114,9 @@ class Renderer:
 
     def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
         """One chunk per delta that says something (text, logprobs or an end), in one write."""
-        return b"".join(self._chunk([self._delta_choice(choice, delta)]) for choice, delta in batch
-                        if delta.text or delta.logprobs or delta.finish_reason >= 0)
+        return b"".join(self._chunk([self._with_ids(self._delta_choice(choice, delta), delta.token_ids)])
+                        for choice, delta in batch
+                        if delta.text or delta.logprobs or delta.token_ids or delta.finish_reason >= 0)
 
     def closing(self, gen: Generation) -> bytes:
         """The usage chunk when asked for, then [DONE]."""
@@ -129,8 +137,9 @@ class CompletionRenderer(Renderer):
     chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
-                 echo: bool) -> None:
-        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage)
+                 echo: bool, return_token_ids: bool = False) -> None:
+        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
+                         return_token_ids=return_token_ids)
         self.echo = echo
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token (streaming)
 
@@ -143,14 +152,25 @@ class CompletionRenderer(Renderer):
         if logprobs is not None and self.echo:  # the prompt's tokens first, then the completion's
             prompt = completion_logprobs(gen.prompt_logprobs[choice.index // gen.n], 0, len(prompt_text))
             logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
-        return {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
-                "finish_reason": _finish_name(choice.finish_reason)}
+        out = {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
+               "finish_reason": _finish_name(choice.finish_reason)}
+        if self.return_token_ids:
+            out["prompt_token_ids"] = gen.prompt_token_ids[choice.index // gen.n]
+        return self._with_ids(out, choice.token_ids)
 
     def opening(self, gen: Generation) -> bytes:
-        if not self.echo:
+        """Echo's prompt text, and with return_token_ids the prompt's ids, lead each choice."""
+        if not self.echo and not self.return_token_ids:
             return b""
-        return b"".join(self._chunk([{"index": c.index, "text": self._prompt_text(gen, c), "logprobs": None,
-                                      "finish_reason": None}]) for c in gen.choices)
+        out = []
+        for c in gen.choices:
+            choice: dict[str, Any] = {"index": c.index, "text": self._prompt_text(gen, c), "logprobs": None,
+                                      "finish_reason": None}
+            if self.return_token_ids:
+                choice["prompt_token_ids"] = gen.prompt_token_ids[c.index // gen.n]
+                choice["token_ids"] = []
+            out.append(self._chunk([choice]))
+        return b"".join(out)
 
     def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
         logprobs = None
@@ -167,8 +187,9 @@ class ChatRenderer(Renderer):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
-                 output: ChatOutputSpec | None = None) -> None:
-        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage)
+                 output: ChatOutputSpec | None = None, return_token_ids: bool = False) -> None:
+        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
+                         return_token_ids=return_token_ids)
         self.output = output if output is not None and output.active else None  # tools / reasoning parsing
         self._streams = ChatStreams(self.output) if self.output is not None else None
 
@@ -176,10 +197,18 @@ class ChatRenderer(Renderer):
         logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
         if self.output is not None:
             message, calls_tools = whole_message(self.output, choice.text)
-            return {"index": choice.index, "message": message, "logprobs": logprobs,
-                    "finish_reason": _tools_finish(choice.finish_reason, calls_tools)}
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": logprobs, "finish_reason": _finish_name(choice.finish_reason)}
+            return self._with_ids({"index": choice.index, "message": message, "logprobs": logprobs,
+                                   "finish_reason": _tools_finish(choice.finish_reason, calls_tools)},
+                                  choice.token_ids)
+        return self._with_ids({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                               "logprobs": logprobs, "finish_reason": _finish_name(choice.finish_reason)},
+                              choice.token_ids)
+
+    def body(self, gen: Generation) -> dict[str, Any]:
+        out = super().body(gen)
+        if self.return_token_ids:
+            out["prompt_token_ids"] = gen.prompt_token_ids[0]  # one prompt per chat request
+        return out
 
     def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
         if self._streams is None:
@@ -193,11 +222,14 @@ class ChatRenderer(Renderer):
                 more, calls_tools = stream.finish()
                 parts += more
             logprobs = chat_logprobs(delta.logprobs) if self.want_logprobs else None
-            if logprobs is not None and not parts:
+            if (logprobs is not None or delta.token_ids) and not parts:
                 parts = [{}]
             for i, part in enumerate(parts):
-                out.append(self._chunk([{"index": choice.index, "delta": part,
-                                         "logprobs": logprobs if i == 0 else None, "finish_reason": None}]))
+                first = i == 0
+                out.append(self._chunk([self._with_ids({"index": choice.index, "delta": part,
+                                                        "logprobs": logprobs if first else None,
+                                                        "finish_reason": None},
+                                                       delta.token_ids if first else [])]))
             if delta.finish_reason >= 0:
                 out.append(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
                                          "finish_reason": _tools_finish(delta.finish_reason, calls_tools)}]))
@@ -205,8 +237,19 @@ class ChatRenderer(Renderer):
 
     def opening(self, gen: Generation) -> bytes:
         # Every choice's first chunk carries the role, as OpenAI's do.
-        return b"".join(self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]) for c in gen.choices)
+        return b"".join(self._opening_chunk(gen, c) for c in gen.choices)
+
+    def _opening_chunk(self, gen: Generation, choice: Choice) -> bytes:
+        out: dict[str, Any] = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}
+        if not self.return_token_ids:
+            return self._chunk([out])
+        out["token_ids"] = []
+        chunk: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
+                                 "model": self.model, "choices": [out], "prompt_token_ids": gen.prompt_token_ids[0]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
 
     def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
         return {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},

@@ -63,6 +63,7 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool | None = None
     priority: int | None = None
     add_special_tokens: bool | None = None
+    return_token_ids: bool | None = None  # choices carry token_ids, the response the prompt's (vLLM's)
     # structured outputs, vLLM's extensions (response_format is OpenAI's)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -330,7 +331,8 @@ def completion_requests(body: CompletionBody, base_id: str, arrival_time: float)
         requests.append(GenerateRequest(
             request_id, params, prompt_text=text, prompt_token_ids=ids,
             add_special_tokens=True if body.add_special_tokens is None else body.add_special_tokens,
-            priority=body.priority or 0, arrival_time=arrival_time, return_prompt_text=bool(body.echo)))
+            priority=body.priority or 0, arrival_time=arrival_time, return_prompt_text=bool(body.echo),
+            return_token_ids=bool(body.return_token_ids)))
     return requests
 
 
@@ -474,7 +476,8 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> Genera
         continue_final_message=continue_final, chat_template_kwargs=body.chat_template_kwargs or {},
         # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
-        arrival_time=arrival_time, tools=tools if mode != "none" else [])
+        arrival_time=arrival_time, tools=tools if mode != "none" else [],
+        return_token_ids=bool(body.return_token_ids))
 
 
 def prompt_bytes(body: object) -> int:

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from pagoda.shared.messages import (
     FinishReason,
     Heartbeat,
     ModelInfo,
+    PromptScores,
     RequestFailed,
     SchedulerStats,
     SchedulerToApi,
@@ -41,7 +41,6 @@ from pagoda.shared.messages import (
     StepPlan,
     StepResult,
     StopSequence,
-    TokenDelta,
     TokenDeltas,
     TokenizerHello,
     TokenizerToScheduler,
@@ -61,6 +60,22 @@ class Peer:
     last_seen: float
     request_ids: set[str] = field(default_factory=set)
     num_requests: int = 0
+
+
+@dataclass(slots=True)
+class _Columns:
+    """One tokenizer's share of a step, gathered row by row (see TokenDeltas)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reasons: list[int] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
+    logprob_rows: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_scores: list[PromptScores] = field(default_factory=list)
 
 
 class SchedulerService:
@@ -340,7 +355,8 @@ class SchedulerService:
             self._abort(request_id)
 
     def _send_deltas(self, updates: list[SeqUpdate], result: StepResult) -> None:
-        by_owner: dict[bytes, list[TokenDelta]] = defaultdict(list)
+        """One TokenDeltas (columns, no per-row structs) per tokenizer that owns a request in this step."""
+        columns: dict[bytes, _Columns] = {}
         with_logprobs = bool(result.sampled_logprobs)
         finished: list[str] = []
         for update in updates:
@@ -348,22 +364,33 @@ class SchedulerService:
             identity = self.owner.get(request.req_id)
             if identity is None:
                 continue
-            row = update.result_index
+            out = columns.get(identity)
+            if out is None:
+                out = columns[identity] = _Columns()
+            row = len(out.request_ids)
             reason = -1 if update.finish_reason is None else int(update.finish_reason)
-            token_ids = [update.token_id] if update.has_token else []
-            num_cached = request.sequences[0].num_cached_tokens
+            out.request_ids.append(request.req_id)
+            out.indices.append(update.seq.index)
+            out.token_ids.append(update.token_id if update.has_token else -1)
+            out.finish_reasons.append(reason)
+            out.num_cached_tokens.append(request.sequences[0].num_cached_tokens)
             if with_logprobs and update.has_token and request.sampling.logprobs is not None:
-                delta = TokenDelta(request.req_id, update.seq.index, token_ids, reason,
-                                   [result.sampled_logprobs[row]], [result.top_token_ids[row]],
-                                   [result.top_logprobs[row]], num_cached, update.prompt_scores)
-            else:
-                delta = TokenDelta(request.req_id, update.seq.index, token_ids, reason,
-                                   num_cached_tokens=num_cached, prompt_scores=update.prompt_scores)
-            by_owner[identity].append(delta)
+                index = update.result_index
+                out.logprob_rows.append(row)
+                out.logprobs.append(result.sampled_logprobs[index])
+                out.top_token_ids.append(result.top_token_ids[index])
+                out.top_logprobs.append(result.top_logprobs[index])
+            if update.prompt_scores is not None:
+                scores = update.prompt_scores
+                out.prompt_scores.append(PromptScores(row, scores.first, scores.token_ids, scores.logprobs,
+                                                      scores.top_token_ids, scores.top_logprobs))
             if reason >= 0 and request.num_finished == len(request.sequences):
                 finished.append(request.req_id)
-        for identity, deltas in by_owner.items():
-            self._send_tokenizer(identity, TokenDeltas(deltas))
+        for identity, out in columns.items():
+            self._send_tokenizer(identity, TokenDeltas(out.request_ids, out.indices, out.token_ids,
+                                                       out.finish_reasons, out.num_cached_tokens, out.logprob_rows,
+                                                       out.logprobs, out.top_token_ids, out.top_logprobs,
+                                                       out.prompt_scores))
         for request_id in finished:
             self._forget(request_id)
 

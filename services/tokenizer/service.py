@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
+from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
@@ -42,13 +43,13 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     PositionLogprobs,
+    PromptScores,
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
     StopSequence,
     TextDelta,
     TextDeltas,
-    TokenDelta,
     TokenDeltas,
     TokenizeRequest,
     TokenizeResult,
@@ -178,6 +179,7 @@ class RequestState:
     streams: list[TextStream | None]  # one per completion; None once that completion finished
     num_unfinished: int
     first_prompt_token: int = -1  # prompt_logprobs: listed first (no logprob) with completion 0's first delta
+    return_token_ids: bool = False  # deltas carry their token ids (asked for, or no tokenizer to make text)
 
 
 @dataclass(slots=True)
@@ -341,16 +343,13 @@ class TokenizerService:
         self._waiting.append(Waiting(api, message, time.monotonic()))
 
     def _on_generate(self, api: int, request: GenerateRequest, info: ModelInfo) -> None:
-        request_id, params = request.request_id, request.params
+        request_id = request.request_id
         if request_id in self._requests or request_id in self._tokenizing:
             self._fail(api, request_id, InvalidRequestError(f"request id {request_id!r} is already in flight"))
             return
-        try:
-            params.validate()
-        except PagodaError as exc:
-            self._fail(api, request_id, exc)
-            return
-
+        # The api validated the params (SamplingParams.validate, at the edge); what it cannot know, the prompt's
+        # length against the context and token ids against the vocabulary, check_prompt checks below, and the
+        # scheduler re-checks only the invariants it relies on.
         def tokenize() -> Prompt:
             return tokenize_prompt(
                 self._tokenizer, prompt_text=request.prompt_text, prompt_token_ids=request.prompt_token_ids,
@@ -404,11 +403,13 @@ class TokenizerService:
         streams: list[TextStream | None] = [TextStream(self._tokenizer, prompt.token_ids, params)
                                             for _ in range(params.n)]
         first_token = prompt.token_ids[0] if params.prompt_logprobs is not None else -1
-        self._requests[request_id] = RequestState(api, params, streams, params.n, first_token)
+        self._requests[request_id] = RequestState(api, params, streams, params.n, first_token,
+                                                  request.return_token_ids or self._tokenizer is None)
         self._send_scheduler(AddRequest(request_id, prompt.token_ids, params, request.priority,
                                         request.arrival_time))
         echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
-        self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo))
+        self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
+                                     prompt.token_ids if request.return_token_ids else []))
 
     def _check_structured(self, params: SamplingParams, prompt: Prompt, info: ModelInfo,
                           is_chat: bool) -> SamplingParams:
@@ -521,53 +522,73 @@ class TokenizerService:
         self._scheduler_lost = True
 
     def _on_token_deltas(self, message: TokenDeltas) -> None:
-        # One TextDeltas per api per scheduler step: a step carries up to max_num_seqs deltas.
+        """One step's columns in, one TextDeltas per api out (a step carries up to max_num_seqs rows)."""
+        if not message.columns_agree():
+            log.error("dropped a TokenDeltas frame whose columns disagree (%d rows)", len(message))
+            return
         outgoing: dict[int, list[TextDelta]] = {}
-        for delta in message.deltas:
-            state = self._requests.get(delta.request_id)
+        requests = self._requests
+        lp_at = {row: i for i, row in enumerate(message.logprob_rows)} if message.logprob_rows else None
+        scores_at = {s.req_id: s for s in message.prompt_scores} if message.prompt_scores else None
+        for row, (request_id, index, token_id, reason) in enumerate(zip(
+                message.request_ids, message.indices, message.token_ids, message.finish_reasons, strict=True)):
+            state = requests.get(request_id)
             if state is None:
                 continue  # aborted or failed here: these tokens were already on their way
             try:
-                text_delta = self._text_delta(state, delta)
+                text_delta = self._text_delta(state, request_id, index, token_id, reason,
+                                              message.num_cached_tokens[row],
+                                              self._row_logprobs(message, lp_at, row, token_id)
+                                              if lp_at is not None else None,
+                                              scores_at.get(row) if scores_at is not None else None)
             except Exception:
-                log.exception("failed on the tokens of %s", delta.request_id)
-                self._drop(delta.request_id, abort=True)
-                self._fail(state.api, delta.request_id, PagodaError("internal error in the tokenizer"))
+                log.exception("failed on the tokens of %s", request_id)
+                self._drop(request_id, abort=True)
+                self._fail(state.api, request_id, PagodaError("internal error in the tokenizer"))
                 continue
             if text_delta is not None:
-                outgoing.setdefault(state.api, []).append(text_delta)
+                out = outgoing.get(state.api)
+                if out is None:
+                    out = outgoing[state.api] = []
+                out.append(text_delta)
         for api, deltas in outgoing.items():
             self._send_api(api, TextDeltas(deltas))
 
-    def _text_delta(self, state: RequestState, delta: TokenDelta) -> TextDelta | None:
-        """The text one completion gained; finishes it (and tells the scheduler) on a stop string."""
-        if not 0 <= delta.index < len(state.streams):
-            log.warning("dropped tokens for completion %d of %s (n=%d)", delta.index, delta.request_id,
-                        len(state.streams))
+    def _row_logprobs(self, message: TokenDeltas, lp_at: dict[int, int] | None, row: int,
+                      token_id: int) -> PositionLogprobs | None:
+        if lp_at is None or token_id < 0:
             return None
-        stream = state.streams[delta.index]
+        i = lp_at.get(row)
+        if i is None:
+            return None
+        top = [self._token_logprob(t, lp) for t, lp in zip(message.top_token_ids[i], message.top_logprobs[i],
+                                                            strict=False)]
+        return PositionLogprobs(self._token_logprob(token_id, message.logprobs[i]), top)
+
+    def _text_delta(self, state: RequestState, request_id: str, index: int, token_id: int, reason: int,
+                    num_cached_tokens: int, logprob: PositionLogprobs | None,
+                    scores: PromptScores | None) -> TextDelta | None:
+        """The text one completion gained; finishes it (and tells the scheduler) on a stop string."""
+        if not 0 <= index < len(state.streams):
+            log.warning("dropped tokens for completion %d of %s (n=%d)", index, request_id, len(state.streams))
+            return None
+        stream = state.streams[index]
         if stream is None:
             return None  # a stop string finished it here; tokens sampled before the scheduler knew are dropped
-        token_ids, reason = delta.token_ids, delta.finish_reason
-        prompt_logprobs = self._prompt_logprobs(state, delta)
-        if not token_ids and reason < 0:
-            return TextDelta(delta.request_id, delta.index, "", 0, prompt_logprobs=prompt_logprobs) \
-                if prompt_logprobs else None
-        # A stop token's own text (EOS, stop_token_ids) is not part of the output: with STOP it is the last.
-        text = stream.push(token_ids[:-1] if reason == FinishReason.STOP else token_ids)
-        if reason < 0 and stream.stopped:
-            reason = FinishReason.STOP
-            self._send_scheduler(StopSequence(delta.request_id, delta.index))
-        if reason >= 0:
-            text += stream.close()
-            if stream.stopped:  # a stop string completed in the text held back until now
-                reason = FinishReason.STOP
-            self._finish_completion(state, delta.request_id, delta.index)
-        logprobs = self._logprobs(delta) if state.params.logprobs is not None else []
-        if reason == FinishReason.STOP and delta.finish_reason == FinishReason.STOP and logprobs:
-            logprobs = logprobs[:len(token_ids) - 1]  # the stop token is not in the text: nor in its tokens
-        return TextDelta(delta.request_id, delta.index, text, len(token_ids), int(reason), logprobs,
-                         delta.num_cached_tokens, stream.stop_reason, prompt_logprobs)
+        prompt_logprobs = self._prompt_logprobs(state, index, scores)
+        if token_id < 0 and reason < 0:
+            return TextDelta(request_id, index, "", 0, prompt_logprobs=prompt_logprobs) if prompt_logprobs else None
+        token_ids = [token_id] if token_id >= 0 else []
+        step = advance(stream, token_id, reason)
+        if step.stop_string:
+            self._send_scheduler(StopSequence(request_id, index))
+        if step.finish_reason >= 0:
+            self._finish_completion(state, request_id, index)
+        stop_token = reason == FinishReason.STOP and token_id >= 0
+        logprobs = [logprob] if logprob is not None and state.params.logprobs is not None and not stop_token else []
+        shown_ids = token_ids if state.return_token_ids and not stop_token else []
+        return TextDelta(request_id, index, step.text, len(token_ids), step.finish_reason, logprobs,
+                         num_cached_tokens, stream.stop_reason, prompt_logprobs, shown_ids)
 
     def _finish_completion(self, state: RequestState, request_id: str, index: int) -> None:
         state.streams[index] = None
@@ -575,24 +596,13 @@ class TokenizerService:
         if state.num_unfinished == 0:
             del self._requests[request_id]
 
-    def _logprobs(self, delta: TokenDelta) -> list[PositionLogprobs]:
-        positions: list[PositionLogprobs] = []
-        num_top = min(len(delta.top_token_ids), len(delta.top_logprobs))
-        for i, (token_id, logprob) in enumerate(zip(delta.token_ids, delta.logprobs, strict=False)):
-            top = ([self._token_logprob(t, lp) for t, lp in zip(delta.top_token_ids[i], delta.top_logprobs[i],
-                                                                  strict=False)]
-                   if i < num_top else [])
-            positions.append(PositionLogprobs(self._token_logprob(token_id, logprob), top))
-        return positions
-
-    def _prompt_logprobs(self, state: RequestState, delta: TokenDelta) -> list[PositionLogprobs]:
+    def _prompt_logprobs(self, state: RequestState, index: int, scores: PromptScores | None) -> list[PositionLogprobs]:
         """Scored prompt tokens. The prompt's first token, which nothing scores, leads completion 0's first
         delta (scores come before or with a completion's first token; a 1-token prompt has none)."""
         lead = []
-        if state.first_prompt_token >= 0 and delta.index == 0:
+        if state.first_prompt_token >= 0 and index == 0:
             lead = [PositionLogprobs(self._token_logprob(state.first_prompt_token, None), [])]
             state.first_prompt_token = -1
-        scores = delta.prompt_scores
         if scores is None:
             return lead
         return lead + [PositionLogprobs(self._token_logprob(token_id, logprob),
