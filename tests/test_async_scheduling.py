@@ -201,7 +201,25 @@ def test_async_equals_serial_on_cuda_with_graphs(shape: str) -> None:
         assert llm.engine.scheduler.stats.num_preemptions > 0
     assert [[c[:4] for c in completions] for _, completions in runs[True]] == \
         [[c[:4] for c in completions] for _, completions in runs[False]]
-    assert rounded(runs[True]) == rounded(runs[False])
+    # bf16 logits: the async run's batches differ (a stopped sequence's extra row, other CUDA-graph sizes), which
+    # moves logprobs by about a bf16 ulp of the logits; tokens, text and finish reasons above are exact.
+    assert_close_logprobs(runs[True], runs[False], tolerance=0.05)
+
+
+def assert_close_logprobs(ours: Any, theirs: Any, tolerance: float) -> None:
+    """Same structure and keys everywhere; floats within `tolerance`."""
+    if isinstance(ours, float) and isinstance(theirs, float):
+        assert abs(ours - theirs) <= tolerance, (ours, theirs)
+    elif isinstance(ours, dict):
+        assert isinstance(theirs, dict) and ours.keys() == theirs.keys()
+        for key in ours:
+            assert_close_logprobs(ours[key], theirs[key], tolerance)
+    elif isinstance(ours, (list, tuple)):
+        assert isinstance(theirs, (list, tuple)) and len(ours) == len(theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            assert_close_logprobs(a, b, tolerance)
+    else:
+        assert ours == theirs
 
 
 class _Outbox:
