@@ -297,7 +297,7 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
         assert failed == ["doomed"] and "doomed" not in service.scheduler.requests
         service._on_result(results[1])  # the second plan's result completes the second plan
         assert service.pipeline is not None and not service.pipeline.inflight
-        assert not [m for m in to_tokenizers() if isinstance(m, TokenDeltas) and m.deltas], "doomed's token dropped"
+        assert not [m for m in to_tokenizers() if isinstance(m, TokenDeltas) and len(m)], "doomed's token dropped"
         tokens: dict[str, list[int]] = {"a": [], "b": []}
         reasons: dict[str, int] = {}
         for _ in range(100):
@@ -313,10 +313,11 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
                     service._on_result(worker.execute(plan))
             for message in to_tokenizers():
                 assert isinstance(message, TokenDeltas)
-                for delta in message.deltas:
-                    tokens[delta.request_id] += delta.token_ids
-                    if delta.finish_reason >= 0:
-                        reasons[delta.request_id] = delta.finish_reason
+                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
+                                                        message.finish_reasons, strict=True):
+                    tokens[request_id] += [token_id] if token_id >= 0 else []
+                    if reason >= 0:
+                        reasons[request_id] = reason
         seq_ids = {name: 1 + i for i, name in enumerate(("a", "b"))}
         for name in ("a", "b"):
             assert tokens[name] == [default_token(seq_ids[name], i) for i in range(6)]
