@@ -27,7 +27,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 WORDS = ("river stone light cloud answer garden number paper window yellow market engine quiet summer table "
          "letter orange simple travel winter silver forest coffee bridge pocket animal doctor planet music "
