@@ -217,3 +217,68 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
 def _timed_completion(server: Server, prompt: str) -> tuple[int, float]:
     status, _ = server.complete(prompt, 48)
     return status, time.monotonic()
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(tmp_path: Path) -> None:
+    """A TokenizerService in this process (no tokenizer: token-id prompts) with two fake schedulers."""
+    import zmq
+
+    from pagoda.services.tokenizer.service import TokenizerService
+    from pagoda.shared.messages import (
+        AbortRequest,
+        AddRequest,
+        GenerateRequest,
+        RequestFailed,
+        SamplingParams,
+        SchedulerToTokenizer,
+        TokenizerToApi,
+        TokenizerToScheduler,
+    )
+    from pagoda.shared.transport import Codec
+
+    context = zmq.Context()
+    schedulers = [context.socket(zmq.ROUTER) for _ in range(2)]
+    api = context.socket(zmq.ROUTER)
+    for index, sock in enumerate(schedulers):
+        sock.bind(f"ipc://{tmp_path}/s{index}")
+    api.bind(f"ipc://{tmp_path}/api")
+    config = ServerConfig(api_endpoints=f"ipc://{tmp_path}/api", routing="round_robin", heartbeat_timeout=5.0,
+                          scheduler_endpoints=f"ipc://{tmp_path}/s0,ipc://{tmp_path}/s1", tokenizer_id="tk")
+    service = TokenizerService(config, None, context)
+    to_tokenizer, from_tokenizer = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler)
+    api_codec = Codec(TokenizerToApi)
+
+    def received(sock: zmq.Socket, codec: Codec, kind: type) -> list[object]:
+        out = []
+        while sock.poll(200):
+            message = codec.decode(sock.recv_multipart()[1])
+            if isinstance(message, kind):
+                out.append(message)
+        return out
+
+    try:
+        for index in range(2):
+            service._on_scheduler_frame(to_tokenizer.encode(INFO), index)
+        for n in range(4):
+            service._dispatch_api(0, GenerateRequest(f"q{n}", SamplingParams(max_tokens=2),
+                                                     prompt_token_ids=[1, 2, n + 3]))
+        added = [[m.request_id for m in received(sock, from_tokenizer, AddRequest)] for sock in schedulers]
+        assert sorted(added[0] + added[1]) == ["q0", "q1", "q2", "q3"] and added[0] and added[1]
+        service._on_abort(added[1][0])
+        assert [m.request_id for m in received(schedulers[1], from_tokenizer, AbortRequest)] == [added[1][0]]
+        assert received(schedulers[0], from_tokenizer, AbortRequest) == []
+        service._lose_scheduler("silent", 0)  # replica 0 lost: only its requests fail
+        failed = [m.request_id for m in received(api, api_codec, RequestFailed)]
+        assert sorted(failed) == sorted(added[0])
+        service._dispatch_api(0, GenerateRequest("late", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6]))
+        assert [m.request_id for m in received(schedulers[1], from_tokenizer, AddRequest)] == ["late"]
+    finally:
+        for sock in service._handlers:
+            sock.close(linger=0)
+        service._offload.close()
+        for sock in [*schedulers, api]:
+            sock.close(linger=0)
+        context.term()
