@@ -113,6 +113,10 @@ class Launcher:
         if replica is not None and engine.tp_init_address is not None and replica > 0:
             engine = replace(engine, tp_init_address=self.replica_tp_address[replica])
         env = {**os.environ, **to_env(engine, server)}
+        if replica is not None and self.server_config.data_parallel_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # Replicas share the cores: D workers with a thread per core each oversubscribe them (on CPU, the
+            # threads' spin-waits made D=2 many times slower than D=1).
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.server_config.data_parallel_size))
         if replica is not None and self.server_config.data_parallel_size > 1 and engine.device != "cpu":
             env["CUDA_VISIBLE_DEVICES"] = replica_devices(replica, engine.tensor_parallel_size,
                                                           os.environ.get("CUDA_VISIBLE_DEVICES"))
