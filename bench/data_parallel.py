@@ -41,9 +41,15 @@ def system_prompt(index: int, num_words: int = 120) -> str:
 
 
 def workload(num_system: int, num_turns: int) -> list[str]:
-    """Turn-major: turn t of every system prompt before turn t+1 of any."""
-    return [f"{system_prompt(s)}User turn {t}: tell me about {WORDS[(s * 7 + t) % len(WORDS)]}.\nAnswer:"
-            for t in range(num_turns) for s in range(num_system)]
+    """Turn by turn (turn t of every system prompt before turn t+1 of any), the system prompts shuffled within
+    a turn (a fixed order would let round-robin partition them by parity)."""
+    prompts = []
+    for t in range(num_turns):
+        order = list(range(num_system))
+        random.Random(t).shuffle(order)
+        prompts += [f"{system_prompt(s)}User turn {t}: tell me about {WORDS[(s * 7 + t) % len(WORDS)]}.\nAnswer:"
+                    for s in order]
+    return prompts
 
 
 def _free_port() -> int:
