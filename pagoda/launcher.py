@@ -70,16 +70,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def replica_devices(replica: int, tp_size: int, visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for replica `replica`'s ranks: devices r*T..r*T+T-1 of those visible to the launcher."""
-    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
-    wanted = range(replica * tp_size, (replica + 1) * tp_size)
-    if devices is None:
-        return ",".join(str(d) for d in wanted)
-    if wanted.stop > len(devices):
-        raise PagodaError(f"replica {replica} needs devices {wanted.start}..{wanted.stop - 1}, but only "
-                          f"{len(devices)} are visible ({visible})", param="data_parallel_size")
-    return ",".join(devices[d] for d in wanted)
+def visible_devices(visible: str | None) -> list[str]:
+    """The GPUs the launcher may hand out: CUDA_VISIBLE_DEVICES, else the /dev/nvidiaN nodes (none on CPU)."""
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    nodes = sorted(int(p.name[len("nvidia"):]) for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit())
+    return [str(n) for n in nodes]
+
+
+def replica_devices(replica: int, tp_size: int, devices: list[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for replica `replica`'s ranks: devices r*T..r*T+T-1 of `devices`; with fewer
+    devices than D x T the replicas wrap around and share them (then lower --gpu-memory-utilization)."""
+    if not devices:
+        return ""
+    return ",".join(devices[d % len(devices)] for d in range(replica * tp_size, (replica + 1) * tp_size))
 
 
 def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
@@ -118,8 +122,9 @@ class Launcher:
             # threads' spin-waits made D=2 many times slower than D=1).
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.server_config.data_parallel_size))
         if replica is not None and self.server_config.data_parallel_size > 1 and engine.device != "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = replica_devices(replica, engine.tensor_parallel_size,
-                                                          os.environ.get("CUDA_VISIBLE_DEVICES"))
+            devices = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if devices:
+                env["CUDA_VISIBLE_DEVICES"] = replica_devices(replica, engine.tensor_parallel_size, devices)
         if module == "api":
             metrics_dir = self.runtime_dir / "prometheus"
             metrics_dir.mkdir(exist_ok=True)

@@ -42,11 +42,11 @@ def test_replica_endpoints_are_derived_per_replica_and_listed_for_tokenizers() -
     assert listed.replica_endpoint_list("scheduler") == ["tcp://a:1", "tcp://b:2"]
 
 
-def test_replica_devices_take_consecutive_groups_of_visible_gpus() -> None:
-    assert replica_devices(0, 1, None) == "0" and replica_devices(1, 2, None) == "2,3"
-    assert replica_devices(1, 2, "4,5,6,7") == "6,7"
-    with pytest.raises(Exception, match="replica 2"):
-        replica_devices(2, 2, "4,5,6,7")
+def test_replica_devices_take_consecutive_groups_of_visible_gpus_and_wrap() -> None:
+    devices = ["4", "5", "6", "7"]
+    assert replica_devices(0, 1, devices) == "4" and replica_devices(1, 2, devices) == "6,7"
+    assert replica_devices(1, 1, ["0"]) == "0"  # one GPU, two replicas: they share it
+    assert replica_devices(0, 1, []) == ""
 
 
 # -------------------------------------------------------------------------------------------- routing
