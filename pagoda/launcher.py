@@ -43,6 +43,7 @@ class Child:
     overrides: dict[str, object] = field(default_factory=dict)
     stopped_since: float | None = None  # time.monotonic() when it was first seen stopped (SIGSTOP, a debugger)
     num_restarts: int = 0
+    replica: int | None = None  # the engine replica a scheduler or worker belongs to
 
 
 def process_state(pid: int) -> str:
@@ -69,6 +70,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def visible_devices(visible: str | None) -> list[str]:
+    """The GPUs the launcher may hand out: CUDA_VISIBLE_DEVICES, else the /dev/nvidiaN nodes (none on CPU)."""
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    nodes = sorted(int(p.name[len("nvidia"):]) for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit())
+    return [str(n) for n in nodes]
+
+
+def replica_devices(replica: int, tp_size: int, devices: list[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for replica `replica`'s ranks: devices r*T..r*T+T-1 of `devices`; with fewer
+    devices than D x T the replicas wrap around and share them (then lower --gpu-memory-utilization)."""
+    if not devices:
+        return ""
+    return ",".join(devices[d % len(devices)] for d in range(replica * tp_size, (replica + 1) * tp_size))
+
+
 def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
     """Fail before any process starts on what can be known up front; pick a meeting address for the ranks."""
     tp_size = engine_config.tensor_parallel_size
@@ -88,27 +105,80 @@ class Launcher:
         self.runtime_dir = Path(runtime_dir)
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.children: list[Child] = []
+        self.down_replicas: set[int] = set()
+        tp_address = self.engine_config.tp_init_address
+        self.replica_tp_address = [tp_address] + [  # each replica's ranks meet at their own address
+            f"tcp://127.0.0.1:{_free_port()}" if tp_address is not None else None
+            for _ in range(1, self.server_config.data_parallel_size)]
 
-    def _spawn(self, name: str, module: str, **overrides: object) -> None:
+    def _spawn(self, name: str, module: str, replica: int | None = None, **overrides: object) -> None:
         server = replace(self.server_config, **overrides)  # type: ignore[arg-type]
-        env = {**os.environ, **to_env(self.engine_config, server)}
+        engine = self.engine_config
+        if replica is not None and engine.tp_init_address is not None and replica > 0:
+            engine = replace(engine, tp_init_address=self.replica_tp_address[replica])
+        env = {**os.environ, **to_env(engine, server)}
+        if replica is not None and self.server_config.data_parallel_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # Replicas share the cores: D workers with a thread per core each oversubscribe them (on CPU, the
+            # threads' spin-waits made D=2 many times slower than D=1).
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.server_config.data_parallel_size))
+        if replica is not None and self.server_config.data_parallel_size > 1 and engine.device != "cpu":
+            devices = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if devices:
+                env["CUDA_VISIBLE_DEVICES"] = replica_devices(replica, engine.tensor_parallel_size, devices)
         if module == "api":
             metrics_dir = self.runtime_dir / "prometheus"
             metrics_dir.mkdir(exist_ok=True)
             env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         process = subprocess.Popen([sys.executable, "-m", f"pagoda.services.{module}"], env=env,
                                    preexec_fn=_die_with_parent)
-        self.children.append(Child(name, process, module, dict(overrides)))
+        self.children.append(Child(name, process, module, dict(overrides), replica=replica))
 
     def start(self) -> None:
         config = self.server_config
-        for rank in range(self.engine_config.tensor_parallel_size):
-            self._spawn(f"worker{rank}", "worker", worker_rank=rank)
-        self._spawn("scheduler", "scheduler")
+        for replica in range(config.data_parallel_size):
+            self.start_replica(replica)
         for index in range(config.tokenizer_workers):
             self._spawn(f"tokenizer{index}", "tokenizer", tokenizer_id=f"tokenizer{index}-{os.getpid()}")
         for index in range(config.api_workers):
             self._spawn(f"api{index}", "api", api_index=index)
+
+    def start_replica(self, replica: int) -> None:
+        """Replica r's worker rank(s) and scheduler, on its own endpoints (names suffixed -r{r} when D > 1)."""
+        prefix = f"r{replica}-" if self.server_config.data_parallel_size > 1 else ""
+        for rank in range(self.engine_config.tensor_parallel_size):
+            self._spawn(f"{prefix}worker{rank}", "worker", replica=replica, worker_rank=rank, replica_id=replica)
+        self._spawn(f"{prefix}scheduler", "scheduler", replica=replica, replica_id=replica)
+
+    def stop_replica(self, replica: int) -> list[Child]:
+        """Kill what is left of one replica (its peers already see it silent) and forget its processes."""
+        members = [child for child in self.children if child.replica == replica]
+        for child in members:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+            self.children.remove(child)
+        return members
+
+    def replica_failed(self, failed: Child, why: str) -> bool:
+        """With several replicas one replica's failure is not the server's: stop that replica, restart it with
+        --restart-on-failure (it rejoins: tokenizers and apis reconnect), else serve on with the others.
+        False when this does not apply (one replica) or no replica is left."""
+        if failed.replica is None or self.server_config.data_parallel_size == 1:
+            return False
+        replica = failed.replica
+        num_restarts = max(child.num_restarts for child in self.stop_replica(replica))
+        if self.server_config.restart_on_failure:
+            self.start_replica(replica)
+            for child in self.children:
+                if child.replica == replica:
+                    child.num_restarts = num_restarts + 1
+            print(f"pagoda: {failed.name} {why}; restarted replica {replica}", file=sys.stderr)
+            return True
+        self.down_replicas.add(replica)
+        alive = set(range(self.server_config.data_parallel_size)) - self.down_replicas
+        print(f"pagoda: {failed.name} {why}; replica {replica} is down, serving on replica(s) "
+              f"{sorted(alive) or 'none'}", file=sys.stderr)
+        return bool(alive)
 
     def wait_until_healthy(self) -> bool:
         url = f"http://{self._url_host()}:{self.server_config.port}/health"
@@ -168,6 +238,9 @@ class Launcher:
                 if self.server_config.restart_on_failure and failed.module in RESTARTABLE:
                     self.restart(failed, why)
                     continue
+                if failed.replica is not None and self.server_config.data_parallel_size > 1:
+                    if self.replica_failed(failed, why):
+                        continue
                 print(f"pagoda: {failed.name} {why}; stopping", file=sys.stderr)
                 return 1
             info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD], 0.5)
@@ -193,10 +266,17 @@ class Launcher:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
             return
         endpoints = self.server_config.endpoints()
-        for endpoint in [*endpoints.api, endpoints.scheduler, endpoints.plan, endpoints.result, endpoints.stats]:
+        for endpoint in [*endpoints.api, *self._replica_endpoints()]:
             if endpoint.startswith("ipc://"):  # a process killed mid-way leaves its socket file behind
                 Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         shutil.rmtree(self.runtime_dir / "prometheus", ignore_errors=True)
+
+    def _replica_endpoints(self) -> list[str]:
+        out = []
+        for replica in range(self.server_config.data_parallel_size):
+            config = replace(self.server_config, replica_id=replica)
+            out += [config.endpoint(name) for name in ("scheduler", "plan", "result", "stats")]
+        return out
 
     @staticmethod
     def _terminate(children: list[Child]) -> None:

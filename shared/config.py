@@ -21,6 +21,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales; fp8_block: scales per row and
 # 128 columns, activations per token and 128 columns (the layout and GEMM of 128x128 block-wise checkpoints)
 QUANTIZATIONS = ("fp8", "fp8_block")
+ROUTINGS = ("prefix", "round_robin", "random")  # how tokenizers pick an engine replica for a request
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
 
 
@@ -146,10 +147,19 @@ class ServerConfig:
     restart_on_failure: bool = False  # restart a dead or hung tokenizer or api process instead of stopping
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: by the model's family
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content
+    data_parallel_size: int = 1  # engine replicas (each a scheduler and its worker ranks) the launcher starts
+    replica_id: int = 0  # which replica a scheduler or worker process belongs to (its derived endpoints)
+    scheduler_endpoints: str | None = None  # comma-separated, one per replica (index = replica id); tokenizers
+    stats_endpoints: str | None = None  # comma-separated, one per replica (index = replica id); tokenizers, apis
+    routing: str = "prefix"  # prefix (cache affinity weighed against load) | round_robin | random
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
             raise ConfigError("tool_call_parser must be hermes, llama3_json or mistral", param="tool_call_parser")
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"routing must be one of {ROUTINGS}", param="routing")
+        if self.data_parallel_size < 1 or self.replica_id < 0:
+            raise ConfigError("data_parallel_size must be >= 1 and replica_id >= 0", param="data_parallel_size")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
             raise ConfigError("reasoning_parser must be qwen3 or deepseek_r1", param="reasoning_parser")
         for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes"):
@@ -171,10 +181,25 @@ class ServerConfig:
         value = getattr(self, f"{name}_endpoint")
         if value:
             return value
+        return self._derived_endpoint(name, self.replica_id)
+
+    def _derived_endpoint(self, name: str, replica_id: int) -> str:
         if not self.runtime_dir:
             raise ConfigError(f"{name}_endpoint is not set and there is no runtime_dir to derive it from",
                               param=f"{name}_endpoint")
-        return f"ipc://{self.runtime_dir}/{name}.sock"
+        if self.data_parallel_size == 1 and replica_id == 0:
+            return f"ipc://{self.runtime_dir}/{name}.sock"
+        return f"ipc://{self.runtime_dir}/{name}-r{replica_id}.sock"  # per replica: scheduler, plan, result, stats
+
+    def replica_endpoint_list(self, name: str) -> list[str]:
+        """The scheduler or stats address of every replica (list index = replica id): given as a
+        comma-separated list, or the one {name}_endpoint (a single replica), or derived from runtime_dir."""
+        listed = getattr(self, f"{name}_endpoints")
+        if listed:
+            return [e.strip() for e in listed.split(",") if e.strip()]
+        if self.data_parallel_size == 1:
+            return [self.endpoint(name)]
+        return [self._derived_endpoint(name, r) for r in range(self.data_parallel_size)]
 
     def api_endpoint_list(self) -> list[str]:
         """One address per api process; tokenizers connect to each."""
@@ -235,7 +260,13 @@ _HELP: dict[str, str] = {
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer --api-key-file or "
                "PAGODA_API_KEY)",
     "api_key_file": "read the API key from this file (or set PAGODA_API_KEY)",
-    "restart_on_failure": "restart a dead or hung tokenizer or api process (default: stop the server)",
+    "restart_on_failure": "restart a dead or hung tokenizer or api process, or a replica's scheduler and workers "
+                          "(default: stop the server; with several replicas the others keep serving)",
+    "data_parallel_size": "engine replicas (each a scheduler and its worker ranks; on a GPU host replica r "
+                          "takes GPUs r*T..r*T+T-1)",
+    "scheduler_endpoints": "comma-separated scheduler addresses, one per replica (tokenizers connect to each)",
+    "stats_endpoints": "comma-separated scheduler stats addresses, one per replica (tokenizers and apis)",
+    "routing": "how tokenizers pick a replica: prefix (cache affinity vs load), round_robin or random",
     "quantization": "fp8: e4m3 linear weights (per-channel scales, quantized at load; FP8 checkpoints load as "
                     "they ship whatever this says)",
     "kv_cache_dtype": "auto (the model dtype) or fp8: e4m3 KV cache with per-layer K/V scales from the checkpoint, "

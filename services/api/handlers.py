@@ -28,7 +28,7 @@ from pagoda.services.api.schemas import (
     decode_body,
     prompt_bytes,
 )
-from pagoda.services.api.stats import StatsFeed
+from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.services.tokenizer.tools import default_tool_parser
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
@@ -61,7 +61,7 @@ class ApiState:
     served_model_name: str
     model_names: frozenset[str]  # names a request may use for the one model served
     pool: TokenizerPool
-    stats: StatsFeed
+    stats: ReplicaStatsFeed
     metrics: ApiMetrics
     started: int  # time.time() at start, the models' "created"
     shutting_down: bool = False
@@ -242,7 +242,8 @@ class Handlers:
         problems = self.health_problems()
         if problems:
             return json_response({"status": "unavailable", "problems": problems}, status=503)
-        return json_response({"status": "ok"})
+        down = self.state.stats.down()  # engine replicas not serving (several replicas: the others do)
+        return json_response({"status": "ok", "replicas_down": down} if down else {"status": "ok"})
 
     def health_problems(self) -> list[str]:
         state = self.state

@@ -24,49 +24,70 @@ E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 
                  240.0, 480.0, 960.0, 1920.0)
 
 
+PerReplica = Callable[[], list[tuple[str, SchedulerStats]]]
+
+
 class SnapshotCollector:
     """Scheduler gauges and counters read from the latest snapshot at scrape time.
 
-    Every api process sees the same snapshot, so these are never summed across processes.
+    Every api process sees the same snapshot, so these are never summed across processes. With several
+    engine replicas (per_replica lists more than one) each series carries a `replica` label instead.
     """
 
-    def __init__(self, latest: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, latest: Callable[[], SchedulerStats | None], per_replica: PerReplica | None = None) -> None:
         self._latest = latest
+        self._per_replica = per_replica
 
     def collect(self) -> Iterator[Metric]:
+        replicas = self._per_replica() if self._per_replica is not None else []
+        if self._per_replica is not None and (len(replicas) > 1 or (replicas and replicas[0][0] != "0")):
+            yield from _families(replicas, labelled=True)
+            return
         stats = self._latest()
         if stats is None:
             return  # nothing known yet: absent, not a fake zero
-        gauges = (("pagoda_num_requests_running", "Requests the scheduler is running", stats.num_running),
-                  ("pagoda_num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
-                  ("pagoda_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", stats.kv_cache_usage),
-                  ("pagoda_kv_blocks_free", "Free KV cache blocks", stats.kv_blocks_free),
-                  ("pagoda_kv_blocks_total", "KV cache blocks in all", stats.kv_blocks_total))
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        # CounterMetricFamily appends the _total suffix itself.
-        counters = (("pagoda_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
-                     stats.prefix_hit_tokens_total),
-                    ("pagoda_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
-                     stats.prefix_query_tokens_total),
-                    ("pagoda_num_preemptions", "Sequences preempted for lack of KV blocks",
-                     stats.num_preemptions_total),
-                    ("pagoda_prompt_tokens", "Prompt tokens computed", stats.prompt_tokens_total),
-                    ("pagoda_generation_tokens", "Tokens generated", stats.generation_tokens_total))
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
-        per_tokenizer = CounterMetricFamily("pagoda_tokenizer_requests", "Requests each tokenizer process sent",
-                                            labels=["tokenizer"])
+        yield from _families([("", stats)], labelled=False)
+
+
+def _families(replicas: list[tuple[str, SchedulerStats]], labelled: bool) -> Iterator[Metric]:
+    labels = ["replica"] if labelled else None
+    gauges = (("pagoda_num_requests_running", "Requests the scheduler is running", "num_running"),
+              ("pagoda_num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
+              ("pagoda_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", "kv_cache_usage"),
+              ("pagoda_kv_blocks_free", "Free KV cache blocks", "kv_blocks_free"),
+              ("pagoda_kv_blocks_total", "KV cache blocks in all", "kv_blocks_total"))
+    # CounterMetricFamily appends the _total suffix itself.
+    counters = (("pagoda_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                 "prefix_hit_tokens_total"),
+                ("pagoda_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                 "prefix_query_tokens_total"),
+                ("pagoda_num_preemptions", "Sequences preempted for lack of KV blocks", "num_preemptions_total"),
+                ("pagoda_prompt_tokens", "Prompt tokens computed", "prompt_tokens_total"),
+                ("pagoda_generation_tokens", "Tokens generated", "generation_tokens_total"))
+    for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, doc, attr in table:
+            if not labelled:
+                yield kind(name, doc, value=getattr(replicas[0][1], attr))
+                continue
+            family = kind(name, doc, labels=labels)
+            for replica_id, stats in replicas:
+                family.add_metric([replica_id], getattr(stats, attr))
+            yield family
+    per_tokenizer = CounterMetricFamily("pagoda_tokenizer_requests", "Requests each tokenizer process sent",
+                                        labels=["tokenizer", "replica"] if labelled else ["tokenizer"])
+    tokenizers: set[str] = set()
+    for replica_id, stats in replicas:
         for tokenizer_id, count in zip(stats.tokenizer_ids, stats.tokenizer_requests_total, strict=False):
-            per_tokenizer.add_metric([tokenizer_id], count)
-        yield per_tokenizer
-        yield GaugeMetricFamily("pagoda_num_tokenizers", "Live tokenizer processes", value=len(stats.tokenizer_ids))
+            per_tokenizer.add_metric([tokenizer_id, replica_id] if labelled else [tokenizer_id], count)
+            tokenizers.add(tokenizer_id)
+    yield per_tokenizer
+    yield GaugeMetricFamily("pagoda_num_tokenizers", "Live tokenizer processes", value=len(tokenizers))
 
 
 class ApiMetrics:
     """This process's metrics and the registry /metrics renders."""
 
-    def __init__(self, latest: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, latest: Callable[[], SchedulerStats | None], per_replica: PerReplica | None = None) -> None:
         self.registry = CollectorRegistry()
         multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         if multiprocess:
@@ -81,7 +102,7 @@ class ApiMetrics:
                              buckets=E2E_BUCKETS_S, registry=own)
         self.http_requests = Counter("pagoda_http_requests", "HTTP requests answered", ["route", "status"],
                                      registry=own)
-        self.registry.register(SnapshotCollector(latest))
+        self.registry.register(SnapshotCollector(latest, per_replica))
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, in the format the scraper asked for."""

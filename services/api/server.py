@@ -15,7 +15,7 @@ from pagoda.services.api.app import build_app
 from pagoda.services.api.handlers import ApiState
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import TokenizerPool
-from pagoda.services.api.stats import StatsFeed
+from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.shared.config import EngineConfig, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,10 @@ def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
 def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, config: ServerConfig) -> ApiState:
     name = served_model_name(engine_config, config)
     pool = TokenizerPool(context, config.api_endpoint_list()[config.api_index], config)
-    stats = StatsFeed(context, config.endpoint("stats"))
+    stats = ReplicaStatsFeed(context, config.replica_endpoint_list("stats"), config.heartbeat_timeout)
     return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
-                    pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest), started=int(time.time()))
+                    pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
+                    started=int(time.time()))
 
 
 async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:

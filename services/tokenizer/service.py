@@ -18,6 +18,7 @@ import zmq
 
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import advance
+from pagoda.services.tokenizer.replicas import ReplicaSet
 from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
@@ -69,12 +70,17 @@ SCHEDULER_UNAVAILABLE = "the scheduler is not available; try again later"
 API_HELLO_EVERY = 4  # heartbeats to the apis per hello (registration) sent in their place
 
 
-def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], str]:
-    """The api and scheduler addresses (the only ones this process uses)."""
+def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], list[str]]:
+    """The api addresses and every replica's scheduler address (the only ones this process uses)."""
     apis = config.api_endpoint_list()
     if not apis:
         raise ConfigError("no api endpoint to connect to", param="api_endpoints")
-    return apis, config.endpoint("scheduler")
+    return apis, config.replica_endpoint_list("scheduler")
+
+
+def stats_endpoints(config: ServerConfig, num_replicas: int) -> list[str]:
+    """Every replica's stats address, needed only to route by prefix across several replicas."""
+    return config.replica_endpoint_list("stats") if config.routing == "prefix" and num_replicas > 1 else []
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,7 +201,7 @@ class TokenizerService:
     """One tokenizer process: a DEALER per api and one to the scheduler, served by one poll loop."""
 
     def __init__(self, server_config: ServerConfig, tokenizer: Tokenizer | None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, block_size: int = 16) -> None:
         # A random part: a restarted container has the same host name and often the same pid, and its
         # peers must not mistake it for the process that owned the requests they still wait on.
         self.tokenizer_id = server_config.tokenizer_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -203,19 +209,25 @@ class TokenizerService:
         self._interval = server_config.heartbeat_interval
         self._timeout = server_config.heartbeat_timeout
         self._max_waiting = server_config.max_inflight_requests
-        api_endpoints, scheduler_endpoint = tokenizer_endpoints(server_config)
+        api_endpoints, scheduler_endpoints = tokenizer_endpoints(server_config)
         self._own_context = context is None
         self._context = context or zmq.Context()
         identity = self.tokenizer_id.encode()
         self._apis = [make_socket(self._context, zmq.DEALER, endpoint, bind=False, identity=identity)
                       for endpoint in api_endpoints]
-        self._scheduler = make_socket(self._context, zmq.DEALER, scheduler_endpoint, bind=False, identity=identity)
+        self._replicas = ReplicaSet.connect(self._context, scheduler_endpoints,
+                                            stats_endpoints(server_config, len(scheduler_endpoints)), identity,
+                                            server_config.routing, block_size, self._timeout)
         self._api_in: Codec[ApiToTokenizer] = Codec(ApiToTokenizer)
         self._api_out: Codec[TokenizerToApi] = Codec(TokenizerToApi)
         self._scheduler_in: Codec[SchedulerToTokenizer] = Codec(SchedulerToTokenizer)
         self._scheduler_out: Codec[TokenizerToScheduler] = Codec(TokenizerToScheduler)
         self._poller = zmq.Poller()
-        self._handlers: dict[zmq.Socket, Callable[[Any], None]] = {self._scheduler: self._on_scheduler_frame}
+        self._handlers: dict[zmq.Socket, Callable[[Any], None]] = {}
+        for replica in self._replicas.replicas:
+            self._handlers[replica.sock] = lambda frame, i=replica.index: self._on_scheduler_frame(frame, i)
+            if replica.stats_sock is not None:
+                self._handlers[replica.stats_sock] = lambda frame, i=replica.index: self._replicas.on_stats(i, frame)
         for index, sock in enumerate(self._apis):
             self._handlers[sock] = lambda frame, index=index: self._on_api_frame(index, frame)
         for sock in self._handlers:
@@ -227,16 +239,13 @@ class TokenizerService:
         self._requests: dict[str, RequestState] = {}
         self._waiting: deque[Waiting] = deque()
         self._model_info: ModelInfo | None = None
-        self._scheduler_heard_at: float | None = None  # None: not heard since start, or since it was lost
-        self._scheduler_lost = False  # True: taken for dead; the next word from it gets a fresh hello
-        self._scheduler_sender: str | None = None  # its heartbeats' sender: a new one means it restarted
         self._next_heartbeat = 0.0
         self._num_beats = 0
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
         self._grammars = LazyGrammarChecker(tokenizer)  # llguidance's tokenizer builds in the background
         self._reasoning_parser = server_config.reasoning_parser
         self._stopping = False
-        log.info("tokenizer %s: apis %s, scheduler %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoint,
+        log.info("tokenizer %s: apis %s, schedulers %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoints,
                  f"tokenizer {tokenizer.path}" if tokenizer is not None else "no tokenizer (token ids only)")
 
     # ---------------------------------------------------------------- loop
@@ -278,8 +287,9 @@ class TokenizerService:
         if now >= self._next_heartbeat:
             self._send_heartbeats()
             self._next_heartbeat = now + self._interval
-        if self._scheduler_heard_at is not None and now - self._scheduler_heard_at > self._timeout:
-            self._lose_scheduler(f"the scheduler has not answered for {self._timeout:g} s")
+        for replica in self._replicas.replicas:
+            if replica.heard_at is not None and now - replica.heard_at > self._timeout:
+                self._lose_scheduler(f"the scheduler has not answered for {self._timeout:g} s", replica.index)
         while self._waiting and now - self._waiting[0].received_at > self._timeout:
             waiting = self._waiting.popleft()
             self._fail(waiting.api, waiting.message.request_id,
@@ -297,13 +307,17 @@ class TokenizerService:
             _send(sock, data)
         # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
         # only registers a tokenizer on its hello (it answers each with ModelInfo, so repeats are harmless).
-        self._send_scheduler(beat if self._model_info is not None else TokenizerHello(self.tokenizer_id, os.getpid()))
+        hello_data = self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid()))
+        beat_data = self._scheduler_out.encode(beat)
+        for replica in self._replicas.replicas:
+            _send(replica.sock, beat_data if replica.model_info is not None else hello_data)
+        self._replicas.prune(self._requests)
 
     def _shutdown(self) -> None:
         self._fail_all(ServerOverloadedError("the server is shutting down"))
         self._offload.close()
         for sock in self._handlers:
-            sock.close(linger=CLOSE_LINGER_MS)
+            sock.close(linger=CLOSE_LINGER_MS)  # the replicas' sockets are among them
         if self._own_context:
             self._context.term()
         log.info("tokenizer %s stopped", self.tokenizer_id)
@@ -403,10 +417,11 @@ class TokenizerService:
         streams: list[TextStream | None] = [TextStream(self._tokenizer, prompt.token_ids, params)
                                             for _ in range(params.n)]
         first_token = prompt.token_ids[0] if params.prompt_logprobs is not None else -1
+        replica = self._replicas.route(request_id, prompt.token_ids)  # raises (503) when none is live
         self._requests[request_id] = RequestState(api, params, streams, params.n, first_token,
                                                   request.return_token_ids or self._tokenizer is None)
-        self._send_scheduler(AddRequest(request_id, prompt.token_ids, params, request.priority,
-                                        request.arrival_time))
+        _send(replica.sock, self._scheduler_out.encode(AddRequest(request_id, prompt.token_ids, params,
+                                                                  request.priority, request.arrival_time)))
         echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else []))
@@ -478,15 +493,15 @@ class TokenizerService:
 
     # ---------------------------------------------------------------- scheduler -> tokenizer
 
-    def _on_scheduler_frame(self, frame: Any) -> None:
+    def _on_scheduler_frame(self, frame: Any, replica: int = 0) -> None:
         message = self._scheduler_in.decode(frame)
         if message is None:
             return
-        self._heard_from_scheduler(message)
+        self._heard_from_scheduler(message, replica)
         if isinstance(message, TokenDeltas):
             self._on_token_deltas(message)
         elif isinstance(message, ModelInfo):
-            self._on_model_info(message)
+            self._on_model_info(message, replica)
         elif isinstance(message, RequestFailed):
             state = self._requests.pop(message.request_id, None)
             if state is not None:
@@ -494,32 +509,46 @@ class TokenizerService:
         elif not isinstance(message, Heartbeat):
             log.warning("dropped an unexpected %s from the scheduler", type(message).__name__)
 
-    def _heard_from_scheduler(self, message: SchedulerToTokenizer) -> None:
+    def _heard_from_scheduler(self, message: SchedulerToTokenizer, index: int = 0) -> None:
+        replica = self._replicas.replicas[index]
         if isinstance(message, Heartbeat):
-            if self._scheduler_sender is not None and message.sender != self._scheduler_sender:
-                self._lose_scheduler(f"the scheduler restarted ({self._scheduler_sender} -> {message.sender})")
-            self._scheduler_sender = message.sender
-        if self._scheduler_lost:
-            log.info("the scheduler is back: registering again")
-            self._scheduler_lost = False
-            self._send_scheduler(TokenizerHello(self.tokenizer_id, os.getpid()))
-        self._scheduler_heard_at = time.monotonic()
+            if replica.sender is not None and message.sender != replica.sender:
+                self._lose_scheduler(f"the scheduler restarted ({replica.sender} -> {message.sender})", index)
+            replica.sender = message.sender
+        if replica.lost:
+            log.info("scheduler %d is back: registering again", index)
+            replica.lost = False
+            _send(replica.sock, self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid())))
+        replica.heard_at = time.monotonic()
 
-    def _on_model_info(self, info: ModelInfo) -> None:
-        if info != self._model_info:
-            log.info("registered with the scheduler: %s", info)
+    def _on_model_info(self, info: ModelInfo, index: int = 0) -> None:
+        replica = self._replicas.replicas[index]
+        if info != replica.model_info:
+            log.info("registered with scheduler %d: %s", index, info)
+        replica.model_info = info
         self._model_info = info
         waiting, self._waiting = self._waiting, deque()
         for entry in waiting:
             self._dispatch_api(entry.api, entry.message)
 
-    def _lose_scheduler(self, reason: str) -> None:
-        """Fail what is in flight; new requests wait for the scheduler to register this process again."""
-        log.warning("%s: failing %d in-flight requests", reason, len(self._requests))
-        self._fail_all(ServerOverloadedError(reason))
-        self._model_info = None
-        self._scheduler_heard_at = None
-        self._scheduler_lost = True
+    def _lose_scheduler(self, reason: str, index: int = 0) -> None:
+        """Fail what is in flight on that replica; new requests go to the others, or wait for one to register
+        this process again when none is left."""
+        replica = self._replicas.replicas[index]
+        replica.model_info, replica.heard_at, replica.lost = None, None, True
+        if len(self._replicas.replicas) > 1:
+            reason = f"replica {index}: {reason}"
+        self._model_info = self._replicas.model_info()
+        if self._model_info is None:
+            log.warning("%s: failing %d in-flight requests", reason, len(self._requests))
+            self._fail_all(ServerOverloadedError(reason))
+            return
+        owned = [rid for rid in self._replicas.owned_by(index) if rid in self._requests]
+        log.warning("%s: failing its %d in-flight requests", reason, len(owned))
+        for request_id in owned:
+            state = self._requests.pop(request_id)
+            self._fail(state.api, request_id, ServerOverloadedError(reason))
+            _send(replica.sock, self._scheduler_out.encode(AbortRequest(request_id)))  # it may only be slow
 
     def _on_token_deltas(self, message: TokenDeltas) -> None:
         """One step's columns in, one TextDeltas per api out (a step carries up to max_num_seqs rows)."""
@@ -650,7 +679,17 @@ class TokenizerService:
         _send(self._apis[api], self._api_out.encode(message))
 
     def _send_scheduler(self, message: Any) -> None:
-        _send(self._scheduler, self._scheduler_out.encode(message))
+        """A request's abort or stop goes to the replica that owns it; anything else to every replica."""
+        data = self._scheduler_out.encode(message)
+        request_id = getattr(message, "request_id", None)
+        owner = self._replicas.owner_of(request_id) if request_id is not None else None
+        if owner is not None:
+            _send(owner.sock, data)
+            return
+        if request_id is not None:
+            return  # never routed (failed before it reached a replica): nobody to tell
+        for replica in self._replicas.replicas:
+            _send(replica.sock, data)
 
 
 def _send(sock: zmq.Socket, data: bytes) -> None:
@@ -663,7 +702,7 @@ def _send(sock: zmq.Socket, data: bytes) -> None:
 
 def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight requests then get a 503."""
-    service = TokenizerService(server_config, load_tokenizer(engine_config))
+    service = TokenizerService(server_config, load_tokenizer(engine_config), block_size=engine_config.block_size)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

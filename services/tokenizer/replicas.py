@@ -1,0 +1,138 @@
+"""A tokenizer's view of the engine replicas: one DEALER per scheduler, their liveness, their load (from
+each scheduler's stats socket), which replica owns each request, and the routing of new requests.
+
+Replica ids are the indices of the scheduler endpoint list (the same list order in every tokenizer and api).
+A replica counts as live while it is registered (it sent ModelInfo since it was last lost); the service
+marks it lost when it falls silent past the heartbeat timeout, and it is live again on its next ModelInfo.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from pagoda.services.tokenizer.routing import ReplicaLoad, RoutingConfig, choose_replica, replica_load
+from pagoda.shared.errors import ConfigError, ServerOverloadedError
+from pagoda.shared.messages import ModelInfo, SchedulerStats, SchedulerToApi
+from pagoda.shared.transport import Codec, make_socket
+
+log = logging.getLogger(__name__)
+
+ROUTINGS = ("prefix", "round_robin", "random")
+UNKNOWN_FREE_BLOCKS = 1 << 30  # a replica without stats yet is not held back for lack of KV blocks
+
+
+@dataclass(slots=True)
+class Replica:
+    index: int
+    sock: Any  # zmq DEALER to its scheduler
+    stats_sock: Any | None = None  # zmq SUB to its stats (prefix routing over several replicas only)
+    heard_at: float | None = None  # None: not heard since start, or since it was lost
+    lost: bool = False  # taken for dead; the next word from it gets a fresh hello
+    sender: str | None = None  # its heartbeats' sender: a new one means it restarted
+    model_info: ModelInfo | None = None  # set while registered
+    stats: SchedulerStats | None = None
+    stats_at: float | None = None  # time.monotonic() of `stats`
+    routed_since_stats: int = 0
+
+    @property
+    def replica_id(self) -> str:
+        return str(self.index)
+
+
+@dataclass(slots=True)
+class ReplicaSet:
+    replicas: list[Replica]
+    routing: str = "prefix"
+    routing_config: RoutingConfig = field(default_factory=RoutingConfig)
+    heartbeat_timeout: float = 5.0
+    owner: dict[str, int] = field(default_factory=dict)  # request id -> replica index
+    _next_round_robin: int = 0
+    _rng: random.Random = field(default_factory=random.Random)
+    _stats_codec: Codec[SchedulerToApi] = field(default_factory=lambda: Codec(SchedulerToApi))
+
+    @classmethod
+    def connect(cls, context: zmq.Context, scheduler_endpoints: Sequence[str], stats_endpoints: Sequence[str],
+                identity: bytes, routing: str, block_size: int, heartbeat_timeout: float) -> ReplicaSet:
+        assert routing in ROUTINGS, routing
+        use_stats = routing == "prefix" and len(scheduler_endpoints) > 1
+        if use_stats and len(stats_endpoints) != len(scheduler_endpoints):
+            raise ConfigError(f"{len(scheduler_endpoints)} scheduler endpoints but {len(stats_endpoints)} stats "
+                              "endpoints: prefix routing needs one of each per replica", param="stats_endpoints")
+        replicas = []
+        for index, endpoint in enumerate(scheduler_endpoints):
+            sock = make_socket(context, zmq.DEALER, endpoint, bind=False, identity=identity)
+            stats_sock = make_socket(context, zmq.SUB, stats_endpoints[index], bind=False) if use_stats else None
+            replicas.append(Replica(index, sock, stats_sock))
+        return cls(replicas, routing, RoutingConfig(block_size=block_size), heartbeat_timeout)
+
+    def sockets(self) -> list[Any]:
+        return [r.sock for r in self.replicas] + [r.stats_sock for r in self.replicas if r.stats_sock is not None]
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.model_info is not None and not r.lost]
+
+    def model_info(self) -> ModelInfo | None:
+        """What a live replica said about the model (every replica serves the same one)."""
+        return next((r.model_info for r in self.live()), None)
+
+    def on_stats(self, index: int, frame: Any) -> None:
+        stats = self._stats_codec.decode(frame)
+        if isinstance(stats, SchedulerStats):
+            replica = self.replicas[index]
+            replica.stats, replica.stats_at, replica.routed_since_stats = stats, time.monotonic(), 0
+
+    def route(self, request_id: str, prompt_ids: Sequence[int]) -> Replica:
+        """The replica for a new request (recorded as its owner); ServerOverloadedError if none is live."""
+        live = self.live()
+        if not live:
+            raise ServerOverloadedError("no engine replica is available; try again later", code="no_replica")
+        if len(live) == 1:
+            chosen = live[0]
+        elif self.routing == "random":
+            chosen = self._rng.choice(live)
+        elif self.routing == "round_robin":
+            chosen = live[self._next_round_robin % len(live)]
+            self._next_round_robin += 1
+        else:
+            chosen = self._by_prefix(live, prompt_ids)
+        chosen.routed_since_stats += 1
+        self.owner[request_id] = chosen.index
+        return chosen
+
+    def _by_prefix(self, live: list[Replica], prompt_ids: Sequence[int]) -> Replica:
+        now = time.monotonic()
+        loads = []
+        for r in live:
+            age = None if r.stats_at is None else now - r.stats_at
+            # Registered but no fresh stats yet (just joined): live, loaded only by what we sent it.
+            fresh = age is not None and age <= self.heartbeat_timeout
+            loads.append(replica_load(r.replica_id, r.stats, age, self.heartbeat_timeout) if fresh
+                         else ReplicaLoad(r.replica_id, 0, 0, UNKNOWN_FREE_BLOCKS, UNKNOWN_FREE_BLOCKS))
+        if not any(load.alive for load in loads):  # e.g. every worker reports not ready: registration decides
+            loads = [ReplicaLoad(r.replica_id, 0, 0, UNKNOWN_FREE_BLOCKS, UNKNOWN_FREE_BLOCKS) for r in live]
+        routed = {r.replica_id: r.routed_since_stats for r in live}
+        chosen = choose_replica(prompt_ids, loads, self.routing_config, routed)
+        return self.replicas[int(chosen)]
+
+    def owner_of(self, request_id: str) -> Replica | None:
+        index = self.owner.get(request_id)
+        return None if index is None else self.replicas[index]
+
+    def owned_by(self, index: int) -> list[str]:
+        return [request_id for request_id, owner in self.owner.items() if owner == index]
+
+    def prune(self, in_flight: Any) -> None:
+        """Forget owners of requests no longer in flight (finished, failed or aborted)."""
+        for request_id in [rid for rid in self.owner if rid not in in_flight]:
+            del self.owner[request_id]
+
+    def close(self, linger_ms: int) -> None:
+        for sock in self.sockets():
+            sock.close(linger=linger_ms)

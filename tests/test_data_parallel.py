@@ -1,0 +1,284 @@
+"""Data-parallel replicas: endpoints per replica, routing over several schedulers (prefix affinity vs
+round-robin vs random, on a simulated LRU prefix cache), per-replica metrics and health, and the real
+processes (`pagoda serve --data-parallel-size 2` with SmolLM2): spread, prefix hits, kill -9 of a replica."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from pagoda.bench.data_parallel import Server, serving, system_prompt, wait_for_replicas
+from pagoda.launcher import replica_devices
+from pagoda.services.api.metrics import SnapshotCollector
+from pagoda.services.api.stats import combine_stats
+from pagoda.services.tokenizer.replicas import Replica, ReplicaSet
+from pagoda.services.tokenizer.routing import RoutingConfig
+from pagoda.shared.config import ServerConfig
+from pagoda.shared.errors import ServerOverloadedError
+from pagoda.shared.messages import ModelInfo, SchedulerStats
+
+BLOCK = 16
+INFO = ModelInfo(max_model_len=1024, vocab_size=1000, max_num_tokens=4096, eos_token_ids=[0])
+
+
+# -------------------------------------------------------------------------------------------- config
+
+
+def test_replica_endpoints_are_derived_per_replica_and_listed_for_tokenizers() -> None:
+    single = ServerConfig(runtime_dir="/run/p")
+    assert single.replica_endpoint_list("scheduler") == ["ipc:///run/p/scheduler.sock"]  # unchanged for D=1
+    config = ServerConfig(runtime_dir="/run/p", data_parallel_size=2)
+    assert config.replica_endpoint_list("stats") == ["ipc:///run/p/stats-r0.sock", "ipc:///run/p/stats-r1.sock"]
+    replica1 = ServerConfig(runtime_dir="/run/p", data_parallel_size=2, replica_id=1)
+    assert replica1.endpoint("plan") == "ipc:///run/p/plan-r1.sock"
+    listed = ServerConfig(scheduler_endpoints="tcp://a:1, tcp://b:2")
+    assert listed.replica_endpoint_list("scheduler") == ["tcp://a:1", "tcp://b:2"]
+
+
+def test_replica_devices_take_consecutive_groups_of_visible_gpus_and_wrap() -> None:
+    devices = ["4", "5", "6", "7"]
+    assert replica_devices(0, 1, devices) == "4" and replica_devices(1, 2, devices) == "6,7"
+    assert replica_devices(1, 1, ["0"]) == "0"  # one GPU, two replicas: they share it
+    assert replica_devices(0, 1, []) == ""
+
+
+# -------------------------------------------------------------------------------------------- routing
+
+
+def _replicas(num: int, routing: str) -> ReplicaSet:
+    replicas = [Replica(i, sock=None, model_info=INFO) for i in range(num)]
+    return ReplicaSet(replicas, routing, RoutingConfig(block_size=BLOCK), heartbeat_timeout=5.0)
+
+
+def _token_workload(num_system: int, num_turns: int) -> list[tuple[int, list[int]]]:
+    """(system prompt, token ids): 10-block system prompts, 1-2 block user turns; turn by turn (every system
+    prompt's turn t before any turn t+1), the system prompts shuffled within a turn."""
+    systems = [[random.Random(s).randrange(1, 1000) for _ in range(10 * BLOCK)] for s in range(num_system)]
+    out = []
+    for t in range(num_turns):
+        order = list(range(num_system))
+        random.Random(t).shuffle(order)
+        out += [(s, systems[s] + [random.Random(s * 1000 + t).randrange(1, 1000) for _ in range(20)]) for s in order]
+    return out
+
+
+def _simulated_hit_rate(routing: str, num_replicas: int, blocks_per_replica: int) -> float:
+    """Prefix-cache hits over the workload with one LRU cache of full blocks per replica (the block manager's
+    policy, one request at a time)."""
+    replica_set = _replicas(num_replicas, routing)
+    caches: list[OrderedDict[tuple[int, ...], None]] = [OrderedDict() for _ in range(num_replicas)]
+    hits = queries = 0
+    for number, (_, prompt) in enumerate(_token_workload(8, 32)):
+        cache = caches[replica_set.route(f"r{number}", prompt).index]
+        for replica in replica_set.replicas:  # one at a time: the request finished before the next
+            replica.routed_since_stats = 0
+        blocks = [tuple(prompt[:end]) for end in range(BLOCK, len(prompt) + 1, BLOCK)]
+        queries += len(prompt)
+        for block in blocks:
+            if block not in cache:
+                break
+            hits += BLOCK
+        for block in blocks:
+            cache[block] = None
+            cache.move_to_end(block)
+            while len(cache) > blocks_per_replica:
+                cache.popitem(last=False)
+    return hits / queries
+
+
+def test_prefix_routing_keeps_the_hit_rate_of_one_replica_and_beats_round_robin_and_random() -> None:
+    # The same memory in all: one replica with 2C blocks, or two with C, where C holds 7 of the 8 system prompts
+    # (11 blocks each with a turn): rendezvous hashing puts 6 of them on one replica here.
+    blocks = 7 * 11
+    single = _simulated_hit_rate("prefix", 1, 2 * blocks)
+    prefix = _simulated_hit_rate("prefix", 2, blocks)
+    round_robin = _simulated_hit_rate("round_robin", 2, blocks)
+    randomly = _simulated_hit_rate("random", 2, blocks)
+    assert single > 0.5
+    assert prefix >= 0.9 * single
+    assert prefix > 1.2 * max(round_robin, randomly), (prefix, round_robin, randomly)
+
+
+def test_one_system_prompt_stays_on_one_replica_and_both_replicas_are_used() -> None:
+    replica_set = _replicas(2, "prefix")
+    homes: dict[int, set[int]] = {}
+    for number, (system, prompt) in enumerate(_token_workload(8, 4)):
+        homes.setdefault(system, set()).add(replica_set.route(f"r{number}", prompt).index)
+    assert all(len(home) == 1 for home in homes.values())
+    assert {next(iter(home)) for home in homes.values()} == {0, 1}
+
+
+def test_a_lost_replica_gets_no_requests_and_none_left_is_503() -> None:
+    replica_set = _replicas(2, "prefix")
+    replica_set.replicas[0].lost = True
+    assert {replica_set.route(f"r{n}", prompt).index for n, (_, prompt) in enumerate(_token_workload(8, 1))} == {1}
+    assert replica_set.owned_by(1) and not replica_set.owned_by(0)
+    replica_set.replicas[1].model_info = None
+    with pytest.raises(ServerOverloadedError):
+        replica_set.route("late", [1] * 40)
+
+
+# -------------------------------------------------------------------------------------------- metrics
+
+
+def _stats(running: int, hits: int, alive: bool = True, tokenizers: tuple[str, ...] = ("t0",)) -> SchedulerStats:
+    return SchedulerStats(time=0.0, num_running=running, num_waiting=1, kv_blocks_free=10, kv_blocks_total=20,
+                          kv_cache_usage=0.5, prefix_hit_tokens_total=hits, prefix_query_tokens_total=100,
+                          num_preemptions_total=0, prompt_tokens_total=100, generation_tokens_total=5,
+                          num_steps_total=3, worker_ready=True, worker_alive=alive,
+                          tokenizer_ids=list(tokenizers), tokenizer_requests_total=[2] * len(tokenizers))
+
+
+def test_metrics_carry_a_replica_label_with_several_replicas() -> None:
+    collector = SnapshotCollector(lambda: None, lambda: [("0", _stats(3, 40)), ("1", _stats(5, 60))])
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in collector.collect() for s in family.samples}
+    assert samples[("pagoda_num_requests_running", (("replica", "0"),))] == 3
+    assert samples[("pagoda_num_requests_running", (("replica", "1"),))] == 5
+    assert samples[("pagoda_prefix_cache_hit_tokens_total", (("replica", "1"),))] == 60
+    single = SnapshotCollector(lambda: _stats(3, 40), lambda: [("0", _stats(3, 40))])
+    names = {(s.name, tuple(s.labels)) for family in single.collect() for s in family.samples}
+    assert ("pagoda_num_requests_running", ()) in names  # one replica: the series as before
+
+
+def test_combined_stats_sum_replicas_and_stay_alive_while_one_is() -> None:
+    combined = combine_stats([_stats(3, 40, alive=False), _stats(5, 60, tokenizers=("t0", "t1"))])
+    assert (combined.num_running, combined.prefix_hit_tokens_total, combined.kv_blocks_total) == (8, 100, 40)
+    assert combined.worker_alive and combined.tokenizer_ids == ["t0", "t1"]
+    assert combined.tokenizer_requests_total == [4, 2]
+
+
+# -------------------------------------------------------------------------------------------- processes
+
+
+def _replica_pids(server: Server, service: str, replica: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
+        if (parent == str(server.process.pid) and f"pagoda.services.{service}" in cmdline
+                and f"PAGODA_REPLICA_ID={replica}".encode() in environ):
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: Path) -> None:
+    with serving(str(smollm2_dir), "--data-parallel-size", "2", "--max-model-len", "1024",
+                 "--heartbeat-timeout", "2", "--num-kv-blocks", "128") as server:
+        wait_for_replicas(server)
+        # Spread and affinity: 4 system prompts x 2 turns, one at a time.
+        prompts = [f"{system_prompt(s)}User turn {t}: hello.\nAnswer:" for t in range(2) for s in range(4)]
+        for prompt in prompts:
+            assert server.complete(prompt, 1)[0] == 200
+        time.sleep(0.6)  # two stats periods (0.25 s): the last prefill is in the scheduler's counters
+        prompt_tokens = server.metric_by_replica("pagoda_prompt_tokens_total")
+        assert prompt_tokens.keys() == {"0", "1"} and min(prompt_tokens.values()) > 0, prompt_tokens
+        sums = server.metric_sums()
+        hit_rate = sums["pagoda_prefix_cache_hit_tokens_total"] / sums["pagoda_prefix_cache_query_tokens_total"]
+        assert hit_rate > 0.35, hit_rate  # the second turns (half the tokens) find their system prompt
+
+        # kill -9 one replica's scheduler with requests in flight on both.
+        work = [f"{system_prompt(s)}Write a long story number {n}." for n in range(2) for s in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
+            futures = [pool.submit(_timed_completion, server, prompt) for prompt in work]
+            deadline = time.monotonic() + 60
+            while min(server.metric_by_replica("pagoda_num_requests_running").values() or [0]) == 0:
+                assert time.monotonic() < deadline, "requests never ran on both replicas"
+                time.sleep(0.05)  # polling /metrics: nothing to wait on instead
+            victim = _replica_pids(server, "scheduler", 1)
+            assert len(victim) == 1
+            os.kill(victim[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = [future.result() for future in futures]
+        failed = [(status, ended) for status, ended in results if status != 200]
+        assert failed and len(failed) < len(results), results  # replica 1's failed, replica 0's completed
+        assert all(status == 503 and ended - killed_at < 5.0 for status, ended in failed), (failed, killed_at)
+        status, body = server.get("/health")
+        assert status == 200 and "replica 1" in body, body
+        assert all(server.complete(f"{system_prompt(s)}After the kill.", 2)[0] == 200 for s in range(4))
+        assert server.process.poll() is None  # the launcher serves on with the survivor
+
+
+def _timed_completion(server: Server, prompt: str) -> tuple[int, float]:
+    status, _ = server.complete(prompt, 48)
+    return status, time.monotonic()
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(tmp_path: Path) -> None:
+    """A TokenizerService in this process (no tokenizer: token-id prompts) with two fake schedulers."""
+    import zmq
+
+    from pagoda.services.tokenizer.service import TokenizerService
+    from pagoda.shared.messages import (
+        AbortRequest,
+        AddRequest,
+        GenerateRequest,
+        RequestFailed,
+        SamplingParams,
+        SchedulerToTokenizer,
+        TokenizerToApi,
+        TokenizerToScheduler,
+    )
+    from pagoda.shared.transport import Codec
+
+    context = zmq.Context()
+    schedulers = [context.socket(zmq.ROUTER) for _ in range(2)]
+    api = context.socket(zmq.ROUTER)
+    for index, sock in enumerate(schedulers):
+        sock.bind(f"ipc://{tmp_path}/s{index}")
+    api.bind(f"ipc://{tmp_path}/api")
+    config = ServerConfig(api_endpoints=f"ipc://{tmp_path}/api", routing="round_robin", heartbeat_timeout=5.0,
+                          scheduler_endpoints=f"ipc://{tmp_path}/s0,ipc://{tmp_path}/s1", tokenizer_id="tk")
+    service = TokenizerService(config, None, context)
+    to_tokenizer, from_tokenizer = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler)
+    api_codec = Codec(TokenizerToApi)
+
+    def received(sock: zmq.Socket, codec: Codec, kind: type) -> list[object]:
+        out = []
+        while sock.poll(200):
+            message = codec.decode(sock.recv_multipart()[1])
+            if isinstance(message, kind):
+                out.append(message)
+        return out
+
+    try:
+        for index in range(2):
+            service._on_scheduler_frame(to_tokenizer.encode(INFO), index)
+        for n in range(4):
+            service._dispatch_api(0, GenerateRequest(f"q{n}", SamplingParams(max_tokens=2),
+                                                     prompt_token_ids=[1, 2, n + 3]))
+        added = [[m.request_id for m in received(sock, from_tokenizer, AddRequest)] for sock in schedulers]
+        assert sorted(added[0] + added[1]) == ["q0", "q1", "q2", "q3"] and added[0] and added[1]
+        service._on_abort(added[1][0])
+        assert [m.request_id for m in received(schedulers[1], from_tokenizer, AbortRequest)] == [added[1][0]]
+        assert received(schedulers[0], from_tokenizer, AbortRequest) == []
+        service._lose_scheduler("silent", 0)  # replica 0 lost: only its requests fail
+        failed = [m.request_id for m in received(api, api_codec, RequestFailed)]
+        assert sorted(failed) == sorted(added[0])
+        service._dispatch_api(0, GenerateRequest("late", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6]))
+        assert [m.request_id for m in received(schedulers[1], from_tokenizer, AddRequest)] == ["late"]
+    finally:
+        for sock in service._handlers:
+            sock.close(linger=0)
+        service._offload.close()
+        for sock in [*schedulers, api]:
+            sock.close(linger=0)
+        context.term()
