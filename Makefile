@@ -8,7 +8,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 TORCH_PKGS ?= torch==2.13.0 triton==3.6.0
 ARGS ?=
 
-.PHONY: install model test test-reliability run bench lint clean distclean
+.PHONY: install model test test-reliability test-all run bench lint clean distclean
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,9 @@ test: install model
 # Every reliability test, the long ones too (kill -9 / SIGSTOP of each process kind, the full load test).
 test-reliability: install model
 	$(PY) -m pytest -q -s -m "reliability_full or not reliability_full" tests/reliability $(ARGS)
+
+test-all: install model
+	$(PY) -m pytest -q -m "" $(ARGS)
 
 run: install model
 	$(VENV)/bin/pagoda serve --model $(MODEL_DIR) $(ARGS)

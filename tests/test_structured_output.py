@@ -272,6 +272,7 @@ class Person(pydantic.BaseModel):
 
 
 @pytest.mark.slow
+@pytest.mark.model_dependent  # SmolLM2 ran a string field past max_tokens=150 in a fresh-clone run
 def test_openai_parse_with_a_pydantic_model(server: Server) -> None:
     client = server.client(timeout=600)
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
@@ -301,6 +302,7 @@ def test_grammar_errors_are_400(server: Server, extra: dict[str, object], param:
 
 
 @pytest.mark.slow
+@pytest.mark.model_dependent  # SmolLM2 may end a "[0-9, ]+" stream before its 4th chunk (seen in a fresh-clone run)
 def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> None:
     client = server.client(timeout=900)
     schema = SCHEMAS[0]
