@@ -33,6 +33,7 @@ class AttentionConfig:
     prefill_tile_n: int = 32
     prefill_num_warps: int = 8
     prefill_num_stages: int = 1
+    heads_fast: bool = False  # grid axis 0 = kv head: a sequence's kv heads run side by side (adjacent cache bytes)
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,8 +63,13 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
     """Default launch shapes, from an H200 sweep (python -m pagoda.bench.kernels --sweep, llama3-8b, bf16).
     Decode: 64-key tiles, 4 warps (B=256 ctx=2048 at 4.3 TB/s). Prefill-only steps (8x512): 128-row tiles of
     32 keys, 8 warps, 1 stage (88.7 us; the old 128/64/8/2 was ~10% slower). Steps that are mostly decode rows
-    plus a few chunks (4x512 + 124 decodes): 64-row tiles of 64 keys (277 us vs 310 us)."""
+    plus a few chunks (4x512 + 124 decodes): 64-row tiles of 64 keys (277 us vs 310 us). Decode-only batches put
+    the kv heads on grid axis 0 (bench/decode_profile.py --sweep)."""
     num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
+    if max_query_len <= 1:
+        # Decode-only: kv heads first on the grid, so one sequence's heads read their blocks' adjacent bytes
+        # together (H200, qwen3-0.6b, B=256, contexts 512-768: 166 -> 160 us per layer, 4.04 -> 4.19 TB/s).
+        return AttentionConfig(num_splits=num_splits, heads_fast=True)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     if max_query_len * group_size >= 128 and not mostly_decode:
         return AttentionConfig(num_splits=num_splits)
@@ -168,14 +174,21 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_KV: tl.constexpr):
+        FP8_KV: tl.constexpr, HEADS_FAST: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
     num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th query tile
-    of the flattened batch, found by binary search; SKIP_DECODE leaves length-1 sequences to a DECODE launch."""
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    of the flattened batch, found by binary search; SKIP_DECODE leaves length-1 sequences to a DECODE launch.
+    HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together."""
+    if HEADS_FAST:
+        pid = tl.program_id(1)
+        kv_head = tl.program_id(0)
+        num_q_programs = tl.num_programs(1)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_q_programs = tl.num_programs(0)
     split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -203,7 +216,7 @@ def _paged_attention_kernel(
     else:
         # Last tiles first: a sequence's later query tiles attend the most keys, so starting them early shortens
         # the tail of the launch.
-        pid = tl.num_programs(0) - 1 - pid
+        pid = num_q_programs - 1 - pid
         b = _find_seq(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
         is_seq = b < num_seqs  # else: the padding tail past the last sequence, which attends nothing
         q_start = tl.load(query_start_loc_ptr + b)
@@ -387,20 +400,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 FP8_KV=fp8_kv)
+                 FP8_KV=fp8_kv, HEADS_FAST=config.heads_fast)
+
+    def grid(num_q_programs: int) -> tuple[int, int, int]:
+        if config.heads_fast:
+            return (num_kv_heads, num_q_programs, num_splits)
+        return (num_q_programs, num_kv_heads, num_splits)
+
     decode_only = max_query_len <= 1
     # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
     # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.
     num_decode_programs = num_seqs + 1 if decode_only else num_seqs
     if num_decode_programs:
-        _paged_attention_kernel[(num_decode_programs, num_kv_heads, num_splits)](
+        _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
         block_q = block_m // group
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
-        _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+        _paged_attention_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
             DECODE=False, SKIP_DECODE=True, num_warps=config.prefill_num_warps,
             num_stages=config.prefill_num_stages)

@@ -55,6 +55,29 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(num_slots, *v_cache.shape[2:])[slot_mapping] = _to_cache(v, v_cache.dtype, v_scale)
 
 
+def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [T, (heads + 2 kv_heads) * D]: per-head RMSNorm of q and k (if the weights are given), rope on both,
+    k and v stored into the caches at slot_mapping (-1 skipped); q written back into qkv, returned as a
+    [T, heads, D] view of it."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)  # [T, heads, D]
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, kv_heads, D]
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q_new, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    else:
+        q_new = q
+    pos_cos, pos_sin = cos[positions], sin[positions]  # [T, D] each
+    q.copy_(apply_rope(q_new, pos_cos, pos_sin))
+    write_kv(apply_rope(k, pos_cos, pos_sin), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
 def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)

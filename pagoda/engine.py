@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
@@ -19,6 +20,7 @@ from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.structured import GrammarChecker
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
+from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
@@ -33,6 +35,9 @@ class LLMEngine:
         if config.tensor_parallel_size != 1:
             raise ConfigError("the in-process engine runs on one device; serve with `pagoda serve "
                               "--tensor-parallel-size N` for tensor parallelism", param="tensor_parallel_size")
+        if config.max_num_batched_tokens is None:  # the offline budget, which the memory profile must see too
+            device = resolve_device(config)
+            config = replace(config, max_num_batched_tokens=config.resolved_max_num_batched_tokens(device, True))
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config)

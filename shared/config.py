@@ -42,7 +42,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both memory settings (tests, benchmarks)
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on CPU
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA (16384 offline), 2048 on CPU
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1
     tp_init_address: str | None = None  # tcp://host:port where the ranks meet (torch.distributed); None: local
@@ -94,10 +94,15 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if device.startswith("cuda") else "float32"
 
-    def resolved_max_num_batched_tokens(self, device: str) -> int:
+    def resolved_max_num_batched_tokens(self, device: str, offline: bool = False) -> int:
+        """Tokens per step. The offline engine on CUDA takes twice the server's budget: with no streams waiting,
+        TTFT and ITL do not matter, and an 8192-token prefill step of a small model is bound by the host's
+        kernel launches (measured: qwen3-0.6b 16 x 512 tokens, 17.1 ms of kernels in a 23.8 ms step)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 8192 if device.startswith("cuda") else 2048
+        if not device.startswith("cuda"):
+            return 2048
+        return 16384 if offline else 8192
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,

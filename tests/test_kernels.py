@@ -155,6 +155,11 @@ SMALL_ATTENTION_CASES = {
                                                 config=small_tiles(2)),
     # a sequence with no query rows this step owns no output row and must not disturb its neighbours
     "empty-query-seq": AttentionCase((1, 0, 4, 1), (10, 5, 8, 3), config=SMALL_TILES),
+    # kv heads on grid axis 0: decode, tiled chunks, padding and splits address the same rows
+    "heads-fast-mixed": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), pad_tokens=3,
+                                      config=replace(SMALL_TILES, heads_fast=True)),
+    "heads-fast-decode-split2": AttentionCase((1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
+                                              config=replace(small_tiles(2), heads_fast=True)),
 }
 
 
@@ -189,6 +194,8 @@ GPU_ATTENTION_CASES = {
                                          head_dim=128),
     "decode-graph-padding": AttentionCase((1,) * 5, (4096, 100, 1, 777, 2048), num_heads=16, num_kv_heads=8,
                                           head_dim=128, num_pad_seqs=3, pad_tokens=8),
+    "qwen3-decode-256-heads-fast": AttentionCase((1,) * 256, tuple(range(512, 768)), num_heads=16, num_kv_heads=8,
+                                                 head_dim=128, config=AttentionConfig(heads_fast=True)),
     "prefill-512x8": AttentionCase((512,) * 8, (512, 1024, 4096, 512, 600, 2000, 513, 3000), num_heads=32,
                                    num_kv_heads=8, head_dim=128),
 }

@@ -61,6 +61,16 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                            meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
 
 
+def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged attention over caches that already hold this step's K/V (written by prepare_qkv)."""
+    from pagoda.kernels.paged_attention import paged_attention
+
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                           meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
+
+
 @dataclass(frozen=True, slots=True)
 class Ops:
     """The kernels one model instance uses: plain PyTorch on CPU, Triton on CUDA (same semantics)."""
@@ -82,6 +92,10 @@ class Ops:
     silu_and_mul_quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = ref.silu_and_mul_quant_fp8
     # (x_q, x_scale, weight, weight_scale, group_size, out dtype, bias) -> [M, N]
     fp8_matmul: Callable[..., torch.Tensor] = ref.fp8_matmul
+    # One pass from the fused qkv rows to attention inputs (q/k norm, rope, K/V into the cache: q returned) and
+    # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
+    prepare_qkv: Callable[..., torch.Tensor] | None = None
+    attend: Callable[..., torch.Tensor] | None = None
 
 
 def _reference_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -96,7 +110,7 @@ def reference_ops() -> Ops:
 
 
 def triton_ops() -> Ops:
-    from pagoda.kernels import activation, fp8, norm, rope
+    from pagoda.kernels import activation, fp8, norm, qkv_prep, rope
 
     def fused_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +119,7 @@ def triton_ops() -> Ops:
     return Ops(rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, rope=fused_rope,
                silu_and_mul=activation.silu_and_mul, attention=triton_attention, fp8_linear=fp8.fp8_linear,
                add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
-               fp8_matmul=fp8.fp8_matmul)
+               fp8_matmul=fp8.fp8_matmul, prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend)
 
 
 def ops_for(device: torch.device) -> Ops:
@@ -251,6 +265,14 @@ class DecoderLayer(nn.Module):
         eps = self.arch.rms_norm_eps
         qkv, residual = self._norm_linear(x, residual, self.input_norm, self.qkv_weight, self.qkv_weight_scale,
                                           self.qkv_bias, ops)  # [T, Q + 2KV], [T, H]
+        fp8_cache = kv_cache[0].dtype == torch.float8_e4m3fn
+        if ops.prepare_qkv is not None and ops.attend is not None and not self.calibrate_kv:
+            k_scale, v_scale = (self.k_scale, self.v_scale) if fp8_cache else (None, None)
+            q = ops.prepare_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
+                                eps, rope_cache[0], rope_cache[1], positions, kv_cache[0], kv_cache[1],
+                                meta.slot_mapping, k_scale, v_scale)  # [T, heads, D]; K/V now in the cache
+            attn = ops.attend(q, kv_cache[0], kv_cache[1], meta, self.scale, k_scale, v_scale)  # [T, heads, D]
+            return self._finish(attn, residual, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]
@@ -259,13 +281,17 @@ class DecoderLayer(nn.Module):
             q = ops.rms_norm(q, self.q_norm, eps)
             k = ops.rms_norm(k, self.k_norm, eps)
         q, k = ops.rope(q, k, rope_cache[0], rope_cache[1], positions)
-        if kv_cache[0].dtype == torch.float8_e4m3fn:
+        if fp8_cache:
             if self.calibrate_kv:
                 self._calibrate_kv(k, v)
             attn = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale,
                                  self.v_scale)  # [T, heads, D]
         else:
             attn = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, heads, D]
+        return self._finish(attn, residual, ops)
+
+    def _finish(self, attn: torch.Tensor, residual: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """o projection, residual add + norm, MLP: attn [T, heads, D] -> (layer output [T, H], residual [T, H])."""
         o = self.linear(attn.reshape(-1, self.q_size), self.o_weight, self.o_weight_scale, None, ops)  # [T, H]
         x = self.tp.all_reduce(o)
         gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,

@@ -1,0 +1,175 @@
+"""Triton kernel that turns one step's fused qkv rows into attention inputs in one pass: optional per-head RMSNorm
+of q and k (Qwen3), rotary embedding of both, q written back in place, k and v stored into the paged KV cache.
+
+It replaces four launches per layer (q norm, k norm, rope, K/V write) and three round trips of q and k through
+memory; semantics are those of reference.prepare_qkv (the same roundings to the storage dtype, step by step).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.fp8 import FP8_MAX_C, round_to_e4m3
+from pagoda.kernels.rope import _round_to
+
+_MAX_HEAD_DIM = 256
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+@triton.jit
+def _norm_halves(x1, x2, weight_ptr, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """RMSNorm of rows split into halves [R, HALF_P] each: fp32 statistics, the normalised row rounded to DTYPE,
+    then the weight product rounded again (as reference.rms_norm)."""
+    offs_c = tl.arange(0, HALF_P)
+    c_mask = offs_c < HALF
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)  # [R]
+    w1 = tl.load(weight_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)  # [HALF_P]
+    w2 = tl.load(weight_ptr + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    n1 = _round_to(_round_to(x1 * rstd[:, None], DTYPE) * w1[None, :], DTYPE)
+    n2 = _round_to(_round_to(x2 * rstd[:, None], DTYPE) * w2[None, :], DTYPE)
+    return n1, n2
+
+
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
+    """x * cos + rotate_half(x) * sin with each product rounded to DTYPE before the sum (as reference.apply_rope)."""
+    o1 = _round_to(x1 * c1[None, :], DTYPE) + _round_to(-x2 * s1[None, :], DTYPE)
+    o2 = _round_to(x2 * c2[None, :], DTYPE) + _round_to(x1 * s2[None, :], DTYPE)
+    return _round_to(o1, DTYPE), _round_to(o2, DTYPE)
+
+
+@triton.jit
+def _to_cache(x, scale_ptr, CACHE_DTYPE: tl.constexpr, FP8: tl.constexpr):
+    if FP8:  # x / scale clamped to +-448, rounded to e4m3 (as write_kv)
+        return round_to_e4m3(tl.clamp(tl.math.div_rn(x, tl.load(scale_ptr)), -FP8_MAX_C, FP8_MAX_C))
+    return x.to(CACHE_DTYPE)
+
+
+@triton.jit
+def _qkv_prep_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, k_cache_ptr, v_cache_ptr,
+                     slot_mapping_ptr, k_scale_ptr, v_scale_ptr, eps,
+                     stride_t, stride_cos, stride_sin, stride_kcb, stride_kcs, stride_kch,
+                     stride_vcb, stride_vcs, stride_vch,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
+                     KV_HEADS_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr):
+    """One program per token. Row layout of qkv: [q heads | k heads | v heads], each head HEAD_DIM = 2 * HALF."""
+    HEAD_DIM: tl.constexpr = 2 * HALF
+    DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
+    CACHE_DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
+    token = tl.program_id(0).to(tl.int64)
+    row = tl.load(positions_ptr + token).to(tl.int64)
+    offs_c = tl.arange(0, HALF_P)
+    c_mask = offs_c < HALF
+    c1 = tl.load(cos_ptr + row * stride_cos + offs_c, mask=c_mask, other=0.0).to(tl.float32)  # [HALF_P]
+    c2 = tl.load(cos_ptr + row * stride_cos + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + row * stride_sin + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + row * stride_sin + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    base = qkv_ptr + token * stride_t
+
+    offs_h = tl.arange(0, HEADS_P)
+    q_mask = (offs_h < NUM_HEADS)[:, None] & c_mask[None, :]  # [HEADS_P, HALF_P]
+    q_ptrs = base + offs_h[:, None] * HEAD_DIM + offs_c[None, :]
+    q1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)  # [HEADS_P, HALF_P]
+    q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = _norm_halves(q1, q2, q_norm_ptr, eps, HEAD_DIM, HALF, HALF_P, DTYPE)
+    q1, q2 = _rotate(q1, q2, c1, c2, s1, s2, DTYPE)
+    tl.store(q_ptrs, q1.to(DTYPE), mask=q_mask)
+    tl.store(q_ptrs + HALF, q2.to(DTYPE), mask=q_mask)
+
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:  # else a padding token (CUDA-graph batch filler): no K/V to store
+        offs_kh = tl.arange(0, KV_HEADS_P)
+        kv_mask = (offs_kh < NUM_KV_HEADS)[:, None] & c_mask[None, :]  # [KV_HEADS_P, HALF_P]
+        k_ptrs = base + NUM_HEADS * HEAD_DIM + offs_kh[:, None] * HEAD_DIM + offs_c[None, :]
+        k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # [KV_HEADS_P, HALF_P]
+        k2 = tl.load(k_ptrs + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            k1, k2 = _norm_halves(k1, k2, k_norm_ptr, eps, HEAD_DIM, HALF, HALF_P, DTYPE)
+        k1, k2 = _rotate(k1, k2, c1, c2, s1, s2, DTYPE)
+        v_ptrs = k_ptrs + NUM_KV_HEADS * HEAD_DIM
+        v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_kh[:, None] * stride_kch + offs_c[None, :]
+        vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_kh[:, None] * stride_vch + offs_c[None, :]
+        tl.store(kc, _to_cache(k1, k_scale_ptr, CACHE_DTYPE, FP8), mask=kv_mask)
+        tl.store(kc + HALF, _to_cache(k2, k_scale_ptr, CACHE_DTYPE, FP8), mask=kv_mask)
+        tl.store(vc, _to_cache(v1, v_scale_ptr, CACHE_DTYPE, FP8), mask=kv_mask)
+        tl.store(vc + HALF, _to_cache(v2, v_scale_ptr, CACHE_DTYPE, FP8), mask=kv_mask)
+
+
+def _check(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
+           k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """ValueError on anything the kernel relies on (runs every layer of every step: messages built on failure)."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, {width}] contiguous along its last dim, got {tuple(qkv.shape)}")
+    if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"qkv dtype {qkv.dtype} is not a float type")
+    if head_dim % 2 or not 0 < head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be even and in 2..{_MAX_HEAD_DIM}, got {head_dim}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight is not None and (weight.shape != (head_dim,) or weight.dtype != qkv.dtype
+                                   or not weight.is_contiguous() or weight.device != qkv.device):
+            raise ValueError(f"{name} must be [{head_dim}] {qkv.dtype} contiguous on {qkv.device}")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim or cos.stride(1) != 1 \
+            or sin.stride(1) != 1 or cos.dtype != sin.dtype:
+        raise ValueError(f"cos and sin must both be [positions, {head_dim}] of one dtype, contiguous rows")
+    num_tokens = qkv.shape[0]
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if index.shape != (num_tokens,) or index.dtype not in (torch.int32, torch.int64) or not index.is_contiguous():
+            raise ValueError(f"{name} must be [T={num_tokens}] int32/int64 contiguous, got {tuple(index.shape)} "
+                             f"{index.dtype}")
+    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim)
+            or k_cache.stride(3) != 1 or v_cache.stride(3) != 1):
+        raise ValueError(f"caches must both be [num_blocks, block_size, {num_kv_heads}, {head_dim}] contiguous "
+                         f"along head_dim, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype not in _CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"unsupported cache dtypes {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype == torch.float8_e4m3fn and not all(
+            s is not None and s.shape == (1,) and s.dtype == torch.float32 and s.device == qkv.device
+            for s in (k_scale, v_scale)):
+        raise ValueError("an fp8 cache needs k_scale and v_scale as [1] fp32 tensors on qkv's device")
+    if not all(t.device == qkv.device for t in (cos, sin, positions, k_cache, v_cache, slot_mapping)):
+        raise ValueError(f"all tensors must be on qkv's device {qkv.device}")
+
+
+def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [T, (heads + 2 kv_heads) * D] -> q [T, heads, D], a view of qkv rewritten in place (normalised if
+    q_norm is given, then rotated); k (likewise) and v go to flat slots of the caches [num_blocks, block_size,
+    kv_heads, D] (slot -1: padding, skipped). cos/sin [max_pos, D] are indexed by positions [T]. Same result
+    as reference.prepare_qkv. Not checked (a device sync): positions < max_pos, slots within the caches."""
+    _check(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+           slot_mapping, k_scale, v_scale)
+    num_tokens = qkv.shape[0]
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # [T, heads, D]
+    if num_tokens == 0:
+        return q
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    half = head_dim // 2
+    heads_p = triton.next_power_of_2(num_heads)
+    _qkv_prep_kernel[(num_tokens,)](
+        qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, positions,
+        k_cache, v_cache, slot_mapping, k_scale if fp8 else cos, v_scale if fp8 else cos, eps,
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_P=heads_p,
+        KV_HEADS_P=triton.next_power_of_2(num_kv_heads), HALF=half, HALF_P=triton.next_power_of_2(half),
+        BLOCK_SIZE=k_cache.shape[1], QK_NORM=q_norm is not None, FP8=fp8,
+        num_warps=4 if heads_p * half <= 2048 else 8)
+    return q
