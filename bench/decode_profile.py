@@ -30,7 +30,8 @@ PEAK_BYTES_PER_S = 4.2e12
 BLOCK_SIZE = 16
 
 
-def make_batch(query_lens: list[int], seq_lens: list[int], device: torch.device) -> tuple[AttentionMetadata, torch.Tensor, int]:
+def make_batch(query_lens: list[int], seq_lens: list[int],
+               device: torch.device) -> tuple[AttentionMetadata, torch.Tensor, int]:
     """Metadata for sequences laid out in consecutive blocks; returns (meta, positions [T], blocks needed)."""
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     max_blocks = max(blocks_per_seq)
