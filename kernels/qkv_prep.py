@@ -56,8 +56,9 @@ def _qkv_prep_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
                      KV_HEADS_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr):
-    """One program per token. Row layout of qkv: [q heads | k heads | v heads], each head HEAD_DIM = 2 * HALF."""
-    HEAD_DIM: tl.constexpr = 2 * HALF
+    """Grid (tokens, 2): program (t, 0) rewrites token t's q heads, (t, 1) stores its k and v heads (two programs
+    a token keep small decode batches from running on too few SMs). Row layout of qkv: [q heads | k heads |
+    v heads], each head HEAD_DIM = 2 * HALF."""
     DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
     CACHE_DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
@@ -69,7 +70,21 @@ def _qkv_prep_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position
     s1 = tl.load(sin_ptr + row * stride_sin + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + row * stride_sin + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     base = qkv_ptr + token * stride_t
+    if tl.program_id(1) == 0:
+        _prep_q(base, q_norm_ptr, eps, c1, c2, s1, s2, NUM_HEADS, HEADS_P, HALF, HALF_P, QK_NORM, DTYPE)
+    else:
+        _prep_kv(base, k_norm_ptr, eps, c1, c2, s1, s2, token, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                 k_scale_ptr, v_scale_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                 NUM_HEADS, NUM_KV_HEADS, KV_HEADS_P, HALF, HALF_P, BLOCK_SIZE, QK_NORM, FP8, DTYPE, CACHE_DTYPE)
 
+
+@triton.jit
+def _prep_q(base, q_norm_ptr, eps, c1, c2, s1, s2, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
+            HALF: tl.constexpr, HALF_P: tl.constexpr, QK_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """One token's q heads: norm, rope, written back in place."""
+    HEAD_DIM: tl.constexpr = 2 * HALF
+    offs_c = tl.arange(0, HALF_P)
+    c_mask = offs_c < HALF
     offs_h = tl.arange(0, HEADS_P)
     q_mask = (offs_h < NUM_HEADS)[:, None] & c_mask[None, :]  # [HEADS_P, HALF_P]
     q_ptrs = base + offs_h[:, None] * HEAD_DIM + offs_c[None, :]
@@ -81,6 +96,17 @@ def _qkv_prep_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position
     tl.store(q_ptrs, q1.to(DTYPE), mask=q_mask)
     tl.store(q_ptrs + HALF, q2.to(DTYPE), mask=q_mask)
 
+
+@triton.jit
+def _prep_kv(base, k_norm_ptr, eps, c1, c2, s1, s2, token, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+             k_scale_ptr, v_scale_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_HEADS_P: tl.constexpr, HALF: tl.constexpr,
+             HALF_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
+             DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+    """One token's k heads (norm, rope) and v heads, stored into the caches at the token's slot."""
+    HEAD_DIM: tl.constexpr = 2 * HALF
+    offs_c = tl.arange(0, HALF_P)
+    c_mask = offs_c < HALF
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:  # else a padding token (CUDA-graph batch filler): no K/V to store
         offs_kh = tl.arange(0, KV_HEADS_P)
@@ -162,7 +188,7 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     half = head_dim // 2
     heads_p = triton.next_power_of_2(num_heads)
-    _qkv_prep_kernel[(num_tokens,)](
+    _qkv_prep_kernel[(num_tokens, 2)](
         qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, positions,
         k_cache, v_cache, slot_mapping, k_scale if fp8 else cos, v_scale if fp8 else cos, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0),
