@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 128256])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    parser.add_argument("--profile", action="store_true", help="also a per-kernel breakdown of the new path (CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, B={args.batch}")
@@ -113,6 +114,11 @@ def main() -> None:
             gb = NEW_PASSES[name] * args.batch * vocab * 4 / 1e9
             print(f"{vocab:>7} {name:>8} {old_ms:>8.3f} {new_ms:>8.3f} {old_ms / new_ms:>7.1f}x {gb:>7.2f} "
                   f"{gb / new_ms * 1e3:>9.0f} {same:>5.2f}")
+            if args.profile and device.type == "cuda":
+                from pagoda.bench.decode_profile import kernel_breakdown, print_breakdown
+                bf16 = logits.to(torch.bfloat16)  # [B, V] as the LM head hands it over
+                print_breakdown(f"new path, {name}, V={vocab}, bf16 logits in",
+                                kernel_breakdown(lambda: new_fn(bf16)), top=12)  # noqa: B023
 
 
 if __name__ == "__main__":
