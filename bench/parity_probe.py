@@ -195,7 +195,7 @@ def run(shape: str, prompt_len: int, dtype_name: str, device_name: str, seed: in
         fresh = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in kv_caches]
         meta = single_sequence_meta(prompt_len, prompt_len, block_size, device)
         hidden = model(ids[0], torch.arange(prompt_len, device=device), fresh, meta)
-        tallies["model.logits"].add(model.compute_logits(hidden[-1:])[0], out.logits[0, -1].float())
+        tallies["model.logits"].add(model.compute_logits(hidden[-1:])[0].float(), out.logits[0, -1].float())
         ours = rope_inv_freq(arch).to(device)
         tallies["model.rope_inv_freq"].add(ours, hf.model.rotary_emb.inv_freq.to(ours.dtype))
     return {name: tally.row() for name, tally in sorted(tallies.items())}

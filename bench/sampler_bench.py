@@ -103,7 +103,7 @@ def main() -> None:
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 8, 8, 8, 8, 7, 9, 5), strict=True)))
     for vocab in args.vocab:
         torch.manual_seed(0)
-        logits = torch.randn(args.batch, vocab, device=device) * 3  # [B, V] fp32, as compute_logits returns
+        logits = torch.randn(args.batch, vocab, device=device) * 3  # [B, V] fp32, as the sampler upcasts them
         for name in args.settings:
             params = SETTINGS[name]
             old_fn, new_fn = old_step(args.batch, vocab, params, device), new_step(args.batch, vocab, params, device)

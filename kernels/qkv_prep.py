@@ -43,8 +43,10 @@ def _rotate(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
 
 @triton.jit
 def _to_cache(x, scale_ptr, CACHE_DTYPE: tl.constexpr, FP8: tl.constexpr):
-    if FP8:  # x / scale clamped to +-448, rounded to e4m3 (as write_kv)
-        return round_to_e4m3(tl.clamp(tl.math.div_rn(x, tl.load(scale_ptr)), -FP8_MAX_C, FP8_MAX_C))
+    """fp32 x as stored in the cache: cast, or for fp8 x / scale clamped to +-448 and rounded to e4m3 (as
+    write_kv). One return of one type: compiled Triton refuses branches returning different dtypes."""
+    if FP8:
+        x = round_to_e4m3(tl.clamp(tl.math.div_rn(x, tl.load(scale_ptr)), -FP8_MAX_C, FP8_MAX_C))
     return x.to(CACHE_DTYPE)
 
 

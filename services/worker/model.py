@@ -344,7 +344,8 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, vocab_size] fp32 logits (gathered across ranks)."""
-        logits = F.linear(hidden, self.lm_head).float()  # [N, V / tp]
+        """[N, H] -> [N, vocab_size] logits in the model dtype (gathered across ranks). The sampler upcasts
+        where it needs fp32; an all-greedy batch takes the argmax of these directly."""
+        logits = F.linear(hidden, self.lm_head)  # [N, V / tp]
         logits = self.tp.all_gather_last_dim(logits)  # [N, V rounded up to tp]
         return logits[:, :self.arch.vocab_size]

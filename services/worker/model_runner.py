@@ -254,7 +254,7 @@ class ModelRunner:
             seq_lens_host=list(query_lens), query_lens_host=list(query_lens), max_query_len=max(query_lens),
             max_seq_len=max(query_lens))
         hidden = self.model(to(np.zeros(len(positions), dtype=np.int64)), to(positions), caches, meta)  # [T, H]
-        self.model.compute_logits(hidden[-num_logits:])
+        self.model.compute_logits(hidden[-num_logits:]).float()  # the sampler's fp32 copy counts in the peak
         del scratch, caches, hidden
 
     # ---------------------------------------------------------------- one step
@@ -482,11 +482,11 @@ class ModelRunner:
         return self.model(input_ids, to(host.positions, "positions"), self.kv_caches, meta)  # [T, H]
 
     def _sampled_logits(self, host: HostBatch, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [S, V] fp32 at the last token of each sequence that samples; None if none does."""
+        """Logits [S, V] (model dtype) at the last token of each sequence that samples; None if none does."""
         if len(host.sampled) == 0:
             return None
         logits_indices = self._to_device(host.query_start[1:][host.sampled] - 1, "logits_indices")  # [S]
-        return self.model.compute_logits(hidden[logits_indices])  # [S, V] fp32
+        return self.model.compute_logits(hidden[logits_indices])  # [S, V] in the model dtype
 
     def _scores_prompt(self, host: HostBatch) -> np.ndarray:
         """[B] bool: the sequence asked for prompt_logprobs and this step computes a position that predicts
@@ -512,7 +512,7 @@ class ModelRunner:
             step = max(1, min(PROMPT_SCORE_ROWS, self.config.max_num_seqs // 2))
             for lo in range(0, end - start, step):  # bounded [rows, V] logits at a time
                 hi = min(end - start, lo + step)
-                logits = self.model.compute_logits(hidden[first_index + lo:first_index + hi])  # [n, V] fp32
+                logits = self.model.compute_logits(hidden[first_index + lo:first_index + hi]).float()  # [n, V]
                 log_probs = torch.log_softmax(logits, dim=-1)  # [n, V]
                 target = torch.from_numpy(targets[lo:hi]).to(log_probs.device)  # [n]
                 picked.append(log_probs.gather(1, target[:, None])[:, 0])  # [n]

@@ -76,6 +76,10 @@ class Sampler:
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of `logits` [B, V]; no host sync, no loop over rows."""
+    if metadata.all_greedy and metadata.max_num_logprobs is None and not _modifies_logits(metadata):
+        # argmax in the LM head's dtype: the upcast is monotonic, so the same id (first of ties), without
+        # writing and reading an fp32 copy of [B, V] (~0.11 ms a step at B=256, V=152k on an H200)
+        return SamplerOutput(logits.argmax(dim=-1), None, None, None)
     raw_logits = logits.float()  # [B, V]; the same tensor when logits is fp32: never written
     use_triton = logits.is_cuda
     processed = process_logits(raw_logits, metadata, use_triton)  # [B, V] fp32
@@ -87,6 +91,12 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         token_ids = draw(processed, metadata.temperature, threshold, metadata.seeds, metadata.offsets,
                          is_greedy_row(metadata))  # [B] int64
     return gather_logprobs(raw_logits, token_ids, metadata.max_num_logprobs)
+
+
+def _modifies_logits(m: SamplingMetadata) -> bool:
+    """Whether process_logits changes anything for this batch (penalties, bitmask, bias, bans)."""
+    return (m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
+            or m.token_bitmask is not None or m.logit_bias_ids is not None or m.banned_token_ids is not None)
 
 
 def is_greedy_row(metadata: SamplingMetadata) -> torch.Tensor:
@@ -158,7 +168,7 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
     threshold = torch.full_like(temperature, float("-inf"))  # [B]
     candidates = has_k = None
     if top_k is not None:
-        candidates = logits.topk(max_top_k, dim=-1).values  # [B, k_max] descending: the batch's largest k
+        candidates = sampling.row_top_values(logits, max_top_k)  # [B, k_max] descending: the batch's largest k
         has_k = top_k > 0  # [B]
         kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
         threshold = torch.where(has_k, kth, threshold)  # [B]
