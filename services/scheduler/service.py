@@ -335,6 +335,8 @@ class SchedulerService:
                       result.step_id)
             result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
                                 error="malformed result (columns of different lengths)")
+        if result.failed and not result.error:
+            self._fail_rows(result)  # before the tokens: these requests end here, the others go on
         if result.error:
             self._fail_plan(plan, result.error)  # its requests end with an error; later plans skip them
             result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
@@ -352,6 +354,22 @@ class SchedulerService:
             identity = self.owner.get(request_id)
             if identity is not None:
                 self._fail(identity, request_id, 500, f"the worker failed: {error}", "server_error")
+            self._abort(request_id)
+
+    def _fail_rows(self, result: StepResult) -> None:
+        """Requests the worker dropped from this step alone (a refused value, a sampler error on their row)."""
+        assert self.scheduler is not None
+        for failure in result.failed:
+            seq = self.scheduler.get_sequence(failure.req_id)
+            if seq is None:
+                continue  # already finished or aborted
+            request_id = seq.request.req_id
+            log.error("step %d: request %s failed on the worker: %s", result.step_id, request_id, failure.message)
+            identity = self.owner.get(request_id)
+            if identity is not None:
+                status = failure.status if failure.status in (400, 500) else 500
+                self._fail(identity, request_id, status, failure.message,
+                           "invalid_request_error" if status == 400 else "server_error")
             self._abort(request_id)
 
     def _send_deltas(self, updates: list[SeqUpdate], result: StepResult) -> None:
