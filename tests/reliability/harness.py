@@ -115,14 +115,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, *extra: str) -> Iterator[Server]:
-    """`pagoda serve` with the key in a file (never on a command line); stopped (SIGTERM) at the end."""
+def running_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """`pagoda serve` with the key in a file (never on a command line); stopped (SIGTERM) at the end.
+    env: PAGODA_* variables for the server (the caller's own are left out)."""
     port = free_port()
     runtime_dir = Path(tempfile.mkdtemp(prefix="pgr", dir="/tmp"))
     key_file = runtime_dir / "key"
     key_file.write_text(API_KEY + "\n")
     log_path = runtime_dir / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}, **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.slow
 MAX_PROMPT_BYTES = 256 << 10
 BODY_READ_TIMEOUT_S = 3.0
 HANG_FLOOR_S = 10.0
+FAULT_SEED = 4242  # the worker's sampler fails any batch holding a row with this seed (test-only fault injection)
 FIGURES: dict[str, object] = {}  # measured here; printed at the end of the module (pytest -s shows them)
 
 
@@ -45,7 +46,7 @@ FIGURES: dict[str, object] = {}  # measured here; printed at the end of the modu
 def server(smollm2_dir: Path) -> Iterator[Server]:
     with running_server(smollm2_dir, "--max-prompt-bytes", str(MAX_PROMPT_BYTES), "--body-read-timeout",
                         str(BODY_READ_TIMEOUT_S), "--hang-floor", str(HANG_FLOOR_S), "--restart-on-failure",
-                        "--max-num-seqs", "16") as running:
+                        "--max-num-seqs", "16", env={"PAGODA_TEST_SAMPLER_FAULT_SEED": str(FAULT_SEED)}) as running:
         yield running
     print("\nreliability figures:", FIGURES)
 
@@ -96,6 +97,32 @@ def test_hostile_table_gets_json_4xx_while_a_stream_runs(server: Server) -> None
     assert outcome.status == 200 and outcome.done and outcome.error is None, outcome
     assert outcome.finish_reason == "length" and outcome.text
     assert "Traceback" not in server.log()
+
+
+def test_a_failing_row_fails_only_its_request(server: Server) -> None:
+    """A sampler failure on one row (injected) while three streams decode beside it: only that request gets an
+    error; the neighbours complete with the text they give alone, and the server stays healthy."""
+    body = {"prompt": "Count from one to fifty:", "max_tokens": 32, "ignore_eos": True, "temperature": 0.0}
+    alone = stream_completion(server, body)
+    assert alone.status == 200 and alone.done and alone.error is None and alone.text, alone
+    neighbours: list[StreamOutcome] = []
+    threads = [threading.Thread(target=lambda: neighbours.append(stream_completion(server, body)))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: server.metrics().get("pagoda_num_requests_running", 0) >= 3, 120, "the neighbours to run")
+    guilty = stream_completion(server, body | {"seed": FAULT_SEED, "temperature": 0.7})
+    for thread in threads:
+        thread.join(300)
+    assert guilty.error is not None and "worker failed on this request" in guilty.error, guilty
+    assert guilty.status in (200, 500)  # an error event in the stream, or a 500 before its first byte
+    assert len(neighbours) == 3
+    for outcome in neighbours:
+        assert outcome.status == 200 and outcome.done and outcome.error is None, outcome
+        assert outcome.text == alone.text and outcome.finish_reason == "length"
+    assert max(o.ended_at for o in neighbours) > guilty.ended_at  # they were decoding when it failed
+    assert server.healthy()
+    assert "fails alone" in server.log()
 
 
 def test_slow_clients_are_cut_off(server: Server) -> None:

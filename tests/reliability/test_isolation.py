@@ -12,7 +12,7 @@ import torch
 
 from pagoda import LLM
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
-from pagoda.services.worker.sampler import SamplerOutput
+from pagoda.services.worker.sampler import Sampler, SamplerOutput
 from pagoda.services.worker.sampling_state import INT32_MAX, SamplingState, admission_error
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import MAX_INT32, NewRequest, SamplingParams, StepPlan
@@ -138,8 +138,9 @@ def test_a_failing_row_fails_alone_in_the_runner(smollm2_dir: Path) -> None:
     decode = StepPlan(step_id=1001, req_ids=[100, 102], num_scheduled_tokens=[1, 1])
     after = runner.execute(decode)
     assert after.req_ids == [100] and not after.error
-    # what request 100 draws alone, on a fresh runner with the plain sampler
-    alone = LLM("tiny", tokenizer=str(smollm2_dir), max_model_len=64, max_num_seqs=4, seed=0).engine.runner
-    first = alone.execute(StepPlan(step_id=1, req_ids=[100], num_scheduled_tokens=[3], new_requests=[good]))
-    second = alone.execute(StepPlan(step_id=2, req_ids=[100], num_scheduled_tokens=[1]))
+    # what the same request draws alone (another id, another block), with the plain sampler
+    runner.sampler = Sampler()
+    twin = msgspec.structs.replace(good, req_id=200, block_ids=[3])
+    first = runner.execute(StepPlan(step_id=1002, req_ids=[200], num_scheduled_tokens=[3], new_requests=[twin]))
+    second = runner.execute(StepPlan(step_id=1003, req_ids=[200], num_scheduled_tokens=[1]))
     assert (first.sampled_token_ids, second.sampled_token_ids) == (result.sampled_token_ids, after.sampled_token_ids)
