@@ -52,6 +52,7 @@ from pagoda.shared.transport import Codec, make_socket, single_frame, split_rout
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
+MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
@@ -98,6 +99,7 @@ class SchedulerService:
         self.ready_ranks: set[int] = set()
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
+        self.swept: dict[bytes, None] = {}  # tokenizers dropped for silence after their hello (oldest first)
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
@@ -182,6 +184,14 @@ class SchedulerService:
         if message is None:
             return
         peer = self.tokenizers.get(identity)
+        if peer is None and identity in self.swept and isinstance(message, Heartbeat):
+            # It said hello before and was only late (a busy host, a long call holding its GIL): back at once,
+            # rather than after it notices our silence and fails what it holds.
+            del self.swept[identity]
+            peer = self.tokenizers[identity] = Peer(time.monotonic())
+            log.info("tokenizer %s is back", identity.decode(errors="replace"))
+            if self.model_info is not None:
+                self._send_tokenizer(identity, self.model_info)
         if peer is None and not isinstance(message, TokenizerHello):
             # Registration takes a hello: a stray peer's heartbeat must not make it a tokenizer. A request
             # from it still gets an answer (it re-registers once it misses our heartbeats).
@@ -191,6 +201,7 @@ class SchedulerService:
                            "server_error")
             return
         if peer is None:
+            self.swept.pop(identity, None)
             peer = self.tokenizers[identity] = Peer(time.monotonic())
             log.info("tokenizer %s registered", identity.decode(errors="replace"))
             if self.model_info is not None:
@@ -255,14 +266,20 @@ class SchedulerService:
             peer.request_ids.discard(request_id)
 
     def _sweep_dead_tokenizers(self, now: float) -> None:
-        """A tokenizer gone silent takes its requests with it: abort them and free their blocks."""
+        """A tokenizer gone silent takes its requests with it: abort them and free their blocks. Each one is also
+        failed to it, in case it was only late: then it answers its clients and comes back (see the swept set)."""
         for identity, peer in list(self.tokenizers.items()):
             if now - peer.last_seen > self.config.heartbeat_timeout:
                 log.warning("tokenizer %s is silent: aborting its %d request(s)", identity.decode(errors="replace"),
                             len(peer.request_ids))
                 for request_id in list(peer.request_ids):
+                    self._fail(identity, request_id, 503, "this tokenizer process fell silent; try again",
+                               "server_error")
                     self._abort(request_id)
                 del self.tokenizers[identity]
+                self.swept[identity] = None
+                while len(self.swept) > MAX_SWEPT_TOKENIZERS:
+                    del self.swept[next(iter(self.swept))]
 
     def _heartbeat_tokenizers(self) -> None:
         beat = self.to_tokenizers.encode(Heartbeat(sender=self.instance_id))
