@@ -115,10 +115,12 @@ def test_admission_refuses_what_would_break_a_row(changes: dict[str, object]) ->
 FAULT_SEED = 4242
 
 
-def test_a_failing_row_fails_alone_in_the_runner(smollm2_dir: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_failing_row_fails_alone_in_the_runner(smollm2_dir: Path, device: str) -> None:
     """Through ModelRunner with the tiny model: a request the worker must refuse (400) and one whose sampling
-    raises (500) drop out of their step; the third request's token is what it draws alone."""
-    llm = LLM("tiny", tokenizer=str(smollm2_dir), max_model_len=64, max_num_seqs=4, seed=0)
+    raises (500) drop out of their step; the third request's token is what it draws alone. On CUDA the
+    bisection re-reads staged inputs and the CUDA-graph decode path runs after it."""
+    llm = LLM("tiny", tokenizer=str(smollm2_dir), max_model_len=64, max_num_seqs=4, seed=0, device=device)
     runner = llm.engine.runner
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
     good = NewRequest(100, [5, 6, 7], 3, [0], 0, greedy, seed=1)
