@@ -50,7 +50,8 @@ FIGURES: dict[str, object] = {}  # measured here; printed at the end of the modu
 def server(smollm2_dir: Path) -> Iterator[Server]:
     with running_server(smollm2_dir, "--max-prompt-bytes", str(MAX_PROMPT_BYTES), "--body-read-timeout",
                         str(BODY_READ_TIMEOUT_S), "--hang-floor", str(HANG_FLOOR_S), "--restart-on-failure",
-                        "--max-num-seqs", "16", "--num-kv-blocks", str(NUM_KV_BLOCKS), env={"PAGODA_TEST_SAMPLER_FAULT_SEED": str(FAULT_SEED)}) as running:
+                        "--max-num-seqs", "16", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                        env={"PAGODA_TEST_SAMPLER_FAULT_SEED": str(FAULT_SEED)}) as running:
         yield running
     print("\nreliability figures:", FIGURES)
 
