@@ -130,8 +130,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)  # [L, 2, N, bs, kvh, D]
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
-        fault_seed = sampler_fault_seed()
-        self.sampler = Sampler() if fault_seed is None else FaultySampler(fault_seed)
+        self.sampler = Sampler()
         self.grammars = GrammarRows(grammar_tokenizer_loader(config, self.arch), self.arch.vocab_size)
         self.staging = PinnedStaging(self.device)
         self.sampling = SamplingState(config.max_num_seqs, self.arch.vocab_size, self.device, self.arch.eos_token_ids,
@@ -149,6 +148,9 @@ class ModelRunner:
             self.warm_up()
         if self.device.type == "cuda":
             self.warm_up_sampler()
+        fault_seed = sampler_fault_seed()  # tests only; installed after the warm-ups above
+        if fault_seed is not None:
+            self.sampler = FaultySampler(fault_seed)
         if config.kv_scale_calibration and self.kv_dtype == torch.float8_e4m3fn:
             for layer in self.model.layers:  # after the dummy passes above: the first real prefill sets them
                 layer.calibrate_kv = True
