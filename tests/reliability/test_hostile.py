@@ -230,9 +230,9 @@ def test_killed_tokenizer_is_restarted(server: Server) -> None:
 
     # 30 s on a quiet machine (the new process imports transformers and loads the tokenizer); a shared CI
     # host may take longer, and speed is not what this test asserts: that it serves again, unattended.
-    restart_s = wait_until(serves_again, 180, "a new tokenizer to serve", interval=0.5)
+    wait_until(serves_again, 180, "a new tokenizer to serve", interval=0.5)
     FIGURES["tokenizer_kill_inflight_answered_s"] = round(max(answered), 2)
-    FIGURES["tokenizer_restart_to_serving_s"] = round(restart_s, 2)
+    FIGURES["tokenizer_restart_to_serving_s"] = round(time.monotonic() - killed_at, 2)  # from the kill
     assert server.process.poll() is None
 
 
