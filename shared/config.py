@@ -362,3 +362,10 @@ def to_env(*configs: EngineConfig | ServerConfig) -> dict[str, str]:
             if value is not None:
                 env[env_name(f.name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     return env
+
+
+def sampler_fault_seed() -> int | None:
+    """Test-only fault injection (tests/reliability): the worker's sampler fails any batch holding a row with
+    this seed, so that isolation can be tested through real processes. Unset in every real deployment."""
+    text = os.environ.get(ENV_PREFIX + "TEST_SAMPLER_FAULT_SEED", "")
+    return int(text) if text.strip() else None

@@ -219,6 +219,15 @@ class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
     top_logprobs: list[list[float]]
 
 
+class RowFailure(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One request the worker could not run (a value refused at admission, a sampler error on its row): it ends
+    with this error; the step's other requests go on."""
+
+    req_id: int
+    status: int  # 400: its values; 500: the worker failed on it
+    message: str
+
+
 class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False, frozen=True):
     """Tokens sampled in one step; logprob columns are filled only for requests that asked."""
 
@@ -230,6 +239,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     top_logprobs: list[list[float]] = []
     error: str = ""
     prompt_scores: list[PromptScores] = []  # requests with prompt_logprobs whose prompt ran this step
+    failed: list[RowFailure] = []  # requests dropped from this step alone (not in req_ids)
 
 # worker -> scheduler (besides StepResult)
 

@@ -52,6 +52,7 @@ from pagoda.shared.transport import Codec, make_socket, single_frame, split_rout
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
+MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
@@ -98,6 +99,7 @@ class SchedulerService:
         self.ready_ranks: set[int] = set()
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
+        self.swept: dict[bytes, None] = {}  # tokenizers dropped for silence after their hello (oldest first)
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
@@ -109,7 +111,7 @@ class SchedulerService:
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
         self._next_heartbeat = 0.0
         self._next_stats = 0.0
-        self.watch = StepWatch(server_config.step_timeout, server_config.hang_floor, server_config.heartbeat_timeout)
+        self.watch = StepWatch(server_config.step_timeout, server_config.hang_floor)
         self.problem = ""  # why the worker counts as hung ("" while it makes progress)
         self.exit_code = 0
 
@@ -182,6 +184,14 @@ class SchedulerService:
         if message is None:
             return
         peer = self.tokenizers.get(identity)
+        if peer is None and identity in self.swept and isinstance(message, Heartbeat):
+            # It said hello before and was only late (a busy host, a long call holding its GIL): back at once,
+            # rather than after it notices our silence and fails what it holds.
+            del self.swept[identity]
+            peer = self.tokenizers[identity] = Peer(time.monotonic())
+            log.info("tokenizer %s is back", identity.decode(errors="replace"))
+            if self.model_info is not None:
+                self._send_tokenizer(identity, self.model_info)
         if peer is None and not isinstance(message, TokenizerHello):
             # Registration takes a hello: a stray peer's heartbeat must not make it a tokenizer. A request
             # from it still gets an answer (it re-registers once it misses our heartbeats).
@@ -191,6 +201,7 @@ class SchedulerService:
                            "server_error")
             return
         if peer is None:
+            self.swept.pop(identity, None)
             peer = self.tokenizers[identity] = Peer(time.monotonic())
             log.info("tokenizer %s registered", identity.decode(errors="replace"))
             if self.model_info is not None:
@@ -255,14 +266,20 @@ class SchedulerService:
             peer.request_ids.discard(request_id)
 
     def _sweep_dead_tokenizers(self, now: float) -> None:
-        """A tokenizer gone silent takes its requests with it: abort them and free their blocks."""
+        """A tokenizer gone silent takes its requests with it: abort them and free their blocks. Each one is also
+        failed to it, in case it was only late: then it answers its clients and comes back (see the swept set)."""
         for identity, peer in list(self.tokenizers.items()):
             if now - peer.last_seen > self.config.heartbeat_timeout:
                 log.warning("tokenizer %s is silent: aborting its %d request(s)", identity.decode(errors="replace"),
                             len(peer.request_ids))
                 for request_id in list(peer.request_ids):
+                    self._fail(identity, request_id, 503, "this tokenizer process fell silent; try again",
+                               "server_error")
                     self._abort(request_id)
                 del self.tokenizers[identity]
+                self.swept[identity] = None
+                while len(self.swept) > MAX_SWEPT_TOKENIZERS:
+                    del self.swept[next(iter(self.swept))]
 
     def _heartbeat_tokenizers(self) -> None:
         beat = self.to_tokenizers.encode(Heartbeat(sender=self.instance_id))
@@ -335,6 +352,8 @@ class SchedulerService:
                       result.step_id)
             result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
                                 error="malformed result (columns of different lengths)")
+        if result.failed and not result.error:
+            self._fail_rows(result)  # before the tokens: these requests end here, the others go on
         if result.error:
             self._fail_plan(plan, result.error)  # its requests end with an error; later plans skip them
             result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
@@ -352,6 +371,22 @@ class SchedulerService:
             identity = self.owner.get(request_id)
             if identity is not None:
                 self._fail(identity, request_id, 500, f"the worker failed: {error}", "server_error")
+            self._abort(request_id)
+
+    def _fail_rows(self, result: StepResult) -> None:
+        """Requests the worker dropped from this step alone (a refused value, a sampler error on their row)."""
+        assert self.scheduler is not None
+        for failure in result.failed:
+            seq = self.scheduler.get_sequence(failure.req_id)
+            if seq is None:
+                continue  # already finished or aborted
+            request_id = seq.request.req_id
+            log.error("step %d: request %s failed on the worker: %s", result.step_id, request_id, failure.message)
+            identity = self.owner.get(request_id)
+            if identity is not None:
+                status = failure.status if failure.status in (400, 500) else 500
+                self._fail(identity, request_id, status, failure.message,
+                           "invalid_request_error" if status == 400 else "server_error")
             self._abort(request_id)
 
     def _send_deltas(self, updates: list[SeqUpdate], result: StepResult) -> None:
@@ -418,9 +453,8 @@ class SchedulerService:
     def _worker_alive(self, now: float) -> bool:
         if self.problem:
             return False
-        if self.pipeline is not None and self.pipeline.inflight:
-            return now - self.inflight_since < self.watch.bound()
-        return now - self.worker_last_seen < self.config.heartbeat_timeout
+        since = self.inflight_since if self.pipeline is not None and self.pipeline.inflight else self.worker_last_seen
+        return now - since < self.watch.bound()  # a late heartbeat on a busy host is no hang (health.py)
 
     def _stats(self, now: float) -> SchedulerStats:
         scheduler = self.scheduler

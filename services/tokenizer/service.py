@@ -703,6 +703,9 @@ def _send(sock: zmq.Socket, data: bytes) -> None:
 def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight requests then get a 503."""
     service = TokenizerService(server_config, load_tokenizer(engine_config), block_size=engine_config.block_size)
+    # Register only once llguidance's tokenizer is built: the build holds the GIL for seconds on a loaded host
+    # (3.4 s seen), and a tokenizer registered meanwhile misses its heartbeats and is dropped with its first requests.
+    service._grammars.wait_until_built()
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,14 +27,15 @@ from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
+from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
-from pagoda.services.worker.sampler import Sampler, SamplingMetadata
-from pagoda.services.worker.sampling_state import SamplingState
+from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagoda.services.worker.sampling_state import SamplingState, admission_error
 from pagoda.services.worker.weights import load_model, resolve_fp8
-from pagoda.shared.config import EngineConfig
+from pagoda.shared.config import EngineConfig, sampler_fault_seed
 from pagoda.shared.errors import ConfigError
-from pagoda.shared.messages import NewRequest, PromptScores, SamplingParams, StepPlan, StepResult
+from pagoda.shared.messages import NewRequest, PromptScores, RowFailure, SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class LaunchedStep:
     is_decode: bool = False
     synced: bool = False  # host state holds this step's tokens
     error: str = ""  # the step failed: its requests were dropped, its result says why
+    failed: list[RowFailure] = field(default_factory=list)  # requests dropped from this step alone
 
 
 @dataclass(slots=True)
@@ -146,6 +148,9 @@ class ModelRunner:
             self.warm_up()
         if self.device.type == "cuda":
             self.warm_up_sampler()
+        fault_seed = sampler_fault_seed()  # tests only; installed after the warm-ups above
+        if fault_seed is not None:
+            self.sampler = FaultySampler(fault_seed)
         if config.kv_scale_calibration and self.kv_dtype == torch.float8_e4m3fn:
             for layer in self.model.layers:  # after the dummy passes above: the first real prefill sets them
                 layer.calibrate_kv = True
@@ -283,7 +288,7 @@ class ModelRunner:
             return True
 
     def _launch(self, sent: StepPlan) -> bool:
-        plan = self._without_lost(sent)
+        plan, refused = self._refuse_bad_requests(self._without_lost(sent))
         self.state.apply(plan)
         self.sampling.admit([(self.state.row_of[new.req_id], new) for new in plan.new_requests])
         self.grammars.apply(plan)
@@ -291,12 +296,12 @@ class ModelRunner:
             self.pending_step[self.state.row_of[new.req_id]] = -1  # a NewRequest carries real tokens only
         if not plan.req_ids:
             if sent.req_ids:  # every request it ran belonged to a failed step: an empty result, in order
-                self._launched.append(LaunchedStep(sent, synced=True))
+                self._launched.append(LaunchedStep(sent, synced=True, failed=refused))
             return bool(sent.req_ids)
         self.staging.flip()  # the previous step's copies may still read the other set of pinned buffers
         host = self._prepare(plan)
         timer_start = self._timer_event()
-        step = LaunchedStep(plan, is_decode=host.is_decode)
+        step = LaunchedStep(plan, is_decode=host.is_decode, failed=refused)
         input_ids = self._input_ids(host)  # [T] on the device
         if (self.graphs is not None and host.is_decode and self.graphs.fits(len(host.rows))
                 and not self._scores_prompt(host).any()):
@@ -327,8 +332,18 @@ class ModelRunner:
             # so the device computes while the host advances the matchers.
             self._sync_all()
             self._attach_grammar_masks(metadata, req_ids)
-        output = self.sampler(logits, metadata)
-        self.sampling.record(sampled_rows, output.token_ids, metadata.state_rows)  # counts, on the device
+        state_rows = metadata.state_rows  # [S] on the device
+        try:
+            output = self.sampler(logits, metadata)
+        except Exception:  # noqa: BLE001 - a failure that belongs to some rows must not fail the others
+            log.error("step %d: sampling failed; isolating the rows that fail:\n%s", step.plan.step_id,
+                      traceback.format_exc())
+            kept, output = self._sample_isolating(step, logits, metadata, sampled_rows, req_ids)
+            sampled_rows, positions, req_ids = sampled_rows[kept], positions[kept], [req_ids[i] for i in kept]
+            if output is None:
+                return  # every row that sampled failed: their errors are in step.failed
+            state_rows = None
+        self.sampling.record(sampled_rows, output.token_ids, state_rows)  # counts, on the device
         self.last_token[self._to_device(sampled_rows, "sampled_rows")] = output.token_ids
         assert (state.num_tokens[sampled_rows] == positions).all(), "a row samples past a token it lacks"
         state.num_tokens[sampled_rows] += 1  # the new token's value reaches host state in finish()
@@ -343,6 +358,47 @@ class ModelRunner:
             step.top_token_ids = to_host(output.top_token_ids, "top_token_ids")
             step.top_logprobs = to_host(output.top_logprobs, "top_logprobs")
             step.num_logprobs = state.num_logprobs[sampled_rows].tolist()
+
+    def _sample_isolating(self, step: LaunchedStep, logits: torch.Tensor, metadata: SamplingMetadata,
+                          sampled_rows: np.ndarray, req_ids: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
+        """Sampling the batch raised: bisect it (isolation.py); the guilty rows' requests end with an error and
+        leave the worker, the others keep their tokens. Returns the batch indices kept [K] and their output."""
+
+        def sample_subset(index: np.ndarray) -> SamplerOutput:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the staging buffers of the last try are free again
+            sub = self.sampling.metadata(sampled_rows[index])
+            sub.max_num_logprobs = metadata.max_num_logprobs  # every subset's top-k columns as wide as the batch's
+            index_t = torch.from_numpy(index).to(logits.device)  # [K]
+            if metadata.token_bitmask is not None:
+                sub.token_bitmask = metadata.token_bitmask[index_t]
+                sub.bitmask_rows = metadata.bitmask_rows[index_t] if metadata.bitmask_rows is not None else None
+            return self.sampler(logits[index_t], sub)
+
+        isolated = bisect_failures(sample_subset, len(sampled_rows))
+        guilty = [req_ids[i] for i, _ in isolated.guilty]
+        for (_, error), req_id in zip(isolated.guilty, guilty, strict=True):
+            log.error("step %d: request %d fails alone: %s", step.plan.step_id, req_id, error)
+            step.failed.append(RowFailure(req_id, 500, f"the worker failed on this request: {error}"))
+        self._drop(guilty)
+        return isolated.kept, isolated.output
+
+    def _refuse_bad_requests(self, plan: StepPlan) -> tuple[StepPlan, list[RowFailure]]:
+        """New requests whose values the worker cannot hold (admission_error) fail alone, before the step."""
+        if not plan.new_requests:
+            return plan, []
+        max_blocks = self.state.block_table.shape[1]
+        failures = [RowFailure(new.req_id, 400, f"the worker refused this request: {error}")
+                    for new in plan.new_requests
+                    if (error := admission_error(new, self.arch.vocab_size, self.max_model_len, self.num_blocks,
+                                                 max_blocks))]
+        if not failures:
+            return plan, []
+        for failure in failures:
+            log.error("step %d: request %d refused: %s", plan.step_id, failure.req_id, failure.message)
+        self._lost.update(failure.req_id for failure in failures)
+        plan = msgspec.structs.replace(plan, new_requests=[n for n in plan.new_requests if n.req_id not in self._lost])
+        return self._without_lost(plan), failures
 
     def _timer_event(self) -> torch.cuda.Event | None:
         if self.step_timer is None or self.device.type != "cuda":
@@ -403,6 +459,10 @@ class ModelRunner:
             self._sync(step)
 
     def _result(self, step: LaunchedStep) -> StepResult:
+        result = self._tokens_result(step)
+        return msgspec.structs.replace(result, failed=step.failed) if step.failed else result
+
+    def _tokens_result(self, step: LaunchedStep) -> StepResult:
         plan = step.plan
         if step.error:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], error=step.error)
@@ -527,9 +587,13 @@ class ModelRunner:
     def recover(self, plan: StepPlan) -> None:
         """After a failed step: forget the plan's requests (the scheduler aborts them too); plans already in
         flight may still name them, and skip them."""
+        self._drop([*plan.req_ids, *(new.req_id for new in plan.new_requests)])
+
+    def _drop(self, req_ids: list[int]) -> None:
+        """Forget these requests (failed): their rows are free; later plans in flight may still name them."""
         state = self.state
-        self.grammars.drop([*plan.req_ids, *(new.req_id for new in plan.new_requests)])
-        for req_id in [*plan.req_ids, *(new.req_id for new in plan.new_requests)]:
+        self.grammars.drop(req_ids)
+        for req_id in req_ids:
             row = state.row_of.pop(req_id, None)
             if row is not None:
                 state.free_rows.append(row)

@@ -13,13 +13,14 @@ have to come back to the host for the state to advance.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from pagoda.services.worker.sampler import SamplingMetadata
-from pagoda.shared.messages import NewRequest
+from pagoda.shared.messages import NewRequest, SamplingParams
 
 # columns of the per-row float table
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
@@ -31,6 +32,52 @@ def _default_to_device(device: torch.device) -> Callable[[np.ndarray, str], torc
 
 
 INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def admission_error(new: NewRequest, vocab_size: int, max_model_len: int, num_kv_blocks: int,
+                    max_blocks_per_row: int) -> str:
+    """Why the worker cannot take this request ("" when it can): a value past validation that would overflow
+    a row or index out of a table (on CUDA, a device-side assert that no step survives). Checked once, when
+    the request is admitted, so that it fails alone and never the step of the requests batched with it."""
+    if not 1 <= new.num_prompt_tokens <= len(new.token_ids) <= max_model_len:
+        return (f"{len(new.token_ids)} tokens ({new.num_prompt_tokens} of prompt) do not fit the model's "
+                f"{max_model_len}")
+    if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+        return f"num_computed_tokens {new.num_computed_tokens} is out of range"
+    if not _ids_below(new.token_ids, vocab_size):
+        return f"a token id is outside the vocabulary [0, {vocab_size})"
+    if len(new.block_ids) > max_blocks_per_row or not _ids_below(new.block_ids, num_kv_blocks):
+        return "a KV block id is out of range"
+    if not INT64_MIN <= new.seed <= INT64_MAX:
+        return "seed is out of the 64-bit range"
+    return _sampling_error(new.sampling, vocab_size)
+
+
+def _sampling_error(params: SamplingParams, vocab_size: int) -> str:
+    floats = {"temperature": params.temperature, "top_p": params.top_p, "min_p": params.min_p,
+              "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+              "repetition_penalty": params.repetition_penalty}
+    for name, value in floats.items():
+        if not math.isfinite(value):
+            return f"{name} must be a finite number"
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or not 0 <= params.min_p <= 1 \
+            or params.repetition_penalty <= 0:
+        return "a sampling value is out of range (temperature >= 0, top_p in (0, 1], min_p in [0, 1], " \
+               "repetition_penalty > 0)"
+    for name, count in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if count is not None and not 0 <= count <= vocab_size:
+            return f"{name} must be in [0, {vocab_size}]"
+    if not _ids_below(list(params.logit_bias), vocab_size) or not _ids_below(params.stop_token_ids, vocab_size):
+        return f"a logit_bias or stop_token_ids id is outside the vocabulary [0, {vocab_size})"
+    if not all(math.isfinite(value) for value in params.logit_bias.values()):
+        return "logit_bias values must be finite numbers"
+    return ""
+
+
+def _ids_below(ids: Sequence[int], limit: int) -> bool:
+    """Every id in [0, limit) (Python ints: any size is compared, none overflows)."""
+    return not ids or (min(ids) >= 0 and max(ids) < limit)
 
 
 class SamplingState:

@@ -1,10 +1,36 @@
-"""The hang verdict (pure logic) and wire checks the scheduler applies to its peers."""
+"""The hang verdict (pure logic), wire checks the scheduler applies to its peers, and how the scheduler service
+ends requests the worker failed alone and takes back a tokenizer that was only late."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
 from pagoda.services.scheduler.health import BOUND_FACTOR, WARMUP_BOUND_S, WARMUP_STEPS, StepWatch
-from pagoda.services.scheduler.service import _columns_agree
-from pagoda.shared.messages import PromptScores, StepResult
+from pagoda.services.scheduler.service import SchedulerService, _columns_agree
+from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.messages import (
+    AddRequest,
+    Heartbeat,
+    ModelInfo,
+    PromptScores,
+    RequestFailed,
+    RowFailure,
+    SamplingParams,
+    SchedulerToTokenizer,
+    SchedulerToWorker,
+    StepPlan,
+    StepResult,
+    TokenDeltas,
+    TokenizerHello,
+    TokenizerToScheduler,
+    WorkerReady,
+)
+from pagoda.shared.transport import Codec
 
 
 def test_bound_is_fixed_or_derived_with_a_floor() -> None:
@@ -19,15 +45,20 @@ def test_bound_is_fixed_or_derived_with_a_floor() -> None:
 
 
 def test_verdict() -> None:
-    watch = StepWatch(floor=2.0, heartbeat_timeout=5.0)
+    watch = StepWatch(floor=2.0)
     for _ in range(WARMUP_STEPS):
         watch.record(0.1)
     assert watch.verdict(100.0, None, -1, worker_last_seen=0.0, ready=False) == ""  # loading: no verdict
     assert watch.verdict(100.0, 99.0, 7, worker_last_seen=99.0, ready=True) == ""
     hung = watch.verdict(100.0, 97.5, 7, worker_last_seen=97.5, ready=True)
     assert "step 7" in hung and "2.5 s" in hung
-    assert watch.verdict(100.0, None, -1, worker_last_seen=96.0, ready=True) == ""
-    assert "silent" in watch.verdict(100.0, None, -1, worker_last_seen=94.0, ready=True)
+    # idle: late heartbeats (a busy host) are no hang until the step bound passes
+    assert watch.verdict(100.0, None, -1, worker_last_seen=98.5, ready=True) == ""
+    assert "silent" in watch.verdict(100.0, None, -1, worker_last_seen=97.5, ready=True)
+    slow = StepWatch(floor=30.0)
+    for _ in range(WARMUP_STEPS):
+        slow.record(0.1)
+    assert slow.verdict(100.0, None, -1, worker_last_seen=80.0, ready=True) == ""  # 20 s without a heartbeat
 
 
 def test_result_columns_must_agree() -> None:
@@ -37,3 +68,79 @@ def test_result_columns_must_agree() -> None:
     assert not _columns_agree(StepResult(0, [1], [5], [-0.1, -0.2]))
     assert not _columns_agree(StepResult(0, [1], [5], [-0.1], [[1, 2]], [[-0.5]]))
     assert not _columns_agree(StepResult(0, [1], [5], prompt_scores=[PromptScores(1, 1, [3, 4], [-1.0], [], [])]))
+
+
+class _Outbox:
+    """Stands in for a socket: keeps what the service sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, payload: Any, copy: bool = True) -> None:
+        self.sent.append(payload)
+
+    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
+        self.sent.append(frames)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[SchedulerService]:
+    """A SchedulerService whose plan and tokenizer sockets are outboxes, with a worker ready."""
+    service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path),
+                                                                          heartbeat_timeout=3.0))
+    real = service.plans, service.front
+    service.plans, service.front = _Outbox(), _Outbox()  # type: ignore[assignment]
+    service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256, vocab_size=512,
+                                         eos_token_ids=[2], max_num_batched_tokens=256))
+    try:
+        yield service
+    finally:
+        service.plans, service.front = real
+        service._close()
+
+
+def _to_tokenizers(service: SchedulerService) -> list[tuple[bytes, Any]]:
+    codec = Codec(SchedulerToTokenizer)
+    out = [(frames[0], codec.decode(frames[1])) for frames in service.front.sent]  # type: ignore[attr-defined]
+    service.front.sent.clear()  # type: ignore[attr-defined]
+    return out
+
+
+def test_failed_rows_fail_only_their_requests(service: SchedulerService) -> None:
+    identity = b"tok0"
+    service._on_tokenizer_frames([identity, Codec(TokenizerToScheduler).encode(TokenizerHello("tok0", 1))])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for name in ("bad", "odd", "good"):
+        service._on_tokenizer_frames([identity, Codec(TokenizerToScheduler).encode(
+            AddRequest(name, [5, 6, 7], params))])
+    service._maybe_step()
+    [plan] = [p for p in map(Codec(SchedulerToWorker).decode, service.plans.sent)  # type: ignore[attr-defined]
+              if isinstance(p, StepPlan)]
+    assert len(plan.req_ids) == 3
+    bad, odd, good = plan.req_ids
+    _to_tokenizers(service)
+    service._on_result(StepResult(plan.step_id, [good], [9], failed=[RowFailure(bad, 400, "refused: x"),
+                                                                      RowFailure(odd, 500, "sampler: y")]))
+    messages = [m for _, m in _to_tokenizers(service)]
+    failed = {m.request_id: (m.status, m.error_type) for m in messages if isinstance(m, RequestFailed)}
+    assert failed == {"bad": (400, "invalid_request_error"), "odd": (500, "server_error")}
+    deltas = [m for m in messages if isinstance(m, TokenDeltas)]
+    assert [(d.request_ids, d.token_ids) for d in deltas] == [(["good"], [9])]
+    assert set(service.scheduler.requests) == {"good"}  # type: ignore[union-attr]
+
+
+def test_a_late_tokenizer_comes_back_a_stranger_does_not(service: SchedulerService) -> None:
+    encode = Codec(TokenizerToScheduler).encode
+    late, stranger = b"tok-late", b"stranger"
+    service._on_tokenizer_frames([late, encode(TokenizerHello("tok-late", 1))])
+    service._on_tokenizer_frames([late, encode(AddRequest("r1", [5, 6, 7], SamplingParams(max_tokens=4)))])
+    _to_tokenizers(service)
+    service._sweep_dead_tokenizers(time.monotonic() + 10.0)  # silent past the timeout (a GIL-bound call, a load)
+    assert late not in service.tokenizers and "r1" not in service.scheduler.requests  # type: ignore[union-attr]
+    [(to, failed)] = _to_tokenizers(service)
+    assert to == late and isinstance(failed, RequestFailed) and failed.status == 503  # it answers its client
+    service._on_tokenizer_frames([late, encode(Heartbeat("tok-late"))])
+    assert late in service.tokenizers  # back on its next heartbeat, told the model again
+    assert any(isinstance(m, ModelInfo) for _, m in _to_tokenizers(service))
+    service._on_tokenizer_frames([stranger, encode(Heartbeat("stranger"))])
+    assert stranger not in service.tokenizers  # registration still takes a hello

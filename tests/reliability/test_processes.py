@@ -51,7 +51,8 @@ def test_process_failure_under_load(smollm2_dir: Path, kind: str, sig: signal.Si
                 pids = server.children().get(kind, [])
                 if not pids or pids == [pid]:
                     return False
-                return stream_completion(server, {"prompt": "Back?", "max_tokens": 2}, timeout=30).status == 200
+                outcome = stream_completion(server, {"prompt": "Back?", "max_tokens": 2}, timeout=30)
+                return outcome.status == 200 and outcome.done and outcome.error is None  # a whole answer
 
             wait_until(serves_again, 180, "a restarted process")  # ~30 s quiet; a loaded host is slower
             figures["serving_again_s"] = round(time.monotonic() - hit_at, 2)
