@@ -222,10 +222,16 @@ class SchedulerService:
         request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
         try:
+            # The tokenizer checked the prompt against ModelInfo and the api the params: not checked again here.
             self.scheduler.add_request(request)
         except PagodaError as exc:
             self._fail(identity, message.request_id, exc.http_status, exc.message, exc.error_type, exc.param,
                        exc.code)
+            return
+        except AssertionError:  # a tokenizer that skipped its checks (a bug) costs its request, not the process
+            log.exception("refused request %s that breaks the scheduler's invariants", message.request_id)
+            self._fail(identity, message.request_id, 500, "the request was not checked before scheduling",
+                       "server_error")
             return
         self.owner[message.request_id] = identity
         peer.request_ids.add(message.request_id)
