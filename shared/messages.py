@@ -190,6 +190,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     num_computed_tokens: int  # tokens whose K/V already sit in block_ids (prefix cache, fork)
     sampling: SamplingParams
     seed: int  # the effective sampling seed (the request's, or one drawn at arrival)
+    eos_token_ids: list[int] = []  # min_tokens > 0 without ignore_eos: the EOS ids to ban until then
 
 
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -342,6 +343,7 @@ class TokenizerHello(msgspec.Struct, array_like=True, tag="hello", frozen=True):
 
     tokenizer_id: str
     pid: int
+    eos_token_ids: list[int] = []  # the tokenizer's end-of-sequence id (the scheduler stops on it too)
 
 
 class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omit_defaults=True):

@@ -371,8 +371,16 @@ class Scheduler:
             new_requests.append(NewRequest(
                 req_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
                 block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
-                sampling=seq.request.sampling, seed=seq.seed))
+                sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request.sampling)))
         return budget
+
+    def _banned_eos(self, params: SamplingParams) -> list[int]:
+        """The EOS ids the worker bans until min_tokens (the worker knows no EOS of its own)."""
+        return sorted(self.eos_token_ids) if params.min_tokens > 0 and not params.ignore_eos else []
+
+    def add_eos_token_ids(self, token_ids: Iterable[int]) -> None:
+        """A tokenizer registered with its EOS id: sequences stop on it too."""
+        self.eos_token_ids = self.eos_token_ids | frozenset(token_ids)
 
     def _release_waiting_blocks(self, seq: Sequence) -> bool:
         """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked.

@@ -98,6 +98,7 @@ class SchedulerService:
         self.ready_ranks: set[int] = set()
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
+        self.tokenizer_eos_ids: set[int] = set()  # from their hellos: the tokenizer's EOS, which the worker cannot know
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
@@ -203,12 +204,20 @@ class SchedulerService:
         elif isinstance(message, StopSequence):
             self._on_stop_sequence(message)
         elif isinstance(message, TokenizerHello):
+            self._add_eos(message.eos_token_ids)
             # A tokenizer says hello only when it holds no request here (it started, or gave us up and failed
             # them): whatever it owned is orphaned.
             for request_id in list(peer.request_ids):
                 self._abort(request_id)
             if self.model_info is not None:
                 self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
+
+    def _add_eos(self, token_ids: list[int]) -> None:
+        """The tokenizers' EOS ids (sent at registration, before any request of theirs) join the model's."""
+        if token_ids and not self.tokenizer_eos_ids.issuperset(token_ids):
+            self.tokenizer_eos_ids.update(token_ids)
+            if self.scheduler is not None:
+                self.scheduler.add_eos_token_ids(token_ids)
 
     def _on_add(self, identity: bytes, peer: Peer, message: AddRequest) -> None:
         if self.scheduler is None:
@@ -314,7 +323,8 @@ class SchedulerService:
         self.scheduler = Scheduler(
             num_blocks=ready.num_kv_blocks, block_size=ready.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=ready.max_num_batched_tokens,
-            max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, eos_token_ids=ready.eos_token_ids,
+            max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+            eos_token_ids={*ready.eos_token_ids, *self.tokenizer_eos_ids},
             enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)

@@ -278,7 +278,7 @@ class TokenizerService:
     # ---------------------------------------------------------------- loop
 
     def run(self) -> None:
-        hello = TokenizerHello(self.tokenizer_id, os.getpid())
+        hello = self._hello()
         for api in range(len(self._apis)):
             self._send_api(api, hello)
         self._send_scheduler(hello)
@@ -289,6 +289,11 @@ class TokenizerService:
                 self._tick(time.monotonic())
         finally:
             self._shutdown()
+
+    def _hello(self) -> TokenizerHello:
+        """Registration; it carries the tokenizer's EOS id: the worker loads no tokenizer to learn it."""
+        eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
+        return TokenizerHello(self.tokenizer_id, os.getpid(), [eos] if eos is not None else [])
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler): it does within MAX_POLL_S."""
@@ -329,12 +334,12 @@ class TokenizerService:
         # that restarted (or dropped this process as silent) takes it back on the next.
         self._num_beats += 1
         hello = self._num_beats % API_HELLO_EVERY == 0
-        data = self._api_out.encode(TokenizerHello(self.tokenizer_id, os.getpid()) if hello else beat)
+        data = self._api_out.encode(self._hello() if hello else beat)
         for sock in self._apis:
             _send(sock, data)
         # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
         # only registers a tokenizer on its hello (it answers each with ModelInfo, so repeats are harmless).
-        hello_data = self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid()))
+        hello_data = self._scheduler_out.encode(self._hello())
         beat_data = self._scheduler_out.encode(beat)
         for replica in self._replicas.replicas:
             _send(replica.sock, beat_data if replica.model_info is not None else hello_data)
@@ -548,7 +553,7 @@ class TokenizerService:
         if replica.lost:
             log.info("scheduler %d is back: registering again", index)
             replica.lost = False
-            _send(replica.sock, self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid())))
+            _send(replica.sock, self._scheduler_out.encode(self._hello()))
         replica.heard_at = time.monotonic()
 
     def _on_model_info(self, info: ModelInfo, index: int = 0) -> None:
