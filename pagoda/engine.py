@@ -72,13 +72,14 @@ class LLMEngine:
         """Validate and queue a request; raises InvalidRequestError (naming the parameter) on bad input."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
-        params.validate()
+        params.validate()  # before the prompt is encoded: a bad value fails cheaply
         token_ids = self.encode_prompt(prompt)
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(req_id=request_id, prompt_token_ids=token_ids, sampling=params,
                           arrival_time=time.monotonic(), priority=priority)
+        self.scheduler.check_prompt(request)  # the rest of Scheduler.validate: params were checked above
         self.scheduler.add_request(request)
         self._outputs[request_id] = RequestOutput(
             request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,

@@ -190,6 +190,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     num_computed_tokens: int  # tokens whose K/V already sit in block_ids (prefix cache, fork)
     sampling: SamplingParams
     seed: int  # the effective sampling seed (the request's, or one drawn at arrival)
+    eos_token_ids: list[int] = []  # min_tokens > 0 without ignore_eos: the EOS ids to ban until then
 
 
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -288,6 +289,26 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
+class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """How the tokenizer renders a request's output as OpenAI bytes, so that the api only writes them."""
+
+    route: int  # 0: /v1/completions, 1: /v1/chat/completions
+    response_id: str
+    model: str
+    created: int
+    stream: bool
+    want_logprobs: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    return_token_ids: bool = False
+    tool_mode: str = "none"  # chat: none|auto|required|named (services/api/chat_output.ChatOutputSpec)
+    tool_parser: str = "hermes"
+    tool_name: str = ""
+    reasoning_parser: str | None = None
+    max_calls: int = 0
+    first_choice: int = 0  # this prompt's first choice index in the response (prompt index * n)
+
+
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):
     """A validated HTTP request on its way to tokenization; exactly one of the prompt fields is set."""
 
@@ -305,6 +326,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     return_prompt_text: bool = False  # echo
     tools: list[dict[str, Any]] = []  # OpenAI tool definitions to render into the prompt
     return_token_ids: bool = False  # deltas carry their token ids, Accepted the prompt's (vLLM's return_token_ids)
+    render: RenderSpec | None = None  # set: the tokenizer answers with RenderedRows, not TextDeltas
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -331,6 +353,7 @@ class TokenizerHello(msgspec.Struct, array_like=True, tag="hello", frozen=True):
 
     tokenizer_id: str
     pid: int
+    eos_token_ids: list[int] = []  # the tokenizer's end-of-sequence id (the scheduler stops on it too)
 
 
 class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omit_defaults=True):
@@ -340,6 +363,7 @@ class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omi
     num_prompt_tokens: int
     prompt_text: str | None = None
     prompt_token_ids: list[int] = []  # only when the request asked (return_token_ids)
+    opening: bytes = b""  # rendered requests that stream: the SSE bytes of this prompt's choices before any token
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -373,6 +397,29 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True
 
 class TextDeltas(msgspec.Struct, array_like=True, tag="texts", frozen=True, gc=False):
     deltas: list[TextDelta]
+
+
+class RenderedRows(msgspec.Struct, array_like=True, tag="rendered", frozen=True, gc=False):
+    """One step's output of rendered requests for one api, as columns: row r is one completion's news.
+
+    `data` holds the bytes to write: a streamed completion's SSE chunks for this step, or a non-streamed
+    completion's choice object (JSON) once it finishes (b"" before). The counts feed usage and metrics.
+    """
+
+    request_ids: list[str]
+    indices: list[int]  # the completion's index within its request (n > 1)
+    num_new_tokens: list[int]
+    finish_reasons: list[int]  # a FinishReason, -1 while it runs
+    num_cached_tokens: list[int]
+    data: list[bytes]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def columns_agree(self) -> bool:
+        rows = len(self.request_ids)
+        return (len(self.indices) == len(self.num_new_tokens) == len(self.finish_reasons)
+                == len(self.num_cached_tokens) == len(self.data) == rows)
 
 
 class RequestFailed(msgspec.Struct, array_like=True, tag="failed", frozen=True, omit_defaults=True):
@@ -490,7 +537,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
 
 # One union per socket direction; decoders are built once per process from these.
 ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
-TokenizerToApi = TokenizerHello | Heartbeat | Accepted | TextDeltas | RequestFailed | TokenizeResult | DetokenizeResult
+TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
+                  | DetokenizeResult)
 TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat
 SchedulerToWorker = StepPlan | Shutdown | Heartbeat  # heartbeats double as subscription probes

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +16,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pagoda.services.tokenizer.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
+from pagoda.services.tokenizer.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, StreamDetokenizer
 from pagoda.services.tokenizer.stop import StopChecker
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
@@ -75,7 +77,7 @@ def _stream(tok: Tokenizer, prompt_ids: list[int], output_ids: list[int], skip: 
             rng: random.Random | None = None) -> list[str]:
     """Deltas for output_ids pushed one at a time (or in random chunks), checking each against decode."""
     full = tok.decode(output_ids, skip_special_tokens=skip)
-    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    detok = DETOK[0](tok, prompt_ids, skip_special_tokens=skip)
     deltas: list[str] = []
     i = 0
     while i < len(output_ids):
@@ -104,6 +106,23 @@ def _random_sequences(tok: Tokenizer, pool: list[int], num: int,
 # ---- detokenizer ------------------------------------------------------------------------------
 
 
+def _stream_detokenizer(tok: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> StreamDetokenizer:
+    assert tok.backend is not None
+    return StreamDetokenizer(tok.backend, prompt_ids, skip_special_tokens)
+
+
+DETOK: list[Callable[..., Any]] = [IncrementalDetokenizer]  # the implementation under test
+
+
+@pytest.fixture(params=["python", "decode_stream"])
+def detokenizer_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each detokenizer test runs on both: the tokenizers library's DecodeStream and the Python one."""
+    DETOK[0] = _stream_detokenizer if request.param == "decode_stream" else IncrementalDetokenizer
+    yield request.param
+    DETOK[0] = IncrementalDetokenizer
+
+
+@pytest.mark.usefixtures("detokenizer_kind")
 @pytest.mark.parametrize("skip", [True, False])
 def test_real_tokenizer_random_ids(smol: Tokenizer, skip: bool) -> None:
     # Byte tokens of multi-byte characters, emoji split over byte tokens, and the special tokens.
@@ -115,6 +134,7 @@ def test_real_tokenizer_random_ids(smol: Tokenizer, skip: bool) -> None:
         _stream(smol, prompt, output, skip, rng)
 
 
+@pytest.mark.usefixtures("detokenizer_kind")
 def test_real_tokenizer_text_round_trip(smol: Tokenizer) -> None:
     chat = smol.apply_chat_template([{"role": "user", "content": "hi"}])
     for text in [MULTIBYTE_TEXT, " leading space", "a\n\nb  c", "🎉🎉🎉", "x" * 50 + " 世界"]:
@@ -126,7 +146,7 @@ def test_real_tokenizer_text_round_trip(smol: Tokenizer) -> None:
     # An emoji is several byte tokens: nothing comes out until its last byte has.
     ids = smol.encode("🎉", add_special_tokens=False)
     assert len(ids) > 1
-    detok = IncrementalDetokenizer(smol, chat)
+    detok = DETOK[0](smol, chat)
     assert [detok.push([t]) for t in ids] == [""] * (len(ids) - 1) + ["🎉"]
 
 
@@ -140,6 +160,7 @@ def test_decode_matches_transformers(smol: Tokenizer, tiny_byte_fallback: Tokeni
                                                                clean_up_tokenization_spaces=False)
 
 
+@pytest.mark.usefixtures("detokenizer_kind")
 @pytest.mark.parametrize("skip", [True, False])
 def test_tiny_bytelevel_random_ids(tiny_bytelevel: Tokenizer, skip: bool) -> None:
     # Any id sequence, valid UTF-8 or not: byte-level decoding is lossy over the whole byte string.
@@ -150,6 +171,7 @@ def test_tiny_bytelevel_random_ids(tiny_bytelevel: Tokenizer, skip: bool) -> Non
         _stream(tiny_bytelevel, prompt, output, skip, rng)
 
 
+@pytest.mark.usefixtures("detokenizer_kind")
 def test_tiny_byte_fallback_text(tiny_byte_fallback: Tokenizer) -> None:
     # Valid text only: ByteFallback turns a whole run of byte tokens into U+FFFDs if any byte in it is
     # invalid, which no stream can know in advance.
@@ -164,22 +186,24 @@ def test_tiny_byte_fallback_text(tiny_byte_fallback: Tokenizer) -> None:
         assert all("\ufffd" not in d for d in deltas)
 
 
+@pytest.mark.usefixtures("detokenizer_kind")
 def test_first_token_keeps_its_space_after_a_prompt(tiny_byte_fallback: Tokenizer) -> None:
     tok = tiny_byte_fallback
     prompt = tok.encode("hello", add_special_tokens=False)
     output = tok.encode("world", add_special_tokens=False)  # "▁world": a word that follows a space
     assert tok.decode(output) == "world"  # decoded alone, the decoder strips the leading space
-    detok = IncrementalDetokenizer(tok, prompt)
+    detok = DETOK[0](tok, prompt)
     assert "".join(detok.push([t]) for t in output) + detok.flush() == " world"
 
 
+@pytest.mark.usefixtures("detokenizer_kind")
 def test_garbage_run_is_bounded(tiny_bytelevel: Tokenizer) -> None:
     # Lone continuation bytes never complete a character: held at most MAX_HELD_TOKENS tokens.
     cont = tiny_bytelevel.hf.convert_tokens_to_ids(pre_tokenizers.ByteLevel.alphabet())
     cont = [i for i in cont if tiny_bytelevel.decode([i]) == "\ufffd"][:4]
     output = [cont[i % len(cont)] for i in range(5 * MAX_HELD_TOKENS)]
     output += tiny_bytelevel.encode("ok", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tiny_bytelevel, [])
+    detok = DETOK[0](tiny_bytelevel, [])
     deltas = [detok.push([t]) for t in output]
     assert sum(1 for d in deltas if d) >= 4
     assert "".join(deltas) + detok.flush() == tiny_bytelevel.decode(output)

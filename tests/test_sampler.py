@@ -7,6 +7,7 @@ import math
 import random
 from collections import Counter
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -696,7 +697,8 @@ def test_state_bias_and_bans() -> None:
     vocab_size = 16
     state = SamplingState(3, vocab_size, torch.device("cpu"), eos_token_ids=[15])
     state.admit([(0, new_request(1, [1, 2], 2, logit_bias={3: 10.0, 4: -1.0})),
-                 (1, new_request(2, [1, 2], 2, min_tokens=2, stop_token_ids=[7])),
+                 (1, msgspec.structs.replace(new_request(2, [1, 2], 2, min_tokens=2, stop_token_ids=[7]),
+                                             eos_token_ids=[15])),  # the scheduler's EOS ids, with the plan
                  (2, new_request(3, [1, 2], 2))])
     rows = np.array([0, 1, 2])
     meta = state.metadata(rows)

@@ -623,7 +623,7 @@ def test_invalid_requests_raise_and_leave_the_scheduler_working(
     args = dict(max_tokens=8) | request_args
     bad = make_request("bad", args.pop("prompt"), **args)
     with pytest.raises(error) as info:
-        sched.add_request(bad)
+        sched.validate(bad)
     assert info.value.param == param
     if error is ContextLengthError:
         assert info.value.code == "context_length_exceeded"
@@ -642,8 +642,10 @@ def test_invalid_requests_raise_and_leave_the_scheduler_working(
 def test_prompt_larger_than_the_kv_cache_and_duplicate_ids_are_refused() -> None:
     sched = make_scheduler(num_blocks=4, block_size=16, max_model_len=1024)
     with pytest.raises(ContextLengthError) as info:
-        sched.add_request(make_request("big", 64, max_tokens=1))  # 64 prompt slots + 1 > 4 blocks * 16
+        sched.validate(make_request("big", 64, max_tokens=1))  # 64 prompt slots + 1 > 4 blocks * 16
     assert info.value.param == "prompt"
+    with pytest.raises(AssertionError):  # add_request only asserts what validate (or the tokenizer) checked
+        sched.add_request(make_request("big", 64, max_tokens=1))
     sched.add_request(make_request("dup", 10))
     with pytest.raises(InvalidRequestError) as info:
         sched.add_request(make_request("dup", 10))
@@ -896,3 +898,34 @@ def test_serial_scheduler_refuses_a_second_plan_in_flight() -> None:
     sched.schedule()
     with pytest.raises(AssertionError):
         sched.schedule()
+
+
+def test_add_request_trusts_validation_done_at_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation runs once, where a request enters: add_request (the hot path) never re-runs it."""
+    calls: list[SamplingParams] = []
+    original = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(self) or original(self))
+    sched = make_scheduler(max_model_len=128)
+    request = make_request("r", 10, max_tokens=4)
+    sched.validate(request)
+    assert len(calls) == 1
+    sched.add_request(request)
+    assert len(calls) == 1
+    run_until_done(sched, FakeWorker(16))
+    assert request.sequences[0].num_output_tokens == 4
+
+
+def test_tokenizer_eos_joins_at_registration_and_reaches_the_worker_with_the_plan() -> None:
+    """The worker knows no tokenizer: the scheduler stops on the EOS a tokenizer registered, and a new request
+    that bans EOS until min_tokens carries the ids to ban in its NewRequest."""
+    sched = make_scheduler()
+    sched.add_eos_token_ids([5])
+    ended = make_request("eos", 10, max_tokens=8)
+    banned = make_request("min", 10, max_tokens=8, min_tokens=2)
+    free = make_request("ignore", 10, max_tokens=8, min_tokens=2, ignore_eos=True)
+    for request in (ended, banned, free):
+        sched.add_request(request)
+    plan, _ = step(sched, FakeWorker(16, lambda seq_id, k: 5 if seq_id == 0 else 20))
+    by_seq = {new.req_id: new.eos_token_ids for new in plan.new_requests}
+    assert by_seq == {0: [], 1: [EOS, 5], 2: []}
+    assert ended.sequences[0].finish_reason == FinishReason.STOP and ended.sequences[0].num_output_tokens == 1

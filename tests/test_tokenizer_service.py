@@ -30,6 +30,8 @@ from pagoda.shared.messages import (
     GenerateRequest,
     Heartbeat,
     ModelInfo,
+    RenderedRows,
+    RenderSpec,
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
@@ -350,6 +352,41 @@ def test_n_completions_finish_independently(tok: Harness, tokenizer: Tokenizer) 
     by_index = [merged([d for d in batch.deltas if d.index == i]) for i in (0, 1)]
     assert [(d.index, d.text, d.finish_reason) for d in by_index] == [(0, " one", 1), (1, " two", -1)]
     assert tok.feed(request_id, [tokenizer.eos_token_id], FinishReason.STOP, index=1).text == ""
+
+
+def test_rendered_requests_get_sse_bytes_and_choice_json(tok: Harness, tokenizer: Tokenizer) -> None:
+    """A request with a RenderSpec gets its opening in Accepted and RenderedRows: SSE chunks per step when
+    streaming, one choice object at the end otherwise; the api only writes them."""
+    spec = RenderSpec(1, "chatcmpl-1", "m", 7, True)
+    request_id = new_id()
+    tok.send_api(GenerateRequest(request_id, SamplingParams(n=2, max_tokens=None), prompt_text="Hi", render=spec))
+    accepted = tok.expect_reply(request_id, Accepted)
+    tok.expect_scheduler(lambda m: isinstance(m, AddRequest) and m.request_id == request_id)
+    opening = [msgspec.json.decode(line[6:]) for line in accepted.opening.split(b"\n\n") if line]
+    assert [c["choices"][0]["index"] for c in opening] == [0, 1]
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in opening)
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    tok.send_scheduler(token_deltas([(request_id, 0, ids, FinishReason.LENGTH), (request_id, 1, ids[:1], -1)]))
+    rows = tok.expect_api(lambda m: isinstance(m, RenderedRows), what="RenderedRows")
+    assert rows.request_ids == [request_id] * (len(ids) + 1)
+    assert rows.finish_reasons[len(ids) - 1] == FinishReason.LENGTH and rows.num_new_tokens == [1] * (len(ids) + 1)
+    chunks = [msgspec.json.decode(line[6:]) for data in rows.data for line in data.split(b"\n\n") if line]
+    assert all(c["id"] == "chatcmpl-1" and c["object"] == "chat.completion.chunk" for c in chunks)
+    text = {i: "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i)
+            for i in (0, 1)}
+    assert text == {0: " one two", 1: " one"}
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["index"] == 0][-1] == "length"
+
+    request_id = new_id()
+    tok.send_api(GenerateRequest(request_id, SamplingParams(max_tokens=None), prompt_text="Hi",
+                                 render=RenderSpec(0, "cmpl-2", "m", 7, False, first_choice=3)))
+    assert tok.expect_reply(request_id, Accepted).opening == b""
+    tok.send_scheduler(token_deltas([(request_id, 0, ids, FinishReason.STOP)]))
+    rows = tok.expect_api(lambda m: isinstance(m, RenderedRows), what="RenderedRows")
+    assert rows.data[:-1] == [b""] * (len(ids) - 1)  # not streamed: nothing until the choice ends
+    choice = msgspec.json.decode(rows.data[-1])
+    # a stop token's own text is not part of the output
+    assert choice == {"index": 3, "text": tokenizer.decode(ids[:-1]), "logprobs": None, "finish_reason": "stop"}
 
 
 def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> None:

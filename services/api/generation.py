@@ -1,4 +1,8 @@
-"""One HTTP generation request in flight: its tokenizer replies folded into choices, usage and latencies."""
+"""One HTTP generation request in flight: its tokenizer replies folded into choices, usage and latencies.
+
+A tokenizer that renders (RenderedRows) sends the bytes to write: this process only counts tokens and joins the
+bytes queued for the request into one write. One that sends text (TextDeltas) gets it rendered here.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +10,25 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.metrics import ApiMetrics
-from pagoda.services.api.pool import Reply, Ticket
+from pagoda.services.api.pool import Reply, Rows, Ticket
+from pagoda.services.tokenizer.render import Choice, Renderer, usage_dict
 from pagoda.shared.messages import Accepted, FinishReason, PositionLogprobs, RequestFailed, TextDelta
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class Choice:
-    """One completion of the response: choice index = prompt index * n + completion index."""
-
-    index: int
-    texts: list[str] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    num_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)  # filled when the deltas carry them (return_token_ids)
-    finish_reason: int = -1  # a FinishReason once it ends
-    last_token_at: float = 0.0  # time.monotonic() of its latest tokens, for inter-token latency
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-
 class Generation:
     """Folds a ticket's replies into choices; raises UpstreamError for any failure the client must see."""
 
-    def __init__(self, ticket: Ticket, n: int, started_at: float, metrics: ApiMetrics,
-                 deadline: float | None = None) -> None:
+    def __init__(self, ticket: Ticket, n: int, started_at: float, metrics: ApiMetrics, renderer: Renderer,
+                 stream: bool, deadline: float | None = None) -> None:
         self.ticket = ticket
+        self.renderer = renderer
+        self.stream = stream
         self.deadline = deadline  # time.monotonic() past which the request ends with 408 (--request-timeout)
         self.n = n
         self.started_at = started_at  # time.monotonic() at HTTP arrival
@@ -51,6 +41,7 @@ class Generation:
         self.prompt_texts: list[str] = [""] * num_prompts
         self.prompt_token_ids: list[list[int]] = [[] for _ in range(num_prompts)]  # return_token_ids
         self.prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in range(num_prompts)]  # echo + logprobs
+        self.openings: list[bytes] = [b""] * num_prompts  # rendered by the tokenizer (streaming)
         self._num_running = [n] * num_prompts  # unfinished completions per prompt
         self._failed: set[int] = set()  # prompts the tokenizer already ended with RequestFailed
         self._early: deque[Reply] = deque()  # replies taken off the queue, not handled yet
@@ -72,6 +63,19 @@ class Generation:
     def cached_tokens(self) -> int:
         return sum(self.num_cached_tokens)
 
+    def usage(self) -> dict[str, Any]:
+        return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def opening(self) -> bytes:
+        """The SSE bytes before the first token: the tokenizer's, or rendered here for one that sends text."""
+        return b"".join(self.openings) if any(self.openings) else self.renderer.opening(self)
+
+    def closing(self) -> bytes:
+        return self.renderer.closing(self.usage())
+
+    def body(self) -> dict[str, Any]:
+        return self.renderer.body(self, self.usage())
+
     def unfinished_request_ids(self) -> list[str]:
         """Wire ids the tokenizer still runs: these get an AbortRequest if the response ends early."""
         return [rid for i, rid in enumerate(self.ticket.request_ids)
@@ -87,36 +91,38 @@ class Generation:
                 self.num_prompt_tokens[i] = reply.num_prompt_tokens
                 self.prompt_texts[i] = reply.prompt_text or ""
                 self.prompt_token_ids[i] = reply.prompt_token_ids
+                self.openings[i] = reply.opening
                 pending.discard(reply.request_id)
-            elif isinstance(reply, list):
+            elif isinstance(reply, list | Rows):
                 self._early.append(reply)
             else:
                 self._raise_if_failed(reply)
 
-    async def next_batch(self) -> list[tuple[Choice, TextDelta]]:
-        """The deltas of this request that arrived by the time it woke, already applied to the choices: one
-        wake-up (and one write) takes everything queued, not one scheduler step at a time."""
+    async def next_batch(self) -> bytes:
+        """The output of this request that arrived by the time it woke, applied to the choices; with streaming,
+        the SSE bytes to write. One wake-up (and one write) takes everything queued, not one step at a time."""
         while True:
             reply = self._early.popleft() if self._early else await self._get()
-            if isinstance(reply, list):
-                return self._apply(self._take_queued(reply))
+            if isinstance(reply, list | Rows):
+                return b"".join([self._apply(batch) for batch in self._take_queued(reply)])
             self._raise_if_failed(reply)
 
-    def _take_queued(self, deltas: list[TextDelta]) -> list[TextDelta]:
-        """`deltas` plus every batch queued behind them, up to the first reply of another kind."""
-        more: list[TextDelta] | None = None
-        while self._early and isinstance(self._early[0], list):
-            more = more if more is not None else list(deltas)
-            more.extend(self._early.popleft())
+    def _take_queued(self, batch: list[TextDelta] | Rows) -> list[list[TextDelta] | Rows]:
+        """`batch` plus every batch queued behind it, up to the first reply of another kind."""
+        batches = [batch]
+        while self._early and isinstance(self._early[0], list | Rows):
+            batches.append(self._early.popleft())  # type: ignore[arg-type]
         queue = self.ticket.queue
         while not self._early and not queue.empty():
             reply = queue.get_nowait()
-            if not isinstance(reply, list):
-                self._early.append(reply)  # a failure is raised after the deltas before it are shown
+            if not isinstance(reply, list | Rows):
+                self._early.append(reply)  # a failure is raised after the output before it is shown
                 break
-            more = more if more is not None else list(deltas)
-            more.extend(reply)
-        return more if more is not None else deltas
+            batches.append(reply)
+        return batches
+
+    def _apply(self, batch: list[TextDelta] | Rows) -> bytes:
+        return self._apply_rows(batch) if isinstance(batch, Rows) else self._apply_deltas(batch)
 
     async def _get(self) -> Reply:
         if self.deadline is None:
@@ -136,30 +142,55 @@ class Generation:
             raise UpstreamError.from_failed(reply)
         log.warning("ignored an unexpected %s for %s", type(reply).__name__, self.ticket.request_ids[0])
 
-    def _apply(self, deltas: list[TextDelta]) -> list[tuple[Choice, TextDelta]]:
+    def _choice(self, request_id: str, index: int) -> tuple[int, Choice | None]:
+        """(prompt index, its running choice), or a None choice for a row to ignore (unknown, or already over)."""
+        i = self._prompt_index.get(request_id)
+        if i is None or not 0 <= index < self.n:
+            log.warning("ignored output for %s completion %d", request_id, index)
+            return -1, None
+        choice = self.choices[i * self.n + index]
+        return i, (choice if choice.finish_reason < 0 else None)  # finished: a late duplicate after the end
+
+    def _end(self, i: int, choice: Choice, reason: int) -> None:
+        choice.finish_reason = reason
+        self._num_running[i] -= 1
+        _raise_if_abnormal(reason)
+
+    def _apply_rows(self, rows: Rows) -> bytes:
+        """Rendered output: count, then keep the bytes (streaming: to write now; otherwise the choice's JSON)."""
+        now = time.monotonic()
+        out: list[bytes] = []
+        for request_id, index, num_new_tokens, reason, num_cached_tokens, data in rows.rows:
+            i, choice = self._choice(request_id, index)
+            if choice is None:
+                continue
+            self._observe(choice, num_new_tokens, now)
+            choice.num_tokens += num_new_tokens
+            self.num_cached_tokens[i] = max(self.num_cached_tokens[i], num_cached_tokens)
+            if self.stream:
+                out.append(data)
+            elif data:
+                choice.rendered = data
+            if reason >= 0:
+                self._end(i, choice, reason)
+        return b"".join(out)
+
+    def _apply_deltas(self, deltas: list[TextDelta]) -> bytes:
+        """Text from a tokenizer that does not render: folded into the choices and rendered here."""
         now = time.monotonic()
         applied = []
         for delta in deltas:
-            i = self._prompt_index.get(delta.request_id)
-            if i is None or not 0 <= delta.index < self.n:
-                log.warning("ignored a delta for %s completion %d", delta.request_id, delta.index)
+            i, choice = self._choice(delta.request_id, delta.index)
+            if choice is None:
                 continue
-            choice = self.choices[i * self.n + delta.index]
-            if choice.finish_reason >= 0:
-                continue  # a late duplicate after the end
             self._observe(choice, delta.num_new_tokens, now)
-            choice.texts.append(delta.text)
-            choice.logprobs.extend(delta.logprobs)
-            choice.token_ids.extend(delta.token_ids)
+            choice.apply(delta)
             self.prompt_logprobs[i].extend(delta.prompt_logprobs)
-            choice.num_tokens += delta.num_new_tokens
             self.num_cached_tokens[i] = max(self.num_cached_tokens[i], delta.num_cached_tokens)
             if delta.finish_reason >= 0:
-                choice.finish_reason = delta.finish_reason
-                self._num_running[i] -= 1
-                _raise_if_abnormal(delta)
+                self._end(i, choice, delta.finish_reason)
             applied.append((choice, delta))
-        return applied
+        return self.renderer.chunks(applied) if self.stream else b""
 
     def _observe(self, choice: Choice, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:
@@ -173,10 +204,10 @@ class Generation:
         choice.last_token_at = now
 
 
-def _raise_if_abnormal(delta: TextDelta) -> None:
-    if delta.finish_reason == FinishReason.ABORT:
+def _raise_if_abnormal(reason: int) -> None:
+    if reason == FinishReason.ABORT:
         raise UpstreamError(503, "the request was aborted by the server", "server_error")
-    if delta.finish_reason == FinishReason.ERROR:
+    if reason == FinishReason.ERROR:
         raise UpstreamError(500, "the request failed inside the engine", "server_error")
-    if delta.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-        raise UpstreamError(500, f"unknown finish reason {delta.finish_reason}", "server_error")
+    if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        raise UpstreamError(500, f"unknown finish reason {reason}", "server_error")

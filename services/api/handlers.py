@@ -9,13 +9,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from aiohttp import web
 
 from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
-from pagoda.services.api.protocol import SSE_DONE, ChatRenderer, CompletionRenderer, Renderer, encode_json, sse
+from pagoda.services.api.protocol import SSE_DONE, encode_json, sse
 from pagoda.services.api.schemas import (
     ChatBody,
     CompletionBody,
@@ -29,6 +30,7 @@ from pagoda.services.api.schemas import (
     prompt_bytes,
 )
 from pagoda.services.api.stats import ReplicaStatsFeed
+from pagoda.services.tokenizer.render import CHAT, COMPLETION, renderer_for
 from pagoda.services.tokenizer.tools import default_tool_parser
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
@@ -37,6 +39,7 @@ from pagoda.shared.messages import (
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
+    RenderSpec,
     RequestFailed,
     TokenizeRequest,
     TokenizeResult,
@@ -101,10 +104,10 @@ class Handlers:
         model = self._check_model(body.model)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         messages = completion_requests(body, response_id, time.time())
-        renderer = CompletionRenderer(response_id, model, int(time.time()), want_logprobs=body.logprobs is not None,
-                                      include_usage=body.include_usage, echo=bool(body.echo),
-                                      return_token_ids=bool(body.return_token_ids))
-        return await self._generate(request, messages, renderer, bool(body.stream), started_at)
+        spec = RenderSpec(COMPLETION, response_id, model, int(time.time()), bool(body.stream),
+                          want_logprobs=body.logprobs is not None, include_usage=body.include_usage,
+                          echo=bool(body.echo), return_token_ids=bool(body.return_token_ids))
+        return await self._generate(request, messages, spec, started_at)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
@@ -115,41 +118,48 @@ class Handlers:
         config = self.state.config
         output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
                                   config.reasoning_parser)
-        renderer = ChatRenderer(response_id, model, int(time.time()), want_logprobs=bool(body.logprobs),
-                                include_usage=body.include_usage, output=output,
-                                return_token_ids=bool(body.return_token_ids))
-        return await self._generate(request, [message], renderer, bool(body.stream), started_at)
+        spec = RenderSpec(CHAT, response_id, model, int(time.time()), bool(body.stream),
+                          want_logprobs=bool(body.logprobs), include_usage=body.include_usage,
+                          return_token_ids=bool(body.return_token_ids), tool_mode=output.tool_mode,
+                          tool_parser=output.tool_parser, tool_name=output.tool_name,
+                          reasoning_parser=output.reasoning_parser, max_calls=output.max_calls)
+        return await self._generate(request, [message], spec, started_at)
 
-    async def _generate(self, request: web.Request, messages: list[GenerateRequest], renderer: Renderer,
-                        stream: bool, started_at: float) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,
+                        started_at: float) -> web.StreamResponse:
+        # The tokenizer renders each prompt's choices (they start at prompt index * n); the same renderer here
+        # serves a tokenizer that answers with text instead.
+        n = messages[0].params.n
+        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n))
+                    for i, m in enumerate(messages)]
         ticket = self.state.pool.submit(messages)
         timeout = self.state.config.request_timeout
-        gen = Generation(ticket, messages[0].params.n, started_at, self.state.metrics,
+        gen = Generation(ticket, n, started_at, self.state.metrics, renderer_for(spec), spec.stream,
                          deadline=started_at + timeout if timeout > 0 else None)
         try:
             await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
-            if stream:
-                return await self._stream(request, gen, renderer)
+            if spec.stream:
+                return await self._stream(request, gen)
             while not gen.finished:
                 await gen.next_batch()
             self.state.metrics.e2e.observe(time.monotonic() - started_at)
-            return json_response(renderer.body(gen))
+            return json_response(gen.body())
         finally:
             # Runs on success, on error and on cancellation (the client hung up): whatever still runs is aborted.
             self.state.pool.finish(ticket, gen.unfinished_request_ids())
 
-    async def _stream(self, request: web.Request, gen: Generation, renderer: Renderer) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         try:
             await response.prepare(request)
             try:
-                await response.write(renderer.opening(gen))
+                await response.write(gen.opening())
                 while not gen.finished:
-                    data = renderer.chunks(await gen.next_batch())
+                    data = await gen.next_batch()
                     if data:
                         await response.write(data)
                 self.state.metrics.e2e.observe(time.monotonic() - gen.started_at)
-                await response.write(renderer.closing(gen))
+                await response.write(gen.closing())
             except Exception as exc:
                 # The status line is sent already: the error travels as an event, then the stream ends.
                 if not isinstance(exc, PagodaError):

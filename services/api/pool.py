@@ -27,6 +27,7 @@ from pagoda.shared.messages import (
     ApiToTokenizer,
     DetokenizeResult,
     Heartbeat,
+    RenderedRows,
     RequestFailed,
     TextDelta,
     TextDeltas,
@@ -38,8 +39,17 @@ from pagoda.shared.transport import Codec, make_socket, receive_forever, split_r
 
 log = logging.getLogger(__name__)
 
-# What a handler finds in its queue: one reply, or this request's share of a TextDeltas batch.
-Reply = Accepted | RequestFailed | TokenizeResult | DetokenizeResult | list[TextDelta]
+
+
+@dataclass(slots=True)
+class Rows:
+    """One request's share of a RenderedRows frame: (request id, index, new tokens, finish, cached, bytes) rows."""
+
+    rows: list[tuple[str, int, int, int, int, bytes]]
+
+
+# What a handler finds in its queue: one reply, or this request's share of a TextDeltas or RenderedRows batch.
+Reply = Accepted | RequestFailed | TokenizeResult | DetokenizeResult | list[TextDelta] | Rows
 
 
 @dataclass(slots=True, eq=False)
@@ -238,6 +248,9 @@ class TokenizerPool:
         peer.last_seen = time.monotonic()
         if isinstance(message, (TokenizerHello, Heartbeat)):
             return
+        if isinstance(message, RenderedRows):
+            self._route_rows(identity, message)
+            return
         if isinstance(message, TextDeltas):
             self._route_deltas(identity, message.deltas)
             return
@@ -252,6 +265,24 @@ class TokenizerPool:
             ticket = self._tickets.get(delta.request_id)
             if ticket is not None and ticket.identity == identity:
                 groups.setdefault(ticket, []).append(delta)
+        for ticket, group in groups.items():
+            ticket.queue.put_nowait(group)
+
+    def _route_rows(self, identity: bytes, message: RenderedRows) -> None:
+        """Split one frame by request: each handler wakes once per frame and writes its rows' bytes at once."""
+        if not message.columns_agree():
+            log.error("dropped a RenderedRows frame whose columns disagree (%d rows)", len(message))
+            return
+        groups: dict[Ticket, Rows] = {}
+        tickets = self._tickets
+        for row in zip(message.request_ids, message.indices, message.num_new_tokens, message.finish_reasons,
+                       message.num_cached_tokens, message.data, strict=True):
+            ticket = tickets.get(row[0])
+            if ticket is not None and ticket.identity == identity:
+                group = groups.get(ticket)
+                if group is None:
+                    group = groups[ticket] = Rows([])
+                group.rows.append(row)
         for ticket, group in groups.items():
             ticket.queue.put_nowait(group)
 

@@ -170,7 +170,14 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in and out
 
     def validate(self, request: Request) -> None:
-        """Raise a typed error naming the parameter if the request cannot run on this model."""
+        """Raise a typed error naming the parameter if the request cannot run on this model: its sampling
+        parameters, then its prompt against this model. Called once, where a request enters (the offline
+        engine; in `pagoda serve` the api validates the parameters and the tokenizer the prompt)."""
+        request.sampling.validate()
+        self.check_prompt(request)
+
+    def check_prompt(self, request: Request) -> None:
+        """The checks of `validate` that depend on this model (prompt, token ids, context, KV cache)."""
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -196,8 +203,12 @@ class Scheduler:
                 param="max_tokens")
 
     def add_request(self, request: Request) -> None:
-        request.sampling.validate()
-        self.validate(request)
+        """Queue a request that `validate` (or the api and tokenizer) already checked: only O(1) invariants
+        are asserted here, on the hot path."""
+        num_prompt_tokens = len(request.prompt_token_ids)
+        assert 0 < num_prompt_tokens < self.max_model_len, "validate: the prompt fits the context"
+        assert self.blocks.num_blocks_for(num_prompt_tokens + 1) <= self.blocks.num_blocks, "validate: KV capacity"
+        assert request.sampling.n >= 1
         if request.req_id in self.requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use", param="request_id")
         params = request.sampling
@@ -360,8 +371,16 @@ class Scheduler:
             new_requests.append(NewRequest(
                 req_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
                 block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
-                sampling=seq.request.sampling, seed=seq.seed))
+                sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request.sampling)))
         return budget
+
+    def _banned_eos(self, params: SamplingParams) -> list[int]:
+        """The EOS ids the worker bans until min_tokens (the worker knows no EOS of its own)."""
+        return sorted(self.eos_token_ids) if params.min_tokens > 0 and not params.ignore_eos else []
+
+    def add_eos_token_ids(self, token_ids: Iterable[int]) -> None:
+        """A tokenizer registered with its EOS id: sequences stop on it too."""
+        self.eos_token_ids = self.eos_token_ids | frozenset(token_ids)
 
     def _release_waiting_blocks(self, seq: Sequence) -> bool:
         """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked.

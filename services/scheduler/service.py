@@ -100,6 +100,7 @@ class SchedulerService:
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
         self.swept: dict[bytes, None] = {}  # tokenizers dropped for silence after their hello (oldest first)
+        self.tokenizer_eos_ids: set[int] = set()  # from their hellos: the tokenizer's EOS, which the worker cannot know
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
@@ -214,12 +215,20 @@ class SchedulerService:
         elif isinstance(message, StopSequence):
             self._on_stop_sequence(message)
         elif isinstance(message, TokenizerHello):
+            self._add_eos(message.eos_token_ids)
             # A tokenizer says hello only when it holds no request here (it started, or gave us up and failed
             # them): whatever it owned is orphaned.
             for request_id in list(peer.request_ids):
                 self._abort(request_id)
             if self.model_info is not None:
                 self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
+
+    def _add_eos(self, token_ids: list[int]) -> None:
+        """The tokenizers' EOS ids (sent at registration, before any request of theirs) join the model's."""
+        if token_ids and not self.tokenizer_eos_ids.issuperset(token_ids):
+            self.tokenizer_eos_ids.update(token_ids)
+            if self.scheduler is not None:
+                self.scheduler.add_eos_token_ids(token_ids)
 
     def _on_add(self, identity: bytes, peer: Peer, message: AddRequest) -> None:
         if self.scheduler is None:
@@ -233,10 +242,16 @@ class SchedulerService:
         request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
         try:
+            # The tokenizer checked the prompt against ModelInfo and the api the params: not checked again here.
             self.scheduler.add_request(request)
         except PagodaError as exc:
             self._fail(identity, message.request_id, exc.http_status, exc.message, exc.error_type, exc.param,
                        exc.code)
+            return
+        except AssertionError:  # a tokenizer that skipped its checks (a bug) costs its request, not the process
+            log.exception("refused request %s that breaks the scheduler's invariants", message.request_id)
+            self._fail(identity, message.request_id, 500, "the request was not checked before scheduling",
+                       "server_error")
             return
         self.owner[message.request_id] = identity
         peer.request_ids.add(message.request_id)
@@ -325,7 +340,8 @@ class SchedulerService:
         self.scheduler = Scheduler(
             num_blocks=ready.num_kv_blocks, block_size=ready.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=ready.max_num_batched_tokens,
-            max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, eos_token_ids=ready.eos_token_ids,
+            max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+            eos_token_ids={*ready.eos_token_ids, *self.tokenizer_eos_ids},
             enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)

@@ -11,13 +11,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import advance
+from pagoda.services.tokenizer.render import PromptRenderer
 from pagoda.services.tokenizer.replicas import ReplicaSet
 from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
@@ -45,6 +46,7 @@ from pagoda.shared.messages import (
     ModelInfo,
     PositionLogprobs,
     PromptScores,
+    RenderedRows,
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
@@ -186,6 +188,31 @@ class RequestState:
     num_unfinished: int
     first_prompt_token: int = -1  # prompt_logprobs: listed first (no logprob) with completion 0's first delta
     return_token_ids: bool = False  # deltas carry their token ids (asked for, or no tokenizer to make text)
+    renderer: PromptRenderer | None = None  # the api asked for bytes (RenderedRows), not TextDeltas
+
+
+@dataclass(slots=True)
+class RowColumns:
+    """RenderedRows being built for one api."""
+
+    request_ids: list[str] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    finish_reasons: list[int] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
+    data: list[bytes] = field(default_factory=list)
+
+    def add(self, delta: TextDelta, data: bytes) -> None:
+        self.request_ids.append(delta.request_id)
+        self.indices.append(delta.index)
+        self.num_new_tokens.append(delta.num_new_tokens)
+        self.finish_reasons.append(delta.finish_reason)
+        self.num_cached_tokens.append(delta.num_cached_tokens)
+        self.data.append(data)
+
+    def message(self) -> RenderedRows:
+        return RenderedRows(self.request_ids, self.indices, self.num_new_tokens, self.finish_reasons,
+                            self.num_cached_tokens, self.data)
 
 
 @dataclass(slots=True)
@@ -251,7 +278,7 @@ class TokenizerService:
     # ---------------------------------------------------------------- loop
 
     def run(self) -> None:
-        hello = TokenizerHello(self.tokenizer_id, os.getpid())
+        hello = self._hello()
         for api in range(len(self._apis)):
             self._send_api(api, hello)
         self._send_scheduler(hello)
@@ -262,6 +289,11 @@ class TokenizerService:
                 self._tick(time.monotonic())
         finally:
             self._shutdown()
+
+    def _hello(self) -> TokenizerHello:
+        """Registration; it carries the tokenizer's EOS id: the worker loads no tokenizer to learn it."""
+        eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
+        return TokenizerHello(self.tokenizer_id, os.getpid(), [eos] if eos is not None else [])
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler): it does within MAX_POLL_S."""
@@ -302,12 +334,12 @@ class TokenizerService:
         # that restarted (or dropped this process as silent) takes it back on the next.
         self._num_beats += 1
         hello = self._num_beats % API_HELLO_EVERY == 0
-        data = self._api_out.encode(TokenizerHello(self.tokenizer_id, os.getpid()) if hello else beat)
+        data = self._api_out.encode(self._hello() if hello else beat)
         for sock in self._apis:
             _send(sock, data)
         # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
         # only registers a tokenizer on its hello (it answers each with ModelInfo, so repeats are harmless).
-        hello_data = self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid()))
+        hello_data = self._scheduler_out.encode(self._hello())
         beat_data = self._scheduler_out.encode(beat)
         for replica in self._replicas.replicas:
             _send(replica.sock, beat_data if replica.model_info is not None else hello_data)
@@ -418,13 +450,16 @@ class TokenizerService:
                                             for _ in range(params.n)]
         first_token = prompt.token_ids[0] if params.prompt_logprobs is not None else -1
         replica = self._replicas.route(request_id, prompt.token_ids)  # raises (503) when none is live
+        echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
+        renderer = (PromptRenderer(request.render, params.n, echo or "", prompt.token_ids)
+                    if request.render is not None else None)
         self._requests[request_id] = RequestState(api, params, streams, params.n, first_token,
-                                                  request.return_token_ids or self._tokenizer is None)
+                                                  request.return_token_ids or self._tokenizer is None, renderer)
         _send(replica.sock, self._scheduler_out.encode(AddRequest(request_id, prompt.token_ids, params,
                                                                   request.priority, request.arrival_time)))
-        echo = self._prompt_text(prompt, params) if request.return_prompt_text else None
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
-                                     prompt.token_ids if request.return_token_ids else []))
+                                     prompt.token_ids if request.return_token_ids else [],
+                                     renderer.opening() if renderer is not None else b""))
 
     def _check_structured(self, params: SamplingParams, prompt: Prompt, info: ModelInfo,
                           is_chat: bool) -> SamplingParams:
@@ -518,7 +553,7 @@ class TokenizerService:
         if replica.lost:
             log.info("scheduler %d is back: registering again", index)
             replica.lost = False
-            _send(replica.sock, self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid())))
+            _send(replica.sock, self._scheduler_out.encode(self._hello()))
         replica.heard_at = time.monotonic()
 
     def _on_model_info(self, info: ModelInfo, index: int = 0) -> None:
@@ -555,7 +590,8 @@ class TokenizerService:
         if not message.columns_agree():
             log.error("dropped a TokenDeltas frame whose columns disagree (%d rows)", len(message))
             return
-        outgoing: dict[int, list[TextDelta]] = {}
+        outgoing: dict[int, list[TextDelta]] = {}  # requests that take text (TextDeltas), by api
+        rendered: dict[int, RowColumns] = {}  # requests that take bytes (RenderedRows), by api
         requests = self._requests
         lp_at = {row: i for i, row in enumerate(message.logprob_rows)} if message.logprob_rows else None
         scores_at = {s.req_id: s for s in message.prompt_scores} if message.prompt_scores else None
@@ -570,16 +606,27 @@ class TokenizerService:
                                               self._row_logprobs(message, lp_at, row, token_id)
                                               if lp_at is not None else None,
                                               scores_at.get(row) if scores_at is not None else None)
+                if text_delta is None:
+                    continue
+                renderer = state.renderer
+                if renderer is not None:
+                    data = renderer.render(text_delta)
+                    columns = rendered.get(state.api)
+                    if columns is None:
+                        columns = rendered[state.api] = RowColumns()
+                    columns.add(text_delta, data)
+                    continue
             except Exception:
                 log.exception("failed on the tokens of %s", request_id)
                 self._drop(request_id, abort=True)
                 self._fail(state.api, request_id, PagodaError("internal error in the tokenizer"))
                 continue
-            if text_delta is not None:
-                out = outgoing.get(state.api)
-                if out is None:
-                    out = outgoing[state.api] = []
-                out.append(text_delta)
+            out = outgoing.get(state.api)
+            if out is None:
+                out = outgoing[state.api] = []
+            out.append(text_delta)
+        for api, columns in rendered.items():
+            self._send_api(api, columns.message())
         for api, deltas in outgoing.items():
             self._send_api(api, TextDeltas(deltas))
 

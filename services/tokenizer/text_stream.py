@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.services.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
+from pagoda.services.tokenizer.detokenizer import Decoder, new_detokenizer
 from pagoda.services.tokenizer.stop import StopChecker
 from pagoda.shared.messages import SamplingParams
 
@@ -13,7 +13,7 @@ class TextStream:
     """push() token ids, get text safe to show; `stopped` turns true when a stop string matched."""
 
     def __init__(self, tokenizer: Decoder | None, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self._detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._detokenizer = (new_detokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
                              if tokenizer is not None else None)
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
         self.text = ""

@@ -79,6 +79,11 @@ class Tokenizer:
         return self._hf
 
     @property
+    def backend(self) -> tokenizers.Tokenizer | None:
+        """The Rust tokenizer, when there is one (the stream detokenizer steps it)."""
+        return self._backend
+
+    @property
     def eos_token_id(self) -> int | None:
         return self._hf.eos_token_id
 

@@ -147,7 +147,7 @@ class SamplingState:
         params = new.sampling
         if params.min_tokens <= 0:
             return []
-        return list(dict.fromkeys([*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]))
+        return list(dict.fromkeys([*params.stop_token_ids, *new.eos_token_ids]))  # the scheduler's, ignore_eos applied
 
     def _admit_counts(self, entries: Sequence[tuple[int, NewRequest]]) -> None:
         """Zero and refill the count rows of penalised requests (output tokens) and the prompt rows of

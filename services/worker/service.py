@@ -54,13 +54,13 @@ class WorkerService:
         from pagoda.services.worker.parallel import init_tensor_parallel
 
         tp = init_tensor_parallel(engine_config, self.rank)
-        from pagoda.services.tokenizer.tokenizer import load_tokenizer
         from pagoda.services.worker.model_runner import ModelRunner
         from pagoda.shared.shapes import eos_token_ids
 
         self.runner = ModelRunner(engine_config, tp)
-        tokenizer = load_tokenizer(engine_config)
-        self.eos_token_ids = sorted(eos_token_ids(self.runner.arch, tokenizer.eos_token_id if tokenizer else None))
+        # The model's own EOS ids (config.json, generation_config.json); the tokenizer's reaches the scheduler
+        # when a tokenizer registers, and the worker gets what it bans (min_tokens) with each new request.
+        self.eos_token_ids = sorted(eos_token_ids(self.runner.arch))
         self.max_inflight_plans = engine_config.resolved_max_inflight_plans(self.runner.device.type)
 
     def run(self) -> None:

@@ -1,0 +1,353 @@
+"""OpenAI response shapes as bytes: SSE chunks, choice objects and usage; pure functions of a response's state.
+
+The tokenizer processes render with these (they scale out); the api process only merges the bytes queued for a
+request into one write. The api keeps the same renderers for a tokenizer that sends text (TextDeltas) instead.
+
+A renderer reads its response through `ResponseView`: the api's Generation (every prompt of the response) or a
+tokenizer's `PromptView` (the one prompt it serves). Choice index = prompt index * n + completion index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from pagoda.services.api.chat_output import ChatOutputSpec, ChatStreams, whole_message
+from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta
+
+_encoder = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+COMPLETION, CHAT = 0, 1  # RenderSpec.route
+
+
+def encode_json(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+@dataclass(slots=True)
+class Choice:
+    """One completion of the response: choice index = prompt index * n + completion index."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # filled when the deltas carry them (return_token_ids)
+    finish_reason: int = -1  # a FinishReason once it ends
+    last_token_at: float = 0.0  # time.monotonic() of its latest tokens, for inter-token latency
+    rendered: bytes | None = None  # its JSON object, rendered by the tokenizer (non-streaming responses)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def apply(self, delta: TextDelta) -> None:
+        self.texts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        self.token_ids.extend(delta.token_ids)
+        self.num_tokens += delta.num_new_tokens
+        if delta.finish_reason >= 0:
+            self.finish_reason = delta.finish_reason
+
+
+class ResponseView(Protocol):
+    """What a renderer reads of a response; the lists are indexed by prompt index."""
+
+    n: int
+    choices: list[Choice]
+    prompt_texts: Any  # prompt index -> its text (echo)
+    prompt_token_ids: Any  # prompt index -> its ids (return_token_ids)
+    prompt_logprobs: Any  # prompt index -> its scored tokens (echo + logprobs)
+
+
+@dataclass(slots=True)
+class PromptView:
+    """A tokenizer's part of a response: one prompt and its n choices (indices offset by the prompt's place)."""
+
+    n: int
+    choices: list[Choice]
+    prompt_texts: dict[int, str]
+    prompt_token_ids: dict[int, list[int]]
+    prompt_logprobs: dict[int, list[PositionLogprobs]]
+
+
+def _finish_name(reason: int) -> str | None:
+    return FinishReason(reason).openai_name if reason >= 0 else None
+
+
+def _tools_finish(reason: int, calls_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" when a choice that ended normally called tools."""
+    if calls_tools and reason == FinishReason.STOP:
+        return "tool_calls"
+    return _finish_name(reason)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_logprobs(positions: list[PositionLogprobs], offset: int, end: int | None = None) -> dict[str, Any]:
+    """The legacy shape; `offset` is where the first token starts in the choice's text. With `end` (the
+    length of the text these tokens make), offsets never pass it: a token whose string is not in the text
+    (a special token the text skips) keeps the offsets monotone and inside the text."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float | None] | None] = []
+    text_offset: list[int] = []
+    for position in positions:
+        sampled = position.sampled
+        tokens.append(sampled.token)
+        token_logprobs.append(sampled.logprob)
+        if sampled.logprob is None:  # a prompt's first token (echo): nothing before it to score it
+            top_logprobs.append(None)
+        else:
+            alternatives = {t.token: t.logprob for t in position.top}
+            alternatives.setdefault(sampled.token, sampled.logprob)  # vLLM's convention: the pick is listed
+            top_logprobs.append(alternatives)
+        text_offset.append(offset if end is None else min(offset, end))
+        offset += len(sampled.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
+    content = [{"token": p.sampled.token, "logprob": p.sampled.logprob, "bytes": p.sampled.bytes,
+                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in p.top]}
+               for p in positions]
+    return {"content": content, "refusal": None}
+
+
+class Renderer:
+    """One response's envelope (id, created, model) and the parts shared by both routes."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool,
+                 include_usage: bool, return_token_ids: bool = False) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = created
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+        self.return_token_ids = return_token_ids  # vLLM's: choices carry token_ids, the prompt's ids come too
+
+    def _with_ids(self, out: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        """`out` with the choice's token ids, when asked for or when they are all there is (no tokenizer)."""
+        if self.return_token_ids or token_ids:
+            out["token_ids"] = token_ids
+        return out
+
+    def body(self, view: ResponseView, usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streaming response; a choice the tokenizer rendered goes in as its bytes."""
+        choices = [msgspec.Raw(c.rendered) if c.rendered is not None else self._choice(view, c)
+                   for c in view.choices]
+        return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def choice_json(self, view: ResponseView, choice: Choice) -> bytes:
+        """One finished choice of the non-streaming response, as JSON."""
+        return encode_json(self._choice(view, choice))
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        chunk: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
+                                 "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI's convention: only the final chunk carries usage
+        return sse(chunk)
+
+    def opening(self, view: ResponseView) -> bytes:
+        """SSE bytes before the first delta."""
+        return b""
+
+    def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
+        """One chunk per delta that says something (text, logprobs or an end), in one write."""
+        return b"".join(self._chunk([self._with_ids(self._delta_choice(choice, delta), delta.token_ids)])
+                        for choice, delta in batch
+                        if delta.text or delta.logprobs or delta.token_ids or delta.finish_reason >= 0)
+
+    def closing(self, usage: dict[str, Any]) -> bytes:
+        """The usage chunk when asked for, then [DONE]."""
+        if not self.include_usage:
+            return SSE_DONE
+        return sse({"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
+                    "model": self.model, "choices": [], "usage": usage}) + SSE_DONE
+
+    def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionRenderer(Renderer):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
+                 echo: bool, return_token_ids: bool = False) -> None:
+        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
+                         return_token_ids=return_token_ids)
+        self.echo = echo
+        self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token (streaming)
+
+    def _prompt_text(self, view: ResponseView, choice: Choice) -> str:
+        return view.prompt_texts[choice.index // view.n] if self.echo else ""
+
+    def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
+        prompt_text = self._prompt_text(view, choice)
+        logprobs = completion_logprobs(choice.logprobs, len(prompt_text)) if self.want_logprobs else None
+        if logprobs is not None and self.echo:  # the prompt's tokens first, then the completion's
+            prompt = completion_logprobs(view.prompt_logprobs[choice.index // view.n], 0, len(prompt_text))
+            logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+        out = {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
+               "finish_reason": _finish_name(choice.finish_reason)}
+        if self.return_token_ids:
+            out["prompt_token_ids"] = view.prompt_token_ids[choice.index // view.n]
+        return self._with_ids(out, choice.token_ids)
+
+    def opening(self, view: ResponseView) -> bytes:
+        """Echo's prompt text, and with return_token_ids the prompt's ids, lead each choice."""
+        if not self.echo and not self.return_token_ids:
+            return b""
+        out = []
+        for c in view.choices:
+            choice: dict[str, Any] = {"index": c.index, "text": self._prompt_text(view, c), "logprobs": None,
+                                      "finish_reason": None}
+            if self.return_token_ids:
+                choice["prompt_token_ids"] = view.prompt_token_ids[c.index // view.n]
+                choice["token_ids"] = []
+            out.append(self._chunk([choice]))
+        return b"".join(out)
+
+    def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        logprobs = None
+        if self.want_logprobs:
+            offset = self._offsets.get(choice.index, 0)
+            logprobs = completion_logprobs(delta.logprobs, offset)
+            self._offsets[choice.index] = offset + sum(len(p.sampled.token) for p in delta.logprobs)
+        return {"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": _finish_name(delta.finish_reason)}
+
+
+class ChatRenderer(Renderer):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
+                 output: ChatOutputSpec | None = None, return_token_ids: bool = False) -> None:
+        super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
+                         return_token_ids=return_token_ids)
+        self.output = output if output is not None and output.active else None  # tools / reasoning parsing
+        self._streams = ChatStreams(self.output) if self.output is not None else None
+
+    def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
+        logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
+        if self.output is not None:
+            message, calls_tools = whole_message(self.output, choice.text)
+            return self._with_ids({"index": choice.index, "message": message, "logprobs": logprobs,
+                                   "finish_reason": _tools_finish(choice.finish_reason, calls_tools)},
+                                  choice.token_ids)
+        return self._with_ids({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                               "logprobs": logprobs, "finish_reason": _finish_name(choice.finish_reason)},
+                              choice.token_ids)
+
+    def body(self, view: ResponseView, usage: dict[str, Any]) -> dict[str, Any]:
+        out = super().body(view, usage)
+        if self.return_token_ids:
+            out["prompt_token_ids"] = view.prompt_token_ids[0]  # one prompt per chat request
+        return out
+
+    def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
+        if self._streams is None:
+            return super().chunks(batch)
+        out = []
+        for choice, delta in batch:
+            stream = self._streams.get(choice.index)
+            parts = stream.push(delta.text)
+            calls_tools = False
+            if delta.finish_reason >= 0:
+                more, calls_tools = stream.finish()
+                parts += more
+            logprobs = chat_logprobs(delta.logprobs) if self.want_logprobs else None
+            if (logprobs is not None or delta.token_ids) and not parts:
+                parts = [{}]
+            for i, part in enumerate(parts):
+                first = i == 0
+                out.append(self._chunk([self._with_ids({"index": choice.index, "delta": part,
+                                                        "logprobs": logprobs if first else None,
+                                                        "finish_reason": None},
+                                                       delta.token_ids if first else [])]))
+            if delta.finish_reason >= 0:
+                out.append(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                                         "finish_reason": _tools_finish(delta.finish_reason, calls_tools)}]))
+        return b"".join(out)
+
+    def opening(self, view: ResponseView) -> bytes:
+        # Every choice's first chunk carries the role, as OpenAI's do.
+        return b"".join(self._opening_chunk(view, c) for c in view.choices)
+
+    def _opening_chunk(self, view: ResponseView, choice: Choice) -> bytes:
+        out: dict[str, Any] = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}
+        if not self.return_token_ids:
+            return self._chunk([out])
+        out["token_ids"] = []
+        chunk: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
+                                 "model": self.model, "choices": [out],
+                                 "prompt_token_ids": view.prompt_token_ids[choice.index // view.n]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": chat_logprobs(delta.logprobs) if self.want_logprobs else None,
+                "finish_reason": _finish_name(delta.finish_reason)}
+
+
+def renderer_for(spec: RenderSpec) -> Renderer:
+    """The renderer a RenderSpec describes (the api builds the same one for the text path)."""
+    if spec.route == CHAT:
+        output = ChatOutputSpec(spec.tool_mode, spec.tool_parser, spec.tool_name, spec.reasoning_parser,
+                                spec.max_calls)
+        return ChatRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
+                            include_usage=spec.include_usage, output=output, return_token_ids=spec.return_token_ids)
+    return CompletionRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
+                              include_usage=spec.include_usage, echo=spec.echo,
+                              return_token_ids=spec.return_token_ids)
+
+
+class PromptRenderer:
+    """The tokenizer's renderer for one prompt of a response: its choices' bytes as their deltas come."""
+
+    def __init__(self, spec: RenderSpec, n: int, prompt_text: str, prompt_token_ids: list[int]) -> None:
+        self.stream = spec.stream
+        self.renderer = renderer_for(spec)
+        self._prompt = spec.first_choice // n
+        self.view = PromptView(n, [Choice(spec.first_choice + i) for i in range(n)], {self._prompt: prompt_text},
+                               {self._prompt: prompt_token_ids}, {self._prompt: []})
+
+    def opening(self) -> bytes:
+        return self.renderer.opening(self.view) if self.stream else b""
+
+    def render(self, delta: TextDelta) -> bytes:
+        """Streaming: this delta's SSE chunks. Otherwise the choice's JSON once it ends normally, else b"".
+        An abnormal end (abort, error) renders nothing: the api answers it with an error."""
+        if delta.finish_reason >= 0 and delta.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return b""
+        choice = self.view.choices[delta.index]
+        if self.stream:
+            return self.renderer.chunks([(choice, delta)])
+        choice.apply(delta)
+        if delta.prompt_logprobs:
+            self.view.prompt_logprobs[self._prompt].extend(delta.prompt_logprobs)
+        return self.renderer.choice_json(self.view, choice) if delta.finish_reason >= 0 else b""

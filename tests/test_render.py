@@ -1,0 +1,144 @@
+"""The tokenizer renders a response's bytes exactly as the api renders the same deltas (streams and bodies)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import msgspec
+import pytest
+
+from pagoda.services.tokenizer.render import (
+    CHAT,
+    COMPLETION,
+    Choice,
+    PromptRenderer,
+    PromptView,
+    renderer_for,
+    usage_dict,
+)
+from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
+
+CALL_ID = re.compile(rb"call_[0-9a-f]{24}")  # tool call ids are random: compared as one placeholder
+
+TEXTS = {
+    "plain": ["Hello", ",", " wor", "ld", "!"],
+    "tools": ["Sure. ", "<tool", "_call>", '{"name": "get", ', '"arguments": {"city": "Oslo"}}', "</tool_call>"],
+    "reasoning": ["<think>", "let me ", "think", "</think>", "The answer", " is 4."],
+}
+
+
+def _logprob(token: str, k: int) -> PositionLogprobs:
+    top = [TokenLogprob(f"alt{j}", j, -1.0 - j, list(f"alt{j}".encode())) for j in range(2)]
+    return PositionLogprobs(TokenLogprob(token, 100 + k, -0.5 - k / 10, list(token.encode())), top)
+
+
+def steps_of(request_ids: list[str], n: int, pieces: list[str], logprobs: bool, echo_scores: bool,
+             token_ids: bool, reasons: list[int]) -> list[list[TextDelta]]:
+    """One batch per step: every completion of every prompt gains a piece; the last one finishes it."""
+    steps = []
+    for k, piece in enumerate(pieces):
+        batch = []
+        for request_id, index in itertools.product(request_ids, range(n)):
+            last = k == len(pieces) - 1
+            text = piece if index == 0 else piece.upper()
+            scores = [_logprob(f"p{j}", j) for j in range(2)] if echo_scores and k == 0 and index == 0 else []
+            batch.append(TextDelta(request_id, index, text, 1, reasons[index] if last else -1,
+                                   [_logprob(text, k)] if logprobs else [], 3, None, scores,
+                                   [200 + k] if token_ids else []))
+        steps.append(batch)
+    return steps
+
+
+def api_side(spec: RenderSpec, n: int, prompt_texts: list[str], prompt_ids: list[list[int]],
+             steps: list[list[TextDelta]]) -> tuple[bytes, PromptView]:
+    """What the api renders from text: opening, then one chunks() call per step (streaming)."""
+    request_index = {f"r{p}": p for p in range(len(prompt_texts))}
+    view = PromptView(n, [Choice(i) for i in range(len(prompt_texts) * n)], dict(enumerate(prompt_texts)),
+                      dict(enumerate(prompt_ids)), {p: [] for p in range(len(prompt_texts))})
+    renderer = renderer_for(spec)
+    out = [renderer.opening(view)] if spec.stream else []
+    for batch in steps:
+        applied = []
+        for delta in batch:
+            p = request_index[delta.request_id]
+            choice = view.choices[p * n + delta.index]
+            choice.apply(delta)
+            view.prompt_logprobs[p].extend(delta.prompt_logprobs)
+            applied.append((choice, delta))
+        if spec.stream:
+            out.append(renderer.chunks(applied))
+    return b"".join(out), view
+
+
+def tokenizer_side(spec: RenderSpec, n: int, prompt_texts: list[str], prompt_ids: list[list[int]],
+                   steps: list[list[TextDelta]]) -> tuple[bytes, dict[int, bytes]]:
+    """What the tokenizers render: each prompt's opening, then each delta's bytes (a choice's JSON when not
+    streaming)."""
+    renderers = {f"r{p}": PromptRenderer(msgspec.structs.replace(spec, first_choice=p * n), n, text, ids)
+                 for p, (text, ids) in enumerate(zip(prompt_texts, prompt_ids, strict=True))}
+    out = [r.opening() for r in renderers.values()]
+    choices: dict[int, bytes] = {}
+    for batch in steps:
+        for delta in batch:
+            data = renderers[delta.request_id].render(delta)
+            if not spec.stream and data:
+                choices[int(delta.request_id[1:]) * n + delta.index] = data
+            elif spec.stream:
+                out.append(data)
+    return b"".join(out), choices
+
+
+CASES = [
+    # route, texts, n, prompts, stream, logprobs, echo, return_token_ids, tool_mode, reasoning
+    (COMPLETION, "plain", 1, 1, True, False, False, False, "none", None),
+    (COMPLETION, "plain", 2, 2, True, True, False, False, "none", None),
+    (COMPLETION, "plain", 2, 2, True, True, True, True, "none", None),
+    (COMPLETION, "plain", 2, 2, False, True, True, True, "none", None),
+    (COMPLETION, "plain", 1, 3, False, False, False, False, "none", None),
+    (CHAT, "plain", 1, 1, True, False, False, False, "none", None),
+    (CHAT, "plain", 3, 1, True, True, False, True, "none", None),
+    (CHAT, "plain", 2, 1, False, True, False, True, "none", None),
+    (CHAT, "tools", 2, 1, True, False, False, False, "auto", None),
+    (CHAT, "tools", 1, 1, False, True, False, False, "auto", None),
+    (CHAT, "plain", 1, 1, True, True, False, False, "named", None),
+    (CHAT, "reasoning", 2, 1, True, True, False, False, "none", "qwen3"),
+    (CHAT, "reasoning", 1, 1, False, False, False, True, "none", "qwen3"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_tokenizer_renders_the_bytes_the_api_would(case: tuple[Any, ...], include_usage: bool) -> None:
+    route, texts, n, num_prompts, stream, logprobs, echo, token_ids, tool_mode, reasoning = case
+    spec = RenderSpec(route, "resp-1", "m", 1700000000, stream, want_logprobs=logprobs, include_usage=include_usage,
+                      echo=echo, return_token_ids=token_ids, tool_mode=tool_mode,
+                      tool_name="get" if tool_mode == "named" else "", reasoning_parser=reasoning)
+    prompt_texts = [f"prompt {p}" if echo else "" for p in range(num_prompts)]
+    prompt_ids = [[10 + p, 11, 12] for p in range(num_prompts)]
+    reasons = [FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP][:n]
+    steps = steps_of([f"r{p}" for p in range(num_prompts)], n, TEXTS[texts], logprobs, echo and logprobs,
+                     token_ids, reasons)
+
+    expected, view = api_side(spec, n, prompt_texts, prompt_ids, steps)
+    rendered, choices = tokenizer_side(spec, n, prompt_texts, prompt_ids, steps)
+    if stream:
+        assert rendered and CALL_ID.sub(b"call_X", rendered) == CALL_ID.sub(b"call_X", expected)
+        return
+    assert sorted(choices) == list(range(num_prompts * n))  # each choice rendered once, when it ended
+    usage = usage_dict(3 * num_prompts, len(TEXTS[texts]) * n * num_prompts, 3)
+    want = msgspec.json.encode(renderer_for(spec).body(view, usage))
+    for choice in view.choices:
+        choice.rendered = choices[choice.index]
+    got = msgspec.json.encode(renderer_for(spec).body(view, usage))
+    assert msgspec.json.decode(CALL_ID.sub(b"call_X", got)) == msgspec.json.decode(CALL_ID.sub(b"call_X", want))
+
+
+def test_abnormal_ends_render_nothing() -> None:
+    """An aborted or failed completion is answered with an error by the api: the tokenizer renders no bytes."""
+    for stream in (True, False):
+        renderer = PromptRenderer(RenderSpec(CHAT, "r", "m", 0, stream), 1, "", [1])
+        assert bool(renderer.render(TextDelta("r", 0, "hi", 1))) == stream
+        assert renderer.render(TextDelta("r", 0, "", 0, FinishReason.ABORT)) == b""
+        assert renderer.render(TextDelta("r", 0, "", 0, FinishReason.ERROR)) == b""
