@@ -54,8 +54,8 @@ def workload(num_system: int, num_turns: int, system_words: int = 120) -> list[s
     for t in range(num_turns):
         order = list(range(num_system))
         random.Random(t).shuffle(order)
-        prompts += [f"{system_prompt(s, system_words)}User turn {t}: tell me about {WORDS[(s * 7 + t) % len(WORDS)]}.\nAnswer:"
-                    for s in order]
+        prompts += [f"{system_prompt(s, system_words)}User turn {t}: tell me about "
+                    f"{WORDS[(s * 7 + t) % len(WORDS)]}.\nAnswer:" for s in order]
     return prompts
 
 
