@@ -28,9 +28,9 @@ def split_tcp(endpoint: str) -> tuple[str, int] | None:
     return None if match is None else (match.group(1), int(match.group(2)))
 
 
-def host_toward(endpoint: str) -> str:
-    """This host's address on the interface that routes to `endpoint` (a tcp address); 127.0.0.1 when that
-    cannot be found (no route, a name that does not resolve yet, an ipc:// registry)."""
+def host_toward(endpoint: str) -> str | None:
+    """This host's address on the interface that routes to `endpoint`: 127.0.0.1 for an ipc:// one, None while
+    it cannot be found (no route yet, or a name that does not resolve yet: ask again later)."""
     parts = split_tcp(endpoint)
     if parts is None:
         return "127.0.0.1"
@@ -40,7 +40,7 @@ def host_toward(endpoint: str) -> str:
             probe.connect(address)  # UDP: picks the route, sends nothing
             return str(probe.getsockname()[0])
     except OSError:
-        return "127.0.0.1"
+        return None
 
 
 def advertised(endpoint: str, host: str) -> str:

@@ -182,7 +182,7 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
                  "--heartbeat-timeout", "2", "--num-kv-blocks", "128") as server:
         wait_for_replicas(server)
         # Spread and affinity: 4 system prompts x 2 turns, one at a time.
-        prompts = [f"{system_prompt(s)}User turn {t}: hello.\nAnswer:" for t in range(2) for s in range(4)]
+        prompts = [f"{system_prompt(s, 60)}User turn {t}: hello.\nAnswer:" for t in range(2) for s in range(4)]
         for prompt in prompts:
             assert server.complete(prompt, 1)[0] == 200
         time.sleep(0.6)  # two stats periods (0.25 s): the last prefill is in the scheduler's counters
@@ -193,7 +193,7 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
         assert hit_rate > 0.35, hit_rate  # the second turns (half the tokens) find their system prompt
 
         # kill -9 one replica's scheduler with requests in flight on both.
-        work = [f"{system_prompt(s)}Write a long story number {n}." for n in range(2) for s in range(4)]
+        work = [f"{system_prompt(s, 60)}Write a long story number {n}." for n in range(2) for s in range(4)]
         with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
             futures = [pool.submit(_timed_completion, server, prompt) for prompt in work]
             deadline = time.monotonic() + 60
@@ -210,12 +210,12 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
         assert all(status == 503 and ended - killed_at < 5.0 for status, ended in failed), (failed, killed_at)
         status, body = server.get("/health")
         assert status == 200 and "replica 1" in body, body
-        assert all(server.complete(f"{system_prompt(s)}After the kill.", 2)[0] == 200 for s in range(4))
+        assert all(server.complete(f"{system_prompt(s, 60)}After the kill.", 2)[0] == 200 for s in range(4))
         assert server.process.poll() is None  # the launcher serves on with the survivor
 
 
 def _timed_completion(server: Server, prompt: str) -> tuple[int, float]:
-    status, _ = server.complete(prompt, 48)
+    status, _ = server.complete(prompt, 32)
     return status, time.monotonic()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -17,16 +18,16 @@ log = logging.getLogger(__name__)
 
 
 class RegistryClient:
-    def __init__(self, context: zmq.asyncio.Context, registry_endpoint: str, address: str,
+    def __init__(self, context: zmq.asyncio.Context, registry_endpoint: str, address: Callable[[], str | None],
                  stats: ReplicaStatsFeed, interval: float) -> None:
         self._sock = make_socket(context, zmq.DEALER, registry_endpoint, bind=False)
-        self._join = Codec(TokenizerToScheduler).encode(ApiJoin(address))
+        self._registry = registry_endpoint
+        self._address = address  # where tokenizers reach this api; None until the route to the registry is known
+        self._join: bytes | None = None
         self._decoder: Codec[SchedulerToTokenizer] = Codec(SchedulerToTokenizer)
         self._stats = stats
         self._interval = interval
         self._tasks: list[asyncio.Task[None]] = []
-        self.address = address
-        log.info("api joins the registry at %s as %s", registry_endpoint, address)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._join_loop(), name="registry-join"),
@@ -40,10 +41,14 @@ class RegistryClient:
 
     async def _join_loop(self) -> None:
         while True:
-            try:
-                self._sock.send(self._join, zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                log.debug("registry join not sent: %s", exc)
+            if self._join is None and (address := self._address()) is not None:
+                self._join = Codec(TokenizerToScheduler).encode(ApiJoin(address))
+                log.info("api joins the registry at %s as %s", self._registry, address)
+            if self._join is not None:
+                try:
+                    await self._sock.send(self._join)
+                except zmq.ZMQError as exc:
+                    log.debug("registry join not sent: %s", exc)
             await asyncio.sleep(self._interval)
 
     async def _recv_loop(self) -> None:

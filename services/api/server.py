@@ -92,8 +92,10 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
 def _registry_client(context: zmq.asyncio.Context, config: ServerConfig, state: ApiState) -> RegistryClient | None:
     if not config.registry_endpoint:
         return None
-    host = config.advertise_host or host_toward(config.registry_endpoint)
-    address = advertised(state.pool.endpoint, host)
+    def address() -> str | None:  # asked again each beat until the registry's name resolves
+        host = config.advertise_host or host_toward(config.registry_endpoint or "")
+        return None if host is None else advertised(state.pool.endpoint, host)
+
     return RegistryClient(context, config.registry_endpoint, address, state.stats, config.heartbeat_interval)
 
 

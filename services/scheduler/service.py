@@ -122,7 +122,7 @@ class SchedulerService:
         """This scheduler keeps a registry (used once an api or replica joins it); with a registry endpoint
         other than its own address, it joins that one as a replica (shared/discovery.py)."""
         own = config.endpoint("scheduler")
-        host = config.advertise_host or host_toward(config.registry_endpoint or own)
+        host = config.advertise_host or host_toward(config.registry_endpoint or own) or "127.0.0.1"
         entry = ReplicaAddress(config.replica_id, advertised(own, host), advertised(config.endpoint("stats"), host),
                                self.instance_id)
         joins = config.registry_endpoint is not None and config.registry_endpoint != own
