@@ -133,12 +133,18 @@ def serving(model: str, *extra: str, startup_timeout: float = 300.0) -> Iterator
 
 
 def wait_for_replicas(server: Server, timeout: float = 120.0) -> None:
-    """Until /health is 200 and names no replica as down (every replica registered and serving)."""
+    """Until /health is 200 and names no replica as down (every replica serving), and every replica has a
+    tokenizer registered (so the tokenizers can route to it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status, body = server.get("/health")
         if status == 200 and "replicas_down" not in body:
-            return
+            metrics = server.get("/metrics")[1]
+            replicas = set(re.findall(r'^pagoda_kv_blocks_total\{replica="(\d+)"\}', metrics, re.M))
+            served = set(re.findall(r'^pagoda_tokenizer_requests_total\{tokenizer="[^"]*",replica="(\d+)"\}',
+                                    metrics, re.M))
+            if replicas <= served:
+                return
         time.sleep(0.1)  # polling an HTTP endpoint: nothing to wait on instead
     raise TimeoutError(f"replicas not all up after {timeout} s: {server.get('/health')}")
 

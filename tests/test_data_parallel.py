@@ -179,13 +179,16 @@ def _replica_pids(server: Server, service: str, replica: int) -> list[int]:
 @pytest.mark.slow
 def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: Path) -> None:
     with serving(str(smollm2_dir), "--data-parallel-size", "2", "--max-model-len", "1024",
-                 "--heartbeat-timeout", "2", "--num-kv-blocks", "128") as server:
+                 "--heartbeat-timeout", "3", "--num-kv-blocks", "128") as server:
         wait_for_replicas(server)
         # Spread and affinity: 4 system prompts x 2 turns, one at a time.
         prompts = [f"{system_prompt(s, 60)}User turn {t}: hello.\nAnswer:" for t in range(2) for s in range(4)]
         for prompt in prompts:
             assert server.complete(prompt, 1)[0] == 200
-        time.sleep(0.6)  # two stats periods (0.25 s): the last prefill is in the scheduler's counters
+        deadline = time.monotonic() + 10
+        while server.metric_sums().get("pagoda_tokenizer_requests_total", 0) < len(prompts):
+            assert time.monotonic() < deadline, server.get("/metrics")[1]
+            time.sleep(0.1)  # the stats lag the requests by a period (0.25 s), more on a loaded machine
         prompt_tokens = server.metric_by_replica("pagoda_prompt_tokens_total")
         assert prompt_tokens.keys() == {"0", "1"} and min(prompt_tokens.values()) > 0, prompt_tokens
         sums = server.metric_sums()
