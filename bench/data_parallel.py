@@ -141,8 +141,7 @@ def wait_for_replicas(server: Server, timeout: float = 120.0) -> None:
         if status == 200 and "replicas_down" not in body:
             metrics = server.get("/metrics")[1]
             replicas = set(re.findall(r'^pagoda_kv_blocks_total\{replica="(\d+)"\}', metrics, re.M))
-            served = set(re.findall(r'^pagoda_tokenizer_requests_total\{tokenizer="[^"]*",replica="(\d+)"\}',
-                                    metrics, re.M))
+            served = set(re.findall(r'^pagoda_tokenizer_requests_total\{[^}]*\breplica="(\d+)"', metrics, re.M))
             if replicas <= served:
                 return
         time.sleep(0.1)  # polling an HTTP endpoint: nothing to wait on instead
