@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pagoda.services.worker.model_config import check_divisible, resolve_arch
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
-from pagoda.shared.errors import PagodaError
+from pagoda.shared.errors import ConfigError, PagodaError
 
 SHUTDOWN_DEADLINE_S = 10.0
 STARTUP_TIMEOUT_S = 900.0
@@ -80,10 +80,25 @@ def visible_devices(visible: str | None) -> list[str]:
 
 def replica_devices(replica: int, tp_size: int, devices: list[str]) -> str:
     """CUDA_VISIBLE_DEVICES for replica `replica`'s ranks: devices r*T..r*T+T-1 of `devices`; with fewer
-    devices than D x T the replicas wrap around and share them (then lower --gpu-memory-utilization)."""
+    devices than D x T the replicas wrap around and share them (then give each its --kv-cache-memory, see
+    check_shared_gpus)."""
     if not devices:
         return ""
     return ",".join(devices[d % len(devices)] for d in range(replica * tp_size, (replica + 1) * tp_size))
+
+
+def check_shared_gpus(engine_config: EngineConfig, data_parallel_size: int, devices: list[str]) -> None:
+    """Replicas sharing a GPU need their KV cache size given: a worker sizes its cache from
+    gpu_memory_utilization minus what other processes hold when it measures, so a replica that measures
+    after another allocated its cache finds no room (and which one measures first is a race)."""
+    num_ranks = data_parallel_size * engine_config.tensor_parallel_size
+    if data_parallel_size == 1 or engine_config.device == "cpu" or not devices or len(devices) >= num_ranks:
+        return
+    if engine_config.kv_cache_memory is None and engine_config.num_kv_blocks is None:
+        raise ConfigError(f"{data_parallel_size} replicas x {engine_config.tensor_parallel_size} rank(s) share "
+                          f"{len(devices)} GPU(s): give each replica its KV cache size with --kv-cache-memory "
+                          "(e.g. 40GiB each for two replicas of a small model on one 141 GB GPU)",
+                          param="kv_cache_memory")
 
 
 def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
@@ -99,6 +114,8 @@ def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
 class Launcher:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.engine_config = check_engine_config(engine_config)
+        check_shared_gpus(self.engine_config, server_config.data_parallel_size,
+                          visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.own_runtime_dir = server_config.runtime_dir is None
         runtime_dir = server_config.runtime_dir or tempfile.mkdtemp(prefix="pagoda-")
         self.server_config = replace(server_config, runtime_dir=runtime_dir)

@@ -157,6 +157,8 @@ class ServerConfig:
     scheduler_endpoints: str | None = None  # comma-separated, one per replica (index = replica id); tokenizers
     stats_endpoints: str | None = None  # comma-separated, one per replica (index = replica id); tokenizers, apis
     routing: str = "prefix"  # prefix (cache affinity weighed against load) | round_robin | random
+    registry_endpoint: str | None = None  # the scheduler whose registry apis, tokenizers and replicas join (tcp)
+    advertise_host: str | None = None  # host or IP peers reach this process's bound sockets at; None: detected
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
@@ -207,9 +209,12 @@ class ServerConfig:
         return [self._derived_endpoint(name, r) for r in range(self.data_parallel_size)]
 
     def api_endpoint_list(self) -> list[str]:
-        """One address per api process; tokenizers connect to each."""
+        """One address per api process; tokenizers connect to each. With a registry: those given (often none),
+        the rest are discovered."""
         if self.api_endpoints:
             return [e.strip() for e in self.api_endpoints.split(",") if e.strip()]
+        if self.registry_endpoint:
+            return []
         if not self.runtime_dir:
             raise ConfigError("api_endpoints is not set and there is no runtime_dir to derive it from",
                               param="api_endpoints")
@@ -272,6 +277,11 @@ _HELP: dict[str, str] = {
     "scheduler_endpoints": "comma-separated scheduler addresses, one per replica (tokenizers connect to each)",
     "stats_endpoints": "comma-separated scheduler stats addresses, one per replica (tokenizers and apis)",
     "routing": "how tokenizers pick a replica: prefix (cache affinity vs load), round_robin or random",
+    "registry_endpoint": "tcp address of the scheduler keeping the registry (e.g. tcp://scheduler:5555): apis, "
+                         "tokenizers and other replicas' schedulers join it and find each other there, no fixed "
+                         "lists; the scheduler at this address is the registry",
+    "advertise_host": "host name or IP other processes reach this one's bound sockets at (default: this host's "
+                      "address on the interface that routes to the registry)",
     "quantization": "fp8: e4m3 linear weights (per-channel scales, quantized at load; FP8 checkpoints load as "
                     "they ship whatever this says)",
     "kv_cache_dtype": "auto (the model dtype) or fp8: e4m3 KV cache with per-layer K/V scales from the checkpoint, "

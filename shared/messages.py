@@ -535,12 +535,41 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     problem: str = ""  # why the worker counts as hung (its step ran past the bound); "" while it progresses
 
 
+class ReplicaAddress(msgspec.Struct, array_like=True, frozen=True):
+    """Where one engine replica's scheduler takes tokenizers and publishes stats (tcp, reachable by peers)."""
+
+    replica_id: int
+    scheduler: str
+    stats: str
+    instance: str  # the scheduler's instance id: a new one means the replica restarted
+
+
+class ApiJoin(msgspec.Struct, array_like=True, tag="api_join", frozen=True):
+    """An api joins the registry (repeated every heartbeat interval): where tokenizers reach it."""
+
+    address: str
+
+
+class ReplicaJoin(msgspec.Struct, array_like=True, tag="replica_join", frozen=True):
+    """Another replica's scheduler joins the registry (repeated every heartbeat interval)."""
+
+    replica: ReplicaAddress
+
+
+class Directory(msgspec.Struct, array_like=True, tag="directory", frozen=True):
+    """The registry's view: every live api and every live replica (the registry's own replica included)."""
+
+    apis: list[str]
+    replicas: list[ReplicaAddress]
+    registry_replica_id: int  # the replica whose scheduler keeps this registry
+
+
 # One union per socket direction; decoders are built once per process from these.
 ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
 TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
                   | DetokenizeResult)
-TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence
-SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat
+TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
+SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory
 SchedulerToWorker = StepPlan | Shutdown | Heartbeat  # heartbeats double as subscription probes
 WorkerToScheduler = WorkerReady | StepResult | Heartbeat
 SchedulerToApi = SchedulerStats

@@ -168,15 +168,17 @@ def test_endpoints_and_ports_agree(rendered: dict[str, Any]) -> None:
         for key in ("PAGODA_SCHEDULER_ENDPOINT", "PAGODA_PLAN_ENDPOINT", "PAGODA_RESULT_ENDPOINT",
                     "PAGODA_STATS_ENDPOINT"):
             assert re.fullmatch(r"tcp://scheduler:\d+", env[key]), (name, key, env[key])
-        for endpoint in env["PAGODA_API_ENDPOINTS"].split(","):
-            assert re.fullmatch(r"tcp://api:\d+", endpoint), (name, endpoint)
+        # No fixed list of apis or replicas: everyone finds them in replica 0's registry (shared/discovery.py).
+        assert env["PAGODA_REGISTRY_ENDPOINT"] == env["PAGODA_SCHEDULER_ENDPOINT"], name
+        assert "PAGODA_API_ENDPOINTS" not in env and "PAGODA_SCHEDULER_ENDPOINTS" not in env, name
     api = services["api"]
     assert api["environment"]["PAGODA_HOST"] == "0.0.0.0"
     [port] = api["ports"]
-    assert str(port["target"]) == api["environment"]["PAGODA_PORT"] and port["published"] == "8000"
-    # Only the api's HTTP is published; a tokenizer has no fixed port or name, so `--scale tokenizer=N` works.
+    # A range of host ports, one per api container: `--scale api=M` does not collide on the host.
+    assert str(port["target"]) == api["environment"]["PAGODA_PORT"] and port["published"] == "8000-8007"
+    # Only the api's HTTP is published; apis and tokenizers have no fixed name, so `--scale` works for both.
     assert all("ports" not in s for n, s in services.items() if n != "api")
-    assert "container_name" not in services["tokenizer"]
+    assert "container_name" not in services["tokenizer"] and "container_name" not in services["api"]
 
 
 def test_models_mount_read_only(rendered: dict[str, Any]) -> None:
@@ -192,7 +194,7 @@ def test_start_up_order_cannot_deadlock(rendered: dict[str, Any]) -> None:
     # The api's /health needs a live tokenizer: nothing may wait for the api to be healthy.
     for name, needs in depends.items():
         assert needs.get("api", {}).get("condition") != "service_healthy", name
-    assert depends["tokenizer"]["api"]["condition"] == "service_started"
+    assert "api" not in depends["tokenizer"]  # found in the registry, whenever it starts
     for name in ("api", "worker", "tokenizer"):
         assert depends[name]["scheduler"]["condition"] == "service_healthy"
     assert not depends["scheduler"]
@@ -214,13 +216,14 @@ def test_start_up_order_cannot_deadlock(rendered: dict[str, Any]) -> None:
 
 def test_replicas_and_gpus_come_from_the_environment(rendered: dict[str, Any], empty_env_file: Path) -> None:
     assert rendered["services"]["tokenizer"]["deploy"]["replicas"] == 2
+    assert rendered["services"]["api"]["deploy"]["replicas"] == 1
     [gpus] = rendered["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert gpus["driver"] == "nvidia" and gpus["count"] == 1 and gpus["capabilities"] == ["gpu"]
 
     changed = render(env_file=empty_env_file, env={
-        "PAGODA_TOKENIZER_REPLICAS": "4", "PAGODA_GPUS": "2", "PAGODA_HTTP_PORT": "9000",
+        "PAGODA_TOKENIZER_REPLICAS": "4", "PAGODA_API_REPLICAS": "3", "PAGODA_GPUS": "2", "PAGODA_HTTP_PORT": "9000",
         "PAGODA_MODEL_NAME": "llama", "PAGODA_MAX_NUM_SEQS": "64"})["services"]
-    assert changed["tokenizer"]["deploy"]["replicas"] == 4
+    assert changed["tokenizer"]["deploy"]["replicas"] == 4 and changed["api"]["deploy"]["replicas"] == 3
     assert changed["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
     assert changed["api"]["ports"][0]["published"] == "9000"
     assert all(s["environment"]["PAGODA_MODEL"] == "/models/llama" for s in changed.values())
@@ -446,21 +449,20 @@ def test_replicas_profile_runs_a_second_engine_on_its_own_endpoints(profiles: di
     services = profiles["replicas"]
     replica0 = {n: s for n, s in services.items() if not n.startswith("replica1-")}
     replica1 = {n: s for n, s in services.items() if n.startswith("replica1-")}
-    assert set(replica1) == {"replica1-scheduler", "replica1-worker", "replica1-tokenizer"}
+    assert set(replica1) == {"replica1-scheduler", "replica1-worker"}  # the tokenizers find it in the registry
     keys = ("PAGODA_SCHEDULER_ENDPOINT", "PAGODA_PLAN_ENDPOINT", "PAGODA_RESULT_ENDPOINT", "PAGODA_STATS_ENDPOINT")
     for name, service in replica1.items():
         for key in keys:
             # its own scheduler, by service name (which binds every interface), on the usual ports
             assert service["environment"][key] == replica0[service_module(name)]["environment"][key].replace(
                 "tcp://scheduler:", "tcp://replica1-scheduler:"), (name, key)
-        assert service["environment"]["PAGODA_API_ENDPOINTS"] == "tcp://api:5560"  # the one api serves both
+        # it joins replica 0's registry under its own id; the apis and tokenizers are the base services
+        assert service["environment"]["PAGODA_REGISTRY_ENDPOINT"] == "tcp://scheduler:5555"
+        assert service["environment"]["PAGODA_REPLICA_ID"] == "1"
         assert service["environment"]["PAGODA_MODEL"] == replica0["scheduler"]["environment"]["PAGODA_MODEL"]
         assert "ports" not in service
     assert replica1["replica1-worker"]["depends_on"]["replica1-scheduler"]["condition"] == "service_healthy"
-    assert replica1["replica1-tokenizer"]["depends_on"]["replica1-scheduler"]["condition"] == "service_healthy"
-    assert replica1["replica1-tokenizer"]["depends_on"]["api"]["condition"] == "service_started"
-    assert not replica1["replica1-scheduler"].get("depends_on")
+    assert replica1["replica1-scheduler"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert _gpus(replica1["replica1-worker"]) == ["1"] and _gpus(replica0["worker"]) == ["first 1"]
-    assert replica1["replica1-tokenizer"]["command"] == replica0["tokenizer"]["command"]  # ids unique per start
     # Replica 0 is untouched; the profile only adds.
     assert all("replica1" not in json.dumps(s["environment"]) for s in replica0.values())

@@ -1,13 +1,16 @@
-"""compose.yaml's profiles run as plain processes (there is no Docker engine here): each service's rendered
+"""compose.yaml's services run as plain processes (there is no Docker engine here): each service's rendered
 environment and command, as the real Compose CLI renders them, with every compose host name mapped to a free
-loopback port. tp2: worker ranks 0 and 1 meet at the TP address and serve a scheduler together. replicas: two
-engine replicas behind one api, and requests reach both."""
+loopback port. tp2: worker ranks 0 and 1 meet at the TP address and serve a scheduler together. replicas (one
+deployment for the module): two apis and two tokenizers as `--scale api=2 --scale tokenizer=2` would start
+them, given only the registry's address, find each other and both engine replicas; an api that stops is
+forgotten and a new one found; a replica killed with -9 is routed around and rejoins when restarted."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import zmq
 from pagoda.shared.config import env_names
 from pagoda.shared.messages import (
     AddRequest,
+    Directory,
     Heartbeat,
     ModelInfo,
     SamplingParams,
@@ -121,6 +125,12 @@ class Processes:
                 process.wait(timeout=5)
 
 
+    def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
+        process = self.running.pop(name)
+        process.send_signal(sig)
+        process.wait(timeout=15)
+
+
 @pytest.fixture
 def processes(tmp_path: Path) -> Iterator[Processes]:
     running = Processes(tmp_path)
@@ -195,49 +205,142 @@ def _latest_stats(endpoint: str, timeout_s: float = 3.0) -> SchedulerStats | Non
         context.destroy(linger=0)
 
 
-def test_replicas_profile_serves_from_both_replicas(processes: Processes, smollm2_dir: Path, tmp_path: Path) -> None:
-    services = render_profile("replicas", {"PAGODA_DEVICE": "cpu", "PAGODA_MAX_MODEL_LEN": "512",
-                                           "PAGODA_KV_CACHE_MEMORY": "128MiB"}, tmp_path)
-    names = ["scheduler", "replica1-scheduler", "worker", "replica1-worker", "api", "tokenizer",
-             "replica1-tokenizer"]
-    assert set(names) == set(services)
-    http_port = _free_port()
-    for name in names:  # one tokenizer per pool (compose would start PAGODA_TOKENIZER_REPLICAS of each)
-        processes.start(name, services[name], {"PAGODA_MODEL": str(smollm2_dir), "PAGODA_HOST": "127.0.0.1",
-                                               "PAGODA_PORT": str(http_port)})
-    stats_endpoints = [processes.local(services[n]["environment"]["PAGODA_STATS_ENDPOINT"])
-                       for n in ("scheduler", "replica1-scheduler")]
-    assert stats_endpoints[0] != stats_endpoints[1]
-    url = f"http://127.0.0.1:{http_port}"
+def _directory(registry: str, timeout_s: float = 3.0) -> Directory | None:
+    """What the registry tells its tokenizers, as a fresh (and idle) tokenizer hears it."""
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"observer-{time.monotonic_ns()}".encode())
+        sock.connect(registry)
+        sock.send(Codec(TokenizerToScheduler).encode(TokenizerHello("observer", os.getpid())))
+        codec = Codec(SchedulerToTokenizer)
+        while sock.poll(int(timeout_s * 1000)):
+            message = codec.decode(sock.recv())
+            if isinstance(message, Directory):
+                return message
+        return None
+    finally:
+        context.destroy(linger=0)
 
-    def ready() -> bool:
-        processes.check_alive()
+
+@dataclass
+class Deployment:
+    processes: Processes
+    services: dict[str, Any]
+    urls: dict[str, str]  # api instance -> its HTTP url
+    registry: str  # the registry's address, as every service is given it
+
+    def stats(self, scheduler: str) -> SchedulerStats | None:
+        return _latest_stats(self.processes.local(self.services[scheduler]["environment"]["PAGODA_STATS_ENDPOINT"]))
+
+    def start_api(self, name: str) -> None:
+        port = _free_port()
+        self.processes.start(name, self.services["api"], {**TINY, "PAGODA_HOST": "127.0.0.1", "PAGODA_PORT": str(port)})
+        self.urls[name] = f"http://127.0.0.1:{port}"
+
+    def healthy(self, name: str, all_replicas: bool = True) -> bool:
+        self.processes.check_alive()
         try:
-            healthy = httpx.get(url + "/health", timeout=5).status_code == 200
+            response = httpx.get(self.urls[name] + "/health", timeout=5)
         except httpx.HTTPError:
             return False
-        replica1 = _latest_stats(stats_endpoints[1], 1.0)
-        return healthy and replica1 is not None and replica1.worker_ready and len(replica1.tokenizer_ids) == 1
+        return response.status_code == 200 and (not all_replicas or "replicas_down" not in response.text)
 
+    def complete(self, api: str, prompt: list[int]) -> int:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        return httpx.post(self.urls[api] + "/v1/completions", json=body, timeout=60).status_code
+
+
+TINY = {"PAGODA_MODEL": "tiny", "PAGODA_LOAD_FORMAT": "dummy", "PAGODA_NUM_KV_BLOCKS": "256",
+        "PAGODA_HEARTBEAT_TIMEOUT": "2"}
+
+
+def _prompt(system: int, turn: int) -> list[int]:
+    """Token ids: a 5-block prefix of its own per system prompt (what prefix routing keys on), then a turn."""
+    return [(system * 37 + i * 11) % 500 + 3 for i in range(80)] + [turn % 500 + 3, 7]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """`--profile replicas` with `--scale api=2 --scale tokenizer=2`, started in an order where nothing is up
+    yet when its peers start (tokenizers first, the registry's scheduler last but one)."""
+    tmp_path = tmp_path_factory.mktemp("deployment")
+    services = render_profile("replicas", {"PAGODA_DEVICE": "cpu"}, tmp_path)
+    assert set(services) == {"scheduler", "replica1-scheduler", "worker", "replica1-worker", "api", "tokenizer"}
+    processes = Processes(tmp_path)
+    deployed = Deployment(processes, services, {}, processes.local(services["api"]["environment"]
+                                                                     ["PAGODA_REGISTRY_ENDPOINT"]))
     try:
-        wait_until(ready, STARTUP_TIMEOUT_S, "both replicas to be ready")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{processes.logs()}") from None
+        for name in ("tokenizer-a", "tokenizer-b"):
+            processes.start(name, services["tokenizer"], TINY)
+        deployed.start_api("api-a")
+        for name in ("replica1-scheduler", "replica1-worker", "worker", "scheduler"):
+            processes.start(name, services[name], TINY)
+        deployed.start_api("api-b")
+        try:
+            wait_until(lambda: all(deployed.healthy(api) for api in ("api-a", "api-b")), STARTUP_TIMEOUT_S,
+                       "both apis to see both replicas serving")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{processes.logs()}") from None
+        yield deployed
+    finally:
+        processes.stop()
 
-    def complete(i: int) -> int:
-        body = {"model": "smollm2-135m-instruct", "prompt": f"Count to {i}:", "max_tokens": 4, "temperature": 0,
-                "ignore_eos": True}
-        return httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # concurrent: the api spreads them over tokenizers
-        statuses = list(pool.map(complete, range(12)))
-    assert statuses == [200] * 12
+def test_scaled_apis_and_tokenizers_find_each_other_and_both_replicas(deployment: Deployment) -> None:
+    """Given only the registry's address: requests through either api succeed, both tokenizers carry some,
+    and prefix routing sends the 8 system prompts to both replicas."""
+    work = [(api, _prompt(s, t)) for t in range(2) for s in range(8) for api in ("api-a", "api-b")]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda item: deployment.complete(*item), work))
+    assert statuses == [200] * len(work)
+    per_tokenizer: dict[str, int] = {}
     served: list[int] = []
 
     def counted() -> bool:  # the stats lag the requests by up to 0.25 s
-        served[:] = [sum(stats.tokenizer_requests_total) if (stats := _latest_stats(e)) else 0
-                     for e in stats_endpoints]
-        return sum(served) == 12
+        per_tokenizer.clear()
+        served.clear()
+        for scheduler in ("scheduler", "replica1-scheduler"):
+            stats = deployment.stats(scheduler)
+            assert stats is not None
+            served.append(sum(stats.tokenizer_requests_total))
+            for tokenizer_id, count in zip(stats.tokenizer_ids, stats.tokenizer_requests_total, strict=True):
+                name = tokenizer_id.rsplit("-", 1)[0]
+                per_tokenizer[name] = per_tokenizer.get(name, 0) + count
+        return sum(served) == len(work)
 
-    wait_until(counted, 10, "both schedulers' stats to count the 12 requests")
-    assert min(served) >= 1, served  # each replica served some of them
+    wait_until(counted, 10, "the schedulers' stats to count every request")
+    assert min(served) >= 1, served  # both replicas
+    assert per_tokenizer.get("tokenizer-a", 0) >= 1 and per_tokenizer.get("tokenizer-b", 0) >= 1, per_tokenizer
+    directory = _directory(deployment.registry)
+    assert directory is not None and len(directory.apis) == 2
+    assert sorted(r.replica_id for r in directory.replicas) == [0, 1]
+
+
+def test_a_stopped_api_is_forgotten_and_a_new_one_is_found(deployment: Deployment) -> None:
+    deployment.processes.kill("api-b", signal.SIGKILL)
+    wait_until(lambda: (d := _directory(deployment.registry)) is not None and len(d.apis) == 1, 15,
+               "the registry to forget the killed api")
+    deployment.start_api("api-c")  # a new container, on an address nobody was told
+    wait_until(lambda: deployment.healthy("api-c"), STARTUP_TIMEOUT_S, "the new api to be found by tokenizers")
+    assert [deployment.complete("api-c", _prompt(s, 9)) for s in range(4)] == [200] * 4
+    assert deployment.complete("api-a", _prompt(0, 9)) == 200
+
+
+def test_a_killed_replica_is_routed_around_and_rejoins_when_restarted(deployment: Deployment) -> None:
+    processes = deployment.processes
+    before = deployment.stats("replica1-scheduler")
+    assert before is not None
+    processes.kill("replica1-scheduler", signal.SIGKILL)
+    wait_until(lambda: not deployment.healthy("api-a") and deployment.healthy("api-a", all_replicas=False), 15,
+               "/health to name replica 1 as down while replica 0 serves")
+    wait_until(lambda: all(deployment.complete("api-a", _prompt(s, 20)) == 200 for s in range(8)), 15,
+               "every system prompt to be served by the survivor")
+    # compose restarts the container: same address, a new instance; the running worker answers its probe.
+    processes.start("replica1-scheduler", deployment.services["replica1-scheduler"], TINY)
+    wait_until(lambda: deployment.healthy("api-a"), STARTUP_TIMEOUT_S, "replica 1 to rejoin")
+    statuses = [deployment.complete("api-a", _prompt(s, 30)) for s in range(8)]
+    assert statuses == [200] * 8
+    wait_until(lambda: (s := deployment.stats("replica1-scheduler")) is not None
+               and sum(s.tokenizer_requests_total) >= 1, 10, "the restarted replica 1 to be sent requests again")

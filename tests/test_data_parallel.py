@@ -179,13 +179,16 @@ def _replica_pids(server: Server, service: str, replica: int) -> list[int]:
 @pytest.mark.slow
 def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: Path) -> None:
     with serving(str(smollm2_dir), "--data-parallel-size", "2", "--max-model-len", "1024",
-                 "--heartbeat-timeout", "2", "--num-kv-blocks", "128") as server:
+                 "--heartbeat-timeout", "3", "--num-kv-blocks", "128") as server:
         wait_for_replicas(server)
         # Spread and affinity: 4 system prompts x 2 turns, one at a time.
-        prompts = [f"{system_prompt(s)}User turn {t}: hello.\nAnswer:" for t in range(2) for s in range(4)]
+        prompts = [f"{system_prompt(s, 60)}User turn {t}: hello.\nAnswer:" for t in range(2) for s in range(4)]
         for prompt in prompts:
             assert server.complete(prompt, 1)[0] == 200
-        time.sleep(0.6)  # two stats periods (0.25 s): the last prefill is in the scheduler's counters
+        deadline = time.monotonic() + 10
+        while server.metric_sums().get("pagoda_tokenizer_requests_total", 0) < len(prompts):
+            assert time.monotonic() < deadline, server.get("/metrics")[1]
+            time.sleep(0.1)  # the stats lag the requests by a period (0.25 s), more on a loaded machine
         prompt_tokens = server.metric_by_replica("pagoda_prompt_tokens_total")
         assert prompt_tokens.keys() == {"0", "1"} and min(prompt_tokens.values()) > 0, prompt_tokens
         sums = server.metric_sums()
@@ -193,7 +196,7 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
         assert hit_rate > 0.35, hit_rate  # the second turns (half the tokens) find their system prompt
 
         # kill -9 one replica's scheduler with requests in flight on both.
-        work = [f"{system_prompt(s)}Write a long story number {n}." for n in range(2) for s in range(4)]
+        work = [f"{system_prompt(s, 60)}Write a long story number {n}." for n in range(2) for s in range(4)]
         with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
             futures = [pool.submit(_timed_completion, server, prompt) for prompt in work]
             deadline = time.monotonic() + 60
@@ -210,12 +213,12 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
         assert all(status == 503 and ended - killed_at < 5.0 for status, ended in failed), (failed, killed_at)
         status, body = server.get("/health")
         assert status == 200 and "replica 1" in body, body
-        assert all(server.complete(f"{system_prompt(s)}After the kill.", 2)[0] == 200 for s in range(4))
+        assert all(server.complete(f"{system_prompt(s, 60)}After the kill.", 2)[0] == 200 for s in range(4))
         assert server.process.poll() is None  # the launcher serves on with the survivor
 
 
 def _timed_completion(server: Server, prompt: str) -> tuple[int, float]:
-    status, _ = server.complete(prompt, 48)
+    status, _ = server.complete(prompt, 32)
     return status, time.monotonic()
 
 
@@ -280,5 +283,124 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
             sock.close(linger=0)
         service._offload.close()
         for sock in [*schedulers, api]:
+            sock.close(linger=0)
+        context.term()
+
+
+# -------------------------------------------------------------------------------------------- discovery
+
+
+def test_registry_lists_what_joined_and_forgets_the_silent() -> None:
+    from pagoda.shared.discovery import Registry
+    from pagoda.shared.messages import ReplicaAddress
+
+    own = ReplicaAddress(0, "tcp://scheduler:5555", "tcp://scheduler:5558", "s0")
+    registry = Registry(own, timeout=2.0)
+    assert registry.directory().replicas == [own] and not registry.used  # nothing joined: no directories sent
+    registry.join_api("tcp://10.0.0.7:4000", now=0.0)
+    registry.join_api("tcp://10.0.0.8:4000", now=1.5)
+    one = ReplicaAddress(1, "tcp://replica1-scheduler:5555", "tcp://replica1-scheduler:5558", "s1")
+    assert registry.join_replica(one, now=0.5) and registry.used
+    assert not registry.join_replica(ReplicaAddress(0, "tcp://x:1", "tcp://x:2", "impostor"), now=0.5)
+    directory = registry.directory()
+    assert directory.apis == ["tcp://10.0.0.7:4000", "tcp://10.0.0.8:4000"]
+    assert directory.replicas == [own, one] and directory.registry_replica_id == 0
+    assert sorted(registry.sweep(now=3.0)) == ["api tcp://10.0.0.7:4000", "replica 1"]  # silent past 2 s
+    assert registry.directory().apis == ["tcp://10.0.0.8:4000"] and registry.directory().replicas == [own]
+    restarted = ReplicaAddress(1, "tcp://replica1-scheduler:5555", "tcp://replica1-scheduler:5558", "s1-new")
+    registry.join_replica(restarted, now=3.1)  # it rejoins: listed again, as its new instance
+    assert registry.directory().replicas == [own, restarted]
+
+
+def test_advertised_addresses_replace_only_wildcards() -> None:
+    from pagoda.shared.discovery import advertised, host_toward
+
+    assert advertised("tcp://0.0.0.0:41234", "10.1.2.3") == "tcp://10.1.2.3:41234"  # a bound `tcp://*:*`
+    assert advertised("tcp://*:5555", "fe80::1") == "tcp://[fe80::1]:5555"
+    assert advertised("tcp://scheduler:5555", "10.1.2.3") == "tcp://scheduler:5555"  # names resolve for peers
+    assert advertised("ipc:///run/p/api0.sock", "10.1.2.3") == "ipc:///run/p/api0.sock"
+    assert host_toward("tcp://127.0.0.1:5555") == "127.0.0.1"
+    assert host_toward("ipc:///run/p/scheduler.sock") == "127.0.0.1"
+
+
+def test_replicas_sharing_a_gpu_must_be_given_their_kv_cache_size() -> None:
+    from pagoda.launcher import check_shared_gpus
+    from pagoda.shared.config import EngineConfig
+    from pagoda.shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kv-cache-memory"):
+        check_shared_gpus(EngineConfig(), 2, ["0"])
+    check_shared_gpus(EngineConfig(kv_cache_memory=40 << 30), 2, ["0"])  # each replica its half
+    check_shared_gpus(EngineConfig(), 2, ["0", "1"])  # a GPU each: gpu_memory_utilization works
+    check_shared_gpus(EngineConfig(device="cpu"), 2, ["0"])
+    check_shared_gpus(EngineConfig(), 2, [])  # no GPU on this host
+
+
+def test_tokenizer_connects_to_what_the_registry_lists_and_drops_a_forgotten_api(tmp_path: Path) -> None:
+    """A TokenizerService in this process given only the registry (a fake scheduler): the Directory's api and
+    second replica get its hello; requests then route over both replicas; an api no longer listed is dropped
+    and its requests aborted."""
+    import zmq
+
+    from pagoda.services.tokenizer.service import TokenizerService
+    from pagoda.shared.messages import (
+        AbortRequest,
+        AddRequest,
+        Directory,
+        GenerateRequest,
+        ReplicaAddress,
+        SamplingParams,
+        SchedulerToTokenizer,
+        TokenizerHello,
+        TokenizerToApi,
+        TokenizerToScheduler,
+    )
+    from pagoda.shared.transport import Codec
+
+    context = zmq.Context()
+    registry, replica1, api = (context.socket(zmq.ROUTER) for _ in range(3))
+    for sock, name in ((registry, "s0"), (replica1, "s1"), (api, "api")):
+        sock.bind(f"ipc://{tmp_path}/{name}")
+    config = ServerConfig(registry_endpoint=f"ipc://{tmp_path}/s0", routing="round_robin", tokenizer_id="tk")
+    service = TokenizerService(config, None, context)
+    to_tokenizer, from_tokenizer, api_codec = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler), \
+        Codec(TokenizerToApi)
+
+    def received(sock: zmq.Socket, codec: Codec, kind: type) -> list[object]:
+        out = []
+        while sock.poll(200):
+            message = codec.decode(sock.recv_multipart()[1])
+            if isinstance(message, kind):
+                out.append(message)
+        return out
+
+    try:
+        assert service._apis == {}  # nothing given but the registry
+        directory = Directory(apis=[f"ipc://{tmp_path}/api"], registry_replica_id=0, replicas=[
+            ReplicaAddress(0, f"ipc://{tmp_path}/s0", f"ipc://{tmp_path}/st0", "a"),
+            ReplicaAddress(1, f"ipc://{tmp_path}/s1", f"ipc://{tmp_path}/st1", "b")])
+        service._on_scheduler_frame(to_tokenizer.encode(directory), 0)
+        service._on_scheduler_frame(to_tokenizer.encode(directory), 0)  # every heartbeat: nothing new
+        assert len(received(api, api_codec, TokenizerHello)) == 1
+        assert len(received(replica1, from_tokenizer, TokenizerHello)) == 1
+        assert [r.replica_id for r in service._replicas.replicas] == ["0", "1"]
+        [api_key] = service._apis
+        for index in range(2):
+            service._on_scheduler_frame(to_tokenizer.encode(INFO), index)
+        for n in range(4):
+            service._dispatch_api(api_key, GenerateRequest(f"q{n}", SamplingParams(max_tokens=2),
+                                                           prompt_token_ids=[1, 2, n + 3]))
+        added = [[m.request_id for m in received(sock, from_tokenizer, AddRequest)] for sock in (registry, replica1)]
+        assert sorted(added[0] + added[1]) == ["q0", "q1", "q2", "q3"] and added[0] and added[1]
+        service._on_scheduler_frame(to_tokenizer.encode(Directory([], directory.replicas, 0)), 0)
+        assert service._apis == {} and service._requests == {}  # the api is gone: its requests aborted
+        aborted = [m.request_id for m in received(registry, from_tokenizer, AbortRequest)]
+        aborted += [m.request_id for m in received(replica1, from_tokenizer, AbortRequest)]
+        assert sorted(aborted) == ["q0", "q1", "q2", "q3"]
+    finally:
+        for sock in service._handlers:
+            sock.close(linger=0)
+        service._offload.close()
+        for sock in (registry, replica1, api):
             sock.close(linger=0)
         context.term()

@@ -363,13 +363,14 @@ def test_every_endpoint_reaches_the_service_that_binds_it(overlay: tuple[str, li
     name, docs = overlay
     binder = {"PAGODA_SCHEDULER_ENDPOINT": "scheduler", "PAGODA_PLAN_ENDPOINT": "scheduler",
               "PAGODA_RESULT_ENDPOINT": "scheduler", "PAGODA_STATS_ENDPOINT": "scheduler",
-              "PAGODA_API_ENDPOINTS": "api"}
-    needs = {"api": {"PAGODA_STATS_ENDPOINT", "PAGODA_API_ENDPOINTS"},
+              "PAGODA_API_ENDPOINTS": "api", "PAGODA_REGISTRY_ENDPOINT": "scheduler"}
+    # apis and tokenizers are given no list of each other: they meet in the registry
+    needs = {"api": {"PAGODA_STATS_ENDPOINT", "PAGODA_API_ENDPOINTS", "PAGODA_REGISTRY_ENDPOINT"},
              # workers and tokenizers: their liveness probes read the scheduler's stats
-             "tokenizer": {"PAGODA_SCHEDULER_ENDPOINT", "PAGODA_API_ENDPOINTS", "PAGODA_STATS_ENDPOINT"},
+             "tokenizer": {"PAGODA_REGISTRY_ENDPOINT", "PAGODA_STATS_ENDPOINT"},
              "worker": {"PAGODA_PLAN_ENDPOINT", "PAGODA_RESULT_ENDPOINT", "PAGODA_STATS_ENDPOINT"},
              "scheduler": {"PAGODA_SCHEDULER_ENDPOINT", "PAGODA_PLAN_ENDPOINT", "PAGODA_RESULT_ENDPOINT",
-                           "PAGODA_STATS_ENDPOINT"}}
+                           "PAGODA_STATS_ENDPOINT", "PAGODA_REGISTRY_ENDPOINT"}}
     plan_ports: set[int] = set()
     for doc, container in pagoda_containers(docs):
         service = component(container)
@@ -410,8 +411,7 @@ def test_services_and_disruption_budgets_select_real_pods(overlay: tuple[str, li
                        for c in pod_spec(d)["containers"] for p in c.get("ports", [])
                        if p["name"] == port["targetPort"]]
             assert len(targets) == 1, (service["metadata"]["name"], port)
-    # Apis become ready only once a tokenizer has connected through this Service: it must not wait for that.
-    assert by_kind(docs, "Service")["pagoda-api-zmq"]["spec"]["publishNotReadyAddresses"] is True
+    assert "PAGODA_API_ENDPOINTS" not in by_kind(docs, "ConfigMap")["pagoda-config"]["data"]  # no fixed list
     assert by_kind(docs, "Service")["pagoda-engine"]["spec"]["publishNotReadyAddresses"] is True
 
 

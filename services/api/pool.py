@@ -100,6 +100,11 @@ class TokenizerPool:
         self._sock.close(linger=0)
 
     @property
+    def endpoint(self) -> str:
+        """The address this pool's socket is bound at (a wildcard port resolved)."""
+        return str(self._sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+
+    @property
     def num_live(self) -> int:
         return len(self._peers)
 

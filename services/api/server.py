@@ -15,8 +15,10 @@ from pagoda.services.api.app import build_app
 from pagoda.services.api.handlers import ApiState
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import TokenizerPool
+from pagoda.services.api.registry import RegistryClient
 from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.discovery import advertised, host_toward
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,13 @@ def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
 
 def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, config: ServerConfig) -> ApiState:
     name = served_model_name(engine_config, config)
-    pool = TokenizerPool(context, config.api_endpoint_list()[config.api_index], config)
-    stats = ReplicaStatsFeed(context, config.replica_endpoint_list("stats"), config.heartbeat_timeout)
+    if config.registry_endpoint:  # discovery: bind any port, tokenizers learn the address from the registry
+        listed = config.api_endpoint_list()
+        pool = TokenizerPool(context, listed[config.api_index] if listed else "tcp://*:*", config)
+        stats = ReplicaStatsFeed(context, [], config.heartbeat_timeout)  # the registry lists the replicas
+    else:
+        pool = TokenizerPool(context, config.api_endpoint_list()[config.api_index], config)
+        stats = ReplicaStatsFeed(context, config.replica_endpoint_list("stats"), config.heartbeat_timeout)
     return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
                     pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
                     started=int(time.time()))
@@ -59,9 +66,12 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S,
                                access_log=access_log, keepalive_timeout=config.body_read_timeout or 75.0)
         await runner.setup()
+        registry = _registry_client(context, config, state)
         try:
             state.pool.start()
             state.stats.start()
+            if registry is not None:
+                registry.start()
             site = web.TCPSite(runner, config.host, config.port, reuse_port=True)
             await site.start()
             log.info("api %d serving %s on http://%s:%d", config.api_index, state.served_model_name,
@@ -69,12 +79,24 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
             await stop.wait()
             await _drain(state, site, config.shutdown_grace)
         finally:
+            if registry is not None:
+                await registry.close()
             await runner.cleanup()
             await state.pool.close()
             await state.stats.close()
     finally:
         context.destroy(linger=0)
     log.info("api %d stopped", config.api_index)
+
+
+def _registry_client(context: zmq.asyncio.Context, config: ServerConfig, state: ApiState) -> RegistryClient | None:
+    if not config.registry_endpoint:
+        return None
+    def address() -> str | None:  # asked again each beat until the registry's name resolves
+        host = config.advertise_host or host_toward(config.registry_endpoint or "")
+        return None if host is None else advertised(state.pool.endpoint, host)
+
+    return RegistryClient(context, config.registry_endpoint, address, state.stats, config.heartbeat_interval)
 
 
 def _stop_on_signal() -> asyncio.Event:

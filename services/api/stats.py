@@ -47,22 +47,57 @@ class StatsFeed:
                 self._received_at = time.monotonic()
 
 
+FORGET_AFTER_S = 60.0  # a replica the registry no longer lists is reported down this long, then forgotten
+
+
 class ReplicaStatsFeed:
-    """One StatsFeed per engine replica (list index = replica id). `latest` and `age()` describe the live
-    replicas together, so /health is 200 while one serves; `per_replica()` feeds the labelled metrics."""
+    """One StatsFeed per engine replica, keyed by replica id: a fixed list (index = replica id), or what the
+    registry lists (watch()). `latest` and `age()` describe the live replicas together, so /health is 200
+    while one serves; `per_replica()` feeds the labelled metrics."""
 
     def __init__(self, context: zmq.asyncio.Context, endpoints: list[str], heartbeat_timeout: float) -> None:
-        assert endpoints
-        self.feeds = [StatsFeed(context, endpoint) for endpoint in endpoints]
+        self._context = context
+        self.feeds: dict[str, StatsFeed] = {str(i): StatsFeed(context, e) for i, e in enumerate(endpoints)}
+        self._endpoints: dict[str, str] = {str(i): e for i, e in enumerate(endpoints)}
         self._timeout = heartbeat_timeout
+        self._started = False
+        self._closing: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
-        for feed in self.feeds:
+        self._started = True
+        for feed in self.feeds.values():
             feed.start()
 
     async def close(self) -> None:
-        for feed in self.feeds:
+        for feed in self.feeds.values():
             await feed.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def watch(self, endpoints: dict[str, str]) -> None:
+        """The registry's replicas (id -> stats address): subscribe to new ones (or a moved one's new address);
+        one no longer listed stays (reported down) until its stats are FORGET_AFTER_S old."""
+        for replica_id, endpoint in endpoints.items():
+            if self._endpoints.get(replica_id) == endpoint:
+                continue
+            self._drop(replica_id)
+            log.info("watching replica %s's stats at %s", replica_id, endpoint)
+            feed = self.feeds[replica_id] = StatsFeed(self._context, endpoint)
+            self._endpoints[replica_id] = endpoint
+            if self._started:
+                feed.start()
+        for replica_id in [r for r in self.feeds if r not in endpoints]:
+            age = self.feeds[replica_id].age()
+            if age is None or age > FORGET_AFTER_S:
+                log.info("forgot replica %s (no longer registered)", replica_id)
+                self._drop(replica_id)
+
+    def _drop(self, replica_id: str) -> None:
+        feed = self.feeds.pop(replica_id, None)
+        self._endpoints.pop(replica_id, None)
+        if feed is not None:
+            task = asyncio.ensure_future(feed.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _serving(self, feed: StatsFeed) -> bool:
         age, stats = feed.age(), feed.latest
@@ -71,33 +106,35 @@ class ReplicaStatsFeed:
 
     def down(self) -> list[str]:
         """Replicas that are not serving, each with why (empty with a single replica: /health says it all)."""
-        if len(self.feeds) == 1:
+        if len(self.feeds) <= 1:
             return []
         out = []
-        for index, feed in enumerate(self.feeds):
+        for replica_id, feed in sorted(self.feeds.items()):
             if not self._serving(feed):
                 age, stats = feed.age(), feed.latest
                 why = ("no stats yet" if age is None else f"stats {age:.1f} s old" if age > self._timeout
                        else (stats.problem if stats is not None and stats.problem else "worker not ready or alive"))
-                out.append(f"replica {index}: {why}")
+                out.append(f"replica {replica_id}: {why}")
         return out
 
     def age(self) -> float | None:
-        ages = [age for feed in self.feeds if (age := feed.age()) is not None]
+        ages = [age for feed in self.feeds.values() if (age := feed.age()) is not None]
         return min(ages) if ages else None
 
     @property
     def latest(self) -> SchedulerStats | None:
-        if len(self.feeds) == 1:
-            return self.feeds[0].latest
-        serving = [feed.latest for feed in self.feeds if self._serving(feed)]
+        feeds = list(self.feeds.values())
+        if len(feeds) == 1:
+            return feeds[0].latest
+        serving = [feed.latest for feed in feeds if self._serving(feed)]
         if serving:
             return combine_stats([s for s in serving if s is not None])
-        fresh = [feed.latest for feed in self.feeds if feed.latest is not None]
+        fresh = [feed.latest for feed in feeds if feed.latest is not None]
         return combine_stats(fresh) if fresh else None  # none serves: the sum still carries the problems
 
     def per_replica(self) -> list[tuple[str, SchedulerStats]]:
-        return [(str(index), feed.latest) for index, feed in enumerate(self.feeds) if feed.latest is not None]
+        return [(replica_id, feed.latest) for replica_id, feed in sorted(self.feeds.items())
+                if feed.latest is not None]
 
 
 def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:

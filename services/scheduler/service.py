@@ -24,14 +24,18 @@ from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.pipeline import PlanPipeline
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.discovery import Registry, advertised, host_toward
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
     AbortRequest,
     AddRequest,
+    ApiJoin,
     FinishReason,
     Heartbeat,
     ModelInfo,
     PromptScores,
+    ReplicaAddress,
+    ReplicaJoin,
     RequestFailed,
     SchedulerStats,
     SchedulerToApi,
@@ -115,6 +119,18 @@ class SchedulerService:
         self.watch = StepWatch(server_config.step_timeout, server_config.hang_floor)
         self.problem = ""  # why the worker counts as hung ("" while it makes progress)
         self.exit_code = 0
+        self.registry, self.registry_sock = self._registry(server_config)
+
+    def _registry(self, config: ServerConfig) -> tuple[Registry, zmq.Socket | None]:
+        """This scheduler keeps a registry (used once an api or replica joins it); with a registry endpoint
+        other than its own address, it joins that one as a replica (shared/discovery.py)."""
+        own = config.endpoint("scheduler")
+        host = config.advertise_host or host_toward(config.registry_endpoint or own) or "127.0.0.1"
+        entry = ReplicaAddress(config.replica_id, advertised(own, host), advertised(config.endpoint("stats"), host),
+                               self.instance_id)
+        joins = config.registry_endpoint is not None and config.registry_endpoint != own
+        sock = make_socket(self.context, zmq.DEALER, config.registry_endpoint, bind=False) if joins else None
+        return Registry(entry, config.heartbeat_timeout), sock
 
     # ---------------------------------------------------------------- loop
 
@@ -166,6 +182,7 @@ class SchedulerService:
             self._next_heartbeat = now + self.config.heartbeat_interval
             self._heartbeat_tokenizers()
             self._sweep_dead_tokenizers(now)
+            self._registry_tick(now)
             self._check_progress(now)
             if len(self.ready_ranks) < self.engine_config.tensor_parallel_size:
                 # subscription probe; its sender tells a worker whether this is the scheduler it knows
@@ -183,6 +200,9 @@ class SchedulerService:
         identity, payload = routed
         message = self.from_tokenizers.decode(payload)
         if message is None:
+            return
+        if isinstance(message, ApiJoin | ReplicaJoin):
+            self._on_join(identity, message)
             return
         peer = self.tokenizers.get(identity)
         if peer is None and identity in self.swept and isinstance(message, Heartbeat):
@@ -295,6 +315,34 @@ class SchedulerService:
                 self.swept[identity] = None
                 while len(self.swept) > MAX_SWEPT_TOKENIZERS:
                     del self.swept[next(iter(self.swept))]
+
+    def _on_join(self, identity: bytes, message: ApiJoin | ReplicaJoin) -> None:
+        now = time.monotonic()
+        if isinstance(message, ApiJoin):
+            if message.address not in self.registry.apis:
+                log.info("registry: api %s joined", message.address)
+            self.registry.join_api(message.address, now)
+            self._send_tokenizer(identity, self.registry.directory())  # the api's answer: replicas to watch
+            return
+        known = self.registry.replicas.get(message.replica.replica_id)
+        if not self.registry.join_replica(message.replica, now):
+            log.warning("registry: ignored a join claiming this scheduler's replica id %d", message.replica.replica_id)
+        elif known is None or known[0] != message.replica:
+            log.info("registry: replica %d joined at %s", message.replica.replica_id, message.replica.scheduler)
+
+    def _registry_tick(self, now: float) -> None:
+        """Join the registry (another replica's scheduler), forget the silent, tell the tokenizers."""
+        if self.registry_sock is not None:
+            try:
+                self.registry_sock.send(self.from_tokenizers.encode(ReplicaJoin(self.registry.own)), zmq.NOBLOCK)
+            except zmq.Again:
+                log.debug("registry unreachable: the join waits for the next beat")
+        for gone in self.registry.sweep(now):
+            log.warning("registry: %s is silent: forgotten", gone)
+        if self.registry.used:
+            directory = self.to_tokenizers.encode(self.registry.directory())
+            for identity in list(self.tokenizers):
+                self._send_raw(identity, directory)
 
     def _heartbeat_tokenizers(self) -> None:
         beat = self.to_tokenizers.encode(Heartbeat(sender=self.instance_id))
@@ -499,8 +547,9 @@ class SchedulerService:
         try:
             self.plans.send(self.to_workers.encode(Shutdown(reason="scheduler stopping")))
         finally:
-            for sock in (self.front, self.plans, self.results, self.stats_out):
-                sock.close(linger=0)
+            for sock in (self.front, self.plans, self.results, self.stats_out, self.registry_sock):
+                if sock is not None:
+                    sock.close(linger=0)
             self.context.term()
 
 

@@ -1,7 +1,9 @@
 """A tokenizer's view of the engine replicas: one DEALER per scheduler, their liveness, their load (from
 each scheduler's stats socket), which replica owns each request, and the routing of new requests.
 
-Replica ids are the indices of the scheduler endpoint list (the same list order in every tokenizer and api).
+Replica ids are the indices of the scheduler endpoint list (the same list order in every tokenizer and api),
+or, with a registry (shared/discovery.py), the ids the replicas registered with: replicas found there are
+added as they appear (add()), and `index` is then only this process's position of a replica in its list.
 A replica counts as live while it is registered (it sent ModelInfo since it was last lost); the service
 marks it lost when it falls silent past the heartbeat timeout, and it is live again on its next ModelInfo.
 """
@@ -40,10 +42,12 @@ class Replica:
     stats: SchedulerStats | None = None
     stats_at: float | None = None  # time.monotonic() of `stats`
     routed_since_stats: int = 0
+    replica_id: str = ""  # the routing's name for it, the same in every tokenizer; default: str(index)
+    address: str = ""  # its scheduler's address
 
-    @property
-    def replica_id(self) -> str:
-        return str(self.index)
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            self.replica_id = str(self.index)
 
 
 @dataclass(slots=True)
@@ -56,21 +60,41 @@ class ReplicaSet:
     _next_round_robin: int = 0
     _rng: random.Random = field(default_factory=random.Random)
     _stats_codec: Codec[SchedulerToApi] = field(default_factory=lambda: Codec(SchedulerToApi))
+    _context: Any = None  # for replicas added later (discovery)
+    _identity: bytes = b""
+    use_stats: bool = False  # each replica's stats are watched (prefix routing over several replicas)
 
     @classmethod
     def connect(cls, context: zmq.Context, scheduler_endpoints: Sequence[str], stats_endpoints: Sequence[str],
-                identity: bytes, routing: str, block_size: int, heartbeat_timeout: float) -> ReplicaSet:
+                identity: bytes, routing: str, block_size: int, heartbeat_timeout: float,
+                discover: bool = False) -> ReplicaSet:
+        """Sockets to the listed replicas; with `discover`, more join later (their stats too, by add())."""
         assert routing in ROUTINGS, routing
-        use_stats = routing == "prefix" and len(scheduler_endpoints) > 1
-        if use_stats and len(stats_endpoints) != len(scheduler_endpoints):
+        use_stats = routing == "prefix" and (len(scheduler_endpoints) > 1 or discover)
+        if use_stats and not discover and len(stats_endpoints) != len(scheduler_endpoints):
             raise ConfigError(f"{len(scheduler_endpoints)} scheduler endpoints but {len(stats_endpoints)} stats "
                               "endpoints: prefix routing needs one of each per replica", param="stats_endpoints")
-        replicas = []
+        replica_set = cls([], routing, RoutingConfig(block_size=block_size), heartbeat_timeout, _context=context,
+                          _identity=identity, use_stats=use_stats)
         for index, endpoint in enumerate(scheduler_endpoints):
-            sock = make_socket(context, zmq.DEALER, endpoint, bind=False, identity=identity)
-            stats_sock = make_socket(context, zmq.SUB, stats_endpoints[index], bind=False) if use_stats else None
-            replicas.append(Replica(index, sock, stats_sock))
-        return cls(replicas, routing, RoutingConfig(block_size=block_size), heartbeat_timeout)
+            replica_set.add(str(index), endpoint, stats_endpoints[index] if index < len(stats_endpoints) else None)
+        return replica_set
+
+    def add(self, replica_id: str, scheduler: str, stats: str | None) -> Replica:
+        """A replica to send requests to (connected now; live once its ModelInfo comes)."""
+        sock = make_socket(self._context, zmq.DEALER, scheduler, bind=False, identity=self._identity)
+        replica = Replica(len(self.replicas), sock, replica_id=replica_id, address=scheduler)
+        self.replicas.append(replica)
+        if stats is not None:
+            self.watch_stats(replica, stats)
+        return replica
+
+    def watch_stats(self, replica: Replica, stats: str) -> None:
+        if self.use_stats and replica.stats_sock is None:
+            replica.stats_sock = make_socket(self._context, zmq.SUB, stats, bind=False)
+
+    def find(self, replica_id: str) -> Replica | None:
+        return next((r for r in self.replicas if r.replica_id == replica_id), None)
 
     def sockets(self) -> list[Any]:
         return [r.sock for r in self.replicas] + [r.stats_sock for r in self.replicas if r.stats_sock is not None]
@@ -119,7 +143,7 @@ class ReplicaSet:
             loads = [ReplicaLoad(r.replica_id, 0, 0, UNKNOWN_FREE_BLOCKS, UNKNOWN_FREE_BLOCKS) for r in live]
         routed = {r.replica_id: r.routed_since_stats for r in live}
         chosen = choose_replica(prompt_ids, loads, self.routing_config, routed)
-        return self.replicas[int(chosen)]
+        return next(r for r in live if r.replica_id == chosen)
 
     def owner_of(self, request_id: str) -> Replica | None:
         index = self.owner.get(request_id)

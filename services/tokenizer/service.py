@@ -19,7 +19,7 @@ import zmq
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.render import PromptRenderer
-from pagoda.services.tokenizer.replicas import ReplicaSet
+from pagoda.services.tokenizer.replicas import Replica, ReplicaSet
 from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
@@ -40,6 +40,7 @@ from pagoda.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     DetokenizeResult,
+    Directory,
     FinishReason,
     GenerateRequest,
     Heartbeat,
@@ -47,6 +48,7 @@ from pagoda.shared.messages import (
     PositionLogprobs,
     PromptScores,
     RenderedRows,
+    ReplicaAddress,
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
@@ -73,8 +75,11 @@ API_HELLO_EVERY = 4  # heartbeats to the apis per hello (registration) sent in t
 
 
 def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], list[str]]:
-    """The api addresses and every replica's scheduler address (the only ones this process uses)."""
+    """The api addresses and every replica's scheduler address known at start. With a registry: the registry's
+    scheduler only; the apis and the other replicas come in its Directory (shared/discovery.py)."""
     apis = config.api_endpoint_list()
+    if config.registry_endpoint:
+        return apis, [config.registry_endpoint]
     if not apis:
         raise ConfigError("no api endpoint to connect to", param="api_endpoints")
     return apis, config.replica_endpoint_list("scheduler")
@@ -82,6 +87,8 @@ def tokenizer_endpoints(config: ServerConfig) -> tuple[list[str], list[str]]:
 
 def stats_endpoints(config: ServerConfig, num_replicas: int) -> list[str]:
     """Every replica's stats address, needed only to route by prefix across several replicas."""
+    if config.registry_endpoint:
+        return []  # from the registry's Directory
     return config.replica_endpoint_list("stats") if config.routing == "prefix" and num_replicas > 1 else []
 
 
@@ -240,11 +247,16 @@ class TokenizerService:
         self._own_context = context is None
         self._context = context or zmq.Context()
         identity = self.tokenizer_id.encode()
-        self._apis = [make_socket(self._context, zmq.DEALER, endpoint, bind=False, identity=identity)
-                      for endpoint in api_endpoints]
+        # api key -> its socket; keys never reuse (apis from the registry come and go)
+        self._apis = {index: make_socket(self._context, zmq.DEALER, endpoint, bind=False, identity=identity)
+                      for index, endpoint in enumerate(api_endpoints)}
+        self._api_address = dict(enumerate(api_endpoints))
+        self._fixed_apis = frozenset(self._apis)  # given in the settings: never forgotten
+        self._next_api = len(self._apis)
         self._replicas = ReplicaSet.connect(self._context, scheduler_endpoints,
                                             stats_endpoints(server_config, len(scheduler_endpoints)), identity,
-                                            server_config.routing, block_size, self._timeout)
+                                            server_config.routing, block_size, self._timeout,
+                                            discover=bool(server_config.registry_endpoint))
         self._api_in: Codec[ApiToTokenizer] = Codec(ApiToTokenizer)
         self._api_out: Codec[TokenizerToApi] = Codec(TokenizerToApi)
         self._scheduler_in: Codec[SchedulerToTokenizer] = Codec(SchedulerToTokenizer)
@@ -255,7 +267,7 @@ class TokenizerService:
             self._handlers[replica.sock] = lambda frame, i=replica.index: self._on_scheduler_frame(frame, i)
             if replica.stats_sock is not None:
                 self._handlers[replica.stats_sock] = lambda frame, i=replica.index: self._replicas.on_stats(i, frame)
-        for index, sock in enumerate(self._apis):
+        for index, sock in self._apis.items():
             self._handlers[sock] = lambda frame, index=index: self._on_api_frame(index, frame)
         for sock in self._handlers:
             self._poller.register(sock, zmq.POLLIN)
@@ -279,7 +291,7 @@ class TokenizerService:
 
     def run(self) -> None:
         hello = self._hello()
-        for api in range(len(self._apis)):
+        for api in self._apis:
             self._send_api(api, hello)
         self._send_scheduler(hello)
         self._next_heartbeat = time.monotonic() + self._interval
@@ -335,7 +347,7 @@ class TokenizerService:
         self._num_beats += 1
         hello = self._num_beats % API_HELLO_EVERY == 0
         data = self._api_out.encode(self._hello() if hello else beat)
-        for sock in self._apis:
+        for sock in self._apis.values():
             _send(sock, data)
         # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
         # only registers a tokenizer on its hello (it answers each with ModelInfo, so repeats are harmless).
@@ -541,6 +553,8 @@ class TokenizerService:
             state = self._requests.pop(message.request_id, None)
             if state is not None:
                 self._send_api(state.api, message)
+        elif isinstance(message, Directory):
+            self._on_directory(message, replica)
         elif not isinstance(message, Heartbeat):
             log.warning("dropped an unexpected %s from the scheduler", type(message).__name__)
 
@@ -555,6 +569,66 @@ class TokenizerService:
             replica.lost = False
             _send(replica.sock, self._scheduler_out.encode(self._hello()))
         replica.heard_at = time.monotonic()
+
+    # ---------------------------------------------------------------- discovery (shared/discovery.py)
+
+    def _on_directory(self, directory: Directory, index: int) -> None:
+        """The registry's live apis and replicas: connect to new ones; an api it no longer lists is gone."""
+        registry = self._replicas.replicas[index]
+        registry.replica_id = str(directory.registry_replica_id)
+        for entry in directory.replicas:
+            self._watch_replica(entry, registry)
+        listed = set(directory.apis)
+        for address in sorted(listed - set(self._api_address.values())):
+            self._add_api(address)
+        for api, address in list(self._api_address.items()):
+            if address not in listed and api not in self._fixed_apis:
+                self._remove_api(api)
+
+    def _watch_replica(self, entry: ReplicaAddress, registry: Replica) -> None:
+        replica_id = str(entry.replica_id)
+        if replica_id == registry.replica_id:
+            self._watch_stats(registry, entry.stats)
+            return
+        known = self._replicas.find(replica_id)
+        if known is not None and known.address == entry.scheduler:
+            return  # a restart at the same address: its new heartbeats' sender makes us register again
+        if known is not None:  # it moved: whatever it held is lost, the old address is dropped
+            self._lose_scheduler(f"it moved to {entry.scheduler}", known.index)
+            known.replica_id = f"{replica_id}@{known.address}"  # out of routing's way; stays lost
+        replica = self._replicas.add(replica_id, entry.scheduler, None)
+        log.info("replica %s found at %s", replica_id, entry.scheduler)
+        self._handlers[replica.sock] = lambda frame, i=replica.index: self._on_scheduler_frame(frame, i)
+        self._poller.register(replica.sock, zmq.POLLIN)
+        self._watch_stats(replica, entry.stats)
+        _send(replica.sock, self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid())))
+
+    def _watch_stats(self, replica: Replica, stats: str) -> None:
+        if replica.stats_sock is not None or not self._replicas.use_stats:
+            return
+        self._replicas.watch_stats(replica, stats)
+        self._handlers[replica.stats_sock] = lambda frame, i=replica.index: self._replicas.on_stats(i, frame)
+        self._poller.register(replica.stats_sock, zmq.POLLIN)
+
+    def _add_api(self, address: str) -> None:
+        api, self._next_api = self._next_api, self._next_api + 1
+        sock = make_socket(self._context, zmq.DEALER, address, bind=False, identity=self.tokenizer_id.encode())
+        self._apis[api], self._api_address[api] = sock, address
+        self._handlers[sock] = lambda frame, index=api: self._on_api_frame(index, frame)
+        self._poller.register(sock, zmq.POLLIN)
+        log.info("api %s found", address)
+        self._send_api(api, TokenizerHello(self.tokenizer_id, os.getpid()))
+
+    def _remove_api(self, api: int) -> None:
+        """The registry forgot this api: its clients are gone with it, so its requests are aborted."""
+        sock, address = self._apis.pop(api), self._api_address.pop(api)
+        self._poller.unregister(sock)
+        del self._handlers[sock]
+        sock.close(linger=0)
+        orphans = [request_id for request_id, state in self._requests.items() if state.api == api]
+        log.warning("api %s is gone: aborting its %d request(s)", address, len(orphans))
+        for request_id in orphans:
+            self._drop(request_id, abort=True)
 
     def _on_model_info(self, info: ModelInfo, index: int = 0) -> None:
         replica = self._replicas.replicas[index]
@@ -723,7 +797,9 @@ class TokenizerService:
         self._send_api(api, request_failed(request_id, error))
 
     def _send_api(self, api: int, message: Any) -> None:
-        _send(self._apis[api], self._api_out.encode(message))
+        sock = self._apis.get(api)
+        if sock is not None:  # else the api is gone (the registry forgot it), and its clients with it
+            _send(sock, self._api_out.encode(message))
 
     def _send_scheduler(self, message: Any) -> None:
         """A request's abort or stop goes to the replica that owns it; anything else to every replica."""
