@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,11 +66,10 @@ class GrammarRows:
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer | None], vocab_size: int,
                  pin_memory: bool = False) -> None:
-        self._make_tokenizer = make_tokenizer
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        # Built in the background from start-up (seconds on a busy CPU): never inside a step.
-        self._loader = threading.Thread(target=self._load_tokenizer, name="grammar-tokenizer", daemon=True)
-        self._loader.start()
+        # Built here, before the worker serves (seconds on a busy CPU, never inside a step). Not on a thread:
+        # the build holds the GIL for seconds at a time (tokenizers' to_str, llguidance's constructor), which
+        # starved the worker's loop until the scheduler declared it hung.
+        self._tokenizer = self._load_tokenizer(make_tokenizer)
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
@@ -220,21 +218,22 @@ class GrammarRows:
         """llguidance's tokenizer (the in-process engine compiles with the worker's own)."""
         return self._ensure_tokenizer()
 
-    def _load_tokenizer(self) -> None:
+    @staticmethod
+    def _load_tokenizer(make: Callable[[], llguidance.LLTokenizer | None]) -> llguidance.LLTokenizer | None:
         try:
-            self._tokenizer = self._make_tokenizer()
+            return make()
         except Exception:
             log.exception("cannot build the grammar tokenizer; structured outputs will fail")
+            return None
 
     def _ensure_tokenizer(self) -> llguidance.LLTokenizer:
-        self._loader.join()
         if self._tokenizer is None:
             raise RuntimeError("structured outputs need the model's tokenizer on the worker")
         return self._tokenizer
 
 
 def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[[], llguidance.LLTokenizer | None]:
-    """Builds llguidance's tokenizer on first use (a model served with no grammar request never loads it)."""
+    """Builds llguidance's tokenizer for the model's mask width and EOS ids (GrammarRows calls it at start-up)."""
 
     def load() -> llguidance.LLTokenizer | None:
         tokenizer = load_tokenizer(config)
