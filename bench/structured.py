@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -109,6 +110,8 @@ def main() -> None:
         order = list(modes) if round_index % 2 == 0 else list(reversed(modes))
         for mode in order:
             runs[mode].append(run(llm, prompts, modes[mode]))
+            print(f"round {round_index + 1}/{args.rounds} {mode}: {runs[mode][-1]['tok_per_s']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
     for mode, results in runs.items():
         figures[mode] = {"tok_per_s": summary([r["tok_per_s"] for r in results]), "runs": results}
     ratios = [j["tok_per_s"] / u["tok_per_s"] for j, u in zip(runs["json_schema"], runs["unconstrained"],
