@@ -217,6 +217,7 @@ SCHEMAS = [
                                       "passed": {"type": "boolean"}, "note": words(20)},
      "required": ["score", "passed"], "additionalProperties": False},
 ]
+FILLER = "Once upon a time in a quiet village by the sea, the fishermen told tales of storms and lights. " * 9
 TOPICS = ["a cat", "Paris", "a bicycle", "the moon", "a teacher", "a river", "coffee", "a violin", "winter",
           "a robot", "the ocean", "a library", "football", "a volcano", "chess", "a garden", "a train", "music",
           "a desert", "a computer"]
@@ -332,9 +333,12 @@ def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> N
         return response.choices[0].message.content or ""
 
     def free(i: int) -> str:
-        # ignore_eos: 20 rows of ~40 + 200 tokens need ~14 blocks each, more than the 256 blocks hold together
-        return _chat(client, f"Tell me a long story about {TOPICS[i]}.", max_tokens=200, temperature=0.8,
-                     seed=i, extra_body={"ignore_eos": True}).choices[0].message.content or ""
+        # Preemption by construction, cheaply on a CPU: a ~210-token prompt (prefill is cheap) that differs from
+        # its first words, and 150 tokens with ignore_eos, need 23 blocks a row; the 16 rows cannot all fit in
+        # 256 blocks (the ~14 admitted together next to the constrained rows need ~320 as they grow).
+        prompt = f"Story {i}: " + FILLER + f" Continue this story about {TOPICS[i]}."
+        return _chat(client, prompt, max_tokens=150, temperature=0.8, seed=i,
+                     extra_body={"ignore_eos": True}).choices[0].message.content or ""
 
     def aborted(i: int) -> int:
         # the regex needs 398 characters, so the stream runs to max_tokens: it is cut by the client, not the model
@@ -346,9 +350,9 @@ def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> N
                     return seen
         return -1
 
-    with concurrent.futures.ThreadPoolExecutor(44) as pool:
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
         kept = [pool.submit(constrained, i) for i in range(20)]
-        loose = [pool.submit(free, i) for i in range(20)]
+        loose = [pool.submit(free, i) for i in range(16)]
         cut = [pool.submit(aborted, i) for i in range(4)]
         texts = [f.result() for f in kept]
         stories = [f.result() for f in loose]
