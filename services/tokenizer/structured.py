@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -135,22 +134,20 @@ class GrammarChecker:
 
 
 class LazyGrammarChecker:
-    """A GrammarChecker whose llguidance tokenizer is built on a thread from process start (it walks the whole
-    vocabulary in Python: seconds on a loaded CPU, which the tokenizer's poll loop must not spend at once).
-    Validity does not depend on the mask width, so the tokenizer's own vocabulary and EOS are used."""
+    """A GrammarChecker for the tokenizer process, or the reason there is none. llguidance's tokenizer is built
+    at construction, before the process serves: the build holds the GIL for seconds at a time on a loaded CPU
+    (tokenizers' to_str, llguidance's Rust constructor), and on a background thread it starved the process's
+    loop of its heartbeats until the scheduler dropped it. Validity does not depend on the mask width, so the
+    tokenizer's own vocabulary and EOS are used."""
 
     def __init__(self, tokenizer: Any | None) -> None:
         self._checker: GrammarChecker | None = None
         self._hf = tokenizer.hf if tokenizer is not None else None
-        self._eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
-        self._vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
-        self._loader = threading.Thread(target=self._load, name="grammar-tokenizer", daemon=True)
-        if self._hf is not None:
-            self._loader.start()
-
-    def _load(self) -> None:
+        if self._hf is None:
+            return
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         try:
-            self._checker = GrammarChecker(ll_tokenizer(self._hf, self._vocab_size, self._eos))
+            self._checker = GrammarChecker(ll_tokenizer(self._hf, tokenizer.vocab_size, eos))
         except Exception:
             log.exception("cannot build llguidance's tokenizer; structured outputs will be refused")
 
@@ -162,7 +159,6 @@ class LazyGrammarChecker:
     def check(self, constraint: StructuredOutputs) -> None:
         if self._hf is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param=_param(constraint))
-        self._loader.join()
         if self._checker is None:
             raise InvalidRequestError("structured outputs are unavailable: the grammar library could not load "
                                       "this tokenizer", param=_param(constraint))

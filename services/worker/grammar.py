@@ -5,9 +5,10 @@ Lifecycle (see services/tokenizer/structured.py for the whole path):
   request (also one coming back after a preemption, or an n>1 sibling forked from its first sequence) gets a
   fresh matcher that replays the tokens it generated already (NewRequest.token_ids past the prompt), so a
   recompute or a prefix-cache hit leaves it exactly where the sequence is.
-- `bitmask(req_ids)`: for the rows of this step's sampled sequences that have an active matcher, the
-  `[K, ceil(V/32)] int32` mask (bit j of word w: token 32*w+j allowed), filled on the host. Rows without a
-  grammar are not in it and pay nothing; a step with no grammar row does no work at all.
+- `bitmask(req_ids)`: for the rows of this step's sampled sequences that have an active matcher, their row of a
+  `[B, ceil(V/32)] int32` mask (bit j of word w: token 32*w+j allowed), filled on the host straight into a
+  reused (pinned) buffer, and the `[B]` flags of those rows. Rows without a grammar are left unfilled and
+  flagged off (the sampler skips them); a step with no grammar row does no work at all.
 - `accept(req_ids, token_ids)`: the sampled tokens advance the matchers.
 
 Overlap: the mask for step N+1 depends on step N's token, so the order per step is
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,10 +43,12 @@ from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
-MATCHER_CACHE_SIZE = 256
-# Below this many constrained rows (or on a small CPU) one thread fills faster than llguidance's pool: ~0.1 ms
-# a row on a busy 2-core machine, where the pool's hand-off cost more than the work.
-PARALLEL_FILL_ROWS = 16  # pristine matchers per distinct constraint, deep-copied for each sequence
+MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copied for each sequence
+# From this many constrained rows, on a machine with this many CPUs, masks are filled and tokens consumed by
+# llguidance's thread pool (a mask costs ~30-80 us for a 150k vocabulary: 256 rows serially would cost more
+# than a decode step). Below it, or on a small CPU, one thread is faster than the pool's hand-off.
+PARALLEL_ROWS = 16
+PARALLEL_MIN_CPUS = 8
 
 
 @dataclass(slots=True)
@@ -62,17 +64,20 @@ class SeqGrammar:
 class GrammarRows:
     """The worker's matchers, keyed by request id (the scheduler's sequence id)."""
 
-    def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer | None], vocab_size: int) -> None:
-        self._make_tokenizer = make_tokenizer
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        # Built in the background from start-up (seconds on a busy CPU): never inside a step.
-        self._loader = threading.Thread(target=self._load_tokenizer, name="grammar-tokenizer", daemon=True)
-        self._loader.start()
+    def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer | None], vocab_size: int,
+                 pin_memory: bool = False) -> None:
+        # Built here, before the worker serves (seconds on a busy CPU, never inside a step). Not on a thread:
+        # the build holds the GIL for seconds at a time (tokenizers' to_str, llguidance's constructor), which
+        # starved the worker's loop until the scheduler declared it hung.
+        self._tokenizer = self._load_tokenizer(make_tokenizer)
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
         self._pristine: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
+        self.pin_memory = pin_memory
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._flip = 0
 
     @property
     def active(self) -> bool:
@@ -111,32 +116,46 @@ class GrammarRows:
     # ---------------------------------------------------------------- per step
 
     def bitmask(self, req_ids: list[int]) -> tuple[np.ndarray, torch.Tensor] | None:
-        """(batch indices [K] of the constrained rows, their bitmask [K, W] int32 on the host), or None."""
+        """For this step's sampled rows: (flags [B] bool, True where the row has an active matcher; the bitmask
+        [B, W] int32 on the host, filled for the flagged rows only), or None when no row is constrained.
+        The bitmask is one of two reused buffers (pinned on CUDA): the step that reads it has synced before
+        the buffer comes round again (the worker syncs every launched step before it fills masks)."""
         if not self._seqs:
             return None
-        picked = [(i, seq.matcher) for i, req_id in enumerate(req_ids)
+        picked = [(seq.matcher, i) for i, req_id in enumerate(req_ids)
                   if (seq := self._seqs.get(req_id)) is not None and seq.matcher is not None]
         if not picked:
             return None
-        mask = torch.empty((len(picked), self.num_words), dtype=torch.int32)  # [K, W]
-        if len(picked) < PARALLEL_FILL_ROWS or (os.cpu_count() or 1) < 8:
-            for k, (_, matcher) in enumerate(picked):
-                llguidance.torch.fill_next_token_bitmask(matcher, mask, k)
+        mask = self._buffer(len(req_ids))  # [B, W]
+        if self._parallel(len(picked)):
+            llguidance.torch.fill_next_token_bitmask_par(self._ensure_executor(), picked, mask)
         else:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(
-                self._executor, [(m, k) for k, (_, m) in enumerate(picked)], mask)
-        return np.fromiter((i for i, _ in picked), dtype=np.int64, count=len(picked)), mask
+            for matcher, i in picked:
+                llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
+        flags = np.zeros(len(req_ids), dtype=bool)  # [B]
+        flags[[i for _, i in picked]] = True
+        return flags, mask
 
     def accept(self, req_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""
         if not self._seqs:
             return
-        for req_id, token_id in zip(req_ids, token_ids, strict=True):
-            seq = self._seqs.get(req_id)
-            if seq is not None:
+        rows = [(req_id, seq, token_id) for req_id, token_id in zip(req_ids, token_ids, strict=True)
+                if (seq := self._seqs.get(req_id)) is not None]
+        if not self._parallel(len(rows)):
+            for req_id, seq, token_id in rows:
                 self._advance(req_id, seq, token_id)
+            return
+        running = [(req_id, seq, token_id) for req_id, seq, token_id in rows
+                   if seq.matcher is not None and not seq.failed and not seq.matcher.is_stopped()]
+        accepted = llguidance.torch.consume_token_par(self._ensure_executor(),
+                                                      [(seq.matcher, token_id) for _, seq, token_id in running])
+        for (req_id, seq, token_id), ok in zip(running, accepted, strict=True):
+            if not ok:
+                self._reject(req_id, seq, token_id)
+        for _, seq, token_id in rows:
+            if seq.matcher is None:
+                self._watch_reasoning(seq, token_id)
 
     # ---------------------------------------------------------------- internals
 
@@ -147,9 +166,31 @@ class GrammarRows:
         if seq.failed or seq.matcher.is_stopped():
             return  # the next tokens are EOS; the scheduler ends the sequence on the first
         if not seq.matcher.consume_token(token_id):
-            # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input.
-            log.error("request %d: token %d rejected by its grammar: %s", req_id, token_id, seq.matcher.get_error())
-            seq.failed = True
+            self._reject(req_id, seq, token_id)
+
+    def _reject(self, req_id: int, seq: SeqGrammar, token_id: int) -> None:
+        # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input.
+        assert seq.matcher is not None
+        log.error("request %d: token %d rejected by its grammar: %s", req_id, token_id, seq.matcher.get_error())
+        seq.failed = True
+
+    def _parallel(self, num_rows: int) -> bool:
+        return num_rows >= PARALLEL_ROWS and (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS
+
+    def _ensure_executor(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        """The next of two host buffers [num_rows, W] int32, grown (and pinned on CUDA) as needed."""
+        self._flip ^= 1
+        buffer = self._buffers[self._flip]
+        if buffer is None or buffer.shape[0] < num_rows:
+            buffer = torch.empty((max(num_rows, 64), self.num_words), dtype=torch.int32,
+                                 pin_memory=self.pin_memory)  # [rows, W]
+            self._buffers[self._flip] = buffer
+        return buffer[:num_rows]
 
     def _watch_reasoning(self, seq: SeqGrammar, token_id: int) -> None:
         tokenizer = self._ensure_tokenizer()
@@ -177,66 +218,22 @@ class GrammarRows:
         """llguidance's tokenizer (the in-process engine compiles with the worker's own)."""
         return self._ensure_tokenizer()
 
-    def _load_tokenizer(self) -> None:
+    @staticmethod
+    def _load_tokenizer(make: Callable[[], llguidance.LLTokenizer | None]) -> llguidance.LLTokenizer | None:
         try:
-            self._tokenizer = self._make_tokenizer()
+            return make()
         except Exception:
             log.exception("cannot build the grammar tokenizer; structured outputs will fail")
+            return None
 
     def _ensure_tokenizer(self) -> llguidance.LLTokenizer:
-        self._loader.join()
         if self._tokenizer is None:
             raise RuntimeError("structured outputs need the model's tokenizer on the worker")
         return self._tokenizer
 
 
-def blocked_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[K, W] int32 -> [K, vocab_size] bool, True where the token is NOT allowed."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [K, W, 32]
-    return (bits == 0).view(bitmask.shape[0], -1)[:, :vocab_size]  # [K, V]
-
-
-_BLOCKED_BITS = ((np.arange(256, dtype=np.int32)[:, None] >> np.arange(8, dtype=np.int32)) & 1) == 0  # [256, 8]
-
-
-def blocked_tokens_host(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """blocked_tokens on the CPU through a byte lookup table: one pass, ~5x faster than the shifts there."""
-    as_bytes = bitmask.numpy().view(np.uint8)  # [K, 4W], little-endian: bit j of byte b is token 8b+j
-    return torch.from_numpy(_BLOCKED_BITS[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab_size])  # [K, V]
-
-
-def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: torch.Tensor) -> None:
-    """In place: logits[rows[k], t] = -inf where bit t of bitmask[k] is 0. logits [S, V] on the device,
-    rows [K] batch indices, bitmask [K, ceil(V/32)] int32 on the host. Plain torch for now; the sampler's
-    fused `token_bitmask` path replaces it at merge."""
-    assert bitmask.dtype == torch.int32 and bitmask.dim() == 2 and bitmask.shape[0] == len(rows)
-    vocab_size = logits.shape[1]
-    assert bitmask.shape[1] * 32 >= vocab_size, "bitmask narrower than the vocabulary"
-    if logits.device.type == "cpu":
-        blocked = blocked_tokens_host(bitmask, vocab_size)  # [K, V]
-    else:
-        blocked = blocked_tokens(bitmask.to(logits.device, non_blocking=True), vocab_size)  # [K, V]
-    if len(rows) == logits.shape[0] and bool((rows == np.arange(len(rows))).all()):
-        logits.masked_fill_(blocked, float("-inf"))  # every row constrained: no gather / scatter
-        return
-    index = torch.from_numpy(rows).to(logits.device, non_blocking=True)  # [K]
-    logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
-
-
-def apply_token_bitmask_reference(logits: torch.Tensor, rows: np.ndarray, bitmask: torch.Tensor) -> torch.Tensor:
-    """Slow, obvious reference for tests: a Python loop over words and bits. Returns a new tensor."""
-    out = logits.clone()
-    words = bitmask.tolist()
-    for k, row in enumerate(rows.tolist()):
-        for t in range(logits.shape[1]):
-            if not (words[k][t // 32] >> (t % 32)) & 1:
-                out[row, t] = float("-inf")
-    return out
-
-
 def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[[], llguidance.LLTokenizer | None]:
-    """Builds llguidance's tokenizer on first use (a model served with no grammar request never loads it)."""
+    """Builds llguidance's tokenizer for the model's mask width and EOS ids (GrammarRows calls it at start-up)."""
 
     def load() -> llguidance.LLTokenizer | None:
         tokenizer = load_tokenizer(config)

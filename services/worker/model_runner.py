@@ -131,7 +131,8 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
-        self.grammars = GrammarRows(grammar_tokenizer_loader(config, self.arch), self.arch.vocab_size)
+        self.grammars = GrammarRows(grammar_tokenizer_loader(config, self.arch), self.arch.vocab_size,
+                                    pin_memory=self.device.type == "cuda")
         self.staging = PinnedStaging(self.device)
         self.sampling = SamplingState(config.max_num_seqs, self.arch.vocab_size, self.device, self.arch.eos_token_ids,
                                       self._to_device)
@@ -449,8 +450,9 @@ class ModelRunner:
                             count=len(step.req_ids))  # [S] rows not dropped (or reused) since the launch
         rows = step.rows[owned]
         state.token_ids[rows, step.positions[owned]] = token_ids[owned]
-        self.grammars.accept([r for r, keep in zip(step.req_ids, owned.tolist(), strict=True) if keep],
-                             token_ids[owned].tolist())  # matchers advance once per token, in step order
+        if self.grammars.active:  # matchers advance once per token, in step order
+            self.grammars.accept([r for r, keep in zip(step.req_ids, owned.tolist(), strict=True) if keep],
+                                 token_ids[owned].tolist())
         mine = rows[self.pending_step[rows] == step.plan.step_id]
         self.pending_step[mine] = -1
 
@@ -522,13 +524,9 @@ class ModelRunner:
         masks = self.grammars.bitmask(req_ids)
         if masks is None:
             return
-        rows, bitmask = masks  # [K] batch indices, [K, W] int32 on the host
-        full = np.full((len(req_ids), bitmask.shape[1]), -1, dtype=np.int32)  # [B, W]: every token allowed
-        full[rows] = bitmask.numpy()
-        flags = np.zeros(len(req_ids), dtype=bool)  # [B]
-        flags[rows] = True
-        metadata.token_bitmask = self._to_device(full, "token_bitmask")
-        metadata.bitmask_rows = self._to_device(flags, "bitmask_rows")
+        flags, bitmask = masks  # [B] bool, [B, W] int32 on the host (pinned on CUDA)
+        metadata.token_bitmask = bitmask.to(self.device, non_blocking=True)  # [B, W]
+        metadata.bitmask_rows = self._to_device(flags, "bitmask_rows")  # [B]
 
     def _forward_eager(self, host: HostBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """The model on a mixed or large batch: final hidden states [T, H] of every token."""
