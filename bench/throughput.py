@@ -34,7 +34,8 @@ def _step_summary(timer: Any) -> dict[str, Any]:
     mixed = [start.elapsed_time(end) for is_decode, start, end in timer.steps if not is_decode]
     return {"decode_gpu_busy_fraction": round(fraction, 4), "decode_steps": num_decode,
             "decode_step_gpu_ms_p50": decode[len(decode) // 2] if decode else 0.0,
-            "decode_steps_gpu_s": sum(decode) / 1e3, "mixed_steps": len(mixed), "mixed_steps_gpu_s": sum(mixed) / 1e3}
+            "decode_steps_gpu_s": sum(decode) / 1e3, "mixed_steps": len(mixed), "mixed_steps_gpu_s": sum(mixed) / 1e3,
+            "mixed_step_gpu_ms": [round(ms, 2) for ms in mixed]}
 
 
 def single_request_latency(llm: Any, prompt: list[int], num_tokens: int) -> dict[str, float]:

@@ -611,18 +611,19 @@ def test_kernels_match_reference_interpreted(small_blocks: bool, monkeypatch: py
         pytest.skip("the gpu test covers this")
     if small_blocks:
         for name, value in (("PROCESS_BLOCK", 32), ("ARGMAX_BLOCK", 16), ("ARGMAX_SPLIT", 32), ("TOP_P_BLOCK", 16),
-                            ("TOP_P_SPLIT", 32), ("TOP_K_CHUNK", 64)):
+                            ("TOP_P_SPLIT", 32), ("TOP_K_GROUP", 4)):
             monkeypatch.setattr(kernels, name, value)
     run_kernel_checks(num_rows=3, vocab_size=70, seed=int(small_blocks))
 
 
 @pytest.mark.parametrize("k", [1, 7, 50, 64])
 def test_row_top_values_matches_topk(k: int) -> None:
-    """The two-stage candidates (chunk winners, then their top k) equal torch.topk's values, ties included;
-    the last chunk is partial, and k = 50 pads each chunk's winners to 64."""
+    """The grouped candidates (the k groups with the largest maxima, then their top k) equal torch.topk's
+    values, ties included; 9001 ids leave a partial last group."""
     device = kernel_device()
-    logits = tied_logits(3, 9000, seed=k).to(device)  # [B, V], 3 chunks of 4096
-    logits[1, 4000:4200] = logits[1].max()  # a run of ties at the top, across a chunk border
+    logits = tied_logits(3, 9001, seed=k).to(device)  # [B, V]: many ties
+    logits[1, 4000:4200] = logits[1].max()  # a run of ties at the top, across group borders
+    logits[2, -1] = logits[2].max() + 1  # the largest value in the partial last group
     assert torch.equal(kernels.row_top_values(logits, k), logits.topk(k, dim=-1).values)
 
 
