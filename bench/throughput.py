@@ -127,7 +127,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         if args.no_async_scheduling:
             engine_args["async_scheduling"] = False
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager", "quantization",
-                     "kv_cache_dtype"):
+                     "kv_cache_dtype", "tokenizer"):
             value = getattr(args, name)
             if value not in (None, False):
                 engine_args[name] = value
@@ -172,6 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", default=None, help="pagoda only: fp8 weights")
     parser.add_argument("--kv-cache-dtype", default=None, help="pagoda only: fp8 KV cache")
+    parser.add_argument("--tokenizer", default=None,
+                        help="pagoda only: a tokenizer folder for a dummy shape (its vocabulary, as `serve` has it)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="serial steps (default: overlap on CUDA)")
     parser.add_argument("--peer", action="append", default=[], choices=("hf-static", "hf-compiled", "hf-cb"),
                         help="also run this Hugging Face peer (repeatable)")
@@ -209,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
 
 _FORWARDED = ("model", "load_format", "workload", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed",
               "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager",
-              "latency_prompt_len", "quantization", "kv_cache_dtype", "no_async_scheduling")
+              "latency_prompt_len", "quantization", "kv_cache_dtype", "no_async_scheduling", "tokenizer")
 
 
 def _roofline(args: argparse.Namespace) -> dict[str, float]:
