@@ -281,7 +281,7 @@ class TokenizerService:
         self._next_heartbeat = 0.0
         self._num_beats = 0
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
-        self._grammars = LazyGrammarChecker(tokenizer)  # llguidance's tokenizer builds in the background
+        self._grammars = LazyGrammarChecker(tokenizer)  # builds llguidance's tokenizer now, before registration
         self._reasoning_parser = server_config.reasoning_parser
         self._stopping = False
         log.info("tokenizer %s: apis %s, schedulers %s, %s", self.tokenizer_id, api_endpoints, scheduler_endpoints,
@@ -825,10 +825,10 @@ def _send(sock: zmq.Socket, data: bytes) -> None:
 
 def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight requests then get a 503."""
+    # llguidance's tokenizer is built in the constructor (LazyGrammarChecker), before registration: the build holds
+    # the GIL for seconds on a loaded host (3.4 s seen), and a tokenizer registered meanwhile would miss its
+    # heartbeats and be dropped with its first requests.
     service = TokenizerService(server_config, load_tokenizer(engine_config), block_size=engine_config.block_size)
-    # Register only once llguidance's tokenizer is built: the build holds the GIL for seconds on a loaded host
-    # (3.4 s seen), and a tokenizer registered meanwhile misses its heartbeats and is dropped with its first requests.
-    service._grammars.wait_until_built()
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -151,11 +151,6 @@ class LazyGrammarChecker:
         except Exception:
             log.exception("cannot build llguidance's tokenizer; structured outputs will be refused")
 
-    def wait_until_built(self) -> None:
-        """Block until llguidance's tokenizer is built (or failed to build)."""
-        if self._loader.is_alive():
-            self._loader.join()
-
     def check(self, constraint: StructuredOutputs) -> None:
         if self._hf is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param=_param(constraint))
