@@ -104,13 +104,16 @@ def test_greedy_matches_transformers_under_preemption(smollm2_dir: Path, prompts
 
 def test_greedy_matches_transformers_with_every_prompt_chunked(smollm2_dir: Path, prompts,  # noqa: ANN001
                                                                hf_greedy) -> None:  # noqa: ANN001
-    budget = min(PROMPT_LENGTHS) - 1
+    # The prompts of 50 tokens and more, with a 49-token budget: every one is split over several steps (a
+    # 4-token budget over all 16 prompts took 900 steps and 138 s of the suite for the same property).
+    chosen = [i for i, length in enumerate(PROMPT_LENGTHS) if length >= 50]
+    budget = 49
     llm = LLM(str(smollm2_dir), max_num_batched_tokens=budget, enable_prefix_caching=False)
     plans = _record_plans(llm)
-    assert _pagoda_greedy(llm, prompts) == hf_greedy
+    assert _pagoda_greedy(llm, [prompts[i] for i in chosen]) == [hf_greedy[i] for i in chosen]
     assert all(sum(plan.num_scheduled_tokens) <= budget for plan in plans)
     first_chunks = [new.req_id for plan in plans for new in plan.new_requests]
-    assert len(first_chunks) == len(prompts)
+    assert len(first_chunks) == len(chosen)
 
 
 def test_prompt_logprobs_match_transformers(smollm2_dir: Path, hf_model, prompts) -> None:  # noqa: ANN001
@@ -143,6 +146,7 @@ def test_prompt_logprobs_match_transformers(smollm2_dir: Path, hf_model, prompts
 def test_prompt_logprobs_survive_preemption(smollm2_dir: Path, prompts) -> None:  # noqa: ANN001
     """A preempted prompt is computed again: its scores still come once each, and equal an unhurried run's."""
     params = SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=1)
+    prompts = prompts[6:12]  # 64-230 tokens: ~58 blocks wanted against 40, the longest fits alone
     calm = LLM(str(smollm2_dir)).generate(prompts, params)
     cramped = LLM(str(smollm2_dir), num_kv_blocks=40)
     pressed = cramped.generate(prompts, params)
