@@ -320,6 +320,7 @@ def test_garbage_frames_are_dropped(server: Server) -> None:
 # ------------------------------------------------------------------ 3. several tokenizers and apis
 
 
+@pytest.mark.extended  # tests/test_compose_processes.py runs 2 apis + 2 tokenizers in the default run
 def test_two_tokenizers_and_two_apis(smollm2_dir: Path, offline: LLM) -> None:
     with running_server(smollm2_dir, "--tokenizer-workers", "2", "--api-workers", "2") as server:
         children = server.children()

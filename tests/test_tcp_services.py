@@ -222,6 +222,7 @@ def test_requests_land_on_both_tokenizers(cluster: Cluster) -> None:
 # ------------------------------------------------------------------ (c) a tokenizer dies mid-stream
 
 
+@pytest.mark.extended  # tests/reliability (tokenizer kill -9 under load) covers it in the default run
 def test_killing_a_tokenizer_fails_only_its_own_requests(cluster: Cluster) -> None:
     victim, survivor = TOKENIZER_IDS
     num_streams = 8
