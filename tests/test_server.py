@@ -341,6 +341,7 @@ def test_two_tokenizers_and_two_apis(smollm2_dir: Path, offline: LLM) -> None:
 # ------------------------------------------------------------------ 7. SIGTERM under load
 
 
+@pytest.mark.extended  # test_api.py (drain, then fail what is left) and tests/reliability cover SIGTERM
 def test_sigterm_during_load_ends_cleanly(smollm2_dir: Path) -> None:
     with running_server(smollm2_dir) as server:
         client = server.client(timeout=60)
