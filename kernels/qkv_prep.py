@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.fp8 import FP8_MAX_C, round_to_e4m3
-from pagoda.kernels.rope import _round_to
+from pagoda.kernels.rope import _round_to, cos_sin_halves
 
 _MAX_HEAD_DIM = 256
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -65,12 +65,7 @@ def _qkv_prep_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position
     CACHE_DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
     row = tl.load(positions_ptr + token).to(tl.int64)
-    offs_c = tl.arange(0, HALF_P)
-    c_mask = offs_c < HALF
-    c1 = tl.load(cos_ptr + row * stride_cos + offs_c, mask=c_mask, other=0.0).to(tl.float32)  # [HALF_P]
-    c2 = tl.load(cos_ptr + row * stride_cos + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + row * stride_sin + offs_c, mask=c_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + row * stride_sin + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HALF, HALF_P)  # [HALF_P] each
     base = qkv_ptr + token * stride_t
     if tl.program_id(1) == 0:
         _prep_q(base, q_norm_ptr, eps, c1, c2, s1, s2, NUM_HEADS, HEADS_P, HALF, HALF_P, QK_NORM, DTYPE)

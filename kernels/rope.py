@@ -45,6 +45,19 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride
 
 
 @triton.jit
+def cos_sin_halves(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """Row `row` of the cos and sin caches as fp32 halves [HALF_P] each (c1, c2, s1, s2). Both halves are read
+    (not assumed equal), to keep the reference's exact semantics."""
+    offs_c = tl.arange(0, HALF_P)
+    c_mask = offs_c < HALF
+    c1 = tl.load(cos_ptr + row * stride_cos + offs_c, mask=c_mask, other=0.0).to(tl.float32)  # [HALF_P]
+    c2 = tl.load(cos_ptr + row * stride_cos + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + row * stride_sin + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + row * stride_sin + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                  stride_cos, stride_sin,
@@ -56,13 +69,7 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions
         row = tl.load(positions_ptr + token).to(tl.int64)
     else:  # cos/sin hold one row per token
         row = token
-    offs_c = tl.arange(0, HALF_P)
-    c_mask = offs_c < HALF
-    # Both halves of cos/sin are read (not assumed equal), to keep the reference's exact semantics.
-    c1 = tl.load(cos_ptr + row * stride_cos + offs_c, mask=c_mask, other=0.0).to(tl.float32)  # [HALF_P]
-    c2 = tl.load(cos_ptr + row * stride_cos + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + row * stride_sin + offs_c, mask=c_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + row * stride_sin + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HALF, HALF_P)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, c1, c2, s1, s2,
                   NUM_HEADS, HEADS_P, HALF, HALF_P)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, c1, c2, s1, s2,
