@@ -11,6 +11,7 @@ import signal
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -225,6 +226,16 @@ def _timed_completion(server: Server, prompt: str) -> tuple[int, float]:
 # -------------------------------------------------------------------------------------------- tokenizer
 
 
+def _received(sock: Any, codec: Any, kind: type) -> list[object]:
+    """The messages of one kind that reach a ROUTER socket (zmq) until it stays quiet for 200 ms (Codec)."""
+    out = []
+    while sock.poll(200):
+        message = codec.decode(sock.recv_multipart()[1])
+        if isinstance(message, kind):
+            out.append(message)
+    return out
+
+
 def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(tmp_path: Path) -> None:
     """A TokenizerService in this process (no tokenizer: token-id prompts) with two fake schedulers."""
     import zmq
@@ -254,30 +265,22 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
     to_tokenizer, from_tokenizer = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler)
     api_codec = Codec(TokenizerToApi)
 
-    def received(sock: zmq.Socket, codec: Codec, kind: type) -> list[object]:
-        out = []
-        while sock.poll(200):
-            message = codec.decode(sock.recv_multipart()[1])
-            if isinstance(message, kind):
-                out.append(message)
-        return out
-
     try:
         for index in range(2):
             service._on_scheduler_frame(to_tokenizer.encode(INFO), index)
         for n in range(4):
             service._dispatch_api(0, GenerateRequest(f"q{n}", SamplingParams(max_tokens=2),
                                                      prompt_token_ids=[1, 2, n + 3]))
-        added = [[m.request_id for m in received(sock, from_tokenizer, AddRequest)] for sock in schedulers]
+        added = [[m.request_id for m in _received(sock, from_tokenizer, AddRequest)] for sock in schedulers]
         assert sorted(added[0] + added[1]) == ["q0", "q1", "q2", "q3"] and added[0] and added[1]
         service._on_abort(added[1][0])
-        assert [m.request_id for m in received(schedulers[1], from_tokenizer, AbortRequest)] == [added[1][0]]
-        assert received(schedulers[0], from_tokenizer, AbortRequest) == []
+        assert [m.request_id for m in _received(schedulers[1], from_tokenizer, AbortRequest)] == [added[1][0]]
+        assert _received(schedulers[0], from_tokenizer, AbortRequest) == []
         service._lose_scheduler("silent", 0)  # replica 0 lost: only its requests fail
-        failed = [m.request_id for m in received(api, api_codec, RequestFailed)]
+        failed = [m.request_id for m in _received(api, api_codec, RequestFailed)]
         assert sorted(failed) == sorted(added[0])
         service._dispatch_api(0, GenerateRequest("late", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6]))
-        assert [m.request_id for m in received(schedulers[1], from_tokenizer, AddRequest)] == ["late"]
+        assert [m.request_id for m in _received(schedulers[1], from_tokenizer, AddRequest)] == ["late"]
     finally:
         for sock in service._handlers:
             sock.close(linger=0)
@@ -366,14 +369,6 @@ def test_tokenizer_connects_to_what_the_registry_lists_and_drops_a_forgotten_api
     to_tokenizer, from_tokenizer, api_codec = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler), \
         Codec(TokenizerToApi)
 
-    def received(sock: zmq.Socket, codec: Codec, kind: type) -> list[object]:
-        out = []
-        while sock.poll(200):
-            message = codec.decode(sock.recv_multipart()[1])
-            if isinstance(message, kind):
-                out.append(message)
-        return out
-
     try:
         assert service._apis == {}  # nothing given but the registry
         directory = Directory(apis=[f"ipc://{tmp_path}/api"], registry_replica_id=0, replicas=[
@@ -381,8 +376,8 @@ def test_tokenizer_connects_to_what_the_registry_lists_and_drops_a_forgotten_api
             ReplicaAddress(1, f"ipc://{tmp_path}/s1", f"ipc://{tmp_path}/st1", "b")])
         service._on_scheduler_frame(to_tokenizer.encode(directory), 0)
         service._on_scheduler_frame(to_tokenizer.encode(directory), 0)  # every heartbeat: nothing new
-        assert len(received(api, api_codec, TokenizerHello)) == 1
-        assert len(received(replica1, from_tokenizer, TokenizerHello)) == 1
+        assert len(_received(api, api_codec, TokenizerHello)) == 1
+        assert len(_received(replica1, from_tokenizer, TokenizerHello)) == 1
         assert [r.replica_id for r in service._replicas.replicas] == ["0", "1"]
         [api_key] = service._apis
         for index in range(2):
@@ -390,12 +385,12 @@ def test_tokenizer_connects_to_what_the_registry_lists_and_drops_a_forgotten_api
         for n in range(4):
             service._dispatch_api(api_key, GenerateRequest(f"q{n}", SamplingParams(max_tokens=2),
                                                            prompt_token_ids=[1, 2, n + 3]))
-        added = [[m.request_id for m in received(sock, from_tokenizer, AddRequest)] for sock in (registry, replica1)]
+        added = [[m.request_id for m in _received(sock, from_tokenizer, AddRequest)] for sock in (registry, replica1)]
         assert sorted(added[0] + added[1]) == ["q0", "q1", "q2", "q3"] and added[0] and added[1]
         service._on_scheduler_frame(to_tokenizer.encode(Directory([], directory.replicas, 0)), 0)
         assert service._apis == {} and service._requests == {}  # the api is gone: its requests aborted
-        aborted = [m.request_id for m in received(registry, from_tokenizer, AbortRequest)]
-        aborted += [m.request_id for m in received(replica1, from_tokenizer, AbortRequest)]
+        aborted = [m.request_id for m in _received(registry, from_tokenizer, AbortRequest)]
+        aborted += [m.request_id for m in _received(replica1, from_tokenizer, AbortRequest)]
         assert sorted(aborted) == ["q0", "q1", "q2", "q3"]
     finally:
         for sock in service._handlers:
