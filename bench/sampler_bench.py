@@ -3,6 +3,7 @@
     python -m bench.sampler_bench                       # CUDA: B=256, V=151936 and 128256
     python -m bench.sampler_bench --device cpu --batch 8 --vocab 49152 --iters 20
 
+The new path reads bf16 logits (what the LM head hands over), the old one fp32 (it upcast first anyway).
 Settings: greedy; "sampled" (temperature 0.8, top_p 0.9, top_k 50, presence 0.5, frequency 0.2, seed);
 top_p 0.9 only. Each row has 512 prompt and 256 output tokens. Times are ms per step (CUDA events on GPU,
 perf_counter on CPU), medians over --iters after warm-up; "new" includes building the step's metadata from
@@ -32,8 +33,10 @@ SETTINGS: dict[str, dict] = {
     "sampled": dict(temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.5, frequency_penalty=0.2),
     "top_p": dict(temperature=1.0, top_p=0.9),
 }
-# full [B, V] fp32 passes of the new path, per setting (read = 1, read + write = 2)
-NEW_PASSES = {"greedy": 1, "sampled": 3 + 1 + 1 + 1, "top_p": 1 + 8 + 1}  # sampled: logits + counts in, out
+# full [B, V] passes of the new path in units of one fp32 row read (bf16 logits read = 0.5), per setting:
+# greedy: the argmax reads bf16; sampled: bf16 logits + int32 counts in, fp32 out (the threshold and the draw
+# read only the groups holding the top k); top_p alone: group maxima, then 1 + 8 whole-row passes of the search
+NEW_PASSES = {"greedy": 0.5, "sampled": 0.5 + 1 + 1, "top_p": 0.5 + 9 * 0.5}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -103,22 +106,22 @@ def main() -> None:
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 8, 8, 8, 8, 7, 9, 5), strict=True)))
     for vocab in args.vocab:
         torch.manual_seed(0)
-        logits = torch.randn(args.batch, vocab, device=device) * 3  # [B, V] fp32, as the sampler upcasts them
+        logits = torch.randn(args.batch, vocab, device=device) * 3  # [B, V] fp32: the old sampler's input
+        model_logits = logits.to(torch.bfloat16)  # [B, V]: the new one reads what the LM head hands over
         for name in args.settings:
             params = SETTINGS[name]
             old_fn, new_fn = old_step(args.batch, vocab, params, device), new_step(args.batch, vocab, params, device)
             old_ms = time_ms(lambda: old_fn(logits), device, args.iters)  # noqa: B023
-            new_ms = time_ms(lambda: new_fn(logits), device, args.iters)  # noqa: B023
-            # same seed, offset and processing: the old and new draws agree up to float rounding
-            same = (old_fn(logits).token_ids == new_fn(logits).token_ids).float().mean().item()
+            new_ms = time_ms(lambda: new_fn(model_logits), device, args.iters)  # noqa: B023
+            # same seed, offset and processing: the old and new draws agree up to float rounding (and bf16's)
+            same = (old_fn(logits).token_ids == new_fn(model_logits).token_ids).float().mean().item()
             gb = NEW_PASSES[name] * args.batch * vocab * 4 / 1e9
             print(f"{vocab:>7} {name:>8} {old_ms:>8.3f} {new_ms:>8.3f} {old_ms / new_ms:>7.1f}x {gb:>7.2f} "
                   f"{gb / new_ms * 1e3:>9.0f} {same:>5.2f}")
             if args.profile and device.type == "cuda":
                 from pagoda.bench.decode_profile import kernel_breakdown, print_breakdown
-                bf16 = logits.to(torch.bfloat16)  # [B, V] as the LM head hands it over
                 print_breakdown(f"new path, {name}, V={vocab}, bf16 logits in",
-                                kernel_breakdown(lambda: new_fn(bf16)), top=12)  # noqa: B023
+                                kernel_breakdown(lambda: new_fn(model_logits)), top=12)  # noqa: B023
 
 
 if __name__ == "__main__":

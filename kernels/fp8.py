@@ -103,7 +103,7 @@ def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[t
     return q, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the token count changes every step: no recompiles mid-serving
 def _fp8_gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr, M, N, K,
                      stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -15,7 +15,7 @@ import triton.language as tl
 _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
-_MAX_SPLITS = 16
+_MAX_SPLITS = 16  # a power of two (pick_num_splits rounds down to powers of two)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -46,7 +46,9 @@ def pick_num_splits(num_tokens: int, num_kv_heads: int, max_query_len: int, max_
     """Split-KV only for decode batches too small to fill the GPU: aim for ~4 programs per SM, with at least one
     64-key tile per split. Measured on an H200 (llama3-8b, bf16): B=1 ctx=2048 37.6 us -> 8.7 us with 16 splits,
     B=4 ctx=4096 104 -> 24 us, B=8 ctx=2048 55 -> 25 us. Depends on host ints only: under CUDA graphs pass
-    max_seq_len = max_model_len so the choice stays fixed for a batch size."""
+    max_seq_len = max_model_len so the choice stays fixed for a batch size. The result is a power of two (rounded
+    down): NUM_SPLITS is a kernel constant, so these five values are the only decode variants an eager batch can
+    need, and the worker's warm-up compiles all of them."""
     if max_query_len > 1:
         return 1
     base = num_tokens * num_kv_heads  # programs without splitting
@@ -54,7 +56,8 @@ def pick_num_splits(num_tokens: int, num_kv_heads: int, max_query_len: int, max_
         return 1
     by_occupancy = -(-4 * num_sms // max(base, 1))
     by_length = max(1, max_seq_len // 64)
-    return max(1, min(_MAX_SPLITS, by_occupancy, by_length))
+    splits = max(1, min(_MAX_SPLITS, by_occupancy, by_length))
+    return 1 << (splits.bit_length() - 1)  # largest power of two <= splits
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,7 +167,9 @@ def _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # they change every step: no recompiles
+# num_seqs, num_tokens and the block table's width (stride_bt) change from step to step: left unspecialised,
+# they compile no new variant mid-serving (a prefix-cached batch's width once cost a 1.3 s compile on an H200)
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,

@@ -10,6 +10,8 @@ means token 32 * w + j is allowed; `rows [B] bool` says which rows have a mask (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,8 @@ TOP_P_BLOCK = 1024
 TOP_P_PIVOTS = 16  # thresholds tried per pass of the top-p search: 32 key bits in 8 passes
 TOP_P_PASSES = 8  # 17^8 > 2^32: the search interval shrinks >= 17x a pass
 TOP_P_SPLIT = 8192  # vocab ids per program of the whole-row top-p passes
+TOP_K_GROUP = 64  # ids per group: the row's k largest values lie in the k groups with the largest maxima
+TOP_K_MAX = 256  # beyond this (or for short rows), torch.topk over the whole row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,50 +135,129 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 # the fused pass: penalties (gated per row) then the bitmask, raw logits in, fp32 out
 
 
-@triton.jit(do_not_specialize=["vocab_size"])
+@triton.jit(do_not_specialize=["vocab_size", "num_groups"])
 def _process_kernel(logits_ptr, stride_l, out_ptr, vocab_size, state_rows_ptr, counts_ptr, stride_c,
                     prompt_ptr, stride_p, presence_ptr, frequency_ptr, repetition_ptr,
-                    bitmask_ptr, stride_m, bitmask_rows_ptr,
-                    HAS_PRESENCE: tl.constexpr, HAS_FREQUENCY: tl.constexpr, HAS_REPETITION: tl.constexpr,
-                    HAS_PROMPT: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_BITMASK_ROWS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    bitmask_ptr, stride_m, bitmask_rows_ptr, group_max_ptr, group_ties_ptr, num_groups,
+                    PENALTIES: tl.constexpr, HAS_PROMPT: tl.constexpr, HAS_BITMASK: tl.constexpr,
+                    WRITE_OUT: tl.constexpr, GROUP_STATS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Few constants on purpose: which penalties and which rows apply is read per row, so a handful of variants
+    covers every batch (the worker compiles them at start-up; a compile while serving stalls a step)."""
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     in_vocab = cols < vocab_size
     x = tl.load(logits_ptr + b * stride_l + cols, mask=in_vocab, other=0.0).to(tl.float32)  # [BLOCK]
-    if HAS_PRESENCE or HAS_FREQUENCY or HAS_REPETITION:
-        presence = 0.0
-        frequency = 0.0
-        repetition = 1.0
-        if HAS_PRESENCE:
-            presence = tl.load(presence_ptr + b)
-        if HAS_FREQUENCY:
-            frequency = tl.load(frequency_ptr + b)
-        if HAS_REPETITION:
-            repetition = tl.load(repetition_ptr + b)
+    if PENALTIES:
+        presence = tl.load(presence_ptr + b)
+        frequency = tl.load(frequency_ptr + b)
+        repetition = tl.load(repetition_ptr + b)
         if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):  # rows without penalties read nothing
             row = tl.load(state_rows_ptr + b)
             counts = tl.load(counts_ptr + row * stride_c + cols, mask=in_vocab, other=0).to(tl.float32)
             seen = counts > 0.0
-            if HAS_REPETITION:
-                if repetition != 1.0:
-                    rep_seen = seen
-                    if HAS_PROMPT:
-                        rep_seen = rep_seen | (tl.load(prompt_ptr + row * stride_p + cols, mask=in_vocab,
-                                                       other=0) != 0)
-                    x = tl.where(rep_seen, tl.where(x > 0, x / repetition, x * repetition), x)
-            if HAS_FREQUENCY:
-                x = x - frequency * counts
-            if HAS_PRESENCE:
-                x = x - presence * seen.to(tl.float32)
+            if repetition != 1.0:
+                rep_seen = seen
+                if HAS_PROMPT:
+                    rep_seen = rep_seen | (tl.load(prompt_ptr + row * stride_p + cols, mask=in_vocab, other=0) != 0)
+                x = tl.where(rep_seen, tl.where(x > 0, x / repetition, x * repetition), x)
+            x = x - frequency * counts
+            x = x - presence * seen.to(tl.float32)
     if HAS_BITMASK:
-        apply = True
-        if HAS_BITMASK_ROWS:
-            apply = tl.load(bitmask_rows_ptr + b) != 0
-        if apply:
+        if tl.load(bitmask_rows_ptr + b) != 0:
             words = tl.load(bitmask_ptr + b * stride_m + cols // 32, mask=in_vocab, other=-1)
             x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
-    tl.store(out_ptr + b * vocab_size + cols, x, mask=in_vocab)
+    if WRITE_OUT:
+        tl.store(out_ptr + b * vocab_size + cols, x, mask=in_vocab)
+    if GROUP_STATS:  # per group of GROUP ids: the largest value and how many ids hold it
+        grouped = tl.reshape(tl.where(in_vocab, x, float("-inf")), [BLOCK // GROUP, GROUP])  # [N, GROUP]
+        largest = tl.max(grouped, axis=1)  # [N]
+        valid = tl.reshape(in_vocab, [BLOCK // GROUP, GROUP])
+        ties = tl.sum(((grouped == largest[:, None]) & valid).to(tl.int32), axis=1)  # [N]
+        groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)  # [N]
+        tl.store(group_max_ptr + b * num_groups + groups, largest, mask=groups < num_groups)
+        tl.store(group_ties_ptr + b * num_groups + groups, ties, mask=groups < num_groups)
+
+
+@dataclass(slots=True)
+class GroupedLogits:
+    """The sampler's view of one step's logits after the fused pass."""
+
+    logits: torch.Tensor  # [B, V]: the processed fp32 logits, or the input itself when the pass changed nothing
+    group_max: torch.Tensor | None  # [B, G] fp32: the largest logit of each group of TOP_K_GROUP ids
+    group_ties: torch.Tensor | None  # [B, G] int32: how many ids of the group hold that largest logit
+
+
+def _check_penalty_tables(num_rows: int, vocab_size: int, device: torch.device, state_rows: torch.Tensor | None,
+                          output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> None:
+    if output_counts is None or state_rows is None:
+        raise ValueError("penalties need output_counts and state_rows")
+    if (output_counts.dim() != 2 or output_counts.shape[1] != vocab_size or output_counts.stride(1) != 1
+            or output_counts.dtype not in (torch.int32, torch.float32) or output_counts.device != device):
+        raise ValueError(f"output_counts must be [R, {vocab_size}] int32/fp32 on {device}, got "
+                         f"{tuple(output_counts.shape)} {output_counts.dtype}")
+    _check_rows("state_rows", state_rows, num_rows, torch.int64, device)
+    if prompt_mask is not None and (prompt_mask.shape != output_counts.shape or prompt_mask.dtype != torch.bool
+                                    or prompt_mask.stride(1) != 1 or prompt_mask.device != device):
+        raise ValueError(f"prompt_mask must be {tuple(output_counts.shape)} bool, got {tuple(prompt_mask.shape)} "
+                         f"{prompt_mask.dtype}")
+
+
+def process_logits_grouped(logits: torch.Tensor, state_rows: torch.Tensor | None = None,
+                           output_counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None,
+                           presence: torch.Tensor | None = None, frequency: torch.Tensor | None = None,
+                           repetition: torch.Tensor | None = None, bitmask: torch.Tensor | None = None,
+                           bitmask_rows: torch.Tensor | None = None, *, write_out: bool = True,
+                           group_stats: bool = False) -> GroupedLogits:
+    """One read of logits [B, V] (any float dtype): penalties and the bitmask as reference.process_logits, with
+    the per-row tables left in place (output_counts [R, V] int32/fp32 and prompt_mask [R, V] bool, read at row
+    state_rows[b] for batch row b). write_out: write the processed fp32 logits (else `logits` comes back, which
+    needs that nothing applies). group_stats: also each group's maximum and its tie count (TOP_K_GROUP ids a
+    group), which top-k, top-p and the Gumbel draw use instead of rereading the whole row."""
+    _check_logits(logits)
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    penalised = presence is not None or frequency is not None or repetition is not None
+    if penalised:
+        _check_penalty_tables(num_rows, vocab_size, device, state_rows, output_counts, prompt_mask)
+    for name, t in (("presence", presence), ("frequency", frequency), ("repetition", repetition)):
+        _check_rows(name, t, num_rows, torch.float32, device)
+    if bitmask is not None:
+        _check_bitmask(bitmask, num_rows, vocab_size, device)
+        _check_rows("bitmask_rows", bitmask_rows, num_rows, torch.bool, device)
+    if not write_out and (penalised or bitmask is not None):
+        raise ValueError("penalties and a bitmask need write_out")
+    block, group = PROCESS_BLOCK, TOP_K_GROUP
+    assert block % group == 0, "a program's block holds whole groups"
+    out = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=device) if write_out else logits
+    num_groups = triton.cdiv(vocab_size, group)
+    group_max = group_ties = None
+    if group_stats:
+        group_max = torch.empty((num_rows, num_groups), dtype=torch.float32, device=device)  # [B, G]
+        group_ties = torch.empty((num_rows, num_groups), dtype=torch.int32, device=device)  # [B, G]
+    if num_rows == 0 or not (write_out or group_stats):
+        return GroupedLogits(out, group_max, group_ties)
+    dummy = out
+    counts = output_counts if penalised and output_counts is not None else dummy
+    has_prompt = penalised and prompt_mask is not None and repetition is not None
+    prompt = prompt_mask.view(torch.uint8) if has_prompt and prompt_mask is not None else dummy
+    if penalised:  # the kernel reads all three per row: the missing ones are neutral
+        presence = presence if presence is not None else torch.zeros(num_rows, device=device)
+        frequency = frequency if frequency is not None else torch.zeros(num_rows, device=device)
+        repetition = repetition if repetition is not None else torch.ones(num_rows, device=device)
+    if bitmask is not None and bitmask_rows is None:
+        bitmask_rows = torch.ones(num_rows, dtype=torch.bool, device=device)  # [B] every row
+    grid = (num_rows, triton.cdiv(vocab_size, block))
+    _process_kernel[grid](
+        logits, logits.stride(0), out, vocab_size, state_rows if state_rows is not None else dummy,
+        counts, counts.stride(0), prompt, prompt.stride(0),
+        presence if presence is not None else dummy, frequency if frequency is not None else dummy,
+        repetition if repetition is not None else dummy,
+        bitmask if bitmask is not None else dummy, bitmask.stride(0) if bitmask is not None else 0,
+        bitmask_rows if bitmask_rows is not None else dummy,
+        group_max if group_max is not None else dummy, group_ties if group_ties is not None else dummy, num_groups,
+        PENALTIES=penalised, HAS_PROMPT=has_prompt, HAS_BITMASK=bitmask is not None, WRITE_OUT=write_out,
+        GROUP_STATS=group_stats, GROUP=group, BLOCK=block)
+    return GroupedLogits(out, group_max, group_ties)
 
 
 def process_logits(logits: torch.Tensor, state_rows: torch.Tensor | None, output_counts: torch.Tensor | None,
@@ -183,45 +266,8 @@ def process_logits(logits: torch.Tensor, state_rows: torch.Tensor | None, output
                    bitmask_rows: torch.Tensor | None = None) -> torch.Tensor:
     """reference.process_logits with the per-row tables left in place: output_counts [R, V] (int32 or fp32)
     and prompt_mask [R, V] bool are read at row state_rows[b] for batch row b. Returns new fp32 [B, V]."""
-    _check_logits(logits)
-    num_rows, vocab_size = logits.shape
-    device = logits.device
-    penalised = presence is not None or frequency is not None or repetition is not None
-    if penalised:
-        if output_counts is None or state_rows is None:
-            raise ValueError("penalties need output_counts and state_rows")
-        if (output_counts.dim() != 2 or output_counts.shape[1] != vocab_size or output_counts.stride(1) != 1
-                or output_counts.dtype not in (torch.int32, torch.float32) or output_counts.device != device):
-            raise ValueError(f"output_counts must be [R, {vocab_size}] int32/fp32 on {device}, got "
-                             f"{tuple(output_counts.shape)} {output_counts.dtype}")
-        _check_rows("state_rows", state_rows, num_rows, torch.int64, device)
-        if prompt_mask is not None and (prompt_mask.shape != output_counts.shape or prompt_mask.dtype != torch.bool
-                                        or prompt_mask.stride(1) != 1 or prompt_mask.device != device):
-            raise ValueError(f"prompt_mask must be {tuple(output_counts.shape)} bool, got {tuple(prompt_mask.shape)} "
-                             f"{prompt_mask.dtype}")
-    for name, t in (("presence", presence), ("frequency", frequency), ("repetition", repetition)):
-        _check_rows(name, t, num_rows, torch.float32, device)
-    if bitmask is not None:
-        _check_bitmask(bitmask, num_rows, vocab_size, device)
-        _check_rows("bitmask_rows", bitmask_rows, num_rows, torch.bool, device)
-    out = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=device)  # [B, V]
-    if num_rows == 0:
-        return out
-    dummy = out
-    counts = output_counts if penalised else dummy
-    prompt = prompt_mask.view(torch.uint8) if prompt_mask is not None else dummy
-    grid = (num_rows, triton.cdiv(vocab_size, PROCESS_BLOCK))
-    _process_kernel[grid](
-        logits, logits.stride(0), out, vocab_size, state_rows if state_rows is not None else dummy,
-        counts, counts.stride(0), prompt, prompt.stride(0),
-        presence if presence is not None else dummy, frequency if frequency is not None else dummy,
-        repetition if repetition is not None else dummy,
-        bitmask if bitmask is not None else dummy, bitmask.stride(0) if bitmask is not None else 0,
-        bitmask_rows if bitmask_rows is not None else dummy,
-        HAS_PRESENCE=presence is not None, HAS_FREQUENCY=frequency is not None,
-        HAS_REPETITION=repetition is not None, HAS_PROMPT=prompt_mask is not None and repetition is not None,
-        HAS_BITMASK=bitmask is not None, HAS_BITMASK_ROWS=bitmask_rows is not None, BLOCK=PROCESS_BLOCK)
-    return out
+    return process_logits_grouped(logits, state_rows, output_counts, prompt_mask, presence, frequency, repetition,
+                                  bitmask, bitmask_rows).logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +281,7 @@ def _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK: tl.constexpr, NU
     mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
     for start in range(0, num, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(src_ptr + cols, mask=cols < num, other=float("-inf"))  # [BLOCK]
+        x = tl.load(src_ptr + cols, mask=cols < num, other=float("-inf")).to(tl.float32)  # [BLOCK]
         weight = tl.exp((x - row_max) / temperature)  # [BLOCK]; -inf -> 0
         hit = _float_key(x).to(tl.int64)[:, None] >= pivots[None, :]  # [BLOCK, NUM_PIVOTS]
         mass += tl.sum(tl.where(hit, weight[:, None], 0.0), axis=0)
@@ -255,13 +301,15 @@ def _search(src_ptr, num, lo, hi, target, row_max, temperature, BLOCK: tl.conste
     return lo
 
 
-@triton.jit(do_not_specialize=["vocab_size", "num_cand"])
-def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand, use_cand_ptr,
-                             temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
-                             BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """One program per row with top-k candidates: one pass over the row for its max and the mass above the
-    k-th logit, then the search over the K candidates (every token above the k-th logit is one of them,
-    so the masses above it are exact). Other rows get `lower` back."""
+@triton.jit(do_not_specialize=["num_source", "num_cand"])
+def _top_p_candidates_kernel(source_ptr, stride_s, num_source, cand_ptr, stride_c, num_cand, use_cand_ptr,
+                             extra_ptr, temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
+                             HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One program per row with top-k candidates. The row's max and the mass of {x >= lower} (lower: the k-th
+    largest logit) come from one pass over source[:num_source] (the whole row, or just the groups that hold the
+    row's largest values) plus extra[b] more ids at exactly `lower` (ties that source lacks); then the search
+    over the K candidates (every logit above the k-th is one of them, so the masses above it are exact). Other
+    rows get `lower` back."""
     b = tl.program_id(0).to(tl.int64)
     lower = tl.load(lower_ptr + b)
     top_p = tl.load(top_p_ptr + b)
@@ -269,18 +317,20 @@ def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_
     if (top_p < 1.0) & (tl.load(use_cand_ptr + b) != 0):
         temperature = tl.load(temperature_ptr + b)
         temperature = tl.where(temperature == 0.0, 1.0, temperature)
-        row = logits_ptr + b * stride_l
+        row = source_ptr + b * stride_s
         lane_max = tl.full([BLOCK], -1.0e30, tl.float32)
         lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, vocab_size, BLOCK):  # online max and sum per lane
+        for start in range(0, num_source, BLOCK):  # online max and sum per lane
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf"))
+            x = tl.load(row + cols, mask=cols < num_source, other=float("-inf")).to(tl.float32)
             x = tl.where(x >= lower, x, float("-inf"))
             new_max = tl.maximum(lane_max, x)
             lane_sum = lane_sum * tl.exp((lane_max - new_max) / temperature) + tl.exp((x - new_max) / temperature)
             lane_max = new_max
         row_max = tl.max(lane_max, axis=0)
         total = tl.sum(lane_sum * tl.exp((lane_max - row_max) / temperature), axis=0)
+        if HAS_EXTRA:
+            total += tl.load(extra_ptr + b).to(tl.float32) * tl.exp((lower - row_max) / temperature)
         key = _search(cand_ptr + b * stride_c, num_cand, _float_key(lower).to(tl.int64),
                       _float_key(row_max).to(tl.int64), top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
         threshold = _key_float(key.to(tl.int32))
@@ -302,7 +352,7 @@ def _row_stats_kernel(logits_ptr, stride_l, vocab_size, lower_ptr, temperature_p
     first = split * SPLIT
     for start in range(first, first + SPLIT, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf"))
+        x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
         x = tl.where(x >= lower, x, float("-inf"))
         new_max = tl.maximum(lane_max, x)
         lane_sum = lane_sum * tl.exp((lane_max - new_max) / temperature) + tl.exp((x - new_max) / temperature)
@@ -371,15 +421,16 @@ def _split_search(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
 
 def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor,
                     candidates: torch.Tensor | None = None, use_candidates: torch.Tensor | None = None,
-                    search_full_rows: bool = True) -> torch.Tensor:
-    """Per-row top-p threshold [B] fp32 on fp32 logits [B, V], over the tokens with logit >= lower [B]
-    (the top-k threshold, or -inf), with reference.truncation_thresholds' rule. candidates [B, K] hold each
-    row's K largest logits (descending; torch.topk): rows flagged in use_candidates [B] bool search those;
-    the others search their whole row, unless search_full_rows is False (the caller knows no row with
-    top_p < 1 lacks candidates). Rows with top_p >= 1 get `lower` back."""
+                    search_full_rows: bool = True, mass_source: torch.Tensor | None = None,
+                    extra_ties: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row top-p threshold [B] fp32 on logits [B, V] (fp32, or bf16 / fp16 read as fp32), over the tokens with
+    logit >= lower [B] (the top-k threshold, or -inf), with reference.truncation_thresholds' rule. candidates
+    [B, K] fp32 hold each row's K largest logits (descending): rows flagged in use_candidates [B] bool search
+    those; the others search their whole row, unless search_full_rows is False (the caller knows no row with
+    top_p < 1 lacks candidates). A candidate row's mass above `lower` is summed over its whole logits row, or,
+    given mass_source [B, N] and extra_ties [B] int32, over mass_source's row (which must hold every logit above
+    `lower` and some ids at it) plus extra_ties more ids at exactly `lower`. Rows with top_p >= 1 get `lower`."""
     _check_logits(logits)
-    if logits.dtype != torch.float32:
-        raise ValueError("top_p_threshold needs fp32 logits")
     num_rows, vocab_size = logits.shape
     device = logits.device
     for name, t in (("temperature", temperature), ("top_p", top_p), ("lower", lower)):
@@ -390,16 +441,22 @@ def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
             raise ValueError(f"candidates must be [{num_rows}, K] fp32, got {tuple(candidates.shape)} "
                              f"{candidates.dtype}")
         _check_rows("use_candidates", use_candidates, num_rows, torch.bool, device)
+    if mass_source is not None:
+        _check_logits(mass_source)
+        if mass_source.shape[0] != num_rows or mass_source.device != device:
+            raise ValueError(f"mass_source must be [{num_rows}, N] on {device}, got {tuple(mass_source.shape)}")
+        _check_rows("extra_ties", extra_ties, num_rows, torch.int32, device)
     if num_rows == 0:
         return lower.clone()
     if candidates is None or use_candidates is None:
         threshold = lower
     else:
+        source = mass_source if mass_source is not None else logits  # [B, N]
         threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
         _top_p_candidates_kernel[(num_rows,)](
-            logits, logits.stride(0), vocab_size, candidates, candidates.stride(0), candidates.shape[1],
-            use_candidates, temperature, top_p, lower, threshold, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS,
-            num_warps=8)
+            source, source.stride(0), source.shape[1], candidates, candidates.stride(0), candidates.shape[1],
+            use_candidates, extra_ties if extra_ties is not None else lower, temperature, top_p, lower, threshold,
+            HAS_EXTRA=extra_ties is not None, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS, num_warps=8)
     if candidates is not None and not search_full_rows:
         return threshold
     full = _split_search(logits, temperature, top_p, lower)  # [B]
@@ -412,45 +469,70 @@ def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 # ---------------------------------------------------------------------------------------------
 # the batch's largest k logits per row (candidates for top-k / top-p / min-p thresholds)
 
-TOP_K_GROUP = 64  # ids per group: the row's k largest values lie in the k groups with the largest maxima
-TOP_K_MAX = 256  # beyond this (or for short rows), torch.topk over the whole row
 
 
-def row_top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """torch.topk(logits, k).values for logits [B, V], k >= 1: [B, k] descending, the same values (ties
-    included). The maximum of each group of 64 ids is taken in one read of the logits; the k groups with the
-    largest maxima hold the row's k largest values (every value above the k-th largest is some group's
-    maximum, so fewer than k groups reach above it, and those groups are chosen; the rest of the k groups
-    each add a value equal to it), so the exact answer is a top-k over k x 64 gathered values. torch.topk
-    over the whole row made four radix passes over [256, 151936] fp32 (~0.57 ms on an H200)."""
+@dataclass(slots=True)
+class TopCandidates:
+    values: torch.Tensor  # [B, k] fp32 descending: each row's k largest logits (torch.topk's values)
+    gathered: torch.Tensor | None  # [B, k * TOP_K_GROUP] fp32: the logits of the k groups with the largest maxima
+    groups: torch.Tensor | None  # [B, k] int64: those groups (-inf fills the partial last group's missing ids)
+
+
+def top_candidates(logits: torch.Tensor, k: int, group_max: torch.Tensor | None = None) -> TopCandidates:
+    """Each row's k largest logits of logits [B, V], k >= 1, ties included. The k groups (TOP_K_GROUP ids each)
+    with the largest maxima hold them: a logit above the k-th largest lies in a group whose maximum is above it,
+    fewer than k groups have such a maximum, so all of them are chosen; the other chosen groups each add a value
+    at least the k-th largest. So the answer is a top-k over the k x 64 gathered values. The same holds for any
+    k' <= k: every logit above a row's k'-th largest is gathered.
+    group_max [B, G] (process_logits_grouped's) saves the pass that finds the maxima. torch.topk over the whole
+    row made four radix passes over [256, 151936] fp32 (~0.57 ms on an H200); k > TOP_K_MAX falls back to it."""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     if not 1 <= k <= vocab_size:
         raise ValueError(f"k must be in 1..{vocab_size}, got {k}")
     group = TOP_K_GROUP
-    num_full = vocab_size // group
-    if k > TOP_K_MAX or num_full < k or num_rows == 0:
-        return logits.topk(k, dim=-1).values  # [B, k]
-    maxima = logits[:, :num_full * group].unflatten(1, (num_full, group)).amax(dim=2)  # [B, G]
-    if num_full * group < vocab_size:  # the partial last group
-        maxima = torch.cat([maxima, logits[:, num_full * group:].amax(dim=1, keepdim=True)], dim=1)  # [B, G + 1]
-    groups = maxima.topk(k, dim=1).indices  # [B, k]
-    ids = groups.unsqueeze(2) * group + torch.arange(group, device=logits.device)  # [B, k, group]
-    ids = ids.flatten(1)  # [B, k * group]
-    values = logits.gather(1, ids.clamp(max=vocab_size - 1))  # [B, k * group]
-    values = values.masked_fill(ids >= vocab_size, float("-inf"))  # the partial group's missing ids
-    return values.topk(k, dim=1).values  # [B, k]
+    num_groups = triton.cdiv(vocab_size, group)
+    if k > TOP_K_MAX or num_groups < k or num_rows == 0:
+        return TopCandidates(logits.topk(k, dim=-1).values.float(), None, None)  # [B, k]
+    if group_max is None:
+        num_full = vocab_size // group
+        group_max = logits[:, :num_full * group].unflatten(1, (num_full, group)).amax(dim=2)  # [B, G_full]
+        if num_full < num_groups:  # the partial last group
+            group_max = torch.cat([group_max, logits[:, num_full * group:].amax(dim=1, keepdim=True)], dim=1)
+    if group_max.shape != (num_rows, num_groups):
+        raise ValueError(f"group_max must be [{num_rows}, {num_groups}], got {tuple(group_max.shape)}")
+    groups = group_max.topk(k, dim=1).indices  # [B, k]
+    ids = (groups.unsqueeze(2) * group + torch.arange(group, device=logits.device)).flatten(1)  # [B, k * group]
+    gathered = logits.gather(1, ids.clamp(max=vocab_size - 1)).float()  # [B, k * group]
+    gathered.masked_fill_(ids >= vocab_size, float("-inf"))  # the partial group's missing ids
+    return TopCandidates(gathered.topk(k, dim=1).values, gathered, groups)  # values [B, k]
+
+
+def row_top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk(logits, k).values for logits [B, V]: [B, k] descending (top_candidates' values)."""
+    return top_candidates(logits, k).values.to(logits.dtype)
+
+
+def ties_outside(group_max: torch.Tensor, group_ties: torch.Tensor, groups: torch.Tensor,
+                 value: torch.Tensor) -> torch.Tensor:
+    """[B] int32: how many ids hold exactly value[b] (a row's k'-th largest logit, k' <= k) outside row b's chosen
+    groups[b] [k]: the ties top_candidates' gathered values lack. No unchosen group has a maximum above value[b]
+    (top_candidates' argument), so such an id is its group's maximum and group_ties counts it."""
+    at_value = group_max == value.unsqueeze(1)  # [B, G]
+    everywhere = torch.where(at_value, group_ties, 0).sum(dim=1)  # [B]
+    chosen = torch.where(at_value.gather(1, groups), group_ties.gather(1, groups), 0).sum(dim=1)  # [B]
+    return (everywhere - chosen).to(torch.int32)  # [B]
 
 
 # ---------------------------------------------------------------------------------------------
 # Gumbel-max: noise from the (seed, offset, id) hash in registers, threshold mask, running argmax
 
 
-@triton.jit(do_not_specialize=["vocab_size"])
+@triton.jit(do_not_specialize=["vocab_size", "num_groups"])
 def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, threshold_ptr, seeds_ptr,
-                          offsets_ptr, greedy_ptr, best_value_ptr, best_index_ptr, num_splits,
-                          HAS_THRESHOLD: tl.constexpr, HAS_GREEDY: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          offsets_ptr, greedy_ptr, best_value_ptr, best_index_ptr, num_splits, group_max_ptr,
+                          num_groups, HAS_THRESHOLD: tl.constexpr, HAS_GREEDY: tl.constexpr,
+                          HAS_GROUPS: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     greedy = False
@@ -469,14 +551,23 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
     for start in range(first, first + SPLIT, BLOCK):
         cols = start + tl.arange(0, BLOCK)  # [BLOCK]
         in_vocab = cols < vocab_size
-        x = tl.load(row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
-        if greedy:
-            score = x
-        elif tl.max(x, axis=0) >= threshold:
-            bits = _mix32(key ^ (cols.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
-            u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE  # (0, 1), exact as in the reference
-            score = tl.where(x >= threshold, x / temperature - tl.log(-tl.log(u)), float("-inf"))
-        else:  # every id of the block is truncated away (most blocks under top-k): no noise to draw
+        kept = True
+        if HAS_GROUPS:  # the block's group maxima say whether any id reaches the threshold, before the row is read
+            groups = start // GROUP + tl.arange(0, BLOCK // GROUP)
+            maxima = tl.load(group_max_ptr + b * num_groups + groups, mask=groups < num_groups,
+                             other=float("-inf"))
+            kept = greedy | (tl.max(maxima, axis=0) >= threshold)
+        if kept:
+            x = tl.load(row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+            if greedy:
+                score = x
+            elif tl.max(x, axis=0) >= threshold:
+                bits = _mix32(key ^ (cols.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
+                u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE  # (0, 1), exact as in the reference
+                score = tl.where(x >= threshold, x / temperature - tl.log(-tl.log(u)), float("-inf"))
+            else:  # every id of the block is truncated away (most blocks under top-k): no noise to draw
+                score = tl.full([BLOCK], float("-inf"), tl.float32)
+        else:  # truncated away, known from the group maxima: the logits are not even read
             score = tl.full([BLOCK], float("-inf"), tl.float32)
         score = tl.where(in_vocab, score, float("-inf"))
         better = score > best  # strict: a lane keeps its first maximum
@@ -490,8 +581,10 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
-                  seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor:
-    """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64."""
+                  seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor | None,
+                  group_max: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64. group_max [B, G] (the maxima of
+    groups of TOP_K_GROUP ids) lets a sampled row skip reading the blocks that lie wholly below its threshold."""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -502,6 +595,11 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     _check_rows("greedy", greedy, num_rows, torch.bool, device)
     if not 0 < vocab_size < 2**31:
         raise ValueError(f"vocab size {vocab_size} out of range")
+    num_groups = triton.cdiv(vocab_size, TOP_K_GROUP)
+    if group_max is not None and (group_max.shape != (num_rows, num_groups) or group_max.dtype != torch.float32
+                                  or not group_max.is_contiguous() or group_max.device != device):
+        raise ValueError(f"group_max must be [{num_rows}, {num_groups}] fp32, got {tuple(group_max.shape)}")
+    assert ARGMAX_BLOCK % TOP_K_GROUP == 0 and ARGMAX_SPLIT % ARGMAX_BLOCK == 0, "blocks hold whole groups"
     num_splits = triton.cdiv(vocab_size, ARGMAX_SPLIT)
     best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
     best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=device)  # [B, S]
@@ -510,8 +608,9 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     _gumbel_argmax_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), vocab_size, temperature, threshold if threshold is not None else temperature,
         seeds, offsets, greedy if greedy is not None else temperature, best_value, best_index, num_splits,
-        HAS_THRESHOLD=threshold is not None, HAS_GREEDY=greedy is not None, SPLIT=ARGMAX_SPLIT,
-        BLOCK=ARGMAX_BLOCK)
+        group_max if group_max is not None else temperature, num_groups, HAS_THRESHOLD=threshold is not None,
+        HAS_GREEDY=greedy is not None, HAS_GROUPS=group_max is not None and threshold is not None,
+        GROUP=TOP_K_GROUP, SPLIT=ARGMAX_SPLIT, BLOCK=ARGMAX_BLOCK)
     # the first split holding the maximum has its smallest id (splits ascend): torch.argmax's tie rule
     winner = best_value.argmax(dim=1, keepdim=True)  # [B, 1]
     return best_index.gather(1, winner).squeeze(1).long()  # [B]

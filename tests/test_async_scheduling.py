@@ -206,6 +206,24 @@ def test_async_equals_serial_on_cuda_with_graphs(shape: str) -> None:
     assert_close_logprobs(runs[True], runs[False], tolerance=0.05)
 
 
+@pytest.mark.gpu
+def test_no_triton_compile_after_start_up() -> None:
+    """The start-up warm-ups compile every kernel variant serving launches: batches of odd sizes, sampled settings
+    with penalties, prompts served whole from the prefix cache (eager decode-only batches), a long one alone."""
+    llm = LLM("tiny-qwen3", max_model_len=2048, seed=0, max_num_seqs=32)
+    watch = llm.engine.runner.compile_watch
+    assert watch is not None
+    many = [[(7 * i + 3 * j) % (VOCAB - 10) + 5 for j in range(20 + 13 * i)] for i in range(13)]
+    sampled = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.2,
+                              seed=i, max_tokens=9 + i) for i in range(13)]
+    top_p_only = SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=1, max_tokens=7)
+    for _ in range(2):  # the second time every prompt is in the prefix cache
+        llm.generate(many, sampled)
+        llm.generate(many[:5], top_p_only)
+        llm.generate([many[-1] * 9], SamplingParams(temperature=0.0, max_tokens=5, logprobs=1))
+    assert watch.compiles == []
+
+
 def assert_close_logprobs(ours: Any, theirs: Any, tolerance: float) -> None:
     """Same structure and keys everywhere; floats within `tolerance`."""
     if isinstance(ours, float) and isinstance(theirs, float):

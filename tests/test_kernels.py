@@ -318,6 +318,9 @@ def test_pick_num_splits_depends_on_host_shape_only() -> None:
     assert pick_num_splits(1, 8, 1, 64) == 1  # one key tile: nothing to split
     assert pick_num_splits(1, 8, 1, 4096) == 16
     assert 1 < pick_num_splits(8, 8, 1, 4096) < 16
+    every = {pick_num_splits(b, h, 1, n, sms) for b in range(1, 40) for h in (1, 2, 8) for n in range(1, 5000, 37)
+             for sms in (78, 132)}
+    assert every == {1, 2, 4, 8, 16}  # powers of two only: the warm-up compiles each decode variant
     assert pick_num_splits(2, 8, 1, 32768) == pick_num_splits(2, 8, 1, 32768)
 
 

@@ -610,10 +610,76 @@ def test_kernels_match_reference_interpreted(small_blocks: bool, monkeypatch: py
     if torch.cuda.is_available():
         pytest.skip("the gpu test covers this")
     if small_blocks:
-        for name, value in (("PROCESS_BLOCK", 32), ("ARGMAX_BLOCK", 16), ("ARGMAX_SPLIT", 32), ("TOP_P_BLOCK", 16),
-                            ("TOP_P_SPLIT", 32), ("TOP_K_GROUP", 4)):
+        for name, value in SMALL_BLOCKS:
             monkeypatch.setattr(kernels, name, value)
     run_kernel_checks(num_rows=3, vocab_size=70, seed=int(small_blocks))
+
+
+SMALL_BLOCKS = (("PROCESS_BLOCK", 32), ("ARGMAX_BLOCK", 16), ("ARGMAX_SPLIT", 32), ("TOP_P_BLOCK", 16),
+                ("TOP_P_SPLIT", 32), ("TOP_K_GROUP", 4))
+
+
+@pytest.mark.parametrize("case,dtype", [("top_k_top_p_penalties", torch.bfloat16), ("top_p_min_p", torch.float32),
+                                        ("bias_bans_top_k", torch.bfloat16), ("top_k_over_groups", torch.float32)])
+def test_kernel_sample_path_matches_cpu_path(case: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample()'s Triton path (the fused pass with group maxima and tie counts, candidates from the groups, the
+    top-p search over the gathered groups, the Gumbel draw skipping blocks below the threshold) draws the CPU
+    path's tokens on tie-heavy logits in the model's dtype; groups of 4 ids and small blocks so a 70-id row
+    spans many of each (the interpreter on CPU, the real kernels on a GPU)."""
+    if not torch.cuda.is_available():
+        for name, value in SMALL_BLOCKS:
+            monkeypatch.setattr(kernels, name, value)
+    device = kernel_device()
+    num_rows, vocab_size = 12, 70 if not torch.cuda.is_available() else 3001
+    gen = torch.Generator().manual_seed(len(case))
+    logits = tied_logits(num_rows, vocab_size, seed=len(case)).to(dtype)  # [B, V]: exact in bf16 too
+    settings = random_settings(num_rows, vocab_size, seed=len(case))
+    if case != "top_k_over_groups":
+        settings["top_k"] = settings["top_k"] % 11  # within the groups: the grouped candidates run
+    fields: dict = dict(top_k=settings["top_k"], top_p=settings["top_p"], min_p=None, max_top_k=0,
+                        top_p_without_top_k=bool(((settings["top_p"] < 1) & (settings["top_k"] <= 0)).any()))
+    if case == "top_k_top_p_penalties":
+        outputs = torch.randint(0, vocab_size, (num_rows, 9), generator=gen).tolist()
+        fields.update(presence_penalty=torch.full((num_rows,), 0.5), frequency_penalty=torch.full((num_rows,), 0.25),
+                      **count_tables(outputs, None, vocab_size))
+    elif case == "top_p_min_p":
+        fields.update(top_k=None, min_p=settings["min_p"], top_p_without_top_k=True)
+    elif case == "bias_bans_top_k":
+        fields.update(top_p=None, logit_bias_ids=torch.randint(0, vocab_size, (num_rows, 3), generator=gen),
+                      logit_bias_values=torch.full((num_rows, 3), 2.0),
+                      banned_token_ids=torch.where(torch.arange(num_rows)[:, None] % 2 == 0,
+                                                   torch.tensor([[5, 9]]), -1))
+    temperature = settings["temperature"]
+    temperature[-1] = 0.0  # a greedy row
+    cpu = make_metadata(num_rows, temperature=temperature, seed=77, **fields)
+    on_device = SamplingMetadata(**{f: (getattr(cpu, f).to(device) if isinstance(getattr(cpu, f), torch.Tensor)
+                                        else getattr(cpu, f)) for f in SamplingMetadata.__slots__})
+    expected = sample(logits, cpu, use_kernels=False).token_ids
+    got = sample(logits.to(device), on_device, use_kernels=True).token_ids.cpu()
+    assert torch.equal(got, expected)
+
+
+def test_group_stats_and_ties_outside_match_a_direct_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused pass's group maxima and tie counts, and ties_outside (ids at a value outside the chosen groups),
+    against plain PyTorch counts on tie-heavy rows with a partial last group."""
+    if not torch.cuda.is_available():
+        for name, value in SMALL_BLOCKS:
+            monkeypatch.setattr(kernels, name, value)
+    device = kernel_device()
+    group = kernels.TOP_K_GROUP
+    logits = tied_logits(5, 17 * group + 3, seed=3).to(device)  # [B, V]
+    grouped = kernels.process_logits_grouped(logits, write_out=False, group_stats=True)
+    padded = torch.nn.functional.pad(logits, (0, group - 3), value=float("-inf")).unflatten(1, (18, group))
+    want_max = padded.amax(dim=2)  # [B, G]
+    assert grouped.logits is logits and torch.equal(grouped.group_max, want_max)
+    assert torch.equal(grouped.group_ties, (padded == want_max[:, :, None]).sum(dim=2).int())
+    k = 6
+    top = kernels.top_candidates(logits, k, grouped.group_max)
+    assert torch.equal(top.values, logits.topk(k, dim=-1).values)
+    kth = top.values[:, 3]  # a row's 4th largest
+    chosen = torch.zeros_like(want_max, dtype=torch.bool).scatter_(1, top.groups, True)  # [B, G]
+    outside = ((padded == kth[:, None, None]) & ~chosen[:, :, None]).sum(dim=(1, 2)).int()  # [B]
+    assert torch.equal(kernels.ties_outside(grouped.group_max, grouped.group_ties, top.groups, kth), outside)
 
 
 @pytest.mark.parametrize("k", [1, 7, 50, 64])

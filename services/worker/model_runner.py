@@ -25,7 +25,7 @@ import torch
 
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
-from pagoda.services.worker.device import resolve_device
+from pagoda.services.worker.device import CompileWatch, resolve_device
 from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
@@ -146,9 +146,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
                                        self.state.block_table.shape[1], self.max_model_len, self.staging)
             self.graphs.capture()
-            self.warm_up()
+        self.compile_watch: CompileWatch | None = None
         if self.device.type == "cuda":
+            self.warm_up()
             self.warm_up_sampler()
+            self.compile_watch = CompileWatch(log)  # from here on, a Triton compile is a warm-up miss: logged
+            self.compile_watch.install()
         fault_seed = sampler_fault_seed()  # tests only; installed after the warm-ups above
         if fault_seed is not None:
             self.sampler = FaultySampler(fault_seed)
@@ -207,58 +210,76 @@ class ModelRunner:
         self.dummy_forward([num_tokens], num_logits=min(self.config.max_num_seqs, num_tokens))
 
     def warm_up(self) -> None:
-        """Compile the kernel variants eager steps use (a step mixing decodes and a prefill chunk), so no
-        Triton JIT lands inside a served request; prefill-only and decode variants compile in
-        profile_run and the CUDA-graph capture."""
+        """Compile the kernel variants eager steps use, so no Triton JIT lands inside a served request (a compile
+        stalls its step 0.1-1.3 s on an H200): steps mixing decodes and a prefill chunk, and decode-only batches
+        run eagerly (prompts wholly in the prefix cache) with each of the attention's split counts. Prefill-only
+        variants compile in profile_run, CUDA-graph decode in the capture."""
         self.dummy_forward([1] * 64 + [64], num_logits=65)
         self.dummy_forward([1] * 3 + [40, 24], num_logits=5)
+        for num_splits in (1, 2, 4, 8, 16):  # pick_num_splits' values; one sequence of 64 keys a split gets each
+            if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
+                self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
-        """Compile the sampling kernels' variants (penalties, bias, bans, bitmask, top-k, top-p alone, min-p,
-        logprobs; a few batch sizes) on scratch state, so a first sampled request never waits for Triton's JIT
-        (measured: ~4 s of compiles inside the first sampled steps on an H200)."""
-        every = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
-                               frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={1: 1.0}, min_tokens=2,
-                               logprobs=2, seed=1)
-        settings = [every, SamplingParams(temperature=0.7, top_p=0.8, seed=2), SamplingParams(temperature=0.0)]
-        num_rows, vocab_size = 16, self.arch.vocab_size
-        scratch = SamplingState(num_rows, vocab_size, self.device, self.arch.eos_token_ids)
-        scratch.admit([(row, NewRequest(row, [1, 2, 3], 3, [], 0, settings[row % len(settings)], seed=row))
-                       for row in range(num_rows)])
-        for batch in (1, 5, num_rows):
+        """Compile the sampling kernels' variants on scratch state and logits in the model's dtype, so no sampled
+        request waits for Triton's JIT (measured on an H200: ~4 s of compiles in the first sampled steps, and a
+        135 ms one inside a later step). A kernel variant follows from which features some row of the batch uses:
+        each kind of settings below runs alone and all of them together, with and without a grammar bitmask."""
+        kinds = [
+            SamplingParams(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.2),
+            SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1),
+            SamplingParams(temperature=0.7, top_p=0.8),
+            SamplingParams(temperature=1.0, min_p=0.05),
+            SamplingParams(temperature=0.9, top_k=40),
+            SamplingParams(temperature=0.9),
+            SamplingParams(temperature=0.9, presence_penalty=0.3),
+            SamplingParams(temperature=0.8, top_p=0.9, logit_bias={1: 1.0}, min_tokens=2),
+            SamplingParams(temperature=0.8, logit_bias={1: 1.0}),
+            SamplingParams(temperature=0.8, top_k=300, top_p=0.9),  # past TOP_K_MAX: the whole-row fallback
+            SamplingParams(temperature=0.0, presence_penalty=0.5),
+            SamplingParams(temperature=0.0, logprobs=2),
+            SamplingParams(temperature=0.0),
+        ]
+        vocab_size = self.arch.vocab_size
+        scratch = SamplingState(len(kinds), vocab_size, self.device, self.arch.eos_token_ids)
+        scratch.admit([(row, NewRequest(row, [1, 2, 3], 3, [], 0, params, seed=row))
+                       for row, params in enumerate(kinds)])
+        batches = [np.array([row]) for row in range(len(kinds))] + [np.arange(len(kinds))]
+        for rows in batches:
             for with_bitmask in (False, True):
-                rows = np.arange(batch)
                 metadata = scratch.metadata(rows)
                 if with_bitmask:
-                    metadata.token_bitmask = torch.full((batch, -(-vocab_size // 32)), -1, dtype=torch.int32,
+                    metadata.token_bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32,
                                                         device=self.device)  # [B, W]
-                    metadata.bitmask_rows = torch.ones(batch, dtype=torch.bool, device=self.device)  # [B]
-                logits = torch.randn(batch, vocab_size, device=self.device)  # [B, V]
+                    metadata.bitmask_rows = torch.ones(len(rows), dtype=torch.bool, device=self.device)  # [B]
+                logits = torch.randn(len(rows), vocab_size, device=self.device).to(self.dtype)  # [B, V]
                 output = self.sampler(logits, metadata)
                 scratch.record(rows, output.token_ids, metadata.state_rows)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def dummy_forward(self, query_lens: list[int], num_logits: int) -> None:
-        """The model once on a synthetic batch of fresh prompts over a scratch KV cache (the real one untouched)."""
+    def dummy_forward(self, query_lens: list[int], num_logits: int, context_len: int = 0) -> None:
+        """The model once on a synthetic batch over a scratch KV cache (the real one untouched): each sequence's
+        query_lens[b] tokens follow context_len tokens already in the cache (zeros)."""
         size, device = self.block_size, self.device
-        blocks_per_seq = -(-max(query_lens) // size)
+        blocks_per_seq = -(-(max(query_lens) + context_len) // size)
         num_seqs = len(query_lens)
         scratch = torch.zeros((self.arch.num_layers, 2, num_seqs * blocks_per_seq, size,
                                self.arch.num_kv_heads // self.model.tp.size, self.arch.head_dim),
                               dtype=self.kv_dtype, device=device)  # [L, 2, n, bs, kvh, D]
         caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.arch.num_layers)]
-        positions = np.concatenate([np.arange(n) for n in query_lens])  # [T]
+        positions = np.concatenate([np.arange(context_len, context_len + n) for n in query_lens])  # [T]
         seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [T]
         query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)  # [B + 1]
+        seq_lens = [context_len + n for n in query_lens]  # [B]
         to = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=to(seq_index * blocks_per_seq * size + positions),
             block_tables=to(np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)),
-            seq_lens=to(np.asarray(query_lens, dtype=np.int32)), query_start_loc=to(query_start),
-            seq_lens_host=list(query_lens), query_lens_host=list(query_lens), max_query_len=max(query_lens),
-            max_seq_len=max(query_lens))
+            seq_lens=to(np.asarray(seq_lens, dtype=np.int32)), query_start_loc=to(query_start),
+            seq_lens_host=seq_lens, query_lens_host=list(query_lens), max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens))
         hidden = self.model(to(np.zeros(len(positions), dtype=np.int64)), to(positions), caches, meta)  # [T, H]
         self.model.compute_logits(hidden[-num_logits:]).float()  # the sampler's fp32 copy counts in the peak
         del scratch, caches, hidden

@@ -11,9 +11,11 @@ argmax(logits / T + Gumbel noise) where the noise is a hash of (seed, output ind
 seeded row draws the same token whatever shares its batch, on CPU and GPU alike. Logprobs are those of
 the raw model distribution.
 
-On CUDA the work runs in kernels/sampling.py (one fused pass for penalties + bitmask, torch.topk for the
-batch's largest k, a per-row top-p threshold search, one Gumbel-argmax kernel); on CPU in the PyTorch
-references of kernels/reference.py.
+On CUDA the work runs in kernels/sampling.py: one fused pass over the model-dtype logits (penalties, bitmask,
+and each group of 64 ids' maximum and tie count), the batch's largest k from the groups with the largest
+maxima, the top-p search over those (the mass of the gathered groups plus the ties outside them), and one
+Gumbel-argmax kernel that reads only the blocks reaching a row's threshold. On CPU the PyTorch references of
+kernels/reference.py run.
 
 Grammar hook (structured output): set `metadata.token_bitmask` [B, ceil(V/32)] int32 (bit j of word w set:
 token 32 * w + j allowed, the xgrammar / llguidance layout) and, when only some rows have a grammar,
@@ -25,12 +27,16 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagoda.kernels import reference
 from pagoda.kernels.reference import gumbel_noise, mix32_, mul32_, row_keys, uniform_noise  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from pagoda.kernels.sampling import GroupedLogits
 
 
 @dataclass(slots=True)
@@ -76,23 +82,56 @@ class Sampler:
         return sample(logits, metadata)
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-    """Pick one token per row of `logits` [B, V]; no host sync, no loop over rows."""
+def sample(logits: torch.Tensor, metadata: SamplingMetadata, use_kernels: bool | None = None) -> SamplerOutput:
+    """Pick one token per row of `logits` [B, V]; no host sync, no loop over rows. use_kernels: the Triton path
+    (default: on CUDA; tests run it on CPU under the interpreter)."""
     if metadata.all_greedy and metadata.max_num_logprobs is None and not _modifies_logits(metadata):
         # argmax in the LM head's dtype: the upcast is monotonic, so the same id (first of ties), without
         # writing and reading an fp32 copy of [B, V] (~0.11 ms a step at B=256, V=152k on an H200)
         return SamplerOutput(logits.argmax(dim=-1), None, None, None)
-    raw_logits = logits.float()  # [B, V]; the same tensor when logits is fp32: never written
-    use_triton = logits.is_cuda
-    processed = process_logits(raw_logits, metadata, use_triton)  # [B, V] fp32
-    if metadata.all_greedy:
-        token_ids = processed.argmax(dim=-1)  # [B] int64
+    if logits.is_cuda if use_kernels is None else use_kernels:
+        token_ids = _sample_on_device(logits, metadata)  # [B] int64
     else:
-        threshold = truncation_thresholds(processed, metadata, use_triton)  # [B] or None
-        draw = _triton_gumbel_argmax if use_triton else reference.gumbel_argmax
-        token_ids = draw(processed, metadata.temperature, threshold, metadata.seeds, metadata.offsets,
-                         is_greedy_row(metadata))  # [B] int64
-    return gather_logprobs(raw_logits, token_ids, metadata.max_num_logprobs)
+        raw_logits = logits.float()  # [B, V]; the same tensor when logits is fp32: never written
+        processed = process_logits(raw_logits, metadata, use_triton=False)  # [B, V] fp32
+        if metadata.all_greedy:
+            token_ids = processed.argmax(dim=-1)  # [B] int64
+        else:
+            threshold = truncation_thresholds(processed, metadata, use_triton=False)  # [B] or None
+            token_ids = reference.gumbel_argmax(processed, metadata.temperature, threshold, metadata.seeds,
+                                                metadata.offsets, is_greedy_row(metadata))  # [B] int64
+    return gather_logprobs(logits, token_ids, metadata.max_num_logprobs)
+
+
+def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The CUDA path, logits [B, V] in the model's dtype: one fused pass reads them (penalties and bitmask, each
+    group's maximum for the truncation), the thresholds come from the groups holding the largest logits, and the
+    Gumbel draw reads only the blocks that reach a row's threshold. Token ids [B] int64."""
+    from pagoda.kernels import sampling
+
+    m = metadata
+    penalised = m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
+    scattered = m.logit_bias_ids is not None or m.banned_token_ids is not None  # applied after the fused pass
+    truncates = not m.all_greedy and (m.top_k is not None or m.top_p is not None or m.min_p is not None)
+    write_out = penalised or m.token_bitmask is not None or scattered
+    grouped = sampling.GroupedLogits(logits, None, None)
+    if write_out or truncates:
+        grouped = sampling.process_logits_grouped(
+            logits, m.state_rows, m.output_counts if penalised else None,
+            m.prompt_mask if m.repetition_penalty is not None else None, m.presence_penalty, m.frequency_penalty,
+            m.repetition_penalty, m.token_bitmask, m.bitmask_rows, write_out=write_out,
+            group_stats=truncates and not scattered)
+    processed = grouped.logits  # [B, V]: fp32 when written, else the model's logits
+    if scattered:
+        processed = _scatter_bias_and_bans(processed, m)  # [B, V] fp32, in place
+        if truncates:  # the group maxima must see the bias: one more read
+            grouped = sampling.process_logits_grouped(processed, write_out=False, group_stats=True)
+    if m.all_greedy:
+        return processed.argmax(dim=-1)  # [B] int64
+    threshold = _device_thresholds(processed, m, grouped) if truncates else None  # [B] or None
+    temperature = m.temperature.float().contiguous()
+    return sampling.gumbel_argmax(processed, temperature, threshold, m.seeds.contiguous(), m.offsets.contiguous(),
+                                  is_greedy_row(m).contiguous(), grouped.group_max)  # [B] int64
 
 
 def _modifies_logits(m: SamplingMetadata) -> bool:
@@ -136,15 +175,20 @@ def process_logits(raw_logits: torch.Tensor, metadata: SamplingMetadata, use_tri
                                               m.repetition_penalty)  # [B, V] new
             if m.token_bitmask is not None:
                 logits = apply_token_bitmask_host(logits, m.token_bitmask, m.bitmask_rows)  # [B, V]
+    if m.logit_bias_ids is not None or m.banned_token_ids is not None:
+        logits = _scatter_bias_and_bans(logits.clone() if logits is raw_logits else logits, m)
+    return logits
+
+
+def _scatter_bias_and_bans(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """Logit bias, then min_tokens bans (-inf), written into logits [B, V] fp32 (owned by the caller)."""
     if m.logit_bias_ids is not None and m.logit_bias_values is not None:
         # padding adds 0.0 to id 0: harmless, and order-independent under duplicate ids
-        logits = (logits.clone() if logits is raw_logits else logits).scatter_add_(
-            1, m.logit_bias_ids, m.logit_bias_values)
+        logits.scatter_add_(1, m.logit_bias_ids, m.logit_bias_values)
     if m.banned_token_ids is not None:
         banned = m.banned_token_ids >= 0  # [B, K]
         values = torch.where(banned, float("-inf"), float("inf"))  # [B, K]; amin with +inf changes nothing
-        logits = (logits.clone() if logits is raw_logits else logits).scatter_reduce_(
-            1, m.banned_token_ids.clamp(min=0), values, reduce="amin")
+        logits.scatter_reduce_(1, m.banned_token_ids.clamp(min=0), values, reduce="amin")
     return logits
 
 
@@ -173,6 +217,13 @@ def apply_token_bitmask_host(logits: torch.Tensor, bitmask: torch.Tensor, rows: 
 def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_triton: bool) -> torch.Tensor | None:
     """Per-row threshold [B] fp32 (keep logit >= threshold), or None when no row truncates."""
     m = metadata
+    if m.top_k is None and m.top_p is None and m.min_p is None:
+        return None
+    if use_triton:
+        from pagoda.kernels import sampling
+
+        return _device_thresholds(logits, m, sampling.process_logits_grouped(logits, write_out=False,
+                                                                             group_stats=True))
     top_k = m.top_k
     if top_k is not None:
         max_top_k = min(m.max_top_k or int(top_k.max()), logits.shape[1])
@@ -180,25 +231,45 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
             top_k = None
     if top_k is None and m.top_p is None and m.min_p is None:
         return None
-    if not use_triton:
-        if top_k is not None and not (m.top_p is not None and m.top_p_without_top_k):
-            return _top_k_thresholds(logits, m, top_k, max_top_k)  # [B]: no full sort
-        return reference.truncation_thresholds(logits, m.temperature, top_k, m.top_p, m.min_p)  # [B]
+    if top_k is not None and not (m.top_p is not None and m.top_p_without_top_k):
+        return _top_k_thresholds(logits, m, top_k, max_top_k)  # [B]: no full sort
+    return reference.truncation_thresholds(logits, m.temperature, top_k, m.top_p, m.min_p)  # [B]
+
+
+def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: GroupedLogits) -> torch.Tensor:
+    """truncation_thresholds on CUDA for logits [B, V] and their group maxima / ties (grouped): top-k candidates
+    from the groups with the largest maxima, the top-p search over them with the mass of the gathered groups plus
+    the ties outside them, a whole-row search only for top-p rows without top-k. Threshold [B] fp32."""
     from pagoda.kernels import sampling
 
     temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).float()  # [B] contiguous
     threshold = torch.full_like(temperature, float("-inf"))  # [B]
-    candidates = has_k = None
-    if top_k is not None:
-        candidates = sampling.row_top_values(logits, max_top_k)  # [B, k_max] descending: the batch's largest k
+    top_k = m.top_k
+    max_top_k = min(m.max_top_k or int(top_k.max()), logits.shape[1]) if top_k is not None else 0
+    candidates = None
+    if max_top_k > 0:
+        assert top_k is not None
+        candidates = sampling.top_candidates(logits, max_top_k, grouped.group_max)  # [B, k_max] descending
         has_k = top_k > 0  # [B]
-        kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
+        kth = candidates.values.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
         threshold = torch.where(has_k, kth, threshold)  # [B]
-    if m.top_p is not None:
-        threshold = sampling.top_p_threshold(logits, temperature, m.top_p.float().contiguous(), threshold,
-                                             candidates, has_k, search_full_rows=m.top_p_without_top_k)  # [B]
+        if m.top_p is not None:
+            exact_groups = candidates.gathered is not None and grouped.group_ties is not None
+            extra = (sampling.ties_outside(grouped.group_max, grouped.group_ties, candidates.groups, threshold)
+                     if exact_groups else None)  # [B] int32
+            threshold = sampling.top_p_threshold(
+                logits, temperature, m.top_p.float().contiguous(), threshold, candidates.values, has_k,
+                search_full_rows=m.top_p_without_top_k, mass_source=candidates.gathered if exact_groups else None,
+                extra_ties=extra)  # [B]
+    elif m.top_p is not None:
+        threshold = sampling.top_p_threshold(logits, temperature, m.top_p.float().contiguous(), threshold)  # [B]
     if m.min_p is not None:
-        row_max = candidates[:, 0] if candidates is not None else logits.amax(dim=-1)  # [B]
+        if candidates is not None:
+            row_max = candidates.values[:, 0]  # [B]
+        elif grouped.group_max is not None:
+            row_max = grouped.group_max.amax(dim=1)  # [B]
+        else:
+            row_max = logits.amax(dim=-1).float()  # [B]
         threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p))  # [B]
     return threshold
 
@@ -229,14 +300,6 @@ def _top_k_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_k: t
     return threshold.squeeze(1)  # [B]
 
 
-def _triton_gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
-                          seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    from pagoda.kernels import sampling
-
-    return sampling.gumbel_argmax(logits, temperature.float().contiguous(), threshold, seeds.contiguous(),
-                                  offsets.contiguous(), greedy.contiguous())
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -245,7 +308,7 @@ def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     """Logprobs of the raw model distribution (vLLM's default), not of the penalised one."""
     if max_num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
-    logprobs = torch.log_softmax(raw_logits, dim=-1)  # [B, V]
+    logprobs = torch.log_softmax(raw_logits, dim=-1, dtype=torch.float32)  # [B, V] fp32, from any float dtype
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
     top_logprobs, top_token_ids = logprobs.topk(max_num_logprobs, dim=-1)  # [B, k], [B, k] int64
     return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)

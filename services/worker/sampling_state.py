@@ -25,6 +25,7 @@ from pagoda.shared.messages import NewRequest, SamplingParams
 # columns of the per-row float table
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 NUM_FLOAT_PARAMS = 6
+ROW_ALIGN = 4  # [B] settings start at multiples of 4 columns: 16 bytes of fp32, 32 of int64
 
 
 def _default_to_device(device: torch.device) -> Callable[[np.ndarray, str], torch.Tensor]:
@@ -234,10 +235,18 @@ class SamplingState:
     def metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """The settings of the rows sampled this step [B]: one small host -> device copy, then gathers."""
         num_output = self.num_output[rows]  # [B]
+        num_rows = len(rows)
         short = (num_output < self.min_tokens[rows]) & (self.num_banned[rows] > 0)  # [B] bans active
-        packed = self.to_device(np.stack([rows, num_output, short]).astype(np.int64), "sampling_rows")  # [3, B]
+        # Columns padded to a multiple of 4 (the padding names row 0): each [B] slice of the packed tensors below
+        # then starts 16-byte aligned, as every fresh tensor does. Triton specialises a kernel on its pointers'
+        # alignment, so an odd B would compile new sampling-kernel variants in the middle of serving (measured on
+        # an H200: a 135 ms compile inside a mixed step of a sampled run).
+        padded = np.zeros((3, -(-num_rows // ROW_ALIGN) * ROW_ALIGN), dtype=np.int64)  # [3, B_pad]
+        padded[:, :num_rows] = (rows, num_output, short)
+        index = self.to_device(padded, "sampling_rows")  # [3, B_pad]
+        packed = index[:, :num_rows]  # [3, B]
         state_rows, offsets = packed[0], packed[1]  # [B], [B]
-        floats = self.floats_device.index_select(0, state_rows).T.contiguous()  # [6, B]
+        floats = self.floats_device.index_select(0, index[0]).T.contiguous()[:, :num_rows]  # [6, B] of [6, B_pad]
         host = self.floats[rows]  # [B, 6]
         temperature = host[:, TEMPERATURE]
         metadata = SamplingMetadata(temperature=floats[TEMPERATURE],
