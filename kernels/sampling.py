@@ -24,6 +24,7 @@ PROCESS_BLOCK = 2048
 ARGMAX_BLOCK = 1024
 ARGMAX_SPLIT = 8192  # vocab ids per program of the Gumbel argmax: B * V / 8192 programs fill the GPU
 TOP_P_BLOCK = 1024
+TOP_P_PIVOT_BLOCK = 256  # ids per step of the whole-row pivot passes: [256, 16] running sums stay in registers
 TOP_P_PIVOTS = 16  # thresholds tried per pass of the top-p search: 32 key bits in 8 passes
 TOP_P_PASSES = 8  # 17^8 > 2^32: the search interval shrinks >= 17x a pass
 TOP_P_SPLIT = 8192  # vocab ids per program of the whole-row top-p passes
@@ -276,40 +277,44 @@ def process_logits(logits: torch.Tensor, state_rows: torch.Tensor | None, output
 
 
 @triton.jit
-def _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """[NUM_PIVOTS] sum of exp((x - row_max) / T) over the x in src[:num] whose key >= each pivot."""
-    mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
+def _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+             COUNT: tl.constexpr = False):
+    """[NUM_PIVOTS] sum of exp((x - row_max) / T) (COUNT: of 1) over the x in src[:num] whose key >= each pivot.
+    Sums per lane and reduces across lanes once at the end (a cross-warp reduction per block was the cost)."""
+    mass = tl.zeros([BLOCK, NUM_PIVOTS], dtype=tl.float32)
     for start in range(0, num, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(src_ptr + cols, mask=cols < num, other=float("-inf")).to(tl.float32)  # [BLOCK]
-        weight = tl.exp((x - row_max) / temperature)  # [BLOCK]; -inf -> 0
-        hit = _float_key(x).to(tl.int64)[:, None] >= pivots[None, :]  # [BLOCK, NUM_PIVOTS]
-        mass += tl.sum(tl.where(hit, weight[:, None], 0.0), axis=0)
-    return mass
+        if COUNT:
+            weight = tl.where(cols < num, 1.0, 0.0)  # [BLOCK]
+        else:
+            weight = tl.exp((x - row_max) / temperature)  # [BLOCK]; -inf -> 0
+        hit = _float_key(x)[:, None] >= pivots[None, :]  # [BLOCK, NUM_PIVOTS]
+        mass += tl.where(hit, weight[:, None], 0.0)
+    return tl.sum(mass, axis=0)
 
 
 @triton.jit
-def _search(src_ptr, num, lo, hi, target, row_max, temperature, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """Largest key in [lo, hi] with mass >= target, given mass(lo) >= target."""
+def _search(src_ptr, num, lo, hi, target, row_max, temperature, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+            COUNT: tl.constexpr = False):
+    """Largest key in [lo, hi] with mass (COUNT: the number of ids) >= target, given mass(lo) >= target."""
     offsets = tl.arange(0, NUM_PIVOTS).to(tl.int64) + 1  # [NUM_PIVOTS]
     while lo < hi:
         step = (hi - lo + NUM_PIVOTS) // (NUM_PIVOTS + 1)
         pivots = tl.minimum(lo + offsets * step, hi)  # [NUM_PIVOTS] increasing
-        ok = _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK, NUM_PIVOTS) >= target
+        ok = _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK, NUM_PIVOTS, COUNT) >= target
         lo = tl.maximum(lo, tl.max(tl.where(ok, pivots, lo), axis=0))
         hi = tl.minimum(hi, tl.min(tl.where(ok, hi, pivots - 1), axis=0))
     return lo
 
 
-@triton.jit(do_not_specialize=["num_source", "num_cand"])
-def _top_p_candidates_kernel(source_ptr, stride_s, num_source, cand_ptr, stride_c, num_cand, use_cand_ptr,
-                             extra_ptr, temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
-                             HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """One program per row with top-k candidates. The row's max and the mass of {x >= lower} (lower: the k-th
-    largest logit) come from one pass over source[:num_source] (the whole row, or just the groups that hold the
-    row's largest values) plus extra[b] more ids at exactly `lower` (ties that source lacks); then the search
-    over the K candidates (every logit above the k-th is one of them, so the masses above it are exact). Other
-    rows get `lower` back."""
+@triton.jit(do_not_specialize=["vocab_size", "num_cand"])
+def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand, use_cand_ptr,
+                             temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
+                             BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One program per row with top-k candidates: one pass over the row for its max and the mass above the
+    k-th logit, then the search over the K candidates (every token above the k-th logit is one of them,
+    so the masses above it are exact). Other rows get `lower` back."""
     b = tl.program_id(0).to(tl.int64)
     lower = tl.load(lower_ptr + b)
     top_p = tl.load(top_p_ptr + b)
@@ -317,23 +322,79 @@ def _top_p_candidates_kernel(source_ptr, stride_s, num_source, cand_ptr, stride_
     if (top_p < 1.0) & (tl.load(use_cand_ptr + b) != 0):
         temperature = tl.load(temperature_ptr + b)
         temperature = tl.where(temperature == 0.0, 1.0, temperature)
-        row = source_ptr + b * stride_s
+        row = logits_ptr + b * stride_l
         lane_max = tl.full([BLOCK], -1.0e30, tl.float32)
         lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, num_source, BLOCK):  # online max and sum per lane
+        for start in range(0, vocab_size, BLOCK):  # online max and sum per lane
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row + cols, mask=cols < num_source, other=float("-inf")).to(tl.float32)
+            x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
             x = tl.where(x >= lower, x, float("-inf"))
             new_max = tl.maximum(lane_max, x)
             lane_sum = lane_sum * tl.exp((lane_max - new_max) / temperature) + tl.exp((x - new_max) / temperature)
             lane_max = new_max
         row_max = tl.max(lane_max, axis=0)
         total = tl.sum(lane_sum * tl.exp((lane_max - row_max) / temperature), axis=0)
-        if HAS_EXTRA:
-            total += tl.load(extra_ptr + b).to(tl.float32) * tl.exp((lower - row_max) / temperature)
         key = _search(cand_ptr + b * stride_c, num_cand, _float_key(lower).to(tl.int64),
                       _float_key(row_max).to(tl.int64), top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
         threshold = _key_float(key.to(tl.int32))
+    tl.store(threshold_ptr + b, threshold)
+
+
+@triton.jit(do_not_specialize=["num_gathered", "num_groups", "num_chosen"])
+def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ties_ptr, num_groups, chosen_ptr,
+                             num_chosen, top_k_ptr, top_p_ptr, min_p_ptr, temperature_ptr, threshold_ptr,
+                             HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+                             NUM_PIVOTS: tl.constexpr):
+    """One program per row, from the chosen groups' logits gathered[b, :num_gathered] (every logit above a row's
+    k-th largest is among them): the k-th largest by a count search, the top-p threshold by a mass search with the
+    mass of the ties at the k-th largest that lie outside the chosen groups added, and min-p. A row without top-k
+    gets min-p's threshold (or -inf): its top-p needs the whole row (the caller's split search)."""
+    b = tl.program_id(0).to(tl.int64)
+    row = gathered_ptr + b * num_gathered
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, num_gathered, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        lane_max = tl.maximum(lane_max, tl.load(row + cols, mask=cols < num_gathered, other=float("-inf")))
+    row_max = tl.max(lane_max, axis=0)
+    top_k = tl.load(top_k_ptr + b)
+    threshold = tl.full((), float("-inf"), tl.float32)
+    if top_k > 0:  # the count of gathered ids >= any key is >= k at the smallest key: the search's start
+        kth_key = _search(row, num_gathered, tl.full((), -2147483648, tl.int64), _float_key(row_max).to(tl.int64),
+                          tl.minimum(top_k, num_chosen).to(tl.float32), row_max, temperature, BLOCK, NUM_PIVOTS,
+                          COUNT=True)
+        threshold = _key_float(kth_key.to(tl.int32))
+        if HAS_TOP_P:
+            top_p = tl.load(top_p_ptr + b)
+            if top_p < 1.0:
+                lower = threshold
+                ties = tl.zeros([BLOCK], dtype=tl.int32)  # ids at `lower` in any group ...
+                for start in range(0, num_groups, BLOCK):
+                    groups = start + tl.arange(0, BLOCK)
+                    maxima = tl.load(group_max_ptr + b * num_groups + groups, mask=groups < num_groups,
+                                     other=float("-inf"))
+                    count = tl.load(group_ties_ptr + b * num_groups + groups, mask=groups < num_groups, other=0)
+                    ties += tl.where(maxima == lower, count, 0)
+                for start in range(0, num_chosen, BLOCK):  # ... less those in the chosen (gathered) groups
+                    slots = start + tl.arange(0, BLOCK)
+                    group = tl.load(chosen_ptr + b * num_chosen + slots, mask=slots < num_chosen, other=0)
+                    maxima = tl.load(group_max_ptr + b * num_groups + group, mask=slots < num_chosen,
+                                     other=float("-inf"))
+                    count = tl.load(group_ties_ptr + b * num_groups + group, mask=slots < num_chosen, other=0)
+                    ties -= tl.where(maxima == lower, count, 0)
+                lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+                for start in range(0, num_gathered, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    x = tl.load(row + cols, mask=cols < num_gathered, other=float("-inf"))
+                    lane_sum += tl.where(x >= lower, tl.exp((x - row_max) / temperature), 0.0)
+                total = tl.sum(lane_sum, axis=0)
+                total += tl.sum(ties, axis=0).to(tl.float32) * tl.exp((lower - row_max) / temperature)
+                key = _search(row, num_gathered, _float_key(lower).to(tl.int64), _float_key(row_max).to(tl.int64),
+                              top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
+                threshold = _key_float(key.to(tl.int32))
+    if HAS_MIN_P:
+        threshold = tl.maximum(threshold, row_max + temperature * tl.log(tl.load(min_p_ptr + b)))
     tl.store(threshold_ptr + b, threshold)
 
 
@@ -412,7 +473,7 @@ def _split_search(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
         step = torch.clamp((hi - lo + TOP_P_PIVOTS) // (TOP_P_PIVOTS + 1), min=1)  # [B]
         pivots = torch.minimum(lo[:, None] + steps[None, :] * step[:, None], hi[:, None]).contiguous()  # [B, P]
         _pivot_mass_kernel[grid](logits, logits.stride(0), vocab_size, pivots, row_max, temperature, mass,
-                                 num_splits, SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS)
+                                 num_splits, SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_PIVOT_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS)
         ok = mass.sum(dim=1) >= target  # [B, P]
         lo = torch.maximum(lo, torch.where(ok, pivots, lo[:, None]).amax(dim=1))  # [B]
         hi = torch.minimum(hi, torch.where(ok, hi[:, None], pivots - 1).amin(dim=1))  # [B]
@@ -421,15 +482,13 @@ def _split_search(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
 
 def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor,
                     candidates: torch.Tensor | None = None, use_candidates: torch.Tensor | None = None,
-                    search_full_rows: bool = True, mass_source: torch.Tensor | None = None,
-                    extra_ties: torch.Tensor | None = None) -> torch.Tensor:
+                    search_full_rows: bool = True) -> torch.Tensor:
     """Per-row top-p threshold [B] fp32 on logits [B, V] (fp32, or bf16 / fp16 read as fp32), over the tokens with
     logit >= lower [B] (the top-k threshold, or -inf), with reference.truncation_thresholds' rule. candidates
-    [B, K] fp32 hold each row's K largest logits (descending): rows flagged in use_candidates [B] bool search
-    those; the others search their whole row, unless search_full_rows is False (the caller knows no row with
-    top_p < 1 lacks candidates). A candidate row's mass above `lower` is summed over its whole logits row, or,
-    given mass_source [B, N] and extra_ties [B] int32, over mass_source's row (which must hold every logit above
-    `lower` and some ids at it) plus extra_ties more ids at exactly `lower`. Rows with top_p >= 1 get `lower`."""
+    [B, K] fp32 hold each row's K largest logits (descending; torch.topk): rows flagged in use_candidates [B] bool
+    search those, with the mass above `lower` summed over the whole row; the others search their whole row,
+    unless search_full_rows is False (the caller knows no row with top_p < 1 lacks candidates). Rows with
+    top_p >= 1 get `lower` back. (With k <= TOP_K_MAX, group_thresholds does the top-k rows' work instead.)"""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -441,22 +500,16 @@ def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
             raise ValueError(f"candidates must be [{num_rows}, K] fp32, got {tuple(candidates.shape)} "
                              f"{candidates.dtype}")
         _check_rows("use_candidates", use_candidates, num_rows, torch.bool, device)
-    if mass_source is not None:
-        _check_logits(mass_source)
-        if mass_source.shape[0] != num_rows or mass_source.device != device:
-            raise ValueError(f"mass_source must be [{num_rows}, N] on {device}, got {tuple(mass_source.shape)}")
-        _check_rows("extra_ties", extra_ties, num_rows, torch.int32, device)
     if num_rows == 0:
         return lower.clone()
     if candidates is None or use_candidates is None:
         threshold = lower
     else:
-        source = mass_source if mass_source is not None else logits  # [B, N]
         threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
         _top_p_candidates_kernel[(num_rows,)](
-            source, source.stride(0), source.shape[1], candidates, candidates.stride(0), candidates.shape[1],
-            use_candidates, extra_ties if extra_ties is not None else lower, temperature, top_p, lower, threshold,
-            HAS_EXTRA=extra_ties is not None, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS, num_warps=8)
+            logits, logits.stride(0), vocab_size, candidates, candidates.stride(0), candidates.shape[1],
+            use_candidates, temperature, top_p, lower, threshold, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS,
+            num_warps=8)
     if candidates is not None and not search_full_rows:
         return threshold
     full = _split_search(logits, temperature, top_p, lower)  # [B]
@@ -466,6 +519,36 @@ def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
     return torch.where(searched, full, threshold)  # [B]
 
 
+def group_thresholds(candidates: TopCandidates, group_max: torch.Tensor, group_ties: torch.Tensor,
+                     top_k: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                     temperature: torch.Tensor) -> torch.Tensor:
+    """reference.truncation_thresholds [B] fp32 from top_candidates' gathered groups and the fused pass's group
+    maxima and ties, for every row with top_k [B] > 0 (at most the candidates' k); a row without top-k gets its
+    min-p threshold (or -inf) and, if it has top_p < 1, needs top_p_threshold over its whole row as well."""
+    gathered, groups = candidates.gathered, candidates.groups
+    if gathered is None or groups is None:
+        raise ValueError("group_thresholds needs top_candidates' gathered groups (k <= TOP_K_MAX)")
+    num_rows, num_gathered = gathered.shape
+    device = gathered.device
+    if not gathered.is_contiguous() or gathered.dtype != torch.float32 or not groups.is_contiguous():
+        raise ValueError("gathered must be contiguous fp32 and groups contiguous")
+    if group_max.shape != group_ties.shape or group_max.shape[0] != num_rows or not group_max.is_contiguous() \
+            or not group_ties.is_contiguous() or group_ties.dtype != torch.int32:
+        raise ValueError(f"group_max / group_ties must be [{num_rows}, G] fp32 / int32, contiguous")
+    _check_rows("top_k", top_k, num_rows, torch.int64, device)
+    for name, t in (("top_p", top_p), ("min_p", min_p), ("temperature", temperature)):
+        _check_rows(name, t, num_rows, torch.float32, device)
+    threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
+    if num_rows == 0:
+        return threshold
+    _group_thresholds_kernel[(num_rows,)](
+        gathered, num_gathered, group_max, group_ties, group_max.shape[1], groups, groups.shape[1], top_k,
+        top_p if top_p is not None else temperature, min_p if min_p is not None else temperature, temperature,
+        threshold, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, BLOCK=TOP_P_BLOCK,
+        NUM_PIVOTS=TOP_P_PIVOTS, num_warps=8)
+    return threshold
+
+
 # ---------------------------------------------------------------------------------------------
 # the batch's largest k logits per row (candidates for top-k / top-p / min-p thresholds)
 
@@ -473,19 +556,21 @@ def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 
 @dataclass(slots=True)
 class TopCandidates:
-    values: torch.Tensor  # [B, k] fp32 descending: each row's k largest logits (torch.topk's values)
+    values: torch.Tensor | None  # [B, k] fp32 descending: each row's k largest logits (torch.topk's values)
     gathered: torch.Tensor | None  # [B, k * TOP_K_GROUP] fp32: the logits of the k groups with the largest maxima
     groups: torch.Tensor | None  # [B, k] int64: those groups (-inf fills the partial last group's missing ids)
 
 
-def top_candidates(logits: torch.Tensor, k: int, group_max: torch.Tensor | None = None) -> TopCandidates:
+def top_candidates(logits: torch.Tensor, k: int, group_max: torch.Tensor | None = None,
+                   with_values: bool = True) -> TopCandidates:
     """Each row's k largest logits of logits [B, V], k >= 1, ties included. The k groups (TOP_K_GROUP ids each)
     with the largest maxima hold them: a logit above the k-th largest lies in a group whose maximum is above it,
     fewer than k groups have such a maximum, so all of them are chosen; the other chosen groups each add a value
     at least the k-th largest. So the answer is a top-k over the k x 64 gathered values. The same holds for any
     k' <= k: every logit above a row's k'-th largest is gathered.
-    group_max [B, G] (process_logits_grouped's) saves the pass that finds the maxima. torch.topk over the whole
-    row made four radix passes over [256, 151936] fp32 (~0.57 ms on an H200); k > TOP_K_MAX falls back to it."""
+    group_max [B, G] (process_logits_grouped's) saves the pass that finds the maxima; with_values=False skips the
+    final top-k (group_thresholds searches the gathered values itself). torch.topk over the whole row made four
+    radix passes over [256, 151936] fp32 (~0.57 ms on an H200); k > TOP_K_MAX falls back to it."""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     if not 1 <= k <= vocab_size:
@@ -501,27 +586,18 @@ def top_candidates(logits: torch.Tensor, k: int, group_max: torch.Tensor | None 
             group_max = torch.cat([group_max, logits[:, num_full * group:].amax(dim=1, keepdim=True)], dim=1)
     if group_max.shape != (num_rows, num_groups):
         raise ValueError(f"group_max must be [{num_rows}, {num_groups}], got {tuple(group_max.shape)}")
-    groups = group_max.topk(k, dim=1).indices  # [B, k]
+    groups = group_max.topk(k, dim=1, sorted=False).indices  # [B, k]: which k, not their order
     ids = (groups.unsqueeze(2) * group + torch.arange(group, device=logits.device)).flatten(1)  # [B, k * group]
     gathered = logits.gather(1, ids.clamp(max=vocab_size - 1)).float()  # [B, k * group]
     gathered.masked_fill_(ids >= vocab_size, float("-inf"))  # the partial group's missing ids
-    return TopCandidates(gathered.topk(k, dim=1).values, gathered, groups)  # values [B, k]
+    return TopCandidates(gathered.topk(k, dim=1).values if with_values else None, gathered, groups)  # [B, k]
 
 
 def row_top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
     """torch.topk(logits, k).values for logits [B, V]: [B, k] descending (top_candidates' values)."""
-    return top_candidates(logits, k).values.to(logits.dtype)
-
-
-def ties_outside(group_max: torch.Tensor, group_ties: torch.Tensor, groups: torch.Tensor,
-                 value: torch.Tensor) -> torch.Tensor:
-    """[B] int32: how many ids hold exactly value[b] (a row's k'-th largest logit, k' <= k) outside row b's chosen
-    groups[b] [k]: the ties top_candidates' gathered values lack. No unchosen group has a maximum above value[b]
-    (top_candidates' argument), so such an id is its group's maximum and group_ties counts it."""
-    at_value = group_max == value.unsqueeze(1)  # [B, G]
-    everywhere = torch.where(at_value, group_ties, 0).sum(dim=1)  # [B]
-    chosen = torch.where(at_value.gather(1, groups), group_ties.gather(1, groups), 0).sum(dim=1)  # [B]
-    return (everywhere - chosen).to(torch.int32)  # [B]
+    values = top_candidates(logits, k).values
+    assert values is not None
+    return values.to(logits.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,13 +628,15 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
         cols = start + tl.arange(0, BLOCK)  # [BLOCK]
         in_vocab = cols < vocab_size
         kept = True
-        if HAS_GROUPS:  # the block's group maxima say whether any id reaches the threshold, before the row is read
-            groups = start // GROUP + tl.arange(0, BLOCK // GROUP)
-            maxima = tl.load(group_max_ptr + b * num_groups + groups, mask=groups < num_groups,
-                             other=float("-inf"))
-            kept = greedy | (tl.max(maxima, axis=0) >= threshold)
+        wanted = in_vocab  # [BLOCK]: the ids whose logits are read
+        if HAS_GROUPS:  # the group maxima say which ids can reach the threshold, before the row is read
+            maxima = tl.load(group_max_ptr + b * num_groups + cols // GROUP, mask=in_vocab,
+                             other=float("-inf"))  # [BLOCK]: each id's group maximum (a few cached words)
+            reach = maxima >= threshold
+            kept = greedy | (tl.max(reach.to(tl.int32), axis=0) != 0)
+            wanted = in_vocab & (reach | greedy)  # ids of groups wholly below are -inf anyway: not loaded
         if kept:
-            x = tl.load(row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+            x = tl.load(row + cols, mask=wanted, other=float("-inf")).to(tl.float32)
             if greedy:
                 score = x
             elif tl.max(x, axis=0) >= threshold:

@@ -616,7 +616,7 @@ def test_kernels_match_reference_interpreted(small_blocks: bool, monkeypatch: py
 
 
 SMALL_BLOCKS = (("PROCESS_BLOCK", 32), ("ARGMAX_BLOCK", 16), ("ARGMAX_SPLIT", 32), ("TOP_P_BLOCK", 16),
-                ("TOP_P_SPLIT", 32), ("TOP_K_GROUP", 4))
+                ("TOP_P_SPLIT", 32), ("TOP_P_PIVOT_BLOCK", 16), ("TOP_K_GROUP", 4))
 
 
 @pytest.mark.parametrize("case,dtype", [("top_k_top_p_penalties", torch.bfloat16), ("top_p_min_p", torch.float32),
@@ -659,15 +659,20 @@ def test_kernel_sample_path_matches_cpu_path(case: str, dtype: torch.dtype, monk
     assert torch.equal(got, expected)
 
 
-def test_group_stats_and_ties_outside_match_a_direct_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused pass's group maxima and tie counts, and ties_outside (ids at a value outside the chosen groups),
-    against plain PyTorch counts on tie-heavy rows with a partial last group."""
+def test_group_stats_and_group_thresholds_match_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused pass's group maxima and tie counts against plain PyTorch counts, and group_thresholds (k-th
+    largest by count search, top-p with the ties outside the chosen groups, min-p) against the sort-based rule,
+    on tie-heavy rows with a partial last group and ties at the k-th largest outside the chosen groups."""
     if not torch.cuda.is_available():
         for name, value in SMALL_BLOCKS:
             monkeypatch.setattr(kernels, name, value)
     device = kernel_device()
     group = kernels.TOP_K_GROUP
-    logits = tied_logits(5, 17 * group + 3, seed=3).to(device)  # [B, V]
+    num_rows, vocab_size = 6, 17 * group + 3
+    logits = tied_logits(num_rows, vocab_size, seed=3).clamp(max=0.5)  # [B, V]
+    logits[:, 0], logits[:, group] = 3.0, 2.0  # then ten groups whose maximum is 1.0: more than the k chosen
+    logits[:, torch.arange(2, 12) * group + torch.arange(10) % group] = 1.0
+    logits = logits.to(device)
     grouped = kernels.process_logits_grouped(logits, write_out=False, group_stats=True)
     padded = torch.nn.functional.pad(logits, (0, group - 3), value=float("-inf")).unflatten(1, (18, group))
     want_max = padded.amax(dim=2)  # [B, G]
@@ -675,11 +680,19 @@ def test_group_stats_and_ties_outside_match_a_direct_count(monkeypatch: pytest.M
     assert torch.equal(grouped.group_ties, (padded == want_max[:, :, None]).sum(dim=2).int())
     k = 6
     top = kernels.top_candidates(logits, k, grouped.group_max)
-    assert torch.equal(top.values, logits.topk(k, dim=-1).values)
-    kth = top.values[:, 3]  # a row's 4th largest
+    assert top.values is not None and torch.equal(top.values, logits.topk(k, dim=-1).values)
+    settings = random_settings(num_rows, vocab_size, seed=4)
+    top_k = (torch.arange(num_rows) % k + 1).to(device)  # [B] 1..k
+    top_k[2] = 0  # a row without top-k: min-p only here
+    kth = logits.topk(k, dim=-1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None]).squeeze(1)  # [B]
     chosen = torch.zeros_like(want_max, dtype=torch.bool).scatter_(1, top.groups, True)  # [B, G]
-    outside = ((padded == kth[:, None, None]) & ~chosen[:, :, None]).sum(dim=(1, 2)).int()  # [B]
-    assert torch.equal(kernels.ties_outside(grouped.group_max, grouped.group_ties, top.groups, kth), outside)
+    outside = ((padded == kth[:, None, None]) & ~chosen[:, :, None]).sum(dim=(1, 2))  # [B]
+    assert (outside[top_k > 0] > 0).any()  # the case the tie counts exist for
+    temperature, top_p, min_p = (settings[name].to(device) for name in ("temperature", "top_p", "min_p"))
+    top_p[2] = 1.0
+    got = kernels.group_thresholds(top, grouped.group_max, grouped.group_ties, top_k, top_p, min_p, temperature)
+    want = reference.truncation_thresholds(logits, temperature, top_k, top_p, min_p)  # [B]
+    assert torch.equal(logits >= got[:, None], logits >= want[:, None])
 
 
 @pytest.mark.parametrize("k", [1, 7, 50, 64])

@@ -246,25 +246,32 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
     threshold = torch.full_like(temperature, float("-inf"))  # [B]
     top_k = m.top_k
     max_top_k = min(m.max_top_k or int(top_k.max()), logits.shape[1]) if top_k is not None else 0
+    top_p = m.top_p.float().contiguous() if m.top_p is not None else None
     candidates = None
     if max_top_k > 0:
         assert top_k is not None
-        candidates = sampling.top_candidates(logits, max_top_k, grouped.group_max)  # [B, k_max] descending
+        grouped_path = grouped.group_max is not None and grouped.group_ties is not None
+        candidates = sampling.top_candidates(logits, max_top_k, grouped.group_max, with_values=not grouped_path)
+        if candidates.gathered is not None and grouped.group_max is not None and grouped.group_ties is not None:
+            # one kernel: k-th largest, top-p over the gathered groups, min-p (rows with top-k)
+            min_p = m.min_p.float().contiguous() if m.min_p is not None else None
+            threshold = sampling.group_thresholds(candidates, grouped.group_max, grouped.group_ties, top_k, top_p,
+                                                  min_p, temperature)  # [B]
+            if top_p is not None and m.top_p_without_top_k:  # top-p rows without top-k search their whole row
+                full = sampling.top_p_threshold(logits, temperature, top_p, torch.full_like(temperature, float("-inf")))
+                threshold = torch.where((top_k <= 0) & (top_p < 1.0), torch.maximum(full, threshold), threshold)
+            return threshold
+        assert candidates.values is not None  # past TOP_K_MAX: torch.topk's values over the whole row
         has_k = top_k > 0  # [B]
         kth = candidates.values.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
         threshold = torch.where(has_k, kth, threshold)  # [B]
-        if m.top_p is not None:
-            exact_groups = candidates.gathered is not None and grouped.group_ties is not None
-            extra = (sampling.ties_outside(grouped.group_max, grouped.group_ties, candidates.groups, threshold)
-                     if exact_groups else None)  # [B] int32
-            threshold = sampling.top_p_threshold(
-                logits, temperature, m.top_p.float().contiguous(), threshold, candidates.values, has_k,
-                search_full_rows=m.top_p_without_top_k, mass_source=candidates.gathered if exact_groups else None,
-                extra_ties=extra)  # [B]
+        if top_p is not None:
+            threshold = sampling.top_p_threshold(logits, temperature, top_p, threshold, candidates.values, has_k,
+                                                 search_full_rows=m.top_p_without_top_k)  # [B]
     elif m.top_p is not None:
         threshold = sampling.top_p_threshold(logits, temperature, m.top_p.float().contiguous(), threshold)  # [B]
     if m.min_p is not None:
-        if candidates is not None:
+        if candidates is not None and candidates.values is not None:
             row_max = candidates.values[:, 0]  # [B]
         elif grouped.group_max is not None:
             row_max = grouped.group_max.amax(dim=1)  # [B]
