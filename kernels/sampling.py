@@ -20,6 +20,7 @@ import triton.language as tl
 GOLDEN32: tl.constexpr = tl.constexpr(0x9E3779B9)
 ROW_KEY_SALT: tl.constexpr = tl.constexpr(0x5BD1E995)
 UNIFORM_SCALE: tl.constexpr = tl.constexpr(2.0**-24)
+NEG_INF_KEY: tl.constexpr = tl.constexpr(-2139095041)  # _float_key(-inf): keys below it are NaN bit patterns
 PROCESS_BLOCK = 2048
 ARGMAX_BLOCK = 1024
 ARGMAX_SPLIT = 8192  # vocab ids per program of the Gumbel argmax: B * V / 8192 programs fill the GPU
@@ -280,7 +281,10 @@ def process_logits(logits: torch.Tensor, state_rows: torch.Tensor | None, output
 def _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
              COUNT: tl.constexpr = False):
     """[NUM_PIVOTS] sum of exp((x - row_max) / T) (COUNT: of 1) over the x in src[:num] whose key >= each pivot.
-    Sums per lane and reduces across lanes once at the end (a cross-warp reduction per block was the cost)."""
+    Sums per lane and reduces across lanes once at the end. Compares floats: a key's order is its float's (the
+    two zeros share key 0, and -0.0 >= +0.0 holds), and one fp32 compare beats a key conversion and an int64
+    compare per (id, pivot) pair, which made the whole-row passes compute-bound (H200: 0.44 ms a pass)."""
+    pivot_values = _key_float(pivots.to(tl.int32))  # [NUM_PIVOTS] fp32
     mass = tl.zeros([BLOCK, NUM_PIVOTS], dtype=tl.float32)
     for start in range(0, num, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -289,7 +293,7 @@ def _mass_at(src_ptr, num, pivots, row_max, temperature, BLOCK: tl.constexpr, NU
             weight = tl.where(cols < num, 1.0, 0.0)  # [BLOCK]
         else:
             weight = tl.exp((x - row_max) / temperature)  # [BLOCK]; -inf -> 0
-        hit = _float_key(x)[:, None] >= pivots[None, :]  # [BLOCK, NUM_PIVOTS]
+        hit = x[:, None] >= pivot_values[None, :]  # [BLOCK, NUM_PIVOTS]
         mass += tl.where(hit, weight[:, None], 0.0)
     return tl.sum(mass, axis=0)
 
@@ -360,8 +364,8 @@ def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ti
     row_max = tl.max(lane_max, axis=0)
     top_k = tl.load(top_k_ptr + b)
     threshold = tl.full((), float("-inf"), tl.float32)
-    if top_k > 0:  # the count of gathered ids >= any key is >= k at the smallest key: the search's start
-        kth_key = _search(row, num_gathered, tl.full((), -2147483648, tl.int64), _float_key(row_max).to(tl.int64),
+    if top_k > 0:  # the count of gathered ids >= -inf (all of them) is >= k: the search's start
+        kth_key = _search(row, num_gathered, tl.full((), NEG_INF_KEY, tl.int64), _float_key(row_max).to(tl.int64),
                           tl.minimum(top_k, num_chosen).to(tl.float32), row_max, temperature, BLOCK, NUM_PIVOTS,
                           COUNT=True)
         threshold = _key_float(kth_key.to(tl.int32))
