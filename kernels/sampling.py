@@ -347,12 +347,14 @@ def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_
 @triton.jit(do_not_specialize=["num_gathered", "num_groups", "num_chosen"])
 def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ties_ptr, num_groups, chosen_ptr,
                              num_chosen, top_k_ptr, top_p_ptr, min_p_ptr, temperature_ptr, threshold_ptr,
-                             HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
-                             NUM_PIVOTS: tl.constexpr):
-    """One program per row, from the chosen groups' logits gathered[b, :num_gathered] (every logit above a row's
-    k-th largest is among them): the k-th largest by a count search, the top-p threshold by a mass search with the
-    mass of the ties at the k-th largest that lie outside the chosen groups added, and min-p. A row without top-k
-    gets min-p's threshold (or -inf): its top-p needs the whole row (the caller's split search)."""
+                             whole_row_ptr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                             BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One program per row, from the chosen groups' logits gathered[b, :num_gathered]. m_K, the smallest chosen
+    group maximum, bounds the k-th largest from below, and no id outside the chosen groups is above m_K. So: the
+    k-th largest by a count search over [m_K, row max], the top-p threshold by a mass search with the ids at the
+    k-th largest outside the chosen groups added (there are some only when it equals m_K), min-p. whole_row[b]:
+    the row needs its whole row for the draw (no top-k, or ids outside the chosen groups reach the threshold);
+    a row without top-k gets min-p's threshold (or -inf): its top-p needs the caller's whole-row search."""
     b = tl.program_id(0).to(tl.int64)
     row = gathered_ptr + b * num_gathered
     temperature = tl.load(temperature_ptr + b)
@@ -362,44 +364,87 @@ def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ti
         cols = start + tl.arange(0, BLOCK)
         lane_max = tl.maximum(lane_max, tl.load(row + cols, mask=cols < num_gathered, other=float("-inf")))
     row_max = tl.max(lane_max, axis=0)
+    lane_min = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in range(0, num_chosen, BLOCK):
+        slots = start + tl.arange(0, BLOCK)
+        group = tl.load(chosen_ptr + b * num_chosen + slots, mask=slots < num_chosen, other=0)
+        maxima = tl.load(group_max_ptr + b * num_groups + group, mask=slots < num_chosen, other=float("inf"))
+        lane_min = tl.minimum(lane_min, maxima)
+    smallest_chosen = tl.min(lane_min, axis=0)  # m_K
     top_k = tl.load(top_k_ptr + b)
     threshold = tl.full((), float("-inf"), tl.float32)
-    if top_k > 0:  # the count of gathered ids >= -inf (all of them) is >= k: the search's start
-        kth_key = _search(row, num_gathered, tl.full((), NEG_INF_KEY, tl.int64), _float_key(row_max).to(tl.int64),
-                          tl.minimum(top_k, num_chosen).to(tl.float32), row_max, temperature, BLOCK, NUM_PIVOTS,
-                          COUNT=True)
-        threshold = _key_float(kth_key.to(tl.int32))
+    whole_row = top_k <= 0
+    if top_k > 0:  # at least k gathered ids are >= m_K (the chosen maxima): the count search's start
+        kth_key = _search(row, num_gathered, _float_key(smallest_chosen).to(tl.int64),
+                          _float_key(row_max).to(tl.int64), tl.minimum(top_k, num_chosen).to(tl.float32), row_max,
+                          temperature, BLOCK, NUM_PIVOTS, COUNT=True)
+        kth = _key_float(kth_key.to(tl.int32))
+        threshold = kth
+        outside = tl.zeros([BLOCK], dtype=tl.int32)  # ids at kth outside the chosen groups: in any group ...
+        if kth == smallest_chosen:
+            for start in range(0, num_groups, BLOCK):
+                groups = start + tl.arange(0, BLOCK)
+                maxima = tl.load(group_max_ptr + b * num_groups + groups, mask=groups < num_groups,
+                                 other=float("-inf"))
+                count = tl.load(group_ties_ptr + b * num_groups + groups, mask=groups < num_groups, other=0)
+                outside += tl.where(maxima == kth, count, 0)
+            for start in range(0, num_chosen, BLOCK):  # ... less those in the chosen (gathered) groups
+                slots = start + tl.arange(0, BLOCK)
+                group = tl.load(chosen_ptr + b * num_chosen + slots, mask=slots < num_chosen, other=0)
+                maxima = tl.load(group_max_ptr + b * num_groups + group, mask=slots < num_chosen,
+                                 other=float("-inf"))
+                count = tl.load(group_ties_ptr + b * num_groups + group, mask=slots < num_chosen, other=0)
+                outside -= tl.where(maxima == kth, count, 0)
+        num_outside = tl.sum(outside, axis=0)
         if HAS_TOP_P:
             top_p = tl.load(top_p_ptr + b)
             if top_p < 1.0:
-                lower = threshold
-                ties = tl.zeros([BLOCK], dtype=tl.int32)  # ids at `lower` in any group ...
-                for start in range(0, num_groups, BLOCK):
-                    groups = start + tl.arange(0, BLOCK)
-                    maxima = tl.load(group_max_ptr + b * num_groups + groups, mask=groups < num_groups,
-                                     other=float("-inf"))
-                    count = tl.load(group_ties_ptr + b * num_groups + groups, mask=groups < num_groups, other=0)
-                    ties += tl.where(maxima == lower, count, 0)
-                for start in range(0, num_chosen, BLOCK):  # ... less those in the chosen (gathered) groups
-                    slots = start + tl.arange(0, BLOCK)
-                    group = tl.load(chosen_ptr + b * num_chosen + slots, mask=slots < num_chosen, other=0)
-                    maxima = tl.load(group_max_ptr + b * num_groups + group, mask=slots < num_chosen,
-                                     other=float("-inf"))
-                    count = tl.load(group_ties_ptr + b * num_groups + group, mask=slots < num_chosen, other=0)
-                    ties -= tl.where(maxima == lower, count, 0)
                 lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
                 for start in range(0, num_gathered, BLOCK):
                     cols = start + tl.arange(0, BLOCK)
                     x = tl.load(row + cols, mask=cols < num_gathered, other=float("-inf"))
-                    lane_sum += tl.where(x >= lower, tl.exp((x - row_max) / temperature), 0.0)
-                total = tl.sum(lane_sum, axis=0)
-                total += tl.sum(ties, axis=0).to(tl.float32) * tl.exp((lower - row_max) / temperature)
-                key = _search(row, num_gathered, _float_key(lower).to(tl.int64), _float_key(row_max).to(tl.int64),
-                              top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
+                    lane_sum += tl.where(x >= kth, tl.exp((x - row_max) / temperature), 0.0)
+                total = tl.sum(lane_sum, axis=0) + num_outside.to(tl.float32) * tl.exp((kth - row_max) / temperature)
+                key = _search(row, num_gathered, kth_key, _float_key(row_max).to(tl.int64), top_p * total, row_max,
+                              temperature, BLOCK, NUM_PIVOTS)
                 threshold = _key_float(key.to(tl.int32))
-    if HAS_MIN_P:
-        threshold = tl.maximum(threshold, row_max + temperature * tl.log(tl.load(min_p_ptr + b)))
+        if HAS_MIN_P:
+            threshold = tl.maximum(threshold, row_max + temperature * tl.log(tl.load(min_p_ptr + b)))
+        whole_row = (threshold == kth) & (num_outside > 0)
+    elif HAS_MIN_P:
+        threshold = row_max + temperature * tl.log(tl.load(min_p_ptr + b))
     tl.store(threshold_ptr + b, threshold)
+    tl.store(whole_row_ptr + b, whole_row.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["num_gathered", "num_chosen"])
+def _gathered_gumbel_kernel(gathered_ptr, num_gathered, chosen_ptr, num_chosen, temperature_ptr, threshold_ptr,
+                            seeds_ptr, offsets_ptr, token_ptr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """The Gumbel draw of one row over its gathered groups (every id reaching its threshold is there, the caller
+    checked): the noise of each id as in _gumbel_argmax_kernel, ties to the smallest id as torch.argmax."""
+    b = tl.program_id(0).to(tl.int64)
+    row = gathered_ptr + b * num_gathered
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    threshold = tl.load(threshold_ptr + b)
+    key = _row_key(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b))
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_index = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(0, num_gathered, BLOCK):
+        slots = start + tl.arange(0, BLOCK)
+        valid = slots < num_gathered
+        x = tl.load(row + slots, mask=valid, other=float("-inf"))
+        group = tl.load(chosen_ptr + b * num_chosen + slots // GROUP, mask=valid, other=0)
+        ids = (group * GROUP + slots % GROUP).to(tl.int32)  # [BLOCK] vocabulary ids
+        bits = _mix32(key ^ (ids.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
+        u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE
+        score = tl.where(valid & (x >= threshold), x / temperature - tl.log(-tl.log(u)), float("-inf"))
+        better = (score > best) | ((score == best) & (ids < best_index))
+        best = tl.where(better, score, best)
+        best_index = tl.where(better, ids, best_index)
+    top = tl.max(best, axis=0)
+    index = tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
+    tl.store(token_ptr + b, tl.where(index == 2147483647, 0, index).to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["vocab_size"])
@@ -525,10 +570,12 @@ def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 
 def group_thresholds(candidates: TopCandidates, group_max: torch.Tensor, group_ties: torch.Tensor,
                      top_k: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
-                     temperature: torch.Tensor) -> torch.Tensor:
+                     temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.truncation_thresholds [B] fp32 from top_candidates' gathered groups and the fused pass's group
     maxima and ties, for every row with top_k [B] > 0 (at most the candidates' k); a row without top-k gets its
-    min-p threshold (or -inf) and, if it has top_p < 1, needs top_p_threshold over its whole row as well."""
+    min-p threshold (or -inf) and, if it has top_p < 1, needs top_p_threshold over its whole row as well.
+    Also whole_row [B] bool: the rows whose draw needs the whole row (no top-k, or ids outside the gathered
+    groups at the threshold); gathered_gumbel_argmax draws the others."""
     gathered, groups = candidates.gathered, candidates.groups
     if gathered is None or groups is None:
         raise ValueError("group_thresholds needs top_candidates' gathered groups (k <= TOP_K_MAX)")
@@ -543,14 +590,35 @@ def group_thresholds(candidates: TopCandidates, group_max: torch.Tensor, group_t
     for name, t in (("top_p", top_p), ("min_p", min_p), ("temperature", temperature)):
         _check_rows(name, t, num_rows, torch.float32, device)
     threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
+    whole_row = torch.empty(num_rows, dtype=torch.bool, device=device)  # [B]
     if num_rows == 0:
-        return threshold
+        return threshold, whole_row
     _group_thresholds_kernel[(num_rows,)](
         gathered, num_gathered, group_max, group_ties, group_max.shape[1], groups, groups.shape[1], top_k,
         top_p if top_p is not None else temperature, min_p if min_p is not None else temperature, temperature,
-        threshold, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, BLOCK=TOP_P_BLOCK,
-        NUM_PIVOTS=TOP_P_PIVOTS, num_warps=8)
-    return threshold
+        threshold, whole_row.view(torch.int8), HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
+        BLOCK=TOP_P_PIVOT_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS, num_warps=4)
+    return threshold, whole_row
+
+
+def gathered_gumbel_argmax(candidates: TopCandidates, temperature: torch.Tensor, threshold: torch.Tensor,
+                           seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """gumbel_argmax's token ids [B] int64 for rows whose every id at or above threshold [B] lies in
+    top_candidates' gathered groups (group_thresholds' whole_row is False): reads k x 64 logits a row."""
+    gathered, groups = candidates.gathered, candidates.groups
+    if gathered is None or groups is None:
+        raise ValueError("gathered_gumbel_argmax needs top_candidates' gathered groups")
+    num_rows, num_gathered = gathered.shape
+    device = gathered.device
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("threshold", threshold, torch.float32),
+                           ("seeds", seeds, torch.int64), ("offsets", offsets, torch.int64)):
+        _check_rows(name, t, num_rows, dtype, device)
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)  # [B]
+    if num_rows:
+        _gathered_gumbel_kernel[(num_rows,)](gathered, num_gathered, groups, groups.shape[1], temperature, threshold,
+                                             seeds, offsets, token_ids, GROUP=TOP_K_GROUP, BLOCK=ARGMAX_BLOCK,
+                                             num_warps=4)
+    return token_ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,13 +676,16 @@ def row_top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
 # Gumbel-max: noise from the (seed, offset, id) hash in registers, threshold mask, running argmax
 
 
-@triton.jit(do_not_specialize=["vocab_size", "num_groups"])
+@triton.jit(do_not_specialize=["vocab_size"])
 def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, threshold_ptr, seeds_ptr,
-                          offsets_ptr, greedy_ptr, best_value_ptr, best_index_ptr, num_splits, group_max_ptr,
-                          num_groups, HAS_THRESHOLD: tl.constexpr, HAS_GREEDY: tl.constexpr,
-                          HAS_GROUPS: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                          offsets_ptr, greedy_ptr, best_value_ptr, best_index_ptr, num_splits, rows_ptr,
+                          HAS_THRESHOLD: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_ROWS: tl.constexpr,
+                          SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    if HAS_ROWS:
+        if tl.load(rows_ptr + b) == 0:  # drawn elsewhere (gathered_gumbel_argmax): nothing to read
+            return
     greedy = False
     if HAS_GREEDY:
         greedy = tl.load(greedy_ptr + b) != 0
@@ -631,25 +702,14 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
     for start in range(first, first + SPLIT, BLOCK):
         cols = start + tl.arange(0, BLOCK)  # [BLOCK]
         in_vocab = cols < vocab_size
-        kept = True
-        wanted = in_vocab  # [BLOCK]: the ids whose logits are read
-        if HAS_GROUPS:  # the group maxima say which ids can reach the threshold, before the row is read
-            maxima = tl.load(group_max_ptr + b * num_groups + cols // GROUP, mask=in_vocab,
-                             other=float("-inf"))  # [BLOCK]: each id's group maximum (a few cached words)
-            reach = maxima >= threshold
-            kept = greedy | (tl.max(reach.to(tl.int32), axis=0) != 0)
-            wanted = in_vocab & (reach | greedy)  # ids of groups wholly below are -inf anyway: not loaded
-        if kept:
-            x = tl.load(row + cols, mask=wanted, other=float("-inf")).to(tl.float32)
-            if greedy:
-                score = x
-            elif tl.max(x, axis=0) >= threshold:
-                bits = _mix32(key ^ (cols.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
-                u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE  # (0, 1), exact as in the reference
-                score = tl.where(x >= threshold, x / temperature - tl.log(-tl.log(u)), float("-inf"))
-            else:  # every id of the block is truncated away (most blocks under top-k): no noise to draw
-                score = tl.full([BLOCK], float("-inf"), tl.float32)
-        else:  # truncated away, known from the group maxima: the logits are not even read
+        x = tl.load(row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        if greedy:
+            score = x
+        elif tl.max(x, axis=0) >= threshold:
+            bits = _mix32(key ^ (cols.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
+            u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE  # (0, 1), exact as in the reference
+            score = tl.where(x >= threshold, x / temperature - tl.log(-tl.log(u)), float("-inf"))
+        else:  # every id of the block is truncated away (most blocks under top-k): no noise to draw
             score = tl.full([BLOCK], float("-inf"), tl.float32)
         score = tl.where(in_vocab, score, float("-inf"))
         better = score > best  # strict: a lane keeps its first maximum
@@ -664,9 +724,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
                   seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor | None,
-                  group_max: torch.Tensor | None = None) -> torch.Tensor:
-    """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64. group_max [B, G] (the maxima of
-    groups of TOP_K_GROUP ids) lets a sampled row skip reading the blocks that lie wholly below its threshold."""
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64. rows [B] bool: only those rows
+    are drawn (the others' ids are left unspecified, for the caller to replace)."""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -677,11 +737,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     _check_rows("greedy", greedy, num_rows, torch.bool, device)
     if not 0 < vocab_size < 2**31:
         raise ValueError(f"vocab size {vocab_size} out of range")
-    num_groups = triton.cdiv(vocab_size, TOP_K_GROUP)
-    if group_max is not None and (group_max.shape != (num_rows, num_groups) or group_max.dtype != torch.float32
-                                  or not group_max.is_contiguous() or group_max.device != device):
-        raise ValueError(f"group_max must be [{num_rows}, {num_groups}] fp32, got {tuple(group_max.shape)}")
-    assert ARGMAX_BLOCK % TOP_K_GROUP == 0 and ARGMAX_SPLIT % ARGMAX_BLOCK == 0, "blocks hold whole groups"
+    _check_rows("rows", rows, num_rows, torch.bool, device)
     num_splits = triton.cdiv(vocab_size, ARGMAX_SPLIT)
     best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
     best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=device)  # [B, S]
@@ -690,9 +746,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     _gumbel_argmax_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), vocab_size, temperature, threshold if threshold is not None else temperature,
         seeds, offsets, greedy if greedy is not None else temperature, best_value, best_index, num_splits,
-        group_max if group_max is not None else temperature, num_groups, HAS_THRESHOLD=threshold is not None,
-        HAS_GREEDY=greedy is not None, HAS_GROUPS=group_max is not None and threshold is not None,
-        GROUP=TOP_K_GROUP, SPLIT=ARGMAX_SPLIT, BLOCK=ARGMAX_BLOCK)
+        rows if rows is not None else temperature, HAS_THRESHOLD=threshold is not None,
+        HAS_GREEDY=greedy is not None, HAS_ROWS=rows is not None, SPLIT=ARGMAX_SPLIT, BLOCK=ARGMAX_BLOCK)
     # the first split holding the maximum has its smallest id (splits ascend): torch.argmax's tie rule
     winner = best_value.argmax(dim=1, keepdim=True)  # [B, 1]
     return best_index.gather(1, winner).squeeze(1).long()  # [B]

@@ -690,9 +690,19 @@ def test_group_stats_and_group_thresholds_match_references(monkeypatch: pytest.M
     assert (outside[top_k > 0] > 0).any()  # the case the tie counts exist for
     temperature, top_p, min_p = (settings[name].to(device) for name in ("temperature", "top_p", "min_p"))
     top_p[2] = 1.0
-    got = kernels.group_thresholds(top, grouped.group_max, grouped.group_ties, top_k, top_p, min_p, temperature)
+    got, whole_row = kernels.group_thresholds(top, grouped.group_max, grouped.group_ties, top_k, top_p, min_p,
+                                              temperature)
     want = reference.truncation_thresholds(logits, temperature, top_k, top_p, min_p)  # [B]
-    assert torch.equal(logits >= got[:, None], logits >= want[:, None])
+    kept = logits >= want[:, None]  # [B, V]
+    assert torch.equal(logits >= got[:, None], kept)
+    # whole_row: exactly the rows without top-k and those keeping an id outside the gathered groups
+    outside_kept = (kept & ~chosen.repeat_interleave(group, dim=1)[:, :vocab_size]).any(dim=1)  # [B]
+    assert torch.equal(whole_row, (top_k <= 0) | outside_kept)
+    seeds = torch.arange(num_rows, dtype=torch.int64, device=device) * 7919  # [B]
+    offsets = torch.arange(num_rows, dtype=torch.int64, device=device) + 3  # [B]
+    drawn = kernels.gathered_gumbel_argmax(top, temperature, got, seeds, offsets)  # [B]
+    expected = reference.gumbel_argmax(logits, temperature, got, seeds, offsets, None)  # [B]
+    assert torch.equal(drawn[~whole_row], expected[~whole_row])
 
 
 @pytest.mark.parametrize("k", [1, 7, 50, 64])

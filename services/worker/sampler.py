@@ -36,7 +36,7 @@ from pagoda.kernels import reference
 from pagoda.kernels.reference import gumbel_noise, mix32_, mul32_, row_keys, uniform_noise  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from pagoda.kernels.sampling import GroupedLogits
+    from pagoda.kernels.sampling import GroupedLogits, TopCandidates
 
 
 @dataclass(slots=True)
@@ -128,10 +128,17 @@ def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
             grouped = sampling.process_logits_grouped(processed, write_out=False, group_stats=True)
     if m.all_greedy:
         return processed.argmax(dim=-1)  # [B] int64
-    threshold = _device_thresholds(processed, m, grouped) if truncates else None  # [B] or None
-    temperature = m.temperature.float().contiguous()
-    return sampling.gumbel_argmax(processed, temperature, threshold, m.seeds.contiguous(), m.offsets.contiguous(),
-                                  is_greedy_row(m).contiguous(), grouped.group_max)  # [B] int64
+    greedy = is_greedy_row(m)  # [B]
+    threshold, draw = _device_thresholds(processed, m, grouped) if truncates else (None, None)  # [B] or None
+    temperature, seeds, offsets = m.temperature.float().contiguous(), m.seeds.contiguous(), m.offsets.contiguous()
+    if draw is None:
+        return sampling.gumbel_argmax(processed, temperature, threshold, seeds, offsets, greedy)  # [B] int64
+    assert threshold is not None
+    candidates, whole_row = draw
+    whole_row = whole_row | greedy  # [B]: these rows read their whole row; the others only their gathered groups
+    full = sampling.gumbel_argmax(processed, temperature, threshold, seeds, offsets, greedy, rows=whole_row)
+    part = sampling.gathered_gumbel_argmax(candidates, temperature, threshold, seeds, offsets)  # [B]
+    return torch.where(whole_row, full, part)  # [B] int64
 
 
 def _modifies_logits(m: SamplingMetadata) -> bool:
@@ -222,8 +229,8 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
     if use_triton:
         from pagoda.kernels import sampling
 
-        return _device_thresholds(logits, m, sampling.process_logits_grouped(logits, write_out=False,
-                                                                             group_stats=True))
+        grouped = sampling.process_logits_grouped(logits, write_out=False, group_stats=True)
+        return _device_thresholds(logits, m, grouped)[0]
     top_k = m.top_k
     if top_k is not None:
         max_top_k = min(m.max_top_k or int(top_k.max()), logits.shape[1])
@@ -236,10 +243,12 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
     return reference.truncation_thresholds(logits, m.temperature, top_k, m.top_p, m.min_p)  # [B]
 
 
-def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: GroupedLogits) -> torch.Tensor:
+def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: GroupedLogits
+                       ) -> tuple[torch.Tensor, tuple[TopCandidates, torch.Tensor] | None]:
     """truncation_thresholds on CUDA for logits [B, V] and their group maxima / ties (grouped): top-k candidates
     from the groups with the largest maxima, the top-p search over them with the mass of the gathered groups plus
-    the ties outside them, a whole-row search only for top-p rows without top-k. Threshold [B] fp32."""
+    the ties outside them, a whole-row search only for top-p rows without top-k. Threshold [B] fp32, and when
+    the gathered groups were used, them with whole_row [B] bool (rows whose draw needs the whole row)."""
     from pagoda.kernels import sampling
 
     temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).float()  # [B] contiguous
@@ -255,12 +264,12 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
         if candidates.gathered is not None and grouped.group_max is not None and grouped.group_ties is not None:
             # one kernel: k-th largest, top-p over the gathered groups, min-p (rows with top-k)
             min_p = m.min_p.float().contiguous() if m.min_p is not None else None
-            threshold = sampling.group_thresholds(candidates, grouped.group_max, grouped.group_ties, top_k, top_p,
-                                                  min_p, temperature)  # [B]
+            threshold, whole_row = sampling.group_thresholds(candidates, grouped.group_max, grouped.group_ties,
+                                                             top_k, top_p, min_p, temperature)  # [B], [B]
             if top_p is not None and m.top_p_without_top_k:  # top-p rows without top-k search their whole row
                 full = sampling.top_p_threshold(logits, temperature, top_p, torch.full_like(temperature, float("-inf")))
                 threshold = torch.where((top_k <= 0) & (top_p < 1.0), torch.maximum(full, threshold), threshold)
-            return threshold
+            return threshold, (candidates, whole_row)
         assert candidates.values is not None  # past TOP_K_MAX: torch.topk's values over the whole row
         has_k = top_k > 0  # [B]
         kth = candidates.values.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
@@ -278,7 +287,7 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
         else:
             row_max = logits.amax(dim=-1).float()  # [B]
         threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p))  # [B]
-    return threshold
+    return threshold, None
 
 
 def _top_k_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_k: torch.Tensor,
