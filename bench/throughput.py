@@ -111,6 +111,8 @@ def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: di
             "num_steps": llm.engine.scheduler.stats.num_steps - steps_before,
             "num_preemptions": llm.engine.scheduler.stats.num_preemptions, "num_kv_blocks": runner.num_blocks,
             "device": str(runner.device), "dtype": str(runner.dtype),
+            "compiles_after_start_up": [[name, round(1e3 * seconds, 1)] for name, seconds in
+                                        getattr(getattr(runner, "compile_watch", None), "compiles", [])],
             "first_outputs": [t[:32] for t in token_lists[:4]]}
 
 
