@@ -11,11 +11,10 @@ import concurrent.futures
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,25 +38,11 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import Codec
+from tests.harness import free_port, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)  # polling with a deadline
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def render_profile(profile: str, env: dict[str, str], tmp_path: Path) -> dict[str, Any]:
@@ -80,13 +65,13 @@ class Processes:
         def replace(match: re.Match[str]) -> str:
             key = (match.group(1), int(match.group(2)))
             if key not in self.ports:
-                self.ports[key] = _free_port()
+                self.ports[key] = free_port()
             return f"tcp://127.0.0.1:{self.ports[key]}"
 
         return re.sub(r"tcp://([\w-]+):(\d+)", replace, value)
 
     def env(self, service: dict[str, Any], overrides: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in set(env_names())}
+        env = {k: v for k, v in server_env().items() if k not in set(env_names())}  # one intra-op thread each
         env.update({k: self.local(v) for k, v in service["environment"].items() if v})
         env.update(overrides)
         return env
@@ -235,7 +220,7 @@ class Deployment:
         return _latest_stats(self.processes.local(self.services[scheduler]["environment"]["PAGODA_STATS_ENDPOINT"]))
 
     def start_api(self, name: str) -> None:
-        port = _free_port()
+        port = free_port()
         self.processes.start(name, self.services["api"], {**TINY, "PAGODA_HOST": "127.0.0.1", "PAGODA_PORT": str(port)})
         self.urls[name] = f"http://127.0.0.1:{port}"
 

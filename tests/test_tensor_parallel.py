@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,16 +29,11 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import Codec
+from tests.harness import free_port, server_env
 
 pytestmark = pytest.mark.slow
 
 NUM_PROMPTS, NEW_TOKENS = 8, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +63,8 @@ def _prompts() -> list[list[int]]:
 def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int]]:
     """Start the scheduler and tp_size worker ranks as processes; play the tokenizer over ZeroMQ."""
     runtime = tempfile.mkdtemp(prefix="pgtp", dir="/tmp")
-    env = {**os.environ, "PAGODA_RUNTIME_DIR": runtime, "PAGODA_MODEL": str(model_dir), "PAGODA_DEVICE": "cpu",
-           "PAGODA_TENSOR_PARALLEL_SIZE": str(tp_size), "PAGODA_TP_INIT_ADDRESS": f"tcp://127.0.0.1:{_free_port()}",
+    env = {**server_env(), "PAGODA_RUNTIME_DIR": runtime, "PAGODA_MODEL": str(model_dir), "PAGODA_DEVICE": "cpu",
+           "PAGODA_TENSOR_PARALLEL_SIZE": str(tp_size), "PAGODA_TP_INIT_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "PAGODA_NUM_KV_BLOCKS": "64", "PAGODA_MAX_NUM_BATCHED_TOKENS": "64", "PAGODA_HEARTBEAT_INTERVAL": "0.2"}
     processes = [subprocess.Popen([sys.executable, "-m", "pagoda.services.scheduler"], env=env)]
     processes += [subprocess.Popen([sys.executable, "-m", "pagoda.services.worker", "--worker-rank", str(rank)],
@@ -142,7 +136,7 @@ def test_each_rank_holds_and_reads_only_its_shard(tiny_llama_dir: Path) -> None:
     full_shapes = {name: tuple(p.shape) for name, p in full.model.named_parameters()}
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     ranks = [context.Process(target=_shard_report, args=(r, str(tiny_llama_dir), address, queue)) for r in (0, 1)]
     for process in ranks:
         process.start()
