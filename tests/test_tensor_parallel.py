@@ -111,8 +111,19 @@ def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int
     return outputs
 
 
+def _generate_in_process(model_dir: Path) -> dict[str, list[int]]:
+    """The same requests through the engine in this process (one rank; the services path with one worker is
+    the in-process engine's, as tests/test_server.py checks): the reference without starting two processes."""
+    from pagoda import LLM
+    from pagoda import SamplingParams as Params
+
+    llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=64)
+    outputs = llm.generate(_prompts(), Params(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return {str(i): list(out.outputs[0].token_ids) for i, out in enumerate(outputs)}
+
+
 def test_two_ranks_generate_what_one_does(tiny_llama_dir: Path) -> None:
-    single = _generate_with_services(tiny_llama_dir, 1)
+    single = _generate_in_process(tiny_llama_dir)
     double = _generate_with_services(tiny_llama_dir, 2)
     assert len(single) == NUM_PROMPTS and all(len(t) == NEW_TOKENS for t in single.values())
     assert double == single
