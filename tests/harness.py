@@ -123,3 +123,56 @@ def running_server(model_dir: Path, *extra: str) -> Iterator[Server]:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=20)
+
+
+def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: object, timeout: float,
+                          check_alive: Callable[[], None], identity: str = "test-tokenizer") -> dict[str, list[int]]:
+    """Play the tokenizer to a scheduler over ZeroMQ: say hello, send each prompt (request ids "0", "1", ...)
+    with `params` (a SamplingParams) once the ModelInfo arrives, answer heartbeats, and collect every request's
+    tokens until all have finished. `check_alive` raises if a service process died."""
+    import zmq
+
+    from pagoda.shared.messages import (
+        AddRequest,
+        Heartbeat,
+        ModelInfo,
+        SchedulerToTokenizer,
+        TokenDeltas,
+        TokenizerHello,
+        TokenizerToScheduler,
+    )
+    from pagoda.shared.transport import Codec
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.connect(endpoint)
+    send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
+    outputs: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    try:
+        sock.send(send.encode(TokenizerHello(identity, os.getpid())))
+        deadline = time.monotonic() + timeout
+        while len(finished) < len(prompts):
+            assert time.monotonic() < deadline, "the services did not finish in time"
+            check_alive()
+            if not sock.poll(200):
+                continue
+            message = recv.decode(sock.recv())
+            if isinstance(message, ModelInfo):
+                for i, prompt in enumerate(prompts):
+                    sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt,
+                                                     params=params)))  # type: ignore[arg-type]
+            elif isinstance(message, TokenDeltas):
+                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
+                                                        message.finish_reasons, strict=True):
+                    if token_id >= 0:
+                        outputs.setdefault(request_id, []).append(token_id)
+                    if reason >= 0:
+                        finished.add(request_id)
+            elif isinstance(message, Heartbeat):
+                sock.send(send.encode(Heartbeat(sender=identity)))
+    finally:
+        sock.close(0)
+        context.term()
+    return outputs

@@ -25,20 +25,16 @@ import zmq
 
 from pagoda.shared.config import env_names
 from pagoda.shared.messages import (
-    AddRequest,
     Directory,
-    Heartbeat,
-    ModelInfo,
     SamplingParams,
     SchedulerStats,
     SchedulerToApi,
     SchedulerToTokenizer,
-    TokenDeltas,
     TokenizerHello,
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import Codec
-from tests.harness import free_port, server_env, wait_until
+from tests.harness import free_port, generate_as_tokenizer, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -138,39 +134,14 @@ def test_tp2_profile_ranks_meet_and_serve(processes: Processes, tmp_path: Path) 
         processes.start(name, services[name], dummy)
     assert ("worker", 29511) in processes.ports  # the TP address was mapped like every other endpoint
 
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"profile-tokenizer")
-    sock.connect(processes.local(services["worker"]["environment"]["PAGODA_SCHEDULER_ENDPOINT"]))
-    send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
+    endpoint = processes.local(services["worker"]["environment"]["PAGODA_SCHEDULER_ENDPOINT"])
     prompts = [[3 + i, 40, 41, 42 + i, 7] for i in range(4)]
-    outputs: dict[str, list[int]] = {}
-    finished: set[str] = set()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     try:
-        sock.send(send.encode(TokenizerHello("profile-tokenizer", os.getpid())))
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(finished) < len(prompts):
-            assert time.monotonic() < deadline, f"no answer in time\n{processes.logs()}"
-            processes.check_alive()
-            if not sock.poll(200):
-                continue
-            message = recv.decode(sock.recv())
-            if isinstance(message, ModelInfo):
-                params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-                for i, prompt in enumerate(prompts):
-                    sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt, params=params)))
-            elif isinstance(message, TokenDeltas):
-                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
-                                                        message.finish_reasons, strict=True):
-                    if token_id >= 0:
-                        outputs.setdefault(request_id, []).append(token_id)
-                    if reason >= 0:
-                        finished.add(request_id)
-            elif isinstance(message, Heartbeat):
-                sock.send(send.encode(Heartbeat(sender="profile-tokenizer")))
-    finally:
-        sock.close(0)
-        context.term()
+        outputs = generate_as_tokenizer(endpoint, prompts, params, STARTUP_TIMEOUT_S, processes.check_alive,
+                                        identity="profile-tokenizer")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{processes.logs()}") from None
     assert sorted(outputs) == ["0", "1", "2", "3"] and all(len(t) == 6 for t in outputs.values())
     assert all(0 <= token < 512 for tokens in outputs.values() for token in tokens)
 

@@ -4,32 +4,19 @@ worker processes, each rank holds and reads only its shard, and a model whose he
 from __future__ import annotations
 
 import multiprocessing
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import zmq
 
 from pagoda.services.worker.model_config import check_divisible, load_arch
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
-from pagoda.shared.messages import (
-    AddRequest,
-    Heartbeat,
-    ModelInfo,
-    SamplingParams,
-    SchedulerToTokenizer,
-    TokenDeltas,
-    TokenizerHello,
-    TokenizerToScheduler,
-)
-from pagoda.shared.transport import Codec
-from tests.harness import free_port, server_env
+from pagoda.shared.messages import SamplingParams
+from tests.harness import free_port, generate_as_tokenizer, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -69,38 +56,14 @@ def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int
     processes = [subprocess.Popen([sys.executable, "-m", "pagoda.services.scheduler"], env=env)]
     processes += [subprocess.Popen([sys.executable, "-m", "pagoda.services.worker", "--worker-rank", str(rank)],
                                    env=env) for rank in range(tp_size)]
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"test-tokenizer")
-    sock.connect(f"ipc://{runtime}/scheduler.sock")
-    send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
-    outputs: dict[str, list[int]] = {}
-    finished: set[str] = set()
+
+    def check_alive() -> None:
+        assert all(p.poll() is None for p in processes), "a service process died"
+
     try:
-        sock.send(send.encode(TokenizerHello("test-tokenizer", os.getpid())))
-        deadline = time.monotonic() + 180
-        while len(finished) < NUM_PROMPTS:
-            assert time.monotonic() < deadline, "the services did not finish in time"
-            assert all(p.poll() is None for p in processes), "a service process died"
-            if not sock.poll(200):
-                continue
-            message = recv.decode(sock.recv())
-            if isinstance(message, ModelInfo):
-                params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-                for i, prompt in enumerate(_prompts()):
-                    sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt, params=params)))
-            elif isinstance(message, TokenDeltas):
-                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
-                                                        message.finish_reasons, strict=True):
-                    if token_id >= 0:
-                        outputs.setdefault(request_id, []).append(token_id)
-                    if reason >= 0:
-                        finished.add(request_id)
-            elif isinstance(message, Heartbeat):
-                sock.send(send.encode(Heartbeat(sender="test-tokenizer")))
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        return generate_as_tokenizer(f"ipc://{runtime}/scheduler.sock", _prompts(), params, 180, check_alive)
     finally:
-        sock.close(0)
-        context.term()
         for process in processes:
             process.terminate()
         for process in processes:
@@ -108,7 +71,6 @@ def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
-    return outputs
 
 
 def _generate_in_process(model_dir: Path) -> dict[str, list[int]]:
