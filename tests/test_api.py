@@ -44,7 +44,7 @@ from pagoda.shared.messages import (
     TokenLogprob,
 )
 from pagoda.shared.transport import Codec
-from tests.harness import free_port, wait_until
+from tests.harness import HTTP, free_port, wait_until
 
 API_KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
@@ -262,12 +262,12 @@ class Stack:
              headers: dict[str, str] | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {API_KEY}"} if headers is None else headers
         if content is not None:
-            return httpx.post(self.url + path, content=content, headers=headers, timeout=10.0)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=10.0)
+            return HTTP.post(self.url + path, content=content, headers=headers, timeout=10.0)
+        return HTTP.post(self.url + path, json=body, headers=headers, timeout=10.0)
 
     def health(self) -> httpx.Response | None:
         try:
-            return httpx.get(self.url + "/health", timeout=2.0)
+            return HTTP.get(self.url + "/health", timeout=2.0)
         except httpx.TransportError:
             return None
 

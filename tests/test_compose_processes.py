@@ -34,7 +34,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import Codec
-from tests.harness import free_port, generate_as_tokenizer, server_env, wait_until
+from tests.harness import HTTP, free_port, generate_as_tokenizer, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -200,14 +200,14 @@ class Deployment:
     def healthy(self, name: str, all_replicas: bool = True) -> bool:
         self.processes.check_alive()
         try:
-            response = httpx.get(self.urls[name] + "/health", timeout=5)
+            response = HTTP.get(self.urls[name] + "/health", timeout=5)
         except httpx.HTTPError:
             return False
         return response.status_code == 200 and (not all_replicas or "replicas_down" not in response.text)
 
     def complete(self, api: str, prompt: list[int]) -> int:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-        return httpx.post(self.urls[api] + "/v1/completions", json=body, timeout=60).status_code
+        return HTTP.post(self.urls[api] + "/v1/completions", json=body, timeout=60).status_code
 
 
 TINY = {"PAGODA_MODEL": "tiny", "PAGODA_LOAD_FORMAT": "dummy", "PAGODA_NUM_KV_BLOCKS": "256",

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from pagoda.shared.config import env_names
-from tests.harness import free_ports, parse_metrics, server_env, wait_until
+from tests.harness import HTTP, free_ports, parse_metrics, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -61,12 +61,12 @@ class Cluster:
 
     def health(self) -> int:
         try:
-            return httpx.get(self.url + "/health", timeout=5).status_code
+            return HTTP.get(self.url + "/health", timeout=5).status_code
         except httpx.HTTPError:
             return 0
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+        return parse_metrics(HTTP.get(self.url + "/metrics", timeout=10).text)
 
     def tokenizer_counts(self) -> dict[str, float]:
         """pagoda_tokenizer_requests_total by tokenizer id (the scheduler's count of requests each sent)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import free_port, parse_metrics, service_children, wait_until
+from tests.harness import HTTP, free_port, parse_metrics, service_children, wait_until
 
 SERVED = "smollm2-135m-instruct"
 API_KEY = "reliability-key"
@@ -42,7 +42,7 @@ class Server:
 
     def health(self) -> httpx.Response | None:
         try:
-            return httpx.get(self.url + "/health", timeout=5)
+            return HTTP.get(self.url + "/health", timeout=5)
         except httpx.TransportError:
             return None
 
@@ -51,7 +51,7 @@ class Server:
         return response is not None and response.status_code == 200
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+        return parse_metrics(HTTP.get(self.url + "/metrics", timeout=10).text)
 
     def children(self) -> dict[str, list[int]]:
         """Live child pids by service name (api, tokenizer, scheduler, worker), read from /proc."""
@@ -75,8 +75,8 @@ class Server:
              headers: dict[str, str] | None = None, timeout: float = 60.0) -> httpx.Response:
         headers = AUTH if headers is None else headers
         if content is not None:
-            return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+            return HTTP.post(self.url + path, content=content, headers=headers, timeout=timeout)
+        return HTTP.post(self.url + path, json=body, headers=headers, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -135,7 +135,7 @@ def stream_completion(server: Server, body: dict[str, Any], *, leave_after: int 
 
     outcome = StreamOutcome()
     try:
-        with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
+        with HTTP.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
                           timeout=timeout) as response:
             outcome.status = response.status_code
             if response.status_code != 200:
