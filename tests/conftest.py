@@ -64,3 +64,13 @@ def smollm2_dir() -> Path:
             pytest.fail(f"PAGODA_TEST_MODEL_DIR={env_dir} is not a finished model folder")
         return path
     return prepare_model("smollm2", REPO_ROOT / "models")
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_dir: Path):  # noqa: ANN201  (an Iterator[tests.harness.Server])
+    """`pagoda serve` with SmolLM2 and the default settings, started once for the modules that need nothing
+    else (tests/test_server.py, tests/test_tools.py); none of their tests changes what the others see."""
+    from tests.harness import running_server
+
+    with running_server(smollm2_dir) as server:
+        yield server

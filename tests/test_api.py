@@ -6,13 +6,12 @@ import itertools
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from pagoda.shared.messages import (
     TokenLogprob,
 )
 from pagoda.shared.transport import Codec
+from tests.harness import HTTP, free_port, wait_until
 
 API_KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
@@ -58,16 +58,6 @@ FAKE_STATS = SchedulerStats(
     prefix_hit_tokens_total=40, prefix_query_tokens_total=100, num_preemptions_total=1, prompt_tokens_total=1234,
     generation_tokens_total=567, num_steps_total=10, worker_ready=True, worker_alive=True,
     tokenizer_ids=["fake-tok"], tokenizer_requests_total=[7], max_model_len=MAX_MODEL_LEN)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll `predicate` until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,12 +239,6 @@ class FakeStats:
 # the api process under test
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Stack:
     tmp: Path
@@ -278,12 +262,12 @@ class Stack:
              headers: dict[str, str] | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {API_KEY}"} if headers is None else headers
         if content is not None:
-            return httpx.post(self.url + path, content=content, headers=headers, timeout=10.0)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=10.0)
+            return HTTP.post(self.url + path, content=content, headers=headers, timeout=10.0)
+        return HTTP.post(self.url + path, json=body, headers=headers, timeout=10.0)
 
     def health(self) -> httpx.Response | None:
         try:
-            return httpx.get(self.url + "/health", timeout=2.0)
+            return HTTP.get(self.url + "/health", timeout=2.0)
         except httpx.TransportError:
             return None
 
@@ -297,7 +281,7 @@ class Stack:
 
 def start_stack(*extra_args: str, env: dict[str, str] | None = None) -> Stack:
     tmp = Path(tempfile.mkdtemp(prefix="pgapi"))  # short: ipc paths are limited to ~100 bytes
-    port = _free_port()
+    port = free_port()
     stats = FakeStats(f"ipc://{tmp}/stats.sock").start()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
     child_env.pop("PROMETHEUS_MULTIPROC_DIR", None)

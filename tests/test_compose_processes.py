@@ -11,11 +11,10 @@ import concurrent.futures
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,38 +25,20 @@ import zmq
 
 from pagoda.shared.config import env_names
 from pagoda.shared.messages import (
-    AddRequest,
     Directory,
-    Heartbeat,
-    ModelInfo,
     SamplingParams,
     SchedulerStats,
     SchedulerToApi,
     SchedulerToTokenizer,
-    TokenDeltas,
     TokenizerHello,
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import Codec
+from tests.harness import HTTP, free_port, generate_as_tokenizer, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)  # polling with a deadline
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def render_profile(profile: str, env: dict[str, str], tmp_path: Path) -> dict[str, Any]:
@@ -80,13 +61,13 @@ class Processes:
         def replace(match: re.Match[str]) -> str:
             key = (match.group(1), int(match.group(2)))
             if key not in self.ports:
-                self.ports[key] = _free_port()
+                self.ports[key] = free_port()
             return f"tcp://127.0.0.1:{self.ports[key]}"
 
         return re.sub(r"tcp://([\w-]+):(\d+)", replace, value)
 
     def env(self, service: dict[str, Any], overrides: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in set(env_names())}
+        env = {k: v for k, v in server_env().items() if k not in set(env_names())}  # one intra-op thread each
         env.update({k: self.local(v) for k, v in service["environment"].items() if v})
         env.update(overrides)
         return env
@@ -116,7 +97,9 @@ class Processes:
         for process in self.running.values():
             if process.poll() is None:
                 process.terminate()
-        deadline = time.monotonic() + 10
+        # Cleanup, not a check (SIGTERM handling is tested in test_api, test_server and tests/reliability): 3 s,
+        # then kill; with 10 s the tp2 and replicas deployments each spent the whole 10 s here.
+        deadline = time.monotonic() + 3
         for process in self.running.values():
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -151,39 +134,14 @@ def test_tp2_profile_ranks_meet_and_serve(processes: Processes, tmp_path: Path) 
         processes.start(name, services[name], dummy)
     assert ("worker", 29511) in processes.ports  # the TP address was mapped like every other endpoint
 
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"profile-tokenizer")
-    sock.connect(processes.local(services["worker"]["environment"]["PAGODA_SCHEDULER_ENDPOINT"]))
-    send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
+    endpoint = processes.local(services["worker"]["environment"]["PAGODA_SCHEDULER_ENDPOINT"])
     prompts = [[3 + i, 40, 41, 42 + i, 7] for i in range(4)]
-    outputs: dict[str, list[int]] = {}
-    finished: set[str] = set()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     try:
-        sock.send(send.encode(TokenizerHello("profile-tokenizer", os.getpid())))
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(finished) < len(prompts):
-            assert time.monotonic() < deadline, f"no answer in time\n{processes.logs()}"
-            processes.check_alive()
-            if not sock.poll(200):
-                continue
-            message = recv.decode(sock.recv())
-            if isinstance(message, ModelInfo):
-                params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-                for i, prompt in enumerate(prompts):
-                    sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt, params=params)))
-            elif isinstance(message, TokenDeltas):
-                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
-                                                        message.finish_reasons, strict=True):
-                    if token_id >= 0:
-                        outputs.setdefault(request_id, []).append(token_id)
-                    if reason >= 0:
-                        finished.add(request_id)
-            elif isinstance(message, Heartbeat):
-                sock.send(send.encode(Heartbeat(sender="profile-tokenizer")))
-    finally:
-        sock.close(0)
-        context.term()
+        outputs = generate_as_tokenizer(endpoint, prompts, params, STARTUP_TIMEOUT_S, processes.check_alive,
+                                        identity="profile-tokenizer")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{processes.logs()}") from None
     assert sorted(outputs) == ["0", "1", "2", "3"] and all(len(t) == 6 for t in outputs.values())
     assert all(0 <= token < 512 for tokens in outputs.values() for token in tokens)
 
@@ -235,21 +193,21 @@ class Deployment:
         return _latest_stats(self.processes.local(self.services[scheduler]["environment"]["PAGODA_STATS_ENDPOINT"]))
 
     def start_api(self, name: str) -> None:
-        port = _free_port()
+        port = free_port()
         self.processes.start(name, self.services["api"], {**TINY, "PAGODA_HOST": "127.0.0.1", "PAGODA_PORT": str(port)})
         self.urls[name] = f"http://127.0.0.1:{port}"
 
     def healthy(self, name: str, all_replicas: bool = True) -> bool:
         self.processes.check_alive()
         try:
-            response = httpx.get(self.urls[name] + "/health", timeout=5)
+            response = HTTP.get(self.urls[name] + "/health", timeout=5)
         except httpx.HTTPError:
             return False
         return response.status_code == 200 and (not all_replicas or "replicas_down" not in response.text)
 
     def complete(self, api: str, prompt: list[int]) -> int:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-        return httpx.post(self.urls[api] + "/v1/completions", json=body, timeout=60).status_code
+        return HTTP.post(self.urls[api] + "/v1/completions", json=body, timeout=60).status_code
 
 
 TINY = {"PAGODA_MODEL": "tiny", "PAGODA_LOAD_FORMAT": "dummy", "PAGODA_NUM_KV_BLOCKS": "256",

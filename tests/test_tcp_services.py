@@ -5,10 +5,8 @@ killed mid-stream costing only its own requests, and a scheduler killed and star
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +20,7 @@ import openai
 import pytest
 
 from pagoda.shared.config import env_names
+from tests.harness import HTTP, free_ports, parse_metrics, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -30,27 +29,6 @@ SERVED = "smollm2-135m-instruct"
 TOKENIZER_IDS = ("tcp-tokenizer-a", "tcp-tokenizer-b")
 STARTUP_TIMEOUT_S = 120.0
 HEARTBEAT_TIMEOUT_S = 3.0
-METRIC_RE = re.compile(r"([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+|NaN|\+Inf)")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)  # polling with a deadline
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @dataclass
@@ -83,13 +61,12 @@ class Cluster:
 
     def health(self) -> int:
         try:
-            return httpx.get(self.url + "/health", timeout=5).status_code
+            return HTTP.get(self.url + "/health", timeout=5).status_code
         except httpx.HTTPError:
             return 0
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := METRIC_RE.fullmatch(line))}
+        return parse_metrics(HTTP.get(self.url + "/metrics", timeout=10).text)
 
     def tokenizer_counts(self) -> dict[str, float]:
         """pagoda_tokenizer_requests_total by tokenizer id (the scheduler's count of requests each sent)."""
@@ -127,9 +104,9 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    scheduler, plan, result, stats, api, http = _free_ports(6)
+    scheduler, plan, result, stats, api, http = free_ports(6)
     # Only this test's settings: no PAGODA_* from the calling shell may leak into the services.
-    env = {k: v for k, v in os.environ.items() if k not in set(env_names())}
+    env = {k: v for k, v in server_env().items() if k not in set(env_names())}  # one intra-op thread each
     env.update({
         "PAGODA_SCHEDULER_ENDPOINT": f"tcp://127.0.0.1:{scheduler}",
         "PAGODA_PLAN_ENDPOINT": f"tcp://127.0.0.1:{plan}",
@@ -202,8 +179,8 @@ def test_container_healthcheck_script(cluster: Cluster) -> None:
     assert check("api") == 0
     assert check("scheduler") == 0
     assert check("worker") == 0 and check("tokenizer") == 0
-    assert check("api", PAGODA_PORT=str(_free_ports(1)[0])) == 1  # nothing listens there
-    assert check("scheduler", PAGODA_STATS_ENDPOINT=f"tcp://127.0.0.1:{_free_ports(1)[0]}") == 1
+    assert check("api", PAGODA_PORT=str(free_ports(1)[0])) == 1  # nothing listens there
+    assert check("scheduler", PAGODA_STATS_ENDPOINT=f"tcp://127.0.0.1:{free_ports(1)[0]}") == 1
 
 
 # ------------------------------------------------------------------ (b) both tokenizers serve

@@ -4,42 +4,23 @@ worker processes, each rank holds and reads only its shard, and a model whose he
 from __future__ import annotations
 
 import multiprocessing
-import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import zmq
 
 from pagoda.services.worker.model_config import check_divisible, load_arch
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
-from pagoda.shared.messages import (
-    AddRequest,
-    Heartbeat,
-    ModelInfo,
-    SamplingParams,
-    SchedulerToTokenizer,
-    TokenDeltas,
-    TokenizerHello,
-    TokenizerToScheduler,
-)
-from pagoda.shared.transport import Codec
+from pagoda.shared.messages import SamplingParams
+from tests.harness import free_port, generate_as_tokenizer, server_env
 
 pytestmark = pytest.mark.slow
 
 NUM_PROMPTS, NEW_TOKENS = 8, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -69,44 +50,20 @@ def _prompts() -> list[list[int]]:
 def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int]]:
     """Start the scheduler and tp_size worker ranks as processes; play the tokenizer over ZeroMQ."""
     runtime = tempfile.mkdtemp(prefix="pgtp", dir="/tmp")
-    env = {**os.environ, "PAGODA_RUNTIME_DIR": runtime, "PAGODA_MODEL": str(model_dir), "PAGODA_DEVICE": "cpu",
-           "PAGODA_TENSOR_PARALLEL_SIZE": str(tp_size), "PAGODA_TP_INIT_ADDRESS": f"tcp://127.0.0.1:{_free_port()}",
+    env = {**server_env(), "PAGODA_RUNTIME_DIR": runtime, "PAGODA_MODEL": str(model_dir), "PAGODA_DEVICE": "cpu",
+           "PAGODA_TENSOR_PARALLEL_SIZE": str(tp_size), "PAGODA_TP_INIT_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "PAGODA_NUM_KV_BLOCKS": "64", "PAGODA_MAX_NUM_BATCHED_TOKENS": "64", "PAGODA_HEARTBEAT_INTERVAL": "0.2"}
     processes = [subprocess.Popen([sys.executable, "-m", "pagoda.services.scheduler"], env=env)]
     processes += [subprocess.Popen([sys.executable, "-m", "pagoda.services.worker", "--worker-rank", str(rank)],
                                    env=env) for rank in range(tp_size)]
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"test-tokenizer")
-    sock.connect(f"ipc://{runtime}/scheduler.sock")
-    send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
-    outputs: dict[str, list[int]] = {}
-    finished: set[str] = set()
+
+    def check_alive() -> None:
+        assert all(p.poll() is None for p in processes), "a service process died"
+
     try:
-        sock.send(send.encode(TokenizerHello("test-tokenizer", os.getpid())))
-        deadline = time.monotonic() + 180
-        while len(finished) < NUM_PROMPTS:
-            assert time.monotonic() < deadline, "the services did not finish in time"
-            assert all(p.poll() is None for p in processes), "a service process died"
-            if not sock.poll(200):
-                continue
-            message = recv.decode(sock.recv())
-            if isinstance(message, ModelInfo):
-                params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-                for i, prompt in enumerate(_prompts()):
-                    sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt, params=params)))
-            elif isinstance(message, TokenDeltas):
-                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
-                                                        message.finish_reasons, strict=True):
-                    if token_id >= 0:
-                        outputs.setdefault(request_id, []).append(token_id)
-                    if reason >= 0:
-                        finished.add(request_id)
-            elif isinstance(message, Heartbeat):
-                sock.send(send.encode(Heartbeat(sender="test-tokenizer")))
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        return generate_as_tokenizer(f"ipc://{runtime}/scheduler.sock", _prompts(), params, 180, check_alive)
     finally:
-        sock.close(0)
-        context.term()
         for process in processes:
             process.terminate()
         for process in processes:
@@ -114,11 +71,21 @@ def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
-    return outputs
+
+
+def _generate_in_process(model_dir: Path) -> dict[str, list[int]]:
+    """The same requests through the engine in this process (one rank; the services path with one worker is
+    the in-process engine's, as tests/test_server.py checks): the reference without starting two processes."""
+    from pagoda import LLM
+    from pagoda import SamplingParams as Params
+
+    llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=64)
+    outputs = llm.generate(_prompts(), Params(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return {str(i): list(out.outputs[0].token_ids) for i, out in enumerate(outputs)}
 
 
 def test_two_ranks_generate_what_one_does(tiny_llama_dir: Path) -> None:
-    single = _generate_with_services(tiny_llama_dir, 1)
+    single = _generate_in_process(tiny_llama_dir)
     double = _generate_with_services(tiny_llama_dir, 2)
     assert len(single) == NUM_PROMPTS and all(len(t) == NEW_TOKENS for t in single.values())
     assert double == single
@@ -142,7 +109,7 @@ def test_each_rank_holds_and_reads_only_its_shard(tiny_llama_dir: Path) -> None:
     full_shapes = {name: tuple(p.shape) for name, p in full.model.named_parameters()}
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     ranks = [context.Process(target=_shard_report, args=(r, str(tiny_llama_dir), address, queue)) for r in (0, 1)]
     for process in ranks:
         process.start()

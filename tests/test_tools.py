@@ -4,13 +4,10 @@ through the openai client (tool_choice required / named, a tool round trip, stre
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-from test_server import SERVED, Server, running_server
 
 from pagoda.services.api.chat_output import ChatOutputSpec, ChoiceStream, whole_message
 from pagoda.services.tokenizer.reasoning import ReasoningStream, split_reasoning
@@ -21,6 +18,7 @@ from pagoda.services.tokenizer.tools import (
     parse_tool_calls,
     required_schema,
 )
+from tests.harness import SERVED, Server
 
 # --------------------------------------------------------------------------------------------
 # parsers
@@ -162,9 +160,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir: Path) -> Iterator[Server]:
-    with running_server(smollm2_dir) as running:
-        yield running
+def server(smollm2_server: Server) -> Server:
+    return smollm2_server  # conftest's one default SmolLM2 server, shared with tests/test_server.py
 
 
 def _check_calls(calls: list[Any], allowed: dict[str, dict[str, Any]]) -> None:

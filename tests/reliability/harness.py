@@ -6,39 +6,24 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tests.harness import HTTP, free_port, parse_metrics, service_children, wait_until
+
 SERVED = "smollm2-135m-instruct"
 API_KEY = "reliability-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 START_TIMEOUT_S = 300.0  # the machine is shared: start-up can be slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> float:
-    """Poll until `predicate` holds; returns the seconds it took, fails after `timeout`."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if predicate():
-            return time.monotonic() - started
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @dataclass
@@ -57,7 +42,7 @@ class Server:
 
     def health(self) -> httpx.Response | None:
         try:
-            return httpx.get(self.url + "/health", timeout=5)
+            return HTTP.get(self.url + "/health", timeout=5)
         except httpx.TransportError:
             return None
 
@@ -66,31 +51,11 @@ class Server:
         return response is not None and response.status_code == 200
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            match = re.fullmatch(r"([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+|NaN|\+Inf)", line)
-            if match:
-                values[match.group(1)] = float(match.group(2))
-        return values
+        return parse_metrics(HTTP.get(self.url + "/metrics", timeout=10).text)
 
     def children(self) -> dict[str, list[int]]:
         """Live child pids by service name (api, tokenizer, scheduler, worker), read from /proc."""
-        found: dict[str, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                status = (entry / "status").read_text()
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            ppid = int(re.search(r"PPid:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-            state = re.search(r"State:\s+(\w)", status).group(1)  # type: ignore[union-attr]
-            match = re.search(r"pagoda\.services\.(\w+)", cmdline)
-            if ppid == self.process.pid and match and state != "Z":
-                found.setdefault(match.group(1), []).append(int(entry.name))
-        return found
+        return service_children(self.process.pid, live_only=True)
 
     def peak_rss_mib(self) -> dict[str, float]:
         """VmHWM (peak resident set) of each child, MiB, keyed name[i]."""
@@ -110,8 +75,8 @@ class Server:
              headers: dict[str, str] | None = None, timeout: float = 60.0) -> httpx.Response:
         headers = AUTH if headers is None else headers
         if content is not None:
-            return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+            return HTTP.post(self.url + path, content=content, headers=headers, timeout=timeout)
+        return HTTP.post(self.url + path, json=body, headers=headers, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -170,7 +135,7 @@ def stream_completion(server: Server, body: dict[str, Any], *, leave_after: int 
 
     outcome = StreamOutcome()
     try:
-        with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
+        with HTTP.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
                           timeout=timeout) as response:
             outcome.status = response.status_code
             if response.status_code != 200:

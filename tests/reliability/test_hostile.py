@@ -24,6 +24,7 @@ import msgspec
 import pytest
 import zmq
 
+from tests.harness import HTTP
 from tests.reliability.harness import (
     API_KEY,
     SERVED,
@@ -63,7 +64,7 @@ def send_case(server: Server, case: Case) -> httpx.Response:
     headers.extend(case.headers)
     content = case.raw if case.raw is not None else msgspec.json.encode(case.body)
     method = "GET" if case.path.startswith("/v1/models") and case.body is None else "POST"
-    return httpx.request(method, server.url + case.path, content=content, headers=headers, timeout=60)
+    return HTTP.request(method, server.url + case.path, content=content, headers=headers, timeout=60)
 
 
 def test_the_key_is_not_on_any_command_line(server: Server) -> None:

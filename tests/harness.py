@@ -1,0 +1,181 @@
+"""What the process-level tests share: free loopback ports, polling with a deadline, the Prometheus text of
+/metrics as numbers, a launcher's service children read from /proc, and `pagoda serve` started until it says
+it serves and stopped with SIGTERM (`running_server`). Import it as `tests.harness`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+SERVED = "smollm2-135m-instruct"
+# One HTTP client for the helpers (httpx.get/post/stream build a client, TLS context included, per call: 88 ms
+# of CPU each at load ~5 here, taken from the server under test), with a new connection per request as before.
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+METRIC_RE = re.compile(r"([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+|NaN|\+Inf)")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that were free a moment ago (all held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll `predicate` until it holds (polling with a deadline: there is nothing to wait on instead); returns
+    the seconds it took, fails after `timeout`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Each sample of a Prometheus text page, keyed by its name and labels as written."""
+    return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := METRIC_RE.fullmatch(line))}
+
+
+def service_children(parent_pid: int, *, live_only: bool = False) -> dict[str, list[int]]:
+    """The child pids of `parent_pid` that run a pagoda service, by service name (api, tokenizer, scheduler,
+    worker), read from /proc; `live_only` leaves out zombies."""
+    found: dict[str, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(re.search(r"PPid:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+        state = re.search(r"State:\s+(\w)", status).group(1)  # type: ignore[union-attr]
+        match = re.search(r"pagoda\.services\.(\w+)", cmdline)
+        if ppid == parent_pid and match and not (live_only and state == "Z"):
+            found.setdefault(match.group(1), []).append(int(entry.name))
+    return found
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[str]
+    port: int
+    runtime_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(HTTP.get(self.url + "/metrics", timeout=10).text)
+
+    def children(self) -> dict[str, list[int]]:
+        """Child pids by service name, read from /proc."""
+        return service_children(self.process.pid)
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a pagoda service process, with one intra-op thread per process: the
+    services, the test's client threads and other jobs share a 2-core host, and two torch threads' spin-waits
+    on a busy host cost the worker many times the CPU (2026-12-01, load average 4: the structured-output mixed
+    batch took 293 s with the default threads, 36 s with one). Correctness does not depend on it."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, *extra: str) -> Iterator[Server]:
+    port = free_port()
+    runtime_dir = Path(f"/tmp/pgt{port}")
+    runtime_dir.mkdir(exist_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--runtime-dir", str(runtime_dir), "--max-model-len", "1024", "--heartbeat-timeout", "3", *extra],
+        stdout=subprocess.PIPE, text=True, env=server_env())
+    server = Server(process, port, runtime_dir)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # the launcher prints one line once every process is healthy
+        assert "serving" in line and f":{port}/v1" in line, f"server did not start: {line!r}"
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=20)
+
+
+def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: object, timeout: float,
+                          check_alive: Callable[[], None], identity: str = "test-tokenizer") -> dict[str, list[int]]:
+    """Play the tokenizer to a scheduler over ZeroMQ: say hello, send each prompt (request ids "0", "1", ...)
+    with `params` (a SamplingParams) once the ModelInfo arrives, answer heartbeats, and collect every request's
+    tokens until all have finished. `check_alive` raises if a service process died."""
+    import zmq
+
+    from pagoda.shared.messages import (
+        AddRequest,
+        Heartbeat,
+        ModelInfo,
+        SchedulerToTokenizer,
+        TokenDeltas,
+        TokenizerHello,
+        TokenizerToScheduler,
+    )
+    from pagoda.shared.transport import Codec
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.connect(endpoint)
+    send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
+    outputs: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    try:
+        sock.send(send.encode(TokenizerHello(identity, os.getpid())))
+        deadline = time.monotonic() + timeout
+        while len(finished) < len(prompts):
+            assert time.monotonic() < deadline, "the services did not finish in time"
+            check_alive()
+            if not sock.poll(200):
+                continue
+            message = recv.decode(sock.recv())
+            if isinstance(message, ModelInfo):
+                for i, prompt in enumerate(prompts):
+                    sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt,
+                                                     params=params)))  # type: ignore[arg-type]
+            elif isinstance(message, TokenDeltas):
+                for request_id, token_id, reason in zip(message.request_ids, message.token_ids,
+                                                        message.finish_reasons, strict=True):
+                    if token_id >= 0:
+                        outputs.setdefault(request_id, []).append(token_id)
+                    if reason >= 0:
+                        finished.add(request_id)
+            elif isinstance(message, Heartbeat):
+                sock.send(send.encode(Heartbeat(sender=identity)))
+    finally:
+        sock.close(0)
+        context.term()
+    return outputs
