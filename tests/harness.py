@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -179,3 +180,16 @@ def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: objec
         sock.close(0)
         context.term()
     return outputs
+
+
+class Outbox:
+    """Stands in for a socket: keeps what the service sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, payload: Any, copy: bool = True) -> None:
+        self.sent.append(payload)
+
+    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
+        self.sent.append(frames)

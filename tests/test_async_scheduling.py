@@ -16,6 +16,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.services.scheduler.scheduler import PLACEHOLDER
 from pagoda.shared.config import EngineConfig
+from tests.harness import Outbox
 
 VOCAB = 512  # the tiny shape's
 
@@ -240,19 +241,6 @@ def assert_close_logprobs(ours: Any, theirs: Any, tolerance: float) -> None:
         assert ours == theirs
 
 
-class _Outbox:
-    """Stands in for a socket: keeps what the service sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send(self, payload: Any, copy: bool = True) -> None:
-        self.sent.append(payload)
-
-    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
-        self.sent.append(frames)
-
-
 def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_steps_requests(
         tmp_path: Path) -> None:
     """SchedulerService with a worker that runs plans as they come: two plans go out before a result, results
@@ -275,7 +263,7 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
 
     service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path)))
     real_sockets = service.plans, service.front
-    plans_out, front_out = _Outbox(), _Outbox()
+    plans_out, front_out = Outbox(), Outbox()
     service.plans, service.front = plans_out, front_out  # type: ignore[assignment]
     try:
         service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256,

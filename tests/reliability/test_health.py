@@ -31,6 +31,7 @@ from pagoda.shared.messages import (
     WorkerReady,
 )
 from pagoda.shared.transport import Codec
+from tests.harness import Outbox
 
 
 def test_bound_is_fixed_or_derived_with_a_floor() -> None:
@@ -70,26 +71,13 @@ def test_result_columns_must_agree() -> None:
     assert not _columns_agree(StepResult(0, [1], [5], prompt_scores=[PromptScores(1, 1, [3, 4], [-1.0], [], [])]))
 
 
-class _Outbox:
-    """Stands in for a socket: keeps what the service sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send(self, payload: Any, copy: bool = True) -> None:
-        self.sent.append(payload)
-
-    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
-        self.sent.append(frames)
-
-
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[SchedulerService]:
     """A SchedulerService whose plan and tokenizer sockets are outboxes, with a worker ready."""
     service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path),
                                                                           heartbeat_timeout=3.0))
     real = service.plans, service.front
-    service.plans, service.front = _Outbox(), _Outbox()  # type: ignore[assignment]
+    service.plans, service.front = Outbox(), Outbox()  # type: ignore[assignment]
     service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256, vocab_size=512,
                                          eos_token_ids=[2], max_num_batched_tokens=256))
     try:
