@@ -59,9 +59,10 @@ def parse_metrics(text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := METRIC_RE.fullmatch(line))}
 
 
-def service_children(parent_pid: int, *, live_only: bool = False) -> dict[str, list[int]]:
+def service_children(parent_pid: int, *, live_only: bool = False, env: str | None = None) -> dict[str, list[int]]:
     """The child pids of `parent_pid` that run a pagoda service, by service name (api, tokenizer, scheduler,
-    worker), read from /proc; `live_only` leaves out zombies."""
+    worker), read from /proc; `live_only` leaves out zombies, `env` ("NAME=value") keeps only the children whose
+    environment holds that entry."""
     found: dict[str, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -69,12 +70,14 @@ def service_children(parent_pid: int, *, live_only: bool = False) -> dict[str, l
         try:
             status = (entry / "status").read_text()
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0") if env is not None else []
         except OSError:
             continue
         ppid = int(re.search(r"PPid:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
         state = re.search(r"State:\s+(\w)", status).group(1)  # type: ignore[union-attr]
         match = re.search(r"pagoda\.services\.(\w+)", cmdline)
-        if ppid == parent_pid and match and not (live_only and state == "Z"):
+        if (ppid == parent_pid and match and not (live_only and state == "Z")
+                and (env is None or env.encode() in environ)):
             found.setdefault(match.group(1), []).append(int(entry.name))
     return found
 

@@ -24,6 +24,7 @@ from pagoda.services.tokenizer.routing import RoutingConfig
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import ServerOverloadedError
 from pagoda.shared.messages import ModelInfo, SchedulerStats
+from tests.harness import service_children
 
 BLOCK = 16
 INFO = ModelInfo(max_model_len=1024, vocab_size=1000, max_num_tokens=4096, eos_token_ids=[0])
@@ -160,21 +161,7 @@ def test_combined_stats_sum_replicas_and_stay_alive_while_one_is() -> None:
 
 
 def _replica_pids(server: Server, service: str, replica: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
-        if (parent == str(server.process.pid) and f"pagoda.services.{service}" in cmdline
-                and f"PAGODA_REPLICA_ID={replica}".encode() in environ):
-            pids.append(int(entry.name))
-    return pids
+    return service_children(server.process.pid, env=f"PAGODA_REPLICA_ID={replica}").get(service, [])
 
 
 @pytest.mark.slow
