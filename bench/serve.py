@@ -67,21 +67,23 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
 
 async def run_level(url: str, model: str, prompts: list[Any], output_len: int, concurrency: int | None,
                     rate: float | None, headers: dict[str, str], seed: int,
-                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Send every prompt, at most `concurrency` at once, or arriving as a Poisson process at `rate`/s."""
+                    sampling: dict[str, Any] | list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Send every prompt, at most `concurrency` at once, or arriving as a Poisson process at `rate`/s. sampling:
+    the body fields of every request, or a list with one entry per prompt."""
+    per_prompt = sampling if isinstance(sampling, list) else [sampling or {"temperature": 0.0}] * len(prompts)
     limit = asyncio.Semaphore(concurrency or len(prompts))
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def limited(prompt: Any) -> RequestRecord:
+        async def limited(prompt: Any, fields: dict[str, Any]) -> RequestRecord:
             async with limit:
-                return await _one(session, url, model, prompt, output_len, headers, sampling or {"temperature": 0.0})
+                return await _one(session, url, model, prompt, output_len, headers, fields)
 
         start = time.perf_counter()
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for prompt, fields in zip(prompts, per_prompt, strict=True):
+            tasks.append(asyncio.create_task(limited(prompt, fields)))
             if rate:
                 await asyncio.sleep(rng.expovariate(rate))  # the arrival process itself, not synchronisation
         records = await asyncio.gather(*tasks)
@@ -158,7 +160,8 @@ def main(args: argparse.Namespace) -> int:
         prompts = Workload(**{**workload.to_dict(), "num_prompts": count}).prompts(args.vocab_size, offset)
         offset += count
         result = asyncio.run(run_level(args.url, args.model, prompts, workload.output_len, concurrency, rate,
-                                       headers, args.seed, workload.sampling_kwargs()))
+                                       headers, args.seed,
+                                       [workload.sampling_kwargs(offset - count + i) for i in range(count)]))
         results.append(result)
         _print_row(result)
     best = best_rate(results, args.slo_ttft_ms, args.slo_itl_ms)

@@ -85,10 +85,13 @@ def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: di
     load_s = time.perf_counter() - load_start
     runner = llm.engine.runner
     prompts = workload.prompts(runner.arch.vocab_size)
-    params = SamplingParams(max_tokens=workload.output_len, ignore_eos=True, **workload.sampling_kwargs())
+    params = [SamplingParams(max_tokens=workload.output_len, ignore_eos=True, **workload.sampling_kwargs(i))
+              for i in range(len(prompts))]
     # warm-up on the timed run's own sampling path: the first sampled mixed step of a process took 180 ms (H200,
     # qwen3-0.6b) against 34-42 ms for the next ones (one-time allocations or compiles; not pinned down)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, **workload.sampling_kwargs()))
+    warm = prompts[:4]  # every kind of a mixed workload
+    llm.generate(warm, [SamplingParams(max_tokens=4, ignore_eos=True, **workload.sampling_kwargs(i))
+                        for i in range(len(warm))])
     steps_before = llm.engine.scheduler.stats.num_steps
     timer = None
     if getattr(runner.device, "type", "cpu") == "cuda":

@@ -10,6 +10,10 @@ Named presets cover what users send, not only the greedy reference (issue 10):
 | shared-prefix | 256 x (2048 + 64) -> 128                  | greedy; one 2048-token prefix for every prompt   |
 | long          | 16 x 16384 -> 128 (llama3-8b: 16 x 7936)  | greedy                                           |
 | n4            | 64 x 512 -> 256, n=4                      | T 0.8, seed                                      |
+| openai        | 256 x 512 -> 256                          | T 0.7, top_p 0.95, no top_k (what OpenAI-style   |
+|               |                                           | clients send)                                    |
+| mixed         | 256 x 512 -> 256                          | a quarter each: greedy; T 0.7 + top_p 0.95;      |
+|               |                                           | T 0.8 + top_k 50 + top_p 0.9; T 1.0 + min_p 0.05 |
 
 EOS is ignored everywhere, so every request produces exactly its output length.
 """
@@ -23,6 +27,11 @@ from typing import Any
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 SAMPLED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "presence_penalty": 0.5,
                            "frequency_penalty": 0.2, "seed": 1234}
+OPENAI: dict[str, Any] = {"temperature": 0.7, "top_p": 0.95}
+MIXED: tuple[dict[str, Any], ...] = (GREEDY, OPENAI, {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+                                     {"temperature": 1.0, "min_p": 0.05})  # request i takes MIXED[i % 4]
+SAMPLINGS: dict[str, tuple[dict[str, Any], ...]] = {"greedy": (GREEDY,), "sampled": (SAMPLED,), "openai": (OPENAI,),
+                                                    "mixed": MIXED}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +43,7 @@ class Workload:
     seed: int = 0
     shared_prefix_len: int = 0  # tokens every prompt starts with (one system prompt for all)
     n: int = 1  # completions per prompt
-    sampling: str = "greedy"  # "greedy" or "sampled" (the SAMPLED settings)
+    sampling: str = "greedy"  # a SAMPLINGS name: "greedy", "sampled", "openai" or "mixed" (per request)
 
     def prompts(self, vocab_size: int, offset: int = 0) -> list[list[int]]:
         """Token ids away from the ends of the vocabulary, where special tokens usually sit. `offset` skips that
@@ -49,9 +58,13 @@ class Workload:
             prompts.append(prefix + [rng.randrange(low, high) for _ in range(length)])
         return prompts[offset:]
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams / OpenAI body fields for this workload, besides max_tokens and ignore_eos."""
-        kwargs = dict(SAMPLED if self.sampling == "sampled" else GREEDY)
+    def sampling_kwargs(self, index: int = 0) -> dict[str, Any]:
+        """SamplingParams / OpenAI body fields of request `index` of this workload, besides max_tokens and
+        ignore_eos (only "mixed" differs between requests)."""
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"unknown sampling {self.sampling!r} (known: {', '.join(SAMPLINGS)})")
+        kinds = SAMPLINGS[self.sampling]
+        kwargs = dict(kinds[index % len(kinds)])
         if self.n > 1:
             kwargs["n"] = self.n
             kwargs.setdefault("seed", 1234)
@@ -69,6 +82,8 @@ PRESETS: dict[str, Workload] = {
     "shared-prefix": Workload(num_prompts=256, input_len=64, output_len=128, shared_prefix_len=2048),
     "long": Workload(num_prompts=16, input_len=16384, output_len=128),
     "n4": Workload(num_prompts=64, input_len=512, output_len=256, n=4),  # n > 1: T 0.8 + seed (sampling_kwargs)
+    "openai": Workload(sampling="openai"),
+    "mixed": Workload(sampling="mixed"),
 }
 # llama3-8b's context is 8192 tokens: its long prompts leave room for the 128 outputs and a block of slack.
 LONG_INPUT_LEN = {"llama3-8b": 7936}

@@ -230,6 +230,7 @@ class ModelRunner:
             SamplingParams(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.2),
             SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1),
             SamplingParams(temperature=0.7, top_p=0.8),
+            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),  # top-p rejection rounds under a threshold
             SamplingParams(temperature=1.0, min_p=0.05),
             SamplingParams(temperature=0.9, top_k=40),
             SamplingParams(temperature=0.9),
