@@ -87,7 +87,7 @@ class LLMEngine:
                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
                      for i in range(params.n)],
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        for seq in request.sequences:
+        for seq in request.sequences[:params.n]:  # a beam search's other beams return nothing
             self._streams[seq.seq_id] = TextStream(self.tokenizer, token_ids, params)
         return request_id
 
@@ -104,7 +104,7 @@ class LLMEngine:
         output = self._outputs.get(request_id)
         if request is None or output is None:
             return
-        for seq in request.sequences:
+        for seq in request.sequences[:len(output.outputs)]:
             self._streams.pop(seq.seq_id, None)
             completion = output.outputs[seq.index]
             if completion.finish_reason is None:
@@ -163,6 +163,8 @@ class LLMEngine:
         completion = output.outputs[seq.index]
         new_tokens = [update.token_id] if update.has_token else []  # none: max_tokens=0 ends after the prompt
         completion.token_ids += new_tokens
+        if update.score is not None:  # a beam search hypothesis, whole
+            completion.score, completion.cumulative_logprob = update.score, update.cumulative_logprob
         output.num_cached_tokens = seq.request.sequences[0].num_cached_tokens
         if completion.logprobs is not None and result.sampled_logprobs and update.has_token:
             row = update.result_index

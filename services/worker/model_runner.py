@@ -30,12 +30,21 @@ from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
-from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, beam_candidates
 from pagoda.services.worker.sampling_state import SamplingState, admission_error
 from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig, sampler_fault_seed
 from pagoda.shared.errors import ConfigError
-from pagoda.shared.messages import NewRequest, PromptScores, RowFailure, SamplingParams, StepPlan, StepResult
+from pagoda.shared.messages import (
+    BeamCandidates,
+    BeamGroup,
+    NewRequest,
+    PromptScores,
+    RowFailure,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +91,10 @@ class LaunchedStep:
     synced: bool = False  # host state holds this step's tokens
     error: str = ""  # the step failed: its requests were dropped, its result says why
     failed: list[RowFailure] = field(default_factory=list)  # requests dropped from this step alone
+    beam_groups: list[BeamGroup] = field(default_factory=list)  # the beam searches that sampled, in result order
+    beam_token_ids: torch.Tensor | None = None  # [G, k] int64, host: their best continuations
+    beam_parents: torch.Tensor | None = None  # [G, k] int64, host
+    beam_scores: torch.Tensor | None = None  # [G, k] fp32, host
 
 
 @dataclass(slots=True)
@@ -312,7 +325,9 @@ class ModelRunner:
 
     def _launch(self, sent: StepPlan) -> bool:
         plan, refused = self._refuse_bad_requests(self._without_lost(sent))
-        self.state.apply(plan)
+        forked_rows = self.state.apply(plan)
+        self.pending_step[forked_rows] = -1  # a beam's token comes with the plan
+        self._copy_blocks(plan.block_copies)
         self.sampling.admit([(self.state.row_of[new.req_id], new) for new in plan.new_requests])
         self.grammars.apply(plan)
         for new in plan.new_requests:
@@ -341,12 +356,29 @@ class ModelRunner:
         self._launched.append(step)
         return True
 
+    def _copy_blocks(self, pairs: list[int]) -> None:
+        """Beam search copy-on-write: whole KV blocks, (source, destination) pairs flattened, on every layer; a
+        source is never a destination (it belongs to a beam that keeps its line)."""
+        if not pairs:
+            return
+        index = self._to_device(np.asarray(pairs, dtype=np.int64), "block_copies")  # [2N]
+        self.kv_cache[:, :, index[1::2]] = self.kv_cache[:, :, index[0::2]]  # [L, 2, N, bs, kvh, D]
+
     def _sample(self, step: LaunchedStep, host: HostBatch, logits: torch.Tensor) -> None:
-        """Sample on the device, keep the ids there for the next step's inputs, start their copy to the host."""
+        """Sample on the device, keep the ids there for the next step's inputs, start their copy to the host.
+        Beam searches' rows go to their own selection (_select_beams)."""
         state = self.state
-        sampled_rows = host.rows[host.sampled]  # [S]
-        positions = host.seq_lens[host.sampled]  # [S] index in token_ids of each sampled token
-        req_ids = [step.plan.req_ids[i] for i in host.sampled.tolist()]
+        sampled = host.sampled  # [S] batch indices
+        if step.plan.beam_groups:
+            is_beam = self._select_beams(step, host, logits)  # [S] bool
+            if is_beam.all():
+                return
+            if is_beam.any():
+                logits = logits[self._to_device(np.flatnonzero(~is_beam), "plain_rows")]  # [S', V]
+                sampled = sampled[~is_beam]
+        sampled_rows = host.rows[sampled]  # [S]
+        positions = host.seq_lens[sampled]  # [S] index in token_ids of each sampled token
+        req_ids = [step.plan.req_ids[i] for i in sampled.tolist()]
         metadata = self.sampling.metadata(sampled_rows)
         assert (self.sampling.num_output[sampled_rows] == positions - state.num_prompt_tokens[sampled_rows]).all(), \
             "the sampling offsets disagree with the plan's positions"
@@ -381,6 +413,35 @@ class ModelRunner:
             step.top_token_ids = to_host(output.top_token_ids, "top_token_ids")
             step.top_logprobs = to_host(output.top_logprobs, "top_logprobs")
             step.num_logprobs = state.num_logprobs[sampled_rows].tolist()
+
+    def _select_beams(self, step: LaunchedStep, host: HostBatch, logits: torch.Tensor) -> np.ndarray:
+        """The beam searches sampling this step: each group's best continuations over [beams x vocabulary] in one
+        batched selection, copied to the host for the scheduler (which decides the beams). Returns which of the
+        step's sampled rows were beams [S] bool."""
+        plan = step.plan
+        position = {plan.req_ids[i]: j for j, i in enumerate(host.sampled.tolist())}  # seq id -> row of logits
+        groups = [g for g in plan.beam_groups if all(seq_id in position for seq_id in g.seq_ids)]
+        is_beam = np.zeros(len(host.sampled), dtype=bool)  # [S]
+        if not groups:
+            return is_beam
+        order = np.asarray([position[seq_id] for g in groups for seq_id in g.seq_ids], dtype=np.int64)  # [Bb]
+        is_beam[order] = True
+        sizes = [len(g.seq_ids) for g in groups]
+        columns = np.stack([np.repeat(np.arange(len(groups)), sizes),  # group of each beam row
+                            np.concatenate([np.arange(size) for size in sizes]), order])  # its slot, its logits row
+        index = self._to_device(columns, "beam_rows")  # [3, Bb]
+        values = np.asarray([[s for g in groups for s in g.scores],
+                             [g.temperature for g in groups for _ in g.seq_ids]], dtype=np.float32)
+        floats = self._to_device(values, "beam_scores")  # [2, Bb]
+        k = max(g.num_candidates for g in groups)
+        token_ids, parents, scores = beam_candidates(logits.index_select(0, index[2]), floats[0], floats[1],
+                                                     index[0], index[1], len(groups), max(sizes), k)  # [G, k] each
+        step.beam_groups = groups
+        to_host = self.staging.to_host
+        step.beam_token_ids = to_host(token_ids, "beam_token_ids")
+        step.beam_parents = to_host(parents, "beam_parents")
+        step.beam_scores = to_host(scores, "beam_scores")
+        return is_beam
 
     def _sample_isolating(self, step: LaunchedStep, logits: torch.Tensor, metadata: SamplingMetadata,
                           sampled_rows: np.ndarray, req_ids: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
@@ -484,7 +545,17 @@ class ModelRunner:
 
     def _result(self, step: LaunchedStep) -> StepResult:
         result = self._tokens_result(step)
+        if step.beam_groups and not step.error:
+            result = msgspec.structs.replace(result, beam_candidates=self._beam_result(step))
         return msgspec.structs.replace(result, failed=step.failed) if step.failed else result
+
+    @staticmethod
+    def _beam_result(step: LaunchedStep) -> list[BeamCandidates]:
+        assert step.beam_token_ids is not None and step.beam_parents is not None and step.beam_scores is not None
+        token_ids, parents = step.beam_token_ids.tolist(), step.beam_parents.tolist()
+        scores = step.beam_scores.tolist()
+        return [BeamCandidates(g.seq_ids[0], token_ids[i][:g.num_candidates], parents[i][:g.num_candidates],
+                               scores[i][:g.num_candidates]) for i, g in enumerate(step.beam_groups)]
 
     def _tokens_result(self, step: LaunchedStep) -> StepResult:
         plan = step.plan

@@ -349,3 +349,30 @@ def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
     top_logprobs, top_token_ids = logprobs.topk(max_num_logprobs, dim=-1)  # [B, k], [B, k] int64
     return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# beam search: each group's best continuations over [beams x vocabulary], batched over groups
+
+
+def beam_candidates(logits: torch.Tensor, scores: torch.Tensor, temperature: torch.Tensor, group: torch.Tensor,
+                    slot: torch.Tensor, num_groups: int, max_beams: int,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, V] of every beam of the step's beam searches, row b being beam slot[b] [B] of group group[b]
+    [B] with cumulative logprob scores[b] [B] fp32: each group's k best continuations score + log_softmax(logits
+    / T) (T 0 or 1: the plain log-probabilities), best first, as token ids, parent slots and new scores, each
+    [G, k] (a group with fewer than k continuations pads with -inf scores). A row's own top k first, then the
+    top k of each group's [beams x k]: a group's k best lie among its rows' k best. No host sync."""
+    num_rows, vocab_size = logits.shape
+    row_k = min(k, vocab_size)
+    t = torch.where(temperature > 0.0, temperature, 1.0).unsqueeze(1)  # [B, 1]
+    log_probs = torch.log_softmax(logits.float() / t, dim=-1) + scores.unsqueeze(1)  # [B, V] fp32
+    top = log_probs.topk(row_k, dim=-1)  # [B, k] values and token ids, best first
+    columns = slot.unsqueeze(1) * row_k + torch.arange(row_k, device=logits.device)  # [B, k]
+    grid = torch.full((num_groups, max_beams * row_k), float("-inf"), device=logits.device)  # [G, W * k]
+    grid_ids = torch.zeros((num_groups, max_beams * row_k), dtype=torch.int64, device=logits.device)  # [G, W * k]
+    rows = group.unsqueeze(1).expand(num_rows, row_k)  # [B, k]
+    grid[rows, columns] = top.values
+    grid_ids[rows, columns] = top.indices
+    best = grid.topk(min(k, max_beams * row_k), dim=1)  # [G, k]
+    return grid_ids.gather(1, best.indices), best.indices // row_k, best.values
