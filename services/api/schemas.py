@@ -71,6 +71,11 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # beam search (vLLM's fields): best_of beams, the n best returned; not streamed
+    use_beam_search: bool | None = None
+    best_of: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,7 +87,6 @@ class CompletionBody(_GenerationBody):
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool | None = None
-    best_of: int | None = None
     suffix: str | None = None
 
 
@@ -205,13 +209,15 @@ def _common_checks(body: _GenerationBody) -> None:
              "stream_options is only allowed when stream is true")
     _require(body.priority is None or MIN_INT64 <= body.priority <= MAX_INT64, "priority",
              f"priority must be an integer in [{MIN_INT64}, {MAX_INT64}]")
+    _require(not (body.use_beam_search and body.stream), "stream",
+             "beam search is not streamed: its beams change until the search ends")
 
 
 def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
     """SamplingParams fields the client set; the others keep SamplingParams' defaults."""
     names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-             "include_stop_str_in_output")
+             "include_stop_str_in_output", "use_beam_search", "best_of", "length_penalty", "early_stopping")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     kwargs["stop"] = _stop_list(body.stop)
     if body.logit_bias:
@@ -289,8 +295,6 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
 def completion_params(body: CompletionBody) -> SamplingParams:
     _common_checks(body)
     _require(not body.suffix, "suffix", "suffix is not supported")
-    _require(body.best_of is None or body.best_of == (body.n or 1), "best_of",
-             "best_of is not supported unless it equals n")
     _require(body.logprobs is None or 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS, "logprobs",
              f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
     scores_prompt = bool(body.echo) and body.logprobs is not None  # echo's logprobs cover the prompt too

@@ -211,24 +211,32 @@ class Scheduler:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt)} tokens, leaving no room to generate", param="prompt")
-        width = request.sampling.beam_width
-        if width > min(self.max_num_seqs, self.max_num_batched_tokens):
-            raise InvalidRequestError(f"a beam search of width {width} needs that many sequences in one step; this "
-                                      f"server runs at most {min(self.max_num_seqs, self.max_num_batched_tokens)}",
-                                      param="best_of")
+        self._check_beam_search(request)
         max_tokens = request.sampling.max_tokens
-        longest = min(len(prompt) + (max_tokens if max_tokens is not None else self.max_model_len), self.max_model_len)
-        if width > 1 and width * self.blocks.num_blocks_for(longest) > self.blocks.num_blocks:
-            # every beam may end up holding blocks of its own: a group that cannot fit whole would never finish
-            raise ContextLengthError(
-                f"a beam search of width {width} over {longest} tokens needs up to "
-                f"{width * self.blocks.num_blocks_for(longest)} KV blocks; the cache has {self.blocks.num_blocks}",
-                param="best_of")
         if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; you asked for "
                 f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} to generate)",
                 param="max_tokens")
+
+    def _check_beam_search(self, request: Request) -> None:
+        """A beam search's beams run together: they must fit one step, and the KV cache at their longest."""
+        width = request.sampling.beam_width
+        if width <= 1:
+            return
+        if width > min(self.max_num_seqs, self.max_num_batched_tokens):
+            raise InvalidRequestError(f"a beam search of width {width} needs that many sequences in one step; this "
+                                      f"server runs at most {min(self.max_num_seqs, self.max_num_batched_tokens)}",
+                                      param="best_of")
+        max_tokens = request.sampling.max_tokens
+        prompt_len = len(request.prompt_token_ids)
+        longest = min(prompt_len + (max_tokens if max_tokens is not None else self.max_model_len), self.max_model_len)
+        if width * self.blocks.num_blocks_for(longest) > self.blocks.num_blocks:
+            # every beam may end up holding blocks of its own: a group that cannot fit whole would never finish
+            raise ContextLengthError(
+                f"a beam search of width {width} over {longest} tokens needs up to "
+                f"{width * self.blocks.num_blocks_for(longest)} KV blocks; the cache has {self.blocks.num_blocks}",
+                param="best_of")
 
     def add_request(self, request: Request) -> None:
         """Queue a request that `validate` (or the api and tokenizer) already checked: only O(1) invariants
@@ -239,6 +247,7 @@ class Scheduler:
         assert request.sampling.n >= 1
         if request.req_id in self.requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use", param="request_id")
+        self._check_beam_search(request)  # the served path does not call check_prompt
         params = request.sampling
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         # the cache can never hold more than num_blocks * block_size tokens of one sequence
