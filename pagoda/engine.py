@@ -48,7 +48,7 @@ class LLMEngine:
             num_blocks=self.runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(device),
             max_model_len=self.runner.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos_ids,
-            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+            enable_prefix_caching=config.enable_prefix_caching,
             max_inflight_plans=config.resolved_max_inflight_plans(device))
         self.pipeline = PlanPipeline(self.scheduler)
         self._outputs: dict[str, RequestOutput] = {}

@@ -20,6 +20,7 @@ MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the 
 MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
 MAX_CHOICES = 1024
+GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
 
 
 class FinishReason(IntEnum):
@@ -109,7 +110,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def beam_width(self) -> int:

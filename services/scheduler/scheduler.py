@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
+import secrets
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from pagoda.services.scheduler.beam import BeamSearch, assign_slots
 from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
 from pagoda.shared.messages import (
+    GREEDY_TEMPERATURE,
     BeamCandidates,
     BeamFork,
     BeamGroup,
@@ -159,7 +161,7 @@ class Scheduler:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = (),
-                 enable_prefix_caching: bool = True, seed: int = 0, max_inflight_plans: int = 1) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = None, max_inflight_plans: int = 1) -> None:
         assert max_num_batched_tokens >= 1 and max_num_seqs >= 1 and max_inflight_plans >= 1
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
@@ -181,7 +183,9 @@ class Scheduler:
         self._forked_waiting: list[Sequence] = []  # siblings that may wait holding forked blocks
         self._beam_forks: list[tuple[Sequence, BeamFork, tuple[int, int] | None]] = []  # for the next plan
         self._unforked_beams: dict[str, int] = {}  # beam requests admitted before their first step: seats kept
-        self._rng = random.Random(seed)
+        # unseeded requests: fresh randomness each (a client that sends no seed expects a random answer, after a
+        # restart and on every replica alike); a seed here makes their seeds a reproducible stream (tests)
+        self._rng: random.Random | None = random.Random(seed) if seed is not None else None
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -253,7 +257,9 @@ class Scheduler:
         # the cache can never hold more than num_blocks * block_size tokens of one sequence
         capacity = self.blocks.num_blocks * self.block_size
         max_len = min(len(request.prompt_token_ids) + max_tokens, self.max_model_len, capacity)
-        base_seed = (params.seed if params.seed is not None else self._rng.getrandbits(63))
+        base_seed = params.seed
+        if base_seed is None:
+            base_seed = self._rng.getrandbits(63) if self._rng is not None else secrets.randbits(63)
         if params.use_beam_search:
             stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
             request.beam = BeamSearch(width=params.beam_width, num_return=params.n,
@@ -416,8 +422,9 @@ class Scheduler:
             live = self._beam_live(request)
             if all(b.seq_id in num_tokens and b.num_computed_tokens + num_tokens[b.seq_id] == b.num_tokens
                    for b in live):
+                temperature = request.sampling.temperature  # below GREEDY_TEMPERATURE: the plain log-probabilities
                 groups.append(BeamGroup([b.seq_id for b in live], list(beam.scores), beam.num_candidates,
-                                        request.sampling.temperature))
+                                        temperature if temperature >= GREEDY_TEMPERATURE else 0.0))
         return groups
 
     def _launch(self, num_tokens: dict[int, int]) -> InflightStep:

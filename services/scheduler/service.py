@@ -390,7 +390,7 @@ class SchedulerService:
             max_num_batched_tokens=ready.max_num_batched_tokens,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
             eos_token_ids={*ready.eos_token_ids, *self.tokenizer_eos_ids},
-            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+            enable_prefix_caching=config.enable_prefix_caching,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)
         self.model_info = ModelInfo(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
