@@ -171,6 +171,139 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out[token_index] = attn.reshape(batch, num_heads, head_dim)
 
 
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention (kernels/mla.py): a paged latent cache [num_blocks, block_size, R + P] holding
+# [c_kv ‖ k_pe] per token, absorbed attention over it, and the expanded multi-head computation it stands for.
+
+
+def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: torch.Tensor | None = None) -> None:
+    """Store [kv_c ‖ k_pe] ([T, R] and [T, P]) at flat slots of the cache [num_blocks, block_size, R + P];
+    slot -1 is skipped. An fp8 cache stores x / kv_scale clamped to +-448 (one per-tensor scale, default 1)."""
+    entries = torch.cat((kv_c, k_pe), dim=-1)  # [T, R + P]
+    if bool((slot_mapping < 0).any()):
+        valid = slot_mapping >= 0  # [T]
+        slot_mapping, entries = slot_mapping[valid], entries[valid]
+    cache.view(-1, cache.shape[2])[slot_mapping] = _to_cache(entries, cache.dtype, kv_scale)
+
+
+def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype,
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's first seq_len entries in dtype (fp8 dequantized): [seq_len, R + P]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    rows = cache.index_select(0, block_table[:num_blocks].long())  # [num_blocks, block_size, R + P]
+    return _from_cache(rows.reshape(num_blocks * block_size, cache.shape[2])[:seq_len], dtype, kv_scale)
+
+
+def _causal_mask(seq_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool: the queries are the last query_len of seq_len positions."""
+    key_pos = torch.arange(seq_len, device=device)  # [L]
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)  # [query_len]
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                  query_lens: list[int], scale: float, kv_lora_rank: int,
+                  kv_scale: torch.Tensor | None = None, seqs: list[int] | None = None) -> torch.Tensor:
+    """Absorbed MLA: q [T, heads, R + P] = [q_nope @ W_UK ‖ q_pe]; every head attends (causally) over its
+    sequence's entries with scores scale * q . entry (all R + P values) and mixes their latent parts: returns
+    [T, heads, R] (the caller applies W_UV). Sequence b's queries are the last query_lens[b] of its seq_lens[b]
+    cached tokens; rows of sequences not in seqs (None: all) come out zero. Decode rows run as one batch, longer
+    chunks one sequence at a time. Softmax in fp32."""
+    num_tokens, num_heads, _ = q.shape
+    out = q.new_zeros((num_tokens, num_heads, kv_lora_rank))  # [T, heads, R]
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    chosen = [b for b in range(len(query_lens)) if (seqs is None or b in seqs) and seq_lens[b] > 0]
+    decode_rows = [b for b in chosen if query_lens[b] == 1]
+    if decode_rows:
+        _mla_decode_batch(q, cache, block_tables, seq_lens, starts, decode_rows, scale, kv_lora_rank, out, kv_scale)
+    for b in chosen:
+        seq_len, start, query_len = seq_lens[b], starts[b], query_lens[b]
+        if query_len <= 1:
+            continue
+        entries = gather_latent(cache, block_tables[b], seq_len, q.dtype, kv_scale)  # [L, R + P]
+        q_b = q[start:start + query_len]  # [query_len, heads, R + P]
+        scores = torch.einsum("qhd,ld->hql", q_b.float(), entries.float()) * scale  # [heads, query_len, L]
+        scores = scores.masked_fill(~_causal_mask(seq_len, query_len, q.device), float("-inf"))
+        mixed = torch.einsum("hql,lr->qhr", scores.softmax(dim=-1), entries[:, :kv_lora_rank].float())
+        out[start:start + query_len] = mixed.to(q.dtype)
+    return out
+
+
+def _mla_decode_batch(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                      starts: list[int], rows: list[int], scale: float, kv_lora_rank: int, out: torch.Tensor,
+                      kv_scale: torch.Tensor | None) -> None:
+    """All single-query sequences at once: gather their blocks, mask past each length."""
+    device, block_size = q.device, cache.shape[1]
+    token_index = torch.tensor([starts[b] for b in rows], device=device)  # [B]
+    lens = torch.tensor([seq_lens[b] for b in rows], device=device)  # [B]
+    max_blocks = -(-max(seq_lens[b] for b in rows) // block_size)
+    tables = block_tables[torch.tensor(rows, device=device), :max_blocks].long().flatten()  # [B * max_blocks]
+    entries = _from_cache(cache.index_select(0, tables), torch.float32, kv_scale)
+    entries = entries.view(len(rows), max_blocks * block_size, cache.shape[2])  # [B, L, R + P]
+    valid = torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None]  # [B, L]
+    # a slot past a sequence's length may hold anything (NaN included): zero it before the products
+    entries = entries.masked_fill(~valid[..., None], 0.0)
+    scores = torch.einsum("bhd,bld->bhl", q[token_index].float(), entries) * scale  # [B, heads, L]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    out[token_index] = torch.einsum("bhl,blr->bhr", probs, entries[..., :kv_lora_rank]).to(q.dtype)
+
+
+def mla_expanded_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                           query_lens: list[int], w_kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int,
+                           scale: float, kv_scale: torch.Tensor | None = None,
+                           seqs: list[int] | None = None) -> torch.Tensor:
+    """The multi-head computation MLA stands for: q [T, heads, Dn + P] = [q_nope ‖ q_pe]; each cached entry
+    expands to per-head keys [k_nope ‖ k_pe] and values v, with [k_nope ‖ v] = c_kv @ w_kv_b^T per head
+    (w_kv_b [heads * (Dn + Dv), R], kv_b_proj's layout); causal softmax(scale * q . k) mixes of v: returns
+    [T, heads, Dv], rows of sequences not in seqs (None: all) zero."""
+    num_tokens, num_heads, qk_dim = q.shape
+    lat = w_kv_b.shape[1]
+    out = q.new_zeros((num_tokens, num_heads, v_head_dim))  # [T, heads, Dv]
+    start = 0
+    for b, query_len in enumerate(query_lens):
+        seq_len = seq_lens[b]
+        if query_len == 0 or seq_len == 0 or (seqs is not None and b not in seqs):
+            start += query_len
+            continue
+        entries = gather_latent(cache, block_tables[b], seq_len, q.dtype, kv_scale)  # [L, R + P]
+        kv = F.linear(entries[:, :lat], w_kv_b).view(seq_len, num_heads, qk_nope_head_dim + v_head_dim)
+        k_pe = entries[:, None, lat:].expand(seq_len, num_heads, qk_dim - qk_nope_head_dim)  # [L, heads, P]
+        k = torch.cat((kv[..., :qk_nope_head_dim], k_pe), dim=-1).transpose(0, 1)  # [heads, L, Dn + P]
+        v = kv[..., qk_nope_head_dim:].transpose(0, 1)  # [heads, L, Dv]
+        q_b = q[start:start + query_len].transpose(0, 1)  # [heads, query_len, Dn + P]
+        scores = (q_b.float() @ k.float().transpose(1, 2)) * scale  # [heads, query_len, L]
+        scores = scores.masked_fill(~_causal_mask(seq_len, query_len, q.device), float("-inf"))
+        out[start:start + query_len] = (scores.softmax(dim=-1) @ v.float()).transpose(0, 1).to(q.dtype)
+        start += query_len
+    return out
+
+
+def deinterleave_rope_rows(weight: torch.Tensor, num_heads: int, head_dim: int, rope_start: int,
+                           rope_dim: int) -> torch.Tensor:
+    """DeepSeek checkpoints lay the rope dims of each head out as interleaved pairs (x0, x1), (x2, x3), ...
+    each rotated by one frequency. Reordering those output rows of a projection [heads * head_dim, ...] to
+    [x0, x2, ..., x1, x3, ...] per head makes rotate-half rope (apply_rope) compute the same rotation, its output
+    in rotate-half order; q . k over the rope dims is unchanged, both sides getting the same order. Returns the
+    reordered rows (a new tensor); rows outside [rope_start, rope_start + rope_dim) of each head keep their place."""
+    order = torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))  # [P]
+    rows = torch.arange(num_heads * head_dim).view(num_heads, head_dim).clone()  # [heads, head_dim]
+    rows[:, rope_start:rope_start + rope_dim] = rows[:, rope_start:rope_start + rope_dim][:, order]
+    return weight.index_select(0, rows.flatten().to(weight.device))
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rope on x [T, heads, P]: pair i = (x[2i], x[2i+1]) rotated by the angle of
+    cos/sin [T, P] (rotate-half layout: columns i and i + P/2 hold pair i's angle); output in pair order."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # [T, 1, P/2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, heads, P/2]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+
+
 # --------------------------------------------------------------------------------------------
 # FP8 (e4m3): quantization, dequantization and the linear layer, as the Triton kernels and cuBLASLt compute them
 
