@@ -4,7 +4,9 @@ The cache of one layer is `[num_blocks, block_size, kv_lora_rank + rope_dim]`: o
 normalised latent c_kv followed by the rotated shared rope key k_pe (576 values for DeepSeek V2/V3), in the
 model dtype or fp8 e4m3 with one per-tensor scale. Every query head reads the same entry.
 
-- `write_latent`: store this step's [c_kv ‖ k_pe] rows at their slots.
+- `write_latent`: store this step's [c_kv ‖ k_pe] rows at their slots; `mla_prepare` does that from the kv_a
+  projection's rows in one launch with the kv_a RMSNorm and the rope of k_pe (interleaved or not), and rotates
+  q's rope dims in place.
 - `mla_attention`: absorbed attention. The caller folds W_UK into the query, q = [q_nope @ W_UK ‖ q_pe]
   [T, heads, R + P]; scores are q . entry over all R + P values, values are the latent part, and the output is
   the latent-space mix [T, heads, R] to which the caller applies W_UV. Decode rows run one program per (sequence,
@@ -40,6 +42,8 @@ from pagoda.kernels.paged_attention import (
     _store_rows,
     paged_attention,
 )
+from pagoda.kernels.qkv_prep import _rotate, _to_cache
+from pagoda.kernels.rope import _round_to, cos_sin_halves
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -135,6 +139,105 @@ def _check_scale(kv_scale: torch.Tensor | None, fp8: bool, device: torch.device)
     if fp8 and (kv_scale is None or kv_scale.shape != (1,) or kv_scale.dtype != torch.float32
                 or kv_scale.device != device):
         raise ValueError("an fp8 latent cache needs kv_scale as a [1] fp32 tensor on its device")
+
+
+@triton.jit
+def _rope_pairs(x_ptr, offs_c, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two halves a rope rotates, as fp32: (x[2i], x[2i+1]) interleaved, else (x[i], x[i + HALF])."""
+    if INTERLEAVED:
+        x1 = tl.load(x_ptr + 2 * offs_c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + 2 * offs_c + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(x_ptr + offs_c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF + offs_c, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _mla_prepare_kernel(q_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, positions_ptr, cache_ptr, slot_mapping_ptr,
+                        scale_ptr, eps, stride_qt, stride_qh, stride_at, stride_cos, stride_sin, stride_cb, stride_cs,
+                        NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, ROPE_OFFSET: tl.constexpr,
+                        LAT: tl.constexpr, LAT_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr):
+    """Grid (tokens, 2): program (t, 0) rotates token t's q rope dims in place (all heads); (t, 1) stores its cache
+    entry [rms_norm(c_kv) ‖ rope(k_pe)]. Roundings as reference.mla_prepare, step by step in q's dtype."""
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    token = tl.program_id(0).to(tl.int64)
+    row = tl.load(positions_ptr + token).to(tl.int64)
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HALF, HALF_P)  # [HALF_P] each
+    offs_c = tl.arange(0, HALF_P)
+    c_mask = offs_c < HALF
+    if tl.program_id(1) == 0:
+        offs_h = tl.arange(0, HEADS_P)
+        mask = (offs_h < NUM_HEADS)[:, None] & c_mask[None, :]  # [HEADS_P, HALF_P]
+        head_rows = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + ROPE_OFFSET
+        x1, x2 = _rope_pairs(head_rows, offs_c[None, :], mask, HALF, INTERLEAVED)
+        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DTYPE)
+        tl.store(head_rows + offs_c[None, :], o1.to(DTYPE), mask=mask)  # rotate-half order
+        tl.store(head_rows + HALF + offs_c[None, :], o2.to(DTYPE), mask=mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:  # else a padding token: nothing to store
+            a_row = kv_a_ptr + token * stride_at
+            offs_l = tl.arange(0, LAT_P)
+            l_mask = offs_l < LAT
+            lat = tl.load(a_row + offs_l, mask=l_mask, other=0.0).to(tl.float32)  # [LAT_P]
+            rstd = tl.rsqrt(tl.sum(lat * lat, 0) / LAT + eps)
+            weight = tl.load(norm_ptr + offs_l, mask=l_mask, other=0.0).to(tl.float32)
+            lat = _round_to(_round_to(lat * rstd, DTYPE) * weight, DTYPE)
+            x1, x2 = _rope_pairs(a_row + LAT, offs_c, c_mask, HALF, INTERLEAVED)  # [HALF_P] each
+            o1, o2 = _rotate(x1[None, :], x2[None, :], c1, c2, s1, s2, DTYPE)  # [1, HALF_P] each
+            entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            CACHE_DTYPE: tl.constexpr = cache_ptr.dtype.element_ty
+            tl.store(entry + offs_l, _to_cache(lat, scale_ptr, CACHE_DTYPE, FP8), mask=l_mask)
+            tl.store(entry + LAT + offs_c[None, :], _to_cache(o1, scale_ptr, CACHE_DTYPE, FP8), mask=c_mask[None, :])
+            tl.store(entry + LAT + HALF + offs_c[None, :], _to_cache(o2, scale_ptr, CACHE_DTYPE, FP8),
+                     mask=c_mask[None, :])
+
+
+def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                kv_scale: torch.Tensor | None = None, interleaved: bool = False) -> None:
+    """One launch for an MLA layer's attention inputs (reference.mla_prepare): q [T, heads, Dn + P] (a strided
+    view is fine) gets its last P dims rotated in place; kv_a [T, R + P] (the kv_a projection's rows) becomes the
+    cache entries [rms_norm(c_kv, kv_norm) ‖ rope(k_pe)] at slot_mapping (-1: skipped). cos/sin [max_pos, P] are
+    indexed by positions [T] (< max_pos, not checked). interleaved: DeepSeek's pairwise rope layout, rotated
+    into rotate-half order. An fp8 cache needs kv_scale [1] fp32."""
+    if q.dim() != 3 or kv_a.dim() != 2 or q.shape[0] != kv_a.shape[0]:
+        raise ValueError(f"q must be [T, heads, Dn + P] and kv_a [T, R + P], got {tuple(q.shape)} and "
+                         f"{tuple(kv_a.shape)}")
+    num_tokens, num_heads, qk_dim = q.shape
+    lat = kv_norm.shape[0]
+    rope = kv_a.shape[1] - lat
+    if kv_norm.dim() != 1 or rope <= 0 or rope % 2 or rope > qk_dim or rope > _MAX_ROPE_DIM or lat > _MAX_LATENT_DIM:
+        raise ValueError(f"kv_norm [R] must leave an even rope part of kv_a {tuple(kv_a.shape)} that fits q's "
+                         f"{qk_dim} dims, got R = {lat}")
+    if cache.dim() != 3 or cache.shape[2] != lat + rope or cache.stride(2) != 1 or cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"cache must be [num_blocks, block_size, {lat + rope}] float, contiguous rows, got "
+                         f"{tuple(cache.shape)} {cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or kv_a.dtype != q.dtype or \
+            kv_norm.dtype != q.dtype:
+        raise ValueError(f"q, kv_a and kv_norm must share a float dtype, got {q.dtype}, {kv_a.dtype}, {kv_norm.dtype}")
+    if q.stride(2) != 1 or kv_a.stride(1) != 1 or not kv_norm.is_contiguous():
+        raise ValueError("q, kv_a and kv_norm must be contiguous along their last dim")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != rope or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"cos and sin must both be [positions, {rope}] with contiguous rows")
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if index.shape != (num_tokens,) or index.dtype not in _INDEX_DTYPES or not index.is_contiguous():
+            raise ValueError(f"{name} must be [T={num_tokens}] int32/int64 contiguous, got {tuple(index.shape)}")
+    if not all(t.device == q.device for t in (kv_a, kv_norm, cos, sin, positions, cache, slot_mapping)):
+        raise ValueError(f"all tensors must be on q's device {q.device}")
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    _check_scale(kv_scale, fp8, q.device)
+    if num_tokens == 0:
+        return
+    half = rope // 2
+    _mla_prepare_kernel[(num_tokens, 2)](
+        q, kv_a, kv_norm, cos, sin, positions, cache, slot_mapping, kv_scale if fp8 else cos, eps,
+        q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(1),
+        NUM_HEADS=num_heads, HEADS_P=triton.next_power_of_2(num_heads), ROPE_OFFSET=qk_dim - rope, LAT=lat,
+        LAT_P=triton.next_power_of_2(lat), HALF=half, HALF_P=triton.next_power_of_2(half),
+        BLOCK_SIZE=cache.shape[1], INTERLEAVED=interleaved, FP8=fp8, num_warps=4)
 
 
 # ------------------------------------------------------------------------------------ absorbed attention

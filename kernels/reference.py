@@ -282,26 +282,33 @@ def mla_expanded_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
     return out
 
 
-def deinterleave_rope_rows(weight: torch.Tensor, num_heads: int, head_dim: int, rope_start: int,
-                           rope_dim: int) -> torch.Tensor:
-    """DeepSeek checkpoints lay the rope dims of each head out as interleaved pairs (x0, x1), (x2, x3), ...
-    each rotated by one frequency. Reordering those output rows of a projection [heads * head_dim, ...] to
-    [x0, x2, ..., x1, x3, ...] per head makes rotate-half rope (apply_rope) compute the same rotation, its output
-    in rotate-half order; q . k over the rope dims is unchanged, both sides getting the same order. Returns the
-    reordered rows (a new tensor); rows outside [rope_start, rope_start + rope_dim) of each head keep their place."""
-    order = torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))  # [P]
-    rows = torch.arange(num_heads * head_dim).view(num_heads, head_dim).clone()  # [heads, head_dim]
-    rows[:, rope_start:rope_start + rope_dim] = rows[:, rope_start:rope_start + rope_dim][:, order]
-    return weight.index_select(0, rows.flatten().to(weight.device))
-
-
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek's interleaved rope on x [T, heads, P]: pair i = (x[2i], x[2i+1]) rotated by the angle of
-    cos/sin [T, P] (rotate-half layout: columns i and i + P/2 hold pair i's angle); output in pair order."""
+    cos/sin [T, P] (rotate-half layout: columns i and i + P/2 hold pair i's angle). The output is in
+    rotate-half order, [rotated x[2i] for all i ‖ rotated x[2i+1] for all i], as transformers' DeepSeek-V3 has it;
+    q . k is the same in any order both sides share. Products rounded to x's dtype before the sums."""
     half = x.shape[-1] // 2
     c, s = cos[:, None, :half], sin[:, None, :half]  # [T, 1, P/2]
     x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, heads, P/2]
-    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                kv_scale: torch.Tensor | None = None, interleaved: bool = False) -> None:
+    """One MLA layer's attention inputs: the rope part (last P dims) of q [T, heads, Dn + P] rotated in place,
+    and the cache entries [rms_norm(c_kv) ‖ rope(k_pe)] of kv_a [T, R + P] (the kv_a projection's output)
+    written at slot_mapping (-1 skipped). cos/sin [max_pos, P] are indexed by positions [T]; interleaved: the
+    rope dims hold pairs (x[2i], x[2i+1]) (DeepSeek checkpoints), rotated into rotate-half order."""
+    lat = kv_norm.shape[0]
+    rope = kv_a.shape[1] - lat
+    pos_cos, pos_sin = cos[positions], sin[positions]  # [T, P] each
+    rotate = apply_rope_interleaved if interleaved else apply_rope
+    q_pe = q[..., q.shape[-1] - rope:]  # [T, heads, P] view
+    q_pe.copy_(rotate(q_pe, pos_cos, pos_sin))
+    kv_c = rms_norm(kv_a[:, :lat], kv_norm, eps)  # [T, R]
+    k_pe = rotate(kv_a[:, None, lat:], pos_cos, pos_sin)[:, 0]  # [T, P]
+    write_latent(kv_c, k_pe, cache, slot_mapping, kv_scale)
 
 
 # --------------------------------------------------------------------------------------------

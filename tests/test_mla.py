@@ -320,35 +320,70 @@ def test_mla_attention_rejects_bad_inputs() -> None:
         mla_attention(batch.q, batch.cache, *args, 32, config=replace(SMALL, block_h=3))
 
 
-# ---------------------------------------------------------------------------------------------- interleaved rope
+# ---------------------------------------------------------------------------------------------- rope, norm, write
 
 
-def test_deinterleaved_weights_with_rotate_half_rope_equal_interleaved_rope() -> None:
-    """DeepSeek checkpoints' interleaved rope equals rotate-half rope after reordering the projection's rope rows:
-    rotated q_pe, k_pe come out in rotate-half order, and every q . k is unchanged."""
-    num_tokens, num_heads, nope, rope, hidden = 5, 3, 8, 16, 32
-    head_dim = nope + rope
-    w_q = torch.randn(num_heads * head_dim, hidden, dtype=torch.float64)
-    w_k = torch.randn(rope, hidden, dtype=torch.float64)  # the shared rope key: one "head" of rope dims only
-    h = torch.randn(num_tokens, hidden, dtype=torch.float64)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope, 2, dtype=torch.float64) / rope))
-    positions = torch.tensor([0, 3, 17, 200, 4095])
-    cos, sin = ref.rope_cos_sin(inv_freq, positions, torch.float64)  # [T, P]
+def test_interleaved_rope_is_transformers_deepseek_rope() -> None:
+    """reference.apply_rope_interleaved is transformers' DeepSeek-V3 interleaved rope (same output order), and
+    gives DeepSeek-V2's complex-number rope up to an order both q and k share: equal scores."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
-    q = (h @ w_q.t()).view(num_tokens, num_heads, head_dim)
-    k = (h @ w_k.t()).view(num_tokens, 1, rope)
-    q_int = ref.apply_rope_interleaved(q[..., nope:], cos, sin)  # [T, heads, P] pair order
-    k_int = ref.apply_rope_interleaved(k, cos, sin)
+    num_tokens, num_heads, rope = 6, 3, 16
+    q, k = torch.randn(num_tokens, num_heads, rope), torch.randn(num_tokens, 1, rope)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
+    positions = torch.tensor([0, 1, 7, 100, 2047, 4096])
+    cos, sin = ref.rope_cos_sin(inv_freq, positions, torch.float32)  # [T, P]
+    ours_q, ours_k = ref.apply_rope_interleaved(q, cos, sin), ref.apply_rope_interleaved(k, cos, sin)
+    v3_q, v3_k = apply_rotary_pos_emb_interleave(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None],
+                                                 sin[None])  # [1, heads, T, P]
+    torch.testing.assert_close(ours_q, v3_q[0].transpose(0, 1))
+    torch.testing.assert_close(ours_k, v3_k[0].transpose(0, 1))
+    freqs_cis = torch.polar(torch.ones(num_tokens, rope // 2), positions.float()[:, None] * inv_freq)  # [T, P/2]
+    v2_q, v2_k = apply_rotary_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], freqs_cis[None])
+    scores = torch.einsum("thd,sd->ths", ours_q, ours_k[:, 0])
+    torch.testing.assert_close(scores, torch.einsum("htd,sd->ths", v2_q[0], v2_k[0, 0]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours_q, ref.apply_rope(q, cos, sin)), "interleaved is not rotate-half"
 
-    w_q2 = ref.deinterleave_rope_rows(w_q, num_heads, head_dim, nope, rope)
-    w_k2 = ref.deinterleave_rope_rows(w_k, 1, rope, 0, rope)
-    q2 = (h @ w_q2.t()).view(num_tokens, num_heads, head_dim)
-    k2 = (h @ w_k2.t()).view(num_tokens, 1, rope)
-    torch.testing.assert_close(q2[..., :nope], q[..., :nope])  # the nope part keeps its place
-    q_half = ref.apply_rope(q2[..., nope:], cos, sin)
-    k_half = ref.apply_rope(k2, cos, sin)
-    order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
-    torch.testing.assert_close(q_half, q_int[..., order])  # transformers' DeepSeek-V3 output order
-    scores_int = torch.einsum("thd,sd->ths", q_int, k_int[:, 0])
-    scores_half = torch.einsum("thd,sd->ths", q_half, k_half[:, 0])
-    torch.testing.assert_close(scores_half, scores_int)
+
+PREPARE_CASES = {
+    "fp32-interleaved": (torch.float32, torch.float32, True),
+    "fp32-rotate-half": (torch.float32, torch.float32, False),
+    "fp16-interleaved": (torch.float16, torch.float16, True),
+    "fp32-fp8-cache": (torch.float32, torch.float8_e4m3fn, True),
+}
+
+
+@pytest.mark.parametrize("name", list(PREPARE_CASES))
+def test_mla_prepare_matches_reference(name: str) -> None:
+    from pagoda.kernels.mla import mla_prepare
+
+    dtype, cache_dtype, interleaved = PREPARE_CASES[name]
+    num_tokens, num_heads, nope, rope, lat, num_blocks, bs = 5, 3, 8, 16, 40, 4, 4
+    q_proj = torch.randn(num_tokens, num_heads * (nope + rope) + 4).to(dtype)  # q is a strided view of it
+    kv_a = torch.randn(num_tokens, lat + rope).to(dtype)
+    norm = (1 + 0.1 * torch.randn(lat)).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
+    cos, sin = ref.rope_cos_sin(inv_freq, torch.arange(64), dtype)  # [64, P]
+    positions = torch.tensor([3, 0, 63, 17, 5])
+    slots = torch.tensor([0, 9, -1, 15, 4])
+    scale = torch.tensor([0.02]) if cache_dtype == torch.float8_e4m3fn else None
+    results = []
+    for fn, device in ((ref.mla_prepare, "cpu"), (mla_prepare, DEVICE)):
+        proj = q_proj.clone().to(device)
+        q = proj[:, :num_heads * (nope + rope)].view(num_tokens, num_heads, nope + rope)
+        cache = torch.zeros(num_blocks, bs, lat + rope, dtype=cache_dtype, device=device)
+        fn(q, kv_a.to(device), norm.to(device), 1e-6, cos.to(device), sin.to(device), positions.to(device), cache,
+           slots.to(device), None if scale is None else scale.to(device), interleaved)
+        results.append((proj.cpu(), cache.cpu()))
+    (ref_proj, ref_cache), (our_proj, our_cache) = results
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(our_proj.float(), ref_proj.float(), rtol=tol, atol=tol)
+    assert torch.equal(our_proj[:, -4:], q_proj[:, -4:]), "columns past q must stay"
+    assert torch.equal(our_proj[:, :nope], q_proj[:, :nope]), "q's nope dims must stay"
+    if cache_dtype == torch.float8_e4m3fn:  # one e4m3 step apart at most where fp32 sums round differently
+        diff = (our_cache.float() - ref_cache.float()).abs()
+        assert (diff <= 0.0625 * ref_cache.float().abs().clamp(min=1)).all()
+    else:
+        torch.testing.assert_close(our_cache.float(), ref_cache.float(), rtol=tol, atol=tol)
+    assert our_cache.view(-1, lat + rope)[[1, 2, 3]].float().abs().sum() == 0, "only the given slots are written"
