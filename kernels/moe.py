@@ -262,6 +262,11 @@ def config_file_name(num_experts: int, intermediate: int, hidden: int, dtype: st
     return f"E={num_experts},I={intermediate},H={hidden},dtype={dtype},device={device},triton={triton.__version__}.json"
 
 
+@lru_cache(maxsize=16)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 @lru_cache(maxsize=64)
 def _tuned_table(file_name: str) -> dict[int, dict[str, TileConfig]] | None:
     path = CONFIG_DIR / file_name
@@ -277,7 +282,7 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
     """(gate_up tile, down tile) for this shape: the tuned table's nearest bucket, else the default."""
     if device.type == "cuda":
         name = config_file_name(num_experts, intermediate, hidden, str(dtype).removeprefix("torch."),
-                                torch.cuda.get_device_name(device))
+                                _device_name(device.index))
         table = _tuned_table(name)
         if table:
             bucket = min(table, key=lambda b: abs(math.log2(b) - math.log2(_bucket(num_tokens))))
