@@ -43,6 +43,35 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int,
     return weights, ids.to(torch.int32)
 
 
+def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                       num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None, renormalize: bool,
+                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeekMoE routing, router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int32).
+    Scores: softmax (V2) or sigmoid (V3) in fp32; experts are chosen by score + correction_bias [E] (V3's
+    e_score_correction_bias; None: 0). "greedy": the k best of all experts; "group_limited_greedy" (V2) and
+    "noaux_tc" (V3): only experts of the topk_groups best of num_groups equal groups, a group ranked by its best
+    choice score (V2) or the sum of its two best (V3). The weights are the chosen experts' scores (never the bias),
+    renormalised to sum 1 if asked, then times routed_scaling_factor. Semantics of reference.route_grouped_topk."""
+    num_tokens, num_experts = router_logits.shape
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
+    if topk_method != "greedy":
+        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)  # [T, G, E / G]
+        if topk_method == "noaux_tc":
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        groups = group_scores.topk(topk_groups, dim=-1).indices  # [T, topk_groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)  # [T, G]
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
+    ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
 # ---------------------------------------------------------------- alignment
 
 

@@ -541,6 +541,34 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     return token_ids
 
 
+def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                       num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None, renormalize: bool,
+                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeekMoE routing token by token, as DeepSeek-V2 / V3 describe it (kernels/moe.route_grouped_topk is the
+    batched form): scores (softmax or sigmoid), choice scores (+ bias), the allowed groups, the k best allowed
+    experts by choice score, their scores as weights (renormalised if asked) times the scaling factor. Returns
+    (weights [T, k] fp32, ids [T, k] int32), experts in descending choice order."""
+    num_tokens, num_experts = router_logits.shape
+    group_size = num_experts // num_groups
+    all_weights, all_ids = [], []
+    for logits in router_logits.float():
+        scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)  # [E]
+        choice = (scores + correction_bias.float() if correction_bias is not None else scores).tolist()
+        allowed = list(range(num_experts))
+        if topk_method != "greedy":
+            members = [sorted(choice[g * group_size:(g + 1) * group_size], reverse=True) for g in range(num_groups)]
+            rank = [sum(m[:2]) if topk_method == "noaux_tc" else m[0] for m in members]  # [G]
+            best_groups = sorted(range(num_groups), key=lambda g: rank[g], reverse=True)[:topk_groups]
+            allowed = [e for e in allowed if e // group_size in best_groups]
+        chosen = sorted(allowed, key=lambda e: choice[e], reverse=True)[:top_k]
+        weights = scores[chosen]  # [k]
+        if renormalize:
+            weights = weights / (weights.sum() + 1e-20)
+        all_weights.append(weights * routed_scaling_factor)
+        all_ids.append(chosen)
+    return torch.stack(all_weights), torch.tensor(all_ids, dtype=torch.int32)
+
+
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                 w_down_scale: torch.Tensor | None = None, group_k: int | None = None) -> torch.Tensor:
