@@ -293,15 +293,52 @@ def test_v3_fp8_block_checkpoint_loads_as_it_ships(tmp_path: Path) -> None:
     # teacher-forced: every prompt token's logprob under both models (greedy paths of a tiny random model part at
     # the first near tie, so tokens would compare FP8 noise, not the loading)
     prompt = _prompts([60], seed=4)[0]
-    ours, theirs = (_prompt_logprobs(tmp_path / name, prompt) for name in ("fp8", "deq"))
+    ours, theirs = (_prompt_logprobs(tmp_path / name, prompt)[0] for name in ("fp8", "deq"))
     diff = (ours - theirs).abs()
     assert diff.mean() < 0.08 and diff.max() < 0.5, (diff.mean(), diff.max())  # a wrong weight: O(1)
 
 
-def _prompt_logprobs(folder: Path, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt) - 1] logprobs of prompt tokens 1.. under the model."""
-    llm = LLM(str(folder), dtype="float32")
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_fp8_latent_cache_close_to_fp32(tmp_path: Path, calibrate: bool) -> None:
+    """--kv-cache-dtype fp8: e4m3 latent entries (one per-tensor scale a layer: 1, or calibrated from the first
+    prefill), prompt scored in two chunks so the second attends to fp8 entries of the first; teacher-forced logprobs
+    within FP8 noise of the fp32 cache."""
+    folder = _v3(tmp_path)
+    prompt = _prompts([60], seed=7)[0]
+    base, _ = _prompt_logprobs(folder, prompt)
+    ours, llm = _prompt_logprobs(folder, prompt, kv_cache_dtype="fp8", kv_scale_calibration=calibrate,
+                                 max_num_batched_tokens=32)
+    scales = [layer.k_scale.item() for layer in llm.engine.runner.model.layers]
+    assert all(scale != 1.0 for scale in scales) if calibrate else scales == [1.0] * len(scales)
+    diff = (ours - base).abs()
+    assert diff.mean() < 0.08 and diff.max() < 0.5, (diff.mean(), diff.max())
+
+
+def _prompt_logprobs(folder: Path, prompt: list[int], **engine_args) -> tuple[torch.Tensor, LLM]:  # noqa: ANN003
+    """[len(prompt) - 1] logprobs of prompt tokens 1.. under the model, and the engine."""
+    llm = LLM(str(folder), dtype="float32", **engine_args)
     output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
     assert output.prompt_logprobs is not None
-    return torch.tensor([entry[token] for entry, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
-                         if entry is not None])
+    logprobs = [entry[token] for entry, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
+                if entry is not None]
+    return torch.tensor(logprobs), llm
+
+
+def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny-deepseek-v3 (dummy weights) with the Triton kernels (interpreter on CPU) against the reference ops:
+    the same logits through chunked prefill, prefix hits and decode, with chunks of >= 16 queries expanded."""
+    from pagoda.kernels.mla import ExpandPolicy
+    from pagoda.services.worker.models import deepseek
+    from tests.test_model_kernels import _run
+
+    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16))
+    generator = torch.Generator().manual_seed(12)
+    shared = torch.randint(3, 500, (32,), generator=generator).tolist()
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (3, 20, 41)]
+    prompts += [shared + [7, 8, 9], shared + [10, 11]]  # the second reuses the first's cached blocks
+    ref_tokens, ref_logits = _run("reference", "tiny-deepseek-v3", prompts, budget=24)
+    tri_tokens, tri_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=24)
+    assert tri_tokens == ref_tokens
+    assert len(tri_logits) == len(ref_logits)
+    for ours, expected in zip(tri_logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, expected, atol=2e-4, rtol=1e-4)
