@@ -29,23 +29,34 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CANDIDATES = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
     (16, 64, 64, 1, 4, 5), (32, 64, 128, 4, 4, 4), (32, 128, 64, 4, 4, 4), (64, 64, 64, 8, 4, 4),
-    (64, 128, 64, 8, 8, 4), (64, 128, 64, 1, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3),
-    (64, 256, 64, 8, 8, 3),
+    (64, 128, 64, 8, 8, 4), (64, 128, 64, 1, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 1, 8, 4),
+    (64, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4), (64, 128, 128, 8, 8, 2), (128, 128, 32, 8, 8, 5),
+    (32, 64, 256, 1, 4, 3), (16, 128, 256, 1, 4, 3),
 ]
 
 
 def _time_ms(fn: Any, reps: int = 20) -> float:  # noqa: ANN401
-    """Median of CUDA-event timings of `reps` calls (after two warm-up calls)."""
-    for _ in range(2):
-        fn()
+    """Median device time of `fn` replayed from a CUDA graph, as decode steps run it (no host time between the
+    launches): fn runs once eagerly (compiles), is captured, then each of `reps` timings replays it 5 times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # warm the graph pool's allocations on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    graph.replay()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(5):
+            graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / 5)
     return sorted(times)[len(times) // 2]
 
 
@@ -96,7 +107,8 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
                     best[which] = (ms, tile)
         tiles = (best["gate_up"][1], best["down"][1])
         table[num_tokens] = {"gate_up": asdict(tiles[0]), "down": asdict(tiles[1])}
-        rows.append(_measure(x, w_gate_up, w_down, weights, ids, tiles, arch, num_tokens))
+        rows.append(_measure(x, w_gate_up, w_down, weights, ids, tiles, arch, num_tokens,
+                             (best["gate_up"][0], best["down"][0])))
         print(json.dumps(rows[-1]), flush=True)
     return {"shape": name, "table": table, "rows": rows,
             "file": moe.config_file_name(e, i, h, str(dtype).removeprefix("torch."), torch.cuda.get_device_name())}
@@ -104,7 +116,7 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
 
 def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
              ids: torch.Tensor, tiles: tuple[moe.TileConfig, moe.TileConfig], arch: Any,
-             num_tokens: int) -> dict[str, Any]:
+             num_tokens: int, best_ms: tuple[float, float]) -> dict[str, Any]:
     """The whole tuned layer (both GEMMs, alignment, top-k sum): time, bandwidth on the experts it reads, matmul
     rate, and its error against the reference."""
     spec = arch.moe
@@ -120,6 +132,7 @@ def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, wei
             "hbm_fraction": round(expert_bytes / (ms * 1e-3) / HBM_BYTES_PER_S, 3),
             "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
             "matmul_fraction": round(flops / (ms * 1e-3) / MATMUL_FLOPS, 3), "rel_err": rel_err,
+            "gate_up_ms": round(best_ms[0], 4), "down_ms": round(best_ms[1], 4),
             "gate_up_tile": asdict(tiles[0]), "down_tile": asdict(tiles[1])}
 
 

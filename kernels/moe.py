@@ -126,10 +126,14 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 @triton.jit
 def _load_weight_tile(w_ptrs, scale_ptrs, k_left, offs_k, n_mask, k0, IS_FP8: tl.constexpr,
-                      GROUP_K: tl.constexpr, stride_sg, compute_dtype: tl.constexpr):
+                      GROUP_K: tl.constexpr, stride_sg, compute_dtype: tl.constexpr, EVEN_K: tl.constexpr,
+                      EVEN_N: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile in the activation dtype (e4m3 converted and scaled in registers)."""
-    mask = (offs_k[:, None] < k_left) & n_mask[None, :]
-    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    if EVEN_K and EVEN_N:
+        w = tl.load(w_ptrs)
+    else:
+        mask = (offs_k[:, None] < k_left) & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
     if IS_FP8:
         scale = tl.load(scale_ptrs + (k0 // GROUP_K) * stride_sg, mask=n_mask, other=0.0)  # [BLOCK_N]
         w = (w.to(tl.float32) * scale[None, :]).to(compute_dtype)
@@ -145,7 +149,7 @@ def _moe_gemm_kernel(
         A_ROWS_PER_PAIR: tl.constexpr,  # top_k when A is indexed by token (pair // top_k), 1 when by pair
         FUSE_SILU: tl.constexpr,  # W holds [gate; up] rows (N each): out = silu(x @ gate.T) * (x @ up.T)
         MUL_WEIGHT: tl.constexpr,  # scale each output row by its pair's routing weight
-        IS_FP8: tl.constexpr, GROUP_K: tl.constexpr,
+        IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out[pair, n] = act(A[row(pair)] @ W[expert(pair)].T)[n] for the BLOCK_M pairs of one tile."""
     pid = tl.program_id(0)
@@ -182,13 +186,16 @@ def _moe_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_left = K - k0
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w = _load_weight_tile(w_ptrs, s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
-                              compute_dtype)
+                              compute_dtype, EVEN_K, EVEN_N)
         acc += tl.dot(a, w)
         if FUSE_SILU:
             up = _load_weight_tile(up_ptrs, up_s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
-                                   compute_dtype)
+                                   compute_dtype, EVEN_K, EVEN_N)
             acc_up += tl.dot(a, up)
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
@@ -234,7 +241,7 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s,
         out.stride(0), out.stride(1),
         A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None,
-        IS_FP8=is_fp8, GROUP_K=group_k or k,
+        IS_FP8=is_fp8, GROUP_K=group_k or k, EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
 
