@@ -82,11 +82,9 @@ if has serve; then
 fi
 
 if has moe-tune; then
-  timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_moe.py 2>&1 | tail -2
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_moe.py -k "half or fp8" 2>&1 | tail -4
   timeout 540 python3 -m pagoda.bench.moe_tune --shapes "$(echo ${MOE_SHAPES:-qwen3-30b-a3b mixtral-8x7b} | tr ' ' ,)" \
-    --write --out "$OUT/moe_tune.json" 2>&1 | grep -v '^{' | tail -40
-  mkdir -p "$OUT/moe_configs"  # the installed package's folder, where the run time reads them
-  cp "$(python3 -c 'from pagoda.kernels import moe; print(moe.CONFIG_DIR)')"/*.json "$OUT/moe_configs/"
+    --write --out "$OUT/moe_tune.json" 2>&1 | grep -v '^{' | tail -40  # its "table" entries: the tiles to commit
 fi
 if has moe; then
   for shape in ${MOE_SHAPES:-qwen3-30b-a3b mixtral-8x7b}; do

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -132,9 +133,42 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + num_experts * (block_m - 1)
 
 
+# Above this many pairs the one-program Triton alignment (serial atomics) loses to a sort over the whole GPU.
+ALIGN_SORT_MIN_PAIRS = 4096
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """topk_ids [T, k] int32 -> the pairs grouped by expert in block_m tiles (shapes fixed by T, k, E, block_m)."""
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
+    if topk_ids.numel() > ALIGN_SORT_MIN_PAIRS:
+        return align_pairs_sorted(topk_ids, num_experts, block_m)
+    return align_pairs_triton(topk_ids, num_experts, block_m)
+
+
+def align_pairs_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The same layout from a stable sort and prefix sums (no host sync; the order inside a run is the pair order)."""
+    flat = topk_ids.view(-1).long()  # [P]
+    num_pairs = flat.numel()
+    device = flat.device
+    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
+    max_tiles = -(-max_padded // block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = padded.cumsum(0)  # [E]
+    order = torch.sort(flat, stable=True).indices  # [P]: pair ids grouped by expert
+    experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[experts]  # place inside the run
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[(run_end - padded)[experts] + rank] = order.to(torch.int32)
+    tile_starts = torch.arange(max_tiles, device=device) * block_m  # [max_tiles]
+    tile_experts = torch.searchsorted(run_end, tile_starts, right=True)
+    tile_experts = torch.where(tile_starts < run_end[-1], tile_experts, -1).to(torch.int32)
+    return Alignment(sorted_pairs, tile_experts, run_end[-1:].to(torch.int32), block_m)
+
+
+def align_pairs_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The layout from one Triton program (few pairs: decode batches)."""
     num_pairs = topk_ids.numel()
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     max_tiles = -(-max_padded // block_m)
@@ -155,10 +189,14 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 @triton.jit
 def _load_weight_tile(w_ptrs, scale_ptrs, k_left, offs_k, n_mask, k0, IS_FP8: tl.constexpr,
-                      GROUP_K: tl.constexpr, stride_sg, compute_dtype: tl.constexpr):
+                      GROUP_K: tl.constexpr, stride_sg, compute_dtype: tl.constexpr, EVEN_K: tl.constexpr,
+                      EVEN_N: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile in the activation dtype (e4m3 converted and scaled in registers)."""
-    mask = (offs_k[:, None] < k_left) & n_mask[None, :]
-    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    if EVEN_K and EVEN_N:
+        w = tl.load(w_ptrs)
+    else:
+        mask = (offs_k[:, None] < k_left) & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
     if IS_FP8:
         scale = tl.load(scale_ptrs + (k0 // GROUP_K) * stride_sg, mask=n_mask, other=0.0)  # [BLOCK_N]
         w = (w.to(tl.float32) * scale[None, :]).to(compute_dtype)
@@ -174,7 +212,7 @@ def _moe_gemm_kernel(
         A_ROWS_PER_PAIR: tl.constexpr,  # top_k when A is indexed by token (pair // top_k), 1 when by pair
         FUSE_SILU: tl.constexpr,  # W holds [gate; up] rows (N each): out = silu(x @ gate.T) * (x @ up.T)
         MUL_WEIGHT: tl.constexpr,  # scale each output row by its pair's routing weight
-        IS_FP8: tl.constexpr, GROUP_K: tl.constexpr,
+        IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out[pair, n] = act(A[row(pair)] @ W[expert(pair)].T)[n] for the BLOCK_M pairs of one tile."""
     pid = tl.program_id(0)
@@ -211,13 +249,16 @@ def _moe_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_left = K - k0
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w = _load_weight_tile(w_ptrs, s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
-                              compute_dtype)
+                              compute_dtype, EVEN_K, EVEN_N)
         acc += tl.dot(a, w)
         if FUSE_SILU:
             up = _load_weight_tile(up_ptrs, up_s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
-                                   compute_dtype)
+                                   compute_dtype, EVEN_K, EVEN_N)
             acc_up += tl.dot(a, up)
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
@@ -232,6 +273,83 @@ def _moe_gemm_kernel(
         acc = acc.to(compute_dtype).to(tl.float32) * weight[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_gemv_kernel(
+        a_ptr, w_ptr, scale_ptr, out_ptr, topk_ids_ptr, topk_weights_ptr, N, K,
+        stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
+        stride_om, stride_on,
+        A_ROWS_PER_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Few pairs (decode at small batch): one program per (pair, BLOCK_N columns) reads its expert's rows once; no
+    alignment and no padded rows. Same arithmetic as _moe_gemm_kernel."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    row = (pair // A_ROWS_PER_PAIR).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row * stride_am + offs_k * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+    s_ptrs = scale_ptr + expert * stride_se + offs_n * stride_sn
+    compute_dtype: tl.constexpr = a_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs).to(tl.float32)
+            w_mask = n_mask[:, None]
+        else:
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        if IS_FP8:
+            w = (w * tl.load(s_ptrs + (k0 // GROUP_K) * stride_sg, mask=n_mask, other=0.0)[:, None]).to(
+                compute_dtype).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+        if FUSE_SILU:
+            up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0).to(tl.float32)
+            if IS_FP8:
+                up = (up * tl.load(s_ptrs + N * stride_sn + (k0 // GROUP_K) * stride_sg, mask=n_mask,
+                                   other=0.0)[:, None]).to(compute_dtype).to(tl.float32)
+            acc_up += tl.sum(up * a[None, :], axis=1)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if FUSE_SILU:
+        gate = acc.to(compute_dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(compute_dtype).to(tl.float32) * acc_up.to(compute_dtype).to(
+            tl.float32)
+    if MUL_WEIGHT:
+        acc = acc.to(compute_dtype).to(tl.float32) * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _moe_gemv(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, group_k: int,
+              topk_ids: torch.Tensor, out: torch.Tensor, rows_per_pair: int, fuse_silu: bool,
+              topk_weights: torch.Tensor | None, tile: GemvConfig) -> None:
+    n = w.shape[1] // 2 if fuse_silu else w.shape[1]
+    k = w.shape[2]
+    is_fp8 = w.dtype == torch.float8_e4m3fn
+    stride_s = w_scale.stride() if is_fp8 and w_scale is not None else (0, 0, 0)
+    grid = (topk_ids.numel(), triton.cdiv(n, tile.block_n))
+    _moe_gemv_kernel[grid](
+        a, w, w_scale if is_fp8 else out, out, topk_ids, topk_weights if topk_weights is not None else out, n, k,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s, out.stride(0), out.stride(1),
+        A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, IS_FP8=is_fp8,
+        GROUP_K=group_k, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +381,7 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s,
         out.stride(0), out.stride(1),
         A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None,
-        IS_FP8=is_fp8, GROUP_K=group_k or k,
+        IS_FP8=is_fp8, GROUP_K=group_k or k, EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
 
@@ -276,8 +394,19 @@ def _bucket(num_tokens: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(num_tokens, 1))))
 
 
+Tiles = tuple[TileConfig, TileConfig] | tuple[GemvConfig, GemvConfig]
+
+
+def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> Tiles:
+    """Reasonable tiles for any shape: GEMVs for a few pairs spread over many experts, else the grouped GEMM."""
+    if num_tokens * top_k <= 16 and 4 * num_tokens * top_k <= num_experts:
+        return GemvConfig(), GemvConfig()
+    tile = default_tile(num_tokens, top_k, num_experts)
+    return tile, tile
+
+
 def default_tile(num_tokens: int, top_k: int, num_experts: int) -> TileConfig:
-    """A reasonable tile for any shape: small row tiles when experts see few tokens each."""
+    """A reasonable grouped-GEMM tile: small row tiles when experts see few tokens each."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 4:
         return TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
@@ -296,29 +425,39 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+def tiles_from_json(entry: dict[str, Any]) -> Tiles:
+    """A table entry: {"gate_up": tile, "down": tile}, or {"kind": "gemv", ...} for the GEMV path."""
+    kind = GemvConfig if entry.get("kind") == "gemv" else TileConfig
+    return kind(**entry["gate_up"]), kind(**entry["down"])  # type: ignore[return-value]
+
+
+def tiles_to_json(tiles: Tiles) -> dict[str, Any]:
+    entry: dict[str, Any] = {"gate_up": asdict(tiles[0]), "down": asdict(tiles[1])}
+    if isinstance(tiles[0], GemvConfig):
+        entry["kind"] = "gemv"
+    return entry
+
+
 @lru_cache(maxsize=64)
-def _tuned_table(file_name: str) -> dict[int, dict[str, TileConfig]] | None:
+def _tuned_table(file_name: str) -> dict[int, Tiles] | None:
     path = CONFIG_DIR / file_name
     if not path.is_file():
         log.info("no tuned MoE tiles %s: default tiles (bench/moe_tune.py writes them)", file_name)
         return None
     raw = json.loads(path.read_text())
-    return {int(bucket): {name: TileConfig(**tile) for name, tile in tiles.items()} for bucket, tiles in raw.items()}
+    return {int(bucket): tiles_from_json(entry) for bucket, entry in raw.items()}
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int, hidden: int,
-               dtype: torch.dtype, device: torch.device) -> tuple[TileConfig, TileConfig]:
+               dtype: torch.dtype, device: torch.device) -> Tiles:
     """(gate_up tile, down tile) for this shape: the tuned table's nearest bucket, else the default."""
     if device.type == "cuda":
         name = config_file_name(num_experts, intermediate, hidden, str(dtype).removeprefix("torch."),
                                 _device_name(device.index))
         table = _tuned_table(name)
         if table:
-            bucket = min(table, key=lambda b: abs(math.log2(b) - math.log2(_bucket(num_tokens))))
-            entry = table[bucket]
-            return entry["gate_up"], entry["down"]
-    tile = default_tile(num_tokens, top_k, num_experts)
-    return tile, tile
+            return table[min(table, key=lambda b: abs(math.log2(b) - math.log2(_bucket(num_tokens))))]
+    return default_tiles(num_tokens, top_k, num_experts)
 
 
 # ---------------------------------------------------------------- the layer
@@ -327,7 +466,7 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                   w_down_scale: torch.Tensor | None = None, group_k: int | None = None,
-                  tiles: tuple[TileConfig, TileConfig] | None = None) -> torch.Tensor:
+                  tiles: Tiles | None = None) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]; topk_weights [T, k] fp32;
@@ -340,14 +479,17 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     _check_experts(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, group_k)
     if tiles is None:
         tiles = pick_tiles(num_tokens, top_k, num_experts, inter, hidden, x.dtype, x.device)
+    num_pairs = num_tokens * top_k
+    topk_ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous().view(-1)  # [T * k]
+    if isinstance(tiles[0], GemvConfig):
+        return _fused_experts_gemv(x, w_gate_up, w_down, weights, topk_ids, w_gate_up_scale, w_down_scale,
+                                   group_k, tiles)
     up_tile, down_tile = tiles
     fp8_block_k = group_k if w_gate_up.dtype == torch.float8_e4m3fn else None
     if fp8_block_k is not None:  # a K-tile must stay inside one scale group
         up_tile = _fit_block_k(up_tile, fp8_block_k, hidden)
         down_tile = _fit_block_k(down_tile, fp8_block_k, inter)
-    num_pairs = num_tokens * top_k
-    topk_ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous().view(-1)  # [T * k]
     align_up = align_pairs(topk_ids, num_experts, up_tile.block_m)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
     _moe_gemm(x, w_gate_up, w_gate_up_scale, _group(group_k, hidden), align_up, act, num_pairs, top_k, True, None,
@@ -360,12 +502,41 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
 
 
+def _fused_experts_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                        topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None,
+                        w_down_scale: torch.Tensor | None, group_k: int | None,
+                        tiles: tuple[GemvConfig, GemvConfig]) -> torch.Tensor:
+    """Few pairs: one GEMV per (pair, column block), no alignment."""
+    (num_tokens, hidden), top_k = x.shape, topk_ids.shape[1]
+    inter = w_down.shape[2]
+    num_pairs = num_tokens * top_k
+    up_tile, down_tile = tiles
+    if w_gate_up.dtype == torch.float8_e4m3fn and group_k is not None:
+        up_tile = _fit_gemv_block_k(up_tile, group_k, hidden)
+        down_tile = _fit_gemv_block_k(down_tile, group_k, inter)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
+    _moe_gemv(x, w_gate_up, w_gate_up_scale, _group(group_k, hidden), topk_ids, act, top_k, True, None, up_tile)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
+    _moe_gemv(act, w_down, w_down_scale, _group(group_k, inter), topk_ids, out, 1, False, weights, down_tile)
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
+
+
+def _fit_gemv_block_k(tile: GemvConfig, group_k: int, k: int) -> GemvConfig:
+    if group_k >= k:
+        return tile
+    block_k = min(tile.block_k, group_k)
+    assert group_k % block_k == 0, f"FP8 scale group {group_k} is not a multiple of {block_k}"
+    return GemvConfig(tile.block_n, block_k, tile.num_warps, tile.num_stages)
+
+
 def _group(group_k: int | None, k: int) -> int:
     return k if group_k is None else group_k
 
 
 def _fit_block_k(tile: TileConfig, group_k: int, k: int) -> TileConfig:
-    group = min(group_k, k)
+    if group_k >= k:
+        return tile
+    group = group_k
     block_k = tile.block_k
     while group % block_k and block_k > 16:
         block_k //= 2

@@ -224,6 +224,26 @@ class ModelRunner:
         for num_splits in (1, 2, 4, 8, 16):  # pick_num_splits' values; one sequence of 64 keys a split gets each
             if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
                 self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
+        self.warm_up_experts()
+
+    @torch.inference_mode()
+    def warm_up_experts(self) -> None:
+        """Mixture-of-experts: the fused kernel's tiles change with the token count's power-of-two bucket; run one
+        sparse layer's experts once per bucket a step can have, so each tile variant compiles now."""
+        sparse = next((layer.mlp for layer in self.model.layers if getattr(layer, "mlp", None) is not None), None)
+        if sparse is None:
+            return
+        max_tokens = self.config.resolved_max_num_batched_tokens(self.device.type)
+        num_experts, top_k = sparse.moe.num_experts, sparse.moe.top_k
+        num_tokens = 1
+        while num_tokens <= max_tokens:
+            x = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)  # [T, H]
+            ids = (torch.arange(num_tokens * top_k, device=self.device) % num_experts).to(torch.int32)
+            weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=self.device)  # [T, k]
+            group = sparse.fp8.group_size if sparse.fp8 is not None else None
+            self.model.ops.moe_experts(x, sparse.w_gate_up, sparse.w_down, weights, ids.view(num_tokens, top_k),
+                                       sparse.w_gate_up_scale, sparse.w_down_scale, group)
+            num_tokens *= 2
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
