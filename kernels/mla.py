@@ -50,19 +50,27 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_LATENT_DIM = 1024
 _MAX_ROPE_DIM = 256
 _MAX_SPLITS = 16
-# Chunks of at least this many queries take the expanded path (a FLOP estimate until bench/mla_prefill.py
-# measures the crossover on the target GPU; see the module docstring).
+# Chunks of at least this many queries take the expanded path (a FLOP estimate until bench/mla_bench.py
+# --parts prefill measures the crossover on the target GPU; see the module docstring).
 EXPAND_MIN_QUERY_LEN = 256
-# Most latent rows one expanded launch gathers and expands (per-head K and V of these rows are materialised:
-# L x heads x 2 max(Dn + P, Dv) values); longer sequences stay on the absorbed path, which needs no workspace.
-EXPAND_MAX_ROWS = 32768
+# The expanded path materialises per-head K and V of every latent row it expands (rows x heads x 2 max(Dn + P, Dv)
+# values): one launch holds at most this many bytes of them, and a sequence whose context would need more stays on
+# the absorbed path, which needs no workspace. 1 GiB: 87k rows of DeepSeek-V2-Lite (16 heads), 10.9k of V3 (128).
+EXPAND_WORKSPACE_BYTES = 1 << 30
+EXPAND_MAX_ROWS = 32768  # the default bound when no head count is known
 _NO_LIMIT = 2**31 - 1
+
+
+def expand_max_rows(num_heads: int, qk_head_dim: int, v_head_dim: int, itemsize: int,
+                    workspace_bytes: int = EXPAND_WORKSPACE_BYTES) -> int:
+    """Latent rows whose expanded K and V fit the workspace."""
+    return max(1, workspace_bytes // (2 * num_heads * max(qk_head_dim, v_head_dim) * itemsize))
 
 
 @dataclass(frozen=True, slots=True)
 class ExpandPolicy:
     """Which chunks take the expanded path: at least min_query_len (>= 2) queries, in a sequence of at most
-    max_seq_len tokens (its whole context is expanded at once)."""
+    max_seq_len tokens (its whole context is expanded at once; see expand_max_rows)."""
 
     min_query_len: int = EXPAND_MIN_QUERY_LEN
     max_seq_len: int = EXPAND_MAX_ROWS
@@ -258,7 +266,7 @@ class MLAConfig:
     decode_num_stages: int = 2
     prefill_block_m: int = 32  # rows of a chunk tile (power of two >= 16 and >= block_h)
     prefill_tile_n: int = 32
-    prefill_num_warps: int = 4
+    prefill_num_warps: int = 8  # a [32, 512] fp32 accumulator: 64 registers a thread with 8 warps
     prefill_num_stages: int = 2
     heads_fast: bool = True  # grid axis 0 = head block: a sequence's head blocks run side by side (L2 reuse)
 

@@ -95,9 +95,9 @@ def triton_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
 
 def reference_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],
                          w_kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int, scale: float,
-                         out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+                         out: torch.Tensor, kv_scale: torch.Tensor | None = None, max_rows: int = 0) -> None:
     """The chunks of sequences `seqs` by expanded multi-head attention: q [T, heads, Dn + P] un-absorbed; their rows
-    of out [T, heads, Dv] are written (PyTorch reference)."""
+    of out [T, heads, Dv] are written (PyTorch reference, one sequence at a time: max_rows does not apply)."""
     expanded = ref.mla_expanded_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host,
                                           w_kv_b, qk_nope_head_dim, v_head_dim, scale, kv_scale, seqs)
     starts = [0]
@@ -109,11 +109,13 @@ def reference_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMe
 
 def triton_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],
                       w_kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int, scale: float,
-                      out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
-    from pagoda.kernels.mla import mla_expanded_attention
+                      out: torch.Tensor, kv_scale: torch.Tensor | None = None, max_rows: int = 0) -> None:
+    """The same with gathered, expanded K/V and the paged kernel, in launches of at most max_rows latent rows
+    (0: kernels/mla's default)."""
+    from pagoda.kernels.mla import EXPAND_MAX_ROWS, mla_expanded_attention
 
     mla_expanded_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, seqs, w_kv_b,
-                           qk_nope_head_dim, v_head_dim, scale, out, kv_scale)
+                           qk_nope_head_dim, v_head_dim, scale, out, kv_scale, max_rows or EXPAND_MAX_ROWS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import reference as ref
-from pagoda.kernels.mla import ExpandPolicy
+from pagoda.kernels.mla import ExpandPolicy, expand_max_rows
 from pagoda.kernels.moe import route_grouped_topk
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
@@ -95,7 +95,8 @@ class MlaAttention(nn.Module):
         self.kv_b = make_param((heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank), dtype, device)
         self.o_weight, self.o_weight_scale = make_linear(h, heads * mla.v_head_dim, dtype, device, fp8)
         self.scale = softmax_scale(arch)
-        self.expand = ExpandPolicy()
+        itemsize = torch.finfo(dtype).bits // 8
+        self.expand = ExpandPolicy(max_seq_len=expand_max_rows(heads, mla.qk_head_dim, mla.v_head_dim, itemsize))
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [heads, Dn, R] and [heads, Dv, R] of kv_b."""
@@ -152,7 +153,7 @@ class MlaAttention(nn.Module):
             attn = q.new_zeros((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
         if expanded:
             ops.mla_expand(q, cache, meta, expanded, self.kv_b, mla.qk_nope_head_dim, mla.v_head_dim, self.scale,
-                           attn, kv_scale)
+                           attn, kv_scale, self.expand.max_seq_len)
         return _linear(attn.view(num_tokens, -1), self.o_weight, self.o_weight_scale, self.fp8, ops)  # [T, H]
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
@@ -266,9 +267,11 @@ class DeepseekLayer(nn.Module):
         self.input_norm = make_param((h,), dtype, device)  # [H]
         self.post_attn_norm = make_param((h,), dtype, device)  # [H]
         self.attn = MlaAttention(arch, tp, dtype, device, fp8)
-        self.sparse = index in arch.moe.sparse_layers
-        self.mlp: DeepseekMoe | DenseMlp = (DeepseekMoe(arch, tp, dtype, device, fp8) if self.sparse
-                                            else DenseMlp(h, arch.intermediate_size, tp, dtype, device, fp8))
+        # mlp: the sparse block (None on dense layers, as the other families have it: the runner's expert warm-up
+        # looks for it); dense_mlp: the dense layers' MLP
+        sparse = index in arch.moe.sparse_layers
+        self.mlp = DeepseekMoe(arch, tp, dtype, device, fp8) if sparse else None
+        self.dense_mlp = None if sparse else DenseMlp(h, arch.intermediate_size, tp, dtype, device, fp8)
         # The fp8 latent cache's per-tensor scale (k_scale; v_scale only so the shared loader finds it): from the
         # checkpoint, calibrated, or 1. A tensor, so CUDA graphs captured before a calibration read the new value.
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32, device=device))  # [1]
@@ -286,7 +289,9 @@ class DeepseekLayer(nn.Module):
                       self.calibrate_kv and fp8_cache)  # [T, H]
         self.calibrate_kv = False
         h, residual = ops.add_rms_norm(self.tp.all_reduce(o), residual, self.post_attn_norm, eps)
-        return self.tp.all_reduce(self.mlp(h, ops)), residual
+        mlp = self.mlp if self.mlp is not None else self.dense_mlp
+        assert mlp is not None
+        return self.tp.all_reduce(mlp(h, ops)), residual
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """This layer's Hugging Face tensors (`prefix` = "model.layers.{i}.") and where this rank's slices go."""
@@ -294,7 +299,9 @@ class DeepseekLayer(nn.Module):
         yield Placement(prefix + "input_layernorm.weight", (h,), self.input_norm, None)
         yield Placement(prefix + "post_attention_layernorm.weight", (h,), self.post_attn_norm, None)
         yield from self.attn.placements(prefix + "self_attn.", rank)
-        yield from self.mlp.placements(prefix + "mlp.", rank)
+        mlp = self.mlp if self.mlp is not None else self.dense_mlp
+        assert mlp is not None
+        yield from mlp.placements(prefix + "mlp.", rank)
 
 
 def make_layer(arch: ModelArch, index: int, tp: TensorParallel, dtype: torch.dtype, device: torch.device,
