@@ -154,7 +154,7 @@ def decode_part(device: str, quick: bool, sweep: bool, smoke: bool) -> list[dict
             for block_h in (16, 32, 64):
                 for tile_n in (16, 32, 64):
                     for warps in (4, 8):
-                        for stages in (1, 2, 3):
+                        for stages in (1, 2):
                             config = replace(base, block_h=block_h, decode_tile_n=tile_n, decode_num_warps=warps,
                                              decode_num_stages=stages, prefill_block_m=max(block_h, 32))
                             try:

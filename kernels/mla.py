@@ -170,6 +170,7 @@ def _mla_prepare_kernel(q_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, positions_p
     """Grid (tokens, 2): program (t, 0) rotates token t's q rope dims in place (all heads); (t, 1) stores its cache
     entry [rms_norm(c_kv) ‖ rope(k_pe)]. Roundings as reference.mla_prepare, step by step in q's dtype."""
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    CACHE_DTYPE: tl.constexpr = cache_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
     row = tl.load(positions_ptr + token).to(tl.int64)
     c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HALF, HALF_P)  # [HALF_P] each
@@ -196,7 +197,6 @@ def _mla_prepare_kernel(q_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, positions_p
             x1, x2 = _rope_pairs(a_row + LAT, offs_c, c_mask, HALF, INTERLEAVED)  # [HALF_P] each
             o1, o2 = _rotate(x1[None, :], x2[None, :], c1, c2, s1, s2, DTYPE)  # [1, HALF_P] each
             entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-            CACHE_DTYPE: tl.constexpr = cache_ptr.dtype.element_ty
             tl.store(entry + offs_l, _to_cache(lat, scale_ptr, CACHE_DTYPE, FP8), mask=l_mask)
             tl.store(entry + LAT + offs_c[None, :], _to_cache(o1, scale_ptr, CACHE_DTYPE, FP8), mask=c_mask[None, :])
             tl.store(entry + LAT + HALF + offs_c[None, :], _to_cache(o2, scale_ptr, CACHE_DTYPE, FP8),
@@ -262,7 +262,7 @@ class MLAConfig:
     num_splits: int = 1  # KV splits per program (flash decoding); 1 = no reduce kernel
     block_h: int = 16  # query heads per program (power of two)
     decode_tile_n: int = 32  # keys per inner-loop step (power of two >= 16)
-    decode_num_warps: int = 4
+    decode_num_warps: int = 8  # 4 spill registers at 16 heads x 32 keys (ptxas for sm_90: 255 + 128 B of stack)
     decode_num_stages: int = 2
     prefill_block_m: int = 32  # rows of a chunk tile (power of two >= 16 and >= block_h)
     prefill_tile_n: int = 32
