@@ -272,9 +272,10 @@ def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) 
         raise ConfigError(f"{model_type} topk_method {topk_method!r} is not supported", param="model")
     groups = config.get("n_group", 8 if v3 else 1) or 1
     topk_groups = config.get("topk_group", 4 if v3 else 1) or 1
-    if topk_method != "greedy" and (num_experts % groups or not 0 < topk_groups <= groups):
-        raise ConfigError(f"{model_type}: {num_experts} experts do not split into n_group {groups} groups with "
-                          f"topk_group {topk_groups} of them chosen", param="model")
+    if topk_method != "greedy" and (num_experts % groups or not 0 < topk_groups <= groups
+                                    or top_k > topk_groups * (num_experts // groups)):
+        raise ConfigError(f"{model_type}: {num_experts} experts do not split into n_group {groups} groups of which "
+                          f"topk_group {topk_groups} hold num_experts_per_tok {top_k} experts", param="model")
     moe = MoeArch(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert,
                   renormalize=bool(config.get("norm_topk_prob", v3)),
                   sparse_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
