@@ -5,7 +5,7 @@
   prefill  one chunk of q_len queries after `context` cached tokens, the whole attention of each path (absorbed:
            W_UK bmm + kernel + W_UV bmm; expanded: gather + kv_b GEMM + paged kernel): the crossover query length
            to put in kernels/mla.py EXPAND_MIN_QUERY_LEN.
-  capacity latent-cache bytes per token and layer against the same model with per-head K/V (blocks per GiB).
+  capacity KV blocks per GiB of the latent cache (the worker's layout) against the same model with per-head K/V.
 
     python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity] [--sweep] [--quick] [--out FILE]
     python -m pagoda.bench.mla_bench --smoke    # tiny shapes on CPU (Triton interpreter): checks the script runs
@@ -250,20 +250,28 @@ def prefill_part(device: str, quick: bool, smoke: bool) -> list[dict[str, Any]]:
 
 
 def capacity_part() -> list[dict[str, Any]]:
-    """Cache bytes per token and layer, and tokens per GiB over all layers, of the latent cache against the same
-    model with per-head K (Dn + P) and V (Dv) for every query head (what MLA replaces), bf16 and fp8."""
+    """KV blocks (16 tokens) per GiB over all layers: the latent cache as the worker allocates it (the DeepSeek
+    family's KvLayout) against the same model with per-head K (Dn + P) and V (Dv) for every query head (what MLA
+    replaces), bf16 and fp8."""
+    from pagoda.services.worker.models import deepseek
+    from pagoda.shared.shapes import SHAPES
+
     rows = []
-    for name, heads, layers in (("deepseek-v2-lite", 16, 27), ("deepseek-v3", 128, 61)):
-        dims = Dims(heads)
+    for name in ("deepseek-v2-lite", "deepseek-v3-slice"):
+        arch = SHAPES[name]
+        mla = arch.mla
+        assert mla is not None
+        layers = 61 if name == "deepseek-v3-slice" else arch.num_layers  # the full V3's 61 layers
         for dtype_bytes, dtype in ((2, "bf16"), (1, "fp8")):
-            latent = (dims.lat + dims.rope) * dtype_bytes
-            mha = heads * (dims.nope + dims.rope + dims.v_dim) * dtype_bytes
-            row = {"part": "capacity", "model": name, "dtype": dtype, "latent_bytes_per_token_layer": latent,
-                   "mha_bytes_per_token_layer": mha, "tokens_per_GiB_latent": (1 << 30) // (latent * layers),
-                   "tokens_per_GiB_mha": (1 << 30) // (mha * layers), "ratio": mha / latent}
+            latent = deepseek.kv_layout(arch, 1).bytes_per_token(layers, dtype_bytes)
+            mha = layers * arch.num_heads * (mla.qk_head_dim + mla.v_head_dim) * dtype_bytes
+            row = {"part": "capacity", "model": name, "layers": layers, "dtype": dtype,
+                   "latent_bytes_per_token": latent, "mha_bytes_per_token": mha,
+                   "blocks_per_GiB_latent": (1 << 30) // (16 * latent), "blocks_per_GiB_mha": (1 << 30) // (16 * mha),
+                   "ratio": mha / latent}
             rows.append(row)
-            print(f"capacity {name} {dtype}: {latent} B vs {mha} B per token and layer -> "
-                  f"{row['tokens_per_GiB_latent']} vs {row['tokens_per_GiB_mha']} tokens per GiB "
+            print(f"capacity {name} ({layers} layers) {dtype}: {latent} B vs {mha} B per token -> "
+                  f"{row['blocks_per_GiB_latent']} vs {row['blocks_per_GiB_mha']} blocks of 16 per GiB "
                   f"({row['ratio']:.2f}x)", flush=True)
     return rows
 

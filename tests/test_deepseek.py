@@ -334,7 +334,6 @@ def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -
     the same logits through chunked prefill, prefix hits and decode, with chunks of >= 16 queries expanded."""
     from pagoda.kernels.mla import ExpandPolicy
     from pagoda.services.worker.models import deepseek
-    from tests.test_model_kernels import _run
 
     monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16))
     generator = torch.Generator().manual_seed(12)
@@ -347,3 +346,32 @@ def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -
     assert len(tri_logits) == len(ref_logits)
     for ours, expected in zip(tri_logits, ref_logits, strict=True):
         torch.testing.assert_close(ours, expected, atol=2e-4, rtol=1e-4)
+
+
+def _run(ops_name: str, shape: str, prompts: list[list[int]],
+         budget: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and every step's logits of a dummy-weight shape with the given ops (chunked prefill under a
+    token budget, prefix caching, decode)."""
+    from pagoda.services.scheduler.scheduler import Request, Scheduler
+    from pagoda.services.worker.model_runner import ModelRunner
+    from pagoda.services.worker.models import reference_ops, triton_ops
+    from pagoda.shared.config import EngineConfig
+    from pagoda.shared.messages import SamplingParams as WireSamplingParams
+
+    config = EngineConfig(model=shape, load_format="dummy", device=DEVICE, dtype="float32", num_kv_blocks=48,
+                          max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=5)
+    runner = ModelRunner(config, ops=triton_ops() if ops_name == "triton" else reference_ops())
+    captured: list[torch.Tensor] = []
+    sampler = runner.sampler
+    runner.sampler = lambda logits, meta: (captured.append(logits.detach().cpu().clone()), sampler(logits, meta))[1]  # type: ignore[assignment]
+    scheduler = Scheduler(num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=budget,
+                          max_model_len=256, vocab_size=runner.arch.vocab_size)
+    params = WireSamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        for update in scheduler.update(plan, runner.execute(plan)):
+            outputs[update.seq.request.req_id].append(update.token_id)
+    return [outputs[str(i)] for i in range(len(prompts))], captured
