@@ -216,7 +216,7 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
 # ---------------------------------------------------------------- alignment
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_tiles"])  # varies with the batch: no recompiles
 def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, counts_ptr, cursor_ptr,
                   num_pairs, max_padded, max_tiles,
                   NUM_EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -343,7 +343,7 @@ def _load_weight_tile(w_ptrs, scale_ptrs, k_left, offs_k, n_mask, k0, IS_FP8: tl
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # the batch's pair count: one variant for every count
 def _moe_gemm_kernel(
         a_ptr, w_ptr, scale_ptr, out_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, topk_weights_ptr,
         N, K, num_pairs,
