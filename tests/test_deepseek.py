@@ -375,3 +375,14 @@ def _run(ops_name: str, shape: str, prompts: list[list[int]],
         for update in scheduler.update(plan, runner.execute(plan)):
             outputs[update.seq.request.req_id].append(update.token_id)
     return [outputs[str(i)] for i in range(len(prompts))], captured
+
+
+@pytest.mark.extended
+def test_two_ranks_generate_what_one_does(tmp_path: Path) -> None:
+    """Tensor parallel 2 (heads, kv_b and o split, q_a / kv_a and the latent cache replicated, experts split along
+    their intermediate dim) generates what one rank does; the scheduler and both ranks run as processes."""
+    from tests.test_tensor_parallel import _generate_in_process, _generate_with_services
+
+    folder = _v3(tmp_path)
+    single = _generate_in_process(folder)
+    assert _generate_with_services(folder, 2) == single
