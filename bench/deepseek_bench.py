@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.cuda_timing import graph_time_ms
 from pagoda.services.worker.models import CausalLM, Fp8Weights
 from pagoda.services.worker.models import deepseek as deepseek_module
 from pagoda.services.worker.weights import load_model
@@ -34,33 +35,15 @@ BLOCK_SIZE = 16
 
 
 def _graph_ms(fn: Any, reps: int = 20) -> float:  # noqa: ANN401
-    """Median device time of one call of `fn` replayed from a CUDA graph (5 replays per timing); on CPU (--smoke)
-    the wall time of eager calls."""
-    if not torch.cuda.is_available():
-        fn()
-        start = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - start) / 3 * 1e3
+    """Median device time of one call of `fn` replayed from a CUDA graph; on CPU (--smoke) the wall time of eager
+    calls."""
+    if torch.cuda.is_available():
+        return graph_time_ms(fn, reps)
     fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
+    start = time.perf_counter()
+    for _ in range(3):
         fn()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 5)
-    return sorted(times)[len(times) // 2]
+    return (time.perf_counter() - start) / 3 * 1e3
 
 
 def _decode_meta(batch: int, context: int, device: torch.device) -> tuple[Any, torch.Tensor, int]:

@@ -19,9 +19,9 @@ from pagoda.kernels import reference as ref
 from pagoda.kernels.moe import route_grouped_topk, route_grouped_topk_torch, route_grouped_topk_triton
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.shapes import SHAPES, arch_from_hf_config, load_arch
+from tests.parity import check_greedy_parity, random_prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NEW_TOKENS = 24
 VOCAB = 256
 ORIGINAL_WINDOW = 32  # the YaRN rope's original context: prompts go past it
 
@@ -83,45 +83,6 @@ def _v3(folder: Path) -> Path:
     return _save(DeepseekV3ForCausalLM(config).float(), folder, bias=True)
 
 
-def _prompts(lengths: list[int], seed: int = 5) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in lengths]
-
-
-def _hf_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # pagoda runs with ignore_eos: no stop, no suppressed EOS
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=NEW_TOKENS, pad_token_id=0)
-            outputs.append(generated[0, len(prompt):].tolist())
-    return outputs
-
-
-def _pagoda_greedy(folder: Path, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], LLM]:  # noqa: ANN003
-    llm = LLM(str(folder), dtype="float32", **engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)], llm
-
-
-def _check_parity(folder: Path, prompts: list[list[int]], preempt_blocks: int) -> None:
-    """Batched; every prompt chunked (a 24-token budget: chunks attend to cached context); too few blocks for all
-    (preemption, recompute)."""
-    expected = _hf_greedy(folder, prompts)
-    batched, _ = _pagoda_greedy(folder, prompts)
-    assert batched == expected
-    chunked, _ = _pagoda_greedy(folder, prompts, max_num_batched_tokens=24, enable_prefix_caching=False)
-    assert chunked == expected
-    pressed, llm = _pagoda_greedy(folder, prompts, num_kv_blocks=preempt_blocks)
-    assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert pressed == expected
-
-
 def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of >= 16 queries take the expanded path here (prefills beside decode rows and short chunks in one
     step, chunks after cached context); the V3 test keeps the default threshold: every chunk absorbed."""
@@ -134,7 +95,7 @@ def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.Mo
     assert arch.mla is not None and arch.mla.q_lora_rank is None and arch.moe is not None
     assert arch.moe.sparse_layers == (1, 2) and arch.moe.topk_method == "group_limited_greedy"
     assert arch.context_limit == 4 * ORIGINAL_WINDOW
-    _check_parity(folder, _prompts([7, 45, 100]), preempt_blocks=10)
+    check_greedy_parity(folder, random_prompts([7, 45, 100], VOCAB), preempt_blocks=10)
 
 
 def test_deepseek_v3_matches_transformers(tmp_path: Path) -> None:
@@ -144,7 +105,7 @@ def test_deepseek_v3_matches_transformers(tmp_path: Path) -> None:
     arch = load_arch(folder)
     assert arch.mla is not None and arch.mla.q_lora_rank == 48 and arch.mla.rope_interleave
     assert arch.moe is not None and arch.moe.scoring_func == "sigmoid" and arch.moe.topk_method == "noaux_tc"
-    _check_parity(folder, _prompts([9, 50, 90], seed=6), preempt_blocks=10)
+    check_greedy_parity(folder, random_prompts([9, 50, 90], VOCAB, seed=6), preempt_blocks=10)
 
 
 # ------------------------------------------------------------------ routing
@@ -297,7 +258,7 @@ def test_v3_fp8_block_checkpoint_loads_as_it_ships(tmp_path: Path) -> None:
     assert layer.mlp.w_down.dtype == torch.float8_e4m3fn and layer.mlp.router.dtype == torch.float32
     # teacher-forced: every prompt token's logprob under both models (greedy paths of a tiny random model part at
     # the first near tie, so tokens would compare FP8 noise, not the loading)
-    prompt = _prompts([60], seed=4)[0]
+    prompt = random_prompts([60], VOCAB, seed=4)[0]
     ours, theirs = (_prompt_logprobs(tmp_path / name, prompt)[0] for name in ("fp8", "deq"))
     diff = (ours - theirs).abs()
     assert diff.mean() < 0.08 and diff.max() < 0.5, (diff.mean(), diff.max())  # a wrong weight: O(1)
@@ -309,7 +270,7 @@ def test_fp8_latent_cache_close_to_fp32(tmp_path: Path, calibrate: bool) -> None
     prefill), prompt scored in two chunks so the second attends to fp8 entries of the first; teacher-forced logprobs
     within FP8 noise of the fp32 cache."""
     folder = _v3(tmp_path)
-    prompt = _prompts([60], seed=7)[0]
+    prompt = random_prompts([60], VOCAB, seed=7)[0]
     base, _ = _prompt_logprobs(folder, prompt)
     ours, llm = _prompt_logprobs(folder, prompt, kv_cache_dtype="fp8", kv_scale_calibration=calibrate,
                                  max_num_batched_tokens=32)
