@@ -152,8 +152,8 @@ class LiveStats:
                     "health": {"status": "unavailable" if problems else "ok", "problems": problems},
                     "api": {"index": self._config.api_index, "requests_in_flight": self._pool.num_open,
                             "console_clients": len(self._subscribers)}}
-        self.history.add({"t": now, **engine, "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"],
-                          "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"]})
+        snapshot["row"] = self.history.add({"t": now, **engine, "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"],
+                                            "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"]})
         self.latest = snapshot
         if self._subscribers:
             event = sse_event("tick", snapshot)
@@ -180,6 +180,11 @@ class LiveStats:
         def per_s(name: str) -> float | None:
             return deltas[name] / elapsed if elapsed > 0 else None
 
+        def share(name: str) -> float | None:
+            # a step is counted whole in the snapshot its result falls in: a share may pass 1 by a step's length
+            value = per_s(name)
+            return None if value is None else min(1.0, value)
+
         totals = [stats for _, stats in per_replica]
         query = sum(s.prefix_query_tokens_total for s in totals)
         return {
@@ -189,8 +194,8 @@ class LiveStats:
             "kv_blocks_total": sum(s.kv_blocks_total for s in totals),
             "tokens_in_per_s": per_s("prompt_tokens"), "tokens_out_per_s": per_s("generation_tokens"),
             "requests_per_s": per_s("requests"), "steps_per_s": per_s("steps"),
-            "preemptions_per_s": per_s("preemptions"), "prefill_frac": per_s("prefill_s"),
-            "decode_frac": per_s("decode_s"), "host_frac": per_s("host_s"),
+            "preemptions_per_s": per_s("preemptions"), "prefill_frac": share("prefill_s"),
+            "decode_frac": share("decode_s"), "host_frac": share("host_s"),
             "prefix_hit_rate": deltas["prefix_hit"] / deltas["prefix_query"] if deltas["prefix_query"] else None,
             "prefix_hit_rate_total": sum(s.prefix_hit_tokens_total for s in totals) / query if query else None,
             "generation_tokens_total": sum(s.generation_tokens_total for s in totals),

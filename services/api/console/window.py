@@ -80,10 +80,13 @@ class History:
     length: int = 600
     rows: deque[list[float | None]] = field(default_factory=deque)
 
-    def add(self, values: dict[str, float | None]) -> None:
-        self.rows.append([values.get(name) for name in self.fields])
+    def add(self, values: dict[str, float | None]) -> list[float | None]:
+        """Append one row (fields missing from `values` are None) and return it."""
+        row = [values.get(name) for name in self.fields]
+        self.rows.append(row)
         while len(self.rows) > self.length:
             self.rows.popleft()
+        return row
 
     def to_dict(self) -> dict[str, object]:
         return {"fields": list(self.fields), "rows": list(self.rows)}
