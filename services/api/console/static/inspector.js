@@ -7,13 +7,8 @@ const $ = PG.$;
 const Inspect = { requests: [], selected: null, polls: 0, timer: null };
 PG.inspect = Inspect;
 const POLL_MS = 2000;
-const PHASES = [  // from -> to: the colour of the time between two events
-  ["arrived", "tokenized", "tokenize", "#98a2b3"],
-  ["tokenized", "queued", "hand-off", "#cbd2dc"],
-  ["queued", "scheduled", "waiting", "#c77c02"],
-  ["scheduled", "first token", "prefill", "#a855f7"],
-  ["first token", "finished", "decode", "#2f6fde"],
-];
+const COLORS = { tokenize: "#98a2b3", waiting: "#c77c02", prefill: "#a855f7", "waiting + prefill": "#a855f7",
+  decode: "#2f6fde" };
 
 async function poll() {
   try {
@@ -26,6 +21,16 @@ async function poll() {
   } catch (error) {
     $("req-hint").textContent = error.message;
   }
+}
+
+// [label, from ms, to ms]: the tokenizer sends a request on before it answers the api, so the scheduler's
+// "queued" (when known) ends tokenization
+function phases(r) {
+  const admitted = event(r, "queued") ?? event(r, "tokenized");
+  const scheduled = event(r, "scheduled"), first = event(r, "first token");
+  const middle = scheduled === null ? [["waiting + prefill", admitted, first]]
+    : [["waiting", admitted, scheduled], ["prefill", scheduled, first]];
+  return [["tokenize", 0, admitted], ...middle, ["decode", first, event(r, "finished")]];
 }
 
 function event(request, name) {
@@ -66,9 +71,9 @@ function showDetail(r) {
   const end = Math.max(1, ...r.timeline.map((e) => e.ms));
   const bar = PG.el("div", { class: "timeline", id: "req-timeline" });
   const legend = PG.el("div", { class: "legend" });
-  for (const [from, to, label, color] of PHASES) {
-    const a = event(r, from), b = event(r, to);
+  for (const [label, a, b] of phases(r)) {
     if (a === null || b === null || b < a) continue;
+    const color = COLORS[label];
     const seg = PG.el("div", { class: "seg", title: `${label}: ${PG.ms(b - a)}` });
     seg.style.left = (100 * a) / end + "%";
     seg.style.width = Math.max(0.4, (100 * (b - a)) / end) + "%";
