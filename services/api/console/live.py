@@ -109,8 +109,12 @@ class LiveStats:
             _offer(queue, None)
 
     async def _loop(self) -> None:
+        """A tick every TICK_S on a fixed schedule (a slow tick does not push the later ones back)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(TICK_S)  # a periodic sample, not a wait for something
+            due = max(due + TICK_S, loop.time())
+            await asyncio.sleep(due - loop.time())  # a periodic sample, not a wait for something
             try:
                 self.tick()
             except Exception:  # one bad tick must not end the live view
