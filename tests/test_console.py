@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -441,3 +442,19 @@ def test_console_data_needs_the_key_and_the_page_does_not(tmp_path: Path) -> Non
 def test_no_console_serves_no_page(tmp_path: Path) -> None:
     out = asyncio.run(_routes(tmp_path, console=False))
     assert out["/"] == 404 and out["/console/static/common.js"] == 404 and out["/console/api/stats"] == 404
+
+
+def test_latency_buckets_sum_every_api_process(tmp_path: Path) -> None:
+    """With several api processes the histograms live in shared files: the console reads all of them."""
+    import subprocess
+    import sys
+
+    script = ("from pagoda.services.api.metrics import ApiMetrics\n"
+              "import sys\n"
+              "m = ApiMetrics(lambda: None)\n"
+              "for v in sys.argv[1:]: m.ttft.observe(float(v))\n"
+              "print(m.latency_buckets()['ttft'][-1][1])\n")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    counts = [subprocess.run([sys.executable, "-c", script, *values], env=env, capture_output=True, text=True,
+                             check=True).stdout.strip() for values in (["0.03", "0.2"], ["0.5"])]
+    assert counts == ["2.0", "3.0"]  # the second process sees the first one's observations too
