@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,12 @@ def test_console_in_a_browser(smollm2_dir: Path, browser_binary: str, tmp_path: 
 async def _drive(server: Server, binary: str, shots: Path) -> None:
     async with await Browser.launch(binary) as page:
         await page.open(server.url + "/")
-        await _enter_key(page)
-        await _chat_streams(page, shots)
-        await _stop_and_regenerate(page)
-        await _json_schema(page)
-        await _live_view(page, server, shots)
-        await _tokenizer_restart(page, server, shots)
-        await _inspector(page, shots)
+        for part in (_enter_key(page), _chat_streams(page, shots), _stop_and_regenerate(page), _json_schema(page),
+                     _live_view(page, server, shots), _tokenizer_restart(page, server, shots),
+                     _inspector(page, shots)):
+            started = time.monotonic()
+            await part
+            print(f"{part.__name__}: {time.monotonic() - started:.1f} s")  # where the test's time goes (-s)
         assert page.errors == [], f"the page threw: {page.errors}"
     docs = os.environ.get("PAGODA_CONSOLE_SCREENSHOTS")
     if docs:
@@ -96,7 +96,8 @@ async def _chat_streams(page: Browser, shots: Path) -> None:
     await _send(page, CHAT_PROMPT, 48)
     await page.wait_for("PG.play.status === 'streaming' && PG.play.view.text.length > 0", 60, "the first text")
     early = await page.evaluate("PG.play.view.text.length")
-    await page.screenshot(shots / "console-playground.png")
+    await page.wait_for("PG.play.status !== 'streaming' || PG.play.view.text.length >= 40", 120, "more text")
+    await page.screenshot(shots / "console-playground.png")  # mid-stream, unless the reply is that short
     await page.wait_for("PG.play.status === 'done'", 120, "the reply to finish")
     view = await page.evaluate("({text: PG.play.view.text, chunks: PG.play.view.chunks, finish: PG.play.view.finish,"
                                " usage: PG.play.view.usage, tokens: PG.play.view.tokens.length})")
@@ -112,12 +113,14 @@ async def _chat_streams(page: Browser, shots: Path) -> None:
     # the alternatives of a token, on hover
     await page.evaluate("""(() => { const span = document.querySelector('#pg-transcript .tok');
         const box = span.getBoundingClientRect();
-        span.dispatchEvent(new MouseEvent('mousemove', {bubbles: true, clientX: box.x + 2, clientY: box.y + 2})); })()""")
+        span.dispatchEvent(new MouseEvent('mousemove',
+                                          {bubbles: true, clientX: box.x + 2, clientY: box.y + 2})); })()""")
     assert await page.evaluate("!document.getElementById('token-tip').hidden && "
                                "document.querySelectorAll('#token-tip tr').length >= 2")
     # the request as code: the same body, in curl and in Python
     curl = await page.text("#pg-snippet-text")
-    assert curl.startswith("curl -N ") and '"top_logprobs": 3' in curl and "Authorization: Bearer $PAGODA_API_KEY" in curl
+    assert curl.startswith("curl -N ") and '"top_logprobs": 3' in curl
+    assert "Authorization: Bearer $PAGODA_API_KEY" in curl
     await page.click(".snippet-lang[data-lang=python]")
     python = await page.text("#pg-snippet-text")
     assert "client.chat.completions.create(" in python and "top_logprobs=3," in python
@@ -160,7 +163,8 @@ def _load(server: Server, stop: threading.Event, num_streams: int = 4) -> thread
         with httpx.Client(timeout=60) as client:
             while not stop.is_set():
                 try:
-                    with client.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                    with client.stream("POST", server.url + "/v1/completions",
+                                       headers={"Authorization": f"Bearer {KEY}"},
                                        json={"prompt": "Once upon a time", "max_tokens": 48, "stream": True,
                                              "ignore_eos": True}) as response:
                         for _ in response.iter_lines():
