@@ -413,6 +413,9 @@ async def _routes(tmp_path: Path, **config: Any) -> dict[str, Any]:
                          "/console/api/info"):
                 out[path] = (await client.get(path)).status
                 out[path + " with key"] = (await client.get(path, headers=key)).status
+            for path in ("/console/static/..%2f..%2froutes.py", "/console/static/%2e%2e/live.py",
+                         "/console/static/nothing.js", "/console/static/__init__.py"):
+                out.setdefault("traversal", []).append((await client.get(path)).status)
             if config.get("console", True):
                 out["info"] = await (await client.get("/console/api/info", headers=key)).json()
                 response = await client.get("/console/api/stream", headers=key)
@@ -429,6 +432,7 @@ async def _routes(tmp_path: Path, **config: Any) -> dict[str, Any]:
 def test_console_data_needs_the_key_and_the_page_does_not(tmp_path: Path) -> None:
     out = asyncio.run(_routes(tmp_path, api_key="sk-test"))
     assert out["/"] == 200 and out["/console/static/common.js"] == 200
+    assert set(out["traversal"]) == {404}  # only the static folder's own files, by name
     assert out["/console/api/stats"] == out["/console/api/requests"] == out["/console/api/info"] == 401
     assert out["/console/api/stats with key"] == out["/console/api/requests with key"] == 200
     assert out["info"]["auth"] is True and out["info"]["show_prompts"] is False
