@@ -54,7 +54,7 @@ PG.Chart = class {
     g.textAlign = "center";
     for (let m = 0; m <= 10; m += 2) g.fillText(m === 0 ? "now" : `-${m}m`, x(now - m * 60), height - 3);
 
-    for (const { s, i } of columns) {
+    for (const { s, i } of columns.slice().reverse()) {  // the first series on top
       g.strokeStyle = s.color;
       g.lineWidth = 1.6;
       g.beginPath();
