@@ -167,7 +167,7 @@ async function run(mode) {
 
 function newView(mode) {
   return { mode, text: "", reasoning: "", tokens: [], toolCalls: [], chunks: 0, sentAt: 0, firstAt: null,
-    doneAt: null, finish: null, usage: null, error: "", stopped: false, committed: false };
+    lastAt: null, doneAt: null, finish: null, usage: null, error: "", stopped: false, committed: false };
 }
 
 function toolCallMessage(call) {
@@ -206,7 +206,8 @@ function onChunk(view, data) {
     if (choice.finish_reason) view.finish = choice.finish_reason;
     if (news) {
       view.chunks += 1;
-      if (view.firstAt === null) { view.firstAt = performance.now(); setStatus("streaming"); }
+      view.lastAt = performance.now();
+      if (view.firstAt === null) { view.firstAt = view.lastAt; setStatus("streaming"); }
     }
   }
   renderStreaming(view);
