@@ -176,8 +176,14 @@ def test_live_rates_come_from_counter_differences_summed_over_replicas() -> None
                                   tokenizer_requests_total=[4]),
                       "1": _stats(104.0, generation_tokens_total=10, num_steps_total=1)}
     engine = live.tick()["engine"]
-    assert engine["tokens_out_per_s"] == pytest.approx(400 / 2)
+    assert engine["tokens_out_per_s"] == pytest.approx(800 / 4)  # replica 0 over its window: 100 s to 104 s
     assert live.history.rows[-1][live.history.fields.index("tokens_out_per_s")] == pytest.approx(200.0)
+    # nothing generated since: the 5 s window still holds replica 0's 800 tokens of 100 s to 106 s, and replica 1
+    # (counting again since its restart at 104 s) adds 2 replica-seconds with none
+    feed.snapshots = {"0": _stats(106.0, generation_tokens_total=800, prompt_tokens_total=1000, num_steps_total=80,
+                                  tokenizer_requests_total=[4]),
+                      "1": _stats(106.0, generation_tokens_total=10, num_steps_total=1)}
+    assert live.tick()["engine"]["tokens_out_per_s"] == pytest.approx(800 / 8)
 
 
 def test_tenant_section_is_empty_until_the_stats_carry_tenants() -> None:

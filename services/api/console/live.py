@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from pagoda.shared.messages import PROCESS_TABLE_FILE, ProcessTable, SchedulerSt
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
+RATE_WINDOW_S = 5.0  # rates and shares are averages over this trailing window (a step lands whole in one tick)
 HISTORY_TICKS = 600  # ten minutes at one tick a second
 LATENCY_WINDOW_S = 60.0
 SUBSCRIBER_QUEUE = 4  # ticks a slow SSE client may fall behind before it misses some
@@ -82,7 +84,7 @@ class LiveStats:
         self._requests = requests
         self._health = health
         self._tenant_source = tenant_source or (lambda: tenants_from_stats(feed.per_replica()))
-        self._previous: dict[str, SchedulerStats] = {}  # each replica's snapshot at the previous tick
+        self._readings: dict[str, deque[SchedulerStats]] = {}  # each replica's snapshots of the last ticks
         self._previous_tenants: dict[str, tuple[float, TenantUsage]] = {}
         self._ttft = HistogramWindow(LATENCY_WINDOW_S)
         self._itl = HistogramWindow(LATENCY_WINDOW_S)
@@ -166,26 +168,26 @@ class LiveStats:
         return snapshot
 
     def _engine(self, per_replica: list[tuple[str, SchedulerStats]]) -> dict[str, float | None]:
-        """Sums over replicas; rates from each replica's counters since the previous tick."""
+        """Sums over replicas; rates from each replica's counters over the last RATE_WINDOW_S."""
         deltas = dict.fromkeys(_counters(None), 0.0)
         elapsed = 0.0
         for replica_id, stats in per_replica:
-            previous = self._previous.get(replica_id)
-            self._previous[replica_id] = stats
-            if previous is None or stats.time <= previous.time or _went_back(stats, previous):
-                continue  # first sight, nothing new, or a restarted replica (counters from zero)
-            elapsed += stats.time - previous.time
-            old = _counters(previous)
+            base = self._base(replica_id, stats)
+            if base is None:
+                continue  # first sight, or a restarted replica (counters from zero)
+            elapsed += stats.time - base.time
+            old = _counters(base)
             for name, value in _counters(stats).items():
                 deltas[name] += max(0.0, value - old[name])  # a tokenizer forgotten takes its count along
-        for gone in set(self._previous) - {replica_id for replica_id, _ in per_replica}:
-            del self._previous[gone]
+        for gone in set(self._readings) - {replica_id for replica_id, _ in per_replica}:
+            del self._readings[gone]
 
         def per_s(name: str) -> float | None:
             return deltas[name] / elapsed if elapsed > 0 else None
 
         def share(name: str) -> float | None:
             # a step is counted whole in the snapshot its result falls in: a share may pass 1 by a step's length
+            # over the window
             value = per_s(name)
             return None if value is None else min(1.0, value)
 
@@ -204,6 +206,19 @@ class LiveStats:
             "prefix_hit_rate_total": sum(s.prefix_hit_tokens_total for s in totals) / query if query else None,
             "generation_tokens_total": sum(s.generation_tokens_total for s in totals),
             "prompt_tokens_total": sum(s.prompt_tokens_total for s in totals)}
+
+    def _base(self, replica_id: str, stats: SchedulerStats) -> SchedulerStats | None:
+        """The reading rates are taken from: the newest one at least RATE_WINDOW_S older than `stats`, else the
+        oldest kept; None when there is none (or the counters went back: a restart)."""
+        readings = self._readings.setdefault(replica_id, deque())
+        if readings and (stats.time < readings[-1].time or _went_back(stats, readings[-1])):
+            readings.clear()
+        if not readings or stats.time > readings[-1].time:
+            readings.append(stats)
+        while len(readings) > 2 and readings[1].time <= stats.time - RATE_WINDOW_S:
+            readings.popleft()
+        base = readings[0]
+        return base if base.time < stats.time else None
 
     def _observed(self, per_replica: list[tuple[str, SchedulerStats]]) -> Observed:
         now = time.monotonic()

@@ -27,28 +27,12 @@ function makeCharts() {
   ];
 }
 
-// Rates and shares are drawn as averages over SMOOTH_TICKS snapshots (one second of them jitters by a step's
-// length); counts and percentiles as they are. Plus a derived KV-used fraction column.
-const SMOOTH_TICKS = 5;
-const SMOOTHED = ["tokens_in_per_s", "tokens_out_per_s", "requests_per_s", "prefix_hit_rate", "prefill_frac",
-  "decode_frac", "host_frac"];
-
+// the rows plus a derived KV-used fraction column (rates and shares come averaged over 5 s from the server)
 function chartData() {
   const fields = Live.history.fields.concat(["kv_used_frac"]);
   const used = Live.history.fields.indexOf("kv_blocks_used"), total = Live.history.fields.indexOf("kv_blocks_total");
   const rows = Live.history.rows.map((row) => row.concat([row[total] ? row[used] / row[total] : null]));
-  const smoothed = rows.map((row) => row.slice());
-  for (const name of SMOOTHED) {
-    const i = fields.indexOf(name);
-    for (let r = 0; r < rows.length; r++) {
-      let sum = 0, count = 0;
-      for (let k = Math.max(0, r - SMOOTH_TICKS + 1); k <= r; k++) {
-        if (rows[k][i] !== null && rows[k][i] !== undefined) { sum += rows[k][i]; count += 1; }
-      }
-      smoothed[r][i] = count ? sum / count : null;
-    }
-  }
-  return { fields, rows: smoothed };
+  return { fields, rows };
 }
 
 function drawCharts() {
