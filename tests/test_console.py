@@ -9,6 +9,7 @@ import fnmatch
 import math
 import os
 import re
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -468,3 +469,64 @@ def test_latency_buckets_sum_every_api_process(tmp_path: Path) -> None:
     counts = [subprocess.run([sys.executable, "-c", script, *values], env=env, capture_output=True, text=True,
                              check=True).stdout.strip() for values in (["0.03", "0.2"], ["0.5"])]
     assert counts == ["2.0", "3.0"]  # the second process sees the first one's observations too
+
+
+@pytest.mark.parametrize("console", [True, False], ids=["console", "no-console"])
+def test_scheduler_service_publishes_the_split_and_the_traces(tmp_path: Path, console: bool) -> None:
+    """Through the service's own handlers: a prompt step then decode steps; each snapshot's step seconds count
+    the step in flight up to that moment (never more than the wall time that passed), and the finished
+    request's trace rides on the next snapshot, once (with the console on; off, no trace is kept)."""
+    from pagoda.services.scheduler.service import SchedulerService
+    from pagoda.shared.messages import (
+        AddRequest,
+        SchedulerToWorker,
+        StepPlan,
+        StepResult,
+        TokenizerHello,
+        TokenizerToScheduler,
+        WorkerReady,
+    )
+    from pagoda.shared.transport import Codec
+    from tests.harness import Outbox
+
+    service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path),
+                                                                          console=console))
+    real = service.plans, service.front
+    service.plans, service.front = Outbox(), Outbox()  # type: ignore[assignment]
+    try:
+        service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256,
+                                             vocab_size=512, eos_token_ids=[2], max_num_batched_tokens=256))
+        send = Codec(TokenizerToScheduler)
+        service._on_tokenizer_frames([b"tok0", send.encode(TokenizerHello("tok0", 1))])
+        service._on_tokenizer_frames([b"tok0", send.encode(AddRequest(
+            "req-1", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))])
+        plans = Codec(SchedulerToWorker)
+        snapshots = []
+        started = time.monotonic()
+        for token in (9, 10, 11):
+            service._maybe_step()
+            [plan] = [p for p in map(plans.decode, service.plans.sent) if isinstance(p, StepPlan)]  # type: ignore
+            service.plans.sent.clear()  # type: ignore[attr-defined]
+            snapshots.append(service._stats(time.monotonic()))  # mid-step
+            service._on_result(StepResult(plan.step_id, plan.req_ids, [token]))
+        snapshots.append(service._stats(time.monotonic()))
+        wall = time.monotonic() - started
+    finally:
+        service.plans, service.front = real
+        service._close()
+    first, *_, last = snapshots
+    assert first.prefill_step_seconds_total > 0.0 and first.decode_step_seconds_total == 0.0  # the prompt step
+    assert last.decode_step_seconds_total > 0.0
+    for earlier, later in zip(snapshots, snapshots[1:], strict=False):
+        assert later.prefill_step_seconds_total >= earlier.prefill_step_seconds_total
+        assert later.decode_step_seconds_total >= earlier.decode_step_seconds_total
+    assert last.prefill_step_seconds_total + last.decode_step_seconds_total <= wall
+    assert last.host_seconds_total > 0.0
+    traces = [t for s in snapshots for t in s.traces]
+    if not console:
+        assert traces == [] and service.tracer is None
+        return
+    assert [t.request_id for t in traces] == ["req-1"]
+    [trace] = traces
+    assert trace.queued_at <= trace.scheduled_at <= trace.finished_at and trace.num_output_tokens == 3
+    assert trace.finish_reason == FinishReason.LENGTH and trace.num_prompt_tokens == 4

@@ -264,6 +264,11 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def oldest_inflight_has_prefill(self) -> bool:
+        """Whether the oldest plan in flight computes prompt tokens (False when none is in flight)."""
+        return bool(self._inflight) and self._inflight[0].has_prefill
+
+    @property
     def num_inflight(self) -> int:
         """Plans with requests scheduled whose results update() has not applied yet."""
         return len(self._inflight)

@@ -569,9 +569,20 @@ class SchedulerService:
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
             max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem,
-            num_preempted=preempted, prefill_step_seconds_total=self.prefill_step_s,
-            decode_step_seconds_total=self.decode_step_s, host_seconds_total=self.host_s,
+            num_preempted=preempted, **self._step_seconds(now), host_seconds_total=self.host_s,
             traces=self.tracer.take() if self.tracer is not None else [])
+
+    def _step_seconds(self, now: float) -> dict[str, float]:
+        """The step split's totals, the step in flight counted up to `now` (monotonic): a snapshot is then exact
+        whenever it is taken, not only once the step's result is in (the console's shares stay <= 1)."""
+        prefill, decode = self.prefill_step_s, self.decode_step_s
+        if self.scheduler is not None and self.pipeline is not None and self.pipeline.inflight and not self.problem:
+            running = max(0.0, now - self.inflight_since)
+            if self.scheduler.oldest_inflight_has_prefill:
+                prefill += running
+            else:
+                decode += running
+        return {"prefill_step_seconds_total": prefill, "decode_step_seconds_total": decode}
 
     def stop(self, *_: object) -> None:
         self.running = False
