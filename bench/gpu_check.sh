@@ -12,7 +12,9 @@
 #   TOKENIZER=dir of a real tokenizer for the serve phase (default .gpu/smollm2-tok: the SmolLM2 folder without
 #   its weights); SERVE_CONCURRENCY=1,16,64,256  SERVE_RATES=4,8,16,32,64  SERVE_PROMPTS=256 (per level)
 #   OUT=dir for JSON logs
-# Carry .whl (pyzmq, msgspec wheels for cp312; README "Notes") and .gpu (the tokenizer) with the call.
+# Carry .whl (pyzmq, msgspec, llguidance wheels for cp312; README "Notes") and .gpu (the tokenizer) with the call.
+# pytest runs with -o pythonpath= : the ini's "." would put the checkout's pagoda/ folder (no kernels/, services/)
+# before the installed package.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagoda-gpu}
@@ -29,7 +31,7 @@ has() { [[ ",$PHASES," == *",$1,"* ]]; }
 WORKLOAD=(--num-prompts 256 --input-len 512 --input-len-jitter 0 --output-len 256 --load-format dummy)
 
 if has tests; then
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_kernels.py tests/test_kernels.py \
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_model_kernels.py tests/test_kernels.py \
     -k "${TEST_FILTER:-gpu or graph or model}" 2>&1 | tail -5
 fi
 if has probe; then
@@ -82,7 +84,7 @@ if has serve; then
 fi
 
 if has moe-tune; then
-  timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_moe.py -k "half or fp8" 2>&1 | tail -4
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_moe.py -k "half or fp8" 2>&1 | tail -4
   timeout 540 python3 -m pagoda.bench.moe_tune --shapes "$(echo ${MOE_SHAPES:-qwen3-30b-a3b mixtral-8x7b} | tr ' ' ,)" \
     --write --out "$OUT/moe_tune.json" 2>&1 | grep -v '^{' | tail -40  # its "table" entries: the tiles to commit
 fi

@@ -246,3 +246,61 @@ def test_long_context_shapes() -> None:
     assert 2.9e9 < moe.layer_weight_params(1) + moe.vocab_size * moe.hidden_size < 3.5e9  # ~3.3B active
     mixtral = SHAPES["mixtral-8x7b"]
     assert 46.0e9 < mixtral.num_params() < 47.5e9  # Mixtral-8x7B: 46.7B
+
+
+def _first_logits(folder: Path, prompts: list[list[int]], **engine_args) -> torch.Tensor:  # noqa: ANN003
+    """The prefill logits of each prompt, as the sampler receives them (rows in completion order)."""
+    llm = LLM(str(folder), dtype="float32", **engine_args)
+    captured: list[torch.Tensor] = []
+    sampler = llm.engine.runner.sampler
+
+    def spying(logits: torch.Tensor, metadata):  # noqa: ANN001, ANN202
+        captured.append(logits.float().clone())
+        return sampler(logits, metadata)
+
+    llm.engine.runner.sampler = spying  # type: ignore[assignment]
+    for prompt in prompts:  # one at a time: one row each
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    return torch.cat(captured)
+
+
+def _block_fp8_checkpoint(source: Path, folder: Path) -> dict[str, torch.Tensor]:
+    """Qwen3-30B-A3B-FP8's format: every projection (attention and each expert's) e4m3 with 128 x 128 block scales
+    (`weight_scale_inv`), the router, norms and embeddings unquantized."""
+    from pagoda.kernels import reference as ref
+
+    folder.mkdir()
+    tensors = load_file(str(source / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight"):
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = ref.quantize_fp8_blocks(tensor)
+        else:
+            out[name] = tensor
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(out, str(folder / "model.safetensors"))
+    return out
+
+
+def test_fp8_experts_quantized_at_load_and_from_a_block_checkpoint(tmp_path: Path) -> None:
+    """--quantization fp8 covers the experts (e4m3 with per-row scales); a block-FP8 checkpoint's experts load bit
+    for bit with their block scales; both stay close to the fp32 model."""
+    folder = _qwen3_moe(tmp_path / "fp32")
+    prompts = _prompts([7, 30, 55], seed=12)
+    base = _first_logits(folder, prompts)
+    quantized = _first_logits(folder, prompts, quantization="fp8")
+    checkpoint = _block_fp8_checkpoint(folder, tmp_path / "fp8")
+    shipped = _first_logits(tmp_path / "fp8", prompts)
+    for ours in (quantized, shipped):
+        cosine = torch.nn.functional.cosine_similarity(ours, base, dim=-1)
+        assert bool((cosine > 0.99).all()), cosine
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32")
+    layer = llm.engine.runner.model.layers[2]
+    assert layer.mlp is not None and layer.mlp.w_gate_up.dtype == torch.float8_e4m3fn
+    expert_up = checkpoint["model.layers.2.mlp.experts.5.up_proj.weight"]
+    assert torch.equal(layer.mlp.w_gate_up[5, 32:].view(torch.uint8), expert_up.view(torch.uint8))
+    scale = checkpoint["model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"]  # [1, 1]: one 128 x 128 block
+    assert torch.equal(layer.mlp.w_gate_up_scale[5, 32:], scale.expand(32, 1))
