@@ -2,7 +2,7 @@
 --no-console, then on one with the console on and one console page open (its stats stream and polls).
 
     python -m pagoda.bench.console_overhead --model qwen3-0.6b --load-format dummy \\
-        --tokenizer models/smollm2-135m-instruct --concurrency 256 --rounds 3
+        --tokenizer models/smollm2-135m-instruct --concurrency 256 --num-prompts 1024 --rounds 5
 
 Each server gets a short warm-up level, then `rounds` measured levels of the reference workload (256 x 512 ->
 256, greedy, EOS ignored), each with prompts no earlier level sent (the prefix cache would skip their
