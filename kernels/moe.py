@@ -52,6 +52,47 @@ def route_softmax_topk_reference(router_logits: torch.Tensor, top_k: int,
     return weights, ids.to(torch.int32)
 
 
+def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                       num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None, renormalize: bool,
+                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeekMoE routing, router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int32).
+    Scores: softmax (V2) or sigmoid (V3) in fp32; experts are chosen by score + correction_bias [E] (V3's
+    e_score_correction_bias; None: 0). "greedy": the k best of all experts; "group_limited_greedy" (V2) and
+    "noaux_tc" (V3): only experts of the topk_groups best of num_groups equal groups, a group ranked by its best
+    choice score (V2) or the sum of its two best (V3). The weights are the chosen experts' scores (never the bias),
+    renormalised to sum 1 if asked, then times routed_scaling_factor. Semantics of reference.route_grouped_topk.
+    One Triton kernel on CUDA (about a dozen small PyTorch kernels otherwise, per sparse layer and step)."""
+    args = (router_logits, top_k, scoring_func, topk_method, num_groups, topk_groups, correction_bias, renormalize,
+            routed_scaling_factor)
+    if router_logits.is_cuda:
+        return route_grouped_topk_triton(*args)
+    return route_grouped_topk_torch(*args)
+
+
+def route_grouped_topk_torch(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                             num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
+                             renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_grouped_topk in batched PyTorch ops (the CPU path)."""
+    num_tokens, num_experts = router_logits.shape
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
+    if topk_method != "greedy":
+        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)  # [T, G, E / G]
+        if topk_method == "noaux_tc":
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        groups = group_scores.topk(topk_groups, dim=-1).indices  # [T, topk_groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)  # [T, G]
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
+    ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt,
                   TOP_K: tl.constexpr, K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
@@ -90,6 +131,85 @@ def route_softmax_topk_triton(router_logits: torch.Tensor, top_k: int,
                                      TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
                                      EXPERTS_P=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
                                      num_warps=1 if num_experts <= 64 else 4)
+    return weights, ids
+
+
+@triton.jit
+def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt, scaling,
+                          GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr,
+                          GROUP_SIZE_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
+                          K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token, its experts laid out [groups, group size]: scores, choice scores (+ bias), the topk_groups best
+    groups (by best or best-two choice score), then k rounds of argmax over the allowed experts (lowest id among
+    equals), each pick's weight its score."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, GROUPS_P)
+    offs_j = tl.arange(0, GROUP_SIZE_P)
+    valid = (offs_g < GROUPS)[:, None] & (offs_j < GROUP_SIZE)[None, :]  # [G_P, S_P]
+    expert = offs_g[:, None] * GROUP_SIZE + offs_j[None, :]  # [G_P, S_P] expert ids
+    logits = tl.load(logits_ptr + token * stride_lt + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.where(valid, tl.sigmoid(logits), 0.0)
+    else:
+        exps = tl.where(valid, tl.exp(logits - tl.max(tl.max(logits, 1), 0)), 0.0)
+        scores = exps / tl.sum(tl.sum(exps, 1), 0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if GROUPED:
+        best = tl.max(choice, 1)  # [G_P]
+        group_score = best
+        if GROUP_TOP2:
+            first = tl.min(tl.where(choice == best[:, None], offs_j[None, :], GROUP_SIZE_P), 1)  # [G_P]
+            group_score = best + tl.max(tl.where(offs_j[None, :] == first[:, None], float("-inf"), choice), 1)
+        group_score = tl.where(offs_g < GROUPS, group_score, float("-inf"))
+        keep = tl.zeros([GROUPS_P], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUPS):
+            top = tl.max(group_score, 0)
+            pick = tl.min(tl.where(group_score == top, offs_g, GROUPS_P), 0)
+            keep = tl.where(offs_g == pick, 1, keep)
+            group_score = tl.where(offs_g == pick, float("-inf"), group_score)
+        choice = tl.where(keep[:, None] == 1, choice, float("-inf"))
+    offs_k = tl.arange(0, K_P)
+    picked_w = tl.zeros([K_P], dtype=tl.float32)
+    picked_id = tl.zeros([K_P], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(tl.max(choice, 1), 0)
+        pick = tl.min(tl.min(tl.where(choice == top, expert, GROUPS_P * GROUP_SIZE_P), 1), 0)
+        weight = tl.sum(tl.sum(tl.where(expert == pick, scores, 0.0), 1), 0)
+        picked_w = tl.where(offs_k == j, weight, picked_w)
+        picked_id = tl.where(offs_k == j, pick, picked_id)
+        choice = tl.where(expert == pick, float("-inf"), choice)
+    k_mask = offs_k < TOP_K
+    if RENORMALIZE:
+        picked_w = picked_w / (tl.sum(tl.where(k_mask, picked_w, 0.0), 0) + 1e-20)
+    tl.store(weights_ptr + token * TOP_K + offs_k, picked_w * scaling, mask=k_mask)
+    tl.store(ids_ptr + token * TOP_K + offs_k, picked_id, mask=k_mask)
+
+
+def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                              num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
+                              renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_grouped_topk in one launch (a program per token)."""
+    num_tokens, num_experts = router_logits.shape
+    grouped = topk_method != "greedy"
+    groups = num_groups if grouped else 1
+    assert router_logits.stride(1) == 1 and num_experts % groups == 0 and 0 < top_k <= num_experts
+    assert correction_bias is None or (correction_bias.shape == (num_experts,) and correction_bias.is_contiguous())
+    group_size = num_experts // groups
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)  # [T, k]
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)  # [T, k]
+    if num_tokens:
+        _grouped_route_kernel[(num_tokens,)](
+            router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
+            router_logits.stride(0), float(routed_scaling_factor), GROUPS=groups, GROUP_SIZE=group_size,
+            GROUPS_P=triton.next_power_of_2(groups), GROUP_SIZE_P=triton.next_power_of_2(group_size),
+            TOPK_GROUPS=topk_groups if grouped else 1, TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
+            SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
+            GROUP_TOP2=topk_method == "noaux_tc" and group_size > 1, RENORMALIZE=renormalize,
+            num_warps=1 if num_experts <= 64 else 4)
     return weights, ids
 
 
