@@ -14,6 +14,8 @@ Named presets cover what users send, not only the greedy reference (issue 10):
 |               |                                           | clients send)                                    |
 | mixed         | 256 x 512 -> 256                          | a quarter each: greedy; T 0.7 + top_p 0.95;      |
 |               |                                           | T 0.8 + top_k 50 + top_p 0.9; T 1.0 + min_p 0.05 |
+| long-128k     | 1 x 130816 -> 256                         | greedy; needs a 128k-context shape               |
+| long-32k      | 4 x 32512 -> 256                          | greedy                                           |
 
 EOS is ignored everywhere, so every request produces exactly its output length.
 """
@@ -84,6 +86,9 @@ PRESETS: dict[str, Workload] = {
     "n4": Workload(num_prompts=64, input_len=512, output_len=256, n=4),  # n > 1: T 0.8 + seed (sampling_kwargs)
     "openai": Workload(sampling="openai"),
     "mixed": Workload(sampling="mixed"),
+    # 128k and 32k contexts less the outputs (prompt + 256 outputs = 131,072 / 32,768 positions)
+    "long-128k": Workload(num_prompts=1, input_len=131072 - 256, output_len=256),
+    "long-32k": Workload(num_prompts=4, input_len=32768 - 256, output_len=256),
 }
 # llama3-8b's context is 8192 tokens: its long prompts leave room for the 128 outputs and a block of slack.
 LONG_INPUT_LEN = {"llama3-8b": 7936}
