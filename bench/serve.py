@@ -16,6 +16,7 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -209,6 +210,9 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 def main(args: argparse.Namespace) -> int:
     workload = _workload(args)
+    if workload.sampling == "beam":
+        print("beam search is not streamed: run the beam4 workload with bench/throughput.py", file=sys.stderr)
+        return 2
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels: list[tuple[int | None, float | None]] = [(int(c), None) for c in args.concurrency.split(",") if c]
     levels += [(None, float(r)) for r in (args.request_rate or "").split(",") if r]

@@ -16,6 +16,8 @@ Named presets cover what users send, not only the greedy reference (issue 10):
 |               |                                           | T 0.8 + top_k 50 + top_p 0.9; T 1.0 + min_p 0.05 |
 | long-128k     | 1 x 130816 -> 256                         | greedy; needs a 128k-context shape               |
 | long-32k      | 4 x 32512 -> 256                          | greedy                                           |
+| beam4         | 64 x 512 -> 128, 4 returned               | beam search, width 4 (not streamed: offline only)|
+| n4-128        | 64 x 512 -> 128, n=4                      | T 0.8, seed (beam4's sampled counterpart)        |
 
 EOS is ignored everywhere, so every request produces exactly its output length.
 """
@@ -32,8 +34,9 @@ SAMPLED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "prese
 OPENAI: dict[str, Any] = {"temperature": 0.7, "top_p": 0.95}
 MIXED: tuple[dict[str, Any], ...] = (GREEDY, OPENAI, {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
                                      {"temperature": 1.0, "min_p": 0.05})  # request i takes MIXED[i % 4]
+BEAM: dict[str, Any] = {"use_beam_search": True, "temperature": 0.0}  # best_of = n = the workload's n
 SAMPLINGS: dict[str, tuple[dict[str, Any], ...]] = {"greedy": (GREEDY,), "sampled": (SAMPLED,), "openai": (OPENAI,),
-                                                    "mixed": MIXED}
+                                                    "mixed": MIXED, "beam": (BEAM,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,8 @@ class Workload:
             raise ValueError(f"unknown sampling {self.sampling!r} (known: {', '.join(SAMPLINGS)})")
         kinds = SAMPLINGS[self.sampling]
         kwargs = dict(kinds[index % len(kinds)])
+        if self.sampling == "beam":
+            return {**kwargs, "best_of": self.n, "n": self.n}
         if self.n > 1:
             kwargs["n"] = self.n
             kwargs.setdefault("seed", 1234)
@@ -84,6 +89,8 @@ PRESETS: dict[str, Workload] = {
     "shared-prefix": Workload(num_prompts=256, input_len=64, output_len=128, shared_prefix_len=2048),
     "long": Workload(num_prompts=16, input_len=16384, output_len=128),
     "n4": Workload(num_prompts=64, input_len=512, output_len=256, n=4),  # n > 1: T 0.8 + seed (sampling_kwargs)
+    "beam4": Workload(num_prompts=64, input_len=512, output_len=128, n=4, sampling="beam"),
+    "n4-128": Workload(num_prompts=64, input_len=512, output_len=128, n=4),
     "openai": Workload(sampling="openai"),
     "mixed": Workload(sampling="mixed"),
     # 128k and 32k contexts less the outputs (prompt + 256 outputs = 131,072 / 32,768 positions)
