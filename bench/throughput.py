@@ -96,11 +96,19 @@ def roofline_seconds(arch: Any, workload: Workload, dtype_bytes: int = 2) -> dic
 
 def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any],
                latency_prompt_len: int = 0) -> dict[str, Any]:
-    from pagoda import LLM, SamplingParams
+    from pagoda import LLM
 
     load_start = time.perf_counter()
     llm = LLM(model, load_format=load_format, **engine_args)
     load_s = time.perf_counter() - load_start
+    return measure_pagoda(llm, workload, load_s, latency_prompt_len)
+
+
+def measure_pagoda(llm: Any, workload: Workload, load_s: float = 0.0, latency_prompt_len: int = 0) -> dict[str, Any]:
+    """One workload on an engine already loaded (bench/decoding.py runs several in one process): a warm-up on
+    fresh prompts of the same sampling kinds, then the timed run."""
+    from pagoda import SamplingParams
+
     runner = llm.engine.runner
     prompts = workload.prompts(runner.arch.vocab_size)
     params = [SamplingParams(max_tokens=workload.output_len, ignore_eos=True, **workload.sampling_kwargs(i))
