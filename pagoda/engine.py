@@ -125,7 +125,7 @@ class LLMEngine:
         """Run the step loop one turn (schedule -> launch -> finish -> update); return what each advanced
         completion gained. With async scheduling the next step is already running when this returns."""
         try:
-            done = run_step(self.pipeline, self.runner.launch, self.runner.finish)
+            done = run_step(self.pipeline, self.runner.launch, self._finish_step)
         except BaseException:
             self._drop_inflight()
             raise
@@ -142,6 +142,12 @@ class LLMEngine:
                 self._add_prompt_scores(self._outputs[update.seq.request.req_id], update.prompt_scores)
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
+
+    def _finish_step(self) -> StepResult:
+        """The oldest step's result; then a step deferred for grammar masks samples (ModelRunner.resume)."""
+        result = self.runner.finish()
+        self.runner.resume()
+        return result
 
     def _drop_inflight(self) -> None:
         """After a failure: no launched step's result will be applied; their sequences end (aborted)."""

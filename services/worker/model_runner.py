@@ -149,6 +149,9 @@ class ModelRunner:
         self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [R]
         self.pending_step = np.full(config.max_num_seqs, -1, dtype=np.int64)  # [R] step whose last token host lacks
         self._launched: deque[LaunchedStep] = deque()  # oldest first
+        # launched, its sampling waiting for grammar masks: (step, inputs, logits, timer start); see resume()
+        self._deferred: tuple[LaunchedStep, HostBatch, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._mask_rows: torch.Tensor | None = None  # [R, W] int32 on the device: this step's grammar masks
         self._lost: set[int] = set()  # requests of failed steps: later plans in flight may still name them
         self.step_timer: StepTimer | None = None
         self.graphs: DecodeGraphs | None = None
@@ -346,6 +349,7 @@ class ModelRunner:
             return True
 
     def _launch(self, sent: StepPlan) -> bool:
+        self.resume()  # a step deferred for its masks samples before the next one's forward reads its tokens
         plan, refused = self._refuse_bad_requests(self._without_lost(sent))
         forked_rows = self.state.apply(plan)
         self.pending_step[forked_rows] = -1  # a beam's token comes with the plan
@@ -372,11 +376,41 @@ class ModelRunner:
             logits = self._sampled_logits(host, hidden)
             step.prompt_scores = self._prompt_scores(plan, host, hidden)
         self.state.num_computed[host.rows] = host.seq_lens
+        if logits is not None and self._waits_for_tokens(step, host):
+            # Grammar masks follow the tokens of a step still running: its result goes out first (the caller
+            # finishes it, then calls resume), and the masks fill while this step's forward runs.
+            self._deferred = (step, host, logits, timer_start)
+            self._launched.append(step)
+            return True
         if logits is not None:
             self._sample(step, host, logits)
         self._record(step, timer_start)
         self._launched.append(step)
         return True
+
+    def _waits_for_tokens(self, step: LaunchedStep, host: HostBatch) -> bool:
+        """Rows with a grammar sample in this step and an earlier step's tokens have not reached the host."""
+        if not self.grammars.active or all(s.synced for s in self._launched):
+            return False
+        return self.grammars.constrains([step.plan.req_ids[i] for i in host.sampled.tolist()])
+
+    @torch.inference_mode()
+    def resume(self) -> None:
+        """Sample the step that launch() deferred for its grammar masks, now that the steps before it have
+        finished (their tokens advanced the matchers): masks fill while its forward runs on the device, and only
+        then is its sampling enqueued. A no-op when nothing waits."""
+        if self._deferred is None:
+            return
+        step, host, logits, timer_start = self._deferred
+        self._deferred = None
+        try:
+            self._sample(step, host, logits)
+        except Exception as exc:  # noqa: BLE001 - as in launch(): the step fails, the worker goes on
+            log.error("step %d failed:\n%s", step.plan.step_id, traceback.format_exc())
+            self.recover(step.plan)
+            step.error, step.synced = f"{type(exc).__name__}: {exc}", True
+            return
+        self._record(step, timer_start)
 
     def _copy_blocks(self, pairs: list[int]) -> None:
         """Beam search copy-on-write: whole KV blocks, (source, destination) pairs flattened, on every layer; a
@@ -405,9 +439,9 @@ class ModelRunner:
         assert (self.sampling.num_output[sampled_rows] == positions - state.num_prompt_tokens[sampled_rows]).all(), \
             "the sampling offsets disagree with the plan's positions"
         if self.grammars.constrains(req_ids):
-            # Masks follow the previous step's tokens: wait for them here, after this step's forward is enqueued,
+            # Masks follow the previous steps' tokens: wait for them here, after this step's forward is enqueued,
             # so the device computes while the host advances the matchers.
-            self._sync_all()
+            self._sync_before(step)
             self._attach_grammar_masks(metadata, req_ids)
         state_rows = metadata.state_rows  # [S] on the device
         try:
@@ -529,6 +563,8 @@ class ModelRunner:
     @torch.inference_mode()
     def finish(self) -> StepResult:
         """Wait for the oldest launched step; its tokens go into host state and the result."""
+        if self._deferred is not None and self._deferred[0] is self._launched[0]:
+            self.resume()  # nobody resumed it: its sampling must run before its result
         step = self._launched.popleft()
         try:
             self._sync(step)
@@ -561,8 +597,11 @@ class ModelRunner:
         mine = rows[self.pending_step[rows] == step.plan.step_id]
         self.pending_step[mine] = -1
 
-    def _sync_all(self) -> None:
+    def _sync_before(self, current: LaunchedStep) -> None:
+        """Wait for the launched steps before `current` (all of them when it is not launched yet)."""
         for step in self._launched:
+            if step is current:
+                return
             self._sync(step)
 
     def _result(self, step: LaunchedStep) -> StepResult:
@@ -602,6 +641,7 @@ class ModelRunner:
 
     def discard_launched(self) -> None:
         """Forget every launched step (the caller gave up on their results); wait for the device first."""
+        self._deferred = None
         while self._launched:
             step = self._launched.popleft()
             if step.event is not None:
@@ -639,8 +679,15 @@ class ModelRunner:
         masks = self.grammars.bitmask(req_ids)
         if masks is None:
             return
-        flags, bitmask = masks  # [B] bool, [B, W] int32 on the host (pinned on CUDA)
-        metadata.token_bitmask = bitmask.to(self.device, non_blocking=True)  # [B, W]
+        flags, compact, index = masks  # [B] bool, [K, W] int32 on the host (pinned on CUDA), [K] their rows
+        num_rows = len(req_ids)
+        if self._mask_rows is None or self._mask_rows.shape[0] < num_rows:
+            self._mask_rows = torch.empty((max(num_rows, self.config.max_num_seqs), compact.shape[1]),
+                                          dtype=torch.int32, device=self.device)  # [R, W]
+        bitmask = self._mask_rows[:num_rows]  # [B, W]: the sampler reads the flagged rows only
+        # only the K constrained rows cross to the device (a 150k vocabulary's mask is 19 KB a row)
+        bitmask.index_copy_(0, self._to_device(index, "mask_rows"), compact.to(self.device, non_blocking=True))
+        metadata.token_bitmask = bitmask
         metadata.bitmask_rows = self._to_device(flags, "bitmask_rows")  # [B]
 
     def _forward_eager(self, host: HostBatch, input_ids: torch.Tensor) -> torch.Tensor:
