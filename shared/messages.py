@@ -301,7 +301,7 @@ class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     include_usage: bool = False
     echo: bool = False
     return_token_ids: bool = False
-    tool_mode: str = "none"  # chat: none|auto|required|named (services/api/chat_output.ChatOutputSpec)
+    tool_mode: str = "none"  # chat: none|auto|required|named (services/protocol/chat_output.ChatOutputSpec)
     tool_parser: str = "hermes"
     tool_name: str = ""
     reasoning_parser: str | None = None

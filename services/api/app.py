@@ -11,7 +11,7 @@ from aiohttp.typedefs import Handler, Middleware
 from pagoda.services.api.errors import AuthenticationError, UnsupportedMediaTypeError
 from pagoda.services.api.handlers import ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
-from pagoda.services.api.protocol import error_body
+from pagoda.services.protocol.render import error_body
 from pagoda.shared.errors import PagodaError
 
 log = logging.getLogger(__name__)
