@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from pagoda.bench.hf_peer import load_hf_model
 from pagoda.bench.workload import Workload
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, reference_attention, rope_inv_freq
-from pagoda.services.worker.model_config import resolve_arch
 from pagoda.services.worker.weights import load_model
+from pagoda.shared.shapes import resolve_arch
 
 
 @dataclass

@@ -14,10 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
+from pagoda.services.grammar.compiler import GrammarChecker
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.tokenizer.output import advance
-from pagoda.services.tokenizer.structured import GrammarChecker
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device

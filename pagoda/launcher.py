@@ -22,9 +22,9 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pagoda.services.worker.model_config import check_divisible, resolve_arch
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.shared.errors import ConfigError, PagodaError
+from pagoda.shared.shapes import check_divisible, resolve_arch
 
 SHUTDOWN_DEADLINE_S = 10.0
 STARTUP_TIMEOUT_S = 900.0

@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 from pagoda.kernels import reference as ref
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.services.worker.model import CausalLM, Fp8Weights, Ops, reference_ops
-from pagoda.services.worker.model_config import ModelArch, load_arch, resolve_arch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.services.worker.weights import SafetensorsSource, checkpoint_fp8, fill, placements
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import SamplingParams
+from pagoda.shared.shapes import ModelArch, load_arch, resolve_arch
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

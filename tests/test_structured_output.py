@@ -20,7 +20,7 @@ import llguidance
 import pytest
 import torch
 
-from pagoda.services.tokenizer.structured import GrammarChecker, constrain_after_reasoning, grammar_text, ll_tokenizer
+from pagoda.services.grammar.compiler import GrammarChecker, constrain_after_reasoning, grammar_text, ll_tokenizer
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker.grammar import GrammarRows
 from pagoda.shared.errors import InvalidRequestError
@@ -72,7 +72,7 @@ def test_compile_is_cached_per_constraint(ll: llguidance.LLTokenizer) -> None:
 
 
 def _key(constraint: StructuredOutputs) -> bytes:
-    from pagoda.services.tokenizer.structured import cache_key
+    from pagoda.services.grammar.compiler import cache_key
     return cache_key(constraint)
 
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import zmq
 
+from pagoda.services.grammar.compiler import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.protocol.render import PromptRenderer
 from pagoda.services.protocol.tools import tool_conversation
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.replicas import Replica, ReplicaSet
-from pagoda.services.tokenizer.structured import LazyGrammarChecker, constrain_after_reasoning
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig

@@ -35,11 +35,11 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from pagoda.services.tokenizer.structured import cache_key, grammar_text, ll_tokenizer
+from pagoda.services.grammar.compiler import cache_key, grammar_text, ll_tokenizer
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
-from pagoda.services.worker.model_config import ModelArch
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
+from pagoda.shared.shapes import ModelArch
 
 log = logging.getLogger(__name__)
 

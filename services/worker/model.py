@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import reference as ref
-from pagoda.services.worker.model_config import ModelArch
+from pagoda.shared.shapes import ModelArch
 
 
 @dataclass(slots=True)

@@ -29,13 +29,13 @@ from pagoda.services.worker.device import CompileWatch, resolve_device
 from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
-from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagoda.services.worker.sampling_state import SamplingState, admission_error
 from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig, sampler_fault_seed
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import NewRequest, PromptScores, RowFailure, SamplingParams, StepPlan, StepResult
+from pagoda.shared.shapes import ModelArch, check_divisible, resolve_arch
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from pagoda.kernels import reference as ref
 from pagoda.services.worker.model import CausalLM, Fp8Weights
-from pagoda.services.worker.model_config import ModelArch
 from pagoda.shared.errors import ConfigError, ModelNotFoundError
+from pagoda.shared.shapes import ModelArch
 
 # (HF tensor name, its full shape, destination parameter, row offset in it, shard dim or None)
 Source = Callable[[str, tuple[int, ...], int | None, int, int], torch.Tensor]
