@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -15,12 +14,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
-from pagoda.shared.shapes import SHAPES
+from pagoda.shared.shapes import has_tokenizer, tokenizer_folder
 
-log = logging.getLogger(__name__)
-
-# Any one of these marks a folder that holds a tokenizer (fast, sentencepiece, or GPT-2 style files).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _HF_CHAT_ARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
 
 
@@ -45,11 +40,6 @@ def _uses_byte_level(backend: tokenizers.Tokenizer | None) -> bool:
         return False
     decoder = json.loads(backend.to_str()).get("decoder") or {}
     return "ByteLevel" in json.dumps(decoder)
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    folder = Path(path)
-    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 class Tokenizer:
@@ -201,11 +191,5 @@ def _part_text(part: object, i: int) -> str:
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     """--tokenizer if given, else the model folder's own; None when there is none (prompts are then ids)."""
-    if config.tokenizer is not None:
-        return Tokenizer(config.tokenizer)
-    if config.load_format == "dummy" and config.model in SHAPES:
-        return None
-    if not has_tokenizer(config.model):
-        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", config.model)
-        return None
-    return Tokenizer(config.model)
+    folder = tokenizer_folder(config.model, config.load_format, config.tokenizer)
+    return Tokenizer(folder) if folder is not None else None

@@ -1,6 +1,6 @@
 """Constrained decoding on the worker: one llguidance matcher per sequence, bitmasks for the rows that sample.
 
-Lifecycle (see services/tokenizer/structured.py for the whole path):
+Lifecycle (see services/grammar/compiler.py for the whole path):
 - `apply(plan)` mirrors BatchState.apply: a finished, aborted or preempted request's matcher is dropped; a new
   request (also one coming back after a preemption, or an n>1 sibling forked from its first sequence) gets a
   fresh matcher that replays the tokens it generated already (NewRequest.token_ids past the prompt), so a
@@ -35,11 +35,10 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from pagoda.services.grammar.compiler import cache_key, grammar_text, ll_tokenizer
-from pagoda.services.tokenizer.tokenizer import load_tokenizer
+from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
-from pagoda.shared.shapes import ModelArch
+from pagoda.shared.shapes import ModelArch, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -236,12 +235,9 @@ def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[
     """Builds llguidance's tokenizer for the model's mask width and EOS ids (GrammarRows calls it at start-up)."""
 
     def load() -> llguidance.LLTokenizer | None:
-        tokenizer = load_tokenizer(config)
-        if tokenizer is None:
+        folder = tokenizer_folder(config.model, config.load_format, config.tokenizer)
+        if folder is None:
             return None
-        eos_ids = set(arch.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        return ll_tokenizer(tokenizer.hf, arch.vocab_size, sorted(eos_ids))
+        return load_ll_tokenizer(folder, arch.vocab_size, list(arch.eos_token_ids))
 
     return load
