@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.pipeline import PlanPipeline
+from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.shared.config import EngineConfig, ServerConfig
-from pagoda.shared.discovery import Registry, advertised, host_toward
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
     AbortRequest,
@@ -34,7 +32,6 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     PromptScores,
-    ReplicaAddress,
     ReplicaJoin,
     RequestFailed,
     SchedulerStats,
@@ -51,7 +48,8 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from pagoda.shared.transport import Codec, make_socket, single_frame, split_routed
+from pagoda.shared.service_main import stop_on_signals
+from pagoda.shared.transport import Codec, drain, make_socket, single_frame, split_routed
 
 log = logging.getLogger(__name__)
 
@@ -119,18 +117,7 @@ class SchedulerService:
         self.watch = StepWatch(server_config.step_timeout, server_config.hang_floor)
         self.problem = ""  # why the worker counts as hung ("" while it makes progress)
         self.exit_code = 0
-        self.registry, self.registry_sock = self._registry(server_config)
-
-    def _registry(self, config: ServerConfig) -> tuple[Registry, zmq.Socket | None]:
-        """This scheduler keeps a registry (used once an api or replica joins it); with a registry endpoint
-        other than its own address, it joins that one as a replica (shared/discovery.py)."""
-        own = config.endpoint("scheduler")
-        host = config.advertise_host or host_toward(config.registry_endpoint or own) or "127.0.0.1"
-        entry = ReplicaAddress(config.replica_id, advertised(own, host), advertised(config.endpoint("stats"), host),
-                               self.instance_id)
-        joins = config.registry_endpoint is not None and config.registry_endpoint != own
-        sock = make_socket(self.context, zmq.DEALER, config.registry_endpoint, bind=False) if joins else None
-        return Registry(entry, config.heartbeat_timeout), sock
+        self.registry = RegistryHost(self.context, server_config, self.instance_id)
 
     # ---------------------------------------------------------------- loop
 
@@ -146,20 +133,12 @@ class SchedulerService:
             if events:
                 self.stalled = False
             if self.front in events:
-                self._drain(self.front, self._on_tokenizer_frames)
+                drain(self.front, self._on_tokenizer_frames, copy=False)
             if self.results in events:
-                self._drain(self.results, self._on_worker_frames)
+                drain(self.results, self._on_worker_frames, copy=False)
             self._maybe_step()
             self._periodic()
         self._close()
-
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handle(frames)
 
     def _maybe_step(self) -> None:
         """Send plans while the pipeline has room: with async scheduling, step N+1's plan goes out while
@@ -317,32 +296,17 @@ class SchedulerService:
                     del self.swept[next(iter(self.swept))]
 
     def _on_join(self, identity: bytes, message: ApiJoin | ReplicaJoin) -> None:
-        now = time.monotonic()
-        if isinstance(message, ApiJoin):
-            if message.address not in self.registry.apis:
-                log.info("registry: api %s joined", message.address)
-            self.registry.join_api(message.address, now)
-            self._send_tokenizer(identity, self.registry.directory())  # the api's answer: replicas to watch
-            return
-        known = self.registry.replicas.get(message.replica.replica_id)
-        if not self.registry.join_replica(message.replica, now):
-            log.warning("registry: ignored a join claiming this scheduler's replica id %d", message.replica.replica_id)
-        elif known is None or known[0] != message.replica:
-            log.info("registry: replica %d joined at %s", message.replica.replica_id, message.replica.scheduler)
+        answer = self.registry.on_join(message, time.monotonic())
+        if answer is not None:
+            self._send_tokenizer(identity, answer)
 
     def _registry_tick(self, now: float) -> None:
         """Join the registry (another replica's scheduler), forget the silent, tell the tokenizers."""
-        if self.registry_sock is not None:
-            try:
-                self.registry_sock.send(self.from_tokenizers.encode(ReplicaJoin(self.registry.own)), zmq.NOBLOCK)
-            except zmq.Again:
-                log.debug("registry unreachable: the join waits for the next beat")
-        for gone in self.registry.sweep(now):
-            log.warning("registry: %s is silent: forgotten", gone)
-        if self.registry.used:
-            directory = self.to_tokenizers.encode(self.registry.directory())
+        directory = self.registry.tick(now)
+        if directory is not None:
+            payload = self.to_tokenizers.encode(directory)
             for identity in list(self.tokenizers):
-                self._send_raw(identity, directory)
+                self._send_raw(identity, payload)
 
     def _heartbeat_tokenizers(self) -> None:
         beat = self.to_tokenizers.encode(Heartbeat(sender=self.instance_id))
@@ -547,17 +511,16 @@ class SchedulerService:
         try:
             self.plans.send(self.to_workers.encode(Shutdown(reason="scheduler stopping")))
         finally:
-            for sock in (self.front, self.plans, self.results, self.stats_out, self.registry_sock):
-                if sock is not None:
-                    sock.close(linger=0)
+            for sock in (self.front, self.plans, self.results, self.stats_out):
+                sock.close(linger=0)
+            self.registry.close()
             self.context.term()
 
 
 def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     service = SchedulerService(engine_config, server_config)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    service.run()
+    with stop_on_signals(service.stop):
+        service.run()
     if service.exit_code:
         sys.exit(service.exit_code)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 
 import zmq
@@ -25,6 +24,7 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
+from pagoda.shared.service_main import stop_on_signals
 from pagoda.shared.transport import Codec, make_socket, single_frame
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,5 @@ class WorkerService:
 
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     service = WorkerService(engine_config, server_config)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    service.run()
+    with stop_on_signals(service.stop):
+        service.run()
