@@ -174,28 +174,6 @@ def resolve_arch(model: str, load_format: str, tokenizer: str | None = None) -> 
     return load_arch(model)
 
 
-# Any one of these marks a folder that holds a tokenizer (fast, sentencepiece, or GPT-2 style files).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    folder = Path(path)
-    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
-
-
-def tokenizer_folder(model: str, load_format: str, tokenizer: str | None = None) -> str | None:
-    """Where the model's tokenizer is: --tokenizer if given, else the model folder's own; None when there is none
-    (a dummy shape, or a folder without tokenizer files: prompts are then token ids)."""
-    if tokenizer is not None:
-        return tokenizer
-    if load_format == "dummy" and model in SHAPES:
-        return None
-    if not has_tokenizer(model):
-        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", model)
-        return None
-    return model
-
-
 def tokenizer_vocab_size(folder: str) -> int:
     """Token ids a tokenizer folder can produce and decode, added tokens included."""
     from tokenizers import Tokenizer as FastTokenizer  # the Rust library alone: no transformers import here

@@ -242,3 +242,28 @@ def test_the_api_and_scheduler_load_no_torch() -> None:
             "import pagoda.services.api.__main__, pagoda.services.scheduler.service; "
             "bad = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_tokenizer_process_loads_no_torch(smollm2_dir: Path) -> None:
+    """A tokenizer process's imports, its tokenizer and llguidance's view of it: no torch, and no trick hiding it
+    (transformers imports torch for its auto classes; the tokenizer class a folder names is imported alone)."""
+    code = ("import sys; import pagoda.services.tokenizer.__main__; "
+            "from pagoda.services.tokenizer.tokenizer import Tokenizer; "
+            "from pagoda.services.grammar.compiler import LazyGrammarChecker; "
+            f"tokenizer = Tokenizer({str(smollm2_dir)!r}); LazyGrammarChecker(tokenizer); "
+            "assert tokenizer.encode('hello') and sys.modules.get('torch', 0) is not None; "
+            "bad = [m for m in ('torch', 'triton') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("named", "expected"), [("Qwen2TokenizerFast", "Qwen2Tokenizer"),
+                                                 ("TokenizersBackend", "TokenizersBackend"),
+                                                 ("AutoModelForCausalLM", "AutoTokenizer"),  # not a tokenizer
+                                                 ("os.system", "AutoTokenizer"), (None, "AutoTokenizer")])
+def test_tokenizer_class_is_the_one_the_folder_names(tmp_path: Path, named: str | None, expected: str) -> None:
+    import json
+
+    from pagoda.shared.hf_tokenizer import tokenizer_class
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": named} if named else {}))
+    assert tokenizer_class(tmp_path).__name__ == expected

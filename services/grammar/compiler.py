@@ -32,8 +32,8 @@ import llguidance.hf
 import msgspec
 
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
+from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
-from pagoda.shared.shapes import has_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,9 @@ def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -
 def load_ll_tokenizer(folder: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     """llguidance's tokenizer for the Hugging Face tokenizer in `folder` (the worker's masks: the model's vocabulary
     width, its EOS ids and the tokenizer's own)."""
-    from transformers import AutoTokenizer  # only where masks are built: the import takes seconds
-
     if not has_tokenizer(folder):
         raise ModelNotFoundError(f"no tokenizer found in folder {folder!r}")
-    hf_tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    hf_tokenizer = load_hf_tokenizer(folder)
     eos_ids = set(eos_token_ids)
     if hf_tokenizer.eos_token_id is not None:
         eos_ids.add(hf_tokenizer.eos_token_id)

@@ -10,11 +10,11 @@ from typing import Any
 
 import jinja2
 import tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
-from pagoda.shared.shapes import has_tokenizer, tokenizer_folder
+from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer, tokenizer_folder
 
 _HF_CHAT_ARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
 
@@ -51,9 +51,8 @@ class Tokenizer:
         if not has_tokenizer(folder):
             raise ModelNotFoundError(f"no tokenizer found in folder {str(folder)!r}")
         try:
-            self._hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-                str(folder), local_files_only=True)
-        except (OSError, ValueError) as exc:
+            self._hf: PreTrainedTokenizerBase = load_hf_tokenizer(folder)
+        except (OSError, ValueError, ImportError) as exc:
             raise ModelNotFoundError(f"cannot load the tokenizer in {str(folder)!r}: {exc}") from exc
         self.path = folder
         self._all_special_ids = sorted(set(self._hf.all_special_ids))

@@ -37,8 +37,9 @@ import torch
 
 from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer
 from pagoda.shared.config import EngineConfig
+from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
-from pagoda.shared.shapes import ModelArch, tokenizer_folder
+from pagoda.shared.shapes import ModelArch
 
 log = logging.getLogger(__name__)
 
