@@ -195,7 +195,7 @@ def test_the_tree_is_read(tree: dict[str, Module]) -> None:
     for tier in TIERS:
         assert any(room(name, tree) == tier for name in tree), tier
     assert "pagoda.shared.messages" in pagoda_edges(tree)["pagoda.services.scheduler.service"]
-    assert "torch" in {resolve(i, tree) for i in tree["pagoda.services.worker.model"].runtime}
+    assert "torch" in {resolve(i, tree) for i in tree["pagoda.services.worker.models.base"].runtime}
 
 
 def test_no_cycle_between_packages(tree: dict[str, Module]) -> None:
