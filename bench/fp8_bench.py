@@ -151,16 +151,16 @@ def _greedy(runner: Any, prompts: list[list[int]], max_tokens: int) -> tuple[dic
                           vocab_size=runner.arch.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
         result = runner.execute(plan)
-        rows = dict(zip(result.req_ids, steps[-1], strict=True)) if result.req_ids else {}
+        rows = dict(zip(result.seq_ids, steps[-1], strict=True)) if result.seq_ids else {}
         for update in scheduler.update(plan, result):
-            tokens[update.seq.request.req_id].append(update.token_id)
-            logits[update.seq.request.req_id].append(rows[update.seq.seq_id])
+            tokens[update.seq.request.request_id].append(update.token_id)
+            logits[update.seq.request.request_id].append(rows[update.seq.seq_id])
     runner.sampler = sampler
     return tokens, logits
 
@@ -181,10 +181,10 @@ def quality(model: str, num_prompts: int, prompt_len: int, max_tokens: int) -> l
                          quantization=quantization, kv_cache_dtype=kv_dtype)
         ours = _greedy(runner, prompts, max_tokens)
         cosines, agree, first_agree = [], [], []
-        for req_id, base_tokens in base[0].items():
-            first_agree.append(float(base[1][req_id][0].argmax() == ours[1][req_id][0].argmax()))
-            for step, (a, b) in enumerate(zip(base[1][req_id], ours[1][req_id], strict=True)):
-                if base_tokens[:step] != ours[0][req_id][:step]:
+        for request_id, base_tokens in base[0].items():
+            first_agree.append(float(base[1][request_id][0].argmax() == ours[1][request_id][0].argmax()))
+            for step, (a, b) in enumerate(zip(base[1][request_id], ours[1][request_id], strict=True)):
+                if base_tokens[:step] != ours[0][request_id][:step]:
                     break
                 cosines.append(torch.nn.functional.cosine_similarity(a, b, dim=0).item())
                 agree.append(float(a.argmax() == b.argmax()))

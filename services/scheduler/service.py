@@ -79,6 +79,7 @@ class _Columns:
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    prompt_score_rows: list[int] = field(default_factory=list)
 
 
 class SchedulerService:
@@ -146,11 +147,11 @@ class SchedulerService:
         pipeline = self.pipeline
         while pipeline is not None and not self.stalled and pipeline.wants_plan():
             plan = pipeline.schedule()
-            if not plan.req_ids and not plan.finished_req_ids:
+            if not plan.seq_ids and not plan.finished_seq_ids:
                 self.stalled = True  # nothing runnable until a message (or a result) changes something
                 return
             self.plans.send(self.to_workers.encode(plan), copy=False)
-            if not plan.req_ids:  # only forgotten ids to pass on: no result will come
+            if not plan.seq_ids:  # only forgotten ids to pass on: no result will come
                 return
             if len(pipeline.inflight) == 1:
                 self.inflight_since = time.monotonic()
@@ -238,7 +239,7 @@ class SchedulerService:
             self._fail(identity, message.request_id, 503, f"the server is overloaded ({limit} requests waiting); "
                        "try again later", "server_error")
             return
-        request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+        request = Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
         try:
             # The tokenizer checked the prompt against ModelInfo and the api the params: not checked again here.
@@ -378,13 +379,13 @@ class SchedulerService:
         if not result.error and not _columns_agree(result):
             log.error("step %d: the worker's result has columns of different lengths; failing the step",
                       result.step_id)
-            result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
+            result = StepResult(step_id=result.step_id, seq_ids=[], sampled_token_ids=[],
                                 error="malformed result (columns of different lengths)")
         if result.failed and not result.error:
             self._fail_rows(result)  # before the tokens: these requests end here, the others go on
         if result.error:
             self._fail_plan(plan, result.error)  # its requests end with an error; later plans skip them
-            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            result = StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[])
         _, updates = pipeline.complete(result)
         self.generation_tokens_total += sum(1 for update in updates if update.has_token)
         self._send_deltas(updates, result)
@@ -393,7 +394,7 @@ class SchedulerService:
         """The worker could not run this step: its requests end with an error, the rest go on."""
         assert self.scheduler is not None
         log.error("step %d failed on the worker: %s", plan.step_id, error)
-        request_ids = {seq.request.req_id for seq_id in plan.req_ids
+        request_ids = {seq.request.request_id for seq_id in plan.seq_ids
                        if (seq := self.scheduler.get_sequence(seq_id)) is not None}
         for request_id in request_ids:
             identity = self.owner.get(request_id)
@@ -405,10 +406,10 @@ class SchedulerService:
         """Requests the worker dropped from this step alone (a refused value, a sampler error on their row)."""
         assert self.scheduler is not None
         for failure in result.failed:
-            seq = self.scheduler.get_sequence(failure.req_id)
+            seq = self.scheduler.get_sequence(failure.seq_id)
             if seq is None:
                 continue  # already finished or aborted
-            request_id = seq.request.req_id
+            request_id = seq.request.request_id
             log.error("step %d: request %s failed on the worker: %s", result.step_id, request_id, failure.message)
             identity = self.owner.get(request_id)
             if identity is not None:
@@ -424,7 +425,7 @@ class SchedulerService:
         finished: list[str] = []
         for update in updates:
             request = update.seq.request
-            identity = self.owner.get(request.req_id)
+            identity = self.owner.get(request.request_id)
             if identity is None:
                 continue
             out = columns.get(identity)
@@ -432,7 +433,7 @@ class SchedulerService:
                 out = columns[identity] = _Columns()
             row = len(out.request_ids)
             reason = -1 if update.finish_reason is None else int(update.finish_reason)
-            out.request_ids.append(request.req_id)
+            out.request_ids.append(request.request_id)
             out.indices.append(update.seq.index)
             out.token_ids.append(update.token_id if update.has_token else -1)
             out.finish_reasons.append(reason)
@@ -444,16 +445,15 @@ class SchedulerService:
                 out.top_token_ids.append(result.top_token_ids[index])
                 out.top_logprobs.append(result.top_logprobs[index])
             if update.prompt_scores is not None:
-                scores = update.prompt_scores
-                out.prompt_scores.append(PromptScores(row, scores.first, scores.token_ids, scores.logprobs,
-                                                      scores.top_token_ids, scores.top_logprobs))
+                out.prompt_scores.append(update.prompt_scores)
+                out.prompt_score_rows.append(row)
             if reason >= 0 and request.num_finished == len(request.sequences):
-                finished.append(request.req_id)
+                finished.append(request.request_id)
         for identity, out in columns.items():
             self._send_tokenizer(identity, TokenDeltas(out.request_ids, out.indices, out.token_ids,
                                                        out.finish_reasons, out.num_cached_tokens, out.logprob_rows,
                                                        out.logprobs, out.top_token_ids, out.top_logprobs,
-                                                       out.prompt_scores))
+                                                       out.prompt_scores, out.prompt_score_rows))
         for request_id in finished:
             self._forget(request_id)
 
@@ -488,8 +488,8 @@ class SchedulerService:
         scheduler = self.scheduler
         blocks = scheduler.blocks if scheduler is not None else None
         stats = scheduler.stats if scheduler is not None else None
-        running = len({seq.request.req_id for seq in scheduler.running}) if scheduler is not None else 0
-        waiting = len({seq.request.req_id for _, seq in scheduler.waiting if not seq.is_finished}) \
+        running = len({seq.request.request_id for seq in scheduler.running}) if scheduler is not None else 0
+        waiting = len({seq.request.request_id for _, seq in scheduler.waiting if not seq.is_finished}) \
             if scheduler is not None else 0
         return SchedulerStats(
             time=time.time(), num_running=running, num_waiting=waiting,
@@ -527,7 +527,7 @@ def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> N
 
 def _columns_agree(result: StepResult) -> bool:
     """Every per-row column of a StepResult has one entry per request (logprob columns: or none)."""
-    num_rows = len(result.req_ids)
+    num_rows = len(result.seq_ids)
     optional = (result.sampled_logprobs, result.top_token_ids, result.top_logprobs)
     return (len(result.sampled_token_ids) == num_rows and all(len(c) in (0, num_rows) for c in optional)
             and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,

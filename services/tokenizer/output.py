@@ -131,7 +131,8 @@ class Outputs:
         texts: dict[int, list[TextDelta]] = {}  # requests that take text (TextDeltas), by api
         rendered: dict[int, RowColumns] = {}  # requests that take bytes (RenderedRows), by api
         lp_at = {row: i for i, row in enumerate(message.logprob_rows)} if message.logprob_rows else None
-        scores_at = {s.req_id: s for s in message.prompt_scores} if message.prompt_scores else None
+        scores_at = dict(zip(message.prompt_score_rows, message.prompt_scores, strict=True)) \
+            if message.prompt_scores else None
         for row, (request_id, index, token_id, reason) in enumerate(zip(
                 message.request_ids, message.indices, message.token_ids, message.finish_reasons, strict=True)):
             state = self.requests.get(request_id)
