@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pagoda.bench.fp8_bench import greedy_steps
 from pagoda.kernels import reference as ref
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.services.worker.model_runner import ModelRunner
@@ -375,24 +376,9 @@ def _greedy_logits(config: EngineConfig, prompts: list[list[int]], max_tokens: i
                    ops: Ops | None = None) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
     """Greedy tokens and the logits row of each sampled step, per request (chunked prefill, prefix hits)."""
     runner = ModelRunner(config, ops=ops)
-    steps: list[torch.Tensor] = []
-    sampler = runner.sampler
-    runner.sampler = lambda logits, meta: (steps.append(logits.detach().float().cpu()), sampler(logits, meta))[1]  # type: ignore[assignment]
     scheduler = Scheduler(num_blocks=config.num_kv_blocks or 64, block_size=16, max_num_seqs=8,
                           max_num_batched_tokens=24, max_model_len=256, vocab_size=runner.arch.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
-    while scheduler.has_unfinished():
-        plan = scheduler.schedule()
-        result = runner.execute(plan)
-        rows = dict(zip(result.seq_ids, steps[-1], strict=True)) if result.seq_ids else {}
-        for update in scheduler.update(plan, result):
-            tokens[update.seq.request.request_id].append(update.token_id)
-            logits[update.seq.request.request_id].append(rows[update.seq.seq_id])
-    return tokens, logits
+    return greedy_steps(runner, scheduler, prompts, max_tokens)
 
 
 def _compare(base: tuple[dict, dict], ours: tuple[dict, dict]) -> tuple[float, float]:
