@@ -517,6 +517,26 @@ class TokenDeltas(msgspec.Struct, tag="tokens", array_like=True, frozen=True, om
 # scheduler -> api: state for /metrics and /health
 
 
+MAX_TRACE_EVENTS = 16  # preemption and re-admission times one RequestTrace keeps
+
+
+class RequestTrace(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True, gc=False):
+    """One finished request as the scheduler saw it (collected only while the console is on): wall times
+    (time.time() on the scheduler's host) for the api's request inspector."""
+
+    request_id: str
+    queued_at: float  # the AddRequest arrived
+    finished_at: float
+    finish_reason: int  # the first sequence's FinishReason
+    num_prompt_tokens: int
+    num_output_tokens: int  # over all n sequences
+    num_cached_tokens: int
+    scheduled_at: float = 0.0  # first admitted to a step (0: never ran)
+    num_preemptions: int = 0
+    preempted_at: list[float] = []  # the first MAX_TRACE_EVENTS preemptions
+    rescheduled_at: list[float] = []  # admitted again after a preemption (same bound)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     time: float
     num_running: int
@@ -536,6 +556,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     tokenizer_requests_total: list[int]  # requests each tokenizer (aligned with tokenizer_ids) has sent
     max_model_len: int = 0
     problem: str = ""  # why the worker counts as hung (its step ran past the bound); "" while it progresses
+    num_preempted: int = 0  # requests waiting again after a preemption
+    prefill_step_seconds_total: float = 0.0  # wall time of steps that computed prompt tokens (any mix)
+    decode_step_seconds_total: float = 0.0  # wall time of steps that only decoded
+    host_seconds_total: float = 0.0  # the scheduler's own time handling results and planning steps
+    traces: list[RequestTrace] = []  # requests finished since the previous snapshot (console on only)
 
 
 class ReplicaAddress(msgspec.Struct, array_like=True, frozen=True):
@@ -565,6 +590,32 @@ class Directory(msgspec.Struct, array_like=True, tag="directory", frozen=True):
     apis: list[str]
     replicas: list[ReplicaAddress]
     registry_replica_id: int  # the replica whose scheduler keeps this registry
+
+
+# --------------------------------------------------------------------------------------------
+# launcher -> api: the supervised processes, a JSON file in the runtime dir (the console's process table)
+
+
+class ProcessEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str  # tokenizer0, api0, worker0, scheduler, r1-worker0 ...
+    module: str  # api | tokenizer | scheduler | worker
+    pid: int
+    started_at: float  # time.time() of its spawn
+    num_restarts: int = 0
+    replica: int | None = None
+    stopped: bool = False  # the kernel reports it stopped (SIGSTOP, a debugger)
+
+
+PROCESS_TABLE_FILE = "processes.json"  # in the runtime dir
+
+
+class ProcessTable(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What `pagoda serve` supervises, rewritten whenever it changes."""
+
+    launcher_pid: int
+    time: float
+    processes: list[ProcessEntry]
+    down_replicas: list[int] = []
 
 
 # One union per socket direction; decoders are built once per process from these.

@@ -110,6 +110,10 @@ class TokenizerPool:
     def num_open(self) -> int:
         return len(self._open)
 
+    def peers(self) -> list[tuple[str, int, float]]:
+        """(identity, pid, time.monotonic() of its latest message) of each live tokenizer (the console)."""
+        return [(p.identity.decode(errors="replace"), p.pid, p.last_seen) for p in self._peers.values()]
+
     def stop_accepting(self) -> None:
         self._accepting = False
 

@@ -130,6 +130,7 @@ class InflightStep:
     seqs: list[Sequence]  # scheduled, in batch order
     num_computed: list[int]  # each one's computed tokens after this step (what the prefix cache may hash)
     sampler_ids: set[int]  # seq ids that sample in this step (each got one placeholder)
+    has_prefill: bool = False  # some sequence computes more than one token (a prompt chunk)
 
 
 @dataclass(slots=True)
@@ -166,6 +167,8 @@ class Scheduler:
         self._inflight: deque[InflightStep] = deque()  # plans scheduled, results not applied, oldest first
         self._forked_waiting: list[Sequence] = []  # siblings that may wait holding forked blocks
         self._rng = random.Random(seed)
+        self.last_step_has_prefill = False  # of the plan update() applied last (the console's step split)
+        self.preemption_log: list[Sequence] | None = None  # a list: each preempted sequence is appended (console)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -261,6 +264,11 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def oldest_inflight_has_prefill(self) -> bool:
+        """Whether the oldest plan in flight computes prompt tokens (False when none is in flight)."""
+        return bool(self._inflight) and self._inflight[0].has_prefill
+
+    @property
     def num_inflight(self) -> int:
         """Plans with requests scheduled whose results update() has not applied yet."""
         return len(self._inflight)
@@ -302,13 +310,15 @@ class Scheduler:
         self._step_id += 1
         self.stats.num_steps += 1
         if num_tokens:
-            self._inflight.append(self._launch(num_tokens))
+            # a decoding sequence computes one token: more tokens than sequences means a prompt chunk ran
+            has_prefill = self.max_num_batched_tokens - budget > len(num_tokens)
+            self._inflight.append(self._launch(num_tokens, has_prefill))
         forgotten, self._forgotten = self._forgotten, []
         return StepPlan(step_id=self._step_id, seq_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
                         new_requests=new_requests, appended_block_seq_ids=appended_seq_ids,
                         appended_block_ids=appended_block_ids, finished_seq_ids=forgotten)
 
-    def _launch(self, num_tokens: dict[int, int]) -> InflightStep:
+    def _launch(self, num_tokens: dict[int, int], has_prefill: bool) -> InflightStep:
         """Count the step's tokens as computed; each sequence that reaches its end samples: one placeholder."""
         seqs = [self._seqs[seq_id] for seq_id in num_tokens]
         samplers: set[int] = set()
@@ -320,7 +330,7 @@ class Scheduler:
                 seq.num_pending += 1
                 assert seq.num_pending <= self.max_inflight_plans
                 samplers.add(seq.seq_id)
-        return InflightStep(self._step_id, seqs, [seq.num_computed_tokens for seq in seqs], samplers)
+        return InflightStep(self._step_id, seqs, [seq.num_computed_tokens for seq in seqs], samplers, has_prefill)
 
     def _fit_running(self, seq: Sequence, count: int, scheduled: dict[int, int]) -> int:
         """Shrink `count` to the blocks available, preempting lower-ranked unscheduled sequences if needed."""
@@ -434,6 +444,7 @@ class Scheduler:
             return []  # nothing ran: no record was kept, no result will carry tokens
         step = self._inflight.popleft()
         assert step.step_id == plan.step_id, f"result of step {plan.step_id} before step {step.step_id}'s"
+        self.last_step_has_prefill = step.has_prefill
         for seq, num_computed in zip(step.seqs, step.num_computed, strict=True):
             if seq.status == SeqStatus.RUNNING:  # not finished, not preempted since
                 assert num_computed <= seq.num_known_tokens, "hashing a provisional token"
@@ -537,6 +548,8 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
+        if self.preemption_log is not None:
+            self.preemption_log.append(seq)
         self._forgotten.append(seq.seq_id)
         self._push_waiting(seq)
 
