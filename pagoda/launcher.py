@@ -24,10 +24,10 @@ from pathlib import Path
 
 import msgspec
 
-from pagoda.services.worker.model_config import check_divisible, resolve_arch
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.shared.errors import ConfigError, PagodaError
 from pagoda.shared.messages import PROCESS_TABLE_FILE, ProcessEntry, ProcessTable
+from pagoda.shared.shapes import check_divisible, resolve_arch
 
 SHUTDOWN_DEADLINE_S = 10.0
 STARTUP_TIMEOUT_S = 900.0

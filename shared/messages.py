@@ -221,9 +221,10 @@ def _check(ok: bool, param: str, message: str) -> None:
 
 
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    """A request the worker has not seen (or forgot after a preemption): sent once."""
+    """A sequence the worker has not seen (or forgot after a preemption): sent once. `seq_id` is the scheduler's
+    int id of one sequence (a request with n > 1 has n); the client's string id never reaches the worker."""
 
-    req_id: int
+    seq_id: int
     token_ids: list[int]  # prompt plus any tokens generated before a preemption
     num_prompt_tokens: int
     block_ids: list[int]
@@ -257,26 +258,26 @@ class BeamFork(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defa
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, gc=False, frozen=True):
     """What the worker runs this step.
 
-    Batch order is `req_ids`; each scheduled request computes `num_scheduled_tokens` more of its
-    tokens. A request samples a token when this step reaches the end of its known tokens.
+    Batch order is `seq_ids`; each scheduled sequence computes `num_scheduled_tokens` more of its
+    tokens. A sequence samples a token when this step reaches the end of its known tokens.
     """
 
     step_id: int
-    req_ids: list[int]
+    seq_ids: list[int]
     num_scheduled_tokens: list[int]
     new_requests: list[NewRequest] = []
-    appended_block_req_ids: list[int] = []  # with appended_block_ids: (request, new block) pairs
+    appended_block_seq_ids: list[int] = []  # with appended_block_ids: (sequence, new block) pairs
     appended_block_ids: list[int] = []
-    finished_req_ids: list[int] = []  # drop their state (finished, aborted or preempted)
-    beam_forks: list[BeamFork] = []  # applied after new requests, before appended blocks
+    finished_seq_ids: list[int] = []  # drop their state (finished, aborted or preempted)
+    beam_forks: list[BeamFork] = []  # applied before finished sequences and new ones, before appended blocks
     block_copies: list[int] = []  # (source, destination) KV block pairs, flattened: copied before the forward
-    beam_groups: list[BeamGroup] = []  # beam search requests sampling this step (not in sampled_token_ids)
+    beam_groups: list[BeamGroup] = []  # beam searches sampling this step (not in sampled_token_ids)
 
 
 class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Logprobs of consecutive prompt tokens, from one step's prompt chunk (prompt_logprobs)."""
 
-    req_id: int
+    seq_id: int
     first: int  # index in the prompt of token_ids[0]; the first prompt token (index 0) is never scored
     token_ids: list[int]
     logprobs: list[float]
@@ -288,7 +289,7 @@ class RowFailure(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One request the worker could not run (a value refused at admission, a sampler error on its row): it ends
     with this error; the step's other requests go on."""
 
-    req_id: int
+    seq_id: int
     status: int  # 400: its values; 500: the worker failed on it
     message: str
 
@@ -306,14 +307,14 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     """Tokens sampled in one step; logprob columns are filled only for requests that asked."""
 
     step_id: int
-    req_ids: list[int]
+    seq_ids: list[int]
     sampled_token_ids: list[int]
-    sampled_logprobs: list[float] = []  # aligned with req_ids when any request asked, else empty
+    sampled_logprobs: list[float] = []  # aligned with seq_ids when any sequence asked, else empty
     top_token_ids: list[list[int]] = []  # likewise; an inner list is empty for logprobs=0 / None
     top_logprobs: list[list[float]] = []
     error: str = ""
     prompt_scores: list[PromptScores] = []  # requests with prompt_logprobs whose prompt ran this step
-    failed: list[RowFailure] = []  # requests dropped from this step alone (not in req_ids)
+    failed: list[RowFailure] = []  # sequences dropped from this step alone (not in seq_ids)
     beam_candidates: list[BeamCandidates] = []  # one per BeamGroup of the plan that ran
 
 # worker -> scheduler (besides StepResult)
@@ -375,7 +376,7 @@ class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     include_usage: bool = False
     echo: bool = False
     return_token_ids: bool = False
-    tool_mode: str = "none"  # chat: none|auto|required|named (services/api/chat_output.ChatOutputSpec)
+    tool_mode: str = "none"  # chat: none|auto|required|named (services/protocol/chat_output.ChatOutputSpec)
     tool_parser: str = "hermes"
     tool_name: str = ""
     reasoning_parser: str | None = None
@@ -553,8 +554,8 @@ class TokenDeltas(msgspec.Struct, tag="tokens", array_like=True, frozen=True, om
     The columns are plain lists of ints and strings (no per-row struct): decoding costs msgspec a few
     list builds whatever the batch size. A row's token is -1 when the step sampled none for it (a prompt
     chunk that only scored prompt tokens, or an abort). Logprob columns cover only the rows listed in
-    `logprob_rows` (requests that asked); `prompt_scores` only requests with prompt_logprobs, each naming
-    its row in `req_id`.
+    `logprob_rows` (requests that asked); `prompt_scores` only requests with prompt_logprobs, each at its row in
+    `prompt_score_rows`.
     """
 
     request_ids: list[str]
@@ -566,7 +567,8 @@ class TokenDeltas(msgspec.Struct, tag="tokens", array_like=True, frozen=True, om
     logprobs: list[float] = []  # aligned with logprob_rows: the sampled token's logprob
     top_token_ids: list[list[int]] = []  # aligned with logprob_rows; empty inner lists for logprobs=0
     top_logprobs: list[list[float]] = []
-    prompt_scores: list[PromptScores] = []  # req_id is the row these scores belong to
+    prompt_scores: list[PromptScores] = []
+    prompt_score_rows: list[int] = []  # aligned with prompt_scores: the row each belongs to
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -581,7 +583,8 @@ class TokenDeltas(msgspec.Struct, tag="tokens", array_like=True, frozen=True, om
         num_lp = len(self.logprob_rows)
         return (len(self.logprobs) == num_lp and len(self.top_token_ids) == num_lp
                 and len(self.top_logprobs) == num_lp and all(0 <= r < rows for r in self.logprob_rows)
-                and all(0 <= s.req_id < rows for s in self.prompt_scores))
+                and len(self.prompt_score_rows) == len(self.prompt_scores)
+                and all(0 <= r < rows for r in self.prompt_score_rows))
 
 
 # --------------------------------------------------------------------------------------------

@@ -85,12 +85,12 @@ def make_scheduler(num_blocks: int = 32) -> Scheduler:
 
 def beam_request(width: int, prompt: list[int], max_tokens: int = 6) -> Request:
     params = SamplingParams(use_beam_search=True, best_of=width, n=width, max_tokens=max_tokens, temperature=0.0)
-    return Request(req_id="r", prompt_token_ids=prompt, sampling=params.validate())
+    return Request(request_id="r", prompt_token_ids=prompt, sampling=params.validate())
 
 
 def answer(plan: StepPlan, tokens: list[int], parents: list[int], scores: list[float]) -> StepResult:
     (group,) = plan.beam_groups
-    return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[],
+    return StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[],
                       beam_candidates=[BeamCandidates(group.seq_ids[0], tokens, parents, scores)])
 
 
@@ -110,7 +110,7 @@ def test_beams_fork_by_reference_and_copy_only_the_last_partial_block() -> None:
     assert plan.block_copies == [tables[0][1], tables[1][1], tables[0][1], tables[2][1]]
     assert [(f.seq_id, f.parent_seq_id, f.token_id) for f in plan.beam_forks] == [(0, 0, 20), (1, 0, 21), (2, 0, 22)]
     assert plan.beam_groups[0].seq_ids == [0, 1, 2] and plan.beam_groups[0].scores == [-1, -2, -3]
-    assert sorted(plan.req_ids) == [0, 1, 2] and plan.num_scheduled_tokens == [1, 1, 1]
+    assert sorted(plan.seq_ids) == [0, 1, 2] and plan.num_scheduled_tokens == [1, 1, 1]
     scheduler.blocks.check_integrity([seq.table for seq in request.sequences])
     # beam 1 has no child: its slot takes beam 0's second child, forked from beam 0's table
     scheduler.update(plan, answer(plan, [30, 31, 32, 33, 34, 35], [0, 2, 0, 1, 1, 1], [-2, -3, -4, -5, -6, -7]))
@@ -136,7 +136,7 @@ def test_preempted_beam_group_waits_whole_and_recomputes_each_beam() -> None:
         plans.append(plan)
         if plan.beam_groups:
             break
-        scheduler.update(plan, StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[]))
+        scheduler.update(plan, StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[]))
     assert plans[-1].beam_groups and plans[-1].beam_groups[0].seq_ids == [0, 1]  # they sample together again
     assert all(not p.beam_groups or len(p.beam_groups[0].seq_ids) == 2 for p in plans)
     recomputed = [new.token_ids for p in plans for new in p.new_requests]

@@ -339,8 +339,8 @@ def test_tracer_records_scheduling_preemption_and_readmission() -> None:
         tracer.on_plan(plan, sched, now)
         prefill_flags.append(sched.last_step_has_prefill)
         for request in requests:
-            if request.req_id in tracer.open and request.req_id not in sched.requests and request.sequences:
-                tracer.on_done(request.req_id, now)
+            if request.request_id in tracer.open and request.request_id not in sched.requests and request.sequences:
+                tracer.on_done(request.request_id, now)
 
     one_step()
     sched.add_request(requests[0])
@@ -508,7 +508,7 @@ def test_scheduler_service_publishes_the_split_and_the_traces(tmp_path: Path, co
             [plan] = [p for p in map(plans.decode, service.plans.sent) if isinstance(p, StepPlan)]  # type: ignore
             service.plans.sent.clear()  # type: ignore[attr-defined]
             snapshots.append(service._stats(time.monotonic()))  # mid-step
-            service._on_result(StepResult(plan.step_id, plan.req_ids, [token]))
+            service._on_result(StepResult(plan.step_id, plan.seq_ids, [token]))
         snapshots.append(service._stats(time.monotonic()))
         wall = time.monotonic() - started
     finally:

@@ -31,8 +31,8 @@ def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
 
 
-def new_request(req_id: int, constraint: StructuredOutputs) -> NewRequest:
-    return NewRequest(req_id, [1, 2], 2, [0], 0, SamplingParams(structured_outputs=constraint), 0)
+def new_request(seq_id: int, constraint: StructuredOutputs) -> NewRequest:
+    return NewRequest(seq_id, [1, 2], 2, [0], 0, SamplingParams(structured_outputs=constraint), 0)
 
 
 def test_grammars_compile_off_the_step_loop(ll: llguidance.LLTokenizer, tokenizer: Tokenizer,

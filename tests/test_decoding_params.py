@@ -21,7 +21,7 @@ def test_temperatures_below_1e_5_are_greedy() -> None:
         params = SamplingParams(temperature=temperature).validate()
         assert params.is_greedy
         state = SamplingState(2, 16, torch.device("cpu"), eos_token_ids=[0])
-        state.admit([(0, NewRequest(req_id=0, token_ids=[1], num_prompt_tokens=1, block_ids=[],
+        state.admit([(0, NewRequest(seq_id=0, token_ids=[1], num_prompt_tokens=1, block_ids=[],
                                     num_computed_tokens=0, sampling=params, seed=0))])
         meta = state.metadata(np.array([0]))
         assert meta.all_greedy and float(meta.temperature[0]) == 0.0
@@ -30,7 +30,7 @@ def test_temperatures_below_1e_5_are_greedy() -> None:
 
 def seeds_of(scheduler: Scheduler, params: list[SamplingParams]) -> list[int]:
     for i, p in enumerate(params):
-        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=[1, 2, 3], sampling=p))
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=[1, 2, 3], sampling=p))
     return [new.seed for new in scheduler.schedule().new_requests]
 
 

@@ -104,7 +104,7 @@ def test_state_sends_the_nucleus_rows() -> None:
              SamplingParams(temperature=0.7, top_p=0.9, top_k=20), SamplingParams(temperature=0.7, min_p=0.1),
              SamplingParams(temperature=1.0, top_p=0.3, min_p=0.1)]
     state = SamplingState(len(kinds), 32, torch.device("cpu"), eos_token_ids=[0])
-    state.admit([(row, NewRequest(req_id=row, token_ids=[1, 2], num_prompt_tokens=2, block_ids=[],
+    state.admit([(row, NewRequest(seq_id=row, token_ids=[1, 2], num_prompt_tokens=2, block_ids=[],
                                   num_computed_tokens=0, sampling=params, seed=row))
                  for row, params in enumerate(kinds)])
     meta = state.metadata(np.arange(len(kinds)))

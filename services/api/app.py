@@ -13,7 +13,7 @@ from pagoda.services.api.console.routes import Console
 from pagoda.services.api.errors import AuthenticationError, UnsupportedMediaTypeError
 from pagoda.services.api.handlers import ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
-from pagoda.services.api.protocol import error_body
+from pagoda.services.protocol.render import error_body
 from pagoda.shared.errors import PagodaError
 
 log = logging.getLogger(__name__)

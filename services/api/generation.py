@@ -15,7 +15,7 @@ from typing import Any
 from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, Rows, Ticket
-from pagoda.services.tokenizer.render import Choice, Renderer, usage_dict
+from pagoda.services.protocol.render import Choice, Renderer, usage_dict
 from pagoda.shared.messages import Accepted, FinishReason, PositionLogprobs, RequestFailed, TextDelta
 
 log = logging.getLogger(__name__)

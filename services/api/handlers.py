@@ -17,8 +17,9 @@ from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
-from pagoda.services.api.protocol import SSE_DONE, encode_json, sse
-from pagoda.services.api.schemas import (
+from pagoda.services.api.stats import ReplicaStatsFeed
+from pagoda.services.protocol.render import CHAT, COMPLETION, SSE_DONE, encode_json, renderer_for, sse
+from pagoda.services.protocol.schemas import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
@@ -30,9 +31,7 @@ from pagoda.services.api.schemas import (
     decode_body,
     prompt_bytes,
 )
-from pagoda.services.api.stats import ReplicaStatsFeed
-from pagoda.services.tokenizer.render import CHAT, COMPLETION, renderer_for
-from pagoda.services.tokenizer.tools import default_tool_parser
+from pagoda.services.protocol.tools import default_tool_parser
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
 from pagoda.shared.messages import (

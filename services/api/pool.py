@@ -35,7 +35,7 @@ from pagoda.shared.messages import (
     TokenizerHello,
     TokenizerToApi,
 )
-from pagoda.shared.transport import Codec, make_socket, receive_forever, split_routed
+from pagoda.shared.transport import Codec, cancel_all, make_socket, receive_forever, split_routed
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,7 @@ class TokenizerPool:
                        asyncio.create_task(self._reap_loop(), name="tokenizer-reap")]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         self._sock.close(linger=0)
 
     @property

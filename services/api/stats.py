@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from pagoda.shared.messages import SchedulerStats, SchedulerToApi
-from pagoda.shared.transport import Codec, make_socket, receive_forever, single_frame
+from pagoda.shared.transport import Codec, cancel_all, make_socket, receive_forever, single_frame
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ class StatsFeed:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_all([self._task])
         self._sock.close(linger=0)
 
     def age(self) -> float | None:

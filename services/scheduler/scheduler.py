@@ -69,7 +69,7 @@ class SeqStatus(IntEnum):
 class Request:
     """What a client asked for, already tokenized."""
 
-    req_id: str
+    request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
@@ -252,8 +252,8 @@ class Scheduler:
         assert 0 < num_prompt_tokens < self.max_model_len, "validate: the prompt fits the context"
         assert self.blocks.num_blocks_for(num_prompt_tokens + 1) <= self.blocks.num_blocks, "validate: KV capacity"
         assert request.sampling.n >= 1
-        if request.req_id in self.requests:
-            raise InvalidRequestError(f"request id {request.req_id!r} is already in use", param="request_id")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
         self._check_beam_search(request)  # the served path does not call check_prompt
         params = request.sampling
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
@@ -277,13 +277,13 @@ class Scheduler:
             self._next_seq_id += 1
             request.sequences.append(seq)
             self._seqs[seq.seq_id] = seq
-        self.requests[request.req_id] = request
+        self.requests[request.request_id] = request
         # Siblings wait for the first sequence's prefill and then fork its blocks (see _fork_siblings).
         self._push_waiting(request.sequences[0])
 
-    def abort_request(self, req_id: str) -> Request | None:
+    def abort_request(self, request_id: str) -> Request | None:
         """Finish every sequence of the request now and free its blocks; None if unknown."""
-        request = self.requests.get(req_id)
+        request = self.requests.get(request_id)
         if request is None:
             return None
         for seq in request.sequences:
@@ -329,7 +329,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_tokens: dict[int, int] = {}  # seq_id -> tokens this step, in batch order
         new_requests: list[NewRequest] = []
-        appended_req_ids: list[int] = []
+        appended_seq_ids: list[int] = []
         appended_block_ids: list[int] = []
         preemptions_before = self.stats.num_preemptions
 
@@ -354,7 +354,7 @@ class Scheduler:
                 continue
             new_ids = self.blocks.grow(seq.table, seq.num_computed_tokens + count)
             if new_ids:
-                appended_req_ids.extend([seq.seq_id] * len(new_ids))
+                appended_seq_ids.extend([seq.seq_id] * len(new_ids))
                 appended_block_ids.extend(new_ids)
             num_tokens[seq.seq_id] = count
             budget -= count
@@ -372,9 +372,9 @@ class Scheduler:
         forgotten, self._forgotten = self._forgotten, []
         forks = [(fork, copy) for seq, fork, copy in self._beam_forks if seq.status == SeqStatus.RUNNING]
         self._beam_forks = []
-        return StepPlan(step_id=self._step_id, req_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
-                        new_requests=new_requests, appended_block_req_ids=appended_req_ids,
-                        appended_block_ids=appended_block_ids, finished_req_ids=forgotten,
+        return StepPlan(step_id=self._step_id, seq_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
+                        new_requests=new_requests, appended_block_seq_ids=appended_seq_ids,
+                        appended_block_ids=appended_block_ids, finished_seq_ids=forgotten,
                         beam_forks=[fork for fork, _ in forks],
                         block_copies=[block for _, copy in forks if copy is not None for block in copy],
                         beam_groups=beam_groups)
@@ -408,9 +408,9 @@ class Scheduler:
         for seq_id in list(num_tokens):
             seq = self._seqs[seq_id]
             request = seq.request
-            if request.beam is None or request.req_id in seen:
+            if request.beam is None or request.request_id in seen:
                 continue
-            seen.add(request.req_id)
+            seen.add(request.request_id)
             live = self._beam_live(request)
             sampling = [b for b in live if b.seq_id in num_tokens
                         and b.num_computed_tokens + num_tokens[b.seq_id] == b.num_tokens]
@@ -426,9 +426,9 @@ class Scheduler:
         for seq_id in num_tokens:
             request = self._seqs[seq_id].request
             beam = request.beam
-            if beam is None or request.req_id in seen:
+            if beam is None or request.request_id in seen:
                 continue
-            seen.add(request.req_id)
+            seen.add(request.request_id)
             live = self._beam_live(request)
             if all(b.seq_id in num_tokens and b.num_computed_tokens + num_tokens[b.seq_id] == b.num_tokens
                    for b in live):
@@ -506,12 +506,12 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_rank)
             seq.status = SeqStatus.RUNNING
             if beam is not None and not beam.num_generated:
-                self._unforked_beams[seq.request.req_id] = beam.width - 1  # its first step forks the rest
+                self._unforked_beams[seq.request.request_id] = beam.width - 1  # its first step forks the rest
             if count:  # a beam with only its last token left runs when its whole group does
                 num_tokens[seq.seq_id] = count
             budget -= count
             new_requests.append(NewRequest(
-                req_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+                seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
                 block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
                 sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request.sampling)))
         return budget
@@ -587,7 +587,7 @@ class Scheduler:
         """Apply the oldest plan in flight: real tokens replace its placeholders, sequences that stop finish
         (dropping any later placeholder), newly full blocks are cached."""
         assert result.step_id == plan.step_id, "result for another step"
-        if not plan.req_ids:
+        if not plan.seq_ids:
             return []  # nothing ran: no record was kept, no result will carry tokens
         step = self._inflight.popleft()
         assert step.step_id == plan.step_id, f"result of step {plan.step_id} before step {step.step_id}'s"
@@ -601,7 +601,7 @@ class Scheduler:
         resolved: set[int] = set()
         for candidates in result.beam_candidates:
             updates += self._advance_beam(candidates, step, resolved)
-        for row, (seq_id, token_id) in enumerate(zip(result.req_ids, result.sampled_token_ids, strict=True)):
+        for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids, strict=True)):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.is_finished or seq_id not in step.sampler_ids or seq_id in resolved:
                 continue  # aborted or stopped while the step ran (its provisional token is dropped)
@@ -652,14 +652,14 @@ class Scheduler:
         """The step's prompt scores that clients have not had yet (a recomputed prompt is scored again)."""
         fresh: dict[int, PromptScores] = {}
         for scores in result.prompt_scores:
-            seq = self._seqs.get(scores.req_id)
+            seq = self._seqs.get(scores.seq_id)
             if seq is None or seq.is_finished or not _needs_prompt_scores(seq):
                 continue
             skip = seq.next_prompt_score - scores.first
             if not 0 <= skip < len(scores.token_ids):  # all seen already (recomputed), or past a gap: unusable
                 continue
             if skip:
-                scores = PromptScores(scores.req_id, seq.next_prompt_score, scores.token_ids[skip:],
+                scores = PromptScores(scores.seq_id, seq.next_prompt_score, scores.token_ids[skip:],
                                       scores.logprobs[skip:], scores.top_token_ids[skip:],
                                       scores.top_logprobs[skip:])
             seq.next_prompt_score = scores.first + len(scores.token_ids)
@@ -691,7 +691,7 @@ class Scheduler:
                             [seq.token_ids[seq.num_prompt_tokens:] for seq in live])
         if decided.done:
             return self._end_beam_search(request, None)
-        self._unforked_beams.pop(request.req_id, None)
+        self._unforked_beams.pop(request.request_id, None)
         parents = [parent for parent, _, _ in decided.beams]
         slots = assign_slots(parents, len(request.sequences))
         known = [list(seq.token_ids) for seq in live]  # each live beam's tokens, before the new ones
@@ -783,7 +783,7 @@ class Scheduler:
         group = [seq]
         if seq.request.beam is not None:
             group = [beam for beam in seq.request.sequences if beam.status == SeqStatus.RUNNING]
-            self._unforked_beams.pop(seq.request.req_id, None)  # admitted again with seats for all
+            self._unforked_beams.pop(seq.request.request_id, None)  # admitted again with seats for all
         for victim in group:
             self.running.remove(victim)
             self.blocks.free(victim.table)
@@ -810,8 +810,8 @@ class Scheduler:
         request = seq.request
         request.num_finished += 1
         if request.num_finished == len(request.sequences):
-            del self.requests[request.req_id]
-            self._unforked_beams.pop(request.req_id, None)
+            del self.requests[request.request_id]
+            self._unforked_beams.pop(request.request_id, None)
         elif seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
                 if not sibling.is_finished:

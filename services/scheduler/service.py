@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.pipeline import PlanPipeline
+from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.scheduler.tracing import RequestTracer
 from pagoda.shared.config import EngineConfig, ServerConfig
-from pagoda.shared.discovery import Registry, advertised, host_toward
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
     AbortRequest,
@@ -35,7 +33,6 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     PromptScores,
-    ReplicaAddress,
     ReplicaJoin,
     RequestFailed,
     SchedulerStats,
@@ -52,7 +49,8 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from pagoda.shared.transport import Codec, make_socket, single_frame, split_routed
+from pagoda.shared.service_main import stop_on_signals
+from pagoda.shared.transport import Codec, drain, make_socket, single_frame, split_routed
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +80,7 @@ class _Columns:
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    prompt_score_rows: list[int] = field(default_factory=list)
 
 
 class SchedulerService:
@@ -123,18 +122,7 @@ class SchedulerService:
         self.watch = StepWatch(server_config.step_timeout, server_config.hang_floor)
         self.problem = ""  # why the worker counts as hung ("" while it makes progress)
         self.exit_code = 0
-        self.registry, self.registry_sock = self._registry(server_config)
-
-    def _registry(self, config: ServerConfig) -> tuple[Registry, zmq.Socket | None]:
-        """This scheduler keeps a registry (used once an api or replica joins it); with a registry endpoint
-        other than its own address, it joins that one as a replica (shared/discovery.py)."""
-        own = config.endpoint("scheduler")
-        host = config.advertise_host or host_toward(config.registry_endpoint or own) or "127.0.0.1"
-        entry = ReplicaAddress(config.replica_id, advertised(own, host), advertised(config.endpoint("stats"), host),
-                               self.instance_id)
-        joins = config.registry_endpoint is not None and config.registry_endpoint != own
-        sock = make_socket(self.context, zmq.DEALER, config.registry_endpoint, bind=False) if joins else None
-        return Registry(entry, config.heartbeat_timeout), sock
+        self.registry = RegistryHost(self.context, server_config, self.instance_id)
 
     # ---------------------------------------------------------------- loop
 
@@ -150,20 +138,12 @@ class SchedulerService:
             if events:
                 self.stalled = False
             if self.front in events:
-                self._drain(self.front, self._on_tokenizer_frames)
+                drain(self.front, self._on_tokenizer_frames, copy=False)
             if self.results in events:
-                self._drain(self.results, self._on_worker_frames)
+                drain(self.results, self._on_worker_frames, copy=False)
             self._maybe_step()
             self._periodic()
         self._close()
-
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handle(frames)
 
     def _maybe_step(self) -> None:
         """Send plans while the pipeline has room: with async scheduling, step N+1's plan goes out while
@@ -174,14 +154,14 @@ class SchedulerService:
             plan = pipeline.schedule()
             if self.tracer is not None and (plan.new_requests or pipeline.scheduler.preemption_log):
                 self._trace_plan(plan, pipeline.scheduler)
-            if not plan.req_ids and not plan.finished_req_ids:
+            if not plan.seq_ids and not plan.finished_seq_ids:
                 self.stalled = True  # nothing runnable until a message (or a result) changes something
                 self.host_s += time.monotonic() - started
                 return
             self.plans.send(self.to_workers.encode(plan), copy=False)
             sent = time.monotonic()
             self.host_s += sent - started
-            if not plan.req_ids:  # only forgotten ids to pass on: no result will come
+            if not plan.seq_ids:  # only forgotten ids to pass on: no result will come
                 return
             if len(pipeline.inflight) == 1:
                 self.inflight_since = sent
@@ -276,7 +256,7 @@ class SchedulerService:
             self._fail(identity, message.request_id, 503, f"the server is overloaded ({limit} requests waiting); "
                        "try again later", "server_error")
             return
-        request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+        request = Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
         try:
             # The tokenizer checked the prompt against ModelInfo and the api the params: not checked again here.
@@ -338,32 +318,17 @@ class SchedulerService:
                     del self.swept[next(iter(self.swept))]
 
     def _on_join(self, identity: bytes, message: ApiJoin | ReplicaJoin) -> None:
-        now = time.monotonic()
-        if isinstance(message, ApiJoin):
-            if message.address not in self.registry.apis:
-                log.info("registry: api %s joined", message.address)
-            self.registry.join_api(message.address, now)
-            self._send_tokenizer(identity, self.registry.directory())  # the api's answer: replicas to watch
-            return
-        known = self.registry.replicas.get(message.replica.replica_id)
-        if not self.registry.join_replica(message.replica, now):
-            log.warning("registry: ignored a join claiming this scheduler's replica id %d", message.replica.replica_id)
-        elif known is None or known[0] != message.replica:
-            log.info("registry: replica %d joined at %s", message.replica.replica_id, message.replica.scheduler)
+        answer = self.registry.on_join(message, time.monotonic())
+        if answer is not None:
+            self._send_tokenizer(identity, answer)
 
     def _registry_tick(self, now: float) -> None:
         """Join the registry (another replica's scheduler), forget the silent, tell the tokenizers."""
-        if self.registry_sock is not None:
-            try:
-                self.registry_sock.send(self.from_tokenizers.encode(ReplicaJoin(self.registry.own)), zmq.NOBLOCK)
-            except zmq.Again:
-                log.debug("registry unreachable: the join waits for the next beat")
-        for gone in self.registry.sweep(now):
-            log.warning("registry: %s is silent: forgotten", gone)
-        if self.registry.used:
-            directory = self.to_tokenizers.encode(self.registry.directory())
+        directory = self.registry.tick(now)
+        if directory is not None:
+            payload = self.to_tokenizers.encode(directory)
             for identity in list(self.tokenizers):
-                self._send_raw(identity, directory)
+                self._send_raw(identity, payload)
 
     def _heartbeat_tokenizers(self) -> None:
         beat = self.to_tokenizers.encode(Heartbeat(sender=self.instance_id))
@@ -438,13 +403,13 @@ class SchedulerService:
         if not result.error and not _columns_agree(result):
             log.error("step %d: the worker's result has columns of different lengths; failing the step",
                       result.step_id)
-            result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
+            result = StepResult(step_id=result.step_id, seq_ids=[], sampled_token_ids=[],
                                 error="malformed result (columns of different lengths)")
         if result.failed and not result.error:
             self._fail_rows(result)  # before the tokens: these requests end here, the others go on
         if result.error:
             self._fail_plan(plan, result.error)  # its requests end with an error; later plans skip them
-            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            result = StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[])
         _, updates = pipeline.complete(result)
         if pipeline.scheduler.last_step_has_prefill:
             self.prefill_step_s += step_s
@@ -458,7 +423,7 @@ class SchedulerService:
         """The worker could not run this step: its requests end with an error, the rest go on."""
         assert self.scheduler is not None
         log.error("step %d failed on the worker: %s", plan.step_id, error)
-        request_ids = {seq.request.req_id for seq_id in plan.req_ids
+        request_ids = {seq.request.request_id for seq_id in plan.seq_ids
                        if (seq := self.scheduler.get_sequence(seq_id)) is not None}
         for request_id in request_ids:
             identity = self.owner.get(request_id)
@@ -470,10 +435,10 @@ class SchedulerService:
         """Requests the worker dropped from this step alone (a refused value, a sampler error on their row)."""
         assert self.scheduler is not None
         for failure in result.failed:
-            seq = self.scheduler.get_sequence(failure.req_id)
+            seq = self.scheduler.get_sequence(failure.seq_id)
             if seq is None:
                 continue  # already finished or aborted
-            request_id = seq.request.req_id
+            request_id = seq.request.request_id
             log.error("step %d: request %s failed on the worker: %s", result.step_id, request_id, failure.message)
             identity = self.owner.get(request_id)
             if identity is not None:
@@ -489,7 +454,7 @@ class SchedulerService:
         finished: list[str] = []
         for update in updates:
             request = update.seq.request
-            identity = self.owner.get(request.req_id)
+            identity = self.owner.get(request.request_id)
             if identity is None:
                 continue
             out = columns.get(identity)
@@ -497,7 +462,7 @@ class SchedulerService:
                 out = columns[identity] = _Columns()
             row = len(out.request_ids)
             reason = -1 if update.finish_reason is None else int(update.finish_reason)
-            out.request_ids.append(request.req_id)
+            out.request_ids.append(request.request_id)
             out.indices.append(update.seq.index)
             out.token_ids.append(update.token_id if update.has_token else -1)
             out.finish_reasons.append(reason)
@@ -509,16 +474,15 @@ class SchedulerService:
                 out.top_token_ids.append(result.top_token_ids[index])
                 out.top_logprobs.append(result.top_logprobs[index])
             if update.prompt_scores is not None:
-                scores = update.prompt_scores
-                out.prompt_scores.append(PromptScores(row, scores.first, scores.token_ids, scores.logprobs,
-                                                      scores.top_token_ids, scores.top_logprobs))
+                out.prompt_scores.append(update.prompt_scores)
+                out.prompt_score_rows.append(row)
             if reason >= 0 and request.num_finished == len(request.sequences):
-                finished.append(request.req_id)
+                finished.append(request.request_id)
         for identity, out in columns.items():
             self._send_tokenizer(identity, TokenDeltas(out.request_ids, out.indices, out.token_ids,
                                                        out.finish_reasons, out.num_cached_tokens, out.logprob_rows,
                                                        out.logprobs, out.top_token_ids, out.top_logprobs,
-                                                       out.prompt_scores))
+                                                       out.prompt_scores, out.prompt_score_rows))
         for request_id in finished:
             self._forget(request_id)
 
@@ -553,10 +517,10 @@ class SchedulerService:
         scheduler = self.scheduler
         blocks = scheduler.blocks if scheduler is not None else None
         stats = scheduler.stats if scheduler is not None else None
-        running = len({seq.request.req_id for seq in scheduler.running}) if scheduler is not None else 0
+        running = len({seq.request.request_id for seq in scheduler.running}) if scheduler is not None else 0
         waiting_seqs = [seq for _, seq in scheduler.waiting if not seq.is_finished] if scheduler is not None else []
-        waiting = len({seq.request.req_id for seq in waiting_seqs})
-        preempted = len({seq.request.req_id for seq in waiting_seqs if seq.num_preemptions})
+        waiting = len({seq.request.request_id for seq in waiting_seqs})
+        preempted = len({seq.request.request_id for seq in waiting_seqs if seq.num_preemptions})
         return SchedulerStats(
             time=time.time(), num_running=running, num_waiting=waiting,
             kv_blocks_free=blocks.num_free_blocks if blocks else 0, kv_blocks_total=blocks.num_blocks if blocks else 0,
@@ -591,24 +555,23 @@ class SchedulerService:
         try:
             self.plans.send(self.to_workers.encode(Shutdown(reason="scheduler stopping")))
         finally:
-            for sock in (self.front, self.plans, self.results, self.stats_out, self.registry_sock):
-                if sock is not None:
-                    sock.close(linger=0)
+            for sock in (self.front, self.plans, self.results, self.stats_out):
+                sock.close(linger=0)
+            self.registry.close()
             self.context.term()
 
 
 def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     service = SchedulerService(engine_config, server_config)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    service.run()
+    with stop_on_signals(service.stop):
+        service.run()
     if service.exit_code:
         sys.exit(service.exit_code)
 
 
 def _columns_agree(result: StepResult) -> bool:
     """Every per-row column of a StepResult has one entry per request (logprob columns: or none)."""
-    num_rows = len(result.req_ids)
+    num_rows = len(result.seq_ids)
     optional = (result.sampled_logprobs, result.top_token_ids, result.top_logprobs)
     return (len(result.sampled_token_ids) == num_rows and all(len(c) in (0, num_rows) for c in optional)
             and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,

@@ -34,13 +34,13 @@ class RequestTracer:
     num_dropped: int = 0  # finished traces that never made it into a snapshot (the bound was reached)
 
     def on_add(self, request: Request, now: float) -> None:
-        self.open[request.req_id] = _Open(request, now)
+        self.open[request.request_id] = _Open(request, now)
 
     def on_plan(self, plan: StepPlan, scheduler: Scheduler, now: float) -> None:
         """A plan went out: its new admissions were scheduled now (first time, or again after a preemption)."""
         for new in plan.new_requests:
-            seq = scheduler.get_sequence(new.req_id)
-            entry = self.open.get(seq.request.req_id) if seq is not None else None
+            seq = scheduler.get_sequence(new.seq_id)
+            entry = self.open.get(seq.request.request_id) if seq is not None else None
             if entry is None:
                 continue
             if entry.scheduled_at == 0.0:
@@ -50,7 +50,7 @@ class RequestTracer:
 
     def on_preempted(self, seqs: Iterable[Sequence], now: float) -> None:
         for seq in seqs:
-            entry = self.open.get(seq.request.req_id)
+            entry = self.open.get(seq.request.request_id)
             if entry is not None and len(entry.preempted_at) < MAX_TRACE_EVENTS:
                 entry.preempted_at.append(now)
 

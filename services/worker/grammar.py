@@ -1,6 +1,6 @@
 """Constrained decoding on the worker: one llguidance matcher per sequence, bitmasks for the rows that sample.
 
-Lifecycle (see services/tokenizer/structured.py for the whole path):
+Lifecycle (see services/grammar/compiler.py for the whole path):
 - `apply(plan)` mirrors BatchState.apply: a finished, aborted or preempted request's matcher is dropped; a new
   request (also one coming back after a preemption, or an n>1 sibling forked from its first sequence) gets a
   fresh matcher that replays the tokens it generated already (NewRequest.token_ids past the prompt), so a
@@ -8,11 +8,11 @@ Lifecycle (see services/tokenizer/structured.py for the whole path):
 - Compilation is off the step loop: a new constraint's matcher compiles on a thread (a bounded cache of them,
   keyed by constraint); the row waits for it only when it first samples, and tokens it gets before then
   (a recompute's replay, or accept) are consumed once it is ready.
-- `bitmask(req_ids)`: for the rows of this step's sampled sequences that have an active matcher, a compact
+- `bitmask(seq_ids)`: for the rows of this step's sampled sequences that have an active matcher, a compact
   `[K, ceil(V/32)] int32` mask (bit j of word w: token 32*w+j allowed), one row per constrained row, filled on
   the host straight into a reused (pinned) buffer, with the `[B]` flags and the batch rows [K] it belongs to:
   only those K rows are copied to the device. A step with no grammar row does no work at all.
-- `accept(req_ids, token_ids)`: the sampled tokens advance the matchers.
+- `accept(seq_ids, token_ids)`: the sampled tokens advance the matchers.
 Masks fill and matchers advance in parallel on llguidance's executor (it releases the GIL), sized from the
 CPUs this process may run on (os.sched_getaffinity), for batches of PARALLEL_ROWS rows or more.
 
@@ -40,11 +40,11 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from pagoda.services.tokenizer.structured import cache_key, grammar_text, ll_tokenizer
-from pagoda.services.tokenizer.tokenizer import load_tokenizer
-from pagoda.services.worker.model_config import ModelArch
+from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer
 from pagoda.shared.config import EngineConfig
+from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
+from pagoda.shared.shapes import ModelArch
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class SeqGrammar:
 
 
 class GrammarRows:
-    """The worker's matchers, keyed by request id (the scheduler's sequence id)."""
+    """The worker's matchers, keyed by the scheduler's sequence id."""
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer | None], vocab_size: int,
                  pin_memory: bool = False) -> None:
@@ -101,39 +101,39 @@ class GrammarRows:
     def active(self) -> bool:
         return bool(self._seqs)
 
-    def constrains(self, req_ids: list[int]) -> bool:
+    def constrains(self, seq_ids: list[int]) -> bool:
         """Some of these requests has a grammar (their sampling needs bitmasks)."""
-        return bool(self._seqs) and any(req_id in self._seqs for req_id in req_ids)
+        return bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids)
 
     def reset(self) -> None:
         self._seqs.clear()
 
     def apply(self, plan: StepPlan) -> None:
-        for req_id in plan.finished_req_ids:
-            self._seqs.pop(req_id, None)
+        for seq_id in plan.finished_seq_ids:
+            self._seqs.pop(seq_id, None)
         for new in plan.new_requests:
             self.add(new)
 
-    def drop(self, req_ids: list[int]) -> None:
-        for req_id in req_ids:
-            self._seqs.pop(req_id, None)
+    def drop(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._seqs.pop(seq_id, None)
 
     def add(self, new: NewRequest) -> None:
-        self._seqs.pop(new.req_id, None)
+        self._seqs.pop(new.seq_id, None)
         constraint = new.sampling.structured_outputs
         if constraint is None:
             return
         seq = SeqGrammar(constraint, None)
-        self._seqs[new.req_id] = seq
+        self._seqs[new.seq_id] = seq
         if not constraint.reasoning_end:
             seq.compiling = self._compile(constraint)  # on a thread: this step's launch does not wait for it
         generated = new.token_ids[new.num_prompt_tokens:]
         for token_id in generated:
-            self._advance(new.req_id, seq, token_id)
+            self._advance(new.seq_id, seq, token_id)
 
     # ---------------------------------------------------------------- per step
 
-    def bitmask(self, req_ids: list[int]) -> tuple[np.ndarray, torch.Tensor, np.ndarray] | None:
+    def bitmask(self, seq_ids: list[int]) -> tuple[np.ndarray, torch.Tensor, np.ndarray] | None:
         """For this step's sampled rows [B]: (flags [B] bool, True where the row has an active matcher; the
         masks of those K rows, [K, W] int32 on the host; their batch rows [K] int64), or None when no row is
         constrained. A row whose matcher still compiles waits for it here. The masks are one of two reused
@@ -141,8 +141,8 @@ class GrammarRows:
         has every earlier step's tokens before it fills masks)."""
         if not self._seqs:
             return None
-        rows = [(i, seq) for i, req_id in enumerate(req_ids) if (seq := self._seqs.get(req_id)) is not None]
-        picked = [(seq.matcher, i) for i, seq in rows if self._ready(req_ids[i], seq) and seq.matcher is not None]
+        rows = [(i, seq) for i, seq_id in enumerate(seq_ids) if (seq := self._seqs.get(seq_id)) is not None]
+        picked = [(seq.matcher, i) for i, seq in rows if self._ready(seq_ids[i], seq) and seq.matcher is not None]
         if not picked:
             return None
         mask = self._buffer(len(picked))  # [K, W]
@@ -153,40 +153,40 @@ class GrammarRows:
             for matcher, k in compact:
                 llguidance.torch.fill_next_token_bitmask(matcher, mask, k)
         index = np.asarray([i for _, i in picked], dtype=np.int64)  # [K]
-        flags = np.zeros(len(req_ids), dtype=bool)  # [B]
+        flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
         flags[index] = True
         return flags, mask, index
 
-    def accept(self, req_ids: list[int], token_ids: list[int]) -> None:
+    def accept(self, seq_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""
         if not self._seqs:
             return
-        rows = [(req_id, seq, token_id) for req_id, token_id in zip(req_ids, token_ids, strict=True)
-                if (seq := self._seqs.get(req_id)) is not None]
+        rows = [(seq_id, seq, token_id) for seq_id, token_id in zip(seq_ids, token_ids, strict=True)
+                if (seq := self._seqs.get(seq_id)) is not None]
         waiting = [row for row in rows if row[1].compiling is not None and not row[1].compiling.done()]
         for _, seq, token_id in waiting:  # still compiling: consumed when its matcher is here, nobody waits
             seq.replay.append(token_id)
         rows = [row for row in rows if not (row[1].compiling is not None and not row[1].compiling.done())]
-        for req_id, seq, _ in rows:
-            self._ready(req_id, seq)
+        for seq_id, seq, _ in rows:
+            self._ready(seq_id, seq)
         if not self._parallel(len(rows)):
-            for req_id, seq, token_id in rows:
-                self._advance(req_id, seq, token_id)
+            for seq_id, seq, token_id in rows:
+                self._advance(seq_id, seq, token_id)
             return
-        running = [(req_id, seq, token_id) for req_id, seq, token_id in rows
+        running = [(seq_id, seq, token_id) for seq_id, seq, token_id in rows
                    if seq.matcher is not None and not seq.failed and not seq.matcher.is_stopped()]
         accepted = llguidance.torch.consume_token_par(  # it refuses an empty list (every grammar done)
             self._ensure_executor(), [(seq.matcher, token_id) for _, seq, token_id in running]) if running else []
-        for (req_id, seq, token_id), ok in zip(running, accepted, strict=True):
+        for (seq_id, seq, token_id), ok in zip(running, accepted, strict=True):
             if not ok:
-                self._reject(req_id, seq, token_id)
+                self._reject(seq_id, seq, token_id)
         for _, seq, token_id in rows:
             if seq.matcher is None:
                 self._watch_reasoning(seq, token_id)
 
     # ---------------------------------------------------------------- internals
 
-    def _ready(self, req_id: int, seq: SeqGrammar) -> bool:
+    def _ready(self, seq_id: int, seq: SeqGrammar) -> bool:
         """Take the compiled matcher (waiting if it is still on its way) and consume the tokens that came
         before it; False for a row with no matcher (waiting for reasoning_end)."""
         if seq.compiling is not None:
@@ -194,10 +194,10 @@ class GrammarRows:
             seq.matcher = future.result().deep_copy()
             replay, seq.replay = seq.replay, []
             for token_id in replay:
-                self._advance(req_id, seq, token_id)
+                self._advance(seq_id, seq, token_id)
         return seq.matcher is not None
 
-    def _advance(self, req_id: int, seq: SeqGrammar, token_id: int) -> None:
+    def _advance(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         if seq.compiling is not None:
             seq.replay.append(token_id)
             return
@@ -207,12 +207,12 @@ class GrammarRows:
         if seq.failed or seq.matcher.is_stopped():
             return  # the next tokens are EOS; the scheduler ends the sequence on the first
         if not seq.matcher.consume_token(token_id):
-            self._reject(req_id, seq, token_id)
+            self._reject(seq_id, seq, token_id)
 
-    def _reject(self, req_id: int, seq: SeqGrammar, token_id: int) -> None:
+    def _reject(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input.
         assert seq.matcher is not None
-        log.error("request %d: token %d rejected by its grammar: %s", req_id, token_id, seq.matcher.get_error())
+        log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, seq.matcher.get_error())
         seq.failed = True
 
     def _parallel(self, num_rows: int) -> bool:
@@ -285,12 +285,9 @@ def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[
     """Builds llguidance's tokenizer for the model's mask width and EOS ids (GrammarRows calls it at start-up)."""
 
     def load() -> llguidance.LLTokenizer | None:
-        tokenizer = load_tokenizer(config)
-        if tokenizer is None:
+        folder = tokenizer_folder(config.model, config.load_format, config.tokenizer)
+        if folder is None:
             return None
-        eos_ids = set(arch.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        return ll_tokenizer(tokenizer.hf, arch.vocab_size, sorted(eos_ids))
+        return load_ll_tokenizer(folder, arch.vocab_size, list(arch.eos_token_ids))
 
     return load
