@@ -10,7 +10,7 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from pagoda.services.tokenizer.structured import ll_tokenizer
+from pagoda.services.grammar.compiler import ll_tokenizer
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker import grammar
 from pagoda.services.worker.grammar import GrammarRows
