@@ -688,19 +688,22 @@ class Scheduler:
             seq.num_pending = 0
         count = min(beam.num_candidates, len(candidates.token_ids))
         decided = beam.step(candidates.token_ids[:count], candidates.parents[:count], candidates.scores[:count],
-                            [seq.token_ids[seq.num_prompt_tokens:] for seq in live])
+                            _Generated(live))
         if decided.done:
             return self._end_beam_search(request, None)
         self._unforked_beams.pop(request.request_id, None)
         parents = [parent for parent, _, _ in decided.beams]
         slots = assign_slots(parents, len(request.sequences))
-        known = [list(seq.token_ids) for seq in live]  # each live beam's tokens, before the new ones
+        num_known = len(live[0].token_ids)  # every beam's, before the new tokens
+        # the tokens of the beams that other slots continue (copied before any slot changes)
+        known = {parent: list(live[parent].token_ids) for slot, parent in zip(slots, parents, strict=True)
+                 if slot != parent}
         running = first.status == SeqStatus.RUNNING  # a group runs or waits as a whole
         if running:
             moved = [request.sequences[slot] for slot, parent in zip(slots, parents, strict=True) if slot != parent]
             for seq in moved:  # lines that end give their blocks back first (shared ones lose a reference)
                 self.blocks.free(seq.table)
-            if known[0] and len(known[0]) % self.block_size and self.blocks.num_free_blocks < len(moved):
+            if num_known % self.block_size and self.blocks.num_free_blocks < len(moved):
                 self._preempt(first)  # no room for the copies of the last partial block: recompute later
                 running = False
         for (parent, token, _), slot in zip(decided.beams, slots, strict=True):
@@ -816,6 +819,20 @@ class Scheduler:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
                 if not sibling.is_finished:
                     self._finish(sibling, reason)
+
+
+class _Generated:
+    """The live beams' generated tokens, as BeamSearch.step's history: sliced only for a new hypothesis."""
+
+    def __init__(self, live: list[Sequence]) -> None:
+        self.live = live
+
+    def __getitem__(self, index: int) -> list[int]:
+        seq = self.live[index]
+        return seq.token_ids[seq.num_prompt_tokens:]
+
+    def __len__(self) -> int:
+        return len(self.live)
 
 
 def _needs_prompt_scores(seq: Sequence) -> bool:
