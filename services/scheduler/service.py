@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
@@ -445,8 +446,7 @@ class SchedulerService:
                 out.top_logprobs.append(result.top_logprobs[index])
             if update.prompt_scores is not None:
                 scores = update.prompt_scores
-                out.prompt_scores.append(PromptScores(row, scores.first, scores.token_ids, scores.logprobs,
-                                                      scores.top_token_ids, scores.top_logprobs))
+                out.prompt_scores.append(msgspec.structs.replace(scores, req_id=row))
             if reason >= 0 and request.num_finished == len(request.sequences):
                 finished.append(request.req_id)
         for identity, out in columns.items():
@@ -533,4 +533,4 @@ def _columns_agree(result: StepResult) -> bool:
             and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,
                                                                 strict=False))
             and all(len(p.token_ids) == len(p.logprobs) == len(p.top_token_ids) == len(p.top_logprobs)
-                    for p in result.prompt_scores))
+                    and len(p.ranks) in (0, len(p.token_ids)) for p in result.prompt_scores))

@@ -73,6 +73,7 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
+        self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: request id -> its fixed mask [W] int32
         self._pristine: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
         self.pin_memory = pin_memory
@@ -84,24 +85,33 @@ class GrammarRows:
         return bool(self._seqs)
 
     def constrains(self, req_ids: list[int]) -> bool:
-        """Some of these requests has a grammar (their sampling needs bitmasks)."""
+        """Some of these requests has a grammar or allowed_token_ids (their sampling needs bitmasks)."""
+        return ((bool(self._seqs) and any(req_id in self._seqs for req_id in req_ids))
+                or (bool(self._allowed) and any(req_id in self._allowed for req_id in req_ids)))
+
+    def has_matchers(self, req_ids: list[int]) -> bool:
+        """Some of these requests has a grammar, whose mask depends on the previous token."""
         return bool(self._seqs) and any(req_id in self._seqs for req_id in req_ids)
 
     def reset(self) -> None:
         self._seqs.clear()
+        self._allowed.clear()
 
     def apply(self, plan: StepPlan) -> None:
-        for req_id in plan.finished_req_ids:
-            self._seqs.pop(req_id, None)
+        self.drop(plan.finished_req_ids)
         for new in plan.new_requests:
             self.add(new)
 
     def drop(self, req_ids: list[int]) -> None:
         for req_id in req_ids:
             self._seqs.pop(req_id, None)
+            self._allowed.pop(req_id, None)
 
     def add(self, new: NewRequest) -> None:
         self._seqs.pop(new.req_id, None)
+        self._allowed.pop(new.req_id, None)
+        if new.sampling.allowed_token_ids:
+            self._allowed[new.req_id] = allowed_bitmask(new.sampling.allowed_token_ids, self.vocab_size)
         constraint = new.sampling.structured_outputs
         if constraint is None:
             return
@@ -120,11 +130,13 @@ class GrammarRows:
         [B, W] int32 on the host, filled for the flagged rows only), or None when no row is constrained.
         The bitmask is one of two reused buffers (pinned on CUDA): the step that reads it has synced before
         the buffer comes round again (the worker syncs every launched step before it fills masks)."""
-        if not self._seqs:
+        if not self._seqs and not self._allowed:
             return None
         picked = [(seq.matcher, i) for i, req_id in enumerate(req_ids)
                   if (seq := self._seqs.get(req_id)) is not None and seq.matcher is not None]
-        if not picked:
+        fixed = [(allowed, i) for i, req_id in enumerate(req_ids)
+                 if (allowed := self._allowed.get(req_id)) is not None] if self._allowed else []
+        if not picked and not fixed:
             return None
         mask = self._buffer(len(req_ids))  # [B, W]
         if self._parallel(len(picked)):
@@ -134,6 +146,12 @@ class GrammarRows:
                 llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
         flags = np.zeros(len(req_ids), dtype=bool)  # [B]
         flags[[i for _, i in picked]] = True
+        for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
+            if flags[i]:
+                mask[i] &= allowed
+            else:
+                mask[i] = allowed
+        flags[[i for _, i in fixed]] = True
         return flags, mask
 
     def accept(self, req_ids: list[int], token_ids: list[int]) -> None:
@@ -230,6 +248,14 @@ class GrammarRows:
         if self._tokenizer is None:
             raise RuntimeError("structured outputs need the model's tokenizer on the worker")
         return self._tokenizer
+
+
+def allowed_bitmask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """[ceil(V/32)] int32 with bit j of word w set for each allowed id 32*w+j (the grammar masks' layout)."""
+    ids = np.unique(np.asarray([t for t in token_ids if 0 <= t < vocab_size], dtype=np.int64))  # [K]
+    words = np.zeros(-(-vocab_size // 32), dtype=np.uint32)  # [W]
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return torch.from_numpy(words.view(np.int32))  # [W]
 
 
 def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[[], llguidance.LLTokenizer | None]:

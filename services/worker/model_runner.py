@@ -373,8 +373,9 @@ class ModelRunner:
             "the sampling offsets disagree with the plan's positions"
         if self.grammars.constrains(req_ids):
             # Masks follow the previous step's tokens: wait for them here, after this step's forward is enqueued,
-            # so the device computes while the host advances the matchers.
-            self._sync_all()
+            # so the device computes while the host advances the matchers (allowed_token_ids alone never wait).
+            if self.grammars.has_matchers(req_ids):
+                self._sync_all()
             self._attach_grammar_masks(metadata, req_ids)
         state_rows = metadata.state_rows  # [S] on the device
         try:
@@ -609,7 +610,7 @@ class ModelRunner:
             end = min(int(host.seq_lens[b]), int(state.num_prompt_tokens[row]) - 1)
             first_index = int(host.query_start[b])
             targets = state.token_ids[row, start + 1:end + 1].astype(np.int64)  # [N]
-            picked, tops, top_ids = [], [], []
+            picked, tops, top_ids, ranks = [], [], [], []
             step = max(1, min(PROMPT_SCORE_ROWS, self.config.max_num_seqs // 2))
             for lo in range(0, end - start, step):  # bounded [rows, V] logits at a time
                 hi = min(end - start, lo + step)
@@ -617,12 +618,14 @@ class ModelRunner:
                 log_probs = torch.log_softmax(logits, dim=-1)  # [n, V]
                 target = torch.from_numpy(targets[lo:hi]).to(log_probs.device)  # [n]
                 picked.append(log_probs.gather(1, target[:, None])[:, 0])  # [n]
+                ranks.append((log_probs >= picked[-1][:, None]).sum(dim=-1))  # [n]: 1 for the likeliest (vLLM's)
                 top = log_probs.topk(int(wanted[b]), dim=-1)  # [n, k]
                 tops.append(top.values)
                 top_ids.append(top.indices)
             # one host copy per sequence, after all its slices
             scores.append(PromptScores(plan.req_ids[b], start + 1, targets.tolist(), torch.cat(picked).tolist(),
-                                       torch.cat(top_ids).tolist(), torch.cat(tops).tolist()))
+                                       torch.cat(top_ids).tolist(), torch.cat(tops).tolist(),
+                                       torch.cat(ranks).tolist()))
         return scores
 
     def recover(self, plan: StepPlan) -> None:
