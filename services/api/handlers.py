@@ -54,12 +54,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class InvocationBody(msgspec.Struct):
-    """What /invocations reads to pick a route (any other field is the route's to check)."""
-
-    messages: msgspec.Raw | None = None
-    prompt: msgspec.Raw | None = None
-
 
 def _headers(deprecated: list[str]) -> dict[str, str]:
     return {"Warning": deprecation_header(deprecated)} if deprecated else {}
@@ -291,10 +285,10 @@ class Handlers:
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's one route (vLLM's /invocations): a body with messages is a chat completion, one with a
         prompt a completion."""
-        body = decode_body(await self._body(request), InvocationBody)
-        if body.messages is not None:
+        body = decode_body(await self._body(request), dict[str, msgspec.Raw])  # the route's handler checks the rest
+        if "messages" in body:
             return await self.chat_completions(request)
-        if body.prompt is not None:
+        if "prompt" in body:
             return await self.completions(request)
         raise InvalidRequestError("Cannot find suitable handler for request: /invocations takes a chat completion "
                                   "(messages) or a completion (prompt)", param="messages")
