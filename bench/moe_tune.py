@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.cuda_timing import graph_time_ms
 from pagoda.kernels import moe
 from pagoda.kernels import reference as ref
 from pagoda.shared.shapes import SHAPES
@@ -38,31 +39,6 @@ GEMV_CANDIDATES = [  # (block_n, block_k, num_warps, num_stages): the path for a
     (32, 512, 8, 2), (64, 256, 8, 3), (4, 1024, 4, 2),
 ]
 GEMV_MAX_PAIRS = 64
-
-
-def _time_ms(fn: Any, reps: int = 20) -> float:  # noqa: ANN401
-    """Median device time of `fn` replayed from a CUDA graph, as decode steps run it (no host time between the
-    launches): fn runs once eagerly (compiles), is captured, then each of `reps` timings replays it 5 times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # warm the graph pool's allocations on the capture stream
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 5)
-    return sorted(times)[len(times) // 2]
 
 
 def _routing(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -104,7 +80,7 @@ def _best(runners: dict[Any, Any]) -> tuple[float, Any]:
     best: tuple[float, Any] | None = None
     for key, run in runners.items():
         try:
-            ms = _time_ms(run, reps=10)
+            ms = graph_time_ms(run, reps=10)
         except Exception as exc:  # noqa: BLE001
             print(f"  skip {key}: {type(exc).__name__}", flush=True)
             continue
@@ -152,7 +128,7 @@ def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, wei
     rate, and its error against the reference."""
     spec = arch.moe
     h, i = arch.hidden_size, spec.expert_intermediate_size
-    ms = _time_ms(lambda: moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles))
+    ms = graph_time_ms(lambda: moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles))
     touched = int(ids.unique().numel())
     expert_bytes = touched * 3 * h * i * x.element_size()
     flops = 2 * num_tokens * spec.top_k * 3 * h * i
@@ -166,8 +142,8 @@ def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, wei
             "gate_up_ms": round(best_ms[0], 4), "down_ms": round(best_ms[1], 4),
             "gate_up_tile": asdict(tiles[0]), "down_tile": asdict(tiles[1]),
             "path": "gemv" if isinstance(tiles[0], moe.GemvConfig) else "grouped gemm",
-            "align_ms": {"triton": round(_time_ms(lambda: moe.align_pairs_triton(ids, spec.num_experts, 64)), 4),
-                         "sorted": round(_time_ms(lambda: moe.align_pairs_sorted(ids, spec.num_experts, 64)), 4)}}
+            "align_ms": {"triton": round(graph_time_ms(lambda: moe.align_pairs_triton(ids, spec.num_experts, 64)), 4),
+                         "sorted": round(graph_time_ms(lambda: moe.align_pairs_sorted(ids, spec.num_experts, 64)), 4)}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,6 +103,13 @@ def single_frame(frames: list[Any]) -> Any | None:
     return frames[0]
 
 
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel these tasks and wait until each has ended (a receiver's loops, before its socket closes)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def receive_forever(sock: zmq.asyncio.Socket, name: str) -> AsyncIterator[list[Any]]:
     """Yield every multipart message until the socket closes; a receive error is logged, never fatal."""
     while True:

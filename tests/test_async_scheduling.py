@@ -283,7 +283,7 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
             service._on_add(identity, peer, AddRequest(name, list(range(5, 5 + length)), params))
         service._maybe_step()
         assert sent_plans() == [], "no third plan before a result"
-        service._on_result(StepResult(step_id=first[0].step_id, req_ids=[], sampled_token_ids=[],
+        service._on_result(StepResult(step_id=first[0].step_id, seq_ids=[], sampled_token_ids=[],
                                       error="RuntimeError: boom"))
         failed = [m.request_id for m in to_tokenizers() if isinstance(m, RequestFailed)]
         assert failed == ["doomed"] and "doomed" not in service.scheduler.requests
@@ -301,7 +301,7 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
             for plan in plans:
                 worker.apply(plan)
             for plan in plans:
-                if plan.req_ids:
+                if plan.seq_ids:
                     service._on_result(worker.execute(plan))
             for message in to_tokenizers():
                 assert isinstance(message, TokenDeltas)

@@ -105,6 +105,19 @@ def test_fused_experts_every_token_to_one_expert(tile: moe.TileConfig | moe.Gemv
     torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (60, 4), (128, 8)])
+def test_router_kernel_matches_reference(num_experts: int, top_k: int, renormalize: bool) -> None:
+    logits = torch.randn(37, num_experts, generator=torch.Generator().manual_seed(num_experts)).half()  # [T, E]
+    logits[3, :] = 0.5  # every expert tied: the lowest ids win
+    weights, ids = moe.route_softmax_topk_triton(logits, top_k, renormalize)
+    ref_weights, ref_ids = moe.route_softmax_topk_reference(logits, top_k, renormalize)
+    assert ids[3].tolist() == list(range(top_k))  # (torch.topk's order among equals is its own: row 3 apart)
+    rows = [r for r in range(37) if r != 3]
+    assert torch.equal(ids[rows].sort(dim=1).values, ref_ids[rows].sort(dim=1).values)
+    torch.testing.assert_close(weights.sort(dim=1).values, ref_weights.sort(dim=1).values, rtol=1e-5, atol=1e-6)
+
+
 def test_router_ties_take_the_lower_expert() -> None:
     """Equal router logits: the top-k follows torch.topk (lower ids first), the weights renormalise to 1, and the
     fused layer matches the reference on that routing."""

@@ -8,6 +8,8 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from pagoda.services.api.console.routes import API_PREFIX as CONSOLE_API_PREFIX
+from pagoda.services.api.console.routes import Console
 from pagoda.services.api.errors import AuthenticationError, UnsupportedMediaTypeError
 from pagoda.services.api.handlers import ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
@@ -19,8 +21,8 @@ log = logging.getLogger(__name__)
 
 # Large enough for a long prompt as token ids in JSON, small enough that its wire message fits a frame.
 MAX_BODY_BYTES = 32 << 20
-# /health, /ping, /version, /load and /metrics stay open
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
+# /health, /ping, /version, /load, /metrics and the console's page and scripts stay open; its data needs the key
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", CONSOLE_API_PREFIX)
 RETRY_AFTER_S = "1"
 
 
@@ -46,6 +48,8 @@ def build_app(state: ApiState) -> web.Application:
         web.post("/ping", handlers.ping),
         web.post("/invocations", handlers.invocations),
     ])
+    if state.config.console:
+        Console(state, handlers.health_problems).install(app)
     return app
 
 

@@ -46,6 +46,8 @@ class Generation:
         self._failed: set[int] = set()  # prompts the tokenizer already ended with RequestFailed
         self._early: deque[Reply] = deque()  # replies taken off the queue, not handled yet
         self.first_token_at: float | None = None
+        self.accepted_at: float | None = None  # time.monotonic() when every prompt was tokenized and admitted
+        self.error = ""  # the error the client got, if any (the console's request inspector)
 
     @property
     def finished(self) -> bool:
@@ -99,6 +101,7 @@ class Generation:
                 self._early.append(reply)
             else:
                 self._raise_if_failed(reply)
+        self.accepted_at = time.monotonic()
 
     async def next_batch(self) -> bytes:
         """The output of this request that arrived by the time it woke, applied to the choices; with streaming,

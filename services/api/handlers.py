@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from pagoda.services.api.console.inspector import RequestLog, RequestRecord
 from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
@@ -88,6 +89,7 @@ class ApiState:
     metrics: ApiMetrics
     started: int  # time.time() at start, the models' "created"
     shutting_down: bool = False
+    console_requests: RequestLog | None = None  # the console's request inspector (None: --no-console)
 
 
 class Handlers:
@@ -163,6 +165,9 @@ class Handlers:
         timeout = self.state.config.request_timeout
         gen = Generation(ticket, n, started_at, self.state.metrics, renderer_for(spec), spec.stream,
                          deadline=started_at + timeout if timeout > 0 else None)
+        inspector = self.state.console_requests
+        record = inspector.start("chat" if spec.route == CHAT else "completion", messages, spec.stream,
+                                 started_at) if inspector is not None else None
         try:
             await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
             if spec.stream:
@@ -171,9 +176,14 @@ class Handlers:
                 await gen.next_batch()
             self.state.metrics.e2e.observe(time.monotonic() - started_at)
             return json_response(gen.body(), headers=headers)
+        except Exception as exc:
+            gen.error = exc.message if isinstance(exc, PagodaError) else "internal server error"
+            raise
         finally:
             # Runs on success, on error and on cancellation (the client hung up): whatever still runs is aborted.
             self.state.pool.finish(ticket, gen.unfinished_request_ids())
+            if inspector is not None and record is not None:
+                _log_finished(inspector, record, gen)
 
     async def _stream(self, request: web.Request, gen: Generation, headers: dict[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
@@ -194,6 +204,7 @@ class Handlers:
                         raise
                     log.exception("stream %s failed", gen.ticket.request_ids[0])
                     exc = PagodaError("internal server error")
+                gen.error = exc.message
                 await response.write(sse(exc.to_dict()) + SSE_DONE)
         except ConnectionResetError:
             log.info("client left stream %s", gen.ticket.request_ids[0])  # the caller's finally aborts it
@@ -341,3 +352,10 @@ class Handlers:
         body, content_type = self.state.metrics.render(request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+
+
+def _log_finished(inspector: RequestLog, record: RequestRecord, gen: Generation) -> None:
+    inspector.finish(record, finished=gen.finished, error=gen.error, tokenized_mono=gen.accepted_at,
+                first_token_mono=gen.first_token_at, prompt_tokens=gen.prompt_tokens,
+                completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
+                finish_reasons=[c.finish_reason for c in gen.choices])

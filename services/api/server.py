@@ -12,6 +12,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from pagoda.services.api.app import build_app
+from pagoda.services.api.console.inspector import RequestLog
 from pagoda.services.api.handlers import ApiState
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import TokenizerPool
@@ -51,7 +52,9 @@ def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, confi
         stats = ReplicaStatsFeed(context, config.replica_endpoint_list("stats"), config.heartbeat_timeout)
     return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
                     pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
-                    started=int(time.time()))
+                    started=int(time.time()),
+                    console_requests=RequestLog(config.console_max_requests, config.console_show_prompts)
+                    if config.console else None)
 
 
 async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:

@@ -16,13 +16,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.pipeline import PlanPipeline
 from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.services.scheduler.tracing import RequestTracer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
@@ -80,6 +80,7 @@ class _Columns:
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    prompt_score_rows: list[int] = field(default_factory=list)
 
 
 class SchedulerService:
@@ -110,6 +111,9 @@ class SchedulerService:
         self.worker_last_seen = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
+        self.prefill_step_s = self.decode_step_s = self.host_s = 0.0
+        self.tracer = RequestTracer() if server_config.console else None  # the request inspector's timelines
         self.running = True
         self.stalled = False
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
@@ -146,15 +150,28 @@ class SchedulerService:
         step N runs."""
         pipeline = self.pipeline
         while pipeline is not None and not self.stalled and pipeline.wants_plan():
+            started = time.monotonic()
             plan = pipeline.schedule()
-            if not plan.req_ids and not plan.finished_req_ids:
+            if self.tracer is not None and (plan.new_requests or pipeline.scheduler.preemption_log):
+                self._trace_plan(plan, pipeline.scheduler)
+            if not plan.seq_ids and not plan.finished_seq_ids:
                 self.stalled = True  # nothing runnable until a message (or a result) changes something
+                self.host_s += time.monotonic() - started
                 return
             self.plans.send(self.to_workers.encode(plan), copy=False)
-            if not plan.req_ids:  # only forgotten ids to pass on: no result will come
+            sent = time.monotonic()
+            self.host_s += sent - started
+            if not plan.seq_ids:  # only forgotten ids to pass on: no result will come
                 return
             if len(pipeline.inflight) == 1:
-                self.inflight_since = time.monotonic()
+                self.inflight_since = sent
+
+    def _trace_plan(self, plan: StepPlan, scheduler: Scheduler) -> None:
+        assert self.tracer is not None and scheduler.preemption_log is not None
+        now = time.time()
+        self.tracer.on_preempted(scheduler.preemption_log, now)
+        scheduler.preemption_log.clear()
+        self.tracer.on_plan(plan, scheduler, now)
 
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -239,7 +256,7 @@ class SchedulerService:
             self._fail(identity, message.request_id, 503, f"the server is overloaded ({limit} requests waiting); "
                        "try again later", "server_error")
             return
-        request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+        request = Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
         try:
             # The tokenizer checked the prompt against ModelInfo and the api the params: not checked again here.
@@ -257,6 +274,8 @@ class SchedulerService:
         peer.request_ids.add(message.request_id)
         peer.num_requests += 1
         self.prompt_tokens_total += len(message.prompt_token_ids)
+        if self.tracer is not None:
+            self.tracer.on_add(request, time.time())
 
     def _on_stop_sequence(self, message: StopSequence) -> None:
         assert self.scheduler is not None
@@ -275,6 +294,8 @@ class SchedulerService:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        if self.tracer is not None:
+            self.tracer.on_done(request_id, time.time())
         identity = self.owner.pop(request_id, None)
         peer = self.tokenizers.get(identity) if identity is not None else None
         if peer is not None:
@@ -358,6 +379,8 @@ class SchedulerService:
             enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)
+        if self.tracer is not None:
+            self.scheduler.preemption_log = []
         self.model_info = ModelInfo(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                                     max_num_tokens=ready.num_kv_blocks * ready.block_size,
                                     eos_token_ids=ready.eos_token_ids)
@@ -374,27 +397,33 @@ class SchedulerService:
                         plan.step_id if plan else None)
             return
         now = time.monotonic()
-        self.watch.record(now - self.inflight_since)
+        step_s = now - self.inflight_since
+        self.watch.record(step_s)
         self.inflight_since = now  # the next plan in flight starts its clock
         if not result.error and not _columns_agree(result):
             log.error("step %d: the worker's result has columns of different lengths; failing the step",
                       result.step_id)
-            result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
+            result = StepResult(step_id=result.step_id, seq_ids=[], sampled_token_ids=[],
                                 error="malformed result (columns of different lengths)")
         if result.failed and not result.error:
             self._fail_rows(result)  # before the tokens: these requests end here, the others go on
         if result.error:
             self._fail_plan(plan, result.error)  # its requests end with an error; later plans skip them
-            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            result = StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[])
         _, updates = pipeline.complete(result)
+        if pipeline.scheduler.last_step_has_prefill:
+            self.prefill_step_s += step_s
+        else:
+            self.decode_step_s += step_s
         self.generation_tokens_total += sum(1 for update in updates if update.has_token)
         self._send_deltas(updates, result)
+        self.host_s += time.monotonic() - now
 
     def _fail_plan(self, plan: StepPlan, error: str) -> None:
         """The worker could not run this step: its requests end with an error, the rest go on."""
         assert self.scheduler is not None
         log.error("step %d failed on the worker: %s", plan.step_id, error)
-        request_ids = {seq.request.req_id for seq_id in plan.req_ids
+        request_ids = {seq.request.request_id for seq_id in plan.seq_ids
                        if (seq := self.scheduler.get_sequence(seq_id)) is not None}
         for request_id in request_ids:
             identity = self.owner.get(request_id)
@@ -406,10 +435,10 @@ class SchedulerService:
         """Requests the worker dropped from this step alone (a refused value, a sampler error on their row)."""
         assert self.scheduler is not None
         for failure in result.failed:
-            seq = self.scheduler.get_sequence(failure.req_id)
+            seq = self.scheduler.get_sequence(failure.seq_id)
             if seq is None:
                 continue  # already finished or aborted
-            request_id = seq.request.req_id
+            request_id = seq.request.request_id
             log.error("step %d: request %s failed on the worker: %s", result.step_id, request_id, failure.message)
             identity = self.owner.get(request_id)
             if identity is not None:
@@ -425,7 +454,7 @@ class SchedulerService:
         finished: list[str] = []
         for update in updates:
             request = update.seq.request
-            identity = self.owner.get(request.req_id)
+            identity = self.owner.get(request.request_id)
             if identity is None:
                 continue
             out = columns.get(identity)
@@ -433,7 +462,7 @@ class SchedulerService:
                 out = columns[identity] = _Columns()
             row = len(out.request_ids)
             reason = -1 if update.finish_reason is None else int(update.finish_reason)
-            out.request_ids.append(request.req_id)
+            out.request_ids.append(request.request_id)
             out.indices.append(update.seq.index)
             out.token_ids.append(update.token_id if update.has_token else -1)
             out.finish_reasons.append(reason)
@@ -445,15 +474,15 @@ class SchedulerService:
                 out.top_token_ids.append(result.top_token_ids[index])
                 out.top_logprobs.append(result.top_logprobs[index])
             if update.prompt_scores is not None:
-                scores = update.prompt_scores
-                out.prompt_scores.append(msgspec.structs.replace(scores, req_id=row))
+                out.prompt_scores.append(update.prompt_scores)
+                out.prompt_score_rows.append(row)
             if reason >= 0 and request.num_finished == len(request.sequences):
-                finished.append(request.req_id)
+                finished.append(request.request_id)
         for identity, out in columns.items():
             self._send_tokenizer(identity, TokenDeltas(out.request_ids, out.indices, out.token_ids,
                                                        out.finish_reasons, out.num_cached_tokens, out.logprob_rows,
                                                        out.logprobs, out.top_token_ids, out.top_logprobs,
-                                                       out.prompt_scores))
+                                                       out.prompt_scores, out.prompt_score_rows))
         for request_id in finished:
             self._forget(request_id)
 
@@ -488,9 +517,10 @@ class SchedulerService:
         scheduler = self.scheduler
         blocks = scheduler.blocks if scheduler is not None else None
         stats = scheduler.stats if scheduler is not None else None
-        running = len({seq.request.req_id for seq in scheduler.running}) if scheduler is not None else 0
-        waiting = len({seq.request.req_id for _, seq in scheduler.waiting if not seq.is_finished}) \
-            if scheduler is not None else 0
+        running = len({seq.request.request_id for seq in scheduler.running}) if scheduler is not None else 0
+        waiting_seqs = [seq for _, seq in scheduler.waiting if not seq.is_finished] if scheduler is not None else []
+        waiting = len({seq.request.request_id for seq in waiting_seqs})
+        preempted = len({seq.request.request_id for seq in waiting_seqs if seq.num_preemptions})
         return SchedulerStats(
             time=time.time(), num_running=running, num_waiting=waiting,
             kv_blocks_free=blocks.num_free_blocks if blocks else 0, kv_blocks_total=blocks.num_blocks if blocks else 0,
@@ -502,7 +532,21 @@ class SchedulerService:
             num_steps_total=stats.num_steps if stats else 0, worker_ready=scheduler is not None,
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
-            max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem)
+            max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem,
+            num_preempted=preempted, **self._step_seconds(now), host_seconds_total=self.host_s,
+            traces=self.tracer.take() if self.tracer is not None else [])
+
+    def _step_seconds(self, now: float) -> dict[str, float]:
+        """The step split's totals, the step in flight counted up to `now` (monotonic): a snapshot is then exact
+        whenever it is taken, not only once the step's result is in (the console's shares stay <= 1)."""
+        prefill, decode = self.prefill_step_s, self.decode_step_s
+        if self.scheduler is not None and self.pipeline is not None and self.pipeline.inflight and not self.problem:
+            running = max(0.0, now - self.inflight_since)
+            if self.scheduler.oldest_inflight_has_prefill:
+                prefill += running
+            else:
+                decode += running
+        return {"prefill_step_seconds_total": prefill, "decode_step_seconds_total": decode}
 
     def stop(self, *_: object) -> None:
         self.running = False
@@ -527,7 +571,7 @@ def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> N
 
 def _columns_agree(result: StepResult) -> bool:
     """Every per-row column of a StepResult has one entry per request (logprob columns: or none)."""
-    num_rows = len(result.req_ids)
+    num_rows = len(result.seq_ids)
     optional = (result.sampled_logprobs, result.top_token_ids, result.top_logprobs)
     return (len(result.sampled_token_ids) == num_rows and all(len(c) in (0, num_rows) for c in optional)
             and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,

@@ -70,30 +70,6 @@ class RequestState:
 
 
 @dataclass(slots=True)
-class RowColumns:
-    """RenderedRows being built for one api."""
-
-    request_ids: list[str] = field(default_factory=list)
-    indices: list[int] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    finish_reasons: list[int] = field(default_factory=list)
-    num_cached_tokens: list[int] = field(default_factory=list)
-    data: list[bytes] = field(default_factory=list)
-
-    def add(self, delta: TextDelta, data: bytes) -> None:
-        self.request_ids.append(delta.request_id)
-        self.indices.append(delta.index)
-        self.num_new_tokens.append(delta.num_new_tokens)
-        self.finish_reasons.append(delta.finish_reason)
-        self.num_cached_tokens.append(delta.num_cached_tokens)
-        self.data.append(data)
-
-    def message(self) -> RenderedRows:
-        return RenderedRows(self.request_ids, self.indices, self.num_new_tokens, self.finish_reasons,
-                            self.num_cached_tokens, self.data)
-
-
-@dataclass(slots=True)
 class OutputBatch:
     """What one step's TokenDeltas make: messages per api, stop strings for the scheduler, requests that failed."""
 
@@ -129,9 +105,10 @@ class Outputs:
             log.error("dropped a TokenDeltas frame whose columns disagree (%d rows)", len(message))
             return batch
         texts: dict[int, list[TextDelta]] = {}  # requests that take text (TextDeltas), by api
-        rendered: dict[int, RowColumns] = {}  # requests that take bytes (RenderedRows), by api
+        rendered: dict[int, list[tuple[TextDelta, bytes]]] = {}  # requests that take bytes (RenderedRows), by api
         lp_at = {row: i for i, row in enumerate(message.logprob_rows)} if message.logprob_rows else None
-        scores_at = {s.req_id: s for s in message.prompt_scores} if message.prompt_scores else None
+        scores_at = dict(zip(message.prompt_score_rows, message.prompt_scores, strict=True)) \
+            if message.prompt_scores else None
         for row, (request_id, index, token_id, reason) in enumerate(zip(
                 message.request_ids, message.indices, message.token_ids, message.finish_reasons, strict=True)):
             state = self.requests.get(request_id)
@@ -144,15 +121,17 @@ class Outputs:
                 if delta is None:
                     continue
                 if state.renderer is not None:
-                    rendered.setdefault(state.api, RowColumns()).add(delta, state.renderer.render(delta))
+                    rendered.setdefault(state.api, []).append((delta, state.renderer.render(delta)))
                     continue
             except Exception:
                 log.exception("failed on the tokens of %s", request_id)
                 batch.failed.append((state.api, request_id))
                 continue
             texts.setdefault(state.api, []).append(delta)
-        for api, columns in rendered.items():
-            batch.to_apis.setdefault(api, []).append(columns.message())
+        for api, rows in rendered.items():
+            batch.to_apis.setdefault(api, []).append(RenderedRows(
+                [d.request_id for d, _ in rows], [d.index for d, _ in rows], [d.num_new_tokens for d, _ in rows],
+                [d.finish_reason for d, _ in rows], [d.num_cached_tokens for d, _ in rows], [data for _, data in rows]))
         for api, deltas in texts.items():
             batch.to_apis.setdefault(api, []).append(TextDeltas(deltas))
         return batch

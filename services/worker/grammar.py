@@ -5,11 +5,11 @@ Lifecycle (see services/grammar/compiler.py for the whole path):
   request (also one coming back after a preemption, or an n>1 sibling forked from its first sequence) gets a
   fresh matcher that replays the tokens it generated already (NewRequest.token_ids past the prompt), so a
   recompute or a prefix-cache hit leaves it exactly where the sequence is.
-- `bitmask(req_ids)`: for the rows of this step's sampled sequences that have an active matcher, their row of a
+- `bitmask(seq_ids)`: for the rows of this step's sampled sequences that have an active matcher, their row of a
   `[B, ceil(V/32)] int32` mask (bit j of word w: token 32*w+j allowed), filled on the host straight into a
   reused (pinned) buffer, and the `[B]` flags of those rows. Rows without a grammar are left unfilled and
   flagged off (the sampler skips them); a step with no grammar row does no work at all.
-- `accept(req_ids, token_ids)`: the sampled tokens advance the matchers.
+- `accept(seq_ids, token_ids)`: the sampled tokens advance the matchers.
 
 Overlap: the mask for step N+1 depends on step N's token, so the order per step is
   accept(step N tokens) -> bitmask(step N+1 rows) -> copy -> apply to step N+1 logits -> sample.
@@ -62,7 +62,7 @@ class SeqGrammar:
 
 
 class GrammarRows:
-    """The worker's matchers, keyed by request id (the scheduler's sequence id)."""
+    """The worker's matchers, keyed by the scheduler's sequence id."""
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer | None], vocab_size: int,
                  pin_memory: bool = False) -> None:
@@ -73,7 +73,7 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
-        self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: request id -> its fixed mask [W] int32
+        self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: sequence id -> its fixed mask [W] int32
         self._pristine: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
         self.pin_memory = pin_memory
@@ -84,67 +84,67 @@ class GrammarRows:
     def active(self) -> bool:
         return bool(self._seqs)
 
-    def constrains(self, req_ids: list[int]) -> bool:
+    def constrains(self, seq_ids: list[int]) -> bool:
         """Some of these requests has a grammar or allowed_token_ids (their sampling needs bitmasks)."""
-        return ((bool(self._seqs) and any(req_id in self._seqs for req_id in req_ids))
-                or (bool(self._allowed) and any(req_id in self._allowed for req_id in req_ids)))
+        return ((bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids))
+                or (bool(self._allowed) and any(seq_id in self._allowed for seq_id in seq_ids)))
 
-    def has_matchers(self, req_ids: list[int]) -> bool:
+    def has_matchers(self, seq_ids: list[int]) -> bool:
         """Some of these requests has a grammar, whose mask depends on the previous token."""
-        return bool(self._seqs) and any(req_id in self._seqs for req_id in req_ids)
+        return bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids)
 
     def reset(self) -> None:
         self._seqs.clear()
         self._allowed.clear()
 
     def apply(self, plan: StepPlan) -> None:
-        self.drop(plan.finished_req_ids)
+        self.drop(plan.finished_seq_ids)
         for new in plan.new_requests:
             self.add(new)
 
-    def drop(self, req_ids: list[int]) -> None:
-        for req_id in req_ids:
-            self._seqs.pop(req_id, None)
-            self._allowed.pop(req_id, None)
+    def drop(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._seqs.pop(seq_id, None)
+            self._allowed.pop(seq_id, None)
 
     def add(self, new: NewRequest) -> None:
-        self._seqs.pop(new.req_id, None)
-        self._allowed.pop(new.req_id, None)
+        self._seqs.pop(new.seq_id, None)
+        self._allowed.pop(new.seq_id, None)
         if new.sampling.allowed_token_ids:
-            self._allowed[new.req_id] = allowed_bitmask(new.sampling.allowed_token_ids, self.vocab_size)
+            self._allowed[new.seq_id] = allowed_bitmask(new.sampling.allowed_token_ids, self.vocab_size)
         constraint = new.sampling.structured_outputs
         if constraint is None:
             return
         seq = SeqGrammar(constraint, None)
-        self._seqs[new.req_id] = seq
+        self._seqs[new.seq_id] = seq
         if not constraint.reasoning_end:
             seq.matcher = self._new_matcher(constraint)
         generated = new.token_ids[new.num_prompt_tokens:]
         for token_id in generated:
-            self._advance(new.req_id, seq, token_id)
+            self._advance(new.seq_id, seq, token_id)
 
     # ---------------------------------------------------------------- per step
 
-    def bitmask(self, req_ids: list[int]) -> tuple[np.ndarray, torch.Tensor] | None:
+    def bitmask(self, seq_ids: list[int]) -> tuple[np.ndarray, torch.Tensor] | None:
         """For this step's sampled rows: (flags [B] bool, True where the row has an active matcher; the bitmask
         [B, W] int32 on the host, filled for the flagged rows only), or None when no row is constrained.
         The bitmask is one of two reused buffers (pinned on CUDA): the step that reads it has synced before
         the buffer comes round again (the worker syncs every launched step before it fills masks)."""
         if not self._seqs and not self._allowed:
             return None
-        picked = [(seq.matcher, i) for i, req_id in enumerate(req_ids)
-                  if (seq := self._seqs.get(req_id)) is not None and seq.matcher is not None]
-        fixed = [(allowed, i) for i, req_id in enumerate(req_ids)
-                 if (allowed := self._allowed.get(req_id)) is not None] if self._allowed else []
+        picked = [(seq.matcher, i) for i, seq_id in enumerate(seq_ids)
+                  if (seq := self._seqs.get(seq_id)) is not None and seq.matcher is not None]
+        fixed = [(allowed, i) for i, seq_id in enumerate(seq_ids)
+                 if (allowed := self._allowed.get(seq_id)) is not None] if self._allowed else []
         if not picked and not fixed:
             return None
-        mask = self._buffer(len(req_ids))  # [B, W]
+        mask = self._buffer(len(seq_ids))  # [B, W]
         if self._parallel(len(picked)):
             llguidance.torch.fill_next_token_bitmask_par(self._ensure_executor(), picked, mask)
         else:
             for matcher, i in picked:
                 llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
-        flags = np.zeros(len(req_ids), dtype=bool)  # [B]
+        flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
         flags[[i for _, i in picked]] = True
         for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
             if flags[i]:
@@ -154,42 +154,42 @@ class GrammarRows:
         flags[[i for _, i in fixed]] = True
         return flags, mask
 
-    def accept(self, req_ids: list[int], token_ids: list[int]) -> None:
+    def accept(self, seq_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""
         if not self._seqs:
             return
-        rows = [(req_id, seq, token_id) for req_id, token_id in zip(req_ids, token_ids, strict=True)
-                if (seq := self._seqs.get(req_id)) is not None]
+        rows = [(seq_id, seq, token_id) for seq_id, token_id in zip(seq_ids, token_ids, strict=True)
+                if (seq := self._seqs.get(seq_id)) is not None]
         if not self._parallel(len(rows)):
-            for req_id, seq, token_id in rows:
-                self._advance(req_id, seq, token_id)
+            for seq_id, seq, token_id in rows:
+                self._advance(seq_id, seq, token_id)
             return
-        running = [(req_id, seq, token_id) for req_id, seq, token_id in rows
+        running = [(seq_id, seq, token_id) for seq_id, seq, token_id in rows
                    if seq.matcher is not None and not seq.failed and not seq.matcher.is_stopped()]
         accepted = llguidance.torch.consume_token_par(self._ensure_executor(),
                                                       [(seq.matcher, token_id) for _, seq, token_id in running])
-        for (req_id, seq, token_id), ok in zip(running, accepted, strict=True):
+        for (seq_id, seq, token_id), ok in zip(running, accepted, strict=True):
             if not ok:
-                self._reject(req_id, seq, token_id)
+                self._reject(seq_id, seq, token_id)
         for _, seq, token_id in rows:
             if seq.matcher is None:
                 self._watch_reasoning(seq, token_id)
 
     # ---------------------------------------------------------------- internals
 
-    def _advance(self, req_id: int, seq: SeqGrammar, token_id: int) -> None:
+    def _advance(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         if seq.matcher is None:
             self._watch_reasoning(seq, token_id)
             return
         if seq.failed or seq.matcher.is_stopped():
             return  # the next tokens are EOS; the scheduler ends the sequence on the first
         if not seq.matcher.consume_token(token_id):
-            self._reject(req_id, seq, token_id)
+            self._reject(seq_id, seq, token_id)
 
-    def _reject(self, req_id: int, seq: SeqGrammar, token_id: int) -> None:
+    def _reject(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input.
         assert seq.matcher is not None
-        log.error("request %d: token %d rejected by its grammar: %s", req_id, token_id, seq.matcher.get_error())
+        log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, seq.matcher.get_error())
         seq.failed = True
 
     def _parallel(self, num_rows: int) -> bool:

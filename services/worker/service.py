@@ -92,7 +92,7 @@ class WorkerService:
 
     def _on_probe(self, sender: str) -> None:
         """Probes come from a scheduler that has not heard every rank. The same one again (our answer crossed
-        its next probe): answer again. Another one (the scheduler restarted): its request ids start afresh,
+        its next probe): answer again. Another one (the scheduler restarted): its sequence ids start afresh,
         so the old requests go."""
         if sender != self.scheduler_id:
             log.warning("worker rank %d: a new scheduler (%s, was %s); starting over", self.rank, sender,
