@@ -265,6 +265,8 @@ def _beam_kwargs(body: _GenerationBody) -> dict[str, Any]:
     search, only their no-op values pass (best_of = n: every sampled completion is returned)."""
     given = {name: getattr(body, name) for name in BEAM_FIELDS if getattr(body, name) is not None}
     if beam_search_available():
+        _require(not (body.use_beam_search and body.stream), "stream",
+                 "beam search is not streamed: its beams change until the search ends")
         return given
     _require(not given.get("use_beam_search"), "use_beam_search",
              "beam search is not available yet in this server: use_beam_search cannot be true")
