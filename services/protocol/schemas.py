@@ -243,9 +243,9 @@ def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
     if body.allowed_token_ids is not None:
         _require(len(body.allowed_token_ids) > 0, "allowed_token_ids", "allowed_token_ids must not be empty")
         kwargs["allowed_token_ids"] = body.allowed_token_ids
-    constraint = structured_outputs(body)
     if body.guided_decoding_backend is not None:
-        check_guided_backend(body.guided_decoding_backend, constraint)
+        check_guided_backend(body.guided_decoding_backend)
+    constraint = structured_outputs(body)
     if constraint is not None:
         kwargs["structured_outputs"] = constraint
     kwargs.update(_beam_kwargs(body))

@@ -8,15 +8,14 @@ from __future__ import annotations
 import logging
 
 from pagoda.shared.errors import InvalidRequestError
-from pagoda.shared.messages import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
 # vLLM's structured-output backends pagoda serves with its one grammar engine (llguidance): each constrains the
-# output to the same language (the schema, regex, choices or grammar). vLLM's V1 refuses a grammar under outlines
-# and lm-format-enforcer, and so does pagoda.
+# output to the same language (the schema, regex, choices or grammar). A grammar is served under every name, as
+# vLLM V0 did (outlines took grammars, lm-format-enforcer fell back to outlines for them); V1's outlines and
+# lm-format-enforcer backends refuse grammars, a limitation of theirs that no client relies on.
 GUIDED_BACKENDS = ("auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
-NO_GRAMMAR_BACKENDS = ("outlines", "lm-format-enforcer")
 # vLLM's "backend:option,option" suffixes that hold in pagoda by construction: it never falls back to another
 # engine, and its JSON has no free whitespace (services/grammar/compiler.JSON_OPTIONS).
 BACKEND_OPTIONS = ("no-fallback", "disable-any-whitespace")
@@ -99,7 +98,7 @@ UNSUPPORTED_ROUTES = {
 _logged: set[str] = set()
 
 
-def check_guided_backend(backend: str, constraint: StructuredOutputs | None) -> None:
+def check_guided_backend(backend: str) -> None:
     """vLLM's `guided_decoding_backend` ("name" or "name:option,option"): a name pagoda's grammar engine stands
     for is accepted, with options that hold here; anything else is an InvalidRequestError naming what exists."""
     name, _, options = backend.partition(":")
@@ -111,9 +110,6 @@ def check_guided_backend(backend: str, constraint: StructuredOutputs | None) -> 
     if unknown:
         raise InvalidRequestError(f"guided_decoding_backend option(s) {', '.join(unknown)} are not supported; "
                                   f"the options are {', '.join(BACKEND_OPTIONS)}", param="guided_decoding_backend")
-    if constraint is not None and constraint.grammar is not None and name in NO_GRAMMAR_BACKENDS:
-        raise InvalidRequestError(f"the {name} backend does not support grammar specifications (as in vLLM); "
-                                  "use guidance, xgrammar or auto", param="guided_decoding_backend")
 
 
 def deprecation_header(fields: list[str]) -> str:
