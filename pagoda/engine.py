@@ -24,7 +24,15 @@ from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
-from pagoda.shared.messages import FinishReason, PromptScores, SamplingParams, StepResult, StructuredOutputs
+from pagoda.shared.messages import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    PromptScores,
+    SamplingParams,
+    StepResult,
+    StructuredOutputs,
+    resolve_vocabulary,
+)
 from pagoda.shared.shapes import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -73,6 +81,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         params.validate()  # before the prompt is encoded: a bad value fails cheaply
+        params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
         token_ids = self.encode_prompt(prompt)
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)

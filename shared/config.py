@@ -159,6 +159,7 @@ class ServerConfig:
     routing: str = "prefix"  # prefix (cache affinity weighed against load) | round_robin | random
     registry_endpoint: str | None = None  # the scheduler whose registry apis, tokenizers and replicas join (tcp)
     advertise_host: str | None = None  # host or IP peers reach this process's bound sockets at; None: detected
+    max_logprobs: int = 20  # most logprobs / top_logprobs / prompt_logprobs a request may ask (vLLM's); -1: no bound
     console: bool = True  # the browser console at / (playground, live view, request inspector)
     console_show_prompts: bool = False  # the request inspector shows prompt text (off: only counts and times)
     console_max_requests: int = 200  # finished requests the inspector keeps (per api process)
@@ -180,6 +181,8 @@ class ServerConfig:
             raise ConfigError("port must be in 1..65535", param="port")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
+        if self.max_logprobs < -1:
+            raise ConfigError("max_logprobs must be -1 (the whole vocabulary) or >= 0", param="max_logprobs")
         for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", param=name)
@@ -293,6 +296,8 @@ _HELP: dict[str, str] = {
                       "else 1.0 (see --kv-scale-calibration)",
     "kv_scale_calibration": "fp8 KV: set each layer's K/V scales from the first prefill (2 x amax / 448), "
                             "overriding checkpoint scales",
+    "max_logprobs": "the most logprobs (completions), top_logprobs (chat) or prompt_logprobs a request may ask; "
+                    "-1 allows the whole vocabulary, which requests then ask with -1 (vLLM's --max-logprobs)",
     "console": "no browser console at / (playground, live view, request inspector; docs/console.md)",
     "console_show_prompts": "the console's request inspector shows prompt text (default: counts and times only)",
     "console_max_requests": "finished requests the console's request inspector keeps, per api process",

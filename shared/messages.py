@@ -21,6 +21,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
 MAX_CHOICES = 1024
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids entries (more than any vocabulary)
+WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), resolved where the vocabulary is known
 
 
 class FinishReason(IntEnum):
@@ -95,8 +97,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
-    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (all but the first)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k; -1: all
+    prompt_logprobs: int | None = None  # None: none; k >= 0 (or -1: all): each prompt token's logprob (not the first)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
@@ -107,6 +109,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     best_of: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    allowed_token_ids: list[int] = []  # non-empty: only these ids may be sampled (vLLM's allowed_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -122,8 +125,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    def validate(self) -> SamplingParams:
-        """Check every field; return self so calls can chain."""
+    def validate(self, max_logprobs: int = MAX_TOP_LOGPROBS) -> SamplingParams:
+        """Check every field; return self so calls can chain. `max_logprobs` bounds logprobs and prompt_logprobs
+        (vLLM's --max-logprobs; -1: no bound); their -1 (the whole vocabulary) is checked by `resolve_vocabulary`."""
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}]")
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
                "temperature must be a finite number >= 0")
@@ -152,12 +156,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
                and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers in [0, {MAX_INT32}]")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int)
-                                         and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-               "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
-               "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check_logprobs(self.logprobs, "logprobs", "sample", max_logprobs)
+        _check_logprobs(self.prompt_logprobs, "prompt_logprobs", "prompt", max_logprobs)
+        _check(len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids),
+               "allowed_token_ids", f"allowed_token_ids must be at most {MAX_ALLOWED_TOKEN_IDS} token ids in "
+                                    f"[0, {MAX_INT32}]")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
         _check(all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.logit_bias), "logit_bias",
@@ -189,6 +193,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
             value = getattr(self, name)
             _check(value == off or (name == "top_k" and value == -1), name, f"{name} is not supported with beam search")
         _check(not self.logit_bias, "logit_bias", "logit_bias is not supported with beam search")
+        _check(not self.allowed_token_ids, "allowed_token_ids", "allowed_token_ids is not supported with beam search")
         _check(self.logprobs is None and self.prompt_logprobs is None, "logprobs",
                "logprobs are not supported with beam search")
         _check(not self.stop, "stop", "stop strings are not supported with beam search; use stop_token_ids")
@@ -205,6 +210,33 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         # A finished grammar only allows EOS: ignoring EOS, or banning it under min_tokens, leaves no token.
         _check(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured outputs")
         _check(self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured outputs")
+
+
+def _check_logprobs(value: int | None, param: str, kind: str, max_logprobs: int) -> None:
+    _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                             and (value >= 0 or value == WHOLE_VOCABULARY)),
+           param, f"`{param}` must be a non-negative integer or -1 (the whole vocabulary)")
+    if value is not None and value > max_logprobs >= 0:
+        raise InvalidRequestError(f"Requested {kind} logprobs of {value}, which is greater than max allowed: "
+                                  f"{max_logprobs} (--max-logprobs)", param=param)
+
+
+def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: int) -> SamplingParams:
+    """Where the vocabulary is known: logprobs of -1 become `vocab_size` (refused past `max_logprobs`, -1: no
+    bound) and allowed_token_ids are checked against it."""
+    changes: dict[str, int] = {}
+    for param, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        if getattr(params, param) == WHOLE_VOCABULARY:
+            if 0 <= max_logprobs < vocab_size:
+                raise InvalidRequestError(f"Requested {kind} logprobs of -1 (the whole vocabulary, {vocab_size}), "
+                                          f"which is greater than max allowed: {max_logprobs} (--max-logprobs)",
+                                          param=param)
+            changes[param] = vocab_size
+    bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})",
+                                  param="allowed_token_ids")
+    return msgspec.structs.replace(params, **changes) if changes else params
 
 
 def _finite(value: object) -> bool:
@@ -283,6 +315,7 @@ class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprobs: list[float]
     top_token_ids: list[list[int]]  # [len(token_ids)][k]
     top_logprobs: list[list[float]]
+    ranks: list[int] = []  # each token's rank in its position's distribution (1: the likeliest), as vLLM's
 
 
 class RowFailure(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -382,6 +415,10 @@ class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     reasoning_parser: str | None = None
     max_calls: int = 0
     first_choice: int = 0  # this prompt's first choice index in the response (prompt index * n)
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
+    prompt_logprobs: bool = False  # the response carries the prompt's logprobs (vLLM's prompt_logprobs field)
+    tokens_as_ids: bool = False  # logprob tokens read "token_id:N" (vLLM's return_tokens_as_token_ids)
+    echo_text: str = ""  # chat echo: this text leads each choice's content (the last message, continued)
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):
@@ -416,11 +453,19 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=Tr
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False  # the tokens' vocabulary strings too (vLLM's /tokenize)
+    tools: list[dict[str, Any]] = []  # chat: tool definitions the template renders, as in generation
+    chat_template_kwargs: dict[str, str | int | float | bool] = {}
 
 
 class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):
     request_id: str
     token_ids: list[int]
+
+
+class TokenizerInfoRequest(msgspec.Struct, array_like=True, tag="tokenizer_info", frozen=True):
+    """/tokenizer_info: the tokenizer's configuration, from the process that loaded it."""
+
+    request_id: str
 
 
 class TokenizerHello(msgspec.Struct, array_like=True, tag="hello", frozen=True):
@@ -446,6 +491,7 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     token_id: int
     logprob: float | None  # None only for a prompt's first token (prompt_logprobs: nothing predicts it)
     bytes: list[int]
+    rank: int = 0  # its rank in the distribution (1: the likeliest); 0: not known (prompt_logprobs give it)
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -518,6 +564,11 @@ class TokenizeResult(msgspec.Struct, array_like=True, tag="tokenized", frozen=Tr
 class DetokenizeResult(msgspec.Struct, array_like=True, tag="detokenized", frozen=True):
     request_id: str
     text: str
+
+
+class TokenizerInfoResult(msgspec.Struct, array_like=True, tag="tokenizer_info_result", frozen=True):
+    request_id: str
+    info: bytes  # a JSON object: the tokenizer's init arguments, its class and chat template (vLLM's shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -693,9 +744,9 @@ class ProcessTable(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 # One union per socket direction; decoders are built once per process from these.
-ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
+ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
 TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
-                  | DetokenizeResult)
+                  | DetokenizeResult | TokenizerInfoResult)
 TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory
 SchedulerToWorker = StepPlan | Shutdown | Heartbeat  # heartbeats double as subscription probes

@@ -163,6 +163,28 @@ def test_finished_grammar_allows_only_eos(ll: llguidance.LLTokenizer, tokenizer:
     assert allowed == [tokenizer.eos_token_id]
 
 
+def test_allowed_token_ids_mask_alone_and_narrowing_a_grammar(ll: llguidance.LLTokenizer,
+                                                              tokenizer: Tokenizer) -> None:
+    """vLLM's allowed_token_ids ride the grammar bitmask: a row with them alone gets exactly those ids; with a
+    grammar, the ids both allow; a row with neither stays unflagged; a finished request's mask is dropped."""
+    yes, no = (tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no"))
+    allowed = [yes, 7, 40000, tokenizer.vocab_size - 1]
+    only = NewRequest(1, [3], 1, [0], 0, SamplingParams(allowed_token_ids=allowed), 0)
+    both = NewRequest(2, [3], 1, [0], 0, SamplingParams(allowed_token_ids=allowed, structured_outputs=StructuredOutputs(
+        choice=["yes", "no"])), 0)
+    rows = _rows(ll, tokenizer.vocab_size)
+    rows.apply(StepPlan(0, [], [], new_requests=[only, both, _new(3, [3], [], None)]))
+    assert rows.constrains([3, 1]) and not rows.constrains([3]) and not rows.has_matchers([1])
+    result = rows.bitmask([1, 2, 3])
+    assert result is not None
+    flags, mask, index = result
+    assert flags.tolist() == [True, True, False] and index.tolist() == [0, 1]  # compact: rows 0 and 1 only
+    assert [t for t in range(tokenizer.vocab_size) if _allowed(mask[0], t)] == sorted(allowed)
+    assert [t for t in range(tokenizer.vocab_size) if _allowed(mask[1], t)] == [yes]  # "no" is not allowed
+    rows.apply(StepPlan(1, [], [], finished_seq_ids=[1, 2]))
+    assert not rows.constrains([1, 2]) and rows.bitmask([1, 2, 3]) is None
+
+
 def test_reasoning_models_are_constrained_after_think(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
     params = SamplingParams(structured_outputs=StructuredOutputs(choice=["yes"]))
     assert constrain_after_reasoning(params, "<think>\n\n</think>\n\n").structured_outputs.reasoning_end == ""

@@ -661,7 +661,7 @@ class Scheduler:
             if skip:
                 scores = PromptScores(scores.seq_id, seq.next_prompt_score, scores.token_ids[skip:],
                                       scores.logprobs[skip:], scores.top_token_ids[skip:],
-                                      scores.top_logprobs[skip:])
+                                      scores.top_logprobs[skip:], scores.ranks[skip:])
             seq.next_prompt_score = scores.first + len(scores.token_ids)
             fresh[seq.seq_id] = scores
         return fresh

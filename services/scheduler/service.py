@@ -577,5 +577,5 @@ def _columns_agree(result: StepResult) -> bool:
             and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,
                                                                 strict=False))
             and all(len(p.token_ids) == len(p.logprobs) == len(p.top_token_ids) == len(p.top_logprobs)
-                    for p in result.prompt_scores)
+                    and len(p.ranks) in (0, len(p.token_ids)) for p in result.prompt_scores)
             and all(0 < len(c.token_ids) == len(c.parents) == len(c.scores) for c in result.beam_candidates))

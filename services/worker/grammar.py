@@ -89,6 +89,7 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
+        self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: sequence id -> its fixed mask [W] int32
         self._pristine: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()  # bounded, LRU
         self._compiler = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
         self._cpus = available_cpus()
@@ -102,24 +103,33 @@ class GrammarRows:
         return bool(self._seqs)
 
     def constrains(self, seq_ids: list[int]) -> bool:
-        """Some of these requests has a grammar (their sampling needs bitmasks)."""
+        """Some of these requests has a grammar or allowed_token_ids (their sampling needs bitmasks)."""
+        return ((bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids))
+                or (bool(self._allowed) and any(seq_id in self._allowed for seq_id in seq_ids)))
+
+    def has_matchers(self, seq_ids: list[int]) -> bool:
+        """Some of these requests has a grammar, whose mask depends on the previous token."""
         return bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids)
 
     def reset(self) -> None:
         self._seqs.clear()
+        self._allowed.clear()
 
     def apply(self, plan: StepPlan) -> None:
-        for seq_id in plan.finished_seq_ids:
-            self._seqs.pop(seq_id, None)
+        self.drop(plan.finished_seq_ids)
         for new in plan.new_requests:
             self.add(new)
 
     def drop(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._seqs.pop(seq_id, None)
+            self._allowed.pop(seq_id, None)
 
     def add(self, new: NewRequest) -> None:
         self._seqs.pop(new.seq_id, None)
+        self._allowed.pop(new.seq_id, None)
+        if new.sampling.allowed_token_ids:
+            self._allowed[new.seq_id] = allowed_bitmask(new.sampling.allowed_token_ids, self.vocab_size)
         constraint = new.sampling.structured_outputs
         if constraint is None:
             return
@@ -134,28 +144,38 @@ class GrammarRows:
     # ---------------------------------------------------------------- per step
 
     def bitmask(self, seq_ids: list[int]) -> tuple[np.ndarray, torch.Tensor, np.ndarray] | None:
-        """For this step's sampled rows [B]: (flags [B] bool, True where the row has an active matcher; the
-        masks of those K rows, [K, W] int32 on the host; their batch rows [K] int64), or None when no row is
-        constrained. A row whose matcher still compiles waits for it here. The masks are one of two reused
-        buffers (pinned on CUDA): the step that reads one has synced before it comes round again (the worker
-        has every earlier step's tokens before it fills masks)."""
-        if not self._seqs:
+        """For this step's sampled rows [B]: (flags [B] bool, True where the row has an active matcher or
+        allowed_token_ids; the masks of those K rows, [K, W] int32 on the host; their batch rows [K] int64), or
+        None when no row is constrained. A row whose matcher still compiles waits for it here. The masks are one
+        of two reused buffers (pinned on CUDA): the step that reads one has synced before it comes round again
+        (the worker has every earlier step's tokens before it fills masks)."""
+        if not self._seqs and not self._allowed:
             return None
         rows = [(i, seq) for i, seq_id in enumerate(seq_ids) if (seq := self._seqs.get(seq_id)) is not None]
         picked = [(seq.matcher, i) for i, seq in rows if self._ready(seq_ids[i], seq) and seq.matcher is not None]
-        if not picked:
+        fixed = [(allowed, i) for i, seq_id in enumerate(seq_ids)
+                 if (allowed := self._allowed.get(seq_id)) is not None] if self._allowed else []
+        if not picked and not fixed:
             return None
-        mask = self._buffer(len(picked))  # [K, W]
-        compact = [(matcher, k) for k, (matcher, _) in enumerate(picked)]
-        if self._parallel(len(picked)):
+        index = sorted({i for _, i in picked} | {i for _, i in fixed})  # batch rows with a mask
+        slot = {i: k for k, i in enumerate(index)}  # -> their row of the compact mask
+        mask = self._buffer(len(index))  # [K, W]
+        compact = [(matcher, slot[i]) for matcher, i in picked]
+        if self._parallel(len(compact)):
             llguidance.torch.fill_next_token_bitmask_par(self._ensure_executor(), compact, mask)
         else:
             for matcher, k in compact:
                 llguidance.torch.fill_next_token_bitmask(matcher, mask, k)
-        index = np.asarray([i for _, i in picked], dtype=np.int64)  # [K]
+        filled = {i for _, i in picked}
+        for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
+            if i in filled:
+                mask[slot[i]] &= allowed
+            else:
+                mask[slot[i]] = allowed
+        rows_index = np.asarray(index, dtype=np.int64)  # [K]
         flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
-        flags[index] = True
-        return flags, mask, index
+        flags[rows_index] = True
+        return flags, mask, rows_index
 
     def accept(self, seq_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""
@@ -279,6 +299,14 @@ class GrammarRows:
         if self._tokenizer is None:
             raise RuntimeError("structured outputs need the model's tokenizer on the worker")
         return self._tokenizer
+
+
+def allowed_bitmask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """[ceil(V/32)] int32 with bit j of word w set for each allowed id 32*w+j (the grammar masks' layout)."""
+    ids = np.unique(np.asarray([t for t in token_ids if 0 <= t < vocab_size], dtype=np.int64))  # [K]
+    words = np.zeros(-(-vocab_size // 32), dtype=np.uint32)  # [W]
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return torch.from_numpy(words.view(np.int32))  # [W]
 
 
 def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[[], llguidance.LLTokenizer | None]:

@@ -392,7 +392,7 @@ class ModelRunner:
         """Rows with a grammar sample in this step and an earlier step's tokens have not reached the host."""
         if not self.grammars.active or all(s.synced for s in self._launched):
             return False
-        return self.grammars.constrains([step.plan.seq_ids[i] for i in host.sampled.tolist()])
+        return self.grammars.has_matchers([step.plan.seq_ids[i] for i in host.sampled.tolist()])
 
     @torch.inference_mode()
     def resume(self) -> None:
@@ -440,8 +440,9 @@ class ModelRunner:
             "the sampling offsets disagree with the plan's positions"
         if self.grammars.constrains(seq_ids):
             # Masks follow the previous steps' tokens: wait for them here, after this step's forward is enqueued,
-            # so the device computes while the host advances the matchers.
-            self._sync_before(step)
+            # so the device computes while the host advances the matchers (allowed_token_ids alone never wait).
+            if self.grammars.has_matchers(seq_ids):
+                self._sync_before(step)
             self._attach_grammar_masks(metadata, seq_ids)
         state_rows = metadata.state_rows  # [S] on the device
         try:
@@ -728,7 +729,7 @@ class ModelRunner:
             end = min(int(host.seq_lens[b]), int(state.num_prompt_tokens[row]) - 1)
             first_index = int(host.query_start[b])
             targets = state.token_ids[row, start + 1:end + 1].astype(np.int64)  # [N]
-            picked, tops, top_ids = [], [], []
+            picked, tops, top_ids, ranks = [], [], [], []
             step = max(1, min(PROMPT_SCORE_ROWS, self.config.max_num_seqs // 2))
             for lo in range(0, end - start, step):  # bounded [rows, V] logits at a time
                 hi = min(end - start, lo + step)
@@ -736,12 +737,14 @@ class ModelRunner:
                 log_probs = torch.log_softmax(logits, dim=-1)  # [n, V]
                 target = torch.from_numpy(targets[lo:hi]).to(log_probs.device)  # [n]
                 picked.append(log_probs.gather(1, target[:, None])[:, 0])  # [n]
+                ranks.append((log_probs >= picked[-1][:, None]).sum(dim=-1))  # [n]: 1 for the likeliest (vLLM's)
                 top = log_probs.topk(int(wanted[b]), dim=-1)  # [n, k]
                 tops.append(top.values)
                 top_ids.append(top.indices)
             # one host copy per sequence, after all its slices
             scores.append(PromptScores(plan.seq_ids[b], start + 1, targets.tolist(), torch.cat(picked).tolist(),
-                                       torch.cat(top_ids).tolist(), torch.cat(tops).tolist()))
+                                       torch.cat(top_ids).tolist(), torch.cat(tops).tolist(),
+                                       torch.cat(ranks).tolist()))
         return scores
 
     def recover(self, plan: StepPlan) -> None:

@@ -69,8 +69,9 @@ def _sampling_error(params: SamplingParams, vocab_size: int) -> str:
     for name, count in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
         if count is not None and not 0 <= count <= vocab_size:
             return f"{name} must be in [0, {vocab_size}]"
-    if not _ids_below(list(params.logit_bias), vocab_size) or not _ids_below(params.stop_token_ids, vocab_size):
-        return f"a logit_bias or stop_token_ids id is outside the vocabulary [0, {vocab_size})"
+    if not _ids_below(list(params.logit_bias), vocab_size) or not _ids_below(params.stop_token_ids, vocab_size) \
+            or not _ids_below(params.allowed_token_ids, vocab_size):
+        return f"a logit_bias, stop_token_ids or allowed_token_ids id is outside the vocabulary [0, {vocab_size})"
     if not all(math.isfinite(value) for value in params.logit_bias.values()):
         return "logit_bias values must be finite numbers"
     return ""
