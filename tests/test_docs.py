@@ -1,6 +1,7 @@
-"""The documents hold: every relative link and anchor in README.md and docs/*.md exists, every `make` target is in the
-Makefile, every `pagoda ...` / `python -m pagoda...` command parses against its argparse parser, and every
-PAGODA_* variable is a setting of shared/config.py. No server, no model: parsers are built, never run."""
+"""The documents hold: in README.md and docs/*.md every relative link and anchor exists, every repository path in
+backticks exists, every `make` target is in the Makefile, every `pagoda ...` / `python -m pagoda...` command parses
+against its argparse parser, and every PAGODA_* variable is a setting of shared/config.py (or a compose-level or
+test-only variable). No server, no model: parsers are built, never run."""
 
 from __future__ import annotations
 
@@ -68,6 +69,16 @@ def link_problems(doc: Path, text: str) -> list[str]:
             if anchor not in anchors:
                 problems.append(f"{doc.name}: no heading for #{anchor} in {path.name}")
     return problems
+
+
+REPO_PATH = re.compile(r"(?:services|shared|kernels|pagoda|bench|tests|docs|deploy|docker)/[\w./-]*")
+
+
+def path_problems(doc: Path, text: str) -> list[str]:
+    """A repository path written in backticks (`services/worker/sampler.py`) names a file or folder that exists."""
+    spans = set(INLINE.findall(text))
+    return [f"{doc.name}: no such path: {span}" for span in sorted(spans)
+            if REPO_PATH.fullmatch(span) and not (ROOT / span).exists()]
 
 
 def make_targets() -> set[str]:
@@ -188,6 +199,11 @@ def test_links_point_to_files_and_headings(doc: Path) -> None:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_paths_exist(doc: Path) -> None:
+    assert path_problems(doc, _text(doc)) == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_make_targets_exist(doc: Path) -> None:
     assert make_problems(doc, _text(doc), make_targets()) == []
 
@@ -219,6 +235,8 @@ def test_the_checks_catch_what_is_wrong(tmp_path: Path) -> None:
             "`PAGODA_NO_SUCH_SETTING=1` `pagoda serve --port 1 --no-such [--x]`\n")
     doc.write_text(text)
     assert len(link_problems(doc, text)) == 2
+    missing = "`services/worker/no_such.py`"
+    assert path_problems(doc, text + missing) == ["bad.md: no such path: services/worker/no_such.py"]
     assert make_problems(doc, text, make_targets()) == ["bad.md: `make no-such-target` is not a Makefile target"]
     problems = [p for cmd, args, full in commands_in(text) for p in command_problems(cmd, args, full)]
     assert len(problems) == 6, problems
