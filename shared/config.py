@@ -34,7 +34,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: safetensors from the folder; dummy: random weights for a shape
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when present, else cpu
-    seed: int = 0  # dummy weights and the default sampling seeds derive from it
+    seed: int = 0  # dummy weights derive from it (a request without a seed draws fresh randomness)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: a fraction of device memory

@@ -20,6 +20,7 @@ MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the 
 MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
 MAX_CHOICES = 1024
+GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids entries (more than any vocabulary)
 WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), resolved where the vocabulary is known
 
@@ -102,11 +103,22 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (a grammar's token mask)
+    # beam search (vLLM's fields): best_of beams (default n), the n best finished hypotheses returned, ranked by
+    # sum(logprobs) / generated_len ** length_penalty with transformers' early_stopping (True, False, "never")
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     allowed_token_ids: list[int] = []  # non-empty: only these ids may be sampled (vLLM's allowed_token_ids)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def beam_width(self) -> int:
+        """Beams of a beam search request (0: not one)."""
+        return (self.best_of if self.best_of is not None else self.n) if self.use_beam_search else 0
 
     @property
     def has_penalties(self) -> bool:
@@ -157,7 +169,36 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         self._validate_structured()
+        self._validate_beam_search()
         return self
+
+    def _validate_beam_search(self) -> None:
+        _check(isinstance(self.use_beam_search, bool), "use_beam_search", "use_beam_search must be a boolean")
+        _check(self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool)
+                                        and 1 <= self.best_of <= MAX_N), "best_of",
+               f"best_of must be an integer in [1, {MAX_N}]")
+        _check(_finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number")
+        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+               'early_stopping must be true, false or "never"')
+        if not self.use_beam_search:
+            _check(self.best_of is None or self.best_of == self.n, "best_of",
+                   "best_of other than n needs use_beam_search (every sampled completion is returned)")
+            _check(self.length_penalty == 1.0, "length_penalty", "length_penalty needs use_beam_search")
+            _check(self.early_stopping is False, "early_stopping", "early_stopping needs use_beam_search")
+            return
+        _check(self.n <= self.beam_width, "n", "n must not exceed best_of, the beam width")
+        # beams are ranked by the model's own log-probabilities: whatever would reshape them is refused
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
+                          ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+            value = getattr(self, name)
+            _check(value == off or (name == "top_k" and value == -1), name, f"{name} is not supported with beam search")
+        _check(not self.logit_bias, "logit_bias", "logit_bias is not supported with beam search")
+        _check(not self.allowed_token_ids, "allowed_token_ids", "allowed_token_ids is not supported with beam search")
+        _check(self.logprobs is None and self.prompt_logprobs is None, "logprobs",
+               "logprobs are not supported with beam search")
+        _check(not self.stop, "stop", "stop strings are not supported with beam search; use stop_token_ids")
+        _check(self.structured_outputs is None, "structured_outputs",
+               "structured outputs are not supported with beam search")
 
     def _validate_structured(self) -> None:
         constraint = self.structured_outputs
@@ -225,6 +266,27 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     eos_token_ids: list[int] = []  # min_tokens > 0 without ignore_eos: the EOS ids to ban until then
 
 
+class BeamGroup(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A beam search request whose beams all sample this step: the worker returns its num_candidates best
+    continuations over [beams x vocabulary], scored score + log_softmax(logits / T)."""
+
+    seq_ids: list[int]  # its live beams, in slot order
+    scores: list[float]  # each beam's cumulative logprob
+    num_candidates: int
+    temperature: float  # 0 or 1: the plain log-probabilities
+
+
+class BeamFork(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defaults=True):
+    """After a beam step: slot seq_id continues the beam of slot parent_seq_id (itself: its own line) with
+    token_id. A slot that changes line (or is new) gets block_ids, its whole new table: the parent's full blocks
+    and its own copy of the parent's last, partial one (StepPlan.block_copies)."""
+
+    seq_id: int
+    parent_seq_id: int
+    token_id: int
+    block_ids: list[int] = []
+
+
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, gc=False, frozen=True):
     """What the worker runs this step.
 
@@ -239,6 +301,9 @@ class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, 
     appended_block_seq_ids: list[int] = []  # with appended_block_ids: (sequence, new block) pairs
     appended_block_ids: list[int] = []
     finished_seq_ids: list[int] = []  # drop their state (finished, aborted or preempted)
+    beam_forks: list[BeamFork] = []  # applied before finished sequences and new ones, before appended blocks
+    block_copies: list[int] = []  # (source, destination) KV block pairs, flattened: copied before the forward
+    beam_groups: list[BeamGroup] = []  # beam searches sampling this step (not in sampled_token_ids)
 
 
 class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -262,6 +327,15 @@ class RowFailure(msgspec.Struct, array_like=True, frozen=True, gc=False):
     message: str
 
 
+class BeamCandidates(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One beam group's best continuations this step, best first."""
+
+    seq_id: int  # the group's first slot
+    token_ids: list[int]
+    parents: list[int]  # index into the group's seq_ids
+    scores: list[float]  # cumulative logprobs
+
+
 class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False, frozen=True):
     """Tokens sampled in one step; logprob columns are filled only for requests that asked."""
 
@@ -274,6 +348,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     error: str = ""
     prompt_scores: list[PromptScores] = []  # requests with prompt_logprobs whose prompt ran this step
     failed: list[RowFailure] = []  # sequences dropped from this step alone (not in seq_ids)
+    beam_candidates: list[BeamCandidates] = []  # one per BeamGroup of the plan that ran
 
 # worker -> scheduler (besides StepResult)
 

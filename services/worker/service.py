@@ -144,6 +144,7 @@ class WorkerService:
         result = self.runner.finish()
         if self.rank == 0:
             self._send(result)
+        self.runner.resume()  # a step waiting for grammar masks: result N is out, now N+1's masks fill
 
     def _send(self, message: WorkerToScheduler) -> None:
         self.results.send(self.to_scheduler.encode(message), copy=False)
