@@ -170,7 +170,8 @@ def commands_in(text: str) -> Iterator[tuple[str, str, bool]]:
     for line in _code_blocks(text):
         match = COMMAND.search(line)
         if match and not line.startswith(("from ", "import ")):
-            yield match.group(1), match.group(2), True
+            args, elided, _ = match.group(2).partition("...")  # `...` elides the rest: check the flags before it
+            yield match.group(1), args, not elided
     for span in INLINE.findall(_without_code(text)):
         match = COMMAND.match(span)
         if match:
@@ -230,7 +231,7 @@ def test_the_checks_catch_what_is_wrong(tmp_path: Path) -> None:
     doc = tmp_path / "bad.md"
     text = ("[gone](nowhere.md) [self](#no-such-heading)\n# Title\n`make no-such-target`\n"
             "```sh\npagoda serve --no-such-flag 1\npagoda no-such-command\n"
-            "python -m pagoda.services.scheduler --max-num-seqs many\n"
+            "python -m pagoda.services.scheduler --max-num-seqs many\npagoda serve --no-such-flag ... --port 1\n"
             "python -m pagoda.bench.no_such_bench\npython -m pagoda.bench.structured --no-such-option\n```\n"
             "`PAGODA_NO_SUCH_SETTING=1` `pagoda serve --port 1 --no-such [--x]`\n")
     doc.write_text(text)
@@ -239,7 +240,7 @@ def test_the_checks_catch_what_is_wrong(tmp_path: Path) -> None:
     assert path_problems(doc, text + missing) == ["bad.md: no such path: services/worker/no_such.py"]
     assert make_problems(doc, text, make_targets()) == ["bad.md: `make no-such-target` is not a Makefile target"]
     problems = [p for cmd, args, full in commands_in(text) for p in command_problems(cmd, args, full)]
-    assert len(problems) == 6, problems
+    assert len(problems) == 7, problems
     assert env_problems(doc, text, known_env_names()) == ["bad.md: PAGODA_NO_SUCH_SETTING is not a pagoda setting"]
     good = "```sh\npagoda serve --port 9000 --max-num-seqs 8\npython -m pagoda.services.worker --worker-rank 1\n```\n"
     assert [p for cmd, args, full in commands_in(good) for p in command_problems(cmd, args, full)] == []
