@@ -167,7 +167,8 @@ def command_problems(command: str, args: str, full: bool) -> list[str]:
 
 
 def commands_in(text: str) -> Iterator[tuple[str, str, bool]]:
-    for line in _code_blocks(text):
+    lines = [part for line in _code_blocks(text) for part in re.split(r"&&|\|\||;|\|", line)]
+    for line in (part.strip() for part in lines):
         match = COMMAND.search(line)
         if match and not line.startswith(("from ", "import ")):
             args, elided, _ = match.group(2).partition("...")  # `...` elides the rest: check the flags before it
@@ -232,6 +233,7 @@ def test_the_checks_catch_what_is_wrong(tmp_path: Path) -> None:
     text = ("[gone](nowhere.md) [self](#no-such-heading)\n# Title\n`make no-such-target`\n"
             "```sh\npagoda serve --no-such-flag 1\npagoda no-such-command\n"
             "python -m pagoda.services.scheduler --max-num-seqs many\npagoda serve --no-such-flag ... --port 1\n"
+            "true && pagoda serve --no-such-other-flag 1 | tail\n"
             "python -m pagoda.bench.no_such_bench\npython -m pagoda.bench.structured --no-such-option\n```\n"
             "`PAGODA_NO_SUCH_SETTING=1` `pagoda serve --port 1 --no-such [--x]`\n")
     doc.write_text(text)
@@ -240,7 +242,8 @@ def test_the_checks_catch_what_is_wrong(tmp_path: Path) -> None:
     assert path_problems(doc, text + missing) == ["bad.md: no such path: services/worker/no_such.py"]
     assert make_problems(doc, text, make_targets()) == ["bad.md: `make no-such-target` is not a Makefile target"]
     problems = [p for cmd, args, full in commands_in(text) for p in command_problems(cmd, args, full)]
-    assert len(problems) == 7, problems
+    assert len(problems) == 8, problems
     assert env_problems(doc, text, known_env_names()) == ["bad.md: PAGODA_NO_SUCH_SETTING is not a pagoda setting"]
-    good = "```sh\npagoda serve --port 9000 --max-num-seqs 8\npython -m pagoda.services.worker --worker-rank 1\n```\n"
+    good = ("```sh\nmake model && pagoda serve --port 9000 --max-num-seqs 8 | tee log\n"
+            "python -m pagoda.services.worker --worker-rank 1\n```\n")
     assert [p for cmd, args, full in commands_in(good) for p in command_problems(cmd, args, full)] == []
