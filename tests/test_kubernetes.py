@@ -156,11 +156,11 @@ def overlay(request: pytest.FixtureRequest) -> tuple[str, list[Doc]]:
 # ------------------------------------------------------------------ rendering and schema validation
 
 
-def test_there_are_the_overlays_the_readme_names() -> None:
+def test_there_are_the_overlays_the_operations_guide_names() -> None:
     assert {"cpu-smollm2", "gpu-tp2", "replicas"} <= set(OVERLAYS)
-    readme = (REPO / "README.md").read_text()
+    guide = (REPO / "docs" / "operations.md").read_text()
     for name in OVERLAYS:
-        assert f"overlays/{name}" in readme, f"README does not mention overlay {name}"
+        assert f"overlays/{name}" in guide, f"docs/operations.md does not mention overlay {name}"
 
 
 def _kustomize_command() -> list[str] | None:
