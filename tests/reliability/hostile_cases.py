@@ -59,7 +59,7 @@ def _field_cases() -> list[Case]:
                 cases.append(Case(f"{path}:{name}={value!r}"[:120], path, body, statuses=statuses))
     completion_only: dict[str, list[Any]] = {
         "prompt": [[2**64], [[2**63]], [], [[]], [-1], {"a": 1}, 12, ["a", 1], [[1], "a"], None, [1.5]],
-        "logprobs": [6, -1, 2**64, "1"],
+        "logprobs": [21, -1, 2**64, "1"],  # over --max-logprobs (20), as top_logprobs
         "best_of": [3, 2**64],
         "suffix": ["x"],
         "echo": ["yes"],
