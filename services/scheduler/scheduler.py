@@ -31,7 +31,6 @@ provisional tokens, from oldest to newest step in flight:
 from __future__ import annotations
 
 import bisect
-import heapq
 import random
 from collections import deque
 from collections.abc import Iterable
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
+from pagoda.services.scheduler.fairness import FairQueue, TenantShare, may_take
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
 from pagoda.shared.messages import FinishReason, NewRequest, PromptScores, SamplingParams, StepPlan, StepResult
 
@@ -62,6 +62,9 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first
     owner: int = 0  # the process that owns the request (deltas route back to it)
+    tenant: str = ""  # whose request (an API key's tenant); the waiting queue shares slots among tenants
+    weight: float = 1.0  # the tenant's weight in that share
+    tier: int = 0  # the tenant's priority tier: lower tiers are served first
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
 
@@ -104,6 +107,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
 
 
 @dataclass(slots=True)
@@ -154,7 +161,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap by rank
+        self.waiting = FairQueue()  # a heap by rank per tenant; tenants served by weighted fair share
         self.running: list[Sequence] = []  # sorted by rank
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -275,6 +282,8 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         appended_req_ids: list[int] = []
         appended_block_ids: list[int] = []
+        if len(self.waiting.tenants) > 1:
+            self._rebalance()
         preemptions_before = self.stats.num_preemptions
 
         # a sequence at max_len with a provisional token is done once that token arrives: nothing to compute
@@ -342,20 +351,54 @@ class Scheduler:
             self._preempt(victim)
 
     def _pick_victim(self, seq: Sequence, scheduled: dict[int, int]) -> Sequence | None:
-        """The lowest-ranked running sequence ranked below `seq` that this step has not scheduled."""
+        """The running sequence that gives its blocks to `seq`, among those this step has not scheduled: of seq's
+        tenant and ranked below it, or of a tenant that owes seq's a slot (fairness.may_take); the lowest-ranked
+        of the most loaded tenant. With one tenant: the lowest-ranked sequence ranked below `seq`."""
+        tenants = self.waiting.tenants
+        own = tenants[seq.tenant]
+        best: Sequence | None = None
+        best_key: tuple[int, float, tuple[int, float, int]] | None = None
         for victim in reversed(self.running):
-            if victim is seq or victim.rank < seq.rank:
-                return None
-            if victim.seq_id not in scheduled:
-                return victim
-        return None
+            if victim is seq or victim.seq_id in scheduled:
+                continue
+            giver = tenants[victim.tenant]
+            if giver is own and victim.rank < seq.rank or giver is not own and not may_take(own, giver, extra=0):
+                continue
+            key = (giver.tier, giver.load(), victim.rank)
+            if best_key is None or key > best_key:
+                best, best_key = victim, key
+        return best
+
+    def _rebalance(self) -> None:
+        """Slots or blocks are short and a tenant below its share waits: the most loaded tenant that owes it a slot
+        (fairness.may_take) gives one, its lowest-ranked running sequence preempted by recompute; the waiting
+        tenant's head is admitted this step. At most one slot per waiting tenant per step."""
+        served: set[str] = set()
+        while True:
+            seq = self.waiting.head(served)
+            if seq is None or seq.num_pending or not self._lacks_room(seq, len(served)):
+                return
+            taker = self.waiting.tenants[seq.tenant]
+            givers = [tenant for tenant in self.waiting.tenants.values() if may_take(taker, tenant)]
+            if not givers:
+                return  # the tenant first in line is owed nothing: neither is any other
+            giver = max(givers, key=lambda tenant: (tenant.tier, tenant.load()))
+            self._preempt(next(victim for victim in reversed(self.running) if victim.tenant == giver.name))
+            served.add(taker.name)
+
+    def _lacks_room(self, seq: Sequence, num_reserved: int) -> bool:
+        """No running slot, or too few free blocks for a first chunk of `seq`, once `num_reserved` slots are
+        promised to other tenants."""
+        if len(self.running) + num_reserved >= self.max_num_seqs:
+            return True
+        first_chunk = min(seq.num_tokens, self.max_num_batched_tokens)
+        return self.blocks.num_blocks_for(first_chunk) - len(seq.table.block_ids) > self.blocks.num_free_blocks
 
     def _admit_waiting(self, budget: int, num_tokens: dict[int, int], new_requests: list[NewRequest]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0][1]
-            if seq.status == SeqStatus.FINISHED:  # aborted while waiting
-                heapq.heappop(self.waiting)
-                continue
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.head()  # weighted fair share among tenants, rank order within one
+            if seq is None:
+                break
             if seq.num_pending:  # preempted with a token in flight: the worker gets real tokens only
                 break
             count = self._admit_one(seq, budget)
@@ -363,9 +406,8 @@ class Scheduler:
                 if not self.running and self._release_waiting_blocks(seq):
                     continue  # forked siblings waiting behind it held the blocks it needs
                 break  # the head of the queue does not fit: FCFS, nothing overtakes it
-            heapq.heappop(self.waiting)
-            bisect.insort(self.running, seq, key=_rank)
-            seq.status = SeqStatus.RUNNING
+            self.waiting.pop(seq)
+            self._start_running(seq)
             num_tokens[seq.seq_id] = count
             budget -= count
             new_requests.append(NewRequest(
@@ -529,10 +571,21 @@ class Scheduler:
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self.waiting, (seq.rank, seq))
+        self.waiting.push(seq, seq.request.weight, seq.request.tier)
+
+    def _start_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=_rank)
+        seq.status = SeqStatus.RUNNING
+        self.waiting.tenants[seq.tenant].num_running += 1
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        share: TenantShare = self.waiting.tenants[seq.tenant]
+        share.num_running -= 1
+        assert share.num_running >= 0
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        self._stop_running(seq)
         self.blocks.free(seq.table)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -545,7 +598,7 @@ class Scheduler:
             del seq.token_ids[-seq.num_pending:]
             seq.num_pending = 0
         if seq.status == SeqStatus.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
             self._forgotten.append(seq.seq_id)
         # a waiting sequence stays in the heap until admission skips it (removal from a heap is O(n))
         self.blocks.free(seq.table)
@@ -556,6 +609,7 @@ class Scheduler:
         request.num_finished += 1
         if request.num_finished == len(request.sequences):
             del self.requests[request.req_id]
+            self.waiting.forget_idle(request.tenant)
         elif seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
                 if not sibling.is_finished:

@@ -525,7 +525,7 @@ class SchedulerService:
         blocks = scheduler.blocks if scheduler is not None else None
         stats = scheduler.stats if scheduler is not None else None
         running = len({seq.request.req_id for seq in scheduler.running}) if scheduler is not None else 0
-        waiting = len({seq.request.req_id for _, seq in scheduler.waiting if not seq.is_finished}) \
+        waiting = len({seq.request.req_id for seq in scheduler.waiting if not seq.is_finished}) \
             if scheduler is not None else 0
         return SchedulerStats(
             time=time.time(), num_running=running, num_waiting=waiting,
