@@ -57,7 +57,7 @@ def process_state(pid: int) -> str:
 def _die_with_parent() -> None:
     """Runs in the child before exec: unblock the signals the launcher blocks (children inherit the mask),
     and have the kernel send SIGTERM when the launcher dies (Linux)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS + [signal.SIGCHLD])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS + [signal.SIGCHLD, signal.SIGHUP])
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -260,10 +260,18 @@ class Launcher:
                         continue
                 print(f"pagoda: {failed.name} {why}; stopping", file=sys.stderr)
                 return 1
-            info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD], 0.5)
+            info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD, signal.SIGHUP], 0.5)
             if info is not None and info.si_signo in STOP_SIGNALS:
                 print("pagoda: stopping", file=sys.stderr)
                 return 0
+            if info is not None and info.si_signo == signal.SIGHUP:
+                self.reload_keys()
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the api processes read the keys file again (they also notice a change on their own)."""
+        for child in self.children:
+            if child.module == "api" and child.process.poll() is None:
+                child.process.send_signal(signal.SIGHUP)
 
     def shutdown(self) -> None:
         """APIs first (they drain or fail in-flight requests), then the rest; kill stragglers at the deadline."""
@@ -325,7 +333,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
         return 2
     # Handled synchronously by sigtimedwait in supervise(); blocked so they don't interrupt start-up.
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS + [signal.SIGCHLD])
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS + [signal.SIGCHLD, signal.SIGHUP])
     code = 1
     try:
         launcher.start()

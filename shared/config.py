@@ -159,6 +159,8 @@ class ServerConfig:
     routing: str = "prefix"  # prefix (cache affinity weighed against load) | round_robin | random
     registry_endpoint: str | None = None  # the scheduler whose registry apis, tokenizers and replicas join (tcp)
     advertise_host: str | None = None  # host or IP peers reach this process's bound sockets at; None: detected
+    api_keys_file: str | None = None  # tenants: hashed API keys with quotas (services/api/tenants.py)
+    usage_log: str | None = None  # a JSON line per finished generation request (tenant, tokens, times), appended
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
@@ -288,6 +290,9 @@ _HELP: dict[str, str] = {
                       "else 1.0 (see --kv-scale-calibration)",
     "kv_scale_calibration": "fp8 KV: set each layer's K/V scales from the first prefill (2 x amax / 448), "
                             "overriding checkpoint scales",
+    "api_keys_file": "JSON file of tenants and their hashed API keys with quotas (make one with `pagoda keys add`); "
+                     "reloaded when it changes or on SIGHUP. --api-key keeps working beside it (tenant 'default')",
+    "usage_log": "append one JSON line per finished generation request (tenant, request id, tokens, times) here",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",
 }

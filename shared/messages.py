@@ -327,6 +327,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     tools: list[dict[str, Any]] = []  # OpenAI tool definitions to render into the prompt
     return_token_ids: bool = False  # deltas carry their token ids, Accepted the prompt's (vLLM's return_token_ids)
     render: RenderSpec | None = None  # set: the tokenizer answers with RenderedRows, not TextDeltas
+    tenant: str = ""  # the API key's tenant ("": none); with its weight and tier, for the scheduler's fair share
+    tenant_weight: float = 1.0
+    tenant_priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -455,6 +458,9 @@ class AddRequest(msgspec.Struct, array_like=True, tag="add", frozen=True, omit_d
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    tenant: str = ""  # see GenerateRequest
+    tenant_weight: float = 1.0
+    tenant_priority: int = 0
 
 
 class StopSequence(msgspec.Struct, array_like=True, tag="stopseq", frozen=True):
@@ -533,6 +539,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     tokenizer_requests_total: list[int]  # requests each tokenizer (aligned with tokenizer_ids) has sent
     max_model_len: int = 0
     problem: str = ""  # why the worker counts as hung (its step ran past the bound); "" while it progresses
+    tenant_names: list[str] = []  # tenants seen (keys file in use), with these columns aligned to them:
+    tenant_waiting: list[int] = []  # sequences waiting now
+    tenant_running: list[int] = []  # sequences running now
+    tenant_admitted_total: list[int] = []  # requests admitted (first time) so far
+    tenant_queue_seconds_total: list[float] = []  # their time from arrival to first admission, summed
 
 
 class ReplicaAddress(msgspec.Struct, array_like=True, frozen=True):

@@ -31,6 +31,7 @@ provisional tokens, from oldest to newest step in flight:
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections import deque
 from collections.abc import Iterable
@@ -38,9 +39,26 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
-from pagoda.services.scheduler.fairness import FairQueue, TenantShare, may_take
+from pagoda.services.scheduler.fairness import (
+    MAX_TENANT_CHARS,
+    MAX_TIER,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    FairQueue,
+    TenantShare,
+    may_take,
+)
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
-from pagoda.shared.messages import FinishReason, NewRequest, PromptScores, SamplingParams, StepPlan, StepResult
+from pagoda.shared.messages import (
+    MAX_INT64,
+    MIN_INT64,
+    FinishReason,
+    NewRequest,
+    PromptScores,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 
 SEED_MODULUS = 1 << 63
 PLACEHOLDER = -1  # a provisional token: sampled by a step in flight, not known yet
@@ -181,6 +199,7 @@ class Scheduler:
         parameters, then its prompt against this model. Called once, where a request enters (the offline
         engine; in `pagoda serve` the api validates the parameters and the tokenizer the prompt)."""
         request.sampling.validate()
+        check_request_fields(request)
         self.check_prompt(request)
 
     def check_prompt(self, request: Request) -> None:
@@ -614,6 +633,21 @@ class Scheduler:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
                 if not sibling.is_finished:
                     self._finish(sibling, reason)
+
+
+def check_request_fields(request: Request) -> None:
+    """The fields besides sampling and prompt that order the queues: a NaN arrival or a zero weight would break
+    the heaps' order, a huge tenant name the memory."""
+    if not math.isfinite(request.arrival_time):
+        raise InvalidRequestError("arrival_time must be finite", param="arrival_time")
+    if not MIN_INT64 <= request.priority <= MAX_INT64:
+        raise InvalidRequestError("priority must fit in 64 bits", param="priority")
+    if len(request.tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequestError(f"a tenant name has at most {MAX_TENANT_CHARS} characters", param="tenant")
+    if not (math.isfinite(request.weight) and MIN_WEIGHT <= request.weight <= MAX_WEIGHT):
+        raise InvalidRequestError(f"a tenant weight is in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]", param="tenant_weight")
+    if not -MAX_TIER <= request.tier <= MAX_TIER:
+        raise InvalidRequestError(f"a tenant priority is in [-{MAX_TIER}, {MAX_TIER}]", param="tenant_priority")
 
 
 def _needs_prompt_scores(seq: Sequence) -> bool:

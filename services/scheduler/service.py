@@ -56,6 +56,7 @@ from pagoda.shared.transport import Codec, make_socket, single_frame, split_rout
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
+MAX_TENANT_STATS = 1024  # tenants whose queue times are kept (the keys file's; more would be a forger's)
 MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
@@ -111,6 +112,7 @@ class SchedulerService:
         self.worker_last_seen = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.tenant_queue: dict[str, list[float]] = {}  # tenant -> [requests admitted, seconds queued]
         self.running = True
         self.stalled = False
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
@@ -171,10 +173,28 @@ class SchedulerService:
                 self.stalled = True  # nothing runnable until a message (or a result) changes something
                 return
             self.plans.send(self.to_workers.encode(plan), copy=False)
+            if plan.new_requests:
+                self._count_queue_time(plan)
             if not plan.req_ids:  # only forgotten ids to pass on: no result will come
                 return
             if len(pipeline.inflight) == 1:
                 self.inflight_since = time.monotonic()
+
+    def _count_queue_time(self, plan: StepPlan) -> None:
+        """Per tenant: requests admitted for the first time in this plan and their time since arrival."""
+        assert self.scheduler is not None
+        now = time.time()  # arrival_time is the api's wall clock
+        for new in plan.new_requests:
+            seq = self.scheduler.get_sequence(new.req_id)
+            if seq is None or seq.index or seq.num_preemptions or not seq.request.tenant:
+                continue
+            entry = self.tenant_queue.get(seq.request.tenant)
+            if entry is None:
+                if len(self.tenant_queue) >= MAX_TENANT_STATS:
+                    continue
+                entry = self.tenant_queue[seq.request.tenant] = [0, 0.0]
+            entry[0] += 1
+            entry[1] += max(0.0, now - seq.request.arrival_time)
 
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -260,9 +280,12 @@ class SchedulerService:
                        "try again later", "server_error")
             return
         request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
-                          sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
+                          sampling=message.params, arrival_time=message.arrival_time, priority=message.priority,
+                          tenant=message.tenant, weight=message.tenant_weight, tier=message.tenant_priority)
         try:
-            # The tokenizer checked the prompt against ModelInfo and the api the params: not checked again here.
+            # Checked again though the api and the tokenizer did: a peer's values are its own request's problem
+            # (a forged n of 2**31 would otherwise make 2**31 sequences here), never the scheduler's.
+            self.scheduler.validate(request)
             self.scheduler.add_request(request)
         except PagodaError as exc:
             self._fail(identity, message.request_id, exc.http_status, exc.message, exc.error_type, exc.param,
@@ -538,7 +561,21 @@ class SchedulerService:
             num_steps_total=stats.num_steps if stats else 0, worker_ready=scheduler is not None,
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
-            max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem)
+            max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem,
+            **self._tenant_stats())
+
+    def _tenant_stats(self) -> dict[str, list]:
+        shares = self.scheduler.waiting.tenants if self.scheduler is not None else {}
+        names = sorted({*self.tenant_queue, *(name for name in shares if name)})
+        waiting = dict.fromkeys(names, 0)
+        if self.scheduler is not None:
+            for seq in self.scheduler.waiting:
+                if not seq.is_finished and seq.tenant in waiting:
+                    waiting[seq.tenant] += 1
+        return {"tenant_names": names, "tenant_waiting": [waiting[n] for n in names],
+                "tenant_running": [shares[n].num_running if n in shares else 0 for n in names],
+                "tenant_admitted_total": [int(self.tenant_queue.get(n, (0, 0.0))[0]) for n in names],
+                "tenant_queue_seconds_total": [float(self.tenant_queue.get(n, (0, 0.0))[1]) for n in names]}
 
     def stop(self, *_: object) -> None:
         self.running = False

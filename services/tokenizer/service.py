@@ -467,8 +467,9 @@ class TokenizerService:
                     if request.render is not None else None)
         self._requests[request_id] = RequestState(api, params, streams, params.n, first_token,
                                                   request.return_token_ids or self._tokenizer is None, renderer)
-        _send(replica.sock, self._scheduler_out.encode(AddRequest(request_id, prompt.token_ids, params,
-                                                                  request.priority, request.arrival_time)))
+        _send(replica.sock, self._scheduler_out.encode(AddRequest(
+            request_id, prompt.token_ids, params, request.priority, request.arrival_time, request.tenant,
+            request.tenant_weight, request.tenant_priority)))
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else [],
                                      renderer.opening() if renderer is not None else b""))
