@@ -131,6 +131,22 @@ def test_a_flood_does_not_delay_another_tenants_request() -> None:
     assert_all_free(sched)
 
 
+def test_several_arrivals_get_their_share_in_one_step() -> None:
+    """Four of b's requests arrive together while a holds all 8 slots: all four run in the next step (a gives
+    four slots at once, not one a step), and no more than the even share is taken."""
+    sched = make_scheduler(max_num_seqs=8)
+    worker = FakeWorker(sched.block_size)
+    for i in range(40):
+        sched.add_request(tenant_request(f"a{i}", "a", max_tokens=30, arrival_time=float(i)))
+    step(sched, worker)
+    late = [tenant_request(f"b{i}", "b", max_tokens=30, arrival_time=100.0 + i) for i in range(6)]
+    for request in late:
+        sched.add_request(request)
+    plan, _ = step(sched, worker)
+    assert sum(r.sequences[0].seq_id in plan.req_ids for r in late) == 4
+    assert running_by_tenant(sched) == {"a": 4, "b": 4}
+
+
 def test_same_tenant_keeps_first_come_first_served() -> None:
     """One tenant (the default, no keys): a late request waits its turn; nothing is preempted for it."""
     sched = make_scheduler(max_num_seqs=4)

@@ -92,16 +92,18 @@ class FairQueue:
         heapq.heappush(self.share(seq.tenant, weight, tier).heap, (seq.rank, seq))
         self._num_entries += 1
 
-    def head(self, exclude: frozenset[str] | set[str] = frozenset()) -> Queued | None:
-        """The next sequence to admit (finished ones are dropped on the way), or None; tenants in `exclude`
-        are passed over."""
+    def head(self, reserved: dict[str, int] | None = None) -> Queued | None:
+        """The next sequence to admit (finished ones are dropped on the way), or None. `reserved`: slots already
+        promised to tenants this step, counted in their load; a tenant with as many as it has waiting is passed
+        over (the head returned is then the tenant's first, standing for the next of its queue)."""
         best: TenantShare | None = None
         best_key: tuple[int, float, float, int] | None = None
         for tenant in self.tenants.values():
-            if tenant.name in exclude or not self._skip_finished(tenant):
+            extra = reserved.get(tenant.name, 0) if reserved else 0
+            if not self._skip_finished(tenant) or extra >= len(tenant.heap):
                 continue
             _, arrival, seq_id = tenant.heap[0][0]  # a request's priority orders its own tenant's only
-            key = (tenant.tier, tenant.load(), arrival, seq_id)
+            key = (tenant.tier, tenant.load(extra), arrival, seq_id)
             if best_key is None or key < best_key:
                 best, best_key = tenant, key
         return best.heap[0][1] if best is not None else None

@@ -390,20 +390,21 @@ class Scheduler:
 
     def _rebalance(self) -> None:
         """Slots or blocks are short and a tenant below its share waits: the most loaded tenant that owes it a slot
-        (fairness.may_take) gives one, its lowest-ranked running sequence preempted by recompute; the waiting
-        tenant's head is admitted this step. At most one slot per waiting tenant per step."""
-        served: set[str] = set()
+        (fairness.may_take) gives one, its lowest-ranked running sequence preempted by recompute, until the share
+        is met or nothing is owed; the takers' sequences are admitted this step."""
+        reserved: dict[str, int] = {}
         while True:
-            seq = self.waiting.head(served)
-            if seq is None or seq.num_pending or not self._lacks_room(seq, len(served)):
+            seq = self.waiting.head(reserved)
+            if seq is None or seq.num_pending or not self._lacks_room(seq, sum(reserved.values())):
                 return
             taker = self.waiting.tenants[seq.tenant]
-            givers = [tenant for tenant in self.waiting.tenants.values() if may_take(taker, tenant)]
+            extra = reserved.get(taker.name, 0) + 1
+            givers = [tenant for tenant in self.waiting.tenants.values() if may_take(taker, tenant, extra)]
             if not givers:
                 return  # the tenant first in line is owed nothing: neither is any other
             giver = max(givers, key=lambda tenant: (tenant.tier, tenant.load()))
             self._preempt(next(victim for victim in reversed(self.running) if victim.tenant == giver.name))
-            served.add(taker.name)
+            reserved[taker.name] = extra
 
     def _lacks_room(self, seq: Sequence, num_reserved: int) -> bool:
         """No running slot, or too few free blocks for a first chunk of `seq`, once `num_reserved` slots are
