@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 import torch
 
 from pagoda.kernels import paged_attention as pa
-from pagoda.services.worker.model import AttentionMetadata, CausalLM
+from pagoda.services.worker.models import AttentionMetadata, CausalLM
 from pagoda.services.worker.weights import load_model
 from pagoda.shared.shapes import SHAPES
 

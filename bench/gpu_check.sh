@@ -2,7 +2,11 @@
 # One device call: install the carried wheels and the project, run the GPU tests, greedy parity against
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
-#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve   (default: tests,parity,pagoda,peers,compiled)
+#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long
+#   (default: tests,parity,pagoda,peers,compiled)
+#   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
+#   tables ($OUT/moe_configs/*.json; commit them under kernels/moe_configs/). moe: the reference, sampled and batch-1
+#   runs on each MOE_SHAPES shape. long: LONG_WORKLOADS ("long-128k long-32k") on LONG_SHAPE (qwen3-8b-yarn).
 #   SHAPES="qwen3-0.6b llama3-8b" (the default)   PARITY_VARIANTS=pagoda-torch-ops,hf-efficient,hf-eager (default none)
 #   WORKLOADS="reference sampled shared-prefix long n4" (the workloads phase; bench/workload.py)
 #   TOKENIZER=dir of a real tokenizer for the serve phase (default .gpu/smollm2-tok: the SmolLM2 folder without
@@ -74,5 +78,33 @@ if has serve; then
       --num-prompts "${SERVE_PROMPTS:-256}" --vocab-size 49000 --concurrency "${SERVE_CONCURRENCY:-1,16,64,256}" \
       --request-rate "${SERVE_RATES:-}" --out "$OUT/serve_$shape.json" 2>&1 | tail -12
     kill -TERM $server; wait $server
+  done
+fi
+
+if has moe-tune; then
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_moe.py -k "half or fp8" 2>&1 | tail -4
+  timeout 540 python3 -m pagoda.bench.moe_tune --shapes "$(echo ${MOE_SHAPES:-qwen3-30b-a3b mixtral-8x7b} | tr ' ' ,)" \
+    --write --out "$OUT/moe_tune.json" 2>&1 | grep -v '^{' | tail -40
+  mkdir -p "$OUT/moe_configs"  # the installed package's folder, where the run time reads them
+  cp "$(python3 -c 'from pagoda.kernels import moe; print(moe.CONFIG_DIR)')"/*.json "$OUT/moe_configs/"
+fi
+if has moe; then
+  for shape in ${MOE_SHAPES:-qwen3-30b-a3b mixtral-8x7b}; do
+    for workload in ${MOE_WORKLOADS:-reference sampled}; do
+      latency=()
+      [[ $workload == reference ]] && latency=(--latency-prompt-len 512)
+      echo "== $workload on $shape"
+      timeout 400 python3 -m pagoda.bench throughput --model "$shape" --load-format dummy --workload "$workload" \
+        "${latency[@]}" --timeout "${SYSTEM_TIMEOUT:-300}" --out "$OUT/moe_${shape}_${workload}.json" 2>&1 \
+        | grep -v "^[a-z-]*: {" | tail -6
+    done
+  done
+fi
+if has long; then
+  for workload in ${LONG_WORKLOADS:-long-128k long-32k}; do
+    echo "== $workload on ${LONG_SHAPE:-qwen3-8b-yarn}"
+    timeout 500 python3 -m pagoda.bench throughput --model "${LONG_SHAPE:-qwen3-8b-yarn}" --load-format dummy \
+      --workload "$workload" --timeout "${SYSTEM_TIMEOUT:-400}" --out "$OUT/long_${workload}.json" 2>&1 \
+      | grep -v "^[a-z-]*: {" | tail -6
   done
 fi

@@ -38,7 +38,7 @@ def parity_prompts(vocab_size: int, num_prompts: int, new_tokens: int, seed: int
 @contextlib.contextmanager
 def torch_reference_ops() -> Iterator[None]:
     """Models built inside use pagoda's PyTorch reference ops whatever the device."""
-    from pagoda.services.worker import model as model_module
+    from pagoda.services.worker import models as model_module
 
     original = model_module.ops_for
     model_module.ops_for = lambda device: model_module.reference_ops()

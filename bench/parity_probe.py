@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from pagoda.bench.hf_peer import load_hf_model
 from pagoda.bench.workload import Workload
-from pagoda.services.worker.model import AttentionMetadata, CausalLM, reference_attention, rope_inv_freq
 from pagoda.services.worker.model_config import resolve_arch
+from pagoda.services.worker.models import AttentionMetadata, CausalLM
+from pagoda.services.worker.models.base import reference_attention
+from pagoda.services.worker.models.rope import RopeSpec, inv_freq
 from pagoda.services.worker.weights import load_model
 
 
@@ -196,7 +198,7 @@ def run(shape: str, prompt_len: int, dtype_name: str, device_name: str, seed: in
         meta = single_sequence_meta(prompt_len, prompt_len, block_size, device)
         hidden = model(ids[0], torch.arange(prompt_len, device=device), fresh, meta)
         tallies["model.logits"].add(model.compute_logits(hidden[-1:])[0].float(), out.logits[0, -1].float())
-        ours = rope_inv_freq(arch).to(device)
+        ours = inv_freq(RopeSpec.of(arch)).to(device)
         tallies["model.rope_inv_freq"].add(ours, hf.model.rotary_emb.inv_freq.to(ours.dtype))
     return {name: tally.row() for name, tally in sorted(tallies.items())}
 

@@ -54,13 +54,25 @@ def single_request_latency(llm: Any, prompt: list[int], num_tokens: int) -> dict
             "batch1_prefill_ms": 1e3 * step_times[0]}
 
 
+def weight_bytes_per_step(arch: Any, num_tokens: int, dtype_bytes: int = 2) -> float:
+    """Weights one step of `num_tokens` tokens reads: every dense weight and the LM head, and of a
+    mixture-of-experts layer the experts those tokens are expected to touch (uniform routing)."""
+    return (arch.num_params() - arch.layer_weight_params(1 << 30) + arch.layer_weight_params(num_tokens)) * dtype_bytes
+
+
+def batch1_floor_ms(arch: Any, context_len: int, dtype_bytes: int = 2) -> float:
+    """One decode token of one sequence: the weights it touches plus its cached K/V, at HBM bandwidth."""
+    return 1e3 * (weight_bytes_per_step(arch, 1, dtype_bytes)
+                  + context_len * arch.kv_bytes_per_token(dtype_bytes)) / HBM_BYTES_PER_S
+
+
 def roofline_seconds(arch: Any, workload: Workload, dtype_bytes: int = 2) -> dict[str, float]:
     """The physical floor of the workload: prefill FLOPs at the matrix rate, decode bytes at HBM bandwidth.
 
-    Decode reads every weight and every cached K/V byte once per step (all sequences in lockstep);
-    prefill does 2 FLOPs per weight per token plus causal attention.
+    Decode reads every weight a step touches (for mixture-of-experts: the experts the running sequences are
+    expected to route to) and every cached K/V byte once per step (all sequences in lockstep); prefill does
+    2 FLOPs per active weight per token plus causal attention.
     """
-    weight_bytes = arch.num_params() * dtype_bytes
     kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
     n, p, o = workload.num_prompts, workload.input_len, workload.output_len
     shared, seqs = workload.shared_prefix_len, workload.num_prompts * workload.n
@@ -68,12 +80,17 @@ def roofline_seconds(arch: Any, workload: Workload, dtype_bytes: int = 2) -> dic
     # a shared prefix is computed once (the prefix cache serves the rest); n > 1 forks after the prompt
     prefill_tokens = shared + n * p
     attention_pairs = shared * shared + n * p * (2 * shared + p)  # causal (query, key) pairs, x2 folded in
-    prefill_flops = (2 * (arch.num_params() - embed) * prefill_tokens
+    active_params = arch.layer_weight_params(1) + embed  # per token: dense weights + its top-k experts + LM head
+    prefill_flops = (2 * (active_params - embed) * prefill_tokens
                      + 2 * arch.num_layers * arch.q_size * attention_pairs)
-    decode_bytes = sum(weight_bytes + seqs * (shared + p + i) * kv_per_token for i in range(o))
+    step_weights = weight_bytes_per_step(arch, seqs, dtype_bytes)
+    decode_bytes = sum(step_weights + seqs * (shared + p + i) * kv_per_token for i in range(o))
     prefill_s, decode_s = prefill_flops / MATMUL_FLOPS, decode_bytes / HBM_BYTES_PER_S
     return {"floor_s": prefill_s + decode_s, "floor_prefill_s": prefill_s, "floor_decode_s": decode_s,
-            "floor_out_tok_per_s": seqs * o / (prefill_s + decode_s)}
+            "floor_out_tok_per_s": seqs * o / (prefill_s + decode_s),
+            "floor_decode_step_ms": 1e3 * decode_s / max(o, 1),
+            "floor_batch1_ms_at_prompt": batch1_floor_ms(arch, shared + p, dtype_bytes),
+            "prefill_tokens": prefill_tokens}
 
 
 def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any],
@@ -130,7 +147,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         engine_args = {"seed": args.seed, "dtype": args.dtype, "device": args.device}
         if args.no_async_scheduling:
             engine_args["async_scheduling"] = False
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager", "quantization",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "enforce_eager",
+                     "quantization",
                      "kv_cache_dtype", "tokenizer"):
             value = getattr(args, name)
             if value not in (None, False):
@@ -172,6 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", default=None, help="pagoda only: fp8 weights")
@@ -214,8 +233,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 _FORWARDED = ("model", "load_format", "workload", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed",
-              "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "enforce_eager",
-              "latency_prompt_len", "quantization", "kv_cache_dtype", "no_async_scheduling", "tokenizer")
+              "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
+              "enforce_eager", "latency_prompt_len", "quantization", "kv_cache_dtype", "no_async_scheduling",
+              "tokenizer")
 
 
 def _roofline(args: argparse.Namespace) -> dict[str, float]:
@@ -225,7 +245,10 @@ def _roofline(args: argparse.Namespace) -> dict[str, float]:
         arch = resolve_arch(args.model, "dummy" if args.load_format == "dummy" else "auto")
     except Exception:  # noqa: BLE001 - the floor is a courtesy; the run itself reports real errors
         return {}
-    return roofline_seconds(arch, workload_from_args(args))
+    floor = roofline_seconds(arch, workload_from_args(args))
+    if args.latency_prompt_len:
+        floor["batch1_floor_ms"] = batch1_floor_ms(arch, args.latency_prompt_len)
+    return floor
 
 
 def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
@@ -268,5 +291,22 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"decode GPU busy {base['decode_gpu_busy_fraction']:.1%} over {base['decode_steps']} decode steps "
               f"(max_inflight_plans {base['max_inflight_plans']}; target >= 95%)")
     if base and "batch1_decode_ms_p50" in base:
-        print(f"batch-1 decode after {base['batch1_prompt_len']} prompt tokens: "
-              f"{base['batch1_decode_ms_p50']:.2f} ms/token")
+        line = (f"batch-1 decode after {base['batch1_prompt_len']} prompt tokens: "
+                f"{base['batch1_decode_ms_p50']:.2f} ms/token")
+        if floor.get("batch1_floor_ms"):
+            ratio = base["batch1_decode_ms_p50"] / floor["batch1_floor_ms"]
+            line += f" (floor {floor['batch1_floor_ms']:.2f} ms: {ratio:.2f}x)"
+        print(line)
+    if base and floor and base.get("mixed_steps_gpu_s") and report["workload"]["input_len"] >= 16384:
+        _print_long_context(base, floor)
+
+
+def _print_long_context(base: dict[str, Any], floor: dict[str, Any]) -> None:
+    """Long prompts: prefill against the matmul-peak bound (attention FLOPs included), decode against the
+    bandwidth floor at that context."""
+    prefill_s = base["mixed_steps_gpu_s"]
+    print(f"prefill {floor['prefill_tokens'] / prefill_s:,.0f} tok/s in {prefill_s:.2f} s of GPU time; matmul-peak "
+          f"bound {floor['floor_prefill_s']:.2f} s: {floor['floor_prefill_s'] / prefill_s:.0%} of peak")
+    print(f"decode {base['decode_step_gpu_ms_p50']:.2f} ms/step (p50 GPU); "
+          f"floor {floor['floor_decode_step_ms']:.2f} ms at the workload's mean context: "
+          f"{base['decode_step_gpu_ms_p50'] / floor['floor_decode_step_ms']:.2f}x")

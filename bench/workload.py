@@ -10,6 +10,8 @@ Named presets cover what users send, not only the greedy reference (issue 10):
 | shared-prefix | 256 x (2048 + 64) -> 128                  | greedy; one 2048-token prefix for every prompt   |
 | long          | 16 x 16384 -> 128 (llama3-8b: 16 x 7936)  | greedy                                           |
 | n4            | 64 x 512 -> 256, n=4                      | T 0.8, seed                                      |
+| long-128k     | 1 x 130816 -> 256                         | greedy; needs a 128k-context shape               |
+| long-32k      | 4 x 32512 -> 256                          | greedy                                           |
 
 EOS is ignored everywhere, so every request produces exactly its output length.
 """
@@ -69,6 +71,9 @@ PRESETS: dict[str, Workload] = {
     "shared-prefix": Workload(num_prompts=256, input_len=64, output_len=128, shared_prefix_len=2048),
     "long": Workload(num_prompts=16, input_len=16384, output_len=128),
     "n4": Workload(num_prompts=64, input_len=512, output_len=256, n=4),  # n > 1: T 0.8 + seed (sampling_kwargs)
+    # 128k and 32k contexts less the outputs (prompt + 256 outputs = 131,072 / 32,768 positions)
+    "long-128k": Workload(num_prompts=1, input_len=131072 - 256, output_len=256),
+    "long-32k": Workload(num_prompts=4, input_len=32768 - 256, output_len=256),
 }
 # llama3-8b's context is 8192 tokens: its long prompts leave room for the 128 outputs and a block of slack.
 LONG_INPUT_LEN = {"llama3-8b": 7936}

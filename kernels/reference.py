@@ -399,3 +399,30 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     if greedy is not None:
         token_ids = torch.where(greedy, logits.argmax(dim=-1), token_ids)  # [B]
     return token_ids
+
+
+def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
+                w_down_scale: torch.Tensor | None = None, group_k: int | None = None) -> torch.Tensor:
+    """Mixture of experts, one expert at a time as Hugging Face computes it: x [T, H], w_gate_up [E, 2I, H],
+    w_down [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] -> [T, H] in x's dtype. Each expert's output is
+    rounded to x's dtype before its routing weight scales it; the k outputs of a token are summed in fp32.
+    FP8 weights: e4m3 with scales [E, rows, K / group_k] (group_k None: one scale per row)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    ids = topk_ids.long()
+    for expert in ids.unique().tolist():
+        token_idx, slot = torch.where(ids == expert)  # [n] each
+        gate_up = _expert_weight(w_gate_up, w_gate_up_scale, expert, group_k, x.dtype)  # [2I, H]
+        down = _expert_weight(w_down, w_down_scale, expert, group_k, x.dtype)  # [H, I]
+        hidden = silu_and_mul(F.linear(x[token_idx], gate_up))  # [n, I]
+        y = F.linear(hidden, down)  # [n, H]
+        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None])
+    return out.to(x.dtype)
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int, group_k: int | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if w.dtype != torch.float8_e4m3fn:
+        return w[expert]
+    assert scale is not None
+    return dequantize_fp8(w[expert], scale[expert], group_k).to(dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,31 @@ from pagoda.shared.errors import ConfigError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+@dataclass(frozen=True, slots=True)
+class MoeArch:
+    """A mixture-of-experts MLP: which layers are sparse and how tokens are routed."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool  # norm_topk_prob: the top-k weights are rescaled to sum to 1
+    sparse_layers: tuple[int, ...]  # the other layers keep a dense MLP of intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+
+    def expert_params(self, hidden_size: int) -> int:
+        return 3 * hidden_size * self.expert_intermediate_size
+
+    def expected_experts_touched(self, num_tokens: int) -> float:
+        """Distinct experts a batch of uniformly routed tokens reads in one layer: E (1 - (1 - k/E)^T)."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +65,7 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
+    moe: MoeArch | None = None
 
     @property
     def q_size(self) -> int:
@@ -51,21 +75,51 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+    @property
+    def context_limit(self) -> int:
+        """The longest context the config supports: max_position_embeddings, or the stretched original context
+        of a YaRN (original x factor) or dynamic-NTK (max x factor) rope."""
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type")
+        if kind == "yarn" and scaling.get("factor"):
+            original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(original * float(scaling["factor"])))
+        if kind == "dynamic":
+            return int(self.max_position_embeddings * float(scaling["factor"]))
+        return self.max_position_embeddings
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+    def _attention_params(self) -> int:
+        h = self.hidden_size
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + (2 * self.head_dim if self.qk_norm
+                                                                                  else 0)
+
+    def _mlp_params(self, layer: int, num_experts: float) -> float:
+        """MLP weights of one layer: dense, or the router, `num_experts` experts and the shared expert."""
+        h, moe = self.hidden_size, self.moe
+        if moe is None or layer not in moe.sparse_layers:
+            return 3 * h * self.intermediate_size
+        shared = 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_intermediate_size else 0)
+        return h * moe.num_experts + num_experts * moe.expert_params(h) + shared
+
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        num_experts = self.moe.num_experts if self.moe else 0
+        layers = sum(self._attention_params() + self._mlp_params(i, num_experts) for i in range(self.num_layers))
+        return int(layers) + embed + self.hidden_size
+
+    def layer_weight_params(self, num_tokens: int) -> float:
+        """Weights one step of `num_tokens` tokens reads in the decoder layers: every dense weight, and of each
+        sparse layer the experts uniformly routed tokens are expected to touch (embeddings and LM head apart)."""
+        touched = self.moe.expected_experts_touched(num_tokens) if self.moe else 0.0
+        return sum(self._attention_params() + self._mlp_params(i, touched) for i in range(self.num_layers))
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:  # K and V per kv head (MLA families differ)
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json that transformers reads back into the same architecture (for peers and tests)."""
         model_type = self.model_type
-        arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+        arch_name = HF_ARCHITECTURES[model_type]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
@@ -80,9 +134,48 @@ class ModelArch:
             "eos_token_id": list(self.eos_token_ids) or None, "bos_token_id": self.bos_token_id,
             "torch_dtype": "bfloat16",
         }
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             config["use_sliding_window"] = False
+        if self.moe is not None:
+            config.update(_moe_hf_fields(self))
         return config
+
+
+def _moe_hf_fields(arch: ModelArch) -> dict[str, Any]:
+    moe = arch.moe
+    assert moe is not None
+    if arch.model_type == "mixtral":
+        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "intermediate_size": moe.expert_intermediate_size}
+    dense = [i for i in range(arch.num_layers) if i not in moe.sparse_layers]
+    fields: dict[str, Any] = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                              "moe_intermediate_size": moe.expert_intermediate_size,
+                              "norm_topk_prob": moe.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": dense}
+    if arch.model_type == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+        fields["qkv_bias"] = arch.attention_bias
+    return fields
+
+
+def _moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> MoeArch | None:
+    """The sparse MLP of a Qwen-MoE or Mixtral config.json (None for dense families)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts:
+        raise ConfigError(f"{model_type} config has no num_experts / num_local_experts", param="model")
+    if model_type == "mixtral":  # every layer sparse; experts are intermediate_size wide; always renormalised
+        return MoeArch(num_experts=num_experts, top_k=config["num_experts_per_tok"],
+                       expert_intermediate_size=config["intermediate_size"], renormalize=True,
+                       sparse_layers=tuple(range(num_layers)))
+    step = config.get("decoder_sparse_step") or 1
+    dense_only = set(config.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    return MoeArch(num_experts=num_experts, top_k=config["num_experts_per_tok"],
+                   expert_intermediate_size=config["moe_intermediate_size"],
+                   renormalize=bool(config.get("norm_topk_prob", model_type == "qwen3_moe")), sparse_layers=sparse,
+                   shared_expert_intermediate_size=(config.get("shared_expert_intermediate_size") or 0
+                                                    if model_type == "qwen2_moe" else 0))
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -95,11 +188,28 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})",
                           param="rope_scaling")
+    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConfigError("partial_rotary_factor is not supported (rope over the whole head only)",
+                          param="rope_scaling")
     if rope_type == "default":
         return float(theta), None
     params["rope_type"] = rope_type
     params.pop("type", None)
+    if "original_max_position_embeddings" not in params and config.get("original_max_position_embeddings"):
+        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    missing = [key for key in ROPE_REQUIRED[rope_type] if params.get(key) is None]
+    if rope_type == "yarn" and params.get("factor") is None and params.get("original_max_position_embeddings"):
+        missing = []  # DeepSeek-V3 style: the factor is max / original
+    if missing:
+        raise ConfigError(f"rope_type {rope_type!r} needs {', '.join(missing)}", param="rope_scaling")
     return float(theta), params
+
+
+ROPE_REQUIRED = {
+    "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
 
 def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
@@ -114,17 +224,20 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    num_layers = config["num_hidden_layers"]
+    bias_default = model_type in ("qwen2", "qwen2_moe")
+    attention_bias = config.get("attention_bias", config.get("qkv_bias", bias_default))
     return ModelArch(
         model_type=model_type, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"], num_heads=num_heads,
+        num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
         intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         max_position_embeddings=config.get("max_position_embeddings", 4096), rope_theta=theta,
         rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3", eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"),
-        sliding_window=window,
+        attention_bias=bool(attention_bias), qk_norm=model_type in ("qwen3", "qwen3_moe"), eos_token_ids=eos_ids,
+        bos_token_id=config.get("bos_token_id"), sliding_window=window or None,
+        moe=_moe_from_hf(config, model_type, num_layers),
     )
 
 
@@ -140,7 +253,7 @@ def load_arch(model_dir: str | Path) -> ModelArch:
         eos = json.loads(generation.read_text()).get("eos_token_id")
         extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
-        arch = ModelArch(**{**asdict(arch), "eos_token_ids": merged})
+        arch = replace(arch, eos_token_ids=merged)
     return arch
 
 
@@ -161,6 +274,39 @@ SHAPES: dict[str, ModelArch] = {
                            num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
                            rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0,
                            eos_token_ids=(128001, 128009), bos_token_id=128000),
+    # Llama 3.1 8B: llama3 rope scaling to 128k positions
+    "llama3.1-8b": ModelArch(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
+                             num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                             rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                             eos_token_ids=(128001, 128008, 128009), bos_token_id=128000),
+    # Qwen3-8B with the YaRN settings of its model card (factor 4 over 32k: 131,072 positions)
+    "qwen3-8b-yarn": ModelArch(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36,
+                               num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
+                               rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32768},
+                               qk_norm=True, eos_token_ids=(151645,), bos_token_id=151643),
+    # Qwen3-30B-A3B: 48 layers, 128 experts of 768, 8 routed per token
+    "qwen3-30b-a3b": ModelArch(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48,
+                               num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
+                               rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                               qk_norm=True, eos_token_ids=(151645,), bos_token_id=151643,
+                               moe=MoeArch(num_experts=128, top_k=8, expert_intermediate_size=768, renormalize=True,
+                                           sparse_layers=tuple(range(48)))),
+    # Mixtral-8x7B: 8 experts of 14336, 2 routed per token
+    "mixtral-8x7b": ModelArch(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32,
+                              num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                              rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                              eos_token_ids=(2,), bos_token_id=1,
+                              moe=MoeArch(num_experts=8, top_k=2, expert_intermediate_size=14336, renormalize=True,
+                                          sparse_layers=tuple(range(32)))),
+    "tiny-moe": ModelArch(model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
+                          max_position_embeddings=2048, rope_theta=10000.0, qk_norm=True, eos_token_ids=(2,),
+                          bos_token_id=1, moe=MoeArch(num_experts=8, top_k=2, expert_intermediate_size=32,
+                                                      renormalize=True, sparse_layers=(0, 1))),
 }
 
 
@@ -194,13 +340,17 @@ def fit_vocab_to_tokenizer(arch: ModelArch, tokenizer: str) -> ModelArch:
                 tokenizer)
     eos_ids = tuple(i for i in arch.eos_token_ids if i < vocab_size)
     bos_id = arch.bos_token_id if arch.bos_token_id is not None and arch.bos_token_id < vocab_size else None
-    return ModelArch(**{**asdict(arch), "vocab_size": vocab_size, "eos_token_ids": eos_ids, "bos_token_id": bos_id})
+    return replace(arch, vocab_size=vocab_size, eos_token_ids=eos_ids, bos_token_id=bos_id)
 
 
 def check_divisible(arch: ModelArch, tp_size: int) -> None:
     """Tensor parallelism splits heads and MLP columns evenly; say which number does not divide."""
-    for name, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                        ("intermediate_size", arch.intermediate_size)):
+    sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+             ("intermediate_size", arch.intermediate_size)]
+    if arch.moe is not None:
+        sizes += [("moe_intermediate_size", arch.moe.expert_intermediate_size),
+                  ("shared_expert_intermediate_size", arch.moe.shared_expert_intermediate_size)]
+    for name, value in sizes:
         if value % tp_size:
             raise ConfigError(f"tensor_parallel_size {tp_size} does not divide {name} = {value}",
                               param="tensor_parallel_size")

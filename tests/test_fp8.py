@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 from pagoda.kernels import reference as ref
 from pagoda.services.scheduler.scheduler import Request, Scheduler
-from pagoda.services.worker.model import CausalLM, Fp8Weights, Ops, reference_ops
 from pagoda.services.worker.model_config import ModelArch, load_arch, resolve_arch
 from pagoda.services.worker.model_runner import ModelRunner
+from pagoda.services.worker.models import CausalLM, Fp8Weights, Ops, reference_ops
 from pagoda.services.worker.weights import SafetensorsSource, checkpoint_fp8, fill, placements
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
@@ -474,7 +474,7 @@ def test_dummy_weights_quantize_like_loaded_ones() -> None:
 def test_triton_fp8_model_matches_reference_model(shape: str, quantization: str) -> None:
     """FP8 weights and FP8 KV through the Triton ops (interpreter on CPU; cuBLASLt + Triton on GPU) against the
     reference ops: the same quantization and the same logits up to fp32 summation order."""
-    from pagoda.services.worker.model import triton_ops
+    from pagoda.services.worker.models import triton_ops
 
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (3, 20)]

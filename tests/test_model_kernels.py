@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pagoda.services.scheduler.scheduler import Request, Scheduler
-from pagoda.services.worker.model import reference_ops, triton_ops
 from pagoda.services.worker.model_runner import ModelRunner
+from pagoda.services.worker.models import reference_ops, triton_ops
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.messages import SamplingParams
 

@@ -12,7 +12,7 @@ import bisect
 import numpy as np
 import torch
 
-from pagoda.services.worker.model import AttentionMetadata, CausalLM
+from pagoda.services.worker.models import AttentionMetadata, CausalLM
 
 
 def capture_sizes(max_batch: int) -> list[int]:

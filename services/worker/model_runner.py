@@ -28,8 +28,8 @@ from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
 from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
-from pagoda.services.worker.model import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
+from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagoda.services.worker.sampling_state import SamplingState, admission_error
 from pagoda.services.worker.weights import load_model, resolve_fp8
@@ -125,10 +125,7 @@ class ModelRunner:
                               fp8=fp8)
         self.bytes_read = load_model(self.model, config.model, config.load_format, config.seed)
         self.num_blocks = self.model.tp.agree_min(self._num_kv_blocks(), self.device)
-        kv_shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size,
-                    self.arch.num_kv_heads // tp_size, self.arch.head_dim)
-        self.kv_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)  # [L, 2, N, bs, kvh, D]
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)]
+        self.kv_cache, self.kv_caches = self._allocate_kv(self.num_blocks)
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
         self.grammars = GrammarRows(grammar_tokenizer_loader(config, self.arch), self.arch.vocab_size,
@@ -163,8 +160,17 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- sizing
 
+    def _allocate_kv(self, num_blocks: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """The cache in the layout the model family asks for, and each layer's tensors (K and V, or one latent)."""
+        layout = self.model.kv_layout()
+        shape = (self.arch.num_layers, layout.num_tensors, num_blocks, self.block_size, layout.num_heads,
+                 layout.head_dim)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # [L, kv tensors, N, bs, heads, D]
+        per_layer = [tuple(cache[i, j] for j in range(layout.num_tensors)) for i in range(self.arch.num_layers)]
+        return cache, per_layer
+
     def _max_model_len(self) -> int:
-        limit = self.arch.max_position_embeddings
+        limit = self.arch.context_limit
         if self.arch.sliding_window:
             limit = min(limit, self.arch.sliding_window)  # no sliding-window attention: stay inside it
         wanted = self.config.max_model_len or limit
@@ -174,9 +180,8 @@ class ModelRunner:
         return wanted
 
     def kv_bytes_per_block(self) -> int:
-        kv_heads = self.arch.num_kv_heads // self.model.tp.size
         itemsize = torch.finfo(self.kv_dtype).bits // 8
-        return 2 * self.arch.num_layers * self.block_size * kv_heads * self.arch.head_dim * itemsize
+        return self.block_size * self.model.kv_layout().bytes_per_token(self.arch.num_layers, itemsize)
 
     def _num_kv_blocks(self) -> int:
         config = self.config
@@ -219,6 +224,26 @@ class ModelRunner:
         for num_splits in (1, 2, 4, 8, 16):  # pick_num_splits' values; one sequence of 64 keys a split gets each
             if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
                 self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
+        self.warm_up_experts()
+
+    @torch.inference_mode()
+    def warm_up_experts(self) -> None:
+        """Mixture-of-experts: the fused kernel's tiles change with the token count's power-of-two bucket; run one
+        sparse layer's experts once per bucket a step can have, so each tile variant compiles now."""
+        sparse = next((layer.mlp for layer in self.model.layers if getattr(layer, "mlp", None) is not None), None)
+        if sparse is None:
+            return
+        max_tokens = self.config.resolved_max_num_batched_tokens(self.device.type)
+        num_experts, top_k = sparse.moe.num_experts, sparse.moe.top_k
+        num_tokens = 1
+        while num_tokens <= max_tokens:
+            x = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)  # [T, H]
+            ids = (torch.arange(num_tokens * top_k, device=self.device) % num_experts).to(torch.int32)
+            weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=self.device)  # [T, k]
+            group = sparse.fp8.group_size if sparse.fp8 is not None else None
+            self.model.ops.moe_experts(x, sparse.w_gate_up, sparse.w_down, weights, ids.view(num_tokens, top_k),
+                                       sparse.w_gate_up_scale, sparse.w_down_scale, group)
+            num_tokens *= 2
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
@@ -265,10 +290,7 @@ class ModelRunner:
         size, device = self.block_size, self.device
         blocks_per_seq = -(-(max(query_lens) + context_len) // size)
         num_seqs = len(query_lens)
-        scratch = torch.zeros((self.arch.num_layers, 2, num_seqs * blocks_per_seq, size,
-                               self.arch.num_kv_heads // self.model.tp.size, self.arch.head_dim),
-                              dtype=self.kv_dtype, device=device)  # [L, 2, n, bs, kvh, D]
-        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.arch.num_layers)]
+        scratch, caches = self._allocate_kv(num_seqs * blocks_per_seq)  # the real cache stays untouched
         positions = np.concatenate([np.arange(context_len, context_len + n) for n in query_lens])  # [T]
         seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [T]
         query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)  # [B + 1]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.services.worker.device import resolve_device
-from pagoda.services.worker.model import TensorParallel
+from pagoda.services.worker.models import TensorParallel
 from pagoda.shared.config import EngineConfig
 
 log = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ ones; on a tensor-parallel shard the channel's scale covers this rank's columns 
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,66 +19,17 @@ import torch
 from safetensors import safe_open
 
 from pagoda.kernels import reference as ref
-from pagoda.services.worker.model import CausalLM, Fp8Weights
-from pagoda.services.worker.model_config import ModelArch
+from pagoda.services.worker.models import CausalLM, Fp8Weights, Placement
 from pagoda.shared.errors import ConfigError, ModelNotFoundError
+from pagoda.shared.shapes import ModelArch
 
 # (HF tensor name, its full shape, destination parameter, row offset in it, shard dim or None)
 Source = Callable[[str, tuple[int, ...], int | None, int, int], torch.Tensor]
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
-    hf_name: str
-    full_shape: tuple[int, ...]
-    target: torch.Tensor  # the parameter (or its row range) to fill
-    shard_dim: int | None  # None: replicated on every rank
-    shard_start: int = 0
-    shard_len: int = 0
-    scale_target: torch.Tensor | None = None  # an FP8 weight's scale rows [rows, 1 or K / g]
-
-
 def placements(model: CausalLM) -> Iterator[Placement]:
     """Every HF tensor this rank needs and where its slice goes (scale_target: where an FP8 weight's scales go)."""
-    arch, rank = model.arch, model.tp.rank
-    h, d = arch.hidden_size, arch.head_dim
-    vocab_rows = min(model.vocab_per_rank, arch.vocab_size - model.vocab_start)
-    yield Placement("model.embed_tokens.weight", (arch.vocab_size, h), model.embed[:vocab_rows], 0,
-                    model.vocab_start, vocab_rows)
-    if not arch.tie_word_embeddings:
-        yield Placement("lm_head.weight", (arch.vocab_size, h), model.lm_head[:vocab_rows], 0,
-                        model.vocab_start, vocab_rows)
-    yield Placement("model.norm.weight", (h,), model.final_norm, None)
-    for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}."
-        q, kv = layer.q_size, layer.kv_size
-        local_mlp = layer.down_weight.shape[1]
-        yield Placement(prefix + "input_layernorm.weight", (h,), layer.input_norm, None)
-        yield Placement(prefix + "post_attention_layernorm.weight", (h,), layer.post_attn_norm, None)
-        for name, rows, size, full in (("q_proj", slice(0, q), q, arch.q_size),
-                                       ("k_proj", slice(q, q + kv), kv, arch.kv_size),
-                                       ("v_proj", slice(q + kv, q + 2 * kv), kv, arch.kv_size)):
-            attn = prefix + "self_attn." + name
-            yield Placement(attn + ".weight", (full, h), layer.qkv_weight[rows], 0, rank * size, size,
-                            _rows(layer.qkv_weight_scale, rows))
-            if layer.qkv_bias is not None:
-                yield Placement(attn + ".bias", (full,), layer.qkv_bias[rows], 0, rank * size, size)
-        yield Placement(prefix + "self_attn.o_proj.weight", (h, arch.q_size), layer.o_weight, 1, rank * q, q,
-                        layer.o_weight_scale)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            yield Placement(prefix + "self_attn.q_norm.weight", (d,), layer.q_norm, None)
-            yield Placement(prefix + "self_attn.k_norm.weight", (d,), layer.k_norm, None)
-        full_mlp = arch.intermediate_size
-        yield Placement(prefix + "mlp.gate_proj.weight", (full_mlp, h), layer.gate_up_weight[:local_mlp], 0,
-                        rank * local_mlp, local_mlp, _rows(layer.gate_up_weight_scale, slice(0, local_mlp)))
-        yield Placement(prefix + "mlp.up_proj.weight", (full_mlp, h), layer.gate_up_weight[local_mlp:], 0,
-                        rank * local_mlp, local_mlp, _rows(layer.gate_up_weight_scale, slice(local_mlp, None)))
-        yield Placement(prefix + "mlp.down_proj.weight", (h, full_mlp), layer.down_weight, 1,
-                        rank * local_mlp, local_mlp, layer.down_weight_scale)
-
-
-def _rows(scale: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if scale is None else scale[rows]
+    return model.placements()
 
 
 def fill(model: CausalLM, source: Source) -> None:
@@ -138,6 +90,9 @@ class SafetensorsSource:
                  length: int) -> torch.Tensor:
         file = self._file_of.get(name)
         if file is None:
+            fused = self._fused_expert(name, full_shape, shard_dim, start, length)
+            if fused is not None:
+                return fused
             raise ModelNotFoundError(f"weight {name!r} is missing from the checkpoint", param="model")
         view = self._handles[file].get_slice(name)
         shape = tuple(view.get_shape())
@@ -150,6 +105,39 @@ class SafetensorsSource:
             tensor = view[start:start + length]
         else:
             tensor = view[:, start:start + length]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _fused_expert(self, name: str, full_shape: tuple[int, ...], shard_dim: int | None, start: int,
+                      length: int) -> torch.Tensor | None:
+        """One expert's projection cut from fused 3-D expert tensors (`experts.gate_up_proj` [E, 2I, H] with gate
+        rows first, `experts.down_proj` [E, H, I], as transformers 5 keeps them), when the checkpoint has those
+        instead of per-expert keys."""
+        match = FUSED_EXPERT_NAME.fullmatch(name)
+        if match is None:
+            return None
+        stem, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        fused = "gate_up_proj" if proj in ("gate_proj", "up_proj", "w1", "w3") else "down_proj"
+        key = next((k for k in (f"{stem}.experts.{fused}", f"{stem}.experts.{fused}.weight") if k in self._file_of),
+                   None)
+        if key is None:
+            return None
+        view = self._handles[self._file_of[key]].get_slice(key)
+        shape = tuple(view.get_shape())
+        rows, cols = full_shape
+        expected = (shape[0], 2 * rows, cols) if fused == "gate_up_proj" else (shape[0], rows, cols)
+        if shape != expected or expert >= shape[0]:
+            raise ModelNotFoundError(f"fused expert weight {key!r} has shape {shape}, config.json implies "
+                                     f"[experts, {expected[1]}, {expected[2]}]", param="model")
+        first = rows if proj in ("up_proj", "w3") else 0  # gate rows, then up rows
+        one = slice(expert, expert + 1)
+        if shard_dim == 0:
+            tensor = view[one, first + start:first + start + length]
+        elif shard_dim == 1:
+            tensor = view[one, first:first + rows, start:start + length]
+        else:
+            tensor = view[one, first:first + rows]
+        tensor = tensor[0]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -205,6 +193,9 @@ class SafetensorsSource:
                                      f"{None if scale is None else tuple(scale.shape)}", param="model")
         rows = scale.float().reshape(-1, 1).expand(n, 1)  # [N, 1]: per tensor -> the same for every row
         return rows[start:start + length] if shard_dim == 0 else rows
+
+
+FUSED_EXPERT_NAME = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,169 @@
+"""Tune the fused MoE kernel's tiles per token-count bucket on this GPU, check it against the reference, and report
+what the tuned kernel reaches: HBM bandwidth on the expert bytes it reads (small batches) and bf16 matmul rate
+(large ones).
+
+    python -m pagoda.bench.moe_tune --shapes qwen3-30b-a3b,mixtral-8x7b [--write] [--out results.json]
+
+--write stores the table under kernels/moe_configs/ (named by experts, sizes, dtype, device and Triton version),
+where kernels/moe.py looks it up at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.kernels import moe
+from pagoda.kernels import reference as ref
+from pagoda.shared.shapes import SHAPES
+
+HBM_BYTES_PER_S = 4.2e12
+MATMUL_FLOPS = 780e12
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CANDIDATES = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
+    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
+    (16, 64, 64, 1, 4, 5), (32, 64, 128, 4, 4, 4), (32, 128, 64, 4, 4, 4), (64, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 8, 4), (64, 128, 64, 1, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 1, 8, 4),
+    (64, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4), (64, 128, 128, 8, 8, 2), (128, 128, 32, 8, 8, 5),
+    (32, 64, 256, 1, 4, 3), (16, 128, 256, 1, 4, 3),
+]
+
+
+def _time_ms(fn: Any, reps: int = 20) -> float:  # noqa: ANN401
+    """Median device time of `fn` replayed from a CUDA graph, as decode steps run it (no host time between the
+    launches): fn runs once eagerly (compiles), is captured, then each of `reps` timings replays it 5 times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # warm the graph pool's allocations on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 5)
+    return sorted(times)[len(times) // 2]
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    logits = torch.randn(num_tokens, num_experts, device=device)
+    return moe.route_softmax_topk(logits, top_k, renormalize=True)
+
+
+def _gemm_runner(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fuse_silu: bool,
+                 tile: moe.TileConfig, num_experts: int) -> Any:
+    """One of the two grouped GEMMs with this tile (its alignment included: it is part of the layer's cost)."""
+    top_k = ids.shape[1]
+    num_pairs = ids.numel()
+    n = w.shape[1] // 2 if fuse_silu else w.shape[1]
+    out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1)
+
+    def run() -> None:
+        align = moe.align_pairs(ids, num_experts, tile.block_m)
+        moe._moe_gemm(x, w, None, None, align, out, num_pairs, top_k if fuse_silu else 1, fuse_silu,
+                      None if fuse_silu else flat_weights, tile)
+    return run
+
+
+def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tuple[int, ...]) -> dict[str, Any]:
+    arch = SHAPES[name]
+    assert arch.moe is not None, f"{name} is not a mixture-of-experts shape"
+    spec = arch.moe
+    e, h, i, k = spec.num_experts, arch.hidden_size, spec.expert_intermediate_size, spec.top_k
+    w_gate_up = (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype)  # [E, 2I, H]
+    w_down = (torch.randn(e, h, i, device=device) * 0.02).to(dtype)  # [E, H, I]
+    table: dict[int, dict[str, dict[str, int]]] = {}
+    rows = []
+    for num_tokens in buckets:
+        x = torch.randn(num_tokens, h, device=device).to(dtype)
+        weights, ids = _routing(num_tokens, e, k, device)
+        act = torch.randn(num_tokens * k, i, device=device).to(dtype)
+        best: dict[str, tuple[float, moe.TileConfig]] = {}
+        for which, a, w, fuse in (("gate_up", x, w_gate_up, True), ("down", act, w_down, False)):
+            for candidate in CANDIDATES:
+                tile = moe.TileConfig(*candidate)
+                try:
+                    ms = _time_ms(_gemm_runner(a, w, ids, weights, fuse, tile, e), reps=10)
+                except Exception as exc:  # noqa: BLE001 - a tile too large for shared memory: skip it
+                    print(f"  skip {candidate}: {type(exc).__name__}", flush=True)
+                    continue
+                if which not in best or ms < best[which][0]:
+                    best[which] = (ms, tile)
+        tiles = (best["gate_up"][1], best["down"][1])
+        table[num_tokens] = {"gate_up": asdict(tiles[0]), "down": asdict(tiles[1])}
+        rows.append(_measure(x, w_gate_up, w_down, weights, ids, tiles, arch, num_tokens,
+                             (best["gate_up"][0], best["down"][0])))
+        print(json.dumps(rows[-1]), flush=True)
+    return {"shape": name, "table": table, "rows": rows,
+            "file": moe.config_file_name(e, i, h, str(dtype).removeprefix("torch."), torch.cuda.get_device_name())}
+
+
+def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+             ids: torch.Tensor, tiles: tuple[moe.TileConfig, moe.TileConfig], arch: Any,
+             num_tokens: int, best_ms: tuple[float, float]) -> dict[str, Any]:
+    """The whole tuned layer (both GEMMs, alignment, top-k sum): time, bandwidth on the experts it reads, matmul
+    rate, and its error against the reference."""
+    spec = arch.moe
+    h, i = arch.hidden_size, spec.expert_intermediate_size
+    ms = _time_ms(lambda: moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles))
+    touched = int(ids.unique().numel())
+    expert_bytes = touched * 3 * h * i * x.element_size()
+    flops = 2 * num_tokens * spec.top_k * 3 * h * i
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles).float()
+    expected = ref.moe_experts(x, w_gate_up, w_down, weights, ids).float()
+    rel_err = ((got - expected).norm() / expected.norm()).item()
+    return {"shape": arch.model_type, "tokens": num_tokens, "ms": round(ms, 4), "experts_touched": touched,
+            "hbm_fraction": round(expert_bytes / (ms * 1e-3) / HBM_BYTES_PER_S, 3),
+            "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
+            "matmul_fraction": round(flops / (ms * 1e-3) / MATMUL_FLOPS, 3), "rel_err": rel_err,
+            "gate_up_ms": round(best_ms[0], 4), "down_ms": round(best_ms[1], 4),
+            "gate_up_tile": asdict(tiles[0]), "down_tile": asdict(tiles[1])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
+    parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--write", action="store_true", help="store the tables under kernels/moe_configs/")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    assert torch.cuda.is_available(), "tuning needs a GPU"
+    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    results = [tune_shape(name, dtype, device, buckets) for name in args.shapes.split(",")]
+    for result in results:
+        if args.write:
+            moe.CONFIG_DIR.mkdir(exist_ok=True)
+            (moe.CONFIG_DIR / result["file"]).write_text(json.dumps(result["table"], indent=1) + "\n")
+        print(f"\n{result['shape']}: {result['file']}")
+        print(f"{'tokens':>7}{'ms':>9}{'experts':>9}{'HBM':>7}{'TFLOP/s':>9}{'peak':>7}{'rel err':>10}")
+        for row in result["rows"]:
+            print(f"{row['tokens']:>7}{row['ms']:>9.3f}{row['experts_touched']:>9}{row['hbm_fraction']:>7.0%}"
+                  f"{row['tflops']:>9.1f}{row['matmul_fraction']:>7.0%}{row['rel_err']:>10.1e}")
+    print(f"tuned in {time.perf_counter() - started:.0f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

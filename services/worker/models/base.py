@@ -1,0 +1,202 @@
+"""What every model family shares: attention metadata, the op set (PyTorch on CPU, Triton on CUDA), tensor
+parallelism, FP8 weight layout, weight placements and the KV layout a family asks of the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pagoda.kernels import reference as ref
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and what each query attends to; passed, never global."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32: sequence b's queries are rows [qsl[b], qsl[b+1])
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend over the paged cache (PyTorch reference).
+    k_scale, v_scale [1] fp32: the per-tensor scales of an fp8 cache (ignored by other caches)."""
+    ref.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return ref.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_host,
+                               meta.query_lens_host, scale, fresh_kv=(k, v), k_scale=k_scale, v_scale=v_scale)
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The same with the Triton kernels (GPU): write K/V into their slots, then paged attention."""
+    from pagoda.kernels.kv_cache import write_kv
+    from pagoda.kernels.paged_attention import paged_attention
+
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                           meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged attention over caches that already hold this step's K/V (written by prepare_qkv)."""
+    from pagoda.kernels.paged_attention import paged_attention
+
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                           meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
+
+
+@dataclass(frozen=True, slots=True)
+class Ops:
+    """The kernels one model instance uses: plain PyTorch on CPU, Triton on CUDA (same semantics)."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float],
+                           tuple[torch.Tensor, torch.Tensor]]
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[torch.Tensor, torch.Tensor]]  # (q, k, cos cache, sin cache, positions) -> q, k
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    attention: AttentionBackend
+    # (x [..., K], e4m3 weight [N, K], fp32 scales [N, 1] or [N, K / g], group size g or None, bias) -> [..., N]
+    fp8_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None, torch.Tensor | None],
+                         torch.Tensor] = ref.fp8_linear
+    # Per-channel FP8: the activation quantization fused into the op before each GEMM, and the GEMM alone.
+    # (x, residual, weight, eps) -> (e4m3 [T, D], scales [T, 1], summed residual [T, D])
+    add_rms_norm_quant: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float],
+                                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ref.add_rms_norm_quant_fp8
+    silu_and_mul_quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = ref.silu_and_mul_quant_fp8
+    # (x_q, x_scale, weight, weight_scale, group_size, out dtype, bias) -> [M, N]
+    fp8_matmul: Callable[..., torch.Tensor] = ref.fp8_matmul
+    # One pass from the fused qkv rows to attention inputs (q/k norm, rope, K/V into the cache: q returned) and
+    # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
+    prepare_qkv: Callable[..., torch.Tensor] | None = None
+    attend: Callable[..., torch.Tensor] | None = None
+    # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk weights [T, k], topk ids [T, k], FP8 scales or None
+    # x2, group size) -> [T, H]: the routed experts of a sparse layer
+    moe_experts: Callable[..., torch.Tensor] = ref.moe_experts
+
+
+def _reference_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_cache[positions], sin_cache[positions]  # [T, D] each
+    return ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+
+
+def reference_ops() -> Ops:
+    return Ops(rms_norm=ref.rms_norm, add_rms_norm=ref.add_rms_norm, rope=_reference_rope,
+               silu_and_mul=ref.silu_and_mul, attention=reference_attention)
+
+
+def triton_ops() -> Ops:
+    from pagoda.kernels import activation, fp8, moe, norm, qkv_prep, rope
+
+    def fused_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.apply_rope(q, k, cos_cache, sin_cache, positions=positions, inplace=True)
+
+    return Ops(rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, rope=fused_rope,
+               silu_and_mul=activation.silu_and_mul, attention=triton_attention, fp8_linear=fp8.fp8_linear,
+               add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
+               fp8_matmul=fp8.fp8_matmul, prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
+               moe_experts=moe.fused_experts)
+
+
+def ops_for(device: torch.device) -> Ops:
+    return triton_ops() if device.type == "cuda" else reference_ops()
+
+
+class TensorParallel(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor: ...
+    def agree_min(self, value: int, device: torch.device) -> int: ...
+
+
+class SingleDevice:
+    """tensor_parallel_size 1: the collectives are identities."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weights:
+    """Every linear layer (fused qkv, o, fused gate_up, down) in FP8: e4m3 weights [N, K] with fp32 scales
+    [N, 1] (one per output channel) or, with group_size g, [N, ceil(K / g)] (one per row and g columns: a
+    checkpoint's g x g block scales repeated along the rows, so fused and sharded weights keep any row split).
+    Activations are quantized per token (and per g columns with group_size) on the fly."""
+
+    group_size: int | None = None
+
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One Hugging Face tensor this rank needs and where its slice goes."""
+
+    hf_name: str
+    full_shape: tuple[int, ...]
+    target: torch.Tensor  # the parameter (or its row range) to fill
+    shard_dim: int | None  # None: replicated on every rank
+    shard_start: int = 0
+    shard_len: int = 0
+    scale_target: torch.Tensor | None = None  # an FP8 weight's scale rows [rows, 1 or K / g]
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """What one token leaves in one layer's cache: `num_tensors` tensors (K and V: 2; one latent: 1) of
+    [num_heads, head_dim] each on this rank. The block manager only counts blocks; this decides their bytes."""
+
+    num_tensors: int
+    num_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, num_layers: int, dtype_bytes: int) -> int:
+        return num_layers * self.num_tensors * self.num_heads * self.head_dim * dtype_bytes
+
+
+def make_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def make_linear(rows: int, cols: int, dtype: torch.dtype, device: torch.device, fp8: Fp8Weights | None,
+                experts: int | None = None) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """A weight [rows, cols] (or [experts, rows, cols]) in the model dtype, or in e4m3 with its fp32 scales
+    [(experts,) rows, 1 or ceil(cols / g)]."""
+    lead = () if experts is None else (experts,)
+    if fp8 is None:
+        return make_param((*lead, rows, cols), dtype, device), None
+    groups = 1 if fp8.group_size is None else -(-cols // fp8.group_size)
+    weight = make_param((*lead, rows, cols), torch.float8_e4m3fn, device)
+    return weight, make_param((*lead, rows, groups), torch.float32, device)

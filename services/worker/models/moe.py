@@ -1,0 +1,106 @@
+"""Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE (with its sigmoid-gated shared expert) and Mixtral.
+
+Their attention is the Llama family's; the MLP of a sparse layer is a router (softmax top-k, renormalised where the
+config says so) and the experts, run by one fused kernel (kernels/moe.py) on CUDA and by the plain reference on CPU.
+Tensor parallel: every rank holds every expert's slice of the intermediate dimension; one all-reduce per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.kernels.moe import route_softmax_topk
+from pagoda.services.worker.models.base import (
+    Fp8Weights,
+    KvLayout,
+    Ops,
+    Placement,
+    TensorParallel,
+    make_linear,
+    make_param,
+)
+from pagoda.services.worker.models.llama import DecoderLayer, dense_mlp_placements
+from pagoda.services.worker.models.llama import kv_layout as llama_kv_layout
+from pagoda.shared.shapes import ModelArch, MoeArch
+
+# Checkpoint names of the sparse block and its experts' three projections.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
+DEFAULT_EXPERT_NAMES = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+
+
+class SparseMoe(nn.Module):
+    """Router + routed experts (+ a gated shared expert): the MLP half of a sparse layer."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel, dtype: torch.dtype, device: torch.device,
+                 fp8: Fp8Weights | None) -> None:
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None
+        self.arch, self.moe, self.tp, self.fp8 = arch, moe, tp, fp8
+        h = arch.hidden_size
+        local = moe.expert_intermediate_size // tp.size
+        self.router = make_param((moe.num_experts, h), dtype, device)  # [E, H]: replicated, model dtype
+        # [E, 2I, H] (gate rows, then up rows) and [E, H, I] on this rank; e4m3 + scales [E, rows, groups] in FP8
+        self.w_gate_up, self.w_gate_up_scale = make_linear(2 * local, h, dtype, device, fp8, moe.num_experts)
+        self.w_down, self.w_down_scale = make_linear(h, local, dtype, device, fp8, moe.num_experts)
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        if moe.shared_expert_intermediate_size:  # Qwen2-MoE: one always-on expert, scaled by sigmoid(gate(x))
+            shared = moe.shared_expert_intermediate_size // tp.size
+            self.shared_gate_up = make_param((2 * shared, h), dtype, device)  # [2S, H]
+            self.shared_down = make_param((h, shared), dtype, device)  # [H, S]
+            self.shared_gate = make_param((1, h), dtype, device)  # [1, H]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor,
+                ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = ops.add_rms_norm(x, residual, norm, self.arch.rms_norm_eps)  # [T, H] each
+        router_logits = F.linear(h, self.router)  # [T, E]
+        weights, ids = route_softmax_topk(router_logits, self.moe.top_k, self.moe.renormalize)  # [T, k] each
+        group = self.fp8.group_size if self.fp8 is not None else None
+        out = ops.moe_experts(h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale,
+                              self.w_down_scale, group)  # [T, H]
+        if self.shared_gate_up is not None and self.shared_down is not None and self.shared_gate is not None:
+            shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)  # [T, H]
+            out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
+        return self.tp.all_reduce(out), residual
+
+    def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
+        """Per-expert checkpoint keys (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
+        `block_sparse_moe.experts.{e}.w1.weight`); fused [E, ...] expert tensors are split into these names by the
+        safetensors source."""
+        block, (gate, up, down) = EXPERT_NAMES.get(self.arch.model_type, DEFAULT_EXPERT_NAMES)
+        h, full = self.arch.hidden_size, self.moe.expert_intermediate_size
+        yield Placement(prefix + block + "gate.weight", (self.moe.num_experts, h), self.router, None)
+        for e in range(self.moe.num_experts):
+            yield from dense_mlp_placements(f"{prefix}{block}experts.{e}.", h, full, rank, self.w_gate_up[e],
+                                            _expert(self.w_gate_up_scale, e), self.w_down[e],
+                                            _expert(self.w_down_scale, e), names=(gate, up, down))
+        if self.shared_gate_up is not None and self.shared_down is not None and self.shared_gate is not None:
+            yield from dense_mlp_placements(prefix + block + "shared_expert.", h,
+                                            self.moe.shared_expert_intermediate_size, rank, self.shared_gate_up,
+                                            None, self.shared_down, None)
+            yield Placement(prefix + block + "shared_expert_gate.weight", (1, h), self.shared_gate, None)
+
+
+def _expert(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if scale is None else scale[e]
+
+
+def is_sparse_layer(moe: MoeArch, index: int) -> bool:
+    return index in moe.sparse_layers
+
+
+def make_layer(arch: ModelArch, index: int, tp: TensorParallel, dtype: torch.dtype, device: torch.device,
+               fp8: Fp8Weights | None) -> DecoderLayer:
+    """A Llama-family attention with the sparse block where the config makes this layer sparse, else dense."""
+    assert arch.moe is not None
+    if not is_sparse_layer(arch.moe, index):
+        return DecoderLayer(arch, tp, dtype, device, fp8)
+    return DecoderLayer(arch, tp, dtype, device, fp8, mlp=SparseMoe(arch, tp, dtype, device, fp8))
+
+
+def kv_layout(arch: ModelArch, tp_size: int) -> KvLayout:
+    return llama_kv_layout(arch, tp_size)

@@ -1,0 +1,146 @@
+"""Rotary-embedding tables from a model's rope settings: default, linear, llama3, yarn and dynamic NTK.
+
+The worker keeps one cos/sin table [positions, rotary_dim] per model; every attention kernel reads rows of it by
+position. YaRN's attention factor is folded into the table (cos and sin both scaled), as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagoda.shared.shapes import ModelArch
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Everything that decides the table: dimension, base, scaling type and its parameters."""
+
+    dim: int  # rotary dimensions (head_dim, or the rope part of an MLA head)
+    theta: float
+    scaling: dict[str, Any]  # {} for the default rope
+    max_position_embeddings: int
+
+    @classmethod
+    def of(cls, arch: ModelArch, dim: int | None = None) -> RopeSpec:
+        return cls(dim or arch.head_dim, arch.rope_theta, dict(arch.rope_scaling or {}), arch.max_position_embeddings)
+
+    @property
+    def rope_type(self) -> str:
+        return self.scaling.get("rope_type", "default")
+
+
+def base_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    """theta ** (-2i / dim) for i < dim / 2, fp32 [dim / 2]."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_factor(spec: RopeSpec) -> float:
+    factor = spec.scaling.get("factor")
+    if factor is None:  # DeepSeek-V3 style: the stretch is max / original
+        return spec.max_position_embeddings / float(spec.scaling["original_max_position_embeddings"])
+    return float(factor)
+
+
+def yarn_attention_factor(spec: RopeSpec) -> float:
+    """The factor YaRN multiplies cos and sin by: given, or from factor (and mscale / mscale_all_dim)."""
+    given = spec.scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = yarn_factor(spec)
+    mscale, mscale_all_dim = spec.scaling.get("mscale"), spec.scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(spec: RopeSpec) -> torch.Tensor:
+    """Interpolate the low frequencies by `factor`, keep the high ones, ramp linearly in between (the ramp's ends
+    are the dimensions that turn beta_fast and beta_slow times over the original context)."""
+    dim, base = spec.dim, spec.theta
+    factor = yarn_factor(spec)
+    original = float(spec.scaling["original_max_position_embeddings"])
+    beta_fast = float(spec.scaling.get("beta_fast") or 32)
+    beta_slow = float(spec.scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if spec.scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [dim / 2]
+    extrapolation = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+    interpolation = extrapolation / factor
+    keep = 1 - ramp  # 1: the original frequency (extrapolate), 0: interpolated
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _dynamic_angles(spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: the base grows with the context once it passes the original length. A token at position p
+    is rotated with the base for a context of p + 1 tokens, as Hugging Face's decoding computes it token by
+    token (a prompt longer than the original context is rotated there with its whole length's base, which a
+    position-indexed table cannot express; vLLM fixes one base for the maximum length instead)."""
+    dim, factor = spec.dim, float(spec.scaling["factor"])
+    original = float(spec.scaling.get("original_max_position_embeddings") or spec.max_position_embeddings)
+    length = torch.clamp(positions.double() + 1, min=original)  # [P]
+    base = spec.theta * ((factor * length / original) - (factor - 1)) ** (dim / (dim - 2))  # [P]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim / 2]
+    inv_freq = 1.0 / base.float()[:, None] ** exponents[None, :]  # [P, dim / 2] in fp32, as transformers has it
+    return positions.float()[:, None] * inv_freq
+
+
+def inv_freq(spec: RopeSpec) -> torch.Tensor:
+    """Inverse frequencies [dim / 2] fp32 for the position-independent types."""
+    freq = base_inv_freq(spec.dim, spec.theta)
+    kind = spec.rope_type
+    if kind == "linear":
+        return freq / float(spec.scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(freq, spec.scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(spec)
+    assert kind == "default", kind
+    return freq
+
+
+def attention_factor(spec: RopeSpec) -> float:
+    return yarn_attention_factor(spec) if spec.rope_type == "yarn" else 1.0
+
+
+def rope_table(spec: RopeSpec, num_positions: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [num_positions, dim] for rotate-half rope: angles in fp32, scaled by the attention factor before
+    the cast to `dtype`, as Hugging Face computes them."""
+    positions = torch.arange(num_positions)  # [P]
+    if spec.rope_type == "dynamic":
+        angles = _dynamic_angles(spec, positions)  # [P, dim / 2]
+    else:
+        angles = positions.float()[:, None] * inv_freq(spec)[None, :]  # [P, dim / 2]
+    emb = torch.cat((angles, angles), dim=-1)  # [P, dim]
+    factor = attention_factor(spec)
+    cos, sin = emb.cos() * factor, emb.sin() * factor
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
