@@ -75,6 +75,15 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster_keys(args: argparse.Namespace) -> int:
+    """A CURVE key pair for --cluster-key-dir (compose secret, Kubernetes Secret)."""
+    from pagoda.shared.transport import ClusterKeys
+
+    path = ClusterKeys.generate(args.dir)
+    print(f"wrote {path} (the pair; keep it secret) and its public half beside it", file=sys.stderr)
+    return 0
+
+
 def _add_keys_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     keys = commands.add_parser("keys", help="API keys and tenant quotas for --api-keys-file")
     keys_commands = keys.add_subparsers(dest="keys_command", required=True)
@@ -124,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.set_defaults(func=_cmd_serve)
 
     _add_keys_parser(commands)
+    cluster = commands.add_parser("cluster-keys", help="make the CURVE key pair for --cluster-key-dir")
+    cluster.add_argument("dir")
+    cluster.set_defaults(func=_cmd_cluster_keys)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

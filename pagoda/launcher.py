@@ -25,6 +25,7 @@ from pathlib import Path
 from pagoda.services.worker.model_config import check_divisible, resolve_arch
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.shared.errors import ConfigError, PagodaError
+from pagoda.shared.transport import ClusterKeys
 
 SHUTDOWN_DEADLINE_S = 10.0
 STARTUP_TIMEOUT_S = 900.0
@@ -111,6 +112,13 @@ def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
     return engine_config
 
 
+def uses_tcp(config: ServerConfig) -> bool:
+    """Whether any ZeroMQ endpoint given is tcp:// (the derived ones are ipc://)."""
+    given = [config.api_endpoints, config.scheduler_endpoint, config.plan_endpoint, config.result_endpoint,
+             config.stats_endpoint, config.scheduler_endpoints, config.stats_endpoints, config.registry_endpoint]
+    return any("tcp://" in value for value in given if value)
+
+
 class Launcher:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.engine_config = check_engine_config(engine_config)
@@ -121,6 +129,11 @@ class Launcher:
         self.server_config = replace(server_config, runtime_dir=runtime_dir)
         self.runtime_dir = Path(runtime_dir)
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.server_config.cluster_key_dir is None and uses_tcp(self.server_config):
+            # tcp endpoints on one host: a key pair of this launch, in the private runtime dir, for every process
+            key_dir = self.runtime_dir / "keys"
+            ClusterKeys.generate(key_dir)
+            self.server_config = replace(self.server_config, cluster_key_dir=str(key_dir))
         self.children: list[Child] = []
         self.down_replicas: set[int] = set()
         tp_address = self.engine_config.tp_init_address

@@ -161,6 +161,7 @@ class ServerConfig:
     advertise_host: str | None = None  # host or IP peers reach this process's bound sockets at; None: detected
     api_keys_file: str | None = None  # tenants: hashed API keys with quotas (services/api/tenants.py)
     usage_log: str | None = None  # a JSON line per finished generation request (tenant, tokens, times), appended
+    cluster_key_dir: str | None = None  # CURVE key pair for tcp:// sockets (shared/transport.py); None: plain
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
@@ -247,11 +248,17 @@ class Endpoints:
     stats: str
 
 
+LOOPBACK_NAMES = {"localhost": "127.0.0.1", "ip6-localhost": "[::1]", "localhost6": "[::1]"}
+
+
 def bind_address(endpoint: str) -> str:
-    """Where to bind for a connect address: tcp://name:port binds every interface, IP literals bind as given."""
+    """Where to bind for a connect address: IP literals bind as given, loopback names the loopback (localhost stays
+    local), any other name every interface (a service name resolves to a proxy's or peer's address, not ours)."""
     match = re.fullmatch(r"tcp://([^:/]+|\[[^\]]+\]):(\d+)", endpoint)
     if match is None:
         return endpoint
+    if match.group(1).lower() in LOOPBACK_NAMES:
+        return f"tcp://{LOOPBACK_NAMES[match.group(1).lower()]}:{match.group(2)}"
     host = match.group(1).strip("[]")
     try:
         ipaddress.ip_address(host)
@@ -292,6 +299,9 @@ _HELP: dict[str, str] = {
                             "overriding checkpoint scales",
     "api_keys_file": "JSON file of tenants and their hashed API keys with quotas (make one with `pagoda keys add`); "
                      "reloaded when it changes or on SIGHUP. --api-key keeps working beside it (tenant 'default')",
+    "cluster_key_dir": "folder holding the deployment's CURVE key pair (cluster.key_secret, from `pagoda "
+                       "cluster-keys DIR`): tcp:// sockets authenticate and encrypt with it and refuse peers without "
+                       "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints)",
     "usage_log": "append one JSON line per finished generation request (tenant, request id, tokens, times) here",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",

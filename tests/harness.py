@@ -191,8 +191,8 @@ class Outbox:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def send(self, payload: Any, copy: bool = True) -> None:
+    def send(self, payload: Any, flags: int = 0, copy: bool = True) -> None:
         self.sent.append(payload)
 
-    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
+    def send_multipart(self, frames: list[Any], flags: int = 0, copy: bool = True) -> None:
         self.sent.append(frames)

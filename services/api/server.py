@@ -20,6 +20,7 @@ from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.services.api.tenants import KeyTable, UsageLog
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.discovery import advertised, host_toward
+from pagoda.shared.transport import load_cluster_keys
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def served_model_name(engine_config: EngineConfig, config: ServerConfig) -> str:
 
 def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; returns after a clean shutdown."""
+    load_cluster_keys(server_config.cluster_key_dir)
     try:
         import uvloop
     except ImportError:  # not on Windows; the default loop works, only slower

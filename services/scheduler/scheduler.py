@@ -83,6 +83,7 @@ class Request:
     tenant: str = ""  # whose request (an API key's tenant); the waiting queue shares slots among tenants
     weight: float = 1.0  # the tenant's weight in that share
     tier: int = 0  # the tenant's priority tier: lower tiers are served first
+    eos_token_ids: frozenset[int] = frozenset()  # its tokenizer's EOS ids (besides the model's): stop on them too
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
 
@@ -433,16 +434,15 @@ class Scheduler:
             new_requests.append(NewRequest(
                 req_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
                 block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
-                sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request.sampling)))
+                sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request)))
         return budget
 
-    def _banned_eos(self, params: SamplingParams) -> list[int]:
+    def _banned_eos(self, request: Request) -> list[int]:
         """The EOS ids the worker bans until min_tokens (the worker knows no EOS of its own)."""
-        return sorted(self.eos_token_ids) if params.min_tokens > 0 and not params.ignore_eos else []
-
-    def add_eos_token_ids(self, token_ids: Iterable[int]) -> None:
-        """A tokenizer registered with its EOS id: sequences stop on it too."""
-        self.eos_token_ids = self.eos_token_ids | frozenset(token_ids)
+        params = request.sampling
+        if params.min_tokens == 0 or params.ignore_eos:
+            return []
+        return sorted(self.eos_token_ids | request.eos_token_ids)
 
     def _release_waiting_blocks(self, seq: Sequence) -> bool:
         """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked.
@@ -566,7 +566,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.request.sampling
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if not params.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.request.eos_token_ids):
             return FinishReason.STOP
         if token_id in params.stop_token_ids:
             return FinishReason.STOP

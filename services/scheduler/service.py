@@ -27,6 +27,7 @@ from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.discovery import Registry, advertised, host_toward
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
+    MAX_INT32,
     AbortRequest,
     AddRequest,
     ApiJoin,
@@ -51,13 +52,14 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from pagoda.shared.transport import Codec, make_socket, single_frame, split_routed
+from pagoda.shared.transport import Codec, load_cluster_keys, make_socket, single_frame, split_routed
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
 MAX_TENANT_STATS = 1024  # tenants whose queue times are kept (the keys file's; more would be a forger's)
 MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
+MAX_TOKENIZER_EOS = 16  # EOS ids one tokenizer may register
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
@@ -66,6 +68,7 @@ class Peer:
     last_seen: float
     request_ids: set[str] = field(default_factory=set)
     num_requests: int = 0
+    eos_token_ids: frozenset[int] = frozenset()  # from its hello: its requests stop on these too (not others')
 
 
 @dataclass(slots=True)
@@ -105,7 +108,6 @@ class SchedulerService:
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
         self.swept: dict[bytes, None] = {}  # tokenizers dropped for silence after their hello (oldest first)
-        self.tokenizer_eos_ids: set[int] = set()  # from their hellos: the tokenizer's EOS, which the worker cannot know
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
@@ -113,6 +115,7 @@ class SchedulerService:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.tenant_queue: dict[str, list[float]] = {}  # tenant -> [requests admitted, seconds queued]
+        self.num_unsent = 0  # messages to tokenizers dropped: the peer vanished or its queue reached the HWM
         self.running = True
         self.stalled = False
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
@@ -250,25 +253,22 @@ class SchedulerService:
         peer.last_seen = time.monotonic()
         if isinstance(message, AddRequest):
             self._on_add(identity, peer, message)
-        elif isinstance(message, AbortRequest):
-            self._abort(message.request_id)
-        elif isinstance(message, StopSequence):
-            self._on_stop_sequence(message)
+        elif isinstance(message, AbortRequest | StopSequence):
+            if self.owner.get(message.request_id) != identity:  # only the tokenizer that owns a request ends it
+                log.warning("dropped a %s for request %r from %r, which does not own it", type(message).__name__,
+                            message.request_id[:64], identity[:64])
+            elif isinstance(message, AbortRequest):
+                self._abort(message.request_id)
+            else:
+                self._on_stop_sequence(message)
         elif isinstance(message, TokenizerHello):
-            self._add_eos(message.eos_token_ids)
+            peer.eos_token_ids = frozenset(t for t in message.eos_token_ids[:MAX_TOKENIZER_EOS] if 0 <= t <= MAX_INT32)
             # A tokenizer says hello only when it holds no request here (it started, or gave us up and failed
             # them): whatever it owned is orphaned.
             for request_id in list(peer.request_ids):
                 self._abort(request_id)
             if self.model_info is not None:
                 self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
-
-    def _add_eos(self, token_ids: list[int]) -> None:
-        """The tokenizers' EOS ids (sent at registration, before any request of theirs) join the model's."""
-        if token_ids and not self.tokenizer_eos_ids.issuperset(token_ids):
-            self.tokenizer_eos_ids.update(token_ids)
-            if self.scheduler is not None:
-                self.scheduler.add_eos_token_ids(token_ids)
 
     def _on_add(self, identity: bytes, peer: Peer, message: AddRequest) -> None:
         if self.scheduler is None:
@@ -281,7 +281,8 @@ class SchedulerService:
             return
         request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority,
-                          tenant=message.tenant, weight=message.tenant_weight, tier=message.tenant_priority)
+                          tenant=message.tenant, weight=message.tenant_weight, tier=message.tenant_priority,
+                          eos_token_ids=peer.eos_token_ids)
         try:
             # Checked again though the api and the tokenizer did: a peer's values are its own request's problem
             # (a forged n of 2**31 would otherwise make 2**31 sequences here), never the scheduler's.
@@ -377,8 +378,9 @@ class SchedulerService:
 
     def _send_raw(self, identity: bytes, payload: bytes) -> None:
         try:
-            self.front.send_multipart([identity, payload], copy=False)
-        except zmq.ZMQError:  # the peer vanished (ROUTER_MANDATORY): the sweep will drop it
+            self.front.send_multipart([identity, payload], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # the peer vanished (ROUTER_MANDATORY) or stopped reading (HWM): the sweep drops it
+            self.num_unsent += 1
             log.debug("tokenizer %r unreachable", identity)
 
     def _fail(self, identity: bytes, request_id: str, status: int, message: str, error_type: str,
@@ -412,7 +414,7 @@ class SchedulerService:
             num_blocks=ready.num_kv_blocks, block_size=ready.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=ready.max_num_batched_tokens,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
-            eos_token_ids={*ready.eos_token_ids, *self.tokenizer_eos_ids},
+            eos_token_ids=ready.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)
@@ -591,6 +593,7 @@ class SchedulerService:
 
 
 def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    load_cluster_keys(server_config.cluster_key_dir)
     service = SchedulerService(engine_config, server_config)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)

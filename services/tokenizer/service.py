@@ -63,7 +63,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
     TokenLogprob,
 )
-from pagoda.shared.transport import Codec, make_socket, single_frame
+from pagoda.shared.transport import Codec, load_cluster_keys, make_socket, single_frame
 
 log = logging.getLogger(__name__)
 
@@ -826,6 +826,7 @@ def _send(sock: zmq.Socket, data: bytes) -> None:
 
 def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight requests then get a 503."""
+    load_cluster_keys(server_config.cluster_key_dir)
     # llguidance's tokenizer is built in the constructor (LazyGrammarChecker), before registration: the build holds
     # the GIL for seconds on a loaded host (3.4 s seen), and a tokenizer registered meanwhile would miss its
     # heartbeats and be dropped with its first requests.

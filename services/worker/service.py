@@ -25,7 +25,7 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from pagoda.shared.transport import Codec, make_socket, single_frame
+from pagoda.shared.transport import Codec, load_cluster_keys, make_socket, single_frame
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,13 @@ class WorkerService:
             self._send(result)
 
     def _send(self, message: WorkerToScheduler) -> None:
-        self.results.send(self.to_scheduler.encode(message), copy=False)
+        """Never blocks the step loop: with the scheduler's queue at its high-water mark the message is dropped (a
+        lost result: the scheduler sends that plan again)."""
+        try:
+            self.results.send(self.to_scheduler.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("worker rank %d: dropped a %s: the scheduler is not taking results", self.rank,
+                        type(message).__name__)
 
     def stop(self, *_: object) -> None:
         self.running = False
@@ -162,6 +168,7 @@ class WorkerService:
 
 
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    load_cluster_keys(server_config.cluster_key_dir)
     service = WorkerService(engine_config, server_config)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
