@@ -53,6 +53,18 @@ def api_healthy() -> bool:
         return False
 
 
+def use_cluster_key(sock: object, endpoint: str) -> None:
+    """A tcp:// endpoint of a deployment with keys (PAGODA_CLUSTER_KEY_DIR) takes only CURVE clients holding
+    the cluster key pair (shared/transport.py)."""
+    key_dir = os.environ.get("PAGODA_CLUSTER_KEY_DIR")
+    if not key_dir or not endpoint.startswith("tcp://"):
+        return
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(Path(key_dir) / "cluster.key_secret")
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, public  # type: ignore[attr-defined]
+
+
 def scheduler_healthy() -> bool:
     endpoint = os.environ.get("PAGODA_STATS_ENDPOINT")
     if not endpoint:
@@ -64,6 +76,7 @@ def scheduler_healthy() -> bool:
         sock = context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        use_cluster_key(sock, endpoint)
         sock.connect(endpoint)
         return bool(sock.poll(int(TIMEOUT_S * 1000)))
     finally:

@@ -34,15 +34,13 @@ def latest_stats(endpoint: str) -> object | None:
     import zmq
 
     from pagoda.shared.messages import SchedulerStats, SchedulerToApi
-    from pagoda.shared.transport import Codec
+    from pagoda.shared.transport import Codec, load_cluster_keys, make_socket
 
     codec = Codec(SchedulerToApi)
+    load_cluster_keys(os.environ.get("PAGODA_CLUSTER_KEY_DIR") or None)  # CURVE, as every pagoda socket
     context = zmq.Context()
     try:
-        sock = context.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(endpoint)
+        sock = make_socket(context, zmq.SUB, endpoint, bind=False)
         while sock.poll(int(TIMEOUT_S * 1000)):
             message = codec.decode(sock.recv())
             if isinstance(message, SchedulerStats):
