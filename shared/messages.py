@@ -191,6 +191,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     sampling: SamplingParams
     seed: int  # the effective sampling seed (the request's, or one drawn at arrival)
     eos_token_ids: list[int] = []  # min_tokens > 0 without ignore_eos: the EOS ids to ban until then
+    grammar_hash: str = ""  # set: sampling.structured_outputs travelled once, in a GrammarDef with this hash
 
 
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -207,6 +208,17 @@ class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, 
     appended_block_req_ids: list[int] = []  # with appended_block_ids: (request, new block) pairs
     appended_block_ids: list[int] = []
     finished_req_ids: list[int] = []  # drop their state (finished, aborted or preempted)
+    seq: int = -1  # place in the scheduler's sequenced stream to the workers (shared/delivery.py); -1: none
+
+
+class GrammarDef(msgspec.Struct, tag="grammar", array_like=True, omit_defaults=True, frozen=True):
+    """A constraint the worker keeps by hash until told to evict it: sent once, before the first plan whose
+    NewRequest names it (in the same sequenced stream as plans), never inside every plan."""
+
+    seq: int
+    hash: str
+    constraint: StructuredOutputs
+    evict: list[str] = []  # hashes no plan will name any more: the worker drops them (the scheduler's LRU)
 
 
 class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -263,6 +275,7 @@ class Heartbeat(msgspec.Struct, array_like=True, tag="hb", frozen=True):
 
     sender: str
     num_inflight: int = 0
+    acked: int = -1  # a worker: the last sequenced message it applied (shared/delivery.py)
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown", frozen=True):
@@ -581,6 +594,6 @@ TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedR
                   | DetokenizeResult)
 TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory
-SchedulerToWorker = StepPlan | Shutdown | Heartbeat  # heartbeats double as subscription probes
+SchedulerToWorker = StepPlan | GrammarDef | Shutdown | Heartbeat  # heartbeats double as subscription probes
 WorkerToScheduler = WorkerReady | StepResult | Heartbeat
 SchedulerToApi = SchedulerStats

@@ -148,12 +148,10 @@ def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: objec
         TokenizerHello,
         TokenizerToScheduler,
     )
-    from pagoda.shared.transport import Codec
+    from pagoda.shared.transport import Codec, make_socket
 
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.connect(endpoint)
+    sock = make_socket(context, zmq.DEALER, endpoint, bind=False, identity=identity.encode())  # CURVE if keyed
     send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
     outputs: dict[str, list[int]] = {}
     finished: set[str] = set()

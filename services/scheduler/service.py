@@ -10,20 +10,24 @@ to the oldest.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.pipeline import PlanPipeline
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.delivery import SendLog
 from pagoda.shared.discovery import Registry, advertised, host_toward
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
@@ -32,8 +36,10 @@ from pagoda.shared.messages import (
     AddRequest,
     ApiJoin,
     FinishReason,
+    GrammarDef,
     Heartbeat,
     ModelInfo,
+    NewRequest,
     PromptScores,
     ReplicaAddress,
     ReplicaJoin,
@@ -60,6 +66,7 @@ STATS_INTERVAL_S = 0.25
 MAX_TENANT_STATS = 1024  # tenants whose queue times are kept (the keys file's; more would be a forger's)
 MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
 MAX_TOKENIZER_EOS = 16  # EOS ids one tokenizer may register
+MAX_WORKER_GRAMMARS = 512  # constraints the workers keep by hash (each up to 1 MiB of text)
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
@@ -116,6 +123,11 @@ class SchedulerService:
         self.generation_tokens_total = 0
         self.tenant_queue: dict[str, list[float]] = {}  # tenant -> [requests admitted, seconds queued]
         self.num_unsent = 0  # messages to tokenizers dropped: the peer vanished or its queue reached the HWM
+        self.sends = SendLog()  # plans and constraints to the workers not yet known done (shared/delivery.py)
+        self.early_results: dict[int, StepResult] = {}  # results that came before an older plan's (by step id)
+        self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
+        self.worker_grammars: OrderedDict[str, None] = OrderedDict()  # constraint hashes the workers hold (LRU)
+        self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
         self.running = True
         self.stalled = False
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
@@ -155,6 +167,8 @@ class SchedulerService:
             if self.results in events:
                 self._drain(self.results, self._on_worker_frames)
             self._maybe_step()
+            if self.sends.entries:
+                self._resend_due(time.monotonic())
             self._periodic()
         self._close()
 
@@ -175,13 +189,54 @@ class SchedulerService:
             if not plan.req_ids and not plan.finished_req_ids:
                 self.stalled = True  # nothing runnable until a message (or a result) changes something
                 return
-            self.plans.send(self.to_workers.encode(plan), copy=False)
             if plan.new_requests:
                 self._count_queue_time(plan)
+            self._send_plan(plan)
             if not plan.req_ids:  # only forgotten ids to pass on: no result will come
                 return
             if len(pipeline.inflight) == 1:
                 self.inflight_since = time.monotonic()
+
+    def _send_plan(self, plan: StepPlan) -> None:
+        """Number the plan in the workers' sequenced stream and keep it until it is known done (its result, or
+        the workers' acknowledgement): a lost plan or result is sent again (_resend_due). Constraints go ahead of
+        it once each (GrammarDef), the plan names them by hash."""
+        now = time.monotonic()
+        if plan.new_requests and any(new.sampling.structured_outputs is not None for new in plan.new_requests):
+            plan = msgspec.structs.replace(plan, new_requests=[self._by_hash(new, now) for new in plan.new_requests])
+        seq = self.sends.take_seq()
+        data = self.to_workers.encode(msgspec.structs.replace(plan, seq=seq))
+        self.sends.record(seq, data, now, self.watch.resend_after(), tag=plan.step_id if plan.req_ids else -1)
+        self.plans.send(data, copy=False)
+
+    def _by_hash(self, new: NewRequest, now: float) -> NewRequest:
+        """The request with its constraint replaced by the constraint's hash; a GrammarDef goes first when the
+        workers do not hold it (the scheduler keeps their cache's contents and evicts for them, LRU)."""
+        constraint = new.sampling.structured_outputs
+        if constraint is None:
+            return new
+        digest = hashlib.sha256(self.grammar_codec.encode(constraint)).hexdigest()
+        if digest in self.worker_grammars:
+            self.worker_grammars.move_to_end(digest)
+        else:
+            evict = []
+            while len(self.worker_grammars) >= MAX_WORKER_GRAMMARS:
+                evict.append(self.worker_grammars.popitem(last=False)[0])
+            self.worker_grammars[digest] = None
+            seq = self.sends.take_seq()
+            data = self.to_workers.encode(GrammarDef(seq, digest, constraint, evict))
+            self.sends.record(seq, data, now, self.watch.resend_after())
+            self.plans.send(data, copy=False)
+        return msgspec.structs.replace(new, sampling=msgspec.structs.replace(new.sampling, structured_outputs=None),
+                                       grammar_hash=digest)
+
+    def _resend_due(self, now: float) -> None:
+        """Sequenced messages the workers have not answered in time go again (a lost plan, or a lost result:
+        the worker answers a repeated plan with its cached result)."""
+        for entry in self.sends.due(now):
+            log.warning("resending message %d to the workers (send %d; step %d)", entry.seq, entry.num_sends,
+                        entry.tag)
+            self.plans.send(entry.data, copy=False)
 
     def _count_queue_time(self, plan: StepPlan) -> None:
         """Per tenant: requests admitted for the first time in this plan and their time since arrival."""
@@ -400,6 +455,17 @@ class SchedulerService:
             self._on_result(message)
         elif isinstance(message, WorkerReady):
             self._on_worker_ready(message)
+        elif isinstance(message, Heartbeat) and message.acked >= 0:
+            self._on_ack(message.sender, message.acked)
+
+    def _on_ack(self, sender: str, acked: int) -> None:
+        """A rank applied every sequenced message up to `acked`: those that expect no result are done once every
+        rank has (a rank that missed one must get it again)."""
+        if len(self.rank_acked) > 4 * self.engine_config.tensor_parallel_size and sender not in self.rank_acked:
+            return  # a rank is named worker<rank>: more names than that are not ranks
+        self.rank_acked[sender] = max(acked, self.rank_acked.get(sender, -1))
+        if len(self.rank_acked) >= self.engine_config.tensor_parallel_size:
+            self.sends.acked_through(min(self.rank_acked.values()))
 
     def _on_worker_ready(self, ready: WorkerReady) -> None:
         self.ready_ranks.add(ready.rank)
@@ -426,15 +492,30 @@ class SchedulerService:
             self._send_tokenizer(identity, self.model_info)
 
     def _on_result(self, result: StepResult) -> None:
-        """Results come in plan order: each one completes the oldest plan in flight."""
+        """Each result completes the oldest plan in flight, in plan order: one that overtook an older plan's waits
+        for it; a repeat (the answer to a resent plan, or a duplicated frame) is dropped."""
         pipeline = self.pipeline
         plan = pipeline.oldest() if pipeline is not None else None
         if pipeline is None or plan is None or result.step_id != plan.step_id:
-            log.warning("dropped a result for step %d (oldest in flight: %s)", result.step_id,
-                        plan.step_id if plan else None)
+            if pipeline is not None and any(p.step_id == result.step_id for p in pipeline.inflight):
+                self.early_results[result.step_id] = result
+            else:
+                log.debug("dropped a repeated or stale result for step %d", result.step_id)
             return
+        self._apply_result(plan, result)
+        while (plan := pipeline.oldest()) is not None and plan.step_id in self.early_results:
+            self._apply_result(plan, self.early_results.pop(plan.step_id))
+
+    def _apply_result(self, plan: StepPlan, result: StepResult) -> None:
+        pipeline = self.pipeline
+        assert pipeline is not None
         now = time.monotonic()
-        self.watch.record(now - self.inflight_since)
+        seq = self.sends.seq_of(plan.step_id)
+        resent = seq is not None and self.sends.entries[seq].num_sends > 1
+        if seq is not None:
+            self.sends.done_through(seq)
+        if not resent:  # a recovered loss is no measure of how long steps take
+            self.watch.record(now - self.inflight_since, sum(plan.num_scheduled_tokens))
         self.inflight_since = now  # the next plan in flight starts its clock
         if not result.error and not _columns_agree(result):
             log.error("step %d: the worker's result has columns of different lengths; failing the step",
@@ -528,7 +609,8 @@ class SchedulerService:
         oldest = self.pipeline.oldest() if self.pipeline is not None else None
         self.problem = self.watch.verdict(now, self.inflight_since if oldest is not None else None,
                                           oldest.step_id if oldest is not None else -1,
-                                          self.worker_last_seen, self.scheduler is not None)
+                                          self.worker_last_seen, self.scheduler is not None,
+                                          sum(oldest.num_scheduled_tokens) if oldest is not None else 1)
         if not self.problem:
             return
         log.error("%s; failing %d request(s) and stopping", self.problem, len(self.owner))
@@ -542,8 +624,10 @@ class SchedulerService:
     def _worker_alive(self, now: float) -> bool:
         if self.problem:
             return False
-        since = self.inflight_since if self.pipeline is not None and self.pipeline.inflight else self.worker_last_seen
-        return now - since < self.watch.bound()  # a late heartbeat on a busy host is no hang (health.py)
+        pipeline = self.pipeline
+        if pipeline is not None and pipeline.inflight:
+            return now - self.inflight_since < self.watch.bound(sum(pipeline.inflight[0].num_scheduled_tokens))
+        return now - self.worker_last_seen < self.watch.idle_bound()  # a late heartbeat is no hang (health.py)
 
     def _stats(self, now: float) -> SchedulerStats:
         scheduler = self.scheduler

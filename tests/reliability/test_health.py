@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from pagoda.services.scheduler.health import BOUND_FACTOR, WARMUP_BOUND_S, WARMUP_STEPS, StepWatch
+from pagoda.services.scheduler.health import (
+    BOUND_FACTOR,
+    IDLE_BOUND_S,
+    RESEND_FACTOR,
+    RESEND_FLOOR_S,
+    WARMUP_BOUND_S,
+    WARMUP_STEPS,
+    StepWatch,
+)
 from pagoda.services.scheduler.service import SchedulerService, _columns_agree
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.messages import (
@@ -43,6 +51,11 @@ def test_bound_is_fixed_or_derived_with_a_floor() -> None:
     assert watch.bound() == 2.0  # fast steps: the floor holds
     watch.record(1.0)
     assert watch.bound() == BOUND_FACTOR * 1.0
+    watch.record(2.56, num_tokens=256)  # 10 ms a token in a large step: a 2048-token prefill may take 10 x 20 s
+    assert watch.bound(num_tokens=2048) == BOUND_FACTOR * 0.01 * 2048
+    assert watch.bound() == BOUND_FACTOR * 2.56
+    assert watch.resend_after() == RESEND_FACTOR * 2.56
+    assert StepWatch().resend_after() == RESEND_FLOOR_S
 
 
 def test_verdict() -> None:
@@ -53,9 +66,9 @@ def test_verdict() -> None:
     assert watch.verdict(100.0, 99.0, 7, worker_last_seen=99.0, ready=True) == ""
     hung = watch.verdict(100.0, 97.5, 7, worker_last_seen=97.5, ready=True)
     assert "step 7" in hung and "2.5 s" in hung
-    # idle: late heartbeats (a busy host) are no hang until the step bound passes
-    assert watch.verdict(100.0, None, -1, worker_last_seen=98.5, ready=True) == ""
-    assert "silent" in watch.verdict(100.0, None, -1, worker_last_seen=97.5, ready=True)
+    # idle: late heartbeats (a busy host) are no hang until the idle bound passes (no client waits meanwhile)
+    assert watch.verdict(100.0, None, -1, worker_last_seen=100.0 - IDLE_BOUND_S + 1, ready=True) == ""
+    assert "silent" in watch.verdict(100.0, None, -1, worker_last_seen=100.0 - IDLE_BOUND_S - 1, ready=True)
     slow = StepWatch(floor=30.0)
     for _ in range(WARMUP_STEPS):
         slow.record(0.1)
