@@ -389,6 +389,35 @@ def to_env(*configs: EngineConfig | ServerConfig) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    """What a fault-injecting socket does to each frame it sends (tests only): drop it, send it twice, or hold it
+    back until the socket's next send (a delay that reorders)."""
+
+    drop: float = 0.0
+    dup: float = 0.0
+    hold: float = 0.0
+    seed: int = 0
+
+
+def test_faults() -> dict[str, FaultSpec]:
+    """Test-only fault injection (tests/reliability): PAGODA_TEST_FAULTS="plan=drop:0.1,dup:0.1,hold:0.1;result=..."
+    makes the sockets of those roles (shared/transport.make_socket) lose, repeat and reorder what they send.
+    Unset in every real deployment."""
+    text = os.environ.get(ENV_PREFIX + "TEST_FAULTS", "").strip()
+    faults: dict[str, FaultSpec] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        role, _, spec = part.partition("=")
+        try:
+            values = {key.strip(): float(value) for key, value in (item.split(":") for item in spec.split(","))}
+            faults[role.strip()] = FaultSpec(values.get("drop", 0.0), values.get("dup", 0.0), values.get("hold", 0.0),
+                                             int(values.get("seed", 0)))
+        except ValueError as exc:
+            raise ConfigError(f"cannot read {ENV_PREFIX}TEST_FAULTS part {part!r}: {exc}",
+                              param="test_faults") from exc
+    return faults
+
+
 def sampler_fault_seed() -> int | None:
     """Test-only fault injection (tests/reliability): the worker's sampler fails any batch holding a row with
     this seed, so that isolation can be tested through real processes. Unset in every real deployment."""

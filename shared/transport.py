@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import logging
 import os
+import random
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import zmq.asyncio
 import zmq.auth
 import zmq.utils.z85
 
-from pagoda.shared.config import bind_address
+from pagoda.shared.config import FaultSpec, bind_address, test_faults
 from pagoda.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -175,10 +176,45 @@ class Codec(Generic[T]):
             return None
 
 
+class FaultySocket(zmq.Socket):  # type: ignore[type-arg]
+    """A socket that loses, repeats and reorders what it sends (PAGODA_TEST_FAULTS; tests only)."""
+
+    spec: FaultSpec
+    rng: random.Random
+    held: list[tuple[list[Any], int]]
+
+    def send_multipart(self, msg_parts: Any, flags: int = 0, copy: bool = True, track: bool = False,
+                       **kwargs: Any) -> Any:
+        frames = [bytes(part.buffer if isinstance(part, zmq.Frame) else part) for part in msg_parts]
+        released, self.held = self.held, []
+        roll = self.rng.random()
+        if roll < self.spec.drop:
+            out = []
+        elif roll < self.spec.drop + self.spec.hold:
+            self.held.append((frames, flags))  # sent after the next send: delayed past it
+            out = []
+        else:
+            out = [(frames, flags)] * (2 if self.rng.random() < self.spec.dup else 1)
+        for parts, part_flags in out + released:
+            for part in parts[:-1]:
+                zmq.Socket.send(self, part, part_flags | zmq.SNDMORE)
+            zmq.Socket.send(self, parts[-1], part_flags)
+
+    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False, **kwargs: Any) -> Any:
+        return self.send_multipart([data], flags)
+
+
 def make_socket(context: zmq.Context | zmq.asyncio.Context, kind: int, endpoint: str, *, bind: bool,
-                identity: bytes | None = None, subscribe: bool = True, hwm: int = HWM) -> Any:
-    """A socket bound or connected to `endpoint`, with settings every pagoda socket shares."""
-    sock = context.socket(kind)
+                identity: bytes | None = None, subscribe: bool = True, hwm: int = HWM, role: str = "") -> Any:
+    """A socket bound or connected to `endpoint`, with settings every pagoda socket shares. `role` names it for
+    test-only fault injection (config.test_faults)."""
+    spec = test_faults().get(role) if role and not isinstance(context, zmq.asyncio.Context) else None
+    if spec is None:
+        sock = context.socket(kind)
+    else:
+        log.warning("fault injection on the %s socket: %s", role, spec)
+        sock = context.socket(kind, socket_class=FaultySocket)
+        sock.spec, sock.rng, sock.held = spec, random.Random(spec.seed), []
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.SNDHWM, hwm)  # bounded: see the module's notes for what each socket does at the mark

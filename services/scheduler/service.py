@@ -101,7 +101,7 @@ class SchedulerService:
         endpoint = server_config.endpoint
         self.context = zmq.Context()
         self.front = make_socket(self.context, zmq.ROUTER, endpoint("scheduler"), bind=True)
-        self.plans = make_socket(self.context, zmq.PUB, endpoint("plan"), bind=True)
+        self.plans = make_socket(self.context, zmq.PUB, endpoint("plan"), bind=True, role="plan")
         self.results = make_socket(self.context, zmq.PULL, endpoint("result"), bind=True)
         self.stats_out = make_socket(self.context, zmq.PUB, endpoint("stats"), bind=True)
         self.from_tokenizers: Codec[TokenizerToScheduler] = Codec(TokenizerToScheduler)

@@ -53,7 +53,8 @@ class WorkerService:
         self.context = zmq.Context()
         # Subscribe before the slow model load so the subscription has long reached the scheduler.
         self.plans = make_socket(self.context, zmq.SUB, server_config.endpoint("plan"), bind=False)
-        self.results = make_socket(self.context, zmq.PUSH, server_config.endpoint("result"), bind=False)
+        self.results = make_socket(self.context, zmq.PUSH, server_config.endpoint("result"), bind=False,
+                                   role="result")
         self.from_scheduler: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
         self.to_scheduler: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
         self.running = True
