@@ -2,17 +2,23 @@
 # One device call: install the carried wheels and the project, run the GPU tests, greedy parity against
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
-#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long
+#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek
 #   (default: tests,parity,pagoda,peers,compiled)
 #   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
 #   tables ($OUT/moe_configs/*.json; commit them under kernels/moe_configs/). moe: the reference, sampled and batch-1
 #   runs on each MOE_SHAPES shape. long: LONG_WORKLOADS ("long-128k long-32k") on LONG_SHAPE (qwen3-8b-yarn).
+#   deepseek: the MLA / DeepSeek GPU tests, the MLA kernels (decode bandwidth, absorbed-vs-expanded prefill
+#   crossover, latent capacity; MLA_SWEEP=1 adds the decode launch-shape sweep) and deepseek-v3-slice's per-layer
+#   decode time at B = 1, 64, 256 against its floor (FP8 block weights). deepseek-v2-lite's reference, sampled and
+#   batch-1 runs: PHASES=moe MOE_SHAPES=deepseek-v2-lite.
 #   SHAPES="qwen3-0.6b llama3-8b" (the default)   PARITY_VARIANTS=pagoda-torch-ops,hf-efficient,hf-eager (default none)
 #   WORKLOADS="reference sampled shared-prefix long n4" (the workloads phase; bench/workload.py)
 #   TOKENIZER=dir of a real tokenizer for the serve phase (default .gpu/smollm2-tok: the SmolLM2 folder without
 #   its weights); SERVE_CONCURRENCY=1,16,64,256  SERVE_RATES=4,8,16,32,64  SERVE_PROMPTS=256 (per level)
 #   OUT=dir for JSON logs
-# Carry .whl (pyzmq, msgspec wheels for cp312; README "Notes") and .gpu (the tokenizer) with the call.
+# Carry .whl (pyzmq, msgspec, llguidance wheels for cp312; README "Notes") and .gpu (the tokenizer) with the call.
+# pytest runs with -o pythonpath= : the ini's "." would put the checkout's pagoda/ folder (no kernels/, services/)
+# before the installed package.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagoda-gpu}
@@ -29,7 +35,7 @@ has() { [[ ",$PHASES," == *",$1,"* ]]; }
 WORKLOAD=(--num-prompts 256 --input-len 512 --input-len-jitter 0 --output-len 256 --load-format dummy)
 
 if has tests; then
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_kernels.py tests/test_kernels.py \
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_model_kernels.py tests/test_kernels.py \
     -k "${TEST_FILTER:-gpu or graph or model}" 2>&1 | tail -5
 fi
 if has probe; then
@@ -82,11 +88,9 @@ if has serve; then
 fi
 
 if has moe-tune; then
-  timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_moe.py -k "half or fp8" 2>&1 | tail -4
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_moe.py -k "half or fp8" 2>&1 | tail -4
   timeout 540 python3 -m pagoda.bench.moe_tune --shapes "$(echo ${MOE_SHAPES:-qwen3-30b-a3b mixtral-8x7b} | tr ' ' ,)" \
-    --write --out "$OUT/moe_tune.json" 2>&1 | grep -v '^{' | tail -40
-  mkdir -p "$OUT/moe_configs"  # the installed package's folder, where the run time reads them
-  cp "$(python3 -c 'from pagoda.kernels import moe; print(moe.CONFIG_DIR)')"/*.json "$OUT/moe_configs/"
+    --write --out "$OUT/moe_tune.json" 2>&1 | grep -v '^{' | tail -40  # its "table" entries: the tiles to commit
 fi
 if has moe; then
   for shape in ${MOE_SHAPES:-qwen3-30b-a3b mixtral-8x7b}; do
@@ -107,4 +111,14 @@ if has long; then
       --workload "$workload" --timeout "${SYSTEM_TIMEOUT:-400}" --out "$OUT/long_${workload}.json" 2>&1 \
       | grep -v "^[a-z-]*: {" | tail -6
   done
+fi
+if has deepseek; then
+  timeout 400 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_mla.py tests/test_deepseek.py \
+    -k "gpu or triton_model or routing or prepare" 2>&1 | tail -4
+  sweep=()
+  [[ -n ${MLA_SWEEP:-} ]] && sweep=(--sweep)
+  timeout 560 python3 -m pagoda.bench.mla_bench --quick "${sweep[@]}" --out "$OUT/mla_bench.json" 2>&1 \
+    | grep -v "^decode-sweep" | tail -80
+  timeout 560 python3 -m pagoda.bench.deepseek_bench --model deepseek-v3-slice --quantization fp8_block \
+    --batches 1,64,256 --context 1024 --out "$OUT/deepseek_v3_slice_layers.json" 2>&1 | tail -8
 fi

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.cuda_timing import graph_time_ms
 from pagoda.kernels import moe
 from pagoda.kernels import reference as ref
 from pagoda.shared.shapes import SHAPES
@@ -33,31 +34,11 @@ CANDIDATES = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     (64, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4), (64, 128, 128, 8, 8, 2), (128, 128, 32, 8, 8, 5),
     (32, 64, 256, 1, 4, 3), (16, 128, 256, 1, 4, 3),
 ]
-
-
-def _time_ms(fn: Any, reps: int = 20) -> float:  # noqa: ANN401
-    """Median device time of `fn` replayed from a CUDA graph, as decode steps run it (no host time between the
-    launches): fn runs once eagerly (compiles), is captured, then each of `reps` timings replays it 5 times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # warm the graph pool's allocations on the capture stream
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 5)
-    return sorted(times)[len(times) // 2]
+GEMV_CANDIDATES = [  # (block_n, block_k, num_warps, num_stages): the path for a few pairs
+    (16, 256, 4, 3), (32, 256, 4, 3), (8, 512, 4, 2), (16, 512, 4, 2), (32, 128, 4, 4), (64, 128, 4, 3),
+    (32, 512, 8, 2), (64, 256, 8, 3), (4, 1024, 4, 2),
+]
+GEMV_MAX_PAIRS = 64
 
 
 def _routing(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -81,6 +62,34 @@ def _gemm_runner(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: t
     return run
 
 
+def _gemv_runner(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fuse_silu: bool,
+                 tile: moe.GemvConfig) -> Any:  # noqa: ANN401
+    top_k = ids.shape[1]
+    n = w.shape[1] // 2 if fuse_silu else w.shape[1]
+    out = torch.empty(ids.numel(), n, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1)
+
+    def run() -> None:
+        moe._moe_gemv(x, w, None, w.shape[2], ids, out, top_k if fuse_silu else 1, fuse_silu,
+                      None if fuse_silu else flat_weights, tile)
+    return run
+
+
+def _best(runners: dict[Any, Any]) -> tuple[float, Any]:
+    """(ms, key) of the fastest runner; candidates that do not compile (shared memory) are skipped."""
+    best: tuple[float, Any] | None = None
+    for key, run in runners.items():
+        try:
+            ms = graph_time_ms(run, reps=10)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  skip {key}: {type(exc).__name__}", flush=True)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, key)
+    assert best is not None
+    return best
+
+
 def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tuple[int, ...]) -> dict[str, Any]:
     arch = SHAPES[name]
     assert arch.moe is not None, f"{name} is not a mixture-of-experts shape"
@@ -88,25 +97,23 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
     e, h, i, k = spec.num_experts, arch.hidden_size, spec.expert_intermediate_size, spec.top_k
     w_gate_up = (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype)  # [E, 2I, H]
     w_down = (torch.randn(e, h, i, device=device) * 0.02).to(dtype)  # [E, H, I]
-    table: dict[int, dict[str, dict[str, int]]] = {}
+    table: dict[int, dict[str, Any]] = {}
     rows = []
     for num_tokens in buckets:
         x = torch.randn(num_tokens, h, device=device).to(dtype)
         weights, ids = _routing(num_tokens, e, k, device)
         act = torch.randn(num_tokens * k, i, device=device).to(dtype)
-        best: dict[str, tuple[float, moe.TileConfig]] = {}
-        for which, a, w, fuse in (("gate_up", x, w_gate_up, True), ("down", act, w_down, False)):
-            for candidate in CANDIDATES:
-                tile = moe.TileConfig(*candidate)
-                try:
-                    ms = _time_ms(_gemm_runner(a, w, ids, weights, fuse, tile, e), reps=10)
-                except Exception as exc:  # noqa: BLE001 - a tile too large for shared memory: skip it
-                    print(f"  skip {candidate}: {type(exc).__name__}", flush=True)
-                    continue
-                if which not in best or ms < best[which][0]:
-                    best[which] = (ms, tile)
-        tiles = (best["gate_up"][1], best["down"][1])
-        table[num_tokens] = {"gate_up": asdict(tiles[0]), "down": asdict(tiles[1])}
+        best = {which: _best({moe.TileConfig(*c): _gemm_runner(a, w, ids, weights, fuse, moe.TileConfig(*c), e)
+                              for c in CANDIDATES})
+                for which, a, w, fuse in (("gate_up", x, w_gate_up, True), ("down", act, w_down, False))}
+        tiles: moe.Tiles = (best["gate_up"][1], best["down"][1])
+        if ids.numel() <= GEMV_MAX_PAIRS:
+            gemv = {which: _best({moe.GemvConfig(*c): _gemv_runner(a, w, ids, weights, fuse, moe.GemvConfig(*c))
+                                  for c in GEMV_CANDIDATES})
+                    for which, a, w, fuse in (("gate_up", x, w_gate_up, True), ("down", act, w_down, False))}
+            if gemv["gate_up"][0] + gemv["down"][0] < best["gate_up"][0] + best["down"][0]:
+                best, tiles = gemv, (gemv["gate_up"][1], gemv["down"][1])
+        table[num_tokens] = moe.tiles_to_json(tiles)
         rows.append(_measure(x, w_gate_up, w_down, weights, ids, tiles, arch, num_tokens,
                              (best["gate_up"][0], best["down"][0])))
         print(json.dumps(rows[-1]), flush=True)
@@ -115,13 +122,13 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
 
 
 def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-             ids: torch.Tensor, tiles: tuple[moe.TileConfig, moe.TileConfig], arch: Any,
+             ids: torch.Tensor, tiles: moe.Tiles, arch: Any,
              num_tokens: int, best_ms: tuple[float, float]) -> dict[str, Any]:
     """The whole tuned layer (both GEMMs, alignment, top-k sum): time, bandwidth on the experts it reads, matmul
     rate, and its error against the reference."""
     spec = arch.moe
     h, i = arch.hidden_size, spec.expert_intermediate_size
-    ms = _time_ms(lambda: moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles))
+    ms = graph_time_ms(lambda: moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles))
     touched = int(ids.unique().numel())
     expert_bytes = touched * 3 * h * i * x.element_size()
     flops = 2 * num_tokens * spec.top_k * 3 * h * i
@@ -133,7 +140,10 @@ def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, wei
             "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
             "matmul_fraction": round(flops / (ms * 1e-3) / MATMUL_FLOPS, 3), "rel_err": rel_err,
             "gate_up_ms": round(best_ms[0], 4), "down_ms": round(best_ms[1], 4),
-            "gate_up_tile": asdict(tiles[0]), "down_tile": asdict(tiles[1])}
+            "gate_up_tile": asdict(tiles[0]), "down_tile": asdict(tiles[1]),
+            "path": "gemv" if isinstance(tiles[0], moe.GemvConfig) else "grouped gemm",
+            "align_ms": {"triton": round(graph_time_ms(lambda: moe.align_pairs_triton(ids, spec.num_experts, 64)), 4),
+                         "sorted": round(graph_time_ms(lambda: moe.align_pairs_sorted(ids, spec.num_experts, 64)), 4)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             moe.CONFIG_DIR.mkdir(exist_ok=True)
             (moe.CONFIG_DIR / result["file"]).write_text(json.dumps(result["table"], indent=1) + "\n")
         print(f"\n{result['shape']}: {result['file']}")
-        print(f"{'tokens':>7}{'ms':>9}{'experts':>9}{'HBM':>7}{'TFLOP/s':>9}{'peak':>7}{'rel err':>10}")
+        print(f"{'tokens':>7}{'ms':>9}{'experts':>9}{'HBM':>7}{'TFLOP/s':>9}{'peak':>7}{'rel err':>10}"
+              f"{'align triton/sort ms':>22}  path")
         for row in result["rows"]:
+            align = row["align_ms"]
             print(f"{row['tokens']:>7}{row['ms']:>9.3f}{row['experts_touched']:>9}{row['hbm_fraction']:>7.0%}"
-                  f"{row['tflops']:>9.1f}{row['matmul_fraction']:>7.0%}{row['rel_err']:>10.1e}")
+                  f"{row['tflops']:>9.1f}{row['matmul_fraction']:>7.0%}{row['rel_err']:>10.1e}"
+                  f"{align['triton']:>12.3f}/{align['sorted']:<9.3f}  {row['path']}")
     print(f"tuned in {time.perf_counter() - started:.0f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,11 @@ def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: di
     params = SamplingParams(max_tokens=workload.output_len, ignore_eos=True, **workload.sampling_kwargs())
     # warm-up on the timed run's own sampling path: the first sampled mixed step of a process took 180 ms (H200,
     # qwen3-0.6b) against 34-42 ms for the next ones (one-time allocations or compiles; not pinned down)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, **workload.sampling_kwargs()))
+    # Fresh short prompts (another seed): the timed prompts must not sit in the prefix cache (a one-prompt workload
+    # was otherwise wholly cached by its own warm-up).
+    warm = replace(workload, seed=workload.seed + 1, num_prompts=2, input_len=min(workload.input_len, 512),
+                   shared_prefix_len=0).prompts(runner.arch.vocab_size)
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True, **workload.sampling_kwargs()))
     steps_before = llm.engine.scheduler.stats.num_steps
     timer = None
     if getattr(runner.device, "type", "cpu") == "cuda":

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -35,7 +36,15 @@ CONFIG_DIR = Path(__file__).with_name("moe_configs")
 def route_softmax_topk(router_logits: torch.Tensor, top_k: int,
                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int32): softmax in fp32, the k largest
-    (ties: the lower expert id first, as torch.topk), renormalised to sum 1 where the config says so."""
+    (ties: the lower expert id first), renormalised to sum 1 where the config says so. One Triton kernel on CUDA
+    (a decode step runs this per layer: five small kernels became one), the PyTorch reference elsewhere."""
+    if router_logits.is_cuda:
+        return route_softmax_topk_triton(router_logits, top_k, renormalize)
+    return route_softmax_topk_reference(router_logits, top_k, renormalize)
+
+
+def route_softmax_topk_reference(router_logits: torch.Tensor, top_k: int,
+                                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
     if renormalize:
@@ -43,10 +52,171 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int,
     return weights, ids.to(torch.int32)
 
 
-# ---------------------------------------------------------------- alignment
+def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                       num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None, renormalize: bool,
+                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeekMoE routing, router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int32).
+    Scores: softmax (V2) or sigmoid (V3) in fp32; experts are chosen by score + correction_bias [E] (V3's
+    e_score_correction_bias; None: 0). "greedy": the k best of all experts; "group_limited_greedy" (V2) and
+    "noaux_tc" (V3): only experts of the topk_groups best of num_groups equal groups, a group ranked by its best
+    choice score (V2) or the sum of its two best (V3). The weights are the chosen experts' scores (never the bias),
+    renormalised to sum 1 if asked, then times routed_scaling_factor. Semantics of reference.route_grouped_topk.
+    One Triton kernel on CUDA (about a dozen small PyTorch kernels otherwise, per sparse layer and step)."""
+    args = (router_logits, top_k, scoring_func, topk_method, num_groups, topk_groups, correction_bias, renormalize,
+            routed_scaling_factor)
+    if router_logits.is_cuda:
+        return route_grouped_topk_triton(*args)
+    return route_grouped_topk_torch(*args)
+
+
+def route_grouped_topk_torch(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                             num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
+                             renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_grouped_topk in batched PyTorch ops (the CPU path)."""
+    num_tokens, num_experts = router_logits.shape
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
+    if topk_method != "greedy":
+        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)  # [T, G, E / G]
+        if topk_method == "noaux_tc":
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        groups = group_scores.topk(topk_groups, dim=-1).indices  # [T, topk_groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)  # [T, G]
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
+    ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
 
 
 @triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt,
+                  TOP_K: tl.constexpr, K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token: softmax over its experts, then k rounds of argmax (lowest id among equals), masking each pick."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, EXPERTS_P)
+    e_mask = offs_e < num_experts
+    logits = tl.load(logits_ptr + token * stride_lt + offs_e, mask=e_mask, other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)  # [E_P]; padding 0
+    remaining = tl.where(e_mask, probs, -1.0)
+    offs_k = tl.arange(0, K_P)
+    picked_w = tl.zeros([K_P], dtype=tl.float32)
+    picked_id = tl.zeros([K_P], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        best_id = tl.min(tl.where(remaining == best, offs_e, EXPERTS_P), axis=0)
+        picked_w = tl.where(offs_k == j, best, picked_w)
+        picked_id = tl.where(offs_k == j, best_id, picked_id)
+        remaining = tl.where(offs_e == best_id, -2.0, remaining)
+    if RENORMALIZE:
+        picked_w = picked_w / tl.sum(tl.where(offs_k < TOP_K, picked_w, 0.0), axis=0)
+    k_mask = offs_k < TOP_K
+    tl.store(weights_ptr + token * TOP_K + offs_k, picked_w, mask=k_mask)
+    tl.store(ids_ptr + token * TOP_K + offs_k, picked_id, mask=k_mask)
+
+
+def route_softmax_topk_triton(router_logits: torch.Tensor, top_k: int,
+                              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape
+    assert router_logits.stride(1) == 1 and 0 < top_k <= num_experts
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)  # [T, k]
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)  # [T, k]
+    if num_tokens:
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
+                                     TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
+                                     EXPERTS_P=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+                                     num_warps=1 if num_experts <= 64 else 4)
+    return weights, ids
+
+
+@triton.jit
+def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt, scaling,
+                          GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr,
+                          GROUP_SIZE_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
+                          K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token, its experts laid out [groups, group size]: scores, choice scores (+ bias), the topk_groups best
+    groups (by best or best-two choice score), then k rounds of argmax over the allowed experts (lowest id among
+    equals), each pick's weight its score."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, GROUPS_P)
+    offs_j = tl.arange(0, GROUP_SIZE_P)
+    valid = (offs_g < GROUPS)[:, None] & (offs_j < GROUP_SIZE)[None, :]  # [G_P, S_P]
+    expert = offs_g[:, None] * GROUP_SIZE + offs_j[None, :]  # [G_P, S_P] expert ids
+    logits = tl.load(logits_ptr + token * stride_lt + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.where(valid, tl.sigmoid(logits), 0.0)
+    else:
+        exps = tl.where(valid, tl.exp(logits - tl.max(tl.max(logits, 1), 0)), 0.0)
+        scores = exps / tl.sum(tl.sum(exps, 1), 0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if GROUPED:
+        best = tl.max(choice, 1)  # [G_P]
+        group_score = best
+        if GROUP_TOP2:
+            first = tl.min(tl.where(choice == best[:, None], offs_j[None, :], GROUP_SIZE_P), 1)  # [G_P]
+            group_score = best + tl.max(tl.where(offs_j[None, :] == first[:, None], float("-inf"), choice), 1)
+        group_score = tl.where(offs_g < GROUPS, group_score, float("-inf"))
+        keep = tl.zeros([GROUPS_P], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUPS):
+            top = tl.max(group_score, 0)
+            pick = tl.min(tl.where(group_score == top, offs_g, GROUPS_P), 0)
+            keep = tl.where(offs_g == pick, 1, keep)
+            group_score = tl.where(offs_g == pick, float("-inf"), group_score)
+        choice = tl.where(keep[:, None] == 1, choice, float("-inf"))
+    offs_k = tl.arange(0, K_P)
+    picked_w = tl.zeros([K_P], dtype=tl.float32)
+    picked_id = tl.zeros([K_P], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(tl.max(choice, 1), 0)
+        pick = tl.min(tl.min(tl.where(choice == top, expert, GROUPS_P * GROUP_SIZE_P), 1), 0)
+        weight = tl.sum(tl.sum(tl.where(expert == pick, scores, 0.0), 1), 0)
+        picked_w = tl.where(offs_k == j, weight, picked_w)
+        picked_id = tl.where(offs_k == j, pick, picked_id)
+        choice = tl.where(expert == pick, float("-inf"), choice)
+    k_mask = offs_k < TOP_K
+    if RENORMALIZE:
+        picked_w = picked_w / (tl.sum(tl.where(k_mask, picked_w, 0.0), 0) + 1e-20)
+    tl.store(weights_ptr + token * TOP_K + offs_k, picked_w * scaling, mask=k_mask)
+    tl.store(ids_ptr + token * TOP_K + offs_k, picked_id, mask=k_mask)
+
+
+def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                              num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
+                              renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_grouped_topk in one launch (a program per token)."""
+    num_tokens, num_experts = router_logits.shape
+    grouped = topk_method != "greedy"
+    groups = num_groups if grouped else 1
+    assert router_logits.stride(1) == 1 and num_experts % groups == 0 and 0 < top_k <= num_experts
+    assert correction_bias is None or (correction_bias.shape == (num_experts,) and correction_bias.is_contiguous())
+    group_size = num_experts // groups
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)  # [T, k]
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)  # [T, k]
+    if num_tokens:
+        _grouped_route_kernel[(num_tokens,)](
+            router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
+            router_logits.stride(0), float(routed_scaling_factor), GROUPS=groups, GROUP_SIZE=group_size,
+            GROUPS_P=triton.next_power_of_2(groups), GROUP_SIZE_P=triton.next_power_of_2(group_size),
+            TOPK_GROUPS=topk_groups if grouped else 1, TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
+            SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
+            GROUP_TOP2=topk_method == "noaux_tc" and group_size > 1, RENORMALIZE=renormalize,
+            num_warps=1 if num_experts <= 64 else 4)
+    return weights, ids
+
+
+# ---------------------------------------------------------------- alignment
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_tiles"])  # varies with the batch: no recompiles
 def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, counts_ptr, cursor_ptr,
                   num_pairs, max_padded, max_tiles,
                   NUM_EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -103,9 +273,42 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + num_experts * (block_m - 1)
 
 
+# Above this many pairs the one-program Triton alignment (serial atomics) loses to a sort over the whole GPU.
+ALIGN_SORT_MIN_PAIRS = 4096
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """topk_ids [T, k] int32 -> the pairs grouped by expert in block_m tiles (shapes fixed by T, k, E, block_m)."""
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
+    if topk_ids.numel() > ALIGN_SORT_MIN_PAIRS:
+        return align_pairs_sorted(topk_ids, num_experts, block_m)
+    return align_pairs_triton(topk_ids, num_experts, block_m)
+
+
+def align_pairs_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The same layout from a stable sort and prefix sums (no host sync; the order inside a run is the pair order)."""
+    flat = topk_ids.view(-1).long()  # [P]
+    num_pairs = flat.numel()
+    device = flat.device
+    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
+    max_tiles = -(-max_padded // block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = padded.cumsum(0)  # [E]
+    order = torch.sort(flat, stable=True).indices  # [P]: pair ids grouped by expert
+    experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[experts]  # place inside the run
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[(run_end - padded)[experts] + rank] = order.to(torch.int32)
+    tile_starts = torch.arange(max_tiles, device=device) * block_m  # [max_tiles]
+    tile_experts = torch.searchsorted(run_end, tile_starts, right=True)
+    tile_experts = torch.where(tile_starts < run_end[-1], tile_experts, -1).to(torch.int32)
+    return Alignment(sorted_pairs, tile_experts, run_end[-1:].to(torch.int32), block_m)
+
+
+def align_pairs_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The layout from one Triton program (few pairs: decode batches)."""
     num_pairs = topk_ids.numel()
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     max_tiles = -(-max_padded // block_m)
@@ -140,7 +343,7 @@ def _load_weight_tile(w_ptrs, scale_ptrs, k_left, offs_k, n_mask, k0, IS_FP8: tl
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # the batch's pair count: one variant for every count
 def _moe_gemm_kernel(
         a_ptr, w_ptr, scale_ptr, out_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, topk_weights_ptr,
         N, K, num_pairs,
@@ -212,6 +415,104 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gemv_pair(a_ptr, w_ptr, scale_ptr, topk_ids_ptr, pair, offs_n, n_mask, N, K,
+               stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
+               A_ROWS_PER_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr, IS_FP8: tl.constexpr, GROUP_K: tl.constexpr,
+               EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One pair's BLOCK_N outputs in fp32 (silu(gate) * up when FUSE_SILU), rounded as the GEMM kernel rounds."""
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    row = (pair // A_ROWS_PER_PAIR).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row * stride_am + offs_k * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+    s_ptrs = scale_ptr + expert * stride_se + offs_n * stride_sn
+    compute_dtype: tl.constexpr = a_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs).to(tl.float32)
+            w_mask = n_mask[:, None]
+        else:
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        if IS_FP8:
+            w = (w * tl.load(s_ptrs + (k0 // GROUP_K) * stride_sg, mask=n_mask, other=0.0)[:, None]).to(
+                compute_dtype).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+        if FUSE_SILU:
+            up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0).to(tl.float32)
+            if IS_FP8:
+                up = (up * tl.load(s_ptrs + N * stride_sn + (k0 // GROUP_K) * stride_sg, mask=n_mask,
+                                   other=0.0)[:, None]).to(compute_dtype).to(tl.float32)
+            acc_up += tl.sum(up * a[None, :], axis=1)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if FUSE_SILU:
+        gate = acc.to(compute_dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(compute_dtype).to(tl.float32) * acc_up.to(compute_dtype).to(
+            tl.float32)
+    return acc.to(compute_dtype).to(tl.float32)
+
+
+@triton.jit
+def _moe_gemv_kernel(
+        a_ptr, w_ptr, scale_ptr, out_ptr, topk_ids_ptr, topk_weights_ptr, N, K,
+        stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
+        stride_om, stride_on,
+        A_ROWS_PER_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr, SUM_TOP_K: tl.constexpr,
+        IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Few pairs (decode at small batch), no alignment and no padded rows. SUM_TOP_K = 0: one program per
+    (pair, BLOCK_N columns) writes that pair's row. SUM_TOP_K = k: one program per (token, BLOCK_N columns) runs
+    the token's k pairs and writes sum_j weight_j * out_j (the layer's last step, no [T * k, H] buffer)."""
+    slot = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if SUM_TOP_K == 0:
+        acc = _gemv_pair(a_ptr, w_ptr, scale_ptr, topk_ids_ptr, slot, offs_n, n_mask, N, K,
+                         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
+                         A_ROWS_PER_PAIR, FUSE_SILU, IS_FP8, GROUP_K, EVEN_K, BLOCK_N, BLOCK_K)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(SUM_TOP_K):
+            pair = slot * SUM_TOP_K + j
+            out = _gemv_pair(a_ptr, w_ptr, scale_ptr, topk_ids_ptr, pair, offs_n, n_mask, N, K,
+                             stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
+                             A_ROWS_PER_PAIR, FUSE_SILU, IS_FP8, GROUP_K, EVEN_K, BLOCK_N, BLOCK_K)
+            acc += out * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + slot * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _moe_gemv(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, group_k: int,
+              topk_ids: torch.Tensor, out: torch.Tensor, rows_per_pair: int, fuse_silu: bool,
+              topk_weights: torch.Tensor | None, tile: GemvConfig) -> None:
+    """out [T * k, N] per pair, or with topk_weights out [T, N] = the weighted sum over each token's k pairs."""
+    n = w.shape[1] // 2 if fuse_silu else w.shape[1]
+    k = w.shape[2]
+    is_fp8 = w.dtype == torch.float8_e4m3fn
+    stride_s = w_scale.stride() if is_fp8 and w_scale is not None else (0, 0, 0)
+    top_k = topk_ids.shape[1] if topk_weights is not None else 0
+    grid = (topk_ids.shape[0] if top_k else topk_ids.numel(), triton.cdiv(n, tile.block_n))
+    _moe_gemv_kernel[grid](
+        a, w, w_scale if is_fp8 else out, out, topk_ids, topk_weights if topk_weights is not None else out, n, k,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s, out.stride(0), out.stride(1),
+        A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, SUM_TOP_K=top_k, IS_FP8=is_fp8,
+        GROUP_K=group_k, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
 @dataclass(frozen=True, slots=True)
 class TileConfig:
     block_m: int = 64
@@ -254,8 +555,19 @@ def _bucket(num_tokens: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(num_tokens, 1))))
 
 
+Tiles = tuple[TileConfig, TileConfig] | tuple[GemvConfig, GemvConfig]
+
+
+def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> Tiles:
+    """Reasonable tiles for any shape: GEMVs for a few pairs spread over many experts, else the grouped GEMM."""
+    if num_tokens * top_k <= 16 and 4 * num_tokens * top_k <= num_experts:
+        return GemvConfig(), GemvConfig()
+    tile = default_tile(num_tokens, top_k, num_experts)
+    return tile, tile
+
+
 def default_tile(num_tokens: int, top_k: int, num_experts: int) -> TileConfig:
-    """A reasonable tile for any shape: small row tiles when experts see few tokens each."""
+    """A reasonable grouped-GEMM tile: small row tiles when experts see few tokens each."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 4:
         return TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
@@ -274,29 +586,39 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+def tiles_from_json(entry: dict[str, Any]) -> Tiles:
+    """A table entry: {"gate_up": tile, "down": tile}, or {"kind": "gemv", ...} for the GEMV path."""
+    kind = GemvConfig if entry.get("kind") == "gemv" else TileConfig
+    return kind(**entry["gate_up"]), kind(**entry["down"])  # type: ignore[return-value]
+
+
+def tiles_to_json(tiles: Tiles) -> dict[str, Any]:
+    entry: dict[str, Any] = {"gate_up": asdict(tiles[0]), "down": asdict(tiles[1])}
+    if isinstance(tiles[0], GemvConfig):
+        entry["kind"] = "gemv"
+    return entry
+
+
 @lru_cache(maxsize=64)
-def _tuned_table(file_name: str) -> dict[int, dict[str, TileConfig]] | None:
+def _tuned_table(file_name: str) -> dict[int, Tiles] | None:
     path = CONFIG_DIR / file_name
     if not path.is_file():
         log.info("no tuned MoE tiles %s: default tiles (bench/moe_tune.py writes them)", file_name)
         return None
     raw = json.loads(path.read_text())
-    return {int(bucket): {name: TileConfig(**tile) for name, tile in tiles.items()} for bucket, tiles in raw.items()}
+    return {int(bucket): tiles_from_json(entry) for bucket, entry in raw.items()}
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int, hidden: int,
-               dtype: torch.dtype, device: torch.device) -> tuple[TileConfig, TileConfig]:
+               dtype: torch.dtype, device: torch.device) -> Tiles:
     """(gate_up tile, down tile) for this shape: the tuned table's nearest bucket, else the default."""
     if device.type == "cuda":
         name = config_file_name(num_experts, intermediate, hidden, str(dtype).removeprefix("torch."),
                                 _device_name(device.index))
         table = _tuned_table(name)
         if table:
-            bucket = min(table, key=lambda b: abs(math.log2(b) - math.log2(_bucket(num_tokens))))
-            entry = table[bucket]
-            return entry["gate_up"], entry["down"]
-    tile = default_tile(num_tokens, top_k, num_experts)
-    return tile, tile
+            return table[min(table, key=lambda b: abs(math.log2(b) - math.log2(_bucket(num_tokens))))]
+    return default_tiles(num_tokens, top_k, num_experts)
 
 
 # ---------------------------------------------------------------- the layer
@@ -305,7 +627,7 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                   w_down_scale: torch.Tensor | None = None, group_k: int | None = None,
-                  tiles: tuple[TileConfig, TileConfig] | None = None) -> torch.Tensor:
+                  tiles: Tiles | None = None) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]; topk_weights [T, k] fp32;
@@ -318,14 +640,17 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     _check_experts(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, group_k)
     if tiles is None:
         tiles = pick_tiles(num_tokens, top_k, num_experts, inter, hidden, x.dtype, x.device)
+    num_pairs = num_tokens * top_k
+    topk_ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous().view(-1)  # [T * k]
+    if isinstance(tiles[0], GemvConfig):
+        return _fused_experts_gemv(x, w_gate_up, w_down, weights, topk_ids, w_gate_up_scale, w_down_scale,
+                                   group_k, tiles)
     up_tile, down_tile = tiles
     fp8_block_k = group_k if w_gate_up.dtype == torch.float8_e4m3fn else None
     if fp8_block_k is not None:  # a K-tile must stay inside one scale group
         up_tile = _fit_block_k(up_tile, fp8_block_k, hidden)
         down_tile = _fit_block_k(down_tile, fp8_block_k, inter)
-    num_pairs = num_tokens * top_k
-    topk_ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous().view(-1)  # [T * k]
     align_up = align_pairs(topk_ids, num_experts, up_tile.block_m)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
     _moe_gemm(x, w_gate_up, w_gate_up_scale, _group(group_k, hidden), align_up, act, num_pairs, top_k, True, None,
@@ -338,12 +663,41 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
 
 
+def _fused_experts_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                        topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None,
+                        w_down_scale: torch.Tensor | None, group_k: int | None,
+                        tiles: tuple[GemvConfig, GemvConfig]) -> torch.Tensor:
+    """Few pairs: one GEMV per (pair, column block), no alignment."""
+    (num_tokens, hidden), top_k = x.shape, topk_ids.shape[1]
+    inter = w_down.shape[2]
+    num_pairs = num_tokens * top_k
+    up_tile, down_tile = tiles
+    if w_gate_up.dtype == torch.float8_e4m3fn and group_k is not None:
+        up_tile = _fit_gemv_block_k(up_tile, group_k, hidden)
+        down_tile = _fit_gemv_block_k(down_tile, group_k, inter)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
+    _moe_gemv(x, w_gate_up, w_gate_up_scale, _group(group_k, hidden), topk_ids, act, top_k, True, None, up_tile)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]: the top-k sum in the kernel
+    _moe_gemv(act, w_down, w_down_scale, _group(group_k, inter), topk_ids, out, 1, False, weights, down_tile)
+    return out
+
+
+def _fit_gemv_block_k(tile: GemvConfig, group_k: int, k: int) -> GemvConfig:
+    if group_k >= k:
+        return tile
+    block_k = min(tile.block_k, group_k)
+    assert group_k % block_k == 0, f"FP8 scale group {group_k} is not a multiple of {block_k}"
+    return GemvConfig(tile.block_n, block_k, tile.num_warps, tile.num_stages)
+
+
 def _group(group_k: int | None, k: int) -> int:
     return k if group_k is None else group_k
 
 
 def _fit_block_k(tile: TileConfig, group_k: int, k: int) -> TileConfig:
-    group = min(group_k, k)
+    if group_k >= k:
+        return tile
+    group = group_k
     block_k = tile.block_k
     while group % block_k and block_k > 16:
         block_k //= 2

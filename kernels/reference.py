@@ -171,6 +171,146 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out[token_index] = attn.reshape(batch, num_heads, head_dim)
 
 
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention (kernels/mla.py): a paged latent cache [num_blocks, block_size, R + P] holding
+# [c_kv ‖ k_pe] per token, absorbed attention over it, and the expanded multi-head computation it stands for.
+
+
+def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: torch.Tensor | None = None) -> None:
+    """Store [kv_c ‖ k_pe] ([T, R] and [T, P]) at flat slots of the cache [num_blocks, block_size, R + P];
+    slot -1 is skipped. An fp8 cache stores x / kv_scale clamped to +-448 (one per-tensor scale, default 1)."""
+    entries = torch.cat((kv_c, k_pe), dim=-1)  # [T, R + P]
+    if bool((slot_mapping < 0).any()):
+        valid = slot_mapping >= 0  # [T]
+        slot_mapping, entries = slot_mapping[valid], entries[valid]
+    cache.view(-1, cache.shape[2])[slot_mapping] = _to_cache(entries, cache.dtype, kv_scale)
+
+
+def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype,
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's first seq_len entries in dtype (fp8 dequantized): [seq_len, R + P]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    rows = cache.index_select(0, block_table[:num_blocks].long())  # [num_blocks, block_size, R + P]
+    return _from_cache(rows.reshape(num_blocks * block_size, cache.shape[2])[:seq_len], dtype, kv_scale)
+
+
+def _causal_mask(seq_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool: the queries are the last query_len of seq_len positions."""
+    key_pos = torch.arange(seq_len, device=device)  # [L]
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)  # [query_len]
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                  query_lens: list[int], scale: float, kv_lora_rank: int,
+                  kv_scale: torch.Tensor | None = None, seqs: list[int] | None = None) -> torch.Tensor:
+    """Absorbed MLA: q [T, heads, R + P] = [q_nope @ W_UK ‖ q_pe]; every head attends (causally) over its
+    sequence's entries with scores scale * q . entry (all R + P values) and mixes their latent parts: returns
+    [T, heads, R] (the caller applies W_UV). Sequence b's queries are the last query_lens[b] of its seq_lens[b]
+    cached tokens; rows of sequences not in seqs (None: all) come out zero. Decode rows run as one batch, longer
+    chunks one sequence at a time. Softmax in fp32."""
+    num_tokens, num_heads, _ = q.shape
+    out = q.new_zeros((num_tokens, num_heads, kv_lora_rank))  # [T, heads, R]
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    chosen = [b for b in range(len(query_lens)) if (seqs is None or b in seqs) and seq_lens[b] > 0]
+    decode_rows = [b for b in chosen if query_lens[b] == 1]
+    if decode_rows:
+        _mla_decode_batch(q, cache, block_tables, seq_lens, starts, decode_rows, scale, kv_lora_rank, out, kv_scale)
+    for b in chosen:
+        seq_len, start, query_len = seq_lens[b], starts[b], query_lens[b]
+        if query_len <= 1:
+            continue
+        entries = gather_latent(cache, block_tables[b], seq_len, q.dtype, kv_scale)  # [L, R + P]
+        q_b = q[start:start + query_len]  # [query_len, heads, R + P]
+        scores = torch.einsum("qhd,ld->hql", q_b.float(), entries.float()) * scale  # [heads, query_len, L]
+        scores = scores.masked_fill(~_causal_mask(seq_len, query_len, q.device), float("-inf"))
+        mixed = torch.einsum("hql,lr->qhr", scores.softmax(dim=-1), entries[:, :kv_lora_rank].float())
+        out[start:start + query_len] = mixed.to(q.dtype)
+    return out
+
+
+def _mla_decode_batch(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                      starts: list[int], rows: list[int], scale: float, kv_lora_rank: int, out: torch.Tensor,
+                      kv_scale: torch.Tensor | None) -> None:
+    """All single-query sequences at once: gather their blocks, mask past each length."""
+    device, block_size = q.device, cache.shape[1]
+    token_index = torch.tensor([starts[b] for b in rows], device=device)  # [B]
+    lens = torch.tensor([seq_lens[b] for b in rows], device=device)  # [B]
+    max_blocks = -(-max(seq_lens[b] for b in rows) // block_size)
+    tables = block_tables[torch.tensor(rows, device=device), :max_blocks].long().flatten()  # [B * max_blocks]
+    entries = _from_cache(cache.index_select(0, tables), torch.float32, kv_scale)
+    entries = entries.view(len(rows), max_blocks * block_size, cache.shape[2])  # [B, L, R + P]
+    valid = torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None]  # [B, L]
+    # a slot past a sequence's length may hold anything (NaN included): zero it before the products
+    entries = entries.masked_fill(~valid[..., None], 0.0)
+    scores = torch.einsum("bhd,bld->bhl", q[token_index].float(), entries) * scale  # [B, heads, L]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    out[token_index] = torch.einsum("bhl,blr->bhr", probs, entries[..., :kv_lora_rank]).to(q.dtype)
+
+
+def mla_expanded_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                           query_lens: list[int], w_kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int,
+                           scale: float, kv_scale: torch.Tensor | None = None,
+                           seqs: list[int] | None = None) -> torch.Tensor:
+    """The multi-head computation MLA stands for: q [T, heads, Dn + P] = [q_nope ‖ q_pe]; each cached entry
+    expands to per-head keys [k_nope ‖ k_pe] and values v, with [k_nope ‖ v] = c_kv @ w_kv_b^T per head
+    (w_kv_b [heads * (Dn + Dv), R], kv_b_proj's layout); causal softmax(scale * q . k) mixes of v: returns
+    [T, heads, Dv], rows of sequences not in seqs (None: all) zero."""
+    num_tokens, num_heads, qk_dim = q.shape
+    lat = w_kv_b.shape[1]
+    out = q.new_zeros((num_tokens, num_heads, v_head_dim))  # [T, heads, Dv]
+    start = 0
+    for b, query_len in enumerate(query_lens):
+        seq_len = seq_lens[b]
+        if query_len == 0 or seq_len == 0 or (seqs is not None and b not in seqs):
+            start += query_len
+            continue
+        entries = gather_latent(cache, block_tables[b], seq_len, q.dtype, kv_scale)  # [L, R + P]
+        kv = F.linear(entries[:, :lat], w_kv_b).view(seq_len, num_heads, qk_nope_head_dim + v_head_dim)
+        k_pe = entries[:, None, lat:].expand(seq_len, num_heads, qk_dim - qk_nope_head_dim)  # [L, heads, P]
+        k = torch.cat((kv[..., :qk_nope_head_dim], k_pe), dim=-1).transpose(0, 1)  # [heads, L, Dn + P]
+        v = kv[..., qk_nope_head_dim:].transpose(0, 1)  # [heads, L, Dv]
+        q_b = q[start:start + query_len].transpose(0, 1)  # [heads, query_len, Dn + P]
+        scores = (q_b.float() @ k.float().transpose(1, 2)) * scale  # [heads, query_len, L]
+        scores = scores.masked_fill(~_causal_mask(seq_len, query_len, q.device), float("-inf"))
+        out[start:start + query_len] = (scores.softmax(dim=-1) @ v.float()).transpose(0, 1).to(q.dtype)
+        start += query_len
+    return out
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rope on x [T, heads, P]: pair i = (x[2i], x[2i+1]) rotated by the angle of
+    cos/sin [T, P] (rotate-half layout: columns i and i + P/2 hold pair i's angle). The output is in
+    rotate-half order, [rotated x[2i] for all i ‖ rotated x[2i+1] for all i], as transformers' DeepSeek-V3 has it;
+    q . k is the same in any order both sides share. Products rounded to x's dtype before the sums."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # [T, 1, P/2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, heads, P/2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                kv_scale: torch.Tensor | None = None, interleaved: bool = False) -> None:
+    """One MLA layer's attention inputs: the rope part (last P dims) of q [T, heads, Dn + P] rotated in place,
+    and the cache entries [rms_norm(c_kv) ‖ rope(k_pe)] of kv_a [T, R + P] (the kv_a projection's output)
+    written at slot_mapping (-1 skipped). cos/sin [max_pos, P] are indexed by positions [T]; interleaved: the
+    rope dims hold pairs (x[2i], x[2i+1]) (DeepSeek checkpoints), rotated into rotate-half order."""
+    lat = kv_norm.shape[0]
+    rope = kv_a.shape[1] - lat
+    pos_cos, pos_sin = cos[positions], sin[positions]  # [T, P] each
+    rotate = apply_rope_interleaved if interleaved else apply_rope
+    q_pe = q[..., q.shape[-1] - rope:]  # [T, heads, P] view
+    q_pe.copy_(rotate(q_pe, pos_cos, pos_sin))
+    kv_c = rms_norm(kv_a[:, :lat], kv_norm, eps)  # [T, R]
+    k_pe = rotate(kv_a[:, None, lat:], pos_cos, pos_sin)[:, 0]  # [T, P]
+    write_latent(kv_c, k_pe, cache, slot_mapping, kv_scale)
+
+
 # --------------------------------------------------------------------------------------------
 # FP8 (e4m3): quantization, dequantization and the linear layer, as the Triton kernels and cuBLASLt compute them
 
@@ -399,6 +539,34 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     if greedy is not None:
         token_ids = torch.where(greedy, logits.argmax(dim=-1), token_ids)  # [B]
     return token_ids
+
+
+def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                       num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None, renormalize: bool,
+                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeekMoE routing token by token, as DeepSeek-V2 / V3 describe it (kernels/moe.route_grouped_topk is the
+    batched form): scores (softmax or sigmoid), choice scores (+ bias), the allowed groups, the k best allowed
+    experts by choice score, their scores as weights (renormalised if asked) times the scaling factor. Returns
+    (weights [T, k] fp32, ids [T, k] int32), experts in descending choice order."""
+    num_tokens, num_experts = router_logits.shape
+    group_size = num_experts // num_groups
+    all_weights, all_ids = [], []
+    for logits in router_logits.float():
+        scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)  # [E]
+        choice = (scores + correction_bias.float() if correction_bias is not None else scores).tolist()
+        allowed = list(range(num_experts))
+        if topk_method != "greedy":
+            members = [sorted(choice[g * group_size:(g + 1) * group_size], reverse=True) for g in range(num_groups)]
+            rank = [sum(m[:2]) if topk_method == "noaux_tc" else m[0] for m in members]  # [G]
+            best_groups = sorted(range(num_groups), key=lambda g: rank[g], reverse=True)[:topk_groups]
+            allowed = [e for e in allowed if e // group_size in best_groups]
+        chosen = sorted(allowed, key=lambda e: choice[e], reverse=True)[:top_k]
+        weights = scores[chosen]  # [k]
+        if renormalize:
+            weights = weights / (weights.sum() + 1e-20)
+        all_weights.append(weights * routed_scaling_factor)
+        all_ids.append(chosen)
+    return torch.stack(all_weights), torch.tensor(all_ids, dtype=torch.int32)
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

@@ -16,12 +16,15 @@ from pagoda.shared.errors import ConfigError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2",
+                         "deepseek_v3")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,15 @@ class MoeArch:
     renormalize: bool  # norm_topk_prob: the top-k weights are rescaled to sum to 1
     sparse_layers: tuple[int, ...]  # the other layers keep a dense MLP of intermediate_size
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    # DeepSeekMoE: ungated shared experts, scores by softmax (V2) or sigmoid (V3), top-k over the experts of the
+    # best topk_groups of num_groups groups ("group_limited_greedy": a group's best score; "noaux_tc": its two best
+    # scores plus a per-expert correction bias, used for choosing only), weights times routed_scaling_factor.
+    shared_expert_gated: bool = True
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid"
+    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def expert_params(self, hidden_size: int) -> int:
         return 3 * hidden_size * self.expert_intermediate_size
@@ -41,6 +53,36 @@ class MoeArch:
     def expected_experts_touched(self, num_tokens: int) -> float:
         """Distinct experts a batch of uniformly routed tokens reads in one layer: E (1 - (1 - k/E)^T)."""
         return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class MlaArch:
+    """DeepSeek's multi-head latent attention: K and V come from one cached latent of kv_lora_rank values per token
+    (plus a rope key of qk_rope_head_dim shared by all heads); q from the hidden state directly or through a
+    q_lora_rank bottleneck."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: one q projection (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the checkpoint's rope dims are (x0, x1), (x2, x3)... pairs
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def entry_dim(self) -> int:
+        """Values one token leaves in one layer's cache: [latent ‖ rope key]."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def attention_params(self, hidden_size: int, num_heads: int) -> int:
+        q = (hidden_size * num_heads * self.qk_head_dim if self.q_lora_rank is None else
+             hidden_size * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * num_heads * self.qk_head_dim)
+        kv = hidden_size * self.entry_dim + self.kv_lora_rank
+        kv += self.kv_lora_rank * num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + num_heads * self.v_head_dim * hidden_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +108,7 @@ class ModelArch:
     bos_token_id: int | None = None
     sliding_window: int | None = None
     moe: MoeArch | None = None
+    mla: MlaArch | None = None  # DeepSeek: head_dim is then the rope dims (the rope table's width)
 
     @property
     def q_size(self) -> int:
@@ -90,6 +133,8 @@ class ModelArch:
 
     def _attention_params(self) -> int:
         h = self.hidden_size
+        if self.mla is not None:
+            return self.mla.attention_params(h, self.num_heads) + 2 * h
         return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + (2 * self.head_dim if self.qk_norm
                                                                                   else 0)
 
@@ -98,7 +143,8 @@ class ModelArch:
         h, moe = self.hidden_size, self.moe
         if moe is None or layer not in moe.sparse_layers:
             return 3 * h * self.intermediate_size
-        shared = 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_intermediate_size else 0)
+        gate = h if moe.shared_expert_intermediate_size and moe.shared_expert_gated else 0
+        shared = 3 * h * moe.shared_expert_intermediate_size + gate
         return h * moe.num_experts + num_experts * moe.expert_params(h) + shared
 
     def num_params(self) -> int:
@@ -113,7 +159,10 @@ class ModelArch:
         touched = self.moe.expected_experts_touched(num_tokens) if self.moe else 0.0
         return sum(self._attention_params() + self._mlp_params(i, touched) for i in range(self.num_layers))
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:  # K and V per kv head (MLA families differ)
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V per kv head, or MLA's one latent entry, over all layers."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.entry_dim * dtype_bytes
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -136,7 +185,9 @@ class ModelArch:
         }
         if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             config["use_sliding_window"] = False
-        if self.moe is not None:
+        if self.mla is not None:
+            config.update(_deepseek_hf_fields(self))
+        elif self.moe is not None:
             config.update(_moe_hf_fields(self))
         return config
 
@@ -176,6 +227,63 @@ def _moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Mo
                    renormalize=bool(config.get("norm_topk_prob", model_type == "qwen3_moe")), sparse_layers=sparse,
                    shared_expert_intermediate_size=(config.get("shared_expert_intermediate_size") or 0
                                                     if model_type == "qwen2_moe" else 0))
+
+
+def _deepseek_hf_fields(arch: ModelArch) -> dict[str, Any]:
+    mla, moe = arch.mla, arch.moe
+    assert mla is not None and moe is not None
+    first_sparse = min(moe.sparse_layers, default=arch.num_layers)
+    assert moe.sparse_layers == tuple(range(first_sparse, arch.num_layers)), "DeepSeek: dense layers, then sparse"
+    fields: dict[str, Any] = {
+        "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "head_dim": mla.qk_rope_head_dim,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.expert_intermediate_size,
+        "n_shared_experts": moe.shared_expert_intermediate_size // moe.expert_intermediate_size,
+        "first_k_dense_replace": first_sparse, "norm_topk_prob": moe.renormalize,
+        "routed_scaling_factor": moe.routed_scaling_factor, "n_group": moe.num_groups, "topk_group": moe.topk_groups,
+        "topk_method": moe.topk_method, "scoring_func": moe.scoring_func, "moe_layer_freq": 1,
+    }
+    if arch.model_type == "deepseek_v3":
+        fields["rope_interleave"] = mla.rope_interleave
+    return fields
+
+
+def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[MlaArch, MoeArch]:
+    """MLA and DeepSeekMoE of a DeepSeek-V2 / V3 config.json (their defaults as transformers 5 has them)."""
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ConfigError(f"{model_type} with attention_bias / mlp_bias is not supported", param="model")
+    v3 = model_type == "deepseek_v3"
+    mla = MlaArch(kv_lora_rank=config.get("kv_lora_rank", 512), q_lora_rank=config.get("q_lora_rank", 1536),
+                  qk_nope_head_dim=config.get("qk_nope_head_dim", 128),
+                  qk_rope_head_dim=config.get("qk_rope_head_dim", 64),
+                  v_head_dim=config.get("v_head_dim") or 128,
+                  rope_interleave=bool(config.get("rope_interleave", True)) if v3 else True)
+    if mla.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}", param="model")
+    first_dense = config.get("first_k_dense_replace", 3 if v3 else 0) or 0
+    freq = config.get("moe_layer_freq") or 1
+    num_experts = config.get("n_routed_experts", 256 if v3 else 64)
+    top_k = config.get("num_experts_per_tok") or (8 if v3 else 6)
+    expert = config.get("moe_intermediate_size", 2048 if v3 else 1407)
+    # transformers' V3 router is always sigmoid + correction bias over groups; its V2 router always softmax
+    topk_method = "noaux_tc" if v3 else (config.get("topk_method") or "greedy")
+    if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ConfigError(f"{model_type} topk_method {topk_method!r} is not supported", param="model")
+    groups = config.get("n_group", 8 if v3 else 1) or 1
+    topk_groups = config.get("topk_group", 4 if v3 else 1) or 1
+    if topk_method != "greedy" and (num_experts % groups or not 0 < topk_groups <= groups
+                                    or top_k > topk_groups * (num_experts // groups)):
+        raise ConfigError(f"{model_type}: {num_experts} experts do not split into n_group {groups} groups of which "
+                          f"topk_group {topk_groups} hold num_experts_per_tok {top_k} experts", param="model")
+    moe = MoeArch(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert,
+                  renormalize=bool(config.get("norm_topk_prob", v3)),
+                  sparse_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
+                  shared_expert_intermediate_size=expert * (config.get("n_shared_experts", 1 if v3 else 2) or 0),
+                  shared_expert_gated=False, scoring_func="sigmoid" if v3 else "softmax", topk_method=topk_method,
+                  num_groups=groups, topk_groups=topk_groups,
+                  routed_scaling_factor=float(config.get("routed_scaling_factor", 2.5 if v3 else 1.0)))
+    return mla, moe
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -227,6 +335,11 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     num_layers = config["num_hidden_layers"]
     bias_default = model_type in ("qwen2", "qwen2_moe")
     attention_bias = config.get("attention_bias", config.get("qkv_bias", bias_default))
+    if model_type in MLA_MODEL_TYPES:
+        mla, moe = _deepseek_from_hf(config, model_type, num_layers)
+        config = {**config, "head_dim": mla.qk_rope_head_dim}  # the rope table's width, as transformers sets it
+    else:
+        mla, moe = None, _moe_from_hf(config, model_type, num_layers)
     return ModelArch(
         model_type=model_type, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
         num_layers=num_layers, num_heads=num_heads,
@@ -236,8 +349,7 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         max_position_embeddings=config.get("max_position_embeddings", 4096), rope_theta=theta,
         rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(attention_bias), qk_norm=model_type in ("qwen3", "qwen3_moe"), eos_token_ids=eos_ids,
-        bos_token_id=config.get("bos_token_id"), sliding_window=window or None,
-        moe=_moe_from_hf(config, model_type, num_layers),
+        bos_token_id=config.get("bos_token_id"), sliding_window=window or None, moe=moe, mla=mla,
     )
 
 
@@ -256,6 +368,9 @@ def load_arch(model_dir: str | Path) -> ModelArch:
         arch = replace(arch, eos_token_ids=merged)
     return arch
 
+
+_DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1}
 
 SHAPES: dict[str, ModelArch] = {
     "tiny": ModelArch(model_type="llama", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
@@ -302,6 +417,37 @@ SHAPES: dict[str, ModelArch] = {
                               eos_token_ids=(2,), bos_token_id=1,
                               moe=MoeArch(num_experts=8, top_k=2, expert_intermediate_size=14336, renormalize=True,
                                           sparse_layers=tuple(range(32)))),
+    # DeepSeek-V2-Lite (15.7B, 2.4B active): MLA without q_lora, 64 routed experts (6 per token) + 2 shared,
+    # layer 0 dense; YaRN x40 over 4k with mscale 0.707
+    "deepseek-v2-lite": ModelArch(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16, num_kv_heads=16,
+        head_dim=64, intermediate_size=10944, rms_norm_eps=1e-6, max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling=_DEEPSEEK_YARN | {"mscale": 0.707, "mscale_all_dim": 0.707}, eos_token_ids=(100001,),
+        bos_token_id=100000,
+        mla=MlaArch(kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoeArch(num_experts=64, top_k=6, expert_intermediate_size=1408, renormalize=False,
+                    sparse_layers=tuple(range(1, 27)), shared_expert_intermediate_size=2 * 1408,
+                    shared_expert_gated=False)),
+    # DeepSeek-V3's layer dimensions (128 heads, q_lora 1536, 256 routed experts of 2048, 8 per token over 4 of 8
+    # groups, sigmoid scores with a correction bias) with 1 dense + 4 sparse layers instead of 3 + 58: per-layer
+    # figures scale to the 671B model; fits one H200 with FP8 weights (--quantization fp8_block)
+    "deepseek-v3-slice": ModelArch(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=5, num_heads=128, num_kv_heads=128,
+        head_dim=64, intermediate_size=18432, rms_norm_eps=1e-6, max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling=_DEEPSEEK_YARN | {"mscale": 1.0, "mscale_all_dim": 1.0}, eos_token_ids=(1,), bos_token_id=0,
+        mla=MlaArch(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoeArch(num_experts=256, top_k=8, expert_intermediate_size=2048, renormalize=True,
+                    sparse_layers=(1, 2, 3, 4), shared_expert_intermediate_size=2048, shared_expert_gated=False,
+                    scoring_func="sigmoid", topk_method="noaux_tc", num_groups=8, topk_groups=4,
+                    routed_scaling_factor=2.5)),
+    "tiny-deepseek-v3": ModelArch(
+        model_type="deepseek_v3", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+        head_dim=16, intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0,
+        eos_token_ids=(2,), bos_token_id=1,
+        mla=MlaArch(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24),
+        moe=MoeArch(num_experts=8, top_k=2, expert_intermediate_size=32, renormalize=True, sparse_layers=(1,),
+                    shared_expert_intermediate_size=32, shared_expert_gated=False, scoring_func="sigmoid",
+                    topk_method="noaux_tc", num_groups=4, topk_groups=2, routed_scaling_factor=2.5)),
     "tiny-moe": ModelArch(model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
                           max_position_embeddings=2048, rope_theta=10000.0, qk_norm=True, eos_token_ids=(2,),

@@ -316,11 +316,12 @@ def test_pick_num_splits_depends_on_host_shape_only() -> None:
     assert pick_num_splits(256, 8, 1, 4096) == 1  # enough programs already
     assert pick_num_splits(4, 8, 7, 4096) == 1  # prefill never splits
     assert pick_num_splits(1, 8, 1, 64) == 1  # one key tile: nothing to split
-    assert pick_num_splits(1, 8, 1, 4096) == 16
+    assert pick_num_splits(1, 8, 1, 4096) == 64  # one sequence: 8 kv heads x 64 splits
+    assert pick_num_splits(1, 8, 1, 1024) == 16  # at least one 64-key tile a split
     assert 1 < pick_num_splits(8, 8, 1, 4096) < 16
     every = {pick_num_splits(b, h, 1, n, sms) for b in range(1, 40) for h in (1, 2, 8) for n in range(1, 5000, 37)
              for sms in (78, 132)}
-    assert every == {1, 2, 4, 8, 16}  # powers of two only: the warm-up compiles each decode variant
+    assert every == {1, 2, 4, 8, 16, 32, 64}  # powers of two only: the warm-up compiles each decode variant
     assert pick_num_splits(2, 8, 1, 32768) == pick_num_splits(2, 8, 1, 32768)
 
 

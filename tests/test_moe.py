@@ -26,8 +26,15 @@ def _routed(num_tokens: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.T
     return x, weights, ids
 
 
+ALIGNERS = [moe.align_pairs_triton, moe.align_pairs_sorted]
+
+
 def _check_alignment(ids: torch.Tensor, block_m: int) -> None:
-    align = moe.align_pairs(ids, EXPERTS, block_m)
+    for aligner in ALIGNERS:
+        _check_layout(aligner(ids, EXPERTS, block_m), ids, block_m)
+
+
+def _check_layout(align: moe.Alignment, ids: torch.Tensor, block_m: int) -> None:
     num_pairs = ids.numel()
     used = int(align.num_padded.item())
     assert used % block_m == 0
@@ -84,16 +91,31 @@ def test_fused_experts_half_precision(dtype: torch.dtype, device: str, num_token
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("tile", [moe.TileConfig(16, 32, 32, 1, 4, 2), moe.TileConfig(32, 16, 16, 4, 4, 2)])
-def test_fused_experts_every_token_to_one_expert(tile: moe.TileConfig) -> None:
+@pytest.mark.parametrize("tile", [moe.TileConfig(16, 32, 32, 1, 4, 2), moe.TileConfig(32, 16, 16, 4, 4, 2),
+                                  moe.GemvConfig(16, 32, 4, 2), moe.GemvConfig(64, 128, 4, 2)])
+def test_fused_experts_every_token_to_one_expert(tile: moe.TileConfig | moe.GemvConfig) -> None:
     """Skewed routing: one expert takes every token's first slot, the second slot always goes to expert 3; the
-    other six get nothing. Explicit tiles: several row tiles per expert, N and K over several tiles."""
+    other six get nothing. Explicit tiles: several row tiles per expert, N and K over several tiles; the GEMV path
+    (one program per pair), K split evenly and not."""
     w_gate_up, w_down = _weights(torch.float32)
     x, weights, _ = _routed(50, torch.float32)
     ids = torch.empty(50, TOP_K, dtype=torch.int32)
     ids[:, 0], ids[:, 1] = 6, 3
     got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=(tile, tile))
     torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (60, 4), (128, 8)])
+def test_router_kernel_matches_reference(num_experts: int, top_k: int, renormalize: bool) -> None:
+    logits = torch.randn(37, num_experts, generator=torch.Generator().manual_seed(num_experts)).half()  # [T, E]
+    logits[3, :] = 0.5  # every expert tied: the lowest ids win
+    weights, ids = moe.route_softmax_topk_triton(logits, top_k, renormalize)
+    ref_weights, ref_ids = moe.route_softmax_topk_reference(logits, top_k, renormalize)
+    assert ids[3].tolist() == list(range(top_k))  # (torch.topk's order among equals is its own: row 3 apart)
+    rows = [r for r in range(37) if r != 3]
+    assert torch.equal(ids[rows].sort(dim=1).values, ref_ids[rows].sort(dim=1).values)
+    torch.testing.assert_close(weights.sort(dim=1).values, ref_weights.sort(dim=1).values, rtol=1e-5, atol=1e-6)
 
 
 def test_router_ties_take_the_lower_expert() -> None:
@@ -112,8 +134,9 @@ def test_router_ties_take_the_lower_expert() -> None:
     torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("group_k", [None, 16])
-def test_fused_experts_fp8_weights(group_k: int | None) -> None:
+def test_fused_experts_fp8_weights(group_k: int | None, gemv: bool) -> None:
     """Weight-only FP8 experts (per row, or per row and 16 columns): the kernel converts e4m3 in registers and
     applies the scales; the reference dequantizes the same weights."""
     w_gate_up, w_down = _weights(torch.float32)
@@ -121,7 +144,8 @@ def test_fused_experts_fp8_weights(group_k: int | None) -> None:
     q_down, s_down = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_down), strict=True)
     q_up, s_up, q_down, s_down = (torch.stack(t) for t in (q_up, s_up, q_down, s_down))
     x, weights, ids = _routed(24, torch.float32)
-    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k)
+    tiles = (moe.GemvConfig(16, 64), moe.GemvConfig(16, 64)) if gemv else None
+    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=tiles)
     expected = ref.moe_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
     close = ref.moe_experts(x, w_gate_up, w_down, weights, ids)  # and near the unquantized layer
@@ -129,6 +153,19 @@ def test_fused_experts_fp8_weights(group_k: int | None) -> None:
 
 
 def test_tile_lookup_falls_back_to_default() -> None:
-    up, down = moe.pick_tiles(3, TOP_K, EXPERTS, INTER, HIDDEN, torch.bfloat16, torch.device("cpu"))
-    assert up == down == moe.default_tile(3, TOP_K, EXPERTS)
+    assert moe.pick_tiles(3, TOP_K, EXPERTS, INTER, HIDDEN, torch.bfloat16, torch.device("cpu")) == \
+        moe.default_tiles(3, TOP_K, EXPERTS)
+    assert isinstance(moe.default_tiles(1, 8, 128)[0], moe.GemvConfig)  # 8 pairs over 128 experts
     assert moe.default_tile(1, 8, 128).block_m == 16 and moe.default_tile(4096, 8, 128).block_m == 64
+    for tiles in (moe.default_tiles(1, 8, 128), moe.default_tiles(4096, 8, 128)):
+        assert moe.tiles_from_json(moe.tiles_to_json(tiles)) == tiles
+
+
+def test_large_batches_align_by_sorting() -> None:
+    """Past ALIGN_SORT_MIN_PAIRS pairs the layout comes from the sort; the layer still matches the reference."""
+    num_tokens = moe.ALIGN_SORT_MIN_PAIRS // TOP_K + 5
+    w_gate_up, w_down = _weights(torch.float32)
+    x, weights, ids = _routed(num_tokens, torch.float32, seed=11)
+    tile = moe.TileConfig(64, 32, 64, 8, 4, 2)
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=(tile, tile))
+    torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)

@@ -15,8 +15,8 @@ from pagoda import LLM, SamplingParams
 from pagoda.services.worker.models.rope import RopeSpec, inv_freq, rope_table
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.shapes import SHAPES, arch_from_hf_config, load_arch
+from tests.parity import check_greedy_parity, pagoda_greedy, random_prompts
 
-NEW_TOKENS = 24
 VOCAB = 256
 
 
@@ -75,44 +75,6 @@ def _qwen3_rope(folder: Path, rope: dict, max_positions: int) -> Path:
     return _save(Qwen3ForCausalLM(config).float(), folder)
 
 
-def _prompts(lengths: list[int], seed: int = 5) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in lengths]
-
-
-def _hf_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # pagoda runs with ignore_eos: no stop, no suppressed EOS
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=NEW_TOKENS, pad_token_id=0)
-            outputs.append(generated[0, len(prompt):].tolist())
-    return outputs
-
-
-def _pagoda_greedy(folder: Path, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], LLM]:  # noqa: ANN003
-    llm = LLM(str(folder), dtype="float32", **engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)], llm
-
-
-def _check_parity(folder: Path, prompts: list[list[int]], preempt_blocks: int) -> None:
-    """Batched, every prompt chunked (a 24-token budget), and with too few blocks for all (preemption)."""
-    expected = _hf_greedy(folder, prompts)
-    batched, _ = _pagoda_greedy(folder, prompts)
-    assert batched == expected
-    chunked, _ = _pagoda_greedy(folder, prompts, max_num_batched_tokens=24, enable_prefix_caching=False)
-    assert chunked == expected
-    pressed, llm = _pagoda_greedy(folder, prompts, num_kv_blocks=preempt_blocks)
-    assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert pressed == expected
-
-
 pytestmark = pytest.mark.slow
 
 
@@ -121,7 +83,7 @@ def test_qwen3_moe_matches_transformers(tmp_path: Path) -> None:
     folder = _qwen3_moe(tmp_path)
     arch = load_arch(folder)
     assert arch.moe is not None and arch.moe.sparse_layers == (0, 2) and arch.moe.renormalize
-    _check_parity(folder, _prompts([5, 19, 40, 70]), preempt_blocks=10)
+    check_greedy_parity(folder, random_prompts([5, 19, 40, 70], VOCAB), preempt_blocks=10)
 
 
 def test_qwen2_moe_matches_transformers(tmp_path: Path) -> None:
@@ -130,14 +92,14 @@ def test_qwen2_moe_matches_transformers(tmp_path: Path) -> None:
     arch = load_arch(folder)
     assert arch.moe is not None and arch.moe.shared_expert_intermediate_size == 48 and not arch.moe.renormalize
     assert arch.attention_bias
-    _check_parity(folder, _prompts([6, 33, 61], seed=6), preempt_blocks=8)
+    check_greedy_parity(folder, random_prompts([6, 33, 61], VOCAB, seed=6), preempt_blocks=8)
 
 
 def test_mixtral_matches_transformers(tmp_path: Path) -> None:
     folder = _mixtral(tmp_path)
     keys = load_file(str(folder / "model.safetensors")).keys()
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys
-    _check_parity(folder, _prompts([9, 27, 58], seed=7), preempt_blocks=8)
+    check_greedy_parity(folder, random_prompts([9, 27, 58], VOCAB, seed=7), preempt_blocks=8)
 
 
 def test_fused_expert_tensors_load_like_per_expert_keys(tmp_path: Path) -> None:
@@ -158,8 +120,8 @@ def test_fused_expert_tensors_load_like_per_expert_keys(tmp_path: Path) -> None:
         tensors[f"{stem}.down_proj"] = torch.stack(down)  # [E, H, I]
     save_file(tensors, str(fused / "model.safetensors"))
     (fused / "config.json").write_text(json.dumps(config))
-    prompts = _prompts([12, 30])
-    assert _pagoda_greedy(fused, prompts)[0] == _pagoda_greedy(per_expert, prompts)[0]
+    prompts = random_prompts([12, 30], VOCAB)
+    assert pagoda_greedy(fused, prompts)[0] == pagoda_greedy(per_expert, prompts)[0]
 
 
 def test_yarn_matches_transformers_past_the_original_window(tmp_path: Path) -> None:
@@ -168,7 +130,7 @@ def test_yarn_matches_transformers_past_the_original_window(tmp_path: Path) -> N
     folder = _qwen3_rope(tmp_path, rope, max_positions=64)
     arch = load_arch(folder)
     assert arch.context_limit == 192
-    _check_parity(folder, _prompts([10, 40, 90, 150], seed=8), preempt_blocks=14)
+    check_greedy_parity(folder, random_prompts([10, 40, 90, 150], VOCAB, seed=8), preempt_blocks=14)
 
 
 def test_dynamic_ntk_matches_transformers_when_decoding_past_the_window(tmp_path: Path) -> None:
@@ -176,7 +138,7 @@ def test_dynamic_ntk_matches_transformers_when_decoding_past_the_window(tmp_path
     as transformers computes it). A prompt longer than the window is rotated by transformers with its whole
     length's base, which pagoda's position-indexed table does not reproduce (see models/rope.py)."""
     folder = _qwen3_rope(tmp_path, {"rope_type": "dynamic", "factor": 2.0}, max_positions=40)
-    _check_parity(folder, _prompts([20, 30, 36], seed=9), preempt_blocks=7)
+    check_greedy_parity(folder, random_prompts([20, 30, 36], VOCAB, seed=9), preempt_blocks=7)
 
 
 ROPE_CASES = [
@@ -246,3 +208,61 @@ def test_long_context_shapes() -> None:
     assert 2.9e9 < moe.layer_weight_params(1) + moe.vocab_size * moe.hidden_size < 3.5e9  # ~3.3B active
     mixtral = SHAPES["mixtral-8x7b"]
     assert 46.0e9 < mixtral.num_params() < 47.5e9  # Mixtral-8x7B: 46.7B
+
+
+def _first_logits(folder: Path, prompts: list[list[int]], **engine_args) -> torch.Tensor:  # noqa: ANN003
+    """The prefill logits of each prompt, as the sampler receives them (rows in completion order)."""
+    llm = LLM(str(folder), dtype="float32", **engine_args)
+    captured: list[torch.Tensor] = []
+    sampler = llm.engine.runner.sampler
+
+    def spying(logits: torch.Tensor, metadata):  # noqa: ANN001, ANN202
+        captured.append(logits.float().clone())
+        return sampler(logits, metadata)
+
+    llm.engine.runner.sampler = spying  # type: ignore[assignment]
+    for prompt in prompts:  # one at a time: one row each
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    return torch.cat(captured)
+
+
+def _block_fp8_checkpoint(source: Path, folder: Path) -> dict[str, torch.Tensor]:
+    """Qwen3-30B-A3B-FP8's format: every projection (attention and each expert's) e4m3 with 128 x 128 block scales
+    (`weight_scale_inv`), the router, norms and embeddings unquantized."""
+    from pagoda.kernels import reference as ref
+
+    folder.mkdir()
+    tensors = load_file(str(source / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight"):
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = ref.quantize_fp8_blocks(tensor)
+        else:
+            out[name] = tensor
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(out, str(folder / "model.safetensors"))
+    return out
+
+
+def test_fp8_experts_quantized_at_load_and_from_a_block_checkpoint(tmp_path: Path) -> None:
+    """--quantization fp8 covers the experts (e4m3 with per-row scales); a block-FP8 checkpoint's experts load bit
+    for bit with their block scales; both stay close to the fp32 model."""
+    folder = _qwen3_moe(tmp_path / "fp32")
+    prompts = random_prompts([7, 30, 55], VOCAB, seed=12)
+    base = _first_logits(folder, prompts)
+    quantized = _first_logits(folder, prompts, quantization="fp8")
+    checkpoint = _block_fp8_checkpoint(folder, tmp_path / "fp8")
+    shipped = _first_logits(tmp_path / "fp8", prompts)
+    for ours in (quantized, shipped):
+        cosine = torch.nn.functional.cosine_similarity(ours, base, dim=-1)
+        assert bool((cosine > 0.99).all()), cosine
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32")
+    layer = llm.engine.runner.model.layers[2]
+    assert layer.mlp is not None and layer.mlp.w_gate_up.dtype == torch.float8_e4m3fn
+    expert_up = checkpoint["model.layers.2.mlp.experts.5.up_proj.weight"]
+    assert torch.equal(layer.mlp.w_gate_up[5, 32:].view(torch.uint8), expert_up.view(torch.uint8))
+    scale = checkpoint["model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"]  # [1, 1]: one 128 x 128 block
+    assert torch.equal(layer.mlp.w_gate_up_scale[5, 32:], scale.expand(32, 1))

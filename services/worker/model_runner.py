@@ -221,7 +221,7 @@ class ModelRunner:
         variants compile in profile_run, CUDA-graph decode in the capture."""
         self.dummy_forward([1] * 64 + [64], num_logits=65)
         self.dummy_forward([1] * 3 + [40, 24], num_logits=5)
-        for num_splits in (1, 2, 4, 8, 16):  # pick_num_splits' values; one sequence of 64 keys a split gets each
+        for num_splits in (1, 2, 4, 8, 16, 32, 64):  # pick_num_splits' values; 64 keys a split each
             if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
                 self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
         self.warm_up_experts()

@@ -39,6 +39,8 @@ def fill(model: CausalLM, source: Source) -> None:
             tensor = source(place.hf_name, place.full_shape, place.shard_dim, place.shard_start, place.shard_len)
             assert tensor.shape == place.target.shape, (place.hf_name, tensor.shape, place.target.shape)
             if place.scale_target is None:
+                if tensor.dtype == torch.float8_e4m3fn and place.target.dtype != torch.float8_e4m3fn:
+                    tensor = _dequantized(source, place, tensor)  # a weight the model keeps unquantized
                 place.target.copy_(tensor)
                 continue
             if tensor.dtype == torch.float8_e4m3fn:  # as the checkpoint ships it, with its scales
@@ -51,6 +53,15 @@ def fill(model: CausalLM, source: Source) -> None:
             place.target.copy_(tensor)
             place.scale_target.copy_(scale)
         load_kv_scales(model, source)
+
+
+def _dequantized(source: Source, place: Placement, tensor: torch.Tensor) -> torch.Tensor:
+    """An e4m3 checkpoint weight in fp32 for a parameter the model keeps in its own dtype (MLA's kv_b_proj, whose
+    per-head blocks W_UK and W_UV are applied by batched matmuls in the model dtype)."""
+    assert isinstance(source, SafetensorsSource) and source.fp8 is not None and tensor.dim() == 2
+    scale = source.fp8_scale(place.hf_name, place.full_shape, place.shard_dim, place.shard_start, place.shard_len)
+    group = source.fp8.block[1] if source.fp8.block is not None else None
+    return ref.dequantize_fp8(tensor.to(scale.device), scale, group)
 
 
 def load_kv_scales(model: CausalLM, source: Source) -> None:

@@ -65,6 +65,59 @@ def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
 
 
+class ExpandRule(Protocol):
+    """Which chunks MLA computes by expanding the latents (kernels/mla.ExpandPolicy)."""
+
+    def expands(self, query_len: int, seq_len: int) -> bool: ...
+
+
+def reference_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
+                         expand: ExpandRule | None = None) -> torch.Tensor:
+    """Absorbed MLA over the latent cache [N, bs, R + P] (PyTorch reference): q [T, heads, R + P] -> [T, heads, R];
+    rows of the chunks `expand` sends to the expanded path come out zero."""
+    seqs = None if expand is None else [b for b, (query_len, seq_len) in enumerate(
+        zip(meta.query_lens_host, meta.seq_lens_host, strict=True)) if not expand.expands(query_len, seq_len)]
+    return ref.mla_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, scale,
+                             kv_lora_rank, kv_scale, seqs)
+
+
+def triton_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
+                      expand: ExpandRule | None = None) -> torch.Tensor:
+    """The same with the Triton split-KV kernel (rows of expanded chunks undefined)."""
+    from pagoda.kernels.mla import ExpandPolicy, mla_attention
+
+    assert expand is None or isinstance(expand, ExpandPolicy)
+    return mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                         meta.max_seq_len, scale, kv_lora_rank, kv_scale=kv_scale, expand=expand)
+
+
+def reference_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],
+                         w_kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int, scale: float,
+                         out: torch.Tensor, kv_scale: torch.Tensor | None = None, max_rows: int = 0) -> None:
+    """The chunks of sequences `seqs` by expanded multi-head attention: q [T, heads, Dn + P] un-absorbed; their rows
+    of out [T, heads, Dv] are written (PyTorch reference, one sequence at a time: max_rows does not apply)."""
+    expanded = ref.mla_expanded_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host,
+                                          w_kv_b, qk_nope_head_dim, v_head_dim, scale, kv_scale, seqs)
+    starts = [0]
+    for query_len in meta.query_lens_host:
+        starts.append(starts[-1] + query_len)
+    for b in seqs:
+        out[starts[b]:starts[b + 1]] = expanded[starts[b]:starts[b + 1]]
+
+
+def triton_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],
+                      w_kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int, scale: float,
+                      out: torch.Tensor, kv_scale: torch.Tensor | None = None, max_rows: int = 0) -> None:
+    """The same with gathered, expanded K/V and the paged kernel, in launches of at most max_rows latent rows
+    (0: kernels/mla's default)."""
+    from pagoda.kernels.mla import EXPAND_MAX_ROWS, mla_expanded_attention
+
+    mla_expanded_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, seqs, w_kv_b,
+                           qk_nope_head_dim, v_head_dim, scale, out, kv_scale, max_rows or EXPAND_MAX_ROWS)
+
+
 @dataclass(frozen=True, slots=True)
 class Ops:
     """The kernels one model instance uses: plain PyTorch on CPU, Triton on CUDA (same semantics)."""
@@ -93,6 +146,11 @@ class Ops:
     # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk weights [T, k], topk ids [T, k], FP8 scales or None
     # x2, group size) -> [T, H]: the routed experts of a sparse layer
     moe_experts: Callable[..., torch.Tensor] = ref.moe_experts
+    # Multi-head latent attention (models/deepseek.py): q's rope and the latent entries into the cache in one pass,
+    # absorbed attention over the latent cache, and the expanded path for long chunks
+    mla_prepare: Callable[..., None] = ref.mla_prepare
+    mla_attend: Callable[..., torch.Tensor] = reference_mla_attend
+    mla_expand: Callable[..., None] = reference_mla_expand
 
 
 def _reference_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -107,7 +165,7 @@ def reference_ops() -> Ops:
 
 
 def triton_ops() -> Ops:
-    from pagoda.kernels import activation, fp8, moe, norm, qkv_prep, rope
+    from pagoda.kernels import activation, fp8, mla, moe, norm, qkv_prep, rope
 
     def fused_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +175,8 @@ def triton_ops() -> Ops:
                silu_and_mul=activation.silu_and_mul, attention=triton_attention, fp8_linear=fp8.fp8_linear,
                add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
                fp8_matmul=fp8.fp8_matmul, prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
-               moe_experts=moe.fused_experts)
+               moe_experts=moe.fused_experts, mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
+               mla_expand=triton_mla_expand)
 
 
 def ops_for(device: torch.device) -> Ops:

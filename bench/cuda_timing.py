@@ -1,0 +1,32 @@
+"""Device time of a piece of GPU work as decode steps run it: replayed from a CUDA graph, no host gaps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median device time of `fn` replayed from a CUDA graph: fn runs once eagerly (compiles), is captured, then
+    each of `reps` timings replays it 5 times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # warm the graph pool's allocations on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 5)
+    return sorted(times)[len(times) // 2]

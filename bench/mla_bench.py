@@ -1,0 +1,327 @@
+"""MLA kernels on one GPU (kernels/mla.py), DeepSeek dims (kv_lora_rank 512, rope 64, nope 128, v 128):
+
+  decode   absorbed decode at B = 1, 64, 256 x context 1k / 4k, 16 heads (V2-Lite) and 128 heads (V3), bf16 and
+           fp8 latent cache: us, latent-cache TB/s and its fraction of 4.2 TB/s; --sweep tries launch shapes.
+  prefill  one chunk of q_len queries after `context` cached tokens, the whole attention of each path (absorbed:
+           W_UK bmm + kernel + W_UV bmm; expanded: gather + kv_b GEMM + paged kernel): the crossover query length
+           to put in kernels/mla.py EXPAND_MIN_QUERY_LEN.
+  capacity KV blocks per GiB of the latent cache (the worker's layout) against the same model with per-head K/V.
+
+    python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity] [--sweep] [--quick] [--out FILE]
+    python -m pagoda.bench.mla_bench --smoke    # tiny shapes on CPU (Triton interpreter): checks the script runs
+
+Every timed configuration is first checked against the PyTorch reference. JSON goes to --out, else to
+$OUT/mla_bench.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PEAK_BYTES_PER_S = 4.2e12  # measured HBM bandwidth of an H200 (DESIGN.md)
+PEAK_FLOPS = 780e12  # measured dense bf16 matmul rate of an H200
+
+
+@dataclass(frozen=True)
+class Dims:
+    num_heads: int
+    lat: int = 512  # kv_lora_rank
+    rope: int = 64  # qk_rope_head_dim
+    nope: int = 128  # qk_nope_head_dim
+    v_dim: int = 128  # v_head_dim
+    block_size: int = 16
+
+    @property
+    def scale(self) -> float:
+        return (self.nope + self.rope) ** -0.5
+
+
+SMOKE_DIMS = Dims(num_heads=4, lat=32, rope=16, nope=16, v_dim=16, block_size=8)
+_L2_FLUSH: list[torch.Tensor] = []
+
+
+def _time_us(fn: Any, device: str, iters: int) -> float:
+    """Median time of one call after warm-up, L2 wiped before each (CUDA events); on CPU wall time."""
+    if device != "cuda":
+        fn()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters * 1e6
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        _L2_FLUSH[0].zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _paged_cache(dims: Dims, seq_lens: list[int], dtype: torch.dtype, device: str,
+                 kv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random latent cache holding the sequences' entries in shuffled blocks, and their block tables."""
+    from pagoda.kernels import reference as ref
+
+    bs = dims.block_size
+    blocks_per_seq = [-(-n // bs) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq)
+    cache = torch.randn(num_blocks, bs, dims.lat + dims.rope, device=device)  # [N, bs, R + P]
+    cache = ref.quantize_fp8(cache, kv_scale) if dtype == torch.float8_e4m3fn else cache.to(dtype)
+    perm = torch.randperm(num_blocks, device=device).int()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    return cache, tables
+
+
+def _check(out: torch.Tensor, expected: torch.Tensor, what: str) -> float:
+    err = (out.float().cpu() - expected.float().cpu()).abs().max().item()
+    if not err < 3e-2:
+        raise AssertionError(f"{what}: max abs err {err:.3e} against the reference")
+    return err
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+def decode_row(dims: Dims, batch: int, context: int, cache_dtype: torch.dtype, device: str, iters: int,
+               config: Any = None) -> dict[str, Any]:
+    from pagoda.kernels import reference as ref
+    from pagoda.kernels.mla import mla_attention, pick_mla_config
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kv_scale = torch.tensor([0.05], device=device) if cache_dtype == torch.float8_e4m3fn else None
+    cache, tables = _paged_cache(dims, [context] * batch, cache_dtype, device, kv_scale)
+    q = torch.randn(batch, dims.num_heads, dims.lat + dims.rope, device=device).to(dtype) * 0.1  # [B, heads, R + P]
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    out = torch.empty(batch, dims.num_heads, dims.lat, dtype=dtype, device=device)
+
+    def run() -> torch.Tensor:
+        return mla_attention(q, cache, tables, seq_lens, qsl, 1, context, dims.scale, dims.lat, out=out,
+                             config=config, kv_scale=kv_scale)
+
+    check_rows = min(batch, 8)  # the reference on a few sequences (it is slow at B = 256)
+    expected = ref.mla_attention(q[:check_rows].float(), cache, tables[:check_rows], [context] * check_rows,
+                                 [1] * check_rows, dims.scale, dims.lat, kv_scale)
+    err = _check(run()[:check_rows], expected, f"decode B={batch} ctx={context}")
+    us = _time_us(run, device, iters)
+    cache_bytes = batch * context * (dims.lat + dims.rope) * cache.element_size()
+    flops = 2 * batch * context * dims.num_heads * (2 * dims.lat + dims.rope)
+    used = config or pick_mla_config(batch, dims.num_heads, 1, context)
+    return {"part": "decode", "heads": dims.num_heads, "B": batch, "context": context,
+            "cache_dtype": str(cache_dtype).removeprefix("torch."), "us": us,
+            "cache_TBps": cache_bytes / us / 1e6, "hbm_fraction": cache_bytes / us / 1e6 / (PEAK_BYTES_PER_S / 1e12),
+            "TFLOPs": flops / us / 1e6, "max_abs_err": err, "config": asdict(used)}
+
+
+def decode_part(device: str, quick: bool, sweep: bool, smoke: bool) -> list[dict[str, Any]]:
+    from pagoda.kernels.mla import pick_mla_config
+
+    rows = []
+    if smoke:
+        grid = [(SMOKE_DIMS, 2, 40, torch.float32), (SMOKE_DIMS, 3, 40, torch.float8_e4m3fn)]
+    else:
+        grid = [(Dims(h), b, ctx, cd) for h in (16, 128) for b in (1, 64, 256) for ctx in (1024, 4096)
+                for cd in (torch.bfloat16, torch.float8_e4m3fn) if not (quick and ctx == 4096)]
+    iters = 2 if smoke else (10 if quick else 30)
+    for dims, batch, ctx, cache_dtype in grid:
+        row = decode_row(dims, batch, ctx, cache_dtype, device, iters)
+        rows.append(row)
+        _print_decode(row)
+    if sweep and not smoke:
+        for heads, batch in ((16, 256), (128, 256), (16, 1), (128, 64)):
+            base = pick_mla_config(batch, heads, 1, 1024)
+            best = None
+            for block_h in (16, 32, 64):
+                for tile_n in (16, 32, 64):
+                    for warps in (4, 8):
+                        for stages in (1, 2):
+                            config = replace(base, block_h=block_h, decode_tile_n=tile_n, decode_num_warps=warps,
+                                             decode_num_stages=stages, prefill_block_m=max(block_h, 32))
+                            try:
+                                row = decode_row(Dims(heads), batch, 1024, torch.bfloat16, device, 10, config)
+                            except Exception as exc:  # noqa: BLE001 (a shape that does not compile: skip it)
+                                print(f"sweep heads={heads} B={batch} {config}: {type(exc).__name__}")
+                                continue
+                            row["part"] = "decode-sweep"
+                            rows.append(row)
+                            if best is None or row["us"] < best["us"]:
+                                best = row
+            assert best is not None
+            print(f"SWEEP best heads={heads} B={batch} ctx=1024: {best['us']:.1f} us "
+                  f"({best['hbm_fraction']:.2f} of HBM) with {best['config']}", flush=True)
+    return rows
+
+
+def _print_decode(row: dict[str, Any]) -> None:
+    print(f"decode heads={row['heads']:3d} B={row['B']:3d} ctx={row['context']:5d} {row['cache_dtype']:13s} "
+          f"{row['us']:8.1f} us  {row['cache_TBps']:5.2f} TB/s ({row['hbm_fraction']:.2f} of HBM)  "
+          f"{row['TFLOPs']:6.1f} TFLOP/s  splits={row['config']['num_splits']}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+def prefill_row(dims: Dims, query_len: int, context: int, device: str, iters: int) -> dict[str, Any]:
+    """One sequence: a chunk of query_len queries after `context` cached tokens, both paths, checked."""
+    from pagoda.kernels import reference as ref
+    from pagoda.kernels.mla import mla_attention, mla_expanded_attention
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    seq_len = context + query_len
+    cache, tables = _paged_cache(dims, [seq_len], dtype, device, None)
+    cache.mul_(0.3)
+    h = dims.num_heads
+    w_kv_b = (torch.randn(h * (dims.nope + dims.v_dim), dims.lat, device=device) * dims.lat ** -0.5).to(dtype)
+    w_uk = w_kv_b.view(h, dims.nope + dims.v_dim, dims.lat)[:, :dims.nope]  # [heads, Dn, R]
+    w_uv = w_kv_b.view(h, dims.nope + dims.v_dim, dims.lat)[:, dims.nope:]  # [heads, Dv, R]
+    q = (torch.randn(query_len, h, dims.nope + dims.rope, device=device) * 0.3).to(dtype)  # [T, heads, Dn + P]
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, query_len], dtype=torch.int32, device=device)
+
+    def absorbed() -> torch.Tensor:
+        q_abs = torch.cat((torch.bmm(q[..., :dims.nope].transpose(0, 1), w_uk).transpose(0, 1),
+                           q[..., dims.nope:]), dim=-1)  # [T, heads, R + P]
+        out_lat = mla_attention(q_abs, cache, tables, seq_lens, qsl, query_len, seq_len, dims.scale, dims.lat)
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, Dv]
+
+    out = torch.empty(query_len, h, dims.v_dim, dtype=dtype, device=device)
+
+    def expanded() -> torch.Tensor:
+        mla_expanded_attention(q, cache, tables, [seq_len], [query_len], [0], w_kv_b, dims.nope, dims.v_dim,
+                               dims.scale, out, max_rows=1 << 30)
+        return out
+
+    check = min(query_len, 64)  # the last `check` queries against the reference
+    expected = ref.mla_expanded_attention(q[-check:].float(), cache.float(), tables, [seq_len], [check],
+                                          w_kv_b.float(), dims.nope, dims.v_dim, dims.scale)
+    err = max(_check(absorbed()[-check:], expected, f"absorbed q={query_len} ctx={context}"),
+              _check(expanded()[-check:], expected, f"expanded q={query_len} ctx={context}"))
+    absorbed_us, expanded_us = _time_us(absorbed, device, iters), _time_us(expanded, device, iters)
+    return {"part": "prefill", "heads": h, "query_len": query_len, "context": context, "absorbed_us": absorbed_us,
+            "expanded_us": expanded_us, "expanded_faster": expanded_us < absorbed_us, "max_abs_err": err}
+
+
+def prefill_part(device: str, quick: bool, smoke: bool) -> list[dict[str, Any]]:
+    rows = []
+    if smoke:
+        grid = [(SMOKE_DIMS, (4, 24), (0, 30))]
+    else:
+        query_lens = (16, 32, 64, 128, 256, 512, 1024, 2048)
+        grid = [(Dims(h), query_lens, (0, 1024, 4096) if quick else (0, 1024, 4096, 16384)) for h in (16, 128)]
+    iters = 2 if smoke else (5 if quick else 15)
+    for dims, query_lens, contexts in grid:
+        for context in contexts:
+            crossover = None
+            for query_len in query_lens:
+                row = prefill_row(dims, query_len, context, device, iters)
+                rows.append(row)
+                print(f"prefill heads={dims.num_heads:3d} ctx={context:6d} q={query_len:5d}: absorbed "
+                      f"{row['absorbed_us']:9.1f} us  expanded {row['expanded_us']:9.1f} us", flush=True)
+                if row["expanded_faster"] and crossover is None:
+                    crossover = query_len
+                elif not row["expanded_faster"]:
+                    crossover = None  # the smallest query length from which on expanding stays faster
+            print(f"CROSSOVER heads={dims.num_heads} ctx={context}: expanded faster from q_len {crossover}", flush=True)
+            rows.append({"part": "crossover", "heads": dims.num_heads, "context": context, "min_query_len": crossover})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+
+
+def capacity_part() -> list[dict[str, Any]]:
+    """KV blocks (16 tokens) per GiB over all layers: the latent cache as the worker allocates it (the DeepSeek
+    family's KvLayout) against the same model with per-head K (Dn + P) and V (Dv) for every query head (what MLA
+    replaces), bf16 and fp8."""
+    from pagoda.services.worker.models import deepseek
+    from pagoda.shared.shapes import SHAPES
+
+    rows = []
+    for name in ("deepseek-v2-lite", "deepseek-v3-slice"):
+        arch = SHAPES[name]
+        mla = arch.mla
+        assert mla is not None
+        layers = 61 if name == "deepseek-v3-slice" else arch.num_layers  # the full V3's 61 layers
+        for dtype_bytes, dtype in ((2, "bf16"), (1, "fp8")):
+            latent = deepseek.kv_layout(arch, 1).bytes_per_token(layers, dtype_bytes)
+            mha = layers * arch.num_heads * (mla.qk_head_dim + mla.v_head_dim) * dtype_bytes
+            row = {"part": "capacity", "model": name, "layers": layers, "dtype": dtype,
+                   "latent_bytes_per_token": latent, "mha_bytes_per_token": mha,
+                   "blocks_per_GiB_latent": (1 << 30) // (16 * latent), "blocks_per_GiB_mha": (1 << 30) // (16 * mha),
+                   "ratio": mha / latent}
+            rows.append(row)
+            print(f"capacity {name} ({layers} layers) {dtype}: {latent} B vs {mha} B per token -> "
+                  f"{row['blocks_per_GiB_latent']} vs {row['blocks_per_GiB_mha']} blocks of 16 per GiB "
+                  f"({row['ratio']:.2f}x)", flush=True)
+    return rows
+
+
+def _use_interpreter() -> None:
+    """Triton's interpreter for --smoke (set before the first kernel module defines its kernels), with the loop
+    bound fix tests/conftest.py applies (Triton 3.6 calls int() on a 1-element array, numpy >= 2.4 refuses)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="decode,prefill,capacity")
+    parser.add_argument("--sweep", action="store_true", help="decode launch-shape sweep")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, to check the script itself")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu" and not args.smoke:
+        parser.error("needs a CUDA device (or --smoke)")
+    if device == "cpu":
+        _use_interpreter()
+    torch.manual_seed(0)
+    parts = set(args.parts.split(","))
+    rows: list[dict[str, Any]] = []
+    if device == "cuda":
+        print(torch.cuda.get_device_name(), flush=True)
+    if "decode" in parts:
+        rows += decode_part(device, args.quick, args.sweep, args.smoke)
+    if "prefill" in parts:
+        rows += prefill_part(device, args.quick, args.smoke)
+    if "capacity" in parts:
+        rows += capacity_part()
+    out = args.out or (str(Path(os.environ["OUT"]) / "mla_bench.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(rows, indent=1))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,692 @@
+"""Triton kernels for DeepSeek's multi-head latent attention (MLA) over a paged latent cache.
+
+The cache of one layer is `[num_blocks, block_size, kv_lora_rank + rope_dim]`: one entry per token, the
+normalised latent c_kv followed by the rotated shared rope key k_pe (576 values for DeepSeek V2/V3), in the
+model dtype or fp8 e4m3 with one per-tensor scale. Every query head reads the same entry.
+
+- `write_latent`: store this step's [c_kv ‖ k_pe] rows at their slots; `mla_prepare` does that from the kv_a
+  projection's rows in one launch with the kv_a RMSNorm and the rope of k_pe (interleaved or not), and rotates
+  q's rope dims in place.
+- `mla_attention`: absorbed attention. The caller folds W_UK into the query, q = [q_nope @ W_UK ‖ q_pe]
+  [T, heads, R + P]; scores are q . entry over all R + P values, values are the latent part, and the output is
+  the latent-space mix [T, heads, R] to which the caller applies W_UV. Decode rows run one program per (sequence,
+  block of heads, KV split), flash-decoding style; chunks of several queries run in tiles of BLOCK_Q tokens x
+  BLOCK_H heads. A chunk longer than `max_absorbed_query_len` is skipped: its rows belong to the expanded path.
+- `mla_expanded_attention`: the expanded path for long chunks: gather the sequences' latents, W_UK/W_UV
+  expansion by one GEMM (kv_b_proj) into per-head K [L, heads, Dn + P] and V [L, heads, Dv], then the
+  multi-head paged attention kernel of kernels/paged_attention.py over them.
+
+Per query-key pair and head the absorbed path costs 2 (R + P) + 2 R FLOPs (2176 for R = 512, P = 64), the
+expanded one 2 (Dn + P) + 2 Dv (640, padded to 1024 in the paged kernel) plus the expansion, 2 R (Dn + Dv) per
+key and head: expanding wins for chunks of more than a couple of hundred queries. EXPAND_MIN_QUERY_LEN is that
+crossover (bench/mla_prefill.py measures it). Semantics: reference.write_latent, reference.mla_attention,
+reference.mla_expanded_attention.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.fp8 import FP8_MAX_C, round_to_e4m3
+from pagoda.kernels.paged_attention import (
+    _LOG2E,
+    _NEG_BIG,
+    AttentionConfig,
+    _find_seq,
+    _split_reduce_kernel,
+    _store_rows,
+    paged_attention,
+)
+from pagoda.kernels.qkv_prep import _rotate, _to_cache
+from pagoda.kernels.rope import _round_to, cos_sin_halves
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_LATENT_DIM = 1024
+_MAX_ROPE_DIM = 256
+_MAX_SPLITS = 16
+# Chunks of at least this many queries take the expanded path (a FLOP estimate until bench/mla_bench.py
+# --parts prefill measures the crossover on the target GPU; see the module docstring).
+EXPAND_MIN_QUERY_LEN = 256
+# The expanded path materialises per-head K and V of every latent row it expands (rows x heads x 2 max(Dn + P, Dv)
+# values): one launch holds at most this many bytes of them, and a sequence whose context would need more stays on
+# the absorbed path, which needs no workspace. 1 GiB: 87k rows of DeepSeek-V2-Lite (16 heads), 10.9k of V3 (128).
+EXPAND_WORKSPACE_BYTES = 1 << 30
+EXPAND_MAX_ROWS = 32768  # the default bound when no head count is known
+_NO_LIMIT = 2**31 - 1
+
+
+def expand_max_rows(num_heads: int, qk_head_dim: int, v_head_dim: int, itemsize: int,
+                    workspace_bytes: int = EXPAND_WORKSPACE_BYTES) -> int:
+    """Latent rows whose expanded K and V fit the workspace."""
+    return max(1, workspace_bytes // (2 * num_heads * max(qk_head_dim, v_head_dim) * itemsize))
+
+
+@dataclass(frozen=True, slots=True)
+class ExpandPolicy:
+    """Which chunks take the expanded path: at least min_query_len (>= 2) queries, in a sequence of at most
+    max_seq_len tokens (its whole context is expanded at once; see expand_max_rows)."""
+
+    min_query_len: int = EXPAND_MIN_QUERY_LEN
+    max_seq_len: int = EXPAND_MAX_ROWS
+
+    def expands(self, query_len: int, seq_len: int) -> bool:
+        return query_len >= max(self.min_query_len, 2) and seq_len <= self.max_seq_len
+
+
+# --------------------------------------------------------------------------------------------- cache write
+
+
+@triton.jit
+def _write_latent_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_mapping_ptr, scale_ptr,
+                         stride_ct, stride_pt, stride_cb, stride_cs,
+                         LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """One program per token: cache[slot] = [kv_c ‖ k_pe] (fp8: / scale, clamped to +-448, rounded to e4m3)."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token (CUDA-graph batch filler): nothing to store
+        return
+    row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    offs_l = tl.arange(0, LAT_P)
+    offs_r = tl.arange(0, ROPE_P)
+    lat = tl.load(kv_c_ptr + token * stride_ct + offs_l, mask=offs_l < LAT)  # [LAT_P]
+    rope = tl.load(k_pe_ptr + token * stride_pt + offs_r, mask=offs_r < ROPE)  # [ROPE_P]
+    if FP8:
+        scale = tl.load(scale_ptr)
+        lat = round_to_e4m3(tl.clamp(tl.math.div_rn(lat.to(tl.float32), scale), -FP8_MAX_C, FP8_MAX_C))
+        rope = round_to_e4m3(tl.clamp(tl.math.div_rn(rope.to(tl.float32), scale), -FP8_MAX_C, FP8_MAX_C))
+    tl.store(row + offs_l, lat.to(cache_ptr.dtype.element_ty), mask=offs_l < LAT)
+    tl.store(row + LAT + offs_r, rope.to(cache_ptr.dtype.element_ty), mask=offs_r < ROPE)
+
+
+def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: torch.Tensor | None = None) -> None:
+    """Store kv_c [T, R] and k_pe [T, P] (strided row views fine, e.g. of the kv_a projection's output) as
+    entries [R + P] of the latent cache [num_blocks, block_size, R + P] at flat slots (block * block_size +
+    offset); slot -1 is padding and is skipped. An fp8 cache needs kv_scale [1] fp32 and stores x / kv_scale
+    (as reference.write_latent). Slots must lie inside the cache (not checked: a device sync)."""
+    if kv_c.dim() != 2 or k_pe.dim() != 2 or kv_c.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"kv_c must be [T, R] and k_pe [T, P], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}")
+    num_tokens, lat = kv_c.shape
+    rope = k_pe.shape[1]
+    if cache.dim() != 3 or cache.shape[2] != lat + rope or cache.stride(2) != 1:
+        raise ValueError(f"cache must be [num_blocks, block_size, {lat + rope}] contiguous along its last dim, got "
+                         f"{tuple(cache.shape)}")
+    if not 0 < lat <= _MAX_LATENT_DIM or not 0 < rope <= _MAX_ROPE_DIM:
+        raise ValueError(f"latent dim must be in 1..{_MAX_LATENT_DIM} and rope dim in 1..{_MAX_ROPE_DIM}, got "
+                         f"{lat} and {rope}")
+    if not kv_c.dtype.is_floating_point or k_pe.dtype != kv_c.dtype or cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_c and k_pe must share a float dtype and the cache be float, got {kv_c.dtype}, "
+                         f"{k_pe.dtype}, {cache.dtype}")
+    if kv_c.stride(1) != 1 or k_pe.stride(1) != 1:
+        raise ValueError("kv_c and k_pe must be contiguous along their last dim")
+    if (slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in _INDEX_DTYPES
+            or not slot_mapping.is_contiguous()):
+        raise ValueError(f"slot_mapping must be [T={num_tokens}] int32/int64 contiguous, got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if not (kv_c.device == k_pe.device == cache.device == slot_mapping.device):
+        raise ValueError("kv_c, k_pe, cache and slot_mapping must be on one device")
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    _check_scale(kv_scale, fp8, cache.device)
+    if num_tokens == 0:
+        return
+    _write_latent_kernel[(num_tokens,)](
+        kv_c, k_pe, cache, slot_mapping, kv_scale if fp8 else cache,
+        kv_c.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1),
+        LAT=lat, LAT_P=triton.next_power_of_2(lat), ROPE=rope, ROPE_P=triton.next_power_of_2(rope),
+        BLOCK_SIZE=cache.shape[1], FP8=fp8, num_warps=4)
+
+
+def _check_scale(kv_scale: torch.Tensor | None, fp8: bool, device: torch.device) -> None:
+    if fp8 and (kv_scale is None or kv_scale.shape != (1,) or kv_scale.dtype != torch.float32
+                or kv_scale.device != device):
+        raise ValueError("an fp8 latent cache needs kv_scale as a [1] fp32 tensor on its device")
+
+
+@triton.jit
+def _rope_pairs(x_ptr, offs_c, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two halves a rope rotates, as fp32: (x[2i], x[2i+1]) interleaved, else (x[i], x[i + HALF])."""
+    if INTERLEAVED:
+        x1 = tl.load(x_ptr + 2 * offs_c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + 2 * offs_c + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(x_ptr + offs_c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF + offs_c, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _mla_prepare_kernel(q_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, positions_ptr, cache_ptr, slot_mapping_ptr,
+                        scale_ptr, eps, stride_qt, stride_qh, stride_at, stride_cos, stride_sin, stride_cb, stride_cs,
+                        NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, ROPE_OFFSET: tl.constexpr,
+                        LAT: tl.constexpr, LAT_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr):
+    """Grid (tokens, 2): program (t, 0) rotates token t's q rope dims in place (all heads); (t, 1) stores its cache
+    entry [rms_norm(c_kv) ‖ rope(k_pe)]. Roundings as reference.mla_prepare, step by step in q's dtype."""
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    CACHE_DTYPE: tl.constexpr = cache_ptr.dtype.element_ty
+    token = tl.program_id(0).to(tl.int64)
+    row = tl.load(positions_ptr + token).to(tl.int64)
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HALF, HALF_P)  # [HALF_P] each
+    offs_c = tl.arange(0, HALF_P)
+    c_mask = offs_c < HALF
+    if tl.program_id(1) == 0:
+        offs_h = tl.arange(0, HEADS_P)
+        mask = (offs_h < NUM_HEADS)[:, None] & c_mask[None, :]  # [HEADS_P, HALF_P]
+        head_rows = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + ROPE_OFFSET
+        x1, x2 = _rope_pairs(head_rows, offs_c[None, :], mask, HALF, INTERLEAVED)
+        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DTYPE)
+        tl.store(head_rows + offs_c[None, :], o1.to(DTYPE), mask=mask)  # rotate-half order
+        tl.store(head_rows + HALF + offs_c[None, :], o2.to(DTYPE), mask=mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:  # else a padding token: nothing to store
+            a_row = kv_a_ptr + token * stride_at
+            offs_l = tl.arange(0, LAT_P)
+            l_mask = offs_l < LAT
+            lat = tl.load(a_row + offs_l, mask=l_mask, other=0.0).to(tl.float32)  # [LAT_P]
+            rstd = tl.rsqrt(tl.sum(lat * lat, 0) / LAT + eps)
+            weight = tl.load(norm_ptr + offs_l, mask=l_mask, other=0.0).to(tl.float32)
+            lat = _round_to(_round_to(lat * rstd, DTYPE) * weight, DTYPE)
+            x1, x2 = _rope_pairs(a_row + LAT, offs_c, c_mask, HALF, INTERLEAVED)  # [HALF_P] each
+            o1, o2 = _rotate(x1[None, :], x2[None, :], c1, c2, s1, s2, DTYPE)  # [1, HALF_P] each
+            entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            tl.store(entry + offs_l, _to_cache(lat, scale_ptr, CACHE_DTYPE, FP8), mask=l_mask)
+            tl.store(entry + LAT + offs_c[None, :], _to_cache(o1, scale_ptr, CACHE_DTYPE, FP8), mask=c_mask[None, :])
+            tl.store(entry + LAT + HALF + offs_c[None, :], _to_cache(o2, scale_ptr, CACHE_DTYPE, FP8),
+                     mask=c_mask[None, :])
+
+
+def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                kv_scale: torch.Tensor | None = None, interleaved: bool = False) -> None:
+    """One launch for an MLA layer's attention inputs (reference.mla_prepare): q [T, heads, Dn + P] (a strided
+    view is fine) gets its last P dims rotated in place; kv_a [T, R + P] (the kv_a projection's rows) becomes the
+    cache entries [rms_norm(c_kv, kv_norm) ‖ rope(k_pe)] at slot_mapping (-1: skipped). cos/sin [max_pos, P] are
+    indexed by positions [T] (< max_pos, not checked). interleaved: DeepSeek's pairwise rope layout, rotated
+    into rotate-half order. An fp8 cache needs kv_scale [1] fp32."""
+    if q.dim() != 3 or kv_a.dim() != 2 or q.shape[0] != kv_a.shape[0]:
+        raise ValueError(f"q must be [T, heads, Dn + P] and kv_a [T, R + P], got {tuple(q.shape)} and "
+                         f"{tuple(kv_a.shape)}")
+    num_tokens, num_heads, qk_dim = q.shape
+    lat = kv_norm.shape[0]
+    rope = kv_a.shape[1] - lat
+    if kv_norm.dim() != 1 or rope <= 0 or rope % 2 or rope > qk_dim or rope > _MAX_ROPE_DIM or lat > _MAX_LATENT_DIM:
+        raise ValueError(f"kv_norm [R] must leave an even rope part of kv_a {tuple(kv_a.shape)} that fits q's "
+                         f"{qk_dim} dims, got R = {lat}")
+    if cache.dim() != 3 or cache.shape[2] != lat + rope or cache.stride(2) != 1 or cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"cache must be [num_blocks, block_size, {lat + rope}] float, contiguous rows, got "
+                         f"{tuple(cache.shape)} {cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or kv_a.dtype != q.dtype or \
+            kv_norm.dtype != q.dtype:
+        raise ValueError(f"q, kv_a and kv_norm must share a float dtype, got {q.dtype}, {kv_a.dtype}, {kv_norm.dtype}")
+    if q.stride(2) != 1 or kv_a.stride(1) != 1 or not kv_norm.is_contiguous():
+        raise ValueError("q, kv_a and kv_norm must be contiguous along their last dim")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != rope or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"cos and sin must both be [positions, {rope}] with contiguous rows")
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if index.shape != (num_tokens,) or index.dtype not in _INDEX_DTYPES or not index.is_contiguous():
+            raise ValueError(f"{name} must be [T={num_tokens}] int32/int64 contiguous, got {tuple(index.shape)}")
+    if not all(t.device == q.device for t in (kv_a, kv_norm, cos, sin, positions, cache, slot_mapping)):
+        raise ValueError(f"all tensors must be on q's device {q.device}")
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    _check_scale(kv_scale, fp8, q.device)
+    if num_tokens == 0:
+        return
+    half = rope // 2
+    _mla_prepare_kernel[(num_tokens, 2)](
+        q, kv_a, kv_norm, cos, sin, positions, cache, slot_mapping, kv_scale if fp8 else cos, eps,
+        q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(1),
+        NUM_HEADS=num_heads, HEADS_P=triton.next_power_of_2(num_heads), ROPE_OFFSET=qk_dim - rope, LAT=lat,
+        LAT_P=triton.next_power_of_2(lat), HALF=half, HALF_P=triton.next_power_of_2(half),
+        BLOCK_SIZE=cache.shape[1], INTERLEAVED=interleaved, FP8=fp8, num_warps=4)
+
+
+# ------------------------------------------------------------------------------------ absorbed attention
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Launch shapes of one mla_attention call (host-side only, so a batch size keeps one shape under CUDA
+    graphs). A program holds BLOCK_H query heads of one sequence: decode rows are those heads (the M dim of
+    tl.dot, padded to >= 16); chunk tiles are prefill_block_m rows = prefill_block_m // BLOCK_H tokens x
+    BLOCK_H heads. Every program reads each latent tile once for the scores and once more (from cache) as
+    the values of its rows."""
+
+    num_splits: int = 1  # KV splits per program (flash decoding); 1 = no reduce kernel
+    block_h: int = 16  # query heads per program (power of two)
+    decode_tile_n: int = 32  # keys per inner-loop step (power of two >= 16)
+    decode_num_warps: int = 8  # 4 spill registers at 16 heads x 32 keys (ptxas for sm_90: 255 + 128 B of stack)
+    decode_num_stages: int = 2
+    prefill_block_m: int = 32  # rows of a chunk tile (power of two >= 16 and >= block_h)
+    prefill_tile_n: int = 32
+    prefill_num_warps: int = 8  # a [32, 512] fp32 accumulator: 64 registers a thread with 8 warps
+    prefill_num_stages: int = 2
+    heads_fast: bool = True  # grid axis 0 = head block: a sequence's head blocks run side by side (L2 reuse)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_mla_splits(num_seqs: int, num_head_blocks: int, max_query_len: int, max_seq_len: int,
+                    num_sms: int = 132) -> int:
+    """Split-KV only for decode batches whose (sequence, head block) programs do not fill the GPU: aim for ~2
+    programs per SM, at least one 64-key tile per split. Host ints only (under CUDA graphs pass max_seq_len =
+    max_model_len so a batch size keeps its choice); a power of two, at most 16."""
+    if max_query_len > 1:
+        return 1
+    base = max(num_seqs * num_head_blocks, 1)
+    if base >= num_sms:
+        return 1
+    splits = max(1, min(_MAX_SPLITS, -(-2 * num_sms // base), max_seq_len // 64))
+    return 1 << (splits.bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def pick_mla_config(num_seqs: int, num_heads: int, max_query_len: int, max_seq_len: int,
+                    num_sms: int = 132) -> MLAConfig:
+    """Default launch shapes: 16 heads x 32-key tiles for decode (bench/mla_decode.py --sweep tunes them on the
+    target GPU), split-KV for small decode batches."""
+    block_h = min(16, triton.next_power_of_2(num_heads))
+    num_head_blocks = -(-num_heads // block_h)
+    return MLAConfig(num_splits=pick_mla_splits(num_seqs, num_head_blocks, max_query_len, max_seq_len, num_sms),
+                     block_h=block_h, heads_fast=max_query_len <= 1)
+
+
+@triton.jit
+def _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb, stride_cs,
+                         qk_scale, row_pos, kv_end, tile_lo, tile_hi,
+                         LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
+    """Online softmax over key tiles [tile_lo, tile_hi): scores q_lat . lat + q_rope . rope, values lat.
+    MASKED=False tiles lie wholly below every row's causal limit (no key, causal or table masks)."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_l = tl.arange(0, LAT_P)
+    offs_r = tl.arange(0, ROPE_P)
+    l_mask = offs_l < LAT
+    r_mask = offs_r < ROPE
+    for j in range(tile_lo, tile_hi):
+        key = j * TILE_N + offs_n  # [TILE_N] absolute key positions
+        if MASKED:
+            key_mask = key < kv_end
+            block = tl.load(block_table_row + key // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+        else:
+            key_mask = offs_n < TILE_N
+            block = tl.load(block_table_row + key // BLOCK_SIZE).to(tl.int64)  # [TILE_N]
+        row = cache_ptr + block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs  # [TILE_N, 1]
+        if MASKED or LAT != LAT_P:
+            lat = tl.load(row + offs_l[None, :], mask=key_mask[:, None] & l_mask[None, :], other=0.0)
+        else:
+            lat = tl.load(row + offs_l[None, :])  # [TILE_N, LAT_P]
+        if MASKED or ROPE != ROPE_P:
+            rope = tl.load(row + LAT + offs_r[None, :], mask=key_mask[:, None] & r_mask[None, :], other=0.0)
+        else:
+            rope = tl.load(row + LAT + offs_r[None, :])  # [TILE_N, ROPE_P]
+        if FP8_KV:  # to the compute dtype; the scale is folded into qk_scale and the output
+            lat = lat.to(q_lat.dtype)
+            rope = rope.to(q_lat.dtype)
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
+        s = tl.dot(q_rope, tl.trans(rope), s, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)  # [BLOCK_M, LAT_P]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _zero_tail(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, num_seqs, num_tokens,
+               head_block, split, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_M: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Rows [qsl[B], T) (CUDA-graph padding) of this head block come out zero, BLOCK_M // BLOCK_H at a time."""
+    offs_m = tl.arange(0, BLOCK_M)
+    zero_acc = tl.zeros([BLOCK_M, LAT_P], tl.float32)
+    zero_sum = tl.zeros([BLOCK_M], tl.float32)
+    empty_max = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    row_head = head_block * BLOCK_H + offs_m % BLOCK_H
+    for first in range(tl.load(query_start_loc_ptr + num_seqs), num_tokens, BLOCK_M // BLOCK_H):
+        token = first + offs_m // BLOCK_H
+        valid = (offs_m < (BLOCK_M // BLOCK_H) * BLOCK_H) & (token < num_tokens) & (row_head < NUM_HEADS)
+        _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, zero_acc, zero_sum, empty_max,
+                    token.to(tl.int64), row_head, valid, split, stride_ot, stride_oh, NUM_HEADS, LAT, LAT_P,
+                    NUM_SPLITS)
+
+
+# num_seqs, num_tokens, the block table's width and the absorbed-length bound change from step to step: left
+# unspecialised so that they compile no new variant while serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "expand_min_q", "expand_max_seq"])
+def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                part_out_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr,
+                qk_scale, num_seqs, num_tokens, expand_min_q, expand_max_seq,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
+                NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
+                ROPE: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+                BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, HEADS_FAST: tl.constexpr):
+    """One program: BLOCK_Q query tokens x BLOCK_H heads (row m = token m // BLOCK_H, head m % BLOCK_H of the
+    head block) over one split of the keys. Grid: (programs along the queries, head blocks, splits), the first
+    two swapped with HEADS_FAST. DECODE: program b is sequence b and runs only if its query length is 1;
+    program num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th
+    query tile of the flattened batch (binary search); length-1 sequences are left to a DECODE launch and
+    chunks of >= expand_min_q queries in sequences of <= expand_max_seq tokens to the expanded path."""
+    if HEADS_FAST:
+        pid = tl.program_id(1)
+        head_block = tl.program_id(0)
+        num_q_programs = tl.num_programs(1)
+    else:
+        pid = tl.program_id(0)
+        head_block = tl.program_id(1)
+        num_q_programs = tl.num_programs(0)
+    split = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+
+    if DECODE:
+        b = pid
+        if b == num_seqs:
+            _zero_tail(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, num_seqs,
+                       num_tokens, head_block, split, stride_ot, stride_oh, NUM_HEADS, BLOCK_H, BLOCK_M, LAT,
+                       LAT_P, NUM_SPLITS)
+            return
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+        if q_len != 1:
+            return
+        seq_len = tl.load(seq_lens_ptr + b)
+        q_lo = 0
+    else:
+        pid = num_q_programs - 1 - pid  # last (longest-attending) tiles first
+        b = _find_seq(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+        is_seq = b < num_seqs  # else: the padding tail past the last sequence, which attends nothing
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_end = tl.where(is_seq, tl.load(query_start_loc_ptr + b + 1, mask=is_seq, other=0), num_tokens)
+        seq_len = tl.load(seq_lens_ptr + b, mask=is_seq, other=0)
+        q_lo = (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
+        q_len = q_end - q_start
+        if q_lo >= q_len:
+            return
+        if is_seq & ((q_len == 1) | ((q_len >= expand_min_q) & (seq_len <= expand_max_seq))):
+            return
+    context_len = seq_len - q_len  # cached tokens before this chunk; < 0 only for padding rows
+
+    row_q = q_lo + offs_m // BLOCK_H  # [BLOCK_M] query index within the sequence
+    row_head = head_block * BLOCK_H + offs_m % BLOCK_H  # [BLOCK_M]
+    row_valid = (offs_m < BLOCK_Q * BLOCK_H) & (row_q < q_len) & (row_head < NUM_HEADS)
+    row_token = (q_start + row_q).to(tl.int64)
+    row_pos = context_len + row_q  # [BLOCK_M] absolute position: attends keys 0..row_pos
+    offs_l = tl.arange(0, LAT_P)
+    offs_r = tl.arange(0, ROPE_P)
+    q_row = q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_l[None, :], mask=row_valid[:, None] & (offs_l < LAT)[None, :],
+                    other=0.0)  # [BLOCK_M, LAT_P]
+    q_rope = tl.load(q_row + LAT + offs_r[None, :], mask=row_valid[:, None] & (offs_r < ROPE)[None, :],
+                     other=0.0)  # [BLOCK_M, ROPE_P]
+
+    last_q = tl.minimum(q_lo + BLOCK_Q, q_len) - 1
+    kv_end = tl.maximum(context_len + last_q + 1, 0)
+    num_full = tl.maximum(context_len + q_lo + 1, 0) // TILE_N  # tiles every row sees whole
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, LAT_P], tl.float32)
+    if FP8_KV:  # scores = q . (entry_fp8 * scale): the per-tensor scale folds into the softmax scale
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
+    block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
+    acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
+                                         stride_cs, qk_scale, row_pos, kv_end, tile_lo,
+                                         tl.minimum(tile_hi, num_full), LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE,
+                                         TILE_N, False, DOT_PRECISION, FP8_KV)
+    acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
+                                         stride_cs, qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full),
+                                         tile_hi, LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, True,
+                                         DOT_PRECISION, FP8_KV)
+    if FP8_KV:  # values are the fp8 latents: sum_j p_j (lat_j * scale) = scale * sum_j p_j lat_j
+        acc = acc * tl.load(kv_scale_ptr)
+    _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
+                split, stride_ot, stride_oh, NUM_HEADS, LAT, LAT_P, NUM_SPLITS)
+
+
+def _check_attention_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, kv_lora_rank: int) -> None:
+    """ValueError on anything the kernel relies on; messages are built only on failure (this runs every layer)."""
+    if q.dim() != 3 or cache.dim() != 3 or q.shape[2] != cache.shape[2]:
+        raise ValueError(f"q must be [T, heads, R + P] and the cache [num_blocks, block_size, R + P], got "
+                         f"{tuple(q.shape)} and {tuple(cache.shape)}")
+    width = q.shape[2]
+    if not 0 < kv_lora_rank < width or kv_lora_rank > _MAX_LATENT_DIM or width - kv_lora_rank > _MAX_ROPE_DIM:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} must split entries of {width} into a latent of at most "
+                         f"{_MAX_LATENT_DIM} and a rope part of 1..{_MAX_ROPE_DIM}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} is not a float type")
+    if cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"the cache must have q's dtype {q.dtype} or be float8_e4m3fn, got {cache.dtype}")
+    if q.stride(2) != 1 or cache.stride(2) != 1:
+        raise ValueError("q and the cache must be contiguous along their last dim")
+    if block_tables.dim() != 2 or block_tables.dtype not in _INDEX_DTYPES or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in _INDEX_DTYPES or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} "
+                         f"{seq_lens.dtype}")
+    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype not in _INDEX_DTYPES
+            or not query_start_loc.is_contiguous()):
+        raise ValueError(f"query_start_loc must be [B + 1 = {num_seqs + 1}] int32/int64 contiguous, got "
+                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    if not (cache.device == q.device == block_tables.device == seq_lens.device == query_start_loc.device):
+        raise ValueError(f"all tensors must be on q's device {q.device}")
+
+
+def _check_config(config: MLAConfig) -> None:
+    for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if config.block_h < 1 or config.block_h & (config.block_h - 1) or config.block_h > config.prefill_block_m:
+        raise ValueError(f"block_h must be a power of two <= prefill_block_m, got {config.block_h}")
+    if not 1 <= config.num_splits <= 64:
+        raise ValueError(f"num_splits must be in 1..64, got {config.num_splits}")
+
+
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
+                  kv_lora_rank: int, out: torch.Tensor | None = None, config: MLAConfig | None = None,
+                  kv_scale: torch.Tensor | None = None, expand: ExpandPolicy | None = None) -> torch.Tensor:
+    """Absorbed causal attention of q [T, heads, R + P] (R = kv_lora_rank) over the latent cache [num_blocks,
+    block_size, R + P]; semantics of reference.mla_attention. Returns out [T, heads, R] (q's dtype): per row the
+    softmax(scale * q . entries) mix of the entries' latent parts. Sequence b's queries are rows [qsl[b],
+    qsl[b+1]), the last ones of its seq_lens[b] tokens, whose entries are already cached. Rows past qsl[B]
+    (padding) and of sequences with seq_lens[b] == 0 come out zero. Chunks that `expand` sends to the expanded
+    path (None: none) are skipped: their rows are undefined here. An fp8 cache needs kv_scale [1] fp32. Not checked
+    (a device sync): qsl non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covering
+    seq_lens. max_query_len and max_seq_len are upper bounds that pick the launch shape only."""
+    _check_attention_inputs(q, cache, block_tables, seq_lens, query_start_loc, kv_lora_rank)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    _check_scale(kv_scale, fp8, q.device)
+    num_tokens, num_heads, width = q.shape
+    num_seqs = block_tables.shape[0]
+    lat, rope = kv_lora_rank, width - kv_lora_rank
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, lat), dtype=q.dtype, device=q.device)  # [T, heads, R]
+    elif out.shape != (num_tokens, num_heads, lat) or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {(num_tokens, num_heads, lat)} {q.dtype} contiguous along its last dim, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if num_tokens == 0:
+        return out
+    if config is None:
+        num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+        config = pick_mla_config(num_seqs, num_heads, max_query_len, max_seq_len, num_sms)
+    else:
+        _check_config(config)
+    lat_p, rope_p = max(16, triton.next_power_of_2(lat)), max(16, triton.next_power_of_2(rope))
+    block_h = min(config.block_h, triton.next_power_of_2(num_heads))
+    num_head_blocks = -(-num_heads // block_h)
+    num_splits = config.num_splits
+    if num_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, lat_p), dtype=torch.float32,
+                               device=q.device)  # [T, heads, splits, R_p]
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=q.device)  # [T, heads, splits]
+        part_sum = torch.empty_like(part_max)  # [T, heads, splits]
+    else:
+        part_out = part_max = part_sum = out  # unused
+    expand_min_q = max(expand.min_query_len, 2) if expand is not None else _NO_LIMIT
+    expand_max_seq = expand.max_seq_len if expand is not None else -1
+    args = (out, q, cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
+            kv_scale if fp8 else out, scale * _LOG2E, num_seqs, num_tokens, expand_min_q, expand_max_seq,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
+            block_tables.stride(0))
+    shape = dict(NUM_HEADS=num_heads, BLOCK_H=block_h, LAT=lat, LAT_P=lat_p, ROPE=rope, ROPE_P=rope_p,
+                 BLOCK_SIZE=cache.shape[1], NUM_SPLITS=num_splits,
+                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
+                 HEADS_FAST=config.heads_fast)
+
+    def grid(num_q_programs: int) -> tuple[int, int, int]:
+        if config.heads_fast:
+            return (num_head_blocks, num_q_programs, num_splits)
+        return (num_q_programs, num_head_blocks, num_splits)
+
+    decode_only = max_query_len <= 1
+    num_decode_programs = num_seqs + 1 if decode_only else num_seqs  # + 1: zero the padding tail
+    if num_decode_programs:
+        _mla_kernel[grid(num_decode_programs)](
+            *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, block_h), TILE_N=config.decode_tile_n, DECODE=True,
+            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+    if not decode_only:
+        block_m = max(config.prefill_block_m, block_h)
+        block_q = block_m // block_h
+        num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
+        _mla_kernel[grid(num_q_tiles)](
+            *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n, DECODE=False,
+            num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages)
+    if num_splits > 1:
+        _split_reduce_kernel[(num_tokens, num_heads)](
+            out, part_out, part_max, part_sum, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=lat,
+            HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------ expanded attention
+
+
+def gather_latent_rows(cache: torch.Tensor, block_tables: torch.Tensor, seqs: list[int], seq_lens: list[int],
+                       dtype: torch.dtype, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The cached entries of positions 0..seq_lens[b]-1 of each sequence b in seqs, one after another:
+    [sum of those lengths, R + P] in dtype (an fp8 cache dequantized with kv_scale). Indices are built on the
+    device from host lengths (no sync)."""
+    device = cache.device
+    lens = [seq_lens[b] for b in seqs]
+    total = sum(lens)
+    width = cache.shape[2]
+    if total == 0:
+        return torch.empty((0, width), dtype=dtype, device=device)
+    block_size = cache.shape[1]
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)  # [S]
+    offsets = torch.cumsum(lens_t, 0) - lens_t  # [S] first gathered row of each sequence
+    seq_of_row = torch.repeat_interleave(torch.arange(len(seqs), device=device), lens_t, output_size=total)  # [L]
+    pos = torch.arange(total, device=device) - offsets[seq_of_row]  # [L] position within its sequence
+    seq_ids = torch.tensor(seqs, dtype=torch.int64, device=device)[seq_of_row]  # [L]
+    blocks = block_tables[seq_ids, pos // block_size].long()  # [L]
+    rows = cache.view(-1, width).index_select(0, blocks * block_size + pos % block_size)  # [L, R + P]
+    if cache.dtype == torch.float8_e4m3fn:
+        assert kv_scale is not None
+        return (rows.float() * kv_scale).to(dtype)
+    return rows.to(dtype)
+
+
+def expand_latent(latent: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+                  v_head_dim: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [L, R + P] -> per-head K [L, heads, head_dim] = [k_nope ‖ k_pe ‖ 0] and V [L, heads, head_dim] =
+    [v ‖ 0], with [k_nope ‖ v] = c_kv @ w_kv_b^T per head (w_kv_b [heads * (Dn + Dv), R], kv_b_proj's layout)
+    and head_dim >= both Dn + P and Dv (zero padding where they differ: the paged kernel wants one head_dim)."""
+    num_rows = latent.shape[0]
+    lat = w_kv_b.shape[1]
+    rope = latent.shape[1] - lat
+    kv = torch.nn.functional.linear(latent[:, :lat], w_kv_b).view(num_rows, num_heads, qk_nope_head_dim + v_head_dim)
+    k = latent.new_zeros((num_rows, num_heads, head_dim))  # [L, heads, D]
+    k[..., :qk_nope_head_dim] = kv[..., :qk_nope_head_dim]
+    k[..., qk_nope_head_dim:qk_nope_head_dim + rope] = latent[:, None, lat:]
+    v = latent.new_zeros((num_rows, num_heads, head_dim))  # [L, heads, D]
+    v[..., :v_head_dim] = kv[..., qk_nope_head_dim:]
+    return k, v
+
+
+def mla_expanded_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                           query_lens: list[int], seqs: list[int], w_kv_b: torch.Tensor, qk_nope_head_dim: int,
+                           v_head_dim: int, scale: float, out: torch.Tensor, kv_scale: torch.Tensor | None = None,
+                           max_rows: int = EXPAND_MAX_ROWS, config: AttentionConfig | None = None) -> None:
+    """Causal attention of the sequences in seqs (the chunks ExpandPolicy picked) with K/V expanded from their
+    cached latents: q [T, heads, Dn + P] un-absorbed ([q_nope ‖ q_pe]), w_kv_b [heads * (Dn + Dv), R]. Writes
+    their rows of out [T, heads, Dv]; other rows are untouched. seq_lens, query_lens: host lists for the whole
+    batch (rows of sequence b are the query_lens[b] after sum(query_lens[:b])). Sequences go in groups of at
+    most max_rows latent rows (a longer one alone); config: the paged kernel's launch shape (None: its default).
+    Semantics of reference.mla_expanded_attention."""
+    num_tokens, num_heads, qk_dim = q.shape
+    lat = cache.shape[2] - (qk_dim - qk_nope_head_dim)
+    if (cache.dim() != 3 or w_kv_b.shape != (num_heads * (qk_nope_head_dim + v_head_dim), lat)
+            or out.shape != (num_tokens, num_heads, v_head_dim)):
+        raise ValueError(f"expected cache [N, bs, R + P], w_kv_b [{num_heads} * ({qk_nope_head_dim} + {v_head_dim}), "
+                         f"R] and out [T, heads, {v_head_dim}] for q {tuple(q.shape)}, got {tuple(cache.shape)}, "
+                         f"{tuple(w_kv_b.shape)}, {tuple(out.shape)}")
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    group: list[int] = []
+    group_rows = 0
+    for b in seqs:
+        if group and group_rows + seq_lens[b] > max_rows:
+            _expanded_group(q, cache, block_tables, seq_lens, query_lens, starts, group, w_kv_b, qk_nope_head_dim,
+                            v_head_dim, scale, out, kv_scale, config)
+            group, group_rows = [], 0
+        group.append(b)
+        group_rows += seq_lens[b]
+    if group:
+        _expanded_group(q, cache, block_tables, seq_lens, query_lens, starts, group, w_kv_b, qk_nope_head_dim,
+                        v_head_dim, scale, out, kv_scale, config)
+
+
+def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                    query_lens: list[int], starts: list[int], seqs: list[int], w_kv_b: torch.Tensor,
+                    qk_nope_head_dim: int, v_head_dim: int, scale: float, out: torch.Tensor,
+                    kv_scale: torch.Tensor | None, config: AttentionConfig | None) -> None:
+    """One launch of the expanded path: gather, expand (one GEMM), then the paged kernel over a temporary
+    cache of block size 1 whose block table for sequence b is simply its gathered rows."""
+    device = q.device
+    num_heads, qk_dim = q.shape[1], q.shape[2]
+    head_dim = max(qk_dim, v_head_dim)
+    latent = gather_latent_rows(cache, block_tables, seqs, seq_lens, q.dtype, kv_scale)  # [L, R + P]
+    k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)  # [L, heads, D] each
+    lens = [seq_lens[b] for b in seqs]
+    qlens = [query_lens[b] for b in seqs]
+    rows = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b]) for b in seqs]).to(device)  # [T_sel]
+    q_sel = q.index_select(0, rows)  # [T_sel, heads, Dn + P]
+    if head_dim != qk_dim:
+        q_sel = torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim))
+    max_len = max(lens)
+    offsets = torch.tensor([0] + lens[:-1], dtype=torch.int64).cumsum(0)  # [S]
+    tables = (offsets[:, None] + torch.arange(max_len)[None, :]).clamp(max=max(sum(lens) - 1, 0))  # [S, max_len]
+    qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32)  # [S + 1]
+    o = paged_attention(q_sel, k.unsqueeze(1), v.unsqueeze(1), tables.to(device=device, dtype=torch.int32),
+                        torch.tensor(lens, dtype=torch.int32, device=device), qsl.to(device), max(qlens), max_len,
+                        scale, config=config)  # [T_sel, heads, D]
+    out.index_copy_(0, rows, o[..., :v_head_dim])

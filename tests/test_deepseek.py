@@ -1,0 +1,349 @@
+"""DeepSeek-V2 / V3 against transformers on tiny random checkpoints that transformers itself builds and saves:
+greedy tokens equal in fp32 (batched, chunked prefill, under preemption) for prompts past the rope's original
+window; DeepSeek routing against transformers' routers and a per-token reference; configs, shapes and the FP8
+block-quantized checkpoint layout of V3."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagoda import LLM, SamplingParams
+from pagoda.kernels import reference as ref
+from pagoda.kernels.moe import route_grouped_topk, route_grouped_topk_torch, route_grouped_topk_triton
+from pagoda.shared.errors import ConfigError
+from pagoda.shared.shapes import SHAPES, arch_from_hf_config, load_arch
+from tests.parity import check_greedy_parity, random_prompts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB = 256
+ORIGINAL_WINDOW = 32  # the YaRN rope's original context: prompts go past it
+
+
+def _save(model, folder: Path, bias: bool = False) -> Path:  # noqa: ANN001
+    """transformers initialises norms to 1, the router near 0, V3's correction bias to 0 and the projections so
+    small that attention is nearly uniform: make them all matter (q . k of a few units: the rope, the softmax scale
+    and which keys are visible change the tokens)."""
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+            if name.endswith("gate.weight"):
+                param.normal_(0.0, 0.5)
+            if "self_attn" in name and "o_proj" not in name and name.endswith("weight") and param.dim() == 2:
+                param.normal_(0.0, 1.5 / param.shape[1] ** 0.5)
+        if bias:
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(0.3 * torch.randn_like(buffer))
+    model.save_pretrained(folder)
+    return folder
+
+
+def _v2(folder: Path) -> Path:
+    """No q_lora; YaRN x4 with mscale 0.707 (softmax scale x mscale^2); softmax scores, group-limited greedy."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, max_position_embeddings=4 * ORIGINAL_WINDOW, eos_token_id=2, bos_token_id=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                         "beta_slow": 1, "original_max_position_embeddings": ORIGINAL_WINDOW, "mscale": 0.707,
+                         "mscale_all_dim": 0.707})
+    return _save(DeepseekV2ForCausalLM(config).float(), folder)
+
+
+def _v3(folder: Path) -> Path:
+    """q_lora; interleaved rope; YaRN x4 with mscale 1.0 / mscale_all_dim 0.8 (an attention factor != 1 on the rope
+    table and a softmax scale); sigmoid scores + a non-zero correction bias over 4 groups, top 2 groups;
+    renormalised, x2.5."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(1)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_interleave=True, max_position_embeddings=4 * ORIGINAL_WINDOW, eos_token_id=2, bos_token_id=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                         "beta_slow": 1, "original_max_position_embeddings": ORIGINAL_WINDOW, "mscale": 1.0,
+                         "mscale_all_dim": 0.8})
+    return _save(DeepseekV3ForCausalLM(config).float(), folder, bias=True)
+
+
+def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of >= 16 queries take the expanded path here (prefills beside decode rows and short chunks in one
+    step, chunks after cached context); the V3 test keeps the default threshold: every chunk absorbed."""
+    from pagoda.kernels.mla import ExpandPolicy
+    from pagoda.services.worker.models import deepseek
+
+    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16))
+    folder = _v2(tmp_path)
+    arch = load_arch(folder)
+    assert arch.mla is not None and arch.mla.q_lora_rank is None and arch.moe is not None
+    assert arch.moe.sparse_layers == (1, 2) and arch.moe.topk_method == "group_limited_greedy"
+    assert arch.context_limit == 4 * ORIGINAL_WINDOW
+    check_greedy_parity(folder, random_prompts([7, 45, 100], VOCAB), preempt_blocks=10)
+
+
+def test_deepseek_v3_matches_transformers(tmp_path: Path) -> None:
+    folder = _v3(tmp_path)
+    keys = load_file(str(folder / "model.safetensors")).keys()
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in keys
+    arch = load_arch(folder)
+    assert arch.mla is not None and arch.mla.q_lora_rank == 48 and arch.mla.rope_interleave
+    assert arch.moe is not None and arch.moe.scoring_func == "sigmoid" and arch.moe.topk_method == "noaux_tc"
+    check_greedy_parity(folder, random_prompts([9, 50, 90], VOCAB, seed=6), preempt_blocks=10)
+
+
+# ------------------------------------------------------------------ routing
+
+
+ROUTINGS = {
+    "v2-greedy": dict(scoring_func="softmax", topk_method="greedy", num_groups=1, topk_groups=1, renormalize=False,
+                      routed_scaling_factor=1.0, bias=False),
+    "v2-group-limited": dict(scoring_func="softmax", topk_method="group_limited_greedy", num_groups=8, topk_groups=3,
+                             renormalize=False, routed_scaling_factor=16.0, bias=False),
+    "v3-noaux-tc": dict(scoring_func="sigmoid", topk_method="noaux_tc", num_groups=8, topk_groups=4,
+                        renormalize=True, routed_scaling_factor=2.5, bias=True),
+    "v3-no-renormalize": dict(scoring_func="sigmoid", topk_method="noaux_tc", num_groups=4, topk_groups=1,
+                              renormalize=False, routed_scaling_factor=1.0, bias=True),
+}
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_grouped_routing_matches_reference(name: str, impl: str) -> None:
+    """The batched PyTorch router and the Triton kernel (interpreter on CPU) against the per-token reference."""
+    case = dict(ROUTINGS[name])
+    generator = torch.Generator().manual_seed(len(name))
+    num_experts, top_k = (256, 8) if name == "v3-noaux-tc" else (64, 6)  # DeepSeek-V3's 256 experts, 8 routed
+    logits = torch.randn(40, num_experts, generator=generator) * 2  # [T, E]
+    bias = torch.randn(num_experts, generator=generator) * 0.2 if case.pop("bias") else None
+    route = route_grouped_topk_torch if impl == "torch" else route_grouped_topk_triton
+    weights, ids = route(logits.to(DEVICE), top_k, correction_bias=None if bias is None else bias.to(DEVICE), **case)
+    weights, ids = weights.cpu(), ids.cpu()
+    ref_weights, ref_ids = ref.route_grouped_topk(logits, top_k, correction_bias=bias, **case)
+    order = ids.long().sort(dim=1).indices
+    ref_order = ref_ids.long().sort(dim=1).indices
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
+    if case["topk_method"] != "greedy":  # every chosen expert lies in one of the topk_groups allowed groups
+        groups = ids.long() // (num_experts // case["num_groups"])
+        assert all(len(set(row)) <= case["topk_groups"] for row in groups.tolist())
+    if bias is not None:  # the bias changes the choice, never the weights: they are the plain sigmoid scores
+        scores = logits.sigmoid().gather(1, ids.long())
+        expected = scores / scores.sum(1, keepdim=True) if case["renormalize"] else scores
+        torch.testing.assert_close(weights, expected * case["routed_scaling_factor"])
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_routing_matches_transformers_routers(version: str) -> None:
+    """The same logits through transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter and route_grouped_topk."""
+    if version == "v2":
+        from transformers import DeepseekV2Config
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter as Router
+
+        config = DeepseekV2Config(hidden_size=32, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4,
+                                  topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                  routed_scaling_factor=3.0)
+    else:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as Router
+
+        config = DeepseekV3Config(hidden_size=32, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4,
+                                  n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(3)
+    router = Router(config)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.5)
+        if version == "v3":
+            router.e_score_correction_bias.normal_(0.0, 0.3)
+    hidden = torch.randn(50, 32)
+    _, hf_weights, hf_ids = router(hidden)
+    arch = arch_from_hf_config({**config.to_dict(), "vocab_size": 64, "num_hidden_layers": 2})
+    moe = arch.moe
+    assert moe is not None
+    weights, ids = route_grouped_topk(torch.nn.functional.linear(hidden, router.weight), moe.top_k, moe.scoring_func,
+                                      moe.topk_method, moe.num_groups, moe.topk_groups,
+                                      router.e_score_correction_bias if version == "v3" else None, moe.renormalize,
+                                      moe.routed_scaling_factor)
+    order, hf_order = ids.long().sort(1).indices, hf_ids.sort(1).indices
+    assert torch.equal(ids.long().gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+# ------------------------------------------------------------------ configs, shapes, checkpoints
+
+
+def test_shapes_round_trip_through_transformers_configs() -> None:
+    """The dummy shapes' config.json builds the same transformers model (parameter count) and reads back equal."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in ("deepseek-v2-lite", "deepseek-v3-slice", "tiny-deepseek-v3"):
+        arch = SHAPES[name]
+        assert arch_from_hf_config(arch.to_hf_config()) == arch
+    tiny = SHAPES["tiny-deepseek-v3"]
+    config = AutoConfig.for_model(**tiny.to_hf_config())
+    model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == tiny.num_params()
+    lite = SHAPES["deepseek-v2-lite"]
+    assert 15.6e9 < lite.num_params() < 15.8e9  # DeepSeek-V2-Lite: 15.7B
+    assert 2.3e9 < lite.layer_weight_params(1) + lite.vocab_size * lite.hidden_size < 2.6e9  # ~2.4B active
+    assert lite.kv_bytes_per_token(2) == 27 * 576 * 2  # one 576-wide latent per layer
+    v3 = SHAPES["deepseek-v3-slice"]  # its layers, 61 of them (3 dense), are DeepSeek-V3: 671B, 37B active
+    assert v3.moe is not None
+    full = replace(v3, num_layers=61, moe=replace(v3.moe, sparse_layers=tuple(range(3, 61))))
+    assert 670e9 < full.num_params() < 672e9
+    assert 36e9 < full.layer_weight_params(1) + full.vocab_size * full.hidden_size < 38e9
+
+
+def test_deepseek_config_errors() -> None:
+    base = SHAPES["tiny-deepseek-v3"].to_hf_config()
+    with pytest.raises(ConfigError, match="attention_bias"):
+        arch_from_hf_config({**base, "attention_bias": True})
+    with pytest.raises(ConfigError, match="n_group"):
+        arch_from_hf_config({**base, "n_group": 3})
+    v2 = {**base, "model_type": "deepseek_v2"}
+    with pytest.raises(ConfigError, match="topk_method"):
+        arch_from_hf_config({**v2, "topk_method": "seq_aux"})
+
+
+def test_v3_fp8_block_checkpoint_loads_as_it_ships(tmp_path: Path) -> None:
+    """DeepSeek-V3's FP8 layout: every projection e4m3 with 128x128 weight_scale_inv blocks (kv_b_proj included, kept
+    dequantized in the model dtype for the absorbed matmuls), router and norms unquantized; the model generates
+    what the dequantized fp32 checkpoint generates within FP8 activation noise."""
+    from pagoda.services.worker.model_runner import ModelRunner
+    from pagoda.shared.config import EngineConfig
+
+    source = _v3(tmp_path / "fp32")
+    tensors = load_file(str(source / "model.safetensors"))
+    fp8: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight") or name.endswith("_mqa.weight"):
+            q, scale = ref.quantize_fp8_blocks(tensor, (128, 128))
+            fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
+            dequantized[name] = ref.dequantize_fp8(q, scale.repeat_interleave(128, 0)[:q.shape[0]], 128)
+        else:
+            fp8[name] = dequantized[name] = tensor
+    config = json.loads((source / "config.json").read_text())
+    for folder, weights, quant in ((tmp_path / "fp8", fp8, True), (tmp_path / "deq", dequantized, False)):
+        folder.mkdir()
+        if quant:
+            config = {**config, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                        "fmt": "e4m3", "weight_block_size": [128, 128]}}
+        (folder / "config.json").write_text(json.dumps(config))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    runner = ModelRunner(EngineConfig(model=str(tmp_path / "fp8"), device="cpu", num_kv_blocks=16))
+    layer = runner.model.layers[1]
+    attn = layer.attn
+    assert attn.a_weight.dtype == torch.float8_e4m3fn and attn.a_weight_scale.shape == (48 + 48, 1)
+    assert torch.equal(attn.a_weight[48:].view(torch.uint8),
+                       fp8["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].view(torch.uint8))
+    assert attn.kv_b.dtype == torch.float32
+    torch.testing.assert_close(attn.kv_b, dequantized["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert layer.mlp.w_down.dtype == torch.float8_e4m3fn and layer.mlp.router.dtype == torch.float32
+    # teacher-forced: every prompt token's logprob under both models (greedy paths of a tiny random model part at
+    # the first near tie, so tokens would compare FP8 noise, not the loading)
+    prompt = random_prompts([60], VOCAB, seed=4)[0]
+    ours, theirs = (_prompt_logprobs(tmp_path / name, prompt)[0] for name in ("fp8", "deq"))
+    diff = (ours - theirs).abs()
+    assert diff.mean() < 0.08 and diff.max() < 0.5, (diff.mean(), diff.max())  # a wrong weight: O(1)
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_fp8_latent_cache_close_to_fp32(tmp_path: Path, calibrate: bool) -> None:
+    """--kv-cache-dtype fp8: e4m3 latent entries (one per-tensor scale a layer: 1, or calibrated from the first
+    prefill), prompt scored in two chunks so the second attends to fp8 entries of the first; teacher-forced logprobs
+    within FP8 noise of the fp32 cache."""
+    folder = _v3(tmp_path)
+    prompt = random_prompts([60], VOCAB, seed=7)[0]
+    base, _ = _prompt_logprobs(folder, prompt)
+    ours, llm = _prompt_logprobs(folder, prompt, kv_cache_dtype="fp8", kv_scale_calibration=calibrate,
+                                 max_num_batched_tokens=32)
+    scales = [layer.k_scale.item() for layer in llm.engine.runner.model.layers]
+    assert all(scale != 1.0 for scale in scales) if calibrate else scales == [1.0] * len(scales)
+    diff = (ours - base).abs()
+    assert diff.mean() < 0.08 and diff.max() < 0.5, (diff.mean(), diff.max())
+
+
+def _prompt_logprobs(folder: Path, prompt: list[int], **engine_args) -> tuple[torch.Tensor, LLM]:  # noqa: ANN003
+    """[len(prompt) - 1] logprobs of prompt tokens 1.. under the model, and the engine."""
+    llm = LLM(str(folder), dtype="float32", **engine_args)
+    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
+    assert output.prompt_logprobs is not None
+    logprobs = [entry[token] for entry, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
+                if entry is not None]
+    return torch.tensor(logprobs), llm
+
+
+def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny-deepseek-v3 (dummy weights) with the Triton kernels (interpreter on CPU) against the reference ops:
+    the same logits through chunked prefill, prefix hits and decode, with chunks of >= 16 queries expanded."""
+    from pagoda.kernels.mla import ExpandPolicy
+    from pagoda.services.worker.models import deepseek
+
+    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16))
+    generator = torch.Generator().manual_seed(12)
+    shared = torch.randint(3, 500, (32,), generator=generator).tolist()
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (3, 20, 41)]
+    prompts += [shared + [7, 8, 9], shared + [10, 11]]  # the second reuses the first's cached blocks
+    ref_tokens, ref_logits = _run("reference", "tiny-deepseek-v3", prompts, budget=24)
+    tri_tokens, tri_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=24)
+    assert tri_tokens == ref_tokens
+    assert len(tri_logits) == len(ref_logits)
+    for ours, expected in zip(tri_logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, expected, atol=2e-4, rtol=1e-4)
+
+
+def _run(ops_name: str, shape: str, prompts: list[list[int]],
+         budget: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and every step's logits of a dummy-weight shape with the given ops (chunked prefill under a
+    token budget, prefix caching, decode)."""
+    from pagoda.services.scheduler.scheduler import Request, Scheduler
+    from pagoda.services.worker.model_runner import ModelRunner
+    from pagoda.services.worker.models import reference_ops, triton_ops
+    from pagoda.shared.config import EngineConfig
+    from pagoda.shared.messages import SamplingParams as WireSamplingParams
+
+    config = EngineConfig(model=shape, load_format="dummy", device=DEVICE, dtype="float32", num_kv_blocks=48,
+                          max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=5)
+    runner = ModelRunner(config, ops=triton_ops() if ops_name == "triton" else reference_ops())
+    captured: list[torch.Tensor] = []
+    sampler = runner.sampler
+    runner.sampler = lambda logits, meta: (captured.append(logits.detach().cpu().clone()), sampler(logits, meta))[1]  # type: ignore[assignment]
+    scheduler = Scheduler(num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=budget,
+                          max_model_len=256, vocab_size=runner.arch.vocab_size)
+    params = WireSamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        for update in scheduler.update(plan, runner.execute(plan)):
+            outputs[update.seq.request.req_id].append(update.token_id)
+    return [outputs[str(i)] for i in range(len(prompts))], captured
+
+
+@pytest.mark.extended
+def test_two_ranks_generate_what_one_does(tmp_path: Path) -> None:
+    """Tensor parallel 2 (heads, kv_b and o split, q_a / kv_a and the latent cache replicated, experts split along
+    their intermediate dim) generates what one rank does; the scheduler and both ranks run as processes."""
+    from tests.test_tensor_parallel import _generate_in_process, _generate_with_services
+
+    folder = _v3(tmp_path)
+    single = _generate_in_process(folder)
+    assert _generate_with_services(folder, 2) == single

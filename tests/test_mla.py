@@ -1,0 +1,389 @@
+"""Multi-head latent attention kernels (kernels/mla.py) against their PyTorch references (kernels/reference.py):
+the latent cache write (model dtype and fp8), absorbed attention (decode with and without split-KV, chunks with
+cached context, CUDA-graph padding), the expanded path, absorbed == expanded over one cache, and the
+de-interleaved rope. CPU: Triton's interpreter on small grids; gpu-marked cases in bf16."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from pagoda.kernels import reference as ref
+from pagoda.kernels.mla import (
+    ExpandPolicy,
+    MLAConfig,
+    mla_attention,
+    mla_expanded_attention,
+    pick_mla_config,
+    write_latent,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# max abs error of attention (unit-scale outputs) vs the fp32 reference on the same inputs
+ATOL = {torch.float32: 3e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+SMALL = MLAConfig(block_h=4, decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request: pytest.FixtureRequest) -> None:
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@dataclass(frozen=True)
+class Case:
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    num_heads: int = 4
+    lat: int = 32  # kv_lora_rank
+    rope: int = 16  # qk_rope_head_dim
+    block_size: int = 16
+    config: MLAConfig | None = SMALL
+    num_pad_seqs: int = 0  # CUDA-graph filler sequences: seq_len 0, one query row each
+    pad_tokens: int = 0  # rows of q past query_start_loc[B]
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, heads, R + P]
+    cache: torch.Tensor  # [num_blocks, block_size, R + P], NaN wherever no real token lives
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    num_real_tokens: int
+
+
+def make_batch(case: Case, dtype: torch.dtype, device: str = DEVICE, q_width: int | None = None) -> Batch:
+    """Random q and latent cache; each sequence's blocks drawn from a shuffled pool; slots holding no real token
+    are NaN, so reading past a sequence's length shows. q_width: q's last dim (default R + P)."""
+    bs, width = case.block_size, case.lat + case.rope
+    seq_lens = list(case.seq_lens) + [0] * case.num_pad_seqs
+    query_lens = list(case.query_lens) + [1] * case.num_pad_seqs
+    blocks_per_seq = [-(-n // bs) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    pool = torch.randperm(num_blocks).tolist()
+    cache = torch.full((num_blocks, bs, width), float("nan"))  # [N, bs, R + P]
+    max_blocks = max(blocks_per_seq) + 1
+    block_tables = torch.full((len(seq_lens), max_blocks), pool[0], dtype=torch.int32)
+    next_block = 2
+    for b, (seq_len, num_seq_blocks) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+        for j in range(num_seq_blocks):
+            block = pool[next_block]
+            next_block += 1
+            block_tables[b, j] = block
+            rows = min(bs, seq_len - j * bs)
+            cache[block, :rows] = torch.randn(rows, width)
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    num_tokens = starts[-1] + case.pad_tokens
+    q = torch.randn(num_tokens, case.num_heads, q_width or width)
+    return Batch(q.to(device=device, dtype=dtype), cache.to(device=device, dtype=dtype), block_tables.to(device),
+                 torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                 torch.tensor(starts, dtype=torch.int32, device=device), sum(case.query_lens))
+
+
+def _reference(batch: Batch, case: Case, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The absorbed reference in fp32 over the real sequences."""
+    num_real = len(case.query_lens)
+    cache = batch.cache if batch.cache.dtype == torch.float8_e4m3fn else batch.cache.float()
+    return ref.mla_attention(batch.q[:batch.num_real_tokens].float().cpu(), cache.cpu(),
+                             batch.block_tables[:num_real].cpu(), list(case.seq_lens), list(case.query_lens), scale,
+                             case.lat, None if kv_scale is None else kv_scale.cpu())  # [T_real, heads, R]
+
+
+def _run(case: Case, dtype: torch.dtype, atol: float) -> None:
+    batch = make_batch(case, dtype)
+    scale = (case.lat + case.rope) ** -0.5
+    out = torch.full((batch.q.shape[0], case.num_heads, case.lat), float("nan"), dtype=dtype, device=DEVICE)
+    max_query_len = max(case.query_lens + ((1,) if case.num_pad_seqs else ()))
+    result = mla_attention(batch.q, batch.cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                           max_query_len, max(case.seq_lens), scale, case.lat, out=out, config=case.config)
+    assert result is out
+    real = out[:batch.num_real_tokens].float().cpu()
+    assert not real.isnan().any(), "rows of real sequences left unwritten or NaN"
+    err = (real - _reference(batch, case, scale)).abs().max().item()
+    assert err < atol, f"max abs err {err:.3e} >= {atol:.1e}"
+    assert bool((out[batch.num_real_tokens:] == 0).all()), "padding rows must come out exactly zero"
+
+
+CASES = {
+    # decode rows, a chunk without context, chunks with cached context, a 1-token sequence
+    "mixed": Case((1, 9, 5, 1, 17), (37, 9, 40, 1, 50)),
+    "decode": Case((1, 1, 1), (70, 5, 33)),
+    # 16 keys per tile over blocks of 8 (a tile spans two blocks); 6 heads in blocks of 4 (the last half empty)
+    "decode-heads6-bs8": Case((1, 1, 1), (20, 9, 16), num_heads=6, block_size=8),
+    "decode-split3": Case((1, 1, 1), (70, 5, 40), config=replace(SMALL, num_splits=3)),
+    "decode-graph-padding-split2": Case((1, 1), (33, 2), num_pad_seqs=2, pad_tokens=3,
+                                        config=replace(SMALL, num_splits=2)),
+    "decode-graph-padding": Case((1, 1), (33, 17), num_pad_seqs=1, pad_tokens=2),
+    # rows of several tokens x 4 heads per tile, a padding tail after them; rope dims 24 (padded), latent 40
+    "prefill-padding-tail-odd-dims": Case((1, 6, 3), (20, 6, 19), lat=40, rope=24, pad_tokens=3),
+    # grid axis 0 = query programs (heads_fast off), 16 heads in one block (the default pick)
+    "mixed-default-config": Case((1, 7, 1), (25, 30, 9), num_heads=16, config=None),
+    "empty-query-seq": Case((1, 0, 4), (10, 5, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_mla_attention_matches_reference(name: str, dtype: torch.dtype) -> None:
+    _run(CASES[name], dtype, ATOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,lat,rope", [(16, 512, 64), (128, 512, 64)])
+def test_mla_attention_matches_reference_gpu(num_heads: int, lat: int, rope: int) -> None:
+    case = Case((1, 1, 37, 1, 300), (900, 17, 400, 2000, 300), num_heads=num_heads, lat=lat, rope=rope, config=None)
+    _run(case, torch.bfloat16, ATOL[torch.bfloat16])
+
+
+def test_pick_mla_config_splits_small_decode_batches_only() -> None:
+    assert pick_mla_config(1, 16, 1, 4096).num_splits == 16  # 1 program: split as far as allowed
+    assert pick_mla_config(256, 16, 1, 4096).num_splits == 1  # 256 programs fill 132 SMs
+    assert pick_mla_config(4, 16, 300, 4096).num_splits == 1  # chunks never split
+    assert pick_mla_config(4, 128, 1, 4096).num_splits == 8  # 4 sequences x 8 head blocks
+    assert pick_mla_config(2, 4, 1, 4096).block_h == 4
+
+
+# ---------------------------------------------------------------------------------------------- cache write
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn], ids=str)
+def test_write_latent_matches_reference(cache_dtype: torch.dtype) -> None:
+    num_tokens, lat, rope, num_blocks, bs = 7, 40, 24, 5, 4
+    fused = torch.randn(num_tokens, lat + rope + 8)  # [T, R + P + 8]: kv_c and k_pe are strided views of it
+    kv_c, k_pe = fused[:, :lat], fused[:, lat:lat + rope]
+    slots = torch.randperm(num_blocks * bs)[:num_tokens]
+    slots[2] = -1  # padding: not written
+    scale = torch.tensor([0.01]) if cache_dtype == torch.float8_e4m3fn else None
+    expected = torch.zeros(num_blocks, bs, lat + rope, dtype=cache_dtype)
+    ref.write_latent(kv_c, k_pe, expected, slots, scale)
+    ours = torch.zeros(num_blocks, bs, lat + rope, dtype=cache_dtype, device=DEVICE)
+    write_latent(kv_c.to(DEVICE), k_pe.to(DEVICE), ours, slots.to(DEVICE), None if scale is None else scale.to(DEVICE))
+    assert torch.equal(ours.cpu().view(torch.uint8), expected.view(torch.uint8))
+    stored = expected.view(-1, lat + rope)[slots[slots >= 0]].float() * (1.0 if scale is None else scale)
+    entries = torch.cat((kv_c, k_pe), -1)[slots >= 0]
+    tol = 1e-6 if cache_dtype == torch.float32 else (1e-3 if cache_dtype == torch.float16 else 0.0625)
+    assert torch.allclose(stored, entries, rtol=tol, atol=tol * 0.01)
+    written = expected.view(-1, lat + rope).float().ne(0).any(dim=1)  # [slots]
+    assert written.sum().item() == num_tokens - 1, "the padding token's row must not be stored anywhere"
+
+
+def test_write_latent_rejects_bad_inputs() -> None:
+    cache = torch.zeros(2, 4, 48, device=DEVICE)
+    kv_c, k_pe, slots = torch.randn(3, 32, device=DEVICE), torch.randn(3, 16, device=DEVICE), torch.arange(3)
+    with pytest.raises(ValueError, match="cache must be"):
+        write_latent(kv_c, k_pe, torch.zeros(2, 4, 40, device=DEVICE), slots.to(DEVICE))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_latent(kv_c, k_pe, cache, slots[:2].to(DEVICE))
+    with pytest.raises(ValueError, match="kv_scale"):
+        write_latent(kv_c, k_pe, cache.to(torch.float8_e4m3fn), slots.to(DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------- fp8 latent cache
+
+
+@pytest.mark.parametrize("case", [Case((1, 6, 1), (30, 6, 17)),
+                                  Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, num_splits=2))],
+                         ids=["mixed", "decode-split2"])
+def test_mla_attention_fp8_cache_matches_reference(case: Case) -> None:
+    batch = make_batch(case, torch.float32)
+    kv_scale = torch.tensor([0.01], device=DEVICE)
+    batch.cache = ref.quantize_fp8(batch.cache.nan_to_num(), kv_scale)  # [N, bs, R + P] e4m3 (entries / 0.01)
+    scale = 0.05
+    expected = _reference(batch, case, scale, kv_scale)
+    # the fp8 reference is the float one over the dequantized cache
+    dequant = ref.mla_attention(batch.q[:batch.num_real_tokens].float().cpu(), batch.cache.float().cpu() * 0.01,
+                                batch.block_tables.cpu(), list(case.seq_lens), list(case.query_lens), scale, case.lat)
+    torch.testing.assert_close(expected, dequant, rtol=1e-5, atol=1e-6)
+    out = mla_attention(batch.q, batch.cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                        max(case.query_lens), max(case.seq_lens), scale, case.lat, config=case.config,
+                        kv_scale=kv_scale)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- absorbed == expanded
+
+
+def _absorb(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int, nope: int,
+            v_dim: int) -> torch.Tensor:
+    """[q_nope @ W_UK ‖ q_pe]: [T, heads, R + P], W_UK the k_nope rows of kv_b_proj per head."""
+    w_uk = w_kv_b.view(num_heads, nope + v_dim, -1)[:, :nope]  # [heads, Dn, R]
+    return torch.cat((torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe), dim=-1)
+
+
+def _unabsorb(out_lat: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int, nope: int, v_dim: int) -> torch.Tensor:
+    """[T, heads, R] latent mixes -> [T, heads, Dv] by W_UV (the v rows of kv_b_proj per head)."""
+    w_uv = w_kv_b.view(num_heads, nope + v_dim, -1)[:, nope:]  # [heads, Dv, R]
+    return torch.einsum("thr,hvr->thv", out_lat, w_uv)
+
+
+@dataclass
+class ExpandCase:
+    batch: Batch
+    case: Case
+    q_nope: torch.Tensor  # [T, heads, Dn]
+    q_pe: torch.Tensor  # [T, heads, P]
+    w_kv_b: torch.Tensor  # [heads * (Dn + Dv), R]
+    nope: int = 24
+    v_dim: int = 20
+    scale: float = 0.1
+
+
+def _expand_case(case: Case) -> ExpandCase:
+    nope, v_dim = 24, 20
+    batch = make_batch(case, torch.float32, q_width=nope + case.rope)
+    w_kv_b = torch.randn(case.num_heads * (nope + v_dim), case.lat, device=DEVICE) * case.lat ** -0.5
+    return ExpandCase(batch, case, batch.q[..., :nope], batch.q[..., nope:], w_kv_b, nope, v_dim)
+
+
+def _expanded_reference(x: ExpandCase, seqs: list[int] | None = None) -> torch.Tensor:
+    return ref.mla_expanded_attention(x.batch.q, x.batch.cache, x.batch.block_tables, list(x.case.seq_lens),
+                                      list(x.case.query_lens), x.w_kv_b, x.nope, x.v_dim, x.scale,
+                                      seqs=seqs)  # [T, heads, Dv]
+
+
+def test_absorbed_decode_equals_expanded_multi_head_attention() -> None:
+    """Absorbing W_UK into q and W_UV into the output is exact algebra: absorbed decode over the latent cache
+    (reference and kernel, with split-KV) gives the multi-head attention of the expanded K/V over the same cache."""
+    case = Case((1, 1, 1, 1), (40, 3, 17, 64), num_heads=6)
+    x = _expand_case(case)
+    expected = _expanded_reference(x)  # [T, heads, Dv]
+    q_abs = _absorb(x.q_nope, x.q_pe, x.w_kv_b, case.num_heads, x.nope, x.v_dim)  # [T, heads, R + P]
+    b = x.batch
+    absorbed_ref = ref.mla_attention(q_abs, b.cache, b.block_tables, list(case.seq_lens), list(case.query_lens),
+                                     x.scale, case.lat)
+    torch.testing.assert_close(_unabsorb(absorbed_ref, x.w_kv_b, case.num_heads, x.nope, x.v_dim), expected,
+                               rtol=1e-4, atol=1e-5)
+    for config in (SMALL, replace(SMALL, num_splits=2)):
+        out_lat = mla_attention(q_abs, b.cache, b.block_tables, b.seq_lens, b.query_start_loc, 1, 64, x.scale,
+                                case.lat, config=config)
+        torch.testing.assert_close(_unabsorb(out_lat, x.w_kv_b, case.num_heads, x.nope, x.v_dim), expected,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_mixed_step_splits_between_absorbed_and_expanded_paths() -> None:
+    """One step of decode rows, a short chunk (absorbed) and two long chunks (expanded, one with cached context):
+    the absorbed kernel skips exactly the chunks the policy expands, the expanded path fills them, and together
+    they equal the expanded reference over every row."""
+    case = Case((1, 3, 9, 12), (30, 20, 9, 40), num_heads=4)
+    x = _expand_case(case)
+    policy = ExpandPolicy(min_query_len=8, max_seq_len=64)
+    expanded_seqs = [b for b in range(4) if policy.expands(case.query_lens[b], case.seq_lens[b])]
+    assert expanded_seqs == [2, 3]
+    b = x.batch
+    q_abs = _absorb(x.q_nope, x.q_pe, x.w_kv_b, case.num_heads, x.nope, x.v_dim)
+    out_lat = torch.full((b.q.shape[0], case.num_heads, case.lat), float("nan"), device=DEVICE)
+    mla_attention(q_abs, b.cache, b.block_tables, b.seq_lens, b.query_start_loc, 12, 40, x.scale, case.lat,
+                  out=out_lat, config=SMALL, expand=policy)
+    rows_expanded = torch.arange(4, 25)  # sequences 2 and 3
+    assert out_lat[rows_expanded].isnan().all(), "the absorbed kernel must leave expanded chunks alone"
+    out = _unabsorb(out_lat.nan_to_num(), x.w_kv_b, case.num_heads, x.nope, x.v_dim)  # [T, heads, Dv]
+    # max_rows 45: sequences 2 (9 rows) and 3 (40 rows) go in two launches
+    mla_expanded_attention(b.q, b.cache, b.block_tables, list(case.seq_lens), list(case.query_lens), expanded_seqs,
+                           x.w_kv_b, x.nope, x.v_dim, x.scale, out, max_rows=45)
+    torch.testing.assert_close(out, _expanded_reference(x), rtol=1e-4, atol=1e-5)
+
+
+def test_expanded_path_fp8_cache_matches_reference() -> None:
+    case = Case((5, 7), (12, 7), num_heads=2)
+    x = _expand_case(case)
+    kv_scale = torch.tensor([0.02], device=DEVICE)
+    x.batch.cache = ref.quantize_fp8(x.batch.cache.nan_to_num(), kv_scale)
+    b = x.batch
+    out = torch.zeros(b.q.shape[0], case.num_heads, x.v_dim, device=DEVICE)
+    mla_expanded_attention(b.q, b.cache, b.block_tables, list(case.seq_lens), list(case.query_lens), [0, 1],
+                           x.w_kv_b, x.nope, x.v_dim, x.scale, out, kv_scale=kv_scale)
+    expected = ref.mla_expanded_attention(b.q, b.cache, b.block_tables, list(case.seq_lens), list(case.query_lens),
+                                          x.w_kv_b, x.nope, x.v_dim, x.scale, kv_scale=kv_scale)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_mla_attention_rejects_bad_inputs() -> None:
+    batch = make_batch(Case((1, 2), (5, 6)), torch.float32)
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, 2, 6, 0.1)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        mla_attention(batch.q, batch.cache, *args, 48)
+    with pytest.raises(ValueError, match="q must be"):
+        mla_attention(batch.q[..., :40], batch.cache, *args, 32)
+    with pytest.raises(ValueError, match="kv_scale"):
+        mla_attention(batch.q, batch.cache.nan_to_num().to(torch.float8_e4m3fn), *args, 32)
+    with pytest.raises(ValueError, match="cache must have"):
+        mla_attention(batch.q, batch.cache.half(), *args, 32)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        mla_attention(batch.q, batch.cache, batch.block_tables, batch.seq_lens, batch.query_start_loc[:2], 2, 6, 0.1,
+                      32)
+    with pytest.raises(ValueError, match="block_h"):
+        mla_attention(batch.q, batch.cache, *args, 32, config=replace(SMALL, block_h=3))
+
+
+# ---------------------------------------------------------------------------------------------- rope, norm, write
+
+
+def test_interleaved_rope_is_transformers_deepseek_rope() -> None:
+    """reference.apply_rope_interleaved is transformers' DeepSeek-V3 interleaved rope (same output order), and
+    gives DeepSeek-V2's complex-number rope up to an order both q and k share: equal scores."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    num_tokens, num_heads, rope = 6, 3, 16
+    q, k = torch.randn(num_tokens, num_heads, rope), torch.randn(num_tokens, 1, rope)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
+    positions = torch.tensor([0, 1, 7, 100, 2047, 4096])
+    cos, sin = ref.rope_cos_sin(inv_freq, positions, torch.float32)  # [T, P]
+    ours_q, ours_k = ref.apply_rope_interleaved(q, cos, sin), ref.apply_rope_interleaved(k, cos, sin)
+    v3_q, v3_k = apply_rotary_pos_emb_interleave(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None],
+                                                 sin[None])  # [1, heads, T, P]
+    torch.testing.assert_close(ours_q, v3_q[0].transpose(0, 1))
+    torch.testing.assert_close(ours_k, v3_k[0].transpose(0, 1))
+    freqs_cis = torch.polar(torch.ones(num_tokens, rope // 2), positions.float()[:, None] * inv_freq)  # [T, P/2]
+    v2_q, v2_k = apply_rotary_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], freqs_cis[None])
+    scores = torch.einsum("thd,sd->ths", ours_q, ours_k[:, 0])
+    torch.testing.assert_close(scores, torch.einsum("htd,sd->ths", v2_q[0], v2_k[0, 0]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours_q, ref.apply_rope(q, cos, sin)), "interleaved is not rotate-half"
+
+
+PREPARE_CASES = {
+    "fp32-interleaved": (torch.float32, torch.float32, True),
+    "fp32-rotate-half": (torch.float32, torch.float32, False),
+    "fp16-interleaved": (torch.float16, torch.float16, True),
+    "fp32-fp8-cache": (torch.float32, torch.float8_e4m3fn, True),
+}
+
+
+@pytest.mark.parametrize("name", list(PREPARE_CASES))
+def test_mla_prepare_matches_reference(name: str) -> None:
+    from pagoda.kernels.mla import mla_prepare
+
+    dtype, cache_dtype, interleaved = PREPARE_CASES[name]
+    num_tokens, num_heads, nope, rope, lat, num_blocks, bs = 5, 3, 8, 16, 40, 4, 4
+    q_proj = torch.randn(num_tokens, num_heads * (nope + rope) + 4).to(dtype)  # q is a strided view of it
+    kv_a = torch.randn(num_tokens, lat + rope).to(dtype)
+    norm = (1 + 0.1 * torch.randn(lat)).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
+    cos, sin = ref.rope_cos_sin(inv_freq, torch.arange(64), dtype)  # [64, P]
+    positions = torch.tensor([3, 0, 63, 17, 5])
+    slots = torch.tensor([0, 9, -1, 15, 4])
+    scale = torch.tensor([0.02]) if cache_dtype == torch.float8_e4m3fn else None
+    results = []
+    for fn, device in ((ref.mla_prepare, "cpu"), (mla_prepare, DEVICE)):
+        proj = q_proj.clone().to(device)
+        q = proj[:, :num_heads * (nope + rope)].view(num_tokens, num_heads, nope + rope)
+        cache = torch.zeros(num_blocks, bs, lat + rope, dtype=cache_dtype, device=device)
+        fn(q, kv_a.to(device), norm.to(device), 1e-6, cos.to(device), sin.to(device), positions.to(device), cache,
+           slots.to(device), None if scale is None else scale.to(device), interleaved)
+        results.append((proj.cpu(), cache.cpu()))
+    (ref_proj, ref_cache), (our_proj, our_cache) = results
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(our_proj.float(), ref_proj.float(), rtol=tol, atol=tol)
+    assert torch.equal(our_proj[:, -4:], q_proj[:, -4:]), "columns past q must stay"
+    assert torch.equal(our_proj[:, :nope], q_proj[:, :nope]), "q's nope dims must stay"
+    if cache_dtype == torch.float8_e4m3fn:  # one e4m3 step apart at most where fp32 sums round differently
+        diff = (our_cache.float() - ref_cache.float()).abs()
+        assert (diff <= 0.0625 * ref_cache.float().abs().clamp(min=1)).all()
+    else:
+        torch.testing.assert_close(our_cache.float(), ref_cache.float(), rtol=tol, atol=tol)
+    assert our_cache.view(-1, lat + rope)[[1, 2, 3]].float().abs().sum() == 0, "only the given slots are written"
