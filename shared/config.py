@@ -301,7 +301,8 @@ _HELP: dict[str, str] = {
                      "reloaded when it changes or on SIGHUP. --api-key keeps working beside it (tenant 'default')",
     "cluster_key_dir": "folder holding the deployment's CURVE key pair (cluster.key_secret, from `pagoda "
                        "cluster-keys DIR`): tcp:// sockets authenticate and encrypt with it and refuse peers without "
-                       "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints)",
+                       "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints; "
+                       "'none': plain tcp on purpose)",
     "usage_log": "append one JSON line per finished generation request (tenant, request id, tokens, times) here",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",

@@ -88,8 +88,11 @@ def use_cluster_keys(keys: ClusterKeys | None) -> None:
     _cluster_keys = keys
 
 
+PLAIN = "none"  # --cluster-key-dir none: plain tcp:// on purpose (benchmarks, a network that is the boundary)
+
+
 def load_cluster_keys(key_dir: str | None) -> None:
-    use_cluster_keys(ClusterKeys.load(key_dir) if key_dir else None)
+    use_cluster_keys(ClusterKeys.load(key_dir) if key_dir and key_dir != PLAIN else None)
 
 
 def _zap_handler(context: zmq.Context, allowed: bytes, bound: threading.Event) -> None:
