@@ -607,7 +607,9 @@ class SchedulerService:
         if self.problem:
             return
         oldest = self.pipeline.oldest() if self.pipeline is not None else None
-        self.problem = self.watch.verdict(now, self.inflight_since if oldest is not None else None,
+        # Timed from the worker's latest sign of life: one that answers heartbeats while a lost plan or result
+        # is being sent again is not hung (a wedged one sends nothing).
+        self.problem = self.watch.verdict(now, self._step_clock() if oldest is not None else None,
                                           oldest.step_id if oldest is not None else -1,
                                           self.worker_last_seen, self.scheduler is not None,
                                           sum(oldest.num_scheduled_tokens) if oldest is not None else 1)
@@ -621,12 +623,17 @@ class SchedulerService:
         self.exit_code = HUNG_EXIT_CODE
         self.running = False
 
+    def _step_clock(self) -> float:
+        """Since when the oldest plan in flight counts as running: its send (or its predecessor's result), or the
+        worker's latest message if later (idle heartbeats while a lost plan waits for its resend)."""
+        return max(self.inflight_since, self.worker_last_seen)
+
     def _worker_alive(self, now: float) -> bool:
         if self.problem:
             return False
         pipeline = self.pipeline
         if pipeline is not None and pipeline.inflight:
-            return now - self.inflight_since < self.watch.bound(sum(pipeline.inflight[0].num_scheduled_tokens))
+            return now - self._step_clock() < self.watch.bound(sum(pipeline.inflight[0].num_scheduled_tokens))
         return now - self.worker_last_seen < self.watch.idle_bound()  # a late heartbeat is no hang (health.py)
 
     def _stats(self, now: float) -> SchedulerStats:

@@ -1,10 +1,15 @@
-"""`pagoda serve` with every ZeroMQ endpoint on tcp:// (the launcher makes the cluster key pair): a peer without the
-key is refused on each endpoint, and a keyed peer's forged messages cost nothing but its own requests."""
+"""`pagoda serve` with every ZeroMQ endpoint on tcp:// (the launcher makes the cluster key pair) and frames lost,
+repeated and reordered between its scheduler and worker (a fault-injecting socket on both sides,
+PAGODA_TEST_FAULTS; one server for the module): a peer without the key is refused on each endpoint, a keyed peer's
+forged messages cost nothing but its own requests, and every request is answered with exactly the tokens it gets
+without faults (constraints, which travel once by hash, included)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +18,7 @@ import msgspec
 import pytest
 import zmq
 
+from pagoda.llm import LLM
 from pagoda.shared.messages import (
     AbortRequest,
     AddRequest,
@@ -21,12 +27,13 @@ from pagoda.shared.messages import (
     SamplingParams,
     SchedulerToTokenizer,
     StopSequence,
+    StructuredOutputs,
     TokenizerHello,
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import ClusterKeys, Codec
 from tests.harness import HTTP, free_ports
-from tests.reliability.harness import AUTH, Server, running_server
+from tests.reliability.harness import AUTH, Server, running_server, stream_completion
 from tests.test_transport import handshake_events
 
 pytestmark = [pytest.mark.slow]
@@ -34,6 +41,12 @@ pytestmark = [pytest.mark.slow]
 ENDPOINTS = ("scheduler", "plan", "result", "stats", "api")
 # what a peer of each endpoint is: (the socket type that connects to it)
 PEER_KIND = {"scheduler": zmq.DEALER, "plan": zmq.SUB, "result": zmq.PUSH, "stats": zmq.SUB, "api": zmq.DEALER}
+# both directions: plans and constraints (scheduler PUB), results and acknowledgements (worker PUSH)
+FAULTS = "plan=drop:0.15,dup:0.1,hold:0.15,seed:1;result=drop:0.15,dup:0.1,hold:0.15,seed:2"
+PROMPTS = ["The capital of France is", "Write a haiku about rain:", "1, 2, 3, 4,", "Once upon a time",
+           "The best way to learn Python is", "Q: What is a paged KV cache?\nA:"]
+MAX_TOKENS = 12
+CHOICES = ["alpha", "beta", "gamma"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +55,7 @@ def tcp_server(smollm2_dir: Path) -> Iterator[tuple[Server, dict[str, str]]]:
     endpoints = {name: f"tcp://127.0.0.1:{port}" for name, port in zip(ENDPOINTS, ports, strict=True)}
     flags = [f"--{name}-endpoint" if name != "api" else "--api-endpoints" for name in ENDPOINTS]
     args = [item for flag, name in zip(flags, ENDPOINTS, strict=True) for item in (flag, endpoints[name])]
-    with running_server(smollm2_dir, *args) as server:
+    with running_server(smollm2_dir, *args, env={"PAGODA_TEST_FAULTS": FAULTS}) as server:
         yield server, endpoints
 
 
@@ -148,3 +161,28 @@ def _receive(sock: zmq.Socket, codec: Codec, kind: type) -> object:
             if isinstance(message, kind):
                 return message
     raise AssertionError(f"no {kind.__name__} from the scheduler")
+
+
+@pytest.mark.timeout(900)
+def test_lost_repeated_and_reordered_plans_and_results_heal(smollm2_dir: Path,
+                                                           tcp_server: tuple[Server, dict[str, str]]) -> None:
+    offline = LLM(str(smollm2_dir), max_model_len=1024)
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    [choice] = offline.generate(["Pick one:"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputs(choice=CHOICES)))
+    del offline
+    server, _ = tcp_server
+    bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
+    bodies += [{"prompt": "Pick one:", "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": CHOICES}}
+               for _ in range(2)]  # the second names the constraint by the hash the first sent
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        outcomes = list(pool.map(lambda body: stream_completion(server, body, timeout=300), bodies))
+    for outcome, want in zip(outcomes, [*expected, choice, choice], strict=True):
+        assert outcome.status == 200 and outcome.error is None and outcome.done, outcome
+        assert outcome.text == want.outputs[0].text, (outcome.text, want.outputs[0].text)
+    assert outcomes[-1].text in CHOICES
+    log = server.log()
+    resent = len(re.findall(r"resending message", log))
+    print(f"\nfaults: {resent} resends")
+    assert resent > 0, "no frame was lost: the faults did not apply"
+    assert server.healthy() and server.process.poll() is None
