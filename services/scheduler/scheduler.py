@@ -391,8 +391,9 @@ class Scheduler:
 
     def _rebalance(self) -> None:
         """Slots or blocks are short and a tenant below its share waits: the most loaded tenant that owes it a slot
-        (fairness.may_take) gives one, its lowest-ranked running sequence preempted by recompute, until the share
-        is met or nothing is owed; the takers' sequences are admitted this step."""
+        (fairness.may_take) gives one, the running sequence with the least computed (the lowest-ranked of those)
+        preempted by recompute, until the share is met or nothing is owed; the takers' sequences are admitted
+        this step."""
         reserved: dict[str, int] = {}
         while True:
             seq = self.waiting.head(reserved)
@@ -404,7 +405,9 @@ class Scheduler:
             if not givers:
                 return  # the tenant first in line is owed nothing: neither is any other
             giver = max(givers, key=lambda tenant: (tenant.tier, tenant.load()))
-            self._preempt(next(victim for victim in reversed(self.running) if victim.tenant == giver.name))
+            # the giver's sequence whose recompute costs least (often one it was just given): the rest progress
+            victims = [victim for victim in reversed(self.running) if victim.tenant == giver.name]
+            self._preempt(min(victims, key=lambda victim: victim.num_computed_tokens))
             reserved[taker.name] = extra
 
     def _lacks_room(self, seq: Sequence, num_reserved: int) -> bool:
