@@ -1,4 +1,4 @@
-# pagoda: make install | model | test | test-reliability | run | bench | lint | clean   (GNU make)
+# pagoda: make install | model | browser | test | test-reliability | run | bench | lint | clean   (GNU make)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
@@ -8,7 +8,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 TORCH_PKGS ?= torch==2.13.0 triton==3.6.0
 ARGS ?=
 
-.PHONY: install model test test-reliability test-all run bench lint clean distclean
+.PHONY: install model browser test test-reliability test-all run bench lint clean distclean
 
 install: $(VENV)/.installed
 
@@ -24,15 +24,25 @@ $(VENV)/.installed: pyproject.toml
 model: install
 	$(PY) -m pagoda.prepare smollm2
 
-test: install model
-	$(PY) -m pytest -q $(ARGS)
+# The console's browser test (tests/test_console_browser.py) drives Debian's chromium, headless: installed here
+# when missing (CI starts from a clean clone, as root, with apt); nothing to do when it is present.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "apt-get install chromium (the console's browser test)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      chromium fonts-dejavu-core >/dev/null; \
+	  else echo "no chromium, and no apt-get as root to install it: install it, or the browser test fails"; fi; }
+
+test: install model browser
+	PAGODA_BROWSER_REQUIRED=1 $(PY) -m pytest -q $(ARGS)
 
 # Every reliability test, the long ones too (kill -9 / SIGSTOP of each process kind, the full load test).
 test-reliability: install model
 	$(PY) -m pytest -q -s -m "reliability_full or not reliability_full" tests/reliability $(ARGS)
 
-test-all: install model
-	$(PY) -m pytest -q -m "" $(ARGS)
+test-all: install model browser
+	PAGODA_BROWSER_REQUIRED=1 $(PY) -m pytest -q -m "" $(ARGS)
 
 run: install model
 	$(VENV)/bin/pagoda serve --model $(MODEL_DIR) $(ARGS)

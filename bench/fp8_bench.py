@@ -139,30 +139,41 @@ def kv_blocks(model: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _greedy(runner: Any, prompts: list[list[int]], max_tokens: int) -> tuple[dict, dict]:
-    from pagoda.services.scheduler.scheduler import Request, Scheduler
+def greedy_steps(runner: Any, scheduler: Any, prompts: list[list[int]],
+                 max_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Greedy tokens and the logits row [V] of each sampled step, per request (ids "0", "1", ...), with `scheduler`
+    (a pagoda Scheduler sized for the runner) planning every step of `runner` (a ModelRunner)."""
+    from pagoda.services.scheduler.scheduler import Request
     from pagoda.shared.messages import SamplingParams
 
     steps: list[torch.Tensor] = []
     sampler = runner.sampler
-    runner.sampler = lambda logits, meta: (steps.append(logits.float().cpu()), sampler(logits, meta))[1]
+    runner.sampler = lambda logits, meta: (steps.append(logits.detach().float().cpu()), sampler(logits, meta))[1]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
+    try:
+        while scheduler.has_unfinished():
+            plan = scheduler.schedule()
+            result = runner.execute(plan)
+            rows = dict(zip(result.seq_ids, steps[-1], strict=True)) if result.seq_ids else {}
+            for update in scheduler.update(plan, result):
+                tokens[update.seq.request.request_id].append(update.token_id)
+                logits[update.seq.request.request_id].append(rows[update.seq.seq_id])
+    finally:
+        runner.sampler = sampler
+    return tokens, logits
+
+
+def _greedy(runner: Any, prompts: list[list[int]], max_tokens: int) -> tuple[dict, dict]:
+    from pagoda.services.scheduler.scheduler import Scheduler
+
     scheduler = Scheduler(num_blocks=runner.num_blocks, block_size=runner.block_size, max_num_seqs=64,
                           max_num_batched_tokens=8192, max_model_len=runner.max_model_len,
                           vocab_size=runner.arch.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
-    while scheduler.has_unfinished():
-        plan = scheduler.schedule()
-        result = runner.execute(plan)
-        rows = dict(zip(result.req_ids, steps[-1], strict=True)) if result.req_ids else {}
-        for update in scheduler.update(plan, result):
-            tokens[update.seq.request.req_id].append(update.token_id)
-            logits[update.seq.request.req_id].append(rows[update.seq.seq_id])
-    runner.sampler = sampler
-    return tokens, logits
+    return greedy_steps(runner, scheduler, prompts, max_tokens)
 
 
 def quality(model: str, num_prompts: int, prompt_len: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -181,10 +192,10 @@ def quality(model: str, num_prompts: int, prompt_len: int, max_tokens: int) -> l
                          quantization=quantization, kv_cache_dtype=kv_dtype)
         ours = _greedy(runner, prompts, max_tokens)
         cosines, agree, first_agree = [], [], []
-        for req_id, base_tokens in base[0].items():
-            first_agree.append(float(base[1][req_id][0].argmax() == ours[1][req_id][0].argmax()))
-            for step, (a, b) in enumerate(zip(base[1][req_id], ours[1][req_id], strict=True)):
-                if base_tokens[:step] != ours[0][req_id][:step]:
+        for request_id, base_tokens in base[0].items():
+            first_agree.append(float(base[1][request_id][0].argmax() == ours[1][request_id][0].argmax()))
+            for step, (a, b) in enumerate(zip(base[1][request_id], ours[1][request_id], strict=True)):
+                if base_tokens[:step] != ours[0][request_id][:step]:
                     break
                 cosines.append(torch.nn.functional.cosine_similarity(a, b, dim=0).item())
                 agree.append(float(a.argmax() == b.argmax()))

@@ -126,7 +126,7 @@ def top_gaps(logits: list[torch.Tensor]) -> dict[str, float]:
 
 def run(shape: str, num_prompts: int, new_tokens: int, dtype: str, device: str, seed: int,
         variants: list[str]) -> dict[str, Any]:
-    from pagoda.services.worker.model_config import resolve_arch
+    from pagoda.shared.shapes import resolve_arch
 
     prompts = parity_prompts(resolve_arch(shape, "dummy").vocab_size, num_prompts, new_tokens, seed)
     ours, our_logits, pagoda_s = run_pagoda(shape, prompts, new_tokens, dtype, device, seed, torch_ops=False)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from pagoda.bench.workload import Workload
-from pagoda.services.worker.model_config import SHAPES, resolve_arch
 from pagoda.services.worker.weights import DummySource
+from pagoda.shared.shapes import SHAPES, resolve_arch
 
 PEERS = ("hf-static", "hf-compiled", "hf-cb")
 

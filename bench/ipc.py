@@ -38,10 +38,10 @@ def _echo_worker(plan_endpoint: str, result_endpoint: str, ready: multiprocessin
         plan = decoder.decode(plans.recv(copy=False))
         if not isinstance(plan, StepPlan):
             continue
-        if not plan.req_ids:
+        if not plan.seq_ids:
             break
-        result = StepResult(step_id=plan.step_id, req_ids=plan.req_ids,
-                            sampled_token_ids=[1000 + r % 977 for r in plan.req_ids])
+        result = StepResult(step_id=plan.step_id, seq_ids=plan.seq_ids,
+                            sampled_token_ids=[1000 + r % 977 for r in plan.seq_ids])
         results.send(encoder.encode(result), copy=False)
     context.destroy(linger=0)
 
@@ -49,8 +49,8 @@ def _echo_worker(plan_endpoint: str, result_endpoint: str, ready: multiprocessin
 def decode_plan(step_id: int, num_seqs: int) -> StepPlan:
     """A steady-state decode step: one token each, a new block for every 16th sequence."""
     appended = list(range(0, num_seqs, 16))
-    return StepPlan(step_id=step_id, req_ids=list(range(num_seqs)), num_scheduled_tokens=[1] * num_seqs,
-                    appended_block_req_ids=appended, appended_block_ids=[5000 + i for i in appended])
+    return StepPlan(step_id=step_id, seq_ids=list(range(num_seqs)), num_scheduled_tokens=[1] * num_seqs,
+                    appended_block_seq_ids=appended, appended_block_ids=[5000 + i for i in appended])
 
 
 def measure(num_seqs: int, num_steps: int) -> dict[str, float]:
@@ -76,8 +76,8 @@ def measure(num_seqs: int, num_steps: int) -> dict[str, float]:
         plans.send(to_worker.encode(decode_plan(step, num_seqs)), copy=False)
         result = from_worker.decode(results.recv(copy=False))
         times.append(time.perf_counter() - start)
-        assert isinstance(result, StepResult) and len(result.req_ids) == num_seqs
-    plans.send(to_worker.encode(StepPlan(step_id=-1, req_ids=[], num_scheduled_tokens=[])))
+        assert isinstance(result, StepResult) and len(result.seq_ids) == num_seqs
+    plans.send(to_worker.encode(StepPlan(step_id=-1, seq_ids=[], num_scheduled_tokens=[])))
     worker.join(10)
     context.destroy(linger=0)
     times.sort()

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from pagoda.bench.hf_peer import load_hf_model
 from pagoda.bench.workload import Workload
-from pagoda.services.worker.model_config import resolve_arch
 from pagoda.services.worker.models import AttentionMetadata, CausalLM
 from pagoda.services.worker.models.base import reference_attention
 from pagoda.services.worker.models.rope import RopeSpec, inv_freq
 from pagoda.services.worker.weights import load_model
+from pagoda.shared.shapes import resolve_arch
 
 
 @dataclass

@@ -65,7 +65,7 @@ def tokens(batch: int, vocab: int) -> np.ndarray:
 def new_step(batch: int, vocab: int, params: dict, device: torch.device) -> Callable[[torch.Tensor], object]:
     state = SamplingState(batch, vocab, device, eos_token_ids=[0])
     ids = tokens(batch, vocab)
-    state.admit([(row, NewRequest(req_id=row, token_ids=ids[row].tolist(), num_prompt_tokens=PROMPT_LEN, block_ids=[],
+    state.admit([(row, NewRequest(seq_id=row, token_ids=ids[row].tolist(), num_prompt_tokens=PROMPT_LEN, block_ids=[],
                                   num_computed_tokens=0, sampling=SamplingParams(**params), seed=1234 + row))
                  for row in range(batch)])
     rows = np.arange(batch)

@@ -1,4 +1,9 @@
-"""The sampler as of commit c011cff (before per-row state and fused kernels): bench/sampler_bench.py's baseline."""
+"""The sampler as of commit c011cff (before per-row state and fused kernels), frozen: bench/sampler_bench.py's
+"old" column in bench/RESULTS.md. Full-row fp32 passes and one ascending sort for top-k/top-p, as vLLM's.
+
+Only its algorithm is kept here. The seeded noise (kernels/reference.py's counter hash, the draw contract every
+path shares, which is why old and new draw the same tokens) and the output type are today's, imported.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-MASK32 = 0xFFFFFFFF
-GOLDEN32 = 0x9E3779B9  # odd: spreads consecutive vocab ids over the whole 32-bit range
-ROW_KEY_SALT = 0x5BD1E995
-UNIFORM_SCALE = 2.0**-24  # 24-bit odd numerators give u in (0, 1), exact in float32
+from pagoda.kernels.reference import gumbel_noise
+from pagoda.services.worker.sampler import SamplerOutput
 
 
 @dataclass(slots=True)
@@ -32,21 +35,6 @@ class SamplingMetadata:
     banned_token_ids: torch.Tensor | None = None  # [B, K] int64 padded with vocab_size
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: sampled logprob plus top k
     all_greedy: bool = False  # every row greedy: skip the random path entirely
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] float32 logprob of the sampled token
-    top_token_ids: torch.Tensor | None  # [B, k] int64
-    top_logprobs: torch.Tensor | None  # [B, k] float32
-
-
-class Sampler:
-    """Stateless callable wrapper so the worker can hold a sampler object like a model module."""
-
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        return sample(logits, metadata)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -176,52 +164,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tenso
     max_logit = logits.amax(dim=-1, keepdim=True)  # [B, 1]
     threshold = max_logit + torch.log(min_p).unsqueeze(1)  # [B, 1]; log(0) = -inf keeps everything
     return logits.masked_fill(logits < threshold, float("-inf"))  # [B, V]
-
-
-# ---------------------------------------------------------------------------------------------
-# counter-based noise: a pure function of (seed, offset, vocab id), so a seeded request draws the
-# same token whatever else shares its batch, and no torch.Generator per row is needed.
-# Values are 32-bit words held in int64; every product stays < 2^49 and every shift sees x >= 0.
-# The [B, V] work runs in place (trailing underscore): fresh [B, V] temporaries cost ~3x on CPU.
-
-
-def mul32_(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """x = x * constant mod 2^32 in place, for x in [0, 2^32), split in 16-bit halves: no int64 overflow."""
-    low = x * (constant & 0xFFFF)  # same shape as x, < 2^48
-    return x.mul_(constant >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(low).bitwise_and_(MASK32)
-
-
-def mix32_(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (C. Wellons) in place: a bijective 32-bit finaliser with near-ideal avalanche."""
-    x ^= x >> 16
-    mul32_(x, 0x7FEB352D)
-    x ^= x >> 15
-    mul32_(x, 0x846CA68B)
-    x ^= x >> 16
-    return x
-
-
-def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per row [B] absorbing all 63 seed bits and the offset, word by word."""
-    key = mix32_((offsets >> 32) ^ ROW_KEY_SALT)  # [B]
-    key = mix32_(key ^ (offsets & MASK32))  # [B]
-    key = mix32_(key ^ (seeds >> 32))  # [B]
-    return mix32_(key ^ (seeds & MASK32))  # [B]
-
-
-def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u [B, V] float32 strictly inside (0, 1), a hash of (seed, offset, vocab id)."""
-    vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
-    vocab_words = mul32_(vocab_ids, GOLDEN32)  # [V]
-    # The golden-ratio spread makes two rows' XOR-keyed inputs almost never coincide inside [0, V).
-    bits = mix32_(row_keys(seeds, offsets).unsqueeze(1) ^ vocab_words.unsqueeze(0))  # [B, V] in [0, 2^32)
-    numerators = bits.bitwise_right_shift_(8).bitwise_or_(1)  # [B, V] odd in [1, 2^24): exact in float32
-    return numerators.float().mul_(UNIFORM_SCALE)  # [B, V], never 0 or 1
-
-
-def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise [B, V]: argmax(logits + noise) samples from softmax(logits)."""
-    return uniform_noise(seeds, offsets, vocab_size).log_().neg_().log_().neg_()  # [B, V] = -log(-log u)
 
 
 # ---------------------------------------------------------------------------------------------

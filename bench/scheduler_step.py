@@ -18,7 +18,7 @@ def measure(num_seqs: int, prompt_len: int, num_steps: int, block_size: int = 16
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 32)
     for i in range(num_seqs):
         prompt = [(i * 31 + j) % 40000 + 100 for j in range(prompt_len)]
-        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
     _step(scheduler)  # the prefill step
     times = []
     for _ in range(num_steps):
@@ -33,10 +33,10 @@ def measure(num_seqs: int, prompt_len: int, num_steps: int, block_size: int = 16
 
 def _step(scheduler: Scheduler) -> int:
     plan = scheduler.schedule()
-    result = StepResult(step_id=plan.step_id, req_ids=plan.req_ids,
-                        sampled_token_ids=[1000 + (r % 500) for r in plan.req_ids])
+    result = StepResult(step_id=plan.step_id, seq_ids=plan.seq_ids,
+                        sampled_token_ids=[1000 + (r % 500) for r in plan.seq_ids])
     scheduler.update(plan, result)
-    return len(plan.req_ids)
+    return len(plan.seq_ids)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,6 +3,10 @@
 Per request it records TTFT (first streamed token), inter-token gaps, end-to-end latency and the
 token count (from usage); it prints percentiles and output tokens/s per load level, writes JSON,
 and plots throughput and latency against load when matplotlib is present.
+
+`--console` keeps one browser console's traffic open during each level (its live stats stream, and the request
+inspector's poll every CONSOLE_POLL_S), as a page left open on the server would; the level then reports the
+stream's ticks per second. bench/console_overhead.py compares that with a server started with --no-console.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 import aiohttp
 
 from pagoda.bench.workload import PRESETS, Workload, preset
+
+CONSOLE_POLL_S = 2.0  # the request inspector's poll (services/api/console/static/inspector.js)
 
 
 @dataclass(slots=True)
@@ -65,14 +71,61 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
     return record
 
 
+@dataclass(slots=True)
+class ConsoleWatch:
+    """What one open console received during a level."""
+
+    tick_times: list[float] = field(default_factory=list)  # time.perf_counter() of each live tick
+    polls: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        times = self.tick_times
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        return {"ticks": len(times), "ticks_per_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1
+                else 0.0, "max_gap_s": max(gaps, default=float("nan")), "polls": self.polls,
+                "errors": self.errors[:5]}
+
+
+async def _watch_console(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                         watch: ConsoleWatch) -> None:
+    """The traffic of one console page: the live stream read to the end, the inspector polled, until cancelled."""
+
+    async def stream() -> None:
+        async with session.get(url + "/console/api/stream", headers=headers) as response:
+            if response.status != 200:
+                watch.errors.append(f"stream: HTTP {response.status}")
+                return
+            async for raw in response.content:
+                if raw.startswith(b"event: tick"):
+                    watch.tick_times.append(time.perf_counter())
+
+    async def poll() -> None:
+        while True:
+            async with session.get(url + "/console/api/requests", headers=headers) as response:
+                await response.read()
+                watch.polls += 1
+                if response.status != 200:
+                    watch.errors.append(f"requests: HTTP {response.status}")
+            await asyncio.sleep(CONSOLE_POLL_S)  # the page's poll interval, not a wait for something
+
+    try:
+        await asyncio.gather(stream(), poll())
+    except aiohttp.ClientError as exc:
+        watch.errors.append(f"{type(exc).__name__}: {exc}")
+
+
 async def run_level(url: str, model: str, prompts: list[Any], output_len: int, concurrency: int | None,
                     rate: float | None, headers: dict[str, str], seed: int,
-                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Send every prompt, at most `concurrency` at once, or arriving as a Poisson process at `rate`/s."""
+                    sampling: dict[str, Any] | None = None, console: bool = False) -> dict[str, Any]:
+    """Send every prompt, at most `concurrency` at once, or arriving as a Poisson process at `rate`/s; with
+    `console`, one console page's traffic runs alongside."""
     limit = asyncio.Semaphore(concurrency or len(prompts))
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        watch = ConsoleWatch()
+        watcher = asyncio.create_task(_watch_console(session, url, headers, watch)) if console else None
 
         async def limited(prompt: Any) -> RequestRecord:
             async with limit:
@@ -86,7 +139,13 @@ async def run_level(url: str, model: str, prompts: list[Any], output_len: int, c
                 await asyncio.sleep(rng.expovariate(rate))  # the arrival process itself, not synchronisation
         records = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    return summarize(records, elapsed, concurrency, rate)
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+    result = summarize(records, elapsed, concurrency, rate)
+    if console:
+        result["console"] = watch.summary()
+    return result
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -133,6 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON results (a PNG plot is written beside it)")
+    parser.add_argument("--console", action="store_true",
+                        help="keep one console page's traffic open during each level (its stats stream and polls)")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -158,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
         prompts = Workload(**{**workload.to_dict(), "num_prompts": count}).prompts(args.vocab_size, offset)
         offset += count
         result = asyncio.run(run_level(args.url, args.model, prompts, workload.output_len, concurrency, rate,
-                                       headers, args.seed, workload.sampling_kwargs()))
+                                       headers, args.seed, workload.sampling_kwargs(), args.console))
         results.append(result)
         _print_row(result)
     best = best_rate(results, args.slo_ttft_ms, args.slo_itl_ms)
@@ -189,7 +250,9 @@ def _print_row(r: dict[str, Any]) -> None:
     load = f"c={r['concurrency']}" if r["concurrency"] else f"rate={r['request_rate']}/s"
     print(f"{load:<12} req/s {r['requests_per_s']:7.2f}  out tok/s {r['output_tok_per_s']:9.1f}  "
           f"TTFT p50/p99 {r['ttft_p50_ms']:8.1f}/{r['ttft_p99_ms']:8.1f} ms  "
-          f"ITL p50/p99 {r['itl_p50_ms']:7.1f}/{r['itl_p99_ms']:7.1f} ms  failed {r['num_failed']}", flush=True)
+          f"ITL p50/p99 {r['itl_p50_ms']:7.1f}/{r['itl_p99_ms']:7.1f} ms  failed {r['num_failed']}"
+          + (f"  console {r['console']['ticks_per_s']:.2f} ticks/s, max gap {r['console']['max_gap_s']:.2f} s"
+             if "console" in r else ""), flush=True)
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

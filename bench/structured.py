@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from pagoda.llm import LLM
-from pagoda.services.tokenizer.structured import GrammarChecker, ll_tokenizer
+from pagoda.services.grammar.compiler import GrammarChecker, ll_tokenizer
 from pagoda.shared.config import DEFAULT_MODEL_DIR
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
 

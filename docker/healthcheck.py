@@ -6,7 +6,8 @@ the api where `pagoda serve` runs them all), or given as the first argument. The
   scheduler  a stats snapshot arrives on PAGODA_STATS_ENDPOINT (its loop publishes one every 0.25 s)
   tokenizer  its process is alive (it only connects out: there is nothing to probe)
   worker     its process is alive (likewise; the api's /health reports whether it is ready)
-Standard library and pyzmq only, so it runs in a second and never imports torch.
+Standard library, and for the scheduler pagoda's stats probe (pagoda/probes.py): it runs in a second and never
+imports torch.
 """
 
 from __future__ import annotations
@@ -53,34 +54,14 @@ def api_healthy() -> bool:
         return False
 
 
-def use_cluster_key(sock: object, endpoint: str) -> None:
-    """A tcp:// endpoint of a deployment with keys (PAGODA_CLUSTER_KEY_DIR) takes only CURVE clients holding
-    the cluster key pair (shared/transport.py)."""
-    key_dir = os.environ.get("PAGODA_CLUSTER_KEY_DIR")
-    if not key_dir or not endpoint.startswith("tcp://"):
-        return
-    import zmq.auth
-
-    public, secret = zmq.auth.load_certificate(Path(key_dir) / "cluster.key_secret")
-    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, public  # type: ignore[attr-defined]
-
-
 def scheduler_healthy() -> bool:
     endpoint = os.environ.get("PAGODA_STATS_ENDPOINT")
     if not endpoint:
         return True  # ipc:// in a private runtime dir: nothing to reach from here, the process check stands
-    import zmq
+    from pagoda.probes import latest_stats  # pagoda's light modules only (no torch)
 
-    context = zmq.Context()
-    try:
-        sock = context.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        use_cluster_key(sock, endpoint)
-        sock.connect(endpoint)
-        return bool(sock.poll(int(TIMEOUT_S * 1000)))
-    finally:
-        context.destroy(linger=0)
+    # a deployment with keys takes only CURVE peers holding them (docs/security.md)
+    return latest_stats(endpoint, TIMEOUT_S, os.environ.get("PAGODA_CLUSTER_KEY_DIR")) is not None
 
 
 def main(argv: list[str]) -> int:

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pagoda.bench.commands import add_commands
 from pagoda.shared.config import add_engine_args, add_server_args, engine_config_from_args, server_config_from_args
 
 
@@ -138,16 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.set_defaults(func=_cmd_cluster_keys)
 
     bench = commands.add_parser("bench", help="benchmarks")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    from pagoda.bench import ipc, scheduler_step, serve, throughput
-
-    for name, module, help_text in (("throughput", throughput, "offline throughput vs the HF peers"),
-                                    ("serve", serve, "online serving against a running server"),
-                                    ("scheduler", scheduler_step, "pure-Python cost of a scheduler step"),
-                                    ("ipc", ipc, "scheduler<->worker round trip over ZeroMQ")):
-        sub = bench_commands.add_parser(name, help=help_text)
-        module.add_arguments(sub)
-        sub.set_defaults(func=_cmd_bench, bench_main=module.main)
+    add_commands(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -14,10 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
+from pagoda.services.grammar.compiler import GrammarChecker
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.tokenizer.output import advance
-from pagoda.services.tokenizer.structured import GrammarChecker
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device
@@ -77,7 +77,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        request = Request(req_id=request_id, prompt_token_ids=token_ids, sampling=params,
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=params,
                           arrival_time=time.monotonic(), priority=priority)
         self.scheduler.check_prompt(request)  # the rest of Scheduler.validate: params were checked above
         self.scheduler.add_request(request)
@@ -139,7 +139,7 @@ class LLMEngine:
             raise RuntimeError(f"the model step failed: {result.error}")
         for update in updates:
             if update.prompt_scores is not None:
-                self._add_prompt_scores(self._outputs[update.seq.request.req_id], update.prompt_scores)
+                self._add_prompt_scores(self._outputs[update.seq.request.request_id], update.prompt_scores)
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
 
@@ -159,7 +159,7 @@ class LLMEngine:
 
     def _apply(self, update: SeqUpdate, result: StepResult) -> StreamDelta:
         seq = update.seq
-        output = self._outputs[seq.request.req_id]
+        output = self._outputs[seq.request.request_id]
         completion = output.outputs[seq.index]
         new_tokens = [update.token_id] if update.has_token else []  # none: max_tokens=0 ends after the prompt
         completion.token_ids += new_tokens

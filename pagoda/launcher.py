@@ -22,9 +22,12 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pagoda.services.worker.model_config import check_divisible, resolve_arch
+import msgspec
+
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.shared.errors import ConfigError, PagodaError
+from pagoda.shared.messages import PROCESS_TABLE_FILE, ProcessEntry, ProcessTable
+from pagoda.shared.shapes import check_divisible, resolve_arch
 from pagoda.shared.transport import ClusterKeys
 
 SHUTDOWN_DEADLINE_S = 10.0
@@ -45,6 +48,7 @@ class Child:
     stopped_since: float | None = None  # time.monotonic() when it was first seen stopped (SIGSTOP, a debugger)
     num_restarts: int = 0
     replica: int | None = None  # the engine replica a scheduler or worker belongs to
+    started_at: float = field(default_factory=time.time)
 
 
 def process_state(pid: int) -> str:
@@ -136,6 +140,7 @@ class Launcher:
             self.server_config = replace(self.server_config, cluster_key_dir=str(key_dir))
         self.children: list[Child] = []
         self.down_replicas: set[int] = set()
+        self._table_written = b""  # the process table's last contents (the console reads the file)
         tp_address = self.engine_config.tp_init_address
         self.replica_tp_address = [tp_address] + [  # each replica's ranks meet at their own address
             f"tcp://127.0.0.1:{_free_port()}" if tp_address is not None else None
@@ -273,6 +278,7 @@ class Launcher:
                         continue
                 print(f"pagoda: {failed.name} {why}; stopping", file=sys.stderr)
                 return 1
+            self.write_process_table()
             info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD, signal.SIGHUP], 0.5)
             if info is not None and info.si_signo in STOP_SIGNALS:
                 print("pagoda: stopping", file=sys.stderr)
@@ -285,6 +291,25 @@ class Launcher:
         for child in self.children:
             if child.module == "api" and child.process.poll() is None:
                 child.process.send_signal(signal.SIGHUP)
+
+    def write_process_table(self) -> None:
+        """The children as the console shows them, in the runtime dir; rewritten (atomically) when it changes."""
+        if not self.server_config.console:
+            return
+        entries = [ProcessEntry(c.name, c.module, c.process.pid, c.started_at, c.num_restarts, c.replica,
+                                c.stopped_since is not None) for c in self.children]
+        table = ProcessTable(os.getpid(), 0.0, entries, sorted(self.down_replicas))
+        data = msgspec.json.encode(table)
+        if data == self._table_written:
+            return
+        path = self.runtime_dir / PROCESS_TABLE_FILE
+        staging = path.with_suffix(".tmp")
+        try:
+            staging.write_bytes(msgspec.json.encode(msgspec.structs.replace(table, time=time.time())))
+            staging.replace(path)
+        except OSError as exc:  # the console then shows what the api sees itself; serving goes on
+            print(f"pagoda: cannot write {path}: {exc}", file=sys.stderr)
+        self._table_written = data
 
     def shutdown(self) -> None:
         """APIs first (they drain or fail in-flight requests), then the rest; kill stragglers at the deadline."""
@@ -308,6 +333,7 @@ class Launcher:
             if endpoint.startswith("ipc://"):  # a process killed mid-way leaves its socket file behind
                 Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         shutil.rmtree(self.runtime_dir / "prometheus", ignore_errors=True)
+        (self.runtime_dir / PROCESS_TABLE_FILE).unlink(missing_ok=True)
 
     def _replica_endpoints(self) -> list[str]:
         out = []
@@ -350,6 +376,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     code = 1
     try:
         launcher.start()
+        launcher.write_process_table()
         print(f"pagoda: starting {engine_config.model} ({len(launcher.children)} processes)...", file=sys.stderr)
         if not launcher.wait_until_healthy():
             if _pending_stop():

@@ -162,6 +162,9 @@ class ServerConfig:
     api_keys_file: str | None = None  # tenants: hashed API keys with quotas (services/api/tenants.py)
     usage_log: str | None = None  # a JSON line per finished generation request (tenant, tokens, times), appended
     cluster_key_dir: str | None = None  # CURVE key pair for tcp:// sockets (shared/transport.py); None: plain
+    console: bool = True  # the browser console at / (playground, live view, request inspector)
+    console_show_prompts: bool = False  # the request inspector shows prompt text (off: only counts and times)
+    console_max_requests: int = 200  # finished requests the inspector keeps (per api process)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
@@ -172,7 +175,8 @@ class ServerConfig:
             raise ConfigError("data_parallel_size must be >= 1 and replica_id >= 0", param="data_parallel_size")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
             raise ConfigError("reasoning_parser must be qwen3 or deepseek_r1", param="reasoning_parser")
-        for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes"):
+        for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes",
+                     "console_max_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)
         if not 0 < self.port < 65536:
@@ -272,7 +276,8 @@ def bind_address(endpoint: str) -> str:
 
 _PARSERS: dict[str, Any] = {"kv_cache_memory": parse_bytes}
 # True (or auto) by default: a --no- flag
-_FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "async_scheduling": "no-async-scheduling"}
+_FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "async_scheduling": "no-async-scheduling",
+                               "console": "no-console"}
 _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
@@ -304,6 +309,9 @@ _HELP: dict[str, str] = {
                        "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints; "
                        "'none': plain tcp on purpose)",
     "usage_log": "append one JSON line per finished generation request (tenant, request id, tokens, times) here",
+    "console": "no browser console at / (playground, live view, request inspector; docs/console.md)",
+    "console_show_prompts": "the console's request inspector shows prompt text (default: counts and times only)",
+    "console_max_requests": "finished requests the console's request inspector keeps, per api process",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",
 }

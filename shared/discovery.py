@@ -1,5 +1,6 @@
-"""Discovery without fixed lists: the registry a scheduler keeps of live apis and engine replicas (pure logic),
-and the address a process advertises for a socket it bound.
+"""Discovery without fixed lists: how processes find each other through the registry a scheduler keeps of live
+apis and engine replicas (services/scheduler/registry.py), and the address a process advertises for a socket it
+bound.
 
     api (xM) ----ApiJoin(address)------------> registry (the scheduler at PAGODA_REGISTRY_ENDPOINT)
     scheduler r --ReplicaJoin(addresses)-----> registry
@@ -15,9 +16,6 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass, field
-
-from pagoda.shared.messages import Directory, ReplicaAddress
 
 WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
@@ -50,40 +48,3 @@ def advertised(endpoint: str, host: str) -> str:
     if parts is None or parts[0] not in WILDCARD_HOSTS:
         return endpoint
     return f"tcp://{f'[{host}]' if ':' in host else host}:{parts[1]}"
-
-
-@dataclass(slots=True)
-class Registry:
-    """The live apis and replicas one scheduler knows (times are time.monotonic())."""
-
-    own: ReplicaAddress  # the registry's own replica, always listed
-    timeout: float  # an entry not renewed for this long is forgotten
-    apis: dict[str, float] = field(default_factory=dict)  # address -> last join
-    replicas: dict[int, tuple[ReplicaAddress, float]] = field(default_factory=dict)  # replica id -> (entry, last join)
-    used: bool = False  # anything ever joined: only then does the scheduler send directories
-
-    def join_api(self, address: str, now: float) -> None:
-        self.apis[address] = now
-        self.used = True
-
-    def join_replica(self, entry: ReplicaAddress, now: float) -> bool:
-        """Record a replica's join; False (ignored) for one claiming the registry's own replica id."""
-        if entry.replica_id == self.own.replica_id:
-            return False
-        self.replicas[entry.replica_id] = (entry, now)  # a restart (new instance, maybe new address) replaces
-        self.used = True
-        return True
-
-    def sweep(self, now: float) -> list[str]:
-        """Forget entries silent past the timeout; what was forgotten, for the log."""
-        gone = [a for a, seen in self.apis.items() if now - seen > self.timeout]
-        for address in gone:
-            del self.apis[address]
-        lost = [r for r, (_, seen) in self.replicas.items() if now - seen > self.timeout]
-        for replica_id in lost:
-            del self.replicas[replica_id]
-        return [f"api {a}" for a in gone] + [f"replica {r}" for r in lost]
-
-    def directory(self) -> Directory:
-        entries = [self.own] + [entry for _, (entry, _) in sorted(self.replicas.items())]
-        return Directory(apis=sorted(self.apis), replicas=entries, registry_replica_id=self.own.replica_id)

@@ -21,7 +21,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -236,6 +236,29 @@ def make_socket(context: zmq.Context | zmq.asyncio.Context, kind: int, endpoint:
     return sock
 
 
+def drain(sock: zmq.Socket, handle: Callable[[list[Any]], None], max_messages: int = 0, copy: bool = True) -> int:
+    """Hand every message waiting on `sock` (at most `max_messages`, 0: no limit) to `handle`, without blocking;
+    how many there were."""
+    count = 0
+    while not max_messages or count < max_messages:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            break
+        count += 1
+        handle(frames)
+    return count
+
+
+def send_nowait(sock: zmq.Socket, data: bytes) -> bool:
+    """Send without blocking the loop; False when the socket cannot take it now (its peer is away)."""
+    try:
+        sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 def split_routed(frames: list[Any]) -> tuple[bytes, Any] | None:
     """A ROUTER receives [peer identity, payload]; anything else is a malformed message."""
     if len(frames) != 2:
@@ -250,6 +273,13 @@ def single_frame(frames: list[Any]) -> Any | None:
         log.warning("dropped a message of %d frames", len(frames))
         return None
     return frames[0]
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel these tasks and wait until each has ended (a receiver's loops, before its socket closes)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def receive_forever(sock: zmq.asyncio.Socket, name: str) -> AsyncIterator[list[Any]]:

@@ -8,7 +8,7 @@ import pytest
 from pagoda.bench.serve import best_rate
 from pagoda.bench.throughput import roofline_seconds
 from pagoda.bench.workload import PRESETS, preset
-from pagoda.services.worker.model_config import SHAPES, fit_vocab_to_tokenizer, resolve_arch
+from pagoda.shared.shapes import SHAPES, fit_vocab_to_tokenizer, resolve_arch
 
 
 def test_presets_have_the_shapes_the_issue_names() -> None:

@@ -23,12 +23,12 @@ import httpx
 import pytest
 import zmq
 
+from pagoda.probes import latest_stats
 from pagoda.shared.config import env_names
 from pagoda.shared.messages import (
     Directory,
     SamplingParams,
     SchedulerStats,
-    SchedulerToApi,
     SchedulerToTokenizer,
     TokenizerHello,
     TokenizerToScheduler,
@@ -153,20 +153,6 @@ def test_tp2_profile_ranks_meet_and_serve(processes: Processes, tmp_path: Path) 
     assert all(0 <= token < 512 for tokens in outputs.values() for token in tokens)
 
 
-def _latest_stats(endpoint: str, timeout_s: float = 3.0) -> SchedulerStats | None:
-    context = zmq.Context()
-    try:
-        sock = make_socket(context, zmq.SUB, endpoint, bind=False)  # CURVE with the deployment's key
-        codec = Codec(SchedulerToApi)
-        while sock.poll(int(timeout_s * 1000)):
-            stats = codec.decode(sock.recv())
-            if isinstance(stats, SchedulerStats):
-                return stats
-        return None
-    finally:
-        context.destroy(linger=0)
-
-
 def _directory(registry: str, timeout_s: float = 3.0) -> Directory | None:
     """What the registry tells its tokenizers, as a fresh (and idle) tokenizer hears it."""
     context = zmq.Context()
@@ -192,7 +178,7 @@ class Deployment:
     registry: str  # the registry's address, as every service is given it
 
     def stats(self, scheduler: str) -> SchedulerStats | None:
-        return _latest_stats(self.processes.local(self.services[scheduler]["environment"]["PAGODA_STATS_ENDPOINT"]))
+        return latest_stats(self.processes.local(self.services[scheduler]["environment"]["PAGODA_STATS_ENDPOINT"]))
 
     def start_api(self, name: str) -> None:
         port = free_port()

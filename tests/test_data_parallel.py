@@ -269,8 +269,7 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
         service._dispatch_api(0, GenerateRequest("late", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6]))
         assert [m.request_id for m in _received(schedulers[1], from_tokenizer, AddRequest)] == ["late"]
     finally:
-        for sock in service._handlers:
-            sock.close(linger=0)
+        service._peers.close(0)
         service._offload.close()
         for sock in [*schedulers, api]:
             sock.close(linger=0)
@@ -281,7 +280,7 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
 
 
 def test_registry_lists_what_joined_and_forgets_the_silent() -> None:
-    from pagoda.shared.discovery import Registry
+    from pagoda.services.scheduler.registry import Registry
     from pagoda.shared.messages import ReplicaAddress
 
     own = ReplicaAddress(0, "tcp://scheduler:5555", "tcp://scheduler:5558", "s0")
@@ -380,8 +379,7 @@ def test_tokenizer_connects_to_what_the_registry_lists_and_drops_a_forgotten_api
         aborted += [m.request_id for m in _received(replica1, from_tokenizer, AbortRequest)]
         assert sorted(aborted) == ["q0", "q1", "q2", "q3"]
     finally:
-        for sock in service._handlers:
-            sock.close(linger=0)
+        service._peers.close(0)
         service._offload.close()
         for sock in (registry, replica1, api):
             sock.close(linger=0)

@@ -329,12 +329,12 @@ def _run(ops_name: str, shape: str, prompts: list[list[int]],
                           max_model_len=256, vocab_size=runner.arch.vocab_size)
     params = WireSamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
         for update in scheduler.update(plan, runner.execute(plan)):
-            outputs[update.seq.request.req_id].append(update.token_id)
+            outputs[update.seq.request.request_id].append(update.token_id)
     return [outputs[str(i)] for i in range(len(prompts))], captured
 
 

@@ -100,7 +100,7 @@ def test_greedy_matches_transformers_batched(smollm2_dir: Path, greedy_prompts, 
     llm = LLM(str(smollm2_dir))
     plans = _record_plans(llm)
     assert _pagoda_greedy(llm, greedy_prompts) == hf_greedy
-    assert max(len(plan.req_ids) for plan in plans) == len(greedy_prompts), "the prompts never ran together"
+    assert max(len(plan.seq_ids) for plan in plans) == len(greedy_prompts), "the prompts never ran together"
 
 
 @pytest.mark.extended  # test_prompt_logprobs_survive_preemption and test_async_scheduling cover preemption
@@ -124,7 +124,7 @@ def test_greedy_matches_transformers_with_every_prompt_chunked(smollm2_dir: Path
     plans = _record_plans(llm)
     assert _pagoda_greedy(llm, [greedy_prompts[i] for i in chosen]) == [hf_greedy[i] for i in chosen]
     assert all(sum(plan.num_scheduled_tokens) <= budget for plan in plans)
-    first_chunks = [new.req_id for plan in plans for new in plan.new_requests]
+    first_chunks = [new.seq_id for plan in plans for new in plan.new_requests]
     assert len(first_chunks) == len(chosen)
 
 
@@ -247,8 +247,8 @@ def test_prefix_cache_recomputes_only_the_tail(smollm2_dir: Path, prompts) -> No
     llm.generate([first], params)
     plans = _record_plans(llm)
     [cached_output] = llm.generate([second], params)
-    seq_id = plans[0].new_requests[0].req_id
-    computed = sum(count for plan in plans for req, count in zip(plan.req_ids, plan.num_scheduled_tokens,
+    seq_id = plans[0].new_requests[0].seq_id
+    computed = sum(count for plan in plans for req, count in zip(plan.seq_ids, plan.num_scheduled_tokens,
                                                                   strict=True) if req == seq_id)
     num_outputs = len(cached_output.outputs[0].token_ids)
     # the 30-token tail, then one decode step per generated token after the first

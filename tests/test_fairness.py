@@ -27,7 +27,7 @@ class Item:
 def tenant_request(req_id: str, tenant: str, *, prompt_len: int = 8, max_tokens: int = 4, weight: float = 1.0,
                    tier: int = 0, priority: int = 0, arrival_time: float = 0.0) -> Request:
     prompt = [100 + (hash((req_id, i)) % 700) for i in range(prompt_len)]
-    return Request(req_id=req_id, prompt_token_ids=prompt, arrival_time=arrival_time, priority=priority,
+    return Request(request_id=req_id, prompt_token_ids=prompt, arrival_time=arrival_time, priority=priority,
                    sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens), tenant=tenant, weight=weight,
                    tier=tier)
 
@@ -115,7 +115,7 @@ def test_a_flood_does_not_delay_another_tenants_request() -> None:
     late = tenant_request("b0", "b", max_tokens=3, arrival_time=100.0)
     sched.add_request(late)
     plan, updates = step(sched, worker)
-    assert late.sequences[0].seq_id in plan.req_ids, "b's request waited behind a's flood"
+    assert late.sequences[0].seq_id in plan.seq_ids, "b's request waited behind a's flood"
     assert running_by_tenant(sched) == {"a": 3, "b": 1}
     assert sched.stats.num_preemptions == 1
     steps = 0
@@ -143,7 +143,7 @@ def test_several_arrivals_get_their_share_in_one_step() -> None:
     for request in late:
         sched.add_request(request)
     plan, _ = step(sched, worker)
-    assert sum(r.sequences[0].seq_id in plan.req_ids for r in late) == 4
+    assert sum(r.sequences[0].seq_id in plan.seq_ids for r in late) == 4
     assert running_by_tenant(sched) == {"a": 4, "b": 4}
 
 
@@ -157,7 +157,7 @@ def test_same_tenant_keeps_first_come_first_served() -> None:
     late = tenant_request("late", "", max_tokens=3, arrival_time=100.0)
     sched.add_request(late)
     plan, _ = step(sched, worker)
-    assert late.sequences[0].seq_id not in plan.req_ids and sched.stats.num_preemptions == 0
+    assert late.sequences[0].seq_id not in plan.seq_ids and sched.stats.num_preemptions == 0
 
 
 def test_weights_share_the_running_slots() -> None:
@@ -172,7 +172,7 @@ def test_weights_share_the_running_slots() -> None:
     shares = []
     for _ in range(60):
         plan, _ = step(sched, worker)
-        ran = [tenant_of[seq_id] for seq_id in plan.req_ids]
+        ran = [tenant_of[seq_id] for seq_id in plan.seq_ids]
         shares.append((ran.count("heavy"), ran.count("light")))
     assert all(share == (6, 2) for share in shares[10:]), shares
 
@@ -186,7 +186,7 @@ def test_priority_orders_requests_within_a_tenant_and_tiers_order_tenants() -> N
     order = []
     while sched.has_unfinished():
         plan, updates = step(sched, worker)
-        order += [u.seq.request.req_id for u in updates if u.finish_reason is not None]
+        order += [u.seq.request.request_id for u in updates if u.finish_reason is not None]
     assert order == ["high", "low", "batch"]  # tier 0 before tier 1; priority -5 before 5 within a
 
 
@@ -229,7 +229,7 @@ def test_random_tenants_finish_with_their_own_tokens(seed: int) -> None:
         arrivals.append((rng.randint(0, 30), request))
     arrivals.sort(key=lambda item: item[0])
     requests = [request for _, request in arrivals]
-    aborted = {request.req_id for request in rng.sample(requests, 4)}
+    aborted = {request.request_id for request in rng.sample(requests, 4)}
     num_steps = 0
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= num_steps:
@@ -244,7 +244,7 @@ def test_random_tenants_finish_with_their_own_tokens(seed: int) -> None:
         seq = request.sequences[0]
         assert seq.status == SeqStatus.FINISHED
         if seq.finish_reason == FinishReason.ABORT:
-            assert request.req_id in aborted
+            assert request.request_id in aborted
             continue
         assert seq.token_ids[seq.num_prompt_tokens:] == [default_token(seq.seq_id, i)
                                                          for i in range(request.sampling.max_tokens or 0)]

@@ -13,15 +13,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pagoda.bench.fp8_bench import greedy_steps
 from pagoda.kernels import reference as ref
 from pagoda.services.scheduler.scheduler import Request, Scheduler
-from pagoda.services.worker.model_config import ModelArch, load_arch, resolve_arch
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.services.worker.models import CausalLM, Fp8Weights, Ops, reference_ops
 from pagoda.services.worker.weights import SafetensorsSource, checkpoint_fp8, fill, placements
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import SamplingParams
+from pagoda.shared.shapes import ModelArch, load_arch, resolve_arch
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -375,32 +376,17 @@ def _greedy_logits(config: EngineConfig, prompts: list[list[int]], max_tokens: i
                    ops: Ops | None = None) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
     """Greedy tokens and the logits row of each sampled step, per request (chunked prefill, prefix hits)."""
     runner = ModelRunner(config, ops=ops)
-    steps: list[torch.Tensor] = []
-    sampler = runner.sampler
-    runner.sampler = lambda logits, meta: (steps.append(logits.detach().float().cpu()), sampler(logits, meta))[1]  # type: ignore[assignment]
     scheduler = Scheduler(num_blocks=config.num_kv_blocks or 64, block_size=16, max_num_seqs=8,
                           max_num_batched_tokens=24, max_model_len=256, vocab_size=runner.arch.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(req_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
-    while scheduler.has_unfinished():
-        plan = scheduler.schedule()
-        result = runner.execute(plan)
-        rows = dict(zip(result.req_ids, steps[-1], strict=True)) if result.req_ids else {}
-        for update in scheduler.update(plan, result):
-            tokens[update.seq.request.req_id].append(update.token_id)
-            logits[update.seq.request.req_id].append(rows[update.seq.seq_id])
-    return tokens, logits
+    return greedy_steps(runner, scheduler, prompts, max_tokens)
 
 
 def _compare(base: tuple[dict, dict], ours: tuple[dict, dict]) -> tuple[float, float]:
     """(lowest cosine similarity, top-1 agreement) over the steps whose context is the same in both runs."""
     cosines, agree = [], []
-    for req_id, base_tokens in base[0].items():
-        for step, (a, b) in enumerate(zip(base[1][req_id], ours[1][req_id], strict=True)):
-            if base_tokens[:step] != ours[0][req_id][:step]:
+    for request_id, base_tokens in base[0].items():
+        for step, (a, b) in enumerate(zip(base[1][request_id], ours[1][request_id], strict=True)):
+            if base_tokens[:step] != ours[0][request_id][:step]:
                 break  # greedy paths diverged: later contexts differ
             cosines.append(torch.nn.functional.cosine_similarity(a, b, dim=0).item())
             agree.append(float(a.argmax() == b.argmax()))
@@ -433,7 +419,7 @@ def test_kv_scale_calibration_sets_scales_from_the_first_prefill(tiny_llama_dir:
     assert float(runner.model.layers[0].k_scale) == 1.0
     scheduler = Scheduler(num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=24,
                           max_model_len=256, vocab_size=runner.arch.vocab_size)
-    scheduler.add_request(Request(req_id="0", prompt_token_ids=[5, 6, 7, 8, 9, 10],
+    scheduler.add_request(Request(request_id="0", prompt_token_ids=[5, 6, 7, 8, 9, 10],
                                   sampling=SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                                   arrival_time=0))
     runner.execute(scheduler.schedule())
@@ -486,8 +472,8 @@ def test_triton_fp8_model_matches_reference_model(shape: str, quantization: str)
         results.append(_greedy_logits(config, prompts, max_tokens=3, ops=ops))
     (ref_tokens, ref_logits), (tri_tokens, tri_logits) = results
     assert tri_tokens == ref_tokens
-    for req_id, rows in ref_logits.items():
-        for expected, ours in zip(rows, tri_logits[req_id], strict=True):
+    for request_id, rows in ref_logits.items():
+        for expected, ours in zip(rows, tri_logits[request_id], strict=True):
             torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-3)
 
 

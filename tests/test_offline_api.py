@@ -201,7 +201,7 @@ def test_priority_runs_first_when_only_one_fits(smollm2_dir: Path) -> None:
     launch = llm.engine.runner.launch
     llm.engine.runner.launch = lambda plan: (plans.append(plan), launch(plan))[1]  # type: ignore[method-assign]
     llm.generate(["low", "high"], SamplingParams(temperature=0.0, max_tokens=2), priority=[5, 0])
-    order = [new.req_id for plan in plans for new in plan.new_requests]
+    order = [new.seq_id for plan in plans for new in plan.new_requests]
     assert order == [1, 0], "the priority-0 request (seq 1) must be admitted first"
 
 

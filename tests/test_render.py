@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from pagoda.services.tokenizer.render import (
+from pagoda.services.protocol.render import (
     CHAT,
     COMPLETION,
     Choice,

@@ -13,16 +13,8 @@ import pytest
 import torch
 
 from pagoda.kernels import reference
-from pagoda.services.worker.sampler import (
-    Sampler,
-    SamplingMetadata,
-    mix32_,
-    mul32_,
-    process_logits,
-    row_keys,
-    sample,
-    uniform_noise,
-)
+from pagoda.kernels.reference import mix32_, mul32_, row_keys, uniform_noise
+from pagoda.services.worker.sampler import Sampler, SamplingMetadata, process_logits, sample
 
 
 def make_metadata(num_rows: int, temperature: float | torch.Tensor = 1.0, seed: int = 1234,
@@ -747,8 +739,8 @@ from pagoda.services.worker.sampling_state import SamplingState  # noqa: E402
 from pagoda.shared.messages import NewRequest, SamplingParams  # noqa: E402
 
 
-def new_request(req_id: int, tokens: list[int], num_prompt: int, seed: int = 0, **params) -> NewRequest:
-    return NewRequest(req_id=req_id, token_ids=tokens, num_prompt_tokens=num_prompt, block_ids=[],
+def new_request(seq_id: int, tokens: list[int], num_prompt: int, seed: int = 0, **params) -> NewRequest:
+    return NewRequest(seq_id=seq_id, token_ids=tokens, num_prompt_tokens=num_prompt, block_ids=[],
                       num_computed_tokens=0, sampling=SamplingParams(**params), seed=seed)
 
 

@@ -37,11 +37,11 @@ def make_scheduler(**overrides: object) -> Scheduler:
     return Scheduler(**config)  # type: ignore[arg-type]
 
 
-def make_request(req_id: str, prompt: list[int] | int, max_tokens: int | None = 8, *, priority: int = 0,
+def make_request(request_id: str, prompt: list[int] | int, max_tokens: int | None = 8, *, priority: int = 0,
                  arrival_time: float = 0.0, **params: object) -> Request:
     prompt_ids = prompt if isinstance(prompt, list) else [100 + (i % 800) for i in range(prompt)]
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)  # type: ignore[arg-type]
-    return Request(req_id=req_id, prompt_token_ids=prompt_ids, sampling=sampling, arrival_time=arrival_time,
+    return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, arrival_time=arrival_time,
                    priority=priority)
 
 
@@ -65,36 +65,36 @@ class FakeWorker:
     num_resent_with_output: int = 0  # ... that carried tokens generated before the drop
 
     def apply(self, plan: StepPlan) -> None:
-        for req_id in plan.finished_req_ids:
-            assert req_id in self.state, f"told to drop {req_id}, which it never had"
-            self.dropped[req_id] = self.state.pop(req_id).token_ids
+        for seq_id in plan.finished_seq_ids:
+            assert seq_id in self.state, f"told to drop {seq_id}, which it never had"
+            self.dropped[seq_id] = self.state.pop(seq_id).token_ids
         for new in plan.new_requests:
-            assert new.req_id not in self.state, f"request {new.req_id} sent twice"
+            assert new.seq_id not in self.state, f"request {new.seq_id} sent twice"
             assert 0 <= new.num_computed_tokens < len(new.token_ids)
-            if new.req_id in self.dropped:  # recompute after a preemption: same tokens, output included
-                assert new.token_ids == self.dropped[new.req_id]
+            if new.seq_id in self.dropped:  # recompute after a preemption: same tokens, output included
+                assert new.token_ids == self.dropped[new.seq_id]
                 self.num_resent += 1
                 self.num_resent_with_output += len(new.token_ids) > new.num_prompt_tokens
-            self.state[new.req_id] = WorkerSeq(list(new.token_ids), new.num_prompt_tokens,
+            self.state[new.seq_id] = WorkerSeq(list(new.token_ids), new.num_prompt_tokens,
                                                new.num_computed_tokens, list(new.block_ids))
-        for req_id, block_id in zip(plan.appended_block_req_ids, plan.appended_block_ids, strict=True):
-            self.state[req_id].block_ids.append(block_id)
+        for seq_id, block_id in zip(plan.appended_block_seq_ids, plan.appended_block_ids, strict=True):
+            self.state[seq_id].block_ids.append(block_id)
 
     def execute(self, plan: StepPlan) -> StepResult:
         sampled_ids: list[int] = []
         sampled_tokens: list[int] = []
-        for req_id, count in zip(plan.req_ids, plan.num_scheduled_tokens, strict=True):
-            seq = self.state[req_id]
+        for seq_id, count in zip(plan.seq_ids, plan.num_scheduled_tokens, strict=True):
+            seq = self.state[seq_id]
             assert count >= 1
             seq.num_computed += count
             assert seq.num_computed <= len(seq.token_ids), "plan schedules tokens the worker does not have"
             assert seq.num_computed <= len(seq.block_ids) * self.block_size, "no KV slot for a token"
             if seq.num_computed == len(seq.token_ids):
-                token = self.token_fn(req_id, len(seq.token_ids) - seq.num_prompt_tokens)
+                token = self.token_fn(seq_id, len(seq.token_ids) - seq.num_prompt_tokens)
                 seq.token_ids.append(token)
-                sampled_ids.append(req_id)
+                sampled_ids.append(seq_id)
                 sampled_tokens.append(token)
-        return StepResult(step_id=plan.step_id, req_ids=sampled_ids, sampled_token_ids=sampled_tokens)
+        return StepResult(step_id=plan.step_id, seq_ids=sampled_ids, sampled_token_ids=sampled_tokens)
 
 
 def live_tables(sched: Scheduler) -> list:
@@ -106,8 +106,8 @@ def step(sched: Scheduler, worker: FakeWorker,
     """One schedule -> worker -> update round, checking every invariant a step must keep."""
     plan = sched.schedule()
     assert sum(plan.num_scheduled_tokens) <= sched.max_num_batched_tokens
-    assert len(plan.req_ids) == len(plan.num_scheduled_tokens) <= sched.max_num_seqs
-    assert len(set(plan.req_ids)) == len(plan.req_ids)
+    assert len(plan.seq_ids) == len(plan.num_scheduled_tokens) <= sched.max_num_seqs
+    assert len(set(plan.seq_ids)) == len(plan.seq_ids)
     assert len(sched.running) <= sched.max_num_seqs
     worker.apply(plan)
     assert set(worker.state) == {seq.seq_id for seq in sched.running}, "worker and scheduler disagree on who runs"
@@ -133,7 +133,7 @@ def run_until_done(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000
 
 
 def outputs(requests: list[Request]) -> dict[tuple[str, int], list[int]]:
-    return {(r.req_id, seq.index): seq.token_ids[seq.num_prompt_tokens:] for r in requests for seq in r.sequences}
+    return {(r.request_id, seq.index): seq.token_ids[seq.num_prompt_tokens:] for r in requests for seq in r.sequences}
 
 
 def assert_all_free(sched: Scheduler) -> None:
@@ -199,7 +199,7 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
                            enable_prefix_caching=data.draw(st.booleans(), label="prefix_caching"))
     worker = FakeWorker(block_size)
     arrivals: list[tuple[int, Request]] = []
-    abort_at: dict[str, tuple[int, bool]] = {}  # req_id -> (step, during the step?)
+    abort_at: dict[str, tuple[int, bool]] = {}  # request id -> (step, during the step?)
     for index in range(data.draw(st.integers(1, 8), label="num_requests")):
         num_prompt = data.draw(st.integers(1, max_model_len - 1))
         prompt = data.draw(st.lists(st.integers(2, 3), min_size=num_prompt, max_size=num_prompt))
@@ -209,7 +209,7 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
         arrival = data.draw(st.integers(0, 10))
         arrivals.append((arrival, request))
         if data.draw(st.integers(0, 3)) == 0:
-            abort_at[request.req_id] = (arrival + data.draw(st.integers(0, 20)), data.draw(st.booleans()))
+            abort_at[request.request_id] = (arrival + data.draw(st.integers(0, 20)), data.draw(st.booleans()))
     arrivals.sort(key=lambda item: item[0])
     requests = [request for _, request in arrivals]
 
@@ -217,11 +217,11 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= num_steps:
             sched.add_request(arrivals.pop(0)[1])
-        due = [(req_id, during) for req_id, (at, during) in abort_at.items() if at == num_steps]
-        for req_id in [req_id for req_id, during in due if not during]:
-            sched.abort_request(req_id)
-        mid_step = [req_id for req_id, during in due if during]
-        step(sched, worker, lambda ids=mid_step: [sched.abort_request(req_id) for req_id in ids])
+        due = [(request_id, during) for request_id, (at, during) in abort_at.items() if at == num_steps]
+        for request_id in [request_id for request_id, during in due if not during]:
+            sched.abort_request(request_id)
+        mid_step = [request_id for request_id, during in due if during]
+        step(sched, worker, lambda ids=mid_step: [sched.abort_request(request_id) for request_id in ids])
         num_steps += 1
         assert num_steps < 20_000, "the scheduler stopped making progress"
 
@@ -229,7 +229,7 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
         for seq in request.sequences:
             assert seq.is_finished
             if seq.finish_reason == FinishReason.ABORT:
-                assert request.req_id in abort_at
+                assert request.request_id in abort_at
                 assert seq.num_output_tokens < request.sampling.max_tokens
             else:
                 assert seq.finish_reason == FinishReason.LENGTH
@@ -314,7 +314,7 @@ def test_long_prompt_does_not_stall_decoders() -> None:
         unfinished = {seq_id for seq_id in decoder_ids if sched.get_sequence(seq_id) is not None}
         remaining = long_seq.num_prompt_tokens - long_seq.num_computed_tokens
         plan, _ = step(sched, worker)
-        scheduled = dict(zip(plan.req_ids, plan.num_scheduled_tokens, strict=True))
+        scheduled = dict(zip(plan.seq_ids, plan.num_scheduled_tokens, strict=True))
         for seq_id in unfinished:
             assert scheduled.get(seq_id) == 1, "a decoding sequence was left out of a step"
         if remaining > 0:
@@ -332,7 +332,7 @@ def test_long_prompt_does_not_stall_decoders() -> None:
 def first_scheduled_order(sched: Scheduler, worker: FakeWorker) -> list[int]:
     order: list[int] = []
     for plan in run_until_done(sched, worker):
-        order.extend(new.req_id for new in plan.new_requests)
+        order.extend(new.seq_id for new in plan.new_requests)
     return order
 
 
@@ -381,8 +381,8 @@ def test_block_pressure_preempts_the_lowest_ranked_sequence() -> None:
     assert sched.stats.num_preemptions == 1
     assert victim.status == SeqStatus.WAITING and victim.num_preemptions == 1 and victim.table.block_ids == []
     assert late_urgent.sequences[0].status == early.sequences[0].status == SeqStatus.RUNNING
-    assert late_urgent.sequences[0].seq_id in plan.req_ids and victim.seq_id not in plan.req_ids
-    assert plan.finished_req_ids == [victim.seq_id]
+    assert late_urgent.sequences[0].seq_id in plan.seq_ids and victim.seq_id not in plan.seq_ids
+    assert plan.finished_seq_ids == [victim.seq_id]
     assert plan.new_requests == []  # no admission in a step that had to preempt
     run_until_done(sched, worker)
     for request in (latest, early, late_urgent):
@@ -425,8 +425,8 @@ def test_preempted_sequences_recompute_to_the_same_outputs() -> None:
 
 def first_new_request(sched: Scheduler, worker: FakeWorker, request: Request):
     plan, _ = step(sched, worker)
-    (new,) = [new for new in plan.new_requests if new.req_id == request.sequences[0].seq_id]
-    count = dict(zip(plan.req_ids, plan.num_scheduled_tokens, strict=True))[new.req_id]
+    (new,) = [new for new in plan.new_requests if new.seq_id == request.sequences[0].seq_id]
+    count = dict(zip(plan.seq_ids, plan.num_scheduled_tokens, strict=True))[new.seq_id]
     return new, count
 
 
@@ -502,7 +502,7 @@ def test_n_siblings_fork_after_the_first_prefill() -> None:
     assert len(siblings) == 2
 
     plan, _ = step(sched, worker)
-    assert plan.req_ids == [first.seq_id] and plan.num_scheduled_tokens == [40]
+    assert plan.seq_ids == [first.seq_id] and plan.num_scheduled_tokens == [40]
     shared = first.table.block_ids[:2]  # (40 - 1) // 16 full blocks
     assert len(first.table.block_ids) == 3
     for sibling in siblings:
@@ -511,9 +511,9 @@ def test_n_siblings_fork_after_the_first_prefill() -> None:
     assert sched.blocks.num_free_blocks == 64 - 3
 
     plan, _ = step(sched, worker)
-    news = {new.req_id: new for new in plan.new_requests}
+    news = {new.seq_id: new for new in plan.new_requests}
     assert set(news) == {sibling.seq_id for sibling in siblings}
-    scheduled = dict(zip(plan.req_ids, plan.num_scheduled_tokens, strict=True))
+    scheduled = dict(zip(plan.seq_ids, plan.num_scheduled_tokens, strict=True))
     assert scheduled[first.seq_id] == 1
     for sibling in siblings:
         new = news[sibling.seq_id]
@@ -540,7 +540,7 @@ def test_abort_waiting_request() -> None:
     assert not sched.has_unfinished()
     worker = FakeWorker(16)
     plan, _ = step(sched, worker)
-    assert plan.req_ids == [] and plan.new_requests == [] and plan.finished_req_ids == []
+    assert plan.seq_ids == [] and plan.new_requests == [] and plan.finished_seq_ids == []
     assert sched.abort_request("w") is None and sched.abort_request("never-seen") is None
     assert_all_free(sched)
 
@@ -556,7 +556,7 @@ def test_abort_running_request() -> None:
     sched.abort_request("r")
     assert_all_free(sched)
     plan, _ = step(sched, worker)
-    assert plan.finished_req_ids == [request.sequences[0].seq_id] and plan.req_ids == []
+    assert plan.finished_seq_ids == [request.sequences[0].seq_id] and plan.seq_ids == []
     assert worker.state == {}
 
 
@@ -571,7 +571,7 @@ def test_abort_mid_prefill_and_mid_step() -> None:
     sched.abort_request("long")
     assert_all_free(sched)
     plan, _ = step(sched, worker)
-    assert plan.finished_req_ids == [long_request.sequences[0].seq_id]
+    assert plan.finished_seq_ids == [long_request.sequences[0].seq_id]
 
     # aborted while its step runs: the result's token is dropped, the blocks are free at once
     request = make_request("mid", 30, max_tokens=4)
@@ -584,7 +584,7 @@ def test_abort_mid_prefill_and_mid_step() -> None:
     assert sched.update(plan, result) == []
     assert request.sequences[0].num_output_tokens == 0
     plan, _ = step(sched, worker)
-    assert plan.finished_req_ids == [request.sequences[0].seq_id]
+    assert plan.finished_seq_ids == [request.sequences[0].seq_id]
 
 
 def test_abort_forked_request() -> None:
@@ -599,7 +599,7 @@ def test_abort_forked_request() -> None:
     assert all(seq.finish_reason == FinishReason.ABORT for seq in request.sequences)
     assert_all_free(sched)
     plan, _ = step(sched, worker)
-    assert plan.finished_req_ids == [first.seq_id] and plan.new_requests == []
+    assert plan.finished_seq_ids == [first.seq_id] and plan.new_requests == []
 
 
 # ---------------------------------------------------------------- h. validation
@@ -724,7 +724,7 @@ def test_finish_sequence_from_outside() -> None:
     assert seq.finish_reason == FinishReason.STOP and seq.num_output_tokens == 2
     assert_all_free(sched)
     plan, _ = step(sched, worker)
-    assert plan.finished_req_ids == [seq.seq_id]
+    assert plan.finished_seq_ids == [seq.seq_id]
 
 
 # ---------------------------------------------------------------- h. overlap: two plans in flight
@@ -753,19 +753,19 @@ def run_overlapped(sched: Scheduler, worker: FakeWorker, arrivals: list[tuple[in
         assert turn < max_turns, "the scheduler stopped making progress"
         while arrivals and arrivals[0][0] <= turn:
             sched.add_request(arrivals.pop(0)[1])
-        for req_id in [r for r, at in aborts.items() if at == turn]:
-            sched.abort_request(req_id)  # lands while up to two plans are in flight
+        for request_id in [r for r, at in aborts.items() if at == turn]:
+            sched.abort_request(request_id)  # lands while up to two plans are in flight
             sched.blocks.check_integrity(live_tables(sched))
         while sched.has_unfinished() and len(inflight) < sched.max_inflight_plans:
             plan = sched.schedule()
             assert sum(plan.num_scheduled_tokens) <= sched.max_num_batched_tokens
-            assert len(set(plan.req_ids)) == len(plan.req_ids) <= sched.max_num_seqs
+            assert len(set(plan.seq_ids)) == len(plan.seq_ids) <= sched.max_num_seqs
             worker.apply(plan)
             assert set(worker.state) == {seq.seq_id for seq in sched.running}
             for new in plan.new_requests:
                 assert PLACEHOLDER not in new.token_ids, "a provisional token went to the worker"
             sched.blocks.check_integrity(live_tables(sched))
-            if not plan.req_ids:
+            if not plan.seq_ids:
                 break
             inflight.append((plan, worker.execute(plan)))
             check_async_mirror(sched, worker)
@@ -816,7 +816,7 @@ def test_overlapped_scheduling_gives_serial_outputs_and_keeps_blocks_whole(seed:
         at = rng.randint(0, 30)
         arrivals.append((at, request))
         if rng.random() < 0.2:
-            aborts[request.req_id] = at + rng.randint(0, 12)
+            aborts[request.request_id] = at + rng.randint(0, 12)
     arrivals.sort(key=lambda item: item[0])
     requests = [request for _, request in arrivals]
     run_overlapped(sched, worker, arrivals, aborts)
@@ -827,7 +827,7 @@ def test_overlapped_scheduling_gives_serial_outputs_and_keeps_blocks_whole(seed:
             want, stopped = expected_tokens(seq.seq_id, request.sampling.max_tokens or 0, stopping_token, {EOS, 7})
             got = seq.token_ids[seq.num_prompt_tokens:]
             if seq.finish_reason == FinishReason.ABORT:
-                assert request.req_id in aborts and got == want[:len(got)]
+                assert request.request_id in aborts and got == want[:len(got)]
             else:
                 assert got == want
                 assert seq.finish_reason == (FinishReason.STOP if stopped else FinishReason.LENGTH)
@@ -867,7 +867,7 @@ def test_overlap_does_not_plan_past_max_tokens() -> None:
     worker.apply(first)
     result = worker.execute(first)
     second = sched.schedule()  # its one token is in flight: nothing more to compute
-    assert second.req_ids == []
+    assert second.seq_ids == []
     updates = sched.update(first, result)
     assert [u.finish_reason for u in updates] == [FinishReason.LENGTH]
     assert_all_free(sched)
@@ -929,7 +929,7 @@ def test_tokenizer_eos_stops_its_own_requests_and_reaches_the_worker_with_the_pl
     sched.add_request(other)
     worker = FakeWorker(16, lambda seq_id, k: 5 if seq_id in (0, 3) else 20)
     plan, _ = step(sched, worker)
-    by_seq = {new.req_id: new.eos_token_ids for new in plan.new_requests}
+    by_seq = {new.seq_id: new.eos_token_ids for new in plan.new_requests}
     assert by_seq == {0: [], 1: [EOS, 5], 2: [], 3: []}
     assert ended.sequences[0].finish_reason == FinishReason.STOP and ended.sequences[0].num_output_tokens == 1
     run_until_done(sched, worker)

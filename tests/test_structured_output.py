@@ -20,7 +20,7 @@ import llguidance
 import pytest
 import torch
 
-from pagoda.services.tokenizer.structured import GrammarChecker, constrain_after_reasoning, grammar_text, ll_tokenizer
+from pagoda.services.grammar.compiler import GrammarChecker, constrain_after_reasoning, grammar_text, ll_tokenizer
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker.grammar import GrammarRows
 from pagoda.shared.errors import InvalidRequestError
@@ -72,7 +72,7 @@ def test_compile_is_cached_per_constraint(ll: llguidance.LLTokenizer) -> None:
 
 
 def _key(constraint: StructuredOutputs) -> bytes:
-    from pagoda.services.tokenizer.structured import cache_key
+    from pagoda.services.grammar.compiler import cache_key
     return cache_key(constraint)
 
 
@@ -88,8 +88,8 @@ def _rows(ll: llguidance.LLTokenizer, vocab: int) -> GrammarRows:
     return GrammarRows(lambda: ll, vocab)
 
 
-def _new(req_id: int, prompt: list[int], generated: list[int], constraint: StructuredOutputs | None) -> NewRequest:
-    return NewRequest(req_id, prompt + generated, len(prompt), [0], 0,
+def _new(seq_id: int, prompt: list[int], generated: list[int], constraint: StructuredOutputs | None) -> NewRequest:
+    return NewRequest(seq_id, prompt + generated, len(prompt), [0], 0,
                       SamplingParams(structured_outputs=constraint), 0)
 
 
@@ -113,7 +113,7 @@ def test_recomputed_sequence_gets_the_same_mask_as_one_that_never_left(ll: llgui
     first, second = running.bitmask([7]), recomputed.bitmask([7])
     assert first is not None and second is not None and torch.equal(first[1][0], second[1][0])
     # finished or preempted: dropped
-    running.apply(StepPlan(1, [], [], finished_req_ids=[7]))
+    running.apply(StepPlan(1, [], [], finished_seq_ids=[7]))
     assert running.bitmask([7, 8]) is None
 
 
@@ -133,20 +133,20 @@ def test_thread_pool_fills_and_advances_like_one_thread(ll: llguidance.LLTokeniz
     from pagoda.services.worker import grammar
     constraints = [StructuredOutputs(json=SCHEMAS[0]), StructuredOutputs(regex="[0-9]{2}(, [0-9]{2}){9}"), None]
     texts = ['{"name": "Ann", "age": 3', "12, 34, 5", "free text"]
-    req_ids = list(range(12))
-    tokens = [tokenizer.encode(texts[r % 3], add_special_tokens=False) for r in req_ids]
+    seq_ids = list(range(12))
+    tokens = [tokenizer.encode(texts[r % 3], add_special_tokens=False) for r in seq_ids]
     masks = []
     for parallel in (False, True):
         monkeypatch.setattr(grammar, "PARALLEL_ROWS", 1 if parallel else 10**6)
         monkeypatch.setattr(grammar, "PARALLEL_MIN_CPUS", 1)
         rows = _rows(ll, tokenizer.vocab_size)
-        rows.apply(StepPlan(0, [], [], new_requests=[_new(r, [1], [], constraints[r % 3]) for r in req_ids]))
+        rows.apply(StepPlan(0, [], [], new_requests=[_new(r, [1], [], constraints[r % 3]) for r in seq_ids]))
         steps = []
         for position in range(min(map(len, tokens))):
-            flags, mask = rows.bitmask(req_ids) or (None, None)
-            assert flags is not None and mask is not None and flags.tolist() == [r % 3 != 2 for r in req_ids]
+            flags, mask = rows.bitmask(seq_ids) or (None, None)
+            assert flags is not None and mask is not None and flags.tolist() == [r % 3 != 2 for r in seq_ids]
             steps.append(mask[flags].clone())
-            rows.accept(req_ids, [t[position] for t in tokens])
+            rows.accept(seq_ids, [t[position] for t in tokens])
         masks.append(torch.stack(steps))
     assert torch.equal(masks[0], masks[1])
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.services.worker.model_config import check_divisible, load_arch
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import SamplingParams
+from pagoda.shared.shapes import check_divisible, load_arch
 from tests.harness import free_port, generate_as_tokenizer, server_env
 
 pytestmark = pytest.mark.slow

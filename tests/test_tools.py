@@ -9,9 +9,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from pagoda.services.api.chat_output import ChatOutputSpec, ChoiceStream, whole_message
-from pagoda.services.tokenizer.reasoning import ReasoningStream, split_reasoning
-from pagoda.services.tokenizer.tools import (
+from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, whole_message
+from pagoda.services.protocol.reasoning import ReasoningStream, split_reasoning
+from pagoda.services.protocol.tools import (
     default_tool_parser,
     hermes_messages,
     parse_required,

@@ -8,17 +8,20 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from pagoda.services.api.console.routes import API_PREFIX as CONSOLE_API_PREFIX
+from pagoda.services.api.console.routes import Console
 from pagoda.services.api.errors import AuthenticationError, RateLimitError, UnsupportedMediaTypeError
 from pagoda.services.api.handlers import DEFAULT_TENANT, TENANT, ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
-from pagoda.services.api.protocol import error_body
+from pagoda.services.protocol.render import error_body
 from pagoda.shared.errors import PagodaError
 
 log = logging.getLogger(__name__)
 
 # Large enough for a long prompt as token ids in JSON, small enough that its wire message fits a frame.
 MAX_BODY_BYTES = 32 << 20
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health and /metrics stay open
+# /health, /metrics and the console's page and scripts stay open; its data needs the key
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", CONSOLE_API_PREFIX)
 RETRY_AFTER_S = "1"
 
 
@@ -37,6 +40,8 @@ def build_app(state: ApiState) -> web.Application:
         web.get("/health", handlers.health),
         web.get("/metrics", handlers.metrics),
     ])
+    if state.config.console:
+        Console(state, handlers.health_problems).install(app)
     return app
 
 
@@ -61,7 +66,8 @@ def auth_middleware(state: ApiState) -> Middleware:
                 request[TENANT] = DEFAULT_TENANT if keys is not None else None
             else:
                 found = keys.lookup(_bearer(given[0])) if keys is not None else None
-                if found is None:
+                # the console sees every tenant's requests: the operator's key (--api-key) only
+                if found is None or request.path.startswith(CONSOLE_API_PREFIX):
                     raise AuthenticationError()
                 request[TENANT] = found
         return await handler(request)

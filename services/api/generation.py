@@ -15,7 +15,7 @@ from typing import Any
 from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, Rows, Ticket
-from pagoda.services.tokenizer.render import Choice, Renderer, usage_dict
+from pagoda.services.protocol.render import Choice, Renderer, usage_dict
 from pagoda.shared.messages import Accepted, FinishReason, PositionLogprobs, RequestFailed, TextDelta
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ class Generation:
         self._failed: set[int] = set()  # prompts the tokenizer already ended with RequestFailed
         self._early: deque[Reply] = deque()  # replies taken off the queue, not handled yet
         self.first_token_at: float | None = None
+        self.accepted_at: float | None = None  # time.monotonic() when every prompt was tokenized and admitted
+        self.error = ""  # the error the client got, if any (the console's request inspector)
 
     @property
     def finished(self) -> bool:
@@ -97,6 +99,7 @@ class Generation:
                 self._early.append(reply)
             else:
                 self._raise_if_failed(reply)
+        self.accepted_at = time.monotonic()
 
     async def next_batch(self) -> bytes:
         """The output of this request that arrived by the time it woke, applied to the choices; with streaming,

@@ -12,12 +12,15 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from pagoda.services.api.console.inspector import RequestLog, RequestRecord
 from pagoda.services.api.errors import RateLimitError, RequestTimeoutError, UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
-from pagoda.services.api.protocol import SSE_DONE, encode_json, sse
-from pagoda.services.api.schemas import (
+from pagoda.services.api.stats import ReplicaStatsFeed
+from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog
+from pagoda.services.protocol.render import CHAT, COMPLETION, SSE_DONE, encode_json, renderer_for, sse
+from pagoda.services.protocol.schemas import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
@@ -29,10 +32,7 @@ from pagoda.services.api.schemas import (
     decode_body,
     prompt_bytes,
 )
-from pagoda.services.api.stats import ReplicaStatsFeed
-from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog
-from pagoda.services.tokenizer.render import CHAT, COMPLETION, renderer_for
-from pagoda.services.tokenizer.tools import default_tool_parser
+from pagoda.services.protocol.tools import default_tool_parser
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
 from pagoda.shared.messages import (
@@ -74,6 +74,7 @@ class ApiState:
     keys: KeyTable | None = None  # --api-keys-file: tenants and their quotas
     gate: QuotaGate = field(default_factory=QuotaGate)
     usage_log: UsageLog | None = None
+    console_requests: RequestLog | None = None  # the console's request inspector (None: --no-console)
 
 
 class Handlers:
@@ -156,6 +157,9 @@ class Handlers:
             timeout = self.state.config.request_timeout
             gen = Generation(ticket, n, started_at, self.state.metrics, renderer_for(spec), spec.stream,
                              deadline=started_at + timeout if timeout > 0 else None)
+            inspector = self.state.console_requests
+            record = inspector.start("chat" if spec.route == CHAT else "completion", messages, spec.stream,
+                                     started_at) if inspector is not None else None
             try:
                 await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
                 if spec.stream:
@@ -167,10 +171,15 @@ class Handlers:
                     response = json_response(gen.body())
                 status = response.status
                 return response
+            except Exception as exc:
+                gen.error = exc.message if isinstance(exc, PagodaError) else "internal server error"
+                raise
             finally:
                 # Runs on success, on error and on cancellation (the client hung up): whatever still runs is
                 # aborted.
                 self.state.pool.finish(ticket, gen.unfinished_request_ids())
+                if inspector is not None and record is not None:
+                    _log_finished(inspector, record, gen)
         except PagodaError as exc:
             status = exc.http_status
             raise
@@ -230,6 +239,7 @@ class Handlers:
                         raise
                     log.exception("stream %s failed", gen.ticket.request_ids[0])
                     exc = PagodaError("internal server error")
+                gen.error = exc.message
                 await response.write(sse(exc.to_dict()) + SSE_DONE)
         except ConnectionResetError:
             log.info("client left stream %s", gen.ticket.request_ids[0])  # the caller's finally aborts it
@@ -350,3 +360,8 @@ class Handlers:
 def _tenant(request: web.Request) -> Tenant | None:
     found = request.get(TENANT)
     return found[1] if found is not None else None
+def _log_finished(inspector: RequestLog, record: RequestRecord, gen: Generation) -> None:
+    inspector.finish(record, finished=gen.finished, error=gen.error, tokenized_mono=gen.accepted_at,
+                first_token_mono=gen.first_token_at, prompt_tokens=gen.prompt_tokens,
+                completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
+                finish_reasons=[c.finish_reason for c in gen.choices])

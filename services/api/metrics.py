@@ -137,6 +137,21 @@ class ApiMetrics:
         self.tenant_ttft = Histogram("pagoda_tenant_time_to_first_token_seconds", "Time from HTTP arrival to the "
                                      "first token, by tenant", ["tenant"], buckets=TTFT_BUCKETS_S, registry=own)
         self.registry.register(SnapshotCollector(latest, per_replica))
+        self._files = MultiProcessCollector(None) if multiprocess else None  # every api process's histograms
+
+    def latency_buckets(self) -> dict[str, list[tuple[float, float]]]:
+        """TTFT and ITL as cumulative (upper bound, count) pairs: this process's, or with several api processes
+        all of theirs (read from the shared files). The console's percentiles over the last minute."""
+        wanted = {self.ttft._name: "ttft", self.itl._name: "itl"}  # type: ignore[attr-defined]
+        families = self._files.collect() if self._files is not None else [*self.ttft.collect(), *self.itl.collect()]
+        out: dict[str, list[tuple[float, float]]] = {"ttft": [], "itl": []}
+        for family in families:
+            key = wanted.get(family.name)
+            if key is None:
+                continue
+            buckets = [(float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket")]
+            out[key] = sorted(buckets)
+        return out
 
     def tenant_rejected(self, tenant: str, reason: str) -> None:
         self.tenant_rejections.labels(tenant, reason).inc()

@@ -35,7 +35,7 @@ from pagoda.shared.messages import (
     TokenizerHello,
     TokenizerToApi,
 )
-from pagoda.shared.transport import Codec, make_socket, receive_forever, split_routed
+from pagoda.shared.transport import Codec, cancel_all, make_socket, receive_forever, split_routed
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,7 @@ class TokenizerPool:
                        asyncio.create_task(self._reap_loop(), name="tokenizer-reap")]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         self._sock.close(linger=0)
 
     @property
@@ -111,6 +109,10 @@ class TokenizerPool:
     @property
     def num_open(self) -> int:
         return len(self._open)
+
+    def peers(self) -> list[tuple[str, int, float]]:
+        """(identity, pid, time.monotonic() of its latest message) of each live tokenizer (the console)."""
+        return [(p.identity.decode(errors="replace"), p.pid, p.last_seen) for p in self._peers.values()]
 
     def stop_accepting(self) -> None:
         self._accepting = False

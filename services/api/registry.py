@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.shared.messages import ApiJoin, Directory, SchedulerToTokenizer, TokenizerToScheduler
-from pagoda.shared.transport import Codec, make_socket, receive_forever, single_frame
+from pagoda.shared.transport import Codec, cancel_all, make_socket, receive_forever, single_frame
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,7 @@ class RegistryClient:
                        asyncio.create_task(self._recv_loop(), name="registry-recv")]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         self._sock.close(linger=0)
 
     async def _join_loop(self) -> None:

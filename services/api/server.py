@@ -12,6 +12,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from pagoda.services.api.app import build_app
+from pagoda.services.api.console.inspector import RequestLog
 from pagoda.services.api.handlers import ApiState
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import TokenizerPool
@@ -56,7 +57,9 @@ def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, confi
     return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
                     pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
                     started=int(time.time()), keys=KeyTable(config.api_keys_file) if config.api_keys_file else None,
-                    usage_log=UsageLog(config.usage_log) if config.usage_log else None)
+                    usage_log=UsageLog(config.usage_log) if config.usage_log else None,
+                    console_requests=RequestLog(config.console_max_requests, config.console_show_prompts)
+                    if config.console else None)
 
 
 async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:

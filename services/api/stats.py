@@ -5,33 +5,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from pagoda.shared.messages import SchedulerStats, SchedulerToApi
-from pagoda.shared.transport import Codec, make_socket, receive_forever, single_frame
+from pagoda.shared.transport import Codec, cancel_all, make_socket, receive_forever, single_frame
 
 log = logging.getLogger(__name__)
 
 
-class StatsFeed:
-    """Keeps only the newest snapshot; its age is measured on this host's clock, so skew cannot fake health."""
+OnStats = Callable[[SchedulerStats], None]
 
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str) -> None:
+
+class StatsFeed:
+    """Keeps only the newest snapshot; its age is measured on this host's clock, so skew cannot fake health.
+    `on_stats` (the console) sees every snapshot as it arrives, for what one carries once (request traces)."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, on_stats: OnStats | None = None) -> None:
         self._sock = make_socket(context, zmq.SUB, endpoint, bind=False)
         self._codec: Codec[SchedulerToApi] = Codec(SchedulerToApi)
         self.latest: SchedulerStats | None = None
         self._received_at = 0.0  # time.monotonic() of `latest`
         self._task: asyncio.Task[None] | None = None
+        self.on_stats = on_stats
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._recv_loop(), name="stats-recv")
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_all([self._task])
         self._sock.close(linger=0)
 
     def age(self) -> float | None:
@@ -45,6 +50,11 @@ class StatsFeed:
             if isinstance(stats, SchedulerStats):
                 self.latest = stats
                 self._received_at = time.monotonic()
+                if self.on_stats is not None:
+                    try:
+                        self.on_stats(stats)
+                    except Exception:  # the console's bookkeeping must never stop health and metrics
+                        log.exception("the stats hook failed")
 
 
 FORGET_AFTER_S = 60.0  # a replica the registry no longer lists is reported down this long, then forgotten
@@ -62,6 +72,13 @@ class ReplicaStatsFeed:
         self._timeout = heartbeat_timeout
         self._started = False
         self._closing: set[asyncio.Task[None]] = set()
+        self._on_stats: OnStats | None = None
+
+    def set_on_stats(self, on_stats: OnStats) -> None:
+        """Every replica's snapshots, as they arrive, also go to `on_stats` (replicas that join later too)."""
+        self._on_stats = on_stats
+        for feed in self.feeds.values():
+            feed.on_stats = on_stats
 
     def start(self) -> None:
         self._started = True
@@ -81,7 +98,7 @@ class ReplicaStatsFeed:
                 continue
             self._drop(replica_id)
             log.info("watching replica %s's stats at %s", replica_id, endpoint)
-            feed = self.feeds[replica_id] = StatsFeed(self._context, endpoint)
+            feed = self.feeds[replica_id] = StatsFeed(self._context, endpoint, self._on_stats)
             self._endpoints[replica_id] = endpoint
             if self._started:
                 feed.start()
@@ -143,7 +160,8 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     totals = {name: sum(getattr(s, name) for s in stats) for name in (
         "num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total", "prefix_hit_tokens_total",
         "prefix_query_tokens_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
-        "num_steps_total")}
+        "num_steps_total", "num_preempted", "prefill_step_seconds_total", "decode_step_seconds_total",
+        "host_seconds_total")}
     tokenizers: dict[str, int] = {}
     for s in stats:
         for tokenizer_id, count in zip(s.tokenizer_ids, s.tokenizer_requests_total, strict=False):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagoda.services.launcher_args import service_main
 from pagoda.services.scheduler.service import run_scheduler
+from pagoda.shared.service_main import service_main
 
 if __name__ == "__main__":
     service_main("scheduler", run_scheduler)

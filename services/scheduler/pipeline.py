@@ -31,7 +31,7 @@ class PlanPipeline:
     def schedule(self) -> StepPlan:
         """The next plan; one with requests is in flight until complete() gets its result."""
         plan = self.scheduler.schedule()
-        if plan.req_ids:  # a plan of forgotten ids only gets no result
+        if plan.seq_ids:  # a plan of forgotten ids only gets no result
             self.inflight.append(plan)
         assert len(self.inflight) == self.scheduler.num_inflight
         return plan
@@ -60,8 +60,8 @@ def run_step(pipeline: PlanPipeline, launch: Callable[[StepPlan], bool],
     while pipeline.wants_plan():
         plan = pipeline.schedule()
         launched = launch(plan)
-        assert launched == bool(plan.req_ids), "the runner answers exactly the plans that run requests"
-        if not plan.req_ids:
+        assert launched == bool(plan.seq_ids), "the runner answers exactly the plans that run requests"
+        if not plan.seq_ids:
             break  # nothing runnable now: finish what is in flight first
     if not pipeline.inflight:
         return None

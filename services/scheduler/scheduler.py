@@ -74,7 +74,7 @@ class SeqStatus(IntEnum):
 class Request:
     """What a client asked for, already tokenized."""
 
-    req_id: str
+    request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
@@ -156,6 +156,7 @@ class InflightStep:
     seqs: list[Sequence]  # scheduled, in batch order
     num_computed: list[int]  # each one's computed tokens after this step (what the prefix cache may hash)
     sampler_ids: set[int]  # seq ids that sample in this step (each got one placeholder)
+    has_prefill: bool = False  # some sequence computes more than one token (a prompt chunk)
 
 
 @dataclass(slots=True)
@@ -192,6 +193,8 @@ class Scheduler:
         self._inflight: deque[InflightStep] = deque()  # plans scheduled, results not applied, oldest first
         self._forked_waiting: list[Sequence] = []  # siblings that may wait holding forked blocks
         self._rng = random.Random(seed)
+        self.last_step_has_prefill = False  # of the plan update() applied last (the console's step split)
+        self.preemption_log: list[Sequence] | None = None  # a list: each preempted sequence is appended (console)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -236,8 +239,8 @@ class Scheduler:
         assert 0 < num_prompt_tokens < self.max_model_len, "validate: the prompt fits the context"
         assert self.blocks.num_blocks_for(num_prompt_tokens + 1) <= self.blocks.num_blocks, "validate: KV capacity"
         assert request.sampling.n >= 1
-        if request.req_id in self.requests:
-            raise InvalidRequestError(f"request id {request.req_id!r} is already in use", param="request_id")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
         params = request.sampling
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         # the cache can never hold more than num_blocks * block_size tokens of one sequence
@@ -253,13 +256,13 @@ class Scheduler:
             self._next_seq_id += 1
             request.sequences.append(seq)
             self._seqs[seq.seq_id] = seq
-        self.requests[request.req_id] = request
+        self.requests[request.request_id] = request
         # Siblings wait for the first sequence's prefill and then fork its blocks (see _fork_siblings).
         self._push_waiting(request.sequences[0])
 
-    def abort_request(self, req_id: str) -> Request | None:
+    def abort_request(self, request_id: str) -> Request | None:
         """Finish every sequence of the request now and free its blocks; None if unknown."""
-        request = self.requests.get(req_id)
+        request = self.requests.get(request_id)
         if request is None:
             return None
         for seq in request.sequences:
@@ -288,6 +291,11 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def oldest_inflight_has_prefill(self) -> bool:
+        """Whether the oldest plan in flight computes prompt tokens (False when none is in flight)."""
+        return bool(self._inflight) and self._inflight[0].has_prefill
+
+    @property
     def num_inflight(self) -> int:
         """Plans with requests scheduled whose results update() has not applied yet."""
         return len(self._inflight)
@@ -300,7 +308,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_tokens: dict[int, int] = {}  # seq_id -> tokens this step, in batch order
         new_requests: list[NewRequest] = []
-        appended_req_ids: list[int] = []
+        appended_seq_ids: list[int] = []
         appended_block_ids: list[int] = []
         if len(self.waiting.tenants) > 1:
             self._rebalance()
@@ -321,7 +329,7 @@ class Scheduler:
                 continue
             new_ids = self.blocks.grow(seq.table, seq.num_computed_tokens + count)
             if new_ids:
-                appended_req_ids.extend([seq.seq_id] * len(new_ids))
+                appended_seq_ids.extend([seq.seq_id] * len(new_ids))
                 appended_block_ids.extend(new_ids)
             num_tokens[seq.seq_id] = count
             budget -= count
@@ -331,13 +339,15 @@ class Scheduler:
         self._step_id += 1
         self.stats.num_steps += 1
         if num_tokens:
-            self._inflight.append(self._launch(num_tokens))
+            # a decoding sequence computes one token: more tokens than sequences means a prompt chunk ran
+            has_prefill = self.max_num_batched_tokens - budget > len(num_tokens)
+            self._inflight.append(self._launch(num_tokens, has_prefill))
         forgotten, self._forgotten = self._forgotten, []
-        return StepPlan(step_id=self._step_id, req_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
-                        new_requests=new_requests, appended_block_req_ids=appended_req_ids,
-                        appended_block_ids=appended_block_ids, finished_req_ids=forgotten)
+        return StepPlan(step_id=self._step_id, seq_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
+                        new_requests=new_requests, appended_block_seq_ids=appended_seq_ids,
+                        appended_block_ids=appended_block_ids, finished_seq_ids=forgotten)
 
-    def _launch(self, num_tokens: dict[int, int]) -> InflightStep:
+    def _launch(self, num_tokens: dict[int, int], has_prefill: bool) -> InflightStep:
         """Count the step's tokens as computed; each sequence that reaches its end samples: one placeholder."""
         seqs = [self._seqs[seq_id] for seq_id in num_tokens]
         samplers: set[int] = set()
@@ -349,7 +359,7 @@ class Scheduler:
                 seq.num_pending += 1
                 assert seq.num_pending <= self.max_inflight_plans
                 samplers.add(seq.seq_id)
-        return InflightStep(self._step_id, seqs, [seq.num_computed_tokens for seq in seqs], samplers)
+        return InflightStep(self._step_id, seqs, [seq.num_computed_tokens for seq in seqs], samplers, has_prefill)
 
     def _fit_running(self, seq: Sequence, count: int, scheduled: dict[int, int]) -> int:
         """Shrink `count` to the blocks available, preempting lower-ranked unscheduled sequences if needed."""
@@ -435,7 +445,7 @@ class Scheduler:
             num_tokens[seq.seq_id] = count
             budget -= count
             new_requests.append(NewRequest(
-                req_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+                seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
                 block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
                 sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request)))
         return budget
@@ -495,10 +505,11 @@ class Scheduler:
         """Apply the oldest plan in flight: real tokens replace its placeholders, sequences that stop finish
         (dropping any later placeholder), newly full blocks are cached."""
         assert result.step_id == plan.step_id, "result for another step"
-        if not plan.req_ids:
+        if not plan.seq_ids:
             return []  # nothing ran: no record was kept, no result will carry tokens
         step = self._inflight.popleft()
         assert step.step_id == plan.step_id, f"result of step {plan.step_id} before step {step.step_id}'s"
+        self.last_step_has_prefill = step.has_prefill
         for seq, num_computed in zip(step.seqs, step.num_computed, strict=True):
             if seq.status == SeqStatus.RUNNING:  # not finished, not preempted since
                 assert num_computed <= seq.num_known_tokens, "hashing a provisional token"
@@ -506,7 +517,7 @@ class Scheduler:
         scores = self._new_prompt_scores(result)
         updates: list[SeqUpdate] = []
         resolved: set[int] = set()
-        for row, (seq_id, token_id) in enumerate(zip(result.req_ids, result.sampled_token_ids, strict=True)):
+        for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids, strict=True)):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.is_finished or seq_id not in step.sampler_ids or seq_id in resolved:
                 continue  # aborted or stopped while the step ran (its provisional token is dropped)
@@ -553,14 +564,14 @@ class Scheduler:
         """The step's prompt scores that clients have not had yet (a recomputed prompt is scored again)."""
         fresh: dict[int, PromptScores] = {}
         for scores in result.prompt_scores:
-            seq = self._seqs.get(scores.req_id)
+            seq = self._seqs.get(scores.seq_id)
             if seq is None or seq.is_finished or not _needs_prompt_scores(seq):
                 continue
             skip = seq.next_prompt_score - scores.first
             if not 0 <= skip < len(scores.token_ids):  # all seen already (recomputed), or past a gap: unusable
                 continue
             if skip:
-                scores = PromptScores(scores.req_id, seq.next_prompt_score, scores.token_ids[skip:],
+                scores = PromptScores(scores.seq_id, seq.next_prompt_score, scores.token_ids[skip:],
                                       scores.logprobs[skip:], scores.top_token_ids[skip:],
                                       scores.top_logprobs[skip:])
             seq.next_prompt_score = scores.first + len(scores.token_ids)
@@ -613,6 +624,8 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
+        if self.preemption_log is not None:
+            self.preemption_log.append(seq)
         self._forgotten.append(seq.seq_id)
         self._push_waiting(seq)
 
@@ -631,7 +644,7 @@ class Scheduler:
         request = seq.request
         request.num_finished += 1
         if request.num_finished == len(request.sequences):
-            del self.requests[request.req_id]
+            del self.requests[request.request_id]
             self.waiting.forget_idle(request.tenant)
         elif seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one

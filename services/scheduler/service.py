@@ -13,11 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -25,10 +23,11 @@ import zmq
 
 from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.pipeline import PlanPipeline
+from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.services.scheduler.tracing import RequestTracer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.delivery import SendLog
-from pagoda.shared.discovery import Registry, advertised, host_toward
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
     MAX_INT32,
@@ -41,7 +40,6 @@ from pagoda.shared.messages import (
     ModelInfo,
     NewRequest,
     PromptScores,
-    ReplicaAddress,
     ReplicaJoin,
     RequestFailed,
     SchedulerStats,
@@ -58,7 +56,8 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from pagoda.shared.transport import Codec, load_cluster_keys, make_socket, single_frame, split_routed
+from pagoda.shared.service_main import stop_on_signals
+from pagoda.shared.transport import Codec, drain, load_cluster_keys, make_socket, single_frame, split_routed
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +91,7 @@ class _Columns:
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    prompt_score_rows: list[int] = field(default_factory=list)
 
 
 class SchedulerService:
@@ -128,6 +128,9 @@ class SchedulerService:
         self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
         self.worker_grammars: OrderedDict[str, None] = OrderedDict()  # constraint hashes the workers hold (LRU)
         self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
+        # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
+        self.prefill_step_s = self.decode_step_s = self.host_s = 0.0
+        self.tracer = RequestTracer() if server_config.console else None  # the request inspector's timelines
         self.running = True
         self.stalled = False
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
@@ -136,18 +139,7 @@ class SchedulerService:
         self.watch = StepWatch(server_config.step_timeout, server_config.hang_floor)
         self.problem = ""  # why the worker counts as hung ("" while it makes progress)
         self.exit_code = 0
-        self.registry, self.registry_sock = self._registry(server_config)
-
-    def _registry(self, config: ServerConfig) -> tuple[Registry, zmq.Socket | None]:
-        """This scheduler keeps a registry (used once an api or replica joins it); with a registry endpoint
-        other than its own address, it joins that one as a replica (shared/discovery.py)."""
-        own = config.endpoint("scheduler")
-        host = config.advertise_host or host_toward(config.registry_endpoint or own) or "127.0.0.1"
-        entry = ReplicaAddress(config.replica_id, advertised(own, host), advertised(config.endpoint("stats"), host),
-                               self.instance_id)
-        joins = config.registry_endpoint is not None and config.registry_endpoint != own
-        sock = make_socket(self.context, zmq.DEALER, config.registry_endpoint, bind=False) if joins else None
-        return Registry(entry, config.heartbeat_timeout), sock
+        self.registry = RegistryHost(self.context, server_config, self.instance_id)
 
     # ---------------------------------------------------------------- loop
 
@@ -163,39 +155,44 @@ class SchedulerService:
             if events:
                 self.stalled = False
             if self.front in events:
-                self._drain(self.front, self._on_tokenizer_frames)
+                drain(self.front, self._on_tokenizer_frames, copy=False)
             if self.results in events:
-                self._drain(self.results, self._on_worker_frames)
+                drain(self.results, self._on_worker_frames, copy=False)
             self._maybe_step()
             if self.sends.entries:
                 self._resend_due(time.monotonic())
             self._periodic()
         self._close()
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handle(frames)
-
     def _maybe_step(self) -> None:
         """Send plans while the pipeline has room: with async scheduling, step N+1's plan goes out while
         step N runs."""
         pipeline = self.pipeline
         while pipeline is not None and not self.stalled and pipeline.wants_plan():
+            started = time.monotonic()
             plan = pipeline.schedule()
-            if not plan.req_ids and not plan.finished_req_ids:
+            if self.tracer is not None and (plan.new_requests or pipeline.scheduler.preemption_log):
+                self._trace_plan(plan, pipeline.scheduler)
+            if not plan.seq_ids and not plan.finished_seq_ids:
                 self.stalled = True  # nothing runnable until a message (or a result) changes something
+                self.host_s += time.monotonic() - started
                 return
             if plan.new_requests:
                 self._count_queue_time(plan)
             self._send_plan(plan)
-            if not plan.req_ids:  # only forgotten ids to pass on: no result will come
+            sent = time.monotonic()
+            self.host_s += sent - started
+            if not plan.seq_ids:  # only forgotten ids to pass on: no result will come
                 return
             if len(pipeline.inflight) == 1:
-                self.inflight_since = time.monotonic()
+                self.inflight_since = sent
+
+    def _trace_plan(self, plan: StepPlan, scheduler: Scheduler) -> None:
+        assert self.tracer is not None and scheduler.preemption_log is not None
+        now = time.time()
+        self.tracer.on_preempted(scheduler.preemption_log, now)
+        scheduler.preemption_log.clear()
+        self.tracer.on_plan(plan, scheduler, now)
 
     def _send_plan(self, plan: StepPlan) -> None:
         """Number the plan in the workers' sequenced stream and keep it until it is known done (its result, or
@@ -206,7 +203,7 @@ class SchedulerService:
             plan = msgspec.structs.replace(plan, new_requests=[self._by_hash(new, now) for new in plan.new_requests])
         seq = self.sends.take_seq()
         data = self.to_workers.encode(msgspec.structs.replace(plan, seq=seq))
-        self.sends.record(seq, data, now, self.watch.resend_after(), tag=plan.step_id if plan.req_ids else -1)
+        self.sends.record(seq, data, now, self.watch.resend_after(), tag=plan.step_id if plan.seq_ids else -1)
         self.plans.send(data, copy=False)
 
     def _by_hash(self, new: NewRequest, now: float) -> NewRequest:
@@ -243,7 +240,7 @@ class SchedulerService:
         assert self.scheduler is not None
         now = time.time()  # arrival_time is the api's wall clock
         for new in plan.new_requests:
-            seq = self.scheduler.get_sequence(new.req_id)
+            seq = self.scheduler.get_sequence(new.seq_id)
             if seq is None or seq.index or seq.num_preemptions or not seq.request.tenant:
                 continue
             entry = self.tenant_queue.get(seq.request.tenant)
@@ -334,7 +331,7 @@ class SchedulerService:
             self._fail(identity, message.request_id, 503, f"the server is overloaded ({limit} requests waiting); "
                        "try again later", "server_error")
             return
-        request = Request(req_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+        request = Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority,
                           tenant=message.tenant, weight=message.tenant_weight, tier=message.tenant_priority,
                           eos_token_ids=peer.eos_token_ids)
@@ -356,6 +353,8 @@ class SchedulerService:
         peer.request_ids.add(message.request_id)
         peer.num_requests += 1
         self.prompt_tokens_total += len(message.prompt_token_ids)
+        if self.tracer is not None:
+            self.tracer.on_add(request, time.time())
 
     def _on_stop_sequence(self, message: StopSequence) -> None:
         assert self.scheduler is not None
@@ -374,6 +373,8 @@ class SchedulerService:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        if self.tracer is not None:
+            self.tracer.on_done(request_id, time.time())
         identity = self.owner.pop(request_id, None)
         peer = self.tokenizers.get(identity) if identity is not None else None
         if peer is not None:
@@ -396,32 +397,17 @@ class SchedulerService:
                     del self.swept[next(iter(self.swept))]
 
     def _on_join(self, identity: bytes, message: ApiJoin | ReplicaJoin) -> None:
-        now = time.monotonic()
-        if isinstance(message, ApiJoin):
-            if message.address not in self.registry.apis:
-                log.info("registry: api %s joined", message.address)
-            self.registry.join_api(message.address, now)
-            self._send_tokenizer(identity, self.registry.directory())  # the api's answer: replicas to watch
-            return
-        known = self.registry.replicas.get(message.replica.replica_id)
-        if not self.registry.join_replica(message.replica, now):
-            log.warning("registry: ignored a join claiming this scheduler's replica id %d", message.replica.replica_id)
-        elif known is None or known[0] != message.replica:
-            log.info("registry: replica %d joined at %s", message.replica.replica_id, message.replica.scheduler)
+        answer = self.registry.on_join(message, time.monotonic())
+        if answer is not None:
+            self._send_tokenizer(identity, answer)
 
     def _registry_tick(self, now: float) -> None:
         """Join the registry (another replica's scheduler), forget the silent, tell the tokenizers."""
-        if self.registry_sock is not None:
-            try:
-                self.registry_sock.send(self.from_tokenizers.encode(ReplicaJoin(self.registry.own)), zmq.NOBLOCK)
-            except zmq.Again:
-                log.debug("registry unreachable: the join waits for the next beat")
-        for gone in self.registry.sweep(now):
-            log.warning("registry: %s is silent: forgotten", gone)
-        if self.registry.used:
-            directory = self.to_tokenizers.encode(self.registry.directory())
+        directory = self.registry.tick(now)
+        if directory is not None:
+            payload = self.to_tokenizers.encode(directory)
             for identity in list(self.tokenizers):
-                self._send_raw(identity, directory)
+                self._send_raw(identity, payload)
 
     def _heartbeat_tokenizers(self) -> None:
         beat = self.to_tokenizers.encode(Heartbeat(sender=self.instance_id))
@@ -484,6 +470,8 @@ class SchedulerService:
             enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)
+        if self.tracer is not None:
+            self.scheduler.preemption_log = []
         self.model_info = ModelInfo(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                                     max_num_tokens=ready.num_kv_blocks * ready.block_size,
                                     eos_token_ids=ready.eos_token_ids)
@@ -514,28 +502,34 @@ class SchedulerService:
         resent = seq is not None and self.sends.entries[seq].num_sends > 1
         if seq is not None:
             self.sends.done_through(seq)
+        step_s = now - self.inflight_since
         if not resent:  # a recovered loss is no measure of how long steps take
-            self.watch.record(now - self.inflight_since, sum(plan.num_scheduled_tokens))
+            self.watch.record(step_s, sum(plan.num_scheduled_tokens))
         self.inflight_since = now  # the next plan in flight starts its clock
         if not result.error and not _columns_agree(result):
             log.error("step %d: the worker's result has columns of different lengths; failing the step",
                       result.step_id)
-            result = StepResult(step_id=result.step_id, req_ids=[], sampled_token_ids=[],
+            result = StepResult(step_id=result.step_id, seq_ids=[], sampled_token_ids=[],
                                 error="malformed result (columns of different lengths)")
         if result.failed and not result.error:
             self._fail_rows(result)  # before the tokens: these requests end here, the others go on
         if result.error:
             self._fail_plan(plan, result.error)  # its requests end with an error; later plans skip them
-            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            result = StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[])
         _, updates = pipeline.complete(result)
+        if pipeline.scheduler.last_step_has_prefill:
+            self.prefill_step_s += step_s
+        else:
+            self.decode_step_s += step_s
         self.generation_tokens_total += sum(1 for update in updates if update.has_token)
         self._send_deltas(updates, result)
+        self.host_s += time.monotonic() - now
 
     def _fail_plan(self, plan: StepPlan, error: str) -> None:
         """The worker could not run this step: its requests end with an error, the rest go on."""
         assert self.scheduler is not None
         log.error("step %d failed on the worker: %s", plan.step_id, error)
-        request_ids = {seq.request.req_id for seq_id in plan.req_ids
+        request_ids = {seq.request.request_id for seq_id in plan.seq_ids
                        if (seq := self.scheduler.get_sequence(seq_id)) is not None}
         for request_id in request_ids:
             identity = self.owner.get(request_id)
@@ -547,10 +541,10 @@ class SchedulerService:
         """Requests the worker dropped from this step alone (a refused value, a sampler error on their row)."""
         assert self.scheduler is not None
         for failure in result.failed:
-            seq = self.scheduler.get_sequence(failure.req_id)
+            seq = self.scheduler.get_sequence(failure.seq_id)
             if seq is None:
                 continue  # already finished or aborted
-            request_id = seq.request.req_id
+            request_id = seq.request.request_id
             log.error("step %d: request %s failed on the worker: %s", result.step_id, request_id, failure.message)
             identity = self.owner.get(request_id)
             if identity is not None:
@@ -566,7 +560,7 @@ class SchedulerService:
         finished: list[str] = []
         for update in updates:
             request = update.seq.request
-            identity = self.owner.get(request.req_id)
+            identity = self.owner.get(request.request_id)
             if identity is None:
                 continue
             out = columns.get(identity)
@@ -574,7 +568,7 @@ class SchedulerService:
                 out = columns[identity] = _Columns()
             row = len(out.request_ids)
             reason = -1 if update.finish_reason is None else int(update.finish_reason)
-            out.request_ids.append(request.req_id)
+            out.request_ids.append(request.request_id)
             out.indices.append(update.seq.index)
             out.token_ids.append(update.token_id if update.has_token else -1)
             out.finish_reasons.append(reason)
@@ -586,16 +580,15 @@ class SchedulerService:
                 out.top_token_ids.append(result.top_token_ids[index])
                 out.top_logprobs.append(result.top_logprobs[index])
             if update.prompt_scores is not None:
-                scores = update.prompt_scores
-                out.prompt_scores.append(PromptScores(row, scores.first, scores.token_ids, scores.logprobs,
-                                                      scores.top_token_ids, scores.top_logprobs))
+                out.prompt_scores.append(update.prompt_scores)
+                out.prompt_score_rows.append(row)
             if reason >= 0 and request.num_finished == len(request.sequences):
-                finished.append(request.req_id)
+                finished.append(request.request_id)
         for identity, out in columns.items():
             self._send_tokenizer(identity, TokenDeltas(out.request_ids, out.indices, out.token_ids,
                                                        out.finish_reasons, out.num_cached_tokens, out.logprob_rows,
                                                        out.logprobs, out.top_token_ids, out.top_logprobs,
-                                                       out.prompt_scores))
+                                                       out.prompt_scores, out.prompt_score_rows))
         for request_id in finished:
             self._forget(request_id)
 
@@ -640,9 +633,10 @@ class SchedulerService:
         scheduler = self.scheduler
         blocks = scheduler.blocks if scheduler is not None else None
         stats = scheduler.stats if scheduler is not None else None
-        running = len({seq.request.req_id for seq in scheduler.running}) if scheduler is not None else 0
-        waiting = len({seq.request.req_id for seq in scheduler.waiting if not seq.is_finished}) \
-            if scheduler is not None else 0
+        running = len({seq.request.request_id for seq in scheduler.running}) if scheduler is not None else 0
+        waiting_seqs = [seq for seq in scheduler.waiting if not seq.is_finished] if scheduler is not None else []
+        waiting = len({seq.request.request_id for seq in waiting_seqs})
+        preempted = len({seq.request.request_id for seq in waiting_seqs if seq.num_preemptions})
         return SchedulerStats(
             time=time.time(), num_running=running, num_waiting=waiting,
             kv_blocks_free=blocks.num_free_blocks if blocks else 0, kv_blocks_total=blocks.num_blocks if blocks else 0,
@@ -655,7 +649,8 @@ class SchedulerService:
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
             max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem,
-            **self._tenant_stats())
+            num_preempted=preempted, **self._step_seconds(now), host_seconds_total=self.host_s,
+            traces=self.tracer.take() if self.tracer is not None else [], **self._tenant_stats())
 
     def _tenant_stats(self) -> dict[str, list]:
         shares = self.scheduler.waiting.tenants if self.scheduler is not None else {}
@@ -670,6 +665,18 @@ class SchedulerService:
                 "tenant_admitted_total": [int(self.tenant_queue.get(n, (0, 0.0))[0]) for n in names],
                 "tenant_queue_seconds_total": [float(self.tenant_queue.get(n, (0, 0.0))[1]) for n in names]}
 
+    def _step_seconds(self, now: float) -> dict[str, float]:
+        """The step split's totals, the step in flight counted up to `now` (monotonic): a snapshot is then exact
+        whenever it is taken, not only once the step's result is in (the console's shares stay <= 1)."""
+        prefill, decode = self.prefill_step_s, self.decode_step_s
+        if self.scheduler is not None and self.pipeline is not None and self.pipeline.inflight and not self.problem:
+            running = max(0.0, now - self.inflight_since)
+            if self.scheduler.oldest_inflight_has_prefill:
+                prefill += running
+            else:
+                decode += running
+        return {"prefill_step_seconds_total": prefill, "decode_step_seconds_total": decode}
+
     def stop(self, *_: object) -> None:
         self.running = False
 
@@ -677,25 +684,24 @@ class SchedulerService:
         try:
             self.plans.send(self.to_workers.encode(Shutdown(reason="scheduler stopping")))
         finally:
-            for sock in (self.front, self.plans, self.results, self.stats_out, self.registry_sock):
-                if sock is not None:
-                    sock.close(linger=0)
+            for sock in (self.front, self.plans, self.results, self.stats_out):
+                sock.close(linger=0)
+            self.registry.close()
             self.context.term()
 
 
 def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     load_cluster_keys(server_config.cluster_key_dir)
     service = SchedulerService(engine_config, server_config)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    service.run()
+    with stop_on_signals(service.stop):
+        service.run()
     if service.exit_code:
         sys.exit(service.exit_code)
 
 
 def _columns_agree(result: StepResult) -> bool:
     """Every per-row column of a StepResult has one entry per request (logprob columns: or none)."""
-    num_rows = len(result.req_ids)
+    num_rows = len(result.seq_ids)
     optional = (result.sampled_logprobs, result.top_token_ids, result.top_logprobs)
     return (len(result.sampled_token_ids) == num_rows and all(len(c) in (0, num_rows) for c in optional)
             and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,

@@ -15,6 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.shared.errors import PagodaError, ServerOverloadedError
+
 log = logging.getLogger(__name__)
 
 OFFLOAD_MIN_CHARS = 32 << 10  # prompts this long (characters, all messages together) go to a thread
@@ -31,7 +33,8 @@ class Done:
 
 
 class Offloader:
-    """Runs jobs on a small pool; `drain()` (on the loop) calls each job's `on_done(value, failed)`."""
+    """Runs jobs on a small pool; `drain()` (on the loop) calls each job's `on_done(value, failed)`. `run` decides
+    between the loop and the pool and remembers who owns each job on the pool (`owners`)."""
 
     def __init__(self, num_threads: int = 1) -> None:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenize")
@@ -41,6 +44,7 @@ class Offloader:
         os.set_blocking(self._write_fd, False)
         self.pending: set[str] = set()  # keys of jobs not yet drained
         self.cancelled: set[str] = set()  # keys whose result is to be dropped (the request was aborted)
+        self.owners: dict[str, Any] = {}  # key -> its owner (the api that sent it), for jobs `run` put on the pool
 
     @property
     def fd(self) -> int:
@@ -50,6 +54,35 @@ class Offloader:
     def full(self) -> bool:
         return len(self.pending) >= MAX_PENDING
 
+    def run(self, key: str, owner: Any, job: Callable[[], Any], large: bool, finish: Callable[[Any], None],
+            fail: Callable[[PagodaError], None]) -> None:
+        """finish(job()) now, or on a thread when `large` (the loop goes on; finish then runs in drain()). A
+        PagodaError from either goes to `fail`; any other error from a thread's job, as an internal one."""
+        if not large:
+            try:
+                finish(job())
+            except PagodaError as exc:
+                fail(exc)
+            return
+        if self.full():
+            fail(ServerOverloadedError("too many large prompts are being tokenized"))
+            return
+        self.owners[key] = owner
+
+        def done(value: Any, failed: bool) -> None:
+            self.owners.pop(key, None)
+            try:
+                if failed:
+                    raise value
+                finish(value)
+            except PagodaError as exc:
+                fail(exc)
+            except Exception:
+                log.exception("failed on the large input of %s", key)
+                fail(PagodaError("internal error in the tokenizer"))
+
+        self.submit(key, job, done)
+
     def submit(self, key: str, job: Callable[[], Any], on_done: Callable[[Any, bool], None]) -> None:
         assert key not in self.pending, key
         self.pending.add(key)
@@ -58,6 +91,7 @@ class Offloader:
 
     def cancel(self, key: str) -> bool:
         """Drop the result of a job still pending; True if there was one."""
+        self.owners.pop(key, None)
         if key in self.pending:
             self.cancelled.add(key)
             return True

@@ -1,12 +1,31 @@
-"""The one output step shared by the offline engine and the tokenizer service: a completion's new token
-(or none) and the scheduler's finish reason become the text it gained and its final finish reason."""
+"""Outputs: token ids become text. `advance` is the one output step shared by the offline engine and the tokenizer
+service (a completion's new token, or none, and the scheduler's finish reason become the text it gained and its
+final finish reason); `Outputs` is the tokenizer service's side: a step's TokenDeltas become TextDeltas, or bytes
+rendered by the protocol package (RenderedRows), per api."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
+from pagoda.services.protocol.render import PromptRenderer
 from pagoda.services.tokenizer.text_stream import TextStream
-from pagoda.shared.messages import FinishReason
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.messages import (
+    FinishReason,
+    GenerateRequest,
+    PositionLogprobs,
+    PromptScores,
+    RenderedRows,
+    SamplingParams,
+    StopSequence,
+    TextDelta,
+    TextDeltas,
+    TokenDeltas,
+    TokenLogprob,
+)
+
+log = logging.getLogger(__name__)
 
 RUNNING = -1  # the finish reason of a completion that goes on
 
@@ -37,3 +56,151 @@ def advance(stream: TextStream, token_id: int, finish_reason: int) -> TextStep:
         if stream.stopped:  # a stop string completed in the text held back until now
             reason = FinishReason.STOP
     return TextStep(text, int(reason), stop_string)
+
+
+@dataclass(slots=True)
+class RequestState:
+    api: int  # index of the owning api's socket
+    params: SamplingParams
+    streams: list[TextStream | None]  # one per completion; None once that completion finished
+    num_unfinished: int
+    first_prompt_token: int = -1  # prompt_logprobs: listed first (no logprob) with completion 0's first delta
+    return_token_ids: bool = False  # deltas carry their token ids (asked for, or no tokenizer to make text)
+    renderer: PromptRenderer | None = None  # the api asked for bytes (RenderedRows), not TextDeltas
+
+
+@dataclass(slots=True)
+class OutputBatch:
+    """What one step's TokenDeltas make: messages per api, stop strings for the scheduler, requests that failed."""
+
+    to_apis: dict[int, list[TextDeltas | RenderedRows]] = field(default_factory=dict)
+    stops: list[StopSequence] = field(default_factory=list)
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (api, request id): an internal error
+
+
+class Outputs:
+    """The requests in flight here and their completions' text: token ids in, text or rendered bytes out."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
+
+    def add(self, api: int, request: GenerateRequest, params: SamplingParams, prompt_token_ids: list[int],
+            echo: str | None) -> RequestState:
+        """A request admitted here: its completions' text streams, and its renderer when the api takes bytes."""
+        streams: list[TextStream | None] = [TextStream(self.tokenizer, prompt_token_ids, params)
+                                            for _ in range(params.n)]
+        first_token = prompt_token_ids[0] if params.prompt_logprobs is not None else -1
+        renderer = (PromptRenderer(request.render, params.n, echo or "", prompt_token_ids)
+                    if request.render is not None else None)
+        state = self.requests[request.request_id] = RequestState(
+            api, params, streams, params.n, first_token, request.return_token_ids or self.tokenizer is None, renderer)
+        return state
+
+    def on_token_deltas(self, message: TokenDeltas) -> OutputBatch:
+        """One step's columns in, one TextDeltas and/or RenderedRows per api out (up to max_num_seqs rows)."""
+        batch = OutputBatch()
+        if not message.columns_agree():
+            log.error("dropped a TokenDeltas frame whose columns disagree (%d rows)", len(message))
+            return batch
+        texts: dict[int, list[TextDelta]] = {}  # requests that take text (TextDeltas), by api
+        rendered: dict[int, list[tuple[TextDelta, bytes]]] = {}  # requests that take bytes (RenderedRows), by api
+        lp_at = {row: i for i, row in enumerate(message.logprob_rows)} if message.logprob_rows else None
+        scores_at = dict(zip(message.prompt_score_rows, message.prompt_scores, strict=True)) \
+            if message.prompt_scores else None
+        for row, (request_id, index, token_id, reason) in enumerate(zip(
+                message.request_ids, message.indices, message.token_ids, message.finish_reasons, strict=True)):
+            state = self.requests.get(request_id)
+            if state is None:
+                continue  # aborted or failed here: these tokens were already on their way
+            try:
+                delta = self._text_delta(state, request_id, index, token_id, reason, message.num_cached_tokens[row],
+                                         self._row_logprobs(message, lp_at, row, token_id),
+                                         scores_at.get(row) if scores_at is not None else None, batch)
+                if delta is None:
+                    continue
+                if state.renderer is not None:
+                    rendered.setdefault(state.api, []).append((delta, state.renderer.render(delta)))
+                    continue
+            except Exception:
+                log.exception("failed on the tokens of %s", request_id)
+                batch.failed.append((state.api, request_id))
+                continue
+            texts.setdefault(state.api, []).append(delta)
+        for api, rows in rendered.items():
+            batch.to_apis.setdefault(api, []).append(RenderedRows(
+                [d.request_id for d, _ in rows], [d.index for d, _ in rows], [d.num_new_tokens for d, _ in rows],
+                [d.finish_reason for d, _ in rows], [d.num_cached_tokens for d, _ in rows], [data for _, data in rows]))
+        for api, deltas in texts.items():
+            batch.to_apis.setdefault(api, []).append(TextDeltas(deltas))
+        return batch
+
+    def _row_logprobs(self, message: TokenDeltas, lp_at: dict[int, int] | None, row: int,
+                      token_id: int) -> PositionLogprobs | None:
+        if lp_at is None or token_id < 0:
+            return None
+        i = lp_at.get(row)
+        if i is None:
+            return None
+        top = [self.token_logprob(t, lp) for t, lp in zip(message.top_token_ids[i], message.top_logprobs[i],
+                                                           strict=False)]
+        return PositionLogprobs(self.token_logprob(token_id, message.logprobs[i]), top)
+
+    def _text_delta(self, state: RequestState, request_id: str, index: int, token_id: int, reason: int,
+                    num_cached_tokens: int, logprob: PositionLogprobs | None, scores: PromptScores | None,
+                    batch: OutputBatch) -> TextDelta | None:
+        """The text one completion gained; finishes it (and tells the scheduler) on a stop string."""
+        if not 0 <= index < len(state.streams):
+            log.warning("dropped tokens for completion %d of %s (n=%d)", index, request_id, len(state.streams))
+            return None
+        stream = state.streams[index]
+        if stream is None:
+            return None  # a stop string finished it here; tokens sampled before the scheduler knew are dropped
+        prompt_logprobs = self._prompt_logprobs(state, index, scores)
+        if token_id < 0 and reason < 0:
+            return TextDelta(request_id, index, "", 0, prompt_logprobs=prompt_logprobs) if prompt_logprobs else None
+        token_ids = [token_id] if token_id >= 0 else []
+        step = advance(stream, token_id, reason)
+        if step.stop_string:
+            batch.stops.append(StopSequence(request_id, index))
+        if step.finish_reason >= 0:
+            self._finish_completion(state, request_id, index)
+        stop_token = reason == FinishReason.STOP and token_id >= 0
+        logprobs = [logprob] if logprob is not None and state.params.logprobs is not None and not stop_token else []
+        shown_ids = token_ids if state.return_token_ids and not stop_token else []
+        return TextDelta(request_id, index, step.text, len(token_ids), step.finish_reason, logprobs,
+                         num_cached_tokens, stream.stop_reason, prompt_logprobs, shown_ids)
+
+    def _finish_completion(self, state: RequestState, request_id: str, index: int) -> None:
+        state.streams[index] = None
+        state.num_unfinished -= 1
+        if state.num_unfinished == 0:
+            del self.requests[request_id]
+
+    def _prompt_logprobs(self, state: RequestState, index: int, scores: PromptScores | None) -> list[PositionLogprobs]:
+        """Scored prompt tokens. The prompt's first token, which nothing scores, leads completion 0's first
+        delta (scores come before or with a completion's first token; a 1-token prompt has none)."""
+        lead = []
+        if state.first_prompt_token >= 0 and index == 0:
+            lead = [PositionLogprobs(self.token_logprob(state.first_prompt_token, None), [])]
+            state.first_prompt_token = -1
+        if scores is None:
+            return lead
+        return lead + [PositionLogprobs(self.token_logprob(token_id, logprob),
+                                        [self.token_logprob(t, lp) for t, lp in zip(top_ids, top_lps, strict=False)])
+                       for token_id, logprob, top_ids, top_lps in zip(scores.token_ids, scores.logprobs,
+                                                                      scores.top_token_ids, scores.top_logprobs,
+                                                                      strict=False)]
+
+    def token_logprob(self, token_id: int, logprob: float | None) -> TokenLogprob:
+        cached = self._token_texts.get(token_id)
+        if cached is None:
+            if self.tokenizer is not None:
+                token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                raw = self.tokenizer.token_bytes(token_id)
+            else:
+                token = f"token_id:{token_id}"
+                raw = token.encode("utf-8")
+            cached = self._token_texts[token_id] = (token, list(raw))
+        return TokenLogprob(cached[0], token_id, logprob, cached[1])

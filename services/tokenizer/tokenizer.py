@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
-from pagoda.shared.shapes import SHAPES
+from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer, tokenizer_folder
 
-log = logging.getLogger(__name__)
-
-# Any one of these marks a folder that holds a tokenizer (fast, sentencepiece, or GPT-2 style files).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _HF_CHAT_ARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
 
 
@@ -47,11 +42,6 @@ def _uses_byte_level(backend: tokenizers.Tokenizer | None) -> bool:
     return "ByteLevel" in json.dumps(decoder)
 
 
-def has_tokenizer(path: str | Path) -> bool:
-    folder = Path(path)
-    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
-
-
 class Tokenizer:
     """One model's tokenizer: encode, decode, and render chats with the model's own template."""
 
@@ -61,9 +51,8 @@ class Tokenizer:
         if not has_tokenizer(folder):
             raise ModelNotFoundError(f"no tokenizer found in folder {str(folder)!r}")
         try:
-            self._hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-                str(folder), local_files_only=True)
-        except (OSError, ValueError) as exc:
+            self._hf: PreTrainedTokenizerBase = load_hf_tokenizer(folder)
+        except (OSError, ValueError, ImportError) as exc:
             raise ModelNotFoundError(f"cannot load the tokenizer in {str(folder)!r}: {exc}") from exc
         self.path = folder
         self._all_special_ids = sorted(set(self._hf.all_special_ids))
@@ -201,11 +190,5 @@ def _part_text(part: object, i: int) -> str:
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     """--tokenizer if given, else the model folder's own; None when there is none (prompts are then ids)."""
-    if config.tokenizer is not None:
-        return Tokenizer(config.tokenizer)
-    if config.load_format == "dummy" and config.model in SHAPES:
-        return None
-    if not has_tokenizer(config.model):
-        log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", config.model)
-        return None
-    return Tokenizer(config.model)
+    folder = tokenizer_folder(config.model, config.load_format, config.tokenizer)
+    return Tokenizer(folder) if folder is not None else None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagoda.services.launcher_args import service_main
 from pagoda.services.worker.service import run_worker
+from pagoda.shared.service_main import service_main
 
 if __name__ == "__main__":
     service_main("worker", run_worker)

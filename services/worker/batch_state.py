@@ -19,7 +19,7 @@ class BatchState:
         self.eos_token_ids = list(eos_token_ids)
         max_blocks = -(-max_model_len // block_size)
         rows = max_num_seqs
-        self.row_of: dict[int, int] = {}  # request id -> row
+        self.row_of: dict[int, int] = {}  # sequence id -> row
         self.free_rows = list(range(rows - 1, -1, -1))
         self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)  # [R, max_model_len]
         self.num_tokens = np.zeros(rows, dtype=np.int64)  # [R]
@@ -38,21 +38,21 @@ class BatchState:
 
     def apply(self, plan: StepPlan) -> None:
         """Drop finished requests, add new ones, append new blocks: the worker's side of the diff."""
-        for req_id in plan.finished_req_ids:
-            row = self.row_of.pop(req_id, None)
+        for seq_id in plan.finished_seq_ids:
+            row = self.row_of.pop(seq_id, None)
             if row is not None:
                 self.free_rows.append(row)
         for new in plan.new_requests:
             self._add(new)
-        for req_id, block_id in zip(plan.appended_block_req_ids, plan.appended_block_ids, strict=True):
-            row = self.row_of[req_id]
+        for seq_id, block_id in zip(plan.appended_block_seq_ids, plan.appended_block_ids, strict=True):
+            row = self.row_of[seq_id]
             self.block_table[row, self.num_blocks[row]] = block_id
             self.num_blocks[row] += 1
 
     def _add(self, new: NewRequest) -> None:
-        assert new.req_id not in self.row_of, f"request {new.req_id} added twice"
+        assert new.seq_id not in self.row_of, f"sequence {new.seq_id} added twice"
         row = self.free_rows.pop()
-        self.row_of[new.req_id] = row
+        self.row_of[new.seq_id] = row
         count = len(new.token_ids)
         self.token_ids[row, :count] = new.token_ids
         self.num_tokens[row] = count
@@ -64,5 +64,5 @@ class BatchState:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
 
-    def rows_for(self, req_ids: list[int]) -> np.ndarray:
-        return np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))  # [B]
+    def rows_for(self, seq_ids: list[int]) -> np.ndarray:
+        return np.fromiter((self.row_of[r] for r in seq_ids), dtype=np.int64, count=len(seq_ids))  # [B]

@@ -1,15 +1,15 @@
 """Constrained decoding on the worker: one llguidance matcher per sequence, bitmasks for the rows that sample.
 
-Lifecycle (see services/tokenizer/structured.py for the whole path):
+Lifecycle (see services/grammar/compiler.py for the whole path):
 - `apply(plan)` mirrors BatchState.apply: a finished, aborted or preempted request's matcher is dropped; a new
   request (also one coming back after a preemption, or an n>1 sibling forked from its first sequence) gets a
   fresh matcher that replays the tokens it generated already (NewRequest.token_ids past the prompt), so a
   recompute or a prefix-cache hit leaves it exactly where the sequence is.
-- `bitmask(req_ids)`: for the rows of this step's sampled sequences that have an active matcher, their row of a
+- `bitmask(seq_ids)`: for the rows of this step's sampled sequences that have an active matcher, their row of a
   `[B, ceil(V/32)] int32` mask (bit j of word w: token 32*w+j allowed), filled on the host straight into a
   reused (pinned) buffer, and the `[B]` flags of those rows. Rows without a grammar are left unfilled and
   flagged off (the sampler skips them); a step with no grammar row does no work at all.
-- `accept(req_ids, token_ids)`: the sampled tokens advance the matchers.
+- `accept(seq_ids, token_ids)`: the sampled tokens advance the matchers.
 
 Overlap: the mask for step N+1 depends on step N's token, so the order per step is
   accept(step N tokens) -> bitmask(step N+1 rows) -> copy -> apply to step N+1 logits -> sample.
@@ -35,11 +35,11 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from pagoda.services.tokenizer.structured import cache_key, grammar_text, ll_tokenizer
-from pagoda.services.tokenizer.tokenizer import load_tokenizer
-from pagoda.services.worker.model_config import ModelArch
+from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer
 from pagoda.shared.config import EngineConfig
+from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
+from pagoda.shared.shapes import ModelArch
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class SeqGrammar:
 
 
 class GrammarRows:
-    """The worker's matchers, keyed by request id (the scheduler's sequence id)."""
+    """The worker's matchers, keyed by the scheduler's sequence id."""
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer | None], vocab_size: int,
                  pin_memory: bool = False) -> None:
@@ -83,95 +83,95 @@ class GrammarRows:
     def active(self) -> bool:
         return bool(self._seqs)
 
-    def constrains(self, req_ids: list[int]) -> bool:
+    def constrains(self, seq_ids: list[int]) -> bool:
         """Some of these requests has a grammar (their sampling needs bitmasks)."""
-        return bool(self._seqs) and any(req_id in self._seqs for req_id in req_ids)
+        return bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids)
 
     def reset(self) -> None:
         self._seqs.clear()
 
     def apply(self, plan: StepPlan) -> None:
-        for req_id in plan.finished_req_ids:
-            self._seqs.pop(req_id, None)
+        for seq_id in plan.finished_seq_ids:
+            self._seqs.pop(seq_id, None)
         for new in plan.new_requests:
             self.add(new)
 
-    def drop(self, req_ids: list[int]) -> None:
-        for req_id in req_ids:
-            self._seqs.pop(req_id, None)
+    def drop(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._seqs.pop(seq_id, None)
 
     def add(self, new: NewRequest) -> None:
-        self._seqs.pop(new.req_id, None)
+        self._seqs.pop(new.seq_id, None)
         constraint = new.sampling.structured_outputs
         if constraint is None:
             return
         seq = SeqGrammar(constraint, None)
-        self._seqs[new.req_id] = seq
+        self._seqs[new.seq_id] = seq
         if not constraint.reasoning_end:
             seq.matcher = self._new_matcher(constraint)
         generated = new.token_ids[new.num_prompt_tokens:]
         for token_id in generated:
-            self._advance(new.req_id, seq, token_id)
+            self._advance(new.seq_id, seq, token_id)
 
     # ---------------------------------------------------------------- per step
 
-    def bitmask(self, req_ids: list[int]) -> tuple[np.ndarray, torch.Tensor] | None:
+    def bitmask(self, seq_ids: list[int]) -> tuple[np.ndarray, torch.Tensor] | None:
         """For this step's sampled rows: (flags [B] bool, True where the row has an active matcher; the bitmask
         [B, W] int32 on the host, filled for the flagged rows only), or None when no row is constrained.
         The bitmask is one of two reused buffers (pinned on CUDA): the step that reads it has synced before
         the buffer comes round again (the worker syncs every launched step before it fills masks)."""
         if not self._seqs:
             return None
-        picked = [(seq.matcher, i) for i, req_id in enumerate(req_ids)
-                  if (seq := self._seqs.get(req_id)) is not None and seq.matcher is not None]
+        picked = [(seq.matcher, i) for i, seq_id in enumerate(seq_ids)
+                  if (seq := self._seqs.get(seq_id)) is not None and seq.matcher is not None]
         if not picked:
             return None
-        mask = self._buffer(len(req_ids))  # [B, W]
+        mask = self._buffer(len(seq_ids))  # [B, W]
         if self._parallel(len(picked)):
             llguidance.torch.fill_next_token_bitmask_par(self._ensure_executor(), picked, mask)
         else:
             for matcher, i in picked:
                 llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
-        flags = np.zeros(len(req_ids), dtype=bool)  # [B]
+        flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
         flags[[i for _, i in picked]] = True
         return flags, mask
 
-    def accept(self, req_ids: list[int], token_ids: list[int]) -> None:
+    def accept(self, seq_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""
         if not self._seqs:
             return
-        rows = [(req_id, seq, token_id) for req_id, token_id in zip(req_ids, token_ids, strict=True)
-                if (seq := self._seqs.get(req_id)) is not None]
+        rows = [(seq_id, seq, token_id) for seq_id, token_id in zip(seq_ids, token_ids, strict=True)
+                if (seq := self._seqs.get(seq_id)) is not None]
         if not self._parallel(len(rows)):
-            for req_id, seq, token_id in rows:
-                self._advance(req_id, seq, token_id)
+            for seq_id, seq, token_id in rows:
+                self._advance(seq_id, seq, token_id)
             return
-        running = [(req_id, seq, token_id) for req_id, seq, token_id in rows
+        running = [(seq_id, seq, token_id) for seq_id, seq, token_id in rows
                    if seq.matcher is not None and not seq.failed and not seq.matcher.is_stopped()]
         accepted = llguidance.torch.consume_token_par(self._ensure_executor(),
                                                       [(seq.matcher, token_id) for _, seq, token_id in running])
-        for (req_id, seq, token_id), ok in zip(running, accepted, strict=True):
+        for (seq_id, seq, token_id), ok in zip(running, accepted, strict=True):
             if not ok:
-                self._reject(req_id, seq, token_id)
+                self._reject(seq_id, seq, token_id)
         for _, seq, token_id in rows:
             if seq.matcher is None:
                 self._watch_reasoning(seq, token_id)
 
     # ---------------------------------------------------------------- internals
 
-    def _advance(self, req_id: int, seq: SeqGrammar, token_id: int) -> None:
+    def _advance(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         if seq.matcher is None:
             self._watch_reasoning(seq, token_id)
             return
         if seq.failed or seq.matcher.is_stopped():
             return  # the next tokens are EOS; the scheduler ends the sequence on the first
         if not seq.matcher.consume_token(token_id):
-            self._reject(req_id, seq, token_id)
+            self._reject(seq_id, seq, token_id)
 
-    def _reject(self, req_id: int, seq: SeqGrammar, token_id: int) -> None:
+    def _reject(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input.
         assert seq.matcher is not None
-        log.error("request %d: token %d rejected by its grammar: %s", req_id, token_id, seq.matcher.get_error())
+        log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, seq.matcher.get_error())
         seq.failed = True
 
     def _parallel(self, num_rows: int) -> bool:
@@ -236,12 +236,9 @@ def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[
     """Builds llguidance's tokenizer for the model's mask width and EOS ids (GrammarRows calls it at start-up)."""
 
     def load() -> llguidance.LLTokenizer | None:
-        tokenizer = load_tokenizer(config)
-        if tokenizer is None:
+        folder = tokenizer_folder(config.model, config.load_format, config.tokenizer)
+        if folder is None:
             return None
-        eos_ids = set(arch.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        return ll_tokenizer(tokenizer.hf, arch.vocab_size, sorted(eos_ids))
+        return load_ll_tokenizer(folder, arch.vocab_size, list(arch.eos_token_ids))
 
     return load

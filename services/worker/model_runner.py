@@ -28,7 +28,6 @@ from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
 from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
-from pagoda.services.worker.model_config import ModelArch, check_divisible, resolve_arch
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagoda.services.worker.sampling_state import SamplingState, admission_error
@@ -36,6 +35,7 @@ from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig, sampler_fault_seed
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import NewRequest, PromptScores, RowFailure, SamplingParams, StepPlan, StepResult
+from pagoda.shared.shapes import ModelArch, check_divisible, resolve_arch
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class LaunchedStep:
     """A step enqueued on the device whose sampled ids may still be on their way to the host."""
 
     plan: StepPlan
-    req_ids: list[int] = field(default_factory=list)  # [S] the requests that sampled, in result order
+    seq_ids: list[int] = field(default_factory=list)  # [S] the requests that sampled, in result order
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] their state rows
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] index of the token
     token_ids: torch.Tensor | None = None  # [S] int64, host (pinned on CUDA): valid once the event completed
@@ -312,7 +312,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """The serial step: launch and finish at once."""
         if not self.launch(plan):
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            return StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[])
         return self.finish()
 
     @property
@@ -334,14 +334,14 @@ class ModelRunner:
     def _launch(self, sent: StepPlan) -> bool:
         plan, refused = self._refuse_bad_requests(self._without_lost(sent))
         self.state.apply(plan)
-        self.sampling.admit([(self.state.row_of[new.req_id], new) for new in plan.new_requests])
+        self.sampling.admit([(self.state.row_of[new.seq_id], new) for new in plan.new_requests])
         self.grammars.apply(plan)
         for new in plan.new_requests:
-            self.pending_step[self.state.row_of[new.req_id]] = -1  # a NewRequest carries real tokens only
-        if not plan.req_ids:
-            if sent.req_ids:  # every request it ran belonged to a failed step: an empty result, in order
+            self.pending_step[self.state.row_of[new.seq_id]] = -1  # a NewRequest carries real tokens only
+        if not plan.seq_ids:
+            if sent.seq_ids:  # every request it ran belonged to a failed step: an empty result, in order
                 self._launched.append(LaunchedStep(sent, synced=True, failed=refused))
-            return bool(sent.req_ids)
+            return bool(sent.seq_ids)
         self.staging.flip()  # the previous step's copies may still read the other set of pinned buffers
         host = self._prepare(plan)
         timer_start = self._timer_event()
@@ -367,23 +367,23 @@ class ModelRunner:
         state = self.state
         sampled_rows = host.rows[host.sampled]  # [S]
         positions = host.seq_lens[host.sampled]  # [S] index in token_ids of each sampled token
-        req_ids = [step.plan.req_ids[i] for i in host.sampled.tolist()]
+        seq_ids = [step.plan.seq_ids[i] for i in host.sampled.tolist()]
         metadata = self.sampling.metadata(sampled_rows)
         assert (self.sampling.num_output[sampled_rows] == positions - state.num_prompt_tokens[sampled_rows]).all(), \
             "the sampling offsets disagree with the plan's positions"
-        if self.grammars.constrains(req_ids):
+        if self.grammars.constrains(seq_ids):
             # Masks follow the previous step's tokens: wait for them here, after this step's forward is enqueued,
             # so the device computes while the host advances the matchers.
             self._sync_all()
-            self._attach_grammar_masks(metadata, req_ids)
+            self._attach_grammar_masks(metadata, seq_ids)
         state_rows = metadata.state_rows  # [S] on the device
         try:
             output = self.sampler(logits, metadata)
         except Exception:  # noqa: BLE001 - a failure that belongs to some rows must not fail the others
             log.error("step %d: sampling failed; isolating the rows that fail:\n%s", step.plan.step_id,
                       traceback.format_exc())
-            kept, output = self._sample_isolating(step, logits, metadata, sampled_rows, req_ids)
-            sampled_rows, positions, req_ids = sampled_rows[kept], positions[kept], [req_ids[i] for i in kept]
+            kept, output = self._sample_isolating(step, logits, metadata, sampled_rows, seq_ids)
+            sampled_rows, positions, seq_ids = sampled_rows[kept], positions[kept], [seq_ids[i] for i in kept]
             if output is None:
                 return  # every row that sampled failed: their errors are in step.failed
             state_rows = None
@@ -392,7 +392,7 @@ class ModelRunner:
         assert (state.num_tokens[sampled_rows] == positions).all(), "a row samples past a token it lacks"
         state.num_tokens[sampled_rows] += 1  # the new token's value reaches host state in finish()
         self.pending_step[sampled_rows] = step.plan.step_id
-        step.req_ids = req_ids
+        step.seq_ids = seq_ids
         step.rows, step.positions = sampled_rows, positions
         to_host = self.staging.to_host
         step.token_ids = to_host(output.token_ids, "sampled_ids")
@@ -404,7 +404,7 @@ class ModelRunner:
             step.num_logprobs = state.num_logprobs[sampled_rows].tolist()
 
     def _sample_isolating(self, step: LaunchedStep, logits: torch.Tensor, metadata: SamplingMetadata,
-                          sampled_rows: np.ndarray, req_ids: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
+                          sampled_rows: np.ndarray, seq_ids: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
         """Sampling the batch raised: bisect it (isolation.py); the guilty rows' requests end with an error and
         leave the worker, the others keep their tokens. Returns the batch indices kept [K] and their output."""
 
@@ -420,10 +420,10 @@ class ModelRunner:
             return self.sampler(logits[index_t], sub)
 
         isolated = bisect_failures(sample_subset, len(sampled_rows))
-        guilty = [req_ids[i] for i, _ in isolated.guilty]
-        for (_, error), req_id in zip(isolated.guilty, guilty, strict=True):
-            log.error("step %d: request %d fails alone: %s", step.plan.step_id, req_id, error)
-            step.failed.append(RowFailure(req_id, 500, f"the worker failed on this request: {error}"))
+        guilty = [seq_ids[i] for i, _ in isolated.guilty]
+        for (_, error), seq_id in zip(isolated.guilty, guilty, strict=True):
+            log.error("step %d: sequence %d fails alone: %s", step.plan.step_id, seq_id, error)
+            step.failed.append(RowFailure(seq_id, 500, f"the worker failed on this request: {error}"))
         self._drop(guilty)
         return isolated.kept, isolated.output
 
@@ -432,16 +432,16 @@ class ModelRunner:
         if not plan.new_requests:
             return plan, []
         max_blocks = self.state.block_table.shape[1]
-        failures = [RowFailure(new.req_id, 400, f"the worker refused this request: {error}")
+        failures = [RowFailure(new.seq_id, 400, f"the worker refused this request: {error}")
                     for new in plan.new_requests
                     if (error := admission_error(new, self.arch.vocab_size, self.max_model_len, self.num_blocks,
                                                  max_blocks))]
         if not failures:
             return plan, []
         for failure in failures:
-            log.error("step %d: request %d refused: %s", plan.step_id, failure.req_id, failure.message)
-        self._lost.update(failure.req_id for failure in failures)
-        plan = msgspec.structs.replace(plan, new_requests=[n for n in plan.new_requests if n.req_id not in self._lost])
+            log.error("step %d: sequence %d refused: %s", plan.step_id, failure.seq_id, failure.message)
+        self._lost.update(failure.seq_id for failure in failures)
+        plan = msgspec.structs.replace(plan, new_requests=[n for n in plan.new_requests if n.seq_id not in self._lost])
         return self._without_lost(plan), failures
 
     def _timer_event(self) -> torch.cuda.Event | None:
@@ -474,7 +474,7 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001
             log.error("step %d failed:\n%s", step.plan.step_id, traceback.format_exc())
             self.recover(step.plan)
-            return StepResult(step_id=step.plan.step_id, req_ids=[], sampled_token_ids=[],
+            return StepResult(step_id=step.plan.step_id, seq_ids=[], sampled_token_ids=[],
                               error=f"{type(exc).__name__}: {exc}")
 
     def _sync(self, step: LaunchedStep) -> None:
@@ -488,13 +488,13 @@ class ModelRunner:
             return
         state = self.state
         token_ids = step.token_ids.numpy()  # [S]
-        owned = np.fromiter((state.row_of.get(req_id, -1) == row for req_id, row
-                             in zip(step.req_ids, step.rows.tolist(), strict=True)), dtype=bool,
-                            count=len(step.req_ids))  # [S] rows not dropped (or reused) since the launch
+        owned = np.fromiter((state.row_of.get(seq_id, -1) == row for seq_id, row
+                             in zip(step.seq_ids, step.rows.tolist(), strict=True)), dtype=bool,
+                            count=len(step.seq_ids))  # [S] rows not dropped (or reused) since the launch
         rows = step.rows[owned]
         state.token_ids[rows, step.positions[owned]] = token_ids[owned]
         if self.grammars.active:  # matchers advance once per token, in step order
-            self.grammars.accept([r for r, keep in zip(step.req_ids, owned.tolist(), strict=True) if keep],
+            self.grammars.accept([r for r, keep in zip(step.seq_ids, owned.tolist(), strict=True) if keep],
                                  token_ids[owned].tolist())
         mine = rows[self.pending_step[rows] == step.plan.step_id]
         self.pending_step[mine] = -1
@@ -510,19 +510,19 @@ class ModelRunner:
     def _tokens_result(self, step: LaunchedStep) -> StepResult:
         plan = step.plan
         if step.error:
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[], error=step.error)
+            return StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[], error=step.error)
         if step.token_ids is None:
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[],
+            return StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[],
                               prompt_scores=step.prompt_scores)
         token_ids = step.token_ids.tolist()
         if step.logprobs is None:
-            return StepResult(step_id=plan.step_id, req_ids=step.req_ids, sampled_token_ids=token_ids,
+            return StepResult(step_id=plan.step_id, seq_ids=step.seq_ids, sampled_token_ids=token_ids,
                               prompt_scores=step.prompt_scores)
         assert step.top_token_ids is not None and step.top_logprobs is not None
         wanted = step.num_logprobs
         top_ids, top_logprobs = step.top_token_ids.tolist(), step.top_logprobs.tolist()
         return StepResult(
-            step_id=plan.step_id, req_ids=step.req_ids, sampled_token_ids=token_ids,
+            step_id=plan.step_id, seq_ids=step.seq_ids, sampled_token_ids=token_ids,
             sampled_logprobs=step.logprobs.tolist(),
             top_token_ids=[ids[:max(k, 0)] for ids, k in zip(top_ids, wanted, strict=True)],
             top_logprobs=[lps[:max(k, 0)] for lps, k in zip(top_logprobs, wanted, strict=True)],
@@ -540,15 +540,15 @@ class ModelRunner:
         """Drop requests of a failed step from a plan sent before the scheduler heard of the failure."""
         if not self._lost:
             return plan
-        self._lost.difference_update(plan.finished_req_ids)
-        if not self._lost.intersection(plan.req_ids):
+        self._lost.difference_update(plan.finished_seq_ids)
+        if not self._lost.intersection(plan.seq_ids):
             return plan
-        kept = [(r, n) for r, n in zip(plan.req_ids, plan.num_scheduled_tokens, strict=True) if r not in self._lost]
-        blocks = [(r, b) for r, b in zip(plan.appended_block_req_ids, plan.appended_block_ids, strict=True)
+        kept = [(r, n) for r, n in zip(plan.seq_ids, plan.num_scheduled_tokens, strict=True) if r not in self._lost]
+        blocks = [(r, b) for r, b in zip(plan.appended_block_seq_ids, plan.appended_block_ids, strict=True)
                   if r not in self._lost]
         return msgspec.structs.replace(
-            plan, req_ids=[r for r, _ in kept], num_scheduled_tokens=[n for _, n in kept],
-            appended_block_req_ids=[r for r, _ in blocks], appended_block_ids=[b for _, b in blocks])
+            plan, seq_ids=[r for r, _ in kept], num_scheduled_tokens=[n for _, n in kept],
+            appended_block_seq_ids=[r for r, _ in blocks], appended_block_ids=[b for _, b in blocks])
 
     def _input_ids(self, host: HostBatch) -> torch.Tensor:
         """The step's input ids [T] on the device: from the host, except tokens the host does not know yet,
@@ -561,10 +561,10 @@ class ModelRunner:
             input_ids[index] = self.last_token[self._to_device(host.from_device_rows, "from_device_rows")]
         return input_ids
 
-    def _attach_grammar_masks(self, metadata: SamplingMetadata, req_ids: list[int]) -> None:
+    def _attach_grammar_masks(self, metadata: SamplingMetadata, seq_ids: list[int]) -> None:
         """Structured outputs: the constrained rows' token bitmasks join the sampler's fused pass (the other
         rows are flagged off and pay nothing)."""
-        masks = self.grammars.bitmask(req_ids)
+        masks = self.grammars.bitmask(seq_ids)
         if masks is None:
             return
         flags, bitmask = masks  # [B] bool, [B, W] int32 on the host (pinned on CUDA)
@@ -621,29 +621,29 @@ class ModelRunner:
                 tops.append(top.values)
                 top_ids.append(top.indices)
             # one host copy per sequence, after all its slices
-            scores.append(PromptScores(plan.req_ids[b], start + 1, targets.tolist(), torch.cat(picked).tolist(),
+            scores.append(PromptScores(plan.seq_ids[b], start + 1, targets.tolist(), torch.cat(picked).tolist(),
                                        torch.cat(top_ids).tolist(), torch.cat(tops).tolist()))
         return scores
 
     def recover(self, plan: StepPlan) -> None:
         """After a failed step: forget the plan's requests (the scheduler aborts them too); plans already in
         flight may still name them, and skip them."""
-        self._drop([*plan.req_ids, *(new.req_id for new in plan.new_requests)])
+        self._drop([*plan.seq_ids, *(new.seq_id for new in plan.new_requests)])
 
-    def _drop(self, req_ids: list[int]) -> None:
+    def _drop(self, seq_ids: list[int]) -> None:
         """Forget these requests (failed): their rows are free; later plans in flight may still name them."""
         state = self.state
-        self.grammars.drop(req_ids)
-        for req_id in req_ids:
-            row = state.row_of.pop(req_id, None)
+        self.grammars.drop(seq_ids)
+        for seq_id in seq_ids:
+            row = state.row_of.pop(seq_id, None)
             if row is not None:
                 state.free_rows.append(row)
-            self._lost.add(req_id)
+            self._lost.add(seq_id)
 
     def _prepare(self, plan: StepPlan) -> HostBatch:
         """The step's flattened inputs as numpy arrays, gathered from the persistent state."""
         state, size = self.state, self.block_size
-        rows = state.rows_for(plan.req_ids)  # [B]
+        rows = state.rows_for(plan.seq_ids)  # [B]
         counts = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)  # [B]
         starts = state.num_computed[rows]  # [B]
         seq_lens = starts + counts  # [B]

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from pagoda.kernels import reference
-from pagoda.kernels.reference import gumbel_noise, mix32_, mul32_, row_keys, uniform_noise  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from pagoda.kernels.sampling import GroupedLogits, TopCandidates

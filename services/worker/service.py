@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from collections import OrderedDict
 
@@ -31,6 +30,7 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
+from pagoda.shared.service_main import stop_on_signals
 from pagoda.shared.transport import Codec, load_cluster_keys, make_socket, single_frame
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class WorkerService:
 
     def _on_probe(self, sender: str) -> None:
         """Probes come from a scheduler that has not heard every rank. The same one again (our answer crossed
-        its next probe): answer again. Another one (the scheduler restarted): its request ids start afresh,
+        its next probe): answer again. Another one (the scheduler restarted): its sequence ids start afresh,
         so the old requests go."""
         if sender != self.scheduler_id:
             log.warning("worker rank %d: a new scheduler (%s, was %s); starting over", self.rank, sender,
@@ -239,6 +239,5 @@ class WorkerService:
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     load_cluster_keys(server_config.cluster_key_dir)
     service = WorkerService(engine_config, server_config)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    service.run()
+    with stop_on_signals(service.stop):
+        service.run()

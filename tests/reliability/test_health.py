@@ -117,8 +117,8 @@ def test_failed_rows_fail_only_their_requests(service: SchedulerService) -> None
     service._maybe_step()
     [plan] = [p for p in map(Codec(SchedulerToWorker).decode, service.plans.sent)  # type: ignore[attr-defined]
               if isinstance(p, StepPlan)]
-    assert len(plan.req_ids) == 3
-    bad, odd, good = plan.req_ids
+    assert len(plan.seq_ids) == 3
+    bad, odd, good = plan.seq_ids
     _to_tokenizers(service)
     service._on_result(StepResult(plan.step_id, [good], [9], failed=[RowFailure(bad, 400, "refused: x"),
                                                                       RowFailure(odd, 500, "sampler: y")]))

@@ -87,8 +87,8 @@ def test_bisection_when_every_row_fails() -> None:
     assert isolated.output is None and isolated.kept.tolist() == [] and len(isolated.guilty) == 3
 
 
-def _new(req_id: int, **changes: object) -> NewRequest:
-    fields = {"req_id": req_id, "token_ids": [1, 2, 3], "num_prompt_tokens": 3, "block_ids": [0],
+def _new(seq_id: int, **changes: object) -> NewRequest:
+    fields = {"seq_id": seq_id, "token_ids": [1, 2, 3], "num_prompt_tokens": 3, "block_ids": [0],
               "num_computed_tokens": 0, "sampling": SamplingParams(max_tokens=4), "seed": 1}
     sampling = changes.pop("sampling_changes", None)
     fields.update(changes)
@@ -124,25 +124,25 @@ def test_a_failing_row_fails_alone_in_the_runner(smollm2_dir: Path, device: str)
     runner = llm.engine.runner
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
     good = NewRequest(100, [5, 6, 7], 3, [0], 0, greedy, seed=1)
-    plan = StepPlan(step_id=1000, req_ids=[100, 101, 102], num_scheduled_tokens=[3, 3, 3],
+    plan = StepPlan(step_id=1000, seq_ids=[100, 101, 102], num_scheduled_tokens=[3, 3, 3],
                     new_requests=[good, NewRequest(101, [5, 6, 99999], 3, [1], 0, greedy, seed=2),
                                   NewRequest(102, [5, 6, 8], 3, [2], 0, greedy, seed=FAULT_SEED)])
     runner.sampler = FaultySampler(FAULT_SEED)
     result = runner.execute(plan)
     assert not result.error
-    assert result.req_ids == [100] and len(result.sampled_token_ids) == 1
+    assert result.seq_ids == [100] and len(result.sampled_token_ids) == 1
     assert len(result.sampled_logprobs) == 1 and len(result.top_token_ids[0]) == 1
-    assert {(f.req_id, f.status) for f in result.failed} == {(101, 400), (102, 500)}
-    assert "vocabulary" in next(f.message for f in result.failed if f.req_id == 101)
-    assert "injected" in next(f.message for f in result.failed if f.req_id == 102)
+    assert {(f.seq_id, f.status) for f in result.failed} == {(101, 400), (102, 500)}
+    assert "vocabulary" in next(f.message for f in result.failed if f.seq_id == 101)
+    assert "injected" in next(f.message for f in result.failed if f.seq_id == 102)
     assert set(runner.state.row_of) == {100}  # the failed ones left the worker
     # the survivor goes on; a later plan that still names a failed request skips it
-    decode = StepPlan(step_id=1001, req_ids=[100, 102], num_scheduled_tokens=[1, 1])
+    decode = StepPlan(step_id=1001, seq_ids=[100, 102], num_scheduled_tokens=[1, 1])
     after = runner.execute(decode)
-    assert after.req_ids == [100] and not after.error
+    assert after.seq_ids == [100] and not after.error
     # what the same request draws alone (another id, another block), with the plain sampler
     runner.sampler = Sampler()
-    twin = msgspec.structs.replace(good, req_id=200, block_ids=[3])
-    first = runner.execute(StepPlan(step_id=1002, req_ids=[200], num_scheduled_tokens=[3], new_requests=[twin]))
-    second = runner.execute(StepPlan(step_id=1003, req_ids=[200], num_scheduled_tokens=[1]))
+    twin = msgspec.structs.replace(good, seq_id=200, block_ids=[3])
+    first = runner.execute(StepPlan(step_id=1002, seq_ids=[200], num_scheduled_tokens=[3], new_requests=[twin]))
+    second = runner.execute(StepPlan(step_id=1003, seq_ids=[200], num_scheduled_tokens=[1]))
     assert (first.sampled_token_ids, second.sampled_token_ids) == (result.sampled_token_ids, after.sampled_token_ids)

@@ -7,7 +7,7 @@ its stats (PAGODA_STATS_ENDPOINT) whether the worker is alive and which tokenize
   tokenizer  hung when no tokenizer id the scheduler lists starts with this pod's host name + "-"
 When no stats arrive the scheduler itself is down or hung: its own probe restarts it, and this one passes, so
 that a scheduler failure does not also restart (and reload) the processes that depend on it.
-Mounted from a ConfigMap; runs with the image's python and pagoda's own message types.
+Mounted from a ConfigMap; runs with the image's python and pagoda's own stats probe (pagoda/probes.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+
+from pagoda.probes import latest_stats
 
 TIMEOUT_S = 3.0
 
@@ -30,32 +32,12 @@ def is_alive(service: str, stats: object | None, hostname: str) -> bool:
     raise ValueError(f"unknown service {service!r} (worker or tokenizer)")
 
 
-def latest_stats(endpoint: str) -> object | None:
-    import zmq
-
-    from pagoda.shared.messages import SchedulerStats, SchedulerToApi
-    from pagoda.shared.transport import Codec, load_cluster_keys, make_socket
-
-    codec = Codec(SchedulerToApi)
-    load_cluster_keys(os.environ.get("PAGODA_CLUSTER_KEY_DIR") or None)  # CURVE, as every pagoda socket
-    context = zmq.Context()
-    try:
-        sock = make_socket(context, zmq.SUB, endpoint, bind=False)
-        while sock.poll(int(TIMEOUT_S * 1000)):
-            message = codec.decode(sock.recv())
-            if isinstance(message, SchedulerStats):
-                return message
-        return None
-    finally:
-        context.destroy(linger=0)
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: liveness.py worker|tokenizer", file=sys.stderr)
         return 2
     endpoint = os.environ.get("PAGODA_STATS_ENDPOINT", "")
-    stats = latest_stats(endpoint) if endpoint else None
+    stats = latest_stats(endpoint, TIMEOUT_S, os.environ.get("PAGODA_CLUSTER_KEY_DIR")) if endpoint else None
     if is_alive(argv[1], stats, socket.gethostname()):
         return 0
     print(f"unhealthy: the scheduler at {endpoint} does not hear this {argv[1]}", file=sys.stderr)

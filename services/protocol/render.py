@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pagoda.services.api.chat_output import ChatOutputSpec, ChatStreams, whole_message
+from pagoda.services.protocol.chat_output import ChatOutputSpec, ChatStreams, whole_message
 from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta
 
 _encoder = msgspec.json.Encoder()
@@ -28,6 +28,10 @@ def encode_json(obj: Any) -> bytes:
 
 def sse(obj: Any) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 @dataclass(slots=True)

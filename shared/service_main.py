@@ -1,11 +1,14 @@
-"""Arguments every service process takes: the engine and server settings (flags or PAGODA_* variables)."""
+"""How a service process starts and stops: its settings (flags or PAGODA_* variables), and SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from pagoda.shared.config import (
     EngineConfig,
@@ -37,3 +40,18 @@ def service_main(name: str, run: Callable[[EngineConfig, ServerConfig], None]) -
     except PagodaError as exc:
         print(f"error: {exc.message} ({exc.param})", file=sys.stderr)
         sys.exit(2)
+
+
+@contextmanager
+def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT call `stop` (the service's loop then ends on its own) while inside; the handlers that
+    were there before come back after. Off the main thread (a test's in-process service) nothing is installed."""
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop())
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]

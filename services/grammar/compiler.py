@@ -4,18 +4,19 @@ Where each part runs (issue 12):
 
 - api: OpenAI's `response_format` and vLLM's `structured_outputs` / `guided_*` become one `StructuredOutputs`
   inside SamplingParams (shape checks only).
-- tokenizer process (this module): `GrammarChecker.check` turns the constraint into llguidance's grammar text
+- tokenizer process: `GrammarChecker.check` (this module) turns the constraint into llguidance's grammar text
   and compiles it against the real tokenizer, off the worker's step loop. Results are cached per constraint
   (LRU, bounded), so a repeated schema costs a dict lookup. A grammar the library rejects is an
   InvalidRequestError (400) with llguidance's reason.
 - the constraint travels as it came, inside SamplingParams: tokenizer -> scheduler (which never looks inside)
   -> worker (NewRequest.sampling). llguidance has no serialized compiled form to ship, and building a matcher
   from the grammar text takes milliseconds (a 50-field schema: ~3 ms), so the worker rebuilds it, cached.
-- worker (services/worker/grammar.py): one matcher per sequence; each step it fills the bitmask of the rows
-  that sample under a grammar, on the host, after the previous token was accepted, and applies it to their
-  logits on the device; the sampled tokens then advance the matchers.
+- worker (services/worker/grammar.py): one matcher per sequence, built from this module's grammar text; each
+  step it fills the bitmask of the rows that sample under a grammar, on the host, after the previous token was
+  accepted, and applies it to their logits on the device; the sampled tokens then advance the matchers.
 
-`grammar_text` is pure and shared by the tokenizer and the worker, so both compile the same grammar.
+`grammar_text` is pure and shared by the tokenizer and the worker, so both compile the same grammar. This package
+imports neither tier: the worker builds llguidance's tokenizer here (`load_ll_tokenizer`), without the tokenizer's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import llguidance
 import llguidance.hf
 import msgspec
 
-from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
+from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,18 @@ def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -
     # A dummy-weight shape served with some real tokenizer may name EOS ids the tokenizer does not have.
     known = [t for t in eos_token_ids if 0 <= t < len(hf_tokenizer)]
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=known or None)
+
+
+def load_ll_tokenizer(folder: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for the Hugging Face tokenizer in `folder` (the worker's masks: the model's vocabulary
+    width, its EOS ids and the tokenizer's own)."""
+    if not has_tokenizer(folder):
+        raise ModelNotFoundError(f"no tokenizer found in folder {folder!r}")
+    hf_tokenizer = load_hf_tokenizer(folder)
+    eos_ids = set(eos_token_ids)
+    if hf_tokenizer.eos_token_id is not None:
+        eos_ids.add(hf_tokenizer.eos_token_id)
+    return ll_tokenizer(hf_tokenizer, vocab_size, sorted(eos_ids))
 
 
 REASONING_END = "</think>"

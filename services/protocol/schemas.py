@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from pagoda.services.api.chat_output import ChatOutputSpec
-from pagoda.services.tokenizer.tools import named_schema, required_schema
+from pagoda.services.protocol.chat_output import ChatOutputSpec
+from pagoda.services.protocol.tools import named_schema, required_schema
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import (
     MAX_INT32,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.services.tokenizer.reasoning import ReasoningStream, split_reasoning
-from pagoda.services.tokenizer.tools import (
+from pagoda.services.protocol.reasoning import ReasoningStream, split_reasoning
+from pagoda.services.protocol.tools import (
     ToolCall,
     new_call_id,
     parse_required,

@@ -1,0 +1,159 @@
+"""Prompts: a request's prompt field (text, token ids or chat messages) becomes token ids through the model's
+tokenizer and chat template (tools included), checked against the model's limits. Pure functions of a request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.services.protocol.tools import tool_conversation
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.errors import ContextLengthError, InvalidRequestError, PagodaError
+from pagoda.shared.messages import (
+    ChatMessage,
+    DetokenizeRequest,
+    GenerateRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenizeRequest,
+    TokenizeResult,
+)
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the text the ids came from (None for token-id prompts)
+    param: str  # the request field errors about this prompt name
+
+
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        entry: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                "arguments": c.arguments}}
+                                   for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
+
+
+def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, prompt_token_ids: list[int] | None,
+                    messages: list[ChatMessage] | None, add_special_tokens: bool = True,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> Prompt:
+    """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault."""
+    if sum(field is not None for field in (prompt_text, prompt_token_ids, messages)) != 1:
+        raise InvalidRequestError("exactly one of a prompt, prompt token ids or messages must be given",
+                                  param="prompt")
+    if prompt_token_ids is not None:
+        return Prompt(list(prompt_token_ids), None, "prompt")
+    param = "messages" if messages is not None else "prompt"
+    if tokenizer is None:
+        raise InvalidRequestError(f"this model has no tokenizer: send the prompt as token ids, not {param}",
+                                  param=param)
+    try:
+        if messages is not None:
+            # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
+            conversation, tools = tool_conversation(tokenizer.hf.chat_template, chat_dicts(messages), tools)
+            text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
+                                         continue_final_message=continue_final_message,
+                                         chat_template_kwargs=chat_template_kwargs)
+            return Prompt(tokenizer.encode(text, add_special_tokens=False), text, param)
+        assert prompt_text is not None
+        return Prompt(tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens), prompt_text, param)
+    except PagodaError:
+        raise
+    except Exception as exc:
+        # A template or tokenizer that raises is the request's problem, never the process's.
+        raise InvalidRequestError(f"cannot tokenize the {param}: {exc}", param=param) from exc
+
+
+def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, param: str) -> None:
+    """Raise InvalidRequestError unless the scheduler can run this prompt with these params."""
+    if not token_ids:
+        raise InvalidRequestError(f"the {param} is empty", param=param)
+    if min(token_ids) < 0 or max(token_ids) >= info.vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < info.vocab_size)
+        raise InvalidRequestError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
+    # At least one token must be generated, in the context and in the KV cache.
+    max_prompt_len = min(info.max_model_len, info.max_num_tokens) - 1
+    num_tokens = len(token_ids)
+    if num_tokens > max_prompt_len:
+        raise ContextLengthError(f"the {param} has {num_tokens} tokens; this model accepts at most "
+                                 f"{max_prompt_len} prompt tokens", param=param)
+    if params.max_tokens is not None and num_tokens + params.max_tokens > info.max_model_len:
+        raise ContextLengthError(f"this model's maximum context length is {info.max_model_len} tokens, but "
+                                 f"{num_tokens} prompt tokens plus max_tokens={params.max_tokens} exceed it",
+                                 param="max_tokens")
+    if any(t >= info.vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be < {info.vocab_size}", param="stop_token_ids")
+    if any(t >= info.vocab_size for t in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias token ids must be < {info.vocab_size}", param="logit_bias")
+
+
+def prompt_chars(prompt_text: str | None, messages: list[ChatMessage] | None) -> int:
+    """Characters to tokenize: what decides whether the work moves off the loop."""
+    return len(prompt_text or "") + sum(len(m.content) for m in messages or [])
+
+
+def token_str(tokenizer: Tokenizer, token_id: int) -> str:
+    """The vocabulary entry of a token, as vLLM's return_token_strs lists it (byte-level pieces as is)."""
+    piece = tokenizer.hf.convert_ids_to_tokens(token_id)
+    return piece if isinstance(piece, str) else ""
+
+
+def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest) -> Prompt:
+    """A generation request's prompt. The api validated the params (SamplingParams.validate, at the edge); what it
+    cannot know, the prompt's length against the context and token ids against the vocabulary, check_prompt checks,
+    and the scheduler re-checks only the invariants it relies on."""
+    return tokenize_prompt(tokenizer, prompt_text=request.prompt_text, prompt_token_ids=request.prompt_token_ids,
+                           messages=request.messages, add_special_tokens=request.add_special_tokens,
+                           add_generation_prompt=request.add_generation_prompt,
+                           continue_final_message=request.continue_final_message,
+                           chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
+
+
+def tokenize_result(tokenizer: Tokenizer | None, request: TokenizeRequest, max_model_len: int) -> TokenizeResult:
+    """/tokenize: the prompt's ids (and their vocabulary strings when asked)."""
+    prompt = tokenize_prompt(tokenizer, prompt_text=request.prompt_text, prompt_token_ids=None,
+                             messages=request.messages, add_special_tokens=request.add_special_tokens,
+                             add_generation_prompt=request.add_generation_prompt,
+                             continue_final_message=request.continue_final_message)
+    token_strs = ([token_str(tokenizer, t) for t in prompt.token_ids]
+                  if request.return_token_strs and tokenizer is not None else [])
+    return TokenizeResult(request.request_id, prompt.token_ids, max_model_len, token_strs)
+
+
+def detokenize_job(tokenizer: Tokenizer | None, request: DetokenizeRequest,
+                   vocab_size: int | None) -> Callable[[], str]:
+    """/detokenize: the ids are checked now (InvalidRequestError), the returned job decodes them."""
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer", param="tokens")
+    limit = vocab_size if vocab_size is not None else tokenizer.vocab_size
+    bad = next((t for t in request.token_ids if not 0 <= t < limit), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is out of range [0, {limit})", param="tokens")
+
+    def decode() -> str:
+        try:
+            return tokenizer.decode(request.token_ids, skip_special_tokens=False)
+        except Exception as exc:
+            raise InvalidRequestError(f"cannot decode: {exc}", param="tokens") from exc
+
+    return decode
+
+
+def echo_text(tokenizer: Tokenizer | None, prompt: Prompt) -> str | None:
+    """The prompt's text for echo: as sent, or decoded from its ids (special tokens kept: echo's text must be what
+    its prompt tokens, logprobs.tokens, join to)."""
+    if prompt.text is not None or tokenizer is None:
+        return prompt.text
+    return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
