@@ -193,3 +193,10 @@ def test_keys_cli_prints_the_key_once(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "pagoda.cli", "keys", "add", str(path), "--tenant", "t",
                           "--weight", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "weight" in bad.stderr
+
+
+def test_the_console_takes_the_operators_key_not_a_tenants(tenant_stack: tuple) -> None:
+    stack, keys, _, _ = tenant_stack
+    url = stack.url + "/console/api/info"
+    assert HTTP.get(url, headers={"Authorization": f"Bearer {keys['one']}"}).status_code == 401
+    assert HTTP.get(url, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
