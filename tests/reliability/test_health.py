@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from pagoda.services.scheduler.health import (
@@ -22,6 +23,7 @@ from pagoda.services.scheduler.health import (
 from pagoda.services.scheduler.service import SchedulerService, _columns_agree
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.messages import (
+    AbortRequest,
     AddRequest,
     Heartbeat,
     ModelInfo,
@@ -33,6 +35,7 @@ from pagoda.shared.messages import (
     SchedulerToWorker,
     StepPlan,
     StepResult,
+    StopSequence,
     TokenDeltas,
     TokenizerHello,
     TokenizerToScheduler,
@@ -145,3 +148,26 @@ def test_a_late_tokenizer_comes_back_a_stranger_does_not(service: SchedulerServi
     assert any(isinstance(m, ModelInfo) for _, m in _to_tokenizers(service))
     service._on_tokenizer_frames([stranger, encode(Heartbeat("stranger"))])
     assert stranger not in service.tokenizers  # registration still takes a hello
+
+
+def test_a_peer_is_honoured_only_for_what_it_owns(service: SchedulerService) -> None:
+    """Aborts and stop strings from a tokenizer that does not own the request are dropped; its EOS ids stop only
+    its own requests; parameters past the bounds (n = 2**31) fail that request alone, with a 400."""
+    send = Codec(TokenizerToScheduler).encode
+    service._on_tokenizer_frames([b"tok0", send(TokenizerHello("tok0", 1))])
+    service._on_tokenizer_frames([b"evil", send(TokenizerHello("evil", 2, eos_token_ids=[9]))])
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    service._on_tokenizer_frames([b"tok0", send(AddRequest("mine", [5, 6, 7], params))])
+    service._on_tokenizer_frames([b"evil", send(AddRequest("huge", [5], msgspec.structs.replace(params, n=2**31)))])
+    for forged in (AbortRequest("mine"), StopSequence("mine", 0)):
+        service._on_tokenizer_frames([b"evil", send(forged)])
+    assert set(service.scheduler.requests) == {"mine"}  # type: ignore[union-attr]
+    refused = [m for identity, m in _to_tokenizers(service) if isinstance(m, RequestFailed)]
+    assert [(m.request_id, m.status, m.param) for m in refused] == [("huge", 400, "n")]
+    service._maybe_step()
+    [plan] = [p for p in map(Codec(SchedulerToWorker).decode, service.plans.sent)  # type: ignore[attr-defined]
+              if isinstance(p, StepPlan)]
+    service._on_result(StepResult(plan.step_id, plan.seq_ids, [9]))  # "evil"'s EOS: no stop for tok0's request
+    assert "mine" in service.scheduler.requests  # type: ignore[union-attr]
+    service._on_tokenizer_frames([b"tok0", send(AbortRequest("mine"))])  # the owner's abort counts
+    assert not service.scheduler.requests  # type: ignore[union-attr]
