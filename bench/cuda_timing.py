@@ -30,3 +30,26 @@ def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 5)
     return sorted(times)[len(times) // 2]
+
+
+_L2_FLUSH: list[torch.Tensor] = []
+
+
+def flushed_time_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> float:
+    """Median CUDA-event time of one call of `fn` after `warmup` calls, L2 wiped before each timed call (an H200's
+    50 MB L2 would otherwise hold a small weight or cache between calls and flatter it)."""
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        _L2_FLUSH[0].zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

@@ -16,32 +16,16 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.cuda_timing import flushed_time_ms
+
 # llama3-8b: (name, N, K) of each linear layer
 LLAMA3_8B_GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 TOKEN_COUNTS = (1, 16, 256, 8192)
 
 
-_L2_FLUSH: list[torch.Tensor] = []
-
-
 def _time_ms(fn: Any, iters: int = 50) -> float:
-    """Median of CUDA-event timings after warm-up, each of one call after wiping L2 (the H200's 50 MB L2 would
-    otherwise hold a 25 MB fp8 weight between calls and flatter it)."""
-    if not _L2_FLUSH:
-        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        _L2_FLUSH[0].zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median time of one call, L2 wiped before each (a 25 MB fp8 weight would otherwise stay in the H200's L2)."""
+    return flushed_time_ms(fn, iters)
 
 
 def _gemm_row(name: str, m: int, w: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_bq: torch.Tensor,

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.cuda_timing import flushed_time_ms
+
 PEAK_BYTES_PER_S = 4.2e12  # measured HBM bandwidth of an H200 (DESIGN.md)
 PEAK_FLOPS = 780e12  # measured dense bf16 matmul rate of an H200
 
@@ -45,7 +47,6 @@ class Dims:
 
 
 SMOKE_DIMS = Dims(num_heads=4, lat=32, rope=16, nope=16, v_dim=16, block_size=8)
-_L2_FLUSH: list[torch.Tensor] = []
 
 
 def _time_us(fn: Any, device: str, iters: int) -> float:
@@ -56,21 +57,7 @@ def _time_us(fn: Any, device: str, iters: int) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - start) / iters * 1e6
-    if not _L2_FLUSH:
-        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        _L2_FLUSH[0].zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return flushed_time_ms(fn, iters, warmup=3) * 1e3
 
 
 def _paged_cache(dims: Dims, seq_lens: list[int], dtype: torch.dtype, device: str,

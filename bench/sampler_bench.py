@@ -5,7 +5,9 @@
 
 The new path reads bf16 logits (what the LM head hands over), the old one fp32 (it upcast first anyway).
 Settings: greedy; "sampled" (temperature 0.8, top_p 0.9, top_k 50, presence 0.5, frequency 0.2, seed);
-top_p 0.9 only. Each row has 512 prompt and 256 output tokens. Times are ms per step (CUDA events on GPU,
+top_p 0.9 only; "openai" (temperature 0.7, top_p 0.95, no top_k); "mixed" (rows cycle through greedy, openai,
+T 0.8 + top_k 50 + top_p 0.9, T 1.0 + min_p 0.05: bench/workload.py's MIXED; the old sampler has no per-row
+mix, so its column is empty). Each row has 512 prompt and 256 output tokens. Times are ms per step (CUDA events on GPU,
 perf_counter on CPU), medians over --iters after warm-up; "new" includes building the step's metadata from
 the state (a gather by row ids), "old" is the sampler call alone on prebuilt metadata (its host-side padded
 arrays were built every step in the worker and are not counted). Bytes: the [B, V] fp32 passes the new path
@@ -15,28 +17,36 @@ makes (an estimate: reads plus writes of full rows), and the bandwidth they impl
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagoda.bench import sampler_v0 as old
+from pagoda.bench.workload import MIXED, OPENAI
 from pagoda.services.worker.sampler import sample
 from pagoda.services.worker.sampling_state import SamplingState
 from pagoda.shared.messages import NewRequest, SamplingParams
 
 PROMPT_LEN, OUTPUT_LEN = 512, 256
-SETTINGS: dict[str, dict] = {
+SETTINGS: dict[str, dict | tuple[dict, ...]] = {  # a tuple: row i takes entry i % len
     "greedy": dict(temperature=0.0),
     "sampled": dict(temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.5, frequency_penalty=0.2),
     "top_p": dict(temperature=1.0, top_p=0.9),
+    "openai": dict(OPENAI),
+    "mixed": MIXED,
 }
 # full [B, V] passes of the new path in units of one fp32 row read (bf16 logits read = 0.5), per setting:
 # greedy: the argmax reads bf16; sampled: bf16 logits + int32 counts in, fp32 out (the threshold and the draw
-# read only the groups holding the top k); top_p alone: group maxima, then 1 + 8 whole-row passes of the search
-NEW_PASSES = {"greedy": 0.5, "sampled": 0.5 + 1 + 1, "top_p": 0.5 + 9 * 0.5}
+# read only the groups holding the top k); top_p alone: the draw, then one rejection round over every row (later
+# rounds read the few undecided rows); mixed: the fused pass (group maxima), the draw and the round for its rows
+NEW_PASSES = {"greedy": 0.5, "sampled": 0.5 + 1 + 1, "top_p": 0.5 + 0.5, "openai": 0.5 + 0.5,
+              "mixed": 0.5 + 0.5 * 0.75 + 0.5 * 0.25}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -62,11 +72,17 @@ def tokens(batch: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, vocab, size=(batch, PROMPT_LEN + OUTPUT_LEN))  # [B, P + O]
 
 
-def new_step(batch: int, vocab: int, params: dict, device: torch.device) -> Callable[[torch.Tensor], object]:
+def row_params(params: dict | tuple[dict, ...], row: int) -> dict:
+    return params[row % len(params)] if isinstance(params, tuple) else params
+
+
+def new_step(batch: int, vocab: int, params: dict | tuple[dict, ...],
+             device: torch.device) -> Callable[[torch.Tensor], object]:
     state = SamplingState(batch, vocab, device, eos_token_ids=[0])
     ids = tokens(batch, vocab)
     state.admit([(row, NewRequest(seq_id=row, token_ids=ids[row].tolist(), num_prompt_tokens=PROMPT_LEN, block_ids=[],
-                                  num_computed_tokens=0, sampling=SamplingParams(**params), seed=1234 + row))
+                                  num_computed_tokens=0, sampling=SamplingParams(**row_params(params, row)),
+                                  seed=1234 + row))
                  for row in range(batch)])
     rows = np.arange(batch)
     return lambda logits: sample(logits, state.metadata(rows))
@@ -97,31 +113,43 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 128256])
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--profile", action="store_true", help="also a per-kernel breakdown of the new path (CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, B={args.batch}")
     header = ("V", "setting", "old ms", "new ms", "speedup", "new GB", "new GB/s", "same")
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 8, 8, 8, 8, 7, 9, 5), strict=True)))
+    results: list[dict] = []
     for vocab in args.vocab:
         torch.manual_seed(0)
         logits = torch.randn(args.batch, vocab, device=device) * 3  # [B, V] fp32: the old sampler's input
         model_logits = logits.to(torch.bfloat16)  # [B, V]: the new one reads what the LM head hands over
         for name in args.settings:
             params = SETTINGS[name]
-            old_fn, new_fn = old_step(args.batch, vocab, params, device), new_step(args.batch, vocab, params, device)
-            old_ms = time_ms(lambda: old_fn(logits), device, args.iters)  # noqa: B023
+            new_fn = new_step(args.batch, vocab, params, device)
             new_ms = time_ms(lambda: new_fn(model_logits), device, args.iters)  # noqa: B023
-            # same seed, offset and processing: the old and new draws agree up to float rounding (and bf16's)
-            same = (old_fn(logits).token_ids == new_fn(model_logits).token_ids).float().mean().item()
             gb = NEW_PASSES[name] * args.batch * vocab * 4 / 1e9
-            print(f"{vocab:>7} {name:>8} {old_ms:>8.3f} {new_ms:>8.3f} {old_ms / new_ms:>7.1f}x {gb:>7.2f} "
-                  f"{gb / new_ms * 1e3:>9.0f} {same:>5.2f}")
+            old_text = f"{'-':>8} {'-':>8}"
+            same_text = "-"
+            if isinstance(params, dict):  # the old sampler takes one setting for the whole batch
+                old_fn = old_step(args.batch, vocab, params, device)
+                old_ms = time_ms(lambda: old_fn(logits), device, args.iters)  # noqa: B023
+                old_text = f"{old_ms:>8.3f} {old_ms / new_ms:>7.1f}x"
+                # same seed, offset and processing: the old and new draws agree up to float rounding (and bf16's)
+                same = (old_fn(logits).token_ids == new_fn(model_logits).token_ids).float().mean().item()
+                same_text = f"{same:.2f}"
+            print(f"{vocab:>7} {name:>8} {old_text[:8]} {new_ms:>8.3f} {old_text[9:]} {gb:>7.2f} "
+                  f"{gb / new_ms * 1e3:>9.0f} {same_text:>5}")
+            results.append({"vocab": vocab, "setting": name, "new_ms": new_ms})
             if args.profile and device.type == "cuda":
                 from pagoda.bench.decode_profile import kernel_breakdown, print_breakdown
                 print_breakdown(f"new path, {name}, V={vocab}, bf16 logits in",
                                 kernel_breakdown(lambda: new_fn(model_logits)), top=12)  # noqa: B023
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "sampler_bench.json").write_text(json.dumps(
+            {"device": str(device), "batch": args.batch, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

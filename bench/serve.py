@@ -16,6 +16,7 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -117,9 +118,12 @@ async def _watch_console(session: aiohttp.ClientSession, url: str, headers: dict
 
 async def run_level(url: str, model: str, prompts: list[Any], output_len: int, concurrency: int | None,
                     rate: float | None, headers: dict[str, str], seed: int,
-                    sampling: dict[str, Any] | None = None, console: bool = False) -> dict[str, Any]:
+                    sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
+                    console: bool = False) -> dict[str, Any]:
     """Send every prompt, at most `concurrency` at once, or arriving as a Poisson process at `rate`/s; with
-    `console`, one console page's traffic runs alongside."""
+    `console`, one console page's traffic runs alongside. sampling: the body fields of every request, or a list
+    with one entry per prompt."""
+    per_prompt = sampling if isinstance(sampling, list) else [sampling or {"temperature": 0.0}] * len(prompts)
     limit = asyncio.Semaphore(concurrency or len(prompts))
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -127,14 +131,14 @@ async def run_level(url: str, model: str, prompts: list[Any], output_len: int, c
         watch = ConsoleWatch()
         watcher = asyncio.create_task(_watch_console(session, url, headers, watch)) if console else None
 
-        async def limited(prompt: Any) -> RequestRecord:
+        async def limited(prompt: Any, fields: dict[str, Any]) -> RequestRecord:
             async with limit:
-                return await _one(session, url, model, prompt, output_len, headers, sampling or {"temperature": 0.0})
+                return await _one(session, url, model, prompt, output_len, headers, fields)
 
         start = time.perf_counter()
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for prompt, fields in zip(prompts, per_prompt, strict=True):
+            tasks.append(asyncio.create_task(limited(prompt, fields)))
             if rate:
                 await asyncio.sleep(rng.expovariate(rate))  # the arrival process itself, not synchronisation
         records = await asyncio.gather(*tasks)
@@ -206,6 +210,9 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 def main(args: argparse.Namespace) -> int:
     workload = _workload(args)
+    if workload.sampling == "beam":
+        print("beam search is not streamed: run the beam4 workload with bench/throughput.py", file=sys.stderr)
+        return 2
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels: list[tuple[int | None, float | None]] = [(int(c), None) for c in args.concurrency.split(",") if c]
     levels += [(None, float(r)) for r in (args.request_rate or "").split(",") if r]
@@ -219,7 +226,9 @@ def main(args: argparse.Namespace) -> int:
         prompts = Workload(**{**workload.to_dict(), "num_prompts": count}).prompts(args.vocab_size, offset)
         offset += count
         result = asyncio.run(run_level(args.url, args.model, prompts, workload.output_len, concurrency, rate,
-                                       headers, args.seed, workload.sampling_kwargs(), args.console))
+                                       headers, args.seed,
+                                       [workload.sampling_kwargs(offset - count + i) for i in range(count)],
+                                       args.console))
         results.append(result)
         _print_row(result)
     best = best_rate(results, args.slo_ttft_ms, args.slo_itl_ms)

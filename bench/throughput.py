@@ -96,21 +96,31 @@ def roofline_seconds(arch: Any, workload: Workload, dtype_bytes: int = 2) -> dic
 
 def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any],
                latency_prompt_len: int = 0) -> dict[str, Any]:
-    from pagoda import LLM, SamplingParams
+    from pagoda import LLM
 
     load_start = time.perf_counter()
     llm = LLM(model, load_format=load_format, **engine_args)
     load_s = time.perf_counter() - load_start
+    return measure_pagoda(llm, workload, load_s, latency_prompt_len)
+
+
+def measure_pagoda(llm: Any, workload: Workload, load_s: float = 0.0, latency_prompt_len: int = 0) -> dict[str, Any]:
+    """One workload on an engine already loaded (bench/decoding.py runs several in one process): a warm-up on
+    fresh prompts of the same sampling kinds, then the timed run."""
+    from pagoda import SamplingParams
+
     runner = llm.engine.runner
     prompts = workload.prompts(runner.arch.vocab_size)
-    params = SamplingParams(max_tokens=workload.output_len, ignore_eos=True, **workload.sampling_kwargs())
+    params = [SamplingParams(max_tokens=workload.output_len, ignore_eos=True, **workload.sampling_kwargs(i))
+              for i in range(len(prompts))]
     # warm-up on the timed run's own sampling path: the first sampled mixed step of a process took 180 ms (H200,
     # qwen3-0.6b) against 34-42 ms for the next ones (one-time allocations or compiles; not pinned down)
     # Fresh short prompts (another seed): the timed prompts must not sit in the prefix cache (a one-prompt workload
-    # was otherwise wholly cached by its own warm-up).
-    warm = replace(workload, seed=workload.seed + 1, num_prompts=2, input_len=min(workload.input_len, 512),
+    # was otherwise wholly cached by its own warm-up); four, so every kind of a mixed workload runs.
+    warm = replace(workload, seed=workload.seed + 1, num_prompts=4, input_len=min(workload.input_len, 512),
                    shared_prefix_len=0).prompts(runner.arch.vocab_size)
-    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True, **workload.sampling_kwargs()))
+    llm.generate(warm, [SamplingParams(max_tokens=4, ignore_eos=True, **workload.sampling_kwargs(i))
+                        for i in range(len(warm))])
     steps_before = llm.engine.scheduler.stats.num_steps
     timer = None
     if getattr(runner.device, "type", "cpu") == "cuda":

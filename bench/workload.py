@@ -10,8 +10,14 @@ Named presets cover what users send, not only the greedy reference (issue 10):
 | shared-prefix | 256 x (2048 + 64) -> 128                  | greedy; one 2048-token prefix for every prompt   |
 | long          | 16 x 16384 -> 128 (llama3-8b: 16 x 7936)  | greedy                                           |
 | n4            | 64 x 512 -> 256, n=4                      | T 0.8, seed                                      |
+| openai        | 256 x 512 -> 256                          | T 0.7, top_p 0.95, no top_k (what OpenAI-style   |
+|               |                                           | clients send)                                    |
+| mixed         | 256 x 512 -> 256                          | a quarter each: greedy; T 0.7 + top_p 0.95;      |
+|               |                                           | T 0.8 + top_k 50 + top_p 0.9; T 1.0 + min_p 0.05 |
 | long-128k     | 1 x 130816 -> 256                         | greedy; needs a 128k-context shape               |
 | long-32k      | 4 x 32512 -> 256                          | greedy                                           |
+| beam4         | 64 x 512 -> 128, 4 returned               | beam search, width 4 (not streamed: offline only)|
+| n4-128        | 64 x 512 -> 128, n=4                      | T 0.8, seed (beam4's sampled counterpart)        |
 
 EOS is ignored everywhere, so every request produces exactly its output length.
 """
@@ -25,6 +31,12 @@ from typing import Any
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 SAMPLED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "presence_penalty": 0.5,
                            "frequency_penalty": 0.2, "seed": 1234}
+OPENAI: dict[str, Any] = {"temperature": 0.7, "top_p": 0.95}
+MIXED: tuple[dict[str, Any], ...] = (GREEDY, OPENAI, {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+                                     {"temperature": 1.0, "min_p": 0.05})  # request i takes MIXED[i % 4]
+BEAM: dict[str, Any] = {"use_beam_search": True, "temperature": 0.0}  # best_of = n = the workload's n
+SAMPLINGS: dict[str, tuple[dict[str, Any], ...]] = {"greedy": (GREEDY,), "sampled": (SAMPLED,), "openai": (OPENAI,),
+                                                    "mixed": MIXED, "beam": (BEAM,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +48,7 @@ class Workload:
     seed: int = 0
     shared_prefix_len: int = 0  # tokens every prompt starts with (one system prompt for all)
     n: int = 1  # completions per prompt
-    sampling: str = "greedy"  # "greedy" or "sampled" (the SAMPLED settings)
+    sampling: str = "greedy"  # a SAMPLINGS name: "greedy", "sampled", "openai" or "mixed" (per request)
 
     def prompts(self, vocab_size: int, offset: int = 0) -> list[list[int]]:
         """Token ids away from the ends of the vocabulary, where special tokens usually sit. `offset` skips that
@@ -51,9 +63,15 @@ class Workload:
             prompts.append(prefix + [rng.randrange(low, high) for _ in range(length)])
         return prompts[offset:]
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams / OpenAI body fields for this workload, besides max_tokens and ignore_eos."""
-        kwargs = dict(SAMPLED if self.sampling == "sampled" else GREEDY)
+    def sampling_kwargs(self, index: int = 0) -> dict[str, Any]:
+        """SamplingParams / OpenAI body fields of request `index` of this workload, besides max_tokens and
+        ignore_eos (only "mixed" differs between requests)."""
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"unknown sampling {self.sampling!r} (known: {', '.join(SAMPLINGS)})")
+        kinds = SAMPLINGS[self.sampling]
+        kwargs = dict(kinds[index % len(kinds)])
+        if self.sampling == "beam":
+            return {**kwargs, "best_of": self.n, "n": self.n}
         if self.n > 1:
             kwargs["n"] = self.n
             kwargs.setdefault("seed", 1234)
@@ -71,6 +89,10 @@ PRESETS: dict[str, Workload] = {
     "shared-prefix": Workload(num_prompts=256, input_len=64, output_len=128, shared_prefix_len=2048),
     "long": Workload(num_prompts=16, input_len=16384, output_len=128),
     "n4": Workload(num_prompts=64, input_len=512, output_len=256, n=4),  # n > 1: T 0.8 + seed (sampling_kwargs)
+    "beam4": Workload(num_prompts=64, input_len=512, output_len=128, n=4, sampling="beam"),
+    "n4-128": Workload(num_prompts=64, input_len=512, output_len=128, n=4),
+    "openai": Workload(sampling="openai"),
+    "mixed": Workload(sampling="mixed"),
     # 128k and 32k contexts less the outputs (prompt + 256 outputs = 131,072 / 32,768 positions)
     "long-128k": Workload(num_prompts=1, input_len=131072 - 256, output_len=256),
     "long-32k": Workload(num_prompts=4, input_len=32768 - 256, output_len=256),

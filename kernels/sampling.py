@@ -27,8 +27,7 @@ ARGMAX_SPLIT = 8192  # vocab ids per program of the Gumbel argmax: B * V / 8192 
 TOP_P_BLOCK = 1024
 TOP_P_PIVOT_BLOCK = 256  # ids per step of the whole-row pivot passes: [256, 16] running sums stay in registers
 TOP_P_PIVOTS = 16  # thresholds tried per pass of the top-p search: 32 key bits in 8 passes
-TOP_P_PASSES = 8  # 17^8 > 2^32: the search interval shrinks >= 17x a pass
-TOP_P_SPLIT = 8192  # vocab ids per program of the whole-row top-p passes
+NUCLEUS_ROUNDS = 4  # rejection rounds of the top-p draw before the exact per-row fallback (see gumbel_argmax)
 TOP_K_GROUP = 64  # ids per group: the row's k largest values lie in the k groups with the largest maxima
 TOP_K_MAX = 256  # beyond this (or for short rows), torch.topk over the whole row
 
@@ -313,17 +312,21 @@ def _search(src_ptr, num, lo, hi, target, row_max, temperature, BLOCK: tl.conste
 
 
 @triton.jit(do_not_specialize=["vocab_size", "num_cand"])
-def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand, use_cand_ptr,
-                             temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr,
-                             BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """One program per row with top-k candidates: one pass over the row for its max and the mass above the
-    k-th logit, then the search over the K candidates (every token above the k-th logit is one of them,
-    so the masses above it are exact). Other rows get `lower` back."""
+def _top_p_row_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_c, num_cand, use_cand_ptr,
+                      temperature_ptr, top_p_ptr, lower_ptr, threshold_ptr, HAS_CAND: tl.constexpr,
+                      FULL_ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One program per row: one pass over the row for its max and the mass above `lower`, then the search over
+    the row's K top-k candidates (every token above the k-th logit is one of them, so the masses above it are
+    exact) or, for a row without them and FULL_ROWS, over the whole row. Other rows get `lower` back. Off the
+    sampler's hot path: rows without top-k draw by rejection (_nucleus_*_kernel) and never need the threshold."""
     b = tl.program_id(0).to(tl.int64)
     lower = tl.load(lower_ptr + b)
     top_p = tl.load(top_p_ptr + b)
     threshold = lower
-    if (top_p < 1.0) & (tl.load(use_cand_ptr + b) != 0):
+    use_cand = False
+    if HAS_CAND:
+        use_cand = tl.load(use_cand_ptr + b) != 0
+    if (top_p < 1.0) & (use_cand | FULL_ROWS):
         temperature = tl.load(temperature_ptr + b)
         temperature = tl.where(temperature == 0.0, 1.0, temperature)
         row = logits_ptr + b * stride_l
@@ -338,8 +341,12 @@ def _top_p_candidates_kernel(logits_ptr, stride_l, vocab_size, cand_ptr, stride_
             lane_max = new_max
         row_max = tl.max(lane_max, axis=0)
         total = tl.sum(lane_sum * tl.exp((lane_max - row_max) / temperature), axis=0)
-        key = _search(cand_ptr + b * stride_c, num_cand, _float_key(lower).to(tl.int64),
-                      _float_key(row_max).to(tl.int64), top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
+        lo, hi = _float_key(lower).to(tl.int64), _float_key(row_max).to(tl.int64)
+        if use_cand:
+            key = _search(cand_ptr + b * stride_c, num_cand, lo, hi, top_p * total, row_max, temperature, BLOCK,
+                          NUM_PIVOTS)
+        else:
+            key = _search(row, vocab_size, lo, hi, top_p * total, row_max, temperature, BLOCK, NUM_PIVOTS)
         threshold = _key_float(key.to(tl.int32))
     tl.store(threshold_ptr + b, threshold)
 
@@ -447,125 +454,37 @@ def _gathered_gumbel_kernel(gathered_ptr, num_gathered, chosen_ptr, num_chosen, 
     tl.store(token_ptr + b, tl.where(index == 2147483647, 0, index).to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["vocab_size"])
-def _row_stats_kernel(logits_ptr, stride_l, vocab_size, lower_ptr, temperature_ptr, part_max_ptr, part_sum_ptr,
-                      num_splits, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (row, split of the vocab): the max logit and sum of exp((x - max) / T) over x >= lower."""
-    b = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    lower = tl.load(lower_ptr + b)
-    temperature = tl.load(temperature_ptr + b)
-    temperature = tl.where(temperature == 0.0, 1.0, temperature)
-    row = logits_ptr + b * stride_l
-    lane_max = tl.full([BLOCK], -1.0e30, tl.float32)
-    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    first = split * SPLIT
-    for start in range(first, first + SPLIT, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-        x = tl.where(x >= lower, x, float("-inf"))
-        new_max = tl.maximum(lane_max, x)
-        lane_sum = lane_sum * tl.exp((lane_max - new_max) / temperature) + tl.exp((x - new_max) / temperature)
-        lane_max = new_max
-    split_max = tl.max(lane_max, axis=0)
-    tl.store(part_max_ptr + b * num_splits + split, split_max)
-    tl.store(part_sum_ptr + b * num_splits + split, tl.sum(lane_sum * tl.exp((lane_max - split_max) / temperature),
-                                                           axis=0))
-
-
-@triton.jit(do_not_specialize=["vocab_size"])
-def _pivot_mass_kernel(logits_ptr, stride_l, vocab_size, pivots_ptr, row_max_ptr, temperature_ptr, mass_ptr,
-                       num_splits, SPLIT: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """Per (row, split): the mass above each of the row's NUM_PIVOTS key pivots, into mass[b, split, :]."""
-    b = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    temperature = tl.load(temperature_ptr + b)
-    temperature = tl.where(temperature == 0.0, 1.0, temperature)
-    pivots = tl.load(pivots_ptr + b * NUM_PIVOTS + tl.arange(0, NUM_PIVOTS))  # [NUM_PIVOTS] int64
-    first = split * SPLIT
-    mass = _mass_at(logits_ptr + b * stride_l + first, tl.minimum(vocab_size - first, SPLIT), pivots,
-                    tl.load(row_max_ptr + b), temperature, BLOCK, NUM_PIVOTS)
-    tl.store(mass_ptr + (b * num_splits + split) * NUM_PIVOTS + tl.arange(0, NUM_PIVOTS), mass)
-
-
-def float_keys(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> int64 keys ordered as the floats (_float_key on the host side)."""
-    bits = torch.where(x == 0.0, 0.0, x).view(torch.int32)
-    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
-
-
-def key_floats(key: torch.Tensor) -> torch.Tensor:
-    bits = key.to(torch.int32)
-    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).view(torch.float32)
-
-
-def _split_search(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  lower: torch.Tensor) -> torch.Tensor:
-    """The top-p search over whole rows, each pass spread over (row, vocab split) programs: one stats pass
-    then 8 passes of 16 pivots (17^8 > 2^32 keys); the few [B, 16] updates in between stay on the device."""
-    num_rows, vocab_size = logits.shape
-    device = logits.device
-    num_splits = triton.cdiv(vocab_size, TOP_P_SPLIT)
-    part_max = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
-    part_sum = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
-    grid = (num_rows, num_splits)
-    _row_stats_kernel[grid](logits, logits.stride(0), vocab_size, lower, temperature, part_max, part_sum, num_splits,
-                            SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_BLOCK)
-    row_max = part_max.amax(dim=1)  # [B]
-    safe_t = torch.where(temperature == 0.0, 1.0, temperature)  # [B]
-    total = (part_sum * torch.exp((part_max - row_max[:, None]) / safe_t[:, None])).sum(dim=1)  # [B]
-    target = (top_p * total)[:, None]  # [B, 1]
-    lo, hi = float_keys(lower), float_keys(row_max)  # [B] int64 each
-    steps = torch.arange(1, TOP_P_PIVOTS + 1, device=device)  # [P]
-    mass = torch.empty((num_rows, num_splits, TOP_P_PIVOTS), dtype=torch.float32, device=device)  # [B, S, P]
-    for _ in range(TOP_P_PASSES):
-        step = torch.clamp((hi - lo + TOP_P_PIVOTS) // (TOP_P_PIVOTS + 1), min=1)  # [B]
-        pivots = torch.minimum(lo[:, None] + steps[None, :] * step[:, None], hi[:, None]).contiguous()  # [B, P]
-        _pivot_mass_kernel[grid](logits, logits.stride(0), vocab_size, pivots, row_max, temperature, mass,
-                                 num_splits, SPLIT=TOP_P_SPLIT, BLOCK=TOP_P_PIVOT_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS)
-        ok = mass.sum(dim=1) >= target  # [B, P]
-        lo = torch.maximum(lo, torch.where(ok, pivots, lo[:, None]).amax(dim=1))  # [B]
-        hi = torch.minimum(hi, torch.where(ok, hi[:, None], pivots - 1).amin(dim=1))  # [B]
-    return key_floats(lo)  # [B]
-
-
 def top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor,
                     candidates: torch.Tensor | None = None, use_candidates: torch.Tensor | None = None,
                     search_full_rows: bool = True) -> torch.Tensor:
     """Per-row top-p threshold [B] fp32 on logits [B, V] (fp32, or bf16 / fp16 read as fp32), over the tokens with
     logit >= lower [B] (the top-k threshold, or -inf), with reference.truncation_thresholds' rule. candidates
     [B, K] fp32 hold each row's K largest logits (descending; torch.topk): rows flagged in use_candidates [B] bool
-    search those, with the mass above `lower` summed over the whole row; the others search their whole row,
-    unless search_full_rows is False (the caller knows no row with top_p < 1 lacks candidates). Rows with
-    top_p >= 1 get `lower` back. (With k <= TOP_K_MAX, group_thresholds does the top-k rows' work instead.)"""
+    search those, with the mass above `lower` summed over the whole row; the others search their whole row in one
+    program each, unless search_full_rows is False. Rows with top_p >= 1 get `lower` back. The sampler uses it
+    for top-k past TOP_K_MAX only (group_thresholds does smaller k; rows without top-k draw by rejection)."""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     device = logits.device
     for name, t in (("temperature", temperature), ("top_p", top_p), ("lower", lower)):
         _check_rows(name, t, num_rows, torch.float32, device)
+    has_cand = candidates is not None and use_candidates is not None
     if candidates is not None:
         if (candidates.dim() != 2 or candidates.shape[0] != num_rows or candidates.dtype != torch.float32
                 or candidates.stride(1) != 1 or candidates.device != device):
             raise ValueError(f"candidates must be [{num_rows}, K] fp32, got {tuple(candidates.shape)} "
                              f"{candidates.dtype}")
         _check_rows("use_candidates", use_candidates, num_rows, torch.bool, device)
-    if num_rows == 0:
+    if num_rows == 0 or not (has_cand or search_full_rows):
         return lower.clone()
-    if candidates is None or use_candidates is None:
-        threshold = lower
-    else:
-        threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
-        _top_p_candidates_kernel[(num_rows,)](
-            logits, logits.stride(0), vocab_size, candidates, candidates.stride(0), candidates.shape[1],
-            use_candidates, temperature, top_p, lower, threshold, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS,
-            num_warps=8)
-    if candidates is not None and not search_full_rows:
-        return threshold
-    full = _split_search(logits, temperature, top_p, lower)  # [B]
-    searched = top_p < 1.0  # [B]
-    if use_candidates is not None and candidates is not None:
-        searched &= ~use_candidates
-    return torch.where(searched, full, threshold)  # [B]
+    threshold = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
+    cand = candidates if candidates is not None and has_cand else lower
+    _top_p_row_kernel[(num_rows,)](
+        logits, logits.stride(0), vocab_size, cand, cand.stride(0) if has_cand else 0,
+        cand.shape[1] if has_cand else 0, use_candidates if has_cand else lower, temperature, top_p, lower,
+        threshold, HAS_CAND=has_cand, FULL_ROWS=search_full_rows, BLOCK=TOP_P_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS,
+        num_warps=8)
+    return threshold
 
 
 def group_thresholds(candidates: TopCandidates, group_max: torch.Tensor, group_ties: torch.Tensor,
@@ -673,14 +592,33 @@ def row_top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Gumbel-max: noise from the (seed, offset, id) hash in registers, threshold mask, running argmax
+# Gumbel-max: noise from the (seed, offset, id) hash in registers, threshold mask, running argmax.
+#
+# Top-p without top-k draws by rejection, exactly under reference.truncation_thresholds' rule: a row keeps
+# {x >= t*}, and id i is kept iff the mass of {x > x_i} is below top_p of the row's mass (ties at t* all kept).
+# The draw over {x > lo} (lo = -inf at first) gives a candidate; kept, it is the draw over the kept set (same
+# noise, and the kept set lies inside {x > lo}); rejected, t* > x_candidate, and the next round draws over
+# {x > x_candidate}. A candidate is rejected with probability below (1 - top_p) / top_p; rows still undecided
+# after NUCLEUS_ROUNDS (~(1 - top_p)^R of them) search t* exactly, one program each. No round reads a row that
+# is decided or has no top-p, and rounds are one launch each with no host sync.
+
+
+@triton.jit
+def _gumbel_score(x, cols, key, temperature):
+    """x / T + Gumbel noise of ids `cols` under the row's key: reference.gumbel_argmax's score."""
+    bits = _mix32(key ^ (cols.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
+    u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE  # (0, 1), exact as in the reference
+    return x / temperature - tl.log(-tl.log(u))
 
 
 @triton.jit(do_not_specialize=["vocab_size"])
 def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, threshold_ptr, seeds_ptr,
                           offsets_ptr, greedy_ptr, best_value_ptr, best_index_ptr, num_splits, rows_ptr,
+                          nucleus_ptr, part_max_ptr, part_sum_ptr,
                           HAS_THRESHOLD: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_ROWS: tl.constexpr,
-                          SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                          NUCLEUS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, split): the best score and its id; for top-p rows (NUCLEUS) also the split's largest logit and
+    its mass sum(exp((x - max) / T)) over every id (top-p's total)."""
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if HAS_ROWS:
@@ -689,6 +627,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
     greedy = False
     if HAS_GREEDY:
         greedy = tl.load(greedy_ptr + b) != 0
+    in_nucleus = False
+    if NUCLEUS:
+        in_nucleus = tl.load(nucleus_ptr + b) != 0
     temperature = tl.load(temperature_ptr + b)
     temperature = tl.where(temperature == 0.0, 1.0, temperature)
     threshold = float("-inf")
@@ -698,19 +639,25 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
     row = logits_ptr + b * stride_l
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
+    split_max = tl.full((), -1.0e30, tl.float32)
+    split_sum = tl.zeros((), dtype=tl.float32)
     first = split * SPLIT
     for start in range(first, first + SPLIT, BLOCK):
         cols = start + tl.arange(0, BLOCK)  # [BLOCK]
         in_vocab = cols < vocab_size
         x = tl.load(row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(x, axis=0)
         if greedy:
             score = x
-        elif tl.max(x, axis=0) >= threshold:
-            bits = _mix32(key ^ (cols.to(tl.uint32) * tl.full((), GOLDEN32, tl.uint32)))
-            u = ((bits >> 8) | 1).to(tl.float32) * UNIFORM_SCALE  # (0, 1), exact as in the reference
-            score = tl.where(x >= threshold, x / temperature - tl.log(-tl.log(u)), float("-inf"))
+        elif block_max >= threshold:
+            score = tl.where(x >= threshold, _gumbel_score(x, cols, key, temperature), float("-inf"))
         else:  # every id of the block is truncated away (most blocks under top-k): no noise to draw
             score = tl.full([BLOCK], float("-inf"), tl.float32)
+        if in_nucleus:  # one exp an id, rescaled once a block
+            new_max = tl.maximum(split_max, block_max)
+            split_sum = split_sum * tl.exp((split_max - new_max) / temperature) \
+                + tl.sum(tl.exp((x - new_max) / temperature), axis=0)
+            split_max = new_max
         score = tl.where(in_vocab, score, float("-inf"))
         better = score > best  # strict: a lane keeps its first maximum
         best = tl.where(better, score, best)
@@ -720,13 +667,153 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
     index = tl.where(index == 2147483647, first, index)  # all -inf: the split's first id, like torch.argmax
     tl.store(best_value_ptr + b * num_splits + split, top)
     tl.store(best_index_ptr + b * num_splits + split, index)
+    if NUCLEUS:
+        tl.store(part_max_ptr + b * num_splits + split, split_max)
+        tl.store(part_sum_ptr + b * num_splits + split, split_sum)
+
+
+@triton.jit
+def _nucleus_decide(b, prev, row, vocab_size, num_rows, num_splits, temperature, top_p, in_nucleus, part_max_ptr,
+                    score_ptr, index_ptr, mass_ptr, active_ptr, cand_ptr, lo_ptr, row_max_ptr, target_ptr,
+                    SPLITS: tl.constexpr):
+    """A top-p row's state after round `prev`'s per-split results (round 0: the first draw and the split masses):
+    (undecided, candidate id, its logit, lo, row max, mass target). Round prev >= 1 held the mass above the
+    candidate of round prev - 1 and the draw above it: below the target, that candidate is the answer;
+    otherwise the draw is the next candidate and the rejected one's logit the new lo."""
+    splits = tl.arange(0, SPLITS)
+    valid = splits < num_splits
+    base = (prev * num_rows + b) * num_splits
+    scores = tl.load(score_ptr + base + splits, mask=valid, other=float("-inf"))
+    indices = tl.load(index_ptr + base + splits, mask=valid, other=2147483647)
+    top = tl.max(scores, axis=0)
+    best = tl.min(tl.where(valid & (scores == top), indices, 2147483647), axis=0)  # first split: smallest id
+    masses = tl.load(mass_ptr + base + splits, mask=valid, other=0.0)
+    if prev == 0:
+        maxima = tl.load(part_max_ptr + b * num_splits + splits, mask=valid, other=-1.0e30)
+        row_max = tl.max(maxima, axis=0)
+        total = tl.sum(masses * tl.exp((maxima - row_max) / temperature), axis=0)
+        target = top_p * total
+        active = in_nucleus & (top_p < 1.0) & (total > 0.0)
+        cand = best
+        lo = tl.full((), float("-inf"), tl.float32)
+    else:
+        slot = (prev - 1) * num_rows + b
+        row_max = tl.load(row_max_ptr + b)
+        target = tl.load(target_ptr + b)
+        was_active = tl.load(active_ptr + slot) != 0
+        prev_cand = tl.load(cand_ptr + slot)
+        active = was_active & (tl.sum(masses, axis=0) >= target)  # the candidate is below t*
+        cand = tl.where(active, best, prev_cand)
+        prev_value = tl.load(row + tl.minimum(tl.maximum(prev_cand, 0), vocab_size - 1)).to(tl.float32)
+        lo = tl.where(active, prev_value, tl.load(lo_ptr + slot))
+    cand = tl.minimum(tl.maximum(cand, 0), vocab_size - 1)  # a row drawn elsewhere holds no valid id here
+    value = tl.load(row + cand).to(tl.float32)
+    return active, cand, value, lo, row_max, target
+
+
+@triton.jit(do_not_specialize=["vocab_size", "num_rows", "num_splits", "prev"])
+def _nucleus_round_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, threshold_ptr, seeds_ptr, offsets_ptr,
+                          top_p_ptr, nucleus_ptr, part_max_ptr, score_ptr, index_ptr, mass_ptr, active_ptr,
+                          cand_ptr, lo_ptr, row_max_ptr, target_ptr, num_rows, num_splits, prev,
+                          HAS_THRESHOLD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                          SPLITS: tl.constexpr):
+    """Round prev + 1, one program per (row, split): every program of a row decides round prev the same way
+    (split 0 writes it down for the next round); an undecided row's programs then sum their split's mass above
+    the candidate's logit and draw over the ids above it (the next candidate, should this one be rejected)."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    if tl.load(nucleus_ptr + b) == 0:
+        return
+    temperature = tl.load(temperature_ptr + b)  # top-p rows are never greedy: T > 0
+    row = logits_ptr + b * stride_l
+    active, cand, value, lo, row_max, target = _nucleus_decide(
+        b, prev, row, vocab_size, num_rows, num_splits, temperature, tl.load(top_p_ptr + b), True, part_max_ptr,
+        score_ptr, index_ptr, mass_ptr, active_ptr, cand_ptr, lo_ptr, row_max_ptr, target_ptr, SPLITS)
+    if split == 0:
+        slot = prev * num_rows + b
+        tl.store(active_ptr + slot, active.to(tl.int8))
+        tl.store(cand_ptr + slot, cand)
+        tl.store(lo_ptr + slot, lo)
+        if prev == 0:
+            tl.store(row_max_ptr + b, row_max)
+            tl.store(target_ptr + b, target)
+    if active:
+        threshold = float("-inf")
+        if HAS_THRESHOLD:
+            threshold = tl.load(threshold_ptr + b)
+        key = _row_key(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b))
+        mass = tl.zeros([BLOCK], dtype=tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_index = tl.full([BLOCK], 2147483647, tl.int32)
+        first = split * SPLIT
+        for start in range(first, first + SPLIT, BLOCK):
+            cols = start + tl.arange(0, BLOCK)  # [BLOCK]
+            x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            if tl.max(x, axis=0) > value:  # blocks wholly at or below the candidate add nothing
+                above = x > value
+                mass += tl.where(above, tl.exp((x - row_max) / temperature), 0.0)
+                score = tl.where(above & (x >= threshold), _gumbel_score(x, cols, key, temperature), float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                best_index = tl.where(better, cols, best_index)
+        top = tl.max(best, axis=0)
+        index = tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
+        out = ((prev + 1) * num_rows + b) * num_splits + split
+        tl.store(score_ptr + out, top)
+        tl.store(index_ptr + out, tl.where(index == 2147483647, first, index))
+        tl.store(mass_ptr + out, tl.sum(mass, axis=0))
+
+
+@triton.jit(do_not_specialize=["vocab_size", "num_rows", "num_splits", "num_rounds"])
+def _nucleus_final_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, threshold_ptr, seeds_ptr, offsets_ptr,
+                          top_p_ptr, nucleus_ptr, part_max_ptr, score_ptr, index_ptr, mass_ptr, active_ptr,
+                          cand_ptr, lo_ptr, row_max_ptr, target_ptr, token_ptr, num_rows, num_splits, num_rounds,
+                          HAS_THRESHOLD: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                          DRAW_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One program per row: the token. Other rows: round 0's draw. Top-p rows: the last round decided; a row
+    still undecided searches t* over (lo, row max] (every key there down to t* has mass >= the target) and
+    draws over {x >= max(t*, threshold)}."""
+    b = tl.program_id(0).to(tl.int64)
+    in_nucleus = tl.load(nucleus_ptr + b) != 0
+    temperature = tl.load(temperature_ptr + b)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    row = logits_ptr + b * stride_l
+    prev = tl.where(in_nucleus, num_rounds, 0)
+    active, token, value, lo, row_max, target = _nucleus_decide(
+        b, prev, row, vocab_size, num_rows, num_splits, temperature, tl.load(top_p_ptr + b), in_nucleus,
+        part_max_ptr, score_ptr, index_ptr, mass_ptr, active_ptr, cand_ptr, lo_ptr, row_max_ptr, target_ptr,
+        SPLITS)
+    if active:
+        lo_key = _float_key(lo).to(tl.int64)
+        lo_key = tl.where(lo == float("-inf"), lo_key, lo_key + 1)
+        t_key = _search(row, vocab_size, lo_key, _float_key(row_max).to(tl.int64), target, row_max, temperature,
+                        BLOCK, NUM_PIVOTS)
+        threshold = _key_float(t_key.to(tl.int32))
+        if HAS_THRESHOLD:
+            threshold = tl.maximum(threshold, tl.load(threshold_ptr + b))
+        key = _row_key(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b))
+        best = tl.full([DRAW_BLOCK], float("-inf"), tl.float32)
+        best_index = tl.full([DRAW_BLOCK], 2147483647, tl.int32)
+        for start in range(0, vocab_size, DRAW_BLOCK):
+            cols = start + tl.arange(0, DRAW_BLOCK)
+            x = tl.load(row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            score = tl.where(x >= threshold, _gumbel_score(x, cols, key, temperature), float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            best_index = tl.where(better, cols, best_index)
+        top = tl.max(best, axis=0)
+        token = tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
+    tl.store(token_ptr + b, token.to(tl.int64))
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
                   seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor | None,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
+                  rows: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                  nucleus: torch.Tensor | None = None) -> torch.Tensor:
     """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64. rows [B] bool: only those rows
-    are drawn (the others' ids are left unspecified, for the caller to replace)."""
+    are drawn (the others' ids are left unspecified, for the caller to replace). nucleus [B] bool (or int64 0/1)
+    with top_p [B] fp32: rows (drawn, never greedy) whose kept set is also cut by top-p over the whole row (no
+    top-k), as reference.truncation_thresholds then max with `threshold`: drawn by rejection (see above)."""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -738,16 +825,49 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     if not 0 < vocab_size < 2**31:
         raise ValueError(f"vocab size {vocab_size} out of range")
     _check_rows("rows", rows, num_rows, torch.bool, device)
-    num_splits = triton.cdiv(vocab_size, ARGMAX_SPLIT)
-    best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
-    best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=device)  # [B, S]
+    _check_rows("top_p", top_p, num_rows, torch.float32, device)
+    if nucleus is not None:  # bool, or int64 0/1 (the sampling state's packed upload)
+        _check_rows("nucleus", nucleus, num_rows, nucleus.dtype if nucleus.dtype == torch.int64 else torch.bool,
+                    device)
+    if (top_p is None) != (nucleus is None):
+        raise ValueError("top_p and nucleus come together")
     if num_rows == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
+    num_splits = triton.cdiv(vocab_size, ARGMAX_SPLIT)
+    rounds = NUCLEUS_ROUNDS if nucleus is not None else 0
+    best_value = torch.empty((rounds + 1, num_rows, num_splits), dtype=torch.float32, device=device)  # [R+1, B, S]
+    best_index = torch.empty((rounds + 1, num_rows, num_splits), dtype=torch.int32, device=device)  # [R+1, B, S]
+    mass = part_max = best_value
+    if nucleus is not None:
+        mass = torch.empty((rounds + 1, num_rows, num_splits), dtype=torch.float32, device=device)  # [R+1, B, S]
+        part_max = torch.empty((num_rows, num_splits), dtype=torch.float32, device=device)  # [B, S]
+    dummy = temperature
     _gumbel_argmax_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), vocab_size, temperature, threshold if threshold is not None else temperature,
-        seeds, offsets, greedy if greedy is not None else temperature, best_value, best_index, num_splits,
-        rows if rows is not None else temperature, HAS_THRESHOLD=threshold is not None,
-        HAS_GREEDY=greedy is not None, HAS_ROWS=rows is not None, SPLIT=ARGMAX_SPLIT, BLOCK=ARGMAX_BLOCK)
-    # the first split holding the maximum has its smallest id (splits ascend): torch.argmax's tie rule
-    winner = best_value.argmax(dim=1, keepdim=True)  # [B, 1]
-    return best_index.gather(1, winner).squeeze(1).long()  # [B]
+        logits, logits.stride(0), vocab_size, temperature, threshold if threshold is not None else dummy,
+        seeds, offsets, greedy if greedy is not None else dummy, best_value, best_index, num_splits,
+        rows if rows is not None else dummy, nucleus if nucleus is not None else dummy, part_max, mass,
+        HAS_THRESHOLD=threshold is not None, HAS_GREEDY=greedy is not None, HAS_ROWS=rows is not None,
+        NUCLEUS=nucleus is not None, SPLIT=ARGMAX_SPLIT, BLOCK=ARGMAX_BLOCK)
+    if nucleus is None or top_p is None:
+        # the first split holding the maximum has its smallest id (splits ascend): torch.argmax's tie rule
+        winner = best_value[0].argmax(dim=1, keepdim=True)  # [B, 1]
+        return best_index[0].gather(1, winner).squeeze(1).long()  # [B]
+    slots = max(rounds, 1)
+    active = torch.empty((slots, num_rows), dtype=torch.int8, device=device)  # [R, B]
+    cand = torch.empty((slots, num_rows), dtype=torch.int32, device=device)  # [R, B]
+    lo = torch.empty((slots, num_rows), dtype=torch.float32, device=device)  # [R, B]
+    row_max = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
+    target = torch.empty(num_rows, dtype=torch.float32, device=device)  # [B]
+    common = (logits, logits.stride(0), vocab_size, temperature, threshold if threshold is not None else dummy,
+              seeds, offsets, top_p, nucleus, part_max, best_value, best_index, mass, active, cand, lo, row_max,
+              target)
+    splits = triton.next_power_of_2(num_splits)
+    for prev in range(rounds):
+        _nucleus_round_kernel[(num_rows, num_splits)](
+            *common, num_rows, num_splits, prev, HAS_THRESHOLD=threshold is not None, SPLIT=ARGMAX_SPLIT,
+            BLOCK=ARGMAX_BLOCK, SPLITS=splits)
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)  # [B]
+    _nucleus_final_kernel[(num_rows,)](
+        *common, token_ids, num_rows, num_splits, rounds, HAS_THRESHOLD=threshold is not None, SPLITS=splits,
+        BLOCK=TOP_P_PIVOT_BLOCK, DRAW_BLOCK=ARGMAX_BLOCK, NUM_PIVOTS=TOP_P_PIVOTS, num_warps=8)
+    return token_ids

@@ -10,18 +10,18 @@ from pagoda.shared.messages import SamplingParams, StructuredOutputs
 StructuredOutputsParams = StructuredOutputs  # vLLM's name for the same thing
 
 if TYPE_CHECKING:
-    from pagoda.llm import LLM
+    from pagoda.llm import LLM, BeamSearchParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
            "PagodaError", "InvalidRequestError", "ContextLengthError",
            "ModelNotFoundError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch; the api process imports pagoda.* and must not load it.
-    if name == "LLM":
-        from pagoda.llm import LLM
+    if name in ("LLM", "BeamSearchParams"):
+        from pagoda import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)

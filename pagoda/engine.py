@@ -24,7 +24,15 @@ from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
-from pagoda.shared.messages import FinishReason, PromptScores, SamplingParams, StepResult, StructuredOutputs
+from pagoda.shared.messages import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    PromptScores,
+    SamplingParams,
+    StepResult,
+    StructuredOutputs,
+    resolve_vocabulary,
+)
 from pagoda.shared.shapes import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -48,7 +56,7 @@ class LLMEngine:
             num_blocks=self.runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(device),
             max_model_len=self.runner.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos_ids,
-            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+            enable_prefix_caching=config.enable_prefix_caching,
             max_inflight_plans=config.resolved_max_inflight_plans(device))
         self.pipeline = PlanPipeline(self.scheduler)
         self._outputs: dict[str, RequestOutput] = {}
@@ -73,6 +81,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         params.validate()  # before the prompt is encoded: a bad value fails cheaply
+        params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
         token_ids = self.encode_prompt(prompt)
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)
@@ -87,7 +96,7 @@ class LLMEngine:
                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
                      for i in range(params.n)],
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        for seq in request.sequences:
+        for seq in request.sequences[:params.n]:  # a beam search's other beams return nothing
             self._streams[seq.seq_id] = TextStream(self.tokenizer, token_ids, params)
         return request_id
 
@@ -104,7 +113,7 @@ class LLMEngine:
         output = self._outputs.get(request_id)
         if request is None or output is None:
             return
-        for seq in request.sequences:
+        for seq in request.sequences[:len(output.outputs)]:
             self._streams.pop(seq.seq_id, None)
             completion = output.outputs[seq.index]
             if completion.finish_reason is None:
@@ -125,7 +134,7 @@ class LLMEngine:
         """Run the step loop one turn (schedule -> launch -> finish -> update); return what each advanced
         completion gained. With async scheduling the next step is already running when this returns."""
         try:
-            done = run_step(self.pipeline, self.runner.launch, self.runner.finish)
+            done = run_step(self.pipeline, self.runner.launch, self._finish_step)
         except BaseException:
             self._drop_inflight()
             raise
@@ -142,6 +151,12 @@ class LLMEngine:
                 self._add_prompt_scores(self._outputs[update.seq.request.request_id], update.prompt_scores)
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
+
+    def _finish_step(self) -> StepResult:
+        """The oldest step's result; then a step deferred for grammar masks samples (ModelRunner.resume)."""
+        result = self.runner.finish()
+        self.runner.resume()
+        return result
 
     def _drop_inflight(self) -> None:
         """After a failure: no launched step's result will be applied; their sequences end (aborted)."""
@@ -163,6 +178,8 @@ class LLMEngine:
         completion = output.outputs[seq.index]
         new_tokens = [update.token_id] if update.has_token else []  # none: max_tokens=0 ends after the prompt
         completion.token_ids += new_tokens
+        if update.score is not None:  # a beam search hypothesis, whole
+            completion.score, completion.cumulative_logprob = update.score, update.cumulative_logprob
         output.num_cached_tokens = seq.request.sequences[0].num_cached_tokens
         if completion.logprobs is not None and result.sampled_logprobs and update.has_token:
             row = update.result_index

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine import LLMEngine, is_model_reference
@@ -14,6 +15,41 @@ from pagoda.shared.shapes import SHAPES
 
 Prompt = str | list[int]
 Message = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams, plus transformers' early_stopping (True, False or "never")."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # 0 or 1: the model's log-probabilities; else log_softmax(logits / T)
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(use_beam_search=True, best_of=self.beam_width, n=self.beam_width,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, temperature=self.temperature,
+                              length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+                              stop_token_ids=list(self.stop_token_ids))
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished hypothesis: the prompt and generated tokens (vLLM's layout), the generated text."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / generated_len ** length_penalty: the ranking
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
 
 
 class LLM:
@@ -62,6 +98,19 @@ class LLM:
             for conversation in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params)
 
+    def beam_search(self, prompts: Prompt | dict[str, Any] | Sequence[Prompt | dict[str, Any]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search in the engine (the beams of every prompt batched together, sharing KV blocks): each
+        prompt's beam_width best hypotheses. Prompts may also be vLLM's {"prompt": ...} or
+        {"prompt_token_ids": [...]} dicts."""
+        if isinstance(prompts, dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            given = [prompts] if isinstance(prompts, dict) else list(prompts)
+            prompts = [_dict_prompt(p) for p in given]  # type: ignore[arg-type]
+        outputs = self.generate(prompts, params.sampling_params())  # type: ignore[arg-type]
+        return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text,
+                                                     c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason)
+                                  for c in output.outputs]) for output in outputs]
+
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Generate one prompt, yielding text as it is produced (the demo and tests use it)."""
         engine = self.engine
@@ -87,6 +136,14 @@ class LLM:
                 self.engine.pop_output(request_id)
             raise
         return request_ids
+
+
+def _dict_prompt(prompt: dict[str, Any]) -> Prompt:
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -34,7 +34,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: safetensors from the folder; dummy: random weights for a shape
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when present, else cpu
-    seed: int = 0  # dummy weights and the default sampling seeds derive from it
+    seed: int = 0  # dummy weights derive from it (a request without a seed draws fresh randomness)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: a fraction of device memory
@@ -162,6 +162,7 @@ class ServerConfig:
     api_keys_file: str | None = None  # tenants: hashed API keys with quotas (services/api/tenants.py)
     usage_log: str | None = None  # a JSON line per finished generation request (tenant, tokens, times), appended
     cluster_key_dir: str | None = None  # CURVE key pair for tcp:// sockets (shared/transport.py); None: plain
+    max_logprobs: int = 20  # most logprobs / top_logprobs / prompt_logprobs a request may ask (vLLM's); -1: no bound
     console: bool = True  # the browser console at / (playground, live view, request inspector)
     console_show_prompts: bool = False  # the request inspector shows prompt text (off: only counts and times)
     console_max_requests: int = 200  # finished requests the inspector keeps (per api process)
@@ -183,6 +184,8 @@ class ServerConfig:
             raise ConfigError("port must be in 1..65535", param="port")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
+        if self.max_logprobs < -1:
+            raise ConfigError("max_logprobs must be -1 (the whole vocabulary) or >= 0", param="max_logprobs")
         for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", param=name)
@@ -309,6 +312,8 @@ _HELP: dict[str, str] = {
                        "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints; "
                        "'none': plain tcp on purpose)",
     "usage_log": "append one JSON line per finished generation request (tenant, request id, tokens, times) here",
+    "max_logprobs": "the most logprobs (completions), top_logprobs (chat) or prompt_logprobs a request may ask; "
+                    "-1 allows the whole vocabulary, which requests then ask with -1 (vLLM's --max-logprobs)",
     "console": "no browser console at / (playground, live view, request inspector; docs/console.md)",
     "console_show_prompts": "the console's request inspector shows prompt text (default: counts and times only)",
     "console_max_requests": "finished requests the console's request inspector keeps, per api process",

@@ -20,6 +20,9 @@ MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the 
 MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
 MAX_CHOICES = 1024
+GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids entries (more than any vocabulary)
+WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), resolved where the vocabulary is known
 
 
 class FinishReason(IntEnum):
@@ -94,24 +97,37 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
-    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (all but the first)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k; -1: all
+    prompt_logprobs: int | None = None  # None: none; k >= 0 (or -1: all): each prompt token's logprob (not the first)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (a grammar's token mask)
+    # beam search (vLLM's fields): best_of beams (default n), the n best finished hypotheses returned, ranked by
+    # sum(logprobs) / generated_len ** length_penalty with transformers' early_stopping (True, False, "never")
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    allowed_token_ids: list[int] = []  # non-empty: only these ids may be sampled (vLLM's allowed_token_ids)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def beam_width(self) -> int:
+        """Beams of a beam search request (0: not one)."""
+        return (self.best_of if self.best_of is not None else self.n) if self.use_beam_search else 0
 
     @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    def validate(self) -> SamplingParams:
-        """Check every field; return self so calls can chain."""
+    def validate(self, max_logprobs: int = MAX_TOP_LOGPROBS) -> SamplingParams:
+        """Check every field; return self so calls can chain. `max_logprobs` bounds logprobs and prompt_logprobs
+        (vLLM's --max-logprobs; -1: no bound); their -1 (the whole vocabulary) is checked by `resolve_vocabulary`."""
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}]")
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
                "temperature must be a finite number >= 0")
@@ -140,12 +156,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
                and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers in [0, {MAX_INT32}]")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int)
-                                         and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-               "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
-               "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check_logprobs(self.logprobs, "logprobs", "sample", max_logprobs)
+        _check_logprobs(self.prompt_logprobs, "prompt_logprobs", "prompt", max_logprobs)
+        _check(len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids),
+               "allowed_token_ids", f"allowed_token_ids must be at most {MAX_ALLOWED_TOKEN_IDS} token ids in "
+                                    f"[0, {MAX_INT32}]")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
         _check(all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.logit_bias), "logit_bias",
@@ -153,7 +169,36 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         self._validate_structured()
+        self._validate_beam_search()
         return self
+
+    def _validate_beam_search(self) -> None:
+        _check(isinstance(self.use_beam_search, bool), "use_beam_search", "use_beam_search must be a boolean")
+        _check(self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool)
+                                        and 1 <= self.best_of <= MAX_N), "best_of",
+               f"best_of must be an integer in [1, {MAX_N}]")
+        _check(_finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number")
+        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+               'early_stopping must be true, false or "never"')
+        if not self.use_beam_search:
+            _check(self.best_of is None or self.best_of == self.n, "best_of",
+                   "best_of other than n needs use_beam_search (every sampled completion is returned)")
+            _check(self.length_penalty == 1.0, "length_penalty", "length_penalty needs use_beam_search")
+            _check(self.early_stopping is False, "early_stopping", "early_stopping needs use_beam_search")
+            return
+        _check(self.n <= self.beam_width, "n", "n must not exceed best_of, the beam width")
+        # beams are ranked by the model's own log-probabilities: whatever would reshape them is refused
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
+                          ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+            value = getattr(self, name)
+            _check(value == off or (name == "top_k" and value == -1), name, f"{name} is not supported with beam search")
+        _check(not self.logit_bias, "logit_bias", "logit_bias is not supported with beam search")
+        _check(not self.allowed_token_ids, "allowed_token_ids", "allowed_token_ids is not supported with beam search")
+        _check(self.logprobs is None and self.prompt_logprobs is None, "logprobs",
+               "logprobs are not supported with beam search")
+        _check(not self.stop, "stop", "stop strings are not supported with beam search; use stop_token_ids")
+        _check(self.structured_outputs is None, "structured_outputs",
+               "structured outputs are not supported with beam search")
 
     def _validate_structured(self) -> None:
         constraint = self.structured_outputs
@@ -165,6 +210,33 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         # A finished grammar only allows EOS: ignoring EOS, or banning it under min_tokens, leaves no token.
         _check(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured outputs")
         _check(self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured outputs")
+
+
+def _check_logprobs(value: int | None, param: str, kind: str, max_logprobs: int) -> None:
+    _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                             and (value >= 0 or value == WHOLE_VOCABULARY)),
+           param, f"`{param}` must be a non-negative integer or -1 (the whole vocabulary)")
+    if value is not None and value > max_logprobs >= 0:
+        raise InvalidRequestError(f"Requested {kind} logprobs of {value}, which is greater than max allowed: "
+                                  f"{max_logprobs} (--max-logprobs)", param=param)
+
+
+def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: int) -> SamplingParams:
+    """Where the vocabulary is known: logprobs of -1 become `vocab_size` (refused past `max_logprobs`, -1: no
+    bound) and allowed_token_ids are checked against it."""
+    changes: dict[str, int] = {}
+    for param, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        if getattr(params, param) == WHOLE_VOCABULARY:
+            if 0 <= max_logprobs < vocab_size:
+                raise InvalidRequestError(f"Requested {kind} logprobs of -1 (the whole vocabulary, {vocab_size}), "
+                                          f"which is greater than max allowed: {max_logprobs} (--max-logprobs)",
+                                          param=param)
+            changes[param] = vocab_size
+    bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})",
+                                  param="allowed_token_ids")
+    return msgspec.structs.replace(params, **changes) if changes else params
 
 
 def _finite(value: object) -> bool:
@@ -195,6 +267,27 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     grammar_hash: str = ""  # set: sampling.structured_outputs travelled once, in a GrammarDef with this hash
 
 
+class BeamGroup(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A beam search request whose beams all sample this step: the worker returns its num_candidates best
+    continuations over [beams x vocabulary], scored score + log_softmax(logits / T)."""
+
+    seq_ids: list[int]  # its live beams, in slot order
+    scores: list[float]  # each beam's cumulative logprob
+    num_candidates: int
+    temperature: float  # 0 or 1: the plain log-probabilities
+
+
+class BeamFork(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defaults=True):
+    """After a beam step: slot seq_id continues the beam of slot parent_seq_id (itself: its own line) with
+    token_id. A slot that changes line (or is new) gets block_ids, its whole new table: the parent's full blocks
+    and its own copy of the parent's last, partial one (StepPlan.block_copies)."""
+
+    seq_id: int
+    parent_seq_id: int
+    token_id: int
+    block_ids: list[int] = []
+
+
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, gc=False, frozen=True):
     """What the worker runs this step.
 
@@ -209,6 +302,9 @@ class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, 
     appended_block_seq_ids: list[int] = []  # with appended_block_ids: (sequence, new block) pairs
     appended_block_ids: list[int] = []
     finished_seq_ids: list[int] = []  # drop their state (finished, aborted or preempted)
+    beam_forks: list[BeamFork] = []  # applied before finished sequences and new ones, before appended blocks
+    block_copies: list[int] = []  # (source, destination) KV block pairs, flattened: copied before the forward
+    beam_groups: list[BeamGroup] = []  # beam searches sampling this step (not in sampled_token_ids)
     seq: int = -1  # place in the scheduler's sequenced stream to the workers (shared/delivery.py); -1: none
 
 
@@ -231,6 +327,7 @@ class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprobs: list[float]
     top_token_ids: list[list[int]]  # [len(token_ids)][k]
     top_logprobs: list[list[float]]
+    ranks: list[int] = []  # each token's rank in its position's distribution (1: the likeliest), as vLLM's
 
 
 class RowFailure(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -240,6 +337,15 @@ class RowFailure(msgspec.Struct, array_like=True, frozen=True, gc=False):
     seq_id: int
     status: int  # 400: its values; 500: the worker failed on it
     message: str
+
+
+class BeamCandidates(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One beam group's best continuations this step, best first."""
+
+    seq_id: int  # the group's first slot
+    token_ids: list[int]
+    parents: list[int]  # index into the group's seq_ids
+    scores: list[float]  # cumulative logprobs
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -254,6 +360,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     error: str = ""
     prompt_scores: list[PromptScores] = []  # requests with prompt_logprobs whose prompt ran this step
     failed: list[RowFailure] = []  # sequences dropped from this step alone (not in seq_ids)
+    beam_candidates: list[BeamCandidates] = []  # one per BeamGroup of the plan that ran
 
 # worker -> scheduler (besides StepResult)
 
@@ -321,6 +428,10 @@ class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     reasoning_parser: str | None = None
     max_calls: int = 0
     first_choice: int = 0  # this prompt's first choice index in the response (prompt index * n)
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
+    prompt_logprobs: bool = False  # the response carries the prompt's logprobs (vLLM's prompt_logprobs field)
+    tokens_as_ids: bool = False  # logprob tokens read "token_id:N" (vLLM's return_tokens_as_token_ids)
+    echo_text: str = ""  # chat echo: this text leads each choice's content (the last message, continued)
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):
@@ -358,11 +469,19 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=Tr
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False  # the tokens' vocabulary strings too (vLLM's /tokenize)
+    tools: list[dict[str, Any]] = []  # chat: tool definitions the template renders, as in generation
+    chat_template_kwargs: dict[str, str | int | float | bool] = {}
 
 
 class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):
     request_id: str
     token_ids: list[int]
+
+
+class TokenizerInfoRequest(msgspec.Struct, array_like=True, tag="tokenizer_info", frozen=True):
+    """/tokenizer_info: the tokenizer's configuration, from the process that loaded it."""
+
+    request_id: str
 
 
 class TokenizerHello(msgspec.Struct, array_like=True, tag="hello", frozen=True):
@@ -388,6 +507,7 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     token_id: int
     logprob: float | None  # None only for a prompt's first token (prompt_logprobs: nothing predicts it)
     bytes: list[int]
+    rank: int = 0  # its rank in the distribution (1: the likeliest); 0: not known (prompt_logprobs give it)
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -460,6 +580,11 @@ class TokenizeResult(msgspec.Struct, array_like=True, tag="tokenized", frozen=Tr
 class DetokenizeResult(msgspec.Struct, array_like=True, tag="detokenized", frozen=True):
     request_id: str
     text: str
+
+
+class TokenizerInfoResult(msgspec.Struct, array_like=True, tag="tokenizer_info_result", frozen=True):
+    request_id: str
+    info: bytes  # a JSON object: the tokenizer's init arguments, its class and chat template (vLLM's shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -643,9 +768,9 @@ class ProcessTable(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 # One union per socket direction; decoders are built once per process from these.
-ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
+ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
 TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
-                  | DetokenizeResult)
+                  | DetokenizeResult | TokenizerInfoResult)
 TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory
 SchedulerToWorker = StepPlan | GrammarDef | Shutdown | Heartbeat  # heartbeats double as subscription probes

@@ -33,7 +33,49 @@ def _fix_interpreter_scalar_index() -> None:
     interpreter._pagoda_scalar_index_fix = True
 
 
+def _skip_nested_lang_patches() -> None:
+    """Triton's interpreter re-patches triton.language (inspect.getmembers over three modules) at every call of a
+    @triton.jit helper inside a kernel, though the launch's own patch of the same modules is in force until the
+    launch ends: a third of the sampling kernels' interpreted time. A helper whose language modules the launch
+    (or an earlier helper of it) patched skips it; others patch as before."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_pagoda_nested_patch_fix", False):
+        return
+    original = interpreter._patch_lang
+    patched: list[object] = []  # language modules patched by the running launch; empty between launches
+
+    def langs_of(fn) -> list[object]:  # noqa: ANN001
+        return [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202 (the interpreter's own signature)
+        langs = langs_of(fn)
+        if patched and all(lang in patched for lang in langs):
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's patch covers this call
+        launching = not patched
+        scope = original(fn)
+        patched.extend(langs)
+        if launching:  # the launch's scope: its restore ends the launch
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_end
+        return scope
+
+    interpreter._patch_lang = patch_lang
+    interpreter._pagoda_nested_patch_fix = True
+
+
 _fix_interpreter_scalar_index()
+_skip_nested_lang_patches()
 
 from pathlib import Path  # noqa: E402
 
@@ -69,8 +111,10 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_dir: Path):  # noqa: ANN201  (an Iterator[tests.harness.Server])
     """`pagoda serve` with SmolLM2 and the default settings, started once for the modules that need nothing
-    else (tests/test_server.py, tests/test_tools.py); none of their tests changes what the others see."""
+    else (tests/test_server.py, tests/test_tools.py, tests/test_vllm_compat.py); none of their tests changes what
+    the others see. One setting differs: --max-logprobs -1 (vLLM's tests also lift it), so that a request may ask
+    for the whole vocabulary's logprobs; requests asking for 20 or fewer are served as with the default."""
     from tests.harness import running_server
 
-    with running_server(smollm2_dir) as server:
+    with running_server(smollm2_dir, "--max-logprobs", "-1") as server:
         yield server

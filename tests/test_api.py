@@ -514,8 +514,13 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"7": "up"}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 2, "stream": True}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 2, "top_p": 0.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "length_penalty": 0.5}, 400, "length_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
+                              "best_of": 2, "n": 3}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),  # past --max-logprobs (vLLM's 20)
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
@@ -616,7 +621,7 @@ def test_retrieve_model(stack: Stack) -> None:
 
 def test_tokenize_and_detokenize(stack: Stack) -> None:
     assert stack.post("/tokenize", {"model": MODEL, "prompt": "a b c"}).json() == \
-        {"tokens": [0, 1, 2], "count": 3, "max_model_len": MAX_MODEL_LEN}
+        {"tokens": [0, 1, 2], "count": 3, "max_model_len": MAX_MODEL_LEN, "token_strs": None}
     chat = stack.post("/tokenize", {"messages": [{"role": "user", "content": "one two"}]}).json()
     assert chat["count"] == 2
     assert stack.post("/detokenize", {"tokens": [1, 2]}).json() == {"prompt": "<1> <2>"}

@@ -79,3 +79,22 @@ def test_dummy_weights_with_a_tokenizer_generate_text(smollm2_dir: Path) -> None
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 6
     assert out.outputs[0].text == llm.engine.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_openai_and_mixed_presets_sample_as_clients_do() -> None:
+    openai = preset("openai").sampling_kwargs()
+    assert openai == {"temperature": 0.7, "top_p": 0.95}  # no top_k, as the OpenAI SDK sends
+    mixed = preset("mixed")
+    kinds = [mixed.sampling_kwargs(i) for i in range(8)]
+    assert kinds[:4] == kinds[4:] and len({str(k) for k in kinds[:4]}) == 4  # a quarter each, cycling
+    assert kinds[0]["temperature"] == 0.0 and kinds[1] == openai
+    assert "top_k" in kinds[2] and "top_p" in kinds[2] and "min_p" in kinds[3]
+    assert preset("reference").sampling_kwargs(3) == {"temperature": 0.0}
+
+
+def test_beam_preset_and_its_sampled_counterpart_share_shapes() -> None:
+    beam, sampled = preset("beam4"), preset("n4-128")
+    assert (beam.num_prompts, beam.input_len, beam.output_len, beam.n) == (64, 512, 128, 4)
+    assert (sampled.num_prompts, sampled.input_len, sampled.output_len, sampled.n) == (64, 512, 128, 4)
+    assert beam.sampling_kwargs() == {"use_beam_search": True, "temperature": 0.0, "best_of": 4, "n": 4}
+    assert sampled.sampling_kwargs()["n"] == 4 and sampled.sampling_kwargs()["temperature"] == 0.8

@@ -322,6 +322,21 @@ def test_return_token_ids_on_both_endpoints(server: Server, offline: LLM) -> Non
     assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == choice["token_ids"]
 
 
+def test_beam_search_on_both_endpoints_matches_the_offline_engine(server: Server, offline: LLM) -> None:
+    """use_beam_search (vLLM's field): the n best beams as choices, best first, as the in-process engine has them."""
+    fields = {"max_tokens": 6, "use_beam_search": True, "best_of": 3, "n": 2, "length_penalty": 0.8}
+    params = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=6, length_penalty=0.8)
+    [expected] = offline.generate([PROMPTS[0]], params)
+    out = httpx.post(server.url + "/v1/completions", json={"model": SERVED, "prompt": PROMPTS[0], **fields},
+                     timeout=60).json()
+    assert [c["text"] for c in out["choices"]] == [c.text for c in expected.outputs]
+    assert out["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in expected.outputs)
+    [chat_expected] = offline.chat(CHAT, params)
+    out = httpx.post(server.url + "/v1/chat/completions", json={"model": SERVED, "messages": CHAT, **fields},
+                     timeout=60).json()
+    assert [c["message"]["content"] for c in out["choices"]] == [c.text for c in chat_expected.outputs]
+
+
 def _sse_json(server: Server, path: str, body: dict[str, object]) -> list[dict]:
     """The JSON chunks of a raw SSE stream, in order, up to [DONE]."""
     chunks = []

@@ -105,7 +105,8 @@ def test_recomputed_sequence_gets_the_same_mask_as_one_that_never_left(ll: llgui
     for token_id in text_ids:
         mask = running.bitmask([8, 7])
         assert mask is not None and mask[0].tolist() == [False, True]  # only row 1 (request 7) is constrained
-        assert mask[1].shape == (2, -(-vocab // 32)) and _allowed(mask[1][1], token_id)
+        assert mask[2].tolist() == [1]  # ... and only its mask is filled (and copied): compact, [K, W]
+        assert mask[1].shape == (1, -(-vocab // 32)) and _allowed(mask[1][0], token_id)
         running.accept([8, 7], [5, token_id])
     # preempted and recomputed: a new NewRequest carries the tokens generated so far
     recomputed = _rows(ll, vocab)
@@ -143,9 +144,10 @@ def test_thread_pool_fills_and_advances_like_one_thread(ll: llguidance.LLTokeniz
         rows.apply(StepPlan(0, [], [], new_requests=[_new(r, [1], [], constraints[r % 3]) for r in seq_ids]))
         steps = []
         for position in range(min(map(len, tokens))):
-            flags, mask = rows.bitmask(seq_ids) or (None, None)
+            flags, mask, index = rows.bitmask(seq_ids) or (None, None, None)
             assert flags is not None and mask is not None and flags.tolist() == [r % 3 != 2 for r in seq_ids]
-            steps.append(mask[flags].clone())
+            assert index is not None and index.tolist() == [r for r in seq_ids if r % 3 != 2]
+            steps.append(mask.clone())
             rows.accept(seq_ids, [t[position] for t in tokens])
         masks.append(torch.stack(steps))
     assert torch.equal(masks[0], masks[1])
@@ -159,6 +161,28 @@ def test_finished_grammar_allows_only_eos(ll: llguidance.LLTokenizer, tokenizer:
     assert mask is not None
     allowed = [t for t in range(tokenizer.vocab_size) if _allowed(mask[1][0], t)]
     assert allowed == [tokenizer.eos_token_id]
+
+
+def test_allowed_token_ids_mask_alone_and_narrowing_a_grammar(ll: llguidance.LLTokenizer,
+                                                              tokenizer: Tokenizer) -> None:
+    """vLLM's allowed_token_ids ride the grammar bitmask: a row with them alone gets exactly those ids; with a
+    grammar, the ids both allow; a row with neither stays unflagged; a finished request's mask is dropped."""
+    yes, no = (tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no"))
+    allowed = [yes, 7, 40000, tokenizer.vocab_size - 1]
+    only = NewRequest(1, [3], 1, [0], 0, SamplingParams(allowed_token_ids=allowed), 0)
+    both = NewRequest(2, [3], 1, [0], 0, SamplingParams(allowed_token_ids=allowed, structured_outputs=StructuredOutputs(
+        choice=["yes", "no"])), 0)
+    rows = _rows(ll, tokenizer.vocab_size)
+    rows.apply(StepPlan(0, [], [], new_requests=[only, both, _new(3, [3], [], None)]))
+    assert rows.constrains([3, 1]) and not rows.constrains([3]) and not rows.has_matchers([1])
+    result = rows.bitmask([1, 2, 3])
+    assert result is not None
+    flags, mask, index = result
+    assert flags.tolist() == [True, True, False] and index.tolist() == [0, 1]  # compact: rows 0 and 1 only
+    assert [t for t in range(tokenizer.vocab_size) if _allowed(mask[0], t)] == sorted(allowed)
+    assert [t for t in range(tokenizer.vocab_size) if _allowed(mask[1], t)] == [yes]  # "no" is not allowed
+    rows.apply(StepPlan(1, [], [], finished_seq_ids=[1, 2]))
+    assert not rows.constrains([1, 2]) and rows.bitmask([1, 2, 3]) is None
 
 
 def test_reasoning_models_are_constrained_after_think(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:

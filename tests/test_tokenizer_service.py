@@ -386,7 +386,8 @@ def test_rendered_requests_get_sse_bytes_and_choice_json(tok: Harness, tokenizer
     assert rows.data[:-1] == [b""] * (len(ids) - 1)  # not streamed: nothing until the choice ends
     choice = msgspec.json.decode(rows.data[-1])
     # a stop token's own text is not part of the output
-    assert choice == {"index": 3, "text": tokenizer.decode(ids[:-1]), "logprobs": None, "finish_reason": "stop"}
+    assert choice == {"index": 3, "text": tokenizer.decode(ids[:-1]), "logprobs": None, "finish_reason": "stop",
+                      "prompt_logprobs": None}  # vLLM's key, null when not asked
 
 
 def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> None:

@@ -14,14 +14,15 @@ from pagoda.services.api.errors import AuthenticationError, RateLimitError, Unsu
 from pagoda.services.api.handlers import DEFAULT_TENANT, TENANT, ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.protocol.render import error_body
+from pagoda.services.protocol.vllm import UNSUPPORTED_ROUTES
 from pagoda.shared.errors import PagodaError
 
 log = logging.getLogger(__name__)
 
 # Large enough for a long prompt as token ids in JSON, small enough that its wire message fits a frame.
 MAX_BODY_BYTES = 32 << 20
-# /health, /metrics and the console's page and scripts stay open; its data needs the key
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", CONSOLE_API_PREFIX)
+# /health, /ping, /version, /load, /metrics and the console's page and scripts stay open; its data needs the key
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", CONSOLE_API_PREFIX)
 RETRY_AFTER_S = "1"
 
 
@@ -39,6 +40,13 @@ def build_app(state: ApiState) -> web.Application:
         web.post("/detokenize", handlers.detokenize),
         web.get("/health", handlers.health),
         web.get("/metrics", handlers.metrics),
+        # vLLM's service routes (docs/vllm-compat.md)
+        web.get("/tokenizer_info", handlers.tokenizer_info),
+        web.get("/version", handlers.version),
+        web.get("/load", handlers.load),
+        web.get("/ping", handlers.ping),
+        web.post("/ping", handlers.ping),
+        web.post("/invocations", handlers.invocations),
     ])
     if state.config.console:
         Console(state, handlers.health_problems).install(app)
@@ -109,8 +117,9 @@ def error_middleware(metrics: ApiMetrics) -> Middleware:
             if isinstance(exc, RateLimitError):
                 response.headers["Retry-After"] = str(exc.retry_after_s)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
-            response = json_response(error_body(f"{exc.reason}: {request.method} {request.path}",
-                                                _error_type(exc.status)), status=exc.status)
+            reason = UNSUPPORTED_ROUTES.get(request.path) if exc.status == 404 else None
+            message = f"{exc.reason}: {request.method} {request.path}" + (f" ({reason})" if reason else "")
+            response = json_response(error_body(message, _error_type(exc.status)), status=exc.status)
             if "Allow" in exc.headers:
                 response.headers["Allow"] = exc.headers["Allow"]
         except Exception:

@@ -91,6 +91,8 @@ class Generation:
             if isinstance(reply, Accepted) and reply.request_id in pending:
                 i = self._prompt_index[reply.request_id]
                 self.num_prompt_tokens[i] = reply.num_prompt_tokens
+                for choice in self.choices[i * self.n:(i + 1) * self.n]:
+                    choice.num_prompt_tokens = reply.num_prompt_tokens
                 self.prompt_texts[i] = reply.prompt_text or ""
                 self.prompt_token_ids[i] = reply.prompt_token_ids
                 self.openings[i] = reply.opening

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -25,14 +26,17 @@ from pagoda.services.protocol.schemas import (
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
+    chat_echo_text,
     chat_messages,
     chat_output_spec,
     chat_request,
     completion_requests,
     decode_body,
     prompt_bytes,
+    tokenize_tools,
 )
 from pagoda.services.protocol.tools import default_tool_parser
+from pagoda.services.protocol.vllm import deprecation_header
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
 from pagoda.shared.messages import (
@@ -44,6 +48,8 @@ from pagoda.shared.messages import (
     RequestFailed,
     TokenizeRequest,
     TokenizeResult,
+    TokenizerInfoRequest,
+    TokenizerInfoResult,
 )
 
 log = logging.getLogger(__name__)
@@ -51,12 +57,27 @@ T = TypeVar("T")
 
 TENANT = "pagoda.tenant"  # request[TENANT]: (key id, Tenant) of the key that authenticated it, or None
 DEFAULT_TENANT = ("default", Tenant("default"))  # the --api-key key beside a keys file: no limits
+
+
+def _headers(deprecated: list[str]) -> dict[str, str]:
+    return {"Warning": deprecation_header(deprecated)} if deprecated else {}
+
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # proxies must pass each event on at once
 
 
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=encode_json(obj), status=status, content_type="application/json")
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=encode_json(obj), status=status, content_type="application/json", headers=headers)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagoda")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = _version()
 
 
 @dataclass(slots=True)
@@ -92,14 +113,17 @@ class Handlers:
                                      "API key may not use it.")
         return self.state.served_model_name
 
-    async def _read(self, request: web.Request, kind: type[T]) -> T:
-        """The body, read within body_read_timeout (a slow client gets 408) and decoded as `kind`."""
+    async def _body(self, request: web.Request) -> bytes:
+        """The body, read within body_read_timeout (a slow client gets 408); aiohttp keeps it for a second read."""
         timeout = self.state.config.body_read_timeout or None
         try:
-            data = await asyncio.wait_for(request.read(), timeout)
+            return await asyncio.wait_for(request.read(), timeout)
         except TimeoutError:
             raise RequestTimeoutError(f"the request body did not arrive within {timeout:g} s") from None
-        body = decode_body(data, kind)
+
+    async def _read(self, request: web.Request, kind: type[T]) -> T:
+        """The body, read within body_read_timeout and decoded as `kind`."""
+        body = decode_body(await self._body(request), kind)
         limit = self.state.config.max_prompt_bytes
         size = prompt_bytes(body)
         if size > limit:
@@ -115,30 +139,34 @@ class Handlers:
         body = await self._read(request, CompletionBody)
         model = self._check_model(body.model, request)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        messages = completion_requests(body, response_id, time.time())
+        messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs)
         spec = RenderSpec(COMPLETION, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=body.logprobs is not None, include_usage=body.include_usage,
-                          echo=bool(body.echo), return_token_ids=bool(body.return_token_ids))
-        return await self._generate(request, messages, spec, started_at)
+                          echo=bool(body.echo), return_token_ids=bool(body.return_token_ids),
+                          continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
+                          tokens_as_ids=bool(body.return_tokens_as_token_ids))
+        return await self._generate(request, messages, spec, started_at, _headers(body.deprecated_fields))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
         body = await self._read(request, ChatBody)
         model = self._check_model(body.model, request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        message = chat_request(body, response_id, time.time())
         config = self.state.config
+        message = chat_request(body, response_id, time.time(), config.max_logprobs)
         output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
                                   config.reasoning_parser)
         spec = RenderSpec(CHAT, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=bool(body.logprobs), include_usage=body.include_usage,
                           return_token_ids=bool(body.return_token_ids), tool_mode=output.tool_mode,
                           tool_parser=output.tool_parser, tool_name=output.tool_name,
-                          reasoning_parser=output.reasoning_parser, max_calls=output.max_calls)
-        return await self._generate(request, [message], spec, started_at)
+                          reasoning_parser=output.reasoning_parser, max_calls=output.max_calls,
+                          continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
+                          tokens_as_ids=bool(body.return_tokens_as_token_ids), echo_text=chat_echo_text(body, message))
+        return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields))
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,
-                        started_at: float) -> web.StreamResponse:
+                        started_at: float, headers: dict[str, str]) -> web.StreamResponse:
         found = request.get(TENANT)
         tenant: Tenant | None = found[1] if found is not None else None
         lease = self._admit(tenant)  # 429 over quota, before any work
@@ -163,12 +191,12 @@ class Handlers:
             try:
                 await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
                 if spec.stream:
-                    response = await self._stream(request, gen)
+                    response = await self._stream(request, gen, headers)
                 else:
                     while not gen.finished:
                         await gen.next_batch()
                     self.state.metrics.e2e.observe(time.monotonic() - started_at)
-                    response = json_response(gen.body())
+                    response = json_response(gen.body(), headers=headers)
                 status = response.status
                 return response
             except Exception as exc:
@@ -220,8 +248,8 @@ class Handlers:
                 "first_token_s": None if first_token_s is None else round(first_token_s, 6),
                 "duration_s": round(now - started_at, 6), "end_time": time.time()})
 
-    async def _stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
-        response = web.StreamResponse(headers=SSE_HEADERS)
+    async def _stream(self, request: web.Request, gen: Generation, headers: dict[str, str]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         try:
             await response.prepare(request)
             try:
@@ -247,7 +275,7 @@ class Handlers:
 
     # ------------------------------------------------------------------ tokenizer utilities
 
-    async def _ask(self, message: TokenizeRequest | DetokenizeRequest) -> Reply:
+    async def _ask(self, message: TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest) -> Reply:
         ticket = self.state.pool.submit([message])
         try:
             reply = await ticket.queue.get()
@@ -270,6 +298,9 @@ class Handlers:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                       param="continue_final_message")
         want_strs = bool(body.return_token_strs)
+        tools = tokenize_tools(body)
+        if body.chat_template_kwargs is not None and body.messages is None:
+            raise InvalidRequestError("chat_template_kwargs needs messages", param="chat_template_kwargs")
         if body.messages is not None:
             messages = chat_messages(body.messages)
             if continue_final and messages[-1].role != "assistant":
@@ -281,7 +312,8 @@ class Handlers:
             message = TokenizeRequest(request_id, messages=messages,
                                       add_special_tokens=bool(body.add_special_tokens),
                                       add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final, return_token_strs=want_strs)
+                                      continue_final_message=continue_final, return_token_strs=want_strs,
+                                      tools=tools, chat_template_kwargs=body.chat_template_kwargs or {})
         else:
             message = TokenizeRequest(request_id, prompt_text=body.prompt,
                                       add_special_tokens=body.add_special_tokens is not False,
@@ -289,11 +321,10 @@ class Handlers:
         reply = await self._ask(message)
         if not isinstance(reply, TokenizeResult):
             raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
-        out: dict[str, Any] = {"tokens": reply.token_ids, "count": len(reply.token_ids),
-                               "max_model_len": reply.max_model_len}
-        if want_strs:
-            out["token_strs"] = reply.token_strs
-        return json_response(out)
+        # vLLM's shape: token_strs is null unless asked (its clients read the key)
+        return json_response({"tokens": reply.token_ids, "count": len(reply.token_ids),
+                              "max_model_len": reply.max_model_len,
+                              "token_strs": reply.token_strs if want_strs else None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._read(request, DetokenizeBody)
@@ -304,6 +335,37 @@ class Handlers:
         if not isinstance(reply, DetokenizeResult):
             raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
         return json_response({"prompt": reply.text})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenizer_info: the tokenizer's configuration, as the tokenizer process loaded it."""
+        reply = await self._ask(TokenizerInfoRequest(f"tokenizer-info-{uuid.uuid4().hex}"))
+        if not isinstance(reply, TokenizerInfoResult):
+            raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")
+        return web.Response(body=reply.info, content_type="application/json")
+
+    # ------------------------------------------------------------------ vLLM's service routes
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": VERSION})
+
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's /load: requests this api process is serving now (vLLM's server_load_metrics)."""
+        return json_response({"server_load": self.state.pool.num_open})
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """SageMaker's health check (vLLM's /ping): /health's answer."""
+        return await self.health(request)
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's one route (vLLM's /invocations): a body with messages is a chat completion, one with a
+        prompt a completion."""
+        body = decode_body(await self._body(request), dict[str, msgspec.Raw])  # the route's handler checks the rest
+        if "messages" in body:
+            return await self.chat_completions(request)
+        if "prompt" in body:
+            return await self.completions(request)
+        raise InvalidRequestError("Cannot find suitable handler for request: /invocations takes a chat completion "
+                                  "(messages) or a completion (prompt)", param="messages")
 
     # ------------------------------------------------------------------ state
 

@@ -33,6 +33,7 @@ from pagoda.shared.messages import (
     TextDeltas,
     TokenizeResult,
     TokenizerHello,
+    TokenizerInfoResult,
     TokenizerToApi,
 )
 from pagoda.shared.transport import Codec, cancel_all, make_socket, receive_forever, split_routed
@@ -49,7 +50,8 @@ class Rows:
 
 
 # What a handler finds in its queue: one reply, or this request's share of a TextDeltas or RenderedRows batch.
-Reply = Accepted | RequestFailed | TokenizeResult | DetokenizeResult | list[TextDelta] | Rows
+Reply = (Accepted | RequestFailed | TokenizeResult | DetokenizeResult | TokenizerInfoResult | list[TextDelta]
+         | Rows)
 
 
 @dataclass(slots=True, eq=False)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChatStreams, whole_message
-from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta
+from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
 
 _encoder = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -39,6 +39,7 @@ class Choice:
     """One completion of the response: choice index = prompt index * n + completion index."""
 
     index: int
+    num_prompt_tokens: int = 0  # its prompt's, for continuous usage stats
     texts: list[str] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     num_tokens: int = 0
@@ -98,23 +99,40 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_logprobs(positions: list[PositionLogprobs], offset: int, end: int | None = None) -> dict[str, Any]:
+def running_usage(choice: Choice) -> dict[str, Any]:
+    """vLLM's continuous_usage_stats: one choice's usage so far, on each of its chunks."""
+    return {"prompt_tokens": choice.num_prompt_tokens, "completion_tokens": choice.num_tokens,
+            "total_tokens": choice.num_prompt_tokens + choice.num_tokens}
+
+
+MIN_LOGPROB = -9999.0  # vLLM's floor for a logprob in JSON (-inf has no JSON form)
+
+
+def _name(token: TokenLogprob, as_ids: bool) -> str:
+    """A logprob entry's token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
+    return f"token_id:{token.token_id}" if as_ids else token.token
+
+
+def completion_logprobs(positions: list[PositionLogprobs], offset: int, end: int | None = None,
+                        as_ids: bool = False) -> dict[str, Any]:
     """The legacy shape; `offset` is where the first token starts in the choice's text. With `end` (the
     length of the text these tokens make), offsets never pass it: a token whose string is not in the text
-    (a special token the text skips) keeps the offsets monotone and inside the text."""
+    (a special token the text skips) keeps the offsets monotone and inside the text. Offsets follow the text
+    also when tokens are named by id (`as_ids`)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float | None] | None] = []
     text_offset: list[int] = []
     for position in positions:
         sampled = position.sampled
-        tokens.append(sampled.token)
+        name = _name(sampled, as_ids)
+        tokens.append(name)
         token_logprobs.append(sampled.logprob)
         if sampled.logprob is None:  # a prompt's first token (echo): nothing before it to score it
             top_logprobs.append(None)
         else:
-            alternatives = {t.token: t.logprob for t in position.top}
-            alternatives.setdefault(sampled.token, sampled.logprob)  # vLLM's convention: the pick is listed
+            alternatives = {_name(t, as_ids): t.logprob for t in position.top}
+            alternatives.setdefault(name, sampled.logprob)  # vLLM's convention: the pick is listed
             top_logprobs.append(alternatives)
         text_offset.append(offset if end is None else min(offset, end))
         offset += len(sampled.token)
@@ -122,11 +140,37 @@ def completion_logprobs(positions: list[PositionLogprobs], offset: int, end: int
             "text_offset": text_offset}
 
 
-def chat_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
-    content = [{"token": p.sampled.token, "logprob": p.sampled.logprob, "bytes": p.sampled.bytes,
-                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in p.top]}
-               for p in positions]
+def chat_logprobs(positions: list[PositionLogprobs], as_ids: bool = False) -> dict[str, Any]:
+    if as_ids:  # vLLM's bytes are then those of the "token_id:N" text
+        content = [{"token": (name := _name(p.sampled, True)), "logprob": p.sampled.logprob,
+                    "bytes": list(name.encode()),
+                    "top_logprobs": [{"token": (alt := _name(t, True)), "logprob": t.logprob,
+                                      "bytes": list(alt.encode())} for t in p.top]}
+                   for p in positions]
+    else:
+        content = [{"token": p.sampled.token, "logprob": p.sampled.logprob, "bytes": p.sampled.bytes,
+                    "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in p.top]}
+                   for p in positions]
     return {"content": content, "refusal": None}
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} holding the prompt's own token (first) and the top k (ranks 1..k)."""
+    out: list[dict[str, Any] | None] = []
+    for position in positions:
+        sampled = position.sampled
+        if sampled.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(sampled.token_id): {"logprob": max(sampled.logprob, MIN_LOGPROB), "rank": sampled.rank or None,
+                                         "decoded_token": sampled.token}}
+        for rank, alt in enumerate(position.top, start=1):
+            entry.setdefault(str(alt.token_id), {"logprob": max(alt.logprob if alt.logprob is not None
+                                                                else MIN_LOGPROB, MIN_LOGPROB),
+                                                 "rank": rank, "decoded_token": alt.token})
+        out.append(entry)
+    return out
 
 
 class Renderer:
@@ -136,13 +180,17 @@ class Renderer:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool,
-                 include_usage: bool, return_token_ids: bool = False) -> None:
+                 include_usage: bool, return_token_ids: bool = False, continuous_usage: bool = False,
+                 prompt_logprobs: bool = False, tokens_as_ids: bool = False) -> None:
         self.response_id = response_id
         self.model = model
         self.created = created
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids  # vLLM's: choices carry token_ids, the prompt's ids come too
+        self.continuous_usage = continuous_usage  # vLLM's: every chunk carries its choice's usage so far
+        self.prompt_logprobs = prompt_logprobs  # vLLM's: the response carries the prompt's scores
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
 
     def _with_ids(self, out: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
         """`out` with the choice's token ids, when asked for or when they are all there is (no tokenizer)."""
@@ -161,12 +209,16 @@ class Renderer:
         """One finished choice of the non-streaming response, as JSON."""
         return encode_json(self._choice(view, choice))
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], choice: Choice | None = None) -> bytes:
         chunk: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
                                  "model": self.model, "choices": choices}
         if self.include_usage:
-            chunk["usage"] = None  # OpenAI's convention: only the final chunk carries usage
+            # OpenAI's convention: only the final chunk carries usage; vLLM's continuous stats: every chunk
+            chunk["usage"] = running_usage(choice) if self.continuous_usage and choice is not None else None
         return sse(chunk)
+
+    def _prompt_logprobs(self, view: ResponseView, choice: Choice) -> list[dict[str, Any] | None] | None:
+        return prompt_logprobs_json(view.prompt_logprobs[choice.index // view.n]) if self.prompt_logprobs else None
 
     def opening(self, view: ResponseView) -> bytes:
         """SSE bytes before the first delta."""
@@ -174,7 +226,7 @@ class Renderer:
 
     def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
         """One chunk per delta that says something (text, logprobs or an end), in one write."""
-        return b"".join(self._chunk([self._with_ids(self._delta_choice(choice, delta), delta.token_ids)])
+        return b"".join(self._chunk([self._with_ids(self._delta_choice(choice, delta), delta.token_ids)], choice)
                         for choice, delta in batch
                         if delta.text or delta.logprobs or delta.token_ids or delta.finish_reason >= 0)
 
@@ -197,9 +249,9 @@ class CompletionRenderer(Renderer):
     chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
-                 echo: bool, return_token_ids: bool = False) -> None:
+                 echo: bool, return_token_ids: bool = False, **vllm: bool) -> None:
         super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
-                         return_token_ids=return_token_ids)
+                         return_token_ids=return_token_ids, **vllm)
         self.echo = echo
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token (streaming)
 
@@ -208,12 +260,16 @@ class CompletionRenderer(Renderer):
 
     def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
         prompt_text = self._prompt_text(view, choice)
-        logprobs = completion_logprobs(choice.logprobs, len(prompt_text)) if self.want_logprobs else None
+        as_ids = self.tokens_as_ids
+        logprobs = completion_logprobs(choice.logprobs, len(prompt_text), as_ids=as_ids) if self.want_logprobs \
+            else None
         if logprobs is not None and self.echo:  # the prompt's tokens first, then the completion's
-            prompt = completion_logprobs(view.prompt_logprobs[choice.index // view.n], 0, len(prompt_text))
+            prompt = completion_logprobs(view.prompt_logprobs[choice.index // view.n], 0, len(prompt_text),
+                                         as_ids=as_ids)
             logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
         out = {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
-               "finish_reason": _finish_name(choice.finish_reason)}
+               "finish_reason": _finish_name(choice.finish_reason),
+               "prompt_logprobs": self._prompt_logprobs(view, choice)}
         if self.return_token_ids:
             out["prompt_token_ids"] = view.prompt_token_ids[choice.index // view.n]
         return self._with_ids(out, choice.token_ids)
@@ -229,14 +285,14 @@ class CompletionRenderer(Renderer):
             if self.return_token_ids:
                 choice["prompt_token_ids"] = view.prompt_token_ids[c.index // view.n]
                 choice["token_ids"] = []
-            out.append(self._chunk([choice]))
+            out.append(self._chunk([choice], c))
         return b"".join(out)
 
     def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
         logprobs = None
         if self.want_logprobs:
             offset = self._offsets.get(choice.index, 0)
-            logprobs = completion_logprobs(delta.logprobs, offset)
+            logprobs = completion_logprobs(delta.logprobs, offset, as_ids=self.tokens_as_ids)
             self._offsets[choice.index] = offset + sum(len(p.sampled.token) for p in delta.logprobs)
         return {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": _finish_name(delta.finish_reason)}
@@ -247,28 +303,44 @@ class ChatRenderer(Renderer):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
-                 output: ChatOutputSpec | None = None, return_token_ids: bool = False) -> None:
+                 output: ChatOutputSpec | None = None, return_token_ids: bool = False, echo_text: str = "",
+                 **vllm: bool) -> None:
         super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
-                         return_token_ids=return_token_ids)
+                         return_token_ids=return_token_ids, **vllm)
         self.output = output if output is not None and output.active else None  # tools / reasoning parsing
         self._streams = ChatStreams(self.output) if self.output is not None else None
+        self.echo_text = echo_text  # vLLM's chat echo: leads each choice's content
 
     def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
-        logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
+        logprobs = chat_logprobs(choice.logprobs, self.tokens_as_ids) if self.want_logprobs else None
         if self.output is not None:
             message, calls_tools = whole_message(self.output, choice.text)
-            return self._with_ids({"index": choice.index, "message": message, "logprobs": logprobs,
-                                   "finish_reason": _tools_finish(choice.finish_reason, calls_tools)},
-                                  choice.token_ids)
-        return self._with_ids({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                               "logprobs": logprobs, "finish_reason": _finish_name(choice.finish_reason)},
-                              choice.token_ids)
+            finish = _tools_finish(choice.finish_reason, calls_tools)
+        else:
+            message, finish = {"role": "assistant", "content": choice.text}, _finish_name(choice.finish_reason)
+        if self.echo_text:
+            message["content"] = self.echo_text + (message.get("content") or "")
+        out = {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        if self.prompt_logprobs and choice.index == 0:  # carried here, moved to the response by body()
+            out["prompt_logprobs"] = self._prompt_logprobs(view, choice)
+        return self._with_ids(out, choice.token_ids)
 
     def body(self, view: ResponseView, usage: dict[str, Any]) -> dict[str, Any]:
         out = super().body(view, usage)
         if self.return_token_ids:
             out["prompt_token_ids"] = view.prompt_token_ids[0]  # one prompt per chat request
+        out["prompt_logprobs"] = self._take_prompt_logprobs(out["choices"]) if self.prompt_logprobs else None
         return out
+
+    @staticmethod
+    def _take_prompt_logprobs(choices: list[Any]) -> Any:
+        """Choice 0 (rendered here or by a tokenizer) carries the prompt's scores; vLLM's response holds them at
+        its top level. Only requests that asked pay this decode."""
+        first = choices[0] if choices else None
+        if isinstance(first, msgspec.Raw):
+            first = msgspec.json.decode(first)
+            choices[0] = first
+        return first.pop("prompt_logprobs", None) if isinstance(first, dict) else None
 
     def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
         if self._streams is None:
@@ -281,7 +353,7 @@ class ChatRenderer(Renderer):
             if delta.finish_reason >= 0:
                 more, calls_tools = stream.finish()
                 parts += more
-            logprobs = chat_logprobs(delta.logprobs) if self.want_logprobs else None
+            logprobs = chat_logprobs(delta.logprobs, self.tokens_as_ids) if self.want_logprobs else None
             if (logprobs is not None or delta.token_ids) and not parts:
                 parts = [{}]
             for i, part in enumerate(parts):
@@ -289,45 +361,50 @@ class ChatRenderer(Renderer):
                 out.append(self._chunk([self._with_ids({"index": choice.index, "delta": part,
                                                         "logprobs": logprobs if first else None,
                                                         "finish_reason": None},
-                                                       delta.token_ids if first else [])]))
+                                                       delta.token_ids if first else [])], choice))
             if delta.finish_reason >= 0:
                 out.append(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                         "finish_reason": _tools_finish(delta.finish_reason, calls_tools)}]))
+                                         "finish_reason": _tools_finish(delta.finish_reason, calls_tools)}], choice))
         return b"".join(out)
 
     def opening(self, view: ResponseView) -> bytes:
-        # Every choice's first chunk carries the role, as OpenAI's do.
+        # Every choice's first chunk carries the role, as OpenAI's do; with echo, its content follows (vLLM's).
         return b"".join(self._opening_chunk(view, c) for c in view.choices)
 
     def _opening_chunk(self, view: ResponseView, choice: Choice) -> bytes:
         out: dict[str, Any] = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}
+        echo = self._chunk([{"index": choice.index, "delta": {"content": self.echo_text}, "logprobs": None,
+                             "finish_reason": None}], choice) if self.echo_text else b""
         if not self.return_token_ids:
-            return self._chunk([out])
+            return self._chunk([out], choice) + echo
         out["token_ids"] = []
         chunk: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
                                  "model": self.model, "choices": [out],
                                  "prompt_token_ids": view.prompt_token_ids[choice.index // view.n]}
         if self.include_usage:
-            chunk["usage"] = None
-        return sse(chunk)
+            chunk["usage"] = running_usage(choice) if self.continuous_usage else None
+        return sse(chunk) + echo
 
     def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
         return {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": chat_logprobs(delta.logprobs) if self.want_logprobs else None,
+                "logprobs": chat_logprobs(delta.logprobs, self.tokens_as_ids) if self.want_logprobs else None,
                 "finish_reason": _finish_name(delta.finish_reason)}
 
 
 def renderer_for(spec: RenderSpec) -> Renderer:
     """The renderer a RenderSpec describes (the api builds the same one for the text path)."""
+    vllm = {"continuous_usage": spec.continuous_usage, "prompt_logprobs": spec.prompt_logprobs,
+            "tokens_as_ids": spec.tokens_as_ids}
     if spec.route == CHAT:
         output = ChatOutputSpec(spec.tool_mode, spec.tool_parser, spec.tool_name, spec.reasoning_parser,
                                 spec.max_calls)
         return ChatRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
-                            include_usage=spec.include_usage, output=output, return_token_ids=spec.return_token_ids)
+                            include_usage=spec.include_usage, output=output, return_token_ids=spec.return_token_ids,
+                            echo_text=spec.echo_text, **vllm)
     return CompletionRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
                               include_usage=spec.include_usage, echo=spec.echo,
-                              return_token_ids=spec.return_token_ids)
+                              return_token_ids=spec.return_token_ids, **vllm)
 
 
 class PromptRenderer:
@@ -337,8 +414,8 @@ class PromptRenderer:
         self.stream = spec.stream
         self.renderer = renderer_for(spec)
         self._prompt = spec.first_choice // n
-        self.view = PromptView(n, [Choice(spec.first_choice + i) for i in range(n)], {self._prompt: prompt_text},
-                               {self._prompt: prompt_token_ids}, {self._prompt: []})
+        self.view = PromptView(n, [Choice(spec.first_choice + i, len(prompt_token_ids)) for i in range(n)],
+                               {self._prompt: prompt_text}, {self._prompt: prompt_token_ids}, {self._prompt: []})
 
     def opening(self) -> bytes:
         return self.renderer.opening(self.view) if self.stream else b""
@@ -350,6 +427,7 @@ class PromptRenderer:
             return b""
         choice = self.view.choices[delta.index]
         if self.stream:
+            choice.num_tokens += delta.num_new_tokens  # continuous usage stats count them
             return self.renderer.chunks([(choice, delta)])
         choice.apply(delta)
         if delta.prompt_logprobs:

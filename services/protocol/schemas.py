@@ -9,10 +9,12 @@ import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec
 from pagoda.services.protocol.tools import named_schema, required_schema
+from pagoda.services.protocol.vllm import DEPRECATED_FIELDS, check_guided_backend, unsupported_reason
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import (
     MAX_INT32,
     MAX_INT64,
+    MAX_TOP_LOGPROBS,
     MIN_INT64,
     ChatMessage,
     GenerateRequest,
@@ -21,8 +23,6 @@ from pagoda.shared.messages import (
     ToolCallMessage,
 )
 
-MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5 alternatives
-MAX_CHAT_TOP_LOGPROBS = 20
 MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused before decoding
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -30,7 +30,8 @@ T = TypeVar("T")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    include_usage: bool | None = None
+    include_usage: bool | None = None  # vLLM's default: true once stream_options is given
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
 
 
 class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -64,6 +65,14 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: int | None = None
     add_special_tokens: bool | None = None
     return_token_ids: bool | None = None  # choices carry token_ids, the response the prompt's (vLLM's)
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens read "token_id:N" (vLLM's)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k (-1: every token)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
+    # beam search, vLLM's fields (services/protocol/schemas._beam_kwargs)
+    use_beam_search: bool | None = None
+    best_of: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
     # structured outputs, vLLM's extensions (response_format is OpenAI's)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -71,10 +80,21 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's, deprecated: names of pagoda's one grammar engine
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        options = self.stream_options
+        return options is not None and options.include_usage is not False
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def deprecated_fields(self) -> list[str]:
+        """vLLM-deprecated fields this body uses (accepted; the response header names them)."""
+        return [name for name in DEPRECATED_FIELDS if getattr(self, name, None) is not None]
 
 
 class CompletionBody(_GenerationBody):
@@ -82,8 +102,6 @@ class CompletionBody(_GenerationBody):
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
 
 
 class MessageBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -108,6 +126,7 @@ class ChatBody(_GenerationBody):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, str | int | float | bool] | None = None
+    echo: bool | None = None  # vLLM's: the reply's content starts with the last message (the one continued)
 
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -118,6 +137,8 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     return_token_strs: bool | None = None
+    tools: list[dict[str, Any]] | None = None  # chat: rendered into the prompt as generation would
+    chat_template_kwargs: dict[str, str | int | float | bool] | None = None
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -177,7 +198,8 @@ def _validation_error(text: str) -> InvalidRequestError:
     if field_match:
         param = f"{path}.{field_match.group(2)}" if path else field_match.group(2)
         if field_match.group(1) == "unknown":
-            return InvalidRequestError(f"Unrecognized request argument supplied: {param}", param=param)
+            return InvalidRequestError(f"Unrecognized request argument supplied: {param}{unsupported_reason(param)}",
+                                       param=param)
         return InvalidRequestError(f"Missing required parameter: {param}", param=param)
     if not path:
         return InvalidRequestError(f"the request body must be a JSON object: {detail}")
@@ -203,6 +225,8 @@ def _common_checks(body: _GenerationBody) -> None:
     _require(not body.store, "store", "store is not supported: nothing is kept after the answer")
     _require(body.stream_options is None or bool(body.stream), "stream_options",
              "stream_options is only allowed when stream is true")
+    _require(body.prompt_logprobs is None or not body.stream, "prompt_logprobs",
+             "`prompt_logprobs` are not available when `stream=True`.")
     _require(body.priority is None or MIN_INT64 <= body.priority <= MAX_INT64, "priority",
              f"priority must be an integer in [{MIN_INT64}, {MAX_INT64}]")
 
@@ -211,15 +235,48 @@ def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
     """SamplingParams fields the client set; the others keep SamplingParams' defaults."""
     names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-             "include_stop_str_in_output")
+             "include_stop_str_in_output", "prompt_logprobs")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     kwargs["stop"] = _stop_list(body.stop)
     if body.logit_bias:
         kwargs["logit_bias"] = _logit_bias(body.logit_bias)
+    if body.allowed_token_ids is not None:
+        _require(len(body.allowed_token_ids) > 0, "allowed_token_ids", "allowed_token_ids must not be empty")
+        kwargs["allowed_token_ids"] = body.allowed_token_ids
+    if body.guided_decoding_backend is not None:
+        check_guided_backend(body.guided_decoding_backend)
     constraint = structured_outputs(body)
     if constraint is not None:
         kwargs["structured_outputs"] = constraint
+    kwargs.update(_beam_kwargs(body))
     return kwargs
+
+
+BEAM_FIELDS = ("use_beam_search", "best_of", "length_penalty", "early_stopping")
+
+
+def beam_search_available() -> bool:
+    """Whether this engine's SamplingParams carry beam search (the decoding-modes work, issue 26)."""
+    return "use_beam_search" in SamplingParams.__struct_fields__
+
+
+def _beam_kwargs(body: _GenerationBody) -> dict[str, Any]:
+    """vLLM's beam-search fields, for SamplingParams to check and the engine to run; until the engine has beam
+    search, only their no-op values pass (best_of = n: every sampled completion is returned)."""
+    given = {name: getattr(body, name) for name in BEAM_FIELDS if getattr(body, name) is not None}
+    if beam_search_available():
+        _require(not (body.use_beam_search and body.stream), "stream",
+                 "beam search is not streamed: its beams change until the search ends")
+        return given
+    _require(not given.get("use_beam_search"), "use_beam_search",
+             "beam search is not available yet in this server: use_beam_search cannot be true")
+    _require(given.get("best_of", body.n or 1) == (body.n or 1), "best_of",
+             "best_of other than n needs beam search, which is not available yet in this server")
+    _require(given.get("length_penalty", 1.0) == 1.0, "length_penalty",
+             "length_penalty needs beam search, which is not available yet in this server")
+    _require(given.get("early_stopping", False) is False, "early_stopping",
+             "early_stopping needs beam search, which is not available yet in this server")
+    return {}
 
 
 _STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object"})
@@ -286,19 +343,16 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def completion_params(body: CompletionBody) -> SamplingParams:
+def completion_params(body: CompletionBody, max_logprobs: int = MAX_TOP_LOGPROBS) -> SamplingParams:
     _common_checks(body)
-    _require(not body.suffix, "suffix", "suffix is not supported")
-    _require(body.best_of is None or body.best_of == (body.n or 1), "best_of",
-             "best_of is not supported unless it equals n")
-    _require(body.logprobs is None or 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS, "logprobs",
-             f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
     scores_prompt = bool(body.echo) and body.logprobs is not None  # echo's logprobs cover the prompt too
     _require(not (scores_prompt and body.stream), "echo",
              "echo together with logprobs is not supported when streaming")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    return SamplingParams(**_sampling_kwargs(body), max_tokens=max_tokens, logprobs=body.logprobs,
-                          prompt_logprobs=body.logprobs if scores_prompt else None).validate()
+    kwargs = _sampling_kwargs(body)
+    if scores_prompt and body.prompt_logprobs is None:  # vLLM's: prompt_logprobs, else echo's logprobs
+        kwargs["prompt_logprobs"] = body.logprobs
+    return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.logprobs).validate(max_logprobs)
 
 
 def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -320,9 +374,10 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
     return list(prompt)  # type: ignore[arg-type]
 
 
-def completion_requests(body: CompletionBody, base_id: str, arrival_time: float) -> list[GenerateRequest]:
+def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
+                        max_logprobs: int = MAX_TOP_LOGPROBS) -> list[GenerateRequest]:
     """One GenerateRequest per prompt; several prompts get ids suffixed -0, -1, ..."""
-    params = completion_params(body)
+    params = completion_params(body, max_logprobs)
     prompts = completion_prompts(body.prompt)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -388,7 +443,7 @@ def _message_tool_calls(calls: list[dict[str, Any]], param: str) -> list[ToolCal
 # tools
 
 
-def _tools(body: ChatBody) -> list[dict[str, Any]]:
+def _tools(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
     tools = body.tools or []
     for i, tool in enumerate(tools):
         function = tool.get("function")
@@ -443,8 +498,6 @@ def _chat_checks(body: ChatBody) -> None:
     _common_checks(body)
     _require(body.top_logprobs is None or bool(body.logprobs), "top_logprobs",
              "top_logprobs requires logprobs to be true")
-    _require(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_CHAT_TOP_LOGPROBS, "top_logprobs",
-             f"top_logprobs must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}]")
     _require(not (body.continue_final_message and body.add_generation_prompt), "continue_final_message",
              "continue_final_message and add_generation_prompt cannot both be true")
     _require(all(MIN_INT64 <= v <= MAX_INT64 for v in (body.chat_template_kwargs or {}).values()
@@ -452,7 +505,8 @@ def _chat_checks(body: ChatBody) -> None:
              f"chat_template_kwargs integers must be in [{MIN_INT64}, {MAX_INT64}]")
 
 
-def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> GenerateRequest:
+def chat_request(body: ChatBody, request_id: str, arrival_time: float,
+                 max_logprobs: int = MAX_TOP_LOGPROBS) -> GenerateRequest:
     _chat_checks(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -464,7 +518,11 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> Genera
         _require("structured_outputs" not in kwargs, "tool_choice",
                  f"tool_choice {mode!r} constrains the output itself: drop response_format / structured outputs")
         kwargs["structured_outputs"] = tool_constraint.validate()
-    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs).validate()
+    try:
+        params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs).validate(max_logprobs)
+    except InvalidRequestError as exc:  # chat names the count top_logprobs
+        raise InvalidRequestError(exc.message, param="top_logprobs" if exc.param == "logprobs" else exc.param) \
+            from None
     messages = chat_messages(body.messages)
     continue_final = bool(body.continue_final_message)
     _require(not continue_final or messages[-1].role == "assistant", "continue_final_message",
@@ -478,6 +536,19 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float) -> Genera
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
         arrival_time=arrival_time, tools=tools if mode != "none" else [],
         return_token_ids=bool(body.return_token_ids))
+
+
+def tokenize_tools(body: TokenizeBody) -> list[dict[str, Any]]:
+    """/tokenize's tools (chat only), checked as generation checks them."""
+    _require(body.tools is None or body.messages is not None, "tools", "tools need messages")
+    return _tools(body)
+
+
+def chat_echo_text(body: ChatBody, request: GenerateRequest) -> str:
+    """vLLM's chat echo: the reply's content starts with the last message when that message has the reply's role
+    (pagoda replies as the assistant: the message continued, or a prefill)."""
+    last = request.messages[-1] if request.messages else None
+    return last.content if body.echo and last is not None and last.role == "assistant" else ""
 
 
 def prompt_bytes(body: object) -> int:

@@ -201,6 +201,22 @@ class BlockManager:
         self.acquire(shared)
         return BlockTable(list(shared), list(parent.block_hashes[:num_shared]))
 
+    def fork_for_write(self, parent: BlockTable, num_tokens: int) -> tuple[BlockTable, tuple[int, int] | None] | None:
+        """A child that continues the parent's first `num_tokens` tokens and writes its own next ones (a beam):
+        the full blocks are shared by reference, a last partial block is copied into a block of the child's own
+        (copy-on-write: the (source, destination) pair the worker copies). None when no block is free for it."""
+        num_full = num_tokens // self.block_size
+        partial = num_tokens % self.block_size != 0
+        assert num_full + partial <= len(parent.block_ids), "the parent holds the tokens it shares"
+        if partial and self.num_free_blocks == 0:
+            return None
+        child = self.fork(parent, num_full * self.block_size)
+        if not partial:
+            return child, None
+        (own,) = self.allocate(1)
+        child.block_ids.append(own)
+        return child, (parent.block_ids[num_full], own)
+
     def free(self, table: BlockTable) -> None:
         self.release(table.block_ids)
         table.block_ids.clear()

@@ -33,11 +33,13 @@ from __future__ import annotations
 import bisect
 import math
 import random
+import secrets
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from pagoda.services.scheduler.beam import BeamSearch, assign_slots
 from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
 from pagoda.services.scheduler.fairness import (
     MAX_TENANT_CHARS,
@@ -50,8 +52,12 @@ from pagoda.services.scheduler.fairness import (
 )
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
 from pagoda.shared.messages import (
+    GREEDY_TEMPERATURE,
     MAX_INT64,
     MIN_INT64,
+    BeamCandidates,
+    BeamFork,
+    BeamGroup,
     FinishReason,
     NewRequest,
     PromptScores,
@@ -86,6 +92,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # its tokenizer's EOS ids (besides the model's): stop on them too
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
+    beam: BeamSearch | None = None  # a beam search: its sequences are the beams' slots
 
 
 @dataclass(slots=True, eq=False)
@@ -142,6 +149,8 @@ class SeqUpdate:
     result_index: int  # row in the StepResult (for logprobs); -1 with token_id -1
     finish_reason: FinishReason | None
     prompt_scores: PromptScores | None = None
+    score: float | None = None  # a beam search hypothesis' last token: its ranking score
+    cumulative_logprob: float | None = None  # and its sum of logprobs
 
     @property
     def has_token(self) -> bool:
@@ -172,7 +181,7 @@ class Scheduler:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = (),
-                 enable_prefix_caching: bool = True, seed: int = 0, max_inflight_plans: int = 1) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = None, max_inflight_plans: int = 1) -> None:
         assert max_num_batched_tokens >= 1 and max_num_seqs >= 1 and max_inflight_plans >= 1
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
@@ -192,7 +201,11 @@ class Scheduler:
         self.max_inflight_plans = max_inflight_plans  # 1: serial; 2: overlap (plan N+1 while N runs)
         self._inflight: deque[InflightStep] = deque()  # plans scheduled, results not applied, oldest first
         self._forked_waiting: list[Sequence] = []  # siblings that may wait holding forked blocks
-        self._rng = random.Random(seed)
+        self._beam_forks: list[tuple[Sequence, BeamFork, tuple[int, int] | None]] = []  # for the next plan
+        self._unforked_beams: dict[str, int] = {}  # beam requests admitted before their first step: seats kept
+        # unseeded requests: fresh randomness each (a client that sends no seed expects a random answer, after a
+        # restart and on every replica alike); a seed here makes their seeds a reproducible stream (tests)
+        self._rng: random.Random | None = random.Random(seed) if seed is not None else None
         self.last_step_has_prefill = False  # of the plan update() applied last (the console's step split)
         self.preemption_log: list[Sequence] | None = None  # a list: each preempted sequence is appended (console)
 
@@ -225,12 +238,32 @@ class Scheduler:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt)} tokens, leaving no room to generate", param="prompt")
+        self._check_beam_search(request)
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; you asked for "
                 f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} to generate)",
                 param="max_tokens")
+
+    def _check_beam_search(self, request: Request) -> None:
+        """A beam search's beams run together: they must fit one step, and the KV cache at their longest."""
+        width = request.sampling.beam_width
+        if width <= 1:
+            return
+        if width > min(self.max_num_seqs, self.max_num_batched_tokens):
+            raise InvalidRequestError(f"a beam search of width {width} needs that many sequences in one step; this "
+                                      f"server runs at most {min(self.max_num_seqs, self.max_num_batched_tokens)}",
+                                      param="best_of")
+        max_tokens = request.sampling.max_tokens
+        prompt_len = len(request.prompt_token_ids)
+        longest = min(prompt_len + (max_tokens if max_tokens is not None else self.max_model_len), self.max_model_len)
+        if width * self.blocks.num_blocks_for(longest) > self.blocks.num_blocks:
+            # every beam may end up holding blocks of its own: a group that cannot fit whole would never finish
+            raise ContextLengthError(
+                f"a beam search of width {width} over {longest} tokens needs up to "
+                f"{width * self.blocks.num_blocks_for(longest)} KV blocks; the cache has {self.blocks.num_blocks}",
+                param="best_of")
 
     def add_request(self, request: Request) -> None:
         """Queue a request that `validate` (or the api and tokenizer) already checked: only O(1) invariants
@@ -241,13 +274,21 @@ class Scheduler:
         assert request.sampling.n >= 1
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        self._check_beam_search(request)  # the served path does not call check_prompt
         params = request.sampling
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         # the cache can never hold more than num_blocks * block_size tokens of one sequence
         capacity = self.blocks.num_blocks * self.block_size
         max_len = min(len(request.prompt_token_ids) + max_tokens, self.max_model_len, capacity)
-        base_seed = (params.seed if params.seed is not None else self._rng.getrandbits(63))
-        for index in range(params.n):
+        base_seed = params.seed
+        if base_seed is None:
+            base_seed = self._rng.getrandbits(63) if self._rng is not None else secrets.randbits(63)
+        if params.use_beam_search:
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            request.beam = BeamSearch(width=params.beam_width, num_return=params.n,
+                                      length_penalty=params.length_penalty, early_stopping=params.early_stopping,
+                                      max_new_tokens=max_len - len(request.prompt_token_ids), stop_ids=stop_ids)
+        for index in range(params.beam_width or params.n):
             seq = Sequence(seq_id=self._next_seq_id, request=request, index=index,
                            token_ids=list(request.prompt_token_ids),
                            num_prompt_tokens=len(request.prompt_token_ids), max_len=max_len,
@@ -314,8 +355,10 @@ class Scheduler:
             self._rebalance()
         preemptions_before = self.stats.num_preemptions
 
-        # a sequence at max_len with a provisional token is done once that token arrives: nothing to compute
-        runnable = [seq for seq in self.running if seq.num_tokens < seq.max_len or not seq.num_pending]
+        # a sequence at max_len with a provisional token is done once that token arrives: nothing to compute; a
+        # beam's next token depends on its whole group's result
+        runnable = [seq for seq in self.running if (seq.num_tokens < seq.max_len or not seq.num_pending)
+                    and not (seq.num_pending and seq.request.beam is not None)]
         decoding = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens == 1]
         prefilling = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens > 1]
         for seq in decoding + prefilling:
@@ -324,6 +367,10 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             count = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.request.beam is not None:
+                count = self._beam_count(seq, count)
+                if count == 0:
+                    continue
             count = self._fit_running(seq, count, num_tokens)
             if count == 0:
                 continue
@@ -333,19 +380,84 @@ class Scheduler:
                 appended_block_ids.extend(new_ids)
             num_tokens[seq.seq_id] = count
             budget -= count
+        budget += self._drop_partial_beam_groups(num_tokens)
         if self.stats.num_preemptions == preemptions_before:  # admitting now would only thrash
             budget = self._admit_waiting(budget, num_tokens, new_requests)
 
         self._step_id += 1
         self.stats.num_steps += 1
+        beam_groups = self._beam_groups(num_tokens)
         if num_tokens:
             # a decoding sequence computes one token: more tokens than sequences means a prompt chunk ran
             has_prefill = self.max_num_batched_tokens - budget > len(num_tokens)
             self._inflight.append(self._launch(num_tokens, has_prefill))
         forgotten, self._forgotten = self._forgotten, []
+        forks = [(fork, copy) for seq, fork, copy in self._beam_forks if seq.status == SeqStatus.RUNNING]
+        self._beam_forks = []
         return StepPlan(step_id=self._step_id, seq_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
                         new_requests=new_requests, appended_block_seq_ids=appended_seq_ids,
-                        appended_block_ids=appended_block_ids, finished_seq_ids=forgotten)
+                        appended_block_ids=appended_block_ids, finished_seq_ids=forgotten,
+                        beam_forks=[fork for fork, _ in forks],
+                        block_copies=[block for _, copy in forks if copy is not None for block in copy],
+                        beam_groups=beam_groups)
+
+    # ---------------------------------------------------------------- beam search: groups move together
+
+    @staticmethod
+    def _beam_live(request: Request) -> list[Sequence]:
+        """A beam search's running beams in slot order: slot 0 alone until its first step forks the others."""
+        assert request.beam is not None
+        return request.sequences if request.beam.num_generated else request.sequences[:1]
+
+    def _beam_count(self, seq: Sequence, count: int) -> int:
+        """A beam computes up to its last token alone (a recompute after preemption), but samples only in a step
+        where every beam of its group does: the last token waits until all are one token short."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        assert seq.request.beam is not None
+        if not seq.request.beam.num_generated:
+            return count  # slot 0 before its first step: a group of one
+        if remaining > 1:
+            return min(count, remaining - 1)
+        ready = all(beam.status == SeqStatus.RUNNING and not beam.num_pending
+                    and beam.num_tokens - beam.num_computed_tokens == 1 for beam in self._beam_live(seq.request))
+        return count if ready else 0
+
+    def _drop_partial_beam_groups(self, num_tokens: dict[int, int]) -> int:
+        """Unschedule the sampling beams of a group that did not get all of its beams into this step (blocks or
+        budget ran out part way); returns the tokens given back."""
+        freed = 0
+        seen: set[str] = set()
+        for seq_id in list(num_tokens):
+            seq = self._seqs[seq_id]
+            request = seq.request
+            if request.beam is None or request.request_id in seen:
+                continue
+            seen.add(request.request_id)
+            live = self._beam_live(request)
+            sampling = [b for b in live if b.seq_id in num_tokens
+                        and b.num_computed_tokens + num_tokens[b.seq_id] == b.num_tokens]
+            if sampling and len(sampling) < len(live):
+                for beam in sampling:
+                    freed += num_tokens.pop(beam.seq_id)
+        return freed
+
+    def _beam_groups(self, num_tokens: dict[int, int]) -> list[BeamGroup]:
+        """The beam searches whose beams all sample in this step (before _launch counts the tokens)."""
+        groups: list[BeamGroup] = []
+        seen: set[str] = set()
+        for seq_id in num_tokens:
+            request = self._seqs[seq_id].request
+            beam = request.beam
+            if beam is None or request.request_id in seen:
+                continue
+            seen.add(request.request_id)
+            live = self._beam_live(request)
+            if all(b.seq_id in num_tokens and b.num_computed_tokens + num_tokens[b.seq_id] == b.num_tokens
+                   for b in live):
+                temperature = request.sampling.temperature  # below GREEDY_TEMPERATURE: the plain log-probabilities
+                groups.append(BeamGroup([b.seq_id for b in live], list(beam.scores), beam.num_candidates,
+                                        temperature if temperature >= GREEDY_TEMPERATURE else 0.0))
+        return groups
 
     def _launch(self, num_tokens: dict[int, int], has_prefill: bool) -> InflightStep:
         """Count the step's tokens as computed; each sequence that reaches its end samples: one placeholder."""
@@ -383,13 +495,18 @@ class Scheduler:
     def _pick_victim(self, seq: Sequence, scheduled: dict[int, int]) -> Sequence | None:
         """The running sequence that gives its blocks to `seq`, among those this step has not scheduled: of seq's
         tenant and ranked below it, or of a tenant that owes seq's a slot (fairness.may_take); the lowest-ranked
-        of the most loaded tenant. With one tenant: the lowest-ranked sequence ranked below `seq`."""
+        of the most loaded tenant. With one tenant: the lowest-ranked sequence ranked below `seq`. A beam goes with
+        its whole group: never seq's own group, nor one with a beam scheduled."""
         tenants = self.waiting.tenants
         own = tenants[seq.tenant]
         best: Sequence | None = None
         best_key: tuple[int, float, tuple[int, float, int]] | None = None
         for victim in reversed(self.running):
             if victim is seq or victim.seq_id in scheduled:
+                continue
+            request = victim.request
+            if request.beam is not None and (request is seq.request or any(
+                    beam.seq_id in scheduled for beam in self._beam_live(request))):
                 continue
             giver = tenants[victim.tenant]
             if giver is own and victim.rank < seq.rank or giver is not own and not may_take(own, giver, extra=0):
@@ -423,26 +540,33 @@ class Scheduler:
     def _lacks_room(self, seq: Sequence, num_reserved: int) -> bool:
         """No running slot, or too few free blocks for a first chunk of `seq`, once `num_reserved` slots are
         promised to other tenants."""
-        if len(self.running) + num_reserved >= self.max_num_seqs:
+        if self._num_seats_taken() + num_reserved >= self.max_num_seqs:
             return True
         first_chunk = min(seq.num_tokens, self.max_num_batched_tokens)
         return self.blocks.num_blocks_for(first_chunk) - len(seq.table.block_ids) > self.blocks.num_free_blocks
 
     def _admit_waiting(self, budget: int, num_tokens: dict[int, int], new_requests: list[NewRequest]) -> int:
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        while budget > 0 and self._num_seats_taken() < self.max_num_seqs:
             seq = self.waiting.head()  # weighted fair share among tenants, rank order within one
             if seq is None:
                 break
             if seq.num_pending:  # preempted with a token in flight: the worker gets real tokens only
                 break
+            beam = seq.request.beam
+            if beam is not None and self._num_seats_taken() + self._beam_seats(seq.request) > self.max_num_seqs:
+                break  # a beam search's beams all run at once: seats for every one of them
             count = self._admit_one(seq, budget)
-            if count == 0:
+            if count == 0 and not (beam is not None and beam.num_generated
+                                   and seq.num_tokens - seq.num_computed_tokens == 1):
                 if not self.running and self._release_waiting_blocks(seq):
                     continue  # forked siblings waiting behind it held the blocks it needs
                 break  # the head of the queue does not fit: FCFS, nothing overtakes it
             self.waiting.pop(seq)
             self._start_running(seq)
-            num_tokens[seq.seq_id] = count
+            if beam is not None and not beam.num_generated:
+                self._unforked_beams[seq.request.request_id] = beam.width - 1  # its first step forks the rest
+            if count:  # a beam with only its last token left runs when its whole group does
+                num_tokens[seq.seq_id] = count
             budget -= count
             new_requests.append(NewRequest(
                 seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
@@ -474,8 +598,20 @@ class Scheduler:
                 released = True
         return released
 
+    def _num_seats_taken(self) -> int:
+        """Running sequences, plus the beams that admitted beam searches will fork at their first step."""
+        return len(self.running) + sum(self._unforked_beams.values())
+
+    def _beam_seats(self, request: Request) -> int:
+        """Seats a beam search still needs: every beam at its first admission, else its waiting beams."""
+        assert request.beam is not None
+        if not request.beam.num_generated:
+            return request.beam.width
+        return sum(1 for beam in request.sequences if beam.status == SeqStatus.WAITING)
+
     def _admit_one(self, seq: Sequence, budget: int) -> int:
-        """Reuse cached prefix blocks, then take blocks for a first chunk; 0 if it does not fit now."""
+        """Reuse cached prefix blocks, then take blocks for a first chunk; 0 if it does not fit now (or, for a
+        beam, when only its last token is left: it is admitted and waits for its group)."""
         table = self.blocks
         hit_ids: list[int] = []
         if seq.num_computed_tokens == 0 and not _needs_prompt_scores(seq):  # cached positions are never scored
@@ -487,7 +623,10 @@ class Scheduler:
         available = table.num_free_blocks - table.num_unreferenced(hit_ids)  # hits leave the free pool
         room = (held + available) * self.block_size - start
         count = min(seq.num_tokens - start, budget, room)
-        if count <= 0:
+        grouped = seq.request.beam is not None and seq.request.beam.num_generated > 0  # beams that fork no more
+        if grouped:
+            count = min(count, seq.num_tokens - start - 1)  # _beam_count: the last token goes with the group
+        if count <= 0 and not (grouped and seq.num_tokens - start == 1):
             return 0
         if hit_ids:
             table.acquire(hit_ids)
@@ -517,10 +656,14 @@ class Scheduler:
         scores = self._new_prompt_scores(result)
         updates: list[SeqUpdate] = []
         resolved: set[int] = set()
+        for candidates in result.beam_candidates:
+            updates += self._advance_beam(candidates, step, resolved)
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids, strict=True)):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.is_finished or seq_id not in step.sampler_ids or seq_id in resolved:
                 continue  # aborted or stopped while the step ran (its provisional token is dropped)
+            if seq.request.beam is not None:
+                continue  # beams take their tokens from their group's candidates only
             resolved.add(seq_id)
             prompt_scores = scores.pop(seq_id, None)
             if seq.request.sampling.max_tokens == 0:  # the prompt was all it wanted (scored): no token
@@ -536,7 +679,9 @@ class Scheduler:
             updates.append(SeqUpdate(seq, token_id, row, reason, prompt_scores))
         for seq_id in step.sampler_ids - resolved:  # the worker gave no token (it dropped the request)
             seq = self._seqs.get(seq_id)
-            if seq is not None and not seq.is_finished:
+            if seq is not None and seq.request.beam is not None and not seq.is_finished:
+                updates += self._end_beam_search(seq.request, FinishReason.ABORT)
+            elif seq is not None and not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
                 updates.append(SeqUpdate(seq, -1, -1, FinishReason.ABORT, scores.pop(seq_id, None)))
         updates += [SeqUpdate(self._seqs[seq_id], -1, -1, None, s) for seq_id, s in scores.items()
@@ -573,10 +718,95 @@ class Scheduler:
             if skip:
                 scores = PromptScores(scores.seq_id, seq.next_prompt_score, scores.token_ids[skip:],
                                       scores.logprobs[skip:], scores.top_token_ids[skip:],
-                                      scores.top_logprobs[skip:])
+                                      scores.top_logprobs[skip:], scores.ranks[skip:])
             seq.next_prompt_score = scores.first + len(scores.token_ids)
             fresh[seq.seq_id] = scores
         return fresh
+
+    # ---------------------------------------------------------------- beam search: one step's candidates
+
+    def _advance_beam(self, candidates: BeamCandidates, step: InflightStep, resolved: set[int]) -> list[SeqUpdate]:
+        """A beam group's best continuations: the search advances (beam.py), the placeholders go, and each slot
+        continues a new beam, its own (the token appended) or another's (a table forked from that beam's,
+        copy-on-write of the last partial block), which the next plan tells the worker. Done: the answer."""
+        first = self._seqs.get(candidates.seq_id)
+        if first is None or first.request.beam is None or first.seq_id not in step.sampler_ids:
+            return []  # aborted while the step ran
+        request, beam = first.request, first.request.beam
+        live = self._beam_live(request)
+        if any(seq.is_finished or seq.seq_id not in step.sampler_ids or seq.num_pending != 1 for seq in live):
+            return []  # not the group this step ran: the worker's answer is dropped (and the beams aborted)
+        resolved.update(seq.seq_id for seq in live)
+        if not all(0 <= parent < len(live) for parent in candidates.parents) or not all(
+                0 <= token < self.vocab_size for token in candidates.token_ids):
+            return self._end_beam_search(request, FinishReason.ERROR)  # a malformed answer ends this request only
+        for seq in live:  # the provisional tokens: what each slot gets is decided here
+            del seq.token_ids[-1]
+            seq.num_pending = 0
+        count = min(beam.num_candidates, len(candidates.token_ids))
+        decided = beam.step(candidates.token_ids[:count], candidates.parents[:count], candidates.scores[:count],
+                            _Generated(live))
+        if decided.done:
+            return self._end_beam_search(request, None)
+        self._unforked_beams.pop(request.request_id, None)
+        parents = [parent for parent, _, _ in decided.beams]
+        slots = assign_slots(parents, len(request.sequences))
+        num_known = len(live[0].token_ids)  # every beam's, before the new tokens
+        # the tokens of the beams that other slots continue (copied before any slot changes)
+        known = {parent: list(live[parent].token_ids) for slot, parent in zip(slots, parents, strict=True)
+                 if slot != parent}
+        running = first.status == SeqStatus.RUNNING  # a group runs or waits as a whole
+        if running:
+            moved = [request.sequences[slot] for slot, parent in zip(slots, parents, strict=True) if slot != parent]
+            for seq in moved:  # lines that end give their blocks back first (shared ones lose a reference)
+                self.blocks.free(seq.table)
+            if num_known % self.block_size and self.blocks.num_free_blocks < len(moved):
+                self._preempt(first)  # no room for the copies of the last partial block: recompute later
+                running = False
+        for (parent, token, _), slot in zip(decided.beams, slots, strict=True):
+            seq = request.sequences[slot]
+            if slot == parent:
+                seq.token_ids.append(token)
+                if running:
+                    self._beam_forks.append((seq, BeamFork(seq.seq_id, seq.seq_id, token), None))
+                continue
+            seq.token_ids = known[parent] + [token]
+            if not running:
+                seq.num_computed_tokens = 0
+                if slot >= len(live):  # a beam of the first step: it joins its group in the queue
+                    self._push_waiting(seq)
+                continue
+            fork = self.blocks.fork_for_write(live[parent].table, len(known[parent]))
+            assert fork is not None, "blocks for the copies were counted above"
+            seq.table, copy = fork
+            seq.num_computed_tokens = len(known[parent])
+            if seq.status != SeqStatus.RUNNING:  # a beam of the first step
+                self._start_running(seq)
+            self._beam_forks.append((seq, BeamFork(seq.seq_id, live[parent].seq_id, token, list(seq.table.block_ids)),
+                                     copy))
+        beam.scores = [0.0] * len(request.sequences)
+        for (_, _, score), slot in zip(decided.beams, slots, strict=True):
+            beam.scores[slot] = score  # slot order, as the next BeamGroup sends them
+        return []
+
+    def _end_beam_search(self, request: Request, reason: FinishReason | None) -> list[SeqUpdate]:
+        """Every slot ends; the n best hypotheses are the completions, each sent whole (reason None), or the
+        completions end empty with `reason`."""
+        assert request.beam is not None
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self._finish(seq, reason if reason is not None else FinishReason.STOP)
+        returned = request.sequences[:request.sampling.n]
+        if reason is not None:
+            return [SeqUpdate(seq, -1, -1, reason) for seq in returned]
+        updates: list[SeqUpdate] = []
+        for seq, hypothesis in zip(returned, request.beam.best(), strict=False):
+            seq.token_ids = seq.token_ids[:seq.num_prompt_tokens] + hypothesis.token_ids
+            seq.finish_reason = FinishReason.STOP if hypothesis.stopped else FinishReason.LENGTH
+            updates += [SeqUpdate(seq, token, -1, None) for token in hypothesis.token_ids[:-1]]
+            updates.append(SeqUpdate(seq, hypothesis.token_ids[-1], -1, seq.finish_reason, score=hypothesis.score,
+                                     cumulative_logprob=hypothesis.cumulative_logprob))
+        return updates
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.request.sampling
@@ -619,15 +849,21 @@ class Scheduler:
         assert share.num_running >= 0
 
     def _preempt(self, seq: Sequence) -> None:
-        self._stop_running(seq)
-        self.blocks.free(seq.table)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        if self.preemption_log is not None:
-            self.preemption_log.append(seq)
-        self._forgotten.append(seq.seq_id)
-        self._push_waiting(seq)
+        """Back to waiting, blocks freed (recomputed later): a beam with every running beam of its group."""
+        group = [seq]
+        if seq.request.beam is not None:
+            group = [beam for beam in seq.request.sequences if beam.status == SeqStatus.RUNNING]
+            self._unforked_beams.pop(seq.request.request_id, None)  # admitted again with seats for all
+        for victim in group:
+            self._stop_running(victim)
+            self.blocks.free(victim.table)
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.stats.num_preemptions += 1
+            if self.preemption_log is not None:
+                self.preemption_log.append(victim)
+            self._forgotten.append(victim.seq_id)
+            self._push_waiting(victim)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.num_pending:  # tokens of steps in flight past the end: never emitted, never counted
@@ -646,6 +882,7 @@ class Scheduler:
         if request.num_finished == len(request.sequences):
             del self.requests[request.request_id]
             self.waiting.forget_idle(request.tenant)
+            self._unforked_beams.pop(request.request_id, None)
         elif seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
                 if not sibling.is_finished:
@@ -665,6 +902,18 @@ def check_request_fields(request: Request) -> None:
         raise InvalidRequestError(f"a tenant weight is in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]", param="tenant_weight")
     if not -MAX_TIER <= request.tier <= MAX_TIER:
         raise InvalidRequestError(f"a tenant priority is in [-{MAX_TIER}, {MAX_TIER}]", param="tenant_priority")
+class _Generated:
+    """The live beams' generated tokens, as BeamSearch.step's history: sliced only for a new hypothesis."""
+
+    def __init__(self, live: list[Sequence]) -> None:
+        self.live = live
+
+    def __getitem__(self, index: int) -> list[int]:
+        seq = self.live[index]
+        return seq.token_ids[seq.num_prompt_tokens:]
+
+    def __len__(self) -> int:
+        return len(self.live)
 
 
 def _needs_prompt_scores(seq: Sequence) -> bool:

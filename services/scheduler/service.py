@@ -467,7 +467,7 @@ class SchedulerService:
             max_num_batched_tokens=ready.max_num_batched_tokens,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
             eos_token_ids=ready.eos_token_ids,
-            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+            enable_prefix_caching=config.enable_prefix_caching,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)
         if self.tracer is not None:
@@ -707,4 +707,5 @@ def _columns_agree(result: StepResult) -> bool:
             and all(len(ids) == len(lps) for ids, lps in zip(result.top_token_ids, result.top_logprobs,
                                                                 strict=False))
             and all(len(p.token_ids) == len(p.logprobs) == len(p.top_token_ids) == len(p.top_logprobs)
-                    for p in result.prompt_scores))
+                    and len(p.ranks) in (0, len(p.token_ids)) for p in result.prompt_scores)
+            and all(0 < len(c.token_ids) == len(c.parents) == len(c.scores) for c in result.beam_candidates))

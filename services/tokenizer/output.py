@@ -187,13 +187,14 @@ class Outputs:
             state.first_prompt_token = -1
         if scores is None:
             return lead
-        return lead + [PositionLogprobs(self.token_logprob(token_id, logprob),
+        ranks = scores.ranks or [0] * len(scores.token_ids)
+        return lead + [PositionLogprobs(self.token_logprob(token_id, logprob, rank),
                                         [self.token_logprob(t, lp) for t, lp in zip(top_ids, top_lps, strict=False)])
-                       for token_id, logprob, top_ids, top_lps in zip(scores.token_ids, scores.logprobs,
-                                                                      scores.top_token_ids, scores.top_logprobs,
-                                                                      strict=False)]
+                       for token_id, logprob, top_ids, top_lps, rank in zip(scores.token_ids, scores.logprobs,
+                                                                            scores.top_token_ids, scores.top_logprobs,
+                                                                            ranks, strict=False)]
 
-    def token_logprob(self, token_id: int, logprob: float | None) -> TokenLogprob:
+    def token_logprob(self, token_id: int, logprob: float | None, rank: int = 0) -> TokenLogprob:
         cached = self._token_texts.get(token_id)
         if cached is None:
             if self.tokenizer is not None:
@@ -203,4 +204,4 @@ class Outputs:
                 token = f"token_id:{token_id}"
                 raw = token.encode("utf-8")
             cached = self._token_texts[token_id] = (token, list(raw))
-        return TokenLogprob(cached[0], token_id, logprob, cached[1])
+        return TokenLogprob(cached[0], token_id, logprob, cached[1], rank)

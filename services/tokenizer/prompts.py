@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from pagoda.services.protocol.tools import tool_conversation
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, PagodaError
@@ -122,14 +124,44 @@ def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest) -> Pr
 
 
 def tokenize_result(tokenizer: Tokenizer | None, request: TokenizeRequest, max_model_len: int) -> TokenizeResult:
-    """/tokenize: the prompt's ids (and their vocabulary strings when asked)."""
+    """/tokenize: the prompt's ids (and their vocabulary strings when asked); a chat prompt is rendered as
+    generation renders it (tools and chat_template_kwargs included)."""
     prompt = tokenize_prompt(tokenizer, prompt_text=request.prompt_text, prompt_token_ids=None,
                              messages=request.messages, add_special_tokens=request.add_special_tokens,
                              add_generation_prompt=request.add_generation_prompt,
-                             continue_final_message=request.continue_final_message)
+                             continue_final_message=request.continue_final_message,
+                             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
     token_strs = ([token_str(tokenizer, t) for t in prompt.token_ids]
                   if request.return_token_strs and tokenizer is not None else [])
     return TokenizeResult(request.request_id, prompt.token_ids, max_model_len, token_strs)
+
+
+def tokenizer_info(tokenizer: Tokenizer | None) -> bytes:
+    """/tokenizer_info's JSON (vLLM's shape): the tokenizer's init arguments without file paths, special tokens as
+    their text, its class name and chat template. A model without a tokenizer answers with an empty object."""
+    if tokenizer is None:
+        return b"{}"
+    hf = tokenizer.hf
+    config = {key: value for key, value in dict(getattr(hf, "init_kwargs", None) or {}).items()
+              if key not in ("vocab_file", "merges_file") and not key.endswith("_file")}
+    info = _json_safe(config)
+    info["tokenizer_class"] = type(hf).__name__
+    if getattr(hf, "chat_template", None):
+        info["chat_template"] = hf.chat_template
+    return msgspec.json.encode(info)
+
+
+def _json_safe(value: Any) -> Any:
+    """Plain JSON values: an added token becomes its text, anything else unknown its str()."""
+    if hasattr(value, "content") and isinstance(value.content, str):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
 
 
 def detokenize_job(tokenizer: Tokenizer | None, request: DetokenizeRequest,

@@ -26,6 +26,7 @@ from pagoda.services.tokenizer.prompts import (
     generate_prompt,
     prompt_chars,
     tokenize_result,
+    tokenizer_info,
 )
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
@@ -46,8 +47,11 @@ from pagoda.shared.messages import (
     TokenDeltas,
     TokenizeRequest,
     TokenizerHello,
+    TokenizerInfoRequest,
+    TokenizerInfoResult,
     TokenizerToApi,
     TokenizerToScheduler,
+    resolve_vocabulary,
 )
 from pagoda.shared.service_main import stop_on_signals
 from pagoda.shared.transport import Codec, drain, load_cluster_keys, send_nowait, single_frame
@@ -106,6 +110,7 @@ class TokenizerService:
         self._num_beats = 0
         self._grammars = LazyGrammarChecker(tokenizer)  # builds llguidance's tokenizer now, before registration
         self._reasoning_parser = server_config.reasoning_parser
+        self._max_logprobs = server_config.max_logprobs
         self._stopping = False
         log.info("tokenizer %s: apis %s, schedulers %s, %s", self.tokenizer_id,
                  list(self._peers.api_address.values()), [r.address for r in self._replicas.replicas],
@@ -202,6 +207,8 @@ class TokenizerService:
                 self._on_abort(message.request_id)
             elif isinstance(message, DetokenizeRequest):
                 self._on_detokenize(api, message)
+            elif isinstance(message, TokenizerInfoRequest):
+                self._send_api(api, TokenizerInfoResult(message.request_id, tokenizer_info(self._tokenizer)))
             else:
                 log.warning("dropped an unexpected %s from api %d", type(message).__name__, api)
         except Exception:
@@ -237,6 +244,7 @@ class TokenizerService:
         if info is None:  # the scheduler went away while a thread tokenized
             raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
         check_prompt(prompt.token_ids, params, info, prompt.param)
+        params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs)  # logprobs -1, allowed_token_ids
         if params.structured_outputs is not None:
             # Compiled here (cached), never on the worker's step loop; 400 if the library rejects it.
             self._grammars.check(params.structured_outputs)

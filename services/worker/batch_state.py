@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagoda.shared.messages import NewRequest, StepPlan
+from pagoda.shared.messages import BeamFork, NewRequest, StepPlan
 
 
 class BatchState:
@@ -36,8 +36,10 @@ class BatchState:
         self.row_of.clear()
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
 
-    def apply(self, plan: StepPlan) -> None:
-        """Drop finished requests, add new ones, append new blocks: the worker's side of the diff."""
+    def apply(self, plan: StepPlan) -> np.ndarray:
+        """Continue beams, drop finished sequences, add new ones, append new blocks: the worker's side of the diff.
+        Returns the rows whose beam got a token here [K] (their next input is on the host)."""
+        forked = self._fork_beams(plan.beam_forks)
         for seq_id in plan.finished_seq_ids:
             row = self.row_of.pop(seq_id, None)
             if row is not None:
@@ -48,6 +50,35 @@ class BatchState:
             row = self.row_of[seq_id]
             self.block_table[row, self.num_blocks[row]] = block_id
             self.num_blocks[row] += 1
+        return forked
+
+    def _fork_beams(self, forks: list[BeamFork]) -> np.ndarray:
+        """Slots that change line copy their parent's row (tokens, counts, the new block table); then every slot
+        appends its token. Copies go first: a parent keeps its own line, so no source is overwritten."""
+        if not forks:
+            return np.zeros(0, dtype=np.int64)
+        placed: list[tuple[BeamFork, int]] = []
+        for fork in forks:
+            parent = self.row_of.get(fork.parent_seq_id)
+            if parent is None:
+                continue  # dropped with a failed step
+            row = self.row_of.get(fork.seq_id)
+            if row is None:  # a beam of the first step
+                row = self.free_rows.pop()
+                self.row_of[fork.seq_id] = row
+            placed.append((fork, row))
+            if row != parent:
+                count = self.num_tokens[parent]
+                self.token_ids[row, :count] = self.token_ids[parent, :count]
+                for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed):
+                    column[row] = column[parent]
+                self.block_table[row, :len(fork.block_ids)] = fork.block_ids
+                self.num_blocks[row] = len(fork.block_ids)
+                self.num_logprobs[row] = self.num_prompt_logprobs[row] = -1
+        for fork, row in placed:
+            self.token_ids[row, self.num_tokens[row]] = fork.token_id
+            self.num_tokens[row] += 1
+        return np.asarray([row for _, row in placed], dtype=np.int64)  # [K]
 
     def _add(self, new: NewRequest) -> None:
         assert new.seq_id not in self.row_of, f"sequence {new.seq_id} added twice"

@@ -5,17 +5,21 @@ Lifecycle (see services/grammar/compiler.py for the whole path):
   request (also one coming back after a preemption, or an n>1 sibling forked from its first sequence) gets a
   fresh matcher that replays the tokens it generated already (NewRequest.token_ids past the prompt), so a
   recompute or a prefix-cache hit leaves it exactly where the sequence is.
-- `bitmask(seq_ids)`: for the rows of this step's sampled sequences that have an active matcher, their row of a
-  `[B, ceil(V/32)] int32` mask (bit j of word w: token 32*w+j allowed), filled on the host straight into a
-  reused (pinned) buffer, and the `[B]` flags of those rows. Rows without a grammar are left unfilled and
-  flagged off (the sampler skips them); a step with no grammar row does no work at all.
+- Compilation is off the step loop: a new constraint's matcher compiles on a thread (a bounded cache of them,
+  keyed by constraint); the row waits for it only when it first samples, and tokens it gets before then
+  (a recompute's replay, or accept) are consumed once it is ready.
+- `bitmask(seq_ids)`: for the rows of this step's sampled sequences that have an active matcher, a compact
+  `[K, ceil(V/32)] int32` mask (bit j of word w: token 32*w+j allowed), one row per constrained row, filled on
+  the host straight into a reused (pinned) buffer, with the `[B]` flags and the batch rows [K] it belongs to:
+  only those K rows are copied to the device. A step with no grammar row does no work at all.
 - `accept(seq_ids, token_ids)`: the sampled tokens advance the matchers.
+Masks fill and matchers advance in parallel on llguidance's executor (it releases the GIL), sized from the
+CPUs this process may run on (os.sched_getaffinity), for batches of PARALLEL_ROWS rows or more.
 
 Overlap: the mask for step N+1 depends on step N's token, so the order per step is
   accept(step N tokens) -> bitmask(step N+1 rows) -> copy -> apply to step N+1 logits -> sample.
-The forward of step N+1 needs no mask and can be launched before step N's tokens reach the host; only the
-constrained rows' masking waits for them (an asynchronous worker calls accept as soon as N's tokens land,
-then bitmask for N+1 while N+1's forward runs).
+The forward of step N+1 needs no mask and is launched before step N's tokens reach the host; the runner defers
+N+1's sampling (ModelRunner.resume) until result N has gone out, then fills the masks while N+1's forward runs.
 
 A grammar that is complete allows only the model's EOS ids, so the sequence ends with `stop` on its next token
 (the scheduler's EOS check). Reasoning models: with `reasoning_end` set, the matcher starts once that text
@@ -28,6 +32,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llguidance
@@ -49,6 +54,15 @@ MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copi
 # than a decode step). Below it, or on a small CPU, one thread is faster than the pool's hand-off.
 PARALLEL_ROWS = 16
 PARALLEL_MIN_CPUS = 8
+COMPILE_THREADS = 2  # grammar compiles at once (llguidance releases the GIL while it builds one)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's share, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(slots=True)
@@ -56,9 +70,11 @@ class SeqGrammar:
     """One sequence's matcher, or the text it waits for before its matcher starts."""
 
     constraint: StructuredOutputs
-    matcher: llguidance.LLMatcher | None  # None while waiting for reasoning_end
+    matcher: llguidance.LLMatcher | None  # None while compiling or waiting for reasoning_end
     tail: bytes = b""  # the output's last bytes while waiting (reasoning_end may span tokens)
     failed: bool = field(default=False)
+    compiling: Future[llguidance.LLMatcher] | None = None  # the pristine matcher on its way
+    replay: list[int] = field(default_factory=list)  # tokens to consume once it is here
 
 
 class GrammarRows:
@@ -73,7 +89,10 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
-        self._pristine: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
+        self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: sequence id -> its fixed mask [W] int32
+        self._pristine: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()  # bounded, LRU
+        self._compiler = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
+        self._cpus = available_cpus()
         self._executor: llguidance.LLExecutor | None = None
         self.pin_memory = pin_memory
         self._buffers: list[torch.Tensor | None] = [None, None]
@@ -84,57 +103,79 @@ class GrammarRows:
         return bool(self._seqs)
 
     def constrains(self, seq_ids: list[int]) -> bool:
-        """Some of these requests has a grammar (their sampling needs bitmasks)."""
+        """Some of these requests has a grammar or allowed_token_ids (their sampling needs bitmasks)."""
+        return ((bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids))
+                or (bool(self._allowed) and any(seq_id in self._allowed for seq_id in seq_ids)))
+
+    def has_matchers(self, seq_ids: list[int]) -> bool:
+        """Some of these requests has a grammar, whose mask depends on the previous token."""
         return bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids)
 
     def reset(self) -> None:
         self._seqs.clear()
+        self._allowed.clear()
 
     def apply(self, plan: StepPlan) -> None:
-        for seq_id in plan.finished_seq_ids:
-            self._seqs.pop(seq_id, None)
+        self.drop(plan.finished_seq_ids)
         for new in plan.new_requests:
             self.add(new)
 
     def drop(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._seqs.pop(seq_id, None)
+            self._allowed.pop(seq_id, None)
 
     def add(self, new: NewRequest) -> None:
         self._seqs.pop(new.seq_id, None)
+        self._allowed.pop(new.seq_id, None)
+        if new.sampling.allowed_token_ids:
+            self._allowed[new.seq_id] = allowed_bitmask(new.sampling.allowed_token_ids, self.vocab_size)
         constraint = new.sampling.structured_outputs
         if constraint is None:
             return
         seq = SeqGrammar(constraint, None)
         self._seqs[new.seq_id] = seq
         if not constraint.reasoning_end:
-            seq.matcher = self._new_matcher(constraint)
+            seq.compiling = self._compile(constraint)  # on a thread: this step's launch does not wait for it
         generated = new.token_ids[new.num_prompt_tokens:]
         for token_id in generated:
             self._advance(new.seq_id, seq, token_id)
 
     # ---------------------------------------------------------------- per step
 
-    def bitmask(self, seq_ids: list[int]) -> tuple[np.ndarray, torch.Tensor] | None:
-        """For this step's sampled rows: (flags [B] bool, True where the row has an active matcher; the bitmask
-        [B, W] int32 on the host, filled for the flagged rows only), or None when no row is constrained.
-        The bitmask is one of two reused buffers (pinned on CUDA): the step that reads it has synced before
-        the buffer comes round again (the worker syncs every launched step before it fills masks)."""
-        if not self._seqs:
+    def bitmask(self, seq_ids: list[int]) -> tuple[np.ndarray, torch.Tensor, np.ndarray] | None:
+        """For this step's sampled rows [B]: (flags [B] bool, True where the row has an active matcher or
+        allowed_token_ids; the masks of those K rows, [K, W] int32 on the host; their batch rows [K] int64), or
+        None when no row is constrained. A row whose matcher still compiles waits for it here. The masks are one
+        of two reused buffers (pinned on CUDA): the step that reads one has synced before it comes round again
+        (the worker has every earlier step's tokens before it fills masks)."""
+        if not self._seqs and not self._allowed:
             return None
-        picked = [(seq.matcher, i) for i, seq_id in enumerate(seq_ids)
-                  if (seq := self._seqs.get(seq_id)) is not None and seq.matcher is not None]
-        if not picked:
+        rows = [(i, seq) for i, seq_id in enumerate(seq_ids) if (seq := self._seqs.get(seq_id)) is not None]
+        picked = [(seq.matcher, i) for i, seq in rows if self._ready(seq_ids[i], seq) and seq.matcher is not None]
+        fixed = [(allowed, i) for i, seq_id in enumerate(seq_ids)
+                 if (allowed := self._allowed.get(seq_id)) is not None] if self._allowed else []
+        if not picked and not fixed:
             return None
-        mask = self._buffer(len(seq_ids))  # [B, W]
-        if self._parallel(len(picked)):
-            llguidance.torch.fill_next_token_bitmask_par(self._ensure_executor(), picked, mask)
+        index = sorted({i for _, i in picked} | {i for _, i in fixed})  # batch rows with a mask
+        slot = {i: k for k, i in enumerate(index)}  # -> their row of the compact mask
+        mask = self._buffer(len(index))  # [K, W]
+        compact = [(matcher, slot[i]) for matcher, i in picked]
+        if self._parallel(len(compact)):
+            llguidance.torch.fill_next_token_bitmask_par(self._ensure_executor(), compact, mask)
         else:
-            for matcher, i in picked:
-                llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
+            for matcher, k in compact:
+                llguidance.torch.fill_next_token_bitmask(matcher, mask, k)
+        filled = {i for _, i in picked}
+        for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
+            if i in filled:
+                mask[slot[i]] &= allowed
+            else:
+                mask[slot[i]] = allowed
+        rows_index = np.asarray(index, dtype=np.int64)  # [K]
         flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
-        flags[[i for _, i in picked]] = True
-        return flags, mask
+        flags[rows_index] = True
+        return flags, mask, rows_index
 
     def accept(self, seq_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""
@@ -142,14 +183,20 @@ class GrammarRows:
             return
         rows = [(seq_id, seq, token_id) for seq_id, token_id in zip(seq_ids, token_ids, strict=True)
                 if (seq := self._seqs.get(seq_id)) is not None]
+        waiting = [row for row in rows if row[1].compiling is not None and not row[1].compiling.done()]
+        for _, seq, token_id in waiting:  # still compiling: consumed when its matcher is here, nobody waits
+            seq.replay.append(token_id)
+        rows = [row for row in rows if not (row[1].compiling is not None and not row[1].compiling.done())]
+        for seq_id, seq, _ in rows:
+            self._ready(seq_id, seq)
         if not self._parallel(len(rows)):
             for seq_id, seq, token_id in rows:
                 self._advance(seq_id, seq, token_id)
             return
         running = [(seq_id, seq, token_id) for seq_id, seq, token_id in rows
                    if seq.matcher is not None and not seq.failed and not seq.matcher.is_stopped()]
-        accepted = llguidance.torch.consume_token_par(self._ensure_executor(),
-                                                      [(seq.matcher, token_id) for _, seq, token_id in running])
+        accepted = llguidance.torch.consume_token_par(  # it refuses an empty list (every grammar done)
+            self._ensure_executor(), [(seq.matcher, token_id) for _, seq, token_id in running]) if running else []
         for (seq_id, seq, token_id), ok in zip(running, accepted, strict=True):
             if not ok:
                 self._reject(seq_id, seq, token_id)
@@ -159,7 +206,21 @@ class GrammarRows:
 
     # ---------------------------------------------------------------- internals
 
+    def _ready(self, seq_id: int, seq: SeqGrammar) -> bool:
+        """Take the compiled matcher (waiting if it is still on its way) and consume the tokens that came
+        before it; False for a row with no matcher (waiting for reasoning_end)."""
+        if seq.compiling is not None:
+            future, seq.compiling = seq.compiling, None
+            seq.matcher = future.result().deep_copy()
+            replay, seq.replay = seq.replay, []
+            for token_id in replay:
+                self._advance(seq_id, seq, token_id)
+        return seq.matcher is not None
+
     def _advance(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
+        if seq.compiling is not None:
+            seq.replay.append(token_id)
+            return
         if seq.matcher is None:
             self._watch_reasoning(seq, token_id)
             return
@@ -175,11 +236,11 @@ class GrammarRows:
         seq.failed = True
 
     def _parallel(self, num_rows: int) -> bool:
-        return num_rows >= PARALLEL_ROWS and (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS
+        return num_rows >= PARALLEL_ROWS and self._cpus >= PARALLEL_MIN_CPUS
 
     def _ensure_executor(self) -> llguidance.LLExecutor:
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+        if self._executor is None:  # llguidance's own default (80% of the CPUs, up to 32) of ours, not the machine's
+            self._executor = llguidance.LLExecutor(num_threads=max(1, min(32, self._cpus * 4 // 5)))
         return self._executor
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
@@ -197,22 +258,30 @@ class GrammarRows:
         marker = seq.constraint.reasoning_end.encode()
         seq.tail = (seq.tail + tokenizer.decode_bytes([token_id]))[-(len(marker) + 64):]
         if marker in seq.tail:
-            seq.matcher = self._new_matcher(seq.constraint)
+            seq.compiling = self._compile(seq.constraint)
             seq.tail = b""
 
-    def _new_matcher(self, constraint: StructuredOutputs) -> llguidance.LLMatcher:
+    def _compile(self, constraint: StructuredOutputs) -> Future[llguidance.LLMatcher]:
+        """The constraint's pristine matcher (each row deep-copies it), compiled on a thread once per distinct
+        constraint while the cache keeps it."""
         key = cache_key(constraint)
         pristine = self._pristine.get(key)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self._ensure_tokenizer(), grammar_text(constraint), log_level=0)
-            if pristine.is_error():  # the tokenizer compiled it already: this is not the client's error
-                log.error("grammar failed on the worker: %s", pristine.get_error())
+            tokenizer = self._ensure_tokenizer()  # no tokenizer fails here, in the step that admits the row
+            pristine = self._compiler.submit(self._build, tokenizer, constraint)
             self._pristine[key] = pristine
             if len(self._pristine) > MATCHER_CACHE_SIZE:
                 self._pristine.popitem(last=False)
         else:
             self._pristine.move_to_end(key)
-        return pristine.deep_copy()
+        return pristine
+
+    @staticmethod
+    def _build(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputs) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
+        if matcher.is_error():  # the tokenizer compiled it already: this is not the client's error
+            log.error("grammar failed on the worker: %s", matcher.get_error())
+        return matcher
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's tokenizer (the in-process engine compiles with the worker's own)."""
@@ -230,6 +299,14 @@ class GrammarRows:
         if self._tokenizer is None:
             raise RuntimeError("structured outputs need the model's tokenizer on the worker")
         return self._tokenizer
+
+
+def allowed_bitmask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """[ceil(V/32)] int32 with bit j of word w set for each allowed id 32*w+j (the grammar masks' layout)."""
+    ids = np.unique(np.asarray([t for t in token_ids if 0 <= t < vocab_size], dtype=np.int64))  # [K]
+    words = np.zeros(-(-vocab_size // 32), dtype=np.uint32)  # [W]
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return torch.from_numpy(words.view(np.int32))  # [W]
 
 
 def grammar_tokenizer_loader(config: EngineConfig, arch: ModelArch) -> Callable[[], llguidance.LLTokenizer | None]:

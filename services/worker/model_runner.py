@@ -29,12 +29,21 @@ from pagoda.services.worker.device import CompileWatch, resolve_device
 from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
-from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, beam_candidates
 from pagoda.services.worker.sampling_state import SamplingState, admission_error
 from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig, sampler_fault_seed
 from pagoda.shared.errors import ConfigError
-from pagoda.shared.messages import NewRequest, PromptScores, RowFailure, SamplingParams, StepPlan, StepResult
+from pagoda.shared.messages import (
+    BeamCandidates,
+    BeamGroup,
+    NewRequest,
+    PromptScores,
+    RowFailure,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 from pagoda.shared.shapes import ModelArch, check_divisible, resolve_arch
 
 log = logging.getLogger(__name__)
@@ -82,6 +91,10 @@ class LaunchedStep:
     synced: bool = False  # host state holds this step's tokens
     error: str = ""  # the step failed: its requests were dropped, its result says why
     failed: list[RowFailure] = field(default_factory=list)  # requests dropped from this step alone
+    beam_groups: list[BeamGroup] = field(default_factory=list)  # the beam searches that sampled, in result order
+    beam_token_ids: torch.Tensor | None = None  # [G, k] int64, host: their best continuations
+    beam_parents: torch.Tensor | None = None  # [G, k] int64, host
+    beam_scores: torch.Tensor | None = None  # [G, k] fp32, host
 
 
 @dataclass(slots=True)
@@ -136,6 +149,9 @@ class ModelRunner:
         self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [R]
         self.pending_step = np.full(config.max_num_seqs, -1, dtype=np.int64)  # [R] step whose last token host lacks
         self._launched: deque[LaunchedStep] = deque()  # oldest first
+        # launched, its sampling waiting for grammar masks: (step, inputs, logits, timer start); see resume()
+        self._deferred: tuple[LaunchedStep, HostBatch, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._mask_rows: torch.Tensor | None = None  # [R, W] int32 on the device: this step's grammar masks
         self._lost: set[int] = set()  # requests of failed steps: later plans in flight may still name them
         self.step_timer: StepTimer | None = None
         self.graphs: DecodeGraphs | None = None
@@ -255,6 +271,7 @@ class ModelRunner:
             SamplingParams(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.2),
             SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1),
             SamplingParams(temperature=0.7, top_p=0.8),
+            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),  # top-p rejection rounds under a threshold
             SamplingParams(temperature=1.0, min_p=0.05),
             SamplingParams(temperature=0.9, top_k=40),
             SamplingParams(temperature=0.9),
@@ -332,8 +349,11 @@ class ModelRunner:
             return True
 
     def _launch(self, sent: StepPlan) -> bool:
+        self.resume()  # a step deferred for its masks samples before the next one's forward reads its tokens
         plan, refused = self._refuse_bad_requests(self._without_lost(sent))
-        self.state.apply(plan)
+        forked_rows = self.state.apply(plan)
+        self.pending_step[forked_rows] = -1  # a beam's token comes with the plan
+        self._copy_blocks(plan.block_copies)
         self.sampling.admit([(self.state.row_of[new.seq_id], new) for new in plan.new_requests])
         self.grammars.apply(plan)
         for new in plan.new_requests:
@@ -356,25 +376,73 @@ class ModelRunner:
             logits = self._sampled_logits(host, hidden)
             step.prompt_scores = self._prompt_scores(plan, host, hidden)
         self.state.num_computed[host.rows] = host.seq_lens
+        if logits is not None and self._waits_for_tokens(step, host):
+            # Grammar masks follow the tokens of a step still running: its result goes out first (the caller
+            # finishes it, then calls resume), and the masks fill while this step's forward runs.
+            self._deferred = (step, host, logits, timer_start)
+            self._launched.append(step)
+            return True
         if logits is not None:
             self._sample(step, host, logits)
         self._record(step, timer_start)
         self._launched.append(step)
         return True
 
+    def _waits_for_tokens(self, step: LaunchedStep, host: HostBatch) -> bool:
+        """Rows with a grammar sample in this step and an earlier step's tokens have not reached the host."""
+        if not self.grammars.active or all(s.synced for s in self._launched):
+            return False
+        return self.grammars.has_matchers([step.plan.seq_ids[i] for i in host.sampled.tolist()])
+
+    @torch.inference_mode()
+    def resume(self) -> None:
+        """Sample the step that launch() deferred for its grammar masks, now that the steps before it have
+        finished (their tokens advanced the matchers): masks fill while its forward runs on the device, and only
+        then is its sampling enqueued. A no-op when nothing waits."""
+        if self._deferred is None:
+            return
+        step, host, logits, timer_start = self._deferred
+        self._deferred = None
+        try:
+            self._sample(step, host, logits)
+        except Exception as exc:  # noqa: BLE001 - as in launch(): the step fails, the worker goes on
+            log.error("step %d failed:\n%s", step.plan.step_id, traceback.format_exc())
+            self.recover(step.plan)
+            step.error, step.synced = f"{type(exc).__name__}: {exc}", True
+            return
+        self._record(step, timer_start)
+
+    def _copy_blocks(self, pairs: list[int]) -> None:
+        """Beam search copy-on-write: whole KV blocks, (source, destination) pairs flattened, on every layer; a
+        source is never a destination (it belongs to a beam that keeps its line)."""
+        if not pairs:
+            return
+        index = self._to_device(np.asarray(pairs, dtype=np.int64), "block_copies")  # [2N]
+        self.kv_cache[:, :, index[1::2]] = self.kv_cache[:, :, index[0::2]]  # [L, kv tensors, N, bs, heads, D]
+
     def _sample(self, step: LaunchedStep, host: HostBatch, logits: torch.Tensor) -> None:
-        """Sample on the device, keep the ids there for the next step's inputs, start their copy to the host."""
+        """Sample on the device, keep the ids there for the next step's inputs, start their copy to the host.
+        Beam searches' rows go to their own selection (_select_beams)."""
         state = self.state
-        sampled_rows = host.rows[host.sampled]  # [S]
-        positions = host.seq_lens[host.sampled]  # [S] index in token_ids of each sampled token
-        seq_ids = [step.plan.seq_ids[i] for i in host.sampled.tolist()]
+        sampled = host.sampled  # [S] batch indices
+        if step.plan.beam_groups:
+            is_beam = self._select_beams(step, host, logits)  # [S] bool
+            if is_beam.all():
+                return
+            if is_beam.any():
+                logits = logits[self._to_device(np.flatnonzero(~is_beam), "plain_rows")]  # [S', V]
+                sampled = sampled[~is_beam]
+        sampled_rows = host.rows[sampled]  # [S]
+        positions = host.seq_lens[sampled]  # [S] index in token_ids of each sampled token
+        seq_ids = [step.plan.seq_ids[i] for i in sampled.tolist()]
         metadata = self.sampling.metadata(sampled_rows)
         assert (self.sampling.num_output[sampled_rows] == positions - state.num_prompt_tokens[sampled_rows]).all(), \
             "the sampling offsets disagree with the plan's positions"
         if self.grammars.constrains(seq_ids):
-            # Masks follow the previous step's tokens: wait for them here, after this step's forward is enqueued,
-            # so the device computes while the host advances the matchers.
-            self._sync_all()
+            # Masks follow the previous steps' tokens: wait for them here, after this step's forward is enqueued,
+            # so the device computes while the host advances the matchers (allowed_token_ids alone never wait).
+            if self.grammars.has_matchers(seq_ids):
+                self._sync_before(step)
             self._attach_grammar_masks(metadata, seq_ids)
         state_rows = metadata.state_rows  # [S] on the device
         try:
@@ -402,6 +470,35 @@ class ModelRunner:
             step.top_token_ids = to_host(output.top_token_ids, "top_token_ids")
             step.top_logprobs = to_host(output.top_logprobs, "top_logprobs")
             step.num_logprobs = state.num_logprobs[sampled_rows].tolist()
+
+    def _select_beams(self, step: LaunchedStep, host: HostBatch, logits: torch.Tensor) -> np.ndarray:
+        """The beam searches sampling this step: each group's best continuations over [beams x vocabulary] in one
+        batched selection, copied to the host for the scheduler (which decides the beams). Returns which of the
+        step's sampled rows were beams [S] bool."""
+        plan = step.plan
+        position = {plan.seq_ids[i]: j for j, i in enumerate(host.sampled.tolist())}  # seq id -> row of logits
+        groups = [g for g in plan.beam_groups if all(seq_id in position for seq_id in g.seq_ids)]
+        is_beam = np.zeros(len(host.sampled), dtype=bool)  # [S]
+        if not groups:
+            return is_beam
+        order = np.asarray([position[seq_id] for g in groups for seq_id in g.seq_ids], dtype=np.int64)  # [Bb]
+        is_beam[order] = True
+        sizes = [len(g.seq_ids) for g in groups]
+        columns = np.stack([np.repeat(np.arange(len(groups)), sizes),  # group of each beam row
+                            np.concatenate([np.arange(size) for size in sizes]), order])  # its slot, its logits row
+        index = self._to_device(columns, "beam_rows")  # [3, Bb]
+        values = np.asarray([[s for g in groups for s in g.scores],
+                             [g.temperature for g in groups for _ in g.seq_ids]], dtype=np.float32)
+        floats = self._to_device(values, "beam_scores")  # [2, Bb]
+        k = max(g.num_candidates for g in groups)
+        token_ids, parents, scores = beam_candidates(logits.index_select(0, index[2]), floats[0], floats[1],
+                                                     index[0], index[1], len(groups), max(sizes), k)  # [G, k] each
+        step.beam_groups = groups
+        to_host = self.staging.to_host
+        step.beam_token_ids = to_host(token_ids, "beam_token_ids")
+        step.beam_parents = to_host(parents, "beam_parents")
+        step.beam_scores = to_host(scores, "beam_scores")
+        return is_beam
 
     def _sample_isolating(self, step: LaunchedStep, logits: torch.Tensor, metadata: SamplingMetadata,
                           sampled_rows: np.ndarray, seq_ids: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
@@ -467,6 +564,8 @@ class ModelRunner:
     @torch.inference_mode()
     def finish(self) -> StepResult:
         """Wait for the oldest launched step; its tokens go into host state and the result."""
+        if self._deferred is not None and self._deferred[0] is self._launched[0]:
+            self.resume()  # nobody resumed it: its sampling must run before its result
         step = self._launched.popleft()
         try:
             self._sync(step)
@@ -499,13 +598,26 @@ class ModelRunner:
         mine = rows[self.pending_step[rows] == step.plan.step_id]
         self.pending_step[mine] = -1
 
-    def _sync_all(self) -> None:
+    def _sync_before(self, current: LaunchedStep) -> None:
+        """Wait for the launched steps before `current` (all of them when it is not launched yet)."""
         for step in self._launched:
+            if step is current:
+                return
             self._sync(step)
 
     def _result(self, step: LaunchedStep) -> StepResult:
         result = self._tokens_result(step)
+        if step.beam_groups and not step.error:
+            result = msgspec.structs.replace(result, beam_candidates=self._beam_result(step))
         return msgspec.structs.replace(result, failed=step.failed) if step.failed else result
+
+    @staticmethod
+    def _beam_result(step: LaunchedStep) -> list[BeamCandidates]:
+        assert step.beam_token_ids is not None and step.beam_parents is not None and step.beam_scores is not None
+        token_ids, parents = step.beam_token_ids.tolist(), step.beam_parents.tolist()
+        scores = step.beam_scores.tolist()
+        return [BeamCandidates(g.seq_ids[0], token_ids[i][:g.num_candidates], parents[i][:g.num_candidates],
+                               scores[i][:g.num_candidates]) for i, g in enumerate(step.beam_groups)]
 
     def _tokens_result(self, step: LaunchedStep) -> StepResult:
         plan = step.plan
@@ -530,6 +642,7 @@ class ModelRunner:
 
     def discard_launched(self) -> None:
         """Forget every launched step (the caller gave up on their results); wait for the device first."""
+        self._deferred = None
         while self._launched:
             step = self._launched.popleft()
             if step.event is not None:
@@ -567,8 +680,15 @@ class ModelRunner:
         masks = self.grammars.bitmask(seq_ids)
         if masks is None:
             return
-        flags, bitmask = masks  # [B] bool, [B, W] int32 on the host (pinned on CUDA)
-        metadata.token_bitmask = bitmask.to(self.device, non_blocking=True)  # [B, W]
+        flags, compact, index = masks  # [B] bool, [K, W] int32 on the host (pinned on CUDA), [K] their rows
+        num_rows = len(seq_ids)
+        if self._mask_rows is None or self._mask_rows.shape[0] < num_rows:
+            self._mask_rows = torch.empty((max(num_rows, self.config.max_num_seqs), compact.shape[1]),
+                                          dtype=torch.int32, device=self.device)  # [R, W]
+        bitmask = self._mask_rows[:num_rows]  # [B, W]: the sampler reads the flagged rows only
+        # only the K constrained rows cross to the device (a 150k vocabulary's mask is 19 KB a row)
+        bitmask.index_copy_(0, self._to_device(index, "mask_rows"), compact.to(self.device, non_blocking=True))
+        metadata.token_bitmask = bitmask
         metadata.bitmask_rows = self._to_device(flags, "bitmask_rows")  # [B]
 
     def _forward_eager(self, host: HostBatch, input_ids: torch.Tensor) -> torch.Tensor:
@@ -609,7 +729,7 @@ class ModelRunner:
             end = min(int(host.seq_lens[b]), int(state.num_prompt_tokens[row]) - 1)
             first_index = int(host.query_start[b])
             targets = state.token_ids[row, start + 1:end + 1].astype(np.int64)  # [N]
-            picked, tops, top_ids = [], [], []
+            picked, tops, top_ids, ranks = [], [], [], []
             step = max(1, min(PROMPT_SCORE_ROWS, self.config.max_num_seqs // 2))
             for lo in range(0, end - start, step):  # bounded [rows, V] logits at a time
                 hi = min(end - start, lo + step)
@@ -617,12 +737,14 @@ class ModelRunner:
                 log_probs = torch.log_softmax(logits, dim=-1)  # [n, V]
                 target = torch.from_numpy(targets[lo:hi]).to(log_probs.device)  # [n]
                 picked.append(log_probs.gather(1, target[:, None])[:, 0])  # [n]
+                ranks.append((log_probs >= picked[-1][:, None]).sum(dim=-1))  # [n]: 1 for the likeliest (vLLM's)
                 top = log_probs.topk(int(wanted[b]), dim=-1)  # [n, k]
                 tops.append(top.values)
                 top_ids.append(top.indices)
             # one host copy per sequence, after all its slices
             scores.append(PromptScores(plan.seq_ids[b], start + 1, targets.tolist(), torch.cat(picked).tolist(),
-                                       torch.cat(top_ids).tolist(), torch.cat(tops).tolist()))
+                                       torch.cat(top_ids).tolist(), torch.cat(tops).tolist(),
+                                       torch.cat(ranks).tolist()))
         return scores
 
     def recover(self, plan: StepPlan) -> None:

@@ -64,6 +64,7 @@ class SamplingMetadata:
     all_greedy: bool = False  # every row greedy: skip the random path entirely
     max_top_k: int = 0  # host copy of max(top_k) (0: read it from top_k, a device sync)
     top_p_without_top_k: bool = True  # host flag: some row has top_p < 1 and no top-k (False skips a search)
+    nucleus: torch.Tensor | None = None  # [B] bool: rows with top_p < 1, no top-k, not greedy (None: derived)
 
 
 @dataclass(slots=True)
@@ -104,40 +105,58 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, use_kernels: bool |
 
 def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The CUDA path, logits [B, V] in the model's dtype: one fused pass reads them (penalties and bitmask, each
-    group's maximum for the truncation), the thresholds come from the groups holding the largest logits, and the
-    Gumbel draw reads only the blocks that reach a row's threshold. Token ids [B] int64."""
+    group's maximum for the top-k and min-p thresholds), top-k rows draw over the groups holding their largest
+    logits, the others over their whole row, top-p rows without top-k by rejection rounds that read only the rows
+    still undecided. Token ids [B] int64."""
     from pagoda.kernels import sampling
 
     m = metadata
     penalised = m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
     scattered = m.logit_bias_ids is not None or m.banned_token_ids is not None  # applied after the fused pass
-    truncates = not m.all_greedy and (m.top_k is not None or m.top_p is not None or m.min_p is not None)
+    thresholds = not m.all_greedy and (m.top_k is not None or m.min_p is not None)  # top-p alone needs none
     write_out = penalised or m.token_bitmask is not None or scattered
     grouped = sampling.GroupedLogits(logits, None, None)
-    if write_out or truncates:
+    if write_out or thresholds:
         grouped = sampling.process_logits_grouped(
             logits, m.state_rows, m.output_counts if penalised else None,
             m.prompt_mask if m.repetition_penalty is not None else None, m.presence_penalty, m.frequency_penalty,
             m.repetition_penalty, m.token_bitmask, m.bitmask_rows, write_out=write_out,
-            group_stats=truncates and not scattered)
+            group_stats=thresholds and not scattered)
     processed = grouped.logits  # [B, V]: fp32 when written, else the model's logits
     if scattered:
         processed = _scatter_bias_and_bans(processed, m)  # [B, V] fp32, in place
-        if truncates:  # the group maxima must see the bias: one more read
+        if thresholds:  # the group maxima must see the bias: one more read
             grouped = sampling.process_logits_grouped(processed, write_out=False, group_stats=True)
     if m.all_greedy:
         return processed.argmax(dim=-1)  # [B] int64
     greedy = is_greedy_row(m)  # [B]
-    threshold, draw = _device_thresholds(processed, m, grouped) if truncates else (None, None)  # [B] or None
+    threshold, draw = _device_thresholds(processed, m, grouped) if thresholds else (None, None)  # [B] or None
     temperature, seeds, offsets = m.temperature.float().contiguous(), m.seeds.contiguous(), m.offsets.contiguous()
+    top_p = nucleus = None
+    if m.top_p is not None and m.top_p_without_top_k:
+        top_p, nucleus = m.top_p.float().contiguous(), nucleus_rows(m, greedy)  # [B], [B]
     if draw is None:
-        return sampling.gumbel_argmax(processed, temperature, threshold, seeds, offsets, greedy)  # [B] int64
+        return sampling.gumbel_argmax(processed, temperature, threshold, seeds, offsets, greedy, top_p=top_p,
+                                      nucleus=nucleus)  # [B] int64
     assert threshold is not None
     candidates, whole_row = draw
     whole_row = whole_row | greedy  # [B]: these rows read their whole row; the others only their gathered groups
-    full = sampling.gumbel_argmax(processed, temperature, threshold, seeds, offsets, greedy, rows=whole_row)
+    full = sampling.gumbel_argmax(processed, temperature, threshold, seeds, offsets, greedy, rows=whole_row,
+                                  top_p=top_p, nucleus=nucleus)  # [B]
     part = sampling.gathered_gumbel_argmax(candidates, temperature, threshold, seeds, offsets)  # [B]
     return torch.where(whole_row, full, part)  # [B] int64
+
+
+def nucleus_rows(m: SamplingMetadata, greedy: torch.Tensor) -> torch.Tensor:
+    """Rows [B] bool whose top-p cuts their whole row (top_p < 1, no top-k, not greedy): metadata.nucleus when
+    the sampling state sent it, else computed here."""
+    if m.nucleus is not None:
+        return m.nucleus
+    assert m.top_p is not None
+    nucleus = (m.top_p < 1.0) & ~greedy  # [B]
+    if m.top_k is not None:
+        nucleus &= m.top_k <= 0
+    return nucleus
 
 
 def _modifies_logits(m: SamplingMetadata) -> bool:
@@ -229,7 +248,15 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
         from pagoda.kernels import sampling
 
         grouped = sampling.process_logits_grouped(logits, write_out=False, group_stats=True)
-        return _device_thresholds(logits, m, grouped)[0]
+        threshold = _device_thresholds(logits, m, grouped)[0]  # [B]: top-k (with its top-p) and min-p
+        if m.top_p is None:
+            return threshold
+        # top-p without top-k: the sampler draws by rejection and never needs it; here one program a row searches
+        whole = (m.top_p < 1.0) & (m.top_k <= 0) if m.top_k is not None else m.top_p < 1.0  # [B]
+        temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).float()  # [B]
+        top_p = torch.where(whole, m.top_p, 1.0).float().contiguous()  # [B]
+        lowest = torch.full_like(temperature, float("-inf"))  # [B]
+        return torch.maximum(threshold, sampling.top_p_threshold(logits, temperature, top_p, lowest))  # [B]
     top_k = m.top_k
     if top_k is not None:
         max_top_k = min(m.max_top_k or int(top_k.max()), logits.shape[1])
@@ -244,10 +271,9 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
 
 def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: GroupedLogits
                        ) -> tuple[torch.Tensor, tuple[TopCandidates, torch.Tensor] | None]:
-    """truncation_thresholds on CUDA for logits [B, V] and their group maxima / ties (grouped): top-k candidates
-    from the groups with the largest maxima, the top-p search over them with the mass of the gathered groups plus
-    the ties outside them, a whole-row search only for top-p rows without top-k. Threshold [B] fp32, and when
-    the gathered groups were used, them with whole_row [B] bool (rows whose draw needs the whole row)."""
+    """The top-k (with its top-p) and min-p thresholds on CUDA for logits [B, V] and their group maxima / ties
+    (grouped); top-p without top-k is not in them (the draw's rejection rounds apply it). Threshold [B] fp32, and
+    when the gathered groups were used, them with whole_row [B] bool (rows whose draw needs the whole row)."""
     from pagoda.kernels import sampling
 
     temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).float()  # [B] contiguous
@@ -265,9 +291,6 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
             min_p = m.min_p.float().contiguous() if m.min_p is not None else None
             threshold, whole_row = sampling.group_thresholds(candidates, grouped.group_max, grouped.group_ties,
                                                              top_k, top_p, min_p, temperature)  # [B], [B]
-            if top_p is not None and m.top_p_without_top_k:  # top-p rows without top-k search their whole row
-                full = sampling.top_p_threshold(logits, temperature, top_p, torch.full_like(temperature, float("-inf")))
-                threshold = torch.where((top_k <= 0) & (top_p < 1.0), torch.maximum(full, threshold), threshold)
             return threshold, (candidates, whole_row)
         assert candidates.values is not None  # past TOP_K_MAX: torch.topk's values over the whole row
         has_k = top_k > 0  # [B]
@@ -275,9 +298,7 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
         threshold = torch.where(has_k, kth, threshold)  # [B]
         if top_p is not None:
             threshold = sampling.top_p_threshold(logits, temperature, top_p, threshold, candidates.values, has_k,
-                                                 search_full_rows=m.top_p_without_top_k)  # [B]
-    elif m.top_p is not None:
-        threshold = sampling.top_p_threshold(logits, temperature, m.top_p.float().contiguous(), threshold)  # [B]
+                                                 search_full_rows=False)  # [B]
     if m.min_p is not None:
         if candidates is not None and candidates.values is not None:
             row_max = candidates.values[:, 0]  # [B]
@@ -327,3 +348,30 @@ def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
     top_logprobs, top_token_ids = logprobs.topk(max_num_logprobs, dim=-1)  # [B, k], [B, k] int64
     return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# beam search: each group's best continuations over [beams x vocabulary], batched over groups
+
+
+def beam_candidates(logits: torch.Tensor, scores: torch.Tensor, temperature: torch.Tensor, group: torch.Tensor,
+                    slot: torch.Tensor, num_groups: int, max_beams: int,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, V] of every beam of the step's beam searches, row b being beam slot[b] [B] of group group[b]
+    [B] with cumulative logprob scores[b] [B] fp32: each group's k best continuations score + log_softmax(logits
+    / T) (T 0 or 1: the plain log-probabilities), best first, as token ids, parent slots and new scores, each
+    [G, k] (a group with fewer than k continuations pads with -inf scores). A row's own top k first, then the
+    top k of each group's [beams x k]: a group's k best lie among its rows' k best. No host sync."""
+    num_rows, vocab_size = logits.shape
+    row_k = min(k, vocab_size)
+    t = torch.where(temperature > 0.0, temperature, 1.0).unsqueeze(1)  # [B, 1]
+    log_probs = torch.log_softmax(logits.float() / t, dim=-1) + scores.unsqueeze(1)  # [B, V] fp32
+    top = log_probs.topk(row_k, dim=-1)  # [B, k] values and token ids, best first
+    columns = slot.unsqueeze(1) * row_k + torch.arange(row_k, device=logits.device)  # [B, k]
+    grid = torch.full((num_groups, max_beams * row_k), float("-inf"), device=logits.device)  # [G, W * k]
+    grid_ids = torch.zeros((num_groups, max_beams * row_k), dtype=torch.int64, device=logits.device)  # [G, W * k]
+    rows = group.unsqueeze(1).expand(num_rows, row_k)  # [B, k]
+    grid[rows, columns] = top.values
+    grid_ids[rows, columns] = top.indices
+    best = grid.topk(min(k, max_beams * row_k), dim=1)  # [G, k]
+    return grid_ids.gather(1, best.indices), best.indices // row_k, best.values

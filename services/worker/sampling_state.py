@@ -71,8 +71,9 @@ def _sampling_error(params: SamplingParams, vocab_size: int) -> str:
     for name, count in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
         if count is not None and not 0 <= count <= vocab_size:
             return f"{name} must be in [0, {vocab_size}]"
-    if not _ids_below(list(params.logit_bias), vocab_size) or not _ids_below(params.stop_token_ids, vocab_size):
-        return f"a logit_bias or stop_token_ids id is outside the vocabulary [0, {vocab_size})"
+    if not _ids_below(list(params.logit_bias), vocab_size) or not _ids_below(params.stop_token_ids, vocab_size) \
+            or not _ids_below(params.allowed_token_ids, vocab_size):
+        return f"a logit_bias, stop_token_ids or allowed_token_ids id is outside the vocabulary [0, {vocab_size})"
     if not all(math.isfinite(value) for value in params.logit_bias.values()):
         return "logit_bias values must be finite numbers"
     return ""
@@ -243,25 +244,28 @@ class SamplingState:
         # then starts 16-byte aligned, as every fresh tensor does. Triton specialises a kernel on its pointers'
         # alignment, so an odd B would compile new sampling-kernel variants in the middle of serving (measured on
         # an H200: a 135 ms compile inside a mixed step of a sampled run).
-        padded = np.zeros((3, -(-num_rows // ROW_ALIGN) * ROW_ALIGN), dtype=np.int64)  # [3, B_pad]
-        padded[:, :num_rows] = (rows, num_output, short)
-        index = self.to_device(padded, "sampling_rows")  # [3, B_pad]
-        packed = index[:, :num_rows]  # [3, B]
-        state_rows, offsets = packed[0], packed[1]  # [B], [B]
-        floats = self.floats_device.index_select(0, index[0]).T.contiguous()[:, :num_rows]  # [6, B] of [6, B_pad]
         host = self.floats[rows]  # [B, 6]
         temperature = host[:, TEMPERATURE]
+        top_k = self.top_k[rows]  # [B]
+        nucleus = (host[:, TOP_P] < 1.0) & (top_k <= 0) & (temperature > 0.0)  # [B] top-p over the whole row
+        padded = np.zeros((4, -(-num_rows // ROW_ALIGN) * ROW_ALIGN), dtype=np.int64)  # [4, B_pad]
+        padded[:, :num_rows] = (rows, num_output, short, nucleus)
+        index = self.to_device(padded, "sampling_rows")  # [4, B_pad]
+        packed = index[:, :num_rows]  # [4, B]
+        state_rows, offsets = packed[0], packed[1]  # [B], [B]
+        floats = self.floats_device.index_select(0, index[0]).T.contiguous()[:, :num_rows]  # [6, B] of [6, B_pad]
         metadata = SamplingMetadata(temperature=floats[TEMPERATURE],
                                     seeds=self.seeds_device.index_select(0, state_rows),
                                     offsets=offsets, state_rows=state_rows,
                                     all_greedy=bool((temperature == 0.0).all()))
-        top_k = self.top_k[rows]  # [B]
         if (top_k > 0).any():
             metadata.top_k = self.top_k_device.index_select(0, state_rows)
             metadata.max_top_k = int(top_k.max())
         if (host[:, TOP_P] < 1.0).any():
             metadata.top_p = floats[TOP_P]
-            metadata.top_p_without_top_k = bool(((host[:, TOP_P] < 1.0) & (top_k <= 0)).any())
+            metadata.top_p_without_top_k = bool(nucleus.any())
+            if metadata.top_p_without_top_k:
+                metadata.nucleus = packed[3]  # [B] int64 0/1 (the kernels read != 0)
         if (host[:, MIN_P] > 0.0).any():
             metadata.min_p = floats[MIN_P]
         if (host[:, PRESENCE] != 0.0).any():

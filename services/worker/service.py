@@ -203,14 +203,14 @@ class WorkerService:
     def _finish(self) -> None:
         result = self.runner.finish()
         seq = self.seq_of_step.pop(result.step_id, -1)
-        if self.rank != 0:
-            return
-        data = self.to_scheduler.encode(result)
-        if seq >= 0:
-            self.replies[seq] = data
-            while len(self.replies) > CACHED_REPLIES:
-                self.replies.popitem(last=False)
-        self._send_data(data)
+        if self.rank == 0:
+            data = self.to_scheduler.encode(result)
+            if seq >= 0:
+                self.replies[seq] = data
+                while len(self.replies) > CACHED_REPLIES:
+                    self.replies.popitem(last=False)
+            self._send_data(data)
+        self.runner.resume()  # a step waiting for grammar masks: result N is out, now N+1's masks fill
 
     def _send(self, message: WorkerToScheduler) -> None:
         self._send_data(self.to_scheduler.encode(message))

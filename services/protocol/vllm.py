@@ -1,0 +1,128 @@
+"""vLLM's extensions to the OpenAI API that pagoda answers in vLLM's own way: request-level structured-output
+backends, deprecated fields (accepted, reported in a response header and the log), and the fields and routes it
+refuses, each with its reason. docs/vllm-compat.md is the table of all of them; tests/test_vllm_compat.py checks
+the table against a running server."""
+
+from __future__ import annotations
+
+import logging
+
+from pagoda.shared.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+# vLLM's structured-output backends pagoda serves with its one grammar engine (llguidance): each constrains the
+# output to the same language (the schema, regex, choices or grammar). A grammar is served under every name, as
+# vLLM V0 did (outlines took grammars, lm-format-enforcer fell back to outlines for them); V1's outlines and
+# lm-format-enforcer backends refuse grammars, a limitation of theirs that no client relies on.
+GUIDED_BACKENDS = ("auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
+# vLLM's "backend:option,option" suffixes that hold in pagoda by construction: it never falls back to another
+# engine, and its JSON has no free whitespace (services/grammar/compiler.JSON_OPTIONS).
+BACKEND_OPTIONS = ("no-fallback", "disable-any-whitespace")
+
+# Fields vLLM has deprecated that pagoda still takes: field -> what replaces it. They are named in a `Warning`
+# response header (RFC 9111 code 299) and logged once per process.
+DEPRECATED_FIELDS = {
+    "guided_json": "structured_outputs.json or response_format",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_decoding_backend": "nothing: the server chooses the backend (vLLM V1 refuses request-level backends)",
+}
+
+# vLLM request fields pagoda refuses (400), with the reason the error message gives.
+UNSUPPORTED_FIELDS = {
+    "suffix": "fill-in-the-middle prompts are not implemented",
+    "watermarking": "output watermarking is not implemented",
+    "spaces_between_special_tokens": "the detokenizer has no such switch",
+    "truncate_prompt_tokens": "prompts are never truncated: a prompt that does not fit is refused",
+    "truncation_side": "prompts are never truncated: a prompt that does not fit is refused",
+    "logprob_token_ids": "logprobs of chosen token ids are not implemented; use top_logprobs",
+    "bad_words": "banned word lists are not implemented; use logit_bias",
+    "prompt_embeds": "prompt embeddings are not accepted: prompts are text or token ids",
+    "request_id": "the server names every request itself",
+    "session_id": "sessions are not tracked",
+    "routed_experts_prompt_start": "routed-expert data is not returned",
+    "return_token_offsets": "token offsets are only for vLLM's render endpoints, which pagoda does not serve",
+    "return_prompt_text": "the rendered prompt is not returned; use /tokenize with return_token_strs",
+    "return_mm_kwargs": "multimodal inputs are not accepted",
+    "cache_salt": "the prefix cache is not salted per request",
+    "kv_transfer_params": "disaggregated prefill (KV transfer) is not implemented",
+    "ec_transfer_params": "encoder-cache transfer is not implemented",
+    "vllm_xargs": "custom extension arguments are not accepted",
+    "repetition_detection": "n-gram repetition detection is not implemented",
+    "thinking_token_budget": "reasoning budgets are not implemented",
+    "stream_interval": "each step's tokens are streamed as they come",
+    "documents": "retrieval documents are not passed to chat templates",
+    "chat_template": "the model's own chat template is used",
+    "media_io_kwargs": "multimodal inputs are not accepted",
+    "mm_processor_kwargs": "multimodal inputs are not accepted",
+    "reasoning_effort": "reasoning effort is not passed to chat templates; use chat_template_kwargs",
+    "include_reasoning": "the reasoning parser always returns reasoning_content",
+    "logits_processors": "per-request logits processors were removed in vLLM V1 and are not implemented",
+    "guided_whitespace_pattern": "JSON constraints allow no free whitespace (vLLM deprecated this field)",
+    "structural_tag": "structural tags are not implemented (vLLM deprecated this field)",
+}
+
+# vLLM routes pagoda does not serve: path -> reason (answered 404 with it).
+UNSUPPORTED_ROUTES = {
+    "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions",
+    "/v1/embeddings": "pagoda serves generative models only",
+    "/pooling": "pagoda serves generative models only",
+    "/classify": "pagoda serves generative models only",
+    "/score": "pagoda serves generative models only",
+    "/v1/score": "pagoda serves generative models only",
+    "/rerank": "pagoda serves generative models only",
+    "/v1/rerank": "pagoda serves generative models only",
+    "/v2/rerank": "pagoda serves generative models only",
+    "/v1/audio/transcriptions": "audio models are not served",
+    "/v1/audio/translations": "audio models are not served",
+    "/v1/load_lora_adapter": "LoRA adapters are not implemented",
+    "/v1/unload_lora_adapter": "LoRA adapters are not implemented",
+    "/v1/chat/completions/render": "prompt rendering is offered by /tokenize",
+    "/v1/completions/render": "prompt rendering is offered by /tokenize",
+    "/inference/v1/generate": "token-in token-out generation is offered by /v1/completions with token-id prompts",
+    "/v1/messages": "the Anthropic Messages API is not implemented",
+    "/server_info": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
+    "/reset_prefix_cache": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
+    "/sleep": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
+    "/wake_up": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
+    "/is_sleeping": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
+    "/collective_rpc": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
+    "/start_profile": "profiling routes are not served; see bench/",
+    "/stop_profile": "profiling routes are not served; see bench/",
+    "/scale_elastic_ep": "elastic expert parallelism is not implemented",
+    "/is_scaling_elastic_ep": "elastic expert parallelism is not implemented",
+}
+
+_logged: set[str] = set()
+
+
+def check_guided_backend(backend: str) -> None:
+    """vLLM's `guided_decoding_backend` ("name" or "name:option,option"): a name pagoda's grammar engine stands
+    for is accepted, with options that hold here; anything else is an InvalidRequestError naming what exists."""
+    name, _, options = backend.partition(":")
+    if name not in GUIDED_BACKENDS:
+        raise InvalidRequestError(f"guided_decoding_backend {name!r} does not exist here; the backends are "
+                                  f"{', '.join(GUIDED_BACKENDS)} (all served by llguidance)",
+                                  param="guided_decoding_backend")
+    unknown = [option for option in options.split(",") if option and option not in BACKEND_OPTIONS]
+    if unknown:
+        raise InvalidRequestError(f"guided_decoding_backend option(s) {', '.join(unknown)} are not supported; "
+                                  f"the options are {', '.join(BACKEND_OPTIONS)}", param="guided_decoding_backend")
+
+
+def deprecation_header(fields: list[str]) -> str:
+    """The `Warning` header naming deprecated fields a request used; each is logged once per process."""
+    for name in fields:
+        if name not in _logged:
+            _logged.add(name)
+            log.warning("a client sent %s, which vLLM deprecated; use %s", name, DEPRECATED_FIELDS[name])
+    text = "; ".join(f"{name} is deprecated, use {DEPRECATED_FIELDS[name]}" for name in fields)
+    return f'299 pagoda "{text}"'
+
+
+def unsupported_reason(field: str) -> str:
+    """Why a refused vLLM field is refused ("" for a field pagoda has never heard of)."""
+    reason = UNSUPPORTED_FIELDS.get(field.rsplit(".", 1)[-1])
+    return f": {reason}" if reason else ""

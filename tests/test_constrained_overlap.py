@@ -1,0 +1,116 @@
+"""Constrained decoding off the critical path: grammars compile on a thread, masks fill on llguidance's pool
+after the previous step's result is out (a deferred sampling), only the constrained rows' masks are copied;
+the outputs are exactly the serial path's."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from pagoda.services.grammar.compiler import ll_tokenizer
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.services.worker import grammar
+from pagoda.services.worker.grammar import GrammarRows
+from pagoda.shared.messages import NewRequest, SamplingParams, StepPlan, StructuredOutputs
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+
+
+def new_request(seq_id: int, constraint: StructuredOutputs) -> NewRequest:
+    return NewRequest(seq_id, [1, 2], 2, [0], 0, SamplingParams(structured_outputs=constraint), 0)
+
+
+def test_grammars_compile_off_the_step_loop(ll: llguidance.LLTokenizer, tokenizer: Tokenizer,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new constraint's compile does not hold up the step that admits it: apply() returns while it runs, a
+    token that arrives before the matcher is kept for it, and the first mask waits for it and is exact."""
+    gate = threading.Event()
+    build = GrammarRows._build
+
+    def slow_build(ll_tok: llguidance.LLTokenizer, constraint: StructuredOutputs) -> llguidance.LLMatcher:
+        assert gate.wait(30), "the test never opened the gate"
+        return build(ll_tok, constraint)
+
+    constraint = StructuredOutputs(json=SCHEMA)
+    token_ids = tokenizer.encode('{"name', add_special_tokens=False)
+    reference = GrammarRows(lambda: ll, tokenizer.vocab_size)
+    reference.apply(StepPlan(0, [], [], new_requests=[new_request(1, constraint)]))
+    reference.accept([1] * len(token_ids[:1]), token_ids[:1])
+    expected = reference.bitmask([1])
+    monkeypatch.setattr(GrammarRows, "_build", staticmethod(slow_build))
+    rows = GrammarRows(lambda: ll, tokenizer.vocab_size)
+    rows.apply(StepPlan(0, [], [], new_requests=[new_request(1, constraint)]))  # returns: the build waits
+    rows.accept([1], token_ids[:1])  # sampled before the matcher exists (a recompute's replay works alike)
+    assert not gate.is_set() and rows._seqs[1].matcher is None and rows._seqs[1].replay == token_ids[:1]
+    gate.set()
+    got = rows.bitmask([1])
+    assert got is not None and expected is not None
+    assert got[0].tolist() == [True] and got[1].tolist() == expected[1].tolist()
+
+
+def test_executor_is_sized_from_the_cpus_this_process_may_use(ll: llguidance.LLTokenizer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int | None] = []
+
+    class Recorder:
+        def __init__(self, num_threads: int | None = None) -> None:
+            sizes.append(num_threads)
+
+    monkeypatch.setattr(grammar.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(grammar.os, "cpu_count", lambda: 512)  # the machine's count must not matter
+    monkeypatch.setattr(grammar.llguidance, "LLExecutor", Recorder)
+    rows = GrammarRows(lambda: ll, 100)
+    rows._ensure_executor()
+    assert sizes == [4]  # 80% of the 5 CPUs of the affinity mask
+    assert rows._parallel(grammar.PARALLEL_ROWS) == (5 >= grammar.PARALLEL_MIN_CPUS)
+
+
+def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON-schema, regex and choice rows beside free ones (greedy and seeded): the serial worker (one thread,
+    sampling in launch) and the fast one (llguidance's pool from one row, async scheduling: each constrained
+    step's sampling deferred until the step before has finished, then masks filled while its forward runs)
+    give the same tokens, texts and finish reasons."""
+    from pagoda import LLM
+    from pagoda.services.worker.model_runner import ModelRunner
+
+    constraints = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=r"[0-9]{3}-[0-9]{4}"),
+                   StructuredOutputs(choice=["red", "green", "blue"]), None]
+    prompts = ["Describe a person as JSON:", "A phone number:", "Pick a colour:", "Once upon a time",
+               "Another person as JSON:", "Call me at", "My favourite colour is", "The sea is"]
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
+                             structured_outputs=constraints[i % 4]) for i in range(len(prompts))]
+    deferred: list[int] = []
+    resume = ModelRunner.resume
+
+    def counting_resume(self: ModelRunner) -> None:
+        if self._deferred is not None:
+            deferred.append(self._deferred[0].plan.step_id)
+        resume(self)
+
+    monkeypatch.setattr(ModelRunner, "resume", counting_resume)
+    results = {}
+    for fast in (False, True):
+        monkeypatch.setattr(grammar, "PARALLEL_ROWS", 1 if fast else 10**6)
+        monkeypatch.setattr(grammar, "PARALLEL_MIN_CPUS", 1)
+        llm = LLM(str(smollm2_dir), async_scheduling=fast, max_model_len=256)
+        outputs = llm.generate(prompts, params)
+        results[fast] = [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
+        assert bool(deferred) == fast  # the fast path deferred constrained steps' sampling; the serial never
+    assert results[True] == results[False]
+    assert results[True][2][1] in ("red", "green", "blue")
