@@ -148,7 +148,7 @@ class ServerConfig:
     body_read_timeout: float = 30.0  # seconds to receive a request's headers and body (slow clients: 408)
     max_waiting_requests: int = 0  # waiting requests past which the scheduler answers 503 + Retry-After; 0: none
     step_timeout: float = 0.0  # a worker step running longer is taken as hung; 0: derived (see hang_floor)
-    hang_floor: float = 5.0  # the least a step may run before it counts as hung, once warmed up (step_timeout 0)
+    hang_floor: float = 8.0  # the least a step may run before it counts as hung, once warmed up (step_timeout 0)
     restart_on_failure: bool = False  # restart a dead or hung tokenizer or api process instead of stopping
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: by the model's family
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content

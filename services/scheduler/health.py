@@ -19,6 +19,7 @@ WARMUP_BOUND_S = 120.0  # first steps allocate and warm caches (seen: 10 s for s
 LARGE_STEP_TOKENS = 64  # steps of at least this many tokens give the per-token time a long prefill is held to
 RESEND_FACTOR = 3.0  # a plan unanswered this many times the slowest recent step is sent again
 RESEND_FLOOR_S = 0.5  # ... but never sooner than this
+COMPILE_BOUND_S = 120.0  # a step where a constrained row first samples may wait for its grammar to compile
 IDLE_BOUND_S = 30.0  # an idle worker's silence counts as a hang only past this (or the step bound, if longer):
 # no client waits on an idle worker, and a loaded host delays heartbeats by seconds
 
@@ -30,7 +31,7 @@ class StepWatch:
     steps is not a hang). Once warmed up the floor (seconds, --hang-floor) is what bounds an idle-fast worker."""
 
     step_timeout: float = 0.0  # fixed bound in seconds; 0: derived from measured steps
-    floor: float = 5.0  # a derived bound is never below this (a loaded host, a late heartbeat)
+    floor: float = 8.0  # a derived bound is never below this (a loaded host, a late heartbeat)
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
     per_token: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))  # seconds per token
 
@@ -39,13 +40,16 @@ class StepWatch:
         if num_tokens >= LARGE_STEP_TOKENS:
             self.per_token.append(seconds / num_tokens)
 
-    def bound(self, num_tokens: int = 1) -> float:
+    def bound(self, num_tokens: int = 1, compiling: bool = False) -> float:
+        """`compiling`: a constrained row of this step samples for the first time (the worker compiles grammars
+        off its loop, but the row's first mask waits for it: seconds of CPU, more on a loaded host)."""
         if self.step_timeout > 0:
             return self.step_timeout
         slowest = max(self.durations, default=0.0)
         by_tokens = max(self.per_token, default=0.0) * num_tokens
         warmup = WARMUP_BOUND_S if len(self.durations) < WARMUP_STEPS else 0.0
-        return max(self.floor, BOUND_FACTOR * max(slowest, by_tokens), warmup)
+        compile_s = COMPILE_BOUND_S if compiling else 0.0
+        return max(self.floor, BOUND_FACTOR * max(slowest, by_tokens), warmup, compile_s)
 
     def idle_bound(self) -> float:
         return self.step_timeout if self.step_timeout > 0 else max(self.bound(), IDLE_BOUND_S)
@@ -56,7 +60,7 @@ class StepWatch:
         return max(RESEND_FLOOR_S, RESEND_FACTOR * max(self.durations, default=0.0))
 
     def verdict(self, now: float, step_started_at: float | None, step_id: int, worker_last_seen: float,
-                ready: bool, num_tokens: int = 1) -> str:
+                ready: bool, num_tokens: int = 1, compiling: bool = False) -> str:
         """Why the worker counts as hung, or "" while it makes progress.
 
         step_started_at: when the step in flight went out (None: no step in flight);
@@ -65,7 +69,7 @@ class StepWatch:
             return ""  # loading weights: no progress to expect yet
         if step_started_at is not None:
             running_s = now - step_started_at
-            bound = self.bound(num_tokens)
+            bound = self.bound(num_tokens, compiling)
             if running_s > bound:
                 return (f"the worker is hung: step {step_id} has run {running_s:.1f} s (bound {bound:.1f} s, "
                         f"slowest recent step {max(self.durations, default=0.0):.2f} s)")

@@ -127,6 +127,7 @@ class SchedulerService:
         self.early_results: dict[int, StepResult] = {}  # results that came before an older plan's (by step id)
         self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
         self.worker_grammars: OrderedDict[str, None] = OrderedDict()  # constraint hashes the workers hold (LRU)
+        self.unsampled_constrained: set[int] = set()  # sequences whose grammar the worker may still be compiling
         self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
         # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
         self.prefill_step_s = self.decode_step_s = self.host_s = 0.0
@@ -200,7 +201,11 @@ class SchedulerService:
         it once each (GrammarDef), the plan names them by hash."""
         now = time.monotonic()
         if plan.new_requests and any(new.sampling.structured_outputs is not None for new in plan.new_requests):
+            self.unsampled_constrained.update(new.seq_id for new in plan.new_requests
+                                              if new.sampling.structured_outputs is not None)
             plan = msgspec.structs.replace(plan, new_requests=[self._by_hash(new, now) for new in plan.new_requests])
+        if self.unsampled_constrained and plan.finished_seq_ids:
+            self.unsampled_constrained.difference_update(plan.finished_seq_ids)
         seq = self.sends.take_seq()
         data = self.to_workers.encode(msgspec.structs.replace(plan, seq=seq))
         self.sends.record(seq, data, now, self.watch.resend_after(), tag=plan.step_id if plan.seq_ids else -1)
@@ -503,7 +508,10 @@ class SchedulerService:
         if seq is not None:
             self.sends.done_through(seq)
         step_s = now - self.inflight_since
-        if not resent:  # a recovered loss is no measure of how long steps take
+        compiling = self._compiling(plan)
+        if self.unsampled_constrained and result.seq_ids:
+            self.unsampled_constrained.difference_update(result.seq_ids)  # their grammars are compiled now
+        if not resent and not compiling:  # a recovered loss, or a compile, is no measure of how long steps take
             self.watch.record(step_s, sum(plan.num_scheduled_tokens))
         self.inflight_since = now  # the next plan in flight starts its clock
         if not result.error and not _columns_agree(result):
@@ -605,7 +613,8 @@ class SchedulerService:
         self.problem = self.watch.verdict(now, self._step_clock() if oldest is not None else None,
                                           oldest.step_id if oldest is not None else -1,
                                           self.worker_last_seen, self.scheduler is not None,
-                                          sum(oldest.num_scheduled_tokens) if oldest is not None else 1)
+                                          sum(oldest.num_scheduled_tokens) if oldest is not None else 1,
+                                          oldest is not None and self._compiling(oldest))
         if not self.problem:
             return
         log.error("%s; failing %d request(s) and stopping", self.problem, len(self.owner))
@@ -615,6 +624,10 @@ class SchedulerService:
         self.stats_out.send(self.stats_codec.encode(self._stats(now)))
         self.exit_code = HUNG_EXIT_CODE
         self.running = False
+
+    def _compiling(self, plan: StepPlan) -> bool:
+        """Whether a constrained sequence of this plan has not sampled yet (its grammar may still compile)."""
+        return bool(self.unsampled_constrained) and not self.unsampled_constrained.isdisjoint(plan.seq_ids)
 
     def _step_clock(self) -> float:
         """Since when the oldest plan in flight counts as running: its send (or its predecessor's result), or the
@@ -626,7 +639,9 @@ class SchedulerService:
             return False
         pipeline = self.pipeline
         if pipeline is not None and pipeline.inflight:
-            return now - self._step_clock() < self.watch.bound(sum(pipeline.inflight[0].num_scheduled_tokens))
+            oldest = pipeline.inflight[0]
+            bound = self.watch.bound(sum(oldest.num_scheduled_tokens), self._compiling(oldest))
+            return now - self._step_clock() < bound
         return now - self.worker_last_seen < self.watch.idle_bound()  # a late heartbeat is no hang (health.py)
 
     def _stats(self, now: float) -> SchedulerStats:

@@ -13,6 +13,7 @@ import pytest
 
 from pagoda.services.scheduler.health import (
     BOUND_FACTOR,
+    COMPILE_BOUND_S,
     IDLE_BOUND_S,
     RESEND_FACTOR,
     RESEND_FLOOR_S,
@@ -171,3 +172,12 @@ def test_a_peer_is_honoured_only_for_what_it_owns(service: SchedulerService) -> 
     assert "mine" in service.scheduler.requests  # type: ignore[union-attr]
     service._on_tokenizer_frames([b"tok0", send(AbortRequest("mine"))])  # the owner's abort counts
     assert not service.scheduler.requests  # type: ignore[union-attr]
+
+
+def test_a_step_that_may_compile_a_grammar_gets_the_compile_bound() -> None:
+    watch = StepWatch(floor=2.0)
+    for _ in range(WARMUP_STEPS):
+        watch.record(0.1)
+    assert watch.bound() == 2.0 and watch.bound(compiling=True) == COMPILE_BOUND_S
+    assert watch.verdict(100.0, 95.0, 3, worker_last_seen=95.0, ready=True, compiling=True) == ""
+    assert "step 3" in watch.verdict(100.0, 95.0, 3, worker_last_seen=95.0, ready=True)
