@@ -60,7 +60,8 @@ def scheduler_healthy() -> bool:
         return True  # ipc:// in a private runtime dir: nothing to reach from here, the process check stands
     from pagoda.probes import latest_stats  # pagoda's light modules only (no torch)
 
-    return latest_stats(endpoint, TIMEOUT_S) is not None
+    # a deployment with keys takes only CURVE peers holding them (docs/security.md)
+    return latest_stats(endpoint, TIMEOUT_S, os.environ.get("PAGODA_CLUSTER_KEY_DIR")) is not None
 
 
 def main(argv: list[str]) -> int:

@@ -45,6 +45,68 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_config_from_args(args), server_config_from_args(args))
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    """API keys and tenants in a keys file (--api-keys-file): add prints a new key once; only its hash is kept."""
+    from pathlib import Path
+
+    from pagoda.services.api import tenants
+    from pagoda.shared.errors import ConfigError
+
+    path = Path(args.file)
+    try:
+        if args.keys_command == "add":
+            limits = {name: getattr(args, name) for name in tenants.TENANT_FIELDS if getattr(args, name) is not None}
+            if "models" in limits:
+                limits["models"] = [m.strip() for m in limits["models"].split(",") if m.strip()]
+            key_id, key = tenants.add_key(path, args.tenant, limits)
+            print(f"tenant {args.tenant}: key {key_id} added to {path}; the key (shown only now):", file=sys.stderr)
+            print(key)
+        elif args.keys_command == "revoke":
+            if not tenants.revoke_key(path, args.key_id):
+                print(f"no key {args.key_id} in {path}", file=sys.stderr)
+                return 1
+        else:
+            data = tenants.load_document(path)
+            for name, spec in sorted(data["tenants"].items()):
+                ids = [k["id"] for k in data["keys"] if k["tenant"] == name]
+                print(f"{name}: {spec} keys {ids}")
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"pagoda keys: error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_cluster_keys(args: argparse.Namespace) -> int:
+    """A CURVE key pair for --cluster-key-dir (compose secret, Kubernetes Secret)."""
+    from pagoda.shared.transport import ClusterKeys
+
+    path = ClusterKeys.generate(args.dir)
+    print(f"wrote {path} (the pair; keep it secret) and its public half beside it", file=sys.stderr)
+    return 0
+
+
+def _add_keys_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    keys = commands.add_parser("keys", help="API keys and tenant quotas for --api-keys-file")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_commands.add_parser("add", help="make a key for a tenant (created or its limits updated); "
+                                               "prints the key once")
+    add.add_argument("file")
+    add.add_argument("--tenant", required=True)
+    add.add_argument("--models", default=None, help="comma-separated served model names ('*': any)")
+    add.add_argument("--max-concurrent", dest="max_concurrent", type=int, default=None, help="0: no limit")
+    add.add_argument("--requests-per-minute", dest="requests_per_minute", type=int, default=None)
+    add.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=int, default=None,
+                     help="prompt + completion tokens, charged as requests end")
+    add.add_argument("--priority", type=int, default=None, help="tier: lower tiers are scheduled first")
+    add.add_argument("--weight", type=float, default=None, help="share of the running slots within a tier")
+    revoke = keys_commands.add_parser("revoke", help="remove a key by its id")
+    revoke.add_argument("file")
+    revoke.add_argument("key_id")
+    listing = keys_commands.add_parser("list", help="tenants, their limits and key ids")
+    listing.add_argument("file")
+    keys.set_defaults(func=_cmd_keys)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     return args.bench_main(args)
 
@@ -70,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(server)
     add_server_args(server)
     server.set_defaults(func=_cmd_serve)
+
+    _add_keys_parser(commands)
+    cluster = commands.add_parser("cluster-keys", help="make the CURVE key pair for --cluster-key-dir")
+    cluster.add_argument("dir")
+    cluster.set_defaults(func=_cmd_cluster_keys)
 
     bench = commands.add_parser("bench", help="benchmarks")
     add_commands(bench)

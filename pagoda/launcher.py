@@ -28,6 +28,7 @@ from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.shared.errors import ConfigError, PagodaError
 from pagoda.shared.messages import PROCESS_TABLE_FILE, ProcessEntry, ProcessTable
 from pagoda.shared.shapes import check_divisible, resolve_arch
+from pagoda.shared.transport import ClusterKeys
 
 SHUTDOWN_DEADLINE_S = 10.0
 STARTUP_TIMEOUT_S = 900.0
@@ -61,7 +62,7 @@ def process_state(pid: int) -> str:
 def _die_with_parent() -> None:
     """Runs in the child before exec: unblock the signals the launcher blocks (children inherit the mask),
     and have the kernel send SIGTERM when the launcher dies (Linux)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS + [signal.SIGCHLD])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS + [signal.SIGCHLD, signal.SIGHUP])
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -115,6 +116,13 @@ def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
     return engine_config
 
 
+def uses_tcp(config: ServerConfig) -> bool:
+    """Whether any ZeroMQ endpoint given is tcp:// (the derived ones are ipc://)."""
+    given = [config.api_endpoints, config.scheduler_endpoint, config.plan_endpoint, config.result_endpoint,
+             config.stats_endpoint, config.scheduler_endpoints, config.stats_endpoints, config.registry_endpoint]
+    return any("tcp://" in value for value in given if value)
+
+
 class Launcher:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.engine_config = check_engine_config(engine_config)
@@ -125,6 +133,11 @@ class Launcher:
         self.server_config = replace(server_config, runtime_dir=runtime_dir)
         self.runtime_dir = Path(runtime_dir)
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.server_config.cluster_key_dir is None and uses_tcp(self.server_config):
+            # tcp endpoints on one host: a key pair of this launch, in the private runtime dir, for every process
+            key_dir = self.runtime_dir / "keys"
+            ClusterKeys.generate(key_dir)
+            self.server_config = replace(self.server_config, cluster_key_dir=str(key_dir))
         self.children: list[Child] = []
         self.down_replicas: set[int] = set()
         self._table_written = b""  # the process table's last contents (the console reads the file)
@@ -266,10 +279,18 @@ class Launcher:
                 print(f"pagoda: {failed.name} {why}; stopping", file=sys.stderr)
                 return 1
             self.write_process_table()
-            info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD], 0.5)
+            info = signal.sigtimedwait(STOP_SIGNALS + [signal.SIGCHLD, signal.SIGHUP], 0.5)
             if info is not None and info.si_signo in STOP_SIGNALS:
                 print("pagoda: stopping", file=sys.stderr)
                 return 0
+            if info is not None and info.si_signo == signal.SIGHUP:
+                self.reload_keys()
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the api processes read the keys file again (they also notice a change on their own)."""
+        for child in self.children:
+            if child.module == "api" and child.process.poll() is None:
+                child.process.send_signal(signal.SIGHUP)
 
     def write_process_table(self) -> None:
         """The children as the console shows them, in the runtime dir; rewritten (atomically) when it changes."""
@@ -351,7 +372,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
         return 2
     # Handled synchronously by sigtimedwait in supervise(); blocked so they don't interrupt start-up.
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS + [signal.SIGCHLD])
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS + [signal.SIGCHLD, signal.SIGHUP])
     code = 1
     try:
         launcher.start()

@@ -6,14 +6,17 @@ from __future__ import annotations
 import zmq
 
 from pagoda.shared.messages import SchedulerStats, SchedulerToApi
-from pagoda.shared.transport import Codec, make_socket
+from pagoda.shared.transport import Codec, load_cluster_keys, make_socket
 
 TIMEOUT_S = 3.0
 
 
-def latest_stats(endpoint: str, timeout_s: float = TIMEOUT_S) -> SchedulerStats | None:
+def latest_stats(endpoint: str, timeout_s: float = TIMEOUT_S, key_dir: str | None = None) -> SchedulerStats | None:
     """The first SchedulerStats published on the scheduler's stats socket (it sends one every 0.25 s), or None when
-    none arrives within `timeout_s` (the scheduler is down, hung, or elsewhere)."""
+    none arrives within `timeout_s` (the scheduler is down, hung, or elsewhere). `key_dir`: the deployment's CURVE
+    key pair (PAGODA_CLUSTER_KEY_DIR) for a tcp:// endpoint; None keeps this process's keys as they are."""
+    if key_dir:
+        load_cluster_keys(key_dir)
     codec: Codec[SchedulerToApi] = Codec(SchedulerToApi)
     context = zmq.Context()
     try:

@@ -148,7 +148,7 @@ class ServerConfig:
     body_read_timeout: float = 30.0  # seconds to receive a request's headers and body (slow clients: 408)
     max_waiting_requests: int = 0  # waiting requests past which the scheduler answers 503 + Retry-After; 0: none
     step_timeout: float = 0.0  # a worker step running longer is taken as hung; 0: derived (see hang_floor)
-    hang_floor: float = 120.0  # the least a step may run before it counts as hung (with step_timeout 0)
+    hang_floor: float = 8.0  # the least a step may run before it counts as hung, once warmed up (step_timeout 0)
     restart_on_failure: bool = False  # restart a dead or hung tokenizer or api process instead of stopping
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: by the model's family
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content
@@ -159,6 +159,9 @@ class ServerConfig:
     routing: str = "prefix"  # prefix (cache affinity weighed against load) | round_robin | random
     registry_endpoint: str | None = None  # the scheduler whose registry apis, tokenizers and replicas join (tcp)
     advertise_host: str | None = None  # host or IP peers reach this process's bound sockets at; None: detected
+    api_keys_file: str | None = None  # tenants: hashed API keys with quotas (services/api/tenants.py)
+    usage_log: str | None = None  # a JSON line per finished generation request (tenant, tokens, times), appended
+    cluster_key_dir: str | None = None  # CURVE key pair for tcp:// sockets (shared/transport.py); None: plain
     max_logprobs: int = 20  # most logprobs / top_logprobs / prompt_logprobs a request may ask (vLLM's); -1: no bound
     console: bool = True  # the browser console at / (playground, live view, request inspector)
     console_show_prompts: bool = False  # the request inspector shows prompt text (off: only counts and times)
@@ -252,11 +255,17 @@ class Endpoints:
     stats: str
 
 
+LOOPBACK_NAMES = {"localhost": "127.0.0.1", "ip6-localhost": "[::1]", "localhost6": "[::1]"}
+
+
 def bind_address(endpoint: str) -> str:
-    """Where to bind for a connect address: tcp://name:port binds every interface, IP literals bind as given."""
+    """Where to bind for a connect address: IP literals bind as given, loopback names the loopback (localhost stays
+    local), any other name every interface (a service name resolves to a proxy's or peer's address, not ours)."""
     match = re.fullmatch(r"tcp://([^:/]+|\[[^\]]+\]):(\d+)", endpoint)
     if match is None:
         return endpoint
+    if match.group(1).lower() in LOOPBACK_NAMES:
+        return f"tcp://{LOOPBACK_NAMES[match.group(1).lower()]}:{match.group(2)}"
     host = match.group(1).strip("[]")
     try:
         ipaddress.ip_address(host)
@@ -296,6 +305,13 @@ _HELP: dict[str, str] = {
                       "else 1.0 (see --kv-scale-calibration)",
     "kv_scale_calibration": "fp8 KV: set each layer's K/V scales from the first prefill (2 x amax / 448), "
                             "overriding checkpoint scales",
+    "api_keys_file": "JSON file of tenants and their hashed API keys with quotas (make one with `pagoda keys add`); "
+                     "reloaded when it changes or on SIGHUP. --api-key keeps working beside it (tenant 'default')",
+    "cluster_key_dir": "folder holding the deployment's CURVE key pair (cluster.key_secret, from `pagoda "
+                       "cluster-keys DIR`): tcp:// sockets authenticate and encrypt with it and refuse peers without "
+                       "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints; "
+                       "'none': plain tcp on purpose)",
+    "usage_log": "append one JSON line per finished generation request (tenant, request id, tokens, times) here",
     "max_logprobs": "the most logprobs (completions), top_logprobs (chat) or prompt_logprobs a request may ask; "
                     "-1 allows the whole vocabulary, which requests then ask with -1 (vLLM's --max-logprobs)",
     "console": "no browser console at / (playground, live view, request inspector; docs/console.md)",
@@ -385,6 +401,35 @@ def to_env(*configs: EngineConfig | ServerConfig) -> dict[str, str]:
             if value is not None:
                 env[env_name(f.name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     return env
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    """What a fault-injecting socket does to each frame it sends (tests only): drop it, send it twice, or hold it
+    back until the socket's next send (a delay that reorders)."""
+
+    drop: float = 0.0
+    dup: float = 0.0
+    hold: float = 0.0
+    seed: int = 0
+
+
+def test_faults() -> dict[str, FaultSpec]:
+    """Test-only fault injection (tests/reliability): PAGODA_TEST_FAULTS="plan=drop:0.1,dup:0.1,hold:0.1;result=..."
+    makes the sockets of those roles (shared/transport.make_socket) lose, repeat and reorder what they send.
+    Unset in every real deployment."""
+    text = os.environ.get(ENV_PREFIX + "TEST_FAULTS", "").strip()
+    faults: dict[str, FaultSpec] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        role, _, spec = part.partition("=")
+        try:
+            values = {key.strip(): float(value) for key, value in (item.split(":") for item in spec.split(","))}
+            faults[role.strip()] = FaultSpec(values.get("drop", 0.0), values.get("dup", 0.0), values.get("hold", 0.0),
+                                             int(values.get("seed", 0)))
+        except ValueError as exc:
+            raise ConfigError(f"cannot read {ENV_PREFIX}TEST_FAULTS part {part!r}: {exc}",
+                              param="test_faults") from exc
+    return faults
 
 
 def sampler_fault_seed() -> int | None:

@@ -264,6 +264,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     sampling: SamplingParams
     seed: int  # the effective sampling seed (the request's, or one drawn at arrival)
     eos_token_ids: list[int] = []  # min_tokens > 0 without ignore_eos: the EOS ids to ban until then
+    grammar_hash: str = ""  # set: sampling.structured_outputs travelled once, in a GrammarDef with this hash
 
 
 class BeamGroup(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -304,6 +305,17 @@ class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, 
     beam_forks: list[BeamFork] = []  # applied before finished sequences and new ones, before appended blocks
     block_copies: list[int] = []  # (source, destination) KV block pairs, flattened: copied before the forward
     beam_groups: list[BeamGroup] = []  # beam searches sampling this step (not in sampled_token_ids)
+    seq: int = -1  # place in the scheduler's sequenced stream to the workers (shared/delivery.py); -1: none
+
+
+class GrammarDef(msgspec.Struct, tag="grammar", array_like=True, omit_defaults=True, frozen=True):
+    """A constraint the worker keeps by hash until told to evict it: sent once, before the first plan whose
+    NewRequest names it (in the same sequenced stream as plans), never inside every plan."""
+
+    seq: int
+    hash: str
+    constraint: StructuredOutputs
+    evict: list[str] = []  # hashes no plan will name any more: the worker drops them (the scheduler's LRU)
 
 
 class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -371,6 +383,7 @@ class Heartbeat(msgspec.Struct, array_like=True, tag="hb", frozen=True):
 
     sender: str
     num_inflight: int = 0
+    acked: int = -1  # a worker: the last sequenced message it applied (shared/delivery.py)
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown", frozen=True):
@@ -439,6 +452,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     tools: list[dict[str, Any]] = []  # OpenAI tool definitions to render into the prompt
     return_token_ids: bool = False  # deltas carry their token ids, Accepted the prompt's (vLLM's return_token_ids)
     render: RenderSpec | None = None  # set: the tokenizer answers with RenderedRows, not TextDeltas
+    tenant: str = ""  # the API key's tenant ("": none); with its weight and tier, for the scheduler's fair share
+    tenant_weight: float = 1.0
+    tenant_priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -581,6 +597,9 @@ class AddRequest(msgspec.Struct, array_like=True, tag="add", frozen=True, omit_d
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    tenant: str = ""  # see GenerateRequest
+    tenant_weight: float = 1.0
+    tenant_priority: int = 0
 
 
 class StopSequence(msgspec.Struct, array_like=True, tag="stopseq", frozen=True):
@@ -686,6 +705,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     decode_step_seconds_total: float = 0.0  # wall time of steps that only decoded
     host_seconds_total: float = 0.0  # the scheduler's own time handling results and planning steps
     traces: list[RequestTrace] = []  # requests finished since the previous snapshot (console on only)
+    tenant_names: list[str] = []  # tenants seen (keys file in use), with these columns aligned to them:
+    tenant_waiting: list[int] = []  # sequences waiting now
+    tenant_running: list[int] = []  # sequences running now
+    tenant_admitted_total: list[int] = []  # requests admitted (first time) so far
+    tenant_queue_seconds_total: list[float] = []  # their time from arrival to first admission, summed
 
 
 class ReplicaAddress(msgspec.Struct, array_like=True, frozen=True):
@@ -749,6 +773,6 @@ TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedR
                   | DetokenizeResult | TokenizerInfoResult)
 TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory
-SchedulerToWorker = StepPlan | Shutdown | Heartbeat  # heartbeats double as subscription probes
+SchedulerToWorker = StepPlan | GrammarDef | Shutdown | Heartbeat  # heartbeats double as subscription probes
 WorkerToScheduler = WorkerReady | StepResult | Heartbeat
 SchedulerToApi = SchedulerStats

@@ -148,12 +148,10 @@ def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: objec
         TokenizerHello,
         TokenizerToScheduler,
     )
-    from pagoda.shared.transport import Codec
+    from pagoda.shared.transport import Codec, make_socket
 
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.connect(endpoint)
+    sock = make_socket(context, zmq.DEALER, endpoint, bind=False, identity=identity.encode())  # CURVE if keyed
     send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
     outputs: dict[str, list[int]] = {}
     finished: set[str] = set()
@@ -191,8 +189,8 @@ class Outbox:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def send(self, payload: Any, copy: bool = True) -> None:
+    def send(self, payload: Any, flags: int = 0, copy: bool = True) -> None:
         self.sent.append(payload)
 
-    def send_multipart(self, frames: list[Any], copy: bool = True) -> None:
+    def send_multipart(self, frames: list[Any], flags: int = 0, copy: bool = True) -> None:
         self.sent.append(frames)

@@ -181,6 +181,18 @@ def test_endpoints_and_ports_agree(rendered: dict[str, Any]) -> None:
     assert "container_name" not in services["tokenizer"] and "container_name" not in services["api"]
 
 
+def test_every_service_holds_the_cluster_key(rendered: dict[str, Any]) -> None:
+    """CURVE on every tcp:// socket needs the key pair in every container: the compose secret, mounted where
+    PAGODA_CLUSTER_KEY_DIR points (shared/transport.py reads <dir>/cluster.key_secret)."""
+    secret = rendered["secrets"]["cluster_key"]
+    assert Path(secret["file"]).name == "cluster.key_secret"
+    for name, service in rendered["services"].items():
+        key_dir = service["environment"]["PAGODA_CLUSTER_KEY_DIR"]
+        [mount] = [m for m in service["secrets"] if m["source"] == "cluster_key"]
+        assert str(Path(key_dir) / "cluster.key_secret") == (mount["target"] if mount["target"].startswith("/")
+                                                             else f"/run/secrets/{mount['target']}"), name
+
+
 def test_models_mount_read_only(rendered: dict[str, Any]) -> None:
     for name in ("worker", "tokenizer"):
         [volume] = rendered["services"][name]["volumes"]

@@ -33,7 +33,7 @@ from pagoda.shared.messages import (
     TokenizerHello,
     TokenizerToScheduler,
 )
-from pagoda.shared.transport import Codec
+from pagoda.shared.transport import ClusterKeys, Codec, make_socket, use_cluster_keys
 from tests.harness import HTTP, free_port, generate_as_tokenizer, server_env, wait_until
 
 pytestmark = pytest.mark.slow
@@ -57,6 +57,10 @@ class Processes:
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
     running: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        ClusterKeys.generate(self.log_dir / "keys")  # compose's cluster_key secret; this process's sockets use it too
+        use_cluster_keys(ClusterKeys.load(self.log_dir / "keys"))
+
     def local(self, value: str) -> str:
         def replace(match: re.Match[str]) -> str:
             key = (match.group(1), int(match.group(2)))
@@ -69,6 +73,8 @@ class Processes:
     def env(self, service: dict[str, Any], overrides: dict[str, str]) -> dict[str, str]:
         env = {k: v for k, v in server_env().items() if k not in set(env_names())}  # one intra-op thread each
         env.update({k: self.local(v) for k, v in service["environment"].items() if v})
+        assert env["PAGODA_CLUSTER_KEY_DIR"] == "/run/secrets"  # where compose mounts the secret: here, ours
+        env["PAGODA_CLUSTER_KEY_DIR"] = str(self.log_dir / "keys")
         env.update(overrides)
         return env
 
@@ -94,6 +100,7 @@ class Processes:
                          for p in sorted(self.log_dir.glob("*.log")))
 
     def stop(self) -> None:
+        use_cluster_keys(None)
         for process in self.running.values():
             if process.poll() is None:
                 process.terminate()
@@ -150,10 +157,8 @@ def _directory(registry: str, timeout_s: float = 3.0) -> Directory | None:
     """What the registry tells its tokenizers, as a fresh (and idle) tokenizer hears it."""
     context = zmq.Context()
     try:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, f"observer-{time.monotonic_ns()}".encode())
-        sock.connect(registry)
+        sock = make_socket(context, zmq.DEALER, registry, bind=False,
+                           identity=f"observer-{time.monotonic_ns()}".encode())
         sock.send(Codec(TokenizerToScheduler).encode(TokenizerHello("observer", os.getpid())))
         codec = Codec(SchedulerToTokenizer)
         while sock.poll(int(timeout_s * 1000)):

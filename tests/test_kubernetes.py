@@ -515,3 +515,48 @@ def test_liveness_reads_the_schedulers_stats(tmp_path: Path) -> None:
         context.term()
     live.TIMEOUT_S = 0.2
     assert live.latest_stats(f"ipc://{tmp_path}/nobody.sock") is None
+
+
+# ------------------------------------------------------------------ trust: the cluster key and who may connect
+
+
+def test_every_container_holds_the_cluster_key_where_the_config_says(overlay: tuple[str, list[Doc]]) -> None:
+    """CURVE needs the key pair in every process that opens a tcp:// socket (plans and results on loopback
+    too): each container mounts the Secret, non-optional, at PAGODA_CLUSTER_KEY_DIR."""
+    name, docs = overlay
+    for doc, container in pagoda_containers(docs):
+        key_dir = container_env(doc, container, docs).get("PAGODA_CLUSTER_KEY_DIR")
+        assert key_dir, (name, container["name"])
+        mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+        assert key_dir in mounts and mounts[key_dir]["readOnly"] is True, (name, container["name"])
+        volume = {v["name"]: v for v in pod_spec(doc)["volumes"]}[mounts[key_dir]["name"]]
+        secret = volume["secret"]
+        assert secret["secretName"] == "pagoda-cluster-key" and secret["optional"] is False
+        assert [item["path"] for item in secret["items"]] == ["cluster.key_secret"]  # what ClusterKeys.load reads
+        assert secret["defaultMode"] & 0o007 == 0, "the key must not be world-readable"
+        assert pod_spec(doc)["securityContext"].get("fsGroup") == pod_spec(doc)["securityContext"]["runAsGroup"]
+
+
+def test_network_policies_admit_only_pagodas_pods_to_the_control_plane(overlay: tuple[str, list[Doc]]) -> None:
+    name, docs = overlay
+    policies = by_kind(docs, "NetworkPolicy")
+    control = policies["pagoda-control-plane"]["spec"]
+    http = policies["pagoda-api-http"]["spec"]
+    pagoda_labels = {"app.kubernetes.io/name": "pagoda"}
+    assert control["podSelector"]["matchLabels"] == pagoda_labels and control["policyTypes"] == ["Ingress"]
+    [rule] = control["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": pagoda_labels}}], "only pagoda's pods"
+    control_ports = {p["port"] for p in rule["ports"]}
+    for doc, container in pagoda_containers(docs):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert selects(control["podSelector"]["matchLabels"], labels), (name, doc["metadata"]["name"])
+        for port in container.get("ports", []):
+            if port["name"] == "http":  # the only port clients reach, and only on api pods
+                assert selects(http["podSelector"]["matchLabels"], labels) and component(container) == "api"
+                assert {p["port"] for r in http["ingress"] for p in r["ports"]} == {port["containerPort"]}
+            else:
+                assert port["containerPort"] in control_ports, (name, container["name"], port)
+    for doc in workloads(docs):  # the HTTP policy opens no other pod
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        if selects(http["podSelector"]["matchLabels"], labels):
+            assert labels.get("app.kubernetes.io/component") == "api"

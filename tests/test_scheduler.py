@@ -915,17 +915,22 @@ def test_add_request_trusts_validation_done_at_the_edge(monkeypatch: pytest.Monk
     assert request.sequences[0].num_output_tokens == 4
 
 
-def test_tokenizer_eos_joins_at_registration_and_reaches_the_worker_with_the_plan() -> None:
-    """The worker knows no tokenizer: the scheduler stops on the EOS a tokenizer registered, and a new request
-    that bans EOS until min_tokens carries the ids to ban in its NewRequest."""
+def test_tokenizer_eos_stops_its_own_requests_and_reaches_the_worker_with_the_plan() -> None:
+    """The worker knows no tokenizer: the scheduler stops a request on the EOS its tokenizer registered (not on
+    another tokenizer's), and a new request that bans EOS until min_tokens carries the ids to ban."""
     sched = make_scheduler()
-    sched.add_eos_token_ids([5])
     ended = make_request("eos", 10, max_tokens=8)
     banned = make_request("min", 10, max_tokens=8, min_tokens=2)
     free = make_request("ignore", 10, max_tokens=8, min_tokens=2, ignore_eos=True)
+    other = make_request("other", 10, max_tokens=3)  # another tokenizer's: 5 is no EOS of its
     for request in (ended, banned, free):
+        request.eos_token_ids = frozenset({5})
         sched.add_request(request)
-    plan, _ = step(sched, FakeWorker(16, lambda seq_id, k: 5 if seq_id == 0 else 20))
+    sched.add_request(other)
+    worker = FakeWorker(16, lambda seq_id, k: 5 if seq_id in (0, 3) else 20)
+    plan, _ = step(sched, worker)
     by_seq = {new.seq_id: new.eos_token_ids for new in plan.new_requests}
-    assert by_seq == {0: [], 1: [EOS, 5], 2: []}
+    assert by_seq == {0: [], 1: [EOS, 5], 2: [], 3: []}
     assert ended.sequences[0].finish_reason == FinishReason.STOP and ended.sequences[0].num_output_tokens == 1
+    run_until_done(sched, worker)
+    assert other.sequences[0].finish_reason == FinishReason.LENGTH and other.sequences[0].num_output_tokens == 3

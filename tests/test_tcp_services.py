@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from pagoda.shared.config import env_names
+from pagoda.shared.transport import ClusterKeys
 from tests.harness import HTTP, free_ports, parse_metrics, server_env, wait_until
 
 pytestmark = pytest.mark.slow
@@ -118,6 +119,8 @@ def cluster(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     })
     common = ["--model", str(smollm2_dir), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
     cluster = Cluster(http, env, tmp_path_factory.mktemp("tcp-services"), common_flags=common)
+    ClusterKeys.generate(cluster.log_dir / "keys")  # as compose's secret: CURVE on every socket
+    env["PAGODA_CLUSTER_KEY_DIR"] = str(cluster.log_dir / "keys")
     try:
         cluster.start("worker", "worker", *common)
         cluster.start("scheduler", "scheduler", *common)

@@ -10,8 +10,8 @@ from aiohttp.typedefs import Handler, Middleware
 
 from pagoda.services.api.console.routes import API_PREFIX as CONSOLE_API_PREFIX
 from pagoda.services.api.console.routes import Console
-from pagoda.services.api.errors import AuthenticationError, UnsupportedMediaTypeError
-from pagoda.services.api.handlers import ApiState, Handlers, json_response
+from pagoda.services.api.errors import AuthenticationError, RateLimitError, UnsupportedMediaTypeError
+from pagoda.services.api.handlers import DEFAULT_TENANT, TENANT, ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.protocol.render import error_body
 from pagoda.services.protocol.vllm import UNSUPPORTED_ROUTES
@@ -28,7 +28,7 @@ RETRY_AFTER_S = "1"
 
 def build_app(state: ApiState) -> web.Application:
     handlers = Handlers(state)
-    app = web.Application(middlewares=[error_middleware(state.metrics), auth_middleware(state.config.api_key),
+    app = web.Application(middlewares=[error_middleware(state.metrics), auth_middleware(state),
                                        content_type_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app.add_routes([
@@ -53,22 +53,39 @@ def build_app(state: ApiState) -> web.Application:
     return app
 
 
-def auth_middleware(api_key: str | None) -> Middleware:
+def auth_middleware(state: ApiState) -> Middleware:
+    """With a key (--api-key) or a keys file (--api-keys-file), /v1 routes need 'Authorization: Bearer KEY'; a
+    key from the file makes the request its tenant's (request[TENANT], read by the handlers)."""
+    api_key = state.config.api_key
     expected = f"Bearer {api_key}".encode() if api_key else None
+    keys = state.keys
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is not None and request.path.startswith(PROTECTED_PREFIXES):
-            # Every Authorization header must hold the key (a proxy may add or keep one). Header values are
+        if (expected is not None or keys is not None) and request.path.startswith(PROTECTED_PREFIXES):
+            # Every Authorization header must hold the same key (a proxy may add or keep one). Header values are
             # str with surrogates for bytes that are not UTF-8: those bytes compare as themselves.
             given = [value.strip().encode("utf-8", "surrogateescape")
                      for value in request.headers.getall("Authorization", [])]
-            # constant time: no key guessing by timing
-            if not given or not all([hmac.compare_digest(value, expected) for value in given]):
+            if not given or any(value != given[0] for value in given):
                 raise AuthenticationError()
+            # constant time: no key guessing by timing (the file holds hashes: a lookup leaks nothing of a key)
+            if expected is not None and hmac.compare_digest(given[0], expected):
+                request[TENANT] = DEFAULT_TENANT if keys is not None else None
+            else:
+                found = keys.lookup(_bearer(given[0])) if keys is not None else None
+                # the console sees every tenant's requests: the operator's key (--api-key) only
+                if found is None or request.path.startswith(CONSOLE_API_PREFIX):
+                    raise AuthenticationError()
+                request[TENANT] = found
         return await handler(request)
 
     return check_key
+
+
+def _bearer(value: bytes) -> str:
+    scheme, _, token = value.partition(b" ")
+    return token.strip().decode("utf-8", "surrogateescape") if scheme.lower() == b"bearer" else ""
 
 
 JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/octet-stream")  # the last two: lenient clients
@@ -97,6 +114,8 @@ def error_middleware(metrics: ApiMetrics) -> Middleware:
             response = await handler(request)
         except PagodaError as exc:
             response = json_response(exc.to_dict(), status=exc.http_status)
+            if isinstance(exc, RateLimitError):
+                response.headers["Retry-After"] = str(exc.retry_after_s)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
             reason = UNSUPPORTED_ROUTES.get(request.path) if exc.status == 404 else None
             message = f"{exc.reason}: {request.method} {request.path}" + (f" ({reason})" if reason else "")

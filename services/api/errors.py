@@ -40,3 +40,15 @@ class UpstreamError(PagodaError):
     @classmethod
     def from_failed(cls, failed: RequestFailed) -> UpstreamError:
         return cls(failed.status, failed.message, failed.error_type, failed.param, failed.code)
+
+
+class RateLimitError(PagodaError):
+    """A tenant's quota is used up: 429 with Retry-After. `kind` is OpenAI's error type for it: requests or
+    tokens."""
+
+    http_status = 429
+
+    def __init__(self, message: str, kind: str, retry_after_s: int, code: str = "rate_limit_exceeded") -> None:
+        super().__init__(message, code=code)
+        self.error_type = kind
+        self.retry_after_s = max(1, retry_after_s)

@@ -7,18 +7,19 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
 from pagoda.services.api.console.inspector import RequestLog, RequestRecord
-from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
+from pagoda.services.api.errors import RateLimitError, RequestTimeoutError, UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
 from pagoda.services.api.stats import ReplicaStatsFeed
+from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog
 from pagoda.services.protocol.render import CHAT, COMPLETION, SSE_DONE, encode_json, renderer_for, sse
 from pagoda.services.protocol.schemas import (
     ChatBody,
@@ -54,6 +55,8 @@ from pagoda.shared.messages import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+TENANT = "pagoda.tenant"  # request[TENANT]: (key id, Tenant) of the key that authenticated it, or None
+DEFAULT_TENANT = ("default", Tenant("default"))  # the --api-key key beside a keys file: no limits
 
 
 def _headers(deprecated: list[str]) -> dict[str, str]:
@@ -89,6 +92,9 @@ class ApiState:
     metrics: ApiMetrics
     started: int  # time.time() at start, the models' "created"
     shutting_down: bool = False
+    keys: KeyTable | None = None  # --api-keys-file: tenants and their quotas
+    gate: QuotaGate = field(default_factory=QuotaGate)
+    usage_log: UsageLog | None = None
     console_requests: RequestLog | None = None  # the console's request inspector (None: --no-console)
 
 
@@ -96,10 +102,15 @@ class Handlers:
     def __init__(self, state: ApiState) -> None:
         self.state = state
 
-    def _check_model(self, name: str | None) -> str:
+    def _check_model(self, name: str | None, request: web.Request) -> str:
         if name is not None and name not in self.state.model_names:
             raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
                                      f"`{self.state.served_model_name}`.")
+        tenant = _tenant(request)
+        if tenant is not None and not tenant.allows(self.state.model_names):
+            self.state.metrics.tenant_rejected(tenant.name, "model")
+            raise ModelNotFoundError(f"The model `{name or self.state.served_model_name}` does not exist or your "
+                                     "API key may not use it.")
         return self.state.served_model_name
 
     async def _body(self, request: web.Request) -> bytes:
@@ -126,7 +137,7 @@ class Handlers:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
         body = await self._read(request, CompletionBody)
-        model = self._check_model(body.model)
+        model = self._check_model(body.model, request)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs)
         spec = RenderSpec(COMPLETION, response_id, model, int(time.time()), bool(body.stream),
@@ -139,7 +150,7 @@ class Handlers:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
         body = await self._read(request, ChatBody)
-        model = self._check_model(body.model)
+        model = self._check_model(body.model, request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         config = self.state.config
         message = chat_request(body, response_id, time.time(), config.max_logprobs)
@@ -156,34 +167,86 @@ class Handlers:
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,
                         started_at: float, headers: dict[str, str]) -> web.StreamResponse:
+        found = request.get(TENANT)
+        tenant: Tenant | None = found[1] if found is not None else None
+        lease = self._admit(tenant)  # 429 over quota, before any work
+        arrival = messages[0].arrival_time
         # The tokenizer renders each prompt's choices (they start at prompt index * n); the same renderer here
-        # serves a tokenizer that answers with text instead.
+        # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share.
         n = messages[0].params.n
-        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n))
+        tag = {"tenant": tenant.name, "tenant_weight": tenant.weight, "tenant_priority": tenant.priority} \
+            if tenant is not None else {}
+        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n), **tag)
                     for i, m in enumerate(messages)]
-        ticket = self.state.pool.submit(messages)
-        timeout = self.state.config.request_timeout
-        gen = Generation(ticket, n, started_at, self.state.metrics, renderer_for(spec), spec.stream,
-                         deadline=started_at + timeout if timeout > 0 else None)
-        inspector = self.state.console_requests
-        record = inspector.start("chat" if spec.route == CHAT else "completion", messages, spec.stream,
-                                 started_at) if inspector is not None else None
+        gen: Generation | None = None
+        status = 499  # the client left (the handler was cancelled) unless set below
         try:
-            await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
-            if spec.stream:
-                return await self._stream(request, gen, headers)
-            while not gen.finished:
-                await gen.next_batch()
-            self.state.metrics.e2e.observe(time.monotonic() - started_at)
-            return json_response(gen.body(), headers=headers)
-        except Exception as exc:
-            gen.error = exc.message if isinstance(exc, PagodaError) else "internal server error"
+            ticket = self.state.pool.submit(messages)
+            timeout = self.state.config.request_timeout
+            gen = Generation(ticket, n, started_at, self.state.metrics, renderer_for(spec), spec.stream,
+                             deadline=started_at + timeout if timeout > 0 else None)
+            inspector = self.state.console_requests
+            record = inspector.start("chat" if spec.route == CHAT else "completion", messages, spec.stream,
+                                     started_at) if inspector is not None else None
+            try:
+                await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
+                if spec.stream:
+                    response = await self._stream(request, gen, headers)
+                else:
+                    while not gen.finished:
+                        await gen.next_batch()
+                    self.state.metrics.e2e.observe(time.monotonic() - started_at)
+                    response = json_response(gen.body(), headers=headers)
+                status = response.status
+                return response
+            except Exception as exc:
+                gen.error = exc.message if isinstance(exc, PagodaError) else "internal server error"
+                raise
+            finally:
+                # Runs on success, on error and on cancellation (the client hung up): whatever still runs is
+                # aborted.
+                self.state.pool.finish(ticket, gen.unfinished_request_ids())
+                if inspector is not None and record is not None:
+                    _log_finished(inspector, record, gen)
+        except PagodaError as exc:
+            status = exc.http_status
+            raise
+        except Exception:
+            status = 500
             raise
         finally:
-            # Runs on success, on error and on cancellation (the client hung up): whatever still runs is aborted.
-            self.state.pool.finish(ticket, gen.unfinished_request_ids())
-            if inspector is not None and record is not None:
-                _log_finished(inspector, record, gen)
+            self._account(found, lease, gen, spec, status, arrival, started_at)
+
+    def _admit(self, tenant: Tenant | None) -> Lease | None:
+        if tenant is None:
+            return None
+        try:
+            return self.state.gate.admit(tenant, time.monotonic())
+        except RateLimitError as exc:
+            self.state.metrics.tenant_rejected(tenant.name, exc.error_type if exc.code == "rate_limit_exceeded"
+                                               else "concurrency")
+            raise
+
+    def _account(self, found: tuple[str, Tenant] | None, lease: Lease | None, gen: Generation | None,
+                 spec: RenderSpec, status: int, arrival: float, started_at: float) -> None:
+        """A finished generation request: its tokens charged to its tenant, counted, and logged for billing."""
+        prompt_tokens = gen.prompt_tokens if gen is not None else 0
+        completion_tokens = gen.completion_tokens if gen is not None else 0
+        now = time.monotonic()
+        if lease is not None:
+            self.state.gate.release(lease, prompt_tokens + completion_tokens, now)
+        first_token_s = gen.first_token_at - started_at if gen is not None and gen.first_token_at else None
+        if found is not None:
+            self.state.metrics.tenant_finished(found[1].name, status, prompt_tokens, completion_tokens,
+                                               first_token_s)
+        if self.state.usage_log is not None:
+            self.state.usage_log.write({
+                "tenant": found[1].name if found is not None else "", "key_id": found[0] if found else "",
+                "request_id": spec.response_id, "model": spec.model, "status": status,
+                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "cached_tokens": gen.cached_tokens if gen is not None else 0, "arrival_time": arrival,
+                "first_token_s": None if first_token_s is None else round(first_token_s, 6),
+                "duration_s": round(now - started_at, 6), "end_time": time.time()})
 
     async def _stream(self, request: web.Request, gen: Generation, headers: dict[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
@@ -224,7 +287,7 @@ class Handlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._read(request, TokenizeBody)
-        self._check_model(body.model)
+        self._check_model(body.model, request)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
         request_id = f"tokenize-{uuid.uuid4().hex}"
@@ -265,7 +328,7 @@ class Handlers:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._read(request, DetokenizeBody)
-        self._check_model(body.model)
+        self._check_model(body.model, request)
         if any(not 0 <= t <= MAX_INT32 for t in body.tokens):
             raise InvalidRequestError(f"token ids must be integers in [0, {MAX_INT32}]", param="tokens")
         reply = await self._ask(DetokenizeRequest(f"detokenize-{uuid.uuid4().hex}", body.tokens))
@@ -313,11 +376,13 @@ class Handlers:
                 "owned_by": "pagoda", "max_model_len": max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+        tenant = _tenant(request)
+        visible = tenant is None or tenant.allows(self.state.model_names)
+        return json_response({"object": "list", "data": [self._model_card()] if visible else []})
 
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id}: the SDK's models.retrieve; 404 for a name this server does not serve."""
-        self._check_model(request.match_info["model_id"])
+        self._check_model(request.match_info["model_id"], request)
         return json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
@@ -354,6 +419,9 @@ class Handlers:
 
 
 
+def _tenant(request: web.Request) -> Tenant | None:
+    found = request.get(TENANT)
+    return found[1] if found is not None else None
 def _log_finished(inspector: RequestLog, record: RequestRecord, gen: Generation) -> None:
     inspector.finish(record, finished=gen.finished, error=gen.error, tokenized_mono=gen.accepted_at,
                 first_token_mono=gen.first_token_at, prompt_tokens=gen.prompt_tokens,

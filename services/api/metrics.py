@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pagoda.shared.messages import SchedulerStats
@@ -82,6 +82,28 @@ def _families(replicas: list[tuple[str, SchedulerStats]], labelled: bool) -> Ite
             tokenizers.add(tokenizer_id)
     yield per_tokenizer
     yield GaugeMetricFamily("pagoda_num_tokenizers", "Live tokenizer processes", value=len(tokenizers))
+    yield from _tenant_families(replicas, labelled)
+
+
+def _tenant_families(replicas: list[tuple[str, SchedulerStats]], labelled: bool) -> Iterator[Metric]:
+    """The scheduler's per-tenant numbers: sequences waiting and running, and queue time (arrival to first
+    admission) as a summary's sum and count."""
+    if not any(stats.tenant_names for _, stats in replicas):
+        return
+    labels = ["tenant", "replica"] if labelled else ["tenant"]
+    waiting = GaugeMetricFamily("pagoda_tenant_sequences_waiting", "Sequences waiting, by tenant", labels=labels)
+    running = GaugeMetricFamily("pagoda_tenant_sequences_running", "Sequences running, by tenant", labels=labels)
+    queue = SummaryMetricFamily("pagoda_tenant_queue_time_seconds", "Time from arrival to first admission by the "
+                                "scheduler, by tenant", labels=labels)
+    for replica_id, stats in replicas:
+        columns = zip(stats.tenant_names, stats.tenant_waiting, stats.tenant_running, stats.tenant_admitted_total,
+                      stats.tenant_queue_seconds_total, strict=False)
+        for name, num_waiting, num_running, admitted, queued_s in columns:
+            values = [name, replica_id] if labelled else [name]
+            waiting.add_metric(values, num_waiting)
+            running.add_metric(values, num_running)
+            queue.add_metric(values, count_value=admitted, sum_value=queued_s)
+    yield from (waiting, running, queue)
 
 
 class ApiMetrics:
@@ -102,6 +124,18 @@ class ApiMetrics:
                              buckets=E2E_BUCKETS_S, registry=own)
         self.http_requests = Counter("pagoda_http_requests", "HTTP requests answered", ["route", "status"],
                                      registry=own)
+        # per tenant (a keys file in use): label values are the file's tenant names, a bounded set
+        self.tenant_requests = Counter("pagoda_tenant_requests", "Generation requests answered, by tenant and "
+                                       "HTTP status", ["tenant", "status"], registry=own)
+        self.tenant_prompt_tokens = Counter("pagoda_tenant_prompt_tokens", "Prompt tokens of finished requests",
+                                            ["tenant"], registry=own)
+        self.tenant_generation_tokens = Counter("pagoda_tenant_generation_tokens", "Tokens generated for finished "
+                                                "requests", ["tenant"], registry=own)
+        self.tenant_rejections = Counter("pagoda_tenant_rejections", "Requests refused by a tenant's quota "
+                                         "(reason: concurrency, requests, tokens, model)", ["tenant", "reason"],
+                                         registry=own)
+        self.tenant_ttft = Histogram("pagoda_tenant_time_to_first_token_seconds", "Time from HTTP arrival to the "
+                                     "first token, by tenant", ["tenant"], buckets=TTFT_BUCKETS_S, registry=own)
         self.registry.register(SnapshotCollector(latest, per_replica))
         self._files = MultiProcessCollector(None) if multiprocess else None  # every api process's histograms
 
@@ -118,6 +152,17 @@ class ApiMetrics:
             buckets = [(float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket")]
             out[key] = sorted(buckets)
         return out
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        self.tenant_rejections.labels(tenant, reason).inc()
+
+    def tenant_finished(self, tenant: str, status: int, prompt_tokens: int, generation_tokens: int,
+                        first_token_s: float | None) -> None:
+        self.tenant_requests.labels(tenant, str(status)).inc()
+        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.tenant_generation_tokens.labels(tenant).inc(generation_tokens)
+        if first_token_s is not None:
+            self.tenant_ttft.labels(tenant).observe(first_token_s)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, in the format the scraper asked for."""

@@ -18,13 +18,16 @@ from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import TokenizerPool
 from pagoda.services.api.registry import RegistryClient
 from pagoda.services.api.stats import ReplicaStatsFeed
+from pagoda.services.api.tenants import KeyTable, UsageLog
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.discovery import advertised, host_toward
+from pagoda.shared.transport import load_cluster_keys
 
 log = logging.getLogger(__name__)
 
 FAIL_FLUSH_S = 2.0  # after the grace period: time for handlers to write their error and return
 CLOSE_TIMEOUT_S = 1.0  # then aiohttp cancels whatever is left
+KEYS_POLL_S = 1.0  # how often the keys file's mtime is looked at
 
 
 def served_model_name(engine_config: EngineConfig, config: ServerConfig) -> str:
@@ -33,6 +36,7 @@ def served_model_name(engine_config: EngineConfig, config: ServerConfig) -> str:
 
 def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; returns after a clean shutdown."""
+    load_cluster_keys(server_config.cluster_key_dir)
     try:
         import uvloop
     except ImportError:  # not on Windows; the default loop works, only slower
@@ -52,7 +56,8 @@ def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, confi
         stats = ReplicaStatsFeed(context, config.replica_endpoint_list("stats"), config.heartbeat_timeout)
     return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
                     pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
-                    started=int(time.time()),
+                    started=int(time.time()), keys=KeyTable(config.api_keys_file) if config.api_keys_file else None,
+                    usage_log=UsageLog(config.usage_log) if config.usage_log else None,
                     console_requests=RequestLog(config.console_max_requests, config.console_show_prompts)
                     if config.console else None)
 
@@ -70,6 +75,10 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
                                access_log=access_log, keepalive_timeout=config.body_read_timeout or 75.0)
         await runner.setup()
         registry = _registry_client(context, config, state)
+        watch = asyncio.create_task(_watch_keys(state.keys)) if state.keys is not None else None
+        # SIGHUP (the launcher passes its own on): read the keys file again; without one, nothing (not the
+        # default action, which would end the process)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, state.keys.reload if state.keys else _ignore)
         try:
             state.pool.start()
             state.stats.start()
@@ -82,6 +91,10 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
             await stop.wait()
             await _drain(state, site, config.shutdown_grace)
         finally:
+            if watch is not None:
+                watch.cancel()
+            if state.usage_log is not None:
+                state.usage_log.close()
             if registry is not None:
                 await registry.close()
             await runner.cleanup()
@@ -100,6 +113,17 @@ def _registry_client(context: zmq.asyncio.Context, config: ServerConfig, state: 
         return None if host is None else advertised(state.pool.endpoint, host)
 
     return RegistryClient(context, config.registry_endpoint, address, state.stats, config.heartbeat_interval)
+
+
+def _ignore() -> None:
+    pass
+
+
+async def _watch_keys(keys: KeyTable) -> None:
+    """Keys reload without a restart when the file changes (polled; SIGHUP reloads at once)."""
+    while True:
+        await asyncio.sleep(KEYS_POLL_S)
+        keys.maybe_reload()
 
 
 def _stop_on_signal() -> asyncio.Event:

@@ -16,28 +16,51 @@ STEP_HISTORY = 256  # recent step durations the bound is derived from
 BOUND_FACTOR = 10.0  # a step this many times slower than the slowest recent one counts as hung
 WARMUP_STEPS = 8  # until this many steps are measured, the derived bound is at least WARMUP_BOUND_S:
 WARMUP_BOUND_S = 120.0  # first steps allocate and warm caches (seen: 10 s for step 1 on a loaded CPU)
+LARGE_STEP_TOKENS = 64  # steps of at least this many tokens give the per-token time a long prefill is held to
+RESEND_FACTOR = 3.0  # a plan unanswered this many times the slowest recent step is sent again
+RESEND_FLOOR_S = 0.5  # ... but never sooner than this
+COMPILE_BOUND_S = 120.0  # a step where a constrained row first samples may wait for its grammar to compile
+IDLE_BOUND_S = 30.0  # an idle worker's silence counts as a hang only past this (or the step bound, if longer):
+# no client waits on an idle worker, and a loaded host delays heartbeats by seconds
 
 
 @dataclass(slots=True)
 class StepWatch:
-    """The bound on one step: `step_timeout` when set, else max(floor, BOUND_FACTOR x the slowest recent)."""
+    """The bound on one step: `step_timeout` when set, else max(floor, BOUND_FACTOR x the slowest recent step,
+    BOUND_FACTOR x the slowest recent time per token x this step's tokens) (a long prefill after short decode
+    steps is not a hang). Once warmed up the floor (seconds, --hang-floor) is what bounds an idle-fast worker."""
 
     step_timeout: float = 0.0  # fixed bound in seconds; 0: derived from measured steps
-    floor: float = 120.0  # a derived bound is never below this (compiles, long prefills, a loaded host)
+    floor: float = 8.0  # a derived bound is never below this (a loaded host, a late heartbeat)
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
+    per_token: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))  # seconds per token
 
-    def record(self, seconds: float) -> None:
+    def record(self, seconds: float, num_tokens: int = 1) -> None:
         self.durations.append(seconds)
+        if num_tokens >= LARGE_STEP_TOKENS:
+            self.per_token.append(seconds / num_tokens)
 
-    def bound(self) -> float:
+    def bound(self, num_tokens: int = 1, compiling: bool = False) -> float:
+        """`compiling`: a constrained row of this step samples for the first time (the worker compiles grammars
+        off its loop, but the row's first mask waits for it: seconds of CPU, more on a loaded host)."""
         if self.step_timeout > 0:
             return self.step_timeout
         slowest = max(self.durations, default=0.0)
+        by_tokens = max(self.per_token, default=0.0) * num_tokens
         warmup = WARMUP_BOUND_S if len(self.durations) < WARMUP_STEPS else 0.0
-        return max(self.floor, BOUND_FACTOR * slowest, warmup)
+        compile_s = COMPILE_BOUND_S if compiling else 0.0
+        return max(self.floor, BOUND_FACTOR * max(slowest, by_tokens), warmup, compile_s)
+
+    def idle_bound(self) -> float:
+        return self.step_timeout if self.step_timeout > 0 else max(self.bound(), IDLE_BOUND_S)
+
+    def resend_after(self) -> float:
+        """How long a sequenced message to the worker may go unanswered before it is sent again (a resend is
+        harmless: the worker applies each once and answers a repeat with its cached reply)."""
+        return max(RESEND_FLOOR_S, RESEND_FACTOR * max(self.durations, default=0.0))
 
     def verdict(self, now: float, step_started_at: float | None, step_id: int, worker_last_seen: float,
-                ready: bool) -> str:
+                ready: bool, num_tokens: int = 1, compiling: bool = False) -> str:
         """Why the worker counts as hung, or "" while it makes progress.
 
         step_started_at: when the step in flight went out (None: no step in flight);
@@ -46,11 +69,12 @@ class StepWatch:
             return ""  # loading weights: no progress to expect yet
         if step_started_at is not None:
             running_s = now - step_started_at
-            if running_s > self.bound():
-                return (f"the worker is hung: step {step_id} has run {running_s:.1f} s (bound {self.bound():.1f} s, "
+            bound = self.bound(num_tokens, compiling)
+            if running_s > bound:
+                return (f"the worker is hung: step {step_id} has run {running_s:.1f} s (bound {bound:.1f} s, "
                         f"slowest recent step {max(self.durations, default=0.0):.2f} s)")
             return ""
         silent_s = now - worker_last_seen
-        if silent_s > self.bound():
-            return f"the worker is hung: idle and silent for {silent_s:.1f} s (bound {self.bound():.1f} s)"
+        if silent_s > self.idle_bound():
+            return f"the worker is hung: idle and silent for {silent_s:.1f} s (bound {self.idle_bound():.1f} s)"
         return ""

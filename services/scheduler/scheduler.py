@@ -31,7 +31,7 @@ provisional tokens, from oldest to newest step in flight:
 from __future__ import annotations
 
 import bisect
-import heapq
+import math
 import random
 import secrets
 from collections import deque
@@ -41,9 +41,20 @@ from enum import IntEnum
 
 from pagoda.services.scheduler.beam import BeamSearch, assign_slots
 from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
+from pagoda.services.scheduler.fairness import (
+    MAX_TENANT_CHARS,
+    MAX_TIER,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    FairQueue,
+    TenantShare,
+    may_take,
+)
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError
 from pagoda.shared.messages import (
     GREEDY_TEMPERATURE,
+    MAX_INT64,
+    MIN_INT64,
     BeamCandidates,
     BeamFork,
     BeamGroup,
@@ -75,6 +86,10 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first
     owner: int = 0  # the process that owns the request (deltas route back to it)
+    tenant: str = ""  # whose request (an API key's tenant); the waiting queue shares slots among tenants
+    weight: float = 1.0  # the tenant's weight in that share
+    tier: int = 0  # the tenant's priority tier: lower tiers are served first
+    eos_token_ids: frozenset[int] = frozenset()  # its tokenizer's EOS ids (besides the model's): stop on them too
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     beam: BeamSearch | None = None  # a beam search: its sequences are the beams' slots
@@ -118,6 +133,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
 
 
 @dataclass(slots=True)
@@ -171,7 +190,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap by rank
+        self.waiting = FairQueue()  # a heap by rank per tenant; tenants served by weighted fair share
         self.running: list[Sequence] = []  # sorted by rank
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -197,6 +216,7 @@ class Scheduler:
         parameters, then its prompt against this model. Called once, where a request enters (the offline
         engine; in `pagoda serve` the api validates the parameters and the tokenizer the prompt)."""
         request.sampling.validate()
+        check_request_fields(request)
         self.check_prompt(request)
 
     def check_prompt(self, request: Request) -> None:
@@ -331,6 +351,8 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         appended_seq_ids: list[int] = []
         appended_block_ids: list[int] = []
+        if len(self.waiting.tenants) > 1:
+            self._rebalance()
         preemptions_before = self.stats.num_preemptions
 
         # a sequence at max_len with a provisional token is done once that token arrives: nothing to compute; a
@@ -471,26 +493,63 @@ class Scheduler:
             self._preempt(victim)
 
     def _pick_victim(self, seq: Sequence, scheduled: dict[int, int]) -> Sequence | None:
-        """The lowest-ranked running sequence ranked below `seq` that this step has not scheduled (a beam goes
-        with its whole group: never seq's own group, nor one with a beam scheduled)."""
+        """The running sequence that gives its blocks to `seq`, among those this step has not scheduled: of seq's
+        tenant and ranked below it, or of a tenant that owes seq's a slot (fairness.may_take); the lowest-ranked
+        of the most loaded tenant. With one tenant: the lowest-ranked sequence ranked below `seq`. A beam goes with
+        its whole group: never seq's own group, nor one with a beam scheduled."""
+        tenants = self.waiting.tenants
+        own = tenants[seq.tenant]
+        best: Sequence | None = None
+        best_key: tuple[int, float, tuple[int, float, int]] | None = None
         for victim in reversed(self.running):
-            if victim is seq or victim.rank < seq.rank:
-                return None
-            if victim.seq_id in scheduled:
+            if victim is seq or victim.seq_id in scheduled:
                 continue
             request = victim.request
             if request.beam is not None and (request is seq.request or any(
                     beam.seq_id in scheduled for beam in self._beam_live(request))):
                 continue
-            return victim
-        return None
+            giver = tenants[victim.tenant]
+            if giver is own and victim.rank < seq.rank or giver is not own and not may_take(own, giver, extra=0):
+                continue
+            key = (giver.tier, giver.load(), victim.rank)
+            if best_key is None or key > best_key:
+                best, best_key = victim, key
+        return best
+
+    def _rebalance(self) -> None:
+        """Slots or blocks are short and a tenant below its share waits: the most loaded tenant that owes it a slot
+        (fairness.may_take) gives one, the running sequence with the least computed (the lowest-ranked of those)
+        preempted by recompute, until the share is met or nothing is owed; the takers' sequences are admitted
+        this step."""
+        reserved: dict[str, int] = {}
+        while True:
+            seq = self.waiting.head(reserved)
+            if seq is None or seq.num_pending or not self._lacks_room(seq, sum(reserved.values())):
+                return
+            taker = self.waiting.tenants[seq.tenant]
+            extra = reserved.get(taker.name, 0) + 1
+            givers = [tenant for tenant in self.waiting.tenants.values() if may_take(taker, tenant, extra)]
+            if not givers:
+                return  # the tenant first in line is owed nothing: neither is any other
+            giver = max(givers, key=lambda tenant: (tenant.tier, tenant.load()))
+            # the giver's sequence whose recompute costs least (often one it was just given): the rest progress
+            victims = [victim for victim in reversed(self.running) if victim.tenant == giver.name]
+            self._preempt(min(victims, key=lambda victim: victim.num_computed_tokens))
+            reserved[taker.name] = extra
+
+    def _lacks_room(self, seq: Sequence, num_reserved: int) -> bool:
+        """No running slot, or too few free blocks for a first chunk of `seq`, once `num_reserved` slots are
+        promised to other tenants."""
+        if self._num_seats_taken() + num_reserved >= self.max_num_seqs:
+            return True
+        first_chunk = min(seq.num_tokens, self.max_num_batched_tokens)
+        return self.blocks.num_blocks_for(first_chunk) - len(seq.table.block_ids) > self.blocks.num_free_blocks
 
     def _admit_waiting(self, budget: int, num_tokens: dict[int, int], new_requests: list[NewRequest]) -> int:
-        while self.waiting and budget > 0 and self._num_seats_taken() < self.max_num_seqs:
-            seq = self.waiting[0][1]
-            if seq.status == SeqStatus.FINISHED:  # aborted while waiting
-                heapq.heappop(self.waiting)
-                continue
+        while budget > 0 and self._num_seats_taken() < self.max_num_seqs:
+            seq = self.waiting.head()  # weighted fair share among tenants, rank order within one
+            if seq is None:
+                break
             if seq.num_pending:  # preempted with a token in flight: the worker gets real tokens only
                 break
             beam = seq.request.beam
@@ -502,9 +561,8 @@ class Scheduler:
                 if not self.running and self._release_waiting_blocks(seq):
                     continue  # forked siblings waiting behind it held the blocks it needs
                 break  # the head of the queue does not fit: FCFS, nothing overtakes it
-            heapq.heappop(self.waiting)
-            bisect.insort(self.running, seq, key=_rank)
-            seq.status = SeqStatus.RUNNING
+            self.waiting.pop(seq)
+            self._start_running(seq)
             if beam is not None and not beam.num_generated:
                 self._unforked_beams[seq.request.request_id] = beam.width - 1  # its first step forks the rest
             if count:  # a beam with only its last token left runs when its whole group does
@@ -513,16 +571,15 @@ class Scheduler:
             new_requests.append(NewRequest(
                 seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
                 block_ids=list(seq.table.block_ids), num_computed_tokens=seq.num_computed_tokens,
-                sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request.sampling)))
+                sampling=seq.request.sampling, seed=seq.seed, eos_token_ids=self._banned_eos(seq.request)))
         return budget
 
-    def _banned_eos(self, params: SamplingParams) -> list[int]:
+    def _banned_eos(self, request: Request) -> list[int]:
         """The EOS ids the worker bans until min_tokens (the worker knows no EOS of its own)."""
-        return sorted(self.eos_token_ids) if params.min_tokens > 0 and not params.ignore_eos else []
-
-    def add_eos_token_ids(self, token_ids: Iterable[int]) -> None:
-        """A tokenizer registered with its EOS id: sequences stop on it too."""
-        self.eos_token_ids = self.eos_token_ids | frozenset(token_ids)
+        params = request.sampling
+        if params.min_tokens == 0 or params.ignore_eos:
+            return []
+        return sorted(self.eos_token_ids | request.eos_token_ids)
 
     def _release_waiting_blocks(self, seq: Sequence) -> bool:
         """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked.
@@ -724,8 +781,7 @@ class Scheduler:
             seq.table, copy = fork
             seq.num_computed_tokens = len(known[parent])
             if seq.status != SeqStatus.RUNNING:  # a beam of the first step
-                seq.status = SeqStatus.RUNNING
-                bisect.insort(self.running, seq, key=_rank)
+                self._start_running(seq)
             self._beam_forks.append((seq, BeamFork(seq.seq_id, live[parent].seq_id, token, list(seq.table.block_ids)),
                                      copy))
         beam.scores = [0.0] * len(request.sequences)
@@ -754,7 +810,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.request.sampling
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if not params.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.request.eos_token_ids):
             return FinishReason.STOP
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
@@ -779,7 +835,18 @@ class Scheduler:
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self.waiting, (seq.rank, seq))
+        self.waiting.push(seq, seq.request.weight, seq.request.tier)
+
+    def _start_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=_rank)
+        seq.status = SeqStatus.RUNNING
+        self.waiting.tenants[seq.tenant].num_running += 1
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        share: TenantShare = self.waiting.tenants[seq.tenant]
+        share.num_running -= 1
+        assert share.num_running >= 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Back to waiting, blocks freed (recomputed later): a beam with every running beam of its group."""
@@ -788,7 +855,7 @@ class Scheduler:
             group = [beam for beam in seq.request.sequences if beam.status == SeqStatus.RUNNING]
             self._unforked_beams.pop(seq.request.request_id, None)  # admitted again with seats for all
         for victim in group:
-            self.running.remove(victim)
+            self._stop_running(victim)
             self.blocks.free(victim.table)
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
@@ -803,7 +870,7 @@ class Scheduler:
             del seq.token_ids[-seq.num_pending:]
             seq.num_pending = 0
         if seq.status == SeqStatus.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
             self._forgotten.append(seq.seq_id)
         # a waiting sequence stays in the heap until admission skips it (removal from a heap is O(n))
         self.blocks.free(seq.table)
@@ -814,6 +881,7 @@ class Scheduler:
         request.num_finished += 1
         if request.num_finished == len(request.sequences):
             del self.requests[request.request_id]
+            self.waiting.forget_idle(request.tenant)
             self._unforked_beams.pop(request.request_id, None)
         elif seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
@@ -821,6 +889,19 @@ class Scheduler:
                     self._finish(sibling, reason)
 
 
+def check_request_fields(request: Request) -> None:
+    """The fields besides sampling and prompt that order the queues: a NaN arrival or a zero weight would break
+    the heaps' order, a huge tenant name the memory."""
+    if not math.isfinite(request.arrival_time):
+        raise InvalidRequestError("arrival_time must be finite", param="arrival_time")
+    if not MIN_INT64 <= request.priority <= MAX_INT64:
+        raise InvalidRequestError("priority must fit in 64 bits", param="priority")
+    if len(request.tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequestError(f"a tenant name has at most {MAX_TENANT_CHARS} characters", param="tenant")
+    if not (math.isfinite(request.weight) and MIN_WEIGHT <= request.weight <= MAX_WEIGHT):
+        raise InvalidRequestError(f"a tenant weight is in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]", param="tenant_weight")
+    if not -MAX_TIER <= request.tier <= MAX_TIER:
+        raise InvalidRequestError(f"a tenant priority is in [-{MAX_TIER}, {MAX_TIER}]", param="tenant_priority")
 class _Generated:
     """The live beams' generated tokens, as BeamSearch.step's history: sliced only for a new hypothesis."""
 

@@ -10,12 +10,15 @@ to the oldest.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
@@ -24,14 +27,18 @@ from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.scheduler.tracing import RequestTracer
 from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.delivery import SendLog
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
+    MAX_INT32,
     AbortRequest,
     AddRequest,
     ApiJoin,
     FinishReason,
+    GrammarDef,
     Heartbeat,
     ModelInfo,
+    NewRequest,
     PromptScores,
     ReplicaJoin,
     RequestFailed,
@@ -50,12 +57,15 @@ from pagoda.shared.messages import (
     WorkerToScheduler,
 )
 from pagoda.shared.service_main import stop_on_signals
-from pagoda.shared.transport import Codec, drain, make_socket, single_frame, split_routed
+from pagoda.shared.transport import Codec, drain, load_cluster_keys, make_socket, single_frame, split_routed
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
+MAX_TENANT_STATS = 1024  # tenants whose queue times are kept (the keys file's; more would be a forger's)
 MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
+MAX_TOKENIZER_EOS = 16  # EOS ids one tokenizer may register
+MAX_WORKER_GRAMMARS = 512  # constraints the workers keep by hash (each up to 1 MiB of text)
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
@@ -64,6 +74,7 @@ class Peer:
     last_seen: float
     request_ids: set[str] = field(default_factory=set)
     num_requests: int = 0
+    eos_token_ids: frozenset[int] = frozenset()  # from its hello: its requests stop on these too (not others')
 
 
 @dataclass(slots=True)
@@ -90,7 +101,7 @@ class SchedulerService:
         endpoint = server_config.endpoint
         self.context = zmq.Context()
         self.front = make_socket(self.context, zmq.ROUTER, endpoint("scheduler"), bind=True)
-        self.plans = make_socket(self.context, zmq.PUB, endpoint("plan"), bind=True)
+        self.plans = make_socket(self.context, zmq.PUB, endpoint("plan"), bind=True, role="plan")
         self.results = make_socket(self.context, zmq.PULL, endpoint("result"), bind=True)
         self.stats_out = make_socket(self.context, zmq.PUB, endpoint("stats"), bind=True)
         self.from_tokenizers: Codec[TokenizerToScheduler] = Codec(TokenizerToScheduler)
@@ -104,13 +115,20 @@ class SchedulerService:
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
         self.swept: dict[bytes, None] = {}  # tokenizers dropped for silence after their hello (oldest first)
-        self.tokenizer_eos_ids: set[int] = set()  # from their hellos: the tokenizer's EOS, which the worker cannot know
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
         self.worker_last_seen = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.tenant_queue: dict[str, list[float]] = {}  # tenant -> [requests admitted, seconds queued]
+        self.num_unsent = 0  # messages to tokenizers dropped: the peer vanished or its queue reached the HWM
+        self.sends = SendLog()  # plans and constraints to the workers not yet known done (shared/delivery.py)
+        self.early_results: dict[int, StepResult] = {}  # results that came before an older plan's (by step id)
+        self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
+        self.worker_grammars: OrderedDict[str, None] = OrderedDict()  # constraint hashes the workers hold (LRU)
+        self.unsampled_constrained: set[int] = set()  # sequences whose grammar the worker may still be compiling
+        self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
         # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
         self.prefill_step_s = self.decode_step_s = self.host_s = 0.0
         self.tracer = RequestTracer() if server_config.console else None  # the request inspector's timelines
@@ -142,6 +160,8 @@ class SchedulerService:
             if self.results in events:
                 drain(self.results, self._on_worker_frames, copy=False)
             self._maybe_step()
+            if self.sends.entries:
+                self._resend_due(time.monotonic())
             self._periodic()
         self._close()
 
@@ -158,7 +178,9 @@ class SchedulerService:
                 self.stalled = True  # nothing runnable until a message (or a result) changes something
                 self.host_s += time.monotonic() - started
                 return
-            self.plans.send(self.to_workers.encode(plan), copy=False)
+            if plan.new_requests:
+                self._count_queue_time(plan)
+            self._send_plan(plan)
             sent = time.monotonic()
             self.host_s += sent - started
             if not plan.seq_ids:  # only forgotten ids to pass on: no result will come
@@ -172,6 +194,67 @@ class SchedulerService:
         self.tracer.on_preempted(scheduler.preemption_log, now)
         scheduler.preemption_log.clear()
         self.tracer.on_plan(plan, scheduler, now)
+
+    def _send_plan(self, plan: StepPlan) -> None:
+        """Number the plan in the workers' sequenced stream and keep it until it is known done (its result, or
+        the workers' acknowledgement): a lost plan or result is sent again (_resend_due). Constraints go ahead of
+        it once each (GrammarDef), the plan names them by hash."""
+        now = time.monotonic()
+        if plan.new_requests and any(new.sampling.structured_outputs is not None for new in plan.new_requests):
+            self.unsampled_constrained.update(new.seq_id for new in plan.new_requests
+                                              if new.sampling.structured_outputs is not None)
+            plan = msgspec.structs.replace(plan, new_requests=[self._by_hash(new, now) for new in plan.new_requests])
+        if self.unsampled_constrained and plan.finished_seq_ids:
+            self.unsampled_constrained.difference_update(plan.finished_seq_ids)
+        seq = self.sends.take_seq()
+        data = self.to_workers.encode(msgspec.structs.replace(plan, seq=seq))
+        self.sends.record(seq, data, now, self.watch.resend_after(), tag=plan.step_id if plan.seq_ids else -1)
+        self.plans.send(data, copy=False)
+
+    def _by_hash(self, new: NewRequest, now: float) -> NewRequest:
+        """The request with its constraint replaced by the constraint's hash; a GrammarDef goes first when the
+        workers do not hold it (the scheduler keeps their cache's contents and evicts for them, LRU)."""
+        constraint = new.sampling.structured_outputs
+        if constraint is None:
+            return new
+        digest = hashlib.sha256(self.grammar_codec.encode(constraint)).hexdigest()
+        if digest in self.worker_grammars:
+            self.worker_grammars.move_to_end(digest)
+        else:
+            evict = []
+            while len(self.worker_grammars) >= MAX_WORKER_GRAMMARS:
+                evict.append(self.worker_grammars.popitem(last=False)[0])
+            self.worker_grammars[digest] = None
+            seq = self.sends.take_seq()
+            data = self.to_workers.encode(GrammarDef(seq, digest, constraint, evict))
+            self.sends.record(seq, data, now, self.watch.resend_after())
+            self.plans.send(data, copy=False)
+        return msgspec.structs.replace(new, sampling=msgspec.structs.replace(new.sampling, structured_outputs=None),
+                                       grammar_hash=digest)
+
+    def _resend_due(self, now: float) -> None:
+        """Sequenced messages the workers have not answered in time go again (a lost plan, or a lost result:
+        the worker answers a repeated plan with its cached result)."""
+        for entry in self.sends.due(now):
+            log.warning("resending message %d to the workers (send %d; step %d)", entry.seq, entry.num_sends,
+                        entry.tag)
+            self.plans.send(entry.data, copy=False)
+
+    def _count_queue_time(self, plan: StepPlan) -> None:
+        """Per tenant: requests admitted for the first time in this plan and their time since arrival."""
+        assert self.scheduler is not None
+        now = time.time()  # arrival_time is the api's wall clock
+        for new in plan.new_requests:
+            seq = self.scheduler.get_sequence(new.seq_id)
+            if seq is None or seq.index or seq.num_preemptions or not seq.request.tenant:
+                continue
+            entry = self.tenant_queue.get(seq.request.tenant)
+            if entry is None:
+                if len(self.tenant_queue) >= MAX_TENANT_STATS:
+                    continue
+                entry = self.tenant_queue[seq.request.tenant] = [0, 0.0]
+            entry[0] += 1
+            entry[1] += max(0.0, now - seq.request.arrival_time)
 
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -227,25 +310,22 @@ class SchedulerService:
         peer.last_seen = time.monotonic()
         if isinstance(message, AddRequest):
             self._on_add(identity, peer, message)
-        elif isinstance(message, AbortRequest):
-            self._abort(message.request_id)
-        elif isinstance(message, StopSequence):
-            self._on_stop_sequence(message)
+        elif isinstance(message, AbortRequest | StopSequence):
+            if self.owner.get(message.request_id) != identity:  # only the tokenizer that owns a request ends it
+                log.warning("dropped a %s for request %r from %r, which does not own it", type(message).__name__,
+                            message.request_id[:64], identity[:64])
+            elif isinstance(message, AbortRequest):
+                self._abort(message.request_id)
+            else:
+                self._on_stop_sequence(message)
         elif isinstance(message, TokenizerHello):
-            self._add_eos(message.eos_token_ids)
+            peer.eos_token_ids = frozenset(t for t in message.eos_token_ids[:MAX_TOKENIZER_EOS] if 0 <= t <= MAX_INT32)
             # A tokenizer says hello only when it holds no request here (it started, or gave us up and failed
             # them): whatever it owned is orphaned.
             for request_id in list(peer.request_ids):
                 self._abort(request_id)
             if self.model_info is not None:
                 self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
-
-    def _add_eos(self, token_ids: list[int]) -> None:
-        """The tokenizers' EOS ids (sent at registration, before any request of theirs) join the model's."""
-        if token_ids and not self.tokenizer_eos_ids.issuperset(token_ids):
-            self.tokenizer_eos_ids.update(token_ids)
-            if self.scheduler is not None:
-                self.scheduler.add_eos_token_ids(token_ids)
 
     def _on_add(self, identity: bytes, peer: Peer, message: AddRequest) -> None:
         if self.scheduler is None:
@@ -257,9 +337,13 @@ class SchedulerService:
                        "try again later", "server_error")
             return
         request = Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
-                          sampling=message.params, arrival_time=message.arrival_time, priority=message.priority)
+                          sampling=message.params, arrival_time=message.arrival_time, priority=message.priority,
+                          tenant=message.tenant, weight=message.tenant_weight, tier=message.tenant_priority,
+                          eos_token_ids=peer.eos_token_ids)
         try:
-            # The tokenizer checked the prompt against ModelInfo and the api the params: not checked again here.
+            # Checked again though the api and the tokenizer did: a peer's values are its own request's problem
+            # (a forged n of 2**31 would otherwise make 2**31 sequences here), never the scheduler's.
+            self.scheduler.validate(request)
             self.scheduler.add_request(request)
         except PagodaError as exc:
             self._fail(identity, message.request_id, exc.http_status, exc.message, exc.error_type, exc.param,
@@ -340,8 +424,9 @@ class SchedulerService:
 
     def _send_raw(self, identity: bytes, payload: bytes) -> None:
         try:
-            self.front.send_multipart([identity, payload], copy=False)
-        except zmq.ZMQError:  # the peer vanished (ROUTER_MANDATORY): the sweep will drop it
+            self.front.send_multipart([identity, payload], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # the peer vanished (ROUTER_MANDATORY) or stopped reading (HWM): the sweep drops it
+            self.num_unsent += 1
             log.debug("tokenizer %r unreachable", identity)
 
     def _fail(self, identity: bytes, request_id: str, status: int, message: str, error_type: str,
@@ -361,6 +446,17 @@ class SchedulerService:
             self._on_result(message)
         elif isinstance(message, WorkerReady):
             self._on_worker_ready(message)
+        elif isinstance(message, Heartbeat) and message.acked >= 0:
+            self._on_ack(message.sender, message.acked)
+
+    def _on_ack(self, sender: str, acked: int) -> None:
+        """A rank applied every sequenced message up to `acked`: those that expect no result are done once every
+        rank has (a rank that missed one must get it again)."""
+        if len(self.rank_acked) > 4 * self.engine_config.tensor_parallel_size and sender not in self.rank_acked:
+            return  # a rank is named worker<rank>: more names than that are not ranks
+        self.rank_acked[sender] = max(acked, self.rank_acked.get(sender, -1))
+        if len(self.rank_acked) >= self.engine_config.tensor_parallel_size:
+            self.sends.acked_through(min(self.rank_acked.values()))
 
     def _on_worker_ready(self, ready: WorkerReady) -> None:
         self.ready_ranks.add(ready.rank)
@@ -375,7 +471,7 @@ class SchedulerService:
             num_blocks=ready.num_kv_blocks, block_size=ready.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=ready.max_num_batched_tokens,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
-            eos_token_ids={*ready.eos_token_ids, *self.tokenizer_eos_ids},
+            eos_token_ids=ready.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
             max_inflight_plans=ready.max_inflight_plans)
         self.pipeline = PlanPipeline(self.scheduler)
@@ -389,16 +485,34 @@ class SchedulerService:
             self._send_tokenizer(identity, self.model_info)
 
     def _on_result(self, result: StepResult) -> None:
-        """Results come in plan order: each one completes the oldest plan in flight."""
+        """Each result completes the oldest plan in flight, in plan order: one that overtook an older plan's waits
+        for it; a repeat (the answer to a resent plan, or a duplicated frame) is dropped."""
         pipeline = self.pipeline
         plan = pipeline.oldest() if pipeline is not None else None
         if pipeline is None or plan is None or result.step_id != plan.step_id:
-            log.warning("dropped a result for step %d (oldest in flight: %s)", result.step_id,
-                        plan.step_id if plan else None)
+            if pipeline is not None and any(p.step_id == result.step_id for p in pipeline.inflight):
+                self.early_results[result.step_id] = result
+            else:
+                log.debug("dropped a repeated or stale result for step %d", result.step_id)
             return
+        self._apply_result(plan, result)
+        while (plan := pipeline.oldest()) is not None and plan.step_id in self.early_results:
+            self._apply_result(plan, self.early_results.pop(plan.step_id))
+
+    def _apply_result(self, plan: StepPlan, result: StepResult) -> None:
+        pipeline = self.pipeline
+        assert pipeline is not None
         now = time.monotonic()
+        seq = self.sends.seq_of(plan.step_id)
+        resent = seq is not None and self.sends.entries[seq].num_sends > 1
+        if seq is not None:
+            self.sends.done_through(seq)
         step_s = now - self.inflight_since
-        self.watch.record(step_s)
+        compiling = self._compiling(plan)
+        if self.unsampled_constrained and result.seq_ids:
+            self.unsampled_constrained.difference_update(result.seq_ids)  # their grammars are compiled now
+        if not resent and not compiling:  # a recovered loss, or a compile, is no measure of how long steps take
+            self.watch.record(step_s, sum(plan.num_scheduled_tokens))
         self.inflight_since = now  # the next plan in flight starts its clock
         if not result.error and not _columns_agree(result):
             log.error("step %d: the worker's result has columns of different lengths; failing the step",
@@ -494,9 +608,13 @@ class SchedulerService:
         if self.problem:
             return
         oldest = self.pipeline.oldest() if self.pipeline is not None else None
-        self.problem = self.watch.verdict(now, self.inflight_since if oldest is not None else None,
+        # Timed from the worker's latest sign of life: one that answers heartbeats while a lost plan or result
+        # is being sent again is not hung (a wedged one sends nothing).
+        self.problem = self.watch.verdict(now, self._step_clock() if oldest is not None else None,
                                           oldest.step_id if oldest is not None else -1,
-                                          self.worker_last_seen, self.scheduler is not None)
+                                          self.worker_last_seen, self.scheduler is not None,
+                                          sum(oldest.num_scheduled_tokens) if oldest is not None else 1,
+                                          oldest is not None and self._compiling(oldest))
         if not self.problem:
             return
         log.error("%s; failing %d request(s) and stopping", self.problem, len(self.owner))
@@ -507,18 +625,31 @@ class SchedulerService:
         self.exit_code = HUNG_EXIT_CODE
         self.running = False
 
+    def _compiling(self, plan: StepPlan) -> bool:
+        """Whether a constrained sequence of this plan has not sampled yet (its grammar may still compile)."""
+        return bool(self.unsampled_constrained) and not self.unsampled_constrained.isdisjoint(plan.seq_ids)
+
+    def _step_clock(self) -> float:
+        """Since when the oldest plan in flight counts as running: its send (or its predecessor's result), or the
+        worker's latest message if later (idle heartbeats while a lost plan waits for its resend)."""
+        return max(self.inflight_since, self.worker_last_seen)
+
     def _worker_alive(self, now: float) -> bool:
         if self.problem:
             return False
-        since = self.inflight_since if self.pipeline is not None and self.pipeline.inflight else self.worker_last_seen
-        return now - since < self.watch.bound()  # a late heartbeat on a busy host is no hang (health.py)
+        pipeline = self.pipeline
+        if pipeline is not None and pipeline.inflight:
+            oldest = pipeline.inflight[0]
+            bound = self.watch.bound(sum(oldest.num_scheduled_tokens), self._compiling(oldest))
+            return now - self._step_clock() < bound
+        return now - self.worker_last_seen < self.watch.idle_bound()  # a late heartbeat is no hang (health.py)
 
     def _stats(self, now: float) -> SchedulerStats:
         scheduler = self.scheduler
         blocks = scheduler.blocks if scheduler is not None else None
         stats = scheduler.stats if scheduler is not None else None
         running = len({seq.request.request_id for seq in scheduler.running}) if scheduler is not None else 0
-        waiting_seqs = [seq for _, seq in scheduler.waiting if not seq.is_finished] if scheduler is not None else []
+        waiting_seqs = [seq for seq in scheduler.waiting if not seq.is_finished] if scheduler is not None else []
         waiting = len({seq.request.request_id for seq in waiting_seqs})
         preempted = len({seq.request.request_id for seq in waiting_seqs if seq.num_preemptions})
         return SchedulerStats(
@@ -534,7 +665,20 @@ class SchedulerService:
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
             max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem,
             num_preempted=preempted, **self._step_seconds(now), host_seconds_total=self.host_s,
-            traces=self.tracer.take() if self.tracer is not None else [])
+            traces=self.tracer.take() if self.tracer is not None else [], **self._tenant_stats())
+
+    def _tenant_stats(self) -> dict[str, list]:
+        shares = self.scheduler.waiting.tenants if self.scheduler is not None else {}
+        names = sorted({*self.tenant_queue, *(name for name in shares if name)})
+        waiting = dict.fromkeys(names, 0)
+        if self.scheduler is not None:
+            for seq in self.scheduler.waiting:
+                if not seq.is_finished and seq.tenant in waiting:
+                    waiting[seq.tenant] += 1
+        return {"tenant_names": names, "tenant_waiting": [waiting[n] for n in names],
+                "tenant_running": [shares[n].num_running if n in shares else 0 for n in names],
+                "tenant_admitted_total": [int(self.tenant_queue.get(n, (0, 0.0))[0]) for n in names],
+                "tenant_queue_seconds_total": [float(self.tenant_queue.get(n, (0, 0.0))[1]) for n in names]}
 
     def _step_seconds(self, now: float) -> dict[str, float]:
         """The step split's totals, the step in flight counted up to `now` (monotonic): a snapshot is then exact
@@ -562,6 +706,7 @@ class SchedulerService:
 
 
 def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    load_cluster_keys(server_config.cluster_key_dir)
     service = SchedulerService(engine_config, server_config)
     with stop_on_signals(service.stop):
         service.run()

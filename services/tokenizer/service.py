@@ -54,7 +54,7 @@ from pagoda.shared.messages import (
     resolve_vocabulary,
 )
 from pagoda.shared.service_main import stop_on_signals
-from pagoda.shared.transport import Codec, drain, send_nowait, single_frame
+from pagoda.shared.transport import Codec, drain, load_cluster_keys, send_nowait, single_frame
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +253,9 @@ class TokenizerService:
         replica = self._replicas.route(request_id, prompt.token_ids)  # raises (503) when none is live
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
         renderer = self._outputs.add(api, request, params, prompt.token_ids, echo).renderer
-        _send(replica.sock, self._scheduler_out.encode(AddRequest(request_id, prompt.token_ids, params,
-                                                                  request.priority, request.arrival_time)))
+        _send(replica.sock, self._scheduler_out.encode(AddRequest(
+            request_id, prompt.token_ids, params, request.priority, request.arrival_time, request.tenant,
+            request.tenant_weight, request.tenant_priority)))
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else [],
                                      renderer.opening() if renderer is not None else b""))
@@ -429,6 +430,7 @@ def _single(frames: list[Any], handle: Callable[[Any], None]) -> None:
 
 def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight requests then get a 503."""
+    load_cluster_keys(server_config.cluster_key_dir)
     # llguidance's tokenizer is built in the constructor (LazyGrammarChecker), before registration: the build holds
     # the GIL for seconds on a loaded host (3.4 s seen), and a tokenizer registered meanwhile would miss its
     # heartbeats and be dropped with its first requests.

@@ -52,6 +52,8 @@ def admission_error(new: NewRequest, vocab_size: int, max_model_len: int, num_kv
         return "a KV block id is out of range"
     if not INT64_MIN <= new.seed <= INT64_MAX:
         return "seed is out of the 64-bit range"
+    if new.grammar_hash and new.sampling.structured_outputs is None:
+        return f"its constraint {new.grammar_hash[:12]} never reached the worker"
     return _sampling_error(new.sampling, vocab_size)
 
 

@@ -12,24 +12,31 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 
+import msgspec
 import zmq
 
 from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.delivery import InOrder
 from pagoda.shared.messages import (
+    GrammarDef,
     Heartbeat,
+    NewRequest,
     SchedulerToWorker,
     Shutdown,
     StepPlan,
+    StructuredOutputs,
     WorkerReady,
     WorkerToScheduler,
 )
 from pagoda.shared.service_main import stop_on_signals
-from pagoda.shared.transport import Codec, make_socket, single_frame
+from pagoda.shared.transport import Codec, load_cluster_keys, make_socket, single_frame
 
 log = logging.getLogger(__name__)
 
 FORCE_EXIT_S = 3.0  # after SIGTERM, the loop gets this long to end on its own
+CACHED_REPLIES = 16  # results kept by plan sequence number, to answer a resent plan whose result was lost
 
 
 def _force_exit() -> None:
@@ -46,11 +53,16 @@ class WorkerService:
         self.context = zmq.Context()
         # Subscribe before the slow model load so the subscription has long reached the scheduler.
         self.plans = make_socket(self.context, zmq.SUB, server_config.endpoint("plan"), bind=False)
-        self.results = make_socket(self.context, zmq.PUSH, server_config.endpoint("result"), bind=False)
+        self.results = make_socket(self.context, zmq.PUSH, server_config.endpoint("result"), bind=False,
+                                   role="result")
         self.from_scheduler: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
         self.to_scheduler: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
         self.running = True
         self.scheduler_id = ""  # the instance id of the scheduler this worker answers (its probes say it)
+        self.order: InOrder[StepPlan | GrammarDef] = InOrder()  # the scheduler's sequenced stream, applied in order
+        self.replies: OrderedDict[int, bytes] = OrderedDict()  # plan seq -> its result as sent
+        self.seq_of_step: dict[int, int] = {}  # launched plans: step id -> seq
+        self.grammar_defs: dict[str, StructuredOutputs] = {}  # constraints by hash (GrammarDef), until evicted
         from pagoda.services.worker.parallel import init_tensor_parallel
 
         tp = init_tensor_parallel(engine_config, self.rank)
@@ -77,12 +89,12 @@ class WorkerService:
                     self._finish()
                     continue
             elif not self.plans.poll(interval_ms):
-                self._send(Heartbeat(sender=f"worker{self.rank}"))
+                self._send_ack()
                 continue
             else:
                 message = self._recv()
-            if isinstance(message, StepPlan):
-                self._launch(message)
+            if isinstance(message, StepPlan | GrammarDef):
+                self._on_sequenced(message)
             elif isinstance(message, Heartbeat):
                 self._on_probe(message.sender)
             elif isinstance(message, Shutdown):
@@ -101,7 +113,39 @@ class WorkerService:
             self.runner.discard_launched()
             self.runner.state.reset()
             self.runner.grammars.reset()
+            self._reset_stream()
         self._send_ready()
+
+    def _reset_stream(self) -> None:
+        """A new scheduler numbers its stream from 0 and knows none of our constraints."""
+        self.order.reset()
+        self.replies.clear()
+        self.seq_of_step.clear()
+        self.grammar_defs.clear()
+
+    def _send_ack(self) -> None:
+        self._send(Heartbeat(sender=f"worker{self.rank}", acked=self.order.applied_through))
+
+    def _on_sequenced(self, message: StepPlan | GrammarDef) -> None:
+        """Apply the scheduler's stream once each, in order (shared/delivery.py): an early message waits for the
+        gap to fill (the scheduler resends what goes unanswered); a repeat is answered again, never applied."""
+        if message.seq < 0:  # an unnumbered plan (tools, tests): as it comes
+            ready: list[StepPlan | GrammarDef] | None = [message]
+        else:
+            ready = self.order.offer(message.seq, message)
+        if ready is None:
+            cached = self.replies.get(message.seq)
+            if cached is not None:
+                self._send_data(cached)  # its result was lost on the way
+            self._send_ack()
+            return
+        for item in ready:
+            if isinstance(item, GrammarDef):
+                for digest in item.evict:
+                    self.grammar_defs.pop(digest, None)
+                self.grammar_defs[item.hash] = item.constraint
+            else:
+                self._launch(item)
 
     def _send_ready(self) -> None:
         runner = self.runner
@@ -138,16 +182,46 @@ class WorkerService:
         """Enqueue the plan's step; a failed launch becomes an error result in its turn (runner.launch)."""
         if self.runner.num_launched >= self.max_inflight_plans:
             self._finish()  # the scheduler sends no more than this ahead; keep the bound anyway
-        self.runner.launch(plan)
+        if plan.seq >= 0:
+            self.seq_of_step[plan.step_id] = plan.seq
+        self.runner.launch(self._with_constraints(plan))
+
+    def _with_constraints(self, plan: StepPlan) -> StepPlan:
+        """New requests name their constraint by hash: put back the one its GrammarDef brought. One that never
+        came stays unset with its hash, and admission refuses the request alone (sampling_state.py)."""
+        if not any(new.grammar_hash for new in plan.new_requests):
+            return plan
+        return msgspec.structs.replace(plan, new_requests=[self._constrained(new) for new in plan.new_requests])
+
+    def _constrained(self, new: NewRequest) -> NewRequest:
+        constraint = self.grammar_defs.get(new.grammar_hash) if new.grammar_hash else None
+        if constraint is None:
+            return new
+        return msgspec.structs.replace(new, sampling=msgspec.structs.replace(new.sampling,
+                                                                             structured_outputs=constraint))
 
     def _finish(self) -> None:
         result = self.runner.finish()
+        seq = self.seq_of_step.pop(result.step_id, -1)
         if self.rank == 0:
-            self._send(result)
+            data = self.to_scheduler.encode(result)
+            if seq >= 0:
+                self.replies[seq] = data
+                while len(self.replies) > CACHED_REPLIES:
+                    self.replies.popitem(last=False)
+            self._send_data(data)
         self.runner.resume()  # a step waiting for grammar masks: result N is out, now N+1's masks fill
 
     def _send(self, message: WorkerToScheduler) -> None:
-        self.results.send(self.to_scheduler.encode(message), copy=False)
+        self._send_data(self.to_scheduler.encode(message))
+
+    def _send_data(self, data: bytes) -> None:
+        """Never blocks the step loop: with the scheduler's queue at its high-water mark the message is dropped (a
+        lost result: the scheduler sends that plan again)."""
+        try:
+            self.results.send(data, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("worker rank %d: dropped a message: the scheduler is not taking results", self.rank)
 
     def stop(self, *_: object) -> None:
         self.running = False
@@ -163,6 +237,7 @@ class WorkerService:
 
 
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    load_cluster_keys(server_config.cluster_key_dir)
     service = WorkerService(engine_config, server_config)
     with stop_on_signals(service.stop):
         service.run()

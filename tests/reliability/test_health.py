@@ -8,12 +8,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from pagoda.services.scheduler.health import BOUND_FACTOR, WARMUP_BOUND_S, WARMUP_STEPS, StepWatch
+from pagoda.services.scheduler.health import (
+    BOUND_FACTOR,
+    COMPILE_BOUND_S,
+    IDLE_BOUND_S,
+    RESEND_FACTOR,
+    RESEND_FLOOR_S,
+    WARMUP_BOUND_S,
+    WARMUP_STEPS,
+    StepWatch,
+)
 from pagoda.services.scheduler.service import SchedulerService, _columns_agree
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.messages import (
+    AbortRequest,
     AddRequest,
     Heartbeat,
     ModelInfo,
@@ -25,6 +36,7 @@ from pagoda.shared.messages import (
     SchedulerToWorker,
     StepPlan,
     StepResult,
+    StopSequence,
     TokenDeltas,
     TokenizerHello,
     TokenizerToScheduler,
@@ -43,6 +55,11 @@ def test_bound_is_fixed_or_derived_with_a_floor() -> None:
     assert watch.bound() == 2.0  # fast steps: the floor holds
     watch.record(1.0)
     assert watch.bound() == BOUND_FACTOR * 1.0
+    watch.record(2.56, num_tokens=256)  # 10 ms a token in a large step: a 2048-token prefill may take 10 x 20 s
+    assert watch.bound(num_tokens=2048) == BOUND_FACTOR * 0.01 * 2048
+    assert watch.bound() == BOUND_FACTOR * 2.56
+    assert watch.resend_after() == RESEND_FACTOR * 2.56
+    assert StepWatch().resend_after() == RESEND_FLOOR_S
 
 
 def test_verdict() -> None:
@@ -53,9 +70,9 @@ def test_verdict() -> None:
     assert watch.verdict(100.0, 99.0, 7, worker_last_seen=99.0, ready=True) == ""
     hung = watch.verdict(100.0, 97.5, 7, worker_last_seen=97.5, ready=True)
     assert "step 7" in hung and "2.5 s" in hung
-    # idle: late heartbeats (a busy host) are no hang until the step bound passes
-    assert watch.verdict(100.0, None, -1, worker_last_seen=98.5, ready=True) == ""
-    assert "silent" in watch.verdict(100.0, None, -1, worker_last_seen=97.5, ready=True)
+    # idle: late heartbeats (a busy host) are no hang until the idle bound passes (no client waits meanwhile)
+    assert watch.verdict(100.0, None, -1, worker_last_seen=100.0 - IDLE_BOUND_S + 1, ready=True) == ""
+    assert "silent" in watch.verdict(100.0, None, -1, worker_last_seen=100.0 - IDLE_BOUND_S - 1, ready=True)
     slow = StepWatch(floor=30.0)
     for _ in range(WARMUP_STEPS):
         slow.record(0.1)
@@ -132,3 +149,35 @@ def test_a_late_tokenizer_comes_back_a_stranger_does_not(service: SchedulerServi
     assert any(isinstance(m, ModelInfo) for _, m in _to_tokenizers(service))
     service._on_tokenizer_frames([stranger, encode(Heartbeat("stranger"))])
     assert stranger not in service.tokenizers  # registration still takes a hello
+
+
+def test_a_peer_is_honoured_only_for_what_it_owns(service: SchedulerService) -> None:
+    """Aborts and stop strings from a tokenizer that does not own the request are dropped; its EOS ids stop only
+    its own requests; parameters past the bounds (n = 2**31) fail that request alone, with a 400."""
+    send = Codec(TokenizerToScheduler).encode
+    service._on_tokenizer_frames([b"tok0", send(TokenizerHello("tok0", 1))])
+    service._on_tokenizer_frames([b"evil", send(TokenizerHello("evil", 2, eos_token_ids=[9]))])
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    service._on_tokenizer_frames([b"tok0", send(AddRequest("mine", [5, 6, 7], params))])
+    service._on_tokenizer_frames([b"evil", send(AddRequest("huge", [5], msgspec.structs.replace(params, n=2**31)))])
+    for forged in (AbortRequest("mine"), StopSequence("mine", 0)):
+        service._on_tokenizer_frames([b"evil", send(forged)])
+    assert set(service.scheduler.requests) == {"mine"}  # type: ignore[union-attr]
+    refused = [m for identity, m in _to_tokenizers(service) if isinstance(m, RequestFailed)]
+    assert [(m.request_id, m.status, m.param) for m in refused] == [("huge", 400, "n")]
+    service._maybe_step()
+    [plan] = [p for p in map(Codec(SchedulerToWorker).decode, service.plans.sent)  # type: ignore[attr-defined]
+              if isinstance(p, StepPlan)]
+    service._on_result(StepResult(plan.step_id, plan.seq_ids, [9]))  # "evil"'s EOS: no stop for tok0's request
+    assert "mine" in service.scheduler.requests  # type: ignore[union-attr]
+    service._on_tokenizer_frames([b"tok0", send(AbortRequest("mine"))])  # the owner's abort counts
+    assert not service.scheduler.requests  # type: ignore[union-attr]
+
+
+def test_a_step_that_may_compile_a_grammar_gets_the_compile_bound() -> None:
+    watch = StepWatch(floor=2.0)
+    for _ in range(WARMUP_STEPS):
+        watch.record(0.1)
+    assert watch.bound() == 2.0 and watch.bound(compiling=True) == COMPILE_BOUND_S
+    assert watch.verdict(100.0, 95.0, 3, worker_last_seen=95.0, ready=True, compiling=True) == ""
+    assert "step 3" in watch.verdict(100.0, 95.0, 3, worker_last_seen=95.0, ready=True)

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         print("usage: liveness.py worker|tokenizer", file=sys.stderr)
         return 2
     endpoint = os.environ.get("PAGODA_STATS_ENDPOINT", "")
-    stats = latest_stats(endpoint, TIMEOUT_S) if endpoint else None
+    stats = latest_stats(endpoint, TIMEOUT_S, os.environ.get("PAGODA_CLUSTER_KEY_DIR")) if endpoint else None
     if is_alive(argv[1], stats, socket.gethostname()):
         return 0
     print(f"unhealthy: the scheduler at {endpoint} does not hear this {argv[1]}", file=sys.stderr)

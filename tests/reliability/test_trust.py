@@ -1,0 +1,188 @@
+"""`pagoda serve` with every ZeroMQ endpoint on tcp:// (the launcher makes the cluster key pair) and frames lost,
+repeated and reordered between its scheduler and worker (a fault-injecting socket on both sides,
+PAGODA_TEST_FAULTS; one server for the module): a peer without the key is refused on each endpoint, a keyed peer's
+forged messages cost nothing but its own requests, and every request is answered with exactly the tokens it gets
+without faults (constraints, which travel once by hash, included)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from pagoda.llm import LLM
+from pagoda.shared.messages import (
+    AbortRequest,
+    AddRequest,
+    ModelInfo,
+    RequestFailed,
+    SamplingParams,
+    SchedulerToTokenizer,
+    StopSequence,
+    StructuredOutputs,
+    TokenizerHello,
+    TokenizerToScheduler,
+)
+from pagoda.shared.transport import ClusterKeys, Codec
+from tests.harness import HTTP, free_ports
+from tests.reliability.harness import AUTH, Server, running_server, stream_completion
+from tests.test_transport import handshake_events
+
+pytestmark = [pytest.mark.slow]
+
+ENDPOINTS = ("scheduler", "plan", "result", "stats", "api")
+# what a peer of each endpoint is: (the socket type that connects to it)
+PEER_KIND = {"scheduler": zmq.DEALER, "plan": zmq.SUB, "result": zmq.PUSH, "stats": zmq.SUB, "api": zmq.DEALER}
+# both directions: plans and constraints (scheduler PUB), results and acknowledgements (worker PUSH)
+FAULTS = "plan=drop:0.15,dup:0.1,hold:0.15,seed:1;result=drop:0.15,dup:0.1,hold:0.15,seed:2"
+PROMPTS = ["The capital of France is", "Write a haiku about rain:", "1, 2, 3, 4,", "Once upon a time",
+           "The best way to learn Python is", "Q: What is a paged KV cache?\nA:"]
+MAX_TOKENS = 12
+CHOICES = ["alpha", "beta", "gamma"]
+
+
+@pytest.fixture(scope="module")
+def tcp_server(smollm2_dir: Path) -> Iterator[tuple[Server, dict[str, str]]]:
+    ports = free_ports(len(ENDPOINTS))
+    endpoints = {name: f"tcp://127.0.0.1:{port}" for name, port in zip(ENDPOINTS, ports, strict=True)}
+    flags = [f"--{name}-endpoint" if name != "api" else "--api-endpoints" for name in ENDPOINTS]
+    args = [item for flag, name in zip(flags, ENDPOINTS, strict=True) for item in (flag, endpoints[name])]
+    with running_server(smollm2_dir, *args, env={"PAGODA_TEST_FAULTS": FAULTS}) as server:
+        yield server, endpoints
+
+
+def _peer(context: zmq.Context, name: str) -> zmq.Socket:
+    sock = context.socket(PEER_KIND[name])
+    sock.setsockopt(zmq.LINGER, 0)
+    if PEER_KIND[name] == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    return sock
+
+
+def test_peers_without_the_key_are_refused_on_every_tcp_endpoint(tcp_server: tuple[Server, dict[str, str]]) -> None:
+    server, endpoints = tcp_server
+    keys = ClusterKeys.load(server.runtime_dir / "keys")
+    context = zmq.Context()
+    try:
+        for name, endpoint in endpoints.items():
+            plain = _peer(context, name)  # no CURVE at all
+            events = handshake_events(plain, endpoint, 10.0)
+            assert zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in events, (name, events)
+            impostor = _peer(context, name)  # a key pair of its own; the server's public key is no secret
+            public, secret = zmq.curve_keypair()
+            impostor.curve_secretkey, impostor.curve_publickey, impostor.curve_serverkey = secret, public, keys.public
+            events = handshake_events(impostor, endpoint, 10.0)
+            assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in events, (name, events)
+            member = _peer(context, name)  # the control: the cluster's key pair gets in
+            member.curve_secretkey, member.curve_publickey, member.curve_serverkey = keys.secret, keys.public, \
+                keys.public
+            assert zmq.EVENT_HANDSHAKE_SUCCEEDED in handshake_events(member, endpoint, 10.0), name
+            for sock in (plain, impostor, member):
+                sock.close(0)
+    finally:
+        context.term()
+    assert server.healthy()
+
+
+def _stream(server: Server, body: dict[str, object], on_first: object = None) -> tuple[str, str | None, str]:
+    """(text, finish_reason, response id) of a streamed completion; on_first(id) runs at its first event."""
+    text, finish, response_id = "", None, ""
+    with HTTP.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
+                     timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            if not response_id:
+                response_id = event["id"]
+                if on_first is not None:
+                    on_first(response_id)  # type: ignore[operator]
+            for choice in event["choices"]:
+                text += choice.get("text") or ""
+                finish = choice.get("finish_reason") or finish
+    return text, finish, response_id
+
+
+def test_a_keyed_peers_forgeries_cost_only_its_own_requests(tcp_server: tuple[Server, dict[str, str]]) -> None:
+    """A peer with the key registers as a tokenizer and claims EOS ids, sends absurd parameters, and aborts and
+    stops a request it does not own: the real request ends exactly as it does untouched."""
+    server, endpoints = tcp_server
+    body = {"prompt": "The three primary colors are", "max_tokens": 16, "temperature": 0}
+    reference_text, reference_finish, _ = _stream(server, body)
+    ids = HTTP.post(server.url + "/tokenize", json={"prompt": reference_text}, headers=AUTH).json()["tokens"]
+    keys = ClusterKeys.load(server.runtime_dir / "keys")
+    context = zmq.Context()
+    out, inbound = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
+    try:
+        forger = context.socket(zmq.DEALER)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.setsockopt(zmq.IDENTITY, b"forger")
+        forger.curve_secretkey, forger.curve_publickey, forger.curve_serverkey = keys.secret, keys.public, keys.public
+        forger.connect(endpoints["scheduler"])
+        forger.send(out.encode(TokenizerHello("forger", os.getpid(), eos_token_ids=ids[:16])))
+        assert isinstance(_receive(forger, inbound, ModelInfo), ModelInfo)
+        huge_n = msgspec.structs.replace(SamplingParams(max_tokens=4), n=2**31)  # never validated by a constructor
+        forger.send(out.encode(AddRequest("forged-n", [1, 2, 3], huge_n)))
+        failed = _receive(forger, inbound, RequestFailed)
+        assert failed.request_id == "forged-n" and failed.status == 400 and failed.param == "n"
+        too_long = msgspec.structs.replace(SamplingParams(), max_tokens=2**31 - 1)
+        forger.send(out.encode(AddRequest("forged-len", [1, 2, 3], too_long)))
+        assert _receive(forger, inbound, RequestFailed).status == 400
+
+        def forge(response_id: str) -> None:
+            forger.send(out.encode(AbortRequest(response_id)))
+            forger.send(out.encode(StopSequence(response_id, 0)))
+
+        text, finish, response_id = _stream(server, body, on_first=forge)
+    finally:
+        context.destroy(linger=0)
+    assert (text, finish) == (reference_text, reference_finish)
+    log = server.log()
+    assert f"dropped a AbortRequest for request '{response_id}'" in log
+    assert f"dropped a StopSequence for request '{response_id}'" in log
+    assert server.healthy()
+
+
+def _receive(sock: zmq.Socket, codec: Codec, kind: type) -> object:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sock.poll(500):
+            message = codec.decode(sock.recv())
+            if isinstance(message, kind):
+                return message
+    raise AssertionError(f"no {kind.__name__} from the scheduler")
+
+
+@pytest.mark.timeout(900)
+def test_lost_repeated_and_reordered_plans_and_results_heal(smollm2_dir: Path,
+                                                           tcp_server: tuple[Server, dict[str, str]]) -> None:
+    offline = LLM(str(smollm2_dir), max_model_len=1024)
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    [choice] = offline.generate(["Pick one:"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputs(choice=CHOICES)))
+    del offline
+    server, _ = tcp_server
+    bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
+    bodies += [{"prompt": "Pick one:", "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": CHOICES}}
+               for _ in range(2)]  # the second names the constraint by the hash the first sent
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        outcomes = list(pool.map(lambda body: stream_completion(server, body, timeout=300), bodies))
+    for outcome, want in zip(outcomes, [*expected, choice, choice], strict=True):
+        assert outcome.status == 200 and outcome.error is None and outcome.done, outcome
+        assert outcome.text == want.outputs[0].text, (outcome.text, want.outputs[0].text)
+    assert outcomes[-1].text in CHOICES
+    log = server.log()
+    resent = len(re.findall(r"resending message", log))
+    print(f"\nfaults: {resent} resends")
+    assert resent > 0, "no frame was lost: the faults did not apply"
+    assert server.healthy() and server.process.poll() is None
