@@ -24,7 +24,7 @@ from pagoda.services.tokenizer.routing import RoutingConfig
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import ServerOverloadedError
 from pagoda.shared.messages import ModelInfo, SchedulerStats
-from tests.harness import service_children
+from tests.harness import service_children, wait_until
 
 BLOCK = 16
 INFO = ModelInfo(max_model_len=1024, vocab_size=1000, max_num_tokens=4096, eos_token_ids=[0])
@@ -199,6 +199,8 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
         failed = [(status, ended) for status, ended in results if status != 200]
         assert failed and len(failed) < len(results), results  # replica 1's failed, replica 0's completed
         assert all(status == 503 and ended - killed_at < 5.0 for status, ended in failed), (failed, killed_at)
+        # the failed requests answer first; /health learns of the dead replica from the registry a moment later
+        wait_until(lambda: "replica 1" in server.get("/health")[1], 30, "/health naming the dead replica")
         status, body = server.get("/health")
         assert status == 200 and "replica 1" in body, body
         assert all(server.complete(f"{system_prompt(s, 60)}After the kill.", 2)[0] == 200 for s in range(4))

@@ -214,8 +214,10 @@ class Scheduler:
     def validate(self, request: Request) -> None:
         """Raise a typed error naming the parameter if the request cannot run on this model: its sampling
         parameters, then its prompt against this model. Called once, where a request enters (the offline
-        engine; in `pagoda serve` the api validates the parameters and the tokenizer the prompt)."""
-        request.sampling.validate()
+        engine; in `pagoda serve` the api validates the parameters and the tokenizer the prompt). Logprobs are
+        bounded here by the vocabulary: the server's --max-logprobs was applied where requests enter (a request
+        asking the whole vocabulary arrives with -1 resolved to the vocabulary's size)."""
+        request.sampling.validate(max_logprobs=self.vocab_size)
         check_request_fields(request)
         self.check_prompt(request)
 
