@@ -904,7 +904,8 @@ def test_add_request_trusts_validation_done_at_the_edge(monkeypatch: pytest.Monk
     """Validation runs once, where a request enters: add_request (the hot path) never re-runs it."""
     calls: list[SamplingParams] = []
     original = SamplingParams.validate
-    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(self) or original(self))
+    monkeypatch.setattr(SamplingParams, "validate",
+                        lambda self, **bounds: calls.append(self) or original(self, **bounds))
     sched = make_scheduler(max_model_len=128)
     request = make_request("r", 10, max_tokens=4)
     sched.validate(request)
