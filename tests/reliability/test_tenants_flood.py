@@ -20,7 +20,10 @@ import pytest
 from pagoda.services.api.tenants import add_key
 from tests.reliability.harness import Server, running_server, wait_until
 
-pytestmark = [pytest.mark.slow]
+# A latency ratio on a shared 2-core host: it sat at 1.7-2.02x of its 2x bound in the last runs, so it runs with the
+# long reliability tests (make test-reliability), not in make test; tests/test_fairness.py checks the policy itself
+# and bench/tenants.py measures the ratio.
+pytestmark = [pytest.mark.slow, pytest.mark.reliability_full]
 
 NUM_FLOOD = 200
 NUM_B_STREAMS = 4
