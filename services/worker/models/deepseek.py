@@ -42,7 +42,7 @@ from pagoda.services.worker.models.base import (
     make_linear,
     make_param,
 )
-from pagoda.services.worker.models.llama import dense_mlp_placements
+from pagoda.services.worker.models.llama import dense_mlp_placements, scale_rows
 from pagoda.services.worker.models.rope import RopeSpec, yarn_factor, yarn_mscale
 from pagoda.shared.shapes import MlaArch, ModelArch
 
@@ -66,10 +66,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
         return F.linear(x, weight)
     assert fp8 is not None
     return ops.fp8_linear(x, weight, weight_scale, fp8.group_size, None)
-
-
-def _rows(scale: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if scale is None else scale[rows]
 
 
 class MlaAttention(nn.Module):
@@ -162,7 +158,7 @@ class MlaAttention(nn.Module):
         h, q_rows, lat = arch.hidden_size, heads * mla.qk_head_dim, mla.kv_lora_rank
         if self.q_a_norm is not None:
             yield Placement(prefix + "q_a_proj.weight", (self.q_lora, h), self.a_weight[:self.q_lora], None,
-                            scale_target=_rows(self.a_weight_scale, slice(0, self.q_lora)))
+                            scale_target=scale_rows(self.a_weight_scale, slice(0, self.q_lora)))
             yield Placement(prefix + "q_a_layernorm.weight", (self.q_lora,), self.q_a_norm, None)
             yield Placement(prefix + "q_b_proj.weight", (arch.num_heads * mla.qk_head_dim, self.q_lora),
                             self.q_weight, 0, rank * q_rows, q_rows, self.q_weight_scale)
@@ -170,7 +166,7 @@ class MlaAttention(nn.Module):
             yield Placement(prefix + "q_proj.weight", (arch.num_heads * mla.qk_head_dim, h), self.q_weight, 0,
                             rank * q_rows, q_rows, self.q_weight_scale)
         yield Placement(prefix + "kv_a_proj_with_mqa.weight", (mla.entry_dim, h), self.a_weight[self.q_lora:], None,
-                        scale_target=_rows(self.a_weight_scale, slice(self.q_lora, None)))
+                        scale_target=scale_rows(self.a_weight_scale, slice(self.q_lora, None)))
         yield Placement(prefix + "kv_a_layernorm.weight", (lat,), self.kv_a_norm, None)
         kv_rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         yield Placement(prefix + "kv_b_proj.weight", (arch.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), lat),

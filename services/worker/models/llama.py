@@ -161,7 +161,7 @@ class DecoderLayer(nn.Module):
                                        ("v_proj", slice(q + kv, q + 2 * kv), kv, arch.kv_size)):
             attn = prefix + "self_attn." + name
             yield Placement(attn + ".weight", (full, h), self.qkv_weight[rows], 0, rank * size, size,
-                            _rows(self.qkv_weight_scale, rows))
+                            scale_rows(self.qkv_weight_scale, rows))
             if self.qkv_bias is not None:
                 yield Placement(attn + ".bias", (full,), self.qkv_bias[rows], 0, rank * size, size)
         yield Placement(prefix + "self_attn.o_proj.weight", (h, arch.q_size), self.o_weight, 1, rank * q, q,
@@ -186,13 +186,13 @@ def dense_mlp_placements(prefix: str, hidden: int, full_inter: int, rank: int, g
     local = down.shape[1]
     gate, up, down_name = names
     yield Placement(prefix + gate + ".weight", (full_inter, hidden), gate_up[:local], 0, rank * local, local,
-                    _rows(gate_up_scale, slice(0, local)))
+                    scale_rows(gate_up_scale, slice(0, local)))
     yield Placement(prefix + up + ".weight", (full_inter, hidden), gate_up[local:], 0, rank * local, local,
-                    _rows(gate_up_scale, slice(local, None)))
+                    scale_rows(gate_up_scale, slice(local, None)))
     yield Placement(prefix + down_name + ".weight", (hidden, full_inter), down, 1, rank * local, local, down_scale)
 
 
-def _rows(scale: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+def scale_rows(scale: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if scale is None else scale[rows]
 
 
