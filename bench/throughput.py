@@ -209,8 +209,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     results: list[dict[str, Any]] = []
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "load_format": args.load_format,
-              "workload_name": args.workload or "custom", "workload": workload.to_dict(), "engine_args": engine_args(args), "results": results,
-              "roofline": _roofline(args)}
+              "workload_name": args.workload or "custom", "workload": workload.to_dict(),
+              "engine_args": engine_args(args), "results": results, "roofline": _roofline(args)}
     for system in systems:
         results.append(_run_child(args, system))
         if args.out:  # after every system, so a run cut short still leaves what it measured
@@ -242,7 +242,8 @@ def _roofline(args: argparse.Namespace) -> dict[str, Any]:
     return floor
 
 
-def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
+def child_argv(args: argparse.Namespace, system: str) -> list[str]:
+    """The command that runs one system in its own process with this run's settings."""
     argv = [sys.executable, "-m", "pagoda.bench", "throughput", "--system", system]
     for key in _FORWARDED:
         value = getattr(args, key)
@@ -250,6 +251,11 @@ def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
             continue
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
+    argv = child_argv(args, system)
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=args.timeout)
     except subprocess.TimeoutExpired as exc:
