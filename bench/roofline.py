@@ -86,22 +86,24 @@ def checkpoint_quantization(model: str) -> str | None:
     return "fp8_block" if quant.get("weight_block_size") else "fp8"
 
 
-def fp8_linears(arch: ModelArch, layer: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The linear weights [out rows, in cols] of one decoder layer that FP8 quantizes: (always read, one routed
-    expert's). Mirrors the engine's make_linear calls (services/worker/models)."""
+def fp8_linears(arch: ModelArch, layer: int) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """The linear weights (name, out rows, in cols) of one decoder layer that FP8 quantizes: (always read, one
+    routed expert's). Mirrors the engine's make_linear calls (services/worker/models)."""
     h, mla, moe = arch.hidden_size, arch.mla, arch.moe
     if mla is not None:
         q_in = mla.q_lora_rank or h
-        attention = [((mla.q_lora_rank or 0) + mla.entry_dim, h), (arch.num_heads * mla.qk_head_dim, q_in),
-                     (h, arch.num_heads * mla.v_head_dim)]
+        attention = [("q_a_kv_a" if mla.q_lora_rank else "kv_a", (mla.q_lora_rank or 0) + mla.entry_dim, h),
+                     ("q_b" if mla.q_lora_rank else "q", arch.num_heads * mla.qk_head_dim, q_in),
+                     ("o", h, arch.num_heads * mla.v_head_dim)]
     else:
-        attention = [(arch.q_size + 2 * arch.kv_size, h), (h, arch.q_size)]
+        attention = [("qkv", arch.q_size + 2 * arch.kv_size, h), ("o", h, arch.q_size)]
     if moe is None or layer not in moe.sparse_layers:
-        return attention + [(2 * arch.intermediate_size, h), (h, arch.intermediate_size)], []
-    experts = [(2 * moe.expert_intermediate_size, h), (h, moe.expert_intermediate_size)]
+        return attention + [("gate_up", 2 * arch.intermediate_size, h), ("down", h, arch.intermediate_size)], []
+    expert = moe.expert_intermediate_size
+    experts = [("expert_gate_up", 2 * expert, h), ("expert_down", h, expert)]
     shared = moe.shared_expert_intermediate_size
     if shared and mla is not None:  # DeepSeek's shared experts are a quantized dense MLP; Qwen2-MoE's stay bf16
-        attention += [(2 * shared, h), (h, shared)]
+        attention += [("shared_gate_up", 2 * shared, h), ("shared_down", h, shared)]
     return attention, experts
 
 
@@ -126,8 +128,8 @@ def layer_weights(arch: ModelArch, num_tokens: int, precision: Precision) -> Ste
     for layer in range(arch.num_layers):
         dense, expert = fp8_linears(arch, layer)
         for shapes, copies in ((dense, 1.0), (expert, touched)):
-            fp8_params += copies * sum(rows * cols for rows, cols in shapes)
-            scale_bytes += copies * sum(precision.scale_bytes(rows, cols) for rows, cols in shapes)
+            fp8_params += copies * sum(rows * cols for _, rows, cols in shapes)
+            scale_bytes += copies * sum(precision.scale_bytes(rows, cols) for _, rows, cols in shapes)
     assert fp8_params <= total, "fp8_linears counts more weights than the architecture has"
     return StepWeights(fp8_params, scale_bytes, total - fp8_params)
 
