@@ -182,3 +182,19 @@ def test_throughput_flags_reject_unknown_fp8_settings() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args([*TRTLLM_ARGV[:-4], "--kv-cache-dtype", "fp4"])
     assert preset("trtllm-1000", "llama3-8b").input_len == 1000  # no per-model adjustment
+
+
+def test_gemm_sweep_shapes_are_the_engines_linears() -> None:
+    from pagoda.bench.fp8_bench import TOKEN_COUNTS, gemm_shapes, gemm_variants
+
+    assert gemm_shapes("llama3-8b") == [(f"llama3-8b.{name}", n, k) for name, (n, k) in
+                                        zip(("qkv", "o", "gate_up", "down"), LLAMA_LINEARS, strict=True)]
+    assert gemm_shapes("qwen3-30b-a3b:experts") == [("qwen3-30b-a3b.expert_gate_up", 2 * 768, 2048),
+                                                    ("qwen3-30b-a3b.expert_down", 2048, 768)]
+    assert len(gemm_shapes("llama3-8b,llama3-8b")) == 4
+    with pytest.raises(ValueError, match="unknown GEMM shape"):
+        gemm_shapes("llama3-8b:attention")
+    assert TOKEN_COUNTS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)
+    variants = gemm_variants()
+    assert {"bf16", "fp8_rowwise_linear", "fp8_block_linear"} <= variants.keys()
+    assert all(v.weights in ("bf16", "channel", "block", "none") for v in variants.values())
