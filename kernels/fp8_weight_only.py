@@ -27,8 +27,9 @@ import triton.language as tl
 
 FP8_DTYPE = torch.float8_e4m3fn
 CONFIG_DIR = Path(__file__).with_name("fp8_configs")
-MAX_ROWS = 32  # the weight-only path serves at most this many tokens; larger M quantizes activations (W8A8)
-M_BUCKETS = (1, 2, 4, 8, 16, 32)
+MAX_ROWS = 256  # the weight-only path serves at most this many tokens; larger M quantizes activations (W8A8)
+DEFAULT_MAX_ROWS = 32  # without a tuned entry saying otherwise: W8A16 up to here, W8A8 beyond
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 log = logging.getLogger(__name__)
 
 
@@ -160,12 +161,20 @@ def _read_table(device: str) -> dict[tuple[int, int, int], dict[str, Any]]:
     return {tuple(int(part) for part in key.split(",")): entry for key, entry in raw.items()}  # type: ignore[misc]
 
 
+@functools.lru_cache(maxsize=4)
 def tuned_table(device: str) -> dict[tuple[int, int, int], GemvTiles]:
     return {key: tiles_from_json(entry) for key, entry in _read_table(device).items() if not entry.get("w8a8")}
 
 
+@functools.lru_cache(maxsize=4)
 def w8a8_buckets(device: str) -> set[tuple[int, int, int]]:
     return {key for key, entry in _read_table(device).items() if entry.get("w8a8")}
+
+
+def clear_tables() -> None:
+    """Forget the tables read so far (after CONFIG_DIR changes: the tuner, tests)."""
+    for cached in (_read_table, tuned_table, w8a8_buckets):
+        cached.cache_clear()
 
 
 def m_bucket(num_rows: int) -> int:
@@ -182,12 +191,17 @@ def pick_tiles(num_rows: int, n: int, k: int, group_size: int | None, device: to
 
 
 def prefers_weight_only(num_rows: int, n: int, k: int, device: torch.device) -> bool:
-    """W8A16 for at most MAX_ROWS rows unless the tuned table measured W8A8 faster for this (N, K, M bucket)."""
+    """W8A16 up to DEFAULT_MAX_ROWS rows unless the tuned table measured W8A8 faster for this (N, K, M bucket);
+    beyond, up to MAX_ROWS, only where the table holds W8A16 tiles (measured faster than W8A8)."""
     if num_rows > MAX_ROWS:
         return False
     if device.type != "cuda":
-        return True
-    return (n, k, m_bucket(num_rows)) not in w8a8_buckets(torch.cuda.get_device_name(device))
+        return num_rows <= DEFAULT_MAX_ROWS
+    key = (n, k, m_bucket(num_rows))
+    name = torch.cuda.get_device_name(device)
+    if num_rows <= DEFAULT_MAX_ROWS:
+        return key not in w8a8_buckets(name)
+    return key in tuned_table(name)
 
 
 def _tiles_fit_groups(tiles: GemvTiles, k: int, group_size: int | None) -> bool:

@@ -94,14 +94,14 @@ def test_tuned_table_round_trips_and_picks_by_bucket(tmp_path, monkeypatch) -> N
     (tmp_path / w8.config_name("Test_GPU")).write_text(json.dumps({"4096,4096,2": w8.tiles_to_json(tiles),
                                                                       "4096,4096,32": {"w8a8": True}}))
     monkeypatch.setattr(w8, "CONFIG_DIR", tmp_path)
-    w8._read_table.cache_clear()
+    w8.clear_tables()
     try:
         table = w8.tuned_table("Test GPU")
         assert table == {(4096, 4096, 2): tiles}
         assert w8.w8a8_buckets("Test GPU") == {(4096, 4096, 32)}
-        assert w8.m_bucket(2) == 2 and w8.m_bucket(3) == 4 and w8.m_bucket(17) == 32
+        assert w8.m_bucket(2) == 2 and w8.m_bucket(3) == 4 and w8.m_bucket(17) == 32 and w8.m_bucket(200) == 256
     finally:
-        w8._read_table.cache_clear()
+        w8.clear_tables()
 
 
 def test_layers_take_weight_only_for_few_rows_and_w8a8_beyond() -> None:
@@ -122,7 +122,7 @@ def test_layers_take_weight_only_for_few_rows_and_w8a8_beyond() -> None:
     ops = dataclasses.replace(ops, fp8_weight_only=spy("w8a16", ops.fp8_weight_only),
                               fp8_linear=spy("w8a8", ops.fp8_linear))
     weight, scale = _weights(16, 64, None, seed=5)
-    for rows, path in ((1, "w8a16"), (w8.MAX_ROWS, "w8a16"), (w8.MAX_ROWS + 1, "w8a8")):
+    for rows, path in ((1, "w8a16"), (w8.DEFAULT_MAX_ROWS, "w8a16"), (w8.DEFAULT_MAX_ROWS + 1, "w8a8")):
         x = torch.randn(rows, 64, device=DEVICE).bfloat16()
         out = quantized_linear(x, weight, scale, Fp8Weights(), None, ops)
         assert calls[-1] == path
