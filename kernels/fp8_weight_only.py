@@ -171,6 +171,11 @@ def w8a8_buckets(device: str) -> set[tuple[int, int, int]]:
     return {key for key, entry in _read_table(device).items() if entry.get("w8a8")}
 
 
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def clear_tables() -> None:
     """Forget the tables read so far (after CONFIG_DIR changes: the tuner, tests)."""
     for cached in (_read_table, tuned_table, w8a8_buckets):
@@ -184,7 +189,8 @@ def m_bucket(num_rows: int) -> int:
 def pick_tiles(num_rows: int, n: int, k: int, group_size: int | None, device: torch.device) -> GemvTiles:
     """The tuned tiles of (N, K, M bucket) on this GPU when they fit the scale groups, else the defaults."""
     if device.type == "cuda":
-        tuned = tuned_table(torch.cuda.get_device_name(device)).get((n, k, m_bucket(num_rows)))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tuned = tuned_table(_device_name(index)).get((n, k, m_bucket(num_rows)))
         if tuned is not None and _tiles_fit_groups(tuned, k, group_size):
             return tuned
     return default_tiles(num_rows, n, k, group_size)
@@ -198,7 +204,7 @@ def prefers_weight_only(num_rows: int, n: int, k: int, device: torch.device) -> 
     if device.type != "cuda":
         return num_rows <= DEFAULT_MAX_ROWS
     key = (n, k, m_bucket(num_rows))
-    name = torch.cuda.get_device_name(device)
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
     if num_rows <= DEFAULT_MAX_ROWS:
         return key not in w8a8_buckets(name)
     return key in tuned_table(name)
