@@ -1,8 +1,12 @@
 """FP8 on one GPU: (a) GEMM microbench bf16 vs fp8 per-channel (cuBLASLt and Triton) vs fp8 block-wise (Triton)
-on llama3-8b shapes, (b) KV blocks with a bf16 vs an fp8 KV cache, (c) greedy-logit quality of FP8 vs bf16 on
-dummy weights.
+on llama3-8b shapes (or MoE expert shapes), (b) KV blocks with a bf16 vs an fp8 KV cache, (c) greedy-logit quality
+of FP8 vs bf16 on dummy weights.
 
-    python -m pagoda.bench.fp8_bench [--parts gemm,kv,quality] [--out bench/results/h200_fp8.json]
+    python -m pagoda.bench.fp8_bench [--parts gemm,kv,quality] [--gemm-shapes llama3-8b,qwen3-30b-a3b:experts]
+        [--gemm-m 1,2,4,...] [--out bench/results/h200_fp8.json]
+
+The GEMM part times every path of gemm_variants() (bf16, cuBLASLt and Triton W8A8, block-wise, and the
+weight-only W8A16 kernel where it exists) at issue 25's M buckets, each checked against its fp32 reference.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +24,95 @@ import torch
 
 from pagoda.bench.cuda_timing import flushed_time_ms
 
-# llama3-8b: (name, N, K) of each linear layer
-LLAMA3_8B_GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
-TOKEN_COUNTS = (1, 16, 256, 8192)
+# issue 25's M buckets: decode batches 1..32 (weight-only territory), mid batches, prefill chunks
+TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)
+DEFAULT_GEMM_SHAPES = "llama3-8b"  # also e.g. qwen3-30b-a3b:experts,mixtral-8x7b:experts
+
+
+def gemm_shapes(spec: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the FP8 linear layers of dummy shapes: "model" for a layer's dense linears and one routed
+    expert's (a sparse layer's, for a mixture of experts), "model:experts" for the expert's only. Comma-separated;
+    the shapes come from bench/roofline.fp8_linears, which mirrors the engine."""
+    from pagoda.bench.roofline import fp8_linears
+    from pagoda.shared.shapes import SHAPES
+
+    shapes: list[tuple[str, int, int]] = []
+    for item in spec.split(","):
+        model, _, part = item.partition(":")
+        if model not in SHAPES or part not in ("", "experts"):
+            raise ValueError(f"unknown GEMM shape {item!r}: a dummy shape name ({', '.join(SHAPES)}), "
+                             f"optionally with :experts")
+        arch = SHAPES[model]
+        dense, expert = fp8_linears(arch, arch.moe.sparse_layers[0] if arch.moe else 0)
+        for name, n, k in (expert if part == "experts" else dense + expert):
+            if (f"{model}.{name}", n, k) not in shapes:
+                shapes.append((f"{model}.{name}", n, k))
+    return shapes
+
+
+@dataclass(frozen=True, slots=True)
+class GemmOperands:
+    """One (shape, M): the bf16 activation and weight, the weight in FP8 per channel and per 128 x 128 block (the
+    model's [N, K / 128] scale layout), and the activation pre-quantized per token / per 128 columns."""
+
+    x: torch.Tensor  # [M, K] bf16
+    w: torch.Tensor  # [N, K] bf16
+    w_q: torch.Tensor  # [N, K] e4m3
+    w_s: torch.Tensor  # [N, 1] fp32
+    w_bq: torch.Tensor  # [N, K] e4m3
+    w_bs: torch.Tensor  # [N, K / 128] fp32
+    x_q: torch.Tensor  # [M, K] e4m3
+    x_s: torch.Tensor  # [M, 1] fp32
+    x_gq: torch.Tensor  # [M, K] e4m3
+    x_gs: torch.Tensor  # [M, K / 128] fp32
+
+
+@dataclass(frozen=True, slots=True)
+class GemmVariant:
+    """A timed path: `make(operands)` returns the no-argument call that is timed (and checked, unless it returns
+    no [M, N] output). `weights` names the weight form whose fp32 reference it is checked against: "bf16",
+    "channel" or "block". `linear`: it takes the bf16 activation, so its time is what a linear layer costs (the
+    rest start from pre-quantized activations). `max_rows`: skipped above this M (None: every M)."""
+
+    make: Callable[[GemmOperands], Callable[[], torch.Tensor]]
+    weights: str
+    linear: bool
+    max_rows: int | None = None
+
+
+def gemm_variants() -> dict[str, GemmVariant]:
+    """Every GEMM path the sweep times, by name. The hook for new kernels: add an entry here (kernels/fp8.py's
+    weight-only W8A16 GEMV is picked up from pagoda.kernels.fp8_weight_only when that module exists)."""
+    import torch.nn.functional as F
+
+    from pagoda.kernels import fp8
+
+    bf16 = torch.bfloat16
+    variants = {
+        "bf16": GemmVariant(lambda o: lambda: F.linear(o.x, o.w), "bf16", True),
+        "fp8_quant_token": GemmVariant(lambda o: lambda: fp8.quantize_fp8_rows(o.x), "none", False),
+        "fp8_rowwise_scaled_mm": GemmVariant(
+            lambda o: lambda: fp8.scaled_mm_rowwise(o.x_q, o.x_s, o.w_q, o.w_s, bf16), "channel", False),
+        "fp8_rowwise_scaled_mm_fast_accum": GemmVariant(
+            lambda o: lambda: fp8.scaled_mm_rowwise(o.x_q, o.x_s, o.w_q, o.w_s, bf16, fast_accum=True), "channel",
+            False),
+        "fp8_rowwise_triton": GemmVariant(
+            lambda o: lambda: fp8.fp8_gemm(o.x_q, o.x_s, o.w_q, o.w_s, None, bf16), "channel", False),
+        "fp8_rowwise_linear": GemmVariant(lambda o: lambda: fp8.fp8_linear(o.x, o.w_q, o.w_s, None), "channel", True),
+        "fp8_block_triton": GemmVariant(
+            lambda o: lambda: fp8.fp8_gemm(o.x_gq, o.x_gs, o.w_bq, o.w_bs, 128, bf16), "block", False),
+        "fp8_block_linear": GemmVariant(lambda o: lambda: fp8.fp8_linear(o.x, o.w_bq, o.w_bs, 128), "block", True),
+    }
+    try:
+        from pagoda.kernels import fp8_weight_only as w8
+    except ImportError:  # the W8A16 kernel is not on this branch
+        return variants
+    variants["fp8_w8a16"] = GemmVariant(lambda o: lambda: w8.fp8_weight_only_linear(o.x, o.w_q, o.w_s, None),
+                                        "channel", True, getattr(w8, "MAX_ROWS", None))
+    variants["fp8_w8a16_block"] = GemmVariant(
+        lambda o: lambda: w8.fp8_weight_only_linear(o.x, o.w_bq, o.w_bs, 128), "block", True,
+        getattr(w8, "MAX_ROWS", None))
+    return variants
 
 
 def _time_ms(fn: Any, iters: int = 50) -> float:
@@ -28,66 +120,64 @@ def _time_ms(fn: Any, iters: int = 50) -> float:
     return flushed_time_ms(fn, iters)
 
 
-def _gemm_row(name: str, m: int, w: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_bq: torch.Tensor,
-              w_bs: torch.Tensor) -> dict[str, Any]:
-    """One GEMM shape: x [M, K] bf16 times every weight form; checks each FP8 path against the reference."""
-    import torch.nn.functional as F
-
+def _gemm_row(name: str, m: int, weights: dict[str, torch.Tensor],
+              variants: dict[str, GemmVariant]) -> dict[str, Any]:
+    """One GEMM shape at M rows: every variant timed, and checked (min row cosine) against the fp32 reference of
+    the weight form it reads."""
     from pagoda.kernels import fp8
     from pagoda.kernels import reference as ref
 
-    n, k = w.shape
+    n, k = weights["w"].shape
     x = torch.randn(m, k, device="cuda").bfloat16()  # [M, K]
-    x_q, x_s = fp8.quantize_fp8_rows(x)
-    x_gq, x_gs = fp8.quantize_fp8_rows(x, 128)
-    timings = {
-        "bf16": _time_ms(lambda: F.linear(x, w)),
-        "fp8_quant_token": _time_ms(lambda: fp8.quantize_fp8_rows(x)),
-        "fp8_rowwise_scaled_mm": _time_ms(lambda: fp8.scaled_mm_rowwise(x_q, x_s, w_q, w_s, torch.bfloat16)),
-        "fp8_rowwise_scaled_mm_fast_accum": _time_ms(
-            lambda: fp8.scaled_mm_rowwise(x_q, x_s, w_q, w_s, torch.bfloat16, fast_accum=True)),
-        "fp8_rowwise_triton": _time_ms(lambda: fp8.fp8_gemm(x_q, x_s, w_q, w_s, None, torch.bfloat16)),
-        "fp8_rowwise_linear": _time_ms(lambda: fp8.fp8_linear(x, w_q, w_s, None)),
-        "fp8_block_triton": _time_ms(lambda: fp8.fp8_gemm(x_gq, x_gs, w_bq, w_bs, 128, torch.bfloat16)),
-        "fp8_block_linear": _time_ms(lambda: fp8.fp8_linear(x, w_bq, w_bs, 128)),
-    }
-    flops, fp8_bytes = 2 * m * n * k, n * k + m * k
-    row = {"gemm": name, "M": m, "N": n, "K": k, **{f"{key}_us": 1e3 * v for key, v in timings.items()},
-           "bf16_TBps": 2 * fp8_bytes / timings["bf16"] / 1e9, "bf16_TFLOPs": flops / timings["bf16"] / 1e9,
-           "fp8_rowwise_TBps": fp8_bytes / timings["fp8_rowwise_scaled_mm"] / 1e9,
-           "fp8_rowwise_TFLOPs": flops / timings["fp8_rowwise_scaled_mm"] / 1e9,
-           "speedup_linear_rowwise": timings["bf16"] / timings["fp8_rowwise_linear"],
-           "speedup_linear_block": timings["bf16"] / timings["fp8_block_linear"]}
-    checks = {"rowwise_linear": (fp8.fp8_linear(x, w_q, w_s, None), ref.fp8_linear(x.float(), w_q, w_s, None)),
-              "rowwise_triton": (fp8.fp8_gemm(x_q, x_s, w_q, w_s, None, torch.bfloat16),
-                                 ref.fp8_linear(x.float(), w_q, w_s, None)),
-              "block_linear": (fp8.fp8_linear(x, w_bq, w_bs, 128), ref.fp8_linear(x.float(), w_bq, w_bs, 128))}
-    for key, (out, expected) in checks.items():
-        row[f"cosine_{key}"] = torch.nn.functional.cosine_similarity(out.float(), expected, dim=1).min().item()
+    ops = GemmOperands(x, **weights, **dict(zip(("x_q", "x_s"), fp8.quantize_fp8_rows(x), strict=True)),
+                       **dict(zip(("x_gq", "x_gs"), fp8.quantize_fp8_rows(x, 128), strict=True)))
+    expected = {"bf16": x.float() @ ops.w.float().t(), "channel": ref.fp8_linear(x.float(), ops.w_q, ops.w_s, None),
+                "block": ref.fp8_linear(x.float(), ops.w_bq, ops.w_bs, 128)}
+    row: dict[str, Any] = {"gemm": name, "M": m, "N": n, "K": k}
+    for key, variant in variants.items():
+        if variant.max_rows is not None and m > variant.max_rows:
+            continue
+        call = variant.make(ops)
+        row[f"{key}_us"] = 1e3 * _time_ms(call)
+        if variant.weights in expected:
+            out = call().float()  # [M, N]
+            row[f"cosine_{key}"] = torch.nn.functional.cosine_similarity(out, expected[variant.weights],
+                                                                         dim=1).min().item()
+    bf16_us = row["bf16_us"]
+    fp8_linear_us = {key: row[f"{key}_us"] for key, v in variants.items() if v.linear and key != "bf16"
+                     and f"{key}_us" in row and v.weights == "channel"}
+    best = min(fp8_linear_us, key=fp8_linear_us.get)
+    row.update({"bf16_TBps": (2 * n * k + 2 * m * k) / bf16_us / 1e6, "bf16_TFLOPs": 2 * m * n * k / bf16_us / 1e6,
+                "best_fp8_linear": best, "best_fp8_linear_TBps": (n * k + 2 * m * k) / row[f"{best}_us"] / 1e6,
+                "speedup_best_fp8_linear": bf16_us / row[f"{best}_us"],
+                "speedup_linear_rowwise": bf16_us / row["fp8_rowwise_linear_us"],
+                "speedup_linear_block": bf16_us / row["fp8_block_linear_us"]})
     return row
 
 
-def gemm_bench() -> list[dict[str, Any]]:
+def gemm_bench(spec: str = DEFAULT_GEMM_SHAPES, token_counts: tuple[int, ...] = TOKEN_COUNTS) -> list[dict[str, Any]]:
     from pagoda.kernels import reference as ref
 
+    variants = gemm_variants()
     rows = []
-    for name, n, k in LLAMA3_8B_GEMMS:
+    for name, n, k in gemm_shapes(spec):
         w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()  # [N, K]
         w_q, w_s = ref.quantize_fp8_rows(w)  # per channel
         w_bq, w_blocks = ref.quantize_fp8_blocks(w, (128, 128))
         w_bs = w_blocks.repeat_interleave(128, dim=0)[:n].contiguous()  # [N, K / 128]: the model's layout
-        for m in TOKEN_COUNTS:
-            row = _gemm_row(name, m, w, w_q, w_s, w_bq, w_bs)
+        weights = {"w": w, "w_q": w_q, "w_s": w_s, "w_bq": w_bq, "w_bs": w_bs}
+        for m in token_counts:
+            row = _gemm_row(name, m, weights, variants)
             rows.append(row)
-            print(f"{name:8s} M={m:5d} bf16 {row['bf16_us']:8.1f} us | fp8 rowwise: quant "
-                  f"{row['fp8_quant_token_us']:6.1f} + cuBLASLt {row['fp8_rowwise_scaled_mm_us']:8.1f} (fast accum "
-                  f"{row['fp8_rowwise_scaled_mm_fast_accum_us']:8.1f}, triton "
-                  f"{row['fp8_rowwise_triton_us']:8.1f}) = linear {row['fp8_rowwise_linear_us']:8.1f} us "
-                  f"({row['speedup_linear_rowwise']:.2f}x) | block: triton {row['fp8_block_triton_us']:8.1f}, "
-                  f"linear {row['fp8_block_linear_us']:8.1f} us ({row['speedup_linear_block']:.2f}x) | min cosine "
+            times = " ".join(f"{key[:-3]} {value:.1f}" for key, value in row.items() if key.endswith("_us"))
+            print(f"{name:28s} M={m:5d} us: {times} | best fp8 linear {row['best_fp8_linear']} "
+                  f"{row['speedup_best_fp8_linear']:.2f}x bf16, {row['best_fp8_linear_TBps']:.2f} TB/s | min cosine "
                   f"{min(v for key, v in row.items() if key.startswith('cosine_')):.5f}", flush=True)
-        del w, w_q, w_s, w_bq, w_bs
+        del w, w_q, w_s, w_bq, w_bs, weights
         torch.cuda.empty_cache()
+    slower = [r for r in rows if r["speedup_best_fp8_linear"] < 1.0]
+    print(f"best FP8 linear slower than bf16 in {len(slower)} of {len(rows)} (shape, M): "
+          + ", ".join(f"{r['gemm']} M={r['M']} {r['speedup_best_fp8_linear']:.2f}x" for r in slower), flush=True)
     return rows
 
 
@@ -199,6 +289,9 @@ def quality(model: str, num_prompts: int, prompt_len: int, max_tokens: int) -> l
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--parts", default="gemm,kv,quality")
+    parser.add_argument("--gemm-shapes", default=DEFAULT_GEMM_SHAPES,
+                        help="comma-separated dummy shapes, each optionally :experts (its routed expert's only)")
+    parser.add_argument("--gemm-m", default=",".join(map(str, TOKEN_COUNTS)), help="comma-separated token counts")
     parser.add_argument("--kv-model", default="llama3-8b")
     parser.add_argument("--quality-model", default="qwen3-0.6b")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -212,7 +305,7 @@ def main() -> int:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(),
                               "torch": torch.__version__}
     if "gemm" in parts:
-        report["gemm"] = gemm_bench()
+        report["gemm"] = gemm_bench(args.gemm_shapes, tuple(int(m) for m in args.gemm_m.split(",")))
     if "kv" in parts:
         report["kv_blocks"] = kv_blocks(args.kv_model)
     if "quality" in parts:

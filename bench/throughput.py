@@ -16,10 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pagoda.bench.workload import PRESETS, Workload, preset
-
-HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
-MATMUL_FLOPS = 780e12  # measured bf16 matmul on the lent H200
+from pagoda.bench.roofline import Precision, batch1_floor_ms, checkpoint_quantization, roofline_seconds
+from pagoda.bench.workload import ENGINE_DEFAULTS, PRESETS, Workload, preset
+from pagoda.shared.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _step_summary(timer: Any) -> dict[str, Any]:
@@ -53,45 +52,6 @@ def single_request_latency(llm: Any, prompt: list[int], num_tokens: int) -> dict
     decode = sorted(step_times[1:])  # the first step is the prefill
     return {"batch1_prompt_len": len(prompt), "batch1_decode_ms_p50": 1e3 * decode[len(decode) // 2],
             "batch1_prefill_ms": 1e3 * step_times[0]}
-
-
-def weight_bytes_per_step(arch: Any, num_tokens: int, dtype_bytes: int = 2) -> float:
-    """Weights one step of `num_tokens` tokens reads: every dense weight and the LM head, and of a
-    mixture-of-experts layer the experts those tokens are expected to touch (uniform routing)."""
-    return (arch.num_params() - arch.layer_weight_params(1 << 30) + arch.layer_weight_params(num_tokens)) * dtype_bytes
-
-
-def batch1_floor_ms(arch: Any, context_len: int, dtype_bytes: int = 2) -> float:
-    """One decode token of one sequence: the weights it touches plus its cached K/V, at HBM bandwidth."""
-    return 1e3 * (weight_bytes_per_step(arch, 1, dtype_bytes)
-                  + context_len * arch.kv_bytes_per_token(dtype_bytes)) / HBM_BYTES_PER_S
-
-
-def roofline_seconds(arch: Any, workload: Workload, dtype_bytes: int = 2) -> dict[str, float]:
-    """The physical floor of the workload: prefill FLOPs at the matrix rate, decode bytes at HBM bandwidth.
-
-    Decode reads every weight a step touches (for mixture-of-experts: the experts the running sequences are
-    expected to route to) and every cached K/V byte once per step (all sequences in lockstep); prefill does
-    2 FLOPs per active weight per token plus causal attention.
-    """
-    kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
-    n, p, o = workload.num_prompts, workload.input_len, workload.output_len
-    shared, seqs = workload.shared_prefix_len, workload.num_prompts * workload.n
-    embed = arch.vocab_size * arch.hidden_size
-    # a shared prefix is computed once (the prefix cache serves the rest); n > 1 forks after the prompt
-    prefill_tokens = shared + n * p
-    attention_pairs = shared * shared + n * p * (2 * shared + p)  # causal (query, key) pairs, x2 folded in
-    active_params = arch.layer_weight_params(1) + embed  # per token: dense weights + its top-k experts + LM head
-    prefill_flops = (2 * (active_params - embed) * prefill_tokens
-                     + 2 * arch.num_layers * arch.q_size * attention_pairs)
-    step_weights = weight_bytes_per_step(arch, seqs, dtype_bytes)
-    decode_bytes = sum(step_weights + seqs * (shared + p + i) * kv_per_token for i in range(o))
-    prefill_s, decode_s = prefill_flops / MATMUL_FLOPS, decode_bytes / HBM_BYTES_PER_S
-    return {"floor_s": prefill_s + decode_s, "floor_prefill_s": prefill_s, "floor_decode_s": decode_s,
-            "floor_out_tok_per_s": seqs * o / (prefill_s + decode_s),
-            "floor_decode_step_ms": 1e3 * decode_s / max(o, 1),
-            "floor_batch1_ms_at_prompt": batch1_floor_ms(arch, shared + p, dtype_bytes),
-            "prefill_tokens": prefill_tokens}
 
 
 def run_pagoda(model: str, load_format: str, workload: Workload, engine_args: dict[str, Any],
@@ -159,16 +119,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """Run a single system in this process (the child side)."""
     workload = workload_from_args(args)
     if args.system == "pagoda":
-        engine_args = {"seed": args.seed, "dtype": args.dtype, "device": args.device}
-        if args.no_async_scheduling:
-            engine_args["async_scheduling"] = False
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "enforce_eager",
-                     "quantization",
-                     "kv_cache_dtype", "tokenizer"):
-            value = getattr(args, name)
-            if value not in (None, False):
-                engine_args[name] = value
-        return run_pagoda(args.model, args.load_format, workload, engine_args, args.latency_prompt_len)
+        return run_pagoda(args.model, args.load_format, workload, engine_args(args), args.latency_prompt_len)
     from pagoda.bench.hf_peer import run_peer
     from pagoda.services.worker.device import resolve_device
     from pagoda.shared.config import EngineConfig
@@ -191,6 +142,30 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return Workload(seed=args.seed, **{k: v if v is not None else CUSTOM_DEFAULTS[k] for k, v in sizes.items()})
 
 
+_ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "enforce_eager",
+                 "quantization", "kv_cache_dtype", "tokenizer")
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """pagoda's engine keyword arguments: the flags given, over the preset's engine defaults (ENGINE_DEFAULTS)."""
+    result: dict[str, Any] = {"seed": args.seed, "dtype": args.dtype, "device": args.device}
+    if args.no_async_scheduling:
+        result["async_scheduling"] = False
+    result.update(ENGINE_DEFAULTS.get(args.workload or "", {}))
+    for name in _ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value not in (None, False):
+            result[name] = value
+    return result
+
+
+def precision_from_args(args: argparse.Namespace) -> Precision:
+    """The storage the floor counts: the model dtype, --quantization (or an FP8 checkpoint's own), the KV dtype."""
+    quantization = args.quantization or checkpoint_quantization(args.model)
+    dtype_bytes = 4 if args.dtype in ("float32", "fp32") else 2
+    return Precision(dtype_bytes, quantization, args.kv_cache_dtype or "auto")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="models/smollm2-135m-instruct", help="model folder or dummy shape")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
@@ -208,8 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--quantization", default=None, help="pagoda only: fp8 weights")
-    parser.add_argument("--kv-cache-dtype", default=None, help="pagoda only: fp8 KV cache")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="pagoda only: fp8 weights")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="pagoda only: fp8 KV cache")
     parser.add_argument("--tokenizer", default=None,
                         help="pagoda only: a tokenizer folder for a dummy shape (its vocabulary, as `serve` has it)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="serial steps (default: overlap on CUDA)")
@@ -234,8 +209,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     results: list[dict[str, Any]] = []
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "load_format": args.load_format,
-              "workload_name": args.workload or "custom", "workload": workload.to_dict(), "results": results,
-              "roofline": _roofline(args)}
+              "workload_name": args.workload or "custom", "workload": workload.to_dict(),
+              "engine_args": engine_args(args), "results": results, "roofline": _roofline(args)}
     for system in systems:
         results.append(_run_child(args, system))
         if args.out:  # after every system, so a run cut short still leaves what it measured
@@ -253,20 +228,22 @@ _FORWARDED = ("model", "load_format", "workload", "num_prompts", "input_len", "i
               "tokenizer")
 
 
-def _roofline(args: argparse.Namespace) -> dict[str, float]:
+def _roofline(args: argparse.Namespace) -> dict[str, Any]:
     from pagoda.shared.shapes import resolve_arch
 
     try:
         arch = resolve_arch(args.model, "dummy" if args.load_format == "dummy" else "auto")
     except Exception:  # noqa: BLE001 - the floor is a courtesy; the run itself reports real errors
         return {}
-    floor = roofline_seconds(arch, workload_from_args(args))
+    precision = precision_from_args(args)
+    floor = roofline_seconds(arch, workload_from_args(args), precision)
     if args.latency_prompt_len:
-        floor["batch1_floor_ms"] = batch1_floor_ms(arch, args.latency_prompt_len)
+        floor["batch1_floor_ms"] = batch1_floor_ms(arch, args.latency_prompt_len, precision)
     return floor
 
 
-def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
+def child_argv(args: argparse.Namespace, system: str) -> list[str]:
+    """The command that runs one system in its own process with this run's settings."""
     argv = [sys.executable, "-m", "pagoda.bench", "throughput", "--system", system]
     for key in _FORWARDED:
         value = getattr(args, key)
@@ -274,6 +251,11 @@ def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
             continue
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def _run_child(args: argparse.Namespace, system: str) -> dict[str, Any]:
+    argv = child_argv(args, system)
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=args.timeout)
     except subprocess.TimeoutExpired as exc:
@@ -301,7 +283,8 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{r['system']:<14}{r['output_tok_per_s']:>12.1f}{r['elapsed_s']:>12.2f}{ratio:>10.2f}")
     if floor:
         print(f"roofline floor {floor['floor_s']:.2f} s ({floor['floor_out_tok_per_s']:.0f} out tok/s)"
-              + (f"; pagoda at {floor['floor_s'] / base['elapsed_s']:.0%} of it" if base else ""))
+              + (f"; pagoda at {floor['floor_s'] / base['elapsed_s']:.0%} of it" if base else "")
+              + f" [{floor['precision']}]")
     if base and base.get("decode_gpu_busy_fraction") is not None:
         print(f"decode GPU busy {base['decode_gpu_busy_fraction']:.1%} over {base['decode_steps']} decode steps "
               f"(max_inflight_plans {base['max_inflight_plans']}; target >= 95%)")

@@ -17,6 +17,18 @@ _LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
 _MAX_SPLITS = 64  # a power of two (pick_num_splits rounds down to powers of two)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# How K/V tiles of an fp8 (e4m3) cache reach the tensor cores when q is 16-bit (an fp32 q always upcasts to fp32):
+#   "native": to q's dtype. For bf16 Triton emits cvt e4m3x2 -> f16x2 then two cvt f16 -> bf16 per pair: three
+#             conversions a pair of elements, which made decode instruction-bound (issue 25).
+#   "f16":    to fp16 with one cvt.rn.f16x2.e4m3x2 a pair (exact: every e4m3 value is an fp16). q is scaled once
+#             per program to fp16 (its amax to 256, the inverse folded into the softmax scale), so the dots run on
+#             fp16 operands; p is fp16 too (finer than bf16 in [0, 1]).
+#   "f16_bits": fp16 by integer ops: bits = sign << 15 | (e4m3 & 0x7f) << 7 is the fp16 of e4m3 * 2^-8 (the
+#             exponent biases differ by 15 - 7 = 8; e4m3 subnormals land on fp16 subnormals with the same factor);
+#             the 2^8 is folded into the scales. The e4m3 NaN (0x7f) would read as 480; the cache never holds one.
+FP8_CONVERTS = ("native", "f16", "f16_bits")
+_FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3}  # FP8_MODE kernel constant; 0 = not an fp8 cache
+_F16_Q_AMAX = tl.constexpr(256.0)  # q amax after its fp16 scaling: products exact in fp32, far from overflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +46,7 @@ class AttentionConfig:
     prefill_num_warps: int = 8
     prefill_num_stages: int = 1
     heads_fast: bool = False  # grid axis 0 = kv head: a sequence's kv heads run side by side (adjacent cache bytes)
+    fp8_convert: str = "f16"  # fp8 cache with a 16-bit q: how K/V tiles are converted (FP8_CONVERTS)
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,17 +75,19 @@ def pick_num_splits(num_tokens: int, num_kv_heads: int, max_query_len: int, max_
 
 @functools.lru_cache(maxsize=256)
 def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: int, max_query_len: int,
-                max_seq_len: int, num_sms: int = 132) -> AttentionConfig:
+                max_seq_len: int, num_sms: int = 132, fp8_kv: bool = False) -> AttentionConfig:
     """Default launch shapes, from an H200 sweep (python -m pagoda.bench.kernels --sweep, llama3-8b, bf16).
     Decode: 64-key tiles, 4 warps (B=256 ctx=2048 at 4.3 TB/s). Prefill-only steps (8x512): 128-row tiles of
     32 keys, 8 warps, 1 stage (88.7 us; the old 128/64/8/2 was ~10% slower). Steps that are mostly decode rows
     plus a few chunks (4x512 + 124 decodes): 64-row tiles of 64 keys (277 us vs 310 us). Decode-only batches put
-    the kv heads on grid axis 0 (bench/decode_profile.py --sweep)."""
+    the kv heads on grid axis 0 (bench/decode_profile.py --sweep). An fp8 cache (fp8_kv) decodes 128-key tiles:
+    the same bytes a step as the bf16 64-key tile, so half the loop trips and their fixed softmax work
+    (bench/kv_fp8_bench.py times both)."""
     num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
     if max_query_len <= 1:
         # Decode-only: kv heads first on the grid, so one sequence's heads read their blocks' adjacent bytes
         # together (H200, qwen3-0.6b, B=256, contexts 512-768: 166 -> 160 us per layer, 4.04 -> 4.19 TB/s).
-        return AttentionConfig(num_splits=num_splits, heads_fast=True)
+        return AttentionConfig(num_splits=num_splits, heads_fast=True, decode_tile_n=128 if fp8_kv else 64)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     if max_query_len * group_size >= 128 and not mostly_decode:
         return AttentionConfig(num_splits=num_splits)
@@ -98,11 +113,19 @@ def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_f16_bits(x):
+    """fp8 e4m3 -> the fp16 of x * 2^-8 by integer ops (sign to bit 15, exponent and mantissa shifted to fp16's
+    places; the bias difference 15 - 7 = 8 stays as the factor, also for subnormals). Same shape."""
+    bits = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   qk_scale, row_pos, kv_end, tile_lo, tile_hi,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
+                  TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
     limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised)."""
     offs_n = tl.arange(0, TILE_N)
@@ -133,9 +156,16 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
                             mask=d_mask[None, :], other=0.0)
         # Dot operands stay in the storage dtype (tensor-core inputs); products accumulate in fp32 and all the
         # softmax arithmetic below is fp32. Scores are in log2 units: qk_scale = scale * log2(e), so exp2 works.
-        if FP8_KV:  # an fp8 cache: to the compute dtype; its scales are folded into qk_scale and the output
+        # An fp8 cache: to the dot dtype (FP8_CONVERTS); its scales are folded into qk_scale and the output.
+        if FP8_MODE == 1:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
+        elif FP8_MODE == 2:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        elif FP8_MODE == 3:
+            k = _e4m3_to_f16_bits(k)
+            v = _e4m3_to_f16_bits(v)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         if MASKED:
             s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
@@ -179,13 +209,14 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_KV: tl.constexpr, HEADS_FAST: tl.constexpr):
+        FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
     num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th query tile
     of the flattened batch, found by binary search; SKIP_DECODE leaves length-1 sequences to a DECODE launch.
-    HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together."""
+    HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together.
+    FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says."""
     if HEADS_FAST:
         pid = tl.program_id(1)
         kv_head = tl.program_id(0)
@@ -262,19 +293,29 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
-    if FP8_KV:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
+    if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP8_MODE >= 2:  # fp16 dots: q scaled once so its amax is _F16_Q_AMAX, the inverse folded into qk_scale
+        q32 = q.to(tl.float32)
+        q_mult = _F16_Q_AMAX / tl.maximum(tl.max(tl.max(tl.abs(q32), 1), 0), 1.0e-30)
+        q = (q32 * q_mult).to(tl.float16)
+        qk_scale = qk_scale / q_mult
+        if FP8_MODE == 3:  # f16_bits keys are e4m3 * 2^-8
+            qk_scale = qk_scale * 256.0
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_KV)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_KV)
-    if FP8_KV:  # sum_j p_j (v_fp8_j * v_scale) = v_scale * sum_j p_j v_fp8_j (also for split partials)
-        acc = acc * tl.load(v_scale_ptr)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE)
+    if FP8_MODE != 0:  # sum_j p_j (v_fp8_j * v_scale) = v_scale * sum_j p_j v_fp8_j (also for split partials)
+        v_scale = tl.load(v_scale_ptr)
+        if FP8_MODE == 3:  # f16_bits values are e4m3 * 2^-8
+            v_scale = v_scale * 256.0
+        acc = acc * v_scale
 
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
@@ -346,6 +387,13 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("all tensors must be on q's device " + str(device))
 
 
+def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig) -> int:
+    """The kernel's FP8_MODE: 0 without an fp8 cache; with an fp32 q always "native" (fp16 dots would round it)."""
+    if not fp8_kv:
+        return 0
+    return _FP8_MODE[config.fp8_convert if q_dtype != torch.float32 else "native"]
+
+
 def _check_config(config: AttentionConfig) -> None:
     for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
         value = getattr(config, name)
@@ -353,6 +401,8 @@ def _check_config(config: AttentionConfig) -> None:
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if not 1 <= config.num_splits <= 64:
         raise ValueError(f"num_splits must be in 1..64, got {config.num_splits}")
+    if config.fp8_convert not in FP8_CONVERTS:
+        raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {config.fp8_convert!r}")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -366,7 +416,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     seq_lens[b] == 0 and rows past qsl[B] (padding) come out zero. Not checked (it would cost a device sync):
     qsl is non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covers seq_lens.
     max_query_len and max_seq_len are upper bounds that pick the launch shape only. Returns out [T, heads, D].
-    An fp8 (e4m3) cache needs k_scale, v_scale [1] fp32: it holds k / k_scale and v / v_scale.
+    An fp8 (e4m3) cache needs k_scale, v_scale [1] fp32: it holds k / k_scale and v / v_scale; with a 16-bit q its
+    tiles reach the dots as config.fp8_convert says (default fp16 operands; an fp32 q upcasts them to fp32).
 
     Launches: one DECODE launch (a program per (sequence, kv head, split) for length-1 queries); if
     max_query_len > 1 also a tiled launch for the longer chunks; with num_splits > 1 a reduce launch."""
@@ -385,7 +436,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if config is None:
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-        config = pick_config(num_tokens, num_seqs, num_kv_heads, group, max_query_len, max_seq_len, num_sms)
+        config = pick_config(num_tokens, num_seqs, num_kv_heads, group, max_query_len, max_seq_len, num_sms, fp8_kv)
     else:
         _check_config(config)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
@@ -405,7 +456,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 FP8_KV=fp8_kv, HEADS_FAST=config.heads_fast)
+                 FP8_MODE=_fp8_mode(fp8_kv, q.dtype, config), HEADS_FAST=config.heads_fast)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:

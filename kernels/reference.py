@@ -375,6 +375,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           group_size: int | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only FP8 (W8A16): y = x @ (W * scale)^T in fp32 with x as it is (no activation quantization);
+    W e4m3 [N, K], scales [N, 1] or [N, ceil(K / g)]. Returns [..., N] in x's dtype."""
+    k = weight.shape[1]
+    out = x.reshape(-1, k).float() @ dequantize_fp8(weight, weight_scale, group_size).t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMM of fp8_linear on already quantized activations: x_q e4m3 [M, K] with scales [M, 1 or G] ->

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from pagoda.kernels import fp8_weight_only as w8a16
 from pagoda.kernels import reference as ref
 
 
@@ -139,6 +140,10 @@ class Ops:
     silu_and_mul_quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = ref.silu_and_mul_quant_fp8
     # (x_q, x_scale, weight, weight_scale, group_size, out dtype, bias) -> [M, N]
     fp8_matmul: Callable[..., torch.Tensor] = ref.fp8_matmul
+    # Weight-only FP8 (W8A16) for few tokens, no activation quantization: same arguments as fp8_linear; and
+    # (rows, N, K, device) -> whether it serves that GEMM (else W8A8 above); kernels/fp8_weight_only.py
+    fp8_weight_only: Callable[..., torch.Tensor] = ref.fp8_weight_only_linear
+    prefers_weight_only: Callable[[int, int, int, torch.device], bool] = w8a16.prefers_weight_only
     # One pass from the fused qkv rows to attention inputs (q/k norm, rope, K/V into the cache: q returned) and
     # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
     prepare_qkv: Callable[..., torch.Tensor] | None = None
@@ -174,7 +179,8 @@ def triton_ops() -> Ops:
     return Ops(rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, rope=fused_rope,
                silu_and_mul=activation.silu_and_mul, attention=triton_attention, fp8_linear=fp8.fp8_linear,
                add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
-               fp8_matmul=fp8.fp8_matmul, prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
+               fp8_matmul=fp8.fp8_matmul, fp8_weight_only=w8a16.fp8_weight_only_linear,
+               prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
                moe_experts=moe.fused_experts, mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
                mla_expand=triton_mla_expand)
 
@@ -243,6 +249,25 @@ class KvLayout:
 
     def bytes_per_token(self, num_layers: int, dtype_bytes: int) -> int:
         return num_layers * self.num_tensors * self.num_heads * self.head_dim * dtype_bytes
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                     fp8: Fp8Weights | None, bias: torch.Tensor | None, ops: Ops) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N]: dense, weight-only FP8 for few tokens, else FP8 with the activations
+    quantized per token (W8A8)."""
+    if weight_scale is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    assert fp8 is not None
+    if uses_weight_only(x, weight, ops):
+        return ops.fp8_weight_only(x, weight, weight_scale, fp8.group_size, bias)
+    return ops.fp8_linear(x, weight, weight_scale, fp8.group_size, bias)
+
+
+def uses_weight_only(x: torch.Tensor, weight: torch.Tensor, ops: Ops) -> bool:
+    """Whether the FP8 GEMM of x [..., K] with weight [N, K] takes the weight-only path (by row count and shape;
+    static per CUDA graph, since a graph's row count is)."""
+    rows = x.numel() // x.shape[-1]
+    return ops.prefers_weight_only(rows, weight.shape[0], weight.shape[1], x.device)
 
 
 def make_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

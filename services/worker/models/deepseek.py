@@ -41,6 +41,7 @@ from pagoda.services.worker.models.base import (
     TensorParallel,
     make_linear,
     make_param,
+    quantized_linear,
 )
 from pagoda.services.worker.models.llama import dense_mlp_placements, scale_rows
 from pagoda.services.worker.models.rope import RopeSpec, yarn_factor, yarn_mscale
@@ -62,10 +63,7 @@ def softmax_scale(arch: ModelArch) -> float:
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, fp8: Fp8Weights | None,
             ops: Ops) -> torch.Tensor:
-    if weight_scale is None:
-        return F.linear(x, weight)
-    assert fp8 is not None
-    return ops.fp8_linear(x, weight, weight_scale, fp8.group_size, None)
+    return quantized_linear(x, weight, weight_scale, fp8, None, ops)
 
 
 class MlaAttention(nn.Module):

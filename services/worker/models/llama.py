@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.services.worker.models.base import (
@@ -24,6 +23,8 @@ from pagoda.services.worker.models.base import (
     TensorParallel,
     make_linear,
     make_param,
+    quantized_linear,
+    uses_weight_only,
 )
 from pagoda.shared.shapes import ModelArch
 
@@ -75,10 +76,13 @@ class DecoderLayer(nn.Module):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                bias: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        if weight_scale is None:
-            return F.linear(x, weight, bias)
-        assert self.fp8 is not None
-        return ops.fp8_linear(x, weight, weight_scale, self.fp8.group_size, bias)
+        return quantized_linear(x, weight, weight_scale, self.fp8, bias, ops)
+
+    def _fused_quant(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                     ops: Ops) -> bool:
+        """Per-channel W8A8: the op before the GEMM quantizes the activations in its own pass."""
+        return (weight_scale is not None and self.fp8 is not None and self.fp8.group_size is None
+                and not uses_weight_only(x, weight, ops))
 
     def _calibrate_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """KV scales from this step's K/V amax (with 2x headroom for later tokens): one step, then fixed."""
@@ -94,7 +98,7 @@ class DecoderLayer(nn.Module):
         """add_rms_norm then a linear layer: (out [T, N], new residual [T, H]). Per-channel FP8 quantizes the
         activations in the norm's pass (one kernel fewer per GEMM)."""
         eps = self.arch.rms_norm_eps
-        if weight_scale is not None and self.fp8 is not None and self.fp8.group_size is None:
+        if self._fused_quant(x, weight, weight_scale, ops):
             h_q, h_scale, residual = ops.add_rms_norm_quant(x, residual, norm, eps)  # [T, H] e4m3, [T, 1]
             return ops.fp8_matmul(h_q, h_scale, weight, weight_scale, None, x.dtype, bias), residual
         h, residual = ops.add_rms_norm(x, residual, norm, eps)  # [T, H] each
@@ -102,7 +106,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, gate_up: torch.Tensor, ops: Ops) -> torch.Tensor:
         """silu(gate) * up, then down [T, H] (per-channel FP8: quantized in the activation's pass)."""
-        if self.down_weight_scale is not None and self.fp8 is not None and self.fp8.group_size is None:
+        if self._fused_quant(gate_up, self.down_weight, self.down_weight_scale, ops):
             mlp_q, mlp_scale = ops.silu_and_mul_quant(gate_up)  # [T, I] e4m3, [T, 1]
             return ops.fp8_matmul(mlp_q, mlp_scale, self.down_weight, self.down_weight_scale, None, gate_up.dtype)
         mlp = ops.silu_and_mul(gate_up)  # [T, I]

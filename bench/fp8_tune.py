@@ -1,0 +1,225 @@
+"""FP8 linear layers on one GPU: tune the weight-only (W8A16) kernel's tiles per shape and M bucket, pick W8A16 or
+W8A8 per bucket, then sweep every M against bf16 with the dispatch the model uses.
+
+    python -m pagoda.bench.fp8_tune [--shapes llama3-8b] [--out $OUT]
+
+1. Tuning (M = 1 .. 256): every candidate tile set (FMA rows for M <= 4, tensor-core tiles beyond; narrow N
+   tiles, split-K) is checked against the reference, then timed as decode runs it: replayed from a CUDA graph
+   that cycles through enough copies of the weights (>= 256 MB) that none is in L2 when its turn comes. The best
+   is kept, unless cuBLASLt's W8A8 GEMM (plus the activation quantization where no fused op does it: o_proj) is
+   faster; above 32 rows W8A16 must win to be kept.
+2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
+   (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes.
+   The per-layer error of every path against the fp32 reference is printed with it.
+
+Writes fp8_tune.json (sweep rows) and w8a16_table.json (commit it as
+kernels/fp8_configs/w8a16,device=<GPU name>,triton=<version>.json) under --out or $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.bench.cuda_timing import graph_time_ms
+
+SHAPES = {  # (name, N, K) of each linear layer
+    "llama3-8b": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)),
+    "qwen3-8b": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)),
+}
+SWEEP_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)
+W8A8_MARGIN = 0.97  # W8A8 must beat the best W8A16 by 3% to take a bucket
+
+
+def candidates(bucket: int) -> list[Any]:
+    from pagoda.kernels.fp8_weight_only import GemvTiles
+
+    out = []
+    if bucket <= 4:  # FMA rows: every row in one program
+        for block_n, block_k, split in itertools.product((8, 16, 32), (512, 1024), (1, 2, 4)):
+            warps = ((4, 4), (8, 3)) if block_k == 1024 else ((4, 4),)
+            out += [GemvTiles(block_m=bucket, block_n=block_n, block_k=block_k, split_k=split, use_dot=False,
+                              num_warps=w, num_stages=st) for w, st in warps]
+    if bucket > 32:  # larger tiles: the weights are read once per BLOCK_M rows
+        for block_m, block_n, block_k, (warps, stages) in itertools.product(
+                (64, 128), (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4))):
+            out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, use_dot=True,
+                                 num_warps=warps, num_stages=stages))
+        return out
+    if bucket >= 2:  # tensor-core tiles, rows padded to 16 or 32
+        for block_m, block_n, block_k, split in itertools.product((16, 32), (16, 32, 64), (128, 256), (1, 2, 4)):
+            if block_m < bucket:
+                continue  # two M tiles would read the weights twice
+            out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
+                                 num_warps=4, num_stages=4))
+    return out
+
+
+def _cosine(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(out.float(), expected.float(), dim=1).min().item()
+
+
+ROTATE_BYTES = 256 << 20  # the weight copies a timing graph cycles through: > 4x the H200's 50 MB L2
+
+
+def _weights(n: int, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(bf16 copies, e4m3 copies, scale copies): enough of each that cycling through them defeats the L2."""
+    from pagoda.kernels import reference as ref
+
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()  # [N, K]
+    w_q, w_s = ref.quantize_fp8_rows(w)
+    bf16_copies = max(2, min(16, -(-ROTATE_BYTES // (2 * n * k))))
+    fp8_copies = max(2, min(16, -(-ROTATE_BYTES // (n * k))))
+    return ([w] + [w.clone() for _ in range(bf16_copies - 1)], [w_q] + [w_q.clone() for _ in range(fp8_copies - 1)],
+            [w_s] + [w_s.clone() for _ in range(fp8_copies - 1)])
+
+
+def rotating_us(op: Callable[..., object], x: Any, weights: list[torch.Tensor], scales: list[torch.Tensor] | None,
+                *args: Any, **kwargs: Any) -> float:
+    """Device time of op(x, weight_i[, scale_i], *args) per call, replayed from a CUDA graph over every copy."""
+    if scales is None:
+        calls = [partial(op, x, w, *args, **kwargs) for w in weights]
+    else:
+        calls = [partial(op, x, w, s, *args, **kwargs) for w, s in zip(weights, scales, strict=True)]
+
+    def run() -> None:
+        for call in calls:
+            call()
+    return 1e3 * graph_time_ms(run, reps=10) / len(calls)
+
+
+def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor],
+               w_s: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape."""
+    from pagoda.kernels import fp8_weight_only as w8
+    from pagoda.kernels import reference as ref
+
+    result = {}
+    for bucket in w8.M_BUCKETS:
+        x = torch.randn(bucket, k, device="cuda").bfloat16()  # [M, K]
+        expected = ref.fp8_weight_only_linear(x, w_q[0], w_s[0], None)
+        best: tuple[float, Any] | None = None
+        for tiles in candidates(bucket):
+            try:
+                out = w8.fp8_weight_only_linear(x, w_q[0], w_s[0], None, tiles=tiles)
+            except Exception as exc:  # a tile set this GPU cannot compile (shared memory, registers): skip it
+                print(f"  {name} M={bucket} {tiles}: {type(exc).__name__}")
+                continue
+            if _cosine(out, expected) < 0.999:
+                raise AssertionError(f"{name} M={bucket} {tiles}: cosine {_cosine(out, expected):.5f}")
+            us = rotating_us(w8.fp8_weight_only_linear, x, w_q, w_s, None, tiles=tiles)
+            if best is None or us < best[0]:
+                best = (us, tiles)
+        assert best is not None
+        w8a8_us = _w8a8_us(name, x, w_q, w_s)
+        if bucket <= w8.DEFAULT_MAX_ROWS:
+            choice = "w8a8" if w8a8_us < W8A8_MARGIN * best[0] else "w8a16"
+        else:
+            choice = "w8a16" if best[0] < W8A8_MARGIN * w8a8_us else "w8a8"
+        result[bucket] = {"tiles": w8.tiles_to_json(best[1]), "us": best[0], "w8a8_us": w8a8_us, "choice": choice}
+        print(f"tune {name:8s} N={n:6d} K={k:6d} M={bucket:3d}: w8a16 {best[0]:7.1f} us "
+              f"({n * k / best[0] / 1e6:5.2f} TB/s) {best[1]}; w8a8 {w8a8_us:7.1f} us -> {choice}", flush=True)
+    return result
+
+
+def _w8a8_us(name: str, x: torch.Tensor, w_q: list[torch.Tensor], w_s: list[torch.Tensor]) -> float:
+    """W8A8 as the model runs it: the GEMM alone where the previous op quantizes (qkv, gate_up, down), with its
+    own quantize kernel for o (the attention output)."""
+    from pagoda.kernels import fp8
+
+    if name == "o":
+        return rotating_us(lambda x_, w, s: fp8.fp8_linear(x_, w, s, None), x, w_q, w_s)
+    x_q, x_s = fp8.quantize_fp8_rows(x)
+    return rotating_us(lambda x_, w, s: fp8.fp8_matmul(x_q, x_s, w, s, None, torch.bfloat16), x, w_q, w_s)
+
+
+def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: list[torch.Tensor],
+              w_s: list[torch.Tensor]) -> dict[str, Any]:
+    """One (shape, M): bf16, W8A16 (where the kernel serves M), W8A8 fused / with its own quantization, and the
+    dispatch's choice, each timed over rotating weight copies from a CUDA graph."""
+    import torch.nn.functional as F
+
+    from pagoda.kernels import fp8
+    from pagoda.kernels import fp8_weight_only as w8
+
+    x = torch.randn(m, k, device="cuda").bfloat16()  # [M, K]
+    x_q, x_s = fp8.quantize_fp8_rows(x)
+    row: dict[str, Any] = {"gemm": name, "M": m, "N": n, "K": k}
+    row["bf16_us"] = rotating_us(F.linear, x, w, None)
+    row["w8a8_fused_quant_us"] = rotating_us(lambda x_, wq, s: fp8.fp8_matmul(x_q, x_s, wq, s, None, torch.bfloat16),
+                                             x, w_q, w_s)
+    row["w8a8_own_quant_us"] = rotating_us(lambda x_, wq, s: fp8.fp8_linear(x_, wq, s, None), x, w_q, w_s)
+    exact = x.float() @ w[0].float().t()  # [M, N]
+    row["cosine_w8a8"] = _cosine(fp8.fp8_linear(x, w_q[0], w_s[0], None), exact)
+    weight_only = w8.prefers_weight_only(m, n, k, x.device)
+    if m <= w8.DEFAULT_MAX_ROWS or weight_only:
+        row["w8a16_us"] = rotating_us(lambda x_, wq, s: w8.fp8_weight_only_linear(x_, wq, s, None), x, w_q, w_s)
+        row["cosine_w8a16"] = _cosine(w8.fp8_weight_only_linear(x, w_q[0], w_s[0], None), exact)
+    row["dispatch"] = "w8a16" if weight_only else ("w8a8_own_quant" if name == "o" else "w8a8_fused_quant")
+    row["dispatch_us"] = row[f"{row['dispatch']}_us"]
+    row["speedup_vs_bf16"] = row["bf16_us"] / row["dispatch_us"]
+    row["fp8_TBps"] = (n * k + m * k * 2) / row["dispatch_us"] / 1e6
+    row["bf16_TBps"] = (2 * n * k + m * k * 2) / row["bf16_us"] / 1e6
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument("--skip-tune", action="store_true", help="sweep with the committed table")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/fp8_tune"))
+    args = parser.parse_args()
+    from pagoda.kernels import fp8_weight_only as w8
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    table: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    for shape in args.shapes.split(","):
+        for name, n, k in SHAPES[shape]:
+            w, w_q, w_s = _weights(n, k)
+            if not args.skip_tune:
+                for bucket, entry in tune_shape(name, n, k, w_q, w_s).items():
+                    table[f"{n},{k},{bucket}"] = {"w8a8": True} if entry["choice"] == "w8a8" else entry["tiles"]
+            del w, w_q, w_s
+            torch.cuda.empty_cache()
+    if table:
+        (out_dir / "w8a16_table.json").write_text(json.dumps(table, indent=1, sort_keys=True))
+        w8.CONFIG_DIR = out_dir  # the sweep below dispatches with the table just tuned
+        (out_dir / w8.config_name(device.replace(" ", "_"))).write_text(json.dumps(table))
+        w8.clear_tables()
+    print(f"tuned in {time.time() - started:.0f} s", flush=True)
+    for shape in args.shapes.split(","):
+        for name, n, k in SHAPES[shape]:
+            w, w_q, w_s = _weights(n, k)
+            for m in SWEEP_M:
+                row = sweep_row(name, n, k, m, w, w_q, w_s)
+                rows.append({"shape": shape, **row})
+                paths = " ".join(f"{key[:-3]} {row[key]:.1f}" for key in row if key.endswith("_us"))
+                print(f"sweep {shape} {name:8s} M={m:5d}: {paths} | {row['dispatch']} "
+                      f"{row['speedup_vs_bf16']:.2f}x bf16, {row['fp8_TBps']:.2f} TB/s; cos w8a8 "
+                      f"{row['cosine_w8a8']:.5f} w8a16 {row.get('cosine_w8a16', float('nan')):.5f}", flush=True)
+            del w, w_q, w_s
+            torch.cuda.empty_cache()
+    slower = [row for row in rows if row["speedup_vs_bf16"] < 1.0]
+    print(f"FP8 slower than bf16 in {len(slower)} of {len(rows)} (shape, M): "
+          + ", ".join(f"{row['gemm']} M={row['M']} {row['speedup_vs_bf16']:.2f}x" for row in slower))
+    (out_dir / "fp8_tune.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                                       "device": device, "torch": torch.__version__,
+                                                       "table": table, "sweep": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

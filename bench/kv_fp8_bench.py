@@ -1,0 +1,209 @@
+"""Paged attention over a bf16 vs an fp8 (e4m3) KV cache, one layer, on one GPU: every fp8 variant (the old path
+that converts K/V to bf16, fp16 dots by cvt or by integer bits, 64/128/256-key decode tiles) is checked against
+the PyTorch reference, then timed (L2 wiped before each call: a decode step's 28+ layers never find their KV in L2)
+at qwen3-0.6b (16 q / 8 kv heads) and llama3-8b (32 / 8) shapes, head_dim 128, B = 1, 64, 256 decode rows over
+contexts 512-768 (the reference workload's spread), 1024 and 4096; plus chunks of 512 queries against 1024 cached
+tokens (prefill against cached context). GB/s counts the KV bytes read in the cache's dtype.
+
+    python -m pagoda.bench.kv_fp8_bench [--quick] [--out FILE]   (JSON to $OUT/kv_fp8_bench.json when OUT is set)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.bench.cuda_timing import flushed_time_ms
+from pagoda.kernels import paged_attention as pa
+from pagoda.kernels import reference as ref
+
+DEVICE = "cuda"
+BLOCK_SIZE = 16
+HEAD_DIM = 128
+MODELS = {"qwen3-0.6b": (16, 8), "llama3-8b": (32, 8)}  # (q heads, kv heads)
+BATCHES = (1, 64, 256)
+CONTEXTS = ((512, 768), (1024, 1024), (4096, 4096))  # (shortest, longest) context of the batch
+CHECK_MAX_TOKENS = 64 * 4096  # reference check where B x context is at most this (its fp32 gather is big)
+TOLERANCE = 2e-2  # max abs error / max |reference|: bf16 output rounding plus 16-bit operands
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fp8: bool
+    changes: dict[str, Any]  # AttentionConfig fields replaced in pick_config's choice
+
+
+DECODE_VARIANTS = (
+    Variant("bf16", False, {}),
+    Variant("fp8_old", True, {"fp8_convert": "native", "decode_tile_n": 64}),  # the path before issue 25 item 5
+    Variant("fp8_f16_t64", True, {"fp8_convert": "f16", "decode_tile_n": 64}),
+    Variant("fp8_f16_t128", True, {"fp8_convert": "f16", "decode_tile_n": 128}),
+    Variant("fp8_f16_t128_w8", True, {"fp8_convert": "f16", "decode_tile_n": 128, "decode_num_warps": 8}),
+    Variant("fp8_f16_t256_w8", True, {"fp8_convert": "f16", "decode_tile_n": 256, "decode_num_warps": 8}),
+    Variant("fp8_bits_t64", True, {"fp8_convert": "f16_bits", "decode_tile_n": 64}),
+    Variant("fp8_bits_t128", True, {"fp8_convert": "f16_bits", "decode_tile_n": 128}),
+    Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
+)
+CHUNK_VARIANTS = (
+    Variant("bf16", False, {}),
+    Variant("fp8_old", True, {"fp8_convert": "native"}),
+    Variant("fp8_f16", True, {"fp8_convert": "f16"}),
+    Variant("fp8_bits", True, {"fp8_convert": "f16_bits"}),
+    Variant("fp8_f16_t64", True, {"fp8_convert": "f16", "prefill_tile_n": 64}),
+)
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, heads, D] bf16
+    caches: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # fp8? -> (k, v) [num_blocks, BLOCK_SIZE, kvh, D]
+    scales: tuple[torch.Tensor, torch.Tensor]  # fp8 k_scale, v_scale [1] fp32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, shuffled blocks
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+
+
+def make_batch(num_heads: int, num_kv_heads: int, query_lens: list[int], seq_lens: list[int]) -> Batch:
+    """Random bf16 K/V in shuffled blocks, and the same quantized to e4m3 with amax / 448 per-tensor scales."""
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    k = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    k_scale = (k.abs().amax().float() / ref.FP8_MAX).reshape(1)
+    v_scale = (v.abs().amax().float() / ref.FP8_MAX).reshape(1)
+    order = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = order[used:used + n]
+        used += n
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    return Batch(q=torch.randn(qsl[-1], num_heads, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16),
+                 caches={False: (k, v), True: (ref.quantize_fp8(k, k_scale), ref.quantize_fp8(v, v_scale))},
+                 scales=(k_scale, v_scale), block_tables=tables,
+                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+                 seq_lens_host=seq_lens, query_lens_host=query_lens)
+
+
+def variant_config(batch: Batch, variant: Variant) -> pa.AttentionConfig:
+    num_kv_heads = batch.caches[False][0].shape[2]
+    base = pa.pick_config(batch.q.shape[0], len(batch.seq_lens_host), num_kv_heads,
+                          batch.q.shape[1] // num_kv_heads, max(batch.query_lens_host), max(batch.seq_lens_host),
+                          torch.cuda.get_device_properties(0).multi_processor_count, variant.fp8)
+    return replace(base, **variant.changes)
+
+
+def run_variant(batch: Batch, variant: Variant, config: pa.AttentionConfig) -> torch.Tensor:
+    k_cache, v_cache = batch.caches[variant.fp8]
+    k_scale, v_scale = batch.scales if variant.fp8 else (None, None)
+    return pa.paged_attention(batch.q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                              max(batch.query_lens_host), max(batch.seq_lens_host), HEAD_DIM ** -0.5, config=config,
+                              k_scale=k_scale, v_scale=v_scale)
+
+
+def reference(batch: Batch, fp8: bool) -> torch.Tensor:
+    k_cache, v_cache = batch.caches[fp8]
+    k_scale, v_scale = batch.scales if fp8 else (None, None)
+    return ref.paged_attention(batch.q.float(), k_cache, v_cache, batch.block_tables, batch.seq_lens_host,
+                               batch.query_lens_host, HEAD_DIM ** -0.5, k_scale=k_scale, v_scale=v_scale)
+
+
+def measure(batch: Batch, variants: tuple[Variant, ...], label: dict[str, Any], check: bool,
+            iters: int) -> list[dict[str, Any]]:
+    """One row per variant: relative error vs the reference (or None), us, GB/s, speedup over bf16."""
+    expected = {fp8: reference(batch, fp8) for fp8 in (False, True)} if check else {}
+    kv_tokens = sum(batch.seq_lens_host)
+    num_kv_heads = batch.caches[False][0].shape[2]
+    rows = []
+    for variant in variants:
+        config = variant_config(batch, variant)
+        row: dict[str, Any] = {**label, "variant": variant.name, "config": asdict(config)}
+        try:
+            out = run_variant(batch, variant, config)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses (registers, shared memory)
+            row.update(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            rows.append(row)
+            continue
+        if check:
+            want = expected[variant.fp8]
+            row["rel_err"] = ((out.float() - want).abs().max() / want.abs().max()).item()
+            row["ok"] = row["rel_err"] <= TOLERANCE
+        us = 1e3 * flushed_time_ms(lambda v=variant, c=config: run_variant(batch, v, c), iters)
+        kv_bytes = kv_tokens * num_kv_heads * HEAD_DIM * 2 * (1 if variant.fp8 else 2)
+        row.update(us=us, kv_bytes=kv_bytes, gb_per_s=kv_bytes / us / 1e3)
+        rows.append(row)
+    base = next((r["us"] for r in rows if r["variant"] == "bf16" and "us" in r), None)
+    for row in rows:
+        if base and "us" in row:
+            row["speedup_vs_bf16"] = base / row["us"]
+    return rows
+
+
+def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"-- {title}")
+    for row in rows:
+        if "error" in row:
+            print(f"   {row['variant']:<18} FAILED TO RUN {row['error']}")
+            continue
+        check = "-" if "rel_err" not in row else f"{row['rel_err']:.1e}{'' if row['ok'] else ' FAIL'}"
+        print(f"   {row['variant']:<18} {row['us']:9.1f} us {row['gb_per_s']:8.0f} GB/s  x{row['speedup_vs_bf16']:.2f} "
+              f"vs bf16  err {check}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="B=64 and 256 at context 512-768 only")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kv_fp8_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    batches, contexts = ((64, 256), CONTEXTS[:1]) if args.quick else (BATCHES, CONTEXTS)
+    print(f"{torch.cuda.get_device_name(0)}, one layer, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; times L2-flushed")
+    results: list[dict[str, Any]] = []
+    for model, (num_heads, num_kv_heads) in MODELS.items():
+        for num_seqs in batches:
+            for lo, hi in contexts:
+                seq_lens = [lo + (b * (hi - lo)) // num_seqs for b in range(num_seqs)]
+                batch = make_batch(num_heads, num_kv_heads, [1] * num_seqs, seq_lens)
+                label = {"model": model, "kind": "decode", "B": num_seqs, "ctx": f"{lo}-{hi}" if lo != hi else lo}
+                rows = measure(batch, DECODE_VARIANTS, label, num_seqs * hi <= CHECK_MAX_TOKENS, args.iters)
+                print_rows(f"{model} decode B={num_seqs} ctx {label['ctx']}", rows)
+                results.extend(rows)
+                del batch
+        batch = make_batch(num_heads, num_kv_heads, [512] * 4, [1536] * 4)
+        label = {"model": model, "kind": "chunk", "B": 4, "ctx": "1024 cached + 512 new"}
+        rows = measure(batch, CHUNK_VARIANTS, label, True, args.iters)
+        print_rows(f"{model} chunks 4 x 512 queries over 1024 cached tokens", rows)
+        results.extend(rows)
+        torch.cuda.empty_cache()
+    failed = [r for r in results if "error" in r or r.get("ok") is False]
+    out = args.out or (Path(os.environ["OUT"]) / "kv_fp8_bench.json" if os.environ.get("OUT") else None)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": results}, indent=1))
+        print(f"wrote {out}")
+    print(f"{len(results) - len(failed)} of {len(results)} variant rows ran and matched the reference "
+          f"(where checked); failures: {[(r['model'], r['B'], r['ctx'], r['variant']) for r in failed]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Weight-only FP8 (W8A16) linear layers for small token counts (decode up to ~32 rows): the e4m3 weights are
+read once, converted in registers and multiplied with the bf16/fp16 activations as they are; the per-channel (or
+per-group) weight scales are applied to the fp32 partial sums, never to the weight tile. No activation
+quantization: at batch 1 the layer is a pure weight read, and a quantize kernel before it is pure overhead.
+Semantics: reference.fp8_weight_only_linear.
+
+Launch shape per (M, N, K): a tile of BLOCK_N output channels per program, optional split-K over SPLIT_K
+programs whose fp32 partials a second small kernel sums (with the bias and the cast), and either tensor-core
+dots (rows padded to 16) or FMA reductions for 1-8 rows. Tuned per shape and M bucket on the GPU by
+`python -m pagoda.bench.fp8_tune` into fp8_configs/*.json (keyed by device and Triton version); default
+heuristics otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+CONFIG_DIR = Path(__file__).with_name("fp8_configs")
+MAX_ROWS = 256  # the weight-only path serves at most this many tokens; larger M quantizes activations (W8A8)
+DEFAULT_MAX_ROWS = 32  # without a tuned entry saying otherwise: W8A16 up to here, W8A8 beyond
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvTiles:
+    block_m: int = 1  # rows per program; 16 or 32 with use_dot
+    block_n: int = 16
+    block_k: int = 512
+    split_k: int = 1
+    use_dot: bool = False
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit(do_not_specialize=["M"])  # the token count changes every step: one variant for every M
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
+                  stride_xm, stride_wn, stride_sn, stride_om, stride_ps,
+                  GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  FP32_DOT: tl.constexpr):
+    """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
+    each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
+    end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col]."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K  # a multiple of BLOCK_K (and of GROUP_K: the wrapper checks)
+    k_start = pid_k * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < k_end
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # e4m3 -> bf16/fp16 is exact: tensor cores on the activation dtype
+                part = tl.dot(x, tl.trans(w.to(tl.float32).to(x_ptr.dtype.element_ty)))  # [BM, BN]
+        else:
+            wf = w.to(tl.float32)
+            xf = x.to(tl.float32)
+            part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x_row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == m, xf, 0.0), 0)  # [BK]
+                row = tl.sum(wf * x_row[None, :], 1)  # [BN]
+                part += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
+        if GROUP_K == 0:
+            acc += part
+        else:
+            scale = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
+            acc += part * scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GROUP_K == 0:
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * stride_ps + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, stride_om, stride_ps,
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over splits of part[s, m, n] (+ bias[n]), cast to out's dtype; BLOCK elements a program."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    cols = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N).to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def default_tiles(num_rows: int, n: int, k: int, group_size: int | None = None) -> GemvTiles:
+    """Without a tuned table: FMA rows for 1-4 tokens, tensor-core tiles of 16/32 beyond; narrow N tiles so a
+    4096-wide layer still spreads over every SM, split-K when even those are too few programs."""
+    use_dot = num_rows > 4
+    block_m = max(16, min(32, triton.next_power_of_2(num_rows))) if use_dot else triton.next_power_of_2(num_rows)
+    block_n = 16 if not use_dot else 32
+    block_k = min(512 if not use_dot else 256, group_size or k)
+    programs = triton.cdiv(n, block_n)
+    split_k = 1
+    while programs * split_k < 256 and k % (block_k * split_k * 2) == 0 and split_k < 8:
+        split_k *= 2
+    return GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot,
+                     num_warps=4, num_stages=4)
+
+
+def config_name(device: str) -> str:
+    return f"w8a16,device={device},triton={triton.__version__}.json"
+
+
+def tiles_to_json(tiles: GemvTiles) -> dict[str, Any]:
+    return asdict(tiles)
+
+
+def tiles_from_json(entry: dict[str, Any]) -> GemvTiles:
+    return GemvTiles(**{key: entry[key] for key in GemvTiles.__dataclass_fields__})
+
+
+@functools.lru_cache(maxsize=4)
+def _read_table(device: str) -> dict[tuple[int, int, int], dict[str, Any]]:
+    """{(N, K, M bucket): entry} from fp8_configs/ for this device and Triton version; {} when none. An entry is
+    a GemvTiles dict, or {"w8a8": true} where the sweep measured the quantized-activation GEMM faster."""
+    path = CONFIG_DIR / config_name(device.replace(" ", "_"))
+    if not path.exists():
+        log.info("no tuned W8A16 tiles for %s (%s): default tiles", device, path.name)
+        return {}
+    raw = json.loads(path.read_text())
+    return {tuple(int(part) for part in key.split(",")): entry for key, entry in raw.items()}  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=4)
+def tuned_table(device: str) -> dict[tuple[int, int, int], GemvTiles]:
+    return {key: tiles_from_json(entry) for key, entry in _read_table(device).items() if not entry.get("w8a8")}
+
+
+@functools.lru_cache(maxsize=4)
+def w8a8_buckets(device: str) -> set[tuple[int, int, int]]:
+    return {key for key, entry in _read_table(device).items() if entry.get("w8a8")}
+
+
+def clear_tables() -> None:
+    """Forget the tables read so far (after CONFIG_DIR changes: the tuner, tests)."""
+    for cached in (_read_table, tuned_table, w8a8_buckets):
+        cached.cache_clear()
+
+
+def m_bucket(num_rows: int) -> int:
+    return next(bucket for bucket in M_BUCKETS if bucket >= num_rows)
+
+
+def pick_tiles(num_rows: int, n: int, k: int, group_size: int | None, device: torch.device) -> GemvTiles:
+    """The tuned tiles of (N, K, M bucket) on this GPU when they fit the scale groups, else the defaults."""
+    if device.type == "cuda":
+        tuned = tuned_table(torch.cuda.get_device_name(device)).get((n, k, m_bucket(num_rows)))
+        if tuned is not None and _tiles_fit_groups(tuned, k, group_size):
+            return tuned
+    return default_tiles(num_rows, n, k, group_size)
+
+
+def prefers_weight_only(num_rows: int, n: int, k: int, device: torch.device) -> bool:
+    """W8A16 up to DEFAULT_MAX_ROWS rows unless the tuned table measured W8A8 faster for this (N, K, M bucket);
+    beyond, up to MAX_ROWS, only where the table holds W8A16 tiles (measured faster than W8A8)."""
+    if num_rows > MAX_ROWS:
+        return False
+    if device.type != "cuda":
+        return num_rows <= DEFAULT_MAX_ROWS
+    key = (n, k, m_bucket(num_rows))
+    name = torch.cuda.get_device_name(device)
+    if num_rows <= DEFAULT_MAX_ROWS:
+        return key not in w8a8_buckets(name)
+    return key in tuned_table(name)
+
+
+def _tiles_fit_groups(tiles: GemvTiles, k: int, group_size: int | None) -> bool:
+    """Every BLOCK_K step lies in one scale group: block_k divides the group and each split starts on one."""
+    if group_size is None:
+        return True
+    chunk = triton.cdiv(k, tiles.split_k * tiles.block_k) * tiles.block_k
+    return group_size % tiles.block_k == 0 and chunk % group_size == 0
+
+
+def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
+    if tiles.use_dot and tiles.block_m < 16:
+        raise ValueError(f"tensor-core tiles need block_m >= 16, got {tiles.block_m}")
+    if not _tiles_fit_groups(tiles, k, group_size):
+        raise ValueError(f"block_k {tiles.block_k} and split_k {tiles.split_k} must divide K={k} into whole "
+                         f"scale groups of {group_size}")
+
+
+def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           group_size: int | None, bias: torch.Tensor | None = None,
+                           tiles: GemvTiles | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (W * scale)^T for W e4m3 [N, K] with fp32 scales [N, 1] or [N, ceil(K / g)],
+    x bf16/fp16/fp32 (at most MAX_ROWS rows), fp32 accumulation; reference.fp8_weight_only_linear. tiles: override."""
+    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight must be e4m3 [N, K={x.shape[-1]}] contiguous along K, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    n, k = weight.shape
+    groups = 1 if group_size is None else triton.cdiv(k, group_size)
+    if weight_scale.shape != (n, groups) or weight_scale.dtype != torch.float32 or weight_scale.stride(1) != 1:
+        raise ValueError(f"weight_scale must be fp32 [{n}, {groups}], got {tuple(weight_scale.shape)} "
+                         f"{weight_scale.dtype}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be [N={n}] contiguous, got {tuple(bias.shape)}")
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    num_rows = x2.shape[0]
+    if num_rows > MAX_ROWS and tiles is None:
+        raise ValueError(f"the weight-only path serves at most {MAX_ROWS} rows, got {num_rows}")
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]
+    if num_rows == 0:
+        return out.view(*x.shape[:-1], n)
+    tiles = tiles or pick_tiles(num_rows, n, k, group_size, x.device)
+    _check_tiles(tiles, k, group_size)
+    split = tiles.split_k
+    part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
+    even_k = k % (split * tiles.block_k) == 0
+    _w8a16_kernel[grid](x2, weight, weight_scale, out, part, bias if bias is not None else out, num_rows, n, k,
+                        x2.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+                        part.stride(0) if split > 1 else 0,
+                        GROUP_K=group_size or 0, SPLIT_K=split, HAS_BIAS=bias is not None and split == 1,
+                        USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                        BLOCK_K=tiles.block_k,
+                        FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+                        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if split > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(num_rows * n, block),)](
+            part, out, bias if bias is not None else out, num_rows, n, out.stride(0), part.stride(0),
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], n)
