@@ -2,6 +2,7 @@
 
     python -m pagoda.bench.decoding --out $OUT                 # everything, ~6-8 minutes on one H200
     python -m pagoda.bench.decoding --only qwen3 schemas       # some parts
+    python -m pagoda.bench.decoding --tokenizer .gpu/smollm2-tok   # SmolLM2's tokenizer files elsewhere
 
 Parts, each in its own process (one model load, its workloads back to back, the prefix cache emptied between):
   qwen3       qwen3-0.6b, dummy bf16 weights, 256 x 512 -> 256: reference (greedy), openai (T 0.7 + top_p 0.95),
@@ -34,10 +35,10 @@ from typing import Any
 PARTS = ("qwen3", "llama", "structured", "schemas")
 SHAPE_WORKLOADS = {"qwen3": ("qwen3-0.6b", ("reference", "openai", "mixed")),
                    "llama": ("llama3-8b", ("reference", "openai", "mixed", "n4-128", "beam4"))}
-TOKENIZER = "models/smollm2-135m-instruct"
+# SmolLM2's tokenizer: the model folder here (make model), its tokenizer files alone on the GPU machine
+TOKENIZER_FOLDERS = ("models/smollm2-135m-instruct", ".gpu/smollm2-tok")
 # --smoke (a CPU check of the mechanics, no figures): the tiny shape and a few requests of a few tokens
 SMOKE = os.environ.get("PAGODA_DECODING_SMOKE") == "1"
-SERVED = ["--model", TOKENIZER] if SMOKE else ["--model", "qwen3-0.6b", "--load-format", "dummy"]
 NUM_STREAMS, NUM_SCHEMAS, STREAM_TOKENS, PROMPT_LEN = (4, 6, 12, 16) if SMOKE else (64, 100, 256, 512)
 
 
@@ -65,10 +66,21 @@ def run_shape(shape: str, workloads: tuple[str, ...]) -> dict[str, Any]:
     return results
 
 
-def run_structured(out_dir: Path) -> dict[str, Any]:
+def default_tokenizer() -> str:
+    """The first of TOKENIZER_FOLDERS present (the first when none is: the error then names the usual one)."""
+    return next((folder for folder in TOKENIZER_FOLDERS if Path(folder).is_dir()), TOKENIZER_FOLDERS[0])
+
+
+def served(tokenizer: str) -> list[str]:
+    """The model a structured/schemas part serves: the dummy qwen3-0.6b shape; in --smoke the tokenizer's folder
+    (SmolLM2's weights, on CPU)."""
+    return ["--model", tokenizer] if SMOKE else ["--model", "qwen3-0.6b", "--load-format", "dummy"]
+
+
+def run_structured(out_dir: Path, tokenizer: str) -> dict[str, Any]:
     path = out_dir / "structured.json"
     sizes = ["4", "8", "1"] if SMOKE else ["256", "128", "2"]
-    argv = [sys.executable, "-m", "pagoda.bench.structured", *SERVED, "--tokenizer", TOKENIZER,
+    argv = [sys.executable, "-m", "pagoda.bench.structured", *served(tokenizer), "--tokenizer", tokenizer,
             "--num-requests", sizes[0], "--max-tokens", sizes[1], "--prompt-len", "64", "--rounds", sizes[2],
             "--constrained-every", "1", "4", "--out", str(path)]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
@@ -121,13 +133,13 @@ async def _streams_level(url: str, seed: int, with_schemas: bool) -> dict[str, A
             "itl_max_ms": 1e3 * gaps[-1], "schemas_ok": sum(schemas), "schemas_sent": len(schemas)}
 
 
-def run_schemas(out_dir: Path) -> dict[str, Any]:
+def run_schemas(out_dir: Path, tokenizer: str) -> dict[str, Any]:
     port = 8000 + os.getpid() % 1000
     runtime = out_dir / "schemas_runtime"
     runtime.mkdir(parents=True, exist_ok=True)
     log = (out_dir / "schemas_server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "pagoda.cli", "serve", *SERVED, "--tokenizer", TOKENIZER,
-                               "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "pagoda.cli", "serve", *served(tokenizer),
+                               "--tokenizer", tokenizer, "--port", str(port),
                                "--runtime-dir", str(runtime), "--max-model-len", "2048"],
                               stdout=subprocess.PIPE, stderr=log, text=True)
     try:
@@ -146,20 +158,23 @@ def run_schemas(out_dir: Path) -> dict[str, Any]:
             "itl_p99_ratio": with_schemas["itl_p99_ms"] / alone["itl_p99_ms"]}
 
 
-def child(part: str, out_dir: Path) -> dict[str, Any]:
+def child(part: str, out_dir: Path, tokenizer: str) -> dict[str, Any]:
     if part in SHAPE_WORKLOADS:
         return run_shape(*SHAPE_WORKLOADS[part])
+    if not Path(tokenizer).is_dir():
+        raise FileNotFoundError(f"no tokenizer folder {tokenizer!r}: pass --tokenizer (SmolLM2's tokenizer files)")
     if part == "structured":
-        return run_structured(out_dir)
-    return run_schemas(out_dir)
+        return run_structured(out_dir, tokenizer)
+    return run_schemas(out_dir, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
 # the parent: one process a part, then the table
 
 
-def _run_part(part: str, out_dir: Path, timeout: float) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "pagoda.bench.decoding", "--child", part, "--out", str(out_dir)]
+def _run_part(part: str, out_dir: Path, timeout: float, tokenizer: str) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "pagoda.bench.decoding", "--child", part, "--out", str(out_dir),
+            "--tokenizer", tokenizer]
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
@@ -216,6 +231,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/decoding"))
     parser.add_argument("--timeout", type=float, default=300, help="seconds each part may run")
+    parser.add_argument("--tokenizer", default=default_tokenizer(),
+                        help="SmolLM2's tokenizer folder for the structured and schemas parts "
+                             f"(default: the first present of {', '.join(TOKENIZER_FOLDERS)})")
     parser.add_argument("--smoke", action="store_true", help="a CPU check of the mechanics (tiny shape, no figures)")
     parser.add_argument("--child", choices=PARTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,11 +242,11 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, out_dir)), flush=True)
+        print("RESULT " + json.dumps(child(args.child, out_dir, args.tokenizer)), flush=True)
         return 0
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     for part in args.only:
-        report[part] = _run_part(part, out_dir, args.timeout)
+        report[part] = _run_part(part, out_dir, args.timeout, args.tokenizer)
         (out_dir / "decoding.json").write_text(json.dumps(report, indent=2))  # what finished, if cut short
         print(f"{part}: done in {report[part].get('wall_s', 0):.0f} s", file=sys.stderr, flush=True)
     table = rows(report)

@@ -98,3 +98,17 @@ def test_beam_preset_and_its_sampled_counterpart_share_shapes() -> None:
     assert (sampled.num_prompts, sampled.input_len, sampled.output_len, sampled.n) == (64, 512, 128, 4)
     assert beam.sampling_kwargs() == {"use_beam_search": True, "temperature": 0.0, "best_of": 4, "n": 4}
     assert sampled.sampling_kwargs()["n"] == 4 and sampled.sampling_kwargs()["temperature"] == 0.8
+
+
+def test_decoding_bench_finds_a_tokenizer_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/decoding.py's --tokenizer default: the model folder when present, else the GPU machine's copy."""
+    from pagoda.bench import decoding
+
+    monkeypatch.chdir(tmp_path)
+    assert decoding.default_tokenizer() == decoding.TOKENIZER_FOLDERS[0]  # none present: the usual one is named
+    (tmp_path / ".gpu" / "smollm2-tok").mkdir(parents=True)
+    assert decoding.default_tokenizer() == ".gpu/smollm2-tok"
+    (tmp_path / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+    assert decoding.default_tokenizer() == "models/smollm2-135m-instruct"
+    with pytest.raises(FileNotFoundError, match="--tokenizer"):
+        decoding.child("structured", tmp_path, str(tmp_path / "absent"))

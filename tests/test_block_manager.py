@@ -398,3 +398,44 @@ def test_fork_shares_full_blocks_and_survives_the_parent() -> None:
     assert bm.num_free_blocks == 8
     with pytest.raises(AssertionError):
         bm.release([0])  # released more often than taken
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_refork_matches_free_then_fork_for_write(seed: int) -> None:
+    """A beam changing line (release_tail to the prefix it shares, then refork_for_write) leaves the manager, the
+    new table and the copy exactly as free + fork_for_write do: reference counts, free list, cache, hashes."""
+    import random
+
+    def scenario(reforked: bool) -> tuple[object, ...]:
+        blocks = BlockManager(num_blocks=40, block_size=BLOCK_SIZE)
+        local = random.Random(seed)
+        prompt = [local.randrange(3) for _ in range(4 * BLOCK_SIZE + 2)]
+        root = BlockTable()
+        blocks.grow(root, len(prompt))
+        blocks.commit(root, prompt, len(prompt))
+        tables, tokens = [root], [prompt]
+        for _ in range(3):  # beams forked from the root, then grown apart by a few tokens each
+            parent = local.randrange(len(tables))
+            count = len(tokens[parent]) - local.randrange(0, 3)
+            child, copy = blocks.fork_for_write(tables[parent], count) or (None, None)
+            assert child is not None
+            tables.append(child)
+            tokens.append(tokens[parent][:count])
+        for table, ids in zip(tables, tokens, strict=True):
+            ids.extend(local.randrange(3) for _ in range(local.randrange(0, 6)))
+            blocks.grow(table, len(ids) + 1)
+            blocks.commit(table, ids, len(ids))
+        slot, parent = 3, local.randrange(3)
+        num_tokens = len(tokens[parent])
+        if reforked:
+            blocks.release_tail(tables[slot], blocks.shared_prefix(tables[slot], tables[parent], num_tokens))
+            table, copy = blocks.refork_for_write(tables[slot], tables[parent], num_tokens)
+        else:
+            blocks.free(tables[slot])
+            forked = blocks.fork_for_write(tables[parent], num_tokens)
+            assert forked is not None
+            table, copy = forked
+        blocks.check_integrity([t for i, t in enumerate(tables) if i != slot] + [table])
+        return table.block_ids, table.block_hashes, blocks._ref_counts, blocks._free_ids, list(blocks._evictable), copy
+
+    assert scenario(True) == scenario(False)

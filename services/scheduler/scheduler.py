@@ -361,6 +361,7 @@ class Scheduler:
         # beam's next token depends on its whole group's result
         runnable = [seq for seq in self.running if (seq.num_tokens < seq.max_len or not seq.num_pending)
                     and not (seq.num_pending and seq.request.beam is not None)]
+        ready: dict[str, bool] = {}  # beam searches whose every beam is one token short (_beam_count)
         decoding = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens == 1]
         prefilling = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens > 1]
         for seq in decoding + prefilling:
@@ -370,7 +371,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             count = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.request.beam is not None:
-                count = self._beam_count(seq, count)
+                count = self._beam_count(seq, count, ready)
                 if count == 0:
                     continue
             count = self._fit_running(seq, count, num_tokens)
@@ -411,18 +412,24 @@ class Scheduler:
         assert request.beam is not None
         return request.sequences if request.beam.num_generated else request.sequences[:1]
 
-    def _beam_count(self, seq: Sequence, count: int) -> int:
+    def _beam_count(self, seq: Sequence, count: int, ready: dict[str, bool]) -> int:
         """A beam computes up to its last token alone (a recompute after preemption), but samples only in a step
-        where every beam of its group does: the last token waits until all are one token short."""
+        where every beam of its group does: the last token waits until all are one token short. ready: each
+        group's answer, found once per schedule() (nothing this loop does changes it before the group's turn:
+        a preemption stops the whole group)."""
         remaining = seq.num_tokens - seq.num_computed_tokens
-        assert seq.request.beam is not None
-        if not seq.request.beam.num_generated:
+        request = seq.request
+        assert request.beam is not None
+        if not request.beam.num_generated:
             return count  # slot 0 before its first step: a group of one
         if remaining > 1:
             return min(count, remaining - 1)
-        ready = all(beam.status == SeqStatus.RUNNING and not beam.num_pending
-                    and beam.num_tokens - beam.num_computed_tokens == 1 for beam in self._beam_live(seq.request))
-        return count if ready else 0
+        answer = ready.get(request.request_id)
+        if answer is None:
+            answer = ready[request.request_id] = all(
+                beam.status == SeqStatus.RUNNING and not beam.num_pending
+                and beam.num_tokens - beam.num_computed_tokens == 1 for beam in self._beam_live(request))
+        return count if answer else 0
 
     def _drop_partial_beam_groups(self, num_tokens: dict[int, int]) -> int:
         """Unschedule the sampling beams of a group that did not get all of its beams into this step (blocks or
@@ -759,9 +766,10 @@ class Scheduler:
                  if slot != parent}
         running = first.status == SeqStatus.RUNNING  # a group runs or waits as a whole
         if running:
-            moved = [request.sequences[slot] for slot, parent in zip(slots, parents, strict=True) if slot != parent]
-            for seq in moved:  # lines that end give their blocks back first (shared ones lose a reference)
-                self.blocks.free(seq.table)
+            moved = [(request.sequences[slot], live[parent]) for slot, parent in zip(slots, parents, strict=True)
+                     if slot != parent]
+            for seq, parent_seq in moved:  # lines that end give back first the blocks their new line lacks
+                self.blocks.release_tail(seq.table, self.blocks.shared_prefix(seq.table, parent_seq.table, num_known))
             if num_known % self.block_size and self.blocks.num_free_blocks < len(moved):
                 self._preempt(first)  # no room for the copies of the last partial block: recompute later
                 running = False
@@ -778,9 +786,7 @@ class Scheduler:
                 if slot >= len(live):  # a beam of the first step: it joins its group in the queue
                     self._push_waiting(seq)
                 continue
-            fork = self.blocks.fork_for_write(live[parent].table, len(known[parent]))
-            assert fork is not None, "blocks for the copies were counted above"
-            seq.table, copy = fork
+            seq.table, copy = self.blocks.refork_for_write(seq.table, live[parent].table, len(known[parent]))
             seq.num_computed_tokens = len(known[parent])
             if seq.status != SeqStatus.RUNNING:  # a beam of the first step
                 self._start_running(seq)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, beam_candidates
+from pagoda.services.worker.sampler_warmup import warm_up_sampler
 from pagoda.services.worker.sampling_state import SamplingState, admission_error
 from pagoda.services.worker.weights import load_model, resolve_fp8
 from pagoda.shared.config import EngineConfig, sampler_fault_seed
@@ -37,10 +39,8 @@ from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import (
     BeamCandidates,
     BeamGroup,
-    NewRequest,
     PromptScores,
     RowFailure,
-    SamplingParams,
     StepPlan,
     StepResult,
 )
@@ -264,41 +264,13 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
         """Compile the sampling kernels' variants on scratch state and logits in the model's dtype, so no sampled
-        request waits for Triton's JIT (measured on an H200: ~4 s of compiles in the first sampled steps, and a
-        135 ms one inside a later step). A kernel variant follows from which features some row of the batch uses:
-        each kind of settings below runs alone and all of them together, with and without a grammar bitmask."""
-        kinds = [
-            SamplingParams(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.2),
-            SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1),
-            SamplingParams(temperature=0.7, top_p=0.8),
-            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),  # top-p rejection rounds under a threshold
-            SamplingParams(temperature=1.0, min_p=0.05),
-            SamplingParams(temperature=0.9, top_k=40),
-            SamplingParams(temperature=0.9),
-            SamplingParams(temperature=0.9, presence_penalty=0.3),
-            SamplingParams(temperature=0.8, top_p=0.9, logit_bias={1: 1.0}, min_tokens=2),
-            SamplingParams(temperature=0.8, logit_bias={1: 1.0}),
-            SamplingParams(temperature=0.8, top_k=300, top_p=0.9),  # past TOP_K_MAX: the whole-row fallback
-            SamplingParams(temperature=0.0, presence_penalty=0.5),
-            SamplingParams(temperature=0.0, logprobs=2),
-            SamplingParams(temperature=0.0),
-        ]
-        vocab_size = self.arch.vocab_size
-        scratch = SamplingState(len(kinds), vocab_size, self.device, self.arch.eos_token_ids)
-        scratch.admit([(row, NewRequest(row, [1, 2, 3], 3, [], 0, params, seed=row))
-                       for row, params in enumerate(kinds)])
-        batches = [np.array([row]) for row in range(len(kinds))] + [np.arange(len(kinds))]
-        for rows in batches:
-            for with_bitmask in (False, True):
-                metadata = scratch.metadata(rows)
-                if with_bitmask:
-                    metadata.token_bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32,
-                                                        device=self.device)  # [B, W]
-                    metadata.bitmask_rows = torch.ones(len(rows), dtype=torch.bool, device=self.device)  # [B]
-                logits = torch.randn(len(rows), vocab_size, device=self.device).to(self.dtype)  # [B, V]
-                output = self.sampler(logits, metadata)
-                scratch.record(rows, output.token_ids, metadata.state_rows)
+        request waits for Triton's JIT (measured on an H200: ~4 s of compiles in the first sampled steps, and
+        0.5-0.8 s ones inside later steps of batches mixing features): one batch per combination of features
+        (sampler_warmup.py)."""
+        started = time.perf_counter()
+        count = warm_up_sampler(self.sampler, self.arch.vocab_size, self.dtype, self.device, self.arch.eos_token_ids)
         torch.cuda.synchronize(self.device)
+        log.info("sampler warm-up: %d batches in %.1f s", count, time.perf_counter() - started)
 
     @torch.inference_mode()
     def dummy_forward(self, query_lens: list[int], num_logits: int, context_len: int = 0) -> None:
