@@ -27,7 +27,10 @@ mkdir -p "$OUT"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site
+# tests.* helpers (tests/parity.py) importable without the checkout's root on the path (its kernels/ folder would
+# pass for Hugging Face's `kernels` package, its pagoda/ for the installed one)
+mkdir -p /tmp/tests-path && ln -sfn "$PWD/tests" /tmp/tests-path/tests
+export PYTHONPATH=/tmp/site:/tmp/tests-path
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
