@@ -4,7 +4,7 @@
            fp8 latent cache: us, latent-cache TB/s and its fraction of 4.2 TB/s; --sweep tries launch shapes.
   prefill  one chunk of q_len queries after `context` cached tokens, the whole attention of each path (absorbed:
            W_UK bmm + kernel + W_UV bmm; expanded: gather + kv_b GEMM + paged kernel): the crossover query length
-           to put in kernels/mla.py EXPAND_MIN_QUERY_LEN.
+           to put in kernels/mla.py EXPAND_CROSSOVER.
   capacity KV blocks per GiB of the latent cache (the worker's layout) against the same model with per-head K/V.
 
     python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity] [--sweep] [--quick] [--out FILE]

@@ -18,14 +18,15 @@ model dtype or fp8 e4m3 with one per-tensor scale. Every query head reads the sa
 
 Per query-key pair and head the absorbed path costs 2 (R + P) + 2 R FLOPs (2176 for R = 512, P = 64), the
 expanded one 2 (Dn + P) + 2 Dv (640, padded to 1024 in the paged kernel) plus the expansion, 2 R (Dn + Dv) per
-key and head: expanding wins for chunks of more than a couple of hundred queries. EXPAND_MIN_QUERY_LEN is that
-crossover (bench/mla_prefill.py measures it). Semantics: reference.write_latent, reference.mla_attention,
+key and head: expanding wins for chunks of more than a few hundred queries. EXPAND_CROSSOVER holds that crossover
+as bench/mla_bench.py measured it on the H200. Semantics: reference.write_latent, reference.mla_attention,
 reference.mla_expanded_attention.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +51,19 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_LATENT_DIM = 1024
 _MAX_ROPE_DIM = 256
 _MAX_SPLITS = 16
-# Chunks of at least this many queries take the expanded path (a FLOP estimate until bench/mla_bench.py
-# --parts prefill measures the crossover on the target GPU; see the module docstring).
-EXPAND_MIN_QUERY_LEN = 256
+# Chunks of at least this many queries take the expanded path, by the attention heads on this rank: the crossover
+# measured on one H200 (bench/mla_bench.py --quick, 2026-12-02, bf16 latents; bench/results/s7/mla_bench.json).
+# 128 heads (V3): expanding won from 1024 queries with no cached context, 512 over 1024 cached tokens, 256 over
+# 4096; 16 heads (V2-Lite): never up to 2048 queries without context, 2048 over 1024, 1024 over 4096. The middle
+# figure is kept (one threshold per launch: the kernel skips the expanded chunks by query length alone).
+EXPAND_CROSSOVER = {16: 2048, 128: 512}
+EXPAND_MIN_QUERY_LEN = EXPAND_CROSSOVER[128]
+
+
+def expand_min_query_len(num_heads: int) -> int:
+    """The measured crossover of the nearest measured head count (on a log scale)."""
+    nearest = min(EXPAND_CROSSOVER, key=lambda heads: abs(math.log2(heads) - math.log2(max(num_heads, 1))))
+    return EXPAND_CROSSOVER[nearest]
 # The expanded path materialises per-head K and V of every latent row it expands (rows x heads x 2 max(Dn + P, Dv)
 # values): one launch holds at most this many bytes of them, and a sequence whose context would need more stays on
 # the absorbed path, which needs no workspace. 1 GiB: 87k rows of DeepSeek-V2-Lite (16 heads), 10.9k of V3 (128).

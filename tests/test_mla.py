@@ -387,3 +387,15 @@ def test_mla_prepare_matches_reference(name: str) -> None:
     else:
         torch.testing.assert_close(our_cache.float(), ref_cache.float(), rtol=tol, atol=tol)
     assert our_cache.view(-1, lat + rope)[[1, 2, 3]].float().abs().sum() == 0, "only the given slots are written"
+
+
+def test_expand_threshold_follows_the_measured_crossover_by_head_count() -> None:
+    """DeepSeek layers take the crossover measured for the nearest head count (log scale): V3's 128 heads expand
+    from 512 queries, V2-Lite's 16 from 2048; a tensor-parallel rank's share picks its nearest measurement."""
+    from pagoda.kernels.mla import EXPAND_CROSSOVER, expand_min_query_len
+
+    assert expand_min_query_len(128) == EXPAND_CROSSOVER[128]
+    assert expand_min_query_len(16) == EXPAND_CROSSOVER[16]
+    assert expand_min_query_len(64) == EXPAND_CROSSOVER[128]  # log2 distance 1 vs 2
+    assert expand_min_query_len(8) == EXPAND_CROSSOVER[16]
+    assert EXPAND_CROSSOVER[16] > EXPAND_CROSSOVER[128], "fewer heads: the expansion costs more per query saved"

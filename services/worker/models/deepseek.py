@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import reference as ref
-from pagoda.kernels.mla import ExpandPolicy, expand_max_rows
+from pagoda.kernels.mla import ExpandPolicy, expand_max_rows, expand_min_query_len
 from pagoda.kernels.moe import route_grouped_topk
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
@@ -90,7 +90,8 @@ class MlaAttention(nn.Module):
         self.o_weight, self.o_weight_scale = make_linear(h, heads * mla.v_head_dim, dtype, device, fp8)
         self.scale = softmax_scale(arch)
         itemsize = torch.finfo(dtype).bits // 8
-        self.expand = ExpandPolicy(max_seq_len=expand_max_rows(heads, mla.qk_head_dim, mla.v_head_dim, itemsize))
+        self.expand = ExpandPolicy(min_query_len=expand_min_query_len(heads),
+                                   max_seq_len=expand_max_rows(heads, mla.qk_head_dim, mla.v_head_dim, itemsize))
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [heads, Dn, R] and [heads, Dv, R] of kv_b."""
