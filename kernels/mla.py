@@ -41,6 +41,7 @@ from pagoda.kernels.paged_attention import (
     _find_seq,
     _split_reduce_kernel,
     _store_rows,
+    key_tile_range,
     paged_attention,
 )
 from pagoda.kernels.qkv_prep import _rotate, _to_cache
@@ -445,17 +446,7 @@ def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query
     q_rope = tl.load(q_row + LAT + offs_r[None, :], mask=row_valid[:, None] & (offs_r < ROPE)[None, :],
                      other=0.0)  # [BLOCK_M, ROPE_P]
 
-    last_q = tl.minimum(q_lo + BLOCK_Q, q_len) - 1
-    kv_end = tl.maximum(context_len + last_q + 1, 0)
-    num_full = tl.maximum(context_len + q_lo + 1, 0) // TILE_N  # tiles every row sees whole
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
+    kv_end, num_full, tile_lo, tile_hi = key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q, TILE_N, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

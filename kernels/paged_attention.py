@@ -96,6 +96,25 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
 
 
 @triton.jit
+def key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr):
+    """The keys one program attends to for query rows [q_lo, q_lo + BLOCK_Q) of a sequence with context_len cached
+    tokens: (kv_end, tiles every row sees whole, this split's first tile, its end tile)."""
+    last_q = tl.minimum(q_lo + BLOCK_Q, q_len) - 1
+    kv_end = tl.maximum(context_len + last_q + 1, 0)
+    num_full = tl.maximum(context_len + q_lo + 1, 0) // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = num_tiles * 0  # a tensor in both branches: a jit helper returns one type
+        tile_hi = num_tiles
+    return kv_end, num_full, tile_lo, tile_hi
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest b in [0, num_seqs] whose first query tile is <= tile_idx. Sequence b owns tiles
     [qsl[b] // BLOCK_Q + b, ...): the + b is slack for tiles never straddling two sequences, so T // BLOCK_Q + B + 1
@@ -278,17 +297,7 @@ def _paged_attention_kernel(
 
     # Keys below context_len + q_lo + 1 are visible to every row (no mask); the rest up to the last row's
     # position need the causal mask. Bounds come from the tensors, so a CUDA-graph replay stays right.
-    last_q = tl.minimum(q_lo + BLOCK_Q, q_len) - 1
-    kv_end = tl.maximum(context_len + last_q + 1, 0)
-    num_full = tl.maximum(context_len + q_lo + 1, 0) // TILE_N
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
+    kv_end, num_full, tile_lo, tile_hi = key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q, TILE_N, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
