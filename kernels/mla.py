@@ -41,6 +41,7 @@ from pagoda.kernels.paged_attention import (
     _find_seq,
     _split_reduce_kernel,
     _store_rows,
+    check_batch_layout,
     key_tile_range,
     paged_attention,
 )
@@ -484,17 +485,7 @@ def _check_attention_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: 
         raise ValueError(f"the cache must have q's dtype {q.dtype} or be float8_e4m3fn, got {cache.dtype}")
     if q.stride(2) != 1 or cache.stride(2) != 1:
         raise ValueError("q and the cache must be contiguous along their last dim")
-    if block_tables.dim() != 2 or block_tables.dtype not in _INDEX_DTYPES or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
-    num_seqs = block_tables.shape[0]
-    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in _INDEX_DTYPES or not seq_lens.is_contiguous():
-        raise ValueError(f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} "
-                         f"{seq_lens.dtype}")
-    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype not in _INDEX_DTYPES
-            or not query_start_loc.is_contiguous()):
-        raise ValueError(f"query_start_loc must be [B + 1 = {num_seqs + 1}] int32/int64 contiguous, got "
-                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    check_batch_layout(block_tables, seq_lens, query_start_loc)
     if not (cache.device == q.device == block_tables.device == seq_lens.device == query_start_loc.device):
         raise ValueError(f"all tensors must be on q's device {q.device}")
 

@@ -73,6 +73,22 @@ def pick_num_splits(num_tokens: int, num_kv_heads: int, max_query_len: int, max_
     return 1 << (splits.bit_length() - 1)  # largest power of two <= splits
 
 
+def check_batch_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> int:
+    """The paged batch description every attention kernel reads: raises ValueError on a bad one; returns B."""
+    if block_tables.dim() != 2 or block_tables.dtype not in _INDEX_DTYPES or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in _INDEX_DTYPES or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} "
+                         f"{seq_lens.dtype}")
+    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype not in _INDEX_DTYPES
+            or not query_start_loc.is_contiguous()):
+        raise ValueError(f"query_start_loc must be [B + 1 = {num_seqs + 1}] int32/int64 contiguous, got "
+                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    return num_seqs
+
+
 @functools.lru_cache(maxsize=256)
 def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: int, max_query_len: int,
                 max_seq_len: int, num_sms: int = 132, fp8_kv: bool = False) -> AttentionConfig:
@@ -375,17 +391,7 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"and {v_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q and the caches must be contiguous along head_dim")
-    if block_tables.dim() != 2 or block_tables.dtype not in _INDEX_DTYPES or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be [B, max_blocks] int32/int64, row-contiguous, got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
-    num_seqs = block_tables.shape[0]
-    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in _INDEX_DTYPES or not seq_lens.is_contiguous():
-        raise ValueError(f"seq_lens must be [B={num_seqs}] int32/int64 contiguous, got {tuple(seq_lens.shape)} "
-                         f"{seq_lens.dtype}")
-    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype not in _INDEX_DTYPES
-            or not query_start_loc.is_contiguous()):
-        raise ValueError(f"query_start_loc must be [B + 1 = {num_seqs + 1}] int32/int64 contiguous, got "
-                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    check_batch_layout(block_tables, seq_lens, query_start_loc)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} contiguous along head_dim, got "
                          f"{tuple(out.shape)} {out.dtype}")
