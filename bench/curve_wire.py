@@ -22,7 +22,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -234,59 +233,49 @@ def process_cpu_s() -> float:
 
 
 class Receiver:
-    """A thread that takes every frame off the receiving sockets (and msgspec-decodes it, as a service would)."""
+    """Takes every frame off the receiving sockets (and msgspec-decodes it, as a service would). One thread does
+    all socket I/O: a ROUTER both sends and receives, and a ZeroMQ socket is not safe to share between threads."""
 
     def __init__(self, wire: Wire) -> None:
-        self.wire = wire
         self.frames = 0
         self.bytes = 0
-        self.stop = threading.Event()
         self.poller = zmq.Poller()
         for sock in wire.receivers:
             self.poller.register(sock, zmq.POLLIN)
         self.decoder = msgspec.msgpack.Decoder()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            for sock, _ in self.poller.poll(20):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self.decoder.decode(frames[-1].buffer)
-                    self.frames += 1
-                    self.bytes += len(frames[-1].buffer)
+    def drain(self, timeout_ms: float = 0) -> None:
+        for sock, _ in self.poller.poll(timeout_ms):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.decoder.decode(frames[-1].buffer)
+                self.frames += 1
+                self.bytes += len(frames[-1].buffer)
 
     def wait_for(self, frames: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while self.frames < frames:
             assert time.monotonic() < deadline, f"received {self.frames} of {frames} frames"
-            time.sleep(0.001)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
+            self.drain(10)
 
 
 def flood(wire: Wire, direction: str, frames: list[bytes], seconds: float) -> dict[str, float]:
-    """Send these frames, round and round, as fast as the receiver takes them for about `seconds`; CPU per frame."""
+    """Send these frames, round and round, as fast as they are taken for about `seconds`; CPU per frame (sender,
+    receiver and both I/O threads together)."""
     receiver = Receiver(wire)
     send = wire.send[direction]
-    try:
-        cpu0, io0, wall0 = process_cpu_s(), io_thread_cpu_s(), time.perf_counter()
-        sent = 0
-        while sent < 200 or time.perf_counter() - wall0 < seconds:
-            for data in frames:
-                send(data)
-                sent += 1
-            receiver.wait_for(sent - 64)  # bounded backlog: a PUB would drop past its high-water mark
-        receiver.wait_for(sent)
-        cpu, io, wall = process_cpu_s() - cpu0, io_thread_cpu_s() - io0, time.perf_counter() - wall0
-    finally:
-        receiver.close()
+    cpu0, io0, wall0 = process_cpu_s(), io_thread_cpu_s(), time.perf_counter()
+    sent = 0
+    while sent < 200 or time.perf_counter() - wall0 < seconds:
+        for data in frames:
+            send(data)
+            sent += 1
+            receiver.wait_for(sent - 32)  # a bounded backlog: a PUB drops past its high-water mark
+    receiver.wait_for(sent)
+    cpu, io, wall = process_cpu_s() - cpu0, io_thread_cpu_s() - io0, time.perf_counter() - wall0
     return {"frames": sent, "mean_bytes": receiver.bytes / sent, "cpu_us_per_frame": 1e6 * cpu / sent,
             "io_thread_us_per_frame": 1e6 * io / sent, "frames_per_s": sent / wall}
 
@@ -295,62 +284,47 @@ def paced(wire: Wire, load: Load, steps: list[dict[str, bytes]], requests: list[
           seconds: float) -> dict[str, float]:
     """Every direction at once, at the served rate: a step's frames every 1/steps_per_s, admissions spread in."""
     receiver = Receiver(wire)
-    try:
-        interval = 1.0 / load.steps_per_s
-        admissions_per_step = load.requests_per_s / load.steps_per_s
-        due = 0.0
-        sent = 0
-        cpu0, io0, start = process_cpu_s(), io_thread_cpu_s(), time.perf_counter()
-        step = 0
-        while time.perf_counter() - start < seconds:
-            for direction, data in steps[step % len(steps)].items():
+    interval = 1.0 / load.steps_per_s
+    admissions_per_step = load.requests_per_s / load.steps_per_s
+    due = 0.0
+    sent = step = 0
+    cpu0, io0, start = process_cpu_s(), io_thread_cpu_s(), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for direction, data in steps[step % len(steps)].items():
+            wire.send[direction](data)
+            sent += 1
+        due += admissions_per_step
+        while due >= 1.0:
+            due -= 1.0
+            for direction, data in requests[sent % len(requests)].items():
                 wire.send[direction](data)
                 sent += 1
-            due += admissions_per_step
-            while due >= 1.0:
-                due -= 1.0
-                for direction, data in requests[sent % len(requests)].items():
-                    wire.send[direction](data)
-                    sent += 1
-            step += 1
-            delay = start + step * interval - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-        receiver.wait_for(sent)
-        wall = time.perf_counter() - start
-        cpu, io = process_cpu_s() - cpu0, io_thread_cpu_s() - io0
-    finally:
-        receiver.close()
+        step += 1
+        while (delay := start + step * interval - time.perf_counter()) > 0:
+            receiver.drain(1e3 * delay)
+    receiver.wait_for(sent)
+    wall = time.perf_counter() - start
+    cpu, io = process_cpu_s() - cpu0, io_thread_cpu_s() - io0
     return {"seconds": wall, "steps_per_s": step / wall, "frames_per_s": sent / wall,
             "bytes_per_s": receiver.bytes / wall, "cpu_cores": cpu / wall, "io_thread_cores": io / wall}
 
 
 def round_trip(wire: Wire, plan: bytes, result: bytes, count: int) -> dict[str, float]:
-    """Plan out, result back, one at a time: the latency the step loop sees on each step."""
+    """Plan out, result back, one at a time: the latency the step loop sees on each step (the worker's side
+    answers in this thread as soon as the plan arrives)."""
     subscriber = next(s for s, names in wire.receivers.items() if "scheduler->worker StepPlan" in names)
     results = next(s for s, names in wire.receivers.items() if "worker->scheduler StepResult" in names)
     send_plan, send_result = wire.send["scheduler->worker StepPlan"], wire.send["worker->scheduler StepResult"]
-    stop = threading.Event()
-
-    def worker() -> None:
-        while not stop.is_set():
-            if subscriber.poll(20):
-                subscriber.recv(copy=False)
-                send_result(result)
-
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
     times = []
-    try:
-        for _ in range(count):
-            started = time.perf_counter()
-            send_plan(plan)
-            assert results.poll(10_000), "no result came back"
-            results.recv(copy=False)
-            times.append(1e6 * (time.perf_counter() - started))
-    finally:
-        stop.set()
-        thread.join()
+    for _ in range(count):
+        started = time.perf_counter()
+        send_plan(plan)
+        assert subscriber.poll(10_000), "no plan came"
+        subscriber.recv(copy=False)
+        send_result(result)
+        assert results.poll(10_000), "no result came back"
+        results.recv(copy=False)
+        times.append(1e6 * (time.perf_counter() - started))
     times.sort()
     return {"p50_us": statistics.median(times), "p99_us": times[int(0.99 * (len(times) - 1))]}
 
