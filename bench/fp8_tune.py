@@ -50,9 +50,11 @@ def candidates(bucket: int) -> list[Any]:
             out += [GemvTiles(block_m=bucket, block_n=block_n, block_k=block_k, split_k=split, use_dot=False,
                               num_warps=w, num_stages=st) for w, st in warps]
     if bucket > 32:  # larger tiles: the weights are read once per BLOCK_M rows
-        for block_m, block_n, block_k, (warps, stages) in itertools.product(
-                (64, 128), (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4))):
-            out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, use_dot=True,
+        # split-K and 32-wide N tiles too: a 4096-wide layer makes only 64 programs of 64 columns (o_proj at 64
+        # rows reached 0.7 TB/s without them, 2026-12-02)
+        for block_m, block_n, block_k, split, (warps, stages) in itertools.product(
+                (64, 128), (32, 64, 128), (64, 128), (1, 2, 4), ((4, 3), (8, 3))):
+            out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
                                  num_warps=warps, num_stages=stages))
         return out
     if bucket >= 2:  # tensor-core tiles, rows padded to 16 or 32

@@ -128,7 +128,7 @@ def default_tiles(num_rows: int, n: int, k: int, group_size: int | None = None) 
     use_dot = num_rows > 4
     block_m = max(16, min(32, triton.next_power_of_2(num_rows))) if use_dot else triton.next_power_of_2(num_rows)
     block_n = 16 if not use_dot else 32
-    block_k = min(512 if not use_dot else 256, group_size or k)
+    block_k = min(512 if not use_dot else 256, group_size or triton.next_power_of_2(k))  # a power of two
     programs = triton.cdiv(n, block_n)
     split_k = 1
     while programs * split_k < 256 and k % (block_k * split_k * 2) == 0 and split_k < 8:
@@ -219,6 +219,10 @@ def _tiles_fit_groups(tiles: GemvTiles, k: int, group_size: int | None) -> bool:
 
 
 def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
+    for name in ("block_m", "block_n", "block_k"):
+        size = getattr(tiles, name)
+        if size < 1 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two, got {size}")
     if tiles.use_dot and tiles.block_m < 16:
         raise ValueError(f"tensor-core tiles need block_m >= 16, got {tiles.block_m}")
     if not _tiles_fit_groups(tiles, k, group_size):

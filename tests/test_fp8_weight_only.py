@@ -66,6 +66,7 @@ def test_weight_only_default_tiles_every_bucket() -> None:
     for num_rows in (1, 2, 5, 16, 32):
         tiles = w8.default_tiles(num_rows, n, k)
         assert tiles.split_k > 1, "32 columns are too few programs: the default splits K"
+        assert w8.default_tiles(num_rows, n, 96).block_k == 128, "tile sizes are powers of two for any K"
         x = torch.randn(num_rows, k, device=DEVICE).bfloat16()
         _close(w8.fp8_weight_only_linear(x, weight, scale, 128),
                ref.fp8_weight_only_linear(x, weight, scale, 128))
@@ -82,6 +83,8 @@ def test_weight_only_rejects_bad_input() -> None:
         w8.fp8_weight_only_linear(x, weight, scale[:, :0], None)
     with pytest.raises(ValueError, match="groups"):  # block_k larger than the scale group
         w8.fp8_weight_only_linear(x, *_weights(32, 256, 64, seed=2), 64, tiles=w8.GemvTiles(block_k=128))
+    with pytest.raises(ValueError, match="power of two"):
+        w8.fp8_weight_only_linear(x, weight, scale, None, tiles=w8.GemvTiles(block_k=96))
     with pytest.raises(ValueError, match="block_m >= 16"):
         w8.fp8_weight_only_linear(x, weight, scale, None, tiles=w8.GemvTiles(block_m=4, use_dot=True))
 
