@@ -149,6 +149,8 @@ class ServerConfig:
     max_waiting_requests: int = 0  # waiting requests past which the scheduler answers 503 + Retry-After; 0: none
     step_timeout: float = 0.0  # a worker step running longer is taken as hung; 0: derived (see hang_floor)
     hang_floor: float = 8.0  # the least a step may run before it counts as hung, once warmed up (step_timeout 0)
+    resend_interval: float = 0.5  # the first wait before an unacknowledged message between the api, tokenizer and
+    # scheduler goes again (doubling up to 8 s): about what a lost frame costs its requests (shared/delivery.Link)
     restart_on_failure: bool = False  # restart a dead or hung tokenizer or api process instead of stopping
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: by the model's family
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content
@@ -186,6 +188,8 @@ class ServerConfig:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
         if self.max_logprobs < -1:
             raise ConfigError("max_logprobs must be -1 (the whole vocabulary) or >= 0", param="max_logprobs")
+        if self.resend_interval <= 0:
+            raise ConfigError("resend_interval must be > 0", param="resend_interval")
         for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", param=name)

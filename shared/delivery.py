@@ -14,6 +14,7 @@ reply is recovered by the same resend that recovers a lost message.
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -110,3 +111,76 @@ class InOrder(Generic[T]):
     def reset(self) -> None:
         self.next_seq = 0
         self.ahead.clear()
+
+
+ACK_DELAY_S = 0.05  # a receiver owes an ack at most this long when no frame of its own carries it
+MAX_RETIRED_STREAMS = 8  # a peer's past stream ids whose late frames are dropped
+
+
+def new_stream_id() -> int:
+    """A stream id no earlier stream of this pair used (random, so a restarted process cannot repeat one)."""
+    return random.getrandbits(62) + 1
+
+
+@dataclass(slots=True)
+class Link(Generic[T]):
+    """Both directions with one peer (tokenizer <-> scheduler, api <-> tokenizer): a SendLog for what this side
+    sends, under a stream id of its own, and an InOrder for the peer's stream. A stream starts at sequence 0; a
+    side that gives up what it sent (it lost its peer, or the peer registered afresh) starts a new stream with
+    `restart`, and the receiver, meeting a new stream id, starts over with it and drops late frames of the
+    retired ones. Acks name the stream they acknowledge, so an ack from before a restart completes nothing.
+
+        tokenizer                                  scheduler
+        send(AddRequest)  -- (stream A, seq 4, ack B:9) -->  receive(A, 4): applied; ack A:4 owed
+        receive(B, 10)   <-- (stream B, seq 10, ack A:4) --  send(TokenDeltas) carries the owed ack
+    """
+
+    resend_s: float  # the first wait before a send goes again (it doubles up to MAX_WAIT_S)
+    stream: int = field(default_factory=new_stream_id)
+    sends: SendLog = field(default_factory=SendLog)
+    received: InOrder[T] = field(default_factory=lambda: InOrder(max_ahead=4096))
+    peer_stream: int = 0  # 0: nothing received yet
+    retired: list[int] = field(default_factory=list)
+    ack_owed_since: float | None = None  # something arrived that no frame of ours has acknowledged yet
+
+    def restart(self) -> None:
+        """A fresh outgoing stream: what was sent and not acknowledged is given up."""
+        self.stream = new_stream_id()
+        self.sends = SendLog()
+
+    def next_send(self) -> tuple[int, int, int, int]:
+        """(stream, seq, ack stream, ack) for the next sequenced frame: it carries the ack this side owes."""
+        self.ack_owed_since = None
+        return self.stream, self.sends.take_seq(), self.peer_stream, self.received.applied_through
+
+    def ack(self) -> tuple[int, int]:
+        """(ack stream, ack) for a frame that carries only an acknowledgement."""
+        self.ack_owed_since = None
+        return self.peer_stream, self.received.applied_through
+
+    def ack_due(self, now: float) -> bool:
+        return self.ack_owed_since is not None and now - self.ack_owed_since >= ACK_DELAY_S
+
+    def record(self, seq: int, data: bytes, now: float) -> None:
+        self.sends.record(seq, data, now, self.resend_s)
+
+    def receive(self, stream: int, seq: int, item: T, now: float) -> list[T] | None:
+        """The peer's items now deliverable in order (see InOrder.offer); a frame of a retired stream is None."""
+        if stream != self.peer_stream:
+            if stream in self.retired or stream <= 0:
+                return None
+            if self.peer_stream:
+                self.retired = [*self.retired, self.peer_stream][-MAX_RETIRED_STREAMS:]
+            self.peer_stream = stream
+            self.received = InOrder(max_ahead=self.received.max_ahead)
+        if self.ack_owed_since is None:
+            self.ack_owed_since = now  # a repeat too: the peer missed our ack
+        return self.received.offer(seq, item)
+
+    def on_ack(self, stream: int, seq: int) -> None:
+        """The peer applied this side's stream `stream` through `seq` (in order: everything before it too)."""
+        if stream == self.stream and seq >= 0:
+            self.sends.done_through(seq)
+
+    def due(self, now: float) -> list[Sent]:
+        return self.sends.due(now)

@@ -490,6 +490,7 @@ class TokenizerHello(msgspec.Struct, array_like=True, tag="hello", frozen=True):
     tokenizer_id: str
     pid: int
     eos_token_ids: list[int] = []  # the tokenizer's end-of-sequence id (the scheduler stops on it too)
+    stream: int = 0  # its sequenced stream to this peer (Sequenced): a new one means it registers afresh
 
 
 class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omit_defaults=True):
@@ -589,6 +590,27 @@ class TokenizerInfoResult(msgspec.Struct, array_like=True, tag="tokenizer_info_r
 
 # --------------------------------------------------------------------------------------------
 # tokenizer <-> scheduler
+
+
+class Sequenced(msgspec.Struct, tag="sq", array_like=True, frozen=True, gc=False):
+    """A message in a sequenced stream between two peers (shared/delivery.Link): applied once, in order, and sent
+    again until acknowledged. `body` is the message itself, encoded as the socket's union (never a Sequenced);
+    `ack_stream` / `ack` acknowledge the reverse stream, so that acks ride on frames that go anyway."""
+
+    stream: int
+    seq: int
+    body: msgspec.Raw
+    ack_stream: int = 0
+    ack: int = -1
+
+
+class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
+    """Only an acknowledgement: the sender applied the peer's stream `stream` through `seq` (sent when no
+    Sequenced frame went that way for shared/delivery.ACK_DELAY_S)."""
+
+    stream: int
+    seq: int
+
 
 
 class AddRequest(msgspec.Struct, array_like=True, tag="add", frozen=True, omit_defaults=True):
@@ -771,8 +793,9 @@ class ProcessTable(msgspec.Struct, frozen=True, omit_defaults=True):
 ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
 TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
                   | DetokenizeResult | TokenizerInfoResult)
-TokenizerToScheduler = TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
-SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory
+TokenizerToScheduler = (TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
+                        | Sequenced | Ack)
+SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory | Sequenced | Ack
 SchedulerToWorker = StepPlan | GrammarDef | Shutdown | Heartbeat  # heartbeats double as subscription probes
 WorkerToScheduler = WorkerReady | StepResult | Heartbeat
 SchedulerToApi = SchedulerStats

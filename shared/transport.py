@@ -33,7 +33,9 @@ import zmq.auth
 import zmq.utils.z85
 
 from pagoda.shared.config import FaultSpec, bind_address, test_faults
+from pagoda.shared.delivery import Link
 from pagoda.shared.errors import ConfigError
+from pagoda.shared.messages import Ack, Sequenced
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,34 @@ class Codec(Generic[T]):
             self.num_dropped += 1
             log.warning("dropped a malformed frame (%d bytes): %s", len(data), exc)
             return None
+
+
+def seal(codec: Codec[Any], link: Link[Any], message: msgspec.Struct, now: float) -> bytes:
+    """`message` as the next frame of `link`'s stream (kept until acknowledged, for resending), carrying the ack
+    this side owes the peer."""
+    stream, seq, ack_stream, ack = link.next_send()
+    data = codec.encode(Sequenced(stream, seq, msgspec.Raw(codec.encode(message)), ack_stream, ack))
+    link.record(seq, data, now)
+    return data
+
+
+def unseal(codec: Codec[T], link: Link[Any], message: Sequenced | Ack, now: float) -> list[T]:
+    """The peer's messages now deliverable in order (none for an ack, a repeat or an early frame). A malformed
+    body still takes its place in the stream (it is dropped there, not waited for)."""
+    link.on_ack(message.stream if isinstance(message, Ack) else message.ack_stream,
+                message.seq if isinstance(message, Ack) else message.ack)
+    if isinstance(message, Ack):
+        return []
+    inner = codec.decode(message.body)
+    if isinstance(inner, Sequenced | Ack):
+        log.warning("dropped a sequenced frame nested in another")
+        inner = None
+    ready = link.receive(message.stream, message.seq, inner, now)
+    return [item for item in ready if item is not None] if ready else []
+
+
+def ack_frame(codec: Codec[Any], link: Link[Any]) -> bytes:
+    return codec.encode(Ack(*link.ack()))
 
 
 class FaultySocket(zmq.Socket):  # type: ignore[type-arg]

@@ -27,11 +27,12 @@ from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.scheduler.tracing import RequestTracer
 from pagoda.shared.config import EngineConfig, ServerConfig
-from pagoda.shared.delivery import SendLog
+from pagoda.shared.delivery import Link, SendLog
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.messages import (
     MAX_INT32,
     AbortRequest,
+    Ack,
     AddRequest,
     ApiJoin,
     FinishReason,
@@ -46,6 +47,7 @@ from pagoda.shared.messages import (
     SchedulerToApi,
     SchedulerToTokenizer,
     SchedulerToWorker,
+    Sequenced,
     Shutdown,
     StepPlan,
     StepResult,
@@ -57,7 +59,17 @@ from pagoda.shared.messages import (
     WorkerToScheduler,
 )
 from pagoda.shared.service_main import stop_on_signals
-from pagoda.shared.transport import Codec, drain, load_cluster_keys, make_socket, single_frame, split_routed
+from pagoda.shared.transport import (
+    Codec,
+    ack_frame,
+    drain,
+    load_cluster_keys,
+    make_socket,
+    seal,
+    single_frame,
+    split_routed,
+    unseal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +78,18 @@ MAX_TENANT_STATS = 1024  # tenants whose queue times are kept (the keys file's; 
 MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
 MAX_TOKENIZER_EOS = 16  # EOS ids one tokenizer may register
 MAX_WORKER_GRAMMARS = 512  # constraints the workers keep by hash (each up to 1 MiB of text)
+LINK_TICK_MS = 20  # while a tokenizer stream has something unacknowledged (either way), the loop looks this often
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
 @dataclass(slots=True)
 class Peer:
     last_seen: float
+    link: Link[TokenizerToScheduler]  # the sequenced streams both ways (shared/delivery.py); kept over a sweep
     request_ids: set[str] = field(default_factory=set)
     num_requests: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # from its hello: its requests stop on these too (not others')
+    stream: int = 0  # the stream its latest hello named: a new one is a fresh registration
 
 
 @dataclass(slots=True)
@@ -100,7 +115,7 @@ class SchedulerService:
         self.config = server_config
         endpoint = server_config.endpoint
         self.context = zmq.Context()
-        self.front = make_socket(self.context, zmq.ROUTER, endpoint("scheduler"), bind=True)
+        self.front = make_socket(self.context, zmq.ROUTER, endpoint("scheduler"), bind=True, role="to_tokenizer")
         self.plans = make_socket(self.context, zmq.PUB, endpoint("plan"), bind=True, role="plan")
         self.results = make_socket(self.context, zmq.PULL, endpoint("result"), bind=True)
         self.stats_out = make_socket(self.context, zmq.PUB, endpoint("stats"), bind=True)
@@ -114,7 +129,8 @@ class SchedulerService:
         self.ready_ranks: set[int] = set()
         self.rank0_ready: WorkerReady | None = None
         self.tokenizers: dict[bytes, Peer] = {}
-        self.swept: dict[bytes, None] = {}  # tokenizers dropped for silence after their hello (oldest first)
+        self.swept: dict[bytes, Peer] = {}  # tokenizers dropped for silence after their hello (oldest first), kept
+        # with their streams: one that was only late takes both up where they were
         self.owner: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
@@ -152,6 +168,9 @@ class SchedulerService:
         while self.running:
             busy = not self.stalled and self.pipeline is not None and self.pipeline.wants_plan()
             timeout_ms = 0 if busy else int(self.config.heartbeat_interval * 1000 / 2)
+            if not busy and any(p.link.sends.entries or p.link.ack_owed_since is not None
+                                for p in self.tokenizers.values()):
+                timeout_ms = min(timeout_ms, LINK_TICK_MS)  # an ack owed, or a resend that may come due
             events = dict(poller.poll(timeout_ms))
             if events:
                 self.stalled = False
@@ -162,6 +181,7 @@ class SchedulerService:
             self._maybe_step()
             if self.sends.entries:
                 self._resend_due(time.monotonic())
+            self._tend_links(time.monotonic())
             self._periodic()
         self._close()
 
@@ -284,30 +304,47 @@ class SchedulerService:
         if isinstance(message, ApiJoin | ReplicaJoin):
             self._on_join(identity, message)
             return
+        peer = self._registered(identity, message)
+        if peer is None:
+            return
+        now = time.monotonic()
+        peer.last_seen = now
+        if isinstance(message, Sequenced | Ack):
+            for inner in unseal(self.from_tokenizers, peer.link, message, now):
+                self._on_tokenizer_message(identity, peer, inner)
+        else:
+            self._on_tokenizer_message(identity, peer, message)
+
+    def _registered(self, identity: bytes, message: TokenizerToScheduler) -> Peer | None:
+        """The tokenizer this message comes from, registered now if it says hello (or comes back after a
+        sweep); None: not a registered tokenizer (dropped; an AddRequest still gets its answer)."""
         peer = self.tokenizers.get(identity)
-        if peer is None and identity in self.swept and isinstance(message, Heartbeat):
+        if peer is None and identity in self.swept and isinstance(message, Heartbeat | Sequenced | Ack):
             # It said hello before and was only late (a busy host, a long call holding its GIL): back at once,
-            # rather than after it notices our silence and fails what it holds.
-            del self.swept[identity]
-            peer = self.tokenizers[identity] = Peer(time.monotonic())
+            # rather than after it notices our silence and fails what it holds; its streams go on.
+            peer = self.tokenizers[identity] = self.swept.pop(identity)
             log.info("tokenizer %s is back", identity.decode(errors="replace"))
             if self.model_info is not None:
                 self._send_tokenizer(identity, self.model_info)
         if peer is None and not isinstance(message, TokenizerHello):
             # Registration takes a hello: a stray peer's heartbeat must not make it a tokenizer. A request
             # from it still gets an answer (it re-registers once it misses our heartbeats).
+            if isinstance(message, Sequenced):
+                message = self.from_tokenizers.decode(message.body) or message
             log.warning("dropped a %s from unregistered peer %r", type(message).__name__, identity[:64])
             if isinstance(message, AddRequest):
                 self._fail(identity, message.request_id, 503, "this tokenizer is not registered; try again",
                            "server_error")
-            return
+            return None
         if peer is None:
-            self.swept.pop(identity, None)
-            peer = self.tokenizers[identity] = Peer(time.monotonic())
+            peer = self.swept.pop(identity, None) or Peer(time.monotonic(), Link(self.config.resend_interval))
+            self.tokenizers[identity] = peer
             log.info("tokenizer %s registered", identity.decode(errors="replace"))
             if self.model_info is not None:
                 self._send_tokenizer(identity, self.model_info)
-        peer.last_seen = time.monotonic()
+        return peer
+
+    def _on_tokenizer_message(self, identity: bytes, peer: Peer, message: TokenizerToScheduler) -> None:
         if isinstance(message, AddRequest):
             self._on_add(identity, peer, message)
         elif isinstance(message, AbortRequest | StopSequence):
@@ -319,13 +356,21 @@ class SchedulerService:
             else:
                 self._on_stop_sequence(message)
         elif isinstance(message, TokenizerHello):
-            peer.eos_token_ids = frozenset(t for t in message.eos_token_ids[:MAX_TOKENIZER_EOS] if 0 <= t <= MAX_INT32)
-            # A tokenizer says hello only when it holds no request here (it started, or gave us up and failed
-            # them): whatever it owned is orphaned.
+            self._on_hello(identity, peer, message)
+
+    def _on_hello(self, identity: bytes, peer: Peer, message: TokenizerHello) -> None:
+        peer.eos_token_ids = frozenset(t for t in message.eos_token_ids[:MAX_TOKENIZER_EOS] if 0 <= t <= MAX_INT32)
+        # A tokenizer names a new stream only when it holds no request here (it started, or gave us up and failed
+        # them): whatever it owned is orphaned, and what we sent it and it never acknowledged is moot. A hello
+        # naming the stream we know is a repeat (it asks for ModelInfo again; a delayed frame): nothing ends.
+        if message.stream == 0 or message.stream != peer.stream:
             for request_id in list(peer.request_ids):
                 self._abort(request_id)
-            if self.model_info is not None:
-                self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
+            if peer.stream != message.stream:
+                peer.link.restart()
+            peer.stream = message.stream
+        if self.model_info is not None:
+            self._send_tokenizer(identity, self.model_info)  # a restarted tokenizer asks again
 
     def _on_add(self, identity: bytes, peer: Peer, message: AddRequest) -> None:
         if self.scheduler is None:
@@ -397,7 +442,7 @@ class SchedulerService:
                                "server_error")
                     self._abort(request_id)
                 del self.tokenizers[identity]
-                self.swept[identity] = None
+                self.swept[identity] = peer
                 while len(self.swept) > MAX_SWEPT_TOKENIZERS:
                     del self.swept[next(iter(self.swept))]
 
@@ -420,7 +465,25 @@ class SchedulerService:
             self._send_raw(identity, beat)
 
     def _send_tokenizer(self, identity: bytes, message: SchedulerToTokenizer) -> None:
-        self._send_raw(identity, self.to_tokenizers.encode(message))
+        """Tokens and failures travel in the peer's sequenced stream (resent until acknowledged, applied once);
+        what is repeated anyway (ModelInfo answers each hello, Directory each tick) travels plain."""
+        peer = self.tokenizers.get(identity)
+        if peer is not None and isinstance(message, TokenDeltas | RequestFailed):
+            self._send_raw(identity, seal(self.to_tokenizers, peer.link, message, time.monotonic()))
+        else:
+            self._send_raw(identity, self.to_tokenizers.encode(message))
+
+    def _tend_links(self, now: float) -> None:
+        """Each registered tokenizer's stream: what it has not acknowledged in time goes again; an ack we owe it
+        and no frame of ours carried goes alone (at most one per ACK_DELAY_S: acks are batched)."""
+        for identity, peer in self.tokenizers.items():
+            link = peer.link
+            for entry in link.due(now):
+                log.warning("resending message %d to tokenizer %s (send %d)", entry.seq,
+                            identity.decode(errors="replace"), entry.num_sends)
+                self._send_raw(identity, entry.data)
+            if link.ack_due(now):
+                self._send_raw(identity, ack_frame(self.to_tokenizers, link))
 
     def _send_raw(self, identity: bytes, payload: bytes) -> None:
         try:

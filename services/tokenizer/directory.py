@@ -63,7 +63,8 @@ class Peers:
         self.replicas = ReplicaSet.connect(context, scheduler_endpoints,
                                            stats_endpoints(config, len(scheduler_endpoints)), identity,
                                            config.routing, block_size, config.heartbeat_timeout,
-                                           discover=bool(config.registry_endpoint))
+                                           discover=bool(config.registry_endpoint),
+                                           resend_s=config.resend_interval)
         for replica in self.replicas.replicas:
             self._watch_replica(replica)
         self.apis: dict[int, Any] = {}  # api key -> its socket; keys never reuse (apis come and go)

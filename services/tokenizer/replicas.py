@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from pagoda.services.tokenizer.routing import ReplicaLoad, RoutingConfig, choose_replica, replica_load
+from pagoda.shared.delivery import Link
 from pagoda.shared.errors import ConfigError, ServerOverloadedError
 from pagoda.shared.messages import ModelInfo, SchedulerStats, SchedulerToApi
 from pagoda.shared.transport import Codec, make_socket
@@ -44,6 +45,7 @@ class Replica:
     routed_since_stats: int = 0
     replica_id: str = ""  # the routing's name for it, the same in every tokenizer; default: str(index)
     address: str = ""  # its scheduler's address
+    link: Link[Any] = field(default_factory=lambda: Link(0.5))  # sequenced streams both ways (shared/delivery.py)
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -63,11 +65,12 @@ class ReplicaSet:
     _context: Any = None  # for replicas added later (discovery)
     _identity: bytes = b""
     use_stats: bool = False  # each replica's stats are watched (prefix routing over several replicas)
+    resend_s: float = 0.5  # config.resend_interval: each replica's Link
 
     @classmethod
     def connect(cls, context: zmq.Context, scheduler_endpoints: Sequence[str], stats_endpoints: Sequence[str],
                 identity: bytes, routing: str, block_size: int, heartbeat_timeout: float,
-                discover: bool = False) -> ReplicaSet:
+                discover: bool = False, resend_s: float = 0.5) -> ReplicaSet:
         """Sockets to the listed replicas; with `discover`, more join later (their stats too, by add())."""
         assert routing in ROUTINGS, routing
         use_stats = routing == "prefix" and (len(scheduler_endpoints) > 1 or discover)
@@ -75,15 +78,17 @@ class ReplicaSet:
             raise ConfigError(f"{len(scheduler_endpoints)} scheduler endpoints but {len(stats_endpoints)} stats "
                               "endpoints: prefix routing needs one of each per replica", param="stats_endpoints")
         replica_set = cls([], routing, RoutingConfig(block_size=block_size), heartbeat_timeout, _context=context,
-                          _identity=identity, use_stats=use_stats)
+                          _identity=identity, use_stats=use_stats, resend_s=resend_s)
         for index, endpoint in enumerate(scheduler_endpoints):
             replica_set.add(str(index), endpoint, stats_endpoints[index] if index < len(stats_endpoints) else None)
         return replica_set
 
     def add(self, replica_id: str, scheduler: str, stats: str | None) -> Replica:
         """A replica to send requests to (connected now; live once its ModelInfo comes)."""
-        sock = make_socket(self._context, zmq.DEALER, scheduler, bind=False, identity=self._identity)
-        replica = Replica(len(self.replicas), sock, replica_id=replica_id, address=scheduler)
+        sock = make_socket(self._context, zmq.DEALER, scheduler, bind=False, identity=self._identity,
+                           role="to_scheduler")
+        replica = Replica(len(self.replicas), sock, replica_id=replica_id, address=scheduler,
+                          link=Link(self.resend_s))
         self.replicas.append(replica)
         if stats is not None:
             self.watch_stats(replica, stats)

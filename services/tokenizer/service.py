@@ -28,12 +28,14 @@ from pagoda.services.tokenizer.prompts import (
     tokenize_result,
     tokenizer_info,
 )
+from pagoda.services.tokenizer.replicas import Replica
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import InvalidRequestError, PagodaError, ServerOverloadedError
 from pagoda.shared.messages import (
     AbortRequest,
     Accepted,
+    Ack,
     AddRequest,
     ApiToTokenizer,
     DetokenizeRequest,
@@ -44,6 +46,8 @@ from pagoda.shared.messages import (
     ModelInfo,
     RequestFailed,
     SchedulerToTokenizer,
+    Sequenced,
+    StopSequence,
     TokenDeltas,
     TokenizeRequest,
     TokenizerHello,
@@ -54,11 +58,12 @@ from pagoda.shared.messages import (
     resolve_vocabulary,
 )
 from pagoda.shared.service_main import stop_on_signals
-from pagoda.shared.transport import Codec, drain, load_cluster_keys, send_nowait, single_frame
+from pagoda.shared.transport import Codec, ack_frame, drain, load_cluster_keys, seal, send_nowait, single_frame, unseal
 
 log = logging.getLogger(__name__)
 
 MAX_POLL_S = 0.1  # timers (heartbeats, liveness, shutdown) are looked at least this often
+LINK_POLL_S = 0.02  # ... and this often while a stream has something unacknowledged (an ack owed, a resend due)
 MAX_DRAIN = 512  # messages taken from one socket before the other sockets get a turn
 CLOSE_LINGER_MS = 500  # the last answers (503s on shutdown) get this long to leave
 SCHEDULER_UNAVAILABLE = "the scheduler is not available; try again later"
@@ -122,7 +127,8 @@ class TokenizerService:
         hello = self._hello()
         for api in self._apis:
             self._send_api(api, hello)
-        self._send_scheduler(hello)
+        for replica in self._replicas.replicas:
+            _send(replica.sock, self._scheduler_out.encode(self._hello(replica.link.stream)))
         self._next_heartbeat = time.monotonic() + self._interval
         try:
             while not self._stopping:
@@ -131,17 +137,19 @@ class TokenizerService:
         finally:
             self._shutdown()
 
-    def _hello(self) -> TokenizerHello:
-        """Registration; it carries the tokenizer's EOS id: the worker loads no tokenizer to learn it."""
+    def _hello(self, stream: int = 0) -> TokenizerHello:
+        """Registration; it carries the tokenizer's EOS id (the worker loads no tokenizer to learn it) and, to a
+        scheduler, the stream its requests travel in (a new one: a fresh registration)."""
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
-        return TokenizerHello(self.tokenizer_id, os.getpid(), [eos] if eos is not None else [])
+        return TokenizerHello(self.tokenizer_id, os.getpid(), [eos] if eos is not None else [], stream)
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler): it does within MAX_POLL_S."""
         self._stopping = True
 
     def _poll_once(self) -> None:
-        timeout_s = min(MAX_POLL_S, max(0.0, self._next_heartbeat - time.monotonic()))
+        pending = any(r.link.sends.entries or r.link.ack_owed_since is not None for r in self._replicas.replicas)
+        timeout_s = min(LINK_POLL_S if pending else MAX_POLL_S, max(0.0, self._next_heartbeat - time.monotonic()))
         for sock, _ in self._peers.poller.poll(timeout_s * 1000):
             if sock == self._offload.fd:
                 self._offload.drain()
@@ -150,6 +158,7 @@ class TokenizerService:
             drain(sock, lambda frames, handle=handle: _single(frames, handle), MAX_DRAIN)
 
     def _tick(self, now: float) -> None:
+        self._tend_links(now)
         if now >= self._next_heartbeat:
             self._send_heartbeats()
             self._next_heartbeat = now + self._interval
@@ -173,10 +182,10 @@ class TokenizerService:
             _send(sock, data)
         # Until ModelInfo comes, hello again: a scheduler that restarted, or was not listening yet,
         # only registers a tokenizer on its hello (it answers each with ModelInfo, so repeats are harmless).
-        hello_data = self._scheduler_out.encode(self._hello())
         beat_data = self._scheduler_out.encode(beat)
         for replica in self._replicas.replicas:
-            _send(replica.sock, beat_data if replica.model_info is not None else hello_data)
+            _send(replica.sock, beat_data if replica.model_info is not None
+                  else self._scheduler_out.encode(self._hello(replica.link.stream)))
         self._replicas.prune(self._requests)
 
     def _shutdown(self) -> None:
@@ -253,9 +262,9 @@ class TokenizerService:
         replica = self._replicas.route(request_id, prompt.token_ids)  # raises (503) when none is live
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
         renderer = self._outputs.add(api, request, params, prompt.token_ids, echo).renderer
-        _send(replica.sock, self._scheduler_out.encode(AddRequest(
+        self._to_replica(replica, AddRequest(
             request_id, prompt.token_ids, params, request.priority, request.arrival_time, request.tenant,
-            request.tenant_weight, request.tenant_priority)))
+            request.tenant_weight, request.tenant_priority))
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else [],
                                      renderer.opening() if renderer is not None else b""))
@@ -291,6 +300,14 @@ class TokenizerService:
         if message is None:
             return
         self._heard_from_scheduler(message, replica)
+        if isinstance(message, Sequenced | Ack):
+            link = self._replicas.replicas[replica].link
+            for inner in unseal(self._scheduler_in, link, message, time.monotonic()):
+                self._on_scheduler_message(inner, replica)
+        else:
+            self._on_scheduler_message(message, replica)
+
+    def _on_scheduler_message(self, message: SchedulerToTokenizer, replica: int) -> None:
         if isinstance(message, TokenDeltas):
             self._on_token_deltas(message)
         elif isinstance(message, ModelInfo):
@@ -313,7 +330,7 @@ class TokenizerService:
         if replica.lost:
             log.info("scheduler %d is back: registering again", index)
             replica.lost = False
-            _send(replica.sock, self._scheduler_out.encode(self._hello()))
+            _send(replica.sock, self._scheduler_out.encode(self._hello(replica.link.stream)))
         replica.heard_at = time.monotonic()
 
     # ---------------------------------------------------------------- discovery (shared/discovery.py)
@@ -325,7 +342,7 @@ class TokenizerService:
         for replica, address in changes.moved:
             self._lose_scheduler(f"it moved to {address}", replica.index)
         for replica in changes.new_replicas:
-            _send(replica.sock, self._scheduler_out.encode(TokenizerHello(self.tokenizer_id, os.getpid())))
+            _send(replica.sock, self._scheduler_out.encode(self._hello(replica.link.stream)))
         for api in changes.new_apis:
             self._send_api(api, TokenizerHello(self.tokenizer_id, os.getpid()))
         for api, address in changes.gone_apis:
@@ -349,6 +366,7 @@ class TokenizerService:
         this process again when none is left."""
         replica = self._replicas.replicas[index]
         replica.model_info, replica.heard_at, replica.lost = None, None, True
+        replica.link.restart()  # what it was sent is given up with the requests; the next hello names the new stream
         if len(self._replicas.replicas) > 1:
             reason = f"replica {index}: {reason}"
         self._model_info = self._replicas.model_info()
@@ -361,7 +379,7 @@ class TokenizerService:
         for request_id in owned:
             state = self._requests.pop(request_id)
             self._fail(state.api, request_id, ServerOverloadedError(reason))
-            _send(replica.sock, self._scheduler_out.encode(AbortRequest(request_id)))  # it may only be slow
+            self._to_replica(replica, AbortRequest(request_id))  # it may only be slow
 
     def _on_token_deltas(self, message: TokenDeltas) -> None:
         """One step's columns in, one TextDeltas and/or RenderedRows per api out."""
@@ -402,18 +420,26 @@ class TokenizerService:
         if sock is not None:  # else the api is gone (the registry forgot it), and its clients with it
             _send(sock, self._api_out.encode(message))
 
-    def _send_scheduler(self, message: Any) -> None:
-        """A request's abort or stop goes to the replica that owns it; anything else to every replica."""
-        data = self._scheduler_out.encode(message)
-        request_id = getattr(message, "request_id", None)
-        owner = self._replicas.owner_of(request_id) if request_id is not None else None
+    def _send_scheduler(self, message: AbortRequest | StopSequence) -> None:
+        """A request's abort or stop goes to the replica that owns it (none: it failed before it reached one)."""
+        owner = self._replicas.owner_of(message.request_id)
         if owner is not None:
-            _send(owner.sock, data)
-            return
-        if request_id is not None:
-            return  # never routed (failed before it reached a replica): nobody to tell
+            self._to_replica(owner, message)
+
+    def _to_replica(self, replica: Replica, message: AddRequest | AbortRequest | StopSequence) -> None:
+        """In the replica's sequenced stream: sent again until acknowledged, applied there once, in order."""
+        _send(replica.sock, seal(self._scheduler_out, replica.link, message, time.monotonic()))
+
+    def _tend_links(self, now: float) -> None:
+        """Each scheduler's stream: what it has not acknowledged in time goes again; an ack we owe it and no
+        request carried goes alone (at most one per ACK_DELAY_S: acks are batched, never one per step)."""
         for replica in self._replicas.replicas:
-            _send(replica.sock, data)
+            for entry in replica.link.due(now):
+                log.warning("resending message %d to scheduler %d (send %d)", entry.seq, replica.index,
+                            entry.num_sends)
+                _send(replica.sock, entry.data)
+            if replica.link.ack_due(now):
+                _send(replica.sock, ack_frame(self._scheduler_out, replica.link))
 
 
 def _send(sock: zmq.Socket, data: bytes) -> None:
