@@ -16,7 +16,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.services.scheduler.scheduler import PLACEHOLDER
 from pagoda.shared.config import EngineConfig
-from tests.harness import Outbox
+from tests.harness import Outbox, opened
 
 VOCAB = 512  # the tiny shape's
 
@@ -267,7 +267,7 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
             return [plan for plan in plans if isinstance(plan, StepPlan)]
 
         def to_tokenizers() -> list[Any]:
-            messages = [to_tokenizer.decode(frames[1]) for frames in front_out.sent]
+            messages = [opened(to_tokenizer, to_tokenizer.decode(frames[1])) for frames in front_out.sent]
             front_out.sent.clear()
             return messages
 

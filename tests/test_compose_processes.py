@@ -34,7 +34,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import ClusterKeys, Codec, make_socket, use_cluster_keys
-from tests.harness import HTTP, free_port, generate_as_tokenizer, server_env, wait_until
+from tests.harness import HTTP, free_port, generate_as_tokenizer, opened, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +162,7 @@ def _directory(registry: str, timeout_s: float = 3.0) -> Directory | None:
         sock.send(Codec(TokenizerToScheduler).encode(TokenizerHello("observer", os.getpid())))
         codec = Codec(SchedulerToTokenizer)
         while sock.poll(int(timeout_s * 1000)):
-            message = codec.decode(sock.recv())
+            message = opened(codec, codec.decode(sock.recv()))
             if isinstance(message, Directory):
                 return message
         return None

@@ -24,7 +24,7 @@ from pagoda.services.tokenizer.routing import RoutingConfig
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import ServerOverloadedError
 from pagoda.shared.messages import ModelInfo, SchedulerStats
-from tests.harness import service_children, wait_until
+from tests.harness import opened, service_children, wait_until
 
 BLOCK = 16
 INFO = ModelInfo(max_model_len=1024, vocab_size=1000, max_num_tokens=4096, eos_token_ids=[0])
@@ -219,7 +219,7 @@ def _received(sock: Any, codec: Any, kind: type) -> list[object]:
     """The messages of one kind that reach a ROUTER socket (zmq) until it stays quiet for 200 ms (Codec)."""
     out = []
     while sock.poll(200):
-        message = codec.decode(sock.recv_multipart()[1])
+        message = opened(codec, codec.decode(sock.recv_multipart()[1]))
         if isinstance(message, kind):
             out.append(message)
     return out

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
-from pagoda.shared.delivery import MAX_WAIT_S, InOrder, SendLog
+from pagoda.shared.delivery import ACK_DELAY_S, MAX_WAIT_S, InOrder, Link, SendLog
+from pagoda.shared.messages import AbortRequest, Ack, Sequenced, TokenizerToScheduler
+from pagoda.shared.transport import Codec, ack_frame, seal, unseal
 
 
 def test_in_order_holds_early_items_and_reports_repeats() -> None:
@@ -81,3 +84,118 @@ def test_a_lossy_channel_delivers_everything_once_in_order(seed: int) -> None:
                 sender.acked_through(receiver.applied_through)
     assert delivered == list(range(200))
     assert not sender.entries
+
+
+# ---------------------------------------------------------------- Link: both directions with one peer, over the
+# real envelope (shared/transport.seal / unseal), through a channel that loses, repeats and reorders frames
+
+
+def _codec() -> Codec:
+    return Codec(TokenizerToScheduler)
+
+
+class _Wire:
+    """Frames in flight one way: each may be lost, sent twice, or overtaken by later ones."""
+
+    def __init__(self, rng: random.Random, loss: float = 0.2) -> None:
+        self.rng, self.loss, self.frames = rng, loss, []
+
+    def send(self, data: bytes) -> None:
+        for _ in range(2 if self.rng.random() < 0.1 else 1):
+            if self.rng.random() >= self.loss:
+                self.frames.insert(self.rng.randrange(len(self.frames) + 1), data)
+
+    def take(self) -> bytes | None:
+        return self.frames.pop(0) if self.frames else None
+
+
+def _deliver(codec: Codec, link: Link, data: bytes, now: float) -> list[object]:
+    message = codec.decode(data)
+    assert isinstance(message, Sequenced | Ack)
+    return unseal(codec, link, message, now)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_links_deliver_both_ways_once_in_order_with_batched_acks(seed: int) -> None:
+    rng, codec = random.Random(seed), _codec()
+    ends = [Link(resend_s=0.5), Link(resend_s=0.5)]
+    wires = [_Wire(rng), _Wire(rng)]  # wires[i]: frames from ends[i] to the other end
+    got: list[list[str]] = [[], []]
+    sent: list[list[str]] = [[], []]
+    now, num_acks = 0.0, 0
+
+    def tend(i: int) -> None:
+        nonlocal num_acks
+        for entry in ends[i].due(now):
+            wires[i].send(entry.data)
+        if ends[i].ack_due(now):
+            num_acks += 1
+            wires[i].send(ack_frame(codec, ends[i]))
+
+    for step in range(300):
+        sender = step % 2 if rng.random() < 0.8 else 1 - step % 2
+        sent[sender].append(f"{sender}:{step}")
+        wires[sender].send(seal(codec, ends[sender], AbortRequest(sent[sender][-1]), now))
+        for i in (0, 1):
+            while rng.random() < 0.7 and (data := wires[i].take()) is not None:
+                got[1 - i] += [m.request_id for m in _deliver(codec, ends[1 - i], data, now)]
+            tend(i)
+        now += 0.01
+    for _ in range(2000):
+        if not (ends[0].sends.entries or ends[1].sends.entries or wires[0].frames or wires[1].frames):
+            break
+        now += 0.05
+        for i in (0, 1):
+            while (data := wires[i].take()) is not None:
+                got[1 - i] += [m.request_id for m in _deliver(codec, ends[1 - i], data, now)]
+            tend(i)
+    assert got[1] == sent[0] and got[0] == sent[1]  # every message once, in the order it was sent
+    assert not ends[0].sends.entries and not ends[1].sends.entries
+    assert num_acks < 300  # batched: acks ride on frames going anyway, or go alone at most once per ACK_DELAY_S
+
+
+def test_a_lost_frame_is_resent_after_one_interval_and_a_repeat_is_dropped() -> None:
+    codec = _codec()
+    sender, receiver = Link(resend_s=0.5), Link(resend_s=0.5)
+    lost = seal(codec, sender, AbortRequest("a"), now=0.0)
+    second = seal(codec, sender, AbortRequest("b"), now=0.1)
+    assert _deliver(codec, receiver, second, 0.1) == []  # early: held for the gap
+    assert sender.due(0.4) == []
+    [entry] = [e for e in sender.due(0.5) if e.seq == 0]
+    assert entry.data == lost
+    assert [m.request_id for m in _deliver(codec, receiver, entry.data, 0.5)] == ["a", "b"]
+    assert _deliver(codec, receiver, lost, 0.6) == []  # a repeat: not applied again, but acknowledged again
+    assert receiver.ack_due(0.6 + ACK_DELAY_S)
+    assert _deliver(codec, sender, ack_frame(codec, receiver), 0.7) == []
+    assert not sender.sends.entries and sender.ack_owed_since is None
+
+
+def test_a_peer_restart_starts_a_fresh_stream_and_its_old_frames_are_dropped() -> None:
+    codec = _codec()
+    tokenizer, scheduler = Link(resend_s=0.5), Link(resend_s=0.5)
+    for name in ("a", "b"):
+        assert [m.request_id for m in _deliver(codec, scheduler, seal(codec, tokenizer, AbortRequest(name), 0.0),
+                                                0.0)] == [name]
+    late = seal(codec, tokenizer, AbortRequest("late"), 0.0)  # of the old stream, still in flight
+    old_stream = tokenizer.stream
+    stale_ack = ack_frame(codec, scheduler)  # acknowledges the old stream through "b"
+    tokenizer.restart()  # it lost the scheduler: what it sent is given up, a new stream starts at 0
+    assert tokenizer.stream != old_stream and not tokenizer.sends.entries
+    fresh = seal(codec, tokenizer, AbortRequest("fresh"), 1.0)
+    assert codec.decode(fresh).seq == 0
+    _deliver(codec, tokenizer, stale_ack, 1.0)  # an ack of the old stream completes nothing of the new one
+    assert list(tokenizer.sends.entries) == [0]
+    assert [m.request_id for m in _deliver(codec, scheduler, fresh, 1.0)] == ["fresh"]
+    assert _deliver(codec, scheduler, late, 1.1) == []  # the retired stream's late frame: dropped
+    assert [m.request_id for m in _deliver(codec, scheduler, seal(codec, tokenizer, AbortRequest("next"), 1.2),
+                                            1.2)] == ["next"]
+
+
+def test_a_malformed_body_takes_its_place_and_does_not_stall_the_stream() -> None:
+    codec = _codec()
+    sender, receiver = Link(resend_s=0.5), Link(resend_s=0.5)
+    stream, seq, ack_stream, ack = sender.next_send()
+    bad = codec.encode(Sequenced(stream, seq, msgspec.Raw(b"\x05"), ack_stream, ack))  # msgpack, not a message
+    assert _deliver(codec, receiver, bad, 0.0) == []
+    assert [m.request_id for m in _deliver(codec, receiver, seal(codec, sender, AbortRequest("ok"), 0.0),
+                                            0.0)] == ["ok"]

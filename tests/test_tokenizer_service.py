@@ -18,9 +18,11 @@ import pytest
 import zmq
 
 from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.delivery import Link
 from pagoda.shared.messages import (
     AbortRequest,
     Accepted,
+    Ack,
     AddRequest,
     ApiToTokenizer,
     ChatMessage,
@@ -35,6 +37,7 @@ from pagoda.shared.messages import (
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
+    Sequenced,
     StopSequence,
     TextDelta,
     TextDeltas,
@@ -45,7 +48,7 @@ from pagoda.shared.messages import (
     TokenizerToApi,
     TokenizerToScheduler,
 )
-from pagoda.shared.transport import Codec, make_socket
+from pagoda.shared.transport import Codec, ack_frame, make_socket, unseal
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +89,7 @@ class Harness:
         self.scheduler_alive = True
         self.scheduler_name = "sched-test"  # its heartbeats' sender
         self.last_scheduler_send = 0.0
+        self.link: Link[Any] = Link(resend_s=1.0)  # the fake scheduler's end of the tokenizer's stream
         self.log_path = self.dir / "tokenizer.log"
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
@@ -143,7 +147,11 @@ class Harness:
             if self.scheduler in events:
                 self.scheduler_peer, payload = self.scheduler.recv_multipart()
                 message = self.scheduler_in.decode(payload)
-                self.scheduler_inbox.append(message)
+                if isinstance(message, Sequenced | Ack):  # the tokenizer's sequenced stream: applied once, acked
+                    self.scheduler_inbox += unseal(self.scheduler_in, self.link, message, now)
+                    self.send_scheduler_frames([ack_frame(self.scheduler_out, self.link)])
+                else:
+                    self.scheduler_inbox.append(message)
                 if isinstance(message, TokenizerHello) and self.scheduler_alive and self.model_info is not None:
                     self.send_scheduler(self.model_info)
             if events or time.monotonic() >= until:

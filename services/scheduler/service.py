@@ -85,7 +85,8 @@ HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the l
 @dataclass(slots=True)
 class Peer:
     last_seen: float
-    link: Link[TokenizerToScheduler]  # the sequenced streams both ways (shared/delivery.py); kept over a sweep
+    link: Link[TokenizerToScheduler] = field(default_factory=lambda: Link(0.5))  # the sequenced streams both ways
+    # (shared/delivery.py), kept over a sweep
     request_ids: set[str] = field(default_factory=set)
     num_requests: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # from its hello: its requests stop on these too (not others')

@@ -43,7 +43,7 @@ from pagoda.shared.messages import (
     WorkerReady,
 )
 from pagoda.shared.transport import Codec
-from tests.harness import Outbox
+from tests.harness import Outbox, opened
 
 
 def test_bound_is_fixed_or_derived_with_a_floor() -> None:
@@ -106,7 +106,7 @@ def service(tmp_path: Path) -> Iterator[SchedulerService]:
 
 def _to_tokenizers(service: SchedulerService) -> list[tuple[bytes, Any]]:
     codec = Codec(SchedulerToTokenizer)
-    out = [(frames[0], codec.decode(frames[1])) for frames in service.front.sent]  # type: ignore[attr-defined]
+    out = [(frames[0], opened(codec, codec.decode(frames[1]))) for frames in service.front.sent]  # type: ignore[attr-defined]
     service.front.sent.clear()  # type: ignore[attr-defined]
     return out
 

@@ -32,7 +32,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import ClusterKeys, Codec
-from tests.harness import HTTP, free_ports
+from tests.harness import HTTP, free_ports, opened
 from tests.reliability.harness import AUTH, Server, running_server, stream_completion
 from tests.test_transport import handshake_events
 
@@ -157,7 +157,7 @@ def _receive(sock: zmq.Socket, codec: Codec, kind: type) -> object:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if sock.poll(500):
-            message = codec.decode(sock.recv())
+            message = opened(codec, codec.decode(sock.recv()))
             if isinstance(message, kind):
                 return message
     raise AssertionError(f"no {kind.__name__} from the scheduler")
