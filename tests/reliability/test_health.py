@@ -23,6 +23,7 @@ from pagoda.services.scheduler.health import (
 )
 from pagoda.services.scheduler.service import SchedulerService, _columns_agree
 from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.delivery import Link
 from pagoda.shared.messages import (
     AbortRequest,
     AddRequest,
@@ -34,6 +35,7 @@ from pagoda.shared.messages import (
     SamplingParams,
     SchedulerToTokenizer,
     SchedulerToWorker,
+    Sequenced,
     StepPlan,
     StepResult,
     StopSequence,
@@ -42,7 +44,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
     WorkerReady,
 )
-from pagoda.shared.transport import Codec
+from pagoda.shared.transport import Codec, seal, unseal
 from tests.harness import Outbox, opened
 
 
@@ -181,3 +183,41 @@ def test_a_step_that_may_compile_a_grammar_gets_the_compile_bound() -> None:
     assert watch.bound() == 2.0 and watch.bound(compiling=True) == COMPILE_BOUND_S
     assert watch.verdict(100.0, 95.0, 3, worker_last_seen=95.0, ready=True, compiling=True) == ""
     assert "step 3" in watch.verdict(100.0, 95.0, 3, worker_last_seen=95.0, ready=True)
+
+
+def test_a_tokenizers_stream_is_applied_once_in_order_and_a_new_stream_registers_afresh(
+        service: SchedulerService) -> None:
+    """Requests in a tokenizer's sequenced stream are applied once, in order, whatever the wire did to them; the
+    tokens go back in the scheduler's stream, carrying the ack; a repeated hello ends nothing, a hello naming a new
+    stream (the tokenizer gave us up) ends what it owned and restarts the stream back."""
+    codec = Codec(TokenizerToScheduler)
+    tok = Link(resend_s=0.5)
+    service._on_tokenizer_frames([b"tok0", codec.encode(TokenizerHello("tok0", 1, stream=tok.stream))])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first, second = (seal(codec, tok, AddRequest(name, [5, 6, 7], params), 0.0) for name in ("a", "b"))
+    for frame in (second, first, first, second):  # reordered and repeated
+        service._on_tokenizer_frames([b"tok0", frame])
+    assert list(service.scheduler.requests) == ["a", "b"]  # type: ignore[union-attr]
+    service._on_tokenizer_frames([b"tok0", codec.encode(TokenizerHello("tok0", 1, stream=tok.stream))])
+    assert list(service.scheduler.requests) == ["a", "b"]  # type: ignore[union-attr]  # a repeat: nothing ends
+    _to_tokenizers(service)
+    service._maybe_step()
+    [plan] = [p for p in map(Codec(SchedulerToWorker).decode, service.plans.sent)  # type: ignore[attr-defined]
+              if isinstance(p, StepPlan)]
+    service._on_result(StepResult(plan.step_id, plan.seq_ids, [9, 9]))
+    back = Codec(SchedulerToTokenizer)
+    [frame] = [f[1] for f in service.front.sent]  # type: ignore[attr-defined]  # one frame for the step
+    envelope = back.decode(frame)
+    assert isinstance(envelope, Sequenced) and (envelope.ack_stream, envelope.ack) == (tok.stream, 1)
+    [deltas] = unseal(back, tok, envelope, 1.0)
+    assert isinstance(deltas, TokenDeltas) and deltas.request_ids == ["a", "b"]
+    old_stream = envelope.stream
+    tok.restart()
+    service._on_tokenizer_frames([b"tok0", codec.encode(TokenizerHello("tok0", 1, stream=tok.stream))])
+    assert not service.scheduler.requests  # type: ignore[union-attr]  # orphaned: aborted
+    service._on_tokenizer_frames([b"tok0", seal(codec, tok, AddRequest("c", [5, 6], params), 2.0)])
+    service.front.sent.clear()  # type: ignore[attr-defined]
+    service._fail(b"tok0", "c", 500, "x", "server_error")
+    [frame] = [f[1] for f in service.front.sent]  # type: ignore[attr-defined]
+    restarted = back.decode(frame)
+    assert isinstance(restarted, Sequenced) and restarted.stream != old_stream and restarted.seq == 0

@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -41,8 +42,11 @@ pytestmark = [pytest.mark.slow]
 ENDPOINTS = ("scheduler", "plan", "result", "stats", "api")
 # what a peer of each endpoint is: (the socket type that connects to it)
 PEER_KIND = {"scheduler": zmq.DEALER, "plan": zmq.SUB, "result": zmq.PUSH, "stats": zmq.SUB, "api": zmq.DEALER}
-# both directions: plans and constraints (scheduler PUB), results and acknowledgements (worker PUSH)
-FAULTS = "plan=drop:0.15,dup:0.1,hold:0.15,seed:1;result=drop:0.15,dup:0.1,hold:0.15,seed:2"
+# both directions of each channel: plans and constraints (scheduler PUB), results and acknowledgements (worker
+# PUSH), tokens and failures to the tokenizers (scheduler ROUTER), requests, aborts and stops to the scheduler
+# (tokenizer DEALER); heartbeats, hellos and acks on those sockets are lost, repeated and reordered as well
+FAULTS = ";".join(f"{role}=drop:0.15,dup:0.1,hold:0.15,seed:{seed}"
+                  for seed, role in enumerate(("plan", "result", "to_tokenizer", "to_scheduler"), 1))
 PROMPTS = ["The capital of France is", "Write a haiku about rain:", "1, 2, 3, 4,", "Once upon a time",
            "The best way to learn Python is", "Q: What is a paged KV cache?\nA:"]
 MAX_TOKENS = 12
@@ -129,15 +133,16 @@ def test_a_keyed_peers_forgeries_cost_only_its_own_requests(tcp_server: tuple[Se
         forger.setsockopt(zmq.IDENTITY, b"forger")
         forger.curve_secretkey, forger.curve_publickey, forger.curve_serverkey = keys.secret, keys.public, keys.public
         forger.connect(endpoints["scheduler"])
-        forger.send(out.encode(TokenizerHello("forger", os.getpid(), eos_token_ids=ids[:16])))
-        assert isinstance(_receive(forger, inbound, ModelInfo), ModelInfo)
+        hello = out.encode(TokenizerHello("forger", os.getpid(), eos_token_ids=ids[:16]))
+        forger.send(hello)
+        assert isinstance(_receive(forger, inbound, ModelInfo, again=hello), ModelInfo)  # the answer may be lost
         huge_n = msgspec.structs.replace(SamplingParams(max_tokens=4), n=2**31)  # never validated by a constructor
         forger.send(out.encode(AddRequest("forged-n", [1, 2, 3], huge_n)))
-        failed = _receive(forger, inbound, RequestFailed)
+        failed = _receive(forger, inbound, RequestFailed)  # sequenced: a lost one comes again
         assert failed.request_id == "forged-n" and failed.status == 400 and failed.param == "n"
         too_long = msgspec.structs.replace(SamplingParams(), max_tokens=2**31 - 1)
         forger.send(out.encode(AddRequest("forged-len", [1, 2, 3], too_long)))
-        assert _receive(forger, inbound, RequestFailed).status == 400
+        assert _receive(forger, inbound, RequestFailed, "forged-len").status == 400
 
         def forge(response_id: str) -> None:
             forger.send(out.encode(AbortRequest(response_id)))
@@ -153,13 +158,17 @@ def test_a_keyed_peers_forgeries_cost_only_its_own_requests(tcp_server: tuple[Se
     assert server.healthy()
 
 
-def _receive(sock: zmq.Socket, codec: Codec, kind: type) -> object:
+def _receive(sock: zmq.Socket, codec: Codec, kind: type, request_id: str | None = None,
+             again: bytes | None = None) -> Any:
+    """The next `kind` (for `request_id`) from the scheduler; `again` is sent every 0.5 s meanwhile."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if sock.poll(500):
             message = opened(codec, codec.decode(sock.recv()))
-            if isinstance(message, kind):
+            if isinstance(message, kind) and request_id in (None, getattr(message, "request_id", None)):
                 return message
+        elif again is not None:
+            sock.send(again)
     raise AssertionError(f"no {kind.__name__} from the scheduler")
 
 
@@ -182,7 +191,10 @@ def test_lost_repeated_and_reordered_plans_and_results_heal(smollm2_dir: Path,
         assert outcome.text == want.outputs[0].text, (outcome.text, want.outputs[0].text)
     assert outcomes[-1].text in CHOICES
     log = server.log()
-    resent = len(re.findall(r"resending message", log))
-    print(f"\nfaults: {resent} resends")
-    assert resent > 0, "no frame was lost: the faults did not apply"
+    resent = {peer: len(re.findall(rf"resending message \d+ to {peer}", log))
+              for peer in ("the workers", "tokenizer", "scheduler")}
+    print(f"\nfaults: resends {resent}")
+    for role in ("plan", "result", "to_tokenizer", "to_scheduler"):
+        assert f"fault injection on the {role} socket" in log, role
+    assert sum(resent.values()) > 0, "no frame was lost: the faults did not apply"
     assert server.healthy() and server.process.poll() is None
