@@ -142,21 +142,29 @@ class Link(Generic[T]):
     peer_stream: int = 0  # 0: nothing received yet
     retired: list[int] = field(default_factory=list)
     ack_owed_since: float | None = None  # something arrived that no frame of ours has acknowledged yet
+    receiver: int = field(default_factory=new_stream_id)  # names `received` in our acks: a new one, new state
+    peer_receiver: int = 0  # the receiver state that acknowledges our stream (0: no ack yet)
+    retired_receivers: list[int] = field(default_factory=list)
+    num_restarts: int = 0  # streams given up because the peer's receiver no longer had what they needed
 
     def restart(self) -> None:
         """A fresh outgoing stream: what was sent and not acknowledged is given up."""
         self.stream = new_stream_id()
         self.sends = SendLog()
+        if self.peer_receiver:
+            self.retired_receivers = [*self.retired_receivers, self.peer_receiver][-MAX_RETIRED_STREAMS:]
+        self.peer_receiver = 0
 
-    def next_send(self) -> tuple[int, int, int, int]:
-        """(stream, seq, ack stream, ack) for the next sequenced frame: it carries the ack this side owes."""
+    def next_send(self) -> tuple[int, int, int, int, int]:
+        """(stream, seq, ack stream, ack, receiver) for the next sequenced frame: it carries the ack this side
+        owes."""
         self.ack_owed_since = None
-        return self.stream, self.sends.take_seq(), self.peer_stream, self.received.applied_through
+        return self.stream, self.sends.take_seq(), self.peer_stream, self.received.applied_through, self.receiver
 
-    def ack(self) -> tuple[int, int]:
-        """(ack stream, ack) for a frame that carries only an acknowledgement."""
+    def ack(self) -> tuple[int, int, int]:
+        """(ack stream, ack, receiver) for a frame that carries only an acknowledgement."""
         self.ack_owed_since = None
-        return self.peer_stream, self.received.applied_through
+        return self.peer_stream, self.received.applied_through, self.receiver
 
     def ack_due(self, now: float) -> bool:
         return self.ack_owed_since is not None and now - self.ack_owed_since >= ACK_DELAY_S
@@ -173,14 +181,30 @@ class Link(Generic[T]):
                 self.retired = [*self.retired, self.peer_stream][-MAX_RETIRED_STREAMS:]
             self.peer_stream = stream
             self.received = InOrder(max_ahead=self.received.max_ahead)
+            self.receiver = new_stream_id()
         if self.ack_owed_since is None:
             self.ack_owed_since = now  # a repeat too: the peer missed our ack
         return self.received.offer(seq, item)
 
-    def on_ack(self, stream: int, seq: int) -> None:
-        """The peer applied this side's stream `stream` through `seq` (in order: everything before it too)."""
-        if stream == self.stream and seq >= 0:
+    def on_ack(self, stream: int, seq: int, receiver: int = 0) -> bool:
+        """The peer's `receiver` applied this side's stream `stream` through `seq` (in order: everything before it
+        too). A receiver we have not heard from (the peer restarted, or forgot us and took us back) that waits for
+        what an earlier one acknowledged, and we no longer hold, would wait forever: the stream starts afresh
+        (what it still held is given up: it belonged to the peer's former state). True: restarted."""
+        if stream != self.stream or receiver in self.retired_receivers:
+            return False
+        if receiver and receiver != self.peer_receiver:
+            oldest = next(iter(self.sends.entries), self.sends.next_seq)
+            if self.peer_receiver and seq < oldest - 1:
+                self.num_restarts += 1
+                self.restart()
+                return True
+            if self.peer_receiver:
+                self.retired_receivers = [*self.retired_receivers, self.peer_receiver][-MAX_RETIRED_STREAMS:]
+            self.peer_receiver = receiver
+        if seq >= 0:
             self.sends.done_through(seq)
+        return False
 
     def due(self, now: float) -> list[Sent]:
         return self.sends.due(now)

@@ -602,6 +602,7 @@ class Sequenced(msgspec.Struct, tag="sq", array_like=True, frozen=True, gc=False
     body: msgspec.Raw
     ack_stream: int = 0
     ack: int = -1
+    receiver: int = 0  # the sender's receiving state for the ack (shared/delivery.Link.receiver)
 
 
 class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
@@ -610,6 +611,7 @@ class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
 
     stream: int
     seq: int
+    receiver: int = 0  # see Sequenced
 
 
 

@@ -184,8 +184,8 @@ class Codec(Generic[T]):
 def seal(codec: Codec[Any], link: Link[Any], message: msgspec.Struct, now: float) -> bytes:
     """`message` as the next frame of `link`'s stream (kept until acknowledged, for resending), carrying the ack
     this side owes the peer."""
-    stream, seq, ack_stream, ack = link.next_send()
-    data = codec.encode(Sequenced(stream, seq, msgspec.Raw(codec.encode(message)), ack_stream, ack))
+    stream, seq, ack_stream, ack, receiver = link.next_send()
+    data = codec.encode(Sequenced(stream, seq, msgspec.Raw(codec.encode(message)), ack_stream, ack, receiver))
     link.record(seq, data, now)
     return data
 
@@ -193,8 +193,13 @@ def seal(codec: Codec[Any], link: Link[Any], message: msgspec.Struct, now: float
 def unseal(codec: Codec[T], link: Link[Any], message: Sequenced | Ack, now: float) -> list[T]:
     """The peer's messages now deliverable in order (none for an ack, a repeat or an early frame). A malformed
     body still takes its place in the stream (it is dropped there, not waited for)."""
-    link.on_ack(message.stream if isinstance(message, Ack) else message.ack_stream,
-                message.seq if isinstance(message, Ack) else message.ack)
+    if isinstance(message, Ack):
+        restarted = link.on_ack(message.stream, message.seq, message.receiver)
+    else:
+        restarted = link.on_ack(message.ack_stream, message.ack, message.receiver)
+    if restarted:
+        log.warning("the peer's receiver lost its state: sending in a fresh stream (what it did not apply is "
+                    "given up with it)")
     if isinstance(message, Ack):
         return []
     inner = codec.decode(message.body)

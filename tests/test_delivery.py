@@ -194,8 +194,42 @@ def test_a_peer_restart_starts_a_fresh_stream_and_its_old_frames_are_dropped() -
 def test_a_malformed_body_takes_its_place_and_does_not_stall_the_stream() -> None:
     codec = _codec()
     sender, receiver = Link(resend_s=0.5), Link(resend_s=0.5)
-    stream, seq, ack_stream, ack = sender.next_send()
-    bad = codec.encode(Sequenced(stream, seq, msgspec.Raw(b"\x05"), ack_stream, ack))  # msgpack, not a message
+    stream, seq, ack_stream, ack, state = sender.next_send()
+    bad = codec.encode(Sequenced(stream, seq, msgspec.Raw(b"\x05"), ack_stream, ack, state))  # msgpack, not a message
     assert _deliver(codec, receiver, bad, 0.0) == []
     assert [m.request_id for m in _deliver(codec, receiver, seal(codec, sender, AbortRequest("ok"), 0.0),
                                             0.0)] == ["ok"]
+
+
+def test_a_peer_that_forgot_the_stream_gets_a_fresh_one() -> None:
+    """The receiver restarted (or dropped us and took us back) while we were mid-stream: its new state waits for
+    sequence numbers an earlier state acknowledged and we gave up. Its first ack tells us: we start afresh."""
+    codec = _codec()
+    tokenizer, api = Link(resend_s=0.5), Link(resend_s=0.5)
+    for name in ("a", "b"):
+        _deliver(codec, api, seal(codec, tokenizer, AbortRequest(name), 0.0), 0.0)
+    _deliver(codec, tokenizer, ack_frame(codec, api), 0.1)
+    assert not tokenizer.sends.entries  # both acknowledged: given up by the sender
+    old_ack = ack_frame(codec, api)
+    restarted_api = Link(resend_s=0.5)  # a new process at the same address: nothing of the old stream
+    assert _deliver(codec, restarted_api, seal(codec, tokenizer, AbortRequest("c"), 0.2), 0.2) == []  # waits for 0
+    old_stream = tokenizer.stream
+    _deliver(codec, tokenizer, ack_frame(codec, restarted_api), 0.3)
+    assert tokenizer.stream != old_stream and tokenizer.num_restarts == 1 and not tokenizer.sends.entries
+    _deliver(codec, tokenizer, old_ack, 0.3)  # a late ack of the old receiver changes nothing
+    assert [m.request_id for m in _deliver(codec, restarted_api, seal(codec, tokenizer, AbortRequest("d"), 0.4),
+                                            0.4)] == ["d"]
+    _deliver(codec, tokenizer, ack_frame(codec, restarted_api), 0.5)
+    assert tokenizer.num_restarts == 1 and not tokenizer.sends.entries
+
+
+def test_acks_that_arrive_out_of_order_never_restart_a_stream() -> None:
+    codec = _codec()
+    sender, receiver = Link(resend_s=0.5), Link(resend_s=0.5)
+    acks = []
+    for name in ("a", "b", "c"):
+        _deliver(codec, receiver, seal(codec, sender, AbortRequest(name), 0.0), 0.0)
+        acks.append(ack_frame(codec, receiver))
+    for frame in reversed(acks):
+        _deliver(codec, sender, frame, 0.1)
+    assert sender.num_restarts == 0 and not sender.sends.entries
