@@ -792,9 +792,10 @@ class ProcessTable(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 # One union per socket direction; decoders are built once per process from these.
-ApiToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
+ApiToTokenizer = (GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
+                  | Sequenced | Ack)
 TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
-                  | DetokenizeResult | TokenizerInfoResult)
+                  | DetokenizeResult | TokenizerInfoResult | Sequenced | Ack)
 TokenizerToScheduler = (TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
                         | Sequenced | Ack)
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory | Sequenced | Ack

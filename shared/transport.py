@@ -184,8 +184,13 @@ class Codec(Generic[T]):
 def seal(codec: Codec[Any], link: Link[Any], message: msgspec.Struct, now: float) -> bytes:
     """`message` as the next frame of `link`'s stream (kept until acknowledged, for resending), carrying the ack
     this side owes the peer."""
+    return seal_encoded(codec, link, codec.encode(message), now)
+
+
+def seal_encoded(codec: Codec[Any], link: Link[Any], body: bytes, now: float) -> bytes:
+    """seal() for a message already encoded (by `codec`)."""
     stream, seq, ack_stream, ack, receiver = link.next_send()
-    data = codec.encode(Sequenced(stream, seq, msgspec.Raw(codec.encode(message)), ack_stream, ack, receiver))
+    data = codec.encode(Sequenced(stream, seq, msgspec.Raw(body), ack_stream, ack, receiver))
     link.record(seq, data, now)
     return data
 
@@ -214,26 +219,32 @@ def ack_frame(codec: Codec[Any], link: Link[Any]) -> bytes:
     return codec.encode(Ack(*link.ack()))
 
 
+def _fault(sock: Any, msg_parts: Any, flags: int) -> list[tuple[list[bytes], int]]:
+    """What a fault-injecting socket sends now for one message: nothing (lost, or held back until the next
+    send), the message, or the message twice; then whatever an earlier send held back."""
+    frames = [bytes(part.buffer if isinstance(part, zmq.Frame) else part) for part in msg_parts]
+    released, sock.held = sock.held, []
+    roll = sock.rng.random()
+    if roll < sock.spec.drop:
+        out = []
+    elif roll < sock.spec.drop + sock.spec.hold:
+        sock.held.append((frames, flags))  # sent after the next send: delayed past it
+        out = []
+    else:
+        out = [(frames, flags)] * (2 if sock.rng.random() < sock.spec.dup else 1)
+    return out + released
+
+
 class FaultySocket(zmq.Socket):  # type: ignore[type-arg]
     """A socket that loses, repeats and reorders what it sends (PAGODA_TEST_FAULTS; tests only)."""
 
     spec: FaultSpec
     rng: random.Random
-    held: list[tuple[list[Any], int]]
+    held: list[tuple[list[bytes], int]]
 
     def send_multipart(self, msg_parts: Any, flags: int = 0, copy: bool = True, track: bool = False,
                        **kwargs: Any) -> Any:
-        frames = [bytes(part.buffer if isinstance(part, zmq.Frame) else part) for part in msg_parts]
-        released, self.held = self.held, []
-        roll = self.rng.random()
-        if roll < self.spec.drop:
-            out = []
-        elif roll < self.spec.drop + self.spec.hold:
-            self.held.append((frames, flags))  # sent after the next send: delayed past it
-            out = []
-        else:
-            out = [(frames, flags)] * (2 if self.rng.random() < self.spec.dup else 1)
-        for parts, part_flags in out + released:
+        for parts, part_flags in _fault(self, msg_parts, flags):
             for part in parts[:-1]:
                 zmq.Socket.send(self, part, part_flags | zmq.SNDMORE)
             zmq.Socket.send(self, parts[-1], part_flags)
@@ -242,16 +253,35 @@ class FaultySocket(zmq.Socket):  # type: ignore[type-arg]
         return self.send_multipart([data], flags)
 
 
+class AsyncFaultySocket(zmq.asyncio.Socket):
+    """FaultySocket for an asyncio context (the api's): each send's future is the last frame's, or a done one."""
+
+    spec: FaultSpec
+    rng: random.Random
+    held: list[tuple[list[bytes], int]]
+
+    def send_multipart(self, msg_parts: Any, flags: int = 0, copy: bool = True, track: bool = False,
+                       **kwargs: Any) -> Any:
+        future: Any = None
+        for parts, part_flags in _fault(self, msg_parts, flags):
+            future = zmq.asyncio.Socket.send_multipart(self, parts, part_flags)
+        if future is None:
+            future = asyncio.get_event_loop().create_future()
+            future.set_result(None)
+        return future
+
+
 def make_socket(context: zmq.Context | zmq.asyncio.Context, kind: int, endpoint: str, *, bind: bool,
                 identity: bytes | None = None, subscribe: bool = True, hwm: int = HWM, role: str = "") -> Any:
     """A socket bound or connected to `endpoint`, with settings every pagoda socket shares. `role` names it for
     test-only fault injection (config.test_faults)."""
-    spec = test_faults().get(role) if role and not isinstance(context, zmq.asyncio.Context) else None
+    spec = test_faults().get(role) if role else None
     if spec is None:
         sock = context.socket(kind)
     else:
         log.warning("fault injection on the %s socket: %s", role, spec)
-        sock = context.socket(kind, socket_class=FaultySocket)
+        faulty = AsyncFaultySocket if isinstance(context, zmq.asyncio.Context) else FaultySocket
+        sock = context.socket(kind, socket_class=faulty)
         sock.spec, sock.rng, sock.held = spec, random.Random(spec.seed), []
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)

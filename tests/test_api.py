@@ -23,9 +23,11 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.shared.delivery import Link
 from pagoda.shared.messages import (
     AbortRequest,
     Accepted,
+    Ack,
     ApiToTokenizer,
     DetokenizeRequest,
     DetokenizeResult,
@@ -35,6 +37,7 @@ from pagoda.shared.messages import (
     PositionLogprobs,
     RequestFailed,
     SchedulerStats,
+    Sequenced,
     TextDelta,
     TextDeltas,
     TokenizeRequest,
@@ -43,7 +46,7 @@ from pagoda.shared.messages import (
     TokenizerToApi,
     TokenLogprob,
 )
-from pagoda.shared.transport import Codec
+from pagoda.shared.transport import Codec, ack_frame, unseal
 from tests.harness import HTTP, free_port, wait_until
 
 API_KEY = "test-key"
@@ -116,6 +119,7 @@ class FakeTokenizer:
         inbound: Codec[ApiToTokenizer] = Codec(ApiToTokenizer)
         sock.send(out.encode(TokenizerHello(self.identity.decode(), os.getpid())))
         streams: dict[str, FakeStream] = {}
+        link: Link[ApiToTokenizer] = Link(resend_s=0.5)
         next_heartbeat = 0.0
         beats = itertools.count(1)
         while not self._stop.is_set():
@@ -132,7 +136,12 @@ class FakeTokenizer:
             if sock.poll(max(0, min(50, int((due - now) * 1000)))):
                 while sock.poll(0):
                     message = inbound.decode(sock.recv())
-                    for reply in self._handle(message, streams):
+                    if isinstance(message, Sequenced | Ack):  # the api's stream: applied once, in order, acked
+                        messages = unseal(inbound, link, message, time.monotonic())
+                        sock.send(ack_frame(out, link))
+                    else:
+                        messages = [message]
+                    for reply in (r for m in messages for r in self._handle(m, streams)):
                         sock.send(out.encode(reply))
             batch = self._due_deltas(streams, time.monotonic())
             if batch:

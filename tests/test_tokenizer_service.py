@@ -90,6 +90,7 @@ class Harness:
         self.scheduler_name = "sched-test"  # its heartbeats' sender
         self.last_scheduler_send = 0.0
         self.link: Link[Any] = Link(resend_s=1.0)  # the fake scheduler's end of the tokenizer's stream
+        self.api_link: Link[Any] = Link(resend_s=1.0)  # the fake api's
         self.log_path = self.dir / "tokenizer.log"
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
@@ -143,7 +144,12 @@ class Harness:
             if self.api in events:
                 identity, payload = self.api.recv_multipart()
                 self.identity = identity
-                self.api_inbox.append(self.api_in.decode(payload))
+                message = self.api_in.decode(payload)
+                if isinstance(message, Sequenced | Ack):  # the tokenizer's stream to the api: once, in order, acked
+                    self.api_inbox += unseal(self.api_in, self.api_link, message, now)
+                    self.send_api_frames([ack_frame(self.api_out, self.api_link)])
+                else:
+                    self.api_inbox.append(message)
             if self.scheduler in events:
                 self.scheduler_peer, payload = self.scheduler.recv_multipart()
                 message = self.scheduler_in.decode(payload)

@@ -20,15 +20,18 @@ import zmq
 import zmq.asyncio
 
 from pagoda.shared.config import ServerConfig
+from pagoda.shared.delivery import Link
 from pagoda.shared.errors import InvalidRequestError, ServerOverloadedError
 from pagoda.shared.messages import (
     AbortRequest,
     Accepted,
+    Ack,
     ApiToTokenizer,
     DetokenizeResult,
     Heartbeat,
     RenderedRows,
     RequestFailed,
+    Sequenced,
     TextDelta,
     TextDeltas,
     TokenizeResult,
@@ -36,10 +39,21 @@ from pagoda.shared.messages import (
     TokenizerInfoResult,
     TokenizerToApi,
 )
-from pagoda.shared.transport import Codec, cancel_all, make_socket, receive_forever, split_routed
+from pagoda.shared.transport import (
+    Codec,
+    ack_frame,
+    cancel_all,
+    make_socket,
+    receive_forever,
+    seal_encoded,
+    split_routed,
+    unseal,
+)
 
 log = logging.getLogger(__name__)
 
+LINK_TICK_S = 0.02  # how often the streams are tended while something is unacknowledged (else IDLE_LINK_TICK_S)
+IDLE_LINK_TICK_S = 0.1
 
 
 @dataclass(slots=True)
@@ -69,6 +83,7 @@ class Peer:
     identity: bytes
     pid: int
     last_seen: float  # time.monotonic() of its latest message
+    link: Link[TokenizerToApi]  # the sequenced streams both ways (shared/delivery.py)
     request_ids: set[str] = field(default_factory=set)
 
 
@@ -77,7 +92,7 @@ class TokenizerPool:
 
     def __init__(self, context: zmq.asyncio.Context, endpoint: str, config: ServerConfig) -> None:
         self._config = config
-        self._sock = make_socket(context, zmq.ROUTER, endpoint, bind=True)
+        self._sock = make_socket(context, zmq.ROUTER, endpoint, bind=True, role="api_to_tokenizer")
         self._decoder: Codec[TokenizerToApi] = Codec(TokenizerToApi)
         self._encoder: Codec[ApiToTokenizer] = Codec(ApiToTokenizer)
         self._peers: dict[bytes, Peer] = {}
@@ -93,7 +108,8 @@ class TokenizerPool:
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop(), name="tokenizer-recv"),
-                       asyncio.create_task(self._reap_loop(), name="tokenizer-reap")]
+                       asyncio.create_task(self._reap_loop(), name="tokenizer-reap"),
+                       asyncio.create_task(self._link_loop(), name="tokenizer-links")]
 
     async def close(self) -> None:
         await cancel_all(self._tasks)
@@ -137,11 +153,12 @@ class TokenizerPool:
             raise ServerOverloadedError(
                 f"too many requests in flight (at most {self._config.max_inflight_requests} per api process)")
         request_ids = [m.request_id for m in messages]
-        frames = [self._encode(m) for m in messages]
+        bodies = [self._encode(m) for m in messages]
         while True:
             peer = self._pick()
-            if all(self._send_data(peer.identity, data, type(m).__name__) for m, data in zip(messages, frames,
-                                                                                              strict=True)):
+            now = time.monotonic()
+            if all(self._send_data(peer.identity, seal_encoded(self._encoder, peer.link, body, now), type(m).__name__)
+                   for m, body in zip(messages, bodies, strict=True)):
                 break
             self._drop(peer, "unreachable")  # it vanished since its last message: try the next one
         ticket = Ticket(request_ids, peer.identity)
@@ -205,8 +222,12 @@ class TokenizerPool:
             raise InvalidRequestError(f"the request holds a value out of range: {exc}") from None
 
     def _send(self, identity: bytes, message: ApiToTokenizer) -> bool:
-        """Send without awaiting (safe in a cancelled handler's cleanup); False if the peer is unreachable."""
-        return self._send_data(identity, self._encoder.encode(message), type(message).__name__)
+        """Send without awaiting (safe in a cancelled handler's cleanup); False if the peer is unreachable. To a
+        registered tokenizer in its sequenced stream; to one dropped, plain (it may only have been slow)."""
+        peer = self._peers.get(identity)
+        body = self._encoder.encode(message)
+        data = seal_encoded(self._encoder, peer.link, body, time.monotonic()) if peer is not None else body
+        return self._send_data(identity, data, type(message).__name__)
 
     def _send_data(self, identity: bytes, data: bytes, what: str) -> bool:
         try:
@@ -253,8 +274,16 @@ class TokenizerPool:
             return
         if peer is None:
             assert isinstance(message, TokenizerHello)
-            peer = self._peers[identity] = Peer(identity, message.pid, time.monotonic())
-        peer.last_seen = time.monotonic()
+            peer = self._peers[identity] = Peer(identity, message.pid, time.monotonic(),
+                                                Link(self._config.resend_interval))
+        now = peer.last_seen = time.monotonic()
+        if isinstance(message, Sequenced | Ack):
+            for inner in unseal(self._decoder, peer.link, message, now):
+                self._route(identity, inner)
+        else:
+            self._route(identity, message)
+
+    def _route(self, identity: bytes, message: TokenizerToApi) -> None:
         if isinstance(message, (TokenizerHello, Heartbeat)):
             return
         if isinstance(message, RenderedRows):
@@ -294,6 +323,22 @@ class TokenizerPool:
                 group.rows.append(row)
         for ticket, group in groups.items():
             ticket.queue.put_nowait(group)
+
+    async def _link_loop(self) -> None:
+        """Each tokenizer's stream: what it has not acknowledged in time goes again; an ack we owe it and no
+        request carried goes alone (at most one per ACK_DELAY_S)."""
+        while True:
+            now = time.monotonic()
+            pending = False
+            for peer in list(self._peers.values()):
+                for entry in peer.link.due(now):
+                    log.warning("resending message %d to tokenizer %r (send %d)", entry.seq, peer.identity,
+                                entry.num_sends)
+                    self._send_data(peer.identity, entry.data, "a resend")
+                if peer.link.ack_due(now):
+                    self._send_data(peer.identity, ack_frame(self._encoder, peer.link), "an ack")
+                pending = pending or bool(peer.link.sends.entries) or peer.link.ack_owed_since is not None
+            await asyncio.sleep(LINK_TICK_S if pending else IDLE_LINK_TICK_S)
 
     async def _reap_loop(self) -> None:
         while True:

@@ -116,7 +116,8 @@ class SchedulerService:
         self.config = server_config
         endpoint = server_config.endpoint
         self.context = zmq.Context()
-        self.front = make_socket(self.context, zmq.ROUTER, endpoint("scheduler"), bind=True, role="to_tokenizer")
+        self.front = make_socket(self.context, zmq.ROUTER, endpoint("scheduler"), bind=True,
+                                 role="scheduler_to_tokenizer")
         self.plans = make_socket(self.context, zmq.PUB, endpoint("plan"), bind=True, role="plan")
         self.results = make_socket(self.context, zmq.PULL, endpoint("result"), bind=True)
         self.stats_out = make_socket(self.context, zmq.PUB, endpoint("stats"), bind=True)

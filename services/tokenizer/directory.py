@@ -13,6 +13,7 @@ import zmq
 
 from pagoda.services.tokenizer.replicas import Replica, ReplicaSet
 from pagoda.shared.config import ServerConfig
+from pagoda.shared.delivery import Link
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import Directory, ReplicaAddress
 from pagoda.shared.transport import make_socket
@@ -68,6 +69,8 @@ class Peers:
         for replica in self.replicas.replicas:
             self._watch_replica(replica)
         self.apis: dict[int, Any] = {}  # api key -> its socket; keys never reuse (apis come and go)
+        self.api_links: dict[int, Link[Any]] = {}  # api key -> the sequenced streams with it (shared/delivery.py)
+        self._resend_s = config.resend_interval
         self.api_address: dict[int, str] = {}
         self._next_api = 0
         for endpoint in api_endpoints:
@@ -80,13 +83,16 @@ class Peers:
 
     def add_api(self, address: str) -> int:
         api, self._next_api = self._next_api, self._next_api + 1
-        sock = make_socket(self._context, zmq.DEALER, address, bind=False, identity=self._identity)
+        sock = make_socket(self._context, zmq.DEALER, address, bind=False, identity=self._identity,
+                           role="tokenizer_to_api")
         self.apis[api], self.api_address[api] = sock, address
+        self.api_links[api] = Link(self._resend_s)
         self.watch(sock, lambda frame, index=api: self._on_api(index, frame))
         return api
 
     def remove_api(self, api: int) -> str:
         sock, address = self.apis.pop(api), self.api_address.pop(api)
+        del self.api_links[api]
         self.poller.unregister(sock)
         del self.handlers[sock]
         sock.close(linger=0)

@@ -86,7 +86,7 @@ class ReplicaSet:
     def add(self, replica_id: str, scheduler: str, stats: str | None) -> Replica:
         """A replica to send requests to (connected now; live once its ModelInfo comes)."""
         sock = make_socket(self._context, zmq.DEALER, scheduler, bind=False, identity=self._identity,
-                           role="to_scheduler")
+                           role="tokenizer_to_scheduler")
         replica = Replica(len(self.replicas), sock, replica_id=replica_id, address=scheduler,
                           link=Link(self.resend_s))
         self.replicas.append(replica)

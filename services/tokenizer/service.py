@@ -148,7 +148,8 @@ class TokenizerService:
         self._stopping = True
 
     def _poll_once(self) -> None:
-        pending = any(r.link.sends.entries or r.link.ack_owed_since is not None for r in self._replicas.replicas)
+        links = [r.link for r in self._replicas.replicas] + list(self._peers.api_links.values())
+        pending = any(link.sends.entries or link.ack_owed_since is not None for link in links)
         timeout_s = min(LINK_POLL_S if pending else MAX_POLL_S, max(0.0, self._next_heartbeat - time.monotonic()))
         for sock, _ in self._peers.poller.poll(timeout_s * 1000):
             if sock == self._offload.fd:
@@ -200,7 +201,11 @@ class TokenizerService:
 
     def _on_api_frame(self, api: int, frame: Any) -> None:
         message = self._api_in.decode(frame)
-        if message is not None:
+        if isinstance(message, Sequenced | Ack):
+            link = self._peers.api_links.get(api)
+            for inner in unseal(self._api_in, link, message, time.monotonic()) if link is not None else []:
+                self._dispatch_api(api, inner)
+        elif message is not None:
             self._dispatch_api(api, message)
 
     def _dispatch_api(self, api: int, message: ApiToTokenizer) -> None:
@@ -416,9 +421,15 @@ class TokenizerService:
         self._send_api(api, request_failed(request_id, error))
 
     def _send_api(self, api: int, message: Any) -> None:
+        """Answers and outputs travel in the api's sequenced stream (resent until acknowledged, applied once);
+        hellos and heartbeats, repeated anyway, plain."""
         sock = self._apis.get(api)
-        if sock is not None:  # else the api is gone (the registry forgot it), and its clients with it
+        if sock is None:  # the api is gone (the registry forgot it), and its clients with it
+            return
+        if isinstance(message, TokenizerHello | Heartbeat):
             _send(sock, self._api_out.encode(message))
+        else:
+            _send(sock, seal(self._api_out, self._peers.api_links[api], message, time.monotonic()))
 
     def _send_scheduler(self, message: AbortRequest | StopSequence) -> None:
         """A request's abort or stop goes to the replica that owns it (none: it failed before it reached one)."""
@@ -440,6 +451,13 @@ class TokenizerService:
                 _send(replica.sock, entry.data)
             if replica.link.ack_due(now):
                 _send(replica.sock, ack_frame(self._scheduler_out, replica.link))
+        for api, link in self._peers.api_links.items():
+            for entry in link.due(now):
+                log.warning("resending message %d to api %s (send %d)", entry.seq, self._peers.api_address[api],
+                            entry.num_sends)
+                _send(self._apis[api], entry.data)
+            if link.ack_due(now):
+                _send(self._apis[api], ack_frame(self._api_out, link))
 
 
 def _send(sock: zmq.Socket, data: bytes) -> None:

@@ -45,8 +45,9 @@ PEER_KIND = {"scheduler": zmq.DEALER, "plan": zmq.SUB, "result": zmq.PUSH, "stat
 # both directions of each channel: plans and constraints (scheduler PUB), results and acknowledgements (worker
 # PUSH), tokens and failures to the tokenizers (scheduler ROUTER), requests, aborts and stops to the scheduler
 # (tokenizer DEALER); heartbeats, hellos and acks on those sockets are lost, repeated and reordered as well
+ROLES = ("plan", "result", "scheduler_to_tokenizer", "tokenizer_to_scheduler", "tokenizer_to_api", "api_to_tokenizer")
 FAULTS = ";".join(f"{role}=drop:0.15,dup:0.1,hold:0.15,seed:{seed}"
-                  for seed, role in enumerate(("plan", "result", "to_tokenizer", "to_scheduler"), 1))
+                  for seed, role in enumerate(ROLES, 1))
 PROMPTS = ["The capital of France is", "Write a haiku about rain:", "1, 2, 3, 4,", "Once upon a time",
            "The best way to learn Python is", "Q: What is a paged KV cache?\nA:"]
 MAX_TOKENS = 12
@@ -192,9 +193,9 @@ def test_lost_repeated_and_reordered_plans_and_results_heal(smollm2_dir: Path,
     assert outcomes[-1].text in CHOICES
     log = server.log()
     resent = {peer: len(re.findall(rf"resending message \d+ to {peer}", log))
-              for peer in ("the workers", "tokenizer", "scheduler")}
+              for peer in ("the workers", "tokenizer", "scheduler", "api")}
     print(f"\nfaults: resends {resent}")
-    for role in ("plan", "result", "to_tokenizer", "to_scheduler"):
+    for role in ROLES:
         assert f"fault injection on the {role} socket" in log, role
     assert sum(resent.values()) > 0, "no frame was lost: the faults did not apply"
     assert server.healthy() and server.process.poll() is None
