@@ -115,6 +115,7 @@ class InOrder(Generic[T]):
 
 ACK_DELAY_S = 0.05  # a receiver owes an ack at most this long when no frame of its own carries it
 MAX_RETIRED_STREAMS = 8  # a peer's past stream ids whose late frames are dropped
+GAP_RESEND_S = 0.1  # a frame the peer reports missing goes again at once, and again while the gap stays this long
 
 
 def new_stream_id() -> int:
@@ -146,6 +147,7 @@ class Link(Generic[T]):
     peer_receiver: int = 0  # the receiver state that acknowledges our stream (0: no ack yet)
     retired_receivers: list[int] = field(default_factory=list)
     num_restarts: int = 0  # streams given up because the peer's receiver no longer had what they needed
+    gap_due: int = -1  # the seq the peer reports missing (later ones wait for it there): due at once; -1: none
 
     def restart(self) -> None:
         """A fresh outgoing stream: what was sent and not acknowledged is given up."""
@@ -155,16 +157,18 @@ class Link(Generic[T]):
             self.retired_receivers = [*self.retired_receivers, self.peer_receiver][-MAX_RETIRED_STREAMS:]
         self.peer_receiver = 0
 
-    def next_send(self) -> tuple[int, int, int, int, int]:
-        """(stream, seq, ack stream, ack, receiver) for the next sequenced frame: it carries the ack this side
+    def next_send(self) -> tuple[int, int, int, int, int, bool]:
+        """(stream, seq, ack stream, ack, receiver, gap) for the next sequenced frame: it carries the ack this side
         owes."""
         self.ack_owed_since = None
-        return self.stream, self.sends.take_seq(), self.peer_stream, self.received.applied_through, self.receiver
+        return (self.stream, self.sends.take_seq(), self.peer_stream, self.received.applied_through, self.receiver,
+                bool(self.received.ahead))
 
-    def ack(self) -> tuple[int, int, int]:
-        """(ack stream, ack, receiver) for a frame that carries only an acknowledgement."""
+    def ack(self) -> tuple[int, int, int, bool]:
+        """(ack stream, ack, receiver, gap) for a frame that carries only an acknowledgement; `gap`: later frames
+        wait here for the one after `ack` (the sender sends that one again at once)."""
         self.ack_owed_since = None
-        return self.peer_stream, self.received.applied_through, self.receiver
+        return self.peer_stream, self.received.applied_through, self.receiver, bool(self.received.ahead)
 
     def ack_due(self, now: float) -> bool:
         return self.ack_owed_since is not None and now - self.ack_owed_since >= ACK_DELAY_S
@@ -182,11 +186,15 @@ class Link(Generic[T]):
             self.peer_stream = stream
             self.received = InOrder(max_ahead=self.received.max_ahead)
             self.receiver = new_stream_id()
+        had_gap = bool(self.received.ahead)
         if self.ack_owed_since is None:
             self.ack_owed_since = now  # a repeat too: the peer missed our ack
-        return self.received.offer(seq, item)
+        ready = self.received.offer(seq, item)
+        if self.received.ahead and not had_gap:
+            self.ack_owed_since = now - ACK_DELAY_S  # a new gap: say so now, not after the ack delay
+        return ready
 
-    def on_ack(self, stream: int, seq: int, receiver: int = 0) -> bool:
+    def on_ack(self, stream: int, seq: int, receiver: int = 0, gap: bool = False, now: float = 0.0) -> bool:
         """The peer's `receiver` applied this side's stream `stream` through `seq` (in order: everything before it
         too). A receiver we have not heard from (the peer restarted, or forgot us and took us back) that waits for
         what an earlier one acknowledged, and we no longer hold, would wait forever: the stream starts afresh
@@ -204,7 +212,20 @@ class Link(Generic[T]):
             self.peer_receiver = receiver
         if seq >= 0:
             self.sends.done_through(seq)
+        missing = self.sends.entries.get(seq + 1) if gap else None
+        if missing is not None and (missing.num_sends == 1 or now - missing.sent_at >= GAP_RESEND_S):
+            self.gap_due = missing.seq  # lost (or only overtaken: a repeat is harmless): sent again at once
         return False
 
     def due(self, now: float) -> list[Sent]:
-        return self.sends.due(now)
+        """What to send again now: a frame the peer reports missing (its timer unchanged), then what its timer
+        says (each one's next wait doubles)."""
+        out = []
+        missing = self.sends.entries.get(self.gap_due)
+        self.gap_due = -1
+        if missing is not None:
+            missing.sent_at = now
+            missing.num_sends += 1
+            self.sends.num_resent += 1
+            out.append(missing)
+        return out + self.sends.due(now)

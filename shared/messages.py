@@ -603,6 +603,7 @@ class Sequenced(msgspec.Struct, tag="sq", array_like=True, frozen=True, gc=False
     ack_stream: int = 0
     ack: int = -1
     receiver: int = 0  # the sender's receiving state for the ack (shared/delivery.Link.receiver)
+    gap: bool = False  # frames after `ack` wait there for a missing one: the peer sends it again at once
 
 
 class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
@@ -612,6 +613,7 @@ class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
     stream: int
     seq: int
     receiver: int = 0  # see Sequenced
+    gap: bool = False
 
 
 

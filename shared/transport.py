@@ -189,8 +189,8 @@ def seal(codec: Codec[Any], link: Link[Any], message: msgspec.Struct, now: float
 
 def seal_encoded(codec: Codec[Any], link: Link[Any], body: bytes, now: float) -> bytes:
     """seal() for a message already encoded (by `codec`)."""
-    stream, seq, ack_stream, ack, receiver = link.next_send()
-    data = codec.encode(Sequenced(stream, seq, msgspec.Raw(body), ack_stream, ack, receiver))
+    stream, seq, ack_stream, ack, receiver, gap = link.next_send()
+    data = codec.encode(Sequenced(stream, seq, msgspec.Raw(body), ack_stream, ack, receiver, gap))
     link.record(seq, data, now)
     return data
 
@@ -199,9 +199,9 @@ def unseal(codec: Codec[T], link: Link[Any], message: Sequenced | Ack, now: floa
     """The peer's messages now deliverable in order (none for an ack, a repeat or an early frame). A malformed
     body still takes its place in the stream (it is dropped there, not waited for)."""
     if isinstance(message, Ack):
-        restarted = link.on_ack(message.stream, message.seq, message.receiver)
+        restarted = link.on_ack(message.stream, message.seq, message.receiver, message.gap, now)
     else:
-        restarted = link.on_ack(message.ack_stream, message.ack, message.receiver)
+        restarted = link.on_ack(message.ack_stream, message.ack, message.receiver, message.gap, now)
     if restarted:
         log.warning("the peer's receiver lost its state: sending in a fresh stream (what it did not apply is "
                     "given up with it)")

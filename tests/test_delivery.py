@@ -194,8 +194,8 @@ def test_a_peer_restart_starts_a_fresh_stream_and_its_old_frames_are_dropped() -
 def test_a_malformed_body_takes_its_place_and_does_not_stall_the_stream() -> None:
     codec = _codec()
     sender, receiver = Link(resend_s=0.5), Link(resend_s=0.5)
-    stream, seq, ack_stream, ack, state = sender.next_send()
-    bad = codec.encode(Sequenced(stream, seq, msgspec.Raw(b"\x05"), ack_stream, ack, state))  # msgpack, not a message
+    stream, seq, ack_stream, ack, state, gap = sender.next_send()
+    bad = codec.encode(Sequenced(stream, seq, msgspec.Raw(b"\x05"), ack_stream, ack, state, gap))  # msgpack, not a message
     assert _deliver(codec, receiver, bad, 0.0) == []
     assert [m.request_id for m in _deliver(codec, receiver, seal(codec, sender, AbortRequest("ok"), 0.0),
                                             0.0)] == ["ok"]
