@@ -195,7 +195,7 @@ def test_a_malformed_body_takes_its_place_and_does_not_stall_the_stream() -> Non
     codec = _codec()
     sender, receiver = Link(resend_s=0.5), Link(resend_s=0.5)
     stream, seq, ack_stream, ack, state, gap = sender.next_send()
-    bad = codec.encode(Sequenced(stream, seq, msgspec.Raw(b"\x05"), ack_stream, ack, state, gap))  # msgpack, not a message
+    bad = codec.encode(Sequenced(stream, seq, msgspec.Raw(b"\x05"), ack_stream, ack, state, gap))  # not a message
     assert _deliver(codec, receiver, bad, 0.0) == []
     assert [m.request_id for m in _deliver(codec, receiver, seal(codec, sender, AbortRequest("ok"), 0.0),
                                             0.0)] == ["ok"]
@@ -233,3 +233,20 @@ def test_acks_that_arrive_out_of_order_never_restart_a_stream() -> None:
     for frame in reversed(acks):
         _deliver(codec, sender, frame, 0.1)
     assert sender.num_restarts == 0 and not sender.sends.entries
+
+
+def test_a_gap_is_reported_at_once_and_the_missing_frame_goes_again_at_once() -> None:
+    codec = _codec()
+    sender, receiver = Link(resend_s=0.5), Link(resend_s=0.5)
+    lost = seal(codec, sender, AbortRequest("a"), 0.0)
+    assert _deliver(codec, receiver, seal(codec, sender, AbortRequest("b"), 0.025), 0.025) == []
+    assert receiver.ack_due(0.025)  # a new gap: no ack delay
+    _deliver(codec, sender, ack_frame(codec, receiver), 0.026)
+    [again] = sender.due(0.027)  # long before the 0.5 s timer
+    assert again.data == lost and again.wait_s == 0.5  # the timer is not doubled by it
+    assert sender.due(0.03) == []
+    _deliver(codec, sender, ack_frame(codec, receiver), 0.05)  # the gap stays, but the resend is recent
+    assert sender.due(0.05) == []
+    _deliver(codec, sender, ack_frame(codec, receiver), 0.2)  # still missing 0.17 s later: that resend was lost
+    assert [e.seq for e in sender.due(0.2)] == [0]
+    assert [m.request_id for m in _deliver(codec, receiver, lost, 0.21)] == ["a", "b"]

@@ -188,7 +188,7 @@ def test_lost_repeated_and_reordered_plans_and_results_heal(smollm2_dir: Path,
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         outcomes = list(pool.map(lambda body: stream_completion(server, body, timeout=300), bodies))
     for outcome, want in zip(outcomes, [*expected, choice, choice], strict=True):
-        assert outcome.status == 200 and outcome.error is None and outcome.done, outcome
+        assert outcome.status == 200 and outcome.error is None and outcome.done, (outcome, server.log()[-6000:])
         assert outcome.text == want.outputs[0].text, (outcome.text, want.outputs[0].text)
     assert outcomes[-1].text in CHOICES
     log = server.log()
