@@ -148,6 +148,8 @@ class Link(Generic[T]):
     retired_receivers: list[int] = field(default_factory=list)
     num_restarts: int = 0  # streams given up because the peer's receiver no longer had what they needed
     gap_due: int = -1  # the seq the peer reports missing (later ones wait for it there): due at once; -1: none
+    requeue: list[bytes] = field(default_factory=list)  # frames of a stream given up for a forgetful receiver:
+    # the caller seals their bodies again in the new stream (that receiver applied none of them)
 
     def restart(self) -> None:
         """A fresh outgoing stream: what was sent and not acknowledged is given up."""
@@ -198,13 +200,14 @@ class Link(Generic[T]):
         """The peer's `receiver` applied this side's stream `stream` through `seq` (in order: everything before it
         too). A receiver we have not heard from (the peer restarted, or forgot us and took us back) that waits for
         what an earlier one acknowledged, and we no longer hold, would wait forever: the stream starts afresh
-        (what it still held is given up: it belonged to the peer's former state). True: restarted."""
+        (what it still held goes again in the new one, see `requeue`). True: restarted."""
         if stream != self.stream or receiver in self.retired_receivers:
             return False
         if receiver and receiver != self.peer_receiver:
             oldest = next(iter(self.sends.entries), self.sends.next_seq)
             if self.peer_receiver and seq < oldest - 1:
                 self.num_restarts += 1
+                self.requeue = [entry.data for entry in self.sends.entries.values()]
                 self.restart()
                 return True
             if self.peer_receiver:

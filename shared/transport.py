@@ -203,8 +203,13 @@ def unseal(codec: Codec[T], link: Link[Any], message: Sequenced | Ack, now: floa
     else:
         restarted = link.on_ack(message.ack_stream, message.ack, message.receiver, message.gap, now)
     if restarted:
-        log.warning("the peer's receiver lost its state: sending in a fresh stream (what it did not apply is "
-                    "given up with it)")
+        log.warning("the peer's receiver lost its state: %d unacknowledged message(s) go again in a fresh stream",
+                    len(link.requeue))
+        requeue, link.requeue = link.requeue, []
+        for data in requeue:
+            old = codec.decode(data)
+            if isinstance(old, Sequenced):  # due at once: the next tend sends it
+                seal_encoded(codec, link, bytes(old.body), now - link.resend_s)
     if isinstance(message, Ack):
         return []
     inner = codec.decode(message.body)

@@ -203,7 +203,8 @@ def test_a_malformed_body_takes_its_place_and_does_not_stall_the_stream() -> Non
 
 def test_a_peer_that_forgot_the_stream_gets_a_fresh_one() -> None:
     """The receiver restarted (or dropped us and took us back) while we were mid-stream: its new state waits for
-    sequence numbers an earlier state acknowledged and we gave up. Its first ack tells us: we start afresh."""
+    sequence numbers an earlier state acknowledged and we gave up. Its first ack tells us: we start afresh, and
+    what it has not applied goes again in the new stream."""
     codec = _codec()
     tokenizer, api = Link(resend_s=0.5), Link(resend_s=0.5)
     for name in ("a", "b"):
@@ -215,8 +216,11 @@ def test_a_peer_that_forgot_the_stream_gets_a_fresh_one() -> None:
     assert _deliver(codec, restarted_api, seal(codec, tokenizer, AbortRequest("c"), 0.2), 0.2) == []  # waits for 0
     old_stream = tokenizer.stream
     _deliver(codec, tokenizer, ack_frame(codec, restarted_api), 0.3)
-    assert tokenizer.stream != old_stream and tokenizer.num_restarts == 1 and not tokenizer.sends.entries
+    assert tokenizer.stream != old_stream and tokenizer.num_restarts == 1
     _deliver(codec, tokenizer, old_ack, 0.3)  # a late ack of the old receiver changes nothing
+    [again] = tokenizer.due(0.3)  # "c", which the new receiver never applied, goes again at once in the new stream
+    assert codec.decode(again.data).stream == tokenizer.stream and codec.decode(again.data).seq == 0
+    assert [m.request_id for m in _deliver(codec, restarted_api, again.data, 0.3)] == ["c"]
     assert [m.request_id for m in _deliver(codec, restarted_api, seal(codec, tokenizer, AbortRequest("d"), 0.4),
                                             0.4)] == ["d"]
     _deliver(codec, tokenizer, ack_frame(codec, restarted_api), 0.5)
