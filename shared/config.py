@@ -321,6 +321,9 @@ _HELP: dict[str, str] = {
     "console": "no browser console at / (playground, live view, request inspector; docs/console.md)",
     "console_show_prompts": "the console's request inspector shows prompt text (default: counts and times only)",
     "console_max_requests": "finished requests the console's request inspector keeps, per api process",
+    "resend_interval": "seconds before a request, answer or token frame between api, tokenizer and scheduler that is "
+                       "not acknowledged goes again (doubling up to 8 s); a loss with frames behind it is resent "
+                       "at once (docs/security.md)",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",
 }
