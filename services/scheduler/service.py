@@ -331,12 +331,16 @@ class SchedulerService:
         if peer is None and not isinstance(message, TokenizerHello):
             # Registration takes a hello: a stray peer's heartbeat must not make it a tokenizer. A request
             # from it still gets an answer (it re-registers once it misses our heartbeats).
+            if isinstance(message, Sequenced | Ack):
+                # Mid-stream with a scheduler that is not us (we restarted): our heartbeat's sender tells it so at
+                # once; it fails what it held there and says hello (its resends would otherwise keep it waiting).
+                self._send_tokenizer(identity, Heartbeat(sender=self.instance_id))
             if isinstance(message, Sequenced):
                 message = self.from_tokenizers.decode(message.body) or message
             log.warning("dropped a %s from unregistered peer %r", type(message).__name__, identity[:64])
             if isinstance(message, AddRequest):
-                self._fail(identity, message.request_id, 503, "this tokenizer is not registered; try again",
-                           "server_error")
+                self._fail(identity, message.request_id, 503, "this tokenizer is not registered with the scheduler "
+                           "(a new scheduler, or one that dropped it); try again", "server_error")
             return None
         if peer is None:
             peer = self.swept.pop(identity, None) or Peer(time.monotonic(), Link(self.config.resend_interval))
