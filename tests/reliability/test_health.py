@@ -221,3 +221,15 @@ def test_a_tokenizers_stream_is_applied_once_in_order_and_a_new_stream_registers
     [frame] = [f[1] for f in service.front.sent]  # type: ignore[attr-defined]
     restarted = back.decode(frame)
     assert isinstance(restarted, Sequenced) and restarted.stream != old_stream and restarted.seq == 0
+
+
+def test_a_tokenizer_mid_stream_with_a_restarted_scheduler_hears_it_at_once(service: SchedulerService) -> None:
+    """A sequenced frame from a peer this scheduler does not know (its stream began with our predecessor): our
+    heartbeat tells it the scheduler changed (it re-registers), and a request in it gets a 503, not silence."""
+    codec = Codec(TokenizerToScheduler)
+    service._on_tokenizer_frames([b"tok0", seal(codec, Link(resend_s=0.5), AddRequest("r", [5, 6], SamplingParams()),
+                                                0.0)])
+    messages = [m for _, m in _to_tokenizers(service)]
+    assert any(isinstance(m, Heartbeat) and m.sender == service.instance_id for m in messages)
+    assert [(m.request_id, m.status) for m in messages if isinstance(m, RequestFailed)] == [("r", 503)]
+    assert b"tok0" not in service.tokenizers
