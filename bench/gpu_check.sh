@@ -2,7 +2,7 @@
 # One device call: install the carried wheels and the project, run the GPU tests, greedy parity against
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
-#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek
+#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,fp8
 #   (default: tests,parity,pagoda,peers,compiled)
 #   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
 #   tables ($OUT/moe_configs/*.json; commit them under kernels/moe_configs/). moe: the reference, sampled and batch-1
@@ -11,6 +11,10 @@
 #   crossover, latent capacity; MLA_SWEEP=1 adds the decode launch-shape sweep) and deepseek-v3-slice's per-layer
 #   decode time at B = 1, 64, 256 against its floor (FP8 block weights). deepseek-v2-lite's reference, sampled and
 #   batch-1 runs: PHASES=moe MOE_SHAPES=deepseek-v2-lite.
+#   fp8: tune the weight-only FP8 GEMV (bench/fp8_tune.py: tiles per shape and M bucket, then the sweep against bf16;
+#   the table goes to $OUT/tune/ and is installed for the runs after it: commit it under kernels/fp8_configs/), then
+#   llama3-8b bf16 / fp8 / fp8 + fp8 KV (reference workload + batch-1), TensorRT-LLM's 1000/1000 row, and qwen3-0.6b
+#   with a bf16 and an fp8 KV cache.
 #   SHAPES="qwen3-0.6b llama3-8b" (the default)   PARITY_VARIANTS=pagoda-torch-ops,hf-efficient,hf-eager (default none)
 #   WORKLOADS="reference sampled shared-prefix long n4" (the workloads phase; bench/workload.py)
 #   TOKENIZER=dir of a real tokenizer for the serve phase (default .gpu/smollm2-tok: the SmolLM2 folder without
@@ -124,4 +128,22 @@ if has deepseek; then
     | grep -v "^decode-sweep" | tail -80
   timeout 560 python3 -m pagoda.bench.deepseek_bench --model deepseek-v3-slice --quantization fp8_block \
     --batches 1,64,256 --context 1024 --out "$OUT/deepseek_v3_slice_layers.json" 2>&1 | tail -8
+fi
+if has fp8; then
+  timeout 300 python3 -m pagoda.bench.fp8_tune --out "$OUT/tune" 2>&1 | grep -E "^tune|tuned|slower" | cut -c1-160
+  cp "$OUT"/tune/w8a16,*.json /tmp/site/pagoda/kernels/fp8_configs/ && echo "tuned table installed"
+  for q in "none" "fp8" "fp8 --kv-cache-dtype fp8"; do
+    quant=()
+    [[ $q != none ]] && quant=(--quantization $q)
+    echo "== llama3-8b ${q}"
+    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" "${quant[@]}" \
+      --latency-prompt-len 512 --timeout 120 --out "$OUT/fp8_llama3-8b_${q// /_}.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -4
+  done
+  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+    --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/fp8_trtllm-1000.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -4
+  for kv in auto fp8; do
+    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
+      --timeout 80 --out "$OUT/fp8_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+  done
 fi

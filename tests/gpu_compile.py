@@ -10,12 +10,14 @@ computed (launches do nothing), so the models' numbers are garbage and only the 
 
     TRITON_INTERPRET=0 python tests/gpu_compile.py      # tests/test_gpu_compile.py runs it in a subprocess
 
-Prints one line per kernel (ok / FAIL with the compiler's message) and exits 1 on any failure.
+Prints one line per kernel (ok / FAIL with the compiler's message) and any step the runner could not run (a
+wrapper's check refusing a launch shape), and exits 1 on either.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import sys
 from typing import Any
@@ -29,6 +31,12 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 RESULTS: dict[str, str] = {}
+STEP_ERRORS: list[str] = []  # a step the runner could not run (logged and swallowed by the worker's loop)
+
+
+class StepErrors(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        STEP_ERRORS.append(record.getMessage()[-600:])
 
 
 class CompileOnlyDriver:
@@ -83,8 +91,10 @@ def run_models() -> None:
     prompts = [[3] * 3, [4] * 20, [5] * 100, shared + [7, 8, 9], shared + [10, 11]]
     variants = ({}, {"quantization": "fp8"}, {"quantization": "fp8", "kv_cache_dtype": "fp8"},
                 {"quantization": "fp8_block", "kv_cache_dtype": "fp8"})
-    for shape, dtype, variant in itertools.product(("tiny", "tiny-qwen3", "tiny-moe", "tiny-deepseek-v3"),
-                                                   ("bfloat16", "float32"), variants):
+    runs = [(shape, "bfloat16", variant) for shape, variant in itertools.product(
+        ("tiny", "tiny-qwen3", "tiny-moe", "tiny-deepseek-v3"), variants)]
+    runs += [("tiny", "float32", variant) for variant in variants]  # fp32 activations: the ieee-dot variants
+    for shape, dtype, variant in runs:
         config = EngineConfig(model=shape, load_format="dummy", device="cpu", dtype=dtype, num_kv_blocks=48,
                               max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=1, **variant)
         runner = ModelRunner(config, ops=triton_ops())
@@ -98,12 +108,15 @@ def run_models() -> None:
 
 def main() -> int:
     install()
+    logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
     run_models()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
+    for message in STEP_ERRORS:
+        print(f"step error: {message}")
     failed = [name for name, result in RESULTS.items() if result != "ok"]
-    print(f"{len(RESULTS)} kernels compiled for sm_90, {len(failed)} failed")
-    return 1 if failed or not RESULTS else 0
+    print(f"{len(RESULTS)} kernels compiled for sm_90, {len(failed)} failed, {len(STEP_ERRORS)} step errors")
+    return 1 if failed or STEP_ERRORS or not RESULTS else 0
 
 
 if __name__ == "__main__":
