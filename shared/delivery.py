@@ -155,6 +155,7 @@ class Link(Generic[T]):
         """A fresh outgoing stream: what was sent and not acknowledged is given up."""
         self.stream = new_stream_id()
         self.sends = SendLog()
+        self.gap_due = -1
         if self.peer_receiver:
             self.retired_receivers = [*self.retired_receivers, self.peer_receiver][-MAX_RETIRED_STREAMS:]
         self.peer_receiver = 0
