@@ -61,7 +61,8 @@ def tcp_server(smollm2_dir: Path) -> Iterator[tuple[Server, dict[str, str]]]:
     flags = [f"--{name}-endpoint" if name != "api" else "--api-endpoints" for name in ENDPOINTS]
     args = [item for flag, name in zip(flags, ENDPOINTS, strict=True) for item in (flag, endpoints[name])]
     # Heartbeats cross the faulty sockets too (15% lost, 15% held back): 3 s of them on a loaded 2-core host is
-    # too tight a margin (a tokenizer stalled 3 s in its own loop took the scheduler for gone, 1 run in ~6)
+    # too tight a margin (seen in about 1 run of 6: the tokenizer took the scheduler for gone after 3 s without a
+    # frame, and the next frame came 2 ms later)
     args += ["--heartbeat-timeout", "10"]
     with running_server(smollm2_dir, *args, env={"PAGODA_TEST_FAULTS": FAULTS}) as server:
         yield server, endpoints
