@@ -5,7 +5,8 @@ length that is not a power of two, a plain global read inside a kernel, a dtype 
 first shows on the GPU machine, where time is short. This script replaces Triton's driver by one that reports an
 sm_90 target, turns every kernel launch into a compile-only warm-up (Triton's own `warmup=True` path: frontend,
 TTGIR, LLVM and ptxas, all bundled with the triton wheel), then runs small models through the Triton ops so each
-kernel is compiled with the constexprs and argument specialisations a real run gives them. Outputs are never
+kernel is compiled with the constexprs and argument specialisations a real run gives them; then the sampler's
+start-up warm-up, which launches every sampling-kernel variant a served batch can. Outputs are never
 computed (launches do nothing), so the models' numbers are garbage and only the compiles matter.
 
     TRITON_INTERPRET=0 python tests/gpu_compile.py      # tests/test_gpu_compile.py runs it in a subprocess
@@ -106,10 +107,20 @@ def run_models() -> None:
             print(f"{shape} {dtype} {variant}: run stopped ({type(exc).__name__}: {str(exc)[:120]})")
 
 
+def run_sampler() -> None:
+    """The sampler's start-up warm-up (every variant a served batch can launch) through the Triton kernels."""
+    from pagoda.services.worker.sampler import sample
+    from pagoda.services.worker.sampler_warmup import warm_up_sampler
+
+    warm_up_sampler(lambda logits, metadata: sample(logits, metadata, use_kernels=True), 4096, torch.bfloat16,
+                    torch.device("cpu"), [0])
+
+
 def main() -> int:
     install()
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
     run_models()
+    run_sampler()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
     for message in STEP_ERRORS:

@@ -1,5 +1,5 @@
-"""Every Triton kernel the model families launch compiles for sm_90 (tests/gpu_compile.py), checked on the CPU:
-the interpreter the rest of the suite uses accepts code the GPU compiler rejects."""
+"""Every Triton kernel the model families and the sampler launch compiles for sm_90 (tests/gpu_compile.py),
+checked on the CPU: the interpreter the rest of the suite uses accepts code the GPU compiler rejects."""
 
 from __future__ import annotations
 
@@ -19,6 +19,6 @@ def test_model_kernels_compile_for_hopper() -> None:
     assert "0 failed, 0 step errors" in done.stdout, report
     compiled = [line for line in done.stdout.splitlines() if line.endswith(": ok")]
     kernels = {line.split(":")[0] for line in compiled}
-    # the dense, FP8 (both paths), MoE and MLA kernels were all reached
+    # the dense, FP8 (both paths), MoE, MLA and sampling kernels were all reached
     assert {"_w8a16_kernel", "_fp8_gemm_kernel", "_paged_attention_kernel", "_moe_gemm_kernel",
-            "_mla_kernel"} <= kernels, report
+            "_mla_kernel", "_process_kernel", "_group_thresholds_kernel", "_top_p_row_kernel"} <= kernels, report
