@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,23 +29,13 @@ from typing import Any
 from pagoda.bench.data_parallel import serving
 from pagoda.bench.serve import run_level
 from pagoda.bench.workload import Workload
+from pagoda.launcher import free_ports
 
 MAX_COST = 0.03
 
 
-def _ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _tcp_flags(runtime_dir: str) -> list[str]:
-    scheduler, plan, result, stats, api = (f"tcp://127.0.0.1:{p}" for p in _ports(5))
+    scheduler, plan, result, stats, api = (f"tcp://127.0.0.1:{p}" for p in free_ports(5))
     return ["--runtime-dir", runtime_dir, "--scheduler-endpoint", scheduler, "--plan-endpoint", plan,
             "--result-endpoint", result, "--stats-endpoint", stats, "--api-endpoints", api]
 

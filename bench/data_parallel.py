@@ -27,13 +27,14 @@ import json
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from pagoda.launcher import free_ports
 
 WORDS = ("river stone light cloud answer garden number paper window yellow market engine quiet summer table "
          "letter orange simple travel winter silver forest coffee bridge pocket animal doctor planet music "
@@ -57,12 +58,6 @@ def workload(num_system: int, num_turns: int, system_words: int = 120) -> list[s
         prompts += [f"{system_prompt(s, system_words)}User turn {t}: tell me about "
                     f"{WORDS[(s * 7 + t) % len(WORDS)]}.\nAnswer:" for s in order]
     return prompts
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -111,7 +106,7 @@ class Server:
 @contextlib.contextmanager
 def serving(model: str, *extra: str, startup_timeout: float = 300.0) -> Iterator[Server]:
     """`pagoda serve` in a child process until the block ends (SIGTERM, then wait)."""
-    port = _free_port()
+    port = free_ports(1)[0]
     process = subprocess.Popen(
         [sys.executable, "-m", "pagoda.cli", "serve", "--model", model, "--port", str(port),
          "--served-model-name", "m", *extra], stdout=subprocess.PIPE, text=True)

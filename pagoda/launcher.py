@@ -69,10 +69,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that were free a moment ago (all held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def visible_devices(visible: str | None) -> list[str]:
@@ -112,7 +118,7 @@ def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
     arch = resolve_arch(engine_config.model, engine_config.load_format)
     check_divisible(arch, tp_size)
     if tp_size > 1 and engine_config.tp_init_address is None:
-        engine_config = replace(engine_config, tp_init_address=f"tcp://127.0.0.1:{_free_port()}")
+        engine_config = replace(engine_config, tp_init_address=f"tcp://127.0.0.1:{free_ports(1)[0]}")
     return engine_config
 
 
@@ -143,7 +149,7 @@ class Launcher:
         self._table_written = b""  # the process table's last contents (the console reads the file)
         tp_address = self.engine_config.tp_init_address
         self.replica_tp_address = [tp_address] + [  # each replica's ranks meet at their own address
-            f"tcp://127.0.0.1:{_free_port()}" if tp_address is not None else None
+            f"tcp://127.0.0.1:{free_ports(1)[0]}" if tp_address is not None else None
             for _ in range(1, self.server_config.data_parallel_size)]
 
     def _spawn(self, name: str, module: str, replica: int | None = None, **overrides: object) -> None:

@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,23 +19,13 @@ from typing import Any
 import httpx
 import openai
 
+from pagoda.launcher import free_ports
+
 SERVED = "smollm2-135m-instruct"
 # One HTTP client for the helpers (httpx.get/post/stream build a client, TLS context included, per call: 88 ms
 # of CPU each at load ~5 here, taken from the server under test), with a new connection per request as before.
 HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 METRIC_RE = re.compile(r"([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+|NaN|\+Inf)")
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports that were free a moment ago (all held open together while chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def free_port() -> int:
