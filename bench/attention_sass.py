@@ -23,14 +23,17 @@ import torch
 import triton
 
 MODES = {"bf16": 0, "native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5}
-VARIANTS = (("bf16", 64, 2), ("f16", 64, 2), ("f16", 128, 2), ("f16_words", 64, 2), ("f16_words", 128, 2),
-            ("f16_words", 128, 3), ("f16_vwords", 128, 2))  # (mode, keys a tile, stages); 4 warps
+VARIANTS = (("bf16", 64, 2, False), ("f16", 64, 2, False), ("f16", 128, 2, False), ("f16_words", 64, 2, False),
+            ("f16_words", 128, 2, False), ("f16_words", 128, 3, False), ("f16_vwords", 128, 2, False),
+            ("bf16", 64, 2, True), ("f16_words", 64, 2, True), ("f16_words", 128, 2, True))
+# (cache / conversion, keys a tile, stages, keys on the dots' M rows); 4 warps
 HEAD_DIM, BLOCK_SIZE, NUM_WARPS = 128, 16, 4
 SM_REGISTERS, SM_SHARED = 65536, 227 * 1024
 SASS_LINE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)")
 
 
-def compile_decode(mode: str, tile_n: int, stages: int, num_heads: int, num_kv_heads: int):  # -> CompiledKernel
+def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_heads: int,
+                   num_kv_heads: int):  # -> CompiledKernel
     from pagoda.kernels import paged_attention as pa
 
     num_seqs = 256
@@ -49,8 +52,8 @@ def compile_decode(mode: str, tile_n: int, stages: int, num_heads: int, num_kv_h
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
-        USE_ASM=True, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=tile_n, DECODE=True,
-        SKIP_DECODE=False, num_warps=NUM_WARPS, num_stages=stages, grid=(1,))
+        USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, num_warps=NUM_WARPS, num_stages=stages, grid=(1,))
 
 
 def disassemble(cubin: bytes) -> tuple[str, str]:
@@ -98,21 +101,22 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu_compile.driver.set_active(gpu_compile.CompileOnlyDriver())
     print(f"decode, {args.heads} q / {args.kv_heads} kv heads, head_dim {HEAD_DIM}, {NUM_WARPS} warps, sm_90")
-    print("| cache / convert | keys a tile | stages | regs | shared KB | programs/SM | loop instrs a tile | "
-          "per KV byte (x1000) | top loop instructions |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for mode, tile_n, stages in VARIANTS:
-        kernel = compile_decode(mode, tile_n, stages, args.heads, args.kv_heads)
+    print("| cache / convert | keys a tile | stages | keys on M | regs | shared KB | programs/SM | "
+          "loop instrs a tile | per KV byte (x1000) | top loop instructions |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    for mode, tile_n, stages, keys_on_m in VARIANTS:
+        kernel = compile_decode(mode, tile_n, stages, keys_on_m, args.heads, args.kv_heads)
         sass, usage = disassemble(kernel.asm["cubin"])
         regs = int(re.search(r"REG:(\d+)", usage).group(1))
         shared = kernel.metadata.shared
         per_sm = min(SM_REGISTERS // (regs * 32 * NUM_WARPS), SM_SHARED // max(shared, 1))
-        body = max(loop_bodies(sass), key=len)  # the unmasked tile loop: the longest (the masked one runs once)
-        unmasked = min((b for b in loop_bodies(sass) if len(b) > 100), key=len, default=body)
+        # the unmasked tile loop: the shortest long loop (the masked loop adds the causal and key masks)
+        unmasked = min((b for b in loop_bodies(sass) if len(b) > 100), key=len)
         tile_bytes = 2 * tile_n * HEAD_DIM * (2 if mode == "bf16" else 1)  # K and V
         warp_instrs = len(unmasked) * NUM_WARPS
         top = ", ".join(f"{op} {n}" for op, n in collections.Counter(unmasked).most_common(6))
-        print(f"| {mode} | {tile_n} | {stages} | {regs} | {shared / 1024:.0f} | {per_sm} | {len(unmasked)} | "
+        print(f"| {mode} | {tile_n} | {stages} | {'yes' if keys_on_m else 'no'} | {regs} | {shared / 1024:.0f} | "
+              f"{per_sm} | {len(unmasked)} | "
               f"{1000 * warp_instrs / tile_bytes:.0f} | {top} |")
     return 0
 

@@ -54,6 +54,11 @@ DECODE_VARIANTS = (
     Variant("fp8_words_t128_s3", True, {"fp8_convert": "f16_words", "decode_tile_n": 128, "decode_num_stages": 3}),
     Variant("fp8_words_t64_s3", True, {"fp8_convert": "f16_words", "decode_tile_n": 64, "decode_num_stages": 3}),
     Variant("fp8_vwords_t128", True, {"fp8_convert": "f16_vwords", "decode_tile_n": 128}),
+    # transposed decode dots: keys on M (Hopper wgmma, 64-row multiples), query heads on N
+    Variant("fp8_words_t64_kom", True, {"fp8_convert": "f16_words", "decode_tile_n": 64, "decode_keys_on_m": True}),
+    Variant("fp8_words_t128_kom", True, {"fp8_convert": "f16_words", "decode_tile_n": 128,
+                                         "decode_keys_on_m": True}),
+    Variant("bf16_kom", False, {"decode_keys_on_m": True}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 CHUNK_VARIANTS = (
@@ -213,7 +218,7 @@ def print_summary(results: list[dict[str, Any]]) -> None:
     for model, kind, num_seqs, ctx in shapes:
         rows = {r["variant"]: r for r in results if (r["model"], r["kind"], r["B"], r["ctx"]) == (model, kind, num_seqs,
                                                                                                    ctx) and "us" in r}
-        fp8 = [r for name, r in rows.items() if name not in ("bf16", "fp8_default")]
+        fp8 = [r for name, r in rows.items() if name.startswith("fp8") and name != "fp8_default"]
         if "bf16" not in rows or "fp8_default" not in rows or not fp8:
             continue
         best = min(fp8, key=lambda r: r["us"])

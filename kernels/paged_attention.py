@@ -54,6 +54,7 @@ class AttentionConfig:
     prefill_num_stages: int = 1
     heads_fast: bool = False  # grid axis 0 = kv head: a sequence's kv heads run side by side (adjacent cache bytes)
     fp8_convert: str = "f16_words"  # fp8 cache with a 16-bit q: how K/V tiles are converted (FP8_CONVERTS)
+    decode_keys_on_m: bool = False  # decode dots transposed: keys on the M rows, the G query heads on N
 
 
 @functools.lru_cache(maxsize=8)
@@ -205,7 +206,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
                   qk_scale, row_pos, kv_end, tile_lo, tile_hi,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr,
-                  USE_ASM: tl.constexpr):
+                  USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
     limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised). Byte tiles
     a word mode does not use are dead code the compiler drops."""
@@ -256,15 +257,26 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         elif FP8_MODE == 3:
             k = _e4m3_to_f16_bits(k)
             v = _e4m3_to_f16_bits(v)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        if MASKED:
-            s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
+        if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
+            if MASKED:
+                s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))  # [BLOCK_M]
+            alpha = tl.exp2(m_i - m_new)
+            p_t = tl.exp2(s_t - m_new[None, :])  # [TILE_N, BLOCK_M]
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc, input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+            if MASKED:
+                s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
         m_i = m_new
     return acc, l_i, m_i
 
@@ -299,7 +311,7 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr):
+        FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -373,7 +385,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    if KEYS_ON_M:
+        acc = tl.zeros([HEAD_DIM_P, BLOCK_M], tl.float32)  # transposed until the tiles are done
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     if FP8_MODE >= 2:  # fp16 dots: q scaled once so its amax is _F16_Q_AMAX, the inverse folded into qk_scale
@@ -387,11 +402,15 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
+                                  KEYS_ON_M)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
+                                  KEYS_ON_M)
+    if KEYS_ON_M:
+        acc = tl.trans(acc)  # [BLOCK_M, HEAD_DIM_P]
     if FP8_MODE != 0:  # sum_j p_j (v_fp8_j * v_scale) = v_scale * sum_j p_j v_fp8_j (also for split partials)
         v_scale = tl.load(v_scale_ptr)
         if FP8_MODE == 3:  # f16_bits values are e4m3 * 2^-8
@@ -552,14 +571,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
-            DECODE=True, SKIP_DECODE=False, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, num_warps=config.decode_num_warps,
+            num_stages=config.decode_num_stages)
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
         block_q = block_m // group
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
-            DECODE=False, SKIP_DECODE=True, num_warps=config.prefill_num_warps,
+            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, num_warps=config.prefill_num_warps,
             num_stages=config.prefill_num_stages)
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](

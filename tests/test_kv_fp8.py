@@ -92,6 +92,17 @@ def test_fp8_decode_wide_tiles_match_reference(convert: str, num_splits: int) ->
     _check(case, config, ATOL[torch.float16])
 
 
+@pytest.mark.parametrize("convert", ["f16", "f16_words"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fp8_decode_keys_on_m_matches_reference(convert: str, num_splits: int) -> None:
+    """Transposed decode dots (keys on M, the query heads on N) over whole and partial 64-key tiles, beside a
+    chunk over cached context (which keeps the untransposed tiles)."""
+    case = _fp8_case([1, 1, 4, 1], [150, 7, 40, 64], torch.float16, num_heads=8, num_kv_heads=2, seed=5)
+    config = AttentionConfig(num_splits=num_splits, decode_tile_n=64, fp8_convert=convert, decode_keys_on_m=True,
+                             prefill_block_m=16, prefill_tile_n=16)
+    _check(case, config, ATOL[torch.float16])
+
+
 @pytest.mark.parametrize("q_amax", [1e-3, 6e4])
 def test_fp8_fp16_dots_keep_q_in_range(q_amax: float) -> None:
     """q is rescaled to fp16 once per program: a tiny q keeps its precision (no subnormal fp16), and a bf16 q
