@@ -10,8 +10,11 @@ model dtype or fp8 e4m3 with one per-tensor scale. Every query head reads the sa
 - `mla_attention`: absorbed attention. The caller folds W_UK into the query, q = [q_nope @ W_UK ‖ q_pe]
   [T, heads, R + P]; scores are q . entry over all R + P values, values are the latent part, and the output is
   the latent-space mix [T, heads, R] to which the caller applies W_UV. Decode rows run one program per (sequence,
-  block of heads, KV split), flash-decoding style; chunks of several queries run in tiles of BLOCK_Q tokens x
-  BLOCK_H heads. A chunk longer than `max_absorbed_query_len` is skipped: its rows belong to the expanded path.
+  block of heads, KV split), flash-decoding style: 64 heads a program from 64 heads on (the M dim of Hopper's
+  wgmma; per latent token 2 x 64 x (576 + 512) FLOPs for 1152 bytes, above the H200's ridge: compute-bound), else
+  transposed with the keys as the M dim (16 heads: memory-bound); chunks of several queries run in tiles of
+  BLOCK_Q tokens x BLOCK_H heads. An fp8 cache's tiles convert to fp16 in registers (q scaled once to fp16).
+  A chunk longer than `max_absorbed_query_len` is skipped: its rows belong to the expanded path.
 - `mla_expanded_attention`: the expanded path for long chunks: gather the sequences' latents, W_UK/W_UV
   expansion by one GEMM (kv_b_proj) into per-head K [L, heads, Dn + P] and V [L, heads, Dv], then the
   multi-head paged attention kernel of kernels/paged_attention.py over them.
