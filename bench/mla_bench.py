@@ -10,6 +10,7 @@
   capacity KV blocks per GiB of the latent cache (the worker's layout) against the same model with per-head K/V.
 
     python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity] [--sweep] [--quick] [--out FILE]
+    python -m pagoda.bench.mla_bench --parts none --sweep    # the decode launch-shape sweep alone
     python -m pagoda.bench.mla_bench --smoke    # tiny shapes on CPU (Triton interpreter): checks the script runs
 
 Every timed configuration is first checked against the PyTorch reference. JSON goes to --out, else to
@@ -155,11 +156,13 @@ SWEEP = {  # (heads): launch shapes tried by --sweep at B = 256, ctx 1k, both ca
 }
 
 
-def decode_part(device: str, quick: bool, sweep: bool, smoke: bool) -> list[dict[str, Any]]:
+def decode_part(device: str, quick: bool, sweep: bool, smoke: bool, grid_rows: bool = True) -> list[dict[str, Any]]:
     from pagoda.kernels.mla import pick_mla_config
 
     rows = []
-    if smoke:
+    if not grid_rows:
+        grid = []
+    elif smoke:
         grid = [(SMOKE_DIMS, 2, 40, torch.float32), (SMOKE_DIMS, 3, 40, torch.float8_e4m3fn)]
     else:
         grid = [(Dims(h), b, ctx, cd) for h in (16, 128) for b in (1, 64, 256) for ctx in (1024, 4096)
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         print(torch.cuda.get_device_name(), flush=True)
     if "decode" in parts:
         rows += decode_part(device, args.quick, args.sweep, args.smoke)
+    elif args.sweep:  # the sweep alone
+        rows += decode_part(device, args.quick, True, args.smoke, grid_rows=False)
     if "prefill" in parts:
         rows += prefill_part(device, args.quick, args.smoke)
     if "capacity" in parts:
