@@ -1,0 +1,147 @@
+"""Host cost of constrained decoding per step, no model: what a step of K grammar rows asks of the CPU.
+
+Runs K matchers of bench/structured.py's schema (an array of >= 200 strings of >= 16 characters) with a real
+tokenizer (SmolLM2's, masks 49,152 ids wide: the dummy qwen3-0.6b shape shrinks its vocabulary to the tokenizer's, as in the GPU benchmark),
+feeding each row a random token its mask allows (what greedy on dummy weights draws), and times per step:
+
+    raw_consume   llguidance's consume_token_par (or consume_token per row with 1 thread) alone
+    raw_fill      fill_next_token_bitmask_par (or fill_next_token_bitmask per row) alone, into one buffer
+    accept        GrammarRows.accept: the worker's call, Python bookkeeping included
+    bitmask       GrammarRows.bitmask: the worker's call (row lookup, fill, flags, index)
+    overhead      accept + bitmask - raw_consume - raw_fill: the Python around llguidance
+
+for K in --rows and the executor's thread counts in --threads.
+
+    python -m pagoda.bench.grammar_step                      # K = 64, 256; 1 and 2 threads (and more if the CPU has)
+    python -m pagoda.bench.grammar_step --rows 256 --threads 12 --steps 100
+
+JSON goes to $OUT/grammar_step.json when OUT is set (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import llguidance.torch
+import numpy as np
+import torch
+
+from pagoda.bench.structured import LONG_SCHEMA
+from pagoda.services.grammar.compiler import load_ll_tokenizer
+from pagoda.shared.hf_tokenizer import load_hf_tokenizer
+from pagoda.services.worker import grammar as grammar_module
+from pagoda.services.worker.grammar import GrammarRows
+from pagoda.shared.config import DEFAULT_MODEL_DIR
+from pagoda.shared.messages import NewRequest, SamplingParams, StructuredOutputs
+
+VOCAB_SIZE = 49152  # the qwen3-0.6b shape fitted to SmolLM2's tokenizer (bench/structured.py's GPU run)
+PARTS = ("raw_consume", "raw_fill", "accept", "bitmask", "overhead")
+
+
+def pick_tokens(mask: torch.Tensor, rng: np.random.Generator, real_vocab: int) -> list[int]:
+    """One allowed token per row of `mask` [K, W] int32: random ids tried until one's bit is set."""
+    words = mask.numpy().view(np.uint32)  # [K, W]
+    picked = []
+    for row in words:
+        for _ in range(64):
+            token = int(rng.integers(0, real_vocab))
+            if (row[token >> 5] >> (token & 31)) & 1:
+                break
+        else:  # a narrow mask (a comma, a quote): take one of its allowed ids
+            bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+            token = int(rng.choice(np.flatnonzero(bits)))
+        picked.append(token)
+    return picked
+
+
+def new_request(seq_id: int) -> NewRequest:
+    params = SamplingParams(max_tokens=4096, structured_outputs=StructuredOutputs(json=LONG_SCHEMA))
+    return NewRequest(seq_id=seq_id, token_ids=[1, 2, 3], num_prompt_tokens=3, block_ids=[], num_computed_tokens=0,
+                      sampling=params, seed=0)
+
+
+def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, threads: int, steps: int,
+             seed: int) -> dict[str, Any]:
+    """`steps` steps of `num_rows` rows; per-part times per step (ms, median and p90)."""
+    grammar_module.available_cpus = lambda: max(threads, grammar_module.PARALLEL_MIN_CPUS)  # type: ignore
+    rows = GrammarRows(lambda: tokenizer, VOCAB_SIZE)
+    rows._executor = llguidance.LLExecutor(num_threads=threads)
+    parallel = threads > 1
+    seq_ids = list(range(num_rows))
+    for seq_id in seq_ids:
+        rows.add(new_request(seq_id))
+    rng = np.random.default_rng(seed)
+    spare = llguidance.torch.allocate_token_bitmask(num_rows, VOCAB_SIZE)  # [K, W]: raw_fill's own buffer
+    times: dict[str, list[float]] = {part: [] for part in PARTS}
+    masks = rows.bitmask(seq_ids)  # compiles (once) and fills step 0's masks
+    assert masks is not None
+    for _ in range(steps):
+        token_ids = pick_tokens(masks[1], rng, real_vocab)
+        matchers = [rows._seqs[seq_id].matcher for seq_id in seq_ids]
+        copies = [m.deep_copy() for m in matchers]  # raw calls run on copies: the timed worker calls see fresh state
+        started = time.perf_counter()
+        if parallel:
+            llguidance.torch.consume_token_par(rows._executor, list(zip(copies, token_ids, strict=True)))
+        else:
+            for matcher, token_id in zip(copies, token_ids, strict=True):
+                matcher.consume_token(token_id)
+        times["raw_consume"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        if parallel:
+            llguidance.torch.fill_next_token_bitmask_par(rows._executor, [(m, k) for k, m in enumerate(copies)],
+                                                         spare)
+        else:
+            for k, matcher in enumerate(copies):
+                llguidance.torch.fill_next_token_bitmask(matcher, spare, k)
+        times["raw_fill"].append(time.perf_counter() - started)
+        grammar_module.PARALLEL_ROWS = 2 if parallel else 1 << 30
+        started = time.perf_counter()
+        rows.accept(seq_ids, token_ids)
+        times["accept"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        masks = rows.bitmask(seq_ids)
+        times["bitmask"].append(time.perf_counter() - started)
+        assert masks is not None and torch.equal(masks[1], spare), "the worker's masks differ from llguidance's"
+        times["overhead"].append(times["accept"][-1] + times["bitmask"][-1] - times["raw_consume"][-1]
+                                 - times["raw_fill"][-1])
+    stopped = sum(rows._seqs[s].matcher.is_stopped() for s in seq_ids)
+    return {"rows": num_rows, "threads": threads, "steps": steps, "rows_stopped": stopped,
+            **{part: {"median_ms": statistics.median(v) * 1e3, "p90_ms": float(np.percentile(v, 90)) * 1e3}
+               for part, v in times.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="executor threads (default: 1, 2 and this process's CPUs)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    cpus = grammar_module.available_cpus()
+    threads = args.threads or sorted({1, 2, cpus})
+    tokenizer = load_ll_tokenizer(args.tokenizer, VOCAB_SIZE, [])
+    real_vocab = len(load_hf_tokenizer(args.tokenizer))  # the ids the tokenizer really has (49,152 for SmolLM2)
+    results = [run_case(tokenizer, real_vocab, k, t, args.steps, args.seed) for k in args.rows for t in threads]
+    print(f"grammar host cost per step, ms (median / p90), {cpus} CPUs, vocab width {VOCAB_SIZE}")
+    print(f"{'rows':>5} {'thr':>4} " + " ".join(f"{part:>15}" for part in PARTS) + "   total")
+    for r in results:
+        total = r["accept"]["median_ms"] + r["bitmask"]["median_ms"]
+        print(f"{r['rows']:>5} {r['threads']:>4} "
+              + " ".join(f"{r[p]['median_ms']:7.2f}/{r[p]['p90_ms']:<7.2f}" for p in PARTS) + f" {total:7.2f}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "grammar_step.json").write_text(json.dumps({"cpus": cpus, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
