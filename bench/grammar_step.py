@@ -1,7 +1,7 @@
 """Host cost of constrained decoding per step, no model: what a step of K grammar rows asks of the CPU.
 
 Runs K matchers of bench/structured.py's schema (an array of >= 200 strings of >= 16 characters) with a real
-tokenizer (SmolLM2's, masks 49,152 ids wide: the dummy qwen3-0.6b shape shrinks its vocabulary to the tokenizer's, as in the GPU benchmark),
+tokenizer (SmolLM2's; masks 49,152 ids wide: the dummy qwen3-0.6b shape fits its vocabulary to it),
 feeding each row a random token its mask allows (what greedy on dummy weights draws), and times per step:
 
     raw_consume   llguidance's consume_token_par (or consume_token per row with 1 thread) alone
@@ -35,10 +35,10 @@ import torch
 
 from pagoda.bench.structured import LONG_SCHEMA
 from pagoda.services.grammar.compiler import load_ll_tokenizer
-from pagoda.shared.hf_tokenizer import load_hf_tokenizer
 from pagoda.services.worker import grammar as grammar_module
 from pagoda.services.worker.grammar import GrammarRows
 from pagoda.shared.config import DEFAULT_MODEL_DIR
+from pagoda.shared.hf_tokenizer import load_hf_tokenizer
 from pagoda.shared.messages import NewRequest, SamplingParams, StructuredOutputs
 
 VOCAB_SIZE = 49152  # the qwen3-0.6b shape fitted to SmolLM2's tokenizer (bench/structured.py's GPU run)

@@ -114,3 +114,42 @@ def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_di
         assert bool(deferred) == fast  # the fast path deferred constrained steps' sampling; the serial never
     assert results[True] == results[False]
     assert results[True][2][1] in ("red", "green", "blue")
+
+
+def test_masks_fill_on_a_thread_after_the_result_is_out(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """resume() hands the deferred step's accept + mask fill to the mask thread and returns at once (the engine
+    applies result N and plans N + 2 meanwhile); while they fill, the step is not done (the service keeps
+    listening for the next plan); the next launch waits for them; the tokens equal the serial path's."""
+    from pagoda import LLM
+    from pagoda.services.worker.model_runner import ModelRunner
+
+    resumed = threading.Event()  # set once resume() has returned to its caller
+    started_after_return: list[bool] = []
+    busy_while_filling: list[bool] = []
+    fill = GrammarRows.advance_and_fill
+
+    def gated_fill(self: GrammarRows, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]):  # noqa: ANN202
+        started_after_return.append(resumed.wait(30))  # False: resume() waited for this job (deadlock for 30 s)
+        return fill(self, accepts, seq_ids)
+
+    resume = ModelRunner.resume
+
+    def observed_resume(self: ModelRunner) -> None:
+        resumed.clear()
+        had_job = self._masks_job is not None
+        resume(self)
+        if self._masks_job is not None and not had_job:
+            busy_while_filling.append(not self.step_done())
+        resumed.set()
+
+    monkeypatch.setattr(GrammarRows, "advance_and_fill", gated_fill)
+    monkeypatch.setattr(ModelRunner, "resume", observed_resume)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=StructuredOutputs(json=SCHEMA)),
+              SamplingParams(max_tokens=10, temperature=0.0)]
+    prompts = ["Describe a person as JSON:", "Once upon a time"]
+    fast = LLM(str(smollm2_dir), async_scheduling=True, max_model_len=256).generate(prompts, params)
+    monkeypatch.undo()
+    serial = LLM(str(smollm2_dir), async_scheduling=False, max_model_len=256).generate(prompts, params)
+    assert started_after_return and all(started_after_return)
+    assert busy_while_filling and all(busy_while_filling)
+    assert [c.token_ids for o in fast for c in o.outputs] == [c.token_ids for o in serial for c in o.outputs]

@@ -48,6 +48,8 @@ from pagoda.shared.shapes import ModelArch
 
 log = logging.getLogger(__name__)
 
+GrammarMasks = tuple[np.ndarray, torch.Tensor, np.ndarray]  # flags [B] bool, masks [K, W] int32, their rows [K]
+
 MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copied for each sequence
 # From this many constrained rows, on a machine with this many CPUs, masks are filled and tokens consumed by
 # llguidance's thread pool (a mask costs ~30-80 us for a 150k vocabulary: 256 rows serially would cost more
@@ -143,7 +145,7 @@ class GrammarRows:
 
     # ---------------------------------------------------------------- per step
 
-    def bitmask(self, seq_ids: list[int]) -> tuple[np.ndarray, torch.Tensor, np.ndarray] | None:
+    def bitmask(self, seq_ids: list[int]) -> GrammarMasks | None:
         """For this step's sampled rows [B]: (flags [B] bool, True where the row has an active matcher or
         allowed_token_ids; the masks of those K rows, [K, W] int32 on the host; their batch rows [K] int64), or
         None when no row is constrained. A row whose matcher still compiles waits for it here. The masks are one
@@ -203,6 +205,13 @@ class GrammarRows:
         for _, seq, token_id in rows:
             if seq.matcher is None:
                 self._watch_reasoning(seq, token_id)
+
+    def advance_and_fill(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]) -> GrammarMasks | None:
+        """accept() each step's tokens in order, then bitmask(seq_ids): one step's host work, which the runner
+        runs on a thread while its own thread goes on (llguidance's calls release the GIL)."""
+        for accepted_ids, token_ids in accepts:
+            self.accept(accepted_ids, token_ids)
+        return self.bitmask(seq_ids)
 
     # ---------------------------------------------------------------- internals
 

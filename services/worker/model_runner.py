@@ -18,6 +18,7 @@ import os
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,7 +28,7 @@ import torch
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
-from pagoda.services.worker.grammar import GrammarRows, grammar_tokenizer_loader
+from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, beam_candidates
@@ -151,6 +152,11 @@ class ModelRunner:
         self._launched: deque[LaunchedStep] = deque()  # oldest first
         # launched, its sampling waiting for grammar masks: (step, inputs, logits, timer start); see resume()
         self._deferred: tuple[LaunchedStep, HostBatch, torch.Tensor, torch.cuda.Event | None] | None = None
+        # sampled tokens the host has whose matchers have not consumed them yet (seq ids, token ids), in step order
+        self._unaccepted: list[tuple[list[int], list[int]]] = []
+        self._masks_job: Future[GrammarMasks | None] | None = None  # the deferred step's masks, on _mask_thread
+        self._masks_for: list[int] = []  # the sequences (in sampling order) the job fills masks for
+        self._mask_thread: ThreadPoolExecutor | None = None
         self._mask_rows: torch.Tensor | None = None  # [R, W] int32 on the device: this step's grammar masks
         self._lost: set[int] = set()  # requests of failed steps: later plans in flight may still name them
         self.step_timer: StepTimer | None = None
@@ -321,7 +327,8 @@ class ModelRunner:
             return True
 
     def _launch(self, sent: StepPlan) -> bool:
-        self.resume()  # a step deferred for its masks samples before the next one's forward reads its tokens
+        self._complete_deferred()  # a step deferred for its masks samples before the next forward reads its tokens
+        self._grammar_barrier()
         plan, refused = self._refuse_bad_requests(self._without_lost(sent))
         forked_rows = self.state.apply(plan)
         self.pending_step[forked_rows] = -1  # a beam's token comes with the plan
@@ -366,11 +373,30 @@ class ModelRunner:
             return False
         return self.grammars.has_matchers([step.plan.seq_ids[i] for i in host.sampled.tolist()])
 
-    @torch.inference_mode()
     def resume(self) -> None:
-        """Sample the step that launch() deferred for its grammar masks, now that the steps before it have
-        finished (their tokens advanced the matchers): masks fill while its forward runs on the device, and only
-        then is its sampling enqueued. A no-op when nothing waits."""
+        """Result N is out: start filling the masks of the step that launch() deferred (N + 1), after the steps
+        before it have finished (their tokens advance the matchers first). The matchers advance and the masks fill
+        on a thread (llguidance releases the GIL) while this thread goes on (the engine applies result N and plans
+        N + 2; the service waits for that plan) and the device runs N + 1's forward; the next launch() or finish()
+        enqueues N + 1's sampling with them. A no-op when nothing waits."""
+        if self._deferred is None or self._masks_job is not None:
+            return
+        step = self._deferred[0]
+        self._sync_before(step)
+        seq_ids = [step.plan.seq_ids[i] for i in self._deferred[1].sampled.tolist()]
+        accepts, self._unaccepted = self._unaccepted, []
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+        self._masks_job = self._mask_thread.submit(self.grammars.advance_and_fill, accepts, seq_ids)
+        self._masks_for = seq_ids
+
+    def masks_pending(self) -> bool:
+        """The deferred step's masks are still filling (its sampling cannot be enqueued yet)."""
+        return self._masks_job is not None and not self._masks_job.done()
+
+    @torch.inference_mode()
+    def _complete_deferred(self) -> None:
+        """Enqueue the deferred step's sampling (waiting for its masks); a no-op when nothing waits."""
         if self._deferred is None:
             return
         step, host, logits, timer_start = self._deferred
@@ -379,10 +405,24 @@ class ModelRunner:
             self._sample(step, host, logits)
         except Exception as exc:  # noqa: BLE001 - as in launch(): the step fails, the worker goes on
             log.error("step %d failed:\n%s", step.plan.step_id, traceback.format_exc())
-            self.recover(step.plan)
+            self.recover(step.plan)  # waits for the mask job (_drop)
             step.error, step.synced = f"{type(exc).__name__}: {exc}", True
             return
+        self._grammar_barrier()  # a job _sample did not use (its rows were all beams) must not outlive its step
         self._record(step, timer_start)
+
+    def _grammar_barrier(self) -> None:
+        """The matchers are this thread's again: the mask job is over and every synced token is consumed."""
+        if self._masks_job is not None:
+            try:
+                self._masks_job.result()
+            except Exception:  # noqa: BLE001 - the step that owned the job failed already; its error is out
+                log.exception("grammar masks failed")
+            self._masks_job = None
+        if self._unaccepted:
+            accepts, self._unaccepted = self._unaccepted, []
+            for seq_ids, token_ids in accepts:
+                self.grammars.accept(seq_ids, token_ids)
 
     def _copy_blocks(self, pairs: list[int]) -> None:
         """Beam search copy-on-write: whole KV blocks, (source, destination) pairs flattened, on every layer; a
@@ -529,15 +569,21 @@ class ModelRunner:
             self.step_timer.steps.append((step.is_decode, timer_start, step.event))
 
     def step_done(self) -> bool:
-        """The oldest launched step's device work and copies are complete (finish() will not wait)."""
+        """The oldest launched step's device work and copies are complete (finish() will not wait). A deferred
+        oldest step is not, until its masks are ready: then its sampling is enqueued here."""
         step = self._launched[0]
+        if self._deferred is not None and self._deferred[0] is step:
+            if self.masks_pending():
+                return False
+            self._complete_deferred()
         return step.event is None or step.event.query()
 
     @torch.inference_mode()
     def finish(self) -> StepResult:
         """Wait for the oldest launched step; its tokens go into host state and the result."""
         if self._deferred is not None and self._deferred[0] is self._launched[0]:
-            self.resume()  # nobody resumed it: its sampling must run before its result
+            self.resume()  # masks not started yet (nobody resumed it): start them
+            self._complete_deferred()  # its sampling must run before its result
         step = self._launched.popleft()
         try:
             self._sync(step)
@@ -564,9 +610,9 @@ class ModelRunner:
                             count=len(step.seq_ids))  # [S] rows not dropped (or reused) since the launch
         rows = step.rows[owned]
         state.token_ids[rows, step.positions[owned]] = token_ids[owned]
-        if self.grammars.active:  # matchers advance once per token, in step order
-            self.grammars.accept([r for r, keep in zip(step.seq_ids, owned.tolist(), strict=True) if keep],
-                                 token_ids[owned].tolist())
+        if self.grammars.active:  # matchers advance once per token, in step order (_grammar_barrier, the mask job)
+            self._unaccepted.append(([r for r, keep in zip(step.seq_ids, owned.tolist(), strict=True) if keep],
+                                     token_ids[owned].tolist()))
         mine = rows[self.pending_step[rows] == step.plan.step_id]
         self.pending_step[mine] = -1
 
@@ -614,6 +660,7 @@ class ModelRunner:
 
     def discard_launched(self) -> None:
         """Forget every launched step (the caller gave up on their results); wait for the device first."""
+        self._grammar_barrier()
         self._deferred = None
         while self._launched:
             step = self._launched.popleft()
@@ -649,7 +696,12 @@ class ModelRunner:
     def _attach_grammar_masks(self, metadata: SamplingMetadata, seq_ids: list[int]) -> None:
         """Structured outputs: the constrained rows' token bitmasks join the sampler's fused pass (the other
         rows are flagged off and pay nothing)."""
-        masks = self.grammars.bitmask(seq_ids)
+        if self._masks_job is not None and self._masks_for == seq_ids:  # filled on the mask thread since resume()
+            job, self._masks_job = self._masks_job, None
+            masks = job.result()
+        else:
+            self._grammar_barrier()
+            masks = self.grammars.bitmask(seq_ids)
         if masks is None:
             return
         flags, compact, index = masks  # [B] bool, [K, W] int32 on the host (pinned on CUDA), [K] their rows
@@ -727,6 +779,7 @@ class ModelRunner:
     def _drop(self, seq_ids: list[int]) -> None:
         """Forget these requests (failed): their rows are free; later plans in flight may still name them."""
         state = self.state
+        self._grammar_barrier()
         self.grammars.drop(seq_ids)
         for seq_id in seq_ids:
             row = state.row_of.pop(seq_id, None)
