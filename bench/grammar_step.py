@@ -9,6 +9,9 @@ feeding each row a random token its mask allows (what greedy on dummy weights dr
     accept        GrammarRows.accept: the worker's call, Python bookkeeping included
     bitmask       GrammarRows.bitmask: the worker's call (row lookup, fill, flags, index)
     overhead      accept + bitmask - raw_consume - raw_fill: the Python around llguidance
+    on_thread     advance_and_fill (accept + bitmask) on the runner's mask thread while this thread runs
+                  --main-python-ms of pure Python (the engine applying a result and planning the next step):
+                  from submit to done; the GIL the two share shows here (sys.getswitchinterval() matters)
 
 for K in --rows and the executor's thread counts in --threads.
 
@@ -24,7 +27,9 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +47,7 @@ from pagoda.shared.hf_tokenizer import load_hf_tokenizer
 from pagoda.shared.messages import NewRequest, SamplingParams, StructuredOutputs
 
 VOCAB_SIZE = 49152  # the qwen3-0.6b shape fitted to SmolLM2's tokenizer (bench/structured.py's GPU run)
-PARTS = ("raw_consume", "raw_fill", "accept", "bitmask", "overhead")
+PARTS = ("raw_consume", "raw_fill", "accept", "bitmask", "overhead", "on_thread")
 
 
 def pick_tokens(mask: torch.Tensor, rng: np.random.Generator, real_vocab: int) -> list[int]:
@@ -67,8 +72,24 @@ def new_request(seq_id: int) -> NewRequest:
                       sampling=params, seed=0)
 
 
+def python_work(seconds: float) -> None:
+    """Pure-Python work holding the GIL for `seconds` (dict and list churn, as a scheduler update does)."""
+    stop = time.perf_counter() + seconds
+    table: dict[int, list[int]] = {}
+    while time.perf_counter() < stop:
+        for i in range(200):
+            table[i] = [i, i + 1]
+
+
+def timed_fill(rows: GrammarRows, token_ids: list[int], seq_ids: list[int]) -> tuple[Any, float]:
+    """The runner's mask job, and when it ended."""
+    masks = rows.advance_and_fill([(seq_ids, token_ids)], seq_ids)
+    assert masks is not None
+    return masks, time.perf_counter()
+
+
 def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, threads: int, steps: int,
-             seed: int) -> dict[str, Any]:
+             seed: int, main_python_s: float) -> dict[str, Any]:
     """`steps` steps of `num_rows` rows; per-part times per step (ms, median and p90)."""
     grammar_module.available_cpus = lambda: max(threads, grammar_module.PARALLEL_MIN_CPUS)  # type: ignore
     rows = GrammarRows(lambda: tokenizer, VOCAB_SIZE)
@@ -80,6 +101,7 @@ def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, 
     rng = np.random.default_rng(seed)
     spare = llguidance.torch.allocate_token_bitmask(num_rows, VOCAB_SIZE)  # [K, W]: raw_fill's own buffer
     times: dict[str, list[float]] = {part: [] for part in PARTS}
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
     masks = rows.bitmask(seq_ids)  # compiles (once) and fills step 0's masks
     assert masks is not None
     for _ in range(steps):
@@ -111,6 +133,13 @@ def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, 
         assert masks is not None and torch.equal(masks[1], spare), "the worker's masks differ from llguidance's"
         times["overhead"].append(times["accept"][-1] + times["bitmask"][-1] - times["raw_consume"][-1]
                                  - times["raw_fill"][-1])
+        token_ids = pick_tokens(masks[1], rng, real_vocab)
+        grammar_module.PARALLEL_ROWS = 2  # on the thread, always llguidance's pool (one GIL-free call each)
+        started = time.perf_counter()
+        job = pool.submit(timed_fill, rows, token_ids, seq_ids)
+        python_work(main_python_s)
+        masks, ended = job.result()
+        times["on_thread"].append(ended - started)
     stopped = sum(rows._seqs[s].matcher.is_stopped() for s in seq_ids)
     return {"rows": num_rows, "threads": threads, "steps": steps, "rows_stopped": stopped,
             **{part: {"median_ms": statistics.median(v) * 1e3, "p90_ms": float(np.percentile(v, 90)) * 1e3}
@@ -125,14 +154,21 @@ def main() -> None:
                         help="executor threads (default: 1, 2 and this process's CPUs)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--main-python-ms", type=float, default=2.0,
+                        help="Python the main thread runs while the mask job runs (on_thread)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (ms)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     cpus = grammar_module.available_cpus()
     threads = args.threads or sorted({1, 2, cpus})
     tokenizer = load_ll_tokenizer(args.tokenizer, VOCAB_SIZE, [])
     real_vocab = len(load_hf_tokenizer(args.tokenizer))  # the ids the tokenizer really has (49,152 for SmolLM2)
-    results = [run_case(tokenizer, real_vocab, k, t, args.steps, args.seed) for k in args.rows for t in threads]
-    print(f"grammar host cost per step, ms (median / p90), {cpus} CPUs, vocab width {VOCAB_SIZE}")
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    results = [run_case(tokenizer, real_vocab, k, t, args.steps, args.seed, args.main_python_ms / 1e3)
+               for k in args.rows for t in threads]
+    print(f"grammar host cost per step, ms (median / p90), {cpus} CPUs, vocab width {VOCAB_SIZE}; on_thread with "
+          f"{args.main_python_ms} ms of Python beside it, GIL switch interval {sys.getswitchinterval() * 1e3} ms")
     print(f"{'rows':>5} {'thr':>4} " + " ".join(f"{part:>15}" for part in PARTS) + "   total")
     for r in results:
         total = r["accept"]["median_ms"] + r["bitmask"]["median_ms"]
@@ -140,7 +176,9 @@ def main() -> None:
               + " ".join(f"{r[p]['median_ms']:7.2f}/{r[p]['p90_ms']:<7.2f}" for p in PARTS) + f" {total:7.2f}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "grammar_step.json").write_text(json.dumps({"cpus": cpus, "results": results}, indent=2))
+        Path(args.out, "grammar_step.json").write_text(json.dumps(
+            {"cpus": cpus, "main_python_ms": args.main_python_ms, "switch_interval_s": sys.getswitchinterval(),
+             "results": results}, indent=2))
 
 
 if __name__ == "__main__":

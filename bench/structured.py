@@ -29,6 +29,7 @@ import msgspec
 
 from pagoda.llm import LLM
 from pagoda.services.grammar.compiler import GrammarChecker, ll_tokenizer
+from pagoda.services.worker.model_runner import MaskTimes
 from pagoda.shared.config import DEFAULT_MODEL_DIR
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
 
@@ -64,13 +65,18 @@ def compile_times(llm: LLM) -> dict[str, float]:
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> dict[str, float]:
+    """One timed generate; with the grammar masks' host times per constrained step (fill: the matchers'
+    accept + mask fill; waited: how long the step loop blocked on them)."""
+    runner = llm.engine.runner
+    runner.mask_times = MaskTimes()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
     completions = [c for o in outputs for c in o.outputs]
     tokens = sum(len(c.token_ids) for c in completions)
     return {"elapsed_s": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed,
-            "num_length": sum(c.finish_reason == "length" for c in completions), "num_sequences": len(completions)}
+            "num_length": sum(c.finish_reason == "length" for c in completions), "num_sequences": len(completions),
+            **{f"mask_{k}": v for k, v in runner.mask_times.per_step_ms().items()}}
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -131,6 +137,9 @@ def main() -> None:
             ratios = [j["tok_per_s"] / u["tok_per_s"] for j, u in zip(runs[mode], runs["unconstrained"], strict=True)]
             figures[mode]["ratio"] = ratio = summary(ratios)
             line += f"  ratio {ratio['median']:.3f} [{ratio['min']:.3f}, {ratio['max']:.3f}]"
+            fill = statistics.median(r["mask_fill_ms"] for r in runs[mode])
+            waited = statistics.median(r["mask_waited_ms"] for r in runs[mode])
+            line += f"  masks/step: fill {fill:.2f} ms, waited {waited:.2f} ms"
         lines.append(line)
     if "json_schema" in figures:
         figures["ratio"] = figures["json_schema"]["ratio"]  # the all-rows ratio under its former name

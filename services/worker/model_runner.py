@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import traceback
 from collections import deque
@@ -53,6 +54,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 # prompt_logprobs: logits of at most this many positions at once, and at most max_num_seqs / 2, so that their
 # [rows, V] fp32 logits and log-softmax together stay within the [max_num_seqs, V] logits profile_run measured.
 PROMPT_SCORE_ROWS = 128
+MASK_SWITCH_INTERVAL_S = 0.0002  # the GIL switch interval once grammar masks fill on a thread (CPython's: 5 ms)
 
 
 @dataclass(slots=True)
@@ -118,6 +120,19 @@ class StepTimer:
         return (busy / span if span > 0 else 0.0), count
 
 
+@dataclass(slots=True)
+class MaskTimes:
+    """Host seconds spent on grammar masks, summed over steps (benchmarks read them; cheap to keep)."""
+
+    steps: int = 0  # steps whose sampling had grammar masks
+    fill_s: float = 0.0  # accept + mask fill (on the mask thread, or inline)
+    waited_s: float = 0.0  # the step loop's thread blocked on them (inline: all of fill_s)
+
+    def per_step_ms(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "fill_ms": self.fill_s / n * 1e3, "waited_ms": self.waited_s / n * 1e3}
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the per-request state of one tensor-parallel rank."""
 
@@ -157,6 +172,7 @@ class ModelRunner:
         self._masks_job: Future[GrammarMasks | None] | None = None  # the deferred step's masks, on _mask_thread
         self._masks_for: list[int] = []  # the sequences (in sampling order) the job fills masks for
         self._mask_thread: ThreadPoolExecutor | None = None
+        self.mask_times = MaskTimes()
         self._mask_rows: torch.Tensor | None = None  # [R, W] int32 on the device: this step's grammar masks
         self._lost: set[int] = set()  # requests of failed steps: later plans in flight may still name them
         self.step_timer: StepTimer | None = None
@@ -387,8 +403,18 @@ class ModelRunner:
         accepts, self._unaccepted = self._unaccepted, []
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
-        self._masks_job = self._mask_thread.submit(self.grammars.advance_and_fill, accepts, seq_ids)
+            # The job takes the GIL between llguidance's calls (which release it) while this thread runs Python
+            # (a scheduler update, a poll loop): at the default 5 ms interval each hand-over could cost a step.
+            sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_INTERVAL_S))
+        self._masks_job = self._mask_thread.submit(self._fill_masks, accepts, seq_ids)
         self._masks_for = seq_ids
+
+    def _fill_masks(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]) -> GrammarMasks | None:
+        """The mask thread's job: the matchers consume the steps' tokens, then the masks of seq_ids fill."""
+        started = time.perf_counter()
+        masks = self.grammars.advance_and_fill(accepts, seq_ids)
+        self.mask_times.fill_s += time.perf_counter() - started
+        return masks
 
     def masks_pending(self) -> bool:
         """The deferred step's masks are still filling (its sampling cannot be enqueued yet)."""
@@ -696,12 +722,16 @@ class ModelRunner:
     def _attach_grammar_masks(self, metadata: SamplingMetadata, seq_ids: list[int]) -> None:
         """Structured outputs: the constrained rows' token bitmasks join the sampler's fused pass (the other
         rows are flagged off and pay nothing)."""
+        started = time.perf_counter()
         if self._masks_job is not None and self._masks_for == seq_ids:  # filled on the mask thread since resume()
             job, self._masks_job = self._masks_job, None
             masks = job.result()
         else:
             self._grammar_barrier()
             masks = self.grammars.bitmask(seq_ids)
+            self.mask_times.fill_s += time.perf_counter() - started
+        self.mask_times.waited_s += time.perf_counter() - started
+        self.mask_times.steps += 1
         if masks is None:
             return
         flags, compact, index = masks  # [B] bool, [K, W] int32 on the host (pinned on CUDA), [K] their rows
