@@ -72,12 +72,38 @@ def test_executor_is_sized_from_the_cpus_this_process_may_use(ll: llguidance.LLT
             sizes.append(num_threads)
 
     monkeypatch.setattr(grammar.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(grammar, "cgroup_cpu_quota", lambda: None)
     monkeypatch.setattr(grammar.os, "cpu_count", lambda: 512)  # the machine's count must not matter
     monkeypatch.setattr(grammar.llguidance, "LLExecutor", Recorder)
     rows = GrammarRows(lambda: ll, 100)
     rows._ensure_executor()
     assert sizes == [4]  # 80% of the 5 CPUs of the affinity mask
     assert rows._parallel(grammar.PARALLEL_ROWS) == (5 >= grammar.PARALLEL_MIN_CPUS)
+
+
+def test_cpus_respect_the_cgroup_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's CPU quota bounds the pool even when the affinity mask names every CPU of the host."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("1600000 100000\n")
+    assert grammar.cgroup_cpu_quota(str(v2)) == 16.0
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert grammar.cgroup_cpu_quota(str(v2)) is None
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("250000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert grammar.cgroup_cpu_quota(str(tmp_path / "v1")) == 2.5
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert grammar.cgroup_cpu_quota(str(tmp_path / "v1")) is None
+    assert grammar.cgroup_cpu_quota(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(grammar.os, "sched_getaffinity", lambda _pid: set(range(192)))
+    monkeypatch.setattr(grammar, "cgroup_cpu_quota", lambda: 16.0)
+    assert grammar.available_cpus() == 16
+    monkeypatch.setattr(grammar, "cgroup_cpu_quota", lambda: 0.5)
+    assert grammar.available_cpus() == 1
+    monkeypatch.setattr(grammar, "cgroup_cpu_quota", lambda: None)
+    assert grammar.available_cpus() == 192
 
 
 def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_dir: Path,

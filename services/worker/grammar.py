@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import llguidance
 import llguidance.torch
@@ -56,15 +57,41 @@ MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copi
 # than a decode step). Below it, or on a small CPU, one thread is faster than the pool's hand-off.
 PARALLEL_ROWS = 16
 PARALLEL_MIN_CPUS = 8
+MAX_EXECUTOR_THREADS = 8  # llguidance's pool: 256 masks take ~1.5 ms on one core; the step loop needs cores too
+CGROUP_ROOT = "/sys/fs/cgroup"
 COMPILE_THREADS = 2  # grammar compiles at once (llguidance releases the GIL while it builds one)
 
 
 def available_cpus() -> int:
-    """The CPUs this process may run on (a container's or taskset's share, not the machine's count)."""
+    """The CPUs this process may run on (a container's or taskset's share, not the machine's count): its affinity
+    mask, and no more than its cgroup's CPU quota (a container limited to 16 CPUs may still see all of the host's
+    in its mask; a pool sized from that burns the quota and the whole process is throttled for the period)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(cpus, int(quota))) if quota is not None else cpus
+
+
+def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
+    """CPUs' worth of time per period that the cgroup allows (cgroup v2 cpu.max, or v1 cfs quota / period), or
+    None when unlimited or unknown."""
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            fields = Path(root, quota_file).read_text().split()
+            if period_file is not None:
+                fields += Path(root, period_file).read_text().split()
+        except OSError:
+            continue
+        if len(fields) != 2 or fields[0] in ("max", "-1"):
+            return None
+        try:
+            quota, period = float(fields[0]), float(fields[1])
+        except ValueError:
+            return None
+        return quota / period if quota > 0 and period > 0 else None
+    return None
 
 
 @dataclass(slots=True)
@@ -248,8 +275,8 @@ class GrammarRows:
         return num_rows >= PARALLEL_ROWS and self._cpus >= PARALLEL_MIN_CPUS
 
     def _ensure_executor(self) -> llguidance.LLExecutor:
-        if self._executor is None:  # llguidance's own default (80% of the CPUs, up to 32) of ours, not the machine's
-            self._executor = llguidance.LLExecutor(num_threads=max(1, min(32, self._cpus * 4 // 5)))
+        if self._executor is None:  # 80% of our CPUs (llguidance's own default takes the machine's), up to 8
+            self._executor = llguidance.LLExecutor(num_threads=max(1, min(MAX_EXECUTOR_THREADS, self._cpus * 4 // 5)))
         return self._executor
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
