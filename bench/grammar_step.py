@@ -12,6 +12,8 @@ feeding each row a random token its mask allows (what greedy on dummy weights dr
     on_thread     advance_and_fill (accept + bitmask) on the runner's mask thread while this thread runs
                   --main-python-ms of pure Python (the engine applying a result and planning the next step):
                   from submit to done; the GIL the two share shows here (sys.getswitchinterval() matters)
+    waited        how long that thread then blocks for the masks: what a step's masks add to the step loop
+                  (before the mask thread, the loop ran accept + bitmask itself: their sum was its cost)
 
 for K in --rows and the executor's thread counts in --threads.
 
@@ -47,7 +49,7 @@ from pagoda.shared.hf_tokenizer import load_hf_tokenizer
 from pagoda.shared.messages import NewRequest, SamplingParams, StructuredOutputs
 
 VOCAB_SIZE = 49152  # the qwen3-0.6b shape fitted to SmolLM2's tokenizer (bench/structured.py's GPU run)
-PARTS = ("raw_consume", "raw_fill", "accept", "bitmask", "overhead", "on_thread")
+PARTS = ("raw_consume", "raw_fill", "accept", "bitmask", "overhead", "on_thread", "waited")
 
 
 def pick_tokens(mask: torch.Tensor, rng: np.random.Generator, real_vocab: int) -> list[int]:
@@ -138,7 +140,9 @@ def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, 
         started = time.perf_counter()
         job = pool.submit(timed_fill, rows, token_ids, seq_ids)
         python_work(main_python_s)
+        waited = time.perf_counter()
         masks, ended = job.result()
+        times["waited"].append(time.perf_counter() - waited)
         times["on_thread"].append(ended - started)
     stopped = sum(rows._seqs[s].matcher.is_stopped() for s in seq_ids)
     return {"rows": num_rows, "threads": threads, "steps": steps, "rows_stopped": stopped,
@@ -167,17 +171,21 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     results = [run_case(tokenizer, real_vocab, k, t, args.steps, args.seed, args.main_python_ms / 1e3)
                for k in args.rows for t in threads]
+    print(f"affinity {len(os.sched_getaffinity(0))} CPUs, cgroup quota {grammar_module.cgroup_cpu_quota()} CPUs, "
+          f"os.cpu_count {os.cpu_count()}: the worker sizes its pool from {cpus}")
     print(f"grammar host cost per step, ms (median / p90), {cpus} CPUs, vocab width {VOCAB_SIZE}; on_thread with "
           f"{args.main_python_ms} ms of Python beside it, GIL switch interval {sys.getswitchinterval() * 1e3} ms")
-    print(f"{'rows':>5} {'thr':>4} " + " ".join(f"{part:>15}" for part in PARTS) + "   total")
+    print(f"{'rows':>5} {'thr':>4} " + " ".join(f"{part:>15}" for part in PARTS) + "  inline")
     for r in results:
-        total = r["accept"]["median_ms"] + r["bitmask"]["median_ms"]
+        inline = r["accept"]["median_ms"] + r["bitmask"]["median_ms"]  # the step loop's cost without the thread
         print(f"{r['rows']:>5} {r['threads']:>4} "
-              + " ".join(f"{r[p]['median_ms']:7.2f}/{r[p]['p90_ms']:<7.2f}" for p in PARTS) + f" {total:7.2f}")
+              + " ".join(f"{r[p]['median_ms']:7.2f}/{r[p]['p90_ms']:<7.2f}" for p in PARTS) + f" {inline:7.2f}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "grammar_step.json").write_text(json.dumps(
-            {"cpus": cpus, "main_python_ms": args.main_python_ms, "switch_interval_s": sys.getswitchinterval(),
+            {"cpus": cpus, "affinity": len(os.sched_getaffinity(0)), "cgroup_quota": grammar_module.cgroup_cpu_quota(),
+             "cpu_count": os.cpu_count(), "main_python_ms": args.main_python_ms,
+             "switch_interval_s": sys.getswitchinterval(),
              "results": results}, indent=2))
 
 

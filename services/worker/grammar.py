@@ -19,7 +19,9 @@ CPUs this process may run on (os.sched_getaffinity), for batches of PARALLEL_ROW
 Overlap: the mask for step N+1 depends on step N's token, so the order per step is
   accept(step N tokens) -> bitmask(step N+1 rows) -> copy -> apply to step N+1 logits -> sample.
 The forward of step N+1 needs no mask and is launched before step N's tokens reach the host; the runner defers
-N+1's sampling (ModelRunner.resume) until result N has gone out, then fills the masks while N+1's forward runs.
+N+1's sampling until result N has gone out (ModelRunner.resume), then runs accept + bitmask (advance_and_fill)
+on its mask thread while N+1's forward runs and its own thread applies result N and plans N+2; the launch of
+N+2 enqueues N+1's sampling with the masks before N+2's forward.
 
 A grammar that is complete allows only the model's EOS ids, so the sequence ends with `stop` on its next token
 (the scheduler's EOS check). Reasoning models: with `reasoning_end` set, the matcher starts once that text
