@@ -44,6 +44,7 @@ from pagoda.bench.structured import LONG_SCHEMA
 from pagoda.services.grammar.compiler import load_ll_tokenizer
 from pagoda.services.worker import grammar as grammar_module
 from pagoda.services.worker.grammar import GrammarRows
+from pagoda.services.worker.model_runner import MASK_SWITCH_INTERVAL_S
 from pagoda.shared.config import DEFAULT_MODEL_DIR
 from pagoda.shared.hf_tokenizer import load_hf_tokenizer
 from pagoda.shared.messages import NewRequest, SamplingParams, StructuredOutputs
@@ -160,7 +161,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--main-python-ms", type=float, default=2.0,
                         help="Python the main thread runs while the mask job runs (on_thread)")
-    parser.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (ms)")
+    parser.add_argument("--switch-interval-ms", type=float, default=MASK_SWITCH_INTERVAL_S * 1e3,
+                        help="sys.setswitchinterval (ms; default: what the runner sets once its mask thread starts)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     cpus = grammar_module.available_cpus()
