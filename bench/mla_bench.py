@@ -1,13 +1,16 @@
 """MLA kernels on one GPU (kernels/mla.py), DeepSeek dims (kv_lora_rank 512, rope 64, nope 128, v 128):
 
   decode   absorbed decode at B = 1, 64, 256 x context 1k / 4k, 16 heads (V2-Lite) and 128 heads (V3), bf16 and
-           fp8 latent cache: us, latent-cache TB/s and its fraction of 4.2 TB/s; --sweep tries launch shapes.
+           fp8 latent cache, the default launch shape and the first version's (legacy): device time from a CUDA
+           graph (caches under 2x L2 cycled over copies), latent-cache TB/s against 4.2 TB/s and TFLOP/s against
+           780; --sweep tries launch shapes at B = 256, 1k.
   prefill  one chunk of q_len queries after `context` cached tokens, the whole attention of each path (absorbed:
            W_UK bmm + kernel + W_UV bmm; expanded: gather + kv_b GEMM + paged kernel): the crossover query length
            to put in kernels/mla.py EXPAND_CROSSOVER.
   capacity KV blocks per GiB of the latent cache (the worker's layout) against the same model with per-head K/V.
 
     python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity] [--sweep] [--quick] [--out FILE]
+    python -m pagoda.bench.mla_bench --parts none --sweep    # the decode launch-shape sweep alone
     python -m pagoda.bench.mla_bench --smoke    # tiny shapes on CPU (Triton interpreter): checks the script runs
 
 Every timed configuration is first checked against the PyTorch reference. JSON goes to --out, else to
@@ -89,8 +92,26 @@ def _check(out: torch.Tensor, expected: torch.Tensor, what: str) -> float:
 # ---------------------------------------------------------------------------------------------- decode
 
 
+L2_BYTES = 50 << 20  # an H200's L2: small caches are cycled over copies so that replays read HBM, not L2
+MAX_COPIES = 8
+
+
+def _graph_us(fns: list[Any]) -> float:
+    """Device time of one call, from a CUDA graph that launches every fn of fns once (each over its own cache
+    copy), replayed back to back: no host launch cost in the figure."""
+    from pagoda.bench.cuda_timing import graph_time_ms
+
+    def run_all() -> None:
+        for fn in fns:
+            fn()
+
+    return graph_time_ms(run_all, reps=10) * 1e3 / len(fns)
+
+
 def decode_row(dims: Dims, batch: int, context: int, cache_dtype: torch.dtype, device: str, iters: int,
-               config: Any = None) -> dict[str, Any]:
+               config: Any = None, legacy: bool = False) -> dict[str, Any]:
+    """Absorbed decode of `batch` sequences of `context` cached tokens: checked on a few rows against the
+    reference, then timed (CUDA graph on the GPU). config None: the default pick (legacy: the first version's)."""
     from pagoda.kernels import reference as ref
     from pagoda.kernels.mla import mla_attention, pick_mla_config
 
@@ -101,68 +122,92 @@ def decode_row(dims: Dims, batch: int, context: int, cache_dtype: torch.dtype, d
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     out = torch.empty(batch, dims.num_heads, dims.lat, dtype=dtype, device=device)
+    used = config or pick_mla_config(batch, dims.num_heads, 1, context, legacy=legacy)
+    cache_bytes = batch * context * (dims.lat + dims.rope) * cache.element_size()
 
-    def run() -> torch.Tensor:
-        return mla_attention(q, cache, tables, seq_lens, qsl, 1, context, dims.scale, dims.lat, out=out,
-                             config=config, kv_scale=kv_scale)
+    def call(cache_copy: torch.Tensor) -> torch.Tensor:
+        return mla_attention(q, cache_copy, tables, seq_lens, qsl, 1, context, dims.scale, dims.lat, out=out,
+                             config=used, kv_scale=kv_scale)
 
     check_rows = min(batch, 8)  # the reference on a few sequences (it is slow at B = 256)
     expected = ref.mla_attention(q[:check_rows].float(), cache, tables[:check_rows], [context] * check_rows,
                                  [1] * check_rows, dims.scale, dims.lat, kv_scale)
-    err = _check(run()[:check_rows], expected, f"decode B={batch} ctx={context}")
-    us = _time_us(run, device, iters)
-    cache_bytes = batch * context * (dims.lat + dims.rope) * cache.element_size()
+    err = _check(call(cache)[:check_rows], expected, f"decode B={batch} ctx={context}")
+    if device == "cuda":
+        copies = [cache] + [cache.clone() for _ in range(min(MAX_COPIES, -(-2 * L2_BYTES // cache_bytes)) - 1)]
+        us = _graph_us([lambda c=c: call(c) for c in copies])
+        del copies
+    else:
+        us = _time_us(lambda: call(cache), device, iters)
     flops = 2 * batch * context * dims.num_heads * (2 * dims.lat + dims.rope)
-    used = config or pick_mla_config(batch, dims.num_heads, 1, context)
     return {"part": "decode", "heads": dims.num_heads, "B": batch, "context": context,
-            "cache_dtype": str(cache_dtype).removeprefix("torch."), "us": us,
+            "cache_dtype": str(cache_dtype).removeprefix("torch."), "us": us, "legacy": legacy,
             "cache_TBps": cache_bytes / us / 1e6, "hbm_fraction": cache_bytes / us / 1e6 / (PEAK_BYTES_PER_S / 1e12),
-            "TFLOPs": flops / us / 1e6, "max_abs_err": err, "config": asdict(used)}
+            "TFLOPs": flops / us / 1e6, "flop_fraction": flops / us / 1e6 / (PEAK_FLOPS / 1e12),
+            "max_abs_err": err, "config": asdict(used)}
 
 
-def decode_part(device: str, quick: bool, sweep: bool, smoke: bool) -> list[dict[str, Any]]:
+SWEEP = {  # (heads): launch shapes tried by --sweep at B = 256, ctx 1k, both cache dtypes
+    16: [dict(decode_keys_m=k, decode_tile_n=n, decode_num_warps=w, decode_num_stages=st)
+         for k, n, w, st in ((True, 32, 4, 3), (True, 32, 4, 2), (True, 64, 4, 2), (True, 64, 8, 2),
+                             (True, 16, 4, 4), (False, 32, 8, 2), (False, 32, 4, 2), (False, 64, 8, 2))],
+    128: [dict(decode_tile_n=n, decode_num_warps=w, decode_num_stages=st)
+          for n, w, st in ((32, 8, 3), (32, 8, 2), (16, 8, 3), (16, 8, 4), (64, 8, 2), (32, 16, 2))],
+}
+
+
+def decode_part(device: str, quick: bool, sweep: bool, smoke: bool, grid_rows: bool = True) -> list[dict[str, Any]]:
     from pagoda.kernels.mla import pick_mla_config
 
     rows = []
-    if smoke:
+    if not grid_rows:
+        grid = []
+    elif smoke:
         grid = [(SMOKE_DIMS, 2, 40, torch.float32), (SMOKE_DIMS, 3, 40, torch.float8_e4m3fn)]
     else:
         grid = [(Dims(h), b, ctx, cd) for h in (16, 128) for b in (1, 64, 256) for ctx in (1024, 4096)
-                for cd in (torch.bfloat16, torch.float8_e4m3fn) if not (quick and ctx == 4096)]
-    iters = 2 if smoke else (10 if quick else 30)
+                for cd in (torch.bfloat16, torch.float8_e4m3fn)]
+    iters = 2 if smoke else 10
     for dims, batch, ctx, cache_dtype in grid:
-        row = decode_row(dims, batch, ctx, cache_dtype, device, iters)
-        rows.append(row)
-        _print_decode(row)
+        for legacy in (False, True):
+            row = decode_row(dims, batch, ctx, cache_dtype, device, iters, legacy=legacy)
+            rows.append(row)
+            _print_decode(row)
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if sweep and not smoke:
-        for heads, batch in ((16, 256), (128, 256), (16, 1), (128, 64)):
-            base = pick_mla_config(batch, heads, 1, 1024)
-            best = None
-            for block_h in (16, 32, 64):
-                for tile_n in (16, 32, 64):
-                    for warps in (4, 8):
-                        for stages in (1, 2):
-                            config = replace(base, block_h=block_h, decode_tile_n=tile_n, decode_num_warps=warps,
-                                             decode_num_stages=stages, prefill_block_m=max(block_h, 32))
-                            try:
-                                row = decode_row(Dims(heads), batch, 1024, torch.bfloat16, device, 10, config)
-                            except Exception as exc:  # noqa: BLE001 (a shape that does not compile: skip it)
-                                print(f"sweep heads={heads} B={batch} {config}: {type(exc).__name__}")
-                                continue
-                            row["part"] = "decode-sweep"
-                            rows.append(row)
-                            if best is None or row["us"] < best["us"]:
-                                best = row
-            assert best is not None
-            print(f"SWEEP best heads={heads} B={batch} ctx=1024: {best['us']:.1f} us "
-                  f"({best['hbm_fraction']:.2f} of HBM) with {best['config']}", flush=True)
+        for heads, variants in SWEEP.items():
+            for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                base = pick_mla_config(256, heads, 1, 1024)
+                best = None
+                for variant in variants:
+                    config = replace(base, **variant)
+                    try:
+                        row = decode_row(Dims(heads), 256, 1024, cache_dtype, device, 10, config)
+                    except Exception as exc:  # noqa: BLE001 (a shape that does not compile: skip it)
+                        print(f"sweep heads={heads} {variant}: {type(exc).__name__}: {str(exc)[:200]}")
+                        continue
+                    row["part"] = "decode-sweep"
+                    rows.append(row)
+                    _print_decode(row, f"sweep {variant}")
+                    if best is None or row["us"] < best["us"]:
+                        best = row
+                if best is not None:
+                    print(f"SWEEP best heads={heads} B=256 ctx=1024 {best['cache_dtype']}: {best['us']:.1f} us "
+                          f"({best['cache_TBps']:.2f} TB/s, {best['TFLOPs']:.0f} TFLOP/s) with {best['config']}",
+                          flush=True)
     return rows
 
 
-def _print_decode(row: dict[str, Any]) -> None:
+def _print_decode(row: dict[str, Any], label: str = "") -> None:
+    config = row["config"]
+    shape = (f"h{config['block_h']} n{config['decode_tile_n']} w{config['decode_num_warps']} "
+             f"s{config['decode_num_stages']}{' keys_m' if config['decode_keys_m'] else ''} "
+             f"splits={config['num_splits']}")
     print(f"decode heads={row['heads']:3d} B={row['B']:3d} ctx={row['context']:5d} {row['cache_dtype']:13s} "
-          f"{row['us']:8.1f} us  {row['cache_TBps']:5.2f} TB/s ({row['hbm_fraction']:.2f} of HBM)  "
-          f"{row['TFLOPs']:6.1f} TFLOP/s  splits={row['config']['num_splits']}", flush=True)
+          f"{'legacy' if row['legacy'] else 'new   '} {row['us']:8.1f} us  {row['cache_TBps']:5.2f} TB/s "
+          f"({row['hbm_fraction']:.2f} of {PEAK_BYTES_PER_S / 1e12:.1f})  {row['TFLOPs']:6.1f} TFLOP/s "
+          f"({row['flop_fraction']:.2f} of {PEAK_FLOPS / 1e12:.0f})  {shape} {label}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -298,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         print(torch.cuda.get_device_name(), flush=True)
     if "decode" in parts:
         rows += decode_part(device, args.quick, args.sweep, args.smoke)
+    elif args.sweep:  # the sweep alone
+        rows += decode_part(device, args.quick, True, args.smoke, grid_rows=False)
     if "prefill" in parts:
         rows += prefill_part(device, args.quick, args.smoke)
     if "capacity" in parts:

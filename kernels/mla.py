@@ -10,8 +10,11 @@ model dtype or fp8 e4m3 with one per-tensor scale. Every query head reads the sa
 - `mla_attention`: absorbed attention. The caller folds W_UK into the query, q = [q_nope @ W_UK ‖ q_pe]
   [T, heads, R + P]; scores are q . entry over all R + P values, values are the latent part, and the output is
   the latent-space mix [T, heads, R] to which the caller applies W_UV. Decode rows run one program per (sequence,
-  block of heads, KV split), flash-decoding style; chunks of several queries run in tiles of BLOCK_Q tokens x
-  BLOCK_H heads. A chunk longer than `max_absorbed_query_len` is skipped: its rows belong to the expanded path.
+  block of heads, KV split), flash-decoding style: 64 heads a program from 64 heads on (the M dim of Hopper's
+  wgmma; per latent token 2 x 64 x (576 + 512) FLOPs for 1152 bytes, above the H200's ridge: compute-bound), else
+  transposed with the keys as the M dim (16 heads: memory-bound); chunks of several queries run in tiles of
+  BLOCK_Q tokens x BLOCK_H heads. An fp8 cache's tiles convert to fp16 in registers (q scaled once to fp16).
+  A chunk longer than `max_absorbed_query_len` is skipped: its rows belong to the expanded path.
 - `mla_expanded_attention`: the expanded path for long chunks: gather the sequences' latents, W_UK/W_UV
   expansion by one GEMM (kv_b_proj) into per-head K [L, heads, Dn + P] and V [L, heads, Dv], then the
   multi-head paged attention kernel of kernels/paged_attention.py over them.
@@ -35,6 +38,7 @@ import triton.language as tl
 
 from pagoda.kernels.fp8 import FP8_MAX_C, round_to_e4m3
 from pagoda.kernels.paged_attention import (
+    _F16_Q_AMAX,
     _LOG2E,
     _NEG_BIG,
     AttentionConfig,
@@ -268,15 +272,16 @@ def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps:
 class MLAConfig:
     """Launch shapes of one mla_attention call (host-side only, so a batch size keeps one shape under CUDA
     graphs). A program holds BLOCK_H query heads of one sequence: decode rows are those heads (the M dim of
-    tl.dot, padded to >= 16); chunk tiles are prefill_block_m rows = prefill_block_m // BLOCK_H tokens x
-    BLOCK_H heads. Every program reads each latent tile once for the scores and once more (from cache) as
-    the values of its rows."""
+    tl.dot, padded to >= 16), or with decode_keys_m the N dim while the keys are M; chunk tiles are
+    prefill_block_m rows = prefill_block_m // BLOCK_H tokens x BLOCK_H heads. A latent tile is loaded once (to
+    shared memory) and feeds both the score dot (all R + P dims) and the value dot (its first R)."""
 
     num_splits: int = 1  # KV splits per program (flash decoding); 1 = no reduce kernel
     block_h: int = 16  # query heads per program (power of two)
     decode_tile_n: int = 32  # keys per inner-loop step (power of two >= 16)
     decode_num_warps: int = 8  # 4 spill registers at 16 heads x 32 keys (ptxas for sm_90: 255 + 128 B of stack)
     decode_num_stages: int = 2
+    decode_keys_m: bool = False  # decode dots transposed (keys = M): wgmma on Hopper for block_h < 64
     prefill_block_m: int = 32  # rows of a chunk tile (power of two >= 16 and >= block_h)
     prefill_tile_n: int = 32
     prefill_num_warps: int = 8  # a [32, 512] fp32 accumulator: 64 registers a thread with 8 warps
@@ -303,15 +308,69 @@ def pick_mla_splits(num_seqs: int, num_head_blocks: int, max_query_len: int, max
     return 1 << (splits.bit_length() - 1)
 
 
+# Heads per program from which decode runs query heads as the M dim of the dots: 64 rows per warp group is what
+# Hopper's wgmma takes, and the latent tile is then read once per 64 heads (V3's 128 heads: twice per sequence,
+# the second time mostly from L2 as a sequence's head blocks run side by side).
+WIDE_BLOCK_H = 64
+
+
 @functools.lru_cache(maxsize=256)
 def pick_mla_config(num_seqs: int, num_heads: int, max_query_len: int, max_seq_len: int,
-                    num_sms: int = 132) -> MLAConfig:
-    """Default launch shapes: 16 heads x 32-key tiles for decode (bench/mla_decode.py --sweep tunes them on the
-    target GPU), split-KV for small decode batches."""
+                    num_sms: int = 132, legacy: bool = False) -> MLAConfig:
+    """Default launch shapes, chosen from what ptxas reports for sm_90 (no spills in the bf16 decode loop;
+    bench/mla_bench.py --sweep times the alternatives on the target GPU): >= 64 heads: 64-head programs, 32-key
+    tiles, 8 warps (a [64, 512] fp32 accumulator over two warp groups); fewer heads: decode transposed (keys as the
+    M dim, so wgmma runs with 16 heads), 32-key tiles, 4 warps, 3 stages. Split-KV for small decode batches.
+    legacy: the 16-heads-per-program shape of the first version (for comparisons)."""
+    if legacy:
+        block_h = min(16, triton.next_power_of_2(num_heads))
+        return MLAConfig(num_splits=pick_mla_splits(num_seqs, -(-num_heads // block_h), max_query_len, max_seq_len,
+                                                    num_sms), block_h=block_h, heads_fast=max_query_len <= 1)
+    if num_heads >= WIDE_BLOCK_H:
+        splits = pick_mla_splits(num_seqs, -(-num_heads // WIDE_BLOCK_H), max_query_len, max_seq_len, num_sms)
+        return MLAConfig(num_splits=splits, block_h=WIDE_BLOCK_H, decode_tile_n=32, decode_num_warps=8,
+                         decode_num_stages=3, prefill_block_m=WIDE_BLOCK_H, prefill_tile_n=32, prefill_num_warps=8,
+                         prefill_num_stages=2, heads_fast=max_query_len <= 1)
     block_h = min(16, triton.next_power_of_2(num_heads))
-    num_head_blocks = -(-num_heads // block_h)
-    return MLAConfig(num_splits=pick_mla_splits(num_seqs, num_head_blocks, max_query_len, max_seq_len, num_sms),
-                     block_h=block_h, heads_fast=max_query_len <= 1)
+    splits = pick_mla_splits(num_seqs, -(-num_heads // block_h), max_query_len, max_seq_len, num_sms)
+    return MLAConfig(num_splits=splits, block_h=block_h, decode_tile_n=32, decode_num_warps=4, decode_num_stages=3,
+                     decode_keys_m=True, heads_fast=max_query_len <= 1)
+
+
+@triton.jit
+def _load_latent_tile(cache_ptr, block_table_row, stride_cb, stride_cs, kv_end, j,
+                      LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, F16_DOTS: tl.constexpr,
+                      DTYPE: tl.constexpr):
+    """Key tile j: (key positions [TILE_N], latents [TILE_N, LAT_P], rope keys [TILE_N, ROPE_P]) in the dot dtype.
+    MASKED: keys >= kv_end (and padded dims) read as 0. An fp8 tile converts to fp16 with F16_DOTS (one cvt per
+    pair; bf16 would take three), else to DTYPE; the scale is applied by the caller."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_l = tl.arange(0, LAT_P)
+    offs_r = tl.arange(0, ROPE_P)
+    key = j * TILE_N + offs_n  # [TILE_N] absolute key positions
+    if MASKED:
+        key_mask = key < kv_end
+        block = tl.load(block_table_row + key // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    else:
+        key_mask = offs_n < TILE_N
+        block = tl.load(block_table_row + key // BLOCK_SIZE).to(tl.int64)  # [TILE_N]
+    row = cache_ptr + block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs  # [TILE_N, 1]
+    if MASKED or LAT != LAT_P:
+        lat = tl.load(row + offs_l[None, :], mask=key_mask[:, None] & (offs_l < LAT)[None, :], other=0.0)
+    else:
+        lat = tl.load(row + offs_l[None, :])  # [TILE_N, LAT_P]
+    if MASKED or ROPE != ROPE_P:
+        rope = tl.load(row + LAT + offs_r[None, :], mask=key_mask[:, None] & (offs_r < ROPE)[None, :], other=0.0)
+    else:
+        rope = tl.load(row + LAT + offs_r[None, :])  # [TILE_N, ROPE_P]
+    if F16_DOTS:
+        lat = lat.to(tl.float16)
+        rope = rope.to(tl.float16)
+    else:
+        lat = lat.to(DTYPE)
+        rope = rope.to(DTYPE)
+    return key, lat, rope
 
 
 @triton.jit
@@ -319,34 +378,13 @@ def _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_ro
                          qk_scale, row_pos, kv_end, tile_lo, tile_hi,
                          LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
-    """Online softmax over key tiles [tile_lo, tile_hi): scores q_lat . lat + q_rope . rope, values lat.
+                         DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr):
+    """Online softmax over key tiles [tile_lo, tile_hi), query rows as the M dim of the dots: scores
+    q_lat . lat + q_rope . rope [BLOCK_M, TILE_N], values lat; the tile is loaded once and used by both dots.
     MASKED=False tiles lie wholly below every row's causal limit (no key, causal or table masks)."""
-    offs_n = tl.arange(0, TILE_N)
-    offs_l = tl.arange(0, LAT_P)
-    offs_r = tl.arange(0, ROPE_P)
-    l_mask = offs_l < LAT
-    r_mask = offs_r < ROPE
     for j in range(tile_lo, tile_hi):
-        key = j * TILE_N + offs_n  # [TILE_N] absolute key positions
-        if MASKED:
-            key_mask = key < kv_end
-            block = tl.load(block_table_row + key // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        else:
-            key_mask = offs_n < TILE_N
-            block = tl.load(block_table_row + key // BLOCK_SIZE).to(tl.int64)  # [TILE_N]
-        row = cache_ptr + block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs  # [TILE_N, 1]
-        if MASKED or LAT != LAT_P:
-            lat = tl.load(row + offs_l[None, :], mask=key_mask[:, None] & l_mask[None, :], other=0.0)
-        else:
-            lat = tl.load(row + offs_l[None, :])  # [TILE_N, LAT_P]
-        if MASKED or ROPE != ROPE_P:
-            rope = tl.load(row + LAT + offs_r[None, :], mask=key_mask[:, None] & r_mask[None, :], other=0.0)
-        else:
-            rope = tl.load(row + LAT + offs_r[None, :])  # [TILE_N, ROPE_P]
-        if FP8_KV:  # to the compute dtype; the scale is folded into qk_scale and the output
-            lat = lat.to(q_lat.dtype)
-            rope = rope.to(q_lat.dtype)
+        key, lat, rope = _load_latent_tile(cache_ptr, block_table_row, stride_cb, stride_cs, kv_end, j, LAT, LAT_P,
+                                           ROPE, ROPE_P, BLOCK_SIZE, TILE_N, MASKED, F16_DOTS, q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
         s = tl.dot(q_rope, tl.trans(rope), s, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
@@ -358,6 +396,32 @@ def _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_ro
         acc = tl.dot(p.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)  # [BLOCK_M, LAT_P]
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_latent_tiles_keys_m(acc_t, l_i, m_i, q_lat_t, q_rope_t, cache_ptr, block_table_row, stride_cb,
+                                stride_cs, qk_scale, kv_end, tile_lo, tile_hi,
+                                LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
+                                BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr):
+    """The same for one decode query per head, transposed so that keys are the M dim of the dots (few heads would
+    pad M to 16 and miss Hopper's wgmma, which needs M = 64 per warp group): scores^T [TILE_N, BLOCK_M] =
+    lat @ q_lat^T + rope @ q_rope^T, acc^T [LAT_P, BLOCK_M] += lat^T @ p^T. Every row attends keys < kv_end."""
+    for j in range(tile_lo, tile_hi):
+        key, lat, rope = _load_latent_tile(cache_ptr, block_table_row, stride_cb, stride_cs, kv_end, j, LAT, LAT_P,
+                                           ROPE, ROPE_P, BLOCK_SIZE, TILE_N, MASKED, F16_DOTS, q_lat_t.dtype)
+        s = tl.dot(lat, q_lat_t, input_precision=DOT_PRECISION)  # [TILE_N, BLOCK_M]
+        s = tl.dot(rope, q_rope_t, s, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where((key < kv_end)[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))  # [BLOCK_M]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])  # [TILE_N, BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc_t = tl.dot(tl.trans(lat), p.to(lat.dtype), acc_t * alpha[None, :],
+                       input_precision=DOT_PRECISION)  # [LAT_P, BLOCK_M]
+        m_i = m_new
+    return acc_t, l_i, m_i
 
 
 @triton.jit
@@ -388,7 +452,8 @@ def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query
                 NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
                 ROPE: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, HEADS_FAST: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, F16_DOTS: tl.constexpr,
+                HEADS_FAST: tl.constexpr, KEYS_M: tl.constexpr):
     """One program: BLOCK_Q query tokens x BLOCK_H heads (row m = token m // BLOCK_H, head m % BLOCK_H of the
     head block) over one split of the keys. Grid: (programs along the queries, head blocks, splits), the first
     two swapped with HEADS_FAST. DECODE: program b is sequence b and runs only if its query length is 1;
@@ -439,34 +504,64 @@ def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query
     row_valid = (offs_m < BLOCK_Q * BLOCK_H) & (row_q < q_len) & (row_head < NUM_HEADS)
     row_token = (q_start + row_q).to(tl.int64)
     row_pos = context_len + row_q  # [BLOCK_M] absolute position: attends keys 0..row_pos
-    offs_l = tl.arange(0, LAT_P)
-    offs_r = tl.arange(0, ROPE_P)
-    q_row = q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh
-    q_lat = tl.load(q_row + offs_l[None, :], mask=row_valid[:, None] & (offs_l < LAT)[None, :],
-                    other=0.0)  # [BLOCK_M, LAT_P]
-    q_rope = tl.load(q_row + LAT + offs_r[None, :], mask=row_valid[:, None] & (offs_r < ROPE)[None, :],
-                     other=0.0)  # [BLOCK_M, ROPE_P]
-
     kv_end, num_full, tile_lo, tile_hi = key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q, TILE_N, NUM_SPLITS)
-
-    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, LAT_P], tl.float32)
     if FP8_KV:  # scores = q . (entry_fp8 * scale): the per-tensor scale folds into the softmax scale
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
-    acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
-                                         stride_cs, qk_scale, row_pos, kv_end, tile_lo,
-                                         tl.minimum(tile_hi, num_full), LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE,
-                                         TILE_N, False, DOT_PRECISION, FP8_KV)
-    acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
-                                         stride_cs, qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full),
-                                         tile_hi, LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, True,
-                                         DOT_PRECISION, FP8_KV)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    offs_l = tl.arange(0, LAT_P)
+    offs_r = tl.arange(0, ROPE_P)
+    if KEYS_M:  # decode with few heads: q loaded transposed, keys are the M dim (_attend_latent_tiles_keys_m)
+        q_col = q_ptr + row_token[None, :] * stride_qt + row_head[None, :] * stride_qh  # [1, BLOCK_M]
+        q_lat = tl.load(q_col + offs_l[:, None], mask=row_valid[None, :] & (offs_l < LAT)[:, None],
+                        other=0.0)  # [LAT_P, BLOCK_M]
+        q_rope = tl.load(q_col + LAT + offs_r[:, None], mask=row_valid[None, :] & (offs_r < ROPE)[:, None],
+                         other=0.0)  # [ROPE_P, BLOCK_M]
+        if F16_DOTS:
+            q_lat, q_rope, qk_scale = _scale_q_to_f16(q_lat, q_rope, qk_scale)
+        acc_t = tl.zeros([LAT_P, BLOCK_M], tl.float32)
+        acc_t, l_i, m_i = _attend_latent_tiles_keys_m(
+            acc_t, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb, stride_cs, qk_scale, kv_end,
+            tile_lo, tl.minimum(tile_hi, num_full), LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, False,
+            DOT_PRECISION, F16_DOTS)
+        acc_t, l_i, m_i = _attend_latent_tiles_keys_m(
+            acc_t, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb, stride_cs, qk_scale, kv_end,
+            tl.maximum(tile_lo, num_full), tile_hi, LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, True,
+            DOT_PRECISION, F16_DOTS)
+        acc = tl.trans(acc_t)  # [BLOCK_M, LAT_P]
+    else:
+        q_row = q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
+        q_lat = tl.load(q_row + offs_l[None, :], mask=row_valid[:, None] & (offs_l < LAT)[None, :],
+                        other=0.0)  # [BLOCK_M, LAT_P]
+        q_rope = tl.load(q_row + LAT + offs_r[None, :], mask=row_valid[:, None] & (offs_r < ROPE)[None, :],
+                         other=0.0)  # [BLOCK_M, ROPE_P]
+        if F16_DOTS:
+            q_lat, q_rope, qk_scale = _scale_q_to_f16(q_lat, q_rope, qk_scale)
+        acc = tl.zeros([BLOCK_M, LAT_P], tl.float32)
+        acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
+                                             stride_cs, qk_scale, row_pos, kv_end, tile_lo,
+                                             tl.minimum(tile_hi, num_full), LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE,
+                                             TILE_N, False, DOT_PRECISION, F16_DOTS)
+        acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
+                                             stride_cs, qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full),
+                                             tile_hi, LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, True,
+                                             DOT_PRECISION, F16_DOTS)
     if FP8_KV:  # values are the fp8 latents: sum_j p_j (lat_j * scale) = scale * sum_j p_j lat_j
         acc = acc * tl.load(kv_scale_ptr)
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS, LAT, LAT_P, NUM_SPLITS)
+
+
+@triton.jit
+def _scale_q_to_f16(q_lat, q_rope, qk_scale):
+    """fp16 dots over an fp8 cache: q scaled once so its amax is _F16_Q_AMAX (products exact in fp32, far from
+    fp16 overflow), the inverse folded into the softmax scale. Returns (q_lat, q_rope, qk_scale)."""
+    lat32 = q_lat.to(tl.float32)
+    rope32 = q_rope.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(lat32), 1), 0), tl.max(tl.max(tl.abs(rope32), 1), 0))
+    q_mult = _F16_Q_AMAX / tl.maximum(amax, 1.0e-30)
+    return (lat32 * q_mult).to(tl.float16), (rope32 * q_mult).to(tl.float16), qk_scale / q_mult
 
 
 def _check_attention_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -552,7 +647,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     shape = dict(NUM_HEADS=num_heads, BLOCK_H=block_h, LAT=lat, LAT_P=lat_p, ROPE=rope, ROPE_P=rope_p,
                  BLOCK_SIZE=cache.shape[1], NUM_SPLITS=num_splits,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
-                 HEADS_FAST=config.heads_fast)
+                 F16_DOTS=fp8 and q.dtype != torch.float32, HEADS_FAST=config.heads_fast)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
@@ -564,14 +659,14 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     if num_decode_programs:
         _mla_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, block_h), TILE_N=config.decode_tile_n, DECODE=True,
-            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+            KEYS_M=config.decode_keys_m, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
     if not decode_only:
         block_m = max(config.prefill_block_m, block_h)
         block_q = block_m // block_h
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _mla_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n, DECODE=False,
-            num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages)
+            KEYS_M=False, num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages)
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=lat,

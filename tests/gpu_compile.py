@@ -5,7 +5,8 @@ length that is not a power of two, a plain global read inside a kernel, a dtype 
 first shows on the GPU machine, where time is short. This script replaces Triton's driver by one that reports an
 sm_90 target, turns every kernel launch into a compile-only warm-up (Triton's own `warmup=True` path: frontend,
 TTGIR, LLVM and ptxas, all bundled with the triton wheel), then runs small models through the Triton ops so each
-kernel is compiled with the constexprs and argument specialisations a real run gives them; then the sampler's
+kernel is compiled with the constexprs and argument specialisations a real run gives them; then the MLA kernel at
+DeepSeek's real dims (its large tiles are where shared memory and registers run out); then the sampler's
 start-up warm-up, which launches every sampling-kernel variant a served batch can. Outputs are never
 computed (launches do nothing), so the models' numbers are garbage and only the compiles matter.
 
@@ -107,6 +108,24 @@ def run_models() -> None:
             print(f"{shape} {dtype} {variant}: run stopped ({type(exc).__name__}: {str(exc)[:120]})")
 
 
+def run_mla_shapes() -> None:
+    """The MLA kernel at DeepSeek's real dims (latent 512 + rope 64; 16 heads as V2-Lite, 128 as V3), bf16 and fp8
+    caches, decode batches (small and large: split-KV or not) and a chunk, with the default launch shapes: the
+    tiny models' dims leave the shared-memory and register limits of the real tiles untested."""
+    from pagoda.kernels.mla import mla_attention
+
+    for num_heads, cache_dtype, (num_seqs, query_len) in itertools.product(
+            (16, 128), (torch.bfloat16, torch.float8_e4m3fn), ((256, 1), (4, 1), (2, 64))):
+        context = 1024
+        q = torch.empty(num_seqs * query_len, num_heads, 576, dtype=torch.bfloat16)  # [T, heads, R + P]
+        cache = torch.empty(num_seqs * context // 16, 16, 576, dtype=cache_dtype)  # [N, bs, R + P]
+        block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32) * query_len
+        kv_scale = torch.ones(1) if cache_dtype == torch.float8_e4m3fn else None
+        mla_attention(q, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, 512, kv_scale=kv_scale)
+
+
 def run_sampler() -> None:
     """The sampler's start-up warm-up (every variant a served batch can launch) through the Triton kernels."""
     from pagoda.services.worker.sampler import sample
@@ -120,6 +139,7 @@ def main() -> int:
     install()
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
     run_models()
+    run_mla_shapes()
     run_sampler()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")

@@ -124,6 +124,13 @@ CASES = {
     # grid axis 0 = query programs (heads_fast off), 16 heads in one block (the default pick)
     "mixed-default-config": Case((1, 7, 1), (25, 30, 9), num_heads=16, config=None),
     "empty-query-seq": Case((1, 0, 4), (10, 5, 8)),
+    # decode transposed (keys as the M dim): split-KV, and graph padding with a partial last tile
+    "decode-keys-m-split3": Case((1, 1, 1), (70, 5, 40), config=replace(SMALL, num_splits=3, decode_keys_m=True)),
+    "decode-keys-m-graph-padding": Case((1, 1), (33, 17), num_pad_seqs=1, pad_tokens=2,
+                                        config=replace(SMALL, decode_keys_m=True)),
+    # V3's head count: 64 heads a program for decode rows and chunk tiles (the default pick), split-KV
+    "wide-128-heads": Case((1, 3, 1), (40, 12, 17), num_heads=128, config=replace(
+        pick_mla_config(3, 128, 3, 40), decode_tile_n=16, prefill_tile_n=16, num_splits=2)),
 }
 
 
@@ -144,7 +151,11 @@ def test_pick_mla_config_splits_small_decode_batches_only() -> None:
     assert pick_mla_config(1, 16, 1, 4096).num_splits == 16  # 1 program: split as far as allowed
     assert pick_mla_config(256, 16, 1, 4096).num_splits == 1  # 256 programs fill 132 SMs
     assert pick_mla_config(4, 16, 300, 4096).num_splits == 1  # chunks never split
-    assert pick_mla_config(4, 128, 1, 4096).num_splits == 8  # 4 sequences x 8 head blocks
+    assert pick_mla_config(4, 128, 1, 4096).num_splits == 16  # 4 sequences x 2 head blocks of 64
+    assert pick_mla_config(4, 128, 1, 4096, legacy=True).num_splits == 8  # 4 sequences x 8 head blocks of 16
+    wide = pick_mla_config(256, 128, 1, 4096)  # V3: 64 heads a program (wgmma's M), both launches
+    assert (wide.block_h, wide.prefill_block_m, wide.decode_keys_m) == (64, 64, False)
+    assert pick_mla_config(256, 16, 1, 4096).decode_keys_m  # V2-Lite: keys as the M dim of the decode dots
     assert pick_mla_config(2, 4, 1, 4096).block_h == 4
 
 
@@ -186,10 +197,14 @@ def test_write_latent_rejects_bad_inputs() -> None:
 # ---------------------------------------------------------------------------------------------- fp8 latent cache
 
 
-@pytest.mark.parametrize("case", [Case((1, 6, 1), (30, 6, 17)),
-                                  Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, num_splits=2))],
-                         ids=["mixed", "decode-split2"])
-def test_mla_attention_fp8_cache_matches_reference(case: Case) -> None:
+FP8_CASES = {"mixed": Case((1, 6, 1), (30, 6, 17)),
+             "decode-split2": Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, num_splits=2)),
+             "decode-keys-m": Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, decode_keys_m=True))}
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_mla_attention_fp8_cache_matches_reference(name: str) -> None:
+    case = FP8_CASES[name]
     batch = make_batch(case, torch.float32)
     kv_scale = torch.tensor([0.01], device=DEVICE)
     batch.cache = ref.quantize_fp8(batch.cache.nan_to_num(), kv_scale)  # [N, bs, R + P] e4m3 (entries / 0.01)
@@ -203,6 +218,24 @@ def test_mla_attention_fp8_cache_matches_reference(case: Case) -> None:
                         max(case.query_lens), max(case.seq_lens), scale, case.lat, config=case.config,
                         kv_scale=kv_scale)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", [Case((1, 4, 1), (30, 6, 17), num_heads=16, config=None),
+                                  Case((1, 2), (20, 9), num_heads=64, config=None)], ids=["16-heads", "64-heads"])
+def test_mla_attention_fp8_cache_fp16_dots(case: Case) -> None:
+    """A 16-bit q over an fp8 cache: tiles converted to fp16, q scaled once to fp16 (the scale folded into the
+    softmax scale); within fp16 rounding of the fp32 reference over the dequantized cache."""
+    batch = make_batch(case, torch.float32)
+    kv_scale = torch.tensor([0.01], device=DEVICE)
+    batch.cache = ref.quantize_fp8(batch.cache.nan_to_num(), kv_scale)  # [N, bs, R + P] e4m3
+    q = (batch.q * 3.0).half()  # [T, heads, R + P]: amax far from the fp16 scaling target
+    expected = ref.mla_attention(q[:batch.num_real_tokens].float().cpu(), batch.cache.cpu(),
+                                 batch.block_tables.cpu(), list(case.seq_lens), list(case.query_lens), 0.05, case.lat,
+                                 kv_scale.cpu())
+    out = mla_attention(q, batch.cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                        max(case.query_lens), max(case.seq_lens), 0.05, case.lat, config=case.config,
+                        kv_scale=kv_scale)
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=0, atol=ATOL[torch.float16])
 
 
 # ---------------------------------------------------------------------------------------------- absorbed == expanded
