@@ -259,6 +259,8 @@ class ModelRunner:
             if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
                 self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
         self.warm_up_experts()
+        same = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1] a pair that copies nothing
+        self._copy_block_pairs(self.kv_cache.flatten(0, 1), same, same)  # beam search's block copy: compiled now
 
     @torch.inference_mode()
     def warm_up_experts(self) -> None:
