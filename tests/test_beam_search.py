@@ -294,9 +294,10 @@ def test_llm_beam_search_on_smollm2(smollm2_dir: Path) -> None:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=3,
                              num_return_sequences=3, max_new_tokens=8, return_dict_in_generate=True,
                              output_scores=True, pad_token_id=tokenizer.eos_token_id)
-    llm = LLM(str(smollm2_dir))
-    (result,) = llm.beam_search([{"prompt": "The three primary colours are"}],
-                                BeamSearchParams(beam_width=3, max_tokens=8))
-    assert [s.tokens for s in result.sequences] == out.sequences.tolist()
-    assert [s.score for s in result.sequences] == pytest.approx(out.sequences_scores.tolist(), rel=1e-4)
-    assert result.sequences[0].text == tokenizer.decode(out.sequences[0, len(prompt):], skip_special_tokens=True)
+    for async_scheduling in (False, True):  # True: each beam step planned while the previous one runs
+        llm = LLM(str(smollm2_dir), async_scheduling=async_scheduling)
+        (result,) = llm.beam_search([{"prompt": "The three primary colours are"}],
+                                    BeamSearchParams(beam_width=3, max_tokens=8))
+        assert [s.tokens for s in result.sequences] == out.sequences.tolist()
+        assert [s.score for s in result.sequences] == pytest.approx(out.sequences_scores.tolist(), rel=1e-4)
+        assert result.sequences[0].text == tokenizer.decode(out.sequences[0, len(prompt):], skip_special_tokens=True)
