@@ -275,9 +275,20 @@ def test_beam_search_matches_transformers_under_preemption_and_async(tiny: tuple
     assert any(len(s) < 12 for sequences, _ in expected for s in sequences)  # some hypotheses end by EOS
     for async_scheduling in (False, True):
         llm = LLM(str(folder), num_kv_blocks=17, async_scheduling=async_scheduling)
+        scheduler = llm.engine.scheduler
+        in_flight: list[int] = []  # each preempted beam search's pending steps (async: one planned ahead)
+        preempt = scheduler._preempt
+
+        def recording_preempt(seq, preempt=preempt, in_flight=in_flight) -> None:  # noqa: ANN001
+            if seq.request.beam is not None and seq.request.beam.num_generated:
+                in_flight.append(seq.num_pending)
+            preempt(seq)
+
+        scheduler._preempt = recording_preempt
         check_against_hf(llm, prompts, expected, 4, 4, 12, 1.0, True)
-        assert llm.engine.scheduler.stats.num_preemptions > 0
-        llm.engine.scheduler.blocks.check_integrity([])
+        assert scheduler.stats.num_preemptions > 0
+        assert max(in_flight, default=0) == (1 if async_scheduling else 0)  # async: preempted with a step running
+        scheduler.blocks.check_integrity([])
 
 
 def test_llm_beam_search_on_smollm2(smollm2_dir: Path) -> None:
