@@ -1,11 +1,13 @@
 """Paged attention over a bf16 vs an fp8 (e4m3) KV cache, one layer, on one GPU: every fp8 variant (the old path
-that converts K/V to bf16, fp16 dots by cvt or by integer bits, 64/128/256-key decode tiles) is checked against
-the PyTorch reference, then timed (L2 wiped before each call: a decode step's 28+ layers never find their KV in L2)
-at qwen3-0.6b (16 q / 8 kv heads) and llama3-8b (32 / 8) shapes, head_dim 128, B = 1, 64, 256 decode rows over
-contexts 512-768 (the reference workload's spread), 1024 and 4096; plus chunks of 512 queries against 1024 cached
-tokens (prefill against cached context). GB/s counts the KV bytes read in the cache's dtype.
+that converts K/V to bf16, fp16 dots by cvt, K/V as int32 words converted before the dots, 64/128-key decode tiles,
+2 or 3 stages) is checked against the PyTorch reference, then timed from a CUDA graph of back-to-back launches that
+cycle through copies of the batch in disjoint cache blocks (>= 512 MB of KV a cycle, so no launch finds its KV in
+the 50 MB L2, as in a decode step's 28+ layers; no host launch gaps), at qwen3-0.6b (16 q / 8 kv heads) and
+llama3-8b (32 / 8) shapes, head_dim 128, B = 64 and 256 decode rows over contexts 512-768 (the reference
+workload's spread) and 1024; plus chunks of 512 queries against 1024 cached tokens (prefill against cached
+context). TB/s counts the KV bytes read in the cache's dtype. About a minute on an H200.
 
-    python -m pagoda.bench.kv_fp8_bench [--quick] [--out FILE]   (JSON to $OUT/kv_fp8_bench.json when OUT is set)
+    python -m pagoda.bench.kv_fp8_bench [--quick] [--long] [--out FILE]   (JSON to $OUT/kv_fp8_bench.json if OUT)
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.cuda_timing import flushed_time_ms
 from pagoda.kernels import paged_attention as pa
 from pagoda.kernels import reference as ref
 
@@ -28,8 +29,10 @@ DEVICE = "cuda"
 BLOCK_SIZE = 16
 HEAD_DIM = 128
 MODELS = {"qwen3-0.6b": (16, 8), "llama3-8b": (32, 8)}  # (q heads, kv heads)
-BATCHES = (1, 64, 256)
-CONTEXTS = ((512, 768), (1024, 1024), (4096, 4096))  # (shortest, longest) context of the batch
+BATCHES = (64, 256)
+CONTEXTS = ((512, 768), (1024, 1024))  # (shortest, longest) context of the batch
+LONG_BATCHES, LONG_CONTEXTS = (1, 64, 256), ((512, 768), (1024, 1024), (4096, 4096))  # --long
+CYCLE_BYTES = 512 << 20  # KV bytes (in bf16) a timed cycle reads at least: 10x the L2
 CHECK_MAX_TOKENS = 64 * 4096  # reference check where B x context is at most this (its fp32 gather is big)
 TOLERANCE = 2e-2  # max abs error / max |reference|: bf16 output rounding plus 16-bit operands
 
@@ -45,19 +48,27 @@ DECODE_VARIANTS = (
     Variant("bf16", False, {}),
     Variant("fp8_old", True, {"fp8_convert": "native", "decode_tile_n": 64}),  # the path before issue 25 item 5
     Variant("fp8_f16_t64", True, {"fp8_convert": "f16", "decode_tile_n": 64}),
-    Variant("fp8_f16_t128", True, {"fp8_convert": "f16", "decode_tile_n": 128}),
-    Variant("fp8_f16_t128_w8", True, {"fp8_convert": "f16", "decode_tile_n": 128, "decode_num_warps": 8}),
-    Variant("fp8_f16_t256_w8", True, {"fp8_convert": "f16", "decode_tile_n": 256, "decode_num_warps": 8}),
-    Variant("fp8_bits_t64", True, {"fp8_convert": "f16_bits", "decode_tile_n": 64}),
-    Variant("fp8_bits_t128", True, {"fp8_convert": "f16_bits", "decode_tile_n": 128}),
+    Variant("fp8_f16_t128", True, {"fp8_convert": "f16", "decode_tile_n": 128}),  # default until f16_words
+    Variant("fp8_words_t64", True, {"fp8_convert": "f16_words", "decode_tile_n": 64}),
+    Variant("fp8_words_t128", True, {"fp8_convert": "f16_words", "decode_tile_n": 128}),
+    Variant("fp8_words_t128_s3", True, {"fp8_convert": "f16_words", "decode_tile_n": 128, "decode_num_stages": 3}),
+    Variant("fp8_words_t64_s3", True, {"fp8_convert": "f16_words", "decode_tile_n": 64, "decode_num_stages": 3}),
+    Variant("fp8_vwords_t128", True, {"fp8_convert": "f16_vwords", "decode_tile_n": 128}),
+    # transposed decode dots: keys on M (Hopper wgmma, 64-row multiples), query heads on N
+    Variant("fp8_words_t64_kom", True, {"fp8_convert": "f16_words", "decode_tile_n": 64, "decode_keys_on_m": True}),
+    Variant("fp8_words_t128_kom", True, {"fp8_convert": "f16_words", "decode_tile_n": 128,
+                                         "decode_keys_on_m": True}),
+    Variant("bf16_kom", False, {"decode_keys_on_m": True}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 CHUNK_VARIANTS = (
     Variant("bf16", False, {}),
     Variant("fp8_old", True, {"fp8_convert": "native"}),
     Variant("fp8_f16", True, {"fp8_convert": "f16"}),
-    Variant("fp8_bits", True, {"fp8_convert": "f16_bits"}),
-    Variant("fp8_f16_t64", True, {"fp8_convert": "f16", "prefill_tile_n": 64}),
+    Variant("fp8_words", True, {"fp8_convert": "f16_words"}),
+    Variant("fp8_vwords", True, {"fp8_convert": "f16_vwords"}),
+    Variant("fp8_words_t64", True, {"fp8_convert": "f16_words", "prefill_tile_n": 64}),
+    Variant("fp8_default", True, {}),
 )
 
 
@@ -66,7 +77,8 @@ class Batch:
     q: torch.Tensor  # [T, heads, D] bf16
     caches: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # fp8? -> (k, v) [num_blocks, BLOCK_SIZE, kvh, D]
     scales: tuple[torch.Tensor, torch.Tensor]  # fp8 k_scale, v_scale [1] fp32
-    block_tables: torch.Tensor  # [B, max_blocks] int32, shuffled blocks
+    block_tables: torch.Tensor  # [B, max_blocks] int32, shuffled blocks (copy 0, the one checked)
+    copy_tables: list[torch.Tensor]  # per copy of the batch: [B, max_blocks] int32 over its own blocks
     seq_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens_host: list[int]
@@ -74,26 +86,33 @@ class Batch:
 
 
 def make_batch(num_heads: int, num_kv_heads: int, query_lens: list[int], seq_lens: list[int]) -> Batch:
-    """Random bf16 K/V in shuffled blocks, and the same quantized to e4m3 with amax / 448 per-tensor scales."""
+    """Random bf16 K/V in shuffled blocks, and the same quantized to e4m3 with amax / 448 per-tensor scales; as many
+    copies of the batch (same q and lengths, disjoint blocks) as make a timed cycle read >= CYCLE_BYTES."""
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
-    num_blocks = sum(blocks)
+    blocks_per_copy = sum(blocks)
+    bf16_bytes = sum(seq_lens) * num_kv_heads * HEAD_DIM * 2 * 2
+    copies = max(1, -(-CYCLE_BYTES // bf16_bytes))
+    num_blocks = blocks_per_copy * copies
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
     k = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     k_scale = (k.abs().amax().float() / ref.FP8_MAX).reshape(1)
     v_scale = (v.abs().amax().float() / ref.FP8_MAX).reshape(1)
     order = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEVICE)
+    copy_tables = []
     used = 0
-    for b, n in enumerate(blocks):
-        tables[b, :n] = order[used:used + n]
-        used += n
+    for _ in range(copies):
+        tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEVICE)  # [B, max_blocks]
+        for b, n in enumerate(blocks):
+            tables[b, :n] = order[used:used + n]
+            used += n
+        copy_tables.append(tables)
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
     return Batch(q=torch.randn(qsl[-1], num_heads, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16),
                  caches={False: (k, v), True: (ref.quantize_fp8(k, k_scale), ref.quantize_fp8(v, v_scale))},
-                 scales=(k_scale, v_scale), block_tables=tables,
+                 scales=(k_scale, v_scale), block_tables=copy_tables[0], copy_tables=copy_tables,
                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
                  query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
                  seq_lens_host=seq_lens, query_lens_host=query_lens)
@@ -107,12 +126,38 @@ def variant_config(batch: Batch, variant: Variant) -> pa.AttentionConfig:
     return replace(base, **variant.changes)
 
 
-def run_variant(batch: Batch, variant: Variant, config: pa.AttentionConfig) -> torch.Tensor:
+def run_variant(batch: Batch, variant: Variant, config: pa.AttentionConfig, copy: int = 0) -> torch.Tensor:
     k_cache, v_cache = batch.caches[variant.fp8]
     k_scale, v_scale = batch.scales if variant.fp8 else (None, None)
-    return pa.paged_attention(batch.q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                              max(batch.query_lens_host), max(batch.seq_lens_host), HEAD_DIM ** -0.5, config=config,
-                              k_scale=k_scale, v_scale=v_scale)
+    return pa.paged_attention(batch.q, k_cache, v_cache, batch.copy_tables[copy], batch.seq_lens,
+                              batch.query_start_loc, max(batch.query_lens_host), max(batch.seq_lens_host),
+                              HEAD_DIM ** -0.5, config=config, k_scale=k_scale, v_scale=v_scale)
+
+
+def graph_cycle_us(batch: Batch, variant: Variant, config: pa.AttentionConfig, reps: int) -> float:
+    """Median device time of one call, from a CUDA graph that runs the call once per copy of the batch back to
+    back (each copy's KV in its own blocks, so every call reads HBM), replayed `reps` times."""
+    copies = range(len(batch.copy_tables))
+    for copy in copies:
+        run_variant(batch, variant, config, copy)  # compiled and warm before capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for copy in copies:
+            run_variant(batch, variant, config, copy)
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / len(copies))
+    del graph
+    return sorted(times)[len(times) // 2]
 
 
 def reference(batch: Batch, fp8: bool) -> torch.Tensor:
@@ -135,17 +180,17 @@ def measure(batch: Batch, variants: tuple[Variant, ...], label: dict[str, Any], 
         try:
             out = run_variant(batch, variant, config)
             torch.cuda.synchronize()
+            if check:
+                want = expected[variant.fp8]
+                row["rel_err"] = ((out.float() - want).abs().max() / want.abs().max()).item()
+                row["ok"] = row["rel_err"] <= TOLERANCE
+            us = graph_cycle_us(batch, variant, config, iters)
         except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses (registers, shared memory)
             row.update(error=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
             continue
-        if check:
-            want = expected[variant.fp8]
-            row["rel_err"] = ((out.float() - want).abs().max() / want.abs().max()).item()
-            row["ok"] = row["rel_err"] <= TOLERANCE
-        us = 1e3 * flushed_time_ms(lambda v=variant, c=config: run_variant(batch, v, c), iters)
         kv_bytes = kv_tokens * num_kv_heads * HEAD_DIM * 2 * (1 if variant.fp8 else 2)
-        row.update(us=us, kv_bytes=kv_bytes, gb_per_s=kv_bytes / us / 1e3)
+        row.update(us=us, kv_bytes=kv_bytes, tb_per_s=kv_bytes / us / 1e6)
         rows.append(row)
     base = next((r["us"] for r in rows if r["variant"] == "bf16" and "us" in r), None)
     for row in rows:
@@ -161,22 +206,44 @@ def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
             print(f"   {row['variant']:<18} FAILED TO RUN {row['error']}")
             continue
         check = "-" if "rel_err" not in row else f"{row['rel_err']:.1e}{'' if row['ok'] else ' FAIL'}"
-        print(f"   {row['variant']:<18} {row['us']:9.1f} us {row['gb_per_s']:8.0f} GB/s  x{row['speedup_vs_bf16']:.2f} "
+        print(f"   {row['variant']:<18} {row['us']:9.1f} us {row['tb_per_s']:6.2f} TB/s  x{row['speedup_vs_bf16']:.2f} "
               f"vs bf16  err {check}")
+
+
+def print_summary(results: list[dict[str, Any]]) -> None:
+    """One line per shape: bf16, the fp8 default and the fastest fp8 variant, as TB/s and time against bf16."""
+    print("\n| model | kind | B | context | bf16 TB/s | fp8 default TB/s (x bf16 time) | best fp8 variant |")
+    print("|---|---|---:|---|---:|---:|---|")
+    shapes = dict.fromkeys((r["model"], r["kind"], r["B"], r["ctx"]) for r in results)
+    for model, kind, num_seqs, ctx in shapes:
+        rows = {r["variant"]: r for r in results if (r["model"], r["kind"], r["B"], r["ctx"]) == (model, kind, num_seqs,
+                                                                                                   ctx) and "us" in r}
+        fp8 = [r for name, r in rows.items() if name.startswith("fp8") and name != "fp8_default"]
+        if "bf16" not in rows or "fp8_default" not in rows or not fp8:
+            continue
+        best = min(fp8, key=lambda r: r["us"])
+        default = rows["fp8_default"]
+        print(f"| {model} | {kind} | {num_seqs} | {ctx} | {rows['bf16']['tb_per_s']:.2f} | {default['tb_per_s']:.2f} "
+              f"(x{default['speedup_vs_bf16']:.2f}) | {best['variant']} {best['tb_per_s']:.2f} "
+              f"(x{best['speedup_vs_bf16']:.2f}) |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="B=64 and 256 at context 512-768 only")
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="B=256 at context 512-768 only")
+    parser.add_argument("--long", action="store_true", help="also B=1 and context 4096")
+    parser.add_argument("--iters", type=int, default=10, help="graph replays per timing (each >= 512 MB of KV)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kv_fp8_bench needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    batches, contexts = ((64, 256), CONTEXTS[:1]) if args.quick else (BATCHES, CONTEXTS)
-    print(f"{torch.cuda.get_device_name(0)}, one layer, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; times L2-flushed")
+    batches, contexts = ((256,), CONTEXTS[:1]) if args.quick else (BATCHES, CONTEXTS)
+    if args.long:
+        batches, contexts = LONG_BATCHES, LONG_CONTEXTS
+    print(f"{torch.cuda.get_device_name(0)}, one layer, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; CUDA-graph times "
+          f"over >= {CYCLE_BYTES >> 20} MB of KV a cycle (no L2 reuse)")
     results: list[dict[str, Any]] = []
     for model, (num_heads, num_kv_heads) in MODELS.items():
         for num_seqs in batches:
@@ -194,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print_rows(f"{model} chunks 4 x 512 queries over 1024 cached tokens", rows)
         results.extend(rows)
         torch.cuda.empty_cache()
+    print_summary(results)
     failed = [r for r in results if "error" in r or r.get("ok") is False]
     out = args.out or (Path(os.environ["OUT"]) / "kv_fp8_bench.json" if os.environ.get("OUT") else None)
     if out is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +27,14 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #   "f16_bits": fp16 by integer ops: bits = sign << 15 | (e4m3 & 0x7f) << 7 is the fp16 of e4m3 * 2^-8 (the
 #             exponent biases differ by 15 - 7 = 8; e4m3 subnormals land on fp16 subnormals with the same factor);
 #             the 2^8 is folded into the scales. The e4m3 NaN (0x7f) would read as 480; the cache never holds one.
-FP8_CONVERTS = ("native", "f16", "f16_bits")
-_FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3}  # FP8_MODE kernel constant; 0 = not an fp8 cache
+#   "f16_words": K and V tiles loaded as int32 words and converted to fp16 in the load's layout (two
+#             cvt.rn.f16x2.e4m3x2 a word), before the layout change into the dot operands. With "f16" the compiler
+#             sinks the conversion past that change: V (whose reduction axis, the keys, is strided) was then gathered
+#             from shared memory one byte at a time (LDS.U8 + byte packing: 128 LDS.U8 a thread per 128-key tile)
+#             and the tile took 248 registers; as words it takes 142 (sm_90 SASS, tests/gpu_compile.py's compiler).
+#   "f16_vwords": V as words, K as "f16" (its e4m3 tile reaches the dot by ldmatrix and converts there).
+FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords")
+_FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5}  # 0 = not an fp8 cache
 _F16_Q_AMAX = tl.constexpr(256.0)  # q amax after its fp16 scaling: products exact in fp32, far from overflow
 
 
@@ -46,7 +53,8 @@ class AttentionConfig:
     prefill_num_warps: int = 8
     prefill_num_stages: int = 1
     heads_fast: bool = False  # grid axis 0 = kv head: a sequence's kv heads run side by side (adjacent cache bytes)
-    fp8_convert: str = "f16"  # fp8 cache with a 16-bit q: how K/V tiles are converted (FP8_CONVERTS)
+    fp8_convert: str = "f16_words"  # fp8 cache with a 16-bit q: how K/V tiles are converted (FP8_CONVERTS)
+    decode_keys_on_m: bool = False  # decode dots transposed: keys on the M rows, the G query heads on N
 
 
 @functools.lru_cache(maxsize=8)
@@ -156,13 +164,52 @@ def _e4m3_to_f16_bits(x):
 
 
 @triton.jit
+def _e4m3_words_to_f16(words, USE_ASM: tl.constexpr):
+    """[R, C] int32 words of 4 e4m3 bytes (little-endian) -> [R, 4 C] fp16 (exact). On the GPU two
+    cvt.rn.f16x2.e4m3x2 a word; Triton's interpreter runs no inline asm, so there (USE_ASM=False) each byte goes
+    through tl's own cast, with the same values. Converting whole words and joining the halves keeps the tile fp16
+    from here on: the compiler cannot sink the conversion past the layout change into the dot operand, where an
+    e4m3 V tile would be gathered from shared memory one byte at a time."""
+    if USE_ASM:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        e0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        e1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        e2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        e3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    joined = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [R, C, 2, 2]: [r, c, i, j] = byte 2 i + j of word c
+    return tl.reshape(joined, [words.shape[0], words.shape[1] * 4])
+
+
+@triton.jit
+def _load_words_f16(cache_ptr, block, slot, kv_head, stride_b, stride_s, stride_h, key_mask,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
+    """One K or V tile of an e4m3 cache read as int32 words and converted in the load's layout:
+    [TILE_N, HEAD_DIM_P] fp16. Byte strides are multiples of 4 (the wrapper checks)."""
+    offs_w = tl.arange(0, HEAD_DIM_P // 4)
+    word_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ptrs = (word_ptr + kv_head * (stride_h // 4) + block[:, None] * (stride_b // 4) + slot[:, None] * (stride_s // 4)
+            + offs_w[None, :])  # [TILE_N, HEAD_DIM_P // 4]
+    if MASKED or HEAD_DIM != HEAD_DIM_P:
+        words = tl.load(ptrs, mask=key_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
+    else:
+        words = tl.load(ptrs)
+    return _e4m3_words_to_f16(words, USE_ASM)
+
+
+@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   qk_scale, row_pos, kv_end, tile_lo, tile_hi,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr):
+                  TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr,
+                  USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
-    limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised)."""
+    limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised). Byte tiles
+    a word mode does not use are dead code the compiler drops."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
@@ -192,6 +239,15 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         # Dot operands stay in the storage dtype (tensor-core inputs); products accumulate in fp32 and all the
         # softmax arithmetic below is fp32. Scores are in log2 units: qk_scale = scale * log2(e), so exp2 works.
         # An fp8 cache: to the dot dtype (FP8_CONVERTS); its scales are folded into qk_scale and the output.
+        if FP8_MODE >= 4:  # "f16_words" / "f16_vwords": V (and K) as int32 words, fp16 before any layout change
+            key_mask = key < kv_end
+            v = _load_words_f16(v_cache_ptr, block, slot, kv_head, stride_vb, stride_vs, stride_vh, key_mask,
+                                HEAD_DIM, HEAD_DIM_P, MASKED, USE_ASM)  # [TILE_N, HEAD_DIM_P]
+            if FP8_MODE == 4:
+                k = _load_words_f16(k_cache_ptr, block, slot, kv_head, stride_kb, stride_ks, stride_kh, key_mask,
+                                    HEAD_DIM, HEAD_DIM_P, MASKED, USE_ASM)  # [TILE_N, HEAD_DIM_P]
+            else:
+                k = k.to(tl.float16)
         if FP8_MODE == 1:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -201,15 +257,26 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         elif FP8_MODE == 3:
             k = _e4m3_to_f16_bits(k)
             v = _e4m3_to_f16_bits(v)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        if MASKED:
-            s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
+        if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
+            if MASKED:
+                s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))  # [BLOCK_M]
+            alpha = tl.exp2(m_i - m_new)
+            p_t = tl.exp2(s_t - m_new[None, :])  # [TILE_N, BLOCK_M]
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc, input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+            if MASKED:
+                s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
         m_i = m_new
     return acc, l_i, m_i
 
@@ -244,14 +311,15 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr):
+        FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
     num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th query tile
     of the flattened batch, found by binary search; SKIP_DECODE leaves length-1 sequences to a DECODE launch.
     HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together.
-    FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says."""
+    FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
+    inline asm allowed (not in Triton's interpreter)."""
     if HEADS_FAST:
         pid = tl.program_id(1)
         kv_head = tl.program_id(0)
@@ -317,7 +385,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    if KEYS_ON_M:
+        acc = tl.zeros([HEAD_DIM_P, BLOCK_M], tl.float32)  # transposed until the tiles are done
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     if FP8_MODE >= 2:  # fp16 dots: q scaled once so its amax is _F16_Q_AMAX, the inverse folded into qk_scale
@@ -331,11 +402,15 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
+                                  KEYS_ON_M)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE)
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
+                                  KEYS_ON_M)
+    if KEYS_ON_M:
+        acc = tl.trans(acc)  # [BLOCK_M, HEAD_DIM_P]
     if FP8_MODE != 0:  # sum_j p_j (v_fp8_j * v_scale) = v_scale * sum_j p_j v_fp8_j (also for split partials)
         v_scale = tl.load(v_scale_ptr)
         if FP8_MODE == 3:  # f16_bits values are e4m3 * 2^-8
@@ -402,11 +477,21 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("all tensors must be on q's device " + str(device))
 
 
-def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig) -> int:
-    """The kernel's FP8_MODE: 0 without an fp8 cache; with an fp32 q always "native" (fp16 dots would round it)."""
+def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_dim: int, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> int:
+    """The kernel's FP8_MODE: 0 without an fp8 cache; with an fp32 q always "native" (fp16 dots would round it);
+    the word modes fall back to "f16" where a row of head_dim bytes is not made of whole aligned words."""
     if not fp8_kv:
         return 0
-    return _FP8_MODE[config.fp8_convert if q_dtype != torch.float32 else "native"]
+    convert = config.fp8_convert if q_dtype != torch.float32 else "native"
+    if convert in ("f16_words", "f16_vwords") and not _word_aligned(head_dim, k_cache, v_cache):
+        convert = "f16"
+    return _FP8_MODE[convert]
+
+
+def _word_aligned(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (head_dim % 4 == 0 and all(stride % 4 == 0 for stride in (*k_cache.stride()[:3], *v_cache.stride()[:3]))
+            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 
 
 def _check_config(config: AttentionConfig) -> None:
@@ -471,7 +556,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 FP8_MODE=_fp8_mode(fp8_kv, q.dtype, config), HEADS_FAST=config.heads_fast)
+                 FP8_MODE=_fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache),
+                 HEADS_FAST=config.heads_fast, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
@@ -485,14 +571,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
-            DECODE=True, SKIP_DECODE=False, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, num_warps=config.decode_num_warps,
+            num_stages=config.decode_num_stages)
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
         block_q = block_m // group
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
-            DECODE=False, SKIP_DECODE=True, num_warps=config.prefill_num_warps,
+            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, num_warps=config.prefill_num_warps,
             num_stages=config.prefill_num_stages)
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from pagoda.kernels import reference as ref
-from pagoda.kernels.paged_attention import FP8_CONVERTS, AttentionConfig, paged_attention, pick_config
+from pagoda.kernels.paged_attention import (
+    FP8_CONVERTS,
+    AttentionConfig,
+    _e4m3_words_to_f16,
+    paged_attention,
+    pick_config,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 0.2
@@ -64,7 +74,7 @@ def _check(case: dict, config: AttentionConfig, atol: float) -> None:
     torch.testing.assert_close(out.float().cpu(), expected, rtol=0.0, atol=atol * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("convert", ["f16", "f16_bits"])
+@pytest.mark.parametrize("convert", ["f16", "f16_bits", "f16_words", "f16_vwords"])
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 def test_fp8_decode_and_chunks_match_reference(convert: str, q_dtype: torch.dtype) -> None:
     """Decode rows and a chunk over cached context (both launches), 16-key tiles so each crosses blocks."""
@@ -73,12 +83,23 @@ def test_fp8_decode_and_chunks_match_reference(convert: str, q_dtype: torch.dtyp
     _check(case, config, ATOL[q_dtype])
 
 
-@pytest.mark.parametrize("convert", ["f16", "f16_bits"])
+@pytest.mark.parametrize("convert", ["f16", "f16_bits", "f16_words"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_fp8_decode_wide_tiles_match_reference(convert: str, num_splits: int) -> None:
     """128-key decode tiles (the fp8 default) over sequences shorter and longer than a tile, split or not."""
     case = _fp8_case([1, 1, 1], [150, 7, 64], torch.float16, head_dim=16, seed=1)
     config = AttentionConfig(num_splits=num_splits, decode_tile_n=128, fp8_convert=convert, heads_fast=True)
+    _check(case, config, ATOL[torch.float16])
+
+
+@pytest.mark.parametrize("convert", ["f16", "f16_words"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fp8_decode_keys_on_m_matches_reference(convert: str, num_splits: int) -> None:
+    """Transposed decode dots (keys on M, the query heads on N) over whole and partial 64-key tiles, beside a
+    chunk over cached context (which keeps the untransposed tiles)."""
+    case = _fp8_case([1, 1, 4, 1], [150, 7, 40, 64], torch.float16, num_heads=8, num_kv_heads=2, seed=5)
+    config = AttentionConfig(num_splits=num_splits, decode_tile_n=64, fp8_convert=convert, decode_keys_on_m=True,
+                             prefill_block_m=16, prefill_tile_n=16)
     _check(case, config, ATOL[torch.float16])
 
 
@@ -101,7 +122,43 @@ def test_fp8_config_checked_and_defaults() -> None:
     case = _fp8_case([1], [5], torch.float16)
     with pytest.raises(ValueError, match="fp8_convert"):
         _check(case, AttentionConfig(fp8_convert="e5m2"), 1.0)
-    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits"}
+    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords"}
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
-    assert decode.decode_tile_n == 128 and decode.fp8_convert == "f16"
+    assert decode.decode_tile_n == 128 and decode.fp8_convert == "f16_words"
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64  # a bf16 cache keeps its tiles
+
+
+@pytest.mark.parametrize("head_dim", [24, 18])
+def test_fp8_word_tiles_odd_head_dims(head_dim: int) -> None:
+    """Word loads with a head_dim below its power-of-two tile (24: masked words), and one that is not whole words
+    (18: falls back to byte tiles), in decode rows and a chunk over cached context."""
+    case = _fp8_case([1, 6, 1], [37, 21, 9], torch.float16, head_dim=head_dim, seed=4)
+    config = AttentionConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16, fp8_convert="f16_words")
+    _check(case, config, ATOL[torch.float16])
+
+
+@triton.jit
+def _words_kernel(words_ptr, out_ptr, NUM_WORDS: tl.constexpr, USE_ASM: tl.constexpr):
+    offs = tl.arange(0, NUM_WORDS)
+    words = tl.load(words_ptr + offs[None, :] + tl.arange(0, 2)[:, None] * NUM_WORDS)  # [2, NUM_WORDS]
+    halves = _e4m3_words_to_f16(words, USE_ASM)  # [2, 4 NUM_WORDS]
+    cols = tl.arange(0, 4 * NUM_WORDS)
+    tl.store(out_ptr + tl.arange(0, 2)[:, None] * (4 * NUM_WORDS) + cols[None, :], halves)
+
+
+@pytest.mark.parametrize("use_asm", [False, pytest.param(True, marks=pytest.mark.skipif(
+    DEVICE != "cuda" or os.environ.get("TRITON_INTERPRET") == "1", reason="PTX inline asm needs a GPU"))])
+def test_e4m3_words_convert_every_code(use_asm: bool) -> None:
+    """All 256 e4m3 codes (twice, each at every byte position of a word) to fp16 equal torch's cast. The NaN codes
+    (never in a cache: quantization clamps to +-448) become NaN on the GPU; the interpreter's cast reads them
+    as +-480, so there they are left out."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    raw = torch.cat([codes, codes.flip(0)]).to(DEVICE)  # [512] bytes: each code at every byte position of a word
+    want = raw.view(torch.float8_e4m3fn).to(torch.float16).view(2, 256)
+    out = torch.empty(2, 256, dtype=torch.float16, device=DEVICE)
+    _words_kernel[(1,)](raw.view(torch.int32), out, NUM_WORDS=64, USE_ASM=use_asm)
+    out, want = out.cpu(), want.cpu()
+    if not use_asm:
+        finite = want.isfinite()
+        out, want = out[finite], want[finite]
+    torch.testing.assert_close(out, want, rtol=0.0, atol=0.0, equal_nan=True)

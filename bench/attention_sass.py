@@ -1,0 +1,125 @@
+"""What the decode attention kernel costs per key tile on an H100/H200, read from its sm_90 SASS on a machine with no
+GPU: each fp8 conversion mode (and the bf16 cache for comparison) is compiled with Triton's real ptxas
+(tests/gpu_compile.py's compile-only driver), then disassembled with the bundled nvdisasm. Prints registers a thread,
+shared memory, programs an SM can hold (by registers and by shared memory), the SASS instructions of the unmasked
+key-tile loop (per warp, per tile; the same per thread) and per KV byte a program reads, and the instruction kinds
+that dominate the loop.
+
+    TRITON_INTERPRET=0 python -m pagoda.bench.attention_sass [--heads 16] [--kv-heads 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+
+MODES = {"bf16": 0, "native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5}
+VARIANTS = (("bf16", 64, 2, False), ("f16", 64, 2, False), ("f16", 128, 2, False), ("f16_words", 64, 2, False),
+            ("f16_words", 128, 2, False), ("f16_words", 128, 3, False), ("f16_vwords", 128, 2, False),
+            ("bf16", 64, 2, True), ("f16_words", 64, 2, True), ("f16_words", 128, 2, True))
+# (cache / conversion, keys a tile, stages, keys on the dots' M rows); 4 warps
+HEAD_DIM, BLOCK_SIZE, NUM_WARPS = 128, 16, 4
+SM_REGISTERS, SM_SHARED = 65536, 227 * 1024
+SASS_LINE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)")
+
+
+def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_heads: int,
+                   num_kv_heads: int):  # -> CompiledKernel
+    from pagoda.kernels import paged_attention as pa
+
+    num_seqs = 256
+    q = torch.empty(num_seqs, num_heads, HEAD_DIM, dtype=torch.bfloat16)  # [B, heads, D]
+    cache_dtype = torch.bfloat16 if mode == "bf16" else torch.float8_e4m3fn
+    k_cache = torch.empty(64, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=cache_dtype)  # [blocks, bs, kvh, D]
+    v_cache = torch.empty_like(k_cache)
+    tables = torch.zeros(num_seqs, 64, dtype=torch.int32)  # [B, max_blocks]
+    lens = torch.zeros(num_seqs, dtype=torch.int32)  # [B]
+    starts = torch.zeros(num_seqs + 1, dtype=torch.int32)  # [B + 1]
+    scale = torch.ones(1)  # [1]
+    out = torch.empty_like(q)  # [B, heads, D]
+    group = num_heads // num_kv_heads
+    return pa._paged_attention_kernel.warmup(
+        out, q, k_cache, v_cache, tables, lens, starts, out, out, out, scale, scale, 0.1, num_seqs, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
+        BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
+        USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, num_warps=NUM_WARPS, num_stages=stages, grid=(1,))
+
+
+def disassemble(cubin: bytes) -> tuple[str, str]:
+    """(SASS text, resource usage line) of a cubin, by the nvdisasm / cuobjdump bundled with Triton."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
+        handle.write(cubin)
+    try:
+        sass = subprocess.run([tools / "nvdisasm", "-c", handle.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", handle.name], capture_output=True,
+                               text=True, check=True).stdout
+    finally:
+        os.unlink(handle.name)
+    return sass, usage
+
+
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The instruction names of every loop (a branch back to an earlier label), in program order."""
+    label_at: dict[str, int] = {}
+    ops: list[tuple[str, str]] = []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            label_at[label.group(1)] = len(ops)
+            continue
+        match = SASS_LINE.match(line)
+        if match:
+            ops.append((match.group(2), match.group(3)))
+    bodies = []
+    for i, (op, rest) in enumerate(ops):
+        target = re.search(r"(\.L_x_\d+)", rest) if op.startswith("BRA") else None
+        if target and label_at.get(target.group(1), i + 1) <= i:
+            bodies.append([name.split(".")[0] for name, _ in ops[label_at[target.group(1)]:i + 1]])
+    return bodies
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import gpu_compile  # the compile-only sm_90 driver
+
+    gpu_compile.driver.set_active(gpu_compile.CompileOnlyDriver())
+    print(f"decode, {args.heads} q / {args.kv_heads} kv heads, head_dim {HEAD_DIM}, {NUM_WARPS} warps, sm_90")
+    print("| cache / convert | keys a tile | stages | keys on M | regs | shared KB | programs/SM | "
+          "loop instrs a tile | per KV byte (x1000) | top loop instructions |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    for mode, tile_n, stages, keys_on_m in VARIANTS:
+        kernel = compile_decode(mode, tile_n, stages, keys_on_m, args.heads, args.kv_heads)
+        sass, usage = disassemble(kernel.asm["cubin"])
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        shared = kernel.metadata.shared
+        per_sm = min(SM_REGISTERS // (regs * 32 * NUM_WARPS), SM_SHARED // max(shared, 1))
+        # the unmasked tile loop: the shortest long loop (the masked loop adds the causal and key masks)
+        unmasked = min((b for b in loop_bodies(sass) if len(b) > 100), key=len)
+        tile_bytes = 2 * tile_n * HEAD_DIM * (2 if mode == "bf16" else 1)  # K and V
+        warp_instrs = len(unmasked) * NUM_WARPS
+        top = ", ".join(f"{op} {n}" for op, n in collections.Counter(unmasked).most_common(6))
+        print(f"| {mode} | {tile_n} | {stages} | {'yes' if keys_on_m else 'no'} | {regs} | {shared / 1024:.0f} | "
+              f"{per_sm} | {len(unmasked)} | "
+              f"{1000 * warp_instrs / tile_bytes:.0f} | {top} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
