@@ -104,17 +104,18 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
     Decode: 64-key tiles, 4 warps (B=256 ctx=2048 at 4.3 TB/s). Prefill-only steps (8x512): 128-row tiles of
     32 keys, 8 warps, 1 stage (88.7 us; the old 128/64/8/2 was ~10% slower). Steps that are mostly decode rows
     plus a few chunks (4x512 + 124 decodes): 64-row tiles of 64 keys (277 us vs 310 us). Decode-only batches put
-    the kv heads on grid axis 0 (bench/decode_profile.py --sweep). An fp8 cache (fp8_kv) decodes 128-key tiles:
-    the same bytes a step as the bf16 64-key tile, so half the loop trips and their fixed softmax work
-    (bench/kv_fp8_bench.py times both)."""
+    the kv heads on grid axis 0 (bench/decode_profile.py --sweep). An fp8 cache (fp8_kv) converts K/V as 32-bit
+    words (f16_words) on 64-key tiles in decode and in chunks: H200, 2026-12-02 (bench/kv_fp8_bench.py, graph-timed),
+    B=256 ctx 1024 llama3-8b 211 us vs 214 us with 128-key tiles and 286 us for bf16; B=64 ctx 512-768 42 vs 52 us;
+    4x512-query chunks over 1024 cached tokens 201 vs 274 us (bf16 159 us)."""
     num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
     if max_query_len <= 1:
         # Decode-only: kv heads first on the grid, so one sequence's heads read their blocks' adjacent bytes
         # together (H200, qwen3-0.6b, B=256, contexts 512-768: 166 -> 160 us per layer, 4.04 -> 4.19 TB/s).
-        return AttentionConfig(num_splits=num_splits, heads_fast=True, decode_tile_n=128 if fp8_kv else 64)
+        return AttentionConfig(num_splits=num_splits, heads_fast=True)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     if max_query_len * group_size >= 128 and not mostly_decode:
-        return AttentionConfig(num_splits=num_splits)
+        return AttentionConfig(num_splits=num_splits, prefill_tile_n=64 if fp8_kv else 32)
     return AttentionConfig(num_splits=num_splits, prefill_block_m=64, prefill_tile_n=64, prefill_num_warps=4,
                            prefill_num_stages=2)
 

@@ -605,3 +605,10 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int, gro
         return w[expert]
     assert scale is not None
     return dequantize_fp8(w[expert], scale[expert], group_k).to(dtype)
+
+
+def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """cache [planes, num_blocks, ...]: block src[i] -> dst[i] [N] in every plane, pairs with src == dst skipped
+    (kernels/block_copy.py). Every source is read before any destination is written."""
+    moved = src != dst  # [N]
+    cache[:, dst[moved]] = cache[:, src[moved]]

@@ -24,6 +24,7 @@ from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
+from pagoda.shared.heap import settle_heap
 from pagoda.shared.messages import (
     MAX_TOP_LOGPROBS,
     FinishReason,
@@ -63,6 +64,7 @@ class LLMEngine:
         self._streams: dict[int, TextStream] = {}  # seq id -> its text
         self._ids = itertools.count()
         self._grammars: GrammarChecker | None = None
+        settle_heap("engine")
 
     # ---------------------------------------------------------------- requests
 

@@ -272,9 +272,14 @@ class BeamGroup(msgspec.Struct, array_like=True, frozen=True, gc=False):
     continuations over [beams x vocabulary], scored score + log_softmax(logits / T)."""
 
     seq_ids: list[int]  # its live beams, in slot order
-    scores: list[float]  # each beam's cumulative logprob
+    scores: list[float]  # each beam's cumulative logprob (a worker that chose the beams itself keeps its own)
     num_candidates: int
     temperature: float  # 0 or 1: the plain log-probabilities
+    # every slot is live: the worker also chooses the next beams itself (the width best candidates that are not
+    # stop ids, placed as beam.assign_slots does) and continues each slot on the device, so that the next step
+    # is planned before this one's result (the scheduler follows one step behind; BeamCandidates.slot_parents)
+    on_device: bool = False
+    stop_token_ids: list[int] = []  # with on_device: the ids that end a beam instead of continuing it
 
 
 class BeamFork(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defaults=True):
@@ -346,6 +351,7 @@ class BeamCandidates(msgspec.Struct, array_like=True, frozen=True, gc=False):
     token_ids: list[int]
     parents: list[int]  # index into the group's seq_ids
     scores: list[float]  # cumulative logprobs
+    slot_parents: list[int] = []  # BeamGroup.on_device: the parent slot each slot continues (the worker's choice)
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False, frozen=True):

@@ -1,5 +1,6 @@
 """Test setup: Triton's interpreter where there is no GPU, a `gpu` marker, and the SmolLM2 model folder."""
 
+import gc
 import os
 
 # Before torch: ask CUDA through NVML, so checking for a GPU here does not initialize CUDA in this
@@ -92,6 +93,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_heap():  # noqa: ANN202
+    """An in-process engine freezes its start-up objects (pagoda.shared.heap); a test process builds hundreds of
+    engines, so each test hands its frozen objects back to the collector when it ends."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -135,12 +135,22 @@ def run_sampler() -> None:
                     torch.device("cpu"), [0])
 
 
+def run_block_copy() -> None:
+    """Beam search's block copy (kernels/block_copy.py) on 16-token blocks of llama3-8b's K/V rows, bf16 and fp8."""
+    from pagoda.kernels.block_copy import copy_blocks
+
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = torch.empty(4, 8, 16, 8, 128, dtype=dtype)  # [planes, N, bs, kv heads, D]
+        copy_blocks(cache, torch.tensor([0, 1]), torch.tensor([2, 1]))
+
+
 def main() -> int:
     install()
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
     run_models()
     run_mla_shapes()
     run_sampler()
+    run_block_copy()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
     for message in STEP_ERRORS:

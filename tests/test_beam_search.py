@@ -89,9 +89,19 @@ def beam_request(width: int, prompt: list[int], max_tokens: int = 6) -> Request:
 
 
 def answer(plan: StepPlan, tokens: list[int], parents: list[int], scores: list[float]) -> StepResult:
+    """The worker's result for the plan's one group; an on_device group's slots continue as the worker would
+    (the width best candidates that are not stop ids, placed by assign_slots)."""
     (group,) = plan.beam_groups
+    slot_parents = []
+    if group.on_device:
+        width = len(group.seq_ids)
+        chosen = [parent for parent, token in zip(parents, tokens, strict=True)
+                  if token not in group.stop_token_ids][:width]
+        slot_parents = list(range(width))
+        for slot, parent in zip(assign_slots(chosen, width), chosen, strict=True):
+            slot_parents[slot] = parent
     return StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[],
-                      beam_candidates=[BeamCandidates(group.seq_ids[0], tokens, parents, scores)])
+                      beam_candidates=[BeamCandidates(group.seq_ids[0], tokens, parents, scores, slot_parents)])
 
 
 def test_beams_fork_by_reference_and_copy_only_the_last_partial_block() -> None:
@@ -110,15 +120,19 @@ def test_beams_fork_by_reference_and_copy_only_the_last_partial_block() -> None:
     assert plan.block_copies == [tables[0][1], tables[1][1], tables[0][1], tables[2][1]]
     assert [(f.seq_id, f.parent_seq_id, f.token_id) for f in plan.beam_forks] == [(0, 0, 20), (1, 0, 21), (2, 0, 22)]
     assert plan.beam_groups[0].seq_ids == [0, 1, 2] and plan.beam_groups[0].scores == [-1, -2, -3]
+    assert plan.beam_groups[0].on_device and plan.beam_groups[0].stop_token_ids == [EOS]
     assert sorted(plan.seq_ids) == [0, 1, 2] and plan.num_scheduled_tokens == [1, 1, 1]
     scheduler.blocks.check_integrity([seq.table for seq in request.sequences])
-    # beam 1 has no child: its slot takes beam 0's second child, forked from beam 0's table
+    # from here the worker continues the beams: beam 1 has no child, its slot takes beam 0's second child; it
+    # holds beam 0's full blocks and keeps its own last one (the worker copied beam 0's into it)
+    own = [table[1] for table in tables]
     scheduler.update(plan, answer(plan, [30, 31, 32, 33, 34, 35], [0, 2, 0, 1, 1, 1], [-2, -3, -4, -5, -6, -7]))
     assert [seq.token_ids[6:] for seq in request.sequences] == [[20, 30], [20, 32], [22, 31]]
-    assert scheduler.blocks.num_free_blocks == 32 - 4  # one shared block, one own block a beam: the old line's went
+    assert [seq.table.block_ids for seq in request.sequences] == [[tables[0][0], b] for b in own]
+    assert scheduler.blocks.num_free_blocks == 32 - 4  # one shared block, one own block a beam
     plan = scheduler.schedule()
-    assert [(f.seq_id, f.parent_seq_id) for f in plan.beam_forks] == [(0, 0), (2, 2), (1, 0)]
-    assert plan.block_copies[0::2] == [tables[0][1]]  # the copy comes from beam 0's partial block
+    assert plan.beam_forks == [] and plan.block_copies == []  # nothing for the worker: it did it already
+    assert plan.beam_groups[0].scores == [-2, -4, -3]  # slot order
     scheduler.blocks.check_integrity([seq.table for seq in request.sequences])
 
 
@@ -261,9 +275,20 @@ def test_beam_search_matches_transformers_under_preemption_and_async(tiny: tuple
     assert any(len(s) < 12 for sequences, _ in expected for s in sequences)  # some hypotheses end by EOS
     for async_scheduling in (False, True):
         llm = LLM(str(folder), num_kv_blocks=17, async_scheduling=async_scheduling)
+        scheduler = llm.engine.scheduler
+        in_flight: list[int] = []  # each preempted beam search's pending steps (async: one planned ahead)
+        preempt = scheduler._preempt
+
+        def recording_preempt(seq, preempt=preempt, in_flight=in_flight) -> None:  # noqa: ANN001
+            if seq.request.beam is not None and seq.request.beam.num_generated:
+                in_flight.append(seq.num_pending)
+            preempt(seq)
+
+        scheduler._preempt = recording_preempt
         check_against_hf(llm, prompts, expected, 4, 4, 12, 1.0, True)
-        assert llm.engine.scheduler.stats.num_preemptions > 0
-        llm.engine.scheduler.blocks.check_integrity([])
+        assert scheduler.stats.num_preemptions > 0
+        assert max(in_flight, default=0) == (1 if async_scheduling else 0)  # async: preempted with a step running
+        scheduler.blocks.check_integrity([])
 
 
 def test_llm_beam_search_on_smollm2(smollm2_dir: Path) -> None:
@@ -280,9 +305,10 @@ def test_llm_beam_search_on_smollm2(smollm2_dir: Path) -> None:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=3,
                              num_return_sequences=3, max_new_tokens=8, return_dict_in_generate=True,
                              output_scores=True, pad_token_id=tokenizer.eos_token_id)
-    llm = LLM(str(smollm2_dir))
-    (result,) = llm.beam_search([{"prompt": "The three primary colours are"}],
-                                BeamSearchParams(beam_width=3, max_tokens=8))
-    assert [s.tokens for s in result.sequences] == out.sequences.tolist()
-    assert [s.score for s in result.sequences] == pytest.approx(out.sequences_scores.tolist(), rel=1e-4)
-    assert result.sequences[0].text == tokenizer.decode(out.sequences[0, len(prompt):], skip_special_tokens=True)
+    for async_scheduling in (False, True):  # True: each beam step planned while the previous one runs
+        llm = LLM(str(smollm2_dir), async_scheduling=async_scheduling)
+        (result,) = llm.beam_search([{"prompt": "The three primary colours are"}],
+                                    BeamSearchParams(beam_width=3, max_tokens=8))
+        assert [s.tokens for s in result.sequences] == out.sequences.tolist()
+        assert [s.score for s in result.sequences] == pytest.approx(out.sequences_scores.tolist(), rel=1e-4)
+        assert result.sequences[0].text == tokenizer.decode(out.sequences[0, len(prompt):], skip_special_tokens=True)

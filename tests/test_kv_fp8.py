@@ -124,8 +124,11 @@ def test_fp8_config_checked_and_defaults() -> None:
         _check(case, AttentionConfig(fp8_convert="e5m2"), 1.0)
     assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords"}
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
-    assert decode.decode_tile_n == 128 and decode.fp8_convert == "f16_words"
-    assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64  # a bf16 cache keeps its tiles
+    assert decode.decode_tile_n == 64 and decode.fp8_convert == "f16_words"  # measured fastest (kv_fp8_bench)
+    assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
+    chunks = (2048, 4, 8, 2, 512, 1536)  # 4 x 512 new queries over 1024 cached tokens
+    assert pick_config(*chunks, fp8_kv=True).prefill_tile_n == 64
+    assert pick_config(*chunks).prefill_tile_n == 32  # a bf16 cache keeps its chunk tiles
 
 
 @pytest.mark.parametrize("head_dim", [24, 18])

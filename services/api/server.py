@@ -21,6 +21,7 @@ from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.services.api.tenants import KeyTable, UsageLog
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.discovery import advertised, host_toward
+from pagoda.shared.heap import settle_heap
 from pagoda.shared.transport import load_cluster_keys
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
                 registry.start()
             site = web.TCPSite(runner, config.host, config.port, reuse_port=True)
             await site.start()
+            settle_heap(f"api {config.api_index}")
             log.info("api %d serving %s on http://%s:%d", config.api_index, state.served_model_name,
                      config.host, config.port)
             await stop.wait()

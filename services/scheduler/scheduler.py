@@ -358,9 +358,9 @@ class Scheduler:
         preemptions_before = self.stats.num_preemptions
 
         # a sequence at max_len with a provisional token is done once that token arrives: nothing to compute; a
-        # beam's next token depends on its whole group's result
+        # beam search's first step waits for its result (it forks the other beams); later ones the worker continues
         runnable = [seq for seq in self.running if (seq.num_tokens < seq.max_len or not seq.num_pending)
-                    and not (seq.num_pending and seq.request.beam is not None)]
+                    and not (seq.num_pending and seq.request.beam is not None and not seq.request.beam.num_generated)]
         ready: dict[str, bool] = {}  # beam searches whose every beam is one token short (_beam_count)
         decoding = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens == 1]
         prefilling = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens > 1]
@@ -427,7 +427,7 @@ class Scheduler:
         answer = ready.get(request.request_id)
         if answer is None:
             answer = ready[request.request_id] = all(
-                beam.status == SeqStatus.RUNNING and not beam.num_pending
+                beam.status == SeqStatus.RUNNING and (not beam.num_pending or request.beam.num_generated > 0)
                 and beam.num_tokens - beam.num_computed_tokens == 1 for beam in self._beam_live(request))
         return count if answer else 0
 
@@ -464,8 +464,11 @@ class Scheduler:
             if all(b.seq_id in num_tokens and b.num_computed_tokens + num_tokens[b.seq_id] == b.num_tokens
                    for b in live):
                 temperature = request.sampling.temperature  # below GREEDY_TEMPERATURE: the plain log-probabilities
+                # after the first step every slot is live: the worker chooses and continues the beams itself
+                on_device = beam.num_generated > 0
                 groups.append(BeamGroup([b.seq_id for b in live], list(beam.scores), beam.num_candidates,
-                                        temperature if temperature >= GREEDY_TEMPERATURE else 0.0))
+                                        temperature if temperature >= GREEDY_TEMPERATURE else 0.0, on_device,
+                                        sorted(beam.stop_ids) if on_device else []))
         return groups
 
     def _launch(self, num_tokens: dict[int, int], has_prefill: bool) -> InflightStep:
@@ -742,6 +745,8 @@ class Scheduler:
         if first is None or first.request.beam is None or first.seq_id not in step.sampler_ids:
             return []  # aborted while the step ran
         request, beam = first.request, first.request.beam
+        if beam.num_generated:
+            return self._follow_beams(candidates, step, resolved)
         live = self._beam_live(request)
         if any(seq.is_finished or seq.seq_id not in step.sampler_ids or seq.num_pending != 1 for seq in live):
             return []  # not the group this step ran: the worker's answer is dropped (and the beams aborted)
@@ -796,6 +801,73 @@ class Scheduler:
         for (_, _, score), slot in zip(decided.beams, slots, strict=True):
             beam.scores[slot] = score  # slot order, as the next BeamGroup sends them
         return []
+
+    def _follow_beams(self, candidates: BeamCandidates, step: InflightStep, resolved: set[int]) -> list[SeqUpdate]:
+        """A step whose beams the worker chose and continued itself (BeamGroup.on_device): the search advances the
+        same way (beam.py), and each slot's tokens and table follow the worker's choice one step behind: slot s
+        continuing parent p holds p's full blocks (shared by reference) and keeps its own last blocks (the worker
+        copied p's partial one into it). A step planned meanwhile keeps its placeholder: the worker chose its
+        input already."""
+        request = self._seqs[candidates.seq_id].request
+        beam = request.beam
+        assert beam is not None
+        live = request.sequences
+        if any(seq.is_finished or seq.seq_id not in step.sampler_ids or not seq.num_pending for seq in live):
+            return []  # not the group this step ran: the worker's answer is dropped (and the beams aborted)
+        resolved.update(seq.seq_id for seq in live)
+        if not all(0 <= parent < len(live) for parent in candidates.parents) or not all(
+                0 <= token < self.vocab_size for token in candidates.token_ids) or not candidates.slot_parents:
+            return self._end_beam_search(request, FinishReason.ERROR)  # a malformed answer ends this request only
+        later = live[0].num_pending - 1  # placeholders of steps planned after this one (their inputs are chosen)
+        for seq in live:
+            assert seq.num_pending == later + 1
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
+        count = min(beam.num_candidates, len(candidates.token_ids))
+        decided = beam.step(candidates.token_ids[:count], candidates.parents[:count], candidates.scores[:count],
+                            _Generated(live))
+        if decided.done:
+            return self._end_beam_search(request, None)
+        parents = [parent for parent, _, _ in decided.beams]
+        slots = assign_slots(parents, len(live))
+        slot_parents = list(range(len(live)))
+        for slot, parent in zip(slots, parents, strict=True):
+            slot_parents[slot] = parent
+        if slot_parents != candidates.slot_parents:  # the worker's tables would not be ours
+            return self._end_beam_search(request, FinishReason.ERROR)
+        num_known = len(live[0].token_ids)
+        tokens = [list(seq.token_ids) for seq in live]
+        if live[0].status == SeqStatus.RUNNING:
+            self._share_parent_blocks(live, slot_parents, num_known // self.block_size)
+        for (parent, token, score), slot in zip(decided.beams, slots, strict=True):
+            seq = live[slot]
+            seq.token_ids = tokens[parent] + [token] + [PLACEHOLDER] * later
+            seq.num_pending = later
+            beam.scores[slot] = score
+            if seq.status != SeqStatus.RUNNING:
+                seq.num_computed_tokens = 0  # preempted while the step ran: recomputed on its new line
+        return []
+
+    def _share_parent_blocks(self, live: list[Sequence], slot_parents: list[int], num_shared: int) -> None:
+        """Each slot that changes line takes its parent's first num_shared blocks (all full) instead of its own;
+        blocks after those are the slot's own and stay. References are taken before any is dropped."""
+        old = [seq.table for seq in live]
+        tables = []
+        for slot, parent in enumerate(slot_parents):
+            table = old[slot]
+            if parent == slot:
+                tables.append(table)
+                continue
+            keep = self.blocks.shared_prefix(table, old[parent], num_shared * self.block_size)
+            self.blocks.acquire(old[parent].block_ids[keep:num_shared])
+            tables.append(BlockTable(old[parent].block_ids[:num_shared] + table.block_ids[num_shared:],
+                                     list(old[parent].block_hashes[:num_shared])))
+        for slot, parent in enumerate(slot_parents):
+            if parent != slot:
+                keep = self.blocks.shared_prefix(old[slot], old[parent], num_shared * self.block_size)
+                self.blocks.release(old[slot].block_ids[keep:num_shared])
+        for seq, table in zip(live, tables, strict=True):
+            seq.table = table
 
     def _end_beam_search(self, request: Request, reason: FinishReason | None) -> list[SeqUpdate]:
         """Every slot ends; the n best hypotheses are the completions, each sent whole (reason None), or the

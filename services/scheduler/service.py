@@ -29,6 +29,7 @@ from pagoda.services.scheduler.tracing import RequestTracer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.delivery import Link, SendLog
 from pagoda.shared.errors import PagodaError
+from pagoda.shared.heap import settle_heap
 from pagoda.shared.messages import (
     MAX_INT32,
     AbortRequest,
@@ -549,6 +550,7 @@ class SchedulerService:
         self.model_info = ModelInfo(max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                                     max_num_tokens=ready.num_kv_blocks * ready.block_size,
                                     eos_token_ids=ready.eos_token_ids)
+        settle_heap("scheduler")
         log.info("worker ready: %d KV blocks of %d tokens", ready.num_kv_blocks, ready.block_size)
         for identity in self.tokenizers:
             self._send_tokenizer(identity, self.model_info)

@@ -32,6 +32,7 @@ from pagoda.services.tokenizer.replicas import Replica
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import InvalidRequestError, PagodaError, ServerOverloadedError
+from pagoda.shared.heap import settle_heap
 from pagoda.shared.messages import (
     AbortRequest,
     Accepted,
@@ -124,6 +125,7 @@ class TokenizerService:
     # ---------------------------------------------------------------- loop
 
     def run(self) -> None:
+        settle_heap(f"tokenizer {self.tokenizer_id}")
         hello = self._hello()
         for api in self._apis:
             self._send_api(api, hello)

@@ -30,6 +30,9 @@ class BatchState:
         # logprob settings (the sampling settings live in SamplingState, on the device)
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none wanted
         self.num_prompt_logprobs = np.full(rows, -1, dtype=np.int64)  # -1: prompt tokens not scored
+        # a beam whose line the device chose (BeamGroup.on_device): its full blocks are the device's table
+        # (ModelRunner.beam_tables), its history here is stale but for its last token; its own last blocks are here
+        self.lineage_on_device = np.zeros(rows, dtype=bool)  # [R]
 
     def reset(self) -> None:
         """Forget every request (a new scheduler starts from nothing)."""
@@ -67,6 +70,7 @@ class BatchState:
                 row = self.free_rows.pop()
                 self.row_of[fork.seq_id] = row
             placed.append((fork, row))
+            self.lineage_on_device[row] = False  # the scheduler's tables (first step of a search)
             if row != parent:
                 count = self.num_tokens[parent]
                 self.token_ids[row, :count] = self.token_ids[parent, :count]
@@ -91,6 +95,7 @@ class BatchState:
         self.num_computed[row] = new.num_computed_tokens
         self.block_table[row, :len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
+        self.lineage_on_device[row] = False
         params = new.sampling
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs

@@ -8,6 +8,7 @@ replayed over static input buffers. Padding rows have slot -1 (no K/V write) and
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -116,9 +117,10 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def replay(self, input_ids: torch.Tensor, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-               block_tables: np.ndarray) -> torch.Tensor:
+               block_tables: np.ndarray, patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Logits [B, V] of a decode batch of B sequences (one token each); input_ids [B] already on the device
-        (gathered there from the last sampled ids: the host may not know them yet)."""
+        (gathered there from the last sampled ids: the host may not know them yet). patch: called with the
+        device's block tables [B, max_blocks] once the host's are in (beams whose blocks the device chose)."""
         batch = len(positions)
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
         copy = self.staging.copy_into
@@ -127,6 +129,8 @@ class DecodeGraphs:
         copy(self.slots[:batch], slots, "graph_slots")
         copy(self.seq_lens[:batch], seq_lens.astype(np.int32), "graph_seq_lens")
         copy(self.block_tables[:batch, :block_tables.shape[1]], block_tables, "graph_block_tables")
+        if patch is not None:
+            patch(self.block_tables[:batch, :block_tables.shape[1]])
         if size > batch:  # padding rows: no cache write, no attention
             self.slots[batch:size].fill_(-1)
             self.seq_lens[batch:size].zero_()

@@ -26,13 +26,14 @@ import msgspec
 import numpy as np
 import torch
 
+from pagoda.kernels import reference as kernel_ref
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
 from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
-from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, beam_candidates
+from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, beam_candidates, beam_continue
 from pagoda.services.worker.sampler_warmup import warm_up_sampler
 from pagoda.services.worker.sampling_state import SamplingState, admission_error
 from pagoda.services.worker.weights import load_model, resolve_fp8
@@ -98,6 +99,14 @@ class LaunchedStep:
     beam_token_ids: torch.Tensor | None = None  # [G, k] int64, host: their best continuations
     beam_parents: torch.Tensor | None = None  # [G, k] int64, host
     beam_scores: torch.Tensor | None = None  # [G, k] fp32, host
+    # the groups whose next beams the device chose (BeamGroup.on_device): their index in beam_groups, the slot
+    # parents [D, W] (host), and each slot's state row, seq id, new token's index and the token [Bd] (host)
+    device_groups: list[int] = field(default_factory=list)
+    beam_slot_parents: torch.Tensor | None = None
+    beam_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    beam_seq_ids: list[int] = field(default_factory=list)
+    beam_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    beam_tokens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -164,6 +173,15 @@ class ModelRunner:
                                       self._to_device)
         self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)  # [R]
         self.pending_step = np.full(config.max_num_seqs, -1, dtype=np.int64)  # [R] step whose last token host lacks
+        # beams whose line the device chose (BatchState.lineage_on_device): cumulative logprob and block table
+        self.beam_scores = torch.zeros(config.max_num_seqs, dtype=torch.float32, device=self.device)  # [R]
+        self.beam_tables = torch.zeros(self.state.block_table.shape, dtype=torch.int32, device=self.device)  # [R, M]
+        self._step_tables: torch.Tensor | None = None  # [B, M'] int32: the block tables of the step being launched
+        if self.device.type == "cuda":
+            from pagoda.kernels.block_copy import copy_blocks
+            self._copy_block_pairs = copy_blocks
+        else:
+            self._copy_block_pairs = kernel_ref.copy_blocks
         self._launched: deque[LaunchedStep] = deque()  # oldest first
         # launched, its sampling waiting for grammar masks: (step, inputs, logits, timer start); see resume()
         self._deferred: tuple[LaunchedStep, HostBatch, torch.Tensor, torch.cuda.Event | None] | None = None
@@ -263,6 +281,8 @@ class ModelRunner:
             if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
                 self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
         self.warm_up_experts()
+        same = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1] a pair that copies nothing
+        self._copy_block_pairs(self.kv_cache.flatten(0, 1), same, same)  # beam search's block copy: compiled now
 
     @torch.inference_mode()
     def warm_up_experts(self) -> None:
@@ -364,8 +384,8 @@ class ModelRunner:
         input_ids = self._input_ids(host)  # [T] on the device
         if (self.graphs is not None and host.is_decode and self.graphs.fits(len(host.rows))
                 and not self._scores_prompt(host).any()):
-            logits = self.graphs.replay(input_ids, host.positions, host.slots, host.seq_lens,
-                                        host.block_tables)  # [B, V] fp32: every decode row samples
+            logits = self.graphs.replay(input_ids, host.positions, host.slots, host.seq_lens, host.block_tables,
+                                        lambda tables: self._patch_tables(tables, host))  # [B, V] fp32
         else:
             hidden = self._forward_eager(host, input_ids)
             logits = self._sampled_logits(host, hidden)
@@ -524,19 +544,94 @@ class ModelRunner:
         sizes = [len(g.seq_ids) for g in groups]
         columns = np.stack([np.repeat(np.arange(len(groups)), sizes),  # group of each beam row
                             np.concatenate([np.arange(size) for size in sizes]), order])  # its slot, its logits row
-        index = self._to_device(columns, "beam_rows")  # [3, Bb]
+        batch_index = host.sampled[order]  # [Bb] each beam row's index in the batch
+        state_rows = host.rows[batch_index]  # [Bb]
+        on_device = self.state.lineage_on_device[state_rows]  # [Bb]: its score is the device's
+        columns = np.concatenate([columns, state_rows[None], on_device[None].astype(np.int64)])
+        index = self._to_device(columns, "beam_rows")  # [5, Bb]
         values = np.asarray([[s for g in groups for s in g.scores],
                              [g.temperature for g in groups for _ in g.seq_ids]], dtype=np.float32)
         floats = self._to_device(values, "beam_scores")  # [2, Bb]
+        beam_scores = torch.where(index[4].bool(), self.beam_scores[index[3]], floats[0])  # [Bb]
         k = max(g.num_candidates for g in groups)
-        token_ids, parents, scores = beam_candidates(logits.index_select(0, index[2]), floats[0], floats[1],
+        token_ids, parents, scores = beam_candidates(logits.index_select(0, index[2]), beam_scores, floats[1],
                                                      index[0], index[1], len(groups), max(sizes), k)  # [G, k] each
         step.beam_groups = groups
         to_host = self.staging.to_host
         step.beam_token_ids = to_host(token_ids, "beam_token_ids")
         step.beam_parents = to_host(parents, "beam_parents")
         step.beam_scores = to_host(scores, "beam_scores")
+        if any(g.on_device for g in groups):
+            self._continue_beams(step, host, batch_index, token_ids, parents, scores)
         return is_beam
+
+    def _continue_beams(self, step: LaunchedStep, host: HostBatch, batch_index: np.ndarray, token_ids: torch.Tensor,
+                        parents: torch.Tensor, scores: torch.Tensor) -> None:
+        """The groups with on_device: choose their next beams here (beam_continue) and continue each slot on the
+        device, so the next step's inputs need nothing from the host: its token (last_token), its score, its block
+        table (beam_tables: the parent's full blocks; its own last block stays its own, the scheduler allocates
+        it) and, when the last block is partial, the parent's copy of it in the slot's own block (no sync: pairs
+        that keep their line copy nothing). The scheduler does the same to its tables from the result."""
+        groups, size = step.beam_groups, self.block_size
+        chosen = [i for i, g in enumerate(groups) if g.on_device]
+        widths = [len(groups[i].seq_ids) for i in chosen]
+        max_width = max(widths)
+        num_stops = max(1, max(len(groups[i].stop_token_ids) for i in chosen))
+        starts = np.cumsum([0] + [len(g.seq_ids) for g in groups])  # each group's first beam row
+        group_batch = np.full((len(chosen), max_width), -1, dtype=np.int64)  # [D, W] batch index of each slot
+        stops = np.full((len(chosen), num_stops), -1, dtype=np.int64)  # [D, S]
+        for d, i in enumerate(chosen):
+            group_batch[d, :widths[d]] = batch_index[starts[i]:starts[i + 1]]
+            stops[d, :len(groups[i].stop_token_ids)] = groups[i].stop_token_ids
+        d_of, s_of = np.nonzero(group_batch >= 0)  # [Bd] each slot's group and slot
+        batch = group_batch[d_of, s_of]  # [Bd]
+        rows = host.rows[batch]  # [Bd]
+        seq_lens = host.seq_lens[batch]  # [Bd] tokens computed: the new token's index
+        small = np.stack([d_of, s_of, batch, rows, seq_lens // size, (seq_lens - 1) // size, seq_lens % size != 0])
+        index = self._to_device(small, "beam_continue")  # [7, Bd]
+        d_t, s_t, batch_t, rows_t, shared_t, last_t, partial_t = index
+        groups_small = np.concatenate([np.asarray([chosen, widths], dtype=np.int64), stops.T, group_batch.T]).T
+        per_group = self._to_device(groups_small, "beam_chosen")  # [D, 2 + S + W]
+        picked = per_group[:, 0]  # [D] their index among the step's groups
+        slot_parent, slot_token, slot_score = beam_continue(
+            token_ids.index_select(0, picked), parents.index_select(0, picked), scores.index_select(0, picked),
+            per_group[:, 2:2 + num_stops], per_group[:, 1], max_width)  # [D, W] each
+        parent_batch = per_group[:, 2 + num_stops:][d_t, slot_parent[d_t, s_t]]  # [Bd]
+        tables = self._step_tables  # [B, M'] this step's block tables, on the device
+        assert tables is not None
+        columns = torch.arange(tables.shape[1], device=tables.device)  # [M']
+        self.beam_tables[rows_t, :tables.shape[1]] = torch.where(
+            columns < shared_t.unsqueeze(1), tables[parent_batch], tables[batch_t])  # [Bd, M']
+        last_own = tables[batch_t, last_t]  # [Bd] the block this step wrote each slot's token into
+        moved = partial_t.bool() & (parent_batch != batch_t)
+        self._copy_block_pairs(self.kv_cache.flatten(0, 1), torch.where(moved, tables[parent_batch, last_t], last_own),
+                               last_own)
+        tokens = slot_token[d_t, s_t]  # [Bd]
+        self.last_token[rows_t] = tokens
+        self.beam_scores[rows_t] = slot_score[d_t, s_t]
+        state = self.state
+        assert (state.num_tokens[rows] == seq_lens).all(), "a beam continues past a token it lacks"
+        state.num_tokens[rows] += 1  # the token's value reaches host state in finish()
+        state.lineage_on_device[rows] = True
+        self.pending_step[rows] = step.plan.step_id
+        step.device_groups = chosen
+        step.beam_rows, step.beam_positions = rows, seq_lens
+        step.beam_seq_ids = [step.plan.seq_ids[b] for b in batch.tolist()]
+        step.beam_tokens = self.staging.to_host(tokens, "beam_slot_tokens")
+        step.beam_slot_parents = self.staging.to_host(slot_parent, "beam_slot_parents")
+
+    def _patch_tables(self, tables: torch.Tensor, host: HostBatch) -> None:
+        """The step's block tables [B, M'] on the device: a beam whose line the device chose takes its shared full
+        blocks from beam_tables; the block its token goes to is its own, from the host (the scheduler's)."""
+        self._step_tables = tables
+        flagged = np.flatnonzero(self.state.lineage_on_device[host.rows])  # [F] batch indices
+        if not len(flagged):
+            return
+        own = (host.seq_lens[flagged] - 1) // self.block_size  # [F] the column of the block this step writes
+        index = self._to_device(np.stack([flagged, host.rows[flagged], own]), "beam_patch")  # [3, F]
+        columns = torch.arange(tables.shape[1], device=tables.device)  # [M']
+        tables[index[0]] = torch.where(columns < index[2].unsqueeze(1), self.beam_tables[index[1], :tables.shape[1]],
+                                       tables[index[0]])  # [F, M']
 
     def _sample_isolating(self, step: LaunchedStep, logits: torch.Tensor, metadata: SamplingMetadata,
                           sampled_rows: np.ndarray, seq_ids: list[int]) -> tuple[np.ndarray, SamplerOutput | None]:
@@ -627,6 +722,8 @@ class ModelRunner:
         if step.event is not None:
             step.event.synchronize()
         step.synced = True
+        if step.beam_tokens is not None:
+            self._sync_rows(step, step.beam_seq_ids, step.beam_rows, step.beam_positions, step.beam_tokens.numpy())
         if step.token_ids is None:
             return
         state = self.state
@@ -640,6 +737,18 @@ class ModelRunner:
             self._unaccepted.append(([r for r, keep in zip(step.seq_ids, owned.tolist(), strict=True) if keep],
                                      token_ids[owned].tolist()))
         mine = rows[self.pending_step[rows] == step.plan.step_id]
+        self.pending_step[mine] = -1
+
+    def _sync_rows(self, step: LaunchedStep, seq_ids: list[int], rows: np.ndarray, positions: np.ndarray,
+                   token_ids: np.ndarray) -> None:
+        """Beams the device continued: their new tokens into the rows that still hold them."""
+        state = self.state
+        owned = np.fromiter((state.row_of.get(seq_id, -1) == row for seq_id, row in zip(seq_ids, rows.tolist(),
+                                                                                      strict=True)),
+                            dtype=bool, count=len(seq_ids))  # [Bd] not dropped (or reused) since the launch
+        kept = rows[owned]
+        state.token_ids[kept, positions[owned]] = token_ids[owned]
+        mine = kept[self.pending_step[kept] == step.plan.step_id]
         self.pending_step[mine] = -1
 
     def _sync_before(self, current: LaunchedStep) -> None:
@@ -660,8 +769,13 @@ class ModelRunner:
         assert step.beam_token_ids is not None and step.beam_parents is not None and step.beam_scores is not None
         token_ids, parents = step.beam_token_ids.tolist(), step.beam_parents.tolist()
         scores = step.beam_scores.tolist()
+        slot_parents: dict[int, list[int]] = {}
+        if step.beam_slot_parents is not None:
+            chosen = step.beam_slot_parents.tolist()
+            slot_parents = {i: chosen[d][:len(step.beam_groups[i].seq_ids)] for d, i in enumerate(step.device_groups)}
         return [BeamCandidates(g.seq_ids[0], token_ids[i][:g.num_candidates], parents[i][:g.num_candidates],
-                               scores[i][:g.num_candidates]) for i, g in enumerate(step.beam_groups)]
+                               scores[i][:g.num_candidates], slot_parents.get(i, []))
+                for i, g in enumerate(step.beam_groups)]
 
     def _tokens_result(self, step: LaunchedStep) -> StepResult:
         plan = step.plan
@@ -748,8 +862,10 @@ class ModelRunner:
     def _forward_eager(self, host: HostBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """The model on a mixed or large batch: final hidden states [T, H] of every token."""
         to = self._to_device
+        tables = to(host.block_tables, "block_tables")  # [B, max_blocks]
+        self._patch_tables(tables, host)
         meta = AttentionMetadata(
-            slot_mapping=to(host.slots, "slots"), block_tables=to(host.block_tables, "block_tables"),
+            slot_mapping=to(host.slots, "slots"), block_tables=tables,
             seq_lens=to(host.seq_lens.astype(np.int32), "seq_lens"),
             query_start_loc=to(host.query_start.astype(np.int32), "query_start"),
             seq_lens_host=host.seq_lens.tolist(), query_lens_host=host.counts.tolist(),

@@ -375,3 +375,30 @@ def beam_candidates(logits: torch.Tensor, scores: torch.Tensor, temperature: tor
     grid_ids[rows, columns] = top.indices
     best = grid.topk(min(k, max_beams * row_k), dim=1)  # [G, k]
     return grid_ids.gather(1, best.indices), best.indices // row_k, best.values
+
+
+def beam_continue(token_ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, stop_ids: torch.Tensor,
+                  widths: torch.Tensor, max_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's next running beams from its candidates token_ids, parents, scores [G, k] (best first), on the
+    device (beam.BeamSearch.step and beam.assign_slots, vectorised): the first widths[g] [G] candidates whose token
+    is not one of the group's stop_ids [G, S] (-1 pads), each placed in a slot as assign_slots does (a parent's
+    first child keeps the parent's slot; other children take the slots left, in order). Returns, by slot, the
+    parent slot, token and cumulative logprob [G, max_width] each; slots >= widths[g] continue themselves."""
+    num_groups = token_ids.shape[0]
+    device = token_ids.device
+    hits = (token_ids.unsqueeze(2) == stop_ids.unsqueeze(1)).any(dim=2)  # [G, k]
+    order = torch.sort(hits.to(torch.int32), dim=1, stable=True).indices[:, :max_width]  # [G, W] non-stops first
+    slot_ids = torch.arange(max_width, device=device).expand(num_groups, max_width)  # [G, W]
+    valid = slot_ids < widths.unsqueeze(1)  # [G, W]
+    parent = torch.where(valid, parents.gather(1, order), slot_ids)  # [G, W] each new beam's parent slot
+    earlier = torch.ones(max_width, max_width, dtype=torch.bool, device=device).tril(-1)  # [j, i]: i < j
+    first = ~((parent.unsqueeze(2) == parent.unsqueeze(1)) & earlier).any(dim=2)  # [G, W] its parent's first child
+    taken = ((parent.unsqueeze(2) == slot_ids.unsqueeze(1)) & first.unsqueeze(2)).any(dim=1)  # [G, W] by slot
+    free = torch.sort(taken.to(torch.int32), dim=1, stable=True).indices  # [G, W] free slots first, ascending
+    later_rank = (torch.cumsum((~first).to(torch.int64), dim=1) - 1).clamp(min=0)  # [G, W]
+    slot = torch.where(first, parent, free.gather(1, later_rank))  # [G, W] the slot of each new beam
+    slot_parent = torch.empty_like(parent).scatter_(1, slot, parent)  # [G, W]
+    slot_token = torch.zeros_like(parent).scatter_(1, slot, torch.where(valid, token_ids.gather(1, order), 0))
+    slot_score = torch.zeros_like(scores[:, :max_width]).scatter_(
+        1, slot, torch.where(valid, scores.gather(1, order), 0.0))  # [G, W]
+    return slot_parent, slot_token, slot_score

@@ -19,6 +19,7 @@ import zmq
 
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.delivery import InOrder
+from pagoda.shared.heap import settle_heap
 from pagoda.shared.messages import (
     GrammarDef,
     Heartbeat,
@@ -79,6 +80,7 @@ class WorkerService:
         self._wait_for_subscription()
         if not self.running:
             return
+        settle_heap(f"worker rank {self.rank}")
         self._send_ready()
         log.info("worker rank %d ready", self.rank)
         interval_ms = int(self.config.heartbeat_interval * 1000)
