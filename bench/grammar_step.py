@@ -20,6 +20,11 @@ for K in --rows and the executor's thread counts in --threads.
     python -m pagoda.bench.grammar_step                      # K = 64, 256; 1 and 2 threads (and more if the CPU has)
     python -m pagoda.bench.grammar_step --rows 256 --threads 12 --steps 100
 
+--engine adds the step loop's view: the offline engine (async scheduling) on this CPU with a tiny dummy model of
+the qwen3-0.6b shape's vocabulary (so the forward costs little), every row constrained, masks per step:
+fill (accept + fill, wherever it ran) and waited (what the step loop blocked on them), with the mask thread and
+with the masks filled inline in the step loop (the worker before the thread).
+
 JSON goes to $OUT/grammar_step.json when OUT is set (or --out).
 """
 
@@ -151,6 +156,35 @@ def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, 
                for part, v in times.items()}}
 
 
+def engine_case(tokenizer_dir: str, num_rows: int, num_tokens: int, inline: bool) -> dict[str, Any]:
+    """The offline engine's mask times per step for num_rows constrained rows of num_tokens tokens."""
+    import dataclasses
+
+    from pagoda.llm import LLM
+    from pagoda.services.worker.model_runner import MaskTimes, ModelRunner
+    from pagoda.shared import shapes
+
+    shapes.SHAPES.setdefault("tiny-wide-vocab", dataclasses.replace(shapes.SHAPES["tiny"], vocab_size=151936))
+    resume = ModelRunner.resume
+    if inline:  # nothing starts the mask job: the next launch fills the masks in the step loop
+        ModelRunner.resume = lambda self: None  # type: ignore[method-assign]
+    try:
+        llm = LLM("tiny-wide-vocab", load_format="dummy", tokenizer=tokenizer_dir, max_num_seqs=num_rows,
+                  max_model_len=num_tokens + 64, async_scheduling=True)
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.encode(f"Write a JSON list #{i}") for i in range(num_rows)]
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0,
+                                structured_outputs=StructuredOutputs(json=LONG_SCHEMA))
+        llm.generate(prompts[:2], [params, params])  # warm-up: the matcher compiles
+        llm.engine.runner.mask_times = MaskTimes()
+        started = time.perf_counter()
+        llm.generate(prompts, [params] * num_rows)
+        elapsed = time.perf_counter() - started
+        return {"rows": num_rows, "inline": inline, "elapsed_s": elapsed, **llm.engine.runner.mask_times.per_step_ms()}
+    finally:
+        ModelRunner.resume = resume  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", default=DEFAULT_MODEL_DIR)
@@ -163,6 +197,8 @@ def main() -> None:
                         help="Python the main thread runs while the mask job runs (on_thread)")
     parser.add_argument("--switch-interval-ms", type=float, default=MASK_SWITCH_INTERVAL_S * 1e3,
                         help="sys.setswitchinterval (ms; default: what the runner sets once its mask thread starts)")
+    parser.add_argument("--engine", action="store_true", help="also the offline engine's mask times (see above)")
+    parser.add_argument("--engine-tokens", type=int, default=48)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     cpus = grammar_module.available_cpus()
@@ -182,13 +218,21 @@ def main() -> None:
         inline = r["accept"]["median_ms"] + r["bitmask"]["median_ms"]  # the step loop's cost without the thread
         print(f"{r['rows']:>5} {r['threads']:>4} "
               + " ".join(f"{r[p]['median_ms']:7.2f}/{r[p]['p90_ms']:<7.2f}" for p in PARTS) + f" {inline:7.2f}")
+    engine = []
+    if args.engine:
+        engine = [engine_case(args.tokenizer, k, args.engine_tokens, inline)
+                  for k in args.rows for inline in (True, False)]
+        print("offline engine, every row constrained, ms per step: fill (accept + fill) / waited (the step loop)")
+        for e in engine:
+            print(f"{e['rows']:>5} {'inline' if e['inline'] else 'mask thread':>12}  fill {e['fill_ms']:6.2f}  "
+                  f"waited {e['waited_ms']:6.2f}  ({e['steps']} steps, {e['elapsed_s']:.2f} s)")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "grammar_step.json").write_text(json.dumps(
             {"cpus": cpus, "affinity": len(os.sched_getaffinity(0)), "cgroup_quota": grammar_module.cgroup_cpu_quota(),
              "cpu_count": os.cpu_count(), "main_python_ms": args.main_python_ms,
              "switch_interval_s": sys.getswitchinterval(),
-             "results": results}, indent=2))
+             "results": results, "engine": engine}, indent=2))
 
 
 if __name__ == "__main__":
