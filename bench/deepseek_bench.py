@@ -1,7 +1,7 @@
 """Per-layer decode time of a DeepSeek shape against its per-layer floor, on one GPU (CUDA only).
 
     python -m pagoda.bench.deepseek_bench [--model deepseek-v3-slice] [--quantization fp8_block] [--batches 1,64,256]
-        [--context 1024] [--kv-cache-dtype auto|fp8] [--out FILE]
+        [--context 1024] [--kv-cache-dtype auto|fp8] [--profile] [--out FILE]
 
 Builds the model with dummy weights, a decode batch of B sequences of `--context` cached tokens each, and times in
 CUDA graphs (as decode runs): the whole forward, and each distinct layer kind alone (the dense layer, a sparse
@@ -44,6 +44,33 @@ def _graph_ms(fn: Any, reps: int = 20) -> float:  # noqa: ANN401
     for _ in range(3):
         fn()
     return (time.perf_counter() - start) / 3 * 1e3
+
+
+def kernel_breakdown(fn: Any, reps: int = 5) -> list[tuple[str, int, float]]:  # noqa: ANN401
+    """(kernel, launches per call, device us per call) of eager calls of `fn`, largest first: where a layer's time
+    goes beyond its floor (launch count and per-kernel time). On CPU (--smoke) the ops' own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = (event.self_device_time_total if cuda else event.self_cpu_time_total) / reps
+        if us > 0:
+            rows.append((event.key, max(1, event.count // reps), us))
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def _print_breakdown(rows: list[tuple[str, int, float]], top: int = 15) -> None:
+    print(f"    {sum(n for _, n, _ in rows)} kernels a call, {sum(us for _, _, us in rows):.1f} us eager device time; "
+          f"the largest:")
+    for name, count, us in rows[:top]:
+        print(f"    {us:8.1f} us  x{count:<3d} {name[:100]}")
 
 
 def _decode_meta(batch: int, context: int, device: torch.device) -> tuple[Any, torch.Tensor, int]:
@@ -102,7 +129,8 @@ def _touched_experts(run: Any) -> int:  # noqa: ANN401
     return int(torch.unique(seen[0]).numel())
 
 
-def bench_batch(model: CausalLM, arch: ModelArch, batch: int, context: int, kv_dtype: torch.dtype) -> list[dict]:
+def bench_batch(model: CausalLM, arch: ModelArch, batch: int, context: int, kv_dtype: torch.dtype,
+                profile: bool = False) -> list[dict]:
     device = model.final_norm.device
     mla, moe = arch.mla, arch.moe
     assert mla is not None and moe is not None
@@ -136,6 +164,10 @@ def bench_batch(model: CausalLM, arch: ModelArch, batch: int, context: int, kv_d
               f"{floor['floor_ms'] * 1e3:8.1f} us ({floor['bound']}-bound; {row['fraction_of_floor']:.2f} of it); "
               f"weights {floor['weight_bytes'] / 1e6:7.1f} MB, KV {kv_bytes / 1e6:6.1f} MB, experts touched "
               f"{touched} (uniform {expected:.0f}); whole forward {whole_ms:.2f} ms", flush=True)
+        if profile:
+            breakdown = kernel_breakdown(run)
+            row["kernels"] = [{"name": n, "count": c, "us": us} for n, c, us in breakdown]
+            _print_breakdown(breakdown)
     return rows
 
 
@@ -147,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="each layer kind's kernels (torch.profiler, eager)")
     parser.add_argument("--smoke", action="store_true", help="tiny-deepseek-v3 on CPU: checks the script runs")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -167,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     with torch.inference_mode():
         for batch in (int(b) for b in args.batches.split(",")):
-            rows += bench_batch(model, arch, batch, args.context, kv_dtype)
+            rows += bench_batch(model, arch, batch, args.context, kv_dtype, args.profile)
             torch.cuda.empty_cache()
     out = args.out or (str(Path(os.environ["OUT"]) / "deepseek_bench.json") if os.environ.get("OUT") else None)
     if out:
