@@ -71,14 +71,14 @@ def test_executor_is_sized_from_the_cpus_this_process_may_use(ll: llguidance.LLT
         def __init__(self, num_threads: int | None = None) -> None:
             sizes.append(num_threads)
 
-    monkeypatch.setattr(grammar.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(grammar.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
     monkeypatch.setattr(grammar, "cgroup_cpu_quota", lambda: None)
     monkeypatch.setattr(grammar.os, "cpu_count", lambda: 512)  # the machine's count must not matter
     monkeypatch.setattr(grammar.llguidance, "LLExecutor", Recorder)
     rows = GrammarRows(lambda: ll, 100)
     rows._ensure_executor()
-    assert sizes == [1]  # 80% of the 2 CPUs of the affinity mask, not of the machine's 512
-    assert not rows._parallel(grammar.PARALLEL_ROWS)  # 2 CPUs: one thread fills the masks
+    assert sizes == [4]  # 80% of the 5 CPUs of the affinity mask
+    assert rows._parallel(grammar.PARALLEL_ROWS) == (5 >= grammar.PARALLEL_MIN_CPUS)
 
 
 def test_cpus_respect_the_cgroup_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

