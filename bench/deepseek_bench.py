@@ -94,8 +94,10 @@ def _layer_floor(layer: Any, arch: ModelArch, batch: int, context: int, touched:
         expert_bytes = (moe.w_gate_up[0].nbytes + moe.w_down[0].nbytes
                         + (moe.w_gate_up_scale[0].nbytes + moe.w_down_scale[0].nbytes
                            if moe.w_gate_up_scale is not None else 0))
-        weight_bytes += moe.router.nbytes + touched * expert_bytes
-        flop_params += moe.router.numel() + arch.moe.top_k * (moe.w_gate_up[0].numel() + moe.w_down[0].numel())
+        # the shared experts fused in as experts E.. (moe.num_shared of them) are read by every step
+        weight_bytes += moe.router.nbytes + (touched + moe.num_shared) * expert_bytes
+        flop_params += moe.router.numel() + (arch.moe.top_k + moe.num_shared) * (moe.w_gate_up[0].numel()
+                                                                                 + moe.w_down[0].numel())
         if moe.shared is not None:
             weight_bytes += _param_bytes(moe.shared)
             flop_params += sum(p.numel() for p in moe.shared.parameters())
@@ -111,8 +113,9 @@ def _layer_floor(layer: Any, arch: ModelArch, batch: int, context: int, touched:
             "bound": "bytes" if bytes_total / PEAK_BYTES_PER_S >= flops / PEAK_FLOPS else "flops"}
 
 
-def _touched_experts(run: Any) -> int:  # noqa: ANN401
-    """Distinct experts the sparse layer's router picks in one eager run of `run`."""
+def _touched_experts(run: Any, num_experts: int) -> int:  # noqa: ANN401
+    """Distinct routed experts the sparse layer's router picks in one eager run of `run` (the shared experts,
+    fused in as ids >= E, apart)."""
     seen: list[torch.Tensor] = []
     original = deepseek_module.route_grouped_topk
 
@@ -126,7 +129,8 @@ def _touched_experts(run: Any) -> int:  # noqa: ANN401
         run()
     finally:
         deepseek_module.route_grouped_topk = original
-    return int(torch.unique(seen[0]).numel())
+    ids = torch.unique(seen[0])
+    return int((ids < num_experts).sum())
 
 
 def bench_batch(model: CausalLM, arch: ModelArch, batch: int, context: int, kv_dtype: torch.dtype,
@@ -151,7 +155,7 @@ def bench_batch(model: CausalLM, arch: ModelArch, batch: int, context: int, kv_d
         def run(layer: Any = layer, index: int = index) -> Any:  # noqa: ANN401
             return layer(x, residual, positions, model.rope_cache, caches[index], meta, model.ops)
 
-        touched = _touched_experts(run) if layer.mlp is not None else 0
+        touched = _touched_experts(run, moe.num_experts) if layer.mlp is not None else 0
         ms = _graph_ms(run)
         floor = _layer_floor(layer, arch, batch, context, touched, kv_bytes)
         expected = moe.expected_experts_touched(batch) if layer.mlp is not None else 0.0

@@ -54,16 +54,18 @@ def route_softmax_topk_reference(router_logits: torch.Tensor, top_k: int,
 
 def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
                        num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None, renormalize: bool,
-                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       routed_scaling_factor: float, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeekMoE routing, router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int32).
     Scores: softmax (V2) or sigmoid (V3) in fp32; experts are chosen by score + correction_bias [E] (V3's
     e_score_correction_bias; None: 0). "greedy": the k best of all experts; "group_limited_greedy" (V2) and
     "noaux_tc" (V3): only experts of the topk_groups best of num_groups equal groups, a group ranked by its best
     choice score (V2) or the sum of its two best (V3). The weights are the chosen experts' scores (never the bias),
     renormalised to sum 1 if asked, then times routed_scaling_factor. Semantics of reference.route_grouped_topk.
+    num_shared > 0 appends the shared experts as always-chosen experts E .. E + num_shared - 1 of weight 1 (the
+    fused expert weights hold them after the routed ones): weights and ids are then [T, k + num_shared].
     One Triton kernel on CUDA (about a dozen small PyTorch kernels otherwise, per sparse layer and step)."""
     args = (router_logits, top_k, scoring_func, topk_method, num_groups, topk_groups, correction_bias, renormalize,
-            routed_scaling_factor)
+            routed_scaling_factor, num_shared)
     if router_logits.is_cuda:
         return route_grouped_topk_triton(*args)
     return route_grouped_topk_torch(*args)
@@ -71,7 +73,8 @@ def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: st
 
 def route_grouped_topk_torch(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
                              num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
-                             renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             renormalize: bool, routed_scaling_factor: float,
+                             num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """route_grouped_topk in batched PyTorch ops (the CPU path)."""
     num_tokens, num_experts = router_logits.shape
     logits = router_logits.float()
@@ -90,7 +93,12 @@ def route_grouped_topk_torch(router_logits: torch.Tensor, top_k: int, scoring_fu
     weights = scores.gather(1, ids)  # [T, k]
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids.to(torch.int32)
+    weights, ids = weights * routed_scaling_factor, ids.to(torch.int32)
+    if num_shared:
+        shared_ids = torch.arange(num_experts, num_experts + num_shared, dtype=torch.int32, device=ids.device)
+        ids = torch.cat((ids, shared_ids.expand(num_tokens, num_shared)), dim=1)  # [T, k + S]
+        weights = torch.cat((weights, weights.new_ones(num_tokens, num_shared)), dim=1)  # [T, k + S]
+    return weights, ids
 
 
 @triton.jit
@@ -139,10 +147,10 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt,
                           GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr,
                           GROUP_SIZE_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
                           K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
-                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr):
+                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr):
     """One token, its experts laid out [groups, group size]: scores, choice scores (+ bias), the topk_groups best
     groups (by best or best-two choice score), then k rounds of argmax over the allowed experts (lowest id among
-    equals), each pick's weight its score."""
+    equals), each pick's weight its score; then the NUM_SHARED shared experts (ids E.., weight 1). K_P >= k + S."""
     token = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, GROUPS_P)
     offs_j = tl.arange(0, GROUP_SIZE_P)
@@ -185,13 +193,19 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt,
     k_mask = offs_k < TOP_K
     if RENORMALIZE:
         picked_w = picked_w / (tl.sum(tl.where(k_mask, picked_w, 0.0), 0) + 1e-20)
-    tl.store(weights_ptr + token * TOP_K + offs_k, picked_w * scaling, mask=k_mask)
-    tl.store(ids_ptr + token * TOP_K + offs_k, picked_id, mask=k_mask)
+    picked_w = picked_w * scaling
+    if NUM_SHARED > 0:  # the shared experts: always chosen, weight 1, after the routed ones
+        picked_w = tl.where(k_mask, picked_w, 1.0)
+        picked_id = tl.where(k_mask, picked_id, GROUPS * GROUP_SIZE + offs_k - TOP_K)
+    row: tl.constexpr = TOP_K + NUM_SHARED
+    tl.store(weights_ptr + token * row + offs_k, picked_w, mask=offs_k < row)
+    tl.store(ids_ptr + token * row + offs_k, picked_id, mask=offs_k < row)
 
 
 def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
                               num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
-                              renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                              renormalize: bool, routed_scaling_factor: float,
+                              num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """route_grouped_topk in one launch (a program per token)."""
     num_tokens, num_experts = router_logits.shape
     grouped = topk_method != "greedy"
@@ -199,17 +213,18 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
     assert router_logits.stride(1) == 1 and num_experts % groups == 0 and 0 < top_k <= num_experts
     assert correction_bias is None or (correction_bias.shape == (num_experts,) and correction_bias.is_contiguous())
     group_size = num_experts // groups
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)  # [T, k]
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)  # [T, k]
+    row = top_k + num_shared
+    weights = torch.empty(num_tokens, row, dtype=torch.float32, device=router_logits.device)  # [T, k + S]
+    ids = torch.empty(num_tokens, row, dtype=torch.int32, device=router_logits.device)  # [T, k + S]
     if num_tokens:
         _grouped_route_kernel[(num_tokens,)](
             router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
             router_logits.stride(0), float(routed_scaling_factor), GROUPS=groups, GROUP_SIZE=group_size,
             GROUPS_P=triton.next_power_of_2(groups), GROUP_SIZE_P=triton.next_power_of_2(group_size),
-            TOPK_GROUPS=topk_groups if grouped else 1, TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
+            TOPK_GROUPS=topk_groups if grouped else 1, TOP_K=top_k, K_P=triton.next_power_of_2(row),
             SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
             GROUP_TOP2=topk_method == "noaux_tc" and group_size > 1, RENORMALIZE=renormalize,
-            num_warps=1 if num_experts <= 64 else 4)
+            NUM_SHARED=num_shared, num_warps=1 if num_experts <= 64 else 4)
     return weights, ids
 
 

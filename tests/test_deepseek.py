@@ -149,6 +149,25 @@ def test_grouped_routing_matches_reference(name: str, impl: str) -> None:
         torch.testing.assert_close(weights, expected * case["routed_scaling_factor"])
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_routing_appends_the_shared_experts(impl: str, num_shared: int) -> None:
+    """num_shared > 0: the routed picks and weights as without (the scaling factor on them only), then the shared
+    experts E, E + 1, .. with weight 1 in every row."""
+    case = dict(ROUTINGS["v3-noaux-tc"])
+    del case["bias"]
+    generator = torch.Generator().manual_seed(num_shared)
+    logits = (torch.randn(6, 64, generator=generator) * 2).to(DEVICE)  # [T, E]
+    bias = (torch.randn(64, generator=generator) * 0.2).to(DEVICE)
+    route = route_grouped_topk_torch if impl == "torch" else route_grouped_topk_triton
+    routed_weights, routed_ids = route(logits, 6, correction_bias=bias, **case)
+    weights, ids = route(logits, 6, correction_bias=bias, num_shared=num_shared, **case)
+    assert ids.shape == weights.shape == (6, 6 + num_shared) and ids.dtype == torch.int32
+    assert torch.equal(ids[:, :6], routed_ids) and torch.equal(weights[:, :6], routed_weights)
+    assert ids[:, 6:].tolist() == [list(range(64, 64 + num_shared))] * 6
+    assert weights[:, 6:].tolist() == [[1.0] * num_shared] * 6
+
+
 @pytest.mark.parametrize("version", ["v2", "v3"])
 def test_routing_matches_transformers_routers(version: str) -> None:
     """The same logits through transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter and route_grouped_topk."""
@@ -347,3 +366,68 @@ def test_two_ranks_generate_what_one_does(tmp_path: Path) -> None:
     folder = _v3(tmp_path)
     single = _generate_in_process(folder)
     assert _generate_with_services(folder, 2) == single
+
+
+class _Rank:
+    """One rank of a tensor-parallel group, without the group: all_reduce is left to the test."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_shared_experts_fused_as_experts_match_the_shared_mlp() -> None:
+    """Two shared experts (V2: shared_experts.* [2 I, H]) load as fused experts E, E + 1 from the checkpoint's own
+    keys; the layer equals routed experts + the whole shared MLP computed from those keys, and two ranks' partial
+    outputs (each holding half of every expert's I, shared ones included) sum to it."""
+    from pagoda.services.worker.models import reference_ops
+    from pagoda.services.worker.models.deepseek import DeepseekMoe
+    from pagoda.services.worker.weights import DummySource
+
+    tiny = SHAPES["tiny-deepseek-v3"]
+    assert tiny.moe is not None
+    inter = tiny.moe.expert_intermediate_size
+    arch = replace(tiny, moe=replace(tiny.moe, shared_expert_intermediate_size=2 * inter))
+    source = DummySource(seed=3, device=torch.device("cpu"), dtype=torch.float32)
+    prefix = "model.layers.1.mlp."
+
+    def build(rank: int, size: int) -> DeepseekMoe:
+        layer = DeepseekMoe(arch, _Rank(rank, size), torch.float32, torch.device("cpu"), None)
+        with torch.no_grad():
+            for place in layer.placements(prefix, rank):
+                place.target.copy_(source(place.hf_name, place.full_shape, place.shard_dim, place.shard_start,
+                                          place.shard_len))
+        return layer
+
+    whole = build(0, 1)
+    assert whole.num_shared == 2 and whole.shared is None and whole.w_gate_up.shape[0] == 8 + 2
+    ops = reference_ops()
+    h = torch.randn(5, arch.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, H]
+    out = whole(h, ops)  # [T, H]
+    gate, up, down = (source(prefix + f"shared_experts.{name}.weight", shape, None, 0, 0)
+                      for name, shape in (("gate_proj", (2 * inter, 64)), ("up_proj", (2 * inter, 64)),
+                                          ("down_proj", (64, 2 * inter))))
+    shared = torch.nn.functional.linear(torch.nn.functional.silu(h @ gate.T) * (h @ up.T), down)  # [T, H]
+    weights, ids = route_grouped_topk(torch.nn.functional.linear(h, whole.router), 2, "sigmoid", "noaux_tc", 4, 2,
+                                      whole.correction_bias, True, 2.5)
+    routed = ref.moe_experts(h, whole.w_gate_up[:8], whole.w_down[:8], weights, ids)
+    torch.testing.assert_close(out, routed + shared, atol=1e-5, rtol=1e-5)
+    halves = [build(rank, 2) for rank in (0, 1)]
+    assert halves[0].w_gate_up.shape == (10, inter, 64)  # [E + S, 2 (I / 2), H]
+    torch.testing.assert_close(halves[0](h, ops) + halves[1](h, ops), out, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_experts_stay_apart_where_a_split_cuts_fp8_scale_blocks() -> None:
+    from pagoda.services.worker.models.base import Fp8Weights
+    from pagoda.services.worker.models.deepseek import fused_shared_experts
+
+    lite = SHAPES["deepseek-v2-lite"].moe  # I = 1408 = 11 x 128, two shared experts
+    assert lite is not None
+    assert fused_shared_experts(lite, 1408, None) == 2
+    assert fused_shared_experts(lite, 1408, Fp8Weights(128)) == 2
+    assert fused_shared_experts(lite, 704, Fp8Weights(128)) == 0  # tp 2: 704 columns, a block cut in two
+    assert fused_shared_experts(lite, 704, Fp8Weights(None)) == 2  # per-row scales: any split
+    v3 = SHAPES["deepseek-v3-slice"].moe
+    assert v3 is not None and fused_shared_experts(v3, 2048 // 32, Fp8Weights(128)) == 1  # one: as unfused

@@ -292,7 +292,8 @@ class ModelRunner:
         if sparse is None:
             return
         max_tokens = self.config.resolved_max_num_batched_tokens(self.device.type)
-        num_experts, top_k = sparse.moe.num_experts, sparse.moe.top_k
+        # the fused weights' experts and each token's picks, shared experts (DeepSeek's) included
+        num_experts, top_k = sparse.w_gate_up.shape[0], sparse.moe.top_k + sparse.num_shared
         num_tokens = 1
         while num_tokens <= max_tokens:
             x = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)  # [T, H]

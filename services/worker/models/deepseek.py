@@ -15,6 +15,7 @@ DeepSeekMoE. Layers from first_k_dense_replace on are sparse: shared experts (an
 n_shared_experts * moe_intermediate_size) plus routed experts on the fused MoE kernel, chosen by softmax scores
 (V2: greedy or group-limited) or sigmoid scores plus e_score_correction_bias over groups (V3), their weights
 renormalised where norm_topk_prob says so and scaled by routed_scaling_factor (kernels/moe.route_grouped_topk).
+The shared MLP joins the routed experts in the fused call as n_shared_experts more experts of weight 1.
 
 Tensor parallel: heads split (q_proj / q_b_proj and kv_b_proj rows, o_proj columns), q_a / kv_a and the latent
 cache replicated on every rank; MLP and experts split along their intermediate dimension; one all-reduce after
@@ -45,7 +46,7 @@ from pagoda.services.worker.models.base import (
 )
 from pagoda.services.worker.models.llama import dense_mlp_placements, scale_rows
 from pagoda.services.worker.models.rope import RopeSpec, yarn_factor, yarn_mscale
-from pagoda.shared.shapes import MlaArch, ModelArch
+from pagoda.shared.shapes import MlaArch, ModelArch, MoeArch
 
 
 def softmax_scale(arch: ModelArch) -> float:
@@ -197,25 +198,35 @@ class DenseMlp(nn.Module):
 
 
 class DeepseekMoe(nn.Module):
-    """Shared experts plus routed experts (fused kernel) behind a DeepSeek router."""
+    """Shared experts plus routed experts behind a DeepSeek router, in one fused-kernel call.
+
+    The shared MLP (n_shared_experts * I wide) runs as n_shared more experts of width I that every token picks with
+    weight 1: expert E + s holds rows [s I, (s + 1) I) of shared_experts.gate_proj / up_proj and those columns of
+    down_proj (an MLP splits along its intermediate dimension into a sum of narrower ones). One fused call reads
+    them at the routed experts' bandwidth, instead of three more GEMVs and an add. Where an FP8 checkpoint's
+    128-column scale blocks would be cut by that split (I, or this rank's I / tp, not a multiple of the block and
+    n_shared > 1) the shared MLP stays a separate dense MLP."""
 
     def __init__(self, arch: ModelArch, tp: TensorParallel, dtype: torch.dtype, device: torch.device,
                  fp8: Fp8Weights | None) -> None:
         super().__init__()
         moe = arch.moe
         assert moe is not None
-        self.arch, self.moe, self.fp8 = arch, moe, fp8
+        self.arch, self.moe, self.tp, self.fp8 = arch, moe, tp, fp8
         h = arch.hidden_size
         local = moe.expert_intermediate_size // tp.size
         # [E, H] fp32 (transformers keeps DeepSeek's gate in fp32 and routes in fp32)
         self.router = make_param((moe.num_experts, h), torch.float32, device)
         self.correction_bias = (make_param((moe.num_experts,), torch.float32, device)  # [E]
                                 if moe.topk_method == "noaux_tc" else None)
-        # [E, 2I, H] (gate rows, then up rows) and [E, H, I] on this rank; e4m3 + scales [E, rows, groups] in FP8
-        self.w_gate_up, self.w_gate_up_scale = make_linear(2 * local, h, dtype, device, fp8, moe.num_experts)
-        self.w_down, self.w_down_scale = make_linear(h, local, dtype, device, fp8, moe.num_experts)
+        self.num_shared = fused_shared_experts(moe, local, fp8)
+        num_experts = moe.num_experts + self.num_shared
+        # [E + S, 2I, H] (gate rows, then up rows) and [E + S, H, I] on this rank, the shared experts last; e4m3 +
+        # scales [E + S, rows, groups] in FP8
+        self.w_gate_up, self.w_gate_up_scale = make_linear(2 * local, h, dtype, device, fp8, num_experts)
+        self.w_down, self.w_down_scale = make_linear(h, local, dtype, device, fp8, num_experts)
         self.shared = (DenseMlp(h, moe.shared_expert_intermediate_size, tp, dtype, device, fp8)
-                       if moe.shared_expert_intermediate_size else None)
+                       if moe.shared_expert_intermediate_size and not self.num_shared else None)
 
     def forward(self, h: torch.Tensor, ops: Ops) -> torch.Tensor:
         """h [T, H] (normed) -> this rank's partial output [T, H]."""
@@ -223,7 +234,7 @@ class DeepseekMoe(nn.Module):
         router_logits = F.linear(h.float(), self.router)  # [T, E] fp32
         weights, ids = route_grouped_topk(router_logits, moe.top_k, moe.scoring_func, moe.topk_method,
                                           moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
-                                          moe.routed_scaling_factor)  # [T, k] each
+                                          moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
         group = self.fp8.group_size if self.fp8 is not None else None
         out = ops.moe_experts(h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale,
                               group)  # [T, H]
@@ -233,7 +244,7 @@ class DeepseekMoe(nn.Module):
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """`prefix` = "model.layers.{i}.mlp."; per-expert keys (fused [E, ...] expert tensors are cut into these
-        names by the safetensors source)."""
+        names by the safetensors source), then the shared experts' slices of `shared_experts.*`."""
         moe, h = self.moe, self.arch.hidden_size
         yield Placement(prefix + "gate.weight", (moe.num_experts, h), self.router, None)
         if self.correction_bias is not None:
@@ -244,6 +255,36 @@ class DeepseekMoe(nn.Module):
                                             _expert(self.w_down_scale, e))
         if self.shared is not None:
             yield from self.shared.placements(prefix + "shared_experts.", rank)
+        for s in range(self.num_shared):
+            yield from self._shared_placements(prefix + "shared_experts.", s, rank)
+
+    def _shared_placements(self, prefix: str, s: int, rank: int) -> Iterator[Placement]:
+        """Shared expert s = rows [s I, (s + 1) I) of gate_proj / up_proj [S I, H] and those columns of down_proj
+        [H, S I]; this rank holds its I / tp of them, as it does of every routed expert."""
+        h, full = self.arch.hidden_size, self.moe.shared_expert_intermediate_size
+        e = self.moe.num_experts + s
+        gate_up, down = self.w_gate_up[e], self.w_down[e]  # [2 local, H], [H, local]
+        gate_up_scale, down_scale = _expert(self.w_gate_up_scale, e), _expert(self.w_down_scale, e)
+        local = down.shape[1]
+        start = s * self.moe.expert_intermediate_size + rank * local
+        yield Placement(prefix + "gate_proj.weight", (full, h), gate_up[:local], 0, start, local,
+                        scale_rows(gate_up_scale, slice(0, local)))
+        yield Placement(prefix + "up_proj.weight", (full, h), gate_up[local:], 0, start, local,
+                        scale_rows(gate_up_scale, slice(local, None)))
+        yield Placement(prefix + "down_proj.weight", (h, full), down, 1, start, local, down_scale)
+
+
+def fused_shared_experts(moe: MoeArch, local: int, fp8: Fp8Weights | None) -> int:
+    """How many I-wide experts the shared MLP joins the routed ones as (0: it stays a separate MLP). local: this
+    rank's part of I."""
+    shared, inter = moe.shared_expert_intermediate_size, moe.expert_intermediate_size
+    if not shared or shared % inter or moe.shared_expert_gated:
+        return 0
+    num_shared = shared // inter
+    group = fp8.group_size if fp8 is not None else None
+    if num_shared > 1 and group is not None and local % group:  # a split would cut a checkpoint's scale block
+        return 0
+    return num_shared
 
 
 def _expert(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:

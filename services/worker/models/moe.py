@@ -47,6 +47,7 @@ class SparseMoe(nn.Module):
         # [E, 2I, H] (gate rows, then up rows) and [E, H, I] on this rank; e4m3 + scales [E, rows, groups] in FP8
         self.w_gate_up, self.w_gate_up_scale = make_linear(2 * local, h, dtype, device, fp8, moe.num_experts)
         self.w_down, self.w_down_scale = make_linear(h, local, dtype, device, fp8, moe.num_experts)
+        self.num_shared = 0  # shared experts inside the fused weights (DeepSeek's are; this one is gated apart)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE: one always-on expert, scaled by sigmoid(gate(x))
             shared = moe.shared_expert_intermediate_size // tp.size
