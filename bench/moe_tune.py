@@ -22,6 +22,7 @@ import torch
 from pagoda.bench.cuda_timing import graph_time_ms
 from pagoda.kernels import moe
 from pagoda.kernels import reference as ref
+from pagoda.services.worker.models.deepseek import fused_shared_experts
 from pagoda.shared.shapes import SHAPES
 
 HBM_BYTES_PER_S = 4.2e12
@@ -41,9 +42,15 @@ GEMV_CANDIDATES = [  # (block_n, block_k, num_warps, num_stages): the path for a
 GEMV_MAX_PAIRS = 64
 
 
-def _routing(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _routing(num_tokens: int, num_experts: int, top_k: int, num_shared: int,
+             device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Random routing over the routed experts, then the shared ones (experts num_experts.., weight 1) as a
+    DeepSeek layer calls the kernel."""
     logits = torch.randn(num_tokens, num_experts, device=device)
-    return moe.route_softmax_topk(logits, top_k, renormalize=True)
+    weights, ids = moe.route_softmax_topk(logits, top_k, renormalize=True)  # [T, k] each
+    shared = torch.arange(num_experts, num_experts + num_shared, dtype=torch.int32, device=device)
+    return (torch.cat((weights, weights.new_ones(num_tokens, num_shared)), 1),
+            torch.cat((ids, shared.expand(num_tokens, num_shared)), 1))  # [T, k + S] each
 
 
 def _gemm_runner(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fuse_silu: bool,
@@ -94,14 +101,17 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
     arch = SHAPES[name]
     assert arch.moe is not None, f"{name} is not a mixture-of-experts shape"
     spec = arch.moe
-    e, h, i, k = spec.num_experts, arch.hidden_size, spec.expert_intermediate_size, spec.top_k
+    # DeepSeek's shared experts run in the same call as experts E.. (models/deepseek.py): tune that shape
+    num_shared = fused_shared_experts(spec, spec.expert_intermediate_size, None)
+    h, i = arch.hidden_size, spec.expert_intermediate_size
+    e, k = spec.num_experts + num_shared, spec.top_k + num_shared
     w_gate_up = (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype)  # [E, 2I, H]
     w_down = (torch.randn(e, h, i, device=device) * 0.02).to(dtype)  # [E, H, I]
     table: dict[int, dict[str, Any]] = {}
     rows = []
     for num_tokens in buckets:
         x = torch.randn(num_tokens, h, device=device).to(dtype)
-        weights, ids = _routing(num_tokens, e, k, device)
+        weights, ids = _routing(num_tokens, spec.num_experts, spec.top_k, num_shared, device)
         act = torch.randn(num_tokens * k, i, device=device).to(dtype)
         best = {which: _best({moe.TileConfig(*c): _gemm_runner(a, w, ids, weights, fuse, moe.TileConfig(*c), e)
                               for c in CANDIDATES})
@@ -128,10 +138,11 @@ def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, wei
     rate, and its error against the reference."""
     spec = arch.moe
     h, i = arch.hidden_size, spec.expert_intermediate_size
+    num_experts, top_k = w_gate_up.shape[0], ids.shape[1]  # shared experts included
     ms = graph_time_ms(lambda: moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles))
     touched = int(ids.unique().numel())
     expert_bytes = touched * 3 * h * i * x.element_size()
-    flops = 2 * num_tokens * spec.top_k * 3 * h * i
+    flops = 2 * num_tokens * top_k * 3 * h * i
     got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles).float()
     expected = ref.moe_experts(x, w_gate_up, w_down, weights, ids).float()
     rel_err = ((got - expected).norm() / expected.norm()).item()
@@ -142,8 +153,8 @@ def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, wei
             "gate_up_ms": round(best_ms[0], 4), "down_ms": round(best_ms[1], 4),
             "gate_up_tile": asdict(tiles[0]), "down_tile": asdict(tiles[1]),
             "path": "gemv" if isinstance(tiles[0], moe.GemvConfig) else "grouped gemm",
-            "align_ms": {"triton": round(graph_time_ms(lambda: moe.align_pairs_triton(ids, spec.num_experts, 64)), 4),
-                         "sorted": round(graph_time_ms(lambda: moe.align_pairs_sorted(ids, spec.num_experts, 64)), 4)}}
+            "align_ms": {"triton": round(graph_time_ms(lambda: moe.align_pairs_triton(ids, num_experts, 64)), 4),
+                         "sorted": round(graph_time_ms(lambda: moe.align_pairs_sorted(ids, num_experts, 64)), 4)}}
 
 
 def main(argv: list[str] | None = None) -> int:
