@@ -573,12 +573,25 @@ def _bucket(num_tokens: int) -> int:
 Tiles = tuple[TileConfig, TileConfig] | tuple[GemvConfig, GemvConfig]
 
 
-def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> Tiles:
+def default_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int, hidden: int) -> Tiles:
     """Reasonable tiles for any shape: GEMVs for a few pairs spread over many experts, else the grouped GEMM."""
     if num_tokens * top_k <= 16 and 4 * num_tokens * top_k <= num_experts:
-        return GemvConfig(), GemvConfig()
+        return default_gemv(hidden), default_gemv(intermediate)
     tile = default_tile(num_tokens, top_k, num_experts)
     return tile, tile
+
+
+def default_gemv(k: int) -> GemvConfig:
+    """A GEMV tile by the length K of the rows it reduces, from the two tuned H200 tables at 1-2 tokens (moe_configs/:
+    qwen3-30b-a3b E=128 I=768 H=2048, mixtral E=8 I=14336 H=4096): long rows want few rows per program and long
+    K-steps with 2 stages. gate_up (K = 2048, 4096): block_n 8 / block_k 512 (qwen3, 1 token), 16 / 512 (mixtral, 1),
+    4 / 1024 (both, 2 tokens); down at K = 14336: 4 / 1024, 2 stages (1 and 2 tokens); down at K = 768: 16 / 256,
+    3 stages (1 token), 32 / 128, 4 stages (2 tokens). 4 warps in all of these."""
+    if k >= 8192:
+        return GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=2)
+    if k >= 2048:
+        return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=2)
+    return GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3)
 
 
 def default_tile(num_tokens: int, top_k: int, num_experts: int) -> TileConfig:
@@ -633,7 +646,7 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
         table = _tuned_table(name)
         if table:
             return table[min(table, key=lambda b: abs(math.log2(b) - math.log2(_bucket(num_tokens))))]
-    return default_tiles(num_tokens, top_k, num_experts)
+    return default_tiles(num_tokens, top_k, num_experts, intermediate, hidden)
 
 
 # ---------------------------------------------------------------- the layer

@@ -6,7 +6,8 @@ first shows on the GPU machine, where time is short. This script replaces Triton
 sm_90 target, turns every kernel launch into a compile-only warm-up (Triton's own `warmup=True` path: frontend,
 TTGIR, LLVM and ptxas, all bundled with the triton wheel), then runs small models through the Triton ops so each
 kernel is compiled with the constexprs and argument specialisations a real run gives them; then the MLA kernel at
-DeepSeek's real dims (its large tiles are where shared memory and registers run out); then the sampler's
+DeepSeek's real dims (its large tiles are where shared memory and registers run out), the fused MoE layer's
+default GEMV tiles at real row lengths; then the sampler's
 start-up warm-up, which launches every sampling-kernel variant a served batch can. Outputs are never
 computed (launches do nothing), so the models' numbers are garbage and only the compiles matter.
 
@@ -126,6 +127,34 @@ def run_mla_shapes() -> None:
         mla_attention(q, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, 512, kv_scale=kv_scale)
 
 
+def run_moe_shapes() -> None:
+    """The fused MoE layer's default GEMV tiles at real dims (1 token; tiles as pick_tiles gives them to an untuned
+    shape): DeepSeek-V2-Lite with its 2 shared experts fused (66 experts, 8 a token; K = 2048 and 1408),
+    Mixtral-sized rows (K = 4096 and 14336), V3's in FP8 blocks of 128. Few experts are allocated: the launch shapes
+    do not depend on their count."""
+    from pagoda.kernels import moe
+
+    for (experts, top_k, inter, hidden), fp8 in (((66, 8, 1408, 2048), False), ((8, 2, 14336, 4096), False),
+                                                 ((257, 9, 2048, 7168), True)):
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        w_gate_up = torch.empty(2, 2 * inter, hidden, dtype=dtype)  # [2, 2I, H]
+        w_down = torch.empty(2, hidden, inter, dtype=dtype)  # [2, H, I]
+        scales = ((torch.empty(2, 2 * inter, hidden // 128), torch.empty(2, hidden, inter // 128)) if fp8
+                  else (None, None))
+        ids = torch.zeros(1, top_k, dtype=torch.int32)  # [1, k]
+        weights = torch.ones(1, top_k)  # [1, k]
+        tiles = moe.default_tiles(1, top_k, experts, inter, hidden)
+        logits = torch.empty(1, experts - 1 if fp8 else experts - 2)  # [1, E]: routed experts (CPU: never on CUDA)
+        if fp8:  # DeepSeek-V3 routing, its shared expert appended; Mixtral's softmax top-k
+            moe.route_grouped_topk_triton(logits, 8, "sigmoid", "noaux_tc", 8, 4, torch.empty(256), True, 2.5, 1)
+        elif experts == 66:  # V2-Lite routing, its 2 shared experts appended
+            moe.route_grouped_topk_triton(logits, 6, "softmax", "greedy", 1, 1, None, False, 1.0, 2)
+        else:
+            moe.route_softmax_topk_triton(logits, top_k, True)
+        moe.fused_experts(torch.empty(1, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids, *scales,
+                          group_k=128 if fp8 else None, tiles=tiles)
+
+
 def run_sampler() -> None:
     """The sampler's start-up warm-up (every variant a served batch can launch) through the Triton kernels."""
     from pagoda.services.worker.sampler import sample
@@ -149,6 +178,7 @@ def main() -> int:
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
     run_models()
     run_mla_shapes()
+    run_moe_shapes()
     run_sampler()
     run_block_copy()
     for name, result in sorted(RESULTS.items()):

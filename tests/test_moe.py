@@ -154,10 +154,13 @@ def test_fused_experts_fp8_weights(group_k: int | None, gemv: bool) -> None:
 
 def test_tile_lookup_falls_back_to_default() -> None:
     assert moe.pick_tiles(3, TOP_K, EXPERTS, INTER, HIDDEN, torch.bfloat16, torch.device("cpu")) == \
-        moe.default_tiles(3, TOP_K, EXPERTS)
-    assert isinstance(moe.default_tiles(1, 8, 128)[0], moe.GemvConfig)  # 8 pairs over 128 experts
+        moe.default_tiles(3, TOP_K, EXPERTS, INTER, HIDDEN)
+    up, down = moe.default_tiles(1, 8, 128, 768, 2048)  # 8 pairs over 128 experts: GEMVs
+    assert isinstance(up, moe.GemvConfig) and isinstance(down, moe.GemvConfig)
+    assert (up.block_n, up.block_k, down.block_n, down.block_k) == (8, 512, 16, 256)  # rows of 2048, of 768
+    assert moe.default_gemv(14336).block_k == 1024 and moe.default_gemv(14336).block_n == 4
     assert moe.default_tile(1, 8, 128).block_m == 16 and moe.default_tile(4096, 8, 128).block_m == 64
-    for tiles in (moe.default_tiles(1, 8, 128), moe.default_tiles(4096, 8, 128)):
+    for tiles in (moe.default_tiles(1, 8, 128, 768, 2048), moe.default_tiles(4096, 8, 128, 768, 2048)):
         assert moe.tiles_from_json(moe.tiles_to_json(tiles)) == tiles
 
 
