@@ -228,6 +228,55 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
     return weights, ids
 
 
+# Up to this many tokens the fp32 router reads the activations directly (a GEMV per token and expert block); more,
+# and the cuBLAS GEMM on an fp32 copy reads the router once for all of them.
+ROUTER_GEMV_MAX_TOKENS = 16
+
+
+def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """h [T, H] (model dtype) @ router [E, H].T in fp32 -> [T, E] fp32, as F.linear(h.float(), router) computes
+    them (DeepSeek routes on fp32 logits). On CUDA at decode batches one Triton kernel reading h as it is, in
+    place of a copy kernel and a cuBLAS GEMV; the products and sums are fp32 either way, their order differs."""
+    if h.is_cuda and h.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
+        return router_logits_triton(h, router)
+    return torch.nn.functional.linear(h.float(), router)
+
+
+@triton.jit
+def _router_gemv_kernel(h_ptr, w_ptr, out_ptr, num_experts, hidden, stride_ht, stride_we, stride_ot,
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's logits of BLOCK_E experts: fp32 products of h (converted exactly) and the fp32 router rows,
+    summed over H in a fixed order (every expert's row the same way: equal rows give equal logits)."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < num_experts
+    offs_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h_mask = offs_h < hidden - h0
+        x = tl.load(h_ptr + token * stride_ht + h0 + offs_h, mask=h_mask, other=0.0).to(tl.float32)  # [BH]
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + (h0 + offs_h)[None, :],
+                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)  # [BE, BH]
+        acc += w * x[None, :]
+    tl.store(out_ptr + token * stride_ot + offs_e, tl.sum(acc, axis=1), mask=e_mask)
+
+
+def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    num_tokens, hidden = h.shape
+    num_experts = router.shape[0]
+    assert router.shape == (num_experts, hidden) and router.dtype == torch.float32
+    assert h.stride(1) == 1 and router.stride(1) == 1
+    out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=h.device)  # [T, E]
+    # about 64 programs a token: 1 expert each for 64 experts (8 KB of router at H = 2048), 4 for 256
+    block_e = min(16, triton.next_power_of_2(max(1, num_experts // 64)))
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    if num_tokens:
+        _router_gemv_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
+            h, router, out, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
+            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
 # ---------------------------------------------------------------- alignment
 
 

@@ -16,7 +16,12 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.kernels import reference as ref
-from pagoda.kernels.moe import route_grouped_topk, route_grouped_topk_torch, route_grouped_topk_triton
+from pagoda.kernels.moe import (
+    route_grouped_topk,
+    route_grouped_topk_torch,
+    route_grouped_topk_triton,
+    router_logits_triton,
+)
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.shapes import SHAPES, arch_from_hf_config, load_arch
 from tests.parity import check_greedy_parity, random_prompts
@@ -166,6 +171,29 @@ def test_routing_appends_the_shared_experts(impl: str, num_shared: int) -> None:
     assert torch.equal(ids[:, :6], routed_ids) and torch.equal(weights[:, :6], routed_weights)
     assert ids[:, 6:].tolist() == [list(range(64, 64 + num_shared))] * 6
     assert weights[:, 6:].tolist() == [[1.0] * num_shared] * 6
+
+
+@pytest.mark.parametrize(("num_experts", "hidden"), [(64, 2048), (256, 96)])  # V2-Lite's; 4 experts a program
+def test_router_kernel_gives_the_fp32_logits(num_experts: int, hidden: int) -> None:
+    """The Triton router GEMV (bf16 activations, fp32 router) against F.linear(h.float(), router): the same fp32
+    logits up to summation order, the same routing; equal router rows give bit-equal logits, so ties still go to
+    the lower expert id."""
+    generator = torch.Generator().manual_seed(num_experts)
+    h = torch.randn(3, hidden, generator=generator).to(torch.bfloat16)  # [T, H]
+    router = torch.randn(num_experts, hidden, generator=generator) * 0.05  # [E, H] fp32
+    router[5] = router[2] = h[0].float() * 0.05  # two equal rows, token 0's best experts
+    logits = router_logits_triton(h, router)  # [T, E]
+    expected = torch.nn.functional.linear(h.float(), router)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits[:, 5], logits[:, 2])
+    case = dict(ROUTINGS["v2-greedy"])
+    del case["bias"]
+    weights, ids = route_grouped_topk_torch(logits, 6, correction_bias=None, **case)
+    ref_weights, ref_ids = route_grouped_topk_torch(expected, 6, correction_bias=None, **case)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
+    _, first = route_grouped_topk_triton(logits, 1, correction_bias=None, **case)  # the kernel CUDA routes with
+    assert first[0].tolist() == [2]  # the tie: the lower id
 
 
 @pytest.mark.parametrize("version", ["v2", "v3"])

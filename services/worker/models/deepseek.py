@@ -27,12 +27,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import reference as ref
 from pagoda.kernels.mla import ExpandPolicy, expand_max_rows, expand_min_query_len
-from pagoda.kernels.moe import route_grouped_topk
+from pagoda.kernels.moe import route_grouped_topk, router_logits
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -231,8 +230,8 @@ class DeepseekMoe(nn.Module):
     def forward(self, h: torch.Tensor, ops: Ops) -> torch.Tensor:
         """h [T, H] (normed) -> this rank's partial output [T, H]."""
         moe = self.moe
-        router_logits = F.linear(h.float(), self.router)  # [T, E] fp32
-        weights, ids = route_grouped_topk(router_logits, moe.top_k, moe.scoring_func, moe.topk_method,
+        logits = router_logits(h, self.router)  # [T, E] fp32
+        weights, ids = route_grouped_topk(logits, moe.top_k, moe.scoring_func, moe.topk_method,
                                           moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
                                           moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
         group = self.fp8.group_size if self.fp8 is not None else None
