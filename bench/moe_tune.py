@@ -38,6 +38,8 @@ CANDIDATES = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
 GEMV_CANDIDATES = [  # (block_n, block_k, num_warps, num_stages): the path for a few pairs
     (16, 256, 4, 3), (32, 256, 4, 3), (8, 512, 4, 2), (16, 512, 4, 2), (32, 128, 4, 4), (64, 128, 4, 3),
     (32, 512, 8, 2), (64, 256, 8, 3), (4, 1024, 4, 2),
+    # more programs for a down GEMV whose pairs sum in one program (a token's k experts, shared ones included)
+    (8, 256, 4, 3), (4, 512, 4, 3), (8, 1024, 4, 2),
 ]
 GEMV_MAX_PAIRS = 64
 
