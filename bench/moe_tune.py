@@ -23,6 +23,7 @@ from pagoda.bench.cuda_timing import graph_time_ms
 from pagoda.kernels import moe
 from pagoda.kernels import reference as ref
 from pagoda.services.worker.models.deepseek import fused_shared_experts
+from pagoda.services.worker.models.moe import fused_gated_shared_experts
 from pagoda.shared.shapes import SHAPES
 
 HBM_BYTES_PER_S = 4.2e12
@@ -103,8 +104,10 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
     arch = SHAPES[name]
     assert arch.moe is not None, f"{name} is not a mixture-of-experts shape"
     spec = arch.moe
-    # DeepSeek's shared experts run in the same call as experts E.. (models/deepseek.py): tune that shape
-    num_shared = fused_shared_experts(spec, spec.expert_intermediate_size, None)
+    # DeepSeek's and Qwen2-MoE's shared experts run in the same call as experts E.. (models/deepseek.py, moe.py):
+    # tune that shape
+    num_shared = (fused_shared_experts(spec, spec.expert_intermediate_size, None)
+                  or fused_gated_shared_experts(spec, None))
     h, i = arch.hidden_size, spec.expert_intermediate_size
     e, k = spec.num_experts + num_shared, spec.top_k + num_shared
     w_gate_up = (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype)  # [E, 2I, H]

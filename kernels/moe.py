@@ -33,23 +33,33 @@ CONFIG_DIR = Path(__file__).with_name("moe_configs")
 # ---------------------------------------------------------------- routing
 
 
-def route_softmax_topk(router_logits: torch.Tensor, top_k: int,
-                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                       num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int32): softmax in fp32, the k largest
-    (ties: the lower expert id first), renormalised to sum 1 where the config says so. One Triton kernel on CUDA
-    (a decode step runs this per layer: five small kernels became one), the PyTorch reference elsewhere."""
+    (ties: the lower expert id first), renormalised to sum 1 where the config says so. num_shared > 0 (Qwen2-MoE's
+    gated shared expert, split into num_shared experts E.. of the fused weights): router_logits [T, E + 1] end with
+    the shared expert's gate logit, and each row gets those experts appended with weight sigmoid(gate): [T, k + S].
+    One Triton kernel on CUDA (a decode step runs this per layer: five small kernels became one), the PyTorch
+    reference elsewhere."""
     if router_logits.is_cuda:
-        return route_softmax_topk_triton(router_logits, top_k, renormalize)
-    return route_softmax_topk_reference(router_logits, top_k, renormalize)
+        return route_softmax_topk_triton(router_logits, top_k, renormalize, num_shared)
+    return route_softmax_topk_reference(router_logits, top_k, renormalize, num_shared)
 
 
-def route_softmax_topk_reference(router_logits: torch.Tensor, top_k: int,
-                                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+def route_softmax_topk_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape[0], router_logits.shape[1] - (1 if num_shared else 0)
+    probs = torch.softmax(router_logits[:, :num_experts].float(), dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    ids = ids.to(torch.int32)
+    if num_shared:
+        gate = router_logits[:, num_experts:].float().sigmoid()  # [T, 1]
+        shared_ids = torch.arange(num_experts, num_experts + num_shared, dtype=torch.int32, device=ids.device)
+        weights = torch.cat((weights, gate.expand(num_tokens, num_shared)), dim=1)  # [T, k + S]
+        ids = torch.cat((ids, shared_ids.expand(num_tokens, num_shared)), dim=1)  # [T, k + S]
+    return weights, ids
 
 
 def route_grouped_topk(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
@@ -103,8 +113,10 @@ def route_grouped_topk_torch(router_logits: torch.Tensor, top_k: int, scoring_fu
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt,
-                  TOP_K: tl.constexpr, K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One token: softmax over its experts, then k rounds of argmax (lowest id among equals), masking each pick."""
+                  TOP_K: tl.constexpr, K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  NUM_SHARED: tl.constexpr):
+    """One token: softmax over its experts, then k rounds of argmax (lowest id among equals), masking each pick;
+    then the NUM_SHARED shared experts (ids E.., weight sigmoid of the logit after the experts'). K_P >= k + S."""
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, EXPERTS_P)
     e_mask = offs_e < num_experts
@@ -123,22 +135,27 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt,
         remaining = tl.where(offs_e == best_id, -2.0, remaining)
     if RENORMALIZE:
         picked_w = picked_w / tl.sum(tl.where(offs_k < TOP_K, picked_w, 0.0), axis=0)
-    k_mask = offs_k < TOP_K
-    tl.store(weights_ptr + token * TOP_K + offs_k, picked_w, mask=k_mask)
-    tl.store(ids_ptr + token * TOP_K + offs_k, picked_id, mask=k_mask)
+    if NUM_SHARED > 0:
+        gate = tl.sigmoid(tl.load(logits_ptr + token * stride_lt + num_experts).to(tl.float32))
+        picked_w = tl.where(offs_k < TOP_K, picked_w, gate)
+        picked_id = tl.where(offs_k < TOP_K, picked_id, num_experts + offs_k - TOP_K)
+    row: tl.constexpr = TOP_K + NUM_SHARED
+    tl.store(weights_ptr + token * row + offs_k, picked_w, mask=offs_k < row)
+    tl.store(ids_ptr + token * row + offs_k, picked_id, mask=offs_k < row)
 
 
-def route_softmax_topk_triton(router_logits: torch.Tensor, top_k: int,
-                              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    num_tokens, num_experts = router_logits.shape
+def route_softmax_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                              num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape[0], router_logits.shape[1] - (1 if num_shared else 0)
     assert router_logits.stride(1) == 1 and 0 < top_k <= num_experts
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)  # [T, k]
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)  # [T, k]
+    row = top_k + num_shared
+    weights = torch.empty(num_tokens, row, dtype=torch.float32, device=router_logits.device)  # [T, k + S]
+    ids = torch.empty(num_tokens, row, dtype=torch.int32, device=router_logits.device)  # [T, k + S]
     if num_tokens:
         _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
-                                     TOP_K=top_k, K_P=triton.next_power_of_2(top_k),
+                                     TOP_K=top_k, K_P=triton.next_power_of_2(row),
                                      EXPERTS_P=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-                                     num_warps=1 if num_experts <= 64 else 4)
+                                     NUM_SHARED=num_shared, num_warps=1 if num_experts <= 64 else 4)
     return weights, ids
 
 

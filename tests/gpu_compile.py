@@ -150,8 +150,9 @@ def run_moe_shapes() -> None:
             moe.route_grouped_topk_triton(logits, 8, "sigmoid", "noaux_tc", 8, 4, torch.empty(256), True, 2.5, 1)
         elif experts == 66:  # V2-Lite routing, its 2 shared experts appended
             moe.route_grouped_topk_triton(logits, 6, "softmax", "greedy", 1, 1, None, False, 1.0, 2)
-        else:
+        else:  # and Qwen2-MoE's: 60 experts + the gate of a shared expert fused as 4
             moe.route_softmax_topk_triton(logits, top_k, True)
+            moe.route_softmax_topk_triton(torch.empty(1, 61), 4, False, 4)
         moe.fused_experts(torch.empty(1, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids, *scales,
                           group_k=128 if fp8 else None, tiles=tiles)
 

@@ -118,6 +118,21 @@ def test_router_kernel_matches_reference(num_experts: int, top_k: int, renormali
     torch.testing.assert_close(weights.sort(dim=1).values, ref_weights.sort(dim=1).values, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_router_appends_gated_shared_experts(impl: str) -> None:
+    """Qwen2-MoE's shared expert fused as experts E, E + 1: the logits' last column is its gate; the routed picks
+    are those of the first E columns, the shared ones follow with weight sigmoid(gate)."""
+    logits = torch.randn(9, EXPERTS + 1, generator=torch.Generator().manual_seed(4))  # [T, E + 1]
+    route = moe.route_softmax_topk_triton if impl == "triton" else moe.route_softmax_topk_reference
+    weights, ids = route(logits, TOP_K, True, 2)
+    routed_weights, routed_ids = route(logits[:, :EXPERTS].contiguous(), TOP_K, True)
+    assert ids.shape == weights.shape == (9, TOP_K + 2)
+    assert torch.equal(ids[:, :TOP_K], routed_ids) and torch.equal(weights[:, :TOP_K], routed_weights)
+    assert ids[:, TOP_K:].tolist() == [[EXPERTS, EXPERTS + 1]] * 9
+    gate = logits[:, EXPERTS:].sigmoid()  # [T, 1]
+    torch.testing.assert_close(weights[:, TOP_K:], gate.expand(9, 2))
+
+
 def test_router_ties_take_the_lower_expert() -> None:
     """Equal router logits: the top-k follows torch.topk (lower ids first), the weights renormalise to 1, and the
     fused layer matches the reference on that routing."""

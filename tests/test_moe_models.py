@@ -43,12 +43,12 @@ def _qwen3_moe(folder: Path, **overrides) -> Path:  # noqa: ANN003
     return _save(Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)).float(), folder)
 
 
-def _qwen2_moe(folder: Path) -> Path:
+def _qwen2_moe(folder: Path, shared: int = 48) -> Path:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(1)
     config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            shared_expert_intermediate_size=shared, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
                             max_position_embeddings=512, rope_theta=10000.0, eos_token_id=2)
     return _save(Qwen2MoeForCausalLM(config).float(), folder)
@@ -86,13 +86,19 @@ def test_qwen3_moe_matches_transformers(tmp_path: Path) -> None:
     check_greedy_parity(folder, random_prompts([5, 19, 40, 70], VOCAB), preempt_blocks=10)
 
 
-def test_qwen2_moe_matches_transformers(tmp_path: Path) -> None:
-    """The sigmoid-gated shared expert, qkv bias, top-3 of 6 not renormalised."""
-    folder = _qwen2_moe(tmp_path)
+@pytest.mark.parametrize("shared", [48, 64])
+def test_qwen2_moe_matches_transformers(tmp_path: Path, shared: int) -> None:
+    """The sigmoid-gated shared expert, qkv bias, top-3 of 6 not renormalised. 48 wide: a separate MLP; 64 (two
+    experts' width): two more experts in the fused call, weighted by sigmoid of the gate row the router carries."""
+    folder = _qwen2_moe(tmp_path, shared)
     arch = load_arch(folder)
-    assert arch.moe is not None and arch.moe.shared_expert_intermediate_size == 48 and not arch.moe.renormalize
+    assert arch.moe is not None and arch.moe.shared_expert_intermediate_size == shared and not arch.moe.renormalize
     assert arch.attention_bias
     check_greedy_parity(folder, random_prompts([6, 33, 61], VOCAB, seed=6), preempt_blocks=8)
+    llm = LLM(str(folder), dtype="float32")
+    sparse = llm.engine.runner.model.layers[0].mlp
+    assert sparse is not None and sparse.num_shared == (2 if shared == 64 else 0)
+    assert sparse.w_gate_up.shape[0] == 6 + sparse.num_shared and (sparse.shared_gate_up is None) == (shared == 64)
 
 
 def test_mixtral_matches_transformers(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ from pagoda.services.worker.models.base import (
     quantized_linear,
 )
 from pagoda.services.worker.models.llama import dense_mlp_placements, scale_rows
+from pagoda.services.worker.models.moe import shared_expert_placements
 from pagoda.services.worker.models.rope import RopeSpec, yarn_factor, yarn_mscale
 from pagoda.shared.shapes import MlaArch, ModelArch, MoeArch
 
@@ -258,19 +259,12 @@ class DeepseekMoe(nn.Module):
             yield from self._shared_placements(prefix + "shared_experts.", s, rank)
 
     def _shared_placements(self, prefix: str, s: int, rank: int) -> Iterator[Placement]:
-        """Shared expert s = rows [s I, (s + 1) I) of gate_proj / up_proj [S I, H] and those columns of down_proj
-        [H, S I]; this rank holds its I / tp of them, as it does of every routed expert."""
-        h, full = self.arch.hidden_size, self.moe.shared_expert_intermediate_size
+        """Shared expert s = rows [s I, (s + 1) I) of gate_proj / up_proj [S I, H] and those columns of down_proj."""
         e = self.moe.num_experts + s
-        gate_up, down = self.w_gate_up[e], self.w_down[e]  # [2 local, H], [H, local]
-        gate_up_scale, down_scale = _expert(self.w_gate_up_scale, e), _expert(self.w_down_scale, e)
-        local = down.shape[1]
-        start = s * self.moe.expert_intermediate_size + rank * local
-        yield Placement(prefix + "gate_proj.weight", (full, h), gate_up[:local], 0, start, local,
-                        scale_rows(gate_up_scale, slice(0, local)))
-        yield Placement(prefix + "up_proj.weight", (full, h), gate_up[local:], 0, start, local,
-                        scale_rows(gate_up_scale, slice(local, None)))
-        yield Placement(prefix + "down_proj.weight", (h, full), down, 1, start, local, down_scale)
+        yield from shared_expert_placements(prefix, self.arch.hidden_size, self.moe.shared_expert_intermediate_size,
+                                            s * self.moe.expert_intermediate_size, rank, self.w_gate_up[e],
+                                            _expert(self.w_gate_up_scale, e), self.w_down[e],
+                                            _expert(self.w_down_scale, e))
 
 
 def fused_shared_experts(moe: MoeArch, local: int, fp8: Fp8Weights | None) -> int:
