@@ -284,8 +284,9 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     assert router.shape == (num_experts, hidden) and router.dtype == torch.float32
     assert h.stride(1) == 1 and router.stride(1) == 1
     out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=h.device)  # [T, E]
-    # about 64 programs a token: 1 expert each for 64 experts (8 KB of router at H = 2048), 4 for 256
-    block_e = min(16, triton.next_power_of_2(max(1, num_experts // 64)))
+    # a program per expert up to 256 of them (V2-Lite: 64 of 8 KB each at one token; V3: 256 of 28 KB): at one token
+    # the router's read spreads over as many SMs as it can
+    block_e = max(1, triton.next_power_of_2(num_experts) // 256)
     block_h = min(1024, triton.next_power_of_2(hidden))
     if num_tokens:
         _router_gemv_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](

@@ -173,7 +173,7 @@ def test_routing_appends_the_shared_experts(impl: str, num_shared: int) -> None:
     assert weights[:, 6:].tolist() == [[1.0] * num_shared] * 6
 
 
-@pytest.mark.parametrize(("num_experts", "hidden"), [(64, 2048), (256, 96)])  # V2-Lite's; 4 experts a program
+@pytest.mark.parametrize(("num_experts", "hidden"), [(64, 2048), (512, 96)])  # V2-Lite's; 2 experts a program
 def test_router_kernel_gives_the_fp32_logits(num_experts: int, hidden: int) -> None:
     """The Triton router GEMV (bf16 activations, fp32 router) against F.linear(h.float(), router): the same fp32
     logits up to summation order, the same routing; equal router rows give bit-equal logits, so ties still go to
