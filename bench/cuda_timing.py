@@ -2,33 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 
-def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median device time of `fn` replayed from a CUDA graph: fn runs once eagerly (compiles), is captured, then
-    each of `reps` timings replays it 5 times."""
-    fn()
+def graph_time_ms(calls: Callable[[], object] | Sequence[Callable[[], object]], reps: int = 20,
+                  replays: int = 5) -> float:
+    """Median device time of one call, replayed from a CUDA graph: the call (or each call of a list, back to back in
+    one graph, e.g. one per copy of the inputs so that no call finds its data in L2) runs once eagerly (compiles), is
+    captured, then each of `reps` timings replays the graph `replays` times; a list's time is divided by its length."""
+    fns = list(calls) if isinstance(calls, Sequence) else [calls]
+
+    def run_all() -> None:
+        for fn in fns:
+            fn()
+
+    run_all()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fn()  # warm the graph pool's allocations on the capture stream
+        run_all()  # warm the graph pool's allocations on the capture stream
         with torch.cuda.graph(graph, stream=stream):
-            fn()
+            run_all()
     torch.cuda.synchronize()
     graph.replay()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(5):
+        for _ in range(replays):
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 5)
+        times.append(start.elapsed_time(end) / (replays * len(fns)))
     return sorted(times)[len(times) // 2]
 
 
