@@ -23,6 +23,7 @@ import sys
 import tempfile
 from typing import Any
 
+from pagoda.bench.commands import run_script
 from pagoda.bench.data_parallel import serving
 from pagoda.bench.report import stamp, write_report
 from pagoda.bench.serve import run_level
@@ -134,6 +135,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    sys.exit(run_script(__doc__, add_arguments, main))

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagoda.bench.commands import run_script
 from pagoda.bench.report import stamp, write_report
 from pagoda.services.protocol.render import PromptRenderer
 from pagoda.shared.messages import (
@@ -439,6 +440,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    sys.exit(run_script(__doc__, add_arguments, main))

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from pagoda.bench.commands import run_script
 from pagoda.bench.data_parallel import Server, serving
 from pagoda.bench.report import stamp, write_report
 from pagoda.bench.serve import RequestRecord, _one
@@ -133,6 +134,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    sys.exit(run_script(__doc__, add_arguments, main))
