@@ -28,16 +28,23 @@ def graph_time_ms(calls: Callable[[], object] | Sequence[Callable[[], object]], 
             run_all()
     torch.cuda.synchronize()
     graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def replay() -> None:
         for _ in range(replays):
             graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (replays * len(fns)))
+
+    times = [event_time_ms(replay) / (replays * len(fns)) for _ in range(reps)]
     return sorted(times)[len(times) // 2]
+
+
+def event_time_ms(fn: Callable[[], object]) -> float:
+    """Device time of one call of `fn`, between two CUDA events on the current stream (waits for the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 _L2_FLUSH: list[torch.Tensor] = []
@@ -54,10 +61,5 @@ def flushed_time_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 5) 
     times = []
     for _ in range(iters):
         _L2_FLUSH[0].zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_time_ms(fn))
     return sorted(times)[len(times) // 2]

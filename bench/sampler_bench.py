@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagoda.bench import sampler_v0 as old
+from pagoda.bench.cuda_timing import event_time_ms
 from pagoda.bench.report import write_report
 from pagoda.bench.workload import MIXED, OPENAI
 from pagoda.services.worker.sampler import sample
@@ -53,12 +54,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float
     samples = []
     for _ in range(iters):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
+            samples.append(event_time_ms(fn))
         else:
             t0 = time.perf_counter()
             fn()
