@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import torch
 
+from pagoda.bench.report import write_json
 from pagoda.llm import LLM
 from pagoda.services.grammar.compiler import GrammarChecker, ll_tokenizer
 from pagoda.services.worker.model_runner import MaskTimes, StepTimer
@@ -164,8 +165,7 @@ def main() -> None:
     print("\n".join(lines) + f"\n  50-field schema compile: first {figures['compile_50_fields_first_ms']:.1f} ms, "
           f"cached {figures['compile_50_fields_cached_ms']:.3f} ms")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(figures, f, indent=2)
+        write_json(args.out, figures)
 
 
 if __name__ == "__main__":
