@@ -13,17 +13,15 @@ beams change lines as they do on random weights), and counts the beam plans made
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from pagoda.bench.report import write_report
 from pagoda.services.scheduler.beam import assign_slots
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.services.worker.batch_state import BatchState
@@ -122,8 +120,7 @@ def main() -> int:
     result = measure(args.num_requests, args.width, args.prompt_len, args.steps, serial=args.serial)
     print("  ".join(f"{key} {value:.2f}" if isinstance(value, float) else f"{key} {value}"
                     for key, value in result.items()))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "beam_step.json").write_text(json.dumps(result, indent=2))
+    write_report(result, None, "beam_step.json")
     return 0
 
 

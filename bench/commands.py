@@ -1,8 +1,10 @@
-"""The benchmark subcommands, for `pagoda bench ...` (pagoda/cli.py) and `python -m pagoda.bench ...`."""
+"""The benchmark subcommands, for `pagoda bench ...` (pagoda/cli.py) and `python -m pagoda.bench ...`, and the
+entry point of a benchmark module written like one."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
@@ -17,3 +19,11 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
         sub = commands.add_parser(name, help=help_text)
         module.add_arguments(sub)
         sub.set_defaults(bench_main=module.main)
+
+
+def run_script(doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+               main: Callable[[argparse.Namespace], int]) -> int:
+    """`python -m pagoda.bench.<module>` for a module written as a subcommand (add_arguments + main(args))."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return main(parser.parse_args())

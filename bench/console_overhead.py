@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
-import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from pagoda.bench.data_parallel import serving
+from pagoda.bench.report import stamp, write_report
 from pagoda.bench.serve import run_level
 from pagoda.bench.workload import preset
 
@@ -98,11 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio on/off: {ratio:.4f} (target >= {TARGET_RATIO}); console ticks/s: "
           f"{min(ticks, default=float('nan')):.3f} min (target >= 1, a tick a second; timer jitter aside), longest "
           f"gap between ticks {max(gaps, default=float('nan')):.2f} s; failed requests: {failed}")
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", "bench/out")) / "console_overhead.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
-                               "medians": medians, "ratio": ratio, "rounds": results}, indent=2))
-    print(f"wrote {out}")
+    write_report({"date": stamp(), "args": vars(args), "medians": medians, "ratio": ratio, "rounds": results},
+                 args.out, "console_overhead.json", fallback_dir="bench/out", announce=True)
     ok = failed == 0 and ratio >= TARGET_RATIO and min(ticks, default=0.0) >= TICKS_PER_S
     return 0 if ok else 1
 

@@ -2,34 +2,49 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 
-def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median device time of `fn` replayed from a CUDA graph: fn runs once eagerly (compiles), is captured, then
-    each of `reps` timings replays it 5 times."""
-    fn()
+def graph_time_ms(calls: Callable[[], object] | Sequence[Callable[[], object]], reps: int = 20,
+                  replays: int = 5) -> float:
+    """Median device time of one call, replayed from a CUDA graph: the call (or each call of a list, back to back in
+    one graph, e.g. one per copy of the inputs so that no call finds its data in L2) runs once eagerly (compiles), is
+    captured, then each of `reps` timings replays the graph `replays` times; a list's time is divided by its length."""
+    fns = list(calls) if isinstance(calls, Sequence) else [calls]
+
+    def run_all() -> None:
+        for fn in fns:
+            fn()
+
+    run_all()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fn()  # warm the graph pool's allocations on the capture stream
+        run_all()  # warm the graph pool's allocations on the capture stream
         with torch.cuda.graph(graph, stream=stream):
-            fn()
+            run_all()
     torch.cuda.synchronize()
     graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
+
+    def replay() -> None:
+        for _ in range(replays):
             graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 5)
+
+    times = [event_time_ms(replay) / (replays * len(fns)) for _ in range(reps)]
     return sorted(times)[len(times) // 2]
+
+
+def event_time_ms(fn: Callable[[], object]) -> float:
+    """Device time of one call of `fn`, between two CUDA events on the current stream (waits for the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 _L2_FLUSH: list[torch.Tensor] = []
@@ -46,10 +61,5 @@ def flushed_time_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 5) 
     times = []
     for _ in range(iters):
         _L2_FLUSH[0].zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_time_ms(fn))
     return sorted(times)[len(times) // 2]

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
+from pagoda.bench.commands import run_script
 from pagoda.bench.data_parallel import serving
+from pagoda.bench.report import stamp, write_report
 from pagoda.bench.serve import run_level
 from pagoda.bench.workload import Workload
 from pagoda.launcher import free_ports
@@ -107,14 +106,10 @@ def summarize(runs: list[dict[str, Any]], max_cost: float = MAX_COST) -> dict[st
 
 
 def _write(args: argparse.Namespace, runs: list[dict[str, Any]], summary: dict[str, Any] | None) -> None:
-    out = os.environ.get("OUT")
-    if not out:
-        return
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "streams": args.streams,
-              "rounds": args.rounds, "input_len": args.input_len, "output_len": args.output_len,
-              "target": MAX_COST, "runs": runs, **(summary or {})}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "curve.json").write_text(json.dumps(report, indent=2))
+    report = {"date": stamp(), "model": args.model, "streams": args.streams, "rounds": args.rounds,
+              "input_len": args.input_len, "output_len": args.output_len, "target": MAX_COST, "runs": runs,
+              **(summary or {})}
+    write_report(report, None, "curve.json")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -140,6 +135,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    sys.exit(run_script(__doc__, add_arguments, main))

@@ -17,7 +17,6 @@ Each role (api, tokenizer, scheduler, worker) has its own zmq.Context, so its ow
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagoda.bench.commands import run_script
+from pagoda.bench.report import stamp, write_report
 from pagoda.services.protocol.render import PromptRenderer
 from pagoda.shared.messages import (
     Accepted,
@@ -431,17 +432,12 @@ def main(args: argparse.Namespace) -> int:
             for curve in (False, True) if repeat % 2 == 0 else (True, False):
                 runs.append(measure(curve, key_dir, load, steps, requests, args))
                 print(f"run {len(runs)}: {'curve' if curve else 'plain'} done", file=sys.stderr, flush=True)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{os.cpu_count()} CPUs",
+    report = {"date": stamp(), "machine": f"{os.cpu_count()} CPUs",
               "zmq": zmq.zmq_version(), "pyzmq": zmq.__version__, "load": vars(args),
               **print_report(load, table, runs), "runs": runs}
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "curve_wire.json").write_text(json.dumps(report, indent=2))
+    write_report(report, None, "curve_wire.json")
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    sys.exit(run_script(__doc__, add_arguments, main))

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
-import json
 import sys
 from dataclasses import asdict, replace
 
 import torch
 
+from pagoda.bench.report import write_json
 from pagoda.kernels import paged_attention as pa
 from pagoda.services.worker.models import AttentionMetadata, CausalLM
 from pagoda.services.worker.weights import load_model
@@ -197,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     print_breakdown("prefill step, eager", prow)
     results["prefill_kernels"] = prow
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results, indent=1)
     return 0
 
 

@@ -32,6 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pagoda.bench.report import stamp, write_json
+
 PARTS = ("qwen3", "llama", "structured", "schemas")
 SHAPE_WORKLOADS = {"qwen3": ("qwen3-0.6b", ("reference", "openai", "mixed")),
                    "llama": ("llama3-8b", ("reference", "openai", "mixed", "n4-128", "beam4"))}
@@ -245,10 +247,10 @@ def main() -> int:
     if args.child:
         print("RESULT " + json.dumps(child(args.child, out_dir, args.tokenizer)), flush=True)
         return 0
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    report: dict[str, Any] = {"date": stamp()}
     for part in args.only:
         report[part] = _run_part(part, out_dir, args.timeout, args.tokenizer)
-        (out_dir / "decoding.json").write_text(json.dumps(report, indent=2))  # what finished, if cut short
+        write_json(out_dir / "decoding.json", report)  # what finished, if cut short
         print(f"{part}: done in {report[part].get('wall_s', 0):.0f} s", file=sys.stderr, flush=True)
     table = rows(report)
     widths = [max(len(row[i]) for row in table + [("figure", "value", "target", "")]) for i in range(4)]

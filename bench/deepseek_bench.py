@@ -15,15 +15,13 @@ JSON goes to --out, else to $OUT/deepseek_bench.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagoda.bench.cuda_timing import graph_time_ms
+from pagoda.bench.report import write_report
 from pagoda.services.worker.models import CausalLM, Fp8Weights
 from pagoda.services.worker.models import deepseek as deepseek_module
 from pagoda.services.worker.weights import load_model
@@ -206,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             rows += bench_batch(model, arch, batch, args.context, kv_dtype, args.profile)
             torch.cuda.empty_cache()
-    out = args.out or (str(Path(os.environ["OUT"]) / "deepseek_bench.json") if os.environ.get("OUT") else None)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(rows, indent=1))
-        print(f"wrote {out}")
+    write_report(rows, args.out, "deepseek_bench.json", indent=1, announce=True)
     return 0
 
 

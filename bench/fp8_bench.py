@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from pagoda.bench.cuda_timing import flushed_time_ms
+from pagoda.bench.report import stamp, write_json
 
 # issue 25's M buckets: decode batches 1..32 (weight-only territory), mid batches, prefill chunks
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)
@@ -302,7 +302,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("fp8_bench needs a CUDA GPU (FP8 GEMMs: compute capability >= 8.9)")
     parts = set(args.parts.split(","))
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(),
+    report: dict[str, Any] = {"date": stamp(), "device": torch.cuda.get_device_name(),
                               "torch": torch.__version__}
     if "gemm" in parts:
         report["gemm"] = gemm_bench(args.gemm_shapes, tuple(int(m) for m in args.gemm_m.split(",")))
@@ -311,8 +311,7 @@ def main() -> int:
     if "quality" in parts:
         report["quality"] = quality(args.quality_model, args.num_prompts, args.prompt_len, args.max_tokens)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_json(args.out, report)
     return 0
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from pagoda.bench.cuda_timing import graph_time_ms
+from pagoda.bench.report import write_json
 
 SHAPES = {  # (name, N, K) of each linear layer
     "llama3-8b": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)),
@@ -92,11 +93,7 @@ def rotating_us(op: Callable[..., object], x: Any, weights: list[torch.Tensor], 
         calls = [partial(op, x, w, *args, **kwargs) for w in weights]
     else:
         calls = [partial(op, x, w, s, *args, **kwargs) for w, s in zip(weights, scales, strict=True)]
-
-    def run() -> None:
-        for call in calls:
-            call()
-    return 1e3 * graph_time_ms(run, reps=10) / len(calls)
+    return 1e3 * graph_time_ms(calls, reps=10)
 
 
 def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor],
@@ -217,9 +214,9 @@ def main() -> int:
     slower = [row for row in rows if row["speedup_vs_bf16"] < 1.0]
     print(f"FP8 slower than bf16 in {len(slower)} of {len(rows)} (shape, M): "
           + ", ".join(f"{row['gemm']} M={row['M']} {row['speedup_vs_bf16']:.2f}x" for row in slower))
-    (out_dir / "fp8_tune.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                                                       "device": device, "torch": torch.__version__,
-                                                       "table": table, "sweep": rows}, indent=1))
+    write_json(out_dir / "fp8_tune.json", {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                           "device": device, "torch": torch.__version__, "table": table, "sweep": rows},
+               indent=1)
     return 0
 
 

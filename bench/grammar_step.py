@@ -31,7 +31,6 @@ JSON goes to $OUT/grammar_step.json when OUT is set (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -45,6 +44,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
+from pagoda.bench.report import write_json
 from pagoda.bench.structured import LONG_SCHEMA
 from pagoda.services.grammar.compiler import load_ll_tokenizer
 from pagoda.services.worker import grammar as grammar_module
@@ -227,12 +227,11 @@ def main() -> None:
             print(f"{e['rows']:>5} {'inline' if e['inline'] else 'mask thread':>12}  fill {e['fill_ms']:6.2f}  "
                   f"waited {e['waited_ms']:6.2f}  ({e['steps']} steps, {e['elapsed_s']:.2f} s)")
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "grammar_step.json").write_text(json.dumps(
-            {"cpus": cpus, "affinity": len(os.sched_getaffinity(0)), "cgroup_quota": grammar_module.cgroup_cpu_quota(),
-             "cpu_count": os.cpu_count(), "main_python_ms": args.main_python_ms,
-             "switch_interval_s": sys.getswitchinterval(),
-             "results": results, "engine": engine}, indent=2))
+        write_json(Path(args.out, "grammar_step.json"),
+                   {"cpus": cpus, "affinity": len(os.sched_getaffinity(0)),
+                    "cgroup_quota": grammar_module.cgroup_cpu_quota(), "cpu_count": os.cpu_count(),
+                    "main_python_ms": args.main_python_ms, "switch_interval_s": sys.getswitchinterval(),
+                    "results": results, "engine": engine})
 
 
 if __name__ == "__main__":

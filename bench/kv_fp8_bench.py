@@ -13,15 +13,16 @@ context). TB/s counts the KV bytes read in the cache's dtype. About a minute on 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagoda.bench.cuda_timing import graph_time_ms
+from pagoda.bench.report import write_report
 from pagoda.kernels import paged_attention as pa
 from pagoda.kernels import reference as ref
 
@@ -137,27 +138,8 @@ def run_variant(batch: Batch, variant: Variant, config: pa.AttentionConfig, copy
 def graph_cycle_us(batch: Batch, variant: Variant, config: pa.AttentionConfig, reps: int) -> float:
     """Median device time of one call, from a CUDA graph that runs the call once per copy of the batch back to
     back (each copy's KV in its own blocks, so every call reads HBM), replayed `reps` times."""
-    copies = range(len(batch.copy_tables))
-    for copy in copies:
-        run_variant(batch, variant, config, copy)  # compiled and warm before capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for copy in copies:
-            run_variant(batch, variant, config, copy)
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / len(copies))
-    del graph
-    return sorted(times)[len(times) // 2]
+    calls = [partial(run_variant, batch, variant, config, copy) for copy in range(len(batch.copy_tables))]
+    return 1e3 * graph_time_ms(calls, reps=reps, replays=1)
 
 
 def reference(batch: Batch, fp8: bool) -> torch.Tensor:
@@ -263,11 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     print_summary(results)
     failed = [r for r in results if "error" in r or r.get("ok") is False]
-    out = args.out or (Path(os.environ["OUT"]) / "kv_fp8_bench.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": results}, indent=1))
-        print(f"wrote {out}")
+    write_report({"device": torch.cuda.get_device_name(0), "rows": results}, args.out, "kv_fp8_bench.json", indent=1,
+                 announce=True)
     print(f"{len(results) - len(failed)} of {len(results)} variant rows ran and matched the reference "
           f"(where checked); failures: {[(r['model'], r['B'], r['ctx'], r['variant']) for r in failed]}")
     return 1 if failed else 0

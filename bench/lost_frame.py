@@ -16,18 +16,16 @@ and writes JSON under $OUT when set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
 
+from pagoda.bench.report import write_report
 from pagoda.shared.delivery import Link
 from pagoda.shared.messages import AbortRequest, Ack, Sequenced, TokenizerToScheduler
 from pagoda.shared.transport import Codec, ack_frame, make_socket, seal, unseal
@@ -137,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {r['messages']} | {r['every_ms']:.0f} ms | {r['drop']:.0%} | {r['resend_interval_ms']:.0f} ms "
           f"| {r['resends']} | {r['lost_first']}, {fmt(r['lost_p50_ms'])}, {fmt(r['lost_max_ms'])} "
           f"| {fmt(r['others_p50_ms'])}, {fmt(r['others_p99_ms'])}, {fmt(r['others_max_ms'])} |")
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "lost_frame.json").write_text(json.dumps(result, indent=1))
+    write_report(result, None, "lost_frame.json", indent=1)
     return 0
 
 

@@ -20,16 +20,15 @@ $OUT/mla_bench.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagoda.bench.cuda_timing import flushed_time_ms
+from pagoda.bench.report import write_report
 
 PEAK_BYTES_PER_S = 4.2e12  # measured HBM bandwidth of an H200 (DESIGN.md)
 PEAK_FLOPS = 780e12  # measured dense bf16 matmul rate of an H200
@@ -101,11 +100,7 @@ def _graph_us(fns: list[Any]) -> float:
     copy), replayed back to back: no host launch cost in the figure."""
     from pagoda.bench.cuda_timing import graph_time_ms
 
-    def run_all() -> None:
-        for fn in fns:
-            fn()
-
-    return graph_time_ms(run_all, reps=10) * 1e3 / len(fns)
+    return graph_time_ms(fns, reps=10) * 1e3
 
 
 def decode_row(dims: Dims, batch: int, context: int, cache_dtype: torch.dtype, device: str, iters: int,
@@ -349,11 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += prefill_part(device, args.quick, args.smoke)
     if "capacity" in parts:
         rows += capacity_part()
-    out = args.out or (str(Path(os.environ["OUT"]) / "mla_bench.json") if os.environ.get("OUT") else None)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(rows, indent=1))
-        print(f"wrote {out}")
+    write_report(rows, args.out, "mla_bench.json", indent=1, announce=True)
     return 0
 
 

@@ -14,12 +14,12 @@ import argparse
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagoda.bench.cuda_timing import graph_time_ms
+from pagoda.bench.report import write_json
 from pagoda.kernels import moe
 from pagoda.kernels import reference as ref
 from pagoda.services.worker.models.deepseek import fused_shared_experts
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{align['triton']:>12.3f}/{align['sorted']:<9.3f}  {row['path']}")
     print(f"tuned in {time.perf_counter() - started:.0f} s")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_json(args.out, results, indent=1)
     return 0
 
 

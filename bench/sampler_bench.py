@@ -17,17 +17,16 @@ makes (an estimate: reads plus writes of full rows), and the bandwidth they impl
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagoda.bench import sampler_v0 as old
+from pagoda.bench.cuda_timing import event_time_ms
+from pagoda.bench.report import write_report
 from pagoda.bench.workload import MIXED, OPENAI
 from pagoda.services.worker.sampler import sample
 from pagoda.services.worker.sampling_state import SamplingState
@@ -55,12 +54,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float
     samples = []
     for _ in range(iters):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
+            samples.append(event_time_ms(fn))
         else:
             t0 = time.perf_counter()
             fn()
@@ -146,10 +140,7 @@ def main() -> None:
                 from pagoda.bench.decode_profile import kernel_breakdown, print_breakdown
                 print_breakdown(f"new path, {name}, V={vocab}, bf16 logits in",
                                 kernel_breakdown(lambda: new_fn(model_logits)), top=12)  # noqa: B023
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "sampler_bench.json").write_text(json.dumps(
-            {"device": str(device), "batch": args.batch, "results": results}, indent=2))
+    write_report({"device": str(device), "batch": args.batch, "results": results}, None, "sampler_bench.json")
 
 
 if __name__ == "__main__":

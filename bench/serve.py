@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from pagoda.bench.report import stamp, write_json
 from pagoda.bench.workload import PRESETS, Workload, preset
 
 CONSOLE_POLL_S = 2.0  # the request inspector's poll (services/api/console/static/inspector.js)
@@ -235,12 +236,11 @@ def main(args: argparse.Namespace) -> int:
     if any(r["request_rate"] for r in results):
         print(f"highest rate with TTFT p99 <= {args.slo_ttft_ms:g} ms and ITL p99 <= {args.slo_itl_ms:g} ms: "
               + (f"{best:g} req/s" if best else "none of those tried"), flush=True)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url, "model": args.model,
+    report = {"date": stamp(), "url": args.url, "model": args.model,
               "workload_name": args.workload or "custom", "workload": asdict(workload), "levels": results,
               "slo": {"ttft_p99_ms": args.slo_ttft_ms, "itl_p99_ms": args.slo_itl_ms, "best_rate": best}}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_json(args.out, report)
         for kind in ("concurrency", "request_rate"):
             levels_of_kind = [r for r in results if r[kind]]
             if levels_of_kind:

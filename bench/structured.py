@@ -26,10 +26,12 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 
+from pagoda.bench.report import write_json
 from pagoda.llm import LLM
 from pagoda.services.grammar.compiler import GrammarChecker, ll_tokenizer
-from pagoda.services.worker.model_runner import MaskTimes
+from pagoda.services.worker.model_runner import MaskTimes, StepTimer
 from pagoda.shared.config import DEFAULT_MODEL_DIR
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
 
@@ -69,13 +71,21 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[Sampli
     accept + mask fill; waited: how long the step loop blocked on them)."""
     runner = llm.engine.runner
     runner.mask_times = MaskTimes()
+    on_cuda = runner.device.type == "cuda"
+    runner.step_timer = StepTimer() if on_cuda else None
+    steps_before = llm.engine.scheduler.stats.num_steps
+    if on_cuda:
+        torch.cuda.synchronize()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
     completions = [c for o in outputs for c in o.outputs]
     tokens = sum(len(c.token_ids) for c in completions)
+    timer, runner.step_timer = runner.step_timer, None
+    steps = {f"gpu_{k}": v for k, v in timer.summary().items()} if timer is not None else {}
     return {"elapsed_s": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed,
             "num_length": sum(c.finish_reason == "length" for c in completions), "num_sequences": len(completions),
+            "num_steps": llm.engine.scheduler.stats.num_steps - steps_before, **steps,
             **{f"mask_{k}": v for k, v in runner.mask_times.per_step_ms().items()}}
 
 
@@ -139,16 +149,23 @@ def main() -> None:
             line += f"  ratio {ratio['median']:.3f} [{ratio['min']:.3f}, {ratio['max']:.3f}]"
             fill = statistics.median(r["mask_fill_ms"] for r in runs[mode])
             waited = statistics.median(r["mask_waited_ms"] for r in runs[mode])
-            line += f"  masks/step: fill {fill:.2f} ms, waited {waited:.2f} ms"
+            latency = statistics.median(r["mask_latency_ms"] for r in runs[mode])
+            line += f"  masks/step: fill {fill:.2f} ms, ready {latency:.2f} ms after result N, waited {waited:.2f} ms"
         lines.append(line)
+        if "gpu_decode_gpu_busy_fraction" in runs[mode][0]:  # CUDA: is the device or the host the bottleneck?
+            med = {k: statistics.median(r[k] for r in runs[mode]) for k in runs[mode][0] if k.startswith("gpu_")}
+            lines.append(f"  {'':<24} steps {statistics.median(r['num_steps'] for r in runs[mode]):.0f}, decode GPU "
+                         f"busy {med['gpu_decode_gpu_busy_fraction']:.3f}, decode step GPU "
+                         f"{med['gpu_decode_step_gpu_ms_p50']:.2f} ms (p50), idle before deferred sampling "
+                         f"{med['gpu_sampling_gap_ms_mean']:.2f} ms/step, "
+                         f"host blocked on the device {med['gpu_host_wait_ms_per_step']:.2f} ms/step")
     if "json_schema" in figures:
         figures["ratio"] = figures["json_schema"]["ratio"]  # the all-rows ratio under its former name
     print(json.dumps(figures, indent=2))
     print("\n".join(lines) + f"\n  50-field schema compile: first {figures['compile_50_fields_first_ms']:.1f} ms, "
           f"cached {figures['compile_50_fields_cached_ms']:.3f} ms")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(figures, f, indent=2)
+        write_json(args.out, figures)
 
 
 if __name__ == "__main__":

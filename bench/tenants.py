@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -22,7 +20,9 @@ from typing import Any
 
 import aiohttp
 
+from pagoda.bench.commands import run_script
 from pagoda.bench.data_parallel import Server, serving
+from pagoda.bench.report import stamp, write_report
 from pagoda.bench.serve import RequestRecord, _one
 from pagoda.bench.workload import Workload
 
@@ -127,16 +127,11 @@ def main(args: argparse.Namespace) -> int:
     ratio = figures["ratio_p99"]
     print(f"B's TTFT p99 flooded / alone: {ratio:.2f}x (target <= {MAX_RATIO:g}x) -> "
           f"{'PASS' if ratio <= MAX_RATIO else 'MISS'}")
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "flood": args.flood,
+    report = {"date": stamp(), "model": args.model, "flood": args.flood,
               "b_streams": args.b_streams, "server_args": args.server_args, **figures}
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "tenants.json").write_text(json.dumps(report, indent=2))
+    write_report(report, None, "tenants.json")
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    sys.exit(run_script(__doc__, add_arguments, main))

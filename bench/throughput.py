@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+from pagoda.bench.report import stamp, write_json
 from pagoda.bench.roofline import Precision, batch1_floor_ms, checkpoint_quantization, roofline_seconds
 from pagoda.bench.workload import ENGINE_DEFAULTS, PRESETS, Workload, preset
 from pagoda.shared.config import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -208,14 +208,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"the Hugging Face peers run greedy n=1 workloads only, not {args.workload}", file=sys.stderr)
         return 2
     results: list[dict[str, Any]] = []
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model, "load_format": args.load_format,
+    report = {"date": stamp(), "model": args.model, "load_format": args.load_format,
               "workload_name": args.workload or "custom", "workload": workload.to_dict(),
               "engine_args": engine_args(args), "results": results, "roofline": _roofline(args)}
     for system in systems:
         results.append(_run_child(args, system))
         if args.out:  # after every system, so a run cut short still leaves what it measured
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=2))
+            write_json(args.out, report)
         print(f"{system}: " + json.dumps({k: v for k, v in results[-1].items() if k != "first_outputs"}),
               flush=True)
     _print_table(report)

@@ -280,6 +280,16 @@ def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weigh
 
 
 @triton.jit
+def _silu_and_mul_tile(x_row, cols, mask, inter_size):
+    """silu(gate) * up of one TILE of columns in fp32, each product rounded to the model dtype as activation.py
+    rounds it (x_row: the token's [gate | up] row)."""
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(x_row.dtype.element_ty).to(tl.float32)
+    return (silu * up).to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, inter_size, stride_x, stride_q, TILE: tl.constexpr):
     """One token: silu(gate) * up rounded to the model dtype as activation.py does, in TILE-column tiles twice
     (amax, then quantize: recomputing the cheap product beats keeping a 14336-wide row in registers)."""
@@ -289,20 +299,12 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, inter_size, stride_x, stride
     amax = tl.zeros([TILE], tl.float32)
     for start in range(0, inter_size, TILE):
         cols = start + offs
-        mask = cols < inter_size
-        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_row + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        h = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(h))
+        amax = tl.maximum(amax, tl.abs(_silu_and_mul_tile(x_row, cols, cols < inter_size, inter_size)))
     scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX_C), FP8_MAX_C)
     for start in range(0, inter_size, TILE):
         cols = start + offs
         mask = cols < inter_size
-        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_row + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        h = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = _silu_and_mul_tile(x_row, cols, mask, inter_size)
         q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX_C, FP8_MAX_C))
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)

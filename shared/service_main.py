@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol, TypeVar
 
 from pagoda.shared.config import (
     EngineConfig,
@@ -19,6 +20,7 @@ from pagoda.shared.config import (
     server_config_from_args,
 )
 from pagoda.shared.errors import PagodaError
+from pagoda.shared.transport import load_cluster_keys
 
 
 def parse_service_args(name: str, argv: Sequence[str]) -> tuple[EngineConfig, ServerConfig]:
@@ -55,3 +57,22 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+class Service(Protocol):
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+ServiceT = TypeVar("ServiceT", bound=Service)
+
+
+def run_service(server_config: ServerConfig, build: Callable[[], ServiceT]) -> ServiceT:
+    """Load the cluster's keys (the sockets `build` makes use them), build the service, run it until SIGTERM or
+    SIGINT stops it; the service comes back for what it ended with."""
+    load_cluster_keys(server_config.cluster_key_dir)
+    service = build()
+    with stop_on_signals(service.stop):
+        service.run()
+    return service

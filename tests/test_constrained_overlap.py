@@ -75,10 +75,15 @@ def test_executor_is_sized_from_the_cpus_this_process_may_use(ll: llguidance.LLT
     monkeypatch.setattr(grammar, "cgroup_cpu_quota", lambda: None)
     monkeypatch.setattr(grammar.os, "cpu_count", lambda: 512)  # the machine's count must not matter
     monkeypatch.setattr(grammar.llguidance, "LLExecutor", Recorder)
+    monkeypatch.setattr(grammar, "MAX_EXECUTOR_THREADS", 8)  # above what the mask allows: the mask decides
     rows = GrammarRows(lambda: ll, 100)
     rows._ensure_executor()
     assert sizes == [4]  # 80% of the 5 CPUs of the affinity mask
     assert rows._parallel(grammar.PARALLEL_ROWS) == (5 >= grammar.PARALLEL_MIN_CPUS)
+    monkeypatch.setattr(grammar, "MAX_EXECUTOR_THREADS", 2)  # and the cap bounds a larger mask
+    rows = GrammarRows(lambda: ll, 100)
+    rows._ensure_executor()
+    assert sizes == [4, 2]
 
 
 def test_cpus_respect_the_cgroup_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

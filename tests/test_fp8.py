@@ -18,6 +18,7 @@ from pagoda.kernels import reference as ref
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.services.worker.models import CausalLM, Fp8Weights, Ops, reference_ops
+from pagoda.services.worker.models.base import SingleDevice
 from pagoda.services.worker.weights import SafetensorsSource, checkpoint_fp8, fill, placements
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
@@ -331,19 +332,10 @@ def test_bad_quantization_configs(tiny_llama_dir: Path, tmp_path: Path) -> None:
             checkpoint_fp8(tmp_path)
 
 
-class _HalfOfTwo:
-    """Rank 1 of 2 without collectives: enough to build and fill one rank's shard."""
+class _HalfOfTwo(SingleDevice):
+    """Rank 1 of 2 without collectives (SingleDevice's identities): enough to build and fill one rank's shard."""
 
     rank, size = 1, 2
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def agree_min(self, value: int, device: torch.device) -> int:
-        return value
 
 
 def test_tensor_parallel_shard_of_a_block_checkpoint(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -751,20 +751,16 @@ class Scheduler:
         if any(seq.is_finished or seq.seq_id not in step.sampler_ids or seq.num_pending != 1 for seq in live):
             return []  # not the group this step ran: the worker's answer is dropped (and the beams aborted)
         resolved.update(seq.seq_id for seq in live)
-        if not all(0 <= parent < len(live) for parent in candidates.parents) or not all(
-                0 <= token < self.vocab_size for token in candidates.token_ids):
+        if not self._candidates_valid(candidates, len(live)):
             return self._end_beam_search(request, FinishReason.ERROR)  # a malformed answer ends this request only
         for seq in live:  # the provisional tokens: what each slot gets is decided here
             del seq.token_ids[-1]
             seq.num_pending = 0
-        count = min(beam.num_candidates, len(candidates.token_ids))
-        decided = beam.step(candidates.token_ids[:count], candidates.parents[:count], candidates.scores[:count],
-                            _Generated(live))
-        if decided.done:
+        decided = self._decide_beams(request, candidates, live)
+        if decided is None:
             return self._end_beam_search(request, None)
+        beams, parents, slots = decided
         self._unforked_beams.pop(request.request_id, None)
-        parents = [parent for parent, _, _ in decided.beams]
-        slots = assign_slots(parents, len(request.sequences))
         num_known = len(live[0].token_ids)  # every beam's, before the new tokens
         # the tokens of the beams that other slots continue (copied before any slot changes)
         known = {parent: list(live[parent].token_ids) for slot, parent in zip(slots, parents, strict=True)
@@ -778,7 +774,7 @@ class Scheduler:
             if num_known % self.block_size and self.blocks.num_free_blocks < len(moved):
                 self._preempt(first)  # no room for the copies of the last partial block: recompute later
                 running = False
-        for (parent, token, _), slot in zip(decided.beams, slots, strict=True):
+        for (parent, token, _), slot in zip(beams, slots, strict=True):
             seq = request.sequences[slot]
             if slot == parent:
                 seq.token_ids.append(token)
@@ -798,7 +794,7 @@ class Scheduler:
             self._beam_forks.append((seq, BeamFork(seq.seq_id, live[parent].seq_id, token, list(seq.table.block_ids)),
                                      copy))
         beam.scores = [0.0] * len(request.sequences)
-        for (_, _, score), slot in zip(decided.beams, slots, strict=True):
+        for (_, _, score), slot in zip(beams, slots, strict=True):
             beam.scores[slot] = score  # slot order, as the next BeamGroup sends them
         return []
 
@@ -815,21 +811,17 @@ class Scheduler:
         if any(seq.is_finished or seq.seq_id not in step.sampler_ids or not seq.num_pending for seq in live):
             return []  # not the group this step ran: the worker's answer is dropped (and the beams aborted)
         resolved.update(seq.seq_id for seq in live)
-        if not all(0 <= parent < len(live) for parent in candidates.parents) or not all(
-                0 <= token < self.vocab_size for token in candidates.token_ids) or not candidates.slot_parents:
+        if not self._candidates_valid(candidates, len(live)) or not candidates.slot_parents:
             return self._end_beam_search(request, FinishReason.ERROR)  # a malformed answer ends this request only
         later = live[0].num_pending - 1  # placeholders of steps planned after this one (their inputs are chosen)
         for seq in live:
             assert seq.num_pending == later + 1
             del seq.token_ids[-seq.num_pending:]
             seq.num_pending = 0
-        count = min(beam.num_candidates, len(candidates.token_ids))
-        decided = beam.step(candidates.token_ids[:count], candidates.parents[:count], candidates.scores[:count],
-                            _Generated(live))
-        if decided.done:
+        decided = self._decide_beams(request, candidates, live)
+        if decided is None:
             return self._end_beam_search(request, None)
-        parents = [parent for parent, _, _ in decided.beams]
-        slots = assign_slots(parents, len(live))
+        beams, parents, slots = decided
         slot_parents = list(range(len(live)))
         for slot, parent in zip(slots, parents, strict=True):
             slot_parents[slot] = parent
@@ -839,7 +831,7 @@ class Scheduler:
         tokens = [list(seq.token_ids) for seq in live]
         if live[0].status == SeqStatus.RUNNING:
             self._share_parent_blocks(live, slot_parents, num_known // self.block_size)
-        for (parent, token, score), slot in zip(decided.beams, slots, strict=True):
+        for (parent, token, score), slot in zip(beams, slots, strict=True):
             seq = live[slot]
             seq.token_ids = tokens[parent] + [token] + [PLACEHOLDER] * later
             seq.num_pending = later
@@ -847,6 +839,26 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 seq.num_computed_tokens = 0  # preempted while the step ran: recomputed on its new line
         return []
+
+    def _candidates_valid(self, candidates: BeamCandidates, num_live: int) -> bool:
+        """Every candidate continues a live beam with a token of the vocabulary (else the worker's answer is
+        malformed)."""
+        return all(0 <= parent < num_live for parent in candidates.parents) and all(
+            0 <= token < self.vocab_size for token in candidates.token_ids)
+
+    def _decide_beams(self, request: Request, candidates: BeamCandidates, live: list[Sequence]
+                      ) -> tuple[list[tuple[int, int, float]], list[int], list[int]] | None:
+        """The search's step over the worker's best candidates (beam.py): the new beams (parent, token, score),
+        their parents and the slot that continues each (assign_slots); None when the search is done."""
+        beam = request.beam
+        assert beam is not None
+        count = min(beam.num_candidates, len(candidates.token_ids))
+        decided = beam.step(candidates.token_ids[:count], candidates.parents[:count], candidates.scores[:count],
+                            _Generated(live))
+        if decided.done:
+            return None
+        parents = [parent for parent, _, _ in decided.beams]
+        return decided.beams, parents, assign_slots(parents, len(request.sequences))
 
     def _share_parent_blocks(self, live: list[Sequence], slot_parents: list[int], num_shared: int) -> None:
         """Each slot that changes line takes its parent's first num_shared blocks (all full) instead of its own;

@@ -59,12 +59,11 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from pagoda.shared.service_main import stop_on_signals
+from pagoda.shared.service_main import run_service
 from pagoda.shared.transport import (
     Codec,
     ack_frame,
     drain,
-    load_cluster_keys,
     make_socket,
     seal,
     single_frame,
@@ -777,10 +776,7 @@ class SchedulerService:
 
 
 def run_scheduler(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    load_cluster_keys(server_config.cluster_key_dir)
-    service = SchedulerService(engine_config, server_config)
-    with stop_on_signals(service.stop):
-        service.run()
+    service = run_service(server_config, lambda: SchedulerService(engine_config, server_config))
     if service.exit_code:
         sys.exit(service.exit_code)
 

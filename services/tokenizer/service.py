@@ -58,8 +58,8 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
     resolve_vocabulary,
 )
-from pagoda.shared.service_main import stop_on_signals
-from pagoda.shared.transport import Codec, ack_frame, drain, load_cluster_keys, seal, send_nowait, single_frame, unseal
+from pagoda.shared.service_main import run_service
+from pagoda.shared.transport import Codec, ack_frame, drain, seal, send_nowait, single_frame, unseal
 
 log = logging.getLogger(__name__)
 
@@ -476,10 +476,8 @@ def _single(frames: list[Any], handle: Callable[[Any], None]) -> None:
 
 def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight requests then get a 503."""
-    load_cluster_keys(server_config.cluster_key_dir)
     # llguidance's tokenizer is built in the constructor (LazyGrammarChecker), before registration: the build holds
     # the GIL for seconds on a loaded host (3.4 s seen), and a tokenizer registered meanwhile would miss its
     # heartbeats and be dropped with its first requests.
-    service = TokenizerService(server_config, load_tokenizer(engine_config), block_size=engine_config.block_size)
-    with stop_on_signals(service.stop):
-        service.run()
+    run_service(server_config, lambda: TokenizerService(server_config, load_tokenizer(engine_config),
+                                                        block_size=engine_config.block_size))

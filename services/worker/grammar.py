@@ -59,7 +59,11 @@ MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copi
 # than a decode step). Below it, or on a small CPU, one thread is faster than the pool's hand-off.
 PARALLEL_ROWS = 16
 PARALLEL_MIN_CPUS = 8
-MAX_EXECUTOR_THREADS = 8  # llguidance's pool: 256 masks take ~1.5 ms on one core; the step loop needs cores too
+# llguidance's pool. On the H200 host (16 CPUs, bench/grammar_step.py, 256 rows of bench/structured.py's schema) 2
+# threads beat 16 at both calls (consume_token_par 2.4 vs 3.8 ms, the masks 0.8 vs 1.5 ms; 64 rows: 0.28 vs 0.97 and
+# 0.18 vs 0.48 ms): more threads contend more than they split. The masks are on the critical path once their
+# latency passes a decode step's forward, so the pool stays small.
+MAX_EXECUTOR_THREADS = 2
 CGROUP_ROOT = "/sys/fs/cgroup"
 COMPILE_THREADS = 2  # grammar compiles at once (llguidance releases the GIL while it builds one)
 
@@ -277,7 +281,7 @@ class GrammarRows:
         return num_rows >= PARALLEL_ROWS and self._cpus >= PARALLEL_MIN_CPUS
 
     def _ensure_executor(self) -> llguidance.LLExecutor:
-        if self._executor is None:  # 80% of our CPUs (llguidance's own default takes the machine's), up to 8
+        if self._executor is None:  # 80% of our CPUs (llguidance's own default takes the machine's), up to 2
             self._executor = llguidance.LLExecutor(num_threads=max(1, min(MAX_EXECUTOR_THREADS, self._cpus * 4 // 5)))
         return self._executor
 

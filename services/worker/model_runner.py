@@ -55,7 +55,12 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 # prompt_logprobs: logits of at most this many positions at once, and at most max_num_seqs / 2, so that their
 # [rows, V] fp32 logits and log-softmax together stay within the [max_num_seqs, V] logits profile_run measured.
 PROMPT_SCORE_ROWS = 128
-MASK_SWITCH_INTERVAL_S = 0.0002  # the GIL switch interval once grammar masks fill on a thread (CPython's: 5 ms)
+# The GIL switch interval once grammar masks fill on a thread (CPython's: 5 ms). The mask job takes the GIL three
+# times (to start, after consume_token_par, after the mask fill), each time waiting up to this long for the step
+# loop's thread to yield: a job of three GIL-free calls beside 3 ms of Python ended 1.64 ms after its start at
+# 0.2 ms, 1.03 ms at 0.05 ms (0.4 ms alone; this project's 2-core CPU). Only a thread waiting for the GIL makes
+# the interval count, so steps without grammar rows pay nothing.
+MASK_SWITCH_INTERVAL_S = 0.00005
 
 
 @dataclass(slots=True)
@@ -114,19 +119,41 @@ class StepTimer:
     """CUDA events around each step's device work, for the decode GPU busy fraction (benchmarks only)."""
 
     steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # (decode, start, end)
+    # a step whose sampling waited for grammar masks (launch deferred it): its forward's end and its sampling's
+    # start, keyed by its end event; the device idles between them when the masks come after the forward
+    deferred: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=dict)
+    host_wait_s: float = 0.0  # the step loop blocked in finish() on a step's event (the host waiting for the device)
+    host_waits: int = 0
 
     def decode_busy_fraction(self) -> tuple[float, int]:
         """Sum of decode steps' device time / the device time between their ends, over runs of consecutive
         decode steps; and how many steps that covers. Gaps between one step's end and the next one's start are
-        the device waiting for the host. Call after the device is synchronized."""
+        the device waiting for the host, and so is a deferred step's gap between its forward and its sampling.
+        Call after the device is synchronized."""
         busy = span = 0.0
         count = 0
         for (prev_decode, _, prev_end), (decode, start, end) in zip(self.steps, self.steps[1:], strict=False):
             if prev_decode and decode:
-                busy += start.elapsed_time(end)
+                busy += start.elapsed_time(end) - self.sampling_gap_ms(end)
                 span += prev_end.elapsed_time(end)
                 count += 1
         return (busy / span if span > 0 else 0.0), count
+
+    def sampling_gap_ms(self, end: torch.cuda.Event) -> float:
+        """The device's idle time between a deferred step's forward and its sampling (0 for other steps)."""
+        gap = self.deferred.get(id(end))
+        return gap[0].elapsed_time(gap[1]) if gap is not None else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """Decode GPU busy fraction, decode steps' device time (p50) and mean sampling gap, host wait per step."""
+        fraction, count = self.decode_busy_fraction()
+        decode = sorted(start.elapsed_time(end) - self.sampling_gap_ms(end) for is_decode, start, end in self.steps
+                        if is_decode)
+        gaps = [self.sampling_gap_ms(end) for is_decode, _, end in self.steps if is_decode and id(end) in self.deferred]
+        return {"decode_gpu_busy_fraction": fraction, "decode_steps": count,
+                "decode_step_gpu_ms_p50": decode[len(decode) // 2] if decode else 0.0,
+                "sampling_gap_ms_mean": sum(gaps) / len(gaps) if gaps else 0.0, "deferred_steps": len(gaps),
+                "host_wait_ms_per_step": self.host_wait_s / max(self.host_waits, 1) * 1e3}
 
 
 @dataclass(slots=True)
@@ -136,10 +163,13 @@ class MaskTimes:
     steps: int = 0  # steps whose sampling had grammar masks
     fill_s: float = 0.0  # accept + mask fill (on the mask thread, or inline)
     waited_s: float = 0.0  # the step loop's thread blocked on them (inline: all of fill_s)
+    latency_s: float = 0.0  # mask thread: from the job's submission (result N out) to its masks being ready
+    jobs: int = 0  # jobs on the mask thread
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        return {"steps": self.steps, "fill_ms": self.fill_s / n * 1e3, "waited_ms": self.waited_s / n * 1e3}
+        return {"steps": self.steps, "fill_ms": self.fill_s / n * 1e3, "waited_ms": self.waited_s / n * 1e3,
+                "latency_ms": self.latency_s / max(self.jobs, 1) * 1e3}
 
 
 class ModelRunner:
@@ -192,6 +222,7 @@ class ModelRunner:
         self._mask_thread: ThreadPoolExecutor | None = None
         self.mask_times = MaskTimes()
         self._mask_rows: torch.Tensor | None = None  # [R, W] int32 on the device: this step's grammar masks
+        self._forward_end: torch.cuda.Event | None = None  # the deferred step's forward ended (step_timer only)
         self._lost: set[int] = set()  # requests of failed steps: later plans in flight may still name them
         self.step_timer: StepTimer | None = None
         self.graphs: DecodeGraphs | None = None
@@ -396,6 +427,7 @@ class ModelRunner:
             # Grammar masks follow the tokens of a step still running: its result goes out first (the caller
             # finishes it, then calls resume), and the masks fill while this step's forward runs.
             self._deferred = (step, host, logits, timer_start)
+            self._forward_end = self._timer_event()
             self._launched.append(step)
             return True
         if logits is not None:
@@ -427,14 +459,19 @@ class ModelRunner:
             # The job takes the GIL between llguidance's calls (which release it) while this thread runs Python
             # (a scheduler update, a poll loop): at the default 5 ms interval each hand-over could cost a step.
             sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_INTERVAL_S))
-        self._masks_job = self._mask_thread.submit(self._fill_masks, accepts, seq_ids)
+        self._masks_job = self._mask_thread.submit(self._fill_masks, accepts, seq_ids, time.perf_counter())
         self._masks_for = seq_ids
 
-    def _fill_masks(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]) -> GrammarMasks | None:
+    def _fill_masks(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int],
+                    submitted: float) -> GrammarMasks | None:
         """The mask thread's job: the matchers consume the steps' tokens, then the masks of seq_ids fill."""
         started = time.perf_counter()
         masks = self.grammars.advance_and_fill(accepts, seq_ids)
-        self.mask_times.fill_s += time.perf_counter() - started
+        ended = time.perf_counter()
+        times = self.mask_times
+        times.fill_s += ended - started
+        times.latency_s += ended - submitted
+        times.jobs += 1
         return masks
 
     def masks_pending(self) -> bool:
@@ -448,6 +485,8 @@ class ModelRunner:
             return
         step, host, logits, timer_start = self._deferred
         self._deferred = None
+        forward_end, self._forward_end = self._forward_end, None
+        sampling_start = self._timer_event() if forward_end is not None else None
         try:
             self._sample(step, host, logits)
         except Exception as exc:  # noqa: BLE001 - as in launch(): the step fails, the worker goes on
@@ -457,6 +496,9 @@ class ModelRunner:
             return
         self._grammar_barrier()  # a job _sample did not use (its rows were all beams) must not outlive its step
         self._record(step, timer_start)
+        if self.step_timer is not None and step.event is not None and forward_end is not None:
+            assert sampling_start is not None
+            self.step_timer.deferred[id(step.event)] = (forward_end, sampling_start)
 
     def _grammar_barrier(self) -> None:
         """The matchers are this thread's again: the mask job is over and every synced token is consumed."""
@@ -721,7 +763,13 @@ class ModelRunner:
         if step.synced:
             return
         if step.event is not None:
-            step.event.synchronize()
+            if self.step_timer is not None:
+                waited = time.perf_counter()
+                step.event.synchronize()
+                self.step_timer.host_wait_s += time.perf_counter() - waited
+                self.step_timer.host_waits += 1
+            else:
+                step.event.synchronize()
         step.synced = True
         if step.beam_tokens is not None:
             self._sync_rows(step, step.beam_seq_ids, step.beam_rows, step.beam_positions, step.beam_tokens.numpy())

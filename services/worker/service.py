@@ -31,8 +31,8 @@ from pagoda.shared.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from pagoda.shared.service_main import stop_on_signals
-from pagoda.shared.transport import Codec, load_cluster_keys, make_socket, single_frame
+from pagoda.shared.service_main import run_service
+from pagoda.shared.transport import Codec, make_socket, single_frame
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,4 @@ class WorkerService:
 
 
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    load_cluster_keys(server_config.cluster_key_dir)
-    service = WorkerService(engine_config, server_config)
-    with stop_on_signals(service.stop):
-        service.run()
+    run_service(server_config, lambda: WorkerService(engine_config, server_config))

@@ -1,0 +1,42 @@
+"""Where a benchmark's JSON report goes: the file named by --out, else <default name> under $OUT when OUT is set."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def stamp() -> str:
+    """The local date and time a report carries, e.g. '2026-12-02 06:30:00 UTC'."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def write_json(path: str | Path, data: Any, indent: int = 2) -> Path:
+    """`data` as JSON in `path`, its folder made when missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent))
+    return path
+
+
+def report_path(out: str | Path | None, default_name: str, fallback_dir: str | None = None) -> Path | None:
+    """--out when given, else $OUT/default_name, else fallback_dir/default_name; None: no report wanted."""
+    if out:
+        return Path(out)
+    folder = os.environ.get("OUT") or fallback_dir
+    return Path(folder) / default_name if folder else None
+
+
+def write_report(data: Any, out: str | Path | None, default_name: str, *, indent: int = 2,
+                 fallback_dir: str | None = None, announce: bool = False) -> Path | None:
+    """Write `data` where report_path says (printing 'wrote PATH' when `announce`); the path, or None if nowhere."""
+    path = report_path(out, default_name, fallback_dir)
+    if path is None:
+        return None
+    write_json(path, data, indent)
+    if announce:
+        print(f"wrote {path}")
+    return path
