@@ -46,6 +46,7 @@ from pagoda.kernels.paged_attention import (
     _split_reduce_kernel,
     _store_rows,
     check_batch_layout,
+    grid_position,
     key_tile_range,
     paged_attention,
 )
@@ -460,15 +461,7 @@ def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query
     program num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th
     query tile of the flattened batch (binary search); length-1 sequences are left to a DECODE launch and
     chunks of >= expand_min_q queries in sequences of <= expand_max_seq tokens to the expanded path."""
-    if HEADS_FAST:
-        pid = tl.program_id(1)
-        head_block = tl.program_id(0)
-        num_q_programs = tl.num_programs(1)
-    else:
-        pid = tl.program_id(0)
-        head_block = tl.program_id(1)
-        num_q_programs = tl.num_programs(0)
-    split = tl.program_id(2)
+    pid, head_block, num_q_programs, split = grid_position(HEADS_FAST)
     offs_m = tl.arange(0, BLOCK_M)
 
     if DECODE:

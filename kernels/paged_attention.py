@@ -121,6 +121,22 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
 
 
 @triton.jit
+def grid_position(HEADS_FAST: tl.constexpr):
+    """(query program, head block, number of query programs, split) of this program: the grid is (query
+    programs, head blocks, splits), the first two swapped with HEADS_FAST (one sequence's heads scheduled
+    together)."""
+    if HEADS_FAST:
+        pid = tl.program_id(1)
+        head = tl.program_id(0)
+        num_q_programs = tl.num_programs(1)
+    else:
+        pid = tl.program_id(0)
+        head = tl.program_id(1)
+        num_q_programs = tl.num_programs(0)
+    return pid, head, num_q_programs, tl.program_id(2)
+
+
+@triton.jit
 def key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr):
     """The keys one program attends to for query rows [q_lo, q_lo + BLOCK_Q) of a sequence with context_len cached
@@ -321,15 +337,7 @@ def _paged_attention_kernel(
     HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together.
     FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
     inline asm allowed (not in Triton's interpreter)."""
-    if HEADS_FAST:
-        pid = tl.program_id(1)
-        kv_head = tl.program_id(0)
-        num_q_programs = tl.num_programs(1)
-    else:
-        pid = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        num_q_programs = tl.num_programs(0)
-    split = tl.program_id(2)
+    pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
 
