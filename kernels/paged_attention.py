@@ -33,8 +33,13 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #             from shared memory one byte at a time (LDS.U8 + byte packing: 128 LDS.U8 a thread per 128-key tile)
 #             and the tile took 248 registers; as words it takes 142 (sm_90 SASS, tests/gpu_compile.py's compiler).
 #   "f16_vwords": V as words, K as "f16" (its e4m3 tile reaches the dot by ldmatrix and converts there).
-FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords")
-_FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5}  # 0 = not an fp8 cache
+#   "qk_fp8": QK^T on fp8 tensor cores: each q row (one query head) is quantized once per program to e4m3 with
+#             its own scale (row amax / 448), the K tile goes to the dot as loaded (no conversion), the fp32 scores
+#             are rescaled by q_scale[row] * k_scale * softmax scale; V as in "f16_words". q keeps 3 mantissa bits
+#             (relative rounding <= 2^-4 an element): an accuracy trade, so it is selectable, not the default.
+FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8")
+_FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6}  # 0: no fp8 cache
+_E4M3_MAX = tl.constexpr(448.0)
 _F16_Q_AMAX = tl.constexpr(256.0)  # q amax after its fp16 scaling: products exact in fp32, far from overflow
 
 
@@ -202,6 +207,25 @@ def _e4m3_words_to_f16(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _quantize_rows_e4m3(x):
+    """[R, C] fp32 -> ([R, C] e4m3 codes of x / row_scale, [R] fp32 row_scale = row amax / 448; 1 for a zero row).
+    Rounds to nearest even in fp32 arithmetic (e4m3 spacing: 2^(exponent - 3), 2^-9 below the normals, via the
+    1.5 * 2^23 add/subtract), so the cast to e4m3 that follows is exact: the same codes on the GPU and in Triton's
+    interpreter, whose own fp32 -> e4m3 cast mis-rounds mantissa carries."""
+    amax = tl.max(tl.abs(x), 1)  # [R]
+    amax = tl.where(amax > 0.0, amax, _E4M3_MAX)  # a zero row (padding) gets scale 1
+    row_scale = amax / _E4M3_MAX  # [R]
+    inv_scale = _E4M3_MAX / amax  # [R]; a product below, not a per-element division
+    y = tl.minimum(tl.maximum(x * inv_scale[:, None], -_E4M3_MAX), _E4M3_MAX)  # [R, C], |y| <= 448
+    exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased fp32 exponent of |y|
+    spacing = (tl.maximum(exponent, 127 - 6) - 3) << 23  # the e4m3 spacing at |y| as fp32 bits (>= 2^-9)
+    spacing = spacing.to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |t| < 2^22 to the nearest even integer
+    rounded = ((y / spacing + magic) - magic) * spacing  # [R, C], exactly an e4m3 value
+    return rounded.to(tl.float8e4nv), row_scale
+
+
+@triton.jit
 def _load_words_f16(cache_ptr, block, slot, kv_head, stride_b, stride_s, stride_h, key_mask,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
     """One K or V tile of an e4m3 cache read as int32 words and converted in the load's layout:
@@ -256,14 +280,14 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         # Dot operands stay in the storage dtype (tensor-core inputs); products accumulate in fp32 and all the
         # softmax arithmetic below is fp32. Scores are in log2 units: qk_scale = scale * log2(e), so exp2 works.
         # An fp8 cache: to the dot dtype (FP8_CONVERTS); its scales are folded into qk_scale and the output.
-        if FP8_MODE >= 4:  # "f16_words" / "f16_vwords": V (and K) as int32 words, fp16 before any layout change
-            key_mask = key < kv_end
+        if FP8_MODE >= 4:  # "f16_words" / "f16_vwords" / "qk_fp8": V (and K) as int32 words, fp16 before any
+            key_mask = key < kv_end  # layout change; "qk_fp8" leaves K as loaded (e4m3 dot operand)
             v = _load_words_f16(v_cache_ptr, block, slot, kv_head, stride_vb, stride_vs, stride_vh, key_mask,
                                 HEAD_DIM, HEAD_DIM_P, MASKED, USE_ASM)  # [TILE_N, HEAD_DIM_P]
             if FP8_MODE == 4:
                 k = _load_words_f16(k_cache_ptr, block, slot, kv_head, stride_kb, stride_ks, stride_kh, key_mask,
                                     HEAD_DIM, HEAD_DIM_P, MASKED, USE_ASM)  # [TILE_N, HEAD_DIM_P]
-            else:
+            elif FP8_MODE == 5:
                 k = k.to(tl.float16)
         if FP8_MODE == 1:
             k = k.to(q.dtype)
@@ -275,7 +299,10 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
             k = _e4m3_to_f16_bits(k)
             v = _e4m3_to_f16_bits(v)
         if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
+            if FP8_MODE == 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+                s_t = tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]  # [TILE_N, BLOCK_M]
+            else:
+                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
             if MASKED:
                 s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s_t, 0))  # [BLOCK_M]
@@ -285,7 +312,10 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
             acc = acc * alpha[None, :]
             acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc, input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
         else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+            if FP8_MODE == 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+                s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]  # [BLOCK_M, TILE_N]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
             if MASKED:
                 s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
@@ -400,7 +430,10 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    if FP8_MODE >= 2:  # fp16 dots: q scaled once so its amax is _F16_Q_AMAX, the inverse folded into qk_scale
+    if FP8_MODE == 6:  # e4m3 q rows, each with its own scale; qk_scale becomes [BLOCK_M]
+        q, q_row_scale = _quantize_rows_e4m3(q.to(tl.float32))
+        qk_scale = qk_scale * q_row_scale
+    elif FP8_MODE >= 2:  # fp16 dots: q scaled once so its amax is _F16_Q_AMAX, the inverse folded into qk_scale
         q32 = q.to(tl.float32)
         q_mult = _F16_Q_AMAX / tl.maximum(tl.max(tl.max(tl.abs(q32), 1), 0), 1.0e-30)
         q = (q32 * q_mult).to(tl.float16)
@@ -493,7 +526,7 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
     if not fp8_kv:
         return 0
     convert = config.fp8_convert if q_dtype != torch.float32 else "native"
-    if convert in ("f16_words", "f16_vwords") and not _word_aligned(head_dim, k_cache, v_cache):
+    if convert in ("f16_words", "f16_vwords", "qk_fp8") and not _word_aligned(head_dim, k_cache, v_cache):
         convert = "f16"
     return _FP8_MODE[convert]
 

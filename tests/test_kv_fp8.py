@@ -28,15 +28,18 @@ ATOL = {torch.float16: 1.5e-3, torch.bfloat16: 8e-3}
 
 def _fp8_case(query_lens: list[int], seq_lens: list[int], q_dtype: torch.dtype, q_amax: float = 3.0,
               num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32, block_size: int = 16,
-              seed: int = 0) -> dict:
-    """Caches of random e4m3 codes (every finite code, subnormals and +-448 included; NaN codes excluded),
-    blocks shuffled, spare cache blocks all NaN so a stray read would show."""
+              seed: int = 0, gaussian: bool = False) -> dict:
+    """Caches of random e4m3 codes (every finite code, subnormals and +-448 included; NaN codes excluded), or with
+    gaussian=True of normal values quantized as the cache writer does (std 100 codes, clamped to +-448), blocks
+    shuffled, spare cache blocks all NaN so a stray read would show."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
     def codes() -> torch.Tensor:
+        if gaussian:
+            return (torch.randn(shape, generator=generator) * 100.0).clamp(-448, 448).to(torch.float8_e4m3fn)
         raw = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
         raw = torch.where((raw & 0x7F) == 0x7F, raw ^ 0x01, raw)  # 0x7f / 0xff are NaN: step to +-448
         return raw.view(torch.float8_e4m3fn)
@@ -60,18 +63,23 @@ def _fp8_case(query_lens: list[int], seq_lens: list[int], q_dtype: torch.dtype, 
             "query_lens": query_lens, "qsl": qsl, "k_scale": torch.tensor([0.004]), "v_scale": torch.tensor([0.003])}
 
 
-def _check(case: dict, config: AttentionConfig, atol: float) -> None:
-    expected = ref.paged_attention(case["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
-                                   case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
-                                   v_scale=case["v_scale"])  # [T, heads, D] fp32
-    assert expected.isfinite().all()
+def _run(case: dict, config: AttentionConfig) -> torch.Tensor:
+    """The Triton kernel on the case: [T, heads, D] fp32 on the CPU."""
     to = lambda t: t.to(DEVICE)  # noqa: E731
     out = paged_attention(to(case["q"]), to(case["k_cache"]), to(case["v_cache"]), to(case["block_tables"]),
                           to(torch.tensor(case["seq_lens"], dtype=torch.int32)), to(case["qsl"]),
                           max(case["query_lens"]), max(case["seq_lens"]), SCALE, config=config,
                           k_scale=to(case["k_scale"]), v_scale=to(case["v_scale"]))
     assert out.dtype == case["q"].dtype
-    torch.testing.assert_close(out.float().cpu(), expected, rtol=0.0, atol=atol * expected.abs().max().item())
+    return out.float().cpu()
+
+
+def _check(case: dict, config: AttentionConfig, atol: float) -> None:
+    expected = ref.paged_attention(case["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
+                                   case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                   v_scale=case["v_scale"])  # [T, heads, D] fp32
+    assert expected.isfinite().all()
+    torch.testing.assert_close(_run(case, config), expected, rtol=0.0, atol=atol * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("convert", ["f16", "f16_bits", "f16_words", "f16_vwords"])
@@ -122,7 +130,7 @@ def test_fp8_config_checked_and_defaults() -> None:
     case = _fp8_case([1], [5], torch.float16)
     with pytest.raises(ValueError, match="fp8_convert"):
         _check(case, AttentionConfig(fp8_convert="e5m2"), 1.0)
-    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords"}
+    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8"}
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
     assert decode.decode_tile_n == 64 and decode.fp8_convert == "f16_words"  # measured fastest (kv_fp8_bench)
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
@@ -138,6 +146,80 @@ def test_fp8_word_tiles_odd_head_dims(head_dim: int) -> None:
     case = _fp8_case([1, 6, 1], [37, 21, 9], torch.float16, head_dim=head_dim, seed=4)
     config = AttentionConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16, fp8_convert="f16_words")
     _check(case, config, ATOL[torch.float16])
+
+
+def _quantize_q_rows(q: torch.Tensor) -> torch.Tensor:
+    """What "qk_fp8" gives the tensor cores, dequantized: each (token, head) row of q to e4m3 with scale
+    amax / 448 (round to nearest even), times the scale. [T, heads, D] fp32."""
+    q32 = q.float()
+    amax = q32.abs().amax(-1, keepdim=True)  # [T, heads, 1]
+    inv = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    row_scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (q32 * inv).clamp(-448, 448).to(torch.float8_e4m3fn).float() * row_scale
+
+
+def _qk_fp8_error_bound(case: dict, expected: torch.Tensor) -> torch.Tensor:
+    """Per (token, head) bound on |out - exact| for "qk_fp8", from q's e4m3 rounding alone. Each element of
+    q / row_scale is rounded by at most 2^-4 of itself (3 mantissa bits) or, below the normals, by 2^-10 (half the
+    2^-9 spacing), so a score s_j = scale q.k_j moves by at most E_j = scale sum_d (2^-4 |q_d| + 2^-10 row_scale)
+    |k_dj|. Softmax weights then change by a factor within exp(+-2 E), E = max_j E_j, so the output
+    o = sum_j p_j v_j = o + sum_j (p'_j - p_j)(v_j - o) moves by at most (exp(2 E) - 1) max_j |v_j - o| per
+    channel. [T, heads] fp32."""
+    q = case["q"].float()  # [T, heads, D]
+    heads, kv_heads = q.shape[1], case["k_cache"].shape[2]
+    row_scale = q.abs().amax(-1, keepdim=True) / 448.0  # [T, heads, 1]
+    slack = 2.0 ** -4 * q.abs() + 2.0 ** -10 * row_scale  # [T, heads, D]
+    bound = torch.zeros(q.shape[:2])
+    for b, (start, query_len) in enumerate(zip(case["qsl"].tolist()[:-1], case["query_lens"], strict=True)):
+        seq_len = case["seq_lens"][b]
+        k = ref.gather_kv(case["k_cache"], case["block_tables"][b], seq_len).float() * case["k_scale"]  # [L, kvh, D]
+        v = ref.gather_kv(case["v_cache"], case["block_tables"][b], seq_len).float() * case["v_scale"]
+        for t in range(start, start + query_len):
+            visible = seq_len - query_len + (t - start) + 1  # causal: keys 0..position
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                err = SCALE * (k[:visible, kv].abs() @ slack[t, h]).max()  # max_j E_j
+                spread = (v[:visible, kv] - expected[t, h]).abs().max()  # max_j |v_j - o| over channels
+                bound[t, h] = torch.expm1(2 * err) * spread
+    return bound
+
+
+@pytest.mark.parametrize(("num_splits", "keys_on_m"), [(1, False), (4, False), (1, True)])
+def test_qk_fp8_matches_row_quantized_q(num_splits: int, keys_on_m: bool) -> None:
+    """"qk_fp8" computes attention of the row-quantized q exactly (fp32 scores of e4m3 x e4m3): against the
+    reference fed that q it meets the fp16 paths' bound, in decode rows (split or not, transposed dots or not) and
+    a chunk over cached context; rows of very different magnitudes keep their own scales."""
+    case = _fp8_case([1, 6, 1, 1], [37, 21, 9, 70], torch.float16, num_heads=8, num_kv_heads=2, seed=6)
+    case["q"][:, 1] *= 1e-3  # one head far smaller than the rest: a per-tensor scale would flush it to zero
+    quantized = {**case, "q": _quantize_q_rows(case["q"]).to(torch.float16)}
+    config = AttentionConfig(num_splits=num_splits, decode_tile_n=64 if keys_on_m else 16, prefill_block_m=16,
+                             prefill_tile_n=16, fp8_convert="qk_fp8", decode_keys_on_m=keys_on_m)
+    expected = ref.paged_attention(quantized["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
+                                   case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                   v_scale=case["v_scale"])  # [T, heads, D] fp32
+    out = _run(case, config)
+    torch.testing.assert_close(out, expected, rtol=0.0, atol=ATOL[torch.float16] * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
+def test_qk_fp8_error_within_e4m3_rounding_bound(q_dtype: torch.dtype) -> None:
+    """Against the exact reference (unquantized q), "qk_fp8"'s error stays within the worst case q's e4m3
+    rounding allows (_qk_fp8_error_bound) plus the 16-bit paths' own tolerance. Realistic inputs: a gaussian
+    cache, and q with a few large channels, as real queries have, which coarsen every other channel of their row.
+    A worst case, so loose: the error measured here is ~1/100 of it (1.3e-2 of the output amax vs 4e-4 for
+    "f16_words"); the exact-q test above is the tight check of the kernel."""
+    case = _fp8_case([1, 1, 5], [40, 17, 30], q_dtype, num_heads=4, num_kv_heads=2, seed=7, gaussian=True)
+    q = case["q"].float()
+    q[..., :2] *= 8.0  # two outlier channels
+    case["q"] = q.to(q_dtype)
+    config = AttentionConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16, fp8_convert="qk_fp8")
+    expected = ref.paged_attention(case["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
+                                   case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                   v_scale=case["v_scale"])  # [T, heads, D] fp32
+    error = (_run(case, config) - expected).abs().amax(-1)  # [T, heads]
+    bound = _qk_fp8_error_bound(case, expected) + ATOL[q_dtype] * expected.abs().max()
+    assert (error <= bound).all(), (error, bound)
+    assert error.max() > 0  # q really was rounded: the bound is what it is measured against
 
 
 @triton.jit
