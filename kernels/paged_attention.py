@@ -37,6 +37,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #             its own scale (row amax / 448), the K tile goes to the dot as loaded (no conversion), the fp32 scores
 #             are rescaled by q_scale[row] * k_scale * softmax scale; V as in "f16_words". q keeps 3 mantissa bits
 #             (relative rounding <= 2^-4 an element): an accuracy trade, so it is selectable, not the default.
+#             Decode needs decode_keys_on_m for the fp8 MMA (sm_90 SASS: QGMMA.64x16x32.E4M3, 365 loop instructions
+#             a 64-key tile vs 487 for f16_words); with the 16 query rows on M Triton emits mma.sync on fp16 and
+#             converts K there after all. Chunks (128-row tiles) get QGMMA as they are.
 FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8")
 _FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6}  # 0: no fp8 cache
 _E4M3_MAX = tl.constexpr(448.0)
