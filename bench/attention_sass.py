@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 import triton
 
-MODES = {"bf16": 0, "native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6}
+MODES = {"bf16": 0, "native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6, "qkv_fp8": 7}
 VARIANTS = (("bf16", 64, 2, False), ("f16", 64, 2, False), ("f16", 128, 2, False), ("f16_words", 64, 2, False),
             ("f16_words", 128, 2, False), ("f16_words", 128, 3, False), ("f16_vwords", 128, 2, False),
             ("bf16", 64, 2, True), ("f16_words", 64, 2, True), ("f16_words", 128, 2, True),
-            ("qk_fp8", 64, 2, False), ("qk_fp8", 128, 2, False), ("qk_fp8", 64, 2, True), ("qk_fp8", 128, 2, True))
+            ("qk_fp8", 64, 2, False), ("qk_fp8", 128, 2, False), ("qk_fp8", 64, 2, True), ("qk_fp8", 128, 2, True),
+            ("qkv_fp8", 64, 2, True), ("qkv_fp8", 128, 2, True))
 # (cache / conversion, keys a tile, stages, keys on the dots' M rows); 4 warps
 HEAD_DIM, BLOCK_SIZE, NUM_WARPS = 128, 16, 4
 SM_REGISTERS, SM_SHARED = 65536, 227 * 1024

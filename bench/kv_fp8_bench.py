@@ -73,6 +73,8 @@ DECODE_VARIANTS = (
     Variant("fp8_qk_t64", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     Variant("fp8_qk_t128", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 128, "decode_keys_on_m": True}),
     Variant("fp8_qk_t64_mrows", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 64}),
+    # and PV too (e4m3 p x V as loaded): V's keys are strided, so Triton transposes the tile through shared memory
+    Variant("fp8_qkv_t64", True, {"fp8_convert": "qkv_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 CHUNK_VARIANTS = (
@@ -84,12 +86,13 @@ CHUNK_VARIANTS = (
     Variant("fp8_words_t64", True, {"fp8_convert": "f16_words", "prefill_tile_n": 64}),
     Variant("fp8_qk", True, {"fp8_convert": "qk_fp8"}),
     Variant("fp8_qk_t64", True, {"fp8_convert": "qk_fp8", "prefill_tile_n": 64}),
+    Variant("fp8_qkv", True, {"fp8_convert": "qkv_fp8"}),
     Variant("fp8_default", True, {}),
 )
 
 
 def tolerance(variant: Variant) -> float:
-    return QK_FP8_TOLERANCE if variant.changes.get("fp8_convert") == "qk_fp8" else TOLERANCE
+    return QK_FP8_TOLERANCE if variant.changes.get("fp8_convert") in ("qk_fp8", "qkv_fp8") else TOLERANCE
 
 
 def select(variants: tuple[Variant, ...], prefixes: list[str] | None) -> tuple[Variant, ...]:

@@ -40,8 +40,13 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #             Decode needs decode_keys_on_m for the fp8 MMA (sm_90 SASS: QGMMA.64x16x32.E4M3, 365 loop instructions
 #             a 64-key tile vs 487 for f16_words); with the 16 query rows on M Triton emits mma.sync on fp16 and
 #             converts K there after all. Chunks (128-row tiles) get QGMMA as they are.
-FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8")
-_FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6}  # 0: no fp8 cache
+#   "qkv_fp8": "qk_fp8" and PV on fp8 tensor cores too (the FlashAttention-3 way): p (in [0, 1]) times 2^8 rounded
+#             to e4m3 (its 2^-9 floor then sits at p = 2^-17), the V tile as loaded; the 2^-8 goes into v_scale. The
+#             softmax sum l adds the unrounded fp32 p.
+FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8")
+_FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6,
+             "qkv_fp8": 7}  # 0: no fp8 cache
+_P_E4M3_MULT = tl.constexpr(256.0)
 _E4M3_MAX = tl.constexpr(448.0)
 _F16_Q_AMAX = tl.constexpr(256.0)  # q amax after its fp16 scaling: products exact in fp32, far from overflow
 
@@ -220,12 +225,21 @@ def _quantize_rows_e4m3(x):
     row_scale = amax / _E4M3_MAX  # [R]
     inv_scale = _E4M3_MAX / amax  # [R]; a product below, not a per-element division
     y = tl.minimum(tl.maximum(x * inv_scale[:, None], -_E4M3_MAX), _E4M3_MAX)  # [R, C], |y| <= 448
+    return _to_e4m3(y, False), row_scale
+
+
+@triton.jit
+def _to_e4m3(y, USE_ASM: tl.constexpr):
+    """fp32 with |y| <= 448 -> e4m3, round to nearest even. On the GPU the hardware cast (USE_ASM); in Triton's
+    interpreter, whose own cast mis-rounds mantissa carries, (and for q, once per program) by fp32 arithmetic: the
+    e4m3 spacing at |y| is 2^(exponent - 3), 2^-9 below the normals; adding and subtracting 1.5 * 2^23 rounds
+    |t| < 2^22 to the nearest even integer, so the final cast is exact."""
+    if USE_ASM:
+        return y.to(tl.float8e4nv)
     exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased fp32 exponent of |y|
-    spacing = (tl.maximum(exponent, 127 - 6) - 3) << 23  # the e4m3 spacing at |y| as fp32 bits (>= 2^-9)
-    spacing = spacing.to(tl.float32, bitcast=True)
-    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |t| < 2^22 to the nearest even integer
-    rounded = ((y / spacing + magic) - magic) * spacing  # [R, C], exactly an e4m3 value
-    return rounded.to(tl.float8e4nv), row_scale
+    spacing = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)  # >= 2^-9
+    magic = 12582912.0  # 1.5 * 2^23
+    return (((y / spacing + magic) - magic) * spacing).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -283,8 +297,8 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         # Dot operands stay in the storage dtype (tensor-core inputs); products accumulate in fp32 and all the
         # softmax arithmetic below is fp32. Scores are in log2 units: qk_scale = scale * log2(e), so exp2 works.
         # An fp8 cache: to the dot dtype (FP8_CONVERTS); its scales are folded into qk_scale and the output.
-        if FP8_MODE >= 4:  # "f16_words" / "f16_vwords" / "qk_fp8": V (and K) as int32 words, fp16 before any
-            key_mask = key < kv_end  # layout change; "qk_fp8" leaves K as loaded (e4m3 dot operand)
+        if FP8_MODE >= 4 and FP8_MODE <= 6:  # "f16_words" / "f16_vwords" / "qk_fp8": V (and K) as int32 words,
+            key_mask = key < kv_end  # fp16 before any layout change; "qk_fp8" leaves K as loaded (e4m3 operand)
             v = _load_words_f16(v_cache_ptr, block, slot, kv_head, stride_vb, stride_vs, stride_vh, key_mask,
                                 HEAD_DIM, HEAD_DIM_P, MASKED, USE_ASM)  # [TILE_N, HEAD_DIM_P]
             if FP8_MODE == 4:
@@ -302,7 +316,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
             k = _e4m3_to_f16_bits(k)
             v = _e4m3_to_f16_bits(v)
         if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
-            if FP8_MODE == 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+            if FP8_MODE >= 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
                 s_t = tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]  # [TILE_N, BLOCK_M]
             else:
                 s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
@@ -313,9 +327,14 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
             p_t = tl.exp2(s_t - m_new[None, :])  # [TILE_N, BLOCK_M]
             l_i = l_i * alpha + tl.sum(p_t, 0)
             acc = acc * alpha[None, :]
-            acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc, input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
+            if FP8_MODE == 7:  # e4m3 V as loaded x e4m3 p * 2^8
+                acc = tl.dot(tl.trans(v), _to_e4m3(p_t * _P_E4M3_MULT, USE_ASM), acc,
+                             out_dtype=tl.float32)  # [HEAD_DIM_P, BLOCK_M]
+            else:
+                acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc,
+                             input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
         else:
-            if FP8_MODE == 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+            if FP8_MODE >= 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
                 s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]  # [BLOCK_M, TILE_N]
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
@@ -326,7 +345,11 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
             p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
+            if FP8_MODE == 7:  # e4m3 p * 2^8 x e4m3 V as loaded
+                acc = tl.dot(_to_e4m3(p * _P_E4M3_MULT, USE_ASM), v, acc,
+                             out_dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_P]
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
         m_i = m_new
     return acc, l_i, m_i
 
@@ -433,7 +456,7 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    if FP8_MODE == 6:  # e4m3 q rows, each with its own scale; qk_scale becomes [BLOCK_M]
+    if FP8_MODE >= 6:  # e4m3 q rows, each with its own scale; qk_scale becomes [BLOCK_M]
         q, q_row_scale = _quantize_rows_e4m3(q.to(tl.float32))
         qk_scale = qk_scale * q_row_scale
     elif FP8_MODE >= 2:  # fp16 dots: q scaled once so its amax is _F16_Q_AMAX, the inverse folded into qk_scale
@@ -460,6 +483,8 @@ def _paged_attention_kernel(
         v_scale = tl.load(v_scale_ptr)
         if FP8_MODE == 3:  # f16_bits values are e4m3 * 2^-8
             v_scale = v_scale * 256.0
+        if FP8_MODE == 7:  # p went into the dots times 2^8
+            v_scale = v_scale / _P_E4M3_MULT
         acc = acc * v_scale
 
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
@@ -529,7 +554,7 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
     if not fp8_kv:
         return 0
     convert = config.fp8_convert if q_dtype != torch.float32 else "native"
-    if convert in ("f16_words", "f16_vwords", "qk_fp8") and not _word_aligned(head_dim, k_cache, v_cache):
+    if convert in ("f16_words", "f16_vwords", "qk_fp8", "qkv_fp8") and not _word_aligned(head_dim, k_cache, v_cache):
         convert = "f16"
     return _FP8_MODE[convert]
 

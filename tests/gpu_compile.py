@@ -158,7 +158,8 @@ def run_moe_shapes() -> None:
 
 
 def run_fp8_qk_attention_shapes() -> None:
-    """Paged attention over an fp8 cache with fp8_convert="qk_fp8" (e4m3 q x e4m3 K on the tensor cores) at
+    """Paged attention over an fp8 cache with fp8_convert="qk_fp8" (e4m3 q x e4m3 K on the tensor cores; "qkv_fp8"
+    also e4m3 p x e4m3 V) at
     qwen3-0.6b's (16 q / 8 kv heads) and llama3-8b's (32 / 8) real dims, head_dim 128: decode batches large (one
     program per sequence and kv head) and small (split-KV), 64- and 128-key tiles, keys on the dots' M rows or
     not; and chunks over cached context beside decode rows (the tiled launch)."""
@@ -166,8 +167,9 @@ def run_fp8_qk_attention_shapes() -> None:
 
     from pagoda.kernels.paged_attention import AttentionConfig, paged_attention, pick_config
 
-    for num_heads, (num_seqs, query_len), (tile_n, keys_on_m) in itertools.product(
-            (16, 32), ((256, 1), (4, 1), (3, 64)), ((64, True), (128, True), (64, False))):
+    for num_heads, (num_seqs, query_len), (convert, tile_n, keys_on_m) in itertools.product(
+            (16, 32), ((256, 1), (4, 1), (3, 64)),
+            (("qk_fp8", 64, True), ("qk_fp8", 128, True), ("qk_fp8", 64, False), ("qkv_fp8", 64, True))):
         context, num_kv_heads = 1024, 8
         query_lens = [query_len] * num_seqs + ([1, 1] if query_len > 1 else [])  # chunks beside decode rows
         q = torch.empty(sum(query_lens), num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
@@ -178,7 +180,7 @@ def run_fp8_qk_attention_shapes() -> None:
         qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
         base = pick_config(q.shape[0], len(query_lens), num_kv_heads, num_heads // num_kv_heads, query_len, context,
                            fp8_kv=True)
-        config: AttentionConfig = replace(base, fp8_convert="qk_fp8", decode_tile_n=tile_n,
+        config: AttentionConfig = replace(base, fp8_convert=convert, decode_tile_n=tile_n,
                                           decode_keys_on_m=keys_on_m)
         paged_attention(q, cache, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, config=config,
                         k_scale=torch.ones(1), v_scale=torch.ones(1))

@@ -130,7 +130,7 @@ def test_fp8_config_checked_and_defaults() -> None:
     case = _fp8_case([1], [5], torch.float16)
     with pytest.raises(ValueError, match="fp8_convert"):
         _check(case, AttentionConfig(fp8_convert="e5m2"), 1.0)
-    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8"}
+    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8"}
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
     assert decode.decode_tile_n == 64 and decode.fp8_convert == "f16_words"  # measured fastest (kv_fp8_bench)
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
@@ -199,6 +199,28 @@ def test_qk_fp8_matches_row_quantized_q(num_splits: int, keys_on_m: bool) -> Non
                                    v_scale=case["v_scale"])  # [T, heads, D] fp32
     out = _run(case, config)
     torch.testing.assert_close(out, expected, rtol=0.0, atol=ATOL[torch.float16] * expected.abs().max().item())
+
+
+@pytest.mark.parametrize(("num_splits", "keys_on_m"), [(1, False), (4, True)])
+def test_qkv_fp8_within_p_rounding_of_row_quantized_q(num_splits: int, keys_on_m: bool) -> None:
+    """"qkv_fp8" also rounds p * 2^8 to e4m3 for the PV dot (V as loaded); the softmax sum keeps the exact p. Each
+    weight then moves by at most 2^-4 of itself (p >= 2^-14, normal e4m3) or 2^-18 (below), so against the
+    row-quantized-q reference |out - ref| <= (2^-4 + L 2^-18 / l) max |v| per channel, l >= 1 the softmax sum
+    (its max term is 1), L the keys; plus the fp16 paths' bound. Gaussian cache, decode rows and a chunk."""
+    case = _fp8_case([1, 6, 1, 1], [37, 21, 9, 70], torch.float16, num_heads=8, num_kv_heads=2, seed=8,
+                     gaussian=True)
+    quantized = {**case, "q": _quantize_q_rows(case["q"]).to(torch.float16)}
+    config = AttentionConfig(num_splits=num_splits, decode_tile_n=64 if keys_on_m else 16, prefill_block_m=16,
+                             prefill_tile_n=16, fp8_convert="qkv_fp8", decode_keys_on_m=keys_on_m)
+    expected = ref.paged_attention(quantized["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
+                                   case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                   v_scale=case["v_scale"])  # [T, heads, D] fp32
+    error = (_run(case, config) - expected).abs()  # [T, heads, D]
+    v_max = max(ref.gather_kv(case["v_cache"], case["block_tables"][b], n).float().abs().max().item()
+                for b, n in enumerate(case["seq_lens"])) * case["v_scale"].item()
+    bound = (2.0 ** -4 + max(case["seq_lens"]) * 2.0 ** -18) * v_max + ATOL[torch.float16] * expected.abs().max()
+    assert error.max() <= bound, (error.max(), bound)
+    assert error.max() > ATOL[torch.float16] * expected.abs().max()  # p really was rounded to e4m3
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
