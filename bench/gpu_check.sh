@@ -2,8 +2,12 @@
 # One device call: install the carried wheels and the project, run the GPU tests, greedy parity against
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
-#   PHASES=tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,fp8
-#   (default: tests,parity,pagoda,peers,compiled)
+#   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
+#   deepseek-profile,fp8,kv-fp8,structured   (default: tests,parity,pagoda,peers,compiled)
+#   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
+#   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
+#   KV_FP8_ONLY (the fp8 KV decode variants against bf16). structured: bench/structured.py, 256 rows x 256 tokens,
+#   6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency.
 #   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
 #   tables ($OUT/moe_configs/*.json; commit them under kernels/moe_configs/). moe: the reference, sampled and batch-1
 #   runs on each MOE_SHAPES shape. long: LONG_WORKLOADS ("long-128k long-32k") on LONG_SHAPE (qwen3-8b-yarn).
@@ -44,6 +48,11 @@ WORKLOAD=(--num-prompts 256 --input-len 512 --input-len-jitter 0 --output-len 25
 if has tests; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_model_kernels.py tests/test_kernels.py \
     -k "${TEST_FILTER:-gpu or graph or model}" 2>&1 | tail -5
+fi
+if has gpu-tests; then
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -o pythonpath= -m gpu \
+    ${GPU_TEST_FILES:-tests/test_kernels.py tests/test_fp8.py tests/test_kv_fp8.py tests/test_moe.py tests/test_mla.py tests/test_deepseek.py} \
+    2>&1 | tail -5
 fi
 if has probe; then
   timeout 120 python3 -m pagoda.bench.parity_probe --shape qwen3-0.6b --prompt-len 100 2>&1 \
@@ -146,4 +155,17 @@ if has fp8; then
     timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
       --timeout 80 --out "$OUT/fp8_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
   done
+fi
+if has deepseek-profile; then
+  timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
+    --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 | grep -v "^{" | tail -40
+fi
+if has kv-fp8; then
+  timeout 200 python3 -m pagoda.bench.kv_fp8_bench --only "${KV_FP8_ONLY:-fp8_qk,fp8_words_t64,fp8_default}" 2>&1 \
+    | tail -20
+fi
+if has structured; then
+  timeout 300 python3 -m pagoda.bench.structured --model qwen3-0.6b --load-format dummy \
+    --tokenizer "${TOKENIZER:-.gpu/smollm2-tok}" --num-requests 256 --max-tokens 256 --prompt-len 64 --rounds 6 \
+    --constrained-every 1 4 --out "$OUT/structured.json" 2>&1 | grep -v INFO | tail -12
 fi
