@@ -48,6 +48,7 @@ from pagoda.kernels.paged_attention import (
     check_batch_layout,
     grid_position,
     key_tile_range,
+    online_softmax_step,
     paged_attention,
 )
 from pagoda.kernels.qkv_prep import _rotate, _to_cache
@@ -390,10 +391,7 @@ def _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_ro
         s = tl.dot(q_rope, tl.trans(rope), s, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
         acc = tl.dot(p.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)  # [BLOCK_M, LAT_P]
         m_i = m_new
     return acc, l_i, m_i
@@ -415,10 +413,7 @@ def _attend_latent_tiles_keys_m(acc_t, l_i, m_i, q_lat_t, q_rope_t, cache_ptr, b
         s = tl.dot(rope, q_rope_t, s, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where((key < kv_end)[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))  # [BLOCK_M]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])  # [TILE_N, BLOCK_M]
-        l_i = l_i * alpha + tl.sum(p, 0)
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 0)  # p [TILE_N, BLOCK_M]
         acc_t = tl.dot(tl.trans(lat), p.to(lat.dtype), acc_t * alpha[None, :],
                        input_precision=DOT_PRECISION)  # [LAT_P, BLOCK_M]
         m_i = m_new

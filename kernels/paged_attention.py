@@ -134,6 +134,20 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i, KEYS_AXIS: tl.constexpr):
+    """One key tile of the running (base-2) softmax: s holds the tile's scores with the keys along KEYS_AXIS
+    (1: [M, N], 0: [N, M] for transposed dots); returns (p, alpha, m_new, l_new), p = exp2(s - m_new) and alpha
+    the factor that rescales what was accumulated before this tile."""
+    m_new = tl.maximum(m_i, tl.max(s, KEYS_AXIS))  # [M]
+    alpha = tl.exp2(m_i - m_new)
+    if KEYS_AXIS == 1:
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        p = tl.exp2(s - m_new[None, :])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, KEYS_AXIS)
+
+
+@triton.jit
 def grid_position(HEADS_FAST: tl.constexpr):
     """(query program, head block, number of query programs, split) of this program: the grid is (query
     programs, head blocks, splits), the first two swapped with HEADS_FAST (one sequence's heads scheduled
@@ -322,10 +336,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
                 s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
             if MASKED:
                 s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, 0))  # [BLOCK_M]
-            alpha = tl.exp2(m_i - m_new)
-            p_t = tl.exp2(s_t - m_new[None, :])  # [TILE_N, BLOCK_M]
-            l_i = l_i * alpha + tl.sum(p_t, 0)
+            p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
             acc = acc * alpha[None, :]
             if FP8_MODE == 7:  # e4m3 V as loaded x e4m3 p * 2^8
                 acc = tl.dot(tl.trans(v), _to_e4m3(p_t * _P_E4M3_MULT, USE_ASM), acc,
@@ -340,10 +351,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
             if MASKED:
                 s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
             acc = acc * alpha[:, None]
             if FP8_MODE == 7:  # e4m3 p * 2^8 x e4m3 V as loaded
                 acc = tl.dot(_to_e4m3(p * _P_E4M3_MULT, USE_ASM), v, acc,
