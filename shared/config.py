@@ -50,6 +50,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # fp8: e4m3 KV cache (per-layer K and V scales), twice the blocks per byte
     kv_scale_calibration: bool = False  # fp8 KV without checkpoint scales: set them from the first prefill's amax
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for CUDA, off for CPU
+    grammar_process: bool | None = None  # grammar matchers and masks in a process of their own; None: see below
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -89,6 +90,15 @@ class EngineConfig:
         enabled = self.async_scheduling if self.async_scheduling is not None else device.startswith("cuda")
         return 2 if enabled else 1
 
+    def resolved_grammar_process(self, device: str, num_cpus: int) -> bool:
+        """Structured outputs' matchers and masks run in a process of their own (services/worker/grammar_process.py),
+        sharing no GIL with the step loop. Default: on CUDA with GRAMMAR_PROCESS_MIN_CPUS or more CPUs (there the
+        step loop is host-bound and its Python slowed the in-process mask thread down; see bench/grammar_step.py),
+        off on CPU (the forward is the whole step; on a 2-core box a second busy process takes the forward's core)."""
+        if self.grammar_process is not None:
+            return self.grammar_process
+        return device.startswith("cuda") and num_cpus >= GRAMMAR_PROCESS_MIN_CPUS
+
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":
             return self.dtype
@@ -103,6 +113,9 @@ class EngineConfig:
         if not device.startswith("cuda"):
             return 2048
         return 16384 if offline else 8192
+
+
+GRAMMAR_PROCESS_MIN_CPUS = 4  # the step loop, the grammar process and its fill threads each want a core
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -324,6 +337,8 @@ _HELP: dict[str, str] = {
     "resend_interval": "seconds before a request, answer or token frame between api, tokenizer and scheduler that is "
                        "not acknowledged goes again (doubling up to 8 s); a loss with frames behind it is resent "
                        "at once (docs/security.md)",
+    "grammar_process": "structured outputs' matchers and masks in a process of their own (default: on CUDA with 4+ "
+                       "CPUs; PAGODA_GRAMMAR_PROCESS=0 keeps them in the worker)",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",
 }

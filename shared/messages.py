@@ -799,6 +799,60 @@ class ProcessTable(msgspec.Struct, frozen=True, omit_defaults=True):
     down_replicas: list[int] = []
 
 
+# --------------------------------------------------------------------------------------------
+# worker -> its grammar process (services/worker/grammar_process.py), over a pipe, and back
+
+
+class MaskApply(msgspec.Struct, tag="mapply", array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Drop these sequences' matchers, then add these (prompt trimmed: token_ids are the generated ones only)."""
+
+    finished_seq_ids: list[int]
+    new_requests: list[NewRequest] = []
+
+
+class MaskAccept(msgspec.Struct, tag="maccept", array_like=True, gc=False, frozen=True):
+    """Sampled tokens of constrained sequences, one list pair per step, oldest first."""
+
+    seq_ids: list[list[int]]
+    token_ids: list[list[int]]
+
+
+class MaskFill(msgspec.Struct, tag="mfill", array_like=True, gc=False, frozen=True):
+    """Accept these steps' tokens, then fill the masks of the step whose sampled sequences are seq_ids (batch
+    order) into shared-memory slot `slot`; answered by one MaskReady."""
+
+    job_id: int
+    accept_seq_ids: list[list[int]]
+    accept_token_ids: list[list[int]]
+    seq_ids: list[int]
+    slot: int
+
+
+class MaskReset(msgspec.Struct, tag="mreset", array_like=True, frozen=True):
+    """Forget every sequence (a new scheduler)."""
+
+
+class MaskStop(msgspec.Struct, tag="mstop", array_like=True, frozen=True):
+    """Exit."""
+
+
+class MaskStarted(msgspec.Struct, tag="mstarted", array_like=True, frozen=True):
+    """The grammar process attached the shared masks and built its tokenizer (first message it sends)."""
+
+    pid: int
+
+
+class MaskReady(msgspec.Struct, tag="mready", array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """The masks of a MaskFill: rows [K] are the batch rows whose masks fill the slot's first K rows."""
+
+    job_id: int
+    rows: list[int]
+    fill_s: float  # accept + fill, in the grammar process
+    ended_at: float  # its time.perf_counter() when they were ready (CLOCK_MONOTONIC: one clock per host)
+    failed_seq_ids: list[int] = []  # sequences it could not take (their matcher failed to build): dropped there
+    failed_messages: list[str] = []
+
+
 # One union per socket direction; decoders are built once per process from these.
 ApiToTokenizer = (GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
                   | Sequenced | Ack)
@@ -810,3 +864,5 @@ SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Dir
 SchedulerToWorker = StepPlan | GrammarDef | Shutdown | Heartbeat  # heartbeats double as subscription probes
 WorkerToScheduler = WorkerReady | StepResult | Heartbeat
 SchedulerToApi = SchedulerStats
+WorkerToMaskProcess = MaskApply | MaskAccept | MaskFill | MaskReset | MaskStop
+MaskProcessToWorker = MaskStarted | MaskReady

@@ -150,6 +150,13 @@ class GrammarRows:
         self._seqs.clear()
         self._allowed.clear()
 
+    def take_failures(self) -> list[tuple[int, str]]:
+        """Sequences whose grammar failed apart from their step (the grammar process's; none in process)."""
+        return []
+
+    def close(self) -> None:
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+
     def apply(self, plan: StepPlan) -> None:
         self.drop(plan.finished_seq_ids)
         for new in plan.new_requests:
@@ -224,7 +231,7 @@ class GrammarRows:
         rows = [row for row in rows if not (row[1].compiling is not None and not row[1].compiling.done())]
         for seq_id, seq, _ in rows:
             self._ready(seq_id, seq)
-        if not self._parallel(len(rows)):
+        if not self._parallel_consume(len(rows)):
             for seq_id, seq, token_id in rows:
                 self._advance(seq_id, seq, token_id)
             return
@@ -279,6 +286,10 @@ class GrammarRows:
 
     def _parallel(self, num_rows: int) -> bool:
         return num_rows >= PARALLEL_ROWS and self._cpus >= PARALLEL_MIN_CPUS
+
+    def _parallel_consume(self, num_rows: int) -> bool:
+        """consume_token_par: it releases the GIL for the step loop; the grammar process consumes row by row."""
+        return self._parallel(num_rows)
 
     def _ensure_executor(self) -> llguidance.LLExecutor:
         if self._executor is None:  # 80% of our CPUs (llguidance's own default takes the machine's), up to 2

@@ -31,6 +31,7 @@ from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
 from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, grammar_tokenizer_loader
+from pagoda.services.worker.grammar_process import MaskJob, MaskProcess, grammar_rows
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
 from pagoda.services.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, beam_candidates, beam_continue
@@ -196,8 +197,8 @@ class ModelRunner:
         self.kv_cache, self.kv_caches = self._allocate_kv(self.num_blocks)
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
-        self.grammars = GrammarRows(grammar_tokenizer_loader(config, self.arch), self.arch.vocab_size,
-                                    pin_memory=self.device.type == "cuda")
+        self.grammars: GrammarRows | MaskProcess = grammar_rows(config, self.arch, self.device.type,
+                                                                grammar_tokenizer_loader(config, self.arch))
         self.staging = PinnedStaging(self.device)
         self.sampling = SamplingState(config.max_num_seqs, self.arch.vocab_size, self.device, self.arch.eos_token_ids,
                                       self._to_device)
@@ -217,7 +218,8 @@ class ModelRunner:
         self._deferred: tuple[LaunchedStep, HostBatch, torch.Tensor, torch.cuda.Event | None] | None = None
         # sampled tokens the host has whose matchers have not consumed them yet (seq ids, token ids), in step order
         self._unaccepted: list[tuple[list[int], list[int]]] = []
-        self._masks_job: Future[GrammarMasks | None] | None = None  # the deferred step's masks, on _mask_thread
+        # the deferred step's masks: on _mask_thread, or in the grammar process (MaskProcess)
+        self._masks_job: Future[GrammarMasks | None] | MaskJob | None = None
         self._masks_for: list[int] = []  # the sequences (in sampling order) the job fills masks for
         self._mask_thread: ThreadPoolExecutor | None = None
         self.mask_times = MaskTimes()
@@ -454,13 +456,23 @@ class ModelRunner:
         self._sync_before(step)
         seq_ids = [step.plan.seq_ids[i] for i in self._deferred[1].sampled.tolist()]
         accepts, self._unaccepted = self._unaccepted, []
+        self._masks_for = seq_ids
+        if isinstance(self.grammars, MaskProcess):  # no thread: the process fills them, sharing no GIL with us
+            self._masks_job = self.grammars.submit(accepts, seq_ids, self._mask_job_done)
+            return
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
             # The job takes the GIL between llguidance's calls (which release it) while this thread runs Python
             # (a scheduler update, a poll loop): at the default 5 ms interval each hand-over could cost a step.
             sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_INTERVAL_S))
         self._masks_job = self._mask_thread.submit(self._fill_masks, accepts, seq_ids, time.perf_counter())
-        self._masks_for = seq_ids
+
+    def _mask_job_done(self, fill_s: float, latency_s: float) -> None:
+        """A grammar process's fill: its time there, and from submit to ready."""
+        times = self.mask_times
+        times.fill_s += fill_s
+        times.latency_s += latency_s
+        times.jobs += 1
 
     def _fill_masks(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int],
                     submitted: float) -> GrammarMasks | None:
@@ -544,7 +556,18 @@ class ModelRunner:
             # so the device computes while the host advances the matchers (allowed_token_ids alone never wait).
             if self.grammars.has_matchers(seq_ids):
                 self._sync_before(step)
-            self._attach_grammar_masks(metadata, seq_ids)
+            masks = self._grammar_masks(seq_ids)
+            failed = self._grammar_failures(step)
+            if failed.intersection(seq_ids):  # their grammar process died, or their matcher failed to build
+                keep = np.fromiter((seq_id not in failed for seq_id in seq_ids), dtype=bool, count=len(seq_ids))
+                if not keep.any():
+                    return
+                logits = logits[self._to_device(np.flatnonzero(keep), "grammar_kept")]  # [S', V]
+                sampled_rows, positions = sampled_rows[keep], positions[keep]
+                seq_ids = [seq_id for seq_id, kept in zip(seq_ids, keep.tolist(), strict=True) if kept]
+                metadata = self.sampling.metadata(sampled_rows)
+                masks = narrow_masks(masks, keep)
+            self._attach_grammar_masks(metadata, masks, len(seq_ids))
         state_rows = metadata.state_rows  # [S] on the device
         try:
             output = self.sampler(logits, metadata)
@@ -882,9 +905,19 @@ class ModelRunner:
             input_ids[index] = self.last_token[self._to_device(host.from_device_rows, "from_device_rows")]
         return input_ids
 
-    def _attach_grammar_masks(self, metadata: SamplingMetadata, seq_ids: list[int]) -> None:
-        """Structured outputs: the constrained rows' token bitmasks join the sampler's fused pass (the other
-        rows are flagged off and pay nothing)."""
+    def _grammar_failures(self, step: LaunchedStep) -> set[int]:
+        """Sequences the grammar process lost (or whose matcher it could not build): they end with an error in
+        this step's result and leave the worker; the step's other rows go on."""
+        failures = self.grammars.take_failures()
+        for seq_id, message in failures:
+            log.error("step %d: sequence %d: %s", step.plan.step_id, seq_id, message)
+            step.failed.append(RowFailure(seq_id, 500, message))
+        if failures:
+            self._drop([seq_id for seq_id, _ in failures])
+        return {seq_id for seq_id, _ in failures}
+
+    def _grammar_masks(self, seq_ids: list[int]) -> GrammarMasks | None:
+        """The sampled rows' grammar masks: the deferred step's job's (started by resume), or filled now."""
         started = time.perf_counter()
         if self._masks_job is not None and self._masks_for == seq_ids:  # filled on the mask thread since resume()
             job, self._masks_job = self._masks_job, None
@@ -895,10 +928,14 @@ class ModelRunner:
             self.mask_times.fill_s += time.perf_counter() - started
         self.mask_times.waited_s += time.perf_counter() - started
         self.mask_times.steps += 1
+        return masks
+
+    def _attach_grammar_masks(self, metadata: SamplingMetadata, masks: GrammarMasks | None, num_rows: int) -> None:
+        """Structured outputs: the constrained rows' token bitmasks join the sampler's fused pass (the other
+        rows are flagged off and pay nothing)."""
         if masks is None:
             return
         flags, compact, index = masks  # [B] bool, [K, W] int32 on the host (pinned on CUDA), [K] their rows
-        num_rows = len(seq_ids)
         if self._mask_rows is None or self._mask_rows.shape[0] < num_rows:
             self._mask_rows = torch.empty((max(num_rows, self.config.max_num_seqs), compact.shape[1]),
                                           dtype=torch.int32, device=self.device)  # [R, W]
@@ -1021,3 +1058,14 @@ def _available_ram() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 8 << 30
+
+
+def narrow_masks(masks: GrammarMasks | None, keep: np.ndarray) -> GrammarMasks | None:
+    """The masks of the kept rows (keep [B] bool) of a batch: flags [B'], the same compact masks [K, W], their rows
+    renumbered [K] (a row without a mask may be dropped; one with a mask is kept)."""
+    if masks is None:
+        return None
+    flags, compact, index = masks
+    assert keep[index].all(), "a row with a mask was dropped"
+    renumbered = (np.cumsum(keep) - 1)[index]  # [K]
+    return flags[keep], compact, renumbered

@@ -233,6 +233,7 @@ class WorkerService:
         timer.start()
 
     def _close(self) -> None:
+        self.runner.grammars.close()  # its process, if any, ends now (no orphan)
         self.plans.close(linger=0)
         self.results.close(linger=0)
         self.context.term()
