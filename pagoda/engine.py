@@ -110,7 +110,7 @@ class LLMEngine:
             self._grammars = GrammarChecker(self.runner.grammars.tokenizer())
         self._grammars.check(constraint)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         request = self.scheduler.abort_request(request_id)
         output = self._outputs.get(request_id)
         if request is None or output is None:
@@ -119,7 +119,7 @@ class LLMEngine:
             self._streams.pop(seq.seq_id, None)
             completion = output.outputs[seq.index]
             if completion.finish_reason is None:
-                completion.finish_reason = FinishReason.ABORT.openai_name
+                completion.finish_reason = reason.openai_name
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -148,11 +148,27 @@ class LLMEngine:
         if result.error:
             self._drop_inflight()
             raise RuntimeError(f"the model step failed: {result.error}")
+        if result.failed:  # the worker dropped these alone (a refused value, a sampler or grammar error): "error"
+            updates = self._fail_rows(result, updates)
         for update in updates:
             if update.prompt_scores is not None:
                 self._add_prompt_scores(self._outputs[update.seq.request.request_id], update.prompt_scores)
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
+
+    def _fail_rows(self, result: StepResult, updates: list[SeqUpdate]) -> list[SeqUpdate]:
+        """The result's failed rows end with finish_reason "error" (the scheduler ended those it expected a token
+        from as aborted; the others it still runs)."""
+        failed = {failure.seq_id: failure.message for failure in result.failed}
+        for seq_id, message in failed.items():
+            seq = self.scheduler.get_sequence(seq_id)
+            if seq is not None:
+                log.error("request %s failed on the worker: %s", seq.request.request_id, message)
+                if not seq.is_finished:
+                    self.abort_request(seq.request.request_id, FinishReason.ERROR)
+        return [replace(update, finish_reason=FinishReason.ERROR)
+                if update.seq.seq_id in failed and update.finish_reason == FinishReason.ABORT else update
+                for update in updates]
 
     def _finish_step(self) -> StepResult:
         """The oldest step's result; then a step deferred for grammar masks samples (ModelRunner.resume)."""

@@ -14,6 +14,7 @@ from pagoda.services.grammar.compiler import ll_tokenizer
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker import grammar
 from pagoda.services.worker.grammar import GrammarRows
+from pagoda.services.worker.grammar_process import MaskProcess
 from pagoda.shared.messages import NewRequest, SamplingParams, StepPlan, StructuredOutputs
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -114,9 +115,9 @@ def test_cpus_respect_the_cgroup_quota(tmp_path: Path, monkeypatch: pytest.Monke
 def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_dir: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """JSON-schema, regex and choice rows beside free ones (greedy and seeded): the serial worker (one thread,
-    sampling in launch) and the fast one (llguidance's pool from one row, async scheduling: each constrained
-    step's sampling deferred until the step before has finished, then masks filled while its forward runs)
-    give the same tokens, texts and finish reasons."""
+    sampling in launch), the fast one (llguidance's pool from one row, async scheduling: each constrained
+    step's sampling deferred until the step before has finished, then masks filled while its forward runs) and
+    the fast one with its matchers in a grammar process give the same tokens, texts and finish reasons."""
     from pagoda import LLM
     from pagoda.services.worker.model_runner import ModelRunner
 
@@ -136,15 +137,19 @@ def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_di
 
     monkeypatch.setattr(ModelRunner, "resume", counting_resume)
     results = {}
-    for fast in (False, True):
+    for fast, in_process in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(grammar, "PARALLEL_ROWS", 1 if fast else 10**6)
         monkeypatch.setattr(grammar, "PARALLEL_MIN_CPUS", 1)
-        llm = LLM(str(smollm2_dir), async_scheduling=fast, max_model_len=256)
+        deferred.clear()
+        llm = LLM(str(smollm2_dir), async_scheduling=fast, max_model_len=256, grammar_process=in_process)
+        assert isinstance(llm.engine.runner.grammars, MaskProcess) == in_process
         outputs = llm.generate(prompts, params)
-        results[fast] = [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
+        results[fast, in_process] = [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
         assert bool(deferred) == fast  # the fast path deferred constrained steps' sampling; the serial never
-    assert results[True] == results[False]
-    assert results[True][2][1] in ("red", "green", "blue")
+        llm.engine.runner.grammars.close()
+    assert results[True, False] == results[False, False]
+    assert results[True, True] == results[False, False]  # the grammar process's masks are the same
+    assert results[True, True][2][1] in ("red", "green", "blue")
 
 
 def test_masks_fill_on_a_thread_after_the_result_is_out(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
