@@ -1,23 +1,27 @@
 """Structured outputs in a process of their own: the worker's matchers advance and its masks fill where no step-loop
 Python competes for their GIL.
 
-    worker (step loop)                                 grammar process (spawned; no CUDA)
+    worker (step loop)                                 grammar process (its own interpreter; no CUDA)
     MaskProcess.apply / drop / accept  -- MaskApply, MaskAccept -->  GrammarRows (compiles, consumes row by row)
-    MaskProcess.submit(accepts, rows)  -- MaskFill(slot) ---------->  accept, then fill into shared slot
+    MaskProcess.submit(accepts, rows)  -- MaskFill(slot) ---------->  accept, then fill into the shared slot
     MaskJob.done() / result()          <-- MaskReady(rows) ---------  (the masks are in the slot already)
 
-- The masks live in shared memory, two slots of [max_rows, ceil(V/32)] int32 (registered as pinned memory on
-  CUDA, so the K constrained rows go straight to the device). The worker picks the slot of each fill: the step
-  that read a slot has synced before the slot comes round again (as GrammarRows' two host buffers).
-- Every message goes one way in order over one pipe, and only a fill is answered, so the process state always
+- The masks live in shared memory (an anonymous memfd mapped by both): two slots of [max_rows, ceil(V/32)] int32,
+  registered as pinned memory on CUDA so the K constrained rows go straight to the device. The worker picks the
+  slot of each fill: the step that read a slot has synced before the slot comes round again (as GrammarRows' two
+  host buffers).
+- Every message goes one way in order over one socket pair, and only a fill is answered, so the process's state
   follows the worker's calls in their order. The worker mirrors which sequences have a grammar or allowed ids, so
-  `constrains` / `has_matchers` cost no round trip.
+  `constrains` / `has_matchers` cost no round trip; the prompt never travels (a NewRequest goes with its generated
+  tokens only, which a recomputed sequence's matcher replays).
+- The process is `python -m pagoda.services.worker.grammar_process` with the socket and the memfd passed as file
+  descriptors: no fork of a CUDA process, no re-import of the worker's __main__, no named shared memory to leak.
 - Failure: a process that dies, exits, or does not answer within REPLY_TIMEOUT_S (START_TIMEOUT_S while it starts)
   is killed; every sequence it held ends with an error (take_failures: the runner reports them as RowFailure and
-  drops them), and the next request that needs a grammar starts a new one. A constraint that fails to build a
-  matcher there ends its own request only. The worker never waits without a deadline.
-- The process is a daemon of the worker's, stopped by close() (or when the MaskProcess is collected, or the worker
-  exits: it reads EOF on its pipe and ends).
+  drops them), and the next request with a grammar starts a new one. A constraint that fails to build a matcher
+  there ends its own request only. The worker never waits without a deadline.
+- Shutdown: close() (the worker service's), the MaskProcess being collected, or the interpreter's exit stop it
+  (weakref.finalize); if the worker is killed, the process reads EOF on its socket and ends.
 """
 
 from __future__ import annotations
