@@ -15,15 +15,23 @@ feeding each row a random token its mask allows (what greedy on dummy weights dr
     waited        how long that thread then blocks for the masks: what a step's masks add to the step loop
                   (before the mask thread, the loop ran accept + bitmask itself: their sum was its cost)
 
-for K in --rows and the executor's thread counts in --threads.
+for K in --rows and the executor's thread counts in --threads. Then the grammar process (services/worker/
+grammar_process.py), the worker's view per step (its masks checked equal to the in-process rows' every step):
+
+    proc_rtt      submit (this step's tokens + the rows) -> masks ready in shared memory, this thread idle
+    proc_work     of which the process's accept + fill (it consumes row by row; fills on its pool if the CPU has)
+    proc_wire     proc_rtt - proc_work: encode, the pipe both ways, the mirror's bookkeeping
+    proc_ready    with --main-python-ms of Python on this thread after submit: submit -> masks ready (compare
+                  on_thread: the in-process mask thread under the same Python)
+    proc_waited   how long this thread then blocks for them (compare waited)
 
     python -m pagoda.bench.grammar_step                      # K = 64, 256; 1 and 2 threads (and more if the CPU has)
     python -m pagoda.bench.grammar_step --rows 256 --threads 12 --steps 100
 
 --engine adds the step loop's view: the offline engine (async scheduling) on this CPU with a tiny dummy model of
 the qwen3-0.6b shape's vocabulary (so the forward costs little), every row constrained, masks per step:
-fill (accept + fill, wherever it ran) and waited (what the step loop blocked on them), with the mask thread and
-with the masks filled inline in the step loop (the worker before the thread).
+fill (accept + fill, wherever it ran) and waited (what the step loop blocked on them), with the mask thread,
+with the grammar process, and with the masks filled inline in the step loop (the worker before the thread).
 
 JSON goes to $OUT/grammar_step.json when OUT is set (or --out).
 """
@@ -49,6 +57,7 @@ from pagoda.bench.structured import LONG_SCHEMA
 from pagoda.services.grammar.compiler import load_ll_tokenizer
 from pagoda.services.worker import grammar as grammar_module
 from pagoda.services.worker.grammar import GrammarRows
+from pagoda.services.worker.grammar_process import MaskProcess, TokenizerSpec
 from pagoda.services.worker.model_runner import MASK_SWITCH_INTERVAL_S
 from pagoda.shared.config import DEFAULT_MODEL_DIR
 from pagoda.shared.hf_tokenizer import load_hf_tokenizer
@@ -56,6 +65,7 @@ from pagoda.shared.messages import NewRequest, SamplingParams, StructuredOutputs
 
 VOCAB_SIZE = 49152  # the qwen3-0.6b shape fitted to SmolLM2's tokenizer (bench/structured.py's GPU run)
 PARTS = ("raw_consume", "raw_fill", "accept", "bitmask", "overhead", "on_thread", "waited")
+PROCESS_PARTS = ("proc_rtt", "proc_work", "proc_wire", "proc_ready", "proc_waited")
 
 
 def pick_tokens(mask: torch.Tensor, rng: np.random.Generator, real_vocab: int) -> list[int]:
@@ -156,8 +166,54 @@ def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, 
                for part, v in times.items()}}
 
 
-def engine_case(tokenizer_dir: str, num_rows: int, num_tokens: int, inline: bool) -> dict[str, Any]:
-    """The offline engine's mask times per step for num_rows constrained rows of num_tokens tokens."""
+def process_case(tokenizer_dir: str, tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int,
+                 steps: int, seed: int, main_python_s: float) -> dict[str, Any]:
+    """`steps` steps of `num_rows` rows through the grammar process, its masks checked against in-process rows;
+    even steps with this thread idle, odd ones with main_python_s of Python after the submit."""
+    reference = GrammarRows(lambda: tokenizer, VOCAB_SIZE)
+    rows = MaskProcess(TokenizerSpec(tokenizer_dir, VOCAB_SIZE, ()), max_rows=num_rows)
+    seq_ids = list(range(num_rows))
+    try:
+        for target in (reference, rows):
+            for seq_id in seq_ids:
+                target.add(new_request(seq_id))
+        rng = np.random.default_rng(seed)
+        expected = reference.bitmask(seq_ids)
+        got = rows.bitmask(seq_ids)  # the process starts and compiles (once)
+        assert expected is not None and got is not None and torch.equal(got[1], expected[1])
+        times: dict[str, list[float]] = {part: [] for part in PROCESS_PARTS}
+        for step in range(2 * steps):
+            token_ids = pick_tokens(expected[1], rng, real_vocab)
+            reference.accept(seq_ids, token_ids)
+            expected = reference.bitmask(seq_ids)
+            started = time.perf_counter()
+            job = rows.submit([(seq_ids, token_ids)], seq_ids)
+            if step % 2:
+                python_work(main_python_s)
+                waited = time.perf_counter()
+                got = job.result()
+                times["proc_waited"].append(time.perf_counter() - waited)
+                assert job.reply is not None
+                times["proc_ready"].append(job.reply.ended_at - started)
+            else:
+                got = job.result()
+                assert job.reply is not None
+                times["proc_rtt"].append(time.perf_counter() - started)
+                times["proc_work"].append(job.reply.fill_s)
+                times["proc_wire"].append(times["proc_rtt"][-1] - job.reply.fill_s)
+            assert expected is not None and got is not None and torch.equal(got[1], expected[1]), \
+                "the grammar process's masks differ from the in-process rows'"
+    finally:
+        rows.close()
+        reference.close()
+    return {"rows": num_rows, "steps": steps,
+            **{part: {"median_ms": statistics.median(v) * 1e3, "p90_ms": float(np.percentile(v, 90)) * 1e3}
+               for part, v in times.items()}}
+
+
+def engine_case(tokenizer_dir: str, num_rows: int, num_tokens: int, mode: str) -> dict[str, Any]:
+    """The offline engine's mask times per step for num_rows constrained rows of num_tokens tokens; mode: inline
+    (in the step loop), thread (the runner's mask thread) or process (the grammar process)."""
     import dataclasses
 
     from pagoda.llm import LLM
@@ -166,11 +222,12 @@ def engine_case(tokenizer_dir: str, num_rows: int, num_tokens: int, inline: bool
 
     shapes.SHAPES.setdefault("tiny-wide-vocab", dataclasses.replace(shapes.SHAPES["tiny"], vocab_size=151936))
     resume = ModelRunner.resume
+    inline = mode == "inline"
     if inline:  # nothing starts the mask job: the next launch fills the masks in the step loop
         ModelRunner.resume = lambda self: None  # type: ignore[method-assign]
     try:
         llm = LLM("tiny-wide-vocab", load_format="dummy", tokenizer=tokenizer_dir, max_num_seqs=num_rows,
-                  max_model_len=num_tokens + 64, async_scheduling=True)
+                  max_model_len=num_tokens + 64, async_scheduling=True, grammar_process=mode == "process")
         tokenizer = llm.get_tokenizer()
         prompts = [tokenizer.encode(f"Write a JSON list #{i}") for i in range(num_rows)]
         params = SamplingParams(max_tokens=num_tokens, temperature=0.0,
@@ -180,7 +237,9 @@ def engine_case(tokenizer_dir: str, num_rows: int, num_tokens: int, inline: bool
         started = time.perf_counter()
         llm.generate(prompts, [params] * num_rows)
         elapsed = time.perf_counter() - started
-        return {"rows": num_rows, "inline": inline, "elapsed_s": elapsed, **llm.engine.runner.mask_times.per_step_ms()}
+        times = llm.engine.runner.mask_times.per_step_ms()
+        llm.engine.runner.grammars.close()
+        return {"rows": num_rows, "mode": mode, "elapsed_s": elapsed, **times}
     finally:
         ModelRunner.resume = resume  # type: ignore[method-assign]
 
@@ -199,6 +258,7 @@ def main() -> None:
                         help="sys.setswitchinterval (ms; default: what the runner sets once its mask thread starts)")
     parser.add_argument("--engine", action="store_true", help="also the offline engine's mask times (see above)")
     parser.add_argument("--engine-tokens", type=int, default=48)
+    parser.add_argument("--no-process", action="store_true", help="skip the grammar process's round trip")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     cpus = grammar_module.available_cpus()
@@ -218,20 +278,31 @@ def main() -> None:
         inline = r["accept"]["median_ms"] + r["bitmask"]["median_ms"]  # the step loop's cost without the thread
         print(f"{r['rows']:>5} {r['threads']:>4} "
               + " ".join(f"{r[p]['median_ms']:7.2f}/{r[p]['p90_ms']:<7.2f}" for p in PARTS) + f" {inline:7.2f}")
+    process = [] if args.no_process else [
+        process_case(args.tokenizer, tokenizer, real_vocab, k, args.steps, args.seed, args.main_python_ms / 1e3)
+        for k in args.rows]
+    if process:
+        print(f"grammar process, the worker's view per step, ms (median / p90); proc_ready / proc_waited with "
+              f"{args.main_python_ms} ms of Python on this thread (compare on_thread / waited above)")
+        print(f"{'rows':>5} " + " ".join(f"{part:>15}" for part in PROCESS_PARTS))
+        for r in process:
+            print(f"{r['rows']:>5} " + " ".join(f"{r[p]['median_ms']:7.2f}/{r[p]['p90_ms']:<7.2f}"
+                                               for p in PROCESS_PARTS))
     engine = []
     if args.engine:
-        engine = [engine_case(args.tokenizer, k, args.engine_tokens, inline)
-                  for k in args.rows for inline in (True, False)]
-        print("offline engine, every row constrained, ms per step: fill (accept + fill) / waited (the step loop)")
+        engine = [engine_case(args.tokenizer, k, args.engine_tokens, mode)
+                  for k in args.rows for mode in ("inline", "thread", "process")]
+        print("offline engine, every row constrained, ms per step: fill (accept + fill) / latency (submit -> ready) "
+              "/ waited (the step loop)")
         for e in engine:
-            print(f"{e['rows']:>5} {'inline' if e['inline'] else 'mask thread':>12}  fill {e['fill_ms']:6.2f}  "
+            print(f"{e['rows']:>5} {e['mode']:>8}  fill {e['fill_ms']:6.2f}  latency {e.get('latency_ms', 0.0):6.2f}  "
                   f"waited {e['waited_ms']:6.2f}  ({e['steps']} steps, {e['elapsed_s']:.2f} s)")
     if args.out:
         write_json(Path(args.out, "grammar_step.json"),
                    {"cpus": cpus, "affinity": len(os.sched_getaffinity(0)),
                     "cgroup_quota": grammar_module.cgroup_cpu_quota(), "cpu_count": os.cpu_count(),
                     "main_python_ms": args.main_python_ms, "switch_interval_s": sys.getswitchinterval(),
-                    "results": results, "engine": engine})
+                    "results": results, "process": process, "engine": engine})
 
 
 if __name__ == "__main__":
