@@ -218,7 +218,10 @@ class _Child:
             self.process.wait(STOP_TIMEOUT_S)
         self.conn.close()
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr())
+            torch.cuda.synchronize()  # a copy of the last masks may still read the slots (a failure found at launch)
+            code = int(torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr()))
+            if code != 0:
+                log.warning("cudaHostUnregister of the grammar masks failed (cudaError %d)", code)
             self.pinned = False
         self.slots = torch.empty(0, dtype=torch.int32)
         try:
@@ -558,15 +561,15 @@ def _ended(child: _Child) -> str:
 
 
 def _register_pinned(tensor: torch.Tensor) -> bool:
-    """Page-lock a host tensor this process did not allocate (shared memory) so copies from it are asynchronous."""
+    """Page-lock a host tensor this process did not allocate (the shared slots) so copies from it are asynchronous
+    (as torch pins shared memory itself: cudaHostRegister, portable to every context)."""
     try:
-        error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 1))
     except Exception:  # noqa: BLE001 - no CUDA runtime binding: the staging copy works anyway
         log.exception("cudaHostRegister failed")
         return False
-    code = int(getattr(error, "value", error))
     if code != 0:
-        log.warning("cudaHostRegister refused the grammar masks' shared memory (error %d)", code)
+        log.warning("cudaHostRegister refused the grammar masks' shared memory (cudaError %d)", code)
     return code == 0
 
 
