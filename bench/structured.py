@@ -3,6 +3,7 @@
     python -m pagoda.bench.structured                       # CPU: SmolLM2, 16 concurrent requests, 3 rounds
     python -m pagoda.bench.structured --model qwen3-0.6b --load-format dummy \
         --tokenizer models/smollm2-135m-instruct --num-requests 256 --max-tokens 256 --rounds 3   # GPU
+    ... --grammar-process off    # the matchers on the worker's mask thread instead of their own process (A/B)
 
 Both modes run the offline engine (the worker's step loop, overlap scheduling and CUDA graphs as the server
 has them) on the same prompts with the same max_tokens, all requests at once (max_num_seqs >= num_requests,
@@ -105,6 +106,9 @@ def main() -> None:
     parser.add_argument("--constrained-every", type=int, nargs="+", default=[1],
                         help="constrained modes: request i has the schema when i %% K == 0 (1: every row; 4: a "
                              "quarter of them), the others run unconstrained beside them")
+    parser.add_argument("--grammar-process", choices=("auto", "on", "off"), default="auto",
+                        help="the matchers in a grammar process of their own (on), on the worker's mask thread (off), "
+                             "or the engine's default (auto: on for CUDA with 4+ CPUs)")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()
     engine_args: dict[str, Any] = {"max_model_len": args.prompt_len + args.max_tokens + 64,
@@ -113,13 +117,16 @@ def main() -> None:
         engine_args["load_format"] = args.load_format
     if args.tokenizer:
         engine_args["tokenizer"] = args.tokenizer
+    if args.grammar_process != "auto":
+        engine_args["grammar_process"] = args.grammar_process == "on"
     llm = LLM(args.model, **engine_args)
+    in_process = type(llm.engine.runner.grammars).__name__ == "MaskProcess"
     tokenizer = llm.get_tokenizer()
     text = "Write a JSON object listing many things you can find in a city. " * 8
     base = tokenizer.encode(text)[:args.prompt_len - 4]
     prompts = [base + tokenizer.encode(f" #{i}") for i in range(args.num_requests)]
     figures: dict[str, Any] = {"model": args.model, "num_requests": args.num_requests, "max_tokens": args.max_tokens,
-                               "rounds": args.rounds, **compile_times(llm)}
+                               "rounds": args.rounds, "grammar_process": in_process, **compile_times(llm)}
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                  structured_outputs=StructuredOutputs(json=LONG_SCHEMA))
@@ -138,7 +145,8 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     for mode, results in runs.items():
         figures[mode] = {"tok_per_s": summary([r["tok_per_s"] for r in results]), "runs": results}
-    lines = [f"{args.num_requests} concurrent requests, {args.max_tokens} tokens, {args.rounds} rounds "
+    lines = [f"{args.num_requests} concurrent requests, {args.max_tokens} tokens, {args.rounds} rounds, grammars "
+             f"{'in their own process' if in_process else 'on the mask thread'} "
              "(median [min, max]; ratio: the mode / unconstrained, per round):"]
     for mode in modes:
         tok = figures[mode]["tok_per_s"]
