@@ -336,13 +336,18 @@ def test_async_structured_outputs_equal_serial(smollm2_dir: Path, num_kv_blocks:
                              structured_outputs=StructuredOutputs(choice=["red", "green", "blue"])),
               SamplingParams(temperature=0.8, seed=2, max_tokens=16)] * 2
     runs = {}
-    for async_scheduling in (False, True):  # the real model: a grammar needs the tokenizer's whole vocabulary
+    # the real model (a grammar needs the tokenizer's whole vocabulary); with preemption, also the grammar process
+    modes = [(False, False), (True, False)] + ([(True, True)] if num_kv_blocks is not None else [])
+    for async_scheduling, grammar_process in modes:
         llm = LLM(str(smollm2_dir), async_scheduling=async_scheduling, max_model_len=256, max_num_seqs=8,
-                  num_kv_blocks=num_kv_blocks)
-        runs[async_scheduling] = summary(llm.generate(prompts(), params))
+                  num_kv_blocks=num_kv_blocks, grammar_process=grammar_process)
+        runs[async_scheduling, grammar_process] = summary(llm.generate(prompts(), params))
         llm.engine.scheduler.blocks.check_integrity(tables=[])
-    assert [[c[:4] for c in completions] for _, completions in runs[True]] == \
-        [[c[:4] for c in completions] for _, completions in runs[False]]
+        llm.engine.runner.grammars.close()
+    for mode in modes[1:]:
+        assert [[c[:4] for c in completions] for _, completions in runs[mode]] == \
+            [[c[:4] for c in completions] for _, completions in runs[False, False]]
+    runs[True] = runs[True, False]
     texts = [completions[0][2] for _, completions in runs[True]]
     assert all(re.fullmatch(pattern, texts[i]) for i in (0, 4))
     assert all(texts[i] in ("red", "green", "blue") for i in (2, 6))
