@@ -23,6 +23,10 @@ N+1's sampling until result N has gone out (ModelRunner.resume), then runs accep
 on its mask thread while N+1's forward runs and its own thread applies result N and plans N+2; the launch of
 N+2 enqueues N+1's sampling with the masks before N+2's forward.
 
+With config.grammar_process (the default on CUDA), these rows live in a process of their own and the runner talks
+to them through grammar_process.MaskProcess (same interface; the masks come back in shared memory): the runner's
+mask thread is then unused, and the matchers' GIL is not the step loop's.
+
 A grammar that is complete allows only the model's EOS ids, so the sequence ends with `stop` on its next token
 (the scheduler's EOS check). Reasoning models: with `reasoning_end` set, the matcher starts once that text
 (`</think>`) has appeared in the output; until then the row is unconstrained.
