@@ -842,6 +842,13 @@ class MaskStarted(msgspec.Struct, tag="mstarted", array_like=True, frozen=True):
     pid: int
 
 
+class MaskBusy(msgspec.Struct, tag="mbusy", array_like=True, frozen=True):
+    """Still filling job_id: waiting for a grammar to compile (sent every second meanwhile; a silent process is
+    a hung one)."""
+
+    job_id: int
+
+
 class MaskReady(msgspec.Struct, tag="mready", array_like=True, omit_defaults=True, gc=False, frozen=True):
     """The masks of a MaskFill: rows [K] are the batch rows whose masks fill the slot's first K rows."""
 
@@ -865,4 +872,4 @@ SchedulerToWorker = StepPlan | GrammarDef | Shutdown | Heartbeat  # heartbeats d
 WorkerToScheduler = WorkerReady | StepResult | Heartbeat
 SchedulerToApi = SchedulerStats
 WorkerToMaskProcess = MaskApply | MaskAccept | MaskFill | MaskReset | MaskStop
-MaskProcessToWorker = MaskStarted | MaskReady
+MaskProcessToWorker = MaskStarted | MaskBusy | MaskReady

@@ -7,17 +7,30 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker import grammar_process
-from pagoda.services.worker.grammar import GrammarMasks, GrammarRows
+from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, SeqGrammar
 from pagoda.services.worker.grammar_process import MaskProcess, TokenizerSpec
-from pagoda.shared.messages import NewRequest, SamplingParams, StepPlan, StructuredOutputs
+from pagoda.shared.messages import (
+    MaskBusy,
+    MaskFill,
+    MaskReady,
+    NewRequest,
+    SamplingParams,
+    StepPlan,
+    StructuredOutputs,
+)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -199,3 +212,60 @@ def test_engine_ends_the_lost_requests_with_an_error_and_serves_the_next(smollm2
         assert [(c.token_ids, c.finish_reason) for c in after] == [(c.token_ids, c.finish_reason) for c in before]
     finally:
         runner.grammars.close()
+
+
+def test_a_fill_waiting_for_a_compile_says_so_and_is_waited_for(tokenizer: Tokenizer,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process side: a row whose matcher still compiles makes the fill send MaskBusy every BUSY_INTERVAL_S
+    until it is built. The worker side: each MaskBusy moves the deadline (a silent process past REPLY_TIMEOUT_S
+    is a hung one; a busy one is waited for up to COMPILE_TIMEOUT_S)."""
+    monkeypatch.setattr(grammar_process, "BUSY_INTERVAL_S", 0.01)
+    pristine: Future[object] = Future()
+    calls: list[int] = []
+
+    class Matcher:
+        def deep_copy(self) -> Matcher:
+            return self
+
+    def busy() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            pristine.set_result(Matcher())
+
+    slots = torch.zeros((2, 1, 1), dtype=torch.int32)
+    rows = grammar_process.SharedMaskRows(TokenizerSpec(None, 32, ()), slots, busy)
+    seq = SeqGrammar(StructuredOutputs(regex="a"), None, compiling=pristine)  # type: ignore[arg-type]
+    assert rows._ready(1, seq) and len(calls) == 3 and seq.matcher is not None
+    rows.close()
+
+    process = MaskProcess(TokenizerSpec(None, tokenizer.vocab_size, ()), max_rows=4)
+    try:
+        process.apply(StepPlan(0, [], [], new_requests=[new_request(1, None, None, [3])]))
+        assert process.bitmask([1]) is not None  # started
+        child = process._child
+        assert child is not None
+        ours, theirs = socket_pair()
+        child.conn = ours  # the test answers in the process's place: busy for 3 x REPLY_TIMEOUT_S, then done
+        monkeypatch.setattr(grammar_process, "REPLY_TIMEOUT_S", 0.3)
+
+        def answer() -> None:
+            fill = msgspec.msgpack.decode(theirs.recv_bytes(), type=MaskFill)
+            for _ in range(6):
+                theirs.send_bytes(msgspec.msgpack.encode(MaskBusy(fill.job_id)))
+                threading.Event().wait(0.15)  # time passing is what is tested: no answer, only MaskBusy
+            theirs.send_bytes(msgspec.msgpack.encode(MaskReady(fill.job_id, [0], 0.0, 0.0)))
+
+        helper = threading.Thread(target=answer)
+        helper.start()
+        masks = process.bitmask([1])
+        helper.join()
+        assert masks is not None and masks[2].tolist() == [0] and process.take_failures() == []
+        assert process._child is child
+        theirs.close()
+    finally:
+        process.close()
+
+
+def socket_pair() -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    return Connection(a.detach()), Connection(b.detach())

@@ -38,6 +38,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -52,6 +53,7 @@ from pagoda.services.worker.grammar import (
     PARALLEL_ROWS,
     GrammarMasks,
     GrammarRows,
+    SeqGrammar,
     available_cpus,
 )
 from pagoda.shared.config import EngineConfig
@@ -59,6 +61,7 @@ from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.messages import (
     MaskAccept,
     MaskApply,
+    MaskBusy,
     MaskFill,
     MaskProcessToWorker,
     MaskReady,
@@ -74,7 +77,11 @@ from pagoda.shared.shapes import ModelArch
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 180.0  # spawn, import torch and llguidance, build the tokenizer (seconds on a busy CPU)
-REPLY_TIMEOUT_S = 60.0  # one fill, including a first compile of a large schema
+# One fill's answer, or a MaskBusy while it waits for a compile. Below the scheduler's 8 s floor on a step
+# (services/scheduler/health.py): a hung grammar process fails its rows before the worker counts as hung.
+REPLY_TIMEOUT_S = 5.0
+COMPILE_TIMEOUT_S = 100.0  # a fill kept busy by compiles (MaskBusy) ends here (the scheduler allows 120 s)
+BUSY_INTERVAL_S = 1.0  # how often a fill waiting for a compile says so
 STOP_TIMEOUT_S = 5.0
 POLL_SLICE_S = 1.0  # how often a wait looks whether the process is still alive
 MaskDone = Callable[[float, float], None]  # (fill seconds in the process, seconds from submit to ready)
@@ -105,10 +112,17 @@ class SharedMaskRows(GrammarRows):
     """GrammarRows filling its masks into the worker's shared slots, consuming tokens row by row (cheaper per row
     than llguidance's pool, and no step loop here needs the GIL released)."""
 
-    def __init__(self, spec: TokenizerSpec, slots: torch.Tensor) -> None:
+    def __init__(self, spec: TokenizerSpec, slots: torch.Tensor, busy: Callable[[], None] = lambda: None) -> None:
         super().__init__(spec.load, spec.vocab_size)
         self.slots = slots  # [2, max_rows, W] int32, shared with the worker
         self.slot = 0  # where the next bitmask() goes (MaskFill.slot)
+        self.busy = busy  # tells the worker a fill still waits for a compile
+
+    def _ready(self, seq_id: int, seq: SeqGrammar) -> bool:
+        if seq.compiling is not None:
+            while not futures.wait([seq.compiling], timeout=BUSY_INTERVAL_S).done:
+                self.busy()
+        return super()._ready(seq_id, seq)
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         assert num_rows <= self.slots.shape[1], f"{num_rows} masks do not fit {self.slots.shape[1]} rows"
@@ -136,8 +150,9 @@ def serve(conn: Connection, spec: TokenizerSpec, masks_fd: int, max_rows: int) -
     buffer = mmap.mmap(masks_fd, num_bytes)
     os.close(masks_fd)
     slots = torch.frombuffer(buffer, dtype=torch.int32, count=num_bytes // 4).view(2, max_rows, num_words)
-    rows = SharedMaskRows(spec, slots)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(WorkerToMaskProcess)
+    job_id = [0]  # the fill in progress
+    rows = SharedMaskRows(spec, slots, lambda: conn.send_bytes(encoder.encode(MaskBusy(job_id[0]))))
     conn.send_bytes(encoder.encode(MaskStarted(os.getpid())))
     failed: dict[int, str] = {}  # sequences whose matcher could not be built, told with the next MaskReady
     while True:
@@ -153,6 +168,7 @@ def serve(conn: Connection, spec: TokenizerSpec, masks_fd: int, max_rows: int) -
             for seq_ids, token_ids in zip(message.seq_ids, message.token_ids, strict=True):
                 rows.accept(seq_ids, token_ids)
         elif isinstance(message, MaskFill):
+            job_id[0] = message.job_id
             conn.send_bytes(encoder.encode(_fill(rows, message, failed)))
             failed = {}
         elif isinstance(message, MaskReset):
@@ -486,53 +502,62 @@ class MaskProcess:
         return job.reply is not None or job.lost or self._child is None
 
     def _wait(self, job: MaskJob) -> None:
-        """Read until the job's answer; the process is killed when it ends or stays silent past its deadline."""
-        while job.reply is None and not job.lost:
-            child = self._child
-            if child is None:
-                job.lost = True
-                return
-            timeout = REPLY_TIMEOUT_S if child.started else START_TIMEOUT_S
-            deadline = time.monotonic() + timeout
-            while child is self._child and job.reply is None and not job.lost:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._lose(f"the grammar process did not answer in {timeout:.0f} s")
-                    break
-                try:
-                    ready = child.conn.poll(min(remaining, POLL_SLICE_S))
-                except (OSError, ValueError):
-                    self._lose("the grammar process ended")
-                    break
-                if ready:
-                    was_started = child.started
-                    self._read(job)
-                    if child.started and not was_started:
-                        break  # the start's deadline is over: the answer's begins
-                elif not child.alive():
+        """Read until the job's answer. The process is killed when it ends, or stays silent for REPLY_TIMEOUT_S
+        (START_TIMEOUT_S until it has started; a fill that says it waits for compiles, up to COMPILE_TIMEOUT_S)."""
+        child = self._child
+        if child is None:
+            job.lost = True
+            return
+        now = time.monotonic()
+        deadline = now + (REPLY_TIMEOUT_S if child.started else START_TIMEOUT_S)
+        busy_until = now + COMPILE_TIMEOUT_S
+        while job.reply is None and not job.lost and child is self._child:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._lose(f"the grammar process did not answer in {time.monotonic() - now:.1f} s")
+                break
+            try:
+                ready = child.conn.poll(min(remaining, POLL_SLICE_S))
+            except (OSError, ValueError):
+                self._lose("the grammar process ended")
+                break
+            if not ready:
+                if not child.alive():
                     self._lose(_ended(child))
+                continue
+            heard = self._read(job)
+            if heard is MaskStarted:
+                deadline = time.monotonic() + REPLY_TIMEOUT_S
+            elif heard is MaskBusy:
+                deadline = max(deadline, min(time.monotonic() + REPLY_TIMEOUT_S, busy_until))
+        if job.reply is None:
+            job.lost = True
 
-    def _read(self, job: MaskJob) -> None:
+    def _read(self, job: MaskJob) -> type | None:
+        """One message from the process; its type (None when the process was lost)."""
         child = self._child
         assert child is not None
         try:
             message = self._decoder.decode(child.conn.recv_bytes())
         except (EOFError, OSError):
             self._lose(_ended(child))
-            return
+            return None
         if isinstance(message, MaskStarted):
             child.started = True
-            return
+            return MaskStarted
         if message.job_id != job.job_id:
             log.error("grammar process answered job %d, expected %d", message.job_id, job.job_id)
             self._lose("the grammar process answered out of order")
-            return
+            return None
+        if isinstance(message, MaskBusy):
+            return MaskBusy
         for seq_id, why in zip(message.failed_seq_ids, message.failed_messages, strict=True):
             if seq_id in self._grammar_ids or seq_id in self._allowed_ids:
                 self._grammar_ids.discard(seq_id)
                 self._allowed_ids.discard(seq_id)
                 self._failed[seq_id] = why
         job.reply = message
+        return MaskReady
 
     def _lose(self, why: str) -> None:
         """The process is gone or hung: kill it; every sequence it held fails; the next grammar starts another."""
