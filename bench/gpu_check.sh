@@ -7,7 +7,8 @@
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
 #   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
 #   KV_FP8_ONLY (the fp8 KV decode variants against bf16). structured: bench/structured.py, 256 rows x 256 tokens,
-#   6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency.
+#   6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency; with the grammar
+#   process and with the mask thread; then bench/grammar_step.py (host only: the process's round trip).
 #   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
 #   tables ($OUT/moe_configs/*.json; commit them under kernels/moe_configs/). moe: the reference, sampled and batch-1
 #   runs on each MOE_SHAPES shape. long: LONG_WORKLOADS ("long-128k long-32k") on LONG_SHAPE (qwen3-8b-yarn).
@@ -165,7 +166,13 @@ if has kv-fp8; then
     | tail -20
 fi
 if has structured; then
-  timeout 300 python3 -m pagoda.bench.structured --model qwen3-0.6b --load-format dummy \
-    --tokenizer "${TOKENIZER:-.gpu/smollm2-tok}" --num-requests 256 --max-tokens 256 --prompt-len 64 --rounds 6 \
-    --constrained-every 1 4 --out "$OUT/structured.json" 2>&1 | grep -v INFO | tail -12
+  # the grammar process (on: the default on CUDA) against the worker's mask thread (off), then the host's round trip
+  for mode in on off; do
+    timeout 300 python3 -m pagoda.bench.structured --model qwen3-0.6b --load-format dummy \
+      --tokenizer "${TOKENIZER:-.gpu/smollm2-tok}" --num-requests 256 --max-tokens 256 --prompt-len 64 --rounds 6 \
+      --constrained-every 1 4 --grammar-process "$mode" \
+      --out "$OUT/structured$([ "$mode" = on ] || echo _thread).json" 2>&1 | grep -v INFO | tail -12
+  done
+  timeout 200 python3 -m pagoda.bench.grammar_step --tokenizer "${TOKENIZER:-.gpu/smollm2-tok}" --rows 64 256 \
+    --steps 40 2>&1 | tail -12
 fi
