@@ -5,9 +5,10 @@ cycle through copies of the batch in disjoint cache blocks (>= 512 MB of KV a cy
 the 50 MB L2, as in a decode step's 28+ layers; no host launch gaps), at qwen3-0.6b (16 q / 8 kv heads) and
 llama3-8b (32 / 8) shapes, head_dim 128, B = 64 and 256 decode rows over contexts 512-768 (the reference
 workload's spread) and 1024; plus chunks of 512 queries against 1024 cached tokens (prefill against cached
-context). TB/s counts the KV bytes read in the cache's dtype. About a minute on an H200.
+context), 4 x 64 over 1024 cached, and 4 x 512 beside 124 decode rows. TB/s counts the KV bytes read in the cache's
+dtype. About a minute on an H200.
 
-    python -m pagoda.bench.kv_fp8_bench [--quick] [--long] [--only PREFIX,...] [--out FILE]
+    python -m pagoda.bench.kv_fp8_bench [--quick] [--long] [--chunks-only] [--only PREFIX,...] [--out FILE]
     (JSON to $OUT/kv_fp8_bench.json if OUT). First, per model, an accuracy table of every fp8 decode variant for a
     normal q and a q with a few large channels.
 """
@@ -77,9 +78,10 @@ DECODE_VARIANTS = (
     Variant("fp8_qkv_t64", True, {"fp8_convert": "qkv_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
+_UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}
 CHUNK_VARIANTS = (
     Variant("bf16", False, {}),
-    Variant("fp8_old", True, {"fp8_convert": "native"}),
+    Variant("fp8_old", True, {"fp8_convert": "native", **_UNSTAGED}),
     Variant("fp8_f16", True, {"fp8_convert": "f16"}),
     Variant("fp8_words", True, {"fp8_convert": "f16_words"}),
     Variant("fp8_vwords", True, {"fp8_convert": "f16_vwords"}),
@@ -87,7 +89,24 @@ CHUNK_VARIANTS = (
     Variant("fp8_qk", True, {"fp8_convert": "qk_fp8"}),
     Variant("fp8_qk_t64", True, {"fp8_convert": "qk_fp8", "prefill_tile_n": 64}),
     Variant("fp8_qkv", True, {"fp8_convert": "qkv_fp8"}),
+    # q staged through memory (AttentionConfig.fp8_q_staged) or kept in registers as before, with or without a
+    # 128-register cap (two 8-warp programs an SM); "fp8_unstaged_t64" is the chunk default before staging
+    Variant("fp8_unstaged_t64", True, {"prefill_tile_n": 64, **_UNSTAGED}),
+    Variant("fp8_unstaged_t32", True, {"prefill_tile_n": 32, **_UNSTAGED}),
+    Variant("fp8_unstaged_t32_r128", True, {"prefill_tile_n": 32, "fp8_q_staged": False, "prefill_max_regs": 128}),
+    Variant("fp8_staged_t32", True, {"prefill_tile_n": 32, "prefill_max_regs": 0}),
+    Variant("fp8_staged_t32_r128", True, {"prefill_tile_n": 32, "prefill_max_regs": 128}),
+    Variant("fp8_staged_t64_r128", True, {"prefill_tile_n": 64, "prefill_max_regs": 128}),
+    Variant("fp8_staged_t32_r128_s2", True, {"prefill_tile_n": 32, "prefill_max_regs": 128,
+                                             "prefill_num_stages": 2}),
     Variant("fp8_default", True, {}),
+)
+# (label, query lengths, seq_lens): chunks over 1024 cached tokens (the 4 x 512 row of issue 25), short chunks (one
+# 128-row tile a kv head), and a mostly-decode step (124 decode rows beside 4 chunks: pick_config's 64-row tiles)
+CHUNK_SHAPES = (
+    ("1024 cached + 512 new", [512] * 4, [1536] * 4),
+    ("1024 cached + 64 new", [64] * 4, [1088] * 4),
+    ("1024 cached + 512 new, 124 decodes", [512] * 4 + [1] * 124, [1536] * 4 + [1024] * 124),
 )
 
 
@@ -275,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10, help="graph replays per timing (each >= 512 MB of KV)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--only", default="", help="comma-separated variant name prefixes (bf16 always runs)")
+    parser.add_argument("--chunks-only", action="store_true", help="only the chunk shapes (no decode, no accuracy)")
     args = parser.parse_args(argv)
     prefixes = [p for p in args.only.split(",") if p]
     decode_variants, chunk_variants = select(DECODE_VARIANTS, prefixes), select(CHUNK_VARIANTS, prefixes)
@@ -288,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name(0)}, one layer, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; CUDA-graph times "
           f"over >= {CYCLE_BYTES >> 20} MB of KV a cycle (no L2 reuse)")
     results: list[dict[str, Any]] = []
+    if args.chunks_only:
+        batches = ()
     for model, (num_heads, num_kv_heads) in MODELS.items():
-        results.extend(accuracy(model, num_heads, num_kv_heads, decode_variants))
+        if not args.chunks_only:
+            results.extend(accuracy(model, num_heads, num_kv_heads, decode_variants))
         for num_seqs in batches:
             for lo, hi in contexts:
                 seq_lens = [lo + (b * (hi - lo)) // num_seqs for b in range(num_seqs)]
@@ -299,11 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                 print_rows(f"{model} decode B={num_seqs} ctx {label['ctx']}", rows)
                 results.extend(rows)
                 del batch
-        batch = make_batch(num_heads, num_kv_heads, [512] * 4, [1536] * 4)
-        label = {"model": model, "kind": "chunk", "B": 4, "ctx": "1024 cached + 512 new"}
-        rows = measure(batch, chunk_variants, label, True, args.iters)
-        print_rows(f"{model} chunks 4 x 512 queries over 1024 cached tokens", rows)
-        results.extend(rows)
+        for ctx, query_lens, seq_lens in CHUNK_SHAPES:
+            batch = make_batch(num_heads, num_kv_heads, query_lens, seq_lens)
+            label = {"model": model, "kind": "chunk", "B": len(query_lens), "ctx": ctx}
+            rows = measure(batch, chunk_variants, label, True, args.iters)
+            print_rows(f"{model} chunks, {len(query_lens)} sequences: {ctx}", rows)
+            results.extend(rows)
+            del batch
         torch.cuda.empty_cache()
     print_summary(results)
     failed = [r for r in results if "error" in r or r.get("ok") is False]
