@@ -99,6 +99,10 @@ CHUNK_VARIANTS = (
     Variant("fp8_staged_t64_r128", True, {"prefill_tile_n": 64, "prefill_max_regs": 128}),
     Variant("fp8_staged_t32_r128_s2", True, {"prefill_tile_n": 32, "prefill_max_regs": 128,
                                              "prefill_num_stages": 2}),
+    # 256-row tiles, 16 warps (one program an SM, 126 registers): each converted K/V tile serves twice the rows
+    Variant("bf16_m256", False, {"prefill_block_m": 256, "prefill_num_warps": 16}),
+    Variant("fp8_staged_m256", True, {"prefill_block_m": 256, "prefill_num_warps": 16, "prefill_tile_n": 32,
+                                      "prefill_max_regs": 0}),
     Variant("fp8_default", True, {}),
 )
 # (label, query lengths, seq_lens): chunks over 1024 cached tokens (the 4 x 512 row of issue 25), short chunks (one
