@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from pagoda.bench.cuda_timing import graph_time_ms
 from pagoda.bench.report import write_report
 from pagoda.kernels import paged_attention as pa
 from pagoda.kernels import reference as ref
+from pagoda.kernels.kv_cache import dequantize_blocks
 
 DEVICE = "cuda"
 BLOCK_SIZE = 16
@@ -52,6 +53,9 @@ class Variant:
     name: str
     fp8: bool
     changes: dict[str, Any]  # AttentionConfig fields replaced in pick_config's choice
+    # fp8 cache read another way: every block the batch references dequantized once into a bf16 scratch
+    # (kv_cache.dequantize_blocks), then the bf16 kernel and launch shapes over the scratch; timed together
+    dequant: bool = False
 
 
 DECODE_VARIANTS = (
@@ -103,6 +107,7 @@ CHUNK_VARIANTS = (
     Variant("bf16_m256", False, {"prefill_block_m": 256, "prefill_num_warps": 16}),
     Variant("fp8_staged_m256", True, {"prefill_block_m": 256, "prefill_num_warps": 16, "prefill_tile_n": 32,
                                       "prefill_max_regs": 0}),
+    Variant("fp8_dequant", True, {}, dequant=True),
     Variant("fp8_default", True, {}),
 )
 # (label, query lengths, seq_lens): chunks over 1024 cached tokens (the 4 x 512 row of issue 25), short chunks (one
@@ -136,6 +141,7 @@ class Batch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens_host: list[int]
     query_lens_host: list[int]
+    dequant_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # see dequant_plan
 
 
 def make_batch(num_heads: int, num_kv_heads: int, query_lens: list[int], seq_lens: list[int]) -> Batch:
@@ -173,15 +179,38 @@ def make_batch(num_heads: int, num_kv_heads: int, query_lens: list[int], seq_len
 
 def variant_config(batch: Batch, variant: Variant) -> pa.AttentionConfig:
     num_kv_heads = batch.caches[False][0].shape[2]
+    fp8_kernel = variant.fp8 and not variant.dequant  # the dequant variant runs the bf16 kernel
     base = pa.pick_config(batch.q.shape[0], len(batch.seq_lens_host), num_kv_heads,
                           batch.q.shape[1] // num_kv_heads, max(batch.query_lens_host), max(batch.seq_lens_host),
-                          torch.cuda.get_device_properties(0).multi_processor_count, variant.fp8)
+                          torch.cuda.get_device_properties(0).multi_processor_count, fp8_kernel)
     return replace(base, **variant.changes)
+
+
+def dequant_plan(batch: Batch, copy: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_ids [n] int32: the blocks copy `copy` of the batch references, sequence by sequence; the block table
+    [B, max_blocks] int32 of the scratch that holds them in that order). Built on the host once per copy (first
+    call, eager, before any graph capture)."""
+    if copy not in batch.dequant_plans:
+        tables = batch.copy_tables[copy].cpu()  # [B, max_blocks]
+        ids, scratch_table, used = [], torch.zeros_like(tables), 0
+        for b, seq_len in enumerate(batch.seq_lens_host):
+            n = -(-seq_len // BLOCK_SIZE)
+            ids.append(tables[b, :n])
+            scratch_table[b, :n] = torch.arange(used, used + n, dtype=torch.int32)
+            used += n
+        batch.dequant_plans[copy] = (torch.cat(ids).to(DEVICE), scratch_table.to(DEVICE))
+    return batch.dequant_plans[copy]
 
 
 def run_variant(batch: Batch, variant: Variant, config: pa.AttentionConfig, copy: int = 0) -> torch.Tensor:
     k_cache, v_cache = batch.caches[variant.fp8]
     k_scale, v_scale = batch.scales if variant.fp8 else (None, None)
+    if variant.dequant:
+        block_ids, scratch_table = dequant_plan(batch, copy)
+        k_scratch, v_scratch = dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_ids, batch.q.dtype)
+        return pa.paged_attention(batch.q, k_scratch, v_scratch, scratch_table, batch.seq_lens,
+                                  batch.query_start_loc, max(batch.query_lens_host), max(batch.seq_lens_host),
+                                  HEAD_DIM ** -0.5, config=config)
     return pa.paged_attention(batch.q, k_cache, v_cache, batch.copy_tables[copy], batch.seq_lens,
                               batch.query_start_loc, max(batch.query_lens_host), max(batch.seq_lens_host),
                               HEAD_DIM ** -0.5, config=config, k_scale=k_scale, v_scale=v_scale)

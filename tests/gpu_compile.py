@@ -189,7 +189,9 @@ def run_fp8_qk_attention_shapes() -> None:
 def run_fp8_chunk_attention_shapes() -> None:
     """Chunks over an fp8 cache with pick_config's own launch shapes (q staged through the output rows, the
     128-register cap on 128-row tiles) at qwen3-0.6b's and llama3-8b's dims, head_dim 128: 4 x 512 new queries over
-    1024 cached tokens, and the same beside 124 decode rows (the mostly-decode 64-row tiles)."""
+    1024 cached tokens, and the same beside 124 decode rows (the mostly-decode 64-row tiles); and the dequantization
+    of an fp8 cache's blocks into a bf16 scratch (kv_fp8_bench's fp8_dequant variant)."""
+    from pagoda.kernels.kv_cache import dequantize_blocks
     from pagoda.kernels.paged_attention import paged_attention
 
     for num_heads, num_decodes in itertools.product((16, 32), (0, 124)):
@@ -203,6 +205,8 @@ def run_fp8_chunk_attention_shapes() -> None:
         qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)  # [B + 1]
         paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 512, context, 0.1,
                         k_scale=torch.ones(1), v_scale=torch.ones(1))
+    cache = torch.empty(64, 16, 8, 128, dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
+    dequantize_blocks(cache, cache, torch.ones(1), torch.ones(1), torch.arange(8), torch.bfloat16)
 
 
 def run_sampler() -> None:

@@ -306,3 +306,30 @@ def test_e4m3_words_convert_every_code(use_asm: bool) -> None:
         finite = want.isfinite()
         out, want = out[finite], want[finite]
     torch.testing.assert_close(out, want, rtol=0.0, atol=0.0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_blocks_matches_reference(dtype: torch.dtype) -> None:
+    """Listed blocks (repeated and out of order) of a cache holding every e4m3 code, times the scales: equal to the
+    reference's (one fp32 product, one rounding; bf16 within one unit in the last place, as Triton's interpreter
+    does not round its fp32 -> bf16 cast to nearest); an empty list gives empty copies; bad input raises."""
+    from pagoda.kernels.kv_cache import dequantize_blocks
+
+    case = _fp8_case([1], [70], torch.float16, head_dim=24, seed=9)
+    block_ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    nan_free = torch.tensor(case["block_tables"][0, :5].tolist(), dtype=torch.int32)[block_ids.long()]  # real blocks
+    args = [t.to(DEVICE) for t in (case["k_cache"], case["v_cache"], case["k_scale"], case["v_scale"], nan_free)]
+    k, v = dequantize_blocks(*args, dtype=dtype)
+    want_k, want_v = ref.dequantize_blocks(case["k_cache"], case["v_cache"], case["k_scale"], case["v_scale"],
+                                           nan_free, dtype)
+    assert k.shape == (4, 16, 2, 24) and k.dtype == dtype
+    rtol = 2.0 ** -7 if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1" else 0.0
+    torch.testing.assert_close(k.cpu(), want_k, rtol=rtol, atol=0.0)
+    torch.testing.assert_close(v.cpu(), want_v, rtol=rtol, atol=0.0)
+    assert (want_k[0] != 0).any() and not torch.equal(want_k[0], want_k[1])
+    empty_k, _ = dequantize_blocks(*args[:4], torch.zeros(0, dtype=torch.int64, device=DEVICE), dtype=dtype)
+    assert empty_k.shape == (0, 16, 2, 24)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dequantize_blocks(args[0].to(torch.float16), *args[1:])
+    with pytest.raises(ValueError, match="contiguous"):
+        dequantize_blocks(args[0].transpose(1, 2), args[1].transpose(1, 2), *args[2:])
