@@ -147,9 +147,9 @@ def test_fp8_config_checked_and_defaults() -> None:
 @pytest.mark.parametrize("convert", ["f16_words", "qk_fp8"])
 def test_fp8_chunk_q_staged_through_out_rows(convert: str) -> None:
     """Staging the converted q through the output rows (fp16, or e4m3 codes in a row's first half) gives the same
-    output as q kept in registers, and the reference's within its tolerance; chunks of several 16-row tiles beside
-    a decode row, padding rows past qsl[B] come out zero and every row is written (out starts as NaN); the
-    register cap is accepted (the interpreter ignores it)."""
+    output as q kept in registers (bit for bit in the interpreter), and the reference's within its tolerance;
+    chunks of several 16-row tiles beside a decode row, padding rows past qsl[B] come out zero and every row is
+    written (out starts as NaN); the register cap is accepted (the interpreter ignores it)."""
     case = _fp8_case([20, 1, 7], [45, 9, 7], torch.float16, seed=6)
     num_rows = case["q"].shape[0] + 3  # 3 padding rows
     q = torch.cat([case["q"], torch.randn(3, *case["q"].shape[1:]).half()])  # [T + 3, heads, D]
@@ -165,7 +165,9 @@ def test_fp8_chunk_q_staged_through_out_rows(convert: str) -> None:
                         k_scale=case["k_scale"].to(DEVICE), v_scale=case["v_scale"].to(DEVICE))
         outs.append(out.float().cpu())
     staged_out, register_out = outs
-    assert torch.equal(staged_out, register_out)
+    if DEVICE == "cpu":  # the same arithmetic; on the GPU two compiles may fuse the fp32 softmax ops differently
+        assert torch.equal(staged_out, register_out)
+    torch.testing.assert_close(staged_out, register_out, rtol=0.0, atol=1e-3 * register_out.abs().max().item())
     assert (staged_out[-3:] == 0).all()
     # qk_fp8 against the reference fed its row-quantized q (as test_qk_fp8_matches_row_quantized_q)
     ref_q = case["q"].float() if convert == "f16_words" else _quantize_q_rows(case["q"]).float()
