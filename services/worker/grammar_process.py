@@ -56,7 +56,7 @@ from pagoda.services.worker.grammar import (
     SeqGrammar,
     available_cpus,
 )
-from pagoda.shared.config import EngineConfig
+from pagoda.shared.config import GRAMMAR_PROCESS_MIN_CPUS, EngineConfig
 from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.messages import (
     MaskAccept,
@@ -132,9 +132,10 @@ class SharedMaskRows(GrammarRows):
         return False
 
     def _parallel(self, num_rows: int) -> bool:
-        # The masks on llguidance's pool from 2 CPUs: no step loop here waits on its hand-off (256 rows of
-        # bench/grammar_step.py on this project's 2-core box: 0.45 ms on 2 threads, 1.46 ms on one)
-        return num_rows >= PARALLEL_ROWS and self._cpus >= 2
+        # The masks on llguidance's pool once the CPUs hold the step loop, this process and the pool: no step loop
+        # here waits on the pool's hand-off. With fewer, a pool thread waits for the step loop's core and the fill
+        # with it (2-core box, 64 rows, 2 ms of Python in the worker: masks ready 2.3 ms after submit, 0.4 idle).
+        return num_rows >= PARALLEL_ROWS and self._cpus >= GRAMMAR_PROCESS_MIN_CPUS
 
     def _ensure_executor(self) -> llguidance.LLExecutor:
         if self._executor is None:
