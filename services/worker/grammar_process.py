@@ -251,11 +251,15 @@ class _Child:
             self.process.wait(STOP_TIMEOUT_S)
         self.conn.close()
         if self.pinned:
-            torch.cuda.synchronize()  # a copy of the last masks may still read the slots (a failure found at launch)
-            code = int(torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr()))
+            self.pinned = False
+            try:
+                torch.cuda.synchronize()  # a copy of the last masks may still read the slots (a failure at launch)
+                code = int(torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr()))
+            except Exception:  # noqa: BLE001 - at exit CUDA may be gone: the mapping goes with the process
+                log.debug("cannot unregister the grammar masks", exc_info=True)
+                code = 0
             if code != 0:
                 log.warning("cudaHostUnregister of the grammar masks failed (cudaError %d)", code)
-            self.pinned = False
         self.slots = torch.empty(0, dtype=torch.int32)
         try:
             self.buffer.close()
@@ -617,9 +621,11 @@ def _register_pinned(tensor: torch.Tensor) -> bool:
 
 def grammar_rows(config: EngineConfig, arch: ModelArch, device_type: str, make_tokenizer: Callable[[], object],
                  ) -> GrammarRows | MaskProcess:
-    """The worker's grammar rows: in a process of their own (config.grammar_process) or in this one."""
-    if config.resolved_grammar_process(device_type, available_cpus()):
-        return MaskProcess(tokenizer_spec(config, arch), config.max_num_seqs, pin_memory=device_type == "cuda")
+    """The worker's grammar rows: in a process of their own (config.grammar_process) or in this one (also when the
+    model has no tokenizer: no constraint can run, and a benchmark of dummy weights needs no second process)."""
+    spec = tokenizer_spec(config, arch)
+    if spec.folder is not None and config.resolved_grammar_process(device_type, available_cpus()):
+        return MaskProcess(spec, config.max_num_seqs, pin_memory=device_type == "cuda")
     return GrammarRows(make_tokenizer, arch.vocab_size, pin_memory=device_type == "cuda")  # type: ignore[arg-type]
 
 
