@@ -169,8 +169,11 @@ def run_case(tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int, 
 def process_case(tokenizer_dir: str, tokenizer: llguidance.LLTokenizer, real_vocab: int, num_rows: int,
                  steps: int, seed: int, main_python_s: float) -> dict[str, Any]:
     """`steps` steps of `num_rows` rows through the grammar process, its masks checked against in-process rows;
-    even steps with this thread idle, odd ones with main_python_s of Python after the submit."""
+    even steps with this thread idle, odd ones with main_python_s of Python after the submit. The reference rows
+    run serially: a pool of llguidance's here spins on the CPUs after each call and delays the process (the worker
+    has no pool of its own with the process: only the process has one)."""
     reference = GrammarRows(lambda: tokenizer, VOCAB_SIZE)
+    reference._parallel = lambda num_rows: False  # type: ignore[method-assign]
     rows = MaskProcess(TokenizerSpec(tokenizer_dir, VOCAB_SIZE, ()), max_rows=num_rows)
     seq_ids = list(range(num_rows))
     try:

@@ -93,8 +93,10 @@ class EngineConfig:
     def resolved_grammar_process(self, device: str, num_cpus: int) -> bool:
         """Structured outputs' matchers and masks run in a process of their own (services/worker/grammar_process.py),
         sharing no GIL with the step loop. Default: on CUDA with GRAMMAR_PROCESS_MIN_CPUS or more CPUs (there the
-        step loop is host-bound and its Python slowed the in-process mask thread down; see bench/grammar_step.py),
-        off on CPU (the forward is the whole step; on a 2-core box a second busy process takes the forward's core)."""
+        step loop is host-bound and shared the GIL with the mask thread, and both slowed down). Off on CPU: steps
+        are serial there (no async scheduling: the masks fill inline, nothing overlaps them), the forward is the
+        step, and the process would add only its round trip (bench/grammar_step.py on the 2-core box: 0.1-0.4 ms
+        of wire per step at 64-256 rows, and a core shared with the forward)."""
         if self.grammar_process is not None:
             return self.grammar_process
         return device.startswith("cuda") and num_cpus >= GRAMMAR_PROCESS_MIN_CPUS
