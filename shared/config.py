@@ -92,14 +92,15 @@ class EngineConfig:
 
     def resolved_grammar_process(self, device: str, num_cpus: int) -> bool:
         """Structured outputs' matchers and masks run in a process of their own (services/worker/grammar_process.py),
-        sharing no GIL with the step loop. Default: on CUDA with GRAMMAR_PROCESS_MIN_CPUS or more CPUs (there the
-        step loop is host-bound and shared the GIL with the mask thread, and both slowed down). Off on CPU: steps
-        are serial there (no async scheduling: the masks fill inline, nothing overlaps them), the forward is the
-        step, and the process would add only its round trip (bench/grammar_step.py on the 2-core box: 0.1-0.4 ms
-        of wire per step at 64-256 rows, and a core shared with the forward)."""
+        sharing no GIL with the step loop. Default: on CUDA with async scheduling and GRAMMAR_PROCESS_MIN_CPUS or
+        more CPUs (there the step loop is host-bound and shared the GIL with the mask thread, and both slowed down).
+        Off otherwise: serial steps fill their masks inline (nothing overlaps them) and on CPU the forward is the
+        step, so the process would add only its round trip (bench/grammar_step.py on the 2-core box: 0.1-0.4 ms of
+        wire per step at 64-256 rows) and share a core with the forward."""
         if self.grammar_process is not None:
             return self.grammar_process
-        return device.startswith("cuda") and num_cpus >= GRAMMAR_PROCESS_MIN_CPUS
+        overlapped = self.resolved_max_inflight_plans(device) == 2  # serial steps fill masks inline: no gain
+        return device.startswith("cuda") and num_cpus >= GRAMMAR_PROCESS_MIN_CPUS and overlapped
 
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":
@@ -339,8 +340,8 @@ _HELP: dict[str, str] = {
     "resend_interval": "seconds before a request, answer or token frame between api, tokenizer and scheduler that is "
                        "not acknowledged goes again (doubling up to 8 s); a loss with frames behind it is resent "
                        "at once (docs/security.md)",
-    "grammar_process": "structured outputs' matchers and masks in a process of their own (default: on CUDA with 4+ "
-                       "CPUs; PAGODA_GRAMMAR_PROCESS=0 keeps them in the worker)",
+    "grammar_process": "structured outputs' matchers and masks in a process of their own (default: on CUDA with "
+                       "async scheduling and 4+ CPUs; PAGODA_GRAMMAR_PROCESS=0 keeps them in the worker)",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",
 }
