@@ -269,3 +269,15 @@ def test_a_fill_waiting_for_a_compile_says_so_and_is_waited_for(tokenizer: Token
 def socket_pair() -> tuple[Connection, Connection]:
     a, b = socket.socketpair()
     return Connection(a.detach()), Connection(b.detach())
+
+
+def test_the_process_is_the_default_where_steps_overlap_on_a_gpu_host_with_cpus_to_spare() -> None:
+    from pagoda.shared.config import EngineConfig
+
+    default = EngineConfig()
+    assert default.resolved_grammar_process("cuda", 16)
+    assert not default.resolved_grammar_process("cuda", 2)  # the step loop, the process and its pool want cores
+    assert not default.resolved_grammar_process("cpu", 16)  # serial steps: masks fill inline, nothing to overlap
+    assert not EngineConfig(async_scheduling=False).resolved_grammar_process("cuda", 16)
+    assert EngineConfig(grammar_process=True).resolved_grammar_process("cpu", 2)
+    assert not EngineConfig(grammar_process=False).resolved_grammar_process("cuda", 64)
