@@ -133,8 +133,9 @@ class SharedMaskRows(GrammarRows):
 
     def _parallel(self, num_rows: int) -> bool:
         # The masks on llguidance's pool once the CPUs hold the step loop, this process and the pool: no step loop
-        # here waits on the pool's hand-off. With fewer, a pool thread waits for the step loop's core and the fill
-        # with it (2-core box, 64 rows, 2 ms of Python in the worker: masks ready 2.3 ms after submit, 0.4 idle).
+        # here waits on the pool's hand-off. With fewer, the pool's threads (which spin a while after each call:
+        # on the 2-core box a pool in the worker delayed this process's 64-row fill from 0.4 to 2.3 ms) take the
+        # cores the step loop and this process need.
         return num_rows >= PARALLEL_ROWS and self._cpus >= GRAMMAR_PROCESS_MIN_CPUS
 
     def _ensure_executor(self) -> llguidance.LLExecutor:
