@@ -98,7 +98,7 @@ def run_once(llm: LLM, num_rows: int, prompt_len: int, max_tokens: int,
         if profile is not None and len(step_times) == 1:
             profile.enable()
         started = time.perf_counter()
-        engine.step()
+        engine.step(deltas=False)  # as LLM.generate steps
         step_times.append(time.perf_counter() - started)
     if profile is not None:
         profile.disable()
@@ -108,6 +108,7 @@ def run_once(llm: LLM, num_rows: int, prompt_len: int, max_tokens: int,
     decode = step_times[1:]
     mean = statistics.fmean(decode)
     return {"steps": len(step_times), "prefill_ms": step_times[0] * 1e3, "decode_ms_per_step": mean * 1e3,
+            "last_step_ms": step_times[-1] * 1e3,
             "decode_ms_p50": statistics.median(decode) * 1e3, "us_per_row_step": mean / num_rows * 1e6,
             "total_s": sum(step_times)}
 
@@ -143,7 +144,8 @@ def main() -> None:
         best = sorted(runs, key=lambda r: r["decode_ms_per_step"])[len(runs) // 2]
         figures["runs"][str(rows)] = {"median": best, "all": runs}
         print(f"{rows:4d} rows: {best['decode_ms_per_step']:7.3f} ms/step (p50 {best['decode_ms_p50']:.3f}), "
-              f"{best['us_per_row_step']:6.2f} us/row/step, prefill step {best['prefill_ms']:.1f} ms "
+              f"{best['us_per_row_step']:6.2f} us/row/step, prefill step {best['prefill_ms']:.1f} ms, last step "
+              f"{best['last_step_ms']:.1f} ms "
               f"[runs: {', '.join(format(r['decode_ms_per_step'], '.3f') for r in runs)}]", flush=True)
         if args.profile and index == 0:
             profile = cProfile.Profile()
