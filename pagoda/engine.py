@@ -16,7 +16,7 @@ from pathlib import Path
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.grammar.compiler import GrammarChecker
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
-from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
@@ -41,24 +41,36 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Completion:
-    """One returned sequence's output side: where its tokens and text go, and how much of it is text yet.
+    """One returned sequence's output side: where its tokens and text go, and how much of them it holds yet.
 
-    A step that wants no deltas (LLM.generate) only appends the token of a completion whose text nothing reads
-    before its end (no stop strings: TextStream.batchable); its tokens go through the detokenizer together when
-    the completion ends or a step wants its text (catch_up), giving the same text."""
+    A step that wants no deltas (LLM.generate) leaves a completion that `lags` (no stop strings, so nothing
+    reads its text before its end: TextStream.batchable; not a beam, whose tokens come whole at its end) as it
+    is: its tokens are in the scheduler's sequence, from which catch_up copies them when the completion ends or
+    its output is read, and they go through the detokenizer together (the same text, see TextStream.batchable).
+    With logprobs such a step appends the token and its logprobs, and only the text lags."""
 
     output: RequestOutput
     completion: CompletionOutput
     stream: TextStream
-    batchable: bool  # text may lag the tokens (stream.batchable)
+    seq: Sequence
+    lags: bool
     num_pushed: int = 0  # completion.token_ids[:num_pushed] went through the stream
 
-    def catch_up(self) -> None:
-        """Push the tokens that went past the stream (their text joins completion.text)."""
-        token_ids = self.completion.token_ids
+    def catch_up(self, num_known: int | None = None) -> None:
+        """Copy the sequence's tokens up to num_known (default: all it knows) that steps without deltas left, and
+        push what the stream has not had (their text joins completion.text)."""
+        if not self.lags:
+            return
+        seq, token_ids = self.seq, self.completion.token_ids
+        if num_known is None:
+            num_known = len(seq.token_ids) - seq.num_pending
+        start = seq.num_prompt_tokens + len(token_ids)
+        if start < num_known:
+            token_ids += seq.token_ids[start:num_known]
         if self.num_pushed < len(token_ids):
             self.completion.text += self.stream.push(token_ids[self.num_pushed:])
             self.num_pushed = len(token_ids)
+        self.output.num_cached_tokens = seq.request.sequences[0].num_cached_tokens
 
 
 class LLMEngine:
@@ -84,6 +96,7 @@ class LLMEngine:
         self.pipeline = PlanPipeline(self.scheduler)
         self._outputs: dict[str, RequestOutput] = {}
         self._completions: dict[int, _Completion] = {}  # seq id -> its output and text, while it runs
+        self._silent: set[int] = set()  # seq ids whose running tokens a step without deltas leaves alone
         self._ids = itertools.count()
         self._grammars: GrammarChecker | None = None
         settle_heap("engine")
@@ -122,7 +135,10 @@ class LLMEngine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         for seq in request.sequences[:params.n]:  # a beam search's other beams return nothing
             stream = TextStream(self.tokenizer, token_ids, params)
-            self._completions[seq.seq_id] = _Completion(output, output.outputs[seq.index], stream, stream.batchable)
+            lags = stream.batchable and not params.use_beam_search
+            self._completions[seq.seq_id] = _Completion(output, output.outputs[seq.index], stream, seq, lags)
+            if lags and params.logprobs is None:
+                self._silent.add(seq.seq_id)
         return request_id
 
     def _check_grammar(self, constraint: StructuredOutputs) -> None:
@@ -140,6 +156,7 @@ class LLMEngine:
             return
         for seq in request.sequences[:len(output.outputs)]:
             tracked = self._completions.pop(seq.seq_id, None)
+            self._silent.discard(seq.seq_id)
             if tracked is not None:
                 tracked.catch_up()  # the text of every token it got, as a step with deltas would have left it
             completion = output.outputs[seq.index]
@@ -189,9 +206,7 @@ class LLMEngine:
             if update.prompt_scores is not None:
                 self._add_prompt_scores(self._outputs[update.seq.request.request_id], update.prompt_scores)
         if not deltas:
-            for update in updates:
-                if update.token_id >= 0 or update.finish_reason is not None:
-                    self._apply_quietly(update, result)
+            self._apply_quietly(updates, result)
             return []
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
@@ -216,23 +231,29 @@ class LLMEngine:
             entry[token_id] = logprob
             output.prompt_logprobs.append(entry)
 
-    def _apply_quietly(self, update: SeqUpdate, result: StepResult) -> None:
-        """_apply without a delta: a running completion whose text may lag only gains its token."""
-        tracked = self._completions[update.seq.seq_id]
-        if not tracked.batchable or update.finish_reason is not None or update.score is not None:
-            self._apply(update, result)
-            return
-        completion = tracked.completion
-        completion.token_ids.append(update.token_id)
-        tracked.output.num_cached_tokens = update.seq.request.sequences[0].num_cached_tokens
-        if completion.logprobs is not None:
-            self._add_logprobs(completion, update, result)
+    def _apply_quietly(self, updates: list[SeqUpdate], result: StepResult) -> None:
+        """The updates without deltas: a running token of a silent completion costs a set lookup (catch_up copies
+        it later); one of a lagging completion with logprobs appends the token and its logprobs; the others (a
+        finish, stop strings, beams) are applied as with deltas."""
+        silent, completions = self._silent, self._completions
+        for update in updates:
+            if update.finish_reason is None and update.token_id >= 0:
+                if update.seq.seq_id in silent:
+                    continue
+                tracked = completions[update.seq.seq_id]
+                if tracked.lags:  # logprobs: each step appends, so its tokens are whole (only its text lags)
+                    tracked.completion.token_ids.append(update.token_id)
+                    self._add_logprobs(tracked.completion, update, result)
+                    continue
+            if update.token_id >= 0 or update.finish_reason is not None:
+                self._apply(update, result)
 
     def _apply(self, update: SeqUpdate, result: StepResult) -> StreamDelta:
         seq = update.seq
         tracked = self._completions[seq.seq_id]
         output, completion = tracked.output, tracked.completion
-        tracked.catch_up()  # tokens of earlier steps without deltas
+        # tokens that steps without deltas left in the sequence: all it knows but this update's
+        tracked.catch_up(len(seq.token_ids) - seq.num_pending - int(update.has_token))
         new_tokens = [update.token_id] if update.has_token else []  # none: max_tokens=0 ends after the prompt
         completion.token_ids += new_tokens
         tracked.num_pushed = len(completion.token_ids)
@@ -248,6 +269,7 @@ class LLMEngine:
             self.scheduler.finish_sequence(seq.seq_id, FinishReason.STOP)
         if step.finish_reason >= 0:
             del self._completions[seq.seq_id]
+            self._silent.discard(seq.seq_id)
             completion.finish_reason = FinishReason(step.finish_reason).openai_name
         completion.text += text
         return StreamDelta(request_id=output.request_id, index=seq.index, text=text,

@@ -536,7 +536,8 @@ class ModelRunner:
                 sampled = sampled[~is_beam]
         sampled_rows = host.rows[sampled]  # [S]
         positions = host.seq_lens[sampled]  # [S] index in token_ids of each sampled token
-        seq_ids = [step.plan.seq_ids[i] for i in sampled.tolist()]
+        plan_ids = step.plan.seq_ids
+        seq_ids = list(plan_ids) if len(sampled) == len(plan_ids) else [plan_ids[i] for i in sampled.tolist()]
         metadata = self.sampling.metadata(sampled_rows)
         assert (self.sampling.num_output[sampled_rows] == positions - state.num_prompt_tokens[sampled_rows]).all(), \
             "the sampling offsets disagree with the plan's positions"
@@ -558,7 +559,8 @@ class ModelRunner:
                 return  # every row that sampled failed: their errors are in step.failed
             state_rows = None
         self.sampling.record(sampled_rows, output.token_ids, state_rows)  # counts, on the device
-        self.last_token[self._to_device(sampled_rows, "sampled_rows")] = output.token_ids
+        rows_t = state_rows if state_rows is not None else self._to_device(sampled_rows, "sampled_rows")  # [S]
+        self.last_token[rows_t] = output.token_ids
         assert (state.num_tokens[sampled_rows] == positions).all(), "a row samples past a token it lacks"
         state.num_tokens[sampled_rows] += 1  # the new token's value reaches host state in finish()
         self.pending_step[sampled_rows] = step.plan.step_id
