@@ -45,13 +45,13 @@ TEXT = ("The city wakes early. Buses hum along the river road, bakers pull trays
 class StubModel:
     """The model's place in the runner: its forward allocates the hidden states and computes nothing."""
 
-    def __init__(self, model: Any, hidden_size: int, vocab_size: int, max_rows: int) -> None:
+    def __init__(self, model: Any, hidden_size: int, vocab_size: int, max_rows: int, device: torch.device) -> None:
         self.model = model
         self.hidden_size = hidden_size
-        self.logits = torch.zeros(1, vocab_size).expand(max_rows, vocab_size)  # [R, V] one shared zero row
+        self.logits = torch.zeros(1, vocab_size, device=device).expand(max_rows, vocab_size)  # [R, V] one zero row
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any) -> torch.Tensor:
-        return torch.empty(len(input_ids), self.hidden_size)  # [T, H]
+        return torch.empty(len(input_ids), self.hidden_size, device=input_ids.device)  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits[:len(hidden)]  # [S, V]
@@ -63,8 +63,8 @@ class StubModel:
 class StubSampler:
     """Each row's next token: its output offset into a table of real text's ids, shifted per row."""
 
-    def __init__(self, table: list[int]) -> None:
-        self.table = torch.tensor(table, dtype=torch.int64)  # [N]
+    def __init__(self, table: list[int], device: torch.device) -> None:
+        self.table = torch.tensor(table, dtype=torch.int64, device=device)  # [N]
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert metadata.state_rows is not None
@@ -72,16 +72,21 @@ class StubSampler:
         return SamplerOutput(token_ids=self.table[index], logprobs=None, top_token_ids=None, top_logprobs=None)
 
 
-def make_llm(tokenizer: str, num_rows: int, prompt_len: int, max_tokens: int, async_scheduling: bool) -> LLM:
+def make_llm(tokenizer: str, num_rows: int, prompt_len: int, max_tokens: int, async_scheduling: bool,
+             device: str = "cpu") -> LLM:
+    """The engine with the stubs in place. On CUDA the decode steps replay the CUDA graphs captured at start-up
+    of the tiny model itself (2 layers of 64: microseconds of GPU work); eager steps and the sampler are stubs."""
     if SHAPE not in SHAPES:
         SHAPES[SHAPE] = replace(SHAPES["tiny-qwen3"], vocab_size=1 << 20, max_position_embeddings=1 << 16)
     max_model_len = prompt_len + max_tokens + 16
     llm = LLM(SHAPE, load_format="dummy", tokenizer=tokenizer, max_num_seqs=num_rows, max_model_len=max_model_len,
-              num_kv_blocks=num_rows * (-(-max_model_len // 16)) + 16, async_scheduling=async_scheduling)
+              num_kv_blocks=num_rows * (-(-max_model_len // 16)) + 16, async_scheduling=async_scheduling,
+              device=device)
     runner = llm.engine.runner
-    runner.model = StubModel(runner.model, runner.arch.hidden_size, runner.arch.vocab_size, num_rows)  # type: ignore[assignment]
-    table = llm.get_tokenizer().encode(TEXT * 4)
-    runner.sampler = StubSampler(table)  # type: ignore[assignment]
+    arch = runner.arch
+    runner.model = StubModel(runner.model, arch.hidden_size, arch.vocab_size, num_rows,  # type: ignore[assignment]
+                             runner.device)
+    runner.sampler = StubSampler(llm.get_tokenizer().encode(TEXT * 4), runner.device)  # type: ignore[assignment]
     return llm
 
 
@@ -131,14 +136,16 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per row count (median reported)")
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N for the first row count")
+    parser.add_argument("--device", default="cpu", help="cpu (stubs only), or cuda: the GPU path's host cost "
+                        "(pinned copies, CUDA graph replays of a tiny model, events)")
     parser.add_argument("--serial", action="store_true", help="no async scheduling (the GPU default plans ahead)")
     parser.add_argument("--out", default=None, help="write the figures here as JSON (default: $OUT/host_step.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    figures: dict[str, Any] = {"tokenizer": args.tokenizer, "max_tokens": args.max_tokens,
+    figures: dict[str, Any] = {"tokenizer": args.tokenizer, "device": args.device, "max_tokens": args.max_tokens,
                                "prompt_len": args.prompt_len, "cpu": _cpu_name(), "runs": {}}
     for index, rows in enumerate(args.rows):
-        llm = make_llm(args.tokenizer, rows, args.prompt_len, args.max_tokens, not args.serial)
+        llm = make_llm(args.tokenizer, rows, args.prompt_len, args.max_tokens, not args.serial, args.device)
         run_once(llm, rows, args.prompt_len, 8)  # warm-up
         runs = [run_once(llm, rows, args.prompt_len, args.max_tokens) for _ in range(args.repeats)]
         best = sorted(runs, key=lambda r: r["decode_ms_per_step"])[len(runs) // 2]
