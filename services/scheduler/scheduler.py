@@ -164,7 +164,9 @@ class InflightStep:
 
     step_id: int
     seqs: list[Sequence]  # scheduled, in batch order
-    num_computed: list[int]  # each one's computed tokens after this step (what the prefix cache may hash)
+    # the sequences whose computed tokens reach a block not hashed yet, and how many they computed after this step
+    # (what the prefix cache may hash once the result is in)
+    commits: list[tuple[Sequence, int]]
     sampler_ids: set[int]  # seq ids that sample in this step (each got one placeholder)
     has_prefill: bool = False  # some sequence computes more than one token (a prompt chunk)
 
@@ -494,13 +496,15 @@ class Scheduler:
         """Count the step's tokens as computed; each sequence that reaches its end samples: one placeholder."""
         by_id = self._seqs
         seqs: list[Sequence] = []
-        num_computed: list[int] = []
+        commits: list[tuple[Sequence, int]] = []
         samplers: set[int] = set()
+        size = self.block_size if self.blocks.enable_prefix_caching else 1 << 62  # no caching: nothing to hash
         for seq_id, count in num_tokens.items():
             seq = by_id[seq_id]
             seqs.append(seq)
             computed = seq.num_computed_tokens = seq.num_computed_tokens + count
-            num_computed.append(computed)
+            if computed >= (len(seq.table.block_hashes) + 1) * size:  # hashes only grow until this step's update
+                commits.append((seq, computed))
             length = len(seq.token_ids)
             assert computed <= length
             if computed == length:
@@ -508,7 +512,7 @@ class Scheduler:
                 seq.num_pending += 1
                 assert seq.num_pending <= self.max_inflight_plans
                 samplers.add(seq_id)
-        return InflightStep(self._step_id, seqs, num_computed, samplers, has_prefill)
+        return InflightStep(self._step_id, seqs, commits, samplers, has_prefill)
 
     def _fit_running(self, seq: Sequence, count: int, scheduled: dict[int, int]) -> int:
         """Shrink `count` to the blocks available, preempting lower-ranked unscheduled sequences if needed."""
@@ -706,7 +710,11 @@ class Scheduler:
                 self._finish(seq, FinishReason.LENGTH)
                 updates.append(SeqUpdate(seq, -1, -1, FinishReason.LENGTH, prompt_scores))
                 continue
-            index = self._resolve(seq, token_id)
+            # the oldest placeholder becomes the token (inline: this runs once per row and step)
+            index = len(seq.token_ids) - seq.num_pending
+            assert seq.num_pending > 0 and token_id >= 0 and seq.token_ids[index] == PLACEHOLDER
+            seq.token_ids[index] = token_id
+            seq.num_pending -= 1
             if index == seq.num_prompt_tokens and seq.index == 0 and request.sampling.n > 1:
                 self._fork_siblings(seq)
             reason = self._stop_reason(seq, token_id)
@@ -725,26 +733,12 @@ class Scheduler:
         return updates
 
     def _commit_blocks(self, step: InflightStep) -> None:
-        """Hash the blocks a step filled (prefix caching); a sequence whose computed tokens reach no new full
-        block (15 steps of 16 in decode) costs one comparison."""
-        if not self.blocks.enable_prefix_caching:
-            return
-        size, running = self.block_size, SeqStatus.RUNNING
-        for seq, num_computed in zip(step.seqs, step.num_computed, strict=True):
-            if seq.status is running and num_computed >= (len(seq.table.block_hashes) + 1) * size:
-                # running: not finished, not preempted since
+        """Hash the blocks a step filled (prefix caching): of the sequences _launch found reaching a new full block
+        (in decode, one step in block_size), those still running (not finished, not preempted since)."""
+        for seq, num_computed in step.commits:
+            if seq.status is SeqStatus.RUNNING:
                 assert num_computed <= len(seq.token_ids) - seq.num_pending, "hashing a provisional token"
                 self.blocks.commit(seq.table, seq.token_ids, num_computed)
-
-    @staticmethod
-    def _resolve(seq: Sequence, token_id: int) -> int:
-        """The oldest placeholder becomes `token_id`; returns its index in token_ids."""
-        assert seq.num_pending > 0 and token_id >= 0
-        index = len(seq.token_ids) - seq.num_pending
-        assert seq.token_ids[index] == PLACEHOLDER
-        seq.token_ids[index] = token_id
-        seq.num_pending -= 1
-        return index
 
     def cancel_inflight(self) -> None:
         """Forget every plan in flight (their results will never come): their sequences are aborted."""
