@@ -196,6 +196,7 @@ class Scheduler:
         self.waiting = FairQueue()  # a heap by rank per tenant; tenants served by weighted fair share
         self.running: list[Sequence] = []  # sorted by rank
         self.requests: dict[str, Request] = {}
+        self._num_beam_searches = 0  # of self.requests: none, and a step's beam bookkeeping skips its rows
         self.stats = SchedulerStats()
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
@@ -305,6 +306,7 @@ class Scheduler:
             request.sequences.append(seq)
             self._seqs[seq.seq_id] = seq
         self.requests[request.request_id] = request
+        self._num_beam_searches += request.beam is not None
         # Siblings wait for the first sequence's prefill and then fork its blocks (see _fork_siblings).
         self._push_waiting(request.sequences[0])
 
@@ -457,7 +459,7 @@ class Scheduler:
         budget ran out part way); returns the tokens given back."""
         freed = 0
         seen: set[str] = set()
-        for seq_id in list(num_tokens):
+        for seq_id in list(num_tokens) if self._num_beam_searches else ():
             seq = self._seqs[seq_id]
             request = seq.request
             if request.beam is None or request.request_id in seen:
@@ -475,7 +477,7 @@ class Scheduler:
         """The beam searches whose beams all sample in this step (before _launch counts the tokens)."""
         groups: list[BeamGroup] = []
         seen: set[str] = set()
-        for seq_id in num_tokens:
+        for seq_id in num_tokens if self._num_beam_searches else ():
             request = self._seqs[seq_id].request
             beam = request.beam
             if beam is None or request.request_id in seen:
@@ -1001,6 +1003,7 @@ class Scheduler:
         request.num_finished += 1
         if request.num_finished == len(request.sequences):
             del self.requests[request.request_id]
+            self._num_beam_searches -= request.beam is not None
             self.waiting.forget_idle(request.tenant)
             self._unforked_beams.pop(request.request_id, None)
         elif seq.index == 0 and seq.num_output_tokens == 0:
