@@ -145,7 +145,10 @@ def decode_row(dims: Dims, batch: int, context: int, cache_dtype: torch.dtype, d
 SWEEP = {  # (heads): launch shapes tried by --sweep at B = 256, ctx 1k, both cache dtypes
     16: [dict(decode_keys_m=k, decode_tile_n=n, decode_num_warps=w, decode_num_stages=st)
          for k, n, w, st in ((True, 32, 4, 3), (True, 32, 4, 2), (True, 64, 4, 2), (True, 64, 8, 2),
-                             (True, 16, 4, 4), (False, 32, 8, 2), (False, 32, 4, 2), (False, 64, 8, 2))],
+                             (True, 16, 4, 4), (False, 32, 8, 2), (False, 32, 4, 2), (False, 64, 8, 2))]
+    # split-KV at B = 256 too: 256 one-head-block programs are ~2 per SM, each a serial walk of 1k keys
+    + [dict(decode_keys_m=True, decode_tile_n=n, decode_num_warps=4, decode_num_stages=st, num_splits=sp)
+       for n, st, sp in ((32, 3, 2), (32, 3, 4), (64, 2, 2), (16, 4, 2))],
     128: [dict(decode_tile_n=n, decode_num_warps=w, decode_num_stages=st)
           for n, w, st in ((32, 8, 3), (32, 8, 2), (16, 8, 3), (16, 8, 4), (64, 8, 2), (32, 16, 2))],
 }
@@ -187,11 +190,24 @@ def decode_part(device: str, quick: bool, sweep: bool, smoke: bool, grid_rows: b
                     _print_decode(row, f"sweep {variant}")
                     if best is None or row["us"] < best["us"]:
                         best = row
+                _sweep_batch_one(rows, heads, cache_dtype, device)
                 if best is not None:
                     print(f"SWEEP best heads={heads} B=256 ctx=1024 {best['cache_dtype']}: {best['us']:.1f} us "
                           f"({best['cache_TBps']:.2f} TB/s, {best['TFLOPs']:.0f} TFLOP/s) with {best['config']}",
                           flush=True)
     return rows
+
+
+def _sweep_batch_one(rows: list[dict[str, Any]], heads: int, cache_dtype: torch.dtype, device: str) -> None:
+    """Batch 1, ctx 1k: how many KV splits (the default stops at 16: 16 of 132 SMs for 16 heads)."""
+    from pagoda.kernels.mla import pick_mla_config
+
+    base = pick_mla_config(1, heads, 1, 4096)
+    for splits in (8, 16, 32, 64):
+        row = decode_row(Dims(heads), 1, 1024, cache_dtype, device, 10, replace(base, num_splits=splits))
+        row["part"] = "decode-sweep-b1"
+        rows.append(row)
+        _print_decode(row, f"sweep B=1 splits={splits}")
 
 
 def _print_decode(row: dict[str, Any], label: str = "") -> None:

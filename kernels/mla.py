@@ -441,10 +441,10 @@ def _zero_tail(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_lo
 # num_seqs, num_tokens, the block table's width and the absorbed-length bound change from step to step: left
 # unspecialised so that they compile no new variant while serving.
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "expand_min_q", "expand_max_seq"])
-def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                 part_out_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr,
                 qk_scale, num_seqs, num_tokens, expand_min_q, expand_max_seq,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
+                stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
                 NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
                 ROPE: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
@@ -502,9 +502,10 @@ def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query
     offs_r = tl.arange(0, ROPE_P)
     if KEYS_M:  # decode with few heads: q loaded transposed, keys are the M dim (_attend_latent_tiles_keys_m)
         q_col = q_ptr + row_token[None, :] * stride_qt + row_head[None, :] * stride_qh  # [1, BLOCK_M]
+        q_rope_col = q_rope_ptr + row_token[None, :] * stride_rt + row_head[None, :] * stride_rh  # [1, BLOCK_M]
         q_lat = tl.load(q_col + offs_l[:, None], mask=row_valid[None, :] & (offs_l < LAT)[:, None],
                         other=0.0)  # [LAT_P, BLOCK_M]
-        q_rope = tl.load(q_col + LAT + offs_r[:, None], mask=row_valid[None, :] & (offs_r < ROPE)[:, None],
+        q_rope = tl.load(q_rope_col + offs_r[:, None], mask=row_valid[None, :] & (offs_r < ROPE)[:, None],
                          other=0.0)  # [ROPE_P, BLOCK_M]
         if F16_DOTS:
             q_lat, q_rope, qk_scale = _scale_q_to_f16(q_lat, q_rope, qk_scale)
@@ -520,9 +521,10 @@ def _mla_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query
         acc = tl.trans(acc_t)  # [BLOCK_M, LAT_P]
     else:
         q_row = q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
+        q_rope_row = q_rope_ptr + row_token[:, None] * stride_rt + row_head[:, None] * stride_rh  # [BLOCK_M, 1]
         q_lat = tl.load(q_row + offs_l[None, :], mask=row_valid[:, None] & (offs_l < LAT)[None, :],
                         other=0.0)  # [BLOCK_M, LAT_P]
-        q_rope = tl.load(q_row + LAT + offs_r[None, :], mask=row_valid[:, None] & (offs_r < ROPE)[None, :],
+        q_rope = tl.load(q_rope_row + offs_r[None, :], mask=row_valid[:, None] & (offs_r < ROPE)[None, :],
                          other=0.0)  # [BLOCK_M, ROPE_P]
         if F16_DOTS:
             q_lat, q_rope, qk_scale = _scale_q_to_f16(q_lat, q_rope, qk_scale)
@@ -552,13 +554,23 @@ def _scale_q_to_f16(q_lat, q_rope, qk_scale):
     return (lat32 * q_mult).to(tl.float16), (rope32 * q_mult).to(tl.float16), qk_scale / q_mult
 
 
-def _check_attention_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                            query_start_loc: torch.Tensor, kv_lora_rank: int) -> None:
-    """ValueError on anything the kernel relies on; messages are built only on failure (this runs every layer)."""
-    if q.dim() != 3 or cache.dim() != 3 or q.shape[2] != cache.shape[2]:
+def _check_split_q(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_lora_rank: int) -> None:
+    if q_lat.dim() != 3 or q_rope.dim() != 3 or q_lat.shape[:2] != q_rope.shape[:2] or q_lat.shape[2] != kv_lora_rank:
+        raise ValueError(f"with q_rope, q must be [T, heads, {kv_lora_rank}] and q_rope [T, heads, P], got "
+                         f"{tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
+    if q_rope.dtype != q_lat.dtype or q_rope.device != q_lat.device or q_rope.stride(2) != 1:
+        raise ValueError("q_rope must have q's dtype and device and be contiguous along its last dim")
+
+
+def _check_attention_inputs(q_shape: tuple[int, ...], q: torch.Tensor, cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            kv_lora_rank: int) -> None:
+    """ValueError on anything the kernel relies on; messages are built only on failure (this runs every layer).
+    q_shape: the whole query's [T, heads, R + P] (q may hold its first R values only)."""
+    if len(q_shape) != 3 or cache.dim() != 3 or q_shape[2] != cache.shape[2]:
         raise ValueError(f"q must be [T, heads, R + P] and the cache [num_blocks, block_size, R + P], got "
-                         f"{tuple(q.shape)} and {tuple(cache.shape)}")
-    width = q.shape[2]
+                         f"{tuple(q_shape)} and {tuple(cache.shape)}")
+    width = q_shape[2]
     if not 0 < kv_lora_rank < width or kv_lora_rank > _MAX_LATENT_DIM or width - kv_lora_rank > _MAX_ROPE_DIM:
         raise ValueError(f"kv_lora_rank {kv_lora_rank} must split entries of {width} into a latent of at most "
                          f"{_MAX_LATENT_DIM} and a rope part of 1..{_MAX_ROPE_DIM}")
@@ -587,7 +599,8 @@ def _check_config(config: MLAConfig) -> None:
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
                   kv_lora_rank: int, out: torch.Tensor | None = None, config: MLAConfig | None = None,
-                  kv_scale: torch.Tensor | None = None, expand: ExpandPolicy | None = None) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None, expand: ExpandPolicy | None = None,
+                  q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed causal attention of q [T, heads, R + P] (R = kv_lora_rank) over the latent cache [num_blocks,
     block_size, R + P]; semantics of reference.mla_attention. Returns out [T, heads, R] (q's dtype): per row the
     softmax(scale * q . entries) mix of the entries' latent parts. Sequence b's queries are rows [qsl[b],
@@ -595,13 +608,22 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     (padding) and of sequences with seq_lens[b] == 0 come out zero. Chunks that `expand` sends to the expanded
     path (None: none) are skipped: their rows are undefined here. An fp8 cache needs kv_scale [1] fp32. Not checked
     (a device sync): qsl non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covering
-    seq_lens. max_query_len and max_seq_len are upper bounds that pick the launch shape only."""
-    _check_attention_inputs(q, cache, block_tables, seq_lens, query_start_loc, kv_lora_rank)
+    seq_lens. max_query_len and max_seq_len are upper bounds that pick the launch shape only. q_rope: q's rope part
+    as a tensor of its own ([T, heads, P], any row strides); q is then [T, heads, R] (e.g. the W_UK product's
+    transposed view): the two halves need not be concatenated."""
+    if q_rope is not None:
+        _check_split_q(q, q_rope, kv_lora_rank)
+        q_full_shape = (*q.shape[:2], q.shape[2] + q_rope.shape[2])
+    else:
+        q_full_shape = tuple(q.shape)
+    _check_attention_inputs(q_full_shape, q, cache, block_tables, seq_lens, query_start_loc, kv_lora_rank)
+    if q_rope is None:
+        q, q_rope = q[..., :kv_lora_rank], q[..., kv_lora_rank:]  # views: the kernel reads the halves apart
     fp8 = cache.dtype == torch.float8_e4m3fn
     _check_scale(kv_scale, fp8, q.device)
-    num_tokens, num_heads, width = q.shape
+    num_tokens, num_heads, lat = q.shape
+    rope = q_rope.shape[2]
     num_seqs = block_tables.shape[0]
-    lat, rope = kv_lora_rank, width - kv_lora_rank
     if out is None:
         out = torch.empty((num_tokens, num_heads, lat), dtype=q.dtype, device=q.device)  # [T, heads, R]
     elif out.shape != (num_tokens, num_heads, lat) or out.dtype != q.dtype or out.stride(2) != 1:
@@ -628,9 +650,10 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         part_out = part_max = part_sum = out  # unused
     expand_min_q = max(expand.min_query_len, 2) if expand is not None else _NO_LIMIT
     expand_max_seq = expand.max_seq_len if expand is not None else -1
-    args = (out, q, cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
+    args = (out, q, q_rope, cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
             kv_scale if fp8 else out, scale * _LOG2E, num_seqs, num_tokens, expand_min_q, expand_max_seq,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
+            q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
+            cache.stride(0), cache.stride(1),
             block_tables.stride(0))
     shape = dict(NUM_HEADS=num_heads, BLOCK_H=block_h, LAT=lat, LAT_P=lat_p, ROPE=rope, ROPE_P=rope_p,
                  BLOCK_SIZE=cache.shape[1], NUM_SPLITS=num_splits,

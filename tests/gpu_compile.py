@@ -155,6 +155,8 @@ def run_moe_shapes() -> None:
             moe.route_softmax_topk_triton(torch.empty(1, 61), 4, False, 4)
         moe.fused_experts(torch.empty(1, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids, *scales,
                           group_k=128 if fp8 else None, tiles=tiles)
+        moe.align_pairs_triton(torch.zeros(256, top_k, dtype=torch.int32), experts, 64)  # decode batches' layout
+        moe.router_logits_tiled(torch.empty(40, hidden, dtype=torch.bfloat16), torch.empty(logits.shape[1], hidden))
 
 
 def run_fp8_qk_attention_shapes() -> None:

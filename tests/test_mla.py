@@ -147,6 +147,28 @@ def test_mla_attention_matches_reference_gpu(num_heads: int, lat: int, rope: int
     _run(case, torch.bfloat16, ATOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("name", ["mixed", "decode-keys-m-split3"])
+def test_mla_attention_reads_split_query_in_place(name: str) -> None:
+    """q as the W_UK product's transposed view [T, heads, R] (head-major storage) and q_rope a strided slice of
+    another tensor give the same rows as the concatenated query, bit for bit."""
+    case = CASES[name]
+    batch = make_batch(case, torch.float32)
+    scale = (case.lat + case.rope) ** -0.5
+    max_query_len = max(case.query_lens)
+    q_lat_heads = batch.q[..., :case.lat].transpose(0, 1).contiguous()  # [heads, T, R]
+    wider = torch.randn(*batch.q.shape[:2], case.rope + 5, device=DEVICE)  # q_pe inside a wider row
+    wider[..., 5:] = batch.q[..., case.lat:]
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, max_query_len, max(case.seq_lens), scale,
+            case.lat)
+    whole = mla_attention(batch.q, batch.cache, *args, config=case.config)
+    split = mla_attention(q_lat_heads.transpose(0, 1), batch.cache, *args, config=case.config,
+                          q_rope=wider[..., 5:])
+    real = batch.num_real_tokens
+    assert torch.equal(split[:real], whole[:real])
+    with pytest.raises(ValueError, match="q_rope"):
+        mla_attention(batch.q, batch.cache, *args, q_rope=wider[..., 5:])  # q must then hold R values only
+
+
 def test_pick_mla_config_splits_small_decode_batches_only() -> None:
     assert pick_mla_config(1, 16, 1, 4096).num_splits == 16  # 1 program: split as far as allowed
     assert pick_mla_config(256, 16, 1, 4096).num_splits == 1  # 256 programs fill 132 SMs

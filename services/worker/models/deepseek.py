@@ -140,11 +140,13 @@ class MlaAttention(nn.Module):
         num_tokens = q.shape[0]
         if not expanded or len(expanded) < sum(1 for query_len in meta.query_lens_host if query_len):
             q_lat = torch.bmm(q[..., :mla.qk_nope_head_dim].transpose(0, 1), w_uk)  # [heads, T, R]
-            q_abs = torch.cat((q_lat.transpose(0, 1), q[..., mla.qk_nope_head_dim:]), dim=-1)  # [T, heads, R + P]
-            out_lat = ops.mla_attend(q_abs, cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
-                                     self.expand if expanded else None)  # [T, heads, R]
-            attn = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, Dv]
-            attn = attn.contiguous()
+            # the absorbed query [q_lat ‖ q_pe] read as two tensors in place: no concatenated copy
+            out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
+                                     self.expand if expanded else None,
+                                     q_rope=q[..., mla.qk_nope_head_dim:])  # [T, heads, R]
+            attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
+            # written through its [heads, T, Dv] view (a strided cuBLAS output): no transposing copy
+            torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=attn.transpose(0, 1))
         else:  # every chunk expands: nothing to absorb
             attn = q.new_zeros((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
         if expanded:
