@@ -2,6 +2,7 @@
 
     python -m pagoda.bench.host_step                      # 256 and 64 rows, 256 tokens each, SmolLM2's tokenizer
     python -m pagoda.bench.host_step --rows 256 --profile 25    # and cProfile's top 25 (by own time)
+    python -m pagoda.bench.host_step --device cuda --tokenizer .gpu/smollm2-tok --profile 25   # a GPU host's CPU
 
 The real LLM.generate runs: scheduler planning and update, the runner's launch (plan diff, batch inputs,
 sampling metadata, result copies) and finish, the engine's per-row outputs and incremental detokenization with
@@ -9,7 +10,9 @@ SmolLM2's real tokenizer. Only the model's forward (empty hidden states), its lo
 sampler (a gather from a table of English text's token ids, so the detokenizer sees real words) are stubs, each
 a few microseconds. Greedy, ignore_eos, max_tokens new tokens per request, all requests at once. What it prints is
 the wall time of the decode steps (the prefill step excluded) per step and per row: on a GPU the same host work
-runs beside the device's, and a step can be no shorter than it.
+runs beside the device's, and a step can be no shorter than it. With --device cuda the decode steps run the CUDA
+graphs of the tiny model itself (microseconds of GPU work), so the figure is the GPU path's host cost: pinned
+copies, graph replays, events and every launch, besides the Python. Writes host_step.json under $OUT (or --out).
 """
 
 from __future__ import annotations
