@@ -719,7 +719,11 @@ class Scheduler:
             seq.num_pending -= 1
             if index == seq.num_prompt_tokens and seq.index == 0 and request.sampling.n > 1:
                 self._fork_siblings(seq)
-            reason = self._stop_reason(seq, token_id)
+            reason = None
+            if token_id in request.stop_ids:  # EOS (unless ignore_eos) and stop_token_ids
+                reason = FinishReason.STOP
+            elif index + 1 >= seq.max_len:  # index + 1 tokens known now
+                reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(seq, reason)
             updates.append(SeqUpdate(seq, token_id, row, reason, prompt_scores))
@@ -931,14 +935,6 @@ class Scheduler:
             updates.append(SeqUpdate(seq, hypothesis.token_ids[-1], -1, seq.finish_reason, score=hypothesis.score,
                                      cumulative_logprob=hypothesis.cumulative_logprob))
         return updates
-
-    @staticmethod
-    def _stop_reason(seq: Sequence, token_id: int) -> FinishReason | None:
-        if token_id in seq.request.stop_ids:  # EOS (unless ignore_eos) and stop_token_ids
-            return FinishReason.STOP
-        if len(seq.token_ids) - seq.num_pending >= seq.max_len:
-            return FinishReason.LENGTH
-        return None
 
     def _fork_siblings(self, first: Sequence) -> None:
         """n > 1: siblings share the first sequence's prompt blocks and recompute only the tail."""
