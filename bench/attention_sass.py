@@ -5,7 +5,10 @@ shared memory, programs an SM can hold (by registers and by shared memory), the 
 key-tile loop (per warp, per tile; the same per thread) and per KV byte a program reads, and the instruction kinds
 that dominate the loop.
 
-    TRITON_INTERPRET=0 python -m pagoda.bench.attention_sass [--heads 16] [--kv-heads 8]
+    TRITON_INTERPRET=0 python -m pagoda.bench.attention_sass [--heads 16] [--kv-heads 8] [--chunk]
+
+--chunk: the tiled launch of query chunks (prefill against cached context) instead, per launch shape, with the
+register count that decides whether two 8-warp programs share an SM (<= 128 a thread), and spills.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +59,67 @@ def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_hea
         tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
         USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, num_warps=NUM_WARPS, num_stages=stages, grid=(1,))
+        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, num_warps=NUM_WARPS, num_stages=stages,
+        grid=(1,))
+
+
+@dataclass(frozen=True)
+class ChunkVariant:
+    """One launch shape of the tiled (chunk) launch; the first row with a bf16 cache is the baseline."""
+
+    mode: str  # a MODES key
+    block_m: int
+    tile_n: int
+    warps: int
+    stages: int
+    staged: bool  # Q_STAGED: q through the output rows, so the dots read it from shared memory
+    max_regs: int  # maxnreg, 0 = the compiler's choice
+
+
+CHUNK_VARIANTS = (
+    ChunkVariant("bf16", 128, 32, 8, 1, False, 0),  # pick_config's bf16 chunk tiles
+    ChunkVariant("f16_words", 128, 64, 8, 1, False, 0),  # the fp8 chunk default before Q_STAGED
+    ChunkVariant("f16_words", 128, 32, 8, 1, False, 0),
+    ChunkVariant("f16_words", 128, 32, 8, 1, True, 0),
+    ChunkVariant("f16_words", 128, 32, 8, 1, True, 128),  # two programs an SM, as bf16
+    ChunkVariant("f16_words", 128, 64, 8, 1, True, 128),
+    ChunkVariant("f16_words", 128, 32, 8, 2, True, 128),
+    ChunkVariant("f16", 128, 32, 8, 1, True, 128),
+    ChunkVariant("qk_fp8", 128, 32, 8, 1, True, 128),
+    ChunkVariant("bf16", 256, 32, 16, 1, False, 0),  # 256 rows: each converted tile serves twice the queries
+    ChunkVariant("f16_words", 256, 32, 16, 1, True, 0),
+    ChunkVariant("bf16", 64, 64, 4, 2, False, 0),  # pick_config's tiles for mostly-decode steps
+    ChunkVariant("f16_words", 64, 64, 4, 2, False, 0),
+    ChunkVariant("f16_words", 64, 64, 4, 2, True, 0),
+    ChunkVariant("f16_words", 64, 32, 4, 2, True, 0),
+    ChunkVariant("f16_words", 64, 64, 4, 2, True, 128),
+)
+
+
+def compile_chunk(variant: ChunkVariant, num_heads: int, num_kv_heads: int):  # -> CompiledKernel
+    """The tiled launch (query chunks longer than one token) as paged_attention launches it."""
+    from pagoda.kernels import paged_attention as pa
+
+    num_seqs, num_tokens = 4, 2048
+    q = torch.empty(num_tokens, num_heads, HEAD_DIM, dtype=torch.bfloat16)  # [T, heads, D]
+    cache_dtype = torch.bfloat16 if variant.mode == "bf16" else torch.float8_e4m3fn
+    k_cache = torch.empty(64, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=cache_dtype)  # [blocks, bs, kvh, D]
+    v_cache = torch.empty_like(k_cache)
+    tables = torch.zeros(num_seqs, 128, dtype=torch.int32)  # [B, max_blocks]
+    lens = torch.zeros(num_seqs, dtype=torch.int32)  # [B]
+    starts = torch.zeros(num_seqs + 1, dtype=torch.int32)  # [B + 1]
+    scale = torch.ones(1)  # [1]
+    out = torch.empty_like(q)  # [T, heads, D]
+    group = num_heads // num_kv_heads
+    regs = {"maxnreg": variant.max_regs} if variant.max_regs else {}
+    return pa._paged_attention_kernel.warmup(
+        out, q, k_cache, v_cache, tables, lens, starts, out, out, out, scale, scale, 0.1, num_seqs, num_tokens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
+        BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[variant.mode], HEADS_FAST=False,
+        USE_ASM=True, KEYS_ON_M=False, BLOCK_Q=variant.block_m // group, BLOCK_M=variant.block_m,
+        TILE_N=variant.tile_n, DECODE=False, SKIP_DECODE=True, Q_STAGED=variant.staged and variant.mode != "bf16",
+        num_warps=variant.warps, num_stages=variant.stages, grid=(1,), **regs)
 
 
 def disassemble(cubin: bytes) -> tuple[str, str]:
@@ -93,15 +157,44 @@ def loop_bodies(sass: str) -> list[list[str]]:
     return bodies
 
 
+def chunk_table(num_heads: int, num_kv_heads: int) -> None:
+    """The tiled launch's variants: registers, programs an SM, spills, and the unmasked loop per 64 keys x 128 rows
+    (warp instructions, comparable across tile shapes)."""
+    print(f"chunks, {num_heads} q / {num_kv_heads} kv heads, head_dim {HEAD_DIM}, sm_90")
+    print("| cache / convert | rows | keys a tile | warps | stages | q staged | maxnreg | regs | shared KB | "
+          "programs/SM | spill instrs (in the key loops) | loop warp instrs per 128 rows x 64 keys | "
+          "top loop instructions |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for v in CHUNK_VARIANTS:
+        kernel = compile_chunk(v, num_heads, num_kv_heads)
+        sass, usage = disassemble(kernel.asm["cubin"])
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        shared = kernel.metadata.shared
+        per_sm = min(SM_REGISTERS // (regs * 32 * v.warps), SM_SHARED // max(shared, 1))
+        spills = sum(1 for line in sass.splitlines() if re.search(r"\b(STL|LDL)\b", line))
+        loops = [b for b in loop_bodies(sass) if len(b) > 100]
+        in_loops = sum(op in ("STL", "LDL") for body in loops for op in body)
+        unmasked = min(loops, key=len)
+        per_unit = len(unmasked) * v.warps * (128 / v.block_m) * (64 / v.tile_n)
+        top = ", ".join(f"{op} {n}" for op, n in collections.Counter(unmasked).most_common(5))
+        print(f"| {v.mode} | {v.block_m} | {v.tile_n} | {v.warps} | {v.stages} | {'yes' if v.staged else 'no'} | "
+              f"{v.max_regs or '-'} | {regs} | {shared / 1024:.0f} | {per_sm} | {spills} ({in_loops}) | "
+              f"{per_unit:.0f} | {top} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--chunk", action="store_true", help="the tiled launch for query chunks instead of decode")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import gpu_compile  # the compile-only sm_90 driver
 
     gpu_compile.driver.set_active(gpu_compile.CompileOnlyDriver())
+    if args.chunk:
+        chunk_table(args.heads, args.kv_heads)
+        return 0
     print(f"decode, {args.heads} q / {args.kv_heads} kv heads, head_dim {HEAD_DIM}, {NUM_WARPS} warps, sm_90")
     print("| cache / convert | keys a tile | stages | keys on M | regs | shared KB | programs/SM | "
           "loop instrs a tile | per KV byte (x1000) | top loop instructions |")

@@ -6,8 +6,8 @@
 #   deepseek-profile,fp8,kv-fp8,structured   (default: tests,parity,pagoda,peers,compiled)
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
 #   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
-#   KV_FP8_ONLY (the fp8 KV decode variants against bf16). structured: bench/structured.py, 256 rows x 256 tokens,
-#   6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency.
+#   KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
+#   tokens, 6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency.
 #   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
 #   tables ($OUT/moe_configs/*.json; commit them under kernels/moe_configs/). moe: the reference, sampled and batch-1
 #   runs on each MOE_SHAPES shape. long: LONG_WORKLOADS ("long-128k long-32k") on LONG_SHAPE (qwen3-8b-yarn).
@@ -161,8 +161,9 @@ if has deepseek-profile; then
     --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 | grep -v "^{" | tail -40
 fi
 if has kv-fp8; then
-  timeout 200 python3 -m pagoda.bench.kv_fp8_bench --only "${KV_FP8_ONLY:-fp8_qk,fp8_words_t64,fp8_default}" 2>&1 \
-    | tail -20
+  timeout 300 python3 -m pagoda.bench.kv_fp8_bench \
+    --only "${KV_FP8_ONLY:-fp8_qk_t64,fp8_unstaged_t64,fp8_staged_t32_r128,fp8_staged_m256,fp8_dequant,fp8_default}" \
+    2>&1 | tail -24
 fi
 if has structured; then
   timeout 300 python3 -m pagoda.bench.structured --model qwen3-0.6b --load-format dummy \

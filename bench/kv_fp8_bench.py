@@ -5,9 +5,10 @@ cycle through copies of the batch in disjoint cache blocks (>= 512 MB of KV a cy
 the 50 MB L2, as in a decode step's 28+ layers; no host launch gaps), at qwen3-0.6b (16 q / 8 kv heads) and
 llama3-8b (32 / 8) shapes, head_dim 128, B = 64 and 256 decode rows over contexts 512-768 (the reference
 workload's spread) and 1024; plus chunks of 512 queries against 1024 cached tokens (prefill against cached
-context). TB/s counts the KV bytes read in the cache's dtype. About a minute on an H200.
+context), 4 x 64 over 1024 cached, and 4 x 512 beside 124 decode rows. TB/s counts the KV bytes read in the cache's
+dtype. About a minute on an H200.
 
-    python -m pagoda.bench.kv_fp8_bench [--quick] [--long] [--only PREFIX,...] [--out FILE]
+    python -m pagoda.bench.kv_fp8_bench [--quick] [--long] [--chunks-only] [--only PREFIX,...] [--out FILE]
     (JSON to $OUT/kv_fp8_bench.json if OUT). First, per model, an accuracy table of every fp8 decode variant for a
     normal q and a q with a few large channels.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from pagoda.bench.cuda_timing import graph_time_ms
 from pagoda.bench.report import write_report
 from pagoda.kernels import paged_attention as pa
 from pagoda.kernels import reference as ref
+from pagoda.kernels.kv_cache import dequantize_blocks
 
 DEVICE = "cuda"
 BLOCK_SIZE = 16
@@ -51,6 +53,9 @@ class Variant:
     name: str
     fp8: bool
     changes: dict[str, Any]  # AttentionConfig fields replaced in pick_config's choice
+    # fp8 cache read another way: every block the batch references dequantized once into a bf16 scratch
+    # (kv_cache.dequantize_blocks), then the bf16 kernel and launch shapes over the scratch; timed together
+    dequant: bool = False
 
 
 DECODE_VARIANTS = (
@@ -77,9 +82,10 @@ DECODE_VARIANTS = (
     Variant("fp8_qkv_t64", True, {"fp8_convert": "qkv_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
+_UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}
 CHUNK_VARIANTS = (
     Variant("bf16", False, {}),
-    Variant("fp8_old", True, {"fp8_convert": "native"}),
+    Variant("fp8_old", True, {"fp8_convert": "native", **_UNSTAGED}),
     Variant("fp8_f16", True, {"fp8_convert": "f16"}),
     Variant("fp8_words", True, {"fp8_convert": "f16_words"}),
     Variant("fp8_vwords", True, {"fp8_convert": "f16_vwords"}),
@@ -87,7 +93,29 @@ CHUNK_VARIANTS = (
     Variant("fp8_qk", True, {"fp8_convert": "qk_fp8"}),
     Variant("fp8_qk_t64", True, {"fp8_convert": "qk_fp8", "prefill_tile_n": 64}),
     Variant("fp8_qkv", True, {"fp8_convert": "qkv_fp8"}),
+    # q staged through memory (AttentionConfig.fp8_q_staged) or kept in registers as before, with or without a
+    # 128-register cap (two 8-warp programs an SM); "fp8_unstaged_t64" is the chunk default before staging
+    Variant("fp8_unstaged_t64", True, {"prefill_tile_n": 64, **_UNSTAGED}),
+    Variant("fp8_unstaged_t32", True, {"prefill_tile_n": 32, **_UNSTAGED}),
+    Variant("fp8_unstaged_t32_r128", True, {"prefill_tile_n": 32, "fp8_q_staged": False, "prefill_max_regs": 128}),
+    Variant("fp8_staged_t32", True, {"prefill_tile_n": 32, "prefill_max_regs": 0}),
+    Variant("fp8_staged_t32_r128", True, {"prefill_tile_n": 32, "prefill_max_regs": 128}),
+    Variant("fp8_staged_t64_r128", True, {"prefill_tile_n": 64, "prefill_max_regs": 128}),
+    Variant("fp8_staged_t32_r128_s2", True, {"prefill_tile_n": 32, "prefill_max_regs": 128,
+                                             "prefill_num_stages": 2}),
+    # 256-row tiles, 16 warps (one program an SM, 126 registers): each converted K/V tile serves twice the rows
+    Variant("bf16_m256", False, {"prefill_block_m": 256, "prefill_num_warps": 16}),
+    Variant("fp8_staged_m256", True, {"prefill_block_m": 256, "prefill_num_warps": 16, "prefill_tile_n": 32,
+                                      "prefill_max_regs": 0}),
+    Variant("fp8_dequant", True, {}, dequant=True),
     Variant("fp8_default", True, {}),
+)
+# (label, query lengths, seq_lens): chunks over 1024 cached tokens (the 4 x 512 row of issue 25), short chunks (one
+# 128-row tile a kv head), and a mostly-decode step (124 decode rows beside 4 chunks: pick_config's 64-row tiles)
+CHUNK_SHAPES = (
+    ("1024 cached + 512 new", [512] * 4, [1536] * 4),
+    ("1024 cached + 64 new", [64] * 4, [1088] * 4),
+    ("1024 cached + 512 new, 124 decodes", [512] * 4 + [1] * 124, [1536] * 4 + [1024] * 124),
 )
 
 
@@ -113,6 +141,7 @@ class Batch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens_host: list[int]
     query_lens_host: list[int]
+    dequant_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # see dequant_plan
 
 
 def make_batch(num_heads: int, num_kv_heads: int, query_lens: list[int], seq_lens: list[int]) -> Batch:
@@ -150,15 +179,38 @@ def make_batch(num_heads: int, num_kv_heads: int, query_lens: list[int], seq_len
 
 def variant_config(batch: Batch, variant: Variant) -> pa.AttentionConfig:
     num_kv_heads = batch.caches[False][0].shape[2]
+    fp8_kernel = variant.fp8 and not variant.dequant  # the dequant variant runs the bf16 kernel
     base = pa.pick_config(batch.q.shape[0], len(batch.seq_lens_host), num_kv_heads,
                           batch.q.shape[1] // num_kv_heads, max(batch.query_lens_host), max(batch.seq_lens_host),
-                          torch.cuda.get_device_properties(0).multi_processor_count, variant.fp8)
+                          torch.cuda.get_device_properties(0).multi_processor_count, fp8_kernel)
     return replace(base, **variant.changes)
+
+
+def dequant_plan(batch: Batch, copy: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_ids [n] int32: the blocks copy `copy` of the batch references, sequence by sequence; the block table
+    [B, max_blocks] int32 of the scratch that holds them in that order). Built on the host once per copy (first
+    call, eager, before any graph capture)."""
+    if copy not in batch.dequant_plans:
+        tables = batch.copy_tables[copy].cpu()  # [B, max_blocks]
+        ids, scratch_table, used = [], torch.zeros_like(tables), 0
+        for b, seq_len in enumerate(batch.seq_lens_host):
+            n = -(-seq_len // BLOCK_SIZE)
+            ids.append(tables[b, :n])
+            scratch_table[b, :n] = torch.arange(used, used + n, dtype=torch.int32)
+            used += n
+        batch.dequant_plans[copy] = (torch.cat(ids).to(DEVICE), scratch_table.to(DEVICE))
+    return batch.dequant_plans[copy]
 
 
 def run_variant(batch: Batch, variant: Variant, config: pa.AttentionConfig, copy: int = 0) -> torch.Tensor:
     k_cache, v_cache = batch.caches[variant.fp8]
     k_scale, v_scale = batch.scales if variant.fp8 else (None, None)
+    if variant.dequant:
+        block_ids, scratch_table = dequant_plan(batch, copy)
+        k_scratch, v_scratch = dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_ids, batch.q.dtype)
+        return pa.paged_attention(batch.q, k_scratch, v_scratch, scratch_table, batch.seq_lens,
+                                  batch.query_start_loc, max(batch.query_lens_host), max(batch.seq_lens_host),
+                                  HEAD_DIM ** -0.5, config=config)
     return pa.paged_attention(batch.q, k_cache, v_cache, batch.copy_tables[copy], batch.seq_lens,
                               batch.query_start_loc, max(batch.query_lens_host), max(batch.seq_lens_host),
                               HEAD_DIM ** -0.5, config=config, k_scale=k_scale, v_scale=v_scale)
@@ -275,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10, help="graph replays per timing (each >= 512 MB of KV)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--only", default="", help="comma-separated variant name prefixes (bf16 always runs)")
+    parser.add_argument("--chunks-only", action="store_true", help="only the chunk shapes (no decode, no accuracy)")
     args = parser.parse_args(argv)
     prefixes = [p for p in args.only.split(",") if p]
     decode_variants, chunk_variants = select(DECODE_VARIANTS, prefixes), select(CHUNK_VARIANTS, prefixes)
@@ -288,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name(0)}, one layer, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; CUDA-graph times "
           f"over >= {CYCLE_BYTES >> 20} MB of KV a cycle (no L2 reuse)")
     results: list[dict[str, Any]] = []
+    if args.chunks_only:
+        batches = ()
     for model, (num_heads, num_kv_heads) in MODELS.items():
-        results.extend(accuracy(model, num_heads, num_kv_heads, decode_variants))
+        if not args.chunks_only:
+            results.extend(accuracy(model, num_heads, num_kv_heads, decode_variants))
         for num_seqs in batches:
             for lo, hi in contexts:
                 seq_lens = [lo + (b * (hi - lo)) // num_seqs for b in range(num_seqs)]
@@ -299,11 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                 print_rows(f"{model} decode B={num_seqs} ctx {label['ctx']}", rows)
                 results.extend(rows)
                 del batch
-        batch = make_batch(num_heads, num_kv_heads, [512] * 4, [1536] * 4)
-        label = {"model": model, "kind": "chunk", "B": 4, "ctx": "1024 cached + 512 new"}
-        rows = measure(batch, chunk_variants, label, True, args.iters)
-        print_rows(f"{model} chunks 4 x 512 queries over 1024 cached tokens", rows)
-        results.extend(rows)
+        for ctx, query_lens, seq_lens in CHUNK_SHAPES:
+            batch = make_batch(num_heads, num_kv_heads, query_lens, seq_lens)
+            label = {"model": model, "kind": "chunk", "B": len(query_lens), "ctx": ctx}
+            rows = measure(batch, chunk_variants, label, True, args.iters)
+            print_rows(f"{model} chunks, {len(query_lens)} sequences: {ctx}", rows)
+            results.extend(rows)
+            del batch
         torch.cuda.empty_cache()
     print_summary(results)
     failed = [r for r in results if "error" in r or r.get("ok") is False]

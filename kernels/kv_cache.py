@@ -1,4 +1,5 @@
-"""Triton kernel that writes this step's K/V rows into their slots of the paged KV cache."""
+"""Triton kernels for the paged KV cache: write this step's K/V rows into their slots; dequantize listed blocks of an
+fp8 cache into a 16-bit copy."""
 
 from __future__ import annotations
 
@@ -86,3 +87,57 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_P=heads_p, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=k_cache.shape[1], FP8=fp8, num_warps=4 if heads_p * head_dim_p <= 2048 else 8)
+
+
+@triton.jit
+def _dequantize_blocks_kernel(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_ids_ptr, k_out_ptr,
+                              v_out_ptr, stride_kb, stride_vb, BLOCK_ELEMS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (i, part): elements [part * CHUNK, (part + 1) * CHUNK) of cache block block_ids[i], K and V, as
+    e4m3 * scale (fp32 product, one rounding to the output dtype) into row i of the outputs."""
+    i = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < BLOCK_ELEMS
+    block = tl.load(block_ids_ptr + i).to(tl.int64)
+    k = tl.load(k_cache_ptr + block * stride_kb + offs, mask=mask).to(tl.float32) * tl.load(k_scale_ptr)
+    v = tl.load(v_cache_ptr + block * stride_vb + offs, mask=mask).to(tl.float32) * tl.load(v_scale_ptr)
+    tl.store(k_out_ptr + i * BLOCK_ELEMS + offs, k.to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_out_ptr + i * BLOCK_ELEMS + offs, v.to(v_out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                      block_ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The listed blocks of an fp8 (e4m3) cache pair [num_blocks, block_size, kv_heads, head_dim], dequantized
+    (e4m3 * its per-tensor scale, as reference.dequantize_blocks): block_ids [n] int32/int64 ->
+    (k, v) [n, block_size, kv_heads, head_dim] in dtype, row i the copy of block block_ids[i]. For paged attention
+    over a 16-bit scratch copy of the blocks a batch of long chunks references (each block converted once, not
+    once per query tile). Ids must be < num_blocks (not checked: it would cost a device sync)."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must both be [num_blocks, block_size, kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"caches must be float8_e4m3fn, got {k_cache.dtype} and {v_cache.dtype}")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    for cache in (k_cache, v_cache):  # each block one contiguous run of elements
+        if cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
+            raise ValueError(f"each cache block must be contiguous, got strides {cache.stride()}")
+    if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64) or not block_ids.is_contiguous():
+        raise ValueError(f"block_ids must be [n] int32/int64 contiguous, got {tuple(block_ids.shape)} "
+                         f"{block_ids.dtype}")
+    if not all(s.shape == (1,) and s.dtype == torch.float32 for s in (k_scale, v_scale)):
+        raise ValueError("k_scale and v_scale must be [1] fp32 tensors")
+    if not (k_cache.device == v_cache.device == block_ids.device == k_scale.device == v_scale.device):
+        raise ValueError("all tensors must be on one device")
+    shape = (block_ids.shape[0], block_size, num_kv_heads, head_dim)
+    k_out = torch.empty(shape, dtype=dtype, device=k_cache.device)  # [n, block_size, kv_heads, head_dim]
+    v_out = torch.empty(shape, dtype=dtype, device=k_cache.device)  # [n, block_size, kv_heads, head_dim]
+    if block_ids.shape[0] == 0:
+        return k_out, v_out
+    block_elems = block_size * num_kv_heads * head_dim
+    chunk = min(4096, triton.next_power_of_2(block_elems))
+    _dequantize_blocks_kernel[(block_ids.shape[0], triton.cdiv(block_elems, chunk))](
+        k_cache, v_cache, k_scale, v_scale, block_ids, k_out, v_out, k_cache.stride(0), v_cache.stride(0),
+        BLOCK_ELEMS=block_elems, CHUNK=chunk, num_warps=4)
+    return k_out, v_out

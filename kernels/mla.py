@@ -58,7 +58,7 @@ _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_LATENT_DIM = 1024
 _MAX_ROPE_DIM = 256
-_MAX_SPLITS = 16
+_MAX_SPLITS = 32  # batch 1, 1k keys on an H200: 16 splits 12.1 us, 32 11.2, 64 19.5 (16 heads; 128: 16.6, 15.3, 35.9)
 # Chunks of at least this many queries take the expanded path, by the attention heads on this rank: the crossover
 # measured on one H200 (bench/mla_bench.py --quick, 2026-12-02, bf16 latents; bench/results/s7/mla_bench.json).
 # 128 heads (V3): expanding won from 1024 queries with no cached context, 512 over 1024 cached tokens, 256 over
@@ -318,11 +318,15 @@ WIDE_BLOCK_H = 64
 
 @functools.lru_cache(maxsize=256)
 def pick_mla_config(num_seqs: int, num_heads: int, max_query_len: int, max_seq_len: int,
-                    num_sms: int = 132, legacy: bool = False) -> MLAConfig:
+                    num_sms: int = 132, legacy: bool = False, fp8: bool = False) -> MLAConfig:
     """Default launch shapes, chosen from what ptxas reports for sm_90 (no spills in the bf16 decode loop;
     bench/mla_bench.py --sweep times the alternatives on the target GPU): >= 64 heads: 64-head programs, 32-key
     tiles, 8 warps (a [64, 512] fp32 accumulator over two warp groups); fewer heads: decode transposed (keys as the
     M dim, so wgmma runs with 16 heads), 32-key tiles, 4 warps, 3 stages. Split-KV for small decode batches.
+    Decode batches that fill the GPU without splits take the H200 sweep's winners (bench/mla_bench.py --sweep,
+    B=256, 1k keys, 2026-12-02): 128 heads 64-key tiles, 2 stages (303 us against 439 bf16, 501 against 792 fp8);
+    16 heads bf16 untransposed 32-key tiles, 4 warps, 2 stages (94.9 us = 0.76 of HBM, against 127.7), fp8 the
+    transposed shape with 2 stages (126.8 against 131.5). fp8: the cache is e4m3.
     legacy: the 16-heads-per-program shape of the first version (for comparisons)."""
     if legacy:
         block_h = min(16, triton.next_power_of_2(num_heads))
@@ -330,13 +334,16 @@ def pick_mla_config(num_seqs: int, num_heads: int, max_query_len: int, max_seq_l
                                                     num_sms), block_h=block_h, heads_fast=max_query_len <= 1)
     if num_heads >= WIDE_BLOCK_H:
         splits = pick_mla_splits(num_seqs, -(-num_heads // WIDE_BLOCK_H), max_query_len, max_seq_len, num_sms)
-        return MLAConfig(num_splits=splits, block_h=WIDE_BLOCK_H, decode_tile_n=32, decode_num_warps=8,
-                         decode_num_stages=3, prefill_block_m=WIDE_BLOCK_H, prefill_tile_n=32, prefill_num_warps=8,
-                         prefill_num_stages=2, heads_fast=max_query_len <= 1)
+        full = splits == 1 and max_query_len <= 1
+        return MLAConfig(num_splits=splits, block_h=WIDE_BLOCK_H, decode_tile_n=64 if full else 32,
+                         decode_num_warps=8, decode_num_stages=2 if full else 3, prefill_block_m=WIDE_BLOCK_H,
+                         prefill_tile_n=32, prefill_num_warps=8, prefill_num_stages=2, heads_fast=max_query_len <= 1)
     block_h = min(16, triton.next_power_of_2(num_heads))
     splits = pick_mla_splits(num_seqs, -(-num_heads // block_h), max_query_len, max_seq_len, num_sms)
-    return MLAConfig(num_splits=splits, block_h=block_h, decode_tile_n=32, decode_num_warps=4, decode_num_stages=3,
-                     decode_keys_m=True, heads_fast=max_query_len <= 1)
+    full = splits == 1 and max_query_len <= 1
+    return MLAConfig(num_splits=splits, block_h=block_h, decode_tile_n=32, decode_num_warps=4,
+                     decode_num_stages=2 if full else 3, decode_keys_m=fp8 or not full,
+                     heads_fast=max_query_len <= 1)
 
 
 @triton.jit
@@ -633,7 +640,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         return out
     if config is None:
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-        config = pick_mla_config(num_seqs, num_heads, max_query_len, max_seq_len, num_sms)
+        config = pick_mla_config(num_seqs, num_heads, max_query_len, max_seq_len, num_sms, fp8=fp8)
     else:
         _check_config(config)
     lat_p, rope_p = max(16, triton.next_power_of_2(lat)), max(16, triton.next_power_of_2(rope))

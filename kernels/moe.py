@@ -248,9 +248,6 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
 # Up to this many tokens the fp32 router reads the activations directly (a GEMV per token and expert block); more,
 # and the cuBLAS GEMM on an fp32 copy reads the router once for all of them.
 ROUTER_GEMV_MAX_TOKENS = 16
-# Up to here (decode batches) a tiled Triton kernel: cuBLAS's fp32 path is a copy of h to fp32 and a SIMT sgemm,
-# ~9 us at 256 tokens for V2-Lite's router on an H200 (profiled); prefill chunks keep it.
-ROUTER_TILED_MAX_TOKENS = 512
 
 
 def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
@@ -259,8 +256,6 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     place of a copy kernel and a cuBLAS GEMV; the products and sums are fp32 either way, their order differs."""
     if h.is_cuda and h.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
         return router_logits_triton(h, router)
-    if h.is_cuda and h.shape[0] <= ROUTER_TILED_MAX_TOKENS:
-        return router_logits_tiled(h, router)
     return torch.nn.functional.linear(h.float(), router)
 
 
@@ -281,44 +276,6 @@ def _router_gemv_kernel(h_ptr, w_ptr, out_ptr, num_experts, hidden, stride_ht, s
                     mask=e_mask[:, None] & h_mask[None, :], other=0.0)  # [BE, BH]
         acc += w * x[None, :]
     tl.store(out_ptr + token * stride_ot + offs_e, tl.sum(acc, axis=1), mask=e_mask)
-
-
-@triton.jit
-def _router_tiled_kernel(h_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, stride_ht, stride_we, stride_ot,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """BLOCK_T tokens x BLOCK_E experts: fp32 products summed per lane over H, then across lanes, the same order
-    for every (token, expert) (equal router rows give equal logits, as in _router_gemv_kernel)."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    t_mask = offs_t < num_tokens
-    e_mask = offs_e < num_experts
-    offs_h = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_H), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        h_mask = offs_h < hidden - h0
-        x = tl.load(h_ptr + offs_t[:, None].to(tl.int64) * stride_ht + (h0 + offs_h)[None, :],
-                    mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)  # [BT, BH]
-        w = tl.load(w_ptr + offs_e[:, None] * stride_we + (h0 + offs_h)[None, :],
-                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)  # [BE, BH]
-        acc += x[:, None, :] * w[None, :, :]
-    logits = tl.sum(acc, axis=2)  # [BT, BE]
-    tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_e[None, :], logits,
-             mask=t_mask[:, None] & e_mask[None, :])
-
-
-def router_logits_tiled(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """router_logits for decode batches: one program per 16 tokens x 16 experts."""
-    num_tokens, hidden = h.shape
-    num_experts = router.shape[0]
-    assert router.shape == (num_experts, hidden) and router.dtype == torch.float32
-    assert h.stride(1) == 1 and router.stride(1) == 1
-    out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=h.device)  # [T, E]
-    block_t, block_e, block_h = 16, 16, 32
-    if num_tokens:
-        _router_tiled_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))](
-            h, router, out, num_tokens, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4)
-    return out
 
 
 def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,12 @@ class AttentionConfig:
     heads_fast: bool = False  # grid axis 0 = kv head: a sequence's kv heads run side by side (adjacent cache bytes)
     fp8_convert: str = "f16_words"  # fp8 cache with a 16-bit q: how K/V tiles are converted (FP8_CONVERTS)
     decode_keys_on_m: bool = False  # decode dots transposed: keys on the M rows, the G query heads on N
+    # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
+    # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
+    # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
+    # path's loss against bf16, issue 25; sm_90 SASS: python -m pagoda.bench.attention_sass --chunk).
+    fp8_q_staged: bool = True
+    prefill_max_regs: int = 0  # ptxas register cap a thread for the tiled launch (maxnreg); 0: the compiler's choice
 
 
 @functools.lru_cache(maxsize=8)
@@ -112,15 +118,22 @@ def check_batch_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query
 
 @functools.lru_cache(maxsize=256)
 def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: int, max_query_len: int,
-                max_seq_len: int, num_sms: int = 132, fp8_kv: bool = False) -> AttentionConfig:
+                max_seq_len: int, num_sms: int = 132, fp8_kv: bool = False, head_dim: int = 128) -> AttentionConfig:
     """Default launch shapes, from an H200 sweep (python -m pagoda.bench.kernels --sweep, llama3-8b, bf16).
     Decode: 64-key tiles, 4 warps (B=256 ctx=2048 at 4.3 TB/s). Prefill-only steps (8x512): 128-row tiles of
     32 keys, 8 warps, 1 stage (88.7 us; the old 128/64/8/2 was ~10% slower). Steps that are mostly decode rows
     plus a few chunks (4x512 + 124 decodes): 64-row tiles of 64 keys (277 us vs 310 us). Decode-only batches put
     the kv heads on grid axis 0 (bench/decode_profile.py --sweep). An fp8 cache (fp8_kv) converts K/V as 32-bit
     words (f16_words) on 64-key tiles in decode and in chunks: H200, 2026-12-02 (bench/kv_fp8_bench.py, graph-timed),
-    B=256 ctx 1024 llama3-8b 211 us vs 214 us with 128-key tiles and 286 us for bf16; B=64 ctx 512-768 42 vs 52 us;
-    4x512-query chunks over 1024 cached tokens 201 vs 274 us (bf16 159 us)."""
+    B=256 ctx 1024 llama3-8b 211 us vs 214 us with 128-key tiles and 286 us for bf16; B=64 ctx 512-768 42 vs 52 us.
+    Chunks over an fp8 cache were ~20% slower than bf16 (same call: 4x512 queries over 1024 cached tokens, 201 us
+    vs 159 us): the fp16-scaled q, a computed dot operand, stayed in registers (176-193 a thread, one 8-warp
+    program an SM; bf16's loaded q sits in shared memory: 125, two programs). Now q is staged through memory
+    (fp8_q_staged) and the 128-row launch capped at 128 registers: bf16's 32-key tiles, two programs an SM, the
+    same SASS loop length as bf16 (4176 warp instructions per 128 rows x 64 keys; 2 spill instructions, both
+    outside the loop), at half the KV bytes (python -m pagoda.bench.attention_sass --chunk). To be confirmed on the
+    GPU: python -m pagoda.bench.kv_fp8_bench --chunks-only (fp8_default vs fp8_unstaged_t64, the old choice).
+    The cap is for head_dim <= 128 (a 128 x 256 fp32 accumulator alone fills 128 registers)."""
     num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
     if max_query_len <= 1:
         # Decode-only: kv heads first on the grid, so one sequence's heads read their blocks' adjacent bytes
@@ -128,7 +141,7 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
         return AttentionConfig(num_splits=num_splits, heads_fast=True)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     if max_query_len * group_size >= 128 and not mostly_decode:
-        return AttentionConfig(num_splits=num_splits, prefill_tile_n=64 if fp8_kv else 32)
+        return AttentionConfig(num_splits=num_splits, prefill_max_regs=128 if fp8_kv and head_dim <= 128 else 0)
     return AttentionConfig(num_splits=num_splits, prefill_block_m=64, prefill_tile_n=64, prefill_num_warps=4,
                            prefill_num_stages=2)
 
@@ -363,6 +376,25 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
 
 
 @triton.jit
+def _stage_rows(q, out_ptr, row_token, row_head, row_valid, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_P: tl.constexpr):
+    """q [BLOCK_M, HEAD_DIM_P] (fp16 or e4m3, computed by this program) stored to this program's own output rows
+    (a 16-bit row of HEAD_DIM elements holds it: e4m3 fills its first half) and loaded back after a barrier: the
+    same values, now a loaded tensor, which the compiler puts in shared memory for the dots instead of registers.
+    The rows belong to this program alone and are overwritten by its result (needs NUM_SPLITS == 1)."""
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    mask = row_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    row_off = row_token[:, None] * stride_ot + row_head[:, None] * stride_oh  # [BLOCK_M, 1] in 16-bit elements
+    if q.dtype == tl.float16:
+        ptrs = out_ptr.to(tl.pointer_type(tl.float16), bitcast=True) + row_off + offs_d[None, :]
+    else:  # e4m3: byte offsets
+        ptrs = out_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True) + 2 * row_off + offs_d[None, :]
+    tl.store(ptrs, q, mask=mask)
+    tl.debug_barrier()  # every thread's stores are visible to the CTA's loads
+    return tl.load(ptrs, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+
+
+@triton.jit
 def _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -392,7 +424,8 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
+        FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
+        Q_STAGED: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -400,7 +433,8 @@ def _paged_attention_kernel(
     of the flattened batch, found by binary search; SKIP_DECODE leaves length-1 sequences to a DECODE launch.
     HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together.
     FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
-    inline asm allowed (not in Triton's interpreter)."""
+    inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
+    goes through the program's output rows (_stage_rows) to reach the dots from shared memory."""
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -474,6 +508,8 @@ def _paged_attention_kernel(
         qk_scale = qk_scale / q_mult
         if FP8_MODE == 3:  # f16_bits keys are e4m3 * 2^-8
             qk_scale = qk_scale * 256.0
+    if Q_STAGED:
+        q = _stage_rows(q, out_ptr, row_token, row_head, row_valid, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -579,6 +615,8 @@ def _check_config(config: AttentionConfig) -> None:
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if not 1 <= config.num_splits <= 64:
         raise ValueError(f"num_splits must be in 1..64, got {config.num_splits}")
+    if config.prefill_max_regs and not 32 <= config.prefill_max_regs <= 255:
+        raise ValueError(f"prefill_max_regs must be 0 or in 32..255, got {config.prefill_max_regs}")
     if config.fp8_convert not in FP8_CONVERTS:
         raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {config.fp8_convert!r}")
 
@@ -614,7 +652,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if config is None:
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-        config = pick_config(num_tokens, num_seqs, num_kv_heads, group, max_query_len, max_seq_len, num_sms, fp8_kv)
+        config = pick_config(num_tokens, num_seqs, num_kv_heads, group, max_query_len, max_seq_len, num_sms, fp8_kv,
+                             head_dim)
     else:
         _check_config(config)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
@@ -632,10 +671,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             scale * _LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    fp8_mode = _fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache)
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 FP8_MODE=_fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache),
-                 HEADS_FAST=config.heads_fast, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
+                 FP8_MODE=fp8_mode, HEADS_FAST=config.heads_fast,
+                 USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
@@ -649,16 +689,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
-            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, num_warps=config.decode_num_warps,
-            num_stages=config.decode_num_stages)
+            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, Q_STAGED=False,
+            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
         block_q = block_m // group
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
-            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, num_warps=config.prefill_num_warps,
-            num_stages=config.prefill_num_stages)
+            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False,
+            Q_STAGED=config.fp8_q_staged and fp8_mode >= 2 and num_splits == 1,
+            num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
+            **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}))
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1),

@@ -324,6 +324,15 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def dequantize_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                      block_ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks block_ids [n] of an e4m3 cache pair [N, bs, kv_heads, D] as (e4m3 * scale).to(dtype): [n, bs, kv_heads,
+    D] each (kv_cache.dequantize_blocks)."""
+    ids = block_ids.long()
+    return ((k_cache[ids].float() * k_scale).to(dtype), (v_cache[ids].float() * v_scale).to(dtype))
+
+
 def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row (per-token, per-output-channel) scales, or per row and group of group_size columns:
     x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1] or [M, ceil(K / group_size)]); x ~= q * scale."""

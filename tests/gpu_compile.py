@@ -156,7 +156,6 @@ def run_moe_shapes() -> None:
         moe.fused_experts(torch.empty(1, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids, *scales,
                           group_k=128 if fp8 else None, tiles=tiles)
         moe.align_pairs_triton(torch.zeros(256, top_k, dtype=torch.int32), experts, 64)  # decode batches' layout
-        moe.router_logits_tiled(torch.empty(40, hidden, dtype=torch.bfloat16), torch.empty(logits.shape[1], hidden))
 
 
 def run_fp8_qk_attention_shapes() -> None:
@@ -188,6 +187,29 @@ def run_fp8_qk_attention_shapes() -> None:
                         k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
+def run_fp8_chunk_attention_shapes() -> None:
+    """Chunks over an fp8 cache with pick_config's own launch shapes (q staged through the output rows, the
+    128-register cap on 128-row tiles) at qwen3-0.6b's and llama3-8b's dims, head_dim 128: 4 x 512 new queries over
+    1024 cached tokens, and the same beside 124 decode rows (the mostly-decode 64-row tiles); and the dequantization
+    of an fp8 cache's blocks into a bf16 scratch (kv_fp8_bench's fp8_dequant variant)."""
+    from pagoda.kernels.kv_cache import dequantize_blocks
+    from pagoda.kernels.paged_attention import paged_attention
+
+    for num_heads, num_decodes in itertools.product((16, 32), (0, 124)):
+        context, num_kv_heads = 1536, 8
+        query_lens = [512] * 4 + [1] * num_decodes
+        q = torch.empty(sum(query_lens), num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
+        cache = torch.empty(len(query_lens) * context // 16, 16, num_kv_heads, 128,
+                            dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
+        block_tables = torch.zeros(len(query_lens), context // 16, dtype=torch.int32)  # [B, max_blocks]
+        seq_lens = torch.full((len(query_lens),), context, dtype=torch.int32)  # [B]
+        qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)  # [B + 1]
+        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 512, context, 0.1,
+                        k_scale=torch.ones(1), v_scale=torch.ones(1))
+    cache = torch.empty(64, 16, 8, 128, dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
+    dequantize_blocks(cache, cache, torch.ones(1), torch.ones(1), torch.arange(8), torch.bfloat16)
+
+
 def run_sampler() -> None:
     """The sampler's start-up warm-up (every variant a served batch can launch) through the Triton kernels."""
     from pagoda.services.worker.sampler import sample
@@ -213,6 +235,7 @@ def main() -> int:
     run_mla_shapes()
     run_moe_shapes()
     run_fp8_qk_attention_shapes()
+    run_fp8_chunk_attention_shapes()
     run_sampler()
     run_block_copy()
     for name, result in sorted(RESULTS.items()):

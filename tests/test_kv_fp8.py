@@ -135,8 +135,47 @@ def test_fp8_config_checked_and_defaults() -> None:
     assert decode.decode_tile_n == 64 and decode.fp8_convert == "f16_words"  # measured fastest (kv_fp8_bench)
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
     chunks = (2048, 4, 8, 2, 512, 1536)  # 4 x 512 new queries over 1024 cached tokens
-    assert pick_config(*chunks, fp8_kv=True).prefill_tile_n == 64
-    assert pick_config(*chunks).prefill_tile_n == 32  # a bf16 cache keeps its chunk tiles
+    fp8_chunks, bf16_chunks = pick_config(*chunks, fp8_kv=True), pick_config(*chunks)
+    assert fp8_chunks.prefill_tile_n == bf16_chunks.prefill_tile_n == 32  # bf16's tiles, two programs an SM:
+    assert fp8_chunks.fp8_q_staged and fp8_chunks.prefill_max_regs == 128  # q staged, registers capped
+    assert bf16_chunks.prefill_max_regs == 0
+    assert pick_config(*chunks, fp8_kv=True, head_dim=256).prefill_max_regs == 0  # its accumulator alone is 128
+    with pytest.raises(ValueError, match="prefill_max_regs"):
+        _check(case, AttentionConfig(prefill_max_regs=16), 1.0)
+
+
+@pytest.mark.parametrize("convert", ["f16_words", "qk_fp8"])
+def test_fp8_chunk_q_staged_through_out_rows(convert: str) -> None:
+    """Staging the converted q through the output rows (fp16, or e4m3 codes in a row's first half) gives the same
+    output as q kept in registers (bit for bit in the interpreter), and the reference's within its tolerance;
+    chunks of several 16-row tiles beside a decode row, padding rows past qsl[B] come out zero and every row is
+    written (out starts as NaN); the register cap is accepted (the interpreter ignores it)."""
+    case = _fp8_case([20, 1, 7], [45, 9, 7], torch.float16, seed=6)
+    num_rows = case["q"].shape[0] + 3  # 3 padding rows
+    q = torch.cat([case["q"], torch.randn(3, *case["q"].shape[1:]).half()])  # [T + 3, heads, D]
+    outs = []
+    for staged in (True, False):
+        config = AttentionConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16, fp8_convert=convert,
+                                 fp8_q_staged=staged, prefill_max_regs=128 if staged else 0)
+        out = torch.full((num_rows, *q.shape[1:]), float("nan"), dtype=q.dtype, device=DEVICE)  # [T + 3, heads, D]
+        paged_attention(q.to(DEVICE), case["k_cache"].to(DEVICE), case["v_cache"].to(DEVICE),
+                        case["block_tables"].to(DEVICE), torch.tensor(case["seq_lens"], dtype=torch.int32,
+                                                                      device=DEVICE),
+                        case["qsl"].to(DEVICE), 20, 45, SCALE, out=out, config=config,
+                        k_scale=case["k_scale"].to(DEVICE), v_scale=case["v_scale"].to(DEVICE))
+        outs.append(out.float().cpu())
+    staged_out, register_out = outs
+    if DEVICE == "cpu":  # the same arithmetic; on the GPU two compiles may fuse the fp32 softmax ops differently
+        assert torch.equal(staged_out, register_out)
+    torch.testing.assert_close(staged_out, register_out, rtol=0.0, atol=1e-3 * register_out.abs().max().item())
+    assert (staged_out[-3:] == 0).all()
+    # qk_fp8 against the reference fed its row-quantized q (as test_qk_fp8_matches_row_quantized_q)
+    ref_q = case["q"].float() if convert == "f16_words" else _quantize_q_rows(case["q"]).float()
+    expected = ref.paged_attention(ref_q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
+                                   case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                   v_scale=case["v_scale"])  # [T, heads, D] fp32
+    torch.testing.assert_close(staged_out[:-3], expected, rtol=0.0,
+                               atol=ATOL[torch.float16] * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("head_dim", [24, 18])
@@ -269,3 +308,30 @@ def test_e4m3_words_convert_every_code(use_asm: bool) -> None:
         finite = want.isfinite()
         out, want = out[finite], want[finite]
     torch.testing.assert_close(out, want, rtol=0.0, atol=0.0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_blocks_matches_reference(dtype: torch.dtype) -> None:
+    """Listed blocks (repeated and out of order) of a cache holding every e4m3 code, times the scales: equal to the
+    reference's (one fp32 product, one rounding; bf16 within one unit in the last place, as Triton's interpreter
+    does not round its fp32 -> bf16 cast to nearest); an empty list gives empty copies; bad input raises."""
+    from pagoda.kernels.kv_cache import dequantize_blocks
+
+    case = _fp8_case([1], [70], torch.float16, head_dim=24, seed=9)
+    block_ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    nan_free = torch.tensor(case["block_tables"][0, :5].tolist(), dtype=torch.int32)[block_ids.long()]  # real blocks
+    args = [t.to(DEVICE) for t in (case["k_cache"], case["v_cache"], case["k_scale"], case["v_scale"], nan_free)]
+    k, v = dequantize_blocks(*args, dtype=dtype)
+    want_k, want_v = ref.dequantize_blocks(case["k_cache"], case["v_cache"], case["k_scale"], case["v_scale"],
+                                           nan_free, dtype)
+    assert k.shape == (4, 16, 2, 24) and k.dtype == dtype
+    rtol = 2.0 ** -7 if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1" else 0.0
+    torch.testing.assert_close(k.cpu(), want_k, rtol=rtol, atol=0.0)
+    torch.testing.assert_close(v.cpu(), want_v, rtol=rtol, atol=0.0)
+    assert (want_k[0] != 0).any() and not torch.equal(want_k[0], want_k[1])
+    empty_k, _ = dequantize_blocks(*args[:4], torch.zeros(0, dtype=torch.int64, device=DEVICE), dtype=dtype)
+    assert empty_k.shape == (0, 16, 2, 24)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dequantize_blocks(args[0].to(torch.float16), *args[1:])
+    with pytest.raises(ValueError, match="contiguous"):
+        dequantize_blocks(args[0].transpose(1, 2), args[1].transpose(1, 2), *args[2:])

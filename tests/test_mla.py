@@ -170,14 +170,18 @@ def test_mla_attention_reads_split_query_in_place(name: str) -> None:
 
 
 def test_pick_mla_config_splits_small_decode_batches_only() -> None:
-    assert pick_mla_config(1, 16, 1, 4096).num_splits == 16  # 1 program: split as far as allowed
+    assert pick_mla_config(1, 16, 1, 4096).num_splits == 32  # 1 program: split as far as allowed
     assert pick_mla_config(256, 16, 1, 4096).num_splits == 1  # 256 programs fill 132 SMs
     assert pick_mla_config(4, 16, 300, 4096).num_splits == 1  # chunks never split
-    assert pick_mla_config(4, 128, 1, 4096).num_splits == 16  # 4 sequences x 2 head blocks of 64
+    assert pick_mla_config(4, 128, 1, 4096).num_splits == 32  # 4 sequences x 2 head blocks of 64: ~2 programs an SM
     assert pick_mla_config(4, 128, 1, 4096, legacy=True).num_splits == 8  # 4 sequences x 8 head blocks of 16
     wide = pick_mla_config(256, 128, 1, 4096)  # V3: 64 heads a program (wgmma's M), both launches
     assert (wide.block_h, wide.prefill_block_m, wide.decode_keys_m) == (64, 64, False)
-    assert pick_mla_config(256, 16, 1, 4096).decode_keys_m  # V2-Lite: keys as the M dim of the decode dots
+    # V2-Lite: heads as the M dim of the decode dots when the batch fills the GPU (the H200's fastest, bf16), keys
+    # as M for split batches and fp8 caches
+    assert not pick_mla_config(256, 16, 1, 4096).decode_keys_m
+    assert pick_mla_config(256, 16, 1, 4096, fp8=True).decode_keys_m
+    assert pick_mla_config(8, 16, 1, 4096).decode_keys_m
     assert pick_mla_config(2, 4, 1, 4096).block_h == 4
 
 

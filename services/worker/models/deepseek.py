@@ -81,10 +81,18 @@ class MlaAttention(nn.Module):
         self.q_lora = mla.q_lora_rank or 0
         # [q_lora + R + P, H]: q_a_proj's rows, then kv_a_proj_with_mqa's (one GEMM on the same input); both
         # replicated. Without q_lora only kv_a, and q_proj [heads * (Dn + P), H] split by heads.
-        self.a_weight, self.a_weight_scale = make_linear(self.q_lora + mla.entry_dim, h, dtype, device, fp8)
         self.q_a_norm = make_param((self.q_lora,), dtype, device) if self.q_lora else None
-        self.q_weight, self.q_weight_scale = make_linear(heads * mla.qk_head_dim, self.q_lora or h, dtype, device,
-                                                         fp8)  # q_b_proj or q_proj, this rank's heads
+        q_rows = heads * mla.qk_head_dim
+        # Without q_lora both read h: unquantized, kv_a's rows and q_proj's live in one weight (one GEMM, one
+        # launch fewer a layer; fp8 block scales would straddle the 576-row seam)
+        self.aq_weight = make_param((mla.entry_dim + q_rows, h), dtype, device) if not self.q_lora and not fp8 else None
+        if self.aq_weight is not None:
+            self.a_weight, self.a_weight_scale = self.aq_weight[:mla.entry_dim], None  # views of it
+            self.q_weight, self.q_weight_scale = self.aq_weight[mla.entry_dim:], None
+        else:
+            self.a_weight, self.a_weight_scale = make_linear(self.q_lora + mla.entry_dim, h, dtype, device, fp8)
+            self.q_weight, self.q_weight_scale = make_linear(q_rows, self.q_lora or h, dtype, device,
+                                                             fp8)  # q_b_proj or q_proj, this rank's heads
         self.kv_a_norm = make_param((mla.kv_lora_rank,), dtype, device)  # [R]
         # [heads * (Dn + Dv), R]: W_UK and W_UV of this rank's heads, in the model dtype (batched matmuls)
         self.kv_b = make_param((heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank), dtype, device)
@@ -102,6 +110,10 @@ class MlaAttention(nn.Module):
 
     def _project(self, h: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> q [T, heads, Dn + P] and kv_a [T, R + P] (the latent before its norm, k_pe before rope)."""
+        if self.aq_weight is not None:
+            aq = _linear(h, self.aq_weight, None, None, ops)  # [T, R + P + heads * (Dn + P)]
+            entry = self.mla.entry_dim
+            return aq[:, entry:].view(-1, self.num_heads, self.mla.qk_head_dim), aq[:, :entry]
         a = _linear(h, self.a_weight, self.a_weight_scale, self.fp8, ops)  # [T, q_lora + R + P]
         if self.q_a_norm is not None:
             q_low = ops.rms_norm(a[:, :self.q_lora], self.q_a_norm, self.arch.rms_norm_eps)  # [T, q_lora]
