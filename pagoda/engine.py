@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.grammar.compiler import GrammarChecker
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
-from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
+from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.output import advance
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
@@ -37,6 +37,40 @@ from pagoda.shared.messages import (
 from pagoda.shared.shapes import eos_token_ids
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Completion:
+    """One returned sequence's output side: where its tokens and text go, and how much of them it holds yet.
+
+    A step that wants no deltas (LLM.generate) leaves a completion that `lags` (no stop strings, so nothing
+    reads its text before its end: TextStream.batchable; not a beam, whose tokens come whole at its end) as it
+    is: its tokens are in the scheduler's sequence, from which catch_up copies them when the completion ends or
+    its output is read, and they go through the detokenizer together (the same text, see TextStream.batchable).
+    With logprobs such a step appends the token and its logprobs, and only the text lags."""
+
+    output: RequestOutput
+    completion: CompletionOutput
+    stream: TextStream
+    seq: Sequence
+    lags: bool
+    num_pushed: int = 0  # completion.token_ids[:num_pushed] went through the stream
+
+    def catch_up(self, num_known: int | None = None) -> None:
+        """Copy the sequence's tokens up to num_known (default: all it knows) that steps without deltas left, and
+        push what the stream has not had (their text joins completion.text)."""
+        if not self.lags:
+            return
+        seq, token_ids = self.seq, self.completion.token_ids
+        if num_known is None:
+            num_known = len(seq.token_ids) - seq.num_pending
+        start = seq.num_prompt_tokens + len(token_ids)
+        if start < num_known:
+            token_ids += seq.token_ids[start:num_known]
+        if self.num_pushed < len(token_ids):
+            self.completion.text += self.stream.push(token_ids[self.num_pushed:])
+            self.num_pushed = len(token_ids)
+        self.output.num_cached_tokens = seq.request.sequences[0].num_cached_tokens
 
 
 class LLMEngine:
@@ -61,7 +95,8 @@ class LLMEngine:
             max_inflight_plans=config.resolved_max_inflight_plans(device))
         self.pipeline = PlanPipeline(self.scheduler)
         self._outputs: dict[str, RequestOutput] = {}
-        self._streams: dict[int, TextStream] = {}  # seq id -> its text
+        self._completions: dict[int, _Completion] = {}  # seq id -> its output and text, while it runs
+        self._silent: set[int] = set()  # seq ids whose running tokens a step without deltas leaves alone
         self._ids = itertools.count()
         self._grammars: GrammarChecker | None = None
         settle_heap("engine")
@@ -92,14 +127,18 @@ class LLMEngine:
                           arrival_time=time.monotonic(), priority=priority)
         self.scheduler.check_prompt(request)  # the rest of Scheduler.validate: params were checked above
         self.scheduler.add_request(request)
-        self._outputs[request_id] = RequestOutput(
+        output = self._outputs[request_id] = RequestOutput(
             request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,
             outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
                      for i in range(params.n)],
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         for seq in request.sequences[:params.n]:  # a beam search's other beams return nothing
-            self._streams[seq.seq_id] = TextStream(self.tokenizer, token_ids, params)
+            stream = TextStream(self.tokenizer, token_ids, params)
+            lags = stream.batchable and not params.use_beam_search
+            self._completions[seq.seq_id] = _Completion(output, output.outputs[seq.index], stream, seq, lags)
+            if lags and params.logprobs is None:
+                self._silent.add(seq.seq_id)
         return request_id
 
     def _check_grammar(self, constraint: StructuredOutputs) -> None:
@@ -116,7 +155,10 @@ class LLMEngine:
         if request is None or output is None:
             return
         for seq in request.sequences[:len(output.outputs)]:
-            self._streams.pop(seq.seq_id, None)
+            tracked = self._completions.pop(seq.seq_id, None)
+            self._silent.discard(seq.seq_id)
+            if tracked is not None:
+                tracked.catch_up()  # the text of every token it got, as a step with deltas would have left it
             completion = output.outputs[seq.index]
             if completion.finish_reason is None:
                 completion.finish_reason = reason.openai_name
@@ -125,16 +167,28 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def get_output(self, request_id: str) -> RequestOutput:
+        self._catch_up(request_id)
         return self._outputs[request_id]
 
     def pop_output(self, request_id: str) -> RequestOutput:
+        self._catch_up(request_id)
         return self._outputs.pop(request_id)
+
+    def _catch_up(self, request_id: str) -> None:
+        """The running completions of a request get the text of all their tokens (steps without deltas defer it)."""
+        request = self.scheduler.requests.get(request_id)
+        for seq in request.sequences if request is not None else ():
+            tracked = self._completions.get(seq.seq_id)
+            if tracked is not None:
+                tracked.catch_up()
 
     # ---------------------------------------------------------------- one step
 
-    def step(self) -> list[StreamDelta]:
+    def step(self, deltas: bool = True) -> list[StreamDelta]:
         """Run the step loop one turn (schedule -> launch -> finish -> update); return what each advanced
-        completion gained. With async scheduling the next step is already running when this returns."""
+        completion gained. With async scheduling the next step is already running when this returns.
+        deltas=False (LLM.generate): return nothing, and leave the text of completions without stop strings to
+        their end (or to get_output): the same text, without a detokenizer call and a delta per row and step."""
         try:
             done = run_step(self.pipeline, self.runner.launch, self._finish_step)
         except BaseException:
@@ -153,6 +207,9 @@ class LLMEngine:
         for update in updates:
             if update.prompt_scores is not None:
                 self._add_prompt_scores(self._outputs[update.seq.request.request_id], update.prompt_scores)
+        if not deltas:
+            self._apply_quietly(updates, result)
+            return []
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
 
@@ -190,34 +247,61 @@ class LLMEngine:
             entry[token_id] = logprob
             output.prompt_logprobs.append(entry)
 
+    def _apply_quietly(self, updates: list[SeqUpdate], result: StepResult) -> None:
+        """The updates without deltas: a running token of a silent completion costs a set lookup (catch_up copies
+        it later); one of a lagging completion with logprobs appends the token and its logprobs; the others (a
+        finish, stop strings, beams) are applied as with deltas."""
+        silent, completions = self._silent, self._completions
+        for update in updates:
+            if update.finish_reason is None and update.token_id >= 0:
+                if update.seq.seq_id in silent:
+                    continue
+                tracked = completions[update.seq.seq_id]
+                if tracked.lags:  # logprobs: each step appends, so its tokens are whole (only its text lags)
+                    tracked.completion.token_ids.append(update.token_id)
+                    self._add_logprobs(tracked.completion, update, result)
+                    continue
+            if update.token_id >= 0 or update.finish_reason is not None:
+                self._apply(update, result)
+
     def _apply(self, update: SeqUpdate, result: StepResult) -> StreamDelta:
         seq = update.seq
-        output = self._outputs[seq.request.request_id]
-        completion = output.outputs[seq.index]
+        tracked = self._completions[seq.seq_id]
+        output, completion = tracked.output, tracked.completion
+        # tokens that steps without deltas left in the sequence: all it knows but this update's
+        tracked.catch_up(len(seq.token_ids) - seq.num_pending - int(update.has_token))
         new_tokens = [update.token_id] if update.has_token else []  # none: max_tokens=0 ends after the prompt
         completion.token_ids += new_tokens
+        tracked.num_pushed = len(completion.token_ids)
         if update.score is not None:  # a beam search hypothesis, whole
             completion.score, completion.cumulative_logprob = update.score, update.cumulative_logprob
         output.num_cached_tokens = seq.request.sequences[0].num_cached_tokens
-        if completion.logprobs is not None and result.sampled_logprobs and update.has_token:
-            row = update.result_index
-            entry = {update.token_id: result.sampled_logprobs[row]}
-            entry.update(zip(result.top_token_ids[row], result.top_logprobs[row], strict=True))
-            entry[update.token_id] = result.sampled_logprobs[row]
-            completion.logprobs.append(entry)
-            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + result.sampled_logprobs[row]
-        stream = self._streams[seq.seq_id]
-        step = advance(stream, update.token_id if update.has_token else -1,
+        if completion.logprobs is not None and update.has_token:
+            self._add_logprobs(completion, update, result)
+        step = advance(tracked.stream, update.token_id if update.has_token else -1,
                        -1 if update.finish_reason is None else int(update.finish_reason))
         text = step.text
         if step.stop_string:
             self.scheduler.finish_sequence(seq.seq_id, FinishReason.STOP)
         if step.finish_reason >= 0:
-            del self._streams[seq.seq_id]
+            del self._completions[seq.seq_id]
+            self._silent.discard(seq.seq_id)
             completion.finish_reason = FinishReason(step.finish_reason).openai_name
         completion.text += text
         return StreamDelta(request_id=output.request_id, index=seq.index, text=text,
                            token_ids=new_tokens, finish_reason=completion.finish_reason)
+
+    @staticmethod
+    def _add_logprobs(completion: CompletionOutput, update: SeqUpdate, result: StepResult) -> None:
+        if not result.sampled_logprobs:
+            return
+        assert completion.logprobs is not None
+        row = update.result_index
+        entry = {update.token_id: result.sampled_logprobs[row]}
+        entry.update(zip(result.top_token_ids[row], result.top_logprobs[row], strict=True))
+        entry[update.token_id] = result.sampled_logprobs[row]
+        completion.logprobs.append(entry)
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + result.sampled_logprobs[row]
 
 
 def is_model_reference(model: str) -> bool:

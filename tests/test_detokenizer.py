@@ -209,6 +209,33 @@ def test_garbage_run_is_bounded(tiny_bytelevel: Tokenizer) -> None:
     assert "".join(deltas) + detok.flush() == tiny_bytelevel.decode(output)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_chunks_emit_what_single_steps_emit(smol: Tokenizer, tiny_bytelevel: Tokenizer, skip: bool) -> None:
+    # A chunk of tokens (the offline engine pushes a completion's tokens together at its end) gives exactly the
+    # text of pushing them one by one, chunk for chunk, whether its bytes are whole characters (one decode) or
+    # not (stepped), and the stream goes on the same after it.
+    rng = random.Random(7 + int(skip))
+    text_ids = smol.encode(MULTIBYTE_TEXT + " plain words and more words 日本語 🎉", add_special_tokens=False)
+    for tok, pool in ((smol, text_ids + smol.all_special_ids + smol.encode("👍🏽", add_special_tokens=False)),
+                      (tiny_bytelevel, list(range(tiny_bytelevel.vocab_size)))):
+        for _ in range(150):
+            prompt = [rng.choice(pool) for _ in range(rng.randint(0, 8))]
+            if rng.random() < 0.5:  # runs of text (whole characters: the one-decode path) or random ids
+                start = rng.randrange(len(text_ids))
+                output = (text_ids[start:] + text_ids)[:rng.randint(1, 80)] if tok is smol else \
+                    tok.encode("héllo wörld 世界 " * 4, add_special_tokens=False)[:rng.randint(1, 60)]
+            else:
+                output = [rng.choice(pool) for _ in range(rng.randint(1, 80))]
+            chunked = _stream_detokenizer(tok, prompt, skip)
+            single = _stream_detokenizer(tok, prompt, skip)
+            i = 0
+            while i < len(output):
+                chunk = output[i:i + rng.choice([1, 2, 5, 17, 80])]
+                assert chunked.push(chunk) == "".join(single.push([t]) for t in chunk), (prompt, output, i)
+                i += len(chunk)
+            assert chunked.flush() == single.flush()
+
+
 # ---- tokenizer --------------------------------------------------------------------------------
 
 

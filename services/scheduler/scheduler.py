@@ -90,6 +90,7 @@ class Request:
     weight: float = 1.0  # the tenant's weight in that share
     tier: int = 0  # the tenant's priority tier: lower tiers are served first
     eos_token_ids: frozenset[int] = frozenset()  # its tokenizer's EOS ids (besides the model's): stop on them too
+    stop_ids: frozenset[int] = frozenset()  # the ids that end it with STOP (add_request: EOS unless ignored, stop ids)
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     beam: BeamSearch | None = None  # a beam search: its sequences are the beams' slots
@@ -163,7 +164,9 @@ class InflightStep:
 
     step_id: int
     seqs: list[Sequence]  # scheduled, in batch order
-    num_computed: list[int]  # each one's computed tokens after this step (what the prefix cache may hash)
+    # the sequences whose computed tokens reach a block not hashed yet, and how many they computed after this step
+    # (what the prefix cache may hash once the result is in)
+    commits: list[tuple[Sequence, int]]
     sampler_ids: set[int]  # seq ids that sample in this step (each got one placeholder)
     has_prefill: bool = False  # some sequence computes more than one token (a prompt chunk)
 
@@ -193,6 +196,7 @@ class Scheduler:
         self.waiting = FairQueue()  # a heap by rank per tenant; tenants served by weighted fair share
         self.running: list[Sequence] = []  # sorted by rank
         self.requests: dict[str, Request] = {}
+        self._num_beam_searches = 0  # of self.requests: none, and a step's beam bookkeeping skips its rows
         self.stats = SchedulerStats()
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
@@ -278,6 +282,8 @@ class Scheduler:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
         self._check_beam_search(request)  # the served path does not call check_prompt
         params = request.sampling
+        eos_ids = frozenset() if params.ignore_eos else self.eos_token_ids | request.eos_token_ids
+        request.stop_ids = eos_ids | frozenset(params.stop_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         # the cache can never hold more than num_blocks * block_size tokens of one sequence
         capacity = self.blocks.num_blocks * self.block_size
@@ -300,6 +306,7 @@ class Scheduler:
             request.sequences.append(seq)
             self._seqs[seq.seq_id] = seq
         self.requests[request.request_id] = request
+        self._num_beam_searches += request.beam is not None
         # Siblings wait for the first sequence's prefill and then fork its blocks (see _fork_siblings).
         self._push_waiting(request.sequences[0])
 
@@ -359,26 +366,24 @@ class Scheduler:
 
         # a sequence at max_len with a provisional token is done once that token arrives: nothing to compute; a
         # beam search's first step waits for its result (it forks the other beams); later ones the worker continues
-        runnable = [seq for seq in self.running if (seq.num_tokens < seq.max_len or not seq.num_pending)
-                    and not (seq.num_pending and seq.request.beam is not None and not seq.request.beam.num_generated)]
+        decoding, prefilling = self._runnable()
         ready: dict[str, bool] = {}  # beam searches whose every beam is one token short (_beam_count)
-        decoding = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens == 1]
-        prefilling = [seq for seq in runnable if seq.num_tokens - seq.num_computed_tokens > 1]
+        size, running = self.block_size, SeqStatus.RUNNING
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            if seq.status != SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            count = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.request.beam is not None:
                 count = self._beam_count(seq, count, ready)
                 if count == 0:
                     continue
-            count = self._fit_running(seq, count, num_tokens)
-            if count == 0:
-                continue
-            new_ids = self.blocks.grow(seq.table, seq.num_computed_tokens + count)
-            if new_ids:
+            if seq.num_computed_tokens + count > len(seq.table.block_ids) * size:  # else its blocks hold them
+                count = self._fit_running(seq, count, num_tokens)
+                if count == 0:
+                    continue
+                new_ids = self.blocks.grow(seq.table, seq.num_computed_tokens + count)
                 appended_seq_ids.extend([seq.seq_id] * len(new_ids))
                 appended_block_ids.extend(new_ids)
             num_tokens[seq.seq_id] = count
@@ -403,6 +408,24 @@ class Scheduler:
                         beam_forks=[fork for fork, _ in forks],
                         block_copies=[block for _, copy in forks if copy is not None for block in copy],
                         beam_groups=beam_groups)
+
+    def _runnable(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences with tokens to compute, decoding (one token) and prefilling, in rank order. One at
+        max_len with a provisional token is done once that token arrives: nothing to compute; a beam search's
+        first step waits for its result (it forks the other beams); later ones the worker continues."""
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            num_tokens = len(seq.token_ids)
+            if seq.num_pending and (num_tokens >= seq.max_len
+                                    or seq.request.beam is not None and not seq.request.beam.num_generated):
+                continue
+            remaining = num_tokens - seq.num_computed_tokens
+            if remaining == 1:
+                decoding.append(seq)
+            elif remaining > 1:
+                prefilling.append(seq)
+        return decoding, prefilling
 
     # ---------------------------------------------------------------- beam search: groups move together
 
@@ -436,7 +459,7 @@ class Scheduler:
         budget ran out part way); returns the tokens given back."""
         freed = 0
         seen: set[str] = set()
-        for seq_id in list(num_tokens):
+        for seq_id in list(num_tokens) if self._num_beam_searches else ():
             seq = self._seqs[seq_id]
             request = seq.request
             if request.beam is None or request.request_id in seen:
@@ -454,7 +477,7 @@ class Scheduler:
         """The beam searches whose beams all sample in this step (before _launch counts the tokens)."""
         groups: list[BeamGroup] = []
         seen: set[str] = set()
-        for seq_id in num_tokens:
+        for seq_id in num_tokens if self._num_beam_searches else ():
             request = self._seqs[seq_id].request
             beam = request.beam
             if beam is None or request.request_id in seen:
@@ -473,17 +496,25 @@ class Scheduler:
 
     def _launch(self, num_tokens: dict[int, int], has_prefill: bool) -> InflightStep:
         """Count the step's tokens as computed; each sequence that reaches its end samples: one placeholder."""
-        seqs = [self._seqs[seq_id] for seq_id in num_tokens]
+        by_id = self._seqs
+        seqs: list[Sequence] = []
+        commits: list[tuple[Sequence, int]] = []
         samplers: set[int] = set()
-        for seq in seqs:
-            seq.num_computed_tokens += num_tokens[seq.seq_id]
-            assert seq.num_computed_tokens <= seq.num_tokens
-            if seq.num_computed_tokens == seq.num_tokens:
+        size = self.block_size if self.blocks.enable_prefix_caching else 1 << 62  # no caching: nothing to hash
+        for seq_id, count in num_tokens.items():
+            seq = by_id[seq_id]
+            seqs.append(seq)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + count
+            if computed >= (len(seq.table.block_hashes) + 1) * size:  # hashes only grow until this step's update
+                commits.append((seq, computed))
+            length = len(seq.token_ids)
+            assert computed <= length
+            if computed == length:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
                 assert seq.num_pending <= self.max_inflight_plans
-                samplers.add(seq.seq_id)
-        return InflightStep(self._step_id, seqs, [seq.num_computed_tokens for seq in seqs], samplers, has_prefill)
+                samplers.add(seq_id)
+        return InflightStep(self._step_id, seqs, commits, samplers, has_prefill)
 
     def _fit_running(self, seq: Sequence, count: int, scheduled: dict[int, int]) -> int:
         """Shrink `count` to the blocks available, preempting lower-ranked unscheduled sequences if needed."""
@@ -661,31 +692,38 @@ class Scheduler:
         step = self._inflight.popleft()
         assert step.step_id == plan.step_id, f"result of step {plan.step_id} before step {step.step_id}'s"
         self.last_step_has_prefill = step.has_prefill
-        for seq, num_computed in zip(step.seqs, step.num_computed, strict=True):
-            if seq.status == SeqStatus.RUNNING:  # not finished, not preempted since
-                assert num_computed <= seq.num_known_tokens, "hashing a provisional token"
-                self.blocks.commit(seq.table, seq.token_ids, num_computed)
+        self._commit_blocks(step)
         scores = self._new_prompt_scores(result)
         updates: list[SeqUpdate] = []
         resolved: set[int] = set()
         for candidates in result.beam_candidates:
             updates += self._advance_beam(candidates, step, resolved)
+        seqs, samplers, finished = self._seqs, step.sampler_ids, SeqStatus.FINISHED  # the loop runs once per row
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids, strict=True)):
-            seq = self._seqs.get(seq_id)
-            if seq is None or seq.is_finished or seq_id not in step.sampler_ids or seq_id in resolved:
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is finished or seq_id not in samplers or seq_id in resolved:
                 continue  # aborted or stopped while the step ran (its provisional token is dropped)
-            if seq.request.beam is not None:
+            request = seq.request
+            if request.beam is not None:
                 continue  # beams take their tokens from their group's candidates only
             resolved.add(seq_id)
-            prompt_scores = scores.pop(seq_id, None)
-            if seq.request.sampling.max_tokens == 0:  # the prompt was all it wanted (scored): no token
+            prompt_scores = scores.pop(seq_id, None) if scores else None
+            if request.sampling.max_tokens == 0:  # the prompt was all it wanted (scored): no token
                 self._finish(seq, FinishReason.LENGTH)
                 updates.append(SeqUpdate(seq, -1, -1, FinishReason.LENGTH, prompt_scores))
                 continue
-            index = self._resolve(seq, token_id)
-            if seq.index == 0 and index == seq.num_prompt_tokens and seq.request.sampling.n > 1:
+            # the oldest placeholder becomes the token (inline: this runs once per row and step)
+            index = len(seq.token_ids) - seq.num_pending
+            assert seq.num_pending > 0 and token_id >= 0 and seq.token_ids[index] == PLACEHOLDER
+            seq.token_ids[index] = token_id
+            seq.num_pending -= 1
+            if index == seq.num_prompt_tokens and seq.index == 0 and request.sampling.n > 1:
                 self._fork_siblings(seq)
-            reason = self._stop_reason(seq, token_id)
+            reason = None
+            if token_id in request.stop_ids:  # EOS (unless ignore_eos) and stop_token_ids
+                reason = FinishReason.STOP
+            elif index + 1 >= seq.max_len:  # index + 1 tokens known now
+                reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(seq, reason)
             updates.append(SeqUpdate(seq, token_id, row, reason, prompt_scores))
@@ -700,15 +738,13 @@ class Scheduler:
                     if seq_id in self._seqs]
         return updates
 
-    @staticmethod
-    def _resolve(seq: Sequence, token_id: int) -> int:
-        """The oldest placeholder becomes `token_id`; returns its index in token_ids."""
-        assert seq.num_pending > 0 and token_id >= 0
-        index = len(seq.token_ids) - seq.num_pending
-        assert seq.token_ids[index] == PLACEHOLDER
-        seq.token_ids[index] = token_id
-        seq.num_pending -= 1
-        return index
+    def _commit_blocks(self, step: InflightStep) -> None:
+        """Hash the blocks a step filled (prefix caching): of the sequences _launch found reaching a new full block
+        (in decode, one step in block_size), those still running (not finished, not preempted since)."""
+        for seq, num_computed in step.commits:
+            if seq.status is SeqStatus.RUNNING:
+                assert num_computed <= len(seq.token_ids) - seq.num_pending, "hashing a provisional token"
+                self.blocks.commit(seq.table, seq.token_ids, num_computed)
 
     def cancel_inflight(self) -> None:
         """Forget every plan in flight (their results will never come): their sequences are aborted."""
@@ -900,16 +936,6 @@ class Scheduler:
                                      cumulative_logprob=hypothesis.cumulative_logprob))
         return updates
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        params = seq.request.sampling
-        if not params.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.request.eos_token_ids):
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_known_tokens >= seq.max_len:
-            return FinishReason.LENGTH
-        return None
-
     def _fork_siblings(self, first: Sequence) -> None:
         """n > 1: siblings share the first sequence's prompt blocks and recompute only the tail."""
         self._forked_waiting = [sibling for sibling in self._forked_waiting  # drop admitted/finished ones
@@ -973,6 +999,7 @@ class Scheduler:
         request.num_finished += 1
         if request.num_finished == len(request.sequences):
             del self.requests[request.request_id]
+            self._num_beam_searches -= request.beam is not None
             self.waiting.forget_idle(request.tenant)
             self._unforked_beams.pop(request.request_id, None)
         elif seq.index == 0 and seq.num_output_tokens == 0:

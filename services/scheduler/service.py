@@ -599,8 +599,7 @@ class SchedulerService:
             self.prefill_step_s += step_s
         else:
             self.decode_step_s += step_s
-        self.generation_tokens_total += sum(1 for update in updates if update.has_token)
-        self._send_deltas(updates, result)
+        self.generation_tokens_total += self._send_deltas(updates, result)
         self.host_s += time.monotonic() - now
 
     def _fail_plan(self, plan: StepPlan, error: str) -> None:
@@ -631,14 +630,21 @@ class SchedulerService:
                            "invalid_request_error" if status == 400 else "server_error")
             self._abort(request_id)
 
-    def _send_deltas(self, updates: list[SeqUpdate], result: StepResult) -> None:
-        """One TokenDeltas (columns, no per-row structs) per tokenizer that owns a request in this step."""
+    def _send_deltas(self, updates: list[SeqUpdate], result: StepResult) -> int:
+        """One TokenDeltas (columns, no per-row structs) per tokenizer that owns a request in this step; returns
+        how many updates carry a token."""
         columns: dict[bytes, _Columns] = {}
         with_logprobs = bool(result.sampled_logprobs)
         finished: list[str] = []
-        for update in updates:
-            request = update.seq.request
-            identity = self.owner.get(request.request_id)
+        owner = self.owner
+        num_tokens = 0
+        for update in updates:  # once per row and step: no properties, attributes read once
+            token_id = update.token_id
+            has_token = token_id >= 0
+            num_tokens += has_token
+            seq = update.seq
+            request = seq.request
+            identity = owner.get(request.request_id)
             if identity is None:
                 continue
             out = columns.get(identity)
@@ -647,11 +653,11 @@ class SchedulerService:
             row = len(out.request_ids)
             reason = -1 if update.finish_reason is None else int(update.finish_reason)
             out.request_ids.append(request.request_id)
-            out.indices.append(update.seq.index)
-            out.token_ids.append(update.token_id if update.has_token else -1)
+            out.indices.append(seq.index)
+            out.token_ids.append(token_id if has_token else -1)
             out.finish_reasons.append(reason)
             out.num_cached_tokens.append(request.sequences[0].num_cached_tokens)
-            if with_logprobs and update.has_token and request.sampling.logprobs is not None:
+            if with_logprobs and has_token and request.sampling.logprobs is not None:
                 index = update.result_index
                 out.logprob_rows.append(row)
                 out.logprobs.append(result.sampled_logprobs[index])
@@ -669,6 +675,7 @@ class SchedulerService:
                                                        out.prompt_scores, out.prompt_score_rows))
         for request_id in finished:
             self._forget(request_id)
+        return num_tokens
 
     # ---------------------------------------------------------------- stats and shutdown
 

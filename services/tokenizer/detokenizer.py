@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import tokenizers
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, as vLLM does
@@ -110,12 +110,24 @@ class StreamDetokenizer:
         self._stream = DecodeStream(tail, skip_special_tokens=skip_special_tokens)
         self._context = tail
         self._held: list[int] = []
+        # byte-level BPE: a token's text is its bytes, so a run of tokens whose bytes are whole characters decodes
+        # at once to what stepping them gives (push_many)
+        self._byte_level = isinstance(backend.decoder, ByteLevel)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Text finished by these tokens (often "", when they end inside a character)."""
+        if len(new_token_ids) > 1 and self._byte_level and not self._held:
+            text = self._decode(list(new_token_ids))
+            if REPLACEMENT_CHAR not in text:
+                # Nothing held: the text so far ends on a character boundary, and these tokens' bytes are whole
+                # valid characters, so stepping them one by one would emit exactly this. The stream goes on after
+                # them as it would after stepping them (their tail as its context).
+                self._context = list(new_token_ids[-NUM_CONTEXT_TOKENS:])
+                self._stream = DecodeStream(self._context, skip_special_tokens=self._skip_special_tokens)
+                return text
         out = ""
         for token_id in new_token_ids:
             text = self._stream.step(self._backend, token_id)

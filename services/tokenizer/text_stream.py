@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.services.tokenizer.detokenizer import Decoder, new_detokenizer
+from pagoda.services.tokenizer.detokenizer import Decoder, StreamDetokenizer, new_detokenizer
 from pagoda.services.tokenizer.stop import StopChecker
 from pagoda.shared.messages import SamplingParams
 
@@ -19,6 +19,13 @@ class TextStream:
         self.text = ""
         self.stopped = False
         self._closed = False
+
+    @property
+    def batchable(self) -> bool:
+        """push(a + b) gives the text of push(a) then push(b), and nothing needs the text before the end: no stop
+        strings, and no detokenizer or the stream one (it steps token by token; the Python one's window is not
+        split the same way). Such a stream's tokens may be pushed together, late."""
+        return self._stop is None and (self._detokenizer is None or isinstance(self._detokenizer, StreamDetokenizer))
 
     @property
     def stop_reason(self) -> str | None:

@@ -21,6 +21,11 @@ class BatchState:
         rows = max_num_seqs
         self.row_of: dict[int, int] = {}  # sequence id -> row
         self.free_rows = list(range(rows - 1, -1, -1))
+        # bumped whenever row_of changes: a step's rows, found at its launch, still hold its sequences while it
+        # stays the same; and a plan naming the sequences of the last one in the same order has the same rows
+        self.version = 0
+        self._rows_key: tuple[list[int], int] | None = None  # (seq ids, version) of _rows
+        self._rows = np.zeros(0, dtype=np.int64)
         self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)  # [R, max_model_len]
         self.num_tokens = np.zeros(rows, dtype=np.int64)  # [R]
         self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)  # [R]
@@ -38,15 +43,14 @@ class BatchState:
         """Forget every request (a new scheduler starts from nothing)."""
         self.row_of.clear()
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
+        self.version += 1
 
     def apply(self, plan: StepPlan) -> np.ndarray:
         """Continue beams, drop finished sequences, add new ones, append new blocks: the worker's side of the diff.
         Returns the rows whose beam got a token here [K] (their next input is on the host)."""
         forked = self._fork_beams(plan.beam_forks)
         for seq_id in plan.finished_seq_ids:
-            row = self.row_of.pop(seq_id, None)
-            if row is not None:
-                self.free_rows.append(row)
+            self.release(seq_id)
         for new in plan.new_requests:
             self._add(new)
         for seq_id, block_id in zip(plan.appended_block_seq_ids, plan.appended_block_ids, strict=True):
@@ -60,6 +64,7 @@ class BatchState:
         appends its token. Copies go first: a parent keeps its own line, so no source is overwritten."""
         if not forks:
             return np.zeros(0, dtype=np.int64)
+        self.version += 1
         placed: list[tuple[BeamFork, int]] = []
         for fork in forks:
             parent = self.row_of.get(fork.parent_seq_id)
@@ -88,6 +93,7 @@ class BatchState:
         assert new.seq_id not in self.row_of, f"sequence {new.seq_id} added twice"
         row = self.free_rows.pop()
         self.row_of[new.seq_id] = row
+        self.version += 1
         count = len(new.token_ids)
         self.token_ids[row, :count] = new.token_ids
         self.num_tokens[row] = count
@@ -100,5 +106,28 @@ class BatchState:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
 
+    def release(self, seq_id: int) -> None:
+        """The sequence leaves (finished, preempted or failed): its row is free. Unknown ids are ignored."""
+        row = self.row_of.pop(seq_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+            self.version += 1
+
     def rows_for(self, seq_ids: list[int]) -> np.ndarray:
-        return np.fromiter((self.row_of[r] for r in seq_ids), dtype=np.int64, count=len(seq_ids))  # [B]
+        """The rows of these sequences [B] (read-only): the last answer again while the sequences and row_of are
+        the same (decode steps of a steady batch), else one lookup per sequence."""
+        key = self._rows_key
+        if key is not None and key[1] == self.version and key[0] == seq_ids:
+            return self._rows
+        rows = np.fromiter((self.row_of[r] for r in seq_ids), dtype=np.int64, count=len(seq_ids))  # [B]
+        rows.flags.writeable = False
+        self._rows_key, self._rows = (list(seq_ids), self.version), rows
+        return rows
+
+    def holds(self, seq_ids: list[int], rows: np.ndarray, version: int) -> np.ndarray:
+        """[N] bool: each sequence still owns the row it had when the state's version was `version`."""
+        if version == self.version:
+            return np.ones(len(seq_ids), dtype=bool)
+        row_of = self.row_of
+        return np.fromiter((row_of.get(seq_id, -1) == row for seq_id, row in zip(seq_ids, rows.tolist(), strict=True)),
+                           dtype=bool, count=len(seq_ids))

@@ -98,6 +98,7 @@ class LaunchedStep:
     prompt_scores: list[PromptScores] = field(default_factory=list)
     event: torch.cuda.Event | None = None  # CUDA: recorded after the copies to the host
     is_decode: bool = False
+    state_version: int = -1  # BatchState.version when the step was launched (its rows belonged to its requests)
     synced: bool = False  # host state holds this step's tokens
     error: str = ""  # the step failed: its requests were dropped, its result says why
     failed: list[RowFailure] = field(default_factory=list)  # requests dropped from this step alone
@@ -414,7 +415,7 @@ class ModelRunner:
         self.staging.flip()  # the previous step's copies may still read the other set of pinned buffers
         host = self._prepare(plan)
         timer_start = self._timer_event()
-        step = LaunchedStep(plan, is_decode=host.is_decode, failed=refused)
+        step = LaunchedStep(plan, is_decode=host.is_decode, state_version=self.state.version, failed=refused)
         input_ids = self._input_ids(host)  # [T] on the device
         if (self.graphs is not None and host.is_decode and self.graphs.fits(len(host.rows))
                 and not self._scores_prompt(host).any()):
@@ -547,7 +548,8 @@ class ModelRunner:
                 sampled = sampled[~is_beam]
         sampled_rows = host.rows[sampled]  # [S]
         positions = host.seq_lens[sampled]  # [S] index in token_ids of each sampled token
-        seq_ids = [step.plan.seq_ids[i] for i in sampled.tolist()]
+        plan_ids = step.plan.seq_ids
+        seq_ids = list(plan_ids) if len(sampled) == len(plan_ids) else [plan_ids[i] for i in sampled.tolist()]
         metadata = self.sampling.metadata(sampled_rows)
         assert (self.sampling.num_output[sampled_rows] == positions - state.num_prompt_tokens[sampled_rows]).all(), \
             "the sampling offsets disagree with the plan's positions"
@@ -580,7 +582,8 @@ class ModelRunner:
                 return  # every row that sampled failed: their errors are in step.failed
             state_rows = None
         self.sampling.record(sampled_rows, output.token_ids, state_rows)  # counts, on the device
-        self.last_token[self._to_device(sampled_rows, "sampled_rows")] = output.token_ids
+        rows_t = state_rows if state_rows is not None else self._to_device(sampled_rows, "sampled_rows")  # [S]
+        self.last_token[rows_t] = output.token_ids
         assert (state.num_tokens[sampled_rows] == positions).all(), "a row samples past a token it lacks"
         state.num_tokens[sampled_rows] += 1  # the new token's value reaches host state in finish()
         self.pending_step[sampled_rows] = step.plan.step_id
@@ -800,9 +803,7 @@ class ModelRunner:
             return
         state = self.state
         token_ids = step.token_ids.numpy()  # [S]
-        owned = np.fromiter((state.row_of.get(seq_id, -1) == row for seq_id, row
-                             in zip(step.seq_ids, step.rows.tolist(), strict=True)), dtype=bool,
-                            count=len(step.seq_ids))  # [S] rows not dropped (or reused) since the launch
+        owned = state.holds(step.seq_ids, step.rows, step.state_version)  # [S] not dropped (or reused) since launch
         rows = step.rows[owned]
         state.token_ids[rows, step.positions[owned]] = token_ids[owned]
         if self.grammars.active:  # matchers advance once per token, in step order (_grammar_barrier, the mask job)
@@ -815,9 +816,7 @@ class ModelRunner:
                    token_ids: np.ndarray) -> None:
         """Beams the device continued: their new tokens into the rows that still hold them."""
         state = self.state
-        owned = np.fromiter((state.row_of.get(seq_id, -1) == row for seq_id, row in zip(seq_ids, rows.tolist(),
-                                                                                      strict=True)),
-                            dtype=bool, count=len(seq_ids))  # [Bd] not dropped (or reused) since the launch
+        owned = state.holds(seq_ids, rows, step.state_version)  # [Bd] not dropped (or reused) since the launch
         kept = rows[owned]
         state.token_ids[kept, positions[owned]] = token_ids[owned]
         mine = kept[self.pending_step[kept] == step.plan.step_id]
@@ -1014,9 +1013,7 @@ class ModelRunner:
         self._grammar_barrier()
         self.grammars.drop(seq_ids)
         for seq_id in seq_ids:
-            row = state.row_of.pop(seq_id, None)
-            if row is not None:
-                state.free_rows.append(row)
+            state.release(seq_id)
             self._lost.add(seq_id)
 
     def _prepare(self, plan: StepPlan) -> HostBatch:

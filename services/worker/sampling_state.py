@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -26,6 +27,10 @@ from pagoda.shared.messages import NewRequest, SamplingParams
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 NUM_FLOAT_PARAMS = 6
 ROW_ALIGN = 4  # [B] settings start at multiples of 4 columns: 16 bytes of fp32, 32 of int64
+
+
+def _padded(num_rows: int) -> int:
+    return -(-num_rows // ROW_ALIGN) * ROW_ALIGN
 
 
 def _default_to_device(device: torch.device) -> Callable[[np.ndarray, str], torch.Tensor]:
@@ -113,6 +118,9 @@ class SamplingState:
         self.bias_ids: torch.Tensor | None = None  # [R, K] int64 padded with 0
         self.bias_values: torch.Tensor | None = None  # [R, K] fp32 padded with 0
         self.banned_ids: torch.Tensor | None = None  # [R, K] int64 padded with -1
+        # The last step's settings (all but the offsets and bans, which move every step) for its rows: a decode
+        # batch that samples the same rows again reuses them. Admission (the only writer of settings) drops them.
+        self._settings: tuple[np.ndarray, SamplingMetadata] | None = None
 
     # ---------------------------------------------------------------- admission
 
@@ -120,6 +128,7 @@ class SamplingState:
         """Write the settings of newly placed requests (row, request) and rebuild their token statistics."""
         if not entries:
             return
+        self._settings = None
         rows = np.fromiter((row for row, _ in entries), dtype=np.int64, count=len(entries))  # [N]
         seeds = np.zeros(len(entries), dtype=np.int64)  # [N]
         for i, (row, new) in enumerate(entries):
@@ -236,10 +245,31 @@ class SamplingState:
     # ---------------------------------------------------------------- per step
 
     def metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """The settings of the rows sampled this step [B]: one small host -> device copy, then gathers."""
-        num_output = self.num_output[rows]  # [B]
+        """The settings of the rows sampled this step [B]: the last step's when it sampled the same rows (one small
+        host -> device copy of the offsets), else gathered anew (one more)."""
         num_rows = len(rows)
+        cached = self._settings
+        if cached is not None and np.array_equal(cached[0], rows):
+            settings = cached[1]
+        else:
+            settings = self._gather_settings(rows)
+            self._settings = (rows.copy(), settings)
+        num_output = self.num_output[rows]  # [B]
         short = (num_output < self.min_tokens[rows]) & (self.num_banned[rows] > 0)  # [B] bans active
+        padded = np.zeros((2, _padded(num_rows)), dtype=np.int64)  # [2, B_pad]
+        padded[:, :num_rows] = (num_output, short)
+        moving = self.to_device(padded, "sampling_offsets")[:, :num_rows]  # [2, B]
+        metadata = replace(settings, offsets=moving[0])
+        if self.banned_ids is not None and short.any():
+            assert metadata.state_rows is not None
+            width = int(self.num_banned[rows][short].max())
+            banned = self.banned_ids.index_select(0, metadata.state_rows)[:, :width]  # [B, K]
+            metadata.banned_token_ids = torch.where(moving[1].bool().unsqueeze(1), banned, -1)  # [B, K]
+        return metadata
+
+    def _gather_settings(self, rows: np.ndarray) -> SamplingMetadata:
+        """The rows' settings on the device and which optional parts the batch needs (offsets left empty)."""
+        num_rows = len(rows)
         # Columns padded to a multiple of 4 (the padding names row 0): each [B] slice of the packed tensors below
         # then starts 16-byte aligned, as every fresh tensor does. Triton specialises a kernel on its pointers'
         # alignment, so an odd B would compile new sampling-kernel variants in the middle of serving (measured on
@@ -248,15 +278,15 @@ class SamplingState:
         temperature = host[:, TEMPERATURE]
         top_k = self.top_k[rows]  # [B]
         nucleus = (host[:, TOP_P] < 1.0) & (top_k <= 0) & (temperature > 0.0)  # [B] top-p over the whole row
-        padded = np.zeros((4, -(-num_rows // ROW_ALIGN) * ROW_ALIGN), dtype=np.int64)  # [4, B_pad]
-        padded[:, :num_rows] = (rows, num_output, short, nucleus)
-        index = self.to_device(padded, "sampling_rows")  # [4, B_pad]
-        packed = index[:, :num_rows]  # [4, B]
-        state_rows, offsets = packed[0], packed[1]  # [B], [B]
+        padded = np.zeros((2, _padded(num_rows)), dtype=np.int64)  # [2, B_pad]
+        padded[:, :num_rows] = (rows, nucleus)
+        index = self.to_device(padded, "sampling_rows")  # [2, B_pad]
+        packed = index[:, :num_rows]  # [2, B]
+        state_rows = packed[0]  # [B]
         floats = self.floats_device.index_select(0, index[0]).T.contiguous()[:, :num_rows]  # [6, B] of [6, B_pad]
         metadata = SamplingMetadata(temperature=floats[TEMPERATURE],
                                     seeds=self.seeds_device.index_select(0, state_rows),
-                                    offsets=offsets, state_rows=state_rows,
+                                    offsets=state_rows, state_rows=state_rows,
                                     all_greedy=bool((temperature == 0.0).all()))
         if (top_k > 0).any():
             metadata.top_k = self.top_k_device.index_select(0, state_rows)
@@ -265,7 +295,7 @@ class SamplingState:
             metadata.top_p = floats[TOP_P]
             metadata.top_p_without_top_k = bool(nucleus.any())
             if metadata.top_p_without_top_k:
-                metadata.nucleus = packed[3]  # [B] int64 0/1 (the kernels read != 0)
+                metadata.nucleus = packed[1]  # [B] int64 0/1 (the kernels read != 0)
         if (host[:, MIN_P] > 0.0).any():
             metadata.min_p = floats[MIN_P]
         if (host[:, PRESENCE] != 0.0).any():
@@ -283,10 +313,6 @@ class SamplingState:
             width = int(self.num_bias[rows].max())
             metadata.logit_bias_ids = self.bias_ids.index_select(0, state_rows)[:, :width]
             metadata.logit_bias_values = self.bias_values.index_select(0, state_rows)[:, :width]
-        if self.banned_ids is not None and short.any():
-            width = int(self.num_banned[rows][short].max())
-            banned = self.banned_ids.index_select(0, state_rows)[:, :width]  # [B, K]
-            metadata.banned_token_ids = torch.where(packed[2].bool().unsqueeze(1), banned, -1)  # [B, K]
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             metadata.max_num_logprobs = int(num_logprobs.max())
