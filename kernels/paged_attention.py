@@ -76,6 +76,10 @@ class AttentionConfig:
     prefill_max_regs: int = 0  # ptxas register cap a thread for the tiled launch (maxnreg); 0: the compiler's choice
 
 
+# fp8-cache chunks up to this many queries: q in registers on 64-key tiles (faster there than staged; measured at 64)
+FP8_SHORT_CHUNK = 64
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -133,7 +137,11 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
     same SASS loop length as bf16 (4176 warp instructions per 128 rows x 64 keys; 2 spill instructions, both
     outside the loop), at half the KV bytes (python -m pagoda.bench.attention_sass --chunk). To be confirmed on the
     GPU: python -m pagoda.bench.kv_fp8_bench --chunks-only (fp8_default vs fp8_unstaged_t64, the old choice).
-    The cap is for head_dim <= 128 (a 128 x 256 fp32 accumulator alone fills 128 registers)."""
+    The cap is for head_dim <= 128 (a 128 x 256 fp32 accumulator alone fills 128 registers). Measured on the H200
+    (2026-12-02, bench/results/s9/kv_fp8_chunks.json): 4 x 512 queries over 1024 cached, staged 86.4 / 164.5 us
+    (qwen3-0.6b / llama3-8b) against unstaged 64-key tiles 109.5 / 202.8 and bf16 83.9 / 160.3; 4 x 64 queries,
+    unstaged 64-key tiles 45.5 / 44.7 against staged 55.6 / 57.9 and bf16 54.5 / 56.2: chunks of at most
+    FP8_SHORT_CHUNK queries keep the unstaged shape."""
     num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
     if max_query_len <= 1:
         # Decode-only: kv heads first on the grid, so one sequence's heads read their blocks' adjacent bytes
@@ -141,6 +149,8 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
         return AttentionConfig(num_splits=num_splits, heads_fast=True)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     if max_query_len * group_size >= 128 and not mostly_decode:
+        if fp8_kv and max_query_len <= FP8_SHORT_CHUNK:  # H200: q in registers, 64-key tiles, no cap (see above)
+            return AttentionConfig(num_splits=num_splits, prefill_tile_n=64, fp8_q_staged=False)
         return AttentionConfig(num_splits=num_splits, prefill_max_regs=128 if fp8_kv and head_dim <= 128 else 0)
     return AttentionConfig(num_splits=num_splits, prefill_block_m=64, prefill_tile_n=64, prefill_num_warps=4,
                            prefill_num_stages=2)

@@ -140,6 +140,9 @@ def test_fp8_config_checked_and_defaults() -> None:
     assert fp8_chunks.fp8_q_staged and fp8_chunks.prefill_max_regs == 128  # q staged, registers capped
     assert bf16_chunks.prefill_max_regs == 0
     assert pick_config(*chunks, fp8_kv=True, head_dim=256).prefill_max_regs == 0  # its accumulator alone is 128
+    short = pick_config(4 * 64, 4, 8, 2, 64, 1088, fp8_kv=True)  # 4 x 64 queries: unstaged 64-key tiles won there
+    assert (short.fp8_q_staged, short.prefill_tile_n, short.prefill_max_regs) == (False, 64, 0)
+    assert pick_config(4 * 64, 4, 8, 2, 64, 1088).prefill_tile_n == 32  # bf16 unchanged
     with pytest.raises(ValueError, match="prefill_max_regs"):
         _check(case, AttentionConfig(prefill_max_regs=16), 1.0)
 
