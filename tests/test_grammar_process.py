@@ -31,10 +31,7 @@ from pagoda.shared.messages import (
     StepPlan,
     StructuredOutputs,
 )
-
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+from tests.test_constrained_overlap import SCHEMA  # the same small schema in both files
 
 
 @pytest.fixture(scope="module")
