@@ -786,6 +786,11 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     qlens = [query_lens[b] for b in seqs]
     rows = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b]) for b in seqs]).to(device)  # [T_sel]
     q_sel = q.index_select(0, rows)  # [T_sel, heads, Dn + P]
+    if config is None and _flash_varlen_usable(q_sel, head_dim):
+        o = _flash_varlen(q_sel if head_dim == qk_dim else torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim)),
+                          k, v, qlens, lens, scale)  # [T_sel, heads, D]
+        out.index_copy_(0, rows, o[..., :v_head_dim])
+        return
     if head_dim != qk_dim:
         q_sel = torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim))
     max_len = max(lens)
@@ -796,3 +801,29 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
                         torch.tensor(lens, dtype=torch.int32, device=device), qsl.to(device), max(qlens), max_len,
                         scale, config=config)  # [T_sel, heads, D]
     out.index_copy_(0, rows, o[..., :v_head_dim])
+
+
+# The expanded path's attention on CUDA: FlashAttention's varlen kernel in torch (contiguous per-head K/V, causal
+# from the bottom right: a chunk's queries are the last query_len of its seq_len keys), instead of the paged kernel
+# over a block-size-1 table with the head padded to 256. deepseek-v2-lite prefill, 64 x 512 tokens on an H200
+# (2026-12-02, bench/results/s10/prefill_prof_deepseek-v2-lite.json): the absorbed kernel took 26% of the prefill
+# steps' GPU time at ~77 TFLOP/s, 2176 FLOPs a query-key pair and head against the expanded 640.
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+_FLASH_MAX_HEAD_DIM = 256
+
+
+def _flash_varlen_usable(q: torch.Tensor, head_dim: int) -> bool:
+    return (q.is_cuda and q.dtype in _FLASH_DTYPES and head_dim <= _FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                  scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences: q [T, heads, D] (sequence b's query_lens[b] rows, its last queries),
+    k, v [L, heads, D] (its seq_lens[b] keys). Returns [T, heads, D]."""
+    device = q.device
+    cu_q = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)  # [S + 1]
+    cu_k = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)  # [S + 1]
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max(query_lens), max(seq_lens), 0.0, True,
+                                                  False, scale=scale)
+    return out[0]  # (output, logsumexp, rng state, unused, debug mask)

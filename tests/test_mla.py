@@ -361,6 +361,27 @@ def test_expanded_path_fp8_cache_matches_reference() -> None:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_expanded_path_flash_matches_reference_gpu() -> None:
+    """On CUDA in bf16 the expanded path runs FlashAttention's varlen kernel: chunks with and without cached
+    context (its causal mask is bottom-right aligned: a chunk's queries are its sequence's last positions) and
+    V-2-Lite's head dims (q/k 128 + 64, v 128, so K/V/q are padded to 192)."""
+    case = Case((300, 40, 513), (300, 1064, 1537), num_heads=16, lat=512, rope=64)
+    nope, v_dim = 128, 128
+    batch = make_batch(case, torch.bfloat16, q_width=nope + case.rope)
+    batch.cache = batch.cache.nan_to_num()
+    w_kv_b = (torch.randn(case.num_heads * (nope + v_dim), case.lat, device=DEVICE) * case.lat ** -0.5).to(
+        torch.bfloat16)
+    scale = (nope + case.rope) ** -0.5
+    out = torch.zeros(batch.q.shape[0], case.num_heads, v_dim, device=DEVICE, dtype=torch.bfloat16)
+    mla_expanded_attention(batch.q, batch.cache, batch.block_tables, list(case.seq_lens), list(case.query_lens),
+                           [0, 1, 2], w_kv_b, nope, v_dim, scale, out)
+    expected = ref.mla_expanded_attention(batch.q.float(), batch.cache.float(), batch.block_tables,
+                                          list(case.seq_lens), list(case.query_lens), w_kv_b.float(), nope, v_dim,
+                                          scale)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_mla_attention_rejects_bad_inputs() -> None:
     batch = make_batch(Case((1, 2), (5, 6)), torch.float32)
     args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, 2, 6, 0.1)
