@@ -88,10 +88,6 @@ POLL_SLICE_S = 1.0  # how often a wait looks whether the process is still alive
 # Rows a pipelined fill hands to llguidance's pool at once (SharedMaskRows.accept_and_fill): small enough that the
 # last chunk's fill, which nothing overlaps, is short; large enough that a hand-off (~tens of us) stays a small part.
 FILL_CHUNK_ROWS = 32
-# The process's GIL switch interval: the thread that hands a chunk to the pool waits for the GIL while this one
-# consumes the next chunk's tokens; at Python's default 5 ms it waited until the whole consume loop was over, and the
-# pipelined fill took as long as consume + fill (H200 host, 256 rows: 2.17 ms a step, as before the pipeline).
-FILL_SWITCH_INTERVAL_S = 0.00005
 MaskDone = Callable[[float, float], None]  # (fill seconds in the process, seconds from submit to ready)
 
 
@@ -221,7 +217,6 @@ def serve(conn: Connection, spec: TokenizerSpec, masks_fd: int, max_rows: int) -
     slots = torch.frombuffer(buffer, dtype=torch.int32, count=num_bytes // 4).view(2, max_rows, num_words)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(WorkerToMaskProcess)
     job_id = [0]  # the fill in progress
-    sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)  # this process only: its pipelined fill hands chunks across threads
     rows = SharedMaskRows(spec, slots, lambda: conn.send_bytes(encoder.encode(MaskBusy(job_id[0]))))
     conn.send_bytes(encoder.encode(MaskStarted(os.getpid())))
     failed: dict[int, str] = {}  # sequences whose matcher could not be built, told with the next MaskReady
