@@ -263,56 +263,6 @@ def test_a_fill_waiting_for_a_compile_says_so_and_is_waited_for(tokenizer: Token
         process.close()
 
 
-def test_pipelined_fill_gives_the_masks_of_accept_then_bitmask(spec: TokenizerSpec, tokenizer: Tokenizer,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grammar process's pipelined fill (consume a chunk's tokens while the pool fills the previous chunk's
-    masks, forced here on small chunks) gives, step after step, the flags, masks and rows of accept + bitmask:
-    JSON rows at different points of their documents, a free row among them, one row whose grammar ends (then
-    EOS only), two steps' tokens in one fill, and the fall-back paths (a row added with allowed_token_ids)."""
-    monkeypatch.setattr(grammar_process, "FILL_CHUNK_ROWS", 2)
-    encode = tokenizer.hf.encode
-    documents = ['{"name": "Ann", "age": 33}', '{"name": "Bo", "age": 1}', '{"name": "Cyd", "age": 402}',
-                 "", '{"name": "D", "age": 5}', "blue"]
-    constraints = [StructuredOutputs(json=SCHEMA)] * 3 + [None, StructuredOutputs(json=SCHEMA),
-                                                          StructuredOutputs(choice=["red", "blue"])]
-    tokens = [encode(text, add_special_tokens=False) if text else encode("free text", add_special_tokens=False)
-              for text in documents]
-    news = [new_request(i, None, constraints[i]) for i in range(6)]
-    slots = torch.zeros((2, 8, -(-spec.vocab_size // 32)), dtype=torch.int32)
-    pipelined = grammar_process.SharedMaskRows(spec, slots)
-    monkeypatch.setattr(pipelined, "_parallel", lambda num_rows: True)
-    reference = GrammarRows(spec.load, spec.vocab_size)
-    try:
-        for rows in (reference, pipelined):
-            rows.apply(StepPlan(0, [], [], new_requests=news))
-        seq_ids = list(range(6))
-        assert pipelined._pipelined_rows([(seq_ids, [0] * 6)], seq_ids) is not None  # the pipelined path runs
-        expected = reference.bitmask(seq_ids)
-        assert same(pipelined.accept_and_fill([], seq_ids), expected)
-        position = 0
-        step_tokens = []
-        for step in range(12):
-            sampled = [tokens[i][position] if position < len(tokens[i]) else tokenizer.eos_token_id
-                       for i in seq_ids]
-            position += 1
-            reference.accept(seq_ids, sampled)
-            step_tokens.append((list(seq_ids), sampled))
-            if step % 3 == 1:  # the next fill carries two steps' tokens
-                continue
-            expected = reference.bitmask(seq_ids)
-            pipelined.slot = step % 2
-            assert same(pipelined.accept_and_fill(step_tokens, seq_ids), expected), f"step {step}"
-            step_tokens = []
-        pipelined.slot ^= 1
-        for rows in (reference, pipelined):  # allowed_token_ids: the pipeline steps aside
-            rows.apply(StepPlan(20, [], [], new_requests=[new_request(9, None, None, [5, 7])]))
-        assert pipelined._pipelined_rows([([9], [5])], [*seq_ids, 9]) is None
-        assert same(pipelined.accept_and_fill([], [*seq_ids, 9]), reference.bitmask([*seq_ids, 9]))
-    finally:
-        reference.close()
-        pipelined.close()
-
-
 def socket_pair() -> tuple[Connection, Connection]:
     a, b = socket.socketpair()
     return Connection(a.detach()), Connection(b.detach())

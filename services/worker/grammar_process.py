@@ -39,7 +39,6 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -85,9 +84,6 @@ COMPILE_TIMEOUT_S = 100.0  # a fill kept busy by compiles (MaskBusy) ends here (
 BUSY_INTERVAL_S = 1.0  # how often a fill waiting for a compile says so
 STOP_TIMEOUT_S = 5.0
 POLL_SLICE_S = 1.0  # how often a wait looks whether the process is still alive
-# Rows a pipelined fill hands to llguidance's pool at once (SharedMaskRows.accept_and_fill): small enough that the
-# last chunk's fill, which nothing overlaps, is short; large enough that a hand-off (~tens of us) stays a small part.
-FILL_CHUNK_ROWS = 32
 MaskDone = Callable[[float, float], None]  # (fill seconds in the process, seconds from submit to ready)
 
 
@@ -121,65 +117,6 @@ class SharedMaskRows(GrammarRows):
         self.slots = slots  # [2, max_rows, W] int32, shared with the worker
         self.slot = 0  # where the next bitmask() goes (MaskFill.slot)
         self.busy = busy  # tells the worker a fill still waits for a compile
-        self._filler: ThreadPoolExecutor | None = None  # hands chunks of rows to llguidance's pool (accept_and_fill)
-
-    def accept_and_fill(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]) -> GrammarMasks | None:
-        """advance_and_fill, pipelined where it can be: the rows go in chunks of FILL_CHUNK_ROWS, and while the
-        pool fills one chunk's masks this thread consumes the next chunk's tokens (consume row by row and the
-        pool's fill each cost ~1-2 ms at 256 rows of a JSON schema: in turn they were the masks' latency, which
-        is on the step loop's critical path once it passes a decode step's forward). The same masks as
-        advance_and_fill: a row's token is consumed before its mask is computed, every earlier step's first."""
-        rows = self._pipelined_rows(accepts, seq_ids)
-        if rows is None:
-            return self.advance_and_fill(accepts, seq_ids)
-        *earlier, (last_ids, last_tokens) = accepts
-        for accepted_ids, token_ids in earlier:
-            self.accept(accepted_ids, token_ids)
-        filled = set(seq_ids)
-        others = [(seq_id, token_id) for seq_id, token_id in zip(last_ids, last_tokens, strict=True)
-                  if seq_id not in filled]  # tokens of rows not filled this step (none in a plain decode step)
-        if others:
-            self.accept([seq_id for seq_id, _ in others], [token_id for _, token_id in others])
-        token_of = dict(zip(last_ids, last_tokens, strict=True))
-        mask = self._buffer(len(rows))  # [K, W]
-        executor = self._ensure_executor()
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fill")
-        jobs = []
-        try:
-            for start in range(0, len(rows), FILL_CHUNK_ROWS):
-                chunk = rows[start:start + FILL_CHUNK_ROWS]
-                for i, seq in chunk:
-                    token_id = token_of.get(seq_ids[i])
-                    if token_id is not None:
-                        self._advance(seq_ids[i], seq, token_id)
-                compact = [(seq.matcher, start + k) for k, (_, seq) in enumerate(chunk)]
-                jobs.append(self._filler.submit(llguidance.torch.fill_next_token_bitmask_par, executor, compact, mask))
-        finally:
-            for job in jobs:
-                job.result()  # every submitted fill is over before the slot is handed back (or an error raised)
-        index = np.asarray([i for i, _ in rows], dtype=np.int64)  # [K]
-        flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
-        flags[index] = True
-        return flags, mask, index
-
-    def _pipelined_rows(self, accepts: list[tuple[list[int], list[int]]],
-                        seq_ids: list[int]) -> list[tuple[int, SeqGrammar]] | None:
-        """The rows (batch index, grammar) a pipelined fill covers, or None where it does not apply: few rows or
-        CPUs (no pool), allowed_token_ids (narrowed after the fill), no tokens to consume, or a row with no matcher
-        before its token (a reasoning prefix: its token may start the grammar, which changes the rows)."""
-        if not accepts or self._allowed or not self._parallel(len(seq_ids)):
-            return None
-        rows = [(i, seq) for i, seq_id in enumerate(seq_ids) if (seq := self._seqs.get(seq_id)) is not None]
-        if not all(self._ready(seq_ids[i], seq) for i, seq in rows):
-            return None
-        return rows
-
-    def close(self) -> None:
-        if self._filler is not None:
-            self._filler.shutdown(wait=True)
-            self._filler = None
-        super().close()
 
     def _ready(self, seq_id: int, seq: SeqGrammar) -> bool:
         if seq.compiling is not None:
@@ -272,9 +209,10 @@ def _apply(rows: SharedMaskRows, message: MaskApply, failed: dict[int, str]) -> 
 
 def _fill(rows: SharedMaskRows, message: MaskFill, failed: dict[int, str]) -> MaskReady:
     started = time.perf_counter()
+    for seq_ids, token_ids in zip(message.accept_seq_ids, message.accept_token_ids, strict=True):
+        rows.accept(seq_ids, token_ids)
     rows.slot = message.slot
-    masks = rows.accept_and_fill(list(zip(message.accept_seq_ids, message.accept_token_ids, strict=True)),
-                                 message.seq_ids)
+    masks = rows.bitmask(message.seq_ids)
     ended = time.perf_counter()
     return MaskReady(message.job_id, masks[2].tolist() if masks is not None else [], ended - started, ended,
                      list(failed), list(failed.values()))
