@@ -17,7 +17,8 @@ model dtype or fp8 e4m3 with one per-tensor scale. Every query head reads the sa
   A chunk longer than `max_absorbed_query_len` is skipped: its rows belong to the expanded path.
 - `mla_expanded_attention`: the expanded path for long chunks: gather the sequences' latents, W_UK/W_UV
   expansion by one GEMM (kv_b_proj) into per-head K [L, heads, Dn + P] and V [L, heads, Dv], then the
-  multi-head paged attention kernel of kernels/paged_attention.py over them.
+  multi-head paged attention kernel of kernels/paged_attention.py over them (on CUDA in bf16/fp16, torch's
+  FlashAttention varlen kernel over the contiguous K/V instead).
 
 Per query-key pair and head the absorbed path costs 2 (R + P) + 2 R FLOPs (2176 for R = 512, P = 64), the
 expanded one 2 (Dn + P) + 2 Dv (640, padded to 1024 in the paged kernel) plus the expansion, 2 R (Dn + Dv) per
