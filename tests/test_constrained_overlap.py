@@ -136,16 +136,26 @@ def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_di
         resume(self)
 
     monkeypatch.setattr(ModelRunner, "resume", counting_resume)
+    ahead: list[int] = []  # launches whose inputs were prepared before the deferred step sampled
+    prepare_ahead = ModelRunner._prepare_ahead
+
+    def counting_prepare_ahead(self: ModelRunner, plan: StepPlan):  # noqa: ANN202
+        ahead.append(plan.step_id)
+        return prepare_ahead(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "_prepare_ahead", counting_prepare_ahead)
     results = {}
     for fast, in_process in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(grammar, "PARALLEL_ROWS", 1 if fast else 10**6)
         monkeypatch.setattr(grammar, "PARALLEL_MIN_CPUS", 1)
         deferred.clear()
+        ahead.clear()
         llm = LLM(str(smollm2_dir), async_scheduling=fast, max_model_len=256, grammar_process=in_process)
         assert isinstance(llm.engine.runner.grammars, MaskProcess) == in_process
         outputs = llm.generate(prompts, params)
         results[fast, in_process] = [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
         assert bool(deferred) == fast  # the fast path deferred constrained steps' sampling; the serial never
+        assert bool(ahead) == fast  # and prepared the next steps' inputs while their masks filled
         llm.engine.runner.grammars.close()
     assert results[True, False] == results[False, False]
     assert results[True, True] == results[False, False]  # the grammar process's masks are the same

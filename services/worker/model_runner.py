@@ -398,8 +398,13 @@ class ModelRunner:
             return True
 
     def _launch(self, sent: StepPlan) -> bool:
-        self._complete_deferred()  # a step deferred for its masks samples before the next forward reads its tokens
-        self._grammar_barrier()
+        # A step deferred for its masks samples before the next forward reads its tokens. When this plan only
+        # continues the running sequences, its host inputs are prepared while the masks are still on their way
+        # (_prepare_ahead), so that the deferred sampling and this forward go out back to back once they come.
+        ahead = self._prepares_ahead(sent)
+        if not ahead:
+            self._complete_deferred()
+            self._grammar_barrier()
         plan, refused = self._refuse_bad_requests(self._without_lost(sent))
         forked_rows = self.state.apply(plan)
         self.pending_step[forked_rows] = -1  # a beam's token comes with the plan
@@ -412,8 +417,19 @@ class ModelRunner:
             if sent.seq_ids:  # every request it ran belonged to a failed step: an empty result, in order
                 self._launched.append(LaunchedStep(sent, synced=True, failed=refused))
             return bool(sent.seq_ids)
+        if ahead:
+            host = self._prepare_ahead(plan)
+            self._complete_deferred()
+            self._grammar_barrier()
+            if self._lost.intersection(plan.seq_ids):  # the deferred sampling lost rows (grammar failures)
+                plan = self._without_lost(plan)
+                if not plan.seq_ids:
+                    self._launched.append(LaunchedStep(sent, synced=True, failed=refused))
+                    return True
+                host = self._prepare(plan)
+        else:
+            host = self._prepare(plan)
         self.staging.flip()  # the previous step's copies may still read the other set of pinned buffers
-        host = self._prepare(plan)
         timer_start = self._timer_event()
         step = LaunchedStep(plan, is_decode=host.is_decode, state_version=self.state.version, failed=refused)
         input_ids = self._input_ids(host)  # [T] on the device
@@ -438,6 +454,31 @@ class ModelRunner:
         self._record(step, timer_start)
         self._launched.append(step)
         return True
+
+    def _prepares_ahead(self, sent: StepPlan) -> bool:
+        """A step waits for its grammar masks and this plan only continues running sequences (nothing admitted,
+        finished, forked or copied; no beams here or there): its inputs can be prepared before that step samples."""
+        if self._deferred is None or not sent.seq_ids:
+            return False
+        deferred = self._deferred[0].plan
+        return not (sent.new_requests or sent.finished_seq_ids or sent.block_copies or sent.beam_forks
+                    or sent.beam_groups or deferred.beam_groups)
+
+    def _prepare_ahead(self, plan: StepPlan) -> HostBatch:
+        """_prepare as it will be once the deferred step has sampled: its sampled rows hold one more token, known
+        on the device only (what _sample records). Rows that sampling loses make the caller prepare again."""
+        assert self._deferred is not None
+        step, host = self._deferred[0], self._deferred[1]
+        rows = host.rows[host.sampled]  # [S]
+        state = self.state
+        pending = self.pending_step[rows].copy()  # [S]
+        state.num_tokens[rows] += 1
+        self.pending_step[rows] = step.plan.step_id
+        try:
+            return self._prepare(plan)
+        finally:
+            state.num_tokens[rows] -= 1
+            self.pending_step[rows] = pending
 
     def _waits_for_tokens(self, step: LaunchedStep, host: HostBatch) -> bool:
         """Rows with a grammar sample in this step and an earlier step's tokens have not reached the host."""
