@@ -122,7 +122,8 @@ class StepTimer:
 
     steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # (decode, start, end)
     # a step whose sampling waited for grammar masks (launch deferred it): its forward's end and its sampling's
-    # start, keyed by its end event; the device idles between them when the masks come after the forward
+    # start, recorded once the host has the masks, keyed by its end event; the device idles between the two when
+    # the masks come after the forward
     deferred: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=dict)
     host_wait_s: float = 0.0  # the step loop blocked in finish() on a step's event (the host waiting for the device)
     host_waits: int = 0
@@ -226,6 +227,9 @@ class ModelRunner:
         self.mask_times = MaskTimes()
         self._mask_rows: torch.Tensor | None = None  # [R, W] int32 on the device: this step's grammar masks
         self._forward_end: torch.cuda.Event | None = None  # the deferred step's forward ended (step_timer only)
+        # step_timer only: the deferred step's masks are in (its sampling's device work starts after this event)
+        self._masks_in: torch.cuda.Event | None = None
+        self._timing_masks = False  # _sample records _masks_in (a deferred step, timed)
         self._lost: set[int] = set()  # requests of failed steps: later plans in flight may still name them
         self.step_timer: StepTimer | None = None
         self.graphs: DecodeGraphs | None = None
@@ -541,18 +545,22 @@ class ModelRunner:
         self._deferred = None
         forward_end, self._forward_end = self._forward_end, None
         sampling_start = self._timer_event() if forward_end is not None else None
+        self._masks_in, self._timing_masks = None, forward_end is not None
         try:
-            self._sample(step, host, logits)
+            self._sample(step, host, logits)  # records _masks_in once it has the masks (the host waited till then)
         except Exception as exc:  # noqa: BLE001 - as in launch(): the step fails, the worker goes on
             log.error("step %d failed:\n%s", step.plan.step_id, traceback.format_exc())
             self.recover(step.plan)  # waits for the mask job (_drop)
             step.error, step.synced = f"{type(exc).__name__}: {exc}", True
             return
+        finally:
+            self._timing_masks = False
         self._grammar_barrier()  # a job _sample did not use (its rows were all beams) must not outlive its step
         self._record(step, timer_start)
         if self.step_timer is not None and step.event is not None and forward_end is not None:
             assert sampling_start is not None
-            self.step_timer.deferred[id(step.event)] = (forward_end, sampling_start)
+            masks_in, self._masks_in = self._masks_in, None
+            self.step_timer.deferred[id(step.event)] = (forward_end, masks_in or sampling_start)
 
     def _grammar_barrier(self) -> None:
         """The matchers are this thread's again: the mask job is over and every synced token is consumed."""
@@ -600,6 +608,8 @@ class ModelRunner:
             if self.grammars.has_matchers(seq_ids):
                 self._sync_before(step)
             masks = self._grammar_masks(seq_ids)
+            if self._timing_masks:
+                self._masks_in, self._timing_masks = self._timer_event(), False  # the device idled until here
             failed = self._grammar_failures(step)
             if failed.intersection(seq_ids):  # their grammar process died, or their matcher failed to build
                 keep = np.fromiter((seq_id not in failed for seq_id in seq_ids), dtype=bool, count=len(seq_ids))
