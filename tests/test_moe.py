@@ -313,3 +313,26 @@ def test_fused_experts_rejects_bad_paths() -> None:
     with pytest.raises(ValueError, match="FP8"):
         moe.fused_experts(x, q_up.view(w_gate_up.shape), q_down.view(w_down.shape), weights, ids,
                           s_up.view(EXPERTS, 2 * INTER, 1), s_down.view(EXPERTS, HIDDEN, 1), path="gmm")
+
+
+@pytest.mark.gpu
+@needs_grouped_mm
+def test_gmm_path_bf16_on_gpu_captures_in_a_graph() -> None:
+    """bf16 on the GPU at GMM_MIN_PAIRS pairs: the default dispatch takes the gmm path where CUTLASS grouped GEMMs
+    exist, it matches the Triton path, and it captures in a CUDA graph (a host sync would fail the capture)."""
+    num_tokens = moe.GMM_MIN_PAIRS // TOP_K
+    w_gate_up, w_down = (w.cuda() for w in _weights(torch.bfloat16))
+    x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=3))
+    cutlass = moe.cutlass_grouped_mm_device(x.device.index)
+    expected_path = "gmm" if cutlass else "triton"
+    assert moe.moe_path(x.device, x.dtype, x.dtype, num_tokens, TOP_K, EXPERTS, HIDDEN, INTER) == expected_path
+    triton_path = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="triton")
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
+    torch.testing.assert_close(got.float(), triton_path.float(), atol=2e-2, rtol=2e-2)
+    if not cutlass:
+        pytest.skip("torch._grouped_mm falls back to a loop over host-side offsets here: not capturable")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
+    graph.replay()
+    torch.testing.assert_close(captured, got, atol=0, rtol=0)
