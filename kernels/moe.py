@@ -1,6 +1,8 @@
 """Fused mixture-of-experts in Triton: route tokens to their top-k experts, sort the (token, slot) pairs by expert
 into BLOCK_M-row tiles, then one grouped GEMM for gate+up with SiLU-and-mul in its epilogue and one for down with
-the routing weight applied; the top-k sum closes the layer.
+the routing weight applied; the top-k sum closes the layer. Large bf16 batches on a GPU with CUTLASS grouped GEMMs
+(prefill) take a second path instead, over torch._grouped_mm: the same sort, the token rows gathered into it, two
+grouped GEMMs with SiLU-and-mul between them, and one kernel for the weighted top-k sum (moe_path decides).
 
 Every buffer has a shape fixed by (tokens, top_k, experts, BLOCK_M), never by the routing, so a decode step
 captures in a CUDA graph: tiles past the routed ones exit at once. Expert weights are in the model dtype, or e4m3
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.kernels.activation import silu_and_mul
 
 log = logging.getLogger(__name__)
 
@@ -715,23 +719,159 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
     return default_tiles(num_tokens, top_k, num_experts, intermediate, hidden)
 
 
+# ---------------------------------------------------------------- prefill over CUTLASS grouped GEMM
+
+# From this many (token, expert) pairs a bf16 layer on a CUDA device with CUTLASS grouped GEMMs (sm90/sm100) runs
+# its two GEMMs on torch._grouped_mm. To be measured (python -m pagoda.bench.moe_prefill): session 10 timed the two
+# GEMMs alone at 640-655 TFLOP/s from ~4k tokens (8 experts each: 32k pairs) against 485 for the Triton layer at
+# 8k tokens; the gather, SiLU-and-mul and combine this path adds are not in those figures. Decode never comes near:
+# its CUDA graphs hold at most max_num_seqs tokens (256 by default: 2,048 pairs at 8 experts each); and the path has
+# no host sync, so a graph that did capture it (a max_num_seqs in the thousands) would still replay correctly.
+GMM_MIN_PAIRS = 16384
+# Each expert's run of rows in the grouped-GEMM layout is padded to a multiple of this. 1: no padding rows at all.
+# CUTLASS masks a group's ragged last tile itself, and a group's first row stays 16-byte aligned for any count
+# (rows are H or I elements, multiples of 8), so padding would only add rows to compute; to be measured.
+GMM_BLOCK_M = 1
+MOE_PATHS = ("triton", "gmm")
+CUTLASS_MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMM: "Can't process more than 1024 groups"
+
+
+@lru_cache(maxsize=16)
+def cutlass_grouped_mm_device(index: int | None) -> bool:
+    """torch._grouped_mm runs CUTLASS on this CUDA device: sm90 or sm100, bf16. Elsewhere (or in fp16) torch falls
+    back to a loop of GEMMs over offs copied to the host: a sync per call, no capture in a CUDA graph."""
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index)[0] in (9, 10)
+
+
+def moe_path(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype, num_tokens: int, top_k: int,
+             num_experts: int, hidden: int, inter: int) -> str:
+    """Which fused_experts path a call takes: "gmm" (torch._grouped_mm, CUTLASS) for large bf16 batches on a device
+    that has it, else "triton" (pagoda's grouped GEMM: FP8 weights, fp16, small batches, decode, CPU)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or weight_dtype != torch.bfloat16:
+        return "triton"
+    if num_tokens * top_k < GMM_MIN_PAIRS or num_experts > CUTLASS_MAX_GROUPS or hidden % 8 or inter % 8:
+        return "triton"  # strides of 16 bytes: TMA's rule
+    return "gmm" if cutlass_grouped_mm_device(device.index) else "triton"
+
+
+def expert_offsets(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """topk_ids [T, k] -> offs [E] int32: where each expert's run of the block_m-padded layout ends (align_pairs'
+    runs; offs[-1] = its num_padded). A scatter-add and a prefix sum on the device: no host sync."""
+    flat = topk_ids.view(-1).long()  # [P]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
+    return ((counts + block_m - 1) // block_m * block_m).cumsum(0).to(torch.int32)  # [E]
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gather_sorted_kernel(x_ptr, sorted_pairs_ptr, num_padded_ptr, out_ptr, positions_ptr, num_pairs, hidden,
+                          stride_xt, stride_or, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row r of the expert-sorted layout: x[pair // k] for its pair, zeros for a padding row, nothing past
+    num_padded (the grouped GEMM reads no row past offs[-1]). Column block 0 records positions[pair] = r."""
+    row = tl.program_id(0)
+    if row >= tl.load(num_padded_ptr):
+        return
+    pair = tl.load(sorted_pairs_ptr + row)
+    real = pair < num_pairs
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    token = (pair // TOP_K).to(tl.int64)
+    vals = tl.load(x_ptr + token * stride_xt + cols, mask=mask & real, other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_or + cols, vals, mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(positions_ptr + pair, row, mask=real)
+
+
+def gather_sorted(x: torch.Tensor, align: Alignment, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (rows [max_padded, H]: x's row of each pair in align's expert-sorted order, padding rows zero,
+    rows past num_padded unwritten; positions [T * k] int32: the row of each pair)."""
+    num_tokens, hidden = x.shape
+    num_pairs = num_tokens * top_k
+    assert x.stride(1) == 1 and align.sorted_pairs.dtype == torch.int32
+    max_padded = align.sorted_pairs.numel()
+    rows = torch.empty(max_padded, hidden, dtype=x.dtype, device=x.device)  # [max_padded, H]
+    positions = torch.empty(num_pairs, dtype=torch.int32, device=x.device)  # [T * k]
+    block = min(1024, triton.next_power_of_2(hidden))
+    if max_padded:
+        _gather_sorted_kernel[(max_padded, triton.cdiv(hidden, block))](
+            x, align.sorted_pairs, align.num_padded, rows, positions, num_pairs, hidden, x.stride(0),
+            rows.stride(0), TOP_K=top_k, BLOCK_H=block, num_warps=4)
+    return rows, positions
+
+
+@triton.jit
+def _combine_kernel(o_ptr, positions_ptr, weights_ptr, out_ptr, hidden, stride_or, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j round(w[t, j] * o[position of pair (t, j)]): each product rounded to the model dtype as the
+    Triton path's down GEMM stores it, the k of them summed in fp32 as its top-k sum does, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(positions_ptr + token * TOP_K + j).to(tl.int64)
+        weight = tl.load(weights_ptr + token * TOP_K + j)
+        o = tl.load(o_ptr + row * stride_or + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += (o * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, acc.to(dtype), mask=mask)
+
+
+def combine_top_k(o: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+    """o [rows, H] (expert-sorted), positions [T * k] int32, weights [T * k] fp32 -> [T, H]: each token's weighted
+    sum over its k rows, read through positions (one pass over o; no [T * k, H] buffer in pair order)."""
+    num_pairs, hidden = positions.numel(), o.shape[1]
+    assert num_pairs % top_k == 0 and weights.shape == (num_pairs,) and weights.dtype == torch.float32
+    assert o.stride(1) == 1 and positions.dtype == torch.int32
+    num_tokens = num_pairs // top_k
+    out = torch.empty(num_tokens, hidden, dtype=o.dtype, device=o.device)  # [T, H]
+    block = min(1024, triton.next_power_of_2(hidden))
+    if num_tokens:
+        _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            o, positions, weights, out, hidden, o.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block,
+            num_warps=4)
+    return out
+
+
+def _fused_experts_gmm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+    """The layer on torch._grouped_mm: pairs sorted by expert (align_pairs), their token rows gathered, the two
+    GEMMs with offs = each expert's run end, SiLU-and-mul between them, the weighted top-k sum through the
+    inverse of the sort. Every step stays on the device (the forward runs layer after layer without a sync)."""
+    num_experts, top_k = w_gate_up.shape[0], topk_ids.shape[1]
+    align = align_pairs(topk_ids, num_experts, GMM_BLOCK_M)
+    offs = expert_offsets(topk_ids, num_experts, GMM_BLOCK_M)  # [E] int32
+    rows, positions = gather_sorted(x, align, top_k)  # [max_padded, H], [T * k]
+    gate_up = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offs)  # [max_padded, 2I]
+    act = silu_and_mul(gate_up)  # [max_padded, I]: the gate rounded to the model dtype before SiLU, as Triton's
+    o = torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs)  # [max_padded, H]
+    return combine_top_k(o, positions, weights, top_k)  # [T, H]
+
+
 # ---------------------------------------------------------------- the layer
 
 
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                   w_down_scale: torch.Tensor | None = None, group_k: int | None = None,
-                  tiles: Tiles | None = None) -> torch.Tensor:
+                  tiles: Tiles | None = None, path: str | None = None) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]; topk_weights [T, k] fp32;
     topk_ids [T, k] int32. FP8 weights: e4m3 with scales [E, rows, K / group_k] (group_k = K: per row).
-    Returns [T, H] in x's dtype."""
+    path: "triton" (pagoda's grouped GEMM or GEMVs, with `tiles`), "gmm" (torch._grouped_mm), None: moe_path's
+    choice, or "triton" when tiles are given. Returns [T, H] in x's dtype."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     _check_experts(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, group_k)
+    if path is None:
+        path = "triton" if tiles is not None else moe_path(x.device, x.dtype, w_gate_up.dtype, num_tokens, top_k,
+                                                             num_experts, hidden, inter)
+    _check_path(path, w_gate_up.dtype)
+    if path == "gmm":
+        return _fused_experts_gmm(x, w_gate_up, w_down, topk_weights.contiguous().view(-1), topk_ids.contiguous())
     if tiles is None:
         tiles = pick_tiles(num_tokens, top_k, num_experts, inter, hidden, x.dtype, x.device)
     num_pairs = num_tokens * top_k
@@ -755,6 +895,15 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     _moe_gemm(act, w_down, w_down_scale, _group(group_k, inter), align_down, out, num_pairs, 1, False, weights,
               down_tile)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
+
+
+def _check_path(path: str, weight_dtype: torch.dtype) -> None:
+    if path not in MOE_PATHS:
+        raise ValueError(f"MoE path must be one of {MOE_PATHS}, got {path!r}")
+    if path == "gmm" and weight_dtype == torch.float8_e4m3fn:
+        raise ValueError("the gmm MoE path takes weights in the model dtype; FP8 experts run on the triton path")
+    if path == "gmm" and not hasattr(torch, "_grouped_mm"):
+        raise ValueError(f"the gmm MoE path needs torch._grouped_mm (torch {torch.__version__} has none)")
 
 
 def _fused_experts_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,

@@ -187,3 +187,152 @@ def test_large_batches_align_by_sorting() -> None:
     tile = moe.TileConfig(64, 32, 64, 8, 4, 2)
     got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=(tile, tile))
     torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- the gmm path (torch._grouped_mm)
+
+needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+
+
+def _gmm_routing(kind: str, num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, ids [T, k] int32) of one routing kind: "top1", "top2" (softmax top-k over all experts),
+    "skewed" (experts 0-2 only, most pairs on expert 0: five experts get nothing), "shared" (top 2 of the first six,
+    then experts 6 and 7 with weight 1, as DeepSeek-V2-Lite's fused shared experts)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind in ("top1", "top2"):
+        return moe.route_softmax_topk(torch.randn(num_tokens, EXPERTS, generator=gen), int(kind[-1]), True)
+    if kind == "skewed":
+        ids = torch.multinomial(torch.tensor([0.8, 0.15, 0.05]), num_tokens * 2, replacement=True, generator=gen)
+        ids = ids.view(num_tokens, 2).to(torch.int32)  # an expert may appear twice in a row: harmless here
+        return torch.rand(num_tokens, 2, generator=gen), ids
+    assert kind == "shared"
+    weights, ids = moe.route_softmax_topk(torch.randn(num_tokens, EXPERTS - 2, generator=gen), 2, True)
+    shared = torch.tensor([EXPERTS - 2, EXPERTS - 1], dtype=torch.int32).expand(num_tokens, 2)
+    return torch.cat((weights, torch.ones(num_tokens, 2)), 1), torch.cat((ids, shared), 1)  # [T, 4] each
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize(("kind", "num_tokens"), [("top1", 9), ("top2", 33), ("skewed", 40), ("shared", 17)])
+def test_gmm_path_matches_reference(kind: str, num_tokens: int) -> None:
+    """path="gmm" on CPU (torch._grouped_mm's CPU kernel, the gather and combine kernels interpreted): the layer of
+    the reference and of the Triton path, whatever the routing leaves empty or uneven."""
+    w_gate_up, w_down = _weights(torch.float32)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens))  # [T, H]
+    weights, ids = _gmm_routing(kind, num_tokens, seed=num_tokens)
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
+    torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
+    triton_path = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="triton")
+    torch.testing.assert_close(got, triton_path, atol=2e-5, rtol=1e-4)
+
+
+@needs_grouped_mm
+def test_gmm_path_half_precision_matches_triton_path() -> None:
+    """fp16 (the interpreter's bf16 is wrong; bf16 is the GPU's case): the two paths round alike, gate before SiLU,
+    each weighted product before the top-k sum."""
+    w_gate_up, w_down = _weights(torch.float16)
+    x, weights, ids = _routed(24, torch.float16)
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
+    triton_path = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="triton")
+    torch.testing.assert_close(got.float(), triton_path.float(), atol=2e-3, rtol=2e-3)
+    expected = ref.moe_experts(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_grouped_mm
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # SiLU of the unwritten rows past num_padded: never read
+def test_gmm_path_with_padded_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GMM_BLOCK_M > 1: every expert's run padded to 16 rows (sentinel rows in the GEMMs' input); same layer."""
+    monkeypatch.setattr(moe, "GMM_BLOCK_M", 16)
+    w_gate_up, w_down = _weights(torch.float32)
+    x = torch.randn(21, HIDDEN, generator=torch.Generator().manual_seed(5))
+    weights, ids = _gmm_routing("skewed", 21, seed=5)
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
+    torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_gather_sorted_and_offsets_follow_the_alignment(block_m: int) -> None:
+    """The gmm path's layout: offs ends each expert's run of align_pairs (offs[-1] = num_padded), gathered rows are
+    x's row of their pair (zero for padding), positions invert the sort."""
+    top_k = 2
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(2))  # [T, H]
+    _, ids = _gmm_routing("skewed", 13, seed=3)
+    align = moe.align_pairs(ids, EXPERTS, block_m)
+    offs = moe.expert_offsets(ids, EXPERTS, block_m)
+    assert offs.dtype == torch.int32 and offs.shape == (EXPERTS,)
+    assert int(offs[-1]) == int(align.num_padded)
+    starts = torch.cat((offs.new_zeros(1), offs[:-1]))  # [E]
+    for expert in range(EXPERTS):
+        tiles = align.tile_experts[int(starts[expert]) // block_m:int(offs[expert]) // block_m]
+        assert bool((tiles == expert).all()), f"expert {expert}'s run"
+    rows, positions = moe.gather_sorted(x, align, top_k)
+    used = int(align.num_padded)
+    pairs = align.sorted_pairs[:used].long()
+    real = pairs < ids.numel()
+    torch.testing.assert_close(rows[:used][real], x[pairs[real] // top_k], atol=0, rtol=0)
+    assert bool((rows[:used][~real] == 0).all()), "padding rows are zero"
+    assert torch.equal(align.sorted_pairs[positions.long()].long(), torch.arange(ids.numel()))
+
+
+def test_combine_top_k_matches_weighted_sum() -> None:
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, top_k, num_rows = 6, 3, 25
+    o = torch.randn(num_rows, HIDDEN, generator=gen).half()  # [rows, H]
+    positions = torch.randperm(num_rows, generator=gen)[:num_tokens * top_k].to(torch.int32)  # [T * k]
+    weights = torch.rand(num_tokens * top_k, generator=gen)  # [T * k]
+    got = moe.combine_top_k(o, positions, weights, top_k)
+    products = (o[positions.long()].float() * weights[:, None]).half()  # [T * k, H], rounded as the Triton path
+    expected = products.view(num_tokens, top_k, HIDDEN).float().sum(dim=1).half()
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_moe_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gmm only for bf16 weights on a CUTLASS-grouped-GEMM CUDA device from GMM_MIN_PAIRS pairs; decode's largest
+    default graph batch (256 tokens, even at 10 experts each) stays on Triton."""
+    monkeypatch.setattr(moe, "cutlass_grouped_mm_device", lambda index: True)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    big = moe.GMM_MIN_PAIRS // 8
+    assert moe.moe_path(cuda, bf16, bf16, big, 8, 66, 2048, 1408) == "gmm"
+    assert moe.moe_path(cuda, bf16, bf16, big - 1, 8, 66, 2048, 1408) == "triton"
+    assert moe.moe_path(cuda, bf16, bf16, 256, 10, 66, 2048, 1408) == "triton"
+    assert moe.moe_path(torch.device("cpu"), bf16, bf16, big, 8, 66, 2048, 1408) == "triton"
+    assert moe.moe_path(cuda, torch.float16, torch.float16, big, 8, 66, 2048, 1408) == "triton"  # torch: host sync
+    assert moe.moe_path(cuda, bf16, torch.float8_e4m3fn, big, 8, 66, 2048, 1408) == "triton"
+    assert moe.moe_path(cuda, bf16, bf16, big, 8, 66, 2048, 1412) == "triton"  # rows not 16-byte multiples
+    monkeypatch.setattr(moe, "cutlass_grouped_mm_device", lambda index: False)
+    assert moe.moe_path(cuda, bf16, bf16, big, 8, 66, 2048, 1408) == "triton"
+
+
+def test_fused_experts_rejects_bad_paths() -> None:
+    w_gate_up, w_down = _weights(torch.float32)
+    x, weights, ids = _routed(3, torch.float32)
+    with pytest.raises(ValueError, match="MoE path"):
+        moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="cutlass")
+    q_up, s_up = ref.quantize_fp8_rows(w_gate_up.view(-1, HIDDEN))
+    q_down, s_down = ref.quantize_fp8_rows(w_down.reshape(-1, INTER))
+    with pytest.raises(ValueError, match="FP8"):
+        moe.fused_experts(x, q_up.view(w_gate_up.shape), q_down.view(w_down.shape), weights, ids,
+                          s_up.view(EXPERTS, 2 * INTER, 1), s_down.view(EXPERTS, HIDDEN, 1), path="gmm")
+
+
+@pytest.mark.gpu
+@needs_grouped_mm
+def test_gmm_path_bf16_on_gpu_captures_in_a_graph() -> None:
+    """bf16 on the GPU at GMM_MIN_PAIRS pairs: the default dispatch takes the gmm path where CUTLASS grouped GEMMs
+    exist, it matches the Triton path, and it captures in a CUDA graph (a host sync would fail the capture)."""
+    num_tokens = moe.GMM_MIN_PAIRS // TOP_K
+    w_gate_up, w_down = (w.cuda() for w in _weights(torch.bfloat16))
+    x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=3))
+    cutlass = moe.cutlass_grouped_mm_device(x.device.index)
+    expected_path = "gmm" if cutlass else "triton"
+    assert moe.moe_path(x.device, x.dtype, x.dtype, num_tokens, TOP_K, EXPERTS, HIDDEN, INTER) == expected_path
+    triton_path = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="triton")
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
+    torch.testing.assert_close(got.float(), triton_path.float(), atol=2e-2, rtol=2e-2)
+    if not cutlass:
+        pytest.skip("torch._grouped_mm falls back to a loop over host-side offsets here: not capturable")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
+    graph.replay()
+    torch.testing.assert_close(captured, got, atol=0, rtol=0)
