@@ -2,7 +2,7 @@
 GEMM, tuned tiles) and "gmm" (torch._grouped_mm, CUTLASS, with its gather, SiLU-and-mul and combine). Per shape and
 token count: device time from a CUDA graph, TFLOP/s, the two grouped GEMMs of the gmm path alone (what its other
 steps add is the difference), the gmm path's error against the triton path, and the path moe_path picks. The
-figures to set kernels/moe.py GMM_MIN_PAIRS (and GMM_BLOCK_M) by.
+figures to set kernels/moe.py GMM_MIN_ROWS_PER_EXPERT (and GMM_BLOCK_M) by.
 
     python -m pagoda.bench.moe_prefill [--shapes deepseek-v2-lite,qwen3-30b-a3b,mixtral-8x7b]
                                        [--tokens 1024,2048,4096,8192,16384] [--out FILE]

@@ -721,13 +721,16 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
 
 # ---------------------------------------------------------------- prefill over CUTLASS grouped GEMM
 
-# From this many (token, expert) pairs a bf16 layer on a CUDA device with CUTLASS grouped GEMMs (sm90/sm100) runs
-# its two GEMMs on torch._grouped_mm. To be measured (python -m pagoda.bench.moe_prefill): session 10 timed the two
-# GEMMs alone at 640-655 TFLOP/s from ~4k tokens (8 experts each: 32k pairs) against 485 for the Triton layer at
-# 8k tokens; the gather, SiLU-and-mul and combine this path adds are not in those figures. Decode never comes near:
-# its CUDA graphs hold at most max_num_seqs tokens (256 by default: 2,048 pairs at 8 experts each); and the path has
-# no host sync, so a graph that did capture it (a max_num_seqs in the thousands) would still replay correctly.
-GMM_MIN_PAIRS = 16384
+# From this many (token, expert) pairs per expert on average, a bf16 layer on a CUDA device with CUTLASS grouped
+# GEMMs (sm90/sm100) runs its two GEMMs on torch._grouped_mm. Measured on one H200 (2026-12-02,
+# python -m pagoda.bench.moe_prefill, bench/results/s10/call6/moe_prefill.json; gmm / Triton layer time): the gmm
+# path wins from ~512 rows an expert and loses below ~256: deepseek-v2-lite (66 experts incl. 2 shared, 8 each)
+# 0.86 / 1.06 / 0.99 / 1.02 / 1.03 at 1k / 2k / 4k / 8k / 16k tokens (~125 / 250 / 500 / 990 / 1990 rows an
+# expert); qwen3-30b-a3b (128, 8) 1.07 / 0.79 / 0.95 / 1.09 / 1.09; mixtral-8x7b (8, 2) 0.92 / 1.07 / 1.16 / 1.19 /
+# 1.23 (256 / 512 / 1k / 2k / 4k rows an expert). Decode never comes near: its CUDA graphs hold at most
+# max_num_seqs tokens (256 by default); and the path has no host sync, so a graph that did capture it would still
+# replay correctly.
+GMM_MIN_ROWS_PER_EXPERT = 512
 # Each expert's run of rows in the grouped-GEMM layout is padded to a multiple of this. 1: no padding rows at all.
 # CUTLASS masks a group's ragged last tile itself, and a group's first row stays 16-byte aligned for any count
 # (rows are H or I elements, multiples of 8), so padding would only add rows to compute; to be measured.
@@ -749,7 +752,8 @@ def moe_path(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype
     that has it, else "triton" (pagoda's grouped GEMM: FP8 weights, fp16, small batches, decode, CPU)."""
     if device.type != "cuda" or dtype != torch.bfloat16 or weight_dtype != torch.bfloat16:
         return "triton"
-    if num_tokens * top_k < GMM_MIN_PAIRS or num_experts > CUTLASS_MAX_GROUPS or hidden % 8 or inter % 8:
+    if (num_tokens * top_k < GMM_MIN_ROWS_PER_EXPERT * num_experts or num_experts > CUTLASS_MAX_GROUPS
+            or hidden % 8 or inter % 8):
         return "triton"  # strides of 16 bytes: TMA's rule
     return "gmm" if cutlass_grouped_mm_device(device.index) else "triton"
 

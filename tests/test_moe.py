@@ -287,11 +287,11 @@ def test_combine_top_k_matches_weighted_sum() -> None:
 
 
 def test_moe_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gmm only for bf16 weights on a CUTLASS-grouped-GEMM CUDA device from GMM_MIN_PAIRS pairs; decode's largest
-    default graph batch (256 tokens, even at 10 experts each) stays on Triton."""
+    """gmm only for bf16 weights on a CUTLASS-grouped-GEMM CUDA device from GMM_MIN_ROWS_PER_EXPERT pairs an expert;
+    decode's largest default graph batch (256 tokens, even at 10 experts each) stays on Triton."""
     monkeypatch.setattr(moe, "cutlass_grouped_mm_device", lambda index: True)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    big = moe.GMM_MIN_PAIRS // 8
+    big = moe.GMM_MIN_ROWS_PER_EXPERT * 66 // 8
     assert moe.moe_path(cuda, bf16, bf16, big, 8, 66, 2048, 1408) == "gmm"
     assert moe.moe_path(cuda, bf16, bf16, big - 1, 8, 66, 2048, 1408) == "triton"
     assert moe.moe_path(cuda, bf16, bf16, 256, 10, 66, 2048, 1408) == "triton"
@@ -318,9 +318,10 @@ def test_fused_experts_rejects_bad_paths() -> None:
 @pytest.mark.gpu
 @needs_grouped_mm
 def test_gmm_path_bf16_on_gpu_captures_in_a_graph() -> None:
-    """bf16 on the GPU at GMM_MIN_PAIRS pairs: the default dispatch takes the gmm path where CUTLASS grouped GEMMs
-    exist, it matches the Triton path, and it captures in a CUDA graph (a host sync would fail the capture)."""
-    num_tokens = moe.GMM_MIN_PAIRS // TOP_K
+    """bf16 on the GPU at GMM_MIN_ROWS_PER_EXPERT pairs an expert: the default dispatch takes the gmm path where
+    CUTLASS grouped GEMMs exist, it matches the Triton path, and it captures in a CUDA graph (a host sync would fail
+    the capture)."""
+    num_tokens = moe.GMM_MIN_ROWS_PER_EXPERT * EXPERTS // TOP_K
     w_gate_up, w_down = (w.cuda() for w in _weights(torch.bfloat16))
     x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=3))
     cutlass = moe.cutlass_grouped_mm_device(x.device.index)
