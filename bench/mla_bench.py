@@ -20,7 +20,6 @@ $OUT/mla_bench.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from pagoda.bench.cuda_timing import flushed_time_ms
+from pagoda.bench.interpreter import use_interpreter
 from pagoda.bench.report import write_report
 
 PEAK_BYTES_PER_S = 4.2e12  # measured HBM bandwidth of an H200 (DESIGN.md)
@@ -319,21 +319,6 @@ def capacity_part() -> list[dict[str, Any]]:
     return rows
 
 
-def _use_interpreter() -> None:
-    """Triton's interpreter for --smoke (set before the first kernel module defines its kernels), with the loop
-    bound fix tests/conftest.py applies (Triton 3.6 calls int() on a 1-element array, numpy >= 2.4 refuses)."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="decode,prefill,capacity")
@@ -346,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu" and not args.smoke:
         parser.error("needs a CUDA device (or --smoke)")
     if device == "cpu":
-        _use_interpreter()
+        use_interpreter()
     torch.manual_seed(0)
     parts = set(args.parts.split(","))
     rows: list[dict[str, Any]] = []

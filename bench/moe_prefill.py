@@ -15,7 +15,6 @@ JSON goes to --out, else to $OUT/moe_prefill.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.interpreter import use_interpreter
 from pagoda.bench.report import write_report
 
 SHAPE_NAMES = "deepseek-v2-lite,qwen3-30b-a3b,mixtral-8x7b"
@@ -119,21 +119,6 @@ def shape_rows(name: str, token_counts: list[int], dtype: torch.dtype, device: s
     return rows
 
 
-def _use_interpreter() -> None:
-    """Triton's interpreter for --smoke (set before the first kernel module defines its kernels), with the loop
-    bound fix tests/conftest.py applies (Triton 3.6 calls int() on a 1-element array, numpy >= 2.4 refuses)."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=SHAPE_NAMES)
@@ -144,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(torch, "_grouped_mm"):
         parser.error(f"torch {torch.__version__} has no torch._grouped_mm")
     if args.smoke:
-        _use_interpreter()
+        use_interpreter()
         device, dtype, shapes, tokens = "cpu", torch.float32, SMOKE_SHAPE, SMOKE_TOKENS
     elif torch.cuda.is_available():
         device, dtype, shapes, tokens = "cuda", torch.bfloat16, args.shapes, args.tokens
