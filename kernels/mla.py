@@ -33,6 +33,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -696,6 +697,15 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
 # ------------------------------------------------------------------------------------ expanded attention
 
 
+def _to_device_async(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host integers -> a tensor on `device` without a stream sync: through page-locked memory on CUDA (a copy
+    from pageable memory waits for the stream to drain, which inside a prefill forward stalls every later launch)."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def gather_latent_rows(cache: torch.Tensor, block_tables: torch.Tensor, seqs: list[int], seq_lens: list[int],
                        dtype: torch.dtype, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The cached entries of positions 0..seq_lens[b]-1 of each sequence b in seqs, one after another:
@@ -708,11 +718,11 @@ def gather_latent_rows(cache: torch.Tensor, block_tables: torch.Tensor, seqs: li
     if total == 0:
         return torch.empty((0, width), dtype=dtype, device=device)
     block_size = cache.shape[1]
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)  # [S]
+    lens_t = _to_device_async(np.asarray(lens, dtype=np.int64), device)  # [S]
     offsets = torch.cumsum(lens_t, 0) - lens_t  # [S] first gathered row of each sequence
     seq_of_row = torch.repeat_interleave(torch.arange(len(seqs), device=device), lens_t, output_size=total)  # [L]
     pos = torch.arange(total, device=device) - offsets[seq_of_row]  # [L] position within its sequence
-    seq_ids = torch.tensor(seqs, dtype=torch.int64, device=device)[seq_of_row]  # [L]
+    seq_ids = _to_device_async(np.asarray(seqs, dtype=np.int64), device)[seq_of_row]  # [L]
     blocks = block_tables[seq_ids, pos // block_size].long()  # [L]
     rows = cache.view(-1, width).index_select(0, blocks * block_size + pos % block_size)  # [L, R + P]
     if cache.dtype == torch.float8_e4m3fn:
@@ -785,7 +795,8 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)  # [L, heads, D] each
     lens = [seq_lens[b] for b in seqs]
     qlens = [query_lens[b] for b in seqs]
-    rows = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b]) for b in seqs]).to(device)  # [T_sel]
+    rows = _to_device_async(np.concatenate([np.arange(starts[b], starts[b] + query_lens[b]) for b in seqs]),
+                            device)  # [T_sel] int64
     q_sel = q.index_select(0, rows)  # [T_sel, heads, Dn + P]
     if config is None and _flash_varlen_usable(q_sel, head_dim):
         o = _flash_varlen(q_sel if head_dim == qk_dim else torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim)),
@@ -808,7 +819,8 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
 # from the bottom right: a chunk's queries are the last query_len of its seq_len keys), instead of the paged kernel
 # over a block-size-1 table with the head padded to 256. deepseek-v2-lite prefill, 64 x 512 tokens on an H200
 # (2026-12-02, bench/results/s10/prefill_prof_deepseek-v2-lite.json): the absorbed kernel took 26% of the prefill
-# steps' GPU time at ~77 TFLOP/s, 2176 FLOPs a query-key pair and head against the expanded 640.
+# steps' GPU time at ~77 TFLOP/s, 2176 FLOPs a query-key pair and head against the expanded ~768 (V padded to
+# 192 for the kernel).
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _FLASH_MAX_HEAD_DIM = 256
 
@@ -823,8 +835,8 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens:
     """Causal attention of packed sequences: q [T, heads, D] (sequence b's query_lens[b] rows, its last queries),
     k, v [L, heads, D] (its seq_lens[b] keys). Returns [T, heads, D]."""
     device = q.device
-    cu_q = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)  # [S + 1]
-    cu_k = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)  # [S + 1]
+    cu_q = _to_device_async(np.cumsum([0, *query_lens], dtype=np.int32), device)  # [S + 1]
+    cu_k = _to_device_async(np.cumsum([0, *seq_lens], dtype=np.int32), device)  # [S + 1]
     out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max(query_lens), max(seq_lens), 0.0, True,
                                                   False, scale=scale)
     return out[0]  # (output, logsumexp, rng state, unused, debug mask)
