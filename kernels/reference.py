@@ -621,3 +621,10 @@ def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> No
     (kernels/block_copy.py). Every source is read before any destination is written."""
     moved = src != dst  # [N]
     cache[:, dst[moved]] = cache[:, src[moved]]
+
+
+def combine_top_k(o: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+    """kernels/moe.combine_top_k: o [rows, H], positions [T * k] (each pair's row of o), weights [T * k] fp32 ->
+    [T, H]: each weighted row rounded to o's dtype, the k of a token summed in fp32, rounded once."""
+    products = (o[positions.long()].float() * weights[:, None]).to(o.dtype)  # [T * k, H]
+    return products.view(-1, top_k, o.shape[1]).float().sum(dim=1).to(o.dtype)  # [T, H]
