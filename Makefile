@@ -35,7 +35,7 @@ browser:
 	  else echo "no chromium, and no apt-get as root to install it: install it, or the browser test fails"; fi; }
 
 test: install model browser
-	PAGODA_BROWSER_REQUIRED=1 $(PY) -m pytest -q $(ARGS)
+	PAGODA_BROWSER_REQUIRED=1 $(PY) -m pytest -q --durations=30 $(ARGS)
 
 # Every reliability test, the long ones too (kill -9 / SIGSTOP of each process kind, the full load test).
 test-reliability: install model
