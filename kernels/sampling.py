@@ -614,16 +614,23 @@ def _gumbel_score(x, cols, key, temperature):
 @triton.jit(do_not_specialize=["vocab_size"])
 def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, threshold_ptr, seeds_ptr,
                           offsets_ptr, greedy_ptr, best_value_ptr, best_index_ptr, num_splits, rows_ptr,
-                          nucleus_ptr, part_max_ptr, part_sum_ptr,
+                          nucleus_ptr, part_max_ptr, part_sum_ptr, bitmask_ptr, stride_m, bitmask_rows_ptr,
                           HAS_THRESHOLD: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_ROWS: tl.constexpr,
-                          NUCLEUS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                          NUCLEUS: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_BITMASK_ROWS: tl.constexpr,
+                          SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): the best score and its id; for top-p rows (NUCLEUS) also the split's largest logit and
-    its mass sum(exp((x - max) / T)) over every id (top-p's total)."""
+    its mass sum(exp((x - max) / T)) over every id (top-p's total). HAS_BITMASK: a grammar bitmask applies to the
+    flagged rows on the fly (their disallowed ids read as -inf), so a masked row needs no written-out copy."""
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if HAS_ROWS:
         if tl.load(rows_ptr + b) == 0:  # drawn elsewhere (gathered_gumbel_argmax): nothing to read
             return
+    masked = False
+    if HAS_BITMASK:
+        masked = True
+        if HAS_BITMASK_ROWS:
+            masked = tl.load(bitmask_rows_ptr + b) != 0
     greedy = False
     if HAS_GREEDY:
         greedy = tl.load(greedy_ptr + b) != 0
@@ -646,6 +653,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
         cols = start + tl.arange(0, BLOCK)  # [BLOCK]
         in_vocab = cols < vocab_size
         x = tl.load(row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        if masked:
+            words = tl.load(bitmask_ptr + b * stride_m + cols // 32, mask=in_vocab, other=-1)  # [BLOCK] int32
+            x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
         block_max = tl.max(x, axis=0)
         if greedy:
             score = x
@@ -809,11 +819,15 @@ def _nucleus_final_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
                   seeds: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor | None,
                   rows: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                  nucleus: torch.Tensor | None = None) -> torch.Tensor:
+                  nucleus: torch.Tensor | None = None, bitmask: torch.Tensor | None = None,
+                  bitmask_rows: torch.Tensor | None = None) -> torch.Tensor:
     """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64. rows [B] bool: only those rows
     are drawn (the others' ids are left unspecified, for the caller to replace). nucleus [B] bool (or int64 0/1)
     with top_p [B] fp32: rows (drawn, never greedy) whose kept set is also cut by top-p over the whole row (no
-    top-k), as reference.truncation_thresholds then max with `threshold`: drawn by rejection (see above)."""
+    top-k), as reference.truncation_thresholds then max with `threshold`: drawn by rejection (see above).
+    bitmask [B, >= V/32] int32 with bitmask_rows [B] bool (None: every row): the draw of
+    reference.apply_token_bitmask(logits, bitmask, bitmask_rows), read in the same pass (not with nucleus rows,
+    whose rejection rounds read the row again)."""
     _check_logits(logits)
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -831,6 +845,13 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
                     device)
     if (top_p is None) != (nucleus is None):
         raise ValueError("top_p and nucleus come together")
+    if bitmask is not None:
+        if nucleus is not None:
+            raise ValueError("a bitmask is not read by the top-p rejection rounds: apply it first")
+        _check_bitmask(bitmask, num_rows, vocab_size, device)
+        _check_rows("bitmask_rows", bitmask_rows, num_rows, torch.bool, device)
+    elif bitmask_rows is not None:
+        raise ValueError("bitmask_rows without a bitmask")
     if num_rows == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
     num_splits = triton.cdiv(vocab_size, ARGMAX_SPLIT)
@@ -846,8 +867,11 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
         logits, logits.stride(0), vocab_size, temperature, threshold if threshold is not None else dummy,
         seeds, offsets, greedy if greedy is not None else dummy, best_value, best_index, num_splits,
         rows if rows is not None else dummy, nucleus if nucleus is not None else dummy, part_max, mass,
+        bitmask if bitmask is not None else best_index, bitmask.stride(0) if bitmask is not None else 0,
+        bitmask_rows if bitmask_rows is not None else dummy,
         HAS_THRESHOLD=threshold is not None, HAS_GREEDY=greedy is not None, HAS_ROWS=rows is not None,
-        NUCLEUS=nucleus is not None, SPLIT=ARGMAX_SPLIT, BLOCK=ARGMAX_BLOCK)
+        NUCLEUS=nucleus is not None, HAS_BITMASK=bitmask is not None, HAS_BITMASK_ROWS=bitmask_rows is not None,
+        SPLIT=ARGMAX_SPLIT, BLOCK=ARGMAX_BLOCK)
     if nucleus is None or top_p is None:
         # the first split holding the maximum has its smallest id (splits ascend): torch.argmax's tie rule
         winner = best_value[0].argmax(dim=1, keepdim=True)  # [B, 1]

@@ -589,6 +589,16 @@ def run_kernel_checks(num_rows: int, vocab_size: int, seed: int) -> None:
         got_ids = kernels.gumbel_argmax(expected, temperature, thr, seeds, offsets, greedy)
         want_ids = reference.gumbel_argmax(expected, temperature, thr, seeds, offsets, greedy)
         assert torch.equal(got_ids, want_ids)
+    # the grammar bitmask read inside the draw: the same tokens as drawing over the masked copy
+    for flagged in (rows, None):
+        masked = reference.apply_token_bitmask(logits, bitmask, flagged)  # [B, V]
+        got_ids = kernels.gumbel_argmax(logits, temperature, None, seeds, offsets, greedy, bitmask=bitmask,
+                                        bitmask_rows=flagged)
+        want_ids = reference.gumbel_argmax(masked, temperature, None, seeds, offsets, greedy)
+        assert torch.equal(got_ids, want_ids)
+        allowed = reference.token_bitmask_allowed(bitmask, vocab_size)  # [B, V]
+        is_flagged = flagged if flagged is not None else torch.ones_like(greedy)
+        assert allowed[torch.arange(num_rows, device=device), got_ids][is_flagged].all()
 
 
 def test_kernel_constants_match_reference() -> None:
@@ -612,7 +622,8 @@ SMALL_BLOCKS = (("PROCESS_BLOCK", 32), ("ARGMAX_BLOCK", 16), ("ARGMAX_SPLIT", 32
 
 
 @pytest.mark.parametrize("case,dtype", [("top_k_top_p_penalties", torch.bfloat16), ("top_p_min_p", torch.float32),
-                                        ("bias_bans_top_k", torch.bfloat16), ("top_k_over_groups", torch.float32)])
+                                        ("bias_bans_top_k", torch.bfloat16), ("top_k_over_groups", torch.float32),
+                                        ("bitmask_temperature", torch.bfloat16)])
 def test_kernel_sample_path_matches_cpu_path(case: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """sample()'s Triton path (the fused pass with group maxima and tie counts, candidates from the groups, the
     top-p search over the gathered groups, the Gumbel draw skipping blocks below the threshold) draws the CPU
@@ -641,6 +652,11 @@ def test_kernel_sample_path_matches_cpu_path(case: str, dtype: torch.dtype, monk
                       logit_bias_values=torch.full((num_rows, 3), 2.0),
                       banned_token_ids=torch.where(torch.arange(num_rows)[:, None] % 2 == 0,
                                                    torch.tensor([[5, 9]]), -1))
+    elif case == "bitmask_temperature":  # grammar rows beside free ones, no truncation: the draw reads the mask
+        bitmask = random_bitmask(num_rows, vocab_size, seed=3)
+        bitmask[:, 0] |= 1  # no row without an allowed id
+        fields.update(top_k=None, top_p=None, top_p_without_top_k=False, token_bitmask=bitmask,
+                      bitmask_rows=torch.arange(num_rows) % 4 != 1)
     temperature = settings["temperature"]
     temperature[-1] = 0.0  # a greedy row
     cpu = make_metadata(num_rows, temperature=temperature, seed=77, **fields)

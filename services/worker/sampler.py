@@ -114,6 +114,13 @@ def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
     penalised = m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
     scattered = m.logit_bias_ids is not None or m.banned_token_ids is not None  # applied after the fused pass
     thresholds = not m.all_greedy and (m.top_k is not None or m.min_p is not None)  # top-p alone needs none
+    nucleus_pass = not m.all_greedy and m.top_p is not None and m.top_p_without_top_k
+    if m.token_bitmask is not None and not (penalised or scattered or thresholds or nucleus_pass):
+        # greedy and temperature rows: the draw reads the bitmask itself, with no fp32 copy of the batch written
+        # and read again (a quarter of the rows constrained must not make the others pay a pass)
+        return sampling.gumbel_argmax(logits, m.temperature.float().contiguous(), None, m.seeds.contiguous(),
+                                      m.offsets.contiguous(), is_greedy_row(m), bitmask=m.token_bitmask,
+                                      bitmask_rows=m.bitmask_rows)  # [B] int64
     write_out = penalised or m.token_bitmask is not None or scattered
     grouped = sampling.GroupedLogits(logits, None, None)
     if write_out or thresholds:
