@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
-from pagoda.services.grammar.compiler import GrammarChecker
+from pagoda.services.grammar.compiler import GrammarChecker, fast_forward_tokens
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.output import advance
@@ -31,7 +31,6 @@ from pagoda.shared.messages import (
     PromptScores,
     SamplingParams,
     StepResult,
-    StructuredOutputs,
     resolve_vocabulary,
 )
 from pagoda.shared.shapes import eos_token_ids
@@ -55,6 +54,9 @@ class _Completion:
     seq: Sequence
     lags: bool
     num_pushed: int = 0  # completion.token_ids[:num_pushed] went through the stream
+    # a grammar's forced start: in the completion from the start, in no delta yet (the first one carries it)
+    unsent_text: str = ""
+    unsent_ids: list[int] = field(default_factory=list)
 
     def catch_up(self, num_known: int | None = None) -> None:
         """Copy the sequence's tokens up to num_known (default: all it knows) that steps without deltas left, and
@@ -120,11 +122,10 @@ class LLMEngine:
         params.validate()  # before the prompt is encoded: a bad value fails cheaply
         params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
         token_ids = self.encode_prompt(prompt)
-        if params.structured_outputs is not None:
-            self._check_grammar(params.structured_outputs)
+        forced = self._forced_start(params, len(token_ids)) if params.structured_outputs is not None else []
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=params,
-                          arrival_time=time.monotonic(), priority=priority)
+                          arrival_time=time.monotonic(), priority=priority, forced_token_ids=forced)
         self.scheduler.check_prompt(request)  # the rest of Scheduler.validate: params were checked above
         self.scheduler.add_request(request)
         output = self._outputs[request_id] = RequestOutput(
@@ -136,18 +137,36 @@ class LLMEngine:
         for seq in request.sequences[:params.n]:  # a beam search's other beams return nothing
             stream = TextStream(self.tokenizer, token_ids, params)
             lags = stream.batchable and not params.use_beam_search
-            self._completions[seq.seq_id] = _Completion(output, output.outputs[seq.index], stream, seq, lags)
+            tracked = self._completions[seq.seq_id] = _Completion(output, output.outputs[seq.index], stream, seq, lags)
+            if forced:  # the grammar's forced start: output already, its text goes out with the first delta
+                tracked.completion.token_ids += forced
+                tracked.unsent_text = stream.push(forced)
+                tracked.completion.text += tracked.unsent_text
+                tracked.unsent_ids, tracked.num_pushed = list(forced), len(forced)
             if lags and params.logprobs is None:
                 self._silent.add(seq.seq_id)
         return request_id
 
-    def _check_grammar(self, constraint: StructuredOutputs) -> None:
-        """Structured outputs: compile (cached) before queueing; InvalidRequestError if the library rejects it."""
+    def _forced_start(self, params: SamplingParams, num_prompt_tokens: int) -> list[int]:
+        """Structured outputs: compile (cached) before queueing, InvalidRequestError if the library rejects it;
+        the tokens its grammar forces at the start, when they may join the prefill (fast_forward_tokens)."""
+        constraint = params.structured_outputs
+        assert constraint is not None
         if self.tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
         if self._grammars is None:
             self._grammars = GrammarChecker(self.runner.grammars.tokenizer())
-        self._grammars.check(constraint)
+        forced = self._grammars.check(constraint)
+        if not self.config.grammar_fast_forward:
+            return []
+        scheduler = self.scheduler
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= scheduler.eos_token_ids
+            if self.tokenizer.eos_token_id is not None:
+                stop_ids.add(self.tokenizer.eos_token_id)
+        capacity = scheduler.blocks.num_blocks * scheduler.block_size
+        return fast_forward_tokens(forced, params, num_prompt_tokens, scheduler.max_model_len, capacity, stop_ids)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         request = self.scheduler.abort_request(request_id)
@@ -288,6 +307,9 @@ class LLMEngine:
             self._silent.discard(seq.seq_id)
             completion.finish_reason = FinishReason(step.finish_reason).openai_name
         completion.text += text
+        if tracked.unsent_ids:  # the forced start leads the first delta
+            text, new_tokens = tracked.unsent_text + text, tracked.unsent_ids + new_tokens
+            tracked.unsent_text, tracked.unsent_ids = "", []
         return StreamDelta(request_id=output.request_id, index=seq.index, text=text,
                            token_ids=new_tokens, finish_reason=completion.finish_reason)
 

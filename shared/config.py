@@ -51,6 +51,7 @@ class EngineConfig:
     kv_scale_calibration: bool = False  # fp8 KV without checkpoint scales: set them from the first prefill's amax
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for CUDA, off for CPU
     grammar_process: bool | None = None  # grammar matchers and masks in a process of their own; None: see below
+    grammar_fast_forward: bool = True  # the tokens a grammar forces at its start join the prefill (no step each)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -300,7 +301,7 @@ def bind_address(endpoint: str) -> str:
 _PARSERS: dict[str, Any] = {"kv_cache_memory": parse_bytes}
 # True (or auto) by default: a --no- flag
 _FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "async_scheduling": "no-async-scheduling",
-                               "console": "no-console"}
+                               "console": "no-console", "grammar_fast_forward": "no-grammar-fast-forward"}
 _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
@@ -342,6 +343,9 @@ _HELP: dict[str, str] = {
                        "at once (docs/security.md)",
     "grammar_process": "structured outputs' matchers and masks in a process of their own (default: on CUDA with "
                        "async scheduling and 4+ CPUs; PAGODA_GRAMMAR_PROCESS=0 keeps them in the worker)",
+    "grammar_fast_forward": "structured outputs: the tokens a grammar forces at its start (e.g. '{\"name\": \"') are "
+                            "sampled one step each, as without a grammar (default: they join the prompt's prefill, "
+                            "with the grammar's own tokenization of that text)",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",
 }

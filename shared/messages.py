@@ -632,6 +632,9 @@ class AddRequest(msgspec.Struct, array_like=True, tag="add", frozen=True, omit_d
     tenant: str = ""  # see GenerateRequest
     tenant_weight: float = 1.0
     tenant_priority: int = 0
+    # structured outputs: the tokens the grammar forces at the start (compiler.fast_forward_tokens), output tokens
+    # the prompt's prefill computes; the tokenizer shows them with the completion's first token
+    forced_token_ids: list[int] = []
 
 
 class StopSequence(msgspec.Struct, array_like=True, tag="stopseq", frozen=True):

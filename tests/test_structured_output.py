@@ -68,7 +68,7 @@ def test_compile_is_cached_per_constraint(ll: llguidance.LLTokenizer) -> None:
     checker.check(b)
     checker.check(a)  # a is now the most recent
     checker.check(c)  # evicts b
-    assert set(checker._errors) == {m for m in map(_key, (a, c))}
+    assert set(checker._outcomes) == {m for m in map(_key, (a, c))}
 
 
 def _key(constraint: StructuredOutputs) -> bytes:

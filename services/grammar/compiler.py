@@ -113,38 +113,69 @@ def cache_key(constraint: StructuredOutputs) -> bytes:
 
 
 class GrammarChecker:
-    """Compiles constraints against one tokenizer; remembers the last GRAMMAR_CACHE_SIZE outcomes."""
+    """Compiles constraints against one tokenizer; remembers the last GRAMMAR_CACHE_SIZE outcomes: llguidance's
+    error, or the tokens the grammar forces at its start (its fast-forward tokens, see `fast_forward_tokens`)."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = GRAMMAR_CACHE_SIZE) -> None:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
-        self._errors: OrderedDict[bytes, str] = OrderedDict()  # key -> "" (compiles) or llguidance's error
+        # key -> ("" and the forced start, when it compiles) or (llguidance's error, [])
+        self._outcomes: OrderedDict[bytes, tuple[str, list[int]]] = OrderedDict()
         self.last_compile_s = 0.0  # the latest compile that missed the cache (for figures and logs)
 
-    def check(self, constraint: StructuredOutputs) -> None:
-        """Raise InvalidRequestError (400) unless the constraint compiles for this tokenizer."""
+    def check(self, constraint: StructuredOutputs) -> list[int]:
+        """Raise InvalidRequestError (400) unless the constraint compiles for this tokenizer; return the token ids
+        its grammar forces before the model has any choice (often empty)."""
         key = cache_key(constraint)
-        error = self._errors.get(key)
-        if error is None:
-            error = self._compile(constraint)
-            self._errors[key] = error
-            if len(self._errors) > self.max_entries:
-                self._errors.popitem(last=False)
+        outcome = self._outcomes.get(key)
+        if outcome is None:
+            outcome = self._compile(constraint)
+            self._outcomes[key] = outcome
+            if len(self._outcomes) > self.max_entries:
+                self._outcomes.popitem(last=False)
         else:
-            self._errors.move_to_end(key)
+            self._outcomes.move_to_end(key)
+        error, forced = outcome
         if error:
             raise InvalidRequestError(f"the {constraint.kind} constraint cannot be compiled: {error}",
                                       param=_param(constraint))
+        return forced
 
-    def _compile(self, constraint: StructuredOutputs) -> str:
+    def _compile(self, constraint: StructuredOutputs) -> tuple[str, list[int]]:
         started = time.perf_counter()
         try:
             grammar = grammar_text(constraint)
         except InvalidRequestError as exc:
-            return exc.message
+            return exc.message, []
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         self.last_compile_s = time.perf_counter() - started
-        return matcher.get_error() if matcher.is_error() else ""
+        if matcher.is_error():
+            return matcher.get_error(), []
+        forced = matcher.compute_ff_tokens()
+        return ("", list(forced)) if not matcher.is_error() else ("", [])
+
+
+def fast_forward_tokens(forced: list[int], params: SamplingParams, num_prompt_tokens: int, max_model_len: int,
+                        max_num_tokens: int, stop_ids: set[int]) -> list[int]:
+    """The forced start of a constrained completion that joins its prompt's prefill as output tokens already
+    generated (llguidance's fast-forward): the steps that could only have produced these tokens one by one are
+    skipped. Empty where it does not apply: the grammar starts after reasoning, several completions or beams
+    (they would fork from a longer prefix), logprobs (a forced token has none), a bias, a ban or an allow-list
+    that might refuse a forced id. Cut before a stop or EOS id, and so that a sampled token still fits after
+    them (max_tokens, the context, the KV cache)."""
+    constraint = params.structured_outputs
+    if (not forced or constraint is None or constraint.reasoning_end or params.n != 1 or params.use_beam_search
+            or params.logprobs is not None or params.logit_bias or params.allowed_token_ids):
+        return []
+    room = min(max_model_len, max_num_tokens) - num_prompt_tokens - 1
+    if params.max_tokens is not None:
+        room = min(room, params.max_tokens - 1)
+    kept: list[int] = []
+    for token_id in forced[:max(room, 0)]:
+        if token_id in stop_ids:
+            break
+        kept.append(token_id)
+    return kept
 
 
 class LazyGrammarChecker:
@@ -165,10 +196,11 @@ class LazyGrammarChecker:
         except Exception:
             log.exception("cannot build llguidance's tokenizer; structured outputs will be refused")
 
-    def check(self, constraint: StructuredOutputs) -> None:
+    def check(self, constraint: StructuredOutputs) -> list[int]:
+        """GrammarChecker.check: 400 unless it compiles; the ids its grammar forces at its start."""
         if self._hf is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param=_param(constraint))
         if self._checker is None:
             raise InvalidRequestError("structured outputs are unavailable: the grammar library could not load "
                                       "this tokenizer", param=_param(constraint))
-        self._checker.check(constraint)
+        return self._checker.check(constraint)

@@ -91,6 +91,8 @@ class Request:
     tier: int = 0  # the tenant's priority tier: lower tiers are served first
     eos_token_ids: frozenset[int] = frozenset()  # its tokenizer's EOS ids (besides the model's): stop on them too
     stop_ids: frozenset[int] = frozenset()  # the ids that end it with STOP (add_request: EOS unless ignored, stop ids)
+    # output tokens known before any step (a grammar's forced start): the prompt's prefill computes them too
+    forced_token_ids: list[int] = field(default_factory=list)
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     beam: BeamSearch | None = None  # a beam search: its sequences are the beams' slots
@@ -236,6 +238,7 @@ class Scheduler:
             raise InvalidRequestError(f"stop_token_ids must be < {self.vocab_size}", param="stop_token_ids")
         if any(token >= self.vocab_size for token in request.sampling.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be < {self.vocab_size}", param="logit_bias")
+        self._check_forced(request)
         if self.blocks.num_blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens; the KV cache holds at most "
@@ -251,6 +254,19 @@ class Scheduler:
                 f"this model's maximum context length is {self.max_model_len} tokens; you asked for "
                 f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} to generate)",
                 param="max_tokens")
+
+    def _check_forced(self, request: Request) -> None:
+        """A grammar's forced start (compiler.fast_forward_tokens decided it): one completion, vocabulary ids, and
+        room for a sampled token after it within max_tokens, the context and the KV cache."""
+        forced = request.forced_token_ids
+        if not forced:
+            return
+        params = request.sampling
+        total = len(request.prompt_token_ids) + len(forced) + 1
+        if (params.n != 1 or params.use_beam_search or any(not 0 <= t < self.vocab_size for t in forced)
+                or (params.max_tokens is not None and len(forced) >= params.max_tokens)
+                or total > self.max_model_len or self.blocks.num_blocks_for(total) > self.blocks.num_blocks):
+            raise InvalidRequestError("the grammar's forced tokens do not fit this request", param="forced_token_ids")
 
     def _check_beam_search(self, request: Request) -> None:
         """A beam search's beams run together: they must fit one step, and the KV cache at their longest."""
@@ -296,9 +312,11 @@ class Scheduler:
             request.beam = BeamSearch(width=params.beam_width, num_return=params.n,
                                       length_penalty=params.length_penalty, early_stopping=params.early_stopping,
                                       max_new_tokens=max_len - len(request.prompt_token_ids), stop_ids=stop_ids)
+        assert not request.forced_token_ids or len(request.sequences) == 0 and params.n == 1 \
+            and not params.use_beam_search, "check_prompt: forced tokens are for one completion"
         for index in range(params.beam_width or params.n):
             seq = Sequence(seq_id=self._next_seq_id, request=request, index=index,
-                           token_ids=list(request.prompt_token_ids),
+                           token_ids=[*request.prompt_token_ids, *request.forced_token_ids],
                            num_prompt_tokens=len(request.prompt_token_ids), max_len=max_len,
                            seed=(base_seed + index) % SEED_MODULUS)
             seq.rank = (request.priority, request.arrival_time, seq.seq_id)

@@ -67,6 +67,7 @@ class RequestState:
     first_prompt_token: int = -1  # prompt_logprobs: listed first (no logprob) with completion 0's first delta
     return_token_ids: bool = False  # deltas carry their token ids (asked for, or no tokenizer to make text)
     renderer: PromptRenderer | None = None  # the api asked for bytes (RenderedRows), not TextDeltas
+    forced: list[int] = field(default_factory=list)  # a grammar's forced start: shown with completion 0's first token
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ class Outputs:
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
 
     def add(self, api: int, request: GenerateRequest, params: SamplingParams, prompt_token_ids: list[int],
-            echo: str | None) -> RequestState:
+            echo: str | None, forced: list[int] | None = None) -> RequestState:
         """A request admitted here: its completions' text streams, and its renderer when the api takes bytes."""
         streams: list[TextStream | None] = [TextStream(self.tokenizer, prompt_token_ids, params)
                                             for _ in range(params.n)]
@@ -95,7 +96,9 @@ class Outputs:
         renderer = (PromptRenderer(request.render, params.n, echo or "", prompt_token_ids)
                     if request.render is not None else None)
         state = self.requests[request.request_id] = RequestState(
-            api, params, streams, params.n, first_token, request.return_token_ids or self.tokenizer is None, renderer)
+            api, params, streams, params.n, first_token, request.return_token_ids or self.tokenizer is None, renderer,
+            list(forced or ()))
+        assert not state.forced or params.n == 1, "a forced start is for one completion"
         return state
 
     def on_token_deltas(self, message: TokenDeltas) -> OutputBatch:
@@ -161,14 +164,21 @@ class Outputs:
         if token_id < 0 and reason < 0:
             return TextDelta(request_id, index, "", 0, prompt_logprobs=prompt_logprobs) if prompt_logprobs else None
         token_ids = [token_id] if token_id >= 0 else []
+        forced_text = ""
+        if state.forced and index == 0:  # the grammar's forced start, computed with the prompt: shown first
+            forced, state.forced = state.forced, []
+            forced_text = stream.push(forced)
+            token_ids = forced + token_ids
         step = advance(stream, token_id, reason)
+        if forced_text:
+            step.text = forced_text + step.text
         if step.stop_string:
             batch.stops.append(StopSequence(request_id, index))
         if step.finish_reason >= 0:
             self._finish_completion(state, request_id, index)
         stop_token = reason == FinishReason.STOP and token_id >= 0
         logprobs = [logprob] if logprob is not None and state.params.logprobs is not None and not stop_token else []
-        shown_ids = token_ids if state.return_token_ids and not stop_token else []
+        shown_ids = (token_ids[:-1] if stop_token else token_ids) if state.return_token_ids else []
         return TextDelta(request_id, index, step.text, len(token_ids), step.finish_reason, logprobs,
                          num_cached_tokens, stream.stop_reason, prompt_logprobs, shown_ids)
 

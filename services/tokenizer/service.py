@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from pagoda.services.grammar.compiler import LazyGrammarChecker, constrain_after_reasoning
+from pagoda.services.grammar.compiler import LazyGrammarChecker, constrain_after_reasoning, fast_forward_tokens
 from pagoda.services.tokenizer.directory import Peers
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import Outputs, RequestState
@@ -46,6 +46,7 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     RequestFailed,
+    SamplingParams,
     SchedulerToTokenizer,
     Sequenced,
     StopSequence,
@@ -88,7 +89,7 @@ class TokenizerService:
     """One tokenizer process: a DEALER per api and one to the scheduler, served by one poll loop."""
 
     def __init__(self, server_config: ServerConfig, tokenizer: Tokenizer | None,
-                 context: zmq.Context | None = None, block_size: int = 16) -> None:
+                 context: zmq.Context | None = None, block_size: int = 16, fast_forward: bool = True) -> None:
         # A random part: a restarted container has the same host name and often the same pid, and its
         # peers must not mistake it for the process that owned the requests they still wait on.
         self.tokenizer_id = server_config.tokenizer_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -116,6 +117,7 @@ class TokenizerService:
         self._num_beats = 0
         self._grammars = LazyGrammarChecker(tokenizer)  # builds llguidance's tokenizer now, before registration
         self._reasoning_parser = server_config.reasoning_parser
+        self._fast_forward = fast_forward  # a grammar's forced start joins the prefill (compiler.fast_forward_tokens)
         self._max_logprobs = server_config.max_logprobs
         self._stopping = False
         log.info("tokenizer %s: apis %s, schedulers %s, %s", self.tokenizer_id,
@@ -261,20 +263,33 @@ class TokenizerService:
             raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
         check_prompt(prompt.token_ids, params, info, prompt.param)
         params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs)  # logprobs -1, allowed_token_ids
+        forced: list[int] = []
         if params.structured_outputs is not None:
             # Compiled here (cached), never on the worker's step loop; 400 if the library rejects it.
-            self._grammars.check(params.structured_outputs)
+            grammar_start = self._grammars.check(params.structured_outputs)
             if request.messages is not None and self._reasoning_parser is not None:
                 params = constrain_after_reasoning(params, prompt.text or "")
+            if self._fast_forward:
+                forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
+                                             info.max_num_tokens, self._stop_ids(params, info))
         replica = self._replicas.route(request_id, prompt.token_ids)  # raises (503) when none is live
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
-        renderer = self._outputs.add(api, request, params, prompt.token_ids, echo).renderer
+        renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced).renderer
         self._to_replica(replica, AddRequest(
             request_id, prompt.token_ids, params, request.priority, request.arrival_time, request.tenant,
-            request.tenant_weight, request.tenant_priority))
+            request.tenant_weight, request.tenant_priority, forced))
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else [],
                                      renderer.opening() if renderer is not None else b""))
+
+    def _stop_ids(self, params: SamplingParams, info: ModelInfo) -> set[int]:
+        """The ids that would end a completion at once (a forced start stops before one)."""
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(info.eos_token_ids)
+            if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
+                stop_ids.add(self._tokenizer.eos_token_id)
+        return stop_ids
 
     def _on_abort(self, request_id: str) -> None:
         if self._offload.cancel(request_id):
@@ -480,4 +495,5 @@ def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> N
     # the GIL for seconds on a loaded host (3.4 s seen), and a tokenizer registered meanwhile would miss its
     # heartbeats and be dropped with its first requests.
     run_service(server_config, lambda: TokenizerService(server_config, load_tokenizer(engine_config),
-                                                        block_size=engine_config.block_size))
+                                                        block_size=engine_config.block_size,
+                                                        fast_forward=engine_config.grammar_fast_forward))
