@@ -4,6 +4,7 @@ the outputs are exactly the serial path's."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -193,7 +194,9 @@ def test_masks_fill_on_a_thread_after_the_result_is_out(smollm2_dir: Path, monke
     params = [SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=StructuredOutputs(json=SCHEMA)),
               SamplingParams(max_tokens=10, temperature=0.0)]
     prompts = ["Describe a person as JSON:", "Once upon a time"]
+    switch_interval = sys.getswitchinterval()
     fast = LLM(str(smollm2_dir), async_scheduling=True, max_model_len=256).generate(prompts, params)
+    assert sys.getswitchinterval() == switch_interval  # shortened while masks filled, the process's again after
     monkeypatch.undo()
     serial = LLM(str(smollm2_dir), async_scheduling=False, max_model_len=256).generate(prompts, params)
     assert started_after_return and all(started_after_return)

@@ -224,6 +224,7 @@ class ModelRunner:
         self._masks_job: Future[GrammarMasks | None] | MaskJob | None = None
         self._masks_for: list[int] = []  # the sequences (in sampling order) the job fills masks for
         self._mask_thread: ThreadPoolExecutor | None = None
+        self._switch_interval: float | None = None  # the process's GIL switch interval while a mask job runs
         self.mask_times = MaskTimes()
         self._mask_rows: torch.Tensor | None = None  # [R, W] int32 on the device: this step's grammar masks
         self._forward_end: torch.cuda.Event | None = None  # the deferred step's forward ended (step_timer only)
@@ -508,10 +509,20 @@ class ModelRunner:
             return
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+        if self._switch_interval is None:
             # The job takes the GIL between llguidance's calls (which release it) while this thread runs Python
             # (a scheduler update, a poll loop): at the default 5 ms interval each hand-over could cost a step.
-            sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_INTERVAL_S))
+            # The interval is the process's: it comes back once the job is over (_job_over).
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, MASK_SWITCH_INTERVAL_S))
         self._masks_job = self._mask_thread.submit(self._fill_masks, accepts, seq_ids, time.perf_counter())
+
+    def _job_over(self) -> None:
+        """The mask job finished: the process's GIL switch interval is its own again."""
+        self._masks_job = None
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def _mask_job_done(self, fill_s: float, latency_s: float) -> None:
         """A grammar process's fill: its time there, and from submit to ready."""
@@ -569,7 +580,7 @@ class ModelRunner:
                 self._masks_job.result()
             except Exception:  # noqa: BLE001 - the step that owned the job failed already; its error is out
                 log.exception("grammar masks failed")
-            self._masks_job = None
+            self._job_over()
         if self._unaccepted:
             accepts, self._unaccepted = self._unaccepted, []
             for seq_ids, token_ids in accepts:
@@ -970,8 +981,11 @@ class ModelRunner:
         """The sampled rows' grammar masks: the deferred step's job's (started by resume), or filled now."""
         started = time.perf_counter()
         if self._masks_job is not None and self._masks_for == seq_ids:  # filled on the mask thread since resume()
-            job, self._masks_job = self._masks_job, None
-            masks = job.result()
+            job = self._masks_job
+            try:
+                masks = job.result()
+            finally:
+                self._job_over()
         else:
             self._grammar_barrier()
             masks = self.grammars.bitmask(seq_ids)
