@@ -8,7 +8,8 @@
 #   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
 #   KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
 #   tokens, 6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency; with the
-#   grammar process and with the mask thread; then bench/grammar_step.py (host only: the process's round trip).
+#   grammar process and with the mask thread; then bench/grammar_step.py (host only: the process's round trip) and
+#   bench/fast_forward.py (a grammar's forced start prefilled or sampled step by step).
 #   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
 #   tables ($OUT/moe_configs/*.json; commit them under kernels/moe_configs/). moe: the reference, sampled and batch-1
 #   runs on each MOE_SHAPES shape. long: LONG_WORKLOADS ("long-128k long-32k") on LONG_SHAPE (qwen3-8b-yarn).
@@ -176,4 +177,7 @@ if has structured; then
   done
   timeout 200 python3 -m pagoda.bench.grammar_step --tokenizer "${TOKENIZER:-.gpu/smollm2-tok}" --rows 64 256 \
     --steps 40 2>&1 | tail -12
+  # a grammar's forced start prefilled or sampled step by step: batch-1 latency and requests/s at 64
+  timeout 200 python3 -m pagoda.bench.fast_forward --model qwen3-0.6b --load-format dummy \
+    --tokenizer "${TOKENIZER:-.gpu/smollm2-tok}" --batch 64 --out "$OUT/fast_forward.json" 2>&1 | tail -1
 fi
