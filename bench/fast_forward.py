@@ -29,7 +29,7 @@ from pagoda.llm import LLM
 from pagoda.shared.config import DEFAULT_MODEL_DIR
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
 
-SCHEMA = {"type": "object", "required": ["sentiment", "confidence"],
+SCHEMA = {"type": "object", "required": ["sentiment", "confidence"], "additionalProperties": False,
           "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
                          "confidence": {"type": "integer", "minimum": 0, "maximum": 9}}}
 REVIEWS = ["The food was wonderful and the staff were kind.", "Cold soup, rude waiter, never again.",
@@ -38,7 +38,10 @@ REVIEWS = ["The food was wonderful and the staff were kind.", "Cold soup, rude w
 
 def answers_valid(texts: list[str]) -> bool:
     for text in texts:
-        answer = json.loads(text)
+        try:
+            answer = json.loads(text)
+        except ValueError:  # cut by max_tokens
+            return False
         if answer["sentiment"] not in SCHEMA["properties"]["sentiment"]["enum"] or not 0 <= answer["confidence"] <= 9:
             return False
     return True

@@ -20,7 +20,7 @@ from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import FinishReason, SamplingParams, StructuredOutputs
 
 SENTIMENT = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]}},
-             "required": ["sentiment"]}
+             "required": ["sentiment"], "additionalProperties": False}  # bounded: ends within max_tokens
 FORCED_TEXT = '{"sentiment": "'  # what the schema fixes before the model's first choice
 
 
