@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
-from pagoda.services.grammar.compiler import GrammarChecker, fast_forward_tokens
+from pagoda.services.grammar.compiler import GrammarChecker, ending_ids, fast_forward_tokens
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.output import advance
@@ -160,13 +160,12 @@ class LLMEngine:
         if not self.config.grammar_fast_forward:
             return []
         scheduler = self.scheduler
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= scheduler.eos_token_ids
-            if self.tokenizer.eos_token_id is not None:
-                stop_ids.add(self.tokenizer.eos_token_id)
+        eos_ids = set(scheduler.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
         capacity = scheduler.blocks.num_blocks * scheduler.block_size
-        return fast_forward_tokens(forced, params, num_prompt_tokens, scheduler.max_model_len, capacity, stop_ids)
+        return fast_forward_tokens(forced, params, num_prompt_tokens, scheduler.max_model_len, capacity,
+                                   ending_ids(params, eos_ids))
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         request = self.scheduler.abort_request(request_id)

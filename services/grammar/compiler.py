@@ -151,8 +151,14 @@ class GrammarChecker:
         self.last_compile_s = time.perf_counter() - started
         if matcher.is_error():
             return matcher.get_error(), []
-        forced = matcher.compute_ff_tokens()
-        return ("", list(forced)) if not matcher.is_error() else ("", [])
+        forced = list(matcher.compute_ff_tokens())
+        return "", forced if not matcher.is_error() else []
+
+
+def ending_ids(params: SamplingParams, eos_token_ids: set[int] | frozenset[int]) -> set[int]:
+    """The ids that would end a completion at once: its stop_token_ids, and the EOS ids unless it ignores them
+    (a forced start stops before one)."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
 def fast_forward_tokens(forced: list[int], params: SamplingParams, num_prompt_tokens: int, max_model_len: int,

@@ -14,7 +14,12 @@ from typing import Any
 
 import zmq
 
-from pagoda.services.grammar.compiler import LazyGrammarChecker, constrain_after_reasoning, fast_forward_tokens
+from pagoda.services.grammar.compiler import (
+    LazyGrammarChecker,
+    constrain_after_reasoning,
+    ending_ids,
+    fast_forward_tokens,
+)
 from pagoda.services.tokenizer.directory import Peers
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import Outputs, RequestState
@@ -46,7 +51,6 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     RequestFailed,
-    SamplingParams,
     SchedulerToTokenizer,
     Sequenced,
     StopSequence,
@@ -271,7 +275,7 @@ class TokenizerService:
                 params = constrain_after_reasoning(params, prompt.text or "")
             if self._fast_forward:
                 forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
-                                             info.max_num_tokens, self._stop_ids(params, info))
+                                             info.max_num_tokens, ending_ids(params, self._eos_ids(info)))
         replica = self._replicas.route(request_id, prompt.token_ids)  # raises (503) when none is live
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
         renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced).renderer
@@ -282,14 +286,12 @@ class TokenizerService:
                                      prompt.token_ids if request.return_token_ids else [],
                                      renderer.opening() if renderer is not None else b""))
 
-    def _stop_ids(self, params: SamplingParams, info: ModelInfo) -> set[int]:
-        """The ids that would end a completion at once (a forced start stops before one)."""
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(info.eos_token_ids)
-            if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
-                stop_ids.add(self._tokenizer.eos_token_id)
-        return stop_ids
+    def _eos_ids(self, info: ModelInfo) -> set[int]:
+        """The model's EOS ids and the tokenizer's."""
+        eos_ids = set(info.eos_token_ids)
+        if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
+            eos_ids.add(self._tokenizer.eos_token_id)
+        return eos_ids
 
     def _on_abort(self, request_id: str) -> None:
         if self._offload.cancel(request_id):

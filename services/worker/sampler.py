@@ -140,7 +140,7 @@ def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
     threshold, draw = _device_thresholds(processed, m, grouped) if thresholds else (None, None)  # [B] or None
     temperature, seeds, offsets = m.temperature.float().contiguous(), m.seeds.contiguous(), m.offsets.contiguous()
     top_p = nucleus = None
-    if m.top_p is not None and m.top_p_without_top_k:
+    if nucleus_pass:
         top_p, nucleus = m.top_p.float().contiguous(), nucleus_rows(m, greedy)  # [B], [B]
     if draw is None:
         return sampling.gumbel_argmax(processed, temperature, threshold, seeds, offsets, greedy, top_p=top_p,
