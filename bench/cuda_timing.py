@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,3 +64,40 @@ def flushed_time_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 5) 
         _L2_FLUSH[0].zero_()
         times.append(event_time_ms(fn))
     return sorted(times)[len(times) // 2]
+
+
+_SLEEP_CYCLES_PER_MS: list[float] = []
+
+
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles per millisecond of `torch.cuda._sleep` on this device, measured once."""
+    if not _SLEEP_CYCLES_PER_MS:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles)  # warm
+        torch.cuda.synchronize()
+        _SLEEP_CYCLES_PER_MS.append(cycles / event_time_ms(lambda: torch.cuda._sleep(cycles)))
+    return _SLEEP_CYCLES_PER_MS[0]
+
+
+def queued_time_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 3) -> tuple[float, float]:
+    """(median device time, host time) of one call of `fn` as a forward that is not captured in a graph runs it:
+    with the host ahead of the device. Before each timed call the stream gets a spin of several times the call's
+    host time, so every launch of `fn` is queued before the device reaches it and the events measure the kernels
+    alone, not the Python between them (`flushed_time_ms` measures whichever is longer). A call that synchronizes
+    with the device shows as a device time near the spin's: the host time is returned so callers can tell."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - started) * 1e3
+    torch.cuda.synchronize()
+    lead_cycles = int(_sleep_cycles_per_ms() * max(4.0 * host_ms, 2.0))
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    times = []
+    for _ in range(iters):
+        _L2_FLUSH[0].zero_()
+        torch.cuda._sleep(lead_cycles)
+        times.append(event_time_ms(fn))
+    return sorted(times)[len(times) // 2], host_ms

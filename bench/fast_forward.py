@@ -32,6 +32,7 @@ from pagoda.shared.messages import SamplingParams, StructuredOutputs
 SCHEMA = {"type": "object", "required": ["sentiment", "confidence"], "additionalProperties": False,
           "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
                          "confidence": {"type": "integer", "minimum": 0, "maximum": 9}}}
+KV_CACHE_BYTES = 2 << 30  # per engine on CUDA: --batch sequences of max_model_len tokens fit many times over
 REVIEWS = ["The food was wonderful and the staff were kind.", "Cold soup, rude waiter, never again.",
            "It was a restaurant. We ate there.", "Best pizza in town, I will be back!"]
 
@@ -73,6 +74,8 @@ def main() -> None:
         engine_args["load_format"] = args.load_format
     if args.tokenizer:
         engine_args["tokenizer"] = args.tokenizer
+    if torch.cuda.is_available():  # two engines share the device: each a small cache (the default takes 0.9 of it)
+        engine_args["kv_cache_memory"] = KV_CACHE_BYTES
     engines = {mode: LLM(args.model, grammar_fast_forward=mode == "fast_forward", **engine_args)
                for mode in ("fast_forward", "step_by_step")}
     template = "Classify the review's sentiment and your confidence as JSON.\nReview: {}\nJSON:"

@@ -5,8 +5,9 @@
            graph (caches under 2x L2 cycled over copies), latent-cache TB/s against 4.2 TB/s and TFLOP/s against
            780; --sweep tries launch shapes at B = 256, 1k.
   prefill  one chunk of q_len queries after `context` cached tokens, the whole attention of each path (absorbed:
-           W_UK bmm + kernel + W_UV bmm; expanded: gather + kv_b GEMM + paged kernel): the crossover query length
-           to put in kernels/mla.py EXPAND_CROSSOVER.
+           W_UK bmm + kernel + W_UV bmm; expanded: gather + kv_b GEMM + attention), device time with the host ahead
+           as in a prefill forward: the crossover query length to put in kernels/mla.py EXPAND_CROSSOVER; then
+           whole prefill steps (several 512-query chunks in one launch).
   capacity KV blocks per GiB of the latent cache (the worker's layout) against the same model with per-head K/V.
 
     python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity] [--sweep] [--quick] [--out FILE]
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.cuda_timing import flushed_time_ms
+from pagoda.bench.cuda_timing import flushed_time_ms, queued_time_ms
 from pagoda.bench.interpreter import use_interpreter
 from pagoda.bench.report import write_report
 
@@ -224,22 +225,27 @@ def _print_decode(row: dict[str, Any], label: str = "") -> None:
 # ---------------------------------------------------------------------------------------------- prefill
 
 
-def prefill_row(dims: Dims, query_len: int, context: int, device: str, iters: int) -> dict[str, Any]:
-    """One sequence: a chunk of query_len queries after `context` cached tokens, both paths, checked."""
+def prefill_row(dims: Dims, query_len: int, context: int, device: str, iters: int,
+                num_seqs: int = 1) -> dict[str, Any]:
+    """num_seqs sequences, each a chunk of query_len queries after `context` cached tokens (one launch of each
+    path for all of them, as a prefill step has it), both paths checked on the last sequence's last queries.
+    Timed as device time with the host ahead (a prefill forward is not captured in a graph, and its launches run
+    ahead of the device), with each path's host time beside it."""
     from pagoda.kernels import reference as ref
     from pagoda.kernels.mla import mla_attention, mla_expanded_attention
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     seq_len = context + query_len
-    cache, tables = _paged_cache(dims, [seq_len], dtype, device, None)
+    cache, tables = _paged_cache(dims, [seq_len] * num_seqs, dtype, device, None)
     cache.mul_(0.3)
     h = dims.num_heads
     w_kv_b = (torch.randn(h * (dims.nope + dims.v_dim), dims.lat, device=device) * dims.lat ** -0.5).to(dtype)
     w_uk = w_kv_b.view(h, dims.nope + dims.v_dim, dims.lat)[:, :dims.nope]  # [heads, Dn, R]
     w_uv = w_kv_b.view(h, dims.nope + dims.v_dim, dims.lat)[:, dims.nope:]  # [heads, Dv, R]
-    q = (torch.randn(query_len, h, dims.nope + dims.rope, device=device) * 0.3).to(dtype)  # [T, heads, Dn + P]
-    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, query_len], dtype=torch.int32, device=device)
+    num_tokens = num_seqs * query_len
+    q = (torch.randn(num_tokens, h, dims.nope + dims.rope, device=device) * 0.3).to(dtype)  # [T, heads, Dn + P]
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)  # [S]
+    qsl = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device=device)  # [S + 1]
 
     def absorbed() -> torch.Tensor:
         q_abs = torch.cat((torch.bmm(q[..., :dims.nope].transpose(0, 1), w_uk).transpose(0, 1),
@@ -247,30 +253,58 @@ def prefill_row(dims: Dims, query_len: int, context: int, device: str, iters: in
         out_lat = mla_attention(q_abs, cache, tables, seq_lens, qsl, query_len, seq_len, dims.scale, dims.lat)
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, Dv]
 
-    out = torch.empty(query_len, h, dims.v_dim, dtype=dtype, device=device)
+    out = torch.empty(num_tokens, h, dims.v_dim, dtype=dtype, device=device)
 
     def expanded() -> torch.Tensor:
-        mla_expanded_attention(q, cache, tables, [seq_len], [query_len], [0], w_kv_b, dims.nope, dims.v_dim,
-                               dims.scale, out, max_rows=1 << 30)
+        mla_expanded_attention(q, cache, tables, [seq_len] * num_seqs, [query_len] * num_seqs,
+                               list(range(num_seqs)), w_kv_b, dims.nope, dims.v_dim, dims.scale, out,
+                               max_rows=1 << 30)
         return out
 
-    check = min(query_len, 64)  # the last `check` queries against the reference
-    expected = ref.mla_expanded_attention(q[-check:].float(), cache.float(), tables, [seq_len], [check],
+    check = min(query_len, 64)  # the last sequence's last `check` queries against the reference
+    expected = ref.mla_expanded_attention(q[-check:].float(), cache.float(), tables[-1:], [seq_len], [check],
                                           w_kv_b.float(), dims.nope, dims.v_dim, dims.scale)
     err = max(_check(absorbed()[-check:], expected, f"absorbed q={query_len} ctx={context}"),
               _check(expanded()[-check:], expected, f"expanded q={query_len} ctx={context}"))
-    absorbed_us, expanded_us = _time_us(absorbed, device, iters), _time_us(expanded, device, iters)
-    return {"part": "prefill", "heads": h, "query_len": query_len, "context": context, "absorbed_us": absorbed_us,
-            "expanded_us": expanded_us, "expanded_faster": expanded_us < absorbed_us, "max_abs_err": err}
+    (absorbed_us, absorbed_host_us), (expanded_us, expanded_host_us) = (_device_time_us(absorbed, device, iters),
+                                                                        _device_time_us(expanded, device, iters))
+    return {"part": "prefill", "heads": h, "num_seqs": num_seqs, "query_len": query_len, "context": context,
+            "absorbed_us": absorbed_us, "expanded_us": expanded_us, "absorbed_host_us": absorbed_host_us,
+            "expanded_host_us": expanded_host_us, "expanded_faster": expanded_us < absorbed_us,
+            "max_abs_err": err}
+
+
+def _device_time_us(fn: Any, device: str, iters: int) -> tuple[float, float]:
+    """(device time, host time) of one call in us; on CPU wall time for both."""
+    if device != "cuda":
+        us = _time_us(fn, device, iters)
+        return us, us
+    device_ms, host_ms = queued_time_ms(fn, iters)
+    return device_ms * 1e3, host_ms * 1e3
+
+
+# Prefill steps as the reference workload has them (256 prompts of 512 tokens, 16k tokens a step offline): several
+# 512-query chunks in one launch of each path.
+STEP_SEQS = (4, 16, 32)
+STEP_QUERY_LEN = 512
+
+
+def _print_prefill(row: dict[str, Any]) -> None:
+    print(f"prefill heads={row['heads']:3d} seqs={row['num_seqs']:2d} ctx={row['context']:6d} "
+          f"q={row['query_len']:5d}: absorbed {row['absorbed_us']:9.1f} us  expanded {row['expanded_us']:9.1f} us"
+          f"  (host {row['absorbed_host_us']:.0f} / {row['expanded_host_us']:.0f} us)", flush=True)
 
 
 def prefill_part(device: str, quick: bool, smoke: bool) -> list[dict[str, Any]]:
+    """The crossover query length of one sequence at each context (device time), then whole prefill steps."""
     rows = []
     if smoke:
         grid = [(SMOKE_DIMS, (4, 24), (0, 30))]
+        steps: list[tuple[Dims, int, int]] = [(SMOKE_DIMS, 2, 8)]
     else:
         query_lens = (16, 32, 64, 128, 256, 512, 1024, 2048)
         grid = [(Dims(h), query_lens, (0, 1024, 4096) if quick else (0, 1024, 4096, 16384)) for h in (16, 128)]
+        steps = [(Dims(h), seqs, STEP_QUERY_LEN) for h in (16, 128) for seqs in STEP_SEQS]
     iters = 2 if smoke else (5 if quick else 15)
     for dims, query_lens, contexts in grid:
         for context in contexts:
@@ -278,14 +312,17 @@ def prefill_part(device: str, quick: bool, smoke: bool) -> list[dict[str, Any]]:
             for query_len in query_lens:
                 row = prefill_row(dims, query_len, context, device, iters)
                 rows.append(row)
-                print(f"prefill heads={dims.num_heads:3d} ctx={context:6d} q={query_len:5d}: absorbed "
-                      f"{row['absorbed_us']:9.1f} us  expanded {row['expanded_us']:9.1f} us", flush=True)
+                _print_prefill(row)
                 if row["expanded_faster"] and crossover is None:
                     crossover = query_len
                 elif not row["expanded_faster"]:
                     crossover = None  # the smallest query length from which on expanding stays faster
             print(f"CROSSOVER heads={dims.num_heads} ctx={context}: expanded faster from q_len {crossover}", flush=True)
             rows.append({"part": "crossover", "heads": dims.num_heads, "context": context, "min_query_len": crossover})
+    for dims, seqs, query_len in steps:
+        row = prefill_row(dims, query_len, 0, device, iters, num_seqs=seqs)
+        rows.append(row)
+        _print_prefill(row)
     return rows
 
 

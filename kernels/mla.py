@@ -62,11 +62,15 @@ _MAX_LATENT_DIM = 1024
 _MAX_ROPE_DIM = 256
 _MAX_SPLITS = 32  # batch 1, 1k keys on an H200: 16 splits 12.1 us, 32 11.2, 64 19.5 (16 heads; 128: 16.6, 15.3, 35.9)
 # Chunks of at least this many queries take the expanded path, by the attention heads on this rank: the crossover
-# measured on one H200 (bench/mla_bench.py --quick, 2026-12-02, bf16 latents; bench/results/s7/mla_bench.json).
-# 128 heads (V3): expanding won from 1024 queries with no cached context, 512 over 1024 cached tokens, 256 over
-# 4096; 16 heads (V2-Lite): never up to 2048 queries without context, 2048 over 1024, 1024 over 4096. The middle
-# figure is kept (one threshold per launch: the kernel skips the expanded chunks by query length alone).
-EXPAND_CROSSOVER = {16: 2048, 128: 512}
+# in device time with the host ahead, as a prefill forward runs (bench/mla_bench.py --quick --parts prefill, one
+# H200, 2026-12-02, bf16 latents; bench/results/s12/call12b/mla_prefill.json). One chunk: 128 heads (V3) expanding
+# wins from 256 queries at 0, 1024 and 4096 cached tokens; 16 heads (V2-Lite) from 1024, 512 and 16. The middle
+# figure is kept (one threshold per launch: the kernel skips the expanded chunks by query length alone). A step's
+# expanded chunks share one launch, which widens the gain: 32 prompts of 512 queries with 16 heads took 0.90 ms
+# expanded against 2.64 ms absorbed. deepseek-v2-lite's reference workload (bench/mla_policy.py, same call): 14,020
+# out tok/s at the earlier threshold of 2048 (host-launched timings, which measured the expanded path's ~0.7-1 ms
+# of Python), 14,572 at 512, 14,620 at 128.
+EXPAND_CROSSOVER = {16: 512, 128: 256}
 EXPAND_MIN_QUERY_LEN = EXPAND_CROSSOVER[128]
 
 

@@ -471,7 +471,7 @@ def test_mla_prepare_matches_reference(name: str) -> None:
 
 def test_expand_threshold_follows_the_measured_crossover_by_head_count() -> None:
     """DeepSeek layers take the crossover measured for the nearest head count (log scale): V3's 128 heads expand
-    from 512 queries, V2-Lite's 16 from 2048; a tensor-parallel rank's share picks its nearest measurement."""
+    from 256 queries, V2-Lite's 16 from 512; a tensor-parallel rank's share picks its nearest measurement."""
     from pagoda.kernels.mla import EXPAND_CROSSOVER, expand_min_query_len
 
     assert expand_min_query_len(128) == EXPAND_CROSSOVER[128]
