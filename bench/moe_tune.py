@@ -35,6 +35,10 @@ CANDIDATES = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     (64, 128, 64, 8, 8, 4), (64, 128, 64, 1, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 1, 8, 4),
     (64, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4), (64, 128, 128, 8, 8, 2), (128, 128, 32, 8, 8, 5),
     (32, 64, 256, 1, 4, 3), (16, 128, 256, 1, 4, 3),
+    # memory-bound middle batches (a few dozen rows an expert, e.g. DeepSeek-V2-Lite decode at 256 tokens): wider
+    # K steps and deeper pipelines
+    (32, 128, 128, 1, 4, 4), (32, 128, 64, 1, 4, 6), (32, 256, 64, 1, 8, 4), (64, 128, 128, 1, 8, 3),
+    (64, 64, 128, 1, 4, 4), (32, 64, 128, 1, 4, 5), (64, 256, 64, 1, 8, 4), (32, 128, 256, 1, 8, 3),
 ]
 GEMV_CANDIDATES = [  # (block_n, block_k, num_warps, num_stages): the path for a few pairs
     (16, 256, 4, 3), (32, 256, 4, 3), (8, 512, 4, 2), (16, 512, 4, 2), (32, 128, 4, 4), (64, 128, 4, 3),
