@@ -51,8 +51,18 @@ def _skip_nested_lang_patches() -> None:
     original = interpreter._patch_lang
     patched: list[object] = []  # language modules patched by the running launch; empty between launches
 
+    # a module's language modules, by its globals: (the globals, their size when scanned, the modules); a scan of
+    # every global at every helper call was a twentieth of the interpreted kernels' time
+    seen: dict[int, tuple[dict[str, object], int, list[object]]] = {}
+
     def langs_of(fn) -> list[object]:  # noqa: ANN001
-        return [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+        names = fn.__globals__
+        known = seen.get(id(names))
+        if known is not None and known[0] is names and known[1] == len(names):
+            return known[2]
+        langs = [v for v in names.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+        seen[id(names)] = (names, len(names), langs)
+        return langs
 
     def patch_lang(fn):  # noqa: ANN001, ANN202 (the interpreter's own signature)
         langs = langs_of(fn)
@@ -75,8 +85,105 @@ def _skip_nested_lang_patches() -> None:
     interpreter._pagoda_nested_patch_fix = True
 
 
+def _skip_discarded_overflow_checks() -> None:
+    """Triton's interpreter computes an overflow check for every signed add, sub and mul on 32-bit or narrower
+    integers (the operation again in int64, two compares), then hands it to device_assert, which drops it unless
+    debug is on, and the interpreter's options never turn debug on. The check was a fifth of the sampling kernels'
+    interpreted time. It is skipped only while debug is off, so what a kernel computes, and any assert it could
+    raise, are unchanged."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_pagoda_overflow_check_fix", False):
+        return
+    init = interpreter.InterpreterBuilder.__init__
+
+    def no_discarded_checks(builder: interpreter.InterpreterBuilder) -> None:
+        if not builder.options.debug:
+            builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+    def patched_init(self: interpreter.InterpreterBuilder) -> None:
+        init(self)
+        no_discarded_checks(self)
+
+    interpreter.InterpreterBuilder.__init__ = patched_init
+    no_discarded_checks(interpreter.interpreter_builder)  # the one built at import
+    interpreter._pagoda_overflow_check_fix = True
+
+
+def _cache_numpy_dtypes() -> None:
+    """The interpreter's _get_np_dtype builds its table of 18 numpy dtypes at each of its calls (several per
+    interpreted operation: a twelfth of the interpreted kernels' time): the same answers, each looked up once."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_pagoda_np_dtype_cache", False):
+        return
+    original = interpreter._get_np_dtype
+    pointer = np.dtype(np.uint64)  # a pointer, or a block of pointers, as the original answers
+    cache: dict[object, np.dtype] = {}
+
+    def get_np_dtype(tt_dtype):  # noqa: ANN001, ANN202 (the interpreter's own signature)
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty  # a block's numpy dtype is its element's
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        try:
+            found = cache.get(tt_dtype)
+        except TypeError:  # not hashable: not one of the table's, the original's answer (or its error)
+            return original(tt_dtype)
+        if found is None:
+            found = cache[tt_dtype] = original(tt_dtype)
+        return found
+
+    interpreter._get_np_dtype = get_np_dtype
+    interpreter._pagoda_np_dtype_cache = True
+
+
+def _type_tuples_when_asked() -> None:
+    """Every interpreted tensor carries its shape as a triton.language tuple, whose constructor derives the tuple's
+    type (a name string over every element type) at once; the interpreter almost never reads it: a fifth of the
+    interpreted kernels' time. A tuple built without a type derives it, from the same values, at its first read
+    (its values change only through _setitem, which sets the type anew)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.language import core
+
+    if getattr(core, "_pagoda_lazy_tuple_type", False):
+        return
+    init = core.tuple.__init__
+
+    def lazy_init(self, args, type=None) -> None:  # noqa: ANN001, A002 (the original's signature)
+        if type is None:
+            self.values = list(args)
+        else:
+            init(self, args, type)
+
+    def get_type(self) -> core.tuple_type:  # noqa: ANN001
+        known = self.__dict__.get("_pagoda_type")
+        if known is None:
+            known = self.__dict__["_pagoda_type"] = core._type_for_tuple_values(self.values)
+        return known
+
+    def set_type(self, value: core.tuple_type) -> None:  # noqa: ANN001
+        self.__dict__["_pagoda_type"] = value
+
+    core.tuple.__init__ = lazy_init
+    core.tuple.type = property(get_type, set_type)
+    core._pagoda_lazy_tuple_type = True
+
+
 _fix_interpreter_scalar_index()
 _skip_nested_lang_patches()
+_skip_discarded_overflow_checks()
+_cache_numpy_dtypes()
+_type_tuples_when_asked()
 
 from pathlib import Path  # noqa: E402
 
@@ -101,6 +208,17 @@ def _unfreeze_heap():  # noqa: ANN202
     engines, so each test hands its frozen objects back to the collector when it ends."""
     yield
     gc.unfreeze()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _smaller_default_cpu_kv_cache() -> None:
+    """An engine on the CPU without num_kv_blocks takes min(1 GiB, a quarter of the free RAM) for its KV cache
+    and zeroes it at start: ~0.25 s for each of the ~120 engines this process builds (29 s of the suite). 512 MiB
+    still holds a whole 8192-token context of SmolLM2 in fp32 (377 MB) and far more than any test asks of an
+    engine that keeps the default; what the default is was never part of a test (it depends on the host's RAM)."""
+    from pagoda.services.worker import model_runner
+
+    model_runner.DEFAULT_CPU_KV_BYTES = min(model_runner.DEFAULT_CPU_KV_BYTES, 512 << 20)
 
 
 @pytest.fixture(scope="session")

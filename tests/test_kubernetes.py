@@ -513,8 +513,9 @@ def test_liveness_reads_the_schedulers_stats(tmp_path: Path) -> None:
         thread.join()
         publisher.close(linger=0)
         context.term()
-    live.TIMEOUT_S = 0.2
-    assert live.latest_stats(f"ipc://{tmp_path}/nobody.sock") is None
+    # nobody publishes: None once the timeout passes (setting live.TIMEOUT_S did not shorten it: the probe's own
+    # default, 3 s, is bound in pagoda.probes; main() passes TIMEOUT_S explicitly)
+    assert live.latest_stats(f"ipc://{tmp_path}/nobody.sock", 0.2) is None
 
 
 # ------------------------------------------------------------------ trust: the cluster key and who may connect

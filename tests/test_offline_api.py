@@ -14,6 +14,9 @@ from pagoda.shared.errors import ConfigError
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# the engine-survives check after each refusal: a prefill and three decode steps (eight tokens cost the 24 cases
+# of the bad-input table 8 s of the suite for the same check)
+STILL_SERVES = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +26,11 @@ def llm(smollm2_dir: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def reference_text(llm: LLM) -> str:
-    return llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0].text
+    return llm.generate(["The quick brown fox"], STILL_SERVES)[0].outputs[0].text
 
 
 def _assert_still_serves(llm: LLM, reference_text: str) -> None:
-    assert llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0].text == reference_text
+    assert llm.generate(["The quick brown fox"], STILL_SERVES)[0].outputs[0].text == reference_text
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.scheduler.blocks.num_blocks
 
