@@ -6,10 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+
 
 @triton.jit  # inter_size stays specialised (fixed per model): its divisibility lets the `up` loads vectorise
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_xt, stride_ot, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, column blocks): gate is x[t, :I], up is x[t, I:]."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter_size
@@ -41,6 +45,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 
     if num_tokens == 0 or inter_size == 0:
         return out
     block = min(block, max(16, triton.next_power_of_2(inter_size)))
+    use_pdl = pdl.enabled(x.device)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
-        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4 if block <= 1024 else 8,
+        USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     return out

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
 from pagoda.kernels.fp8 import FP8_MAX_C, round_to_e4m3
 from pagoda.kernels.paged_attention import (
     _F16_Q_AMAX,
@@ -191,9 +192,11 @@ def _mla_prepare_kernel(q_ptr, kv_a_ptr, norm_ptr, cos_ptr, sin_ptr, positions_p
                         scale_ptr, eps, stride_qt, stride_qh, stride_at, stride_cos, stride_sin, stride_cb, stride_cs,
                         NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, ROPE_OFFSET: tl.constexpr,
                         LAT: tl.constexpr, LAT_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, 2): program (t, 0) rotates token t's q rope dims in place (all heads); (t, 1) stores its cache
     entry [rms_norm(c_kv) ‖ rope(k_pe)]. Roundings as reference.mla_prepare, step by step in q's dtype."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     CACHE_DTYPE: tl.constexpr = cache_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
@@ -265,12 +268,14 @@ def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps:
     if num_tokens == 0:
         return
     half = rope // 2
+    use_pdl = pdl.enabled(q.device)
     _mla_prepare_kernel[(num_tokens, 2)](
         q, kv_a, kv_norm, cos, sin, positions, cache, slot_mapping, kv_scale if fp8 else cos, eps,
         q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(1),
         NUM_HEADS=num_heads, HEADS_P=triton.next_power_of_2(num_heads), ROPE_OFFSET=qk_dim - rope, LAT=lat,
         LAT_P=triton.next_power_of_2(lat), HALF=half, HALF_P=triton.next_power_of_2(half),
-        BLOCK_SIZE=cache.shape[1], INTERLEAVED=interleaved, FP8=fp8, num_warps=4)
+        BLOCK_SIZE=cache.shape[1], INTERLEAVED=interleaved, FP8=fp8, num_warps=4,
+        USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
 
 
 # ------------------------------------------------------------------------------------ absorbed attention
@@ -462,13 +467,15 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
                 ROPE: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, F16_DOTS: tl.constexpr,
-                HEADS_FAST: tl.constexpr, KEYS_M: tl.constexpr):
+                HEADS_FAST: tl.constexpr, KEYS_M: tl.constexpr, USE_PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens x BLOCK_H heads (row m = token m // BLOCK_H, head m % BLOCK_H of the
     head block) over one split of the keys. Grid: (programs along the queries, head blocks, splits), the first
     two swapped with HEADS_FAST. DECODE: program b is sequence b and runs only if its query length is 1;
     program num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th
     query tile of the flattened batch (binary search); length-1 sequences are left to a DECODE launch and
     chunks of >= expand_min_q queries in sequences of <= expand_max_seq tokens to the expanded path."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     pid, head_block, num_q_programs, split = grid_position(HEADS_FAST)
     offs_m = tl.arange(0, BLOCK_M)
 
@@ -673,6 +680,8 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
                  F16_DOTS=fp8 and q.dtype != torch.float32, HEADS_FAST=config.heads_fast)
 
+    use_pdl = pdl.enabled(q.device)
+
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
             return (num_head_blocks, num_q_programs, num_splits)
@@ -683,18 +692,21 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     if num_decode_programs:
         _mla_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, block_h), TILE_N=config.decode_tile_n, DECODE=True,
-            KEYS_M=config.decode_keys_m, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+            KEYS_M=config.decode_keys_m, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
+            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     if not decode_only:
         block_m = max(config.prefill_block_m, block_h)
         block_q = block_m // block_h
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _mla_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n, DECODE=False,
-            KEYS_M=False, num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages)
+            KEYS_M=False, num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
+            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=lat,
-            HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4)
+            HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
+            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     return out
 
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
 from pagoda.kernels.activation import silu_and_mul
 
 log = logging.getLogger(__name__)
@@ -168,10 +169,13 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt,
                           GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr,
                           GROUP_SIZE_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
                           K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
-                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr):
+                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """One token, its experts laid out [groups, group size]: scores, choice scores (+ bias), the topk_groups best
     groups (by best or best-two choice score), then k rounds of argmax over the allowed experts (lowest id among
     equals), each pick's weight its score; then the NUM_SHARED shared experts (ids E.., weight 1). K_P >= k + S."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, GROUPS_P)
     offs_j = tl.arange(0, GROUP_SIZE_P)
@@ -238,6 +242,7 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
     weights = torch.empty(num_tokens, row, dtype=torch.float32, device=router_logits.device)  # [T, k + S]
     ids = torch.empty(num_tokens, row, dtype=torch.int32, device=router_logits.device)  # [T, k + S]
     if num_tokens:
+        use_pdl = pdl.enabled(router_logits.device)
         _grouped_route_kernel[(num_tokens,)](
             router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
             router_logits.stride(0), float(routed_scaling_factor), GROUPS=groups, GROUP_SIZE=group_size,
@@ -245,7 +250,8 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
             TOPK_GROUPS=topk_groups if grouped else 1, TOP_K=top_k, K_P=triton.next_power_of_2(row),
             SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
             GROUP_TOP2=topk_method == "noaux_tc" and group_size > 1, RENORMALIZE=renormalize,
-            NUM_SHARED=num_shared, num_warps=1 if num_experts <= 64 else 4)
+            NUM_SHARED=num_shared, num_warps=1 if num_experts <= 64 else 4,
+            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     return weights, ids
 
 
@@ -265,9 +271,11 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _router_gemv_kernel(h_ptr, w_ptr, out_ptr, num_experts, hidden, stride_ht, stride_we, stride_ot,
-                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """One token's logits of BLOCK_E experts: fp32 products of h (converted exactly) and the fp32 router rows,
     summed over H in a fixed order (every expert's row the same way: equal rows give equal logits)."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
@@ -293,9 +301,10 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     block_e = max(1, triton.next_power_of_2(num_experts) // 256)
     block_h = min(1024, triton.next_power_of_2(hidden))
     if num_tokens:
+        use_pdl = pdl.enabled(h.device)
         _router_gemv_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
             h, router, out, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
-            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4)
+            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     return out
 
 
@@ -550,10 +559,12 @@ def _moe_gemv_kernel(
         stride_om, stride_on,
         A_ROWS_PER_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr, SUM_TOP_K: tl.constexpr,
         IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Few pairs (decode at small batch), no alignment and no padded rows. SUM_TOP_K = 0: one program per
     (pair, BLOCK_N columns) writes that pair's row. SUM_TOP_K = k: one program per (token, BLOCK_N columns) runs
     the token's k pairs and writes sum_j weight_j * out_j (the layer's last step, no [T * k, H] buffer)."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -590,12 +601,13 @@ def _moe_gemv(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
     stride_s = w_scale.stride() if is_fp8 and w_scale is not None else (0, 0, 0)
     top_k = topk_ids.shape[1] if topk_weights is not None else 0
     grid = (topk_ids.shape[0] if top_k else topk_ids.numel(), triton.cdiv(n, tile.block_n))
+    use_pdl = pdl.enabled(a.device)
     _moe_gemv_kernel[grid](
         a, w, w_scale if is_fp8 else out, out, topk_ids, topk_weights if topk_weights is not None else out, n, k,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s, out.stride(0), out.stride(1),
         A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, SUM_TOP_K=top_k, IS_FP8=is_fp8,
         GROUP_K=group_k, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        num_warps=tile.num_warps, num_stages=tile.num_stages, USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
 
 
 @dataclass(frozen=True, slots=True)

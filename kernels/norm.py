@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+
 _MAX_HIDDEN = 32768  # one row lives in registers; beyond this it would spill
 
 
@@ -13,9 +15,11 @@ _MAX_HIDDEN = 32768  # one row lives in registers; beyond this it would spill
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      num_rows, inner_rows, num_cols, eps,
                      stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """BLOCK_R rows per program (several short rows, e.g. per-head q/k norm, share one program). A row r is
     x[r // inner_rows, r % inner_rows, :], so [T, heads, D] views of a fused qkv need no copy."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     i0 = (rows // inner_rows).to(tl.int64)
@@ -81,10 +85,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     inner_rows = x.shape[1] if x.dim() == 3 else 1
     has_residual = residual is not None and residual_out is not None
     r, ro = (residual, residual_out) if has_residual else (x, out)  # placeholders when unused
+    use_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
         x, r, weight, out, ro, num_rows, inner_rows, num_cols, eps,
         *_row_strides(x), *_row_strides(r), *_row_strides(out), *_row_strides(ro),
-        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps)
+        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+        USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

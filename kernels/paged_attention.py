@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+
 # Finite stand-in for -inf as the running max: a row that has seen no key yet computes
 # exp2(NEG_BIG - NEG_BIG) = 1 times a zero sum, never exp2(-inf - -inf) = nan.
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -435,7 +437,7 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
-        Q_STAGED: tl.constexpr):
+        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -445,6 +447,8 @@ def _paged_attention_kernel(
     FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
     inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
     goes through the program's output rows (_stage_rows) to reach the dots from shared memory."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -548,8 +552,10 @@ def _paged_attention_kernel(
 @triton.jit
 def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
     """Merge the NUM_SPLITS partial softmaxes of one (token, head). Grid: (tokens, heads)."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
@@ -687,6 +693,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  FP8_MODE=fp8_mode, HEADS_FAST=config.heads_fast,
                  USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
+    use_pdl = pdl.enabled(q.device)
+
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
             return (num_kv_heads, num_q_programs, num_splits)
@@ -700,7 +708,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, Q_STAGED=False,
-            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
+            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
         block_q = block_m // group
@@ -710,10 +719,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False,
             Q_STAGED=config.fp8_q_staged and fp8_mode >= 2 and num_splits == 1,
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
-            **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}))
+            **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
+            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-            NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4)
+            NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
+            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     return out

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
 from pagoda.kernels.fp8 import FP8_MAX_C, round_to_e4m3
 from pagoda.kernels.rope import _round_to, cos_sin_halves
 
@@ -57,10 +58,12 @@ def _qkv_prep_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position
                      stride_vcb, stride_vcs, stride_vch,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
                      KV_HEADS_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, 2): program (t, 0) rewrites token t's q heads, (t, 1) stores its k and v heads (two programs
     a token keep small decode batches from running on too few SMs). Row layout of qkv: [q heads | k heads |
     v heads], each head HEAD_DIM = 2 * HALF."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
     CACHE_DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
@@ -185,6 +188,7 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     half = head_dim // 2
     heads_p = triton.next_power_of_2(num_heads)
+    use_pdl = pdl.enabled(qkv.device)
     _qkv_prep_kernel[(num_tokens, 2)](
         qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, positions,
         k_cache, v_cache, slot_mapping, k_scale if fp8 else cos, v_scale if fp8 else cos, eps,
@@ -194,5 +198,5 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_P=heads_p,
         KV_HEADS_P=triton.next_power_of_2(num_kv_heads), HALF=half, HALF_P=triton.next_power_of_2(half),
         BLOCK_SIZE=k_cache.shape[1], QK_NORM=q_norm is not None, FP8=fp8,
-        num_warps=4 if heads_p * half <= 2048 else 8)
+        num_warps=4 if heads_p * half <= 2048 else 8, USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
     return q
