@@ -51,11 +51,10 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_ps,
                   GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                  FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
-    end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col]. Under PDL
-    (kernels/pdl.py) the first BLOCK_K step's weight lines are asked of L2 before the previous kernel is done."""
+    end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col]."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -70,10 +69,6 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     k_end = tl.minimum(k_start + k_chunk, K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
-    if USE_PDL:  # the weights are no earlier kernel's output: one prefetch a line of the first step, clamped
-        lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 128, K - 1)  # [LINES]: 128-byte lines
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        pdl.prefetch_l2(w_ptr + rows[:, None] * stride_wn + lines[None, :], USE_PDL)
     pdl.wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -274,7 +269,7 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
     even_k = k % (split * tiles.block_k) == 0
-    use_pdl = pdl.enabled(x.device)
+    use_pdl = pdl.active(x.device)
     _w8a16_kernel[grid](x2, weight, weight_scale, out, part, bias if bias is not None else out, num_rows, n, k,
                         x2.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
                         part.stride(0) if split > 1 else 0,
@@ -282,7 +277,7 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
                         USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                         BLOCK_K=tiles.block_k,
                         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                        USE_PDL=use_pdl, PREFETCH_LINES=max(1, tiles.block_k // pdl.LINE_BYTES),
+                        USE_PDL=use_pdl,
                         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_kwargs(use_pdl))
     if split > 1:
         block = 1024

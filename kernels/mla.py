@@ -268,7 +268,7 @@ def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps:
     if num_tokens == 0:
         return
     half = rope // 2
-    use_pdl = pdl.enabled(q.device)
+    use_pdl = pdl.active(q.device)
     _mla_prepare_kernel[(num_tokens, 2)](
         q, kv_a, kv_norm, cos, sin, positions, cache, slot_mapping, kv_scale if fp8 else cos, eps,
         q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(1),
@@ -680,7 +680,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
                  F16_DOTS=fp8 and q.dtype != torch.float32, HEADS_FAST=config.heads_fast)
 
-    use_pdl = pdl.enabled(q.device)
+    use_pdl = pdl.active(q.device)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:

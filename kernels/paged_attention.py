@@ -693,7 +693,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  FP8_MODE=fp8_mode, HEADS_FAST=config.heads_fast,
                  USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
-    use_pdl = pdl.enabled(q.device)
+    use_pdl = pdl.active(q.device)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:

@@ -1,32 +1,38 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the small-batch decode chain.
+"""Programmatic dependent launch (PDL, Hopper and later) for single-token decode chains.
 
 At batch 1 a decode step is a chain of ~12 short kernels a layer, each a pure weight read or a latency-bound
-pass over one row; between two of them the GPU drains one grid and ramps the next (~1-2 us each, ~400 times a
-step). A kernel launched with PDL may start while the kernel before it in the stream is still running, once every
-program of that kernel has executed `launch_dependents` (or exited). A kernel in the chain therefore:
+pass over one row; between two of them the GPU drains one grid and ramps the next, ~400 times a step. A kernel
+launched with PDL may start while the kernel before it in the stream is still running, once every program of
+that kernel has executed `launch_dependents` (or exited). A kernel in the chain therefore:
 
 1. calls `launch_dependents(USE_PDL)` first: the next kernel may be scheduled as soon as all of this one's
    programs are resident;
-2. reads only data no earlier kernel writes (weights, norm weights) and prefetches its first weight tiles into L2;
-3. calls `wait(USE_PDL)` before it reads anything an earlier kernel wrote and before it writes anything at all:
+2. calls `wait(USE_PDL)` before it reads anything an earlier kernel wrote and before it writes anything:
    griddepcontrol.wait returns once the previous grid has completed and its memory is visible. Every PDL kernel
    waits unconditionally, so completion is transitive along the chain.
 
-Kernels not launched with PDL (cuBLAS, torch) are serialised as usual. On CPU (the interpreter), before sm90, or
-with PAGODA_PDL=0 nothing changes: USE_PDL is False and `launch_kwargs` is empty.
+Kernels not launched with PDL (cuBLAS, torch) are serialised as usual. Where it pays was measured on an H200
+(bench/RESULTS.md, thirteenth session): decode steps of one token whose chains are mostly these Triton kernels
+(FP8 weight-only linears, MoE GEMVs and MLA) gain 5-6%; a Triton kernel between two cuBLAS GEMVs (a bf16 dense
+model) loses ~1.5 us, and at 2-8 tokens with FP8 weights the whole chain under PDL is ~15% slower. So the model
+opens a `scope` only for those steps (CausalLM.forward), and kernels launch with PDL only inside one.
+Off on CPU (the interpreter), before sm90, and with PAGODA_PDL=0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-LINE_BYTES = 128  # one L2 prefetch per cache line (the kernels write the literal)
+_IN_SCOPE: ContextVar[bool] = ContextVar("pagoda_pdl_scope", default=False)
 
 
 @functools.lru_cache(maxsize=16)
@@ -34,11 +40,26 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA sm90+, not the interpreter, not PAGODA_PDL=0."""
+def supported(device: torch.device) -> bool:
+    """CUDA sm90+, not the interpreter, not PAGODA_PDL=0."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PAGODA_PDL") == "0":
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def scope(on: bool) -> Iterator[None]:
+    """Kernels launched inside launch with PDL when `on` (and their device supports it)."""
+    token = _IN_SCOPE.set(on)
+    try:
+        yield
+    finally:
+        _IN_SCOPE.reset(token)
+
+
+def active(device: torch.device) -> bool:
+    """Whether a kernel launched now on `device` uses PDL (its USE_PDL and launch_kwargs)."""
+    return _IN_SCOPE.get() and supported(device)
 
 
 def launch_kwargs(use_pdl: bool) -> dict[str, bool]:
@@ -56,12 +77,3 @@ def launch_dependents(USE_PDL: tl.constexpr):
 def wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs, USE_PDL: tl.constexpr):
-    """Ask L2 for the lines at `ptrs` (one valid pointer per line: clamp out-of-range ones; nothing is read back).
-    Only under PDL, where it runs before the previous kernel has finished."""
-    if USE_PDL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)

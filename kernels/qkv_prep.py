@@ -188,7 +188,7 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     half = head_dim // 2
     heads_p = triton.next_power_of_2(num_heads)
-    use_pdl = pdl.enabled(qkv.device)
+    use_pdl = pdl.active(qkv.device)
     _qkv_prep_kernel[(num_tokens, 2)](
         qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, positions,
         k_cache, v_cache, slot_mapping, k_scale if fp8 else cos, v_scale if fp8 else cos, eps,

@@ -16,12 +16,37 @@ from pagoda.kernels.norm import add_rms_norm, rms_norm
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def test_pdl_is_off_on_cpu_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not pdl.enabled(torch.device("cpu"))
-    monkeypatch.setenv("PAGODA_PDL", "0")
-    assert not pdl.enabled(torch.device("cuda", 0))  # decided before any CUDA call
+def test_pdl_only_inside_a_scope_on_a_supporting_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    with pdl.scope(True):
+        assert not pdl.active(cpu)
+        monkeypatch.setenv("PAGODA_PDL", "0")
+        assert not pdl.active(torch.device("cuda", 0))  # decided before any CUDA call
+    monkeypatch.delenv("PAGODA_PDL")
+    if HOPPER:
+        cuda = torch.device("cuda")
+        assert not pdl.active(cuda)
+        with pdl.scope(True):
+            assert pdl.active(cuda)
+            with pdl.scope(False):
+                assert not pdl.active(cuda)
+            assert pdl.active(cuda)
+        assert not pdl.active(cuda)
     assert pdl.launch_kwargs(False) == {}
     assert pdl.launch_kwargs(True) == {"launch_pdl": True}
+
+
+def test_the_model_chains_single_token_steps_of_triton_heavy_models() -> None:
+    from pagoda.services.worker.models import CausalLM, Fp8Weights
+    from pagoda.shared.shapes import SHAPES
+
+    cpu = torch.device("cpu")
+    dense = CausalLM(SHAPES["tiny"], torch.float32, cpu, max_positions=64)
+    fp8 = CausalLM(SHAPES["tiny"], torch.float32, cpu, max_positions=64, fp8=Fp8Weights(None))
+    moe = CausalLM(SHAPES["tiny-deepseek-v3"], torch.float32, cpu, max_positions=64)
+    assert not dense.pdl_chain(1)
+    assert fp8.pdl_chain(1) and moe.pdl_chain(1)
+    assert not fp8.pdl_chain(2) and not moe.pdl_chain(8)
 
 
 def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, w_up: tuple[torch.Tensor, ...],
@@ -35,7 +60,7 @@ def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm90+ GPU (programmatic dependent launch)")
 @pytest.mark.parametrize("num_rows", [1, 4])
-def test_pdl_chain_matches_serial_launches(monkeypatch: pytest.MonkeyPatch, num_rows: int) -> None:
+def test_pdl_chain_matches_serial_launches(num_rows: int) -> None:
     gen = torch.Generator().manual_seed(0)
     hidden, inter = 1024, 2048
     x = torch.randn(num_rows, hidden, generator=gen).to("cuda", torch.bfloat16)
@@ -49,16 +74,16 @@ def test_pdl_chain_matches_serial_launches(monkeypatch: pytest.MonkeyPatch, num_
         return _layer_chain(x, residual, norm_w, w_up, w_down, split)
 
     results = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("PAGODA_PDL", mode)
-        eager = [t.clone() for t in run()]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run()
+    for on in (False, True):
+        with pdl.scope(on):
+            eager = [t.clone() for t in run()]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = run()
         graph.replay()
         torch.cuda.synchronize()
-        results[mode] = (eager, [t.clone() for t in captured])
-    for off, on in zip(results["0"], results["1"], strict=True):
+        results[on] = (eager, [t.clone() for t in captured])
+    for off, on in zip(results[False], results[True], strict=True):
         for a, b in zip(off, on, strict=True):
             assert torch.equal(a, b)
-    assert torch.equal(results["1"][0][0], results["1"][1][0])  # eager and graph agree too
+    assert torch.equal(results[True][0][0], results[True][1][0])  # eager and graph agree too
