@@ -756,11 +756,12 @@ def expand_latent(latent: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int, qk
     lat = w_kv_b.shape[1]
     rope = latent.shape[1] - lat
     kv = torch.nn.functional.linear(latent[:, :lat], w_kv_b).view(num_rows, num_heads, qk_nope_head_dim + v_head_dim)
-    k = latent.new_zeros((num_rows, num_heads, head_dim))  # [L, heads, D]
-    k[..., :qk_nope_head_dim] = kv[..., :qk_nope_head_dim]
-    k[..., qk_nope_head_dim:qk_nope_head_dim + rope] = latent[:, None, lat:]
-    v = latent.new_zeros((num_rows, num_heads, head_dim))  # [L, heads, D]
-    v[..., :v_head_dim] = kv[..., qk_nope_head_dim:]
+    k_pe = latent[:, None, lat:].expand(num_rows, num_heads, rope)  # [L, heads, P]: shared by the heads
+    # one pass each (a concatenation, a pad) instead of zero-filling both and copying three parts in
+    k = torch.cat((kv[..., :qk_nope_head_dim], k_pe), dim=-1)  # [L, heads, Dn + P]
+    if head_dim > qk_nope_head_dim + rope:
+        k = torch.nn.functional.pad(k, (0, head_dim - qk_nope_head_dim - rope))
+    v = torch.nn.functional.pad(kv[..., qk_nope_head_dim:], (0, head_dim - v_head_dim))  # [L, heads, D]
     return k, v
 
 
@@ -811,13 +812,16 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)  # [L, heads, D] each
     lens = [seq_lens[b] for b in seqs]
     qlens = [query_lens[b] for b in seqs]
-    rows = _to_device_async(np.concatenate([np.arange(starts[b], starts[b] + query_lens[b]) for b in seqs]),
-                            device)  # [T_sel] int64
-    q_sel = q.index_select(0, rows)  # [T_sel, heads, Dn + P]
+    host_rows = np.concatenate([np.arange(starts[b], starts[b] + query_lens[b]) for b in seqs])  # [T_sel]
+    # a run of consecutive sequences (every group of a prefill step): its rows are one slice, read and written in
+    # place; else gathered and scattered through an index
+    span = _row_span(host_rows)
+    rows = None if span is not None else _to_device_async(host_rows, device)  # [T_sel] int64
+    q_sel = q[span[0]:span[1]] if span is not None else q.index_select(0, rows)  # [T_sel, heads, Dn + P]
     if config is None and _flash_varlen_usable(q_sel, head_dim):
         o = _flash_varlen(q_sel if head_dim == qk_dim else torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim)),
                           k, v, qlens, lens, scale)  # [T_sel, heads, D]
-        out.index_copy_(0, rows, o[..., :v_head_dim])
+        _write_rows(out, span, rows, o[..., :v_head_dim])
         return
     if head_dim != qk_dim:
         q_sel = torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim))
@@ -828,7 +832,24 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     o = paged_attention(q_sel, k.unsqueeze(1), v.unsqueeze(1), tables.to(device=device, dtype=torch.int32),
                         torch.tensor(lens, dtype=torch.int32, device=device), qsl.to(device), max(qlens), max_len,
                         scale, config=config)  # [T_sel, heads, D]
-    out.index_copy_(0, rows, o[..., :v_head_dim])
+    _write_rows(out, span, rows, o[..., :v_head_dim])
+
+
+def _row_span(rows: np.ndarray) -> tuple[int, int] | None:
+    """(first, end) when `rows` is first, first + 1, ..., end - 1; else None."""
+    if not len(rows) or rows[-1] - rows[0] != len(rows) - 1 or not np.all(np.diff(rows) == 1):
+        return None
+    return int(rows[0]), int(rows[-1]) + 1
+
+
+def _write_rows(out: torch.Tensor, span: tuple[int, int] | None, rows: torch.Tensor | None,
+                values: torch.Tensor) -> None:
+    """out[rows] = values, through a slice when the rows are one span."""
+    if span is not None:
+        out[span[0]:span[1]].copy_(values)
+    else:
+        assert rows is not None
+        out.index_copy_(0, rows, values)
 
 
 # The expanded path's attention on CUDA: FlashAttention's varlen kernel in torch (contiguous per-head K/V, causal

@@ -347,6 +347,24 @@ def test_mixed_step_splits_between_absorbed_and_expanded_paths() -> None:
     torch.testing.assert_close(out, _expanded_reference(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seqs", [[1, 2], [0, 2, 3]], ids=["one-span", "gathered"])
+def test_expanded_path_writes_exactly_its_sequences_rows(seqs: list[int]) -> None:
+    """Sequences whose rows form one span are read and written through slices, others through an index: either
+    way the chosen sequences' rows equal the reference and every other row is left as it was."""
+    case = Case((3, 5, 2, 4), (9, 5, 14, 4), num_heads=2)
+    x = _expand_case(case)
+    b = x.batch
+    out = torch.full((b.q.shape[0], case.num_heads, x.v_dim), float("nan"), device=DEVICE)
+    mla_expanded_attention(b.q, b.cache, b.block_tables, list(case.seq_lens), list(case.query_lens), seqs,
+                           x.w_kv_b, x.nope, x.v_dim, x.scale, out)
+    starts = [0, 3, 8, 10, 14]
+    chosen = torch.zeros(b.q.shape[0], dtype=torch.bool)
+    for seq in seqs:
+        chosen[starts[seq]:starts[seq + 1]] = True
+    torch.testing.assert_close(out[chosen], _expanded_reference(x, seqs)[chosen], rtol=1e-4, atol=1e-5)
+    assert out[~chosen].isnan().all()
+
+
 def test_expanded_path_fp8_cache_matches_reference() -> None:
     case = Case((5, 7), (12, 7), num_heads=2)
     x = _expand_case(case)
@@ -370,6 +388,11 @@ def test_expanded_path_flash_matches_reference_gpu() -> None:
     nope, v_dim = 128, 128
     batch = make_batch(case, torch.bfloat16, q_width=nope + case.rope)
     batch.cache = batch.cache.nan_to_num()
+    # q as the model has it: a view into the fused projection's wider rows (the latent columns first)
+    num_tokens = batch.q.shape[0]
+    wide = torch.zeros(num_tokens, case.lat + case.rope + batch.q[0].numel(), device=DEVICE, dtype=torch.bfloat16)
+    wide[:, case.lat + case.rope:] = batch.q.reshape(num_tokens, -1)
+    batch.q = wide[:, case.lat + case.rope:].view(num_tokens, case.num_heads, nope + case.rope)
     w_kv_b = (torch.randn(case.num_heads * (nope + v_dim), case.lat, device=DEVICE) * case.lat ** -0.5).to(
         torch.bfloat16)
     scale = (nope + case.rope) ** -0.5

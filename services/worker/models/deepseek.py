@@ -159,8 +159,10 @@ class MlaAttention(nn.Module):
             attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
             # written through its [heads, T, Dv] view (a strided cuBLAS output): no transposing copy
             torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=attn.transpose(0, 1))
-        else:  # every chunk expands: nothing to absorb
-            attn = q.new_zeros((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
+        elif sum(meta.query_lens_host) == num_tokens:  # every chunk expands and fills its rows: nothing to absorb
+            attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
+        else:  # padding rows past the last chunk stay zero
+            attn = q.new_zeros((num_tokens, self.num_heads, mla.v_head_dim))
         if expanded:
             ops.mla_expand(q, cache, meta, expanded, self.kv_b, mla.qk_nope_head_dim, mla.v_head_dim, self.scale,
                            attn, kv_scale, self.expand.max_seq_len)
