@@ -11,12 +11,15 @@ that kernel has executed `launch_dependents` (or exited). A kernel in the chain 
    griddepcontrol.wait returns once the previous grid has completed and its memory is visible. Every PDL kernel
    waits unconditionally, so completion is transitive along the chain.
 
-Kernels not launched with PDL (cuBLAS, torch) are serialised as usual. Where it pays was measured on an H200
-(bench/RESULTS.md, thirteenth session): decode steps of one token whose chains are mostly these Triton kernels
-(FP8 weight-only linears, MoE GEMVs and MLA) gain 5-6%; a Triton kernel between two cuBLAS GEMVs (a bf16 dense
-model) loses ~1.5 us, and at 2-8 tokens with FP8 weights the whole chain under PDL is ~15% slower. So the model
-opens a `scope` only for those steps (CausalLM.forward), and kernels launch with PDL only inside one.
-Off on CPU (the interpreter), before sm90, and with PAGODA_PDL=0.
+(PAGODA_PDL_TRIGGER=exit leaves step 1 out: each program then triggers when it exits, so the next kernel only
+overlaps this one's tail.) Kernels not launched with PDL (cuBLAS, torch) are serialised as usual.
+
+Where it pays was measured on an H200 (bench/RESULTS.md, thirteenth session): decode steps of one token whose
+chains are mostly these Triton kernels (FP8 weight-only linears, MoE GEMVs and MLA) gain 5-6%; a Triton kernel
+between two cuBLAS GEMVs (a bf16 dense model) loses ~1.5 us, and at 2-8 tokens with FP8 weights the whole chain
+under PDL is ~15% slower. So the model opens a `scope` only for those steps (CausalLM.forward), and kernels
+launch with PDL only inside one. Off on CPU (the interpreter), before sm90, and with PAGODA_PDL=0;
+PAGODA_PDL=force opens every step's scope (for measuring).
 """
 
 from __future__ import annotations
@@ -57,23 +60,31 @@ def scope(on: bool) -> Iterator[None]:
         _IN_SCOPE.reset(token)
 
 
-def active(device: torch.device) -> bool:
-    """Whether a kernel launched now on `device` uses PDL (its USE_PDL and launch_kwargs)."""
-    return _IN_SCOPE.get() and supported(device)
+def forced() -> bool:
+    """PAGODA_PDL=force: every step opens its scope, whatever the model would choose (measurements)."""
+    return os.environ.get("PAGODA_PDL") == "force"
 
 
-def launch_kwargs(use_pdl: bool) -> dict[str, bool]:
+def active(device: torch.device) -> int:
+    """How a kernel launched now on `device` uses PDL, its USE_PDL: 0 not at all; 1 launched with PDL,
+    triggering its dependents first; 2 launched with PDL, triggering at exit (PAGODA_PDL_TRIGGER=exit)."""
+    if not _IN_SCOPE.get() or not supported(device):
+        return 0
+    return 2 if os.environ.get("PAGODA_PDL_TRIGGER") == "exit" else 1
+
+
+def launch_kwargs(use_pdl: int) -> dict[str, bool]:
     """Extra launch options for a kernel[grid](...) call: {"launch_pdl": True} or nothing."""
     return {"launch_pdl": True} if use_pdl else {}
 
 
 @triton.jit
 def launch_dependents(USE_PDL: tl.constexpr):
-    if USE_PDL:
+    if USE_PDL == 1:
         gdc_launch_dependents()
 
 
 @triton.jit
 def wait(USE_PDL: tl.constexpr):
-    if USE_PDL:
+    if USE_PDL > 0:
         gdc_wait()

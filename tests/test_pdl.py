@@ -27,10 +27,10 @@ def test_pdl_only_inside_a_scope_on_a_supporting_device(monkeypatch: pytest.Monk
         cuda = torch.device("cuda")
         assert not pdl.active(cuda)
         with pdl.scope(True):
-            assert pdl.active(cuda)
+            assert pdl.active(cuda) == 1
             with pdl.scope(False):
                 assert not pdl.active(cuda)
-            assert pdl.active(cuda)
+            assert pdl.active(cuda) == 1
         assert not pdl.active(cuda)
     assert pdl.launch_kwargs(False) == {}
     assert pdl.launch_kwargs(True) == {"launch_pdl": True}

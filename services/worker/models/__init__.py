@@ -115,6 +115,8 @@ class CausalLM(nn.Module):
         """Whether a step of num_tokens runs its Triton kernels with programmatic dependent launch
         (kernels/pdl.py): single-token steps of models whose decode chain is mostly Triton kernels (FP8 weight-only
         linears, MoE GEMVs, MLA), where it was measured faster; not bf16 dense models (cuBLAS between them)."""
+        if pdl.forced():
+            return True
         return num_tokens == 1 and (self.fp8 is not None or self.arch.moe is not None or self.arch.mla is not None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
