@@ -18,7 +18,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 
 
 def test_pdl_only_inside_a_scope_on_a_supporting_device(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    with pdl.scope(True):
+    with pdl.scope(pdl.FIRST):
         assert not pdl.active(cpu)
         monkeypatch.setenv("PAGODA_PDL", "0")
         assert not pdl.active(torch.device("cuda", 0))  # decided before any CUDA call
@@ -26,17 +26,19 @@ def test_pdl_only_inside_a_scope_on_a_supporting_device(monkeypatch: pytest.Monk
     if HOPPER:
         cuda = torch.device("cuda")
         assert not pdl.active(cuda)
-        with pdl.scope(True):
-            assert pdl.active(cuda) == 1
-            with pdl.scope(False):
+        with pdl.scope(pdl.FIRST):
+            assert pdl.active(cuda) == pdl.FIRST
+            with pdl.scope(0):
                 assert not pdl.active(cuda)
-            assert pdl.active(cuda) == 1
+            with pdl.scope(pdl.AT_EXIT):
+                assert pdl.active(cuda) == pdl.AT_EXIT
+            assert pdl.active(cuda) == pdl.FIRST
         assert not pdl.active(cuda)
-    assert pdl.launch_kwargs(False) == {}
-    assert pdl.launch_kwargs(True) == {"launch_pdl": True}
+    assert pdl.launch_kwargs(0) == {}
+    assert pdl.launch_kwargs(pdl.AT_EXIT) == {"launch_pdl": True}
 
 
-def test_the_model_chains_single_token_steps_of_triton_heavy_models() -> None:
+def test_the_model_picks_pdl_by_step_size_and_kernel_mix() -> None:
     from pagoda.services.worker.models import CausalLM, Fp8Weights
     from pagoda.shared.shapes import SHAPES
 
@@ -44,9 +46,10 @@ def test_the_model_chains_single_token_steps_of_triton_heavy_models() -> None:
     dense = CausalLM(SHAPES["tiny"], torch.float32, cpu, max_positions=64)
     fp8 = CausalLM(SHAPES["tiny"], torch.float32, cpu, max_positions=64, fp8=Fp8Weights(None))
     moe = CausalLM(SHAPES["tiny-deepseek-v3"], torch.float32, cpu, max_positions=64)
-    assert not dense.pdl_chain(1)
-    assert fp8.pdl_chain(1) and moe.pdl_chain(1)
-    assert not fp8.pdl_chain(2) and not moe.pdl_chain(8)
+    assert dense.pdl_mode(1) == dense.pdl_mode(4) == 0
+    assert fp8.pdl_mode(1) == moe.pdl_mode(1) == pdl.FIRST
+    assert fp8.pdl_mode(2) == fp8.pdl_mode(8) == pdl.AT_EXIT
+    assert fp8.pdl_mode(64) == moe.pdl_mode(8) == 0
 
 
 def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, w_up: tuple[torch.Tensor, ...],
@@ -74,16 +77,17 @@ def test_pdl_chain_matches_serial_launches(num_rows: int) -> None:
         return _layer_chain(x, residual, norm_w, w_up, w_down, split)
 
     results = {}
-    for on in (False, True):
-        with pdl.scope(on):
+    for mode in (0, pdl.FIRST, pdl.AT_EXIT):
+        with pdl.scope(mode):
             eager = [t.clone() for t in run()]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 captured = run()
         graph.replay()
         torch.cuda.synchronize()
-        results[on] = (eager, [t.clone() for t in captured])
-    for off, on in zip(results[False], results[True], strict=True):
-        for a, b in zip(off, on, strict=True):
-            assert torch.equal(a, b)
-    assert torch.equal(results[True][0][0], results[True][1][0])  # eager and graph agree too
+        results[mode] = (eager, [t.clone() for t in captured])
+    for mode in (pdl.FIRST, pdl.AT_EXIT):
+        for off, on in zip(results[0], results[mode], strict=True):
+            for a, b in zip(off, on, strict=True):
+                assert torch.equal(a, b)
+        assert torch.equal(results[mode][0][0], results[mode][1][0])  # eager and graph agree too

@@ -105,19 +105,24 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, H]."""
         x = self.embed_tokens(input_ids)  # [T, H]
         residual: torch.Tensor | None = None
-        with pdl.scope(self.pdl_chain(input_ids.shape[0])):
+        with pdl.scope(self.pdl_mode(input_ids.shape[0])):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, positions, self.rope_cache, kv_cache, meta, self.ops)
             x, _ = self.ops.add_rms_norm(x, residual, self.final_norm, self.arch.rms_norm_eps)
         return x
 
-    def pdl_chain(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens runs its Triton kernels with programmatic dependent launch
-        (kernels/pdl.py): single-token steps of models whose decode chain is mostly Triton kernels (FP8 weight-only
-        linears, MoE GEMVs, MLA), where it was measured faster; not bf16 dense models (cuBLAS between them)."""
+    def pdl_mode(self, num_tokens: int) -> int:
+        """How a step of num_tokens launches its Triton kernels (kernels/pdl.py), as measured fastest on an H200:
+        single-token steps of models whose decode chain is mostly Triton kernels (FP8 weight-only linears, MoE
+        GEMVs, MLA) trigger their dependents first; FP8 steps of 2-8 tokens trigger at exit; everything else,
+        bf16 dense models above all (cuBLAS between the kernels), launches without PDL."""
         if pdl.forced():
-            return True
-        return num_tokens == 1 and (self.fp8 is not None or self.arch.moe is not None or self.arch.mla is not None)
+            return pdl.FIRST
+        if num_tokens == 1 and (self.fp8 is not None or self.arch.moe is not None or self.arch.mla is not None):
+            return pdl.FIRST
+        if self.fp8 is not None and 2 <= num_tokens <= 8:
+            return pdl.AT_EXIT
+        return 0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, vocab_size] logits in the model dtype (gathered across ranks). The sampler upcasts
