@@ -45,8 +45,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 
     if num_tokens == 0 or inter_size == 0:
         return out
     block = min(block, max(16, triton.next_power_of_2(inter_size)))
-    use_pdl = pdl.active(x.device)
+    pdl_options = pdl.launch_options(x.device)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
         x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4 if block <= 1024 else 8,
-        USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+        **pdl_options)
     return out

@@ -269,7 +269,7 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
     even_k = k % (split * tiles.block_k) == 0
-    use_pdl = pdl.active(x.device)
+    pdl_options = pdl.launch_options(x.device)
     _w8a16_kernel[grid](x2, weight, weight_scale, out, part, bias if bias is not None else out, num_rows, n, k,
                         x2.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
                         part.stride(0) if split > 1 else 0,
@@ -277,12 +277,10 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
                         USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                         BLOCK_K=tiles.block_k,
                         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                        USE_PDL=use_pdl,
-                        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_kwargs(use_pdl))
+                        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options)
     if split > 1:
         block = 1024
         _split_k_sum_kernel[(triton.cdiv(num_rows * n, block),)](
             part, out, bias if bias is not None else out, num_rows, n, out.stride(0), part.stride(0),
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, USE_PDL=use_pdl, num_warps=4,
-            **pdl.launch_kwargs(use_pdl))
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_options)
     return out.view(*x.shape[:-1], n)

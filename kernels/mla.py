@@ -268,14 +268,14 @@ def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps:
     if num_tokens == 0:
         return
     half = rope // 2
-    use_pdl = pdl.active(q.device)
+    pdl_options = pdl.launch_options(q.device)
     _mla_prepare_kernel[(num_tokens, 2)](
         q, kv_a, kv_norm, cos, sin, positions, cache, slot_mapping, kv_scale if fp8 else cos, eps,
         q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(1),
         NUM_HEADS=num_heads, HEADS_P=triton.next_power_of_2(num_heads), ROPE_OFFSET=qk_dim - rope, LAT=lat,
         LAT_P=triton.next_power_of_2(lat), HALF=half, HALF_P=triton.next_power_of_2(half),
         BLOCK_SIZE=cache.shape[1], INTERLEAVED=interleaved, FP8=fp8, num_warps=4,
-        USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+        **pdl_options)
 
 
 # ------------------------------------------------------------------------------------ absorbed attention
@@ -680,7 +680,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
                  F16_DOTS=fp8 and q.dtype != torch.float32, HEADS_FAST=config.heads_fast)
 
-    use_pdl = pdl.active(q.device)
+    pdl_options = pdl.launch_options(q.device)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
@@ -693,7 +693,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         _mla_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, block_h), TILE_N=config.decode_tile_n, DECODE=True,
             KEYS_M=config.decode_keys_m, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
-            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            **pdl_options)
     if not decode_only:
         block_m = max(config.prefill_block_m, block_h)
         block_q = block_m // block_h
@@ -701,12 +701,12 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         _mla_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n, DECODE=False,
             KEYS_M=False, num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
-            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            **pdl_options)
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=lat,
             HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
-            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            **pdl_options)
     return out
 
 

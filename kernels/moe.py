@@ -242,7 +242,7 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
     weights = torch.empty(num_tokens, row, dtype=torch.float32, device=router_logits.device)  # [T, k + S]
     ids = torch.empty(num_tokens, row, dtype=torch.int32, device=router_logits.device)  # [T, k + S]
     if num_tokens:
-        use_pdl = pdl.active(router_logits.device)
+        pdl_options = pdl.launch_options(router_logits.device)
         _grouped_route_kernel[(num_tokens,)](
             router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
             router_logits.stride(0), float(routed_scaling_factor), GROUPS=groups, GROUP_SIZE=group_size,
@@ -251,7 +251,7 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
             SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
             GROUP_TOP2=topk_method == "noaux_tc" and group_size > 1, RENORMALIZE=renormalize,
             NUM_SHARED=num_shared, num_warps=1 if num_experts <= 64 else 4,
-            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            **pdl_options)
     return weights, ids
 
 
@@ -301,10 +301,10 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     block_e = max(1, triton.next_power_of_2(num_experts) // 256)
     block_h = min(1024, triton.next_power_of_2(hidden))
     if num_tokens:
-        use_pdl = pdl.active(h.device)
+        pdl_options = pdl.launch_options(h.device)
         _router_gemv_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
             h, router, out, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
-            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_options)
     return out
 
 
@@ -601,13 +601,13 @@ def _moe_gemv(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
     stride_s = w_scale.stride() if is_fp8 and w_scale is not None else (0, 0, 0)
     top_k = topk_ids.shape[1] if topk_weights is not None else 0
     grid = (topk_ids.shape[0] if top_k else topk_ids.numel(), triton.cdiv(n, tile.block_n))
-    use_pdl = pdl.active(a.device)
+    pdl_options = pdl.launch_options(a.device)
     _moe_gemv_kernel[grid](
         a, w, w_scale if is_fp8 else out, out, topk_ids, topk_weights if topk_weights is not None else out, n, k,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s, out.stride(0), out.stride(1),
         A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, SUM_TOP_K=top_k, IS_FP8=is_fp8,
         GROUP_K=group_k, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,12 +85,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     inner_rows = x.shape[1] if x.dim() == 3 else 1
     has_residual = residual is not None and residual_out is not None
     r, ro = (residual, residual_out) if has_residual else (x, out)  # placeholders when unused
-    use_pdl = pdl.active(x.device)
+    pdl_options = pdl.launch_options(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
         x, r, weight, out, ro, num_rows, inner_rows, num_cols, eps,
         *_row_strides(x), *_row_strides(r), *_row_strides(out), *_row_strides(ro),
         HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
-        USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+        **pdl_options)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

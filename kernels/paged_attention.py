@@ -693,7 +693,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  FP8_MODE=fp8_mode, HEADS_FAST=config.heads_fast,
                  USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
-    use_pdl = pdl.active(q.device)
+    pdl_options = pdl.launch_options(q.device)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
@@ -709,7 +709,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, Q_STAGED=False,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
-            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            **pdl_options)
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
         block_q = block_m // group
@@ -720,11 +720,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             Q_STAGED=config.fp8_q_staged and fp8_mode >= 2 and num_splits == 1,
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
             **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
-            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            **pdl_options)
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
             NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
-            USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+            **pdl_options)
     return out

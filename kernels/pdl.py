@@ -79,9 +79,11 @@ def active(device: torch.device) -> int:
     return AT_EXIT if os.environ.get("PAGODA_PDL_TRIGGER") == "exit" else mode
 
 
-def launch_kwargs(use_pdl: int) -> dict[str, bool]:
-    """Extra launch options for a kernel[grid](...) call: {"launch_pdl": True} or nothing."""
-    return {"launch_pdl": True} if use_pdl else {}
+def launch_options(device: torch.device) -> dict[str, int | bool]:
+    """What a kernel[grid](...) call on `device` adds to its arguments: the kernel's USE_PDL (active's mode) and,
+    under PDL, the launch attribute."""
+    mode = active(device)
+    return {"USE_PDL": mode, "launch_pdl": True} if mode else {"USE_PDL": 0}
 
 
 @triton.jit

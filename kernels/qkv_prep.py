@@ -188,7 +188,7 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     half = head_dim // 2
     heads_p = triton.next_power_of_2(num_heads)
-    use_pdl = pdl.active(qkv.device)
+    pdl_options = pdl.launch_options(qkv.device)
     _qkv_prep_kernel[(num_tokens, 2)](
         qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, positions,
         k_cache, v_cache, slot_mapping, k_scale if fp8 else cos, v_scale if fp8 else cos, eps,
@@ -198,5 +198,5 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_P=heads_p,
         KV_HEADS_P=triton.next_power_of_2(num_kv_heads), HALF=half, HALF_P=triton.next_power_of_2(half),
         BLOCK_SIZE=k_cache.shape[1], QK_NORM=q_norm is not None, FP8=fp8,
-        num_warps=4 if heads_p * half <= 2048 else 8, USE_PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+        num_warps=4 if heads_p * half <= 2048 else 8, **pdl_options)
     return q

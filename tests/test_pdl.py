@@ -34,8 +34,10 @@ def test_pdl_only_inside_a_scope_on_a_supporting_device(monkeypatch: pytest.Monk
                 assert pdl.active(cuda) == pdl.AT_EXIT
             assert pdl.active(cuda) == pdl.FIRST
         assert not pdl.active(cuda)
-    assert pdl.launch_kwargs(0) == {}
-    assert pdl.launch_kwargs(pdl.AT_EXIT) == {"launch_pdl": True}
+    assert pdl.launch_options(cpu) == {"USE_PDL": 0}
+    if HOPPER:
+        with pdl.scope(pdl.AT_EXIT):
+            assert pdl.launch_options(torch.device("cuda")) == {"USE_PDL": pdl.AT_EXIT, "launch_pdl": True}
 
 
 def test_the_model_picks_pdl_by_step_size_and_kernel_mix() -> None:
