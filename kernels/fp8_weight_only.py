@@ -46,15 +46,34 @@ class GemvTiles:
     num_stages: int = 4
 
 
+@dataclass(frozen=True, slots=True)
+class SplitKPartials:
+    """A weight-only linear layer's output left as its split-K fp32 partial sums, for the kernel that consumes it
+    to sum (add_rms_norm folds the sum into its pass: one launch fewer a layer at batch 1). The sum, rounded to
+    `dtype`, is what fp8_weight_only_linear returns."""
+
+    parts: torch.Tensor  # [S, M, N] fp32
+    dtype: torch.dtype  # the output's dtype
+
+    def materialize(self) -> torch.Tensor:
+        """The summed output [M, N] in dtype (one launch)."""
+        splits, num_rows, n = self.parts.shape
+        out = torch.empty((num_rows, n), dtype=self.dtype, device=self.parts.device)  # [M, N]
+        _launch_split_k_sum(self.parts, out, None)
+        return out
+
+
 @triton.jit(do_not_specialize=["M"])  # the token count changes every step: one variant for every M
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_ps,
                   GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                  FP32_DOT: tl.constexpr, SILU_INPUT: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
-    end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col]."""
+    end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col].
+    SILU_INPUT: x_ptr holds a gated MLP's [M, 2K] gate/up rows and x is silu(gate) * up, rounded as
+    activation.silu_and_mul rounds it (the down projection without the SiLU kernel before it)."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -75,10 +94,18 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            if SILU_INPUT:
+                up = tl.load(x_ptrs + K, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + offs_k) < k_end
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if SILU_INPUT:
+                up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if SILU_INPUT:
+            gate = x.to(tl.float32)
+            silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (silu * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
                 part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -127,6 +154,15 @@ def _split_k_sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, stride_om, stride_ps,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + (offs // N).to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_split_k_sum(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out [M, N] = sum of part [S, M, N] (+ bias), cast to out's dtype."""
+    splits, num_rows, n = part.shape
+    block = 1024
+    _split_k_sum_kernel[(triton.cdiv(num_rows * n, block),)](
+        part, out, bias if bias is not None else out, num_rows, n, out.stride(0), part.stride(0),
+        SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl.launch_options(part.device))
 
 
 def default_tiles(num_rows: int, n: int, k: int, group_size: int | None = None) -> GemvTiles:
@@ -239,37 +275,58 @@ def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
 
 def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            group_size: int | None, bias: torch.Tensor | None = None,
-                           tiles: GemvTiles | None = None) -> torch.Tensor:
+                           tiles: GemvTiles | None = None, silu_input: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ (W * scale)^T for W e4m3 [N, K] with fp32 scales [N, 1] or [N, ceil(K / g)],
-    x bf16/fp16/fp32 (at most MAX_ROWS rows), fp32 accumulation; reference.fp8_weight_only_linear. tiles: override."""
-    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be e4m3 [N, K={x.shape[-1]}] contiguous along K, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
+    x bf16/fp16/fp32 (at most MAX_ROWS rows), fp32 accumulation; reference.fp8_weight_only_linear. tiles: override.
+    silu_input: x is [..., 2K] gate/up and the product is with silu_and_mul(x) (reference.silu_and_mul)."""
+    y = fp8_weight_only_deferred(x, weight, weight_scale, group_size, bias, tiles, silu_input, defer_split_k=False)
+    assert isinstance(y, torch.Tensor)
+    return y
+
+
+def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                             group_size: int | None, bias: torch.Tensor | None = None,
+                             tiles: GemvTiles | None = None, silu_input: bool = False,
+                             defer_split_k: bool = True) -> torch.Tensor | SplitKPartials:
+    """fp8_weight_only_linear, except that with defer_split_k, a 2-D x, no bias and split-K tiles the output is
+    returned as its SplitKPartials for the consumer to sum. SiLU is fused into the GEMV where its tiles reduce
+    with FMAs (few rows: each program recomputes its K range's SiLU, cheap next to a launch); with tensor-core
+    tiles (every n tile of many rows recomputing it) silu_and_mul runs first."""
+    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
+        raise ValueError(f"weight must be e4m3 [N, K] contiguous along K, got {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != (2 * k if silu_input else k):
+        raise ValueError(f"x must be [..., {2 * k if silu_input else k}] for weight [{n}, {k}]"
+                         f"{' and silu_input' if silu_input else ''}, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
-    n, k = weight.shape
     groups = 1 if group_size is None else triton.cdiv(k, group_size)
     if weight_scale.shape != (n, groups) or weight_scale.dtype != torch.float32 or weight_scale.stride(1) != 1:
         raise ValueError(f"weight_scale must be fp32 [{n}, {groups}], got {tuple(weight_scale.shape)} "
                          f"{weight_scale.dtype}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be [N={n}] contiguous, got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, k)  # [M, K]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     num_rows = x2.shape[0]
     if num_rows > MAX_ROWS and tiles is None:
         raise ValueError(f"the weight-only path serves at most {MAX_ROWS} rows, got {num_rows}")
-    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]
+    out_shape = (*x.shape[:-1], n)
     if num_rows == 0:
-        return out.view(*x.shape[:-1], n)
+        return torch.empty(out_shape, dtype=x.dtype, device=x.device)
     tiles = tiles or pick_tiles(num_rows, n, k, group_size, x.device)
     _check_tiles(tiles, k, group_size)
+    if silu_input and tiles.use_dot:
+        from pagoda.kernels.activation import silu_and_mul
+
+        x2, silu_input = silu_and_mul(x2), False  # [M, K]
     split = tiles.split_k
+    defer = defer_split_k and split > 1 and bias is None and x.dim() == 2
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]; only a placeholder when deferred
     part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
     even_k = k % (split * tiles.block_k) == 0
-    pdl_options = pdl.launch_options(x.device)
     _w8a16_kernel[grid](x2, weight, weight_scale, out, part, bias if bias is not None else out, num_rows, n, k,
                         x2.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
                         part.stride(0) if split > 1 else 0,
@@ -277,10 +334,10 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
                         USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                         BLOCK_K=tiles.block_k,
                         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options)
+                        SILU_INPUT=silu_input, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                        **pdl.launch_options(x.device))
+    if defer:
+        return SplitKPartials(part, x.dtype)
     if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(num_rows * n, block),)](
-            part, out, bias if bias is not None else out, num_rows, n, out.stride(0), part.stride(0),
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_options)
-    return out.view(*x.shape[:-1], n)
+        _launch_split_k_sum(part, out, bias)
+    return out.view(out_shape)

@@ -15,9 +15,12 @@ _MAX_HIDDEN = 32768  # one row lives in registers; beyond this it would spill
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      num_rows, inner_rows, num_cols, eps,
                      stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                     stride_xs, HAS_RESIDUAL: tl.constexpr, X_PARTS: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """BLOCK_R rows per program (several short rows, e.g. per-head q/k norm, share one program). A row r is
-    x[r // inner_rows, r % inner_rows, :], so [T, heads, D] views of a fused qkv need no copy."""
+    x[r // inner_rows, r % inner_rows, :], so [T, heads, D] views of a fused qkv need no copy. X_PARTS > 0: x is
+    a split-K GEMM's fp32 partial sums [X_PARTS, T, N] (stride_xs apart), summed in order and rounded to the
+    output dtype as the GEMM's own sum would round them."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -26,8 +29,14 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     i1 = (rows % inner_rows).to(tl.int64)
     col_mask = cols < num_cols
     mask = (rows < num_rows)[:, None] & col_mask[None, :]  # [BLOCK_R, BLOCK_N]
-    x = tl.load(x_ptr + (i0 * stride_x0 + i1 * stride_x1)[:, None] + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    x_ptrs = x_ptr + (i0 * stride_x0 + i1 * stride_x1)[:, None] + cols[None, :]
+    if X_PARTS == 0:
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+        for part in tl.static_range(X_PARTS):
+            x += tl.load(x_ptrs + part * stride_xs, mask=mask, other=0.0)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + (i0 * stride_r0 + i1 * stride_r1)[:, None] + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
@@ -57,8 +66,9 @@ def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor,
-            residual_out: torch.Tensor | None) -> None:
-    """Checks (messages built only on failure: this runs several times a layer), then one launch."""
+            residual_out: torch.Tensor | None, x_parts: torch.Tensor | None = None) -> None:
+    """Checks (messages built only on failure: this runs several times a layer), then one launch. x_parts: fp32
+    partial sums [S, *x.shape] whose rounded sum is x (x itself is then only a shape and dtype)."""
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [T, N] or [T, heads, N], got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -85,12 +95,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     inner_rows = x.shape[1] if x.dim() == 3 else 1
     has_residual = residual is not None and residual_out is not None
     r, ro = (residual, residual_out) if has_residual else (x, out)  # placeholders when unused
-    pdl_options = pdl.launch_options(x.device)
+    source = x if x_parts is None else x_parts[0]
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-        x, r, weight, out, ro, num_rows, inner_rows, num_cols, eps,
-        *_row_strides(x), *_row_strides(r), *_row_strides(out), *_row_strides(ro),
-        HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
-        **pdl_options)
+        x if x_parts is None else x_parts, r, weight, out, ro, num_rows, inner_rows, num_cols, eps,
+        *_row_strides(source), *_row_strides(r), *_row_strides(out), *_row_strides(ro),
+        0 if x_parts is None else x_parts.stride(0), HAS_RESIDUAL=has_residual,
+        X_PARTS=0 if x_parts is None else x_parts.shape[0], BLOCK_R=block_r, BLOCK_N=block_n,
+        num_warps=num_warps, **pdl.launch_options(x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,4 +121,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, N]
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, N]
     _launch(x, residual, weight, eps, out, summed)
+    return out, summed
+
+
+def add_rms_norm_parts(parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x, residual, ...) where x = sum of the fp32 partial sums parts [S, T, N] rounded to dtype (a
+    split-K GEMM's output, fp8_weight_only.SplitKPartials), without x ever written: one launch for the GEMM's sum,
+    the residual add and the norm."""
+    if parts.dim() != 3 or parts.dtype != torch.float32 or not parts.is_contiguous() or parts.shape[0] < 1:
+        raise ValueError(f"parts must be contiguous fp32 [S, T, N], got {tuple(parts.shape)} {parts.dtype}")
+    out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)  # [T, N]
+    _check("residual", residual, out)
+    summed = torch.empty_like(out)  # [T, N]
+    _launch(out, residual, weight, eps, out, summed, x_parts=parts)  # out stands for x's shape and dtype
     return out, summed

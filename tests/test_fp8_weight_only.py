@@ -4,6 +4,7 @@ ragged K), and the model layer's choice between it and the W8A8 path."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -131,3 +132,90 @@ def test_layers_take_weight_only_for_few_rows_and_w8a8_beyond() -> None:
         assert calls[-1] == path
         expected = (ref.fp8_weight_only_linear if path == "w8a16" else ref.fp8_linear)(x, weight, scale, None)
         _close(out, expected)
+
+
+@pytest.mark.parametrize("tiles", [
+    w8.GemvTiles(block_m=1, block_n=16, block_k=64, split_k=2),
+    w8.GemvTiles(block_m=4, block_n=16, block_k=128),
+    w8.GemvTiles(block_m=16, block_n=16, block_k=64, split_k=2, use_dot=True),
+], ids=["fma-split2", "fma", "dot-split2"])
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_silu_input_equals_silu_and_mul_first(tiles: w8.GemvTiles, num_rows: int) -> None:
+    """The down projection of a gate/up row: SiLU inside the GEMV (FMA tiles) or silu_and_mul before it (tensor-core
+    tiles) gives the bits of the two separate kernels, and the reference's product."""
+    from pagoda.kernels.activation import silu_and_mul
+
+    n, inter = 40, 256
+    weight, scale = _weights(n, inter, None, seed=20 + num_rows)
+    gate_up = torch.randn(num_rows, 2 * inter, device=DEVICE).bfloat16()  # [M, 2I]
+    fused = w8.fp8_weight_only_linear(gate_up, weight, scale, None, tiles=tiles, silu_input=True)
+    separate = w8.fp8_weight_only_linear(silu_and_mul(gate_up), weight, scale, None, tiles=tiles)
+    assert torch.equal(fused, separate)
+    _close(fused, ref.fp8_weight_only_linear(ref.silu_and_mul(gate_up), weight, scale, None))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 512\]"):
+        w8.fp8_weight_only_linear(gate_up[:, :inter], weight, scale, None, tiles=tiles, silu_input=True)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5])
+def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows: int) -> None:
+    """A deferred split-K output is the GEMM's own partial sums: materialised it equals the summed output, and
+    add_rms_norm_parts equals add_rms_norm of that output bit for bit. Unsplit tiles, a bias or leading batch dims
+    give a plain tensor."""
+    from pagoda.kernels.norm import add_rms_norm, add_rms_norm_parts
+
+    n, k = 64, 512
+    weight, scale = _weights(n, k, 128, seed=30 + num_rows)
+    x = torch.randn(num_rows, k, device=DEVICE).bfloat16()  # [M, K]
+    residual = torch.randn(num_rows, n, device=DEVICE).bfloat16()  # [M, N]
+    norm_w = (1 + 0.1 * torch.randn(n)).to(DEVICE).bfloat16()
+    split = w8.GemvTiles(block_m=1 if num_rows == 1 else 8, block_n=16, block_k=128, split_k=4)
+    deferred = w8.fp8_weight_only_deferred(x, weight, scale, 128, tiles=split)
+    assert isinstance(deferred, w8.SplitKPartials) and deferred.parts.shape == (4, num_rows, n)
+    summed = w8.fp8_weight_only_linear(x, weight, scale, 128, tiles=split)
+    assert torch.equal(deferred.materialize(), summed)
+    for fused, separate in zip(add_rms_norm_parts(deferred.parts, x.dtype, residual, norm_w, 1e-6),
+                               add_rms_norm(summed, residual, norm_w, 1e-6), strict=True):
+        assert torch.equal(fused, separate)
+    _close(summed, ref.fp8_weight_only_linear(x, weight, scale, 128))
+    bias = torch.randn(n, device=DEVICE).bfloat16()
+    for plain in (w8.fp8_weight_only_deferred(x, weight, scale, 128, tiles=dataclasses.replace(split, split_k=1)),
+                  w8.fp8_weight_only_deferred(x, weight, scale, 128, bias, tiles=split),
+                  w8.fp8_weight_only_deferred(x[None], weight, scale, 128, tiles=split)):
+        assert isinstance(plain, torch.Tensor)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm_parts(deferred.parts, x.dtype, residual[:, :8], norm_w, 1e-6)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_model_with_fused_split_k_and_silu_equals_separate_kernels(quantization: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole FP8 model through the Triton ops with split-K tiles forced on every weight-only GEMV: leaving the
+    sums to the next norm and SiLU to the down GEMV (the default) gives the logits of PAGODA_FUSE_SPLIT_K=0 (the
+    separate kernels) exactly, through prefill, decode and the final norm."""
+    from pagoda.bench.decode_profile import make_batch
+    from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
+    from pagoda.services.worker.weights import load_model
+    from pagoda.shared.shapes import SHAPES
+
+    def split_tiles(num_rows: int, n: int, k: int, group_size: int | None, device: torch.device) -> w8.GemvTiles:
+        return w8.GemvTiles(block_m=min(4, 1 << (num_rows - 1).bit_length()), block_n=16, block_k=32, split_k=2)
+
+    monkeypatch.setattr(w8, "pick_tiles", split_tiles)
+    arch, dev = SHAPES["tiny"], torch.device(DEVICE)
+    model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=triton_ops(),
+                     fp8=Fp8Weights(32 if quantization == "fp8_block" else None))  # 2 splits of 32
+    load_model(model, None, "dummy", seed=5)
+    prefill_meta, prefill_pos, num_blocks = make_batch([3, 2], [3, 2], dev)  # two prompts: 5 rows
+    decode_meta, decode_pos, _ = make_batch([1, 1], [4, 3], dev)  # one token each
+    ids = torch.tensor([5, 9, 11, 7, 8], device=dev)
+    results = []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PAGODA_FUSE_SPLIT_K", fuse)
+        caches = [tuple(torch.zeros(num_blocks, 16, arch.num_kv_heads, arch.head_dim, device=dev,
+                                    dtype=torch.bfloat16) for _ in range(2)) for _ in range(arch.num_layers)]
+        with torch.inference_mode():
+            prefill = model(ids, prefill_pos, caches, prefill_meta)  # [5, H]
+            decode = model(ids[[2, 4]], decode_pos, caches, decode_meta)  # [2, H]
+        results.append((prefill, decode))
+    for fused, separate in zip(*results, strict=True):
+        assert torch.equal(fused, separate)

@@ -10,8 +10,8 @@ import torch
 from pagoda.kernels import pdl
 from pagoda.kernels import reference as ref
 from pagoda.kernels.activation import silu_and_mul
-from pagoda.kernels.fp8_weight_only import GemvTiles, fp8_weight_only_linear
-from pagoda.kernels.norm import add_rms_norm, rms_norm
+from pagoda.kernels.fp8_weight_only import GemvTiles, SplitKPartials, fp8_weight_only_deferred, fp8_weight_only_linear
+from pagoda.kernels.norm import add_rms_norm, add_rms_norm_parts, rms_norm
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -55,9 +55,15 @@ def test_the_model_picks_pdl_by_step_size_and_kernel_mix() -> None:
 
 
 def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, w_up: tuple[torch.Tensor, ...],
-                 w_down: tuple[torch.Tensor, ...], split: GemvTiles) -> tuple[torch.Tensor, torch.Tensor]:
+                 w_down: tuple[torch.Tensor, ...], split: GemvTiles,
+                 fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused: SiLU inside the down GEMV and its split-K sum inside the residual norm (the model's path)."""
     h = rms_norm(x, norm_w, 1e-6)  # [M, H]
     gate_up = fp8_weight_only_linear(h, *w_up, None)  # [M, 2I]
+    if fused:
+        parts = fp8_weight_only_deferred(gate_up, *w_down, None, tiles=split, silu_input=True)
+        assert isinstance(parts, SplitKPartials)
+        return add_rms_norm_parts(parts.parts, parts.dtype, residual, norm_w, 1e-6)
     down = fp8_weight_only_linear(silu_and_mul(gate_up), *w_down, None, tiles=split)  # [M, H], split-K partials
     return add_rms_norm(down, residual, norm_w, 1e-6)
 
@@ -75,21 +81,20 @@ def test_pdl_chain_matches_serial_launches(num_rows: int) -> None:
     w_down = tuple(t.cuda() for t in ref.quantize_fp8_rows(torch.randn(hidden, inter, generator=gen) * 0.05, None))
     split = GemvTiles(block_m=1, block_n=16, block_k=256, split_k=4)
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return _layer_chain(x, residual, norm_w, w_up, w_down, split)
-
     results = {}
     for mode in (0, pdl.FIRST, pdl.AT_EXIT):
-        with pdl.scope(mode):
-            eager = [t.clone() for t in run()]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = run()
-        graph.replay()
-        torch.cuda.synchronize()
-        results[mode] = (eager, [t.clone() for t in captured])
-    for mode in (pdl.FIRST, pdl.AT_EXIT):
-        for off, on in zip(results[0], results[mode], strict=True):
-            for a, b in zip(off, on, strict=True):
-                assert torch.equal(a, b)
-        assert torch.equal(results[mode][0][0], results[mode][1][0])  # eager and graph agree too
+        for fused in (False, True):
+            with pdl.scope(mode):
+                eager = [t.clone() for t in _layer_chain(x, residual, norm_w, w_up, w_down, split, fused)]
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = _layer_chain(x, residual, norm_w, w_up, w_down, split, fused)
+            graph.replay()
+            torch.cuda.synchronize()
+            results[mode, fused] = (eager, [t.clone() for t in captured])
+    for key, (eager, replayed) in results.items():
+        if key != (0, False):
+            for off, on in zip(results[0, False], (eager, replayed), strict=True):
+                for a, b in zip(off, on, strict=True):
+                    assert torch.equal(a, b), key
+        assert torch.equal(eager[0], replayed[0])  # eager and graph agree too

@@ -19,11 +19,13 @@ from pagoda.services.worker.models import deepseek, llama, moe
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
+    Hidden,
     KvLayout,
     Ops,
     Placement,
     SingleDevice,
     TensorParallel,
+    add_norm,
     ops_for,
     reference_ops,
     triton_ops,
@@ -103,12 +105,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H]."""
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x: Hidden = self.embed_tokens(input_ids)  # [T, H]
         residual: torch.Tensor | None = None
         with pdl.scope(self.pdl_mode(input_ids.shape[0])):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, positions, self.rope_cache, kv_cache, meta, self.ops)
-            x, _ = self.ops.add_rms_norm(x, residual, self.final_norm, self.arch.rms_norm_eps)
+            x, _ = add_norm(x, residual, self.final_norm, self.arch.rms_norm_eps, self.ops)
         return x
 
     def pdl_mode(self, num_tokens: int) -> int:

@@ -3,6 +3,7 @@ parallelism, FP8 weight layout, weight placements and the KV layout a family ask
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -12,6 +13,10 @@ from torch import nn
 
 from pagoda.kernels import fp8_weight_only as w8a16
 from pagoda.kernels import reference as ref
+
+# A layer's output: a tensor, or a split-K weight-only GEMM's fp32 partial sums that the next residual add + norm
+# sums in its own pass (one launch fewer; kernels/fp8_weight_only.py).
+Hidden = torch.Tensor | w8a16.SplitKPartials
 
 
 @dataclass(slots=True)
@@ -147,6 +152,11 @@ class Ops:
     # (rows, N, K, device) -> whether it serves that GEMM (else W8A8 above); kernels/fp8_weight_only.py
     fp8_weight_only: Callable[..., torch.Tensor] = ref.fp8_weight_only_linear
     prefers_weight_only: Callable[[int, int, int, torch.device], bool] = w8a16.prefers_weight_only
+    # The same with the SiLU of a gate/up input fused in and a split-K output left as partial sums
+    # (fp8_weight_only_deferred), and the residual add + norm that sums them: (parts [S, T, H], dtype, residual,
+    # weight, eps) -> (normed, summed). None: the separate kernels (silu_and_mul, the GEMM's own sum).
+    fp8_weight_only_deferred: Callable[..., Hidden] | None = None
+    add_rms_norm_parts: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # One pass from the fused qkv rows to attention inputs (q/k norm, rope, K/V into the cache: q returned) and
     # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
     prepare_qkv: Callable[..., torch.Tensor] | None = None
@@ -183,6 +193,7 @@ def triton_ops() -> Ops:
                silu_and_mul=activation.silu_and_mul, attention=triton_attention, fp8_linear=fp8.fp8_linear,
                add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
                fp8_matmul=fp8.fp8_matmul, fp8_weight_only=w8a16.fp8_weight_only_linear,
+               fp8_weight_only_deferred=w8a16.fp8_weight_only_deferred, add_rms_norm_parts=norm.add_rms_norm_parts,
                prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
                moe_experts=moe.fused_experts, mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
                mla_expand=triton_mla_expand)
@@ -264,6 +275,29 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if uses_weight_only(x, weight, ops):
         return ops.fp8_weight_only(x, weight, weight_scale, fp8.group_size, bias)
     return ops.fp8_linear(x, weight, weight_scale, fp8.group_size, bias)
+
+
+def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                    fp8: Fp8Weights | None, ops: Ops, silu_input: bool = False) -> Hidden | None:
+    """The weight-only FP8 linear of x [T, K] (silu_input: of silu_and_mul(x) for x [T, 2K]) with its split-K
+    output left as partials where it splits; None where this layer does not take that path (dense or W8A8
+    weights, ops without it, PAGODA_FUSE_SPLIT_K=0). Single device only: an all-reduce needs the sum."""
+    if (weight_scale is None or fp8 is None or ops.fp8_weight_only_deferred is None
+            or ops.add_rms_norm_parts is None or os.environ.get("PAGODA_FUSE_SPLIT_K") == "0"):
+        return None
+    rows = x.numel() // x.shape[-1]
+    if not ops.prefers_weight_only(rows, weight.shape[0], weight.shape[1], x.device):
+        return None
+    return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, silu_input=silu_input)
+
+
+def add_norm(x: Hidden, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.add_rms_norm for a layer's output of either kind: (normed [T, H], summed residual [T, H])."""
+    if isinstance(x, w8a16.SplitKPartials):
+        assert residual is not None and ops.add_rms_norm_parts is not None, "partials come with their consumer"
+        return ops.add_rms_norm_parts(x.parts, x.dtype, residual, weight, eps)
+    return ops.add_rms_norm(x, residual, weight, eps)
 
 
 def uses_weight_only(x: torch.Tensor, weight: torch.Tensor, ops: Ops) -> bool:

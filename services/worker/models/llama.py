@@ -17,10 +17,13 @@ from torch import nn
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
+    Hidden,
     KvLayout,
     Ops,
     Placement,
     TensorParallel,
+    add_norm,
+    deferred_linear,
     make_linear,
     make_param,
     quantized_linear,
@@ -92,29 +95,39 @@ class DecoderLayer(nn.Module):
         self.v_scale.copy_(v.abs().amax().float().clamp(min=FP8_MIN_AMAX) * 2.0 / FP8_MAX)
         self.calibrate_kv = False
 
-    def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
+    def _norm_linear(self, x: Hidden, residual: torch.Tensor | None, norm: torch.Tensor,
                      weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
                      ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm then a linear layer: (out [T, N], new residual [T, H]). Per-channel FP8 quantizes the
-        activations in the norm's pass (one kernel fewer per GEMM)."""
+        activations in the norm's pass (one kernel fewer per GEMM); split-K partials of x are summed in it."""
         eps = self.arch.rms_norm_eps
-        if self._fused_quant(x, weight, weight_scale, ops):
+        if isinstance(x, torch.Tensor) and self._fused_quant(x, weight, weight_scale, ops):
             h_q, h_scale, residual = ops.add_rms_norm_quant(x, residual, norm, eps)  # [T, H] e4m3, [T, 1]
             return ops.fp8_matmul(h_q, h_scale, weight, weight_scale, None, x.dtype, bias), residual
-        h, residual = ops.add_rms_norm(x, residual, norm, eps)  # [T, H] each
+        h, residual = add_norm(x, residual, norm, eps, ops)  # [T, H] each
         return self.linear(h, weight, weight_scale, bias, ops), residual
 
-    def _mlp(self, gate_up: torch.Tensor, ops: Ops) -> torch.Tensor:
-        """silu(gate) * up, then down [T, H] (per-channel FP8: quantized in the activation's pass)."""
+    def _mlp(self, gate_up: torch.Tensor, ops: Ops) -> Hidden:
+        """silu(gate) * up, then down [T, H] (per-channel FP8: quantized in the activation's pass; weight-only
+        FP8 on one device: SiLU inside the GEMV where it pays and the split-K sum left to the next norm)."""
         if self._fused_quant(gate_up, self.down_weight, self.down_weight_scale, ops):
             mlp_q, mlp_scale = ops.silu_and_mul_quant(gate_up)  # [T, I] e4m3, [T, 1]
             return ops.fp8_matmul(mlp_q, mlp_scale, self.down_weight, self.down_weight_scale, None, gate_up.dtype)
+        if self.tp.size == 1:
+            assert self.down_weight is not None
+            down = deferred_linear(gate_up, self.down_weight, self.down_weight_scale, self.fp8, ops, silu_input=True)
+            if down is not None:
+                return down
         mlp = ops.silu_and_mul(gate_up)  # [T, I]
         return self.linear(mlp, self.down_weight, self.down_weight_scale, None, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+    def _all_reduce(self, x: Hidden) -> Hidden:
+        """Partials are only left on a single device, where the all-reduce is the identity."""
+        return self.tp.all_reduce(x) if isinstance(x, torch.Tensor) else x
+
+    def forward(self, x: Hidden, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope_cache: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, ops: Ops) -> tuple[Hidden, torch.Tensor]:
         eps = self.arch.rms_norm_eps
         qkv, residual = self._norm_linear(x, residual, self.input_norm, self.qkv_weight, self.qkv_weight_scale,
                                           self.qkv_bias, ops)  # [T, Q + 2KV], [T, H]
@@ -143,15 +156,18 @@ class DecoderLayer(nn.Module):
             attn = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, heads, D]
         return self._finish(attn, residual, ops)
 
-    def _finish(self, attn: torch.Tensor, residual: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish(self, attn: torch.Tensor, residual: torch.Tensor, ops: Ops) -> tuple[Hidden, torch.Tensor]:
         """o projection, residual add + norm, MLP: attn [T, heads, D] -> (layer output [T, H], residual [T, H])."""
-        o = self.linear(attn.reshape(-1, self.q_size), self.o_weight, self.o_weight_scale, None, ops)  # [T, H]
-        x = self.tp.all_reduce(o)
+        attn = attn.reshape(-1, self.q_size)  # [T, Q]
         if self.mlp is not None:
-            return self.mlp(x, residual, self.post_attn_norm, ops)
+            o = self.linear(attn, self.o_weight, self.o_weight_scale, None, ops)  # [T, H]
+            return self.mlp(self.tp.all_reduce(o), residual, self.post_attn_norm, ops)
+        x = deferred_linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops) if self.tp.size == 1 else None
+        if x is None:
+            x = self.tp.all_reduce(self.linear(attn, self.o_weight, self.o_weight_scale, None, ops))  # [T, H]
         gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,
                                               self.gate_up_weight_scale, None, ops)  # [T, 2I], [T, H]
-        return self.tp.all_reduce(self._mlp(gate_up, ops)), residual
+        return self._all_reduce(self._mlp(gate_up, ops)), residual
 
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
