@@ -9,6 +9,11 @@ programs whose fp32 partials a second small kernel sums (with the bias and the c
 dots (rows padded to 16) or FMA reductions for 1-8 rows. Tuned per shape and M bucket on the GPU by
 `python -m pagoda.bench.fp8_tune` into fp8_configs/*.json (keyed by device and Triton version); default
 heuristics otherwise.
+
+Two launches fewer a decode layer (models/llama.py, one device): the o and down projections leave their split-K
+partials to the residual add + norm that follows (SplitKPartials, norm.add_rms_norm_parts), and the down
+projection computes silu(gate) * up from the gate/up rows itself on FMA tiles. PAGODA_FUSE_SPLIT_K=0 keeps the
+separate kernels (for measuring); the outputs are bit-identical either way.
 """
 
 from __future__ import annotations
