@@ -45,11 +45,12 @@ def candidates(bucket: int) -> list[Any]:
     from pagoda.kernels.fp8_weight_only import GemvTiles
 
     out = []
-    if bucket <= 4:  # FMA rows: every row in one program
-        for block_n, block_k, split in itertools.product((8, 16, 32), (512, 1024), (1, 2, 4)):
+    if bucket <= 4:  # FMA rows: every row in one program (one row: reducing over K every step or at the end)
+        for block_n, block_k, split, late in itertools.product((8, 16, 32), (512, 1024), (1, 2, 4),
+                                                               (False, True) if bucket == 1 else (False,)):
             warps = ((4, 4), (8, 3)) if block_k == 1024 else ((4, 4),)
             out += [GemvTiles(block_m=bucket, block_n=block_n, block_k=block_k, split_k=split, use_dot=False,
-                              num_warps=w, num_stages=st) for w, st in warps]
+                              num_warps=w, num_stages=st, late_reduce=late) for w, st in warps]
     if bucket > 32:  # larger tiles: the weights are read once per BLOCK_M rows
         # split-K and 32-wide N tiles too: a 4096-wide layer makes only 64 programs of 64 columns (o_proj at 64
         # rows reached 0.7 TB/s without them, 2026-12-02)
@@ -96,14 +97,14 @@ def rotating_us(op: Callable[..., object], x: Any, weights: list[torch.Tensor], 
     return 1e3 * graph_time_ms(calls, reps=10)
 
 
-def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor],
-               w_s: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[torch.Tensor],
+               buckets: tuple[int, ...]) -> dict[int, dict[str, Any]]:
     """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape."""
     from pagoda.kernels import fp8_weight_only as w8
     from pagoda.kernels import reference as ref
 
     result = {}
-    for bucket in w8.M_BUCKETS:
+    for bucket in buckets:
         x = torch.randn(bucket, k, device="cuda").bfloat16()  # [M, K]
         expected = ref.fp8_weight_only_linear(x, w_q[0], w_s[0], None)
         best: tuple[float, Any] | None = None
@@ -175,6 +176,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--skip-tune", action="store_true", help="sweep with the committed table")
+    parser.add_argument("--buckets", default="", help="tune only these M buckets (comma-separated), keeping the "
+                                                      "committed table's other entries")
+    parser.add_argument("--skip-sweep", action="store_true", help="tune only")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/fp8_tune"))
     args = parser.parse_args()
     from pagoda.kernels import fp8_weight_only as w8
@@ -182,14 +186,19 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
+    buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else w8.M_BUCKETS
+    if not set(buckets) <= set(w8.M_BUCKETS):
+        parser.error(f"--buckets must be among {w8.M_BUCKETS}")
     table: dict[str, Any] = {}
+    if args.buckets:  # start from the committed entries
+        table = {",".join(map(str, key)): entry for key, entry in w8._read_table(device).items()}
     rows: list[dict[str, Any]] = []
     started = time.time()
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
             w, w_q, w_s = _weights(n, k)
             if not args.skip_tune:
-                for bucket, entry in tune_shape(name, n, k, w_q, w_s).items():
+                for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets).items():
                     table[f"{n},{k},{bucket}"] = {"w8a8": True} if entry["choice"] == "w8a8" else entry["tiles"]
             del w, w_q, w_s
             torch.cuda.empty_cache()
@@ -199,6 +208,8 @@ def main() -> int:
         (out_dir / w8.config_name(device.replace(" ", "_"))).write_text(json.dumps(table))
         w8.clear_tables()
     print(f"tuned in {time.time() - started:.0f} s", flush=True)
+    if args.skip_sweep:
+        return 0
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
             w, w_q, w_s = _weights(n, k)

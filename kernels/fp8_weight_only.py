@@ -11,9 +11,8 @@ dots (rows padded to 16) or FMA reductions for 1-8 rows. Tuned per shape and M b
 heuristics otherwise.
 
 Two launches fewer a decode layer (models/llama.py, one device): the o and down projections leave their split-K
-partials to the residual add + norm that follows (SplitKPartials, norm.add_rms_norm_parts), and the down
-projection computes silu(gate) * up from the gate/up rows itself on FMA tiles. PAGODA_FUSE_SPLIT_K=0 keeps the
-separate kernels (for measuring); the outputs are bit-identical either way.
+partials to the residual add + norm that follows (SplitKPartials, norm.add_rms_norm_parts)
+(PAGODA_FUSE_SPLIT_K=0 keeps the split-K sum kernel, for measuring; the outputs are bit-identical either way).
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ class GemvTiles:
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 4
+    late_reduce: bool = False  # FMA tiles of one row: reduce over K once at the end (see _w8a16_kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +73,12 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_ps,
                   GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  FP32_DOT: tl.constexpr, SILU_INPUT: tl.constexpr, USE_PDL: tl.constexpr):
+                  FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
     end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col].
-    SILU_INPUT: x_ptr holds a gated MLP's [M, 2K] gate/up rows and x is silu(gate) * up, rounded as
-    activation.silu_and_mul rounds it (the down projection without the SiLU kernel before it)."""
+    LATE_REDUCE (FMA tiles of one row): products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile reduced over
+    K once at the end, instead of a cross-lane reduction every BLOCK_K step."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -95,42 +95,45 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
     pdl.wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_wide = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # LATE_REDUCE's elementwise sums
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            if SILU_INPUT:
-                up = tl.load(x_ptrs + K, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + offs_k) < k_end
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if SILU_INPUT:
-                up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if SILU_INPUT:
-            gate = x.to(tl.float32)
-            silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (silu * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if USE_DOT:
-            if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
-                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:  # e4m3 -> bf16/fp16 is exact: tensor cores on the activation dtype
-                part = tl.dot(x, tl.trans(w.to(tl.float32).to(x_ptr.dtype.element_ty)))  # [BM, BN]
-        else:
-            wf = w.to(tl.float32)
-            xf = x.to(tl.float32)
-            part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for m in tl.static_range(BLOCK_M):
-                x_row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == m, xf, 0.0), 0)  # [BK]
-                row = tl.sum(wf * x_row[None, :], 1)  # [BN]
-                part += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
-        if GROUP_K == 0:
-            acc += part
-        else:
+        if GROUP_K != 0:
             scale = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
-            acc += part * scale[None, :]
+        if LATE_REDUCE:
+            prod = w.to(tl.float32) * tl.sum(x.to(tl.float32), 0)[None, :]  # [BN, BK]; x is one row
+            if GROUP_K == 0:
+                acc_wide += prod
+            else:
+                acc_wide += prod * scale[:, None]
+        else:
+            if USE_DOT:
+                if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
+                    part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                else:  # e4m3 -> bf16/fp16 is exact: tensor cores on the activation dtype
+                    part = tl.dot(x, tl.trans(w.to(tl.float32).to(x_ptr.dtype.element_ty)))  # [BM, BN]
+            else:
+                wf = w.to(tl.float32)
+                xf = x.to(tl.float32)
+                part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for m in tl.static_range(BLOCK_M):
+                    x_row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == m, xf, 0.0), 0)  # [BK]
+                    row = tl.sum(wf * x_row[None, :], 1)  # [BN]
+                    part += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
+            if GROUP_K == 0:
+                acc += part
+            else:
+                acc += part * scale[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if LATE_REDUCE:
+        acc = tl.sum(acc_wide, 1)[None, :]  # [1, BN]
     if GROUP_K == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -194,7 +197,7 @@ def tiles_to_json(tiles: GemvTiles) -> dict[str, Any]:
 
 
 def tiles_from_json(entry: dict[str, Any]) -> GemvTiles:
-    return GemvTiles(**{key: entry[key] for key in GemvTiles.__dataclass_fields__})
+    return GemvTiles(**{key: entry[key] for key in GemvTiles.__dataclass_fields__ if key in entry})
 
 
 @functools.lru_cache(maxsize=4)
@@ -273,6 +276,8 @@ def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
             raise ValueError(f"{name} must be a power of two, got {size}")
     if tiles.use_dot and tiles.block_m < 16:
         raise ValueError(f"tensor-core tiles need block_m >= 16, got {tiles.block_m}")
+    if tiles.late_reduce and (tiles.use_dot or tiles.block_m != 1):
+        raise ValueError("late_reduce is for FMA tiles of one row (block_m 1, no use_dot)")
     if not _tiles_fit_groups(tiles, k, group_size):
         raise ValueError(f"block_k {tiles.block_k} and split_k {tiles.split_k} must divide K={k} into whole "
                          f"scale groups of {group_size}")
@@ -280,38 +285,33 @@ def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
 
 def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            group_size: int | None, bias: torch.Tensor | None = None,
-                           tiles: GemvTiles | None = None, silu_input: bool = False) -> torch.Tensor:
+                           tiles: GemvTiles | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ (W * scale)^T for W e4m3 [N, K] with fp32 scales [N, 1] or [N, ceil(K / g)],
-    x bf16/fp16/fp32 (at most MAX_ROWS rows), fp32 accumulation; reference.fp8_weight_only_linear. tiles: override.
-    silu_input: x is [..., 2K] gate/up and the product is with silu_and_mul(x) (reference.silu_and_mul)."""
-    y = fp8_weight_only_deferred(x, weight, weight_scale, group_size, bias, tiles, silu_input, defer_split_k=False)
+    x bf16/fp16/fp32 (at most MAX_ROWS rows), fp32 accumulation; reference.fp8_weight_only_linear. tiles: override."""
+    y = fp8_weight_only_deferred(x, weight, weight_scale, group_size, bias, tiles, defer_split_k=False)
     assert isinstance(y, torch.Tensor)
     return y
 
 
 def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                              group_size: int | None, bias: torch.Tensor | None = None,
-                             tiles: GemvTiles | None = None, silu_input: bool = False,
+                             tiles: GemvTiles | None = None,
                              defer_split_k: bool = True) -> torch.Tensor | SplitKPartials:
     """fp8_weight_only_linear, except that with defer_split_k, a 2-D x, no bias and split-K tiles the output is
-    returned as its SplitKPartials for the consumer to sum. SiLU is fused into the GEMV where its tiles reduce
-    with FMAs (few rows: each program recomputes its K range's SiLU, cheap next to a launch); with tensor-core
-    tiles (every n tile of many rows recomputing it) silu_and_mul runs first."""
-    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
-        raise ValueError(f"weight must be e4m3 [N, K] contiguous along K, got {tuple(weight.shape)} {weight.dtype}")
-    n, k = weight.shape
-    if x.shape[-1] != (2 * k if silu_input else k):
-        raise ValueError(f"x must be [..., {2 * k if silu_input else k}] for weight [{n}, {k}]"
-                         f"{' and silu_input' if silu_input else ''}, got {tuple(x.shape)}")
+    returned as its SplitKPartials for the consumer to sum."""
+    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight must be e4m3 [N, K={x.shape[-1]}] contiguous along K, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    n, k = weight.shape
     groups = 1 if group_size is None else triton.cdiv(k, group_size)
     if weight_scale.shape != (n, groups) or weight_scale.dtype != torch.float32 or weight_scale.stride(1) != 1:
         raise ValueError(f"weight_scale must be fp32 [{n}, {groups}], got {tuple(weight_scale.shape)} "
                          f"{weight_scale.dtype}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be [N={n}] contiguous, got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
+    x2 = x.reshape(-1, k)  # [M, K]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     num_rows = x2.shape[0]
@@ -322,10 +322,6 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
     tiles = tiles or pick_tiles(num_rows, n, k, group_size, x.device)
     _check_tiles(tiles, k, group_size)
-    if silu_input and tiles.use_dot:
-        from pagoda.kernels.activation import silu_and_mul
-
-        x2, silu_input = silu_and_mul(x2), False  # [M, K]
     split = tiles.split_k
     defer = defer_split_k and split > 1 and bias is None and x.dim() == 2
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]; only a placeholder when deferred
@@ -339,7 +335,7 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
                         USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                         BLOCK_K=tiles.block_k,
                         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                        SILU_INPUT=silu_input, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                        LATE_REDUCE=tiles.late_reduce, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                         **pdl.launch_options(x.device))
     if defer:
         return SplitKPartials(part, x.dtype)

@@ -135,25 +135,24 @@ def test_layers_take_weight_only_for_few_rows_and_w8a8_beyond() -> None:
 
 
 @pytest.mark.parametrize("tiles", [
-    w8.GemvTiles(block_m=1, block_n=16, block_k=64, split_k=2),
-    w8.GemvTiles(block_m=4, block_n=16, block_k=128),
-    w8.GemvTiles(block_m=16, block_n=16, block_k=64, split_k=2, use_dot=True),
-], ids=["fma-split2", "fma", "dot-split2"])
-@pytest.mark.parametrize("num_rows", [1, 3])
-def test_silu_input_equals_silu_and_mul_first(tiles: w8.GemvTiles, num_rows: int) -> None:
-    """The down projection of a gate/up row: SiLU inside the GEMV (FMA tiles) or silu_and_mul before it (tensor-core
-    tiles) gives the bits of the two separate kernels, and the reference's product."""
-    from pagoda.kernels.activation import silu_and_mul
-
-    n, inter = 40, 256
-    weight, scale = _weights(n, inter, None, seed=20 + num_rows)
-    gate_up = torch.randn(num_rows, 2 * inter, device=DEVICE).bfloat16()  # [M, 2I]
-    fused = w8.fp8_weight_only_linear(gate_up, weight, scale, None, tiles=tiles, silu_input=True)
-    separate = w8.fp8_weight_only_linear(silu_and_mul(gate_up), weight, scale, None, tiles=tiles)
-    assert torch.equal(fused, separate)
-    _close(fused, ref.fp8_weight_only_linear(ref.silu_and_mul(gate_up), weight, scale, None))
-    with pytest.raises(ValueError, match=r"\[\.\.\., 512\]"):
-        w8.fp8_weight_only_linear(gate_up[:, :inter], weight, scale, None, tiles=tiles, silu_input=True)
+    w8.GemvTiles(block_m=1, block_n=16, block_k=128, late_reduce=True),
+    w8.GemvTiles(block_m=1, block_n=8, block_k=64, split_k=2, late_reduce=True),
+], ids=["late", "late-split2"])
+@pytest.mark.parametrize("group_size", [None, 128])
+@pytest.mark.parametrize("k", [512, 200])
+def test_late_reduce_tiles_match_reference(tiles: w8.GemvTiles, group_size: int | None, k: int) -> None:
+    """One-row FMA tiles that reduce over K once at the end: the reference's product, for whole and ragged K, with
+    channel and group scales."""
+    if group_size is not None and k % group_size:
+        pytest.skip("group scales need whole groups per split")
+    n = 40
+    weight, scale = _weights(n, k, group_size, seed=k)
+    x = torch.randn(1, k, device=DEVICE).bfloat16()  # [1, K]
+    out = w8.fp8_weight_only_linear(x, weight, scale, group_size, tiles=tiles)
+    _close(out, ref.fp8_weight_only_linear(x, weight, scale, group_size))
+    with pytest.raises(ValueError, match="late_reduce"):
+        w8.fp8_weight_only_linear(torch.cat([x, x]), weight, scale, group_size,
+                                  tiles=dataclasses.replace(tiles, block_m=2))
 
 
 @pytest.mark.parametrize("num_rows", [1, 5])
@@ -187,11 +186,11 @@ def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
-def test_model_with_fused_split_k_and_silu_equals_separate_kernels(quantization: str,
+def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(quantization: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole FP8 model through the Triton ops with split-K tiles forced on every weight-only GEMV: leaving the
-    sums to the next norm and SiLU to the down GEMV (the default) gives the logits of PAGODA_FUSE_SPLIT_K=0 (the
-    separate kernels) exactly, through prefill, decode and the final norm."""
+    sums to the next norm (the default) gives the hidden states of PAGODA_FUSE_SPLIT_K=0 (the separate sum kernel)
+    exactly, through prefill, decode and the final norm."""
     from pagoda.bench.decode_profile import make_batch
     from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
     from pagoda.services.worker.weights import load_model

@@ -57,11 +57,11 @@ def test_the_model_picks_pdl_by_step_size_and_kernel_mix() -> None:
 def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, w_up: tuple[torch.Tensor, ...],
                  w_down: tuple[torch.Tensor, ...], split: GemvTiles,
                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused: SiLU inside the down GEMV and its split-K sum inside the residual norm (the model's path)."""
+    """fused: the down GEMV's split-K sum inside the residual norm (the model's path)."""
     h = rms_norm(x, norm_w, 1e-6)  # [M, H]
     gate_up = fp8_weight_only_linear(h, *w_up, None)  # [M, 2I]
     if fused:
-        parts = fp8_weight_only_deferred(gate_up, *w_down, None, tiles=split, silu_input=True)
+        parts = fp8_weight_only_deferred(silu_and_mul(gate_up), *w_down, None, tiles=split)
         assert isinstance(parts, SplitKPartials)
         return add_rms_norm_parts(parts.parts, parts.dtype, residual, norm_w, 1e-6)
     down = fp8_weight_only_linear(silu_and_mul(gate_up), *w_down, None, tiles=split)  # [M, H], split-K partials

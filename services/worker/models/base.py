@@ -152,9 +152,8 @@ class Ops:
     # (rows, N, K, device) -> whether it serves that GEMM (else W8A8 above); kernels/fp8_weight_only.py
     fp8_weight_only: Callable[..., torch.Tensor] = ref.fp8_weight_only_linear
     prefers_weight_only: Callable[[int, int, int, torch.device], bool] = w8a16.prefers_weight_only
-    # The same with the SiLU of a gate/up input fused in and a split-K output left as partial sums
-    # (fp8_weight_only_deferred), and the residual add + norm that sums them: (parts [S, T, H], dtype, residual,
-    # weight, eps) -> (normed, summed). None: the separate kernels (silu_and_mul, the GEMM's own sum).
+    # The same with a split-K output left as partial sums (fp8_weight_only_deferred), and the residual add + norm
+    # that sums them: (parts [S, T, H], dtype, residual, weight, eps) -> (normed, summed). None: the GEMM's own sum.
     fp8_weight_only_deferred: Callable[..., Hidden] | None = None
     add_rms_norm_parts: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # One pass from the fused qkv rows to attention inputs (q/k norm, rope, K/V into the cache: q returned) and
@@ -278,17 +277,17 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                    fp8: Fp8Weights | None, ops: Ops, silu_input: bool = False) -> Hidden | None:
-    """The weight-only FP8 linear of x [T, K] (silu_input: of silu_and_mul(x) for x [T, 2K]) with its split-K
-    output left as partials where it splits; None where this layer does not take that path (dense or W8A8
-    weights, ops without it, PAGODA_FUSE_SPLIT_K=0). Single device only: an all-reduce needs the sum."""
+                    fp8: Fp8Weights | None, ops: Ops) -> Hidden | None:
+    """The weight-only FP8 linear of x [T, K] with its split-K output left as partials where it splits; None where
+    this layer does not take that path (dense or W8A8 weights, ops without it, PAGODA_FUSE_SPLIT_K=0). Single
+    device only: an all-reduce needs the sum."""
     if (weight_scale is None or fp8 is None or ops.fp8_weight_only_deferred is None
             or ops.add_rms_norm_parts is None or os.environ.get("PAGODA_FUSE_SPLIT_K") == "0"):
         return None
     rows = x.numel() // x.shape[-1]
     if not ops.prefers_weight_only(rows, weight.shape[0], weight.shape[1], x.device):
         return None
-    return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, silu_input=silu_input)
+    return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None)
 
 
 def add_norm(x: Hidden, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

@@ -109,16 +109,16 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, gate_up: torch.Tensor, ops: Ops) -> Hidden:
         """silu(gate) * up, then down [T, H] (per-channel FP8: quantized in the activation's pass; weight-only
-        FP8 on one device: SiLU inside the GEMV where it pays and the split-K sum left to the next norm)."""
+        FP8 on one device: the split-K sum left to the next norm)."""
         if self._fused_quant(gate_up, self.down_weight, self.down_weight_scale, ops):
             mlp_q, mlp_scale = ops.silu_and_mul_quant(gate_up)  # [T, I] e4m3, [T, 1]
             return ops.fp8_matmul(mlp_q, mlp_scale, self.down_weight, self.down_weight_scale, None, gate_up.dtype)
+        mlp = ops.silu_and_mul(gate_up)  # [T, I]
         if self.tp.size == 1:
             assert self.down_weight is not None
-            down = deferred_linear(gate_up, self.down_weight, self.down_weight_scale, self.fp8, ops, silu_input=True)
+            down = deferred_linear(mlp, self.down_weight, self.down_weight_scale, self.fp8, ops)
             if down is not None:
                 return down
-        mlp = ops.silu_and_mul(gate_up)  # [T, I]
         return self.linear(mlp, self.down_weight, self.down_weight_scale, None, ops)
 
     def _all_reduce(self, x: Hidden) -> Hidden:
