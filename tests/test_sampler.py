@@ -54,6 +54,38 @@ def test_temperature_zero_is_argmax(num_rows: int, vocab_size: int, dtype: torch
         assert torch.equal(sample(logits, metadata).token_ids, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_argmax_kernel_is_torch_argmax(dtype: torch.dtype) -> None:
+    """The greedy path's split argmax (kernels/sampling.greedy_argmax, the GPU's all-greedy sampler): torch.argmax's
+    id on random rows, ties inside and across splits (first id), a NaN (largest: its first id), -inf rows (id 0),
+    a vocabulary that is not a multiple of the split; and through sample() with the kernels."""
+    from pagoda.kernels.sampling import ARGMAX_BLOCK, greedy_argmax
+
+    device = kernel_device()
+    vocab_size = 3 * ARGMAX_BLOCK + 100  # four splits of ARGMAX_BLOCK ids, the last one short
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, vocab_size, generator=gen).to(dtype)  # [B, V]
+    logits[1] = torch.randint(0, 3, (vocab_size,), generator=gen).to(dtype)  # ties everywhere: first 2
+    logits[2, [50, ARGMAX_BLOCK + 5, 3 * ARGMAX_BLOCK + 7]] = 9.0  # equal maxima in three splits
+    logits[3, [2 * ARGMAX_BLOCK + 1, 40]] = float("nan")  # NaN beats every number: the first NaN
+    logits[3, 10] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, -1] = 100.0  # the maximum in the short last split
+    logits[6, :ARGMAX_BLOCK] = float("-inf")  # a whole split of -inf, the maximum elsewhere
+    logits = logits.to(device)
+    expected = logits.cpu().argmax(dim=-1)
+    assert torch.equal(greedy_argmax(logits, split=ARGMAX_BLOCK).cpu(), expected)
+    assert torch.equal(greedy_argmax(logits, split=2 * ARGMAX_BLOCK).cpu(), expected)
+    assert torch.equal(greedy_argmax(logits[:, :-3]).cpu(), logits[:, :-3].cpu().argmax(dim=-1))  # strided rows
+    assert greedy_argmax(logits[:0]).shape == (0,)
+    metadata = make_metadata(7, temperature=0.0, all_greedy=True)
+    metadata = dataclasses.replace(metadata, temperature=metadata.temperature.to(device),
+                                   seeds=metadata.seeds.to(device), offsets=metadata.offsets.to(device))
+    assert torch.equal(sample(logits, metadata, use_kernels=True).token_ids.cpu(), expected)
+    with pytest.raises(ValueError, match="multiple"):
+        greedy_argmax(logits, split=ARGMAX_BLOCK + 1)
+
+
 def test_greedy_rows_inside_a_random_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(16, 300)  # [B, V]
