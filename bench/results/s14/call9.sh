@@ -4,6 +4,7 @@ export PYTHONPATH=/tmp/site
 mkdir -p /tmp/tests-path && ln -sfn "$PWD/tests" /tmp/tests-path/tests
 date -u +%H:%M:%S
 TRITON_INTERPRET=0 PYTHONPATH=/tmp/site:/tmp/tests-path timeout 150 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_sampler.py -k "argmax or greedy" 2>&1 | tail -1
+TRITON_INTERPRET=0 PYTHONPATH=/tmp/site:/tmp/tests-path timeout 200 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_async_scheduling.py -m gpu 2>&1 | tail -1
 timeout 60 python3 .gpu/argmax_bench.py 2>&1 | grep argmax
 echo "== llama fp8 batch-1 engine"
 timeout 100 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 --latency-prompt-len 512 --timeout 80 --out $OUT/b1_llama_fp8.json 2>&1 | grep "batch-1" | cut -c1-200
