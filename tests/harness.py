@@ -14,17 +14,37 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
-import openai
+from typing import TYPE_CHECKING, Any
 
 from pagoda.launcher import free_ports
 
+if TYPE_CHECKING:
+    import httpx
+    import openai
+
 SERVED = "smollm2-135m-instruct"
-# One HTTP client for the helpers (httpx.get/post/stream build a client, TLS context included, per call: 88 ms
-# of CPU each at load ~5 here, taken from the server under test), with a new connection per request as before.
-HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+_http: httpx.Client | None = None
+
+
+def http_client() -> httpx.Client:
+    """One HTTP client for the helpers (httpx.get/post/stream build a client, TLS context included, per call: 88 ms
+    of CPU each at load ~5 here, taken from the server under test), with a new connection per request as before.
+    Made on first use, so that importing this module needs no HTTP stack (the GPU device has none)."""
+    global _http
+    if _http is None:
+        import httpx
+
+        _http = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+    return _http
+
+
+def __getattr__(name: str) -> Any:
+    """`from tests.harness import HTTP`: the shared client (http_client)."""
+    if name == "HTTP":
+        return http_client()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 METRIC_RE = re.compile(r"([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+|NaN|\+Inf)")
 
 
@@ -82,10 +102,12 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def client(self, **kwargs: object) -> openai.OpenAI:
+        import openai
+
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(HTTP.get(self.url + "/metrics", timeout=10).text)
+        return parse_metrics(http_client().get(self.url + "/metrics", timeout=10).text)
 
     def children(self) -> dict[str, list[int]]:
         """Child pids by service name, read from /proc."""
