@@ -155,42 +155,43 @@ def test_late_reduce_tiles_match_reference(tiles: w8.GemvTiles, group_size: int 
                                   tiles=dataclasses.replace(tiles, block_m=2))
 
 
+@pytest.mark.parametrize("group_size", [None, 128])
 @pytest.mark.parametrize("num_rows", [1, 5])
-def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows: int) -> None:
+def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows: int, group_size: int | None) -> None:
     """A deferred split-K output is the GEMM's own partial sums: materialised it equals the summed output, and
     add_rms_norm_parts equals add_rms_norm of that output bit for bit. Unsplit tiles, a bias or leading batch dims
     give a plain tensor."""
     from pagoda.kernels.norm import add_rms_norm, add_rms_norm_parts
 
     n, k = 64, 512
-    weight, scale = _weights(n, k, 128, seed=30 + num_rows)
+    weight, scale = _weights(n, k, group_size, seed=30 + num_rows)
     x = torch.randn(num_rows, k, device=DEVICE).bfloat16()  # [M, K]
     residual = torch.randn(num_rows, n, device=DEVICE).bfloat16()  # [M, N]
     norm_w = (1 + 0.1 * torch.randn(n)).to(DEVICE).bfloat16()
     split = w8.GemvTiles(block_m=1 if num_rows == 1 else 8, block_n=16, block_k=128, split_k=4)
-    deferred = w8.fp8_weight_only_deferred(x, weight, scale, 128, tiles=split)
+    deferred = w8.fp8_weight_only_deferred(x, weight, scale, group_size, tiles=split)
     assert isinstance(deferred, w8.SplitKPartials) and deferred.parts.shape == (4, num_rows, n)
-    summed = w8.fp8_weight_only_linear(x, weight, scale, 128, tiles=split)
+    summed = w8.fp8_weight_only_linear(x, weight, scale, group_size, tiles=split)
     assert torch.equal(deferred.materialize(), summed)
     for fused, separate in zip(add_rms_norm_parts(deferred.parts, x.dtype, residual, norm_w, 1e-6),
                                add_rms_norm(summed, residual, norm_w, 1e-6), strict=True):
         assert torch.equal(fused, separate)
-    _close(summed, ref.fp8_weight_only_linear(x, weight, scale, 128))
+    _close(summed, ref.fp8_weight_only_linear(x, weight, scale, group_size))
     bias = torch.randn(n, device=DEVICE).bfloat16()
-    for plain in (w8.fp8_weight_only_deferred(x, weight, scale, 128, tiles=dataclasses.replace(split, split_k=1)),
-                  w8.fp8_weight_only_deferred(x, weight, scale, 128, bias, tiles=split),
-                  w8.fp8_weight_only_deferred(x[None], weight, scale, 128, tiles=split)):
+    unsplit = dataclasses.replace(split, split_k=1)
+    for plain in (w8.fp8_weight_only_deferred(x, weight, scale, group_size, tiles=unsplit),
+                  w8.fp8_weight_only_deferred(x, weight, scale, group_size, bias, tiles=split),
+                  w8.fp8_weight_only_deferred(x[None], weight, scale, group_size, tiles=split)):
         assert isinstance(plain, torch.Tensor)
     with pytest.raises(ValueError, match="residual"):
         add_rms_norm_parts(deferred.parts, x.dtype, residual[:, :8], norm_w, 1e-6)
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
-def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(quantization: str,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole FP8 model through the Triton ops with split-K tiles forced on every weight-only GEMV: leaving the
     sums to the next norm (the default) gives the hidden states of PAGODA_FUSE_SPLIT_K=0 (the separate sum kernel)
-    exactly, through prefill, decode and the final norm."""
+    exactly, through prefill, decode and the final norm. Block scales (groups of 32, one per split); channel scales
+    take the same path (the kernel-level test above)."""
     from pagoda.bench.decode_profile import make_batch
     from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
     from pagoda.services.worker.weights import load_model
@@ -202,7 +203,7 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(quantizatio
     monkeypatch.setattr(w8, "pick_tiles", split_tiles)
     arch, dev = SHAPES["tiny"], torch.device(DEVICE)
     model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=triton_ops(),
-                     fp8=Fp8Weights(32 if quantization == "fp8_block" else None))  # 2 splits of 32
+                     fp8=Fp8Weights(32))  # 2 splits of 32: whole scale groups
     load_model(model, None, "dummy", seed=5)
     prefill_meta, prefill_pos, num_blocks = make_batch([3, 2], [3, 2], dev)  # two prompts: 5 rows
     decode_meta, decode_pos, _ = make_batch([1, 1], [4, 3], dev)  # one token each
