@@ -7,8 +7,6 @@ memory; semantics are those of reference.prepare_qkv (the same roundings to the 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -60,22 +58,17 @@ def _qkv_prep_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position
                      stride_vcb, stride_vcs, stride_vch,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
                      KV_HEADS_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr, EARLY_ROPE: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, 2): program (t, 0) rewrites token t's q heads, (t, 1) stores its k and v heads (two programs
     a token keep small decode batches from running on too few SMs). Row layout of qkv: [q heads | k heads |
-    v heads], each head HEAD_DIM = 2 * HALF. EARLY_ROPE (under PDL): the position and its cos/sin rows, step
-    inputs no kernel of the chain writes, are read before pdl.wait, off the critical path."""
+    v heads], each head HEAD_DIM = 2 * HALF."""
     pdl.launch_dependents(USE_PDL)
-    if not EARLY_ROPE:
-        pdl.wait(USE_PDL)
+    pdl.wait(USE_PDL)
     DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
     CACHE_DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
     row = tl.load(positions_ptr + token).to(tl.int64)
     c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HALF, HALF_P)  # [HALF_P] each
-    if EARLY_ROPE:
-        pdl.wait(USE_PDL)
     base = qkv_ptr + token * stride_t
     if tl.program_id(1) == 0:
         _prep_q(base, q_norm_ptr, eps, c1, c2, s1, s2, NUM_HEADS, HEADS_P, HALF, HALF_P, QK_NORM, DTYPE)
@@ -177,13 +170,6 @@ def _check(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, 
         raise ValueError(f"all tensors must be on qkv's device {qkv.device}")
 
 
-def early_rope(under_pdl: bool) -> bool:
-    """Whether _qkv_prep_kernel reads positions and cos/sin before pdl.wait (EARLY_ROPE): under PDL with
-    PAGODA_ATTN_PRELOAD=1 (measured with the attention's preload; not yet the default); "force": always (tests)."""
-    mode = os.environ.get("PAGODA_ATTN_PRELOAD", "0")
-    return mode == "force" or (mode != "0" and under_pdl)
-
-
 def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -212,6 +198,5 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_P=heads_p,
         KV_HEADS_P=triton.next_power_of_2(num_kv_heads), HALF=half, HALF_P=triton.next_power_of_2(half),
         BLOCK_SIZE=k_cache.shape[1], QK_NORM=q_norm is not None, FP8=fp8,
-        EARLY_ROPE=early_rope(bool(pdl_options["USE_PDL"])),
         num_warps=4 if heads_p * half <= 2048 else 8, **pdl_options)
     return q

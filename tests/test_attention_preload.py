@@ -1,8 +1,6 @@
-"""Reads moved before pdl.wait, off the decode chain's critical path. The decode launch's PRELOAD_KV path (each
-split's first cached key tile loaded before the wait, then attended first): the same sums in the same order as the
-plain loop, so bit-identical outputs on every decode layout a batch can take (splits with and without a
-preloadable tile, padding programs, empty sequences, keys on M); and qkv prep's EARLY_ROPE (positions and cos/sin
-read first)."""
+"""The decode launch's PRELOAD_KV path (each split's first cached key tile loaded before pdl.wait, then attended
+first): the same sums in the same order as the plain loop, so bit-identical outputs, on every decode layout the
+batch can take (splits with and without a preloadable tile, padding programs, empty sequences, keys on M)."""
 
 from __future__ import annotations
 
@@ -12,11 +10,7 @@ import pytest
 import torch
 
 from pagoda.kernels.paged_attention import paged_attention, preload_kv
-from pagoda.kernels.qkv_prep import early_rope, prepare_qkv
 from tests.test_kernels import SMALL_TILES, AttentionCase, make_paged_batch, reference_attention, small_tiles
-from tests.test_qkv_prep import CASES as QKV_CASES
-from tests.test_qkv_prep import _inputs as qkv_inputs
-from tests.test_qkv_prep import _on as on_device
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -66,20 +60,3 @@ def test_preload_only_under_pdl_over_a_16_bit_cache(monkeypatch: pytest.MonkeyPa
     assert preload_kv(False, 0) and not preload_kv(False, 4)
     monkeypatch.setenv("PAGODA_ATTN_PRELOAD", "0")
     assert not preload_kv(True, 0)
-
-
-@pytest.mark.parametrize("name", ["qwen3-like", "fp8-cache"])
-def test_early_rope_equals_the_plain_kernel(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """EARLY_ROPE (positions and cos/sin read before pdl.wait) leaves q and both caches bit-identical."""
-    tokens, heads, kv_heads, head_dim, qk_norm, cache_dtype = QKV_CASES[name]
-    args = qkv_inputs(tokens, heads, kv_heads, head_dim, torch.float16, cache_dtype or torch.float16, qk_norm,
-                      seed=len(name))
-    results = []
-    for mode in ("0", "force"):
-        monkeypatch.setenv("PAGODA_ATTN_PRELOAD", mode)
-        ours = on_device(args, DEVICE)
-        q = prepare_qkv(**ours)
-        results.append((q.clone(), ours["k_cache"], ours["v_cache"]))
-    for plain, early in zip(*results, strict=True):
-        assert torch.equal(plain.view(torch.uint8), early.view(torch.uint8))
-    assert early_rope(False) and not preload_kv(False, 4)
