@@ -298,43 +298,6 @@ def _load_words_f16(cache_ptr, block, slot, kv_head, stride_b, stride_s, stride_
 
 
 @triton.jit
-def _attend_kv(acc, l_i, m_i, q, k, v, key, qk_scale, row_pos, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               FP8_MODE: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
-    """One key tile's online-softmax step: k, v [TILE_N, HEAD_DIM_P] as the dots take them, key [TILE_N] their
-    positions (MASKED: the causal mask against row_pos). Returns (acc, l_i, m_i)."""
-    if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
-        if FP8_MODE >= 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
-            s_t = tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]  # [TILE_N, BLOCK_M]
-        else:
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
-        if MASKED:
-            s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
-        p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
-        acc = acc * alpha[None, :]
-        if FP8_MODE == 7:  # e4m3 V as loaded x e4m3 p * 2^8
-            acc = tl.dot(tl.trans(v), _to_e4m3(p_t * _P_E4M3_MULT, USE_ASM), acc,
-                         out_dtype=tl.float32)  # [HEAD_DIM_P, BLOCK_M]
-        else:
-            acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc,
-                         input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
-    else:
-        if FP8_MODE >= 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]  # [BLOCK_M, TILE_N]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        if MASKED:
-            s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
-        acc = acc * alpha[:, None]
-        if FP8_MODE == 7:  # e4m3 p * 2^8 x e4m3 V as loaded
-            acc = tl.dot(_to_e4m3(p * _P_E4M3_MULT, USE_ASM), v, acc,
-                         out_dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_P]
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   qk_scale, row_pos, kv_end, tile_lo, tile_hi,
@@ -391,8 +354,36 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         elif FP8_MODE == 3:
             k = _e4m3_to_f16_bits(k)
             v = _e4m3_to_f16_bits(v)
-        acc, l_i, m_i = _attend_kv(acc, l_i, m_i, q, k, v, key, qk_scale, row_pos, MASKED, DOT_PRECISION, FP8_MODE,
-                                   USE_ASM, KEYS_ON_M)
+        if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
+            if FP8_MODE >= 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+                s_t = tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]  # [TILE_N, BLOCK_M]
+            else:
+                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
+            if MASKED:
+                s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
+            p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
+            acc = acc * alpha[None, :]
+            if FP8_MODE == 7:  # e4m3 V as loaded x e4m3 p * 2^8
+                acc = tl.dot(tl.trans(v), _to_e4m3(p_t * _P_E4M3_MULT, USE_ASM), acc,
+                             out_dtype=tl.float32)  # [HEAD_DIM_P, BLOCK_M]
+            else:
+                acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc,
+                             input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
+        else:
+            if FP8_MODE >= 6:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+                s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]  # [BLOCK_M, TILE_N]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+            if MASKED:
+                s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
+            acc = acc * alpha[:, None]
+            if FP8_MODE == 7:  # e4m3 p * 2^8 x e4m3 V as loaded
+                acc = tl.dot(_to_e4m3(p * _P_E4M3_MULT, USE_ASM), v, acc,
+                             out_dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_P]
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -446,7 +437,7 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
-        Q_STAGED: tl.constexpr, PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr):
+        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -455,13 +446,9 @@ def _paged_attention_kernel(
     HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together.
     FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
     inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
-    goes through the program's output rows (_stage_rows) to reach the dots from shared memory.
-    PRELOAD_KV (DECODE, a 16-bit cache, under PDL): the split's first key tile, if it lies wholly before the new
-    token (whose K/V the previous kernel writes), is loaded before pdl.wait, with the lengths and block table (the
-    step's inputs, no kernel's output), and attended first."""
+    goes through the program's output rows (_stage_rows) to reach the dots from shared memory."""
     pdl.launch_dependents(USE_PDL)
-    if not PRELOAD_KV:
-        pdl.wait(USE_PDL)
+    pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -469,8 +456,6 @@ def _paged_attention_kernel(
     if DECODE:
         b = pid
         if b == num_seqs:  # the padding tail [qsl[B], T): write empty rows, BLOCK_M // GROUP tokens at a time
-            if PRELOAD_KV:
-                pdl.wait(USE_PDL)
             zero_acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
             zero_sum = tl.zeros([BLOCK_M], tl.float32)
             empty_max = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
@@ -485,8 +470,6 @@ def _paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + b)
         q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
         if q_len != 1:  # longer chunks belong to the tiled launch; empty sequences own no rows
-            if PRELOAD_KV:
-                pdl.wait(USE_PDL)  # every program waits: completion stays transitive along the chain
             return
         seq_len = tl.load(seq_lens_ptr + b)
         q_lo = 0
@@ -514,24 +497,12 @@ def _paged_attention_kernel(
     row_token = (q_start + row_q).to(tl.int64)  # [BLOCK_M] row of q / out
     row_pos = context_len + row_q  # [BLOCK_M] absolute position: attends keys 0..row_pos
     d_mask = offs_d < HEAD_DIM
-    block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
+    q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+
     # Keys below context_len + q_lo + 1 are visible to every row (no mask); the rest up to the last row's
     # position need the causal mask. Bounds come from the tensors, so a CUDA-graph replay stays right.
     kv_end, num_full, tile_lo, tile_hi = key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q, TILE_N, NUM_SPLITS)
-    if PRELOAD_KV:  # DECODE: keys below context_len were written by earlier steps
-        preloaded = tile_lo < tl.minimum(tile_hi, context_len // TILE_N)
-        pre_key = tile_lo * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
-        pre_block = tl.load(block_table_row + pre_key // BLOCK_SIZE, mask=preloaded, other=0).to(tl.int64)
-        pre_off = (pre_block[:, None] * stride_kb + (pre_key % BLOCK_SIZE)[:, None] * stride_ks
-                   + kv_head * stride_kh + offs_d[None, :])  # [TILE_N, HEAD_DIM_P]
-        pre_mask = preloaded & d_mask[None, :]
-        k_pre = tl.load(k_cache_ptr + pre_off, mask=pre_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
-        pre_off_v = (pre_block[:, None] * stride_vb + (pre_key % BLOCK_SIZE)[:, None] * stride_vs
-                     + kv_head * stride_vh + offs_d[None, :])
-        v_pre = tl.load(v_cache_ptr + pre_off_v, mask=pre_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
-        pdl.wait(USE_PDL)
-    q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -553,20 +524,15 @@ def _paged_attention_kernel(
             qk_scale = qk_scale * 256.0
     if Q_STAGED:
         q = _stage_rows(q, out_ptr, row_token, row_head, row_valid, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P)
-    first_tile = tile_lo
-    if PRELOAD_KV:
-        if preloaded:
-            acc, l_i, m_i = _attend_kv(acc, l_i, m_i, q, k_pre, v_pre, pre_key, qk_scale, row_pos, False,
-                                       DOT_PRECISION, FP8_MODE, USE_ASM, KEYS_ON_M)
-            first_tile = tile_lo + 1
+    block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                  qk_scale, row_pos, kv_end, first_tile, tl.minimum(tile_hi, num_full),
+                                  qk_scale, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
                                   KEYS_ON_M)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                  qk_scale, row_pos, kv_end, tl.maximum(first_tile, num_full), tile_hi,
+                                  qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
                                   KEYS_ON_M)
     if KEYS_ON_M:
@@ -658,16 +624,6 @@ def _word_aligned(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 
 
-def preload_kv(under_pdl: bool, fp8_mode: int) -> bool:
-    """Whether the decode launch loads each split's first cached key tile before pdl.wait (PRELOAD_KV): under PDL
-    over a 16-bit cache with PAGODA_ATTN_PRELOAD=1 (not yet the default: to be measured);
-    PAGODA_ATTN_PRELOAD=force on every decode launch (tests; no PDL on CPU)."""
-    mode = os.environ.get("PAGODA_ATTN_PRELOAD", "0")
-    if mode == "force":
-        return fp8_mode == 0
-    return mode != "0" and under_pdl and fp8_mode == 0
-
-
 def _check_config(config: AttentionConfig) -> None:
     for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
         value = getattr(config, name)
@@ -752,7 +708,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, Q_STAGED=False,
-            PRELOAD_KV=preload_kv(bool(pdl_options["USE_PDL"]), fp8_mode),
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
             **pdl_options)
     if not decode_only:
@@ -761,7 +716,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
-            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, PRELOAD_KV=False,
+            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False,
             Q_STAGED=config.fp8_q_staged and fp8_mode >= 2 and num_splits == 1,
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
             **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
