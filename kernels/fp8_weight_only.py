@@ -68,52 +68,17 @@ class SplitKPartials:
         return out
 
 
-@triton.jit
-def _gemv_step(acc, acc_wide, x, w, scale, GROUP_K: tl.constexpr, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr,
-               LATE_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One BLOCK_K step of _w8a16_kernel: x [BM, BK] (16/32-bit) times w [BN, BK] (e4m3) into acc [BM, BN] (or,
-    LATE_REDUCE, elementwise into acc_wide [BN, BK]); scale [BN] is the step's group scale (GROUP_K != 0)."""
-    if LATE_REDUCE:
-        prod = w.to(tl.float32) * tl.sum(x.to(tl.float32), 0)[None, :]  # [BN, BK]; x is one row
-        if GROUP_K == 0:
-            acc_wide += prod
-        else:
-            acc_wide += prod * scale[:, None]
-    else:
-        if USE_DOT:
-            if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
-                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:  # e4m3 -> bf16/fp16 is exact: tensor cores on the activation dtype
-                part = tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)))  # [BM, BN]
-        else:
-            wf = w.to(tl.float32)
-            xf = x.to(tl.float32)
-            part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for m in tl.static_range(BLOCK_M):
-                x_row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == m, xf, 0.0), 0)  # [BK]
-                row = tl.sum(wf * x_row[None, :], 1)  # [BN]
-                part += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
-        if GROUP_K == 0:
-            acc += part
-        else:
-            acc += part * scale[None, :]
-    return acc, acc_wide
-
-
 @triton.jit(do_not_specialize=["M"])  # the token count changes every step: one variant for every M
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_ps,
                   GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, PRELOAD: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
     end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col].
     LATE_REDUCE (FMA tiles of one row): products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile reduced over
-    K once at the end, instead of a cross-lane reduction every BLOCK_K step.
-    PRELOAD: the first BLOCK_K step's weight tile (and group scales) is loaded before pdl.wait, i.e. under PDL
-    while the previous kernel still runs (weights are no kernel's output), and that step is peeled off the loop."""
+    K once at the end, instead of a cross-lane reduction every BLOCK_K step."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -128,24 +93,10 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     k_end = tl.minimum(k_start + k_chunk, K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
-    scale = tl.zeros([BLOCK_N], tl.float32)  # the step's group scales (GROUP_K != 0)
-    if PRELOAD:
-        first_k_mask = (k_start + offs_k) < k_end  # [BK]; all true with EVEN_K
-        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & first_k_mask[None, :], other=0.0)  # [BN, BK]
-        if GROUP_K != 0:
-            scale = tl.load(s_ptr + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)  # [BN]
     pdl.wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_wide = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # LATE_REDUCE's elementwise sums
-    loop_start = k_start
-    if PRELOAD:
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & first_k_mask[None, :], other=0.0)
-        acc, acc_wide = _gemv_step(acc, acc_wide, x, w_first, scale, GROUP_K, USE_DOT, FP32_DOT, LATE_REDUCE,
-                                   BLOCK_M, BLOCK_N)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        loop_start = k_start + BLOCK_K
-    for k0 in range(loop_start, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
@@ -155,8 +106,30 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if GROUP_K != 0:
             scale = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
-        acc, acc_wide = _gemv_step(acc, acc_wide, x, w, scale, GROUP_K, USE_DOT, FP32_DOT, LATE_REDUCE,
-                                   BLOCK_M, BLOCK_N)
+        if LATE_REDUCE:
+            prod = w.to(tl.float32) * tl.sum(x.to(tl.float32), 0)[None, :]  # [BN, BK]; x is one row
+            if GROUP_K == 0:
+                acc_wide += prod
+            else:
+                acc_wide += prod * scale[:, None]
+        else:
+            if USE_DOT:
+                if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
+                    part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                else:  # e4m3 -> bf16/fp16 is exact: tensor cores on the activation dtype
+                    part = tl.dot(x, tl.trans(w.to(tl.float32).to(x_ptr.dtype.element_ty)))  # [BM, BN]
+            else:
+                wf = w.to(tl.float32)
+                xf = x.to(tl.float32)
+                part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for m in tl.static_range(BLOCK_M):
+                    x_row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == m, xf, 0.0), 0)  # [BK]
+                    row = tl.sum(wf * x_row[None, :], 1)  # [BN]
+                    part += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
+            if GROUP_K == 0:
+                acc += part
+            else:
+                acc += part * scale[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if LATE_REDUCE:
@@ -310,17 +283,6 @@ def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
                          f"scale groups of {group_size}")
 
 
-def preload_first_tile(under_pdl: bool, tiles: GemvTiles) -> bool:
-    """Whether a GEMV loads its first weight tile before pdl.wait (PRELOAD): under PDL, on one-row FMA tiles
-    (batch 1, where the previous kernel's run time hides that load) with PAGODA_GEMV_PRELOAD=1 (not yet the
-    default: to be measured); PAGODA_GEMV_PRELOAD=force peels the first step on every launch (tests; no PDL on
-    CPU)."""
-    mode = os.environ.get("PAGODA_GEMV_PRELOAD", "0")
-    if mode == "force":
-        return True
-    return mode != "0" and under_pdl and not tiles.use_dot
-
-
 def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            group_size: int | None, bias: torch.Tensor | None = None,
                            tiles: GemvTiles | None = None) -> torch.Tensor:
@@ -366,8 +328,6 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
     part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
     even_k = k % (split * tiles.block_k) == 0
-    launch = pdl.launch_options(x.device)
-    preload = preload_first_tile(bool(launch["USE_PDL"]), tiles)
     _w8a16_kernel[grid](x2, weight, weight_scale, out, part, bias if bias is not None else out, num_rows, n, k,
                         x2.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
                         part.stride(0) if split > 1 else 0,
@@ -375,8 +335,8 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
                         USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                         BLOCK_K=tiles.block_k,
                         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                        LATE_REDUCE=tiles.late_reduce, PRELOAD=preload, num_warps=tiles.num_warps,
-                        num_stages=tiles.num_stages, **launch)
+                        LATE_REDUCE=tiles.late_reduce, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                        **pdl.launch_options(x.device))
     if defer:
         return SplitKPartials(part, x.dtype)
     if split > 1:

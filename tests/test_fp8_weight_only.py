@@ -155,37 +155,6 @@ def test_late_reduce_tiles_match_reference(tiles: w8.GemvTiles, group_size: int 
                                   tiles=dataclasses.replace(tiles, block_m=2))
 
 
-@pytest.mark.parametrize("tiles,k,group_size", [
-    (w8.GemvTiles(block_m=1, block_n=16, block_k=128), 512, None),
-    (w8.GemvTiles(block_m=1, block_n=8, block_k=64, split_k=2), 200, None),  # ragged K: masked first tiles
-    (w8.GemvTiles(block_m=1, block_n=8, block_k=64, split_k=2), 64, None),  # the second split is empty
-    (w8.GemvTiles(block_m=1, block_n=16, block_k=128, late_reduce=True), 512, 128),
-    (w8.GemvTiles(block_m=16, block_n=16, block_k=128, split_k=2, use_dot=True), 512, 128),
-], ids=["fma", "fma-ragged-split", "fma-empty-split", "late-groups", "dot-groups"])
-def test_preloaded_first_step_equals_the_loop(monkeypatch: pytest.MonkeyPatch, tiles: w8.GemvTiles, k: int,
-                                              group_size: int | None) -> None:
-    """PRELOAD (the first weight tile loaded before pdl.wait, that step peeled off the loop) computes the same sums
-    in the same order: bit-identical to the plain loop, and the reference's product."""
-    n = 40
-    weight, scale = _weights(n, k, group_size, seed=k + tiles.block_n)
-    x = torch.randn(tiles.block_m if tiles.use_dot else 1, k, device=DEVICE).bfloat16()  # [M, K]
-    monkeypatch.setenv("PAGODA_GEMV_PRELOAD", "0")
-    plain = w8.fp8_weight_only_linear(x, weight, scale, group_size, tiles=tiles)
-    monkeypatch.setenv("PAGODA_GEMV_PRELOAD", "force")
-    preloaded = w8.fp8_weight_only_linear(x, weight, scale, group_size, tiles=tiles)
-    assert torch.equal(preloaded, plain)
-    _close(preloaded, ref.fp8_weight_only_linear(x, weight, scale, group_size))
-
-
-def test_preload_only_under_pdl_on_one_row_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    fma, dot = w8.GemvTiles(block_m=1), w8.GemvTiles(block_m=16, use_dot=True)
-    monkeypatch.setenv("PAGODA_GEMV_PRELOAD", "1")
-    assert w8.preload_first_tile(True, fma) and not w8.preload_first_tile(False, fma)
-    assert not w8.preload_first_tile(True, dot)
-    monkeypatch.setenv("PAGODA_GEMV_PRELOAD", "0")
-    assert not w8.preload_first_tile(True, fma)
-
-
 @pytest.mark.parametrize("group_size", [None, 128])
 @pytest.mark.parametrize("num_rows", [1, 5])
 def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows: int, group_size: int | None) -> None:
