@@ -47,6 +47,7 @@ from pagoda.kernels.paged_attention import (
     AttentionConfig,
     _find_seq,
     _split_reduce_kernel,
+    _store_empty_split,
     _store_rows,
     check_batch_layout,
     grid_position,
@@ -513,6 +514,11 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
     row_token = (q_start + row_q).to(tl.int64)
     row_pos = context_len + row_q  # [BLOCK_M] absolute position: attends keys 0..row_pos
     kv_end, num_full, tile_lo, tile_hi = key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q, TILE_N, NUM_SPLITS)
+    if NUM_SPLITS > 1:
+        if tile_lo >= tile_hi:  # no key for this split: (max, sum) only, the reduce skips its output
+            _store_empty_split(part_max_ptr, part_sum_ptr, row_token, row_head, row_valid, split, NUM_HEADS,
+                               NUM_SPLITS)
+            return
     if FP8_KV:  # scores = q . (entry_fp8 * scale): the per-tensor scale folds into the softmax scale
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail

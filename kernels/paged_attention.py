@@ -407,6 +407,17 @@ def _stage_rows(q, out_ptr, row_token, row_head, row_valid, stride_ot, stride_oh
 
 
 @triton.jit
+def _store_empty_split(part_max_ptr, part_sum_ptr, row_token, row_head, row_valid, split,
+                       NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A split with no key tile for these rows: only its (max, sum) = (NEG_BIG, 0), which tell the reduce to skip
+    its partial output (never written: ~130x fewer bytes than an all-zero partial). Under CUDA graphs the split
+    count follows max_model_len, so at short contexts most splits are empty."""
+    part_row = (row_token * NUM_HEADS + row_head) * NUM_SPLITS + split  # [BLOCK_M]
+    tl.store(part_max_ptr + part_row, tl.full(row_token.shape, _NEG_BIG, tl.float32), mask=row_valid)
+    tl.store(part_sum_ptr + part_row, tl.zeros(row_token.shape, tl.float32), mask=row_valid)
+
+
+@triton.jit
 def _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -497,12 +508,16 @@ def _paged_attention_kernel(
     row_token = (q_start + row_q).to(tl.int64)  # [BLOCK_M] row of q / out
     row_pos = context_len + row_q  # [BLOCK_M] absolute position: attends keys 0..row_pos
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
-
     # Keys below context_len + q_lo + 1 are visible to every row (no mask); the rest up to the last row's
     # position need the causal mask. Bounds come from the tensors, so a CUDA-graph replay stays right.
     kv_end, num_full, tile_lo, tile_hi = key_tile_range(context_len, q_lo, q_len, split, BLOCK_Q, TILE_N, NUM_SPLITS)
+    if NUM_SPLITS > 1:
+        if tile_lo >= tile_hi:
+            _store_empty_split(part_max_ptr, part_sum_ptr, row_token, row_head, row_valid, split, NUM_HEADS,
+                               NUM_SPLITS)
+            return
+    q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -553,7 +568,8 @@ def _paged_attention_kernel(
 def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """Merge the NUM_SPLITS partial softmaxes of one (token, head). Grid: (tokens, heads)."""
+    """Merge the NUM_SPLITS partial softmaxes of one (token, head). Grid: (tokens, heads). A split whose max is
+    NEG_BIG saw no key: its partial output is not read (an empty split does not write it)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -564,7 +580,8 @@ def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stri
     part_row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_P]
     part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
     part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
-    acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_mask[:, None],
+    has_keys = s_mask & (part_max > _NEG_BIG)  # [SPLITS_P]
+    acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys[:, None],
                   other=0.0)  # [SPLITS_P, HEAD_DIM_P]
     weight = tl.exp2(part_max - tl.max(part_max, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
     total = tl.sum(part_sum * weight, 0)
