@@ -34,8 +34,12 @@ browser:
 	      chromium fonts-dejavu-core >/dev/null; \
 	  else echo "no chromium, and no apt-get as root to install it: install it, or the browser test fails"; fi; }
 
+# Two pytest-xdist workers by default (CI's host has 2 cores and the suite leaves one mostly idle: its servers
+# and clients wait on each other); a module's tests stay together on one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install model browser
-	PAGODA_BROWSER_REQUIRED=1 $(PY) -m pytest -q --durations=30 $(ARGS)
+	PAGODA_BROWSER_REQUIRED=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(ARGS)
 
 # Every reliability test, the long ones too (kill -9 / SIGSTOP of each process kind, the full load test).
 test-reliability: install model

@@ -1,4 +1,5 @@
-"""Test setup: Triton's interpreter where there is no GPU, a `gpu` marker, and the SmolLM2 model folder."""
+"""Test setup: Triton's interpreter where there is no GPU, a `gpu` marker, the SmolLM2 model folder, and how
+pytest-xdist's workers (`make test`) share the host's cores and the modules."""
 
 import gc
 import os
@@ -6,6 +7,14 @@ import os
 # Before torch: ask CUDA through NVML, so checking for a GPU here does not initialize CUDA in this
 # process (a process forked after CUDA init cannot use CUDA).
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # A pytest-xdist worker (`make test` runs two): the host's cores shared out among the workers, for torch's
+    # intra-op threads here and in the processes the tests start. Two workers with a thread per core each
+    # oversubscribe the host, and torch's spin-waits then cost many times the CPU (2 cores, 2 workers: the suite
+    # took 1,750 s of CPU with two threads a worker, 970 s with one, and 1,040 s of wall instead of 550-590 s).
+    _share = len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _share))
 
 import torch  # noqa: E402  (importing torch does not import triton)
 
@@ -200,6 +209,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# the modules that use the session's smollm2_server (below): one work unit for pytest-xdist, so it starts once
+SHARED_SERVER_MODULES = ("tests/test_server.py", "tests/test_tools.py", "tests/test_vllm_compat.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it installed, never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile` (make test) with SHARED_SERVER_MODULES as one unit: a module's tests run on one worker, one
+    after the other, so its module-scoped fixtures (servers, loaded models) start once, as without workers."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "smollm2_server" if path in SHARED_SERVER_MODULES else path
+
+    return SharedServerFileScheduling(config, log)  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True)
