@@ -68,6 +68,23 @@ def tcp_server(smollm2_dir: Path) -> Iterator[tuple[Server, dict[str, str]]]:
         yield server, endpoints
 
 
+FORGERY_BODY = {"prompt": "The three primary colors are", "max_tokens": 16, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def untouched(smollm2_dir: Path) -> dict[str, Any]:
+    """What the server answers without faults (greedy): the offline engine's outputs, one engine for the module,
+    run before the tests' requests. An offline run beside the server's steps slows one of them, and the scheduler
+    then waits 3x that step (the slowest of its last 256) before it resends a lost plan: seen 3.5 s a resend and
+    over a minute for the module, instead of the 0.5 s floor."""
+    offline = LLM(str(smollm2_dir), max_model_len=1024)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    [forgery] = offline.generate([FORGERY_BODY["prompt"]], SamplingParams(temperature=0.0, max_tokens=16))
+    [choice] = offline.generate(["Pick one:"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputs(choice=CHOICES)))
+    return {"prompts": offline.generate(PROMPTS, greedy), "choice": choice, "forgery": forgery}
+
+
 def _peer(context: zmq.Context, name: str) -> zmq.Socket:
     sock = context.socket(PEER_KIND[name])
     sock.setsockopt(zmq.LINGER, 0)
@@ -122,13 +139,16 @@ def _stream(server: Server, body: dict[str, object], on_first: object = None) ->
     return text, finish, response_id
 
 
-def test_a_keyed_peers_forgeries_cost_only_its_own_requests(tcp_server: tuple[Server, dict[str, str]]) -> None:
+def test_a_keyed_peers_forgeries_cost_only_its_own_requests(tcp_server: tuple[Server, dict[str, str]],
+                                                            untouched: dict[str, Any]) -> None:
     """A peer with the key registers as a tokenizer and claims EOS ids, sends absurd parameters, and aborts and
-    stops a request it does not own: the real request ends exactly as it does untouched."""
+    stops a request it does not own: the real request ends exactly as it does untouched (the offline engine's
+    answer, which the server's equals: test_lost_repeated_and_reordered_plans_and_results_heal)."""
     server, endpoints = tcp_server
-    body = {"prompt": "The three primary colors are", "max_tokens": 16, "temperature": 0}
-    reference_text, reference_finish, _ = _stream(server, body)
-    ids = HTTP.post(server.url + "/tokenize", json={"prompt": reference_text}, headers=AUTH).json()["tokens"]
+    body = FORGERY_BODY
+    reference = untouched["forgery"].outputs[0]
+    reference_text, reference_finish = reference.text, reference.finish_reason
+    ids = list(reference.token_ids)  # the tokens the request generates, claimed as EOS ids: honoured, they cut it
     keys = ClusterKeys.load(server.runtime_dir / "keys")
     context = zmq.Context()
     out, inbound = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
@@ -179,13 +199,9 @@ def _receive(sock: zmq.Socket, codec: Codec, kind: type, request_id: str | None 
 
 
 @pytest.mark.timeout(900)
-def test_lost_repeated_and_reordered_plans_and_results_heal(smollm2_dir: Path,
-                                                           tcp_server: tuple[Server, dict[str, str]]) -> None:
-    offline = LLM(str(smollm2_dir), max_model_len=1024)
-    expected = offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    [choice] = offline.generate(["Pick one:"], SamplingParams(
-        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputs(choice=CHOICES)))
-    del offline
+def test_lost_repeated_and_reordered_plans_and_results_heal(tcp_server: tuple[Server, dict[str, str]],
+                                                           untouched: dict[str, Any]) -> None:
+    expected, choice = untouched["prompts"], untouched["choice"]
     server, _ = tcp_server
     bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
     bodies += [{"prompt": "Pick one:", "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": CHOICES}}
