@@ -201,9 +201,9 @@ import pytest  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-# Modules that take minutes on a clean machine, run first so that under pytest-xdist they overlap the rest instead
-# of finishing alone: the sm_90 compile check with an empty Triton cache (CI's case) took 228 s of a 830 s suite
-# when it came last (2-core host, two workers).
+# Modules that take minutes on a clean machine, run first (collection order, and the xdist scheduler below) so
+# that under pytest-xdist they overlap the rest instead of finishing alone: the sm_90 compile check with an empty
+# Triton cache (CI's case) took 228 s of an 830 s suite when it came last (2-core host, two workers).
 FIRST_MODULES = ("tests/test_gpu_compile.py",)
 
 
@@ -235,6 +235,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
             return "smollm2_server" if path in SHARED_SERVER_MODULES else path
+
+        def _assign_work_unit(self, node: object) -> None:
+            # xdist queues the units largest (most tests) first: FIRST_MODULES, one long test each, go ahead
+            for scope in reversed(FIRST_MODULES):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)  # type: ignore[arg-type]
 
     return SharedServerFileScheduling(config, log)  # type: ignore[arg-type]
 
