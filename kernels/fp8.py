@@ -5,6 +5,7 @@ for block-wise (128 x 128) checkpoints. Semantics: reference.quantize_fp8_rows a
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -32,6 +33,23 @@ def round_to_e4m3(x):
     magic = ((biased_exp - 3 + 23) << 23).to(tl.float32, bitcast=True)  # ulp * 2^23
     r = (a + magic) - magic
     return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def quantize_by_inverse(h, scale, HW_CAST: tl.constexpr):
+    """fp32 h -> e4m3 codes of h / scale, computed as h * (1 / scale) (one multiply an element, not a division):
+    at most one fp32 ulp from the quotient, so a code differs from the exact one only where the quotient sits on a
+    rounding tie. HW_CAST (on the GPU): the hardware's round-to-nearest-even cast; else round_to_e4m3 first
+    (Triton's interpreter casts fp32 -> e4m3 wrongly)."""
+    y = tl.clamp(h * tl.math.div_rn(1.0, scale), -FP8_MAX_C, FP8_MAX_C)
+    if HW_CAST:
+        return y.to(tl.float8e4nv)
+    return round_to_e4m3(y).to(tl.float8e4nv)
+
+
+def hw_cast() -> bool:
+    """Whether kernels may cast fp32 -> e4m3 in hardware (not under Triton's interpreter)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -230,7 +248,7 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
 @triton.jit
 def _add_rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr, num_cols, eps,
                                stride_x, stride_r, stride_q, stride_ro, HAS_RESIDUAL: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
+                               BLOCK_N: tl.constexpr, HW_CAST: tl.constexpr):
     """One row: summed = x + residual (rounded to the model dtype, stored), normed = weight * rms-normalised row
     (rounded as norm.py and the reference round), then per-token e4m3 quantization of normed."""
     row = tl.program_id(0).to(tl.int64)
@@ -247,15 +265,15 @@ def _add_rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, re
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)  # the model-dtype activation
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
-    q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX_C, FP8_MAX_C))
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * stride_q + cols, quantize_by_inverse(h, scale, HW_CAST), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
 def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           eps: float, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual [T, D] -> (e4m3 [T, D], fp32 scales [T, 1], summed [T, D]) in one pass per row: the residual add
-    and RMSNorm of norm.add_rms_norm, then per-token quantization; reference.add_rms_norm_quant_fp8."""
+    and RMSNorm of norm.add_rms_norm, then per-token quantization; reference.add_rms_norm_quant_fp8. num_warps:
+    override (measurements)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x must be [T, D] float, contiguous along D, got {tuple(x.shape)} {x.dtype}")
     num_rows, num_cols = x.shape
@@ -274,8 +292,8 @@ def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weigh
     _add_rms_norm_quant_kernel[(num_rows,)](
         x, residual if residual is not None else x, weight, q, scale, summed, num_cols, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0), summed.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
-        num_warps=4 if block_n <= 4096 else (8 if block_n <= 8192 else 16))
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, HW_CAST=hw_cast(),
+        num_warps=num_warps or (4 if block_n <= 4096 else (8 if block_n <= 8192 else 16)))
     return q, scale, summed
 
 
@@ -290,41 +308,61 @@ def _silu_and_mul_tile(x_row, cols, mask, inter_size):
 
 
 @triton.jit
-def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, inter_size, stride_x, stride_q, TILE: tl.constexpr):
-    """One token: silu(gate) * up rounded to the model dtype as activation.py does, in TILE-column tiles twice
-    (amax, then quantize: recomputing the cheap product beats keeping a 14336-wide row in registers)."""
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, inter_size, stride_x, stride_q, TILE: tl.constexpr,
+                               ONE_PASS: tl.constexpr, HW_CAST: tl.constexpr):
+    """One token: silu(gate) * up rounded to the model dtype as activation.py does, then per-token e4m3.
+    ONE_PASS (TILE >= inter_size): the row's products stay in registers, gate and up are read once. Else in
+    TILE-column tiles twice (amax, then quantize, recomputing the product)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, TILE)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([TILE], tl.float32)
-    for start in range(0, inter_size, TILE):
-        cols = start + offs
-        amax = tl.maximum(amax, tl.abs(_silu_and_mul_tile(x_row, cols, cols < inter_size, inter_size)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX_C), FP8_MAX_C)
-    for start in range(0, inter_size, TILE):
-        cols = start + offs
-        mask = cols < inter_size
-        h = _silu_and_mul_tile(x_row, cols, mask, inter_size)
-        q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX_C, FP8_MAX_C))
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    q_row = q_ptr + row * stride_q
+    if ONE_PASS:
+        mask = offs < inter_size
+        h = _silu_and_mul_tile(x_row, offs, mask, inter_size)  # [TILE]
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
+        tl.store(q_row + offs, quantize_by_inverse(h, scale, HW_CAST), mask=mask)
+    else:
+        amax = tl.zeros([TILE], tl.float32)
+        for start in range(0, inter_size, TILE):
+            cols = start + offs
+            amax = tl.maximum(amax, tl.abs(_silu_and_mul_tile(x_row, cols, cols < inter_size, inter_size)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX_C), FP8_MAX_C)
+        for start in range(0, inter_size, TILE):
+            cols = start + offs
+            mask = cols < inter_size
+            h = _silu_and_mul_tile(x_row, cols, mask, inter_size)
+            tl.store(q_row + cols, quantize_by_inverse(h, scale, HW_CAST), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
-def silu_and_mul_quant_fp8(gate_up: torch.Tensor, tile: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [T, 2I] -> (e4m3 silu(gate) * up [T, I], fp32 scales [T, 1]); reference.silu_and_mul_quant_fp8."""
+ONE_PASS_MAX_COLS = 16384  # rows up to this many products are quantized from registers (16 warps: 32 a thread)
+
+
+def silu_and_mul_quant_fp8(gate_up: torch.Tensor, tile: int | None = None,
+                           num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [T, 2I] -> (e4m3 silu(gate) * up [T, I], fp32 scales [T, 1]); reference.silu_and_mul_quant_fp8.
+    tile: columns a pass (default: the whole row in one pass up to ONE_PASS_MAX_COLS, else 2048-column tiles
+    twice); num_warps: override (measurements)."""
     if (gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1
             or gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
         raise ValueError(f"gate_up must be [T, 2I] float, contiguous along its last dim, got {tuple(gate_up.shape)}")
-    if tile < 16 or tile & (tile - 1):
+    if tile is not None and (tile < 16 or tile & (tile - 1)):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
     num_rows, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
     q = torch.empty((num_rows, inter_size), dtype=FP8_DTYPE, device=gate_up.device)  # [T, I]
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=gate_up.device)  # [T, 1]
     if num_rows == 0:
         return q, scale
-    tile = min(tile, triton.next_power_of_2(inter_size))
+    whole_row = triton.next_power_of_2(inter_size)
+    if tile is None:
+        tile = whole_row if whole_row <= ONE_PASS_MAX_COLS else 2048
+    tile = min(tile, whole_row)
+    if num_warps is None:
+        num_warps = 4 if tile <= 1024 else (8 if tile <= 4096 else 16)
     _silu_and_mul_quant_kernel[(num_rows,)](gate_up, q, scale, inter_size, gate_up.stride(0), q.stride(0),
-                                            TILE=tile, num_warps=4 if tile <= 1024 else 8)
+                                            TILE=tile, ONE_PASS=tile >= inter_size, HW_CAST=hw_cast(),
+                                            num_warps=num_warps)
     return q, scale
 
 

@@ -510,6 +510,8 @@ def test_silu_and_mul_quant_kernel_matches_reference() -> None:
     gate_up = (torch.randn(3, 2 * 80, generator=generator) * 3).to(DEVICE)
     q, scale = silu_and_mul_quant_fp8(gate_up, tile=32)  # 80 columns: three tiles, the last partial
     _assert_close_quantization(q, scale, *ref.silu_and_mul_quant_fp8(gate_up))
+    q, scale = silu_and_mul_quant_fp8(gate_up)  # the whole row in one pass (a 128-column tile, masked)
+    _assert_close_quantization(q, scale, *ref.silu_and_mul_quant_fp8(gate_up))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,6 @@
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site
+date -u +%H:%M:%S
+timeout 400 python3 .gpu/gemm256.py 2>&1 | grep -v -i warn | tail -40
+date -u +%H:%M:%S
