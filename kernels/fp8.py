@@ -1,6 +1,14 @@
 """FP8 (e4m3) linear layers on the GPU: dynamic per-token (or per-token-group) activation quantization in Triton,
 the per-channel GEMM through cuBLASLt (torch._scaled_mm, row-wise scales) and a Triton GEMM with per-group scales
-for block-wise (128 x 128) checkpoints. Semantics: reference.quantize_fp8_rows and reference.fp8_linear."""
+for block-wise (128 x 128) checkpoints. Semantics: reference.quantize_fp8_rows and reference.fp8_linear.
+
+cuBLASLt runs with fast accumulation (no periodic fp32 promotion of the tensor cores' FP8 sums; PAGODA_FP8_FAST_ACCUM=0
+turns it off). H200, llama3-8b shapes, 2026-12-03: relative error to the fp32 product of the same e4m3 operands
+2.1e-3 at K = 4096 and 3.3e-3 at K = 14336 (1.7e-3 with promotion; the e4m3 rounding of weights and activations
+itself costs a few percent); GEMMs 3-12% faster at 256 and 8192 rows except down at 8192 (2% slower; third
+session, bench/results/s3_mid/fp8_gemm.json). The quantization fused into the kernel before a GEMM (add + RMSNorm,
+SiLU-and-mul) multiplies by 1 / scale and casts in hardware on the GPU: a code may differ from the exactly divided
+one where the quotient sits on a rounding tie (tests allow one step); quantize_fp8_rows keeps torch's bits."""
 
 from __future__ import annotations
 
@@ -41,7 +49,13 @@ def quantize_by_inverse(h, scale, HW_CAST: tl.constexpr):
     at most one fp32 ulp from the quotient, so a code differs from the exact one only where the quotient sits on a
     rounding tie. HW_CAST (on the GPU): the hardware's round-to-nearest-even cast; else round_to_e4m3 first
     (Triton's interpreter casts fp32 -> e4m3 wrongly)."""
-    y = tl.clamp(h * tl.math.div_rn(1.0, scale), -FP8_MAX_C, FP8_MAX_C)
+    return cast_e4m3(tl.clamp(h * tl.math.div_rn(1.0, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
+
+
+@triton.jit
+def cast_e4m3(y, HW_CAST: tl.constexpr):
+    """fp32 y (|y| <= 448) -> e4m3, round to nearest even: the hardware cast on the GPU (HW_CAST), round_to_e4m3
+    then an exact cast under the interpreter. The same codes either way."""
     if HW_CAST:
         return y.to(tl.float8e4nv)
     return round_to_e4m3(y).to(tl.float8e4nv)
@@ -54,7 +68,8 @@ def hw_cast() -> bool:
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, stride_sm,
-                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr):
+                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
+                          HW_CAST: tl.constexpr):
     """PER_ROW: program (row, 0) quantizes a whole row with one scale (two passes over TILE-column tiles: amax,
     then scale and cast). Else program (row, g) quantizes columns [g * GROUP, (g + 1) * GROUP) (GROUP == TILE).
     Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's."""
@@ -67,8 +82,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, s
         cols = offs
         x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
-        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
+        q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
+        tl.store(q_row + cols, q, mask=cols < num_cols)
         tl.store(s_ptr + row * stride_sm, scale)
     elif PER_ROW:
         amax = tl.zeros([TILE], tl.float32)
@@ -80,16 +95,16 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, s
         for start in range(0, num_cols, TILE):
             cols = start + offs
             x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
-            q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
-            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
+            q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
+            tl.store(q_row + cols, q, mask=cols < num_cols)
         tl.store(s_ptr + row * stride_sm, scale)
     else:
         cols = group * GROUP + offs
         mask = cols < num_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
-        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C))
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
+        tl.store(q_row + cols, q, mask=mask)
         tl.store(s_ptr + row * stride_sm + group, scale)
 
 
@@ -112,11 +127,11 @@ def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[t
         tile = min(_ROW_TILE, triton.next_power_of_2(num_cols))
         _quantize_rows_kernel[(num_rows, 1)](x, q, scale, num_cols, x.stride(0), q.stride(0), scale.stride(0),
                                              GROUP=tile, TILE=tile, PER_ROW=True, ONE_TILE=num_cols <= tile,
-                                             num_warps=4 if tile <= 2048 else 8)
+                                             HW_CAST=hw_cast(), num_warps=4 if tile <= 2048 else 8)
     else:
         _quantize_rows_kernel[(num_rows, num_groups)](x, q, scale, num_cols, x.stride(0), q.stride(0),
                                                       scale.stride(0), GROUP=group_size, TILE=group_size,
-                                                      PER_ROW=False, ONE_TILE=False,
+                                                      PER_ROW=False, ONE_TILE=False, HW_CAST=hw_cast(),
                                                       num_warps=1 if group_size <= 128 else 4)
     return q, scale
 
@@ -233,6 +248,11 @@ def scaled_mm_rowwise(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
+def fast_accum() -> bool:
+    """cuBLASLt's FP8 GEMMs accumulate without the periodic fp32 promotion (PAGODA_FP8_FAST_ACCUM, default on)."""
+    return os.environ.get("PAGODA_FP8_FAST_ACCUM", "1") != "0"
+
+
 def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] out_dtype = quantized activations x_q [M, K] (scales [M, 1 or G]) @ W^T; reference.fp8_matmul.
@@ -240,7 +260,7 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     n, k = weight.shape
     if (group_size is None and out_dtype == torch.bfloat16 and x_q.is_cuda and k % 16 == 0 and n % 16 == 0
             and x_q.shape[0] > 0 and scaled_mm_supported(x_q.device.index or 0)):
-        out = scaled_mm_rowwise(x_q, x_scale, weight, weight_scale, out_dtype)  # [M, N]
+        out = scaled_mm_rowwise(x_q, x_scale, weight, weight_scale, out_dtype, fast_accum())  # [M, N]
         return out if bias is None else out + bias
     return fp8_gemm(x_q, x_scale, weight, weight_scale, group_size, out_dtype, bias)  # [M, N]
 
