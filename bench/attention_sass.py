@@ -26,12 +26,15 @@ from pathlib import Path
 import torch
 import triton
 
-MODES = {"bf16": 0, "native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6, "qkv_fp8": 7}
+MODES = {"bf16": 0, "native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6, "qkv_fp8": 7,
+         "f16_pinned": 8}
 VARIANTS = (("bf16", 64, 2, False), ("f16", 64, 2, False), ("f16", 128, 2, False), ("f16_words", 64, 2, False),
             ("f16_words", 128, 2, False), ("f16_words", 128, 3, False), ("f16_vwords", 128, 2, False),
             ("bf16", 64, 2, True), ("f16_words", 64, 2, True), ("f16_words", 128, 2, True),
             ("qk_fp8", 64, 2, False), ("qk_fp8", 128, 2, False), ("qk_fp8", 64, 2, True), ("qk_fp8", 128, 2, True),
-            ("qkv_fp8", 64, 2, True), ("qkv_fp8", 128, 2, True))
+            ("qkv_fp8", 64, 2, True), ("qkv_fp8", 128, 2, True), ("f16_pinned", 64, 2, False),
+            ("f16_pinned", 64, 3, False), ("f16_pinned", 128, 2, False), ("f16_pinned", 64, 2, True),
+            ("f16_pinned", 128, 2, True))
 # (cache / conversion, keys a tile, stages, keys on the dots' M rows); 4 warps
 HEAD_DIM, BLOCK_SIZE, NUM_WARPS = 128, 16, 4
 SM_REGISTERS, SM_SHARED = 65536, 227 * 1024
@@ -59,7 +62,8 @@ def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_hea
         tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
         USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, num_warps=NUM_WARPS, num_stages=stages,
+        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, USE_PDL=0, num_warps=NUM_WARPS,
+        num_stages=stages,
         grid=(1,))
 
 
@@ -93,6 +97,9 @@ CHUNK_VARIANTS = (
     ChunkVariant("f16_words", 64, 64, 4, 2, True, 0),
     ChunkVariant("f16_words", 64, 32, 4, 2, True, 0),
     ChunkVariant("f16_words", 64, 64, 4, 2, True, 128),
+    ChunkVariant("f16_pinned", 128, 32, 8, 1, True, 128),
+    ChunkVariant("f16_pinned", 128, 64, 8, 1, False, 0),
+    ChunkVariant("f16_pinned", 64, 64, 4, 2, False, 0),
 )
 
 
@@ -119,7 +126,7 @@ def compile_chunk(variant: ChunkVariant, num_heads: int, num_kv_heads: int):  # 
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[variant.mode], HEADS_FAST=False,
         USE_ASM=True, KEYS_ON_M=False, BLOCK_Q=variant.block_m // group, BLOCK_M=variant.block_m,
         TILE_N=variant.tile_n, DECODE=False, SKIP_DECODE=True, Q_STAGED=variant.staged and variant.mode != "bf16",
-        num_warps=variant.warps, num_stages=variant.stages, grid=(1,), **regs)
+        USE_PDL=0, num_warps=variant.warps, num_stages=variant.stages, grid=(1,), **regs)
 
 
 def disassemble(cubin: bytes) -> tuple[str, str]:

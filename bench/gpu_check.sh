@@ -164,7 +164,7 @@ if has deepseek-profile; then
 fi
 if has kv-fp8; then
   timeout 300 python3 -m pagoda.bench.kv_fp8_bench \
-    --only "${KV_FP8_ONLY:-fp8_qk_t64,fp8_unstaged_t64,fp8_staged_t32_r128,fp8_staged_m256,fp8_dequant,fp8_default}" \
+    --only "${KV_FP8_ONLY:-fp8_pinned_t64,fp8_pinned_t128,fp8_pinned_t64_kom,fp8_words_t64,fp8_staged_t32_r128,fp8_default}" \
     2>&1 | tail -24
 fi
 if has structured; then

@@ -80,6 +80,12 @@ DECODE_VARIANTS = (
     Variant("fp8_qk_t64_mrows", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 64}),
     # and PV too (e4m3 p x V as loaded): V's keys are strided, so Triton transposes the tile through shared memory
     Variant("fp8_qkv_t64", True, {"fp8_convert": "qkv_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
+    # the conversion pinned in the load's layout: e4m3 tiles by cp.async, then bf16's path into the dots (sm_90
+    # SASS: 338 loop instructions a 64-key tile against 487 for f16_words; not yet timed on a GPU)
+    Variant("fp8_pinned_t64", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64}),
+    Variant("fp8_pinned_t128", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 128}),
+    Variant("fp8_pinned_t64_s3", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64, "decode_num_stages": 3}),
+    Variant("fp8_pinned_t64_kom", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64, "decode_keys_on_m": True}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 _UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}

@@ -82,7 +82,7 @@ def _check(case: dict, config: AttentionConfig, atol: float) -> None:
     torch.testing.assert_close(_run(case, config), expected, rtol=0.0, atol=atol * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("convert", ["f16", "f16_bits", "f16_words", "f16_vwords"])
+@pytest.mark.parametrize("convert", ["f16", "f16_bits", "f16_words", "f16_vwords", "f16_pinned"])
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 def test_fp8_decode_and_chunks_match_reference(convert: str, q_dtype: torch.dtype) -> None:
     """Decode rows and a chunk over cached context (both launches), 16-key tiles so each crosses blocks."""
@@ -91,7 +91,7 @@ def test_fp8_decode_and_chunks_match_reference(convert: str, q_dtype: torch.dtyp
     _check(case, config, ATOL[q_dtype])
 
 
-@pytest.mark.parametrize("convert", ["f16", "f16_bits", "f16_words"])
+@pytest.mark.parametrize("convert", ["f16", "f16_bits", "f16_words", "f16_pinned"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_fp8_decode_wide_tiles_match_reference(convert: str, num_splits: int) -> None:
     """128-key decode tiles (the fp8 default) over sequences shorter and longer than a tile, split or not."""
@@ -100,7 +100,7 @@ def test_fp8_decode_wide_tiles_match_reference(convert: str, num_splits: int) ->
     _check(case, config, ATOL[torch.float16])
 
 
-@pytest.mark.parametrize("convert", ["f16", "f16_words"])
+@pytest.mark.parametrize("convert", ["f16", "f16_words", "f16_pinned"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_fp8_decode_keys_on_m_matches_reference(convert: str, num_splits: int) -> None:
     """Transposed decode dots (keys on M, the query heads on N) over whole and partial 64-key tiles, beside a
@@ -130,7 +130,8 @@ def test_fp8_config_checked_and_defaults() -> None:
     case = _fp8_case([1], [5], torch.float16)
     with pytest.raises(ValueError, match="fp8_convert"):
         _check(case, AttentionConfig(fp8_convert="e5m2"), 1.0)
-    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8"}
+    assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8",
+                                 "f16_pinned"}
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
     assert decode.decode_tile_n == 64 and decode.fp8_convert == "f16_words"  # measured fastest (kv_fp8_bench)
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
