@@ -8,7 +8,8 @@ turns it off). H200, llama3-8b shapes, 2026-12-03: relative error to the fp32 pr
 itself costs a few percent); GEMMs 3-12% faster at 256 and 8192 rows except down at 8192 (2% slower; third
 session, bench/results/s3_mid/fp8_gemm.json). The quantization fused into the kernel before a GEMM (add + RMSNorm,
 SiLU-and-mul) multiplies by 1 / scale and casts in hardware on the GPU: a code may differ from the exactly divided
-one where the quotient sits on a rounding tie (tests allow one step); quantize_fp8_rows keeps torch's bits."""
+one where the quotient lies within an fp32 ulp of a midpoint between e4m3 values (tests allow one step);
+quantize_fp8_rows keeps torch's bits."""
 
 from __future__ import annotations
 
@@ -44,21 +45,21 @@ def round_to_e4m3(x):
 
 
 @triton.jit
-def quantize_by_inverse(h, scale, HW_CAST: tl.constexpr):
-    """fp32 h -> e4m3 codes of h / scale, computed as h * (1 / scale) (one multiply an element, not a division):
-    at most one fp32 ulp from the quotient, so a code differs from the exact one only where the quotient sits on a
-    rounding tie. HW_CAST (on the GPU): the hardware's round-to-nearest-even cast; else round_to_e4m3 first
-    (Triton's interpreter casts fp32 -> e4m3 wrongly)."""
-    return cast_e4m3(tl.clamp(h * tl.math.div_rn(1.0, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
-
-
-@triton.jit
 def cast_e4m3(y, HW_CAST: tl.constexpr):
     """fp32 y (|y| <= 448) -> e4m3, round to nearest even: the hardware cast on the GPU (HW_CAST), round_to_e4m3
     then an exact cast under the interpreter. The same codes either way."""
     if HW_CAST:
         return y.to(tl.float8e4nv)
     return round_to_e4m3(y).to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_by_inverse(h, scale, HW_CAST: tl.constexpr):
+    """fp32 h -> e4m3 codes of h / scale, computed as h * (1 / scale) (one multiply an element, not a division):
+    at most one fp32 ulp from the quotient, so a code differs from the exact one only where the quotient lies that
+    close to the midpoint between two e4m3 values. HW_CAST (on the GPU): the hardware's round-to-nearest-even
+    cast; else round_to_e4m3 first (Triton's interpreter casts fp32 -> e4m3 wrongly)."""
+    return cast_e4m3(tl.clamp(h * tl.math.div_rn(1.0, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
 
 
 def hw_cast() -> bool:
