@@ -46,6 +46,10 @@ GEMV_CANDIDATES = [  # (block_n, block_k, num_warps, num_stages): the path for a
     # more programs for a down GEMV whose pairs sum in one program (a token's k experts, shared ones included)
     (8, 256, 4, 3), (4, 512, 4, 3), (8, 1024, 4, 2),
 ]
+DOWN_GEMV_CANDIDATES = [  # the down GEMV only: each K-step of every pair of a token in one tile (pairs_at_once)
+    (8, 128, 4, 3, True), (4, 256, 4, 3, True), (8, 64, 4, 4, True), (16, 64, 4, 3, True), (4, 128, 4, 4, True),
+    (16, 128, 8, 3, True),
+]
 GEMV_MAX_PAIRS = 64
 
 
@@ -128,7 +132,7 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
         tiles: moe.Tiles = (best["gate_up"][1], best["down"][1])
         if ids.numel() <= GEMV_MAX_PAIRS:
             gemv = {which: _best({moe.GemvConfig(*c): _gemv_runner(a, w, ids, weights, fuse, moe.GemvConfig(*c))
-                                  for c in GEMV_CANDIDATES})
+                                  for c in GEMV_CANDIDATES + ([] if fuse else DOWN_GEMV_CANDIDATES)})
                     for which, a, w, fuse in (("gate_up", x, w_gate_up, True), ("down", act, w_down, False))}
             if gemv["gate_up"][0] + gemv["down"][0] < best["gate_up"][0] + best["down"][0]:
                 best, tiles = gemv, (gemv["gate_up"][1], gemv["down"][1])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -553,22 +553,66 @@ def _gemv_pair(a_ptr, w_ptr, scale_ptr, topk_ids_ptr, pair, offs_n, n_mask, N, K
 
 
 @triton.jit
+def _gemv_pairs_at_once(a_ptr, w_ptr, scale_ptr, topk_ids_ptr, topk_weights_ptr, slot, offs_n, n_mask, K,
+                        stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
+                        SUM_TOP_K: tl.constexpr, PAIRS_P: tl.constexpr, IS_FP8: tl.constexpr,
+                        GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_j weight_j * out_j over a token's SUM_TOP_K pairs (A indexed by pair), every pair's K-step loaded in one
+    [PAIRS_P, BLOCK_N, BLOCK_K] tile: one pipelined K loop instead of SUM_TOP_K loops one after another. Each
+    pair's output is rounded as _gemv_pair rounds it before the weighted sum."""
+    offs_p = tl.arange(0, PAIRS_P)
+    p_mask = offs_p < SUM_TOP_K
+    pairs = slot * SUM_TOP_K + offs_p  # [P]
+    experts = tl.load(topk_ids_ptr + pairs, mask=p_mask, other=0).to(tl.int64)  # [P]
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + pairs.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak  # [P, BK]
+    w_ptrs = (w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn
+              + offs_k[None, None, :] * stride_wk)  # [P, BN, BK]
+    pn_mask = p_mask[:, None] & n_mask[None, :]  # [P, BN]
+    s_ptrs = scale_ptr + experts[:, None] * stride_se + offs_n[None, :] * stride_sn  # [P, BN]
+    compute_dtype: tl.constexpr = a_ptr.dtype.element_ty
+    acc = tl.zeros((PAIRS_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=p_mask[:, None], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=pn_mask[:, :, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=p_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=pn_mask[:, :, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
+        if IS_FP8:
+            w = (w * tl.load(s_ptrs + (k0 // GROUP_K) * stride_sg, mask=pn_mask, other=0.0)[:, :, None]).to(
+                compute_dtype).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)  # [P, BN]
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    weights = tl.load(topk_weights_ptr + pairs, mask=p_mask, other=0.0).to(tl.float32)  # [P]
+    return tl.sum(acc.to(compute_dtype).to(tl.float32) * weights[:, None], axis=0)  # [BN]
+
+
+@triton.jit
 def _moe_gemv_kernel(
         a_ptr, w_ptr, scale_ptr, out_ptr, topk_ids_ptr, topk_weights_ptr, N, K,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
         stride_om, stride_on,
         A_ROWS_PER_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr, SUM_TOP_K: tl.constexpr,
         IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS_AT_ONCE: tl.constexpr, PAIRS_P: tl.constexpr,
+        USE_PDL: tl.constexpr):
     """Few pairs (decode at small batch), no alignment and no padded rows. SUM_TOP_K = 0: one program per
     (pair, BLOCK_N columns) writes that pair's row. SUM_TOP_K = k: one program per (token, BLOCK_N columns) runs
-    the token's k pairs and writes sum_j weight_j * out_j (the layer's last step, no [T * k, H] buffer)."""
+    the token's k pairs and writes sum_j weight_j * out_j (the layer's last step, no [T * k, H] buffer): one pair
+    after another, or with PAIRS_AT_ONCE (A by pair, no SiLU) all k in each K-step (_gemv_pairs_at_once)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if SUM_TOP_K == 0:
+    if PAIRS_AT_ONCE:
+        acc = _gemv_pairs_at_once(a_ptr, w_ptr, scale_ptr, topk_ids_ptr, topk_weights_ptr, slot, offs_n, n_mask, K,
+                                  stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                                  stride_sg, SUM_TOP_K, PAIRS_P, IS_FP8, GROUP_K, EVEN_K, BLOCK_N, BLOCK_K)
+    elif SUM_TOP_K == 0:
         acc = _gemv_pair(a_ptr, w_ptr, scale_ptr, topk_ids_ptr, slot, offs_n, n_mask, N, K,
                          stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
                          A_ROWS_PER_PAIR, FUSE_SILU, IS_FP8, GROUP_K, EVEN_K, BLOCK_N, BLOCK_K)
@@ -589,6 +633,8 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
+    # the down GEMV (a token's pairs summed in one program): every pair's K-step in one tile (_gemv_pairs_at_once)
+    pairs_at_once: bool = False
 
 
 def _moe_gemv(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, group_k: int,
@@ -600,6 +646,8 @@ def _moe_gemv(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
     is_fp8 = w.dtype == torch.float8_e4m3fn
     stride_s = w_scale.stride() if is_fp8 and w_scale is not None else (0, 0, 0)
     top_k = topk_ids.shape[1] if topk_weights is not None else 0
+    if tile.pairs_at_once and (not top_k or fuse_silu or rows_per_pair != 1):
+        raise ValueError("pairs_at_once is for the down GEMV: a token's pairs summed, A indexed by pair, no SiLU")
     grid = (topk_ids.shape[0] if top_k else topk_ids.numel(), triton.cdiv(n, tile.block_n))
     pdl_options = pdl.launch_options(a.device)
     _moe_gemv_kernel[grid](
@@ -607,6 +655,7 @@ def _moe_gemv(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s, out.stride(0), out.stride(1),
         A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, SUM_TOP_K=top_k, IS_FP8=is_fp8,
         GROUP_K=group_k, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        PAIRS_AT_ONCE=tile.pairs_at_once, PAIRS_P=triton.next_power_of_2(max(top_k, 1)),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options)
 
 
@@ -946,7 +995,7 @@ def _fit_gemv_block_k(tile: GemvConfig, group_k: int, k: int) -> GemvConfig:
         return tile
     block_k = min(tile.block_k, group_k)
     assert group_k % block_k == 0, f"FP8 scale group {group_k} is not a multiple of {block_k}"
-    return GemvConfig(tile.block_n, block_k, tile.num_warps, tile.num_stages)
+    return replace(tile, block_k=block_k)
 
 
 def _group(group_k: int | None, k: int) -> int:

@@ -129,9 +129,9 @@ def run_mla_shapes() -> None:
 
 def run_moe_shapes() -> None:
     """The fused MoE layer's default GEMV tiles at real dims (1 token; tiles as pick_tiles gives them to an untuned
-    shape): DeepSeek-V2-Lite with its 2 shared experts fused (66 experts, 8 a token; K = 2048 and 1408),
-    Mixtral-sized rows (K = 4096 and 14336), V3's in FP8 blocks of 128. Few experts are allocated: the launch shapes
-    do not depend on their count."""
+    shape), and the down GEMV with every pair at once: DeepSeek-V2-Lite with its 2 shared experts fused (66 experts,
+    8 a token; K = 2048 and 1408), Mixtral-sized rows (K = 4096 and 14336), V3's in FP8 blocks of 128. Few experts
+    are allocated: the launch shapes do not depend on their count."""
     from pagoda.kernels import moe
 
     for (experts, top_k, inter, hidden), fp8 in (((66, 8, 1408, 2048), False), ((8, 2, 14336, 4096), False),
@@ -155,6 +155,9 @@ def run_moe_shapes() -> None:
             moe.route_softmax_topk_triton(torch.empty(1, 61), 4, False, 4)
         moe.fused_experts(torch.empty(1, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids, *scales,
                           group_k=128 if fp8 else None, tiles=tiles)
+        at_once = moe.GemvConfig(8, 128, 4, 3, pairs_at_once=True)  # a tuner candidate for the down GEMV
+        moe.fused_experts(torch.empty(1, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids, *scales,
+                          group_k=128 if fp8 else None, tiles=(tiles[0], at_once))
         moe.align_pairs_triton(torch.zeros(256, top_k, dtype=torch.int32), experts, 64)  # decode batches' layout
 
 

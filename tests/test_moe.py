@@ -105,6 +105,28 @@ def test_fused_experts_every_token_to_one_expert(tile: moe.TileConfig | moe.Gemv
     torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("top_k", [2, 3, 8])
+@pytest.mark.parametrize("down", [moe.GemvConfig(16, 16, 4, 2, pairs_at_once=True),
+                                  moe.GemvConfig(8, 64, 4, 3, pairs_at_once=True)])
+def test_down_gemv_with_every_pair_at_once_matches_reference(top_k: int, down: moe.GemvConfig) -> None:
+    """The down GEMV loading every pair of a token in each K-step: a power-of-two pair count and not (3: padded
+    to 4, as V3's 8 routed + 1 shared to 16), K over two steps or one, beside the plain gate/up GEMV."""
+    w_gate_up, w_down = _weights(torch.float32)
+    gen = torch.Generator().manual_seed(top_k)
+    x = torch.randn(5, HIDDEN, generator=gen)  # [T, H]
+    weights, ids = moe.route_softmax_topk(torch.randn(5, EXPERTS, generator=gen), top_k, renormalize=True)
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=(moe.GemvConfig(16, 32, 4, 2), down))
+    torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
+
+
+def test_pairs_at_once_is_refused_where_it_does_not_apply() -> None:
+    w_gate_up, w_down = _weights(torch.float32)
+    x, weights, ids = _routed(3, torch.float32)
+    with pytest.raises(ValueError, match="pairs_at_once"):
+        moe.fused_experts(x, w_gate_up, w_down, weights, ids,
+                          tiles=(moe.GemvConfig(16, 32, pairs_at_once=True), moe.GemvConfig(16, 32)))
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (60, 4), (128, 8)])
 def test_router_kernel_matches_reference(num_experts: int, top_k: int, renormalize: bool) -> None:
@@ -149,9 +171,9 @@ def test_router_ties_take_the_lower_expert() -> None:
     torch.testing.assert_close(got, ref.moe_experts(x, w_gate_up, w_down, weights, ids), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("gemv", [False, True, "pairs"])
 @pytest.mark.parametrize("group_k", [None, 16])
-def test_fused_experts_fp8_weights(group_k: int | None, gemv: bool) -> None:
+def test_fused_experts_fp8_weights(group_k: int | None, gemv: bool | str) -> None:
     """Weight-only FP8 experts (per row, or per row and 16 columns): the kernel converts e4m3 in registers and
     applies the scales; the reference dequantizes the same weights."""
     w_gate_up, w_down = _weights(torch.float32)
@@ -159,7 +181,7 @@ def test_fused_experts_fp8_weights(group_k: int | None, gemv: bool) -> None:
     q_down, s_down = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_down), strict=True)
     q_up, s_up, q_down, s_down = (torch.stack(t) for t in (q_up, s_up, q_down, s_down))
     x, weights, ids = _routed(24, torch.float32)
-    tiles = (moe.GemvConfig(16, 64), moe.GemvConfig(16, 64)) if gemv else None
+    tiles = (moe.GemvConfig(16, 64), moe.GemvConfig(16, 64, pairs_at_once=gemv == "pairs")) if gemv else None
     got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=tiles)
     expected = ref.moe_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
