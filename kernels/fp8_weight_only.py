@@ -73,10 +73,12 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_ps,
                   GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, USE_PDL: tl.constexpr):
+                  FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
-    end). SPLIT_K == 1 writes out (+ bias); else the fp32 partial goes to part[k split, row, col].
+    end; HAS_SCALE = False: 16-bit weights, no scales, for gemv.dense_gemv). SPLIT_K == 1 writes out (+ bias);
+    else the fp32 partial goes to part[k split, row, col].
     LATE_REDUCE (FMA tiles of one row): products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile reduced over
     K once at the end, instead of a cross-lane reduction every BLOCK_K step."""
     pdl.launch_dependents(USE_PDL)
@@ -134,7 +136,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
         w_ptrs += BLOCK_K
     if LATE_REDUCE:
         acc = tl.sum(acc_wide, 1)[None, :]  # [1, BN]
-    if GROUP_K == 0:
+    if GROUP_K == 0 and HAS_SCALE:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -321,24 +323,35 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
     if num_rows == 0:
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
     tiles = tiles or pick_tiles(num_rows, n, k, group_size, x.device)
+    out, part = launch_gemv(x2, weight, weight_scale, group_size, bias, tiles)
+    defer = defer_split_k and tiles.split_k > 1 and bias is None and x.dim() == 2
+    if defer:
+        return SplitKPartials(part, x.dtype)
+    if tiles.split_k > 1:
+        _launch_split_k_sum(part, out, bias)
+    return out.view(out_shape)
+
+
+def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, group_size: int | None,
+                bias: torch.Tensor | None, tiles: GemvTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of _w8a16_kernel for x2 [M, K] (M >= 1) and weight [N, K] (e4m3 with scales, or 16-bit with
+    weight_scale None): (out [M, N], part [S, M, N] fp32 split-K partials; out itself when S == 1). With split-K,
+    out is left unwritten: the caller sums part (+ bias) into it or defers the sum."""
+    (num_rows, k), n = x2.shape, weight.shape[0]
     _check_tiles(tiles, k, group_size)
     split = tiles.split_k
-    defer = defer_split_k and split > 1 and bias is None and x.dim() == 2
-    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]; only a placeholder when deferred
-    part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    out = torch.empty((num_rows, n), dtype=x2.dtype, device=x2.device)  # [M, N]
+    part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
     even_k = k % (split * tiles.block_k) == 0
-    _w8a16_kernel[grid](x2, weight, weight_scale, out, part, bias if bias is not None else out, num_rows, n, k,
-                        x2.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
-                        part.stride(0) if split > 1 else 0,
+    _w8a16_kernel[grid](x2, weight, weight_scale if weight_scale is not None else out, out, part,
+                        bias if bias is not None else out, num_rows, n, k,
+                        x2.stride(0), weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
+                        out.stride(0), part.stride(0) if split > 1 else 0,
                         GROUP_K=group_size or 0, SPLIT_K=split, HAS_BIAS=bias is not None and split == 1,
                         USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                         BLOCK_K=tiles.block_k,
-                        FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                        LATE_REDUCE=tiles.late_reduce, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                        **pdl.launch_options(x.device))
-    if defer:
-        return SplitKPartials(part, x.dtype)
-    if split > 1:
-        _launch_split_k_sum(part, out, bias)
-    return out.view(out_shape)
+                        FP32_DOT=x2.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+                        LATE_REDUCE=tiles.late_reduce, HAS_SCALE=weight_scale is not None,
+                        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(x2.device))
+    return out, part

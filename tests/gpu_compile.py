@@ -232,6 +232,16 @@ def run_block_copy() -> None:
         copy_blocks(cache, torch.tensor([0, 1]), torch.tensor([2, 1]))
 
 
+def run_dense_gemv() -> None:
+    """The GEMV for 16-bit weights (kernels/gemv.py, PAGODA_DENSE_GEMV=1) at llama3-8b's and DeepSeek-V2-Lite's
+    projection shapes, one token (FMA tiles) and eight (tensor-core tiles), bf16 and fp16."""
+    from pagoda.kernels.gemv import dense_gemv
+
+    for (n, k), rows, dtype in itertools.product(((6144, 4096), (4096, 14336), (3648, 2048)), (1, 8),
+                                                 (torch.bfloat16, torch.float16)):
+        dense_gemv(torch.empty(rows, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
+
+
 def main() -> int:
     install()
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
@@ -242,6 +252,7 @@ def main() -> int:
     run_fp8_chunk_attention_shapes()
     run_sampler()
     run_block_copy()
+    run_dense_gemv()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
     for message in STEP_ERRORS:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import pdl
+from pagoda.kernels import gemv, pdl
 from pagoda.services.worker.models import deepseek, llama, moe
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
@@ -120,7 +120,8 @@ class CausalLM(nn.Module):
         bf16 dense models above all (cuBLAS between the kernels), launches without PDL."""
         if pdl.forced():
             return pdl.FIRST
-        if num_tokens == 1 and (self.fp8 is not None or self.arch.moe is not None or self.arch.mla is not None):
+        if num_tokens == 1 and (self.fp8 is not None or self.arch.moe is not None or self.arch.mla is not None
+                                or (gemv.enabled() and self.ops.dense_gemv is not None)):
             return pdl.FIRST
         if self.fp8 is not None and 2 <= num_tokens <= 8:
             return pdl.AT_EXIT

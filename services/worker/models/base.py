@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels import fp8_weight_only as w8a16
+from pagoda.kernels import gemv
 from pagoda.kernels import reference as ref
 
 # A layer's output: a tensor, or a split-K weight-only GEMM's fp32 partial sums that the next residual add + norm
@@ -168,6 +169,9 @@ class Ops:
     mla_prepare: Callable[..., None] = ref.mla_prepare
     mla_attend: Callable[..., torch.Tensor] = reference_mla_attend
     mla_expand: Callable[..., None] = reference_mla_expand
+    # (x [..., K], bf16/fp16 weight [N, K], bias) -> [..., N]: a Triton GEMV for few rows under PAGODA_DENSE_GEMV=1
+    # (kernels/gemv.py); None: torch's linear always
+    dense_gemv: Callable[..., torch.Tensor] | None = None
 
 
 def _reference_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -182,7 +186,7 @@ def reference_ops() -> Ops:
 
 
 def triton_ops() -> Ops:
-    from pagoda.kernels import activation, fp8, mla, moe, norm, qkv_prep, rope
+    from pagoda.kernels import activation, fp8, gemv, mla, moe, norm, qkv_prep, rope
 
     def fused_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +199,7 @@ def triton_ops() -> Ops:
                fp8_weight_only_deferred=w8a16.fp8_weight_only_deferred, add_rms_norm_parts=norm.add_rms_norm_parts,
                prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
                moe_experts=moe.fused_experts, mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
-               mla_expand=triton_mla_expand)
+               mla_expand=triton_mla_expand, dense_gemv=gemv.dense_gemv)
 
 
 def ops_for(device: torch.device) -> Ops:
@@ -269,6 +273,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     """x [..., K] @ W^T (+ bias) -> [..., N]: dense, weight-only FP8 for few tokens, else FP8 with the activations
     quantized per token (W8A8)."""
     if weight_scale is None:
+        if ops.dense_gemv is not None and gemv.applies(x, weight):
+            return ops.dense_gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
     assert fp8 is not None
     if uses_weight_only(x, weight, ops):

@@ -1,0 +1,91 @@
+"""The Triton GEMV for 16-bit weights at few rows (kernels/gemv.py): against torch's linear, its checks, and how the
+model reaches it (PAGODA_DENSE_GEMV=1: quantized_linear's dispatch and PDL for single-token steps)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pagoda.kernels import gemv
+from pagoda.kernels.fp8_weight_only import GemvTiles
+from pagoda.services.worker.models.base import quantized_linear, reference_ops, triton_ops
+
+
+def _case(rows: int, dtype: torch.dtype, n: int = 48, k: int = 96,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)  # [M, K]
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)  # [N, K]
+    bias = torch.randn(n, generator=gen).to(dtype)  # [N]
+    return x, weight, bias
+
+
+def _expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ weight.float().t()
+    return out if bias is None else out + bias.float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dense_gemv_matches_linear(rows: int, dtype: torch.dtype) -> None:
+    """FMA rows (1, 3) and tensor-core tiles (8), with and without bias, default tiles."""
+    x, weight, bias = _case(rows, dtype)
+    for b in (None, bias):
+        got = gemv.dense_gemv(x, weight, b)
+        assert got.shape == (rows, 48) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), _expected(x, weight, b), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tiles", [GemvTiles(block_n=16, block_k=32, split_k=3),
+                                   GemvTiles(block_n=32, block_k=64, split_k=2, late_reduce=True)])
+def test_dense_gemv_split_k_sums_with_bias(tiles: GemvTiles) -> None:
+    """K over several programs (an uneven last split, and a split past K's end): the partials and the bias summed."""
+    x, weight, bias = _case(1, torch.float16, n=40, k=96, seed=1)
+    got = gemv.dense_gemv(x[0], weight, bias, tiles=tiles)  # a 1-D x keeps its shape
+    assert got.shape == (40,)
+    torch.testing.assert_close(got.float(), _expected(x, weight, bias)[0], atol=2e-2, rtol=2e-2)
+
+
+def test_dense_gemv_checks_its_arguments() -> None:
+    x, weight, _ = _case(2, torch.float16)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        gemv.dense_gemv(x.float(), weight.float())
+    with pytest.raises(ValueError, match="dtype"):
+        gemv.dense_gemv(x.bfloat16(), weight)
+    with pytest.raises(ValueError, match="at most"):
+        gemv.dense_gemv(torch.zeros(gemv.MAX_ROWS + 1, 96, dtype=torch.float16), weight)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv.dense_gemv(x, weight.t().contiguous().t())
+    assert gemv.dense_gemv(x[:0], weight).shape == (0, 48)
+
+
+def test_the_model_takes_it_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantized_linear routes 16-bit weights at few rows to ops.dense_gemv under PAGODA_DENSE_GEMV=1, and a dense
+    model's single-token steps launch with PDL then."""
+    from pagoda.kernels import pdl
+    from pagoda.services.worker.models import CausalLM
+    from pagoda.shared.shapes import SHAPES
+
+    calls: list[tuple[int, ...]] = []
+
+    def recording(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return torch.nn.functional.linear(x, weight, bias)
+
+    ops = dataclasses.replace(reference_ops(), dense_gemv=recording)
+    x, weight, bias = _case(4, torch.bfloat16)
+    monkeypatch.delenv("PAGODA_DENSE_GEMV", raising=False)
+    quantized_linear(x, weight, None, None, bias, ops)
+    assert calls == [] and not gemv.applies(x, weight)
+    monkeypatch.setenv("PAGODA_DENSE_GEMV", "1")
+    out = quantized_linear(x, weight, None, None, bias, ops)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+    quantized_linear(torch.zeros(gemv.MAX_ROWS + 1, 96, dtype=torch.bfloat16), weight, None, None, None, ops)
+    quantized_linear(x.float(), weight.float(), None, None, None, ops)  # fp32 weights: torch's linear
+    assert calls == [(4, 96)]
+    model = CausalLM(SHAPES["tiny"], torch.float32, torch.device("cpu"), ops=triton_ops())
+    assert model.pdl_mode(1) == pdl.FIRST and model.pdl_mode(2) == 0
+    monkeypatch.setenv("PAGODA_DENSE_GEMV", "0")
+    assert model.pdl_mode(1) == 0
