@@ -311,14 +311,8 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
     if weight_scale.shape != (n, groups) or weight_scale.dtype != torch.float32 or weight_scale.stride(1) != 1:
         raise ValueError(f"weight_scale must be fp32 [{n}, {groups}], got {tuple(weight_scale.shape)} "
                          f"{weight_scale.dtype}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be [N={n}] contiguous, got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, k)  # [M, K]
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = gemv_rows(x, n, bias, MAX_ROWS if tiles is None else None, "the weight-only path")  # [M, K]
     num_rows = x2.shape[0]
-    if num_rows > MAX_ROWS and tiles is None:
-        raise ValueError(f"the weight-only path serves at most {MAX_ROWS} rows, got {num_rows}")
     out_shape = (*x.shape[:-1], n)
     if num_rows == 0:
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
@@ -330,6 +324,18 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
     if tiles.split_k > 1:
         _launch_split_k_sum(part, out, bias)
     return out.view(out_shape)
+
+
+def gemv_rows(x: torch.Tensor, n: int, bias: torch.Tensor | None, max_rows: int | None, what: str) -> torch.Tensor:
+    """x [..., K] as rows [M, K] contiguous along K, after checking bias ([N] contiguous) and M <= max_rows."""
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be [N={n}] contiguous, got {tuple(bias.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if max_rows is not None and x2.shape[0] > max_rows:
+        raise ValueError(f"{what} serves at most {max_rows} rows, got {x2.shape[0]}")
+    return x2
 
 
 def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, group_size: int | None,

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from pagoda.kernels.fp8_weight_only import GemvTiles, _launch_split_k_sum, default_tiles, launch_gemv
+from pagoda.kernels.fp8_weight_only import GemvTiles, _launch_split_k_sum, default_tiles, gemv_rows, launch_gemv
 
 MAX_ROWS = 8
 DTYPES = (torch.bfloat16, torch.float16)
@@ -43,14 +43,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if x.dtype != weight.dtype:
         raise ValueError(f"x must have the weight's dtype {weight.dtype}, got {x.dtype}")
     n, k = weight.shape
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be [N={n}] contiguous, got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, k)  # [M, K]
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = gemv_rows(x, n, bias, MAX_ROWS if tiles is None else None, "dense_gemv")  # [M, K]
     num_rows = x2.shape[0]
-    if num_rows > MAX_ROWS and tiles is None:
-        raise ValueError(f"dense_gemv serves at most {MAX_ROWS} rows, got {num_rows}")
     out_shape = (*x.shape[:-1], n)
     if num_rows == 0:
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
