@@ -186,7 +186,7 @@ def reference_ops() -> Ops:
 
 
 def triton_ops() -> Ops:
-    from pagoda.kernels import activation, fp8, gemv, mla, moe, norm, qkv_prep, rope
+    from pagoda.kernels import activation, fp8, mla, moe, norm, qkv_prep, rope
 
     def fused_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
