@@ -6,8 +6,9 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
 1. Tuning (M = 1 .. 256): every candidate tile set (FMA rows for M <= 4, tensor-core tiles beyond; narrow N
    tiles, split-K) is checked against the reference, then timed as decode runs it: replayed from a CUDA graph
    that cycles through enough copies of the weights (>= 256 MB) that none is in L2 when its turn comes. The best
-   is kept, unless cuBLASLt's W8A8 GEMM (plus the activation quantization where no fused op does it: o_proj) is
-   faster; above 32 rows W8A16 must win to be kept.
+   (tensor-core tiles with and without swap_ab; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
+   (plus the activation quantization where no fused op does it: o_proj) is faster; above 32 rows W8A16 must win
+   to be kept. --swap-only: the swap_ab tiles against the committed entry.
 2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
    (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes.
    The per-layer error of every path against the fp32 reference is printed with it.
@@ -58,13 +59,32 @@ def candidates(bucket: int) -> list[Any]:
                 (64, 128), (32, 64, 128), (64, 128), (1, 2, 4), ((4, 3), (8, 3))):
             out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
                                  num_warps=warps, num_stages=stages))
-        return out
+        return out + swap_candidates(bucket)
     if bucket >= 2:  # tensor-core tiles, rows padded to 16 or 32
         for block_m, block_n, block_k, split in itertools.product((16, 32), (16, 32, 64), (128, 256), (1, 2, 4)):
             if block_m < bucket:
                 continue  # two M tiles would read the weights twice
             out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
                                  num_warps=4, num_stages=4))
+        out += swap_candidates(bucket)
+    return out
+
+
+def swap_candidates(bucket: int) -> list[Any]:
+    """Tensor-core tiles with the weight tile on the dot's M side (swap_ab), from 8 rows: 64-256 weight rows a
+    program, the token rows (16 and up) on N."""
+    from pagoda.kernels.fp8_weight_only import GemvTiles
+
+    if bucket < 8:
+        return []
+    rows = (max(16, bucket),) if bucket <= 32 else (64, 128)
+    launch = ((64, 4), (128, 4), (128, 8), (256, 8))  # (weight rows a program, warps)
+    out = []
+    for block_m, (block_n, warps), block_k, split in itertools.product(rows, launch, (128, 256), (1, 2, 4)):
+        if block_n * block_k > 32768:
+            continue  # register-starved
+        out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
+                             num_warps=warps, num_stages=3, swap_ab=True))
     return out
 
 
@@ -98,8 +118,9 @@ def rotating_us(op: Callable[..., object], x: Any, weights: list[torch.Tensor], 
 
 
 def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[torch.Tensor],
-               buckets: tuple[int, ...]) -> dict[int, dict[str, Any]]:
-    """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape."""
+               buckets: tuple[int, ...], swap_only: bool = False) -> dict[int, dict[str, Any]]:
+    """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape. The committed table's tiles for the bucket
+    (if any) are always among the candidates; swap_only: only they and the swap_ab tiles."""
     from pagoda.kernels import fp8_weight_only as w8
     from pagoda.kernels import reference as ref
 
@@ -108,7 +129,9 @@ def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[tor
         x = torch.randn(bucket, k, device="cuda").bfloat16()  # [M, K]
         expected = ref.fp8_weight_only_linear(x, w_q[0], w_s[0], None)
         best: tuple[float, Any] | None = None
-        for tiles in candidates(bucket):
+        committed = w8.tuned_table(torch.cuda.get_device_name()).get((n, k, bucket))
+        pool = swap_candidates(bucket) if swap_only else candidates(bucket)
+        for tiles in ([committed] if committed and committed not in pool else []) + pool:
             try:
                 out = w8.fp8_weight_only_linear(x, w_q[0], w_s[0], None, tiles=tiles)
             except Exception as exc:  # a tile set this GPU cannot compile (shared memory, registers): skip it
@@ -179,6 +202,8 @@ def main() -> int:
     parser.add_argument("--buckets", default="", help="tune only these M buckets (comma-separated), keeping the "
                                                       "committed table's other entries")
     parser.add_argument("--skip-sweep", action="store_true", help="tune only")
+    parser.add_argument("--swap-only", action="store_true",
+                        help="tune only the swap_ab tiles against the committed entry of each bucket")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/fp8_tune"))
     args = parser.parse_args()
     from pagoda.kernels import fp8_weight_only as w8
@@ -198,7 +223,7 @@ def main() -> int:
         for name, n, k in SHAPES[shape]:
             w, w_q, w_s = _weights(n, k)
             if not args.skip_tune:
-                for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets).items():
+                for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets, args.swap_only).items():
                     table[f"{n},{k},{bucket}"] = {"w8a8": True} if entry["choice"] == "w8a8" else entry["tiles"]
             del w, w_q, w_s
             torch.cuda.empty_cache()

@@ -49,6 +49,7 @@ class GemvTiles:
     num_warps: int = 4
     num_stages: int = 4
     late_reduce: bool = False  # FMA tiles of one row: reduce over K once at the end (see _w8a16_kernel)
+    swap_ab: bool = False  # tensor-core tiles: W tile on the dot's M side (see _w8a16_kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +75,16 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
     end; HAS_SCALE = False: 16-bit weights, no scales, for gemv.dense_gemv). SPLIT_K == 1 writes out (+ bias);
     else the fp32 partial goes to part[k split, row, col].
     LATE_REDUCE (FMA tiles of one row): products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile reduced over
-    K once at the end, instead of a cross-lane reduction every BLOCK_K step."""
+    K once at the end, instead of a cross-lane reduction every BLOCK_K step.
+    SWAP_AB (tensor-core tiles): part^T = W x^T, the converted weight tile as the dot's first operand (Hopper's
+    wgmma reads it from registers, where it was converted, instead of a round trip through shared memory) and the
+    few token rows on the dot's N side."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -98,6 +102,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     pdl.wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_wide = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # LATE_REDUCE's elementwise sums
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's transposed sums
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
@@ -117,9 +122,19 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
         else:
             if USE_DOT:
                 if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
-                    part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                    w_op = w.to(tl.float32)
+                    x_op = x.to(tl.float32)
                 else:  # e4m3 -> bf16/fp16 is exact: tensor cores on the activation dtype
-                    part = tl.dot(x, tl.trans(w.to(tl.float32).to(x_ptr.dtype.element_ty)))  # [BM, BN]
+                    w_op = w.to(tl.float32).to(x_ptr.dtype.element_ty)
+                    x_op = x
+                if SWAP_AB:  # accumulated transposed, in the dot itself where no group scale intervenes
+                    if GROUP_K == 0:
+                        acc_t = tl.dot(w_op, tl.trans(x_op), acc_t, input_precision=DOT_PRECISION)  # [BN, BM]
+                    else:
+                        acc_t += tl.dot(w_op, tl.trans(x_op), input_precision=DOT_PRECISION) * scale[:, None]
+                    part = acc  # unused
+                else:
+                    part = tl.dot(x_op, tl.trans(w_op), input_precision=DOT_PRECISION)  # [BM, BN]
             else:
                 wf = w.to(tl.float32)
                 xf = x.to(tl.float32)
@@ -128,14 +143,17 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                     x_row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == m, xf, 0.0), 0)  # [BK]
                     row = tl.sum(wf * x_row[None, :], 1)  # [BN]
                     part += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
-            if GROUP_K == 0:
-                acc += part
-            else:
-                acc += part * scale[None, :]
+            if not SWAP_AB:
+                if GROUP_K == 0:
+                    acc += part
+                else:
+                    acc += part * scale[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if LATE_REDUCE:
         acc = tl.sum(acc_wide, 1)[None, :]  # [1, BN]
+    if SWAP_AB:
+        acc = tl.trans(acc_t)  # [BM, BN]
     if GROUP_K == 0 and HAS_SCALE:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -278,6 +296,8 @@ def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
             raise ValueError(f"{name} must be a power of two, got {size}")
     if tiles.use_dot and tiles.block_m < 16:
         raise ValueError(f"tensor-core tiles need block_m >= 16, got {tiles.block_m}")
+    if tiles.swap_ab and not tiles.use_dot:
+        raise ValueError("swap_ab is for tensor-core tiles (use_dot)")
     if tiles.late_reduce and (tiles.use_dot or tiles.block_m != 1):
         raise ValueError("late_reduce is for FMA tiles of one row (block_m 1, no use_dot)")
     if not _tiles_fit_groups(tiles, k, group_size):
@@ -350,6 +370,7 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
     even_k = k % (split * tiles.block_k) == 0
+    fp32_dot = x2.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     _w8a16_kernel[grid](x2, weight, weight_scale if weight_scale is not None else out, out, part,
                         bias if bias is not None else out, num_rows, n, k,
                         x2.stride(0), weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
@@ -357,7 +378,8 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                         GROUP_K=group_size or 0, SPLIT_K=split, HAS_BIAS=bias is not None and split == 1,
                         USE_DOT=tiles.use_dot, EVEN_K=even_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                         BLOCK_K=tiles.block_k,
-                        FP32_DOT=x2.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+                        FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32",
                         LATE_REDUCE=tiles.late_reduce, HAS_SCALE=weight_scale is not None,
-                        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(x2.device))
+                        SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                        **pdl.launch_options(x2.device))
     return out, part

@@ -242,6 +242,20 @@ def run_dense_gemv() -> None:
         dense_gemv(torch.empty(rows, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
 
 
+def run_w8a16_swap_ab() -> None:
+    """The W8A16 kernel's swap_ab tensor-core tiles (bench/fp8_tune.py's candidates from 8 rows) at llama3-8b's o
+    and down shapes, per-channel and 128-wide group scales."""
+    from pagoda.kernels import fp8_weight_only as w8
+
+    for (n, k), (rows, block_n, warps), group in itertools.product(
+            ((4096, 4096), (4096, 14336)), ((16, 256, 8), (64, 128, 4)), (None, 128)):
+        weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(n, 1 if group is None else k // group, dtype=torch.float32)
+        tiles = w8.GemvTiles(block_m=rows, block_n=block_n, block_k=128, split_k=4, use_dot=True, num_warps=warps,
+                             num_stages=3, swap_ab=True)
+        w8.fp8_weight_only_linear(torch.empty(rows, k, dtype=torch.bfloat16), weight, scale, group, tiles=tiles)
+
+
 def main() -> int:
     install()
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
@@ -253,6 +267,7 @@ def main() -> int:
     run_sampler()
     run_block_copy()
     run_dense_gemv()
+    run_w8a16_swap_ab()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
     for message in STEP_ERRORS:

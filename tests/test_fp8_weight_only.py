@@ -35,7 +35,9 @@ def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
     w8.GemvTiles(block_m=4, block_n=32, block_k=64, split_k=2),
     w8.GemvTiles(block_m=16, block_n=32, block_k=64, use_dot=True),
     w8.GemvTiles(block_m=16, block_n=16, block_k=128, split_k=4, use_dot=True),
-], ids=["fma", "fma-split2", "dot", "dot-split4"])
+    w8.GemvTiles(block_m=16, block_n=64, block_k=64, use_dot=True, swap_ab=True),
+    w8.GemvTiles(block_m=32, block_n=32, block_k=128, split_k=2, use_dot=True, swap_ab=True),
+], ids=["fma", "fma-split2", "dot", "dot-split4", "dot-swap", "dot-swap-split2"])
 @pytest.mark.parametrize("group_size", [None, 128])
 @pytest.mark.parametrize("num_rows", [1, 3])
 def test_weight_only_kernel_matches_reference(tiles: w8.GemvTiles, group_size: int | None, num_rows: int) -> None:
@@ -88,6 +90,8 @@ def test_weight_only_rejects_bad_input() -> None:
         w8.fp8_weight_only_linear(x, weight, scale, None, tiles=w8.GemvTiles(block_k=96))
     with pytest.raises(ValueError, match="block_m >= 16"):
         w8.fp8_weight_only_linear(x, weight, scale, None, tiles=w8.GemvTiles(block_m=4, use_dot=True))
+    with pytest.raises(ValueError, match="swap_ab"):
+        w8.fp8_weight_only_linear(x, weight, scale, None, tiles=w8.GemvTiles(block_m=1, swap_ab=True))
 
 
 def test_tuned_table_round_trips_and_picks_by_bucket(tmp_path, monkeypatch) -> None:
