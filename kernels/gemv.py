@@ -3,7 +3,10 @@
 rest of a decode step's chain, where cuBLAS's GEMV breaks it (kernels/pdl.py). Semantics: torch.nn.functional.linear
 with fp32 accumulation.
 
-Opt-in while unmeasured: PAGODA_DENSE_GEMV=1 routes the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens
+Opt-in, and measured slower than cuBLAS (H200, 2026-12-03, bench/step_ab.py, graph-timed decode step at 512 cached
+tokens with default tiles: llama3-8b bf16 4.53 -> 5.20 ms at B=1 and 4.76 -> 22.76 ms at B=4; deepseek-v2-lite
+2.56 -> 2.58 ms at B=1, 4.38 -> 5.60 ms at B=4): these tiles were never tuned for 16-bit weights, and the B=4
+FMA tiles (one program reducing every row) are far off. PAGODA_DENSE_GEMV=1 routes the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens
 here (models/base.py `quantized_linear`) and lets single-token steps of dense models launch with PDL
 (CausalLM.pdl_mode). Tiles: fp8_weight_only.default_tiles (no tuned table for 16-bit weights yet).
 """
@@ -21,7 +24,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 def enabled() -> bool:
-    """PAGODA_DENSE_GEMV=1 (measurements; off by default until timed on a GPU)."""
+    """PAGODA_DENSE_GEMV=1 (measurements only: slower than cuBLAS as tiled today, module docstring)."""
     return os.environ.get("PAGODA_DENSE_GEMV") == "1"
 
 

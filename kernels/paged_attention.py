@@ -51,6 +51,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #             are read back, converted in the load's layout and take bf16's path into the dots (ldmatrix).
 #             sm_90 SASS, llama3-8b heads, 64-key decode tile: 338 loop instructions against 487 for f16_words
 #             (105 of its 487 register moves) and 320 for a bf16 cache (python -m pagoda.bench.attention_sass).
+#             Fewer instructions, yet slower on the H200 (2026-12-03, kv_fp8_bench, B=256, contexts 512-768, a
+#             layer): 167-169 us against 151-152 for f16_words at 64 keys and 146-149 for the default launch shape
+#             (bf16 cache 186-188); 128-key tiles 189-192. Kept selectable, not the default.
 FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "f16_pinned")
 _FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6,
              "qkv_fp8": 7, "f16_pinned": 8}  # 0: no fp8 cache
