@@ -10,7 +10,9 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
    (plus the activation quantization where no fused op does it: o_proj) is faster; above 32 rows W8A16 must win
    to be kept. --swap-only: the swap_ab tiles against the committed entry.
 2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
-   (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes.
+   (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes. At
+   M = 1 also W8A16 launched as a single-token step launches it (programmatic dependent launch, pdl.FIRST: each
+   GEMV may start while the one before it drains; `w8a16_chained`).
    The per-layer error of every path against the fp32 reference is printed with it.
 
 Writes fp8_tune.json (sweep rows) and w8a16_table.json (commit it as
@@ -117,6 +119,16 @@ def rotating_us(op: Callable[..., object], x: Any, weights: list[torch.Tensor], 
     return 1e3 * graph_time_ms(calls, reps=10)
 
 
+def _in_pdl_chain(op: Callable[..., object]) -> Callable[..., object]:
+    """op launched as CausalLM.pdl_mode launches a single-token step's kernels (pdl.FIRST: where supported)."""
+    from pagoda.kernels import pdl
+
+    def chained(*args: Any, **kwargs: Any) -> object:
+        with pdl.scope(pdl.FIRST):
+            return op(*args, **kwargs)
+    return chained
+
+
 def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[torch.Tensor],
                buckets: tuple[int, ...], swap_only: bool = False) -> dict[int, dict[str, Any]]:
     """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape. The committed table's tiles for the bucket
@@ -187,10 +199,14 @@ def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: lis
     if m <= w8.DEFAULT_MAX_ROWS or weight_only:
         row["w8a16_us"] = rotating_us(lambda x_, wq, s: w8.fp8_weight_only_linear(x_, wq, s, None), x, w_q, w_s)
         row["cosine_w8a16"] = _cosine(w8.fp8_weight_only_linear(x, w_q[0], w_s[0], None), exact)
+    if m == 1:  # as a single-token step runs it: each launch under PDL, overlapping the previous one's tail
+        row["w8a16_chained_us"] = rotating_us(_in_pdl_chain(w8.fp8_weight_only_linear), x, w_q, w_s, None)
     row["dispatch"] = "w8a16" if weight_only else ("w8a8_own_quant" if name == "o" else "w8a8_fused_quant")
     row["dispatch_us"] = row[f"{row['dispatch']}_us"]
     row["speedup_vs_bf16"] = row["bf16_us"] / row["dispatch_us"]
     row["fp8_TBps"] = (n * k + m * k * 2) / row["dispatch_us"] / 1e6
+    if "w8a16_chained_us" in row:
+        row["fp8_chained_TBps"] = (n * k + m * k * 2) / row["w8a16_chained_us"] / 1e6
     row["bf16_TBps"] = (2 * n * k + m * k * 2) / row["bf16_us"] / 1e6
     return row
 
