@@ -86,6 +86,12 @@ DECODE_VARIANTS = (
     Variant("fp8_pinned_t128", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 128}),
     Variant("fp8_pinned_t64_s3", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64, "decode_num_stages": 3}),
     Variant("fp8_pinned_t64_kom", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64, "decode_keys_on_m": True}),
+    # the default decode launch (kv heads first on the grid) with more or fewer warps a program (sm_90 SASS, 64-key
+    # tiles: 8 warps 74 registers a thread, 3 programs an SM by registers, 155 warp instructions a KB against 119)
+    Variant("fp8_hf_w8", True, {"heads_fast": True, "decode_num_warps": 8}),
+    Variant("fp8_hf_t128_w8", True, {"heads_fast": True, "decode_tile_n": 128, "decode_num_warps": 8}),
+    Variant("fp8_hf_w2", True, {"heads_fast": True, "decode_num_warps": 2}),
+    Variant("fp8_hf_t32", True, {"heads_fast": True, "decode_tile_n": 32}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 _UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}
