@@ -4,9 +4,8 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates   (default: tests,parity,pagoda,peers,compiled)
-#   candidates: the sixteenth session's untimed candidates against the defaults, in one call: the pinned fp8-KV
-#   conversion (kv_fp8_bench), the Triton GEMV for bf16 weights (PAGODA_DENSE_GEMV, bench/step_ab.py on llama3-8b
-#   and deepseek-v2-lite), the MoE down GEMV with every pair at once (moe_tune on deepseek-v2-lite at 1-2 tokens).
+#   candidates: the seventeenth session's untimed candidates, in one call: the fp8-KV decode launch with 2 / 8 warps
+#   and 32-key tiles (kv_fp8_bench), then deepseek-v2-lite's batch-1 step by kernel (deepseek_bench --profile).
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
 #   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
 #   KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
@@ -171,13 +170,13 @@ if has kv-fp8; then
     2>&1 | tail -24
 fi
 if has candidates; then
-  timeout 240 python3 -m pagoda.bench.kv_fp8_bench --quick --only fp8_pinned,fp8_words_t64,fp8_default 2>&1 | tail -14
-  for shape in llama3-8b deepseek-v2-lite; do
-    timeout 200 python3 -m pagoda.bench.step_ab --model $shape --batches 1,4 off=PAGODA_DENSE_GEMV=0 \
-      on=PAGODA_DENSE_GEMV=1 2>&1 | grep "B=" | tail -2
-  done
-  timeout 300 python3 -m pagoda.bench.moe_tune --shapes deepseek-v2-lite --buckets 1,2 \
-    --out "$OUT/moe_tune_candidates.json" 2>&1 | tail -6 | cut -c1-600
+  # the decode launch of an fp8 cache with 2 / 8 warps and 32-key tiles (prepared in the seventeenth session, untimed)
+  timeout 240 python3 -m pagoda.bench.kv_fp8_bench --quick --only fp8_hf,fp8_words_t64,fp8_default \
+    --out "$OUT/kv_fp8_candidates.json" 2>&1 | tail -14
+  # where deepseek-v2-lite's 2.48 ms batch-1 step goes now (last profiled in the thirteenth session: a sparse layer
+  # 98.8 us against a 39.9 us floor; since then the pairs-at-once down GEMV)
+  timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
+    --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 | grep -v "^{" | tail -40
 fi
 if has structured; then
   # the grammar process (on: the default on CUDA) against the worker's mask thread (off), then the host's round trip
