@@ -3,7 +3,10 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates   (default: tests,parity,pagoda,peers,compiled)
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv   (default: tests,parity,pagoda,peers,compiled)
+#   dense-gemv: tune the 16-bit GEMV (bench/gemv_tune.py, DENSE_MODELS, DENSE_BUCKETS) against cuBLAS, install the
+#   table (commit $OUT/gemv_tune/dense_table.json under kernels/gemv_configs/), then bench/step_ab.py with
+#   PAGODA_DENSE_GEMV=0 / 1 on DENSE_MODELS_AB at B = 1, 4, 8.
 #   candidates: the seventeenth session's untimed candidates, in one call: the fp8-KV decode launch with 2 / 8 warps
 #   and 32-key tiles (kv_fp8_bench), then deepseek-v2-lite's batch-1 step by kernel (deepseek_bench --profile).
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
@@ -177,6 +180,19 @@ if has candidates; then
   # 98.8 us against a 39.9 us floor; since then the pairs-at-once down GEMV)
   timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
     --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 | grep -v "^{" | tail -40
+fi
+if has dense-gemv; then
+  # the 16-bit GEMV tuned per layer and M bucket against cuBLAS, the table installed, then decode steps with it
+  timeout 480 python3 -m pagoda.bench.gemv_tune --models "${DENSE_MODELS:-llama3-8b,qwen3-0.6b,deepseek-v2-lite}" \
+    --buckets "${DENSE_BUCKETS:-1,2,4,8}" --out "$OUT/gemv_tune" 2>&1 | grep -E "^tune|tuned" | cut -c1-220
+  mkdir -p /tmp/site/pagoda/kernels/gemv_configs
+  table=$(python3 -c "import torch; from pagoda.kernels import gemv
+print(gemv.config_name(torch.cuda.get_device_name().replace(' ', '_')))")
+  cp "$OUT"/gemv_tune/dense_table.json "/tmp/site/pagoda/kernels/gemv_configs/$table" && echo "installed $table"
+  for shape in ${DENSE_MODELS_AB:-llama3-8b qwen3-0.6b deepseek-v2-lite}; do
+    timeout 200 python3 -m pagoda.bench.step_ab --model $shape --batches 1,4,8 off=PAGODA_DENSE_GEMV=0 \
+      on=PAGODA_DENSE_GEMV=1 2>&1 | grep "B=" | tail -3
+  done
 fi
 if has structured; then
   # the grammar process (on: the default on CUDA) against the worker's mask thread (off), then the host's round trip

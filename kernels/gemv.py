@@ -3,24 +3,41 @@
 rest of a decode step's chain, where cuBLAS's GEMV breaks it (kernels/pdl.py). Semantics: torch.nn.functional.linear
 with fp32 accumulation.
 
-Opt-in, and measured slower than cuBLAS (H200, 2026-12-03, bench/step_ab.py, graph-timed decode step at 512 cached
-tokens with default tiles: llama3-8b bf16 4.53 -> 5.20 ms at B=1 and 4.76 -> 22.76 ms at B=4; deepseek-v2-lite
-2.56 -> 2.58 ms at B=1, 4.38 -> 5.60 ms at B=4): these tiles were never tuned for 16-bit weights, and the B=4
-FMA tiles (one program reducing every row) are far off. PAGODA_DENSE_GEMV=1 routes the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens
-here (models/base.py `quantized_linear`) and lets single-token steps of dense models launch with PDL
-(CausalLM.pdl_mode). Tiles: fp8_weight_only.default_tiles (no tuned table for 16-bit weights yet).
+Opt-in, and measured slower than cuBLAS with untuned tiles (H200, 2026-12-03, bench/step_ab.py, graph-timed decode
+step at 512 cached tokens, fp8_weight_only.default_tiles: llama3-8b bf16 4.53 -> 5.20 ms at B=1 and 4.76 -> 22.76
+ms at B=4; deepseek-v2-lite 2.56 -> 2.58 ms at B=1, 4.38 -> 5.60 ms at B=4; the B=4 FMA tiles reduce every row in
+one program). PAGODA_DENSE_GEMV=1 routes the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens here
+(models/base.py `quantized_linear`) and lets single-token steps of dense models launch with PDL
+(CausalLM.pdl_mode). Tiles: a table tuned per GPU (`python -m pagoda.bench.gemv_tune`, gemv_configs/: per (N, K,
+M bucket) the best tiles, or "cublas" where torch's linear was faster, which then keeps that layer), else the
+W8A16 defaults.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import os
+from pathlib import Path
 
 import torch
+import triton
 
-from pagoda.kernels.fp8_weight_only import GemvTiles, _launch_split_k_sum, default_tiles, gemv_rows, launch_gemv
+from pagoda.kernels.fp8_weight_only import (
+    GemvTiles,
+    _launch_split_k_sum,
+    default_tiles,
+    gemv_rows,
+    launch_gemv,
+    m_bucket,
+    tiles_from_json,
+)
 
 MAX_ROWS = 8
 DTYPES = (torch.bfloat16, torch.float16)
+CONFIG_DIR = Path(__file__).with_name("gemv_configs")
+log = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
@@ -30,10 +47,53 @@ def enabled() -> bool:
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether dense_gemv serves x [..., K] @ weight^T: enabled, at most MAX_ROWS rows, a 2-D 16-bit weight of x's
-    dtype, contiguous along K."""
+    dtype, contiguous along K, and no tuned entry saying cuBLAS is faster for this (N, K, M bucket)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (enabled() and 1 <= rows <= MAX_ROWS and weight.dim() == 2 and weight.dtype in DTYPES
-            and x.dtype == weight.dtype and weight.stride(1) == 1)
+    if not (enabled() and 1 <= rows <= MAX_ROWS and weight.dim() == 2 and weight.dtype in DTYPES
+            and x.dtype == weight.dtype and weight.stride(1) == 1):
+        return False
+    n, k = weight.shape
+    return _tuned_entry(rows, n, k, weight.device) != CUBLAS
+
+
+CUBLAS = "cublas"  # a tuned entry: torch's linear measured faster
+
+
+def config_name(device: str) -> str:
+    return f"dense,device={device},triton={triton.__version__}.json"
+
+
+@functools.lru_cache(maxsize=4)
+def tuned_table(device: str) -> dict[tuple[int, int, int], GemvTiles | str]:
+    """{(N, K, M bucket): tiles, or CUBLAS} from gemv_configs/ for this device and Triton version (bench/gemv_tune.py
+    writes it); {} when there is none."""
+    path = CONFIG_DIR / config_name(device.replace(" ", "_"))
+    if not path.exists():
+        log.info("no tuned 16-bit GEMV tiles for %s (%s): default tiles", device, path.name)
+        return {}
+    table: dict[tuple[int, int, int], GemvTiles | str] = {}
+    for key, entry in json.loads(path.read_text()).items():
+        n, k, bucket = (int(part) for part in key.split(","))
+        table[(n, k, bucket)] = CUBLAS if entry.get(CUBLAS) else tiles_from_json(entry)
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _tuned_entry(num_rows: int, n: int, k: int, device: torch.device) -> GemvTiles | str | None:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuned_table(_device_name(index)).get((n, k, m_bucket(num_rows)))
+
+
+def pick_tiles(num_rows: int, n: int, k: int, device: torch.device) -> GemvTiles:
+    """The tuned tiles of (N, K, M bucket) on this GPU, else fp8_weight_only.default_tiles."""
+    entry = _tuned_entry(num_rows, n, k, device)
+    return entry if isinstance(entry, GemvTiles) else default_tiles(num_rows, n, k)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -51,7 +111,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     out_shape = (*x.shape[:-1], n)
     if num_rows == 0:
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    tiles = tiles or default_tiles(num_rows, n, k)
+    tiles = tiles or pick_tiles(num_rows, n, k, x.device)
     out, part = launch_gemv(x2, weight, None, None, bias, tiles)
     if tiles.split_k > 1:
         _launch_split_k_sum(part, out, bias)

@@ -89,3 +89,47 @@ def test_the_model_takes_it_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -
     assert model.pdl_mode(1) == pdl.FIRST and model.pdl_mode(2) == 0
     monkeypatch.setenv("PAGODA_DENSE_GEMV", "0")
     assert model.pdl_mode(1) == 0
+
+
+def test_tuned_table_picks_tiles_or_keeps_cublas(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table as bench/gemv_tune writes it: tiles per (N, K, M bucket), "cublas" where torch's linear won (the
+    layer then stays there); other shapes, buckets and CPU tensors get the default tiles."""
+    import json
+
+    from pagoda.kernels import fp8_weight_only as w8
+
+    tiles = GemvTiles(block_m=1, block_n=32, block_k=1024, split_k=2, num_warps=8, num_stages=3)
+    (tmp_path / gemv.config_name("Test_GPU")).write_text(json.dumps(
+        {"4096,4096,1": dataclasses.asdict(tiles), "4096,4096,2": {"cublas": True}}))
+    monkeypatch.setattr(gemv, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(gemv, "_device_name", lambda index: "Test GPU")
+    gemv.tuned_table.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        assert gemv.tuned_table("Test GPU") == {(4096, 4096, 1): tiles, (4096, 4096, 2): gemv.CUBLAS}
+        assert gemv.pick_tiles(1, 4096, 4096, cuda) == tiles
+        assert gemv._tuned_entry(2, 4096, 4096, cuda) == gemv.CUBLAS
+        assert gemv.pick_tiles(2, 4096, 4096, cuda) == w8.default_tiles(2, 4096, 4096), "cublas: no tiles of its own"
+        assert gemv.pick_tiles(1, 2048, 4096, cuda) == w8.default_tiles(1, 2048, 4096)
+        assert gemv.pick_tiles(1, 4096, 4096, torch.device("cpu")) == w8.default_tiles(1, 4096, 4096)
+        assert gemv.tuned_table("Other GPU") == {}
+    finally:
+        gemv.tuned_table.cache_clear()
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3", "tiny-moe", "tiny-deepseek-v3"])
+def test_tuner_shapes_are_the_models_linear_weights(shape: str) -> None:
+    """bench/gemv_tune tunes (N, K) pairs the model really multiplies by: each is one of its 2-D weights."""
+    import itertools
+
+    from pagoda.bench.gemv_tune import linear_shapes
+    from pagoda.services.worker.models import CausalLM
+    from pagoda.shared.shapes import SHAPES
+
+    arch = SHAPES[shape]
+    model = CausalLM(arch, torch.float32, torch.device("cpu"), max_positions=64)
+    stored = {tuple(t.shape) for t in itertools.chain(model.parameters(), model.buffers()) if t.dim() == 2}
+    names = [name for name, _, _ in linear_shapes(arch)]
+    assert "o" in names and ("gate_up" in names) == (arch.moe is None or len(arch.moe.sparse_layers) < arch.num_layers)
+    for name, n, k in linear_shapes(arch):
+        assert (n, k) in stored, f"{shape} {name}: no [{n}, {k}] weight among {sorted(stored)}"
