@@ -8,7 +8,8 @@
 #   table (commit $OUT/gemv_tune/dense_table.json under kernels/gemv_configs/), then bench/step_ab.py with
 #   PAGODA_DENSE_GEMV=0 / 1 on DENSE_MODELS_AB at B = 1, 4, 8.
 #   candidates: the seventeenth session's untimed candidates, in one call: the fp8-KV decode launch with 2 / 8 warps
-#   and 32-key tiles (kv_fp8_bench), then deepseek-v2-lite's batch-1 step by kernel (deepseek_bench --profile).
+#   and 32-key tiles (kv_fp8_bench), SiLU fused into the FP8 down GEMV (step_ab, PAGODA_FUSE_SILU_GEMV), then
+#   deepseek-v2-lite's batch-1 step by kernel (deepseek_bench --profile).
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
 #   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
 #   KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
@@ -176,6 +177,9 @@ if has candidates; then
   # the decode launch of an fp8 cache with 2 / 8 warps and 32-key tiles (prepared in the seventeenth session, untimed)
   timeout 240 python3 -m pagoda.bench.kv_fp8_bench --quick --only fp8_hf,fp8_words_t64,fp8_default \
     --out "$OUT/kv_fp8_candidates.json" 2>&1 | tail -14
+  # SiLU-and-mul inside the weight-only down projection (one launch fewer a layer), llama3-8b FP8 at 1-8 tokens
+  timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,4,8 \
+    off=PAGODA_FUSE_SILU_GEMV=0 on=PAGODA_FUSE_SILU_GEMV=1 2>&1 | grep "B=" | tail -3
   # where deepseek-v2-lite's 2.48 ms batch-1 step goes now (last profiled in the thirteenth session: a sparse layer
   # 98.8 us against a 39.9 us floor; since then the pairs-at-once down GEMV)
   timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \

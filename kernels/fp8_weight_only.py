@@ -75,7 +75,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                  SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
     end; HAS_SCALE = False: 16-bit weights, no scales, for gemv.dense_gemv). SPLIT_K == 1 writes out (+ bias);
@@ -84,7 +85,9 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     K once at the end, instead of a cross-lane reduction every BLOCK_K step.
     SWAP_AB (tensor-core tiles): part^T = W x^T, the converted weight tile as the dot's first operand (Hopper's
     wgmma reads it from registers, where it was converted, instead of a round trip through shared memory) and the
-    few token rows on the dot's N side."""
+    few token rows on the dot's N side.
+    GATED: x is a gated MLP's [gate ‖ up] rows ([M, 2K]); the kernel multiplies silu(gate) * up, computed and
+    rounded as activation.silu_and_mul computes it, so one launch replaces that kernel and this one."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -105,12 +108,18 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's transposed sums
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            x_mask = m_mask[:, None]
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + offs_k) < k_end
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BM, BK]
+        if GATED:  # silu rounded to the storage dtype before the product, as activation.silu_and_mul
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (silu * up).to(x_ptr.dtype.element_ty)
         if GROUP_K != 0:
             scale = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
         if LATE_REDUCE:
@@ -317,13 +326,16 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                              group_size: int | None, bias: torch.Tensor | None = None,
-                             tiles: GemvTiles | None = None,
-                             defer_split_k: bool = True) -> torch.Tensor | SplitKPartials:
+                             tiles: GemvTiles | None = None, defer_split_k: bool = True,
+                             gated: bool = False) -> torch.Tensor | SplitKPartials:
     """fp8_weight_only_linear, except that with defer_split_k, a 2-D x, no bias and split-K tiles the output is
-    returned as its SplitKPartials for the consumer to sum."""
-    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be e4m3 [N, K={x.shape[-1]}] contiguous along K, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
+    returned as its SplitKPartials for the consumer to sum. gated: x is a gated MLP's [..., 2K] = [gate ‖ up] and
+    the layer multiplies silu(gate) * up (activation.silu_and_mul's values) in the same launch."""
+    k_in = 2 * weight.shape[-1] if gated else weight.shape[-1]
+    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1 or x.shape[-1] != k_in:
+        what = "[gate ‖ up] of" if gated else "x of"
+        raise ValueError(f"weight must be e4m3 [N, K] contiguous along K with {what} {k_in} columns, got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     n, k = weight.shape
@@ -337,7 +349,7 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
     if num_rows == 0:
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
     tiles = tiles or pick_tiles(num_rows, n, k, group_size, x.device)
-    out, part = launch_gemv(x2, weight, weight_scale, group_size, bias, tiles)
+    out, part = launch_gemv(x2, weight, weight_scale, group_size, bias, tiles, gated)
     defer = defer_split_k and tiles.split_k > 1 and bias is None and x.dim() == 2
     if defer:
         return SplitKPartials(part, x.dtype)
@@ -359,11 +371,13 @@ def gemv_rows(x: torch.Tensor, n: int, bias: torch.Tensor | None, max_rows: int 
 
 
 def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, group_size: int | None,
-                bias: torch.Tensor | None, tiles: GemvTiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of _w8a16_kernel for x2 [M, K] (M >= 1) and weight [N, K] (e4m3 with scales, or 16-bit with
-    weight_scale None): (out [M, N], part [S, M, N] fp32 split-K partials; out itself when S == 1). With split-K,
-    out is left unwritten: the caller sums part (+ bias) into it or defers the sum."""
-    (num_rows, k), n = x2.shape, weight.shape[0]
+                bias: torch.Tensor | None, tiles: GemvTiles, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of _w8a16_kernel for x2 [M, K] (M >= 1; gated: [M, 2K] = [gate ‖ up], multiplied as
+    silu(gate) * up) and weight [N, K] (e4m3 with scales, or 16-bit with weight_scale None): (out [M, N], part
+    [S, M, N] fp32 split-K partials; out itself when S == 1). With split-K, out is left unwritten: the caller sums
+    part (+ bias) into it or defers the sum."""
+    num_rows, (n, k) = x2.shape[0], weight.shape
+    assert x2.shape[1] == (2 * k if gated else k) and x2.stride(1) == 1
     _check_tiles(tiles, k, group_size)
     split = tiles.split_k
     out = torch.empty((num_rows, n), dtype=x2.dtype, device=x2.device)  # [M, N]
@@ -380,6 +394,6 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                         BLOCK_K=tiles.block_k,
                         FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32",
                         LATE_REDUCE=tiles.late_reduce, HAS_SCALE=weight_scale is not None,
-                        SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                        SWAP_AB=tiles.swap_ab, GATED=gated, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                         **pdl.launch_options(x2.device))
     return out, part

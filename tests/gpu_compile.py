@@ -244,7 +244,7 @@ def run_dense_gemv() -> None:
 
 def run_w8a16_swap_ab() -> None:
     """The W8A16 kernel's swap_ab tensor-core tiles (bench/fp8_tune.py's candidates from 8 rows) at llama3-8b's o
-    and down shapes, per-channel and 128-wide group scales."""
+    and down shapes, per-channel and 128-wide group scales; the gated down projection with default tiles."""
     from pagoda.kernels import fp8_weight_only as w8
 
     for (n, k), (rows, block_n, warps), group in itertools.product(
@@ -254,6 +254,11 @@ def run_w8a16_swap_ab() -> None:
         tiles = w8.GemvTiles(block_m=rows, block_n=block_n, block_k=128, split_k=4, use_dot=True, num_warps=warps,
                              num_stages=3, swap_ab=True)
         w8.fp8_weight_only_linear(torch.empty(rows, k, dtype=torch.bfloat16), weight, scale, group, tiles=tiles)
+    # the gated down projection (PAGODA_FUSE_SILU_GEMV=1): [gate ‖ up] rows in, at one token and at 16
+    weight, scale = torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(4096, 1, dtype=torch.float32)
+    for rows in (1, 16):
+        w8.fp8_weight_only_deferred(torch.empty(rows, 2 * 14336, dtype=torch.bfloat16), weight, scale, None,
+                                    gated=True)
 
 
 def main() -> int:

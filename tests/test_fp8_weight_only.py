@@ -223,3 +223,67 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch
         results.append((prefill, decode))
     for fused, separate in zip(*results, strict=True):
         assert torch.equal(fused, separate)
+
+
+@pytest.mark.parametrize("tiles", [
+    w8.GemvTiles(block_m=1, block_n=16, block_k=128, split_k=2),
+    w8.GemvTiles(block_m=1, block_n=16, block_k=128, late_reduce=True),
+    w8.GemvTiles(block_m=16, block_n=16, block_k=64, split_k=2, use_dot=True),
+    w8.GemvTiles(block_m=16, block_n=64, block_k=64, use_dot=True, swap_ab=True),
+], ids=["fma-split2", "fma-late", "dot-split2", "dot-swap"])
+@pytest.mark.parametrize("group_size", [None, 128])
+def test_gated_down_projection_equals_silu_then_gemv(tiles: w8.GemvTiles, group_size: int | None) -> None:
+    """gated=True reads [gate ‖ up] and multiplies silu(gate) * up itself: the same bits as silu_and_mul followed by
+    the plain GEMV, split-K partials included; a K that does not fill the tiles masks the tail of both halves."""
+    from pagoda.kernels.activation import silu_and_mul
+
+    for k in (256, 200):
+        if group_size and k % (group_size * tiles.split_k):
+            continue  # scale groups must tile the splits
+        n = 40
+        weight, scale = _weights(n, k, group_size, seed=k)
+        gate_up = (2 * torch.randn(3 if tiles.block_m > 1 else 1, 2 * k, device=DEVICE)).bfloat16()  # [M, 2K]
+        fused = w8.fp8_weight_only_deferred(gate_up, weight, scale, group_size, tiles=tiles, gated=True)
+        plain = w8.fp8_weight_only_deferred(silu_and_mul(gate_up), weight, scale, group_size, tiles=tiles)
+        assert type(fused) is type(plain)
+        if isinstance(fused, w8.SplitKPartials):
+            assert isinstance(plain, w8.SplitKPartials) and torch.equal(fused.parts, plain.parts)
+        else:
+            assert torch.equal(fused, plain)
+    with pytest.raises(ValueError, match="gate"):
+        w8.fp8_weight_only_deferred(gate_up[:, :k], weight, scale, group_size, tiles=tiles, gated=True)
+
+
+def test_model_with_silu_fused_into_down_equals_separate_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_FUSE_SILU_GEMV=1: the FP8 model's weight-only down projections take [gate ‖ up] and the hidden
+    states equal the default's (silu_and_mul, then the GEMV) exactly, through prefill and decode; the silu kernel is
+    not launched for those layers."""
+    from pagoda.bench.decode_profile import make_batch
+    from pagoda.kernels import activation
+    from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
+    from pagoda.services.worker.weights import load_model
+    from pagoda.shared.shapes import SHAPES
+
+    arch, dev = SHAPES["tiny"], torch.device(DEVICE)
+    silu_calls: list[int] = []
+    ops = triton_ops()
+    ops = dataclasses.replace(ops, silu_and_mul=lambda x: silu_calls.append(x.shape[0]) or activation.silu_and_mul(x))
+    model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=ops, fp8=Fp8Weights(32))
+    load_model(model, None, "dummy", seed=6)
+    prefill_meta, prefill_pos, num_blocks = make_batch([3, 2], [3, 2], dev)  # two prompts: 5 rows
+    decode_meta, decode_pos, _ = make_batch([1, 1], [4, 3], dev)  # one token each
+    ids = torch.tensor([5, 9, 11, 7, 8], device=dev)
+    results, launches = [], []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PAGODA_FUSE_SILU_GEMV", fuse)
+        silu_calls.clear()
+        caches = [tuple(torch.zeros(num_blocks, 16, arch.num_kv_heads, arch.head_dim, device=dev,
+                                    dtype=torch.bfloat16) for _ in range(2)) for _ in range(arch.num_layers)]
+        with torch.inference_mode():
+            prefill = model(ids, prefill_pos, caches, prefill_meta)  # [5, H]
+            decode = model(ids[[2, 4]], decode_pos, caches, decode_meta)  # [2, H]
+        results.append((prefill, decode))
+        launches.append(len(silu_calls))
+    for fused, separate in zip(*results, strict=True):
+        assert torch.equal(fused, separate)
+    assert launches == [0, 2 * arch.num_layers], "fused: no silu launch on the weight-only path"

@@ -283,17 +283,27 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                    fp8: Fp8Weights | None, ops: Ops) -> Hidden | None:
+                    fp8: Fp8Weights | None, ops: Ops, gated: bool = False) -> Hidden | None:
     """The weight-only FP8 linear of x [T, K] with its split-K output left as partials where it splits; None where
     this layer does not take that path (dense or W8A8 weights, ops without it, PAGODA_FUSE_SPLIT_K=0). Single
-    device only: an all-reduce needs the sum."""
+    device only: an all-reduce needs the sum. gated: x is [T, 2K] = [gate ‖ up], multiplied as silu(gate) * up in
+    the same launch (fuse_silu_gemv)."""
     if (weight_scale is None or fp8 is None or ops.fp8_weight_only_deferred is None
             or ops.add_rms_norm_parts is None or os.environ.get("PAGODA_FUSE_SPLIT_K") == "0"):
         return None
     rows = x.numel() // x.shape[-1]
     if not ops.prefers_weight_only(rows, weight.shape[0], weight.shape[1], x.device):
         return None
+    if gated:
+        return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, gated=True)
     return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None)
+
+
+def fuse_silu_gemv() -> bool:
+    """PAGODA_FUSE_SILU_GEMV=1 (a measurement switch, off by default until timed on a GPU): where the down
+    projection takes the weight-only FP8 path with its sum deferred, it reads [gate ‖ up] and multiplies
+    silu(gate) * up itself, one launch fewer a layer (kernels/fp8_weight_only.py GATED; same values)."""
+    return os.environ.get("PAGODA_FUSE_SILU_GEMV") == "1"
 
 
 def add_norm(x: Hidden, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
