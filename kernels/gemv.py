@@ -7,7 +7,8 @@ Opt-in, and measured slower than cuBLAS with untuned tiles (H200, 2026-12-03, be
 step at 512 cached tokens, fp8_weight_only.default_tiles: llama3-8b bf16 4.53 -> 5.20 ms at B=1 and 4.76 -> 22.76
 ms at B=4; deepseek-v2-lite 2.56 -> 2.58 ms at B=1, 4.38 -> 5.60 ms at B=4; the B=4 FMA tiles reduce every row in
 one program). PAGODA_DENSE_GEMV=1 routes the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens here
-(models/base.py `quantized_linear`) and lets single-token steps of dense models launch with PDL
+(models/base.py `quantized_linear`), MLA's absorbed per-head projections to head_gemv (models/deepseek.py, in
+place of torch.bmm), and lets single-token steps of dense models launch with PDL
 (CausalLM.pdl_mode). Tiles: a table tuned per GPU (`python -m pagoda.bench.gemv_tune`, gemv_configs/: per (N, K,
 M bucket) the best tiles, or "cublas" where torch's linear was faster, which then keeps that layer), else the
 W8A16 defaults.
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
+from pagoda.kernels import pdl
 from pagoda.kernels.fp8_weight_only import (
     GemvTiles,
     _launch_split_k_sum,
@@ -116,3 +119,60 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if tiles.split_k > 1:
         _launch_split_k_sum(part, out, bias)
     return out.view(out_shape)
+
+
+@triton.jit
+def _head_gemv_kernel(x_ptr, w_ptr, out_ptr, T, K, N, stride_xh, stride_xt, stride_xk, stride_wh, stride_wk,
+                      stride_wn, stride_oh, stride_ot, stride_on, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (head, n tile): out[h, t, n] = sum_k x[h, t, k] w[h, k, n] in fp32 for every row t < T, each weight
+    tile read once for all rows; any strides (the weight may be contiguous along K or along N)."""
+    pdl.launch_dependents(USE_PDL)
+    head = tl.program_id(0).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    pdl.wait(USE_PDL)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + offs_k < K
+        w = tl.load(w_ptr + head * stride_wh + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # [BK, BN]
+        for t in tl.static_range(BLOCK_T):
+            x = tl.load(x_ptr + head * stride_xh + t * stride_xt + (k0 + offs_k) * stride_xk,
+                        mask=k_mask & (t < T), other=0.0).to(tl.float32)  # [BK]
+            row = tl.sum(w * x[:, None], 0)  # [BN]
+            acc += tl.where(offs_t[:, None] == t, row[None, :], 0.0)
+    tl.store(out_ptr + head * stride_oh + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_t < T)[:, None] & n_mask[None, :])
+
+
+def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [heads, T, N] = x [heads, T, K] @ w [heads, K, N] per head (torch.bmm's values up to the order of fp32
+    sums) for at most MAX_ROWS rows, any strides: MLA's absorbed projections at decode (W_UK into the query, W_UV
+    out of the latent), as one Triton launch that stays in a decode step's PDL chain where cuBLAS's batched GEMM
+    breaks it. out: written in place (any strides) and returned."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[1]:
+        raise ValueError(f"x must be [heads, T, K] and w [heads, K, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or w.dtype not in DTYPES + (torch.float32,):
+        raise ValueError(f"x and w must share a float dtype, got {x.dtype} and {w.dtype}")
+    heads, rows, k = x.shape
+    n = w.shape[2]
+    if rows > MAX_ROWS:
+        raise ValueError(f"head_gemv serves at most {MAX_ROWS} rows, got {rows}")
+    if out is None:
+        out = torch.empty((heads, rows, n), dtype=x.dtype, device=x.device)  # [heads, T, N]
+    if out.shape != (heads, rows, n) or out.dtype != x.dtype:
+        raise ValueError(f"out must be [{heads}, {rows}, {n}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if rows == 0:
+        return out
+    block_n = min(64, triton.next_power_of_2(n))
+    while heads * triton.cdiv(n, block_n) < 128 and block_n > 16:
+        block_n //= 2  # spread the few MB of weights over the SMs
+    block_k = min(256 if block_n <= 16 else 128, triton.next_power_of_2(k))
+    _head_gemv_kernel[(heads, triton.cdiv(n, block_n))](
+        x, w, out, rows, k, n, *x.stride(), *w.stride(), *out.stride(),
+        BLOCK_T=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        **pdl.launch_options(x.device))
+    return out

@@ -234,12 +234,19 @@ def run_block_copy() -> None:
 
 def run_dense_gemv() -> None:
     """The GEMV for 16-bit weights (kernels/gemv.py, PAGODA_DENSE_GEMV=1) at llama3-8b's and DeepSeek-V2-Lite's
-    projection shapes, one token (FMA tiles) and eight (tensor-core tiles), bf16 and fp16."""
+    projection shapes, one token (FMA tiles) and eight (tensor-core tiles), bf16 and fp16; the per-head GEMV of
+    MLA's absorbed projections at DeepSeek's dims."""
     from pagoda.kernels.gemv import dense_gemv
 
     for (n, k), rows, dtype in itertools.product(((6144, 4096), (4096, 14336), (3648, 2048)), (1, 8),
                                                  (torch.bfloat16, torch.float16)):
         dense_gemv(torch.empty(rows, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
+    from pagoda.kernels.gemv import head_gemv
+
+    for heads, rows in itertools.product((16, 128), (1, 8)):  # DeepSeek-V2-Lite's and V3's absorbed projections
+        kv_b = torch.empty(heads, 256, 512, dtype=torch.bfloat16)  # [heads, Dn + Dv, R]
+        head_gemv(torch.empty(rows, heads, 192, dtype=torch.bfloat16)[..., :128].transpose(0, 1), kv_b[:, :128])
+        head_gemv(torch.empty(heads, rows, 512, dtype=torch.bfloat16), kv_b[:, 128:].transpose(1, 2))
 
 
 def run_w8a16_swap_ab() -> None:

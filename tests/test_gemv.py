@@ -133,3 +133,70 @@ def test_tuner_shapes_are_the_models_linear_weights(shape: str) -> None:
     assert "o" in names and ("gate_up" in names) == (arch.moe is None or len(arch.moe.sparse_layers) < arch.num_layers)
     for name, n, k in linear_shapes(arch):
         assert (n, k) in stored, f"{shape} {name}: no [{n}, {k}] weight among {sorted(stored)}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_gemv_matches_bmm_for_both_absorbed_layouts(rows: int, dtype: torch.dtype) -> None:
+    """MLA's two absorbed projections as head_gemv computes them against torch.bmm in fp32: the query through W_UK
+    (a [heads, Dn, R] view contiguous along N) and the latent output through W_UV^T (contiguous along K), the rows a
+    strided view and the output written through a transposed view."""
+    gen = torch.Generator().manual_seed(rows)
+    heads, dn, r, dv = 4, 32, 80, 48  # R not a power of two: masked N and K tails
+    kv_b = (torch.randn(heads, dn + dv, r, generator=gen) / r ** 0.5).to(dtype)  # [heads, Dn + Dv, R]
+    w_uk, w_uv = kv_b[:, :dn], kv_b[:, dn:]  # [heads, Dn, R], [heads, Dv, R]
+    q = torch.randn(rows, heads, dn + 16, generator=gen).to(dtype)  # [T, heads, Dn + P]
+    q_nope = q[..., :dn].transpose(0, 1)  # [heads, T, Dn]
+    q_lat = gemv.head_gemv(q_nope, w_uk)  # [heads, T, R]
+    torch.testing.assert_close(q_lat.float(), torch.bmm(q_nope.float(), w_uk.float()), rtol=2e-2, atol=2e-2)
+    out_lat = torch.randn(rows, heads, r, generator=gen).to(dtype)  # [T, heads, R]
+    attn = torch.full((rows, heads, dv), float("nan"), dtype=dtype)  # [T, heads, Dv]
+    got = gemv.head_gemv(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=attn.transpose(0, 1))
+    assert got.data_ptr() == attn.data_ptr()
+    expected = torch.bmm(out_lat.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1)
+    torch.testing.assert_close(attn.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_head_gemv_checks_its_arguments() -> None:
+    x, w = torch.zeros(2, 3, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="heads"):
+        gemv.head_gemv(x, w[:, :4])
+    with pytest.raises(ValueError, match="dtype"):
+        gemv.head_gemv(x.half(), w)
+    with pytest.raises(ValueError, match="at most"):
+        gemv.head_gemv(torch.zeros(2, gemv.MAX_ROWS + 1, 8, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="out must be"):
+        gemv.head_gemv(x, w, out=torch.zeros(2, 3, 8, dtype=torch.bfloat16))
+    assert gemv.head_gemv(x[:, :0], w).shape == (2, 0, 16)
+
+
+def test_mla_model_with_the_triton_gemvs_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny DeepSeek-V3 through the Triton ops, decode steps of 1-3 tokens: with PAGODA_DENSE_GEMV=1 its 16-bit
+    projections and absorbed per-head projections run on the Triton GEMVs and the hidden states stay within fp32
+    rounding of the default (cuBLAS / torch.bmm) path."""
+    from pagoda.bench.decode_profile import make_batch
+    from pagoda.services.worker.models import CausalLM
+    from pagoda.services.worker.weights import load_model
+    from pagoda.shared.shapes import SHAPES
+
+    arch, dev = SHAPES["tiny-deepseek-v3"], torch.device("cpu")
+    head_calls: list[tuple[int, ...]] = []
+    ops = triton_ops()
+    ops = dataclasses.replace(ops, head_gemv=lambda x, w, out=None: head_calls.append(tuple(x.shape))
+                              or gemv.head_gemv(x, w, out))
+    model = CausalLM(arch, torch.float32, dev, max_positions=64, ops=ops)
+    load_model(model, None, "dummy", seed=3)
+    prefill_meta, prefill_pos, num_blocks = make_batch([3, 2, 4], [3, 2, 4], dev)
+    decode_meta, decode_pos, _ = make_batch([1, 1, 1], [4, 3, 5], dev)
+    ids = torch.tensor([5, 9, 11, 7, 8, 3, 4, 6, 2], device=dev)
+    results = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv("PAGODA_DENSE_GEMV", switch)
+        head_calls.clear()
+        caches = [(torch.zeros(num_blocks, 16, 1, arch.mla.entry_dim),) for _ in range(arch.num_layers)]
+        with torch.inference_mode():
+            model(ids, prefill_pos, caches, prefill_meta)  # 9 rows: never the per-head GEMV
+            results.append(model(ids[[2, 4, 8]], decode_pos, caches, decode_meta))  # [3, H]
+        assert head_calls == ([] if switch == "0" else [(arch.num_heads, 3, arch.mla.qk_nope_head_dim),
+                                                         (arch.num_heads, 3, arch.mla.kv_lora_rank)] * arch.num_layers)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)

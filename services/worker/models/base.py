@@ -172,6 +172,9 @@ class Ops:
     # (x [..., K], bf16/fp16 weight [N, K], bias) -> [..., N]: a Triton GEMV for few rows under PAGODA_DENSE_GEMV=1
     # (kernels/gemv.py); None: torch's linear always
     dense_gemv: Callable[..., torch.Tensor] | None = None
+    # (x [heads, T, K], w [heads, K, N], out) -> [heads, T, N]: MLA's per-head absorbed projections as one Triton
+    # launch under the same switch (kernels/gemv.head_gemv); None: torch.bmm always
+    head_gemv: Callable[..., torch.Tensor] | None = None
 
 
 def _reference_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -199,7 +202,7 @@ def triton_ops() -> Ops:
                fp8_weight_only_deferred=w8a16.fp8_weight_only_deferred, add_rms_norm_parts=norm.add_rms_norm_parts,
                prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
                moe_experts=moe.fused_experts, mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
-               mla_expand=triton_mla_expand, dense_gemv=gemv.dense_gemv)
+               mla_expand=triton_mla_expand, dense_gemv=gemv.dense_gemv, head_gemv=gemv.head_gemv)
 
 
 def ops_for(device: torch.device) -> Ops:
@@ -297,6 +300,12 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if gated:
         return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, gated=True)
     return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None)
+
+
+def uses_head_gemv(ops: Ops, num_tokens: int) -> bool:
+    """Whether MLA's absorbed per-head projections of a step of num_tokens rows take ops.head_gemv (the switch of
+    the 16-bit GEMV, at most its rows) rather than torch.bmm."""
+    return ops.head_gemv is not None and gemv.enabled() and 1 <= num_tokens <= gemv.MAX_ROWS
 
 
 def fuse_silu_gemv() -> bool:

@@ -42,6 +42,7 @@ from pagoda.services.worker.models.base import (
     make_linear,
     make_param,
     quantized_linear,
+    uses_head_gemv,
 )
 from pagoda.services.worker.models.llama import dense_mlp_placements, scale_rows
 from pagoda.services.worker.models.moe import shared_expert_placements
@@ -151,14 +152,17 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         num_tokens = q.shape[0]
         if not expanded or len(expanded) < sum(1 for query_len in meta.query_lens_host if query_len):
-            q_lat = torch.bmm(q[..., :mla.qk_nope_head_dim].transpose(0, 1), w_uk)  # [heads, T, R]
+            per_head_gemv = uses_head_gemv(ops, num_tokens)
+            q_nope = q[..., :mla.qk_nope_head_dim].transpose(0, 1)  # [heads, T, Dn]
+            q_lat = ops.head_gemv(q_nope, w_uk) if per_head_gemv else torch.bmm(q_nope, w_uk)  # [heads, T, R]
             # the absorbed query [q_lat ‖ q_pe] read as two tensors in place: no concatenated copy
             out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
                                      self.expand if expanded else None,
                                      q_rope=q[..., mla.qk_nope_head_dim:])  # [T, heads, R]
             attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
             # written through its [heads, T, Dv] view (a strided cuBLAS output): no transposing copy
-            torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=attn.transpose(0, 1))
+            (ops.head_gemv if per_head_gemv else torch.bmm)(out_lat.transpose(0, 1), w_uv.transpose(1, 2),
+                                                            out=attn.transpose(0, 1))
         elif sum(meta.query_lens_host) == num_tokens:  # every chunk expands and fills its rows: nothing to absorb
             attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
         else:  # padding rows past the last chunk stay zero
