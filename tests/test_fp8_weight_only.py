@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -196,7 +197,6 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch
     sums to the next norm (the default) gives the hidden states of PAGODA_FUSE_SPLIT_K=0 (the separate sum kernel)
     exactly, through prefill, decode and the final norm. Block scales (groups of 32, one per split); channel scales
     take the same path (the kernel-level test above)."""
-    from pagoda.bench.decode_profile import make_batch
     from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
     from pagoda.services.worker.weights import load_model
     from pagoda.shared.shapes import SHAPES
@@ -209,20 +209,27 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch
     model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=triton_ops(),
                      fp8=Fp8Weights(32))  # 2 splits of 32: whole scale groups
     load_model(model, None, "dummy", seed=5)
-    prefill_meta, prefill_pos, num_blocks = make_batch([3, 2], [3, 2], dev)  # two prompts: 5 rows
-    decode_meta, decode_pos, _ = make_batch([1, 1], [4, 3], dev)  # one token each
-    ids = torch.tensor([5, 9, 11, 7, 8], device=dev)
     results = []
     for fuse in ("1", "0"):
         monkeypatch.setenv("PAGODA_FUSE_SPLIT_K", fuse)
-        caches = [tuple(torch.zeros(num_blocks, 16, arch.num_kv_heads, arch.head_dim, device=dev,
-                                    dtype=torch.bfloat16) for _ in range(2)) for _ in range(arch.num_layers)]
-        with torch.inference_mode():
-            prefill = model(ids, prefill_pos, caches, prefill_meta)  # [5, H]
-            decode = model(ids[[2, 4]], decode_pos, caches, decode_meta)  # [2, H]
-        results.append((prefill, decode))
+        results.append(_prefill_then_decode(model, arch, dev))
     for fused, separate in zip(*results, strict=True):
         assert torch.equal(fused, separate)
+
+
+def _prefill_then_decode(model: torch.nn.Module, arch: Any, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states of two prompts (3 and 2 tokens, 5 rows) then one decode token each, on fresh bf16 caches."""
+    from pagoda.bench.decode_profile import make_batch
+
+    prefill_meta, prefill_pos, num_blocks = make_batch([3, 2], [3, 2], dev)
+    decode_meta, decode_pos, _ = make_batch([1, 1], [4, 3], dev)
+    ids = torch.tensor([5, 9, 11, 7, 8], device=dev)
+    caches = [tuple(torch.zeros(num_blocks, 16, arch.num_kv_heads, arch.head_dim, device=dev,
+                                dtype=torch.bfloat16) for _ in range(2)) for _ in range(arch.num_layers)]
+    with torch.inference_mode():
+        prefill = model(ids, prefill_pos, caches, prefill_meta)  # [5, H]
+        decode = model(ids[[2, 4]], decode_pos, caches, decode_meta)  # [2, H]
+    return prefill, decode
 
 
 @pytest.mark.parametrize("tiles", [
@@ -258,7 +265,6 @@ def test_model_with_silu_fused_into_down_equals_separate_kernels(monkeypatch: py
     """PAGODA_FUSE_SILU_GEMV=1: the FP8 model's weight-only down projections take [gate ‖ up] and the hidden
     states equal the default's (silu_and_mul, then the GEMV) exactly, through prefill and decode; the silu kernel is
     not launched for those layers."""
-    from pagoda.bench.decode_profile import make_batch
     from pagoda.kernels import activation
     from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
     from pagoda.services.worker.weights import load_model
@@ -270,19 +276,11 @@ def test_model_with_silu_fused_into_down_equals_separate_kernels(monkeypatch: py
     ops = dataclasses.replace(ops, silu_and_mul=lambda x: silu_calls.append(x.shape[0]) or activation.silu_and_mul(x))
     model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=ops, fp8=Fp8Weights(32))
     load_model(model, None, "dummy", seed=6)
-    prefill_meta, prefill_pos, num_blocks = make_batch([3, 2], [3, 2], dev)  # two prompts: 5 rows
-    decode_meta, decode_pos, _ = make_batch([1, 1], [4, 3], dev)  # one token each
-    ids = torch.tensor([5, 9, 11, 7, 8], device=dev)
     results, launches = [], []
     for fuse in ("1", "0"):
         monkeypatch.setenv("PAGODA_FUSE_SILU_GEMV", fuse)
         silu_calls.clear()
-        caches = [tuple(torch.zeros(num_blocks, 16, arch.num_kv_heads, arch.head_dim, device=dev,
-                                    dtype=torch.bfloat16) for _ in range(2)) for _ in range(arch.num_layers)]
-        with torch.inference_mode():
-            prefill = model(ids, prefill_pos, caches, prefill_meta)  # [5, H]
-            decode = model(ids[[2, 4]], decode_pos, caches, decode_meta)  # [2, H]
-        results.append((prefill, decode))
+        results.append(_prefill_then_decode(model, arch, dev))
         launches.append(len(silu_calls))
     for fused, separate in zip(*results, strict=True):
         assert torch.equal(fused, separate)
