@@ -266,6 +266,10 @@ def run_w8a16_swap_ab() -> None:
     for rows in (1, 16):
         w8.fp8_weight_only_deferred(torch.empty(rows, 2 * 14336, dtype=torch.bfloat16), weight, scale, None,
                                     gated=True)
+    swap = w8.GemvTiles(block_m=64, block_n=128, block_k=128, split_k=4, use_dot=True, num_warps=8, num_stages=3,
+                        swap_ab=True)  # the committed table's down tile at 64 rows
+    w8.fp8_weight_only_deferred(torch.empty(64, 2 * 14336, dtype=torch.bfloat16), weight, scale, None, tiles=swap,
+                                gated=True)
 
 
 def main() -> int:
