@@ -10,8 +10,8 @@ one program). PAGODA_DENSE_GEMV=1 routes the bf16/fp16 linear layers of steps of
 (models/base.py `quantized_linear`), MLA's absorbed per-head projections to head_gemv (models/deepseek.py, in
 place of torch.bmm), and lets single-token steps of dense models launch with PDL
 (CausalLM.pdl_mode). Tiles: a table tuned per GPU (`python -m pagoda.bench.gemv_tune`, gemv_configs/: per (N, K,
-M bucket) the best tiles, or "cublas" where torch's linear was faster, which then keeps that layer), else the
-W8A16 defaults.
+M bucket) the best tiles, or "cublas" where torch's linear was faster); on a GPU a layer takes this path only
+where the table holds tiles for it, elsewhere it stays on torch's linear.
 """
 
 from __future__ import annotations
@@ -50,13 +50,17 @@ def enabled() -> bool:
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether dense_gemv serves x [..., K] @ weight^T: enabled, at most MAX_ROWS rows, a 2-D 16-bit weight of x's
-    dtype, contiguous along K, and no tuned entry saying cuBLAS is faster for this (N, K, M bucket)."""
+    dtype, contiguous along K; on a GPU only where the tuned table holds tiles for this (N, K, M bucket), i.e.
+    where they measured faster than cuBLAS (untuned tiles were up to 5x slower: module docstring). Off a GPU (the
+    interpreter) with the default tiles."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (enabled() and 1 <= rows <= MAX_ROWS and weight.dim() == 2 and weight.dtype in DTYPES
             and x.dtype == weight.dtype and weight.stride(1) == 1):
         return False
+    if weight.device.type != "cuda":
+        return True
     n, k = weight.shape
-    return _tuned_entry(rows, n, k, weight.device) != CUBLAS
+    return isinstance(_tuned_entry(rows, n, k, weight.device), GemvTiles)
 
 
 CUBLAS = "cublas"  # a tuned entry: torch's linear measured faster
