@@ -141,7 +141,6 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                         acc_t = tl.dot(w_op, tl.trans(x_op), acc_t, input_precision=DOT_PRECISION)  # [BN, BM]
                     else:
                         acc_t += tl.dot(w_op, tl.trans(x_op), input_precision=DOT_PRECISION) * scale[:, None]
-                    part = acc  # unused
                 else:
                     part = tl.dot(x_op, tl.trans(w_op), input_precision=DOT_PRECISION)  # [BM, BN]
             else:
@@ -331,7 +330,7 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
     """fp8_weight_only_linear, except that with defer_split_k, a 2-D x, no bias and split-K tiles the output is
     returned as its SplitKPartials for the consumer to sum. gated: x is a gated MLP's [..., 2K] = [gate ‖ up] and
     the layer multiplies silu(gate) * up (activation.silu_and_mul's values) in the same launch."""
-    k_in = 2 * weight.shape[-1] if gated else weight.shape[-1]
+    k_in = (2 if gated else 1) * weight.shape[-1] if weight.dim() else -1
     if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1 or x.shape[-1] != k_in:
         what = "[gate ‖ up] of" if gated else "x of"
         raise ValueError(f"weight must be e4m3 [N, K] contiguous along K with {what} {k_in} columns, got x "
