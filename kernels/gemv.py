@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
-    """PAGODA_DENSE_GEMV=1 (measurements only: slower than cuBLAS as tiled today, module docstring)."""
+    """PAGODA_DENSE_GEMV=1 (a measurement switch: on a GPU the 16-bit linears take the GEMV only where a tuned
+    table says it beats cuBLAS; head_gemv and PDL for dense single-token steps follow the switch alone)."""
     return os.environ.get("PAGODA_DENSE_GEMV") == "1"
 
 
@@ -76,7 +77,7 @@ def tuned_table(device: str) -> dict[tuple[int, int, int], GemvTiles | str]:
     writes it); {} when there is none."""
     path = CONFIG_DIR / config_name(device.replace(" ", "_"))
     if not path.exists():
-        log.info("no tuned 16-bit GEMV tiles for %s (%s): default tiles", device, path.name)
+        log.info("no tuned 16-bit GEMV tiles for %s (%s): its linears stay on torch's", device, path.name)
         return {}
     table: dict[tuple[int, int, int], GemvTiles | str] = {}
     for key, entry in json.loads(path.read_text()).items():

@@ -297,9 +297,7 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     rows = x.numel() // x.shape[-1]
     if not ops.prefers_weight_only(rows, weight.shape[0], weight.shape[1], x.device):
         return None
-    if gated:
-        return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, gated=True)
-    return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None)
+    return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, gated=gated)
 
 
 def uses_head_gemv(ops: Ops, num_tokens: int) -> bool:
