@@ -6,9 +6,10 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
 1. Tuning (M = 1 .. 256): every candidate tile set (FMA rows for M <= 4, tensor-core tiles beyond; narrow N
    tiles, split-K) is checked against the reference, then timed as decode runs it: replayed from a CUDA graph
    that cycles through enough copies of the weights (>= 256 MB) that none is in L2 when its turn comes. The best
-   (tensor-core tiles with and without swap_ab; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
+   (tensor-core tiles with and without swap_ab, and from 32 rows act_fp8 tiles, which quantize the activation
+   tile they load: W8A8 with no quantize kernel; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
    (plus the activation quantization where no fused op does it: o_proj) is faster; above 32 rows W8A16 must win
-   to be kept. --swap-only: the swap_ab tiles against the committed entry.
+   to be kept. --swap-only / --act-fp8-only: only those tiles against the committed entry.
 2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
    (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes. At
    M = 1 also W8A16 launched as a single-token step launches it (programmatic dependent launch, pdl.FIRST: each
@@ -22,6 +23,7 @@ kernels/fp8_configs/w8a16,device=<GPU name>,triton=<version>.json) under --out o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -61,14 +63,29 @@ def candidates(bucket: int) -> list[Any]:
                 (64, 128), (32, 64, 128), (64, 128), (1, 2, 4), ((4, 3), (8, 3))):
             out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
                                  num_warps=warps, num_stages=stages))
-        return out + swap_candidates(bucket)
+        return out + swap_candidates(bucket) + act_fp8_candidates(bucket)
     if bucket >= 2:  # tensor-core tiles, rows padded to 16 or 32
         for block_m, block_n, block_k, split in itertools.product((16, 32), (16, 32, 64), (128, 256), (1, 2, 4)):
             if block_m < bucket:
                 continue  # two M tiles would read the weights twice
             out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
                                  num_warps=4, num_stages=4))
-        out += swap_candidates(bucket)
+        out += swap_candidates(bucket) + act_fp8_candidates(bucket)
+    return out
+
+
+def act_fp8_candidates(bucket: int) -> list[Any]:
+    """Tensor-core tiles that quantize the activation tile they load (W8A8 on fp8 tensor cores, no quantize kernel:
+    GemvTiles.act_fp8), from 32 rows: the swap_ab tiles and a few plain ones."""
+    from pagoda.kernels.fp8_weight_only import GemvTiles
+
+    if bucket < 32:
+        return []
+    out = [dataclasses.replace(tiles, act_fp8=True) for tiles in swap_candidates(bucket)]
+    rows = (32,) if bucket == 32 else (64, 128)
+    for block_m, block_n, split, warps in itertools.product(rows, (64, 128), (1, 2, 4), (4, 8)):
+        out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=128, split_k=split, use_dot=True,
+                             num_warps=warps, num_stages=3, act_fp8=True))
     return out
 
 
@@ -88,6 +105,10 @@ def swap_candidates(bucket: int) -> list[Any]:
         out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
                              num_warps=warps, num_stages=3, swap_ab=True))
     return out
+
+
+POOLS: dict[str, Callable[[int], list[Any]]] = {"all": candidates, "swap": swap_candidates,
+                                                 "act_fp8": act_fp8_candidates}
 
 
 def _cosine(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -130,25 +151,27 @@ def _in_pdl_chain(op: Callable[..., object]) -> Callable[..., object]:
 
 
 def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[torch.Tensor],
-               buckets: tuple[int, ...], swap_only: bool = False) -> dict[int, dict[str, Any]]:
+               buckets: tuple[int, ...], pool: str = "all") -> dict[int, dict[str, Any]]:
     """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape. The committed table's tiles for the bucket
-    (if any) are always among the candidates; swap_only: only they and the swap_ab tiles."""
+    (if any) are always among the candidates; pool "swap" / "act_fp8": only they and those tiles."""
     from pagoda.kernels import fp8_weight_only as w8
     from pagoda.kernels import reference as ref
 
     result = {}
     for bucket in buckets:
         x = torch.randn(bucket, k, device="cuda").bfloat16()  # [M, K]
-        expected = ref.fp8_weight_only_linear(x, w_q[0], w_s[0], None)
+        weight_only = ref.fp8_weight_only_linear(x, w_q[0], w_s[0], None)
         best: tuple[float, Any] | None = None
         committed = w8.tuned_table(torch.cuda.get_device_name()).get((n, k, bucket))
-        pool = swap_candidates(bucket) if swap_only else candidates(bucket)
-        for tiles in ([committed] if committed and committed not in pool else []) + pool:
+        tried = POOLS[pool](bucket)
+        for tiles in ([committed] if committed and committed not in tried else []) + tried:
             try:
                 out = w8.fp8_weight_only_linear(x, w_q[0], w_s[0], None, tiles=tiles)
             except Exception as exc:  # a tile set this GPU cannot compile (shared memory, registers): skip it
                 print(f"  {name} M={bucket} {tiles}: {type(exc).__name__}")
                 continue
+            expected = (ref.fp8_act_tile_linear(x, w_q[0], w_s[0], None, tiles.block_k) if tiles.act_fp8
+                        else weight_only)
             if _cosine(out, expected) < 0.999:
                 raise AssertionError(f"{name} M={bucket} {tiles}: cosine {_cosine(out, expected):.5f}")
             us = rotating_us(w8.fp8_weight_only_linear, x, w_q, w_s, None, tiles=tiles)
@@ -196,13 +219,17 @@ def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: lis
     exact = x.float() @ w[0].float().t()  # [M, N]
     row["cosine_w8a8"] = _cosine(fp8.fp8_linear(x, w_q[0], w_s[0], None), exact)
     weight_only = w8.prefers_weight_only(m, n, k, x.device)
+    tile_quant = weight_only and w8.pick_tiles(m, n, k, None, x.device).act_fp8  # W8A8 inside the GEMV kernel
     if m <= w8.DEFAULT_MAX_ROWS or weight_only:
         row["w8a16_us"] = rotating_us(lambda x_, wq, s: w8.fp8_weight_only_linear(x_, wq, s, None), x, w_q, w_s)
         row["cosine_w8a16"] = _cosine(w8.fp8_weight_only_linear(x, w_q[0], w_s[0], None), exact)
+        row["w8a16_act_fp8"] = w8.pick_tiles(m, n, k, None, x.device).act_fp8
     if m == 1:  # as a single-token step runs it: each launch under PDL, overlapping the previous one's tail
         row["w8a16_chained_us"] = rotating_us(_in_pdl_chain(w8.fp8_weight_only_linear), x, w_q, w_s, None)
     row["dispatch"] = "w8a16" if weight_only else ("w8a8_own_quant" if name == "o" else "w8a8_fused_quant")
     row["dispatch_us"] = row[f"{row['dispatch']}_us"]
+    if tile_quant:
+        row["dispatch"] = "w8a8_tile_quant"  # timed as w8a16_us: the same kernel with act_fp8 tiles
     row["speedup_vs_bf16"] = row["bf16_us"] / row["dispatch_us"]
     row["fp8_TBps"] = (n * k + m * k * 2) / row["dispatch_us"] / 1e6
     if "w8a16_chained_us" in row:
@@ -220,6 +247,8 @@ def main() -> int:
     parser.add_argument("--skip-sweep", action="store_true", help="tune only")
     parser.add_argument("--swap-only", action="store_true",
                         help="tune only the swap_ab tiles against the committed entry of each bucket")
+    parser.add_argument("--act-fp8-only", action="store_true",
+                        help="tune only the act_fp8 tiles (from 32 rows) against the committed entry of each bucket")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/fp8_tune"))
     args = parser.parse_args()
     from pagoda.kernels import fp8_weight_only as w8
@@ -239,7 +268,8 @@ def main() -> int:
         for name, n, k in SHAPES[shape]:
             w, w_q, w_s = _weights(n, k)
             if not args.skip_tune:
-                for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets, args.swap_only).items():
+                pool = "swap" if args.swap_only else "act_fp8" if args.act_fp8_only else "all"
+                for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets, pool).items():
                     table[f"{n},{k},{bucket}"] = {"w8a8": True} if entry["choice"] == "w8a8" else entry["tiles"]
             del w, w_q, w_s
             torch.cuda.empty_cache()

@@ -3,7 +3,11 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv   (default: tests,parity,pagoda,peers,compiled)
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8   (default: tests,parity,pagoda,peers,compiled)
+#   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 32-256
+#   rows against the committed table (fp8_tune --act-fp8-only; commit $OUT/tune_act/w8a16_table.json under
+#   kernels/fp8_configs/ where they won), the sweep against bf16 with that table, then llama3-8b FP8 and FP8 + FP8 KV
+#   on the reference workload (its decode steps run 256 rows).
 #   dense-gemv: tune the 16-bit GEMV (bench/gemv_tune.py, DENSE_MODELS, DENSE_BUCKETS) against cuBLAS, install the
 #   table (commit $OUT/gemv_tune/dense_table.json under kernels/gemv_configs/), then bench/step_ab.py with
 #   PAGODA_DENSE_GEMV=0 / 1 on DENSE_MODELS_AB at B = 1 and 4 (DENSE_BUCKETS defaults to 1: untuned buckets stay on
@@ -185,6 +189,18 @@ if has candidates; then
   # 98.8 us against a 39.9 us floor; since then the pairs-at-once down GEMV)
   timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
     --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 | grep -v "^{" | tail -40
+fi
+if has act-fp8; then
+  # W8A8 inside the GEMV kernel (act_fp8 tiles: the activation tile quantized where it is loaded, fp8 tensor cores)
+  # tuned against the committed entries at 32-256 rows, the sweep with that table, then llama3-8b FP8 end to end
+  timeout 420 python3 -m pagoda.bench.fp8_tune --act-fp8-only --buckets 32,64,128,256 --out "$OUT/tune_act" 2>&1 \
+    | grep -E "^tune|tuned|slower|^sweep .*M= *(32|64|128|256):" | cut -c1-230
+  cp "$OUT"/tune_act/w8a16,*.json /tmp/site/pagoda/kernels/fp8_configs/ && echo "act_fp8 table installed"
+  for q in "fp8" "fp8 --kv-cache-dtype fp8"; do
+    echo "== llama3-8b ${q}"
+    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --quantization $q \
+      --timeout 120 --out "$OUT/act_fp8_llama3-8b_${q// /_}.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+  done
 fi
 if has dense-gemv; then
   # the 16-bit GEMV tuned per layer and M bucket against cuBLAS, the table installed, then decode steps with it

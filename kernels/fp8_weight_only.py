@@ -6,7 +6,9 @@ Semantics: reference.fp8_weight_only_linear.
 
 Launch shape per (M, N, K): a tile of BLOCK_N output channels per program, optional split-K over SPLIT_K
 programs whose fp32 partials a second small kernel sums (with the bias and the cast), and either tensor-core
-dots (rows padded to 16) or FMA reductions for 1-8 rows. Tuned per shape and M bucket on the GPU by
+dots (rows padded to 16) or FMA reductions for 1-8 rows; tensor-core tiles may also quantize the activation
+tile they load (act_fp8: W8A8 on fp8 tensor cores with no quantize kernel, scales per row and BLOCK_K columns,
+a candidate from 32 rows). Tuned per shape and M bucket on the GPU by
 `python -m pagoda.bench.fp8_tune` into fp8_configs/*.json (keyed by device and Triton version); default
 heuristics otherwise.
 
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import pdl
+from pagoda.kernels.fp8 import FP8_MIN_AMAX_C, cast_e4m3, hw_cast
 
 FP8_DTYPE = torch.float8_e4m3fn
 CONFIG_DIR = Path(__file__).with_name("fp8_configs")
@@ -50,6 +53,7 @@ class GemvTiles:
     num_stages: int = 4
     late_reduce: bool = False  # FMA tiles of one row: reduce over K once at the end (see _w8a16_kernel)
     swap_ab: bool = False  # tensor-core tiles: W tile on the dot's M side (see _w8a16_kernel)
+    act_fp8: bool = False  # tensor-core tiles: W8A8 inside the kernel (see _w8a16_kernel ACT_FP8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,19 @@ class SplitKPartials:
         return out
 
 
+@triton.jit
+def _pow2_scale(amax):
+    """(scale, 1 / scale) for fp32 amax >= 0: the smallest power of two with amax / scale <= 448 (amax at least
+    FP8_MIN_AMAX), built from amax's exponent and mantissa bits: no division, and x * (1 / scale) is exact, so the
+    e4m3 codes are x / scale rounded once (reference.pow2_act_scales)."""
+    bits = tl.maximum(amax, FP8_MIN_AMAX_C).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127  # amax = m * 2^exponent, m in [1, 2)
+    scale_exp = exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 448 = 1.75 * 2^8
+    scale = ((scale_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - scale_exp) << 23).to(tl.float32, bitcast=True)
+    return scale, inverse
+
+
 @triton.jit(do_not_specialize=["M"])  # the token count changes every step: one variant for every M
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_ps,
@@ -76,7 +93,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   FP32_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, HAS_SCALE: tl.constexpr,
                   SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  ACT_FP8: tl.constexpr, HW_CAST: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (n tile, m tile, k split): acc[BLOCK_M, BLOCK_N] = x[rows, k range] @ W[cols, k range]^T in fp32,
     each weight scale applied to its group's partial sum (GROUP_K = 0: one scale per channel, applied at the
     end; HAS_SCALE = False: 16-bit weights, no scales, for gemv.dense_gemv). SPLIT_K == 1 writes out (+ bias);
@@ -87,7 +104,13 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     wgmma reads it from registers, where it was converted, instead of a round trip through shared memory) and the
     few token rows on the dot's N side.
     GATED: x is a gated MLP's [gate ‖ up] rows ([M, 2K]); the kernel multiplies silu(gate) * up, computed and
-    rounded as activation.silu_and_mul computes it, so one launch replaces that kernel and this one."""
+    rounded as activation.silu_and_mul computes it, so one launch replaces that kernel and this one.
+    ACT_FP8 (tensor-core tiles, e4m3 weights): W8A8 with the activation quantized where it is loaded, no quantize
+    kernel of its own: each [BLOCK_M, BLOCK_K] tile of x is scaled per row by a power of two that brings its amax
+    to at most 448 (_pow2_scale) and cast to e4m3,
+    the dot runs on fp8 tensor cores with the weight tile as loaded (no conversion), and the fp32 product is
+    multiplied by the row scales of that K step (scales per row and BLOCK_K columns: reference.fp8_act_tile_linear).
+    Every program of an N column quantizes the same x tiles again (they are read from L2)."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -129,7 +152,23 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
             else:
                 acc_wide += prod * scale[:, None]
         else:
-            if USE_DOT:
+            if ACT_FP8:  # x_scale [BM]: this K step's row scales; x_op e4m3 codes (their fp32 values for FP32_DOT)
+                xf = x.to(tl.float32)
+                x_scale, x_inverse = _pow2_scale(tl.max(tl.abs(xf), 1))  # [BM] each
+                x_op = cast_e4m3(xf * x_inverse[:, None], HW_CAST)  # exact scaling, |.| <= 448: no clamp
+                w_op = w
+                if FP32_DOT:
+                    x_op = x_op.to(tl.float32)
+                    w_op = w.to(tl.float32)
+                if SWAP_AB:
+                    part_t = tl.dot(w_op, tl.trans(x_op), input_precision=DOT_PRECISION) * x_scale[None, :]
+                    if GROUP_K == 0:
+                        acc_t += part_t  # [BN, BM]
+                    else:
+                        acc_t += part_t * scale[:, None]
+                else:
+                    part = tl.dot(x_op, tl.trans(w_op), input_precision=DOT_PRECISION) * x_scale[:, None]
+            elif USE_DOT:
                 if FP32_DOT:  # fp32 activations; or Triton 3.6's interpreter, which multiplies bf16 wrongly
                     w_op = w.to(tl.float32)
                     x_op = x.to(tl.float32)
@@ -306,6 +345,8 @@ def _check_tiles(tiles: GemvTiles, k: int, group_size: int | None) -> None:
         raise ValueError(f"tensor-core tiles need block_m >= 16, got {tiles.block_m}")
     if tiles.swap_ab and not tiles.use_dot:
         raise ValueError("swap_ab is for tensor-core tiles (use_dot)")
+    if tiles.act_fp8 and (not tiles.use_dot or tiles.block_k < 32):
+        raise ValueError("act_fp8 is for tensor-core tiles (use_dot) of block_k >= 32 (the fp8 MMA's K)")
     if tiles.late_reduce and (tiles.use_dot or tiles.block_m != 1):
         raise ValueError("late_reduce is for FMA tiles of one row (block_m 1, no use_dot)")
     if not _tiles_fit_groups(tiles, k, group_size):
@@ -378,6 +419,8 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     num_rows, (n, k) = x2.shape[0], weight.shape
     assert x2.shape[1] == (2 * k if gated else k) and x2.stride(1) == 1
     _check_tiles(tiles, k, group_size)
+    if tiles.act_fp8 and weight_scale is None:
+        raise ValueError("act_fp8 tiles multiply e4m3 weights (with their scales), not 16-bit ones")
     split = tiles.split_k
     out = torch.empty((num_rows, n), dtype=x2.dtype, device=x2.device)  # [M, N]
     part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x2.device) if split > 1 else out
@@ -393,6 +436,7 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                         BLOCK_K=tiles.block_k,
                         FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32",
                         LATE_REDUCE=tiles.late_reduce, HAS_SCALE=weight_scale is not None,
-                        SWAP_AB=tiles.swap_ab, GATED=gated, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                        SWAP_AB=tiles.swap_ab, GATED=gated, ACT_FP8=tiles.act_fp8, HW_CAST=hw_cast(),
+                        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                         **pdl.launch_options(x2.device))
     return out, part

@@ -395,6 +395,31 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def pow2_act_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with amax / s <= 448 (amax clamped to at least FP8_MIN_AMAX), fp32."""
+    mantissa, exponent = torch.frexp(amax.float().clamp(min=FP8_MIN_AMAX))  # amax = mantissa * 2^exponent, [0.5, 1)
+    scale_exp = exponent - 9 + (2 * mantissa > FP8_MAX / 256).int()  # 2 * mantissa in [1, 2); 448 = 1.75 * 2^8
+    return torch.ldexp(torch.ones_like(mantissa), scale_exp)
+
+
+def fp8_act_tile_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int | None,
+                        act_group: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 with the activations quantized per row and act_group columns (the weight-only kernel's act_fp8 tiles,
+    act_group = their BLOCK_K): W e4m3 [N, K] with scales [N, 1] or [N, ceil(K / g)]; both sides dequantized and
+    multiplied in fp32. The scales are powers of two (pow2_act_scales), so scaling is exact. Returns [..., N] in
+    x's dtype."""
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k).float()  # [M, K]
+    groups = -(-k // act_group)
+    padded = F.pad(x2, (0, groups * act_group - k)).view(-1, groups, act_group)
+    x_scale = pow2_act_scales(padded.abs().amax(dim=2))  # [M, G]
+    x_q = quantize_fp8(x2, expand_group_scales(x_scale, k, act_group))
+    out = dequantize_fp8(x_q, x_scale, act_group) @ dequantize_fp8(weight, weight_scale, group_size).t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMM of fp8_linear on already quantized activations: x_q e4m3 [M, K] with scales [M, 1 or G] ->

@@ -272,6 +272,28 @@ def run_w8a16_swap_ab() -> None:
                                 gated=True)
 
 
+def run_w8a16_act_fp8() -> None:
+    """The act_fp8 tiles (the activation tile quantized in registers, e4m3 x e4m3 on the tensor cores; bench/
+    fp8_tune.py's candidates from 32 rows), swap_ab or not, per-channel and 128-wide group scales, bf16 and fp32
+    activations, and gated."""
+    from pagoda.kernels import fp8_weight_only as w8
+
+    for (rows, block_m, block_n, warps, swap), group, dtype in itertools.product(
+            ((64, 64, 128, 8, True), (128, 128, 64, 8, False), (32, 32, 64, 4, False)), (None, 128),
+            (torch.bfloat16, torch.float32)):
+        n, k = 4096, 4096
+        weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(n, 1 if group is None else k // group, dtype=torch.float32)
+        tiles = w8.GemvTiles(block_m=block_m, block_n=block_n, block_k=128, split_k=2, use_dot=True,
+                             num_warps=warps, num_stages=3, swap_ab=swap, act_fp8=True)
+        w8.fp8_weight_only_linear(torch.empty(rows, k, dtype=dtype), weight, scale, group, tiles=tiles)
+    weight, scale = torch.empty(4096, 14336, dtype=torch.float8_e4m3fn), torch.empty(4096, 1, dtype=torch.float32)
+    tiles = w8.GemvTiles(block_m=64, block_n=128, block_k=128, split_k=4, use_dot=True, num_warps=8, num_stages=3,
+                         swap_ab=True, act_fp8=True)
+    w8.fp8_weight_only_deferred(torch.empty(64, 2 * 14336, dtype=torch.bfloat16), weight, scale, None, tiles=tiles,
+                                gated=True)
+
+
 def main() -> int:
     install()
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
@@ -284,6 +306,7 @@ def main() -> int:
     run_block_copy()
     run_dense_gemv()
     run_w8a16_swap_ab()
+    run_w8a16_act_fp8()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
     for message in STEP_ERRORS:

@@ -285,3 +285,82 @@ def test_model_with_silu_fused_into_down_equals_separate_kernels(monkeypatch: py
     for fused, separate in zip(*results, strict=True):
         assert torch.equal(fused, separate)
     assert launches == [0, 2 * arch.num_layers], "fused: no silu launch on the weight-only path"
+
+
+ACT_FP8_TILES = [
+    w8.GemvTiles(block_m=16, block_n=32, block_k=64, use_dot=True, act_fp8=True),
+    w8.GemvTiles(block_m=32, block_n=16, block_k=128, split_k=2, use_dot=True, act_fp8=True),
+    w8.GemvTiles(block_m=16, block_n=64, block_k=64, use_dot=True, swap_ab=True, act_fp8=True),
+    w8.GemvTiles(block_m=32, block_n=64, block_k=128, split_k=2, use_dot=True, swap_ab=True, act_fp8=True),
+]
+ACT_FP8_IDS = ["dot", "dot-split2", "dot-swap", "dot-swap-split2"]
+
+
+@pytest.mark.parametrize("tiles", ACT_FP8_TILES, ids=ACT_FP8_IDS)
+@pytest.mark.parametrize("group_size", [None, 128])
+@pytest.mark.parametrize("num_rows", [3, 20])
+def test_act_fp8_tiles_quantize_each_activation_tile(tiles: w8.GemvTiles, group_size: int | None,
+                                                     num_rows: int) -> None:
+    """act_fp8 tiles equal W8A8 with the activations quantized per row and BLOCK_K columns (the tile they load),
+    not the unquantized W8A16 product: each row's tiles get their own scales (rows and tiles of very different
+    magnitude below)."""
+    n, k = 48, 512
+    weight, scale = _weights(n, k, group_size, seed=num_rows)
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, k, generator=gen).to(DEVICE)  # [M, K]
+    x[:, : tiles.block_k] *= 1e-2  # the first K tile of every row far below the rest
+    x[0] *= 50.0
+    x = x.bfloat16()
+    bias = torch.randn(n, generator=gen).to(DEVICE).bfloat16()
+    out = w8.fp8_weight_only_linear(x, weight, scale, group_size, bias, tiles=tiles)
+    expected = ref.fp8_act_tile_linear(x, weight, scale, group_size, tiles.block_k, bias)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    # mean errors relative to each row's largest output: the bf16 rounding of the output (~2^-9) against the
+    # quantization noise of the activations (~2^-5)
+    err_to_tiles = _mean_row_error(out, expected)
+    assert err_to_tiles < 0.5 * _mean_row_error(out, ref.fp8_weight_only_linear(x, weight, scale, group_size, bias)), \
+        "the activations were quantized"
+    per_row = ref.fp8_linear(x, weight, scale, group_size, bias)  # one activation scale a row (or scale group)
+    if group_size != tiles.block_k:
+        assert err_to_tiles < 0.5 * _mean_row_error(out, per_row), "with scales per row and K tile"
+
+
+def _mean_row_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    row_max = expected.float().abs().amax(-1, keepdim=True).clamp_min(1e-6)
+    return ((out.float() - expected.float()).abs() / row_max).mean().item()
+
+
+@pytest.mark.parametrize("tiles", ACT_FP8_TILES[1:3], ids=ACT_FP8_IDS[1:3])
+def test_act_fp8_tiles_ragged_k_gated_and_fp32(tiles: w8.GemvTiles) -> None:
+    """A K that does not fill the tiles (the masked tail quantizes as zeros); the gated down projection quantizes
+    silu(gate) * up, the same bits as silu_and_mul and then the plain act_fp8 GEMV; fp32 activations."""
+    from pagoda.kernels.activation import silu_and_mul
+
+    n, k = 40, 200
+    weight, scale = _weights(n, k, None, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2, 9, k, generator=gen).to(DEVICE, dtype)  # [2, 9, K]
+        out = w8.fp8_weight_only_linear(x, weight, scale, None, tiles=tiles)
+        expected = ref.fp8_act_tile_linear(x, weight, scale, None, tiles.block_k)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    gate_up = (2 * torch.randn(5, 2 * k, generator=gen)).to(DEVICE).bfloat16()  # [M, 2K]
+    fused = w8.fp8_weight_only_deferred(gate_up, weight, scale, None, tiles=tiles, gated=True)
+    plain = w8.fp8_weight_only_deferred(silu_and_mul(gate_up), weight, scale, None, tiles=tiles)
+    if isinstance(fused, w8.SplitKPartials):
+        assert isinstance(plain, w8.SplitKPartials) and torch.equal(fused.parts, plain.parts)
+    else:
+        assert isinstance(plain, torch.Tensor) and torch.equal(fused, plain)
+
+
+def test_act_fp8_tiles_refuse_what_they_cannot_run() -> None:
+    weight, scale = _weights(32, 256, None, seed=1)
+    x = torch.randn(2, 256, device=DEVICE).bfloat16()
+    with pytest.raises(ValueError, match="act_fp8"):  # FMA rows have no fp8 tensor-core dot
+        w8.fp8_weight_only_linear(x, weight, scale, None, tiles=w8.GemvTiles(block_m=2, act_fp8=True))
+    with pytest.raises(ValueError, match="act_fp8"):  # below the fp8 MMA's K of 32
+        w8.fp8_weight_only_linear(x, weight, scale, None,
+                                  tiles=w8.GemvTiles(block_m=16, block_k=16, use_dot=True, act_fp8=True))
+    dense = torch.randn(32, 256, device=DEVICE).bfloat16()  # 16-bit weights take the same kernel, never these tiles
+    with pytest.raises(ValueError, match="act_fp8"):
+        w8.launch_gemv(x, dense, None, None, None, w8.GemvTiles(block_m=16, block_k=64, use_dot=True, act_fp8=True))
