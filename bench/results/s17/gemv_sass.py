@@ -1,55 +1,14 @@
-"""sm_90 SASS of the W8A16 kernel's K loop, swap_ab or not, for llama3-8b's o projection at 64 rows (CPU only).
+"""sm_90 SASS of the W8A16 kernel's K loop, swap_ab or not, for llama3-8b's o projection at 64 rows (CPU only), as
+run in the seventeenth session; the helpers now live in pagoda.bench.gemv_sass.
 TRITON_INTERPRET=0 PYTHONPATH=. python bench/results/s17/gemv_sass.py"""
-import collections
-import re
-import sys
-from pathlib import Path
+from pagoda.bench import gemv_sass
+from pagoda.kernels import fp8_weight_only as w8
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-import gpu_compile  # noqa: E402
-
-from pagoda.bench import attention_sass as sass_tools  # noqa: E402
-from pagoda.kernels import fp8_weight_only as w8  # noqa: E402
-
-gpu_compile.driver.set_active(gpu_compile.CompileOnlyDriver())
-
-
-def compile_tiles(m, n, k, t):
-    x = torch.empty(m, k, dtype=torch.bfloat16)
-    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    s = torch.empty(n, 1, dtype=torch.float32)
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    part = torch.empty(t.split_k, m, n, dtype=torch.float32)
-    return w8._w8a16_kernel.warmup(
-        x, w, s, out, part, out, m, n, k, x.stride(0), w.stride(0), s.stride(0), out.stride(0),
-        part.stride(0) if t.split_k > 1 else 0, GROUP_K=0, SPLIT_K=t.split_k, HAS_BIAS=False, USE_DOT=t.use_dot,
-        EVEN_K=True, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, FP32_DOT=False, LATE_REDUCE=False,
-        HAS_SCALE=True, SWAP_AB=t.swap_ab, DOT_PRECISION="tf32", USE_PDL=0, num_warps=t.num_warps,
-        num_stages=t.num_stages, grid=(1,))
-
-
-def main():
-    m, n, k = 64, 4096, 4096
-    variants = [w8.GemvTiles(block_m=64, block_n=64, block_k=128, split_k=4, use_dot=True, num_stages=3)]
-    for bm, bn, bk, warps in ((64, 64, 128, 4), (64, 128, 128, 4), (64, 128, 128, 8), (64, 128, 256, 8),
-                              (64, 256, 128, 8), (16, 128, 256, 8), (16, 256, 128, 8), (128, 128, 128, 8)):
-        variants.append(w8.GemvTiles(block_m=bm, block_n=bn, block_k=bk, split_k=4, use_dot=True, num_stages=3,
-                                     swap_ab=True, num_warps=warps))
-    print("| swap | warps | BM | BN | BK | regs | shared KB | loop instrs (warp) | per KB weight | wgmma | top |")
-    for t in variants:
-        kern = compile_tiles(m, n, k, t)
-        sass, usage = sass_tools.disassemble(kern.asm["cubin"])
-        regs = int(re.search(r"REG:(\d+)", usage).group(1))
-        loops = [b for b in sass_tools.loop_bodies(sass) if len(b) > 30]
-        body = max(loops, key=len) if loops else []
-        kb = t.block_n * t.block_k / 1024
-        per_kb = len(body) * t.num_warps / kb
-        top = ", ".join(f"{op} {c}" for op, c in collections.Counter(body).most_common(6))
-        wg = sum(op.startswith("HGMMA") for op in body); spill = sum(op in ('LDL', 'STL') for op in body)
-        print(f"| {t.swap_ab} | {t.num_warps} | {t.block_m} | {t.block_n} | {t.block_k} | {regs} | {kern.metadata.shared/1024:.0f} | "
-              f"{len(body)} | {per_kb:.0f} | {wg} | spill {spill} | {top} |")
-
-
-main()
+gemv_sass.use_compile_only_driver()
+variants = [w8.GemvTiles(block_m=64, block_n=64, block_k=128, split_k=4, use_dot=True, num_stages=3)]
+for bm, bn, bk, warps in ((64, 64, 128, 4), (64, 128, 128, 4), (64, 128, 128, 8), (64, 128, 256, 8),
+                          (64, 256, 128, 8), (16, 128, 256, 8), (16, 256, 128, 8), (128, 128, 128, 8)):
+    variants.append(w8.GemvTiles(block_m=bm, block_n=bn, block_k=bk, split_k=4, use_dot=True, num_stages=3,
+                                 swap_ab=True, num_warps=warps))
+for tiles in variants:
+    print(gemv_sass.loop_row(64, tiles, gemv_sass.compile_w8a16(64, 4096, 4096, tiles)))

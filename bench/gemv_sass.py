@@ -1,0 +1,94 @@
+"""What the FP8 GEMV kernel (kernels/fp8_weight_only._w8a16_kernel) costs per K step on an H100/H200, read from its
+sm_90 SASS on a machine with no GPU (tests/gpu_compile.py's compile-only driver, Triton's bundled ptxas and
+nvdisasm, as bench/attention_sass.py does for attention): registers, shared memory, the instructions of the K loop
+per warp and per KB of weights a program reads, the MMA instructions (HGMMA: 16-bit operands, QGMMA: e4m3), spills,
+and the instruction kinds that dominate. Tile sets: W8A16 (the weight tile converted to bf16) against act_fp8
+(the activation tile quantized, both operands e4m3), swap_ab or not.
+
+    TRITON_INTERPRET=0 python -m pagoda.bench.gemv_sass [--rows 64,128] [--n 4096] [--k 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.bench import attention_sass as sass_tools
+from pagoda.kernels import fp8_weight_only as w8
+
+# (act_fp8, swap_ab, block_m, block_n, block_k, warps); split-K 4, 3 stages
+VARIANTS = ((False, True, 64, 128, 128, 8), (True, True, 64, 128, 128, 8), (True, True, 64, 64, 128, 4),
+            (True, True, 128, 128, 128, 8), (False, False, 64, 64, 128, 4), (True, False, 64, 64, 128, 4),
+            (True, False, 128, 64, 128, 8), (True, False, 64, 128, 128, 4))
+
+
+def use_compile_only_driver() -> None:
+    """Compile for sm_90 with no GPU: tests/gpu_compile.py's driver (a checkout's tests folder)."""
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling for the GPU needs TRITON_INTERPRET unset or 0"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import gpu_compile
+
+    gpu_compile.driver.set_active(gpu_compile.CompileOnlyDriver())
+
+
+def compile_w8a16(num_rows: int, n: int, k: int, tiles: w8.GemvTiles, gated: bool = False) -> Any:
+    """The compiled _w8a16_kernel (Triton's CompiledKernel) for x [M, K] bf16, e4m3 W [N, K], per-channel scales."""
+    x = torch.empty(num_rows, (2 if gated else 1) * k, dtype=torch.bfloat16)
+    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(n, 1, dtype=torch.float32)
+    out = torch.empty(num_rows, n, dtype=torch.bfloat16)
+    part = torch.empty(tiles.split_k, num_rows, n, dtype=torch.float32)
+    return w8._w8a16_kernel.warmup(
+        x, weight, scale, out, part, out, num_rows, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+        out.stride(0), part.stride(0) if tiles.split_k > 1 else 0, GROUP_K=0, SPLIT_K=tiles.split_k,
+        HAS_BIAS=False, USE_DOT=tiles.use_dot, EVEN_K=k % (tiles.split_k * tiles.block_k) == 0,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FP32_DOT=False,
+        LATE_REDUCE=tiles.late_reduce, HAS_SCALE=True, SWAP_AB=tiles.swap_ab, DOT_PRECISION="tf32", GATED=gated,
+        ACT_FP8=tiles.act_fp8, HW_CAST=True, USE_PDL=0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        grid=(1,))
+
+
+def loop_row(num_rows: int, tiles: w8.GemvTiles, kernel: Any) -> str:
+    """One table row: the longest loop of the kernel's SASS (the K loop)."""
+    sass, usage = sass_tools.disassemble(kernel.asm["cubin"])
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))  # type: ignore[union-attr]
+    loops = [body for body in sass_tools.loop_bodies(sass) if len(body) > 30]
+    body = max(loops, key=len) if loops else []
+    per_kb = len(body) * tiles.num_warps / (tiles.block_n * tiles.block_k / 1024)
+    mma = collections.Counter(op for op in body if "GMMA" in op or op.startswith("HMMA"))
+    spills = sum(op in ("LDL", "STL") for op in body)
+    top = ", ".join(f"{op} {count}" for op, count in collections.Counter(body).most_common(5))
+    return (f"| {num_rows} | {tiles.act_fp8} | {tiles.swap_ab} | {tiles.num_warps} | {tiles.block_m} | {tiles.block_n}"
+            f" | {tiles.block_k} | {registers} | {kernel.metadata.shared / 1024:.0f} | {len(body)} | {per_kb:.0f} | "
+            f"{dict(mma)} | {spills} | {top} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="64,128", help="comma-separated token counts")
+    parser.add_argument("--n", type=int, default=4096, help="output channels (llama3-8b's o: 4096)")
+    parser.add_argument("--k", type=int, default=4096, help="input channels")
+    args = parser.parse_args(argv)
+    use_compile_only_driver()
+    print("| M | act_fp8 | swap | warps | BM | BN | BK | regs | shared KB | loop instrs (warp) | per KB weight | "
+          "MMA | spills | top |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for num_rows in (int(rows) for rows in args.rows.split(",")):
+        for act, swap, block_m, block_n, block_k, warps in VARIANTS:
+            if block_m > max(16, num_rows):
+                continue  # a second M tile would read the weights twice
+            tiles = w8.GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=4, use_dot=True,
+                                 num_warps=warps, num_stages=3, swap_ab=swap, act_fp8=act)
+            print(loop_row(num_rows, tiles, compile_w8a16(num_rows, args.n, args.k, tiles)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
