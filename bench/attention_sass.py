@@ -27,14 +27,15 @@ import torch
 import triton
 
 MODES = {"bf16": 0, "native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6, "qkv_fp8": 7,
-         "f16_pinned": 8}
+         "f16_pinned": 8, "qk_fp8x2": 9}
 VARIANTS = (("bf16", 64, 2, False), ("f16", 64, 2, False), ("f16", 128, 2, False), ("f16_words", 64, 2, False),
             ("f16_words", 128, 2, False), ("f16_words", 128, 3, False), ("f16_vwords", 128, 2, False),
             ("bf16", 64, 2, True), ("f16_words", 64, 2, True), ("f16_words", 128, 2, True),
             ("qk_fp8", 64, 2, False), ("qk_fp8", 128, 2, False), ("qk_fp8", 64, 2, True), ("qk_fp8", 128, 2, True),
             ("qkv_fp8", 64, 2, True), ("qkv_fp8", 128, 2, True), ("f16_pinned", 64, 2, False),
             ("f16_pinned", 64, 3, False), ("f16_pinned", 128, 2, False), ("f16_pinned", 64, 2, True),
-            ("f16_pinned", 128, 2, True))
+            ("f16_pinned", 128, 2, True), ("qk_fp8x2", 64, 2, True), ("qk_fp8x2", 128, 2, True),
+            ("qk_fp8x2", 64, 2, False))
 # (cache / conversion, keys a tile, stages, keys on the dots' M rows); 4 warps
 HEAD_DIM, BLOCK_SIZE, NUM_WARPS = 128, 16, 4
 SM_REGISTERS, SM_SHARED = 65536, 227 * 1024

@@ -12,9 +12,10 @@
 #   table (commit $OUT/gemv_tune/dense_table.json under kernels/gemv_configs/), then bench/step_ab.py with
 #   PAGODA_DENSE_GEMV=0 / 1 on DENSE_MODELS_AB at B = 1 and 4 (DENSE_BUCKETS defaults to 1: untuned buckets stay on
 #   cuBLAS, so B = 4 checks that nothing else changed).
-#   candidates: the seventeenth session's untimed candidates, in one call: the fp8-KV decode launch with 2 / 8 warps
-#   and 32-key tiles (kv_fp8_bench), SiLU fused into the FP8 down GEMV (step_ab, PAGODA_FUSE_SILU_GEMV), then
-#   deepseek-v2-lite's batch-1 step by kernel (deepseek_bench --profile).
+#   candidates: the untimed candidates of the seventeenth and eighteenth sessions, in one call: the fp8-KV decode
+#   launch with 2 / 8 warps and 32-key tiles and QK^T on fp8 tensor cores with q as one or two e4m3 terms
+#   (kv_fp8_bench; then whole decode steps with PAGODA_FP8_KV_DECODE, step_ab), SiLU fused into the FP8 down GEMV
+#   (step_ab, PAGODA_FUSE_SILU_GEMV). deepseek-v2-lite's batch-1 step by kernel: PHASES=deepseek-profile.
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
 #   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
 #   KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
@@ -179,16 +180,19 @@ if has kv-fp8; then
     2>&1 | tail -24
 fi
 if has candidates; then
-  # the decode launch of an fp8 cache with 2 / 8 warps and 32-key tiles (prepared in the seventeenth session, untimed)
-  timeout 240 python3 -m pagoda.bench.kv_fp8_bench --quick --only fp8_hf,fp8_words_t64,fp8_default \
+  # the decode launch of an fp8 cache with 2 / 8 warps and 32-key tiles (prepared in the seventeenth session, untimed),
+  # and QK^T on fp8 tensor cores with q as one e4m3 term (qk_fp8, an accuracy trade) or two (qk_fp8x2, eighteenth)
+  timeout 240 python3 -m pagoda.bench.kv_fp8_bench --quick --only fp8_hf,fp8_words_t64,fp8_qk_t64,fp8_qk2,fp8_default \
     --out "$OUT/kv_fp8_candidates.json" 2>&1 | tail -14
+  # the same in whole decode steps over an fp8 cache (PAGODA_FP8_KV_DECODE): llama3-8b FP8 and qwen3-0.6b
+  timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --kv-cache-dtype fp8 \
+    --batches 64,256 --context 1024 words=PAGODA_FP8_KV_DECODE= qk2=PAGODA_FP8_KV_DECODE=qk_fp8x2 \
+    qk=PAGODA_FP8_KV_DECODE=qk_fp8 2>&1 | grep "B=" | tail -2
+  timeout 120 python3 -m pagoda.bench.step_ab --model qwen3-0.6b --kv-cache-dtype fp8 --batches 256 --context 640 \
+    words=PAGODA_FP8_KV_DECODE= qk2=PAGODA_FP8_KV_DECODE=qk_fp8x2 2>&1 | grep "B=" | tail -1
   # SiLU-and-mul inside the weight-only down projection (one launch fewer a layer), llama3-8b FP8 at 1-8 tokens
   timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,4,8 \
     off=PAGODA_FUSE_SILU_GEMV=0 on=PAGODA_FUSE_SILU_GEMV=1 2>&1 | grep "B=" | tail -3
-  # where deepseek-v2-lite's 2.48 ms batch-1 step goes now (last profiled in the thirteenth session: a sparse layer
-  # 98.8 us against a 39.9 us floor; since then the pairs-at-once down GEMV)
-  timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
-    --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 | grep -v "^{" | tail -40
 fi
 if has act-fp8; then
   # W8A8 inside the GEMV kernel (act_fp8 tiles: the activation tile quantized where it is loaded, fp8 tensor cores)

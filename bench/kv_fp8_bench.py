@@ -78,6 +78,12 @@ DECODE_VARIANTS = (
     Variant("fp8_qk_t64", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     Variant("fp8_qk_t128", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 128, "decode_keys_on_m": True}),
     Variant("fp8_qk_t64_mrows", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 64}),
+    # q as two e4m3 terms (hi + its rounding error), two fp8 dots a K tile: a 16-bit q's accuracy (sm_90 SASS, 64-key
+    # tiles, keys on M: 394 loop instructions against qk_fp8's 365 and the default's 487; not yet timed on a GPU)
+    Variant("fp8_qk2_t64", True, {"fp8_convert": "qk_fp8x2", "decode_tile_n": 64, "decode_keys_on_m": True}),
+    Variant("fp8_qk2_t128", True, {"fp8_convert": "qk_fp8x2", "decode_tile_n": 128, "decode_keys_on_m": True}),
+    Variant("fp8_qk2_hf_t64", True, {"fp8_convert": "qk_fp8x2", "decode_tile_n": 64, "decode_keys_on_m": True,
+                                      "heads_fast": True}),
     # and PV too (e4m3 p x V as loaded): V's keys are strided, so Triton transposes the tile through shared memory
     Variant("fp8_qkv_t64", True, {"fp8_convert": "qkv_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     # the conversion pinned in the load's layout: e4m3 tiles by cp.async, then bf16's path into the dots (sm_90
@@ -105,6 +111,7 @@ CHUNK_VARIANTS = (
     Variant("fp8_qk", True, {"fp8_convert": "qk_fp8"}),
     Variant("fp8_qk_t64", True, {"fp8_convert": "qk_fp8", "prefill_tile_n": 64}),
     Variant("fp8_qkv", True, {"fp8_convert": "qkv_fp8"}),
+    Variant("fp8_qk2", True, {"fp8_convert": "qk_fp8x2"}),
     # q staged through memory (AttentionConfig.fp8_q_staged) or kept in registers as before, with or without a
     # 128-register cap (two 8-warp programs an SM); "fp8_unstaged_t64" is the chunk default before staging
     Variant("fp8_unstaged_t64", True, {"prefill_tile_n": 64, **_UNSTAGED}),

@@ -36,21 +36,25 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 
 def _caches(arch, num_blocks: int, device: torch.device,  # noqa: ANN001
             dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    """Random caches of every layer in dtype (the model's, or e4m3 for an fp8 cache)."""
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device).to(dtype)
+
     if arch.mla is not None:  # one latent "head" of R + P values a token
-        return [(torch.randn(num_blocks, 16, 1, arch.mla.entry_dim, device=device, dtype=dtype),)
-                for _ in range(arch.num_layers)]
-    return [tuple(torch.randn(num_blocks, 16, arch.num_kv_heads, arch.head_dim, device=device, dtype=dtype)
-                  for _ in range(2)) for _ in range(arch.num_layers)]
+        return [(random(num_blocks, 16, 1, arch.mla.entry_dim),) for _ in range(arch.num_layers)]
+    return [tuple(random(num_blocks, 16, arch.num_kv_heads, arch.head_dim) for _ in range(2))
+            for _ in range(arch.num_layers)]
 
 
 def measure(model, batch: int, context: int, variants: list[tuple[str, dict[str, str]]], rounds: int,  # noqa: ANN001
-            profile: bool, timer: Callable[[Callable[[], object]], float] | None = None) -> str:
+            profile: bool, timer: Callable[[Callable[[], object]], float] | None = None,
+            cache_dtype: torch.dtype | None = None) -> str:
     """One batch size: each variant's step timed (default: captured in a CUDA graph; min of rounds) and whether
     its logits equal the first variant's."""
     arch, device = model.arch, model.embed.device
     timer = timer or (lambda fn: graph_time_ms(fn, reps=30))
     meta, positions, num_blocks = make_batch([1] * batch, [context + 1] * batch, device)
-    caches = _caches(arch, num_blocks, device, model.dtype)
+    caches = _caches(arch, num_blocks, device, cache_dtype or model.dtype)
     ids = torch.randint(0, arch.vocab_size, (batch,), device=device)
 
     def step() -> torch.Tensor:
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default="none", choices=("none", "fp8", "fp8_block"))
     parser.add_argument("--batches", default="1")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="fp8: e4m3 caches (random codes, unit scales), as --kv-cache-dtype fp8 serves")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("variants", nargs="+", help="LABEL=VAR=value[;VAR=value...]; the first is the reference")
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     load_model(model, None, "dummy", seed=0)
     with torch.inference_mode():
         for index, batch in enumerate(int(b) for b in args.batches.split(",")):
-            print(measure(model, batch, args.context, variants, args.rounds, args.profile and index == 0), flush=True)
+            print(measure(model, batch, args.context, variants, args.rounds, args.profile and index == 0,
+                          cache_dtype=torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None), flush=True)
     return 0
 
 

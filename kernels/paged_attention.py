@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -54,9 +54,14 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #             Fewer instructions, yet slower on the H200 (2026-12-03, kv_fp8_bench, B=256, contexts 512-768, a
 #             layer): 167-169 us against 151-152 for f16_words at 64 keys and 146-149 for the default launch shape
 #             (bf16 cache 186-188); 128-key tiles 189-192. Kept selectable, not the default.
-FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "f16_pinned")
+#   "qk_fp8x2": "qk_fp8" with q as the sum of two e4m3 rows, q ~= hi * s_hi + lo * s_lo (lo: the rounding error
+#             of hi, quantized with its own row scale), and two fp8 dots over the same K tile: q keeps ~7 mantissa
+#             bits instead of 3 (relative rounding <= 2^-8 of the row's amax, as fine as a 16-bit q), for one more
+#             QGMMA a tile. V as in "f16_words". Not yet timed on a GPU.
+FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "f16_pinned",
+                "qk_fp8x2")
 _FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6,
-             "qkv_fp8": 7, "f16_pinned": 8}  # 0: no fp8 cache
+             "qkv_fp8": 7, "f16_pinned": 8, "qk_fp8x2": 9}  # 0: no fp8 cache
 _P_E4M3_MULT = tl.constexpr(256.0)
 _E4M3_MAX = tl.constexpr(448.0)
 _F16_Q_AMAX = tl.constexpr(256.0)  # q amax after its fp16 scaling: products exact in fp32, far from overflow
@@ -316,15 +321,16 @@ def _load_words_f16(cache_ptr, block, slot, kv_head, stride_b, stride_s, stride_
 
 
 @triton.jit
-def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  qk_scale, row_pos, kv_end, tile_lo, tile_hi,
+                  qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tile_hi,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr,
                   USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
     limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised). Byte tiles
-    a word mode does not use are dead code the compiler drops."""
+    a word mode does not use are dead code the compiler drops. q_lo, qk_scale_lo: "qk_fp8x2"'s second term of q
+    (unused otherwise)."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
@@ -354,7 +360,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         # Dot operands stay in the storage dtype (tensor-core inputs); products accumulate in fp32 and all the
         # softmax arithmetic below is fp32. Scores are in log2 units: qk_scale = scale * log2(e), so exp2 works.
         # An fp8 cache: to the dot dtype (FP8_CONVERTS); its scales are folded into qk_scale and the output.
-        if FP8_MODE >= 4 and FP8_MODE <= 6:  # "f16_words" / "f16_vwords" / "qk_fp8": V (and K) as int32 words,
+        if (FP8_MODE >= 4 and FP8_MODE <= 6) or FP8_MODE == 9:  # word modes and "qk_fp8(x2)": V (and K) as words,
             key_mask = key < kv_end  # fp16 before any layout change; "qk_fp8" leaves K as loaded (e4m3 operand)
             v = _load_words_f16(v_cache_ptr, block, slot, kv_head, stride_vb, stride_vs, stride_vh, key_mask,
                                 HEAD_DIM, HEAD_DIM_P, MASKED, USE_ASM)  # [TILE_N, HEAD_DIM_P]
@@ -378,6 +384,9 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
             if FP8_MODE == 6 or FP8_MODE == 7:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
                 s_t = tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]  # [TILE_N, BLOCK_M]
+            elif FP8_MODE == 9:  # q's two e4m3 terms against the same K tile
+                s_t = (tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]
+                       + tl.dot(k, tl.trans(q_lo), out_dtype=tl.float32) * qk_scale_lo[None, :])  # [TILE_N, BLOCK_M]
             else:
                 s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
             if MASKED:
@@ -393,6 +402,9 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
         else:
             if FP8_MODE == 6 or FP8_MODE == 7:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
                 s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]  # [BLOCK_M, TILE_N]
+            elif FP8_MODE == 9:  # q's two e4m3 terms against the same K tile
+                s = (tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]
+                     + tl.dot(q_lo, tl.trans(k), out_dtype=tl.float32) * qk_scale_lo[:, None])  # [BLOCK_M, TILE_N]
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
             if MASKED:
@@ -548,8 +560,14 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    if FP8_MODE == 6 or FP8_MODE == 7:  # e4m3 q rows, each with its own scale; qk_scale becomes [BLOCK_M]
-        q, q_row_scale = _quantize_rows_e4m3(q.to(tl.float32))
+    q_lo = q  # "qk_fp8x2"'s second term; unused by the other modes
+    qk_scale_lo = qk_scale
+    if FP8_MODE == 6 or FP8_MODE == 7 or FP8_MODE == 9:  # e4m3 q rows with their own scales: qk_scale [BLOCK_M]
+        q32 = q.to(tl.float32)
+        q, q_row_scale = _quantize_rows_e4m3(q32)
+        if FP8_MODE == 9:  # the rounding error of that q, quantized the same way: q ~= hi * s_hi + lo * s_lo
+            q_lo, q_lo_scale = _quantize_rows_e4m3(q32 - q.to(tl.float32) * q_row_scale[:, None])
+            qk_scale_lo = qk_scale * q_lo_scale
         qk_scale = qk_scale * q_row_scale
     elif FP8_MODE >= 2:  # fp16 dots: q scaled once so its amax is _F16_Q_AMAX, the inverse folded into qk_scale
         q32 = q.to(tl.float32)
@@ -561,14 +579,14 @@ def _paged_attention_kernel(
     if Q_STAGED:
         q = _stage_rows(q, out_ptr, row_token, row_head, row_valid, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                  qk_scale, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
+                                  qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
                                   KEYS_ON_M)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                  qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
+                                  qk_scale, qk_scale_lo, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
                                   KEYS_ON_M)
     if KEYS_ON_M:
@@ -652,7 +670,8 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
     if not fp8_kv:
         return 0
     convert = config.fp8_convert if q_dtype != torch.float32 else "native"
-    if convert in ("f16_words", "f16_vwords", "qk_fp8", "qkv_fp8") and not _word_aligned(head_dim, k_cache, v_cache):
+    if (convert in ("f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "qk_fp8x2")
+            and not _word_aligned(head_dim, k_cache, v_cache)):
         convert = "f16"
     return _FP8_MODE[convert]
 
@@ -660,6 +679,18 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
 def _word_aligned(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (head_dim % 4 == 0 and all(stride % 4 == 0 for stride in (*k_cache.stride()[:3], *v_cache.stride()[:3]))
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
+
+
+def _fp8_decode_override(config: AttentionConfig) -> AttentionConfig:
+    """PAGODA_FP8_KV_DECODE=<an FP8_CONVERTS mode> (a measurement switch, read at every launch so that
+    bench/step_ab.py can A/B it in one process): decode-only steps over an fp8 cache convert that way, with the keys
+    on the dots' M rows for the fp8 tensor-core modes (qk_fp8, qk_fp8x2, qkv_fp8), which need them for wgmma."""
+    convert = os.environ.get("PAGODA_FP8_KV_DECODE")
+    if not convert:
+        return config
+    if convert not in FP8_CONVERTS:
+        raise ValueError(f"PAGODA_FP8_KV_DECODE must be one of {FP8_CONVERTS}, got {convert!r}")
+    return replace(config, fp8_convert=convert, decode_keys_on_m=convert.startswith("qk"))
 
 
 def _check_config(config: AttentionConfig) -> None:
@@ -708,6 +739,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
         config = pick_config(num_tokens, num_seqs, num_kv_heads, group, max_query_len, max_seq_len, num_sms, fp8_kv,
                              head_dim)
+        if fp8_kv and max_query_len <= 1:
+            config = _fp8_decode_override(config)
     else:
         _check_config(config)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
@@ -755,7 +788,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
             DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False,
-            Q_STAGED=config.fp8_q_staged and fp8_mode >= 2 and num_splits == 1,
+            Q_STAGED=config.fp8_q_staged and fp8_mode >= 2 and fp8_mode != _FP8_MODE["qk_fp8x2"] and num_splits == 1,
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
             **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)

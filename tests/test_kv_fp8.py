@@ -131,7 +131,7 @@ def test_fp8_config_checked_and_defaults() -> None:
     with pytest.raises(ValueError, match="fp8_convert"):
         _check(case, AttentionConfig(fp8_convert="e5m2"), 1.0)
     assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8",
-                                 "f16_pinned"}
+                                 "f16_pinned", "qk_fp8x2"}
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
     assert decode.decode_tile_n == 64 and decode.fp8_convert == "f16_words"  # measured fastest (kv_fp8_bench)
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
@@ -285,6 +285,52 @@ def test_qk_fp8_error_within_e4m3_rounding_bound(q_dtype: torch.dtype) -> None:
     bound = _qk_fp8_error_bound(case, expected) + ATOL[q_dtype] * expected.abs().max()
     assert (error <= bound).all(), (error, bound)
     assert error.max() > 0  # q really was rounded: the bound is what it is measured against
+
+
+@pytest.mark.parametrize(("num_splits", "keys_on_m", "q_dtype"),
+                         [(1, False, torch.float16), (4, True, torch.float16), (1, True, torch.bfloat16)])
+def test_qk_fp8x2_as_accurate_as_16_bit_q(num_splits: int, keys_on_m: bool, q_dtype: torch.dtype) -> None:
+    """"qk_fp8x2" (q as two e4m3 terms, two fp8 dots over the same K tile) meets the 16-bit paths' bound against the
+    exact reference (unquantized q), where "qk_fp8" (one e4m3 term) does not: on realistic inputs, a gaussian cache
+    and q with a few large channels, in decode rows (split or not, transposed dots or not) and a chunk over cached
+    context."""
+    case = _fp8_case([1, 1, 5, 1], [40, 17, 30, 70], q_dtype, num_heads=8, num_kv_heads=2, seed=9, gaussian=True)
+    q = case["q"].float()
+    q[..., :2] *= 8.0  # two outlier channels
+    q[:, 1] *= 1e-3  # one head far smaller than the rest: each row keeps its own scales
+    case["q"] = q.to(q_dtype)
+    expected = ref.paged_attention(case["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
+                                   case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                   v_scale=case["v_scale"])  # [T, heads, D] fp32
+    errors = {}
+    for convert in ("qk_fp8x2", "qk_fp8", "f16_words"):
+        config = AttentionConfig(num_splits=num_splits, decode_tile_n=64 if keys_on_m else 16, prefill_block_m=16,
+                                 prefill_tile_n=16, fp8_convert=convert, decode_keys_on_m=keys_on_m)
+        errors[convert] = (_run(case, config) - expected).abs().max().item() / expected.abs().max().item()
+    assert errors["qk_fp8x2"] <= ATOL[q_dtype], errors
+    assert errors["qk_fp8"] > 2 * errors["qk_fp8x2"], errors  # the second term is what brings it there
+
+
+def test_fp8_decode_switch_picks_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_FP8_KV_DECODE (bench/step_ab.py's A/B switch) makes decode-only launches over an fp8 cache convert
+    as it names, with the keys on M for the fp8 tensor-core modes: the same output as that config passed
+    explicitly; chunks keep the default; an unknown mode is refused."""
+    from dataclasses import replace
+
+    from pagoda.kernels.paged_attention import pick_config
+
+    case = _fp8_case([1, 1, 1], [40, 17, 30], torch.float16, num_heads=8, num_kv_heads=2, seed=10)
+    default = pick_config(3, 3, 2, 4, 1, 40, fp8_kv=True)
+    explicit = _run(case, replace(default, fp8_convert="qk_fp8x2", decode_keys_on_m=True))
+    plain = _run(case, default)
+    monkeypatch.setenv("PAGODA_FP8_KV_DECODE", "qk_fp8x2")
+    switched = _run(case, None)  # type: ignore[arg-type]
+    assert torch.equal(switched, explicit) and not torch.equal(switched, plain)
+    monkeypatch.setenv("PAGODA_FP8_KV_DECODE", "fp4")
+    with pytest.raises(ValueError, match="PAGODA_FP8_KV_DECODE"):
+        _run(case, None)  # type: ignore[arg-type]
+    chunk = _fp8_case([6], [21], torch.float16, num_heads=8, num_kv_heads=2, seed=10)
+    assert torch.equal(_run(chunk, None), _run(chunk, pick_config(6, 1, 2, 4, 6, 21, fp8_kv=True)))  # type: ignore[arg-type]
 
 
 @triton.jit
