@@ -3,7 +3,10 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8   (default: tests,parity,pagoda,peers,compiled)
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum
+#   (default: tests,parity,pagoda,peers,compiled)
+#   moe-sum: step_ab of PAGODA_FUSE_MOE_SUM (the sparse layers' top-k sum in the next norm) on deepseek-v2-lite
+#   (B = 64, 256) and qwen3-30b-a3b (B = 256), then deepseek-v2-lite's reference workload with it.
 #   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 32-256
 #   rows against the committed table (fp8_tune --act-fp8-only; commit $OUT/tune_act/w8a16_table.json under
 #   kernels/fp8_configs/ where they won), the sweep against bf16 with that table, then llama3-8b FP8 and FP8 + FP8 KV
@@ -205,6 +208,17 @@ if has act-fp8; then
     timeout 150 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --quantization $q \
       --timeout 120 --out "$OUT/act_fp8_llama3-8b_${q// /_}.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
   done
+fi
+if has moe-sum; then
+  # the sparse layers' top-k sum left to the next residual add + norm (PAGODA_FUSE_MOE_SUM, eighteenth session):
+  # decode steps A/B, then deepseek-v2-lite's reference workload with it on (issue 20's 0.7 of the floor)
+  timeout 200 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 64,256 --context 640 \
+    off=PAGODA_FUSE_MOE_SUM=0 on=PAGODA_FUSE_MOE_SUM=1 2>&1 | grep "B=" | tail -2
+  timeout 150 python3 -m pagoda.bench.step_ab --model qwen3-30b-a3b --batches 256 --context 640 \
+    off=PAGODA_FUSE_MOE_SUM=0 on=PAGODA_FUSE_MOE_SUM=1 2>&1 | grep "B=" | tail -1
+  PAGODA_FUSE_MOE_SUM=1 timeout 240 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy \
+    --workload reference --timeout 200 --out "$OUT/moe_sum_deepseek-v2-lite_reference.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -4
 fi
 if has dense-gemv; then
   # the 16-bit GEMV tuned per layer and M bucket against cuBLAS, the table installed, then decode steps with it

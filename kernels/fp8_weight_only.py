@@ -58,16 +58,19 @@ class GemvTiles:
 
 @dataclass(frozen=True, slots=True)
 class SplitKPartials:
-    """A weight-only linear layer's output left as its split-K fp32 partial sums, for the kernel that consumes it
-    to sum (add_rms_norm folds the sum into its pass: one launch fewer a layer at batch 1). The sum, rounded to
-    `dtype`, is what fp8_weight_only_linear returns."""
+    """A layer's output left as terms for the kernel that consumes it to sum (add_rms_norm folds the sum into its
+    pass: one launch fewer a layer): a weight-only linear layer's split-K fp32 partial sums (contiguous), or an
+    MoE layer's top-k expert outputs in the model dtype (a strided view of its [T, k, N] rows; moe.fused_experts
+    with defer_sum). Their sum in fp32, in order, rounded to `dtype`, is the layer's output."""
 
-    parts: torch.Tensor  # [S, M, N] fp32
+    parts: torch.Tensor  # [S, M, N], N contiguous
     dtype: torch.dtype  # the output's dtype
 
     def materialize(self) -> torch.Tensor:
-        """The summed output [M, N] in dtype (one launch)."""
+        """The summed output [M, N] in dtype."""
         splits, num_rows, n = self.parts.shape
+        if self.parts.dtype != torch.float32 or not self.parts.is_contiguous():
+            return self.parts.float().sum(0).to(self.dtype)
         out = torch.empty((num_rows, n), dtype=self.dtype, device=self.parts.device)  # [M, N]
         _launch_split_k_sum(self.parts, out, None)
         return out

@@ -19,8 +19,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """BLOCK_R rows per program (several short rows, e.g. per-head q/k norm, share one program). A row r is
     x[r // inner_rows, r % inner_rows, :], so [T, heads, D] views of a fused qkv need no copy. X_PARTS > 0: x is
-    a split-K GEMM's fp32 partial sums [X_PARTS, T, N] (stride_xs apart), summed in order and rounded to the
-    output dtype as the GEMM's own sum would round them."""
+    a split-K GEMM's fp32 partial sums or an MoE layer's top-k outputs [X_PARTS, T, N] (stride_xs apart), summed
+    in fp32 in order and rounded to the output dtype as the GEMM's own sum would round them."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -126,11 +126,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def add_rms_norm_parts(parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm(x, residual, ...) where x = sum of the fp32 partial sums parts [S, T, N] rounded to dtype (a
-    split-K GEMM's output, fp8_weight_only.SplitKPartials), without x ever written: one launch for the GEMM's sum,
-    the residual add and the norm."""
-    if parts.dim() != 3 or parts.dtype != torch.float32 or not parts.is_contiguous() or parts.shape[0] < 1:
-        raise ValueError(f"parts must be contiguous fp32 [S, T, N], got {tuple(parts.shape)} {parts.dtype}")
+    """add_rms_norm(x, residual, ...) where x = the sum over S of parts [S, T, N], in fp32 in order, rounded to dtype
+    (fp8_weight_only.SplitKPartials: a split-K GEMM's fp32 partial sums, or an MoE layer's top-k expert outputs in
+    dtype, any strides along S and T), without x ever written: one launch for the sum, the residual add and the
+    norm."""
+    if (parts.dim() != 3 or parts.dtype not in (torch.float32, dtype) or parts.stride(2) != 1
+            or parts.shape[0] < 1):
+        raise ValueError(f"parts must be fp32 or {dtype} [S, T, N] with N contiguous, got {tuple(parts.shape)} "
+                         f"{parts.dtype} strides {parts.stride()}")
     out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)  # [T, N]
     _check("residual", residual, out)
     summed = torch.empty_like(out)  # [T, N]

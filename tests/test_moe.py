@@ -358,3 +358,34 @@ def test_gmm_path_bf16_on_gpu_captures_in_a_graph() -> None:
         captured = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="gmm")
     graph.replay()
     torch.testing.assert_close(captured, got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_deferred_top_k_sum_summed_by_the_residual_norm(dtype: torch.dtype) -> None:
+    """defer_sum on the grouped-GEMM path: the k weighted rows of each token come back as SplitKPartials [k, T, H]
+    (a strided view, no copy), and the residual add + norm that sums them (norm.add_rms_norm_parts) gives what the
+    summed output through add_rms_norm gives; the GEMV path (its own in-kernel sum) still returns [T, H]."""
+    from pagoda.kernels import norm
+    from pagoda.kernels.fp8_weight_only import SplitKPartials
+
+    w_gate_up, w_down = _weights(dtype)
+    x, weights, ids = _routed(24, dtype, seed=4)
+    tiles = (moe.TileConfig(16, 32, 32, 1, 4, 2),) * 2
+    summed = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles)  # [T, H]
+    deferred = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles, defer_sum=True)
+    assert isinstance(deferred, SplitKPartials) and deferred.parts.shape == (TOP_K, 24, HIDDEN)
+    assert deferred.parts.dtype == dtype and deferred.dtype == dtype and not deferred.parts.is_contiguous()
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(deferred.materialize(), summed, **tolerance)
+    gen = torch.Generator().manual_seed(5)
+    residual = torch.randn(24, HIDDEN, generator=gen).to(dtype)
+    norm_weight = torch.rand(HIDDEN, generator=gen).to(dtype) + 0.5
+    normed, new_residual = norm.add_rms_norm_parts(deferred.parts, dtype, residual, norm_weight, 1e-6)
+    expected_normed, expected_residual = ref.add_rms_norm(deferred.materialize(), residual, norm_weight, 1e-6)
+    torch.testing.assert_close(new_residual, expected_residual, **tolerance)
+    torch.testing.assert_close(normed, expected_normed, **tolerance)
+    gemv = (moe.GemvConfig(16, 32, 4, 2),) * 2
+    assert isinstance(moe.fused_experts(x[:2], w_gate_up, w_down, weights[:2], ids[:2], tiles=gemv, defer_sum=True),
+                      torch.Tensor)
+    with pytest.raises(ValueError, match="parts"):  # another dtype than the output's (nor fp32)
+        norm.add_rms_norm_parts(deferred.parts.double(), dtype, residual, norm_weight, 1e-6)

@@ -272,3 +272,47 @@ def test_fp8_experts_quantized_at_load_and_from_a_block_checkpoint(tmp_path: Pat
     assert torch.equal(layer.mlp.w_gate_up[5, 32:].view(torch.uint8), expert_up.view(torch.uint8))
     scale = checkpoint["model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"]  # [1, 1]: one 128 x 128 block
     assert torch.equal(layer.mlp.w_gate_up_scale[5, 32:], scale.expand(32, 1))
+
+
+@pytest.mark.parametrize("shape", ["tiny-moe", "tiny-deepseek-v3"])
+def test_moe_top_k_sum_in_the_next_norm_equals_the_summed_layer(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_FUSE_MOE_SUM=1: the sparse layers (Qwen3-MoE; DeepSeek-V3 with its shared expert fused among the
+    routed ones) leave their top-k rows to the next residual add + norm, which sums them; the hidden states equal
+    the summed layers' (fp32, Triton ops) through a prefill and a decode step, and the norm took the parts."""
+    import dataclasses
+
+    from pagoda.bench.decode_profile import make_batch
+    from pagoda.bench.step_ab import _caches
+    from pagoda.kernels import norm
+    from pagoda.services.worker.models import CausalLM, triton_ops
+    from pagoda.services.worker.weights import load_model
+
+    arch, dev = SHAPES[shape], torch.device("cpu")
+    parts_calls: list[int] = []
+
+    def add_rms_norm_parts(parts: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        parts_calls.append(parts.shape[0])
+        return norm.add_rms_norm_parts(parts, *args)  # type: ignore[arg-type]
+
+    ops = dataclasses.replace(triton_ops(), add_rms_norm_parts=add_rms_norm_parts)
+    model = CausalLM(arch, torch.float32, dev, max_positions=64, ops=ops)
+    load_model(model, None, "dummy", seed=3)
+    prefill_meta, prefill_pos, num_blocks = make_batch([12, 9], [12, 9], dev)
+    decode_meta, decode_pos, _ = make_batch([1, 1], [13, 10], dev)
+    ids = torch.randint(3, arch.vocab_size, (21,), generator=torch.Generator().manual_seed(4))
+    results, calls = [], []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PAGODA_FUSE_MOE_SUM", fuse)
+        parts_calls.clear()
+        torch.manual_seed(0)
+        caches = _caches(arch, num_blocks, dev, torch.float32)
+        with torch.inference_mode():
+            prefill = model(ids, prefill_pos, caches, prefill_meta)  # [21, H]
+            decode = model(ids[[11, 20]], decode_pos, caches, decode_meta)  # [2, H]
+        results.append((prefill, decode))
+        calls.append(list(parts_calls))
+    for fused, summed in zip(*results, strict=True):
+        torch.testing.assert_close(fused, summed, atol=1e-5, rtol=1e-5)
+    sparse = len(arch.moe.sparse_layers)
+    assert calls[1] == [] and len(calls[0]) == 2 * sparse  # every sparse layer's output, in both steps
+    assert set(calls[0]) == {arch.moe.top_k + (1 if shape == "tiny-deepseek-v3" else 0)}  # routed (+ shared) rows

@@ -3,6 +3,7 @@ parallelism, FP8 weight layout, weight placements and the KV layout a family ask
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,6 +165,9 @@ class Ops:
     # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk weights [T, k], topk ids [T, k], FP8 scales or None
     # x2, group size) -> [T, H]: the routed experts of a sparse layer
     moe_experts: Callable[..., torch.Tensor] = ref.moe_experts
+    # The same with the top-k sum left to the next residual add + norm (add_rms_norm_parts) where the kernel path
+    # has one of its own (moe.fused_experts defer_sum): -> [T, H] or SplitKPartials [k, T, H]; None: summed
+    moe_experts_deferred: Callable[..., Hidden] | None = None
     # Multi-head latent attention (models/deepseek.py): q's rope and the latent entries into the cache in one pass,
     # absorbed attention over the latent cache, and the expanded path for long chunks
     mla_prepare: Callable[..., None] = ref.mla_prepare
@@ -201,7 +205,8 @@ def triton_ops() -> Ops:
                fp8_matmul=fp8.fp8_matmul, fp8_weight_only=w8a16.fp8_weight_only_linear,
                fp8_weight_only_deferred=w8a16.fp8_weight_only_deferred, add_rms_norm_parts=norm.add_rms_norm_parts,
                prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
-               moe_experts=moe.fused_experts, mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
+               moe_experts=moe.fused_experts, moe_experts_deferred=functools.partial(moe.fused_experts, defer_sum=True),
+               mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
                mla_expand=triton_mla_expand, dense_gemv=gemv.dense_gemv, head_gemv=gemv.head_gemv)
 
 
@@ -298,6 +303,16 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if not ops.prefers_weight_only(rows, weight.shape[0], weight.shape[1], x.device):
         return None
     return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, gated=gated)
+
+
+def moe_experts(ops: Ops, tp_size: int, *args: object) -> Hidden:
+    """ops.moe_experts(*args), or on one device under PAGODA_FUSE_MOE_SUM=1 (a measurement switch, off by default
+    until timed on a GPU) ops.moe_experts_deferred: the top-k sum left to the next residual add + norm, one launch
+    fewer a sparse layer where the grouped GEMM runs (its [T, k, H] rows read once, by the norm)."""
+    if (tp_size == 1 and ops.moe_experts_deferred is not None and ops.add_rms_norm_parts is not None
+            and os.environ.get("PAGODA_FUSE_MOE_SUM") == "1"):
+        return ops.moe_experts_deferred(*args)
+    return ops.moe_experts(*args)
 
 
 def uses_head_gemv(ops: Ops, num_tokens: int) -> bool:

@@ -35,12 +35,15 @@ from pagoda.kernels.moe import route_grouped_topk, router_logits
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
+    Hidden,
     KvLayout,
     Ops,
     Placement,
     TensorParallel,
+    add_norm,
     make_linear,
     make_param,
+    moe_experts,
     quantized_linear,
     uses_head_gemv,
 )
@@ -248,19 +251,18 @@ class DeepseekMoe(nn.Module):
         self.shared = (DenseMlp(h, moe.shared_expert_intermediate_size, tp, dtype, device, fp8)
                        if moe.shared_expert_intermediate_size and not self.num_shared else None)
 
-    def forward(self, h: torch.Tensor, ops: Ops) -> torch.Tensor:
-        """h [T, H] (normed) -> this rank's partial output [T, H]."""
+    def forward(self, h: torch.Tensor, ops: Ops) -> Hidden:
+        """h [T, H] (normed) -> this rank's partial output [T, H] (or its top-k terms, base.moe_experts)."""
         moe = self.moe
         logits = router_logits(h, self.router)  # [T, E] fp32
         weights, ids = route_grouped_topk(logits, moe.top_k, moe.scoring_func, moe.topk_method,
                                           moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
                                           moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
         group = self.fp8.group_size if self.fp8 is not None else None
-        out = ops.moe_experts(h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale,
-                              group)  # [T, H]
+        args = (h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale, group)
         if self.shared is not None:
-            out = out + self.shared(h, ops)
-        return out
+            return ops.moe_experts(*args) + self.shared(h, ops)  # [T, H]
+        return moe_experts(ops, self.tp.size, *args)  # [T, H] or its terms
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """`prefix` = "model.layers.{i}.mlp."; per-expert keys (fused [E, ...] expert tensors are cut into these
@@ -327,20 +329,21 @@ class DeepseekLayer(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32, device=device))  # [1]
         self.calibrate_kv = False
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+    def forward(self, x: Hidden, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope_cache: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, ...],
-                meta: AttentionMetadata, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, ops: Ops) -> tuple[Hidden, torch.Tensor]:
         eps = self.arch.rms_norm_eps
         cache = kv_cache[0][:, :, 0]  # [N, bs, 1, R + P] -> [N, bs, R + P]
         fp8_cache = cache.dtype == torch.float8_e4m3fn
-        h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)  # [T, H] each
+        h, residual = add_norm(x, residual, self.input_norm, eps, ops)  # [T, H] each
         o = self.attn(h, positions, rope_cache, cache, meta, ops, self.k_scale if fp8_cache else None,
                       self.calibrate_kv and fp8_cache)  # [T, H]
         self.calibrate_kv = False
         h, residual = ops.add_rms_norm(self.tp.all_reduce(o), residual, self.post_attn_norm, eps)
         mlp = self.mlp if self.mlp is not None else self.dense_mlp
         assert mlp is not None
-        return self.tp.all_reduce(mlp(h, ops)), residual
+        out = mlp(h, ops)  # [T, H], or the MoE's top-k terms (only on one device, where the all-reduce is identity)
+        return (self.tp.all_reduce(out) if isinstance(out, torch.Tensor) else out), residual
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """This layer's Hugging Face tensors (`prefix` = "model.layers.{i}.") and where this rank's slices go."""

@@ -18,12 +18,14 @@ from torch import nn
 from pagoda.kernels.moe import route_softmax_topk
 from pagoda.services.worker.models.base import (
     Fp8Weights,
+    Hidden,
     KvLayout,
     Ops,
     Placement,
     TensorParallel,
     make_linear,
     make_param,
+    moe_experts,
 )
 from pagoda.services.worker.models.llama import DecoderLayer, dense_mlp_placements, scale_rows
 from pagoda.services.worker.models.llama import kv_layout as llama_kv_layout
@@ -61,18 +63,19 @@ class SparseMoe(nn.Module):
             self.shared_gate = make_param((1, h), dtype, device)  # [1, H]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor,
-                ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+                ops: Ops) -> tuple[Hidden, torch.Tensor]:
         h, residual = ops.add_rms_norm(x, residual, norm, self.arch.rms_norm_eps)  # [T, H] each
         router_logits = F.linear(h, self.router)  # [T, E (+ 1: the shared expert's gate)]
         weights, ids = route_softmax_topk(router_logits, self.moe.top_k, self.moe.renormalize,
                                           self.num_shared)  # [T, k + S] each
         group = self.fp8.group_size if self.fp8 is not None else None
-        out = ops.moe_experts(h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale,
-                              self.w_down_scale, group)  # [T, H]
+        args = (h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale, group)
         if self.shared_gate_up is not None and self.shared_down is not None and self.shared_gate is not None:
             shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)  # [T, H]
-            out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
-        return self.tp.all_reduce(out), residual
+            out = ops.moe_experts(*args) + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
+            return self.tp.all_reduce(out), residual
+        out = moe_experts(ops, self.tp.size, *args)  # [T, H], or its top-k terms (one device only)
+        return (self.tp.all_reduce(out) if isinstance(out, torch.Tensor) else out), residual
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """Per-expert checkpoint keys (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
