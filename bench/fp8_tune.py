@@ -6,7 +6,7 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
 1. Tuning (M = 1 .. 256): every candidate tile set (FMA rows for M <= 4, tensor-core tiles beyond; narrow N
    tiles, split-K) is checked against the reference, then timed as decode runs it: replayed from a CUDA graph
    that cycles through enough copies of the weights (>= 256 MB) that none is in L2 when its turn comes. The best
-   (tensor-core tiles with and without swap_ab, and from 32 rows act_fp8 tiles, which quantize the activation
+   (tensor-core tiles with and without swap_ab, and from 2 rows act_fp8 tiles, which quantize the activation
    tile they load: W8A8 with no quantize kernel; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
    (plus the activation quantization where no fused op does it: o_proj) is faster; above 32 rows W8A16 must win
    to be kept. --swap-only / --act-fp8-only: only those tiles against the committed entry.
@@ -76,16 +76,23 @@ def candidates(bucket: int) -> list[Any]:
 
 def act_fp8_candidates(bucket: int) -> list[Any]:
     """Tensor-core tiles that quantize the activation tile they load (W8A8 on fp8 tensor cores, no quantize kernel:
-    GemvTiles.act_fp8), from 32 rows: the swap_ab tiles and a few plain ones."""
+    GemvTiles.act_fp8), from 2 rows: swap_ab tiles (the e4m3 weight tile straight into QGMMA: at 16 rows 46-60 sm_90
+    loop instructions a KB of weights against 126-143 for the W8A16 tiles, bench/results/s18/gemv_sass.md), and
+    from 32 rows plain ones too (below that the plain tiles run mma.sync on fp16 and convert anyway)."""
     from pagoda.kernels.fp8_weight_only import GemvTiles
 
-    if bucket < 32:
+    if bucket < 2:
         return []
-    out = [dataclasses.replace(tiles, act_fp8=True) for tiles in swap_candidates(bucket)]
-    rows = (32,) if bucket == 32 else (64, 128)
-    for block_m, block_n, split, warps in itertools.product(rows, (64, 128), (1, 2, 4), (4, 8)):
-        out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=128, split_k=split, use_dot=True,
-                             num_warps=warps, num_stages=3, act_fp8=True))
+    rows = (max(16, bucket),) if bucket <= 32 else (64, 128)
+    launch = ((64, 4), (128, 4), (128, 8), (256, 8))  # (weight rows a program, warps)
+    out = [GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
+                     num_warps=warps, num_stages=3, swap_ab=True, act_fp8=True)
+           for block_m, (block_n, warps), block_k, split in itertools.product(rows, launch, (128, 256), (1, 2, 4))
+           if block_n * block_k <= 32768]
+    if bucket >= 32:
+        for block_m, block_n, split, warps in itertools.product(rows, (64, 128), (1, 2, 4), (4, 8)):
+            out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=128, split_k=split, use_dot=True,
+                                 num_warps=warps, num_stages=3, act_fp8=True))
     return out
 
 

@@ -5,7 +5,7 @@ per warp and per KB of weights a program reads, the MMA instructions (HGMMA: 16-
 and the instruction kinds that dominate. Tile sets: W8A16 (the weight tile converted to bf16) against act_fp8
 (the activation tile quantized, both operands e4m3), swap_ab or not.
 
-    TRITON_INTERPRET=0 python -m pagoda.bench.gemv_sass [--rows 64,128] [--n 4096] [--k 4096]
+    TRITON_INTERPRET=0 python -m pagoda.bench.gemv_sass [--rows 16,64,128] [--n 4096] [--k 4096]
 """
 
 from __future__ import annotations
@@ -23,10 +23,19 @@ import torch
 from pagoda.bench import attention_sass as sass_tools
 from pagoda.kernels import fp8_weight_only as w8
 
-# (act_fp8, swap_ab, block_m, block_n, block_k, warps); split-K 4, 3 stages
-VARIANTS = ((False, True, 64, 128, 128, 8), (True, True, 64, 128, 128, 8), (True, True, 64, 64, 128, 4),
+# (act_fp8, swap_ab, block_m, block_n, block_k, warps); split-K 4, 3 stages. A row count takes the variants whose
+# block_m is max(16, rows) up to 32 rows, else those of 64 and 128 rows that it fills.
+VARIANTS = ((False, False, 16, 64, 128, 4), (True, False, 16, 64, 128, 4), (False, True, 16, 128, 128, 4),
+            (True, True, 16, 128, 128, 4), (False, True, 16, 256, 128, 8), (True, True, 16, 256, 128, 8),
+            (False, True, 64, 128, 128, 8), (True, True, 64, 128, 128, 8), (True, True, 64, 64, 128, 4),
             (True, True, 128, 128, 128, 8), (False, False, 64, 64, 128, 4), (True, False, 64, 64, 128, 4),
             (True, False, 128, 64, 128, 8), (True, False, 64, 128, 128, 4))
+
+
+def variants_for(num_rows: int) -> list[tuple[bool, bool, int, int, int, int]]:
+    if num_rows <= 32:
+        return [v for v in VARIANTS if v[2] == max(16, num_rows)]
+    return [v for v in VARIANTS if v[2] in (64, 128) and v[2] <= num_rows]
 
 
 def use_compile_only_driver() -> None:
@@ -72,7 +81,7 @@ def loop_row(num_rows: int, tiles: w8.GemvTiles, kernel: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="64,128", help="comma-separated token counts")
+    parser.add_argument("--rows", default="16,64,128", help="comma-separated token counts")
     parser.add_argument("--n", type=int, default=4096, help="output channels (llama3-8b's o: 4096)")
     parser.add_argument("--k", type=int, default=4096, help="input channels")
     args = parser.parse_args(argv)
@@ -81,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
           "MMA | spills | top |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for num_rows in (int(rows) for rows in args.rows.split(",")):
-        for act, swap, block_m, block_n, block_k, warps in VARIANTS:
-            if block_m > max(16, num_rows):
-                continue  # a second M tile would read the weights twice
+        for act, swap, block_m, block_n, block_k, warps in variants_for(num_rows):
             tiles = w8.GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=4, use_dot=True,
                                  num_warps=warps, num_stages=3, swap_ab=swap, act_fp8=act)
             print(loop_row(num_rows, tiles, compile_w8a16(num_rows, args.n, args.k, tiles)), flush=True)

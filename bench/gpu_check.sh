@@ -7,7 +7,7 @@
 #   (default: tests,parity,pagoda,peers,compiled)
 #   moe-sum: step_ab of PAGODA_FUSE_MOE_SUM (the sparse layers' top-k sum in the next norm) on deepseek-v2-lite
 #   (B = 64, 256) and qwen3-30b-a3b (B = 256), then deepseek-v2-lite's reference workload with it.
-#   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 32-256
+#   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 2-256
 #   rows against the committed table (fp8_tune --act-fp8-only; commit $OUT/tune_act/w8a16_table.json under
 #   kernels/fp8_configs/ where they won), the sweep against bf16 with that table, then llama3-8b FP8 and FP8 + FP8 KV
 #   on the reference workload (its decode steps run 256 rows).
@@ -199,9 +199,9 @@ if has candidates; then
 fi
 if has act-fp8; then
   # W8A8 inside the GEMV kernel (act_fp8 tiles: the activation tile quantized where it is loaded, fp8 tensor cores)
-  # tuned against the committed entries at 32-256 rows, the sweep with that table, then llama3-8b FP8 end to end
-  timeout 420 python3 -m pagoda.bench.fp8_tune --act-fp8-only --buckets 32,64,128,256 --out "$OUT/tune_act" 2>&1 \
-    | grep -E "^tune|tuned|slower|^sweep .*M= *(32|64|128|256):" | cut -c1-230
+  # tuned against the committed entries at 2-256 rows, the sweep with that table, then llama3-8b FP8 end to end
+  timeout 480 python3 -m pagoda.bench.fp8_tune --act-fp8-only --buckets 2,4,8,16,32,64,128,256 --out "$OUT/tune_act" \
+    2>&1 | grep -E "^tune|tuned|slower|^sweep .*M= *(2|4|8|16|32|64|128|256):" | cut -c1-230
   cp "$OUT"/tune_act/w8a16,*.json /tmp/site/pagoda/kernels/fp8_configs/ && echo "act_fp8 table installed"
   for q in "fp8" "fp8 --kv-cache-dtype fp8"; do
     echo "== llama3-8b ${q}"

@@ -283,12 +283,13 @@ def run_w8a16_swap_ab() -> None:
 
 def run_w8a16_act_fp8() -> None:
     """The act_fp8 tiles (the activation tile quantized in registers, e4m3 x e4m3 on the tensor cores; bench/
-    fp8_tune.py's candidates from 32 rows), swap_ab or not, per-channel and 128-wide group scales, bf16 and fp32
+    fp8_tune.py's candidates from 2 rows), swap_ab or not, per-channel and 128-wide group scales, bf16 and fp32
     activations, and gated."""
     from pagoda.kernels import fp8_weight_only as w8
 
     for (rows, block_m, block_n, warps, swap), group, dtype in itertools.product(
-            ((64, 64, 128, 8, True), (128, 128, 64, 8, False), (32, 32, 64, 4, False)), (None, 128),
+            ((64, 64, 128, 8, True), (128, 128, 64, 8, False), (32, 32, 64, 4, False), (4, 16, 256, 8, True)),
+            (None, 128),
             (torch.bfloat16, torch.float32)):
         n, k = 4096, 4096
         weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)

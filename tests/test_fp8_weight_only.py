@@ -364,3 +364,18 @@ def test_act_fp8_tiles_refuse_what_they_cannot_run() -> None:
     dense = torch.randn(32, 256, device=DEVICE).bfloat16()  # 16-bit weights take the same kernel, never these tiles
     with pytest.raises(ValueError, match="act_fp8"):
         w8.launch_gemv(x, dense, None, None, None, w8.GemvTiles(block_m=16, block_k=64, use_dot=True, act_fp8=True))
+
+
+def test_tuner_candidates_are_tiles_the_kernel_takes() -> None:
+    """Every tile set bench/fp8_tune.py times (each pool, each M bucket) passes the kernel's checks at llama3-8b's
+    row lengths, with per-channel and 128-wide group scales where its K steps fit them."""
+    from pagoda.bench import fp8_tune
+
+    for pool, bucket in itertools.product(fp8_tune.POOLS.values(), w8.M_BUCKETS):
+        for tiles in pool(bucket):
+            for k in (4096, 14336):
+                w8._check_tiles(tiles, k, None)
+                assert tiles.block_m >= min(bucket, 16) or not tiles.use_dot
+    act = fp8_tune.act_fp8_candidates(16)
+    assert act and all(tiles.act_fp8 and tiles.swap_ab and tiles.block_m == 16 for tiles in act)
+    assert not fp8_tune.act_fp8_candidates(1)
