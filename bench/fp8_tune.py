@@ -23,7 +23,6 @@ kernels/fp8_configs/w8a16,device=<GPU name>,triton=<version>.json) under --out o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
