@@ -6,8 +6,8 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
 1. Tuning (M = 1 .. 256): every candidate tile set (FMA rows for M <= 4, tensor-core tiles beyond; narrow N
    tiles, split-K) is checked against the reference, then timed as decode runs it: replayed from a CUDA graph
    that cycles through enough copies of the weights (>= 256 MB) that none is in L2 when its turn comes. The best
-   (tensor-core tiles with and without swap_ab, and from 2 rows act_fp8 tiles, which quantize the activation
-   tile they load: W8A8 with no quantize kernel; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
+   (tensor-core tiles with and without swap_ab, and act_fp8 tiles, which quantize the activation tile they load:
+   W8A8 with no quantize kernel; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
    (plus the activation quantization where no fused op does it: o_proj) is faster; above 32 rows W8A16 must win
    to be kept. --swap-only / --act-fp8-only: only those tiles against the committed entry.
 2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
@@ -69,19 +69,18 @@ def candidates(bucket: int) -> list[Any]:
                 continue  # two M tiles would read the weights twice
             out.append(GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,
                                  num_warps=4, num_stages=4))
-        out += swap_candidates(bucket) + act_fp8_candidates(bucket)
-    return out
+        out += swap_candidates(bucket)
+    return out + act_fp8_candidates(bucket)
 
 
 def act_fp8_candidates(bucket: int) -> list[Any]:
     """Tensor-core tiles that quantize the activation tile they load (W8A8 on fp8 tensor cores, no quantize kernel:
-    GemvTiles.act_fp8), from 2 rows: swap_ab tiles (the e4m3 weight tile straight into QGMMA: at 16 rows 46-60 sm_90
-    loop instructions a KB of weights against 126-143 for the W8A16 tiles, bench/results/s18/gemv_sass.md), and
-    from 32 rows plain ones too (below that the plain tiles run mma.sync on fp16 and convert anyway)."""
+    GemvTiles.act_fp8), at every bucket: swap_ab tiles (the e4m3 weight tile straight into QGMMA: at 1-16 rows 46-60
+    sm_90 loop instructions a KB of weights against 110-216 for the FMA and 126-143 for the W8A16 tensor-core tiles,
+    bench/results/s18/gemv_sass.md), and from 32 rows plain ones too (below that the plain tiles run mma.sync on
+    fp16 and convert the weights anyway)."""
     from pagoda.kernels.fp8_weight_only import GemvTiles
 
-    if bucket < 2:
-        return []
     rows = (max(16, bucket),) if bucket <= 32 else (64, 128)
     launch = ((64, 4), (128, 4), (128, 8), (256, 8))  # (weight rows a program, warps)
     out = [GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, use_dot=True,

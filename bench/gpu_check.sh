@@ -7,10 +7,10 @@
 #   (default: tests,parity,pagoda,peers,compiled)
 #   moe-sum: step_ab of PAGODA_FUSE_MOE_SUM (the sparse layers' top-k sum in the next norm) on deepseek-v2-lite
 #   (B = 64, 256) and qwen3-30b-a3b (B = 256), then deepseek-v2-lite's reference workload with it.
-#   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 2-256
+#   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 1-256
 #   rows against the committed table (fp8_tune --act-fp8-only; commit $OUT/tune_act/w8a16_table.json under
-#   kernels/fp8_configs/ where they won), the sweep against bf16 with that table, then llama3-8b FP8 and FP8 + FP8 KV
-#   on the reference workload (its decode steps run 256 rows).
+#   kernels/fp8_configs/ where they won), the sweep against bf16 with that table, then llama3-8b FP8 on the reference
+#   workload (its decode steps run 256 rows) and batch-1.
 #   dense-gemv: tune the 16-bit GEMV (bench/gemv_tune.py, DENSE_MODELS, DENSE_BUCKETS) against cuBLAS, install the
 #   table (commit $OUT/gemv_tune/dense_table.json under kernels/gemv_configs/), then bench/step_ab.py with
 #   PAGODA_DENSE_GEMV=0 / 1 on DENSE_MODELS_AB at B = 1 and 4 (DENSE_BUCKETS defaults to 1: untuned buckets stay on
@@ -199,15 +199,14 @@ if has candidates; then
 fi
 if has act-fp8; then
   # W8A8 inside the GEMV kernel (act_fp8 tiles: the activation tile quantized where it is loaded, fp8 tensor cores)
-  # tuned against the committed entries at 2-256 rows, the sweep with that table, then llama3-8b FP8 end to end
-  timeout 480 python3 -m pagoda.bench.fp8_tune --act-fp8-only --buckets 2,4,8,16,32,64,128,256 --out "$OUT/tune_act" \
-    2>&1 | grep -E "^tune|tuned|slower|^sweep .*M= *(2|4|8|16|32|64|128|256):" | cut -c1-230
+  # tuned against the committed entries at 1-256 rows, the sweep with that table, then llama3-8b FP8 end to end
+  timeout 400 python3 -m pagoda.bench.fp8_tune --act-fp8-only --out "$OUT/tune_act" 2>&1 \
+    | grep -E "^tune|tuned|slower|^sweep .*M= *(1|2|4|8|16|32|64|128|256):" | cut -c1-230
   cp "$OUT"/tune_act/w8a16,*.json /tmp/site/pagoda/kernels/fp8_configs/ && echo "act_fp8 table installed"
-  for q in "fp8" "fp8 --kv-cache-dtype fp8"; do
-    echo "== llama3-8b ${q}"
-    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --quantization $q \
-      --timeout 120 --out "$OUT/act_fp8_llama3-8b_${q// /_}.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
-  done
+  echo "== llama3-8b fp8 (reference workload, batch-1 after 512 tokens)"
+  timeout 170 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --quantization fp8 \
+    --latency-prompt-len 512 --timeout 140 --out "$OUT/act_fp8_llama3-8b_fp8.json" 2>&1 | grep -v "^[a-z-]*: {" \
+    | tail -4
 fi
 if has moe-sum; then
   # the sparse layers' top-k sum left to the next residual add + norm (PAGODA_FUSE_MOE_SUM, eighteenth session):

@@ -376,6 +376,7 @@ def test_tuner_candidates_are_tiles_the_kernel_takes() -> None:
             for k in (4096, 14336):
                 w8._check_tiles(tiles, k, None)
                 assert tiles.block_m >= min(bucket, 16) or not tiles.use_dot
-    act = fp8_tune.act_fp8_candidates(16)
-    assert act and all(tiles.act_fp8 and tiles.swap_ab and tiles.block_m == 16 for tiles in act)
-    assert not fp8_tune.act_fp8_candidates(1)
+    for bucket in (1, 16):  # rows padded to 16 on the dot's N side
+        act = fp8_tune.act_fp8_candidates(bucket)
+        assert act and all(tiles.act_fp8 and tiles.swap_ab and tiles.block_m == 16 for tiles in act)
+        assert set(act) <= set(fp8_tune.candidates(bucket))
