@@ -5,7 +5,7 @@ per warp and per KB of weights a program reads, the MMA instructions (HGMMA: 16-
 and the instruction kinds that dominate. Tile sets: W8A16 (the weight tile converted to bf16) against act_fp8
 (the activation tile quantized, both operands e4m3), swap_ab or not.
 
-    TRITON_INTERPRET=0 python -m pagoda.bench.gemv_sass [--rows 16,64,128] [--n 4096] [--k 4096]
+    TRITON_INTERPRET=0 python -m pagoda.bench.gemv_sass [--rows 1,16,64,128] [--n 4096] [--k 4096]
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ VARIANTS = ((False, False, 16, 64, 128, 4), (True, False, 16, 64, 128, 4), (Fals
             (False, True, 64, 128, 128, 8), (True, True, 64, 128, 128, 8), (True, True, 64, 64, 128, 4),
             (True, True, 128, 128, 128, 8), (False, False, 64, 64, 128, 4), (True, False, 64, 64, 128, 4),
             (True, False, 128, 64, 128, 8), (True, False, 64, 128, 128, 4))
+
+
+# one row: the committed table's FMA tiles for llama3-8b (o: 16 x 512, split 4; qkv: 8 x 1024) and late_reduce
+FMA_TILES = (w8.GemvTiles(block_m=1, block_n=16, block_k=512, split_k=4),
+             w8.GemvTiles(block_m=1, block_n=8, block_k=1024, split_k=1),
+             w8.GemvTiles(block_m=1, block_n=16, block_k=512, split_k=4, late_reduce=True))
 
 
 def variants_for(num_rows: int) -> list[tuple[bool, bool, int, int, int, int]]:
@@ -74,22 +80,25 @@ def loop_row(num_rows: int, tiles: w8.GemvTiles, kernel: Any) -> str:
     mma = collections.Counter(op for op in body if "GMMA" in op or op.startswith("HMMA"))
     spills = sum(op in ("LDL", "STL") for op in body)
     top = ", ".join(f"{op} {count}" for op, count in collections.Counter(body).most_common(5))
+    split = f"{tiles.split_k}{' late' if tiles.late_reduce else ''}"
     return (f"| {num_rows} | {tiles.act_fp8} | {tiles.swap_ab} | {tiles.num_warps} | {tiles.block_m} | {tiles.block_n}"
-            f" | {tiles.block_k} | {registers} | {kernel.metadata.shared / 1024:.0f} | {len(body)} | {per_kb:.0f} | "
-            f"{dict(mma)} | {spills} | {top} |")
+            f" | {tiles.block_k} | {split} | {registers} | {kernel.metadata.shared / 1024:.0f} | {len(body)}"
+            f" | {per_kb:.0f} | {dict(mma)} | {spills} | {top} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="16,64,128", help="comma-separated token counts")
+    parser.add_argument("--rows", default="1,16,64,128", help="comma-separated token counts")
     parser.add_argument("--n", type=int, default=4096, help="output channels (llama3-8b's o: 4096)")
     parser.add_argument("--k", type=int, default=4096, help="input channels")
     args = parser.parse_args(argv)
     use_compile_only_driver()
-    print("| M | act_fp8 | swap | warps | BM | BN | BK | regs | shared KB | loop instrs (warp) | per KB weight | "
-          "MMA | spills | top |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| M | act_fp8 | swap | warps | BM | BN | BK | split | regs | shared KB | loop instrs (warp) | "
+          "per KB weight | MMA | spills | top |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for num_rows in (int(rows) for rows in args.rows.split(",")):
+        for tiles in FMA_TILES if num_rows == 1 else ():
+            print(loop_row(num_rows, tiles, compile_w8a16(num_rows, args.n, args.k, tiles)), flush=True)
         for act, swap, block_m, block_n, block_k, warps in variants_for(num_rows):
             tiles = w8.GemvTiles(block_m=block_m, block_n=block_n, block_k=block_k, split_k=4, use_dot=True,
                                  num_warps=warps, num_stages=3, swap_ab=swap, act_fp8=act)
