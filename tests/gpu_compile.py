@@ -287,10 +287,10 @@ def run_w8a16_act_fp8() -> None:
     activations, and gated."""
     from pagoda.kernels import fp8_weight_only as w8
 
-    for (rows, block_m, block_n, warps, swap), group, dtype in itertools.product(
-            ((64, 64, 128, 8, True), (128, 128, 64, 8, False), (32, 32, 64, 4, False), (4, 16, 256, 8, True)),
-            (None, 128),
-            (torch.bfloat16, torch.float32)):
+    shapes = ((64, 64, 128, 8, True), (128, 128, 64, 8, False), (32, 32, 64, 4, False), (4, 16, 256, 8, True))
+    launches = [(shape, group, torch.bfloat16) for shape, group in itertools.product(shapes, (None, 128))]
+    launches += [(shape, None, torch.float32) for shape in shapes[::3]]  # fp32 activations: the ieee-dot variant
+    for (rows, block_m, block_n, warps, swap), group, dtype in launches:
         n, k = 4096, 4096
         weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         scale = torch.empty(n, 1 if group is None else k // group, dtype=torch.float32)

@@ -84,6 +84,32 @@ def test_choice_grammar_matches_only_the_choices(ll: llguidance.LLTokenizer, tok
         assert (consumed and matcher.is_accepting()) == ok, text
 
 
+def test_regex_shorthand_classes_are_ascii_as_in_json_schema(ll: llguidance.LLTokenizer,
+                                                              tokenizer: Tokenizer) -> None:
+    """\\d \\w \\s in a regex constraint mean what they mean in a JSON Schema pattern (ECMAScript: ASCII), as with
+    vLLM's default backend: Kannada digits no longer pass for \\d. Escaped backslashes and other escapes stay."""
+    from pagoda.services.grammar.compiler import ascii_shorthands
+
+    assert ascii_shorthands(r"\d{3}-[\w.]\\d\p{L}") == r"[0-9]{3}-[[0-9A-Za-z_].]\\d\p{L}"
+
+    def accepts(regex: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, grammar_text(StructuredOutputs(regex=regex)))
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    cases = [(r"\d{3}-\d{4}", "555-0134", True), (r"\d{3}", "\u0ce7\u0cea\u0ce7", False),
+             (r"[^\d]+", "abc", True), (r"[^\d]+", "a1", False), (r"\w+", "snake_case9", True),
+             (r"\w+", "caf\u00e9", False), (r"a\sb", "a b", True), (r"a\sb", "a\u3000b", False),
+             (r"\\d", "\\d", True)]
+    for regex, text, ok in cases:
+        assert accepts(regex, text) == ok, (regex, text)
+    for regex, text, ok in cases[:2]:  # a JSON Schema pattern, for comparison: the same answers
+        matcher = llguidance.LLMatcher(ll, grammar_text(StructuredOutputs(json={"type": "string",
+                                                                             "pattern": "^" + regex + "$"})))
+        consumed = matcher.consume_tokens(tokenizer.encode(json.dumps(text, ensure_ascii=False),
+                                                           add_special_tokens=False))
+        assert (consumed and matcher.is_accepting()) == ok, (regex, text)
+
+
 def _rows(ll: llguidance.LLTokenizer, vocab: int) -> GrammarRows:
     return GrammarRows(lambda: ll, vocab)
 

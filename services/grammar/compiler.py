@@ -43,6 +43,28 @@ GRAMMAR_CACHE_SIZE = 512  # distinct constraints remembered per process
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# ECMAScript's shorthand classes, which JSON Schema patterns use (llguidance reads those so) and vLLM's default
+# structured-output backend gives its regexes: llguidance's plain regexes are Rust's, where \d, \w and \s are
+# Unicode classes (a phone-number regex \d{3} admitted Kannada digits, three tokens each).
+_ASCII_SHORTHANDS = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]",
+                     "s": "[ \\t\\n\\r\\f\\x0B]", "S": "[^ \\t\\n\\r\\f\\x0B]"}
+
+
+def ascii_shorthands(regex: str) -> str:
+    """regex with \\d \\D \\w \\W \\s \\S as ASCII classes (nested classes inside brackets, which Rust's syntax
+    allows); every other escape, an escaped backslash included, is left as written."""
+    out: list[str] = []
+    i = 0
+    while i < len(regex):
+        if regex[i] == "\\" and i + 1 < len(regex):
+            out.append(_ASCII_SHORTHANDS.get(regex[i + 1], regex[i:i + 2]))
+            i += 2
+        else:
+            out.append(regex[i])
+            i += 1
+    return "".join(out)
+
+
 def grammar_text(constraint: StructuredOutputs) -> str:
     """llguidance's grammar for a constraint (not yet checked; `compile_error` does that)."""
     matcher = llguidance.LLMatcher
@@ -53,7 +75,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
                 raise InvalidRequestError("a JSON schema must be an object", param="response_format")
             return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if constraint.regex is not None:
-            return matcher.grammar_from_regex(constraint.regex)
+            return matcher.grammar_from_regex(ascii_shorthands(constraint.regex))
         if constraint.choice is not None:
             # Lark string literals take JSON's escapes, so each choice is matched verbatim.
             return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choice))
