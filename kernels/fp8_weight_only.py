@@ -7,8 +7,8 @@ Semantics: reference.fp8_weight_only_linear.
 Launch shape per (M, N, K): a tile of BLOCK_N output channels per program, optional split-K over SPLIT_K
 programs whose fp32 partials a second small kernel sums (with the bias and the cast), and either tensor-core
 dots (rows padded to 16) or FMA reductions for 1-8 rows; tensor-core tiles may also quantize the activation
-tile they load (act_fp8: W8A8 on fp8 tensor cores with no quantize kernel, scales per row and BLOCK_K columns,
-a candidate from 32 rows). Tuned per shape and M bucket on the GPU by
+tile they load (act_fp8: W8A8 on fp8 tensor cores with no quantize kernel, scales per row and BLOCK_K columns;
+the tuner's candidates at every M bucket). Tuned per shape and M bucket on the GPU by
 `python -m pagoda.bench.fp8_tune` into fp8_configs/*.json (keyed by device and Triton version); default
 heuristics otherwise.
 
@@ -110,10 +110,10 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     rounded as activation.silu_and_mul computes it, so one launch replaces that kernel and this one.
     ACT_FP8 (tensor-core tiles, e4m3 weights): W8A8 with the activation quantized where it is loaded, no quantize
     kernel of its own: each [BLOCK_M, BLOCK_K] tile of x is scaled per row by a power of two that brings its amax
-    to at most 448 (_pow2_scale) and cast to e4m3,
-    the dot runs on fp8 tensor cores with the weight tile as loaded (no conversion), and the fp32 product is
-    multiplied by the row scales of that K step (scales per row and BLOCK_K columns: reference.fp8_act_tile_linear).
-    Every program of an N column quantizes the same x tiles again (they are read from L2)."""
+    to at most 448 (_pow2_scale) and cast to e4m3, the dot runs on fp8 tensor cores with the weight tile as loaded
+    (no conversion), and the fp32 product is multiplied by the row scales of that K step (scales per row and
+    BLOCK_K columns: reference.fp8_act_tile_linear). Every program of an N column quantizes the same x tiles again
+    (they are read from L2)."""
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
