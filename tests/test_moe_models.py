@@ -284,7 +284,7 @@ def test_moe_top_k_sum_in_the_next_norm_equals_the_summed_layer(shape: str, monk
     from pagoda.bench.decode_profile import make_batch
     from pagoda.bench.step_ab import _caches
     from pagoda.kernels import norm
-    from pagoda.services.worker.models import CausalLM, triton_ops
+    from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
     from pagoda.services.worker.weights import load_model
 
     arch, dev = SHAPES[shape], torch.device("cpu")
@@ -316,3 +316,11 @@ def test_moe_top_k_sum_in_the_next_norm_equals_the_summed_layer(shape: str, monk
     sparse = len(arch.moe.sparse_layers)
     assert calls[1] == [] and len(calls[0]) == 2 * sparse  # every sparse layer's output, in both steps
     assert set(calls[0]) == {arch.moe.top_k + (1 if shape == "tiny-deepseek-v3" else 0)}  # routed (+ shared) rows
+    # per-channel FP8: the next norm quantizes for its W8A8 GEMM (no parts there), so the layers keep their sum
+    fp8_model = CausalLM(arch, torch.float32, dev, max_positions=64, ops=ops, fp8=Fp8Weights(None))
+    load_model(fp8_model, None, "dummy", seed=3)
+    monkeypatch.setenv("PAGODA_FUSE_MOE_SUM", "1")
+    parts_calls.clear()
+    with torch.inference_mode():
+        fp8_model(ids, prefill_pos, _caches(arch, num_blocks, dev, torch.float32), prefill_meta)
+    assert parts_calls == []

@@ -305,12 +305,14 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, gated=gated)
 
 
-def moe_experts(ops: Ops, tp_size: int, *args: object) -> Hidden:
+def moe_experts(ops: Ops, tp_size: int, fp8: Fp8Weights | None, *args: object) -> Hidden:
     """ops.moe_experts(*args), or on one device under PAGODA_FUSE_MOE_SUM=1 (a measurement switch, off by default
     until timed on a GPU) ops.moe_experts_deferred: the top-k sum left to the next residual add + norm, one launch
-    fewer a sparse layer where the grouped GEMM runs (its [T, k, H] rows read once, by the norm)."""
+    fewer a sparse layer where the grouped GEMM runs (its [T, k, H] rows read once, by the norm). Not with
+    per-channel FP8 weights: there the next norm quantizes its output for the W8A8 GEMM after it (add_rms_norm_quant,
+    which takes no parts), and the sum would cost that fusion."""
     if (tp_size == 1 and ops.moe_experts_deferred is not None and ops.add_rms_norm_parts is not None
-            and os.environ.get("PAGODA_FUSE_MOE_SUM") == "1"):
+            and (fp8 is None or fp8.group_size is not None) and os.environ.get("PAGODA_FUSE_MOE_SUM") == "1"):
         return ops.moe_experts_deferred(*args)
     return ops.moe_experts(*args)
 

@@ -262,7 +262,7 @@ class DeepseekMoe(nn.Module):
         args = (h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale, group)
         if self.shared is not None:
             return ops.moe_experts(*args) + self.shared(h, ops)  # [T, H]
-        return moe_experts(ops, self.tp.size, *args)  # [T, H] or its terms
+        return moe_experts(ops, self.tp.size, self.fp8, *args)  # [T, H] or its terms
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """`prefix` = "model.layers.{i}.mlp."; per-expert keys (fused [E, ...] expert tensors are cut into these

@@ -74,7 +74,7 @@ class SparseMoe(nn.Module):
             shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)  # [T, H]
             out = ops.moe_experts(*args) + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
             return self.tp.all_reduce(out), residual
-        out = moe_experts(ops, self.tp.size, *args)  # [T, H], or its top-k terms (one device only)
+        out = moe_experts(ops, self.tp.size, self.fp8, *args)  # [T, H], or its top-k terms (one device only)
         return (self.tp.all_reduce(out) if isinstance(out, torch.Tensor) else out), residual
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
