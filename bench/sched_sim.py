@@ -3,7 +3,7 @@ sequences it preempts and how many prompt tokens it recomputes, and a throughput
 fitted to one H200 run.
 
     python -m pagoda.bench.sched_sim --workload trtllm-1000 [--num-prompts 3000] [--num-blocks 117836]
-        [--max-num-seqs 1024] [--max-num-batched-tokens 16384]
+        [--max-num-seqs 1024] [--max-num-batched-tokens 16384] [--attention-tbps 2.72]
 
 The scheduler (services/scheduler/scheduler.py) is pure logic: this drives schedule() -> a fake worker that samples
 one token per finished row -> update() until every request is done, exactly as the engine's loop does (one plan in
@@ -111,15 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=117_836, help="KV blocks (the s17 H200 run's fp8 cache)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the preset's, else 256")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16_384, help="the offline engine's on CUDA")
+    parser.add_argument("--attention-tbps", type=float, default=ModelCost().attention_bytes_per_s / 1e12,
+                        help="what-if: the decode attention's rate on KV bytes (TB/s; default: the fitted 2.72)")
     args = parser.parse_args(argv)
     workload = preset(args.workload, num_prompts=args.num_prompts)
     seats = args.max_num_seqs or ENGINE_DEFAULTS.get(args.workload, {}).get("max_num_seqs", 256)
     result = simulate(workload.num_prompts, workload.input_len, workload.output_len, num_blocks=args.num_blocks,
                       max_num_seqs=seats, max_num_batched_tokens=args.max_num_batched_tokens)
-    seconds = result.estimate_s(ModelCost())
+    cost = ModelCost(attention_bytes_per_s=args.attention_tbps * 1e12)
+    seconds = result.estimate_s(cost)
     print(json.dumps(asdict(result)))
     print(f"estimated {seconds:.1f} s of GPU time: {workload.num_prompts * workload.output_len / seconds:,.0f} out "
-          f"tok/s (ModelCost defaults)")
+          f"tok/s (ModelCost, decode attention at {args.attention_tbps:.2f} TB/s)")
     return 0
 
 
