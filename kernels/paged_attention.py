@@ -157,17 +157,28 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
     (2026-12-02, bench/results/s9/kv_fp8_chunks.json): 4 x 512 queries over 1024 cached, staged 86.4 / 164.5 us
     (qwen3-0.6b / llama3-8b) against unstaged 64-key tiles 109.5 / 202.8 and bf16 83.9 / 160.3; 4 x 64 queries,
     unstaged 64-key tiles 45.5 / 44.7 against staged 55.6 / 57.9 and bf16 54.5 / 56.2: chunks of at most
-    FP8_SHORT_CHUNK queries keep the unstaged shape."""
+    FP8_SHORT_CHUNK queries keep the unstaged shape. H200, 2026-12-03 (bench/results/s19/kv_fp8_candidates.json,
+    kv_fp8_bench --quick): longer staged chunks on 64-key tiles instead of 32, 4 x 512 queries over 1024 cached,
+    74.1 / 148.8 us (qwen3-0.6b / llama3-8b) against 87.2 / 166.0; decode over an fp8 cache with QK^T on the fp8
+    tensor cores and q as two e4m3 terms (qk_fp8x2, keys on the dots' M rows; error below f16_words'), B=256
+    contexts 512-768, 145.1 / 141.8 us a layer against f16_words' 147.4 / 144.5, and whole decode steps (step_ab,
+    graph-timed) llama3-8b FP8 B=256 ctx 1024 11.598 ms against 11.786, qwen3-0.6b B=256 5.170 against 5.256."""
     num_splits = pick_num_splits(num_tokens, num_kv_heads, max_query_len, max_seq_len, num_sms)
     if max_query_len <= 1:
         # Decode-only: kv heads first on the grid, so one sequence's heads read their blocks' adjacent bytes
         # together (H200, qwen3-0.6b, B=256, contexts 512-768: 166 -> 160 us per layer, 4.04 -> 4.19 TB/s).
+        if fp8_kv:  # H200 (2026-12-03, see above): QK^T on fp8 tensor cores, q as two e4m3 terms
+            return AttentionConfig(num_splits=num_splits, heads_fast=True, fp8_convert="qk_fp8x2",
+                                   decode_keys_on_m=True)
         return AttentionConfig(num_splits=num_splits, heads_fast=True)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     if max_query_len * group_size >= 128 and not mostly_decode:
         if fp8_kv and max_query_len <= FP8_SHORT_CHUNK:  # H200: q in registers, 64-key tiles, no cap (see above)
             return AttentionConfig(num_splits=num_splits, prefill_tile_n=64, fp8_q_staged=False)
-        return AttentionConfig(num_splits=num_splits, prefill_max_regs=128 if fp8_kv and head_dim <= 128 else 0)
+        if fp8_kv:  # staged q, 64-key tiles (H200 2026-12-03, see above)
+            return AttentionConfig(num_splits=num_splits, prefill_tile_n=64,
+                                   prefill_max_regs=128 if head_dim <= 128 else 0)
+        return AttentionConfig(num_splits=num_splits)
     return AttentionConfig(num_splits=num_splits, prefill_block_m=64, prefill_tile_n=64, prefill_num_warps=4,
                            prefill_num_stages=2)
 

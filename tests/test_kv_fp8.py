@@ -133,11 +133,12 @@ def test_fp8_config_checked_and_defaults() -> None:
     assert set(FP8_CONVERTS) == {"native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8",
                                  "f16_pinned", "qk_fp8x2"}
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
-    assert decode.decode_tile_n == 64 and decode.fp8_convert == "f16_words"  # measured fastest (kv_fp8_bench)
+    assert decode.decode_tile_n == 64 and decode.fp8_convert == "qk_fp8x2"  # measured fastest (kv_fp8_bench)
+    assert decode.decode_keys_on_m  # the fp8 MMA takes the keys on M
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
     chunks = (2048, 4, 8, 2, 512, 1536)  # 4 x 512 new queries over 1024 cached tokens
     fp8_chunks, bf16_chunks = pick_config(*chunks, fp8_kv=True), pick_config(*chunks)
-    assert fp8_chunks.prefill_tile_n == bf16_chunks.prefill_tile_n == 32  # bf16's tiles, two programs an SM:
+    assert (fp8_chunks.prefill_tile_n, bf16_chunks.prefill_tile_n) == (64, 32)  # 64-key tiles won for fp8:
     assert fp8_chunks.fp8_q_staged and fp8_chunks.prefill_max_regs == 128  # q staged, registers capped
     assert bf16_chunks.prefill_max_regs == 0
     assert pick_config(*chunks, fp8_kv=True, head_dim=256).prefill_max_regs == 0  # its accumulator alone is 128
@@ -321,9 +322,11 @@ def test_fp8_decode_switch_picks_the_mode(monkeypatch: pytest.MonkeyPatch) -> No
 
     case = _fp8_case([1, 1, 1], [40, 17, 30], torch.float16, num_heads=8, num_kv_heads=2, seed=10)
     default = pick_config(3, 3, 2, 4, 1, 40, fp8_kv=True)
-    explicit = _run(case, replace(default, fp8_convert="qk_fp8x2", decode_keys_on_m=True))
+    assert (default.fp8_convert, default.decode_keys_on_m) == ("qk_fp8x2", True)
+    explicit = _run(case, replace(default, fp8_convert="f16_words", decode_keys_on_m=False))
     plain = _run(case, default)
-    monkeypatch.setenv("PAGODA_FP8_KV_DECODE", "qk_fp8x2")
+    assert torch.equal(_run(case, None), plain)  # type: ignore[arg-type]
+    monkeypatch.setenv("PAGODA_FP8_KV_DECODE", "f16_words")
     switched = _run(case, None)  # type: ignore[arg-type]
     assert torch.equal(switched, explicit) and not torch.equal(switched, plain)
     monkeypatch.setenv("PAGODA_FP8_KV_DECODE", "fp4")

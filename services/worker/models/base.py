@@ -306,13 +306,15 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 
 def moe_experts(ops: Ops, tp_size: int, fp8: Fp8Weights | None, *args: object) -> Hidden:
-    """ops.moe_experts(*args), or on one device under PAGODA_FUSE_MOE_SUM=1 (a measurement switch, off by default
-    until timed on a GPU) ops.moe_experts_deferred: the top-k sum left to the next residual add + norm, one launch
-    fewer a sparse layer where the grouped GEMM runs (its [T, k, H] rows read once, by the norm). Not with
+    """ops.moe_experts(*args), or on one device ops.moe_experts_deferred: the top-k sum left to the next residual
+    add + norm, one launch fewer a sparse layer where the grouped GEMM runs (its [T, k, H] rows read once, by the
+    norm). H200, 2026-12-03 (bench/step_ab.py, graph-timed decode steps, 640 cached tokens): deepseek-v2-lite
+    9.743 -> 9.640 ms at B=64, 11.648 -> 11.540 at B=256; qwen3-30b-a3b 22.146 -> 21.900 at B=256. Not with
     per-channel FP8 weights: there the next norm quantizes its output for the W8A8 GEMM after it (add_rms_norm_quant,
-    which takes no parts), and the sum would cost that fusion."""
+    which takes no parts), and the sum would cost that fusion. PAGODA_FUSE_MOE_SUM=0 (the A/B switch) keeps the sum
+    in the MoE layer."""
     if (tp_size == 1 and ops.moe_experts_deferred is not None and ops.add_rms_norm_parts is not None
-            and (fp8 is None or fp8.group_size is not None) and os.environ.get("PAGODA_FUSE_MOE_SUM") == "1"):
+            and (fp8 is None or fp8.group_size is not None) and os.environ.get("PAGODA_FUSE_MOE_SUM") != "0"):
         return ops.moe_experts_deferred(*args)
     return ops.moe_experts(*args)
 
@@ -323,11 +325,17 @@ def uses_head_gemv(ops: Ops, num_tokens: int) -> bool:
     return ops.head_gemv is not None and gemv.enabled() and 1 <= num_tokens <= gemv.MAX_ROWS
 
 
-def fuse_silu_gemv() -> bool:
-    """PAGODA_FUSE_SILU_GEMV=1 (a measurement switch, off by default until timed on a GPU): where the down
-    projection takes the weight-only FP8 path with its sum deferred, it reads [gate ‖ up] and multiplies
-    silu(gate) * up itself, one launch fewer a layer (kernels/fp8_weight_only.py GATED; same values)."""
-    return os.environ.get("PAGODA_FUSE_SILU_GEMV") == "1"
+def fuse_silu_gemv(rows: int) -> bool:
+    """Whether the down projection of a step of `rows` tokens, where it takes the weight-only FP8 path with its sum
+    deferred, reads [gate ‖ up] and multiplies silu(gate) * up itself: one launch fewer a layer
+    (kernels/fp8_weight_only.py GATED; same values). At one row only: H200, 2026-12-03 (bench/step_ab.py, llama3-8b
+    FP8, graph-timed decode step, 512 cached tokens) 4.201 -> 4.049 ms at B=1, but 3.215 -> 5.249 at B=4 and
+    3.272 -> 7.515 at B=8 (the gated tiles are untuned there). PAGODA_FUSE_SILU_GEMV (the A/B switch): 1 at every
+    row count, 0 never."""
+    switch = os.environ.get("PAGODA_FUSE_SILU_GEMV")
+    if switch is not None and switch != "":
+        return switch == "1"
+    return rows == 1
 
 
 def add_norm(x: Hidden, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
         if self._fused_quant(gate_up, self.down_weight, self.down_weight_scale, ops):
             mlp_q, mlp_scale = ops.silu_and_mul_quant(gate_up)  # [T, I] e4m3, [T, 1]
             return ops.fp8_matmul(mlp_q, mlp_scale, self.down_weight, self.down_weight_scale, None, gate_up.dtype)
-        if self.tp.size == 1 and fuse_silu_gemv():
+        if self.tp.size == 1 and fuse_silu_gemv(gate_up.numel() // gate_up.shape[-1]):
             assert self.down_weight is not None
             down = deferred_linear(gate_up, self.down_weight, self.down_weight_scale, self.fp8, ops, gated=True)
             if down is not None:
