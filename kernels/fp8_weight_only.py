@@ -133,19 +133,23 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     acc_wide = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # LATE_REDUCE's elementwise sums
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's transposed sums
     for k0 in range(k_start, k_end, BLOCK_K):
+        # x before w: with the loads the other way round, Triton laid the one-row FMA tiles out for a cross-lane
+        # reduction at every K step (sm_90 SASS of the llama3-8b o tile: 433 loop instructions against 261, 82
+        # SHFL against 20), which made FP8 batch-1 decode 2.78 -> 4.13 ms/token on the H200
         if EVEN_K:
             x_mask = m_mask[:, None]
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            w_mask = n_mask[:, None]
         else:
             k_mask = (k0 + offs_k) < k_end
             x_mask = m_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = n_mask[:, None] & k_mask[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BM, BK]
         if GATED:  # silu rounded to the storage dtype before the product, as activation.silu_and_mul
-            gate = x.to(tl.float32)
             up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
             silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
             x = (silu * up).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # [BN, BK]
         if GROUP_K != 0:
             scale = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)  # [BN]
         if LATE_REDUCE:

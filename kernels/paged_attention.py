@@ -57,9 +57,12 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #   "qk_fp8x2": "qk_fp8" with q as the sum of two e4m3 rows, q ~= hi * s_hi + lo * s_lo (lo: the rounding error
 #             of hi, quantized with its own row scale), and two fp8 dots over the same K tile: q keeps ~7 mantissa
 #             bits instead of 3 (relative rounding <= 2^-8 of the row's amax, as fine as a 16-bit q), for one more
-#             QGMMA a tile. V as in "f16_words". Not yet timed on a GPU.
+#             QGMMA a tile. V as in "f16_words". pick_config's decode choice over an fp8 cache (H200, 2026-12-03: 145.1 /
+#             141.8 us a layer against f16_words' 147.4 / 144.5, qwen3-0.6b / llama3-8b, B=256); its 128-row chunk
+#             tiles were slower than the default's there (122-225 us against 87-166), so chunks keep f16_words.
 FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "f16_pinned",
                 "qk_fp8x2")
+_FP8_MMA_CONVERTS = ("qk_fp8", "qkv_fp8", "qk_fp8x2")  # e4m3 dots on the tensor cores (K >= 32)
 _FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6,
              "qkv_fp8": 7, "f16_pinned": 8, "qk_fp8x2": 9}  # 0: no fp8 cache
 _P_E4M3_MULT = tl.constexpr(256.0)
@@ -677,14 +680,25 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_dim: int, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> int:
     """The kernel's FP8_MODE: 0 without an fp8 cache; with an fp32 q always "native" (fp16 dots would round it);
-    the word modes fall back to "f16" where a row of head_dim bytes is not made of whole aligned words."""
+    the word modes fall back to "f16" where a row of head_dim bytes is not made of whole aligned words; the fp8
+    tensor-core modes to "f16_words" below 32 (padded) dims, the fp8 MMA's K."""
     if not fp8_kv:
         return 0
     convert = config.fp8_convert if q_dtype != torch.float32 else "native"
+    if convert in _FP8_MMA_CONVERTS and triton.next_power_of_2(head_dim) < 32:
+        convert = "f16_words"
     if (convert in ("f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "qk_fp8x2")
             and not _word_aligned(head_dim, k_cache, v_cache)):
         convert = "f16"
     return _FP8_MODE[convert]
+
+
+def _keys_on_m(config: AttentionConfig, fp8_mode: int) -> bool:
+    """Decode dots with the keys on M as configured, except where an fp8 tensor-core mode was asked for (which
+    sets keys on M for wgmma) and _fp8_mode fell back to a conversion (transposed dots only slow those)."""
+    fell_back = config.fp8_convert in _FP8_MMA_CONVERTS and fp8_mode not in (0, *(_FP8_MODE[c] for c in
+                                                                                 _FP8_MMA_CONVERTS))
+    return config.decode_keys_on_m and not fell_back
 
 
 def _word_aligned(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -789,7 +803,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
-            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=config.decode_keys_on_m, Q_STAGED=False,
+            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=_keys_on_m(config, fp8_mode), Q_STAGED=False,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
             **pdl_options)
     if not decode_only:

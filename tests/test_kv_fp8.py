@@ -135,6 +135,13 @@ def test_fp8_config_checked_and_defaults() -> None:
     decode = pick_config(64, 64, 8, 2, 1, 1024, fp8_kv=True)
     assert decode.decode_tile_n == 64 and decode.fp8_convert == "qk_fp8x2"  # measured fastest (kv_fp8_bench)
     assert decode.decode_keys_on_m  # the fp8 MMA takes the keys on M
+    from pagoda.kernels import paged_attention as pa
+    for head_dim, expected in ((16, "f16_words"), (32, "qk_fp8x2"), (128, "qk_fp8x2")):  # the fp8 MMA's K >= 32
+        small = _fp8_case([1], [5], torch.bfloat16, head_dim=head_dim)
+        config = pick_config(1, 1, 2, 2, 1, 5, fp8_kv=True, head_dim=head_dim)
+        mode = pa._fp8_mode(True, torch.bfloat16, config, head_dim, small["k_cache"], small["v_cache"])
+        assert mode == pa._FP8_MODE[expected], (head_dim, mode)
+        assert pa._keys_on_m(config, mode) == (expected == "qk_fp8x2")  # no transposed dots for a conversion
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
     chunks = (2048, 4, 8, 2, 512, 1536)  # 4 x 512 new queries over 1024 cached tokens
     fp8_chunks, bf16_chunks = pick_config(*chunks, fp8_kv=True), pick_config(*chunks)
