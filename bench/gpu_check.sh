@@ -3,8 +3,10 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures
 #   (default: tests,parity,pagoda,peers,compiled)
+#   figures: issues 20 and 25's figures on the committed tree, no tuning: llama3-8b FP8 batch-1, qwen3-0.6b with a
+#   bf16 and an fp8 KV cache, TensorRT-LLM's 1000/1000 row, deepseek-v2-lite reference + batch-1 (~8 minutes).
 #   moe-sum: step_ab of PAGODA_FUSE_MOE_SUM (the sparse layers' top-k sum in the next norm) on deepseek-v2-lite
 #   (B = 64, 256) and qwen3-30b-a3b (B = 256), then deepseek-v2-lite's reference workload with it.
 #   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 1-256
@@ -172,6 +174,27 @@ if has fp8; then
     timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
       --timeout 80 --out "$OUT/fp8_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
   done
+fi
+if has figures; then
+  # issue 20 / 25 figures on the committed tree, no tuning (each run in a fresh process; a cold machine compiles
+  # llama3-8b FP8's kernels in the first run, hence its longer limit): FP8 batch-1, then the sweep's one-row GEMVs
+  echo "== llama3-8b fp8 batch-1 after 512 tokens"
+  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+    --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 --latency-prompt-len 512 --timeout 190 \
+    --out "$OUT/figures_llama3-8b_fp8_b1.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -2
+  for kv in auto fp8; do
+    echo "== qwen3-0.6b reference, kv $kv"
+    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
+      --timeout 80 --out "$OUT/figures_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+  done
+  echo "== llama3-8b fp8 + fp8 kv, trtllm-1000"
+  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+    --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/figures_trtllm-1000.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -4
+  echo "== deepseek-v2-lite reference + batch-1"
+  timeout 160 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy --workload reference \
+    --latency-prompt-len 512 --timeout 150 --out "$OUT/figures_deepseek-v2-lite.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -5
 fi
 if has deepseek-profile; then
   timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
