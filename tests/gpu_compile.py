@@ -200,6 +200,24 @@ def run_fp8_qk_attention_shapes() -> None:
                         k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
+def run_fp8_default_decode_shapes() -> None:
+    """pick_config's own decode launch over an fp8 cache (qk_fp8x2, keys on the dots' M rows) at the head dims and
+    GQA groups of common models beyond the two above: SmolLM2 (64, 9 q / 3 kv heads), 96-dim heads, multi-head
+    attention (group 1), a group of 8 (70B-class), 256-dim heads (Gemma-class)."""
+    from pagoda.kernels.paged_attention import paged_attention
+
+    for head_dim, num_heads, num_kv_heads in ((64, 9, 3), (96, 32, 8), (128, 16, 16), (128, 64, 8), (256, 8, 4)):
+        num_seqs, context = 8, 256
+        q = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16)  # [T, heads, D]
+        cache = torch.empty(num_seqs * context // 16, 16, num_kv_heads, head_dim,
+                            dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
+        block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, k_scale=torch.ones(1),
+                        v_scale=torch.ones(1))
+
+
 def run_fp8_chunk_attention_shapes() -> None:
     """Chunks over an fp8 cache with pick_config's own launch shapes (q staged through the output rows, the
     128-register cap on 128-row tiles) at qwen3-0.6b's and llama3-8b's dims, head_dim 128: 4 x 512 new queries over
@@ -311,6 +329,7 @@ def main() -> int:
     run_mla_shapes()
     run_moe_shapes()
     run_fp8_qk_attention_shapes()
+    run_fp8_default_decode_shapes()
     run_fp8_chunk_attention_shapes()
     run_sampler()
     run_block_copy()
