@@ -395,3 +395,13 @@ def test_dequantize_blocks_matches_reference(dtype: torch.dtype) -> None:
         dequantize_blocks(args[0].to(torch.float16), *args[1:])
     with pytest.raises(ValueError, match="contiguous"):
         dequantize_blocks(args[0].transpose(1, 2), args[1].transpose(1, 2), *args[2:])
+
+
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 9, 3), (96, 4, 2), (16, 4, 1)])
+def test_fp8_default_decode_at_other_head_dims(head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    """pick_config's decode launch over an fp8 cache (QK^T on fp8 tensor cores, q as two e4m3 terms, keys on M)
+    at a head dim that is not a power of two (96: padded to 128), SmolLM2's 64-dim heads in groups of 3, and below
+    the fp8 MMA's K (16: the words conversion serves): the reference's values."""
+    case = _fp8_case([1, 1, 1], [40, 17, 70], torch.float16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, seed=head_dim, gaussian=True)
+    _check(case, None, ATOL[torch.float16])  # type: ignore[arg-type]
