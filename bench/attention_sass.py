@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -190,16 +191,33 @@ def chunk_table(num_heads: int, num_kv_heads: int) -> None:
               f"{per_unit:.0f} | {top} |")
 
 
+def default_decode_loops(num_heads: int, num_kv_heads: int) -> list[dict[str, object]]:
+    """The unmasked key-tile loop of pick_config's decode launches (64-key tiles, 2 stages): a bf16 cache, and an
+    fp8 cache (qk_fp8x2, keys on M): instructions a warp runs per tile, and spill instructions in it."""
+    rows: list[dict[str, object]] = []
+    for mode, keys_on_m in (("bf16", False), ("qk_fp8x2", True)):
+        sass, _ = disassemble(compile_decode(mode, 64, 2, keys_on_m, num_heads, num_kv_heads).asm["cubin"])
+        unmasked = min((b for b in loop_bodies(sass) if len(b) > 100), key=len)
+        rows.append({"mode": mode, "loop": len(unmasked), "spills": sum(op in ("LDL", "STL") for op in unmasked)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--chunk", action="store_true", help="the tiled launch for query chunks instead of decode")
+    parser.add_argument("--defaults-json", action="store_true",
+                        help="only the default decode launches' loops, as JSON lines (tests/test_attention_sass.py)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import gpu_compile  # the compile-only sm_90 driver
 
     gpu_compile.driver.set_active(gpu_compile.CompileOnlyDriver())
+    if args.defaults_json:
+        for row in default_decode_loops(args.heads, args.kv_heads):
+            print(json.dumps(row), flush=True)
+        return 0
     if args.chunk:
         chunk_table(args.heads, args.kv_heads)
         return 0
