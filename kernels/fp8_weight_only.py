@@ -13,7 +13,7 @@ the tuner's candidates at every M bucket). Tuned per shape and M bucket on the G
 heuristics otherwise.
 
 Two launches fewer a decode layer (models/llama.py, one device): the o and down projections leave their split-K
-partials to the residual add + norm that follows (SplitKPartials, norm.add_rms_norm_parts)
+partials to the residual add + norm that follows (DeferredSum, norm.add_rms_norm_parts)
 (PAGODA_FUSE_SPLIT_K=0 keeps the split-K sum kernel, for measuring; the outputs are bit-identical either way).
 """
 
@@ -57,7 +57,7 @@ class GemvTiles:
 
 
 @dataclass(frozen=True, slots=True)
-class SplitKPartials:
+class DeferredSum:
     """A layer's output left as terms for the kernel that consumes it to sum (add_rms_norm folds the sum into its
     pass: one launch fewer a layer): a weight-only linear layer's split-K fp32 partial sums (contiguous), or an
     MoE layer's top-k expert outputs in the model dtype (a strided view of its [T, k, N] rows; moe.fused_experts
@@ -374,9 +374,9 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                              group_size: int | None, bias: torch.Tensor | None = None,
                              tiles: GemvTiles | None = None, defer_split_k: bool = True,
-                             gated: bool = False) -> torch.Tensor | SplitKPartials:
+                             gated: bool = False) -> torch.Tensor | DeferredSum:
     """fp8_weight_only_linear, except that with defer_split_k, a 2-D x, no bias and split-K tiles the output is
-    returned as its SplitKPartials for the consumer to sum. gated: x is a gated MLP's [..., 2K] = [gate ‖ up] and
+    returned as its DeferredSum for the consumer to sum. gated: x is a gated MLP's [..., 2K] = [gate ‖ up] and
     the layer multiplies silu(gate) * up (activation.silu_and_mul's values) in the same launch."""
     k_in = (2 if gated else 1) * weight.shape[-1] if weight.dim() else -1
     if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1 or x.shape[-1] != k_in:
@@ -399,7 +399,7 @@ def fp8_weight_only_deferred(x: torch.Tensor, weight: torch.Tensor, weight_scale
     out, part = launch_gemv(x2, weight, weight_scale, group_size, bias, tiles, gated)
     defer = defer_split_k and tiles.split_k > 1 and bias is None and x.dim() == 2
     if defer:
-        return SplitKPartials(part, x.dtype)
+        return DeferredSum(part, x.dtype)
     if tiles.split_k > 1:
         _launch_split_k_sum(part, out, bias)
     return out.view(out_shape)

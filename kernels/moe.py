@@ -29,7 +29,7 @@ import triton.language as tl
 
 from pagoda.kernels import pdl
 from pagoda.kernels.activation import silu_and_mul
-from pagoda.kernels.fp8_weight_only import SplitKPartials
+from pagoda.kernels.fp8_weight_only import DeferredSum
 
 log = logging.getLogger(__name__)
 
@@ -921,14 +921,14 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                   topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
                   w_down_scale: torch.Tensor | None = None, group_k: int | None = None,
                   tiles: Tiles | None = None, path: str | None = None,
-                  defer_sum: bool = False) -> torch.Tensor | SplitKPartials:
+                  defer_sum: bool = False) -> torch.Tensor | DeferredSum:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]; topk_weights [T, k] fp32;
     topk_ids [T, k] int32. FP8 weights: e4m3 with scales [E, rows, K / group_k] (group_k = K: per row).
     path: "triton" (pagoda's grouped GEMM or GEMVs, with `tiles`), "gmm" (torch._grouped_mm), None: moe_path's
     choice, or "triton" when tiles are given. Returns [T, H] in x's dtype; with defer_sum, on the grouped-GEMM path
-    (the one with a top-k sum of its own), the k weighted rows of each token as SplitKPartials [k, T, H] for the
+    (the one with a top-k sum of its own), the k weighted rows of each token as DeferredSum [k, T, H] for the
     next residual add + norm to sum."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w_gate_up.shape
@@ -964,7 +964,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     _moe_gemm(act, w_down, w_down_scale, _group(group_k, inter), align_down, out, num_pairs, 1, False, weights,
               down_tile)
     if defer_sum:
-        return SplitKPartials(out.view(num_tokens, top_k, hidden).transpose(0, 1), x.dtype)  # [k, T, H] view
+        return DeferredSum(out.view(num_tokens, top_k, hidden).transpose(0, 1), x.dtype)  # [k, T, H] view
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
 
 

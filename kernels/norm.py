@@ -127,7 +127,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def add_rms_norm_parts(parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm(x, residual, ...) where x = the sum over S of parts [S, T, N], in fp32 in order, rounded to dtype
-    (fp8_weight_only.SplitKPartials: a split-K GEMM's fp32 partial sums, or an MoE layer's top-k expert outputs in
+    (fp8_weight_only.DeferredSum: a split-K GEMM's fp32 partial sums, or an MoE layer's top-k expert outputs in
     dtype, any strides along S and T), without x ever written: one launch for the sum, the residual add and the
     norm."""
     if (parts.dim() != 3 or parts.dtype not in (torch.float32, dtype) or parts.stride(2) != 1

@@ -57,9 +57,10 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 #   "qk_fp8x2": "qk_fp8" with q as the sum of two e4m3 rows, q ~= hi * s_hi + lo * s_lo (lo: the rounding error
 #             of hi, quantized with its own row scale), and two fp8 dots over the same K tile: q keeps ~7 mantissa
 #             bits instead of 3 (relative rounding <= 2^-8 of the row's amax, as fine as a 16-bit q), for one more
-#             QGMMA a tile. V as in "f16_words". pick_config's decode choice over an fp8 cache (H200, 2026-12-03: 145.1 /
-#             141.8 us a layer against f16_words' 147.4 / 144.5, qwen3-0.6b / llama3-8b, B=256); its 128-row chunk
-#             tiles were slower than the default's there (122-225 us against 87-166), so chunks keep f16_words.
+#             QGMMA a tile. V as in "f16_words". pick_config's decode choice over an fp8 cache (H200, 2026-12-03:
+#             145.1 / 141.8 us a layer against f16_words' 147.4 / 144.5, qwen3-0.6b / llama3-8b, B=256); its
+#             128-row chunk tiles were slower than the default's there (122-225 us against 87-166), so chunks keep
+#             f16_words.
 FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "f16_pinned",
                 "qk_fp8x2")
 _FP8_MMA_CONVERTS = ("qk_fp8", "qkv_fp8", "qk_fp8x2")  # e4m3 dots on the tensor cores (K >= 32)

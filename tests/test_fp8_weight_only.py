@@ -175,7 +175,7 @@ def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows
     norm_w = (1 + 0.1 * torch.randn(n)).to(DEVICE).bfloat16()
     split = w8.GemvTiles(block_m=1 if num_rows == 1 else 8, block_n=16, block_k=128, split_k=4)
     deferred = w8.fp8_weight_only_deferred(x, weight, scale, group_size, tiles=split)
-    assert isinstance(deferred, w8.SplitKPartials) and deferred.parts.shape == (4, num_rows, n)
+    assert isinstance(deferred, w8.DeferredSum) and deferred.parts.shape == (4, num_rows, n)
     summed = w8.fp8_weight_only_linear(x, weight, scale, group_size, tiles=split)
     assert torch.equal(deferred.materialize(), summed)
     for fused, separate in zip(add_rms_norm_parts(deferred.parts, x.dtype, residual, norm_w, 1e-6),
@@ -253,8 +253,8 @@ def test_gated_down_projection_equals_silu_then_gemv(tiles: w8.GemvTiles, group_
         fused = w8.fp8_weight_only_deferred(gate_up, weight, scale, group_size, tiles=tiles, gated=True)
         plain = w8.fp8_weight_only_deferred(silu_and_mul(gate_up), weight, scale, group_size, tiles=tiles)
         assert type(fused) is type(plain)
-        if isinstance(fused, w8.SplitKPartials):
-            assert isinstance(plain, w8.SplitKPartials) and torch.equal(fused.parts, plain.parts)
+        if isinstance(fused, w8.DeferredSum):
+            assert isinstance(plain, w8.DeferredSum) and torch.equal(fused.parts, plain.parts)
         else:
             assert torch.equal(fused, plain)
     with pytest.raises(ValueError, match="gate"):
@@ -347,8 +347,8 @@ def test_act_fp8_tiles_ragged_k_gated_and_fp32(tiles: w8.GemvTiles) -> None:
     gate_up = (2 * torch.randn(5, 2 * k, generator=gen)).to(DEVICE).bfloat16()  # [M, 2K]
     fused = w8.fp8_weight_only_deferred(gate_up, weight, scale, None, tiles=tiles, gated=True)
     plain = w8.fp8_weight_only_deferred(silu_and_mul(gate_up), weight, scale, None, tiles=tiles)
-    if isinstance(fused, w8.SplitKPartials):
-        assert isinstance(plain, w8.SplitKPartials) and torch.equal(fused.parts, plain.parts)
+    if isinstance(fused, w8.DeferredSum):
+        assert isinstance(plain, w8.DeferredSum) and torch.equal(fused.parts, plain.parts)
     else:
         assert isinstance(plain, torch.Tensor) and torch.equal(fused, plain)
 

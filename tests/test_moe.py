@@ -362,18 +362,18 @@ def test_gmm_path_bf16_on_gpu_captures_in_a_graph() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_deferred_top_k_sum_summed_by_the_residual_norm(dtype: torch.dtype) -> None:
-    """defer_sum on the grouped-GEMM path: the k weighted rows of each token come back as SplitKPartials [k, T, H]
+    """defer_sum on the grouped-GEMM path: the k weighted rows of each token come back as DeferredSum [k, T, H]
     (a strided view, no copy), and the residual add + norm that sums them (norm.add_rms_norm_parts) gives what the
     summed output through add_rms_norm gives; the GEMV path (its own in-kernel sum) still returns [T, H]."""
     from pagoda.kernels import norm
-    from pagoda.kernels.fp8_weight_only import SplitKPartials
+    from pagoda.kernels.fp8_weight_only import DeferredSum
 
     w_gate_up, w_down = _weights(dtype)
     x, weights, ids = _routed(24, dtype, seed=4)
     tiles = (moe.TileConfig(16, 32, 32, 1, 4, 2),) * 2
     summed = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles)  # [T, H]
     deferred = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles, defer_sum=True)
-    assert isinstance(deferred, SplitKPartials) and deferred.parts.shape == (TOP_K, 24, HIDDEN)
+    assert isinstance(deferred, DeferredSum) and deferred.parts.shape == (TOP_K, 24, HIDDEN)
     assert deferred.parts.dtype == dtype and deferred.dtype == dtype and not deferred.parts.is_contiguous()
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
     torch.testing.assert_close(deferred.materialize(), summed, **tolerance)

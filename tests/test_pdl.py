@@ -10,7 +10,7 @@ import torch
 from pagoda.kernels import pdl
 from pagoda.kernels import reference as ref
 from pagoda.kernels.activation import silu_and_mul
-from pagoda.kernels.fp8_weight_only import GemvTiles, SplitKPartials, fp8_weight_only_deferred, fp8_weight_only_linear
+from pagoda.kernels.fp8_weight_only import DeferredSum, GemvTiles, fp8_weight_only_deferred, fp8_weight_only_linear
 from pagoda.kernels.norm import add_rms_norm, add_rms_norm_parts, rms_norm
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -62,7 +62,7 @@ def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, 
     gate_up = fp8_weight_only_linear(h, *w_up, None)  # [M, 2I]
     if fused:
         parts = fp8_weight_only_deferred(silu_and_mul(gate_up), *w_down, None, tiles=split)
-        assert isinstance(parts, SplitKPartials)
+        assert isinstance(parts, DeferredSum)
         return add_rms_norm_parts(parts.parts, parts.dtype, residual, norm_w, 1e-6)
     down = fp8_weight_only_linear(silu_and_mul(gate_up), *w_down, None, tiles=split)  # [M, H], split-K partials
     return add_rms_norm(down, residual, norm_w, 1e-6)

@@ -18,7 +18,7 @@ from pagoda.kernels import reference as ref
 
 # A layer's output: a tensor, or a split-K weight-only GEMM's fp32 partial sums that the next residual add + norm
 # sums in its own pass (one launch fewer; kernels/fp8_weight_only.py).
-Hidden = torch.Tensor | w8a16.SplitKPartials
+Hidden = torch.Tensor | w8a16.DeferredSum
 
 
 @dataclass(slots=True)
@@ -166,7 +166,7 @@ class Ops:
     # x2, group size) -> [T, H]: the routed experts of a sparse layer
     moe_experts: Callable[..., torch.Tensor] = ref.moe_experts
     # The same with the top-k sum left to the next residual add + norm (add_rms_norm_parts) where the kernel path
-    # has one of its own (moe.fused_experts defer_sum): -> [T, H] or SplitKPartials [k, T, H]; None: summed
+    # has one of its own (moe.fused_experts defer_sum): -> [T, H] or DeferredSum [k, T, H]; None: summed
     moe_experts_deferred: Callable[..., Hidden] | None = None
     # Multi-head latent attention (models/deepseek.py): q's rope and the latent entries into the cache in one pass,
     # absorbed attention over the latent cache, and the expanded path for long chunks
@@ -341,7 +341,7 @@ def fuse_silu_gemv(rows: int) -> bool:
 def add_norm(x: Hidden, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
              ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.add_rms_norm for a layer's output of either kind: (normed [T, H], summed residual [T, H])."""
-    if isinstance(x, w8a16.SplitKPartials):
+    if isinstance(x, w8a16.DeferredSum):
         assert residual is not None and ops.add_rms_norm_parts is not None, "partials come with their consumer"
         return ops.add_rms_norm_parts(x.parts, x.dtype, residual, weight, eps)
     return ops.add_rms_norm(x, residual, weight, eps)
