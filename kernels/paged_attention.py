@@ -66,6 +66,7 @@ FP8_CONVERTS = ("native", "f16", "f16_bits", "f16_words", "f16_vwords", "qk_fp8"
 _FP8_MMA_CONVERTS = ("qk_fp8", "qkv_fp8", "qk_fp8x2")  # e4m3 dots on the tensor cores (K >= 32)
 _FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6,
              "qkv_fp8": 7, "f16_pinned": 8, "qk_fp8x2": 9}  # 0: no fp8 cache
+_FP8_MMA_MODES = tuple(_FP8_MODE[convert] for convert in _FP8_MMA_CONVERTS)
 _P_E4M3_MULT = tl.constexpr(256.0)
 _E4M3_MAX = tl.constexpr(448.0)
 _F16_Q_AMAX = tl.constexpr(256.0)  # q amax after its fp16 scaling: products exact in fp32, far from overflow
@@ -697,8 +698,8 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
 def _keys_on_m(config: AttentionConfig, fp8_mode: int) -> bool:
     """Decode dots with the keys on M as configured, except where an fp8 tensor-core mode was asked for (which
     sets keys on M for wgmma) and _fp8_mode fell back to a conversion (transposed dots only slow those)."""
-    fell_back = config.fp8_convert in _FP8_MMA_CONVERTS and fp8_mode not in (0, *(_FP8_MODE[c] for c in
-                                                                                 _FP8_MMA_CONVERTS))
+    fell_back = (config.fp8_convert in _FP8_MMA_CONVERTS and fp8_mode != 0  # 0: a 16-bit cache
+                 and fp8_mode not in _FP8_MMA_MODES)
     return config.decode_keys_on_m and not fell_back
 
 

@@ -330,12 +330,11 @@ def fuse_silu_gemv(rows: int) -> bool:
     deferred, reads [gate ‖ up] and multiplies silu(gate) * up itself: one launch fewer a layer
     (kernels/fp8_weight_only.py GATED; same values). At one row only: H200, 2026-12-03 (bench/step_ab.py, llama3-8b
     FP8, graph-timed decode step, 512 cached tokens) 4.201 -> 4.049 ms at B=1, but 3.215 -> 5.249 at B=4 and
-    3.272 -> 7.515 at B=8 (the gated tiles are untuned there). PAGODA_FUSE_SILU_GEMV (the A/B switch): 1 at every
-    row count, 0 never."""
+    3.272 -> 7.515 at B=8 (the gated tiles are untuned there); the B=1 pair on the one-row tiles' slow layout that
+    a54432a undid (gated 325 SASS loop instructions against 261 now, 490 against 433 then). PAGODA_FUSE_SILU_GEMV
+    (the A/B switch): 1 at every row count, 0 never."""
     switch = os.environ.get("PAGODA_FUSE_SILU_GEMV")
-    if switch is not None and switch != "":
-        return switch == "1"
-    return rows == 1
+    return switch == "1" if switch else rows == 1
 
 
 def add_norm(x: Hidden, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
