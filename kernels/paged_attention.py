@@ -689,8 +689,7 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
     convert = config.fp8_convert if q_dtype != torch.float32 else "native"
     if convert in _FP8_MMA_CONVERTS and triton.next_power_of_2(head_dim) < 32:
         convert = "f16_words"
-    if (convert in ("f16_words", "f16_vwords", "qk_fp8", "qkv_fp8", "qk_fp8x2")
-            and not _word_aligned(head_dim, k_cache, v_cache)):
+    if convert in ("f16_words", "f16_vwords", *_FP8_MMA_CONVERTS) and not _word_aligned(head_dim, k_cache, v_cache):
         convert = "f16"
     return _FP8_MODE[convert]
 

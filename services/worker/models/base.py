@@ -337,6 +337,12 @@ def fuse_silu_gemv(rows: int) -> bool:
     return switch == "1" if switch else rows == 1
 
 
+def all_reduce_hidden(tp: TensorParallel, x: Hidden) -> Hidden:
+    """tp.all_reduce of a layer's output of either kind: a DeferredSum is only left on a single device, where the
+    all-reduce is the identity."""
+    return tp.all_reduce(x) if isinstance(x, torch.Tensor) else x
+
+
 def add_norm(x: Hidden, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
              ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.add_rms_norm for a layer's output of either kind: (normed [T, H], summed residual [T, H])."""

@@ -41,6 +41,7 @@ from pagoda.services.worker.models.base import (
     Placement,
     TensorParallel,
     add_norm,
+    all_reduce_hidden,
     make_linear,
     make_param,
     moe_experts,
@@ -343,7 +344,7 @@ class DeepseekLayer(nn.Module):
         mlp = self.mlp if self.mlp is not None else self.dense_mlp
         assert mlp is not None
         out = mlp(h, ops)  # [T, H], or the MoE's top-k terms (only on one device, where the all-reduce is identity)
-        return (self.tp.all_reduce(out) if isinstance(out, torch.Tensor) else out), residual
+        return all_reduce_hidden(self.tp, out), residual
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """This layer's Hugging Face tensors (`prefix` = "model.layers.{i}.") and where this rank's slices go."""

@@ -23,6 +23,7 @@ from pagoda.services.worker.models.base import (
     Placement,
     TensorParallel,
     add_norm,
+    all_reduce_hidden,
     deferred_linear,
     fuse_silu_gemv,
     make_linear,
@@ -127,10 +128,6 @@ class DecoderLayer(nn.Module):
                 return down
         return self.linear(mlp, self.down_weight, self.down_weight_scale, None, ops)
 
-    def _all_reduce(self, x: Hidden) -> Hidden:
-        """Partials are only left on a single device, where the all-reduce is the identity."""
-        return self.tp.all_reduce(x) if isinstance(x, torch.Tensor) else x
-
     def forward(self, x: Hidden, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope_cache: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: Ops) -> tuple[Hidden, torch.Tensor]:
@@ -173,7 +170,7 @@ class DecoderLayer(nn.Module):
             x = self.tp.all_reduce(self.linear(attn, self.o_weight, self.o_weight_scale, None, ops))  # [T, H]
         gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,
                                               self.gate_up_weight_scale, None, ops)  # [T, 2I], [T, H]
-        return self._all_reduce(self._mlp(gate_up, ops)), residual
+        return all_reduce_hidden(self.tp, self._mlp(gate_up, ops)), residual
 
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:

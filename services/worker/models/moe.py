@@ -23,6 +23,7 @@ from pagoda.services.worker.models.base import (
     Ops,
     Placement,
     TensorParallel,
+    all_reduce_hidden,
     make_linear,
     make_param,
     moe_experts,
@@ -75,7 +76,7 @@ class SparseMoe(nn.Module):
             out = ops.moe_experts(*args) + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
             return self.tp.all_reduce(out), residual
         out = moe_experts(ops, self.tp.size, self.fp8, *args)  # [T, H], or its top-k terms (one device only)
-        return (self.tp.all_reduce(out) if isinstance(out, torch.Tensor) else out), residual
+        return all_reduce_hidden(self.tp, out), residual
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """Per-expert checkpoint keys (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
