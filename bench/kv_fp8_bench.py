@@ -79,7 +79,8 @@ DECODE_VARIANTS = (
     Variant("fp8_qk_t128", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 128, "decode_keys_on_m": True}),
     Variant("fp8_qk_t64_mrows", True, {"fp8_convert": "qk_fp8", "decode_tile_n": 64}),
     # q as two e4m3 terms (hi + its rounding error), two fp8 dots a K tile: a 16-bit q's accuracy (sm_90 SASS, 64-key
-    # tiles, keys on M: 394 loop instructions against qk_fp8's 365 and the default's 487; not yet timed on a GPU)
+    # tiles, keys on M: 394 loop instructions against qk_fp8's 365 and f16_words' 487; pick_config's decode default
+    # since the H200 timing of 2026-12-03, bench/results/s19)
     Variant("fp8_qk2_t64", True, {"fp8_convert": "qk_fp8x2", "decode_tile_n": 64, "decode_keys_on_m": True}),
     Variant("fp8_qk2_t128", True, {"fp8_convert": "qk_fp8x2", "decode_tile_n": 128, "decode_keys_on_m": True}),
     Variant("fp8_qk2_hf_t64", True, {"fp8_convert": "qk_fp8x2", "decode_tile_n": 64, "decode_keys_on_m": True,
@@ -87,7 +88,7 @@ DECODE_VARIANTS = (
     # and PV too (e4m3 p x V as loaded): V's keys are strided, so Triton transposes the tile through shared memory
     Variant("fp8_qkv_t64", True, {"fp8_convert": "qkv_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     # the conversion pinned in the load's layout: e4m3 tiles by cp.async, then bf16's path into the dots (sm_90
-    # SASS: 338 loop instructions a 64-key tile against 487 for f16_words; not yet timed on a GPU)
+    # SASS: 338 loop instructions a 64-key tile against 487 for f16_words; slower on the H200: 167-169 us against 151-152, s17)
     Variant("fp8_pinned_t64", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64}),
     Variant("fp8_pinned_t128", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 128}),
     Variant("fp8_pinned_t64_s3", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64, "decode_num_stages": 3}),
