@@ -88,7 +88,8 @@ DECODE_VARIANTS = (
     # and PV too (e4m3 p x V as loaded): V's keys are strided, so Triton transposes the tile through shared memory
     Variant("fp8_qkv_t64", True, {"fp8_convert": "qkv_fp8", "decode_tile_n": 64, "decode_keys_on_m": True}),
     # the conversion pinned in the load's layout: e4m3 tiles by cp.async, then bf16's path into the dots (sm_90
-    # SASS: 338 loop instructions a 64-key tile against 487 for f16_words; slower on the H200: 167-169 us against 151-152, s17)
+    # SASS: 338 loop instructions a 64-key tile against 487 for f16_words; slower on the H200, seventeenth session:
+    # 167-169 us against 151-152)
     Variant("fp8_pinned_t64", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64}),
     Variant("fp8_pinned_t128", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 128}),
     Variant("fp8_pinned_t64_s3", True, {"fp8_convert": "f16_pinned", "decode_tile_n": 64, "decode_num_stages": 3}),
