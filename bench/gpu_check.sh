@@ -3,10 +3,12 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8
 #   (default: tests,parity,pagoda,peers,compiled)
 #   figures: issues 20 and 25's figures on the committed tree, no tuning: llama3-8b FP8 batch-1, qwen3-0.6b with a
 #   bf16 and an fp8 KV cache, TensorRT-LLM's 1000/1000 row, deepseek-v2-lite reference + batch-1 (~8 minutes).
+#   llama-fp8: llama3-8b FP8's decode step at B = 1, 2, 4 (SiLU in the down GEMV at one row or never; kernels at
+#   B=1), then its reference workload with a bf16 and an fp8 KV cache and the latter under OpenAI-style sampling.
 #   moe-sum: step_ab of PAGODA_FUSE_MOE_SUM (the sparse layers' top-k sum in the next norm) on deepseek-v2-lite
 #   (B = 64, 256) and qwen3-30b-a3b (B = 256), then deepseek-v2-lite's reference workload with it.
 #   act-fp8: tune the W8A16 kernel's act_fp8 tiles (W8A8 with the activation tile quantized in the kernel) at 1-256
@@ -195,6 +197,21 @@ if has figures; then
   timeout 160 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy --workload reference \
     --latency-prompt-len 512 --timeout 150 --out "$OUT/figures_deepseek-v2-lite.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -5
+fi
+if has llama-fp8; then
+  # llama3-8b FP8 on the committed tree: the decode step at B = 1, 2, 4 with SiLU fused into the down GEMV at one
+  # row (the default) against never (PAGODA_FUSE_SILU_GEMV=0), B=1's kernels by name; then the reference workload
+  # with FP8 weights, with FP8 weights + FP8 KV, and the latter under OpenAI-style sampling (T 0.7, top_p 0.95)
+  echo "== llama3-8b fp8 decode step, SiLU in the down GEMV at one row (default) / never"
+  timeout 240 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,4 --context 512 \
+    --profile default=PAGODA_FUSE_SILU_GEMV= silu_off=PAGODA_FUSE_SILU_GEMV=0 2>&1 | tail -44
+  for run in "reference auto" "reference fp8" "openai fp8"; do
+    set -- $run
+    echo "== llama3-8b fp8, workload $1, kv $2"
+    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+      --workload "$1" --kv-cache-dtype "$2" --timeout 140 --out "$OUT/llama_fp8_${1}_kv_$2.json" 2>&1 \
+      | grep -v "^[a-z-]*: {" | tail -4
+  done
 fi
 if has deepseek-profile; then
   timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
