@@ -24,8 +24,8 @@
 #   (kv_fp8_bench; then whole decode steps with PAGODA_FP8_KV_DECODE, step_ab), SiLU fused into the FP8 down GEMV
 #   (step_ab, PAGODA_FUSE_SILU_GEMV). deepseek-v2-lite's batch-1 step by kernel: PHASES=deepseek-profile.
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
-#   deepseek-profile: deepseek-v2-lite's batch-1 layers, kernel by kernel. kv-fp8: bench/kv_fp8_bench.py on
-#   KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
+#   deepseek-profile: deepseek-v2-lite's layers kernel by kernel at DEEPSEEK_PROFILE_BATCHES (default 1).
+#   kv-fp8: bench/kv_fp8_bench.py on KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
 #   tokens, 6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency; with the
 #   grammar process and with the mask thread; then bench/grammar_step.py (host only: the process's round trip) and
 #   bench/fast_forward.py (a grammar's forced start prefilled or sampled step by step).
@@ -214,8 +214,9 @@ if has llama-fp8; then
   done
 fi
 if has deepseek-profile; then
-  timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none --batches 1 \
-    --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 | grep -v "^{" | tail -40
+  timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none \
+    --batches "${DEEPSEEK_PROFILE_BATCHES:-1}" --profile --out "$OUT/deepseek_v2_lite_profile.json" 2>&1 \
+    | grep -v "^{" | tail -80
 fi
 if has kv-fp8; then
   timeout 300 python3 -m pagoda.bench.kv_fp8_bench \
