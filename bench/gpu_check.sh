@@ -25,8 +25,8 @@
 #   (step_ab, PAGODA_FUSE_SILU_GEMV). deepseek-v2-lite's batch-1 step by kernel: PHASES=deepseek-profile.
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
 #   deepseek-profile: deepseek-v2-lite's layers kernel by kernel at DEEPSEEK_PROFILE_BATCHES (default 1).
-#   kv-fp8: bench/kv_fp8_bench.py on KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16). structured: bench/structured.py, 256 rows x 256
-#   tokens, 6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency; with the
+#   kv-fp8: bench/kv_fp8_bench.py on KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16).
+#   structured: bench/structured.py, 256 rows x 256 tokens, 6 rounds, every row and a quarter constrained, with each mode's GPU busy and mask latency; with the
 #   grammar process and with the mask thread; then bench/grammar_step.py (host only: the process's round trip) and
 #   bench/fast_forward.py (a grammar's forced start prefilled or sampled step by step).
 #   moe-tune: tune the fused MoE kernel's tiles (MOE_SHAPES), check it, report bandwidth / matmul rate, write the
@@ -71,7 +71,8 @@ if has tests; then
     -k "${TEST_FILTER:-gpu or graph or model}" 2>&1 | tail -5
 fi
 if has gpu-tests; then
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -o pythonpath= -m gpu \
+  mark=${GPU_TEST_MARK-gpu}  # GPU_TEST_MARK= (empty): every test of the files, on the GPU where they use one
+  timeout "${GPU_TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o pythonpath= ${mark:+-m "$mark"} \
     ${GPU_TEST_FILES:-tests/test_kernels.py tests/test_fp8.py tests/test_kv_fp8.py tests/test_moe.py tests/test_mla.py tests/test_deepseek.py} \
     2>&1 | tail -5
 fi
