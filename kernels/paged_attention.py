@@ -680,15 +680,19 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_dim: int, k_cache: torch.Tensor,
-              v_cache: torch.Tensor) -> int:
+              v_cache: torch.Tensor, key_tile: int) -> int:
     """The kernel's FP8_MODE: 0 without an fp8 cache; with an fp32 q always "native" (fp16 dots would round it);
     the word modes fall back to "f16" where a row of head_dim bytes is not made of whole aligned words; the fp8
-    tensor-core modes to "f16_words" below 32 (padded) dims, the fp8 MMA's K."""
+    tensor-core modes to "f16_words" below 32 (padded) dims, the fp8 MMA's K, and "qkv_fp8" to "qk_fp8" where a
+    launch's key tile (key_tile, the smallest of the call's launches), its PV dot's K, is below 32 (sm_90 rejects
+    such an fp8 dot at compile time: "K >= 32"; the interpreter does not)."""
     if not fp8_kv:
         return 0
     convert = config.fp8_convert if q_dtype != torch.float32 else "native"
     if convert in _FP8_MMA_CONVERTS and triton.next_power_of_2(head_dim) < 32:
         convert = "f16_words"
+    if convert == "qkv_fp8" and key_tile < 32:
+        convert = "qk_fp8"
     if convert in ("f16_words", "f16_vwords", *_FP8_MMA_CONVERTS) and not _word_aligned(head_dim, k_cache, v_cache):
         convert = "f16"
     return _FP8_MODE[convert]
@@ -784,7 +788,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             scale * _LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
-    fp8_mode = _fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache)
+    decode_only = max_query_len <= 1
+    key_tile = config.decode_tile_n if decode_only else min(config.decode_tile_n, config.prefill_tile_n)
+    fp8_mode = _fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache, key_tile)
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                  FP8_MODE=fp8_mode, HEADS_FAST=config.heads_fast,
@@ -797,7 +803,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return (num_kv_heads, num_q_programs, num_splits)
         return (num_q_programs, num_kv_heads, num_splits)
 
-    decode_only = max_query_len <= 1
     # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
     # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.
     num_decode_programs = num_seqs + 1 if decode_only else num_seqs

@@ -170,8 +170,8 @@ def run_moe_shapes() -> None:
 
 def run_fp8_qk_attention_shapes() -> None:
     """Paged attention over an fp8 cache with fp8_convert="qk_fp8" (e4m3 q x e4m3 K on the tensor cores; "qkv_fp8"
-    also e4m3 p x e4m3 V; "qk_fp8x2" q as two e4m3 terms) and "f16_pinned" (a measured candidate, not the
-    default) at
+    also e4m3 p x e4m3 V, falling back to "qk_fp8" on 16-key tiles, below the fp8 MMA's K; "qk_fp8x2" q as two
+    e4m3 terms) and "f16_pinned" (a measured candidate, not the default) at
     qwen3-0.6b's (16 q / 8 kv heads) and llama3-8b's (32 / 8) real dims, head_dim 128: decode batches large (one
     program per sequence and kv head) and small (split-KV), 64- and 128-key tiles, keys on the dots' M rows or
     not; and chunks over cached context beside decode rows (the tiled launch)."""
@@ -182,7 +182,7 @@ def run_fp8_qk_attention_shapes() -> None:
     for num_heads, (num_seqs, query_len), (convert, tile_n, keys_on_m) in itertools.product(
             (16, 32), ((256, 1), (4, 1), (3, 64)),
             (("qk_fp8", 64, True), ("qk_fp8", 128, True), ("qk_fp8", 64, False), ("qkv_fp8", 64, True),
-             ("f16_pinned", 64, False), ("f16_pinned", 128, False), ("f16_pinned", 64, True),
+             ("qkv_fp8", 16, False), ("f16_pinned", 64, False), ("f16_pinned", 128, False), ("f16_pinned", 64, True),
              ("qk_fp8x2", 64, True), ("qk_fp8x2", 64, False))):
         context, num_kv_heads = 1024, 8
         query_lens = [query_len] * num_seqs + ([1, 1] if query_len > 1 else [])  # chunks beside decode rows

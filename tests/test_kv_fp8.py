@@ -139,9 +139,14 @@ def test_fp8_config_checked_and_defaults() -> None:
     for head_dim, expected in ((16, "f16_words"), (32, "qk_fp8x2"), (128, "qk_fp8x2")):  # the fp8 MMA's K >= 32
         small = _fp8_case([1], [5], torch.bfloat16, head_dim=head_dim)
         config = pick_config(1, 1, 2, 2, 1, 5, fp8_kv=True, head_dim=head_dim)
-        mode = pa._fp8_mode(True, torch.bfloat16, config, head_dim, small["k_cache"], small["v_cache"])
+        mode = pa._fp8_mode(True, torch.bfloat16, config, head_dim, small["k_cache"], small["v_cache"], 64)
         assert mode == pa._FP8_MODE[expected], (head_dim, mode)
         assert pa._keys_on_m(config, mode) == (expected == "qk_fp8x2")  # no transposed dots for a conversion
+    small = _fp8_case([1], [5], torch.bfloat16, head_dim=32)
+    qkv = AttentionConfig(fp8_convert="qkv_fp8", decode_keys_on_m=True)
+    for key_tile, expected in ((16, "qk_fp8"), (32, "qkv_fp8"), (64, "qkv_fp8")):  # PV's K is the key tile
+        mode = pa._fp8_mode(True, torch.bfloat16, qkv, 32, small["k_cache"], small["v_cache"], key_tile)
+        assert mode == pa._FP8_MODE[expected], (key_tile, mode)
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
     chunks = (2048, 4, 8, 2, 512, 1536)  # 4 x 512 new queries over 1024 cached tokens
     fp8_chunks, bf16_chunks = pick_config(*chunks, fp8_kv=True), pick_config(*chunks)
@@ -261,8 +266,8 @@ def test_qkv_fp8_within_p_rounding_of_row_quantized_q(num_splits: int, keys_on_m
     case = _fp8_case([1, 6, 1, 1], [37, 21, 9, 70], torch.float16, num_heads=8, num_kv_heads=2, seed=8,
                      gaussian=True)
     quantized = {**case, "q": _quantize_q_rows(case["q"]).to(torch.float16)}
-    config = AttentionConfig(num_splits=num_splits, decode_tile_n=64 if keys_on_m else 16, prefill_block_m=16,
-                             prefill_tile_n=16, fp8_convert="qkv_fp8", decode_keys_on_m=keys_on_m)
+    config = AttentionConfig(num_splits=num_splits, decode_tile_n=64 if keys_on_m else 32, prefill_block_m=16,
+                             prefill_tile_n=32, fp8_convert="qkv_fp8", decode_keys_on_m=keys_on_m)  # K >= 32
     expected = ref.paged_attention(quantized["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
                                    case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
                                    v_scale=case["v_scale"])  # [T, heads, D] fp32
