@@ -3,7 +3,7 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,prefetch
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8
 #   (default: tests,parity,pagoda,peers,compiled)
 #   figures: issues 20 and 25's figures on the committed tree, no tuning: llama3-8b FP8 batch-1, qwen3-0.6b with a
 #   bf16 and an fp8 KV cache, TensorRT-LLM's 1000/1000 row, deepseek-v2-lite reference + batch-1 (~8 minutes).
@@ -26,7 +26,6 @@
 #   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
 #   deepseek-profile: deepseek-v2-lite's layers kernel by kernel at DEEPSEEK_PROFILE_BATCHES (default 1).
 #   kv-fp8: bench/kv_fp8_bench.py on KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16).
-#   prefetch: decode tiles prefetched by hand (one layer, whole decode steps, qwen3-0.6b fp8-KV reference).
 #   structured: bench/structured.py, 256 rows x 256 tokens, 6 rounds, every row and a quarter constrained, with
 #   each mode's GPU busy and mask latency; with the grammar process and with the mask thread; then
 #   bench/grammar_step.py (host only: the process's round trip) and
@@ -240,26 +239,6 @@ if has candidates; then
   # SiLU-and-mul inside the weight-only down projection (one launch fewer a layer), llama3-8b FP8 at 1-8 tokens
   timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,4,8 \
     off=PAGODA_FUSE_SILU_GEMV=0 on=PAGODA_FUSE_SILU_GEMV=1 2>&1 | grep "B=" | tail -3
-fi
-if has prefetch; then
-  # decode tiles prefetched by hand (decode_prefetch; twentieth session): the next tile's K/V loaded to registers
-  # while one is computed, under register caps of 160 / 128 or none; one layer (kv_fp8_bench), then whole decode
-  # steps (step_ab, PAGODA_DECODE_PREFETCH=<cap>), then qwen3-0.6b's reference workload over an fp8 cache with it
-  timeout 200 python3 -m pagoda.bench.kv_fp8_bench --quick --only fp8_qk2_pf,bf16_pf,fp8_default \
-    --out "$OUT/kv_fp8_prefetch.json" 2>&1 | tail -16
-  timeout 150 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --kv-cache-dtype fp8 \
-    --batches 256,64 --context 1024 off=PAGODA_DECODE_PREFETCH= r160=PAGODA_DECODE_PREFETCH=160 \
-    r128=PAGODA_DECODE_PREFETCH=128 2>&1 | grep "B=" | tail -2
-  timeout 100 python3 -m pagoda.bench.step_ab --model qwen3-0.6b --kv-cache-dtype fp8 --batches 256 --context 640 \
-    off=PAGODA_DECODE_PREFETCH= r160=PAGODA_DECODE_PREFETCH=160 r128=PAGODA_DECODE_PREFETCH=128 2>&1 \
-    | grep "B=" | tail -1
-  timeout 100 python3 -m pagoda.bench.step_ab --model qwen3-0.6b --batches 256 --context 640 \
-    off=PAGODA_DECODE_PREFETCH= r160=PAGODA_DECODE_PREFETCH=160 r128=PAGODA_DECODE_PREFETCH=128 2>&1 \
-    | grep "B=" | tail -1
-  echo "== qwen3-0.6b reference, kv fp8, PAGODA_DECODE_PREFETCH=${PREFETCH_CAP:-160}"
-  PAGODA_DECODE_PREFETCH=${PREFETCH_CAP:-160} timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b \
-    "${WORKLOAD[@]}" --kv-cache-dtype fp8 --timeout 80 --out "$OUT/prefetch_qwen3-0.6b_kv_fp8.json" 2>&1 \
-    | grep -v "^[a-z-]*: {" | tail -3
 fi
 if has act-fp8; then
   # W8A8 inside the GEMV kernel (act_fp8 tiles: the activation tile quantized where it is loaded, fp8 tensor cores)

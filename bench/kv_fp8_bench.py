@@ -100,16 +100,6 @@ DECODE_VARIANTS = (
     Variant("fp8_hf_t128_w8", True, {"heads_fast": True, "decode_tile_n": 128, "decode_num_warps": 8}),
     Variant("fp8_hf_w2", True, {"heads_fast": True, "decode_num_warps": 2}),
     Variant("fp8_hf_t32", True, {"heads_fast": True, "decode_tile_n": 32}),
-    # the next tile's K/V (and the one after's block ids) loaded to registers by hand while a tile is computed, one
-    # stage (decode_prefetch): Triton's pipeliner issues the next tile's copies after the tile's arithmetic and the
-    # next iteration waits for them at once (sm_90 SASS: DEPBAR.LE SB0, 0x0 at the loop's top). Uncapped the carried
-    # tiles take 212-225 registers a thread (2 programs an SM); 160: 3, no spills; 128: 4, 4-8 spill instructions
-    # in the loop (python -m pagoda.bench.attention_sass's compile path, twentieth session)
-    Variant("fp8_qk2_pf", True, {"decode_prefetch": True, "decode_num_stages": 1}),
-    Variant("fp8_qk2_pf_r160", True, {"decode_prefetch": True, "decode_num_stages": 1, "decode_max_regs": 160}),
-    Variant("fp8_qk2_pf_r128", True, {"decode_prefetch": True, "decode_num_stages": 1, "decode_max_regs": 128}),
-    Variant("bf16_pf_r160", False, {"decode_prefetch": True, "decode_num_stages": 1, "decode_max_regs": 160}),
-    Variant("bf16_pf_r128", False, {"decode_prefetch": True, "decode_num_stages": 1, "decode_max_regs": 128}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 _UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}

@@ -67,7 +67,6 @@ _FP8_MMA_CONVERTS = ("qk_fp8", "qkv_fp8", "qk_fp8x2")  # e4m3 dots on the tensor
 _FP8_MODE = {"native": 1, "f16": 2, "f16_bits": 3, "f16_words": 4, "f16_vwords": 5, "qk_fp8": 6,
              "qkv_fp8": 7, "f16_pinned": 8, "qk_fp8x2": 9}  # 0: no fp8 cache
 _FP8_MMA_MODES = tuple(_FP8_MODE[convert] for convert in _FP8_MMA_CONVERTS)
-_PREFETCH_MODES = (0, _FP8_MODE["f16_words"], _FP8_MODE["qk_fp8x2"])  # _attend_tiles_prefetched's caches
 _P_E4M3_MULT = tl.constexpr(256.0)
 _E4M3_MAX = tl.constexpr(448.0)
 _F16_Q_AMAX = tl.constexpr(256.0)  # q amax after its fp16 scaling: products exact in fp32, far from overflow
@@ -90,10 +89,6 @@ class AttentionConfig:
     heads_fast: bool = False  # grid axis 0 = kv head: a sequence's kv heads run side by side (adjacent cache bytes)
     fp8_convert: str = "f16_words"  # fp8 cache with a 16-bit q: how K/V tiles are converted (FP8_CONVERTS)
     decode_keys_on_m: bool = False  # decode dots transposed: keys on the M rows, the G query heads on N
-    # decode's unmasked tiles with the next tile's K/V (and the one after's block ids) loaded to registers while
-    # this one is computed (_attend_tiles_prefetched); a 16-bit cache, f16_words and qk_fp8x2 only
-    decode_prefetch: bool = False
-    decode_max_regs: int = 0  # ptxas register cap a thread for the decode launch (maxnreg); 0: the compiler's
     # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
     # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
     # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
@@ -342,62 +337,6 @@ def _load_words_f16(cache_ptr, block, slot, kv_head, stride_b, stride_s, stride_
 
 
 @triton.jit
-def _tile_step(acc, l_i, m_i, q, q_lo, k, v, key, row_pos, qk_scale, qk_scale_lo, MASKED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
-    """One key tile of the online softmax: k, v [TILE_N, HEAD_DIM_P] as loaded (the word modes' and "qk_fp8x2"'s
-    V already fp16; "f16_words"' K too) -> (acc, l_i, m_i) updated. key [TILE_N]: the tile's key positions (the
-    causal mask of a MASKED tile)."""
-    if FP8_MODE == 1:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    elif FP8_MODE == 2:
-        k = k.to(tl.float16)
-        v = v.to(tl.float16)
-    elif FP8_MODE == 8:
-        k = _pin_f16(k.to(tl.float16), USE_ASM)
-        v = _pin_f16(v.to(tl.float16), USE_ASM)
-    elif FP8_MODE == 3:
-        k = _e4m3_to_f16_bits(k)
-        v = _e4m3_to_f16_bits(v)
-    if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
-        if FP8_MODE == 6 or FP8_MODE == 7:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
-            s_t = tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]  # [TILE_N, BLOCK_M]
-        elif FP8_MODE == 9:  # q's two e4m3 terms against the same K tile
-            s_t = (tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]
-                   + tl.dot(k, tl.trans(q_lo), out_dtype=tl.float32) * qk_scale_lo[None, :])  # [TILE_N, BLOCK_M]
-        else:
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
-        if MASKED:
-            s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
-        p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
-        acc = acc * alpha[None, :]
-        if FP8_MODE == 7:  # e4m3 V as loaded x e4m3 p * 2^8
-            acc = tl.dot(tl.trans(v), _to_e4m3(p_t * _P_E4M3_MULT, USE_ASM), acc,
-                         out_dtype=tl.float32)  # [HEAD_DIM_P, BLOCK_M]
-        else:
-            acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc,
-                         input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
-    else:
-        if FP8_MODE == 6 or FP8_MODE == 7:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]  # [BLOCK_M, TILE_N]
-        elif FP8_MODE == 9:  # q's two e4m3 terms against the same K tile
-            s = (tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]
-                 + tl.dot(q_lo, tl.trans(k), out_dtype=tl.float32) * qk_scale_lo[:, None])  # [BLOCK_M, TILE_N]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        if MASKED:
-            s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
-        acc = acc * alpha[:, None]
-        if FP8_MODE == 7:  # e4m3 p * 2^8 x e4m3 V as loaded
-            acc = tl.dot(_to_e4m3(p * _P_E4M3_MULT, USE_ASM), v, acc,
-                         out_dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_P]
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tile_hi,
@@ -446,80 +385,54 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
                                     HEAD_DIM, HEAD_DIM_P, MASKED, USE_ASM)  # [TILE_N, HEAD_DIM_P]
             elif FP8_MODE == 5:
                 k = k.to(tl.float16)
-        acc, l_i, m_i = _tile_step(acc, l_i, m_i, q, q_lo, k, v, key, row_pos, qk_scale, qk_scale_lo, MASKED,
-                                   DOT_PRECISION, FP8_MODE, USE_ASM, KEYS_ON_M)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _tile_blocks(block_table_row, key, valid, BLOCK_SIZE: tl.constexpr):
-    """[TILE_N] int64 cache block of each key of a tile; zeros (nothing read) where valid (a scalar) is False."""
-    rows_valid = tl.full(key.shape, 0, tl.int32) < valid.to(tl.int32)  # [TILE_N], uniform
-    return tl.load(block_table_row + key // BLOCK_SIZE, mask=rows_valid, other=0).to(tl.int64)
-
-
-@triton.jit
-def _load_tile_raw(cache_ptr, block, slot, kv_head, stride_b, stride_s, stride_h, valid, AS_WORDS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
-    """One unmasked key tile of a cache as the prefetching loop carries it: [TILE_N, HEAD_DIM_P] in the cache's
-    dtype, or with AS_WORDS int32 words [TILE_N, HEAD_DIM_P // 4] of 4 e4m3 bytes (byte strides multiples of 4,
-    as the wrapper checks). valid (a scalar) False: no bytes move, zeros."""
-    rows_valid = tl.full(slot.shape, 0, tl.int32) < valid.to(tl.int32)  # [TILE_N], uniform
-    if AS_WORDS:
-        offs = tl.arange(0, HEAD_DIM_P // 4)
-        ptrs = (cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + kv_head * (stride_h // 4)
-                + block[:, None] * (stride_b // 4) + slot[:, None] * (stride_s // 4) + offs[None, :])
-        mask = rows_valid[:, None] & (offs < HEAD_DIM // 4)[None, :]
-        if HEAD_DIM == HEAD_DIM_P:  # a row mask only: the loads stay vectorised
-            mask = rows_valid[:, None]
-        tile = tl.load(ptrs, mask=mask, other=0)
-    else:
-        offs = tl.arange(0, HEAD_DIM_P)
-        ptrs = cache_ptr + kv_head * stride_h + block[:, None] * stride_b + slot[:, None] * stride_s + offs[None, :]
-        mask = rows_valid[:, None] & (offs < HEAD_DIM)[None, :]
-        if HEAD_DIM == HEAD_DIM_P:
-            mask = rows_valid[:, None]
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit
-def _attend_tiles_prefetched(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
-                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                             qk_scale, qk_scale_lo, row_pos, tile_lo, tile_hi,
-                             HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr,
-                             USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
-    """_attend_tiles over unmasked tiles [tile_lo, tile_hi) with the loads software-pipelined by hand: while tile
-    j is computed, tile j + 1's K and V are in flight to registers and tile j + 2's block ids too, so neither the
-    cache read nor the block-table read it depends on waits behind the tile's arithmetic. (Triton's own pipeliner
-    issues the next tile's copies after the tile's dots and softmax, and the next iteration waits for them at
-    once; the block ids are read just before.) Caches in q's dtype (FP8_MODE 0), "f16_words" (4) and "qk_fp8x2"
-    (9) only: their V (and 4's K) travel as words, converted at their turn."""
-    offs_n = tl.arange(0, TILE_N)
-    key = tile_lo * TILE_N + offs_n  # [TILE_N]
-    block = _tile_blocks(block_table_row, key, tile_lo < tile_hi, BLOCK_SIZE)
-    k_next = _load_tile_raw(k_cache_ptr, block, key % BLOCK_SIZE, kv_head, stride_kb, stride_ks, stride_kh,
-                            tile_lo < tile_hi, FP8_MODE == 4, HEAD_DIM, HEAD_DIM_P)
-    v_next = _load_tile_raw(v_cache_ptr, block, key % BLOCK_SIZE, kv_head, stride_vb, stride_vs, stride_vh,
-                            tile_lo < tile_hi, FP8_MODE == 4 or FP8_MODE == 9, HEAD_DIM, HEAD_DIM_P)
-    block_next = _tile_blocks(block_table_row, key + TILE_N, tile_lo + 1 < tile_hi, BLOCK_SIZE)
-    for j in range(tile_lo, tile_hi):
-        key = j * TILE_N + offs_n  # [TILE_N]
-        k = k_next
-        v = v_next
-        slot_next = (key + TILE_N) % BLOCK_SIZE
-        k_next = _load_tile_raw(k_cache_ptr, block_next, slot_next, kv_head, stride_kb, stride_ks, stride_kh,
-                                j + 1 < tile_hi, FP8_MODE == 4, HEAD_DIM, HEAD_DIM_P)
-        v_next = _load_tile_raw(v_cache_ptr, block_next, slot_next, kv_head, stride_vb, stride_vs, stride_vh,
-                                j + 1 < tile_hi, FP8_MODE == 4 or FP8_MODE == 9, HEAD_DIM, HEAD_DIM_P)
-        block_next = _tile_blocks(block_table_row, key + 2 * TILE_N, j + 2 < tile_hi, BLOCK_SIZE)
-        if FP8_MODE == 4 or FP8_MODE == 9:
-            v = _e4m3_words_to_f16(v, USE_ASM)  # [TILE_N, HEAD_DIM_P]
-        if FP8_MODE == 4:
-            k = _e4m3_words_to_f16(k, USE_ASM)  # [TILE_N, HEAD_DIM_P]
-        acc, l_i, m_i = _tile_step(acc, l_i, m_i, q, q_lo, k, v, key, row_pos, qk_scale, qk_scale_lo, False,
-                                   DOT_PRECISION, FP8_MODE, USE_ASM, KEYS_ON_M)
+        if FP8_MODE == 1:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif FP8_MODE == 2:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        elif FP8_MODE == 8:
+            k = _pin_f16(k.to(tl.float16), USE_ASM)
+            v = _pin_f16(v.to(tl.float16), USE_ASM)
+        elif FP8_MODE == 3:
+            k = _e4m3_to_f16_bits(k)
+            v = _e4m3_to_f16_bits(v)
+        if KEYS_ON_M:  # transposed: the keys fill the dots' M rows, the few query rows are the N columns
+            if FP8_MODE == 6 or FP8_MODE == 7:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+                s_t = tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]  # [TILE_N, BLOCK_M]
+            elif FP8_MODE == 9:  # q's two e4m3 terms against the same K tile
+                s_t = (tl.dot(k, tl.trans(q), out_dtype=tl.float32) * qk_scale[None, :]
+                       + tl.dot(k, tl.trans(q_lo), out_dtype=tl.float32) * qk_scale_lo[None, :])  # [TILE_N, BLOCK_M]
+            else:
+                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
+            if MASKED:
+                s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
+            p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
+            acc = acc * alpha[None, :]
+            if FP8_MODE == 7:  # e4m3 V as loaded x e4m3 p * 2^8
+                acc = tl.dot(tl.trans(v), _to_e4m3(p_t * _P_E4M3_MULT, USE_ASM), acc,
+                             out_dtype=tl.float32)  # [HEAD_DIM_P, BLOCK_M]
+            else:
+                acc = tl.dot(tl.trans(v), p_t.to(v.dtype), acc,
+                             input_precision=DOT_PRECISION)  # [HEAD_DIM_P, BLOCK_M]
+        else:
+            if FP8_MODE == 6 or FP8_MODE == 7:  # e4m3 x e4m3 -> fp32; qk_scale is per query row
+                s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]  # [BLOCK_M, TILE_N]
+            elif FP8_MODE == 9:  # q's two e4m3 terms against the same K tile
+                s = (tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale[:, None]
+                     + tl.dot(q_lo, tl.trans(k), out_dtype=tl.float32) * qk_scale_lo[:, None])  # [BLOCK_M, TILE_N]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+            if MASKED:
+                s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
+            acc = acc * alpha[:, None]
+            if FP8_MODE == 7:  # e4m3 p * 2^8 x e4m3 V as loaded
+                acc = tl.dot(_to_e4m3(p * _P_E4M3_MULT, USE_ASM), v, acc,
+                             out_dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_P]
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -584,7 +497,7 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
-        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -593,8 +506,7 @@ def _paged_attention_kernel(
     HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together.
     FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
     inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
-    goes through the program's output rows (_stage_rows) to reach the dots from shared memory. PREFETCH: the
-    unmasked tiles through _attend_tiles_prefetched (FP8_MODE 0, 4 or 9)."""
+    goes through the program's output rows (_stage_rows) to reach the dots from shared memory."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
@@ -683,18 +595,11 @@ def _paged_attention_kernel(
     if Q_STAGED:
         q = _stage_rows(q, out_ptr, row_token, row_head, row_valid, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
-    if PREFETCH:
-        acc, l_i, m_i = _attend_tiles_prefetched(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row,
-                                                 kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                                 stride_vh, qk_scale, qk_scale_lo, row_pos, tile_lo,
-                                                 tl.minimum(tile_hi, num_full), HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
-                                                 TILE_N, DOT_PRECISION, FP8_MODE, USE_ASM, KEYS_ON_M)
-    else:
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
-                                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                      qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
-                                      HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE,
-                                      USE_ASM, KEYS_ON_M)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                  qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
+                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
+                                  KEYS_ON_M)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, qk_scale_lo, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
@@ -818,18 +723,6 @@ def _fp8_decode_override(config: AttentionConfig) -> AttentionConfig:
     return replace(config, fp8_convert=convert, decode_keys_on_m=convert.startswith("qk"))
 
 
-def _decode_prefetch_override(config: AttentionConfig) -> AttentionConfig:
-    """PAGODA_DECODE_PREFETCH=<register cap> (a measurement switch like PAGODA_FP8_KV_DECODE, read at every launch
-    for bench/step_ab.py): decode-only launches prefetch their next tile by hand (decode_prefetch) in one stage,
-    under that maxnreg (0: none)."""
-    cap = os.environ.get("PAGODA_DECODE_PREFETCH")
-    if not cap:
-        return config
-    if not cap.isdigit():
-        raise ValueError(f"PAGODA_DECODE_PREFETCH must be a register cap (0: none), got {cap!r}")
-    return replace(config, decode_prefetch=True, decode_num_stages=1, decode_max_regs=int(cap))
-
-
 def _check_config(config: AttentionConfig) -> None:
     for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
         value = getattr(config, name)
@@ -837,10 +730,8 @@ def _check_config(config: AttentionConfig) -> None:
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if not 1 <= config.num_splits <= 64:
         raise ValueError(f"num_splits must be in 1..64, got {config.num_splits}")
-    for name in ("prefill_max_regs", "decode_max_regs"):
-        value = getattr(config, name)
-        if value and not 32 <= value <= 255:
-            raise ValueError(f"{name} must be 0 or in 32..255, got {value}")
+    if config.prefill_max_regs and not 32 <= config.prefill_max_regs <= 255:
+        raise ValueError(f"prefill_max_regs must be 0 or in 32..255, got {config.prefill_max_regs}")
     if config.fp8_convert not in FP8_CONVERTS:
         raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {config.fp8_convert!r}")
 
@@ -880,8 +771,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                              head_dim)
         if fp8_kv and max_query_len <= 1:
             config = _fp8_decode_override(config)
-        if max_query_len <= 1:
-            config = _decode_prefetch_override(config)
     else:
         _check_config(config)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
@@ -921,9 +810,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, KEYS_ON_M=_keys_on_m(config, fp8_mode), Q_STAGED=False,
-            PREFETCH=config.decode_prefetch and fp8_mode in _PREFETCH_MODES,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
-            **({"maxnreg": config.decode_max_regs} if config.decode_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))

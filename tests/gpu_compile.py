@@ -218,29 +218,6 @@ def run_fp8_default_decode_shapes() -> None:
                         v_scale=torch.ones(1))
 
 
-def run_decode_prefetch_shapes() -> None:
-    """Decode with the next tile prefetched by hand (decode_prefetch, one stage) over a bf16 and an fp8 cache
-    (qk_fp8x2, keys on M; f16_words), llama3-8b's heads, with and without a register cap, split and not, and at
-    a padded head dim (96)."""
-    from pagoda.kernels.paged_attention import AttentionConfig, paged_attention
-
-    for cache_dtype, (convert, keys_on_m), cap, (num_seqs, splits), head_dim in itertools.product(
-            (torch.bfloat16, torch.float8_e4m3fn), (("qk_fp8x2", True), ("f16_words", False)), (0, 128, 160),
-            ((256, 1), (2, 16)), (128, 96)):
-        if cache_dtype == torch.bfloat16 and convert != "qk_fp8x2":
-            continue  # one bf16 pass: the convert mode does not apply
-        context = 1024
-        q = torch.empty(num_seqs, 32, head_dim, dtype=torch.bfloat16)  # [T, heads, D]
-        cache = torch.empty(num_seqs * context // 16, 16, 8, head_dim, dtype=cache_dtype)  # [N, bs, kvh, D]
-        block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
-        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-        qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
-        config = AttentionConfig(num_splits=splits, heads_fast=True, fp8_convert=convert, decode_keys_on_m=keys_on_m,
-                                 decode_prefetch=True, decode_num_stages=1, decode_max_regs=cap)
-        scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if cache_dtype != torch.bfloat16 else {}
-        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, config=config, **scales)
-
-
 def run_fp8_chunk_attention_shapes() -> None:
     """Chunks over an fp8 cache with pick_config's own launch shapes (q staged through the output rows, the
     128-register cap on 128-row tiles) at qwen3-0.6b's and llama3-8b's dims, head_dim 128: 4 x 512 new queries over
@@ -353,7 +330,6 @@ def main() -> int:
     run_moe_shapes()
     run_fp8_qk_attention_shapes()
     run_fp8_default_decode_shapes()
-    run_decode_prefetch_shapes()
     run_fp8_chunk_attention_shapes()
     run_sampler()
     run_block_copy()

@@ -160,14 +160,6 @@ SMALL_ATTENTION_CASES = {
                                       config=replace(SMALL_TILES, heads_fast=True)),
     "heads-fast-decode-split2": AttentionCase((1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
                                               config=replace(small_tiles(2), heads_fast=True)),
-    # decode tiles prefetched by hand (the next tile's K/V and the one after's block ids in flight while one is
-    # computed): several whole tiles, a last tile past the prefetch, padding; poisoned blocks catch an overread
-    "decode-prefetch": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16), num_pad_seqs=1, pad_tokens=2,
-                                     config=replace(SMALL_TILES, decode_prefetch=True, decode_num_stages=1)),
-    "decode-prefetch-split3-d24": AttentionCase((1, 1, 1), (70, 5, 129), num_heads=6, num_kv_heads=2, head_dim=24,
-                                                block_size=8, config=replace(small_tiles(3), decode_prefetch=True)),
-    "mixed-prefetch": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50),
-                                    config=replace(SMALL_TILES, decode_prefetch=True, heads_fast=True)),
 }
 
 
@@ -204,10 +196,6 @@ GPU_ATTENTION_CASES = {
                                           head_dim=128, num_pad_seqs=3, pad_tokens=8),
     "qwen3-decode-256-heads-fast": AttentionCase((1,) * 256, tuple(range(512, 768)), num_heads=16, num_kv_heads=8,
                                                  head_dim=128, config=AttentionConfig(heads_fast=True)),
-    "qwen3-decode-256-prefetch": AttentionCase((1,) * 256, tuple(range(512, 768)), num_heads=16, num_kv_heads=8,
-                                               head_dim=128, config=AttentionConfig(
-                                                   heads_fast=True, decode_prefetch=True, decode_num_stages=1,
-                                                   decode_max_regs=160)),
     "prefill-512x8": AttentionCase((512,) * 8, (512, 1024, 4096, 512, 600, 2000, 513, 3000), num_heads=32,
                                    num_kv_heads=8, head_dim=128),
 }

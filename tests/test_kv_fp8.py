@@ -324,36 +324,6 @@ def test_qk_fp8x2_as_accurate_as_16_bit_q(num_splits: int, keys_on_m: bool, q_dt
     assert errors["qk_fp8"] > 2 * errors["qk_fp8x2"], errors  # the second term is what brings it there
 
 
-@pytest.mark.parametrize(("convert", "keys_on_m", "num_splits", "head_dim"),
-                         [("f16_words", False, 1, 32), ("f16_words", True, 4, 48), ("qk_fp8x2", True, 1, 32),
-                          ("qk_fp8x2", True, 4, 48), ("qk_fp8x2", False, 1, 32)])
-def test_fp8_decode_prefetch_equals_plain_loop(convert: str, keys_on_m: bool, num_splits: int,
-                                               head_dim: int) -> None:
-    """decode_prefetch (the next tile's K/V, V as words, and the one after's block ids loaded while a tile is
-    computed) changes when bytes move, not what is computed: the same output as the plain loop, over several whole
-    tiles, a partial last tile, split or not, a padded head dim (48), and a chunk beside (never prefetched)."""
-    from dataclasses import replace
-
-    case = _fp8_case([1, 1, 5, 1], [150, 7, 40, 200], torch.float16, num_heads=8, num_kv_heads=2,
-                     head_dim=head_dim, seed=11, gaussian=True)
-    plain = AttentionConfig(num_splits=num_splits, decode_tile_n=64 if keys_on_m else 16, prefill_block_m=16,
-                            prefill_tile_n=16, fp8_convert=convert, decode_keys_on_m=keys_on_m)
-    prefetched = replace(plain, decode_prefetch=True, decode_num_stages=1, decode_max_regs=160)
-    assert torch.equal(_run(case, prefetched), _run(case, plain))
-
-
-def test_decode_prefetch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PAGODA_DECODE_PREFETCH=<register cap> (bench/step_ab.py's A/B switch) turns decode_prefetch on for
-    decode-only launches, the same output as without; a value that is not a count is refused."""
-    case = _fp8_case([1, 1, 1], [140, 17, 70], torch.float16, num_heads=8, num_kv_heads=2, seed=12)
-    plain = _run(case, None)  # type: ignore[arg-type]
-    monkeypatch.setenv("PAGODA_DECODE_PREFETCH", "160")
-    assert torch.equal(_run(case, None), plain)  # type: ignore[arg-type]
-    monkeypatch.setenv("PAGODA_DECODE_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="PAGODA_DECODE_PREFETCH"):
-        _run(case, None)  # type: ignore[arg-type]
-
-
 def test_fp8_decode_switch_picks_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """PAGODA_FP8_KV_DECODE (bench/step_ab.py's A/B switch) makes decode-only launches over an fp8 cache convert
     as it names, with the keys on M for the fp8 tensor-core modes: the same output as that config passed
