@@ -23,7 +23,9 @@
 #   launch with 2 / 8 warps and 32-key tiles and QK^T on fp8 tensor cores with q as one or two e4m3 terms
 #   (kv_fp8_bench; then whole decode steps with PAGODA_FP8_KV_DECODE, step_ab), SiLU fused into the FP8 down GEMV
 #   (step_ab, PAGODA_FUSE_SILU_GEMV). deepseek-v2-lite's batch-1 step by kernel: PHASES=deepseek-profile.
-#   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA and DeepSeek files).
+#   gpu-tests: every test marked gpu in GPU_TEST_FILES (default: the kernel, fp8, MoE, MLA, DeepSeek, PDL and qkv-prep
+#   files; not the whole tests/ folder, some of whose modules import what the device lacks). GPU_TEST_MARK= runs
+#   every test of the files (on the GPU where they use one); GPU_TEST_TIMEOUT (default 400 s).
 #   deepseek-profile: deepseek-v2-lite's layers kernel by kernel at DEEPSEEK_PROFILE_BATCHES (default 1).
 #   kv-fp8: bench/kv_fp8_bench.py on KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16).
 #   structured: bench/structured.py, 256 rows x 256 tokens, 6 rounds, every row and a quarter constrained, with
@@ -74,7 +76,8 @@ fi
 if has gpu-tests; then
   mark=${GPU_TEST_MARK-gpu}  # GPU_TEST_MARK= (empty): every test of the files, on the GPU where they use one
   timeout "${GPU_TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o pythonpath= ${mark:+-m "$mark"} \
-    ${GPU_TEST_FILES:-tests/test_kernels.py tests/test_fp8.py tests/test_kv_fp8.py tests/test_moe.py tests/test_mla.py tests/test_deepseek.py} \
+    ${GPU_TEST_FILES:-tests/test_kernels.py tests/test_fp8.py tests/test_kv_fp8.py tests/test_moe.py tests/test_mla.py \
+      tests/test_deepseek.py tests/test_pdl.py tests/test_qkv_prep.py} \
     2>&1 | tail -5
 fi
 if has probe; then
