@@ -50,15 +50,17 @@ def browser_binary() -> str:
 
 
 def test_console_in_a_browser(smollm2_dir: Path, browser_binary: str, tmp_path: Path) -> None:
-    with running_server(smollm2_dir, "--restart-on-failure", "--api-key", KEY) as server:
-        asyncio.run(_drive(server, browser_binary, tmp_path / "screenshots"))
+    tokenizer = tmp_path / "tokenizer"  # its own folder: the restart part hides it to hold the new tokenizer back
+    shutil.copytree(smollm2_dir, tokenizer, ignore=shutil.ignore_patterns("*.safetensors"))
+    with running_server(smollm2_dir, "--restart-on-failure", "--api-key", KEY, "--tokenizer", str(tokenizer)) as server:
+        asyncio.run(_drive(server, browser_binary, tmp_path / "screenshots", tokenizer))
 
 
-async def _drive(server: Server, binary: str, shots: Path) -> None:
+async def _drive(server: Server, binary: str, shots: Path, tokenizer: Path) -> None:
     async with await Browser.launch(binary) as page:
         await page.open(server.url + "/")
         for part in (_enter_key(page), _chat_streams(page, shots), _stop_and_regenerate(page), _json_schema(page),
-                     _live_view(page, server, shots), _tokenizer_restart(page, server, shots),
+                     _live_view(page, server, shots), _tokenizer_restart(page, server, shots, tokenizer),
                      _inspector(page, shots)):
             started = time.monotonic()
             await part
@@ -212,15 +214,24 @@ async def _live_view(page: Browser, server: Server, shots: Path) -> None:
     assert dict(processes) == {"worker0": "ok", "scheduler": "ok", "tokenizer0": "ok", "api0": "ok"}, processes
 
 
-async def _tokenizer_restart(page: Browser, server: Server, shots: Path) -> None:
+async def _tokenizer_restart(page: Browser, server: Server, shots: Path, tokenizer: Path) -> None:
+    """While its folder is hidden every replacement tokenizer exits at start, so the row stays `restarting` until
+    the test puts the folder back (a replacement that came up at once could say hello between two of the page's
+    ticks, and the state would never be shown)."""
+    hidden = tokenizer.with_name(tokenizer.name + ".hidden")
+    tokenizer.rename(hidden)
     [old_pid] = server.children()["tokenizer"]
     os.kill(old_pid, signal.SIGKILL)
     row = "document.querySelector('#live-processes tr[data-name=tokenizer0]')"
-    await page.wait_for(f"{row} && {row}.dataset.state === 'restarting'", 30, "the tokenizer shown restarting")
-    await page.screenshot(shots / "console-tokenizer-restarting.png")
+    try:
+        await page.wait_for(f"{row} && {row}.dataset.state === 'restarting'", 30, "the tokenizer shown restarting")
+        await page.screenshot(shots / "console-tokenizer-restarting.png")
+    finally:
+        hidden.rename(tokenizer)
     await page.wait_for(f"{row}.dataset.state === 'ok' && {row}.children[3].textContent !== '{old_pid}'", 90,
                         "the new tokenizer shown ok")
-    assert await page.evaluate(f"{row}.children[5].textContent") == "1"  # one restart
+    restarts = int(await page.evaluate(f"{row}.children[5].textContent"))
+    assert restarts >= 1  # one for the kill, one more for each replacement that found no folder
 
 
 async def _inspector(page: Browser, shots: Path) -> None:
