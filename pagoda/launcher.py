@@ -1,7 +1,9 @@
 """`pagoda serve`: start every process on private ipc:// endpoints, wait until healthy, supervise, stop cleanly.
 
 Start order: worker rank(s), scheduler, tokenizers, apis; the api's /health turns 200 only once all
-of them answer. If any child dies the rest are stopped and the launcher exits non-zero. SIGTERM or
+of them answer. If any child dies the rest are stopped and the launcher exits non-zero (with
+--restart-on-failure a tokenizer or api is replaced instead; replacements that keep failing at start are
+retried after a growing delay). SIGTERM or
 SIGINT stops the apis first (they finish or fail in-flight requests), then everything else; a child
 still alive after SHUTDOWN_DEADLINE_S is killed. Children get SIGTERM if the launcher itself dies.
 """
@@ -37,6 +39,16 @@ STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT]
 
 
 RESTARTABLE = ("tokenizer", "api")  # stateless per request: a fresh one serves new requests at once
+QUICK_FAILURE_S = 10.0  # a replacement that fails sooner than this after its start is in a crash loop
+MAX_RESTART_DELAY_S = 30.0
+
+
+def restart_delay(quick_failures: int) -> float:
+    """Seconds before the next replacement, after this many replacements in a row failed quickly: none while
+    there is none (a process that served a while is replaced at once), then 1, 2, 4 ... up to MAX_RESTART_DELAY_S
+    (a tokenizer folder that vanished would otherwise respawn a Python process every second while it is gone)."""
+    assert quick_failures >= 0
+    return 0.0 if quick_failures == 0 else min(MAX_RESTART_DELAY_S, 2.0 ** (quick_failures - 1))
 
 
 @dataclass(slots=True)
@@ -49,6 +61,10 @@ class Child:
     num_restarts: int = 0
     replica: int | None = None  # the engine replica a scheduler or worker belongs to
     started_at: float = field(default_factory=time.time)
+    quick_failures: int = 0  # replacements in a row, up to this one, that failed within QUICK_FAILURE_S
+    restart_due: float | None = None  # time.monotonic() when this failed child's replacement is spawned
+    restart_delay_s: float | None = None
+    failure: str = ""  # why it is being replaced
 
 
 def process_state(pid: int) -> str:
@@ -237,7 +253,28 @@ class Launcher:
         return False
 
     def dead_child(self) -> Child | None:
-        return next((child for child in self.children if child.process.poll() is not None), None)
+        """A child that died and is not already waiting for its replacement."""
+        return next((child for child in self.children
+                     if child.restart_due is None and child.process.poll() is not None), None)
+
+    def due_restart(self, now: float) -> Child | None:
+        return next((child for child in self.children
+                     if child.restart_due is not None and child.restart_due <= now), None)
+
+    def schedule_restart(self, child: Child, why: str, now: float) -> None:
+        """Replace the child now, or after a delay when its replacements keep failing at start."""
+        quick = child.num_restarts > 0 and time.time() - child.started_at < QUICK_FAILURE_S
+        child.quick_failures = child.quick_failures + 1 if quick else 0
+        delay = restart_delay(child.quick_failures)
+        if delay == 0:
+            self.restart(child, why)
+            return
+        if child.process.poll() is None:
+            child.process.kill()  # stopped or hung: gone now, replaced later
+            child.process.wait()
+        child.restart_due, child.restart_delay_s, child.failure = now + delay, delay, why
+        print(f"pagoda: {child.name} {why} {time.time() - child.started_at:.1f} s after its start "
+              f"({child.quick_failures} quick failure(s) in a row); restarting it in {delay:g} s", file=sys.stderr)
 
     def hung_child(self, now: float) -> Child | None:
         """A child stopped (SIGSTOP) for longer than the heartbeat timeout: its peers already gave up on it."""
@@ -263,6 +300,7 @@ class Launcher:
         self._spawn(child.name, child.module, **overrides)
         self.children[-1].overrides = child.overrides
         self.children[-1].num_restarts = child.num_restarts + 1
+        self.children[-1].quick_failures = child.quick_failures
         print(f"pagoda: {child.name} {why}; restarted it (restart {child.num_restarts + 1}, "
               f"{time.monotonic() - started:.2f} s to spawn)", file=sys.stderr)
 
@@ -271,13 +309,17 @@ class Launcher:
         code. With --restart-on-failure a dead or stopped tokenizer or api process is replaced."""
         while True:
             now = time.monotonic()
+            due = self.due_restart(now)
+            if due is not None:
+                self.restart(due, due.failure)
+                continue
             dead = self.dead_child()
             failed = dead or self.hung_child(now)
             if failed is not None:
                 why = (f"exited with code {failed.process.returncode}" if failed is dead
                        else f"has been stopped for over {self.server_config.heartbeat_timeout:g} s (hung)")
                 if self.server_config.restart_on_failure and failed.module in RESTARTABLE:
-                    self.restart(failed, why)
+                    self.schedule_restart(failed, why, now)
                     continue
                 if failed.replica is not None and self.server_config.data_parallel_size > 1:
                     if self.replica_failed(failed, why):
@@ -303,7 +345,7 @@ class Launcher:
         if not self.server_config.console:
             return
         entries = [ProcessEntry(c.name, c.module, c.process.pid, c.started_at, c.num_restarts, c.replica,
-                                c.stopped_since is not None) for c in self.children]
+                                c.stopped_since is not None, c.restart_delay_s) for c in self.children]
         table = ProcessTable(os.getpid(), 0.0, entries, sorted(self.down_replicas))
         data = msgspec.json.encode(table)
         if data == self._table_written:

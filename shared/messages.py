@@ -788,6 +788,7 @@ class ProcessEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     num_restarts: int = 0
     replica: int | None = None
     stopped: bool = False  # the kernel reports it stopped (SIGSTOP, a debugger)
+    restart_delay_s: float | None = None  # failing at start: gone, its replacement due this long after it failed
 
 
 PROCESS_TABLE_FILE = "processes.json"  # in the runtime dir

@@ -232,12 +232,16 @@ def test_process_states_from_the_launcher_table_and_what_the_api_sees() -> None:
                    ProcessEntry("tokenizer1", "tokenizer", 22, 900.0),
                    ProcessEntry("tokenizer2", "tokenizer", 23, 900.0),
                    ProcessEntry("tokenizer3", "tokenizer", 24, 900.0, stopped=True),
+                   ProcessEntry("tokenizer4", "tokenizer", 25, 900.0, num_restarts=3, restart_delay_s=4.0),
                    ProcessEntry("api0", "api", 10, 900.0), ProcessEntry("scheduler", "scheduler", 30, 900.0, replica=0),
-                   ProcessEntry("worker0", "worker", 31, 900.0, replica=0))
-    seen = [TokenizerSeen("t1", 22, 0.1), TokenizerSeen("t2", 23, 4.0), TokenizerSeen("t3", 24, 0.1)]
+                   ProcessEntry("worker0", "worker", 31, 900.0, replica=0),
+                   ProcessEntry("api1", "api", 11, 900.0, num_restarts=2, restart_delay_s=2.0))
+    # tokenizer4 failed at start and waits for its next try: still heard (its peers have not dropped it yet)
+    seen = [TokenizerSeen("t1", 22, 0.1), TokenizerSeen("t2", 23, 4.0), TokenizerSeen("t3", 24, 0.1),
+            TokenizerSeen("t4", 25, 0.1)]
     states = _states(process_rows(_observed(seen, [fresh]), table))
     assert states == {"tokenizer0": RESTARTING, "tokenizer1": OK, "tokenizer2": HUNG, "tokenizer3": HUNG,
-                      "api0": OK, "scheduler": OK, "worker0": OK}
+                      "tokenizer4": RESTARTING, "api0": OK, "scheduler": OK, "worker0": OK, "api1": RESTARTING}
 
 
 def test_engine_states_follow_the_replica_stats() -> None:

@@ -53,7 +53,9 @@ def process_rows(observed: Observed, table: ProcessTable | None) -> list[dict[st
     rows = []
     for entry in table.processes:
         replica = replicas.get(str(entry.replica if entry.replica is not None else 0))
-        if entry.module == "tokenizer":
+        if entry.restart_delay_s is not None:
+            state, detail = RESTARTING, f"failing at start; next try {entry.restart_delay_s:g} s after the last"
+        elif entry.module == "tokenizer":
             state, detail = _tokenizer_state(entry, tokenizers.get(entry.pid), observed)
         elif entry.module == "api":
             state, detail = (HUNG, "stopped") if entry.stopped else (OK, "this process" if entry.pid ==
