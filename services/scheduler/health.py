@@ -9,6 +9,7 @@ timed like any other. A dead worker is the launcher's to see (its process exits)
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,8 +18,11 @@ BOUND_FACTOR = 10.0  # a step this many times slower than the slowest recent one
 WARMUP_STEPS = 8  # until this many steps are measured, the derived bound is at least WARMUP_BOUND_S:
 WARMUP_BOUND_S = 120.0  # first steps allocate and warm caches (seen: 10 s for step 1 on a loaded CPU)
 LARGE_STEP_TOKENS = 64  # steps of at least this many tokens give the per-token time a long prefill is held to
-RESEND_FACTOR = 3.0  # a plan unanswered this many times the slowest recent step is sent again
+RESEND_FACTOR = 3.0  # a plan unanswered this many times what such a step usually takes is sent again
 RESEND_FLOOR_S = 0.5  # ... but never sooner than this
+RESEND_QUANTILE = 0.9  # "usually": this quantile of the recent steps, so that a few slow ones (a warm-up, a long
+# prefill, a CPU hiccup) do not make every lost plan of the next STEP_HISTORY steps wait for them
+TYPICAL_REFRESH = 16  # the quantiles are recomputed after this many new steps (a sort of STEP_HISTORY floats)
 COMPILE_BOUND_S = 120.0  # a step where a constrained row first samples may wait for its grammar to compile
 IDLE_BOUND_S = 30.0  # an idle worker's silence counts as a hang only past this (or the step bound, if longer):
 # no client waits on an idle worker, and a loaded host delays heartbeats by seconds
@@ -34,11 +38,16 @@ class StepWatch:
     floor: float = 8.0  # a derived bound is never below this (a loaded host, a late heartbeat)
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
     per_token: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))  # seconds per token
+    _typical: tuple[float, float, float] | None = None  # _typical_times(); None: to be recomputed
+    _records_since_typical: int = 0
 
     def record(self, seconds: float, num_tokens: int = 1) -> None:
         self.durations.append(seconds)
         if num_tokens >= LARGE_STEP_TOKENS:
             self.per_token.append(seconds / num_tokens)
+        self._records_since_typical += 1
+        if self._records_since_typical >= TYPICAL_REFRESH or len(self.durations) <= 2 * TYPICAL_REFRESH:
+            self._typical = None  # few steps measured yet: each one counts at once
 
     def bound(self, num_tokens: int = 1, compiling: bool = False) -> float:
         """`compiling`: a constrained row of this step samples for the first time (the worker compiles grammars
@@ -54,10 +63,25 @@ class StepWatch:
     def idle_bound(self) -> float:
         return self.step_timeout if self.step_timeout > 0 else max(self.bound(), IDLE_BOUND_S)
 
-    def resend_after(self) -> float:
-        """How long a sequenced message to the worker may go unanswered before it is sent again (a resend is
-        harmless: the worker applies each once and answers a repeat with its cached reply)."""
-        return max(RESEND_FLOOR_S, RESEND_FACTOR * max(self.durations, default=0.0))
+    def resend_after(self, num_tokens: int = 1, compiling: bool = False) -> float:
+        """How long a sequenced message to the worker may go unanswered before it is sent again: RESEND_FACTOR x
+        what a step of num_tokens usually takes, never more than the slowest recent step: the RESEND_QUANTILE of
+        recent steps, or for a long prefill that of their time per token x num_tokens. A resend that comes early is
+        harmless (the worker applies each message once and answers a repeat with its cached reply; the waits
+        double); one that comes late stalls every request of the plan. `compiling` (a constrained row samples
+        first, its grammar may still compile): the slowest recent step."""
+        typical_step, typical_per_token, slowest = self._typical_times()
+        expected = slowest if compiling else max(typical_step, min(typical_per_token * num_tokens, slowest))
+        return max(RESEND_FLOOR_S, RESEND_FACTOR * expected)
+
+    def _typical_times(self) -> tuple[float, float, float]:
+        """(RESEND_QUANTILE of durations, the same of per_token, the slowest duration), refreshed every
+        TYPICAL_REFRESH records."""
+        if self._typical is None:
+            self._typical = (quantile(self.durations, RESEND_QUANTILE), quantile(self.per_token, RESEND_QUANTILE),
+                             max(self.durations, default=0.0))
+            self._records_since_typical = 0
+        return self._typical
 
     def verdict(self, now: float, step_started_at: float | None, step_id: int, worker_last_seen: float,
                 ready: bool, num_tokens: int = 1, compiling: bool = False) -> str:
@@ -78,3 +102,12 @@ class StepWatch:
         if silent_s > self.idle_bound():
             return f"the worker is hung: idle and silent for {silent_s:.1f} s (bound {self.idle_bound():.1f} s)"
         return ""
+
+
+def quantile(values: deque[float], q: float) -> float:
+    """The q-quantile of values (the nearest rank at or above q), 0.0 when there are none."""
+    assert 0.0 <= q <= 1.0
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]

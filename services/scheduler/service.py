@@ -230,7 +230,8 @@ class SchedulerService:
             self.unsampled_constrained.difference_update(plan.finished_seq_ids)
         seq = self.sends.take_seq()
         data = self.to_workers.encode(msgspec.structs.replace(plan, seq=seq))
-        self.sends.record(seq, data, now, self.watch.resend_after(), tag=plan.step_id if plan.seq_ids else -1)
+        resend_s = self.watch.resend_after(sum(plan.num_scheduled_tokens), self._compiling(plan))
+        self.sends.record(seq, data, now, resend_s, tag=plan.step_id if plan.seq_ids else -1)
         self.plans.send(data, copy=False)
 
     def _by_hash(self, new: NewRequest, now: float) -> NewRequest:

@@ -4,6 +4,7 @@ ends requests the worker failed alone and takes back a tokenizer that was only l
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,12 @@ from pagoda.services.scheduler.health import (
     IDLE_BOUND_S,
     RESEND_FACTOR,
     RESEND_FLOOR_S,
+    STEP_HISTORY,
+    TYPICAL_REFRESH,
     WARMUP_BOUND_S,
     WARMUP_STEPS,
     StepWatch,
+    quantile,
 )
 from pagoda.services.scheduler.service import SchedulerService, _columns_agree
 from pagoda.shared.config import EngineConfig, ServerConfig
@@ -60,8 +64,40 @@ def test_bound_is_fixed_or_derived_with_a_floor() -> None:
     watch.record(2.56, num_tokens=256)  # 10 ms a token in a large step: a 2048-token prefill may take 10 x 20 s
     assert watch.bound(num_tokens=2048) == BOUND_FACTOR * 0.01 * 2048
     assert watch.bound() == BOUND_FACTOR * 2.56
-    assert watch.resend_after() == RESEND_FACTOR * 2.56
+    assert watch.resend_after(compiling=True) == RESEND_FACTOR * 2.56  # a compile may hold it: the slowest step
     assert StepWatch().resend_after() == RESEND_FLOOR_S
+
+
+def test_resend_waits_for_what_such_a_step_usually_takes() -> None:
+    watch = StepWatch()
+    for _ in range(200):
+        watch.record(0.25)
+    watch.record(6.0)  # one slow step (a warm-up, a CPU hiccup) ...
+    for _ in range(TYPICAL_REFRESH):
+        watch.record(0.25)
+    assert watch.resend_after() == RESEND_FACTOR * 0.25  # ... does not hold every lost plan back for 18 s
+    assert watch.resend_after(compiling=True) == RESEND_FACTOR * 6.0
+    for _ in range(STEP_HISTORY // 5):  # slower steps now: a fifth of the history
+        watch.record(0.4)
+    assert watch.resend_after() == RESEND_FACTOR * 0.4
+    # a long prefill plan waits in proportion to its tokens (steps of >= LARGE_STEP_TOKENS give the time a token),
+    # never longer than the slowest recent step
+    for _ in range(STEP_HISTORY):
+        watch.record(0.125, num_tokens=256)
+    watch.record(2.0, num_tokens=4096)
+    for _ in range(TYPICAL_REFRESH):
+        watch.record(0.125, num_tokens=256)
+    per_token = 0.125 / 256
+    assert watch.resend_after(num_tokens=1024) == pytest.approx(RESEND_FACTOR * per_token * 1024)
+    assert watch.resend_after(num_tokens=8192) == pytest.approx(RESEND_FACTOR * 2.0)  # capped by the slowest
+    assert watch.resend_after(num_tokens=256) == RESEND_FLOOR_S  # 3 x 0.125 s is below the floor
+
+
+def test_quantile_is_the_nearest_rank_at_or_above() -> None:
+    values = deque(float(v) for v in range(1, 11))
+    assert quantile(values, 0.9) == 9.0 and quantile(values, 0.91) == 10.0 and quantile(values, 1.0) == 10.0
+    assert quantile(values, 0.0) == 1.0 and quantile(values, 0.5) == 5.0
+    assert quantile(deque(), 0.9) == 0.0
 
 
 def test_verdict() -> None:
