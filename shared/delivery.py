@@ -74,6 +74,18 @@ class SendLog:
         self.num_resent += len(out)
         return out
 
+    def resend_now(self, seq: int, now: float) -> Sent | None:
+        """Entry `seq` marked sent again now, where the receiver showed that it lacks it (later ones wait there,
+        or a later one's reply came first) and it did not go again within GAP_RESEND_S; its timer's wait is
+        unchanged. None: nothing to send (done, unknown, or just sent again)."""
+        entry = self.entries.get(seq)
+        if entry is None or (entry.num_sends > 1 and now - entry.sent_at < GAP_RESEND_S):
+            return None
+        entry.sent_at = now
+        entry.num_sends += 1
+        self.num_resent += 1
+        return entry
+
     def clear(self) -> None:
         self.entries.clear()
 

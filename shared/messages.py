@@ -390,6 +390,7 @@ class Heartbeat(msgspec.Struct, array_like=True, tag="hb", frozen=True):
     sender: str
     num_inflight: int = 0
     acked: int = -1  # a worker: the last sequenced message it applied (shared/delivery.py)
+    gap: bool = False  # a worker: later sequenced messages wait there for the one after `acked` (sent again at once)
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown", frozen=True):

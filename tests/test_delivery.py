@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from pagoda.shared.delivery import ACK_DELAY_S, MAX_WAIT_S, InOrder, Link, SendLog
+from pagoda.shared.delivery import ACK_DELAY_S, GAP_RESEND_S, MAX_WAIT_S, InOrder, Link, SendLog
 from pagoda.shared.messages import AbortRequest, Ack, Sequenced, TokenizerToScheduler
 from pagoda.shared.transport import Codec, ack_frame, seal, unseal
 
@@ -38,6 +38,20 @@ def test_send_log_resends_with_backoff_and_forgets_what_is_done() -> None:
     for now in range(4, 200, 4):
         log.due(float(now))
     assert log.entries[2].wait_s == MAX_WAIT_S
+
+
+def test_send_log_sends_a_message_the_receiver_lacks_at_once_but_not_twice_within_the_gap_interval() -> None:
+    log = SendLog()
+    for tag in (3, 4):
+        log.record(log.take_seq(), b"m", now=0.0, wait_s=1.0, tag=tag)
+    first = log.resend_now(0, 0.01)  # never sent again yet: at once, even right after its first send
+    assert first is not None and (first.seq, first.num_sends, first.sent_at, first.wait_s) == (0, 2, 0.01, 1.0)
+    assert log.resend_now(0, 0.01 + GAP_RESEND_S / 2) is None  # the gap report came again too soon
+    again = log.resend_now(0, 0.01 + GAP_RESEND_S)
+    assert again is not None and again.num_sends == 3 and log.num_resent == 2
+    assert [e.seq for e in log.due(1.0)] == [1]  # seq 0's timer restarted at its last send
+    log.done_through(1)
+    assert log.resend_now(0, 5.0) is None and log.resend_now(9, 5.0) is None  # done, unknown: nothing
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -516,17 +516,29 @@ class SchedulerService:
             self._on_result(message)
         elif isinstance(message, WorkerReady):
             self._on_worker_ready(message)
-        elif isinstance(message, Heartbeat) and message.acked >= 0:
-            self._on_ack(message.sender, message.acked)
+        elif isinstance(message, Heartbeat) and message.acked >= -1:
+            self._on_ack(message.sender, message.acked, message.gap)
 
-    def _on_ack(self, sender: str, acked: int) -> None:
+    def _on_ack(self, sender: str, acked: int, gap: bool = False) -> None:
         """A rank applied every sequenced message up to `acked`: those that expect no result are done once every
-        rank has (a rank that missed one must get it again)."""
+        rank has (a rank that missed one must get it again). `gap`: later messages wait at that rank for the one
+        after `acked`, which goes again at once (a lost plan costs a round trip, not a resend interval)."""
         if len(self.rank_acked) > 4 * self.engine_config.tensor_parallel_size and sender not in self.rank_acked:
             return  # a rank is named worker<rank>: more names than that are not ranks
-        self.rank_acked[sender] = max(acked, self.rank_acked.get(sender, -1))
-        if len(self.rank_acked) >= self.engine_config.tensor_parallel_size:
-            self.sends.acked_through(min(self.rank_acked.values()))
+        if acked >= 0:
+            self.rank_acked[sender] = max(acked, self.rank_acked.get(sender, -1))
+            if len(self.rank_acked) >= self.engine_config.tensor_parallel_size:
+                self.sends.acked_through(min(self.rank_acked.values()))
+        if gap:
+            self._resend_now(acked + 1, f"{sender} holds later ones")
+
+    def _resend_now(self, seq: int, why: str) -> None:
+        """Send message `seq` again now (SendLog.resend_now: not twice within GAP_RESEND_S)."""
+        entry = self.sends.resend_now(seq, time.monotonic())
+        if entry is not None:
+            log.warning("resending message %d to the workers at once: %s (send %d; step %d)", entry.seq, why,
+                        entry.num_sends, entry.tag)
+            self.plans.send(entry.data, copy=False)
 
     def _on_worker_ready(self, ready: WorkerReady) -> None:
         self.ready_ranks.add(ready.rank)
@@ -563,6 +575,11 @@ class SchedulerService:
         if pipeline is None or plan is None or result.step_id != plan.step_id:
             if pipeline is not None and any(p.step_id == result.step_id for p in pipeline.inflight):
                 self.early_results[result.step_id] = result
+                # the worker runs plans in order: the older plan's result was lost (or is only late); its plan
+                # again brings the worker's cached result
+                seq = self.sends.seq_of(plan.step_id) if plan is not None else None
+                if seq is not None:
+                    self._resend_now(seq, f"the result of step {result.step_id} came first")
             else:
                 log.debug("dropped a repeated or stale result for step %d", result.step_id)
             return

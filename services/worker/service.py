@@ -126,7 +126,10 @@ class WorkerService:
         self.grammar_defs.clear()
 
     def _send_ack(self) -> None:
-        self._send(Heartbeat(sender=f"worker{self.rank}", acked=self.order.applied_through))
+        """What this rank applied, and whether later messages wait here for a lost one (the scheduler then sends
+        that one again at once, not on its timer)."""
+        self._send(Heartbeat(sender=f"worker{self.rank}", acked=self.order.applied_through,
+                             gap=bool(self.order.ahead)))
 
     def _on_sequenced(self, message: StepPlan | GrammarDef) -> None:
         """Apply the scheduler's stream once each, in order (shared/delivery.py): an early message waits for the

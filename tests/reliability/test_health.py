@@ -3,6 +3,7 @@ ends requests the worker failed alone and takes back a tokenizer that was only l
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from pagoda.shared.messages import (
     TokenizerHello,
     TokenizerToScheduler,
     WorkerReady,
+    WorkerToScheduler,
 )
 from pagoda.shared.transport import Codec, seal, unseal
 from tests.harness import Outbox, opened
@@ -126,20 +128,34 @@ def test_result_columns_must_agree() -> None:
     assert not _columns_agree(StepResult(0, [1], [5], prompt_scores=[PromptScores(1, 1, [3, 4], [-1.0], [], [])]))
 
 
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[SchedulerService]:
+@contextlib.contextmanager
+def _service(tmp_path: Path, max_inflight_plans: int) -> Iterator[SchedulerService]:
     """A SchedulerService whose plan and tokenizer sockets are outboxes, with a worker ready."""
     service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path),
                                                                           heartbeat_timeout=3.0))
     real = service.plans, service.front
     service.plans, service.front = Outbox(), Outbox()  # type: ignore[assignment]
     service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256, vocab_size=512,
-                                         eos_token_ids=[2], max_num_batched_tokens=256))
+                                         eos_token_ids=[2], max_num_batched_tokens=256,
+                                         max_inflight_plans=max_inflight_plans))
     try:
         yield service
     finally:
         service.plans, service.front = real
         service._close()
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[SchedulerService]:
+    with _service(tmp_path, max_inflight_plans=1) as service:
+        yield service
+
+
+@pytest.fixture
+def async_service(tmp_path: Path) -> Iterator[SchedulerService]:
+    """The same with async scheduling: two plans in flight."""
+    with _service(tmp_path, max_inflight_plans=2) as service:
+        yield service
 
 
 def _to_tokenizers(service: SchedulerService) -> list[tuple[bytes, Any]]:
@@ -210,6 +226,55 @@ def test_a_peer_is_honoured_only_for_what_it_owns(service: SchedulerService) -> 
     assert "mine" in service.scheduler.requests  # type: ignore[union-attr]
     service._on_tokenizer_frames([b"tok0", send(AbortRequest("mine"))])  # the owner's abort counts
     assert not service.scheduler.requests  # type: ignore[union-attr]
+
+
+def _plans_sent(service: SchedulerService) -> list[StepPlan]:
+    plans = [p for p in map(Codec(SchedulerToWorker).decode, service.plans.sent)  # type: ignore[attr-defined]
+             if isinstance(p, StepPlan)]
+    service.plans.sent.clear()  # type: ignore[attr-defined]
+    return plans
+
+
+def _two_plans_in_flight(service: SchedulerService) -> tuple[StepPlan, StepPlan]:
+    encode = Codec(TokenizerToScheduler).encode
+    service._on_tokenizer_frames([b"tok0", encode(TokenizerHello("tok0", 1))])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    service._on_tokenizer_frames([b"tok0", encode(AddRequest("r", [5, 6, 7], params))])
+    service._maybe_step()
+    service._maybe_step()  # the next plan goes out before the first one's result (async scheduling)
+    first, second = _plans_sent(service)
+    assert (first.seq, second.seq) == (0, 1)
+    return first, second
+
+
+def test_a_plan_the_worker_lacks_goes_again_at_once(async_service: SchedulerService) -> None:
+    """The worker holds plan 1 and waits for plan 0 (lost): its ack says so and plan 0 goes again without waiting
+    for the resend timer, at most once every GAP_RESEND_S while the gap stays."""
+    service = async_service
+    first, _ = _two_plans_in_flight(service)
+    encode = Codec(WorkerToScheduler).encode
+    service._on_worker_frames([encode(Heartbeat("worker0", acked=-1))])  # no gap: nothing to send
+    assert _plans_sent(service) == []
+    service._on_worker_frames([encode(Heartbeat("worker0", acked=-1, gap=True))])
+    [again] = _plans_sent(service)
+    assert again == first and service.sends.entries[0].num_sends == 2
+    service._on_worker_frames([encode(Heartbeat("worker0", acked=-1, gap=True))])  # the same report again at once
+    assert _plans_sent(service) == []
+
+
+def test_a_result_that_overtakes_an_older_one_brings_that_plan_again(async_service: SchedulerService) -> None:
+    """Plans run in order, so the second plan's result arriving first means the first one's was lost: the first
+    plan goes again at once (the worker answers a repeat with its cached result), then both apply in order."""
+    service = async_service
+    first, second = _two_plans_in_flight(service)
+    _to_tokenizers(service)
+    service._on_result(StepResult(second.step_id, second.seq_ids, [9]))
+    [again] = _plans_sent(service)
+    assert again == first and not _to_tokenizers(service)  # the early result waits
+    service._on_result(StepResult(first.step_id, first.seq_ids, [8]))  # the cached reply
+    deltas = [m for _, m in _to_tokenizers(service) if isinstance(m, TokenDeltas)]
+    assert [token for d in deltas for token in d.token_ids] == [8, 9]
+    assert not service.early_results and not service.sends.entries
 
 
 def test_a_step_that_may_compile_a_grammar_gets_the_compile_bound() -> None:

@@ -74,9 +74,9 @@ FORGERY_BODY = {"prompt": "The three primary colors are", "max_tokens": 16, "tem
 @pytest.fixture(scope="module")
 def untouched(smollm2_dir: Path) -> dict[str, Any]:
     """What the server answers without faults (greedy): the offline engine's outputs, one engine for the module,
-    run before the tests' requests. An offline run beside the server's steps slows one of them, and the scheduler
-    then waits 3x that step (the slowest of its last 256) before it resends a lost plan: seen 3.5 s a resend and
-    over a minute for the module, instead of the 0.5 s floor."""
+    run before the tests' requests: an offline run beside the server's steps slows them (seen, when the scheduler
+    still resent a lost plan after 3x the slowest of its last 256 steps: 3.5 s a resend and over a minute for the
+    module, instead of the 0.5 s floor)."""
     offline = LLM(str(smollm2_dir), max_model_len=1024)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     [forgery] = offline.generate([FORGERY_BODY["prompt"]], SamplingParams(temperature=0.0, max_tokens=16))
