@@ -391,6 +391,8 @@ class Heartbeat(msgspec.Struct, array_like=True, tag="hb", frozen=True):
     num_inflight: int = 0
     acked: int = -1  # a worker: the last sequenced message it applied (shared/delivery.py)
     gap: bool = False  # a worker: later sequenced messages wait there for the one after `acked` (sent again at once)
+    idle: bool = False  # a worker: nothing launched, every result sent: a plan it has not acked (sent a while ago) was
+    # lost, and one it acked whose result never came lost its result (both sent again at once)
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown", frozen=True):

@@ -79,6 +79,8 @@ MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a rest
 MAX_TOKENIZER_EOS = 16  # EOS ids one tokenizer may register
 MAX_WORKER_GRAMMARS = 512  # constraints the workers keep by hash (each up to 1 MiB of text)
 LINK_TICK_MS = 20  # while a tokenizer stream has something unacknowledged (either way), the loop looks this often
+IDLE_NACK_S = 0.05  # a message out this long that an idle worker rank has not applied was lost (the worker acks
+# IDLE_ACK_MS after its last step when no plan came; one still in flight then is only sent twice, harmlessly)
 HUNG_EXIT_CODE = 3  # the scheduler exits with this when the worker hangs (the launcher then stops everything)
 
 
@@ -517,12 +519,13 @@ class SchedulerService:
         elif isinstance(message, WorkerReady):
             self._on_worker_ready(message)
         elif isinstance(message, Heartbeat) and message.acked >= -1:
-            self._on_ack(message.sender, message.acked, message.gap)
+            self._on_ack(message.sender, message.acked, message.gap, message.idle)
 
-    def _on_ack(self, sender: str, acked: int, gap: bool = False) -> None:
+    def _on_ack(self, sender: str, acked: int, gap: bool = False, idle: bool = False) -> None:
         """A rank applied every sequenced message up to `acked`: those that expect no result are done once every
         rank has (a rank that missed one must get it again). `gap`: later messages wait at that rank for the one
-        after `acked`, which goes again at once (a lost plan costs a round trip, not a resend interval)."""
+        after `acked`, which goes again at once (a lost plan costs a round trip, not a resend interval). `idle`:
+        the rank has nothing launched and sent every result (_resend_lacked)."""
         if len(self.rank_acked) > 4 * self.engine_config.tensor_parallel_size and sender not in self.rank_acked:
             return  # a rank is named worker<rank>: more names than that are not ranks
         if acked >= 0:
@@ -531,6 +534,20 @@ class SchedulerService:
                 self.sends.acked_through(min(self.rank_acked.values()))
         if gap:
             self._resend_now(acked + 1, f"{sender} holds later ones")
+        elif idle:
+            self._resend_lacked(sender, acked, time.monotonic())
+
+    def _resend_lacked(self, sender: str, acked: int, now: float) -> None:
+        """An idle rank lacks what it has not acked of what went out over IDLE_NACK_S ago (a lost message with
+        nothing behind it), and rank 0, which sends the results on the same socket as this ack, lost the result
+        of every plan it acked that is still waiting for one."""
+        for entry in list(self.sends.entries.values()):
+            lost_result = (entry.seq <= acked and entry.tag >= 0 and sender == "worker0"
+                           and entry.tag not in self.early_results)
+            lost_message = entry.seq > acked and now - entry.sent_at >= IDLE_NACK_S
+            if lost_result or lost_message:
+                self._resend_now(entry.seq, f"{sender} is idle and " + ("sent no result for it" if lost_result
+                                                                         else "never applied it"))
 
     def _resend_now(self, seq: int, why: str) -> None:
         """Send message `seq` again now (SendLog.resend_now: not twice within GAP_RESEND_S)."""

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 FORCE_EXIT_S = 3.0  # after SIGTERM, the loop gets this long to end on its own
 CACHED_REPLIES = 16  # results kept by plan sequence number, to answer a resent plan whose result was lost
+IDLE_ACK_MS = 20  # idle this long after a step without a new plan: an ack saying so (a lost plan or result shows),
+# again after twice as long, and so on up to the heartbeat interval (the scheduler may take longer than this to plan)
 
 
 def _force_exit() -> None:
@@ -64,6 +66,7 @@ class WorkerService:
         self.replies: OrderedDict[int, bytes] = OrderedDict()  # plan seq -> its result as sent
         self.seq_of_step: dict[int, int] = {}  # launched plans: step id -> seq
         self.grammar_defs: dict[str, StructuredOutputs] = {}  # constraints by hash (GrammarDef), until evicted
+        self.idle_ack_ms = 1 << 30  # idle without a plan this long: an ack (IDLE_ACK_MS after a step, then doubling)
         from pagoda.services.worker.parallel import init_tensor_parallel
 
         tp = init_tensor_parallel(engine_config, self.rank)
@@ -90,8 +93,9 @@ class WorkerService:
                 if message is None:  # the device finished first: no plan to launch ahead
                     self._finish()
                     continue
-            elif not self.plans.poll(interval_ms):
-                self._send_ack()
+            elif not self.plans.poll(min(self.idle_ack_ms, interval_ms)):
+                self._send_ack()  # idle: on the scheduler's side, what this rank lacks goes again at once
+                self.idle_ack_ms *= 2
                 continue
             else:
                 message = self._recv()
@@ -126,10 +130,11 @@ class WorkerService:
         self.grammar_defs.clear()
 
     def _send_ack(self) -> None:
-        """What this rank applied, and whether later messages wait here for a lost one (the scheduler then sends
-        that one again at once, not on its timer)."""
+        """What this rank applied, whether later messages wait here for a lost one, and whether it is idle (the
+        scheduler then sends what this rank lacks, or a plan whose result it lacks, again at once, not on its
+        timer)."""
         self._send(Heartbeat(sender=f"worker{self.rank}", acked=self.order.applied_through,
-                             gap=bool(self.order.ahead)))
+                             gap=bool(self.order.ahead), idle=not self.runner.num_launched))
 
     def _on_sequenced(self, message: StepPlan | GrammarDef) -> None:
         """Apply the scheduler's stream once each, in order (shared/delivery.py): an early message waits for the
@@ -216,6 +221,8 @@ class WorkerService:
                     self.replies.popitem(last=False)
             self._send_data(data)
         self.runner.resume()  # a step waiting for grammar masks: result N is out, now N+1's masks fill
+        if not self.runner.num_launched:
+            self.idle_ack_ms = IDLE_ACK_MS
 
     def _send(self, message: WorkerToScheduler) -> None:
         self._send_data(self.to_scheduler.encode(message))

@@ -26,9 +26,9 @@ from pagoda.services.scheduler.health import (
     StepWatch,
     quantile,
 )
-from pagoda.services.scheduler.service import SchedulerService, _columns_agree
+from pagoda.services.scheduler.service import IDLE_NACK_S, SchedulerService, _columns_agree
 from pagoda.shared.config import EngineConfig, ServerConfig
-from pagoda.shared.delivery import Link
+from pagoda.shared.delivery import GAP_RESEND_S, Link
 from pagoda.shared.messages import (
     AbortRequest,
     AddRequest,
@@ -260,6 +260,28 @@ def test_a_plan_the_worker_lacks_goes_again_at_once(async_service: SchedulerServ
     assert again == first and service.sends.entries[0].num_sends == 2
     service._on_worker_frames([encode(Heartbeat("worker0", acked=-1, gap=True))])  # the same report again at once
     assert _plans_sent(service) == []
+
+
+def test_an_idle_worker_shows_a_lost_plan_or_a_lost_result(service: SchedulerService) -> None:
+    """Serial steps, nothing behind a loss: the worker's idle ack (nothing launched, every result sent) names what
+    it applied. A plan it never applied that went out over IDLE_NACK_S ago goes again at once; one just sent is
+    left alone (it may be on its way); a plan it applied whose result never came goes again for the cached result."""
+    encode = Codec(WorkerToScheduler).encode
+    service._on_tokenizer_frames([b"tok0", Codec(TokenizerToScheduler).encode(TokenizerHello("tok0", 1))])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    service._on_tokenizer_frames([b"tok0", Codec(TokenizerToScheduler).encode(AddRequest("r", [5, 6], params))])
+    service._maybe_step()
+    [plan] = _plans_sent(service)
+    service._on_worker_frames([encode(Heartbeat("worker0", acked=-1, idle=True))])  # crossed the plan: in flight
+    assert _plans_sent(service) == []
+    service.sends.entries[plan.seq].sent_at -= IDLE_NACK_S
+    service._on_worker_frames([encode(Heartbeat("worker0", acked=-1, idle=True))])
+    assert _plans_sent(service) == [plan]  # lost on the way
+    service.sends.entries[plan.seq].sent_at -= GAP_RESEND_S
+    service._on_worker_frames([encode(Heartbeat("worker0", acked=plan.seq))])  # applied, busy: nothing to say
+    assert _plans_sent(service) == []
+    service._on_worker_frames([encode(Heartbeat("worker0", acked=plan.seq, idle=True))])  # applied, result lost
+    assert _plans_sent(service) == [plan]
 
 
 def test_a_result_that_overtakes_an_older_one_brings_that_plan_again(async_service: SchedulerService) -> None:
