@@ -1,8 +1,10 @@
 #!/bin/bash
-# What lost plans and results cost a served model: `pagoda serve` (SmolLM2 on the CPU, async scheduling) with
+# What lost plans and results cost a served model: `pagoda serve` (SmolLM2 on the CPU, async scheduling unless
+# ASYNC=0) with
 # PAGODA_TEST_FAULTS dropping a share of the scheduler's plans and of the worker's results, under
 # `pagoda bench serve` (32 requests of 64 tokens at concurrency 4). Prints one line: time, throughput, inter-token
-# latency, and how many plans went again on the scheduler's timer and at once (a gap report or an early result).
+# latency, and how many plans went again on the scheduler's timer and at once (a gap report, an early result or
+# an idle acknowledgement).
 #   bash bench/plan_loss.sh [SEED] [DROP] [PORT]      # defaults 1, 0.05, 8390; writes under ${OUT:-/tmp}/plan_loss
 #   ASYNC=0 bash bench/plan_loss.sh ...                # serial steps (the CPU default)
 set -euo pipefail

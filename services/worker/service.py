@@ -94,7 +94,7 @@ class WorkerService:
                     self._finish()
                     continue
             elif not self.plans.poll(min(self.idle_ack_ms, interval_ms)):
-                self._send_ack()  # idle: on the scheduler's side, what this rank lacks goes again at once
+                self._send_ack(idle=True)  # the scheduler sends at once what this rank lacks
                 self.idle_ack_ms *= 2
                 continue
             else:
@@ -129,12 +129,12 @@ class WorkerService:
         self.seq_of_step.clear()
         self.grammar_defs.clear()
 
-    def _send_ack(self) -> None:
-        """What this rank applied, whether later messages wait here for a lost one, and whether it is idle (the
-        scheduler then sends what this rank lacks, or a plan whose result it lacks, again at once, not on its
-        timer)."""
+    def _send_ack(self, idle: bool = False) -> None:
+        """What this rank applied, whether later messages wait here for a lost one, and `idle`: nothing launched,
+        nothing waiting on the socket (a poll timed out), every result sent. The scheduler then sends what this
+        rank lacks, or a plan whose result it lacks, again at once, not on its timer."""
         self._send(Heartbeat(sender=f"worker{self.rank}", acked=self.order.applied_through,
-                             gap=bool(self.order.ahead), idle=not self.runner.num_launched))
+                             gap=bool(self.order.ahead), idle=idle))
 
     def _on_sequenced(self, message: StepPlan | GrammarDef) -> None:
         """Apply the scheduler's stream once each, in order (shared/delivery.py): an early message waits for the
