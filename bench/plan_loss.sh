@@ -1,7 +1,6 @@
 #!/bin/bash
 # What lost plans and results cost a served model: `pagoda serve` (SmolLM2 on the CPU, async scheduling unless
-# ASYNC=0) with
-# PAGODA_TEST_FAULTS dropping a share of the scheduler's plans and of the worker's results, under
+# ASYNC=0) with PAGODA_TEST_FAULTS dropping a share of the scheduler's plans and of the worker's results, under
 # `pagoda bench serve` (32 requests of 64 tokens at concurrency 4). Prints one line: time, throughput, inter-token
 # latency, and how many plans went again on the scheduler's timer and at once (a gap report, an early result or
 # an idle acknowledgement).
