@@ -20,6 +20,8 @@ WARMUP_BOUND_S = 120.0  # first steps allocate and warm caches (seen: 10 s for s
 LARGE_STEP_TOKENS = 64  # steps of at least this many tokens give the per-token time a long prefill is held to
 RESEND_FACTOR = 3.0  # a plan unanswered this many times what such a step usually takes is sent again
 RESEND_FLOOR_S = 0.5  # ... but never sooner than this
+WARMUP_RESEND_S = 5.0  # ... nor, until WARMUP_STEPS are measured, sooner than this: first steps take seconds (warm-up,
+# compiles), and a worker that lacks a plan says so at once anyway (its gap or idle acknowledgement)
 RESEND_QUANTILE = 0.9  # "usually": this quantile of the recent steps, so that a few slow ones (a warm-up, a long
 # prefill, a CPU hiccup) do not make every lost plan of the next STEP_HISTORY steps wait for them
 TYPICAL_REFRESH = 16  # the quantiles are recomputed after this many new steps (a sort of STEP_HISTORY floats)
@@ -68,11 +70,13 @@ class StepWatch:
         what a step of num_tokens usually takes, never more than the slowest recent step: the RESEND_QUANTILE of
         recent steps, or for a long prefill that of their time per token x num_tokens. A resend that comes early is
         harmless (the worker applies each message once and answers a repeat with its cached reply; the waits
-        double); one that comes late stalls every request of the plan. `compiling` (a constrained row samples
-        first, its grammar may still compile): the slowest recent step."""
+        double); one that comes late stalls every request of the plan, unless the worker shows the loss first (a gap
+        or idle acknowledgement, an early result: services/scheduler/service.py). `compiling` (a constrained row
+        samples first, its grammar may still compile): the slowest recent step."""
         typical_step, typical_per_token, slowest = self._typical_times()
         expected = slowest if compiling else max(typical_step, min(typical_per_token * num_tokens, slowest))
-        return max(RESEND_FLOOR_S, RESEND_FACTOR * expected)
+        floor = WARMUP_RESEND_S if len(self.durations) < WARMUP_STEPS else RESEND_FLOOR_S
+        return max(floor, RESEND_FACTOR * expected)
 
     def _typical_times(self) -> tuple[float, float, float]:
         """(RESEND_QUANTILE of durations, the same of per_token, the slowest duration), refreshed every

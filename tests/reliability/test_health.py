@@ -22,6 +22,7 @@ from pagoda.services.scheduler.health import (
     STEP_HISTORY,
     TYPICAL_REFRESH,
     WARMUP_BOUND_S,
+    WARMUP_RESEND_S,
     WARMUP_STEPS,
     StepWatch,
     quantile,
@@ -67,7 +68,11 @@ def test_bound_is_fixed_or_derived_with_a_floor() -> None:
     assert watch.bound(num_tokens=2048) == BOUND_FACTOR * 0.01 * 2048
     assert watch.bound() == BOUND_FACTOR * 2.56
     assert watch.resend_after(compiling=True) == RESEND_FACTOR * 2.56  # a compile may hold it: the slowest step
-    assert StepWatch().resend_after() == RESEND_FLOOR_S
+    fresh = StepWatch()
+    assert fresh.resend_after() == WARMUP_RESEND_S  # first steps may take seconds
+    for _ in range(WARMUP_STEPS):
+        fresh.record(0.01)
+    assert fresh.resend_after() == RESEND_FLOOR_S
 
 
 def test_resend_waits_for_what_such_a_step_usually_takes() -> None:
