@@ -66,7 +66,8 @@ class WorkerService:
         self.replies: OrderedDict[int, bytes] = OrderedDict()  # plan seq -> its result as sent
         self.seq_of_step: dict[int, int] = {}  # launched plans: step id -> seq
         self.grammar_defs: dict[str, StructuredOutputs] = {}  # constraints by hash (GrammarDef), until evicted
-        self.idle_ack_ms = 1 << 30  # idle without a plan this long: an ack (IDLE_ACK_MS after a step, then doubling)
+        self.idle_ack_ms: int | None = None  # idle this long without a plan: an ack (IDLE_ACK_MS after a step, then
+        # doubling); None: the heartbeat interval
         from pagoda.services.worker.parallel import init_tensor_parallel
 
         tp = init_tensor_parallel(engine_config, self.rank)
@@ -93,9 +94,10 @@ class WorkerService:
                 if message is None:  # the device finished first: no plan to launch ahead
                     self._finish()
                     continue
-            elif not self.plans.poll(min(self.idle_ack_ms, interval_ms)):
+            elif not self.plans.poll(self.idle_ack_ms or interval_ms):
                 self._send_ack(idle=True)  # the scheduler sends at once what this rank lacks
-                self.idle_ack_ms *= 2
+                if self.idle_ack_ms is not None:
+                    self.idle_ack_ms = 2 * self.idle_ack_ms if 2 * self.idle_ack_ms < interval_ms else None
                 continue
             else:
                 message = self._recv()
