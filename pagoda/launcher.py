@@ -63,7 +63,6 @@ class Child:
     started_at: float = field(default_factory=time.time)
     quick_failures: int = 0  # replacements in a row, up to this one, that failed within QUICK_FAILURE_S
     restart_due: float | None = None  # time.monotonic() when this failed child's replacement is spawned
-    restart_delay_s: float | None = None
     failure: str = ""  # why it is being replaced
 
 
@@ -272,7 +271,7 @@ class Launcher:
         if child.process.poll() is None:
             child.process.kill()  # stopped or hung: gone now, replaced later
             child.process.wait()
-        child.restart_due, child.restart_delay_s, child.failure = now + delay, delay, why
+        child.restart_due, child.failure = now + delay, why
         print(f"pagoda: {child.name} {why} {time.time() - child.started_at:.1f} s after its start "
               f"({child.quick_failures} quick failure(s) in a row); restarting it in {delay:g} s", file=sys.stderr)
 
@@ -345,7 +344,9 @@ class Launcher:
         if not self.server_config.console:
             return
         entries = [ProcessEntry(c.name, c.module, c.process.pid, c.started_at, c.num_restarts, c.replica,
-                                c.stopped_since is not None, c.restart_delay_s) for c in self.children]
+                                c.stopped_since is not None,
+                                restart_delay(c.quick_failures) if c.restart_due is not None else None)
+                   for c in self.children]
         table = ProcessTable(os.getpid(), 0.0, entries, sorted(self.down_replicas))
         data = msgspec.json.encode(table)
         if data == self._table_written:
