@@ -27,7 +27,8 @@
 #   files; not the whole tests/ folder, some of whose modules import what the device lacks). GPU_TEST_MARK= runs
 #   every test of the files (on the GPU where they use one); GPU_TEST_TIMEOUT (default 400 s).
 #   deepseek-profile: deepseek-v2-lite's layers kernel by kernel at DEEPSEEK_PROFILE_BATCHES (default 1).
-#   kv-fp8: bench/kv_fp8_bench.py on KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16).
+#   kv-fp8: bench/kv_fp8_bench.py on KV_FP8_ONLY (fp8 KV decode and chunk variants against bf16), KV_FP8_ARGS (e.g.
+#   --quick), the last KV_FP8_TAIL lines.
 #   structured: bench/structured.py, 256 rows x 256 tokens, 6 rounds, every row and a quarter constrained, with
 #   each mode's GPU busy and mask latency; with the grammar process and with the mask thread; then
 #   bench/grammar_step.py (host only: the process's round trip) and
@@ -224,9 +225,9 @@ if has deepseek-profile; then
     | grep -v "^{" | tail -80
 fi
 if has kv-fp8; then
-  timeout 300 python3 -m pagoda.bench.kv_fp8_bench \
+  timeout 300 python3 -m pagoda.bench.kv_fp8_bench ${KV_FP8_ARGS:-} --out "$OUT/kv_fp8_bench.json" \
     --only "${KV_FP8_ONLY:-fp8_pinned_t64,fp8_pinned_t128,fp8_pinned_t64_kom,fp8_words_t64,fp8_staged_t32_r128,fp8_default}" \
-    2>&1 | tail -24
+    2>&1 | tail -${KV_FP8_TAIL:-24}
 fi
 if has candidates; then
   # the decode launch of an fp8 cache with 2 / 8 warps and 32-key tiles (prepared in the seventeenth session, untimed),

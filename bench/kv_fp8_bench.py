@@ -100,6 +100,22 @@ DECODE_VARIANTS = (
     Variant("fp8_hf_t128_w8", True, {"heads_fast": True, "decode_tile_n": 128, "decode_num_warps": 8}),
     Variant("fp8_hf_w2", True, {"heads_fast": True, "decode_num_warps": 2}),
     Variant("fp8_hf_t32", True, {"heads_fast": True, "decode_tile_n": 32}),
+    # twenty-second session: the decode softmax sums kept per key slot (decode_lazy_sum; sm_90 SASS, qk_fp8x2: 394 ->
+    # 354 loop instructions, 8 -> 5 barriers a tile), and programs of one or two warps on 16/32-key tiles (no
+    # cross-warp reductions; 8-12 programs an SM instead of 4, so more tiles in flight while others compute)
+    Variant("fp8_s22_qk2_lazy", True, {"decode_lazy_sum": True}),
+    Variant("fp8_s22_words_t16_w1", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
+                                           "decode_tile_n": 16, "decode_num_warps": 1}),
+    Variant("fp8_s22_words_t16_w1_lazy", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
+                                                "decode_tile_n": 16, "decode_num_warps": 1, "decode_lazy_sum": True}),
+    Variant("fp8_s22_pinned_t16_w1", True, {"fp8_convert": "f16_pinned", "decode_keys_on_m": False,
+                                            "decode_tile_n": 16, "decode_num_warps": 1}),
+    Variant("fp8_s22_words_t16_w2_lazy", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
+                                                "decode_tile_n": 16, "decode_num_warps": 2, "decode_lazy_sum": True}),
+    Variant("fp8_s22_words_t32_w2_lazy", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
+                                                "decode_tile_n": 32, "decode_num_warps": 2, "decode_lazy_sum": True}),
+    Variant("bf16_s22_t16_w1", False, {"decode_tile_n": 16, "decode_num_warps": 1}),
+    Variant("bf16_s22_t32_w2", False, {"decode_tile_n": 32, "decode_num_warps": 2}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 _UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}

@@ -89,6 +89,10 @@ class AttentionConfig:
     heads_fast: bool = False  # grid axis 0 = kv head: a sequence's kv heads run side by side (adjacent cache bytes)
     fp8_convert: str = "f16_words"  # fp8 cache with a 16-bit q: how K/V tiles are converted (FP8_CONVERTS)
     decode_keys_on_m: bool = False  # decode dots transposed: keys on the M rows, the G query heads on N
+    # Decode softmax sums kept per key slot of the tile ([TILE_N, rows], rescaled with the accumulator) and summed
+    # once after the loop: no cross-warp sum a tile (sm_90 SASS, qk_fp8x2 64-key tiles keys on M: 394 -> 354 loop
+    # instructions, 8 -> 5 barriers; python -m pagoda.bench.attention_sass)
+    decode_lazy_sum: bool = False
     # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
     # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
     # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
@@ -200,6 +204,18 @@ def online_softmax_step(s, m_i, l_i, KEYS_AXIS: tl.constexpr):
     else:
         p = tl.exp2(s - m_new[None, :])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, KEYS_AXIS)
+
+
+@triton.jit
+def lazy_softmax_step(s, m_i, KEYS_AXIS: tl.constexpr):
+    """online_softmax_step without the sum: (p, alpha, m_new); the caller keeps the sums per key slot."""
+    m_new = tl.maximum(m_i, tl.max(s, KEYS_AXIS))  # [M]
+    alpha = tl.exp2(m_i - m_new)
+    if KEYS_AXIS == 1:
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        p = tl.exp2(s - m_new[None, :])
+    return p, alpha, m_new
 
 
 @triton.jit
@@ -342,11 +358,12 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
                   qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tile_hi,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr,
-                  USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr):
+                  USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr, LAZY_SUM: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
     limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised). Byte tiles
     a word mode does not use are dead code the compiler drops. q_lo, qk_scale_lo: "qk_fp8x2"'s second term of q
-    (unused otherwise)."""
+    (unused otherwise). LAZY_SUM: l_i is [TILE_N, BLOCK_M] ([BLOCK_M, TILE_N] with the keys on N), per key slot,
+    summed by the caller after the last tile."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
@@ -407,7 +424,11 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
                 s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [TILE_N, BLOCK_M]
             if MASKED:
                 s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
-            p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
+            if LAZY_SUM:
+                p_t, alpha, m_new = lazy_softmax_step(s_t, m_i, 0)  # p_t [TILE_N, BLOCK_M]
+                l_i = l_i * alpha[None, :] + p_t  # [TILE_N, BLOCK_M]
+            else:
+                p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
             acc = acc * alpha[None, :]
             if FP8_MODE == 7:  # e4m3 V as loaded x e4m3 p * 2^8
                 acc = tl.dot(tl.trans(v), _to_e4m3(p_t * _P_E4M3_MULT, USE_ASM), acc,
@@ -425,7 +446,11 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
             if MASKED:
                 s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
+            if LAZY_SUM:
+                p, alpha, m_new = lazy_softmax_step(s, m_i, 1)  # p [BLOCK_M, TILE_N]
+                l_i = l_i * alpha[:, None] + p  # [BLOCK_M, TILE_N]
+            else:
+                p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
             acc = acc * alpha[:, None]
             if FP8_MODE == 7:  # e4m3 p * 2^8 x e4m3 V as loaded
                 acc = tl.dot(_to_e4m3(p * _P_E4M3_MULT, USE_ASM), v, acc,
@@ -497,7 +522,7 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
-        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr):
+        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -506,7 +531,8 @@ def _paged_attention_kernel(
     HEADS_FAST swaps the first two grid axes (kv heads first), so one sequence's heads are scheduled together.
     FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
     inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
-    goes through the program's output rows (_stage_rows) to reach the dots from shared memory."""
+    goes through the program's output rows (_stage_rows) to reach the dots from shared memory. LAZY_SUM: softmax
+    sums per key slot, one cross-thread sum after the tiles (AttentionConfig.decode_lazy_sum)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
@@ -569,11 +595,16 @@ def _paged_attention_kernel(
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
     if KEYS_ON_M:
         acc = tl.zeros([HEAD_DIM_P, BLOCK_M], tl.float32)  # transposed until the tiles are done
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    if LAZY_SUM and KEYS_ON_M:
+        l_i = tl.zeros([TILE_N, BLOCK_M], tl.float32)  # per key slot; summed after the tiles
+    elif LAZY_SUM:
+        l_i = tl.zeros([BLOCK_M, TILE_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     q_lo = q  # "qk_fp8x2"'s second term; unused by the other modes
@@ -599,12 +630,14 @@ def _paged_attention_kernel(
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
-                                  KEYS_ON_M)
+                                  KEYS_ON_M, LAZY_SUM)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, qk_scale_lo, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
-                                  KEYS_ON_M)
+                                  KEYS_ON_M, LAZY_SUM)
+    if LAZY_SUM:
+        l_i = tl.sum(l_i, 0 if KEYS_ON_M else 1)  # [BLOCK_M]
     if KEYS_ON_M:
         acc = tl.trans(acc)  # [BLOCK_M, HEAD_DIM_P]
     if FP8_MODE != 0:  # sum_j p_j (v_fp8_j * v_scale) = v_scale * sum_j p_j v_fp8_j (also for split partials)
@@ -810,6 +843,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, KEYS_ON_M=_keys_on_m(config, fp8_mode), Q_STAGED=False,
+            LAZY_SUM=config.decode_lazy_sum,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
             **pdl_options)
     if not decode_only:

@@ -160,6 +160,12 @@ SMALL_ATTENTION_CASES = {
                                       config=replace(SMALL_TILES, heads_fast=True)),
     "heads-fast-decode-split2": AttentionCase((1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
                                               config=replace(small_tiles(2), heads_fast=True)),
+    # softmax sums per key slot (decode_lazy_sum), keys on N or on M, split or not, beside chunks and padding
+    "lazy-sum-mixed": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), pad_tokens=3,
+                                    config=replace(SMALL_TILES, decode_lazy_sum=True)),
+    "lazy-sum-decode-split2-keys-on-m": AttentionCase((1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
+                                                      config=replace(small_tiles(2), decode_lazy_sum=True,
+                                                                     decode_keys_on_m=True)),
 }
 
 
