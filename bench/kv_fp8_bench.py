@@ -104,6 +104,9 @@ DECODE_VARIANTS = (
     # 354 loop instructions, 8 -> 5 barriers a tile), and programs of one or two warps on 16/32-key tiles (no
     # cross-warp reductions; 8-12 programs an SM instead of 4, so more tiles in flight while others compute)
     Variant("fp8_s22_qk2_lazy", True, {"decode_lazy_sum": True}),
+    Variant("fp8_s22_qk2_lazy_s3", True, {"decode_lazy_sum": True, "decode_num_stages": 3}),
+    Variant("fp8_s22_words_t64_lazy", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
+                                             "decode_lazy_sum": True}),
     Variant("fp8_s22_words_t16_w1", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
                                            "decode_tile_n": 16, "decode_num_warps": 1}),
     Variant("fp8_s22_words_t16_w1_lazy", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
