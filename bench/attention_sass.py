@@ -44,7 +44,7 @@ SASS_LINE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)")
 
 
 def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_heads: int,
-                   num_kv_heads: int):  # -> CompiledKernel
+                   num_kv_heads: int, num_warps: int = NUM_WARPS, lazy_sum: bool = False):  # -> CompiledKernel
     from pagoda.kernels import paged_attention as pa
 
     num_seqs = 256
@@ -64,8 +64,8 @@ def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_hea
         tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
         USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, USE_PDL=0, num_warps=NUM_WARPS,
-        num_stages=stages,
+        TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, USE_PDL=0, LAZY_SUM=lazy_sum,
+        num_warps=num_warps, num_stages=stages,
         grid=(1,))
 
 
@@ -192,13 +192,17 @@ def chunk_table(num_heads: int, num_kv_heads: int) -> None:
 
 
 def default_decode_loops(num_heads: int, num_kv_heads: int) -> list[dict[str, object]]:
-    """The unmasked key-tile loop of pick_config's decode launches (64-key tiles, 2 stages): a bf16 cache, and an
-    fp8 cache (qk_fp8x2, keys on M): instructions a warp runs per tile, and spill instructions in it."""
+    """The unmasked key-tile loop of pick_config's decode launches (2 stages): a bf16 cache in small batches (64-key
+    tiles, 4 warps) and large ones (16-key tiles, one warp), and an fp8 cache (qk_fp8x2, keys on M, sums per key
+    slot): instructions a warp runs per tile, and spill instructions in it."""
     rows: list[dict[str, object]] = []
-    for mode, keys_on_m in (("bf16", False), ("qk_fp8x2", True)):
-        sass, _ = disassemble(compile_decode(mode, 64, 2, keys_on_m, num_heads, num_kv_heads).asm["cubin"])
-        unmasked = min((b for b in loop_bodies(sass) if len(b) > 100), key=len)
-        rows.append({"mode": mode, "loop": len(unmasked), "spills": sum(op in ("LDL", "STL") for op in unmasked)})
+    for name, mode, tile_n, keys_on_m, warps, lazy in (("bf16", "bf16", 64, False, 4, False),
+                                                       ("bf16_one_warp", "bf16", 16, False, 1, False),
+                                                       ("qk_fp8x2", "qk_fp8x2", 64, True, 4, True)):
+        kernel = compile_decode(mode, tile_n, 2, keys_on_m, num_heads, num_kv_heads, warps, lazy)
+        sass, _ = disassemble(kernel.asm["cubin"])
+        unmasked = min((b for b in loop_bodies(sass) if any(op.endswith("MMA") for op in b)), key=len)
+        rows.append({"mode": name, "loop": len(unmasked), "spills": sum(op in ("LDL", "STL") for op in unmasked)})
     return rows
 
 

@@ -3,10 +3,12 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention
 #   (default: tests,parity,pagoda,peers,compiled)
 #   figures: issues 20 and 25's figures on the committed tree, no tuning: llama3-8b FP8 batch-1, qwen3-0.6b with a
 #   bf16 and an fp8 KV cache, TensorRT-LLM's 1000/1000 row, deepseek-v2-lite reference + batch-1 (~8 minutes).
+#   attention: the decode attention launches against the previous ones (kv_fp8_bench --long), then qwen3-0.6b
+#   reference with both caches, llama3-8b bf16 reference and trtllm-1000 (~6 minutes).
 #   llama-fp8: llama3-8b FP8's decode step at B = 1, 2, 4 (SiLU in the down GEMV at one row or never; kernels at
 #   B=1), then its reference workload with a bf16 and an fp8 KV cache and the latter under OpenAI-style sampling.
 #   moe-sum: step_ab of PAGODA_FUSE_MOE_SUM (the sparse layers' top-k sum in the next norm) on deepseek-v2-lite
@@ -203,6 +205,25 @@ if has figures; then
   timeout 160 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy --workload reference \
     --latency-prompt-len 512 --timeout 150 --out "$OUT/figures_deepseek-v2-lite.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -5
+fi
+if has attention; then
+  # the decode launches of the twenty-second session (bf16: one-warp programs on 16-key tiles in large batches;
+  # fp8: softmax sums per key slot) against the ones before, over B = 1, 64, 256 and contexts to 4096; then the
+  # runs they move: qwen3-0.6b reference with a bf16 and an fp8 cache, llama3-8b bf16 reference, trtllm-1000
+  timeout 200 python3 -m pagoda.bench.kv_fp8_bench --long --only bf16_w4_t64,fp8_s22_qk2_eager,fp8_default \
+    --out "$OUT/kv_fp8_long.json" 2>&1 | grep -v "^   fp8_s22\|accuracy" | tail -40
+  for kv in auto fp8; do
+    echo "== qwen3-0.6b reference, kv $kv"
+    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
+      --timeout 80 --out "$OUT/attention_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+  done
+  echo "== llama3-8b bf16 reference"
+  timeout 100 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --timeout 90 \
+    --out "$OUT/attention_llama3-8b.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+  echo "== llama3-8b fp8 + fp8 kv, trtllm-1000"
+  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+    --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/attention_trtllm-1000.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -4
 fi
 if has llama-fp8; then
   # llama3-8b FP8 on the committed tree: the decode step at B = 1, 2, 4 with SiLU fused into the down GEMV at one

@@ -104,6 +104,8 @@ DECODE_VARIANTS = (
     # 354 loop instructions, 8 -> 5 barriers a tile), and programs of one or two warps on 16/32-key tiles (no
     # cross-warp reductions; 8-12 programs an SM instead of 4, so more tiles in flight while others compute)
     Variant("fp8_s22_qk2_lazy", True, {"decode_lazy_sum": True}),
+    Variant("fp8_s22_qk2_eager", True, {"decode_lazy_sum": False}),  # the fp8 default before the lazy sums
+    Variant("bf16_w4_t64", False, {"decode_tile_n": 64, "decode_num_warps": 4}),  # the bf16 default before one warp
     Variant("fp8_s22_qk2_lazy_s3", True, {"decode_lazy_sum": True, "decode_num_stages": 3}),
     Variant("fp8_s22_words_t64_lazy", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
                                              "decode_lazy_sum": True}),
