@@ -192,12 +192,11 @@ def chunk_table(num_heads: int, num_kv_heads: int) -> None:
 
 
 def default_decode_loops(num_heads: int, num_kv_heads: int) -> list[dict[str, object]]:
-    """The unmasked key-tile loop of pick_config's decode launches (2 stages): a bf16 cache in small batches (64-key
-    tiles, 4 warps) and large ones (16-key tiles, one warp), and an fp8 cache (qk_fp8x2, keys on M, sums per key
-    slot): instructions a warp runs per tile, and spill instructions in it."""
+    """The unmasked key-tile loop of pick_config's decode launches (64-key tiles, 4 warps, 2 stages): a bf16 cache,
+    and an fp8 cache (qk_fp8x2, keys on M, sums per key slot): instructions a warp runs per tile, and spill
+    instructions in it."""
     rows: list[dict[str, object]] = []
     for name, mode, tile_n, keys_on_m, warps, lazy in (("bf16", "bf16", 64, False, 4, False),
-                                                       ("bf16_one_warp", "bf16", 16, False, 1, False),
                                                        ("qk_fp8x2", "qk_fp8x2", 64, True, 4, True)):
         kernel = compile_decode(mode, tile_n, 2, keys_on_m, num_heads, num_kv_heads, warps, lazy)
         sass, _ = disassemble(kernel.asm["cubin"])

@@ -101,8 +101,6 @@ class AttentionConfig:
     prefill_max_regs: int = 0  # ptxas register cap a thread for the tiled launch (maxnreg); 0: the compiler's choice
 
 
-# bf16 decode-only batches with at least this many (sequence, kv head) programs per SM run one-warp programs
-ONE_WARP_DECODE_PROGRAMS_PER_SM = 8
 # fp8-cache chunks up to this many queries: q in registers on 64-key tiles (faster there than staged; measured at 64)
 FP8_SHORT_CHUNK = 64
 
@@ -182,12 +180,9 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
             # sums per key slot (2026-12-04: 139.5 / 142.1 -> 134.1 / 132.4 us a layer, qwen3-0.6b / llama3-8b)
             return AttentionConfig(num_splits=num_splits, heads_fast=True, fp8_convert="qk_fp8x2",
                                    decode_keys_on_m=True, decode_lazy_sum=True)
-        if (num_tokens * num_kv_heads >= ONE_WARP_DECODE_PROGRAMS_PER_SM * num_sms and head_dim <= 128
-                and group_size <= 16):
-            # one-warp programs on 16-key tiles: no cross-warp reductions, ~11 programs an SM, so more tiles in
-            # flight while others compute (H200, 2026-12-04, B=256 contexts 512-768: 184.6 -> 164.6 us a layer,
-            # 3.63 -> 4.07 TB/s, qwen3-0.6b; llama3-8b 183.5 -> 165.6)
-            return AttentionConfig(num_splits=num_splits, heads_fast=True, decode_tile_n=16, decode_num_warps=1)
+        # One-warp programs on 16-key tiles (decode_num_warps=1, decode_tile_n=16) were not made the default: H200,
+        # 2026-12-04 (bench/results/s22), B=256 llama3-8b / qwen3-0.6b, 1105 / 1097 us a layer at context 4096
+        # against 953 / 947; at 512-1024 within the timing's noise of the 4-warp launch.
         return AttentionConfig(num_splits=num_splits, heads_fast=True)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     if max_query_len * group_size >= 128 and not mostly_decode:

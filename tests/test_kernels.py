@@ -158,7 +158,7 @@ SMALL_ATTENTION_CASES = {
     # kv heads on grid axis 0: decode, tiled chunks, padding and splits address the same rows
     "heads-fast-mixed": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), pad_tokens=3,
                                       config=replace(SMALL_TILES, heads_fast=True)),
-    # one-warp programs on 16-key tiles (pick_config's launch for large bf16 decode batches), with graph padding
+    # one-warp programs on 16-key tiles (an AttentionConfig choice, not pick_config's), with graph padding
     "decode-one-warp": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16), num_pad_seqs=2, pad_tokens=3,
                                      config=AttentionConfig(decode_tile_n=16, decode_num_warps=1, heads_fast=True)),
     "heads-fast-decode-split2": AttentionCase((1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
@@ -203,7 +203,7 @@ GPU_ATTENTION_CASES = {
                                          head_dim=128),
     "decode-graph-padding": AttentionCase((1,) * 5, (4096, 100, 1, 777, 2048), num_heads=16, num_kv_heads=8,
                                           head_dim=128, num_pad_seqs=3, pad_tokens=8),
-    # pick_config's own launch: one-warp programs on 16-key tiles at this size
+    # pick_config's own launch at a large batch, with graph padding
     "llama3-decode-256-default": AttentionCase((1,) * 256, tuple(range(1000, 1256)), num_heads=32, num_kv_heads=8,
                                                head_dim=128, num_pad_seqs=2, pad_tokens=4),
     "qwen3-decode-256-heads-fast": AttentionCase((1,) * 256, tuple(range(512, 768)), num_heads=16, num_kv_heads=8,
@@ -324,19 +324,15 @@ def test_paged_attention_strided_q_and_reused_launch_shape() -> None:
         assert (out - expected).abs().max().item() < 2e-5
 
 
-def test_pick_config_one_warp_decode_for_large_bf16_batches() -> None:
-    """Decode-only batches of a 16-bit cache with enough (sequence, kv head) programs to fill every SM 8 times run
-    one-warp programs on 16-key tiles; smaller batches (which split the keys), heads wider than 128, groups over
-    16 query heads, steps with chunks and fp8 caches keep their launches."""
-    one_warp = pick_config(256, 256, 8, 2, 1, 4096)
-    assert (one_warp.decode_num_warps, one_warp.decode_tile_n, one_warp.num_splits) == (1, 16, 1)
-    assert pick_config(132, 132, 8, 4, 1, 4096, num_sms=132).decode_num_warps == 1  # exactly 8 programs an SM
-    for args, kwargs in (((131, 131, 8, 4, 1, 4096), {}), ((16, 16, 8, 4, 1, 4096), {}),
-                         ((256, 256, 8, 4, 1, 4096), {"head_dim": 256}), ((256, 256, 2, 32, 1, 4096), {}),
-                         ((256 + 512, 257, 8, 4, 512, 4096), {})):
-        assert pick_config(*args, num_sms=132, **kwargs).decode_num_warps == 4, (args, kwargs)
-    fp8 = pick_config(256, 256, 8, 2, 1, 4096, fp8_kv=True)
-    assert (fp8.decode_num_warps, fp8.decode_keys_on_m, fp8.decode_lazy_sum) == (4, True, True)
+def test_pick_config_decode_launches() -> None:
+    """Decode-only batches: 64-key tiles and 4 warps over a 16-bit cache at any size (one-warp programs lost at long
+    contexts, bench/results/s22); over an fp8 cache QK^T on the fp8 tensor cores, keys on M, sums per key slot."""
+    for num_seqs in (1, 64, 256, 1024):
+        bf16 = pick_config(num_seqs, num_seqs, 8, 4, 1, 4096)
+        assert (bf16.decode_num_warps, bf16.decode_tile_n, bf16.decode_lazy_sum) == (4, 64, False)
+        fp8 = pick_config(num_seqs, num_seqs, 8, 4, 1, 4096, fp8_kv=True)
+        assert (fp8.fp8_convert, fp8.decode_keys_on_m, fp8.decode_lazy_sum) == ("qk_fp8x2", True, True)
+    assert not pick_config(256 + 512, 257, 8, 4, 512, 4096, fp8_kv=True).decode_lazy_sum  # steps with chunks
 
 
 def test_pick_num_splits_depends_on_host_shape_only() -> None:

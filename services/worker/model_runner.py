@@ -312,33 +312,16 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile the kernel variants eager steps use, so no Triton JIT lands inside a served request (a compile
         stalls its step 0.1-1.3 s on an H200): steps mixing decodes and a prefill chunk, and decode-only batches
-        run eagerly (prompts wholly in the prefix cache) with each of the attention's split counts, and the one-warp
-        launch of large decode batches (one_warp_decode_batch). Prefill-only variants compile in profile_run,
-        CUDA-graph decode in the capture."""
+        run eagerly (prompts wholly in the prefix cache) with each of the attention's split counts. Prefill-only
+        variants compile in profile_run, CUDA-graph decode in the capture."""
         self.dummy_forward([1] * 64 + [64], num_logits=65)
         self.dummy_forward([1] * 3 + [40, 24], num_logits=5)
         for num_splits in (1, 2, 4, 8, 16, 32, 64):  # pick_num_splits' values; 64 keys a split each
             if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
                 self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
-        one_warp = self.one_warp_decode_batch()
-        if one_warp:
-            self.dummy_forward([1] * one_warp, num_logits=one_warp, context_len=15)
         self.warm_up_experts()
         same = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1] a pair that copies nothing
         self._copy_block_pairs(self.kv_cache.flatten(0, 1), same, same)  # beam search's block copy: compiled now
-
-    def one_warp_decode_batch(self) -> int:
-        """The fewest sequences whose decode-only step runs the paged attention's one-warp launch (pick_config:
-        ONE_WARP_DECODE_PROGRAMS_PER_SM (sequence, kv head) programs an SM); 0 where no step can (not a GPU, or more
-        sequences than max_num_seqs)."""
-        if self.device.type != "cuda":
-            return 0
-        from pagoda.kernels.paged_attention import ONE_WARP_DECODE_PROGRAMS_PER_SM
-
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        kv_heads = self.model.kv_layout().num_heads
-        needed = -(-ONE_WARP_DECODE_PROGRAMS_PER_SM * num_sms // kv_heads)
-        return needed if needed <= self.config.max_num_seqs else 0
 
     @torch.inference_mode()
     def warm_up_experts(self) -> None:
