@@ -93,6 +93,9 @@ class AttentionConfig:
     # once after the loop: no cross-warp sum a tile (sm_90 SASS, qk_fp8x2 64-key tiles keys on M: 394 -> 354 loop
     # instructions, 8 -> 5 barriers; python -m pagoda.bench.attention_sass)
     decode_lazy_sum: bool = False
+    # The decode launch's fp8 conversion where it differs from the tiled launch's (steps mixing decode rows and
+    # chunks over an fp8 cache); "": fp8_convert for both
+    decode_fp8_convert: str = ""
     # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
     # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
     # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
@@ -101,6 +104,8 @@ class AttentionConfig:
     prefill_max_regs: int = 0  # ptxas register cap a thread for the tiled launch (maxnreg); 0: the compiler's choice
 
 
+# Decode rows beside chunks over an fp8 cache: the decode-only launch (qk_fp8x2, keys on M, sums per key slot)
+_FP8_DECODE_ROWS = {"decode_fp8_convert": "qk_fp8x2", "decode_keys_on_m": True, "decode_lazy_sum": True}
 # fp8-cache chunks up to this many queries: q in registers on 64-key tiles (faster there than staged; measured at 64)
 FP8_SHORT_CHUNK = 64
 
@@ -185,15 +190,17 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
         # against 953 / 947; at 512-1024 within the timing's noise of the 4-warp launch.
         return AttentionConfig(num_splits=num_splits, heads_fast=True)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
+    # the decode rows of steps with chunks, over an fp8 cache: the decode-only launch's conversion
+    decode_rows = _FP8_DECODE_ROWS if fp8_kv else {}
     if max_query_len * group_size >= 128 and not mostly_decode:
         if fp8_kv and max_query_len <= FP8_SHORT_CHUNK:  # H200: q in registers, 64-key tiles, no cap (see above)
-            return AttentionConfig(num_splits=num_splits, prefill_tile_n=64, fp8_q_staged=False)
+            return AttentionConfig(num_splits=num_splits, prefill_tile_n=64, fp8_q_staged=False, **decode_rows)
         if fp8_kv:  # staged q, 64-key tiles (H200 2026-12-03, see above)
             return AttentionConfig(num_splits=num_splits, prefill_tile_n=64,
-                                   prefill_max_regs=128 if head_dim <= 128 else 0)
+                                   prefill_max_regs=128 if head_dim <= 128 else 0, **decode_rows)
         return AttentionConfig(num_splits=num_splits)
     return AttentionConfig(num_splits=num_splits, prefill_block_m=64, prefill_tile_n=64, prefill_num_warps=4,
-                           prefill_num_stages=2)
+                           prefill_num_stages=2, **decode_rows)
 
 
 @triton.jit
@@ -720,9 +727,9 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
               v_cache: torch.Tensor, key_tile: int) -> int:
     """The kernel's FP8_MODE: 0 without an fp8 cache; with an fp32 q always "native" (fp16 dots would round it);
     the word modes fall back to "f16" where a row of head_dim bytes is not made of whole aligned words; the fp8
-    tensor-core modes to "f16_words" below 32 (padded) dims, the fp8 MMA's K, and "qkv_fp8" to "qk_fp8" where a
-    launch's key tile (key_tile, the smallest of the call's launches), its PV dot's K, is below 32 (sm_90 rejects
-    such an fp8 dot at compile time: "K >= 32"; the interpreter does not)."""
+    tensor-core modes to "f16_words" below 32 (padded) dims, the fp8 MMA's K, and "qkv_fp8" to "qk_fp8" where the
+    launch's key tile (key_tile), its PV dot's K, is below 32 (sm_90 rejects such an fp8 dot at compile time:
+    "K >= 32"; the interpreter does not). Decided per launch: config carries that launch's fp8_convert."""
     if not fp8_kv:
         return 0
     convert = config.fp8_convert if q_dtype != torch.float32 else "native"
@@ -771,6 +778,8 @@ def _check_config(config: AttentionConfig) -> None:
         raise ValueError(f"prefill_max_regs must be 0 or in 32..255, got {config.prefill_max_regs}")
     if config.fp8_convert not in FP8_CONVERTS:
         raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {config.fp8_convert!r}")
+    if config.decode_fp8_convert not in ("", *FP8_CONVERTS):
+        raise ValueError(f"decode_fp8_convert must be '' or one of {FP8_CONVERTS}, got {config.decode_fp8_convert!r}")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -826,12 +835,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     decode_only = max_query_len <= 1
-    key_tile = config.decode_tile_n if decode_only else min(config.decode_tile_n, config.prefill_tile_n)
-    fp8_mode = _fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache, key_tile)
+    # each launch's fp8 conversion; the decode rows' may differ (decode_fp8_convert)
+    decode_config = replace(config, fp8_convert=config.decode_fp8_convert) if config.decode_fp8_convert else config
+    decode_fp8_mode = _fp8_mode(fp8_kv, q.dtype, decode_config, head_dim, k_cache, v_cache, config.decode_tile_n)
+    tiled_fp8_mode = _fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache, config.prefill_tile_n)
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 FP8_MODE=fp8_mode, HEADS_FAST=config.heads_fast,
-                 USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
+                 HEADS_FAST=config.heads_fast, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     pdl_options = pdl.launch_options(q.device)
 
@@ -846,8 +856,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
-            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=_keys_on_m(config, fp8_mode), Q_STAGED=False,
-            LAZY_SUM=config.decode_lazy_sum,
+            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=_keys_on_m(decode_config, decode_fp8_mode), Q_STAGED=False,
+            FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
             **pdl_options)
     if not decode_only:
@@ -856,8 +866,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
-            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False,
-            Q_STAGED=config.fp8_q_staged and fp8_mode >= 2 and fp8_mode != _FP8_MODE["qk_fp8x2"] and num_splits == 1,
+            DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, FP8_MODE=tiled_fp8_mode,
+            Q_STAGED=(config.fp8_q_staged and tiled_fp8_mode >= 2 and tiled_fp8_mode != _FP8_MODE["qk_fp8x2"]
+                      and num_splits == 1),
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
             **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)

@@ -195,7 +195,7 @@ def run_fp8_qk_attention_shapes() -> None:
         base = pick_config(q.shape[0], len(query_lens), num_kv_heads, num_heads // num_kv_heads, query_len, context,
                            fp8_kv=True)
         config: AttentionConfig = replace(base, fp8_convert=convert, decode_tile_n=tile_n,
-                                          decode_keys_on_m=keys_on_m)
+                                          decode_keys_on_m=keys_on_m, decode_fp8_convert="")
         paged_attention(q, cache, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, config=config,
                         k_scale=torch.ones(1), v_scale=torch.ones(1))
 
@@ -221,7 +221,8 @@ def run_fp8_default_decode_shapes() -> None:
 def run_fp8_chunk_attention_shapes() -> None:
     """Chunks over an fp8 cache with pick_config's own launch shapes (q staged through the output rows, the
     128-register cap on 128-row tiles) at qwen3-0.6b's and llama3-8b's dims, head_dim 128: 4 x 512 new queries over
-    1024 cached tokens, and the same beside 124 decode rows (the mostly-decode 64-row tiles); and the dequantization
+    1024 cached tokens, and the same beside 124 decode rows (the mostly-decode 64-row tiles; the decode rows in
+    the decode-only launch's qk_fp8x2 with sums per key slot); and the dequantization
     of an fp8 cache's blocks into a bf16 scratch (kv_fp8_bench's fp8_dequant variant)."""
     from pagoda.kernels.kv_cache import dequantize_blocks
     from pagoda.kernels.paged_attention import paged_attention

@@ -332,7 +332,11 @@ def test_pick_config_decode_launches() -> None:
         assert (bf16.decode_num_warps, bf16.decode_tile_n, bf16.decode_lazy_sum) == (4, 64, False)
         fp8 = pick_config(num_seqs, num_seqs, 8, 4, 1, 4096, fp8_kv=True)
         assert (fp8.fp8_convert, fp8.decode_keys_on_m, fp8.decode_lazy_sum) == ("qk_fp8x2", True, True)
-    assert not pick_config(256 + 512, 257, 8, 4, 512, 4096, fp8_kv=True).decode_lazy_sum  # steps with chunks
+    for chunks in ((256 + 512, 257, 8, 4, 512, 4096), (4 * 64, 4, 8, 4, 64, 1088), (124 + 2048, 128, 8, 4, 512, 1536)):
+        mixed = pick_config(*chunks, fp8_kv=True)  # steps with chunks: the decode rows keep the decode-only launch
+        assert (mixed.fp8_convert, mixed.decode_fp8_convert, mixed.decode_keys_on_m, mixed.decode_lazy_sum) == (
+            "f16_words", "qk_fp8x2", True, True), chunks
+        assert pick_config(*chunks).decode_fp8_convert == ""
 
 
 def test_pick_num_splits_depends_on_host_shape_only() -> None:

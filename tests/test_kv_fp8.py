@@ -427,3 +427,23 @@ def test_fp8_decode_lazy_sum_matches_eager(convert: str, tile_n: int, keys_on_m:
     _check(case, lazy, ATOL[torch.float16])
     torch.testing.assert_close(_run(case, lazy), _run(case, eager), rtol=0.0,
                                atol=2e-3 * _run(case, eager).abs().max().item())
+
+
+def test_decode_rows_beside_chunks_take_their_own_conversion() -> None:
+    """decode_fp8_convert: in a step mixing decode rows and chunks, the decode launch converts as it says (qk_fp8x2,
+    keys on M, sums per key slot: pick_config's choice for such steps) while the chunks keep fp8_convert: each
+    launch's rows equal those of a config using that launch's choice for both, and all meet the reference."""
+    case = _fp8_case([1, 6, 1, 5, 1], [70, 21, 9, 40, 33], torch.float16, num_heads=8, num_kv_heads=2, seed=12,
+                     gaussian=True)
+    words = AttentionConfig(decode_tile_n=64, prefill_block_m=16, prefill_tile_n=16, fp8_convert="f16_words")
+    qk2 = replace(words, fp8_convert="qk_fp8x2", decode_keys_on_m=True, decode_lazy_sum=True)
+    mixed = replace(words, decode_fp8_convert="qk_fp8x2", decode_keys_on_m=True, decode_lazy_sum=True)
+    _check(case, mixed, ATOL[torch.float16])
+    out, out_words, out_qk2 = _run(case, mixed), _run(case, words), _run(case, qk2)
+    decode_rows = torch.tensor([0, 7, 13])  # the length-1 sequences' rows
+    chunk_rows = torch.tensor([i for i in range(out.shape[0]) if i not in decode_rows.tolist()])
+    assert torch.equal(out[decode_rows], out_qk2[decode_rows])
+    assert torch.equal(out[chunk_rows], out_words[chunk_rows])
+    assert not torch.equal(out[decode_rows], out_words[decode_rows])  # the decode launch did convert differently
+    with pytest.raises(ValueError, match="decode_fp8_convert"):
+        _run(case, replace(words, decode_fp8_convert="e5m2"))
