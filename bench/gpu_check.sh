@@ -207,12 +207,13 @@ if has figures; then
     | grep -v "^[a-z-]*: {" | tail -5
 fi
 if has attention; then
-  # the decode launches of the twenty-second session (bf16: one-warp programs on 16-key tiles in large batches;
-  # fp8: softmax sums per key slot) against the ones before, over B = 1, 64, 256 and contexts to 4096; then the
-  # runs they move: qwen3-0.6b reference with a bf16 and an fp8 cache, llama3-8b bf16 reference, trtllm-1000
+  # the decode launches of the twenty-second session (fp8: softmax sums per key slot, also for the decode rows of
+  # steps with chunks) against the ones before, over B = 1, 64, 256 and contexts to 4096 (ATTENTION_KV_ARGS,
+  # ATTENTION_KV_ONLY); then the runs they move: qwen3-0.6b reference with a bf16 and an fp8 cache, llama3-8b bf16
+  # reference, trtllm-1000
   timeout 200 python3 -m pagoda.bench.kv_fp8_bench ${ATTENTION_KV_ARGS:---long} \
     --only "${ATTENTION_KV_ONLY:-bf16_w4_t64,fp8_s22_qk2_eager,fp8_default}" \
-    --out "$OUT/kv_fp8_long.json" 2>&1 | grep -v "^   fp8_s22\|accuracy" | tail -40
+    --out "$OUT/kv_fp8_long.json" 2>&1 | grep -v "accuracy\|normal q" | tail -${ATTENTION_KV_TAIL:-40}
   for kv in auto fp8; do
     echo "== qwen3-0.6b reference, kv $kv"
     timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
