@@ -3,12 +3,14 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy
 #   (default: tests,parity,pagoda,peers,compiled)
 #   figures: issues 20 and 25's figures on the committed tree, no tuning: llama3-8b FP8 batch-1, qwen3-0.6b with a
 #   bf16 and an fp8 KV cache, TensorRT-LLM's 1000/1000 row, deepseek-v2-lite reference + batch-1 (~8 minutes).
 #   attention: the decode attention launches against the previous ones (kv_fp8_bench --long), then qwen3-0.6b
 #   reference with both caches, llama3-8b bf16 reference and trtllm-1000 (~6 minutes).
+#   mla-lazy: the MLA decode launch with and without its softmax sums per key slot (mla_bench --parts lazy), then
+#   deepseek-v2-lite reference + batch-1.
 #   llama-fp8: llama3-8b FP8's decode step at B = 1, 2, 4 (SiLU in the down GEMV at one row or never; kernels at
 #   B=1), then its reference workload with a bf16 and an fp8 KV cache and the latter under OpenAI-style sampling.
 #   moe-sum: step_ab of PAGODA_FUSE_MOE_SUM (the sparse layers' top-k sum in the next norm) on deepseek-v2-lite
@@ -226,6 +228,16 @@ if has attention; then
   timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
     --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/attention_trtllm-1000.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -4
+fi
+if has mla-lazy; then
+  # the MLA decode launch with its softmax sums per key slot against without (16 and 128 heads, B = 64 / 256, 1k /
+  # 4k, bf16 / fp8), then deepseek-v2-lite's reference workload and batch-1 on the committed default
+  timeout 240 python3 -m pagoda.bench.mla_bench --parts lazy --out "$OUT/mla_lazy.json" 2>&1 | grep "^decode" \
+    | tail -32
+  echo "== deepseek-v2-lite reference + batch-1"
+  timeout 160 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy --workload reference \
+    --latency-prompt-len 512 --timeout 150 --out "$OUT/mla_lazy_deepseek-v2-lite.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -5
 fi
 if has llama-fp8; then
   # llama3-8b FP8 on the committed tree: the decode step at B = 1, 2, 4 with SiLU fused into the down GEMV at one

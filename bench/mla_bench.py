@@ -8,9 +8,10 @@
            W_UK bmm + kernel + W_UV bmm; expanded: gather + kv_b GEMM + attention), device time with the host ahead
            as in a prefill forward: the crossover query length to put in kernels/mla.py EXPAND_CROSSOVER; then
            whole prefill steps (several 512-query chunks in one launch).
+  lazy     the default decode launch with the softmax sums per key slot against without (--parts lazy).
   capacity KV blocks per GiB of the latent cache (the worker's layout) against the same model with per-head K/V.
 
-    python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity] [--sweep] [--quick] [--out FILE]
+    python -m pagoda.bench.mla_bench [--parts decode,prefill,capacity,lazy] [--sweep] [--quick] [--out FILE]
     python -m pagoda.bench.mla_bench --parts none --sweep    # the decode launch-shape sweep alone
     python -m pagoda.bench.mla_bench --smoke    # tiny shapes on CPU (Triton interpreter): checks the script runs
 
@@ -199,6 +200,27 @@ def decode_part(device: str, quick: bool, sweep: bool, smoke: bool, grid_rows: b
     return rows
 
 
+def lazy_part(device: str, smoke: bool) -> list[dict[str, Any]]:
+    """The default decode launch with its softmax sums per key slot (MLAConfig.decode_lazy_sum) and without, at
+    B = 64 and 256, contexts 1k and 4k, 16 and 128 heads, both cache dtypes; the lazy row runs first (a row timed
+    first in a process can read a few percent slow)."""
+    from pagoda.kernels.mla import pick_mla_config
+
+    rows = []
+    grid = ([(SMOKE_DIMS, 3, 40, torch.float32)] if smoke else
+            [(Dims(h), b, ctx, cd) for h in (16, 128) for b in (64, 256) for ctx in (1024, 4096)
+             for cd in (torch.bfloat16, torch.float8_e4m3fn)])
+    for dims, batch, ctx, cache_dtype in grid:
+        base = pick_mla_config(batch, dims.num_heads, 1, ctx)
+        for lazy in (True, False):
+            row = decode_row(dims, batch, ctx, cache_dtype, device, 2 if smoke else 10,
+                             replace(base, decode_lazy_sum=lazy))
+            row["part"] = "decode-lazy" if lazy else "decode-eager"
+            rows.append(row)
+            _print_decode(row, "lazy sum" if lazy else "eager sum")
+    return rows
+
+
 def _sweep_batch_one(rows: list[dict[str, Any]], heads: int, cache_dtype: torch.dtype, device: str) -> None:
     """Batch 1, ctx 1k: how many KV splits (the default stops at 16: 16 of 132 SMs for 16 heads)."""
     from pagoda.kernels.mla import pick_mla_config
@@ -378,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += decode_part(device, args.quick, args.sweep, args.smoke)
     elif args.sweep:  # the sweep alone
         rows += decode_part(device, args.quick, True, args.smoke, grid_rows=False)
+    if "lazy" in parts:
+        rows += lazy_part(device, args.smoke)
     if "prefill" in parts:
         rows += prefill_part(device, args.quick, args.smoke)
     if "capacity" in parts:

@@ -52,6 +52,7 @@ from pagoda.kernels.paged_attention import (
     check_batch_layout,
     grid_position,
     key_tile_range,
+    lazy_softmax_step,
     online_softmax_step,
     paged_attention,
 )
@@ -296,6 +297,7 @@ class MLAConfig:
     decode_num_warps: int = 8  # 4 spill registers at 16 heads x 32 keys (ptxas for sm_90: 255 + 128 B of stack)
     decode_num_stages: int = 2
     decode_keys_m: bool = False  # decode dots transposed (keys = M): wgmma on Hopper for block_h < 64
+    decode_lazy_sum: bool = False  # decode softmax sums per key slot, summed once after the tiles (as paged attention)
     prefill_block_m: int = 32  # rows of a chunk tile (power of two >= 16 and >= block_h)
     prefill_tile_n: int = 32
     prefill_num_warps: int = 8  # a [32, 512] fp32 accumulator: 64 registers a thread with 8 warps
@@ -338,7 +340,10 @@ def pick_mla_config(num_seqs: int, num_heads: int, max_query_len: int, max_seq_l
     Decode batches that fill the GPU without splits take the H200 sweep's winners (bench/mla_bench.py --sweep,
     B=256, 1k keys, 2026-12-02): 128 heads 64-key tiles, 2 stages (303 us against 439 bf16, 501 against 792 fp8);
     16 heads bf16 untransposed 32-key tiles, 4 warps, 2 stages (94.9 us = 0.76 of HBM, against 127.7), fp8 the
-    transposed shape with 2 stages (126.8 against 131.5). fp8: the cache is e4m3.
+    transposed shape with 2 stages (126.8 against 131.5). Fewer than 64 heads: the decode softmax sums per key slot
+    (decode_lazy_sum; sm_90 SASS, 16 heads: bf16 loop 427 -> 412 instructions, 9 -> 6 barriers; fp8 1169 -> 1122,
+    10 -> 7); not for 64-head programs, which already run 2 barriers a tile and would spill more (2 -> 7 bf16).
+    fp8: the cache is e4m3.
     legacy: the 16-heads-per-program shape of the first version (for comparisons)."""
     if legacy:
         block_h = min(16, triton.next_power_of_2(num_heads))
@@ -354,7 +359,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, max_query_len: int, max_seq_l
     splits = pick_mla_splits(num_seqs, -(-num_heads // block_h), max_query_len, max_seq_len, num_sms)
     full = splits == 1 and max_query_len <= 1
     return MLAConfig(num_splits=splits, block_h=block_h, decode_tile_n=32, decode_num_warps=4,
-                     decode_num_stages=2 if full else 3, decode_keys_m=fp8 or not full,
+                     decode_num_stages=2 if full else 3, decode_keys_m=fp8 or not full, decode_lazy_sum=True,
                      heads_fast=max_query_len <= 1)
 
 
@@ -399,10 +404,11 @@ def _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_ro
                          qk_scale, row_pos, kv_end, tile_lo, tile_hi,
                          LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, LAZY_SUM: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi), query rows as the M dim of the dots: scores
     q_lat . lat + q_rope . rope [BLOCK_M, TILE_N], values lat; the tile is loaded once and used by both dots.
-    MASKED=False tiles lie wholly below every row's causal limit (no key, causal or table masks)."""
+    MASKED=False tiles lie wholly below every row's causal limit (no key, causal or table masks). LAZY_SUM: l_i is
+    [BLOCK_M, TILE_N], per key slot, summed by the caller after the last tile."""
     for j in range(tile_lo, tile_hi):
         key, lat, rope = _load_latent_tile(cache_ptr, block_table_row, stride_cb, stride_cs, kv_end, j, LAT, LAT_P,
                                            ROPE, ROPE_P, BLOCK_SIZE, TILE_N, MASKED, F16_DOTS, q_lat.dtype)
@@ -410,7 +416,11 @@ def _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_ro
         s = tl.dot(q_rope, tl.trans(rope), s, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
+        if LAZY_SUM:
+            p, alpha, m_new = lazy_softmax_step(s, m_i, 1)  # p [BLOCK_M, TILE_N]
+            l_i = l_i * alpha[:, None] + p  # [BLOCK_M, TILE_N]
+        else:
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
         acc = tl.dot(p.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)  # [BLOCK_M, LAT_P]
         m_i = m_new
     return acc, l_i, m_i
@@ -421,7 +431,7 @@ def _attend_latent_tiles_keys_m(acc_t, l_i, m_i, q_lat_t, q_rope_t, cache_ptr, b
                                 stride_cs, qk_scale, kv_end, tile_lo, tile_hi,
                                 LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
                                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr):
+                                DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, LAZY_SUM: tl.constexpr):
     """The same for one decode query per head, transposed so that keys are the M dim of the dots (few heads would
     pad M to 16 and miss Hopper's wgmma, which needs M = 64 per warp group): scores^T [TILE_N, BLOCK_M] =
     lat @ q_lat^T + rope @ q_rope^T, acc^T [LAT_P, BLOCK_M] += lat^T @ p^T. Every row attends keys < kv_end."""
@@ -432,7 +442,11 @@ def _attend_latent_tiles_keys_m(acc_t, l_i, m_i, q_lat_t, q_rope_t, cache_ptr, b
         s = tl.dot(rope, q_rope_t, s, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where((key < kv_end)[:, None], s, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 0)  # p [TILE_N, BLOCK_M]
+        if LAZY_SUM:  # l_i [TILE_N, BLOCK_M], per key slot
+            p, alpha, m_new = lazy_softmax_step(s, m_i, 0)  # p [TILE_N, BLOCK_M]
+            l_i = l_i * alpha[None, :] + p
+        else:
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 0)  # p [TILE_N, BLOCK_M]
         acc_t = tl.dot(tl.trans(lat), p.to(lat.dtype), acc_t * alpha[None, :],
                        input_precision=DOT_PRECISION)  # [LAT_P, BLOCK_M]
         m_i = m_new
@@ -468,7 +482,8 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
                 ROPE: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, F16_DOTS: tl.constexpr,
-                HEADS_FAST: tl.constexpr, KEYS_M: tl.constexpr, USE_PDL: tl.constexpr):
+                HEADS_FAST: tl.constexpr, KEYS_M: tl.constexpr, USE_PDL: tl.constexpr,
+                LAZY_SUM: tl.constexpr = False):
     """One program: BLOCK_Q query tokens x BLOCK_H heads (row m = token m // BLOCK_H, head m % BLOCK_H of the
     head block) over one split of the keys. Grid: (programs along the queries, head blocks, splits), the first
     two swapped with HEADS_FAST. DECODE: program b is sequence b and runs only if its query length is 1;
@@ -523,7 +538,12 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if LAZY_SUM and KEYS_M:
+        l_i = tl.zeros([TILE_N, BLOCK_M], tl.float32)  # per key slot; summed after the tiles
+    elif LAZY_SUM:
+        l_i = tl.zeros([BLOCK_M, TILE_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     offs_l = tl.arange(0, LAT_P)
     offs_r = tl.arange(0, ROPE_P)
     if KEYS_M:  # decode with few heads: q loaded transposed, keys are the M dim (_attend_latent_tiles_keys_m)
@@ -539,11 +559,11 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
         acc_t, l_i, m_i = _attend_latent_tiles_keys_m(
             acc_t, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb, stride_cs, qk_scale, kv_end,
             tile_lo, tl.minimum(tile_hi, num_full), LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, False,
-            DOT_PRECISION, F16_DOTS)
+            DOT_PRECISION, F16_DOTS, LAZY_SUM)
         acc_t, l_i, m_i = _attend_latent_tiles_keys_m(
             acc_t, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb, stride_cs, qk_scale, kv_end,
             tl.maximum(tile_lo, num_full), tile_hi, LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, True,
-            DOT_PRECISION, F16_DOTS)
+            DOT_PRECISION, F16_DOTS, LAZY_SUM)
         acc = tl.trans(acc_t)  # [BLOCK_M, LAT_P]
     else:
         q_row = q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
@@ -558,11 +578,13 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
         acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
                                              stride_cs, qk_scale, row_pos, kv_end, tile_lo,
                                              tl.minimum(tile_hi, num_full), LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE,
-                                             TILE_N, False, DOT_PRECISION, F16_DOTS)
+                                             TILE_N, False, DOT_PRECISION, F16_DOTS, LAZY_SUM)
         acc, l_i, m_i = _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_row, stride_cb,
                                              stride_cs, qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full),
                                              tile_hi, LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, True,
-                                             DOT_PRECISION, F16_DOTS)
+                                             DOT_PRECISION, F16_DOTS, LAZY_SUM)
+    if LAZY_SUM:
+        l_i = tl.sum(l_i, 0 if KEYS_M else 1)  # [BLOCK_M]
     if FP8_KV:  # values are the fp8 latents: sum_j p_j (lat_j * scale) = scale * sum_j p_j lat_j
         acc = acc * tl.load(kv_scale_ptr)
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
@@ -698,7 +720,8 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     if num_decode_programs:
         _mla_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, block_h), TILE_N=config.decode_tile_n, DECODE=True,
-            KEYS_M=config.decode_keys_m, num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
+            KEYS_M=config.decode_keys_m, LAZY_SUM=config.decode_lazy_sum, num_warps=config.decode_num_warps,
+            num_stages=config.decode_num_stages,
             **pdl_options)
     if not decode_only:
         block_m = max(config.prefill_block_m, block_h)

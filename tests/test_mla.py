@@ -128,6 +128,12 @@ CASES = {
     "decode-keys-m-split3": Case((1, 1, 1), (70, 5, 40), config=replace(SMALL, num_splits=3, decode_keys_m=True)),
     "decode-keys-m-graph-padding": Case((1, 1), (33, 17), num_pad_seqs=1, pad_tokens=2,
                                         config=replace(SMALL, decode_keys_m=True)),
+    # decode softmax sums per key slot (decode_lazy_sum), beside chunks, split, transposed, with graph padding
+    "mixed-lazy-sum": Case((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), config=replace(SMALL, decode_lazy_sum=True)),
+    "decode-lazy-sum-split3": Case((1, 1, 1), (70, 5, 40), config=replace(SMALL, num_splits=3,
+                                                                          decode_lazy_sum=True)),
+    "decode-keys-m-lazy-sum-graph-padding": Case((1, 1), (33, 17), num_pad_seqs=1, pad_tokens=2, config=replace(
+        SMALL, decode_keys_m=True, decode_lazy_sum=True)),
     # V3's head count: 64 heads a program for decode rows and chunk tiles (the default pick), split-KV
     "wide-128-heads": Case((1, 3, 1), (40, 12, 17), num_heads=128, config=replace(
         pick_mla_config(3, 128, 3, 40), decode_tile_n=16, prefill_tile_n=16, num_splits=2)),
@@ -183,6 +189,9 @@ def test_pick_mla_config_splits_small_decode_batches_only() -> None:
     assert pick_mla_config(256, 16, 1, 4096, fp8=True).decode_keys_m
     assert pick_mla_config(8, 16, 1, 4096).decode_keys_m
     assert pick_mla_config(2, 4, 1, 4096).block_h == 4
+    # decode softmax sums per key slot below 64 heads a program only (the wide programs would spill more)
+    assert all(pick_mla_config(b, 16, 1, 4096, fp8=f).decode_lazy_sum for b in (1, 8, 256) for f in (False, True))
+    assert not wide.decode_lazy_sum
 
 
 # ---------------------------------------------------------------------------------------------- cache write
@@ -225,7 +234,9 @@ def test_write_latent_rejects_bad_inputs() -> None:
 
 FP8_CASES = {"mixed": Case((1, 6, 1), (30, 6, 17)),
              "decode-split2": Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, num_splits=2)),
-             "decode-keys-m": Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, decode_keys_m=True))}
+             "decode-keys-m": Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, decode_keys_m=True)),
+             "decode-keys-m-lazy-sum": Case((1, 1, 1), (30, 6, 17), config=replace(SMALL, decode_keys_m=True,
+                                                                                   decode_lazy_sum=True))}
 
 
 @pytest.mark.parametrize("name", list(FP8_CASES))
