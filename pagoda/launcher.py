@@ -40,6 +40,8 @@ STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT]
 
 RESTARTABLE = ("tokenizer", "api")  # stateless per request: a fresh one serves new requests at once
 QUICK_FAILURE_S = 10.0  # a replacement that fails sooner than this after its start is in a crash loop
+# the same for a restarted engine replica, whose start loads the model and warms it up
+REPLICA_QUICK_FAILURE_S = 300.0
 MAX_RESTART_DELAY_S = 30.0
 
 
@@ -49,6 +51,34 @@ def restart_delay(quick_failures: int) -> float:
     (a tokenizer folder that vanished would otherwise respawn a Python process every second while it is gone)."""
     assert quick_failures >= 0
     return 0.0 if quick_failures == 0 else min(MAX_RESTART_DELAY_S, 2.0 ** (quick_failures - 1))
+
+
+@dataclass(slots=True)
+class ReplicaBackoff:
+    """Restart bookkeeping of engine replicas (--data-parallel-size with --restart-on-failure): a replica that served
+    a while is restarted at once; restarts that fail again within REPLICA_QUICK_FAILURE_S wait restart_delay(n)."""
+
+    quick_failures: dict[int, int] = field(default_factory=dict)  # replica -> quick failures in a row
+    num_restarts: dict[int, int] = field(default_factory=dict)  # replica -> restarts so far, the pending one included
+    restart_due: dict[int, float] = field(default_factory=dict)  # replica -> time.monotonic() of its restart
+
+    def failed(self, replica: int, num_restarts: int, ran_s: float, now: float) -> float:
+        """A replica that had been restarted num_restarts times failed after running ran_s seconds: the delay before
+        its next start (0: now; else it is due at now + delay)."""
+        quick = num_restarts > 0 and ran_s < REPLICA_QUICK_FAILURE_S
+        self.quick_failures[replica] = self.quick_failures.get(replica, 0) + 1 if quick else 0
+        self.num_restarts[replica] = num_restarts + 1
+        delay = restart_delay(self.quick_failures[replica])
+        if delay > 0:
+            self.restart_due[replica] = now + delay
+        return delay
+
+    def due(self, now: float) -> int | None:
+        """A replica whose delayed restart is due (forgotten here: the caller starts it)."""
+        replica = next((r for r, at in self.restart_due.items() if at <= now), None)
+        if replica is not None:
+            del self.restart_due[replica]
+        return replica
 
 
 @dataclass(slots=True)
@@ -161,6 +191,7 @@ class Launcher:
             self.server_config = replace(self.server_config, cluster_key_dir=str(key_dir))
         self.children: list[Child] = []
         self.down_replicas: set[int] = set()
+        self.replica_backoff = ReplicaBackoff()
         self._table_written = b""  # the process table's last contents (the console reads the file)
         tp_address = self.engine_config.tp_init_address
         self.replica_tp_address = [tp_address] + [  # each replica's ranks meet at their own address
@@ -215,26 +246,41 @@ class Launcher:
             self.children.remove(child)
         return members
 
-    def replica_failed(self, failed: Child, why: str) -> bool:
+    def replica_failed(self, failed: Child, why: str, now: float) -> bool:
         """With several replicas one replica's failure is not the server's: stop that replica, restart it with
-        --restart-on-failure (it rejoins: tokenizers and apis reconnect), else serve on with the others.
+        --restart-on-failure (it rejoins: tokenizers and apis reconnect; at once, or after a growing delay while
+        its restarts keep failing within REPLICA_QUICK_FAILURE_S, down meanwhile), else serve on with the others.
         False when this does not apply (one replica) or no replica is left."""
         if failed.replica is None or self.server_config.data_parallel_size == 1:
             return False
         replica = failed.replica
-        num_restarts = max(child.num_restarts for child in self.stop_replica(replica))
+        members = self.stop_replica(replica)
         if self.server_config.restart_on_failure:
-            self.start_replica(replica)
-            for child in self.children:
-                if child.replica == replica:
-                    child.num_restarts = num_restarts + 1
-            print(f"pagoda: {failed.name} {why}; restarted replica {replica}", file=sys.stderr)
+            num_restarts = max(child.num_restarts for child in members)
+            started = min(child.started_at for child in members)
+            delay = self.replica_backoff.failed(replica, num_restarts, time.time() - started, now)
+            if delay == 0:
+                self.restart_replica(replica)
+                print(f"pagoda: {failed.name} {why}; restarted replica {replica}", file=sys.stderr)
+                return True
+            self.down_replicas.add(replica)
+            print(f"pagoda: {failed.name} {why} {time.time() - started:.1f} s after replica {replica} started "
+                  f"({self.replica_backoff.quick_failures[replica]} quick failure(s) in a row); restarting it in "
+                  f"{delay:g} s", file=sys.stderr)
             return True
         self.down_replicas.add(replica)
         alive = set(range(self.server_config.data_parallel_size)) - self.down_replicas
         print(f"pagoda: {failed.name} {why}; replica {replica} is down, serving on replica(s) "
               f"{sorted(alive) or 'none'}", file=sys.stderr)
         return bool(alive)
+
+    def restart_replica(self, replica: int) -> None:
+        """A fresh replica in place of a failed one (whose processes stop_replica removed)."""
+        self.down_replicas.discard(replica)
+        self.start_replica(replica)
+        for child in self.children:
+            if child.replica == replica:
+                child.num_restarts = self.replica_backoff.num_restarts[replica]
 
     def wait_until_healthy(self) -> bool:
         url = f"http://{self._url_host()}:{self.server_config.port}/health"
@@ -312,6 +358,11 @@ class Launcher:
             if due is not None:
                 self.restart(due, due.failure)
                 continue
+            due_replica = self.replica_backoff.due(now)
+            if due_replica is not None:
+                self.restart_replica(due_replica)
+                print(f"pagoda: restarted replica {due_replica}", file=sys.stderr)
+                continue
             dead = self.dead_child()
             failed = dead or self.hung_child(now)
             if failed is not None:
@@ -321,7 +372,7 @@ class Launcher:
                     self.schedule_restart(failed, why, now)
                     continue
                 if failed.replica is not None and self.server_config.data_parallel_size > 1:
-                    if self.replica_failed(failed, why):
+                    if self.replica_failed(failed, why, now):
                         continue
                 print(f"pagoda: {failed.name} {why}; stopping", file=sys.stderr)
                 return 1

@@ -1,16 +1,25 @@
 """The launcher's restart policy: a process that served a while is replaced at once; replacements that keep
 failing at start are retried after a growing delay, during which the console shows the process restarting
-and the supervisor still notices other failures."""
+and the supervisor still notices other failures. Engine replicas (data parallel) follow the same policy, with
+their longer start counted in."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from pagoda.launcher import MAX_RESTART_DELAY_S, Child, Launcher, restart_delay
+from pagoda.launcher import (
+    MAX_RESTART_DELAY_S,
+    REPLICA_QUICK_FAILURE_S,
+    Child,
+    Launcher,
+    ReplicaBackoff,
+    restart_delay,
+)
 
 
 def _exited_process(code: int) -> subprocess.Popen[bytes]:
@@ -23,6 +32,10 @@ def _launcher() -> Launcher:
     """A launcher whose spawns are processes that have already exited with code 2 (a tokenizer without its folder)."""
     launcher = object.__new__(Launcher)  # no configs, no runtime dir: only the supervision bookkeeping is used
     launcher.children = []
+    launcher.down_replicas = set()
+    launcher.replica_backoff = ReplicaBackoff()
+    launcher.server_config = SimpleNamespace(data_parallel_size=2, restart_on_failure=True)  # type: ignore[assignment]
+    launcher.engine_config = SimpleNamespace(tensor_parallel_size=1)  # type: ignore[assignment]
 
     def spawn(name: str, module: str, replica: int | None = None, **overrides: object) -> None:
         launcher.children.append(Child(name, _exited_process(2), module, dict(overrides), replica=replica))
@@ -75,3 +88,34 @@ def test_a_failure_elsewhere_is_seen_while_a_replacement_waits() -> None:
     worker = Child("worker0", _exited_process(-9 % 256), "worker", replica=0)
     launcher.children.append(worker)
     assert launcher.dead_child() is worker
+
+
+def test_replica_backoff_policy() -> None:
+    backoff = ReplicaBackoff()
+    assert backoff.failed(1, 0, 5.0, 100.0) == 0.0  # the first failure, however soon: restarted at once
+    assert backoff.failed(1, 1, 3600.0, 200.0) == 0.0  # a restart that served an hour: at once again
+    delays = [backoff.failed(1, n, REPLICA_QUICK_FAILURE_S - 1, 300.0) for n in (2, 3, 4)]
+    assert delays == [1.0, 2.0, 4.0] and backoff.quick_failures[1] == 3 and backoff.num_restarts[1] == 5
+    assert backoff.due(303.99) is None and backoff.due(304.0) == 1 and backoff.due(304.0) is None
+    assert backoff.failed(0, 1, 1.0, 0.0) == 1.0 and backoff.quick_failures.get(1) == 3  # per replica
+
+
+def test_a_replica_failing_at_start_waits_down_then_comes_back() -> None:
+    launcher = _launcher()
+    launcher.start_replica(0)
+    launcher.start_replica(1)
+    for child in launcher.children:
+        child.started_at = time.time() - 3600  # both served an hour
+    failed = next(c for c in launcher.children if c.replica == 1 and c.module == "worker")
+    assert launcher.replica_failed(failed, "exited with code 2", 10.0)
+    assert launcher.down_replicas == set()  # restarted at once
+    restarted = [c for c in launcher.children if c.replica == 1]
+    assert {c.name for c in restarted} == {"r1-worker0", "r1-scheduler"} and {c.num_restarts for c in restarted} == {1}
+    assert launcher.replica_failed(restarted[0], "exited with code 2", 20.0)  # failed again right after its start
+    assert launcher.down_replicas == {1} and not [c for c in launcher.children if c.replica == 1]
+    assert {c.replica for c in launcher.children} == {0}  # replica 0 untouched
+    assert launcher.replica_backoff.due(20.99) is None
+    assert launcher.replica_backoff.due(21.0) == 1
+    launcher.restart_replica(1)
+    assert launcher.down_replicas == set()
+    assert {c.num_restarts for c in launcher.children if c.replica == 1} == {2}
