@@ -119,6 +119,10 @@ DECODE_VARIANTS = (
                                                 "decode_tile_n": 16, "decode_num_warps": 2, "decode_lazy_sum": True}),
     Variant("fp8_s22_words_t32_w2_lazy", True, {"fp8_convert": "f16_words", "decode_keys_on_m": False,
                                                 "decode_tile_n": 32, "decode_num_warps": 2, "decode_lazy_sum": True}),
+    # two key tiles an iteration (decode_unroll): their copies go out together, one wait a pair (sm_90 SASS, fp8
+    # default: 801 loop instructions a pair against 354 a tile, 70 KB of shared memory, 3 programs an SM not 4;
+    # bf16 would take 184 registers a thread, 2 programs an SM)
+    Variant("fp8_s22_qk2_lazy_u2", True, {"decode_lazy_sum": True, "decode_unroll": 2}),
     Variant("bf16_s22_t16_w1", False, {"decode_tile_n": 16, "decode_num_warps": 1}),
     Variant("bf16_s22_t32_w2", False, {"decode_tile_n": 32, "decode_num_warps": 2}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now

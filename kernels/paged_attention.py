@@ -96,6 +96,9 @@ class AttentionConfig:
     # The decode launch's fp8 conversion where it differs from the tiled launch's (steps mixing decode rows and
     # chunks over an fp8 cache); "": fp8_convert for both
     decode_fp8_convert: str = ""
+    # Key tiles a decode loop iteration runs (Triton's loop_unroll_factor): their copies go out together, one wait
+    # for all of them; more shared memory a program
+    decode_unroll: int = 1
     # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
     # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
     # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
@@ -369,16 +372,16 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
                   qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tile_hi,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr,
-                  USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr, LAZY_SUM: tl.constexpr):
+                  USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr, LAZY_SUM: tl.constexpr, UNROLL: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False tiles lie wholly below every row's causal
     limit, so they skip the key, causal and block-table masks (the common case; loads stay vectorised). Byte tiles
     a word mode does not use are dead code the compiler drops. q_lo, qk_scale_lo: "qk_fp8x2"'s second term of q
     (unused otherwise). LAZY_SUM: l_i is [TILE_N, BLOCK_M] ([BLOCK_M, TILE_N] with the keys on N), per key slot,
-    summed by the caller after the last tile."""
+    summed by the caller after the last tile. UNROLL: key tiles an iteration of the compiled loop."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
-    for j in range(tile_lo, tile_hi):
+    for j in tl.range(tile_lo, tile_hi, loop_unroll_factor=UNROLL):
         key = j * TILE_N + offs_n  # [TILE_N] absolute key positions
         slot = key % BLOCK_SIZE
         k_off_d = kv_head * stride_kh + offs_d[None, :]
@@ -533,7 +536,7 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
-        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False):
+        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False, UNROLL: tl.constexpr = 1):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -641,12 +644,12 @@ def _paged_attention_kernel(
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
-                                  KEYS_ON_M, LAZY_SUM)
+                                  KEYS_ON_M, LAZY_SUM, UNROLL)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                   qk_scale, qk_scale_lo, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
-                                  KEYS_ON_M, LAZY_SUM)
+                                  KEYS_ON_M, LAZY_SUM, UNROLL)
     if LAZY_SUM:
         l_i = tl.sum(l_i, 0 if KEYS_ON_M else 1)  # [BLOCK_M]
     if KEYS_ON_M:
@@ -772,6 +775,8 @@ def _check_config(config: AttentionConfig) -> None:
         value = getattr(config, name)
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if not 1 <= config.decode_unroll <= 4:
+        raise ValueError(f"decode_unroll must be in 1..4, got {config.decode_unroll}")
     if not 1 <= config.num_splits <= 64:
         raise ValueError(f"num_splits must be in 1..64, got {config.num_splits}")
     if config.prefill_max_regs and not 32 <= config.prefill_max_regs <= 255:
@@ -857,7 +862,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, KEYS_ON_M=_keys_on_m(decode_config, decode_fp8_mode), Q_STAGED=False,
-            FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum,
+            FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum, UNROLL=config.decode_unroll,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
             **pdl_options)
     if not decode_only:

@@ -158,6 +158,10 @@ SMALL_ATTENTION_CASES = {
     # kv heads on grid axis 0: decode, tiled chunks, padding and splits address the same rows
     "heads-fast-mixed": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), pad_tokens=3,
                                       config=replace(SMALL_TILES, heads_fast=True)),
+    # two key tiles an iteration of the decode loop (decode_unroll): odd and even tile counts, splits, padding
+    "decode-unroll2-split2": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16), num_pad_seqs=2, pad_tokens=3,
+                                           config=replace(small_tiles(2), decode_unroll=2)),
+    "mixed-unroll3": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), config=replace(SMALL_TILES, decode_unroll=3)),
     # one-warp programs on 16-key tiles (an AttentionConfig choice, not pick_config's), with graph padding
     "decode-one-warp": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16), num_pad_seqs=2, pad_tokens=3,
                                      config=AttentionConfig(decode_tile_n=16, decode_num_warps=1, heads_fast=True)),

@@ -412,17 +412,18 @@ def test_fp8_default_decode_at_other_head_dims(head_dim: int, num_heads: int, nu
     _check(case, None, ATOL[torch.float16])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("convert", "tile_n", "keys_on_m", "num_splits"),
-                         [("qk_fp8x2", 64, True, 1), ("qk_fp8x2", 64, True, 4), ("f16_words", 16, False, 1),
-                          ("f16_words", 32, False, 4)])
-def test_fp8_decode_lazy_sum_matches_eager(convert: str, tile_n: int, keys_on_m: bool, num_splits: int) -> None:
+@pytest.mark.parametrize(("convert", "tile_n", "keys_on_m", "num_splits", "unroll"),
+                         [("qk_fp8x2", 64, True, 1, 1), ("qk_fp8x2", 64, True, 4, 1), ("f16_words", 16, False, 1, 1),
+                          ("f16_words", 32, False, 4, 1), ("qk_fp8x2", 64, True, 1, 2), ("f16_words", 16, False, 2, 2)])
+def test_fp8_decode_lazy_sum_matches_eager(convert: str, tile_n: int, keys_on_m: bool, num_splits: int,
+                                           unroll: int) -> None:
     """decode_lazy_sum (softmax sums kept per key slot, summed once after the tiles) over whole and partial tiles,
-    split or not, transposed dots or not: within fp32 rounding of the per-tile sums, and within the usual bound of
-    the reference; chunks beside the decode rows are unaffected."""
+    split or not, transposed dots or not, one or two tiles a loop iteration (decode_unroll): within fp32 rounding of
+    the per-tile sums, and within the usual bound of the reference; chunks beside the decode rows are unaffected."""
     case = _fp8_case([1, 1, 4, 1], [150, 7, 40, 64], torch.float16, num_heads=8, num_kv_heads=2, seed=11,
                      gaussian=True)
     eager = AttentionConfig(num_splits=num_splits, decode_tile_n=tile_n, fp8_convert=convert,
-                            decode_keys_on_m=keys_on_m, prefill_block_m=16, prefill_tile_n=16)
+                            decode_keys_on_m=keys_on_m, prefill_block_m=16, prefill_tile_n=16, decode_unroll=unroll)
     lazy = replace(eager, decode_lazy_sum=True)
     _check(case, lazy, ATOL[torch.float16])
     torch.testing.assert_close(_run(case, lazy), _run(case, eager), rtol=0.0,
