@@ -342,8 +342,9 @@ def pick_mla_config(num_seqs: int, num_heads: int, max_query_len: int, max_seq_l
     16 heads bf16 untransposed 32-key tiles, 4 warps, 2 stages (94.9 us = 0.76 of HBM, against 127.7), fp8 the
     transposed shape with 2 stages (126.8 against 131.5). Fewer than 64 heads: the decode softmax sums per key slot
     (decode_lazy_sum; sm_90 SASS, 16 heads: bf16 loop 427 -> 412 instructions, 9 -> 6 barriers; fp8 1169 -> 1122,
-    10 -> 7); not for 64-head programs, which already run 2 barriers a tile and would spill more (2 -> 7 bf16).
-    fp8: the cache is e4m3.
+    10 -> 7; H200 2026-12-04, mla_bench --parts lazy: B=64 split-KV 42.1 / 119.5 us against 44.9 / 132.1 at 1k / 4k
+    keys, fp8 B=256 127.3 / 474.4 against 133.0 / 495.9, bf16 B=256 level); not for 64-head programs, which already
+    run 2 barriers a tile and spill more with it (fp8 B=256 548 against 498 us). fp8: the cache is e4m3.
     legacy: the 16-heads-per-program shape of the first version (for comparisons)."""
     if legacy:
         block_h = min(16, triton.next_power_of_2(num_heads))

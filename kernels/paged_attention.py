@@ -107,7 +107,10 @@ class AttentionConfig:
     prefill_max_regs: int = 0  # ptxas register cap a thread for the tiled launch (maxnreg); 0: the compiler's choice
 
 
-# Decode rows beside chunks over an fp8 cache: the decode-only launch (qk_fp8x2, keys on M, sums per key slot)
+# Decode rows beside chunks over an fp8 cache: the decode-only launch (qk_fp8x2, keys on M, sums per key slot; 8-11%
+# faster than f16_words with keys on N in decode-only batches) in place of the chunks' f16_words. In a step of 124
+# decode rows beside 4 x 512 queries over 1024 cached tokens the chunks dominate: fp8 / bf16 time 0.969x / 1.028x
+# (qwen3-0.6b / llama3-8b) against 0.961x / 1.045x before, within that bench's run-to-run spread (H200, 2026-12-04)
 _FP8_DECODE_ROWS = {"decode_fp8_convert": "qk_fp8x2", "decode_keys_on_m": True, "decode_lazy_sum": True}
 # fp8-cache chunks up to this many queries: q in registers on 64-key tiles (faster there than staged; measured at 64)
 FP8_SHORT_CHUNK = 64
