@@ -398,7 +398,9 @@ class Launcher:
                                 c.stopped_since is not None,
                                 restart_delay(c.quick_failures) if c.restart_due is not None else None)
                    for c in self.children]
-        table = ProcessTable(os.getpid(), 0.0, entries, sorted(self.down_replicas))
+        backoff = self.replica_backoff
+        waiting = {replica: restart_delay(backoff.quick_failures[replica]) for replica in backoff.restart_due}
+        table = ProcessTable(os.getpid(), 0.0, entries, sorted(self.down_replicas), waiting)
         data = msgspec.json.encode(table)
         if data == self._table_written:
             return

@@ -804,6 +804,8 @@ class ProcessTable(msgspec.Struct, frozen=True, omit_defaults=True):
     time: float
     processes: list[ProcessEntry]
     down_replicas: list[int] = []
+    # replicas whose restarts keep failing at start: replica -> the delay before its next start (down meanwhile)
+    replica_restart_delays: dict[int, float] = {}
 
 
 # --------------------------------------------------------------------------------------------

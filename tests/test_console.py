@@ -272,6 +272,20 @@ def test_without_a_launcher_the_rows_are_what_the_api_sees() -> None:
     assert [(r["id"], r["state"]) for r in replica_rows(observed, None)] == [("0", OK), ("1", HUNG)]
 
 
+def test_a_replica_waiting_for_its_restart_shows_restarting() -> None:
+    """The launcher backs off a replica whose restarts keep failing at start: it is down (no processes) with a
+    restart delay, shown restarting; a replica given up on stays down."""
+    observed = _observed([], [ReplicaSeen("0", _stats(1000.0), 0.1), ReplicaSeen("1", _stats(800.0), 30.0),
+                              ReplicaSeen("2", _stats(800.0), 30.0)])
+    table = ProcessTable(1, 1000.0, [ProcessEntry("r0-scheduler", "scheduler", 30, 900.0, 0, 0),
+                                     ProcessEntry("r0-worker0", "worker", 31, 900.0, 0, 0)],
+                         down_replicas=[1, 2], replica_restart_delays={1: 4.0})
+    rows = {r["id"]: r for r in replica_rows(observed, table)}
+    assert (rows["0"]["state"], rows["1"]["state"], rows["2"]["state"]) == (OK, RESTARTING, "down")
+    assert "4 s" in rows["1"]["detail"]
+    assert msgspec.json.decode(msgspec.json.encode(table), type=ProcessTable) == table  # int keys survive JSON
+
+
 # ------------------------------------------------------------------ the request inspector
 
 

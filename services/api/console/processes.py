@@ -2,7 +2,8 @@
 stats and their age) and, under `pagoda serve`, the launcher's process table (pids, restarts, stopped).
 
 States: ok | starting (never seen ready yet) | restarting (replaced by the launcher, the new one not seen yet)
-| hung (stopped, silent or past its step bound) | down (a replica the launcher gave up on). Pure: the caller
+| hung (stopped, silent or past its step bound) | down (a replica the launcher gave up on, or one whose restarts
+keep failing at start: shown restarting while its next start waits). Pure: the caller
 passes everything in, clocks included.
 """
 
@@ -135,10 +136,14 @@ def _observed_rows(observed: Observed) -> list[dict[str, Any]]:
 def replica_rows(observed: Observed, table: ProcessTable | None) -> list[dict[str, Any]]:
     """One row per engine replica: its state and load."""
     down = set(table.down_replicas) if table is not None else set()
+    waiting = table.replica_restart_delays if table is not None else {}
     rows = []
     for replica in sorted(observed.replicas, key=lambda r: r.replica_id):
         stats, age = replica.stats, replica.age_s
-        if replica.replica_id.isdigit() and int(replica.replica_id) in down:
+        number = int(replica.replica_id) if replica.replica_id.isdigit() else None
+        if number in waiting:
+            state, detail = RESTARTING, f"failing at start; next try {waiting[number]:g} s after the last"
+        elif number in down:
             state, detail = DOWN, "replica down"
         elif stats is None or age is None:
             state, detail = STARTING, "no stats yet"
