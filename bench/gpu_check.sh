@@ -73,6 +73,19 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)"
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 WORKLOAD=(--num-prompts 256 --input-len 512 --input-len-jitter 0 --output-len 256 --load-format dummy)
+qwen3_kv_pair() {  # qwen3-0.6b's reference workload with a bf16 and an fp8 KV cache; $1: the JSON files' prefix
+  for kv in auto fp8; do
+    echo "== qwen3-0.6b reference, kv $kv"
+    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
+      --timeout 80 --out "$OUT/$1_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+  done
+}
+trtllm_1000() {  # llama3-8b FP8 + FP8 KV on TensorRT-LLM's 1000/1000 workload; $1: the JSON file's prefix
+  echo "== llama3-8b fp8 + fp8 kv, trtllm-1000"
+  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+    --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/$1_trtllm-1000.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -4
+}
 
 if has tests; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_model_kernels.py tests/test_kernels.py \
@@ -179,13 +192,8 @@ if has fp8; then
     timeout 150 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" "${quant[@]}" \
       --latency-prompt-len 512 --timeout 120 --out "$OUT/fp8_llama3-8b_${q// /_}.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -4
   done
-  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
-    --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/fp8_trtllm-1000.json" 2>&1 \
-    | grep -v "^[a-z-]*: {" | tail -4
-  for kv in auto fp8; do
-    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
-      --timeout 80 --out "$OUT/fp8_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
-  done
+  trtllm_1000 fp8
+  qwen3_kv_pair fp8
 fi
 if has figures; then
   # issue 20 / 25 figures on the committed tree, no tuning (each run in a fresh process; a cold machine compiles
@@ -194,15 +202,8 @@ if has figures; then
   timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
     --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 --latency-prompt-len 512 --timeout 190 \
     --out "$OUT/figures_llama3-8b_fp8_b1.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -2
-  for kv in auto fp8; do
-    echo "== qwen3-0.6b reference, kv $kv"
-    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
-      --timeout 80 --out "$OUT/figures_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
-  done
-  echo "== llama3-8b fp8 + fp8 kv, trtllm-1000"
-  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
-    --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/figures_trtllm-1000.json" 2>&1 \
-    | grep -v "^[a-z-]*: {" | tail -4
+  qwen3_kv_pair figures
+  trtllm_1000 figures
   echo "== deepseek-v2-lite reference + batch-1"
   timeout 160 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy --workload reference \
     --latency-prompt-len 512 --timeout 150 --out "$OUT/figures_deepseek-v2-lite.json" 2>&1 \
@@ -216,18 +217,11 @@ if has attention; then
   timeout 200 python3 -m pagoda.bench.kv_fp8_bench ${ATTENTION_KV_ARGS:---long} \
     --only "${ATTENTION_KV_ONLY:-bf16_w4_t64,fp8_s22_qk2_eager,fp8_default}" \
     --out "$OUT/kv_fp8_long.json" 2>&1 | grep -v "accuracy\|normal q" | tail -${ATTENTION_KV_TAIL:-40}
-  for kv in auto fp8; do
-    echo "== qwen3-0.6b reference, kv $kv"
-    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
-      --timeout 80 --out "$OUT/attention_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
-  done
+  qwen3_kv_pair attention
   echo "== llama3-8b bf16 reference"
   timeout 100 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --timeout 90 \
     --out "$OUT/attention_llama3-8b.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
-  echo "== llama3-8b fp8 + fp8 kv, trtllm-1000"
-  timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
-    --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/attention_trtllm-1000.json" 2>&1 \
-    | grep -v "^[a-z-]*: {" | tail -4
+  trtllm_1000 attention
 fi
 if has mla-lazy; then
   # the MLA decode launch with its softmax sums per key slot against without (16 and 128 heads, B = 64 / 256, 1k /

@@ -52,9 +52,11 @@ from pagoda.kernels.paged_attention import (
     check_batch_layout,
     grid_position,
     key_tile_range,
-    lazy_softmax_step,
     online_softmax_step,
     paged_attention,
+    softmax_sums_init,
+    softmax_sums_total,
+    softmax_tile,
 )
 from pagoda.kernels.qkv_prep import _rotate, _to_cache
 from pagoda.kernels.rope import _round_to, cos_sin_halves
@@ -418,7 +420,7 @@ def _attend_latent_tiles(acc, l_i, m_i, q_lat, q_rope, cache_ptr, block_table_ro
         if MASKED:
             s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
         if LAZY_SUM:
-            p, alpha, m_new = lazy_softmax_step(s, m_i, 1)  # p [BLOCK_M, TILE_N]
+            p, alpha, m_new = softmax_tile(s, m_i, 1)  # p [BLOCK_M, TILE_N]
             l_i = l_i * alpha[:, None] + p  # [BLOCK_M, TILE_N]
         else:
             p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
@@ -444,7 +446,7 @@ def _attend_latent_tiles_keys_m(acc_t, l_i, m_i, q_lat_t, q_rope_t, cache_ptr, b
         if MASKED:
             s = tl.where((key < kv_end)[:, None], s, float("-inf"))
         if LAZY_SUM:  # l_i [TILE_N, BLOCK_M], per key slot
-            p, alpha, m_new = lazy_softmax_step(s, m_i, 0)  # p [TILE_N, BLOCK_M]
+            p, alpha, m_new = softmax_tile(s, m_i, 0)  # p [TILE_N, BLOCK_M]
             l_i = l_i * alpha[None, :] + p
         else:
             p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 0)  # p [TILE_N, BLOCK_M]
@@ -539,12 +541,7 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    if LAZY_SUM and KEYS_M:
-        l_i = tl.zeros([TILE_N, BLOCK_M], tl.float32)  # per key slot; summed after the tiles
-    elif LAZY_SUM:
-        l_i = tl.zeros([BLOCK_M, TILE_N], tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = softmax_sums_init(LAZY_SUM, KEYS_M, TILE_N, BLOCK_M)
     offs_l = tl.arange(0, LAT_P)
     offs_r = tl.arange(0, ROPE_P)
     if KEYS_M:  # decode with few heads: q loaded transposed, keys are the M dim (_attend_latent_tiles_keys_m)
@@ -584,8 +581,7 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
                                              stride_cs, qk_scale, row_pos, kv_end, tl.maximum(tile_lo, num_full),
                                              tile_hi, LAT, LAT_P, ROPE, ROPE_P, BLOCK_SIZE, TILE_N, True,
                                              DOT_PRECISION, F16_DOTS, LAZY_SUM)
-    if LAZY_SUM:
-        l_i = tl.sum(l_i, 0 if KEYS_M else 1)  # [BLOCK_M]
+    l_i = softmax_sums_total(l_i, LAZY_SUM, KEYS_M)  # [BLOCK_M]
     if FP8_KV:  # values are the fp8 latents: sum_j p_j (lat_j * scale) = scale * sum_j p_j lat_j
         acc = acc * tl.load(kv_scale_ptr)
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,

@@ -210,22 +210,11 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
 
 
 @triton.jit
-def online_softmax_step(s, m_i, l_i, KEYS_AXIS: tl.constexpr):
+def softmax_tile(s, m_i, KEYS_AXIS: tl.constexpr):
     """One key tile of the running (base-2) softmax: s holds the tile's scores with the keys along KEYS_AXIS
-    (1: [M, N], 0: [N, M] for transposed dots); returns (p, alpha, m_new, l_new), p = exp2(s - m_new) and alpha
-    the factor that rescales what was accumulated before this tile."""
-    m_new = tl.maximum(m_i, tl.max(s, KEYS_AXIS))  # [M]
-    alpha = tl.exp2(m_i - m_new)
-    if KEYS_AXIS == 1:
-        p = tl.exp2(s - m_new[:, None])
-    else:
-        p = tl.exp2(s - m_new[None, :])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, KEYS_AXIS)
-
-
-@triton.jit
-def lazy_softmax_step(s, m_i, KEYS_AXIS: tl.constexpr):
-    """online_softmax_step without the sum: (p, alpha, m_new); the caller keeps the sums per key slot."""
+    (1: [M, N], 0: [N, M] for transposed dots); returns (p, alpha, m_new), p = exp2(s - m_new) and alpha the factor
+    that rescales what was accumulated before this tile. The running sum is the caller's (online_softmax_step, or
+    kept per key slot: decode_lazy_sum)."""
     m_new = tl.maximum(m_i, tl.max(s, KEYS_AXIS))  # [M]
     alpha = tl.exp2(m_i - m_new)
     if KEYS_AXIS == 1:
@@ -233,6 +222,35 @@ def lazy_softmax_step(s, m_i, KEYS_AXIS: tl.constexpr):
     else:
         p = tl.exp2(s - m_new[None, :])
     return p, alpha, m_new
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, KEYS_AXIS: tl.constexpr):
+    """softmax_tile with the running sum l_i [M]: (p, alpha, m_new, l_new)."""
+    p, alpha, m_new = softmax_tile(s, m_i, KEYS_AXIS)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, KEYS_AXIS)
+
+
+@triton.jit
+def softmax_sums_init(LAZY_SUM: tl.constexpr, KEYS_ON_M: tl.constexpr, TILE_N: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """The running softmax sums before the first tile: [BLOCK_M], or with LAZY_SUM one per key slot of a tile,
+    [TILE_N, BLOCK_M] (keys on M) or [BLOCK_M, TILE_N]; softmax_sums_total reduces them after the last tile."""
+    if LAZY_SUM and KEYS_ON_M:
+        return tl.zeros([TILE_N, BLOCK_M], tl.float32)
+    elif LAZY_SUM:
+        return tl.zeros([BLOCK_M, TILE_N], tl.float32)
+    else:
+        return tl.zeros([BLOCK_M], tl.float32)
+
+
+@triton.jit
+def softmax_sums_total(l_i, LAZY_SUM: tl.constexpr, KEYS_ON_M: tl.constexpr):
+    """[BLOCK_M] softmax sums from what softmax_sums_init started and the tiles kept."""
+    if LAZY_SUM:
+        return tl.sum(l_i, 0 if KEYS_ON_M else 1)
+    else:
+        return l_i
 
 
 @triton.jit
@@ -442,7 +460,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
             if MASKED:
                 s_t = tl.where(key[:, None] <= row_pos[None, :], s_t, float("-inf"))
             if LAZY_SUM:
-                p_t, alpha, m_new = lazy_softmax_step(s_t, m_i, 0)  # p_t [TILE_N, BLOCK_M]
+                p_t, alpha, m_new = softmax_tile(s_t, m_i, 0)  # p_t [TILE_N, BLOCK_M]
                 l_i = l_i * alpha[None, :] + p_t  # [TILE_N, BLOCK_M]
             else:
                 p_t, alpha, m_new, l_i = online_softmax_step(s_t, m_i, l_i, 0)  # p_t [TILE_N, BLOCK_M]
@@ -464,7 +482,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
             if MASKED:
                 s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
             if LAZY_SUM:
-                p, alpha, m_new = lazy_softmax_step(s, m_i, 1)  # p [BLOCK_M, TILE_N]
+                p, alpha, m_new = softmax_tile(s, m_i, 1)  # p [BLOCK_M, TILE_N]
                 l_i = l_i * alpha[:, None] + p  # [BLOCK_M, TILE_N]
             else:
                 p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, 1)  # p [BLOCK_M, TILE_N]
@@ -616,12 +634,7 @@ def _paged_attention_kernel(
         acc = tl.zeros([HEAD_DIM_P, BLOCK_M], tl.float32)  # transposed until the tiles are done
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
-    if LAZY_SUM and KEYS_ON_M:
-        l_i = tl.zeros([TILE_N, BLOCK_M], tl.float32)  # per key slot; summed after the tiles
-    elif LAZY_SUM:
-        l_i = tl.zeros([BLOCK_M, TILE_N], tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = softmax_sums_init(LAZY_SUM, KEYS_ON_M, TILE_N, BLOCK_M)
     if FP8_MODE != 0:  # scores = q . (k_fp8 * k_scale): fold the per-tensor scale into the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     q_lo = q  # "qk_fp8x2"'s second term; unused by the other modes
@@ -653,8 +666,7 @@ def _paged_attention_kernel(
                                   qk_scale, qk_scale_lo, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
                                   KEYS_ON_M, LAZY_SUM, UNROLL)
-    if LAZY_SUM:
-        l_i = tl.sum(l_i, 0 if KEYS_ON_M else 1)  # [BLOCK_M]
+    l_i = softmax_sums_total(l_i, LAZY_SUM, KEYS_ON_M)  # [BLOCK_M]
     if KEYS_ON_M:
         acc = tl.trans(acc)  # [BLOCK_M, HEAD_DIM_P]
     if FP8_MODE != 0:  # sum_j p_j (v_fp8_j * v_scale) = v_scale * sum_j p_j v_fp8_j (also for split partials)
