@@ -741,16 +741,17 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("all tensors must be on q's device " + str(device))
 
 
-def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_dim: int, k_cache: torch.Tensor,
+def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, convert: str, head_dim: int, k_cache: torch.Tensor,
               v_cache: torch.Tensor, key_tile: int) -> int:
     """The kernel's FP8_MODE: 0 without an fp8 cache; with an fp32 q always "native" (fp16 dots would round it);
     the word modes fall back to "f16" where a row of head_dim bytes is not made of whole aligned words; the fp8
     tensor-core modes to "f16_words" below 32 (padded) dims, the fp8 MMA's K, and "qkv_fp8" to "qk_fp8" where the
     launch's key tile (key_tile), its PV dot's K, is below 32 (sm_90 rejects such an fp8 dot at compile time:
-    "K >= 32"; the interpreter does not). Decided per launch: config carries that launch's fp8_convert."""
+    "K >= 32"; the interpreter does not). Decided per launch: convert is that launch's FP8_CONVERTS entry."""
     if not fp8_kv:
         return 0
-    convert = config.fp8_convert if q_dtype != torch.float32 else "native"
+    if q_dtype == torch.float32:
+        convert = "native"
     if convert in _FP8_MMA_CONVERTS and triton.next_power_of_2(head_dim) < 32:
         convert = "f16_words"
     if convert == "qkv_fp8" and key_tile < 32:
@@ -760,12 +761,13 @@ def _fp8_mode(fp8_kv: bool, q_dtype: torch.dtype, config: AttentionConfig, head_
     return _FP8_MODE[convert]
 
 
-def _keys_on_m(config: AttentionConfig, fp8_mode: int) -> bool:
-    """Decode dots with the keys on M as configured, except where an fp8 tensor-core mode was asked for (which
-    sets keys on M for wgmma) and _fp8_mode fell back to a conversion (transposed dots only slow those)."""
-    fell_back = (config.fp8_convert in _FP8_MMA_CONVERTS and fp8_mode != 0  # 0: a 16-bit cache
+def _keys_on_m(keys_on_m: bool, convert: str, fp8_mode: int) -> bool:
+    """Decode dots with the keys on M as configured (keys_on_m), except where an fp8 tensor-core mode was asked for
+    (convert; it sets keys on M for wgmma) and _fp8_mode fell back to a conversion (transposed dots only slow
+    those)."""
+    fell_back = (convert in _FP8_MMA_CONVERTS and fp8_mode != 0  # 0: a 16-bit cache
                  and fp8_mode not in _FP8_MMA_MODES)
-    return config.decode_keys_on_m and not fell_back
+    return keys_on_m and not fell_back
 
 
 def _word_aligned(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -856,9 +858,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     decode_only = max_query_len <= 1
     # each launch's fp8 conversion; the decode rows' may differ (decode_fp8_convert)
-    decode_config = replace(config, fp8_convert=config.decode_fp8_convert) if config.decode_fp8_convert else config
-    decode_fp8_mode = _fp8_mode(fp8_kv, q.dtype, decode_config, head_dim, k_cache, v_cache, config.decode_tile_n)
-    tiled_fp8_mode = _fp8_mode(fp8_kv, q.dtype, config, head_dim, k_cache, v_cache, config.prefill_tile_n)
+    decode_convert = config.decode_fp8_convert or config.fp8_convert
+    decode_fp8_mode = _fp8_mode(fp8_kv, q.dtype, decode_convert, head_dim, k_cache, v_cache, config.decode_tile_n)
+    tiled_fp8_mode = _fp8_mode(fp8_kv, q.dtype, config.fp8_convert, head_dim, k_cache, v_cache, config.prefill_tile_n)
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                  HEADS_FAST=config.heads_fast, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
@@ -876,7 +878,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
-            DECODE=True, SKIP_DECODE=False, KEYS_ON_M=_keys_on_m(decode_config, decode_fp8_mode), Q_STAGED=False,
+            DECODE=True, SKIP_DECODE=False, Q_STAGED=False,
+            KEYS_ON_M=_keys_on_m(config.decode_keys_on_m, decode_convert, decode_fp8_mode),
             FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum, UNROLL=config.decode_unroll,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
             **pdl_options)

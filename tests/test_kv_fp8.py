@@ -140,13 +140,15 @@ def test_fp8_config_checked_and_defaults() -> None:
     for head_dim, expected in ((16, "f16_words"), (32, "qk_fp8x2"), (128, "qk_fp8x2")):  # the fp8 MMA's K >= 32
         small = _fp8_case([1], [5], torch.bfloat16, head_dim=head_dim)
         config = pick_config(1, 1, 2, 2, 1, 5, fp8_kv=True, head_dim=head_dim)
-        mode = pa._fp8_mode(True, torch.bfloat16, config, head_dim, small["k_cache"], small["v_cache"], 64)
+        mode = pa._fp8_mode(True, torch.bfloat16, config.fp8_convert, head_dim, small["k_cache"], small["v_cache"],
+                            64)
         assert mode == pa._FP8_MODE[expected], (head_dim, mode)
-        assert pa._keys_on_m(config, mode) == (expected == "qk_fp8x2")  # no transposed dots for a conversion
+        transposed = pa._keys_on_m(config.decode_keys_on_m, config.fp8_convert, mode)
+        assert transposed == (expected == "qk_fp8x2")  # no transposed dots for a conversion
     small = _fp8_case([1], [5], torch.bfloat16, head_dim=32)
     qkv = AttentionConfig(fp8_convert="qkv_fp8", decode_keys_on_m=True)
     for key_tile, expected in ((16, "qk_fp8"), (32, "qkv_fp8"), (64, "qkv_fp8")):  # PV's K is the key tile
-        mode = pa._fp8_mode(True, torch.bfloat16, qkv, 32, small["k_cache"], small["v_cache"], key_tile)
+        mode = pa._fp8_mode(True, torch.bfloat16, qkv.fp8_convert, 32, small["k_cache"], small["v_cache"], key_tile)
         assert mode == pa._FP8_MODE[expected], (key_tile, mode)
     assert pick_config(64, 64, 8, 2, 1, 1024).decode_tile_n == 64
     chunks = (2048, 4, 8, 2, 512, 1536)  # 4 x 512 new queries over 1024 cached tokens
