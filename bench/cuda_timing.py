@@ -44,7 +44,8 @@ WARM_MS = 100.0  # device time replayed before timing
 def warm_up_clocks(fn: Callable[[], object], warm_ms: float = WARM_MS, max_calls: int = 10_000) -> None:
     """Run fn until warm_ms of device time has passed (at most max_calls times). After a compile the GPU sits idle
     and its clocks drop; timings of short work right after were ~10% slow (H200, 2026-12-04, kv_fp8_bench: the
-    same launch 51.3 us as the first variant of a shape, 46.6 us later; bench/results/s22)."""
+    same launch 51.3 us as the first variant of a shape, 46.6 us later; bench/results/s22). With this warm-up the
+    first variant of a shape still read ~3% slow (170.7 against 165.9 us): compare a candidate after its baseline."""
     spent, calls = 0.0, 0
     while spent < warm_ms and calls < max_calls:
         spent += event_time_ms(fn)
