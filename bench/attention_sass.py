@@ -5,7 +5,7 @@ shared memory, programs an SM can hold (by registers and by shared memory), the 
 key-tile loop (per warp, per tile; the same per thread) and per KV byte a program reads, and the instruction kinds
 that dominate the loop.
 
-    TRITON_INTERPRET=0 python -m pagoda.bench.attention_sass [--heads 16] [--kv-heads 8] [--chunk]
+    TRITON_INTERPRET=0 python -m pagoda.bench.attention_sass [--heads 16] [--kv-heads 8] [--chunk] [--candidates]
 
 --chunk: the tiled launch of query chunks (prefill against cached context) instead, per launch shape, with the
 register count that decides whether two 8-warp programs share an SM (<= 128 a thread), and spills.
@@ -38,13 +38,20 @@ VARIANTS = (("bf16", 64, 2, False), ("f16", 64, 2, False), ("f16", 128, 2, False
             ("f16_pinned", 128, 2, True), ("qk_fp8x2", 64, 2, True), ("qk_fp8x2", 128, 2, True),
             ("qk_fp8x2", 64, 2, False))
 # (cache / conversion, keys a tile, stages, keys on the dots' M rows); 4 warps
+# --candidates: the default decode launches against one stage and a register cap, for more programs an SM
+# (cache / conversion, stages, keys on M, sums per key slot, maxnreg); 64-key tiles, 4 warps
+CANDIDATES = (("bf16", 2, False, False, 0), ("bf16", 2, False, False, 96), ("bf16", 1, False, False, 0),
+              ("qk_fp8x2", 2, True, True, 0), ("qk_fp8x2", 1, True, True, 0), ("qk_fp8x2", 1, True, True, 96),
+              ("qk_fp8x2", 1, True, True, 104), ("qk_fp8x2", 2, True, True, 96))
+SM_BLOCK_RESERVED = 1024  # shared memory the SM keeps per resident block
 HEAD_DIM, BLOCK_SIZE, NUM_WARPS = 128, 16, 4
 SM_REGISTERS, SM_SHARED = 65536, 227 * 1024
 SASS_LINE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)")
 
 
 def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_heads: int,
-                   num_kv_heads: int, num_warps: int = NUM_WARPS, lazy_sum: bool = False):  # -> CompiledKernel
+                   num_kv_heads: int, num_warps: int = NUM_WARPS, lazy_sum: bool = False,
+                   max_regs: int = 0):  # -> CompiledKernel
     from pagoda.kernels import paged_attention as pa
 
     num_seqs = 256
@@ -65,8 +72,7 @@ def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_hea
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
         USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
         TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, USE_PDL=0, LAZY_SUM=lazy_sum,
-        num_warps=num_warps, num_stages=stages,
-        grid=(1,))
+        num_warps=num_warps, num_stages=stages, grid=(1,), **({"maxnreg": max_regs} if max_regs else {}))
 
 
 @dataclass(frozen=True)
@@ -205,11 +211,33 @@ def default_decode_loops(num_heads: int, num_kv_heads: int) -> list[dict[str, ob
     return rows
 
 
+def candidates_table(num_heads: int, num_kv_heads: int) -> None:
+    """CANDIDATES: registers, shared memory, programs an SM (by both, the block reserve counted), the unmasked
+    loop's length and its spill instructions."""
+    print("| cache / convert | stages | sums per key slot | maxnreg | regs | shared KB | programs/SM | loop | "
+          "loop spills | all spills |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, stages, keys_on_m, lazy, max_regs in CANDIDATES:
+        kernel = compile_decode(mode, 64, stages, keys_on_m, num_heads, num_kv_heads, NUM_WARPS, lazy, max_regs)
+        sass, usage = disassemble(kernel.asm["cubin"])
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        shared = kernel.metadata.shared
+        per_sm = min(SM_REGISTERS // (regs * 32 * NUM_WARPS), SM_SHARED // (shared + SM_BLOCK_RESERVED))
+        unmasked = min((b for b in loop_bodies(sass) if any(op.endswith("MMA") for op in b)), key=len)
+        spills = sum(op in ("LDL", "STL") for op in unmasked)
+        ops = [match.group(2).split(".")[0] for match in map(SASS_LINE.match, sass.splitlines()) if match]
+        every = sum(op in ("LDL", "STL") for op in ops)
+        print(f"| {mode} | {stages} | {'yes' if lazy else 'no'} | {max_regs or '-'} | {regs} | {shared / 1024:.1f} | "
+              f"{per_sm} | {len(unmasked)} | {spills} | {every} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--chunk", action="store_true", help="the tiled launch for query chunks instead of decode")
+    parser.add_argument("--candidates", action="store_true",
+                        help="the default decode launches against one stage and a register cap (CANDIDATES)")
     parser.add_argument("--defaults-json", action="store_true",
                         help="only the default decode launches' loops, as JSON lines (tests/test_attention_sass.py)")
     args = parser.parse_args(argv)
@@ -223,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.chunk:
         chunk_table(args.heads, args.kv_heads)
+        return 0
+    if args.candidates:
+        candidates_table(args.heads, args.kv_heads)
         return 0
     print(f"decode, {args.heads} q / {args.kv_heads} kv heads, head_dim {HEAD_DIM}, {NUM_WARPS} warps, sm_90")
     print("| cache / convert | keys a tile | stages | keys on M | regs | shared KB | programs/SM | "

@@ -123,6 +123,14 @@ DECODE_VARIANTS = (
     # default: 801 loop instructions a pair against 354 a tile, 70 KB of shared memory, 3 programs an SM not 4;
     # bf16 would take 184 registers a thread, 2 programs an SM)
     Variant("fp8_s22_qk2_lazy_u2", True, {"decode_lazy_sum": True, "decode_unroll": 2}),
+    # more programs an SM (prepared in the twenty-second session, untimed; sm_90 SASS, qwen3-0.6b heads): one stage
+    # leaves 22.5 KB of shared memory a program instead of 46 (the pipeliner's second K buffer never overlapped a
+    # copy with work: the copies go out at the end of the loop body), 337 loop instructions against 354; with a
+    # 96-register cap 5 programs an SM instead of 4 (5 spill instructions in the loop). bf16: the 96-register cap
+    # alone gives 5 programs (38 KB a program, 317 loop instructions, no spills in the loop).
+    Variant("fp8_s22_s1", True, {"decode_num_stages": 1}),
+    Variant("fp8_s22_s1_r96", True, {"decode_num_stages": 1, "decode_max_regs": 96}),
+    Variant("bf16_s22_r96", False, {"decode_max_regs": 96}),
     Variant("bf16_s22_t16_w1", False, {"decode_tile_n": 16, "decode_num_warps": 1}),
     Variant("bf16_s22_t32_w2", False, {"decode_tile_n": 32, "decode_num_warps": 2}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now

@@ -99,6 +99,7 @@ class AttentionConfig:
     # Key tiles a decode loop iteration runs (Triton's loop_unroll_factor): their copies go out together, one wait
     # for all of them; more shared memory a program
     decode_unroll: int = 1
+    decode_max_regs: int = 0  # ptxas register cap a thread for the decode launch (maxnreg); 0: the compiler's choice
     # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
     # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
     # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
@@ -796,8 +797,10 @@ def _check_config(config: AttentionConfig) -> None:
         raise ValueError(f"decode_unroll must be in 1..4, got {config.decode_unroll}")
     if not 1 <= config.num_splits <= 64:
         raise ValueError(f"num_splits must be in 1..64, got {config.num_splits}")
-    if config.prefill_max_regs and not 32 <= config.prefill_max_regs <= 255:
-        raise ValueError(f"prefill_max_regs must be 0 or in 32..255, got {config.prefill_max_regs}")
+    for name in ("prefill_max_regs", "decode_max_regs"):
+        value = getattr(config, name)
+        if value and not 32 <= value <= 255:
+            raise ValueError(f"{name} must be 0 or in 32..255, got {value}")
     if config.fp8_convert not in FP8_CONVERTS:
         raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {config.fp8_convert!r}")
     if config.decode_fp8_convert not in ("", *FP8_CONVERTS):
@@ -882,6 +885,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             KEYS_ON_M=_keys_on_m(config.decode_keys_on_m, decode_convert, decode_fp8_mode),
             FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum, UNROLL=config.decode_unroll,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
+            **({"maxnreg": config.decode_max_regs} if config.decode_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)
     if not decode_only:
         block_m = max(config.prefill_block_m, triton.next_power_of_2(group))

@@ -200,6 +200,28 @@ def run_fp8_qk_attention_shapes() -> None:
                         k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
+def run_decode_occupancy_candidates() -> None:
+    """The decode launches prepared for more programs an SM (kv_fp8_bench's fp8_s22_s1, fp8_s22_s1_r96,
+    bf16_s22_r96): one stage and a 96-register cap, at qwen3-0.6b's heads, fp8 and bf16 caches."""
+    from dataclasses import replace
+
+    from pagoda.kernels.paged_attention import paged_attention, pick_config
+
+    num_seqs, context, num_heads, num_kv_heads = 256, 1024, 16, 8
+    for cache_dtype, changes in ((torch.float8_e4m3fn, {"decode_num_stages": 1}),
+                                 (torch.float8_e4m3fn, {"decode_num_stages": 1, "decode_max_regs": 96}),
+                                 (torch.bfloat16, {"decode_max_regs": 96})):
+        fp8 = cache_dtype == torch.float8_e4m3fn
+        q = torch.empty(num_seqs, num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
+        cache = torch.empty(num_seqs * context // 16, 16, num_kv_heads, 128, dtype=cache_dtype)  # [N, bs, kvh, D]
+        block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+        config = replace(pick_config(num_seqs, num_seqs, num_kv_heads, 2, 1, context, fp8_kv=fp8), **changes)
+        scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fp8 else {}
+        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, config=config, **scales)
+
+
 def run_fp8_default_decode_shapes() -> None:
     """pick_config's own decode launch over an fp8 cache (qk_fp8x2, keys on the dots' M rows) at the head dims and
     GQA groups of common models beyond the two above: SmolLM2 (64, 9 q / 3 kv heads), 96-dim heads, multi-head
@@ -331,6 +353,7 @@ def main() -> int:
     run_moe_shapes()
     run_fp8_qk_attention_shapes()
     run_fp8_default_decode_shapes()
+    run_decode_occupancy_candidates()
     run_fp8_chunk_attention_shapes()
     run_sampler()
     run_block_copy()

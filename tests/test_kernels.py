@@ -162,6 +162,10 @@ SMALL_ATTENTION_CASES = {
     "decode-unroll2-split2": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16), num_pad_seqs=2, pad_tokens=3,
                                            config=replace(small_tiles(2), decode_unroll=2)),
     "mixed-unroll3": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), config=replace(SMALL_TILES, decode_unroll=3)),
+    # one stage and a register cap (decode_num_stages=1, decode_max_regs: more programs an SM), split, padding
+    "decode-one-stage-capped-split2": AttentionCase(
+        (1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
+        config=replace(small_tiles(2), decode_num_stages=1, decode_max_regs=96, heads_fast=True)),
     # one-warp programs on 16-key tiles (an AttentionConfig choice, not pick_config's), with graph padding
     "decode-one-warp": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16), num_pad_seqs=2, pad_tokens=3,
                                      config=AttentionConfig(decode_tile_n=16, decode_num_warps=1, heads_fast=True)),
@@ -341,6 +345,15 @@ def test_pick_config_decode_launches() -> None:
         assert (mixed.fp8_convert, mixed.decode_fp8_convert, mixed.decode_keys_on_m, mixed.decode_lazy_sum) == (
             "f16_words", "qk_fp8x2", True, True), chunks
         assert pick_config(*chunks).decode_fp8_convert == ""
+
+
+def test_attention_config_register_caps_are_checked() -> None:
+    case = AttentionCase((1,), (5,))
+    batch = make_paged_batch(case, torch.float32, DEVICE)
+    for field, value in (("decode_max_regs", 16), ("decode_max_regs", 300), ("prefill_max_regs", 8)):
+        with pytest.raises(ValueError, match=field):
+            paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                            batch.query_start_loc, 1, 5, 0.2, config=replace(SMALL_TILES, **{field: value}))
 
 
 def test_pick_num_splits_depends_on_host_shape_only() -> None:
