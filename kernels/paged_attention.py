@@ -189,9 +189,13 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
         # Decode-only: kv heads first on the grid, so one sequence's heads read their blocks' adjacent bytes
         # together (H200, qwen3-0.6b, B=256, contexts 512-768: 166 -> 160 us per layer, 4.04 -> 4.19 TB/s).
         if fp8_kv:  # H200 (2026-12-03, see above): QK^T on fp8 tensor cores, q as two e4m3 terms; the softmax
-            # sums per key slot (2026-12-04: 139.5 / 142.1 -> 134.1 / 132.4 us a layer, qwen3-0.6b / llama3-8b)
+            # sums per key slot (2026-12-04: 139.5 / 142.1 -> 134.1 / 132.4 us a layer, qwen3-0.6b / llama3-8b).
+            # Split launches (small batches) in one stage: B=1, llama3-8b, contexts 512-768 / 1024 / 4096, 7.1-7.2 /
+            # 7.7 / 10.6-10.7 us a layer against 7.5 / 8.3 / 11.4-11.5 in two (two calls, H200, 2026-12-04,
+            # bench/results/s23); unsplit batches (B=64, 256) level within 1-3% either way, so they keep two
             return AttentionConfig(num_splits=num_splits, heads_fast=True, fp8_convert="qk_fp8x2",
-                                   decode_keys_on_m=True, decode_lazy_sum=True)
+                                   decode_keys_on_m=True, decode_lazy_sum=True,
+                                   decode_num_stages=1 if num_splits > 1 else 2)
         # One-warp programs on 16-key tiles (decode_num_warps=1, decode_tile_n=16) were not made the default: H200,
         # 2026-12-04 (bench/results/s22), B=256 llama3-8b / qwen3-0.6b, 1105 / 1097 us a layer at context 4096
         # against 953 / 947; at 512-1024 within the timing's noise of the 4-warp launch.

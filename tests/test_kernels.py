@@ -334,12 +334,16 @@ def test_paged_attention_strided_q_and_reused_launch_shape() -> None:
 
 def test_pick_config_decode_launches() -> None:
     """Decode-only batches: 64-key tiles and 4 warps over a 16-bit cache at any size (one-warp programs lost at long
-    contexts, bench/results/s22); over an fp8 cache QK^T on the fp8 tensor cores, keys on M, sums per key slot."""
-    for num_seqs in (1, 64, 256, 1024):
+    contexts, bench/results/s22); over an fp8 cache QK^T on the fp8 tensor cores, keys on M, sums per key slot, and
+    one stage where the launch is split (small batches, bench/results/s23)."""
+    for num_seqs in (1, 4, 64, 256, 1024):
         bf16 = pick_config(num_seqs, num_seqs, 8, 4, 1, 4096)
         assert (bf16.decode_num_warps, bf16.decode_tile_n, bf16.decode_lazy_sum) == (4, 64, False)
+        assert bf16.decode_num_stages == 2
         fp8 = pick_config(num_seqs, num_seqs, 8, 4, 1, 4096, fp8_kv=True)
         assert (fp8.fp8_convert, fp8.decode_keys_on_m, fp8.decode_lazy_sum) == ("qk_fp8x2", True, True)
+        assert (fp8.num_splits > 1) == (num_seqs < 16)
+        assert fp8.decode_num_stages == (1 if fp8.num_splits > 1 else 2)
     for chunks in ((256 + 512, 257, 8, 4, 512, 4096), (4 * 64, 4, 8, 4, 64, 1088), (124 + 2048, 128, 8, 4, 512, 1536)):
         mixed = pick_config(*chunks, fp8_kv=True)  # steps with chunks: the decode rows keep the decode-only launch
         assert (mixed.fp8_convert, mixed.decode_fp8_convert, mixed.decode_keys_on_m, mixed.decode_lazy_sum) == (
