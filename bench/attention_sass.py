@@ -51,7 +51,7 @@ SASS_LINE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)")
 
 def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_heads: int,
                    num_kv_heads: int, num_warps: int = NUM_WARPS, lazy_sum: bool = False,
-                   max_regs: int = 0):  # -> CompiledKernel
+                   max_regs: int = 0, one_loop: bool = False):  # -> CompiledKernel
     from pagoda.kernels import paged_attention as pa
 
     num_seqs = 256
@@ -72,7 +72,8 @@ def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_hea
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
         USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
         TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, USE_PDL=0, LAZY_SUM=lazy_sum,
-        num_warps=num_warps, num_stages=stages, grid=(1,), **({"maxnreg": max_regs} if max_regs else {}))
+        ONE_LOOP=one_loop, num_warps=num_warps, num_stages=stages, grid=(1,),
+        **({"maxnreg": max_regs} if max_regs else {}))
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 # transformers, the offline throughput benchmark (pagoda and the Hugging Face peers, each in its own
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
-#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy
-#   (default: tests,parity,pagoda,peers,compiled)
+#   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
+#   one-loop (default: tests,parity,pagoda,peers,compiled)
+#   one-loop: the decode launch with every key tile in one masked loop (kv_fp8_bench --long, ONE_LOOP_ONLY), then
+#   qwen3-0.6b reference with a bf16 and an fp8 cache.
 #   figures: issues 20 and 25's figures on the committed tree, no tuning: llama3-8b FP8 batch-1, qwen3-0.6b with a
 #   bf16 and an fp8 KV cache, TensorRT-LLM's 1000/1000 row, deepseek-v2-lite reference + batch-1 (~8 minutes).
 #   attention: the decode attention launches against the previous ones (kv_fp8_bench --long), then qwen3-0.6b
@@ -222,6 +224,14 @@ if has attention; then
   timeout 100 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --timeout 90 \
     --out "$OUT/attention_llama3-8b.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
   trtllm_1000 attention
+fi
+if has one-loop; then
+  # every decode tile in one masked loop (decode_one_loop) against the two loops and bf16, then qwen3-0.6b reference
+  # with a bf16 and an fp8 cache on the tree as carried
+  timeout 240 python3 -m pagoda.bench.kv_fp8_bench --long \
+    --only "${ONE_LOOP_ONLY:-fp8_s23_one_loop,bf16_s23_one_loop,fp8_default}" \
+    --out "$OUT/kv_fp8_one_loop.json" 2>&1 | grep -v "accuracy\|normal q" | tail -${ONE_LOOP_TAIL:-24}
+  qwen3_kv_pair one_loop
 fi
 if has mla-lazy; then
   # the MLA decode launch with its softmax sums per key slot against without (16 and 128 heads, B = 64 / 256, 1k /

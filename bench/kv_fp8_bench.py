@@ -133,6 +133,13 @@ DECODE_VARIANTS = (
     Variant("bf16_s22_r96", False, {"decode_max_regs": 96}),
     Variant("bf16_s22_t16_w1", False, {"decode_tile_n": 16, "decode_num_warps": 1}),
     Variant("bf16_s22_t32_w2", False, {"decode_tile_n": 32, "decode_num_warps": 2}),
+    # twenty-third session: every decode tile in one masked loop (decode_one_loop; sm_90 SASS, qk_fp8x2: one loop of
+    # 410 instructions instead of 354 + a 400-instruction loop for the partial tile, whose copies go out only after
+    # the first loop ends: a memory round trip a program, exposed at short contexts)
+    Variant("fp8_s23_one_loop", True, {"decode_one_loop": True}),
+    Variant("fp8_s23_one_loop_s1", True, {"decode_one_loop": True, "decode_num_stages": 1}),
+    Variant("bf16_s23_one_loop", False, {"decode_one_loop": True}),
+    Variant("fp8_s23_two_loops", True, {"decode_one_loop": False}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 _UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}

@@ -100,6 +100,9 @@ class AttentionConfig:
     # for all of them; more shared memory a program
     decode_unroll: int = 1
     decode_max_regs: int = 0  # ptxas register cap a thread for the decode launch (maxnreg); 0: the compiler's choice
+    # Decode runs every key tile in one masked loop instead of a loop over the whole tiles and a second one for the
+    # partial last tile (whose copies, issued only after the first loop, wait a full memory round trip)
+    decode_one_loop: bool = False
     # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
     # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
     # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
@@ -194,12 +197,17 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
             # 7.7 / 10.6-10.7 us a layer against 7.5 / 8.3 / 11.4-11.5 in two (two calls, H200, 2026-12-04,
             # bench/results/s23); unsplit batches (B=64, 256) level within 1-3% either way, so they keep two
             return AttentionConfig(num_splits=num_splits, heads_fast=True, fp8_convert="qk_fp8x2",
-                                   decode_keys_on_m=True, decode_lazy_sum=True,
+                                   decode_keys_on_m=True, decode_lazy_sum=True, decode_one_loop=num_splits > 1,
                                    decode_num_stages=1 if num_splits > 1 else 2)
         # One-warp programs on 16-key tiles (decode_num_warps=1, decode_tile_n=16) were not made the default: H200,
         # 2026-12-04 (bench/results/s22), B=256 llama3-8b / qwen3-0.6b, 1105 / 1097 us a layer at context 4096
         # against 953 / 947; at 512-1024 within the timing's noise of the 4-warp launch.
-        return AttentionConfig(num_splits=num_splits, heads_fast=True)
+        # Split launches run every tile in one masked loop, fp8 or not (decode_one_loop: a split holds a few tiles, and
+        # the partial tile's own loop waited a memory round trip of its own): B=1, contexts 512-768 / 1024 / 4096,
+        # bf16 6.6-6.7 / 7.7 / 11.7-11.9 us a layer against 6.8-6.9 / 8.1 / 12.1-12.3, fp8 6.8-6.9 / 7.4-7.6 /
+        # 10.2-10.4 against 6.8-7.0 / 7.7-7.8 / 10.4-10.6 (qwen3-0.6b and llama3-8b, H200, 2026-12-04,
+        # bench/results/s23); unsplit (B=64, 256) the longer masked loop lost 1-6% (fp8) and was level (bf16)
+        return AttentionConfig(num_splits=num_splits, heads_fast=True, decode_one_loop=num_splits > 1)
     mostly_decode = num_seqs * max_query_len > 2 * num_tokens  # the mean query is far shorter than the longest
     # the decode rows of steps with chunks, over an fp8 cache: the decode-only launch's conversion
     decode_rows = _FP8_DECODE_ROWS if fp8_kv else {}
@@ -562,7 +570,8 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
-        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False, UNROLL: tl.constexpr = 1):
+        Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+        ONE_LOOP: tl.constexpr = False):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -661,14 +670,17 @@ def _paged_attention_kernel(
     if Q_STAGED:
         q = _stage_rows(q, out_ptr, row_token, row_head, row_valid, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P)
     block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt  # never read for the padding tail
+    # ONE_LOOP (decode): every tile through the masked loop; else the whole tiles unmasked, then the partial one
+    masked_lo = tile_lo if ONE_LOOP else tl.maximum(tile_lo, num_full)
+    if not ONE_LOOP:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+                                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                      qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
+                                      HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE,
+                                      USE_ASM, KEYS_ON_M, LAZY_SUM, UNROLL)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                  qk_scale, qk_scale_lo, row_pos, kv_end, tile_lo, tl.minimum(tile_hi, num_full),
-                                  HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8_MODE, USE_ASM,
-                                  KEYS_ON_M, LAZY_SUM, UNROLL)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                  qk_scale, qk_scale_lo, row_pos, kv_end, tl.maximum(tile_lo, num_full), tile_hi,
+                                  qk_scale, qk_scale_lo, row_pos, kv_end, masked_lo, tile_hi,
                                   HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8_MODE, USE_ASM,
                                   KEYS_ON_M, LAZY_SUM, UNROLL)
     l_i = softmax_sums_total(l_i, LAZY_SUM, KEYS_ON_M)  # [BLOCK_M]
@@ -888,6 +900,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             DECODE=True, SKIP_DECODE=False, Q_STAGED=False,
             KEYS_ON_M=_keys_on_m(config.decode_keys_on_m, decode_convert, decode_fp8_mode),
             FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum, UNROLL=config.decode_unroll,
+            ONE_LOOP=config.decode_one_loop,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
             **({"maxnreg": config.decode_max_regs} if config.decode_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)

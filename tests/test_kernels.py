@@ -162,6 +162,11 @@ SMALL_ATTENTION_CASES = {
     "decode-unroll2-split2": AttentionCase((1, 1, 1, 1), (70, 5, 129, 16), num_pad_seqs=2, pad_tokens=3,
                                            config=replace(small_tiles(2), decode_unroll=2)),
     "mixed-unroll3": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50), config=replace(SMALL_TILES, decode_unroll=3)),
+    # every decode tile in one masked loop (decode_one_loop): whole and partial tiles, splits, padding, chunks beside
+    "decode-one-loop-split2": AttentionCase((1, 1, 1, 1, 1), (70, 5, 129, 16, 64), num_pad_seqs=2, pad_tokens=3,
+                                            config=replace(small_tiles(2), decode_one_loop=True)),
+    "mixed-one-loop": AttentionCase((1, 9, 5, 1, 17), (37, 9, 40, 1, 50),
+                                    config=replace(SMALL_TILES, decode_one_loop=True)),
     # one stage and a register cap (decode_num_stages=1, decode_max_regs: more programs an SM), split, padding
     "decode-one-stage-capped-split2": AttentionCase(
         (1, 1, 1), (33, 2, 17), num_pad_seqs=2, pad_tokens=3,
@@ -335,15 +340,18 @@ def test_paged_attention_strided_q_and_reused_launch_shape() -> None:
 def test_pick_config_decode_launches() -> None:
     """Decode-only batches: 64-key tiles and 4 warps over a 16-bit cache at any size (one-warp programs lost at long
     contexts, bench/results/s22); over an fp8 cache QK^T on the fp8 tensor cores, keys on M, sums per key slot, and
-    one stage where the launch is split (small batches, bench/results/s23)."""
+    one stage where the launch is split (small batches); split launches run every tile in one masked loop
+    (bench/results/s23)."""
     for num_seqs in (1, 4, 64, 256, 1024):
         bf16 = pick_config(num_seqs, num_seqs, 8, 4, 1, 4096)
         assert (bf16.decode_num_warps, bf16.decode_tile_n, bf16.decode_lazy_sum) == (4, 64, False)
         assert bf16.decode_num_stages == 2
         fp8 = pick_config(num_seqs, num_seqs, 8, 4, 1, 4096, fp8_kv=True)
         assert (fp8.fp8_convert, fp8.decode_keys_on_m, fp8.decode_lazy_sum) == ("qk_fp8x2", True, True)
-        assert (fp8.num_splits > 1) == (num_seqs < 16)
-        assert fp8.decode_num_stages == (1 if fp8.num_splits > 1 else 2)
+        split = num_seqs < 16
+        assert (fp8.num_splits > 1, bf16.num_splits > 1) == (split, split)
+        assert fp8.decode_num_stages == (1 if split else 2)
+        assert fp8.decode_one_loop == bf16.decode_one_loop == split
     for chunks in ((256 + 512, 257, 8, 4, 512, 4096), (4 * 64, 4, 8, 4, 64, 1088), (124 + 2048, 128, 8, 4, 512, 1536)):
         mixed = pick_config(*chunks, fp8_kv=True)  # steps with chunks: the decode rows keep the decode-only launch
         assert (mixed.fp8_convert, mixed.decode_fp8_convert, mixed.decode_keys_on_m, mixed.decode_lazy_sum) == (

@@ -432,6 +432,22 @@ def test_fp8_decode_lazy_sum_matches_eager(convert: str, tile_n: int, keys_on_m:
                                atol=2e-3 * _run(case, eager).abs().max().item())
 
 
+@pytest.mark.parametrize(("convert", "tile_n", "keys_on_m", "num_splits"),
+                         [("qk_fp8x2", 64, True, 1), ("qk_fp8x2", 16, True, 4), ("f16_words", 16, False, 2)])
+def test_fp8_decode_one_loop_changes_nothing(convert: str, tile_n: int, keys_on_m: bool, num_splits: int) -> None:
+    """decode_one_loop (every decode tile through the masked loop): the same tiles in the same order with masks
+    that pass every key of a whole tile, so the same outputs bit for bit, over sequences of no, one and many whole
+    tiles with and without a partial one, split or not; within the usual bound of the reference."""
+    case = _fp8_case([1, 1, 4, 1, 1], [150, 7, 40, 64, 128], torch.float16, num_heads=8, num_kv_heads=2, seed=13,
+                     gaussian=True)
+    two_loops = AttentionConfig(num_splits=num_splits, decode_tile_n=tile_n, fp8_convert=convert,
+                                decode_keys_on_m=keys_on_m, decode_lazy_sum=keys_on_m, prefill_block_m=16,
+                                prefill_tile_n=16)
+    one_loop = replace(two_loops, decode_one_loop=True)
+    _check(case, one_loop, ATOL[torch.float16])
+    assert torch.equal(_run(case, one_loop), _run(case, two_loops))
+
+
 def test_decode_rows_beside_chunks_take_their_own_conversion() -> None:
     """decode_fp8_convert: in a step mixing decode rows and chunks, the decode launch converts as it says (qk_fp8x2,
     keys on M, sums per key slot: pick_config's choice for such steps) while the chunks keep fp8_convert: each
