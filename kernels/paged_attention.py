@@ -385,7 +385,7 @@ def _to_e4m3(y, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _zext(x):
+def zext_index(x):
     """A non-negative 32-bit index (a block id or a block's byte stride, each < 2^31) widened to int64 by zero
     extension: the product of two such values compiles to one wide 32 x 32 multiply-add an address (sm_90 SASS of the
     fp8 decode loop: 354 -> 328 instructions) where sign-extended ones took a full 64-bit multiply."""
@@ -422,8 +422,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
-    stride_kb = _zext(stride_kb)
-    stride_vb = _zext(stride_vb)
+    stride_kb = zext_index(stride_kb)
+    stride_vb = zext_index(stride_vb)
     for j in tl.range(tile_lo, tile_hi, loop_unroll_factor=UNROLL):
         key = j * TILE_N + offs_n  # [TILE_N] absolute key positions
         slot = key % BLOCK_SIZE
@@ -431,14 +431,14 @@ def _attend_tiles(acc, l_i, m_i, q, q_lo, k_cache_ptr, v_cache_ptr, block_table_
         v_off_d = kv_head * stride_vh + offs_d[None, :]
         if MASKED:
             key_mask = key < kv_end
-            block = _zext(tl.load(block_table_row + key // BLOCK_SIZE, mask=key_mask, other=0))  # [TILE_N]
+            block = zext_index(tl.load(block_table_row + key // BLOCK_SIZE, mask=key_mask, other=0))  # [TILE_N]
             kv_mask = key_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + k_off_d,
                         mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
             v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + v_off_d,
                         mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
         else:
-            block = _zext(tl.load(block_table_row + key // BLOCK_SIZE))  # [TILE_N]
+            block = zext_index(tl.load(block_table_row + key // BLOCK_SIZE))  # [TILE_N]
             if HEAD_DIM == HEAD_DIM_P:
                 k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + k_off_d)
                 v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + v_off_d)
