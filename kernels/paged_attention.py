@@ -590,7 +590,8 @@ def _paged_attention_kernel(
     FP8_MODE: 0 a cache in q's dtype; else an fp8 cache read as FP8_CONVERTS[FP8_MODE - 1] says. USE_ASM: PTX
     inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
     goes through the program's output rows (_stage_rows) to reach the dots from shared memory. LAZY_SUM: softmax
-    sums per key slot, one cross-thread sum after the tiles (AttentionConfig.decode_lazy_sum)."""
+    sums per key slot, one cross-thread sum after the tiles (AttentionConfig.decode_lazy_sum). ONE_LOOP: every key
+    tile through the masked loop (AttentionConfig.decode_one_loop)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
