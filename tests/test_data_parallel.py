@@ -5,6 +5,7 @@ processes (`pagoda serve --data-parallel-size 2` with SmolLM2): spread, prefix h
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import random
 import signal
@@ -205,6 +206,42 @@ def test_two_replicas_spread_hit_their_prefixes_and_survive_kill_9(smollm2_dir: 
         assert status == 200 and "replica 1" in body, body
         assert all(server.complete(f"{system_prompt(s, 60)}After the kill.", 2)[0] == 200 for s in range(4))
         assert server.process.poll() is None  # the launcher serves on with the survivor
+
+
+def _replica_states(server: Server) -> dict[str, str]:
+    """The console's engine rows: replica id -> state (ok, starting, restarting, hung, down)."""
+    status, body = server.get("/console/api/stats")
+    assert status == 200, body
+    return {row["id"]: row["state"] for row in json.loads(body)["replicas"]}
+
+
+@pytest.mark.slow
+def test_a_replica_failing_at_start_backs_off_and_returns_when_it_can_start(smollm2_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """--restart-on-failure with two replicas: replica 1 killed while its model folder is gone fails at each start,
+    so the launcher backs off (the console shows it restarting) while replica 0 serves on; with the folder back,
+    its next start succeeds and both replicas serve again."""
+    model = tmp_path / "model"  # the server's own folder (links to the files), so hiding it touches no other test
+    model.mkdir()
+    for path in smollm2_dir.iterdir():
+        (model / path.name).symlink_to(path)
+    with serving(str(model), "--data-parallel-size", "2", "--restart-on-failure", "--max-model-len", "1024",
+                 "--heartbeat-timeout", "3", "--num-kv-blocks", "128") as server:
+        wait_for_replicas(server)
+        hidden = tmp_path / "hidden"
+        model.rename(hidden)
+        try:
+            victim = _replica_pids(server, "scheduler", 1)
+            assert len(victim) == 1
+            os.kill(victim[0], signal.SIGKILL)
+            wait_until(lambda: _replica_states(server).get("1") == "restarting", 90, "replica 1 shown restarting")
+            assert _replica_states(server).get("0") == "ok"
+            assert all(server.complete(f"{system_prompt(s, 20)}While one is down.", 2)[0] == 200 for s in range(4))
+        finally:
+            hidden.rename(model)
+        wait_until(lambda: _replica_states(server) == {"0": "ok", "1": "ok"}, 120, "both replicas ok again")
+        wait_for_replicas(server)
+        assert server.process.poll() is None
 
 
 def _timed_completion(server: Server, prompt: str) -> tuple[int, float]:
