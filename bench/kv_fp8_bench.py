@@ -140,6 +140,12 @@ DECODE_VARIANTS = (
     Variant("fp8_s23_one_loop_s1", True, {"decode_one_loop": True, "decode_num_stages": 1}),
     Variant("bf16_s23_one_loop", False, {"decode_one_loop": True}),
     Variant("fp8_s23_two_loops", True, {"decode_one_loop": False}),
+    # twenty-fourth session: the hand-pipelined Gluon kernel (kernels/fp8_decode_gluon.py): a ring of 2-4 e4m3 K/V
+    # tiles in shared memory, the next tiles' copies in flight while one computes (sm_90 SASS, llama3-8b heads: 121
+    # registers, 54 KB a program at 2 slots, 4 programs an SM; 3 slots 70 KB, 3 programs)
+    Variant("fp8_s24_gluon_s2", True, {"decode_pipelined": True, "decode_num_stages": 2}),
+    Variant("fp8_s24_gluon_s3", True, {"decode_pipelined": True, "decode_num_stages": 3}),
+    Variant("fp8_s24_gluon_s4", True, {"decode_pipelined": True, "decode_num_stages": 4}),
     Variant("fp8_default", True, {}),  # what pick_config chooses for an fp8 cache now
 )
 _UNSTAGED = {"fp8_q_staged": False, "prefill_max_regs": 0}

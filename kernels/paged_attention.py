@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import pdl
+from pagoda.kernels import fp8_decode_gluon, pdl
 
 # Finite stand-in for -inf as the running max: a row that has seen no key yet computes
 # exp2(NEG_BIG - NEG_BIG) = 1 times a zero sum, never exp2(-inf - -inf) = nan.
@@ -103,6 +103,11 @@ class AttentionConfig:
     # Decode runs every key tile in one masked loop instead of a loop over the whole tiles and a second one for the
     # partial last tile (whose copies, issued only after the first loop, wait a full memory round trip)
     decode_one_loop: bool = False
+    # Decode over an fp8 cache by the hand-pipelined Gluon kernel (kernels/fp8_decode_gluon.py: a ring of
+    # decode_num_stages e4m3 K/V tiles in shared memory, copies of the next tiles in flight while a tile computes) where
+    # it applies (fp8_decode_gluon.supports: qk_fp8x2 on an sm_90 GPU, power-of-two head_dim 32..256); else the
+    # Triton launch
+    decode_pipelined: bool = False
     # Tiled launch over an fp8 cache: the program's scaled q (fp16 or e4m3, computed in registers) is stored to its
     # own output rows and loaded back, so it reaches the dots from shared memory as a loaded bf16 q does. Triton
     # keeps a computed dot operand in registers: +32 to 50 a thread, 1 program an SM instead of 2 (the fp8 chunk
@@ -805,7 +810,16 @@ def _word_aligned(head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 def _fp8_decode_override(config: AttentionConfig) -> AttentionConfig:
     """PAGODA_FP8_KV_DECODE=<an FP8_CONVERTS mode> (a measurement switch, read at every launch so that
     bench/step_ab.py can A/B it in one process): decode-only steps over an fp8 cache convert that way, with the keys
-    on the dots' M rows for the fp8 tensor-core modes (qk_fp8, qk_fp8x2, qkv_fp8), which need them for wgmma."""
+    on the dots' M rows for the fp8 tensor-core modes (qk_fp8, qk_fp8x2, qkv_fp8), which need them for wgmma.
+    PAGODA_FP8_DECODE_PIPELINED=1 / 0 (the same kind of switch) turns the Gluon decode kernel (decode_pipelined, at
+    least two ring slots) on or off."""
+    pipelined = os.environ.get("PAGODA_FP8_DECODE_PIPELINED")
+    if pipelined:
+        if pipelined not in ("0", "1"):
+            raise ValueError(f"PAGODA_FP8_DECODE_PIPELINED must be 0 or 1, got {pipelined!r}")
+        config = replace(config, decode_pipelined=pipelined == "1",
+                         decode_num_stages=max(2, config.decode_num_stages) if pipelined == "1"
+                         else config.decode_num_stages)
     convert = os.environ.get("PAGODA_FP8_KV_DECODE")
     if not convert:
         return config
@@ -904,7 +918,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
     # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.
     num_decode_programs = num_seqs + 1 if decode_only else num_seqs
-    if num_decode_programs:
+    pipelined = (config.decode_pipelined and decode_fp8_mode == _FP8_MODE["qk_fp8x2"] and shape["USE_ASM"]
+                 and fp8_decode_gluon.supports(q, head_dim, group, config.decode_tile_n, config.decode_num_stages))
+    if num_decode_programs and pipelined:
+        fp8_decode_gluon.fp8_decode_kernel[(num_kv_heads, num_decode_programs, num_splits)](
+            *args, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n, NUM_SPLITS=num_splits,
+            STAGES=config.decode_num_stages, num_warps=fp8_decode_gluon.NUM_WARPS.value, **pdl_options)
+    elif num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, Q_STAGED=False,

@@ -240,6 +240,31 @@ def run_fp8_default_decode_shapes() -> None:
                         v_scale=torch.ones(1))
 
 
+def run_fp8_gluon_decode_shapes() -> None:
+    """The hand-pipelined Gluon decode kernel (AttentionConfig.decode_pipelined) through paged_attention, as if on
+    an sm_90 GPU: ring depths 2-4, splits, 128-key tiles, groups of 1 to 16 heads, head dims 64 to 256."""
+    from dataclasses import replace
+
+    from pagoda.kernels import fp8_decode_gluon
+    from pagoda.kernels.paged_attention import AttentionConfig, paged_attention
+
+    fp8_decode_gluon.on_hopper = lambda q: True  # the compile-only driver's target
+    base = AttentionConfig(fp8_convert="qk_fp8x2", decode_keys_on_m=True, decode_lazy_sum=True, decode_pipelined=True)
+    for head_dim, num_heads, num_kv_heads, splits, stages, tile_n in (
+            (128, 16, 8, 1, 2, 64), (128, 32, 8, 1, 3, 64), (128, 32, 8, 64, 2, 64), (64, 9, 3, 1, 2, 64),
+            (128, 64, 4, 1, 2, 128), (256, 8, 4, 4, 2, 64), (64, 8, 8, 1, 4, 64)):
+        num_seqs, context = 8, 256
+        q = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16)  # [T, heads, D]
+        cache = torch.empty(num_seqs * context // 16, 16, num_kv_heads, head_dim,
+                            dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
+        block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+        config = replace(base, num_splits=splits, decode_num_stages=stages, decode_tile_n=tile_n)
+        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, config=config,
+                        k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
 def run_fp8_chunk_attention_shapes() -> None:
     """Chunks over an fp8 cache with pick_config's own launch shapes (q staged through the output rows, the
     128-register cap on 128-row tiles) at qwen3-0.6b's and llama3-8b's dims, head_dim 128: 4 x 512 new queries over
@@ -353,6 +378,7 @@ def main() -> int:
     run_moe_shapes()
     run_fp8_qk_attention_shapes()
     run_fp8_default_decode_shapes()
+    run_fp8_gluon_decode_shapes()
     run_decode_occupancy_candidates()
     run_fp8_chunk_attention_shapes()
     run_sampler()

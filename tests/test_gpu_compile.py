@@ -20,6 +20,7 @@ def test_model_kernels_compile_for_hopper() -> None:
     compiled = [line for line in done.stdout.splitlines() if line.endswith(": ok")]
     kernels = {line.split(":")[0] for line in compiled}
     # the dense, FP8 (both paths), MoE, MLA and sampling kernels were all reached
-    assert {"_w8a16_kernel", "_fp8_gemm_kernel", "_paged_attention_kernel", "_moe_gemm_kernel", "_moe_gemv_kernel",
+    assert {"_w8a16_kernel", "_fp8_gemm_kernel", "_paged_attention_kernel", "fp8_decode_kernel", "_moe_gemm_kernel",
+            "_moe_gemv_kernel",
             "_grouped_route_kernel", "_router_gemv_kernel",
             "_mla_kernel", "_process_kernel", "_group_thresholds_kernel", "_top_p_row_kernel"} <= kernels, report
