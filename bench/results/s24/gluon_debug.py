@@ -1,0 +1,137 @@
+"""GPU debugging of kernels/fp8_decode_gluon.py piece by piece (twenty-fourth session): the paged cp.async copy into
+the ring, the QK^T fp8 wgmma, the PV fp16 wgmma, each against torch."""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from pagoda.kernels.fp8_decode_gluon import _issue_tile
+
+NW = 4
+
+
+@gluon.jit
+def copy_kernel(cache_ptr, table_ptr, out_ptr, stride_b, stride_s, stride_h, kv_head, key_limit, tile,
+                BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    TPW_D: gl.constexpr = HEAD_DIM // 16
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+    lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [2, TILE_N, HEAD_DIM], lay)
+    ring2 = gl.allocate_shared_memory(gl.float8e4nv, [2, TILE_N, HEAD_DIM], lay)
+    _issue_tile(ring.index(1), ring2.index(1), cache_ptr, cache_ptr, table_ptr, tile, key_limit, kv_head,
+                stride_b, stride_s, stride_h, stride_b, stride_s, stride_h, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    x = ring.index(1).load(copy_layout)
+    r = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, copy_layout))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))
+    gl.store(out_ptr + gl.expand_dims(r, 1) * HEAD_DIM + gl.expand_dims(c, 0), x)
+
+
+@gluon.jit
+def qk_kernel(k_ptr, q_ptr, s_ptr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 32])
+    lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    r = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, copy_layout))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))
+    k = gl.load(k_ptr + gl.expand_dims(r, 1) * HEAD_DIM + gl.expand_dims(c, 0))
+    rq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    q = gl.load(q_ptr + gl.expand_dims(rq, 1) * HEAD_DIM + gl.expand_dims(c, 0))
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [TILE_N, HEAD_DIM], lay, k)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], lay, q)
+    fence_async_shared()
+    gl.thread_barrier()
+    s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([TILE_N, BLOCK_M], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    rs = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout))
+    cs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    gl.store(s_ptr + gl.expand_dims(rs, 1) * BLOCK_M + gl.expand_dims(cs, 0), s)
+
+
+@gluon.jit
+def pv_kernel(v_ptr, p_ptr, o_ptr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    p_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    v_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_M * 2, 128), element_bitwidth=16, rank=2)
+    r = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, copy_layout))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))
+    v = gl.load(v_ptr + gl.expand_dims(r, 1) * HEAD_DIM + gl.expand_dims(c, 0))
+    rp = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, p_layout))
+    cp = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, p_layout))
+    p = gl.load(p_ptr + gl.expand_dims(rp, 1) * BLOCK_M + gl.expand_dims(cp, 0))
+    v_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, HEAD_DIM], v_lay, v)
+    p_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, BLOCK_M], p_lay, p)
+    fence_async_shared()
+    gl.thread_barrier()
+    o = warpgroup_mma(v_smem.permute((1, 0)), p_smem, gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, o_layout),
+                      use_acc=False, is_async=True)
+    o = warpgroup_mma_wait(0, deps=(o, ))
+    ro = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, o_layout))
+    co = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + gl.expand_dims(ro, 1) * BLOCK_M + gl.expand_dims(co, 0), o)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    dev = "cuda"
+    D, T, M = 128, 64, 16
+    # copy
+    cache = torch.randint(0, 120, (40, 16, 2, D), dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    table = torch.randperm(40, device=dev).int()
+    out = torch.zeros(T, D, dtype=torch.uint8, device=dev)
+    for tile, limit in ((1, 200), (2, 140)):
+        out.zero_()
+        copy_kernel[(1, )](cache, table, out.view(torch.float8_e4m3fn), *cache.stride()[:3], 1, limit, tile,
+                           BLOCK_SIZE=16, TILE_N=T, HEAD_DIM=D, num_warps=NW)
+        keys = torch.arange(tile * T, tile * T + T, device=dev)
+        ok = keys < limit
+        blocks = table[(keys // 16).clamp(max=39)].long()
+        want = cache.view(torch.uint8)[blocks, keys % 16, 1] * ok[:, None]
+        print("copy tile", tile, "limit", limit, "equal", torch.equal(out, want),
+              "mismatched rows", (out != want).any(1).sum().item())
+    # qk
+    k = (torch.randn(T, D, device=dev) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = (torch.randn(M, D, device=dev) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.zeros(T, M, device=dev)
+    qk_kernel[(1, )](k, q, s, TILE_N=T, HEAD_DIM=D, BLOCK_M=M, num_warps=NW)
+    want = k.float() @ q.float().T
+    print("qk rel err", ((s - want).abs().max() / want.abs().max()).item())
+    # pv
+    v = torch.randn(T, D, device=dev).half()
+    p = torch.rand(T, M, device=dev).half()
+    o = torch.zeros(D, M, device=dev)
+    pv_kernel[(1, )](v, p, o, TILE_N=T, HEAD_DIM=D, BLOCK_M=M, num_warps=NW)
+    want = v.float().T @ p.float()
+    print("pv rel err", ((o - want).abs().max() / want.abs().max()).item())
+    print("pv vs v@p^T-ish (transposed reading)", ((o - (v.float().T @ p.float())).abs().max()).item())
+
+    # the whole kernel on tiny cases: one key (out = v_0 exactly), one tile, two tiles
+    import sys
+    sys.path.insert(0, "/tmp/tests-path")
+    from tests.test_kv_fp8 import SCALE, _fp8_case, _run
+    from pagoda.kernels import reference as ref
+    from pagoda.kernels.paged_attention import AttentionConfig
+    cfg = AttentionConfig(fp8_convert="qk_fp8x2", decode_keys_on_m=True, decode_lazy_sum=True, decode_pipelined=True)
+    tri = AttentionConfig(fp8_convert="qk_fp8x2", decode_keys_on_m=True, decode_lazy_sum=True)
+    for lens in ([1], [2], [64], [65], [128], [200]):
+        case = _fp8_case([1] * len(lens), lens, torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=128, seed=3,
+                         gaussian=True)
+        exp = ref.paged_attention(case["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
+                                  case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                  v_scale=case["v_scale"])
+        g, t = _run(case, cfg), _run(case, tri)
+        print("lens", lens, "gluon err", ((g - exp).abs().max() / exp.abs().max()).item(), "triton err",
+              ((t - exp).abs().max() / exp.abs().max()).item())
+        if lens == [1]:
+            print(" head errs", (g - exp).abs().amax(-1))
+
+
+if __name__ == "__main__":
+    main()
