@@ -110,8 +110,9 @@ def fp8_decode_kernel(
     # Register layouts. Copies and V's conversion: 16 bytes a thread along a row. The dots: wgmma accumulators.
     TPW_D: gl.constexpr = HEAD_DIM // 16
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_D, TPW_D], [NUM_WARPS, 1], [1, 0])
-    TPW_Q: gl.constexpr = min(32, HEAD_DIM // 4)
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_Q, TPW_Q], [NUM_WARPS, 1], [1, 0])
+    # q in the copies' layout: its e4m3 rows then reach shared memory by 16-byte stores (from a [1, 4] layout Triton
+    # 3.6 stored them with stmatrix and the scores came out wrong on the H200)
+    q_layout: gl.constexpr = copy_layout
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 32])  # e4m3: k = 32
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],

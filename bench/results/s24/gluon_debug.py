@@ -78,6 +78,41 @@ def pv_kernel(v_ptr, p_ptr, o_ptr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     gl.store(o_ptr + gl.expand_dims(ro, 1) * BLOCK_M + gl.expand_dims(co, 0), o)
 
 
+@gluon.jit
+def pstore_kernel(v_ptr, p_ptr, o_ptr, VIA_BLOCKED: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr):
+    """pv_kernel with p loaded straight into the QK accumulator's layout and stored to shared memory from there
+    (stmatrix), or through a blocked layout first."""
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    p_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    v_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_M * 2, 128), element_bitwidth=16, rank=2)
+    r = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, copy_layout))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))
+    v = gl.load(v_ptr + gl.expand_dims(r, 1) * HEAD_DIM + gl.expand_dims(c, 0))
+    rp = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout))
+    cp = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    p = gl.load(p_ptr + gl.expand_dims(rp, 1) * BLOCK_M + gl.expand_dims(cp, 0))
+    v_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, HEAD_DIM], v_lay, v)
+    p_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, BLOCK_M], p_lay)
+    if VIA_BLOCKED:
+        p_smem.store(gl.convert_layout(p, p_layout))
+    else:
+        p_smem.store(p)
+    fence_async_shared()
+    gl.thread_barrier()
+    o = warpgroup_mma(v_smem.permute((1, 0)), p_smem, gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, o_layout),
+                      use_acc=False, is_async=True)
+    o = warpgroup_mma_wait(0, deps=(o, ))
+    ro = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, o_layout))
+    co = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + gl.expand_dims(ro, 1) * BLOCK_M + gl.expand_dims(co, 0), o)
+
+
 def main() -> None:
     torch.manual_seed(0)
     dev = "cuda"
@@ -110,7 +145,11 @@ def main() -> None:
     pv_kernel[(1, )](v, p, o, TILE_N=T, HEAD_DIM=D, BLOCK_M=M, num_warps=NW)
     want = v.float().T @ p.float()
     print("pv rel err", ((o - want).abs().max() / want.abs().max()).item())
-    print("pv vs v@p^T-ish (transposed reading)", ((o - (v.float().T @ p.float())).abs().max()).item())
+    for via in (False, True):
+        o.zero_()
+        pstore_kernel[(1, )](v, p, o, VIA_BLOCKED=via, TILE_N=T, HEAD_DIM=D, BLOCK_M=M, num_warps=NW)
+        print("p stored from the mma layout", "via blocked" if via else "directly (stmatrix)", "rel err",
+              ((o - want).abs().max() / want.abs().max()).item())
 
     # the whole kernel on tiny cases: one key (out = v_0 exactly), one tile, two tiles
     import sys
@@ -127,6 +166,12 @@ def main() -> None:
                                   case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
                                   v_scale=case["v_scale"])
         g, t = _run(case, cfg), _run(case, tri)
+        same_q = {**case, "q": case["q"][:, :1].expand_as(case["q"]).contiguous()}
+        exp_same = ref.paged_attention(same_q["q"].float(), case["k_cache"], case["v_cache"], case["block_tables"],
+                                       case["seq_lens"], case["query_lens"], SCALE, k_scale=case["k_scale"],
+                                       v_scale=case["v_scale"])
+        print("lens", lens, "every head's q the same: gluon err",
+              ((_run(same_q, cfg) - exp_same).abs().max() / exp_same.abs().max()).item())
         print("lens", lens, "gluon err", ((g - exp).abs().max() / exp.abs().max()).item(), "triton err",
               ((t - exp).abs().max() / exp.abs().max()).item())
         if lens == [1]:
