@@ -96,7 +96,7 @@ def fp8_decode_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
-        USE_PDL: gl.constexpr):
+        USE_PDL: gl.constexpr, DEBUG: gl.constexpr = 0):
     """Grid (kv heads, num_seqs + 1, splits). qk_scale: softmax scale * log2(e). HEAD_DIM a power of two in
     64..256, TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16, STAGES >= 2 ring slots."""
     if USE_PDL == 1:
@@ -212,6 +212,14 @@ def fp8_decode_kernel(
         v16 = v_ring.index(slot).load(copy_layout).to(gl.float16)  # [TILE_N, D]
         v16_smem.store(v16)
         s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
+        if DEBUG:  # the first tile's raw dots and the row scales of the program, for bench/results/s24/gluon_debug.py
+            dbg_r = gl.expand_dims(gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout)), 1)
+            dbg_c = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
+            if i == 0:
+                gl.store(part_out_ptr + dbg_r * BLOCK_M + dbg_c, s_hi)
+                gl.store(part_out_ptr + TILE_N * BLOCK_M + dbg_r * BLOCK_M + dbg_c, s_lo)
+                gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + dbg_r * 0 + dbg_c, sc_hi + dbg_r * 0.0)
+                gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + BLOCK_M + dbg_r * 0 + dbg_c, sc_lo + dbg_r * 0.0)
         s = s_hi * sc_hi + s_lo * sc_lo  # [TILE_N, BLOCK_M], log2 units
         key_ok = gl.expand_dims(j * TILE_N + offs_key < key_limit, 1)
         s = gl.where(key_ok, s, float("-inf"))

@@ -177,6 +177,40 @@ def main() -> None:
         if lens == [1]:
             print(" head errs", (g - exp).abs().amax(-1))
 
+    # the first tile's raw dots of program (kv head 0, sequence 0) against torch
+    from pagoda.kernels import fp8_decode_gluon as fg
+    case = _fp8_case([1], [64], torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=128, seed=3, gaussian=True)
+    q = case["q"].to(dev)
+    kc, vc = case["k_cache"].to(dev), case["v_cache"].to(dev)
+    table, lens_t, qsl = case["block_tables"].to(dev), torch.tensor([64], dtype=torch.int32, device=dev), case["qsl"].to(dev)
+    dbg = torch.zeros(4096, device=dev)
+    out = torch.zeros_like(q)
+    ks, vs = case["k_scale"].to(dev), case["v_scale"].to(dev)
+    fg.fp8_decode_kernel[(2, 1, 1)](out, q, kc, vc, table, lens_t, qsl, dbg, dbg, dbg, ks, vs, 0.5, 1, 1,
+                                     q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kc.stride()[:3],
+                                     *vc.stride()[:3], table.stride(0), NUM_HEADS=8, GROUP=4, HEAD_DIM=128,
+                                     BLOCK_SIZE=16, BLOCK_M=16, TILE_N=64, NUM_SPLITS=1, STAGES=2, USE_PDL=0,
+                                     DEBUG=1, num_warps=4)
+    torch.cuda.synchronize()
+    s_hi = dbg[:1024].view(64, 16)
+    s_lo = dbg[1024:2048].view(64, 16)
+    sc = dbg[2048:2080].view(2, 16)
+    q0 = q[0, :4].float()  # kv head 0's group
+    amax = q0.abs().amax(1)
+    hi = (q0 * (448.0 / amax)[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    res = q0 - hi.float() * (amax / 448.0)[:, None]
+    amax_lo = res.abs().amax(1)
+    lo = (res * (448.0 / amax_lo)[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    keys = torch.arange(64, device=dev)
+    k_rows = kc[table[0, keys // 16].long(), keys % 16, 0].float()  # [64, D]
+    want_hi = k_rows @ hi.float().T  # [64, 4]
+    want_lo = k_rows @ lo.float().T
+    print("raw hi dots rel err", ((s_hi[:, :4] - want_hi).abs().max() / want_hi.abs().max()).item())
+    print("raw lo dots rel err", ((s_lo[:, :4] - want_lo).abs().max() / want_lo.abs().max()).item())
+    print("scales hi", sc[0, :4].tolist(), "want", (amax / 448.0 * 0.5 * case["k_scale"].item()).tolist())
+    print("scales lo", sc[1, :4].tolist(), "want", (amax_lo / 448.0 * 0.5 * case["k_scale"].item()).tolist())
+    print("dots hi [:3,:4]", s_hi[:3, :4].tolist(), "want", want_hi[:3].tolist())
+
 
 if __name__ == "__main__":
     main()
