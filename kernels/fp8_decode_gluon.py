@@ -57,13 +57,24 @@ def supports(q: torch.Tensor, head_dim: int, group: int, tile_n: int, stages: in
 
 
 @gluon.jit
-def _quantize_rows(x, layout: gl.constexpr):
-    """[R, C] fp32 -> ([R, C] e4m3 of x / scale, [R] fp32 scale = row amax / 448; 1 for a zero row)."""
+def _split_rows_e4m3(x):
+    """q ~= hi * hi_scale + lo * lo_scale for [R, C] fp32 x: (hi, hi_scale, lo, lo_scale), hi and lo e4m3 [R, C],
+    scales [R] fp32 (row amax / 448; 1 for a zero row). hi is x / hi_scale rounded to nearest even on e4m3's grid in
+    fp32 arithmetic (spacing 2^(exponent - 3), 2^-9 below the normals; the 1.5 * 2^23 add/subtract rounds), so its
+    cast is exact and the residual x - hi * hi_scale needs no conversion back from e4m3 (on the H200 that
+    conversion, in this kernel's layouts, gave wrong residuals)."""
     amax = gl.max(gl.abs(x), 1)  # [R]
     amax = gl.where(amax > 0.0, amax, E4M3_MAX)
-    inv = E4M3_MAX / amax
-    y = gl.minimum(gl.maximum(x * gl.expand_dims(inv, 1), -E4M3_MAX), E4M3_MAX)
-    return y.to(gl.float8e4nv), amax / E4M3_MAX
+    y = gl.minimum(gl.maximum(x * gl.expand_dims(E4M3_MAX / amax, 1), -E4M3_MAX), E4M3_MAX)  # |y| <= 448
+    exponent = (y.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    spacing = ((gl.maximum(exponent, 127 - 6) - 3) << 23).to(gl.float32, bitcast=True)
+    y_hi = ((y / spacing + 12582912.0) - 12582912.0) * spacing  # y on the e4m3 grid
+    hi_scale = amax / E4M3_MAX
+    residual = (y - y_hi) * gl.expand_dims(hi_scale, 1)  # [R, C]: x - hi * hi_scale
+    lo_amax = gl.max(gl.abs(residual), 1)
+    lo_amax = gl.where(lo_amax > 0.0, lo_amax, E4M3_MAX)
+    y_lo = gl.minimum(gl.maximum(residual * gl.expand_dims(E4M3_MAX / lo_amax, 1), -E4M3_MAX), E4M3_MAX)
+    return y_hi.to(gl.float8e4nv), hi_scale, y_lo.to(gl.float8e4nv), lo_amax / E4M3_MAX
 
 
 @gluon.jit
@@ -176,8 +187,7 @@ def fp8_decode_kernel(
     q_mask = gl.expand_dims(q_rows < GROUP, 1)
     q = gl.load(q_ptr + token * stride_qt + gl.expand_dims((kv_head * GROUP + q_rows) * stride_qh, 1)
                 + gl.expand_dims(q_cols, 0), mask=q_mask, other=0.0).to(gl.float32)  # [BLOCK_M, D]
-    q_hi, scale_hi = _quantize_rows(q, q_layout)
-    q_lo, scale_lo = _quantize_rows(q - q_hi.to(gl.float32) * gl.expand_dims(scale_hi, 1), q_layout)
+    q_hi, scale_hi, q_lo, scale_lo = _split_rows_e4m3(q)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(HEAD_DIM, 128), element_bitwidth=8,
                                                        rank=2)
     q_hi_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_hi)
