@@ -214,38 +214,37 @@ def fp8_decode_kernel(
         _issue_tile(k_ring.index(ahead), v_ring.index(ahead), k_cache_ptr, v_cache_ptr, block_table_row,
                     j + STAGES - 1, key_limit, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                     stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
-        if DEBUG == 2:  # measurement only (bench/results/s24): the copies and waits alone, no arithmetic
-            continue
-        slot = i % STAGES
-        k_tile = k_ring.index(slot)
-        s_hi = warpgroup_mma(k_tile, q_hi_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_lo = warpgroup_mma(k_tile, q_lo_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # V's conversion overlaps the score dots
-        v16 = v_ring.index(slot).load(copy_layout).to(gl.float16)  # [TILE_N, D]
-        v16_smem.store(v16)
-        s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
-        if DEBUG:  # the first tile's raw dots and the row scales of the program, for bench/results/s24/gluon_debug.py
-            dbg_r = gl.expand_dims(gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout)), 1)
-            dbg_c = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
-            if i == 0:
-                gl.store(part_out_ptr + dbg_r * BLOCK_M + dbg_c, s_hi)
-                gl.store(part_out_ptr + TILE_N * BLOCK_M + dbg_r * BLOCK_M + dbg_c, s_lo)
-                gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + dbg_r * 0 + dbg_c, sc_hi + dbg_r * 0.0)
-                gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + BLOCK_M + dbg_r * 0 + dbg_c, sc_lo + dbg_r * 0.0)
-        s = s_hi * sc_hi + s_lo * sc_lo  # [TILE_N, BLOCK_M], log2 units
-        key_ok = gl.expand_dims(j * TILE_N + offs_key < key_limit, 1)
-        s = gl.where(key_ok, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 0))  # [TILE_N, BLOCK_M]
-        l_i = l_i * gl.expand_dims(alpha, 0) + p
-        m_i = m_new
-        p_smem.store(p.to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
-        acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if DEBUG != 2:  # DEBUG 2, measurement only (bench/results/s24): the copies and waits alone
+            slot = i % STAGES
+            k_tile = k_ring.index(slot)
+            s_hi = warpgroup_mma(k_tile, q_hi_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_lo = warpgroup_mma(k_tile, q_lo_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # V's conversion overlaps the score dots
+            v16 = v_ring.index(slot).load(copy_layout).to(gl.float16)  # [TILE_N, D]
+            v16_smem.store(v16)
+            s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
+            if DEBUG == 1:  # the first tile's raw dots and row scales (bench/results/s24/gluon_debug.py)
+                dbg_r = gl.expand_dims(gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout)), 1)
+                dbg_c = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
+                if i == 0:
+                    gl.store(part_out_ptr + dbg_r * BLOCK_M + dbg_c, s_hi)
+                    gl.store(part_out_ptr + TILE_N * BLOCK_M + dbg_r * BLOCK_M + dbg_c, s_lo)
+                    gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + dbg_r * 0 + dbg_c, sc_hi + dbg_r * 0.0)
+                    gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + BLOCK_M + dbg_r * 0 + dbg_c, sc_lo + dbg_r * 0.0)
+            s = s_hi * sc_hi + s_lo * sc_lo  # [TILE_N, BLOCK_M], log2 units
+            key_ok = gl.expand_dims(j * TILE_N + offs_key < key_limit, 1)
+            s = gl.where(key_ok, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 0))  # [TILE_N, BLOCK_M]
+            l_i = l_i * gl.expand_dims(alpha, 0) + p
+            m_i = m_new
+            p_smem.store(p.to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
+            acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
     async_copy.wait_group(0)  # the look-ahead groups (empty past the last tile) retire before the program ends
 
     l_sum = gl.convert_layout(gl.sum(l_i, 0), gl.SliceLayout(0, o_layout))  # [BLOCK_M]
