@@ -107,7 +107,7 @@ def fp8_decode_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
-        USE_PDL: gl.constexpr, DEBUG: gl.constexpr = 0):
+        USE_PDL: gl.constexpr, V16_IN_SLOT: gl.constexpr = True, DEBUG: gl.constexpr = 0):
     """Grid (kv heads, num_seqs + 1, splits). qk_scale: softmax scale * log2(e). HEAD_DIM a power of two in
     64..256, TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16, STAGES >= 2 ring slots."""
     if USE_PDL == 1:
@@ -172,11 +172,12 @@ def fp8_decode_kernel(
         tile_hi = num_tiles
     key_limit = gl.minimum(kv_end, tile_hi * TILE_N)
 
-    k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, HEAD_DIM], kv_smem_layout)
-    v_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_N, HEAD_DIM], kv_smem_layout)
+    # a ring slot: K's TILE_N rows, then V's
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * TILE_N, HEAD_DIM], kv_smem_layout)
     block_table_row = block_tables_ptr + b.to(gl.int64) * stride_bt
     for first in gl.static_range(STAGES - 1):  # the ring's first tiles go out before q is prepared
-        _issue_tile(k_ring.index(first), v_ring.index(first), k_cache_ptr, v_cache_ptr, block_table_row,
+        _issue_tile(ring.index(first).slice(0, TILE_N), ring.index(first).slice(TILE_N, TILE_N), k_cache_ptr,
+                    v_cache_ptr, block_table_row,
                     tile_lo + first,
                     key_limit, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
@@ -192,7 +193,8 @@ def fp8_decode_kernel(
                                                        rank=2)
     q_hi_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_hi)
     q_lo_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_lo)
-    v16_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
+    if not V16_IN_SLOT:  # V's fp16 copy in a buffer of its own (16 KB more a program)
+        v16_own = gl.allocate_shared_memory(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
     p_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, BLOCK_M], p_smem_layout)
     score_scale = qk_scale * gl.load(k_scale_ptr)
     sc_hi = gl.expand_dims(gl.convert_layout(scale_hi, gl.SliceLayout(0, s_layout)) * score_scale, 0)  # [1, M]
@@ -211,18 +213,27 @@ def fp8_decode_kernel(
         fence_async_shared()
         gl.thread_barrier()
         ahead = (i + STAGES - 1) % STAGES
-        _issue_tile(k_ring.index(ahead), v_ring.index(ahead), k_cache_ptr, v_cache_ptr, block_table_row,
+        _issue_tile(ring.index(ahead).slice(0, TILE_N), ring.index(ahead).slice(TILE_N, TILE_N), k_cache_ptr,
+                    v_cache_ptr, block_table_row,
                     j + STAGES - 1, key_limit, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                     stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
         if DEBUG != 2:  # DEBUG 2, measurement only (bench/results/s24): the copies and waits alone
             slot = i % STAGES
-            k_tile = k_ring.index(slot)
+            k_tile = ring.index(slot).slice(0, TILE_N)
             s_hi = warpgroup_mma(k_tile, q_hi_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_lo = warpgroup_mma(k_tile, q_lo_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # V's conversion overlaps the score dots
-            v16 = v_ring.index(slot).load(copy_layout).to(gl.float16)  # [TILE_N, D]
-            v16_smem.store(v16)
-            s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
+            v8 = ring.index(slot).slice(TILE_N, TILE_N).load(copy_layout)  # [TILE_N, D] e4m3, beside the dots
+            if V16_IN_SLOT:
+                # the slot's 16 KB hold V's fp16 copy once the score dots are done with K and every thread holds
+                # its V bytes: one barrier more a tile, 16 KB less a program (a third ring slot at 4 programs an SM)
+                s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
+                gl.thread_barrier()
+                v16_smem = ring.index(slot)._reinterpret(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
+                v16_smem.store(v8.to(gl.float16))
+            else:
+                v16_smem = v16_own
+                v16_smem.store(v8.to(gl.float16))
+                s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
             if DEBUG == 1:  # the first tile's raw dots and row scales (bench/results/s24/gluon_debug.py)
                 dbg_r = gl.expand_dims(gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout)), 1)
                 dbg_c = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)

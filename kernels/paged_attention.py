@@ -811,15 +811,15 @@ def _fp8_decode_override(config: AttentionConfig) -> AttentionConfig:
     """PAGODA_FP8_KV_DECODE=<an FP8_CONVERTS mode> (a measurement switch, read at every launch so that
     bench/step_ab.py can A/B it in one process): decode-only steps over an fp8 cache convert that way, with the keys
     on the dots' M rows for the fp8 tensor-core modes (qk_fp8, qk_fp8x2, qkv_fp8), which need them for wgmma.
-    PAGODA_FP8_DECODE_PIPELINED=1 / 0 (the same kind of switch) turns the Gluon decode kernel (decode_pipelined, at
-    least two ring slots) on or off."""
+    PAGODA_FP8_DECODE_PIPELINED=0 / 1 / 2-4 (the same kind of switch) turns the Gluon decode kernel
+    (decode_pipelined) off, on (at least two ring slots), or on with that many ring slots."""
     pipelined = os.environ.get("PAGODA_FP8_DECODE_PIPELINED")
     if pipelined:
-        if pipelined not in ("0", "1"):
-            raise ValueError(f"PAGODA_FP8_DECODE_PIPELINED must be 0 or 1, got {pipelined!r}")
-        config = replace(config, decode_pipelined=pipelined == "1",
-                         decode_num_stages=max(2, config.decode_num_stages) if pipelined == "1"
-                         else config.decode_num_stages)
+        if pipelined not in ("0", "1", "2", "3", "4"):
+            raise ValueError(f"PAGODA_FP8_DECODE_PIPELINED must be 0, 1 or a ring depth 2-4, got {pipelined!r}")
+        stages = int(pipelined) if pipelined not in ("0", "1") else max(2, config.decode_num_stages)
+        config = replace(config, decode_pipelined=pipelined != "0",
+                         decode_num_stages=stages if pipelined != "0" else config.decode_num_stages)
     convert = os.environ.get("PAGODA_FP8_KV_DECODE")
     if not convert:
         return config
