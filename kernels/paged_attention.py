@@ -200,10 +200,16 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
             # sums per key slot (2026-12-04: 139.5 / 142.1 -> 134.1 / 132.4 us a layer, qwen3-0.6b / llama3-8b).
             # Split launches (small batches) in one stage: B=1, llama3-8b, contexts 512-768 / 1024 / 4096, 7.1-7.2 /
             # 7.7 / 10.6-10.7 us a layer against 7.5 / 8.3 / 11.4-11.5 in two (two calls, H200, 2026-12-04,
-            # bench/results/s23); unsplit batches (B=64, 256) level within 1-3% either way, so they keep two
+            # bench/results/s23); unsplit batches (B=64, 256) level within 1-3% either way, so they keep two.
+            # Unsplit launches on an sm_90 GPU run the hand-pipelined Gluon kernel (kernels/fp8_decode_gluon.py, a
+            # ring of 2 e4m3 K/V tiles, V's fp16 copy in its own slot): H200, 2026-12-04 (bench/results/s24), one
+            # layer, B=256, contexts 512-768 / 1024 / 4096, qwen3-0.6b 117.5 / 174.7 / 638.9 us against 123.8 /
+            # 182.1 / 661.5, llama3-8b 120.9 / 184.9 / 636.1 against 129.6 / 191.0 / 658.7, B=64 33.9-34.1 against
+            # 37.4-38.9; a ring of 3 or 4 was slower (129.5 / 148.0 us), and split launches keep the Triton kernel
+            # (qwen3-0.6b decode steps at B=64 2.013 ms against 1.958 with it there)
             return AttentionConfig(num_splits=num_splits, heads_fast=True, fp8_convert="qk_fp8x2",
                                    decode_keys_on_m=True, decode_lazy_sum=True, decode_one_loop=num_splits > 1,
-                                   decode_num_stages=1 if num_splits > 1 else 2)
+                                   decode_num_stages=1 if num_splits > 1 else 2, decode_pipelined=num_splits == 1)
         # One-warp programs on 16-key tiles (decode_num_warps=1, decode_tile_n=16) were not made the default: H200,
         # 2026-12-04 (bench/results/s22), B=256 llama3-8b / qwen3-0.6b, 1105 / 1097 us a layer at context 4096
         # against 953 / 947; at 512-1024 within the timing's noise of the 4-warp launch.
