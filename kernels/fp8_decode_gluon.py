@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -107,7 +108,8 @@ def fp8_decode_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
-        USE_PDL: gl.constexpr, V16_IN_SLOT: gl.constexpr = True, DEBUG: gl.constexpr = 0):
+        USE_PDL: gl.constexpr, V16_IN_SLOT: gl.constexpr = True, OVERLAP: gl.constexpr = False,
+        DEBUG: gl.constexpr = 0):
     """Grid (kv heads, num_seqs + 1, splits). qk_scale: softmax scale * log2(e). HEAD_DIM a power of two in
     64..256, TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16, STAGES >= 2 ring slots."""
     if USE_PDL == 1:
@@ -205,6 +207,15 @@ def fp8_decode_kernel(
     acc = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, o_layout)  # out^T
     s_zero = gl.zeros([TILE_N, BLOCK_M], gl.float32, s_layout)
     offs_key = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout))
+    q_hi_t = q_hi_smem.permute((1, 0))  # [D, BLOCK_M]: the score dots' K-major B operands
+    q_lo_t = q_lo_smem.permute((1, 0))
+    if OVERLAP:
+        acc, m_i, l_i = _overlapped_tiles(ring, q_hi_t, q_lo_t, p_smem, acc, m_i, l_i, s_zero, sc_hi, sc_lo, offs_key,
+                                          tile_lo, tile_hi, key_limit, k_cache_ptr, v_cache_ptr, block_table_row,
+                                          kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                          BLOCK_SIZE, TILE_N, HEAD_DIM, STAGES, copy_layout, o_layout,
+                                          v16_smem_layout)
+        tile_hi = tile_lo  # the loop below runs no tile
     for j in range(tile_lo, tile_hi):
         i = j - tile_lo
         # tile j's group is the oldest of the STAGES - 1 outstanding; after the barrier every thread's copies of it
@@ -220,8 +231,8 @@ def fp8_decode_kernel(
         if DEBUG != 2:  # DEBUG 2, measurement only (bench/results/s24): the copies and waits alone
             slot = i % STAGES
             k_tile = ring.index(slot).slice(0, TILE_N)
-            s_hi = warpgroup_mma(k_tile, q_hi_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_lo = warpgroup_mma(k_tile, q_lo_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_hi = warpgroup_mma(k_tile, q_hi_t, s_zero, use_acc=False, is_async=True)
+            s_lo = warpgroup_mma(k_tile, q_lo_t, s_zero, use_acc=False, is_async=True)
             v8 = ring.index(slot).slice(TILE_N, TILE_N).load(copy_layout)  # [TILE_N, D] e4m3, beside the dots
             if V16_IN_SLOT:
                 # the slot's 16 KB hold V's fp16 copy once the score dots are done with K and every thread holds
@@ -263,6 +274,57 @@ def fp8_decode_kernel(
     acc = acc * gl.load(v_scale_ptr)  # sum_j p_j (v_j * v_scale)
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_sum, m_out, token, row_head, head_ok,
                 offs_od, split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
+
+
+@gluon.jit
+def _overlapped_tiles(ring, q_hi_t, q_lo_t, p_smem, acc, m_i, l_i, s_zero, sc_hi, sc_lo, offs_key, tile_lo, tile_hi,
+                      key_limit, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr,
+                      o_layout: gl.constexpr, v16_smem_layout: gl.constexpr):
+    """The key tiles software-pipelined across the dots (STAGES == 3, tiles tile_lo and tile_lo + 1 already issued
+    to slots 0 and 1): tile j's softmax runs while tile j - 1's PV dot is in flight, and tile j + 1's score dots go
+    out as soon as its copies land, before tile j's V conversion. Returns (acc, m_i, l_i) as the plain loop does."""
+    gl.static_assert(STAGES == 3, "the overlapped loop keeps tiles j - 1 (PV), j and j + 1 (scores) in 3 slots")
+    async_copy.wait_group(1)  # tile tile_lo landed
+    fence_async_shared()
+    gl.thread_barrier()
+    k_first = ring.index(0).slice(0, TILE_N)
+    s_hi = warpgroup_mma(k_first, q_hi_t, s_zero, use_acc=False, is_async=True)
+    s_lo = warpgroup_mma(k_first, q_lo_t, s_zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma_init(acc)
+    for j in range(tile_lo, tile_hi):
+        i = j - tile_lo
+        slot = i % STAGES
+        s_hi, s_lo = warpgroup_mma_wait(1, deps=(s_hi, s_lo))  # tile j's scores (tile j - 1's PV may run on)
+        v8 = ring.index(slot).slice(TILE_N, TILE_N).load(copy_layout)  # [TILE_N, D] e4m3
+        s = s_hi * sc_hi + s_lo * sc_lo  # [TILE_N, BLOCK_M], log2 units
+        s = gl.where(gl.expand_dims(j * TILE_N + offs_key < key_limit, 1), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        l_i = l_i * gl.expand_dims(alpha, 0) + p
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=(acc, ))  # tile j - 1's PV done: acc, p_smem and its slot are free
+        async_copy.wait_group(0)  # tile j + 1 landed (this thread's copies; the barrier makes it everyone's)
+        fence_async_shared()
+        gl.thread_barrier()
+        k_next = ring.index((i + 1) % STAGES).slice(0, TILE_N)  # past the last tile: zero rows, a wasted dot
+        s_hi = warpgroup_mma(k_next, q_hi_t, s_zero, use_acc=False, is_async=True)
+        s_lo = warpgroup_mma(k_next, q_lo_t, s_zero, use_acc=False, is_async=True)
+        v16_smem = ring.index(slot)._reinterpret(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
+        v16_smem.store(v8.to(gl.float16))  # tile j's K is consumed (its scores waited for by every warp)
+        p_smem.store(p.to(gl.float16))
+        ahead = (i + 2) % STAGES  # tile j - 1's slot, free since its PV finished
+        _issue_tile(ring.index(ahead).slice(0, TILE_N), ring.index(ahead).slice(TILE_N, TILE_N), k_cache_ptr,
+                    v_cache_ptr, block_table_row, j + 2, key_limit, kv_head, stride_kb, stride_ks, stride_kh,
+                    stride_vb, stride_vs, stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
+        acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem, acc, is_async=True)
+    acc, s_hi, s_lo = warpgroup_mma_wait(0, deps=(acc, s_hi, s_lo))
+    return acc, m_i, l_i
 
 
 @gluon.jit
