@@ -29,7 +29,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -108,10 +107,12 @@ def fp8_decode_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
-        USE_PDL: gl.constexpr, V16_IN_SLOT: gl.constexpr = True, OVERLAP: gl.constexpr = False,
-        DEBUG: gl.constexpr = 0):
+        USE_PDL: gl.constexpr, PACKED: gl.constexpr = False):
     """Grid (kv heads, num_seqs + 1, splits). qk_scale: softmax scale * log2(e). HEAD_DIM a power of two in
-    64..256, TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16, STAGES >= 2 ring slots."""
+    64..256, TILE_N 64 or 128 (multiples of the wgmma's M), BLOCK_M >= GROUP a power of two >= 16 (the score dot's
+    N), STAGES >= 2 ring slots. PACKED (GROUP <= BLOCK_M // 2): q's two e4m3 terms share one score dot, the hi rows
+    on its first BLOCK_M // 2 columns and the lo rows on the rest (each thread of a wgmma accumulator holds columns c
+    and c + 8 side by side), so K is read once a tile and the softmax and PV dot run on BLOCK_M // 2 columns."""
     if USE_PDL == 1:
         gdc_launch_dependents()
     if USE_PDL > 0:
@@ -119,35 +120,34 @@ def fp8_decode_kernel(
     kv_head = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
+    N_OUT: gl.constexpr = BLOCK_M // 2 if PACKED else BLOCK_M  # the PV dot's N: query heads a program outputs
 
-    # Register layouts. Copies and V's conversion: 16 bytes a thread along a row. The dots: wgmma accumulators.
+    # Register layouts. Copies, q and V's conversion: 16 bytes a thread along a row (q's e4m3 rows then reach shared
+    # memory by 16-byte stores: from a [1, 4] layout Triton 3.6 stored them with stmatrix, and the scores came out
+    # wrong on the H200). The dots: wgmma accumulators.
     TPW_D: gl.constexpr = HEAD_DIM // 16
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_D, TPW_D], [NUM_WARPS, 1], [1, 0])
-    # q in the copies' layout: its e4m3 rows then reach shared memory by 16-byte stores (from a [1, 4] layout Triton
-    # 3.6 stored them with stmatrix and the scores came out wrong on the H200)
-    q_layout: gl.constexpr = copy_layout
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 32])  # e4m3: k = 32
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])  # fp16: k = 16
-    # Shared memory: the e4m3 ring (K and V), q's two e4m3 terms, this tile's fp16 V and P^T.
+                                                       instr_shape=[16, N_OUT, 16])  # fp16: k = 16
+    # Shared memory: the ring of e4m3 K and V tiles (a tile's slot later holds its fp16 V), q's e4m3 rows, P^T.
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(HEAD_DIM, 128), element_bitwidth=8,
                                                         rank=2)
-    v16_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if HEAD_DIM >= 64 else 64,
-                                                         element_bitwidth=16, rank=2)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_M * 2, 128),
+    v16_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=N_OUT * 2 if N_OUT >= 16 else 0,
                                                        element_bitwidth=16, rank=2)
 
-    offs_n = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_layout))  # [BLOCK_M] query head within the group
+    offs_n = gl.arange(0, N_OUT, layout=gl.SliceLayout(0, o_layout))  # [N_OUT] query head within the group
     offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, o_layout))  # [D]
     row_head = kv_head * GROUP + offs_n
     head_ok = offs_n < GROUP
     if b == num_seqs:  # the padding tail [qsl[B], T): empty rows (zero output, or an empty split)
-        zeros = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, o_layout)
+        zeros = gl.zeros([HEAD_DIM, N_OUT], gl.float32, o_layout)
         for token in range(gl.load(query_start_loc_ptr + num_seqs), num_tokens):
             _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, zeros,
-                        gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(0, o_layout)),
-                        gl.full([BLOCK_M], NEG_BIG, gl.float32, gl.SliceLayout(0, o_layout)),
+                        gl.zeros([N_OUT], gl.float32, gl.SliceLayout(0, o_layout)),
+                        gl.full([N_OUT], NEG_BIG, gl.float32, gl.SliceLayout(0, o_layout)),
                         token.to(gl.int64), row_head, head_ok, offs_od, split, stride_ot, stride_oh, NUM_HEADS,
                         HEAD_DIM, NUM_SPLITS)
         return
@@ -164,9 +164,9 @@ def fp8_decode_kernel(
         tile_hi = gl.minimum(tile_lo + per_split, num_tiles)
         if tile_lo >= tile_hi:  # no key here: (max, sum) = (NEG_BIG, 0) tell the reduce to skip this split
             part_row = (token * NUM_HEADS + row_head) * NUM_SPLITS + split
-            gl.store(part_max_ptr + part_row, gl.full([BLOCK_M], NEG_BIG, gl.float32, gl.SliceLayout(0, o_layout)),
+            gl.store(part_max_ptr + part_row, gl.full([N_OUT], NEG_BIG, gl.float32, gl.SliceLayout(0, o_layout)),
                      mask=head_ok)
-            gl.store(part_sum_ptr + part_row, gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(0, o_layout)),
+            gl.store(part_sum_ptr + part_row, gl.zeros([N_OUT], gl.float32, gl.SliceLayout(0, o_layout)),
                      mask=head_ok)
             return
     else:
@@ -174,48 +174,48 @@ def fp8_decode_kernel(
         tile_hi = num_tiles
     key_limit = gl.minimum(kv_end, tile_hi * TILE_N)
 
-    # a ring slot: K's TILE_N rows, then V's
-    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * TILE_N, HEAD_DIM], kv_smem_layout)
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * TILE_N, HEAD_DIM], kv_smem_layout)  # K, then V
     block_table_row = block_tables_ptr + b.to(gl.int64) * stride_bt
     for first in gl.static_range(STAGES - 1):  # the ring's first tiles go out before q is prepared
         _issue_tile(ring.index(first).slice(0, TILE_N), ring.index(first).slice(TILE_N, TILE_N), k_cache_ptr,
-                    v_cache_ptr, block_table_row,
-                    tile_lo + first,
-                    key_limit, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
+                    v_cache_ptr, block_table_row, tile_lo + first, key_limit, kv_head, stride_kb, stride_ks,
+                    stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
 
-    # q rows (the group's heads; rows past GROUP are zero) as two e4m3 terms with per-row scales
-    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-    q_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    q_mask = gl.expand_dims(q_rows < GROUP, 1)
-    q = gl.load(q_ptr + token * stride_qt + gl.expand_dims((kv_head * GROUP + q_rows) * stride_qh, 1)
-                + gl.expand_dims(q_cols, 0), mask=q_mask, other=0.0).to(gl.float32)  # [BLOCK_M, D]
-    q_hi, scale_hi, q_lo, scale_lo = _split_rows_e4m3(q)
+    # q rows as two e4m3 terms with per-row scales. Row r is head r of the group (zero past GROUP); PACKED: rows
+    # r < N_OUT hold head r's hi term, rows N_OUT + r its lo term.
+    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    q_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))
+    q_head = q_rows % N_OUT if PACKED else q_rows
+    q = gl.load(q_ptr + token * stride_qt + gl.expand_dims((kv_head * GROUP + q_head) * stride_qh, 1)
+                + gl.expand_dims(q_cols, 0), mask=gl.expand_dims(q_head < GROUP, 1), other=0.0).to(gl.float32)
+    q_hi, scale_hi, q_lo, scale_lo = _split_rows_e4m3(q)  # [BLOCK_M, D] e4m3 each, [BLOCK_M] scales
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(HEAD_DIM, 128), element_bitwidth=8,
                                                        rank=2)
-    q_hi_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_hi)
-    q_lo_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_lo)
-    if not V16_IN_SLOT:  # V's fp16 copy in a buffer of its own (16 KB more a program)
-        v16_own = gl.allocate_shared_memory(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
-    p_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, BLOCK_M], p_smem_layout)
     score_scale = qk_scale * gl.load(k_scale_ptr)
-    sc_hi = gl.expand_dims(gl.convert_layout(scale_hi, gl.SliceLayout(0, s_layout)) * score_scale, 0)  # [1, M]
-    sc_lo = gl.expand_dims(gl.convert_layout(scale_lo, gl.SliceLayout(0, s_layout)) * score_scale, 0)
+    if PACKED:
+        is_hi = q_rows < N_OUT
+        q_packed = gl.where(gl.expand_dims(is_hi, 1), q_hi, q_lo)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_packed)
+        sc_packed = gl.where(is_hi, scale_hi, scale_lo) * score_scale
+        sc_hi = gl.expand_dims(gl.convert_layout(sc_packed, gl.SliceLayout(0, s_layout)), 0)  # [1, BLOCK_M]
+        sc_lo = sc_hi  # unused
+        q_hi_t = q_smem.permute((1, 0))  # [D, BLOCK_M]: the score dot's K-major B operand
+        q_lo_t = q_hi_t  # unused
+    else:
+        q_hi_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_hi)
+        q_lo_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_smem_layout, q_lo)
+        sc_hi = gl.expand_dims(gl.convert_layout(scale_hi, gl.SliceLayout(0, s_layout)) * score_scale, 0)
+        sc_lo = gl.expand_dims(gl.convert_layout(scale_lo, gl.SliceLayout(0, s_layout)) * score_scale, 0)
+        q_hi_t = q_hi_smem.permute((1, 0))
+        q_lo_t = q_lo_smem.permute((1, 0))
+    p_smem = gl.allocate_shared_memory(gl.float16, [TILE_N, N_OUT], p_smem_layout)
 
-    m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, gl.SliceLayout(0, s_layout))
-    l_i = gl.zeros([TILE_N, BLOCK_M], gl.float32, s_layout)  # softmax sums per key slot, summed after the loop
-    acc = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, o_layout)  # out^T
     s_zero = gl.zeros([TILE_N, BLOCK_M], gl.float32, s_layout)
+    zero_scores = _scores(s_zero, s_zero, sc_hi, sc_lo, PACKED, TILE_N, N_OUT)  # [TILE_N, N_OUT] in their layout
+    m_i = gl.max(zero_scores, 0) + NEG_BIG  # [N_OUT]
+    l_i = zero_scores  # softmax sums per key slot, summed after the loop
+    acc = gl.zeros([HEAD_DIM, N_OUT], gl.float32, o_layout)  # out^T
     offs_key = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout))
-    q_hi_t = q_hi_smem.permute((1, 0))  # [D, BLOCK_M]: the score dots' K-major B operands
-    q_lo_t = q_lo_smem.permute((1, 0))
-    if OVERLAP:
-        acc, m_i, l_i = _overlapped_tiles(ring, q_hi_t, q_lo_t, p_smem, acc, m_i, l_i, s_zero, sc_hi, sc_lo, offs_key,
-                                          tile_lo, tile_hi, key_limit, k_cache_ptr, v_cache_ptr, block_table_row,
-                                          kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                          BLOCK_SIZE, TILE_N, HEAD_DIM, STAGES, copy_layout, o_layout,
-                                          v16_smem_layout)
-        tile_hi = tile_lo  # the loop below runs no tile
     for j in range(tile_lo, tile_hi):
         i = j - tile_lo
         # tile j's group is the oldest of the STAGES - 1 outstanding; after the barrier every thread's copies of it
@@ -225,51 +225,43 @@ def fp8_decode_kernel(
         gl.thread_barrier()
         ahead = (i + STAGES - 1) % STAGES
         _issue_tile(ring.index(ahead).slice(0, TILE_N), ring.index(ahead).slice(TILE_N, TILE_N), k_cache_ptr,
-                    v_cache_ptr, block_table_row,
-                    j + STAGES - 1, key_limit, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                    stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
-        if DEBUG != 2:  # DEBUG 2, measurement only (bench/results/s24): the copies and waits alone
-            slot = i % STAGES
-            k_tile = ring.index(slot).slice(0, TILE_N)
-            s_hi = warpgroup_mma(k_tile, q_hi_t, s_zero, use_acc=False, is_async=True)
+                    v_cache_ptr, block_table_row, j + STAGES - 1, key_limit, kv_head, stride_kb, stride_ks,
+                    stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
+        slot = i % STAGES
+        k_tile = ring.index(slot).slice(0, TILE_N)
+        s_hi = warpgroup_mma(k_tile, q_hi_t, s_zero, use_acc=False, is_async=True)
+        if PACKED:
+            s_lo = s_hi
+        else:
             s_lo = warpgroup_mma(k_tile, q_lo_t, s_zero, use_acc=False, is_async=True)
-            v8 = ring.index(slot).slice(TILE_N, TILE_N).load(copy_layout)  # [TILE_N, D] e4m3, beside the dots
-            if V16_IN_SLOT:
-                # the slot's 16 KB hold V's fp16 copy once the score dots are done with K and every thread holds
-                # its V bytes: one barrier more a tile, 16 KB less a program (a third ring slot at 4 programs an SM)
-                s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
-                gl.thread_barrier()
-                v16_smem = ring.index(slot)._reinterpret(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
-                v16_smem.store(v8.to(gl.float16))
-            else:
-                v16_smem = v16_own
-                v16_smem.store(v8.to(gl.float16))
-                s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
-            if DEBUG == 1:  # the first tile's raw dots and row scales (bench/results/s24/gluon_debug.py)
-                dbg_r = gl.expand_dims(gl.arange(0, TILE_N, layout=gl.SliceLayout(1, s_layout)), 1)
-                dbg_c = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
-                if i == 0:
-                    gl.store(part_out_ptr + dbg_r * BLOCK_M + dbg_c, s_hi)
-                    gl.store(part_out_ptr + TILE_N * BLOCK_M + dbg_r * BLOCK_M + dbg_c, s_lo)
-                    gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + dbg_r * 0 + dbg_c, sc_hi + dbg_r * 0.0)
-                    gl.store(part_out_ptr + 2 * TILE_N * BLOCK_M + BLOCK_M + dbg_r * 0 + dbg_c, sc_lo + dbg_r * 0.0)
-            s = s_hi * sc_hi + s_lo * sc_lo  # [TILE_N, BLOCK_M], log2 units
-            key_ok = gl.expand_dims(j * TILE_N + offs_key < key_limit, 1)
-            s = gl.where(key_ok, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 0))  # [TILE_N, BLOCK_M]
-            l_i = l_i * gl.expand_dims(alpha, 0) + p
-            m_i = m_new
-            p_smem.store(p.to(gl.float16))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
-            acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        v8 = ring.index(slot).slice(TILE_N, TILE_N).load(copy_layout)  # [TILE_N, D] e4m3, beside the dots
+        if PACKED:
+            s_hi = warpgroup_mma_wait(0, deps=(s_hi, ))
+            s_lo = s_hi
+        else:
+            s_hi, s_lo = warpgroup_mma_wait(0, deps=(s_hi, s_lo))
+        # the slot's 16 KB take V's fp16 copy once the score dots are done with K and every thread holds its V bytes
+        # (one barrier more a tile, 16 KB less a program than a buffer of its own: 4 programs an SM)
+        gl.thread_barrier()
+        v16_smem = ring.index(slot)._reinterpret(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
+        v16_smem.store(v8.to(gl.float16))
+        s = _scores(s_hi, s_lo, sc_hi, sc_lo, PACKED, TILE_N, N_OUT)  # [TILE_N, N_OUT], log2 units
+        key_ok = gl.convert_layout(gl.expand_dims(j * TILE_N + offs_key < key_limit, 1), s.type.layout)
+        s = gl.where(key_ok, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))  # [TILE_N, N_OUT]
+        l_i = l_i * gl.expand_dims(alpha, 0) + p
+        m_i = m_new
+        p_smem.store(p.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
+        acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
     async_copy.wait_group(0)  # the look-ahead groups (empty past the last tile) retire before the program ends
 
-    l_sum = gl.convert_layout(gl.sum(l_i, 0), gl.SliceLayout(0, o_layout))  # [BLOCK_M]
+    l_sum = gl.convert_layout(gl.sum(l_i, 0), gl.SliceLayout(0, o_layout))  # [N_OUT]
     m_out = gl.convert_layout(m_i, gl.SliceLayout(0, o_layout))
     acc = acc * gl.load(v_scale_ptr)  # sum_j p_j (v_j * v_scale)
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_sum, m_out, token, row_head, head_ok,
@@ -277,54 +269,14 @@ def fp8_decode_kernel(
 
 
 @gluon.jit
-def _overlapped_tiles(ring, q_hi_t, q_lo_t, p_smem, acc, m_i, l_i, s_zero, sc_hi, sc_lo, offs_key, tile_lo, tile_hi,
-                      key_limit, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, stride_kb, stride_ks, stride_kh,
-                      stride_vb, stride_vs, stride_vh, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr,
-                      o_layout: gl.constexpr, v16_smem_layout: gl.constexpr):
-    """The key tiles software-pipelined across the dots (STAGES == 3, tiles tile_lo and tile_lo + 1 already issued
-    to slots 0 and 1): tile j's softmax runs while tile j - 1's PV dot is in flight, and tile j + 1's score dots go
-    out as soon as its copies land, before tile j's V conversion. Returns (acc, m_i, l_i) as the plain loop does."""
-    gl.static_assert(STAGES == 3, "the overlapped loop keeps tiles j - 1 (PV), j and j + 1 (scores) in 3 slots")
-    async_copy.wait_group(1)  # tile tile_lo landed
-    fence_async_shared()
-    gl.thread_barrier()
-    k_first = ring.index(0).slice(0, TILE_N)
-    s_hi = warpgroup_mma(k_first, q_hi_t, s_zero, use_acc=False, is_async=True)
-    s_lo = warpgroup_mma(k_first, q_lo_t, s_zero, use_acc=False, is_async=True)
-    acc = warpgroup_mma_init(acc)
-    for j in range(tile_lo, tile_hi):
-        i = j - tile_lo
-        slot = i % STAGES
-        s_hi, s_lo = warpgroup_mma_wait(1, deps=(s_hi, s_lo))  # tile j's scores (tile j - 1's PV may run on)
-        v8 = ring.index(slot).slice(TILE_N, TILE_N).load(copy_layout)  # [TILE_N, D] e4m3
-        s = s_hi * sc_hi + s_lo * sc_lo  # [TILE_N, BLOCK_M], log2 units
-        s = gl.where(gl.expand_dims(j * TILE_N + offs_key < key_limit, 1), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 0))
-        l_i = l_i * gl.expand_dims(alpha, 0) + p
-        m_i = m_new
-        acc = warpgroup_mma_wait(0, deps=(acc, ))  # tile j - 1's PV done: acc, p_smem and its slot are free
-        async_copy.wait_group(0)  # tile j + 1 landed (this thread's copies; the barrier makes it everyone's)
-        fence_async_shared()
-        gl.thread_barrier()
-        k_next = ring.index((i + 1) % STAGES).slice(0, TILE_N)  # past the last tile: zero rows, a wasted dot
-        s_hi = warpgroup_mma(k_next, q_hi_t, s_zero, use_acc=False, is_async=True)
-        s_lo = warpgroup_mma(k_next, q_lo_t, s_zero, use_acc=False, is_async=True)
-        v16_smem = ring.index(slot)._reinterpret(gl.float16, [TILE_N, HEAD_DIM], v16_smem_layout)
-        v16_smem.store(v8.to(gl.float16))  # tile j's K is consumed (its scores waited for by every warp)
-        p_smem.store(p.to(gl.float16))
-        ahead = (i + 2) % STAGES  # tile j - 1's slot, free since its PV finished
-        _issue_tile(ring.index(ahead).slice(0, TILE_N), ring.index(ahead).slice(TILE_N, TILE_N), k_cache_ptr,
-                    v_cache_ptr, block_table_row, j + 2, key_limit, kv_head, stride_kb, stride_ks, stride_kh,
-                    stride_vb, stride_vs, stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM, copy_layout)
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
-        acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem, acc, is_async=True)
-    acc, s_hi, s_lo = warpgroup_mma_wait(0, deps=(acc, s_hi, s_lo))
-    return acc, m_i, l_i
+def _scores(s_hi, s_lo, sc_hi, sc_lo, PACKED: gl.constexpr, TILE_N: gl.constexpr, N_OUT: gl.constexpr):
+    """A tile's scores in log2 units, [TILE_N, N_OUT]: hi * hi_scale + lo * lo_scale. PACKED: the one dot's columns
+    [0, N_OUT) are the hi terms and [N_OUT, 2 N_OUT) the lo terms of the same heads (s_lo unused)."""
+    if PACKED:
+        scores = gl.sum(gl.reshape(s_hi * sc_hi, [TILE_N, 2, N_OUT]), 1)  # [key, term, head] summed over the terms
+    else:
+        scores = s_hi * sc_hi + s_lo * sc_lo
+    return scores
 
 
 @gluon.jit

@@ -1,5 +1,5 @@
 """Timing probes of kernels/fp8_decode_gluon.py (twenty-fourth session): one decode layer, B=256, contexts 512-768,
-qwen3-0.6b / llama3-8b heads, graph-timed over >= 512 MB of KV a cycle as kv_fp8_bench does. DEBUG=2 runs the copies
+qwen3-0.6b / llama3-8b heads, graph-timed over >= 512 MB of KV a cycle as kv_fp8_bench does. (An earlier version ran
 and waits alone (the access pattern's ceiling); the Triton default for comparison."""
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from pagoda.kernels import fp8_decode_gluon as fg
 from pagoda.kernels import paged_attention as pa
 
 
-def launch(batch, copy: int, stages: int, debug: int, out: torch.Tensor, in_slot: bool = True,
-           max_regs: int = 0, overlap: bool = False) -> None:
+def launch(batch, copy: int, stages: int, out: torch.Tensor, packed: bool, max_regs: int = 0) -> None:
     k_cache, v_cache = batch.caches[True]
     k_scale, v_scale = batch.scales
     q = batch.q
@@ -27,7 +26,7 @@ def launch(batch, copy: int, stages: int, debug: int, out: torch.Tensor, in_slot
         kb.HEAD_DIM ** -0.5 * 1.4426950408889634, table.shape[0], q.shape[0], q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), NUM_HEADS=q.shape[1],
         GROUP=group, HEAD_DIM=kb.HEAD_DIM, BLOCK_SIZE=kb.BLOCK_SIZE, BLOCK_M=max(16, group), TILE_N=64, NUM_SPLITS=1,
-        STAGES=stages, USE_PDL=0, V16_IN_SLOT=in_slot, OVERLAP=overlap, DEBUG=debug, num_warps=4,
+        STAGES=stages, USE_PDL=0, PACKED=packed, num_warps=4,
         **({"maxnreg": max_regs} if max_regs else {}))
 
 
@@ -40,19 +39,19 @@ def main() -> int:
             kv_bytes = sum(seq_lens) * num_kv_heads * kb.HEAD_DIM * 2
             out = torch.empty_like(batch.q)
             rows = []
-            default = kb.Variant("fp8_default", True, {})
+            default = kb.Variant("fp8_default", True, {"decode_pipelined": False})  # Triton's launch
             config = kb.variant_config(batch, default)
             calls = [partial(kb.run_variant, batch, default, config, c) for c in range(len(batch.copy_tables))]
-            rows.append(("triton default", 1e3 * graph_time_ms(calls, reps=10, replays=1)))
+            rows.append(("triton (qk_fp8x2)", 1e3 * graph_time_ms(calls, reps=10, replays=1)))
             expected = kb.run_variant(batch, default, config, 0).float()
-            for name, stages, debug, in_slot, max_regs, overlap in (
-                    ("gluon s2 V16 in slot", 2, 0, True, 0, False), ("overlapped s3", 3, 0, True, 0, True),
-                    ("overlapped s3, 128 regs", 3, 0, True, 128, True)):
-                launch(batch, 0, stages, debug, out, in_slot, max_regs, overlap)
+            for name, stages, packed, max_regs in (
+                    ("gluon s2", 2, False, 0), ("gluon s2 packed", 2, True, 0), ("gluon s3 packed", 3, True, 0),
+                    ("gluon s2 packed, 64 regs", 2, True, 64)):
+                launch(batch, 0, stages, out, packed, max_regs)
                 error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
-                calls = [partial(launch, batch, c, stages, debug, out, in_slot, max_regs, overlap)
+                calls = [partial(launch, batch, c, stages, out, packed, max_regs)
                          for c in range(len(batch.copy_tables))]
-                rows.append((f"{name} (vs triton {error:.1e})", 1e3 * graph_time_ms(calls, reps=10, replays=1)))
+                rows.append((f"{name} (vs default {error:.1e})", 1e3 * graph_time_ms(calls, reps=10, replays=1)))
             print(f"-- {model} B={num_seqs} ctx {lo}-{hi}")
             for name, us in rows:
                 print(f"   {name:40s} {us:8.1f} us  {kv_bytes / us / 1e6:5.2f} TB/s")
