@@ -4,7 +4,9 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop (default: tests,parity,pagoda,peers,compiled)
+#   one-loop,gluon (default: tests,parity,pagoda,peers,compiled)
+#   gluon: qwen3-0.6b reference with a bf16 and an fp8 cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and
+#   OpenAI-sampled (the runs the Gluon fp8 decode kernel moves).
 #   one-loop: the decode launch with every key tile in one masked loop (kv_fp8_bench --long, ONE_LOOP_ONLY), then
 #   qwen3-0.6b reference with a bf16 and an fp8 cache.
 #   figures: issues 20 and 25's figures on the committed tree, no tuning: llama3-8b FP8 batch-1, qwen3-0.6b with a
@@ -224,6 +226,19 @@ if has attention; then
   timeout 100 python3 -m pagoda.bench throughput --model llama3-8b "${WORKLOAD[@]}" --timeout 90 \
     --out "$OUT/attention_llama3-8b.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
   trtllm_1000 attention
+fi
+if has gluon; then
+  # the figures the Gluon fp8 decode kernel moves (twenty-fourth session): qwen3-0.6b reference with a bf16 and an fp8
+  # cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and OpenAI-sampled
+  qwen3_kv_pair gluon
+  trtllm_1000 gluon
+  for run in "reference fp8" "openai fp8"; do
+    set -- $run
+    echo "== llama3-8b fp8, workload $1, kv $2"
+    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+      --workload "$1" --kv-cache-dtype "$2" --timeout 140 --out "$OUT/gluon_llama_fp8_${1}_kv_$2.json" 2>&1 \
+      | grep -v "^[a-z-]*: {" | tail -4
+  done
 fi
 if has one-loop; then
   # every decode tile in one masked loop (decode_one_loop) against the two loops and bf16, then qwen3-0.6b reference

@@ -50,9 +50,9 @@ def on_hopper(q: torch.Tensor) -> bool:
 
 def supports(q: torch.Tensor, head_dim: int, group: int, tile_n: int, stages: int) -> bool:
     """Whether this kernel serves a decode launch: on_hopper, a 16-bit q, a power-of-two head_dim of 64..256 (the PV
-    dot's M: a wgmma's 64 rows), at most 64 query heads a kv head (the dots' N side), 64- or 128-key tiles (multiples
-    of the wgmma's 64-row M) and 2..4 ring slots."""
-    return (head_dim in (64, 128, 256) and group <= 64 and tile_n in (64, 128) and 2 <= stages <= 4
+    dot's M: a wgmma's 64 rows), at most 64 query heads a kv head (the dots' N side), 64-key tiles (the wgmma's M; 128
+    failed its GPU test in the packed layout, H200 2026-12-04) and 2..4 ring slots."""
+    return (head_dim in (64, 128, 256) and group <= 64 and tile_n == 64 and 2 <= stages <= 4
             and q.dtype in (torch.float16, torch.bfloat16) and on_hopper(q))
 
 
@@ -109,7 +109,7 @@ def fp8_decode_kernel(
         BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
         USE_PDL: gl.constexpr, PACKED: gl.constexpr = False):
     """Grid (kv heads, num_seqs + 1, splits). qk_scale: softmax scale * log2(e). HEAD_DIM a power of two in
-    64..256, TILE_N 64 or 128 (multiples of the wgmma's M), BLOCK_M >= GROUP a power of two >= 16 (the score dot's
+    64..256, TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16 (the score dot's
     N), STAGES >= 2 ring slots. PACKED (GROUP <= BLOCK_M // 2): q's two e4m3 terms share one score dot, the hi rows
     on its first BLOCK_M // 2 columns and the lo rows on the rest (each thread of a wgmma accumulator holds columns c
     and c + 8 side by side), so K is read once a tile and the softmax and PV dot run on BLOCK_M // 2 columns."""

@@ -242,7 +242,7 @@ def run_fp8_default_decode_shapes() -> None:
 
 def run_fp8_gluon_decode_shapes() -> None:
     """The hand-pipelined Gluon decode kernel (AttentionConfig.decode_pipelined) through paged_attention, as if on
-    an sm_90 GPU: ring depths 2-4, splits, 128-key tiles, groups of 1 to 16 heads, head dims 64 to 256."""
+    an sm_90 GPU: ring depths 2-4, splits, groups of 1 to 16 heads (packed score dots up to 8), head dims 64 to 256."""
     from dataclasses import replace
 
     from pagoda.kernels import fp8_decode_gluon
@@ -252,7 +252,7 @@ def run_fp8_gluon_decode_shapes() -> None:
     base = AttentionConfig(fp8_convert="qk_fp8x2", decode_keys_on_m=True, decode_lazy_sum=True, decode_pipelined=True)
     for head_dim, num_heads, num_kv_heads, splits, stages, tile_n in (
             (128, 16, 8, 1, 2, 64), (128, 32, 8, 1, 3, 64), (128, 32, 8, 64, 2, 64), (64, 9, 3, 1, 2, 64),
-            (128, 64, 4, 1, 2, 128), (256, 8, 4, 4, 2, 64), (64, 8, 8, 1, 4, 64)):
+            (128, 64, 4, 1, 2, 64), (256, 8, 4, 4, 2, 64), (64, 8, 8, 1, 4, 64)):
         num_seqs, context = 8, 256
         q = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16)  # [T, heads, D]
         cache = torch.empty(num_seqs * context // 16, 16, num_kv_heads, head_dim,
