@@ -6,16 +6,18 @@ at the top (sm_90 SASS, bench/RESULTS.md, twenty-second session), and V, convert
 second buffer. This kernel keeps a ring of STAGES raw e4m3 K/V tiles in shared memory: while a program computes
 tile j, the copies of tiles j + 1 .. j + STAGES - 1 are in flight. Per tile:
 
-  S^T [TILE_N, BLOCK_M] = K [TILE_N, D] . q^T     two e4m3 wgmmas (q as hi + lo rows, "qk_fp8x2"), K as copied
+  S^T [TILE_N, BLOCK_M] = K [TILE_N, D] . q^T     e4m3 wgmma(s) on K as copied, q as hi + lo e4m3 rows ("qk_fp8x2")
   P^T = exp2(S^T - m)                             running max over the keys (axis 0), sums kept per key slot
-  V (e4m3, smem) -> fp16 in registers -> smem     one cvt.rn.f16x2.e4m3x2 a pair, 16-byte shared loads/stores
-  acc^T [D, BLOCK_M] += V^T . P^T                 fp16 wgmma, both operands from shared memory
+  V (e4m3, smem) -> fp16 in registers -> smem     one cvt.rn.f16x2.e4m3x2 a pair; into the tile's own ring slot
+  acc^T [D, N_OUT] += V^T . P^T                   fp16 wgmma, both operands from shared memory
 
 One program per (kv head, sequence, split), 4 warps (one warpgroup): the GROUP query heads of a kv head sit on the
-dots' N side (BLOCK_M >= 16), the keys on M. Same semantics as the Triton decode launch (reference.paged_attention):
-length-1 queries only, program `num_seqs` zeroes the padding rows [qsl[B], T), splits write partials for
-paged_attention's split reduce. Gluon runs on the GPU only (not in Triton's interpreter); `tests/gpu_compile.py`
-compiles it for sm_90 on the CPU and tests/test_fp8_decode_gluon.py checks it on the GPU.
+dots' N side, the keys on M. With GROUP <= 8 (PACKED) q's hi and lo rows share one 16-column score dot and the rest
+runs on 8 columns; else two dots of BLOCK_M >= 16 columns. Same semantics as the Triton decode launch
+(reference.paged_attention): length-1 queries only, program `num_seqs` zeroes the padding rows [qsl[B], T), splits
+write partials for paged_attention's split reduce. H200 timings and the variants that lost (deeper rings, an
+overlapped loop): bench/RESULTS.md, twenty-fourth session. Gluon runs on the GPU only (not in Triton's interpreter);
+`tests/gpu_compile.py` compiles it for sm_90 on the CPU and tests/test_fp8_decode_gluon.py checks it on the GPU.
 """
 
 from __future__ import annotations

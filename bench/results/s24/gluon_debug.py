@@ -1,5 +1,7 @@
 """GPU debugging of kernels/fp8_decode_gluon.py piece by piece (twenty-fourth session): the paged cp.async copy into
-the ring, the QK^T fp8 wgmma, the PV fp16 wgmma, each against torch."""
+the ring, the QK^T fp8 wgmma, the PV fp16 wgmma, each against torch, then the whole kernel and a dump of its first
+tile's dots. Ran against 1f42b48-00f8ae7 (the kernel's DEBUG=1 dump and separate K/V rings have since been removed,
+so it no longer runs as is); what it found is in bench/RESULTS.md."""
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
