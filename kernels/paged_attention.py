@@ -105,8 +105,8 @@ class AttentionConfig:
     decode_one_loop: bool = False
     # Decode over an fp8 cache by the hand-pipelined Gluon kernel (kernels/fp8_decode_gluon.py: a ring of
     # decode_num_stages e4m3 K/V tiles in shared memory, copies of the next tiles in flight while a tile computes) where
-    # it applies (fp8_decode_gluon.supports: qk_fp8x2 on an sm_90 GPU, power-of-two head_dim 32..256); else the
-    # Triton launch
+    # it applies (qk_fp8x2 and fp8_decode_gluon.supports: an sm_90 GPU, head_dim 64 / 128 / 256, 64-key tiles); else
+    # the Triton launch
     decode_pipelined: bool = False
     # The Gluon kernel with q's two e4m3 terms in one score dot (groups of up to 8 query heads a kv head): K read once a
     # tile, the softmax and PV dot on 8 columns (sm_90 SASS, qwen3-0.6b heads: 280 loop instructions against 340,
@@ -206,11 +206,12 @@ def pick_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group_size: i
             # 7.7 / 10.6-10.7 us a layer against 7.5 / 8.3 / 11.4-11.5 in two (two calls, H200, 2026-12-04,
             # bench/results/s23); unsplit batches (B=64, 256) level within 1-3% either way, so they keep two.
             # Unsplit launches on an sm_90 GPU run the hand-pipelined Gluon kernel (kernels/fp8_decode_gluon.py, a
-            # ring of 2 e4m3 K/V tiles, V's fp16 copy in its own slot): H200, 2026-12-04 (bench/results/s24), one
-            # layer, B=256, contexts 512-768 / 1024 / 4096, qwen3-0.6b 117.5 / 174.7 / 638.9 us against 123.8 /
-            # 182.1 / 661.5, llama3-8b 120.9 / 184.9 / 636.1 against 129.6 / 191.0 / 658.7, B=64 33.9-34.1 against
-            # 37.4-38.9; a ring of 3 or 4 was slower (129.5 / 148.0 us), and split launches keep the Triton kernel
-            # (qwen3-0.6b decode steps at B=64 2.013 ms against 1.958 with it there)
+            # ring of 2 e4m3 K/V tiles, q's two terms in one score dot): H200, 2026-12-04 (bench/results/s24), one
+            # layer, llama3-8b B=256 contexts 512-768 / 1024 102.4 / 150.0 us against 124.5 / 181.3, B=64 30.1
+            # against 36.4, qwen3-0.6b B=256 1024 146.4 against 182.8; whole decode steps qwen3-0.6b B=256 4.142 ms
+            # against 4.703, llama3-8b FP8 B=256 ctx 1024 10.078 against 10.942. Rings of 3 or 4 were slower, and
+            # split launches keep the Triton kernel (the unpacked ring there: qwen3-0.6b B=64 steps 2.013 ms against
+            # 1.958)
             return AttentionConfig(num_splits=num_splits, heads_fast=True, fp8_convert="qk_fp8x2",
                                    decode_keys_on_m=True, decode_lazy_sum=True, decode_one_loop=num_splits > 1,
                                    decode_num_stages=1 if num_splits > 1 else 2, decode_pipelined=num_splits == 1)
@@ -829,9 +830,11 @@ def _fp8_decode_override(config: AttentionConfig) -> AttentionConfig:
     if pipelined:
         if pipelined not in ("0", "1", "2", "3", "4"):
             raise ValueError(f"PAGODA_FP8_DECODE_PIPELINED must be 0, 1 or a ring depth 2-4, got {pipelined!r}")
-        stages = int(pipelined) if pipelined not in ("0", "1") else max(2, config.decode_num_stages)
-        config = replace(config, decode_pipelined=pipelined != "0",
-                         decode_num_stages=stages if pipelined != "0" else config.decode_num_stages)
+        if pipelined == "0":
+            config = replace(config, decode_pipelined=False)
+        else:
+            stages = max(2, config.decode_num_stages) if pipelined == "1" else int(pipelined)
+            config = replace(config, decode_pipelined=True, decode_num_stages=stages)
     convert = os.environ.get("PAGODA_FP8_KV_DECODE")
     if not convert:
         return config
