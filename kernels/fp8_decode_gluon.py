@@ -111,9 +111,10 @@ def fp8_decode_kernel(
         BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
         USE_PDL: gl.constexpr, PACKED: gl.constexpr = False):
     """Grid (kv heads, num_seqs + 1, splits). qk_scale: softmax scale * log2(e). HEAD_DIM a power of two in 64..256,
-    TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16 (the score dot's N), STAGES >= 2 ring slots. PACKED (GROUP <= BLOCK_M // 2): q's two e4m3 terms share one score dot, the hi rows
-    on its first BLOCK_M // 2 columns and the lo rows on the rest (each thread of a wgmma accumulator holds columns c
-    and c + 8 side by side), so K is read once a tile and the softmax and PV dot run on BLOCK_M // 2 columns."""
+    TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16 (the score dot's N), STAGES >= 2 ring slots.
+    PACKED (GROUP <= BLOCK_M // 2): q's two e4m3 terms share one score dot, the hi rows on its first BLOCK_M // 2
+    columns and the lo rows on the rest (each thread of a wgmma accumulator holds columns c and c + 8 side by side),
+    so K is read once a tile and the softmax and PV dot run on BLOCK_M // 2 columns."""
     if USE_PDL == 1:
         gdc_launch_dependents()
     if USE_PDL > 0:
