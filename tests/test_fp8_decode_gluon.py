@@ -66,11 +66,11 @@ def test_gluon_decode_matches_reference_and_triton(num_splits: int, stages: int,
 @pytest.mark.gpu
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size", "tile_n"),
                          [(16, 8, 128, 16, 64), (32, 8, 128, 16, 64), (8, 8, 64, 32, 64), (32, 2, 64, 16, 64),
-                          (64, 1, 64, 64, 64), (8, 2, 256, 16, 64)])
+                          (64, 1, 64, 64, 64), (8, 2, 256, 16, 64), (9, 3, 64, 16, 64)])
 def test_gluon_decode_head_layouts(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                                    tile_n: int) -> None:
-    """Groups of 1 to 64 query heads a kv head (qwen3-0.6b's 2, llama3-8b's 4; up to 8 in one packed score dot, more
-    in two), head dims 64 to 256, cache blocks smaller and larger than a key tile."""
+    """Groups of 1 to 64 query heads a kv head (qwen3-0.6b's 2, llama3-8b's 4, SmolLM2's 3; up to 8 in one packed
+    score dot, more in two), head dims 64 to 256, cache blocks smaller and larger than a key tile."""
     case = _fp8_case([1] * 4, [300, 65, 1, 129], torch.bfloat16, num_heads=num_heads, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, block_size=block_size, seed=5, gaussian=True)
     gluon_config, _ = _pipelined(1, 2, tile_n)
