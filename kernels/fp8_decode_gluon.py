@@ -23,8 +23,11 @@ overlapped loop): bench/RESULTS.md, twenty-fourth session. Gluon runs on the GPU
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import torch
+from triton.compiler.errors import CompilationError
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -34,6 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.errors import OutOfResources, PTXASError
+
+logger = logging.getLogger(__name__)
 
 NEG_BIG = gl.constexpr(-1.0e30)  # the running max before any key (as in paged_attention.py)
 E4M3_MAX = gl.constexpr(448.0)
@@ -46,8 +52,10 @@ def _major(device_index: int) -> int:
 
 
 def on_hopper(q: torch.Tensor) -> bool:
-    """q lives on an sm_90 GPU (the Gluon kernel's wgmma path; the caller rules out Triton's interpreter)."""
-    return q.is_cuda and _major(q.device.index if q.device.index is not None else torch.cuda.current_device()) == 9
+    """q lives on an sm_90 GPU (the Gluon kernel's wgmma path), outside Triton's interpreter (which runs no Gluon)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not q.is_cuda:
+        return False
+    return _major(q.device.index if q.device.index is not None else torch.cuda.current_device()) == 9
 
 
 def supports(q: torch.Tensor, head_dim: int, group: int, tile_n: int, stages: int) -> bool:
@@ -56,6 +64,26 @@ def supports(q: torch.Tensor, head_dim: int, group: int, tile_n: int, stages: in
     failed its GPU test in the packed layout, H200 2026-12-04) and 2..4 ring slots."""
     return (head_dim in (64, 128, 256) and group <= 64 and tile_n == 64 and 2 <= stages <= 4
             and q.dtype in (torch.float16, torch.bfloat16) and on_hopper(q))
+
+
+_FAILED_SHAPES: set[tuple[object, ...]] = set()  # launch shapes that did not compile: the caller runs Triton's
+
+
+def launch(grid: tuple[int, int, int], args: tuple[object, ...], **options: object) -> bool:
+    """fp8_decode_kernel[grid](*args, **options), or False, without launching, for a shape that failed to compile.
+    Gluon is an experimental Triton API: a compile failure (or a launch the device cannot hold) is logged once and
+    the caller runs the Triton decode launch for that shape from then on."""
+    key = tuple(sorted((name, value) for name, value in options.items() if name != "launch_pdl"))
+    if key in _FAILED_SHAPES:
+        return False
+    try:
+        fp8_decode_kernel[grid](*args, **options)
+    except (CompilationError, OutOfResources, PTXASError, RuntimeError) as exc:
+        _FAILED_SHAPES.add(key)
+        logger.warning("Gluon fp8 decode kernel unavailable for %s (%s: %s); the Triton launch serves it", dict(key),
+                       type(exc).__name__, str(exc)[:300])
+        return False
+    return True
 
 
 @gluon.jit

@@ -933,14 +933,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
     # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.
     num_decode_programs = num_seqs + 1 if decode_only else num_seqs
-    pipelined = (config.decode_pipelined and decode_fp8_mode == _FP8_MODE["qk_fp8x2"] and shape["USE_ASM"]
+    pipelined = (config.decode_pipelined and decode_fp8_mode == _FP8_MODE["qk_fp8x2"]
                  and fp8_decode_gluon.supports(q, head_dim, group, config.decode_tile_n, config.decode_num_stages))
-    if num_decode_programs and pipelined:
-        fp8_decode_gluon.fp8_decode_kernel[(num_kv_heads, num_decode_programs, num_splits)](
-            *args, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n, NUM_SPLITS=num_splits,
-            STAGES=config.decode_num_stages, PACKED=group <= 8 and config.decode_packed,
-            num_warps=fp8_decode_gluon.NUM_WARPS.value, **pdl_options)
+    if num_decode_programs and pipelined and fp8_decode_gluon.launch(
+            (num_kv_heads, num_decode_programs, num_splits), args, NUM_HEADS=num_heads, GROUP=group,
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)),
+            TILE_N=config.decode_tile_n, NUM_SPLITS=num_splits, STAGES=config.decode_num_stages,
+            PACKED=group <= 8 and config.decode_packed, num_warps=fp8_decode_gluon.NUM_WARPS.value, **pdl_options):
+        pass  # the Gluon kernel ran
     elif num_decode_programs:
         _paged_attention_kernel[grid(num_decode_programs)](
             *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,

@@ -46,6 +46,33 @@ def test_switch_falls_back_where_gluon_cannot_run() -> None:
     assert not fp8_decode_gluon.supports(q.half(), 32, 4, 64, 2)  # head_dim below the PV wgmma's 64 rows
 
 
+def test_a_shape_that_fails_to_compile_falls_back_once(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Gluon is experimental: where the kernel does not compile for a shape, that launch (and every later one of the
+    shape) runs Triton's decode kernel, with one warning, and the output is Triton's."""
+    calls = []
+
+    class FailingKernel:
+        def __getitem__(self, grid: tuple[int, int, int]):  # noqa: ANN204
+            def run(*args: object, **options: object) -> None:
+                calls.append(grid)
+                raise RuntimeError("PassManager::run failed")
+            return run
+
+    monkeypatch.setattr(fp8_decode_gluon, "fp8_decode_kernel", FailingKernel())
+    monkeypatch.setattr(fp8_decode_gluon, "on_hopper", lambda q: True)
+    monkeypatch.setattr(fp8_decode_gluon, "_FAILED_SHAPES", set())
+    case = _fp8_case([1, 1, 1], [70, 5, 130], torch.float16, num_heads=8, num_kv_heads=2, head_dim=64, seed=3,
+                     gaussian=True)
+    pipelined = replace(TRITON_DECODE, decode_pipelined=True)
+    with caplog.at_level("WARNING", logger="pagoda.kernels.fp8_decode_gluon"):
+        first, second = _run(case, pipelined), _run(case, pipelined)
+    assert len(calls) == 1  # tried once; the second launch of the shape went straight to Triton's
+    assert sum("Gluon fp8 decode kernel unavailable" in r.getMessage() for r in caplog.records) == 1
+    expected = _run(case, TRITON_DECODE)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("num_splits", "stages"), [(1, 2), (1, 3), (4, 2), (64, 2), (2, 4)])
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
