@@ -90,6 +90,17 @@ trtllm_1000() {  # llama3-8b FP8 + FP8 KV on TensorRT-LLM's 1000/1000 workload; 
     --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/$1_trtllm-1000.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -4
 }
+llama_fp8_runs() {  # llama3-8b FP8 runs; $1: the JSON files' prefix, then "workload kv-cache-dtype" pairs
+  local prefix=$1 run
+  shift
+  for run in "$@"; do
+    set -- $run
+    echo "== llama3-8b fp8, workload $1, kv $2"
+    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+      --workload "$1" --kv-cache-dtype "$2" --timeout 140 --out "$OUT/${prefix}_${1}_kv_$2.json" 2>&1 \
+      | grep -v "^[a-z-]*: {" | tail -4
+  done
+}
 
 if has tests; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o pythonpath= tests/test_model_kernels.py tests/test_kernels.py \
@@ -232,13 +243,7 @@ if has gluon; then
   # cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and OpenAI-sampled
   qwen3_kv_pair gluon
   trtllm_1000 gluon
-  for run in "reference fp8" "openai fp8"; do
-    set -- $run
-    echo "== llama3-8b fp8, workload $1, kv $2"
-    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
-      --workload "$1" --kv-cache-dtype "$2" --timeout 140 --out "$OUT/gluon_llama_fp8_${1}_kv_$2.json" 2>&1 \
-      | grep -v "^[a-z-]*: {" | tail -4
-  done
+  llama_fp8_runs gluon_llama_fp8 "reference fp8" "openai fp8"
 fi
 if has one-loop; then
   # every decode tile in one masked loop (decode_one_loop) against the two loops and bf16, then qwen3-0.6b reference
@@ -265,13 +270,7 @@ if has llama-fp8; then
   echo "== llama3-8b fp8 decode step, SiLU in the down GEMV at one row (default) / never"
   timeout 240 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,4 --context 512 \
     --profile default=PAGODA_FUSE_SILU_GEMV= silu_off=PAGODA_FUSE_SILU_GEMV=0 2>&1 | tail -44
-  for run in "reference auto" "reference fp8" "openai fp8"; do
-    set -- $run
-    echo "== llama3-8b fp8, workload $1, kv $2"
-    timeout 150 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
-      --workload "$1" --kv-cache-dtype "$2" --timeout 140 --out "$OUT/llama_fp8_${1}_kv_$2.json" 2>&1 \
-      | grep -v "^[a-z-]*: {" | tail -4
-  done
+  llama_fp8_runs llama_fp8 "reference auto" "reference fp8" "openai fp8"
 fi
 if has deepseek-profile; then
   timeout 200 python3 -m pagoda.bench.deepseek_bench --model deepseek-v2-lite --quantization none \

@@ -229,15 +229,20 @@ def run_fp8_default_decode_shapes() -> None:
     from pagoda.kernels.paged_attention import paged_attention
 
     for head_dim, num_heads, num_kv_heads in ((64, 9, 3), (96, 32, 8), (128, 16, 16), (128, 64, 8), (256, 8, 4)):
-        num_seqs, context = 8, 256
-        q = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16)  # [T, heads, D]
-        cache = torch.empty(num_seqs * context // 16, 16, num_kv_heads, head_dim,
-                            dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
-        block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
-        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-        qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
-        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, k_scale=torch.ones(1),
+        paged_attention(*_fp8_decode_batch(head_dim, num_heads, num_kv_heads), k_scale=torch.ones(1),
                         v_scale=torch.ones(1))
+
+
+def _fp8_decode_batch(head_dim: int, num_heads: int, num_kv_heads: int) -> tuple[Any, ...]:
+    """paged_attention's leading arguments for 8 decode rows over 256 cached tokens of an fp8 cache."""
+    num_seqs, context = 8, 256
+    q = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16)  # [T, heads, D]
+    cache = torch.empty(num_seqs * context // 16, 16, num_kv_heads, head_dim,
+                        dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
+    block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+    return q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1
 
 
 def run_fp8_gluon_decode_shapes() -> None:
@@ -253,16 +258,9 @@ def run_fp8_gluon_decode_shapes() -> None:
     for head_dim, num_heads, num_kv_heads, splits, stages, tile_n in (
             (128, 16, 8, 1, 2, 64), (128, 32, 8, 1, 3, 64), (128, 32, 8, 64, 2, 64), (64, 9, 3, 1, 2, 64),
             (128, 64, 4, 1, 2, 64), (256, 8, 4, 4, 2, 64), (64, 8, 8, 1, 4, 64)):
-        num_seqs, context = 8, 256
-        q = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16)  # [T, heads, D]
-        cache = torch.empty(num_seqs * context // 16, 16, num_kv_heads, head_dim,
-                            dtype=torch.float8_e4m3fn)  # [N, bs, kvh, D]
-        block_tables = torch.zeros(num_seqs, context // 16, dtype=torch.int32)
-        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-        qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
         config = replace(base, num_splits=splits, decode_num_stages=stages, decode_tile_n=tile_n)
-        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, config=config,
-                        k_scale=torch.ones(1), v_scale=torch.ones(1))
+        paged_attention(*_fp8_decode_batch(head_dim, num_heads, num_kv_heads), config=config, k_scale=torch.ones(1),
+                        v_scale=torch.ones(1))
 
 
 def run_fp8_chunk_attention_shapes() -> None:
