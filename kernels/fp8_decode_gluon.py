@@ -69,16 +69,20 @@ def supports(q: torch.Tensor, head_dim: int, group: int, tile_n: int, stages: in
 _FAILED_SHAPES: set[tuple[object, ...]] = set()  # launch shapes that did not compile: the caller runs Triton's
 
 
+def _shape_key(options: dict[str, object]) -> tuple[object, ...]:
+    return tuple(sorted((name, value) for name, value in options.items() if name != "launch_pdl"))
+
+
 def launch(grid: tuple[int, int, int], args: tuple[object, ...], **options: object) -> bool:
     """fp8_decode_kernel[grid](*args, **options), or False, without launching, for a shape that failed to compile.
     Gluon is an experimental Triton API: a compile failure (or a launch the device cannot hold) is logged once and
     the caller runs the Triton decode launch for that shape from then on."""
-    key = tuple(sorted((name, value) for name, value in options.items() if name != "launch_pdl"))
-    if key in _FAILED_SHAPES:
+    if _FAILED_SHAPES and _shape_key(options) in _FAILED_SHAPES:  # the key is built only once something failed
         return False
     try:
         fp8_decode_kernel[grid](*args, **options)
     except (CompilationError, OutOfResources, PTXASError, RuntimeError) as exc:
+        key = _shape_key(options)
         _FAILED_SHAPES.add(key)
         logger.warning("Gluon fp8 decode kernel unavailable for %s (%s: %s); the Triton launch serves it", dict(key),
                        type(exc).__name__, str(exc)[:300])
