@@ -141,8 +141,9 @@ DECODE_VARIANTS = (
     Variant("bf16_s23_one_loop", False, {"decode_one_loop": True}),
     Variant("fp8_s23_two_loops", True, {"decode_one_loop": False}),
     # twenty-fourth session: the hand-pipelined Gluon kernel (kernels/fp8_decode_gluon.py): a ring of 2-4 e4m3 K/V
-    # tiles in shared memory, the next tiles' copies in flight while one computes (sm_90 SASS, llama3-8b heads: 121
-    # registers, 54 KB a program at 2 slots, 4 programs an SM; 3 slots 70 KB, 3 programs)
+    # tiles in shared memory, the next tiles' copies in flight while one computes; as committed, q's two terms packed
+    # in one score dot for groups <= 8 (sm_90 SASS, qwen3-0.6b heads, 2 slots: 76 registers, 35 KB, 6 programs an SM).
+    # The ring of 2 is pick_config's unsplit default; 3 and 4 were slower (bench/RESULTS.md)
     Variant("fp8_s24_gluon_s2", True, {"decode_pipelined": True, "decode_num_stages": 2}),
     Variant("fp8_s24_gluon_s3", True, {"decode_pipelined": True, "decode_num_stages": 3}),
     Variant("fp8_s24_gluon_s4", True, {"decode_pipelined": True, "decode_num_stages": 4}),
