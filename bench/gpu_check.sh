@@ -77,11 +77,13 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)"
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 WORKLOAD=(--num-prompts 256 --input-len 512 --input-len-jitter 0 --output-len 256 --load-format dummy)
-qwen3_kv_pair() {  # qwen3-0.6b's reference workload with a bf16 and an fp8 KV cache; $1: the JSON files' prefix
+qwen3_kv_pair() {  # qwen3-0.6b's reference workload with a bf16 and an fp8 KV cache, the median of KV_PAIR_REPEATS
+  # (default 5) runs each (a run lasts ~1.5 s: single runs moved by up to 8%); $1: the JSON files' prefix
   for kv in auto fp8; do
     echo "== qwen3-0.6b reference, kv $kv"
-    timeout 90 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
-      --timeout 80 --out "$OUT/$1_qwen3-0.6b_kv_$kv.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+    timeout 120 python3 -m pagoda.bench throughput --model qwen3-0.6b "${WORKLOAD[@]}" --kv-cache-dtype $kv \
+      --repeats "${KV_PAIR_REPEATS:-5}" --timeout 110 --out "$OUT/$1_qwen3-0.6b_kv_$kv.json" 2>&1 \
+      | grep -v "^[a-z-]*: {" | tail -4
   done
 }
 trtllm_1000() {  # llama3-8b FP8 + FP8 KV on TensorRT-LLM's 1000/1000 workload; $1: the JSON file's prefix

@@ -7,7 +7,7 @@ import pytest
 
 from pagoda.bench.serve import best_rate
 from pagoda.bench.throughput import roofline_seconds
-from pagoda.bench.workload import PRESETS, preset
+from pagoda.bench.workload import PRESETS, Workload, preset
 from pagoda.shared.shapes import SHAPES, fit_vocab_to_tokenizer, resolve_arch
 
 
@@ -112,3 +112,28 @@ def test_decoding_bench_finds_a_tokenizer_folder(tmp_path: Path, monkeypatch: py
     assert decoding.default_tokenizer() == "models/smollm2-135m-instruct"
     with pytest.raises(FileNotFoundError, match="--tokenizer"):
         decoding.child("structured", tmp_path, str(tmp_path / "absent"))
+
+
+def test_repeated_runs_use_fresh_prompts_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.bench import throughput
+
+    calls: list[tuple[int, int]] = []
+    rates = {0: 300.0, 7919: 100.0, 2 * 7919: 200.0}
+
+    def fake_measure(llm: object, workload: Workload, load_s: float, latency_prompt_len: int) -> dict[str, object]:
+        calls.append((workload.seed, latency_prompt_len))
+        result: dict[str, object] = {"output_tok_per_s": rates[workload.seed], "seed": workload.seed}
+        if latency_prompt_len:
+            result["batch1_decode_ms_p50"] = 1.5
+        return result
+
+    monkeypatch.setattr(throughput, "measure_pagoda", fake_measure)
+    result = throughput.measure_repeated(object(), Workload(num_prompts=2, seed=0), repeats=3, latency_prompt_len=64)
+    assert [seed for seed, _ in calls] == [0, 7919, 2 * 7919]  # each run its own prompts
+    assert [latency for _, latency in calls] == [0, 0, 64]  # batch-1 timed once, after the last run
+    assert result["seed"] == 2 * 7919 and result["output_tok_per_s"] == 200.0  # the median run
+    assert result["repeat_tok_per_s"] == [300.0, 100.0, 200.0]
+    assert result["repeat_tok_per_s_mean"] == 200.0
+    assert result["batch1_decode_ms_p50"] == 1.5
+    single = throughput.measure_repeated(object(), Workload(num_prompts=2, seed=0), repeats=1)
+    assert "repeats" not in single and single["output_tok_per_s"] == 300.0
