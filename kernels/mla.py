@@ -794,6 +794,47 @@ def expand_latent(latent: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int, qk
     return k, v
 
 
+def fused_kv_b_weight(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
+                      rope_dim: int) -> torch.Tensor:
+    """w_kv_b [heads * (Dn + Dv), R] -> [heads * (Dn + P + Dv), R + P]: per head W_UK's rows, then P rows of the
+    identity that copy the latent's rope part, then W_UV's rows (zeros elsewhere). latent @ it^T is every head's
+    [k_nope ‖ k_pe ‖ v] in one GEMM: k_pe passes through exactly (one product by 1, the rest zeros)."""
+    lat = w_kv_b.shape[1]
+    per_head = w_kv_b.view(num_heads, qk_nope_head_dim + v_head_dim, lat)
+    fused = w_kv_b.new_zeros((num_heads, qk_nope_head_dim + rope_dim + v_head_dim, lat + rope_dim))
+    fused[:, :qk_nope_head_dim, :lat] = per_head[:, :qk_nope_head_dim]
+    fused[:, qk_nope_head_dim:qk_nope_head_dim + rope_dim, lat:] = torch.eye(rope_dim, dtype=w_kv_b.dtype,
+                                                                              device=w_kv_b.device)
+    fused[:, qk_nope_head_dim + rope_dim:, :lat] = per_head[:, qk_nope_head_dim:]
+    return fused.view(-1, lat + rope_dim)
+
+
+def _fused_weight_of(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
+                     rope_dim: int) -> torch.Tensor:
+    """fused_kv_b_weight, built once per weight: kept on the weight tensor, rebuilt if the weight changed in place
+    since (its version counter)."""
+    key = (w_kv_b._version, num_heads, qk_nope_head_dim, v_head_dim, rope_dim)
+    cached = getattr(w_kv_b, "_pagoda_fused_kv_b", None)
+    if cached is None or cached[0] != key:
+        cached = (key, fused_kv_b_weight(w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, rope_dim))
+        w_kv_b._pagoda_fused_kv_b = cached  # type: ignore[attr-defined]
+    return cached[1]
+
+
+def expand_latent_overlapped(latent: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+                             v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [L, R + P] -> K [L, heads, D] = [k_nope ‖ k_pe] and V [L, heads, D] = [k_pe's last D - Dv values ‖ v]
+    (D = Dn + P >= Dv), two overlapping views of one GEMM's output [L, heads, Dn + P + Dv]: no copies and no zero
+    padding. Attention over them gives each head's output in its last Dv columns (the first D - Dv are a weighted
+    sum of k_pe values, ignored). For kernels that take any row and head strides (FlashAttention)."""
+    rope = latent.shape[1] - w_kv_b.shape[1]
+    qk_dim = qk_nope_head_dim + rope
+    assert qk_dim >= v_head_dim, "V would not fit in K's head dim"
+    weight = _fused_weight_of(w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, rope)
+    both = torch.nn.functional.linear(latent, weight).view(latent.shape[0], num_heads, qk_dim + v_head_dim)
+    return both[..., :qk_dim], both[..., v_head_dim:]
+
+
 def mla_expanded_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
                            query_lens: list[int], seqs: list[int], w_kv_b: torch.Tensor, qk_nope_head_dim: int,
                            v_head_dim: int, scale: float, out: torch.Tensor, kv_scale: torch.Tensor | None = None,
@@ -838,7 +879,6 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     num_heads, qk_dim = q.shape[1], q.shape[2]
     head_dim = max(qk_dim, v_head_dim)
     latent = gather_latent_rows(cache, block_tables, seqs, seq_lens, q.dtype, kv_scale)  # [L, R + P]
-    k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)  # [L, heads, D] each
     lens = [seq_lens[b] for b in seqs]
     qlens = [query_lens[b] for b in seqs]
     host_rows = np.concatenate([np.arange(starts[b], starts[b] + query_lens[b]) for b in seqs])  # [T_sel]
@@ -848,10 +888,17 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     rows = None if span is not None else _to_device_async(host_rows, device)  # [T_sel] int64
     q_sel = q[span[0]:span[1]] if span is not None else q.index_select(0, rows)  # [T_sel, heads, Dn + P]
     if config is None and _flash_varlen_usable(q_sel, head_dim):
-        o = _flash_varlen(q_sel if head_dim == qk_dim else torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim)),
-                          k, v, qlens, lens, scale)  # [T_sel, heads, D]
-        _write_rows(out, span, rows, o[..., :v_head_dim])
+        if qk_dim >= v_head_dim:  # DeepSeek's heads: K and V as views of one GEMM's output, V's values last
+            # H200, deepseek-v2-lite prefill 32 x 512 (2026-12-04, bench/results/s25): K and V built by copies from
+            # a [k_nope ‖ v] GEMM took 4 copy kernels a layer, 7.7 ms of a 160 ms step
+            k, v = expand_latent_overlapped(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim)  # [L, heads, D]
+        else:  # V the wider: q and K zero-padded to its head dim, V's values first
+            k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)
+            q_sel = torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim))
+        o = _flash_varlen(q_sel, k, v, qlens, lens, scale)  # [T_sel, heads, D]: the output in the last Dv columns
+        _write_rows(out, span, rows, o[..., head_dim - v_head_dim:])
         return
+    k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)  # [L, heads, D] each
     if head_dim != qk_dim:
         q_sel = torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim))
     max_len = max(lens)

@@ -173,15 +173,18 @@ def test_routing_appends_the_shared_experts(impl: str, num_shared: int) -> None:
     assert weights[:, 6:].tolist() == [[1.0] * num_shared] * 6
 
 
-@pytest.mark.parametrize(("num_experts", "hidden"), [(64, 2048), (512, 96)])  # V2-Lite's; 2 experts a program
-def test_router_kernel_gives_the_fp32_logits(num_experts: int, hidden: int) -> None:
-    """The Triton router GEMV (bf16 activations, fp32 router) against F.linear(h.float(), router): the same fp32
+@pytest.mark.parametrize(("num_experts", "hidden", "num_tokens"),
+                         [(64, 2048, 3), (512, 96, 3), (64, 2048, 21), (60, 200, 19)])  # V2-Lite's; 2 experts a
+# program; above ROUTER_GEMV_MAX_TOKENS the tiled kernel (partial token, expert and hidden tiles in the last case)
+def test_router_kernel_gives_the_fp32_logits(num_experts: int, hidden: int, num_tokens: int) -> None:
+    """The Triton router kernels (bf16 activations, fp32 router) against F.linear(h.float(), router): the same fp32
     logits up to summation order, the same routing; equal router rows give bit-equal logits, so ties still go to
     the lower expert id."""
     generator = torch.Generator().manual_seed(num_experts)
-    h = torch.randn(3, hidden, generator=generator).to(torch.bfloat16)  # [T, H]
+    h = torch.randn(num_tokens, hidden, generator=generator).to(torch.bfloat16)  # [T, H]
     router = torch.randn(num_experts, hidden, generator=generator) * 0.05  # [E, H] fp32
     router[5] = router[2] = h[0].float() * 0.05  # two equal rows, token 0's best experts
+    h, router = h.to(DEVICE), router.to(DEVICE)
     logits = router_logits_triton(h, router)  # [T, E]
     expected = torch.nn.functional.linear(h.float(), router)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from pagoda.kernels import mla
 from pagoda.kernels import reference as ref
 from pagoda.kernels.mla import (
     ExpandPolicy,
@@ -390,13 +391,40 @@ def test_expanded_path_fp8_cache_matches_reference() -> None:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_overlapped_expansion_is_k_and_v_in_one_gemm() -> None:
+    """expand_latent_overlapped: K = [k_nope ‖ k_pe] and the last Dv columns of V = v, as expand_latent builds them,
+    from one GEMM (k_pe passed through exactly); attention over the two overlapping views puts each head's output
+    in its last Dv columns; the fused weight follows the kv_b weight when it changes in place."""
+    generator = torch.Generator().manual_seed(7)
+    heads, nope, rope, v_dim, lat = 3, 16, 8, 12, 32
+    latent = torch.randn(10, lat + rope, generator=generator)  # [L, R + P]
+    w_kv_b = torch.randn(heads * (nope + v_dim), lat, generator=generator)
+    k, v = mla.expand_latent_overlapped(latent, w_kv_b, heads, nope, v_dim)  # [L, heads, Dn + P] each
+    k_ref, v_ref = mla.expand_latent(latent, w_kv_b, heads, nope, v_dim, nope + rope)
+    assert k.shape == v.shape == (10, heads, nope + rope)
+    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k[..., nope:], latent[:, None, lat:].expand(10, heads, rope))  # exact pass-through
+    torch.testing.assert_close(v[..., -v_dim:], v_ref[..., :v_dim], rtol=1e-5, atol=1e-5)
+    q = torch.randn(4, heads, nope + rope, generator=generator)
+    probs = torch.einsum("qhd,khd->hqk", q, k).softmax(-1)  # [heads, q, L]
+    out = torch.einsum("hqk,khd->qhd", probs, v)[..., -v_dim:]
+    expected = torch.einsum("hqk,khd->qhd", probs, v_ref[..., :v_dim])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        w_kv_b.mul_(2.0)  # in place: the cached fused weight is stale and rebuilt
+    k2, _ = mla.expand_latent_overlapped(latent, w_kv_b, heads, nope, v_dim)
+    torch.testing.assert_close(k2[..., :nope], 2 * k[..., :nope], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
-def test_expanded_path_flash_matches_reference_gpu() -> None:
+@pytest.mark.parametrize("nope", [128, 32])
+def test_expanded_path_flash_matches_reference_gpu(nope: int) -> None:
     """On CUDA in bf16 the expanded path runs FlashAttention's varlen kernel: chunks with and without cached
-    context (its causal mask is bottom-right aligned: a chunk's queries are its sequence's last positions) and
-    V-2-Lite's head dims (q/k 128 + 64, v 128, so K/V/q are padded to 192)."""
+    context (its causal mask is bottom-right aligned: a chunk's queries are its sequence's last positions);
+    V-2-Lite's head dims (q/k 128 + 64, v 128: K and V overlapping views of one GEMM's output) and q/k narrower
+    than v (32 + 64 against 128: q and K zero-padded)."""
     case = Case((300, 40, 513), (300, 1064, 1537), num_heads=16, lat=512, rope=64)
-    nope, v_dim = 128, 128
+    v_dim = 128
     batch = make_batch(case, torch.bfloat16, q_width=nope + case.rope)
     batch.cache = batch.cache.nan_to_num()
     # q as the model has it: a view into the fused projection's wider rows (the latent columns first)
