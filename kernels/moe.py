@@ -256,19 +256,16 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
     return weights, ids
 
 
-# Up to this many tokens the fp32 router reads the activations directly (a GEMV per token and expert block); up to
-# ROUTER_TILED_MAX_TOKENS in tiles of 8 tokens x 8 experts (decode batches); more, and the cuBLAS GEMM on an fp32
-# copy reads the router once for all of them. H200, deepseek-v2-lite at B=256 (2026-12-04, bench/results/s25): the
-# copy, cuBLAS's SIMT sgemm and its split-K reduce took 3.2 + 6.5 + 2.6 us a sparse layer.
+# Up to this many tokens the fp32 router reads the activations directly (a GEMV per token and expert block); more,
+# and the cuBLAS GEMM on an fp32 copy reads the router once for all of them.
 ROUTER_GEMV_MAX_TOKENS = 16
-ROUTER_TILED_MAX_TOKENS = 2048
 
 
 def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     """h [T, H] (model dtype) @ router [E, H].T in fp32 -> [T, E] fp32, as F.linear(h.float(), router) computes
     them (DeepSeek routes on fp32 logits). On CUDA at decode batches one Triton kernel reading h as it is, in
-    place of a copy kernel and a cuBLAS GEMM; the products and sums are fp32 either way, their order differs."""
-    if h.is_cuda and h.shape[0] <= ROUTER_TILED_MAX_TOKENS:
+    place of a copy kernel and a cuBLAS GEMV; the products and sums are fp32 either way, their order differs."""
+    if h.is_cuda and h.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
         return router_logits_triton(h, router)
     return torch.nn.functional.linear(h.float(), router)
 
@@ -294,58 +291,21 @@ def _router_gemv_kernel(h_ptr, w_ptr, out_ptr, num_experts, hidden, stride_ht, s
     tl.store(out_ptr + token * stride_ot + offs_e, tl.sum(acc, axis=1), mask=e_mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # the batch changes every step: one variant for every count
-def _router_tiled_kernel(h_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, stride_ht, stride_we, stride_ot,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """Logits of BLOCK_T tokens x BLOCK_E experts: the fp32 products accumulate elementwise in a [BT, BE, BH] tile
-    over H and are summed over BH once at the end, the same order for every (token, expert): equal router rows
-    give equal logits, as in _router_gemv_kernel (whose order this one shares only up to rounding)."""
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    t_mask = offs_t < num_tokens
-    e_mask = offs_e < num_experts
-    offs_h = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_H), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        h_mask = offs_h < hidden - h0
-        x = tl.load(h_ptr + offs_t.to(tl.int64)[:, None] * stride_ht + (h0 + offs_h)[None, :],
-                    mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)  # [BT, BH]
-        w = tl.load(w_ptr + offs_e[:, None] * stride_we + (h0 + offs_h)[None, :],
-                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)  # [BE, BH]
-        acc += x[:, None, :] * w[None, :, :]
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_e[None, :], tl.sum(acc, axis=2),
-             mask=t_mask[:, None] & e_mask[None, :])
-
-
 def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """h [T, H] (16-bit or fp32) @ router [E, H].T (fp32) -> [T, E] fp32: a GEMV per token up to
-    ROUTER_GEMV_MAX_TOKENS, tiles of tokens x experts beyond."""
     num_tokens, hidden = h.shape
     num_experts = router.shape[0]
     assert router.shape == (num_experts, hidden) and router.dtype == torch.float32
     assert h.stride(1) == 1 and router.stride(1) == 1
     out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=h.device)  # [T, E]
-    if not num_tokens:
-        return out
-    pdl_options = pdl.launch_options(h.device)
-    if num_tokens > ROUTER_GEMV_MAX_TOKENS:
-        # 8 x 8 tiles: V2-Lite at 256 tokens, 32 x 8 programs of 131k products each (16 x 16 tiles would leave 64
-        # programs for 132 SMs)
-        block_t, block_e, block_h = 8, 8, 64
-        _router_tiled_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))](
-            h, router, out, num_tokens, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_options)
-        return out
     # a program per expert up to 256 of them (V2-Lite: 64 of 8 KB each at one token; V3: 256 of 28 KB): at one token
     # the router's read spreads over as many SMs as it can
     block_e = max(1, triton.next_power_of_2(num_experts) // 256)
     block_h = min(1024, triton.next_power_of_2(hidden))
-    _router_gemv_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
-        h, router, out, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
-        BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_options)
+    if num_tokens:
+        pdl_options = pdl.launch_options(h.device)
+        _router_gemv_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
+            h, router, out, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
+            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_options)
     return out
 
 

@@ -152,9 +152,7 @@ def run_moe_shapes() -> None:
         weights = torch.ones(1, top_k)  # [1, k]
         tiles = moe.default_tiles(1, top_k, experts, inter, hidden)
         logits = torch.empty(1, experts - 1 if fp8 else experts - 2)  # [1, E]: routed experts (CPU: never on CUDA)
-        for num_tokens in (1, moe.ROUTER_GEMV_MAX_TOKENS + 1):  # the GEMV, then the tiled kernel
-            moe.router_logits_triton(torch.empty(num_tokens, hidden, dtype=torch.bfloat16),
-                                     torch.empty(logits.shape[1], hidden))
+        moe.router_logits_triton(torch.empty(1, hidden, dtype=torch.bfloat16), torch.empty(logits.shape[1], hidden))
         if fp8:  # DeepSeek-V3 routing, its shared expert appended; Mixtral's softmax top-k
             moe.route_grouped_topk_triton(logits, 8, "sigmoid", "noaux_tc", 8, 4, torch.empty(256), True, 2.5, 1)
         elif experts == 66:  # V2-Lite routing, its 2 shared experts appended

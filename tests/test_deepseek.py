@@ -174,10 +174,10 @@ def test_routing_appends_the_shared_experts(impl: str, num_shared: int) -> None:
 
 
 @pytest.mark.parametrize(("num_experts", "hidden", "num_tokens"),
-                         [(64, 2048, 3), (512, 96, 3), (64, 2048, 21), (60, 200, 19)])  # V2-Lite's; 2 experts a
-# program; above ROUTER_GEMV_MAX_TOKENS the tiled kernel (partial token, expert and hidden tiles in the last case)
+                         [(64, 2048, 3), (512, 96, 3), (60, 200, 19)])  # V2-Lite's; 2 experts a program; partial
+# expert and hidden blocks
 def test_router_kernel_gives_the_fp32_logits(num_experts: int, hidden: int, num_tokens: int) -> None:
-    """The Triton router kernels (bf16 activations, fp32 router) against F.linear(h.float(), router): the same fp32
+    """The Triton router GEMV (bf16 activations, fp32 router) against F.linear(h.float(), router): the same fp32
     logits up to summation order, the same routing; equal router rows give bit-equal logits, so ties still go to
     the lower expert id."""
     generator = torch.Generator().manual_seed(num_experts)
