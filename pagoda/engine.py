@@ -110,7 +110,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: give prompts as token ids", param="prompt")
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # the distinct element types, collected at C speed (a per-token generator cost ~0.3 ms a 512-token prompt:
+        # most of add_request, and of the lead before a 256-prompt batch's first step)
+        if not isinstance(prompt, list) or not all(issubclass(kind, int) and kind is not bool
+                                                   for kind in set(map(type, prompt))):
             raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
         return list(prompt)
 

@@ -59,6 +59,9 @@ def _assert_still_serves(llm: LLM, reference_text: str) -> None:
     ("hello", SamplingParams(logit_bias={5: math.inf}), "logit_bias", InvalidRequestError),
     ([1, 2, 10**9], GREEDY, "prompt", InvalidRequestError),
     ([1, -4], GREEDY, "prompt", InvalidRequestError),
+    ([1, True], GREEDY, "prompt", InvalidRequestError),  # bool is an int subclass: still not a token id
+    ([1, 2.0], GREEDY, "prompt", InvalidRequestError),
+    ([3, "4"], GREEDY, "prompt", InvalidRequestError),
 ])
 def test_bad_input_raises_typed_error_and_engine_survives(llm: LLM, reference_text: str, prompt: object,
                                                           params: SamplingParams, param_name: str,

@@ -232,7 +232,7 @@ class Scheduler:
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(not 0 <= token < self.vocab_size for token in prompt):
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:  # C-speed scans: prompts run to many thousands
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         if any(token >= self.vocab_size for token in request.sampling.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be < {self.vocab_size}", param="stop_token_ids")
