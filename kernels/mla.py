@@ -812,8 +812,13 @@ def fused_kv_b_weight(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: in
 def _fused_weight_of(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
                      rope_dim: int) -> torch.Tensor:
     """fused_kv_b_weight, built once per weight: kept on the weight tensor, rebuilt if the weight changed in place
-    since (its version counter)."""
-    key = (w_kv_b._version, num_heads, qk_nope_head_dim, v_head_dim, rope_dim)
+    since (its version counter). An inference-mode tensor has no version counter: its fused weight is built at every
+    call."""
+    try:
+        version = w_kv_b._version
+    except RuntimeError:  # an inference tensor: an in-place change would go unseen, so nothing is kept
+        return fused_kv_b_weight(w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, rope_dim)
+    key = (version, num_heads, qk_nope_head_dim, v_head_dim, rope_dim)
     cached = getattr(w_kv_b, "_pagoda_fused_kv_b", None)
     if cached is None or cached[0] != key:
         cached = (key, fused_kv_b_weight(w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, rope_dim))

@@ -414,6 +414,13 @@ def test_overlapped_expansion_is_k_and_v_in_one_gemm() -> None:
         w_kv_b.mul_(2.0)  # in place: the cached fused weight is stale and rebuilt
     k2, _ = mla.expand_latent_overlapped(latent, w_kv_b, heads, nope, v_dim)
     torch.testing.assert_close(k2[..., :nope], 2 * k[..., :nope], rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # a weight made in inference mode (no version counter): never a stale fused weight
+        w_inference = w_kv_b.clone()
+        k3, _ = mla.expand_latent_overlapped(latent, w_inference, heads, nope, v_dim)
+        w_inference.mul_(0.5)
+        k4, _ = mla.expand_latent_overlapped(latent, w_inference, heads, nope, v_dim)
+    torch.testing.assert_close(k3, k2)
+    torch.testing.assert_close(k4[..., :nope], k[..., :nope], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
