@@ -261,13 +261,28 @@ def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_f
 ROUTER_GEMV_MAX_TOKENS = 16
 
 
-def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+def router_logits(h: torch.Tensor, router: torch.Tensor, router_low: torch.Tensor | None = None) -> torch.Tensor:
     """h [T, H] (model dtype) @ router [E, H].T in fp32 -> [T, E] fp32, as F.linear(h.float(), router) computes
     them (DeepSeek routes on fp32 logits). On CUDA at decode batches one Triton kernel reading h as it is, in
-    place of a copy kernel and a cuBLAS GEMV; the products and sums are fp32 either way, their order differs."""
+    place of a copy kernel and a cuBLAS GEMV; the products and sums are fp32 either way, their order differs.
+    router_low: the same router in h's dtype where every value is exactly one (exact_low_precision): above the
+    GEMV's batches one tensor-core GEMM with fp32 output, in place of an fp32 copy of h, a SIMT sgemm and a
+    split-K reduce. A product of two bf16 (fp16) values is exact in fp32, so only the summation order differs."""
     if h.is_cuda and h.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
         return router_logits_triton(h, router)
+    if h.is_cuda and router_low is not None and router_low.dtype == h.dtype:
+        assert router_low.shape == router.shape
+        return torch.mm(h, router_low.t(), out_dtype=torch.float32)  # [T, E] fp32
     return torch.nn.functional.linear(h.float(), router)
+
+
+def exact_low_precision(router: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """router [E, H] fp32 in dtype (bf16 / fp16) if that loses nothing (a checkpoint that ships its gate in bf16,
+    as DeepSeek's do, or dummy weights drawn in the model dtype), else None: routing stays on the fp32 values."""
+    if dtype not in (torch.bfloat16, torch.float16) or router.dtype != torch.float32:
+        return None
+    low = router.to(dtype)
+    return low if torch.equal(low.float(), router) else None
 
 
 @triton.jit

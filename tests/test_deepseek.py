@@ -17,9 +17,11 @@ from safetensors.torch import load_file, save_file
 from pagoda import LLM, SamplingParams
 from pagoda.kernels import reference as ref
 from pagoda.kernels.moe import (
+    exact_low_precision,
     route_grouped_topk,
     route_grouped_topk_torch,
     route_grouped_topk_triton,
+    router_logits,
     router_logits_triton,
 )
 from pagoda.shared.errors import ConfigError
@@ -197,6 +199,57 @@ def test_router_kernel_gives_the_fp32_logits(num_experts: int, hidden: int, num_
     torch.testing.assert_close(weights, ref_weights)
     _, first = route_grouped_topk_triton(logits, 1, correction_bias=None, **case)  # the kernel CUDA routes with
     assert first[0].tolist() == [2]  # the tie: the lower id
+
+
+def test_router_kept_in_the_model_dtype_only_when_exact() -> None:
+    """A router whose fp32 values are all bf16 values (DeepSeek's checkpoints, dummy weights) gets its bf16 copy; one
+    value off by an ulp of fp32, an fp32 model, or a router already in bf16 keep routing on the fp32 values alone."""
+    router = (torch.randn(8, 32) * 0.05).to(torch.bfloat16).float()  # [E, H] bf16 values held in fp32
+    low = exact_low_precision(router, torch.bfloat16)
+    assert low is not None and low.dtype == torch.bfloat16 and torch.equal(low.float(), router)
+    assert exact_low_precision(router, torch.float32) is None
+    assert exact_low_precision(router.to(torch.bfloat16), torch.bfloat16) is None
+    router[3, 7] = torch.nextafter(router[3, 7], torch.tensor(1.0))  # no longer a bf16 value
+    assert exact_low_precision(router, torch.bfloat16) is None
+    assert exact_low_precision(router, torch.float16) is None
+
+
+def test_dummy_weights_give_the_router_its_low_copy_on_cuda_only() -> None:
+    """weights.fill calls the model's weights_loaded hook: dummy weights (drawn in the model dtype) make the router
+    exact in bf16, so on CUDA the sparse layers hold the copy; on the CPU there is no tensor-core path to use it."""
+    from pagoda.services.worker.models import CausalLM
+    from pagoda.services.worker.weights import load_model
+
+    model = CausalLM(SHAPES["tiny-deepseek-v3"], torch.bfloat16, torch.device(DEVICE), max_positions=64)
+    load_model(model, None, "dummy", seed=3)
+    sparse = [layer.mlp for layer in model.layers if getattr(layer, "mlp", None) is not None
+              and hasattr(layer.mlp, "router_low")]
+    assert sparse, "the shape has a sparse layer"
+    for mlp in sparse:
+        if DEVICE == "cuda":
+            assert mlp.router_low is not None and torch.equal(mlp.router_low.float(), mlp.router)
+        else:
+            assert mlp.router_low is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [17, 256, 4096])  # the first batch past the GEMV, a decode batch, prefill
+def test_router_tensor_core_gemm_gives_the_fp32_logits(num_tokens: int) -> None:
+    """Above the GEMV's batches, a bf16 router (exact) on the tensor cores with fp32 output: the fp32 logits up to
+    summation order, and the same routing."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    h = torch.randn(num_tokens, 2048, generator=generator).to(torch.bfloat16).cuda()  # [T, H]
+    router = (torch.randn(64, 2048, generator=generator) * 0.05).to(torch.bfloat16).float().cuda()  # [E, H]
+    low = exact_low_precision(router, torch.bfloat16)
+    assert low is not None
+    logits = router_logits(h, router, low)  # [T, E]
+    expected = torch.nn.functional.linear(h.double(), router.double()).float()
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    case = dict(ROUTINGS["v2-greedy"])
+    del case["bias"]
+    _, ids = route_grouped_topk_torch(logits, 6, correction_bias=None, **case)
+    _, ref_ids = route_grouped_topk_torch(expected, 6, correction_bias=None, **case)
+    assert (ids.sort(1).values != ref_ids.sort(1).values).any(1).float().mean() < 0.01  # near-ties may swap
 
 
 @pytest.mark.parametrize("version", ["v2", "v3"])

@@ -53,6 +53,7 @@ def fill(model: CausalLM, source: Source) -> None:
             place.target.copy_(tensor)
             place.scale_target.copy_(scale)
         load_kv_scales(model, source)
+        model.weights_loaded()
 
 
 def _dequantized(source: Source, place: Placement, tensor: torch.Tensor) -> torch.Tensor:

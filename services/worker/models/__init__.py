@@ -94,6 +94,13 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             yield from layer.placements(f"model.layers.{index}.", self.tp.rank)
 
+    def weights_loaded(self) -> None:
+        """Once the checkpoint's values are in (weights.fill): each layer module builds what it derives from them."""
+        for module in self.modules():
+            hook = getattr(module, "weights_loaded", None)
+            if module is not self and callable(hook):
+                hook()
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.embed)  # [T, H]

@@ -31,7 +31,7 @@ from torch import nn
 
 from pagoda.kernels import reference as ref
 from pagoda.kernels.mla import ExpandPolicy, expand_max_rows, expand_min_query_len
-from pagoda.kernels.moe import route_grouped_topk, router_logits
+from pagoda.kernels.moe import exact_low_precision, route_grouped_topk, router_logits
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -241,6 +241,8 @@ class DeepseekMoe(nn.Module):
         local = moe.expert_intermediate_size // tp.size
         # [E, H] fp32 (transformers keeps DeepSeek's gate in fp32 and routes in fp32)
         self.router = make_param((moe.num_experts, h), torch.float32, device)
+        self.dtype = dtype
+        self.router_low: torch.Tensor | None = None  # [E, H] in dtype once loaded, if exact (weights_loaded)
         self.correction_bias = (make_param((moe.num_experts,), torch.float32, device)  # [E]
                                 if moe.topk_method == "noaux_tc" else None)
         self.num_shared = fused_shared_experts(moe, local, fp8)
@@ -255,7 +257,7 @@ class DeepseekMoe(nn.Module):
     def forward(self, h: torch.Tensor, ops: Ops) -> Hidden:
         """h [T, H] (normed) -> this rank's partial output [T, H] (or its top-k terms, base.moe_experts)."""
         moe = self.moe
-        logits = router_logits(h, self.router)  # [T, E] fp32
+        logits = router_logits(h, self.router, self.router_low)  # [T, E] fp32
         weights, ids = route_grouped_topk(logits, moe.top_k, moe.scoring_func, moe.topk_method,
                                           moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
                                           moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
@@ -264,6 +266,11 @@ class DeepseekMoe(nn.Module):
         if self.shared is not None:
             return ops.moe_experts(*args) + self.shared(h, ops)  # [T, H]
         return moe_experts(ops, self.tp.size, self.fp8, *args)  # [T, H] or its terms
+
+    def weights_loaded(self) -> None:
+        """The router in the model dtype when its values are exactly that (kernels/moe.router_logits); CUDA only,
+        where the tensor-core GEMM with fp32 output exists."""
+        self.router_low = exact_low_precision(self.router, self.dtype) if self.router.is_cuda else None
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """`prefix` = "model.layers.{i}.mlp."; per-expert keys (fused [E, ...] expert tensors are cut into these
