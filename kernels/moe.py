@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from pagoda.kernels import pdl
 from pagoda.kernels.activation import silu_and_mul
@@ -685,6 +687,42 @@ class TileConfig:
     num_stages: int = 3
 
 
+def smaller_tile(tile: TileConfig) -> TileConfig:
+    """The next tile to try when a launch runs out of shared memory: one stage fewer (down to 2), then half the N
+    block, then half the K block (a K block that divided a scale group still does)."""
+    if tile.num_stages > 2:
+        return replace(tile, num_stages=tile.num_stages - 1)
+    if tile.block_n > 16:
+        return replace(tile, block_n=tile.block_n // 2)
+    if tile.block_k > 16:
+        return replace(tile, block_k=tile.block_k // 2)
+    raise ValueError(f"no smaller MoE GEMM tile than {tile}")
+
+
+# (tile, operand dtypes, fused SiLU, device) -> the tile that launched in its place (launch_fitting)
+_FITTED_TILES: dict[tuple[Any, ...], TileConfig] = {}
+
+
+def launch_fitting(launch: Callable[[TileConfig], None], tile: TileConfig, key: tuple[Any, ...]) -> TileConfig:
+    """launch(tile), or with smaller tiles while Triton finds that one needs more shared memory than the device has;
+    the tile that launched is remembered for `key`, so later launches go straight to it. The tables and defaults are
+    tuned for bf16 / fp8 operands; fp32 ones (tiny test models) have twice the bytes: 64 x 128 x 64 gate/up tiles
+    in 4 stages asked 327,680 B of an H200's 232,448. Returns the tile used."""
+    tile = _FITTED_TILES.get((tile, *key), tile)
+    tried = tile
+    while True:
+        try:
+            launch(tile)
+        except OutOfResources as exc:
+            smaller = smaller_tile(tile)
+            log.info("MoE GEMM tile %s: %s; trying %s", tile, exc, smaller)
+            tile = smaller
+            continue
+        if tile != tried:
+            _FITTED_TILES[(tried, *key)] = tile
+        return tile
+
+
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, group_k: int | None,
               align: Alignment, out: torch.Tensor, num_pairs: int, rows_per_pair: int, fuse_silu: bool,
               topk_weights: torch.Tensor | None, tile: TileConfig) -> None:
@@ -696,17 +734,22 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
     assert not is_fp8 or group_k is None or group_k >= k or group_k % tile.block_k == 0, "K-tile crosses a scale group"
     stride_s = w_scale.stride() if is_fp8 and w_scale is not None else (0, 0, 0)
     max_tiles = align.tile_experts.numel()
-    grid = (max_tiles * triton.cdiv(n, tile.block_n),)
-    _moe_gemm_kernel[grid](
-        a, w, scale, out, align.sorted_pairs, align.tile_experts, align.num_padded,
-        topk_weights if topk_weights is not None else out,
-        n, k, num_pairs,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s,
-        out.stride(0), out.stride(1),
-        A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None,
-        IS_FP8=is_fp8, GROUP_K=group_k or k, EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+    def launch(tile: TileConfig) -> None:
+        grid = (max_tiles * triton.cdiv(n, tile.block_n),)
+        _moe_gemm_kernel[grid](
+            a, w, scale, out, align.sorted_pairs, align.tile_experts, align.num_padded,
+            topk_weights if topk_weights is not None else out,
+            n, k, num_pairs,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *stride_s,
+            out.stride(0), out.stride(1),
+            A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None,
+            IS_FP8=is_fp8, GROUP_K=group_k or k, EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+    # the row tiles (block_m) come from the alignment: only the stages and the N and K blocks may change
+    launch_fitting(launch, tile, (a.dtype, w.dtype, fuse_silu, a.device))
 
 
 # ---------------------------------------------------------------- tuned tiles

@@ -244,7 +244,7 @@ def test_router_tensor_core_gemm_gives_the_fp32_logits(num_tokens: int) -> None:
     assert low is not None
     logits = router_logits(h, router, low)  # [T, E]
     expected = torch.nn.functional.linear(h.double(), router.double()).float()
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)  # logits ~2: fp32 sums of 2048 products
     case = dict(ROUTINGS["v2-greedy"])
     del case["bias"]
     _, ids = route_grouped_topk_torch(logits, 6, correction_bias=None, **case)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -199,6 +201,35 @@ def test_tile_lookup_falls_back_to_default() -> None:
     assert moe.default_tile(1, 8, 128).block_m == 16 and moe.default_tile(4096, 8, 128).block_m == 64
     for tiles in (moe.default_tiles(1, 8, 128, 768, 2048), moe.default_tiles(4096, 8, 128, 768, 2048)):
         assert moe.tiles_from_json(moe.tiles_to_json(tiles)) == tiles
+
+
+def test_gemm_tile_shrinks_until_it_launches() -> None:
+    """A launch that Triton refuses for shared memory (fp32 operands on a tile tuned for bf16, as the tiny test
+    models on an H200) is retried with fewer stages, then narrower blocks; the tile that launched is remembered, so
+    the next launch goes to it at once. A tile that launches is left as it is."""
+    from triton.runtime.errors import OutOfResources
+
+    big = moe.TileConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    tried: list[moe.TileConfig] = []
+
+    def launch(tile: moe.TileConfig) -> None:  # an H200's limit on fp32 stages: A [M, K] + gate and up [K, N]
+        tried.append(tile)
+        need = tile.num_stages * 4 * (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n)
+        if need > 232_448:
+            raise OutOfResources(need, 232_448, "shared memory")
+
+    key = ("test", id(tried))
+    used = moe.launch_fitting(launch, big, key)
+    assert tried == [big, replace(big, num_stages=3), replace(big, num_stages=2)] and used == tried[-1]
+    tried.clear()
+    assert moe.launch_fitting(launch, big, key) == used and tried == [used]  # remembered
+    tried.clear()
+    small = moe.TileConfig(16, 32, 64, 1, 4, 3)
+    assert moe.launch_fitting(launch, small, key) == small and tried == [small]
+    assert moe.smaller_tile(replace(big, num_stages=2)) == replace(big, num_stages=2, block_n=64)
+    assert moe.smaller_tile(moe.TileConfig(16, 16, 64, 1, 4, 2)).block_k == 32
+    with pytest.raises(ValueError, match="no smaller MoE GEMM tile"):
+        moe.smaller_tile(moe.TileConfig(16, 16, 16, 1, 4, 2))
 
 
 def test_large_batches_align_by_sorting() -> None:
