@@ -290,12 +290,20 @@ class ModelRunner:
             budget = min(DEFAULT_CPU_KV_BYTES, _available_ram() // 4)
         num_blocks = budget // self.kv_bytes_per_block()
         if num_blocks < 1:
+            detail = ""
+            if config.kv_cache_memory is None and self.device.type == "cuda":
+                total = torch.cuda.mem_get_info(self.device)[1]
+                detail = (f" (gpu_memory_utilization {config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                          f"less the memory already in use on the device: this engine's weights and peak "
+                          f"activations, and any other engine or process holding its own)")
             raise ConfigError(f"the KV cache budget of {budget} bytes holds no block of "
-                              f"{self.kv_bytes_per_block()} bytes", param="kv_cache_memory")
+                              f"{self.kv_bytes_per_block()} bytes{detail}", param="kv_cache_memory")
         return int(num_blocks)
 
     def _cuda_kv_budget(self) -> int:
-        """What is left of gpu_memory_utilization after weights and a profiled peak of activations."""
+        """What is left of gpu_memory_utilization after weights and a profiled peak of activations (in this process,
+        with whatever else its allocator holds: another engine's cache counts as in use), and what other processes
+        use."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
