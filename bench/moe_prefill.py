@@ -77,7 +77,7 @@ def _gemms_only(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     from pagoda.kernels import moe
 
     align = moe.align_pairs(ids, w_gate_up.shape[0], moe.GMM_BLOCK_M)
-    offs = moe.expert_offsets(ids, w_gate_up.shape[0], moe.GMM_BLOCK_M)  # [E] int32
+    offs = align.run_ends  # [E] int32
     rows, _ = moe.gather_sorted(x, align, ids.shape[1])  # [max_padded, H]
     act = torch.zeros(rows.shape[0], w_down.shape[2], dtype=x.dtype, device=x.device)  # [max_padded, I]
 

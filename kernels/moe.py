@@ -330,7 +330,7 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_tiles"])  # varies with the batch: no recompiles
-def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, cursor_ptr,
+def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, cursor_ptr, run_ends_ptr,
                   num_pairs, max_padded, max_tiles,
                   NUM_EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
                   CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
@@ -355,6 +355,7 @@ def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_p
     total = tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
     tl.store(cursor_ptr + offs_e, run_start, mask=e_mask)
+    tl.store(run_ends_ptr + offs_e, run_end, mask=e_mask)
     tile_end = run_end // BLOCK_M  # [E_P]: tiles [start, end) of expert e
     for start in range(0, max_tiles, TILE_CHUNK):
         tiles = start + tl.arange(0, TILE_CHUNK)  # [TC]
@@ -378,6 +379,7 @@ class Alignment:
     tile_experts: torch.Tensor  # [max_tiles] int32
     num_padded: torch.Tensor  # [1] int32: rows of sorted_pairs in use (a multiple of block_m)
     block_m: int
+    run_ends: torch.Tensor  # [E] int32: where each expert's run ends (the grouped GEMM's offs; [-1] = num_padded)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -385,7 +387,8 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + num_experts * (block_m - 1)
 
 
-# Above this many pairs the one-program Triton alignment (serial atomics) loses to a sort over the whole GPU.
+# Above this many pairs the one-program Triton alignment (serial atomics) loses to one spread over the GPU: on CUDA
+# the multi-program alignment (align_pairs_spread), elsewhere a torch sort.
 ALIGN_SORT_MIN_PAIRS = 4096
 
 
@@ -393,6 +396,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     """topk_ids [T, k] int32 -> the pairs grouped by expert in block_m tiles (shapes fixed by T, k, E, block_m)."""
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
     if topk_ids.numel() > ALIGN_SORT_MIN_PAIRS:
+        if topk_ids.is_cuda:
+            return align_pairs_spread(topk_ids, num_experts, block_m)
         return align_pairs_sorted(topk_ids, num_experts, block_m)
     return align_pairs_triton(topk_ids, num_experts, block_m)
 
@@ -416,7 +421,8 @@ def align_pairs_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     tile_starts = torch.arange(max_tiles, device=device) * block_m  # [max_tiles]
     tile_experts = torch.searchsorted(run_end, tile_starts, right=True)
     tile_experts = torch.where(tile_starts < run_end[-1], tile_experts, -1).to(torch.int32)
-    return Alignment(sorted_pairs, tile_experts, run_end[-1:].to(torch.int32), block_m)
+    run_ends = run_end.to(torch.int32)
+    return Alignment(sorted_pairs, tile_experts, run_ends[-1:], block_m, run_ends)
 
 
 def align_pairs_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -429,14 +435,89 @@ def align_pairs_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     tile_experts = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursors = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E] scratch
+    run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E]
     experts_p = triton.next_power_of_2(num_experts)
     # 16 warps: H200, 66 experts (deepseek-v2-lite), 32 launches in one graph (bench/results/s26/small_kernels.py):
     # 7.8 / 5.2 / 4.3 us at 256 / 128 / 64 tokens x 8 picks against 8.9 / 5.9 / 5.0 with 4 warps; CHUNK 1024 was
     # the best or level at every size
-    _align_kernel[(1,)](topk_ids, sorted_pairs, tile_experts, num_padded, cursors,
+    _align_kernel[(1,)](topk_ids, sorted_pairs, tile_experts, num_padded, cursors, run_ends,
                         num_pairs, max_padded, max_tiles, NUM_EXPERTS=num_experts, EXPERTS_P=experts_p,
                         BLOCK_M=block_m, CHUNK=1024, TILE_CHUNK=max(16, 4096 // experts_p), num_warps=16)
-    return Alignment(sorted_pairs, tile_experts, num_padded, block_m)
+    return Alignment(sorted_pairs, tile_experts, num_padded, block_m, run_ends)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # varies with the batch: no recompiles
+def _count_pairs_kernel(topk_ids_ptr, counts_ptr, num_pairs, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr):
+    """One chunk of pairs: its histogram over the experts, added to the global counts (one vector atomic)."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < num_pairs
+    expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+    counts = tl.histogram(expert, EXPERTS_P, mask=mask).to(tl.int32)  # [E_P]
+    tl.atomic_add(counts_ptr + tl.arange(0, EXPERTS_P), counts, mask=counts > 0, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["max_tiles"])
+def _lay_runs_kernel(counts_ptr, cursor_ptr, run_ends_ptr, tile_experts_ptr, num_padded_ptr, max_tiles,
+                     NUM_EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                     TILE_CHUNK: tl.constexpr):
+    """One program: each expert's count padded to BLOCK_M, the runs laid end to end (each run's first row into the
+    cursors the placement advances), and every tile's expert (-1 past the last run)."""
+    offs_e = tl.arange(0, EXPERTS_P)
+    e_mask = offs_e < NUM_EXPERTS
+    counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_end = tl.cumsum(padded, axis=0)  # [E_P]
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    tl.store(cursor_ptr + offs_e, run_end - padded, mask=e_mask)
+    tl.store(run_ends_ptr + offs_e, run_end, mask=e_mask)
+    tile_end = run_end // BLOCK_M  # [E_P]: tiles [start, end) of expert e
+    for start in range(0, max_tiles, TILE_CHUNK):
+        tiles = start + tl.arange(0, TILE_CHUNK)  # [TC]
+        ended = (tiles[:, None] >= tile_end[None, :]) & e_mask[None, :]  # [TC, E_P]
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        expert = tl.where(tiles * BLOCK_M < total, expert, -1)
+        tl.store(tile_experts_ptr + tiles, expert, mask=tiles < max_tiles)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _place_pairs_kernel(topk_ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, CHUNK: tl.constexpr):
+    """One chunk of pairs, each to the next free row of its expert's run (relaxed atomics: only the rows'
+    uniqueness matters; the order inside a run is free, the top-k sum does not depend on it)."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < num_pairs
+    expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+    row = tl.atomic_add(cursor_ptr + expert, tl.full([CHUNK], 1, tl.int32), mask=mask, sem="relaxed")
+    tl.store(sorted_pairs_ptr + row, offs.to(tl.int32), mask=mask)
+
+
+# Pairs a program of the spread alignment counts or places
+SPREAD_CHUNK = 1024
+
+
+def align_pairs_spread(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The layout over the whole GPU, for many pairs (prefill): a program per chunk of pairs counts them per expert,
+    one program lays out the runs, a program per chunk places each pair. Padding rows are the sentinel filled
+    first. No sort and no host sync (align_pairs_sorted is the same layout from torch ops)."""
+    num_pairs = topk_ids.numel()
+    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
+    max_tiles = -(-max_padded // block_m)
+    device = topk_ids.device
+    experts_p = triton.next_power_of_2(num_experts)
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)  # [max_padded]
+    tile_experts = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    counts = torch.zeros(2, experts_p, dtype=torch.int32, device=device)  # [counts, cursors]
+    run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E]
+    if num_pairs:
+        chunks = (triton.cdiv(num_pairs, SPREAD_CHUNK),)
+        _count_pairs_kernel[chunks](topk_ids, counts[0], num_pairs, EXPERTS_P=experts_p, CHUNK=SPREAD_CHUNK,
+                                    num_warps=4)
+    _lay_runs_kernel[(1,)](counts[0], counts[1], run_ends, tile_experts, num_padded, max_tiles, NUM_EXPERTS=num_experts,
+                           EXPERTS_P=experts_p, BLOCK_M=block_m, TILE_CHUNK=max(16, 4096 // experts_p), num_warps=4)
+    if num_pairs:
+        _place_pairs_kernel[chunks](topk_ids, counts[1], sorted_pairs, num_pairs, CHUNK=SPREAD_CHUNK, num_warps=4)
+    return Alignment(sorted_pairs, tile_experts, num_padded, block_m, run_ends)
 
 
 # ---------------------------------------------------------------- grouped GEMM
@@ -883,7 +964,7 @@ def moe_path(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype
 
 def expert_offsets(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
     """topk_ids [T, k] -> offs [E] int32: where each expert's run of the block_m-padded layout ends (align_pairs'
-    runs; offs[-1] = its num_padded). A scatter-add and a prefix sum on the device: no host sync."""
+    runs; offs[-1] = its num_padded): Alignment.run_ends from torch ops, their reference in tests."""
     flat = topk_ids.view(-1).long()  # [P]
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))  # [E]
@@ -967,7 +1048,7 @@ def _fused_experts_gmm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
     inverse of the sort. Every step stays on the device (the forward runs layer after layer without a sync)."""
     num_experts, top_k = w_gate_up.shape[0], topk_ids.shape[1]
     align = align_pairs(topk_ids, num_experts, GMM_BLOCK_M)
-    offs = expert_offsets(topk_ids, num_experts, GMM_BLOCK_M)  # [E] int32
+    offs = align.run_ends  # [E] int32
     rows, positions = gather_sorted(x, align, top_k)  # [max_padded, H], [T * k]
     gate_up = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offs)  # [max_padded, 2I]
     act = silu_and_mul(gate_up)  # [max_padded, I]: the gate rounded to the model dtype before SiLU, as Triton's

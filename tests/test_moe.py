@@ -28,7 +28,7 @@ def _routed(num_tokens: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.T
     return x, weights, ids
 
 
-ALIGNERS = [moe.align_pairs_triton, moe.align_pairs_sorted]
+ALIGNERS = [moe.align_pairs_triton, moe.align_pairs_sorted, moe.align_pairs_spread]
 
 
 def _check_alignment(ids: torch.Tensor, block_m: int) -> None:
@@ -55,6 +55,8 @@ def _check_layout(align: moe.Alignment, ids: torch.Tensor, block_m: int) -> None
             assert bool((flat[rows] == expert).all()), f"tile {tile} mixes experts"
     counts = torch.bincount(flat, minlength=EXPERTS)
     assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert align.run_ends.dtype == torch.int32
+    assert torch.equal(align.run_ends, moe.expert_offsets(ids, EXPERTS, block_m)), "each expert's run end"
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
@@ -62,6 +64,18 @@ def test_alignment_groups_pairs_by_expert(num_tokens: int) -> None:
     _, _, ids = _routed(num_tokens, torch.float32)
     for block_m in (16, 64):
         _check_alignment(ids, block_m)
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_spread_alignment_over_many_programs(routing: str) -> None:
+    """The multi-program alignment (prefill's, on CUDA) with pairs over several chunks: the counts of every chunk
+    meet in one histogram and the placements of every chunk in one layout, at each block_m the tiles use."""
+    num_tokens = (2 * moe.SPREAD_CHUNK + 300) // TOP_K  # three programs, the last one partial
+    _, _, ids = _routed(num_tokens, torch.float32, seed=4)
+    if routing == "skewed":
+        ids[:, 0] = 3  # one expert takes every token's first pick
+    for block_m in (1, 16, 64, 128):
+        _check_layout(moe.align_pairs_spread(ids, EXPERTS, block_m), ids, block_m)
 
 
 def test_alignment_skewed_routing() -> None:
@@ -311,7 +325,8 @@ def test_gather_sorted_and_offsets_follow_the_alignment(block_m: int) -> None:
     x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(2))  # [T, H]
     _, ids = _gmm_routing("skewed", 13, seed=3)
     align = moe.align_pairs(ids, EXPERTS, block_m)
-    offs = moe.expert_offsets(ids, EXPERTS, block_m)
+    offs = align.run_ends  # the grouped GEMM's offs
+    assert torch.equal(offs, moe.expert_offsets(ids, EXPERTS, block_m))
     assert offs.dtype == torch.int32 and offs.shape == (EXPERTS,)
     assert int(offs[-1]) == int(align.num_padded)
     starts = torch.cat((offs.new_zeros(1), offs[:-1]))  # [E]
@@ -325,6 +340,19 @@ def test_gather_sorted_and_offsets_follow_the_alignment(block_m: int) -> None:
     torch.testing.assert_close(rows[:used][real], x[pairs[real] // top_k], atol=0, rtol=0)
     assert bool((rows[:used][~real] == 0).all()), "padding rows are zero"
     assert torch.equal(align.sorted_pairs[positions.long()].long(), torch.arange(ids.numel()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["triton", "gmm"])
+def test_prefill_batches_align_over_the_whole_gpu(path: str) -> None:
+    """Past ALIGN_SORT_MIN_PAIRS pairs on CUDA the layout comes from the spread alignment (no sort): both paths of a
+    bf16 layer still match the reference."""
+    num_tokens = 2 * moe.ALIGN_SORT_MIN_PAIRS // TOP_K + 7
+    w_gate_up, w_down = (w.cuda() for w in _weights(torch.bfloat16))
+    x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=9))
+    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, path=path)
+    expected = ref.moe_experts(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_combine_top_k_matches_weighted_sum() -> None:
