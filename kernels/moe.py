@@ -456,28 +456,35 @@ def _count_pairs_kernel(topk_ids_ptr, counts_ptr, num_pairs, EXPERTS_P: tl.const
     tl.atomic_add(counts_ptr + tl.arange(0, EXPERTS_P), counts, mask=counts > 0, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["max_tiles"])
-def _lay_runs_kernel(counts_ptr, cursor_ptr, run_ends_ptr, tile_experts_ptr, num_padded_ptr, max_tiles,
-                     NUM_EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
-                     TILE_CHUNK: tl.constexpr):
-    """One program: each expert's count padded to BLOCK_M, the runs laid end to end (each run's first row into the
-    cursors the placement advances), and every tile's expert (-1 past the last run)."""
+@triton.jit
+def _lay_runs_kernel(counts_ptr, cursor_ptr, run_ends_ptr, num_padded_ptr, NUM_EXPERTS: tl.constexpr,
+                     EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: each expert's count padded to BLOCK_M and the runs laid end to end (each run's first row into
+    the cursors the placement advances, its end into run_ends)."""
     offs_e = tl.arange(0, EXPERTS_P)
     e_mask = offs_e < NUM_EXPERTS
     counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     run_end = tl.cumsum(padded, axis=0)  # [E_P]
-    total = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
     tl.store(cursor_ptr + offs_e, run_end - padded, mask=e_mask)
     tl.store(run_ends_ptr + offs_e, run_end, mask=e_mask)
-    tile_end = run_end // BLOCK_M  # [E_P]: tiles [start, end) of expert e
-    for start in range(0, max_tiles, TILE_CHUNK):
-        tiles = start + tl.arange(0, TILE_CHUNK)  # [TC]
-        ended = (tiles[:, None] >= tile_end[None, :]) & e_mask[None, :]  # [TC, E_P]
-        expert = tl.sum(ended.to(tl.int32), axis=1)
-        expert = tl.where(tiles * BLOCK_M < total, expert, -1)
-        tl.store(tile_experts_ptr + tiles, expert, mask=tiles < max_tiles)
+
+
+@triton.jit(do_not_specialize=["max_tiles"])
+def _tile_experts_kernel(run_ends_ptr, num_padded_ptr, tile_experts_ptr, max_tiles, NUM_EXPERTS: tl.constexpr,
+                         EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    """TILES tiles' experts: how many runs end at or before each tile's first row (-1 past the last run). A
+    program per TILES tiles: at BLOCK_M 1 (the grouped-GEMM path) there is a tile per row."""
+    offs_e = tl.arange(0, EXPERTS_P)
+    e_mask = offs_e < NUM_EXPERTS
+    run_end = tl.load(run_ends_ptr + offs_e, mask=e_mask, other=0)  # [E_P]
+    total = tl.load(num_padded_ptr)
+    tiles = tl.program_id(0) * TILES + tl.arange(0, TILES)  # [TILES]
+    ended = (tiles[:, None] * BLOCK_M >= run_end[None, :]) & e_mask[None, :]  # [TILES, E_P]
+    expert = tl.sum(ended.to(tl.int32), axis=1)
+    expert = tl.where(tiles * BLOCK_M < total, expert, -1)
+    tl.store(tile_experts_ptr + tiles, expert, mask=tiles < max_tiles)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -497,8 +504,9 @@ SPREAD_CHUNK = 1024
 
 def align_pairs_spread(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """The layout over the whole GPU, for many pairs (prefill): a program per chunk of pairs counts them per expert,
-    one program lays out the runs, a program per chunk places each pair. Padding rows are the sentinel filled
-    first. No sort and no host sync (align_pairs_sorted is the same layout from torch ops)."""
+    one program lays out the runs, a program per group of tiles finds their experts, a program per chunk places
+    each pair. Padding rows are the sentinel filled first. No sort and no host sync (align_pairs_sorted is the same
+    layout from torch ops)."""
     num_pairs = topk_ids.numel()
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     max_tiles = -(-max_padded // block_m)
@@ -513,8 +521,12 @@ def align_pairs_spread(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
         chunks = (triton.cdiv(num_pairs, SPREAD_CHUNK),)
         _count_pairs_kernel[chunks](topk_ids, counts[0], num_pairs, EXPERTS_P=experts_p, CHUNK=SPREAD_CHUNK,
                                     num_warps=4)
-    _lay_runs_kernel[(1,)](counts[0], counts[1], run_ends, tile_experts, num_padded, max_tiles, NUM_EXPERTS=num_experts,
-                           EXPERTS_P=experts_p, BLOCK_M=block_m, TILE_CHUNK=max(16, 4096 // experts_p), num_warps=4)
+    _lay_runs_kernel[(1,)](counts[0], counts[1], run_ends, num_padded, NUM_EXPERTS=num_experts, EXPERTS_P=experts_p,
+                           BLOCK_M=block_m, num_warps=4)
+    tiles = max(16, 4096 // experts_p)  # a [tiles, E_P] comparison a program
+    _tile_experts_kernel[(triton.cdiv(max_tiles, tiles),)](run_ends, num_padded, tile_experts, max_tiles,
+                                                          NUM_EXPERTS=num_experts, EXPERTS_P=experts_p,
+                                                          BLOCK_M=block_m, TILES=tiles, num_warps=4)
     if num_pairs:
         _place_pairs_kernel[chunks](topk_ids, counts[1], sorted_pairs, num_pairs, CHUNK=SPREAD_CHUNK, num_warps=4)
     return Alignment(sorted_pairs, tile_experts, num_padded, block_m, run_ends)
