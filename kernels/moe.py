@@ -507,6 +507,10 @@ def align_pairs_spread(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     one program lays out the runs, a program per group of tiles finds their experts, a program per chunk places
     each pair. Padding rows are the sentinel filled first. No sort and no host sync (align_pairs_sorted is the same
     layout from torch ops)."""
+    if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype} strides {topk_ids.stride()}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"num_experts and block_m must be >= 1, got {num_experts} and {block_m}")
     num_pairs = topk_ids.numel()
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     max_tiles = -(-max_padded // block_m)

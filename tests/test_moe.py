@@ -76,6 +76,12 @@ def test_spread_alignment_over_many_programs(routing: str) -> None:
         ids[:, 0] = 3  # one expert takes every token's first pick
     for block_m in (1, 16, 64, 128):
         _check_layout(moe.align_pairs_spread(ids, EXPERTS, block_m), ids, block_m)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        moe.align_pairs_spread(ids.long(), EXPERTS, 16)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        moe.align_pairs_spread(ids.t(), EXPERTS, 16)
+    with pytest.raises(ValueError, match="block_m must be >= 1"):
+        moe.align_pairs_spread(ids, EXPERTS, 0)
 
 
 def test_alignment_skewed_routing() -> None:
