@@ -329,6 +329,15 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- alignment
 
 
+@triton.jit
+def _tile_experts(tiles, tile_end, e_mask, total, BLOCK_M: tl.constexpr):
+    """Each tile's expert: how many runs end at or before it (tile_end [E_P]: where expert e's tiles end); -1 past
+    the last run (total rows)."""
+    ended = (tiles[:, None] >= tile_end[None, :]) & e_mask[None, :]  # [TILES, E_P]
+    expert = tl.sum(ended.to(tl.int32), axis=1)
+    return tl.where(tiles * BLOCK_M < total, expert, -1)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_tiles"])  # varies with the batch: no recompiles
 def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, cursor_ptr, run_ends_ptr,
                   num_pairs, max_padded, max_tiles,
@@ -359,11 +368,8 @@ def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_p
     tile_end = run_end // BLOCK_M  # [E_P]: tiles [start, end) of expert e
     for start in range(0, max_tiles, TILE_CHUNK):
         tiles = start + tl.arange(0, TILE_CHUNK)  # [TC]
-        # a tile's expert: how many runs end at or before it
-        ended = (tiles[:, None] >= tile_end[None, :]) & e_mask[None, :]  # [TC, E_P]
-        expert = tl.sum(ended.to(tl.int32), axis=1)
-        expert = tl.where(tiles * BLOCK_M < total, expert, -1)
-        tl.store(tile_experts_ptr + tiles, expert, mask=tiles < max_tiles)
+        tl.store(tile_experts_ptr + tiles, _tile_experts(tiles, tile_end, e_mask, total, BLOCK_M),
+                 mask=tiles < max_tiles)
     tl.debug_barrier()  # the padding rows and the cursors are written before any pair is placed
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -481,10 +487,8 @@ def _tile_experts_kernel(run_ends_ptr, num_padded_ptr, tile_experts_ptr, max_til
     run_end = tl.load(run_ends_ptr + offs_e, mask=e_mask, other=0)  # [E_P]
     total = tl.load(num_padded_ptr)
     tiles = tl.program_id(0) * TILES + tl.arange(0, TILES)  # [TILES]
-    ended = (tiles[:, None] * BLOCK_M >= run_end[None, :]) & e_mask[None, :]  # [TILES, E_P]
-    expert = tl.sum(ended.to(tl.int32), axis=1)
-    expert = tl.where(tiles * BLOCK_M < total, expert, -1)
-    tl.store(tile_experts_ptr + tiles, expert, mask=tiles < max_tiles)
+    tl.store(tile_experts_ptr + tiles, _tile_experts(tiles, run_end // BLOCK_M, e_mask, total, BLOCK_M),
+             mask=tiles < max_tiles)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
