@@ -5,14 +5,23 @@ what the tuned kernel reaches: HBM bandwidth on the expert bytes it reads (small
     python -m pagoda.bench.moe_tune --shapes qwen3-30b-a3b,mixtral-8x7b [--write] [--out results.json]
 
 --write stores the table under kernels/moe_configs/ (named by experts, sizes, dtype, device and Triton version),
-where kernels/moe.py looks it up at run time.
+where kernels/moe.py looks it up at run time; a committed table's other buckets are kept (--buckets 1,2 retunes
+those two only).
+
+Decode runs a layer's experts once a step, with 26-60 other layers in between: its weights are never in L2. So where
+one launch reads less than 4x the L2 cache, each candidate is timed over several copies of the weights and as many
+routings, one launch per (copy, routing) in one graph. One routing over one copy (until the twenty-seventh session)
+kept a small batch's experts in L2 and picked tiles that are slow from HBM: at one token, deepseek-v2-lite's down
+GEMV took 21.4 us with the tile so chosen and 12.9 us with the best tile timed cold (H200, 2026-12-04).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -49,8 +58,20 @@ GEMV_CANDIDATES = [  # (block_n, block_k, num_warps, num_stages): the path for a
 DOWN_GEMV_CANDIDATES = [  # the down GEMV only: each K-step of every pair of a token in one tile (pairs_at_once)
     (8, 128, 4, 3, True), (4, 256, 4, 3, True), (8, 64, 4, 4, True), (16, 64, 4, 3, True), (4, 128, 4, 4, True),
     (16, 128, 8, 3, True),
+    # two or one output columns a program: a token's 8 pairs x 128-wide K-steps are still 1-2k elements a tile, and
+    # the grid has 2-4x the programs (deepseek-v2-lite, one token, cold: 12.9 us at (2, 128) against 21.4 at (4, 128))
+    (2, 128, 4, 3, True), (2, 64, 4, 4, True), (2, 256, 4, 3, True), (1, 256, 4, 3, True), (2, 128, 2, 3, True),
 ]
 GEMV_MAX_PAIRS = 64
+MAX_COPIES = 8  # weight copies (and routings) a candidate cycles through where one launch would fit in L2
+
+
+def copies_for(num_tokens: int, top_k: int, num_experts: int, down_bytes: int, l2_bytes: int) -> int:
+    """How many (weight copy, routing) pairs a candidate cycles through so that no launch finds its experts in L2:
+    enough that one launch of the smaller GEMM (down: down_bytes an expert) on every copy reads 4x the L2 cache;
+    1 where one launch already does. At most MAX_COPIES."""
+    touched = min(num_experts, num_tokens * top_k) * down_bytes
+    return max(1, min(MAX_COPIES, -(-4 * l2_bytes // touched)))
 
 
 def _routing(num_tokens: int, num_experts: int, top_k: int, num_shared: int,
@@ -64,37 +85,40 @@ def _routing(num_tokens: int, num_experts: int, top_k: int, num_shared: int,
             torch.cat((ids, shared.expand(num_tokens, num_shared)), 1))  # [T, k + S] each
 
 
-def _gemm_runner(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fuse_silu: bool,
-                 tile: moe.TileConfig, num_experts: int) -> Any:
-    """One of the two grouped GEMMs with this tile (its alignment included: it is part of the layer's cost)."""
-    top_k = ids.shape[1]
-    num_pairs = ids.numel()
-    n = w.shape[1] // 2 if fuse_silu else w.shape[1]
-    out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
-    flat_weights = weights.reshape(-1)
+Routings = list[tuple[torch.Tensor, torch.Tensor]]  # (weights [T, k], ids [T, k]) per launch
 
-    def run() -> None:
+
+def _gemm_runner(x: torch.Tensor, ws: list[torch.Tensor], routings: Routings, fuse_silu: bool,
+                 tile: moe.TileConfig, num_experts: int) -> list[Callable[[], None]]:
+    """One of the two grouped GEMMs with this tile (its alignment included: it is part of the layer's cost), one
+    launch per (weight copy, routing)."""
+    top_k = routings[0][1].shape[1]
+    num_pairs = routings[0][1].numel()
+    n = ws[0].shape[1] // 2 if fuse_silu else ws[0].shape[1]
+    out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+
+    def run(w: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
         align = moe.align_pairs(ids, num_experts, tile.block_m)
         moe._moe_gemm(x, w, None, None, align, out, num_pairs, top_k if fuse_silu else 1, fuse_silu,
-                      None if fuse_silu else flat_weights, tile)
-    return run
+                      None if fuse_silu else weights.reshape(-1), tile)
+    return [functools.partial(run, w, weights, ids) for w, (weights, ids) in zip(ws, routings, strict=True)]
 
 
-def _gemv_runner(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fuse_silu: bool,
-                 tile: moe.GemvConfig) -> Any:  # noqa: ANN401
-    top_k = ids.shape[1]
-    n = w.shape[1] // 2 if fuse_silu else w.shape[1]
-    out = torch.empty(ids.numel(), n, dtype=x.dtype, device=x.device)
-    flat_weights = weights.reshape(-1)
+def _gemv_runner(x: torch.Tensor, ws: list[torch.Tensor], routings: Routings, fuse_silu: bool,
+                 tile: moe.GemvConfig) -> list[Callable[[], None]]:
+    top_k = routings[0][1].shape[1]
+    n = ws[0].shape[1] // 2 if fuse_silu else ws[0].shape[1]
+    out = torch.empty(routings[0][1].numel(), n, dtype=x.dtype, device=x.device)
 
-    def run() -> None:
+    def run(w: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
         moe._moe_gemv(x, w, None, w.shape[2], ids, out, top_k if fuse_silu else 1, fuse_silu,
-                      None if fuse_silu else flat_weights, tile)
-    return run
+                      None if fuse_silu else weights.reshape(-1), tile)
+    return [functools.partial(run, w, weights, ids) for w, (weights, ids) in zip(ws, routings, strict=True)]
 
 
-def _best(runners: dict[Any, Any]) -> tuple[float, Any]:
-    """(ms, key) of the fastest runner; candidates that do not compile (shared memory) are skipped."""
+def _best(runners: dict[Any, list[Callable[[], None]]]) -> tuple[float, Any]:
+    """(ms a launch, key) of the fastest runner (its launches back to back in one graph); candidates that do not
+    compile (shared memory) are skipped."""
     best: tuple[float, Any] | None = None
     for key, run in runners.items():
         try:
@@ -120,20 +144,28 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
     e, k = spec.num_experts + num_shared, spec.top_k + num_shared
     w_gate_up = (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype)  # [E, 2I, H]
     w_down = (torch.randn(e, h, i, device=device) * 0.02).to(dtype)  # [E, H, I]
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    down_bytes = h * i * w_down.element_size()
+    copies_needed = max(copies_for(b, k, e, down_bytes, l2_bytes) for b in buckets)
+    up_copies = [w_gate_up] + [w_gate_up.clone() for _ in range(copies_needed - 1)]
+    down_copies = [w_down] + [w_down.clone() for _ in range(copies_needed - 1)]
     table: dict[int, dict[str, Any]] = {}
     rows = []
     for num_tokens in buckets:
         x = torch.randn(num_tokens, h, device=device).to(dtype)
-        weights, ids = _routing(num_tokens, spec.num_experts, spec.top_k, num_shared, device)
+        copies = copies_for(num_tokens, k, e, down_bytes, l2_bytes)
+        routings = [_routing(num_tokens, spec.num_experts, spec.top_k, num_shared, device) for _ in range(copies)]
+        weights, ids = routings[0]
         act = torch.randn(num_tokens * k, i, device=device).to(dtype)
-        best = {which: _best({moe.TileConfig(*c): _gemm_runner(a, w, ids, weights, fuse, moe.TileConfig(*c), e)
+        operands = (("gate_up", x, up_copies[:copies], True), ("down", act, down_copies[:copies], False))
+        best = {which: _best({moe.TileConfig(*c): _gemm_runner(a, ws, routings, fuse, moe.TileConfig(*c), e)
                               for c in CANDIDATES})
-                for which, a, w, fuse in (("gate_up", x, w_gate_up, True), ("down", act, w_down, False))}
+                for which, a, ws, fuse in operands}
         tiles: moe.Tiles = (best["gate_up"][1], best["down"][1])
         if ids.numel() <= GEMV_MAX_PAIRS:
-            gemv = {which: _best({moe.GemvConfig(*c): _gemv_runner(a, w, ids, weights, fuse, moe.GemvConfig(*c))
+            gemv = {which: _best({moe.GemvConfig(*c): _gemv_runner(a, ws, routings, fuse, moe.GemvConfig(*c))
                                   for c in GEMV_CANDIDATES + ([] if fuse else DOWN_GEMV_CANDIDATES)})
-                    for which, a, w, fuse in (("gate_up", x, w_gate_up, True), ("down", act, w_down, False))}
+                    for which, a, ws, fuse in operands}
             if gemv["gate_up"][0] + gemv["down"][0] < best["gate_up"][0] + best["down"][0]:
                 best, tiles = gemv, (gemv["gate_up"][1], gemv["down"][1])
         table[num_tokens] = moe.tiles_to_json(tiles)
@@ -170,6 +202,12 @@ def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, wei
                          "sorted": round(graph_time_ms(lambda: moe.align_pairs_sorted(ids, num_experts, 64)), 4)}}
 
 
+def merge_table(committed: dict[str, Any], tuned: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The committed table with the tuned buckets replaced or added, buckets in increasing order."""
+    merged = {int(bucket): entry for bucket, entry in committed.items()} | tuned
+    return {str(bucket): merged[bucket] for bucket in sorted(merged)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
@@ -187,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         if args.write:
             moe.CONFIG_DIR.mkdir(exist_ok=True)
-            (moe.CONFIG_DIR / result["file"]).write_text(json.dumps(result["table"], indent=1) + "\n")
+            path = moe.CONFIG_DIR / result["file"]
+            merged = merge_table(json.loads(path.read_text()) if path.is_file() else {}, result["table"])
+            path.write_text(json.dumps(merged, indent=1) + "\n")
         print(f"\n{result['shape']}: {result['file']}")
         print(f"{'tokens':>7}{'ms':>9}{'experts':>9}{'HBM':>7}{'TFLOP/s':>9}{'peak':>7}{'rel err':>10}"
               f"{'align triton/sort ms':>22}  path")

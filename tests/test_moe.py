@@ -129,7 +129,9 @@ def test_fused_experts_every_token_to_one_expert(tile: moe.TileConfig | moe.Gemv
 
 @pytest.mark.parametrize("top_k", [2, 3, 8])
 @pytest.mark.parametrize("down", [moe.GemvConfig(16, 16, 4, 2, pairs_at_once=True),
-                                  moe.GemvConfig(8, 64, 4, 3, pairs_at_once=True)])
+                                  moe.GemvConfig(8, 64, 4, 3, pairs_at_once=True),
+                                  moe.GemvConfig(2, 32, 4, 3, pairs_at_once=True),
+                                  moe.GemvConfig(1, 64, 2, 3, pairs_at_once=True)])
 def test_down_gemv_with_every_pair_at_once_matches_reference(top_k: int, down: moe.GemvConfig) -> None:
     """The down GEMV loading every pair of a token in each K-step: a power-of-two pair count and not (3: padded
     to 4, as V3's 8 routed + 1 shared to 16), K over two steps or one, beside the plain gate/up GEMV."""
