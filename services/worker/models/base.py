@@ -321,8 +321,10 @@ def moe_experts(ops: Ops, tp_size: int, fp8: Fp8Weights | None, *args: object) -
 
 def uses_head_gemv(ops: Ops, num_tokens: int) -> bool:
     """Whether MLA's absorbed per-head projections of a step of num_tokens rows take ops.head_gemv (the switch of
-    the 16-bit GEMV, at most its rows) rather than torch.bmm."""
-    return ops.head_gemv is not None and gemv.enabled() and 1 <= num_tokens <= gemv.MAX_ROWS
+    the 16-bit GEMV, at most its rows) rather than torch.bmm. PAGODA_HEAD_GEMV=0 keeps them on torch.bmm under
+    that switch (an A/B switch: the linears on the GEMV, the per-head projections not)."""
+    return (ops.head_gemv is not None and gemv.enabled() and os.environ.get("PAGODA_HEAD_GEMV") != "0"
+            and 1 <= num_tokens <= gemv.MAX_ROWS)
 
 
 def fuse_silu_gemv(rows: int) -> bool:
