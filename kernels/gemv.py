@@ -3,15 +3,15 @@
 rest of a decode step's chain, where cuBLAS's GEMV breaks it (kernels/pdl.py). Semantics: torch.nn.functional.linear
 with fp32 accumulation.
 
-Opt-in, and measured slower than cuBLAS with untuned tiles (H200, 2026-12-03, bench/step_ab.py, graph-timed decode
+Measured slower than cuBLAS with untuned tiles (H200, 2026-12-03, bench/step_ab.py, graph-timed decode
 step at 512 cached tokens, fp8_weight_only.default_tiles: llama3-8b bf16 4.53 -> 5.20 ms at B=1 and 4.76 -> 22.76
 ms at B=4; deepseek-v2-lite 2.56 -> 2.58 ms at B=1, 4.38 -> 5.60 ms at B=4; the B=4 FMA tiles reduce every row in
-one program). PAGODA_DENSE_GEMV=1 routes the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens here
-(models/base.py `quantized_linear`), MLA's absorbed per-head projections to head_gemv (models/deepseek.py, in
-place of torch.bmm), and lets single-token steps of dense models launch with PDL
-(CausalLM.pdl_mode). Tiles: a table tuned per GPU (`python -m pagoda.bench.gemv_tune`, gemv_configs/: per (N, K,
-M bucket) the best tiles, or "cublas" where torch's linear was faster); on a GPU a layer takes this path only
-where the table holds tiles for it, elsewhere it stays on torch's linear.
+one program). So the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens (models/base.py
+`quantized_linear`) take it only where a table tuned per GPU (`python -m pagoda.bench.gemv_tune`, gemv_configs/: per
+(N, K, M bucket) the best tiles, or "cublas" where torch's linear was faster) holds tiles for them; elsewhere they
+stay on torch's linear. PAGODA_DENSE_GEMV=1 also routes MLA's absorbed per-head projections to head_gemv
+(models/deepseek.py, in place of torch.bmm) and lets single-token steps of dense models launch with PDL
+(CausalLM.pdl_mode); PAGODA_DENSE_GEMV=0 turns the path off.
 """
 
 from __future__ import annotations
@@ -44,24 +44,34 @@ log = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
-    """PAGODA_DENSE_GEMV=1 (a measurement switch: on a GPU the 16-bit linears take the GEMV only where a tuned
-    table says it beats cuBLAS; head_gemv and PDL for dense single-token steps follow the switch alone)."""
+    """PAGODA_DENSE_GEMV=1: every switch of the 16-bit GEMV on (head_gemv for MLA's absorbed projections, PDL for
+    dense single-token steps, the linears on the interpreter too). Unset, only the linears whose tuned entry on
+    this GPU holds tiles take it (linear_takes_gemv); 0: none."""
     return os.environ.get("PAGODA_DENSE_GEMV") == "1"
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether dense_gemv serves x [..., K] @ weight^T: enabled, at most MAX_ROWS rows, a 2-D 16-bit weight of x's
-    dtype, contiguous along K; on a GPU only where the tuned table holds tiles for this (N, K, M bucket), i.e.
-    where they measured faster than cuBLAS (untuned tiles were up to 5x slower: module docstring). Off a GPU (the
-    interpreter) with the default tiles."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (enabled() and 1 <= rows <= MAX_ROWS and weight.dim() == 2 and weight.dtype in DTYPES
-            and x.dtype == weight.dtype and weight.stride(1) == 1):
+def linear_takes_gemv(on_gpu: bool, entry: GemvTiles | str | None) -> bool:
+    """The dispatch rule for a 16-bit linear that fits the GEMV (rows, dtype, layout): on a GPU where its tuned
+    entry holds tiles (they measured faster than cuBLAS there; untuned tiles were up to 5x slower: module
+    docstring), unless PAGODA_DENSE_GEMV=0; off a GPU (the interpreter) only under PAGODA_DENSE_GEMV=1. Default on
+    since the H200 step measured faster with the tuned linears (deepseek-v2-lite B=1, 512 cached tokens, graph:
+    2.313 -> 2.253 ms; bench/results/s27, 2026-12-04)."""
+    switch = os.environ.get("PAGODA_DENSE_GEMV")
+    if switch == "0":
         return False
-    if weight.device.type != "cuda":
-        return True
+    return isinstance(entry, GemvTiles) if on_gpu else switch == "1"
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether dense_gemv serves x [..., K] @ weight^T: at most MAX_ROWS rows, a 2-D 16-bit weight of x's dtype,
+    contiguous along K, and linear_takes_gemv (off a GPU the default tiles)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (1 <= rows <= MAX_ROWS and weight.dim() == 2 and weight.dtype in DTYPES and x.dtype == weight.dtype
+            and weight.stride(1) == 1):
+        return False
+    on_gpu = weight.device.type == "cuda"
     n, k = weight.shape
-    return isinstance(_tuned_entry(rows, n, k, weight.device), GemvTiles)
+    return linear_takes_gemv(on_gpu, _tuned_entry(rows, n, k, weight.device) if on_gpu else None)
 
 
 CUBLAS = "cublas"  # a tuned entry: torch's linear measured faster

@@ -91,6 +91,21 @@ def test_the_model_takes_it_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -
     assert model.pdl_mode(1) == 0
 
 
+def test_gpu_linears_take_tuned_tiles_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a linear takes the GEMV where its tuned entry holds tiles unless PAGODA_DENSE_GEMV=0; "cublas" or
+    no entry keeps torch's linear; off a GPU only PAGODA_DENSE_GEMV=1 sends it there."""
+    tiles = GemvTiles(block_m=1, block_n=8, block_k=1024, num_warps=8, num_stages=3)
+    monkeypatch.delenv("PAGODA_DENSE_GEMV", raising=False)
+    assert gemv.linear_takes_gemv(True, tiles)
+    assert not gemv.linear_takes_gemv(True, gemv.CUBLAS) and not gemv.linear_takes_gemv(True, None)
+    assert not gemv.linear_takes_gemv(False, None)
+    monkeypatch.setenv("PAGODA_DENSE_GEMV", "0")
+    assert not gemv.linear_takes_gemv(True, tiles)
+    monkeypatch.setenv("PAGODA_DENSE_GEMV", "1")
+    assert gemv.linear_takes_gemv(True, tiles) and gemv.linear_takes_gemv(False, None)
+    assert not gemv.linear_takes_gemv(True, gemv.CUBLAS)
+
+
 def test_tuned_table_picks_tiles_or_keeps_cublas(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A table as bench/gemv_tune writes it: tiles per (N, K, M bucket), "cublas" where torch's linear won (the
     layer then stays there); other shapes, buckets and CPU tensors get the default tiles."""
