@@ -97,16 +97,39 @@ def expand_max_rows(num_heads: int, qk_head_dim: int, v_head_dim: int, itemsize:
     return max(1, workspace_bytes // (2 * num_heads * max(qk_head_dim, v_head_dim) * itemsize))
 
 
+# A chunk of at least this many queries joins a step's expanded launch once another chunk has started it (a prompt
+# split by the token budget, its rest against cached context): the launch's fixed cost is then paid, and what the
+# chunk adds (its latent rows expanded, ~4 MFLOP each for 16 heads, 34 for 128) is less than the absorbed kernel
+# spends on its query-key pairs from ~170 queries at equal efficiency (35 against 10 KFLOP a pair for 16 heads, 278
+# against 82 for 128), fewer at the absorbed kernel's lower efficiency. H200, deepseek-v2-lite, 2026-12-04
+# (bench/results/s27/mixed_steps.py): a 16,384-token step with one 448-query chunk and 64 decode rows beside 31
+# expanded prompts took 159.8 ms of kernels against 151.0 for 32 expanded prompts.
+EXPAND_JOIN_MIN_QUERY_LEN = 64
+
+
 @dataclass(frozen=True, slots=True)
 class ExpandPolicy:
     """Which chunks take the expanded path: at least min_query_len (>= 2) queries, in a sequence of at most
-    max_seq_len tokens (its whole context is expanded at once; see expand_max_rows)."""
+    max_seq_len tokens (its whole context is expanded at once; see expand_max_rows); once one does, every chunk of
+    at least join_min_query_len queries within max_seq_len joins it (expanded_chunks)."""
 
     min_query_len: int = EXPAND_MIN_QUERY_LEN
     max_seq_len: int = EXPAND_MAX_ROWS
+    join_min_query_len: int = EXPAND_JOIN_MIN_QUERY_LEN
 
     def expands(self, query_len: int, seq_len: int) -> bool:
         return query_len >= max(self.min_query_len, 2) and seq_len <= self.max_seq_len
+
+    def joins(self, query_len: int, seq_len: int) -> bool:
+        return query_len >= max(min(self.join_min_query_len, self.min_query_len), 2) and seq_len <= self.max_seq_len
+
+    def expanded_chunks(self, query_lens: list[int], seq_lens: list[int]) -> list[int]:
+        """The sequences whose chunks this step expands: those that expand on their own, and with them any that
+        joins; none when no chunk expands on its own."""
+        pairs = list(zip(query_lens, seq_lens, strict=True))
+        if not any(self.expands(q, s) for q, s in pairs):
+            return []
+        return [b for b, (q, s) in enumerate(pairs) if self.joins(q, s)]
 
 
 # --------------------------------------------------------------------------------------------- cache write
@@ -739,7 +762,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
 # ------------------------------------------------------------------------------------ expanded attention
 
 
-def _to_device_async(values: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device_async(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host integers -> a tensor on `device` without a stream sync: through page-locked memory on CUDA (a copy
     from pageable memory waits for the stream to drain, which inside a prefill forward stalls every later launch)."""
     host = torch.from_numpy(np.ascontiguousarray(values))
@@ -760,11 +783,11 @@ def gather_latent_rows(cache: torch.Tensor, block_tables: torch.Tensor, seqs: li
     if total == 0:
         return torch.empty((0, width), dtype=dtype, device=device)
     block_size = cache.shape[1]
-    lens_t = _to_device_async(np.asarray(lens, dtype=np.int64), device)  # [S]
+    lens_t = to_device_async(np.asarray(lens, dtype=np.int64), device)  # [S]
     offsets = torch.cumsum(lens_t, 0) - lens_t  # [S] first gathered row of each sequence
     seq_of_row = torch.repeat_interleave(torch.arange(len(seqs), device=device), lens_t, output_size=total)  # [L]
     pos = torch.arange(total, device=device) - offsets[seq_of_row]  # [L] position within its sequence
-    seq_ids = _to_device_async(np.asarray(seqs, dtype=np.int64), device)[seq_of_row]  # [L]
+    seq_ids = to_device_async(np.asarray(seqs, dtype=np.int64), device)[seq_of_row]  # [L]
     blocks = block_tables[seq_ids, pos // block_size].long()  # [L]
     rows = cache.view(-1, width).index_select(0, blocks * block_size + pos % block_size)  # [L, R + P]
     if cache.dtype == torch.float8_e4m3fn:
@@ -889,8 +912,8 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     host_rows = np.concatenate([np.arange(starts[b], starts[b] + query_lens[b]) for b in seqs])  # [T_sel]
     # a run of consecutive sequences (every group of a prefill step): its rows are one slice, read and written in
     # place; else gathered and scattered through an index
-    span = _row_span(host_rows)
-    rows = None if span is not None else _to_device_async(host_rows, device)  # [T_sel] int64
+    span = row_span(host_rows)
+    rows = None if span is not None else to_device_async(host_rows, device)  # [T_sel] int64
     q_sel = q[span[0]:span[1]] if span is not None else q.index_select(0, rows)  # [T_sel, heads, Dn + P]
     if config is None and _flash_varlen_usable(q_sel, head_dim):
         if qk_dim >= v_head_dim:  # DeepSeek's heads: K and V as views of one GEMM's output, V's values last
@@ -916,7 +939,7 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     _write_rows(out, span, rows, o[..., :v_head_dim])
 
 
-def _row_span(rows: np.ndarray) -> tuple[int, int] | None:
+def row_span(rows: np.ndarray) -> tuple[int, int] | None:
     """(first, end) when `rows` is first, first + 1, ..., end - 1; else None."""
     if not len(rows) or rows[-1] - rows[0] != len(rows) - 1 or not np.all(np.diff(rows) == 1):
         return None
@@ -953,8 +976,8 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens:
     """Causal attention of packed sequences: q [T, heads, D] (sequence b's query_lens[b] rows, its last queries),
     k, v [L, heads, D] (its seq_lens[b] keys). Returns [T, heads, D]."""
     device = q.device
-    cu_q = _to_device_async(np.cumsum([0, *query_lens], dtype=np.int32), device)  # [S + 1]
-    cu_k = _to_device_async(np.cumsum([0, *seq_lens], dtype=np.int32), device)  # [S + 1]
+    cu_q = to_device_async(np.cumsum([0, *query_lens], dtype=np.int32), device)  # [S + 1]
+    cu_k = to_device_async(np.cumsum([0, *seq_lens], dtype=np.int32), device)  # [S + 1]
     out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max(query_lens), max(seq_lens), 0.0, True,
                                                   False, scale=scale)
     return out[0]  # (output, logsumexp, rng state, unused, debug mask)

@@ -90,13 +90,16 @@ def _v3(folder: Path) -> Path:
     return _save(DeepseekV3ForCausalLM(config).float(), folder, bias=True)
 
 
-def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("join", [16, 3])
+def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, join: int) -> None:
     """Chunks of >= 16 queries take the expanded path here (prefills beside decode rows and short chunks in one
-    step, chunks after cached context); the V3 test keeps the default threshold: every chunk absorbed."""
+    step, chunks after cached context), and with join 3 every chunk of >= 3 queries joins them (the absorbed rows
+    of such steps a sub-batch of their own); the V3 test keeps the default threshold: every chunk absorbed."""
     from pagoda.kernels.mla import ExpandPolicy
     from pagoda.services.worker.models import deepseek
 
-    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16))
+    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16,
+                                                                    join_min_query_len=join))
     folder = _v2(tmp_path)
     arch = load_arch(folder)
     assert arch.mla is not None and arch.mla.q_lora_rank is None and arch.moe is not None
@@ -113,6 +116,48 @@ def test_deepseek_v3_matches_transformers(tmp_path: Path) -> None:
     assert arch.mla is not None and arch.mla.q_lora_rank == 48 and arch.mla.rope_interleave
     assert arch.moe is not None and arch.moe.scoring_func == "sigmoid" and arch.moe.topk_method == "noaux_tc"
     check_greedy_parity(folder, random_prompts([9, 50, 90], VOCAB, seed=6), preempt_blocks=10)
+
+
+def test_expanded_chunks_join_a_started_launch() -> None:
+    """No chunk expands on its own: none do. Once one does, every chunk of >= join queries within max_seq_len
+    joins it; decode rows (one query) never do."""
+    from pagoda.kernels.mla import ExpandPolicy
+
+    policy = ExpandPolicy(min_query_len=16, max_seq_len=100, join_min_query_len=4)
+    assert policy.expanded_chunks([1, 8, 15], [50, 8, 40]) == []
+    assert policy.expanded_chunks([1, 20, 3, 4, 8, 1], [60, 20, 30, 101, 80, 9]) == [1, 4]
+    assert policy.expanded_chunks([16, 2], [120, 2]) == []  # over max_seq_len: absorbed
+    assert ExpandPolicy(min_query_len=16, join_min_query_len=64).expanded_chunks([16, 10], [16, 10]) == [0]
+
+
+def test_absorbed_rows_beside_expanded_chunks_run_as_their_own_batch() -> None:
+    """A step whose absorbed chunks (decode rows, short chunks) sit between expanded ones: their rows run as a
+    sub-batch (gathered when they are not one run) and the layer's output equals the all-absorbed one."""
+    from pagoda.bench.decode_profile import make_batch
+    from pagoda.kernels.mla import ExpandPolicy
+    from pagoda.services.worker.models import CausalLM, deepseek
+    from pagoda.services.worker.weights import load_model
+
+    arch = SHAPES["tiny-deepseek-v3"]
+    rows = [(1, 30), (20, 20), (3, 11), (6, 30), (1, 9), (24, 40)]  # (query length, sequence length)
+    meta, positions, num_blocks = make_batch([q for q, _ in rows], [s for _, s in rows], torch.device("cpu"))
+    sub, span, index = deepseek._sub_batch(meta, [0, 2, 4], torch.device("cpu"))
+    assert span is None and index.tolist() == [0, 21, 22, 23, 30]
+    assert sub.query_lens_host == [1, 3, 1] and sub.seq_lens_host == [30, 11, 9] and sub.max_seq_len == 30
+    assert sub.query_start_loc.tolist() == [0, 1, 4, 5] and sub.seq_lens.tolist() == [30, 11, 9]
+    assert torch.equal(sub.block_tables, meta.block_tables[[0, 2, 4]])
+    assert deepseek._sub_batch(meta, [1, 2], torch.device("cpu"))[1] == (1, 24)  # one run: a slice
+    ids = torch.randint(3, 500, (positions.numel(),), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for policy in (ExpandPolicy(min_query_len=10**6), ExpandPolicy(min_query_len=16, join_min_query_len=4)):
+        model = CausalLM(arch, torch.float32, torch.device("cpu"), max_positions=64)
+        load_model(model, None, "dummy", seed=0)
+        for layer in model.layers:
+            layer.attn.expand = policy
+        caches = [(torch.zeros(num_blocks, 16, 1, arch.mla.entry_dim),) for _ in range(arch.num_layers)]
+        with torch.inference_mode():
+            outputs.append(model(ids, positions, caches, meta))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------ routing

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
 from pagoda.kernels import reference as ref
-from pagoda.kernels.mla import ExpandPolicy, expand_max_rows, expand_min_query_len
+from pagoda.kernels.mla import ExpandPolicy, expand_max_rows, expand_min_query_len, row_span, to_device_async
 from pagoda.kernels.moe import exact_low_precision, route_grouped_topk, router_logits
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
@@ -71,6 +72,27 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
             ops: Ops) -> torch.Tensor:
     return quantized_linear(x, weight, weight_scale, fp8, None, ops)
 
+
+
+def _sub_batch(meta: AttentionMetadata, seqs: list[int],
+               device: torch.device) -> tuple[AttentionMetadata, tuple[int, int] | None, torch.Tensor | None]:
+    """The step's sequences `seqs` (host indices, increasing) as a batch of their own for the absorbed path: their
+    metadata (cache slots already written: slot_mapping is not read), and their rows of the step as (first, end)
+    when they are one run, else as an index tensor [T_a] int64. Built from host lists, copied without a sync."""
+    starts = np.cumsum([0, *meta.query_lens_host])
+    query_lens = [meta.query_lens_host[b] for b in seqs]
+    seq_lens = [meta.seq_lens_host[b] for b in seqs]
+    host_rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in seqs])  # [T_a]
+    span = row_span(host_rows)
+    rows = None if span is not None else to_device_async(host_rows.astype(np.int64), device)
+    index = to_device_async(np.asarray(seqs, dtype=np.int64), device)  # [B_a]
+    sub = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, block_tables=meta.block_tables.index_select(0, index),
+        seq_lens=meta.seq_lens.index_select(0, index),
+        query_start_loc=to_device_async(np.cumsum([0, *query_lens], dtype=np.int32), device),
+        seq_lens_host=seq_lens, query_lens_host=query_lens, max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens))
+    return sub, span, rows
 
 class MlaAttention(nn.Module):
     """Multi-head latent attention of one layer on one tensor-parallel rank."""
@@ -150,31 +172,46 @@ class MlaAttention(nn.Module):
                         cache, meta.slot_mapping, kv_scale, mla.rope_interleave)  # q_pe rotated; entries cached
         expanded: list[int] = []
         if meta.max_query_len >= self.expand.min_query_len:  # never in decode steps (no host lists read there)
-            expanded = [b for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host,
-                                                                       strict=True))
-                        if self.expand.expands(query_len, seq_len)]
-        w_uk, w_uv = self._w_uk_uv()
+            expanded = self.expand.expanded_chunks(meta.query_lens_host, meta.seq_lens_host)
         num_tokens = q.shape[0]
-        if not expanded or len(expanded) < sum(1 for query_len in meta.query_lens_host if query_len):
-            per_head_gemv = uses_head_gemv(ops, num_tokens)
-            q_nope = q[..., :mla.qk_nope_head_dim].transpose(0, 1)  # [heads, T, Dn]
-            q_lat = ops.head_gemv(q_nope, w_uk) if per_head_gemv else torch.bmm(q_nope, w_uk)  # [heads, T, R]
-            # the absorbed query [q_lat ‖ q_pe] read as two tensors in place: no concatenated copy
-            out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
-                                     self.expand if expanded else None,
-                                     q_rope=q[..., mla.qk_nope_head_dim:])  # [T, heads, R]
-            attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
-            # written through its [heads, T, Dv] view (a strided cuBLAS output): no transposing copy
-            (ops.head_gemv if per_head_gemv else torch.bmm)(out_lat.transpose(0, 1), w_uv.transpose(1, 2),
-                                                            out=attn.transpose(0, 1))
-        elif sum(meta.query_lens_host) == num_tokens:  # every chunk expands and fills its rows: nothing to absorb
-            attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
-        else:  # padding rows past the last chunk stay zero
-            attn = q.new_zeros((num_tokens, self.num_heads, mla.v_head_dim))
+        if not expanded:  # every row absorbed (decode steps, CUDA graphs: no host list is read)
+            attn = self._absorbed(q, cache, meta, ops, kv_scale)  # [T, heads, Dv]
+        else:
+            chunked = set(expanded)
+            absorbed = [b for b, query_len in enumerate(meta.query_lens_host) if query_len and b not in chunked]
+            covered = sum(meta.query_lens_host) == num_tokens  # else padding rows past the last chunk: zero
+            attn = (q.new_empty if covered else q.new_zeros)((num_tokens, self.num_heads, mla.v_head_dim))
+            if absorbed:  # decode rows and short chunks beside expanded ones: only their rows
+                sub_meta, span, rows = _sub_batch(meta, absorbed, q.device)
+                q_sub = q[span[0]:span[1]] if span is not None else q.index_select(0, rows)  # [T_a, heads, Dn + P]
+                attn_sub = self._absorbed(q_sub, cache, sub_meta, ops, kv_scale)  # [T_a, heads, Dv]
+                if span is not None:
+                    attn[span[0]:span[1]] = attn_sub
+                else:
+                    attn.index_copy_(0, rows, attn_sub)
         if expanded:
             ops.mla_expand(q, cache, meta, expanded, self.kv_b, mla.qk_nope_head_dim, mla.v_head_dim, self.scale,
                            attn, kv_scale, self.expand.max_seq_len)
         return _linear(attn.view(num_tokens, -1), self.o_weight, self.o_weight_scale, self.fp8, ops)  # [T, H]
+
+    def _absorbed(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ops: Ops,
+                  kv_scale: torch.Tensor | None) -> torch.Tensor:
+        """Absorbed attention of every row of q [T, heads, Dn + P] (rope applied) -> [T, heads, Dv]: W_UK folded
+        into the query, the latent kernel, W_UV applied to its output."""
+        mla = self.mla
+        w_uk, w_uv = self._w_uk_uv()
+        num_tokens = q.shape[0]
+        per_head_gemv = uses_head_gemv(ops, num_tokens)
+        q_nope = q[..., :mla.qk_nope_head_dim].transpose(0, 1)  # [heads, T, Dn]
+        q_lat = ops.head_gemv(q_nope, w_uk) if per_head_gemv else torch.bmm(q_nope, w_uk)  # [heads, T, R]
+        # the absorbed query [q_lat ‖ q_pe] read as two tensors in place: no concatenated copy
+        out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale, None,
+                                 q_rope=q[..., mla.qk_nope_head_dim:])  # [T, heads, R]
+        attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
+        # written through its [heads, T, Dv] view (a strided cuBLAS output): no transposing copy
+        (ops.head_gemv if per_head_gemv else torch.bmm)(out_lat.transpose(0, 1), w_uv.transpose(1, 2),
+                                                        out=attn.transpose(0, 1))
+        return attn
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """`prefix` = "model.layers.{i}.self_attn."."""
