@@ -147,6 +147,11 @@ def test_absorbed_rows_beside_expanded_chunks_run_as_their_own_batch() -> None:
     assert sub.query_start_loc.tolist() == [0, 1, 4, 5] and sub.seq_lens.tolist() == [30, 11, 9]
     assert torch.equal(sub.block_tables, meta.block_tables[[0, 2, 4]])
     assert deepseek._sub_batch(meta, [1, 2], torch.device("cpu"))[1] == (1, 24)  # one run: a slice
+    first = deepseek._step_sub_batch(meta, [0, 2, 4], torch.device("cpu"))
+    assert deepseek._step_sub_batch(meta, [0, 2, 4], torch.device("cpu")) is first  # every layer of the step
+    assert deepseek._step_sub_batch(meta, [0, 4], torch.device("cpu")) is not first
+    other = replace(meta)  # the next step's metadata: built again
+    assert deepseek._step_sub_batch(other, [0, 4], torch.device("cpu"))[0].query_lens_host == [1, 1]
     ids = torch.randint(3, 500, (positions.numel(),), generator=torch.Generator().manual_seed(3))
     outputs = []
     for policy in (ExpandPolicy(min_query_len=10**6), ExpandPolicy(min_query_len=16, join_min_query_len=4)):

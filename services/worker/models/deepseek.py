@@ -74,8 +74,21 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
 
 
 
-def _sub_batch(meta: AttentionMetadata, seqs: list[int],
-               device: torch.device) -> tuple[AttentionMetadata, tuple[int, int] | None, torch.Tensor | None]:
+SubBatch = tuple[AttentionMetadata, tuple[int, int] | None, torch.Tensor | None]
+# the last step's sub-batch, built once and read by every layer: (its metadata, its sequences) -> the sub-batch
+_LAST_SUB_BATCH: list[tuple[AttentionMetadata, list[int], SubBatch]] = []
+
+
+def _step_sub_batch(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> SubBatch:
+    """_sub_batch, once a step: every layer of the step passes the same metadata object and sequences."""
+    if _LAST_SUB_BATCH and _LAST_SUB_BATCH[0][0] is meta and _LAST_SUB_BATCH[0][1] == seqs:
+        return _LAST_SUB_BATCH[0][2]
+    built = _sub_batch(meta, seqs, device)
+    _LAST_SUB_BATCH[:] = [(meta, seqs, built)]
+    return built
+
+
+def _sub_batch(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> SubBatch:
     """The step's sequences `seqs` (host indices, increasing) as a batch of their own for the absorbed path: their
     metadata (cache slots already written: slot_mapping is not read), and their rows of the step as (first, end)
     when they are one run, else as an index tensor [T_a] int64. Built from host lists, copied without a sync."""
@@ -182,7 +195,7 @@ class MlaAttention(nn.Module):
             covered = sum(meta.query_lens_host) == num_tokens  # else padding rows past the last chunk: zero
             attn = (q.new_empty if covered else q.new_zeros)((num_tokens, self.num_heads, mla.v_head_dim))
             if absorbed:  # decode rows and short chunks beside expanded ones: only their rows
-                sub_meta, span, rows = _sub_batch(meta, absorbed, q.device)
+                sub_meta, span, rows = _step_sub_batch(meta, absorbed, q.device)
                 q_sub = q[span[0]:span[1]] if span is not None else q.index_select(0, rows)  # [T_a, heads, Dn + P]
                 attn_sub = self._absorbed(q_sub, cache, sub_meta, ops, kv_scale)  # [T_a, heads, Dv]
                 if span is not None:
