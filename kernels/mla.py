@@ -909,12 +909,10 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     latent = gather_latent_rows(cache, block_tables, seqs, seq_lens, q.dtype, kv_scale)  # [L, R + P]
     lens = [seq_lens[b] for b in seqs]
     qlens = [query_lens[b] for b in seqs]
-    host_rows = np.concatenate([np.arange(starts[b], starts[b] + query_lens[b]) for b in seqs])  # [T_sel]
     # a run of consecutive sequences (every group of a prefill step): its rows are one slice, read and written in
     # place; else gathered and scattered through an index
-    span = row_span(host_rows)
-    rows = None if span is not None else to_device_async(host_rows, device)  # [T_sel] int64
-    q_sel = q[span[0]:span[1]] if span is not None else q.index_select(0, rows)  # [T_sel, heads, Dn + P]
+    span, rows = chunk_rows(starts, query_lens, seqs, device)
+    q_sel = read_rows(q, span, rows)  # [T_sel, heads, Dn + P]
     if config is None and _flash_varlen_usable(q_sel, head_dim):
         if qk_dim >= v_head_dim:  # DeepSeek's heads: K and V as views of one GEMM's output, V's values last
             # H200, deepseek-v2-lite prefill 32 x 512 (2026-12-04, bench/results/s25): K and V built by copies from
@@ -924,7 +922,7 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
             k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)
             q_sel = torch.nn.functional.pad(q_sel, (0, head_dim - qk_dim))
         o = _flash_varlen(q_sel, k, v, qlens, lens, scale)  # [T_sel, heads, D]: the output in the last Dv columns
-        _write_rows(out, span, rows, o[..., head_dim - v_head_dim:])
+        write_rows(out, span, rows, o[..., head_dim - v_head_dim:])
         return
     k, v = expand_latent(latent, w_kv_b, num_heads, qk_nope_head_dim, v_head_dim, head_dim)  # [L, heads, D] each
     if head_dim != qk_dim:
@@ -936,7 +934,7 @@ def _expanded_group(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     o = paged_attention(q_sel, k.unsqueeze(1), v.unsqueeze(1), tables.to(device=device, dtype=torch.int32),
                         torch.tensor(lens, dtype=torch.int32, device=device), qsl.to(device), max(qlens), max_len,
                         scale, config=config)  # [T_sel, heads, D]
-    _write_rows(out, span, rows, o[..., :v_head_dim])
+    write_rows(out, span, rows, o[..., :v_head_dim])
 
 
 def row_span(rows: np.ndarray) -> tuple[int, int] | None:
@@ -946,8 +944,25 @@ def row_span(rows: np.ndarray) -> tuple[int, int] | None:
     return int(rows[0]), int(rows[-1]) + 1
 
 
-def _write_rows(out: torch.Tensor, span: tuple[int, int] | None, rows: torch.Tensor | None,
-                values: torch.Tensor) -> None:
+def chunk_rows(starts: list[int] | np.ndarray, query_lens: list[int], seqs: list[int],
+               device: torch.device) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """The step's rows of sequences `seqs` (sequence b's are starts[b] .. starts[b] + query_lens[b] - 1): (first,
+    end) when they are one run, else (None, their indices [T_sel] int64 on `device`, copied without a sync)."""
+    host_rows = np.concatenate([np.arange(starts[b], starts[b] + query_lens[b]) for b in seqs])  # [T_sel]
+    span = row_span(host_rows)
+    return span, None if span is not None else to_device_async(host_rows.astype(np.int64), device)
+
+
+def read_rows(x: torch.Tensor, span: tuple[int, int] | None, rows: torch.Tensor | None) -> torch.Tensor:
+    """x[rows]: a slice (a view) when the rows are one span, else a gather."""
+    if span is not None:
+        return x[span[0]:span[1]]
+    assert rows is not None
+    return x.index_select(0, rows)
+
+
+def write_rows(out: torch.Tensor, span: tuple[int, int] | None, rows: torch.Tensor | None,
+               values: torch.Tensor) -> None:
     """out[rows] = values, through a slice when the rows are one span."""
     if span is not None:
         out[span[0]:span[1]].copy_(values)

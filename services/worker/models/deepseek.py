@@ -31,7 +31,15 @@ import torch
 from torch import nn
 
 from pagoda.kernels import reference as ref
-from pagoda.kernels.mla import ExpandPolicy, expand_max_rows, expand_min_query_len, row_span, to_device_async
+from pagoda.kernels.mla import (
+    ExpandPolicy,
+    chunk_rows,
+    expand_max_rows,
+    expand_min_query_len,
+    read_rows,
+    to_device_async,
+    write_rows,
+)
 from pagoda.kernels.moe import exact_low_precision, route_grouped_topk, router_logits
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
@@ -73,7 +81,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
     return quantized_linear(x, weight, weight_scale, fp8, None, ops)
 
 
-
 SubBatch = tuple[AttentionMetadata, tuple[int, int] | None, torch.Tensor | None]
 # the last step's sub-batch, built once and read by every layer: (its metadata, its sequences) -> the sub-batch
 _LAST_SUB_BATCH: list[tuple[AttentionMetadata, list[int], SubBatch]] = []
@@ -92,12 +99,9 @@ def _sub_batch(meta: AttentionMetadata, seqs: list[int], device: torch.device) -
     """The step's sequences `seqs` (host indices, increasing) as a batch of their own for the absorbed path: their
     metadata (cache slots already written: slot_mapping is not read), and their rows of the step as (first, end)
     when they are one run, else as an index tensor [T_a] int64. Built from host lists, copied without a sync."""
-    starts = np.cumsum([0, *meta.query_lens_host])
     query_lens = [meta.query_lens_host[b] for b in seqs]
     seq_lens = [meta.seq_lens_host[b] for b in seqs]
-    host_rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in seqs])  # [T_a]
-    span = row_span(host_rows)
-    rows = None if span is not None else to_device_async(host_rows.astype(np.int64), device)
+    span, rows = chunk_rows(np.cumsum([0, *meta.query_lens_host]), meta.query_lens_host, seqs, device)
     index = to_device_async(np.asarray(seqs, dtype=np.int64), device)  # [B_a]
     sub = AttentionMetadata(
         slot_mapping=meta.slot_mapping, block_tables=meta.block_tables.index_select(0, index),
@@ -196,12 +200,8 @@ class MlaAttention(nn.Module):
             attn = (q.new_empty if covered else q.new_zeros)((num_tokens, self.num_heads, mla.v_head_dim))
             if absorbed:  # decode rows and short chunks beside expanded ones: only their rows
                 sub_meta, span, rows = _step_sub_batch(meta, absorbed, q.device)
-                q_sub = q[span[0]:span[1]] if span is not None else q.index_select(0, rows)  # [T_a, heads, Dn + P]
-                attn_sub = self._absorbed(q_sub, cache, sub_meta, ops, kv_scale)  # [T_a, heads, Dv]
-                if span is not None:
-                    attn[span[0]:span[1]] = attn_sub
-                else:
-                    attn.index_copy_(0, rows, attn_sub)
+                q_sub = read_rows(q, span, rows)  # [T_a, heads, Dn + P]
+                write_rows(attn, span, rows, self._absorbed(q_sub, cache, sub_meta, ops, kv_scale))  # [T_a, heads, Dv]
         if expanded:
             ops.mla_expand(q, cache, meta, expanded, self.kv_b, mla.qk_nope_head_dim, mla.v_head_dim, self.scale,
                            attn, kv_scale, self.expand.max_seq_len)
