@@ -379,6 +379,52 @@ def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_p
         tl.store(sorted_pairs_ptr + slot, offs.to(tl.int32), mask=mask)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_tiles"])  # varies with the batch: no recompiles
+def _align_by_expert_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, run_ends_ptr,
+                            num_pairs, max_padded, max_tiles,
+                            NUM_EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                            PAD_P: tl.constexpr, CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
+    """A program per expert, no atomics: every program counts all pairs per expert (a register histogram; the ids
+    are a few KB, read from L2), lays the padded runs end to end, then writes its own run: its pairs in pair order
+    (a prefix sum of the matches ranks them), its padding rows and its tiles' expert. The last expert's program
+    also writes num_padded and the sentinel rows and -1 tiles past it. The layout equals the stable sort's."""
+    expert = tl.program_id(0)
+    offs_e = tl.arange(0, EXPERTS_P)
+    counts = tl.zeros([EXPERTS_P], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        ids = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+        counts += tl.histogram(ids, EXPERTS_P, mask=mask).to(tl.int32)  # [E_P]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    mine = offs_e == expert
+    run_end = tl.sum(tl.where(mine, tl.cumsum(padded, axis=0), 0), axis=0)
+    run_start = run_end - tl.sum(tl.where(mine, padded, 0), axis=0)
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    placed = run_start
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        hit = (ids == expert).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0)  # [CHUNK] inclusive: the k-th match goes to row placed + k - 1
+        tl.store(sorted_pairs_ptr + placed + rank - 1, offs.to(tl.int32), mask=hit > 0)
+        placed += tl.sum(hit, axis=0)
+    pad = run_start + count + tl.arange(0, PAD_P)  # a run is padded by at most BLOCK_M - 1 rows
+    tl.store(sorted_pairs_ptr + pad, tl.full([PAD_P], 0, tl.int32) + num_pairs, mask=pad < run_end)
+    for start in range(run_start // BLOCK_M, run_end // BLOCK_M, TILE_CHUNK):
+        tiles = start + tl.arange(0, TILE_CHUNK)
+        tl.store(tile_experts_ptr + tiles, tl.full([TILE_CHUNK], 0, tl.int32) + expert, mask=tiles < run_end // BLOCK_M)
+    tl.store(run_ends_ptr + expert, run_end)
+    if expert == NUM_EXPERTS - 1:  # run_end is the total here
+        tl.store(num_padded_ptr, run_end)
+        for start in range(run_end, max_padded, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(sorted_pairs_ptr + offs, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=offs < max_padded)
+        for start in range(run_end // BLOCK_M, max_tiles, TILE_CHUNK):
+            tiles = start + tl.arange(0, TILE_CHUNK)
+            tl.store(tile_experts_ptr + tiles, tl.full([TILE_CHUNK], -1, tl.int32), mask=tiles < max_tiles)
+
+
 @dataclass(frozen=True, slots=True)
 class Alignment:
     sorted_pairs: torch.Tensor  # [max_padded] int32
@@ -393,8 +439,9 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + num_experts * (block_m - 1)
 
 
-# Above this many pairs the one-program Triton alignment (serial atomics) loses to one spread over the GPU: on CUDA
-# the multi-program alignment (align_pairs_spread), elsewhere a torch sort.
+# Above this many pairs the decode alignments (a program per expert, or one program with serial atomics below
+# ALIGN_BY_EXPERT_MIN_EXPERTS experts) lose to one spread over the GPU: on CUDA the multi-program alignment
+# (align_pairs_spread), elsewhere a torch sort.
 ALIGN_SORT_MIN_PAIRS = 4096
 
 
@@ -405,6 +452,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
         if topk_ids.is_cuda:
             return align_pairs_spread(topk_ids, num_experts, block_m)
         return align_pairs_sorted(topk_ids, num_experts, block_m)
+    if num_experts >= ALIGN_BY_EXPERT_MIN_EXPERTS:
+        return align_pairs_by_expert(topk_ids, num_experts, block_m)
     return align_pairs_triton(topk_ids, num_experts, block_m)
 
 
@@ -450,6 +499,37 @@ def align_pairs_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
                         num_pairs, max_padded, max_tiles, NUM_EXPERTS=num_experts, EXPERTS_P=experts_p,
                         BLOCK_M=block_m, CHUNK=1024, TILE_CHUNK=max(16, 4096 // experts_p), num_warps=16)
     return Alignment(sorted_pairs, tile_experts, num_padded, block_m, run_ends)
+
+
+def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The layout from a program per expert (few pairs: decode batches), no atomics; equal to align_pairs_sorted."""
+    num_pairs = topk_ids.numel()
+    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
+    max_tiles = -(-max_padded // block_m)
+    device = topk_ids.device
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)  # [max_padded]
+    tile_experts = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E]
+    small_pairs, warps, chunk = ALIGN_BY_EXPERT_SMALL
+    if num_pairs > small_pairs:
+        warps, chunk = ALIGN_BY_EXPERT_WARPS, ALIGN_BY_EXPERT_CHUNK
+    _align_by_expert_kernel[(num_experts,)](
+        topk_ids, sorted_pairs, tile_experts, num_padded, run_ends, num_pairs, max_padded, max_tiles,
+        NUM_EXPERTS=num_experts, EXPERTS_P=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+        PAD_P=triton.next_power_of_2(block_m), CHUNK=chunk, TILE_CHUNK=16, num_warps=warps)
+    return Alignment(sorted_pairs, tile_experts, num_padded, block_m, run_ends)
+
+
+# The program-per-expert alignment's launch: chunks of 512 pairs with 4 warps up to 512 pairs, else 1024 with 8.
+# H200, 32 launches in one graph (bench/results/s28/align_decode.py, call 4), us a call at 1 / 64 / 128 / 256 / 512
+# tokens x 8 picks over 66 experts: 4 warps x 512 2.62 / 2.59 / 3.64 / 5.68 / 9.72; 8 x 1024 2.96 / 2.92 / 3.10 /
+# 4.43 / 7.12; the one-program kernel 3.49 / 4.29 / 5.31 / 7.76 / 11.85. With 8 experts (mixtral) every program
+# reads every pair for few pairs of its own and the one-program kernel wins (2.3 against 2.5-2.9): below
+# ALIGN_BY_EXPERT_MIN_EXPERTS experts it stays.
+ALIGN_BY_EXPERT_SMALL = (512, 4, 512)  # (up to this many pairs, warps, chunk)
+ALIGN_BY_EXPERT_CHUNK, ALIGN_BY_EXPERT_WARPS = 1024, 8
+ALIGN_BY_EXPERT_MIN_EXPERTS = 32
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # varies with the batch: no recompiles

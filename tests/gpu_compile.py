@@ -166,6 +166,8 @@ def run_moe_shapes() -> None:
         moe.fused_experts(torch.empty(1, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids, *scales,
                           group_k=128 if fp8 else None, tiles=(tiles[0], at_once))
         moe.align_pairs_triton(torch.zeros(256, top_k, dtype=torch.int32), experts, 64)  # decode batches' layout
+        moe.align_pairs_by_expert(torch.zeros(256, top_k, dtype=torch.int32), experts, 64)  # ... from 32 experts
+        moe.align_pairs_by_expert(torch.zeros(8, top_k, dtype=torch.int32), experts, 16)
         moe.align_pairs_spread(torch.zeros(2048, top_k, dtype=torch.int32), experts, 128)  # prefill's
 
 

@@ -28,7 +28,7 @@ def _routed(num_tokens: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.T
     return x, weights, ids
 
 
-ALIGNERS = [moe.align_pairs_triton, moe.align_pairs_sorted, moe.align_pairs_spread]
+ALIGNERS = [moe.align_pairs_triton, moe.align_pairs_sorted, moe.align_pairs_spread, moe.align_pairs_by_expert]
 
 
 def _check_alignment(ids: torch.Tensor, block_m: int) -> None:
@@ -82,6 +82,38 @@ def test_spread_alignment_over_many_programs(routing: str) -> None:
         moe.align_pairs_spread(ids.t(), EXPERTS, 16)
     with pytest.raises(ValueError, match="block_m must be >= 1"):
         moe.align_pairs_spread(ids, EXPERTS, 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("num_tokens", [3, (moe.ALIGN_BY_EXPERT_CHUNK + 300) // TOP_K])  # small; two chunks
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_alignment_by_expert_equals_the_stable_sort(routing: str, num_tokens: int, device: str) -> None:
+    """A program per expert ranks its pairs in pair order: the very layout of the stable sort (rows, tiles, runs),
+    in one chunk and over several (the second partial), at every block_m, with experts that get nothing."""
+    _, _, ids = _routed(num_tokens, torch.float32, seed=5)
+    ids = ids.to(device)
+    if routing == "skewed":
+        ids[:, :2] = torch.tensor([3, 5], dtype=torch.int32, device=device)  # two experts take every pick
+    for block_m in (1, 16, 64):
+        got = moe.align_pairs_by_expert(ids, EXPERTS, block_m)
+        want = moe.align_pairs_sorted(ids, EXPERTS, block_m)
+        for field in ("sorted_pairs", "tile_experts", "num_padded", "run_ends"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (field, block_m)
+
+
+def test_decode_alignment_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode batches over ALIGN_BY_EXPERT_MIN_EXPERTS or more experts take the program-per-expert layout, fewer
+    experts the one-program kernel; either way the layout is valid."""
+    taken: list[str] = []
+    for name in ("align_pairs_by_expert", "align_pairs_triton"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *args, _real=real, _name=name: taken.append(_name) or _real(*args))
+    gen = torch.Generator().manual_seed(11)
+    for experts in (moe.ALIGN_BY_EXPERT_MIN_EXPERTS + 34, EXPERTS):  # deepseek-v2-lite's 66; the tests' 8
+        ids = torch.rand(37, experts, generator=gen).topk(TOP_K, dim=1).indices.to(torch.int32)  # [T, k]
+        align = moe.align_pairs(ids, experts, 16)
+        assert int(align.num_padded) == int(moe.expert_offsets(ids, experts, 16)[-1])
+    assert taken == ["align_pairs_by_expert", "align_pairs_triton"]
 
 
 def test_alignment_skewed_routing() -> None:
