@@ -79,7 +79,14 @@ def measure_repeated(llm: Any, workload: Workload, repeats: int, load_s: float =
     median = sorted(runs, key=lambda r: r["output_tok_per_s"])[(repeats - 1) // 2]
     return {**median, **{k: v for k, v in runs[-1].items() if k.startswith("batch1_")},
             "repeats": repeats, "repeat_tok_per_s": [round(rate, 1) for rate in rates],
-            "repeat_tok_per_s_mean": round(sum(rates) / repeats, 1)}
+            "repeat_tok_per_s_mean": round(sum(rates) / repeats, 1),
+            "repeat_steps": [{k: r[k] for k in REPEAT_STEP_KEYS if k in r} for r in runs]}
+
+
+# Per-run step figures kept beside the median's (where one run of a call differs, e.g. the first, the steps say
+# whether prefill-carrying or decode steps moved)
+REPEAT_STEP_KEYS = ("elapsed_s", "decode_steps_gpu_s", "decode_step_gpu_ms_p50", "mixed_steps_gpu_s",
+                    "mixed_step_gpu_ms", "num_steps")
 
 
 def measure_pagoda(llm: Any, workload: Workload, load_s: float = 0.0, latency_prompt_len: int = 0) -> dict[str, Any]:
@@ -309,6 +316,11 @@ def _print_table(report: dict[str, Any]) -> None:
     if base and base.get("repeats"):
         print(f"pagoda: the median of {base['repeats']} runs; out tok/s {base['repeat_tok_per_s']}, mean "
               f"{base['repeat_tok_per_s_mean']:.1f}")
+        for i, run in enumerate(base.get("repeat_steps", [])):
+            if "mixed_steps_gpu_s" in run:
+                print(f"  run {i + 1}: {run['elapsed_s']:.3f} s; GPU {run['mixed_steps_gpu_s']:.3f} s in "
+                      f"prefill-carrying steps, {run['decode_steps_gpu_s']:.3f} s in decode steps "
+                      f"(p50 {run['decode_step_gpu_ms_p50']:.2f} ms)")
     if base and base.get("decode_gpu_busy_fraction") is not None:
         print(f"decode GPU busy {base['decode_gpu_busy_fraction']:.1%} over {base['decode_steps']} decode steps "
               f"(max_inflight_plans {base['max_inflight_plans']}; target >= 95%)")

@@ -122,7 +122,8 @@ def test_repeated_runs_use_fresh_prompts_and_report_the_median(monkeypatch: pyte
 
     def fake_measure(llm: object, workload: Workload, load_s: float, latency_prompt_len: int) -> dict[str, object]:
         calls.append((workload.seed, latency_prompt_len))
-        result: dict[str, object] = {"output_tok_per_s": rates[workload.seed], "seed": workload.seed}
+        result: dict[str, object] = {"output_tok_per_s": rates[workload.seed], "seed": workload.seed,
+                                     "elapsed_s": 1e4 / rates[workload.seed]}
         if latency_prompt_len:
             result["batch1_decode_ms_p50"] = 1.5
         return result
@@ -135,5 +136,6 @@ def test_repeated_runs_use_fresh_prompts_and_report_the_median(monkeypatch: pyte
     assert result["repeat_tok_per_s"] == [300.0, 100.0, 200.0]
     assert result["repeat_tok_per_s_mean"] == 200.0
     assert result["batch1_decode_ms_p50"] == 1.5
+    assert [run["elapsed_s"] for run in result["repeat_steps"]] == [1e4 / 300, 1e4 / 100, 1e4 / 200]  # every run's
     single = throughput.measure_repeated(object(), Workload(num_prompts=2, seed=0), repeats=1)
     assert "repeats" not in single and single["output_tok_per_s"] == 300.0
