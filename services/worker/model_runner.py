@@ -328,21 +328,8 @@ class ModelRunner:
             if 64 * num_splits <= self.max_model_len:  # longer sequences, and so this split count, never happen
                 self.dummy_forward([1], num_logits=1, context_len=64 * num_splits - 1)
         self.warm_up_experts()
-        self.warm_up_prefill_sizes()
         same = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1] a pair that copies nothing
         self._copy_block_pairs(self.kv_cache.flatten(0, 1), same, same)  # beam search's block copy: compiled now
-
-    def warm_up_prefill_sizes(self) -> None:
-        """A prompt of each power of two from 128 tokens to half the step budget (profile_run ran the whole budget):
-        cuBLAS picks its GEMM kernels by the row count and CUDA loads each kernel's module at its first launch, so a
-        step of a row count no warm-up had run stalled on those loads (H200, deepseek-v2-lite reference: the first
-        run's last prefill-carrying step 68 ms of GPU time against ~21 ms in later runs, its host's largest mm
-        5.1 ms against 0.08; bench/results/s28/first_steps.py)."""
-        max_tokens = min(self.config.resolved_max_num_batched_tokens(self.device.type), self.max_model_len)
-        num_tokens = 128
-        while 2 * num_tokens <= max_tokens:
-            self.dummy_forward([num_tokens], num_logits=1)
-            num_tokens *= 2
 
     @torch.inference_mode()
     def warm_up_experts(self) -> None:
