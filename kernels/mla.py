@@ -88,7 +88,6 @@ def expand_min_query_len(num_heads: int) -> int:
 # the absorbed path, which needs no workspace. 1 GiB: 87k rows of DeepSeek-V2-Lite (16 heads), 10.9k of V3 (128).
 EXPAND_WORKSPACE_BYTES = 1 << 30
 EXPAND_MAX_ROWS = 32768  # the default bound when no head count is known
-_NO_LIMIT = 2**31 - 1
 
 
 def expand_max_rows(num_heads: int, qk_head_dim: int, v_head_dim: int, itemsize: int,
@@ -497,12 +496,12 @@ def _zero_tail(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_lo
                     NUM_SPLITS)
 
 
-# num_seqs, num_tokens, the block table's width and the absorbed-length bound change from step to step: left
+# num_seqs, num_tokens and the block table's width change from step to step: left
 # unspecialised so that they compile no new variant while serving.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "expand_min_q", "expand_max_seq"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt"])
 def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                 part_out_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr,
-                qk_scale, num_seqs, num_tokens, expand_min_q, expand_max_seq,
+                qk_scale, num_seqs, num_tokens,
                 stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
                 NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
                 ROPE: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -514,8 +513,8 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
     head block) over one split of the keys. Grid: (programs along the queries, head blocks, splits), the first
     two swapped with HEADS_FAST. DECODE: program b is sequence b and runs only if its query length is 1;
     program num_seqs, if launched, zeroes the padding rows past the last sequence. Else: program i is the i-th
-    query tile of the flattened batch (binary search); length-1 sequences are left to a DECODE launch and
-    chunks of >= expand_min_q queries in sequences of <= expand_max_seq tokens to the expanded path."""
+    query tile of the flattened batch (binary search); length-1 sequences are left to a DECODE launch. Chunks
+    that the expanded path computes never reach it: the model hands it only the absorbed rows, as a sub-batch."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     pid, head_block, num_q_programs, split = grid_position(HEADS_FAST)
@@ -545,7 +544,7 @@ def _mla_kernel(out_ptr, q_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_len
         q_len = q_end - q_start
         if q_lo >= q_len:
             return
-        if is_seq & ((q_len == 1) | ((q_len >= expand_min_q) & (seq_len <= expand_max_seq))):
+        if is_seq & (q_len == 1):  # decode rows: the decode programs' (a launch of their own)
             return
     context_len = seq_len - q_len  # cached tokens before this chunk; < 0 only for padding rows
 
@@ -667,14 +666,12 @@ def _check_config(config: MLAConfig) -> None:
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
                   kv_lora_rank: int, out: torch.Tensor | None = None, config: MLAConfig | None = None,
-                  kv_scale: torch.Tensor | None = None, expand: ExpandPolicy | None = None,
-                  q_rope: torch.Tensor | None = None) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed causal attention of q [T, heads, R + P] (R = kv_lora_rank) over the latent cache [num_blocks,
     block_size, R + P]; semantics of reference.mla_attention. Returns out [T, heads, R] (q's dtype): per row the
     softmax(scale * q . entries) mix of the entries' latent parts. Sequence b's queries are rows [qsl[b],
     qsl[b+1]), the last ones of its seq_lens[b] tokens, whose entries are already cached. Rows past qsl[B]
-    (padding) and of sequences with seq_lens[b] == 0 come out zero. Chunks that `expand` sends to the expanded
-    path (None: none) are skipped: their rows are undefined here. An fp8 cache needs kv_scale [1] fp32. Not checked
+    (padding) and of sequences with seq_lens[b] == 0 come out zero. An fp8 cache needs kv_scale [1] fp32. Not checked
     (a device sync): qsl non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covering
     seq_lens. max_query_len and max_seq_len are upper bounds that pick the launch shape only. q_rope: q's rope part
     as a tensor of its own ([T, heads, P], any row strides); q is then [T, heads, R] (e.g. the W_UK product's
@@ -716,10 +713,8 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         part_sum = torch.empty_like(part_max)  # [T, heads, splits]
     else:
         part_out = part_max = part_sum = out  # unused
-    expand_min_q = max(expand.min_query_len, 2) if expand is not None else _NO_LIMIT
-    expand_max_seq = expand.max_seq_len if expand is not None else -1
     args = (out, q, q_rope, cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
-            kv_scale if fp8 else out, scale * _LOG2E, num_seqs, num_tokens, expand_min_q, expand_max_seq,
+            kv_scale if fp8 else out, scale * _LOG2E, num_seqs, num_tokens,
             q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
             cache.stride(0), cache.stride(1),
             block_tables.stride(0))

@@ -205,18 +205,18 @@ def _causal_mask(seq_len: int, query_len: int, device: torch.device) -> torch.Te
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
                   query_lens: list[int], scale: float, kv_lora_rank: int,
-                  kv_scale: torch.Tensor | None = None, seqs: list[int] | None = None) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA: q [T, heads, R + P] = [q_nope @ W_UK ‖ q_pe]; every head attends (causally) over its
     sequence's entries with scores scale * q . entry (all R + P values) and mixes their latent parts: returns
     [T, heads, R] (the caller applies W_UV). Sequence b's queries are the last query_lens[b] of its seq_lens[b]
-    cached tokens; rows of sequences not in seqs (None: all) come out zero. Decode rows run as one batch, longer
+    cached tokens; rows of sequences with no cached token come out zero. Decode rows run as one batch, longer
     chunks one sequence at a time. Softmax in fp32."""
     num_tokens, num_heads, _ = q.shape
     out = q.new_zeros((num_tokens, num_heads, kv_lora_rank))  # [T, heads, R]
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
-    chosen = [b for b in range(len(query_lens)) if (seqs is None or b in seqs) and seq_lens[b] > 0]
+    chosen = [b for b in range(len(query_lens)) if seq_lens[b] > 0]
     decode_rows = [b for b in chosen if query_lens[b] == 1]
     if decode_rows:
         _mla_decode_batch(q, cache, block_tables, seq_lens, starts, decode_rows, scale, kv_lora_rank, out, kv_scale)

@@ -73,35 +73,25 @@ def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
 
 
-class ExpandRule(Protocol):
-    """Which chunks MLA computes by expanding the latents (kernels/mla.ExpandPolicy)."""
-
-    def expands(self, query_len: int, seq_len: int) -> bool: ...
-
-
 def reference_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
-                         expand: ExpandRule | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
-    """Absorbed MLA over the latent cache [N, bs, R + P] (PyTorch reference): q [T, heads, R + P] -> [T, heads, R];
-    rows of the chunks `expand` sends to the expanded path come out zero. With q_rope [T, heads, P], q holds the
-    first R values only."""
+                         q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed MLA over the latent cache [N, bs, R + P] (PyTorch reference): q [T, heads, R + P] -> [T, heads, R].
+    With q_rope [T, heads, P], q holds the first R values only."""
     if q_rope is not None:
         q = torch.cat((q, q_rope), dim=-1)  # [T, heads, R + P]
-    seqs = None if expand is None else [b for b, (query_len, seq_len) in enumerate(
-        zip(meta.query_lens_host, meta.seq_lens_host, strict=True)) if not expand.expands(query_len, seq_len)]
     return ref.mla_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, scale,
-                             kv_lora_rank, kv_scale, seqs)
+                             kv_lora_rank, kv_scale)
 
 
 def triton_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                       kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
-                      expand: ExpandRule | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
-    """The same with the Triton split-KV kernel (rows of expanded chunks undefined); q and q_rope read in place."""
-    from pagoda.kernels.mla import ExpandPolicy, mla_attention
+                      q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    """The same with the Triton split-KV kernel; q and q_rope read in place."""
+    from pagoda.kernels.mla import mla_attention
 
-    assert expand is None or isinstance(expand, ExpandPolicy)
     return mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                         meta.max_seq_len, scale, kv_lora_rank, kv_scale=kv_scale, expand=expand, q_rope=q_rope)
+                         meta.max_seq_len, scale, kv_lora_rank, kv_scale=kv_scale, q_rope=q_rope)
 
 
 def reference_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],

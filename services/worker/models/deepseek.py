@@ -218,7 +218,7 @@ class MlaAttention(nn.Module):
         q_nope = q[..., :mla.qk_nope_head_dim].transpose(0, 1)  # [heads, T, Dn]
         q_lat = ops.head_gemv(q_nope, w_uk) if per_head_gemv else torch.bmm(q_nope, w_uk)  # [heads, T, R]
         # the absorbed query [q_lat ‖ q_pe] read as two tensors in place: no concatenated copy
-        out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale, None,
+        out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
                                  q_rope=q[..., mla.qk_nope_head_dim:])  # [T, heads, R]
         attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
         # written through its [heads, T, Dv] view (a strided cuBLAS output): no transposing copy
