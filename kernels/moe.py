@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -480,45 +480,42 @@ def align_pairs_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     return Alignment(sorted_pairs, tile_experts, run_ends[-1:], block_m, run_ends)
 
 
+def _empty_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The layout's tensors for a kernel to fill: [max_padded] rows, [max_tiles] tiles, num_padded, [E] run ends."""
+    max_padded = max_padded_rows(topk_ids.numel(), num_experts, block_m)
+    empty = partial(torch.empty, dtype=torch.int32, device=topk_ids.device)
+    return Alignment(empty(max_padded), empty(-(-max_padded // block_m)), empty(1), block_m, empty(num_experts))
+
+
 def align_pairs_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """The layout from one Triton program (few pairs: decode batches)."""
     num_pairs = topk_ids.numel()
-    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
-    max_tiles = -(-max_padded // block_m)
-    device = topk_ids.device
-    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)  # [max_padded]
-    tile_experts = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    cursors = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E] scratch
-    run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E]
+    align = _empty_alignment(topk_ids, num_experts, block_m)
+    cursors = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)  # [E] scratch
     experts_p = triton.next_power_of_2(num_experts)
     # 16 warps: H200, 66 experts (deepseek-v2-lite), 32 launches in one graph (bench/results/s26/small_kernels.py):
     # 7.8 / 5.2 / 4.3 us at 256 / 128 / 64 tokens x 8 picks against 8.9 / 5.9 / 5.0 with 4 warps; CHUNK 1024 was
     # the best or level at every size
-    _align_kernel[(1,)](topk_ids, sorted_pairs, tile_experts, num_padded, cursors, run_ends,
-                        num_pairs, max_padded, max_tiles, NUM_EXPERTS=num_experts, EXPERTS_P=experts_p,
+    _align_kernel[(1,)](topk_ids, align.sorted_pairs, align.tile_experts, align.num_padded, cursors, align.run_ends,
+                        num_pairs, align.sorted_pairs.numel(), align.tile_experts.numel(),
+                        NUM_EXPERTS=num_experts, EXPERTS_P=experts_p,
                         BLOCK_M=block_m, CHUNK=1024, TILE_CHUNK=max(16, 4096 // experts_p), num_warps=16)
-    return Alignment(sorted_pairs, tile_experts, num_padded, block_m, run_ends)
+    return align
 
 
 def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """The layout from a program per expert (few pairs: decode batches), no atomics; equal to align_pairs_sorted."""
     num_pairs = topk_ids.numel()
-    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
-    max_tiles = -(-max_padded // block_m)
-    device = topk_ids.device
-    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)  # [max_padded]
-    tile_experts = torch.empty(max_tiles, dtype=torch.int32, device=device)  # [max_tiles]
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)  # [E]
+    align = _empty_alignment(topk_ids, num_experts, block_m)
     small_pairs, warps, chunk = ALIGN_BY_EXPERT_SMALL
     if num_pairs > small_pairs:
         warps, chunk = ALIGN_BY_EXPERT_WARPS, ALIGN_BY_EXPERT_CHUNK
     _align_by_expert_kernel[(num_experts,)](
-        topk_ids, sorted_pairs, tile_experts, num_padded, run_ends, num_pairs, max_padded, max_tiles,
+        topk_ids, align.sorted_pairs, align.tile_experts, align.num_padded, align.run_ends, num_pairs,
+        align.sorted_pairs.numel(), align.tile_experts.numel(),
         NUM_EXPERTS=num_experts, EXPERTS_P=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
         PAD_P=triton.next_power_of_2(block_m), CHUNK=chunk, TILE_CHUNK=16, num_warps=warps)
-    return Alignment(sorted_pairs, tile_experts, num_padded, block_m, run_ends)
+    return align
 
 
 # The program-per-expert alignment's launch: chunks of 512 pairs with 4 warps up to 512 pairs, else 1024 with 8.
