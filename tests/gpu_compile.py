@@ -132,6 +132,10 @@ def run_mla_shapes() -> None:
         qsl = torch.arange(num_seqs + 1, dtype=torch.int32) * query_len
         kv_scale = torch.ones(1) if cache_dtype == torch.float8_e4m3fn else None
         mla_attention(q, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, 512, kv_scale=kv_scale)
+        if query_len == 1 and num_seqs == 4:  # a split launch: W_UV in its reduce (PAGODA_MLA_FUSE_UV=1)
+            w_uv = torch.empty(num_heads, 128, 512, dtype=torch.bfloat16)  # [heads, Dv, R]
+            mla_attention(q, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, 512, kv_scale=kv_scale,
+                          w_uv=w_uv)
 
 
 def run_moe_shapes() -> None:

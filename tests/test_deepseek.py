@@ -465,6 +465,33 @@ def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -
         torch.testing.assert_close(ours, expected, atol=atol, rtol=1e-4)
 
 
+def test_w_uv_in_the_split_reduce_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_MLA_FUSE_UV=1 (W_UV applied inside the latent kernel's split reduce; the Triton ops, interpreted on
+    CPU): the same tokens and logits as the unfused path, with decode steps long enough to split their keys."""
+    from pagoda.kernels import mla
+
+    generator = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (140, 5)]
+    launches: list[tuple[int, ...]] = []
+    kernel = mla._split_reduce_uv_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(mla, "_split_reduce_uv_kernel", Spy())
+    monkeypatch.delenv("PAGODA_MLA_FUSE_UV", raising=False)
+    plain_tokens, plain_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
+    assert not launches
+    monkeypatch.setenv("PAGODA_MLA_FUSE_UV", "1")
+    fused_tokens, fused_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
+    assert launches, "the decode steps must split their keys and reduce through the fused kernel"
+    assert fused_tokens == plain_tokens
+    for ours, expected in zip(fused_logits, plain_logits, strict=True):
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
 def _run(ops_name: str, shape: str, prompts: list[list[int]],
          budget: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens and every step's logits of a dummy-weight shape with the given ops (chunked prefill under a

@@ -75,23 +75,27 @@ def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def reference_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
-                         q_rope: torch.Tensor | None = None) -> torch.Tensor:
+                         q_rope: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA over the latent cache [N, bs, R + P] (PyTorch reference): q [T, heads, R + P] -> [T, heads, R].
-    With q_rope [T, heads, P], q holds the first R values only."""
+    With q_rope [T, heads, P], q holds the first R values only. With w_uv [heads, Dv, R]: -> [T, heads, Dv], each
+    head's latent mix (in q's dtype) times its W_UV^T."""
     if q_rope is not None:
         q = torch.cat((q, q_rope), dim=-1)  # [T, heads, R + P]
-    return ref.mla_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, scale,
-                             kv_lora_rank, kv_scale)
+    out = ref.mla_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, scale,
+                            kv_lora_rank, kv_scale)  # [T, heads, R]
+    if w_uv is None:
+        return out
+    return torch.einsum("thr,hvr->thv", out.float(), w_uv.float()).to(q.dtype)  # [T, heads, Dv]
 
 
 def triton_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                       kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
-                      q_rope: torch.Tensor | None = None) -> torch.Tensor:
-    """The same with the Triton split-KV kernel; q and q_rope read in place."""
+                      q_rope: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
+    """The same with the Triton split-KV kernel; q and q_rope read in place (W_UV inside a split launch's reduce)."""
     from pagoda.kernels.mla import mla_attention
 
     return mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                         meta.max_seq_len, scale, kv_lora_rank, kv_scale=kv_scale, q_rope=q_rope)
+                         meta.max_seq_len, scale, kv_lora_rank, kv_scale=kv_scale, q_rope=q_rope, w_uv=w_uv)
 
 
 def reference_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],

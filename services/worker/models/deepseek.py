@@ -36,6 +36,7 @@ from pagoda.kernels.mla import (
     chunk_rows,
     expand_max_rows,
     expand_min_query_len,
+    fuse_uv_enabled,
     read_rows,
     to_device_async,
     write_rows,
@@ -218,6 +219,9 @@ class MlaAttention(nn.Module):
         q_nope = q[..., :mla.qk_nope_head_dim].transpose(0, 1)  # [heads, T, Dn]
         q_lat = ops.head_gemv(q_nope, w_uk) if per_head_gemv else torch.bmm(q_nope, w_uk)  # [heads, T, R]
         # the absorbed query [q_lat ‖ q_pe] read as two tensors in place: no concatenated copy
+        if fuse_uv_enabled():  # W_UV inside the latent kernel's split reduce (an untimed candidate)
+            return ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
+                                  q_rope=q[..., mla.qk_nope_head_dim:], w_uv=w_uv)  # [T, heads, Dv]
         out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
                                  q_rope=q[..., mla.qk_nope_head_dim:])  # [T, heads, R]
         attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
