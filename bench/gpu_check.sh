@@ -4,9 +4,10 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,mla-uv (default: tests,parity,pagoda,peers,compiled)
-#   mla-uv: the MLA split reduce with W_UV inside it (PAGODA_MLA_FUSE_UV) against the reduce and a bmm: its GPU test,
-#   step_ab on deepseek-v2-lite at B = 1, 4, 16, then batch-1 with it on.
+#   one-loop,gluon,b1-fusions (default: tests,parity,pagoda,peers,compiled)
+#   b1-fusions: W_UV inside the MLA split reduce (PAGODA_MLA_FUSE_UV) and DeepSeek's router GEMV routing in its last
+#   program (PAGODA_FUSE_ROUTE), untimed: their GPU tests, step_ab on deepseek-v2-lite at B = 1, 4, 16 (each, both),
+#   then batch-1 with both.
 #   gluon: qwen3-0.6b reference with a bf16 and an fp8 cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and
 #   OpenAI-sampled (the runs the Gluon fp8 decode kernel moves).
 #   one-loop: the decode launch with every key tile in one masked loop (kv_fp8_bench --long, ONE_LOOP_ONLY), then
@@ -323,15 +324,18 @@ if has moe-sum; then
     --workload reference --timeout 200 --out "$OUT/moe_sum_deepseek-v2-lite_reference.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -4
 fi
-if has mla-uv; then
-  # W_UV inside the MLA split reduce (PAGODA_MLA_FUSE_UV, twenty-eighth session, untimed): decode steps A/B at the
-  # batches that split their keys (the fused kernel's GPU test first), then deepseek-v2-lite's batch-1 with it on
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_mla.py -k "w_uv" 2>&1 | tail -1
-  timeout 200 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 1,4,16 --context 512 \
-    off=PAGODA_MLA_FUSE_UV=0 on=PAGODA_MLA_FUSE_UV=1 2>&1 | grep "B=" | tail -3
-  PAGODA_MLA_FUSE_UV=1 timeout 150 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy \
-    --workload reference --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 \
-    --latency-prompt-len 512 --timeout 140 --out "$OUT/mla_uv_deepseek-v2-lite_b1.json" 2>&1 | grep "batch-1"
+if has b1-fusions; then
+  # the twenty-eighth session's untimed candidates for DeepSeek's small decode batches: W_UV inside the MLA split
+  # reduce (PAGODA_MLA_FUSE_UV) and the router GEMV routing in its last program (PAGODA_FUSE_ROUTE); their tests on
+  # the GPU first, decode steps A/B, then deepseek-v2-lite's batch-1 with both on
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_mla.py tests/test_deepseek.py \
+    -k "w_uv or fused_router" 2>&1 | tail -1
+  timeout 300 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 1,4,16 --context 512 \
+    off="PAGODA_MLA_FUSE_UV=0;PAGODA_FUSE_ROUTE=0" uv=PAGODA_MLA_FUSE_UV=1 route=PAGODA_FUSE_ROUTE=1 \
+    both="PAGODA_MLA_FUSE_UV=1;PAGODA_FUSE_ROUTE=1" 2>&1 | grep "B=" | tail -3
+  PAGODA_MLA_FUSE_UV=1 PAGODA_FUSE_ROUTE=1 timeout 150 python3 -m pagoda.bench throughput --model deepseek-v2-lite \
+    --load-format dummy --workload reference --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 \
+    --latency-prompt-len 512 --timeout 140 --out "$OUT/b1_fusions_deepseek-v2-lite.json" 2>&1 | grep "batch-1"
 fi
 if has dense-gemv; then
   # the 16-bit GEMV tuned per layer and M bucket against cuBLAS, the table installed, then decode steps with it

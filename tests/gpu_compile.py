@@ -157,10 +157,14 @@ def run_moe_shapes() -> None:
         tiles = moe.default_tiles(1, top_k, experts, inter, hidden)
         logits = torch.empty(1, experts - 1 if fp8 else experts - 2)  # [1, E]: routed experts (CPU: never on CUDA)
         moe.router_logits_triton(torch.empty(1, hidden, dtype=torch.bfloat16), torch.empty(logits.shape[1], hidden))
+        h_one = torch.empty(1, hidden, dtype=torch.bfloat16)
         if fp8:  # DeepSeek-V3 routing, its shared expert appended; Mixtral's softmax top-k
             moe.route_grouped_topk_triton(logits, 8, "sigmoid", "noaux_tc", 8, 4, torch.empty(256), True, 2.5, 1)
+            moe.router_route_triton(h_one, torch.empty(256, hidden), 8, "sigmoid", "noaux_tc", 8, 4,
+                                    torch.empty(256), True, 2.5, 1)  # fused (PAGODA_FUSE_ROUTE=1)
         elif experts == 66:  # V2-Lite routing, its 2 shared experts appended
             moe.route_grouped_topk_triton(logits, 6, "softmax", "greedy", 1, 1, None, False, 1.0, 2)
+            moe.router_route_triton(h_one, torch.empty(64, hidden), 6, "softmax", "greedy", 1, 1, None, False, 1.0, 2)
         else:  # and Qwen2-MoE's: 60 experts + the gate of a shared expert fused as 4
             moe.route_softmax_topk_triton(logits, top_k, True)
             moe.route_softmax_topk_triton(torch.empty(1, 61), 4, False, 4)

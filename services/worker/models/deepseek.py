@@ -41,7 +41,7 @@ from pagoda.kernels.mla import (
     to_device_async,
     write_rows,
 )
-from pagoda.kernels.moe import exact_low_precision, route_grouped_topk, router_logits
+from pagoda.kernels.moe import exact_low_precision, route_tokens
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -311,10 +311,9 @@ class DeepseekMoe(nn.Module):
     def forward(self, h: torch.Tensor, ops: Ops) -> Hidden:
         """h [T, H] (normed) -> this rank's partial output [T, H] (or its top-k terms, base.moe_experts)."""
         moe = self.moe
-        logits = router_logits(h, self.router, self.router_low)  # [T, E] fp32
-        weights, ids = route_grouped_topk(logits, moe.top_k, moe.scoring_func, moe.topk_method,
-                                          moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
-                                          moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
+        weights, ids = route_tokens(h, self.router, self.router_low, moe.top_k, moe.scoring_func, moe.topk_method,
+                                    moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
+                                    moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
         group = self.fp8.group_size if self.fp8 is not None else None
         args = (h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale, group)
         if self.shared is not None:
