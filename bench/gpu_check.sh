@@ -5,9 +5,10 @@
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
 #   one-loop,gluon,b1-fusions (default: tests,parity,pagoda,peers,compiled)
-#   b1-fusions: W_UV inside the MLA split reduce (PAGODA_MLA_FUSE_UV) and DeepSeek's router GEMV routing in its last
-#   program (PAGODA_FUSE_ROUTE), untimed: their GPU tests, step_ab on deepseek-v2-lite at B = 1, 4, 16 (each, both),
-#   then batch-1 with both.
+#   b1-fusions: W_UV inside the MLA split reduce (PAGODA_MLA_FUSE_UV), DeepSeek's router GEMV routing in its last
+#   program (PAGODA_FUSE_ROUTE) and paged attention's splits merged in its last split program
+#   (PAGODA_ATTN_FOLD_REDUCE), untimed: their GPU tests, step_ab on llama3-8b FP8 at B = 1, 2, 4 and on
+#   deepseek-v2-lite at B = 1, 4, 16 (each, both), then deepseek-v2-lite batch-1 with both.
 #   gluon: qwen3-0.6b reference with a bf16 and an fp8 cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and
 #   OpenAI-sampled (the runs the Gluon fp8 decode kernel moves).
 #   one-loop: the decode launch with every key tile in one masked loop (kv_fp8_bench --long, ONE_LOOP_ONLY), then
@@ -325,11 +326,14 @@ if has moe-sum; then
     | grep -v "^[a-z-]*: {" | tail -4
 fi
 if has b1-fusions; then
-  # the twenty-eighth session's untimed candidates for DeepSeek's small decode batches: W_UV inside the MLA split
-  # reduce (PAGODA_MLA_FUSE_UV) and the router GEMV routing in its last program (PAGODA_FUSE_ROUTE); their tests on
-  # the GPU first, decode steps A/B, then deepseek-v2-lite's batch-1 with both on
+  # the twenty-eighth session's untimed candidates for small decode batches: W_UV inside the MLA split reduce
+  # (PAGODA_MLA_FUSE_UV), DeepSeek's router GEMV routing in its last program (PAGODA_FUSE_ROUTE), paged attention's
+  # splits merged by the last split program (PAGODA_ATTN_FOLD_REDUCE, llama3-8b FP8); their tests on the GPU first,
+  # decode steps A/B, then deepseek-v2-lite's batch-1 with both of its candidates on
   timeout 150 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_mla.py tests/test_deepseek.py \
-    -k "w_uv or fused_router" 2>&1 | tail -1
+    tests/test_attention_splits.py -k "w_uv or fused_router or empty_splits" 2>&1 | tail -1
+  timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,4 --context 512 \
+    off=PAGODA_ATTN_FOLD_REDUCE=0 on=PAGODA_ATTN_FOLD_REDUCE=1 2>&1 | grep "B=" | tail -3
   timeout 300 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 1,4,16 --context 512 \
     off="PAGODA_MLA_FUSE_UV=0;PAGODA_FUSE_ROUTE=0" uv=PAGODA_MLA_FUSE_UV=1 route=PAGODA_FUSE_ROUTE=1 \
     both="PAGODA_MLA_FUSE_UV=1;PAGODA_FUSE_ROUTE=1" 2>&1 | grep "B=" | tail -3

@@ -592,13 +592,13 @@ def _paged_attention_kernel(
         part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
         qk_scale, num_seqs, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, counter_ptr,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
         Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-        ONE_LOOP: tl.constexpr = False):
+        ONE_LOOP: tl.constexpr = False, FOLD_REDUCE: tl.constexpr = False, SPLITS_P: tl.constexpr = 1):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -609,7 +609,9 @@ def _paged_attention_kernel(
     inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
     goes through the program's output rows (_stage_rows) to reach the dots from shared memory. LAZY_SUM: softmax
     sums per key slot, one cross-thread sum after the tiles (AttentionConfig.decode_lazy_sum). ONE_LOOP: every key
-    tile through the masked loop (AttentionConfig.decode_one_loop)."""
+    tile through the masked loop (AttentionConfig.decode_one_loop). FOLD_REDUCE (DECODE, NUM_SPLITS > 1): the last
+    split program of each (sequence, kv head) merges the splits itself (_arrive_and_merge; counter_ptr: the
+    counts, zero between launches), no reduce launch."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
@@ -629,6 +631,11 @@ def _paged_attention_kernel(
                 _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, zero_acc, zero_sum, empty_max,
                             tail_token.to(tl.int64), tail_row_head, tail_valid, split, stride_ot, stride_oh,
                             NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
+            if FOLD_REDUCE:
+                _arrive_and_merge(counter_ptr, b * (NUM_HEADS // GROUP) + kv_head,
+                                  tl.load(query_start_loc_ptr + num_seqs), num_tokens, kv_head, out_ptr,
+                                  part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS, GROUP,
+                                  HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P)
             return
         q_start = tl.load(query_start_loc_ptr + b)
         q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -667,6 +674,10 @@ def _paged_attention_kernel(
         if tile_lo >= tile_hi:
             _store_empty_split(part_max_ptr, part_sum_ptr, row_token, row_head, row_valid, split, NUM_HEADS,
                                NUM_SPLITS)
+            if FOLD_REDUCE:
+                _arrive_and_merge(counter_ptr, b * (NUM_HEADS // GROUP) + kv_head, q_start, q_start + 1, kv_head,
+                                  out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS,
+                                  GROUP, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P)
             return
     q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
@@ -724,32 +735,72 @@ def _paged_attention_kernel(
 
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
+    if FOLD_REDUCE:
+        _arrive_and_merge(counter_ptr, b * (NUM_HEADS // GROUP) + kv_head, q_start, q_start + 1, kv_head, out_ptr,
+                          part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM,
+                          HEAD_DIM_P, NUM_SPLITS, SPLITS_P)
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, stride_ot, stride_oh,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, FROM_L2: tl.constexpr):
+    """Merge the NUM_SPLITS partial softmaxes of one (token, head) into its out row. A split whose max is NEG_BIG
+    saw no key: its partial output is not read (an empty split does not write it). FROM_L2: the partials bypass L1
+    (other programs of the same launch wrote them)."""
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    s_mask = offs_s < NUM_SPLITS
+    part_row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_P]
+    part_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :]
+    if FROM_L2:
+        part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0, cache_modifier=".cg")
+    else:
+        part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
+        part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
+    has_keys = s_mask & (part_max > _NEG_BIG)  # [SPLITS_P]
+    if FROM_L2:
+        acc = tl.load(part_ptrs, mask=has_keys[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        acc = tl.load(part_ptrs, mask=has_keys[:, None], other=0.0)  # [SPLITS_P, HEAD_DIM_P]
+    weight = tl.exp2(part_max - tl.max(part_max, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
+    total = tl.sum(part_sum * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_P]
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
 def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """Merge the NUM_SPLITS partial softmaxes of one (token, head). Grid: (tokens, heads). A split whose max is
-    NEG_BIG saw no key: its partial output is not read (an empty split does not write it)."""
+    """_merge_splits for one (token, head). Grid: (tokens, heads)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    s_mask = offs_s < NUM_SPLITS
-    part_row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_P]
-    part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
-    part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
-    has_keys = s_mask & (part_max > _NEG_BIG)  # [SPLITS_P]
-    acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys[:, None],
-                  other=0.0)  # [SPLITS_P, HEAD_DIM_P]
-    weight = tl.exp2(part_max - tl.max(part_max, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
-    total = tl.sum(part_sum * weight, 0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_P]
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0).to(tl.int64),
+                  tl.program_id(1), stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P,
+                  False)
+
+
+@triton.jit
+def _arrive_and_merge(counter_ptr, key, first_token, end_token, kv_head, out_ptr, part_out_ptr, part_max_ptr,
+                      part_sum_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      SPLITS_P: tl.constexpr):
+    """A split program's partials are stored: count it among its (rows, kv head)'s NUM_SPLITS programs (release:
+    the partials are visible before the count; acquire for the last); the last one merges the rows of tokens
+    [first_token, end_token) x the kv head's GROUP query heads and sets the count back to zero for the next
+    launch. In place of the reduce launch (AttentionConfig.fold_reduce)."""
+    tl.debug_barrier()  # every thread's partials stored before the count's release
+    done = tl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
+    if done == NUM_SPLITS - 1:
+        for token in range(first_token, end_token):
+            for g in tl.static_range(GROUP):
+                _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.full([], 0, tl.int64) + token,
+                              kv_head * GROUP + g, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P,
+                              NUM_SPLITS, SPLITS_P, True)
+        tl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -862,6 +913,27 @@ def _check_config(config: AttentionConfig) -> None:
         raise ValueError(f"decode_fp8_convert must be '' or one of {FP8_CONVERTS}, got {config.decode_fp8_convert!r}")
 
 
+# Split decode launches whose last program per (sequence, kv head) merges the splits (FOLD_REDUCE): at most this
+# many (sequence, kv head) pairs, counted in one persistent tensor per device. Splits only happen below ~132
+# programs without them (pick_num_splits), so real launches stay far below it.
+FOLD_COUNTERS = 4096
+_FOLD_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def fold_reduce_enabled() -> bool:
+    """PAGODA_ATTN_FOLD_REDUCE=1: a split decode launch of the Triton kernel merges its splits in the last program
+    of each (sequence, kv head) instead of a reduce launch after it. Off by default until timed on a GPU."""
+    return os.environ.get("PAGODA_ATTN_FOLD_REDUCE") == "1"
+
+
+def _fold_counters(device: torch.device) -> torch.Tensor:
+    """[FOLD_COUNTERS] int32 zeros for the process's life (CUDA graphs keep the address); each launch leaves them
+    zero again."""
+    if device not in _FOLD_COUNTERS:
+        _FOLD_COUNTERS[device] = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
+    return _FOLD_COUNTERS[device]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, out: torch.Tensor | None = None,
@@ -933,6 +1005,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
     # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.
     num_decode_programs = num_seqs + 1 if decode_only else num_seqs
+    fold = False  # the Triton decode launch below may merge its splits itself
     pipelined = (config.decode_pipelined and decode_fp8_mode == _FP8_MODE["qk_fp8x2"]
                  and fp8_decode_gluon.supports(q, head_dim, group, config.decode_tile_n, config.decode_num_stages))
     if num_decode_programs and pipelined and fp8_decode_gluon.launch(
@@ -942,8 +1015,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             PACKED=group <= 8 and config.decode_packed, num_warps=fp8_decode_gluon.NUM_WARPS.value, **pdl_options):
         pass  # the Gluon kernel ran
     elif num_decode_programs:
+        fold = (num_splits > 1 and decode_only and fold_reduce_enabled()
+                and num_decode_programs * num_kv_heads <= FOLD_COUNTERS)
         _paged_attention_kernel[grid(num_decode_programs)](
-            *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
+            *args, counter_ptr=_fold_counters(q.device) if fold else out, FOLD_REDUCE=fold,
+            SPLITS_P=triton.next_power_of_2(num_splits), **shape, BLOCK_Q=1,
+            BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, Q_STAGED=False,
             KEYS_ON_M=_keys_on_m(config.decode_keys_on_m, decode_convert, decode_fp8_mode),
             FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum, UNROLL=config.decode_unroll,
@@ -956,14 +1033,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_q = block_m // group
         num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
-            *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
+            *args, counter_ptr=out, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
             DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, FP8_MODE=tiled_fp8_mode,
             Q_STAGED=(config.fp8_q_staged and tiled_fp8_mode >= 2 and tiled_fp8_mode != _FP8_MODE["qk_fp8x2"]
                       and num_splits == 1),
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
             **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)
-    if num_splits > 1:
+    if num_splits > 1 and not fold:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,

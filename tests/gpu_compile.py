@@ -233,6 +233,32 @@ def run_decode_occupancy_candidates() -> None:
         paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, config=config, **scales)
 
 
+def run_fold_reduce_shapes() -> None:
+    """Split decode launches whose last program merges the splits (PAGODA_ATTN_FOLD_REDUCE=1, untimed): llama3-8b's
+    heads at batch 1 over 8192 keys' worth of splits (what its CUDA graph captures), a bf16 cache and an fp8 one on
+    the Triton kernel."""
+    from dataclasses import replace
+
+    from pagoda.kernels.paged_attention import paged_attention, pick_config
+
+    num_seqs, context, max_len, num_heads, num_kv_heads = 1, 512, 8192, 32, 8
+    os.environ["PAGODA_ATTN_FOLD_REDUCE"] = "1"
+    try:
+        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            fp8 = cache_dtype == torch.float8_e4m3fn
+            q = torch.empty(num_seqs, num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
+            cache = torch.empty(context // 16 + 1, 16, num_kv_heads, 128, dtype=cache_dtype)  # [N, bs, kvh, D]
+            block_tables = torch.zeros(num_seqs, max_len // 16, dtype=torch.int32)
+            seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+            qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+            config = replace(pick_config(num_seqs, num_seqs, num_kv_heads, 4, 1, max_len, fp8_kv=fp8),
+                             decode_pipelined=False)
+            scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fp8 else {}
+            paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, max_len, 0.1, config=config, **scales)
+    finally:
+        os.environ.pop("PAGODA_ATTN_FOLD_REDUCE", None)
+
+
 def run_fp8_default_decode_shapes() -> None:
     """pick_config's own decode launch over an fp8 cache (qk_fp8x2, keys on the dots' M rows) at the head dims and
     GQA groups of common models beyond the two above: SmolLM2 (64, 9 q / 3 kv heads), 96-dim heads, multi-head
@@ -389,6 +415,7 @@ def main() -> int:
     run_fp8_default_decode_shapes()
     run_fp8_gluon_decode_shapes()
     run_decode_occupancy_candidates()
+    run_fold_reduce_shapes()
     run_fp8_chunk_attention_shapes()
     run_sampler()
     run_block_copy()
