@@ -326,7 +326,14 @@ def _router_gemv_kernel(h_ptr, w_ptr, out_ptr, num_experts, hidden, stride_ht, s
     summed over H in a fixed order (every expert's row the same way: equal rows give equal logits)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
+    _router_logits_block(h_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64), num_experts, hidden, stride_ht,
+                         stride_we, stride_ot, BLOCK_E, BLOCK_H)
+
+
+@triton.jit
+def _router_logits_block(h_ptr, w_ptr, out_ptr, token, num_experts, hidden, stride_ht, stride_we, stride_ot,
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Logits of token x the BLOCK_E experts of program_id(1), stored to out; every row summed the same way."""
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     offs_h = tl.arange(0, BLOCK_H)
@@ -389,17 +396,8 @@ def _router_route_kernel(h_ptr, w_ptr, logits_ptr, counter_ptr, bias_ptr, weight
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_mask = offs_e < num_experts
-    offs_h = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        h_mask = offs_h < hidden - h0
-        x = tl.load(h_ptr + token * stride_ht + h0 + offs_h, mask=h_mask, other=0.0).to(tl.float32)  # [BH]
-        w = tl.load(w_ptr + offs_e[:, None] * stride_we + (h0 + offs_h)[None, :],
-                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)  # [BE, BH]
-        acc += w * x[None, :]
-    tl.store(logits_ptr + token * stride_lt + offs_e, tl.sum(acc, axis=1), mask=e_mask)
+    _router_logits_block(h_ptr, w_ptr, logits_ptr, token, num_experts, hidden, stride_ht, stride_we, stride_lt,
+                         BLOCK_E, BLOCK_H)
     tl.debug_barrier()  # every thread's logits stored before the count's release
     done = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel")
     if done == tl.num_programs(1) - 1:

@@ -494,6 +494,20 @@ def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -
         torch.testing.assert_close(ours, expected, atol=atol, rtol=1e-4)
 
 
+def _count_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[tuple[int, ...]]:
+    """The grids module.name (a Triton kernel) is launched with from now on, recorded in the returned list."""
+    launches: list[tuple[int, ...]] = []
+    kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return launches
+
+
 def test_w_uv_in_the_split_reduce_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """PAGODA_MLA_FUSE_UV=1 (W_UV applied inside the latent kernel's split reduce; the Triton ops, interpreted on
     CPU): the same tokens and logits as the unfused path, with decode steps long enough to split their keys."""
@@ -501,15 +515,7 @@ def test_w_uv_in_the_split_reduce_changes_nothing(monkeypatch: pytest.MonkeyPatc
 
     generator = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (140, 5)]
-    launches: list[tuple[int, ...]] = []
-    kernel = mla._split_reduce_uv_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> object:
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(mla, "_split_reduce_uv_kernel", Spy())
+    launches = _count_launches(monkeypatch, mla, "_split_reduce_uv_kernel")
     monkeypatch.delenv("PAGODA_MLA_FUSE_UV", raising=False)
     plain_tokens, plain_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
     assert not launches
@@ -526,15 +532,7 @@ def test_fused_router_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     on CPU): the same tokens and logits as the router and routing kernels apart."""
     from pagoda.kernels import moe
 
-    launches: list[tuple[int, ...]] = []
-    kernel = moe._router_route_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> object:
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(moe, "_router_route_kernel", Spy())
+    launches = _count_launches(monkeypatch, moe, "_router_route_kernel")
     generator = torch.Generator().manual_seed(14)
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (30, 5, 12)]
     monkeypatch.delenv("PAGODA_FUSE_ROUTE", raising=False)
