@@ -791,7 +791,7 @@ def _arrive_and_merge(counter_ptr, key, first_token, end_token, kv_head, out_ptr
     """A split program's partials are stored: count it among its (rows, kv head)'s NUM_SPLITS programs (release:
     the partials are visible before the count; acquire for the last); the last one merges the rows of tokens
     [first_token, end_token) x the kv head's GROUP query heads and sets the count back to zero for the next
-    launch. In place of the reduce launch (AttentionConfig.fold_reduce)."""
+    launch. In place of the reduce launch (PAGODA_ATTN_FOLD_REDUCE=1)."""
     tl.debug_barrier()  # every thread's partials stored before the count's release
     done = tl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
     if done == NUM_SPLITS - 1:
