@@ -374,7 +374,7 @@ def fuse_route_enabled() -> bool:
 _ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _route_counters(device: torch.device) -> torch.Tensor:
+def route_counters(device: torch.device) -> torch.Tensor:
     """[ROUTER_GEMV_MAX_TOKENS] int32 zeros, one tensor per device for the process's life (CUDA graphs keep its
     address): how many programs of a token have stored their logits. Every launch leaves them zero again."""
     if device not in _ROUTE_COUNTERS:
@@ -426,7 +426,7 @@ def router_route_triton(h: torch.Tensor, router: torch.Tensor, top_k: int, scori
     block_e = max(1, triton.next_power_of_2(num_experts) // 256)  # as router_logits_triton
     if num_tokens:
         _router_route_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
-            h, router, logits, _route_counters(h.device), correction_bias if correction_bias is not None else logits,
+            h, router, logits, route_counters(h.device), correction_bias if correction_bias is not None else logits,
             weights, ids, num_experts, hidden, h.stride(0), router.stride(0), logits.stride(0),
             float(routed_scaling_factor), BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
             **shape, num_warps=4, **pdl.launch_options(h.device))

@@ -926,7 +926,7 @@ def fold_reduce_enabled() -> bool:
     return os.environ.get("PAGODA_ATTN_FOLD_REDUCE") == "1"
 
 
-def _fold_counters(device: torch.device) -> torch.Tensor:
+def fold_counters(device: torch.device) -> torch.Tensor:
     """[FOLD_COUNTERS] int32 zeros for the process's life (CUDA graphs keep the address); each launch leaves them
     zero again."""
     if device not in _FOLD_COUNTERS:
@@ -1018,7 +1018,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fold = (num_splits > 1 and decode_only and fold_reduce_enabled()
                 and num_decode_programs * num_kv_heads <= FOLD_COUNTERS)
         _paged_attention_kernel[grid(num_decode_programs)](
-            *args, counter_ptr=_fold_counters(q.device) if fold else out, FOLD_REDUCE=fold,
+            *args, counter_ptr=fold_counters(q.device) if fold else out, FOLD_REDUCE=fold,
             SPLITS_P=triton.next_power_of_2(num_splits), **shape, BLOCK_Q=1,
             BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, Q_STAGED=False,
