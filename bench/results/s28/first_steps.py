@@ -6,6 +6,8 @@ each run: the host time, the GPU busy time (runtime and driver launches), and th
 driver calls and CPU ops inside the step (cudaMalloc, module loads, synchronizations).
 
     python3 bench/results/s28/first_steps.py [--steps 8]
+
+(After call 10 it also lists the runtime / driver calls inside the step's longest host op; not run since.)
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ def report(events: list[dict[str, Any]], steps: list[int], label: str) -> None:
         top = sorted(calls.items(), key=lambda kv: -max(kv[1]))[:14]
         for name, durs in top:
             print(f"    max {max(durs):8.3f} ms  total {sum(durs):8.3f}  x{len(durs):<5} {name}")
+        ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e and lo <= e["ts"] <= hi]
+        if ops:  # what the longest op spent its host time on: the runtime / driver calls inside it
+            worst = max(ops, key=lambda e: e["dur"])
+            inside = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e
+                             and worst["ts"] <= e["ts"] <= worst["ts"] + worst["dur"]), key=lambda e: -e["dur"])
+            print(f"    longest op {worst['name'][:50]} {worst['dur'] / 1e3:.3f} ms; calls inside it:")
+            for e in inside[:8]:
+                print(f"      {e['dur'] / 1e3:8.3f} ms  {e['cat']}:{e['name'][:60]}")
 
 
 def main() -> None:
