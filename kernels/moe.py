@@ -460,6 +460,18 @@ def _tile_experts(tiles, tile_end, e_mask, total, BLOCK_M: tl.constexpr):
     return tl.where(tiles * BLOCK_M < total, expert, -1)
 
 
+@triton.jit
+def _padded_counts(topk_ids_ptr, num_pairs, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """The pairs per expert (a register histogram over CHUNK pairs at a time) and each count padded to BLOCK_M."""
+    counts = tl.zeros([EXPERTS_P], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+        counts += tl.histogram(expert, EXPERTS_P, mask=mask).to(tl.int32)  # [E_P]
+    return counts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_tiles"])  # varies with the batch: no recompiles
 def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, cursor_ptr, run_ends_ptr,
                   num_pairs, max_padded, max_tiles,
@@ -474,13 +486,7 @@ def _align_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_p
     for start in range(0, max_padded, CHUNK):  # padding rows point past the last pair
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_pairs_ptr + offs, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=offs < max_padded)
-    counts = tl.zeros([EXPERTS_P], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_pairs
-        expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-        counts += tl.histogram(expert, EXPERTS_P, mask=mask).to(tl.int32)  # [E_P]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    counts, padded = _padded_counts(topk_ids_ptr, num_pairs, EXPERTS_P, BLOCK_M, CHUNK)  # [E_P] each
     run_end = tl.cumsum(padded, axis=0)  # [E_P]: where each expert's run ends
     run_start = run_end - padded
     total = tl.sum(padded, axis=0)
@@ -512,13 +518,7 @@ def _align_by_expert_kernel(topk_ids_ptr, sorted_pairs_ptr, tile_experts_ptr, nu
     also writes num_padded and the sentinel rows and -1 tiles past it. The layout equals the stable sort's."""
     expert = tl.program_id(0)
     offs_e = tl.arange(0, EXPERTS_P)
-    counts = tl.zeros([EXPERTS_P], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_pairs
-        ids = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-        counts += tl.histogram(ids, EXPERTS_P, mask=mask).to(tl.int32)  # [E_P]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    counts, padded = _padded_counts(topk_ids_ptr, num_pairs, EXPERTS_P, BLOCK_M, CHUNK)  # [E_P] each
     mine = offs_e == expert
     run_end = tl.sum(tl.where(mine, tl.cumsum(padded, axis=0), 0), axis=0)
     run_start = run_end - tl.sum(tl.where(mine, padded, 0), axis=0)

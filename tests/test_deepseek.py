@@ -508,42 +508,37 @@ def _count_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) 
     return launches
 
 
-def test_w_uv_in_the_split_reduce_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PAGODA_MLA_FUSE_UV=1 (W_UV applied inside the latent kernel's split reduce; the Triton ops, interpreted on
-    CPU): the same tokens and logits as the unfused path, with decode steps long enough to split their keys."""
-    from pagoda.kernels import mla
-
-    generator = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (140, 5)]
-    launches = _count_launches(monkeypatch, mla, "_split_reduce_uv_kernel")
-    monkeypatch.delenv("PAGODA_MLA_FUSE_UV", raising=False)
+def _fusion_changes_nothing(monkeypatch: pytest.MonkeyPatch, switch: str, module: object, kernel: str,
+                            prompt_lens: tuple[int, ...], seed: int, tol: float) -> None:
+    """tiny-deepseek-v3 on the Triton ops (interpreted on CPU) with the env switch off, then on: the fused kernel
+    is launched only when on, and tokens and logits are the unfused path's."""
+    launches = _count_launches(monkeypatch, module, kernel)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in prompt_lens]
+    monkeypatch.delenv(switch, raising=False)
     plain_tokens, plain_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
     assert not launches
-    monkeypatch.setenv("PAGODA_MLA_FUSE_UV", "1")
+    monkeypatch.setenv(switch, "1")
     fused_tokens, fused_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
-    assert launches, "the decode steps must split their keys and reduce through the fused kernel"
+    assert launches, f"{switch}=1 must launch {kernel}"
     assert fused_tokens == plain_tokens
     for ours, expected in zip(fused_logits, plain_logits, strict=True):
-        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
+
+
+def test_w_uv_in_the_split_reduce_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_MLA_FUSE_UV=1 (W_UV applied inside the latent kernel's split reduce), with decode steps long enough
+    to split their keys."""
+    from pagoda.kernels import mla
+
+    _fusion_changes_nothing(monkeypatch, "PAGODA_MLA_FUSE_UV", mla, "_split_reduce_uv_kernel", (140, 5), 13, 1e-4)
 
 
 def test_fused_router_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PAGODA_FUSE_ROUTE=1 (the router GEMV routing each token in its last program, at decode batches; interpreted
-    on CPU): the same tokens and logits as the router and routing kernels apart."""
+    """PAGODA_FUSE_ROUTE=1 (the router GEMV routing each token in its last program, at decode batches)."""
     from pagoda.kernels import moe
 
-    launches = _count_launches(monkeypatch, moe, "_router_route_kernel")
-    generator = torch.Generator().manual_seed(14)
-    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (30, 5, 12)]
-    monkeypatch.delenv("PAGODA_FUSE_ROUTE", raising=False)
-    plain_tokens, plain_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
-    assert not launches
-    monkeypatch.setenv("PAGODA_FUSE_ROUTE", "1")
-    fused_tokens, fused_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
-    assert launches, "decode steps must route through the fused kernel"
-    assert fused_tokens == plain_tokens
-    for ours, expected in zip(fused_logits, plain_logits, strict=True):
-        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    _fusion_changes_nothing(monkeypatch, "PAGODA_FUSE_ROUTE", moe, "_router_route_kernel", (30, 5, 12), 14, 1e-5)
 
 
 def _run(ops_name: str, shape: str, prompts: list[list[int]],
