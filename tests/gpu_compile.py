@@ -28,6 +28,7 @@ from typing import Any
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling for the GPU needs TRITON_INTERPRET unset or 0"
 
 import torch  # noqa: E402
+from ptx_order import ACQ_REL_ATOM, last_arriver_order_problem  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -67,16 +68,27 @@ class CompileOnlyDriver:
         return True
 
 
+ORDERED: set[str] = set()  # kernels with a last-arriver count whose PTX passed last_arriver_order_problem
+
+
 def install() -> None:
     driver.set_active(CompileOnlyDriver())
     launch = JITFunction.run
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         try:
-            launch(self, *args, grid=grid, warmup=True, **kwargs)
+            compiled = launch(self, *args, grid=grid, warmup=True, **kwargs)
             RESULTS.setdefault(self.__name__, "ok")
         except Exception as exc:  # the compiler's error is the result this script reports
             RESULTS[self.__name__] = f"FAIL {type(exc).__name__}: {exc}"
+            return
+        ptx = compiled.asm.get("ptx", "")
+        if ACQ_REL_ATOM in ptx:
+            problem = last_arriver_order_problem(ptx)
+            if problem:
+                RESULTS[self.__name__] = f"FAIL last-arriver order: {problem}"
+            else:
+                ORDERED.add(self.__name__)
 
     JITFunction.run = compile_only  # type: ignore[method-assign]
 
@@ -424,6 +436,8 @@ def main() -> int:
     run_w8a16_act_fp8()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
+    for name in sorted(ORDERED):
+        print(f"last-arriver order: {name}")
     for message in STEP_ERRORS:
         print(f"step error: {message}")
     failed = [name for name, result in RESULTS.items() if result != "ok"]
