@@ -58,6 +58,7 @@ from pagoda.kernels.paged_attention import (
     softmax_sums_init,
     softmax_sums_total,
     softmax_tile,
+    split_partials,
 )
 from pagoda.kernels.qkv_prep import _rotate, _to_cache
 from pagoda.kernels.rope import _round_to, cos_sin_halves
@@ -711,14 +712,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     block_h = min(config.block_h, triton.next_power_of_2(num_heads))
     num_head_blocks = -(-num_heads // block_h)
     num_splits = config.num_splits
-    if num_splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, num_splits, lat_p), dtype=torch.float32,
-                               device=q.device)  # [T, heads, splits, R_p]
-        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                               device=q.device)  # [T, heads, splits]
-        part_sum = torch.empty_like(part_max)  # [T, heads, splits]
-    else:
-        part_out = part_max = part_sum = out  # unused
+    part_out, part_max, part_sum = split_partials(out, num_tokens, num_heads, num_splits, lat_p)
     args = (out, q, q_rope, cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
             kv_scale if fp8 else out, scale * _LOG2E, num_seqs, num_tokens,
             q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),

@@ -803,6 +803,17 @@ def _arrive_and_merge(counter_ptr, key, first_token, end_token, kv_head, out_ptr
         tl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")
 
 
+def split_partials(out: torch.Tensor, num_tokens: int, num_heads: int, num_splits: int,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-KV partials (out [T, heads, splits, width] fp32, running max and sum [T, heads, splits]); one split
+    writes none: out stands in for all three (never read)."""
+    if num_splits == 1:
+        return out, out, out
+    part_out = torch.empty((num_tokens, num_heads, num_splits, width), dtype=torch.float32, device=out.device)
+    part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=out.device)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor | None) -> None:
     """ValueError on anything the kernels rely on; messages are built only on failure (this runs every step)."""
@@ -973,14 +984,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _check_config(config)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     num_splits = config.num_splits
-    if num_splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32,
-                               device=q.device)  # [T, heads, splits, D_p]
-        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                               device=q.device)  # [T, heads, splits]
-        part_sum = torch.empty_like(part_max)  # [T, heads, splits]
-    else:
-        part_out = part_max = part_sum = out  # unused
+    part_out, part_max, part_sum = split_partials(out, num_tokens, num_heads, num_splits, head_dim_p)
     args = (out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
             k_scale if fp8_kv else out, v_scale if fp8_kv else out,
             scale * _LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -27,6 +27,7 @@ from pagoda.kernels.moe import (
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.shapes import SHAPES, arch_from_hf_config, load_arch
 from tests.parity import TEST_KV_BLOCKS, check_greedy_parity, random_prompts
+from tests.test_model_kernels import _run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 256
@@ -539,35 +540,6 @@ def test_fused_router_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagoda.kernels import moe
 
     _fusion_changes_nothing(monkeypatch, "PAGODA_FUSE_ROUTE", moe, "_router_route_kernel", (30, 5, 12), 14, 1e-5)
-
-
-def _run(ops_name: str, shape: str, prompts: list[list[int]],
-         budget: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens and every step's logits of a dummy-weight shape with the given ops (chunked prefill under a
-    token budget, prefix caching, decode)."""
-    from pagoda.services.scheduler.scheduler import Request, Scheduler
-    from pagoda.services.worker.model_runner import ModelRunner
-    from pagoda.services.worker.models import reference_ops, triton_ops
-    from pagoda.shared.config import EngineConfig
-    from pagoda.shared.messages import SamplingParams as WireSamplingParams
-
-    config = EngineConfig(model=shape, load_format="dummy", device=DEVICE, dtype="float32", num_kv_blocks=48,
-                          max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=5)
-    runner = ModelRunner(config, ops=triton_ops() if ops_name == "triton" else reference_ops())
-    captured: list[torch.Tensor] = []
-    sampler = runner.sampler
-    runner.sampler = lambda logits, meta: (captured.append(logits.detach().cpu().clone()), sampler(logits, meta))[1]  # type: ignore[assignment]
-    scheduler = Scheduler(num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=budget,
-                          max_model_len=256, vocab_size=runner.arch.vocab_size)
-    params = WireSamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while scheduler.has_unfinished():
-        plan = scheduler.schedule()
-        for update in scheduler.update(plan, runner.execute(plan)):
-            outputs[update.seq.request.request_id].append(update.token_id)
-    return [outputs[str(i)] for i in range(len(prompts))], captured
 
 
 @pytest.mark.extended
