@@ -34,12 +34,16 @@ IDLE_BOUND_S = 30.0  # an idle worker's silence counts as a hang only past this 
 class StepWatch:
     """The bound on one step: `step_timeout` when set, else max(floor, BOUND_FACTOR x the slowest recent step,
     BOUND_FACTOR x the slowest recent time per token x this step's tokens) (a long prefill after short decode
-    steps is not a hang). Once warmed up the floor (seconds, --hang-floor) is what bounds an idle-fast worker."""
+    steps is not a hang). The time per token is that of large steps; until one is measured, that of the smaller
+    ones (their fixed cost makes it an overestimate: the first long prefill after short chats is no hang either).
+    Once warmed up the floor (seconds, --hang-floor) is what bounds an idle-fast worker."""
 
     step_timeout: float = 0.0  # fixed bound in seconds; 0: derived from measured steps
     floor: float = 8.0  # a derived bound is never below this (a loaded host, a late heartbeat)
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
     per_token: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))  # seconds per token
+    # seconds per token of the steps below LARGE_STEP_TOKENS: the bound's time per token until a large step is measured
+    small_per_token: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
     _typical: tuple[float, float, float] | None = None  # _typical_times(); None: to be recomputed
     _records_since_typical: int = 0
 
@@ -47,6 +51,8 @@ class StepWatch:
         self.durations.append(seconds)
         if num_tokens >= LARGE_STEP_TOKENS:
             self.per_token.append(seconds / num_tokens)
+        else:
+            self.small_per_token.append(seconds / max(num_tokens, 1))
         self._records_since_typical += 1
         if self._records_since_typical >= TYPICAL_REFRESH or len(self.durations) <= 2 * TYPICAL_REFRESH:
             self._typical = None  # few steps measured yet: each one counts at once
@@ -57,7 +63,7 @@ class StepWatch:
         if self.step_timeout > 0:
             return self.step_timeout
         slowest = max(self.durations, default=0.0)
-        by_tokens = max(self.per_token, default=0.0) * num_tokens
+        by_tokens = max(self.per_token or self.small_per_token, default=0.0) * num_tokens
         warmup = WARMUP_BOUND_S if len(self.durations) < WARMUP_STEPS else 0.0
         compile_s = COMPILE_BOUND_S if compiling else 0.0
         return max(self.floor, BOUND_FACTOR * max(slowest, by_tokens), warmup, compile_s)

@@ -75,6 +75,19 @@ def test_bound_is_fixed_or_derived_with_a_floor() -> None:
     assert fresh.resend_after() == RESEND_FLOOR_S
 
 
+def test_a_long_prefill_before_any_large_step_is_no_hang() -> None:
+    # Short chats only (no step of LARGE_STEP_TOKENS yet), then an 8k-token prompt: seen taking 98 s on a 2-core
+    # host, where a bound of 10 x the slowest step (8 s) stopped a healthy server.
+    watch = StepWatch(floor=8.0)
+    for num_tokens, seconds in [(40, 0.4), (1, 0.03), (1, 0.05), (2, 0.06)] * WARMUP_STEPS:
+        watch.record(seconds, num_tokens)
+    assert watch.bound() == 8.0  # 10 x the slowest step is below the floor
+    assert watch.bound(num_tokens=8186) == BOUND_FACTOR * 0.05 * 8186  # the slowest time per token, until ...
+    assert watch.verdict(100.0, 100.0 - 98.0, 9, worker_last_seen=2.0, ready=True, num_tokens=8186) == ""
+    watch.record(0.5, num_tokens=256)  # ... a large step gives the time per token of a large step
+    assert watch.bound(num_tokens=8186) == pytest.approx(BOUND_FACTOR * 0.5 / 256 * 8186)
+
+
 def test_resend_waits_for_what_such_a_step_usually_takes() -> None:
     watch = StepWatch()
     for _ in range(200):
