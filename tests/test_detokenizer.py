@@ -18,8 +18,10 @@ from transformers import PreTrainedTokenizerFast
 
 from pagoda.services.tokenizer.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, StreamDetokenizer
 from pagoda.services.tokenizer.stop import StopChecker
+from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
+from pagoda.shared.messages import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("PAGODA_TEST_MODEL_DIR") or REPO_ROOT / "models/smollm2-135m-instruct")
@@ -297,19 +299,21 @@ def test_tokenizer_errors(tiny_bytelevel: Tokenizer, tmp_path: Path) -> None:
 # ---- stop strings -----------------------------------------------------------------------------
 
 
-def _reference_stop(full: str, stop: list[str], include: bool) -> tuple[str, bool]:
-    matches = [(i, i + len(s)) for s in stop if (i := full.find(s)) >= 0]
+def _reference_stop(full: str, stop: list[str], include: bool, num_protected: int = 0) -> tuple[str, bool]:
+    """The first match that ends past the first `num_protected` chars (min_tokens' text)."""
+    matches = [(i, i + len(s)) for s in stop if (i := full.find(s, max(0, num_protected - len(s) + 1))) >= 0]
     if not matches:
         return full, False
     start, end = min(matches)
     return full[:end] if include else full[:start], True
 
 
-def _run_stop(deltas: list[str], stop: list[str], include: bool) -> tuple[str, bool]:
+def _run_stop(deltas: list[str], stop: list[str], include: bool, num_protected: int = 0) -> tuple[str, bool]:
+    """The first `num_protected` deltas are pushed as protected (min_tokens not reached)."""
     checker = StopChecker(stop, include)
     out = []
-    for delta in deltas:
-        text, matched = checker.push(delta)
+    for i, delta in enumerate(deltas):
+        text, matched = checker.push(delta, protected=i < num_protected)
         out.append(text)
         if matched:
             assert checker.matched_stop in stop
@@ -333,6 +337,9 @@ def test_stop_checker_matches_reference(data: st.DataObject) -> None:
     deltas = [full[a:b] for a, b in zip([0, *cuts], [*cuts, len(full)], strict=True)]
     include = data.draw(st.booleans())
     assert _run_stop(deltas, stop, include) == _reference_stop(full, stop, include)
+    num_protected = data.draw(st.integers(0, len(deltas)))
+    assert _run_stop(deltas, stop, include, num_protected) == \
+        _reference_stop(full, stop, include, len("".join(deltas[:num_protected])))
 
 
 def test_stop_checker_cases() -> None:
@@ -351,6 +358,20 @@ def test_stop_checker_cases() -> None:
     assert _run_stop(["xab", "c"], ["abcd", "bc"], True) == ("xabc", True)  # flush finds the wait
     assert _run_stop(["hello"], [], False) == ("hello", False)
     assert _run_stop(["a<|", "end|>b"], ["<|end|>"], True) == ("a<|end|>", True)
+
+
+def test_min_tokens_hold_stop_strings_back(smol: Tokenizer) -> None:
+    # vLLM's min_tokens: a stop string ends the output only where it ends after the first min_tokens tokens' text
+    # (it may begin inside it); before, "min_tokens": 6, "stop": ["."] stopped at "No" after 2 tokens.
+    token_ids = smol.encode("No. The sky is not blue. It is grey.", add_special_tokens=False)
+    cases = [(0, "No"), (1, "No"), (2, "No. The sky is not blue"), (9, "No. The sky is not blue. It is grey")]
+    for min_tokens, expected in cases:
+        stream = TextStream(smol, [], SamplingParams(stop=["."], min_tokens=min_tokens, max_tokens=len(token_ids)))
+        text = "".join(stream.push([token_id]) for token_id in token_ids) + stream.close()
+        assert (text, stream.stopped) == (expected, True), min_tokens
+    # a stop string that begins in the protected text and ends after it counts
+    stream = TextStream(smol, [], SamplingParams(stop=["No. The"], min_tokens=2, max_tokens=len(token_ids)))
+    assert "".join(stream.push([token_id]) for token_id in token_ids[:3]) == "" and stream.stopped
 
 
 @pytest.mark.parametrize("name", ["smol", "tiny_bytelevel", "tiny_byte_fallback"])

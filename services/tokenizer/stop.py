@@ -11,6 +11,9 @@ class StopChecker:
 
     text seen:  [ emitted ..................... | held: may begin a stop string ]
     Nothing emitted can begin a match: every position where one could still start is held.
+
+    Text pushed as `protected` (that of the first min_tokens tokens) ends no match: a stop string counts only
+    where it ends after it (it may begin inside it), as vLLM's min_tokens holds stop strings back too.
     """
 
     def __init__(self, stop: list[str], include_stop_str_in_output: bool = False) -> None:
@@ -18,21 +21,25 @@ class StopChecker:
         self._stop = list(dict.fromkeys(stop))
         self._include_stop_str = include_stop_str_in_output
         self._held = ""
+        self._num_protected = 0  # leading chars of _held that no match may end in
         self._done = False
         self.matched_stop: str | None = None  # the stop string that ended the sequence, if any
 
-    def push(self, delta_text: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string matched); no pushes after a match."""
+    def push(self, delta_text: str, protected: bool = False) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string matched); no pushes after a match. `protected`: no match
+        may end in `delta_text` (min_tokens are not reached yet)."""
         assert not self._done, "push after the sequence stopped"
         if not self._stop:
             return delta_text, False
         text = self._held + delta_text
-        match = self._first_match(text)
+        num_protected = len(text) if protected else self._num_protected
+        match = self._first_match(text, num_protected)
         partial_start = self._partial_start(text)
         if match is not None and match[0] <= partial_start:
             return self._cut(text, match), True
         # With a match after partial_start, a stop string starting earlier may still complete.
         self._held = text[partial_start:]
+        self._num_protected = max(0, num_protected - partial_start)
         return text[:partial_start], False
 
     def flush(self) -> str:
@@ -40,7 +47,7 @@ class StopChecker:
         assert not self._done, "flush after the sequence stopped"
         text, self._held = self._held, ""
         self._done = True
-        match = self._first_match(text)
+        match = self._first_match(text, self._num_protected)
         return text if match is None else self._cut(text, match)
 
     def _cut(self, text: str, match: tuple[int, int]) -> str:
@@ -50,11 +57,11 @@ class StopChecker:
         self._held = ""
         return text[:end] if self._include_stop_str else text[:start]
 
-    def _first_match(self, text: str) -> tuple[int, int] | None:
-        """(start, end) of the earliest-starting, then shortest, complete match."""
+    def _first_match(self, text: str, num_protected: int = 0) -> tuple[int, int] | None:
+        """(start, end) of the earliest-starting, then shortest, complete match that ends past `num_protected`."""
         best: tuple[int, int] | None = None
         for stop in self._stop:
-            start = text.find(stop)
+            start = text.find(stop, max(0, num_protected - len(stop) + 1))
             if start >= 0 and (best is None or (start, start + len(stop)) < best):
                 best = (start, start + len(stop))
         return best

@@ -16,6 +16,8 @@ class TextStream:
         self._detokenizer = (new_detokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
                              if tokenizer is not None else None)
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self._min_tokens = params.min_tokens  # stop strings end no earlier than after this many tokens
+        self._num_tokens = 0
         self.text = ""
         self.stopped = False
         self._closed = False
@@ -36,13 +38,14 @@ class TextStream:
         """Text these tokens finish; "" while a character or a possible stop string is incomplete."""
         if self._detokenizer is None or self._closed:
             return ""
-        return self._accept(self._detokenizer.push(token_ids))
+        self._num_tokens += len(token_ids)
+        return self._accept(self._detokenizer.push(token_ids), protected=self._num_tokens <= self._min_tokens)
 
     def close(self) -> str:
         """The sequence ended for another reason: release what was held back."""
         if self._detokenizer is None or self._closed:
             return ""
-        delta = self._accept(self._detokenizer.flush())
+        delta = self._accept(self._detokenizer.flush(), protected=self._num_tokens <= self._min_tokens)
         if not self.stopped and self._stop is not None:
             tail = self._stop.flush()
             self.stopped = self._stop.matched_stop is not None
@@ -51,9 +54,9 @@ class TextStream:
         self._closed = True
         return delta
 
-    def _accept(self, text: str) -> str:
+    def _accept(self, text: str, protected: bool = False) -> str:
         if self._stop is not None and not self.stopped:
-            text, self.stopped = self._stop.push(text)
+            text, self.stopped = self._stop.push(text, protected)
             if self.stopped:
                 self._closed = True
         self.text += text
