@@ -1,11 +1,12 @@
 """The 16-bit GEMV (kernels/gemv.py, PAGODA_DENSE_GEMV=1) on one GPU: tune its tiles per linear layer and M bucket
-(1, 2, 4, 8 rows) against torch's linear (cuBLAS), and keep it only where it wins.
+(1 to 256 rows) against torch's linear (cuBLAS), and keep it only where it wins.
 
     python -m pagoda.bench.gemv_tune [--models llama3-8b,qwen3-0.6b,deepseek-v2-lite] [--buckets 1,2,4,8] [--out $OUT]
 
 For every bf16 linear layer of the models (attention projections, a dense MLP where the model has one;
-linear_shapes), every candidate tile set of the W8A16 tuner (bench/fp8_tune.candidates: FMA rows up to 4, tensor-core
-tiles at 8) is checked against torch's linear, then timed as decode runs it: replayed from a CUDA graph cycling
+linear_shapes), every candidate tile set of the W8A16 tuner that multiplies 16-bit weights (bench/fp8_tune.candidates
+less its act_fp8 tiles: FMA rows up to 4, tensor-core tiles from 2, swap_ab tiles from 8, 64-128-row tiles with
+split-K above 32) is checked against torch's linear, then timed as decode runs it: replayed from a CUDA graph cycling
 through enough weight copies (>= 256 MB) that none is in L2. The best is kept where it beats cuBLAS by 3%, else the
 entry says "cublas" and the layer stays on torch's linear. The best tiles are also timed launched as a single-token
 step launches them under PAGODA_DENSE_GEMV=1 (programmatic dependent launch, each launch overlapping the previous
@@ -29,9 +30,15 @@ import torch
 
 from pagoda.bench.fp8_tune import ROTATE_BYTES, W8A8_MARGIN, _cosine, _in_pdl_chain, candidates, rotating_us
 from pagoda.bench.report import write_json
+from pagoda.kernels.fp8_weight_only import M_BUCKETS
 from pagoda.shared.shapes import SHAPES, ModelArch
 
-BUCKETS = (1, 2, 4, 8)
+BUCKETS = M_BUCKETS  # 1 .. 256 rows: kernels/gemv.MAX_TUNED_ROWS
+
+
+def dense_candidates(bucket: int) -> list[Any]:
+    """The W8A16 tuner's tiles that take 16-bit weights (launch_gemv refuses act_fp8 tiles without scales)."""
+    return [tiles for tiles in candidates(bucket) if not tiles.act_fp8]
 
 
 def linear_shapes(arch: ModelArch) -> list[tuple[str, int, int]]:
@@ -72,7 +79,7 @@ def tune_layer(name: str, n: int, k: int, buckets: tuple[int, ...]) -> list[dict
         x = torch.randn(bucket, k, device="cuda").bfloat16()  # [M, K]
         expected = F.linear(x.float(), weights[0].float())  # [M, N]
         best: tuple[float, Any] | None = None
-        for tiles in candidates(bucket):
+        for tiles in dense_candidates(bucket):
             try:
                 out = gemv.dense_gemv(x, weights[0], tiles=tiles)
             except Exception as exc:  # a tile set this GPU cannot compile (shared memory, registers): skip it
@@ -103,7 +110,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="llama3-8b,qwen3-0.6b,deepseek-v2-lite",
                         help="comma-separated dummy shapes (pagoda.shared.shapes.SHAPES)")
-    parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)), help=f"M buckets, of {BUCKETS}")
+    parser.add_argument("--buckets", default="1,2,4,8", help=f"M buckets, of {BUCKETS}")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/gemv_tune"))
     args = parser.parse_args()
     from pagoda.kernels import gemv

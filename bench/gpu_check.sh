@@ -29,8 +29,11 @@
 #   workload (its decode steps run 256 rows) and batch-1.
 #   dense-gemv: tune the 16-bit GEMV (bench/gemv_tune.py, DENSE_MODELS, DENSE_BUCKETS) against cuBLAS, install the
 #   table (commit $OUT/gemv_tune/dense_table.json under kernels/gemv_configs/), then bench/step_ab.py with
-#   PAGODA_DENSE_GEMV=0 / 1 on DENSE_MODELS_AB at B = 1 and 4 (DENSE_BUCKETS defaults to 1: untuned buckets stay on
-#   cuBLAS, so B = 4 checks that nothing else changed).
+#   PAGODA_DENSE_GEMV=0 / the tuned dispatch / 1 on DENSE_MODELS_AB at B = DENSE_BATCHES (default 1,4;
+#   DENSE_BUCKETS defaults to 1: untuned buckets stay on cuBLAS, so B = 4 checks that nothing else changed). For
+#   decode batches: DENSE_MODELS=deepseek-v2-lite DENSE_MODELS_AB=deepseek-v2-lite DENSE_BUCKETS=128,256
+#   DENSE_BATCHES=128,256 (at 256 rows its sparse layer's cuBLAS GEMMs took 4.6-9.7 us a launch in the s27
+#   profile; by bytes and FLOPs [kv_a ‖ q] needs ~5 us, o ~3).
 #   candidates: the untimed candidates of the seventeenth and eighteenth sessions, in one call: the fp8-KV decode
 #   launch with 2 / 8 warps and 32-key tiles and QK^T on fp8 tensor cores with q as one or two e4m3 terms
 #   (kv_fp8_bench; then whole decode steps with PAGODA_FP8_KV_DECODE, step_ab), SiLU fused into the FP8 down GEMV
@@ -350,8 +353,8 @@ if has dense-gemv; then
 print(gemv.config_name(torch.cuda.get_device_name().replace(' ', '_')))")
   cp "$OUT"/gemv_tune/dense_table.json "/tmp/site/pagoda/kernels/gemv_configs/$table" && echo "installed $table"
   for shape in ${DENSE_MODELS_AB:-llama3-8b qwen3-0.6b deepseek-v2-lite}; do
-    timeout 200 python3 -m pagoda.bench.step_ab --model $shape --batches 1,4 off=PAGODA_DENSE_GEMV=0 \
-      on=PAGODA_DENSE_GEMV=1 2>&1 | grep "B=" | tail -3
+    timeout 200 python3 -m pagoda.bench.step_ab --model $shape --batches "${DENSE_BATCHES:-1,4}" \
+      off=PAGODA_DENSE_GEMV=0 tuned=PAGODA_DENSE_GEMV= on=PAGODA_DENSE_GEMV=1 2>&1 | grep "B=" | tail -4
   done
 fi
 if has structured; then

@@ -6,9 +6,10 @@ with fp32 accumulation.
 Measured slower than cuBLAS with untuned tiles (H200, 2026-12-03, bench/step_ab.py, graph-timed decode
 step at 512 cached tokens, fp8_weight_only.default_tiles: llama3-8b bf16 4.53 -> 5.20 ms at B=1 and 4.76 -> 22.76
 ms at B=4; deepseek-v2-lite 2.56 -> 2.58 ms at B=1, 4.38 -> 5.60 ms at B=4; the B=4 FMA tiles reduce every row in
-one program). So the bf16/fp16 linear layers of steps of at most MAX_ROWS tokens (models/base.py
-`quantized_linear`) take it only where a table tuned per GPU (`python -m pagoda.bench.gemv_tune`, gemv_configs/: per
-(N, K, M bucket) the best tiles, or "cublas" where torch's linear was faster) holds tiles for them; elsewhere they
+one program). So the bf16/fp16 linear layers of decode steps (models/base.py `quantized_linear`) take it only
+where a table tuned per GPU (`python -m pagoda.bench.gemv_tune`, gemv_configs/: per (N, K, M bucket) the best
+tiles, or "cublas" where torch's linear was faster) holds tiles for them, at 1 to 256 rows (MAX_TUNED_ROWS: from
+16 rows the tensor-core and swap_ab tiles with split-K, against cuBLAS's GEMMs at decode batches); elsewhere they
 stay on torch's linear. PAGODA_DENSE_GEMV=1 also routes MLA's absorbed per-head projections to head_gemv
 (models/deepseek.py, in place of torch.bmm) and lets single-token steps of dense models launch with PDL
 (CausalLM.pdl_mode); PAGODA_DENSE_GEMV=0 turns the path off.
@@ -28,6 +29,7 @@ import triton.language as tl
 
 from pagoda.kernels import pdl
 from pagoda.kernels.fp8_weight_only import (
+    M_BUCKETS,
     GemvTiles,
     _launch_split_k_sum,
     default_tiles,
@@ -37,7 +39,8 @@ from pagoda.kernels.fp8_weight_only import (
     tiles_from_json,
 )
 
-MAX_ROWS = 8
+MAX_ROWS = 8  # rows the untuned tiles (the interpreter's switch) and head_gemv serve
+MAX_TUNED_ROWS = M_BUCKETS[-1]  # rows a GPU's tuned entry may serve (its tiles measured faster than cuBLAS there)
 DTYPES = (torch.bfloat16, torch.float16)
 CONFIG_DIR = Path(__file__).with_name("gemv_configs")
 log = logging.getLogger(__name__)
@@ -50,28 +53,30 @@ def enabled() -> bool:
     return os.environ.get("PAGODA_DENSE_GEMV") == "1"
 
 
-def linear_takes_gemv(on_gpu: bool, entry: GemvTiles | str | None) -> bool:
-    """The dispatch rule for a 16-bit linear that fits the GEMV (rows, dtype, layout): on a GPU where its tuned
-    entry holds tiles (they measured faster than cuBLAS there; untuned tiles were up to 5x slower: module
-    docstring), unless PAGODA_DENSE_GEMV=0; off a GPU (the interpreter) only under PAGODA_DENSE_GEMV=1. Default on
-    since the H200 step measured faster with the tuned linears (deepseek-v2-lite B=1, 512 cached tokens, graph:
-    2.313 -> 2.253 ms; bench/results/s27, 2026-12-04)."""
+def linear_takes_gemv(on_gpu: bool, entry: GemvTiles | str | None, rows: int = 1) -> bool:
+    """The dispatch rule for a 16-bit linear of `rows` rows (at most MAX_TUNED_ROWS) that fits the GEMV (dtype,
+    layout): on a GPU where its tuned entry holds tiles (they measured faster than cuBLAS there; untuned tiles were
+    up to 5x slower: module docstring), unless PAGODA_DENSE_GEMV=0; off a GPU (the interpreter) only under
+    PAGODA_DENSE_GEMV=1. Above MAX_ROWS rows only tuned tiles. Default on since the H200 step measured faster with
+    the tuned linears (deepseek-v2-lite B=1, 512 cached tokens, graph: 2.313 -> 2.253 ms; bench/results/s27,
+    2026-12-04)."""
     switch = os.environ.get("PAGODA_DENSE_GEMV")
-    if switch == "0":
+    if switch == "0" or (rows > MAX_ROWS and not isinstance(entry, GemvTiles)):
         return False
     return isinstance(entry, GemvTiles) if on_gpu else switch == "1"
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether dense_gemv serves x [..., K] @ weight^T: at most MAX_ROWS rows, a 2-D 16-bit weight of x's dtype,
-    contiguous along K, and linear_takes_gemv (off a GPU the default tiles)."""
+    """Whether dense_gemv serves x [..., K] @ weight^T: a 2-D 16-bit weight of x's dtype, contiguous along K, and
+    linear_takes_gemv (off a GPU the default tiles) for at most MAX_ROWS rows; up to MAX_TUNED_ROWS where this
+    GPU's tuned entry for the rows' bucket holds tiles (tensor-core tiles at decode batches, tuned against cuBLAS)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (1 <= rows <= MAX_ROWS and weight.dim() == 2 and weight.dtype in DTYPES and x.dtype == weight.dtype
+    if not (1 <= rows <= MAX_TUNED_ROWS and weight.dim() == 2 and weight.dtype in DTYPES and x.dtype == weight.dtype
             and weight.stride(1) == 1):
         return False
     on_gpu = weight.device.type == "cuda"
     n, k = weight.shape
-    return linear_takes_gemv(on_gpu, _tuned_entry(rows, n, k, weight.device) if on_gpu else None)
+    return linear_takes_gemv(on_gpu, _tuned_entry(rows, n, k, weight.device) if on_gpu else None, rows)
 
 
 CUBLAS = "cublas"  # a tuned entry: torch's linear measured faster
@@ -117,14 +122,15 @@ def pick_tiles(num_rows: int, n: int, k: int, device: torch.device) -> GemvTiles
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                tiles: GemvTiles | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W^T (+ bias) for a bf16/fp16 W [N, K] contiguous along K and x of its dtype,
-    fp32 accumulation, at most MAX_ROWS rows unless tiles are given. tiles: override."""
+    fp32 accumulation, at most MAX_TUNED_ROWS rows unless tiles are given (the tuned tiles of the rows' bucket,
+    else default_tiles). tiles: override."""
     if weight.dim() != 2 or weight.dtype not in DTYPES or weight.stride(1) != 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be bf16/fp16 [N, K={x.shape[-1]}] contiguous along K, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x must have the weight's dtype {weight.dtype}, got {x.dtype}")
     n, k = weight.shape
-    x2 = gemv_rows(x, n, bias, MAX_ROWS if tiles is None else None, "dense_gemv")  # [M, K]
+    x2 = gemv_rows(x, n, bias, MAX_TUNED_ROWS if tiles is None else None, "dense_gemv")  # [M, K]
     num_rows = x2.shape[0]
     out_shape = (*x.shape[:-1], n)
     if num_rows == 0:

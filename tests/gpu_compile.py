@@ -356,13 +356,19 @@ def run_block_copy() -> None:
 
 def run_dense_gemv() -> None:
     """The GEMV for 16-bit weights (kernels/gemv.py, PAGODA_DENSE_GEMV=1) at llama3-8b's and DeepSeek-V2-Lite's
-    projection shapes, one token (FMA tiles) and eight (tensor-core tiles), bf16 and fp16; the per-head GEMV of
-    MLA's absorbed projections at DeepSeek's dims."""
+    projection shapes, one token (FMA tiles) and eight (tensor-core tiles), bf16 and fp16; at decode batches (64,
+    256 rows: what a tuned entry may serve) the tuner's swap_ab and 64-row tiles with split-K, bf16; the per-head
+    GEMV of MLA's absorbed projections at DeepSeek's dims."""
+    from pagoda.kernels.fp8_weight_only import GemvTiles
     from pagoda.kernels.gemv import dense_gemv
 
     for (n, k), rows, dtype in itertools.product(((6144, 4096), (4096, 14336), (3648, 2048)), (1, 8),
                                                  (torch.bfloat16, torch.float16)):
         dense_gemv(torch.empty(rows, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
+    for (n, k), rows, swap in itertools.product(((3648, 2048), (2048, 2048)), (64, 256), (False, True)):
+        tiles = GemvTiles(block_m=64, block_n=128, block_k=128, split_k=2, use_dot=True, num_warps=8, num_stages=3,
+                          swap_ab=swap)
+        dense_gemv(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16), tiles=tiles)
     from pagoda.kernels.gemv import head_gemv
 
     for heads, rows in itertools.product((16, 128), (1, 8)):  # DeepSeek-V2-Lite's and V3's absorbed projections

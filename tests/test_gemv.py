@@ -38,6 +38,19 @@ def test_dense_gemv_matches_linear(rows: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got.float(), _expected(x, weight, b), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("tiles", [None,  # default_tiles: 32-row tensor-core tiles, two M tiles
+                                   GemvTiles(block_m=16, block_n=32, block_k=32, split_k=2, use_dot=True),
+                                   GemvTiles(block_m=64, block_n=64, block_k=32, split_k=3, use_dot=True,
+                                             swap_ab=True)])
+def test_dense_gemv_at_decode_batches(tiles: GemvTiles | None) -> None:
+    """Rows past MAX_ROWS (a tuned entry's decode batches): tensor-core tiles over several M tiles, split-K with an
+    uneven last split, the weight on the dot's M side (swap_ab), with bias."""
+    x, weight, bias = _case(40, torch.bfloat16, n=80, k=96, seed=2)
+    got = gemv.dense_gemv(x, weight, bias, tiles=tiles)
+    assert got.shape == (40, 80) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), _expected(x, weight, bias), atol=3e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("tiles", [GemvTiles(block_n=16, block_k=32, split_k=3),
                                    GemvTiles(block_n=32, block_k=64, split_k=2, late_reduce=True)])
 def test_dense_gemv_split_k_sums_with_bias(tiles: GemvTiles) -> None:
@@ -55,7 +68,7 @@ def test_dense_gemv_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="dtype"):
         gemv.dense_gemv(x.bfloat16(), weight)
     with pytest.raises(ValueError, match="at most"):
-        gemv.dense_gemv(torch.zeros(gemv.MAX_ROWS + 1, 96, dtype=torch.float16), weight)
+        gemv.dense_gemv(torch.zeros(gemv.MAX_TUNED_ROWS + 1, 96, dtype=torch.float16), weight)
     with pytest.raises(ValueError, match="contiguous"):
         gemv.dense_gemv(x, weight.t().contiguous().t())
     assert gemv.dense_gemv(x[:0], weight).shape == (0, 48)
@@ -104,6 +117,16 @@ def test_gpu_linears_take_tuned_tiles_by_default(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("PAGODA_DENSE_GEMV", "1")
     assert gemv.linear_takes_gemv(True, tiles) and gemv.linear_takes_gemv(False, None)
     assert not gemv.linear_takes_gemv(True, gemv.CUBLAS)
+    # decode batches past MAX_ROWS: tuned tiles only, on and off a GPU, whatever the switch says
+    for switch in ("", "1"):
+        monkeypatch.setenv("PAGODA_DENSE_GEMV", switch)
+        assert gemv.linear_takes_gemv(True, tiles, gemv.MAX_TUNED_ROWS)
+        assert gemv.linear_takes_gemv(True, tiles, gemv.MAX_ROWS) == gemv.linear_takes_gemv(True, tiles)
+        assert not gemv.linear_takes_gemv(True, None, gemv.MAX_ROWS + 1)
+        assert not gemv.linear_takes_gemv(True, gemv.CUBLAS, 64)
+        assert not gemv.linear_takes_gemv(False, None, gemv.MAX_ROWS + 1)
+    monkeypatch.setenv("PAGODA_DENSE_GEMV", "0")
+    assert not gemv.linear_takes_gemv(True, tiles, 64)
 
 
 def test_tuned_table_picks_tiles_or_keeps_cublas(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,15 +137,20 @@ def test_tuned_table_picks_tiles_or_keeps_cublas(tmp_path, monkeypatch: pytest.M
     from pagoda.kernels import fp8_weight_only as w8
 
     tiles = GemvTiles(block_m=1, block_n=32, block_k=1024, split_k=2, num_warps=8, num_stages=3)
+    wide = GemvTiles(block_m=64, block_n=128, block_k=128, split_k=4, use_dot=True, num_warps=8, num_stages=3,
+                     swap_ab=True)
     (tmp_path / gemv.config_name("Test_GPU")).write_text(json.dumps(
-        {"4096,4096,1": dataclasses.asdict(tiles), "4096,4096,2": {"cublas": True}}))
+        {"4096,4096,1": dataclasses.asdict(tiles), "4096,4096,2": {"cublas": True},
+         "4096,4096,64": dataclasses.asdict(wide)}))
     monkeypatch.setattr(gemv, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(gemv, "_device_name", lambda index: "Test GPU")
     gemv.tuned_table.cache_clear()
     try:
         cuda = torch.device("cuda", 0)
-        assert gemv.tuned_table("Test GPU") == {(4096, 4096, 1): tiles, (4096, 4096, 2): gemv.CUBLAS}
+        assert gemv.tuned_table("Test GPU") == {(4096, 4096, 1): tiles, (4096, 4096, 2): gemv.CUBLAS,
+                                                (4096, 4096, 64): wide}
         assert gemv.pick_tiles(1, 4096, 4096, cuda) == tiles
+        assert gemv.pick_tiles(40, 4096, 4096, cuda) == wide  # 33-64 rows: the 64-row bucket
         assert gemv._tuned_entry(2, 4096, 4096, cuda) == gemv.CUBLAS
         assert gemv.pick_tiles(2, 4096, 4096, cuda) == w8.default_tiles(2, 4096, 4096), "cublas: no tiles of its own"
         assert gemv.pick_tiles(1, 2048, 4096, cuda) == w8.default_tiles(1, 2048, 4096)
@@ -130,6 +158,19 @@ def test_tuned_table_picks_tiles_or_keeps_cublas(tmp_path, monkeypatch: pytest.M
         assert gemv.tuned_table("Other GPU") == {}
     finally:
         gemv.tuned_table.cache_clear()
+
+
+def test_tuner_candidates_take_16_bit_weights_at_every_bucket() -> None:
+    """bench/gemv_tune tries tiles at every bucket the dispatch can look up (1 .. MAX_TUNED_ROWS rows), none of them
+    act_fp8 (W8A8 tiles need e4m3 weights and their scales); from 16 rows the tensor-core ones, swap_ab among them."""
+    from pagoda.bench.gemv_tune import BUCKETS, dense_candidates
+
+    assert BUCKETS[0] == 1 and BUCKETS[-1] == gemv.MAX_TUNED_ROWS
+    for bucket in BUCKETS:
+        tiles = dense_candidates(bucket)
+        assert tiles and not any(t.act_fp8 for t in tiles), bucket
+        if bucket >= 16:
+            assert all(t.use_dot for t in tiles) and any(t.swap_ab for t in tiles), bucket
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3", "tiny-moe", "tiny-deepseek-v3"])
