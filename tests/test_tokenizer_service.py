@@ -368,6 +368,25 @@ def test_eos_as_last_token_adds_no_text(tok: Harness, tokenizer: Tokenizer) -> N
     assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == (FinishReason.STOP, None)
 
 
+def test_include_stop_str_in_output_shows_the_stop_token(tok: Harness, tokenizer: Tokenizer) -> None:
+    # vLLM's include_stop_str_in_output covers stop tokens too: the stop token id's text, logprob and id are shown
+    # (the EOS's text too, "<|im_end|>" here with skip_special_tokens=False); it was dropped whatever the flag.
+    ids = tokenizer.encode("The capital is Paris", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    for include, stop_ids, expected in [(False, [ids[-1]], "The capital is"), (True, [ids[-1]], "The capital is Paris"),
+                                        (True, [eos], "The capital is Paris<|im_end|>")]:
+        params = SamplingParams(max_tokens=None, stop_token_ids=stop_ids, include_stop_str_in_output=include,
+                                skip_special_tokens=False, logprobs=0)
+        request_id, _, _ = tok.generate(params, prompt_text="Hi", return_token_ids=True)
+        sent = [*ids[:-1], stop_ids[0]] if stop_ids[0] == ids[-1] else [*ids, eos]
+        delta = tok.feed(request_id, sent, FinishReason.STOP, logprobs=[-0.5] * len(sent))
+        assert (delta.text, delta.finish_reason) == (expected, FinishReason.STOP)
+        shown = sent if include else sent[:-1]
+        assert delta.token_ids == shown and [p.sampled.token_id for p in delta.logprobs] == shown
+        assert delta.num_new_tokens == len(sent)  # the stop token counts as generated either way
+
+
 def test_n_completions_finish_independently(tok: Harness, tokenizer: Tokenizer) -> None:
     request_id, _, _ = tok.generate(SamplingParams(n=2, max_tokens=None), prompt_text="Hi")
     a, b = tokenizer.encode(" one", add_special_tokens=False), tokenizer.encode(" two", add_special_tokens=False)

@@ -40,12 +40,12 @@ class TextStep:
 def advance(stream: TextStream, token_id: int, finish_reason: int) -> TextStep:
     """Push one step's token (-1: none) into `stream`; on a finish, release what it held back.
 
-    A stop token's own text (EOS, stop_token_ids: finish STOP with a token) is not part of the output.
+    A stop token's own text (EOS, stop_token_ids: finish STOP with a token) is not part of the output unless the
+    request includes stop strings in it (vLLM's include_stop_str_in_output).
     A stop string that matches turns a running completion into STOP; one that completes only in the text
     held back until the end turns LENGTH into STOP too.
     """
-    stop_token = finish_reason == FinishReason.STOP and token_id >= 0
-    text = stream.push((token_id,) if token_id >= 0 and not stop_token else ())
+    text = stream.push((token_id,) if token_id >= 0 and not hides_stop_token(stream, token_id, finish_reason) else ())
     reason = finish_reason
     stop_string = False
     if reason < 0 and stream.stopped:
@@ -56,6 +56,11 @@ def advance(stream: TextStream, token_id: int, finish_reason: int) -> TextStep:
         if stream.stopped:  # a stop string completed in the text held back until now
             reason = FinishReason.STOP
     return TextStep(text, int(reason), stop_string)
+
+
+def hides_stop_token(stream: TextStream, token_id: int, finish_reason: int) -> bool:
+    """Whether this step's token is a stop token the output leaves out (its text, logprob and id)."""
+    return finish_reason == FinishReason.STOP and token_id >= 0 and not stream.include_stop_token
 
 
 @dataclass(slots=True)
@@ -169,6 +174,7 @@ class Outputs:
             forced, state.forced = state.forced, []
             forced_text = stream.push(forced)
             token_ids = forced + token_ids
+        stop_token = hides_stop_token(stream, token_id, reason)
         step = advance(stream, token_id, reason)
         if forced_text:
             step.text = forced_text + step.text
@@ -176,7 +182,6 @@ class Outputs:
             batch.stops.append(StopSequence(request_id, index))
         if step.finish_reason >= 0:
             self._finish_completion(state, request_id, index)
-        stop_token = reason == FinishReason.STOP and token_id >= 0
         logprobs = [logprob] if logprob is not None and state.params.logprobs is not None and not stop_token else []
         shown_ids = (token_ids[:-1] if stop_token else token_ids) if state.return_token_ids else []
         return TextDelta(request_id, index, step.text, len(token_ids), step.finish_reason, logprobs,

@@ -17,6 +17,8 @@ class TextStream:
                              if tokenizer is not None else None)
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._min_tokens = params.min_tokens  # stop strings end no earlier than after this many tokens
+        # vLLM's include_stop_str_in_output shows a stop token's text too (EOS, stop_token_ids)
+        self.include_stop_token = params.include_stop_str_in_output
         self._num_tokens = 0
         self.text = ""
         self.stopped = False
