@@ -361,6 +361,13 @@ def test_openai_parse_with_a_pydantic_model(server: Server) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
+    # a grammar that does not compile is refused under the field the client sent (it was named response_format,
+    # or guided_<kind>, whatever the field)
+    ({"guided_json": {"type": "bogus"}}, "guided_json"),
+    ({"structured_outputs": {"json": {"type": "bogus"}}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+      "tool_choice": "required"}, "tools"),
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),

@@ -31,6 +31,7 @@ from pagoda.services.protocol.schemas import (
     chat_output_spec,
     chat_request,
     completion_requests,
+    constraint_param,
     decode_body,
     prompt_bytes,
     tokenize_tools,
@@ -61,6 +62,13 @@ DEFAULT_TENANT = ("default", Tenant("default"))  # the --api-key key beside a ke
 
 def _headers(deprecated: list[str]) -> dict[str, str]:
     return {"Warning": deprecation_header(deprecated)} if deprecated else {}
+
+
+def _name_constraint(exc: PagodaError, constraint: str | None) -> None:
+    """A refusal from the tokenizer that names SamplingParams' structured_outputs (a grammar that does not compile)
+    names the body's field that asked for the constraint instead."""
+    if constraint is not None and (exc.param or "").startswith("structured_outputs"):
+        exc.param = constraint
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # proxies must pass each event on at once
@@ -145,7 +153,8 @@ class Handlers:
                           echo=bool(body.echo), return_token_ids=bool(body.return_token_ids),
                           continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
                           tokens_as_ids=bool(body.return_tokens_as_token_ids))
-        return await self._generate(request, messages, spec, started_at, _headers(body.deprecated_fields))
+        return await self._generate(request, messages, spec, started_at, _headers(body.deprecated_fields),
+                                    constraint_param(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
@@ -163,10 +172,12 @@ class Handlers:
                           reasoning_parser=output.reasoning_parser, max_calls=output.max_calls,
                           continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
                           tokens_as_ids=bool(body.return_tokens_as_token_ids), echo_text=chat_echo_text(body, message))
-        return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields))
+        return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields),
+                                    constraint_param(body))
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,
-                        started_at: float, headers: dict[str, str]) -> web.StreamResponse:
+                        started_at: float, headers: dict[str, str], constraint: str | None) -> web.StreamResponse:
+        """`constraint`: the body field that asked for a constraint, which its compile error names."""
         found = request.get(TENANT)
         tenant: Tenant | None = found[1] if found is not None else None
         lease = self._admit(tenant)  # 429 over quota, before any work
@@ -189,7 +200,11 @@ class Handlers:
             record = inspector.start("chat" if spec.route == CHAT else "completion", messages, spec.stream,
                                      started_at) if inspector is not None else None
             try:
-                await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
+                try:
+                    await gen.accept()  # a refused prompt still gets a plain HTTP error, even when streaming
+                except PagodaError as exc:
+                    _name_constraint(exc, constraint)
+                    raise
                 if spec.stream:
                     response = await self._stream(request, gen, headers)
                 else:

@@ -38,6 +38,7 @@ from pagoda.shared.messages import SamplingParams, StructuredOutputs
 log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 512  # distinct constraints remembered per process
+CONSTRAINT_PARAM = "structured_outputs"  # what a constraint's error names: SamplingParams' field (the api: the body's)
 # JSON as json.dumps writes it: no free whitespace, which small models otherwise fill with runs of newlines and
 # indentation until max_tokens (a schema's "x-guidance" options still override these).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -72,7 +73,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
         if constraint.json is not None:
             schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json
             if not isinstance(schema, dict):
-                raise InvalidRequestError("a JSON schema must be an object", param="response_format")
+                raise InvalidRequestError("a JSON schema must be an object", param=CONSTRAINT_PARAM)
             return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if constraint.regex is not None:
             return matcher.grammar_from_regex(ascii_shorthands(constraint.regex))
@@ -89,7 +90,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
         raise
     except Exception as exc:  # the library's own parse errors (bad JSON text, bad GBNF)
         raise InvalidRequestError(f"invalid {constraint.kind} for structured outputs: {exc}",
-                                  param=_param(constraint)) from exc
+                                  param=CONSTRAINT_PARAM) from exc
 
 
 def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
@@ -125,10 +126,6 @@ def constrain_after_reasoning(params: SamplingParams, prompt_text: str) -> Sampl
         params, structured_outputs=msgspec.structs.replace(constraint, reasoning_end=REASONING_END))
 
 
-def _param(constraint: StructuredOutputs) -> str:
-    return "response_format" if constraint.kind in ("json", "json_object") else f"guided_{constraint.kind}"
-
-
 def cache_key(constraint: StructuredOutputs) -> bytes:
     """The constraint without server-set fields: what decides the grammar."""
     return msgspec.json.encode(msgspec.structs.replace(constraint, reasoning_end=""))
@@ -160,7 +157,7 @@ class GrammarChecker:
         error, forced = outcome
         if error:
             raise InvalidRequestError(f"the {constraint.kind} constraint cannot be compiled: {error}",
-                                      param=_param(constraint))
+                                      param=CONSTRAINT_PARAM)
         return forced
 
     def _compile(self, constraint: StructuredOutputs) -> tuple[str, list[int]]:
@@ -227,8 +224,8 @@ class LazyGrammarChecker:
     def check(self, constraint: StructuredOutputs) -> list[int]:
         """GrammarChecker.check: 400 unless it compiles; the ids its grammar forces at its start."""
         if self._hf is None:
-            raise InvalidRequestError("structured outputs need the model's tokenizer", param=_param(constraint))
+            raise InvalidRequestError("structured outputs need the model's tokenizer", param=CONSTRAINT_PARAM)
         if self._checker is None:
             raise InvalidRequestError("structured outputs are unavailable: the grammar library could not load "
-                                      "this tokenizer", param=_param(constraint))
+                                      "this tokenizer", param=CONSTRAINT_PARAM)
         return self._checker.check(constraint)

@@ -314,6 +314,15 @@ def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
         raise InvalidRequestError(exc.message, param=name) from None
 
 
+def constraint_param(body: _GenerationBody) -> str | None:
+    """The body field that asked for a constraint (None: none did). A grammar that does not compile is refused
+    where the tokenizer is, under SamplingParams' name (structured_outputs); the client is told this field."""
+    if isinstance(body, ChatBody) and _tool_choice(body, _tools(body))[0] in ("required", "named"):
+        return "tools"
+    names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return next((name for name in names if getattr(body, name) is not None), None)
+
+
 def _response_format(response_format: dict[str, Any]) -> StructuredOutputs | None:
     kind = response_format.get("type")
     if kind == "text":
