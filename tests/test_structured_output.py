@@ -84,6 +84,18 @@ def test_choice_grammar_matches_only_the_choices(ll: llguidance.LLTokenizer, tok
         assert (consumed and matcher.is_accepting()) == ok, text
 
 
+def test_gbnf_grammar_compiles_and_matches(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+    # vLLM's clients send GBNF (llama.cpp's, as xgrammar takes it); every one was refused before: "'module' object
+    # is not callable" (llguidance.gbnf_to_lark is a module)
+    gbnf = StructuredOutputs(grammar='root ::= color ("," color)*\ncolor ::= "red" | "blue"')
+    GrammarChecker(ll).check(gbnf)
+    grammar = grammar_text(gbnf)
+    for text, ok in [("red", True), ("blue,red", True), ("green", False), ("red,", False)]:
+        matcher = llguidance.LLMatcher(ll, grammar)
+        consumed = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        assert (consumed and matcher.is_accepting()) == ok, text
+
+
 def test_regex_shorthand_classes_are_ascii_as_in_json_schema(ll: llguidance.LLTokenizer,
                                                               tokenizer: Tokenizer) -> None:
     """\\d \\w \\s in a regex constraint mean what they mean in a JSON Schema pattern (ECMAScript: ASCII), as with

@@ -30,6 +30,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import msgspec
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer
@@ -83,7 +84,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
         if constraint.grammar is not None:
             text = constraint.grammar
             if "::=" in text:  # GBNF (llama.cpp's, as vLLM's xgrammar backend takes it)
-                text = llguidance.gbnf_to_lark(text)
+                text = gbnf_to_lark(text)
             return matcher.grammar_from_lark(text)
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     except InvalidRequestError:
