@@ -84,6 +84,22 @@ def test_choice_grammar_matches_only_the_choices(ll: llguidance.LLTokenizer, tok
         assert (consumed and matcher.is_accepting()) == ok, text
 
 
+def test_allowed_token_ids_must_be_able_to_start_the_grammar(ll: llguidance.LLTokenizer,
+                                                              tokenizer: Tokenizer) -> None:
+    """An allow-list that holds a token the grammar may start with passes (the forced first token of a grammar
+    with one choice too); one that holds none is a 400 naming allowed_token_ids; no allow-list is no check."""
+    checker = GrammarChecker(ll)
+    choice = StructuredOutputs(choice=["red", "blue"])
+    red, blue = (tokenizer.encode(word, add_special_tokens=False)[0] for word in ("red", "blue"))
+    assert checker.check(choice, [red]) == [] and checker.check(choice, [3, blue]) == []
+    assert checker.check(StructuredOutputs(choice=["red"]), [red]) == [red]  # forced, and allowed
+    for allowed in ([5, 6, 7], [10 ** 9], [tokenizer.eos_token_id]):
+        with pytest.raises(InvalidRequestError, match="allowed_token_ids") as raised:
+            checker.check(choice, allowed)
+        assert raised.value.param == "allowed_token_ids"
+    assert checker.check(choice, None) == [] and checker.check(choice, []) == []
+
+
 def test_gbnf_grammar_compiles_and_matches(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
     # vLLM's clients send GBNF (llama.cpp's, as xgrammar takes it); every one was refused before: "'module' object
     # is not callable" (llguidance.gbnf_to_lark is a module)
@@ -385,6 +401,9 @@ def test_openai_parse_with_a_pydantic_model(server: Server) -> None:
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+    # an allow-list with no token the grammar may start with: every sampled token broke the grammar (200 with
+    # token 0 repeated to max_tokens)
+    ({"guided_choice": ["red", "blue"], "allowed_token_ids": [5, 6, 7]}, "allowed_token_ids"),
 ])
 def test_grammar_errors_are_400(server: Server, extra: dict[str, object], param: str) -> None:
     body = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **extra}

@@ -25,6 +25,8 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -132,20 +134,35 @@ def cache_key(constraint: StructuredOutputs) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(constraint, reasoning_end=""))
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarOutcome:
+    """What compiling one constraint gave: llguidance's error, or the tokens its grammar forces at its start (its
+    fast-forward tokens, see `fast_forward_tokens`) and the bitmask of the tokens it allows first."""
+
+    error: str
+    forced: list[int]
+    start_mask: bytes  # 32 token ids a little-endian uint32 word, llguidance's layout; b"" with an error
+
+    def allows_first(self, token_ids: Sequence[int]) -> bool:
+        """Whether one of token_ids may be the grammar's first token."""
+        mask = self.start_mask
+        return any(0 <= i < 8 * len(mask) and mask[i // 8] >> (i % 8) & 1 for i in token_ids)
+
+
 class GrammarChecker:
-    """Compiles constraints against one tokenizer; remembers the last GRAMMAR_CACHE_SIZE outcomes: llguidance's
-    error, or the tokens the grammar forces at its start (its fast-forward tokens, see `fast_forward_tokens`)."""
+    """Compiles constraints against one tokenizer; remembers the last GRAMMAR_CACHE_SIZE outcomes."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = GRAMMAR_CACHE_SIZE) -> None:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
-        # key -> ("" and the forced start, when it compiles) or (llguidance's error, [])
-        self._outcomes: OrderedDict[bytes, tuple[str, list[int]]] = OrderedDict()
+        self._outcomes: OrderedDict[bytes, GrammarOutcome] = OrderedDict()
         self.last_compile_s = 0.0  # the latest compile that missed the cache (for figures and logs)
 
-    def check(self, constraint: StructuredOutputs) -> list[int]:
-        """Raise InvalidRequestError (400) unless the constraint compiles for this tokenizer; return the token ids
-        its grammar forces before the model has any choice (often empty)."""
+    def check(self, constraint: StructuredOutputs, allowed_token_ids: Sequence[int] | None = None) -> list[int]:
+        """Raise InvalidRequestError (400) unless the constraint compiles for this tokenizer and, where the request
+        allows only allowed_token_ids from its first token on, one of them may start the grammar (else every
+        sampled token would break it); return the token ids its grammar forces before the model has any choice
+        (often empty)."""
         key = cache_key(constraint)
         outcome = self._outcomes.get(key)
         if outcome is None:
@@ -155,24 +172,27 @@ class GrammarChecker:
                 self._outcomes.popitem(last=False)
         else:
             self._outcomes.move_to_end(key)
-        error, forced = outcome
-        if error:
-            raise InvalidRequestError(f"the {constraint.kind} constraint cannot be compiled: {error}",
+        if outcome.error:
+            raise InvalidRequestError(f"the {constraint.kind} constraint cannot be compiled: {outcome.error}",
                                       param=CONSTRAINT_PARAM)
-        return forced
+        if allowed_token_ids and not outcome.allows_first(allowed_token_ids):
+            raise InvalidRequestError(f"none of allowed_token_ids can start what the {constraint.kind} constraint "
+                                      "allows", param="allowed_token_ids")
+        return outcome.forced
 
-    def _compile(self, constraint: StructuredOutputs) -> tuple[str, list[int]]:
+    def _compile(self, constraint: StructuredOutputs) -> GrammarOutcome:
         started = time.perf_counter()
         try:
             grammar = grammar_text(constraint)
         except InvalidRequestError as exc:
-            return exc.message, []
+            return GrammarOutcome(exc.message, [], b"")
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         self.last_compile_s = time.perf_counter() - started
         if matcher.is_error():
-            return matcher.get_error(), []
+            return GrammarOutcome(matcher.get_error(), [], b"")
+        start_mask = matcher.compute_bitmask()
         forced = list(matcher.compute_ff_tokens())
-        return "", forced if not matcher.is_error() else []
+        return GrammarOutcome("", forced if not matcher.is_error() else [], start_mask)
 
 
 def ending_ids(params: SamplingParams, eos_token_ids: set[int] | frozenset[int]) -> set[int]:
@@ -222,11 +242,12 @@ class LazyGrammarChecker:
         except Exception:
             log.exception("cannot build llguidance's tokenizer; structured outputs will be refused")
 
-    def check(self, constraint: StructuredOutputs) -> list[int]:
-        """GrammarChecker.check: 400 unless it compiles; the ids its grammar forces at its start."""
+    def check(self, constraint: StructuredOutputs, allowed_token_ids: Sequence[int] | None = None) -> list[int]:
+        """GrammarChecker.check: 400 unless it compiles (and allowed_token_ids can start it); the ids its grammar
+        forces at its start."""
         if self._hf is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param=CONSTRAINT_PARAM)
         if self._checker is None:
             raise InvalidRequestError("structured outputs are unavailable: the grammar library could not load "
                                       "this tokenizer", param=CONSTRAINT_PARAM)
-        return self._checker.check(constraint)
+        return self._checker.check(constraint, allowed_token_ids)

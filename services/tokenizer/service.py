@@ -269,10 +269,14 @@ class TokenizerService:
         params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs)  # logprobs -1, allowed_token_ids
         forced: list[int] = []
         if params.structured_outputs is not None:
-            # Compiled here (cached), never on the worker's step loop; 400 if the library rejects it.
-            grammar_start = self._grammars.check(params.structured_outputs)
             if request.messages is not None and self._reasoning_parser is not None:
                 params = constrain_after_reasoning(params, prompt.text or "")
+            constraint = params.structured_outputs
+            assert constraint is not None
+            # Compiled here (cached), never on the worker's step loop; 400 if the library rejects it, or if an
+            # allow-list leaves nothing it starts with (not checked where the grammar starts after reasoning).
+            grammar_start = self._grammars.check(constraint, None if constraint.reasoning_end
+                                                 else params.allowed_token_ids)
             if self._fast_forward:
                 forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
                                              info.max_num_tokens, ending_ids(params, self._eos_ids(info)))
