@@ -537,7 +537,8 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True
     finish_reason: int = -1
     logprobs: list[PositionLogprobs] = []
     num_cached_tokens: int = 0
-    stop_reason: str | None = None  # the stop string that ended it
+    # what ended it, as vLLM's stop_reason: the stop string, or the stop_token_ids id; None for EOS and length
+    stop_reason: str | int | None = None
     prompt_logprobs: list[PositionLogprobs] = []  # prompt tokens scored this step, in prompt order
     token_ids: list[int] = []  # the new token ids: when the request asked (return_token_ids) or no tokenizer
 

@@ -385,6 +385,29 @@ def test_include_stop_str_in_output_shows_the_stop_token(tok: Harness, tokenizer
         shown = sent if include else sent[:-1]
         assert delta.token_ids == shown and [p.sampled.token_id for p in delta.logprobs] == shown
         assert delta.num_new_tokens == len(sent)  # the stop token counts as generated either way
+        assert delta.stop_reason == (None if stop_ids[0] == eos else stop_ids[0])  # vLLM's: EOS is checked first
+
+
+def test_stop_reason_names_the_stop_string_or_token(tok: Harness, tokenizer: Tokenizer) -> None:
+    """vLLM's stop_reason: the stop string that matched, the stop_token_ids id sampled, the EOS id when EOS is
+    ignored but listed; None for EOS, max_tokens, and until the completion ends."""
+    ids = tokenizer.encode("The capital is Paris. Next", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    cases = [(SamplingParams(max_tokens=None, stop=["Paris"]), ids, -1, "Paris"),
+             (SamplingParams(max_tokens=None, stop_token_ids=[ids[2]]), ids[:3], FinishReason.STOP, ids[2]),
+             (SamplingParams(max_tokens=None, stop_token_ids=[eos], ignore_eos=True), [*ids, eos], FinishReason.STOP,
+              eos),
+             (SamplingParams(max_tokens=None), [*ids, eos], FinishReason.STOP, None),
+             (SamplingParams(max_tokens=len(ids)), ids, FinishReason.LENGTH, None)]
+    for params, sent, reason, expected in cases:
+        request_id, _, _ = tok.generate(params, prompt_text="Hi")
+        if not isinstance(expected, str):  # a stop string ends the completion where it matches, here in ids[3]
+            assert tok.feed(request_id, sent[:2]).stop_reason is None  # running
+            sent = sent[2:]
+        delta = tok.feed(request_id, sent, reason)
+        assert delta.finish_reason == (FinishReason.STOP if isinstance(expected, str) else reason)
+        assert delta.stop_reason == expected, params
 
 
 def test_n_completions_finish_independently(tok: Harness, tokenizer: Tokenizer) -> None:
@@ -430,7 +453,7 @@ def test_rendered_requests_get_sse_bytes_and_choice_json(tok: Harness, tokenizer
     choice = msgspec.json.decode(rows.data[-1])
     # a stop token's own text is not part of the output
     assert choice == {"index": 3, "text": tokenizer.decode(ids[:-1]), "logprobs": None, "finish_reason": "stop",
-                      "prompt_logprobs": None}  # vLLM's key, null when not asked
+                      "stop_reason": None, "prompt_logprobs": None}  # vLLM's keys, null for EOS / when not asked
 
 
 def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> None:

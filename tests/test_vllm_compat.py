@@ -240,6 +240,37 @@ def test_allowed_token_ids_restrict_sampling_on_both_endpoints(server: Server, c
     assert not set(free.choices[0].model_extra["token_ids"]) <= set(allowed)  # the restriction did something
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_names_what_stopped_each_choice(client: openai.OpenAI, stream: bool) -> None:
+    """vLLM's stop_reason on both endpoints: the stop token id, the stop string, null for max_tokens; streamed, on
+    the chunk that carries the finish_reason."""
+    greedy = client.completions.create(model=SERVED, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    ids = greedy.choices[0].model_extra["token_ids"]
+    word = greedy.choices[0].text.split()[0]
+
+    def reason(route: str, **extra: object) -> tuple[str | None, object]:
+        body: dict[str, object] = {"model": SERVED, "max_tokens": 4, "temperature": 0, "stream": stream, **extra}
+        if route == "completions":
+            out = client.completions.create(prompt="The capital of France is", **body)  # type: ignore[call-overload]
+        else:
+            out = client.chat.completions.create(messages=[{"role": "user", "content": "The capital of France is"}],
+                                                 **body)  # type: ignore[call-overload]
+        last = [chunk.choices[0] for chunk in out if chunk.choices][-1] if stream else out.choices[0]
+        return last.finish_reason, last.model_extra["stop_reason"]
+
+    assert reason("completions", extra_body={"stop_token_ids": [ids[1]]}) == ("stop", ids[1])
+    assert reason("completions", stop=[word]) == ("stop", word)
+    assert reason("completions") == ("length", None)
+    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "The capital of France "
+                                                                     "is"}], max_tokens=4, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    chat_ids = chat.choices[0].model_extra["token_ids"]
+    assert chat.choices[0].finish_reason == "length", "four tokens of an answer, no EOS among them"
+    assert reason("chat", extra_body={"stop_token_ids": [chat_ids[1]]}) == ("stop", chat_ids[1])
+    assert reason("chat", max_tokens=1) == ("length", None)
+
+
 @pytest.mark.parametrize("ids, needle", [([], "must not be empty"), ([5, VOCAB_SIZE], "outside the vocabulary")])
 def test_bad_allowed_token_ids_are_refused(client: openai.OpenAI, ids: list[int], needle: str) -> None:
     with pytest.raises(openai.BadRequestError) as failure:

@@ -45,6 +45,7 @@ class Choice:
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # filled when the deltas carry them (return_token_ids)
     finish_reason: int = -1  # a FinishReason once it ends
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
     last_token_at: float = 0.0  # time.monotonic() of its latest tokens, for inter-token latency
     rendered: bytes | None = None  # its JSON object, rendered by the tokenizer (non-streaming responses)
 
@@ -59,6 +60,7 @@ class Choice:
         self.num_tokens += delta.num_new_tokens
         if delta.finish_reason >= 0:
             self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
 
 
 class ResponseView(Protocol):
@@ -268,7 +270,7 @@ class CompletionRenderer(Renderer):
                                          as_ids=as_ids)
             logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
         out = {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
-               "finish_reason": _finish_name(choice.finish_reason),
+               "finish_reason": _finish_name(choice.finish_reason), "stop_reason": choice.stop_reason,
                "prompt_logprobs": self._prompt_logprobs(view, choice)}
         if self.return_token_ids:
             out["prompt_token_ids"] = view.prompt_token_ids[choice.index // view.n]
@@ -294,8 +296,8 @@ class CompletionRenderer(Renderer):
             offset = self._offsets.get(choice.index, 0)
             logprobs = completion_logprobs(delta.logprobs, offset, as_ids=self.tokens_as_ids)
             self._offsets[choice.index] = offset + sum(len(p.sampled.token) for p in delta.logprobs)
-        return {"index": choice.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": _finish_name(delta.finish_reason)}
+        return _with_stop_reason({"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                                  "finish_reason": _finish_name(delta.finish_reason)}, delta)
 
 
 class ChatRenderer(Renderer):
@@ -320,7 +322,8 @@ class ChatRenderer(Renderer):
             message, finish = {"role": "assistant", "content": choice.text}, _finish_name(choice.finish_reason)
         if self.echo_text:
             message["content"] = self.echo_text + (message.get("content") or "")
-        out = {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        out = {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+               "stop_reason": choice.stop_reason}
         if self.prompt_logprobs and choice.index == 0:  # carried here, moved to the response by body()
             out["prompt_logprobs"] = self._prompt_logprobs(view, choice)
         return self._with_ids(out, choice.token_ids)
@@ -364,7 +367,8 @@ class ChatRenderer(Renderer):
                                                        delta.token_ids if first else [])], choice))
             if delta.finish_reason >= 0:
                 out.append(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                         "finish_reason": _tools_finish(delta.finish_reason, calls_tools)}], choice))
+                                         "finish_reason": _tools_finish(delta.finish_reason, calls_tools),
+                                         "stop_reason": delta.stop_reason}], choice))
         return b"".join(out)
 
     def opening(self, view: ResponseView) -> bytes:
@@ -387,9 +391,17 @@ class ChatRenderer(Renderer):
         return sse(chunk) + echo
 
     def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
-        return {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": chat_logprobs(delta.logprobs, self.tokens_as_ids) if self.want_logprobs else None,
-                "finish_reason": _finish_name(delta.finish_reason)}
+        return _with_stop_reason({"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
+                                  "logprobs": chat_logprobs(delta.logprobs, self.tokens_as_ids)
+                                  if self.want_logprobs else None,
+                                  "finish_reason": _finish_name(delta.finish_reason)}, delta)
+
+
+def _with_stop_reason(choice: dict[str, Any], delta: TextDelta) -> dict[str, Any]:
+    """A streamed choice: its last chunk (the one with a finish_reason) carries vLLM's stop_reason too."""
+    if delta.finish_reason >= 0:
+        choice["stop_reason"] = delta.stop_reason
+    return choice
 
 
 def renderer_for(spec: RenderSpec) -> Renderer:
