@@ -533,6 +533,8 @@ def test_bad_requests_fail_with_400(tok: Harness, tokenizer: Tokenizer, prompt: 
     failed = tok.expect_reply(request_id, RequestFailed)
     assert (failed.status, failed.error_type, failed.param, failed.code) == (
         400, "invalid_request_error", param, code), failed
+    if code and param != "max_tokens":  # a sentence whatever the field: "the messages has" read wrong
+        assert failed.message.startswith(f"the prompt ({param}) has "), failed.message
 
 
 def test_prompt_plus_max_tokens_at_the_limit_is_accepted(tok: Harness) -> None:

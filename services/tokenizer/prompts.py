@@ -89,7 +89,7 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
     max_prompt_len = min(info.max_model_len, info.max_num_tokens) - 1
     num_tokens = len(token_ids)
     if num_tokens > max_prompt_len:
-        raise ContextLengthError(f"the {param} has {num_tokens} tokens; this model accepts at most "
+        raise ContextLengthError(f"the prompt ({param}) has {num_tokens} tokens; this model accepts at most "
                                  f"{max_prompt_len} prompt tokens", param=param)
     if params.max_tokens is not None and num_tokens + params.max_tokens > info.max_model_len:
         raise ContextLengthError(f"this model's maximum context length is {info.max_model_len} tokens, but "
