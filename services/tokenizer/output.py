@@ -59,15 +59,16 @@ def advance(stream: TextStream, token_id: int, finish_reason: int) -> TextStep:
 
 
 def stop_reason(stream: TextStream, params: SamplingParams, token_id: int, finish_reason: int,
-                eos_token_id: int | None) -> str | int | None:
+                tokenizer: Tokenizer | None) -> str | int | None:
     """vLLM's stop_reason of a completion that ends with this token: the stop string that matched, else the id
     of params' stop_token_ids it sampled; None for EOS (listed among the stop ids too, unless EOS is ignored, as
-    vLLM checks EOS first), length, or while it runs."""
+    vLLM checks EOS first), length, or while it runs. Per token: the tokenizer is asked only at such a stop."""
     if stream.stop_reason is not None:
         return stream.stop_reason
     if finish_reason != FinishReason.STOP or token_id not in params.stop_token_ids:
         return None
-    return None if token_id == eos_token_id and not params.ignore_eos else token_id
+    is_eos = tokenizer is not None and token_id == tokenizer.eos_token_id
+    return None if is_eos and not params.ignore_eos else token_id
 
 
 def hides_stop_token(stream: TextStream, token_id: int, finish_reason: int) -> bool:
@@ -198,8 +199,7 @@ class Outputs:
         shown_ids = (token_ids[:-1] if stop_token else token_ids) if state.return_token_ids else []
         return TextDelta(request_id, index, step.text, len(token_ids), step.finish_reason, logprobs,
                          num_cached_tokens, stop_reason(stream, state.params, token_id, step.finish_reason,
-                                                        self.tokenizer.eos_token_id if self.tokenizer else None),
-                         prompt_logprobs, shown_ids)
+                                                        self.tokenizer), prompt_logprobs, shown_ids)
 
     def _finish_completion(self, state: RequestState, request_id: str, index: int) -> None:
         state.streams[index] = None
