@@ -17,7 +17,7 @@ from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
 from pagoda.services.grammar.compiler import GrammarChecker, ending_ids, fast_forward_tokens
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
-from pagoda.services.tokenizer.output import advance
+from pagoda.services.tokenizer.output import advance, stop_reason
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device
@@ -159,7 +159,7 @@ class LLMEngine:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
         if self._grammars is None:
             self._grammars = GrammarChecker(self.runner.grammars.tokenizer())
-        forced = self._grammars.check(constraint)
+        forced = self._grammars.check(constraint, None if constraint.reasoning_end else params.allowed_token_ids)
         if not self.config.grammar_fast_forward:
             return []
         scheduler = self.scheduler
@@ -308,6 +308,8 @@ class LLMEngine:
             del self._completions[seq.seq_id]
             self._silent.discard(seq.seq_id)
             completion.finish_reason = FinishReason(step.finish_reason).openai_name
+            completion.stop_reason = stop_reason(tracked.stream, seq.request.sampling, update.token_id,
+                                                 step.finish_reason, self.tokenizer)
         completion.text += text
         if tracked.unsent_ids:  # the forced start leads the first delta
             text, new_tokens = tracked.unsent_text + text, tracked.unsent_ids + new_tokens

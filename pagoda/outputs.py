@@ -16,6 +16,7 @@ class CompletionOutput:
     # per generated token: {token id: logprob} for the sampled token plus the top-k asked for
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it, else None
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty, its rank
 
     @property

@@ -10,6 +10,7 @@ import pytest
 
 from pagoda import LLM, ContextLengthError, InvalidRequestError, ModelNotFoundError, SamplingParams
 from pagoda.shared.errors import ConfigError
+from pagoda.shared.messages import StructuredOutputs
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +63,9 @@ def _assert_still_serves(llm: LLM, reference_text: str) -> None:
     ([1, True], GREEDY, "prompt", InvalidRequestError),  # bool is an int subclass: still not a token id
     ([1, 2.0], GREEDY, "prompt", InvalidRequestError),
     ([3, "4"], GREEDY, "prompt", InvalidRequestError),
+    # an allow-list with no token the grammar may start with (every sampled token would break it)
+    ("hello", SamplingParams(structured_outputs=StructuredOutputs(choice=["red", "blue"]), allowed_token_ids=[5, 6]),
+     "allowed_token_ids", InvalidRequestError),
 ])
 def test_bad_input_raises_typed_error_and_engine_survives(llm: LLM, reference_text: str, prompt: object,
                                                           params: SamplingParams, param_name: str,
@@ -71,6 +75,19 @@ def test_bad_input_raises_typed_error_and_engine_survives(llm: LLM, reference_te
     assert caught.value.param == param_name  # type: ignore[attr-defined]
     assert param_name in str(caught.value) or caught.value.param == param_name  # type: ignore[attr-defined]
     _assert_still_serves(llm, reference_text)
+
+
+def test_stop_reason_names_the_stop_string_or_token(llm: LLM) -> None:
+    """CompletionOutput.stop_reason, as vLLM's: the stop_token_ids id that ended it, the stop string, None for
+    max_tokens."""
+    greedy = llm.generate(["The capital of France is"], GREEDY)[0].outputs[0]
+    word = greedy.text.split()[0]
+    assert greedy.finish_reason == "length" and greedy.stop_reason is None
+    by_id = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                       stop_token_ids=[greedy.token_ids[1]]))
+    assert (by_id[0].outputs[0].finish_reason, by_id[0].outputs[0].stop_reason) == ("stop", greedy.token_ids[1])
+    by_string = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, stop=[word]))
+    assert (by_string[0].outputs[0].finish_reason, by_string[0].outputs[0].stop_reason) == ("stop", word)
 
 
 def test_a_bad_prompt_in_a_batch_queues_none_of_it(llm: LLM, reference_text: str) -> None:
