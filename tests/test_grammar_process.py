@@ -175,6 +175,22 @@ def test_a_constraint_that_cannot_be_built_fails_alone(tokenizer: Tokenizer) -> 
     assert rows.pid is None
 
 
+def test_a_row_left_without_a_token_fails_from_the_process_too(process: MaskProcess, tokenizer: Tokenizer) -> None:
+    """An allow-list that fits the grammar's start but not what must follow: the process reports the row once
+    (NO_TOKEN_LEFT, with the fill that found it) and stops masking it; the other row goes on."""
+    from pagoda.services.worker.grammar import NO_TOKEN_LEFT
+
+    r = tokenizer.hf.encode("r", add_special_tokens=False)
+    choice = StructuredOutputs(choice=["red", "blue"])
+    process.apply(StepPlan(0, [], [], new_requests=[new_request(1, None, choice, r), new_request(2, None, choice)]))
+    assert process.bitmask([1, 2]) is not None and process.take_failures() == []
+    masks = process.advance_and_fill([([1, 2], [r[0], r[0]])], [1, 2])
+    assert masks is not None and process.take_failures() == [(1, NO_TOKEN_LEFT)]
+    assert process.constrains([2]) and not process.constrains([1])
+    process.accept([2], tokenizer.hf.encode("ed", add_special_tokens=False)[:1])
+    assert process.bitmask([2]) is not None and process.take_failures() == []
+
+
 def test_engine_ends_the_lost_requests_with_an_error_and_serves_the_next(smollm2_dir: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The offline engine with its grammars in a process: the process dies in the middle of a generation; the

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import httpx
 import llguidance
+import msgspec
 import pytest
 import torch
 
@@ -98,6 +99,8 @@ def test_allowed_token_ids_must_be_able_to_start_the_grammar(ll: llguidance.LLTo
             checker.check(choice, allowed)
         assert raised.value.param == "allowed_token_ids"
     assert checker.check(choice, None) == [] and checker.check(choice, []) == []
+    # a grammar that accepts the empty output may end at once: any list passes (the worker lets its EOS through)
+    assert checker.check(StructuredOutputs(regex="(ab)?"), [5, 6, 7]) == []
 
 
 def test_gbnf_grammar_compiles_and_matches(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
@@ -145,6 +148,37 @@ def _rows(ll: llguidance.LLTokenizer, vocab: int) -> GrammarRows:
 def _new(seq_id: int, prompt: list[int], generated: list[int], constraint: StructuredOutputs | None) -> NewRequest:
     return NewRequest(seq_id, prompt + generated, len(prompt), [0], 0,
                       SamplingParams(structured_outputs=constraint), 0)
+
+
+def test_a_row_left_without_a_token_fails_unsampled(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+    """allowed_token_ids that fit the grammar's start but not what must follow: the mask fill reports the row
+    (take_failures, NO_TOKEN_LEFT) instead of letting it sample outside both; rows that keep a token do not."""
+    from pagoda.services.worker.grammar import NO_TOKEN_LEFT
+
+    r = tokenizer.encode("r", add_special_tokens=False)
+    assert len(r) == 1
+    choice = StructuredOutputs(choice=["red", "blue"])
+    rows = _rows(ll, tokenizer.vocab_size)
+    narrow = msgspec.structs.replace(_new(3, [1, 2], [], choice),
+                                     sampling=SamplingParams(structured_outputs=choice, allowed_token_ids=r))
+    wide = msgspec.structs.replace(_new(4, [1, 2], [], choice), sampling=SamplingParams(
+        structured_outputs=choice, allowed_token_ids=r + tokenizer.encode("ed", add_special_tokens=False)))
+    rows.apply(StepPlan(0, [], [], new_requests=[narrow, wide]))
+    first = rows.bitmask([3, 4])
+    assert first is not None and _allowed(first[1][0], r[0]) and rows.take_failures() == []
+    rows.accept([3, 4], [r[0], r[0]])
+    assert rows.bitmask([3, 4]) is not None
+    assert rows.take_failures() == [(3, NO_TOKEN_LEFT)]  # "r" must go on with "ed", which only 4 allows
+    assert rows.take_failures() == []
+    # a grammar that must end: its EOS gets through an allow-list without it (the completion ends, no failure)
+    red = tokenizer.encode("red", add_special_tokens=False)
+    done = msgspec.structs.replace(_new(5, [1, 2], [], choice), sampling=SamplingParams(
+        structured_outputs=StructuredOutputs(choice=["red"]), allowed_token_ids=red))
+    rows.apply(StepPlan(1, [], [], new_requests=[done]))
+    rows.accept([5], red)
+    masks = rows.bitmask([5])
+    assert masks is not None and rows.take_failures() == []
+    assert [t for t in range(tokenizer.vocab_size) if _allowed(masks[1][0], t)] == [tokenizer.eos_token_id]
 
 
 def test_recomputed_sequence_gets_the_same_mask_as_one_that_never_left(ll: llguidance.LLTokenizer,
@@ -411,6 +445,24 @@ def test_grammar_errors_are_400(server: Server, extra: dict[str, object], param:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"]
+
+
+@pytest.mark.slow
+def test_an_allow_list_that_runs_out_mid_grammar_is_a_400_and_the_server_serves_on(server: Server) -> None:
+    """allowed_token_ids that can start the grammar but not finish it: the row fails when its mask empties (it
+    sampled outside both before: token 0 to max_tokens), streamed or not; the next request is served."""
+    r = httpx.post(server.url + "/tokenize", json={"model": SERVED, "prompt": "r", "add_special_tokens": False},
+                   timeout=60).json()["tokens"]
+    body = {"model": SERVED, "prompt": "Pick a colour:", "max_tokens": 5, "guided_choice": ["red", "blue"],
+            "allowed_token_ids": r}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "allowed_token_ids leave no token" in response.json()["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert any("allowed_token_ids leave no token" in event for event in events), events
+    ok = httpx.post(server.url + "/v1/completions", json={**body, "allowed_token_ids": None}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("red", "blue")
 
 
 @pytest.mark.slow

@@ -142,11 +142,14 @@ class GrammarOutcome:
     error: str
     forced: list[int]
     start_mask: bytes  # 32 token ids a little-endian uint32 word, llguidance's layout; b"" with an error
+    may_end_at_once: bool = False  # the grammar accepts the empty output: EOS among its first tokens
 
     def allows_first(self, token_ids: Sequence[int]) -> bool:
-        """Whether one of token_ids may be the grammar's first token."""
+        """Whether one of token_ids may be the grammar's first token, or it may end at once (the worker then lets
+        its EOS through whatever the allow-list says, GrammarRows._narrow)."""
         mask = self.start_mask
-        return any(0 <= i < 8 * len(mask) and mask[i // 8] >> (i % 8) & 1 for i in token_ids)
+        return self.may_end_at_once or any(0 <= i < 8 * len(mask) and mask[i // 8] >> (i % 8) & 1
+                                           for i in token_ids)
 
 
 class GrammarChecker:
@@ -191,8 +194,9 @@ class GrammarChecker:
         if matcher.is_error():
             return GrammarOutcome(matcher.get_error(), [], b"")
         start_mask = matcher.compute_bitmask()
+        may_end = any(start_mask[i // 8] >> (i % 8) & 1 for i in self.tokenizer.eos_tokens if i < 8 * len(start_mask))
         forced = list(matcher.compute_ff_tokens())
-        return GrammarOutcome("", forced if not matcher.is_error() else [], start_mask)
+        return GrammarOutcome("", forced if not matcher.is_error() else [], start_mask, may_end)
 
 
 def ending_ids(params: SamplingParams, eos_token_ids: set[int] | frozenset[int]) -> set[int]:

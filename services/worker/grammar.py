@@ -104,6 +104,10 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
     return None
 
 
+# why a constrained row that its allow-list leaves without a token fails (the tokenizer refuses a list that fits
+# no start of the grammar; a later token can still fall outside it)
+NO_TOKEN_LEFT = "allowed_token_ids leave no token that the structured output allows next"
+
 @dataclass(slots=True)
 class SeqGrammar:
     """One sequence's matcher, or the text it waits for before its matcher starts."""
@@ -136,6 +140,8 @@ class GrammarRows:
         self.pin_memory = pin_memory
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._flip = 0
+        self._no_token: list[int] = []  # sequences whose grammar and allow-list left no token (take_failures)
+        self._eos: torch.Tensor | None = None  # [W] the EOS ids' bits, once a row needs them
 
     @property
     def active(self) -> bool:
@@ -153,10 +159,13 @@ class GrammarRows:
     def reset(self) -> None:
         self._seqs.clear()
         self._allowed.clear()
+        self._no_token.clear()
 
     def take_failures(self) -> list[tuple[int, str]]:
-        """Sequences whose grammar failed apart from their step (the grammar process's; none in process)."""
-        return []
+        """Sequences the last bitmask() found with no token left: their grammar's mask and their allowed_token_ids
+        share none (the runner ends them with an error, unsampled)."""
+        failed, self._no_token = self._no_token, []
+        return [(seq_id, NO_TOKEN_LEFT) for seq_id in failed]
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
@@ -215,13 +224,34 @@ class GrammarRows:
         filled = {i for _, i in picked}
         for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
             if i in filled:
-                mask[slot[i]] &= allowed
+                self._narrow(mask[slot[i]], allowed, seq_ids[i])
             else:
                 mask[slot[i]] = allowed
         rows_index = np.asarray(index, dtype=np.int64)  # [K]
         flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
         flags[rows_index] = True
         return flags, mask, rows_index
+
+    def _narrow(self, row: torch.Tensor, allowed: torch.Tensor, seq_id: int) -> None:
+        """row [W] (the grammar's mask) &= allowed [W]. Where they share no token: a grammar that may end here keeps
+        its EOS (the completion ends, as it must, whatever the list says); else the row fails (take_failures), as
+        sampling would break one of the two."""
+        narrowed = row & allowed
+        if narrowed.any():
+            row.copy_(narrowed)
+            return
+        ends = row & self._eos_mask()
+        if ends.any():
+            row.copy_(ends)
+        else:
+            self._no_token.append(seq_id)
+
+    def _eos_mask(self) -> torch.Tensor:
+        """[W] int32: the tokenizer's EOS ids (a row with a matcher has a tokenizer)."""
+        if self._eos is None:
+            tokenizer = self._ensure_tokenizer()
+            self._eos = allowed_bitmask(list(tokenizer.eos_tokens), self.vocab_size)
+        return self._eos
 
     def accept(self, seq_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""

@@ -213,6 +213,9 @@ def _fill(rows: SharedMaskRows, message: MaskFill, failed: dict[int, str]) -> Ma
         rows.accept(seq_ids, token_ids)
     rows.slot = message.slot
     masks = rows.bitmask(message.seq_ids)
+    for seq_id, why in rows.take_failures():  # no token left: told now, never masked again
+        rows.drop([seq_id])
+        failed[seq_id] = why
     ended = time.perf_counter()
     return MaskReady(message.job_id, masks[2].tolist() if masks is not None else [], ended - started, ended,
                      list(failed), list(failed.values()))

@@ -32,7 +32,7 @@ from pagoda.kernels.paged_attention import fold_counters
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
-from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, grammar_tokenizer_loader
+from pagoda.services.worker.grammar import NO_TOKEN_LEFT, GrammarMasks, GrammarRows, grammar_tokenizer_loader
 from pagoda.services.worker.grammar_process import MaskJob, MaskProcess, grammar_rows
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
@@ -981,12 +981,13 @@ class ModelRunner:
         return input_ids
 
     def _grammar_failures(self, step: LaunchedStep) -> set[int]:
-        """Sequences the grammar process lost (or whose matcher it could not build): they end with an error in
-        this step's result and leave the worker; the step's other rows go on."""
+        """Sequences the grammar process lost (or whose matcher it could not build; 500), or whose grammar and
+        allowed_token_ids left no token to sample (400): they end with an error in this step's result, unsampled,
+        and leave the worker; the step's other rows go on."""
         failures = self.grammars.take_failures()
         for seq_id, message in failures:
             log.error("step %d: sequence %d: %s", step.plan.step_id, seq_id, message)
-            step.failed.append(RowFailure(seq_id, 500, message))
+            step.failed.append(RowFailure(seq_id, 400 if message == NO_TOKEN_LEFT else 500, message))
         if failures:
             self._drop([seq_id for seq_id, _ in failures])
         return {seq_id for seq_id, _ in failures}
