@@ -108,6 +108,7 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
 # no start of the grammar; a later token can still fall outside it)
 NO_TOKEN_LEFT = "allowed_token_ids leave no token that the structured output allows next"
 
+
 @dataclass(slots=True)
 class SeqGrammar:
     """One sequence's matcher, or the text it waits for before its matcher starts."""

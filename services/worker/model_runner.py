@@ -986,8 +986,10 @@ class ModelRunner:
         and leave the worker; the step's other rows go on."""
         failures = self.grammars.take_failures()
         for seq_id, message in failures:
-            log.error("step %d: sequence %d: %s", step.plan.step_id, seq_id, message)
-            step.failed.append(RowFailure(seq_id, 400 if message == NO_TOKEN_LEFT else 500, message))
+            status = 400 if message == NO_TOKEN_LEFT else 500  # the request's own values, or the grammar process
+            log.log(logging.INFO if status == 400 else logging.ERROR, "step %d: sequence %d: %s",
+                    step.plan.step_id, seq_id, message)
+            step.failed.append(RowFailure(seq_id, status, message))
         if failures:
             self._drop([seq_id for seq_id, _ in failures])
         return {seq_id for seq_id, _ in failures}
