@@ -4,7 +4,10 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,b1-fusions (default: tests,parity,pagoda,peers,compiled)
+#   one-loop,gluon,b1-fusions,quant-out (default: tests,parity,pagoda,peers,compiled)
+#   quant-out: paged attention writing the W8A8 o projection's e4m3 input itself (PAGODA_ATTN_QUANT_OUT, untimed):
+#   its tests on the GPU (every test of test_attention_quant_out.py, the Gluon one), step_ab on llama3-8b FP8 at
+#   B = 64, 256 with a bf16 and an fp8 cache, then llama3-8b FP8 + FP8 KV's reference workload and trtllm-1000 with it.
 #   b1-fusions: W_UV inside the MLA split reduce (PAGODA_MLA_FUSE_UV), DeepSeek's router GEMV routing in its last
 #   program (PAGODA_FUSE_ROUTE) and paged attention's splits merged in its last split program
 #   (PAGODA_ATTN_FOLD_REDUCE), untimed: their GPU tests, step_ab on llama3-8b FP8 at B = 1, 2, 4 and on
@@ -343,6 +346,20 @@ if has b1-fusions; then
   PAGODA_MLA_FUSE_UV=1 PAGODA_FUSE_ROUTE=1 timeout 150 python3 -m pagoda.bench throughput --model deepseek-v2-lite \
     --load-format dummy --workload reference --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 \
     --latency-prompt-len 512 --timeout 140 --out "$OUT/b1_fusions_deepseek-v2-lite.json" 2>&1 | grep "batch-1"
+fi
+if has quant-out; then
+  # the o projection's activation quantization inside paged attention (the last program of a token's rows): tests,
+  # decode steps A/B over both caches, then the two FP8 + FP8 KV workloads of issue 25 with it on
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_attention_quant_out.py \
+    tests/test_fp8_decode_gluon.py -k "quant" 2>&1 | tail -1
+  for kv in auto fp8; do
+    timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --kv-cache-dtype $kv \
+      --batches 64,256 --context 512 off=PAGODA_ATTN_QUANT_OUT=0 on=PAGODA_ATTN_QUANT_OUT=1 2>&1 | grep "B=" | tail -2
+  done
+  export PAGODA_ATTN_QUANT_OUT=1
+  llama_fp8_runs quant_out "reference fp8"
+  trtllm_1000 quant_out
+  unset PAGODA_ATTN_QUANT_OUT
 fi
 if has dense-gemv; then
   # the 16-bit GEMV tuned per layer and M bucket against cuBLAS, the table installed, then decode steps with it

@@ -68,39 +68,62 @@ def hw_cast() -> bool:
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, stride_sm,
-                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
-                          HW_CAST: tl.constexpr):
-    """PER_ROW: program (row, 0) quantizes a whole row with one scale (two passes over TILE-column tiles: amax,
-    then scale and cast). Else program (row, g) quantizes columns [g * GROUP, (g + 1) * GROUP) (GROUP == TILE).
-    Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's."""
-    row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
+def _load_f32(ptrs, mask, FROM_L2: tl.constexpr):
+    """Masked fp32 load; FROM_L2: bypassing L1 (other programs of the same launch wrote the values)."""
+    if FROM_L2:
+        x = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def quantize_row(x_row, q_row, s_ptr, num_cols, TILE: tl.constexpr, ONE_TILE: tl.constexpr, HW_CAST: tl.constexpr,
+                 FROM_L2: tl.constexpr = False):
+    """One row of num_cols values at x_row -> e4m3 codes at q_row and its scale amax / 448 at s_ptr. ONE_TILE
+    (num_cols <= TILE): the row in registers, read once; else two passes over TILE-column tiles (amax, then scale
+    and cast). Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's.
+    FROM_L2: x bypasses L1 (written by other programs of the same launch: paged attention's fused quantization)."""
     offs = tl.arange(0, TILE)
-    x_row = x_ptr + row * stride_xm
-    q_row = q_ptr + row * stride_qm
-    if ONE_TILE:  # the whole row in registers: read once
-        cols = offs
-        x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+    if ONE_TILE:
+        x = _load_f32(x_row + offs, offs < num_cols, FROM_L2)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
         q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
-        tl.store(q_row + cols, q, mask=cols < num_cols)
-        tl.store(s_ptr + row * stride_sm, scale)
-    elif PER_ROW:
+        tl.store(q_row + offs, q, mask=offs < num_cols)
+    else:
         amax = tl.zeros([TILE], tl.float32)
         for start in range(0, num_cols, TILE):
             cols = start + offs
-            x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, tl.abs(_load_f32(x_row + cols, cols < num_cols, FROM_L2)))
         scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX_C), FP8_MAX_C)
         for start in range(0, num_cols, TILE):
             cols = start + offs
-            x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+            x = _load_f32(x_row + cols, cols < num_cols, FROM_L2)
             q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
             tl.store(q_row + cols, q, mask=cols < num_cols)
-        tl.store(s_ptr + row * stride_sm, scale)
+    tl.store(s_ptr, scale)
+
+
+def row_tile(num_cols: int) -> tuple[int, bool]:
+    """quantize_row's (TILE, ONE_TILE) for rows of num_cols values."""
+    tile = min(_ROW_TILE, triton.next_power_of_2(num_cols))
+    return tile, num_cols <= tile
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, stride_sm,
+                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
+                          HW_CAST: tl.constexpr):
+    """PER_ROW: program (row, 0) quantizes a whole row with one scale (quantize_row). Else program (row, g)
+    quantizes columns [g * GROUP, (g + 1) * GROUP) (GROUP == TILE)."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    if PER_ROW:
+        quantize_row(x_row, q_row, s_ptr + row * stride_sm, num_cols, TILE, ONE_TILE, HW_CAST)
     else:
-        cols = group * GROUP + offs
+        cols = group * GROUP + tl.arange(0, TILE)
         mask = cols < num_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
@@ -109,9 +132,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, s
         tl.store(s_ptr + row * stride_sm + group, scale)
 
 
-def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32/bf16/fp16, K contiguous) -> (e4m3 [M, K], fp32 scales [M, 1] or [M, ceil(K / g)]):
-    dynamic per-row scales amax / 448, or per row and group of g columns (g a power of two >= 16)."""
+    dynamic per-row scales amax / 448, or per row and group of g columns (g a power of two >= 16). out: the two
+    tensors to write (shapes and dtypes as returned, K contiguous), else new ones."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] contiguous along K, got {tuple(x.shape)} strides {x.stride()}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -120,14 +145,21 @@ def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[t
         raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
     num_rows, num_cols = x.shape
     num_groups = 1 if group_size is None else triton.cdiv(num_cols, group_size)
-    q = torch.empty((num_rows, num_cols), dtype=FP8_DTYPE, device=x.device)  # [M, K]
-    scale = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)  # [M, G]
+    if out is None:
+        q = torch.empty((num_rows, num_cols), dtype=FP8_DTYPE, device=x.device)  # [M, K]
+        scale = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)  # [M, G]
+    else:
+        q, scale = out
+        if (q.shape != x.shape or q.dtype != FP8_DTYPE or q.stride(1) != 1 or scale.shape != (num_rows, num_groups)
+                or scale.dtype != torch.float32 or q.device != x.device or scale.device != x.device):
+            raise ValueError(f"out must be e4m3 {tuple(x.shape)} and fp32 {(num_rows, num_groups)} on {x.device}, "
+                             f"got {q.dtype} {tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
     if num_rows == 0:
         return q, scale
     if group_size is None:
-        tile = min(_ROW_TILE, triton.next_power_of_2(num_cols))
+        tile, one_tile = row_tile(num_cols)
         _quantize_rows_kernel[(num_rows, 1)](x, q, scale, num_cols, x.stride(0), q.stride(0), scale.stride(0),
-                                             GROUP=tile, TILE=tile, PER_ROW=True, ONE_TILE=num_cols <= tile,
+                                             GROUP=tile, TILE=tile, PER_ROW=True, ONE_TILE=one_tile,
                                              HW_CAST=hw_cast(), num_warps=4 if tile <= 2048 else 8)
     else:
         _quantize_rows_kernel[(num_rows, num_groups)](x, q, scale, num_cols, x.stride(0), q.stride(0),

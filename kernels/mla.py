@@ -758,9 +758,9 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         return attn
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_max, part_sum, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=lat,
-            HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
-            **pdl_options)
+            out, part_out, part_max, part_sum, out.stride(0), out.stride(1), out, out, out, 0, NUM_HEADS=num_heads,
+            HEAD_DIM=lat, HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
+            num_warps=4, **pdl_options)
     if w_uv is not None:
         attn = q.new_empty((num_tokens, num_heads, w_uv.shape[1]))  # [T, heads, Dv]
         torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2), out=attn.transpose(0, 1))  # via [heads, T, Dv]

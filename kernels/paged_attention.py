@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import fp8_decode_gluon, pdl
+from pagoda.kernels import fp8, fp8_decode_gluon, pdl
 
 # Finite stand-in for -inf as the running max: a row that has seen no key yet computes
 # exp2(NEG_BIG - NEG_BIG) = 1 times a zero sum, never exp2(-inf - -inf) = nan.
@@ -593,12 +593,14 @@ def _paged_attention_kernel(
         qk_scale, num_seqs, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, counter_ptr,
+        quant_ptr, quant_scale_ptr, stride_quant,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
         Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-        ONE_LOOP: tl.constexpr = False, FOLD_REDUCE: tl.constexpr = False, SPLITS_P: tl.constexpr = 1):
+        ONE_LOOP: tl.constexpr = False, FOLD_REDUCE: tl.constexpr = False, SPLITS_P: tl.constexpr = 1,
+        QUANT_OUT: tl.constexpr = False, QUANT_TILE: tl.constexpr = 16, QUANT_ONE_TILE: tl.constexpr = True):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -611,7 +613,10 @@ def _paged_attention_kernel(
     sums per key slot, one cross-thread sum after the tiles (AttentionConfig.decode_lazy_sum). ONE_LOOP: every key
     tile through the masked loop (AttentionConfig.decode_one_loop). FOLD_REDUCE (DECODE, NUM_SPLITS > 1): the last
     split program of each (sequence, kv head) merges the splits itself (_arrive_and_merge; counter_ptr: the
-    counts, zero between launches), no reduce launch."""
+    counts, zero between launches), no reduce launch. QUANT_OUT (NUM_SPLITS == 1, out contiguous): the last program
+    to finish a set of tokens' rows also writes those rows as e4m3 with per-token scales (quant_ptr [T, heads *
+    HEAD_DIM], quant_scale_ptr [T]) for the W8A8 o projection (_arrive_and_quantize; counter_ptr: the counts,
+    keyed by decode program b or num_seqs + 1 + query tile)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
@@ -636,6 +641,10 @@ def _paged_attention_kernel(
                                   tl.load(query_start_loc_ptr + num_seqs), num_tokens, kv_head, out_ptr,
                                   part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS, GROUP,
                                   HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P)
+            if QUANT_OUT:
+                _arrive_and_quantize(counter_ptr, b, tl.load(query_start_loc_ptr + num_seqs), num_tokens, out_ptr,
+                                     quant_ptr, quant_scale_ptr, stride_ot, stride_quant, NUM_HEADS // GROUP,
+                                     NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE, USE_ASM)
             return
         q_start = tl.load(query_start_loc_ptr + b)
         q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -662,6 +671,7 @@ def _paged_attention_kernel(
     context_len = seq_len - q_len  # cached tokens before this chunk; < 0 only for padding rows
 
     row_q = q_lo + offs_m // GROUP  # [BLOCK_M] query index within the sequence
+    rows_first, rows_end = q_start + q_lo, q_start + tl.minimum(q_lo + BLOCK_Q, q_len)  # this program's tokens
     row_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
     row_valid = (offs_m < BLOCK_Q * GROUP) & (row_q < q_len)
     row_token = (q_start + row_q).to(tl.int64)  # [BLOCK_M] row of q / out
@@ -735,6 +745,11 @@ def _paged_attention_kernel(
 
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
+    if QUANT_OUT:  # decode: key b, one token; a query tile: its own key after the decode launch's, up to BLOCK_Q
+        key = b if DECODE else num_seqs + 1 + pid
+        _arrive_and_quantize(counter_ptr, key, rows_first, rows_end, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
+                             stride_quant, NUM_HEADS // GROUP, NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE,
+                             USE_ASM)
     if FOLD_REDUCE:
         _arrive_and_merge(counter_ptr, b * (NUM_HEADS // GROUP) + kv_head, q_start, q_start + 1, kv_head, out_ptr,
                           part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM,
@@ -773,14 +788,21 @@ def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head
 
 @triton.jit
 def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
+                         counter_ptr, quant_ptr, quant_scale_ptr, stride_quant,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """_merge_splits for one (token, head). Grid: (tokens, heads)."""
+                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
+                         QUANT_OUT: tl.constexpr = False, QUANT_TILE: tl.constexpr = 16,
+                         QUANT_ONE_TILE: tl.constexpr = True, HW_CAST: tl.constexpr = False):
+    """_merge_splits for one (token, head). Grid: (tokens, heads). QUANT_OUT: the last head of a token to be
+    merged also writes the token's row as e4m3 with its scale (_arrive_and_quantize, keyed by token)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0).to(tl.int64),
-                  tl.program_id(1), stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P,
-                  False)
+    token = tl.program_id(0).to(tl.int64)
+    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, tl.program_id(1), stride_ot, stride_oh,
+                  NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P, False)
+    if QUANT_OUT:
+        _arrive_and_quantize(counter_ptr, token, token, token + 1, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
+                             stride_quant, NUM_HEADS, NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE, HW_CAST)
 
 
 @triton.jit
@@ -800,6 +822,25 @@ def _arrive_and_merge(counter_ptr, key, first_token, end_token, kv_head, out_ptr
                 _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.full([], 0, tl.int64) + token,
                               kv_head * GROUP + g, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P,
                               NUM_SPLITS, SPLITS_P, True)
+        tl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")
+
+
+@triton.jit
+def _arrive_and_quantize(counter_ptr, key, first_token, end_token, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
+                         stride_quant, ARRIVALS: tl.constexpr, ROW: tl.constexpr, TILE: tl.constexpr,
+                         ONE_TILE: tl.constexpr, HW_CAST: tl.constexpr):
+    """A program's out rows for tokens [first_token, end_token) are stored: count it among the ARRIVALS programs
+    that write those tokens' rows (release: the rows are visible before the count; acquire for the last); the last
+    one quantizes the tokens' whole rows (ROW = heads x head_dim values, read from L2) into quant_ptr with one scale
+    each (fp8.quantize_row: the bits of fp8.quantize_fp8_rows) and sets the count back to zero for the next launch.
+    In place of the o projection's own quantize launch (PAGODA_ATTN_QUANT_OUT=1)."""
+    tl.debug_barrier()  # every thread's rows stored before the count's release
+    done = tl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
+    if done == ARRIVALS - 1:
+        for token in range(first_token, end_token):
+            row = tl.full([], 0, tl.int64) + token
+            fp8.quantize_row(out_ptr + row * stride_ot, quant_ptr + row * stride_quant, quant_scale_ptr + row, ROW,
+                             TILE, ONE_TILE, HW_CAST, True)
         tl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")
 
 
@@ -945,11 +986,47 @@ def fold_counters(device: torch.device) -> torch.Tensor:
     return _FOLD_COUNTERS[device]
 
 
+# Launches whose last program per set of tokens also quantizes their rows for the o projection (QUANT_OUT): keys
+# (decode programs and query tiles, or tokens behind a split reduce) counted in one persistent tensor per device.
+# A launch with more keys quantizes in a launch of its own.
+QUANT_COUNTERS = 32768
+_QUANT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def quant_out_enabled() -> bool:
+    """PAGODA_ATTN_QUANT_OUT=1: where the o projection is a W8A8 GEMM, paged attention writes its output as e4m3
+    with per-token scales too, and the projection has no quantize launch of its own. Off by default until timed on a
+    GPU."""
+    return os.environ.get("PAGODA_ATTN_QUANT_OUT") == "1"
+
+
+def quant_counters(device: torch.device) -> torch.Tensor:
+    """[QUANT_COUNTERS] int32 zeros for the process's life (CUDA graphs keep the address); each launch leaves them
+    zero again. Made before graphs are captured (model_runner), not from a capture's pool."""
+    if device not in _QUANT_COUNTERS:
+        _QUANT_COUNTERS[device] = torch.zeros(QUANT_COUNTERS, dtype=torch.int32, device=device)
+    return _QUANT_COUNTERS[device]
+
+
+def _check_quant_out(quant_out: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+    codes, scales = quant_out
+    num_tokens, width = out.shape[0], out.shape[1] * out.shape[2]
+    if not out.is_contiguous():
+        raise ValueError("quant_out needs a contiguous out")
+    if (codes.shape != (num_tokens, width) or codes.dtype != torch.float8_e4m3fn or codes.stride(1) != 1
+            or scales.shape != (num_tokens, 1) or scales.dtype != torch.float32 or not scales.is_contiguous()
+            or codes.device != out.device or scales.device != out.device):
+        raise ValueError(f"quant_out must be e4m3 [{num_tokens}, {width}] (contiguous rows) and fp32 "
+                         f"[{num_tokens}, 1] on {out.device}, got {codes.dtype} {tuple(codes.shape)} and "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, out: torch.Tensor | None = None,
                     config: AttentionConfig | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None,
+                    quant_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of q [T, heads, head_dim] over the paged caches [num_blocks, block_size, kv_heads,
     head_dim]; semantics of reference.paged_attention. Sequence b's queries are rows [qsl[b], qsl[b+1]) and are
     the last ones of its seq_lens[b] tokens, whose K/V are already in the caches. Rows of sequences with
@@ -958,6 +1035,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_query_len and max_seq_len are upper bounds that pick the launch shape only. Returns out [T, heads, D].
     An fp8 (e4m3) cache needs k_scale, v_scale [1] fp32: it holds k / k_scale and v / v_scale; with a 16-bit q its
     tiles reach the dots as config.fp8_convert says (default fp16 operands; an fp32 q upcasts them to fp32).
+
+    quant_out (codes e4m3 [T, heads * D], scales fp32 [T, 1]): also out's rows quantized per token as
+    fp8.quantize_fp8_rows does (the W8A8 o projection's input), by the last program to finish each token's rows
+    (_arrive_and_quantize); needs a contiguous out.
 
     Launches: one DECODE launch (a program per (sequence, kv head, split) for length-1 queries); if
     max_query_len > 1 also a tiled launch for the longer chunks; with num_splits > 1 a reduce launch."""
@@ -972,6 +1053,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [T, heads, D]
+    if quant_out is not None:
+        _check_quant_out(quant_out, out)
     if num_tokens == 0:
         return out
     if config is None:
@@ -1000,6 +1083,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  HEADS_FAST=config.heads_fast, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     pdl_options = pdl.launch_options(q.device)
+    block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
+    num_q_tiles = num_tokens // (block_m // group) + num_seqs + 1  # bounds every sequence's tiles + the padding tail
+    # keys: decode programs b, then query tiles (unsplit); or tokens (the split reduce quantizes)
+    quant_keys = num_tokens if num_splits > 1 else num_seqs + 1 + num_q_tiles
+    fused_quant = quant_out is not None and quant_keys <= QUANT_COUNTERS
+    quant_tile, quant_one_tile = fp8.row_tile(num_heads * head_dim)
+    quant_args = dict(counter_ptr=quant_counters(q.device) if fused_quant else out,
+                      quant_ptr=quant_out[0] if fused_quant else out,
+                      quant_scale_ptr=quant_out[1] if fused_quant else out,
+                      stride_quant=quant_out[0].stride(0) if fused_quant else 0)
+    unsplit_quant = dict(QUANT_OUT=fused_quant and num_splits == 1, QUANT_TILE=quant_tile,
+                         QUANT_ONE_TILE=quant_one_tile)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
@@ -1016,13 +1111,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             (num_kv_heads, num_decode_programs, num_splits), args, NUM_HEADS=num_heads, GROUP=group,
             HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)),
             TILE_N=config.decode_tile_n, NUM_SPLITS=num_splits, STAGES=config.decode_num_stages,
-            PACKED=group <= 8 and config.decode_packed, num_warps=fp8_decode_gluon.NUM_WARPS.value, **pdl_options):
+            PACKED=group <= 8 and config.decode_packed, num_warps=fp8_decode_gluon.NUM_WARPS.value, **quant_args,
+            **unsplit_quant, **pdl_options):
         pass  # the Gluon kernel ran
     elif num_decode_programs:
-        fold = (num_splits > 1 and decode_only and fold_reduce_enabled()
+        fold = (num_splits > 1 and decode_only and fold_reduce_enabled() and quant_out is None
                 and num_decode_programs * num_kv_heads <= FOLD_COUNTERS)
         _paged_attention_kernel[grid(num_decode_programs)](
-            *args, counter_ptr=fold_counters(q.device) if fold else out, FOLD_REDUCE=fold,
+            *args, **(quant_args | ({"counter_ptr": fold_counters(q.device)} if fold else {})), FOLD_REDUCE=fold,
+            **unsplit_quant,
             SPLITS_P=triton.next_power_of_2(num_splits), **shape, BLOCK_Q=1,
             BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, Q_STAGED=False,
@@ -1033,11 +1130,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             **({"maxnreg": config.decode_max_regs} if config.decode_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)
     if not decode_only:
-        block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
-        block_q = block_m // group
-        num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
-            *args, counter_ptr=out, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
+            *args, **quant_args, **unsplit_quant, **shape, BLOCK_Q=block_m // group, BLOCK_M=block_m,
+            TILE_N=config.prefill_tile_n,
             DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, FP8_MODE=tiled_fp8_mode,
             Q_STAGED=(config.fp8_q_staged and tiled_fp8_mode >= 2 and tiled_fp8_mode != _FP8_MODE["qk_fp8x2"]
                       and num_splits == 1),
@@ -1046,8 +1141,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             **pdl_options)
     if num_splits > 1 and not fold:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
+            out, part_out, part_max, part_sum, out.stride(0), out.stride(1), **quant_args,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
             NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
+            QUANT_OUT=fused_quant, QUANT_TILE=quant_tile, QUANT_ONE_TILE=quant_one_tile, HW_CAST=fp8.hw_cast(),
             **pdl_options)
+    if quant_out is not None and not fused_quant:  # too many keys for the counters: a quantize launch after
+        fp8.quantize_fp8_rows(out.view(num_tokens, num_heads * head_dim), out=quant_out)
     return out

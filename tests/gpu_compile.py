@@ -111,6 +111,9 @@ def run_models() -> None:
     runs += [("tiny", "float32", variant) for variant in variants]  # fp32 activations: the ieee-dot variants
     # the sparse layers' top-k sums left to the next norm (PAGODA_FUSE_MOE_SUM=1: bf16 parts in the norm kernel)
     runs += [(shape, "bfloat16", {"env": "PAGODA_FUSE_MOE_SUM"}) for shape in ("tiny-moe", "tiny-deepseek-v3")]
+    # attention writing the W8A8 o projection's e4m3 input itself (PAGODA_ATTN_QUANT_OUT=1)
+    runs += [("tiny-qwen3", "bfloat16", {"quantization": "fp8", "kv_cache_dtype": kv, "env": "PAGODA_ATTN_QUANT_OUT"})
+             for kv in ("auto", "fp8")]
     for shape, dtype, variant in runs:
         settings = {key: value for key, value in variant.items() if key != "env"}
         if "env" in variant:
@@ -269,6 +272,39 @@ def run_fold_reduce_shapes() -> None:
             paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, max_len, 0.1, config=config, **scales)
     finally:
         os.environ.pop("PAGODA_ATTN_FOLD_REDUCE", None)
+
+
+def run_quant_out_shapes() -> None:
+    """Attention that also writes its output as e4m3 for the W8A8 o projection (PAGODA_ATTN_QUANT_OUT=1, untimed):
+    llama3-8b's heads (rows of 4096 values, one tile) and 96 x 128 heads (12,288 values: the two-pass row) over a
+    bf16 cache at 256 decode rows (the Triton decode launch), 2 rows over 8192 keys' worth of splits (the split
+    reduce quantizes), chunks beside decode rows (the tiled launch); an fp8 cache through the Triton decode launch
+    and the Gluon one."""
+    from dataclasses import replace
+
+    from pagoda.kernels import fp8_decode_gluon
+    from pagoda.kernels.paged_attention import paged_attention, pick_config
+
+    fp8_decode_gluon.on_hopper = lambda q: True  # the compile-only driver's target
+    for num_heads, cache_dtype, (num_seqs, query_len, max_len), pipelined in itertools.product(
+            (32, 96), (torch.bfloat16, torch.float8_e4m3fn), ((256, 1, 1024), (2, 1, 8192), (3, 64, 1024)),
+            (False, True)):
+        fp8 = cache_dtype == torch.float8_e4m3fn
+        if pipelined and not fp8:
+            continue
+        context, num_kv_heads = 512, 8
+        query_lens = [query_len] * num_seqs + ([1, 1] if query_len > 1 else [])
+        q = torch.empty(sum(query_lens), num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
+        cache = torch.empty(len(query_lens) * context // 16, 16, num_kv_heads, 128, dtype=cache_dtype)
+        block_tables = torch.zeros(len(query_lens), max_len // 16, dtype=torch.int32)  # [B, max_blocks]
+        seq_lens = torch.full((len(query_lens),), context, dtype=torch.int32)
+        qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+        config = replace(pick_config(q.shape[0], len(query_lens), num_kv_heads, num_heads // num_kv_heads, query_len,
+                                     max_len, fp8_kv=fp8), decode_pipelined=pipelined)
+        scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fp8 else {}
+        codes = torch.empty(q.shape[0], num_heads * 128, dtype=torch.float8_e4m3fn)
+        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, query_len, max_len, 0.1, config=config,
+                        quant_out=(codes, torch.empty(q.shape[0], 1)), **scales)
 
 
 def run_fp8_default_decode_shapes() -> None:
@@ -434,6 +470,7 @@ def main() -> int:
     run_fp8_gluon_decode_shapes()
     run_decode_occupancy_candidates()
     run_fold_reduce_shapes()
+    run_quant_out_shapes()
     run_fp8_chunk_attention_shapes()
     run_sampler()
     run_block_copy()

@@ -64,13 +64,15 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 
 def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Paged attention over caches that already hold this step's K/V (written by prepare_qkv)."""
+                  scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  quant_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Paged attention over caches that already hold this step's K/V (written by prepare_qkv); quant_out: its
+    output also as e4m3 [T, heads * D] with fp32 scales [T, 1] (paged_attention's)."""
     from pagoda.kernels.paged_attention import paged_attention
 
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                           meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
+                           meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale,
+                           quant_out=quant_out)
 
 
 def reference_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -156,6 +158,8 @@ class Ops:
     # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
     prepare_qkv: Callable[..., torch.Tensor] | None = None
     attend: Callable[..., torch.Tensor] | None = None
+    # attend takes quant_out (its output quantized per token for the W8A8 o projection, triton_attend)
+    attend_quantizes: bool = False
     # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk weights [T, k], topk ids [T, k], FP8 scales or None
     # x2, group size) -> [T, H]: the routed experts of a sparse layer
     moe_experts: Callable[..., torch.Tensor] = ref.moe_experts
@@ -198,7 +202,7 @@ def triton_ops() -> Ops:
                add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
                fp8_matmul=fp8.fp8_matmul, fp8_weight_only=w8a16.fp8_weight_only_linear,
                fp8_weight_only_deferred=w8a16.fp8_weight_only_deferred, add_rms_norm_parts=norm.add_rms_norm_parts,
-               prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
+               prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend, attend_quantizes=True,
                moe_experts=moe.fused_experts, moe_experts_deferred=functools.partial(moe.fused_experts, defer_sum=True),
                mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
                mla_expand=triton_mla_expand, dense_gemv=gemv.dense_gemv, head_gemv=gemv.head_gemv)
