@@ -7,7 +7,8 @@
 #   one-loop,gluon,b1-fusions,quant-out (default: tests,parity,pagoda,peers,compiled)
 #   quant-out: paged attention writing the W8A8 o projection's e4m3 input itself (PAGODA_ATTN_QUANT_OUT, untimed):
 #   its tests on the GPU (every test of test_attention_quant_out.py, the Gluon one), step_ab on llama3-8b FP8 at
-#   B = 64, 256 with a bf16 and an fp8 cache, then llama3-8b FP8 + FP8 KV's reference workload and trtllm-1000 with it.
+#   B = 64, 256 with a bf16 and an fp8 cache, the FP8 sweep's o rows with it, then llama3-8b FP8 + FP8 KV's reference
+#   workload and trtllm-1000 with it.
 #   b1-fusions: W_UV inside the MLA split reduce (PAGODA_MLA_FUSE_UV), DeepSeek's router GEMV routing in its last
 #   program (PAGODA_FUSE_ROUTE) and paged attention's splits merged in its last split program
 #   (PAGODA_ATTN_FOLD_REDUCE), untimed: their GPU tests, step_ab on llama3-8b FP8 at B = 1, 2, 4 and on
@@ -357,6 +358,8 @@ if has quant-out; then
       --batches 64,256 --context 512 off=PAGODA_ATTN_QUANT_OUT=0 on=PAGODA_ATTN_QUANT_OUT=1 2>&1 | grep "B=" | tail -2
   done
   export PAGODA_ATTN_QUANT_OUT=1
+  # the FP8 sweep with o's quantization in attention: its W8A8 rows are the GEMM alone (bf16 won o at 128 rows)
+  timeout 150 python3 -m pagoda.bench.fp8_tune --skip-tune --out "$OUT/sweep_quant_out" 2>&1 | grep "sweep.* o "
   llama_fp8_runs quant_out "reference fp8"
   trtllm_1000 quant_out
   unset PAGODA_ATTN_QUANT_OUT
