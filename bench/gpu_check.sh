@@ -4,7 +4,9 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,b1-fusions,quant-out (default: tests,parity,pagoda,peers,compiled)
+#   one-loop,gluon,b1-fusions,quant-out,moe-fp8 (default: tests,parity,pagoda,peers,compiled)
+#   moe-fp8: FP8 experts against bf16 at 1-8192 tokens on deepseek-v2-lite and qwen3-30b-a3b (bench/moe_fp8_sweep.py,
+#   issue 25 item 3's MoE rows), cold weights, committed tiles.
 #   quant-out: paged attention writing the W8A8 o projection's e4m3 input itself (PAGODA_ATTN_QUANT_OUT, untimed):
 #   its tests on the GPU (every test of test_attention_quant_out.py, the Gluon one), step_ab on llama3-8b FP8 at
 #   B = 64, 256 with a bf16 and an fp8 cache, the FP8 sweep's o rows with it, then llama3-8b FP8 + FP8 KV's reference
@@ -363,6 +365,16 @@ if has quant-out; then
   llama_fp8_runs quant_out "reference fp8"
   trtllm_1000 quant_out
   unset PAGODA_ATTN_QUANT_OUT
+fi
+if has moe-fp8; then
+  timeout 400 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 \
+    | python3 -c "import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'):
+        print(line.rstrip()); continue
+    r = json.loads(line)
+    print(f\"{r['shape']:18s} T={r['tokens']:5d} bf16 {r['bf16_us']:8.1f} us ({r['bf16_hbm_fraction']:.2f} HBM) fp8 \"
+          f\"{r['fp8_us']:8.1f} us ({r['fp8_hbm_fraction']:.2f}) {r['speedup_fp8']:.2f}x err {r['fp8_rel_err']:.4f}\")"
 fi
 if has dense-gemv; then
   # the 16-bit GEMV tuned per layer and M bucket against cuBLAS, the table installed, then decode steps with it
