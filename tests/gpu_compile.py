@@ -286,12 +286,13 @@ def run_quant_out_shapes() -> None:
     from pagoda.kernels.paged_attention import paged_attention, pick_config
 
     fp8_decode_gluon.on_hopper = lambda q: True  # the compile-only driver's target
-    for num_heads, cache_dtype, (num_seqs, query_len, max_len), pipelined in itertools.product(
-            (32, 96), (torch.bfloat16, torch.float8_e4m3fn), ((256, 1, 1024), (2, 1, 8192), (3, 64, 1024)),
-            (False, True)):
-        fp8 = cache_dtype == torch.float8_e4m3fn
-        if pipelined and not fp8:
-            continue
+    bf16, fp8_e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    decode, split, chunks = (256, 1, 1024), (2, 1, 8192), (3, 64, 1024)  # (sequences, query length, max length)
+    launches = [(32, bf16, decode, False), (32, bf16, split, False), (32, bf16, chunks, False),
+                (32, fp8_e4m3, decode, False), (32, fp8_e4m3, decode, True), (32, fp8_e4m3, chunks, False),
+                (96, bf16, decode, False), (96, bf16, split, False), (96, fp8_e4m3, decode, True)]
+    for num_heads, cache_dtype, (num_seqs, query_len, max_len), pipelined in launches:
+        fp8 = cache_dtype == fp8_e4m3
         context, num_kv_heads = 512, 8
         query_lens = [query_len] * num_seqs + ([1, 1] if query_len > 1 else [])
         q = torch.empty(sum(query_lens), num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
