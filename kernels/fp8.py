@@ -78,8 +78,17 @@ def _load_f32(ptrs, mask, FROM_L2: tl.constexpr):
 
 
 @triton.jit
+def _codes(x, scale, HW_CAST: tl.constexpr, INVERSE: tl.constexpr):
+    """e4m3 codes of x / scale: divided exactly (quantize_fp8_rows' bits), or INVERSE: times 1 / scale
+    (quantize_by_inverse: no per-element division, which sm_90 code calls as a subroutine)."""
+    if INVERSE:
+        return quantize_by_inverse(x, scale, HW_CAST)
+    return cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
+
+
+@triton.jit
 def quantize_row(x_row, q_row, s_ptr, num_cols, TILE: tl.constexpr, ONE_TILE: tl.constexpr, HW_CAST: tl.constexpr,
-                 FROM_L2: tl.constexpr = False):
+                 FROM_L2: tl.constexpr = False, INVERSE: tl.constexpr = False):
     """One row of num_cols values at x_row -> e4m3 codes at q_row and its scale amax / 448 at s_ptr. ONE_TILE
     (num_cols <= TILE): the row in registers, read once; else two passes over TILE-column tiles (amax, then scale
     and cast). Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's.
@@ -88,8 +97,7 @@ def quantize_row(x_row, q_row, s_ptr, num_cols, TILE: tl.constexpr, ONE_TILE: tl
     if ONE_TILE:
         x = _load_f32(x_row + offs, offs < num_cols, FROM_L2)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
-        q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
-        tl.store(q_row + offs, q, mask=offs < num_cols)
+        tl.store(q_row + offs, _codes(x, scale, HW_CAST, INVERSE), mask=offs < num_cols)
     else:
         amax = tl.zeros([TILE], tl.float32)
         for start in range(0, num_cols, TILE):
@@ -99,14 +107,13 @@ def quantize_row(x_row, q_row, s_ptr, num_cols, TILE: tl.constexpr, ONE_TILE: tl
         for start in range(0, num_cols, TILE):
             cols = start + offs
             x = _load_f32(x_row + cols, cols < num_cols, FROM_L2)
-            q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
-            tl.store(q_row + cols, q, mask=cols < num_cols)
+            tl.store(q_row + cols, _codes(x, scale, HW_CAST, INVERSE), mask=cols < num_cols)
     tl.store(s_ptr, scale)
 
 
-def row_tile(num_cols: int) -> tuple[int, bool]:
-    """quantize_row's (TILE, ONE_TILE) for rows of num_cols values."""
-    tile = min(_ROW_TILE, triton.next_power_of_2(num_cols))
+def row_tile(num_cols: int, max_tile: int | None = None) -> tuple[int, bool]:
+    """quantize_row's (TILE, ONE_TILE) for rows of num_cols values, tiles of at most max_tile (default _ROW_TILE)."""
+    tile = min(max_tile or _ROW_TILE, triton.next_power_of_2(num_cols))
     return tile, num_cols <= tile
 
 

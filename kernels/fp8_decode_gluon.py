@@ -356,8 +356,9 @@ def _arrive_and_quantize(counter_ptr, key, first_token, end_token, out_ptr, quan
                          ONE_TILE: gl.constexpr):
     """paged_attention._arrive_and_quantize in Gluon: count this program among the ARRIVALS that write tokens
     [first_token, end_token)'s rows (release after every thread's stores, acquire for the last); the last one
-    quantizes each token's ROW values (read from L2) to e4m3 at quant_ptr with its scale amax / 448 (divisions
-    rounded to nearest, the hardware's round-to-nearest-even cast: fp8.quantize_row's bits) and zeroes the count."""
+    quantizes each token's ROW values (read from L2) to e4m3 at quant_ptr with its scale amax / 448 (times the
+    scale's inverse, then the hardware's round-to-nearest-even cast: fp8.quantize_row's INVERSE bits) and zeroes
+    the count."""
     gl.thread_barrier()  # every thread's rows stored before the count's release
     done = gl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
     if done == ARRIVALS - 1:
@@ -376,9 +377,10 @@ def _arrive_and_quantize(counter_ptr, key, first_token, end_token, out_ptr, quan
                     amax_cols = gl.maximum(amax_cols, gl.abs(_load_row_f32(x_row + start + offs, start + offs < ROW)))
                 amax = gl.max(amax_cols, 0)
             scale = gl.div_rn(gl.maximum(amax, FP8_MIN_AMAX), E4M3_MAX)
+            inverse = gl.div_rn(1.0, scale)
             for start in range(0, ROW, TILE):
                 x = _load_row_f32(x_row + start + offs, start + offs < ROW)
-                y = gl.minimum(gl.maximum(gl.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)
+                y = gl.minimum(gl.maximum(x * inverse, -E4M3_MAX), E4M3_MAX)
                 gl.store(q_row + start + offs, y.to(gl.float8e4nv), mask=start + offs < ROW)
             gl.store(quant_scale_ptr + row, scale)
         gl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")

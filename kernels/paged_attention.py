@@ -671,7 +671,6 @@ def _paged_attention_kernel(
     context_len = seq_len - q_len  # cached tokens before this chunk; < 0 only for padding rows
 
     row_q = q_lo + offs_m // GROUP  # [BLOCK_M] query index within the sequence
-    rows_first, rows_end = q_start + q_lo, q_start + tl.minimum(q_lo + BLOCK_Q, q_len)  # this program's tokens
     row_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
     row_valid = (offs_m < BLOCK_Q * GROUP) & (row_q < q_len)
     row_token = (q_start + row_q).to(tl.int64)  # [BLOCK_M] row of q / out
@@ -746,7 +745,10 @@ def _paged_attention_kernel(
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
     if QUANT_OUT:  # decode: key b, one token; a query tile: its own key after the decode launch's, up to BLOCK_Q
+        # tokens; their span from the rows (live through the loop anyway: no scalar kept across it)
         key = b if DECODE else num_seqs + 1 + pid
+        rows_first = tl.min(tl.where(row_valid, row_token, num_tokens), 0)
+        rows_end = tl.max(tl.where(row_valid, row_token + 1, 0), 0)
         _arrive_and_quantize(counter_ptr, key, rows_first, rows_end, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
                              stride_quant, NUM_HEADS // GROUP, NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE,
                              USE_ASM)
@@ -832,7 +834,9 @@ def _arrive_and_quantize(counter_ptr, key, first_token, end_token, out_ptr, quan
     """A program's out rows for tokens [first_token, end_token) are stored: count it among the ARRIVALS programs
     that write those tokens' rows (release: the rows are visible before the count; acquire for the last); the last
     one quantizes the tokens' whole rows (ROW = heads x head_dim values, read from L2) into quant_ptr with one scale
-    each (fp8.quantize_row: the bits of fp8.quantize_fp8_rows) and sets the count back to zero for the next launch.
+    each (fp8.quantize_row, times the scale's inverse as the fused norm and SiLU kernels quantize: a code may be one
+    step from quantize_fp8_rows' exactly divided one; a division an element is a subroutine call in sm_90 code and
+    took the decode kernel from 110 to 128 registers) and sets the count back to zero for the next launch.
     In place of the o projection's own quantize launch (PAGODA_ATTN_QUANT_OUT=1)."""
     tl.debug_barrier()  # every thread's rows stored before the count's release
     done = tl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
@@ -840,7 +844,7 @@ def _arrive_and_quantize(counter_ptr, key, first_token, end_token, out_ptr, quan
         for token in range(first_token, end_token):
             row = tl.full([], 0, tl.int64) + token
             fp8.quantize_row(out_ptr + row * stride_ot, quant_ptr + row * stride_quant, quant_scale_ptr + row, ROW,
-                             TILE, ONE_TILE, HW_CAST, True)
+                             TILE, ONE_TILE, HW_CAST, True, True)
         tl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")
 
 
@@ -990,6 +994,9 @@ def fold_counters(device: torch.device) -> torch.Tensor:
 # (decode programs and query tiles, or tokens behind a split reduce) counted in one persistent tensor per device.
 # A launch with more keys quantizes in a launch of its own.
 QUANT_COUNTERS = 32768
+# Widest tile the last program quantizes a row in (longer rows: two passes over L2): 8 fp32 values a thread at 4
+# warps, so the tail adds few registers to the attention loop's count (the standalone quantize kernel uses 8192).
+_QUANT_TILE = 1024
 _QUANT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -1021,6 +1028,20 @@ def _check_quant_out(quant_out: tuple[torch.Tensor, torch.Tensor], out: torch.Te
                          f"{scales.dtype} {tuple(scales.shape)}")
 
 
+def _tiled_regs(config: AttentionConfig, dtype: torch.dtype, quantizes: bool) -> dict[str, int]:
+    """The tiled launch's register cap: the config's; where it quantizes its output and has none, 128 at 8 warps.
+    The plain 8-warp launch compiles to 127 registers at llama3-8b's heads (two programs an SM); the quantizing
+    tail alone took it to 133 (one program an SM), and under a 128 cap ptxas fits it without spilling (sm_90, Triton
+    3.6)."""
+    if dtype == torch.float32:
+        return {}
+    if config.prefill_max_regs:
+        return {"maxnreg": config.prefill_max_regs}
+    if quantizes and config.prefill_num_warps == 8:
+        return {"maxnreg": 128}
+    return {}
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, out: torch.Tensor | None = None,
@@ -1036,9 +1057,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     An fp8 (e4m3) cache needs k_scale, v_scale [1] fp32: it holds k / k_scale and v / v_scale; with a 16-bit q its
     tiles reach the dots as config.fp8_convert says (default fp16 operands; an fp32 q upcasts them to fp32).
 
-    quant_out (codes e4m3 [T, heads * D], scales fp32 [T, 1]): also out's rows quantized per token as
-    fp8.quantize_fp8_rows does (the W8A8 o projection's input), by the last program to finish each token's rows
-    (_arrive_and_quantize); needs a contiguous out.
+    quant_out (codes e4m3 [T, heads * D], scales fp32 [T, 1]): also out's rows quantized per token (the W8A8 o
+    projection's input; the scales fp8.quantize_fp8_rows' own, a code at most one step from its, as the fused norm's
+    are), by the last program to finish each token's rows (_arrive_and_quantize); needs a contiguous out. A launch
+    with more keys than the counters hold quantizes in a launch of its own (quantize_fp8_rows' bits).
 
     Launches: one DECODE launch (a program per (sequence, kv head, split) for length-1 queries); if
     max_query_len > 1 also a tiled launch for the longer chunks; with num_splits > 1 a reduce launch."""
@@ -1088,7 +1110,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # keys: decode programs b, then query tiles (unsplit); or tokens (the split reduce quantizes)
     quant_keys = num_tokens if num_splits > 1 else num_seqs + 1 + num_q_tiles
     fused_quant = quant_out is not None and quant_keys <= QUANT_COUNTERS
-    quant_tile, quant_one_tile = fp8.row_tile(num_heads * head_dim)
+    quant_tile, quant_one_tile = fp8.row_tile(num_heads * head_dim, _QUANT_TILE)
     quant_args = dict(counter_ptr=quant_counters(q.device) if fused_quant else out,
                       quant_ptr=quant_out[0] if fused_quant else out,
                       quant_scale_ptr=quant_out[1] if fused_quant else out,
@@ -1137,8 +1159,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             Q_STAGED=(config.fp8_q_staged and tiled_fp8_mode >= 2 and tiled_fp8_mode != _FP8_MODE["qk_fp8x2"]
                       and num_splits == 1),
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
-            **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
-            **pdl_options)
+            **_tiled_regs(config, q.dtype, unsplit_quant["QUANT_OUT"]), **pdl_options)
     if num_splits > 1 and not fold:
         _split_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1), **quant_args,

@@ -276,10 +276,10 @@ def run_fold_reduce_shapes() -> None:
 
 def run_quant_out_shapes() -> None:
     """Attention that also writes its output as e4m3 for the W8A8 o projection (PAGODA_ATTN_QUANT_OUT=1, untimed):
-    llama3-8b's heads (rows of 4096 values, one tile) and 96 x 128 heads (12,288 values: the two-pass row) over a
-    bf16 cache at 256 decode rows (the Triton decode launch), 2 rows over 8192 keys' worth of splits (the split
-    reduce quantizes), chunks beside decode rows (the tiled launch); an fp8 cache through the Triton decode launch
-    and the Gluon one."""
+    llama3-8b's heads and 96 x 128 heads (rows of 4096 and 12,288 values, quantized in two passes over 1024-value
+    tiles; the tiny models above have one-tile rows) over a bf16 cache at 256 decode rows (the Triton decode
+    launch), 2 rows over 8192 keys' worth of splits (the split reduce quantizes), chunks beside decode rows (the
+    tiled launch); an fp8 cache through the Triton decode launch and the Gluon one."""
     from dataclasses import replace
 
     from pagoda.kernels import fp8_decode_gluon

@@ -50,13 +50,16 @@ def _run(case: AttentionCase, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 
 def _assert_quantized(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """codes / scales are the per-token quantization of out's rows (the reference's), compared as values: Triton's
-    interpreter casts a negative value that rounds to zero to +0 where torch keeps -0 (the GPU's cast keeps it too).
-    A code never written stays NaN and differs."""
+    """codes / scales are the per-token quantization of out's rows (the reference's): the scales exactly; the codes,
+    computed as x times the scale's inverse, at most one e4m3 step from x / scale and rarely off at all. A code never
+    written stays NaN and fails."""
     expected_codes, expected_scales = ref.quantize_fp8_rows(out.reshape(out.shape[0], -1))
     assert torch.equal(scales, expected_scales), "per-token scales differ from quantizing the output"
-    differ = (codes.float() != expected_codes.float()).nonzero().tolist()
-    assert not differ, f"e4m3 codes differ at (token, column) {differ[:8]} of {len(differ)}"
+    got, expected = codes.float(), expected_codes.float()
+    assert not got.isnan().any(), "codes left unwritten"
+    step = torch.where(expected.abs() < 2.0 ** -6, 2.0 ** -9, expected.abs() / 8)  # one e4m3 step (at most)
+    assert ((got - expected).abs() <= step).all(), "a code more than one e4m3 step from x / scale"
+    assert (got != expected).float().mean() < 0.01, "codes often differ from x / scale"
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +90,7 @@ def test_attention_output_quantized_per_token(name: str, dtype: torch.dtype,
 def test_quantized_rows_longer_than_a_tile(monkeypatch: pytest.MonkeyPatch,
                                            fresh_counters: dict[torch.device, torch.Tensor]) -> None:
     """Rows of 4 x 32 values over 32-value tiles: the two-pass quantization (amax, then codes)."""
-    monkeypatch.setattr(fp8, "_ROW_TILE", 32)
+    monkeypatch.setattr(attention, "_QUANT_TILE", 32)
     out, codes, scales = _run(CASES["mixed"], torch.float16)
     _assert_quantized(out, codes, scales)
 
@@ -137,7 +140,7 @@ def test_quant_out_shapes_checked() -> None:
 def test_model_with_quantizing_attention_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny with FP8 weights on the Triton ops, every FP8 GEMM W8A8 (decode rows too): with PAGODA_ATTN_QUANT_OUT=1
     the o projection reads attention's own codes and no quantize launch runs (the norm and SiLU kernels quantize
-    the other GEMMs' inputs); tokens and logits are those of the separate quantize launch."""
+    the other GEMMs' inputs); tokens are those of the separate quantize launch, logits within a code's step."""
     from pagoda.kernels import fp8_weight_only
     from tests.test_model_kernels import _run as run_model
 
@@ -161,5 +164,5 @@ def test_model_with_quantizing_attention_changes_nothing(monkeypatch: pytest.Mon
     fused_tokens, fused_logits = run_model("triton", "tiny", prompts, 24, quantization="fp8")
     assert not launches, f"{len(launches)} quantize launches left with PAGODA_ATTN_QUANT_OUT=1"
     assert fused_tokens == plain_tokens
-    for ours, expected in zip(fused_logits, plain_logits, strict=True):
-        torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-6)
+    for ours, expected in zip(fused_logits, plain_logits, strict=True):  # a code may be one e4m3 step apart
+        torch.testing.assert_close(ours, expected, atol=2e-3, rtol=2e-3)
