@@ -91,8 +91,9 @@ def quantize_row(x_row, q_row, s_ptr, num_cols, TILE: tl.constexpr, ONE_TILE: tl
                  FROM_L2: tl.constexpr = False, INVERSE: tl.constexpr = False):
     """One row of num_cols values at x_row -> e4m3 codes at q_row and its scale amax / 448 at s_ptr. ONE_TILE
     (num_cols <= TILE): the row in registers, read once; else two passes over TILE-column tiles (amax, then scale
-    and cast). Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's.
-    FROM_L2: x bypasses L1 (written by other programs of the same launch: paged attention's fused quantization)."""
+    and cast). Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's;
+    INVERSE: codes as x times 1 / scale (_codes). FROM_L2: x bypasses L1 (written by other programs of the same
+    launch: paged attention's fused quantization)."""
     offs = tl.arange(0, TILE)
     if ONE_TILE:
         x = _load_f32(x_row + offs, offs < num_cols, FROM_L2)
