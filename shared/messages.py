@@ -221,16 +221,18 @@ def _check_logprobs(value: int | None, param: str, kind: str, max_logprobs: int)
                                   f"{max_logprobs} (--max-logprobs)", param=param)
 
 
-def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: int) -> SamplingParams:
+def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: int,
+                       logprobs_field: str = "logprobs") -> SamplingParams:
     """Where the vocabulary is known: logprobs of -1 become `vocab_size` (refused past `max_logprobs`, -1: no
-    bound) and allowed_token_ids are checked against it."""
+    bound) and allowed_token_ids are checked against it. `logprobs_field` is the name the client sent the
+    count under (chat's top_logprobs)."""
     changes: dict[str, int] = {}
     for param, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         if getattr(params, param) == WHOLE_VOCABULARY:
             if 0 <= max_logprobs < vocab_size:
                 raise InvalidRequestError(f"Requested {kind} logprobs of -1 (the whole vocabulary, {vocab_size}), "
                                           f"which is greater than max allowed: {max_logprobs} (--max-logprobs)",
-                                          param=param)
+                                          param=logprobs_field if param == "logprobs" else param)
             changes[param] = vocab_size
     bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
     if bad is not None:

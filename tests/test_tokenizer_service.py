@@ -524,6 +524,9 @@ LONG_TEXT = "hello " * MAX_MODEL_LEN
     ({"messages": []}, {}, "messages", None),
     ({"messages": [ChatMessage("user", "hi")], "chat_template_kwargs": {"tokenize": True}}, {},
      "chat_template_kwargs", None),
+    # -1 (the whole vocabulary) past --max-logprobs: named as the client sent it (chat: top_logprobs)
+    ({"prompt_text": "hi"}, {"logprobs": -1}, "logprobs", None),
+    ({"messages": [ChatMessage("user", "hi")]}, {"logprobs": -1}, "top_logprobs", None),
 ])
 def test_bad_requests_fail_with_400(tok: Harness, tokenizer: Tokenizer, prompt: dict[str, Any],
                                     params: dict[str, Any], param: str, code: str | None) -> None:

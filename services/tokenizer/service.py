@@ -266,7 +266,9 @@ class TokenizerService:
         if info is None:  # the scheduler went away while a thread tokenized
             raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
         check_prompt(prompt.token_ids, params, info, prompt.param)
-        params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs)  # logprobs -1, allowed_token_ids
+        # logprobs -1, allowed_token_ids; chat asks the count as top_logprobs
+        params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs,
+                                    "top_logprobs" if request.messages is not None else "logprobs")
         forced: list[int] = []
         if params.structured_outputs is not None:
             if request.messages is not None and self._reasoning_parser is not None:
