@@ -107,6 +107,8 @@ def gemm_variants() -> dict[str, GemmVariant]:
             lambda o: lambda: fp8.fp8_gemm(o.x_gq, o.x_gs, o.w_bq, o.w_bs, 128, bf16), "block", False),
         "fp8_block_linear": GemmVariant(lambda o: lambda: fp8.fp8_linear(o.x, o.w_bq, o.w_bs, 128), "block", True),
     }
+    if torch.cuda.is_available() and fp8.blockwise_works(torch.cuda.current_device()):  # PAGODA_FP8_BLOCK_CUBLAS's
+        variants["fp8_block_cublas"] = GemmVariant(_block_cublas_linear, "block", True)
     try:
         from pagoda.kernels import fp8_weight_only as w8
     except ImportError:  # the W8A16 kernel is not on this branch
@@ -117,6 +119,21 @@ def gemm_variants() -> dict[str, GemmVariant]:
         lambda o: lambda: w8.fp8_weight_only_linear(o.x, o.w_bq, o.w_bs, 128), "block", True,
         getattr(w8, "MAX_ROWS", None))
     return variants
+
+
+def _block_cublas_linear(o: GemmOperands) -> Callable[[], torch.Tensor]:
+    """The block-FP8 linear layer on cuBLASLt's block-scaled GEMM: its per-1x128 activation quantization and the GEMM
+    (fp8_linear's path with PAGODA_FP8_BLOCK_CUBLAS=1; N a multiple of 128)."""
+    from pagoda.kernels import fp8
+
+    layout = fp8.cublas_block_scales(o.w_bs)
+    if layout is None:
+        raise ValueError("N is not a multiple of 128: the Triton group GEMM serves this layer")
+
+    def call() -> torch.Tensor:
+        x_q, x_s = fp8.quantize_fp8_rows(o.x, fp8.BLOCK, scales_by_column=True)
+        return fp8.scaled_mm_blockwise(x_q, x_s, o.w_bq, layout)
+    return call
 
 
 def _time_ms(fn: Any, iters: int = 50) -> float:
@@ -141,7 +158,10 @@ def _gemm_row(name: str, m: int, weights: dict[str, torch.Tensor],
     for key, variant in variants.items():
         if variant.max_rows is not None and m > variant.max_rows:
             continue
-        call = variant.make(ops)
+        try:
+            call = variant.make(ops)
+        except ValueError:  # a path that does not serve this shape
+            continue
         row[f"{key}_us"] = 1e3 * _time_ms(call)
         if variant.weights in expected:
             out = call().float()  # [M, N]

@@ -4,7 +4,10 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,b1-fusions,quant-out,moe-fp8 (default: tests,parity,pagoda,peers,compiled)
+#   one-loop,gluon,b1-fusions,quant-out,moe-fp8,fp8-block (default: tests,parity,pagoda,peers,compiled)
+#   fp8-block: cuBLASLt's block-scaled FP8 GEMM for 128 x 128-block weights (PAGODA_FP8_BLOCK_CUBLAS, untimed): its
+#   GPU test, the GEMM sweep on deepseek-v3-slice's layers against the Triton group GEMM, then deepseek-v3-slice's
+#   per-layer decode at B = 1, 64, 256 without and with it.
 #   moe-fp8: FP8 experts against bf16 at 1-8192 tokens on deepseek-v2-lite and qwen3-30b-a3b (bench/moe_fp8_sweep.py,
 #   issue 25 item 3's MoE rows), cold weights, committed tiles.
 #   quant-out: paged attention writing the W8A8 o projection's e4m3 input itself (PAGODA_ATTN_QUANT_OUT, untimed):
@@ -365,6 +368,16 @@ if has quant-out; then
   llama_fp8_runs quant_out "reference fp8"
   trtllm_1000 quant_out
   unset PAGODA_ATTN_QUANT_OUT
+fi
+if has fp8-block; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_fp8.py -k "blockwise or block_scales" \
+    -rs 2>&1 | tail -3
+  timeout 200 python3 -m pagoda.bench.fp8_bench --parts gemm --gemm-shapes deepseek-v3-slice \
+    --gemm-m 1,16,64,256,1024,8192 --out "$OUT/fp8_block_gemm.json" 2>&1 | grep -E "M=|slower" | cut -c1-230
+  for on in 0 1; do
+    PAGODA_FP8_BLOCK_CUBLAS=$on timeout 240 python3 -m pagoda.bench.deepseek_bench --model deepseek-v3-slice \
+      --quantization fp8_block --batches 1,64,256 --context 1024 --out "$OUT/v3_slice_cublas_$on.json" 2>&1 | tail -6
+  done
 fi
 if has moe-fp8; then
   timeout 400 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 \

@@ -601,3 +601,68 @@ def test_engine_fp8_bf16_cuda_graphs_close_to_bf16(tiny_llama_dir: Path) -> None
     for variant in ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, {"quantization": "fp8_block"}):
         cosine, agreement = _compare(base, _greedy_logits(EngineConfig(**common, **variant), prompts, max_tokens=6))
         assert cosine >= 0.99, (variant, cosine, agreement)
+
+
+def test_block_scales_in_cublas_layout() -> None:
+    """A weight's per-row copies of its 128 x 128 block scales ([N, K / 128]) as cuBLASLt's block-scaled GEMM reads
+    them: [L4, N / 128] by column, K's blocks rounded up to 4 with zeros; none where the rows of a block differ or
+    N is not a multiple of 128."""
+    from pagoda.kernels import fp8
+
+    blocks = torch.rand(3, 5) + 0.1  # [N / 128, K / 128]: N = 384, K = 640
+    scale = blocks.repeat_interleave(128, dim=0)  # [N, K / 128]
+    layout = fp8.cublas_block_scales(scale)
+    assert layout is not None and layout.shape == (8, 3) and layout.stride() == (1, 8)
+    assert torch.equal(layout[:5], blocks.t()) and bool((layout[5:] == 0).all())
+    uneven = scale.clone()
+    uneven[130, 2] *= 2  # one row of block 1 with its own scale
+    assert fp8.cublas_block_scales(uneven) is None
+    assert fp8.cublas_block_scales(scale[:200]) is None  # a block cut short
+    assert fp8.cublas_block_scales(scale.unsqueeze(0)) is None  # experts' [E, N, G] scales: another kernel
+
+
+def test_group_scales_by_column_match_by_row() -> None:
+    """quantize_fp8_rows' scales laid out by column (stride (1, M), cuBLASLt's) hold the same values."""
+    from pagoda.kernels import fp8
+
+    x = torch.randn(5, 256).to(DEVICE)
+    q, by_row = fp8.quantize_fp8_rows(x, 128)
+    q_col, by_column = fp8.quantize_fp8_rows(x, 128, scales_by_column=True)
+    assert by_column.shape == (5, 2) and by_column.stride() == (1, 5)
+    assert torch.equal(by_column, by_row) and torch.equal(q_col.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_block_scales_registered_only_on_the_gpu_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.kernels import fp8
+
+    monkeypatch.setattr(fp8, "_CUBLAS_BLOCK_SCALES", {})
+    scale = (torch.rand(2, 4) + 0.1).repeat_interleave(128, dim=0)  # [256, 4] on the CPU
+    monkeypatch.setenv("PAGODA_FP8_BLOCK_CUBLAS", "1")
+    assert fp8.register_block_scales([scale]) == 0  # the CPU has no cuBLASLt
+    monkeypatch.delenv("PAGODA_FP8_BLOCK_CUBLAS")
+    if HAS_CUDA:
+        assert fp8.register_block_scales([scale.cuda()]) == 0  # off without the switch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_blockwise_cublas_linear_matches_reference(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_FP8_BLOCK_CUBLAS=1: a registered 128 x 128-block weight takes cuBLASLt's block-scaled GEMM in
+    fp8_linear and agrees with the reference (skipped, with the reason, where this torch / cuBLAS lacks it)."""
+    from pagoda.kernels import fp8
+
+    if not fp8.blockwise_works(torch.cuda.current_device()):
+        pytest.skip("cuBLASLt's block-scaled FP8 GEMM is not available with this torch (logged by blockwise_works)")
+    monkeypatch.setattr(fp8, "_CUBLAS_BLOCK_SCALES", {})
+    monkeypatch.setenv("PAGODA_FP8_BLOCK_CUBLAS", "1")
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    w = torch.randn(384, 1024, device="cuda", generator=generator) * 0.05
+    w_q, w_blocks = ref.quantize_fp8_blocks(w, (128, 128))
+    w_scale = w_blocks.repeat_interleave(128, dim=0).contiguous()  # [N, K / 128]
+    assert fp8.register_block_scales([w_scale]) == 1
+    x = torch.randn(rows, 1024, device="cuda", generator=generator).bfloat16()
+    bias = torch.randn(384, device="cuda", generator=generator).bfloat16()
+    got = fp8.fp8_linear(x, w_q, w_scale, 128, bias).float()
+    expected = ref.fp8_linear(x.float(), w_q, w_scale, 128, bias.float())
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=1)
+    assert bool((cosine > 0.999).all()), cosine.min()
