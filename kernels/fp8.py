@@ -544,7 +544,7 @@ def blockwise_works(device_index: int) -> bool:
             expected = fp8_gemm(x_q, x_scale.contiguous(), w_q, w_scale, BLOCK, torch.bfloat16).float()
             if not ((got - expected).norm() <= 1e-2 * expected.norm()):
                 raise RuntimeError(f"differs from the Triton group GEMM at {rows} rows")
-    except (RuntimeError, TypeError, ValueError) as exc:
+    except (RuntimeError, TypeError, ValueError, ImportError, AttributeError) as exc:  # torch without scaled_mm too
         logging.getLogger(__name__).warning("cuBLASLt block-scaled FP8 GEMM unavailable (torch %s: %s); the Triton "
                                             "group GEMM serves", torch.__version__, str(exc)[:300])
         return False
