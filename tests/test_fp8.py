@@ -666,3 +666,26 @@ def test_blockwise_cublas_linear_matches_reference(rows: int, monkeypatch: pytes
     expected = ref.fp8_linear(x.float(), w_q, w_scale, 128, bias.float())
     cosine = torch.nn.functional.cosine_similarity(got, expected, dim=1)
     assert bool((cosine > 0.999).all()), cosine.min()
+
+
+def test_blockwise_operands_pass_torchs_shape_checks() -> None:
+    """The operands fp8_linear hands cuBLASLt's block-scaled GEMM (activation scales by column, cublas_block_scales'
+    weight layout) pass torch's own checks of that GEMM (its meta function, which mirrors the CUDA one), also where
+    K's blocks are padded to 4; the activation scales by row do not."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    from pagoda.kernels import fp8
+
+    for k in (512, 640):  # 4 blocks, and 5 padded to 8
+        w_q, w_blocks = ref.quantize_fp8_blocks(torch.randn(256, k), (128, 128))
+        layout = fp8.cublas_block_scales(w_blocks.repeat_interleave(128, dim=0).contiguous())
+        assert layout is not None
+        x_q, x_s = fp8.quantize_fp8_rows(torch.randn(33, k), 128, scales_by_column=True)
+        meta = [t.to("meta") for t in (x_q, w_q, x_s, layout)]
+        assert meta[2].stride() == x_s.stride() and meta[3].stride() == layout.stride()
+        out = scaled_mm(meta[0], meta[1].t(), meta[2], ScalingType.BlockWise1x128, meta[3],
+                        ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        assert out.shape == (33, 256)
+        with pytest.raises(RuntimeError, match="blockwise"):
+            scaled_mm(meta[0], meta[1].t(), meta[2].contiguous(), ScalingType.BlockWise1x128, meta[3],
+                      ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
