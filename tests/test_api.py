@@ -60,7 +60,7 @@ FAKE_STATS = SchedulerStats(
     time=0.0, num_running=3, num_waiting=2, kv_blocks_free=90, kv_blocks_total=100, kv_cache_usage=0.1,
     prefix_hit_tokens_total=40, prefix_query_tokens_total=100, num_preemptions_total=1, prompt_tokens_total=1234,
     generation_tokens_total=567, num_steps_total=10, worker_ready=True, worker_alive=True,
-    tokenizer_ids=["fake-tok"], tokenizer_requests_total=[7], max_model_len=MAX_MODEL_LEN)
+    tokenizer_ids=["fake-tok", "fake-tok-2"], tokenizer_requests_total=[7, 0], max_model_len=MAX_MODEL_LEN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -729,6 +729,31 @@ def test_requests_spread_over_tokenizers(stack: Stack) -> None:
     wait_until(lambda: "tokenizer b'fake-tok-2' dropped" in stack.log(), 5.0, "the api to drop the second one")
     for _ in range(3):
         assert client.completions.create(model=MODEL, prompt="after", max_tokens=1).id in stack.tokenizer.requests
+
+
+def test_a_tokenizer_the_scheduler_does_not_list_is_not_ready(stack: Stack) -> None:
+    """A tokenizer that told the api hello but is not registered with the scheduler (not connected yet, or holding
+    a restarted scheduler's ModelInfo) would hold a request until it registers, or fail it: requests go to one the
+    scheduler lists, and with none of those live /health says not ready."""
+    stray = FakeTokenizer(stack.api_endpoint, identity=b"fake-tok-stray").start()
+    client = stack.openai()
+    try:
+        wait_until(lambda: "tokenizer b'fake-tok-stray' (pid" in stack.log(), 5.0, "the api to register the stray one")
+        ids = [client.completions.create(model=MODEL, prompt="listed only", max_tokens=1).id for _ in range(4)]
+        assert all(i in stack.tokenizer.requests for i in ids) and not stray.requests
+        assert stack.health().json() == {"status": "ok"}
+        stack.tokenizer.alive.clear()  # the listed one falls silent: only the stray one is left
+        try:
+            wait_until(lambda: "tokenizer b'fake-tok' dropped" in stack.log(), 5.0, "the api to drop the listed one")
+            health = stack.health()
+            assert health is not None and health.status_code == 503
+            assert health.json()["problems"] == ["no live tokenizer process is registered with the scheduler"]
+        finally:
+            stack.tokenizer.alive.set()
+        wait_until(stack.healthy, 5.0, "the listed tokenizer to be taken back")
+    finally:
+        stray.stop()
+    wait_until(lambda: "tokenizer b'fake-tok-stray' dropped" in stack.log(), 5.0, "the api to drop the stray one")
 
 
 def test_tokenizer_death_fails_its_requests(stack: Stack) -> None:

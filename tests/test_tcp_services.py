@@ -293,3 +293,29 @@ def test_a_restarted_scheduler_takes_over(cluster: Cluster) -> None:
 
     wait_until(serves_again, 60, "requests to run on the new scheduler")
     cluster.check_alive()
+
+
+def test_after_an_idle_scheduler_restart_health_means_ready(cluster: Cluster) -> None:
+    """The scheduler restarts while the tokenizers are idle: they hold the old one's ModelInfo and have nothing in
+    flight to notice the new one by. From the moment the api reads the new scheduler's stats, /health is 200 only
+    once a tokenizer registered with it: the first request then is served, not refused."""
+    cluster.num_generations += 1
+    _chat_stream(cluster, "Say hello.", 4)
+    wait_until(lambda: cluster.metrics().get("pagoda_generation_tokens_total", 0) > 0, 10, "stats counting tokens")
+    scheduler = cluster.processes["scheduler"]
+    scheduler.kill()
+    scheduler.wait(timeout=10)
+    cluster.start("scheduler", "scheduler", *cluster.common_flags)
+    cluster.num_generations = 0  # the new scheduler counts from zero
+    # Its counts start at zero: the api reads its stats (and no longer the dead one's, which /health trusts until
+    # they are heartbeat_timeout old).
+    wait_until(lambda: cluster.metrics().get("pagoda_generation_tokens_total", 1) == 0, 30, "the new scheduler's stats")
+
+    def healthy() -> bool:
+        cluster.check_alive()
+        return cluster.health() == 200
+
+    wait_until(healthy, 30, "/health to answer 200 again", interval=0.01)
+    cluster.num_generations += 1
+    text, reason, num_tokens = _chat_stream(cluster, "Say hello again.", 4)
+    assert reason == "length" and num_tokens == 4 and text

@@ -192,7 +192,7 @@ class Handlers:
         gen: Generation | None = None
         status = 499  # the client left (the handler was cancelled) unless set below
         try:
-            ticket = self.state.pool.submit(messages)
+            ticket = self.state.pool.submit(messages, self._engine_tokenizers())
             timeout = self.state.config.request_timeout
             gen = Generation(ticket, n, started_at, self.state.metrics, renderer_for(spec), spec.stream,
                              deadline=started_at + timeout if timeout > 0 else None)
@@ -291,7 +291,7 @@ class Handlers:
     # ------------------------------------------------------------------ tokenizer utilities
 
     async def _ask(self, message: TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest) -> Reply:
-        ticket = self.state.pool.submit([message])
+        ticket = self.state.pool.submit([message], self._engine_tokenizers())
         try:
             reply = await ticket.queue.get()
         finally:
@@ -414,6 +414,10 @@ class Handlers:
             problems.append("the server is shutting down")
         if state.pool.num_live == 0:
             problems.append("no live tokenizer process")
+        elif state.stats.latest is not None and state.pool.num_registered(self._engine_tokenizers()) == 0:
+            # One the api knows but the scheduler does not (yet, or since it restarted) would hold a request
+            # until it registers, or fail it: not ready. It registers on its hello, and gets ModelInfo with it.
+            problems.append("no live tokenizer process is registered with the scheduler")
         age = state.stats.age()
         if age is None:
             problems.append("no scheduler stats received yet")
@@ -427,6 +431,11 @@ class Handlers:
         if stats is not None and not stats.worker_ready:
             problems.append("the worker is not ready")
         return problems
+
+    def _engine_tokenizers(self) -> frozenset[str]:
+        """The tokenizers the scheduler (any serving replica) has registered, as of its latest stats."""
+        stats = self.state.stats.latest
+        return frozenset(stats.tokenizer_ids) if stats is not None else frozenset()
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.state.metrics.render(request.headers.get("Accept"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -145,8 +145,15 @@ class TokenizerPool:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, messages: Sequence[ApiToTokenizer]) -> Ticket:
-        """Send one HTTP request's messages to the least loaded live tokenizer; its replies go to the ticket."""
+    def num_registered(self, engine_ids: Collection[str]) -> int:
+        """Live tokenizers that the scheduler lists as registered (`engine_ids`, from its stats): those hold the
+        model's ModelInfo, or have it on the way; another one may not reach the scheduler yet (or any more)."""
+        return sum(_name(identity) in engine_ids for identity in self._peers)
+
+    def submit(self, messages: Sequence[ApiToTokenizer], engine_ids: Collection[str] = ()) -> Ticket:
+        """Send one HTTP request's messages to the least loaded live tokenizer, one the scheduler lists as
+        registered (`engine_ids`) if any is: another would keep the request waiting for the scheduler, and fail
+        it if the scheduler never answers it. The replies go to the ticket."""
         if not self._accepting:
             raise ServerOverloadedError("the server is shutting down")
         if len(self._open) >= self._config.max_inflight_requests:
@@ -155,7 +162,7 @@ class TokenizerPool:
         request_ids = [m.request_id for m in messages]
         bodies = [self._encode(m) for m in messages]
         while True:
-            peer = self._pick()
+            peer = self._pick(engine_ids)
             now = time.monotonic()
             if all(self._send_data(peer.identity, seal_encoded(self._encoder, peer.link, body, now), type(m).__name__)
                    for m, body in zip(messages, bodies, strict=True)):
@@ -205,10 +212,10 @@ class TokenizerPool:
                 del self._tickets[request_id]
         ticket.queue.put_nowait(RequestFailed(ticket.request_ids[0], status, message, error_type="server_error"))
 
-    def _pick(self) -> Peer:
+    def _pick(self, engine_ids: Collection[str]) -> Peer:
         if not self._peers:
             raise ServerOverloadedError("no tokenizer process is available")
-        peers = list(self._peers.values())
+        peers = [p for p in self._peers.values() if _name(p.identity) in engine_ids] or list(self._peers.values())
         least = min(len(p.request_ids) for p in peers)
         candidates = [p for p in peers if len(p.request_ids) == least]
         self._num_picks += 1
@@ -360,6 +367,11 @@ class TokenizerPool:
             for request_id in ticket.request_ids:
                 self._send(peer.identity, AbortRequest(request_id))
             self._fail(ticket, 503, f"the tokenizer process serving this request is gone ({why})")
+
+
+def _name(identity: bytes) -> str:
+    """A tokenizer's identity as the scheduler's stats name it (SchedulerStats.tokenizer_ids)."""
+    return identity.decode(errors="replace")
 
 
 def _log_send_error(future: asyncio.Future[object]) -> None:

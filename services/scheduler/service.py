@@ -334,9 +334,10 @@ class SchedulerService:
         if peer is None and not isinstance(message, TokenizerHello):
             # Registration takes a hello: a stray peer's heartbeat must not make it a tokenizer. A request
             # from it still gets an answer (it re-registers once it misses our heartbeats).
-            if isinstance(message, Sequenced | Ack):
-                # Mid-stream with a scheduler that is not us (we restarted): our heartbeat's sender tells it so at
-                # once; it fails what it held there and says hello (its resends would otherwise keep it waiting).
+            if isinstance(message, Sequenced | Ack | Heartbeat):
+                # Registered with a scheduler that is not us (we restarted): our heartbeat's sender tells it so at
+                # once; it fails what it held there and says hello. Idle, it would otherwise take our silence for
+                # heartbeat_timeout, holding the old ModelInfo: its next request would be refused here.
                 self._send_tokenizer(identity, Heartbeat(sender=self.instance_id))
             if isinstance(message, Sequenced):
                 message = self.from_tokenizers.decode(message.body) or message

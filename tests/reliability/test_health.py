@@ -223,6 +223,20 @@ def test_a_late_tokenizer_comes_back_a_stranger_does_not(service: SchedulerServi
     assert stranger not in service.tokenizers  # registration still takes a hello
 
 
+def test_a_tokenizer_registered_with_another_scheduler_is_told_at_once(service: SchedulerService) -> None:
+    """A tokenizer that registered with the scheduler before this one (a restart) heartbeats as if nothing
+    happened: our heartbeat answers it, whose sender tells it to register again (else it keeps the old ModelInfo
+    until our silence passes heartbeat_timeout, and its requests meanwhile are refused here)."""
+    encode = Codec(TokenizerToScheduler).encode
+    service._on_tokenizer_frames([b"tok-old", encode(Heartbeat("tok-old"))])
+    assert b"tok-old" not in service.tokenizers  # registration still takes a hello
+    [(to, beat)] = _to_tokenizers(service)
+    assert to == b"tok-old" and beat == Heartbeat(sender=service.instance_id)
+    service._on_tokenizer_frames([b"tok-old", encode(TokenizerHello("tok-old", 1, stream=1))])
+    assert b"tok-old" in service.tokenizers
+    assert any(isinstance(m, ModelInfo) for _, m in _to_tokenizers(service))
+
+
 def test_a_peer_is_honoured_only_for_what_it_owns(service: SchedulerService) -> None:
     """Aborts and stop strings from a tokenizer that does not own the request are dropped; its EOS ids stop only
     its own requests; parameters past the bounds (n = 2**31) fail that request alone, with a 400."""
