@@ -161,6 +161,7 @@ class ServerConfig:
     log_level: str = "info"
     api_key_file: str | None = None  # a file holding the key (keeps it out of `ps`); PAGODA_API_KEY works too
     max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of prompt text or message contents per request; more: 400
+    max_completions_per_request: int = 4096  # prompts x n (or best_of) one completions request may ask; more: 400
     request_timeout: float = 0.0  # seconds one HTTP request may take in all (aborted after); 0: no limit
     body_read_timeout: float = 30.0  # seconds to receive a request's headers and body (slow clients: 408)
     max_waiting_requests: int = 0  # waiting requests past which the scheduler answers 503 + Retry-After; 0: none
@@ -196,7 +197,7 @@ class ServerConfig:
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
             raise ConfigError("reasoning_parser must be qwen3 or deepseek_r1", param="reasoning_parser")
         for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes",
-                     "console_max_requests"):
+                     "max_completions_per_request", "console_max_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)
         if not 0 < self.port < 65536:

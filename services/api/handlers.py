@@ -147,7 +147,8 @@ class Handlers:
         body = await self._read(request, CompletionBody)
         model = self._check_model(body.model, request)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs)
+        messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs,
+                                       self.state.config.max_completions_per_request)
         spec = RenderSpec(COMPLETION, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=body.logprobs is not None, include_usage=body.include_usage,
                           echo=bool(body.echo), return_token_ids=bool(body.return_token_ids),

@@ -384,10 +384,17 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
 
 
 def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
-                        max_logprobs: int = MAX_TOP_LOGPROBS) -> list[GenerateRequest]:
-    """One GenerateRequest per prompt; several prompts get ids suffixed -0, -1, ..."""
+                        max_logprobs: int = MAX_TOP_LOGPROBS,
+                        max_completions: int | None = None) -> list[GenerateRequest]:
+    """One GenerateRequest per prompt; several prompts get ids suffixed -0, -1, ... max_completions: the most
+    completions (prompts x n, or x best_of) the request may ask for (a list of many short prompts times a large n
+    would otherwise hold the engine and the processes' memory from one request); None: no bound."""
     params = completion_params(body, max_logprobs)
     prompts = completion_prompts(body.prompt)
+    per_prompt = max(params.n, params.best_of or 1)
+    _require(max_completions is None or len(prompts) * per_prompt <= max_completions, "prompt",
+             f"the request asks for {len(prompts)} prompts x {per_prompt} completions each; this server accepts at "
+             f"most {max_completions} completions a request (--max-completions-per-request)")
     requests = []
     for i, prompt in enumerate(prompts):
         request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"

@@ -149,5 +149,8 @@ def all_cases(max_prompt_bytes: int) -> list[Case]:
     prompt_cases = [Case("completions:prompt over --max-prompt-bytes", "/v1/completions", {"prompt": big}),
                     Case("chat:content over --max-prompt-bytes", "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": big}]}),
-                    Case("tokenize:prompt over --max-prompt-bytes", "/tokenize", {"prompt": big})]
+                    Case("tokenize:prompt over --max-prompt-bytes", "/tokenize", {"prompt": big}),
+                    # 1,025 one-token prompts x n=4 = 4,100 completions, past --max-completions-per-request's 4,096
+                    Case("completions:prompts x n over --max-completions-per-request", "/v1/completions",
+                         {"prompt": [[1]] * 1025, "n": 4, "max_tokens": 1})]
     return _field_cases() + _utility_cases() + _body_cases() + _header_cases() + prompt_cases
