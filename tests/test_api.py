@@ -357,8 +357,13 @@ def test_models_and_auth(stack: Stack) -> None:
     assert [m.id for m in models.data] == [MODEL]
     card = httpx.get(stack.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert card["object"] == "list"
-    assert card["data"][0] | {"created": 0} == {"id": MODEL, "object": "model", "created": 0, "owned_by": "pagoda",
-                                                "max_model_len": MAX_MODEL_LEN}
+    model_card = card["data"][0]
+    permission = model_card.pop("permission")
+    assert model_card | {"created": 0, "root": "x"} == {
+        "id": MODEL, "object": "model", "created": 0, "owned_by": "pagoda", "root": "x", "parent": None,
+        "max_model_len": MAX_MODEL_LEN}
+    assert model_card["root"]  # the model as the engine was given it (vLLM's card: clients read it)
+    assert [p["object"] for p in permission] == ["model_permission"] and permission[0]["allow_sampling"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = httpx.get(stack.url + "/v1/models", headers=headers)
         assert response.status_code == 401

@@ -95,6 +95,7 @@ class ApiState:
     config: ServerConfig
     served_model_name: str
     model_names: frozenset[str]  # names a request may use for the one model served
+    model_root: str  # the model as given to the engine (--model): the model card's `root`, as vLLM's
     pool: TokenizerPool
     stats: ReplicaStatsFeed
     metrics: ApiMetrics
@@ -388,8 +389,13 @@ class Handlers:
     def _model_card(self) -> dict[str, Any]:
         stats = self.state.stats.latest
         max_model_len = stats.max_model_len if stats is not None and stats.max_model_len > 0 else None
-        return {"id": self.state.served_model_name, "object": "model", "created": self.state.started,
-                "owned_by": "pagoda", "max_model_len": max_model_len}
+        state = self.state
+        permission = {"id": f"modelperm-{state.served_model_name}", "object": "model_permission",
+                      "created": state.started, "allow_create_engine": False, "allow_sampling": True,
+                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
+        return {"id": state.served_model_name, "object": "model", "created": state.started, "owned_by": "pagoda",
+                "root": state.model_root, "parent": None, "max_model_len": max_model_len, "permission": [permission]}
 
     async def models(self, request: web.Request) -> web.Response:
         tenant = _tenant(request)

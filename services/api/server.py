@@ -56,6 +56,7 @@ def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, confi
         pool = TokenizerPool(context, config.api_endpoint_list()[config.api_index], config)
         stats = ReplicaStatsFeed(context, config.replica_endpoint_list("stats"), config.heartbeat_timeout)
     return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
+                    model_root=engine_config.model,
                     pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
                     started=int(time.time()), keys=KeyTable(config.api_keys_file) if config.api_keys_file else None,
                     usage_log=UsageLog(config.usage_log) if config.usage_log else None,
