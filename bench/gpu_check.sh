@@ -4,7 +4,11 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,b1-fusions,quant-out,moe-fp8,fp8-block (default: tests,parity,pagoda,peers,compiled)
+#   one-loop,gluon,b1-fusions,quant-out,moe-fp8,fp8-block,candidates-ab (default: tests,parity,pagoda,peers,compiled)
+#   candidates-ab: every untimed switch's GPU tests, then decode steps A/B (step_ab, graph-timed) for each, in one
+#   call of ~6 minutes: PAGODA_ATTN_QUANT_OUT (llama3-8b FP8, B = 64, 256, both caches), PAGODA_ATTN_FOLD_REDUCE
+#   (llama3-8b FP8, B = 1, 2, 4), PAGODA_MLA_FUSE_UV and PAGODA_FUSE_ROUTE (deepseek-v2-lite, B = 1, 4, 16),
+#   PAGODA_FP8_BLOCK_CUBLAS (deepseek-v3-slice FP8 blocks, B = 64, 256). Make the winners defaults, drop the losers.
 #   fp8-block: cuBLASLt's block-scaled FP8 GEMM for 128 x 128-block weights (PAGODA_FP8_BLOCK_CUBLAS, untimed): its
 #   GPU test, the GEMM sweep on deepseek-v3-slice's layers against the Triton group GEMM, then deepseek-v3-slice's
 #   per-layer decode at B = 1, 64, 256 without and with it.
@@ -368,6 +372,24 @@ if has quant-out; then
   llama_fp8_runs quant_out "reference fp8"
   trtllm_1000 quant_out
   unset PAGODA_ATTN_QUANT_OUT
+fi
+if has candidates-ab; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_attention_quant_out.py \
+    tests/test_fp8_decode_gluon.py tests/test_attention_splits.py tests/test_mla.py tests/test_deepseek.py \
+    tests/test_fp8.py -k "quant or w_uv or fused_router or empty_splits or blockwise or block_scales" -rs 2>&1 | tail -3
+  for kv in auto fp8; do
+    timeout 150 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --kv-cache-dtype $kv \
+      --batches 64,256 --context 512 off=PAGODA_ATTN_QUANT_OUT=0 on=PAGODA_ATTN_QUANT_OUT=1 2>&1 | grep "B=" | tail -2
+  done
+  timeout 120 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,4 --context 512 \
+    off=PAGODA_ATTN_FOLD_REDUCE=0 on=PAGODA_ATTN_FOLD_REDUCE=1 2>&1 | grep "B=" | tail -3
+  timeout 200 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 1,4,16 --context 512 \
+    off="PAGODA_MLA_FUSE_UV=0;PAGODA_FUSE_ROUTE=0" uv=PAGODA_MLA_FUSE_UV=1 route=PAGODA_FUSE_ROUTE=1 \
+    both="PAGODA_MLA_FUSE_UV=1;PAGODA_FUSE_ROUTE=1" 2>&1 | grep "B=" | tail -3
+  # registered at load with the switch on; each variant reads it per call
+  PAGODA_FP8_BLOCK_CUBLAS=1 timeout 200 python3 -m pagoda.bench.step_ab --model deepseek-v3-slice \
+    --quantization fp8_block --batches 64,256 --context 512 off=PAGODA_FP8_BLOCK_CUBLAS=0 \
+    on=PAGODA_FP8_BLOCK_CUBLAS=1 2>&1 | grep "B=" | tail -2
 fi
 if has fp8-block; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_fp8.py -k "blockwise or block_scales" \

@@ -505,8 +505,10 @@ def register_block_scales(scales: list[torch.Tensor]) -> int:
 def _cublas_block_scales_for(x: torch.Tensor, weight_scale: torch.Tensor,
                              group_size: int | None) -> torch.Tensor | None:
     """The registered block scales where this GEMM can take cuBLASLt's block-scaled path: 128-column groups, bf16
-    activations, K a multiple of 128, a registered weight."""
-    if group_size != BLOCK or x.dtype != torch.bfloat16 or x.shape[1] % BLOCK or not _CUBLAS_BLOCK_SCALES:
+    activations, K a multiple of 128, a registered weight, the switch still on (read per call, so that
+    bench/step_ab.py can A/B it in one process whose load registered the weights)."""
+    if (group_size != BLOCK or x.dtype != torch.bfloat16 or x.shape[1] % BLOCK or not _CUBLAS_BLOCK_SCALES
+            or not block_cublas_enabled()):
         return None
     entry = _CUBLAS_BLOCK_SCALES.get(weight_scale.data_ptr())
     return entry[1] if entry is not None and entry[0].shape == weight_scale.shape else None
