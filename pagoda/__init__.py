@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagoda.params import SamplingParams
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, PagodaError
-from pagoda.shared.messages import SamplingParams, StructuredOutputs
+from pagoda.shared.messages import StructuredOutputs
 
 StructuredOutputsParams = StructuredOutputs  # vLLM's name for the same thing
 

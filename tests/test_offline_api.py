@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,8 @@ from pagoda.shared.messages import StructuredOutputs
 
 pytestmark = pytest.mark.slow
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+GREEDY_ARGS: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
+GREEDY = SamplingParams(**GREEDY_ARGS)
 # the engine-survives check after each refusal: a prefill and three decode steps (eight tokens cost the 24 cases
 # of the bad-input table 8 s of the suite for the same check)
 STILL_SERVES = SamplingParams(temperature=0.0, max_tokens=4)
@@ -37,41 +39,43 @@ def _assert_still_serves(llm: LLM, reference_text: str) -> None:
 
 
 @pytest.mark.parametrize(("prompt", "params", "param_name", "error"), [
-    ("", GREEDY, "prompt", InvalidRequestError),
-    ([], GREEDY, "prompt", InvalidRequestError),
-    ("word " * 600, GREEDY, "prompt", ContextLengthError),
-    ("hello", SamplingParams(max_tokens=600), "max_tokens", ContextLengthError),
-    ("hello", SamplingParams(max_tokens=0), "max_tokens", InvalidRequestError),
-    ("hello", SamplingParams(max_tokens=-3), "max_tokens", InvalidRequestError),
-    ("hello", SamplingParams(top_p=0.0), "top_p", InvalidRequestError),
-    ("hello", SamplingParams(top_p=1.5), "top_p", InvalidRequestError),
-    ("hello", SamplingParams(temperature=-1.0), "temperature", InvalidRequestError),
-    ("hello", SamplingParams(temperature=math.nan), "temperature", InvalidRequestError),
-    ("hello", SamplingParams(top_k=-5), "top_k", InvalidRequestError),
-    ("hello", SamplingParams(min_p=2.0), "min_p", InvalidRequestError),
-    ("hello", SamplingParams(n=0), "n", InvalidRequestError),
-    ("hello", SamplingParams(logprobs=99), "logprobs", InvalidRequestError),
-    ("hello", SamplingParams(stop=[""]), "stop", InvalidRequestError),
-    ("hello", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids", InvalidRequestError),
-    ("hello", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias", InvalidRequestError),
-    ("hello", SamplingParams(max_tokens=0), "max_tokens", InvalidRequestError),
-    ("hello", SamplingParams(max_tokens=0, n=2, prompt_logprobs=0), "max_tokens", InvalidRequestError),
-    ("hello", SamplingParams(prompt_logprobs=21), "prompt_logprobs", InvalidRequestError),
-    ("hello", SamplingParams(logit_bias={5: math.inf}), "logit_bias", InvalidRequestError),
-    ([1, 2, 10**9], GREEDY, "prompt", InvalidRequestError),
-    ([1, -4], GREEDY, "prompt", InvalidRequestError),
-    ([1, True], GREEDY, "prompt", InvalidRequestError),  # bool is an int subclass: still not a token id
-    ([1, 2.0], GREEDY, "prompt", InvalidRequestError),
-    ([3, "4"], GREEDY, "prompt", InvalidRequestError),
+    ("", GREEDY_ARGS, "prompt", InvalidRequestError),
+    ([], GREEDY_ARGS, "prompt", InvalidRequestError),
+    ("word " * 600, GREEDY_ARGS, "prompt", ContextLengthError),
+    ("hello", dict(max_tokens=600), "max_tokens", ContextLengthError),
+    ("hello", dict(max_tokens=0), "max_tokens", InvalidRequestError),
+    ("hello", dict(max_tokens=-3), "max_tokens", InvalidRequestError),
+    ("hello", dict(top_p=0.0), "top_p", InvalidRequestError),
+    ("hello", dict(top_p=1.5), "top_p", InvalidRequestError),
+    ("hello", dict(temperature=-1.0), "temperature", InvalidRequestError),
+    ("hello", dict(temperature=math.nan), "temperature", InvalidRequestError),
+    ("hello", dict(top_k=-5), "top_k", InvalidRequestError),
+    ("hello", dict(min_p=2.0), "min_p", InvalidRequestError),
+    ("hello", dict(n=0), "n", InvalidRequestError),
+    ("hello", dict(logprobs=99), "logprobs", InvalidRequestError),
+    ("hello", dict(stop=[""]), "stop", InvalidRequestError),
+    ("hello", dict(stop_token_ids=[10**9]), "stop_token_ids", InvalidRequestError),
+    ("hello", dict(logit_bias={10**9: 1.0}), "logit_bias", InvalidRequestError),
+    ("hello", dict(max_tokens=0), "max_tokens", InvalidRequestError),
+    ("hello", dict(max_tokens=0, n=2, prompt_logprobs=0), "max_tokens", InvalidRequestError),
+    ("hello", dict(prompt_logprobs=21), "prompt_logprobs", InvalidRequestError),
+    ("hello", dict(logit_bias={5: math.inf}), "logit_bias", InvalidRequestError),
+    ([1, 2, 10**9], GREEDY_ARGS, "prompt", InvalidRequestError),
+    ([1, -4], GREEDY_ARGS, "prompt", InvalidRequestError),
+    ([1, True], GREEDY_ARGS, "prompt", InvalidRequestError),  # bool is an int subclass: still not a token id
+    ([1, 2.0], GREEDY_ARGS, "prompt", InvalidRequestError),
+    ([3, "4"], GREEDY_ARGS, "prompt", InvalidRequestError),
     # an allow-list with no token the grammar may start with (every sampled token would break it)
-    ("hello", SamplingParams(structured_outputs=StructuredOutputs(choice=["red", "blue"]), allowed_token_ids=[5, 6]),
+    ("hello", dict(structured_outputs=StructuredOutputs(choice=["red", "blue"]), allowed_token_ids=[5, 6]),
      "allowed_token_ids", InvalidRequestError),
 ])
 def test_bad_input_raises_typed_error_and_engine_survives(llm: LLM, reference_text: str, prompt: object,
-                                                          params: SamplingParams, param_name: str,
+                                                          params: dict[str, Any], param_name: str,
                                                           error: type[Exception]) -> None:
+    """Values SamplingParams refuses at construction (as vLLM's) and those only the engine can judge (the prompt,
+    the context, the vocabulary) raise the same typed errors."""
     with pytest.raises(error) as caught:
-        llm.generate([prompt], params)  # type: ignore[list-item]
+        llm.generate([prompt], SamplingParams(**params))  # type: ignore[list-item]
     assert caught.value.param == param_name  # type: ignore[attr-defined]
     assert param_name in str(caught.value) or caught.value.param == param_name  # type: ignore[attr-defined]
     _assert_still_serves(llm, reference_text)
@@ -88,6 +92,31 @@ def test_stop_reason_names_the_stop_string_or_token(llm: LLM) -> None:
     assert (by_id[0].outputs[0].finish_reason, by_id[0].outputs[0].stop_reason) == ("stop", greedy.token_ids[1])
     by_string = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, stop=[word]))
     assert (by_string[0].outputs[0].finish_reason, by_string[0].outputs[0].stop_reason) == ("stop", word)
+
+
+@pytest.mark.parametrize(("values", "param_name"), [
+    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
+    ({"stop": [""]}, "stop"), ({"seed": 2**64}, "seed"), ({"logprobs": -2}, "logprobs"),
+])
+def test_sampling_params_refuse_bad_values_at_construction(values: dict[str, Any], param_name: str) -> None:
+    """As vLLM's SamplingParams: a ValueError where the value is written, not at the first generate."""
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(**values)
+    assert isinstance(caught.value, ValueError) and caught.value.param == param_name
+
+
+def test_sampling_params_take_vllms_shapes(llm: LLM) -> None:
+    """stop may be one string (one stop string, not one per character) and None stands for an empty list."""
+    assert SamplingParams(stop="END").stop == ["END"]
+    params = SamplingParams(stop=None, stop_token_ids=None, allowed_token_ids=None, logit_bias=None)
+    assert (params.stop, params.stop_token_ids, params.allowed_token_ids, params.logit_bias) == ([], [], [], {})
+    prompt = "The capital of France is"
+    text = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
+    # a word with a character that shows up before it: a stop string per character would cut the text there
+    word = next(w for w in text.split()[1:] if min(text.find(c) for c in w) < text.index(w))
+    [cut] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop=word))[0].outputs
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (text[:text.index(word)], "stop", word)
 
 
 def test_a_bad_prompt_in_a_batch_queues_none_of_it(llm: LLM, reference_text: str) -> None:
