@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ from pagoda.shared.messages import SamplingParams
 from pagoda.shared.shapes import SHAPES
 
 Prompt = str | list[int]
+PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}
 Message = dict[str, Any]
 
 
@@ -63,10 +64,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool | Callable[..., Any] = True,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; one RequestOutput per prompt, in order."""
+        """Run every prompt to completion, batched together; one RequestOutput per prompt, in order. A prompt is
+        text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `use_tqdm` is taken for vLLM's
+        scripts and draws nothing: pagoda shows no progress bar."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _per_prompt(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
@@ -85,28 +89,32 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        continue_final_message: the reply continues the last message (vLLM's; no generation prompt then)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer and so no chat template", param="messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                      param="continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [
-            tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+            tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          continue_final_message=continue_final_message,
                                           chat_template_kwargs=chat_template_kwargs)
             for conversation in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Prompt | dict[str, Any] | Sequence[Prompt | dict[str, Any]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search in the engine (the beams of every prompt batched together, sharing KV blocks): each
         prompt's beam_width best hypotheses. Prompts may also be vLLM's {"prompt": ...} or
         {"prompt_token_ids": [...]} dicts."""
-        if isinstance(prompts, dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
-            given = [prompts] if isinstance(prompts, dict) else list(prompts)
-            prompts = [_dict_prompt(p) for p in given]  # type: ignore[arg-type]
-        outputs = self.generate(prompts, params.sampling_params())  # type: ignore[arg-type]
+        outputs = self.generate(prompts, params.sampling_params())
         return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text,
                                                      c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason)
                                   for c in output.outputs]) for output in outputs]
@@ -138,23 +146,30 @@ class LLM:
         return request_ids
 
 
-def _dict_prompt(prompt: dict[str, Any]) -> Prompt:
+def _dict_prompt(prompt: PromptDict) -> Prompt:
+    """vLLM's TextPrompt / TokensPrompt; a key pagoda cannot honour (multi_modal_data, prompt_embeds, ...) is
+    refused rather than dropped."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise InvalidRequestError(f"prompt dict key(s) {unknown} are not supported: a prompt dict holds 'prompt' "
+                                  "or 'prompt_token_ids'", param="prompt")
     if "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        token_ids = prompt["prompt_token_ids"]
+        return list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids
     if "prompt" in prompt:
         return prompt["prompt"]
     raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise InvalidRequestError("prompts must be a non-empty string, token id list, or list of them",
+        raise InvalidRequestError("prompts must be a non-empty string, token id list, prompt dict, or list of them",
                                   param="prompt")
-    return list(prompts)  # type: ignore[arg-type]
+    return [_dict_prompt(p) if isinstance(p, dict) else p for p in prompts]  # type: ignore[misc]
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

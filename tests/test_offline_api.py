@@ -239,6 +239,36 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert caught.value.param == "messages"
 
 
+def test_generate_takes_vllms_prompt_dicts_and_use_tqdm(llm: LLM) -> None:
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or mixed with plain prompts, and its use_tqdm keyword."""
+    text = "The capital of France is"
+    token_ids = llm.get_tokenizer().encode(text)
+    plain = llm.generate([text], GREEDY)[0].outputs[0].text
+    outputs = llm.generate([{"prompt_token_ids": token_ids}, {"prompt": text}, text], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].text for o in outputs] == [plain] * 3
+    assert [o.prompt for o in outputs] == [None, text, text]
+    assert all(o.prompt_token_ids == token_ids for o in outputs)
+    [single] = llm.generate({"prompt_token_ids": token_ids}, GREEDY)
+    assert single.outputs[0].text == plain
+    for bad in ({}, {"prompt": text, "multi_modal_data": {}}):  # nothing is dropped silently
+        with pytest.raises(InvalidRequestError) as caught:
+            llm.generate(bad, GREEDY)
+        assert caught.value.param == "prompt"
+
+
+def test_chat_continues_the_final_message(llm: LLM) -> None:
+    conversation = [{"role": "user", "content": "Finish the saying."},
+                    {"role": "assistant", "content": "An apple a day keeps the"}]
+    [output] = llm.chat(conversation, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    rendered = llm.get_tokenizer().apply_chat_template(conversation, add_generation_prompt=False,
+                                                       continue_final_message=True)
+    assert output.prompt_token_ids == rendered
+    assert llm.get_tokenizer().decode(rendered).endswith("An apple a day keeps the")  # no end-of-turn after it
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.chat(conversation, GREEDY, continue_final_message=True)  # add_generation_prompt defaults to True
+    assert caught.value.param == "continue_final_message"
+
+
 def test_streaming_deltas_concatenate_to_the_text(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=20)
     deltas = list(llm.stream("Write a haiku about autumn:", params))
