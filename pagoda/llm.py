@@ -119,6 +119,22 @@ class LLM:
                                                      c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason)
                                   for c in output.outputs]) for output in outputs]
 
+    # vLLM's pooling API: present, so that a ported script fails with a reason rather than an AttributeError
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        _no_pooling("encode")
+
+    def embed(self, *args: Any, **kwargs: Any) -> Any:
+        _no_pooling("embed")
+
+    def classify(self, *args: Any, **kwargs: Any) -> Any:
+        _no_pooling("classify")
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        _no_pooling("score")
+
+    def reward(self, *args: Any, **kwargs: Any) -> Any:
+        _no_pooling("reward")
+
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Generate one prompt, yielding text as it is produced (the demo and tests use it)."""
         engine = self.engine
@@ -144,6 +160,11 @@ class LLM:
                 self.engine.pop_output(request_id)
             raise
         return request_ids
+
+
+def _no_pooling(method: str) -> None:
+    raise NotImplementedError(f"LLM.{method} is vLLM's pooling API, which pagoda does not implement: it serves "
+                              "generative models only (generate, chat, beam_search)")
 
 
 def _dict_prompt(prompt: PromptDict) -> Prompt:

@@ -269,6 +269,12 @@ def test_chat_continues_the_final_message(llm: LLM) -> None:
     assert caught.value.param == "continue_final_message"
 
 
+@pytest.mark.parametrize("method", ["encode", "embed", "classify", "score", "reward"])
+def test_pooling_methods_say_they_are_not_implemented(llm: LLM, method: str) -> None:
+    with pytest.raises(NotImplementedError, match=f"LLM.{method} .*generative models only"):
+        getattr(llm, method)(["hello"])
+
+
 def test_streaming_deltas_concatenate_to_the_text(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=20)
     deltas = list(llm.stream("Write a haiku about autumn:", params))
