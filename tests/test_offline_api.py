@@ -239,6 +239,22 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert caught.value.param == "messages"
 
 
+def test_get_tokenizer_answers_as_a_hugging_face_tokenizer(llm: LLM) -> None:
+    """What scripts written for vLLM's LLM.get_tokenizer() (a Hugging Face tokenizer) call: the chat template as
+    text (tokenize=False), len(), and the tokenizer's other methods and attributes."""
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hello"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert isinstance(text, str) and "Hello" in text
+    assert tokenizer.encode(text, add_special_tokens=False) == tokenizer.apply_chat_template(messages)
+    assert len(tokenizer) == tokenizer.vocab_size == len(tokenizer.hf)
+    ids = tokenizer.encode("Paris")
+    assert tokenizer.convert_ids_to_tokens(ids) == tokenizer.hf.convert_ids_to_tokens(ids)
+    assert tokenizer.eos_token == tokenizer.hf.eos_token
+    with pytest.raises(AttributeError):
+        tokenizer.no_such_method  # noqa: B018 - the attribute access is the test
+
+
 def test_generate_takes_vllms_prompt_dicts_and_use_tqdm(llm: LLM) -> None:
     """vLLM's TextPrompt / TokensPrompt dicts, alone or mixed with plain prompts, and its use_tqdm keyword."""
     text = "The capital of France is"

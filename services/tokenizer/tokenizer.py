@@ -146,11 +146,25 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Prompt token ids for a chat; the template writes the special tokens, so encode adds none."""
+                            chat_template_kwargs: dict[str, Any] | None = None, *,
+                            tokenize: bool = True) -> list[int] | str:
+        """Prompt token ids for a chat (the template writes the special tokens, so encode adds none), or with
+        tokenize=False its text, as a Hugging Face tokenizer's apply_chat_template gives (what scripts written for
+        vLLM's LLM.get_tokenizer() call)."""
         text = self.render_chat(messages, add_generation_prompt, tools, continue_final_message,
                                 chat_template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def __len__(self) -> int:
+        """Token ids, added tokens included (len() of a Hugging Face tokenizer)."""
+        return self._vocab_size
+
+    def __getattr__(self, name: str) -> Any:
+        """What this class does not define, from the Hugging Face tokenizer it wraps (convert_ids_to_tokens,
+        batch_decode, pad_token_id, ...): LLM.get_tokenizer() stands where vLLM's returns that tokenizer."""
+        if name.startswith("_"):  # private names (and those looked up before __init__ set _hf) are not delegated
+            raise AttributeError(name)
+        return getattr(self._hf, name)
 
 
 def validate_messages(messages: object) -> list[dict[str, Any]]:
