@@ -83,6 +83,8 @@ class EngineConfig:
             raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}", param=unknown[0])
         if isinstance(kwargs.get("kv_cache_memory"), str):
             kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"])
+        if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's "not seeded": requests without a seed are random
+            del kwargs["seed"]  # here anyway; the engine seed only draws dummy weights
         return cls(**kwargs)
 
     def resolved_max_inflight_plans(self, device: str) -> int:

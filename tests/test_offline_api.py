@@ -136,6 +136,15 @@ def test_unknown_model_path_names_the_model(tmp_path: Path) -> None:
     assert config_error.value.param == "no_such_argument"
 
 
+def test_engine_seed_none_is_vllms_unseeded() -> None:
+    """LLM(seed=None), vLLM's "not seeded": the default engine seed (it only draws dummy weights; requests without
+    a seed of their own sample fresh randomness either way). It was a bare TypeError."""
+    from pagoda.shared.config import EngineConfig
+
+    assert EngineConfig.from_kwargs(model="tiny", seed=None).seed == EngineConfig(model="tiny").seed
+    assert EngineConfig.from_kwargs(model="tiny", seed=7).seed == 7
+
+
 def test_n_completions_share_the_prompt_and_differ(llm: LLM) -> None:
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     [output] = llm.generate(["Once upon a time"], params)
