@@ -17,6 +17,7 @@ from pagoda.shared.errors import ConfigError
 ENV_PREFIX = "PAGODA_"
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names for two of them
 LOAD_FORMATS = ("auto", "dummy")
 # fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales; fp8_block: scales per row and
 # 128 columns, activations per token and 128 columns (the layout and GEMM of 128x128 block-wise checkpoints)
@@ -54,8 +55,10 @@ class EngineConfig:
     grammar_fast_forward: bool = True  # the tokens a grammar forces at its start join the prefill (no step each)
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype")
+            raise ConfigError(f"dtype must be one of {DTYPES} (or {', '.join(DTYPE_ALIASES)}), got {self.dtype!r}",
+                              param="dtype")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}", param="load_format")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):

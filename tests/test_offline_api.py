@@ -145,6 +145,17 @@ def test_engine_seed_none_is_vllms_unseeded() -> None:
     assert EngineConfig.from_kwargs(model="tiny", seed=7).seed == 7
 
 
+def test_vllms_dtype_aliases() -> None:
+    """vLLM's dtype names half and float are float16 and float32; other names are refused naming dtype."""
+    from pagoda.shared.config import EngineConfig
+
+    assert EngineConfig.from_kwargs(model="tiny", dtype="half").dtype == "float16"
+    assert EngineConfig.from_kwargs(model="tiny", dtype="float").dtype == "float32"
+    with pytest.raises(ConfigError) as caught:
+        EngineConfig.from_kwargs(model="tiny", dtype="fp64")
+    assert caught.value.param == "dtype"
+
+
 def test_n_completions_share_the_prompt_and_differ(llm: LLM) -> None:
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     [output] = llm.generate(["Once upon a time"], params)
