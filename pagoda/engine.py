@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pagoda.outputs import CompletionOutput, RequestOutput, StreamDelta
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from pagoda.services.grammar.compiler import GrammarChecker, ending_ids, fast_forward_tokens
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
@@ -86,6 +86,7 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config)
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs' decoded_token
         arch = self.runner.arch
         eos_ids = eos_token_ids(arch, self.tokenizer.eos_token_id if self.tokenizer is not None else None)
         device = self.runner.device.type
@@ -259,14 +260,33 @@ class LLMEngine:
         self.runner.discard_launched()
         self.pipeline.cancel()
 
-    @staticmethod
-    def _add_prompt_scores(output: RequestOutput, scores: PromptScores) -> None:
+    def _add_prompt_scores(self, output: RequestOutput, scores: PromptScores) -> None:
         assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == scores.first
-        for token_id, logprob, top_ids, top_logprobs in zip(scores.token_ids, scores.logprobs, scores.top_token_ids,
-                                                            scores.top_logprobs, strict=True):
-            entry = dict(zip(top_ids, top_logprobs, strict=True))
-            entry[token_id] = logprob
-            output.prompt_logprobs.append(entry)
+        ranks = scores.ranks or [None] * len(scores.token_ids)
+        for token_id, logprob, top_ids, top_logprobs, rank in zip(scores.token_ids, scores.logprobs,
+                                                                  scores.top_token_ids, scores.top_logprobs, ranks,
+                                                                  strict=True):
+            output.prompt_logprobs.append(self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs))
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int | None, top_ids: list[int],
+                       top_logprobs: list[float]) -> dict[int, Logprob]:
+        """{token id: Logprob} for a chosen token and the top k of its distribution (ranked 1..k), vLLM's order:
+        the chosen token first, unless it is among the top k."""
+        chosen = Logprob(logprob, rank, self._token_text(token_id))
+        entry = {token_id: chosen}
+        for place, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
+            entry[top_id] = Logprob(top_logprob, place, self._token_text(top_id))
+        entry[token_id] = chosen
+        return entry
+
+    def _token_text(self, token_id: int) -> str | None:
+        """A token's own text (vLLM's decoded_token), cached; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _apply_quietly(self, updates: list[SeqUpdate], result: StepResult) -> None:
         """The updates without deltas: a running token of a silent completion costs a set lookup (catch_up copies
@@ -317,17 +337,16 @@ class LLMEngine:
         return StreamDelta(request_id=output.request_id, index=seq.index, text=text,
                            token_ids=new_tokens, finish_reason=completion.finish_reason)
 
-    @staticmethod
-    def _add_logprobs(completion: CompletionOutput, update: SeqUpdate, result: StepResult) -> None:
+    def _add_logprobs(self, completion: CompletionOutput, update: SeqUpdate, result: StepResult) -> None:
         if not result.sampled_logprobs:
             return
         assert completion.logprobs is not None
         row = update.result_index
-        entry = {update.token_id: result.sampled_logprobs[row]}
-        entry.update(zip(result.top_token_ids[row], result.top_logprobs[row], strict=True))
-        entry[update.token_id] = result.sampled_logprobs[row]
-        completion.logprobs.append(entry)
-        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + result.sampled_logprobs[row]
+        logprob = result.sampled_logprobs[row]
+        rank = result.sampled_ranks[row] if result.sampled_ranks else None
+        completion.logprobs.append(self._logprob_entry(update.token_id, logprob, rank, result.top_token_ids[row],
+                                                       result.top_logprobs[row]))
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + logprob
 
 
 def is_model_reference(model: str) -> bool:

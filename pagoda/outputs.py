@@ -5,6 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """A token's logprob as vLLM's offline API gives it (`.logprob`, `.rank`, `.decoded_token`), and still the float
+    it was before (arithmetic, comparisons, json). rank: the token's place in its distribution, 1 for the likeliest
+    (None where unknown); decoded_token: its text (None for a model without a tokenizer)."""
+
+    __slots__ = ("rank", "decoded_token")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        value = super().__new__(cls, logprob)
+        value.rank, value.decoded_token = rank, decoded_token
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One of a request's n completions."""
@@ -13,8 +38,8 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
-    # per generated token: {token id: logprob} for the sampled token plus the top-k asked for
-    logprobs: list[dict[int, float]] | None = None
+    # per generated token: {token id: Logprob} for the sampled token plus the top-k asked for
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it, else None
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty, its rank
@@ -31,8 +56,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # prompt_logprobs: per prompt token, None for the first, then {token id: logprob} for it plus the top k
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt_logprobs: per prompt token, None for the first, then {token id: Logprob} for it plus the top k
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

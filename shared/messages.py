@@ -369,6 +369,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     prompt_scores: list[PromptScores] = []  # requests with prompt_logprobs whose prompt ran this step
     failed: list[RowFailure] = []  # sequences dropped from this step alone (not in seq_ids)
     beam_candidates: list[BeamCandidates] = []  # one per BeamGroup of the plan that ran
+    sampled_ranks: list[int] = []  # aligned with sampled_logprobs: each token's rank in its distribution (1: first)
 
 # worker -> scheduler (besides StepResult)
 

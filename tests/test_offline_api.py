@@ -4,12 +4,13 @@ n > 1, logprobs, stop strings, seeds and chat behave as documented."""
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pagoda import LLM, ContextLengthError, InvalidRequestError, ModelNotFoundError, SamplingParams
+from pagoda import LLM, ContextLengthError, InvalidRequestError, Logprob, ModelNotFoundError, SamplingParams
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import StructuredOutputs
 
@@ -191,6 +192,38 @@ def test_logprobs_are_consistent(llm: LLM) -> None:
         assert all(value <= 0.0 for value in entry.values())
         total += entry[token_id]
     assert completion.cumulative_logprob == pytest.approx(total)
+
+
+def _assert_ranked(entry: dict[int, Logprob], chosen_id: int, k: int) -> bool:
+    """An entry holds the top k ranked 1..k, likeliest first, and the chosen token; True if that one ranks past k."""
+    chosen = entry[chosen_id]
+    assert isinstance(chosen, Logprob) and chosen.logprob == float(chosen) and chosen.rank is not None
+    by_rank = sorted(entry.values(), key=lambda value: value.rank)
+    assert [value.rank for value in by_rank][:k] == list(range(1, k + 1))
+    assert all(a.logprob >= b.logprob for a, b in zip(by_rank, by_rank[1:], strict=False))
+    assert len(entry) == k + int(chosen.rank > k)
+    return chosen.rank > k
+
+
+def test_logprobs_are_vllm_logprob_objects(llm: LLM) -> None:
+    """vLLM's offline API gives Logprob objects (.logprob, .rank, .decoded_token); pagoda's are those and floats."""
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=1.5, seed=7, max_tokens=12, logprobs=2, prompt_logprobs=2)
+    [output] = llm.generate(["Once upon a time"], params)
+    completion = output.outputs[0]
+    assert completion.logprobs is not None
+    past_top = [_assert_ranked(entry, token_id, 2)
+                for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True)]
+    assert any(past_top), "temperature 1.5 never sampled past the top two: no rank past k was checked"
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert entry[token_id].decoded_token == tokenizer.decode([token_id], skip_special_tokens=False)
+    assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+    for token_id, prompt_entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True):
+        assert prompt_entry is not None
+        _assert_ranked(prompt_entry, token_id, 2)
+    roundtrip = pickle.loads(pickle.dumps(completion.logprobs[0]))
+    assert {key: (value.logprob, value.rank, value.decoded_token) for key, value in roundtrip.items()} == {
+        key: (value.logprob, value.rank, value.decoded_token) for key, value in completion.logprobs[0].items()}
 
 
 def test_stop_string_cuts_the_text_and_ends_the_sequence(llm: LLM) -> None:

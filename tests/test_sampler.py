@@ -408,6 +408,9 @@ def test_logprobs_are_of_raw_logits(temperature: float) -> None:
     assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
     torch.testing.assert_close(out.top_logprobs, expected.gather(1, out.top_token_ids))
     torch.testing.assert_close(out.top_logprobs, expected.topk(num_top, dim=-1).values)
+    for row in range(num_rows):  # the sampled token's rank: 1 + how many tokens the raw distribution puts above it
+        chosen = expected[row, out.token_ids[row]].item()
+        assert out.ranks[row].item() == sum(value >= chosen for value in expected[row].tolist())
 
 
 def test_logprobs_zero_and_none() -> None:

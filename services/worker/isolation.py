@@ -69,7 +69,8 @@ def _concat(outputs: list[SamplerOutput]) -> SamplerOutput:
         return first
     cat = lambda name: None if getattr(first, name) is None else torch.cat(  # noqa: E731
         [getattr(out, name) for out in outputs])
-    return SamplerOutput(cat("token_ids"), cat("logprobs"), cat("top_token_ids"), cat("top_logprobs"))
+    return SamplerOutput(cat("token_ids"), cat("logprobs"), cat("top_token_ids"), cat("top_logprobs"),
+                         cat("ranks"))
 
 
 class InjectedFault(RuntimeError):

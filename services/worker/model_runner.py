@@ -96,6 +96,7 @@ class LaunchedStep:
     logprobs: torch.Tensor | None = None  # [S] fp32, host, when some row asked
     top_token_ids: torch.Tensor | None = None  # [S, k] int64, host
     top_logprobs: torch.Tensor | None = None  # [S, k] fp32, host
+    ranks: torch.Tensor | None = None  # [S] int64, host: each sampled token's rank (1: the likeliest)
     num_logprobs: list[int] = field(default_factory=list)  # [S] top-k each row asked for (-1: none)
     prompt_scores: list[PromptScores] = field(default_factory=list)
     event: torch.cuda.Event | None = None  # CUDA: recorded after the copies to the host
@@ -674,6 +675,8 @@ class ModelRunner:
             step.logprobs = to_host(output.logprobs, "sampled_logprobs")
             step.top_token_ids = to_host(output.top_token_ids, "top_token_ids")
             step.top_logprobs = to_host(output.top_logprobs, "top_logprobs")
+            if output.ranks is not None:
+                step.ranks = to_host(output.ranks, "sampled_ranks")
             step.num_logprobs = state.num_logprobs[sampled_rows].tolist()
 
     def _select_beams(self, step: LaunchedStep, host: HostBatch, logits: torch.Tensor) -> np.ndarray:
@@ -943,6 +946,7 @@ class ModelRunner:
         return StepResult(
             step_id=plan.step_id, seq_ids=step.seq_ids, sampled_token_ids=token_ids,
             sampled_logprobs=step.logprobs.tolist(),
+            sampled_ranks=step.ranks.tolist() if step.ranks is not None else [],
             top_token_ids=[ids[:max(k, 0)] for ids, k in zip(top_ids, wanted, strict=True)],
             top_logprobs=[lps[:max(k, 0)] for lps, k in zip(top_logprobs, wanted, strict=True)],
             prompt_scores=step.prompt_scores)

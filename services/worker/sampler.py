@@ -73,6 +73,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [B] float32 logprob of the sampled token
     top_token_ids: torch.Tensor | None  # [B, k] int64
     top_logprobs: torch.Tensor | None  # [B, k] float32
+    ranks: torch.Tensor | None = None  # [B] int64: the sampled token's rank in the raw distribution (1: likeliest)
 
 
 class Sampler:
@@ -359,7 +360,8 @@ def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     logprobs = torch.log_softmax(raw_logits, dim=-1, dtype=torch.float32)  # [B, V] fp32, from any float dtype
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
     top_logprobs, top_token_ids = logprobs.topk(max_num_logprobs, dim=-1)  # [B, k], [B, k] int64
-    return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)
+    ranks = (logprobs >= sampled[:, None]).sum(dim=-1)  # [B]: 1 for the likeliest, as the prompt's ranks (vLLM's)
+    return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs, ranks)
 
 
 # ---------------------------------------------------------------------------------------------
