@@ -344,6 +344,7 @@ class RowFailure(msgspec.Struct, array_like=True, frozen=True, gc=False):
     seq_id: int
     status: int  # 400: its values; 500: the worker failed on it
     message: str
+    param: str = ""  # a 400's request field, as the error's `param` (empty: none named)
 
 
 class BeamCandidates(msgspec.Struct, array_like=True, frozen=True, gc=False):

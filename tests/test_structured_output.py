@@ -457,7 +457,8 @@ def test_an_allow_list_that_runs_out_mid_grammar_is_a_400_and_the_server_serves_
             "allowed_token_ids": r}
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
-    assert "allowed_token_ids leave no token" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert "allowed_token_ids leave no token" in error["message"] and error["param"] == "allowed_token_ids"
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert any("allowed_token_ids leave no token" in event for event in events), events

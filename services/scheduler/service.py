@@ -663,7 +663,8 @@ class SchedulerService:
             if identity is not None:
                 status = failure.status if failure.status in (400, 500) else 500
                 self._fail(identity, request_id, status, failure.message,
-                           "invalid_request_error" if status == 400 else "server_error")
+                           "invalid_request_error" if status == 400 else "server_error",
+                           param=failure.param if status == 400 and failure.param else None)
             self._abort(request_id)
 
     def _send_deltas(self, updates: list[SeqUpdate], result: StepResult) -> int:

@@ -50,7 +50,7 @@ import torch
 from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.hf_tokenizer import tokenizer_folder
-from pagoda.shared.messages import NewRequest, StepPlan, StructuredOutputs
+from pagoda.shared.messages import NewRequest, RowFailure, StepPlan, StructuredOutputs
 from pagoda.shared.shapes import ModelArch
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,15 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
 # why a constrained row that its allow-list leaves without a token fails (the tokenizer refuses a list that fits
 # no start of the grammar; a later token can still fall outside it)
 NO_TOKEN_LEFT = "allowed_token_ids leave no token that the structured output allows next"
+# the failures that come from the request's own values, with the field to name (a 400); any other reason is the
+# grammar process's failure (a 500). The reasons cross from the grammar process as text.
+REQUEST_FAULTS = {NO_TOKEN_LEFT: "allowed_token_ids"}
+
+
+def row_failure(seq_id: int, why: str) -> RowFailure:
+    """A constrained row's failure as the step result reports it."""
+    param = REQUEST_FAULTS.get(why)
+    return RowFailure(seq_id, 400 if param is not None else 500, why, param or "")
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from pagoda.kernels.paged_attention import fold_counters, quant_counters
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
-from pagoda.services.worker.grammar import NO_TOKEN_LEFT, GrammarMasks, GrammarRows, grammar_tokenizer_loader
+from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, grammar_tokenizer_loader, row_failure
 from pagoda.services.worker.grammar_process import MaskJob, MaskProcess, grammar_rows
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
 from pagoda.services.worker.models import AttentionMetadata, CausalLM, Ops, TensorParallel
@@ -990,15 +990,14 @@ class ModelRunner:
         """Sequences the grammar process lost (or whose matcher it could not build; 500), or whose grammar and
         allowed_token_ids left no token to sample (400): they end with an error in this step's result, unsampled,
         and leave the worker; the step's other rows go on."""
-        failures = self.grammars.take_failures()
-        for seq_id, message in failures:
-            status = 400 if message == NO_TOKEN_LEFT else 500  # the request's own values, or the grammar process
-            log.log(logging.INFO if status == 400 else logging.ERROR, "step %d: sequence %d: %s",
-                    step.plan.step_id, seq_id, message)
-            step.failed.append(RowFailure(seq_id, status, message))
+        failures = [row_failure(seq_id, why) for seq_id, why in self.grammars.take_failures()]
+        for failure in failures:
+            log.log(logging.INFO if failure.status == 400 else logging.ERROR, "step %d: sequence %d: %s",
+                    step.plan.step_id, failure.seq_id, failure.message)
+        step.failed += failures
         if failures:
-            self._drop([seq_id for seq_id, _ in failures])
-        return {seq_id for seq_id, _ in failures}
+            self._drop([failure.seq_id for failure in failures])
+        return {failure.seq_id for failure in failures}
 
     def _grammar_masks(self, seq_ids: list[int]) -> GrammarMasks | None:
         """The sampled rows' grammar masks: the deferred step's job's (started by resume), or filled now."""
