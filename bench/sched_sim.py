@@ -3,7 +3,7 @@ sequences it preempts and how many prompt tokens it recomputes, and a throughput
 fitted to one H200 run.
 
     python -m pagoda.bench.sched_sim --workload trtllm-1000 [--num-prompts 3000] [--num-blocks 117836]
-        [--max-num-seqs 1024] [--max-num-batched-tokens 16384] [--attention-tbps 2.72]
+        [--max-num-seqs 1024] [--max-num-batched-tokens 16384] [--attention-tbps 2.72] [--swap-gib 16]
 
 The scheduler (services/scheduler/scheduler.py) is pure logic: this drives schedule() -> a fake worker that samples
 one token per finished row -> update() until every request is done, exactly as the engine's loop does (one plan in
@@ -13,7 +13,9 @@ flight). Measured against the real run (H200, 2026-12-03, llama3-8b FP8 + FP8 KV
 The estimate (ModelCost's defaults, fitted to that run): a decode step costs a fixed 2.2 ms (weights), 12.8 us a
 row (FP8 GEMMs at ~1,250 TFLOP/s) and its cached tokens' KV bytes at 2.72 TB/s; a prefill-carrying step 15.4 us a
 prefill token. It reproduces that run's 68.6 s of GPU time by construction; use it to compare schedules and to see
-which term a target needs, not as a measurement.
+which term a target needs, not as a measurement. Swapped blocks (--swap-gib, the worker's host slots: preempted
+sequences copied out and back instead of recomputed) cost their bytes at swap_bytes_per_s each way (an assumed
+40 GB/s over PCIe 5, not measured here), serialized with the steps as the worker runs them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ModelCost:
     kv_bytes_per_token: int = 65536
     attention_bytes_per_s: float = 2.72e12
     prefill_token_s: float = 15.4e-6
+    swap_bytes_per_s: float = 40e9  # host <-> device copies of swapped blocks (assumed, see the module docstring)
 
 
 @dataclass(slots=True)
@@ -48,11 +51,14 @@ class SimResult:
     decode_rows: int = 0  # rows over every decode step
     decode_context_tokens: int = 0  # cached tokens read over every decode step
     preemptions: int = 0
+    swapped: int = 0  # of the preemptions, those copied to host slots
+    swapped_block_copies: int = 0  # blocks copied out plus blocks copied back
 
-    def estimate_s(self, cost: ModelCost) -> float:
+    def estimate_s(self, cost: ModelCost, block_size: int = 16) -> float:
         decode = (self.decode_steps * cost.decode_fixed_s + self.decode_rows * cost.decode_row_s
                   + self.decode_context_tokens * cost.kv_bytes_per_token / cost.attention_bytes_per_s)
-        return decode + self.prefill_tokens * cost.prefill_token_s
+        swap = self.swapped_block_copies * block_size * cost.kv_bytes_per_token / cost.swap_bytes_per_s
+        return decode + self.prefill_tokens * cost.prefill_token_s + swap
 
 
 class _Worker:
@@ -77,12 +83,13 @@ class _Worker:
 
 
 def simulate(num_prompts: int, input_len: int, output_len: int, *, num_blocks: int, max_num_seqs: int,
-             max_num_batched_tokens: int, block_size: int = 16, seed: int = 0) -> SimResult:
+             max_num_batched_tokens: int, block_size: int = 16, seed: int = 0,
+             num_swap_blocks: int = 0) -> SimResult:
     """Run the workload through a fresh Scheduler (random prompts: no prefix hits; EOS ignored)."""
     rng = random.Random(seed)
     sched = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=input_len + output_len + block_size,
-                      vocab_size=100_000, eos_token_ids=(1,))
+                      vocab_size=100_000, eos_token_ids=(1,), num_swap_blocks=num_swap_blocks)
     for index in range(num_prompts):
         sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         sched.add_request(Request(request_id=f"r{index}", sampling=sampling, arrival_time=float(index),
@@ -92,6 +99,7 @@ def simulate(num_prompts: int, input_len: int, output_len: int, *, num_blocks: i
         plan = sched.schedule()
         context = sum(worker.lengths[s][0] for s in plan.seq_ids if s in worker.lengths)
         sched.update(plan, worker.run(plan))
+        result.swapped_block_copies += (len(plan.swap_out) + len(plan.swap_in)) // 2
         prefill = [count for count in plan.num_scheduled_tokens if count > 1]
         if prefill:
             result.mixed_steps += 1
@@ -101,6 +109,7 @@ def simulate(num_prompts: int, input_len: int, output_len: int, *, num_blocks: i
             result.decode_rows += len(plan.seq_ids)
             result.decode_context_tokens += context
     result.preemptions = sched.stats.num_preemptions
+    result.swapped = sched.stats.num_swapped
     return result
 
 
@@ -113,12 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16_384, help="the offline engine's on CUDA")
     parser.add_argument("--attention-tbps", type=float, default=ModelCost().attention_bytes_per_s / 1e12,
                         help="what-if: the decode attention's rate on KV bytes (TB/s; default: the fitted 2.72)")
+    parser.add_argument("--swap-gib", type=float, default=16.0,
+                        help="host swap space (the engine's --swap-space; default 16, as on CUDA; 0: recompute)")
     args = parser.parse_args(argv)
     workload = preset(args.workload, num_prompts=args.num_prompts)
     seats = args.max_num_seqs or ENGINE_DEFAULTS.get(args.workload, {}).get("max_num_seqs", 256)
-    result = simulate(workload.num_prompts, workload.input_len, workload.output_len, num_blocks=args.num_blocks,
-                      max_num_seqs=seats, max_num_batched_tokens=args.max_num_batched_tokens)
     cost = ModelCost(attention_bytes_per_s=args.attention_tbps * 1e12)
+    block_bytes = 16 * cost.kv_bytes_per_token
+    result = simulate(workload.num_prompts, workload.input_len, workload.output_len, num_blocks=args.num_blocks,
+                      max_num_seqs=seats, max_num_batched_tokens=args.max_num_batched_tokens,
+                      num_swap_blocks=int(args.swap_gib * (1 << 30)) // block_bytes)
     seconds = result.estimate_s(cost)
     print(json.dumps(asdict(result)))
     print(f"estimated {seconds:.1f} s of GPU time: {workload.num_prompts * workload.output_len / seconds:,.0f} out "

@@ -95,7 +95,7 @@ class LLMEngine:
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(device),
             max_model_len=self.runner.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos_ids,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_inflight_plans=config.resolved_max_inflight_plans(device))
+            max_inflight_plans=config.resolved_max_inflight_plans(device), num_swap_blocks=self.runner.num_swap_blocks)
         self.pipeline = PlanPipeline(self.scheduler)
         self._outputs: dict[str, RequestOutput] = {}
         self._completions: dict[int, _Completion] = {}  # seq id -> its output and text, while it runs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import types
@@ -41,6 +42,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: a fraction of device memory
     gpu_memory_utilization: float = 0.90  # fraction of device memory the worker may use on CUDA
     num_kv_blocks: int | None = None  # overrides both memory settings (tests, benchmarks)
+    # GiB of host memory per worker rank for preempted sequences' KV blocks, copied out and back instead of being
+    # recomputed (vLLM's --swap-space); None: DEFAULT_SWAP_GIB on CUDA (at most an eighth of the free RAM shared
+    # by the ranks), none on CPU; 0: always recompute
+    swap_space: float | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 8192 on CUDA (16384 offline), 2048 on CPU
@@ -74,6 +79,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
                               param="kv_cache_dtype")
+        if self.swap_space is not None and not (math.isfinite(self.swap_space) and self.swap_space >= 0):
+            raise ConfigError("swap_space must be a number of GiB >= 0", param="swap_space")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
 
@@ -108,6 +115,16 @@ class EngineConfig:
         overlapped = self.resolved_max_inflight_plans(device) == 2  # serial steps fill masks inline: no gain
         return device.startswith("cuda") and num_cpus >= GRAMMAR_PROCESS_MIN_CPUS and overlapped
 
+    def resolved_swap_bytes(self, device: str, free_ram: int) -> int:
+        """Host bytes one worker rank keeps for swapped-out KV blocks. Unset: DEFAULT_SWAP_GIB on CUDA, capped at an
+        eighth of the free RAM shared among the ranks (pinned memory is taken from every other process); on CPU
+        the cache already is host memory, so none unless asked (tests ask)."""
+        if self.swap_space is not None:
+            return int(self.swap_space * (1 << 30))
+        if not device.startswith("cuda"):
+            return 0
+        return min(int(DEFAULT_SWAP_GIB * (1 << 30)), free_ram // (8 * self.tensor_parallel_size))
+
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":
             return self.dtype
@@ -124,6 +141,7 @@ class EngineConfig:
         return 16384 if offline else 8192
 
 
+DEFAULT_SWAP_GIB = 16.0  # host swap space per CUDA worker rank when swap_space is unset
 GRAMMAR_PROCESS_MIN_CPUS = 4  # the step loop, the grammar process and its fill threads each want a core
 
 
@@ -311,6 +329,9 @@ _FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "as
 _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
+    "swap_space": "GiB of pinned host memory per worker rank that preempted sequences' KV blocks are copied to and "
+                  "back from instead of being recomputed (default: 16 on CUDA, at most an eighth of the free RAM; "
+                  "none on CPU; 0: always recompute)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer --api-key-file or "
                "PAGODA_API_KEY)",
     "api_key_file": "read the API key from this file (or set PAGODA_API_KEY)",

@@ -313,6 +313,10 @@ class StepPlan(msgspec.Struct, tag="plan", array_like=True, omit_defaults=True, 
     block_copies: list[int] = []  # (source, destination) KV block pairs, flattened: copied before the forward
     beam_groups: list[BeamGroup] = []  # beam searches sampling this step (not in sampled_token_ids)
     seq: int = -1  # place in the scheduler's sequenced stream to the workers (shared/delivery.py); -1: none
+    # preemption by swap, run first (the blocks they free or fill may be any other list's): (device block, host
+    # slot) pairs copied to the host, then (host slot, device block) pairs copied back, flattened
+    swap_out: list[int] = []
+    swap_in: list[int] = []
 
 
 class GrammarDef(msgspec.Struct, tag="grammar", array_like=True, omit_defaults=True, frozen=True):
@@ -386,6 +390,7 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="ready", frozen=True):
     eos_token_ids: list[int]
     max_num_batched_tokens: int  # the token budget per step resolved for the worker's device
     max_inflight_plans: int = 1  # 2: async scheduling (the worker resolved it for its device), 1: serial
+    num_swap_blocks: int = 0  # host slots of one KV block each for preempted sequences (swap space; 0: none)
 
 
 class Heartbeat(msgspec.Struct, array_like=True, tag="hb", frozen=True):
@@ -753,6 +758,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     tenant_running: list[int] = []  # sequences running now
     tenant_admitted_total: list[int] = []  # requests admitted (first time) so far
     tenant_queue_seconds_total: list[float] = []  # their time from arrival to first admission, summed
+    num_swapped_total: int = 0  # of the preemptions, those whose blocks went to host memory (not recomputed)
 
 
 class ReplicaAddress(msgspec.Struct, array_like=True, frozen=True):

@@ -58,7 +58,8 @@ HEARTBEAT_S = 0.1
 MAX_MODEL_LEN = 2048
 FAKE_STATS = SchedulerStats(
     time=0.0, num_running=3, num_waiting=2, kv_blocks_free=90, kv_blocks_total=100, kv_cache_usage=0.1,
-    prefix_hit_tokens_total=40, prefix_query_tokens_total=100, num_preemptions_total=1, prompt_tokens_total=1234,
+    prefix_hit_tokens_total=40, prefix_query_tokens_total=100, num_preemptions_total=1, num_swapped_total=1,
+    prompt_tokens_total=1234,
     generation_tokens_total=567, num_steps_total=10, worker_ready=True, worker_alive=True,
     tokenizer_ids=["fake-tok", "fake-tok-2"], tokenizer_requests_total=[7, 0], max_model_len=MAX_MODEL_LEN)
 
@@ -654,7 +655,7 @@ def test_metrics(stack: Stack) -> None:
     assert values["pagoda_kv_blocks_free"] == 90 and values["pagoda_kv_blocks_total"] == 100
     assert values["pagoda_prefix_cache_hit_tokens_total"] == 40
     assert values["pagoda_prefix_cache_query_tokens_total"] == 100
-    assert values["pagoda_num_preemptions_total"] == 1
+    assert values["pagoda_num_preemptions_total"] == 1 and values["pagoda_num_swapped_preemptions_total"] == 1
     assert values["pagoda_prompt_tokens_total"] == 1234 and values["pagoda_generation_tokens_total"] == 567
     for name in ("pagoda_time_to_first_token_seconds", "pagoda_inter_token_latency_seconds",
                  "pagoda_e2e_request_latency_seconds"):

@@ -194,6 +194,24 @@ def test_async_equals_serial_on_cuda_with_graphs(shape: str) -> None:
 
 
 @pytest.mark.gpu
+def test_swapped_preemption_equals_recompute_on_cuda() -> None:
+    """CUDA: preempted sequences' blocks copied to pinned host slots and back on the step's stream (async
+    scheduling, CUDA graphs) give the outputs a recompute gives."""
+    many = [[(11 * i + 5 * j) % (VOCAB - 10) + 5 for j in range(3 + 7 * i)] for i in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, logprobs=1),
+              SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=33)] * 12
+    runs = {}
+    for swap_space in (0.0, 0.5):
+        llm = LLM("tiny", max_model_len=512, seed=0, max_num_seqs=32, num_kv_blocks=64, swap_space=swap_space)
+        runs[swap_space] = summary(llm.generate(many, params))
+        stats = llm.engine.scheduler.stats
+        assert stats.num_preemptions > 0 and (stats.num_swapped > 0) == (swap_space > 0)
+    assert [[c[:4] for c in completions] for _, completions in runs[0.5]] == \
+        [[c[:4] for c in completions] for _, completions in runs[0.0]]
+    assert_close_logprobs(runs[0.5], runs[0.0], tolerance=0.05)
+
+
+@pytest.mark.gpu
 def test_no_triton_compile_after_start_up() -> None:
     """The start-up warm-ups compile every kernel variant serving launches: batches of odd sizes, sampled settings
     with penalties, prompts served whole from the prefix cache (eager decode-only batches), a long one alone."""

@@ -187,6 +187,26 @@ def test_prompt_logprobs_survive_preemption(smollm2_dir: Path, prompts) -> None:
             assert b.prompt_logprobs[i][prompt[i]] == pytest.approx(a.prompt_logprobs[i][prompt[i]], abs=1e-4)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_swapped_preemption_gives_the_unhurried_outputs(smollm2_dir: Path, prompts,  # noqa: ANN001
+                                                        async_scheduling: bool) -> None:
+    """Preempted sequences' blocks go to host slots and come back (swap space) instead of being recomputed: the
+    same tokens and logprobs as a run with room for all, serial and with a step in flight at each preemption."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    prompts = prompts[6:12]  # 64-230 tokens: ~60 blocks wanted against 40
+    calm = LLM(str(smollm2_dir), enable_prefix_caching=False).generate(prompts, params)
+    swapping = LLM(str(smollm2_dir), num_kv_blocks=40, swap_space=0.25, async_scheduling=async_scheduling,
+                   enable_prefix_caching=False)  # no prefix hits: every block comes back by copy
+    pressed = swapping.generate(prompts, params)
+    stats = swapping.engine.scheduler.stats
+    assert stats.num_swapped > 0 and swapping.engine.runner.num_swap_blocks > 0
+    for a, b in zip(calm, pressed, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-3)
+    swapping.engine.scheduler.host.settle()
+    assert swapping.engine.scheduler.host.num_free_blocks == swapping.engine.scheduler.host.num_blocks
+
+
 def _spy_logits(llm: LLM) -> list[torch.Tensor]:
     """Capture the logits the runner hands its sampler."""
     captured: list[torch.Tensor] = []

@@ -27,3 +27,14 @@ def test_a_tight_cache_preempts_and_recomputes() -> None:
     assert tight.estimate_s(cost) > ample.estimate_s(cost)
     faster_attention = replace(cost, attention_bytes_per_s=2 * cost.attention_bytes_per_s)
     assert ample.estimate_s(faster_attention) < ample.estimate_s(cost)
+
+
+def test_swap_space_copies_instead_of_recomputing() -> None:
+    tight = simulate(40, 100, 50, num_blocks=240, max_num_seqs=64, max_num_batched_tokens=1024)
+    swapping = simulate(40, 100, 50, num_blocks=240, max_num_seqs=64, max_num_batched_tokens=1024,
+                        num_swap_blocks=400)
+    assert swapping.preemptions > 0 and swapping.swapped == swapping.preemptions
+    assert swapping.prefill_tokens < tight.prefill_tokens, "swapped sequences come back without their prompts"
+    assert swapping.swapped_block_copies > 0
+    cost = ModelCost()
+    assert swapping.estimate_s(cost) < tight.estimate_s(cost)

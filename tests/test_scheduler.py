@@ -63,8 +63,18 @@ class FakeWorker:
     dropped: dict[int, list[int]] = field(default_factory=dict)  # tokens held when last dropped
     num_resent: int = 0  # NewRequests for a request dropped earlier
     num_resent_with_output: int = 0  # ... that carried tokens generated before the drop
+    # check_kv: each device block's slots and each host slot hold what was computed there (a digest of the tokens
+    # up to that position, as K/V depend on them), copied by the plan's swaps; each step checks what it reads
+    check_kv: bool = False
+    kv: dict[int, list[int | None]] = field(default_factory=dict)
+    host: dict[int, list[int | None]] = field(default_factory=dict)
 
     def apply(self, plan: StepPlan) -> None:
+        if self.check_kv:  # the worker's order: out to the host, back in, then the rest of the plan
+            for block_id, slot in zip(plan.swap_out[0::2], plan.swap_out[1::2], strict=True):
+                self.host[slot] = list(self.kv.get(block_id, [None] * self.block_size))
+            for slot, block_id in zip(plan.swap_in[0::2], plan.swap_in[1::2], strict=True):
+                self.kv[block_id] = list(self.host[slot])
         for seq_id in plan.finished_seq_ids:
             assert seq_id in self.state, f"told to drop {seq_id}, which it never had"
             self.dropped[seq_id] = self.state.pop(seq_id).token_ids
@@ -86,6 +96,8 @@ class FakeWorker:
         for seq_id, count in zip(plan.seq_ids, plan.num_scheduled_tokens, strict=True):
             seq = self.state[seq_id]
             assert count >= 1
+            if self.check_kv:
+                self._read_and_write(seq, count)
             seq.num_computed += count
             assert seq.num_computed <= len(seq.token_ids), "plan schedules tokens the worker does not have"
             assert seq.num_computed <= len(seq.block_ids) * self.block_size, "no KV slot for a token"
@@ -95,6 +107,27 @@ class FakeWorker:
                 sampled_ids.append(seq_id)
                 sampled_tokens.append(token)
         return StepResult(step_id=plan.step_id, seq_ids=sampled_ids, sampled_token_ids=sampled_tokens)
+
+
+    def _read_and_write(self, seq: WorkerSeq, count: int) -> None:
+        """The K/V a step reads (every computed position) must be this sequence's; it writes its new positions."""
+        size = self.block_size
+        digests = _prefix_digests(seq.token_ids, seq.num_computed + count)
+        for position, digest in enumerate(digests):
+            block = self.kv.setdefault(seq.block_ids[position // size], [None] * size)
+            if position < seq.num_computed:
+                assert block[position % size] == digest, f"position {position} reads another sequence's K/V"
+            else:
+                block[position % size] = digest
+
+
+def _prefix_digests(token_ids: list[int], length: int) -> list[int]:
+    """A digest per position of the tokens up to it (what that position's K/V depend on)."""
+    digests, digest = [], 0
+    for token in token_ids[:length]:
+        digest = hash((digest, token))
+        digests.append(digest)
+    return digests
 
 
 def live_tables(sched: Scheduler) -> list:
@@ -116,6 +149,8 @@ def step(sched: Scheduler, worker: FakeWorker,
         while_running()  # e.g. an abort that lands while the worker runs the step
     updates = sched.update(plan, result)
     sched.blocks.check_integrity(live_tables(sched))
+    sched.host.check_integrity([seq.swapped for request in sched.requests.values() for seq in request.sequences
+                                if seq.swapped is not None])
     for seq in sched.running:
         mirror = worker.state[seq.seq_id]
         assert mirror.token_ids == seq.token_ids
@@ -138,6 +173,8 @@ def outputs(requests: list[Request]) -> dict[tuple[str, int], list[int]]:
 
 def assert_all_free(sched: Scheduler) -> None:
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+    sched.host.settle()
+    assert sched.host.num_free_blocks == sched.host.num_blocks
     sched.blocks.check_integrity(tables=[])
     assert not sched.running and not sched.requests
 
@@ -151,8 +188,8 @@ def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
     block_size = rng.choice([8, 16])
     sched = make_scheduler(num_blocks=rng.choice([24, 32]) * 16 // block_size, block_size=block_size,
                            max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([64, 128, 256]),
-                           max_model_len=512, seed=seed)
-    worker = FakeWorker(block_size)
+                           max_model_len=512, seed=seed, num_swap_blocks=rng.choice([0, 8, 64]))
+    worker = FakeWorker(block_size, check_kv=True)
     shared_prefixes = [[rng.randrange(2, VOCAB_SIZE) for _ in range(64)] for _ in range(3)]
     arrivals: list[tuple[int, Request]] = []
     for index in range(24):
@@ -196,8 +233,9 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                            max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
                            max_num_batched_tokens=data.draw(st.integers(1, 48), label="budget"),
-                           enable_prefix_caching=data.draw(st.booleans(), label="prefix_caching"))
-    worker = FakeWorker(block_size)
+                           enable_prefix_caching=data.draw(st.booleans(), label="prefix_caching"),
+                           num_swap_blocks=data.draw(st.sampled_from([0, 2, 64]), label="swap_blocks"))
+    worker = FakeWorker(block_size, check_kv=True)
     arrivals: list[tuple[int, Request]] = []
     abort_at: dict[str, tuple[int, bool]] = {}  # request id -> (step, during the step?)
     for index in range(data.draw(st.integers(1, 8), label="num_requests")):
@@ -418,6 +456,97 @@ def test_preempted_sequences_recompute_to_the_same_outputs() -> None:
     for request in small_requests:
         assert request.sequences[0].finish_reason == FinishReason.LENGTH
         assert request.sequences[0].num_output_tokens == request.sampling.max_tokens
+
+
+def test_preempted_sequences_swap_to_the_same_outputs_with_less_computed() -> None:
+    """With host slots, preempted sequences' blocks go out and come back (the fake worker checks every K/V a
+    step reads): the same outputs as with no preemption, and fewer tokens computed than recomputing them."""
+    def run(num_blocks: int, num_swap_blocks: int) -> tuple[Scheduler, FakeWorker, list[Request], int]:
+        rng = random.Random(7)
+        requests = [make_request(f"r{i}", [rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(20, 100))],
+                                 rng.randint(20, 40)) for i in range(12)]
+        sched = make_scheduler(num_blocks=num_blocks, block_size=8, max_num_seqs=8, max_num_batched_tokens=128,
+                               max_model_len=256, num_swap_blocks=num_swap_blocks)
+        worker = FakeWorker(8, check_kv=True)
+        for request in requests:
+            sched.add_request(request)
+        computed = sum(sum(plan.num_scheduled_tokens) for plan in run_until_done(sched, worker))
+        assert_all_free(sched)
+        return sched, worker, requests, computed
+
+    swapped, swap_worker, swapped_requests, swapped_computed = run(num_blocks=30, num_swap_blocks=64)
+    recomputed, _, _, recomputed_computed = run(num_blocks=30, num_swap_blocks=0)
+    _, _, roomy_requests, roomy_computed = run(num_blocks=4096, num_swap_blocks=0)
+    assert swapped.stats.num_preemptions > 0 and swapped.stats.num_swapped == swapped.stats.num_preemptions
+    assert recomputed.stats.num_swapped == 0 and recomputed.stats.num_preemptions > 0
+    assert swap_worker.num_resent_with_output > 0, "no swapped sequence came back with its output"
+    assert outputs(swapped_requests) == outputs(roomy_requests)
+    assert roomy_computed <= swapped_computed < recomputed_computed
+
+
+def test_a_swapped_sequence_comes_back_from_its_host_slots() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                           num_swap_blocks=4)
+    worker = FakeWorker(4, check_kv=True)
+    latest = make_request("latest", [300 + i for i in range(7)], max_tokens=10, priority=1, arrival_time=2.0)
+    early = make_request("early", [400 + i for i in range(7)], max_tokens=10, priority=1, arrival_time=1.0)
+    urgent = make_request("urgent", [200 + i for i in range(7)], max_tokens=10, priority=0, arrival_time=5.0)
+    for request in (latest, early, urgent):
+        sched.add_request(request)
+    victim = latest.sequences[0]
+    for _ in range(20):  # the 9th token of the three needs a 7th block
+        held = list(victim.table.block_ids)
+        plan, _ = step(sched, worker)
+        if sched.stats.num_preemptions:
+            break
+    assert victim.status == SeqStatus.WAITING and victim.swapped is not None and victim.table.block_ids == []
+    assert plan.swap_out == [item for pair in zip(held, victim.swapped, strict=True) for item in pair]
+    assert victim.num_swapped_tokens == 8 and plan.new_requests == [] and plan.swap_in == []
+    slots, num_tokens = list(victim.swapped), victim.num_tokens
+    for _ in range(40):
+        plan, _ = step(sched, worker)
+        if victim.status != SeqStatus.WAITING:
+            break
+    (new,) = [new for new in plan.new_requests if new.seq_id == victim.seq_id]
+    assert new.num_computed_tokens == 8 and new.token_ids == victim.token_ids[:num_tokens]
+    assert plan.swap_in == [item for pair in zip(slots, new.block_ids[:2], strict=True) for item in pair]
+    assert sched.host.num_free_blocks == 2, "slots read by this plan's copies are not free before the next plan"
+    run_until_done(sched, worker)
+    assert victim.num_output_tokens == 10 and victim.num_preemptions == 1
+    assert_all_free(sched)
+
+
+def test_preemption_recomputes_when_the_host_slots_run_out() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                           num_swap_blocks=1)  # the victim holds 2 full blocks
+    worker = FakeWorker(4, check_kv=True)
+    for index, request_id in enumerate(("latest", "early", "urgent")):
+        sched.add_request(make_request(request_id, [300 + 10 * index + i for i in range(7)], max_tokens=10,
+                                       priority=int(request_id != "urgent"), arrival_time=float(2 - index)))
+    plans = run_until_done(sched, worker)
+    assert sched.stats.num_preemptions > 0 and sched.stats.num_swapped == 0
+    assert not any(plan.swap_out or plan.swap_in for plan in plans)
+    assert_all_free(sched)
+
+
+def test_an_aborted_swapped_sequence_gives_its_slots_back() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                           num_swap_blocks=4)
+    worker = FakeWorker(4, check_kv=True)
+    latest = make_request("latest", [300 + i for i in range(7)], max_tokens=10, priority=1, arrival_time=2.0)
+    for request in (latest, make_request("early", [400 + i for i in range(7)], max_tokens=10, priority=1,
+                                         arrival_time=1.0),
+                    make_request("urgent", [200 + i for i in range(7)], max_tokens=10, arrival_time=5.0)):
+        sched.add_request(request)
+    for _ in range(20):
+        step(sched, worker)
+        if latest.sequences[0].swapped is not None:
+            break
+    assert sched.host.num_free_blocks == 2
+    sched.abort_request("latest")
+    assert sched.host.num_free_blocks == 4 and latest.sequences[0].swapped is None
+    run_until_done(sched, worker)
+    assert_all_free(sched)
 
 
 # ---------------------------------------------------------------- e. prefix caching

@@ -161,7 +161,7 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         "num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total", "prefix_hit_tokens_total",
         "prefix_query_tokens_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
         "num_steps_total", "num_preempted", "prefill_step_seconds_total", "decode_step_seconds_total",
-        "host_seconds_total")}
+        "host_seconds_total", "num_swapped_total")}
     tokenizers: dict[str, int] = {}
     for s in stats:
         for tokenizer_id, count in zip(s.tokenizer_ids, s.tokenizer_requests_total, strict=False):

@@ -10,6 +10,9 @@ Every block is in exactly one of three states (check_integrity asserts it):
     acquire (prefix hit, fork): cached -> owned, or owned ref += 1
     release: owned ref -= 1; at 0: hashed -> cached (most recent end), unhashed -> free
 
+HostBlocks is the second pool: host-memory slots the worker copies a preempted sequence's blocks into (swap) and
+back from when it runs again, instead of recomputing them.
+
 No torch, no zmq: plain Python so the scheduler's policy is testable with plain objects.
 """
 
@@ -284,3 +287,46 @@ class BlockManager:
                     holders[block_id] += 1
                 assert len(table.block_hashes) <= len(table.block_ids)
             assert holders == self._ref_counts, "ref counts differ from the tables holding the blocks"
+
+
+class HostBlocks:
+    """The worker's host-memory KV slots for swapped-out sequences: a free list, no sharing, no hashes.
+
+    A slot freed by a swap-in is read by that step's host-to-device copy, so it becomes free only at the next
+    step (`release_later`, then `settle` when the next plan is built): a swap-out in the same plan, whose
+    device-to-host copy the worker runs first, must not overwrite it."""
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 0
+        self.num_blocks = num_blocks
+        self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._settling: list[int] = []  # read by the plan being built: free from the next one on
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` slots, or None when fewer are free."""
+        if count > len(self._free_ids):
+            return None
+        taken = self._free_ids[-count:] if count else []
+        del self._free_ids[len(self._free_ids) - count:]
+        return taken[::-1]
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Slots nothing reads any more (a swapped sequence that finished or was aborted)."""
+        self._free_ids.extend(block_ids)
+
+    def release_later(self, block_ids: Sequence[int]) -> None:
+        """Slots the plan being built copies back to the device: free once that plan is sent."""
+        self._settling.extend(block_ids)
+
+    def settle(self) -> None:
+        self._free_ids.extend(self._settling)
+        self._settling.clear()
+
+    def check_integrity(self, held: Sequence[Sequence[int]]) -> None:
+        """Every slot is free, settling or held by exactly one swapped sequence."""
+        slots = [*self._free_ids, *self._settling, *(block_id for ids in held for block_id in ids)]
+        assert sorted(slots) == list(range(self.num_blocks)), "a host slot is lost or held twice"

@@ -1,10 +1,12 @@
-"""Continuous-batching policy: a token budget per step, chunked prefill, prefix reuse, preemption by recompute.
+"""Continuous-batching policy: a token budget per step, chunked prefill, prefix reuse, preemption by swap or recompute.
 
 No phases: every running sequence's num_computed_tokens catches up with its length. A step takes, in
 order: one token for each decoding sequence (rank order), then prefill chunks of running sequences,
 then new admissions from the waiting queue, until the token budget or max_num_seqs runs out. When
 blocks run out, the lowest-ranked sequence (priority, then latest arrival) is preempted: its blocks
-are released and it waits again; its prefix-cache hits make the recompute cheap.
+are released and it waits again. Where the worker has host slots free (swap space), the plan first copies the
+preempted sequence's computed blocks there (swap_out) and its readmission copies them back (swap_in) instead of
+recomputing them; else its prefix-cache hits make the recompute cheaper. Beams are always recomputed.
 
     waiting --admit--> running --finish--> finished
        ^                  |
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from pagoda.services.scheduler.beam import BeamSearch, assign_slots
-from pagoda.services.scheduler.block_manager import BlockManager, BlockTable
+from pagoda.services.scheduler.block_manager import BlockManager, BlockTable, HostBlocks
 from pagoda.services.scheduler.fairness import (
     MAX_TENANT_CHARS,
     MAX_TIER,
@@ -118,6 +120,9 @@ class Sequence:
     next_prompt_score: int = 1  # prompt_logprobs: prompt tokens [1, this) have been scored and passed on
     rank: tuple[int, float, int] = (0, 0.0, 0)  # (priority, arrival, seq_id): smaller runs first
     num_pending: int = 0  # provisional tokens (PLACEHOLDER) at the end of token_ids: sampled by steps in flight
+    # preempted by swap: the host slots holding the K/V of its first num_swapped_tokens tokens, block by block
+    swapped: list[int] | None = None
+    num_swapped_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +181,7 @@ class InflightStep:
 @dataclass(slots=True)
 class SchedulerStats:
     num_preemptions: int = 0
+    num_swapped: int = 0  # of the preemptions, those whose blocks went to host slots (not recomputed)
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_steps: int = 0
@@ -186,9 +192,13 @@ class Scheduler:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = (),
-                 enable_prefix_caching: bool = True, seed: int | None = None, max_inflight_plans: int = 1) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = None, max_inflight_plans: int = 1,
+                 num_swap_blocks: int = 0) -> None:
         assert max_num_batched_tokens >= 1 and max_num_seqs >= 1 and max_inflight_plans >= 1
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.host = HostBlocks(num_swap_blocks)  # the worker's swap space, in blocks
+        self._swap_out: list[int] = []  # this plan's (device block, host slot) pairs, flattened
+        self._swap_in: list[int] = []  # this plan's (host slot, device block) pairs, flattened
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -373,6 +383,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick this step's work and describe it to the worker as a diff."""
         assert len(self._inflight) < self.max_inflight_plans, "update() must consume an earlier plan first"
+        self.host.settle()  # slots the last plan copied back are free now (its copies precede this plan's)
         budget = self.max_num_batched_tokens
         num_tokens: dict[int, int] = {}  # seq_id -> tokens this step, in batch order
         new_requests: list[NewRequest] = []
@@ -420,12 +431,13 @@ class Scheduler:
         forgotten, self._forgotten = self._forgotten, []
         forks = [(fork, copy) for seq, fork, copy in self._beam_forks if seq.status == SeqStatus.RUNNING]
         self._beam_forks = []
+        swap_out, swap_in, self._swap_out, self._swap_in = self._swap_out, self._swap_in, [], []
         return StepPlan(step_id=self._step_id, seq_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
                         new_requests=new_requests, appended_block_seq_ids=appended_seq_ids,
                         appended_block_ids=appended_block_ids, finished_seq_ids=forgotten,
                         beam_forks=[fork for fork, _ in forks],
                         block_copies=[block for _, copy in forks if copy is not None for block in copy],
-                        beam_groups=beam_groups)
+                        beam_groups=beam_groups, swap_out=swap_out, swap_in=swap_in)
 
     def _runnable(self) -> tuple[list[Sequence], list[Sequence]]:
         """The running sequences with tokens to compute, decoding (one token) and prefilling, in rank order. One at
@@ -673,6 +685,8 @@ class Scheduler:
     def _admit_one(self, seq: Sequence, budget: int) -> int:
         """Reuse cached prefix blocks, then take blocks for a first chunk; 0 if it does not fit now (or, for a
         beam, when only its last token is left: it is admitted and waits for its group)."""
+        if seq.swapped is not None:
+            return self._admit_swapped(seq, budget)
         table = self.blocks
         hit_ids: list[int] = []
         if seq.num_computed_tokens == 0 and not _needs_prompt_scores(seq):  # cached positions are never scored
@@ -700,6 +714,44 @@ class Scheduler:
             self.stats.prefix_hit_tokens += num_hit_tokens
         table.grow(seq.table, start + count)
         return count
+
+    def _admit_swapped(self, seq: Sequence, budget: int) -> int:
+        """A sequence preempted by swap: blocks for its swapped tokens and a first chunk; those the prefix cache
+        still holds are taken from it, the others copied back from its host slots (swap_in). Its last known token
+        is computed again when all were (the step needs its logits); 0 if it does not fit now."""
+        assert seq.swapped is not None and not seq.table.block_ids, "swapped out: it holds host slots, no blocks"
+        size, blocks = self.block_size, self.blocks
+        start = min(seq.num_swapped_tokens, seq.num_tokens - 1)
+        hit_ids, hit_hashes = blocks.lookup_prefix(seq.token_ids, start // size)  # full blocks of [0, start)
+        available = blocks.num_free_blocks - blocks.num_unreferenced(hit_ids)
+        count = min(seq.num_tokens - start, budget, (len(hit_ids) + available) * size - start)
+        if count <= 0:
+            return 0
+        blocks.acquire(hit_ids)
+        seq.table.block_ids.extend(hit_ids)
+        seq.table.block_hashes.extend(hit_hashes)
+        blocks.grow(seq.table, start + count)
+        for index in range(len(hit_ids), blocks.num_blocks_for(start)):  # the blocks of [0, start) not cached
+            self._swap_in += (seq.swapped[index], seq.table.block_ids[index])
+        self.host.release_later(seq.swapped)
+        seq.swapped, seq.num_computed_tokens = None, start
+        return count
+
+    def _swap_out_blocks(self, seq: Sequence) -> bool:
+        """Preempting `seq`: copy its computed blocks to host slots instead of dropping them, where slots are free.
+        Not for beams (a group swaps as a whole or not at all: they recompute) nor a sequence with no full block
+        computed (a recompute of under one block costs less than the copies)."""
+        if seq.request.beam is not None or seq.num_computed_tokens < self.block_size:
+            return False
+        num_blocks = self.blocks.num_blocks_for(seq.num_computed_tokens)
+        slots = self.host.allocate(num_blocks)
+        if slots is None:
+            return False
+        for block_id, slot in zip(seq.table.block_ids[:num_blocks], slots, strict=True):
+            self._swap_out += (block_id, slot)
+        seq.swapped, seq.num_swapped_tokens = slots, seq.num_computed_tokens
+        self.stats.num_swapped += 1
+        return True
 
     def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
         """Apply the oldest plan in flight: real tokens replace its placeholders, sequences that stop finish
@@ -985,13 +1037,15 @@ class Scheduler:
         assert share.num_running >= 0
 
     def _preempt(self, seq: Sequence) -> None:
-        """Back to waiting, blocks freed (recomputed later): a beam with every running beam of its group."""
+        """Back to waiting, blocks freed (swapped to host slots where free, else recomputed later): a beam with every
+        running beam of its group."""
         group = [seq]
         if seq.request.beam is not None:
             group = [beam for beam in seq.request.sequences if beam.status == SeqStatus.RUNNING]
             self._unforked_beams.pop(seq.request.request_id, None)  # admitted again with seats for all
         for victim in group:
             self._stop_running(victim)
+            self._swap_out_blocks(victim)  # before the free: its blocks' ids go into the plan's copies
             self.blocks.free(victim.table)
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
@@ -1010,6 +1064,9 @@ class Scheduler:
             self._forgotten.append(seq.seq_id)
         # a waiting sequence stays in the heap until admission skips it (removal from a heap is O(n))
         self.blocks.free(seq.table)
+        if seq.swapped is not None:  # nothing reads its slots any more (a copy out in flight may still write them)
+            self.host.free(seq.swapped)
+            seq.swapped = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]

@@ -573,7 +573,7 @@ class SchedulerService:
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
             eos_token_ids=ready.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_inflight_plans=ready.max_inflight_plans)
+            max_inflight_plans=ready.max_inflight_plans, num_swap_blocks=ready.num_swap_blocks)
         self.pipeline = PlanPipeline(self.scheduler)
         if self.tracer is not None:
             self.scheduler.preemption_log = []
@@ -581,7 +581,8 @@ class SchedulerService:
                                     max_num_tokens=ready.num_kv_blocks * ready.block_size,
                                     eos_token_ids=ready.eos_token_ids)
         settle_heap("scheduler")
-        log.info("worker ready: %d KV blocks of %d tokens", ready.num_kv_blocks, ready.block_size)
+        log.info("worker ready: %d KV blocks of %d tokens, %d host slots for swapped blocks", ready.num_kv_blocks,
+                 ready.block_size, ready.num_swap_blocks)
         for identity in self.tokenizers:
             self._send_tokenizer(identity, self.model_info)
 
@@ -773,6 +774,7 @@ class SchedulerService:
             prefix_hit_tokens_total=stats.prefix_hit_tokens if stats else 0,
             prefix_query_tokens_total=stats.prefix_query_tokens if stats else 0,
             num_preemptions_total=stats.num_preemptions if stats else 0,
+            num_swapped_total=stats.num_swapped if stats else 0,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_steps_total=stats.num_steps if stats else 0, worker_ready=scheduler is not None,
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],

@@ -55,6 +55,7 @@ from pagoda.shared.shapes import ModelArch, check_divisible, resolve_arch
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+SWAP_CHUNK = 64  # blocks a swap gathers on the device at a time (64 MiB at llama3-8b's fp8 blocks)
 # prompt_logprobs: logits of at most this many positions at once, and at most max_num_seqs / 2, so that their
 # [rows, V] fp32 logits and log-softmax together stay within the [max_num_seqs, V] logits profile_run measured.
 PROMPT_SCORE_ROWS = 128
@@ -200,6 +201,9 @@ class ModelRunner:
         self.bytes_read = load_model(self.model, config.model, config.load_format, config.seed)
         self.num_blocks = self.model.tp.agree_min(self._num_kv_blocks(), self.device)
         self.kv_cache, self.kv_caches = self._allocate_kv(self.num_blocks)
+        swap_bytes = config.resolved_swap_bytes(self.device.type, _available_ram())
+        self.num_swap_blocks = self.model.tp.agree_min(swap_bytes // self.kv_bytes_per_block(), self.device)
+        self.swap_pool = self._allocate_swap(self.num_swap_blocks)  # [S, L, kv tensors, bs, heads, D] on the host
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
         self.sampler = Sampler()
         self.grammars: GrammarRows | MaskProcess = grammar_rows(config, self.arch, self.device.type,
@@ -272,6 +276,36 @@ class ModelRunner:
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # [L, kv tensors, N, bs, heads, D]
         per_layer = [tuple(cache[i, j] for j in range(layout.num_tensors)) for i in range(self.arch.num_layers)]
         return cache, per_layer
+
+    def _allocate_swap(self, num_blocks: int) -> torch.Tensor:
+        """Host slots for preempted sequences' blocks, each slot one block of every layer, contiguous (one copy a
+        slot); pinned on CUDA so the copies run asynchronously on the step's stream."""
+        block_shape = self.kv_cache[:, :, 0].shape  # [L, kv tensors, bs, heads, D]
+        return torch.empty((num_blocks, *block_shape), dtype=self.kv_dtype, device="cpu",
+                           pin_memory=self.device.type == "cuda" and num_blocks > 0)
+
+    def _swap(self, swap_out: list[int], swap_in: list[int]) -> None:
+        """A plan's preemption copies, before anything else of it touches the cache: blocks out to host slots (a
+        preempted sequence's, whose blocks this plan may give to others), then slots back into blocks (a sequence
+        readmitted). On the step's stream, so they follow the steps before and precede this one's forward; in
+        chunks of SWAP_CHUNK blocks, so the device gathers take little memory."""
+        cache, pool = self.kv_cache, self.swap_pool
+        if swap_out:
+            blocks = self._to_device(np.asarray(swap_out[0::2], dtype=np.int64), "swap_out")  # [N] (one staging use)
+            slots = swap_out[1::2]
+            for start in range(0, len(slots), SWAP_CHUNK):
+                gathered = cache[:, :, blocks[start:start + SWAP_CHUNK]].movedim(2, 0).contiguous()  # [C, L, kv, ...]
+                for row, slot in enumerate(slots[start:start + SWAP_CHUNK]):
+                    pool[slot].copy_(gathered[row], non_blocking=True)
+        if swap_in:
+            slots = swap_in[0::2]
+            blocks = self._to_device(np.asarray(swap_in[1::2], dtype=np.int64), "swap_in")  # [N]
+            for start in range(0, len(slots), SWAP_CHUNK):
+                chunk = slots[start:start + SWAP_CHUNK]
+                staged = torch.empty((len(chunk), *pool.shape[1:]), dtype=pool.dtype, device=self.device)
+                for row, slot in enumerate(chunk):
+                    staged[row].copy_(pool[slot], non_blocking=True)
+                cache[:, :, blocks[start:start + SWAP_CHUNK]] = staged.movedim(0, 2)  # [L, kv tensors, C, bs, ...]
 
     def _max_model_len(self) -> int:
         limit = self.arch.context_limit
@@ -427,6 +461,7 @@ class ModelRunner:
         if not ahead:
             self._complete_deferred()
             self._grammar_barrier()
+        self._swap(sent.swap_out, sent.swap_in)  # the plan's own, whatever lost requests drop from it
         plan, refused = self._refuse_bad_requests(self._without_lost(sent))
         forked_rows = self.state.apply(plan)
         self.pending_step[forked_rows] = -1  # a beam's token comes with the plan
@@ -484,7 +519,7 @@ class ModelRunner:
             return False
         deferred = self._deferred[0].plan
         return not (sent.new_requests or sent.finished_seq_ids or sent.block_copies or sent.beam_forks
-                    or sent.beam_groups or deferred.beam_groups)
+                    or sent.beam_groups or deferred.beam_groups or sent.swap_out or sent.swap_in)
 
     def _prepare_ahead(self, plan: StepPlan) -> HostBatch:
         """_prepare as it will be once the deferred step has sampled: its sampled rows hold one more token, known

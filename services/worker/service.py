@@ -165,7 +165,8 @@ class WorkerService:
                                max_model_len=runner.max_model_len, vocab_size=runner.arch.vocab_size,
                                eos_token_ids=self.eos_token_ids,
                                max_num_batched_tokens=self.engine_config.resolved_max_num_batched_tokens(
-                                   runner.device.type), max_inflight_plans=self.max_inflight_plans))
+                                   runner.device.type), max_inflight_plans=self.max_inflight_plans,
+                               num_swap_blocks=runner.num_swap_blocks))
 
     def _wait_for_subscription(self) -> None:
         """A PUB drops what it sends before a subscription arrives: wait for the scheduler's probe."""
