@@ -127,6 +127,7 @@ def measure_pagoda(llm: Any, workload: Workload, load_s: float = 0.0, latency_pr
             "output_tok_per_s": num_output / elapsed, "load_s": load_s,
             "num_steps": llm.engine.scheduler.stats.num_steps - steps_before,
             "num_preemptions": llm.engine.scheduler.stats.num_preemptions, "num_kv_blocks": runner.num_blocks,
+            "num_swapped": llm.engine.scheduler.stats.num_swapped, "num_swap_blocks": runner.num_swap_blocks,
             "device": str(runner.device), "dtype": str(runner.dtype),
             "compiles_after_start_up": [[name, round(1e3 * seconds, 1)] for name, seconds in
                                         getattr(getattr(runner, "compile_watch", None), "compiles", [])],
