@@ -290,6 +290,8 @@ class ModelRunner:
         readmitted). On the step's stream, so they follow the steps before and precede this one's forward; in
         chunks of SWAP_CHUNK blocks, so the device gathers take little memory."""
         cache, pool = self.kv_cache, self.swap_pool
+        if cache.element_size() == 1:  # fp8: moved as bytes (indexing kernels need not know the float8 types)
+            cache, pool = cache.view(torch.uint8), pool.view(torch.uint8)
         if swap_out:
             blocks = self._to_device(np.asarray(swap_out[0::2], dtype=np.int64), "swap_out")  # [N] (one staging use)
             slots = swap_out[1::2]
