@@ -183,6 +183,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value not in (None, False):
             result[name] = value
+    if args.swap_space is not None:  # 0 is a value here (always recompute)
+        result["swap_space"] = args.swap_space
     return result
 
 
@@ -209,6 +211,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None)
+    parser.add_argument("--swap-space", type=float, default=None,
+                        help="pagoda only: GiB of host memory for preempted sequences' blocks (default: the engine's; "
+                             "0: recompute them)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="pagoda only: fp8 weights")
     parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="pagoda only: fp8 KV cache")
@@ -254,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
 _FORWARDED = ("model", "load_format", "workload", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed",
               "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
               "enforce_eager", "latency_prompt_len", "quantization", "kv_cache_dtype", "no_async_scheduling",
-              "tokenizer", "repeats")
+              "tokenizer", "repeats", "swap_space")
 
 
 def _roofline(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,7 +281,7 @@ def child_argv(args: argparse.Namespace, system: str) -> list[str]:
     argv = [sys.executable, "-m", "pagoda.bench", "throughput", "--system", system]
     for key in _FORWARDED:
         value = getattr(args, key)
-        if value in (None, False):
+        if value is None or value is False:  # (0 and 0.0 are values: --swap-space 0)
             continue
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]

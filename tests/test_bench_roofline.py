@@ -176,6 +176,9 @@ def test_trtllm_command_plans_tensorrt_llms_row_with_fp8_and_1024_seats() -> Non
     explicit = build_parser().parse_args([*TRTLLM_ARGV, "--max-num-seqs", "512", "--num-prompts", "3000"])
     assert engine_args(explicit)["max_num_seqs"] == 512 and workload_from_args(explicit).num_prompts == 3000
     assert "max_num_seqs" not in engine_args(build_parser().parse_args(TRTLLM_ARGV[:-2]))  # no preset: the default
+    recompute = build_parser().parse_args([*TRTLLM_ARGV, "--swap-space", "0"])  # 0 reaches the child: recompute
+    child = build_parser().parse_args(["bench", *child_argv(recompute, "pagoda")[3:]])
+    assert engine_args(child)["swap_space"] == 0.0 and "swap_space" not in engine
 
 
 def test_throughput_flags_reject_unknown_fp8_settings() -> None:
