@@ -44,7 +44,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both memory settings (tests, benchmarks)
     # GiB of host memory per worker rank for preempted sequences' KV blocks, copied out and back instead of being
     # recomputed (vLLM's --swap-space); None: DEFAULT_SWAP_GIB on CUDA (at most an eighth of the free RAM shared
-    # by the ranks), none on CPU; 0: always recompute
+    # by the ranks) for models whose K/V copy beats their recompute (model_runner.swap_pays), none on CPU; 0: always
+    # recompute
     swap_space: float | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -330,8 +331,8 @@ _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
     "swap_space": "GiB of pinned host memory per worker rank that preempted sequences' KV blocks are copied to and "
-                  "back from instead of being recomputed (default: 16 on CUDA, at most an eighth of the free RAM; "
-                  "none on CPU; 0: always recompute)",
+                  "back from instead of being recomputed (default: 16 on CUDA, at most an eighth of the free RAM, "
+                  "for models whose K/V copies cost less than recomputing them; none on CPU; 0: always recompute)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer --api-key-file or "
                "PAGODA_API_KEY)",
     "api_key_file": "read the API key from this file (or set PAGODA_API_KEY)",

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 SWAP_CHUNK = 64  # blocks a swap gathers on the device at a time (64 MiB at llama3-8b's fp8 blocks)
+SWAP_BYTES_PER_S = 40e9  # host <-> device copies over PCIe 5 (assumed, each way)
+RECOMPUTE_FLOPS_PER_S = 4e14  # a prefill token's matmuls, about half an H200's bf16 peak (assumed)
 # prompt_logprobs: logits of at most this many positions at once, and at most max_num_seqs / 2, so that their
 # [rows, V] fp32 logits and log-softmax together stay within the [max_num_seqs, V] logits profile_run measured.
 PROMPT_SCORE_ROWS = 128
@@ -202,6 +204,8 @@ class ModelRunner:
         self.num_blocks = self.model.tp.agree_min(self._num_kv_blocks(), self.device)
         self.kv_cache, self.kv_caches = self._allocate_kv(self.num_blocks)
         swap_bytes = config.resolved_swap_bytes(self.device.type, _available_ram())
+        if config.swap_space is None and not swap_pays(self.arch, self.kv_bytes_per_block() // self.block_size):
+            swap_bytes = 0  # the default only where copying beats recomputing
         self.num_swap_blocks = self.model.tp.agree_min(swap_bytes // self.kv_bytes_per_block(), self.device)
         self.swap_pool = self._allocate_swap(self.num_swap_blocks)  # [S, L, kv tensors, bs, heads, D] on the host
         self.state = BatchState(config.max_num_seqs, self.max_model_len, self.block_size, self.arch.eos_token_ids)
@@ -1172,6 +1176,13 @@ class ModelRunner:
             return tensor
         return self.staging.to_device(tensor, name)
 
+
+
+def swap_pays(arch: ModelArch, kv_bytes_per_token: int) -> bool:
+    """Whether copying a token's K/V out and back costs less than computing it again, at assumed rates
+    (SWAP_BYTES_PER_S each way, RECOMPUTE_FLOPS_PER_S for a prefill token's weight matmuls; attention's share is left
+    out, in recompute's favour): llama3-8b 6.6 against 35 us a token, qwen3-0.6b 5.7 against 2.2."""
+    return 2 * kv_bytes_per_token / SWAP_BYTES_PER_S < 2 * arch.layer_weight_params(1) / RECOMPUTE_FLOPS_PER_S
 
 
 def _available_ram() -> int:
