@@ -68,7 +68,7 @@ def compile_decode(mode: str, tile_n: int, stages: int, keys_on_m: bool, num_hea
     return pa._paged_attention_kernel.warmup(
         out, q, k_cache, v_cache, tables, lens, starts, out, out, out, scale, scale, 0.1, num_seqs, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        tables.stride(0), out, out, out, 0, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
+        tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[mode], HEADS_FAST=True,
         USE_ASM=True, KEYS_ON_M=keys_on_m, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)),
         TILE_N=tile_n, DECODE=True, SKIP_DECODE=False, Q_STAGED=False, USE_PDL=0, LAZY_SUM=lazy_sum,
@@ -131,7 +131,7 @@ def compile_chunk(variant: ChunkVariant, num_heads: int, num_kv_heads: int):  # 
     return pa._paged_attention_kernel.warmup(
         out, q, k_cache, v_cache, tables, lens, starts, out, out, out, scale, scale, 0.1, num_seqs, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        tables.stride(0), out, out, out, 0, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
+        tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_P=HEAD_DIM,
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_MODE=MODES[variant.mode], HEADS_FAST=False,
         USE_ASM=True, KEYS_ON_M=False, BLOCK_Q=variant.block_m // group, BLOCK_M=variant.block_m,
         TILE_N=variant.tile_n, DECODE=False, SKIP_DECODE=True, Q_STAGED=variant.staged and variant.mode != "bf16",

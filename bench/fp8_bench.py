@@ -99,16 +99,14 @@ def gemm_variants() -> dict[str, GemmVariant]:
         "fp8_rowwise_triton": GemmVariant(
             lambda o: lambda: fp8.fp8_gemm(o.x_q, o.x_s, o.w_q, o.w_s, None, bf16), "channel", False),
         "fp8_rowwise_linear": GemmVariant(lambda o: lambda: fp8.fp8_linear(o.x, o.w_q, o.w_s, None), "channel", True),
-        # what a W8A8 layer costs in the model: the kernel before it writes the e4m3 activation (RMSNorm, SiLU-and-mul,
-        # attention with PAGODA_ATTN_QUANT_OUT=1), so the layer is the GEMM alone, as the model dispatches it
+        # what a W8A8 layer costs in the model where the kernel before it writes the e4m3 activation (RMSNorm,
+        # SiLU-and-mul): the GEMM alone, as the model dispatches it
         "fp8_rowwise_fused": GemmVariant(
             lambda o: lambda: fp8.fp8_matmul(o.x_q, o.x_s, o.w_q, o.w_s, None, bf16), "channel", True),
         "fp8_block_triton": GemmVariant(
             lambda o: lambda: fp8.fp8_gemm(o.x_gq, o.x_gs, o.w_bq, o.w_bs, 128, bf16), "block", False),
         "fp8_block_linear": GemmVariant(lambda o: lambda: fp8.fp8_linear(o.x, o.w_bq, o.w_bs, 128), "block", True),
     }
-    if torch.cuda.is_available() and fp8.blockwise_works(torch.cuda.current_device()):  # PAGODA_FP8_BLOCK_CUBLAS's
-        variants["fp8_block_cublas"] = GemmVariant(_block_cublas_linear, "block", True)
     try:
         from pagoda.kernels import fp8_weight_only as w8
     except ImportError:  # the W8A16 kernel is not on this branch
@@ -119,21 +117,6 @@ def gemm_variants() -> dict[str, GemmVariant]:
         lambda o: lambda: w8.fp8_weight_only_linear(o.x, o.w_bq, o.w_bs, 128), "block", True,
         getattr(w8, "MAX_ROWS", None))
     return variants
-
-
-def _block_cublas_linear(o: GemmOperands) -> Callable[[], torch.Tensor]:
-    """The block-FP8 linear layer on cuBLASLt's block-scaled GEMM: its per-1x128 activation quantization and the GEMM
-    (fp8_linear's path with PAGODA_FP8_BLOCK_CUBLAS=1; N a multiple of 128)."""
-    from pagoda.kernels import fp8
-
-    layout = fp8.cublas_block_scales(o.w_bs)
-    if layout is None:
-        raise ValueError("N is not a multiple of 128: the Triton group GEMM serves this layer")
-
-    def call() -> torch.Tensor:
-        x_q, x_s = fp8.quantize_fp8_rows(o.x, fp8.BLOCK, scales_by_column=True)
-        return fp8.scaled_mm_blockwise(x_q, x_s, o.w_bq, layout)
-    return call
 
 
 def _time_ms(fn: Any, iters: int = 50) -> float:
@@ -158,10 +141,7 @@ def _gemm_row(name: str, m: int, weights: dict[str, torch.Tensor],
     for key, variant in variants.items():
         if variant.max_rows is not None and m > variant.max_rows:
             continue
-        try:
-            call = variant.make(ops)
-        except ValueError:  # a path that does not serve this shape
-            continue
+        call = variant.make(ops)
         row[f"{key}_us"] = 1e3 * _time_ms(call)
         if variant.weights in expected:
             out = call().float()  # [M, N]

@@ -194,20 +194,12 @@ def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[tor
     return result
 
 
-def _own_quant(name: str) -> bool:
-    """Whether the model quantizes this layer's activation in a launch of its own at W8A8: o, unless attention
-    writes it (paged_attention.quant_out_enabled)."""
-    from pagoda.kernels.paged_attention import quant_out_enabled
-
-    return name == "o" and not quant_out_enabled()
-
-
 def _w8a8_us(name: str, x: torch.Tensor, w_q: list[torch.Tensor], w_s: list[torch.Tensor]) -> float:
-    """W8A8 as the model runs it: the GEMM alone where the previous op quantizes (qkv, gate_up, down; o too where
-    attention writes its input, PAGODA_ATTN_QUANT_OUT=1), else with its own quantize kernel (o)."""
+    """W8A8 as the model runs it: the GEMM alone where the previous op quantizes (qkv, gate_up, down), with its
+    own quantize kernel for o (the attention output)."""
     from pagoda.kernels import fp8
 
-    if _own_quant(name):
+    if name == "o":
         return rotating_us(lambda x_, w, s: fp8.fp8_linear(x_, w, s, None), x, w_q, w_s)
     x_q, x_s = fp8.quantize_fp8_rows(x)
     return rotating_us(lambda x_, w, s: fp8.fp8_matmul(x_q, x_s, w, s, None, torch.bfloat16), x, w_q, w_s)
@@ -239,7 +231,7 @@ def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: lis
         row["w8a16_act_fp8"] = w8.pick_tiles(m, n, k, None, x.device).act_fp8
     if m == 1:  # as a single-token step runs it: each launch under PDL, overlapping the previous one's tail
         row["w8a16_chained_us"] = rotating_us(_in_pdl_chain(w8.fp8_weight_only_linear), x, w_q, w_s, None)
-    row["dispatch"] = "w8a16" if weight_only else ("w8a8_own_quant" if _own_quant(name) else "w8a8_fused_quant")
+    row["dispatch"] = "w8a16" if weight_only else ("w8a8_own_quant" if name == "o" else "w8a8_fused_quant")
     row["dispatch_us"] = row[f"{row['dispatch']}_us"]
     if tile_quant:
         row["dispatch"] = "w8a8_tile_quant"  # timed as w8a16_us: the same kernel with act_fp8 tiles

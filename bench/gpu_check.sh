@@ -4,24 +4,9 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,b1-fusions,quant-out,moe-fp8,fp8-block,candidates-ab (default: tests,parity,pagoda,peers,compiled)
-#   candidates-ab: every untimed switch's GPU tests, then decode steps A/B (step_ab, graph-timed) for each, in one
-#   call of ~6 minutes: PAGODA_ATTN_QUANT_OUT (llama3-8b FP8, B = 64, 256, both caches), PAGODA_ATTN_FOLD_REDUCE
-#   (llama3-8b FP8, B = 1, 2, 4), PAGODA_MLA_FUSE_UV and PAGODA_FUSE_ROUTE (deepseek-v2-lite, B = 1, 4, 16),
-#   PAGODA_FP8_BLOCK_CUBLAS (deepseek-v3-slice FP8 blocks, B = 64, 256). Make the winners defaults, drop the losers.
-#   fp8-block: cuBLASLt's block-scaled FP8 GEMM for 128 x 128-block weights (PAGODA_FP8_BLOCK_CUBLAS, untimed): its
-#   GPU test, the GEMM sweep on deepseek-v3-slice's layers against the Triton group GEMM, then deepseek-v3-slice's
-#   per-layer decode at B = 1, 64, 256 without and with it.
+#   one-loop,gluon,moe-fp8 (default: tests,parity,pagoda,peers,compiled)
 #   moe-fp8: FP8 experts against bf16 at 1-8192 tokens on deepseek-v2-lite and qwen3-30b-a3b (bench/moe_fp8_sweep.py,
 #   issue 25 item 3's MoE rows), cold weights, committed tiles.
-#   quant-out: paged attention writing the W8A8 o projection's e4m3 input itself (PAGODA_ATTN_QUANT_OUT, untimed):
-#   its tests on the GPU (every test of test_attention_quant_out.py, the Gluon one), step_ab on llama3-8b FP8 at
-#   B = 64, 256 with a bf16 and an fp8 cache, the FP8 sweep's o rows with it, then llama3-8b FP8 + FP8 KV's reference
-#   workload and trtllm-1000 with it.
-#   b1-fusions: W_UV inside the MLA split reduce (PAGODA_MLA_FUSE_UV), DeepSeek's router GEMV routing in its last
-#   program (PAGODA_FUSE_ROUTE) and paged attention's splits merged in its last split program
-#   (PAGODA_ATTN_FOLD_REDUCE), untimed: their GPU tests, step_ab on llama3-8b FP8 at B = 1, 2, 4 and on
-#   deepseek-v2-lite at B = 1, 4, 16 (each, both), then deepseek-v2-lite batch-1 with both.
 #   gluon: qwen3-0.6b reference with a bf16 and an fp8 cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and
 #   OpenAI-sampled (the runs the Gluon fp8 decode kernel moves).
 #   one-loop: the decode launch with every key tile in one masked loop (kv_fp8_bench --long, ONE_LOOP_ONLY), then
@@ -340,66 +325,6 @@ if has moe-sum; then
   PAGODA_FUSE_MOE_SUM=1 timeout 240 python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy \
     --workload reference --timeout 200 --out "$OUT/moe_sum_deepseek-v2-lite_reference.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -4
-fi
-if has b1-fusions; then
-  # the twenty-eighth session's untimed candidates for small decode batches: W_UV inside the MLA split reduce
-  # (PAGODA_MLA_FUSE_UV), DeepSeek's router GEMV routing in its last program (PAGODA_FUSE_ROUTE), paged attention's
-  # splits merged by the last split program (PAGODA_ATTN_FOLD_REDUCE, llama3-8b FP8); their tests on the GPU first,
-  # decode steps A/B, then deepseek-v2-lite's batch-1 with both of its candidates on
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_mla.py tests/test_deepseek.py \
-    tests/test_attention_splits.py -k "w_uv or fused_router or empty_splits" 2>&1 | tail -1
-  timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,4 --context 512 \
-    off=PAGODA_ATTN_FOLD_REDUCE=0 on=PAGODA_ATTN_FOLD_REDUCE=1 2>&1 | grep "B=" | tail -3
-  timeout 300 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 1,4,16 --context 512 \
-    off="PAGODA_MLA_FUSE_UV=0;PAGODA_FUSE_ROUTE=0" uv=PAGODA_MLA_FUSE_UV=1 route=PAGODA_FUSE_ROUTE=1 \
-    both="PAGODA_MLA_FUSE_UV=1;PAGODA_FUSE_ROUTE=1" 2>&1 | grep "B=" | tail -3
-  PAGODA_MLA_FUSE_UV=1 PAGODA_FUSE_ROUTE=1 timeout 150 python3 -m pagoda.bench throughput --model deepseek-v2-lite \
-    --load-format dummy --workload reference --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 \
-    --latency-prompt-len 512 --timeout 140 --out "$OUT/b1_fusions_deepseek-v2-lite.json" 2>&1 | grep "batch-1"
-fi
-if has quant-out; then
-  # the o projection's activation quantization inside paged attention (the last program of a token's rows): tests,
-  # decode steps A/B over both caches, then the two FP8 + FP8 KV workloads of issue 25 with it on
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_attention_quant_out.py \
-    tests/test_fp8_decode_gluon.py -k "quant" 2>&1 | tail -1
-  for kv in auto fp8; do
-    timeout 200 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --kv-cache-dtype $kv \
-      --batches 64,256 --context 512 off=PAGODA_ATTN_QUANT_OUT=0 on=PAGODA_ATTN_QUANT_OUT=1 2>&1 | grep "B=" | tail -2
-  done
-  export PAGODA_ATTN_QUANT_OUT=1
-  # the FP8 sweep with o's quantization in attention: its W8A8 rows are the GEMM alone (bf16 won o at 128 rows)
-  timeout 150 python3 -m pagoda.bench.fp8_tune --skip-tune --out "$OUT/sweep_quant_out" 2>&1 | grep "sweep.* o "
-  llama_fp8_runs quant_out "reference fp8"
-  trtllm_1000 quant_out
-  unset PAGODA_ATTN_QUANT_OUT
-fi
-if has candidates-ab; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_attention_quant_out.py \
-    tests/test_fp8_decode_gluon.py tests/test_attention_splits.py tests/test_mla.py tests/test_deepseek.py \
-    tests/test_fp8.py -k "quant or w_uv or fused_router or empty_splits or blockwise or block_scales" -rs 2>&1 | tail -3
-  for kv in auto fp8; do
-    timeout 150 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --kv-cache-dtype $kv \
-      --batches 64,256 --context 512 off=PAGODA_ATTN_QUANT_OUT=0 on=PAGODA_ATTN_QUANT_OUT=1 2>&1 | grep "B=" | tail -2
-  done
-  timeout 120 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,4 --context 512 \
-    off=PAGODA_ATTN_FOLD_REDUCE=0 on=PAGODA_ATTN_FOLD_REDUCE=1 2>&1 | grep "B=" | tail -3
-  timeout 200 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 1,4,16 --context 512 \
-    off="PAGODA_MLA_FUSE_UV=0;PAGODA_FUSE_ROUTE=0" uv=PAGODA_MLA_FUSE_UV=1 route=PAGODA_FUSE_ROUTE=1 \
-    both="PAGODA_MLA_FUSE_UV=1;PAGODA_FUSE_ROUTE=1" 2>&1 | grep "B=" | tail -3
-  # registered at load with the switch on; each variant reads it per call
-  PAGODA_FP8_BLOCK_CUBLAS=1 timeout 200 python3 -m pagoda.bench.step_ab --model deepseek-v3-slice \
-    --quantization fp8_block --batches 64,256 --context 512 off=PAGODA_FP8_BLOCK_CUBLAS=0 \
-    on=PAGODA_FP8_BLOCK_CUBLAS=1 2>&1 | grep "B=" | tail -2
-fi
-if has fp8-block; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_fp8.py -k "blockwise or block_scales" \
-    -rs 2>&1 | tail -3
-  timeout 200 python3 -m pagoda.bench.fp8_bench --parts gemm --gemm-shapes deepseek-v3-slice \
-    --gemm-m 1,16,64,256,1024,8192 --out "$OUT/fp8_block_gemm.json" 2>&1 | grep -E "M=|slower" | cut -c1-230
-  for on in 0 1; do
-    PAGODA_FP8_BLOCK_CUBLAS=$on timeout 240 python3 -m pagoda.bench.deepseek_bench --model deepseek-v3-slice \
-      --quantization fp8_block --batches 1,64,256 --context 1024 --out "$OUT/v3_slice_cublas_$on.json" 2>&1 | tail -6
-  done
 fi
 if has moe-fp8; then
   timeout 400 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 \

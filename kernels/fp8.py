@@ -14,7 +14,6 @@ quantize_fp8_rows keeps torch's bits."""
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import torch
@@ -69,85 +68,50 @@ def hw_cast() -> bool:
 
 
 @triton.jit
-def _load_f32(ptrs, mask, FROM_L2: tl.constexpr):
-    """Masked fp32 load; FROM_L2: bypassing L1 (other programs of the same launch wrote the values)."""
-    if FROM_L2:
-        x = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _codes(x, scale, HW_CAST: tl.constexpr, INVERSE: tl.constexpr):
-    """e4m3 codes of x / scale: divided exactly (quantize_fp8_rows' bits), or INVERSE: times 1 / scale
-    (quantize_by_inverse: no per-element division, which sm_90 code calls as a subroutine)."""
-    if INVERSE:
-        return quantize_by_inverse(x, scale, HW_CAST)
-    return cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
-
-
-@triton.jit
-def quantize_row(x_row, q_row, s_ptr, num_cols, TILE: tl.constexpr, ONE_TILE: tl.constexpr, HW_CAST: tl.constexpr,
-                 FROM_L2: tl.constexpr = False, INVERSE: tl.constexpr = False):
-    """One row of num_cols values at x_row -> e4m3 codes at q_row and its scale amax / 448 at s_ptr. ONE_TILE
-    (num_cols <= TILE): the row in registers, read once; else two passes over TILE-column tiles (amax, then scale
-    and cast). Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's;
-    INVERSE: codes as x times 1 / scale (_codes). FROM_L2: x bypasses L1 (written by other programs of the same
-    launch: paged attention's fused quantization)."""
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, stride_sm,
+                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
+                          HW_CAST: tl.constexpr):
+    """PER_ROW: program (row, 0) quantizes a whole row with one scale (two passes over TILE-column tiles: amax,
+    then scale and cast). Else program (row, g) quantizes columns [g * GROUP, (g + 1) * GROUP) (GROUP == TILE).
+    Divisions round to nearest (div_rn, not the approximate default) so the bits are the reference's."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
     offs = tl.arange(0, TILE)
-    if ONE_TILE:
-        x = _load_f32(x_row + offs, offs < num_cols, FROM_L2)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    if ONE_TILE:  # the whole row in registers: read once
+        cols = offs
+        x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
-        tl.store(q_row + offs, _codes(x, scale, HW_CAST, INVERSE), mask=offs < num_cols)
-    else:
+        q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
+        tl.store(q_row + cols, q, mask=cols < num_cols)
+        tl.store(s_ptr + row * stride_sm, scale)
+    elif PER_ROW:
         amax = tl.zeros([TILE], tl.float32)
         for start in range(0, num_cols, TILE):
             cols = start + offs
-            amax = tl.maximum(amax, tl.abs(_load_f32(x_row + cols, cols < num_cols, FROM_L2)))
+            x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
         scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_AMAX_C), FP8_MAX_C)
         for start in range(0, num_cols, TILE):
             cols = start + offs
-            x = _load_f32(x_row + cols, cols < num_cols, FROM_L2)
-            tl.store(q_row + cols, _codes(x, scale, HW_CAST, INVERSE), mask=cols < num_cols)
-    tl.store(s_ptr, scale)
-
-
-def row_tile(num_cols: int, max_tile: int | None = None) -> tuple[int, bool]:
-    """quantize_row's (TILE, ONE_TILE) for rows of num_cols values, tiles of at most max_tile (default _ROW_TILE)."""
-    tile = min(max_tile or _ROW_TILE, triton.next_power_of_2(num_cols))
-    return tile, num_cols <= tile
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_xm, stride_qm, stride_sm, stride_sg,
-                          GROUP: tl.constexpr, TILE: tl.constexpr, PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
-                          HW_CAST: tl.constexpr):
-    """PER_ROW: program (row, 0) quantizes a whole row with one scale (quantize_row). Else program (row, g)
-    quantizes columns [g * GROUP, (g + 1) * GROUP) (GROUP == TILE)."""
-    row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    x_row = x_ptr + row * stride_xm
-    q_row = q_ptr + row * stride_qm
-    if PER_ROW:
-        quantize_row(x_row, q_row, s_ptr + row * stride_sm, num_cols, TILE, ONE_TILE, HW_CAST)
+            x = tl.load(x_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+            q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
+            tl.store(q_row + cols, q, mask=cols < num_cols)
+        tl.store(s_ptr + row * stride_sm, scale)
     else:
-        cols = group * GROUP + tl.arange(0, TILE)
+        cols = group * GROUP + offs
         mask = cols < num_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
         q = cast_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C), HW_CAST)
         tl.store(q_row + cols, q, mask=mask)
-        tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
+        tl.store(s_ptr + row * stride_sm + group, scale)
 
 
-def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32/bf16/fp16, K contiguous) -> (e4m3 [M, K], fp32 scales [M, 1] or [M, ceil(K / g)]):
-    dynamic per-row scales amax / 448, or per row and group of g columns (g a power of two >= 16). out: the two
-    tensors to write (shapes and dtypes as returned, K contiguous), else new ones. scales_by_column: new group
-    scales laid out column by column (stride (1, M), what cuBLASLt's block-scaled GEMM reads)."""
+    dynamic per-row scales amax / 448, or per row and group of g columns (g a power of two >= 16)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] contiguous along K, got {tuple(x.shape)} strides {x.stride()}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -156,29 +120,19 @@ def quantize_fp8_rows(x: torch.Tensor, group_size: int | None = None,
         raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
     num_rows, num_cols = x.shape
     num_groups = 1 if group_size is None else triton.cdiv(num_cols, group_size)
-    if out is None:
-        q = torch.empty((num_rows, num_cols), dtype=FP8_DTYPE, device=x.device)  # [M, K]
-        if scales_by_column:
-            scale = torch.empty((num_groups, num_rows), dtype=torch.float32, device=x.device).t()  # [M, G]
-        else:
-            scale = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)  # [M, G]
-    else:
-        q, scale = out
-        if (q.shape != x.shape or q.dtype != FP8_DTYPE or q.stride(1) != 1 or scale.shape != (num_rows, num_groups)
-                or scale.dtype != torch.float32 or q.device != x.device or scale.device != x.device):
-            raise ValueError(f"out must be e4m3 {tuple(x.shape)} and fp32 {(num_rows, num_groups)} on {x.device}, "
-                             f"got {q.dtype} {tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
+    q = torch.empty((num_rows, num_cols), dtype=FP8_DTYPE, device=x.device)  # [M, K]
+    scale = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)  # [M, G]
     if num_rows == 0:
         return q, scale
     if group_size is None:
-        tile, one_tile = row_tile(num_cols)
+        tile = min(_ROW_TILE, triton.next_power_of_2(num_cols))
         _quantize_rows_kernel[(num_rows, 1)](x, q, scale, num_cols, x.stride(0), q.stride(0), scale.stride(0),
-                                             scale.stride(1), GROUP=tile, TILE=tile, PER_ROW=True, ONE_TILE=one_tile,
+                                             GROUP=tile, TILE=tile, PER_ROW=True, ONE_TILE=num_cols <= tile,
                                              HW_CAST=hw_cast(), num_warps=4 if tile <= 2048 else 8)
     else:
         _quantize_rows_kernel[(num_rows, num_groups)](x, q, scale, num_cols, x.stride(0), q.stride(0),
-                                                      scale.stride(0), scale.stride(1), GROUP=group_size,
-                                                      TILE=group_size, PER_ROW=False, ONE_TILE=False, HW_CAST=hw_cast(),
+                                                      scale.stride(0), GROUP=group_size, TILE=group_size,
+                                                      PER_ROW=False, ONE_TILE=False, HW_CAST=hw_cast(),
                                                       num_warps=1 if group_size <= 128 else 4)
     return q, scale
 
@@ -444,110 +398,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, k)  # [M, K]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    block_scales = _cublas_block_scales_for(x2, weight_scale, group_size)
-    if block_scales is not None:  # 128 x 128 weight blocks on cuBLASLt (PAGODA_FP8_BLOCK_CUBLAS=1)
-        x_q, x_scale = quantize_fp8_rows(x2, BLOCK, scales_by_column=True)  # [M, K] e4m3, [M, K / 128]
-        out = scaled_mm_blockwise(x_q, x_scale, weight, block_scales, bias)  # [M, N] bf16
-        return out.view(*x.shape[:-1], n)
     x_q, x_scale = quantize_fp8_rows(x2, group_size)  # [M, K] e4m3, [M, G] fp32
     # cuBLASLt's row-wise FP8 GEMM writes bf16 only: fp32/fp16 models take the Triton GEMM (exact output dtype)
     out = fp8_matmul(x_q, x_scale, weight, weight_scale, group_size, x.dtype, bias)  # [M, N]
     return out.view(*x.shape[:-1], n)
-
-
-# cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm: activations scaled per 1 x 128, weights per
-# 128 x 128 block; DeepSeek-V3's and Qwen's FP8 checkpoints), in place of the Triton group GEMM above for W8A8, behind
-# PAGODA_FP8_BLOCK_CUBLAS=1 until timed on a GPU. The weights' block scales in cuBLAS's layout are made once the
-# checkpoint is loaded (register_block_scales), keyed by their [N, K / 128] scale tensor.
-BLOCK = 128
-# a weight scale's data_ptr -> (that scale tensor, kept alive so that no other tensor takes its address; its block
-# scales [L4, N / 128])
-_CUBLAS_BLOCK_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def block_cublas_enabled() -> bool:
-    return os.environ.get("PAGODA_FP8_BLOCK_CUBLAS") == "1"
-
-
-def cublas_block_scales(weight_scale: torch.Tensor) -> torch.Tensor | None:
-    """A weight's [N, K / 128] scales (each 128 x 128 block's scale repeated over its rows, Fp8Weights' layout) as
-    cuBLASLt's block-scaled GEMM reads them: [L4, N / 128] fp32 by column (stride (1, L4)), L4 = K / 128 rounded up
-    to 4 (zero past K). None where N is not a multiple of 128 or a block's rows do not share their scales (a fused
-    or sharded weight whose blocks are not whole)."""
-    if weight_scale.dim() != 2 or weight_scale.dtype != torch.float32 or weight_scale.shape[0] % BLOCK:
-        return None
-    n, groups = weight_scale.shape
-    blocks = weight_scale.reshape(n // BLOCK, BLOCK, groups)  # [N / 128, 128, G]
-    first = blocks[:, :1]  # [N / 128, 1, G]
-    if not torch.equal(blocks, first.expand_as(blocks)):
-        return None
-    by_block = torch.zeros((n // BLOCK, triton.cdiv(groups, 4) * 4), dtype=torch.float32,
-                           device=weight_scale.device)  # [N / 128, L4]
-    by_block[:, :groups] = first[:, 0]
-    return by_block.t()  # [L4, N / 128], stride (1, L4)
-
-
-def register_block_scales(scales: list[torch.Tensor]) -> int:
-    """Make the cuBLAS layout of every [N, K / 128] weight scale that has whole 128 x 128 blocks (after a load, on the
-    GPU, where PAGODA_FP8_BLOCK_CUBLAS=1 and the GEMM works here). Returns how many were registered."""
-    registered = 0
-    for scale in scales:
-        _CUBLAS_BLOCK_SCALES.pop(scale.data_ptr(), None)
-        if not (scale.is_cuda and block_cublas_enabled() and blockwise_works(scale.device.index or 0)):
-            continue
-        layout = cublas_block_scales(scale)
-        if layout is not None:
-            _CUBLAS_BLOCK_SCALES[scale.data_ptr()] = (scale, layout)
-            registered += 1
-    return registered
-
-
-def _cublas_block_scales_for(x: torch.Tensor, weight_scale: torch.Tensor,
-                             group_size: int | None) -> torch.Tensor | None:
-    """The registered block scales where this GEMM can take cuBLASLt's block-scaled path: 128-column groups, bf16
-    activations, K a multiple of 128, a registered weight, the switch still on (read per call, so that
-    bench/step_ab.py can A/B it in one process whose load registered the weights)."""
-    if (group_size != BLOCK or x.dtype != torch.bfloat16 or x.shape[1] % BLOCK or not _CUBLAS_BLOCK_SCALES
-            or not block_cublas_enabled()):
-        return None
-    entry = _CUBLAS_BLOCK_SCALES.get(weight_scale.data_ptr())
-    return entry[1] if entry is not None and entry[0].shape == weight_scale.shape else None
-
-
-def scaled_mm_blockwise(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, block_scales: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """cuBLASLt: x_q e4m3 [M, K] with scales [M, K / 128] by column, weight e4m3 [N, K] with block scales [L4, N / 128]
-    (cublas_block_scales) -> bf16 [M, N]."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    out = scaled_mm(x_q, weight.t(), x_scale, ScalingType.BlockWise1x128, block_scales, ScalingType.BlockWise128x128,
-                    output_dtype=torch.bfloat16)
-    return out if bias is None else out + bias
-
-
-@functools.lru_cache(maxsize=8)
-def blockwise_works(device_index: int) -> bool:
-    """Whether this torch / cuBLAS serves the block-scaled FP8 GEMM on this GPU, and agrees with the Triton group
-    GEMM: tried once on small shapes (an odd row count among them); else the Triton GEMM serves (logged once)."""
-    from pagoda.kernels import reference as ref
-
-    device = torch.device("cuda", device_index)
-    generator = torch.Generator(device=device).manual_seed(0)
-    weight = torch.randn(256, 512, device=device, generator=generator)  # [N, K]
-    w_q, w_blocks = ref.quantize_fp8_blocks(weight, (BLOCK, BLOCK))  # [N, K], [N / 128, K / 128]
-    w_scale = w_blocks.repeat_interleave(BLOCK, dim=0).contiguous()  # [N, K / 128]: Fp8Weights' layout
-    layout = cublas_block_scales(w_scale)
-    assert layout is not None
-    try:
-        for rows in (1, 33, 256):
-            x = torch.randn(rows, 512, device=device, generator=generator).bfloat16()
-            x_q, x_scale = quantize_fp8_rows(x, BLOCK, scales_by_column=True)
-            got = scaled_mm_blockwise(x_q, x_scale, w_q, layout).float()
-            expected = fp8_gemm(x_q, x_scale.contiguous(), w_q, w_scale, BLOCK, torch.bfloat16).float()
-            if not ((got - expected).norm() <= 1e-2 * expected.norm()):
-                raise RuntimeError(f"differs from the Triton group GEMM at {rows} rows")
-    except (RuntimeError, TypeError, ValueError, ImportError, AttributeError) as exc:  # torch without scaled_mm too
-        logging.getLogger(__name__).warning("cuBLASLt block-scaled FP8 GEMM unavailable (torch %s: %s); the Triton "
-                                            "group GEMM serves", torch.__version__, str(exc)[:300])
-        return False
-    return True

@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 NEG_BIG = gl.constexpr(-1.0e30)  # the running max before any key (as in paged_attention.py)
 E4M3_MAX = gl.constexpr(448.0)
-FP8_MIN_AMAX = gl.constexpr(1e-10)  # as reference.FP8_MIN_AMAX
 NUM_WARPS = gl.constexpr(4)  # one warpgroup: the wgmma's M atom is 4 warps x 16 rows
 
 
@@ -71,9 +70,7 @@ _FAILED_SHAPES: set[tuple[object, ...]] = set()  # launch shapes that did not co
 
 
 def _shape_key(options: dict[str, object]) -> tuple[object, ...]:
-    """The launch's compile-time options (not its tensors, such as the quant_out buffers, which change each step)."""
-    return tuple(sorted((name, value) for name, value in options.items()
-                        if name != "launch_pdl" and not isinstance(value, torch.Tensor)))
+    return tuple(sorted((name, value) for name, value in options.items() if name != "launch_pdl"))
 
 
 def launch(grid: tuple[int, int, int], args: tuple[object, ...], **options: object) -> bool:
@@ -142,18 +139,14 @@ def fp8_decode_kernel(
         qk_scale, num_seqs, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        counter_ptr, quant_ptr, quant_scale_ptr, stride_quant,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
-        USE_PDL: gl.constexpr, PACKED: gl.constexpr = False, QUANT_OUT: gl.constexpr = False,
-        QUANT_TILE: gl.constexpr = 16, QUANT_ONE_TILE: gl.constexpr = True):
+        USE_PDL: gl.constexpr, PACKED: gl.constexpr = False):
     """Grid (kv heads, num_seqs + 1, splits). qk_scale: softmax scale * log2(e). HEAD_DIM a power of two in 64..256,
     TILE_N 64 (the wgmma's M), BLOCK_M >= GROUP a power of two >= 16 (the score dot's N), STAGES >= 2 ring slots.
     PACKED (GROUP <= BLOCK_M // 2): q's two e4m3 terms share one score dot, the hi rows on its first BLOCK_M // 2
     columns and the lo rows on the rest (each thread of a wgmma accumulator holds columns c and c + 8 side by side),
-    so K is read once a tile and the softmax and PV dot run on BLOCK_M // 2 columns. QUANT_OUT (NUM_SPLITS == 1,
-    out contiguous): the last of a sequence's kv-head programs also writes the token's row as e4m3 with its scale
-    for the W8A8 o projection, as paged_attention's Triton launches do (_arrive_and_quantize)."""
+    so K is read once a tile and the softmax and PV dot run on BLOCK_M // 2 columns."""
     if USE_PDL == 1:
         gdc_launch_dependents()
     if USE_PDL > 0:
@@ -191,10 +184,6 @@ def fp8_decode_kernel(
                         gl.full([N_OUT], NEG_BIG, gl.float32, gl.SliceLayout(0, o_layout)),
                         token.to(gl.int64), row_head, head_ok, offs_od, split, stride_ot, stride_oh, NUM_HEADS,
                         HEAD_DIM, NUM_SPLITS)
-        if QUANT_OUT:
-            _arrive_and_quantize(counter_ptr, b, gl.load(query_start_loc_ptr + num_seqs), num_tokens, out_ptr,
-                                 quant_ptr, quant_scale_ptr, stride_ot, stride_quant, NUM_HEADS // GROUP,
-                                 NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE)
         return
     q_start = gl.load(query_start_loc_ptr + b)
     q_len = gl.load(query_start_loc_ptr + b + 1) - q_start
@@ -311,9 +300,6 @@ def fp8_decode_kernel(
     acc = acc * gl.load(v_scale_ptr)  # sum_j p_j (v_j * v_scale)
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_sum, m_out, token, row_head, head_ok,
                 offs_od, split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
-    if QUANT_OUT:
-        _arrive_and_quantize(counter_ptr, b, token, token + 1, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
-                             stride_quant, NUM_HEADS // GROUP, NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE)
 
 
 @gluon.jit
@@ -343,44 +329,3 @@ def _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_sum, m
         out = acc / gl.expand_dims(gl.where(l_sum > 0.0, l_sum, 1.0), 0)
         ptrs = out_ptr + token * stride_ot + gl.expand_dims(row_head * stride_oh, 0) + gl.expand_dims(offs_d, 1)
         gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _load_row_f32(ptrs, mask):
-    return gl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)  # other programs' stores: L2
-
-
-@gluon.jit
-def _arrive_and_quantize(counter_ptr, key, first_token, end_token, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
-                         stride_quant, ARRIVALS: gl.constexpr, ROW: gl.constexpr, TILE: gl.constexpr,
-                         ONE_TILE: gl.constexpr):
-    """paged_attention._arrive_and_quantize in Gluon: count this program among the ARRIVALS that write tokens
-    [first_token, end_token)'s rows (release after every thread's stores, acquire for the last); the last one
-    quantizes each token's ROW values (read from L2) to e4m3 at quant_ptr with its scale amax / 448 (times the
-    scale's inverse, then the hardware's round-to-nearest-even cast: fp8.quantize_row's INVERSE bits) and zeroes
-    the count."""
-    gl.thread_barrier()  # every thread's rows stored before the count's release
-    done = gl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
-    if done == ARRIVALS - 1:
-        VEC: gl.constexpr = 8 if TILE >= 8 * 32 * NUM_WARPS else 1
-        row_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
-        offs = gl.arange(0, TILE, layout=row_layout)
-        for token in range(first_token, end_token):
-            row = token.to(gl.int64)
-            x_row = out_ptr + row * stride_ot
-            q_row = quant_ptr + row * stride_quant
-            if ONE_TILE:
-                amax = gl.max(gl.abs(_load_row_f32(x_row + offs, offs < ROW)), 0)
-            else:
-                amax_cols = gl.zeros([TILE], gl.float32, row_layout)
-                for start in range(0, ROW, TILE):
-                    amax_cols = gl.maximum(amax_cols, gl.abs(_load_row_f32(x_row + start + offs, start + offs < ROW)))
-                amax = gl.max(amax_cols, 0)
-            scale = gl.div_rn(gl.maximum(amax, FP8_MIN_AMAX), E4M3_MAX)
-            inverse = gl.div_rn(1.0, scale)
-            for start in range(0, ROW, TILE):
-                x = _load_row_f32(x_row + start + offs, start + offs < ROW)
-                y = gl.minimum(gl.maximum(x * inverse, -E4M3_MAX), E4M3_MAX)
-                gl.store(q_row + start + offs, y.to(gl.float8e4nv), mask=start + offs < ROW)
-            gl.store(quant_scale_ptr + row, scale)
-        gl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")

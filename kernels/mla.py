@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -668,8 +667,7 @@ def _check_config(config: MLAConfig) -> None:
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
                   kv_lora_rank: int, out: torch.Tensor | None = None, config: MLAConfig | None = None,
-                  kv_scale: torch.Tensor | None = None, q_rope: torch.Tensor | None = None,
-                  w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed causal attention of q [T, heads, R + P] (R = kv_lora_rank) over the latent cache [num_blocks,
     block_size, R + P]; semantics of reference.mla_attention. Returns out [T, heads, R] (q's dtype): per row the
     softmax(scale * q . entries) mix of the entries' latent parts. Sequence b's queries are rows [qsl[b],
@@ -678,9 +676,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     (a device sync): qsl non-decreasing with qsl[B] <= T, seq_lens[b] >= query length, block_tables covering
     seq_lens. max_query_len and max_seq_len are upper bounds that pick the launch shape only. q_rope: q's rope part
     as a tensor of its own ([T, heads, P], any row strides); q is then [T, heads, R] (e.g. the W_UK product's
-    transposed view): the two halves need not be concatenated. w_uv [heads, Dv, R] (R contiguous): returns
-    attn [T, heads, Dv] instead, each head's latent mix (rounded to q's dtype) times its W_UV^T: a split launch
-    applies it inside its reduce (one launch for both, _split_reduce_uv_kernel), otherwise one bmm follows."""
+    transposed view): the two halves need not be concatenated."""
     if q_rope is not None:
         _check_split_q(q, q_rope, kv_lora_rank)
         q_full_shape = (*q.shape[:2], q.shape[2] + q_rope.shape[2])
@@ -699,10 +695,8 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     elif out.shape != (num_tokens, num_heads, lat) or out.dtype != q.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {(num_tokens, num_heads, lat)} {q.dtype} contiguous along its last dim, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    if w_uv is not None:
-        _check_w_uv(w_uv, num_heads, lat, q)
     if num_tokens == 0:
-        return out if w_uv is None else q.new_empty((0, num_heads, w_uv.shape[1]))
+        return out
     if config is None:
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
         config = pick_mla_config(num_seqs, num_heads, max_query_len, max_seq_len, num_sms, fp8=fp8)
@@ -746,83 +740,12 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
             *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n, DECODE=False,
             KEYS_M=False, num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
             **pdl_options)
-    if num_splits > 1 and w_uv is not None:
-        dv = w_uv.shape[1]
-        attn = q.new_empty((num_tokens, num_heads, dv))  # [T, heads, Dv]
-        block_v = min(UV_BLOCK_V, triton.next_power_of_2(dv))
-        _split_reduce_uv_kernel[(num_tokens, num_heads, triton.cdiv(dv, block_v))](
-            attn, part_out, part_max, part_sum, w_uv, attn.stride(0), attn.stride(1), w_uv.stride(0),
-            w_uv.stride(1), NUM_HEADS=num_heads, LAT=lat, LAT_P=lat_p, DV=dv, BLOCK_V=block_v,
-            BLOCK_R=min(UV_BLOCK_R, lat_p), NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-            num_warps=4, **pdl_options)
-        return attn
     if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_max, part_sum, out.stride(0), out.stride(1), out, out, out, 0, NUM_HEADS=num_heads,
-            HEAD_DIM=lat, HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-            num_warps=4, **pdl_options)
-    if w_uv is not None:
-        attn = q.new_empty((num_tokens, num_heads, w_uv.shape[1]))  # [T, heads, Dv]
-        torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2), out=attn.transpose(0, 1))  # via [heads, T, Dv]
-        return attn
+            out, part_out, part_max, part_sum, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=lat,
+            HEAD_DIM_P=lat_p, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl_options)
     return out
-
-
-# The fused split reduce + W_UV: Dv columns and latent values a program handles at a time (an untimed candidate:
-# tile sizes to be swept on a GPU)
-UV_BLOCK_V = 64
-UV_BLOCK_R = 64
-
-
-def fuse_uv_enabled() -> bool:
-    """PAGODA_MLA_FUSE_UV=1: DeepSeek's absorbed attention hands W_UV to mla_attention, so that a split launch
-    applies it in its reduce (one launch instead of the reduce and a bmm). Off by default until timed on a GPU."""
-    return os.environ.get("PAGODA_MLA_FUSE_UV") == "1"
-
-
-def _check_w_uv(w_uv: torch.Tensor, num_heads: int, lat: int, q: torch.Tensor) -> None:
-    if w_uv.dim() != 3 or w_uv.shape[0] != num_heads or w_uv.shape[2] != lat or w_uv.stride(2) != 1:
-        raise ValueError(f"w_uv must be [heads {num_heads}, Dv, R {lat}] contiguous along R, got "
-                         f"{tuple(w_uv.shape)} strides {w_uv.stride()}")
-    if w_uv.dtype != q.dtype or w_uv.device != q.device:
-        raise ValueError(f"w_uv must be {q.dtype} on {q.device}, got {w_uv.dtype} on {w_uv.device}")
-
-
-@triton.jit
-def _split_reduce_uv_kernel(attn_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, w_ptr, stride_at, stride_ah,
-                            stride_wh, stride_wv, NUM_HEADS: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
-                            DV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """attn[t, h, v-block] = W_UV[h, v-block, :] @ lat, lat the merge of (t, h)'s NUM_SPLITS partial softmaxes
-    (as _split_reduce_kernel merges them) rounded to attn's dtype, as the unfused path stores it before its bmm.
-    Grid: (tokens, heads, Dv blocks). The latent is merged and used BLOCK_R values at a time (no [Dv, R] tile in
-    registers). A split whose max is NEG_BIG saw no key: its partial output is not read."""
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    offs_s = tl.arange(0, SPLITS_P)
-    offs_r = tl.arange(0, BLOCK_R)
-    s_mask = offs_s < NUM_SPLITS
-    part_row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_P]
-    part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
-    part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
-    has_keys = s_mask & (part_max > _NEG_BIG)  # [SPLITS_P]
-    weight = tl.exp2(part_max - tl.max(part_max, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
-    total = tl.sum(part_sum * weight, 0)
-    inv_total = 1.0 / tl.where(total > 0.0, total, 1.0)
-    dtype: tl.constexpr = attn_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for r0 in tl.static_range(0, LAT_P, BLOCK_R):
-        r = r0 + offs_r  # [BLOCK_R]
-        parts = tl.load(part_out_ptr + part_row[:, None] * LAT_P + r[None, :], mask=has_keys[:, None],
-                        other=0.0)  # [SPLITS_P, BLOCK_R]
-        lat = (tl.sum(parts * weight[:, None], 0) * inv_total).to(dtype).to(tl.float32)  # [BLOCK_R]
-        w = tl.load(w_ptr + head * stride_wh + offs_v[:, None] * stride_wv + r[None, :],
-                    mask=(offs_v < DV)[:, None] & (r < LAT)[None, :], other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
-        acc += tl.sum(w * lat[None, :], 1)
-    tl.store(attn_ptr + token * stride_at + head * stride_ah + offs_v, acc.to(dtype), mask=offs_v < DV)
 
 
 # ------------------------------------------------------------------------------------ expanded attention

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache, partial
@@ -169,24 +168,23 @@ def route_softmax_topk_triton(router_logits: torch.Tensor, top_k: int, renormali
 
 
 @triton.jit
-def _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, stride_lt, scaling,
-                 GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr, GROUP_SIZE_P: tl.constexpr,
-                 TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, K_P: tl.constexpr, SIGMOID: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, GROUP_TOP2: tl.constexpr,
-                 RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, FROM_L2: tl.constexpr):
+def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt, scaling,
+                          GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr,
+                          GROUP_SIZE_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
+                          K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """One token, its experts laid out [groups, group size]: scores, choice scores (+ bias), the topk_groups best
     groups (by best or best-two choice score), then k rounds of argmax over the allowed experts (lowest id among
-    equals), each pick's weight its score; then the NUM_SHARED shared experts (ids E.., weight 1). K_P >= k + S.
-    FROM_L2: the logits bypass L1 (other programs of the same launch wrote them)."""
+    equals), each pick's weight its score; then the NUM_SHARED shared experts (ids E.., weight 1). K_P >= k + S."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, GROUPS_P)
     offs_j = tl.arange(0, GROUP_SIZE_P)
     valid = (offs_g < GROUPS)[:, None] & (offs_j < GROUP_SIZE)[None, :]  # [G_P, S_P]
     expert = offs_g[:, None] * GROUP_SIZE + offs_j[None, :]  # [G_P, S_P] expert ids
-    if FROM_L2:  # written by other programs of this launch: past this SM's L1
-        logits = tl.load(logits_ptr + token * stride_lt + expert, mask=valid, other=float("-inf"),
-                         cache_modifier=".cg").to(tl.float32)
-    else:
-        logits = tl.load(logits_ptr + token * stride_lt + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + token * stride_lt + expert, mask=valid, other=float("-inf")).to(tl.float32)
     if SIGMOID:
         scores = tl.where(valid, tl.sigmoid(logits), 0.0)
     else:
@@ -232,62 +230,32 @@ def _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, stride_lt, s
     tl.store(ids_ptr + token * row + offs_k, picked_id, mask=offs_k < row)
 
 
-
-
-@triton.jit
-def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt, scaling,
-                          GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr,
-                          GROUP_SIZE_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-                          K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
-                          GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    """_route_token for the token of each program."""
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), stride_lt, scaling,
-                 GROUPS, GROUP_SIZE, GROUPS_P, GROUP_SIZE_P, TOPK_GROUPS, TOP_K, K_P, SIGMOID, HAS_BIAS, GROUPED,
-                 GROUP_TOP2, RENORMALIZE, NUM_SHARED, False)
-
-
 def route_grouped_topk_triton(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
                               num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
                               renormalize: bool, routed_scaling_factor: float,
                               num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """route_grouped_topk in one launch (a program per token)."""
     num_tokens, num_experts = router_logits.shape
-    assert router_logits.stride(1) == 1
-    weights, ids = _routing_outputs(num_tokens, top_k + num_shared, router_logits.device)
+    grouped = topk_method != "greedy"
+    groups = num_groups if grouped else 1
+    assert router_logits.stride(1) == 1 and num_experts % groups == 0 and 0 < top_k <= num_experts
+    assert correction_bias is None or (correction_bias.shape == (num_experts,) and correction_bias.is_contiguous())
+    group_size = num_experts // groups
+    row = top_k + num_shared
+    weights = torch.empty(num_tokens, row, dtype=torch.float32, device=router_logits.device)  # [T, k + S]
+    ids = torch.empty(num_tokens, row, dtype=torch.int32, device=router_logits.device)  # [T, k + S]
     if num_tokens:
         pdl_options = pdl.launch_options(router_logits.device)
         _grouped_route_kernel[(num_tokens,)](
             router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
-            router_logits.stride(0), float(routed_scaling_factor),
-            **_route_shape(num_experts, top_k, scoring_func, topk_method, num_groups, topk_groups, correction_bias,
-                           renormalize, num_shared), num_warps=1 if num_experts <= 64 else 4, **pdl_options)
+            router_logits.stride(0), float(routed_scaling_factor), GROUPS=groups, GROUP_SIZE=group_size,
+            GROUPS_P=triton.next_power_of_2(groups), GROUP_SIZE_P=triton.next_power_of_2(group_size),
+            TOPK_GROUPS=topk_groups if grouped else 1, TOP_K=top_k, K_P=triton.next_power_of_2(row),
+            SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
+            GROUP_TOP2=topk_method == "noaux_tc" and group_size > 1, RENORMALIZE=renormalize,
+            NUM_SHARED=num_shared, num_warps=1 if num_experts <= 64 else 4,
+            **pdl_options)
     return weights, ids
-
-
-def _routing_outputs(num_tokens: int, row: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """weights [T, k + S] fp32 and ids [T, k + S] int32 for a routing kernel to fill."""
-    return (torch.empty(num_tokens, row, dtype=torch.float32, device=device),
-            torch.empty(num_tokens, row, dtype=torch.int32, device=device))
-
-
-def _route_shape(num_experts: int, top_k: int, scoring_func: str, topk_method: str, num_groups: int,
-                 topk_groups: int, correction_bias: torch.Tensor | None, renormalize: bool,
-                 num_shared: int) -> dict[str, Any]:
-    """_route_token's constexprs for a routing of num_experts experts."""
-    grouped = topk_method != "greedy"
-    groups = num_groups if grouped else 1
-    assert num_experts % groups == 0 and 0 < top_k <= num_experts
-    assert correction_bias is None or (correction_bias.shape == (num_experts,) and correction_bias.is_contiguous())
-    group_size = num_experts // groups
-    return dict(GROUPS=groups, GROUP_SIZE=group_size, GROUPS_P=triton.next_power_of_2(groups),
-                GROUP_SIZE_P=triton.next_power_of_2(group_size), TOPK_GROUPS=topk_groups if grouped else 1,
-                TOP_K=top_k, K_P=triton.next_power_of_2(top_k + num_shared), SIGMOID=scoring_func == "sigmoid",
-                HAS_BIAS=correction_bias is not None, GROUPED=grouped,
-                GROUP_TOP2=topk_method == "noaux_tc" and group_size > 1, RENORMALIZE=renormalize,
-                NUM_SHARED=num_shared)
 
 
 # Up to this many tokens the fp32 router reads the activations directly (a GEMV per token and expert block); more,
@@ -326,14 +294,7 @@ def _router_gemv_kernel(h_ptr, w_ptr, out_ptr, num_experts, hidden, stride_ht, s
     summed over H in a fixed order (every expert's row the same way: equal rows give equal logits)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    _router_logits_block(h_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64), num_experts, hidden, stride_ht,
-                         stride_we, stride_ot, BLOCK_E, BLOCK_H)
-
-
-@triton.jit
-def _router_logits_block(h_ptr, w_ptr, out_ptr, token, num_experts, hidden, stride_ht, stride_we, stride_ot,
-                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Logits of token x the BLOCK_E experts of program_id(1), stored to out; every row summed the same way."""
+    token = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
     offs_h = tl.arange(0, BLOCK_H)
@@ -363,89 +324,6 @@ def router_logits_triton(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
             h, router, out, num_experts, hidden, h.stride(0), router.stride(0), out.stride(0),
             BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_options)
     return out
-
-
-def fuse_route_enabled() -> bool:
-    """PAGODA_FUSE_ROUTE=1: at decode batches (up to ROUTER_GEMV_MAX_TOKENS tokens) DeepSeek's router GEMV and its
-    routing run as one launch (the last program of a token to finish routes it). Off by default until timed."""
-    return os.environ.get("PAGODA_FUSE_ROUTE") == "1"
-
-
-_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def route_counters(device: torch.device) -> torch.Tensor:
-    """[ROUTER_GEMV_MAX_TOKENS] int32 zeros, one tensor per device for the process's life (CUDA graphs keep its
-    address): how many programs of a token have stored their logits. Every launch leaves them zero again."""
-    if device not in _ROUTE_COUNTERS:
-        _ROUTE_COUNTERS[device] = torch.zeros(ROUTER_GEMV_MAX_TOKENS, dtype=torch.int32, device=device)
-    return _ROUTE_COUNTERS[device]
-
-
-@triton.jit
-def _router_route_kernel(h_ptr, w_ptr, logits_ptr, counter_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, hidden,
-                         stride_ht, stride_we, stride_lt, scaling, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                         GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_P: tl.constexpr,
-                         GROUP_SIZE_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-                         K_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
-                         GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """_router_gemv_kernel's logits of BLOCK_E experts of one token, then a count of the token's programs done
-    (release: the logits are visible before it; acquire for the last one): the last of them routes the token
-    (_route_token, logits read from L2) and sets its count back to zero for the next launch."""
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    _router_logits_block(h_ptr, w_ptr, logits_ptr, token, num_experts, hidden, stride_ht, stride_we, stride_lt,
-                         BLOCK_E, BLOCK_H)
-    tl.debug_barrier()  # every thread's logits stored before the count's release
-    done = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel")
-    if done == tl.num_programs(1) - 1:
-        _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, stride_lt, scaling, GROUPS, GROUP_SIZE,
-                     GROUPS_P, GROUP_SIZE_P, TOPK_GROUPS, TOP_K, K_P, SIGMOID, HAS_BIAS, GROUPED, GROUP_TOP2,
-                     RENORMALIZE, NUM_SHARED, True)
-        tl.atomic_xchg(counter_ptr + token, 0, sem="relaxed")
-
-
-def router_route_triton(h: torch.Tensor, router: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
-                        num_groups: int, topk_groups: int, correction_bias: torch.Tensor | None,
-                        renormalize: bool, routed_scaling_factor: float,
-                        num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits_triton then route_grouped_topk_triton in one launch, for up to ROUTER_GEMV_MAX_TOKENS
-    tokens: the same logits (the same fp32 sums in the same order) and the same routing."""
-    num_tokens, hidden = h.shape
-    num_experts = router.shape[0]
-    if num_tokens > ROUTER_GEMV_MAX_TOKENS:
-        raise ValueError(f"the fused router serves at most {ROUTER_GEMV_MAX_TOKENS} tokens, got {num_tokens}")
-    assert router.shape == (num_experts, hidden) and router.dtype == torch.float32
-    assert h.stride(1) == 1 and router.stride(1) == 1
-    shape = _route_shape(num_experts, top_k, scoring_func, topk_method, num_groups, topk_groups, correction_bias,
-                         renormalize, num_shared)
-    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=h.device)  # [T, E] scratch
-    weights, ids = _routing_outputs(num_tokens, top_k + num_shared, h.device)
-    block_e = max(1, triton.next_power_of_2(num_experts) // 256)  # as router_logits_triton
-    if num_tokens:
-        _router_route_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
-            h, router, logits, route_counters(h.device), correction_bias if correction_bias is not None else logits,
-            weights, ids, num_experts, hidden, h.stride(0), router.stride(0), logits.stride(0),
-            float(routed_scaling_factor), BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
-            **shape, num_warps=4, **pdl.launch_options(h.device))
-    return weights, ids
-
-
-def route_tokens(h: torch.Tensor, router: torch.Tensor, router_low: torch.Tensor | None, top_k: int,
-                 scoring_func: str, topk_method: str, num_groups: int, topk_groups: int,
-                 correction_bias: torch.Tensor | None, renormalize: bool, routed_scaling_factor: float,
-                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeekMoE's router and routing: h [T, H] -> (weights, ids) [T, k + S] (route_grouped_topk's). One fused
-    launch under PAGODA_FUSE_ROUTE=1 at decode batches where Triton runs (CUDA, or the interpreter); else the
-    logits (router_logits) and the routing as two steps."""
-    routing = (top_k, scoring_func, topk_method, num_groups, topk_groups, correction_bias, renormalize,
-               routed_scaling_factor, num_shared)
-    triton_runs = h.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if fuse_route_enabled() and triton_runs and h.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
-        return router_route_triton(h, router, *routing)
-    return route_grouped_topk(router_logits(h, router, router_low), *routing)
 
 
 # ---------------------------------------------------------------- alignment

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import fp8, fp8_decode_gluon, pdl
+from pagoda.kernels import fp8_decode_gluon, pdl
 
 # Finite stand-in for -inf as the running max: a row that has seen no key yet computes
 # exp2(NEG_BIG - NEG_BIG) = 1 times a zero sum, never exp2(-inf - -inf) = nan.
@@ -592,15 +592,13 @@ def _paged_attention_kernel(
         part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
         qk_scale, num_seqs, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, counter_ptr,
-        quant_ptr, quant_scale_ptr, stride_quant,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MODE: tl.constexpr, HEADS_FAST: tl.constexpr, USE_ASM: tl.constexpr, KEYS_ON_M: tl.constexpr,
         Q_STAGED: tl.constexpr, USE_PDL: tl.constexpr, LAZY_SUM: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-        ONE_LOOP: tl.constexpr = False, FOLD_REDUCE: tl.constexpr = False, SPLITS_P: tl.constexpr = 1,
-        QUANT_OUT: tl.constexpr = False, QUANT_TILE: tl.constexpr = 16, QUANT_ONE_TILE: tl.constexpr = True):
+        ONE_LOOP: tl.constexpr = False):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (rows m = token m // GROUP,
     head m % GROUP), over one split of the keys. Grid: (programs along the queries, kv heads, splits).
     DECODE: program b is sequence b and runs only if its query length is 1 (BLOCK_Q = 1, no search); program
@@ -611,12 +609,7 @@ def _paged_attention_kernel(
     inline asm allowed (not in Triton's interpreter). Q_STAGED (FP8_MODE >= 2, NUM_SPLITS == 1): the converted q
     goes through the program's output rows (_stage_rows) to reach the dots from shared memory. LAZY_SUM: softmax
     sums per key slot, one cross-thread sum after the tiles (AttentionConfig.decode_lazy_sum). ONE_LOOP: every key
-    tile through the masked loop (AttentionConfig.decode_one_loop). FOLD_REDUCE (DECODE, NUM_SPLITS > 1): the last
-    split program of each (sequence, kv head) merges the splits itself (_arrive_and_merge; counter_ptr: the
-    counts, zero between launches), no reduce launch. QUANT_OUT (NUM_SPLITS == 1, out contiguous): the last program
-    to finish a set of tokens' rows also writes those rows as e4m3 with per-token scales (quant_ptr [T, heads *
-    HEAD_DIM], quant_scale_ptr [T]) for the W8A8 o projection (_arrive_and_quantize; counter_ptr: the counts,
-    keyed by decode program b or num_seqs + 1 + query tile)."""
+    tile through the masked loop (AttentionConfig.decode_one_loop)."""
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     pid, kv_head, num_q_programs, split = grid_position(HEADS_FAST)
@@ -636,15 +629,6 @@ def _paged_attention_kernel(
                 _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, zero_acc, zero_sum, empty_max,
                             tail_token.to(tl.int64), tail_row_head, tail_valid, split, stride_ot, stride_oh,
                             NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
-            if FOLD_REDUCE:
-                _arrive_and_merge(counter_ptr, b * (NUM_HEADS // GROUP) + kv_head,
-                                  tl.load(query_start_loc_ptr + num_seqs), num_tokens, kv_head, out_ptr,
-                                  part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS, GROUP,
-                                  HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P)
-            if QUANT_OUT:
-                _arrive_and_quantize(counter_ptr, b, tl.load(query_start_loc_ptr + num_seqs), num_tokens, out_ptr,
-                                     quant_ptr, quant_scale_ptr, stride_ot, stride_quant, NUM_HEADS // GROUP,
-                                     NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE, USE_ASM)
             return
         q_start = tl.load(query_start_loc_ptr + b)
         q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -683,10 +667,6 @@ def _paged_attention_kernel(
         if tile_lo >= tile_hi:
             _store_empty_split(part_max_ptr, part_sum_ptr, row_token, row_head, row_valid, split, NUM_HEADS,
                                NUM_SPLITS)
-            if FOLD_REDUCE:
-                _arrive_and_merge(counter_ptr, b * (NUM_HEADS // GROUP) + kv_head, q_start, q_start + 1, kv_head,
-                                  out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS,
-                                  GROUP, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P)
             return
     q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
@@ -744,108 +724,32 @@ def _paged_attention_kernel(
 
     _store_rows(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, acc, l_i, m_i, row_token, row_head, row_valid,
                 split, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS)
-    if QUANT_OUT:  # decode: key b, one token; a query tile: its own key after the decode launch's, up to BLOCK_Q
-        # tokens; their span from the rows (live through the loop anyway: no scalar kept across it)
-        key = b if DECODE else num_seqs + 1 + pid
-        rows_first = tl.min(tl.where(row_valid, row_token, num_tokens), 0)
-        rows_end = tl.max(tl.where(row_valid, row_token + 1, 0), 0)
-        _arrive_and_quantize(counter_ptr, key, rows_first, rows_end, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
-                             stride_quant, NUM_HEADS // GROUP, NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE,
-                             USE_ASM)
-    if FOLD_REDUCE:
-        _arrive_and_merge(counter_ptr, b * (NUM_HEADS // GROUP) + kv_head, q_start, q_start + 1, kv_head, out_ptr,
-                          part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM,
-                          HEAD_DIM_P, NUM_SPLITS, SPLITS_P)
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, stride_ot, stride_oh,
-                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, FROM_L2: tl.constexpr):
-    """Merge the NUM_SPLITS partial softmaxes of one (token, head) into its out row. A split whose max is NEG_BIG
-    saw no key: its partial output is not read (an empty split does not write it). FROM_L2: the partials bypass L1
-    (other programs of the same launch wrote them)."""
+def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
+    """Merge the NUM_SPLITS partial softmaxes of one (token, head). Grid: (tokens, heads). A split whose max is
+    NEG_BIG saw no key: its partial output is not read (an empty split does not write it)."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
     s_mask = offs_s < NUM_SPLITS
     part_row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_P]
-    part_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :]
-    if FROM_L2:
-        part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0, cache_modifier=".cg")
-    else:
-        part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
-        part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
+    part_max = tl.load(part_max_ptr + part_row, mask=s_mask, other=float("-inf"))  # [SPLITS_P]
+    part_sum = tl.load(part_sum_ptr + part_row, mask=s_mask, other=0.0)
     has_keys = s_mask & (part_max > _NEG_BIG)  # [SPLITS_P]
-    if FROM_L2:
-        acc = tl.load(part_ptrs, mask=has_keys[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        acc = tl.load(part_ptrs, mask=has_keys[:, None], other=0.0)  # [SPLITS_P, HEAD_DIM_P]
+    acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys[:, None],
+                  other=0.0)  # [SPLITS_P, HEAD_DIM_P]
     weight = tl.exp2(part_max - tl.max(part_max, 0))  # [SPLITS_P]; the max is >= NEG_BIG, finite
     total = tl.sum(part_sum * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_P]
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
-
-
-@triton.jit
-def _split_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
-                         counter_ptr, quant_ptr, quant_scale_ptr, stride_quant,
-                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
-                         QUANT_OUT: tl.constexpr = False, QUANT_TILE: tl.constexpr = 16,
-                         QUANT_ONE_TILE: tl.constexpr = True, HW_CAST: tl.constexpr = False):
-    """_merge_splits for one (token, head). Grid: (tokens, heads). QUANT_OUT: the last head of a token to be
-    merged also writes the token's row as e4m3 with its scale (_arrive_and_quantize, keyed by token)."""
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, tl.program_id(1), stride_ot, stride_oh,
-                  NUM_HEADS, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, SPLITS_P, False)
-    if QUANT_OUT:
-        _arrive_and_quantize(counter_ptr, token, token, token + 1, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
-                             stride_quant, NUM_HEADS, NUM_HEADS * HEAD_DIM, QUANT_TILE, QUANT_ONE_TILE, HW_CAST)
-
-
-@triton.jit
-def _arrive_and_merge(counter_ptr, key, first_token, end_token, kv_head, out_ptr, part_out_ptr, part_max_ptr,
-                      part_sum_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      SPLITS_P: tl.constexpr):
-    """A split program's partials are stored: count it among its (rows, kv head)'s NUM_SPLITS programs (release:
-    the partials are visible before the count; acquire for the last); the last one merges the rows of tokens
-    [first_token, end_token) x the kv head's GROUP query heads and sets the count back to zero for the next
-    launch. In place of the reduce launch (PAGODA_ATTN_FOLD_REDUCE=1)."""
-    tl.debug_barrier()  # every thread's partials stored before the count's release
-    done = tl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
-    if done == NUM_SPLITS - 1:
-        for token in range(first_token, end_token):
-            for g in tl.static_range(GROUP):
-                _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.full([], 0, tl.int64) + token,
-                              kv_head * GROUP + g, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, HEAD_DIM_P,
-                              NUM_SPLITS, SPLITS_P, True)
-        tl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")
-
-
-@triton.jit
-def _arrive_and_quantize(counter_ptr, key, first_token, end_token, out_ptr, quant_ptr, quant_scale_ptr, stride_ot,
-                         stride_quant, ARRIVALS: tl.constexpr, ROW: tl.constexpr, TILE: tl.constexpr,
-                         ONE_TILE: tl.constexpr, HW_CAST: tl.constexpr):
-    """A program's out rows for tokens [first_token, end_token) are stored: count it among the ARRIVALS programs
-    that write those tokens' rows (release: the rows are visible before the count; acquire for the last); the last
-    one quantizes the tokens' whole rows (ROW = heads x head_dim values, read from L2) into quant_ptr with one scale
-    each (fp8.quantize_row, times the scale's inverse as the fused norm and SiLU kernels quantize: a code may be one
-    step from quantize_fp8_rows' exactly divided one; a division an element is a subroutine call in sm_90 code and
-    took the decode kernel from 110 to 128 registers) and sets the count back to zero for the next launch.
-    In place of the o projection's own quantize launch (PAGODA_ATTN_QUANT_OUT=1)."""
-    tl.debug_barrier()  # every thread's rows stored before the count's release
-    done = tl.atomic_add(counter_ptr + key, 1, sem="acq_rel")
-    if done == ARRIVALS - 1:
-        for token in range(first_token, end_token):
-            row = tl.full([], 0, tl.int64) + token
-            fp8.quantize_row(out_ptr + row * stride_ot, quant_ptr + row * stride_quant, quant_scale_ptr + row, ROW,
-                             TILE, ONE_TILE, HW_CAST, True, True)
-        tl.atomic_xchg(counter_ptr + key, 0, sem="relaxed")
 
 
 def split_partials(out: torch.Tensor, num_tokens: int, num_heads: int, num_splits: int,
@@ -969,85 +873,11 @@ def _check_config(config: AttentionConfig) -> None:
         raise ValueError(f"decode_fp8_convert must be '' or one of {FP8_CONVERTS}, got {config.decode_fp8_convert!r}")
 
 
-# Split decode launches whose last program per (sequence, kv head) merges the splits (FOLD_REDUCE): at most this
-# many (sequence, kv head) pairs, counted in one persistent tensor per device. Splits only happen below ~132
-# programs without them (pick_num_splits), so real launches stay far below it.
-FOLD_COUNTERS = 4096
-_FOLD_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def fold_reduce_enabled() -> bool:
-    """PAGODA_ATTN_FOLD_REDUCE=1: a split decode launch of the Triton kernel merges its splits in the last program
-    of each (sequence, kv head) instead of a reduce launch after it. Off by default until timed on a GPU."""
-    return os.environ.get("PAGODA_ATTN_FOLD_REDUCE") == "1"
-
-
-def fold_counters(device: torch.device) -> torch.Tensor:
-    """[FOLD_COUNTERS] int32 zeros for the process's life (CUDA graphs keep the address); each launch leaves them
-    zero again."""
-    if device not in _FOLD_COUNTERS:
-        _FOLD_COUNTERS[device] = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
-    return _FOLD_COUNTERS[device]
-
-
-# Launches whose last program per set of tokens also quantizes their rows for the o projection (QUANT_OUT): keys
-# (decode programs and query tiles, or tokens behind a split reduce) counted in one persistent tensor per device.
-# A launch with more keys quantizes in a launch of its own.
-QUANT_COUNTERS = 32768
-# Widest tile the last program quantizes a row in (longer rows: two passes over L2): 8 fp32 values a thread at 4
-# warps, so the tail adds few registers to the attention loop's count (the standalone quantize kernel uses 8192).
-_QUANT_TILE = 1024
-_QUANT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def quant_out_enabled() -> bool:
-    """PAGODA_ATTN_QUANT_OUT=1: where the o projection is a W8A8 GEMM, paged attention writes its output as e4m3
-    with per-token scales too, and the projection has no quantize launch of its own. Off by default until timed on a
-    GPU."""
-    return os.environ.get("PAGODA_ATTN_QUANT_OUT") == "1"
-
-
-def quant_counters(device: torch.device) -> torch.Tensor:
-    """[QUANT_COUNTERS] int32 zeros for the process's life (CUDA graphs keep the address); each launch leaves them
-    zero again. Made before graphs are captured (model_runner), not from a capture's pool."""
-    if device not in _QUANT_COUNTERS:
-        _QUANT_COUNTERS[device] = torch.zeros(QUANT_COUNTERS, dtype=torch.int32, device=device)
-    return _QUANT_COUNTERS[device]
-
-
-def _check_quant_out(quant_out: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
-    codes, scales = quant_out
-    num_tokens, width = out.shape[0], out.shape[1] * out.shape[2]
-    if not out.is_contiguous():
-        raise ValueError("quant_out needs a contiguous out")
-    if (codes.shape != (num_tokens, width) or codes.dtype != torch.float8_e4m3fn or codes.stride(1) != 1
-            or scales.shape != (num_tokens, 1) or scales.dtype != torch.float32 or not scales.is_contiguous()
-            or codes.device != out.device or scales.device != out.device):
-        raise ValueError(f"quant_out must be e4m3 [{num_tokens}, {width}] (contiguous rows) and fp32 "
-                         f"[{num_tokens}, 1] on {out.device}, got {codes.dtype} {tuple(codes.shape)} and "
-                         f"{scales.dtype} {tuple(scales.shape)}")
-
-
-def _tiled_regs(config: AttentionConfig, dtype: torch.dtype, quantizes: bool) -> dict[str, int]:
-    """The tiled launch's register cap: the config's; where it quantizes its output and has none, 128 at 8 warps.
-    The plain 8-warp launch compiles to 127 registers at llama3-8b's heads (two programs an SM); the quantizing
-    tail alone took it to 133 (one program an SM), and under a 128 cap ptxas fits it without spilling (sm_90, Triton
-    3.6)."""
-    if dtype == torch.float32:
-        return {}
-    if config.prefill_max_regs:
-        return {"maxnreg": config.prefill_max_regs}
-    if quantizes and config.prefill_num_warps == 8:
-        return {"maxnreg": 128}
-    return {}
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, out: torch.Tensor | None = None,
                     config: AttentionConfig | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None,
-                    quant_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, heads, head_dim] over the paged caches [num_blocks, block_size, kv_heads,
     head_dim]; semantics of reference.paged_attention. Sequence b's queries are rows [qsl[b], qsl[b+1]) and are
     the last ones of its seq_lens[b] tokens, whose K/V are already in the caches. Rows of sequences with
@@ -1056,11 +886,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_query_len and max_seq_len are upper bounds that pick the launch shape only. Returns out [T, heads, D].
     An fp8 (e4m3) cache needs k_scale, v_scale [1] fp32: it holds k / k_scale and v / v_scale; with a 16-bit q its
     tiles reach the dots as config.fp8_convert says (default fp16 operands; an fp32 q upcasts them to fp32).
-
-    quant_out (codes e4m3 [T, heads * D], scales fp32 [T, 1]): also out's rows quantized per token (the W8A8 o
-    projection's input; the scales fp8.quantize_fp8_rows' own, a code at most one step from its, as the fused norm's
-    are), by the last program to finish each token's rows (_arrive_and_quantize); needs a contiguous out. A launch
-    with more keys than the counters hold quantizes in a launch of its own (quantize_fp8_rows' bits).
 
     Launches: one DECODE launch (a program per (sequence, kv head, split) for length-1 queries); if
     max_query_len > 1 also a tiled launch for the longer chunks; with num_splits > 1 a reduce launch."""
@@ -1075,8 +900,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [T, heads, D]
-    if quant_out is not None:
-        _check_quant_out(quant_out, out)
     if num_tokens == 0:
         return out
     if config is None:
@@ -1105,18 +928,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  HEADS_FAST=config.heads_fast, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     pdl_options = pdl.launch_options(q.device)
-    block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
-    num_q_tiles = num_tokens // (block_m // group) + num_seqs + 1  # bounds every sequence's tiles + the padding tail
-    # keys: decode programs b, then query tiles (unsplit); or tokens (the split reduce quantizes)
-    quant_keys = num_tokens if num_splits > 1 else num_seqs + 1 + num_q_tiles
-    fused_quant = quant_out is not None and quant_keys <= QUANT_COUNTERS
-    quant_tile, quant_one_tile = fp8.row_tile(num_heads * head_dim, _QUANT_TILE)
-    quant_args = dict(counter_ptr=quant_counters(q.device) if fused_quant else out,
-                      quant_ptr=quant_out[0] if fused_quant else out,
-                      quant_scale_ptr=quant_out[1] if fused_quant else out,
-                      stride_quant=quant_out[0].stride(0) if fused_quant else 0)
-    unsplit_quant = dict(QUANT_OUT=fused_quant and num_splits == 1, QUANT_TILE=quant_tile,
-                         QUANT_ONE_TILE=quant_one_tile)
 
     def grid(num_q_programs: int) -> tuple[int, int, int]:
         if config.heads_fast:
@@ -1126,24 +937,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Decode rows: the G heads of one token on the M dim of tl.dot, padded to >= 16 rows. In a decode-only
     # batch one extra program zeroes the padding rows past qsl[B]; otherwise the tiled launch does.
     num_decode_programs = num_seqs + 1 if decode_only else num_seqs
-    fold = False  # the Triton decode launch below may merge its splits itself
     pipelined = (config.decode_pipelined and decode_fp8_mode == _FP8_MODE["qk_fp8x2"]
                  and fp8_decode_gluon.supports(q, head_dim, group, config.decode_tile_n, config.decode_num_stages))
     if num_decode_programs and pipelined and fp8_decode_gluon.launch(
             (num_kv_heads, num_decode_programs, num_splits), args, NUM_HEADS=num_heads, GROUP=group,
             HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)),
             TILE_N=config.decode_tile_n, NUM_SPLITS=num_splits, STAGES=config.decode_num_stages,
-            PACKED=group <= 8 and config.decode_packed, num_warps=fp8_decode_gluon.NUM_WARPS.value, **quant_args,
-            **unsplit_quant, **pdl_options):
+            PACKED=group <= 8 and config.decode_packed, num_warps=fp8_decode_gluon.NUM_WARPS.value, **pdl_options):
         pass  # the Gluon kernel ran
     elif num_decode_programs:
-        fold = (num_splits > 1 and decode_only and fold_reduce_enabled() and quant_out is None
-                and num_decode_programs * num_kv_heads <= FOLD_COUNTERS)
         _paged_attention_kernel[grid(num_decode_programs)](
-            *args, **(quant_args | ({"counter_ptr": fold_counters(q.device)} if fold else {})), FOLD_REDUCE=fold,
-            **unsplit_quant,
-            SPLITS_P=triton.next_power_of_2(num_splits), **shape, BLOCK_Q=1,
-            BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
+            *args, **shape, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=config.decode_tile_n,
             DECODE=True, SKIP_DECODE=False, Q_STAGED=False,
             KEYS_ON_M=_keys_on_m(config.decode_keys_on_m, decode_convert, decode_fp8_mode),
             FP8_MODE=decode_fp8_mode, LAZY_SUM=config.decode_lazy_sum, UNROLL=config.decode_unroll,
@@ -1152,21 +956,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             **({"maxnreg": config.decode_max_regs} if config.decode_max_regs and q.dtype != torch.float32 else {}),
             **pdl_options)
     if not decode_only:
+        block_m = max(config.prefill_block_m, triton.next_power_of_2(group))
+        block_q = block_m // group
+        num_q_tiles = num_tokens // block_q + num_seqs + 1  # bounds every sequence's tiles plus the padding tail
         _paged_attention_kernel[grid(num_q_tiles)](
-            *args, **quant_args, **unsplit_quant, **shape, BLOCK_Q=block_m // group, BLOCK_M=block_m,
-            TILE_N=config.prefill_tile_n,
+            *args, **shape, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=config.prefill_tile_n,
             DECODE=False, SKIP_DECODE=True, KEYS_ON_M=False, FP8_MODE=tiled_fp8_mode,
             Q_STAGED=(config.fp8_q_staged and tiled_fp8_mode >= 2 and tiled_fp8_mode != _FP8_MODE["qk_fp8x2"]
                       and num_splits == 1),
             num_warps=config.prefill_num_warps, num_stages=config.prefill_num_stages,
-            **_tiled_regs(config, q.dtype, unsplit_quant["QUANT_OUT"]), **pdl_options)
-    if num_splits > 1 and not fold:
+            **({"maxnreg": config.prefill_max_regs} if config.prefill_max_regs and q.dtype != torch.float32 else {}),
+            **pdl_options)
+    if num_splits > 1:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_max, part_sum, out.stride(0), out.stride(1), **quant_args,
+            out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
             NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
-            QUANT_OUT=fused_quant, QUANT_TILE=quant_tile, QUANT_ONE_TILE=quant_one_tile, HW_CAST=fp8.hw_cast(),
             **pdl_options)
-    if quant_out is not None and not fused_quant:  # too many keys for the counters: a quantize launch after
-        fp8.quantize_fp8_rows(out.view(num_tokens, num_heads * head_dim), out=quant_out)
     return out

@@ -29,7 +29,6 @@ from typing import Any
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling for the GPU needs TRITON_INTERPRET unset or 0"
 
 import torch  # noqa: E402
-from ptx_order import ACQ_REL_ATOM, last_arriver_order_problem  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -69,27 +68,16 @@ class CompileOnlyDriver:
         return True
 
 
-ORDERED: set[str] = set()  # kernels with a last-arriver count whose PTX passed last_arriver_order_problem
-
-
 def install() -> None:
     driver.set_active(CompileOnlyDriver())
     launch = JITFunction.run
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         try:
-            compiled = launch(self, *args, grid=grid, warmup=True, **kwargs)
+            launch(self, *args, grid=grid, warmup=True, **kwargs)
             RESULTS.setdefault(self.__name__, "ok")
         except Exception as exc:  # the compiler's error is the result this script reports
             RESULTS[self.__name__] = f"FAIL {type(exc).__name__}: {exc}"
-            return
-        ptx = compiled.asm.get("ptx", "")
-        if ACQ_REL_ATOM in ptx:
-            problem = last_arriver_order_problem(ptx)
-            if problem:
-                RESULTS[self.__name__] = f"FAIL last-arriver order: {problem}"
-            else:
-                ORDERED.add(self.__name__)
 
     JITFunction.run = compile_only  # type: ignore[method-assign]
 
@@ -112,9 +100,6 @@ def run_models() -> None:
     runs += [("tiny", "float32", variant) for variant in variants]  # fp32 activations: the ieee-dot variants
     # the sparse layers' top-k sums left to the next norm (PAGODA_FUSE_MOE_SUM=1: bf16 parts in the norm kernel)
     runs += [(shape, "bfloat16", {"env": "PAGODA_FUSE_MOE_SUM"}) for shape in ("tiny-moe", "tiny-deepseek-v3")]
-    # attention writing the W8A8 o projection's e4m3 input itself (PAGODA_ATTN_QUANT_OUT=1)
-    runs += [("tiny-qwen3", "bfloat16", {"quantization": "fp8", "kv_cache_dtype": kv, "env": "PAGODA_ATTN_QUANT_OUT"})
-             for kv in ("auto", "fp8")]
     for shape, dtype, variant in runs:
         settings = {key: value for key, value in variant.items() if key != "env"}
         if "env" in variant:
@@ -148,10 +133,6 @@ def run_mla_shapes() -> None:
         qsl = torch.arange(num_seqs + 1, dtype=torch.int32) * query_len
         kv_scale = torch.ones(1) if cache_dtype == torch.float8_e4m3fn else None
         mla_attention(q, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, 512, kv_scale=kv_scale)
-        if query_len == 1 and num_seqs == 4:  # a split launch: W_UV in its reduce (PAGODA_MLA_FUSE_UV=1)
-            w_uv = torch.empty(num_heads, 128, 512, dtype=torch.bfloat16)  # [heads, Dv, R]
-            mla_attention(q, cache, block_tables, seq_lens, qsl, query_len, context, 0.1, 512, kv_scale=kv_scale,
-                          w_uv=w_uv)
 
 
 def run_moe_shapes() -> None:
@@ -173,14 +154,10 @@ def run_moe_shapes() -> None:
         tiles = moe.default_tiles(1, top_k, experts, inter, hidden)
         logits = torch.empty(1, experts - 1 if fp8 else experts - 2)  # [1, E]: routed experts (CPU: never on CUDA)
         moe.router_logits_triton(torch.empty(1, hidden, dtype=torch.bfloat16), torch.empty(logits.shape[1], hidden))
-        h_one = torch.empty(1, hidden, dtype=torch.bfloat16)
         if fp8:  # DeepSeek-V3 routing, its shared expert appended; Mixtral's softmax top-k
             moe.route_grouped_topk_triton(logits, 8, "sigmoid", "noaux_tc", 8, 4, torch.empty(256), True, 2.5, 1)
-            moe.router_route_triton(h_one, torch.empty(256, hidden), 8, "sigmoid", "noaux_tc", 8, 4,
-                                    torch.empty(256), True, 2.5, 1)  # fused (PAGODA_FUSE_ROUTE=1)
         elif experts == 66:  # V2-Lite routing, its 2 shared experts appended
             moe.route_grouped_topk_triton(logits, 6, "softmax", "greedy", 1, 1, None, False, 1.0, 2)
-            moe.router_route_triton(h_one, torch.empty(64, hidden), 6, "softmax", "greedy", 1, 1, None, False, 1.0, 2)
         else:  # and Qwen2-MoE's: 60 experts + the gate of a shared expert fused as 4
             moe.route_softmax_topk_triton(logits, top_k, True)
             moe.route_softmax_topk_triton(torch.empty(1, 61), 4, False, 4)
@@ -247,66 +224,6 @@ def run_decode_occupancy_candidates() -> None:
         config = replace(pick_config(num_seqs, num_seqs, num_kv_heads, 2, 1, context, fp8_kv=fp8), **changes)
         scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fp8 else {}
         paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, context, 0.1, config=config, **scales)
-
-
-def run_fold_reduce_shapes() -> None:
-    """Split decode launches whose last program merges the splits (PAGODA_ATTN_FOLD_REDUCE=1, untimed): llama3-8b's
-    heads at batch 1 over 8192 keys' worth of splits (what its CUDA graph captures), a bf16 cache and an fp8 one on
-    the Triton kernel."""
-    from dataclasses import replace
-
-    from pagoda.kernels.paged_attention import paged_attention, pick_config
-
-    num_seqs, context, max_len, num_heads, num_kv_heads = 1, 512, 8192, 32, 8
-    os.environ["PAGODA_ATTN_FOLD_REDUCE"] = "1"
-    try:
-        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            fp8 = cache_dtype == torch.float8_e4m3fn
-            q = torch.empty(num_seqs, num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
-            cache = torch.empty(context // 16 + 1, 16, num_kv_heads, 128, dtype=cache_dtype)  # [N, bs, kvh, D]
-            block_tables = torch.zeros(num_seqs, max_len // 16, dtype=torch.int32)
-            seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-            qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
-            config = replace(pick_config(num_seqs, num_seqs, num_kv_heads, 4, 1, max_len, fp8_kv=fp8),
-                             decode_pipelined=False)
-            scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fp8 else {}
-            paged_attention(q, cache, cache, block_tables, seq_lens, qsl, 1, max_len, 0.1, config=config, **scales)
-    finally:
-        os.environ.pop("PAGODA_ATTN_FOLD_REDUCE", None)
-
-
-def run_quant_out_shapes() -> None:
-    """Attention that also writes its output as e4m3 for the W8A8 o projection (PAGODA_ATTN_QUANT_OUT=1, untimed):
-    llama3-8b's heads and 96 x 128 heads (rows of 4096 and 12,288 values, quantized in two passes over 1024-value
-    tiles; the tiny models above have one-tile rows) over a bf16 cache at 256 decode rows (the Triton decode
-    launch), 2 rows over 8192 keys' worth of splits (the split reduce quantizes), chunks beside decode rows (the
-    tiled launch); an fp8 cache through the Triton decode launch and the Gluon one."""
-    from dataclasses import replace
-
-    from pagoda.kernels import fp8_decode_gluon
-    from pagoda.kernels.paged_attention import paged_attention, pick_config
-
-    fp8_decode_gluon.on_hopper = lambda q: True  # the compile-only driver's target
-    bf16, fp8_e4m3 = torch.bfloat16, torch.float8_e4m3fn
-    decode, split, chunks = (256, 1, 1024), (2, 1, 8192), (3, 64, 1024)  # (sequences, query length, max length)
-    launches = [(32, bf16, decode, False), (32, bf16, split, False), (32, bf16, chunks, False),
-                (32, fp8_e4m3, decode, False), (32, fp8_e4m3, decode, True), (32, fp8_e4m3, chunks, False),
-                (96, bf16, decode, False), (96, bf16, split, False), (96, fp8_e4m3, decode, True)]
-    for num_heads, cache_dtype, (num_seqs, query_len, max_len), pipelined in launches:
-        fp8 = cache_dtype == fp8_e4m3
-        context, num_kv_heads = 512, 8
-        query_lens = [query_len] * num_seqs + ([1, 1] if query_len > 1 else [])
-        q = torch.empty(sum(query_lens), num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
-        cache = torch.empty(len(query_lens) * context // 16, 16, num_kv_heads, 128, dtype=cache_dtype)
-        block_tables = torch.zeros(len(query_lens), max_len // 16, dtype=torch.int32)  # [B, max_blocks]
-        seq_lens = torch.full((len(query_lens),), context, dtype=torch.int32)
-        qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
-        config = replace(pick_config(q.shape[0], len(query_lens), num_kv_heads, num_heads // num_kv_heads, query_len,
-                                     max_len, fp8_kv=fp8), decode_pipelined=pipelined)
-        scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fp8 else {}
-        codes = torch.empty(q.shape[0], num_heads * 128, dtype=torch.float8_e4m3fn)
-        paged_attention(q, cache, cache, block_tables, seq_lens, qsl, query_len, max_len, 0.1, config=config,
-                        quant_out=(codes, torch.empty(q.shape[0], 1)), **scales)
 
 
 def run_fp8_default_decode_shapes() -> None:
@@ -468,8 +385,7 @@ PARTS = {
     "1": ("run_models", "run_mla_shapes", "run_sampler", "run_block_copy", "run_dense_gemv", "run_w8a16_swap_ab",
           "run_w8a16_act_fp8"),
     "2": ("run_moe_shapes", "run_fp8_qk_attention_shapes", "run_fp8_default_decode_shapes",
-          "run_fp8_gluon_decode_shapes", "run_decode_occupancy_candidates", "run_fold_reduce_shapes",
-          "run_quant_out_shapes", "run_fp8_chunk_attention_shapes"),
+          "run_fp8_gluon_decode_shapes", "run_decode_occupancy_candidates", "run_fp8_chunk_attention_shapes"),
 }
 
 
@@ -486,8 +402,6 @@ def main(argv: list[str]) -> int:
             globals()[step]()
     for name, result in sorted(RESULTS.items()):
         print(f"{name}: {result}")
-    for name in sorted(ORDERED):
-        print(f"last-arriver order: {name}")
     for message in STEP_ERRORS:
         print(f"step error: {message}")
     failed = [name for name, result in RESULTS.items() if result != "ok"]

@@ -29,29 +29,17 @@ def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty", empty)
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["reduce-launch", "folded"])
 @pytest.mark.parametrize("splits", [8, 16])
-def test_paged_attention_with_mostly_empty_splits(nan_empty: None, splits: int, fold: bool,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """16-key tiles: 1, 3 and 9 tiles over `splits` splits; a graph padding sequence and padding rows as well. Folded
-    (PAGODA_ATTN_FOLD_REDUCE=1): the last split program of each (sequence, kv head) merges the splits, the same
-    rows come out, and the counts are left at zero for the next launch (run twice)."""
-    from pagoda.kernels import paged_attention as attention
-
-    monkeypatch.setenv("PAGODA_ATTN_FOLD_REDUCE", "1" if fold else "0")
-    monkeypatch.setattr(attention, "_FOLD_COUNTERS", {})  # created by this test's launches only
+def test_paged_attention_with_mostly_empty_splits(nan_empty: None, splits: int) -> None:
+    # 16-key tiles: 1, 3 and 9 tiles over `splits` splits; a graph padding sequence and padding rows as well
     case = AttentionCase((1, 1, 1), (5, 40, 129), num_pad_seqs=1, pad_tokens=2, config=small_tiles(splits))
     batch = make_paged_batch(case, torch.float32, DEVICE)
     scale = case.head_dim ** -0.5
-    for _ in range(2 if fold else 1):
-        out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                              batch.query_start_loc, 1, max(case.seq_lens), scale, config=case.config)
-        real = batch.num_real_tokens
-        torch.testing.assert_close(out[:real].float(), reference_attention(batch, case, scale), atol=1e-4, rtol=0)
-        assert bool((out[real:] == 0).all()), "padding rows must come out exactly zero"
-    counters = attention._FOLD_COUNTERS.get(batch.q.device)
-    assert (counters is not None) == fold
-    assert counters is None or int(counters.abs().sum()) == 0
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                          batch.query_start_loc, 1, max(case.seq_lens), scale, config=case.config)
+    real = batch.num_real_tokens
+    torch.testing.assert_close(out[:real].float(), reference_attention(batch, case, scale), atol=1e-4, rtol=0)
+    assert bool((out[real:] == 0).all()), "padding rows must come out exactly zero"
 
 
 def test_mla_decode_with_mostly_empty_splits(nan_empty: None) -> None:

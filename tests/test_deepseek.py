@@ -252,35 +252,6 @@ def test_router_kernel_gives_the_fp32_logits(num_experts: int, hidden: int, num_
     assert first[0].tolist() == [2]  # the tie: the lower id
 
 
-@pytest.mark.parametrize("name", ["v2-greedy", "v3-noaux-tc"])
-@pytest.mark.parametrize(("num_experts", "hidden", "num_tokens"), [(64, 256, 16), (512, 96, 2)])  # the most
-# tokens it serves; 2 experts a program
-def test_fused_router_routes_as_the_two_kernels(name: str, num_experts: int, hidden: int, num_tokens: int) -> None:
-    """router_route_triton (the router GEMV whose last program of a token routes it) gives what the GEMV and the
-    routing kernel give one after the other, shared experts appended; twice in a row (its counters are left at
-    zero for the next launch); more tokens than it serves is an error."""
-    from pagoda.kernels import moe
-
-    case = dict(ROUTINGS[name])
-    has_bias = case.pop("bias")
-    top_k = 8 if name == "v3-noaux-tc" else 6
-    if num_experts % case["num_groups"]:
-        pytest.skip("the routing's groups must split the experts")
-    generator = torch.Generator().manual_seed(num_experts + num_tokens)
-    h = torch.randn(num_tokens, hidden, generator=generator).to(torch.bfloat16).to(DEVICE)  # [T, H]
-    router = (torch.randn(num_experts, hidden, generator=generator) * 0.05).to(DEVICE)  # [E, H] fp32
-    bias = (torch.randn(num_experts, generator=generator) * 0.2).to(DEVICE) if has_bias else None
-    expected = route_grouped_topk_triton(router_logits_triton(h, router), top_k, correction_bias=bias,
-                                         num_shared=2, **case)
-    for _ in range(2):
-        got = moe.router_route_triton(h, router, top_k, correction_bias=bias, num_shared=2, **case)
-        assert torch.equal(got[1], expected[1])
-        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
-    assert int(moe.route_counters(h.device).abs().sum()) == 0
-    with pytest.raises(ValueError, match="at most"):
-        moe.router_route_triton(h.repeat(moe.ROUTER_GEMV_MAX_TOKENS, 1), router, top_k, correction_bias=bias, **case)
-
-
 def test_router_kept_in_the_model_dtype_only_when_exact() -> None:
     """A router whose fp32 values are all bf16 values (DeepSeek's checkpoints, dummy weights) gets its bf16 copy; one
     value off by an ulp of fp32, an fp32 model, or a router already in bf16 keep routing on the fp32 values alone."""
@@ -493,53 +464,6 @@ def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -
     atol = 2e-3 if DEVICE == "cuda" else 2e-4
     for ours, expected in zip(tri_logits, ref_logits, strict=True):
         torch.testing.assert_close(ours, expected, atol=atol, rtol=1e-4)
-
-
-def _count_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[tuple[int, ...]]:
-    """The grids module.name (a Triton kernel) is launched with from now on, recorded in the returned list."""
-    launches: list[tuple[int, ...]] = []
-    kernel = getattr(module, name)
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> object:
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(module, name, Spy())
-    return launches
-
-
-def _fusion_changes_nothing(monkeypatch: pytest.MonkeyPatch, switch: str, module: object, kernel: str,
-                            prompt_lens: tuple[int, ...], seed: int, tol: float) -> None:
-    """tiny-deepseek-v3 on the Triton ops (interpreted on CPU) with the env switch off, then on: the fused kernel
-    is launched only when on, and tokens and logits are the unfused path's."""
-    launches = _count_launches(monkeypatch, module, kernel)
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in prompt_lens]
-    monkeypatch.delenv(switch, raising=False)
-    plain_tokens, plain_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
-    assert not launches
-    monkeypatch.setenv(switch, "1")
-    fused_tokens, fused_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=64)
-    assert launches, f"{switch}=1 must launch {kernel}"
-    assert fused_tokens == plain_tokens
-    for ours, expected in zip(fused_logits, plain_logits, strict=True):
-        torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
-
-
-def test_w_uv_in_the_split_reduce_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PAGODA_MLA_FUSE_UV=1 (W_UV applied inside the latent kernel's split reduce), with decode steps long enough
-    to split their keys."""
-    from pagoda.kernels import mla
-
-    _fusion_changes_nothing(monkeypatch, "PAGODA_MLA_FUSE_UV", mla, "_split_reduce_uv_kernel", (140, 5), 13, 1e-4)
-
-
-def test_fused_router_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PAGODA_FUSE_ROUTE=1 (the router GEMV routing each token in its last program, at decode batches)."""
-    from pagoda.kernels import moe
-
-    _fusion_changes_nothing(monkeypatch, "PAGODA_FUSE_ROUTE", moe, "_router_route_kernel", (30, 5, 12), 14, 1e-5)
 
 
 @pytest.mark.extended

@@ -11,7 +11,7 @@ import torch
 
 from pagoda.kernels import fp8_decode_gluon
 from pagoda.kernels.paged_attention import AttentionConfig
-from tests.test_kv_fp8 import ATOL, DEVICE, SCALE, _check, _fp8_case, _run
+from tests.test_kv_fp8 import ATOL, DEVICE, _check, _fp8_case, _run
 
 TRITON_DECODE = AttentionConfig(fp8_convert="qk_fp8x2", decode_keys_on_m=True, decode_lazy_sum=True,
                                 prefill_block_m=16, prefill_tile_n=16)
@@ -113,33 +113,3 @@ def test_gluon_decode_rows_beside_chunks() -> None:
     config = AttentionConfig(fp8_convert="f16_words", decode_fp8_convert="qk_fp8x2", decode_keys_on_m=True,
                              decode_lazy_sum=True, decode_pipelined=True, prefill_block_m=64, prefill_tile_n=64)
     _check(case, config, ATOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (9, 3)])
-def test_gluon_decode_output_quantized(num_heads: int, num_kv_heads: int) -> None:
-    """quant_out through the Gluon kernel (PAGODA_ATTN_QUANT_OUT=1's decode launch over an fp8 cache): its codes and
-    per-token scales are those of quantizing its output (test_attention_quant_out's contract: scales exact, codes
-    within one e4m3 step), padding rows included, and the counts are back at zero; twice (the second launch uses
-    the counts the first left)."""
-    from pagoda.kernels import fp8
-    from pagoda.kernels import paged_attention as attention
-    from tests.test_attention_quant_out import _assert_quantized
-
-    case = _padded(_fp8_case([1] * 5, [150, 7, 64, 1, 700], torch.bfloat16, num_heads=num_heads,
-                             num_kv_heads=num_kv_heads, head_dim=128 if num_heads == 32 else 64, seed=9,
-                             gaussian=True), 3)
-    gluon_config, _ = _pipelined(1, 2)
-    to = lambda t: t.to(DEVICE)  # noqa: E731
-    q = to(case["q"])
-    rows = q.shape[0]
-    for _ in range(2):
-        codes = torch.empty(rows, q.shape[1] * q.shape[2], dtype=fp8.FP8_DTYPE, device=DEVICE)
-        scales = torch.empty(rows, 1, device=DEVICE)
-        out = attention.paged_attention(q, to(case["k_cache"]), to(case["v_cache"]), to(case["block_tables"]),
-                                        to(torch.tensor(case["seq_lens"], dtype=torch.int32)), to(case["qsl"]), 1,
-                                        max(case["seq_lens"]), SCALE, config=gluon_config,
-                                        k_scale=to(case["k_scale"]), v_scale=to(case["v_scale"]),
-                                        quant_out=(codes, scales))
-        _assert_quantized(out.cpu(), codes.cpu(), scales.cpu())
-        assert int(attention.quant_counters(q.device).abs().sum()) == 0

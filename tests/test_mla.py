@@ -176,32 +176,6 @@ def test_mla_attention_reads_split_query_in_place(name: str) -> None:
         mla_attention(batch.q, batch.cache, *args, q_rope=wider[..., 5:])  # q must then hold R values only
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("name", ["decode-split3", "decode-graph-padding-split2", "decode-keys-m-split3", "mixed"])
-def test_mla_attention_applies_w_uv(name: str, dtype: torch.dtype) -> None:
-    """With w_uv, a split launch applies W_UV inside its reduce and any other launch after the kernel: either way
-    each row is its latent mix (rounded to q's dtype) times W_UV^T (a strided view of a wider per-head weight, as
-    kv_b's is), padding rows zero; Dv not a multiple of the kernel's block."""
-    case = CASES[name]
-    batch = make_batch(case, dtype)
-    scale = (case.lat + case.rope) ** -0.5
-    max_query_len = max(case.query_lens + ((1,) if case.num_pad_seqs else ()))
-    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, max_query_len, max(case.seq_lens), scale,
-            case.lat)
-    dv = 24
-    kv_b = torch.randn(case.num_heads, 8 + dv, case.lat, device=DEVICE).to(dtype)  # [heads, Dn + Dv, R]
-    w_uv = kv_b[:, 8:]  # [heads, Dv, R] view
-    attn = mla_attention(batch.q, batch.cache, *args, config=case.config, w_uv=w_uv)
-    assert attn.shape == (batch.q.shape[0], case.num_heads, dv) and attn.dtype == dtype
-    out_lat = mla_attention(batch.q, batch.cache, *args, config=case.config)  # [T, heads, R]
-    expected = torch.einsum("thr,hvr->thv", out_lat.float(), w_uv.float())  # [T, heads, Dv]
-    real = batch.num_real_tokens
-    torch.testing.assert_close(attn[:real].float(), expected[:real], atol=ATOL[dtype], rtol=1e-3)
-    assert bool((attn[real:] == 0).all()), "padding rows must come out zero"
-    with pytest.raises(ValueError, match="w_uv"):
-        mla_attention(batch.q, batch.cache, *args, config=case.config, w_uv=w_uv.transpose(1, 2))
-
-
 def test_pick_mla_config_splits_small_decode_batches_only() -> None:
     assert pick_mla_config(1, 16, 1, 4096).num_splits == 32  # 1 program: split as far as allowed
     assert pick_mla_config(256, 16, 1, 4096).num_splits == 1  # 256 programs fill 132 SMs

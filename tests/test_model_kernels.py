@@ -15,12 +15,12 @@ from pagoda.shared.messages import SamplingParams
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run(ops_name: str, shape: str, prompts: list[list[int]], budget: int,
-         **settings: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _run(ops_name: str, shape: str, prompts: list[list[int]],
+         budget: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens and every step's logits of a dummy-weight shape with the given ops (chunked prefill under a
-    token budget, prefix caching, decode); settings: more EngineConfig fields (quantization)."""
+    token budget, prefix caching, decode)."""
     config = EngineConfig(model=shape, load_format="dummy", device=DEVICE, dtype="float32", num_kv_blocks=48,
-                          max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=5, **settings)
+                          max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=5)
     runner = ModelRunner(config, ops=triton_ops() if ops_name == "triton" else reference_ops())
     captured: list[torch.Tensor] = []
     sampler = runner.sampler

@@ -27,8 +27,6 @@ import numpy as np
 import torch
 
 from pagoda.kernels import reference as kernel_ref
-from pagoda.kernels.moe import route_counters
-from pagoda.kernels.paged_attention import fold_counters, quant_counters
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
 from pagoda.services.worker.device import CompileWatch, resolve_device
@@ -246,12 +244,6 @@ class ModelRunner:
         self.step_timer: StepTimer | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            # the launch counts of the kernels whose last program finishes the job (PAGODA_FUSE_ROUTE,
-            # PAGODA_ATTN_FOLD_REDUCE, PAGODA_ATTN_QUANT_OUT) live for the process: made now, not from a graph's pool
-            # inside its capture
-            route_counters(self.device)
-            fold_counters(self.device)
-            quant_counters(self.device)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
                                        self.state.block_table.shape[1], self.max_model_len, self.staging)
             self.graphs.capture()

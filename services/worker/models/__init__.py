@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import fp8 as fp8_kernels
 from pagoda.kernels import gemv, pdl
 from pagoda.services.worker.models import deepseek, llama, moe
 from pagoda.services.worker.models.base import (
@@ -101,9 +100,6 @@ class CausalLM(nn.Module):
             hook = getattr(module, "weights_loaded", None)
             if module is not self and callable(hook):
                 hook()
-        if self.fp8 is not None and self.fp8.group_size == fp8_kernels.BLOCK:  # 128 x 128 blocks: cuBLASLt's layout
-            fp8_kernels.register_block_scales([param for name, param in self.named_parameters()
-                                               if name.endswith("scale") and param.dim() == 2])
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -64,40 +64,34 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 
 def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  quant_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Paged attention over caches that already hold this step's K/V (written by prepare_qkv); quant_out: its
-    output also as e4m3 [T, heads * D] with fp32 scales [T, 1] (paged_attention's)."""
+                  scale: float, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged attention over caches that already hold this step's K/V (written by prepare_qkv)."""
     from pagoda.kernels.paged_attention import paged_attention
 
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                           meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale,
-                           quant_out=quant_out)
+                           meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def reference_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                          kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
-                         q_rope: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                         q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA over the latent cache [N, bs, R + P] (PyTorch reference): q [T, heads, R + P] -> [T, heads, R].
-    With q_rope [T, heads, P], q holds the first R values only. With w_uv [heads, Dv, R]: -> [T, heads, Dv], each
-    head's latent mix (in q's dtype) times its W_UV^T."""
+    With q_rope [T, heads, P], q holds the first R values only."""
     if q_rope is not None:
         q = torch.cat((q, q_rope), dim=-1)  # [T, heads, R + P]
-    out = ref.mla_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, scale,
-                            kv_lora_rank, kv_scale)  # [T, heads, R]
-    if w_uv is None:
-        return out
-    return torch.einsum("thr,hvr->thv", out.float(), w_uv.float()).to(q.dtype)  # [T, heads, Dv]
+    return ref.mla_attention(q, cache, meta.block_tables, meta.seq_lens_host, meta.query_lens_host, scale,
+                             kv_lora_rank, kv_scale)
 
 
 def triton_mla_attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                       kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
-                      q_rope: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
-    """The same with the Triton split-KV kernel; q and q_rope read in place (W_UV inside a split launch's reduce)."""
+                      q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    """The same with the Triton split-KV kernel; q and q_rope read in place."""
     from pagoda.kernels.mla import mla_attention
 
     return mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                         meta.max_seq_len, scale, kv_lora_rank, kv_scale=kv_scale, q_rope=q_rope, w_uv=w_uv)
+                         meta.max_seq_len, scale, kv_lora_rank, kv_scale=kv_scale, q_rope=q_rope)
 
 
 def reference_mla_expand(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],
@@ -158,8 +152,6 @@ class Ops:
     # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
     prepare_qkv: Callable[..., torch.Tensor] | None = None
     attend: Callable[..., torch.Tensor] | None = None
-    # attend takes quant_out (its output quantized per token for the W8A8 o projection, triton_attend)
-    attend_quantizes: bool = False
     # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk weights [T, k], topk ids [T, k], FP8 scales or None
     # x2, group size) -> [T, H]: the routed experts of a sparse layer
     moe_experts: Callable[..., torch.Tensor] = ref.moe_experts
@@ -202,7 +194,7 @@ def triton_ops() -> Ops:
                add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
                fp8_matmul=fp8.fp8_matmul, fp8_weight_only=w8a16.fp8_weight_only_linear,
                fp8_weight_only_deferred=w8a16.fp8_weight_only_deferred, add_rms_norm_parts=norm.add_rms_norm_parts,
-               prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend, attend_quantizes=True,
+               prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
                moe_experts=moe.fused_experts, moe_experts_deferred=functools.partial(moe.fused_experts, defer_sum=True),
                mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,
                mla_expand=triton_mla_expand, dense_gemv=gemv.dense_gemv, head_gemv=gemv.head_gemv)

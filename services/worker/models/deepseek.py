@@ -36,12 +36,11 @@ from pagoda.kernels.mla import (
     chunk_rows,
     expand_max_rows,
     expand_min_query_len,
-    fuse_uv_enabled,
     read_rows,
     to_device_async,
     write_rows,
 )
-from pagoda.kernels.moe import exact_low_precision, route_tokens
+from pagoda.kernels.moe import exact_low_precision, route_grouped_topk, router_logits
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -219,9 +218,6 @@ class MlaAttention(nn.Module):
         q_nope = q[..., :mla.qk_nope_head_dim].transpose(0, 1)  # [heads, T, Dn]
         q_lat = ops.head_gemv(q_nope, w_uk) if per_head_gemv else torch.bmm(q_nope, w_uk)  # [heads, T, R]
         # the absorbed query [q_lat ‖ q_pe] read as two tensors in place: no concatenated copy
-        if fuse_uv_enabled():  # W_UV inside the latent kernel's split reduce (an untimed candidate)
-            return ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
-                                  q_rope=q[..., mla.qk_nope_head_dim:], w_uv=w_uv)  # [T, heads, Dv]
         out_lat = ops.mla_attend(q_lat.transpose(0, 1), cache, meta, self.scale, mla.kv_lora_rank, kv_scale,
                                  q_rope=q[..., mla.qk_nope_head_dim:])  # [T, heads, R]
         attn = q.new_empty((num_tokens, self.num_heads, mla.v_head_dim))  # [T, heads, Dv]
@@ -311,9 +307,10 @@ class DeepseekMoe(nn.Module):
     def forward(self, h: torch.Tensor, ops: Ops) -> Hidden:
         """h [T, H] (normed) -> this rank's partial output [T, H] (or its top-k terms, base.moe_experts)."""
         moe = self.moe
-        weights, ids = route_tokens(h, self.router, self.router_low, moe.top_k, moe.scoring_func, moe.topk_method,
-                                    moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
-                                    moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
+        logits = router_logits(h, self.router, self.router_low)  # [T, E] fp32
+        weights, ids = route_grouped_topk(logits, moe.top_k, moe.scoring_func, moe.topk_method,
+                                          moe.num_groups, moe.topk_groups, self.correction_bias, moe.renormalize,
+                                          moe.routed_scaling_factor, self.num_shared)  # [T, k + S] each
         group = self.fp8.group_size if self.fp8 is not None else None
         args = (h, self.w_gate_up, self.w_down, weights, ids, self.w_gate_up_scale, self.w_down_scale, group)
         if self.shared is not None:

@@ -14,7 +14,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from pagoda.kernels.paged_attention import quant_out_enabled
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -141,10 +140,8 @@ class DecoderLayer(nn.Module):
             q = ops.prepare_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
                                 eps, rope_cache[0], rope_cache[1], positions, kv_cache[0], kv_cache[1],
                                 meta.slot_mapping, k_scale, v_scale)  # [T, heads, D]; K/V now in the cache
-            attn_q = self._attention_codes(q.shape[0], ops)
-            attn = ops.attend(q, kv_cache[0], kv_cache[1], meta, self.scale, k_scale, v_scale,
-                              **({"quant_out": attn_q} if attn_q is not None else {}))  # [T, heads, D]
-            return self._finish(attn, residual, ops, attn_q)
+            attn = ops.attend(q, kv_cache[0], kv_cache[1], meta, self.scale, k_scale, v_scale)  # [T, heads, D]
+            return self._finish(attn, residual, ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]
@@ -162,39 +159,15 @@ class DecoderLayer(nn.Module):
             attn = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, heads, D]
         return self._finish(attn, residual, ops)
 
-    def _attention_codes(self, num_tokens: int, ops: Ops) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Buffers for attention to write its output into as e4m3 with per-token scales ([T, Q], [T, 1]) where the o
-        projection is a per-channel W8A8 GEMM and PAGODA_ATTN_QUANT_OUT=1 (paged_attention's quant_out): then o
-        has no quantize launch of its own. None elsewhere."""
-        if (not ops.attend_quantizes or self.o_weight_scale is None or self.fp8 is None
-                or self.fp8.group_size is not None or not quant_out_enabled()
-                or ops.prefers_weight_only(num_tokens, self.o_weight.shape[0], self.o_weight.shape[1],
-                                           self.o_weight.device)):
-            return None
-        device = self.o_weight.device
-        return (torch.empty((num_tokens, self.q_size), dtype=torch.float8_e4m3fn, device=device),
-                torch.empty((num_tokens, 1), dtype=torch.float32, device=device))
-
-    def _o_proj(self, attn: torch.Tensor, attn_q: tuple[torch.Tensor, torch.Tensor] | None,
-                ops: Ops) -> torch.Tensor:
-        """attn [T, Q] @ W_o^T -> [T, H] (before any all-reduce), from the e4m3 codes attention wrote where it did."""
-        if attn_q is not None:
-            assert self.o_weight_scale is not None
-            return ops.fp8_matmul(attn_q[0], attn_q[1], self.o_weight, self.o_weight_scale, None, attn.dtype)
-        return self.linear(attn, self.o_weight, self.o_weight_scale, None, ops)
-
-    def _finish(self, attn: torch.Tensor, residual: torch.Tensor, ops: Ops,
-                attn_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[Hidden, torch.Tensor]:
-        """o projection, residual add + norm, MLP: attn [T, heads, D] -> (layer output [T, H], residual [T, H]).
-        attn_q: attn already quantized for the W8A8 o projection (_attention_codes)."""
+    def _finish(self, attn: torch.Tensor, residual: torch.Tensor, ops: Ops) -> tuple[Hidden, torch.Tensor]:
+        """o projection, residual add + norm, MLP: attn [T, heads, D] -> (layer output [T, H], residual [T, H])."""
         attn = attn.reshape(-1, self.q_size)  # [T, Q]
         if self.mlp is not None:
-            return self.mlp(self.tp.all_reduce(self._o_proj(attn, attn_q, ops)), residual, self.post_attn_norm, ops)
-        x = None
-        if self.tp.size == 1 and attn_q is None:
-            x = deferred_linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops)
+            o = self.linear(attn, self.o_weight, self.o_weight_scale, None, ops)  # [T, H]
+            return self.mlp(self.tp.all_reduce(o), residual, self.post_attn_norm, ops)
+        x = deferred_linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops) if self.tp.size == 1 else None
         if x is None:
-            x = self.tp.all_reduce(self._o_proj(attn, attn_q, ops))  # [T, H]
+            x = self.tp.all_reduce(self.linear(attn, self.o_weight, self.o_weight_scale, None, ops))  # [T, H]
         gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,
                                               self.gate_up_weight_scale, None, ops)  # [T, 2I], [T, H]
         return all_reduce_hidden(self.tp, self._mlp(gate_up, ops)), residual
