@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Session 31, call 2: which GPU tests of the switches failed in call 1, then trtllm-1000 (llama3-8b FP8 + FP8 KV)
+# Session 31, call 2 (after the switches' removal, b1681e1): the default paths' GPU tests that call 1's filter matched, then trtllm-1000 (llama3-8b FP8 + FP8 KV)
 # with the swap space (the default, 16 GiB) and with --swap-space 0 (recompute, as before).
 OUT=${OUT:-/tmp/out}
 PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tests-path TOKENIZERS_PARALLELISM=false
-timeout 175 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_attention_quant_out.py \
-  tests/test_fp8_decode_gluon.py tests/test_attention_splits.py tests/test_mla.py tests/test_deepseek.py \
-  tests/test_fp8.py -k "quant or w_uv or fused_router or empty_splits or blockwise or block_scales" -rf --tb=line \
-  2>&1 | grep -E "^(FAILED|E )|passed|failed" | cut -c1-230 | head -40
+timeout 150 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_fp8_decode_gluon.py \
+  tests/test_attention_splits.py tests/test_fp8.py -m gpu -k "quant or empty_splits" -rf --tb=line 2>&1 \
+  | grep -E "^(FAILED|E )|passed|failed" | cut -c1-230 | head -30
 for swap in 16 0; do
   echo "== llama3-8b fp8 + fp8 kv, trtllm-1000, --swap-space $swap"
   timeout 200 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
