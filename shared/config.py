@@ -44,8 +44,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both memory settings (tests, benchmarks)
     # GiB of host memory per worker rank for preempted sequences' KV blocks, copied out and back instead of being
     # recomputed (vLLM's --swap-space); None: DEFAULT_SWAP_GIB on CUDA (at most an eighth of the free RAM shared
-    # by the ranks) for models whose K/V copy beats their recompute (model_runner.swap_pays), none on CPU; 0: always
-    # recompute
+    # by the host's GPUs) for models whose K/V copy beats their recompute (model_runner.swap_pays), none on CPU;
+    # 0: always recompute
     swap_space: float | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -116,15 +116,17 @@ class EngineConfig:
         overlapped = self.resolved_max_inflight_plans(device) == 2  # serial steps fill masks inline: no gain
         return device.startswith("cuda") and num_cpus >= GRAMMAR_PROCESS_MIN_CPUS and overlapped
 
-    def resolved_swap_bytes(self, device: str, free_ram: int) -> int:
+    def resolved_swap_bytes(self, device: str, free_ram: int, host_gpus: int = 1) -> int:
         """Host bytes one worker rank keeps for swapped-out KV blocks. Unset: DEFAULT_SWAP_GIB on CUDA, capped at an
-        eighth of the free RAM shared among the ranks (pinned memory is taken from every other process); on CPU
-        the cache already is host memory, so none unless asked (tests ask)."""
+        eighth of the free RAM shared among every GPU of the host (`host_gpus`, which other replicas' ranks may
+        use) and this replica's ranks: pinned memory is taken from every other process. On CPU the cache already
+        is host memory, so none unless asked (tests ask)."""
         if self.swap_space is not None:
             return int(self.swap_space * (1 << 30))
         if not device.startswith("cuda"):
             return 0
-        return min(int(DEFAULT_SWAP_GIB * (1 << 30)), free_ram // (8 * self.tensor_parallel_size))
+        sharers = max(host_gpus, self.tensor_parallel_size)
+        return min(int(DEFAULT_SWAP_GIB * (1 << 30)), free_ram // (8 * sharers))
 
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":
@@ -331,7 +333,8 @@ _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
     "swap_space": "GiB of pinned host memory per worker rank that preempted sequences' KV blocks are copied to and "
-                  "back from instead of being recomputed (default: 16 on CUDA, at most an eighth of the free RAM, "
+                  "back from instead of being recomputed (default: 16 on CUDA, at most an eighth of the free RAM "
+                  "shared by the host's GPUs, "
                   "for models whose K/V copies cost less than recomputing them; none on CPU; 0: always recompute)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes (visible in ps: prefer --api-key-file or "
                "PAGODA_API_KEY)",

@@ -199,7 +199,7 @@ class ModelRunner:
         self.model = CausalLM(self.arch, self.dtype, self.device, tp, max_positions=self.max_model_len, ops=ops,
                               fp8=fp8)
         self.bytes_read = load_model(self.model, config.model, config.load_format, config.seed)
-        swap_bytes = config.resolved_swap_bytes(self.device.type, _available_ram())
+        swap_bytes = config.resolved_swap_bytes(self.device.type, _available_ram(), _host_gpu_count())
         if config.swap_space is None and not swap_pays(self.arch, self.kv_bytes_per_block() // self.block_size):
             swap_bytes = 0  # the default only where copying beats recomputing
         self.num_swap_blocks = self.model.tp.agree_min(swap_bytes // self.kv_bytes_per_block(), self.device)
@@ -1181,6 +1181,15 @@ def swap_pays(arch: ModelArch, kv_bytes_per_token: int) -> bool:
     (SWAP_BYTES_PER_S each way, RECOMPUTE_FLOPS_PER_S for a prefill token's weight matmuls; attention's share is left
     out, in recompute's favour): llama3-8b 6.6 against 35 us a token, qwen3-0.6b 5.7 against 2.2."""
     return 2 * kv_bytes_per_token / SWAP_BYTES_PER_S < 2 * arch.layer_weight_params(1) / RECOMPUTE_FLOPS_PER_S
+
+
+def _host_gpu_count() -> int:
+    """NVIDIA GPUs on this host, whichever this process may see (replicas on the others pin host memory too); 1
+    where the driver does not say."""
+    try:
+        return max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
+    except OSError:
+        return 1
 
 
 def _available_ram() -> int:
