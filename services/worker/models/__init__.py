@@ -7,7 +7,6 @@ architecture: a file here, its entry in FAMILIES, its shapes in shared/shapes.py
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import gemv, l2_prefetch, pdl
+from pagoda.kernels import gemv, pdl
 from pagoda.services.worker.models import deepseek, llama, moe
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
@@ -49,12 +48,6 @@ def family_of(arch: ModelArch) -> ModuleType:
     family = FAMILIES.get(arch.model_type)
     assert family is not None, f"no model family for {arch.model_type!r} (shapes.py accepted it)"
     return family
-
-
-# Steps of at most this many tokens prefetch each layer's next weights into L2 while its attention runs
-# (kernels/l2_prefetch.py), and how many MB past the first of them a layer asks for.
-PREFETCH_MAX_TOKENS = int(os.environ.get("PAGODA_L2_PREFETCH_TOKENS", "1"))
-PREFETCH_EXTRA_MB = 16.0
 
 
 class CausalLM(nn.Module):
@@ -121,9 +114,7 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, H]."""
         x: Hidden = self.embed_tokens(input_ids)  # [T, H]
         residual: torch.Tensor | None = None
-        num_tokens = input_ids.shape[0]
-        with pdl.scope(self.pdl_mode(num_tokens)), l2_prefetch.scope(num_tokens <= PREFETCH_MAX_TOKENS,
-                                                                     PREFETCH_EXTRA_MB):
+        with pdl.scope(self.pdl_mode(input_ids.shape[0])):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, positions, self.rope_cache, kv_cache, meta, self.ops)
             x, _ = add_norm(x, residual, self.final_norm, self.arch.rms_norm_eps, self.ops)

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagoda.kernels import l2_prefetch
 from pagoda.kernels import reference as ref
 from pagoda.kernels.mla import (
     ExpandPolicy,
@@ -180,13 +179,10 @@ class MlaAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rope_cache: tuple[torch.Tensor, torch.Tensor],
                 cache: torch.Tensor, meta: AttentionMetadata, ops: Ops, kv_scale: torch.Tensor | None,
-                calibrate: bool, next_weights: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-        """h [T, H] (normed) -> this rank's o_proj output [T, H] (before the all-reduce). cache [N, bs, R + P].
-        next_weights: what the layer reads after o_proj, prefetched into L2 behind kv_b and o (l2_prefetch)."""
+                calibrate: bool) -> torch.Tensor:
+        """h [T, H] (normed) -> this rank's o_proj output [T, H] (before the all-reduce). cache [N, bs, R + P]."""
         mla = self.mla
         q, kv_a = self._project(h, ops)  # [T, heads, Dn + P], [T, R + P]
-        # HBM idles through the latent prepare, attention and its reduce
-        l2_prefetch.prefetch((self.kv_b, self.o_weight, *next_weights))
         if calibrate and kv_scale is not None:
             self._calibrate(kv_a, rope_cache, positions, kv_scale)
         ops.mla_prepare(q, kv_a, self.kv_a_norm, self.arch.rms_norm_eps, rope_cache[0], rope_cache[1], positions,
@@ -399,24 +395,13 @@ class DeepseekLayer(nn.Module):
         fp8_cache = cache.dtype == torch.float8_e4m3fn
         h, residual = add_norm(x, residual, self.input_norm, eps, ops)  # [T, H] each
         o = self.attn(h, positions, rope_cache, cache, meta, ops, self.k_scale if fp8_cache else None,
-                      self.calibrate_kv and fp8_cache, self._fixed_weights() if l2_prefetch.active() else ())  # [T, H]
+                      self.calibrate_kv and fp8_cache)  # [T, H]
         self.calibrate_kv = False
         h, residual = ops.add_rms_norm(self.tp.all_reduce(o), residual, self.post_attn_norm, eps)
         mlp = self.mlp if self.mlp is not None else self.dense_mlp
         assert mlp is not None
         out = mlp(h, ops)  # [T, H], or the MoE's top-k terms (only on one device, where the all-reduce is identity)
         return all_reduce_hidden(self.tp, out), residual
-
-    def _fixed_weights(self) -> tuple[torch.Tensor, ...]:
-        """The MLP weights every token reads whatever the router picks: the shared experts (fused as the last
-        experts, or their own MLP), or the dense MLP."""
-        if self.mlp is None:
-            assert self.dense_mlp is not None
-            return self.dense_mlp.gate_up, self.dense_mlp.down
-        if self.mlp.shared is not None:
-            return self.mlp.shared.gate_up, self.mlp.shared.down
-        first = self.mlp.moe.num_experts
-        return self.mlp.w_gate_up[first:], self.mlp.w_down[first:]
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """This layer's Hugging Face tensors (`prefix` = "model.layers.{i}.") and where this rank's slices go."""

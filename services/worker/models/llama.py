@@ -14,7 +14,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from pagoda.kernels import l2_prefetch
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -135,8 +134,6 @@ class DecoderLayer(nn.Module):
         eps = self.arch.rms_norm_eps
         qkv, residual = self._norm_linear(x, residual, self.input_norm, self.qkv_weight, self.qkv_weight_scale,
                                           self.qkv_bias, ops)  # [T, Q + 2KV], [T, H]
-        # HBM idles through qkv prep, attention and its reduce: o's weight (and gate_up's first MB) into L2 meanwhile
-        l2_prefetch.prefetch((self.o_weight, self.gate_up_weight))
         fp8_cache = kv_cache[0].dtype == torch.float8_e4m3fn
         if ops.prepare_qkv is not None and ops.attend is not None and not self.calibrate_kv:
             k_scale, v_scale = (self.k_scale, self.v_scale) if fp8_cache else (None, None)
