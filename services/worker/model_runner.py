@@ -29,7 +29,7 @@ import torch
 from pagoda.kernels import reference as kernel_ref
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
-from pagoda.services.worker.device import CompileWatch, resolve_device
+from pagoda.services.worker.device import CompileWatch, page_locked_empty, resolve_device
 from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, grammar_tokenizer_loader, row_failure
 from pagoda.services.worker.grammar_process import MaskJob, MaskProcess, grammar_rows
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
@@ -203,8 +203,9 @@ class ModelRunner:
         if config.swap_space is None and not swap_pays(self.arch, self.kv_bytes_per_block() // self.block_size):
             swap_bytes = 0  # the default only where copying beats recomputing
         self.num_swap_blocks = self.model.tp.agree_min(swap_bytes // self.kv_bytes_per_block(), self.device)
-        # Pinning takes seconds (16 GiB: 9.7 s alone on the H200 host; llama3-8b's engine loaded in 17.8 s with the
-        # pool on this thread, 6.3 s without it): started here, before the cache is sized, collected at the end.
+        # Pinning takes seconds (16 GiB: 9.7 s alone on the H200 host with torch's pinned allocator, 4.3 s registered;
+        # llama3-8b's engine loaded in 17.8 s with the former on this thread, 6.3 s without a pool): started here,
+        # before the cache is sized, collected at the end.
         pinning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swap-pool")
         swap_job = pinning.submit(self._allocate_swap, self.num_swap_blocks)
         pinning.shutdown(wait=False)
@@ -283,8 +284,9 @@ class ModelRunner:
         slot); pinned on CUDA so the copies run asynchronously on the step's stream."""
         layout = self.model.kv_layout()
         block_shape = (self.arch.num_layers, layout.num_tensors, self.block_size, layout.num_heads, layout.head_dim)
-        return torch.empty((num_blocks, *block_shape), dtype=self.kv_dtype, device="cpu",
-                           pin_memory=self.device.type == "cuda" and num_blocks > 0)
+        if self.device.type == "cuda":
+            return page_locked_empty((num_blocks, *block_shape), self.kv_dtype)
+        return torch.empty((num_blocks, *block_shape), dtype=self.kv_dtype)
 
     def _swap(self, swap_out: list[int], swap_in: list[int]) -> None:
         """A plan's preemption copies, before anything else of it touches the cache: blocks out to host slots (a
