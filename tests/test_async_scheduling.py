@@ -245,6 +245,86 @@ def assert_close_logprobs(ours: Any, theirs: Any, tolerance: float) -> None:
         assert ours == theirs
 
 
+def test_a_failed_step_also_fails_the_sequences_it_swapped_out(tmp_path: Path) -> None:
+    """A plan's swap-out copies run on the worker before its forward: when the step fails, the sequences it
+    preempted by swap may have host slots that were never written, so they end with an error instead of coming
+    back from them; a request after it finishes."""
+    from test_scheduler import FakeWorker
+
+    from pagoda.services.scheduler.service import Peer, SchedulerService
+    from pagoda.shared.config import ServerConfig
+    from pagoda.shared.messages import (
+        AddRequest,
+        RequestFailed,
+        SchedulerToTokenizer,
+        SchedulerToWorker,
+        StepPlan,
+        StepResult,
+        TokenDeltas,
+        WorkerReady,
+    )
+    from pagoda.shared.transport import Codec
+
+    service = SchedulerService(EngineConfig(max_num_seqs=4), ServerConfig(runtime_dir=str(tmp_path)))
+    real_sockets = service.plans, service.front
+    plans_out, front_out = Outbox(), Outbox()
+    service.plans, service.front = plans_out, front_out  # type: ignore[assignment]
+    to_worker, to_tokenizer = Codec(SchedulerToWorker), Codec(SchedulerToTokenizer)
+    try:
+        service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=6, block_size=4, max_model_len=64,
+                                             vocab_size=VOCAB, eos_token_ids=[2], max_num_batched_tokens=64,
+                                             max_inflight_plans=1, num_swap_blocks=8))
+        identity = b"tok0"
+        service.tokenizers[identity] = Peer(0.0)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        for index, name in enumerate(("first", "second", "third")):
+            service._on_add(identity, service.tokenizers[identity],
+                            AddRequest(name, [100 * (index + 1) + i for i in range(7)], params))
+        worker = FakeWorker(4)
+        ended: dict[str, str] = {}
+        failed_step = None
+        for _ in range(80):
+            if not service.scheduler.has_unfinished():
+                break
+            service._maybe_step()
+            for payload in plans_out.sent:
+                plan = to_worker.decode(payload)
+                if not isinstance(plan, StepPlan):
+                    continue
+                if plan.swap_out and failed_step is None:  # the first plan that swaps a sequence out fails
+                    failed_step = plan.step_id
+                    victims = set(service.scheduler._swapped_out_by_step[plan.step_id])
+                    victim_requests = {service.scheduler.get_sequence(seq_id).request.request_id
+                                       for seq_id in victims}
+                    running = {service.scheduler.get_sequence(seq_id).request.request_id for seq_id in plan.seq_ids}
+                    service._on_result(StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[],
+                                                  error="RuntimeError: swap copy failed"))
+                    service._on_add(identity, service.tokenizers[identity], AddRequest("after", [7] * 9, params))
+                    continue
+                worker.apply(plan)
+                if plan.seq_ids:
+                    service._on_result(worker.execute(plan))
+            plans_out.sent.clear()
+            for frames in front_out.sent:
+                message = opened(to_tokenizer, to_tokenizer.decode(frames[1]))
+                if isinstance(message, RequestFailed):
+                    ended[message.request_id] = "failed"
+                elif isinstance(message, TokenDeltas):
+                    for request_id, reason in zip(message.request_ids, message.finish_reasons, strict=True):
+                        if reason >= 0:
+                            ended[request_id] = "finished"
+            front_out.sent.clear()
+        assert failed_step is not None, "no plan swapped a sequence out"
+        assert victim_requests and not victim_requests & running, "the victims were preempted, not running"
+        assert {name for name, how in ended.items() if how == "failed"} == victim_requests | running
+        assert set(ended) == {"first", "second", "third", "after"} and ended["after"] == "finished"
+        assert not service.scheduler.has_unfinished() and service.scheduler.host.num_free_blocks == 8
+        assert service.scheduler._swapped_out_by_step == {}
+    finally:
+        for socket in real_sockets:
+            socket.close(linger=0)
+
+
 def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_steps_requests(
         tmp_path: Path) -> None:
     """SchedulerService with a worker that runs plans as they come: two plans go out before a result, results

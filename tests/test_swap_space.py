@@ -49,3 +49,61 @@ def test_the_pool_is_registered_over_plain_pages_and_unregistered_before_they_ar
     fp8 = page_locked_empty((4, 5), torch.float8_e4m3fn, register, unregistered.append)
     assert fp8.dtype == torch.float8_e4m3fn and registered[fp8.data_ptr()] == 20
     assert page_locked_empty((0, 5), torch.bfloat16, register, unregistered.append).numel() == 0
+
+
+def test_a_worker_whose_swap_copies_fail_lets_the_plans_departures_go() -> None:
+    """The worker runs a plan's swap copies before anything else of it: when they raise, the step fails, the
+    scheduler ends that plan's requests and the sequences it swapped out (swapped_out_by), and the worker frees
+    the rows of every sequence the plan let go, the preempted ones included; the rest run to the end and every row
+    and slot comes back."""
+    import random
+
+    import pytest
+
+    from pagoda.services.scheduler.scheduler import Request, Scheduler
+    from pagoda.services.worker.model_runner import ModelRunner
+    from pagoda.services.worker.models import reference_ops
+    from pagoda.shared.messages import SamplingParams
+
+    config = EngineConfig(model="tiny", load_format="dummy", device="cpu", dtype="float32", num_kv_blocks=12,
+                          block_size=4, max_model_len=64, max_num_seqs=4, enforce_eager=True, seed=3,
+                          swap_space=16 / (1 << 20))  # 16 KiB: a few slots of the tiny model's blocks
+    runner = ModelRunner(config, ops=reference_ops())
+    assert runner.num_swap_blocks > 0
+    scheduler = Scheduler(num_blocks=runner.num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=64, vocab_size=runner.arch.vocab_size, num_swap_blocks=runner.num_swap_blocks)
+    rng = random.Random(5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i in range(6):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(5, 12))]
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
+    swap = runner._swap
+    failed: list[int] = []
+
+    def failing_swap(swap_out: list[int], swap_in: list[int]) -> None:
+        if swap_out and not failed:
+            raise RuntimeError("swap copy failed")
+        swap(swap_out, swap_in)
+
+    runner._swap = failing_swap  # type: ignore[method-assign]
+    for _ in range(200):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        result = runner.execute(plan)
+        if result.error:
+            failed.append(plan.step_id)
+            victims = scheduler.swapped_out_by(plan.step_id)
+            assert victims and not set(victims) & set(runner.state.row_of), "the victims' rows are free"
+            for seq_id in [*plan.seq_ids, *victims]:
+                seq = scheduler.get_sequence(seq_id)
+                if seq is not None:
+                    scheduler.abort_request(seq.request.request_id)
+            result = type(result)(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[])
+        scheduler.update(plan, result)
+    else:
+        pytest.fail("the requests did not finish")
+    assert failed, "no plan swapped a sequence out"
+    plan = scheduler.schedule()  # the last departures reach the worker
+    runner.execute(plan)
+    assert runner.state.row_of == {} and scheduler.host.num_free_blocks == runner.num_swap_blocks

@@ -199,6 +199,8 @@ class Scheduler:
         self.host = HostBlocks(num_swap_blocks)  # the worker's swap space, in blocks
         self._swap_out: list[int] = []  # this plan's (device block, host slot) pairs, flattened
         self._swap_in: list[int] = []  # this plan's (host slot, device block) pairs, flattened
+        self._swap_out_seqs: list[int] = []  # the sequences this plan swaps out
+        self._swapped_out_by_step: dict[int, list[int]] = {}  # plans in flight -> the sequences they swap out
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -432,6 +434,9 @@ class Scheduler:
         forks = [(fork, copy) for seq, fork, copy in self._beam_forks if seq.status == SeqStatus.RUNNING]
         self._beam_forks = []
         swap_out, swap_in, self._swap_out, self._swap_in = self._swap_out, self._swap_in, [], []
+        if self._swap_out_seqs:
+            self._swapped_out_by_step[self._step_id] = self._swap_out_seqs
+            self._swap_out_seqs = []
         return StepPlan(step_id=self._step_id, seq_ids=list(num_tokens), num_scheduled_tokens=list(num_tokens.values()),
                         new_requests=new_requests, appended_block_seq_ids=appended_seq_ids,
                         appended_block_ids=appended_block_ids, finished_seq_ids=forgotten,
@@ -750,13 +755,21 @@ class Scheduler:
         for block_id, slot in zip(seq.table.block_ids[:num_blocks], slots, strict=True):
             self._swap_out += (block_id, slot)
         seq.swapped, seq.num_swapped_tokens = slots, seq.num_computed_tokens
+        self._swap_out_seqs.append(seq.seq_id)
         self.stats.num_swapped += 1
         return True
+
+    def swapped_out_by(self, step_id: int) -> list[int]:
+        """The sequences plan step_id swapped out (its copies to their host slots), forgotten once asked for or
+        once the plan's result is applied. A plan that failed on the worker may not have written their slots: the
+        caller ends them rather than let them come back from those slots."""
+        return self._swapped_out_by_step.pop(step_id, [])
 
     def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
         """Apply the oldest plan in flight: real tokens replace its placeholders, sequences that stop finish
         (dropping any later placeholder), newly full blocks are cached."""
         assert result.step_id == plan.step_id, "result for another step"
+        self._swapped_out_by_step.pop(plan.step_id, None)  # its copies ran: the slots hold what they should
         if not plan.seq_ids:
             return []  # nothing ran: no record was kept, no result will carry tokens
         step = self._inflight.popleft()

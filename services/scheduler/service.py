@@ -640,10 +640,13 @@ class SchedulerService:
         self.host_s += time.monotonic() - now
 
     def _fail_plan(self, plan: StepPlan, error: str) -> None:
-        """The worker could not run this step: its requests end with an error, the rest go on."""
+        """The worker could not run this step: its requests end with an error, and so do the sequences it swapped
+        out (their host slots may never have been written; one readmitted since would read them), the rest go
+        on."""
         assert self.scheduler is not None
         log.error("step %d failed on the worker: %s", plan.step_id, error)
-        request_ids = {seq.request.request_id for seq_id in plan.seq_ids
+        seq_ids = [*plan.seq_ids, *self.scheduler.swapped_out_by(plan.step_id)]
+        request_ids = {seq.request.request_id for seq_id in seq_ids
                        if (seq := self.scheduler.get_sequence(seq_id)) is not None}
         for request_id in request_ids:
             identity = self.owner.get(request_id)

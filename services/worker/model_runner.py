@@ -1132,8 +1132,13 @@ class ModelRunner:
 
     def recover(self, plan: StepPlan) -> None:
         """After a failed step: forget the plan's requests (the scheduler aborts them too); plans already in
-        flight may still name them, and skip them."""
+        flight may still name them, and skip them. The sequences the plan let go (finished, aborted, preempted)
+        leave as its state.apply would have let them, without being skipped later: a preempted one comes back as
+        a new request."""
         self._drop([*plan.seq_ids, *(new.seq_id for new in plan.new_requests)])
+        self.grammars.drop(plan.finished_seq_ids)
+        for seq_id in plan.finished_seq_ids:
+            self.state.release(seq_id)
 
     def _drop(self, seq_ids: list[int]) -> None:
         """Forget these requests (failed): their rows are free; later plans in flight may still name them."""
