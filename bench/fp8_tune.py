@@ -246,6 +246,8 @@ def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: lis
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument("--layers", default="", help="tune and sweep only these layers (comma-separated, of qkv, o, "
+                                                     "gate_up, down; default all)")
     parser.add_argument("--skip-tune", action="store_true", help="sweep with the committed table")
     parser.add_argument("--buckets", default="", help="tune only these M buckets (comma-separated), keeping the "
                                                       "committed table's other entries")
@@ -267,10 +269,15 @@ def main() -> int:
     table: dict[str, Any] = {}
     if args.buckets:  # start from the committed entries
         table = {",".join(map(str, key)): entry for key, entry in w8._read_table(device).items()}
+    layers = set(args.layers.split(",")) if args.layers else None
+    if layers and not layers <= {name for shape in SHAPES.values() for name, _, _ in shape}:
+        parser.error("--layers must be among qkv, o, gate_up, down")
     rows: list[dict[str, Any]] = []
     started = time.time()
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
+            if layers and name not in layers:
+                continue
             w, w_q, w_s = _weights(n, k)
             if not args.skip_tune:
                 pool = "swap" if args.swap_only else "act_fp8" if args.act_fp8_only else "all"
@@ -288,6 +295,8 @@ def main() -> int:
         return 0
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
+            if layers and name not in layers:
+                continue
             w, w_q, w_s = _weights(n, k)
             for m in SWEEP_M:
                 row = sweep_row(name, n, k, m, w, w_q, w_s)
