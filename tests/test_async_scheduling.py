@@ -8,6 +8,8 @@ come from the device-side last sampled ids and the scheduler plans with provisio
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,18 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.services.scheduler.scheduler import PLACEHOLDER
+from pagoda.services.scheduler.service import Peer
 from pagoda.shared.config import EngineConfig
+from pagoda.shared.messages import (
+    AddRequest,
+    RequestFailed,
+    SchedulerToTokenizer,
+    SchedulerToWorker,
+    StepPlan,
+    StepResult,
+    TokenDeltas,
+)
+from pagoda.shared.transport import Codec
 from tests.harness import Outbox, opened
 
 VOCAB = 512  # the tiny shape's
@@ -245,35 +258,36 @@ def assert_close_logprobs(ours: Any, theirs: Any, tolerance: float) -> None:
         assert ours == theirs
 
 
+@contextlib.contextmanager
+def service_on_outboxes(tmp_path: Path, max_num_seqs: int, **ready: Any) -> Iterator[tuple[Any, Outbox, Outbox]]:
+    """A SchedulerService whose worker and front-end sockets are Outboxes (what it sends is kept, nothing is
+    delivered), after a WorkerReady of the tiny vocabulary with `ready`'s fields; closed with its real sockets."""
+    from pagoda.services.scheduler.service import SchedulerService
+    from pagoda.shared.config import ServerConfig
+    from pagoda.shared.messages import WorkerReady
+
+    service = SchedulerService(EngineConfig(max_num_seqs=max_num_seqs), ServerConfig(runtime_dir=str(tmp_path)))
+    real_sockets = service.plans, service.front
+    plans_out, front_out = Outbox(), Outbox()
+    service.plans, service.front = plans_out, front_out  # type: ignore[assignment]
+    try:
+        service._on_worker_ready(WorkerReady(rank=0, vocab_size=VOCAB, eos_token_ids=[2], **ready))
+        yield service, plans_out, front_out
+    finally:
+        service.plans, service.front = real_sockets
+        service._close()
+
+
 def test_a_failed_step_also_fails_the_sequences_it_swapped_out(tmp_path: Path) -> None:
     """A plan's swap-out copies run on the worker before its forward: when the step fails, the sequences it
     preempted by swap may have host slots that were never written, so they end with an error instead of coming
     back from them; a request after it finishes."""
     from test_scheduler import FakeWorker
 
-    from pagoda.services.scheduler.service import Peer, SchedulerService
-    from pagoda.shared.config import ServerConfig
-    from pagoda.shared.messages import (
-        AddRequest,
-        RequestFailed,
-        SchedulerToTokenizer,
-        SchedulerToWorker,
-        StepPlan,
-        StepResult,
-        TokenDeltas,
-        WorkerReady,
-    )
-    from pagoda.shared.transport import Codec
 
-    service = SchedulerService(EngineConfig(max_num_seqs=4), ServerConfig(runtime_dir=str(tmp_path)))
-    real_sockets = service.plans, service.front
-    plans_out, front_out = Outbox(), Outbox()
-    service.plans, service.front = plans_out, front_out  # type: ignore[assignment]
     to_worker, to_tokenizer = Codec(SchedulerToWorker), Codec(SchedulerToTokenizer)
-    try:
-        service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=6, block_size=4, max_model_len=64,
-                                             vocab_size=VOCAB, eos_token_ids=[2], max_num_batched_tokens=64,
-                                             max_inflight_plans=1, num_swap_blocks=8))
+    with service_on_outboxes(tmp_path, 4, num_kv_blocks=6, block_size=4, max_model_len=64, max_num_batched_tokens=64,
+                             max_inflight_plans=1, num_swap_blocks=8) as (service, plans_out, front_out):
         identity = b"tok0"
         service.tokenizers[identity] = Peer(0.0)
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -320,9 +334,6 @@ def test_a_failed_step_also_fails_the_sequences_it_swapped_out(tmp_path: Path) -
         assert set(ended) == {"first", "second", "third", "after"} and ended["after"] == "finished"
         assert not service.scheduler.has_unfinished() and service.scheduler.host.num_free_blocks == 8
         assert service.scheduler._swapped_out_by_step == {}
-    finally:
-        for socket in real_sockets:
-            socket.close(linger=0)
 
 
 def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_steps_requests(
@@ -331,28 +342,9 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
     complete them in order, a failed step fails its own requests and the next result still applies."""
     from test_scheduler import FakeWorker, default_token
 
-    from pagoda.services.scheduler.service import Peer, SchedulerService
-    from pagoda.shared.config import ServerConfig
-    from pagoda.shared.messages import (
-        AddRequest,
-        RequestFailed,
-        SchedulerToTokenizer,
-        SchedulerToWorker,
-        StepPlan,
-        StepResult,
-        TokenDeltas,
-        WorkerReady,
-    )
-    from pagoda.shared.transport import Codec
 
-    service = SchedulerService(EngineConfig(max_num_seqs=8), ServerConfig(runtime_dir=str(tmp_path)))
-    real_sockets = service.plans, service.front
-    plans_out, front_out = Outbox(), Outbox()
-    service.plans, service.front = plans_out, front_out  # type: ignore[assignment]
-    try:
-        service._on_worker_ready(WorkerReady(rank=0, num_kv_blocks=64, block_size=16, max_model_len=256,
-                                             vocab_size=VOCAB, eos_token_ids=[2], max_num_batched_tokens=256,
-                                             max_inflight_plans=2))
+    with service_on_outboxes(tmp_path, 8, num_kv_blocks=64, block_size=16, max_model_len=256,
+                             max_num_batched_tokens=256, max_inflight_plans=2) as (service, plans_out, front_out):
         identity = b"tok0"
         peer = service.tokenizers[identity] = Peer(0.0)
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -414,9 +406,6 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
         assert set(reasons) == {"a", "b"}
         service.scheduler.blocks.check_integrity(tables=[])
         assert service.scheduler.blocks.num_free_blocks == service.scheduler.blocks.num_blocks
-    finally:
-        service.plans, service.front = real_sockets
-        service._close()
 
 
 @pytest.mark.parametrize("num_kv_blocks", [None, 12])
