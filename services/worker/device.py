@@ -13,16 +13,15 @@ import torch
 
 from pagoda.shared.config import EngineConfig
 
+log = logging.getLogger(__name__)
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
+
 
 def resolve_device(config: EngineConfig) -> str:
     """config.device, or for "auto" cuda when torch sees a GPU, else cpu."""
     if config.device != "auto":
         return config.device
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-log = logging.getLogger(__name__)
-CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
 def page_locked_empty(shape: tuple[int, ...], dtype: torch.dtype,
