@@ -9,7 +9,9 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
    (tensor-core tiles with and without swap_ab, and act_fp8 tiles, which quantize the activation tile they load:
    W8A8 with no quantize kernel; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
    (plus the activation quantization where no fused op does it: o_proj) is faster; above 32 rows W8A16 must win
-   to be kept. --swap-only / --act-fp8-only: only those tiles against the committed entry.
+   to be kept. --swap-only / --act-fp8-only: only those tiles against the committed entry. The candidates are
+   compiled first in --compile-jobs processes (Triton's on-disk cache then serves the timing loop); --layers
+   tunes some of a shape's layers only (e.g. `--layers o --buckets 64,128`).
 2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
    (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes. At
    M = 1 also W8A16 launched as a single-token step launches it (programmatic dependent launch, pdl.FIRST: each
@@ -28,6 +30,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -155,6 +158,43 @@ def _in_pdl_chain(op: Callable[..., object]) -> Callable[..., object]:
     return chained
 
 
+def compile_tiles(n: int, k: int, bucket: int, tiles: list[dict[str, Any]]) -> int:
+    """Launch the W8A16 kernel once with each tile set at (M=bucket, N=n, K=k), as tune_shape launches it (same
+    dtypes, contiguous operands: the same specialisations), so Triton's on-disk cache holds the compiled kernels;
+    a tile set the device refuses is skipped. Returns how many launched. On CUDA if there is one."""
+    from pagoda.kernels import fp8_weight_only as w8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.zeros(bucket, k, dtype=torch.bfloat16, device=device)  # [M, K]
+    weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)  # [N, K]
+    scale = torch.ones(n, 1, dtype=torch.float32, device=device)  # [N, 1]
+    launched = 0
+    for entry in tiles:
+        try:
+            w8.fp8_weight_only_linear(x, weight, scale, None, tiles=w8.tiles_from_json(entry))
+            launched += 1
+        except Exception:  # noqa: BLE001 - out of shared memory or registers: tune_shape reports it
+            continue
+    return launched
+
+
+def precompile(n: int, k: int, buckets: tuple[int, ...], pool: str, jobs: int,
+               executor: Executor | None = None) -> int:
+    """Compile every candidate of the buckets in `jobs` parts before tune_shape times them (serially the compiles
+    dominate a retune: one pool of one bucket is ~180 tile sets). By default in `jobs` spawned processes, each its
+    own CUDA context; returns how many launched."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from pagoda.kernels import fp8_weight_only as w8
+
+    work = [(bucket, [w8.tiles_to_json(t) for t in POOLS[pool](bucket)[part::jobs]])
+            for bucket in buckets for part in range(jobs)]
+    with executor or ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as running:
+        futures = [running.submit(compile_tiles, n, k, bucket, tiles) for bucket, tiles in work if tiles]
+        return sum(future.result() for future in futures)
+
+
 def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[torch.Tensor],
                buckets: tuple[int, ...], pool: str = "all") -> dict[int, dict[str, Any]]:
     """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape. The committed table's tiles for the bucket
@@ -256,6 +296,8 @@ def main() -> int:
                         help="tune only the swap_ab tiles against the committed entry of each bucket")
     parser.add_argument("--act-fp8-only", action="store_true",
                         help="tune only the act_fp8 tiles (from 32 rows) against the committed entry of each bucket")
+    parser.add_argument("--compile-jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes that compile the candidates before they are timed (1: compile as timed)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/fp8_tune"))
     args = parser.parse_args()
     from pagoda.kernels import fp8_weight_only as w8
@@ -281,6 +323,11 @@ def main() -> int:
             w, w_q, w_s = _weights(n, k)
             if not args.skip_tune:
                 pool = "swap" if args.swap_only else "act_fp8" if args.act_fp8_only else "all"
+                if args.compile_jobs > 1:
+                    compiled_at = time.time()
+                    launched = precompile(n, k, buckets, pool, args.compile_jobs)
+                    print(f"precompiled {name}: {launched} tile sets in {time.time() - compiled_at:.0f} s "
+                          f"({args.compile_jobs} processes)", flush=True)
                 for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets, pool).items():
                     table[f"{n},{k},{bucket}"] = {"w8a8": True} if entry["choice"] == "w8a8" else entry["tiles"]
             del w, w_q, w_s

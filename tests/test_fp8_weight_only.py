@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import pytest
@@ -380,3 +381,28 @@ def test_tuner_candidates_are_tiles_the_kernel_takes() -> None:
         act = fp8_tune.act_fp8_candidates(bucket)
         assert act and all(tiles.act_fp8 and tiles.swap_ab and tiles.block_m == 16 for tiles in act)
         assert set(act) <= set(fp8_tune.candidates(bucket))
+
+
+class _InlineExecutor(Executor):
+    """Runs each job as it is submitted (the interpreter's patches live in this process only)."""
+
+    def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+def test_tuner_precompiles_its_candidates_in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_tune's precompile launches each candidate once (through the interpreter here; in spawned processes on
+    the GPU) at the shape it tunes, split into `jobs` parts; a tile set the kernel refuses is skipped, not fatal."""
+    from pagoda.bench import fp8_tune
+
+    fits = w8.GemvTiles(block_m=1, block_n=16, block_k=64, split_k=1)
+    refused = w8.GemvTiles(block_m=1, block_n=16, block_k=64, use_dot=True)  # tensor cores need 16 rows
+    assert fp8_tune.compile_tiles(32, 128, 1, [w8.tiles_to_json(t) for t in (fits, refused)]) == 1
+    monkeypatch.setitem(fp8_tune.POOLS, "all", lambda bucket: [fits, refused, fits])
+    jobs: list[tuple[int, list[dict]]] = []
+    compile_tiles = fp8_tune.compile_tiles
+    monkeypatch.setattr(fp8_tune, "compile_tiles", lambda *args: (jobs.append(args[2:]), compile_tiles(*args))[1])
+    assert fp8_tune.precompile(32, 128, (1,), "all", 2, _InlineExecutor()) == 2  # fits, twice
+    assert sorted((bucket, len(tiles)) for bucket, tiles in jobs) == [(1, 1), (1, 2)]  # [fits, fits], [refused]
