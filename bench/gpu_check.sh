@@ -4,7 +4,10 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,moe-fp8 (default: tests,parity,pagoda,peers,compiled)
+#   one-loop,gluon,moe-fp8,fp8-o (default: tests,parity,pagoda,peers,compiled)
+#   fp8-o: retune llama3-8b's o projection at 64 and 128 rows (the two cells where FP8 was slower than bf16 in the
+#   thirty-second session's sweep; candidates compiled in parallel first), then sweep o with that table (commit
+#   $OUT/tune_o/w8a16,*.json under kernels/fp8_configs/ if it wins).
 #   moe-fp8: FP8 experts against bf16 at 1-8192 tokens on deepseek-v2-lite and qwen3-30b-a3b (bench/moe_fp8_sweep.py,
 #   issue 25 item 3's MoE rows), cold weights, committed tiles.
 #   gluon: qwen3-0.6b reference with a bf16 and an fp8 cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and
@@ -216,6 +219,10 @@ if has fp8; then
   done
   trtllm_1000 fp8
   qwen3_kv_pair fp8
+fi
+if has fp8-o; then
+  timeout 500 python3 -m pagoda.bench.fp8_tune --shapes llama3-8b --layers o --buckets 64,128 --out "$OUT/tune_o" \
+    2>&1 | grep -E "^(precompiled|tune|sweep|FP8)" | cut -c1-220
 fi
 if has figures; then
   # issue 20 / 25 figures on the committed tree, no tuning (each run in a fresh process; a cold machine compiles
