@@ -549,6 +549,39 @@ def test_an_aborted_swapped_sequence_gives_its_slots_back() -> None:
     assert_all_free(sched)
 
 
+def test_a_plan_that_runs_nothing_swaps_nothing_out() -> None:
+    """Two plans in flight, 3 blocks of 4: `high` reaches max_len with its last token in flight (nothing left to
+    run) holding 2 blocks, so `low`'s decode finds no block and no victim and `low` is preempted by a plan that runs
+    nothing. Such a plan gets no result, so a failure of its copies could not end `low` (swapped_out_by): it would
+    come back from slots never written. It recomputes instead."""
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                           max_inflight_plans=2, num_swap_blocks=4)
+    worker = FakeWorker(4, check_kv=True)
+    high = make_request("high", [200, 201, 202, 203], max_tokens=2, arrival_time=0.0)
+    low = make_request("low", [300, 301, 302, 303], max_tokens=6, arrival_time=1.0)
+    sched.add_request(high)
+    sched.add_request(low)
+    inflight: deque[tuple[StepPlan, StepResult]] = deque()
+    for _ in range(2):  # both prefill; then high's last decode takes the last block
+        plan = sched.schedule()
+        worker.apply(plan)
+        inflight.append((plan, worker.execute(plan)))
+    sched.update(*inflight.popleft())
+    plan = sched.schedule()
+    worker.apply(plan)
+    victim = low.sequences[0]
+    assert plan.seq_ids == [] and plan.finished_seq_ids == [victim.seq_id] and victim.num_preemptions == 1
+    assert plan.swap_out == [] and victim.swapped is None and sched.swapped_out_by(plan.step_id) == []
+    assert sched.stats.num_swapped == 0 and sched.host.num_free_blocks == 4
+    sched.update(*inflight.popleft())
+    run_until_done(sched, worker)
+    for request in (high, low):
+        seq = request.sequences[0]
+        assert seq.token_ids[seq.num_prompt_tokens:] == [default_token(seq.seq_id, i)
+                                                         for i in range(request.sampling.max_tokens)]
+    assert_all_free(sched)
+
+
 # ---------------------------------------------------------------- e. prefix caching
 
 

@@ -433,6 +433,8 @@ class Scheduler:
         forgotten, self._forgotten = self._forgotten, []
         forks = [(fork, copy) for seq, fork, copy in self._beam_forks if seq.status == SeqStatus.RUNNING]
         self._beam_forks = []
+        if not num_tokens and self._swap_out_seqs:
+            self._recompute_swapped_out()
         swap_out, swap_in, self._swap_out, self._swap_in = self._swap_out, self._swap_in, [], []
         if self._swap_out_seqs:
             self._swapped_out_by_step[self._step_id] = self._swap_out_seqs
@@ -758,6 +760,17 @@ class Scheduler:
         self._swap_out_seqs.append(seq.seq_id)
         self.stats.num_swapped += 1
         return True
+
+    def _recompute_swapped_out(self) -> None:
+        """The plan being built runs nothing, so it gets no result: a failure of its copies out could not end the
+        sequences it swaps out (swapped_out_by), which would come back from slots never written. They recompute."""
+        for seq_id in self._swap_out_seqs:
+            seq = self._seqs[seq_id]
+            assert seq.swapped is not None and seq.status == SeqStatus.WAITING, "preempted by this plan"
+            self.host.free(seq.swapped)
+            seq.swapped = None
+            self.stats.num_swapped -= 1
+        self._swap_out, self._swap_out_seqs = [], []
 
     def swapped_out_by(self, step_id: int) -> list[int]:
         """The sequences plan step_id swapped out (its copies to their host slots), forgotten once asked for or
