@@ -314,24 +314,23 @@ def main() -> int:
     layers = set(args.layers.split(",")) if args.layers else None
     if layers and not layers <= {name for shape in SHAPES.values() for name, _, _ in shape}:
         parser.error("--layers must be among qkv, o, gate_up, down")
+    selected = [(shape, name, n, k) for shape in args.shapes.split(",") for name, n, k in SHAPES[shape]
+                if not layers or name in layers]
     rows: list[dict[str, Any]] = []
     started = time.time()
-    for shape in args.shapes.split(","):
-        for name, n, k in SHAPES[shape]:
-            if layers and name not in layers:
-                continue
-            w, w_q, w_s = _weights(n, k)
-            if not args.skip_tune:
-                pool = "swap" if args.swap_only else "act_fp8" if args.act_fp8_only else "all"
-                if args.compile_jobs > 1:
-                    compiled_at = time.time()
-                    launched = precompile(n, k, buckets, pool, args.compile_jobs)
-                    print(f"precompiled {name}: {launched} tile sets in {time.time() - compiled_at:.0f} s "
-                          f"({args.compile_jobs} processes)", flush=True)
-                for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets, pool).items():
-                    table[f"{n},{k},{bucket}"] = {"w8a8": True} if entry["choice"] == "w8a8" else entry["tiles"]
-            del w, w_q, w_s
-            torch.cuda.empty_cache()
+    for _, name, n, k in selected:
+        w, w_q, w_s = _weights(n, k)
+        if not args.skip_tune:
+            pool = "swap" if args.swap_only else "act_fp8" if args.act_fp8_only else "all"
+            if args.compile_jobs > 1:
+                compiled_at = time.time()
+                launched = precompile(n, k, buckets, pool, args.compile_jobs)
+                print(f"precompiled {name}: {launched} tile sets in {time.time() - compiled_at:.0f} s "
+                      f"({args.compile_jobs} processes)", flush=True)
+            for bucket, entry in tune_shape(name, n, k, w_q, w_s, buckets, pool).items():
+                table[f"{n},{k},{bucket}"] = {"w8a8": True} if entry["choice"] == "w8a8" else entry["tiles"]
+        del w, w_q, w_s
+        torch.cuda.empty_cache()
     if table:
         (out_dir / "w8a16_table.json").write_text(json.dumps(table, indent=1, sort_keys=True))
         w8.CONFIG_DIR = out_dir  # the sweep below dispatches with the table just tuned
@@ -340,20 +339,17 @@ def main() -> int:
     print(f"tuned in {time.time() - started:.0f} s", flush=True)
     if args.skip_sweep:
         return 0
-    for shape in args.shapes.split(","):
-        for name, n, k in SHAPES[shape]:
-            if layers and name not in layers:
-                continue
-            w, w_q, w_s = _weights(n, k)
-            for m in SWEEP_M:
-                row = sweep_row(name, n, k, m, w, w_q, w_s)
-                rows.append({"shape": shape, **row})
-                paths = " ".join(f"{key[:-3]} {row[key]:.1f}" for key in row if key.endswith("_us"))
-                print(f"sweep {shape} {name:8s} M={m:5d}: {paths} | {row['dispatch']} "
-                      f"{row['speedup_vs_bf16']:.2f}x bf16, {row['fp8_TBps']:.2f} TB/s; cos w8a8 "
-                      f"{row['cosine_w8a8']:.5f} w8a16 {row.get('cosine_w8a16', float('nan')):.5f}", flush=True)
-            del w, w_q, w_s
-            torch.cuda.empty_cache()
+    for shape, name, n, k in selected:
+        w, w_q, w_s = _weights(n, k)
+        for m in SWEEP_M:
+            row = sweep_row(name, n, k, m, w, w_q, w_s)
+            rows.append({"shape": shape, **row})
+            paths = " ".join(f"{key[:-3]} {row[key]:.1f}" for key in row if key.endswith("_us"))
+            print(f"sweep {shape} {name:8s} M={m:5d}: {paths} | {row['dispatch']} "
+                  f"{row['speedup_vs_bf16']:.2f}x bf16, {row['fp8_TBps']:.2f} TB/s; cos w8a8 "
+                  f"{row['cosine_w8a8']:.5f} w8a16 {row.get('cosine_w8a16', float('nan')):.5f}", flush=True)
+        del w, w_q, w_s
+        torch.cuda.empty_cache()
     slower = [row for row in rows if row["speedup_vs_bf16"] < 1.0]
     print(f"FP8 slower than bf16 in {len(slower)} of {len(rows)} (shape, M): "
           + ", ".join(f"{row['gemm']} M={row['M']} {row['speedup_vs_bf16']:.2f}x" for row in slower))
