@@ -268,23 +268,29 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
 
 @triton.jit
 def _add_rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr, num_cols, eps,
-                               stride_x, stride_r, stride_q, stride_ro, HAS_RESIDUAL: tl.constexpr,
-                               BLOCK_N: tl.constexpr, HW_CAST: tl.constexpr):
+                               stride_x, stride_r, stride_q, stride_ro, stride_xs, HAS_RESIDUAL: tl.constexpr,
+                               X_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, HW_CAST: tl.constexpr):
     """One row: summed = x + residual (rounded to the model dtype, stored), normed = weight * rms-normalised row
-    (rounded as norm.py and the reference round), then per-token e4m3 quantization of normed."""
+    (rounded as norm.py and the reference round), then per-token e4m3 quantization of normed. The model dtype is
+    the norm weight's. x is X_PARTS terms stride_xs apart (X_PARTS > 1: a split-K GEMM's fp32 partials), summed in
+    fp32 in order and rounded to the model dtype, as norm.py's parts path sums them."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < num_cols
+    dtype = weight_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, X_PARTS):
+        x += tl.load(x_ptr + part * stride_xs + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = x.to(dtype).to(tl.float32)  # the sum as the model dtype holds it (x itself for one term of that dtype)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         summed = (x + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
         x = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / num_cols + eps)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * rstd).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)  # the model-dtype activation
+    h = (normed * weight).to(dtype).to(tl.float32)  # the model-dtype activation
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), FP8_MIN_AMAX_C), FP8_MAX_C)
     tl.store(q_ptr + row * stride_q + cols, quantize_by_inverse(h, scale, HW_CAST), mask=mask)
     tl.store(s_ptr + row, scale)
@@ -297,24 +303,51 @@ def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weigh
     override (measurements)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x must be [T, D] float, contiguous along D, got {tuple(x.shape)} {x.dtype}")
-    num_rows, num_cols = x.shape
-    if weight.shape != (num_cols,) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise ValueError(f"weight must be [{num_cols}] {x.dtype} contiguous, got {tuple(weight.shape)} {weight.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual must be like x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)}")
+    return _norm_quant(x[None], x.dtype, residual, weight, eps, num_warps)
+
+
+def add_rms_norm_parts_quant_fp8(parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor,
+                                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm_quant_fp8(x, residual, ...) where x = the sum over S of parts [S, T, D] (fp32 or dtype, any
+    strides along S and T) in fp32, in order, rounded to dtype (fp8_weight_only.DeferredSum), without x ever
+    written: a weight-only layer that leaves its split-K sum to the next norm still gets the W8A8 GEMM after that
+    norm its input quantized in the norm's pass (no quantize launch of its own).
+    reference.add_rms_norm_parts_quant_fp8."""
+    if (parts.dim() != 3 or parts.dtype not in (torch.float32, dtype) or parts.stride(2) != 1
+            or parts.shape[0] < 1 or dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        raise ValueError(f"parts must be fp32 or {dtype} [S, T, D] with D contiguous, got {tuple(parts.shape)} "
+                         f"{parts.dtype} strides {parts.stride()}")
+    return _norm_quant(parts, dtype, residual, weight, eps, None)
+
+
+def _norm_quant(parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float, num_warps: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checks and the one launch of both entry points: x = the sum of parts [S, T, D] rounded to dtype (S = 1:
+    x itself, as a view)."""
+    _, num_rows, num_cols = parts.shape
+    if weight.shape != (num_cols,) or weight.dtype != dtype or not weight.is_contiguous():
+        raise ValueError(f"weight must be [{num_cols}] {dtype} contiguous, got {tuple(weight.shape)} {weight.dtype}")
+    if residual is not None and (residual.shape != parts.shape[1:] or residual.dtype != dtype
+                                 or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{num_rows}, {num_cols}] {dtype} contiguous along D, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     if num_cols > 32768:
         raise ValueError(f"rows longer than 32768 do not fit one program, got {num_cols}")
-    q = torch.empty((num_rows, num_cols), dtype=FP8_DTYPE, device=x.device)  # [T, D]
-    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)  # [T, 1]
-    summed = x if residual is None else torch.empty_like(x)  # [T, D]
+    q = torch.empty((num_rows, num_cols), dtype=FP8_DTYPE, device=parts.device)  # [T, D]
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=parts.device)  # [T, 1]
+    if residual is None:
+        assert parts.shape[0] == 1 and parts.dtype == dtype, "partials come with a residual (the layer's input)"
+        summed = parts[0]
+    else:
+        summed = torch.empty((num_rows, num_cols), dtype=dtype, device=parts.device)  # [T, D]
     if num_rows == 0:
         return q, scale, summed
     block_n = triton.next_power_of_2(num_cols)
     _add_rms_norm_quant_kernel[(num_rows,)](
-        x, residual if residual is not None else x, weight, q, scale, summed, num_cols, eps,
-        x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0), summed.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, HW_CAST=hw_cast(),
-        num_warps=num_warps or (4 if block_n <= 4096 else (8 if block_n <= 8192 else 16)))
+        parts, residual if residual is not None else summed, weight, q, scale, summed, num_cols, eps,
+        parts.stride(1), residual.stride(0) if residual is not None else 0, q.stride(0), summed.stride(0),
+        parts.stride(0), HAS_RESIDUAL=residual is not None, X_PARTS=parts.shape[0], BLOCK_N=block_n,
+        HW_CAST=hw_cast(), num_warps=num_warps or (4 if block_n <= 4096 else (8 if block_n <= 8192 else 16)))
     return q, scale, summed
 
 

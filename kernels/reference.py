@@ -438,6 +438,15 @@ def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weigh
     return q, scale, summed
 
 
+def add_rms_norm_parts_quant_fp8(parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor,
+                                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm_quant_fp8 of x = the fp32 sum over S of parts [S, T, D] (in order) rounded to dtype."""
+    x = parts[0].float()  # [T, D]
+    for part in parts[1:]:
+        x = x + part.float()
+    return add_rms_norm_quant_fp8(x.to(dtype), residual, weight, eps)
+
+
 def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul, then per-token FP8 quantization: (e4m3 [T, I], scales [T, 1])."""
     return quantize_fp8_rows(silu_and_mul(gate_up))

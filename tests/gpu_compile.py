@@ -334,7 +334,8 @@ def run_dense_gemv() -> None:
 
 def run_w8a16_swap_ab() -> None:
     """The W8A16 kernel's swap_ab tensor-core tiles (bench/fp8_tune.py's candidates from 8 rows) at llama3-8b's o
-    and down shapes, per-channel and 128-wide group scales; the gated down projection with default tiles."""
+    and down shapes, per-channel and 128-wide group scales; the gated down projection with default tiles; the norm
+    that sums a deferred layer's partials and quantizes for a W8A8 GEMM."""
     from pagoda.kernels import fp8_weight_only as w8
 
     for (n, k), (rows, block_n, warps), group in itertools.product(
@@ -353,6 +354,12 @@ def run_w8a16_swap_ab() -> None:
                         swap_ab=True)  # the committed table's down tile at 64 rows
     w8.fp8_weight_only_deferred(torch.empty(64, 2 * 14336, dtype=torch.bfloat16), weight, scale, None, tiles=swap,
                                 gated=True)
+    # the norm after such a layer where the next GEMM is W8A8 (the table's 32-64-row buckets): it sums the four
+    # fp32 partials and quantizes for that GEMM
+    from pagoda.kernels.fp8 import add_rms_norm_parts_quant_fp8
+
+    hidden = torch.empty(64, 4096, dtype=torch.bfloat16)  # [T, H]
+    add_rms_norm_parts_quant_fp8(torch.empty(4, 64, 4096), torch.bfloat16, hidden, hidden[0], 1e-5)
 
 
 def run_w8a16_act_fp8() -> None:

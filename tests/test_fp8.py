@@ -530,6 +530,39 @@ def test_add_rms_norm_quant_kernel_matches_reference(with_residual: bool) -> Non
     _assert_close_quantization(q, scale, q_ref, s_ref)
 
 
+@pytest.mark.parametrize("parts_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_parts_quant_is_the_norm_quant_of_the_summed_parts(parts_dtype: torch.dtype) -> None:
+    """Split-K partials (fp32, contiguous) or top-k rows (bf16, a strided view) summed in the norm's pass of a bf16
+    model: the same bits as add_rms_norm_quant_fp8 of their in-order fp32 sum rounded to bf16 as
+    norm.add_rms_norm_parts rounds it (the interpreter rounds fp32 to bf16 unlike torch); an fp32 model's
+    partials give the reference's values."""
+    from pagoda.kernels.fp8 import add_rms_norm_parts_quant_fp8, add_rms_norm_quant_fp8
+    from pagoda.kernels.norm import add_rms_norm_parts
+
+    generator = torch.Generator().manual_seed(14)
+    rows = torch.randn(5, 3, 96, generator=generator)  # [T, S, D]
+    parts = (rows.to(DEVICE).transpose(0, 1) if parts_dtype == torch.bfloat16 else
+             rows.transpose(0, 1).contiguous().to(DEVICE)).to(parts_dtype)  # [S, T, D]
+    residual = torch.randn(5, 96, generator=generator).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(96, generator=generator)).to(DEVICE)
+    bf16 = torch.bfloat16
+    summed_parts = add_rms_norm_parts(parts, bf16, torch.zeros_like(residual, dtype=bf16), weight.to(bf16),
+                                      1e-6)[1]  # [T, D]: the parts' sum as the kernels round it
+    fused = add_rms_norm_parts_quant_fp8(parts, bf16, residual.to(bf16), weight.to(bf16), 1e-6)
+    separate = add_rms_norm_quant_fp8(summed_parts, residual.to(bf16), weight.to(bf16), 1e-6)
+    assert torch.equal(fused[0].view(torch.uint8), separate[0].view(torch.uint8))
+    assert torch.equal(fused[1], separate[1]) and torch.equal(fused[2], separate[2])
+    fp32_parts = rows.transpose(0, 1).contiguous().to(DEVICE)  # [S, T, D]
+    q, scale, summed = add_rms_norm_parts_quant_fp8(fp32_parts, torch.float32, residual, weight, 1e-6)
+    q_ref, s_ref, summed_ref = ref.add_rms_norm_parts_quant_fp8(fp32_parts, torch.float32, residual, weight, 1e-6)
+    torch.testing.assert_close(summed, summed_ref)
+    _assert_close_quantization(q, scale, q_ref, s_ref)
+    with pytest.raises(ValueError, match="parts"):
+        add_rms_norm_parts_quant_fp8(parts.half(), bf16, residual.to(bf16), weight.to(bf16), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm_parts_quant_fp8(parts, bf16, residual[:, :64].to(bf16), weight.to(bf16), 1e-6)
+
+
 def test_silu_and_mul_quant_kernel_matches_reference() -> None:
     from pagoda.kernels.fp8 import silu_and_mul_quant_fp8
 
@@ -543,8 +576,9 @@ def test_silu_and_mul_quant_kernel_matches_reference() -> None:
 
 @pytest.mark.gpu
 def test_fused_quant_kernels_gpu_bf16() -> None:
-    """bf16 rows of llama3-8b width through the fused kernels on the GPU."""
-    from pagoda.kernels.fp8 import add_rms_norm_quant_fp8, silu_and_mul_quant_fp8
+    """bf16 rows of llama3-8b width through the fused kernels on the GPU (split-K partials summed in the norm: the
+    bits of the norm on their sum)."""
+    from pagoda.kernels.fp8 import add_rms_norm_parts_quant_fp8, add_rms_norm_quant_fp8, silu_and_mul_quant_fp8
 
     generator = torch.Generator(device="cuda").manual_seed(13)
     x = torch.randn(37, 4096, device="cuda", generator=generator).bfloat16()
@@ -556,6 +590,12 @@ def test_fused_quant_kernels_gpu_bf16() -> None:
     _assert_close_quantization(q, scale, q_ref, s_ref)
     gate_up = torch.randn(37, 2 * 14336, device="cuda", generator=generator).bfloat16()
     _assert_close_quantization(*silu_and_mul_quant_fp8(gate_up), *ref.silu_and_mul_quant_fp8(gate_up))
+    parts = torch.randn(4, 37, 4096, device="cuda", generator=generator)  # [S, T, H]: split-K partials
+    fused = add_rms_norm_parts_quant_fp8(parts, torch.bfloat16, residual, weight, 1e-5)
+    in_order = ((parts[0] + parts[1]) + parts[2]) + parts[3]  # [T, H] fp32
+    separate = add_rms_norm_quant_fp8(in_order.bfloat16(), residual, weight, 1e-5)
+    assert torch.equal(fused[0].view(torch.uint8), separate[0].view(torch.uint8))
+    assert torch.equal(fused[1], separate[1]) and torch.equal(fused[2], separate[2])
 
 
 def test_offline_llm_serves_an_fp8_checkpoint_with_fp8_kv(tiny_llama_dir: Path, tmp_path: Path) -> None:

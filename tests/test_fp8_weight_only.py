@@ -218,6 +218,48 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch
         assert torch.equal(fused, separate)
 
 
+def test_weight_only_partials_feeding_a_w8a8_layer_are_quantized_in_the_norm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dispatch that runs o and down weight-only with split-K (their sums left to the next norm) and qkv and
+    gate_up W8A8, as the H200 table does at 32-64 rows: the norm between them sums the partials and quantizes for
+    the W8A8 GEMM in one pass, so no quantize kernel runs, and the hidden states equal those of the separate sum
+    kernel (PAGODA_FUSE_SPLIT_K=0) bit for bit, through prefill, decode and the final norm."""
+    import dataclasses
+
+    from pagoda.kernels import fp8
+    from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
+    from pagoda.services.worker.weights import load_model
+    from pagoda.shared.shapes import SHAPES
+
+    arch, dev = SHAPES["tiny"], torch.device(DEVICE)
+
+    def split_tiles(num_rows: int, n: int, k: int, group_size: int | None, device: torch.device) -> w8.GemvTiles:
+        return w8.GemvTiles(block_m=min(4, 1 << (num_rows - 1).bit_length()), block_n=16, block_k=32, split_k=2)
+
+    def hidden_wide_only(num_rows: int, n: int, k: int, device: torch.device) -> bool:
+        return n == arch.hidden_size  # o and down weight-only; qkv and gate_up W8A8
+
+    quantize_calls: list[int] = []
+    plain_quantize = fp8.quantize_fp8_rows
+
+    def counting_quantize(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        quantize_calls.append(x.shape[0])
+        return plain_quantize(x, group_size)
+
+    monkeypatch.setattr(w8, "pick_tiles", split_tiles)
+    monkeypatch.setattr(fp8, "quantize_fp8_rows", counting_quantize)
+    ops = dataclasses.replace(triton_ops(), prefers_weight_only=hidden_wide_only)
+    model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=ops, fp8=Fp8Weights(None))
+    load_model(model, None, "dummy", seed=6)
+    results = []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PAGODA_FUSE_SPLIT_K", fuse)
+        results.append(_prefill_then_decode(model, arch, dev))
+    assert quantize_calls == []
+    for fused, separate in zip(*results, strict=True):
+        assert torch.equal(fused, separate)
+
+
 def _prefill_then_decode(model: torch.nn.Module, arch: Any, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Hidden states of two prompts (3 and 2 tokens, 5 rows) then one decode token each, on fresh bf16 caches."""
     from pagoda.bench.decode_profile import make_batch

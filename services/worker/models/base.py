@@ -148,6 +148,9 @@ class Ops:
     # that sums them: (parts [S, T, H], dtype, residual, weight, eps) -> (normed, summed). None: the GEMM's own sum.
     fp8_weight_only_deferred: Callable[..., Hidden] | None = None
     add_rms_norm_parts: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # The same norm quantizing for a per-channel W8A8 GEMM after it (a weight-only layer's partials feeding a W8A8
+    # one): (parts, dtype, residual, weight, eps) -> (e4m3 [T, H], scales [T, 1], summed). None: the GEMM quantizes.
+    add_rms_norm_parts_quant: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     # One pass from the fused qkv rows to attention inputs (q/k norm, rope, K/V into the cache: q returned) and
     # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
     prepare_qkv: Callable[..., torch.Tensor] | None = None
@@ -194,6 +197,7 @@ def triton_ops() -> Ops:
                add_rms_norm_quant=fp8.add_rms_norm_quant_fp8, silu_and_mul_quant=fp8.silu_and_mul_quant_fp8,
                fp8_matmul=fp8.fp8_matmul, fp8_weight_only=w8a16.fp8_weight_only_linear,
                fp8_weight_only_deferred=w8a16.fp8_weight_only_deferred, add_rms_norm_parts=norm.add_rms_norm_parts,
+               add_rms_norm_parts_quant=fp8.add_rms_norm_parts_quant_fp8,
                prepare_qkv=qkv_prep.prepare_qkv, attend=triton_attend,
                moe_experts=moe.fused_experts, moe_experts_deferred=functools.partial(moe.fused_experts, defer_sum=True),
                mla_prepare=mla.mla_prepare, mla_attend=triton_mla_attend,

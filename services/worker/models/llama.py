@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from pagoda.kernels.fp8_weight_only import DeferredSum
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -83,9 +84,13 @@ class DecoderLayer(nn.Module):
                bias: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         return quantized_linear(x, weight, weight_scale, self.fp8, bias, ops)
 
-    def _fused_quant(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                     ops: Ops) -> bool:
-        """Per-channel W8A8: the op before the GEMM quantizes the activations in its own pass."""
+    def _fused_quant(self, x: Hidden, weight: torch.Tensor, weight_scale: torch.Tensor | None, ops: Ops) -> bool:
+        """Per-channel W8A8: the op before the GEMM quantizes the activations in its own pass (for split-K partials,
+        the norm that sums them, where ops has it)."""
+        if isinstance(x, DeferredSum):
+            if ops.add_rms_norm_parts_quant is None:
+                return False
+            x = x.parts[0]  # [T, H]: the rows
         return (weight_scale is not None and self.fp8 is not None and self.fp8.group_size is None
                 and not uses_weight_only(x, weight, ops))
 
@@ -103,8 +108,12 @@ class DecoderLayer(nn.Module):
         """add_rms_norm then a linear layer: (out [T, N], new residual [T, H]). Per-channel FP8 quantizes the
         activations in the norm's pass (one kernel fewer per GEMM); split-K partials of x are summed in it."""
         eps = self.arch.rms_norm_eps
-        if isinstance(x, torch.Tensor) and self._fused_quant(x, weight, weight_scale, ops):
-            h_q, h_scale, residual = ops.add_rms_norm_quant(x, residual, norm, eps)  # [T, H] e4m3, [T, 1]
+        if self._fused_quant(x, weight, weight_scale, ops):
+            if isinstance(x, DeferredSum):
+                assert residual is not None and ops.add_rms_norm_parts_quant is not None, "partials come with one"
+                h_q, h_scale, residual = ops.add_rms_norm_parts_quant(x.parts, x.dtype, residual, norm, eps)
+            else:
+                h_q, h_scale, residual = ops.add_rms_norm_quant(x, residual, norm, eps)  # [T, H] e4m3, [T, 1]
             return ops.fp8_matmul(h_q, h_scale, weight, weight_scale, None, x.dtype, bias), residual
         h, residual = add_norm(x, residual, norm, eps, ops)  # [T, H] each
         return self.linear(h, weight, weight_scale, bias, ops), residual
