@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda import params as vllm_params
 from pagoda.engine import LLMEngine, is_model_reference
 from pagoda.outputs import RequestOutput, StreamDelta
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -138,7 +139,7 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Generate one prompt, yielding text as it is produced (the demo and tests use it)."""
         engine = self.engine
-        request_id = engine.add_request(prompt, sampling_params or SamplingParams())
+        request_id = engine.add_request(prompt, _frozen(sampling_params or SamplingParams()))
         try:
             while engine.has_unfinished_requests():
                 for delta in engine.step():
@@ -197,7 +198,12 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count:
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
-        return [params] * count
+        return [_frozen(params)] * count
     if len(params) != count:
         raise InvalidRequestError("sampling_params needs one entry per prompt", param="sampling_params")
-    return list(params)
+    return [_frozen(p) for p in params]
+
+
+def _frozen(params: SamplingParams) -> SamplingParams:
+    """What the engine keeps: vLLM's mutable SamplingParams as set now, the wire's frozen struct as it is."""
+    return params.wire() if isinstance(params, vllm_params.SamplingParams) else params

@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
-import msgspec
+import copy
 
 from pagoda.shared import messages
 
 
-class SamplingParams(messages.SamplingParams, frozen=True, omit_defaults=True, kw_only=True):
+class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, kw_only=True):
     """shared.messages.SamplingParams as vLLM users write it: `stop` may be one string, None stands for an empty
-    list or map, and a bad value raises InvalidRequestError (a ValueError naming the parameter) at construction,
-    as vLLM's does. The wire type stays without a __post_init__: msgspec would run it on every decode, and a
-    worker must clamp a bad row alone rather than fail the whole plan (tests/reliability/test_isolation.py)."""
+    list or map, seed=-1 for no seed and logprobs=True for 1, and a bad value raises InvalidRequestError (a
+    ValueError naming the parameter) at construction, as vLLM's does. Mutable like vLLM's (its examples set
+    fields after making one): LLM hands the engine a frozen copy (`wire`), normalized and checked again. The wire
+    type stays without a __post_init__: msgspec would run it on every decode, and a worker must clamp a bad row
+    alone rather than fail the whole plan (tests/reliability/test_isolation.py)."""
 
     def __post_init__(self) -> None:
+        self._normalize()
+        self.validate(max_logprobs=-1)  # the logprobs bound is the engine's, checked when the request is added
+
+    def _normalize(self) -> None:
         if isinstance(self.stop, str):  # left a str, each of its characters would be a stop string
-            msgspec.structs.force_setattr(self, "stop", [self.stop])
+            self.stop = [self.stop]
         for name, empty in (("stop", list), ("stop_token_ids", list), ("allowed_token_ids", list),
                             ("logit_bias", dict)):
             if getattr(self, name) is None:
-                msgspec.structs.force_setattr(self, name, empty())
-        self.validate(max_logprobs=-1)  # the logprobs bound is the engine's, checked when the request is added
+                setattr(self, name, empty())
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's: the chosen token's logprob, and one more
+                setattr(self, name, 1)
+
+    def wire(self) -> messages.SamplingParams:
+        """A frozen copy for the engine, with what was set since construction normalized (not yet validated:
+        the engine validates every request it is given)."""
+        self._normalize()
+        fields = messages.SamplingParams.__struct_fields__
+        return messages.SamplingParams(**{name: getattr(self, name) for name in fields})
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's SamplingParams.clone)."""
+        return copy.deepcopy(self)

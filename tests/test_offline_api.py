@@ -369,3 +369,28 @@ def test_dummy_shape_runs_on_token_ids() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         llm.generate(["text needs a tokenizer"], GREEDY)
     assert caught.value.param == "prompt"
+
+
+def test_sampling_params_are_mutable_as_vllms(llm: LLM) -> None:
+    """vLLM's examples set fields on a SamplingParams after making it (sampling_params.temperature = 0.5); the
+    value set is the one used, a bad one is refused at generate, and a str stop set later is still one string."""
+    prompt = "The capital of France is"
+    greedy = llm.generate([prompt], GREEDY)[0].outputs[0]
+    params = SamplingParams(max_tokens=16)
+    params.temperature, params.max_tokens = 0.0, 8
+    assert llm.generate([prompt], params)[0].outputs[0].text == greedy.text
+    word = greedy.text.split()[1]
+    params.stop = word
+    [cut] = llm.generate([prompt], params)[0].outputs
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (greedy.text[:greedy.text.index(word)], "stop", word)
+    params.top_p = 0.0
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.generate([prompt], params)
+    assert caught.value.param == "top_p"
+
+
+def test_sampling_params_take_vllms_spellings() -> None:
+    """vLLM's SamplingParams read seed=-1 as unseeded and logprobs=True as 1 (the sampled token's logprob)."""
+    assert SamplingParams(seed=-1).seed is None
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
+
