@@ -15,7 +15,15 @@ import httpx
 import openai
 import pytest
 
-from pagoda.services.protocol.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from pagoda.services.protocol.schemas import (
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    chat_request,
+    completion_params,
+    decode_body,
+)
 from pagoda.services.protocol.vllm import GUIDED_BACKENDS, UNSUPPORTED_FIELDS, UNSUPPORTED_ROUTES
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.hf_tokenizer import load_hf_tokenizer
@@ -484,3 +492,13 @@ def test_the_route_table_matches_the_server(server: Server) -> None:
         else:
             assert status == "supported" and response.status_code == 200, f"{route}: {response.text[:300]}"
     assert {row[0] for row in rows if row[2] == "refused"} == set(UNSUPPORTED_ROUTES)
+
+
+def test_seed_minus_one_is_vllms_no_seed() -> None:
+    """vLLM reads seed=-1 as no seed (its SamplingParams turn it into None): a request with it is not reproducible,
+    where pagoda once seeded it with -1, so that every such request drew the same tokens."""
+    body = decode_body(b'{"prompt": "Hi", "seed": -1}', CompletionBody)
+    assert completion_params(body).seed is None
+    assert completion_params(decode_body(b'{"prompt": "Hi", "seed": 7}', CompletionBody)).seed == 7
+    chat = decode_body(b'{"messages": [{"role": "user", "content": "Hi"}], "seed": -1}', ChatBody)
+    assert chat_request(chat, "r", 0.0).params.seed is None

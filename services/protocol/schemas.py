@@ -237,6 +237,8 @@ def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
              "include_stop_str_in_output", "prompt_logprobs")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    if kwargs.get("seed") == -1:  # vLLM's SamplingParams read -1 as no seed
+        del kwargs["seed"]
     kwargs["stop"] = _stop_list(body.stop)
     if body.logit_bias:
         kwargs["logit_bias"] = _logit_bias(body.logit_bias)
