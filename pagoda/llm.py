@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pagoda import params as vllm_params
 from pagoda.engine import LLMEngine, is_model_reference
 from pagoda.outputs import RequestOutput, StreamDelta
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
-from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.errors import ConfigError, InvalidRequestError
 from pagoda.shared.messages import SamplingParams
 from pagoda.shared.shapes import SHAPES
 
 Prompt = str | list[int]
 PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}
 Message = dict[str, Any]
+# generation_config.json keys that are sampling defaults -> SamplingParams fields (vLLM's get_diff_sampling_param)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,15 +60,23 @@ class BeamSearchOutput:
 
 
 class LLM:
-    """An engine in this process. `model` is a model folder or a dummy shape name (random weights)."""
+    """An engine in this process. `model` is a model folder or a dummy shape name (random weights).
+    generation_config (vLLM's): where the default SamplingParams come from; "auto": the model folder's
+    generation_config.json, "vllm": SamplingParams' own defaults, else a folder holding a generation_config.json."""
 
-    def __init__(self, model: str = DEFAULT_MODEL_DIR, **engine_args: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL_DIR, *, generation_config: str = "auto",
+                 **engine_args: Any) -> None:
         if "load_format" not in engine_args and model in SHAPES and not is_model_reference(model):
             engine_args["load_format"] = "dummy"
+        self._sampling_defaults = _generation_defaults(model, generation_config)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> vllm_params.SamplingParams:
+        """A new SamplingParams with the generation config's sampling defaults (what generate uses without one)."""
+        return vllm_params.SamplingParams(**self._sampling_defaults)
 
     def generate(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -73,6 +86,8 @@ class LLM:
         text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `use_tqdm` is taken for vLLM's
         scripts and draws nothing: pagoda shows no progress bar."""
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _per_prompt(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
@@ -161,6 +176,23 @@ class LLM:
                 self.engine.pop_output(request_id)
             raise
         return request_ids
+
+
+def _generation_defaults(model: str, generation_config: str) -> dict[str, Any]:
+    """The sampling fields a generation_config.json sets, as SamplingParams keyword arguments."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        path = Path(model, "generation_config.json")
+        if not path.is_file():  # a dummy shape, or a model without one
+            return {}
+    else:
+        path = Path(generation_config, "generation_config.json")
+        if not path.is_file():
+            raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json; "
+                              f"there is none in {generation_config!r}", param="generation_config")
+    config = json.loads(path.read_text())
+    return {field_name: config[key] for key, field_name in GENERATION_DEFAULTS.items() if config.get(key) is not None}
 
 
 def _no_pooling(method: str) -> None:

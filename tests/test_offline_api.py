@@ -394,3 +394,23 @@ def test_sampling_params_take_vllms_spellings() -> None:
     assert SamplingParams(seed=-1).seed is None
     assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
 
+
+def test_default_sampling_params_come_from_the_generation_config(llm: LLM, tmp_path: Path) -> None:
+    """vLLM's get_default_sampling_params (its generate.py sets fields on them) and generation_config: "auto" (the
+    model folder's generation_config.json), "vllm" (none), or a folder; generate without SamplingParams uses them."""
+    defaults = llm.get_default_sampling_params()  # SmolLM2's generation config sets no sampling field
+    assert isinstance(defaults, SamplingParams) and defaults == SamplingParams()
+    defaults.max_tokens = 3
+    assert llm.get_default_sampling_params().max_tokens == 16  # a fresh copy each call
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1, '
+        '"max_new_tokens": 3, "do_sample": true, "eos_token_id": 2}')
+    tiny = LLM("tiny", seed=3, generation_config=str(tmp_path))
+    assert tiny.get_default_sampling_params() == SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05,
+                                                                repetition_penalty=1.1, max_tokens=3)
+    [output] = tiny.generate([[5, 6, 7, 8]])
+    assert 1 <= len(output.outputs[0].token_ids) <= 3
+    assert LLM("tiny", generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ConfigError) as caught:
+        LLM("tiny", generation_config=str(tmp_path / "missing"))
+    assert caught.value.param == "generation_config"
