@@ -15,7 +15,9 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
 2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
    (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes. At
    M = 1 also W8A16 launched as a single-token step launches it (programmatic dependent launch, pdl.FIRST: each
-   GEMV may start while the one before it drains; `w8a16_chained`).
+   GEMV may start while the one before it drains; `w8a16_chained`). For o and down also the pair the model runs:
+   the layer and the residual add + RMSNorm after it, which sums a weight-only layer's split-K partials (no sum
+   kernel), against bf16's GEMM + norm (`*_with_norm`).
    The per-layer error of every path against the fp32 reference is printed with it.
 
 Writes fp8_tune.json (sweep rows) and w8a16_table.json (commit it as
@@ -245,6 +247,43 @@ def _w8a8_us(name: str, x: torch.Tensor, w_q: list[torch.Tensor], w_s: list[torc
     return rotating_us(lambda x_, w, s: fp8.fp8_matmul(x_q, x_s, w, s, None, torch.bfloat16), x, w_q, w_s)
 
 
+NORMED_AFTER = ("o", "down")  # layers whose output the next residual add + RMSNorm takes (as partials if split)
+
+
+def with_norm_us(name: str, x: torch.Tensor, w: list[torch.Tensor], w_q: list[torch.Tensor],
+                 w_s: list[torch.Tensor]) -> tuple[float, float]:
+    """(bf16, FP8 dispatch) device time of o or down together with the residual add + RMSNorm after it, as the
+    model runs the pair on one device (models/llama.py): a weight-only layer's split-K partials left to that norm
+    (no sum kernel; the norm reads the partials), a W8A8 o with its own quantize kernel, a W8A8 down on activations
+    quantized by the op before it. Quantization for the GEMM after the norm is that GEMM's, as in the sweep."""
+    import torch.nn.functional as F
+
+    from pagoda.kernels import fp8, norm
+    from pagoda.kernels import fp8_weight_only as w8
+
+    m, (n, k) = x.shape[0], w[0].shape
+    residual = torch.randn(m, n, device=x.device).bfloat16()  # [M, N]
+    norm_w = torch.ones(n, device=x.device, dtype=torch.bfloat16)
+    x_q, x_s = fp8.quantize_fp8_rows(x)
+    weight_only = w8.prefers_weight_only(m, n, k, x.device)
+
+    def bf16_pair(x_: torch.Tensor, weight: torch.Tensor) -> object:
+        return norm.add_rms_norm(F.linear(x_, weight), residual, norm_w, 1e-5)
+
+    def fp8_pair(x_: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> object:
+        if weight_only:
+            y = w8.fp8_weight_only_deferred(x_, weight, scale, None)
+        elif name == "o":
+            y = fp8.fp8_linear(x_, weight, scale, None)
+        else:
+            y = fp8.fp8_matmul(x_q, x_s, weight, scale, None, torch.bfloat16)
+        if isinstance(y, w8.DeferredSum):
+            return norm.add_rms_norm_parts(y.parts, y.dtype, residual, norm_w, 1e-5)
+        return norm.add_rms_norm(y, residual, norm_w, 1e-5)
+
+    return rotating_us(bf16_pair, x, w, None), rotating_us(fp8_pair, x, w_q, w_s)
+
+
 def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: list[torch.Tensor],
               w_s: list[torch.Tensor]) -> dict[str, Any]:
     """One (shape, M): bf16, W8A16 (where the kernel serves M), W8A8 fused / with its own quantization, and the
@@ -276,6 +315,9 @@ def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: lis
     if tile_quant:
         row["dispatch"] = "w8a8_tile_quant"  # timed as w8a16_us: the same kernel with act_fp8 tiles
     row["speedup_vs_bf16"] = row["bf16_us"] / row["dispatch_us"]
+    if name in NORMED_AFTER:  # as the model runs it: the split-K sum (if any) left to the norm after the layer
+        row["bf16_with_norm_us"], row["dispatch_with_norm_us"] = with_norm_us(name, x, w, w_q, w_s)
+        row["speedup_with_norm"] = row["bf16_with_norm_us"] / row["dispatch_with_norm_us"]
     row["fp8_TBps"] = (n * k + m * k * 2) / row["dispatch_us"] / 1e6
     if "w8a16_chained_us" in row:
         row["fp8_chained_TBps"] = (n * k + m * k * 2) / row["w8a16_chained_us"] / 1e6
@@ -353,6 +395,10 @@ def main() -> int:
     slower = [row for row in rows if row["speedup_vs_bf16"] < 1.0]
     print(f"FP8 slower than bf16 in {len(slower)} of {len(rows)} (shape, M): "
           + ", ".join(f"{row['gemm']} M={row['M']} {row['speedup_vs_bf16']:.2f}x" for row in slower))
+    paired = [row for row in rows if "speedup_with_norm" in row]
+    slower_paired = [row for row in paired if row["speedup_with_norm"] < 1.0]
+    print(f"FP8 slower than bf16 with the norm after o / down in {len(slower_paired)} of {len(paired)}: "
+          + ", ".join(f"{row['gemm']} M={row['M']} {row['speedup_with_norm']:.2f}x" for row in slower_paired))
     write_json(out_dir / "fp8_tune.json", {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                            "device": device, "torch": torch.__version__, "table": table, "sweep": rows},
                indent=1)

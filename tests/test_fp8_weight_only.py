@@ -448,3 +448,32 @@ def test_tuner_precompiles_its_candidates_in_parts(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(fp8_tune, "compile_tiles", lambda *args: (jobs.append(args[2:]), compile_tiles(*args))[1])
     assert fp8_tune.precompile(32, 128, (1,), "all", 2, _InlineExecutor()) == 2  # fits, twice
     assert sorted((bucket, len(tiles)) for bucket, tiles in jobs) == [(1, 1), (1, 2)]  # [fits, fits], [refused]
+
+
+@pytest.mark.parametrize("weight_only", [True, False])
+@pytest.mark.parametrize("name", ["o", "down"])
+def test_sweep_pairs_o_and_down_with_the_norm_as_the_model_runs_them(name: str, weight_only: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_tune's with-norm pair (timed on the GPU) computes the layer plus the residual add + RMSNorm after it:
+    the bf16 pair and the FP8 dispatch's pair (split-K partials summed by the norm where weight-only, W8A8
+    otherwise) give the same normed rows within FP8's error. Timing replaced by one call of each op here."""
+    from pagoda.bench import fp8_tune
+
+    outputs: list[torch.Tensor] = []
+
+    def run_once(op: Any, x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor] | None) -> float:
+        normed, _ = op(x, weights[0]) if scales is None else op(x, weights[0], scales[0])
+        outputs.append(normed)
+        return 1.0
+
+    monkeypatch.setattr(fp8_tune, "rotating_us", run_once)
+    monkeypatch.setattr(w8, "prefers_weight_only", lambda *args: weight_only)
+    monkeypatch.setattr(w8, "pick_tiles", lambda *args: w8.GemvTiles(block_m=4, block_n=16, block_k=32, split_k=2))
+    n, k = 48, 64
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(3)).bfloat16()  # [N, K]: y outweighs residual
+    w_q, w_s = ref.quantize_fp8_rows(weight)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4)).bfloat16()  # [M, K]
+    assert fp8_tune.with_norm_us(name, x, [weight], [w_q], [w_s]) == (1.0, 1.0)
+    bf16_normed, fp8_normed = outputs
+    assert bf16_normed.shape == fp8_normed.shape == (3, n)
+    assert torch.nn.functional.cosine_similarity(bf16_normed.float(), fp8_normed.float(), dim=1).min() > 0.99
