@@ -80,11 +80,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool | Callable[..., Any] = True,
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; one RequestOutput per prompt, in order. A prompt is
         text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `use_tqdm` is taken for vLLM's
-        scripts and draws nothing: pagoda shows no progress bar."""
+        scripts and draws nothing: pagoda shows no progress bar. lora_request: None only."""
+        _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -105,12 +106,26 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True,
+             use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
-        continue_final_message: the reply continues the last message (vLLM's; no generation prompt then)."""
+        continue_final_message: the reply continues the last message (vLLM's; no generation prompt then).
+        vLLM's other keywords are taken at the value that changes nothing here, refused otherwise: the model's own
+        template renders text content ("auto" or "string" content format), with no LoRA and no multimodal input."""
+        _no_lora(lora_request)
+        if chat_template is not None:
+            raise InvalidRequestError("chat_template is not supported: the model's own chat template is used",
+                                      param="chat_template")
+        if chat_template_content_format not in ("auto", "string"):
+            raise InvalidRequestError("chat_template_content_format must be 'auto' or 'string': message content is "
+                                      "rendered as text", param="chat_template_content_format")
+        if mm_processor_kwargs:
+            raise InvalidRequestError("mm_processor_kwargs is not supported: multimodal inputs are not accepted",
+                                      param="mm_processor_kwargs")
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer and so no chat template", param="messages")
@@ -126,11 +141,19 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Prompt | dict[str, Any] | Sequence[Prompt | dict[str, Any]],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search in the engine (the beams of every prompt batched together, sharing KV blocks): each
         prompt's beam_width best hypotheses. Prompts may also be vLLM's {"prompt": ...} or
-        {"prompt_token_ids": [...]} dicts."""
-        outputs = self.generate(prompts, params.sampling_params())
+        {"prompt_token_ids": [...]} dicts. concurrency_limit: at most this many prompts searched at once."""
+        _no_lora(lora_request)
+        prompt_list = _as_prompt_list(prompts)
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise InvalidRequestError("concurrency_limit must be a positive integer or None",
+                                      param="concurrency_limit")
+        chunk_len = concurrency_limit or len(prompt_list)
+        outputs = [output for start in range(0, len(prompt_list), chunk_len)
+                   for output in self.generate(prompt_list[start:start + chunk_len], params.sampling_params())]
         return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text,
                                                      c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason)
                                   for c in output.outputs]) for output in outputs]
@@ -193,6 +216,12 @@ def _generation_defaults(model: str, generation_config: str) -> dict[str, Any]:
                               f"there is none in {generation_config!r}", param="generation_config")
     config = json.loads(path.read_text())
     return {field_name: config[key] for key, field_name in GENERATION_DEFAULTS.items() if config.get(key) is not None}
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise InvalidRequestError("lora_request is not supported: LoRA adapters are not implemented",
+                                  param="lora_request")
 
 
 def _no_pooling(method: str) -> None:

@@ -414,3 +414,29 @@ def test_default_sampling_params_come_from_the_generation_config(llm: LLM, tmp_p
     with pytest.raises(ConfigError) as caught:
         LLM("tiny", generation_config=str(tmp_path / "missing"))
     assert caught.value.param == "generation_config"
+
+
+def test_vllms_keywords_at_their_off_value_pass_and_others_are_refused(llm: LLM) -> None:
+    """Scripts pass vLLM's lora_request=None, chat_template=None, use_tqdm / concurrency_limit to beam_search: taken;
+    a LoRA adapter or another chat template is refused naming the keyword, never dropped."""
+    from pagoda import BeamSearchParams
+
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = llm.chat(messages, STILL_SERVES)[0].outputs[0].text
+    assert llm.chat(messages, STILL_SERVES, lora_request=None, chat_template=None, chat_template_content_format="auto",
+                    mm_processor_kwargs=None)[0].outputs[0].text == plain
+    [output] = llm.generate(["Hi"], STILL_SERVES, lora_request=None)
+    assert output.outputs[0].text == llm.generate(["Hi"], STILL_SERVES)[0].outputs[0].text
+    for call, param in ((lambda: llm.generate(["Hi"], STILL_SERVES, lora_request=object()), "lora_request"),
+                        (lambda: llm.chat(messages, STILL_SERVES, chat_template="{{ messages }}"), "chat_template"),
+                        (lambda: llm.chat(messages, STILL_SERVES, mm_processor_kwargs={"a": 1}), "mm_processor_kwargs"),
+                        (lambda: llm.chat(messages, STILL_SERVES, chat_template_content_format="x"),
+                         "chat_template_content_format")):
+        with pytest.raises(InvalidRequestError) as caught:
+            call()
+        assert caught.value.param == param
+    beams = BeamSearchParams(beam_width=2, max_tokens=2)
+    prompts = [{"prompt": "The capital of France is"}, {"prompt": "One, two,"}]
+    together = llm.beam_search(prompts, beams)
+    by_one = llm.beam_search(prompts, beams, lora_request=None, use_tqdm=False, concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in by_one] == [[s.tokens for s in o.sequences] for o in together]
