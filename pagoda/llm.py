@@ -52,6 +52,8 @@ class BeamSearchSequence:
     cum_logprob: float
     score: float  # cum_logprob / generated_len ** length_penalty: the ranking
     finish_reason: str | None
+    stop_reason: int | None = None  # the stop_token_ids id that ended it (vLLM's)
+    lora_request: None = None  # vLLM's: LoRA adapters are not implemented
 
 
 @dataclass(slots=True)
@@ -155,7 +157,8 @@ class LLM:
         outputs = [output for start in range(0, len(prompt_list), chunk_len)
                    for output in self.generate(prompt_list[start:start + chunk_len], params.sampling_params())]
         return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text,
-                                                     c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason)
+                                                     c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason,
+                                                     c.stop_reason)
                                   for c in output.outputs]) for output in outputs]
 
     # vLLM's pooling API: present, so that a ported script fails with a reason rather than an AttributeError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Logprob(float):
@@ -43,6 +44,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it, else None
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty, its rank
+    lora_request: None = None  # vLLM's: LoRA adapters are not implemented
 
     @property
     def finished(self) -> bool:
@@ -58,6 +60,14 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # prompt_logprobs: per prompt token, None for the first, then {token id: Logprob} for it plus the top k
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's, at the values it gives a decoder-only model without LoRA, multimodal input, KV transfer, or stats
+    # (its LLM's default disable_log_stats leaves metrics None)
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    metrics: None = None
+    kv_transfer_params: None = None
+    multi_modal_placeholders: dict[str, Any] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

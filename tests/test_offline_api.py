@@ -440,3 +440,17 @@ def test_vllms_keywords_at_their_off_value_pass_and_others_are_refused(llm: LLM)
     together = llm.beam_search(prompts, beams)
     by_one = llm.beam_search(prompts, beams, lora_request=None, use_tqdm=False, concurrency_limit=1)
     assert [[s.tokens for s in o.sequences] for o in by_one] == [[s.tokens for s in o.sequences] for o in together]
+
+
+def test_outputs_have_vllms_fields(llm: LLM) -> None:
+    """Fields scripts read off vLLM's RequestOutput / CompletionOutput / BeamSearchSequence, with the values vLLM
+    gives a decoder-only model without LoRA or multimodal input (metrics: None, as vLLM's LLM with its default
+    disable_log_stats)."""
+    from pagoda import BeamSearchParams
+
+    [output] = llm.generate(["Hi"], STILL_SERVES)
+    assert (output.lora_request, output.encoder_prompt, output.encoder_prompt_token_ids, output.metrics,
+            output.kv_transfer_params, output.multi_modal_placeholders) == (None, None, None, None, None, {})
+    assert output.outputs[0].lora_request is None
+    [beams] = llm.beam_search([{"prompt": "Hi"}], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert all(s.lora_request is None and s.stop_reason is None for s in beams.sequences)
