@@ -334,8 +334,8 @@ def run_dense_gemv() -> None:
 
 def run_w8a16_swap_ab() -> None:
     """The W8A16 kernel's swap_ab tensor-core tiles (bench/fp8_tune.py's candidates from 8 rows) at llama3-8b's o
-    and down shapes, per-channel and 128-wide group scales; the gated down projection with default tiles; the norm
-    that sums a deferred layer's partials and quantizes for a W8A8 GEMM."""
+    and down shapes, per-channel and 128-wide group scales; the gated down projection with default tiles; the
+    consumers of a deferred layer's partials: the norm quantizing for a W8A8 GEMM, qkv prep."""
     from pagoda.kernels import fp8_weight_only as w8
 
     for (n, k), (rows, block_n, warps), group in itertools.product(
@@ -360,6 +360,15 @@ def run_w8a16_swap_ab() -> None:
 
     hidden = torch.empty(64, 4096, dtype=torch.bfloat16)  # [T, H]
     add_rms_norm_parts_quant_fp8(torch.empty(4, 64, 4096), torch.bfloat16, hidden, hidden[0], 1e-5)
+    # qkv prep taking the qkv GEMV's partials (2-32 rows: the table's split-K qkv tiles), bf16 and fp8 caches
+    from pagoda.kernels.qkv_prep import prepare_qkv
+
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = torch.empty(8, 16, 8, 128, dtype=cache_dtype)  # [N, bs, kv heads, D]
+        rope = torch.empty(64, 128, dtype=torch.bfloat16)  # [positions, D]
+        prepare_qkv(w8.DeferredSum(torch.empty(4, 16, 6144), torch.bfloat16), 32, 8, 128, None, None, 1e-5, rope,
+                    rope, torch.zeros(16, dtype=torch.int64), cache, cache, torch.zeros(16, dtype=torch.int64),
+                    torch.ones(1), torch.ones(1))
 
 
 def run_w8a16_act_fp8() -> None:

@@ -195,9 +195,9 @@ def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows
 
 def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole FP8 model through the Triton ops with split-K tiles forced on every weight-only GEMV: leaving the
-    sums to the next norm (the default) gives the hidden states of PAGODA_FUSE_SPLIT_K=0 (the separate sum kernel)
-    exactly, through prefill, decode and the final norm. Block scales (groups of 32, one per split); channel scales
-    take the same path (the kernel-level test above)."""
+    sums to their consumers (the default: the next norm for o and down, qkv prep for qkv) gives the hidden states of
+    PAGODA_FUSE_SPLIT_K=0 (the separate sum kernel) exactly, through prefill, decode and the final norm. Block
+    scales (groups of 32, one per split); channel scales take the same path (the kernel-level test above)."""
     from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
     from pagoda.services.worker.weights import load_model
     from pagoda.shared.shapes import SHAPES
@@ -206,16 +206,25 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch
         return w8.GemvTiles(block_m=min(4, 1 << (num_rows - 1).bit_length()), block_n=16, block_k=32, split_k=2)
 
     monkeypatch.setattr(w8, "pick_tiles", split_tiles)
+    summed_widths: list[int] = []  # N of every split-K sum kernel launched
+    launch_sum = w8._launch_split_k_sum
+    monkeypatch.setattr(w8, "_launch_split_k_sum",
+                        lambda part, out, bias: (summed_widths.append(part.shape[2]), launch_sum(part, out, bias)))
     arch, dev = SHAPES["tiny"], torch.device(DEVICE)
     model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=triton_ops(),
                      fp8=Fp8Weights(32))  # 2 splits of 32: whole scale groups
     load_model(model, None, "dummy", seed=5)
-    results = []
+    results, sums = [], []
     for fuse in ("1", "0"):
         monkeypatch.setenv("PAGODA_FUSE_SPLIT_K", fuse)
         results.append(_prefill_then_decode(model, arch, dev))
+        sums.append(set(summed_widths))
+        summed_widths.clear()
     for fused, separate in zip(*results, strict=True):
         assert torch.equal(fused, separate)
+    qkv_width = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    assert {qkv_width, arch.hidden_size} <= sums[1]  # the separate kernels sum qkv, o and down
+    assert not {qkv_width, arch.hidden_size} & sums[0]  # qkv prep and the norms sum them instead
 
 
 def test_weight_only_partials_feeding_a_w8a8_layer_are_quantized_in_the_norm(

@@ -97,3 +97,27 @@ def test_prepare_qkv_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="fp8 cache needs"):
         fp8 = torch.zeros(args["k_cache"].shape, dtype=torch.float8_e4m3fn)
         prepare_qkv(**{**args, "k_cache": fp8, "v_cache": fp8.clone()})
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+@pytest.mark.parametrize("name", ["qwen3-like", "odd-heads-d24", "fp8-cache"])
+def test_prepare_qkv_from_split_k_partials_equals_their_sum(name: str, dtype: torch.dtype) -> None:
+    """A weight-only qkv GEMM's split-K partials (fp8_weight_only.DeferredSum) taken as they are: q (now a new
+    tensor) and the cache entries are those of the rows the GEMM's own sum kernel would have written, bit for
+    bit; the qkv rows are never materialised."""
+    from pagoda.kernels.fp8_weight_only import DeferredSum
+
+    tokens, heads, kv_heads, head_dim, qk_norm, cache_dtype = CASES[name]
+    args = _on(_inputs(tokens, heads, kv_heads, head_dim, dtype, cache_dtype or dtype, qk_norm, seed=7), DEVICE)
+    width = args["qkv"].shape[1]
+    parts = torch.randn(3, tokens, width, generator=torch.Generator().manual_seed(8)).to(DEVICE)  # [S, T, width]
+    deferred = DeferredSum(parts, dtype)
+    summed = _on({**args, "qkv": deferred.materialize()}, DEVICE)  # [T, width]: the sum kernel's rows
+    expected_q = prepare_qkv(**summed)
+    q = prepare_qkv(**{**args, "qkv": deferred})
+    assert q.shape == (tokens, heads, head_dim) and q.dtype == dtype and q.is_contiguous()
+    assert torch.equal(q, expected_q)
+    for cache in ("k_cache", "v_cache"):
+        assert torch.equal(args[cache].view(torch.uint8), summed[cache].view(torch.uint8))
+    with pytest.raises(ValueError, match="partials must be fp32"):
+        prepare_qkv(**{**args, "qkv": DeferredSum(parts.half(), dtype)})

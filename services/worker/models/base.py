@@ -151,8 +151,9 @@ class Ops:
     # The same norm quantizing for a per-channel W8A8 GEMM after it (a weight-only layer's partials feeding a W8A8
     # one): (parts, dtype, residual, weight, eps) -> (e4m3 [T, H], scales [T, 1], summed). None: the GEMM quantizes.
     add_rms_norm_parts_quant: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-    # One pass from the fused qkv rows to attention inputs (q/k norm, rope, K/V into the cache: q returned) and
-    # attention over the cache alone; None: the separate ops above (rms_norm, rope, attention writing K/V).
+    # One pass from the fused qkv rows (or a split-K GEMM's DeferredSum of them) to attention inputs (q/k norm,
+    # rope, K/V into the cache: q returned) and attention over the cache alone; None: the separate ops above
+    # (rms_norm, rope, attention writing K/V).
     prepare_qkv: Callable[..., torch.Tensor] | None = None
     attend: Callable[..., torch.Tensor] | None = None
     # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk weights [T, k], topk ids [T, k], FP8 scales or None

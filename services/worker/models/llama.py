@@ -104,9 +104,10 @@ class DecoderLayer(nn.Module):
 
     def _norm_linear(self, x: Hidden, residual: torch.Tensor | None, norm: torch.Tensor,
                      weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
-                     ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+                     ops: Ops, defer: bool = False) -> tuple[Hidden, torch.Tensor]:
         """add_rms_norm then a linear layer: (out [T, N], new residual [T, H]). Per-channel FP8 quantizes the
-        activations in the norm's pass (one kernel fewer per GEMM); split-K partials of x are summed in it."""
+        activations in the norm's pass (one kernel fewer per GEMM); split-K partials of x are summed in it. defer:
+        the caller's next op takes a weight-only layer's split-K partials (out may be a DeferredSum)."""
         eps = self.arch.rms_norm_eps
         if self._fused_quant(x, weight, weight_scale, ops):
             if isinstance(x, DeferredSum):
@@ -116,6 +117,10 @@ class DecoderLayer(nn.Module):
                 h_q, h_scale, residual = ops.add_rms_norm_quant(x, residual, norm, eps)  # [T, H] e4m3, [T, 1]
             return ops.fp8_matmul(h_q, h_scale, weight, weight_scale, None, x.dtype, bias), residual
         h, residual = add_norm(x, residual, norm, eps, ops)  # [T, H] each
+        if defer and bias is None:
+            out = deferred_linear(h, weight, weight_scale, self.fp8, ops)
+            if out is not None:
+                return out, residual
         return self.linear(h, weight, weight_scale, bias, ops), residual
 
     def _mlp(self, gate_up: torch.Tensor, ops: Ops) -> Hidden:
@@ -141,16 +146,19 @@ class DecoderLayer(nn.Module):
                 rope_cache: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: Ops) -> tuple[Hidden, torch.Tensor]:
         eps = self.arch.rms_norm_eps
+        fused_prep = ops.prepare_qkv is not None and ops.attend is not None and not self.calibrate_kv
         qkv, residual = self._norm_linear(x, residual, self.input_norm, self.qkv_weight, self.qkv_weight_scale,
-                                          self.qkv_bias, ops)  # [T, Q + 2KV], [T, H]
+                                          self.qkv_bias, ops, defer=fused_prep)  # [T, Q + 2KV], [T, H]
         fp8_cache = kv_cache[0].dtype == torch.float8_e4m3fn
-        if ops.prepare_qkv is not None and ops.attend is not None and not self.calibrate_kv:
+        if fused_prep:
+            assert ops.prepare_qkv is not None and ops.attend is not None
             k_scale, v_scale = (self.k_scale, self.v_scale) if fp8_cache else (None, None)
             q = ops.prepare_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
                                 eps, rope_cache[0], rope_cache[1], positions, kv_cache[0], kv_cache[1],
                                 meta.slot_mapping, k_scale, v_scale)  # [T, heads, D]; K/V now in the cache
             attn = ops.attend(q, kv_cache[0], kv_cache[1], meta, self.scale, k_scale, v_scale)  # [T, heads, D]
             return self._finish(attn, residual, ops)
+        assert isinstance(qkv, torch.Tensor), "partials only for prepare_qkv"
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]
@@ -179,6 +187,7 @@ class DecoderLayer(nn.Module):
             x = self.tp.all_reduce(self.linear(attn, self.o_weight, self.o_weight_scale, None, ops))  # [T, H]
         gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,
                                               self.gate_up_weight_scale, None, ops)  # [T, 2I], [T, H]
+        assert isinstance(gate_up, torch.Tensor), "not deferred"
         return all_reduce_hidden(self.tp, self._mlp(gate_up, ops)), residual
 
 
