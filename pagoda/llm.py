@@ -10,7 +10,7 @@ from typing import Any
 
 from pagoda import params as vllm_params
 from pagoda.engine import LLMEngine, is_model_reference
-from pagoda.outputs import RequestOutput, StreamDelta
+from pagoda.outputs import Logprob, RequestOutput, StreamDelta
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
 from pagoda.shared.messages import SamplingParams
@@ -91,6 +91,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        bare = [not getattr(p, "detokenize", True) for p in _per_prompt(sampling_params, len(prompt_list), False)]
         params_list = _per_prompt(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
@@ -104,7 +105,10 @@ class LLM:
             for request_id in request_ids:  # leave the engine clean for the next call
                 engine.abort_request(request_id)
             raise
-        return [engine.pop_output(request_id) for request_id in request_ids]
+        outputs = [engine.pop_output(request_id) for request_id in request_ids]
+        for output in (output for output, no_text in zip(outputs, bare, strict=True) if no_text):
+            _drop_text(output)
+        return outputs
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -180,6 +184,8 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Generate one prompt, yielding text as it is produced (the demo and tests use it)."""
         engine = self.engine
+        if not getattr(sampling_params, "detokenize", True):
+            raise InvalidRequestError("stream yields text: it needs detokenize=True", param="detokenize")
         request_id = engine.add_request(prompt, _frozen(sampling_params or SamplingParams()))
         try:
             while engine.has_unfinished_requests():
@@ -258,14 +264,29 @@ def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]
     return [_dict_prompt(p) if isinstance(p, dict) else p for p in prompts]  # type: ignore[misc]
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,
+                frozen: bool = True) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
-        return [_frozen(params)] * count
+        return [_frozen(params) if frozen else params] * count
     if len(params) != count:
         raise InvalidRequestError("sampling_params needs one entry per prompt", param="sampling_params")
-    return [_frozen(p) for p in params]
+    return [_frozen(p) if frozen else p for p in params]
+
+
+def _drop_text(output: RequestOutput) -> None:
+    """vLLM's detokenize=False: no text, and logprobs without their decoded_token."""
+    for completion in output.outputs:
+        completion.text = ""
+        if completion.logprobs is not None:
+            completion.logprobs = [_bare_logprobs(step) for step in completion.logprobs]
+    if output.prompt_logprobs is not None:
+        output.prompt_logprobs = [_bare_logprobs(step) if step is not None else None for step in output.prompt_logprobs]
+
+
+def _bare_logprobs(step: dict[int, Logprob]) -> dict[int, Logprob]:
+    return {token_id: Logprob(float(logprob), logprob.rank) for token_id, logprob in step.items()}
 
 
 def _frozen(params: SamplingParams) -> SamplingParams:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 from pagoda.shared import messages
+from pagoda.shared.errors import InvalidRequestError
 
 
 class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, kw_only=True):
@@ -14,6 +15,9 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
     fields after making one): LLM hands the engine a frozen copy (`wire`), normalized and checked again. The wire
     type stays without a __post_init__: msgspec would run it on every decode, and a worker must clamp a bad row
     alone rather than fail the whole plan (tests/reliability/test_isolation.py)."""
+
+    # vLLM's: False leaves the output without text (and logprobs without decoded_token); LLM drops them
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -31,10 +35,12 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # vLLM's: the chosen token's logprob, and one more
                 setattr(self, name, 1)
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop strings need detokenize=True: they are matched in the text", param="stop")
 
     def wire(self) -> messages.SamplingParams:
         """A frozen copy for the engine, with what was set since construction normalized (not yet validated:
-        the engine validates every request it is given)."""
+        the engine validates every request it is given); without `detokenize`, which LLM applies to the output."""
         self._normalize()
         fields = messages.SamplingParams.__struct_fields__
         return messages.SamplingParams(**{name: getattr(self, name) for name in fields})

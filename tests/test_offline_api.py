@@ -454,3 +454,18 @@ def test_outputs_have_vllms_fields(llm: LLM) -> None:
     assert output.outputs[0].lora_request is None
     [beams] = llm.beam_search([{"prompt": "Hi"}], BeamSearchParams(beam_width=2, max_tokens=2))
     assert all(s.lora_request is None and s.stop_reason is None for s in beams.sequences)
+
+
+def test_detokenize_false_returns_token_ids_only(llm: LLM) -> None:
+    """vLLM's detokenize=False (lm-evaluation-harness scores prompts with it): the same tokens and logprobs, no
+    text and no decoded_token; stop strings need the text, so they are refused with it."""
+    [plain] = llm.generate(["The capital of France is"], SamplingParams(**GREEDY_ARGS, logprobs=1, prompt_logprobs=1))
+    [bare] = llm.generate(["The capital of France is"], SamplingParams(**GREEDY_ARGS, logprobs=1, prompt_logprobs=1,
+                                                                       detokenize=False))
+    assert (bare.outputs[0].text, bare.outputs[0].token_ids) == ("", plain.outputs[0].token_ids)
+    assert bare.outputs[0].logprobs == plain.outputs[0].logprobs and bare.prompt_logprobs == plain.prompt_logprobs
+    assert all(lp.decoded_token is None for step in bare.outputs[0].logprobs + bare.prompt_logprobs[1:]
+               for lp in step.values())
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(stop=["."], detokenize=False)
+    assert caught.value.param == "stop"
