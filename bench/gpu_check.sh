@@ -4,7 +4,10 @@
 # process) on qwen3-0.6b and llama3-8b, and print a short table last.
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
-#   one-loop,gluon,moe-fp8,fp8-o (default: tests,parity,pagoda,peers,compiled)
+#   one-loop,gluon,moe-fp8,fp8-o,split-k-ab (default: tests,parity,pagoda,peers,compiled)
+#   split-k-ab: llama3-8b FP8 decode steps at 1-64 rows (step_ab, graph-timed, logits compared) with the weight-only
+#   layers' split-K sums in separate kernels (PAGODA_FUSE_SPLIT_K=0), in the norms only (=norms: the fourteenth
+#   session's fusion, plus the norm that quantizes for a W8A8 GEMM after it) and also in qkv prep (the default).
 #   fp8-o: retune llama3-8b's o projection at 64 and 128 rows (the two cells where FP8 was slower than bf16 in the
 #   thirty-second session's sweep; candidates compiled in parallel first), then sweep o with that table (commit
 #   $OUT/tune_o/w8a16,*.json under kernels/fp8_configs/ if it wins).
@@ -223,6 +226,12 @@ fi
 if has fp8-o; then
   timeout 500 python3 -m pagoda.bench.fp8_tune --shapes llama3-8b --layers o --buckets 64,128 --out "$OUT/tune_o" \
     2>&1 | grep -E "^(precompiled|tune|sweep|FP8)" | cut -c1-220
+fi
+if has split-k-ab; then
+  echo "== llama3-8b fp8 decode step: split-K sums in kernels of their own / in the norms / also in qkv prep"
+  timeout 300 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,8,32,64 \
+    --context 512 --rounds 3 sum_kernels=PAGODA_FUSE_SPLIT_K=0 norms=PAGODA_FUSE_SPLIT_K=norms \
+    all=PAGODA_FUSE_SPLIT_K=1 2>&1 | tail -8
 fi
 if has figures; then
   # issue 20 / 25 figures on the committed tree, no tuning (each run in a fresh process; a cold machine compiles

@@ -12,9 +12,11 @@ the tuner's candidates at every M bucket). Tuned per shape and M bucket on the G
 `python -m pagoda.bench.fp8_tune` into fp8_configs/*.json (keyed by device and Triton version); default
 heuristics otherwise.
 
-Two launches fewer a decode layer (models/llama.py, one device): the o and down projections leave their split-K
-partials to the residual add + norm that follows (DeferredSum, norm.add_rms_norm_parts)
-(PAGODA_FUSE_SPLIT_K=0 keeps the split-K sum kernel, for measuring; the outputs are bit-identical either way).
+Up to three launches fewer a decode layer (models/llama.py): the o and down projections (one device) leave their
+split-K partials to the residual add + norm that follows (DeferredSum, norm.add_rms_norm_parts, or
+fp8.add_rms_norm_parts_quant_fp8 where that norm quantizes for a W8A8 GEMM), the qkv projection to qkv prep
+(qkv_prep.prepare_qkv). PAGODA_FUSE_SPLIT_K=0 keeps the split-K sum kernel, =norms only the norms' fusion (for
+measuring; the outputs are bit-identical either way).
 """
 
 from __future__ import annotations

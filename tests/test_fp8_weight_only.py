@@ -215,16 +215,17 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch
                      fp8=Fp8Weights(32))  # 2 splits of 32: whole scale groups
     load_model(model, None, "dummy", seed=5)
     results, sums = [], []
-    for fuse in ("1", "0"):
+    for fuse in ("1", "norms", "0"):
         monkeypatch.setenv("PAGODA_FUSE_SPLIT_K", fuse)
         results.append(_prefill_then_decode(model, arch, dev))
         sums.append(set(summed_widths))
         summed_widths.clear()
-    for fused, separate in zip(*results, strict=True):
-        assert torch.equal(fused, separate)
+    for fused, norms_only, separate in zip(*results, strict=True):
+        assert torch.equal(fused, separate) and torch.equal(norms_only, separate)
     qkv_width = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    assert {qkv_width, arch.hidden_size} <= sums[1]  # the separate kernels sum qkv, o and down
-    assert not {qkv_width, arch.hidden_size} & sums[0]  # qkv prep and the norms sum them instead
+    assert {qkv_width, arch.hidden_size} <= sums[2]  # the separate kernels sum qkv, o and down
+    assert qkv_width in sums[1] and arch.hidden_size not in sums[1]  # "norms": the norms sum o and down
+    assert not {qkv_width, arch.hidden_size} & sums[0]  # qkv prep and the norms sum them all
 
 
 def test_weight_only_partials_feeding_a_w8a8_layer_are_quantized_in_the_norm(

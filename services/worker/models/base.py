@@ -300,6 +300,13 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return ops.fp8_weight_only_deferred(x, weight, weight_scale, fp8.group_size, None, gated=gated)
 
 
+def qkv_prep_sums_split_k() -> bool:
+    """Whether qkv prep takes the qkv GEMV's split-K partials (deferred_linear) rather than the sum kernel's rows:
+    one launch fewer a layer where the weight-only qkv GEMV splits K (the H200 table: 2-32 rows). Untimed as of
+    2026-12-05. PAGODA_FUSE_SPLIT_K=norms (an A/B switch) leaves the partials to the norms only, 0 to nothing."""
+    return os.environ.get("PAGODA_FUSE_SPLIT_K") not in ("0", "norms")
+
+
 def moe_experts(ops: Ops, tp_size: int, fp8: Fp8Weights | None, *args: object) -> Hidden:
     """ops.moe_experts(*args), or on one device ops.moe_experts_deferred: the top-k sum left to the next residual
     add + norm, one launch fewer a sparse layer where the grouped GEMM runs (its [T, k, H] rows read once, by the

@@ -29,6 +29,7 @@ from pagoda.services.worker.models.base import (
     fuse_silu_gemv,
     make_linear,
     make_param,
+    qkv_prep_sums_split_k,
     quantized_linear,
     uses_weight_only,
 )
@@ -148,7 +149,8 @@ class DecoderLayer(nn.Module):
         eps = self.arch.rms_norm_eps
         fused_prep = ops.prepare_qkv is not None and ops.attend is not None and not self.calibrate_kv
         qkv, residual = self._norm_linear(x, residual, self.input_norm, self.qkv_weight, self.qkv_weight_scale,
-                                          self.qkv_bias, ops, defer=fused_prep)  # [T, Q + 2KV], [T, H]
+                                          self.qkv_bias, ops,
+                                          defer=fused_prep and qkv_prep_sums_split_k())  # [T, Q + 2KV], [T, H]
         fp8_cache = kv_cache[0].dtype == torch.float8_e4m3fn
         if fused_prep:
             assert ops.prepare_qkv is not None and ops.attend is not None
