@@ -9,9 +9,10 @@ W8A8 per bucket, then sweep every M against bf16 with the dispatch the model use
    (tensor-core tiles with and without swap_ab, and act_fp8 tiles, which quantize the activation tile they load:
    W8A8 with no quantize kernel; the committed entry too) is kept, unless cuBLASLt's W8A8 GEMM
    (plus the activation quantization where no fused op does it: o_proj) is faster; above 32 rows W8A16 must win
-   to be kept. --swap-only / --act-fp8-only: only those tiles against the committed entry. The candidates are
-   compiled first in --compile-jobs processes (Triton's on-disk cache then serves the timing loop); --layers
-   tunes some of a shape's layers only (e.g. `--layers o --buckets 64,128`).
+   to be kept. o and down, both paths, are timed with the residual norm the model runs after them, which sums a
+   split-K tile's partials (no sum kernel). --swap-only / --act-fp8-only: only those tiles against the committed
+   entry. The candidates are compiled first in --compile-jobs processes (Triton's on-disk cache then serves the
+   timing loop); --layers tunes some of a shape's layers only (e.g. `--layers o --buckets 64,128`).
 2. Sweep (M = 1 .. 8192): bf16 F.linear, W8A16 (M <= 32), W8A8 with the quantization fused into the previous op
    (qkv, gate_up, down) or a kernel of its own (o), and the dispatch's choice; bandwidth on the weight bytes. At
    M = 1 also W8A16 launched as a single-token step launches it (programmatic dependent launch, pdl.FIRST: each
@@ -198,18 +199,22 @@ def precompile(n: int, k: int, buckets: tuple[int, ...], pool: str, jobs: int,
 
 
 def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[torch.Tensor],
-               buckets: tuple[int, ...], pool: str = "all") -> dict[int, dict[str, Any]]:
+               buckets: tuple[int, ...], pool: str = "all", device: str = "cuda") -> dict[int, dict[str, Any]]:
     """{bucket: {"tiles", "us", "w8a8_us", "choice"}} for one shape. The committed table's tiles for the bucket
-    (if any) are always among the candidates; pool "swap" / "act_fp8": only they and those tiles."""
+    (if any) are always among the candidates; pool "swap" / "act_fp8": only they and those tiles. o and down are
+    timed with the residual norm the model runs after them (ThenNorm), both paths: a split-K tile's sum is that
+    norm's, not a kernel's."""
     from pagoda.kernels import fp8_weight_only as w8
     from pagoda.kernels import reference as ref
 
     result = {}
+    table = w8.tuned_table(torch.cuda.get_device_name()) if device == "cuda" else {}
     for bucket in buckets:
-        x = torch.randn(bucket, k, device="cuda").bfloat16()  # [M, K]
+        x = torch.randn(bucket, k, device=device).bfloat16()  # [M, K]
+        then = ThenNorm(name, bucket, n, x.device)
         weight_only = ref.fp8_weight_only_linear(x, w_q[0], w_s[0], None)
         best: tuple[float, Any] | None = None
-        committed = w8.tuned_table(torch.cuda.get_device_name()).get((n, k, bucket))
+        committed = table.get((n, k, bucket))
         tried = POOLS[pool](bucket)
         for tiles in ([committed] if committed and committed not in tried else []) + tried:
             try:
@@ -221,67 +226,83 @@ def tune_shape(name: str, n: int, k: int, w_q: list[torch.Tensor], w_s: list[tor
                         else weight_only)
             if _cosine(out, expected) < 0.999:
                 raise AssertionError(f"{name} M={bucket} {tiles}: cosine {_cosine(out, expected):.5f}")
-            us = rotating_us(w8.fp8_weight_only_linear, x, w_q, w_s, None, tiles=tiles)
+            us = rotating_us(w8a16_op(tiles, then), x, w_q, w_s)
             if best is None or us < best[0]:
                 best = (us, tiles)
         assert best is not None
-        w8a8_us = _w8a8_us(name, x, w_q, w_s)
+        w8a8_us = rotating_us(w8a8_op(name, x, then), x, w_q, w_s)
         if bucket <= w8.DEFAULT_MAX_ROWS:
             choice = "w8a8" if w8a8_us < W8A8_MARGIN * best[0] else "w8a16"
         else:
             choice = "w8a16" if best[0] < W8A8_MARGIN * w8a8_us else "w8a8"
         result[bucket] = {"tiles": w8.tiles_to_json(best[1]), "us": best[0], "w8a8_us": w8a8_us, "choice": choice}
         print(f"tune {name:8s} N={n:6d} K={k:6d} M={bucket:3d}: w8a16 {best[0]:7.1f} us "
-              f"({n * k / best[0] / 1e6:5.2f} TB/s) {best[1]}; w8a8 {w8a8_us:7.1f} us -> {choice}", flush=True)
+              f"({n * k / best[0] / 1e6:5.2f} TB/s) {best[1]}; w8a8 {w8a8_us:7.1f} us -> {choice}"
+              + (" (each with the norm after it)" if then.on else ""), flush=True)
     return result
-
-
-def _w8a8_us(name: str, x: torch.Tensor, w_q: list[torch.Tensor], w_s: list[torch.Tensor]) -> float:
-    """W8A8 as the model runs it: the GEMM alone where the previous op quantizes (qkv, gate_up, down), with its
-    own quantize kernel for o (the attention output)."""
-    from pagoda.kernels import fp8
-
-    if name == "o":
-        return rotating_us(lambda x_, w, s: fp8.fp8_linear(x_, w, s, None), x, w_q, w_s)
-    x_q, x_s = fp8.quantize_fp8_rows(x)
-    return rotating_us(lambda x_, w, s: fp8.fp8_matmul(x_q, x_s, w, s, None, torch.bfloat16), x, w_q, w_s)
 
 
 NORMED_AFTER = ("o", "down")  # layers whose output the next residual add + RMSNorm takes (as partials if split)
 
 
+class ThenNorm:
+    """What the model runs on a layer's output on one device (models/llama.py) when timing it: for o and down the
+    residual add + RMSNorm after them, which sums a weight-only layer's split-K partials itself (DeferredSum: no
+    sum kernel); for the other layers nothing (their output is used as it is)."""
+
+    def __init__(self, name: str, m: int, n: int, device: torch.device) -> None:
+        self.on = name in NORMED_AFTER
+        self.residual = torch.randn(m, n, device=device).bfloat16()  # [M, N]
+        self.weight = torch.ones(n, device=device, dtype=torch.bfloat16)  # [N]
+
+    def __call__(self, y: Any) -> object:
+        from pagoda.kernels import fp8_weight_only as w8
+        from pagoda.kernels import norm
+
+        if not self.on:
+            return y
+        if isinstance(y, w8.DeferredSum):
+            return norm.add_rms_norm_parts(y.parts, y.dtype, self.residual, self.weight, 1e-5)
+        return norm.add_rms_norm(y, self.residual, self.weight, 1e-5)
+
+
+def w8a16_op(tiles: Any, then: ThenNorm) -> Callable[..., object]:
+    """(x, e4m3 weight, scales) -> the weight-only GEMV with these tiles (None: the dispatch's) and what follows
+    it: alone with its own split-K sum, or before the norm that takes its partials."""
+    from pagoda.kernels import fp8_weight_only as w8
+
+    if then.on:
+        return lambda x_, w, s: then(w8.fp8_weight_only_deferred(x_, w, s, None, tiles=tiles))
+    return lambda x_, w, s: w8.fp8_weight_only_linear(x_, w, s, None, tiles=tiles)
+
+
+def w8a8_op(name: str, x: torch.Tensor, then: ThenNorm) -> Callable[..., object]:
+    """(x, e4m3 weight, scales) -> W8A8 as the model runs it, then what follows: the GEMM alone where the previous
+    op quantizes (qkv, gate_up, down: x quantized once, outside the timing), with its own quantize kernel for o
+    (the attention output)."""
+    from pagoda.kernels import fp8
+
+    if name == "o":
+        return lambda x_, w, s: then(fp8.fp8_linear(x_, w, s, None))
+    x_q, x_s = fp8.quantize_fp8_rows(x)
+    return lambda x_, w, s: then(fp8.fp8_matmul(x_q, x_s, w, s, None, torch.bfloat16))
+
+
 def with_norm_us(name: str, x: torch.Tensor, w: list[torch.Tensor], w_q: list[torch.Tensor],
                  w_s: list[torch.Tensor]) -> tuple[float, float]:
     """(bf16, FP8 dispatch) device time of o or down together with the residual add + RMSNorm after it, as the
-    model runs the pair on one device (models/llama.py): a weight-only layer's split-K partials left to that norm
-    (no sum kernel; the norm reads the partials), a W8A8 o with its own quantize kernel, a W8A8 down on activations
+    model runs the pair on one device (ThenNorm): a weight-only layer's split-K partials left to that norm (no sum
+    kernel; the norm reads the partials), a W8A8 o with its own quantize kernel, a W8A8 down on activations
     quantized by the op before it. Quantization for the GEMM after the norm is that GEMM's, as in the sweep."""
     import torch.nn.functional as F
 
-    from pagoda.kernels import fp8, norm
     from pagoda.kernels import fp8_weight_only as w8
 
     m, (n, k) = x.shape[0], w[0].shape
-    residual = torch.randn(m, n, device=x.device).bfloat16()  # [M, N]
-    norm_w = torch.ones(n, device=x.device, dtype=torch.bfloat16)
-    x_q, x_s = fp8.quantize_fp8_rows(x)
-    weight_only = w8.prefers_weight_only(m, n, k, x.device)
-
-    def bf16_pair(x_: torch.Tensor, weight: torch.Tensor) -> object:
-        return norm.add_rms_norm(F.linear(x_, weight), residual, norm_w, 1e-5)
-
-    def fp8_pair(x_: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> object:
-        if weight_only:
-            y = w8.fp8_weight_only_deferred(x_, weight, scale, None)
-        elif name == "o":
-            y = fp8.fp8_linear(x_, weight, scale, None)
-        else:
-            y = fp8.fp8_matmul(x_q, x_s, weight, scale, None, torch.bfloat16)
-        if isinstance(y, w8.DeferredSum):
-            return norm.add_rms_norm_parts(y.parts, y.dtype, residual, norm_w, 1e-5)
-        return norm.add_rms_norm(y, residual, norm_w, 1e-5)
-
-    return rotating_us(bf16_pair, x, w, None), rotating_us(fp8_pair, x, w_q, w_s)
+    then = ThenNorm(name, m, n, x.device)
+    assert then.on, "o and down only"
+    fp8_pair = w8a16_op(None, then) if w8.prefers_weight_only(m, n, k, x.device) else w8a8_op(name, x, then)
+    return rotating_us(lambda x_, weight: then(F.linear(x_, weight)), x, w, None), rotating_us(fp8_pair, x, w_q, w_s)
 
 
 def sweep_row(name: str, n: int, k: int, m: int, w: list[torch.Tensor], w_q: list[torch.Tensor],

@@ -9,8 +9,9 @@
 #   layers' split-K sums in separate kernels (PAGODA_FUSE_SPLIT_K=0), in the norms only (=norms: the fourteenth
 #   session's fusion, plus the norm that quantizes for a W8A8 GEMM after it) and also in qkv prep (the default).
 #   fp8-o: retune llama3-8b's o projection at 64 and 128 rows (the two cells where FP8 was slower than bf16 in the
-#   thirty-second session's sweep; candidates compiled in parallel first), then sweep o with that table (commit
-#   $OUT/tune_o/w8a16,*.json under kernels/fp8_configs/ if it wins).
+#   thirty-second session's sweep; candidates compiled in parallel first; since the thirty-third session o and
+#   down are tuned with the residual norm after them, which takes split-K partials), then sweep o with that table
+#   (commit $OUT/tune_o/w8a16,*.json under kernels/fp8_configs/ if it wins).
 #   moe-fp8: FP8 experts against bf16 at 1-8192 tokens on deepseek-v2-lite and qwen3-30b-a3b (bench/moe_fp8_sweep.py,
 #   issue 25 item 3's MoE rows), cold weights, committed tiles.
 #   gluon: qwen3-0.6b reference with a bf16 and an fp8 cache, trtllm-1000, llama3-8b FP8 + FP8 KV reference and

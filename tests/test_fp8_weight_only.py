@@ -487,3 +487,39 @@ def test_sweep_pairs_o_and_down_with_the_norm_as_the_model_runs_them(name: str, 
     bf16_normed, fp8_normed = outputs
     assert bf16_normed.shape == fp8_normed.shape == (3, n)
     assert torch.nn.functional.cosine_similarity(bf16_normed.float(), fp8_normed.float(), dim=1).min() > 0.99
+
+
+@pytest.mark.parametrize("name", ["qkv", "o"])
+def test_tuner_times_o_and_down_with_the_norm_after_them(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune_shape (timed on the GPU; here each op called once, its "time" the count of norms in it) times o's
+    candidates and its W8A8 path with the residual norm after them, a split tile's partials going to that norm
+    (no sum kernel), and qkv's without one; the table entry is the candidate it timed best."""
+    from pagoda.bench import fp8_tune
+    from pagoda.kernels import norm
+
+    split = w8.GemvTiles(block_m=1, block_n=16, block_k=32, split_k=2)
+    whole = w8.GemvTiles(block_m=1, block_n=16, block_k=64)
+    monkeypatch.setitem(fp8_tune.POOLS, "all", lambda bucket: [split, whole])
+    calls: list[str] = []
+    for op in ("add_rms_norm", "add_rms_norm_parts"):
+        plain = getattr(norm, op)
+        monkeypatch.setattr(norm, op, lambda *args, _op=op, _plain=plain: (calls.append(_op), _plain(*args))[1])
+    launch_sum = w8._launch_split_k_sum
+    monkeypatch.setattr(w8, "_launch_split_k_sum", lambda *args: (calls.append("sum"), launch_sum(*args))[1])
+    timed: list[list[str]] = []
+
+    def run_once(op: Any, x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> float:
+        calls.clear()
+        op(x, weights[0], scales[0])
+        timed.append(list(calls))
+        return float(len(timed))  # the first timed candidate is the fastest
+
+    monkeypatch.setattr(fp8_tune, "rotating_us", run_once)
+    n, k = 32, 64
+    w_q, w_s = ref.quantize_fp8_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(5)))
+    result = fp8_tune.tune_shape(name, n, k, [w_q], [w_s], (1,), device="cpu")
+    if name == "o":
+        assert timed == [["add_rms_norm_parts"], ["add_rms_norm"], ["add_rms_norm"]]  # split, whole, W8A8
+    else:
+        assert timed == [["sum"], [], []]
+    assert result[1]["tiles"] == w8.tiles_to_json(split) and result[1]["choice"] == "w8a16"
