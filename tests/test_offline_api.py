@@ -469,3 +469,6 @@ def test_detokenize_false_returns_token_ids_only(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(stop=["."], detokenize=False)
     assert caught.value.param == "stop"
+    with pytest.raises(InvalidRequestError) as caught:
+        list(llm.stream("Hi", SamplingParams(max_tokens=2, detokenize=False)))  # stream yields text
+    assert caught.value.param == "detokenize"
