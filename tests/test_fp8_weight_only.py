@@ -193,11 +193,14 @@ def test_split_k_partials_summed_by_the_norm_equal_the_separate_kernels(num_rows
         add_rms_norm_parts(deferred.parts, x.dtype, residual[:, :8], norm_w, 1e-6)
 
 
-def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
+def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(shape: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole FP8 model through the Triton ops with split-K tiles forced on every weight-only GEMV: leaving the
-    sums to their consumers (the default: the next norm for o and down, qkv prep for qkv) gives the hidden states of
-    PAGODA_FUSE_SPLIT_K=0 (the separate sum kernel) exactly, through prefill, decode and the final norm. Block
-    scales (groups of 32, one per split); channel scales take the same path (the kernel-level test above)."""
+    sums to their consumers (the default: the next norm for o and down, the sparse block's norm for o in an MoE
+    family, qkv prep for qkv) gives the hidden states of PAGODA_FUSE_SPLIT_K=0 (the separate sum kernel) exactly,
+    through prefill, decode and the final norm. Block scales (groups of 32, one per split); channel scales take the
+    same path (the kernel-level test above)."""
     from pagoda.services.worker.models import CausalLM, Fp8Weights, triton_ops
     from pagoda.services.worker.weights import load_model
     from pagoda.shared.shapes import SHAPES
@@ -210,7 +213,7 @@ def test_model_with_split_k_sums_in_the_norm_equals_separate_kernels(monkeypatch
     launch_sum = w8._launch_split_k_sum
     monkeypatch.setattr(w8, "_launch_split_k_sum",
                         lambda part, out, bias: (summed_widths.append(part.shape[2]), launch_sum(part, out, bias)))
-    arch, dev = SHAPES["tiny"], torch.device(DEVICE)
+    arch, dev = SHAPES[shape], torch.device(DEVICE)
     model = CausalLM(arch, torch.bfloat16, dev, max_positions=64, ops=triton_ops(),
                      fp8=Fp8Weights(32))  # 2 splits of 32: whole scale groups
     load_model(model, None, "dummy", seed=5)

@@ -37,11 +37,12 @@ from pagoda.shared.shapes import ModelArch
 
 
 class MlpBlock(Protocol):
-    """The half of a layer after attention: (attention output, residual, post-attention norm) -> (out, residual).
-    A mixture-of-experts family supplies one (models/moe.py); None on a layer means the dense MLP below."""
+    """The half of a layer after attention: (o's output, residual, post-attention norm) -> (out, residual); o's
+    output may be its split-K partials (one device), for the block's residual norm to sum. A mixture-of-experts
+    family supplies one (models/moe.py); None on a layer means the dense MLP below."""
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor,
-                 ops: Ops) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, x: Hidden, residual: torch.Tensor, norm: torch.Tensor,
+                 ops: Ops) -> tuple[Hidden, torch.Tensor]: ...
 
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]: ...
 
@@ -181,12 +182,11 @@ class DecoderLayer(nn.Module):
     def _finish(self, attn: torch.Tensor, residual: torch.Tensor, ops: Ops) -> tuple[Hidden, torch.Tensor]:
         """o projection, residual add + norm, MLP: attn [T, heads, D] -> (layer output [T, H], residual [T, H])."""
         attn = attn.reshape(-1, self.q_size)  # [T, Q]
-        if self.mlp is not None:
-            o = self.linear(attn, self.o_weight, self.o_weight_scale, None, ops)  # [T, H]
-            return self.mlp(self.tp.all_reduce(o), residual, self.post_attn_norm, ops)
         x = deferred_linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops) if self.tp.size == 1 else None
         if x is None:
             x = self.tp.all_reduce(self.linear(attn, self.o_weight, self.o_weight_scale, None, ops))  # [T, H]
+        if self.mlp is not None:
+            return self.mlp(x, residual, self.post_attn_norm, ops)
         gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,
                                               self.gate_up_weight_scale, None, ops)  # [T, 2I], [T, H]
         assert isinstance(gate_up, torch.Tensor), "not deferred"

@@ -23,6 +23,7 @@ from pagoda.services.worker.models.base import (
     Ops,
     Placement,
     TensorParallel,
+    add_norm,
     all_reduce_hidden,
     make_linear,
     make_param,
@@ -63,9 +64,10 @@ class SparseMoe(nn.Module):
             self.shared_down = make_param((h, shared), dtype, device)  # [H, S]
             self.shared_gate = make_param((1, h), dtype, device)  # [1, H]
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor,
+    def forward(self, x: Hidden, residual: torch.Tensor, norm: torch.Tensor,
                 ops: Ops) -> tuple[Hidden, torch.Tensor]:
-        h, residual = ops.add_rms_norm(x, residual, norm, self.arch.rms_norm_eps)  # [T, H] each
+        """x: o's output, or its split-K partials (one device), summed by the residual norm."""
+        h, residual = add_norm(x, residual, norm, self.arch.rms_norm_eps, ops)  # [T, H] each
         router_logits = F.linear(h, self.router)  # [T, E (+ 1: the shared expert's gate)]
         weights, ids = route_softmax_topk(router_logits, self.moe.top_k, self.moe.renormalize,
                                           self.num_shared)  # [T, k + S] each
