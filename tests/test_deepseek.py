@@ -540,3 +540,50 @@ def test_shared_experts_stay_apart_where_a_split_cuts_fp8_scale_blocks() -> None
     assert fused_shared_experts(lite, 704, Fp8Weights(None)) == 2  # per-row scales: any split
     v3 = SHAPES["deepseek-v3-slice"].moe
     assert v3 is not None and fused_shared_experts(v3, 2048 // 32, Fp8Weights(128)) == 1  # one: as unfused
+
+
+def test_o_projection_partials_summed_by_the_post_attention_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weight-only FP8 with split-K tiles forced on every GEMV: on one device o_proj leaves its partials to the
+    post-attention residual norm (as the dense families do), and the logits of every step equal those with the
+    sum kernel (PAGODA_FUSE_SPLIT_K=0) exactly, through chunked prefill and decode."""
+    from pagoda.bench.fp8_bench import greedy_steps
+    from pagoda.kernels import fp8_weight_only as w8
+    from pagoda.services.scheduler.scheduler import Scheduler
+    from pagoda.services.worker.model_runner import ModelRunner
+    from pagoda.services.worker.models import triton_ops
+    from pagoda.shared.config import EngineConfig
+
+    arch = SHAPES["tiny-deepseek-v3"]
+    o_shape = (arch.hidden_size, arch.num_heads * arch.mla.v_head_dim)
+    o_outputs: list[str] = []  # what o_proj's GEMV returned each time it ran
+    deferred = w8.fp8_weight_only_deferred
+
+    def recording(x: torch.Tensor, weight: torch.Tensor, *args: object, **kwargs: object) -> object:
+        out = deferred(x, weight, *args, **kwargs)
+        if tuple(weight.shape) == o_shape:
+            o_outputs.append(type(out).__name__)
+        return out
+
+    monkeypatch.setattr(w8, "fp8_weight_only_deferred", recording)
+    monkeypatch.setattr(w8, "pick_tiles", lambda rows, n, k, group, device: w8.GemvTiles(
+        block_m=min(4, 1 << (rows - 1).bit_length()), block_n=16, block_k=16, split_k=2))
+    generator = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (3, 30)]  # 30: two chunks
+    runs = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PAGODA_FUSE_SPLIT_K", fuse)
+        config = EngineConfig(model="tiny-deepseek-v3", load_format="dummy", device=DEVICE, dtype="float32",
+                              quantization="fp8", num_kv_blocks=48, max_model_len=256, max_num_seqs=8,
+                              enforce_eager=True, seed=5)
+        runner = ModelRunner(config, ops=triton_ops())
+        scheduler = Scheduler(num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=24,
+                              max_model_len=256, vocab_size=arch.vocab_size)
+        runs[fuse] = (greedy_steps(runner, scheduler, prompts, 3), set(o_outputs))
+        o_outputs.clear()
+    (fused_tokens, fused_logits), fused_kinds = runs["1"]
+    (plain_tokens, plain_logits), plain_kinds = runs["0"]
+    assert fused_kinds == {"DeferredSum"} and plain_kinds == {"Tensor"}
+    assert fused_tokens == plain_tokens
+    for request_id, rows in plain_logits.items():
+        for ours, expected in zip(fused_logits[request_id], rows, strict=True):
+            assert torch.equal(ours, expected)

@@ -51,6 +51,7 @@ from pagoda.services.worker.models.base import (
     TensorParallel,
     add_norm,
     all_reduce_hidden,
+    deferred_linear,
     make_linear,
     make_param,
     moe_experts,
@@ -179,8 +180,9 @@ class MlaAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rope_cache: tuple[torch.Tensor, torch.Tensor],
                 cache: torch.Tensor, meta: AttentionMetadata, ops: Ops, kv_scale: torch.Tensor | None,
-                calibrate: bool) -> torch.Tensor:
-        """h [T, H] (normed) -> this rank's o_proj output [T, H] (before the all-reduce). cache [N, bs, R + P]."""
+                calibrate: bool) -> Hidden:
+        """h [T, H] (normed) -> this rank's o_proj output [T, H] (before the all-reduce; on one device a weight-only
+        o_proj's split-K partials, for the residual norm to sum). cache [N, bs, R + P]."""
         mla = self.mla
         q, kv_a = self._project(h, ops)  # [T, heads, Dn + P], [T, R + P]
         if calibrate and kv_scale is not None:
@@ -205,7 +207,9 @@ class MlaAttention(nn.Module):
         if expanded:
             ops.mla_expand(q, cache, meta, expanded, self.kv_b, mla.qk_nope_head_dim, mla.v_head_dim, self.scale,
                            attn, kv_scale, self.expand.max_seq_len)
-        return _linear(attn.view(num_tokens, -1), self.o_weight, self.o_weight_scale, self.fp8, ops)  # [T, H]
+        attn = attn.view(num_tokens, -1)  # [T, heads * Dv]
+        o = deferred_linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops) if self.tp.size == 1 else None
+        return o if o is not None else _linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops)  # [T, H]
 
     def _absorbed(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, ops: Ops,
                   kv_scale: torch.Tensor | None) -> torch.Tensor:
@@ -397,7 +401,7 @@ class DeepseekLayer(nn.Module):
         o = self.attn(h, positions, rope_cache, cache, meta, ops, self.k_scale if fp8_cache else None,
                       self.calibrate_kv and fp8_cache)  # [T, H]
         self.calibrate_kv = False
-        h, residual = ops.add_rms_norm(self.tp.all_reduce(o), residual, self.post_attn_norm, eps)
+        h, residual = add_norm(all_reduce_hidden(self.tp, o), residual, self.post_attn_norm, eps, ops)
         mlp = self.mlp if self.mlp is not None else self.dense_mlp
         assert mlp is not None
         out = mlp(h, ops)  # [T, H], or the MoE's top-k terms (only on one device, where the all-reduce is identity)
