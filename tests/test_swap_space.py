@@ -107,3 +107,107 @@ def test_a_worker_whose_swap_copies_fail_lets_the_plans_departures_go() -> None:
     plan = scheduler.schedule()  # the last departures reach the worker
     runner.execute(plan)
     assert runner.state.row_of == {} and scheduler.host.num_free_blocks == runner.num_swap_blocks
+
+
+def _swapping_scheduler(max_inflight_plans: int = 1):  # noqa: ANN202  (scheduler, fake worker, the victim)
+    """6 blocks of 4 and 4 host slots; three 7-token prompts of which `latest` is preempted (by swap) once the
+    others need its blocks (test_scheduler's test_a_swapped_sequence_comes_back_from_its_host_slots)."""
+    from tests.test_scheduler import FakeWorker, make_request, make_scheduler
+
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                           num_swap_blocks=4, max_inflight_plans=max_inflight_plans)
+    latest = make_request("latest", [300 + i for i in range(7)], max_tokens=10, priority=1, arrival_time=2.0)
+    early = make_request("early", [400 + i for i in range(7)], max_tokens=10, priority=1, arrival_time=1.0)
+    urgent = make_request("urgent", [200 + i for i in range(7)], max_tokens=10, priority=0, arrival_time=5.0)
+    for request in (latest, early, urgent):
+        sched.add_request(request)
+    return sched, FakeWorker(4, check_kv=True), latest.sequences[0]
+
+
+def test_a_failed_result_ends_the_sequences_its_plan_swapped_out() -> None:
+    """The offline engine hands the scheduler the failed step's result (StepResult.error): the plan's swap-out
+    copies may never have run, so the sequences it swapped out end (aborted, with an update saying so) instead of
+    coming back from host slots never written; their slots are free again and the others run to the end."""
+    from pagoda.shared.messages import FinishReason, StepResult
+    from tests.test_scheduler import assert_all_free, run_until_done
+
+    sched, worker, victim = _swapping_scheduler()
+    for _ in range(20):
+        plan = sched.schedule()
+        worker.apply(plan)
+        result = worker.execute(plan)
+        if plan.swap_out:
+            break
+        sched.update(plan, result)
+    assert victim.swapped is not None and plan.swap_out, "the plan swaps the victim out"
+    failed = StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[], error="RuntimeError: swap failed")
+    updates = sched.update(plan, failed)
+    assert victim.is_finished and victim.finish_reason == FinishReason.ABORT and victim.swapped is None
+    assert any(update.seq is victim and update.finish_reason == FinishReason.ABORT for update in updates)
+    run_until_done(sched, worker)
+    assert victim.num_preemptions == 1 and victim.is_finished
+    assert_all_free(sched)
+
+
+def test_cancelled_plans_end_the_sequences_they_swapped_out() -> None:
+    """cancel_inflight (the engine gave up on the plans in flight after a failure): whether their copies ran is
+    unknown, so the sequences they swapped out end with the sequences they ran."""
+    from pagoda.shared.messages import FinishReason
+    from tests.test_scheduler import assert_all_free, run_until_done
+
+    sched, worker, victim = _swapping_scheduler(max_inflight_plans=2)
+    pending = []
+    for _ in range(20):
+        plan = sched.schedule()
+        worker.apply(plan)
+        pending.append((plan, worker.execute(plan)))
+        if plan.swap_out:
+            break
+        if len(pending) == 2:
+            sched.update(*pending.pop(0))
+    assert victim.swapped is not None and plan.swap_out, "a plan in flight swaps the victim out"
+    sched.cancel_inflight()
+    assert victim.is_finished and victim.finish_reason == FinishReason.ABORT and victim.swapped is None
+    assert sched.swapped_out_by(plan.step_id) == []
+    worker.apply(sched.schedule())  # the departures reach the worker
+    run_until_done(sched, worker)
+    assert_all_free(sched)
+
+
+def test_the_offline_engine_ends_what_a_failed_step_swapped_out() -> None:
+    """LLMEngine.step raises when a step fails; a caller that goes on stepping gets, for each request, either an
+    end without the failed step's tokens or the tokens of an undisturbed run: a sequence the failed plan swapped
+    out does not come back from host slots its copies never wrote."""
+    import random
+
+    from pagoda import LLM, SamplingParams
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(20, 40))] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    settings = dict(max_model_len=128, block_size=4, dtype="float32", seed=0)
+    calm = [out.outputs[0].token_ids for out in LLM("tiny", **settings).generate(prompts, params)]
+    engine = LLM("tiny", num_kv_blocks=40, swap_space=64 / (1 << 20), **settings).engine  # 64 KiB of slots
+    swap, failed = engine.runner._swap, []
+
+    def failing_swap(swap_out: list[int], swap_in: list[int]) -> None:
+        if swap_out and not failed:
+            failed.append(len(swap_out) // 2)
+            raise RuntimeError("swap copy failed")
+        swap(swap_out, swap_in)
+
+    engine.runner._swap = failing_swap  # type: ignore[method-assign]
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(index))
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            engine.step(deltas=False)
+        except RuntimeError as error:
+            assert "swap copy failed" in str(error)
+    assert failed, "no plan swapped a sequence out"
+    outputs = [engine.pop_output(str(index)).outputs[0] for index in range(len(prompts))]
+    assert any(len(out.token_ids) < 16 for out in outputs), "the failed step ended some requests"
+    for out, want in zip(outputs, calm, strict=True):
+        assert out.token_ids == want or out.finish_reason != "length", "a survivor came back from unwritten slots"

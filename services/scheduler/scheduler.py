@@ -782,15 +782,17 @@ class Scheduler:
         """Apply the oldest plan in flight: real tokens replace its placeholders, sequences that stop finish
         (dropping any later placeholder), newly full blocks are cached."""
         assert result.step_id == plan.step_id, "result for another step"
-        self._swapped_out_by_step.pop(plan.step_id, None)  # its copies ran: the slots hold what they should
+        swapped_out = self._swapped_out_by_step.pop(plan.step_id, [])  # its copies ran, unless the step failed
         if not plan.seq_ids:
+            assert not swapped_out, "a plan that runs nothing swaps nothing out"
             return []  # nothing ran: no record was kept, no result will carry tokens
         step = self._inflight.popleft()
         assert step.step_id == plan.step_id, f"result of step {plan.step_id} before step {step.step_id}'s"
         self.last_step_has_prefill = step.has_prefill
         self._commit_blocks(step)
         scores = self._new_prompt_scores(result)
-        updates: list[SeqUpdate] = []
+        # a failed step (the offline engine passes its error on; the service ended these already: swapped_out_by)
+        updates: list[SeqUpdate] = self._end_swapped_out(swapped_out) if result.error else []
         resolved: set[int] = set()
         for candidates in result.beam_candidates:
             updates += self._advance_beam(candidates, step, resolved)
@@ -843,11 +845,27 @@ class Scheduler:
                 self.blocks.commit(seq.table, seq.token_ids, num_computed)
 
     def cancel_inflight(self) -> None:
-        """Forget every plan in flight (their results will never come): their sequences are aborted."""
+        """Forget every plan in flight (their results will never come): their sequences are aborted, and so are
+        those they swapped out (whether their copies ran is unknown)."""
         while self._inflight:
             for seq in self._inflight.popleft().seqs:
                 if not seq.is_finished:
                     self._finish(seq, FinishReason.ABORT)
+        for seq_ids in self._swapped_out_by_step.values():
+            self._end_swapped_out(seq_ids)
+        self._swapped_out_by_step.clear()
+
+    def _end_swapped_out(self, seq_ids: list[int]) -> list[SeqUpdate]:
+        """The sequences a plan swapped out, when its copies out may not have run (it failed or was cancelled):
+        their host slots may never have been written, so they end (aborted) rather than come back from them, also
+        one readmitted since."""
+        updates: list[SeqUpdate] = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is not None and not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+                updates.append(SeqUpdate(seq, -1, -1, FinishReason.ABORT))
+        return updates
 
     def _new_prompt_scores(self, result: StepResult) -> dict[int, PromptScores]:
         """The step's prompt scores that clients have not had yet (a recomputed prompt is scored again)."""
