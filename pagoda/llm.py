@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pagoda import params as vllm_params
 from pagoda.engine import LLMEngine, is_model_reference
 from pagoda.outputs import Logprob, RequestOutput, StreamDelta
+from pagoda.services.tokenizer.generation_config import sampling_defaults
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
-from pagoda.shared.errors import ConfigError, InvalidRequestError
+from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import SamplingParams
 from pagoda.shared.shapes import SHAPES
 
 Prompt = str | list[int]
 PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}
 Message = dict[str, Any]
-# generation_config.json keys that are sampling defaults -> SamplingParams fields (vLLM's get_diff_sampling_param)
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +66,9 @@ class LLM:
                  **engine_args: Any) -> None:
         if "load_format" not in engine_args and model in SHAPES and not is_model_reference(model):
             engine_args["load_format"] = "dummy"
-        self._sampling_defaults = _generation_defaults(model, generation_config)
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        config = EngineConfig.from_kwargs(model=model, generation_config=generation_config, **engine_args)
+        self._sampling_defaults = sampling_defaults(config.model, config.generation_config)
+        self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -208,23 +205,6 @@ class LLM:
                 self.engine.pop_output(request_id)
             raise
         return request_ids
-
-
-def _generation_defaults(model: str, generation_config: str) -> dict[str, Any]:
-    """The sampling fields a generation_config.json sets, as SamplingParams keyword arguments."""
-    if generation_config == "vllm":
-        return {}
-    if generation_config == "auto":
-        path = Path(model, "generation_config.json")
-        if not path.is_file():  # a dummy shape, or a model without one
-            return {}
-    else:
-        path = Path(generation_config, "generation_config.json")
-        if not path.is_file():
-            raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json; "
-                              f"there is none in {generation_config!r}", param="generation_config")
-    config = json.loads(path.read_text())
-    return {field_name: config[key] for key, field_name in GENERATION_DEFAULTS.items() if config.get(key) is not None}
 
 
 def _no_lora(lora_request: Any) -> None:

@@ -33,6 +33,9 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL_DIR  # a Hugging Face folder, or a dummy shape name (load_format=dummy)
     tokenizer: str | None = None  # defaults to the model folder
+    # where requests' sampling defaults come from (vLLM's --generation-config): auto: the model folder's
+    # generation_config.json; vllm: none (SamplingParams' own); else a folder holding a generation_config.json
+    generation_config: str = "auto"
     load_format: str = "auto"  # auto: safetensors from the folder; dummy: random weights for a shape
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when present, else cpu
@@ -65,6 +68,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES} (or {', '.join(DTYPE_ALIASES)}), got {self.dtype!r}",
                               param="dtype")
+        if not self.generation_config:
+            raise ConfigError("generation_config must be 'auto', 'vllm' or a folder", param="generation_config")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}", param="load_format")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
@@ -332,6 +337,10 @@ _FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "as
 _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
+    "generation_config": "where sampling defaults for fields a request leaves unset come from (temperature, top_p, "
+                         "top_k, min_p, repetition_penalty; max_new_tokens as chat's max_tokens): auto (the model "
+                         "folder's generation_config.json), vllm (none: the API's own defaults) or a folder holding a "
+                         "generation_config.json (vLLM's --generation-config)",
     "swap_space": "GiB of pinned host memory per worker rank that preempted sequences' KV blocks are copied to and "
                   "back from instead of being recomputed (default: 16 on CUDA, at most an eighth of the free RAM "
                   "shared by the host's GPUs, "

@@ -509,6 +509,9 @@ class TokenizerHello(msgspec.Struct, array_like=True, tag="hello", frozen=True):
     pid: int
     eos_token_ids: list[int] = []  # the tokenizer's end-of-sequence id (the scheduler stops on it too)
     stream: int = 0  # its sequenced stream to this peer (Sequenced): a new one means it registers afresh
+    # to an api: the model's generation-config sampling defaults (vLLM's --generation-config), SamplingParams field ->
+    # value, for the fields a request leaves unset (services/tokenizer/generation_config.py)
+    sampling_defaults: dict[str, float | int] = {}
 
 
 class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omit_defaults=True):

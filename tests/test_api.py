@@ -92,9 +92,11 @@ def fake_text(tag: str, index: int, num_tokens: int) -> str:
 class FakeTokenizer:
     """A DEALER that behaves like a tokenizer process; prompts with "slow", "hang" or "reject" change its pace."""
 
-    def __init__(self, endpoint: str, identity: bytes = b"fake-tok") -> None:
+    def __init__(self, endpoint: str, identity: bytes = b"fake-tok",
+                 sampling_defaults: dict[str, float | int] | None = None) -> None:
         self.endpoint = endpoint
         self.identity = identity
+        self.sampling_defaults = sampling_defaults or {}  # announced in its hellos, as the model's generation config
         self.requests: dict[str, GenerateRequest] = {}
         self.aborted: set[str] = set()
         self.alive = threading.Event()  # cleared: silent like a hung process (no heartbeats, no replies)
@@ -118,7 +120,7 @@ class FakeTokenizer:
         sock.connect(self.endpoint)
         out: Codec[TokenizerToApi] = Codec(TokenizerToApi)
         inbound: Codec[ApiToTokenizer] = Codec(ApiToTokenizer)
-        sock.send(out.encode(TokenizerHello(self.identity.decode(), os.getpid())))
+        sock.send(out.encode(self._hello()))
         streams: dict[str, FakeStream] = {}
         link: Link[ApiToTokenizer] = Link(resend_s=0.5)
         next_heartbeat = 0.0
@@ -129,7 +131,7 @@ class FakeTokenizer:
                 continue
             now = time.monotonic()
             if now >= next_heartbeat:
-                beat = (TokenizerHello(self.identity.decode(), os.getpid()) if next(beats) % 4 == 0
+                beat = (self._hello() if next(beats) % 4 == 0
                         else Heartbeat(self.identity.decode(), len(streams)))  # a hello every 4 beats, as the real one
                 sock.send(out.encode(beat))
                 next_heartbeat = now + HEARTBEAT_S
@@ -149,6 +151,9 @@ class FakeTokenizer:
                 sock.send(out.encode(TextDeltas(batch)))
         sock.close()
         context.term()
+
+    def _hello(self) -> TokenizerHello:
+        return TokenizerHello(self.identity.decode(), os.getpid(), sampling_defaults=self.sampling_defaults)
 
     def _handle(self, message: ApiToTokenizer | None, streams: dict[str, FakeStream]) -> list[Any]:
         if isinstance(message, AbortRequest):
@@ -289,7 +294,8 @@ class Stack:
         return (self.tmp / "api.log").read_text(errors="replace")
 
 
-def start_stack(*extra_args: str, env: dict[str, str] | None = None) -> Stack:
+def start_stack(*extra_args: str, env: dict[str, str] | None = None,
+                sampling_defaults: dict[str, float | int] | None = None) -> Stack:
     tmp = Path(tempfile.mkdtemp(prefix="pgapi"))  # short: ipc paths are limited to ~100 bytes
     port = free_port()
     stats = FakeStats(f"ipc://{tmp}/stats.sock").start()
@@ -303,7 +309,8 @@ def start_stack(*extra_args: str, env: dict[str, str] | None = None) -> Stack:
              "--port", str(port), "--api-key", API_KEY, "--heartbeat-interval", str(HEARTBEAT_S),
              "--heartbeat-timeout", "1.0", *extra_args], stdout=log, stderr=subprocess.STDOUT, env=child_env)
     # ZeroMQ connects before the api binds and delivers the hello once it does.
-    stack = Stack(tmp, port, proc, FakeTokenizer(f"ipc://{tmp}/api0.sock").start(), stats)
+    tokenizer = FakeTokenizer(f"ipc://{tmp}/api0.sock", sampling_defaults=sampling_defaults).start()
+    stack = Stack(tmp, port, proc, tokenizer, stats)
     try:
         wait_until(lambda: stack.healthy() or proc.poll() is not None, 20.0, "the api to become healthy")
         assert proc.poll() is None, stack.log()
@@ -891,3 +898,64 @@ def test_request_timeout_aborts_and_answers_408() -> None:
             thread.join(10)
     finally:
         stop_stack(stack)
+
+
+# --------------------------------------------------------------------------------------------
+# the model's generation config (vLLM's --generation-config auto): defaults for what a request leaves unset
+
+GENERATION_DEFAULTS: dict[str, float | int] = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05,
+                                               "repetition_penalty": 1.05, "max_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def defaults_stack() -> Iterator[Stack]:
+    """An api whose tokenizer announces the model's generation-config sampling defaults."""
+    stack = start_stack(sampling_defaults=GENERATION_DEFAULTS)
+    yield stack
+    stop_stack(stack)
+    print(stack.log())
+
+
+def _sent_params(stack: Stack, route: str, body: dict[str, Any]) -> Any:
+    response = stack.post(route, {"model": MODEL_PATH, **body})
+    assert response.status_code == 200, response.text
+    return stack.tokenizer.requests[response.json()["id"]].params
+
+
+def test_generation_config_fills_only_what_a_request_leaves_unset(defaults_stack: Stack) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    params = _sent_params(defaults_stack, "/v1/chat/completions", chat)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+            params.max_tokens) == (0.7, 0.8, 20, 0.05, 1.05, 64)
+    # a value the client sends wins, also one equal to pagoda's own default
+    explicit = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    params = _sent_params(defaults_stack, "/v1/chat/completions", {**chat, **explicit, "max_completion_tokens": 5})
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+            params.max_tokens) == (1.0, 1.0, 0, 0.0, 1.0, 5)
+    params = _sent_params(defaults_stack, "/v1/chat/completions", {**chat, "temperature": 0.0, "max_tokens": 3})
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.0, 0.8, 3)
+    # completions: the same sampling defaults; an omitted max_tokens is the API's own 16, as vLLM's
+    params = _sent_params(defaults_stack, "/v1/completions", {"prompt": "hi", "top_k": 0})
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty, params.max_tokens) == \
+        (0.7, 0.8, 0, 1.05, 16)
+
+
+def test_generation_config_gives_beam_search_only_its_temperature(defaults_stack: Stack) -> None:
+    """vLLM's beam search takes the default temperature only: top_p / top_k / penalties would reshape the beams
+    (and pagoda refuses them with beam search), so a model's sampling defaults must not make beam search fail."""
+    params = _sent_params(defaults_stack, "/v1/completions",
+                          {"prompt": "hi", "use_beam_search": True, "n": 2, "max_tokens": 4})
+    assert params.use_beam_search and (params.temperature, params.top_p, params.top_k, params.min_p,
+                                       params.repetition_penalty) == (0.7, 1.0, 0, 0.0, 1.0)
+
+
+def test_a_bad_value_against_a_default_names_the_clients_field(defaults_stack: Stack) -> None:
+    """min_tokens above the default max_tokens is refused as it would be against a max_tokens the client sent."""
+    response = defaults_stack.post("/v1/chat/completions", {"model": MODEL_PATH, "min_tokens": 100,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens", response.text
+
+
+def test_without_a_generation_config_the_apis_own_defaults_hold(stack: Stack) -> None:
+    params = _sent_params(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, 0, None)

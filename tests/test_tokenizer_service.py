@@ -73,7 +73,7 @@ class Harness:
     answers every TokenizerHello with `model_info`, as the real one does.
     """
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *extra_args: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pg", dir="/tmp"))  # ipc paths must stay short
         self.context = zmq.Context()
         api_endpoint, scheduler_endpoint = f"ipc://{self.dir}/api0.sock", f"ipc://{self.dir}/sched.sock"
@@ -97,7 +97,7 @@ class Harness:
                 [sys.executable, "-m", "pagoda.services.tokenizer", "--model", str(model_dir),
                  "--api-endpoints", api_endpoint, "--scheduler-endpoint", scheduler_endpoint,
                  "--heartbeat-interval", str(HEARTBEAT_INTERVAL), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
-                 "--tokenizer-id", "tok-test", "--log-level", "info"],
+                 "--tokenizer-id", "tok-test", "--log-level", "info", *extra_args],
                 stdout=log_file, stderr=subprocess.STDOUT)
 
     def close(self) -> None:
@@ -688,3 +688,37 @@ def test_no_tokenizer_serves_token_ids_only() -> None:
         harness.close()
         shutil.rmtree(model_dir, ignore_errors=True)
 
+
+
+def test_hello_carries_the_generation_configs_sampling_defaults(tmp_path: Path) -> None:
+    """vLLM's --generation-config: "auto" (the default) takes the model folder's generation_config.json sampling
+    fields, max_new_tokens as max_tokens; "vllm" none; a folder its own file. The tokenizer reads them (the api has
+    no model folder) and announces them to the apis, which fill them into requests that leave them unset."""
+    model_dir = tmp_path / "model"  # no tokenizer files: token ids only, a quick start
+    model_dir.mkdir()
+    (model_dir / "generation_config.json").write_text(msgspec.json.encode(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0, "repetition_penalty": 1.1,
+         "max_new_tokens": 512, "do_sample": True, "eos_token_id": [1, 2], "length_penalty": None}).decode())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"temperature": 0.3}')
+    expected = [((), {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0, "repetition_penalty": 1.1,
+                      "max_tokens": 512}),
+                (("--generation-config", "vllm"), {}),
+                (("--generation-config", str(other)), {"temperature": 0.3})]
+    for args, defaults in expected:
+        harness = Harness(model_dir, *args)
+        try:
+            hello = harness.expect_api(lambda m: isinstance(m, TokenizerHello), STARTUP_TIMEOUT, "hello")
+            assert hello.sampling_defaults == defaults, args
+        finally:
+            harness.close()
+
+
+def test_a_generation_config_folder_without_the_file_stops_the_tokenizer(tmp_path: Path) -> None:
+    harness = Harness(tmp_path, "--generation-config", str(tmp_path / "missing"))
+    try:
+        assert harness.proc.wait(timeout=STARTUP_TIMEOUT) == 2
+        assert "(generation_config)" in harness.log_tail()
+    finally:
+        harness.close()

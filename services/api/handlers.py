@@ -149,7 +149,8 @@ class Handlers:
         model = self._check_model(body.model, request)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs,
-                                       self.state.config.max_completions_per_request)
+                                       self.state.config.max_completions_per_request,
+                                       self.state.pool.sampling_defaults)
         spec = RenderSpec(COMPLETION, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=body.logprobs is not None, include_usage=body.include_usage,
                           echo=bool(body.echo), return_token_ids=bool(body.return_token_ids),
@@ -164,7 +165,8 @@ class Handlers:
         model = self._check_model(body.model, request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         config = self.state.config
-        message = chat_request(body, response_id, time.time(), config.max_logprobs)
+        message = chat_request(body, response_id, time.time(), config.max_logprobs,
+                               self.state.pool.sampling_defaults)
         output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
                                   config.reasoning_parser)
         spec = RenderSpec(CHAT, response_id, model, int(time.time()), bool(body.stream),

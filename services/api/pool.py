@@ -103,6 +103,10 @@ class TokenizerPool:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: list[asyncio.Task[None]] = []
+        # The model's generation-config sampling defaults, as the tokenizers (which read the model folder) announce
+        # them in every hello: a request can only reach a tokenizer once its hello registered it, so a request is
+        # never built without them.
+        self.sampling_defaults: dict[str, float | int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -273,6 +277,10 @@ class TokenizerPool:
                 peer = None
             if peer is None:
                 log.info("tokenizer %r (pid %d) joined", identity, message.pid)
+            if message.sampling_defaults != self.sampling_defaults:
+                log.info("default sampling params from the model's generation config: %s (a request's own values "
+                         "win; --generation-config vllm ignores the file)", message.sampling_defaults)
+                self.sampling_defaults = message.sampling_defaults
         elif peer is None:
             # Registration takes a hello (tokenizers send one every few heartbeats, so an api that restarted,
             # or dropped a tokenizer that was only slow, takes it back within seconds): a stray peer's

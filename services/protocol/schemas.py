@@ -231,12 +231,22 @@ def _common_checks(body: _GenerationBody) -> None:
              f"priority must be an integer in [{MIN_INT64}, {MAX_INT64}]")
 
 
-def _sampling_kwargs(body: _GenerationBody) -> dict[str, Any]:
-    """SamplingParams fields the client set; the others keep SamplingParams' defaults."""
+# The sampling fields a model's generation config gives defaults for (vLLM's); beam search takes only the
+# temperature (its beams are ranked by the model's own log-probabilities: the others would reshape them).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) -> dict[str, Any]:
+    """SamplingParams fields the client set; of the others, those the model's generation config sets (`defaults`,
+    services/tokenizer/generation_config.py), and SamplingParams' own defaults for the rest. A field the client
+    sent wins even when it equals SamplingParams' default: a body field left out (or null) is None."""
     names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
              "include_stop_str_in_output", "prompt_logprobs")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    for name in ("temperature",) if body.use_beam_search else GENERATION_DEFAULT_FIELDS:
+        if name not in kwargs and name in defaults:
+            kwargs[name] = defaults[name]
     if kwargs.get("seed") == -1:  # vLLM's SamplingParams read -1 as no seed
         del kwargs["seed"]
     kwargs["stop"] = _stop_list(body.stop)
@@ -354,13 +364,16 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def completion_params(body: CompletionBody, max_logprobs: int = MAX_TOP_LOGPROBS) -> SamplingParams:
+def completion_params(body: CompletionBody, max_logprobs: int = MAX_TOP_LOGPROBS,
+                      defaults: dict[str, float | int] | None = None) -> SamplingParams:
+    """`defaults`: the model's generation-config sampling defaults. An omitted max_tokens is 16, the completions
+    API's own default (vLLM's too), so the generation config's max_tokens does not apply here."""
     _common_checks(body)
     scores_prompt = bool(body.echo) and body.logprobs is not None  # echo's logprobs cover the prompt too
     _require(not (scores_prompt and body.stream), "echo",
              "echo together with logprobs is not supported when streaming")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    kwargs = _sampling_kwargs(body)
+    kwargs = _sampling_kwargs(body, defaults or {})
     if scores_prompt and body.prompt_logprobs is None:  # vLLM's: prompt_logprobs, else echo's logprobs
         kwargs["prompt_logprobs"] = body.logprobs
     return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.logprobs).validate(max_logprobs)
@@ -386,12 +399,12 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
 
 
 def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
-                        max_logprobs: int = MAX_TOP_LOGPROBS,
-                        max_completions: int | None = None) -> list[GenerateRequest]:
+                        max_logprobs: int = MAX_TOP_LOGPROBS, max_completions: int | None = None,
+                        defaults: dict[str, float | int] | None = None) -> list[GenerateRequest]:
     """One GenerateRequest per prompt; several prompts get ids suffixed -0, -1, ... max_completions: the most
     completions (prompts x n, or x best_of) the request may ask for (a list of many short prompts times a large n
     would otherwise hold the engine and the processes' memory from one request); None: no bound."""
-    params = completion_params(body, max_logprobs)
+    params = completion_params(body, max_logprobs, defaults)
     prompts = completion_prompts(body.prompt)
     per_prompt = max(params.n, params.best_of or 1)
     _require(max_completions is None or len(prompts) * per_prompt <= max_completions, "prompt",
@@ -523,12 +536,17 @@ def _chat_checks(body: ChatBody) -> None:
              f"chat_template_kwargs integers must be in [{MIN_INT64}, {MAX_INT64}]")
 
 
-def chat_request(body: ChatBody, request_id: str, arrival_time: float,
-                 max_logprobs: int = MAX_TOP_LOGPROBS) -> GenerateRequest:
+def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logprobs: int = MAX_TOP_LOGPROBS,
+                 defaults: dict[str, float | int] | None = None) -> GenerateRequest:
+    """`defaults`: the model's generation-config sampling defaults; its max_tokens stands in for an unset
+    max_completion_tokens / max_tokens (without one: up to the model's context)."""
     _chat_checks(body)
+    defaults = defaults or {}
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None and "max_tokens" in defaults:
+        max_tokens = int(defaults["max_tokens"])  # an integer: checked where the generation config is read
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    kwargs = _sampling_kwargs(body)
+    kwargs = _sampling_kwargs(body, defaults)
     tools = _tools(body)
     mode, name = _tool_choice(body, tools)
     tool_constraint = _tool_constraint(body, tools, mode, name)

@@ -21,6 +21,7 @@ from pagoda.services.grammar.compiler import (
     fast_forward_tokens,
 )
 from pagoda.services.tokenizer.directory import Peers
+from pagoda.services.tokenizer.generation_config import sampling_defaults
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import Outputs, RequestState
 from pagoda.services.tokenizer.prompts import (
@@ -93,7 +94,8 @@ class TokenizerService:
     """One tokenizer process: a DEALER per api and one to the scheduler, served by one poll loop."""
 
     def __init__(self, server_config: ServerConfig, tokenizer: Tokenizer | None,
-                 context: zmq.Context | None = None, block_size: int = 16, fast_forward: bool = True) -> None:
+                 context: zmq.Context | None = None, block_size: int = 16, fast_forward: bool = True,
+                 sampling_defaults: dict[str, float | int] | None = None) -> None:
         # A random part: a restarted container has the same host name and often the same pid, and its
         # peers must not mistake it for the process that owned the requests they still wait on.
         self.tokenizer_id = server_config.tokenizer_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -123,6 +125,7 @@ class TokenizerService:
         self._reasoning_parser = server_config.reasoning_parser
         self._fast_forward = fast_forward  # a grammar's forced start joins the prefill (compiler.fast_forward_tokens)
         self._max_logprobs = server_config.max_logprobs
+        self._sampling_defaults = sampling_defaults or {}  # the model's generation config (generation_config.py)
         self._stopping = False
         log.info("tokenizer %s: apis %s, schedulers %s, %s", self.tokenizer_id,
                  list(self._peers.api_address.values()), [r.address for r in self._replicas.replicas],
@@ -146,10 +149,12 @@ class TokenizerService:
             self._shutdown()
 
     def _hello(self, stream: int = 0) -> TokenizerHello:
-        """Registration; it carries the tokenizer's EOS id (the worker loads no tokenizer to learn it) and, to a
-        scheduler, the stream its requests travel in (a new one: a fresh registration)."""
+        """Registration; it carries the tokenizer's EOS id (the worker loads no tokenizer to learn it), the model's
+        sampling defaults (an api has no model folder to read them from) and, to a scheduler, the stream its
+        requests travel in (a new one: a fresh registration)."""
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
-        return TokenizerHello(self.tokenizer_id, os.getpid(), [eos] if eos is not None else [], stream)
+        return TokenizerHello(self.tokenizer_id, os.getpid(), [eos] if eos is not None else [], stream,
+                              self._sampling_defaults)
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler): it does within MAX_POLL_S."""
@@ -374,7 +379,7 @@ class TokenizerService:
         for replica in changes.new_replicas:
             _send(replica.sock, self._scheduler_out.encode(self._hello(replica.link.stream)))
         for api in changes.new_apis:
-            self._send_api(api, TokenizerHello(self.tokenizer_id, os.getpid()))
+            self._send_api(api, self._hello())
         for api, address in changes.gone_apis:
             orphans = [request_id for request_id, state in self._requests.items() if state.api == api]
             log.warning("api %s is gone: aborting its %d request(s)", address, len(orphans))
@@ -502,6 +507,8 @@ def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> N
     # llguidance's tokenizer is built in the constructor (LazyGrammarChecker), before registration: the build holds
     # the GIL for seconds on a loaded host (3.4 s seen), and a tokenizer registered meanwhile would miss its
     # heartbeats and be dropped with its first requests.
+    defaults = sampling_defaults(engine_config.model, engine_config.generation_config)  # a bad file: stop here
     run_service(server_config, lambda: TokenizerService(server_config, load_tokenizer(engine_config),
                                                         block_size=engine_config.block_size,
-                                                        fast_forward=engine_config.grammar_fast_forward))
+                                                        fast_forward=engine_config.grammar_fast_forward,
+                                                        sampling_defaults=defaults))
