@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda import params as vllm_params
+import pagoda.params as vllm_params
 from pagoda.engine import LLMEngine, is_model_reference
 from pagoda.outputs import Logprob, RequestOutput, StreamDelta
 from pagoda.services.tokenizer.generation_config import sampling_defaults
