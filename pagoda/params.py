@@ -3,9 +3,69 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Any
 
+from pagoda.services.protocol.vllm import check_guided_backend
 from pagoda.shared import messages
 from pagoda.shared.errors import InvalidRequestError
+
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class GuidedDecodingParams:
+    """vLLM's structured-output parameters before it renamed them StructuredOutputsParams (`from
+    vllm.sampling_params import GuidedDecodingParams`): SamplingParams(guided_decoding=...) becomes its
+    structured_outputs. Exactly one constraint; the options that hold in pagoda by construction are taken (any
+    backend name of services/protocol/vllm.GUIDED_BACKENDS, no fallback, JSON without free whitespace), the others
+    refused naming the field."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    backend_was_auto: bool = False  # vLLM's own bookkeeping
+    disable_fallback: bool = False  # pagoda never falls back to another engine: holds either way
+    disable_any_whitespace: bool = False  # pagoda's JSON has no free whitespace: holds either way
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @classmethod
+    def from_optional(cls, **fields: Any) -> GuidedDecodingParams | None:
+        """None when no constraint is given (vLLM's)."""
+        if all(fields.get(name) is None for name in _CONSTRAINT_FIELDS):
+            return None
+        return cls(**fields)
+
+    def structured_outputs(self) -> messages.StructuredOutputs:
+        """The same constraint as pagoda's (vLLM's new) StructuredOutputs; InvalidRequestError names the field."""
+        for name, reason in (("whitespace_pattern", "JSON constraints allow no free whitespace"),
+                             ("structural_tag", "structural tags are not implemented")):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(f"guided_decoding.{name} is not supported: {reason}",
+                                          param=f"guided_decoding.{name}")
+        if self.disable_additional_properties:
+            name = "guided_decoding.disable_additional_properties"
+            raise InvalidRequestError(f"{name} is not supported: a JSON schema's own additionalProperties decides",
+                                      param=name)
+        if self.backend is not None:
+            try:
+                check_guided_backend(self.backend)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(exc.message.replace("guided_decoding_backend", "guided_decoding.backend"),
+                                          param="guided_decoding.backend") from None
+        given = {name: getattr(self, name) for name in _CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)}
+        if len(given) != 1:
+            raise InvalidRequestError(f"guided_decoding needs exactly one of {', '.join(_CONSTRAINT_FIELDS)}; "
+                                      f"got {', '.join(given) or 'none'}", param="guided_decoding")
+        try:
+            return messages.StructuredOutputs(**given).validate()
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(exc.message, param="guided_decoding") from None
 
 
 class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, kw_only=True):
@@ -18,6 +78,8 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
 
     # vLLM's: False leaves the output without text (and logprobs without decoded_token); LLM drops them
     detokenize: bool = True
+    # vLLM's older name for structured_outputs (GuidedDecodingParams): moved there when normalized, as vLLM's
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -35,6 +97,12 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # vLLM's: the chosen token's logprob, and one more
                 setattr(self, name, 1)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("give guided_decoding or structured_outputs, not both (guided_decoding is "
+                                          "vLLM's older name for it)", param="guided_decoding")
+            self.structured_outputs = self.guided_decoding.structured_outputs()
+            self.guided_decoding = None
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True: they are matched in the text", param="stop")
 

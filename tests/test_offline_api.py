@@ -472,3 +472,41 @@ def test_detokenize_false_returns_token_ids_only(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         list(llm.stream("Hi", SamplingParams(max_tokens=2, detokenize=False)))  # stream yields text
     assert caught.value.param == "detokenize"
+
+
+def test_guided_decoding_params_are_vllms_older_structured_outputs(llm: LLM) -> None:
+    """`from vllm.sampling_params import GuidedDecodingParams` and SamplingParams(guided_decoding=...): the same
+    constraint as structured_outputs (vLLM renamed it), set at construction or later."""
+    from pagoda.params import GuidedDecodingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["red", "blue"]))
+    assert params.structured_outputs == StructuredOutputs(choice=["red", "blue"]) and params.guided_decoding is None
+    assert llm.generate(["The sky is"], params)[0].outputs[0].text in ("red", "blue")
+    later = SamplingParams(temperature=0.0, max_tokens=8)
+    later.guided_decoding = GuidedDecodingParams(regex="[0-9]{3}", backend="xgrammar:disable-any-whitespace")
+    assert len(llm.generate(["Three digits:"], later)[0].outputs[0].text) == 3
+    for given, expected in [(dict(json={"type": "object"}), StructuredOutputs(json={"type": "object"})),
+                            (dict(json_object=True), StructuredOutputs(json_object=True)),
+                            (dict(grammar='start: "a"'), StructuredOutputs(grammar='start: "a"'))]:
+        assert SamplingParams(guided_decoding=GuidedDecodingParams(**given)).structured_outputs == expected
+    assert GuidedDecodingParams.from_optional(json=None, regex=None) is None
+    assert GuidedDecodingParams.from_optional(regex="a+") == GuidedDecodingParams(regex="a+")
+
+
+@pytest.mark.parametrize(("guided", "extra", "param"), [
+    (dict(choice=["a"], regex="a"), {}, "guided_decoding"),
+    ({}, {}, "guided_decoding"),
+    (dict(choice=["a"]), dict(structured_outputs=StructuredOutputs(regex="b")), "guided_decoding"),
+    (dict(json={"type": "object"}, whitespace_pattern=r"\s*"), {}, "guided_decoding.whitespace_pattern"),
+    (dict(json={"type": "object"}, disable_additional_properties=True), {},
+     "guided_decoding.disable_additional_properties"),
+    (dict(choice=["a"], structural_tag="{}"), {}, "guided_decoding.structural_tag"),
+    (dict(choice=["a"], backend="sglang"), {}, "guided_decoding.backend"),
+])
+def test_guided_decoding_params_refuse_what_pagoda_cannot_honour(guided: dict[str, Any], extra: dict[str, Any],
+                                                                 param: str) -> None:
+    from pagoda.params import GuidedDecodingParams
+
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(guided_decoding=GuidedDecodingParams(**guided), **extra)
+    assert caught.value.param == param and param.rsplit(".", 1)[-1] in caught.value.message
