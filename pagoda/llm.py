@@ -162,6 +162,14 @@ class LLM:
                                                      c.stop_reason)
                                   for c in output.outputs]) for output in outputs]
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix block, so that the next run prefills from scratch (benchmarks call it
+        between runs). False, and nothing forgotten, while requests hold blocks (never between generate calls)."""
+        if self.engine.has_unfinished_requests():
+            return False
+        self.engine.scheduler.blocks.reset_prefix_cache()
+        return True
+
     # vLLM's pooling API: present, so that a ported script fails with a reason rather than an AttributeError
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         _no_pooling("encode")

@@ -510,3 +510,15 @@ def test_guided_decoding_params_refuse_what_pagoda_cannot_honour(guided: dict[st
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(guided_decoding=GuidedDecodingParams(**guided), **extra)
     assert caught.value.param == param and param.rsplit(".", 1)[-1] in caught.value.message
+
+
+def test_reset_prefix_cache_makes_the_next_run_cold(llm: LLM) -> None:
+    """vLLM's LLM.reset_prefix_cache (benchmarks call it between runs): True, and the same prompt is then
+    prefilled again; the answer does not change."""
+    prompt = "word " * 40  # more than two full blocks
+    first = llm.generate([prompt], STILL_SERVES)[0]
+    again = llm.generate([prompt], STILL_SERVES)[0]
+    assert again.num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate([prompt], STILL_SERVES)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].text == first.outputs[0].text
