@@ -715,6 +715,41 @@ def test_hello_carries_the_generation_configs_sampling_defaults(tmp_path: Path) 
             harness.close()
 
 
+def test_the_default_max_tokens_is_capped_by_the_context_the_prompt_leaves() -> None:
+    """A chat request without max_tokens gets the generation config's max_new_tokens, capped by the context after
+    its prompt (vLLM's): a default never turns a prompt that fits into a refused one. A value the client sent is
+    kept (and checked against the context as sent); min_tokens above the capped default is refused, naming it."""
+    from pagoda.services.tokenizer.generation_config import with_default_max_tokens
+    from pagoda.shared.errors import InvalidRequestError
+
+    defaults: dict[str, float | int] = {"temperature": 0.6, "max_tokens": 512}
+    unset = SamplingParams(max_tokens=None)
+    assert with_default_max_tokens(unset, defaults, 100, 4096).max_tokens == 512
+    assert with_default_max_tokens(unset, defaults, 4000, 4096).max_tokens == 96  # the room after the prompt
+    assert with_default_max_tokens(SamplingParams(max_tokens=700), defaults, 100, 4096).max_tokens == 700
+    assert with_default_max_tokens(unset, {"temperature": 0.6}, 100, 4096).max_tokens is None
+    with pytest.raises(InvalidRequestError) as refused:
+        with_default_max_tokens(SamplingParams(max_tokens=None, min_tokens=200), defaults, 4000, 4096)
+    assert refused.value.param == "min_tokens"
+
+
+def test_a_chat_request_without_max_tokens_reaches_the_scheduler_with_the_capped_default(tmp_path: Path) -> None:
+    """Through the tokenizer process: the generation config's max_new_tokens (512) for a request that left
+    max_tokens unset, capped at the room a 60-token context leaves after 3 prompt tokens."""
+    model_dir = tmp_path / "model"  # no tokenizer files: token ids only, a quick start
+    model_dir.mkdir()
+    (model_dir / "generation_config.json").write_text('{"max_new_tokens": 512}')
+    harness = Harness(model_dir)
+    try:
+        harness.start(ModelInfo(max_model_len=60, vocab_size=1000, max_num_tokens=64, eos_token_ids=[0]))
+        _, _, added = harness.generate(SamplingParams(max_tokens=None), prompt_token_ids=[1, 2, 3])
+        assert added.params.max_tokens == 57
+        _, _, added = harness.generate(SamplingParams(max_tokens=5), prompt_token_ids=[1, 2, 3])
+        assert added.params.max_tokens == 5
+    finally:
+        harness.close()
+
+
 def test_a_generation_config_folder_without_the_file_stops_the_tokenizer(tmp_path: Path) -> None:
     harness = Harness(tmp_path, "--generation-config", str(tmp_path / "missing"))
     try:

@@ -538,13 +538,12 @@ def _chat_checks(body: ChatBody) -> None:
 
 def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logprobs: int = MAX_TOP_LOGPROBS,
                  defaults: dict[str, float | int] | None = None) -> GenerateRequest:
-    """`defaults`: the model's generation-config sampling defaults; its max_tokens stands in for an unset
-    max_completion_tokens / max_tokens (without one: up to the model's context)."""
+    """`defaults`: the model's generation-config sampling defaults. Its max_tokens, for an unset
+    max_completion_tokens / max_tokens, is the tokenizer's to apply: capped by the context the prompt leaves
+    (generation_config.with_default_max_tokens); without one, up to the model's context."""
     _chat_checks(body)
     defaults = defaults or {}
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None and "max_tokens" in defaults:
-        max_tokens = int(defaults["max_tokens"])  # an integer: checked where the generation config is read
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     kwargs = _sampling_kwargs(body, defaults)
     tools = _tools(body)

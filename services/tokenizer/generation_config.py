@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
+
 from pagoda.shared.errors import ConfigError, InvalidRequestError
 from pagoda.shared.messages import SamplingParams
 
@@ -44,3 +46,20 @@ def sampling_defaults(model: str, generation_config: str) -> dict[str, float | i
         raise ConfigError(f"{str(path)!r} sets a sampling default SamplingParams refuses: {exc.message}",
                           param="generation_config") from None
     return defaults
+
+
+def with_default_max_tokens(params: SamplingParams, defaults: dict[str, float | int], num_prompt_tokens: int,
+                            max_model_len: int) -> SamplingParams:
+    """A request that left max_tokens unset (a chat request; completions default to 16 in the api) gets the
+    generation config's max_new_tokens, capped by what the context leaves after its prompt, as vLLM caps it (a
+    default must not turn a prompt that fits into a refused one); params unchanged otherwise. A min_tokens above
+    that is refused, naming it."""
+    default = defaults.get("max_tokens")
+    if params.max_tokens is not None or default is None:
+        return params
+    max_tokens = max(1, min(int(default), max_model_len - num_prompt_tokens))  # check_prompt refuses no room
+    if params.min_tokens > max_tokens:
+        raise InvalidRequestError(f"min_tokens={params.min_tokens} exceeds the {max_tokens} tokens this request may "
+                                  f"generate (the model's generation config max_new_tokens={default}, and the "
+                                  f"context left after {num_prompt_tokens} prompt tokens)", param="min_tokens")
+    return msgspec.structs.replace(params, max_tokens=max_tokens)

@@ -21,7 +21,7 @@ from pagoda.services.grammar.compiler import (
     fast_forward_tokens,
 )
 from pagoda.services.tokenizer.directory import Peers
-from pagoda.services.tokenizer.generation_config import sampling_defaults
+from pagoda.services.tokenizer.generation_config import sampling_defaults, with_default_max_tokens
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
 from pagoda.services.tokenizer.output import Outputs, RequestState
 from pagoda.services.tokenizer.prompts import (
@@ -270,6 +270,7 @@ class TokenizerService:
         info = self._model_info
         if info is None:  # the scheduler went away while a thread tokenized
             raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
+        params = with_default_max_tokens(params, self._sampling_defaults, len(prompt.token_ids), info.max_model_len)
         check_prompt(prompt.token_ids, params, info, prompt.param)
         # logprobs -1, allowed_token_ids; chat asks the count as top_logprobs
         params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs,
