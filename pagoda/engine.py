@@ -215,6 +215,7 @@ class LLMEngine:
             done = run_step(self.pipeline, self.runner.launch, self._finish_step)
         except BaseException:
             self._drop_inflight()
+            self._end_failed()
             raise
         if done is None:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
@@ -223,6 +224,7 @@ class LLMEngine:
         result, updates = done
         if result.error:
             self._drop_inflight()
+            self._end_failed()
             raise RuntimeError(f"the model step failed: {result.error}")
         if result.failed:  # the worker dropped these alone (a refused value, a sampler or grammar error): "error"
             updates = self._fail_rows(result, updates)
@@ -259,6 +261,20 @@ class LLMEngine:
         """After a failure: no launched step's result will be applied; their sequences end (aborted)."""
         self.runner.discard_launched()
         self.pipeline.cancel()
+
+    def _end_failed(self) -> None:
+        """After a failed step (step raises): the completions whose sequences the scheduler ended for it (the
+        step's, those its plan swapped out, those of the plans in flight with it) end with finish_reason "error",
+        with the tokens they had; a caller that steps on sees every request end."""
+        for seq_id in list(self._completions):
+            seq = self.scheduler.get_sequence(seq_id)
+            if seq is not None and not seq.is_finished:
+                continue
+            tracked = self._completions.pop(seq_id)
+            self._silent.discard(seq_id)
+            tracked.catch_up()
+            if tracked.completion.finish_reason is None:
+                tracked.completion.finish_reason = FinishReason.ERROR.openai_name
 
     def _add_prompt_scores(self, output: RequestOutput, scores: PromptScores) -> None:
         assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == scores.first
