@@ -252,7 +252,8 @@ class ThenNorm:
 
     def __init__(self, name: str, m: int, n: int, device: torch.device) -> None:
         self.on = name in NORMED_AFTER
-        self.residual = torch.randn(m, n, device=device).bfloat16()  # [M, N]
+        rows = m if self.on else 0
+        self.residual = torch.randn(rows, n, device=device).bfloat16()  # [M, N] (none when off)
         self.weight = torch.ones(n, device=device, dtype=torch.bfloat16)  # [N]
 
     def __call__(self, y: Any) -> object:
