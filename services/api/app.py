@@ -24,6 +24,7 @@ MAX_BODY_BYTES = 32 << 20
 # /health, /ping, /version, /load, /metrics and the console's page and scripts stay open; its data needs the key
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", CONSOLE_API_PREFIX)
 RETRY_AFTER_S = "1"
+CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
 
 def build_app(state: ApiState) -> web.Application:
@@ -101,6 +102,12 @@ async def content_type_middleware(request: web.Request, handler: Handler) -> web
     return await handler(request)
 
 
+def _client_gone(request: web.Request) -> bool:
+    """The HTTP connection is closed or closing: the peer left (what aiohttp's ConnectionResetError then means)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def _error_type(status: int) -> str:
     if status == 404:
         return "not_found_error"
@@ -122,6 +129,15 @@ def error_middleware(metrics: ApiMetrics) -> Middleware:
             response = json_response(error_body(message, _error_type(exc.status)), status=exc.status)
             if "Allow" in exc.headers:
                 response.headers["Allow"] = exc.headers["Allow"]
+        except ConnectionResetError:
+            if not _client_gone(request):
+                log.exception("unhandled error in %s %s", request.method, request.path)
+                response = json_response(error_body("internal server error", "server_error"), status=500)
+            else:
+                # The client hung up before its answer (e.g. halfway through sending its body): no server error.
+                log.info("the client left %s %s before its answer", request.method, request.path)
+                response = json_response(error_body("the client closed the connection", "invalid_request_error"),
+                                         status=CLIENT_CLOSED_STATUS)
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
             response = json_response(error_body("internal server error", "server_error"), status=500)
