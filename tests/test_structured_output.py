@@ -52,6 +52,8 @@ def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     StructuredOutputs(json={"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}),
     StructuredOutputs(json={"type": "nonsense"}),
     StructuredOutputs(regex="(unclosed"),
+    StructuredOutputs(regex="\\"),  # a lone backslash: llguidance took it for the empty regex (200, no text)
+    StructuredOutputs(regex="ab\\\\\\"),  # an escaped backslash, then a lone one
     StructuredOutputs(grammar="start: undefined_rule"),
 ])
 def test_rejected_grammars_raise_invalid_request(ll: llguidance.LLTokenizer, constraint: StructuredOutputs) -> None:

@@ -56,11 +56,14 @@ _ASCII_SHORTHANDS = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0
 
 def ascii_shorthands(regex: str) -> str:
     """regex with \\d \\D \\w \\W \\s \\S as ASCII classes (nested classes inside brackets, which Rust's syntax
-    allows); every other escape, an escaped backslash included, is left as written."""
+    allows); every other escape, an escaped backslash included, is left as written. ValueError for a regex that
+    ends in a lone backslash (an escape of nothing, which llguidance took for the empty regex)."""
     out: list[str] = []
     i = 0
     while i < len(regex):
-        if regex[i] == "\\" and i + 1 < len(regex):
+        if regex[i] == "\\":
+            if i + 1 == len(regex):
+                raise ValueError("the regex ends in a lone backslash (an escape of nothing)")
             out.append(_ASCII_SHORTHANDS.get(regex[i + 1], regex[i:i + 2]))
             i += 2
         else:
