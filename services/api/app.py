@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
@@ -119,6 +120,10 @@ def error_middleware(metrics: ApiMetrics) -> Middleware:
     async def to_json(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             response = await handler(request)
+        except asyncio.CancelledError:
+            if _client_gone(request):  # aiohttp cancels the handler of a client that left (handler_cancellation)
+                metrics.http_requests.labels(_route_label(request), str(CLIENT_CLOSED_STATUS)).inc()
+            raise
         except PagodaError as exc:
             response = json_response(exc.to_dict(), status=exc.http_status)
             if isinstance(exc, RateLimitError):
@@ -141,11 +146,15 @@ def error_middleware(metrics: ApiMetrics) -> Middleware:
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
             response = json_response(error_body("internal server error", "server_error"), status=500)
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"  # bounded label values
         if response.status == 503 and "Retry-After" not in response.headers:
             response.headers["Retry-After"] = RETRY_AFTER_S  # overloaded or a process restarting: come back soon
-        metrics.http_requests.labels(route, str(response.status)).inc()
+        metrics.http_requests.labels(_route_label(request), str(response.status)).inc()
         return response
 
     return to_json
+
+
+def _route_label(request: web.Request) -> str:
+    """The request's route as a metric label: its pattern, so label values stay bounded."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
