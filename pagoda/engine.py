@@ -17,6 +17,7 @@ from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from pagoda.services.grammar.compiler import GrammarChecker, ending_ids, fast_forward_tokens
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
+from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.output import advance, stop_reason
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
@@ -124,6 +125,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         params.validate()  # before the prompt is encoded: a bad value fails cheaply
+        params = with_bad_words_token_ids(params, self.tokenizer)
         params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
         token_ids = self.encode_prompt(prompt)
         forced = self._forced_start(params, len(token_ids)) if params.structured_outputs is not None else []

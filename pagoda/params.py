@@ -89,7 +89,7 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
         if isinstance(self.stop, str):  # left a str, each of its characters would be a stop string
             self.stop = [self.stop]
         for name, empty in (("stop", list), ("stop_token_ids", list), ("allowed_token_ids", list),
-                            ("logit_bias", dict)):
+                            ("bad_words", list), ("logit_bias", dict)):
             if getattr(self, name) is None:
                 setattr(self, name, empty())
         if self.seed == -1:  # vLLM's "no seed"
@@ -103,6 +103,9 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
                                           "vLLM's older name for it)", param="guided_decoding")
             self.structured_outputs = self.guided_decoding.structured_outputs()
             self.guided_decoding = None
+        if self.bad_words_token_ids:  # vLLM's is private (_bad_words_token_ids): set by the engine alone
+            raise InvalidRequestError("bad_words_token_ids is made by the engine from bad_words; give bad_words",
+                                      param="bad_words_token_ids")
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True: they are matched in the text", param="stop")
 

@@ -22,6 +22,9 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
 MAX_CHOICES = 1024
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids entries (more than any vocabulary)
+MAX_BAD_WORDS = 128  # bad_words entries (each becomes up to two token sequences: as given, and after a space)
+MAX_BAD_WORD_CHARS = 256  # characters of one bad word
+MAX_BAD_WORD_TOKENS = 32  # tokens of one bad word (the worker's per-row tables are this wide)
 WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), resolved where the vocabulary is known
 
 
@@ -110,6 +113,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     allowed_token_ids: list[int] = []  # non-empty: only these ids may be sampled (vLLM's allowed_token_ids)
+    # vLLM's bad_words: a word's last token is banned where the output so far ends with its other tokens
+    bad_words: list[str] = []
+    # bad_words as token sequences (services/tokenizer/bad_words.py), made where the text is tokenized (the tokenizer
+    # process, the offline engine) and always from bad_words: what the worker bans
+    bad_words_token_ids: list[list[int]] = []
 
     @property
     def is_greedy(self) -> bool:
@@ -168,9 +176,21 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                f"logit_bias keys must be token ids in [0, {MAX_INT32}]")
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        self._validate_bad_words()
         self._validate_structured()
         self._validate_beam_search()
         return self
+
+    def _validate_bad_words(self) -> None:
+        _check(isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_BAD_WORDS
+               and all(isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+               "bad_words", f"bad_words must be at most {MAX_BAD_WORDS} strings of 1 to {MAX_BAD_WORD_CHARS} "
+                            "characters, each with a character other than whitespace")
+        _check(len(self.bad_words_token_ids) <= 2 * len(self.bad_words)
+               and all(isinstance(ids, list) and 1 <= len(ids) <= MAX_BAD_WORD_TOKENS
+                       and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in ids)
+                       for ids in self.bad_words_token_ids), "bad_words",
+               f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens (at most two spellings a word)")
 
     def _validate_beam_search(self) -> None:
         _check(isinstance(self.use_beam_search, bool), "use_beam_search", "use_beam_search must be a boolean")
@@ -194,6 +214,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
             _check(value == off or (name == "top_k" and value == -1), name, f"{name} is not supported with beam search")
         _check(not self.logit_bias, "logit_bias", "logit_bias is not supported with beam search")
         _check(not self.allowed_token_ids, "allowed_token_ids", "allowed_token_ids is not supported with beam search")
+        _check(not self.bad_words, "bad_words", "bad_words are not supported with beam search")
         _check(self.logprobs is None and self.prompt_logprobs is None, "logprobs",
                "logprobs are not supported with beam search")
         _check(not self.stop, "stop", "stop strings are not supported with beam search; use stop_token_ids")
@@ -224,8 +245,8 @@ def _check_logprobs(value: int | None, param: str, kind: str, max_logprobs: int)
 def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: int,
                        logprobs_field: str = "logprobs") -> SamplingParams:
     """Where the vocabulary is known: logprobs of -1 become `vocab_size` (refused past `max_logprobs`, -1: no
-    bound) and allowed_token_ids are checked against it. `logprobs_field` is the name the client sent the
-    count under (chat's top_logprobs)."""
+    bound) and allowed_token_ids and bad_words' tokens are checked against it. `logprobs_field` is the name the
+    client sent the count under (chat's top_logprobs)."""
     changes: dict[str, int] = {}
     for param, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         if getattr(params, param) == WHOLE_VOCABULARY:
@@ -238,6 +259,10 @@ def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: in
     if bad is not None:
         raise InvalidRequestError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})",
                                   param="allowed_token_ids")
+    bad = next((t for ids in params.bad_words_token_ids for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"a bad word's tokens hold {bad}, outside the model's vocabulary [0, {vocab_size})",
+                                  param="bad_words")
     return msgspec.structs.replace(params, **changes) if changes else params
 
 

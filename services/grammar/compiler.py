@@ -213,12 +213,12 @@ def fast_forward_tokens(forced: list[int], params: SamplingParams, num_prompt_to
     """The forced start of a constrained completion that joins its prompt's prefill as output tokens already
     generated (llguidance's fast-forward): the steps that could only have produced these tokens one by one are
     skipped. Empty where it does not apply: the grammar starts after reasoning, several completions or beams
-    (they would fork from a longer prefix), logprobs (a forced token has none), a bias, a ban or an allow-list
-    that might refuse a forced id. Cut before a stop or EOS id, and so that a sampled token still fits after
+    (they would fork from a longer prefix), logprobs (a forced token has none), a bias, a ban, bad words or an
+    allow-list that might refuse a forced id. Cut before a stop or EOS id, and so that a sampled token still fits after
     them (max_tokens, the context, the KV cache)."""
     constraint = params.structured_outputs
     if (not forced or constraint is None or constraint.reasoning_end or params.n != 1 or params.use_beam_search
-            or params.logprobs is not None or params.logit_bias or params.allowed_token_ids):
+            or params.logprobs is not None or params.logit_bias or params.allowed_token_ids or params.bad_words):
         return []
     room = min(max_model_len, max_num_tokens) - num_prompt_tokens - 1
     if params.max_tokens is not None:

@@ -68,6 +68,7 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_tokens_as_token_ids: bool | None = None  # logprob tokens read "token_id:N" (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k (-1: every token)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
+    bad_words: list[str] | None = None  # vLLM's: each word's last token is banned after its others
     # beam search, vLLM's fields (services/protocol/schemas._beam_kwargs)
     use_beam_search: bool | None = None
     best_of: int | None = None
@@ -255,6 +256,8 @@ def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) ->
     if body.allowed_token_ids is not None:
         _require(len(body.allowed_token_ids) > 0, "allowed_token_ids", "allowed_token_ids must not be empty")
         kwargs["allowed_token_ids"] = body.allowed_token_ids
+    if body.bad_words:
+        kwargs["bad_words"] = body.bad_words
     if body.guided_decoding_backend is not None:
         check_guided_backend(body.guided_decoding_backend)
     constraint = structured_outputs(body)

@@ -38,7 +38,6 @@ UNSUPPORTED_FIELDS = {
     "truncate_prompt_tokens": "prompts are never truncated: a prompt that does not fit is refused",
     "truncation_side": "prompts are never truncated: a prompt that does not fit is refused",
     "logprob_token_ids": "logprobs of chosen token ids are not implemented; use top_logprobs",
-    "bad_words": "banned word lists are not implemented; use logit_bias",
     "prompt_embeds": "prompt embeddings are not accepted: prompts are text or token ids",
     "request_id": "the server names every request itself",
     "session_id": "sessions are not tracked",

@@ -20,6 +20,7 @@ from pagoda.services.grammar.compiler import (
     ending_ids,
     fast_forward_tokens,
 )
+from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.directory import Peers
 from pagoda.services.tokenizer.generation_config import sampling_defaults, with_default_max_tokens
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS, OFFLOAD_MIN_TOKENS, Offloader
@@ -272,7 +273,8 @@ class TokenizerService:
             raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
         params = with_default_max_tokens(params, self._sampling_defaults, len(prompt.token_ids), info.max_model_len)
         check_prompt(prompt.token_ids, params, info, prompt.param)
-        # logprobs -1, allowed_token_ids; chat asks the count as top_logprobs
+        params = with_bad_words_token_ids(params, self._tokenizer)
+        # logprobs -1, allowed_token_ids, bad words' ids; chat asks the count as top_logprobs
         params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs,
                                     "top_logprobs" if request.messages is not None else "logprobs")
         forced: list[int] = []

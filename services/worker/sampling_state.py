@@ -4,7 +4,10 @@ scatter of the sampled ids per step, so a step's SamplingMetadata is a gather by
 Rows are BatchState's rows (request slots, reused when requests finish). [rows, V] tables exist only once
 some admitted row needs them: output-token counts for presence / frequency / repetition penalties,
 prompt-token presence for repetition penalty; logit bias and min_tokens bans are short padded id lists.
-A request admitted again after a preemption rebuilds its counts from the tokens it carries.
+bad_words (vLLM's) are [rows, words, tokens] id tables beside a [rows, tokens - 1] window of each row's last
+generated ids, kept on the device by the same per-step scatter: a step's bans are one comparison of the two, with
+no token read back to the host. A request admitted again after a preemption rebuilds its counts and window from
+the tokens it carries.
 
 The host keeps a mirror of every setting and of each row's output length (known without the token values),
 so which optional parts a step needs is decided on the host with no device sync, and the sampled ids never
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from pagoda.services.worker.sampler import SamplingMetadata
-from pagoda.shared.messages import NewRequest, SamplingParams
+from pagoda.shared.messages import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, NewRequest, SamplingParams
 
 # columns of the per-row float table
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
@@ -81,6 +84,11 @@ def _sampling_error(params: SamplingParams, vocab_size: int) -> str:
         return f"a logit_bias, stop_token_ids or allowed_token_ids id is outside the vocabulary [0, {vocab_size})"
     if not all(math.isfinite(value) for value in params.logit_bias.values()):
         return "logit_bias values must be finite numbers"
+    if len(params.bad_words_token_ids) > 2 * MAX_BAD_WORDS or any(
+            not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS or not _ids_below(ids, vocab_size)
+            for ids in params.bad_words_token_ids):
+        return (f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} sequences of 1 to {MAX_BAD_WORD_TOKENS} "
+                f"ids in [0, {vocab_size})")
     return ""
 
 
@@ -107,6 +115,8 @@ class SamplingState:
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # [R] -1: none
         self.num_bias = np.zeros(rows, dtype=np.int64)  # [R] logit_bias entries
         self.num_banned = np.zeros(rows, dtype=np.int64)  # [R] ids banned while output < min_tokens
+        self.num_bad_words = np.zeros(rows, dtype=np.int64)  # [R] bad_words token sequences
+        self.bad_word_len = np.zeros(rows, dtype=np.int64)  # [R] tokens of the row's longest bad word
         # device tables
         self.floats_device = torch.from_numpy(self.floats.copy()).to(device)  # [R, 6] fp32
         self.seeds_device = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
@@ -118,6 +128,10 @@ class SamplingState:
         self.bias_ids: torch.Tensor | None = None  # [R, K] int64 padded with 0
         self.bias_values: torch.Tensor | None = None  # [R, K] fp32 padded with 0
         self.banned_ids: torch.Tensor | None = None  # [R, K] int64 padded with -1
+        # made when a row first has bad_words: each word's ids right-aligned, -1 (any token) before them, and
+        # each row's last L - 1 generated ids right-aligned, -2 (no token) where fewer were generated
+        self.bad_words: torch.Tensor | None = None  # [R, W, L] int64
+        self.recent_ids: torch.Tensor | None = None  # [R, L - 1] int64
         # The last step's settings (all but the offsets and bans, which move every step) for its rows: a decode
         # batch that samples the same rows again reuses them. Admission (the only writer of settings) drops them.
         self._settings: tuple[np.ndarray, SamplingMetadata] | None = None
@@ -141,6 +155,7 @@ class SamplingState:
         self.min_tokens_device[rows_t] = self.to_device(self.min_tokens[rows], "admit_min_tokens")
         self._admit_counts(entries)
         self._admit_lists(entries)
+        self._admit_bad_words(entries)
 
     def _admit_host(self, row: int, new: NewRequest) -> None:
         params = new.sampling
@@ -155,6 +170,8 @@ class SamplingState:
         self.num_bias[row] = len(params.logit_bias)
         banned = self._banned_ids(new)
         self.num_banned[row] = len(banned)
+        self.num_bad_words[row] = len(params.bad_words_token_ids)
+        self.bad_word_len[row] = max((len(ids) for ids in params.bad_words_token_ids), default=0)
 
     def _banned_ids(self, new: NewRequest) -> list[int]:
         params = new.sampling
@@ -242,6 +259,54 @@ class SamplingState:
             values_table[rows_t] = self.to_device(full_values, f"{name}_values")
         return ids_table, values_table
 
+    def _admit_bad_words(self, entries: Sequence[tuple[int, NewRequest]]) -> None:
+        """The bad words of admitted rows and their window of generated ids (rewritten for every admitted row once
+        the tables exist: a reused row must not keep its last owner's words)."""
+        rows = np.fromiter((row for row, _ in entries), dtype=np.int64, count=len(entries))  # [N]
+        if self.bad_words is None and not self.num_bad_words[rows].any():
+            return
+        self._grow_bad_words(int(self.num_bad_words[rows].max()), int(self.bad_word_len[rows].max()))
+        assert self.bad_words is not None and self.recent_ids is not None
+        _, width, length = self.bad_words.shape
+        words = np.full((len(entries), width, length), -1, dtype=np.int64)  # [N, W, L]
+        recent = np.full((len(entries), length - 1), -2, dtype=np.int64)  # [N, L - 1]
+        for i, (_, new) in enumerate(entries):
+            for j, ids in enumerate(new.sampling.bad_words_token_ids):
+                words[i, j, length - len(ids):] = ids
+            generated = new.token_ids[new.num_prompt_tokens:][-(length - 1):]  # after a preemption: its window
+            if generated:
+                recent[i, length - 1 - len(generated):] = generated
+        rows_t = self.to_device(rows, "bad_words_rows")
+        self.bad_words[rows_t] = self.to_device(words, "bad_words")
+        self.recent_ids[rows_t] = self.to_device(recent, "recent_ids")
+
+    def _grow_bad_words(self, width: int, length: int) -> None:
+        """The bad-word tables at least `width` words of `length` tokens (at least 2: the window has a column);
+        rows keep their words and window, right-aligned."""
+        old, old_recent = self.bad_words, self.recent_ids
+        old_width, old_length = (old.shape[1], old.shape[2]) if old is not None else (0, 0)
+        if old is not None and old_width >= width and old_length >= length:
+            return
+        width, length = max(width, old_width, 1), max(length, old_length, 2)
+        table = torch.full((self.max_rows, width, length), -1, dtype=torch.int64, device=self.device)  # [R, W, L]
+        recent = torch.full((self.max_rows, length - 1), -2, dtype=torch.int64, device=self.device)  # [R, L - 1]
+        if old is not None and old_recent is not None:
+            table[:, :old_width, length - old_length:] = old
+            recent[:, length - old_length:] = old_recent
+        self.bad_words, self.recent_ids = table, recent
+
+    def _bad_word_bans(self, rows: np.ndarray, state_rows: torch.Tensor) -> torch.Tensor:
+        """The ids bad_words ban this step for rows [B] (state_rows on the device): each word's last id where the
+        row's generated ids end with the word's others, else -1. [B, W] int64."""
+        assert self.bad_words is not None and self.recent_ids is not None
+        width = int(self.num_bad_words[rows].max())
+        length = max(2, int(self.bad_word_len[rows].max()))
+        words = self.bad_words.index_select(0, state_rows)[:, :width, -length:]  # [B, W, L']
+        recent = self.recent_ids.index_select(0, state_rows)[:, 1 - length:]  # [B, L' - 1]
+        before = words[:, :, :-1]  # [B, W, L' - 1]
+        ends_with = ((before < 0) | (before == recent.unsqueeze(1))).all(dim=2)  # [B, W]
+        return torch.where(ends_with, words[:, :, -1], -1)  # [B, W]; padding words have last id -1
+
     # ---------------------------------------------------------------- per step
 
     def metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -265,6 +330,12 @@ class SamplingState:
             width = int(self.num_banned[rows][short].max())
             banned = self.banned_ids.index_select(0, metadata.state_rows)[:, :width]  # [B, K]
             metadata.banned_token_ids = torch.where(moving[1].bool().unsqueeze(1), banned, -1)  # [B, K]
+        if self.bad_words is not None and self.num_bad_words[rows].any():
+            assert metadata.state_rows is not None
+            bans = self._bad_word_bans(rows, metadata.state_rows)  # [B, W]
+            if metadata.banned_token_ids is not None:
+                bans = torch.cat([metadata.banned_token_ids, bans], dim=1)  # [B, K + W]
+            metadata.banned_token_ids = bans
         return metadata
 
     def _gather_settings(self, rows: np.ndarray) -> SamplingMetadata:
@@ -322,8 +393,14 @@ class SamplingState:
         """The rows [B] sampled token_ids [B] (on the device, not read here): offsets advance, and one
         scatter adds them to the counts. state_rows: rows already on the device (metadata.state_rows)."""
         self.num_output[rows] += 1
-        if self.output_counts is None or len(rows) == 0:
+        windows = self.recent_ids is not None and bool(self.num_bad_words[rows].any())
+        if (self.output_counts is None and not windows) or len(rows) == 0:
             return
         if state_rows is None:
             state_rows = self.to_device(np.asarray(rows, dtype=np.int64), "record_rows")
-        self.output_counts.index_put_((state_rows, token_ids), self.ones[:len(rows)], accumulate=True)
+        if self.output_counts is not None:
+            self.output_counts.index_put_((state_rows, token_ids), self.ones[:len(rows)], accumulate=True)
+        if windows:
+            assert self.recent_ids is not None
+            recent = self.recent_ids.index_select(0, state_rows)  # [B, L - 1]
+            self.recent_ids[state_rows] = torch.cat([recent[:, 1:], token_ids.unsqueeze(1)], dim=1)
