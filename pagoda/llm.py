@@ -67,7 +67,8 @@ class LLM:
         if "load_format" not in engine_args and model in SHAPES and not is_model_reference(model):
             engine_args["load_format"] = "dummy"
         config = EngineConfig.from_kwargs(model=model, generation_config=generation_config, **engine_args)
-        self._sampling_defaults = sampling_defaults(config.model, config.generation_config)
+        self._sampling_defaults = sampling_defaults(config.model, config.generation_config,
+                                                    config.generation_overrides())
         self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Any:

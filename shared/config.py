@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import math
 import os
 import re
@@ -36,6 +37,9 @@ class EngineConfig:
     # where requests' sampling defaults come from (vLLM's --generation-config): auto: the model folder's
     # generation_config.json; vllm: none (SamplingParams' own); else a folder holding a generation_config.json
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: a JSON object of generation config keys set over (null: unset) what
+    # generation_config gives, e.g. {"temperature": 0.5}; checked here, applied by generation_overrides' readers
+    override_generation_config: str | None = None
     load_format: str = "auto"  # auto: safetensors from the folder; dummy: random weights for a shape
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when present, else cpu
@@ -70,6 +74,7 @@ class EngineConfig:
                               param="dtype")
         if not self.generation_config:
             raise ConfigError("generation_config must be 'auto', 'vllm' or a folder", param="generation_config")
+        self.generation_overrides()  # a bad JSON text fails here, before any process starts
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}", param="load_format")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
@@ -90,6 +95,20 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
 
+    def generation_overrides(self) -> dict[str, Any]:
+        """override_generation_config as a dict ({} when unset); ConfigError if it is not a JSON object."""
+        if self.override_generation_config is None:
+            return {}
+        try:
+            overrides = json.loads(self.override_generation_config)
+        except ValueError as exc:
+            raise ConfigError(f"override_generation_config is not valid JSON: {exc}",
+                              param="override_generation_config") from None
+        if not isinstance(overrides, dict):
+            raise ConfigError('override_generation_config must be a JSON object, e.g. {"temperature": 0.5}',
+                              param="override_generation_config")
+        return overrides
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments (the offline LLM(...)), naming any unknown one."""
@@ -99,6 +118,8 @@ class EngineConfig:
             raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}", param=unknown[0])
         if isinstance(kwargs.get("kv_cache_memory"), str):
             kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"])
+        if isinstance(kwargs.get("override_generation_config"), dict):  # vLLM's LLM takes a dict
+            kwargs["override_generation_config"] = json.dumps(kwargs["override_generation_config"])
         if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's "not seeded": requests without a seed are random
             del kwargs["seed"]  # here anyway; the engine seed only draws dummy weights
         return cls(**kwargs)
@@ -340,7 +361,11 @@ _HELP: dict[str, str] = {
     "generation_config": "where sampling defaults for fields a request leaves unset come from (temperature, top_p, "
                          "top_k, min_p, repetition_penalty; max_new_tokens as chat's max_tokens): auto (the model "
                          "folder's generation_config.json), vllm (none: the API's own defaults) or a folder holding a "
-                         "generation_config.json (vLLM's --generation-config)",
+                         "generation_config.json (vLLM's --generation-config); without that file, config.json's "
+                         "sampling keys, as vLLM falls back",
+    "override_generation_config": "a JSON object of generation config keys set over what --generation-config gives "
+                                  "(also with vllm), e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'; null "
+                                  "unsets a key (vLLM's --override-generation-config)",
     "swap_space": "GiB of pinned host memory per worker rank that preempted sequences' KV blocks are copied to and "
                   "back from instead of being recomputed (default: 16 on CUDA, at most an eighth of the free RAM "
                   "shared by the host's GPUs, "

@@ -705,7 +705,10 @@ def test_hello_carries_the_generation_configs_sampling_defaults(tmp_path: Path) 
     expected = [((), {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0, "repetition_penalty": 1.1,
                       "max_tokens": 512}),
                 (("--generation-config", "vllm"), {}),
-                (("--generation-config", str(other)), {"temperature": 0.3})]
+                (("--generation-config", str(other)), {"temperature": 0.3}),
+                # vLLM's --override-generation-config, over the file (null unsets a key)
+                (("--override-generation-config", '{"temperature": 0.2, "top_k": null}'),
+                 {"temperature": 0.2, "top_p": 0.95, "min_p": 0, "repetition_penalty": 1.1, "max_tokens": 512})]
     for args, defaults in expected:
         harness = Harness(model_dir, *args)
         try:

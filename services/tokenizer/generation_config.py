@@ -1,9 +1,10 @@
-"""The model's generation_config.json sampling fields: defaults for what a request leaves unset (vLLM's)."""
+"""The model's generation config sampling fields: defaults for what a request leaves unset (vLLM's)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -15,37 +16,70 @@ from pagoda.shared.messages import SamplingParams
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 FILE_NAME = "generation_config.json"
+MODEL_CONFIG_NAME = "config.json"
+# The values transformers 4 wrote into every config.json it saved (PretrainedConfig's generation attributes): vLLM's
+# fallback (GenerationConfig.from_model_config(...).to_diff_dict()) drops what equals GenerationConfig's defaults,
+# so an old config.json's top_k 50 is no default of anyone's requests.
+LEGACY_MODEL_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
-def sampling_defaults(model: str, generation_config: str) -> dict[str, float | int]:
+def sampling_defaults(model: str, generation_config: str,
+                      overrides: dict[str, Any] | None = None) -> dict[str, float | int]:
     """The SamplingParams fields the generation config sets (null keys are unset), checked as a request's are.
 
-    `generation_config`: "auto" reads the model folder's file (none there, as for a dummy shape: no defaults),
-    "vllm" reads nothing (SamplingParams' own defaults), anything else is a folder that must hold the file."""
-    if generation_config == "vllm":
-        return {}
-    if generation_config == "auto":
-        path = Path(model, FILE_NAME)
-        if not path.is_file():
-            return {}
-    else:
-        path = Path(generation_config, FILE_NAME)
-        if not path.is_file():
-            raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder with a {FILE_NAME}; there is "
-                              f"none in {generation_config!r}", param="generation_config")
+    `generation_config`: "auto" reads the model folder's generation_config.json, or without one (as vLLM falls back)
+    the sampling keys of its config.json (no folder, as for a dummy shape: no defaults); "vllm" reads nothing
+    (SamplingParams' own defaults); anything else is a folder read as "auto" reads the model's, which must hold one
+    of the two files. `overrides` (vLLM's --override-generation-config) is applied over what was read, also with
+    "vllm"; a null there unsets the key."""
+    config = {} if generation_config == "vllm" else _read(model if generation_config == "auto" else generation_config,
+                                                          must_exist=generation_config != "auto")
+    config.update(_checked_overrides(overrides or {}))
+    defaults = {field: config[key] for key, field in GENERATION_FIELDS.items() if config.get(key) is not None}
+    try:  # a bad value would otherwise fail every request that leaves the field unset, naming the client's field
+        SamplingParams(**defaults).validate()
+    except InvalidRequestError as exc:
+        overridden = any(GENERATION_FIELDS[key] == exc.param for key in overrides or {})
+        raise ConfigError(f"the generation config sets a sampling default SamplingParams refuses: {exc.message}",
+                          param="override_generation_config" if overridden else "generation_config") from None
+    return defaults
+
+
+def _read(folder: str, must_exist: bool) -> dict[str, Any]:
+    """The generation config keys of a folder: its generation_config.json, else its config.json's sampling keys that
+    transformers 4 did not write everywhere; {} for neither (ConfigError if must_exist)."""
+    path = Path(folder, FILE_NAME)
+    if path.is_file():
+        return _json_object(path)
+    model_path = Path(folder, MODEL_CONFIG_NAME)
+    if model_path.is_file():
+        config = _json_object(model_path)
+        return {key: config[key] for key in GENERATION_FIELDS
+                if key in config and config[key] != LEGACY_MODEL_DEFAULTS.get(key, object())}
+    if must_exist:
+        raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder with a {FILE_NAME} (or a "
+                          f"{MODEL_CONFIG_NAME}); there is neither in {folder!r}", param="generation_config")
+    return {}
+
+
+def _json_object(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {str(path)!r}: {exc}", param="generation_config") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{str(path)!r} does not hold a JSON object", param="generation_config")
-    defaults = {field: config[key] for key, field in GENERATION_FIELDS.items() if config.get(key) is not None}
-    try:  # a bad value would otherwise fail every request that leaves the field unset, naming the client's field
-        SamplingParams(**defaults).validate()
-    except InvalidRequestError as exc:
-        raise ConfigError(f"{str(path)!r} sets a sampling default SamplingParams refuses: {exc.message}",
-                          param="generation_config") from None
-    return defaults
+    return config
+
+
+def _checked_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --override-generation-config: only the keys it takes from a generation config (vLLM ignores the
+    others; here they are refused, naming the key)."""
+    unknown = sorted(set(overrides) - set(GENERATION_FIELDS))
+    if unknown:
+        raise ConfigError(f"override_generation_config key(s) {', '.join(map(repr, unknown))} are not sampling "
+                          f"defaults; the keys are {', '.join(GENERATION_FIELDS)}", param="override_generation_config")
+    return overrides
 
 
 def with_default_max_tokens(params: SamplingParams, defaults: dict[str, float | int], num_prompt_tokens: int,

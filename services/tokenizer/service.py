@@ -510,7 +510,8 @@ def run_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> N
     # llguidance's tokenizer is built in the constructor (LazyGrammarChecker), before registration: the build holds
     # the GIL for seconds on a loaded host (3.4 s seen), and a tokenizer registered meanwhile would miss its
     # heartbeats and be dropped with its first requests.
-    defaults = sampling_defaults(engine_config.model, engine_config.generation_config)  # a bad file: stop here
+    defaults = sampling_defaults(engine_config.model, engine_config.generation_config,  # a bad file: stop here
+                                 engine_config.generation_overrides())
     run_service(server_config, lambda: TokenizerService(server_config, load_tokenizer(engine_config),
                                                         block_size=engine_config.block_size,
                                                         fast_forward=engine_config.grammar_fast_forward,
