@@ -15,6 +15,11 @@ fi
 echo "== gpu tests: test_fp8.py -m gpu, test_qkv_prep.py (all, on the GPU where they use one)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_fp8.py -m gpu -rf --tb=short 2>&1 | tail -6
 timeout 150 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_qkv_prep.py -rf --tb=short 2>&1 | tail -6
-PHASES=split-k-ab OUT=$OUT bash bench/gpu_check.sh 2>&1 | grep -v "^NVIDIA\|^torch"
+# (gpu_check.sh's split-k-ab phase, inline: running gpu_check.sh again would reinstall the package without the
+# copied tables)
+echo "== llama3-8b fp8 decode step: split-K sums in kernels of their own / in the norms / also in qkv prep"
+timeout 300 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8 --batches 1,2,8,32,64 \
+  --context 512 --rounds 3 sum_kernels=PAGODA_FUSE_SPLIT_K=0 norms=PAGODA_FUSE_SPLIT_K=norms \
+  all=PAGODA_FUSE_SPLIT_K=1 2>&1 | tail -8
 echo "== moe fp8 sweep"
 timeout 200 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 | tail -30
