@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.params import GuidedDecodingParams, SamplingParams
+from pagoda.params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, PagodaError
 from pagoda.shared.messages import StructuredOutputs
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
-           "GuidedDecodingParams",
+           "GuidedDecodingParams", "RequestOutputKind",
            "RequestOutput", "CompletionOutput", "Logprob",
            "PagodaError", "InvalidRequestError", "ContextLengthError",
            "ModelNotFoundError", "__version__"]

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
+from pagoda.outputs import CompletionOutput, Counter, Gauge, Logprob, Metric, RequestOutput, StreamDelta
 from pagoda.services.grammar.compiler import GrammarChecker, ending_ids, fast_forward_tokens
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
@@ -103,6 +103,8 @@ class LLMEngine:
         self._silent: set[int] = set()  # seq ids whose running tokens a step without deltas leaves alone
         self._ids = itertools.count()
         self._grammars: GrammarChecker | None = None
+        self.num_prompt_tokens_total = 0  # prompt tokens of requests added (the server's pagoda_prompt_tokens)
+        self.num_generation_tokens_total = 0  # tokens sampled into completions (pagoda_generation_tokens)
         settle_heap("engine")
 
     # ---------------------------------------------------------------- requests
@@ -134,6 +136,7 @@ class LLMEngine:
                           arrival_time=time.monotonic(), priority=priority, forced_token_ids=forced)
         self.scheduler.check_prompt(request)  # the rest of Scheduler.validate: params were checked above
         self.scheduler.add_request(request)
+        self.num_prompt_tokens_total += len(token_ids)
         output = self._outputs[request_id] = RequestOutput(
             request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,
             outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
@@ -228,6 +231,7 @@ class LLMEngine:
             self._drop_inflight()
             self._end_failed()
             raise RuntimeError(f"the model step failed: {result.error}")
+        self.num_generation_tokens_total += sum(update.token_id >= 0 for update in updates)
         if result.failed:  # the worker dropped these alone (a refused value, a sampler or grammar error): "error"
             updates = self._fail_rows(result, updates)
         for update in updates:
@@ -238,6 +242,23 @@ class LLMEngine:
             return []
         return [self._apply(update, result) for update in updates
                 if update.has_token or update.finish_reason is not None]
+
+    def metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now, named as the server's /metrics names them (services/api/metrics.py):
+        requests running and waiting, the KV cache, prefix-cache lookups, preemptions, prompt and generated tokens."""
+        scheduler, blocks, stats = self.scheduler, self.scheduler.blocks, self.scheduler.stats
+        waiting = {seq.request.request_id for seq in scheduler.waiting if not seq.is_finished}
+        gauges = {"pagoda_num_requests_running": len({seq.request.request_id for seq in scheduler.running}),
+                  "pagoda_num_requests_waiting": len(waiting), "pagoda_kv_cache_usage_ratio": blocks.usage_ratio(),
+                  "pagoda_kv_blocks_free": blocks.num_free_blocks, "pagoda_kv_blocks_total": blocks.num_blocks}
+        counters = {"pagoda_prefix_cache_hit_tokens": stats.prefix_hit_tokens,
+                    "pagoda_prefix_cache_query_tokens": stats.prefix_query_tokens,
+                    "pagoda_num_preemptions": stats.num_preemptions,
+                    "pagoda_num_swapped_preemptions": stats.num_swapped,
+                    "pagoda_prompt_tokens": self.num_prompt_tokens_total,
+                    "pagoda_generation_tokens": self.num_generation_tokens_total}
+        return [*(Gauge(name, {}, float(value)) for name, value in gauges.items()),
+                *(Counter(name, {}, int(value)) for name, value in counters.items())]
 
     def _fail_rows(self, result: StepResult, updates: list[SeqUpdate]) -> list[SeqUpdate]:
         """The result's failed rows end with finish_reason "error" (the scheduler ended those it expected a token

@@ -8,7 +8,7 @@ from typing import Any
 
 import pagoda.params as vllm_params
 from pagoda.engine import LLMEngine, is_model_reference
-from pagoda.outputs import Logprob, RequestOutput, StreamDelta
+from pagoda.outputs import Logprob, Metric, RequestOutput, StreamDelta
 from pagoda.services.tokenizer.generation_config import sampling_defaults
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.shared.errors import InvalidRequestError
@@ -162,6 +162,12 @@ class LLM:
                                                      c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason,
                                                      c.stop_reason)
                                   for c in output.outputs]) for output in outputs]
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's metrics as Counter and Gauge objects (pagoda.outputs, the shapes of
+        vllm.v1.metrics.reader), named as the server's /metrics names them; always kept (vLLM's need
+        disable_log_stats=False)."""
+        return self.engine.metrics()
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every cached prefix block, so that the next run prefills from scratch (benchmarks call it

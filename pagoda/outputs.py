@@ -83,3 +83,25 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Metric:
+    """One series of LLM.get_metrics(), vLLM's shape (vllm.v1.metrics.reader.Metric): a name and its labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass(slots=True)
+class Counter(Metric):
+    """A count that only grows (vLLM's reader.Counter): the name is the Prometheus family's, without _total."""
+
+    value: int
+
+
+@dataclass(slots=True)
+class Gauge(Metric):
+    """A value now (vLLM's reader.Gauge)."""
+
+    value: float

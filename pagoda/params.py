@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from pagoda.services.protocol.vllm import check_guided_backend
@@ -68,6 +69,15 @@ class GuidedDecodingParams:
             raise InvalidRequestError(exc.message, param="guided_decoding") from None
 
 
+class RequestOutputKind(Enum):
+    """vLLM's (vllm.sampling_params.RequestOutputKind): what each RequestOutput of a request holds. LLM's generate and
+    chat return each request's output once, when it is done: FINAL_ONLY, the kind vLLM's LLM sets itself."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, kw_only=True):
     """shared.messages.SamplingParams as vLLM users write it: `stop` may be one string, None stands for an empty
     list or map, seed=-1 for no seed and logprobs=True for 1, and a bad value raises InvalidRequestError (a
@@ -80,6 +90,8 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
     detokenize: bool = True
     # vLLM's older name for structured_outputs (GuidedDecodingParams): moved there when normalized, as vLLM's
     guided_decoding: GuidedDecodingParams | None = None
+    # vLLM's engine-level output kind: only what LLM does (each request's output once, when it is done)
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -103,6 +115,11 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
                                           "vLLM's older name for it)", param="guided_decoding")
             self.structured_outputs = self.guided_decoding.structured_outputs()
             self.guided_decoding = None
+        if getattr(self.output_kind, "name", None) != "FINAL_ONLY":  # vLLM's own enum member passes too
+            raise InvalidRequestError(f"output_kind {self.output_kind} is not supported: LLM.generate and chat return "
+                                      "each request's output once, when it is done (RequestOutputKind.FINAL_ONLY, "
+                                      "which vLLM's LLM sets itself); CUMULATIVE and DELTA outputs are for "
+                                      "streaming engines", param="output_kind")
         if self.bad_words_token_ids:  # vLLM's is private (_bad_words_token_ids): set by the engine alone
             raise InvalidRequestError("bad_words_token_ids is made by the engine from bad_words; give bad_words",
                                       param="bad_words_token_ids")

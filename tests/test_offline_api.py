@@ -522,3 +522,36 @@ def test_reset_prefix_cache_makes_the_next_run_cold(llm: LLM) -> None:
     assert llm.reset_prefix_cache() is True
     cold = llm.generate([prompt], STILL_SERVES)[0]
     assert cold.num_cached_tokens == 0 and cold.outputs[0].text == first.outputs[0].text
+
+
+def test_output_kind_is_taken_at_what_generate_returns(llm: LLM) -> None:
+    """vLLM's RequestOutputKind: LLM returns each request's output once, when it is done (FINAL_ONLY, which vLLM's
+    LLM sets itself); the streaming kinds are refused naming output_kind, also when set after construction."""
+    from pagoda import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY)
+    assert llm.generate("Hello", params)[0].outputs[0].finish_reason == "length"
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        with pytest.raises(InvalidRequestError) as caught:
+            SamplingParams(output_kind=kind)
+        assert caught.value.param == "output_kind"
+    params.output_kind = RequestOutputKind.DELTA
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.generate("Hello", params)
+    assert caught.value.param == "output_kind"
+
+
+def test_get_metrics_are_the_engines_counters(llm: LLM) -> None:
+    """vLLM's LLM.get_metrics(): Counter and Gauge objects, named as the server's /metrics, counting what ran."""
+    from pagoda.outputs import Counter, Gauge
+
+    before = {m.name: m.value for m in llm.get_metrics()}
+    prompt_ids = llm.get_tokenizer().encode("The quick brown fox")
+    llm.generate([prompt_ids, prompt_ids], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    after = {m.name: m for m in llm.get_metrics()}
+    assert isinstance(after["pagoda_generation_tokens"], Counter) and isinstance(after["pagoda_kv_blocks_total"], Gauge)
+    assert after["pagoda_generation_tokens"].value - before["pagoda_generation_tokens"] == 6
+    assert after["pagoda_prompt_tokens"].value - before["pagoda_prompt_tokens"] == 2 * len(prompt_ids)
+    assert after["pagoda_num_requests_running"].value == after["pagoda_num_requests_waiting"].value == 0
+    assert after["pagoda_kv_blocks_total"].value == llm.engine.scheduler.blocks.num_blocks > 0
+    assert after["pagoda_prefix_cache_query_tokens"].value >= before["pagoda_prefix_cache_query_tokens"]
