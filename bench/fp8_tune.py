@@ -182,19 +182,25 @@ def compile_tiles(n: int, k: int, bucket: int, tiles: list[dict[str, Any]]) -> i
 
 
 def precompile(n: int, k: int, buckets: tuple[int, ...], pool: str, jobs: int,
-               executor: Executor | None = None) -> int:
+               executor: Executor | None = None,
+               compile_fn: Callable[[int, int, int, list[dict[str, Any]]], int] | None = None,
+               candidates_of: Callable[[int], list[Any]] | None = None) -> int:
     """Compile every candidate of the buckets in `jobs` parts before tune_shape times them (serially the compiles
     dominate a retune: one pool of one bucket is ~180 tile sets). By default in `jobs` spawned processes, each its
-    own CUDA context; returns how many launched."""
+    own CUDA context; returns how many launched. compile_fn (a module-level function: it is pickled to the
+    processes) and candidates_of default to this tuner's compile_tiles and POOLS[pool]; bench/gemv_tune passes
+    its 16-bit ones."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     from pagoda.kernels import fp8_weight_only as w8
 
-    work = [(bucket, [w8.tiles_to_json(t) for t in POOLS[pool](bucket)[part::jobs]])
+    compile_fn = compile_fn or compile_tiles
+    candidates_of = candidates_of or POOLS[pool]
+    work = [(bucket, [w8.tiles_to_json(t) for t in candidates_of(bucket)[part::jobs]])
             for bucket in buckets for part in range(jobs)]
     with executor or ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as running:
-        futures = [running.submit(compile_tiles, n, k, bucket, tiles) for bucket, tiles in work if tiles]
+        futures = [running.submit(compile_fn, n, k, bucket, tiles) for bucket, tiles in work if tiles]
         return sum(future.result() for future in futures)
 
 

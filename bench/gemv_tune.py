@@ -1,7 +1,8 @@
 """The 16-bit GEMV (kernels/gemv.py, PAGODA_DENSE_GEMV=1) on one GPU: tune its tiles per linear layer and M bucket
 (1 to 256 rows) against torch's linear (cuBLAS), and keep it only where it wins.
 
-    python -m pagoda.bench.gemv_tune [--models llama3-8b,qwen3-0.6b,deepseek-v2-lite] [--buckets 1,2,4,8] [--out $OUT]
+    python -m pagoda.bench.gemv_tune [--models llama3-8b,qwen3-0.6b,deepseek-v2-lite] [--buckets 1,2,4,8]
+        [--layers aq,o] [--compile-jobs 16] [--out $OUT]
 
 For every bf16 linear layer of the models (attention projections, a dense MLP where the model has one;
 linear_shapes), every candidate tile set of the W8A16 tuner that multiplies 16-bit weights (bench/fp8_tune.candidates
@@ -11,6 +12,8 @@ through enough weight copies (>= 256 MB) that none is in L2. The best is kept wh
 entry says "cublas" and the layer stays on torch's linear. The best tiles are also timed launched as a single-token
 step launches them under PAGODA_DENSE_GEMV=1 (programmatic dependent launch, each launch overlapping the previous
 one's tail: `chained_us`), which cuBLAS cannot do. The committed table's entries for other buckets are kept.
+Every candidate of a layer is compiled first in --compile-jobs spawned processes (fp8_tune.precompile: serially,
+a decode bucket's ~114 tensor-core tile sets a layer take minutes to compile); --layers keeps the named layers.
 
 Writes gemv_tune.json (every row) and dense_table.json (commit it as
 kernels/gemv_configs/dense,device=<GPU name>,triton=<version>.json) under --out or $OUT.
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.fp8_tune import ROTATE_BYTES, W8A8_MARGIN, _cosine, _in_pdl_chain, candidates, rotating_us
+from pagoda.bench.fp8_tune import ROTATE_BYTES, W8A8_MARGIN, _cosine, _in_pdl_chain, candidates, precompile, rotating_us
 from pagoda.bench.report import write_json
 from pagoda.kernels.fp8_weight_only import M_BUCKETS
 from pagoda.shared.shapes import SHAPES, ModelArch
@@ -59,6 +62,26 @@ def linear_shapes(arch: ModelArch) -> list[tuple[str, int, int]]:
     if arch.moe is None or len(arch.moe.sparse_layers) < arch.num_layers:
         shapes += [("gate_up", 2 * arch.intermediate_size, h), ("down", h, arch.intermediate_size)]
     return shapes
+
+
+def compile_dense_tiles(n: int, k: int, bucket: int, tiles: list[dict[str, Any]]) -> int:
+    """fp8_tune.compile_tiles for the 16-bit GEMV: launch it once with each tile set at (M=bucket, N=n, K=k) as
+    tune_layer launches it (bf16, contiguous), filling Triton's on-disk cache; a tile set the device refuses is
+    skipped. Returns how many launched."""
+    from pagoda.kernels import gemv
+    from pagoda.kernels.fp8_weight_only import tiles_from_json
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.zeros(bucket, k, dtype=torch.bfloat16, device=device)  # [M, K]
+    weight = torch.zeros(n, k, dtype=torch.bfloat16, device=device)  # [N, K]
+    launched = 0
+    for entry in tiles:
+        try:
+            gemv.dense_gemv(x, weight, tiles=tiles_from_json(entry))
+            launched += 1
+        except Exception:  # noqa: BLE001 - out of shared memory or registers: tune_layer reports it
+            continue
+    return launched
 
 
 def _copies(n: int, k: int) -> list[torch.Tensor]:
@@ -111,6 +134,9 @@ def main() -> int:
     parser.add_argument("--models", default="llama3-8b,qwen3-0.6b,deepseek-v2-lite",
                         help="comma-separated dummy shapes (pagoda.shared.shapes.SHAPES)")
     parser.add_argument("--buckets", default="1,2,4,8", help=f"M buckets, of {BUCKETS}")
+    parser.add_argument("--layers", default="", help="comma-separated layer names (linear_shapes); default all")
+    parser.add_argument("--compile-jobs", type=int, default=min(16, os.cpu_count() or 1),
+                        help="processes compiling a layer's candidates before they are timed (1: none)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results/gemv_tune"))
     args = parser.parse_args()
     from pagoda.kernels import gemv
@@ -131,9 +157,15 @@ def main() -> int:
     seen: set[tuple[int, int]] = set()
     for model in args.models.split(","):
         for name, n, k in linear_shapes(SHAPES[model]):
-            if (n, k) in seen:
+            if (n, k) in seen or (args.layers and name not in args.layers.split(",")):
                 continue
             seen.add((n, k))
+            if args.compile_jobs > 1:
+                compiled_at = time.time()
+                launched = precompile(n, k, buckets, "all", args.compile_jobs, compile_fn=compile_dense_tiles,
+                                      candidates_of=dense_candidates)
+                print(f"precompiled {model} {name}: {launched} tile sets in {time.time() - compiled_at:.0f} s "
+                      f"({args.compile_jobs} processes)", flush=True)
             for row in tune_layer(name, n, k, buckets):
                 rows.append({"model": model, **row})
                 table[f"{n},{k},{row['M']}"] = {"cublas": True} if row["choice"] == "cublas" else row["tiles"]

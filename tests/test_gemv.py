@@ -173,6 +173,37 @@ def test_tuner_candidates_take_16_bit_weights_at_every_bucket() -> None:
             assert all(t.use_dot for t in tiles) and any(t.swap_ab for t in tiles), bucket
 
 
+def test_tuner_precompiles_16_bit_candidates_in_parts() -> None:
+    """bench/gemv_tune compiles a layer's candidates through fp8_tune.precompile with its own compile function (16-bit
+    weights, no scales: another specialisation of the kernel than the FP8 tuner's), split into `jobs` parts; a
+    tile set the kernel refuses is skipped, not fatal. Inline here (the interpreter), spawned processes on the GPU."""
+    from concurrent.futures import Executor, Future
+
+    from pagoda.bench import fp8_tune
+    from pagoda.bench.gemv_tune import compile_dense_tiles
+    from pagoda.kernels.fp8_weight_only import tiles_to_json
+
+    class Inline(Executor):
+        def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204
+            future: Future = Future()
+            future.set_result(fn(*args, **kwargs))
+            return future
+
+    fits = GemvTiles(block_m=1, block_n=16, block_k=64)
+    refused = GemvTiles(block_m=1, block_n=16, block_k=64, use_dot=True)  # tensor cores need 16 rows
+    assert compile_dense_tiles(32, 128, 1, [tiles_to_json(t) for t in (fits, refused)]) == 1
+    jobs: list[tuple[int, int]] = []
+
+    def counting(n: int, k: int, bucket: int, tiles: list[dict]) -> int:
+        jobs.append((bucket, len(tiles)))
+        return compile_dense_tiles(n, k, bucket, tiles)
+
+    launched = fp8_tune.precompile(32, 128, (1, 2), "all", 2, Inline(), compile_fn=counting,
+                                   candidates_of=lambda bucket: [fits, refused, fits][:bucket + 1])
+    assert launched == 1 + 2  # bucket 1: [fits, refused]; bucket 2: [fits, refused, fits]
+    assert sorted(jobs) == [(1, 1), (1, 1), (2, 1), (2, 2)]
+
+
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3", "tiny-moe", "tiny-deepseek-v3"])
 def test_tuner_shapes_are_the_models_linear_weights(shape: str) -> None:
     """bench/gemv_tune tunes (N, K) pairs the model really multiplies by: each is one of its 2-D weights."""

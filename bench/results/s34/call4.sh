@@ -8,8 +8,9 @@ OUT=${OUT:-/tmp/out}
 PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tests-path TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-timeout 240 python3 -m pagoda.bench.gemv_tune --models deepseek-v2-lite --buckets 128,256 --out "$OUT/gemv_tune" 2>&1 \
-  | grep -E "^tune|tuned" | cut -c1-220
+timeout 280 python3 -m pagoda.bench.gemv_tune --models deepseek-v2-lite --layers aq,o --buckets 128,256 \
+  --out "$OUT/gemv_tune" 2>&1 \
+  | grep -E "^tune|tuned|^precompiled" | cut -c1-220
 table=$(python3 -c "import torch; from pagoda.kernels import gemv
 print(gemv.config_name(torch.cuda.get_device_name().replace(' ', '_')))")
 cp "$OUT"/gemv_tune/dense_table.json "/tmp/site/pagoda/kernels/gemv_configs/$table" && echo "installed $table"
