@@ -21,7 +21,14 @@ timeout 170 python3 -m pagoda.bench.step_ab --model llama3-8b --quantization fp8
   --context 512 --rounds 3 sum_kernels=PAGODA_FUSE_SPLIT_K=0 norms=PAGODA_FUSE_SPLIT_K=norms \
   all=PAGODA_FUSE_SPLIT_K=1 2>&1 | tail -8
 echo "== moe fp8 sweep [$(( $(date +%s) - start )) s]"
-timeout 130 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 | tail -26
+timeout 130 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 | tee "$OUT/moe_fp8_sweep.txt" \
+  | python3 -c "import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'):
+        print(line.rstrip()[:300]); continue
+    r = json.loads(line)
+    print(f\"{r['shape'][:14]:14s} T={r['tokens']:5d} bf16 {r['bf16_us']:8.1f} ({r['bf16_hbm_fraction']:.2f}) fp8 \"
+          f\"{r['fp8_us']:8.1f} ({r['fp8_hbm_fraction']:.2f}) {r['speedup_fp8']:.2f}x err {r['fp8_rel_err']:.4f}\")" | grep -v Warn
 left=$(( 585 - ($(date +%s) - start) ))
 echo "== [$(( $(date +%s) - start )) s, $left s left]"
 if [[ $card == NVIDIA_H200 && $left -gt 120 ]]; then
