@@ -56,6 +56,22 @@ def test_overrides_are_set_over_the_generation_config(tmp_path: Path) -> None:
     assert caught.value.param == "generation_config"  # the file's value, not the flag's
 
 
+def test_a_boolean_where_a_number_belongs_stops_the_start(tmp_path: Path) -> None:
+    """JSON true / false are Python ints: as a default they passed SamplingParams' checks (top_k True, max_tokens
+    True), then every tokenizer's announcement of its defaults was dropped as a malformed frame (the wire's values
+    are numbers) and the server started with no live tokenizer. Refused as any bad value is, naming the source."""
+    model = _folder(tmp_path / "model", generation_config={"temperature": 0.6})
+    for key in ("top_k", "max_new_tokens", "temperature"):
+        for value in (True, False):
+            with pytest.raises(ConfigError) as caught:
+                sampling_defaults(model, "auto", {key: value})
+            assert caught.value.param == "override_generation_config" and key in caught.value.message
+    in_file = _folder(tmp_path / "in_file", generation_config={"top_k": True})
+    with pytest.raises(ConfigError) as caught:
+        sampling_defaults(in_file, "auto")
+    assert caught.value.param == "generation_config"
+
+
 def test_the_flag_and_the_keyword_reach_the_engine_config() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -35,6 +35,12 @@ def sampling_defaults(model: str, generation_config: str,
     config = {} if generation_config == "vllm" else _read(model if generation_config == "auto" else generation_config,
                                                           must_exist=generation_config != "auto")
     config.update(_checked_overrides(overrides or {}))
+    # JSON true / false are Python ints that SamplingParams' checks let through (top_k True), but the wire's
+    # defaults are numbers: every tokenizer's announcement of them would be dropped as a malformed frame
+    flag = next((key for key in GENERATION_FIELDS if isinstance(config.get(key), bool)), None)
+    if flag is not None:
+        raise ConfigError(f"the generation config's {flag} is {json.dumps(config[flag])}; it must be a number",
+                          param="override_generation_config" if flag in (overrides or {}) else "generation_config")
     defaults = {field: config[key] for key, field in GENERATION_FIELDS.items() if config.get(key) is not None}
     try:  # a bad value would otherwise fail every request that leaves the field unset, naming the client's field
         SamplingParams(**defaults).validate()
