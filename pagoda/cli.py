@@ -41,8 +41,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.launcher import serve
+    from pagoda.shared.errors import ConfigError
 
-    return serve(engine_config_from_args(args), server_config_from_args(args))
+    try:  # a bad flag or PAGODA_* value is the operator's error: said as the launcher says its own, no traceback
+        engine_config, server_config = engine_config_from_args(args), server_config_from_args(args)
+    except ConfigError as exc:
+        print(f"pagoda: error: {exc.message}", file=sys.stderr)
+        return 2
+    return serve(engine_config, server_config)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:

@@ -94,3 +94,11 @@ def test_the_offline_engine_takes_the_overrides() -> None:
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.3, max_tokens=2)
     [output] = llm.generate([[5, 6, 7]])
     assert len(output.outputs[0].token_ids) <= 2
+
+
+def test_pagoda_serve_with_bad_override_json_says_so_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagoda.cli import main
+
+    assert main(["serve", "--override-generation-config", '{"temperature": ']) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("pagoda: error: override_generation_config is not valid JSON") and "Traceback" not in error
