@@ -171,3 +171,16 @@ def test_server_refuses_bad_words_it_cannot_honour(smollm2_server: Server, body:
                           json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "bad_words"
+
+
+@pytest.mark.slow
+def test_server_fails_a_grammar_row_whose_bad_words_ban_all_it_allows(smollm2_server: Server) -> None:
+    """A choice whose every start is banned: a 400 naming bad_words (it was a 200 whose text the grammar forbids:
+    the sampler drew token 0 with every allowed token banned); the other choice still comes out when one is left."""
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "guided_choice": ["Paris"], "bad_words": ["Paris"]}
+    response = httpx.post(smollm2_server.url + "/v1/completions", timeout=60, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "bad_words" and "no token that the structured output allows" in error["message"]
+    left = _completion(smollm2_server, guided_choice=["Paris", "Lyon"], bad_words=["Paris"], max_tokens=5)
+    assert left["choices"][0]["text"] == "Lyon"

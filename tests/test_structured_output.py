@@ -183,6 +183,45 @@ def test_a_row_left_without_a_token_fails_unsampled(ll: llguidance.LLTokenizer, 
     assert [t for t in range(tokenizer.vocab_size) if _allowed(masks[1][0], t)] == [tokenizer.eos_token_id]
 
 
+def test_bad_words_narrow_a_grammar_row_and_fail_it_when_they_ban_all_it_allows(ll: llguidance.LLTokenizer,
+                                                                               tokenizer: Tokenizer) -> None:
+    """bad_words on a grammar row: the mask leaves out what the sampler bans this step (a one-token word always, a
+    longer one after its other tokens, also after a recompute), and a row whose words ban every token its grammar
+    allows fails (take_failures, NO_WORD_LEFT: a 400 naming bad_words) instead of sampling outside the grammar."""
+    from pagoda.services.worker.grammar import NO_WORD_LEFT, row_failure
+
+    vocab = tokenizer.vocab_size
+    cities = StructuredOutputs(choice=["Paris, France", "Lyon"])
+    first = tokenizer.encode("Paris, France", add_special_tokens=False)[0]
+
+    def with_words(seq_id: int, words: list[list[int]], generated: list[int] = ()) -> NewRequest:  # type: ignore
+        return msgspec.structs.replace(_new(seq_id, [1, 2], list(generated), cities), sampling=SamplingParams(
+            structured_outputs=cities, bad_words=["w"] * len(words), bad_words_token_ids=words))
+
+    def allowed_ids(rows: GrammarRows, seq_id: int) -> set[int]:
+        masks = rows.bitmask([seq_id])
+        assert masks is not None
+        return {t for t in range(vocab) if _allowed(masks[1][0], t)}
+
+    free = _rows(ll, vocab)
+    free.apply(StepPlan(0, [], [], new_requests=[_new(1, [1, 2], [], cities), _new(2, [1, 2], [first], cities)]))
+    starts, after = allowed_ids(free, 1), allowed_ids(free, 2)  # the grammar's own first and second masks
+    assert first in starts and len(starts) > 1 and after and free.take_failures() == []
+    rows = _rows(ll, vocab)
+    rows.apply(StepPlan(0, [], [], new_requests=[
+        with_words(3, [[first]]),  # one token: never allowed, the grammar's other start stays
+        with_words(4, [[t] for t in starts]),  # every token that can start: no token left
+        with_words(5, [[first, t] for t in after]),  # "Paris" then anything that goes on: fails after "Paris"
+        with_words(6, [[first, t] for t in after], generated=[first])]))  # the same, recomputed after "Paris"
+    assert allowed_ids(rows, 3) == starts - {first} and rows.take_failures() == []
+    assert rows.bitmask([4]) is not None and rows.take_failures() == [(4, NO_WORD_LEFT)]
+    assert allowed_ids(rows, 5) == starts and rows.take_failures() == []
+    rows.accept([5], [first])
+    assert rows.bitmask([5, 6]) is not None and rows.take_failures() == [(5, NO_WORD_LEFT), (6, NO_WORD_LEFT)]
+    failure = row_failure(4, NO_WORD_LEFT)
+    assert failure.status == 400 and failure.param == "bad_words"
+
+
 def test_recomputed_sequence_gets_the_same_mask_as_one_that_never_left(ll: llguidance.LLTokenizer,
                                                                        tokenizer: Tokenizer) -> None:
     constraint = StructuredOutputs(json={"type": "object", "properties": {"name": {"type": "string"}},

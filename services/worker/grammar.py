@@ -13,6 +13,9 @@ Lifecycle (see services/grammar/compiler.py for the whole path):
   the host straight into a reused (pinned) buffer, with the `[B]` flags and the batch rows [K] it belongs to:
   only those K rows are copied to the device. A step with no grammar row does no work at all.
 - `accept(seq_ids, token_ids)`: the sampled tokens advance the matchers.
+- bad_words on a row with a grammar: the mask also leaves out the ids the sampler bans this step (SamplingState's
+  rule, from the row's last generated ids, which its matcher sees too), so a grammar that allows only banned
+  tokens fails the row (a 400 naming bad_words) instead of letting the sampler draw a token the grammar forbids.
 Masks fill and matchers advance in parallel on llguidance's executor (it releases the GIL), sized from the
 CPUs this process may run on (os.sched_getaffinity), for batches of PARALLEL_ROWS rows or more.
 
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -107,15 +110,40 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
 # why a constrained row that its allow-list leaves without a token fails (the tokenizer refuses a list that fits
 # no start of the grammar; a later token can still fall outside it)
 NO_TOKEN_LEFT = "allowed_token_ids leave no token that the structured output allows next"
+# why a constrained row whose bad_words ban every token its grammar allows next fails
+NO_WORD_LEFT = "bad_words leave no token that the structured output allows next"
 # the failures that come from the request's own values, with the field to name (a 400); any other reason is the
 # grammar process's failure (a 500). The reasons cross from the grammar process as text.
-REQUEST_FAULTS = {NO_TOKEN_LEFT: "allowed_token_ids"}
+REQUEST_FAULTS = {NO_TOKEN_LEFT: "allowed_token_ids", NO_WORD_LEFT: "bad_words"}
 
 
 def row_failure(seq_id: int, why: str) -> RowFailure:
     """A constrained row's failure as the step result reports it."""
     param = REQUEST_FAULTS.get(why)
     return RowFailure(seq_id, 400 if param is not None else 500, why, param or "")
+
+
+@dataclass(slots=True)
+class BadWords:
+    """A grammar row's bad_words token sequences and its last generated ids (as many as the longest word's
+    prefix), advanced with the tokens its matcher consumes."""
+
+    words: list[list[int]]
+    recent: deque[int]
+
+    @classmethod
+    def of(cls, new: NewRequest) -> BadWords:
+        words = [list(ids) for ids in new.sampling.bad_words_token_ids]
+        recent: deque[int] = deque(maxlen=max(len(ids) for ids in words) - 1)
+        recent.extend(new.token_ids[new.num_prompt_tokens:])
+        return cls(words, recent)
+
+    def banned(self) -> list[int]:
+        """The ids banned next (SamplingState._bad_word_bans): each word's last id where the generated ids end
+        with its others; a one-id word always."""
+        tail = list(self.recent)
+        return [ids[-1] for ids in self.words
+                if len(ids) - 1 <= len(tail) and tail[len(tail) - (len(ids) - 1):] == ids[:-1]]
 
 
 @dataclass(slots=True)
@@ -150,7 +178,8 @@ class GrammarRows:
         self.pin_memory = pin_memory
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._flip = 0
-        self._no_token: list[int] = []  # sequences whose grammar and allow-list left no token (take_failures)
+        self._no_token: list[tuple[int, str]] = []  # (sequence, why): its mask left no token (take_failures)
+        self._bad_words: dict[int, BadWords] = {}  # grammar rows with bad_words: sequence id -> words and window
         self._eos: torch.Tensor | None = None  # [W] the EOS ids' bits, once a row needs them
 
     @property
@@ -170,12 +199,14 @@ class GrammarRows:
         self._seqs.clear()
         self._allowed.clear()
         self._no_token.clear()
+        self._bad_words.clear()
 
     def take_failures(self) -> list[tuple[int, str]]:
-        """Sequences the last bitmask() found with no token left: their grammar's mask and their allowed_token_ids
-        share none (the runner ends them with an error, unsampled)."""
+        """Sequences the last bitmask() found with no token left, and why: their grammar's mask and their
+        allowed_token_ids share none, or their bad_words ban all it allows (the runner ends them with an error,
+        unsampled)."""
         failed, self._no_token = self._no_token, []
-        return [(seq_id, NO_TOKEN_LEFT) for seq_id in failed]
+        return failed
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
@@ -189,10 +220,12 @@ class GrammarRows:
         for seq_id in seq_ids:
             self._seqs.pop(seq_id, None)
             self._allowed.pop(seq_id, None)
+            self._bad_words.pop(seq_id, None)
 
     def add(self, new: NewRequest) -> None:
         self._seqs.pop(new.seq_id, None)
         self._allowed.pop(new.seq_id, None)
+        self._bad_words.pop(new.seq_id, None)
         if new.sampling.allowed_token_ids:
             self._allowed[new.seq_id] = allowed_bitmask(new.sampling.allowed_token_ids, self.vocab_size)
         constraint = new.sampling.structured_outputs
@@ -200,6 +233,8 @@ class GrammarRows:
             return
         seq = SeqGrammar(constraint, None)
         self._seqs[new.seq_id] = seq
+        if new.sampling.bad_words_token_ids:
+            self._bad_words[new.seq_id] = BadWords.of(new)
         if not constraint.reasoning_end:
             seq.compiling = self._compile(constraint)  # on a thread: this step's launch does not wait for it
         generated = new.token_ids[new.num_prompt_tokens:]
@@ -234,18 +269,24 @@ class GrammarRows:
         filled = {i for _, i in picked}
         for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
             if i in filled:
-                self._narrow(mask[slot[i]], allowed, seq_ids[i])
+                self._narrow(mask[slot[i]], allowed, seq_ids[i], NO_TOKEN_LEFT)
             else:
                 mask[slot[i]] = allowed
+        if self._bad_words:
+            for i in filled:
+                words = self._bad_words.get(seq_ids[i])
+                banned = words.banned() if words is not None else []
+                if banned:  # the sampler bans these too; here a grammar left with none of its tokens fails
+                    self._narrow(mask[slot[i]], ~allowed_bitmask(banned, self.vocab_size), seq_ids[i], NO_WORD_LEFT)
         rows_index = np.asarray(index, dtype=np.int64)  # [K]
         flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
         flags[rows_index] = True
         return flags, mask, rows_index
 
-    def _narrow(self, row: torch.Tensor, allowed: torch.Tensor, seq_id: int) -> None:
+    def _narrow(self, row: torch.Tensor, allowed: torch.Tensor, seq_id: int, why: str) -> None:
         """row [W] (the grammar's mask) &= allowed [W]. Where they share no token: a grammar that may end here keeps
-        its EOS (the completion ends, as it must, whatever the list says); else the row fails (take_failures), as
-        sampling would break one of the two."""
+        its EOS (the completion ends, as it must, whatever the list says); else the row fails for `why`
+        (take_failures), as sampling would break one of the two."""
         narrowed = row & allowed
         if narrowed.any():
             row.copy_(narrowed)
@@ -254,7 +295,7 @@ class GrammarRows:
         if ends.any():
             row.copy_(ends)
         else:
-            self._no_token.append(seq_id)
+            self._no_token.append((seq_id, why))
 
     def _eos_mask(self) -> torch.Tensor:
         """[W] int32: the tokenizer's EOS ids (a row with a matcher has a tokenizer)."""
@@ -267,6 +308,10 @@ class GrammarRows:
         """Advance each constrained sequence with its sampled token."""
         if not self._seqs:
             return
+        if self._bad_words:
+            for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+                if (words := self._bad_words.get(seq_id)) is not None:
+                    words.recent.append(token_id)
         rows = [(seq_id, seq, token_id) for seq_id, token_id in zip(seq_ids, token_ids, strict=True)
                 if (seq := self._seqs.get(seq_id)) is not None]
         waiting = [row for row in rows if row[1].compiling is not None and not row[1].compiling.done()]
