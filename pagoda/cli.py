@@ -151,7 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    from pagoda.shared.errors import ConfigError
+
+    try:  # a PAGODA_* value that is not its field's type fails while the flags' defaults are built
+        parser = build_parser()
+    except ConfigError as exc:
+        print(f"pagoda: error: {exc.message}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return int(args.func(args) or 0)

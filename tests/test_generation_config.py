@@ -102,3 +102,14 @@ def test_pagoda_serve_with_bad_override_json_says_so_without_a_traceback(capsys:
     assert main(["serve", "--override-generation-config", '{"temperature": ']) == 2
     error = capsys.readouterr().err
     assert error.startswith("pagoda: error: override_generation_config is not valid JSON") and "Traceback" not in error
+
+
+def test_pagoda_serve_with_a_bad_environment_value_says_so_without_a_traceback(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PAGODA_* value of the wrong type fails while the flags' defaults are read, before any flag is parsed."""
+    from pagoda.cli import main
+
+    monkeypatch.setenv("PAGODA_MAX_NUM_SEQS", "abc")
+    assert main(["serve"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("pagoda: error: PAGODA_MAX_NUM_SEQS='abc' is not a valid int") and "Traceback" not in error
