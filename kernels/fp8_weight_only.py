@@ -79,7 +79,7 @@ class DeferredSum:
 
 
 @triton.jit
-def _pow2_scale(amax):
+def pow2_scale(amax):
     """(scale, 1 / scale) for fp32 amax >= 0: the smallest power of two with amax / scale <= 448 (amax at least
     FP8_MIN_AMAX), built from amax's exponent and mantissa bits: no division, and x * (1 / scale) is exact, so the
     e4m3 codes are x / scale rounded once (reference.pow2_act_scales)."""
@@ -112,7 +112,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
     rounded as activation.silu_and_mul computes it, so one launch replaces that kernel and this one.
     ACT_FP8 (tensor-core tiles, e4m3 weights): W8A8 with the activation quantized where it is loaded, no quantize
     kernel of its own: each [BLOCK_M, BLOCK_K] tile of x is scaled per row by a power of two that brings its amax
-    to at most 448 (_pow2_scale) and cast to e4m3, the dot runs on fp8 tensor cores with the weight tile as loaded
+    to at most 448 (pow2_scale) and cast to e4m3, the dot runs on fp8 tensor cores with the weight tile as loaded
     (no conversion), and the fp32 product is multiplied by the row scales of that K step (scales per row and
     BLOCK_K columns: reference.fp8_act_tile_linear). Every program of an N column quantizes the same x tiles again
     (they are read from L2)."""
@@ -163,7 +163,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, bias_ptr, M, N, K,
         else:
             if ACT_FP8:  # x_scale [BM]: this K step's row scales; x_op e4m3 codes (their fp32 values for FP32_DOT)
                 xf = x.to(tl.float32)
-                x_scale, x_inverse = _pow2_scale(tl.max(tl.abs(xf), 1))  # [BM] each
+                x_scale, x_inverse = pow2_scale(tl.max(tl.abs(xf), 1))  # [BM] each
                 x_op = cast_e4m3(xf * x_inverse[:, None], HW_CAST)  # exact scaling, |.| <= 448: no clamp
                 w_op = w
                 if FP32_DOT:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache, partial
@@ -31,7 +32,8 @@ from triton.runtime.errors import OutOfResources
 
 from pagoda.kernels import pdl
 from pagoda.kernels.activation import silu_and_mul
-from pagoda.kernels.fp8_weight_only import DeferredSum
+from pagoda.kernels.fp8 import cast_e4m3, hw_cast
+from pagoda.kernels.fp8_weight_only import DeferredSum, pow2_scale
 
 log = logging.getLogger(__name__)
 
@@ -636,6 +638,33 @@ def _load_weight_tile(w_ptrs, scale_ptrs, k_left, offs_k, n_mask, k0, IS_FP8: tl
     return w
 
 
+@triton.jit
+def _quantize_act_tile(a, HW_CAST: tl.constexpr, FP32_DOT: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] activation tile as e4m3 codes with one power-of-two scale a row (amax to at most 448:
+    exact scaling, as the W8A16 kernel's act_fp8 tiles): (codes, or their fp32 values for FP32_DOT; scales [BM])."""
+    af = a.to(tl.float32)
+    scale, inverse = pow2_scale(tl.max(tl.abs(af), 1))  # [BM] each
+    codes = cast_e4m3(af * inverse[:, None], HW_CAST)
+    if FP32_DOT:
+        codes = codes.to(tl.float32)
+    return codes, scale
+
+
+@triton.jit
+def _act_fp8_step(acc, a_q, a_scale, w_ptrs, scale_ptrs, k_left, offs_k, n_mask, k0, GROUP_K: tl.constexpr,
+                  stride_sg, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc [BM, BN] += (a_q @ W tile) * row scales * the weight tile's scales: the e4m3 tile as loaded on fp8 tensor
+    cores (its fp32 values under FP32_DOT: Triton's interpreter, fp32 models)."""
+    if EVEN_K and EVEN_N:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
+    if FP32_DOT:
+        w = w.to(tl.float32)
+    w_scale = tl.load(scale_ptrs + (k0 // GROUP_K) * stride_sg, mask=n_mask, other=0.0)  # [BN]
+    return acc + tl.dot(a_q, w) * a_scale[:, None] * w_scale[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # the batch's pair count: one variant for every count
 def _moe_gemm_kernel(
         a_ptr, w_ptr, scale_ptr, out_ptr, sorted_pairs_ptr, tile_experts_ptr, num_padded_ptr, topk_weights_ptr,
@@ -646,8 +675,12 @@ def _moe_gemm_kernel(
         FUSE_SILU: tl.constexpr,  # W holds [gate; up] rows (N each): out = silu(x @ gate.T) * (x @ up.T)
         MUL_WEIGHT: tl.constexpr,  # scale each output row by its pair's routing weight
         IS_FP8: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[pair, n] = act(A[row(pair)] @ W[expert(pair)].T)[n] for the BLOCK_M pairs of one tile."""
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        ACT_FP8: tl.constexpr = False, HW_CAST: tl.constexpr = True, FP32_DOT: tl.constexpr = False):
+    """out[pair, n] = act(A[row(pair)] @ W[expert(pair)].T)[n] for the BLOCK_M pairs of one tile.
+    ACT_FP8 (e4m3 weights): W8A8 for large batches, where converting the weight tiles bounds the weight-only form:
+    each A tile is quantized per row where it is loaded (_quantize_act_tile: no kernel of its own) and multiplied
+    with the e4m3 tile as loaded on fp8 tensor cores, both scales applied to that K step's product."""
     pid = tl.program_id(0)
     num_tiles_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -686,13 +719,22 @@ def _moe_gemm_kernel(
             a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = _load_weight_tile(w_ptrs, s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
-                              compute_dtype, EVEN_K, EVEN_N)
-        acc += tl.dot(a, w)
+        if ACT_FP8:
+            a_q, a_scale = _quantize_act_tile(a, HW_CAST, FP32_DOT)
+            acc = _act_fp8_step(acc, a_q, a_scale, w_ptrs, s_ptrs, k_left, offs_k, n_mask, k0, GROUP_K, stride_sg,
+                                EVEN_K, EVEN_N, FP32_DOT)
+            if FUSE_SILU:
+                acc_up = _act_fp8_step(acc_up, a_q, a_scale, up_ptrs, up_s_ptrs, k_left, offs_k, n_mask, k0,
+                                       GROUP_K, stride_sg, EVEN_K, EVEN_N, FP32_DOT)
+        else:
+            w = _load_weight_tile(w_ptrs, s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
+                                  compute_dtype, EVEN_K, EVEN_N)
+            acc += tl.dot(a, w)
+            if FUSE_SILU:
+                up = _load_weight_tile(up_ptrs, up_s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
+                                       compute_dtype, EVEN_K, EVEN_N)
+                acc_up += tl.dot(a, up)
         if FUSE_SILU:
-            up = _load_weight_tile(up_ptrs, up_s_ptrs, k_left, offs_k, n_mask, k0, IS_FP8, GROUP_K, stride_sg,
-                                   compute_dtype, EVEN_K, EVEN_N)
-            acc_up += tl.dot(a, up)
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
@@ -904,12 +946,29 @@ def launch_fitting(launch: Callable[[TileConfig], None], tile: TileConfig, key: 
         return tile
 
 
+# FP8 experts take W8A8 (act_fp8) from this many expert rows (token-expert pairs) per expert on average: below it
+# the weight-only grouped GEMM reads fewer bytes for the same work; above it converting each weight tile bounds it
+# (H100, 2026-12-05, bench/moe_fp8_sweep.py, weight-only FP8 against bf16: 1.31-1.77x at 1-256 tokens, i.e. up to
+# 31 rows per expert on deepseek-v2-lite, 0.98x at 124 rows and 0.66-0.72x at 8192 tokens). PAGODA_MOE_ACT_FP8=0 /
+# 1: never / always (the A/B switch).
+ACT_FP8_MIN_ROWS_PER_EXPERT = 64
+
+
+def moe_act_fp8(num_pairs: int, num_experts: int) -> bool:
+    """Whether FP8 experts run W8A8 for a grouped GEMM over num_pairs (token, expert) pairs."""
+    forced = os.environ.get("PAGODA_MOE_ACT_FP8", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return num_pairs >= ACT_FP8_MIN_ROWS_PER_EXPERT * num_experts
+
+
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, group_k: int | None,
               align: Alignment, out: torch.Tensor, num_pairs: int, rows_per_pair: int, fuse_silu: bool,
-              topk_weights: torch.Tensor | None, tile: TileConfig) -> None:
+              topk_weights: torch.Tensor | None, tile: TileConfig, act_fp8: bool = False) -> None:
     n = w.shape[1] // 2 if fuse_silu else w.shape[1]
     k = w.shape[2]
     is_fp8 = w.dtype == torch.float8_e4m3fn
+    assert is_fp8 or not act_fp8, "W8A8 experts need e4m3 weights"
     scale = w_scale if is_fp8 else out  # unused pointer when not fp8
     assert not is_fp8 or (w_scale is not None and group_k is not None)
     assert not is_fp8 or group_k is None or group_k >= k or group_k % tile.block_k == 0, "K-tile crosses a scale group"
@@ -927,10 +986,12 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
             A_ROWS_PER_PAIR=rows_per_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None,
             IS_FP8=is_fp8, GROUP_K=group_k or k, EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            ACT_FP8=act_fp8, HW_CAST=hw_cast(),
+            FP32_DOT=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
             num_warps=tile.num_warps, num_stages=tile.num_stages)
 
     # the row tiles (block_m) come from the alignment: only the stages and the N and K blocks may change
-    launch_fitting(launch, tile, (a.dtype, w.dtype, fuse_silu, a.device))
+    launch_fitting(launch, tile, (a.dtype, w.dtype, fuse_silu, act_fp8, a.device))
 
 
 # ---------------------------------------------------------------- tuned tiles
@@ -1195,13 +1256,14 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         down_tile = _fit_block_k(down_tile, fp8_block_k, inter)
     align_up = align_pairs(topk_ids, num_experts, up_tile.block_m)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
+    act_fp8 = w_gate_up.dtype == torch.float8_e4m3fn and moe_act_fp8(num_pairs, num_experts)
     _moe_gemm(x, w_gate_up, w_gate_up_scale, _group(group_k, hidden), align_up, act, num_pairs, top_k, True, None,
-              up_tile)
+              up_tile, act_fp8)
     align_down = align_up if down_tile.block_m == up_tile.block_m else align_pairs(topk_ids, num_experts,
                                                                                     down_tile.block_m)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
     _moe_gemm(act, w_down, w_down_scale, _group(group_k, inter), align_down, out, num_pairs, 1, False, weights,
-              down_tile)
+              down_tile, act_fp8)
     if defer_sum:
         return DeferredSum(out.view(num_tokens, top_k, hidden).transpose(0, 1), x.dtype)  # [k, T, H] view
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]

@@ -642,6 +642,23 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     return out.to(x.dtype)
 
 
+def moe_experts_act_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down_scale: torch.Tensor,
+                        group_k: int | None, act_group_up: int, act_group_down: int) -> torch.Tensor:
+    """moe_experts with W8A8 experts (the grouped GEMM's act_fp8): each GEMM's activation quantized per row and
+    act_group columns (fp8_act_tile_linear, the kernel's BLOCK_K of that GEMM), e4m3 weights with their scales."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    ids = topk_ids.long()
+    for expert in ids.unique().tolist():
+        token_idx, slot = torch.where(ids == expert)  # [n] each
+        gate_up = fp8_act_tile_linear(x[token_idx], w_gate_up[expert], w_gate_up_scale[expert], group_k,
+                                      act_group_up)  # [n, 2I]
+        hidden = silu_and_mul(gate_up)  # [n, I]
+        y = fp8_act_tile_linear(hidden, w_down[expert], w_down_scale[expert], group_k, act_group_down)  # [n, H]
+        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None])
+    return out.to(x.dtype)
+
+
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int, group_k: int | None,
                    dtype: torch.dtype) -> torch.Tensor:
     if w.dtype != torch.float8_e4m3fn:

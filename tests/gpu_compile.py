@@ -172,6 +172,28 @@ def run_moe_shapes() -> None:
         moe.align_pairs_spread(torch.zeros(2048, top_k, dtype=torch.int32), experts, 128)  # prefill's
 
 
+def run_moe_act_fp8() -> None:
+    """FP8 experts' W8A8 grouped GEMMs (act_fp8) at a large batch, with the tiles an untuned shape gets there:
+    DeepSeek-V2-Lite's experts with per-row scales, V3's in blocks of 128."""
+    from pagoda.kernels import moe
+
+    os.environ["PAGODA_MOE_ACT_FP8"] = "1"
+    try:
+        for (experts, top_k, inter, hidden), group_k in (((66, 8, 1408, 2048), None), ((257, 9, 2048, 7168), 128)):
+            w_gate_up = torch.empty(2, 2 * inter, hidden, dtype=torch.float8_e4m3fn)  # [2, 2I, H]
+            w_down = torch.empty(2, hidden, inter, dtype=torch.float8_e4m3fn)  # [2, H, I]
+            groups_up, groups_down = (1, 1) if group_k is None else (hidden // group_k, inter // group_k)
+            scales = (torch.empty(2, 2 * inter, groups_up), torch.empty(2, hidden, groups_down))
+            tokens = 1024
+            ids = torch.zeros(tokens, top_k, dtype=torch.int32)  # [T, k]
+            weights = torch.ones(tokens, top_k)  # [T, k]
+            tiles = moe.default_tiles(tokens, top_k, experts, inter, hidden)
+            moe.fused_experts(torch.empty(tokens, hidden, dtype=torch.bfloat16), w_gate_up, w_down, weights, ids,
+                              *scales, group_k=group_k, tiles=tiles)
+    finally:
+        os.environ.pop("PAGODA_MOE_ACT_FP8")
+
+
 def run_fp8_qk_attention_shapes() -> None:
     """Paged attention over an fp8 cache with fp8_convert="qk_fp8" (e4m3 q x e4m3 K on the tensor cores; "qkv_fp8"
     also e4m3 p x e4m3 V, falling back to "qk_fp8" on 16-key tiles, below the fp8 MMA's K; "qk_fp8x2" q as two
@@ -400,7 +422,7 @@ def run_w8a16_act_fp8() -> None:
 PARTS = {
     "1": ("run_models", "run_mla_shapes", "run_sampler", "run_block_copy", "run_dense_gemv", "run_w8a16_swap_ab",
           "run_w8a16_act_fp8"),
-    "2": ("run_moe_shapes", "run_fp8_qk_attention_shapes", "run_fp8_default_decode_shapes",
+    "2": ("run_moe_shapes", "run_moe_act_fp8", "run_fp8_qk_attention_shapes", "run_fp8_default_decode_shapes",
           "run_fp8_gluon_decode_shapes", "run_decode_occupancy_candidates", "run_fp8_chunk_attention_shapes"),
 }
 
