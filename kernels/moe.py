@@ -946,20 +946,20 @@ def launch_fitting(launch: Callable[[TileConfig], None], tile: TileConfig, key: 
         return tile
 
 
-# FP8 experts take W8A8 (act_fp8) from this many expert rows (token-expert pairs) per expert on average: below it
-# the weight-only grouped GEMM reads fewer bytes for the same work; above it converting each weight tile bounds it
-# (H100, 2026-12-05, bench/moe_fp8_sweep.py, weight-only FP8 against bf16: 1.31-1.77x at 1-256 tokens, i.e. up to
-# 31 rows per expert on deepseek-v2-lite, 0.98x at 124 rows and 0.66-0.72x at 8192 tokens). PAGODA_MOE_ACT_FP8=0 /
-# 1: never / always (the A/B switch).
+# FP8 experts may take W8A8 (act_fp8) from this many expert rows (token-expert pairs) per expert on average: below
+# it the weight-only grouped GEMM reads fewer bytes for the same work; above it converting each weight tile bounds
+# it (H100, 2026-12-05, bench/moe_fp8_sweep.py, weight-only FP8 against bf16: 1.31-1.77x at 1-256 tokens, i.e. up to
+# 31 rows per expert on deepseek-v2-lite, 0.98x at 124 rows and 0.66-0.72x at 8192 tokens). The W8A8 kernel is not
+# timed on a GPU yet, so it is opt-in: PAGODA_MOE_ACT_FP8=auto takes it from this threshold, 1 always, else never.
 ACT_FP8_MIN_ROWS_PER_EXPERT = 64
 
 
 def moe_act_fp8(num_pairs: int, num_experts: int) -> bool:
     """Whether FP8 experts run W8A8 for a grouped GEMM over num_pairs (token, expert) pairs."""
-    forced = os.environ.get("PAGODA_MOE_ACT_FP8", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return num_pairs >= ACT_FP8_MIN_ROWS_PER_EXPERT * num_experts
+    mode = os.environ.get("PAGODA_MOE_ACT_FP8", "0")
+    if mode == "auto":
+        return num_pairs >= ACT_FP8_MIN_ROWS_PER_EXPERT * num_experts
+    return mode == "1"
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, group_k: int | None,
