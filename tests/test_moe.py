@@ -423,6 +423,27 @@ def test_prefill_batches_align_over_the_whole_gpu(path: str) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_k", [None, 32])
+def test_fp8_w8a8_experts_on_the_gpu(group_k: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W8A8 grouped GEMM (act_fp8) with bf16 activations on fp8 tensor cores, default tiles for a prefill-sized
+    batch: near the W8A8 reference (bf16 rounding of the intermediate and the output apart)."""
+    w_gate_up, w_down = _weights(torch.float32)
+    q_up, s_up = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_gate_up), strict=True)
+    q_down, s_down = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_down), strict=True)
+    q_up, s_up, q_down, s_down = (torch.stack(t).cuda() for t in (q_up, s_up, q_down, s_down))
+    x, weights, ids = (t.cuda() for t in _routed(512, torch.bfloat16, seed=3))
+    monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "1")
+    tiles = moe.pick_tiles(512, TOP_K, EXPERTS, INTER, HIDDEN, torch.bfloat16, x.device)
+    assert isinstance(tiles[0], moe.TileConfig) and isinstance(tiles[1], moe.TileConfig)
+    up_tile = moe._fit_block_k(tiles[0], group_k or HIDDEN, HIDDEN)
+    down_tile = moe._fit_block_k(tiles[1], group_k or INTER, INTER)
+    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=tiles)
+    expected = ref.moe_experts_act_fp8(x.float(), q_up, q_down, weights, ids, s_up, s_down, group_k,
+                                       min(up_tile.block_k, HIDDEN), min(down_tile.block_k, INTER))
+    torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=5e-2)
+
+
 def test_combine_top_k_matches_weighted_sum() -> None:
     gen = torch.Generator().manual_seed(7)
     num_tokens, top_k, num_rows = 6, 3, 25
