@@ -20,6 +20,14 @@ def _weights(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
     return w_gate_up, w_down
 
 
+def _fp8_weights(group_k: int | None) -> tuple[torch.Tensor, ...]:
+    """_weights in fp32, each expert quantized to e4m3 per row (and group_k columns): q_up, s_up, q_down, s_down."""
+    w_gate_up, w_down = _weights(torch.float32)
+    q_up, s_up = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_gate_up), strict=True)
+    q_down, s_down = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_down), strict=True)
+    return tuple(torch.stack(t) for t in (q_up, s_up, q_down, s_down))
+
+
 def _routed(num_tokens: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)  # [T, H]
@@ -233,9 +241,7 @@ def test_fused_experts_fp8_weights(group_k: int | None, gemv: bool | str) -> Non
     """Weight-only FP8 experts (per row, or per row and 16 columns): the kernel converts e4m3 in registers and
     applies the scales; the reference dequantizes the same weights."""
     w_gate_up, w_down = _weights(torch.float32)
-    q_up, s_up = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_gate_up), strict=True)
-    q_down, s_down = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_down), strict=True)
-    q_up, s_up, q_down, s_down = (torch.stack(t) for t in (q_up, s_up, q_down, s_down))
+    q_up, s_up, q_down, s_down = _fp8_weights(group_k)
     x, weights, ids = _routed(24, torch.float32)
     tiles = (moe.GemvConfig(16, 64), moe.GemvConfig(16, 64, pairs_at_once=gemv == "pairs")) if gemv else None
     got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=tiles)
@@ -251,10 +257,7 @@ def test_fused_experts_fp8_w8a8_for_large_batches(group_k: int | None, monkeypat
     the e4m3 weight tile multiplied as loaded): equal to the W8A8 reference at the kernel's K tiles, near the
     weight-only result. Opt-in until timed: PAGODA_MOE_ACT_FP8=1 always, auto from ACT_FP8_MIN_ROWS_PER_EXPERT rows
     an expert, else never."""
-    w_gate_up, w_down = _weights(torch.float32)
-    q_up, s_up = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_gate_up), strict=True)
-    q_down, s_down = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_down), strict=True)
-    q_up, s_up, q_down, s_down = (torch.stack(t) for t in (q_up, s_up, q_down, s_down))
+    q_up, s_up, q_down, s_down = _fp8_weights(group_k)
     x, weights, ids = _routed(24, torch.float32)
     tiles = (moe.TileConfig(16, 32, 32, 1, 4, 2), moe.TileConfig(16, 32, 16, 1, 4, 2))
     monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "1")
@@ -428,10 +431,7 @@ def test_prefill_batches_align_over_the_whole_gpu(path: str) -> None:
 def test_fp8_w8a8_experts_on_the_gpu(group_k: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The W8A8 grouped GEMM (act_fp8) with bf16 activations on fp8 tensor cores, default tiles for a prefill-sized
     batch: near the W8A8 reference (bf16 rounding of the intermediate and the output apart)."""
-    w_gate_up, w_down = _weights(torch.float32)
-    q_up, s_up = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_gate_up), strict=True)
-    q_down, s_down = zip(*(ref.quantize_fp8_rows(w, group_k) for w in w_down), strict=True)
-    q_up, s_up, q_down, s_down = (torch.stack(t).cuda() for t in (q_up, s_up, q_down, s_down))
+    q_up, s_up, q_down, s_down = (t.cuda() for t in _fp8_weights(group_k))
     x, weights, ids = (t.cuda() for t in _routed(512, torch.bfloat16, seed=3))
     monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "1")
     tiles = moe.pick_tiles(512, TOP_K, EXPERTS, INTER, HIDDEN, torch.bfloat16, x.device)
