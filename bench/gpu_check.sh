@@ -107,6 +107,15 @@ trtllm_1000() {  # llama3-8b FP8 + FP8 KV on TensorRT-LLM's 1000/1000 workload; 
     --kv-cache-dtype fp8 --workload trtllm-1000 --timeout 180 --out "$OUT/$1_trtllm-1000.json" 2>&1 \
     | grep -v "^[a-z-]*: {" | tail -4
 }
+moe_sweep_rows() {  # bench/moe_fp8_sweep.py's JSON rows on stdin as one line each, other lines as they are
+  python3 -c "import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'):
+        print(line.rstrip()); continue
+    r = json.loads(line)
+    print(f\"{r['shape']:18s} T={r['tokens']:5d} bf16 {r['bf16_us']:8.1f} us ({r['bf16_hbm_fraction']:.2f} HBM) fp8 \"
+          f\"{r['fp8_us']:8.1f} us ({r['fp8_hbm_fraction']:.2f}) {r['speedup_fp8']:.2f}x err {r['fp8_rel_err']:.4f}\")"
+}
 llama_fp8_runs() {  # llama3-8b FP8 runs; $1: the JSON files' prefix, then "workload kv-cache-dtype" pairs
   local prefix=$1 run
   shift
@@ -235,7 +244,7 @@ if has moe-act-fp8; then
   for v in 0 auto 1; do
     echo "== FP8 experts, PAGODA_MOE_ACT_FP8=$v"
     PAGODA_MOE_ACT_FP8=$v timeout 120 python3 -m pagoda.bench.moe_fp8_sweep --tokens 256,1024,8192 \
-      --out "$OUT/moe_act_fp8_$v.json" 2>&1 | grep -v "^{"
+      --out "$OUT/moe_act_fp8_$v.json" 2>&1 | moe_sweep_rows
   done
   timeout 120 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_moe.py -m gpu -k w8a8 2>&1 | tail -2
 fi
@@ -355,14 +364,7 @@ if has moe-sum; then
     | grep -v "^[a-z-]*: {" | tail -4
 fi
 if has moe-fp8; then
-  timeout 400 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 \
-    | python3 -c "import json, sys
-for line in sys.stdin:
-    if not line.startswith('{'):
-        print(line.rstrip()); continue
-    r = json.loads(line)
-    print(f\"{r['shape']:18s} T={r['tokens']:5d} bf16 {r['bf16_us']:8.1f} us ({r['bf16_hbm_fraction']:.2f} HBM) fp8 \"
-          f\"{r['fp8_us']:8.1f} us ({r['fp8_hbm_fraction']:.2f}) {r['speedup_fp8']:.2f}x err {r['fp8_rel_err']:.4f}\")"
+  timeout 400 python3 -m pagoda.bench.moe_fp8_sweep --out "$OUT/moe_fp8_sweep.json" 2>&1 | moe_sweep_rows
 fi
 if has dense-gemv; then
   # the 16-bit GEMV tuned per layer and M bucket against cuBLAS, the table installed, then decode steps with it
