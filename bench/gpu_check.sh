@@ -5,9 +5,11 @@
 #   PHASES=tests,gpu-tests,probe,parity,pagoda,peers,compiled,cb,workloads,serve,moe-tune,moe,long,deepseek,
 #   deepseek-profile,fp8,kv-fp8,structured,candidates,dense-gemv,act-fp8,moe-sum,figures,llama-fp8,attention,mla-lazy,
 #   one-loop,gluon,moe-fp8,fp8-o,split-k-ab,moe-act-fp8 (default: tests,parity,pagoda,peers,compiled)
-#   moe-act-fp8: FP8 experts' W8A8 grouped GEMM (PAGODA_MOE_ACT_FP8: 0 weight-only, the default; auto from 64 rows an
-#   expert; 1 always) against bf16 at 256 / 1024 / 8192 tokens (weight-only FP8 experts were 0.66-0.98x of bf16 at
-#   1024-8192 tokens on an H100, 2026-12-05), then its GPU test; make auto the default where it wins.
+#   moe-act-fp8: the W8A8 grouped GEMM's GPU test, then FP8 experts tuned (bench/moe_tune.py --weights fp8: every
+#   tile weight-only and W8A8, per GEMM) at 128-8192 tokens on deepseek-v2-lite and qwen3-30b-a3b into their FP8
+#   tables (installed; commit $OUT/moe_fp8_tables/*.json under kernels/moe_configs/), then the sweep against bf16 with
+#   those tables and with weight-only forced (PAGODA_MOE_ACT_FP8=0). Weight-only FP8 experts were 0.66-0.98x of bf16
+#   at 1024-8192 tokens on an H100, 2026-12-05.
 #   split-k-ab: llama3-8b FP8 decode steps at 1-64 rows (step_ab, graph-timed, logits compared) with the weight-only
 #   layers' split-K sums in separate kernels (PAGODA_FUSE_SPLIT_K=0), in the norms only (=norms: the fourteenth
 #   session's fusion, plus the norm that quantizes for a W8A8 GEMM after it) and also in qkv prep (the default).
@@ -241,12 +243,19 @@ if has fp8-o; then
     2>&1 | grep -E "^(precompiled|tune|sweep|FP8)" | cut -c1-220
 fi
 if has moe-act-fp8; then
-  for v in 0 auto 1; do
-    echo "== FP8 experts, PAGODA_MOE_ACT_FP8=$v"
-    PAGODA_MOE_ACT_FP8=$v timeout 120 python3 -m pagoda.bench.moe_fp8_sweep --tokens 256,1024,8192 \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_moe.py -m gpu -k w8a8 2>&1 | tail -2
+  echo "== FP8 experts tuned, weight-only and W8A8 tiles"
+  timeout 420 python3 -m pagoda.bench.moe_tune --weights fp8 --shapes deepseek-v2-lite,qwen3-30b-a3b \
+    --buckets 128,256,512,1024,2048,4096,8192 --write --out "$OUT/moe_tune_fp8.json" 2>&1 \
+    | grep -v "^{\|skip\|Warn" | tail -24
+  mkdir -p "$OUT/moe_fp8_tables"
+  cp "$(python3 -c 'from pagoda.kernels import moe; print(moe.CONFIG_DIR)')"/*dtype=float8_e4m3fn* \
+    "$OUT/moe_fp8_tables/" 2>/dev/null
+  for v in table 0; do
+    echo "== FP8 experts against bf16, PAGODA_MOE_ACT_FP8=$v"
+    PAGODA_MOE_ACT_FP8=$v timeout 120 python3 -m pagoda.bench.moe_fp8_sweep --tokens 128,256,1024,8192 \
       --out "$OUT/moe_act_fp8_$v.json" 2>&1 | moe_sweep_rows
   done
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_moe.py -m gpu -k w8a8 2>&1 | tail -2
 fi
 if has split-k-ab; then
   echo "== llama3-8b fp8 decode step: split-K sums in kernels of their own / in the norms / also in qkv prep"

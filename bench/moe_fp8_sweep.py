@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagoda.bench.cuda_timing import graph_time_ms
-from pagoda.bench.moe_tune import HBM_BYTES_PER_S, _routing, copies_for
+from pagoda.bench.moe_tune import HBM_BYTES_PER_S, _routing, copies_for, quantize_experts
 from pagoda.bench.report import write_json
 from pagoda.kernels import moe
 from pagoda.kernels import reference as ref
@@ -51,13 +51,6 @@ class Experts:
         if fp8:
             return self.gate_up_q, self.down_q, self.gate_up_s, self.down_s
         return self.gate_up, self.down, None, None
-
-
-def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> (e4m3 [E, N, K], fp32 [E, N, 1]): per output row, as --quantization fp8 stores experts."""
-    num_experts, rows, cols = w.shape
-    q, scale = ref.quantize_fp8_rows(w.reshape(num_experts * rows, cols))
-    return q.view(num_experts, rows, cols), scale.view(num_experts, rows, 1)
 
 
 def make_experts(num_experts: int, hidden: int, inter: int, device: torch.device,

@@ -3,10 +3,17 @@ what the tuned kernel reaches: HBM bandwidth on the expert bytes it reads (small
 (large ones).
 
     python -m pagoda.bench.moe_tune --shapes qwen3-30b-a3b,mixtral-8x7b [--write] [--out results.json]
+    python -m pagoda.bench.moe_tune --weights fp8 --shapes deepseek-v2-lite --buckets 256,1024,8192 --write
 
 --write stores the table under kernels/moe_configs/ (named by experts, sizes, dtype, device and Triton version),
 where kernels/moe.py looks it up at run time; a committed table's other buckets are kept (--buckets 1,2 retunes
 those two only).
+
+--weights fp8 tunes FP8 experts (e4m3, per-row scales as --quantization fp8 stores them; --group-k 128 for block
+scales) with bf16 activations: every grouped-GEMM tile both weight-only and W8A8 (act_fp8: the activation tile
+quantized where it is loaded), each GEMM's fastest form kept, into the dtype=float8_e4m3fn table. FP8 experts use
+that table only at the buckets it holds (the bf16 table's tiles elsewhere), so tune the buckets where the form
+matters (weight-only FP8 experts were slower than bf16 from ~1024 tokens on an H100, 2026-12-05).
 
 Decode runs a layer's experts once a step, with 26-60 other layers in between: its weights are never in L2. So where
 one launch reads less than 4x the L2 cache, each candidate is timed over several copies of the weights and as many
@@ -20,9 +27,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -86,37 +94,57 @@ def _routing(num_tokens: int, num_experts: int, top_k: int, num_shared: int,
 
 
 Routings = list[tuple[torch.Tensor, torch.Tensor]]  # (weights [T, k], ids [T, k]) per launch
+Weights = tuple[torch.Tensor, torch.Tensor | None]  # one GEMM's experts [E, N, K] and, e4m3, their scales [E, N, G]
 
 
-def _gemm_runner(x: torch.Tensor, ws: list[torch.Tensor], routings: Routings, fuse_silu: bool,
-                 tile: moe.TileConfig, num_experts: int) -> list[Callable[[], None]]:
+def quantize_experts(w: torch.Tensor, group_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e4m3 [E, N, K], fp32 [E, N, K / group_k]): per output row (and group_k columns: DeepSeek-V3's
+    128-wide blocks), as --quantization fp8 stores experts."""
+    num_experts, rows, cols = w.shape
+    q, scale = ref.quantize_fp8_rows(w.reshape(num_experts * rows, cols), group_k)
+    return q.view(num_experts, rows, cols), scale.view(num_experts, rows, -1)
+
+
+def _gemm_runner(x: torch.Tensor, ws: list[Weights], routings: Routings, fuse_silu: bool, tile: moe.TileConfig,
+                 num_experts: int, group_k: int | None = None) -> list[Callable[[], torch.Tensor]]:
     """One of the two grouped GEMMs with this tile (its alignment included: it is part of the layer's cost), one
-    launch per (weight copy, routing)."""
+    launch per (weight copy, routing); e4m3 weights W8A8 where the tile says act_fp8, else weight-only."""
     top_k = routings[0][1].shape[1]
     num_pairs = routings[0][1].numel()
-    n = ws[0].shape[1] // 2 if fuse_silu else ws[0].shape[1]
+    n = ws[0][0].shape[1] // 2 if fuse_silu else ws[0][0].shape[1]
     out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
 
-    def run(w: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    def run(w: Weights, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         align = moe.align_pairs(ids, num_experts, tile.block_m)
-        moe._moe_gemm(x, w, None, None, align, out, num_pairs, top_k if fuse_silu else 1, fuse_silu,
-                      None if fuse_silu else weights.reshape(-1), tile)
+        moe._moe_gemm(x, w[0], w[1], group_k or w[0].shape[2], align, out, num_pairs, top_k if fuse_silu else 1,
+                      fuse_silu, None if fuse_silu else weights.reshape(-1), tile, tile.act_fp8)
+        return out  # [T * k, N] in pair order
     return [functools.partial(run, w, weights, ids) for w, (weights, ids) in zip(ws, routings, strict=True)]
 
 
-def _gemv_runner(x: torch.Tensor, ws: list[torch.Tensor], routings: Routings, fuse_silu: bool,
-                 tile: moe.GemvConfig) -> list[Callable[[], None]]:
+def _gemv_runner(x: torch.Tensor, ws: list[Weights], routings: Routings, fuse_silu: bool, tile: moe.GemvConfig,
+                 group_k: int | None = None) -> list[Callable[[], None]]:
     top_k = routings[0][1].shape[1]
-    n = ws[0].shape[1] // 2 if fuse_silu else ws[0].shape[1]
+    n = ws[0][0].shape[1] // 2 if fuse_silu else ws[0][0].shape[1]
     out = torch.empty(routings[0][1].numel(), n, dtype=x.dtype, device=x.device)
 
-    def run(w: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
-        moe._moe_gemv(x, w, None, w.shape[2], ids, out, top_k if fuse_silu else 1, fuse_silu,
+    def run(w: Weights, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        moe._moe_gemv(x, w[0], w[1], group_k or w[0].shape[2], ids, out, top_k if fuse_silu else 1, fuse_silu,
                       None if fuse_silu else weights.reshape(-1), tile)
     return [functools.partial(run, w, weights, ids) for w, (weights, ids) in zip(ws, routings, strict=True)]
 
 
-def _best(runners: dict[Any, list[Callable[[], None]]]) -> tuple[float, Any]:
+def gemm_candidates(fp8: bool, group_k: int | None, k: int) -> list[moe.TileConfig]:
+    """The grouped-GEMM tiles to time for one GEMM over rows of k: CANDIDATES, for FP8 experts each both
+    weight-only and W8A8, a K block inside one scale group (as fused_experts fits it), no tile twice."""
+    tiles = [moe.TileConfig(*c) for c in CANDIDATES]
+    if fp8:
+        tiles = [moe._fit_block_k(t, group_k or k, k) for t in tiles]
+        tiles += [replace(t, act_fp8=True) for t in tiles]
+    return list(dict.fromkeys(tiles))
+
+
+def _best(runners: dict[Any, list[Callable[[], object]]]) -> tuple[float, Any]:
     """(ms a launch, key) of the fastest runner (its launches back to back in one graph); candidates that do not
     compile (shared memory) are skipped."""
     best: tuple[float, Any] | None = None
@@ -132,23 +160,89 @@ def _best(runners: dict[Any, list[Callable[[], None]]]) -> tuple[float, Any]:
     return best
 
 
-def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tuple[int, ...]) -> dict[str, Any]:
+def gemv_candidates(group_k: int | None, k: int, fuse_silu: bool) -> list[moe.GemvConfig]:
+    """The GEMV tiles to time for one GEMV over rows of k (the down GEMV's pairs-at-once ones too), each K block
+    inside one FP8 scale group where there are groups (as fused_experts fits it), none twice."""
+    tiles = [moe.GemvConfig(*c) for c in GEMV_CANDIDATES + ([] if fuse_silu else DOWN_GEMV_CANDIDATES)]
+    if group_k:
+        tiles = [moe._fit_gemv_block_k(t, group_k, k) for t in tiles]
+    return list(dict.fromkeys(tiles))
+
+
+def layer_dims(name: str) -> tuple[int, int, int, int, int]:
+    """(hidden, expert intermediate, experts, experts a token, shared experts) of one sparse layer as the model calls
+    the kernel: DeepSeek's and Qwen2-MoE's shared experts run in the same call as experts E.. (models/deepseek.py,
+    moe.py), so they are tuned as part of it."""
     arch = SHAPES[name]
     assert arch.moe is not None, f"{name} is not a mixture-of-experts shape"
     spec = arch.moe
-    # DeepSeek's and Qwen2-MoE's shared experts run in the same call as experts E.. (models/deepseek.py, moe.py):
-    # tune that shape
     num_shared = (fused_shared_experts(spec, spec.expert_intermediate_size, None)
                   or fused_gated_shared_experts(spec, None))
-    h, i = arch.hidden_size, spec.expert_intermediate_size
-    e, k = spec.num_experts + num_shared, spec.top_k + num_shared
+    return (arch.hidden_size, spec.expert_intermediate_size, spec.num_experts + num_shared, spec.top_k + num_shared,
+            num_shared)
+
+
+def compile_gemm_tiles(name: str, fp8: bool, group_k: int | None, dtype_name: str,
+                       entries: list[dict[str, Any]]) -> int:
+    """Launch both grouped GEMMs once with each tile (64 tokens, uninitialised weights of the layer's shape) so that
+    Triton's on-disk cache holds their code before tune_shape times them; run in spawned processes (precompile).
+    Returns how many launched (a tile out of shared memory does not: tune_shape skips it)."""
+    h, i, e, k, num_shared = layer_dims(name)
+    spec = SHAPES[name].moe
+    assert spec is not None
+    device, dtype = torch.device("cuda"), getattr(torch, dtype_name)
+
+    def weights(rows: int, cols: int) -> Weights:
+        if not fp8:
+            return torch.empty(e, rows, cols, dtype=dtype, device=device), None
+        scales = torch.ones(e, rows, cols // (group_k or cols), device=device)
+        return torch.empty(e, rows, cols, dtype=torch.float8_e4m3fn, device=device), scales
+    routings = [_routing(64, spec.num_experts, spec.top_k, num_shared, device)]
+    operands = ((torch.zeros(64, h, dtype=dtype, device=device), weights(2 * i, h), True),
+                (torch.zeros(64 * k, i, dtype=dtype, device=device), weights(h, i), False))
+    launched = 0
+    for entry in entries:
+        for a, w, fuse in operands:
+            try:
+                _gemm_runner(a, [w], routings, fuse, moe.TileConfig(**entry), e, group_k)[0]()
+                launched += 1
+            except Exception:  # noqa: BLE001 - out of shared memory or registers: tune_shape skips it
+                continue
+    torch.cuda.synchronize()
+    return launched
+
+
+def precompile(name: str, fp8: bool, group_k: int | None, dtype: torch.dtype, jobs: int) -> int:
+    """Compile every grouped-GEMM candidate of one shape in `jobs` spawned processes (each its own CUDA context)
+    before tune_shape times them: serially the compiles dominate an FP8 tuning (twice the candidates, two GEMMs)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    h, i = layer_dims(name)[:2]
+    entries = [asdict(t) for t in dict.fromkeys(gemm_candidates(fp8, group_k, h) + gemm_candidates(fp8, group_k, i))]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as running:
+        futures = [running.submit(compile_gemm_tiles, name, fp8, group_k, str(dtype).removeprefix("torch."),
+                                  entries[part::jobs]) for part in range(jobs)]
+        return sum(future.result() for future in futures)
+
+
+def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tuple[int, ...], fp8: bool = False,
+               group_k: int | None = None) -> dict[str, Any]:
+    """One shape's table over the buckets (fp8: e4m3 experts with per-row, or group_k-block, scales; activations in
+    dtype), each bucket's tuned layer measured (_measure)."""
+    arch = SHAPES[name]
+    spec = arch.moe
+    h, i, e, k, num_shared = layer_dims(name)
+    assert spec is not None
     w_gate_up = (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype)  # [E, 2I, H]
     w_down = (torch.randn(e, h, i, device=device) * 0.02).to(dtype)  # [E, H, I]
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    down_bytes = h * i * w_down.element_size()
+    down_bytes = h * i * (1 if fp8 else w_down.element_size())
     copies_needed = max(copies_for(b, k, e, down_bytes, l2_bytes) for b in buckets)
-    up_copies = [w_gate_up] + [w_gate_up.clone() for _ in range(copies_needed - 1)]
-    down_copies = [w_down] + [w_down.clone() for _ in range(copies_needed - 1)]
+    up: Weights = quantize_experts(w_gate_up, group_k) if fp8 else (w_gate_up, None)
+    down: Weights = quantize_experts(w_down, group_k) if fp8 else (w_down, None)
+    up_copies = [up] + [_clone(up) for _ in range(copies_needed - 1)]
+    down_copies = [down] + [_clone(down) for _ in range(copies_needed - 1)]
     table: dict[int, dict[str, Any]] = {}
     rows = []
     for num_tokens in buckets:
@@ -157,40 +251,49 @@ def tune_shape(name: str, dtype: torch.dtype, device: torch.device, buckets: tup
         routings = [_routing(num_tokens, spec.num_experts, spec.top_k, num_shared, device) for _ in range(copies)]
         weights, ids = routings[0]
         act = torch.randn(num_tokens * k, i, device=device).to(dtype)
-        operands = (("gate_up", x, up_copies[:copies], True), ("down", act, down_copies[:copies], False))
-        best = {which: _best({moe.TileConfig(*c): _gemm_runner(a, ws, routings, fuse, moe.TileConfig(*c), e)
-                              for c in CANDIDATES})
-                for which, a, ws, fuse in operands}
+        operands = (("gate_up", x, up_copies[:copies], True, h), ("down", act, down_copies[:copies], False, i))
+        best = {which: _best({t: _gemm_runner(a, ws, routings, fuse, t, e, group_k)
+                              for t in gemm_candidates(fp8, group_k, width)})
+                for which, a, ws, fuse, width in operands}
         tiles: moe.Tiles = (best["gate_up"][1], best["down"][1])
         if ids.numel() <= GEMV_MAX_PAIRS:
-            gemv = {which: _best({moe.GemvConfig(*c): _gemv_runner(a, ws, routings, fuse, moe.GemvConfig(*c))
-                                  for c in GEMV_CANDIDATES + ([] if fuse else DOWN_GEMV_CANDIDATES)})
-                    for which, a, ws, fuse in operands}
+            gemv = {which: _best({t: _gemv_runner(a, ws, routings, fuse, t, group_k)
+                                  for t in gemv_candidates(group_k if fp8 else None, width, fuse)})
+                    for which, a, ws, fuse, width in operands}
             if gemv["gate_up"][0] + gemv["down"][0] < best["gate_up"][0] + best["down"][0]:
                 best, tiles = gemv, (gemv["gate_up"][1], gemv["down"][1])
         table[num_tokens] = moe.tiles_to_json(tiles)
-        rows.append(_measure(x, w_gate_up, w_down, weights, ids, tiles, arch, num_tokens,
+        rows.append(_measure(x, (w_gate_up, w_down), (up, down), group_k, weights, ids, tiles, arch, num_tokens,
                              (best["gate_up"][0], best["down"][0])))
         print(json.dumps(rows[-1]), flush=True)
+    table_dtype = moe.FP8_TABLE_DTYPE if fp8 else str(dtype).removeprefix("torch.")
     return {"shape": name, "table": table, "rows": rows,
-            "file": moe.config_file_name(e, i, h, str(dtype).removeprefix("torch."), torch.cuda.get_device_name())}
+            "file": moe.config_file_name(e, i, h, table_dtype, torch.cuda.get_device_name())}
 
 
-def _measure(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-             ids: torch.Tensor, tiles: moe.Tiles, arch: Any,
+def _clone(w: Weights) -> Weights:
+    return w[0].clone(), None if w[1] is None else w[1].clone()
+
+
+def _measure(x: torch.Tensor, unquantized: tuple[torch.Tensor, torch.Tensor], served: tuple[Weights, Weights],
+             group_k: int | None, weights: torch.Tensor, ids: torch.Tensor, tiles: moe.Tiles, arch: Any,
              num_tokens: int, best_ms: tuple[float, float]) -> dict[str, Any]:
-    """The whole tuned layer (both GEMMs, alignment, top-k sum): time, bandwidth on the experts it reads, matmul
-    rate, and its error against the reference."""
+    """The whole tuned layer (both GEMMs, alignment, top-k sum) on the weights as served (e4m3 with scales, or as
+    they are): time, bandwidth on the experts it reads, matmul rate, and its error against the reference on the
+    unquantized weights (FP8 experts: e4m3's ~5%, W8A8 or not)."""
     spec = arch.moe
     h, i = arch.hidden_size, spec.expert_intermediate_size
+    (w_gate_up, up_scale), (w_down, down_scale) = served
     num_experts, top_k = w_gate_up.shape[0], ids.shape[1]  # shared experts included
-    ms = graph_time_ms(lambda: moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles))
+
+    def layer() -> torch.Tensor:
+        return moe.fused_experts(x, w_gate_up, w_down, weights, ids, up_scale, down_scale, group_k, tiles=tiles)
+    ms = graph_time_ms(layer)
     touched = int(ids.unique().numel())
-    expert_bytes = touched * 3 * h * i * x.element_size()
+    expert_bytes = touched * 3 * h * i * w_gate_up.element_size()
     flops = 2 * num_tokens * top_k * 3 * h * i
-    got = moe.fused_experts(x, w_gate_up, w_down, weights, ids, tiles=tiles).float()
-    expected = ref.moe_experts(x, w_gate_up, w_down, weights, ids).float()
-    rel_err = ((got - expected).norm() / expected.norm()).item()
+    expected = ref.moe_experts(x, *unquantized, weights, ids).float()
+    rel_err = ((layer().float() - expected).norm() / expected.norm()).item()
     return {"shape": arch.model_type, "tokens": num_tokens, "ms": round(ms, 4), "experts_touched": touched,
             "hbm_fraction": round(expert_bytes / (ms * 1e-3) / HBM_BYTES_PER_S, 3),
             "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
@@ -212,8 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b")
     parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)))
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="the activations' (and unquantized weights') dtype")
+    parser.add_argument("--weights", choices=("model", "fp8"), default="model",
+                        help="fp8: e4m3 experts, weight-only and W8A8 tiles, into the FP8 table")
+    parser.add_argument("--group-k", type=int, default=None, help="FP8 scale blocks of this many columns "
+                        "(DeepSeek-V3: 128); default one scale per row")
     parser.add_argument("--write", action="store_true", help="store the tables under kernels/moe_configs/")
+    parser.add_argument("--compile-jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes compiling the grouped-GEMM candidates first (1: compile while timing)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "tuning needs a GPU"
@@ -221,7 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     buckets = tuple(int(b) for b in args.buckets.split(","))
     torch.manual_seed(0)
     started = time.perf_counter()
-    results = [tune_shape(name, dtype, device, buckets) for name in args.shapes.split(",")]
+    fp8 = args.weights == "fp8"
+    results = []
+    for name in args.shapes.split(","):
+        if args.compile_jobs > 1:
+            compiled_at = time.perf_counter()
+            launched = precompile(name, fp8, args.group_k, dtype, args.compile_jobs)
+            print(f"precompiled {name}: {launched} GEMM launches in {time.perf_counter() - compiled_at:.0f} s "
+                  f"({args.compile_jobs} processes)", flush=True)
+        results.append(tune_shape(name, dtype, device, buckets, fp8, args.group_k))
     for result in results:
         if args.write:
             moe.CONFIG_DIR.mkdir(exist_ok=True)

@@ -908,6 +908,9 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # FP8 experts only: W8A8 (each activation tile quantized per row where it is loaded, fp8 tensor cores) instead
+    # of weight-only; the FP8 tables (bench/moe_tune.py --weights fp8) choose it per bucket and GEMM by measurement
+    act_fp8: bool = False
 
 
 def smaller_tile(tile: TileConfig) -> TileConfig:
@@ -946,20 +949,27 @@ def launch_fitting(launch: Callable[[TileConfig], None], tile: TileConfig, key: 
         return tile
 
 
-# FP8 experts may take W8A8 (act_fp8) from this many expert rows (token-expert pairs) per expert on average: below
-# it the weight-only grouped GEMM reads fewer bytes for the same work; above it converting each weight tile bounds
-# it (H100, 2026-12-05, bench/moe_fp8_sweep.py, weight-only FP8 against bf16: 1.31-1.77x at 1-256 tokens, i.e. up to
-# 31 rows per expert on deepseek-v2-lite, 0.98x at 124 rows and 0.66-0.72x at 8192 tokens). The W8A8 kernel is not
-# timed on a GPU yet, so it is opt-in: PAGODA_MOE_ACT_FP8=auto takes it from this threshold, 1 always, else never.
+# PAGODA_MOE_ACT_FP8=auto: FP8 experts take W8A8 (act_fp8) from this many expert rows (token-expert pairs) per
+# expert on average: below it the weight-only grouped GEMM reads fewer bytes for the same work; above it converting
+# each weight tile bounds it (H100, 2026-12-05, bench/moe_fp8_sweep.py, weight-only FP8 against bf16: 1.31-1.77x at
+# 1-256 tokens, i.e. up to 31 rows per expert on deepseek-v2-lite, 0.98x at 124 rows and 0.66-0.72x at 8192 tokens).
 ACT_FP8_MIN_ROWS_PER_EXPERT = 64
+ACT_FP8_MODES = ("", "table", "0", "1", "auto")
 
 
-def moe_act_fp8(num_pairs: int, num_experts: int) -> bool:
-    """Whether FP8 experts run W8A8 for a grouped GEMM over num_pairs (token, expert) pairs."""
-    mode = os.environ.get("PAGODA_MOE_ACT_FP8", "0")
+def moe_act_fp8(num_pairs: int, num_experts: int, tile: TileConfig) -> bool:
+    """Whether FP8 experts run W8A8 for a grouped GEMM over num_pairs (token, expert) pairs with this tile: the
+    tile's choice (an FP8 table's, measured by bench/moe_tune.py --weights fp8; weight-only in the bf16 tables and the
+    default tiles), unless PAGODA_MOE_ACT_FP8 overrides it for an A/B: 0 never, 1 always, auto from
+    ACT_FP8_MIN_ROWS_PER_EXPERT rows an expert; unset or "table": the tile's."""
+    mode = os.environ.get("PAGODA_MOE_ACT_FP8", "")
+    if mode not in ACT_FP8_MODES:
+        raise ValueError(f"PAGODA_MOE_ACT_FP8 must be one of {ACT_FP8_MODES[1:]} or unset, got {mode!r}")
     if mode == "auto":
         return num_pairs >= ACT_FP8_MIN_ROWS_PER_EXPERT * num_experts
-    return mode == "1"
+    if mode in ("0", "1"):
+        return mode == "1"
+    return tile.act_fp8
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, group_k: int | None,
@@ -1053,7 +1063,10 @@ def tiles_from_json(entry: dict[str, Any]) -> Tiles:
 
 
 def tiles_to_json(tiles: Tiles) -> dict[str, Any]:
-    entry: dict[str, Any] = {"gate_up": asdict(tiles[0]), "down": asdict(tiles[1])}
+    """tiles_from_json's inverse; act_fp8 written only where set (the bf16 tables never have it)."""
+    def fields(tile: TileConfig | GemvConfig) -> dict[str, Any]:
+        return {name: value for name, value in asdict(tile).items() if name != "act_fp8" or value}
+    entry: dict[str, Any] = {"gate_up": fields(tiles[0]), "down": fields(tiles[1])}
     if isinstance(tiles[0], GemvConfig):
         entry["kind"] = "gemv"
     return entry
@@ -1070,15 +1083,34 @@ def _tuned_table(file_name: str) -> dict[int, Tiles] | None:
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int, hidden: int,
-               dtype: torch.dtype, device: torch.device) -> Tiles:
-    """(gate_up tile, down tile) for this shape: the tuned table's nearest bucket, else the default."""
+               dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None) -> Tiles:
+    """(gate_up tile, down tile) for this shape: FP8 experts (weight_dtype e4m3) the FP8 table's bucket where it
+    tuned this one, else the table of the activations' dtype at its nearest bucket, else the default tiles."""
     if device.type == "cuda":
-        name = config_file_name(num_experts, intermediate, hidden, str(dtype).removeprefix("torch."),
-                                _device_name(device.index))
-        table = _tuned_table(name)
-        if table:
-            return table[min(table, key=lambda b: abs(math.log2(b) - math.log2(_bucket(num_tokens))))]
+        def table_of(dtype_name: str) -> dict[int, Tiles] | None:
+            return _tuned_table(config_file_name(num_experts, intermediate, hidden, dtype_name,
+                                                 _device_name(device.index)))
+        fp8_table = table_of(FP8_TABLE_DTYPE) if weight_dtype == torch.float8_e4m3fn else None
+        tiles = tiles_from_tables(num_tokens, fp8_table, table_of(str(dtype).removeprefix("torch.")))
+        if tiles is not None:
+            return tiles
     return default_tiles(num_tokens, top_k, num_experts, intermediate, hidden)
+
+
+FP8_TABLE_DTYPE = "float8_e4m3fn"  # the dtype in FP8 experts' table names (tuned with bf16 activations)
+
+
+def tiles_from_tables(num_tokens: int, fp8_table: dict[int, Tiles] | None,
+                      table: dict[int, Tiles] | None) -> Tiles | None:
+    """The FP8 table's entry for this bucket, only where it has that bucket (a table tuned at 256-8192 tokens says
+    nothing about one token: nearest would hand a decode step a large batch's grouped-GEMM tiles); else the other
+    table's nearest bucket; None without either."""
+    bucket = _bucket(num_tokens)
+    if fp8_table and bucket in fp8_table:
+        return fp8_table[bucket]
+    if table:
+        return table[min(table, key=lambda b: abs(math.log2(b) - math.log2(bucket)))]
+    return None
 
 
 # ---------------------------------------------------------------- prefill over CUTLASS grouped GEMM
@@ -1242,7 +1274,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     if path == "gmm":
         return _fused_experts_gmm(x, w_gate_up, w_down, topk_weights.contiguous().view(-1), topk_ids.contiguous())
     if tiles is None:
-        tiles = pick_tiles(num_tokens, top_k, num_experts, inter, hidden, x.dtype, x.device)
+        tiles = pick_tiles(num_tokens, top_k, num_experts, inter, hidden, x.dtype, x.device, w_gate_up.dtype)
     num_pairs = num_tokens * top_k
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.contiguous().view(-1)  # [T * k]
@@ -1256,14 +1288,14 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         down_tile = _fit_block_k(down_tile, fp8_block_k, inter)
     align_up = align_pairs(topk_ids, num_experts, up_tile.block_m)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
-    act_fp8 = w_gate_up.dtype == torch.float8_e4m3fn and moe_act_fp8(num_pairs, num_experts)
+    is_fp8 = w_gate_up.dtype == torch.float8_e4m3fn
     _moe_gemm(x, w_gate_up, w_gate_up_scale, _group(group_k, hidden), align_up, act, num_pairs, top_k, True, None,
-              up_tile, act_fp8)
+              up_tile, is_fp8 and moe_act_fp8(num_pairs, num_experts, up_tile))
     align_down = align_up if down_tile.block_m == up_tile.block_m else align_pairs(topk_ids, num_experts,
                                                                                     down_tile.block_m)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
     _moe_gemm(act, w_down, w_down_scale, _group(group_k, inter), align_down, out, num_pairs, 1, False, weights,
-              down_tile, act_fp8)
+              down_tile, is_fp8 and moe_act_fp8(num_pairs, num_experts, down_tile))
     if defer_sum:
         return DeferredSum(out.view(num_tokens, top_k, hidden).transpose(0, 1), x.dtype)  # [k, T, H] view
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
@@ -1317,7 +1349,7 @@ def _fit_block_k(tile: TileConfig, group_k: int, k: int) -> TileConfig:
     while group % block_k and block_k > 16:
         block_k //= 2
     assert group % block_k == 0, f"FP8 scale group {group} is not a multiple of 16"
-    return TileConfig(tile.block_m, tile.block_n, block_k, tile.group_m, tile.num_warps, tile.num_stages)
+    return replace(tile, block_k=block_k)
 
 
 def _check_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

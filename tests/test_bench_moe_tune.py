@@ -3,7 +3,10 @@ experts in L2), and the table merge that keeps a committed table's other buckets
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from pagoda.bench import moe_tune
 from pagoda.kernels import moe
@@ -32,3 +35,58 @@ def test_gemv_candidates_are_power_of_two_tiles(candidate: tuple) -> None:
     tile = moe.GemvConfig(*candidate)
     for size in (tile.block_n, tile.block_k, tile.num_warps):
         assert size & (size - 1) == 0, tile
+
+
+@pytest.mark.parametrize("group_k", [None, 128])
+def test_fp8_candidates_time_both_forms_inside_scale_groups(group_k: int | None) -> None:
+    """FP8 experts: every grouped-GEMM candidate weight-only and W8A8, each K block inside one scale group (as
+    fused_experts fits it, so the tile timed is the tile served), none twice; bf16: the candidates as listed."""
+    assert moe_tune.gemm_candidates(False, None, 2048) == [moe.TileConfig(*c) for c in moe_tune.CANDIDATES]
+    tiles = moe_tune.gemm_candidates(True, group_k, 1408)
+    assert len(tiles) == len(set(tiles))
+    weight_only = {replace(t, act_fp8=False) for t in tiles if t.act_fp8}
+    assert weight_only == {t for t in tiles if not t.act_fp8}
+    if group_k:  # the 256-wide K blocks became 128-wide ones, some of them already among the candidates
+        assert all(group_k % t.block_k == 0 for t in tiles) and len(tiles) < 2 * len(moe_tune.CANDIDATES)
+    else:  # one scale a row: any K block (a ragged last one is masked)
+        assert len(tiles) == 2 * len(moe_tune.CANDIDATES)
+
+
+@pytest.mark.parametrize("group_k", [None, 32])
+def test_quantize_experts_per_row_or_block(group_k: int | None) -> None:
+    w = torch.randn(3, 8, 64)  # [E, N, K]
+    q, scale = moe_tune.quantize_experts(w, group_k)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert scale.shape == (3, 8, 64 // (group_k or 64))
+    groups = scale.repeat_interleave(group_k or 64, dim=2)  # [E, N, K]
+    torch.testing.assert_close(q.float() * groups, w, atol=0.0, rtol=0.07)  # e4m3: 3 mantissa bits
+
+
+def test_gemv_candidates_fit_scale_blocks() -> None:
+    assert moe_tune.gemv_candidates(None, 2048, True) == [moe.GemvConfig(*c) for c in moe_tune.GEMV_CANDIDATES]
+    down = moe_tune.gemv_candidates(128, 1408, False)
+    assert all(128 % t.block_k == 0 for t in down) and len(down) == len(set(down))
+    assert any(t.pairs_at_once for t in down)  # the down GEMV's own candidates are kept
+
+
+def test_gemm_runner_launches_what_the_tile_says() -> None:
+    """The tuner's grouped-GEMM runner on FP8 experts (CPU, interpreter): the weight-only tile gives each pair's
+    silu(gate) * up on the dequantized weights, its W8A8 twin the same to e4m3's precision but not bit for bit: the
+    form timed is the form the table will serve."""
+    gen = torch.Generator().manual_seed(0)
+    num_experts, top_k, hidden, inter, tokens = 4, 2, 64, 32, 8
+    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5  # [E, 2I, H]
+    q, scale = moe_tune.quantize_experts(w_gate_up)
+    x = torch.randn(tokens, hidden, generator=gen)  # [T, H]
+    weights, ids = moe.route_softmax_topk(torch.randn(tokens, num_experts, generator=gen), top_k, renormalize=True)
+    dequantized = (q.float() * scale)[ids.long().view(-1)]  # [T * k, 2I, H]
+    gate_up = torch.einsum("ph,pnh->pn", x.repeat_interleave(top_k, 0), dequantized)  # [T * k, 2I]
+    expected = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T * k, I]
+    got = {}
+    for act_fp8 in (False, True):
+        tile = moe.TileConfig(16, 32, 32, 1, 4, 2, act_fp8=act_fp8)
+        (run,) = moe_tune._gemm_runner(x, [(q, scale)], [(weights, ids)], True, tile, num_experts)
+        got[act_fp8] = run().clone()
+    torch.testing.assert_close(got[False], expected, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(got[True], got[False])
+    torch.testing.assert_close(got[True], expected, atol=0.1 * expected.abs().max().item(), rtol=0)

@@ -253,27 +253,65 @@ def test_fused_experts_fp8_weights(group_k: int | None, gemv: bool | str) -> Non
 
 @pytest.mark.parametrize("group_k", [None, 32])
 def test_fused_experts_fp8_w8a8_for_large_batches(group_k: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FP8 experts with act_fp8 (W8A8: each activation tile quantized per row where the grouped GEMM loads it,
+    """FP8 experts with act_fp8 tiles (W8A8: each activation tile quantized per row where the grouped GEMM loads it,
     the e4m3 weight tile multiplied as loaded): equal to the W8A8 reference at the kernel's K tiles, near the
-    weight-only result. Opt-in until timed: PAGODA_MOE_ACT_FP8=1 always, auto from ACT_FP8_MIN_ROWS_PER_EXPERT rows
-    an expert, else never."""
+    weight-only result. Each GEMM follows its own tile's act_fp8 (an FP8 table's choice);
+    PAGODA_MOE_ACT_FP8 overrides it: 1 always, 0 never, auto from ACT_FP8_MIN_ROWS_PER_EXPERT rows an expert."""
+    monkeypatch.delenv("PAGODA_MOE_ACT_FP8", raising=False)
     q_up, s_up, q_down, s_down = _fp8_weights(group_k)
     x, weights, ids = _routed(24, torch.float32)
-    tiles = (moe.TileConfig(16, 32, 32, 1, 4, 2), moe.TileConfig(16, 32, 16, 1, 4, 2))
-    monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "1")
-    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=tiles)
+    weight_only_tiles = (moe.TileConfig(16, 32, 32, 1, 4, 2), moe.TileConfig(16, 32, 16, 1, 4, 2))
+    w8a8_tiles = tuple(replace(tile, act_fp8=True) for tile in weight_only_tiles)
+    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=w8a8_tiles)
     expected = ref.moe_experts_act_fp8(x, q_up, q_down, weights, ids, s_up, s_down, group_k, 32, 16)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
-    monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "0")
-    weight_only = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=tiles)
+    weight_only = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=weight_only_tiles)
+    torch.testing.assert_close(weight_only, ref.moe_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k),
+                               atol=2e-5, rtol=1e-4)
     assert not torch.allclose(got, weight_only)  # the activations were quantized ...
     assert (got - weight_only).abs().max() < 0.1 * weight_only.abs().max()  # ... to e4m3's precision
-    rows = moe.ACT_FP8_MIN_ROWS_PER_EXPERT
-    assert not moe.moe_act_fp8(rows * EXPERTS, EXPERTS)
+    mixed = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k,
+                              tiles=(w8a8_tiles[0], weight_only_tiles[1]))  # W8A8 gate_up, weight-only down
+    assert not torch.allclose(mixed, got) and not torch.allclose(mixed, weight_only)
+    monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "1")
+    torch.testing.assert_close(
+        moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=weight_only_tiles), got)
+    monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "0")
+    torch.testing.assert_close(
+        moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=w8a8_tiles), weight_only)
+
+
+def test_act_fp8_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows, tile = moe.ACT_FP8_MIN_ROWS_PER_EXPERT, moe.TileConfig()
+    monkeypatch.delenv("PAGODA_MOE_ACT_FP8", raising=False)
+    assert not moe.moe_act_fp8(rows * EXPERTS, EXPERTS, tile)  # the tile's: weight-only
+    assert moe.moe_act_fp8(1, EXPERTS, replace(tile, act_fp8=True))
     monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "auto")
-    assert moe.moe_act_fp8(rows * EXPERTS, EXPERTS) and not moe.moe_act_fp8(rows * EXPERTS - 1, EXPERTS)
-    monkeypatch.delenv("PAGODA_MOE_ACT_FP8")
-    assert not moe.moe_act_fp8(rows * EXPERTS, EXPERTS)  # the default: weight-only
+    assert moe.moe_act_fp8(rows * EXPERTS, EXPERTS, tile) and not moe.moe_act_fp8(rows * EXPERTS - 1, EXPERTS, tile)
+    monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "table")
+    assert not moe.moe_act_fp8(rows * EXPERTS, EXPERTS, tile)
+    monkeypatch.setenv("PAGODA_MOE_ACT_FP8", "yes")
+    with pytest.raises(ValueError, match="PAGODA_MOE_ACT_FP8"):
+        moe.moe_act_fp8(1, EXPERTS, tile)
+
+
+def test_fp8_table_only_for_the_buckets_it_tuned() -> None:
+    """FP8 experts take the FP8 table's entry for their bucket, the bf16 table's nearest bucket elsewhere: a table
+    tuned at 1024 tokens must not give one token its grouped-GEMM tiles."""
+    gemv = (moe.GemvConfig(block_n=8, block_k=512), moe.GemvConfig(block_n=2, block_k=128))
+    bf16 = {1: gemv, 1024: (moe.TileConfig(block_m=128), moe.TileConfig(block_m=128))}
+    fp8 = {1024: (moe.TileConfig(block_m=64, act_fp8=True), moe.TileConfig(block_m=64))}
+    assert moe.tiles_from_tables(1000, fp8, bf16) == fp8[1024]
+    assert moe.tiles_from_tables(1, fp8, bf16) == gemv
+    assert moe.tiles_from_tables(2048, fp8, bf16) == bf16[1024]
+    assert moe.tiles_from_tables(1000, None, bf16) == bf16[1024]
+    assert moe.tiles_from_tables(1, None, None) is None
+    entry = moe.tiles_to_json(fp8[1024])
+    assert entry["gate_up"]["act_fp8"] is True and "act_fp8" not in entry["down"]  # bf16 tables stay as written
+    assert moe.tiles_from_json(entry) == fp8[1024]
+    # a K-tile fitted into a scale group keeps the tile's choice
+    assert moe._fit_block_k(moe.TileConfig(block_k=256, act_fp8=True), 128, 2048) == \
+        moe.TileConfig(block_k=128, act_fp8=True)
 
 
 def test_tile_lookup_falls_back_to_default() -> None:
