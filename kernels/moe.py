@@ -1076,7 +1076,7 @@ def tiles_to_json(tiles: Tiles) -> dict[str, Any]:
 def _tuned_table(file_name: str) -> dict[int, Tiles] | None:
     path = CONFIG_DIR / file_name
     if not path.is_file():
-        log.info("no tuned MoE tiles %s: default tiles (bench/moe_tune.py writes them)", file_name)
+        log.info("no tuned MoE tiles %s (bench/moe_tune.py writes them)", file_name)
         return None
     raw = json.loads(path.read_text())
     return {int(bucket): tiles_from_json(entry) for bucket, entry in raw.items()}
