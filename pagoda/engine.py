@@ -32,6 +32,7 @@ from pagoda.shared.messages import (
     PromptScores,
     SamplingParams,
     StepResult,
+    check_cache_salt,
     resolve_vocabulary,
 )
 from pagoda.shared.shapes import eos_token_ids
@@ -122,18 +123,20 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0) -> str:
-        """Validate and queue a request; raises InvalidRequestError (naming the parameter) on bad input."""
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError (naming the parameter) on bad input.
+        cache_salt (vLLM's): only requests with the same salt share prefix-cache blocks (None: unsalted)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         params.validate()  # before the prompt is encoded: a bad value fails cheaply
+        salt = check_cache_salt(cache_salt)
         params = with_bad_words_token_ids(params, self.tokenizer)
         params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
         token_ids = self.encode_prompt(prompt)
         forced = self._forced_start(params, len(token_ids)) if params.structured_outputs is not None else []
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=params,
-                          arrival_time=time.monotonic(), priority=priority, forced_token_ids=forced)
+                          arrival_time=time.monotonic(), priority=priority, forced_token_ids=forced, cache_salt=salt)
         self.scheduler.check_prompt(request)  # the rest of Scheduler.validate: params were checked above
         self.scheduler.add_request(request)
         self.num_prompt_tokens_total += len(token_ids)

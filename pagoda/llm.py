@@ -16,8 +16,17 @@ from pagoda.shared.messages import SamplingParams
 from pagoda.shared.shapes import SHAPES
 
 Prompt = str | list[int]
-PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}
+# vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}, either with "cache_salt"
+PromptDict = dict[str, Any]
 Message = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptInput:
+    """One prompt as the engine takes it: text or token ids, and vLLM's cache_salt (None: unsalted)."""
+
+    prompt: Prompt
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +92,16 @@ class LLM:
                  use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; one RequestOutput per prompt, in order. A prompt is
-        text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `use_tqdm` is taken for vLLM's
-        scripts and draws nothing: pagoda shows no progress bar. lora_request: None only."""
+        text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}, which may carry a "cache_salt"
+        (only prompts with the same salt share prefix-cache blocks). `use_tqdm` is taken for vLLM's scripts and
+        draws nothing: pagoda shows no progress bar. lora_request: None only."""
         _no_lora(lora_request)
-        prompt_list = _as_prompt_list(prompts)
+        return self._generate(_as_prompt_list(prompts), sampling_params, priority)
+
+    def _generate(self, prompt_list: list[_PromptInput],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  priority: Sequence[int] | None) -> list[RequestOutput]:
+        """generate's work, on prompts already parsed (beam_search hands its chunks here)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         bare = [not getattr(p, "detokenize", True) for p in _per_prompt(sampling_params, len(prompt_list), False)]
@@ -149,7 +164,8 @@ class LLM:
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search in the engine (the beams of every prompt batched together, sharing KV blocks): each
         prompt's beam_width best hypotheses. Prompts may also be vLLM's {"prompt": ...} or
-        {"prompt_token_ids": [...]} dicts. concurrency_limit: at most this many prompts searched at once."""
+        {"prompt_token_ids": [...]} dicts (with a "cache_salt" or not). concurrency_limit: at most this many prompts
+        searched at once."""
         _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
@@ -157,7 +173,7 @@ class LLM:
                                       param="concurrency_limit")
         chunk_len = concurrency_limit or len(prompt_list)
         outputs = [output for start in range(0, len(prompt_list), chunk_len)
-                   for output in self.generate(prompt_list[start:start + chunk_len], params.sampling_params())]
+                   for output in self._generate(prompt_list[start:start + chunk_len], params.sampling_params(), None)]
         return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text,
                                                      c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason,
                                                      c.stop_reason)
@@ -208,12 +224,13 @@ class LLM:
             engine.abort_request(request_id)
             engine._outputs.pop(request_id, None)
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int]) -> list[str]:
+    def _add_all(self, prompts: list[_PromptInput], params: list[SamplingParams], priorities: list[int]) -> list[str]:
         """Add every request or none: a bad prompt aborts the ones already queued."""
         request_ids: list[str] = []
         try:
             for prompt, sampling, priority in zip(prompts, params, priorities, strict=True):
-                request_ids.append(self.engine.add_request(prompt, sampling, priority=priority))
+                request_ids.append(self.engine.add_request(prompt.prompt, sampling, priority=priority,
+                                                           cache_salt=prompt.cache_salt))
         except BaseException:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
@@ -233,30 +250,31 @@ def _no_pooling(method: str) -> None:
                               "generative models only (generate, chat, beam_search)")
 
 
-def _dict_prompt(prompt: PromptDict) -> Prompt:
-    """vLLM's TextPrompt / TokensPrompt; a key pagoda cannot honour (multi_modal_data, prompt_embeds, ...) is
-    refused rather than dropped."""
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+def _dict_prompt(prompt: PromptDict) -> _PromptInput:
+    """vLLM's TextPrompt / TokensPrompt (with its cache_salt); a key pagoda cannot honour (multi_modal_data,
+    prompt_embeds, ...) is refused rather than dropped."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
     if unknown:
         raise InvalidRequestError(f"prompt dict key(s) {unknown} are not supported: a prompt dict holds 'prompt' "
-                                  "or 'prompt_token_ids'", param="prompt")
+                                  "or 'prompt_token_ids', and may hold 'cache_salt'", param="prompt")
+    cache_salt = prompt.get("cache_salt")
     if "prompt_token_ids" in prompt:
         token_ids = prompt["prompt_token_ids"]
-        return list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids
+        return _PromptInput(list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids, cache_salt)
     if "prompt" in prompt:
-        return prompt["prompt"]
+        return _PromptInput(prompt["prompt"], cache_salt)
     raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
 
 
-def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[_PromptInput]:
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
+        return [_PromptInput(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise InvalidRequestError("prompts must be a non-empty string, token id list, prompt dict, or list of them",
                                   param="prompt")
-    return [_dict_prompt(p) if isinstance(p, dict) else p for p in prompts]  # type: ignore[misc]
+    return [_dict_prompt(p) if isinstance(p, dict) else _PromptInput(p) for p in prompts]  # type: ignore[arg-type]
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,

@@ -25,6 +25,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # 128 columns, activations per token and 128 columns (the layout and GEMM of 128x128 block-wise checkpoints)
 QUANTIZATIONS = ("fp8", "fp8_block")
 ROUTINGS = ("prefix", "round_robin", "random")  # how tokenizers pick an engine replica for a request
+PREFIX_CACHE_ISOLATIONS = ("shared", "tenant")  # whose requests may share prefix-cache blocks
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
 
 
@@ -232,6 +233,7 @@ class ServerConfig:
     registry_endpoint: str | None = None  # the scheduler whose registry apis, tokenizers and replicas join (tcp)
     advertise_host: str | None = None  # host or IP peers reach this process's bound sockets at; None: detected
     api_keys_file: str | None = None  # tenants: hashed API keys with quotas (services/api/tenants.py)
+    prefix_cache_isolation: str = "shared"  # shared | tenant: each tenant's requests salted by the tenant (cache_salt)
     usage_log: str | None = None  # a JSON line per finished generation request (tenant, tokens, times), appended
     cluster_key_dir: str | None = None  # CURVE key pair for tcp:// sockets (shared/transport.py); None: plain
     max_logprobs: int = 20  # most logprobs / top_logprobs / prompt_logprobs a request may ask (vLLM's); -1: no bound
@@ -244,6 +246,9 @@ class ServerConfig:
             raise ConfigError("tool_call_parser must be hermes, llama3_json or mistral", param="tool_call_parser")
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}", param="routing")
+        if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATIONS:
+            raise ConfigError(f"prefix_cache_isolation must be one of {PREFIX_CACHE_ISOLATIONS}",
+                              param="prefix_cache_isolation")
         if self.data_parallel_size < 1 or self.replica_id < 0:
             raise ConfigError("data_parallel_size must be >= 1 and replica_id >= 0", param="data_parallel_size")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
@@ -393,6 +398,9 @@ _HELP: dict[str, str] = {
                             "overriding checkpoint scales",
     "api_keys_file": "JSON file of tenants and their hashed API keys with quotas (make one with `pagoda keys add`); "
                      "reloaded when it changes or on SIGHUP. --api-key keeps working beside it (tenant 'default')",
+    "prefix_cache_isolation": "shared: requests share cached prefix blocks unless their cache_salt differs; tenant: "
+                              "each tenant's requests (--api-keys-file) are also salted by their tenant, so that no "
+                              "tenant reuses (or can time) another's cached prompts (docs/tenants.md)",
     "cluster_key_dir": "folder holding the deployment's CURVE key pair (cluster.key_secret, from `pagoda "
                        "cluster-keys DIR`): tcp:// sockets authenticate and encrypt with it and refuse peers without "
                        "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints; "

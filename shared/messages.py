@@ -26,6 +26,7 @@ MAX_BAD_WORDS = 128  # bad_words entries (each becomes up to two token sequences
 MAX_BAD_WORD_CHARS = 256  # characters of one bad word
 MAX_BAD_WORD_TOKENS = 32  # tokens of one bad word (the worker's per-row tables are this wide)
 WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), resolved where the vocabulary is known
+MAX_CACHE_SALT_BYTES = 1024  # UTF-8 bytes of a request's cache_salt (vLLM sets no bound)
 
 
 class FinishReason(IntEnum):
@@ -275,6 +276,23 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise InvalidRequestError(message, param=param)
 
 
+def cache_salt_bytes(cache_salt: str) -> bytes:
+    """A cache_salt as the bytes that are hashed (a lone surrogate from a JSON escape is kept, not refused)."""
+    return cache_salt.encode("utf-8", "surrogatepass")
+
+
+def check_cache_salt(cache_salt: object) -> str:
+    """A client's cache_salt (vLLM's): None is no salt (""), else a non-empty string of at most
+    MAX_CACHE_SALT_BYTES UTF-8 bytes; InvalidRequestError naming cache_salt otherwise."""
+    if cache_salt is None:
+        return ""
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string if provided", param="cache_salt")
+    _check(len(cache_salt_bytes(cache_salt)) <= MAX_CACHE_SALT_BYTES, "cache_salt",
+           f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes (UTF-8)")
+    return cache_salt
+
+
 # --------------------------------------------------------------------------------------------
 # scheduler -> worker: one plan per step, a diff against what the worker already knows
 
@@ -498,6 +516,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     tenant: str = ""  # the API key's tenant ("": none); with its weight and tier, for the scheduler's fair share
     tenant_weight: float = 1.0
     tenant_priority: int = 0
+    # vLLM's cache_salt ("": none): mixed into the hash of the prompt's first prefix-cache block, so that only
+    # requests with the same salt share cached blocks (with --prefix-cache-isolation tenant, the api's per tenant)
+    cache_salt: str = ""
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -676,6 +697,7 @@ class AddRequest(msgspec.Struct, array_like=True, tag="add", frozen=True, omit_d
     # structured outputs: the tokens the grammar forces at the start (compiler.fast_forward_tokens), output tokens
     # the prompt's prefill computes; the tokenizer shows them with the completion's first token
     forced_token_ids: list[int] = []
+    cache_salt: str = ""  # see GenerateRequest: the root of the request's prefix-cache hash chain
 
 
 class StopSequence(msgspec.Struct, array_like=True, tag="stopseq", frozen=True):

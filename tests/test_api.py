@@ -580,6 +580,13 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "chat_template_kwargs": {"k": 2**64}}, 400, "chat_template_kwargs"),
     ("/detokenize", {"tokens": [2**64]}, 400, "tokens"),
+    # vLLM's cache_salt: a non-empty string (null is none), bounded here
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": "s" * 1025}, 400, "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "é" * 513},
+     400, "cache_salt"),  # 1026 bytes in UTF-8
+    ("/v1/completions", {"prompt": "x", "cache_salt": 7}, 400, "cache_salt"),
 ]
 
 

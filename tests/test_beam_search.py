@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagoda.services.scheduler.beam import BeamSearch, assign_slots
+from pagoda.services.scheduler.block_manager import hash_block, salted_root
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import BeamCandidates, SamplingParams, StepPlan, StepResult
@@ -83,9 +84,9 @@ def make_scheduler(num_blocks: int = 32) -> Scheduler:
                      max_model_len=64, vocab_size=100, eos_token_ids=[EOS])
 
 
-def beam_request(width: int, prompt: list[int], max_tokens: int = 6) -> Request:
+def beam_request(width: int, prompt: list[int], max_tokens: int = 6, cache_salt: str = "") -> Request:
     params = SamplingParams(use_beam_search=True, best_of=width, n=width, max_tokens=max_tokens, temperature=0.0)
-    return Request(request_id="r", prompt_token_ids=prompt, sampling=params.validate())
+    return Request(request_id="r", prompt_token_ids=prompt, sampling=params.validate(), cache_salt=cache_salt)
 
 
 def answer(plan: StepPlan, tokens: list[int], parents: list[int], scores: list[float]) -> StepResult:
@@ -155,6 +156,29 @@ def test_preempted_beam_group_waits_whole_and_recomputes_each_beam() -> None:
     assert all(not p.beam_groups or len(p.beam_groups[0].seq_ids) == 2 for p in plans)
     recomputed = [new.token_ids for p in plans for new in p.new_requests]
     assert recomputed == [[10, 11, 12, 13, 14, 20], [10, 11, 12, 13, 14, 21]]
+
+
+def test_a_salted_beam_group_caches_and_recomputes_under_its_salt() -> None:
+    """cache_salt with beam search: the beams' shared prompt block is hashed under the salt, and the group that a
+    preemption sends back finds it there (and an unsalted lookup of the same tokens does not)."""
+    scheduler = make_scheduler()
+    request = beam_request(2, [10, 11, 12, 13, 14], cache_salt="s")
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    scheduler.update(plan, answer(plan, [20, 21, 22, 23], [0] * 4, [-1, -2, -3, -4]))
+    salted = hash_block(salted_root("s"), (10, 11, 12, 13))
+    assert [seq.table.block_hashes for seq in request.sequences] == [[salted], [salted]]
+    assert scheduler.blocks.lookup_prefix([10, 11, 12, 13, 14], 1) == ([], [])
+    scheduler._preempt(request.sequences[1])
+    plans = []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        plans.append(plan)
+        if plan.beam_groups:
+            break
+        scheduler.update(plan, StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[]))
+    assert plans[-1].beam_groups and plans[-1].beam_groups[0].seq_ids == [0, 1]
+    assert [new.num_computed_tokens for p in plans for new in p.new_requests] == [4, 4]
 
 
 def test_beam_search_parameters_are_checked() -> None:

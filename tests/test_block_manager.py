@@ -1,8 +1,9 @@
 """BlockManager: a hypothesis state machine over allocate / append / fork / free / evict, plus unit tests.
 
 The state machine keeps a model of what each physical block's K/V holds (the token prefix written
-into it when its owner computed it) so that every prefix-cache hit is checked against real content,
-not just against the manager's own bookkeeping.
+into it when its owner computed it, and the cache salt of that owner) so that every prefix-cache hit is
+checked against real content, not just against the manager's own bookkeeping: a hit under another salt
+would be a leak between requests that asked to be kept apart.
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagoda.services.scheduler import block_manager
-from pagoda.services.scheduler.block_manager import ROOT_HASH, BlockManager, BlockTable, NoFreeBlocksError
+from pagoda.services.scheduler.block_manager import (
+    ROOT_HASH,
+    BlockManager,
+    BlockTable,
+    NoFreeBlocksError,
+    salted_root,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
 TOKENS = st.integers(0, 1)  # a tiny alphabet so prefixes repeat and the cache hits
+SALTS = ("", "a", "b")  # cache salts ("": none)
 
 
 @dataclass
@@ -29,10 +37,11 @@ class Live:
     table: BlockTable
     token_ids: list[int]
     num_computed: int
+    salt: str = ""
 
 
-def chain_hashes(token_ids: list[int], num_blocks: int) -> list[int]:
-    hashes, parent = [], ROOT_HASH
+def chain_hashes(token_ids: list[int], num_blocks: int, salt: str = "") -> list[int]:
+    hashes, parent = [], salted_root(salt)
     for index in range(num_blocks):
         parent = block_manager.hash_block(parent, tuple(token_ids[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]))
         hashes.append(parent)
@@ -47,7 +56,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, self.enable_prefix_caching)
         self.live: list[Live] = []
-        self.contents: dict[int, tuple[int, ...]] = {}  # block id -> token prefix whose last block it holds
+        # block id -> (its writer's salt, the token prefix whose last block it holds)
+        self.contents: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.seen: list[list[int]] = []  # every sequence allocated so far, to draw shared prefixes from
         self.num_hits = 0
 
@@ -77,17 +87,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             block_id = live.table.block_ids[index]
             assert self.holders(block_id) == 1, "a sequence writes into a block another one holds"
             if (index + 1) * BLOCK_SIZE <= num_computed:
-                self.contents[block_id] = tuple(live.token_ids[:(index + 1) * BLOCK_SIZE])
+                self.contents[block_id] = (live.salt, tuple(live.token_ids[:(index + 1) * BLOCK_SIZE]))
         live.num_computed = num_computed
-        self.bm.commit(live.table, live.token_ids, num_computed)
+        self.bm.commit(live.table, live.token_ids, num_computed, salted_root(live.salt))
         num_hashed = num_computed // BLOCK_SIZE if self.enable_prefix_caching else 0
-        assert live.table.block_hashes == chain_hashes(live.token_ids, num_hashed)
+        assert live.table.block_hashes == chain_hashes(live.token_ids, num_hashed, live.salt)
 
     # ------------------------------------------------------------ rules
 
-    @rule(data=st.data(), tail=st.lists(TOKENS, max_size=3 * BLOCK_SIZE))
-    def allocate(self, data: st.DataObject, tail: list[int]) -> None:
-        """A new sequence: often a prefix of an earlier one plus a tail, so the cache has something to hit."""
+    @rule(data=st.data(), tail=st.lists(TOKENS, max_size=3 * BLOCK_SIZE), salt=st.sampled_from(SALTS))
+    def allocate(self, data: st.DataObject, tail: list[int], salt: str) -> None:
+        """A new sequence: often a prefix of an earlier one plus a tail, so the cache has something to hit; under
+        one of a few cache salts, so that the same tokens must not hit under another salt."""
         prefix: list[int] = []
         if self.seen and data.draw(st.booleans()):
             earlier = data.draw(st.sampled_from(self.seen))
@@ -95,17 +106,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         token_ids = (prefix + tail)[:6 * BLOCK_SIZE] or [0]
         self.seen.append(token_ids)
         max_blocks = (len(token_ids) - 1) // BLOCK_SIZE
-        hit_ids, hit_hashes = self.bm.lookup_prefix(token_ids, max_blocks)
+        hit_ids, hit_hashes = self.bm.lookup_prefix(token_ids, max_blocks, salted_root(salt))
         assert len(hit_ids) == len(hit_hashes) <= max_blocks
         if not self.enable_prefix_caching:
             assert hit_ids == []
-        assert hit_hashes == chain_hashes(token_ids, len(hit_ids))
+        assert hit_hashes == chain_hashes(token_ids, len(hit_ids), salt)
         for index, block_id in enumerate(hit_ids):
             expected, written = tuple(token_ids[:(index + 1) * BLOCK_SIZE]), self.contents.get(block_id)
             if self.exact_prefix_hits:
-                assert written == expected, "a hit on stale K/V"
-            else:  # the stored key vouches for the block's own tokens only
-                assert written is not None and written[-BLOCK_SIZE:] == expected[-BLOCK_SIZE:], "a hit on stale K/V"
+                assert written == (salt, expected), "a hit on stale K/V, or on another salt's"
+            else:  # the stored key vouches for the block's own tokens only (and for the salt of a first block)
+                assert written is not None and written[1][-BLOCK_SIZE:] == expected[-BLOCK_SIZE:], "a hit on stale K/V"
+                assert index > 0 or written[0] == salt, "a first block hit under another salt"
         self.num_hits += len(hit_ids)
         needed = self.bm.num_blocks_for(len(token_ids)) - len(hit_ids)
         available = self.bm.num_free_blocks - self.bm.num_unreferenced(hit_ids)
@@ -120,7 +132,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert table.block_ids == hit_ids
             self.bm.free(table)
             return
-        live = Live(table, list(token_ids), len(hit_ids) * BLOCK_SIZE)
+        live = Live(table, list(token_ids), len(hit_ids) * BLOCK_SIZE, salt)
         self.grow(live, len(token_ids))
         self.live.append(live)
         self.compute(live, data.draw(st.integers(live.num_computed, len(token_ids)) | st.just(len(token_ids))))
@@ -152,7 +164,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert child.block_ids == parent.table.block_ids[:num_shared]
         assert child.block_hashes == parent.table.block_hashes[:num_shared]
         assert self.bm.num_free_blocks == free_before, "forking a held block takes nothing from the pool"
-        self.live.append(Live(child, parent.token_ids[:num_tokens], num_shared * BLOCK_SIZE))
+        self.live.append(Live(child, parent.token_ids[:num_tokens], num_shared * BLOCK_SIZE, parent.salt))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -269,6 +281,29 @@ def test_prefix_hit_after_commit_and_free_returns_the_same_blocks() -> None:
     bm.check_integrity(tables=[other])
     bm.free(other)
     assert bm.num_free_blocks == 8
+
+
+def test_a_cache_salt_changes_every_block_hash_and_only_the_same_salt_hits() -> None:
+    """vLLM's cache_salt: mixed into the first block's hash, so every hash of the chain differs through its parent;
+    a lookup finds the blocks under the salt they were committed with, and under no other (nor unsalted)."""
+    assert salted_root("") == ROOT_HASH
+    assert len({salted_root(salt) for salt in ("", "a", "b", "ab")}) == 4
+    bm = BlockManager(16, 4)
+    token_ids = list(range(12))  # 3 full blocks
+    unsalted, salted = filled(bm, token_ids), BlockTable()
+    bm.grow(salted, len(token_ids))
+    bm.commit(salted, token_ids, len(token_ids), salted_root("tenant-a"))
+    assert salted.block_hashes == chain_hashes(token_ids, 3, "tenant-a")
+    assert all(ours != theirs for ours, theirs in zip(salted.block_hashes, unsalted.block_hashes, strict=True))
+    assert unsalted.block_hashes == chain_hashes(token_ids, 3)  # no salt: the chain as it always was
+    salted_ids, unsalted_ids = list(salted.block_ids), list(unsalted.block_ids)
+    bm.free(salted)
+    bm.free(unsalted)
+    assert bm.num_cached_blocks == 6
+    assert bm.lookup_prefix(token_ids, 10, salted_root("tenant-a"))[0] == salted_ids
+    assert bm.lookup_prefix(token_ids, 10)[0] == unsalted_ids
+    assert bm.lookup_prefix(token_ids, 10, salted_root("tenant-b")) == ([], [])
+    bm.check_integrity(tables=[])
 
 
 def test_lru_eviction_order() -> None:

@@ -524,6 +524,34 @@ def test_reset_prefix_cache_makes_the_next_run_cold(llm: LLM) -> None:
     assert cold.num_cached_tokens == 0 and cold.outputs[0].text == first.outputs[0].text
 
 
+def test_prompt_dicts_take_vllms_cache_salt(llm: LLM) -> None:
+    """vLLM's {"prompt": ..., "cache_salt": ...}: a prompt reuses cached prefix blocks only under its own salt (none:
+    the unsalted chain); the answer does not change. An empty salt is refused naming cache_salt."""
+    from pagoda import BeamSearchParams
+
+    token_ids = llm.get_tokenizer().encode("word " * 40)  # more than two full blocks
+    assert llm.reset_prefix_cache() is True
+
+    def cached(prompt: object) -> int:
+        [output] = llm.generate(prompt, STILL_SERVES)
+        assert output.outputs[0].text == reference
+        return output.num_cached_tokens
+
+    reference = llm.generate([token_ids], STILL_SERVES)[0].outputs[0].text  # caches the unsalted chain
+    assert cached({"prompt_token_ids": token_ids, "cache_salt": "a"}) == 0
+    assert cached({"prompt_token_ids": token_ids, "cache_salt": "a"}) > 0
+    assert cached({"prompt_token_ids": token_ids, "cache_salt": "b"}) == 0
+    assert cached([token_ids]) > 0
+    [beams] = llm.beam_search([{"prompt_token_ids": token_ids, "cache_salt": "a"}],
+                              BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(beams.sequences) == 2
+    for bad in ("", 7, "s" * 1025):
+        with pytest.raises(InvalidRequestError) as caught:
+            llm.generate({"prompt_token_ids": token_ids, "cache_salt": bad}, STILL_SERVES)
+        assert caught.value.param == "cache_salt"
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_output_kind_is_taken_at_what_generate_returns(llm: LLM) -> None:
     """vLLM's RequestOutputKind: LLM returns each request's output once, when it is done (FINAL_ONLY, which vLLM's
     LLM sets itself); the streaming kinds are refused naming output_kind, also when set after construction."""

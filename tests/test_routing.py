@@ -57,6 +57,34 @@ def test_affinity_key_covers_the_first_full_blocks_only() -> None:
     assert affinity_key(prompt[:BLOCK - 1], BLOCK, 4) is None
 
 
+def test_a_cache_salt_keys_its_own_affinity() -> None:
+    """Salted requests share cached blocks only with their salt: one salt and prefix always route together, and the
+    same prefix under other salts spreads over the replicas like other prefixes (no salt: the key as before)."""
+    [prompt] = random_prompts(1, 5 * BLOCK, seed=4)
+    plain = affinity_key(prompt, BLOCK, 4)
+    assert affinity_key(prompt, BLOCK, 4, "") == plain
+    salted = affinity_key(prompt, BLOCK, 4, "tenant-a")
+    assert salted is not None and salted != plain
+    assert affinity_key(prompt[:4 * BLOCK] + [9], BLOCK, 4, "tenant-a") == salted  # still only the first blocks
+    assert affinity_key(prompt, BLOCK, 4, "tenant-b") != salted
+    assert affinity_key(prompt[:BLOCK - 1], BLOCK, 4, "tenant-a") is None
+    loads = [idle(f"r{i}") for i in range(4)]
+    first, second = PrefixRouter(), PrefixRouter()
+    for load in loads:
+        first.update(load)
+        second.update(load)
+    chosen = set()
+    for index in range(40):
+        salt = f"salt-{index}"
+        replica = first.choose(prompt + [index], salt)
+        assert second.choose(prompt + [1000 + index], salt) == replica
+        assert choose_replica(prompt, loads, RoutingConfig(), cache_salt=salt) == replica
+        chosen.add(replica)
+        first.update(idle(replica))
+        second.update(idle(replica))
+    assert chosen == {"r0", "r1", "r2", "r3"}  # one prefix under many salts spreads
+
+
 def test_the_ranking_is_the_same_in_another_process() -> None:
     """blake2b, not Python's salted hash(): a tokenizer started with another PYTHONHASHSEED agrees."""
     ids = [f"replica-{i}" for i in range(5)]

@@ -23,6 +23,7 @@ from pagoda.shared.messages import FinishReason, SamplingParams, StepPlan, StepR
 
 EOS = 1
 VOCAB_SIZE = 1000
+SALTS = ("", "tenant-a", "", "tenant-b")  # cache salts the random workloads draw ("": none)
 TokenFn = Callable[[int, int], int]
 
 
@@ -38,11 +39,11 @@ def make_scheduler(**overrides: object) -> Scheduler:
 
 
 def make_request(request_id: str, prompt: list[int] | int, max_tokens: int | None = 8, *, priority: int = 0,
-                 arrival_time: float = 0.0, **params: object) -> Request:
+                 arrival_time: float = 0.0, cache_salt: str = "", **params: object) -> Request:
     prompt_ids = prompt if isinstance(prompt, list) else [100 + (i % 800) for i in range(prompt)]
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)  # type: ignore[arg-type]
     return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, arrival_time=arrival_time,
-                   priority=priority)
+                   priority=priority, cache_salt=cache_salt)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class WorkerSeq:
     num_prompt_tokens: int
     num_computed: int
     block_ids: list[int]
+    salt: str = ""
 
 
 @dataclass
@@ -66,6 +68,9 @@ class FakeWorker:
     # check_kv: each device block's slots and each host slot hold what was computed there (a digest of the tokens
     # up to that position, as K/V depend on them), copied by the plan's swaps; each step checks what it reads
     check_kv: bool = False
+    # sequence id -> its request's cache_salt, mixed into the K/V digests as if K/V depended on it: a read of K/V
+    # another salt computed then fails like a read of another prompt's (cache isolation)
+    salts: dict[int, str] = field(default_factory=dict)
     kv: dict[int, list[int | None]] = field(default_factory=dict)
     host: dict[int, list[int | None]] = field(default_factory=dict)
 
@@ -86,7 +91,8 @@ class FakeWorker:
                 self.num_resent += 1
                 self.num_resent_with_output += len(new.token_ids) > new.num_prompt_tokens
             self.state[new.seq_id] = WorkerSeq(list(new.token_ids), new.num_prompt_tokens,
-                                               new.num_computed_tokens, list(new.block_ids))
+                                               new.num_computed_tokens, list(new.block_ids),
+                                               self.salts.get(new.seq_id, ""))
         for seq_id, block_id in zip(plan.appended_block_seq_ids, plan.appended_block_ids, strict=True):
             self.state[seq_id].block_ids.append(block_id)
 
@@ -112,7 +118,7 @@ class FakeWorker:
     def _read_and_write(self, seq: WorkerSeq, count: int) -> None:
         """The K/V a step reads (every computed position) must be this sequence's; it writes its new positions."""
         size = self.block_size
-        digests = _prefix_digests(seq.token_ids, seq.num_computed + count)
+        digests = _prefix_digests(seq.token_ids, seq.num_computed + count, seq.salt)
         for position, digest in enumerate(digests):
             block = self.kv.setdefault(seq.block_ids[position // size], [None] * size)
             if position < seq.num_computed:
@@ -121,13 +127,19 @@ class FakeWorker:
                 block[position % size] = digest
 
 
-def _prefix_digests(token_ids: list[int], length: int) -> list[int]:
-    """A digest per position of the tokens up to it (what that position's K/V depend on)."""
-    digests, digest = [], 0
+def _prefix_digests(token_ids: list[int], length: int, salt: str = "") -> list[int]:
+    """A digest per position of the tokens up to it (what that position's K/V depend on), and of the salt."""
+    digests, digest = [], hash(salt) if salt else 0
     for token in token_ids[:length]:
         digest = hash((digest, token))
         digests.append(digest)
     return digests
+
+
+def add_salted(sched: Scheduler, worker: FakeWorker, request: Request) -> None:
+    """Queue a request and tell the fake worker its sequences' cache salt (their K/V digests mix it in)."""
+    sched.add_request(request)
+    worker.salts.update((seq.seq_id, request.cache_salt) for seq in request.sequences)
 
 
 def live_tables(sched: Scheduler) -> list:
@@ -184,6 +196,8 @@ def assert_all_free(sched: Scheduler) -> None:
 
 @pytest.mark.parametrize("seed", range(16))
 def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
+    """Shared prefixes under different cache salts: a step that read K/V cached for another salt would fail the
+    fake worker's check, as one reading another prompt's would."""
     rng = random.Random(seed)
     block_size = rng.choice([8, 16])
     sched = make_scheduler(num_blocks=rng.choice([24, 32]) * 16 // block_size, block_size=block_size,
@@ -199,7 +213,7 @@ def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
             prompt = (rng.choice(shared_prefixes) + prompt)[:num_prompt]
         n = rng.choice([1, 1, 1, 2, 3])
         request = make_request(f"r{index}", prompt, rng.randint(1, 40), n=n, priority=rng.randint(0, 2),
-                               arrival_time=float(index))
+                               arrival_time=float(index), cache_salt=SALTS[index % len(SALTS)])
         arrivals.append((rng.randint(0, 20), request))
     arrivals.sort(key=lambda item: item[0])
     requests = [request for _, request in arrivals]
@@ -207,7 +221,7 @@ def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
     num_steps = 0
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= num_steps:
-            sched.add_request(arrivals.pop(0)[1])
+            add_salted(sched, worker, arrivals.pop(0)[1])
         step(sched, worker)
         num_steps += 1
         assert num_steps < 5_000, "the scheduler stopped making progress"
@@ -226,7 +240,8 @@ def test_random_workload_keeps_budget_integrity_and_finishes(seed: int) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
-    """Tiny pools, budgets down to 1 token, n up to 3, shared prefixes, aborts before and during steps."""
+    """Tiny pools, budgets down to 1 token, n up to 3, shared prefixes (under a few cache salts), aborts before and
+    during steps."""
     block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
     num_blocks = data.draw(st.integers(max(2, -(-2 // block_size)), max(2, 64 // block_size)), label="num_blocks")
     max_model_len = data.draw(st.integers(2, min(64, num_blocks * block_size)), label="max_model_len")
@@ -243,7 +258,7 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
         prompt = data.draw(st.lists(st.integers(2, 3), min_size=num_prompt, max_size=num_prompt))
         request = make_request(f"r{index}", prompt, data.draw(st.integers(1, max_model_len - num_prompt)),
                                n=data.draw(st.integers(1, 3)), priority=data.draw(st.integers(0, 2)),
-                               arrival_time=float(index))
+                               arrival_time=float(index), cache_salt=data.draw(st.sampled_from(SALTS)))
         arrival = data.draw(st.integers(0, 10))
         arrivals.append((arrival, request))
         if data.draw(st.integers(0, 3)) == 0:
@@ -254,7 +269,7 @@ def test_random_small_workloads_with_aborts(data: st.DataObject) -> None:
     num_steps = 0
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= num_steps:
-            sched.add_request(arrivals.pop(0)[1])
+            add_salted(sched, worker, arrivals.pop(0)[1])
         due = [(request_id, during) for request_id, (at, during) in abort_at.items() if at == num_steps]
         for request_id in [request_id for request_id, during in due if not during]:
             sched.abort_request(request_id)
@@ -650,6 +665,64 @@ def test_no_hits_with_prefix_caching_disabled() -> None:
         run_until_done(sched, worker)
     assert sched.stats.prefix_hit_tokens == 0 and sched.blocks.num_cached_blocks == 0
     assert_all_free(sched)
+
+
+def test_requests_share_prefix_blocks_only_under_the_same_cache_salt() -> None:
+    """vLLM's cache_salt: the same prompt hits under its own salt (counted as a prefix-cache hit), never under
+    another salt nor unsalted; an unsalted request still hits the unsalted chain."""
+    sched = make_scheduler(block_size=16)
+    worker = FakeWorker(16, check_kv=True)
+    shared = [2 + i for i in range(64)]
+
+    def admit(name: str, cache_salt: str) -> tuple[int, list[int]]:
+        request = make_request(name, shared + [500 + i for i in range(10)], max_tokens=3, cache_salt=cache_salt)
+        add_salted(sched, worker, request)
+        new, _ = first_new_request(sched, worker, request)
+        run_until_done(sched, worker)
+        return new.num_computed_tokens, new.block_ids[:4]
+
+    computed, salted_blocks = admit("a1", "tenant-a")
+    assert computed == 0
+    assert admit("a2", "tenant-a") == (64, salted_blocks)
+    assert sched.stats.prefix_hit_tokens == 64
+    assert admit("b", "tenant-b")[0] == 0
+    computed, unsalted_blocks = admit("plain1", "")
+    assert computed == 0 and not set(unsalted_blocks) & set(salted_blocks)
+    assert admit("plain2", "") == (64, unsalted_blocks)
+    assert sched.stats.prefix_hit_tokens == 128 and sched.stats.prefix_query_tokens == 5 * 74
+    assert_all_free(sched)
+
+
+def test_a_preempted_salted_sequence_recomputes_from_its_salts_blocks() -> None:
+    """Recompute after a preemption looks the prefix up under the request's own salt (the fake worker's K/V digests
+    mix the salt in: a block cached by the unsalted twin would fail its check)."""
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    worker = FakeWorker(4, check_kv=True)
+    prompt = [300 + i for i in range(9)]
+    twin = make_request("twin", list(prompt), max_tokens=2, arrival_time=0.0)
+    add_salted(sched, worker, twin)
+    run_until_done(sched, worker)  # the unsalted twin's prompt blocks stay cached
+    victim = make_request("victim", list(prompt), max_tokens=12, priority=1, arrival_time=1.0, cache_salt="s")
+    urgent = make_request("urgent", [200 + i for i in range(9)], max_tokens=12, priority=0, arrival_time=2.0)
+    add_salted(sched, worker, victim)
+    step(sched, worker)
+    assert victim.sequences[0].num_cached_tokens == 0  # the twin's blocks are another chain
+    add_salted(sched, worker, urgent)
+    while not victim.sequences[0].num_preemptions:
+        step(sched, worker)
+    plans = run_until_done(sched, worker)
+    (readmitted,) = [new for plan in plans for new in plan.new_requests if new.seq_id == victim.sequences[0].seq_id]
+    assert readmitted.num_computed_tokens >= 8  # its own two salted prompt blocks, still cached
+    assert victim.sequences[0].finish_reason == FinishReason.LENGTH
+    assert_all_free(sched)
+
+
+def test_an_oversized_cache_salt_from_a_peer_is_refused() -> None:
+    sched = make_scheduler()
+    with pytest.raises(InvalidRequestError) as info:
+        sched.validate(make_request("salty", 10, cache_salt="x" * 1025))
+    assert info.value.param == "cache_salt"
+    sched.validate(make_request("fine", 10, cache_salt="x" * 1024))
 
 
 # ---------------------------------------------------------------- f. n > 1

@@ -22,7 +22,9 @@ from pagoda.services.api.tenants import (
     parse_keys,
     read_keys_file,
     revoke_key,
+    tenant_cache_salt,
 )
+from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import ConfigError
 from tests.harness import HTTP, parse_metrics, wait_until
 from tests.test_api import API_KEY, MODEL, Stack, start_stack, stop_stack
@@ -94,6 +96,17 @@ def test_key_table_reloads_on_change_and_keeps_the_old_keys_when_broken(tmp_path
         KeyTable(str(path))  # at start-up a broken file is an error
 
 
+def test_tenant_cache_salts_keep_tenants_and_their_clients_salts_apart() -> None:
+    salts = {tenant_cache_salt(tenant, salt) for tenant in ("acme", "beta", "default") for salt in ("", "x", "y")}
+    assert len(salts) == 9
+    assert tenant_cache_salt("acme", "x") == tenant_cache_salt("acme", "x")  # stable: in every api process
+    assert tenant_cache_salt("a", "bc") != tenant_cache_salt("ab", "c")  # the pair, not its concatenation
+    assert len(tenant_cache_salt("t" * 128, "s" * 1024)) < 100  # far within the wire's bound
+    with pytest.raises(ConfigError) as caught:
+        ServerConfig(prefix_cache_isolation="per-key")
+    assert caught.value.param == "prefix_cache_isolation"
+
+
 # ---------------------------------------------------------------- the api process
 
 
@@ -133,6 +146,44 @@ def test_keys_name_tenants_that_reach_the_tokenizer(tenant_stack: tuple) -> None
     assert record["tenant"] == "one" and record["status"] == 200
     assert record["prompt_tokens"] == 2 and record["completion_tokens"] == 3  # the fake counts words, max_tokens
     assert record["duration_s"] >= record["first_token_s"] >= 0
+
+
+def _forwarded(stack: Stack, response: object) -> object:
+    """The GenerateRequest the api sent the tokenizer for this response."""
+    request_id = response.json()["id"]  # type: ignore[attr-defined]
+    return next(r for r in stack.tokenizer.requests.values() if r.render and r.render.response_id == request_id)
+
+
+def test_shared_prefix_cache_passes_the_clients_salt_as_it_is(tenant_stack: tuple) -> None:
+    stack, keys, _, _ = tenant_stack
+    for key in (keys["one"], API_KEY):
+        response = _post(stack, key, max_tokens=1, cache_salt="mine")
+        assert response.status_code == 200, response.text
+        assert _forwarded(stack, response).cache_salt == "mine"
+    assert _forwarded(stack, _post(stack, keys["one"], max_tokens=1)).cache_salt == ""
+
+
+def test_tenant_isolation_salts_every_tenants_requests_with_its_tenant(tmp_path: Path) -> None:
+    """--prefix-cache-isolation tenant: each tenant's requests carry a salt of their own (the client's salt within
+    it), so that no tenant shares (or can time) another's cached prompts; the operator's key is tenant default."""
+    keys_path = tmp_path / "keys.json"
+    keys = {name: add_key(keys_path, name, {})[1] for name in ("acme", "beta")}
+    stack = start_stack("--api-keys-file", str(keys_path), "--prefix-cache-isolation", "tenant")
+    try:
+        def salt_of(key: str, **body: object) -> str:
+            response = _post(stack, key, max_tokens=1, **body)
+            assert response.status_code == 200, response.text
+            return _forwarded(stack, response).cache_salt  # type: ignore[attr-defined]
+
+        assert salt_of(keys["acme"]) == salt_of(keys["acme"]) == tenant_cache_salt("acme", "")
+        assert salt_of(keys["beta"]) == tenant_cache_salt("beta", "")
+        assert salt_of(keys["acme"], cache_salt="x") == tenant_cache_salt("acme", "x")
+        # another tenant naming acme's salt, or a client sending it raw, still gets a chain of its own
+        assert salt_of(keys["beta"], cache_salt=tenant_cache_salt("acme", "")) != tenant_cache_salt("acme", "")
+        assert salt_of(API_KEY) == tenant_cache_salt("default", "")
+        assert _post(stack, keys["acme"], cache_salt="").json()["error"]["param"] == "cache_salt"
+    finally:
+        stop_stack(stack)
 
 
 def test_over_quota_is_429_with_retry_after(tenant_stack: tuple) -> None:

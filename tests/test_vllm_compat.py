@@ -181,6 +181,30 @@ def test_prompt_logprobs_leave_the_prefix_cache_on_for_the_others(client: openai
         assert all(a[key]["logprob"] == pytest.approx(b[key]["logprob"], abs=1e-4) for key in a)
 
 
+def test_cache_salt_shares_prefix_blocks_only_among_equal_salts(client: openai.OpenAI) -> None:
+    """vLLM's cache_salt through the tokenizer to the scheduler: a prompt hits the prefix cache under the salt it was
+    cached with, never under another salt nor unsalted; chat takes it too."""
+    prompt = f"Request {uuid.uuid4().hex}: " + "a list of things that are green, such as grass and leaves. " * 4
+
+    def cached_tokens(salt: str | None, messages: bool = False) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        if messages:
+            reply = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=1, extra_body=extra)
+        else:
+            reply = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens("a") == 0
+    assert cached_tokens("a") >= 32
+    assert cached_tokens("b") == 0
+    assert cached_tokens(None) == 0
+    assert cached_tokens(None) >= 32  # the unsalted chain, as without salts
+    assert cached_tokens("a", messages=True) == 0  # the chat template's prompt starts otherwise
+    assert cached_tokens("a", messages=True) >= 32
+    assert cached_tokens("b", messages=True) == 0
+
+
 def test_prompt_logprobs_are_refused_when_streaming(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as failure:
         client.completions.create(model=SERVED, prompt="Hi", max_tokens=1, stream=True,

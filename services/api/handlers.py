@@ -19,7 +19,7 @@ from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
 from pagoda.services.api.stats import ReplicaStatsFeed
-from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog
+from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog, tenant_cache_salt
 from pagoda.services.protocol.render import CHAT, COMPLETION, SSE_DONE, encode_json, renderer_for, sse
 from pagoda.services.protocol.schemas import (
     ChatBody,
@@ -187,11 +187,11 @@ class Handlers:
         lease = self._admit(tenant)  # 429 over quota, before any work
         arrival = messages[0].arrival_time
         # The tokenizer renders each prompt's choices (they start at prompt index * n); the same renderer here
-        # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share.
+        # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share (and,
+        # with --prefix-cache-isolation tenant, in the request's cache salt).
         n = messages[0].params.n
-        tag = {"tenant": tenant.name, "tenant_weight": tenant.weight, "tenant_priority": tenant.priority} \
-            if tenant is not None else {}
-        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n), **tag)
+        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n),
+                                            **self._tenant_fields(tenant, m.cache_salt))
                     for i, m in enumerate(messages)]
         gen: Generation | None = None
         status = 499  # the client left (the handler was cancelled) unless set below
@@ -235,6 +235,17 @@ class Handlers:
             raise
         finally:
             self._account(found, lease, gen, spec, status, arrival, started_at)
+
+    def _tenant_fields(self, tenant: Tenant | None, cache_salt: str) -> dict[str, Any]:
+        """What a request carries of its tenant: its name, weight and tier for the scheduler's fair share and, with
+        --prefix-cache-isolation tenant, a cache salt of its own (the client's salt within it)."""
+        if tenant is None:
+            return {}
+        fields: dict[str, Any] = {"tenant": tenant.name, "tenant_weight": tenant.weight,
+                                  "tenant_priority": tenant.priority}
+        if self.state.config.prefix_cache_isolation == "tenant":
+            fields["cache_salt"] = tenant_cache_salt(tenant.name, cache_salt)
+        return fields
 
     def _admit(self, tenant: Tenant | None) -> Lease | None:
         if tenant is None:

@@ -67,6 +67,14 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+def tenant_cache_salt(tenant: str, cache_salt: str) -> str:
+    """--prefix-cache-isolation tenant: the cache_salt a tenant's request carries to the scheduler, one digest of
+    its tenant and of the salt its client sent ("" for none). Whatever salt a client sends, it cannot name another
+    tenant's chain; within a tenant, clients' own salts still keep requests apart."""
+    digest = hashlib.blake2b(json.dumps([tenant, cache_salt]).encode("ascii"), digest_size=16)
+    return "tenant:" + digest.hexdigest()
+
+
 def parse_tenant(name: str, spec: Any) -> Tenant:
     """One tenant entry of the keys file; ConfigError names what is wrong."""
     where = f"tenant {name!r}"

@@ -21,6 +21,7 @@ from pagoda.shared.messages import (
     SamplingParams,
     StructuredOutputs,
     ToolCallMessage,
+    check_cache_salt,
 )
 
 MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused before decoding
@@ -69,6 +70,7 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k (-1: every token)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
     bad_words: list[str] | None = None  # vLLM's: each word's last token is banned after its others
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
     # beam search, vLLM's fields (services/protocol/schemas._beam_kwargs)
     use_beam_search: bool | None = None
     best_of: int | None = None
@@ -408,6 +410,7 @@ def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
     completions (prompts x n, or x best_of) the request may ask for (a list of many short prompts times a large n
     would otherwise hold the engine and the processes' memory from one request); None: no bound."""
     params = completion_params(body, max_logprobs, defaults)
+    cache_salt = check_cache_salt(body.cache_salt)
     prompts = completion_prompts(body.prompt)
     per_prompt = max(params.n, params.best_of or 1)
     _require(max_completions is None or len(prompts) * per_prompt <= max_completions, "prompt",
@@ -421,7 +424,7 @@ def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
             request_id, params, prompt_text=text, prompt_token_ids=ids,
             add_special_tokens=True if body.add_special_tokens is None else body.add_special_tokens,
             priority=body.priority or 0, arrival_time=arrival_time, return_prompt_text=bool(body.echo),
-            return_token_ids=bool(body.return_token_ids)))
+            return_token_ids=bool(body.return_token_ids), cache_salt=cache_salt))
     return requests
 
 
@@ -573,7 +576,7 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
         # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
         arrival_time=arrival_time, tools=tools if mode != "none" else [],
-        return_token_ids=bool(body.return_token_ids))
+        return_token_ids=bool(body.return_token_ids), cache_salt=check_cache_salt(body.cache_salt))
 
 
 def tokenize_tools(body: TokenizeBody) -> list[dict[str, Any]]:

@@ -45,7 +45,6 @@ UNSUPPORTED_FIELDS = {
     "return_token_offsets": "token offsets are only for vLLM's render endpoints, which pagoda does not serve",
     "return_prompt_text": "the rendered prompt is not returned; use /tokenize with return_token_strs",
     "return_mm_kwargs": "multimodal inputs are not accepted",
-    "cache_salt": "the prefix cache is not salted per request",
     "kv_transfer_params": "disaggregated prefill (KV transfer) is not implemented",
     "ec_transfer_params": "encoder-cache transfer is not implemented",
     "vllm_xargs": "custom extension arguments are not accepted",

@@ -10,6 +10,9 @@ Every block is in exactly one of three states (check_integrity asserts it):
     acquire (prefix hit, fork): cached -> owned, or owned ref += 1
     release: owned ref -= 1; at 0: hashed -> cached (most recent end), unhashed -> free
 
+A chain starts at ROOT_HASH, or at salted_root(cache_salt) for a request with a cache_salt: requests with different
+salts never find each other's blocks (vLLM's per-request cache isolation).
+
 HostBlocks is the second pool: host-memory slots the worker copies a preempted sequence's blocks into (swap) and
 back from when it runs again, instead of recomputing them.
 
@@ -24,7 +27,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-ROOT_HASH = 0x5A6F_D1E5  # parent of a sequence's first block
+from pagoda.shared.messages import cache_salt_bytes
+
+ROOT_HASH = 0x5A6F_D1E5  # parent of a sequence's first block (no cache_salt)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -46,6 +51,17 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     prompt's K/V (the stored key check below only covers the last link).
     """
     digest = hashlib.blake2b(parent_hash.to_bytes(16, "little") + array("q", token_ids).tobytes(), digest_size=16)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def salted_root(cache_salt: str) -> int:
+    """The parent of a sequence's first block: ROOT_HASH without a salt; with one (vLLM's cache_salt), a hash of
+    it, so that the first block's hash mixes the salt in and every later one differs through the chain: requests
+    share cached blocks only when their salts are equal. A different BLAKE2b personalization keeps a salted root
+    apart from any block hash (the stored key check compares parents too)."""
+    if not cache_salt:
+        return ROOT_HASH
+    digest = hashlib.blake2b(cache_salt_bytes(cache_salt), digest_size=16, person=b"pagoda-salt")
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -147,8 +163,10 @@ class BlockManager:
 
     # ---------------------------------------------------------------- sequence level
 
-    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """Longest run of cached full blocks that starts `token_ids`: (block ids, their hashes).
+    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int,
+                      root: int = ROOT_HASH) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks that starts `token_ids` under the chain `root` (salted_root of the
+        request's cache_salt): (block ids, their hashes).
 
         Takes no references; the caller acquires what it keeps.
         """
@@ -157,7 +175,7 @@ class BlockManager:
         size = self.block_size
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent = ROOT_HASH
+        parent = root
         for index in range(min(max_blocks, len(token_ids) // size)):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
             block_hash = hash_block(parent, tokens)
@@ -178,13 +196,15 @@ class BlockManager:
         table.block_ids.extend(new_ids)
         return new_ids
 
-    def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Hash the blocks that became full of computed tokens so later requests can reuse them."""
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int,
+               root: int = ROOT_HASH) -> None:
+        """Hash the blocks that became full of computed tokens so later requests (of the same chain `root`) can
+        reuse them."""
         if not self.enable_prefix_caching:
             return
         size = self.block_size
         num_full = min(num_computed_tokens // size, len(table.block_ids))
-        parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
+        parent = table.block_hashes[-1] if table.block_hashes else root
         for index in range(len(table.block_hashes), num_full):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
             block_hash = hash_block(parent, tokens)

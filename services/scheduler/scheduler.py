@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from pagoda.services.scheduler.beam import BeamSearch, assign_slots
-from pagoda.services.scheduler.block_manager import BlockManager, BlockTable, HostBlocks
+from pagoda.services.scheduler.block_manager import ROOT_HASH, BlockManager, BlockTable, HostBlocks, salted_root
 from pagoda.services.scheduler.fairness import (
     MAX_TENANT_CHARS,
     MAX_TIER,
@@ -66,6 +66,7 @@ from pagoda.shared.messages import (
     SamplingParams,
     StepPlan,
     StepResult,
+    check_cache_salt,
 )
 
 SEED_MODULUS = 1 << 63
@@ -95,6 +96,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # the ids that end it with STOP (add_request: EOS unless ignored, stop ids)
     # output tokens known before any step (a grammar's forced start): the prompt's prefill computes them too
     forced_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cache blocks ("": the unsalted chain)
+    prefix_root: int = ROOT_HASH  # the root of its blocks' hash chain: salted_root(cache_salt), set by add_request
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     beam: BeamSearch | None = None  # a beam search: its sequences are the beams' slots
@@ -312,6 +315,7 @@ class Scheduler:
         params = request.sampling
         eos_ids = frozenset() if params.ignore_eos else self.eos_token_ids | request.eos_token_ids
         request.stop_ids = eos_ids | frozenset(params.stop_token_ids)
+        request.prefix_root = salted_root(request.cache_salt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         # the cache can never hold more than num_blocks * block_size tokens of one sequence
         capacity = self.blocks.num_blocks * self.block_size
@@ -698,7 +702,7 @@ class Scheduler:
         hit_ids: list[int] = []
         if seq.num_computed_tokens == 0 and not _needs_prompt_scores(seq):  # cached positions are never scored
             max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # keep one token to compute
-            hit_ids, hit_hashes = table.lookup_prefix(seq.token_ids, max_hit_blocks)
+            hit_ids, hit_hashes = table.lookup_prefix(seq.token_ids, max_hit_blocks, seq.request.prefix_root)
         num_hit_tokens = len(hit_ids) * self.block_size
         start = seq.num_computed_tokens + num_hit_tokens
         held = len(seq.table.block_ids) + len(hit_ids)
@@ -729,7 +733,8 @@ class Scheduler:
         assert seq.swapped is not None and not seq.table.block_ids, "swapped out: it holds host slots, no blocks"
         size, blocks = self.block_size, self.blocks
         start = min(seq.num_swapped_tokens, seq.num_tokens - 1)
-        hit_ids, hit_hashes = blocks.lookup_prefix(seq.token_ids, start // size)  # full blocks of [0, start)
+        # full blocks of [0, start)
+        hit_ids, hit_hashes = blocks.lookup_prefix(seq.token_ids, start // size, seq.request.prefix_root)
         available = blocks.num_free_blocks - blocks.num_unreferenced(hit_ids)
         count = min(seq.num_tokens - start, budget, (len(hit_ids) + available) * size - start)
         if count <= 0:
@@ -842,7 +847,7 @@ class Scheduler:
         for seq, num_computed in step.commits:
             if seq.status is SeqStatus.RUNNING:
                 assert num_computed <= len(seq.token_ids) - seq.num_pending, "hashing a provisional token"
-                self.blocks.commit(seq.table, seq.token_ids, num_computed)
+                self.blocks.commit(seq.table, seq.token_ids, num_computed, seq.request.prefix_root)
 
     def cancel_inflight(self) -> None:
         """Forget every plan in flight (their results will never come): their sequences are aborted, and so are
@@ -1129,7 +1134,7 @@ class Scheduler:
 
 def check_request_fields(request: Request) -> None:
     """The fields besides sampling and prompt that order the queues: a NaN arrival or a zero weight would break
-    the heaps' order, a huge tenant name the memory."""
+    the heaps' order, a huge tenant name or cache salt the memory."""
     if not math.isfinite(request.arrival_time):
         raise InvalidRequestError("arrival_time must be finite", param="arrival_time")
     if not MIN_INT64 <= request.priority <= MAX_INT64:
@@ -1140,6 +1145,8 @@ def check_request_fields(request: Request) -> None:
         raise InvalidRequestError(f"a tenant weight is in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]", param="tenant_weight")
     if not -MAX_TIER <= request.tier <= MAX_TIER:
         raise InvalidRequestError(f"a tenant priority is in [-{MAX_TIER}, {MAX_TIER}]", param="tenant_priority")
+    if request.cache_salt:
+        check_cache_salt(request.cache_salt)
 class _Generated:
     """The live beams' generated tokens, as BeamSearch.step's history: sliced only for a new hypothesis."""
 

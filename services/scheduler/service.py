@@ -394,7 +394,8 @@ class SchedulerService:
         request = Request(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                           sampling=message.params, arrival_time=message.arrival_time, priority=message.priority,
                           tenant=message.tenant, weight=message.tenant_weight, tier=message.tenant_priority,
-                          eos_token_ids=peer.eos_token_ids, forced_token_ids=message.forced_token_ids)
+                          eos_token_ids=peer.eos_token_ids, forced_token_ids=message.forced_token_ids,
+                          cache_salt=message.cache_salt)
         try:
             # Checked again though the api and the tokenizer did: a peer's values are its own request's problem
             # (a forged n of 2**31 would otherwise make 2**31 sequences here), never the scheduler's.

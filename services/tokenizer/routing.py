@@ -1,7 +1,8 @@
 """Which engine replica serves a request: prefix-cache affinity weighed against load (pure logic, no I/O).
 
-A prompt's affinity key is a stable hash (blake2b) of the token ids of its first K full blocks, so two
-tokenizer processes that see the same system prompt compute the same key. Each live replica gets a weight
+A prompt's affinity key is a stable hash (blake2b) of the token ids of its first K full blocks, and of its
+cache_salt if it has one (only requests with the same salt share cached blocks), so two tokenizer processes that
+see the same system prompt compute the same key. Each live replica gets a weight
 hash(key, replica id) and the replicas are ranked by it (rendezvous, or highest-random-weight, hashing): a
 replica that dies takes only its own keys' first choice with it, and gets exactly those back when it returns.
 The request goes to the first replica in that ranking that is not overloaded, i.e. whose load is within a
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.shared.errors import ServerOverloadedError
-from pagoda.shared.messages import SchedulerStats
+from pagoda.shared.messages import SchedulerStats, cache_salt_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +68,19 @@ class RoutingConfig:
         assert self.min_load_gap >= 0 and self.max_load_ratio >= 0.0
 
 
-def affinity_key(prompt_ids: Sequence[int], block_size: int, num_blocks: int) -> bytes | None:
-    """blake2b of the first `num_blocks` full blocks' token ids (fewer if the prompt is shorter); None when
-    the prompt fills no block. Independent of the process and of PYTHONHASHSEED."""
+def affinity_key(prompt_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str = "") -> bytes | None:
+    """blake2b of the first `num_blocks` full blocks' token ids (fewer if the prompt is shorter), salted by the
+    request's cache_salt (the same blocks under another salt are other cache entries); None when the prompt fills
+    no block. Independent of the process and of PYTHONHASHSEED."""
     num_tokens = min(len(prompt_ids) // block_size, num_blocks) * block_size
     if num_tokens == 0:
         return None
     packed = struct.pack(f"<{num_tokens}I", *prompt_ids[:num_tokens])
-    return hashlib.blake2b(packed, digest_size=16).digest()
+    if not cache_salt:
+        return hashlib.blake2b(packed, digest_size=16).digest()
+    salt = cache_salt_bytes(cache_salt)
+    salted = struct.pack("<I", len(salt)) + salt + packed
+    return hashlib.blake2b(salted, digest_size=16, person=b"pagoda-salt").digest()
 
 
 def rendezvous_order(key: bytes, replica_ids: Iterable[str]) -> list[str]:
@@ -93,8 +99,9 @@ def overload_limit(least_load: int, config: RoutingConfig) -> float:
 
 
 def choose_replica(prompt_ids: Sequence[int], loads: Sequence[ReplicaLoad], config: RoutingConfig,
-                   routed_since_stats: dict[str, int] | None = None) -> str:
-    """The replica for this prompt (see the module docstring). Raises ServerOverloadedError if none is alive."""
+                   routed_since_stats: dict[str, int] | None = None, cache_salt: str = "") -> str:
+    """The replica for this prompt and cache salt (see the module docstring). Raises ServerOverloadedError if none is
+    alive."""
     routed = routed_since_stats or {}
     live = {r.replica_id: r for r in loads if r.alive}
     if not live:
@@ -105,7 +112,7 @@ def choose_replica(prompt_ids: Sequence[int], loads: Sequence[ReplicaLoad], conf
     eligible = roomy or set(live)  # all short of blocks: the load alone decides
     least_load = min(load[rid] for rid in eligible)
     limit = overload_limit(least_load, config)
-    key = affinity_key(prompt_ids, config.block_size, config.num_affinity_blocks)
+    key = affinity_key(prompt_ids, config.block_size, config.num_affinity_blocks, cache_salt)
     if key is None:  # no full block: least loaded, ties broken by hashing the whole (short) prompt
         key = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids), digest_size=16).digest()
         limit = least_load
@@ -132,7 +139,8 @@ class PrefixRouter:
         self.loads.pop(replica_id, None)
         self.routed_since_stats.pop(replica_id, None)
 
-    def choose(self, prompt_ids: Sequence[int]) -> str:
-        replica_id = choose_replica(prompt_ids, list(self.loads.values()), self.config, self.routed_since_stats)
+    def choose(self, prompt_ids: Sequence[int], cache_salt: str = "") -> str:
+        replica_id = choose_replica(prompt_ids, list(self.loads.values()), self.config, self.routed_since_stats,
+                                    cache_salt)
         self.routed_since_stats[replica_id] = self.routed_since_stats.get(replica_id, 0) + 1
         return replica_id

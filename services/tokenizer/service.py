@@ -290,12 +290,13 @@ class TokenizerService:
             if self._fast_forward:
                 forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
                                              info.max_num_tokens, ending_ids(params, self._eos_ids(info)))
-        replica = self._replicas.route(request_id, prompt.token_ids)  # raises (503) when none is live
+        # raises (503) when none is live
+        replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt)
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
         renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced).renderer
         self._to_replica(replica, AddRequest(
             request_id, prompt.token_ids, params, request.priority, request.arrival_time, request.tenant,
-            request.tenant_weight, request.tenant_priority, forced))
+            request.tenant_weight, request.tenant_priority, forced, request.cache_salt))
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else [],
                                      renderer.opening() if renderer is not None else b""))
