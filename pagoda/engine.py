@@ -19,6 +19,7 @@ from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.output import advance, stop_reason
+from pagoda.services.tokenizer.prompts import max_prompt_len, truncated_ids
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device
@@ -132,7 +133,7 @@ class LLMEngine:
         salt = check_cache_salt(cache_salt)
         params = with_bad_words_token_ids(params, self.tokenizer)
         params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
-        token_ids = self.encode_prompt(prompt)
+        token_ids = truncated_ids(self.encode_prompt(prompt), params, self._max_prompt_len())
         forced = self._forced_start(params, len(token_ids)) if params.structured_outputs is not None else []
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=params,
@@ -158,6 +159,11 @@ class LLMEngine:
             if lags and params.logprobs is None:
                 self._silent.add(seq.seq_id)
         return request_id
+
+    def _max_prompt_len(self) -> int:
+        """The most prompt tokens this engine takes (the context and the KV cache each leave room for one more)."""
+        scheduler = self.scheduler
+        return max_prompt_len(scheduler.max_model_len, scheduler.blocks.num_blocks * scheduler.block_size)
 
     def _forced_start(self, params: SamplingParams, num_prompt_tokens: int) -> list[int]:
         """Structured outputs: compile (cached) before queueing, InvalidRequestError if the library rejects it;

@@ -26,6 +26,7 @@ MAX_BAD_WORDS = 128  # bad_words entries (each becomes up to two token sequences
 MAX_BAD_WORD_CHARS = 256  # characters of one bad word
 MAX_BAD_WORD_TOKENS = 32  # tokens of one bad word (the worker's per-row tables are this wide)
 WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), resolved where the vocabulary is known
+TRUNCATE_TO_CONTEXT = -1  # truncate_prompt_tokens: as many prompt tokens as the model's context takes (vLLM's -1)
 MAX_CACHE_SALT_BYTES = 1024  # UTF-8 bytes of a request's cache_salt (vLLM sets no bound)
 
 
@@ -119,6 +120,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     # bad_words as token sequences (services/tokenizer/bad_words.py), made where the text is tokenized (the tokenizer
     # process, the offline engine) and always from bad_words: what the worker bans
     bad_words_token_ids: list[list[int]] = []
+    # vLLM's truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens (truncation_side "right": its first k),
+    # -1 as many as the model takes; applied where the prompt is tokenized (services/tokenizer/prompts.py), before
+    # the prompt is checked against the context: the scheduler and the worker get the truncated prompt
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None  # "left" (None: vLLM's default) or "right"
 
     @property
     def is_greedy(self) -> bool:
@@ -178,9 +184,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         self._validate_bad_words()
+        self._validate_truncation()
         self._validate_structured()
         self._validate_beam_search()
         return self
+
+    def _validate_truncation(self) -> None:
+        limit = self.truncate_prompt_tokens
+        _check(limit is None or (isinstance(limit, int) and not isinstance(limit, bool)
+                                 and (limit == TRUNCATE_TO_CONTEXT or 1 <= limit <= MAX_INT64)),
+               "truncate_prompt_tokens", "truncate_prompt_tokens must be an integer >= 1 (the prompt tokens to keep, "
+                                         f"at most 2**63 - 1) or -1 (as many as the context takes), got {limit!r}")
+        _check(self.truncation_side in (None, "left", "right"), "truncation_side",
+               'truncation_side must be "left" (keep the last tokens) or "right" (keep the first ones)')
 
     def _validate_bad_words(self) -> None:
         _check(isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_BAD_WORDS

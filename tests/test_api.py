@@ -587,6 +587,15 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "é" * 513},
      400, "cache_salt"),  # 1026 bytes in UTF-8
     ("/v1/completions", {"prompt": "x", "cache_salt": 7}, 400, "cache_salt"),
+    # vLLM's truncate_prompt_tokens: k >= 1 or -1; truncation_side: left or right
+    *[("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": value}, 400, "truncate_prompt_tokens")
+      for value in (0, -2, True, 2**63, "8")],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 0},
+     400, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 4, "truncation_side": "middle"},
+     400, "truncation_side"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "truncation_side": "both"},
+     400, "truncation_side"),
 ]
 
 

@@ -99,6 +99,9 @@ def test_stop_reason_names_the_stop_string_or_token(llm: LLM) -> None:
     ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
     ({"stop": [""]}, "stop"), ({"seed": 2**64}, "seed"), ({"logprobs": -2}, "logprobs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 4, "truncation_side": "up"}, "truncation_side"),
 ])
 def test_sampling_params_refuse_bad_values_at_construction(values: dict[str, Any], param_name: str) -> None:
     """As vLLM's SamplingParams: a ValueError where the value is written, not at the first generate."""
@@ -550,6 +553,29 @@ def test_prompt_dicts_take_vllms_cache_salt(llm: LLM) -> None:
             llm.generate({"prompt_token_ids": token_ids, "cache_salt": bad}, STILL_SERVES)
         assert caught.value.param == "cache_salt"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_runs_the_kept_tokens(llm: LLM) -> None:
+    """vLLM's SamplingParams(truncate_prompt_tokens=k): the prompt's last k tokens run (and are reported, with their
+    prompt logprobs), exactly as if only they were sent; "right" keeps the first k; -1 keeps what the context takes
+    of a prompt too long for it (the fixture's 512: 511 tokens and one to generate); a larger k changes nothing."""
+    text = "The capital of France is Paris, and the capital of Spain is"
+    ids = llm.get_tokenizer().encode(text)
+    for side, kept in ((None, ids[-6:]), ("right", ids[:6])):
+        params = SamplingParams(**GREEDY_ARGS, truncate_prompt_tokens=6, truncation_side=side, prompt_logprobs=0)
+        [truncated] = llm.generate([text], params)
+        [alone] = llm.generate([kept], SamplingParams(**GREEDY_ARGS))
+        assert truncated.prompt_token_ids == kept and truncated.prompt == text  # vLLM's: the prompt as given
+        assert truncated.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert truncated.prompt_logprobs is not None and len(truncated.prompt_logprobs) == 6
+    [whole] = llm.generate([text], SamplingParams(**GREEDY_ARGS, truncate_prompt_tokens=len(ids) + 5))
+    assert whole.prompt_token_ids == ids
+    too_long = "word " * 600
+    with pytest.raises(ContextLengthError):
+        llm.generate([too_long], SamplingParams(temperature=0.0, max_tokens=1))
+    [fitted] = llm.generate([too_long], SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=-1))
+    assert fitted.prompt_token_ids == llm.get_tokenizer().encode(too_long)[-511:]
+    assert len(fitted.outputs[0].token_ids) == 1
 
 
 def test_output_kind_is_taken_at_what_generate_returns(llm: LLM) -> None:

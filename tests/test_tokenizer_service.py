@@ -17,8 +17,10 @@ import msgspec
 import pytest
 import zmq
 
+from pagoda.services.tokenizer.prompts import max_prompt_len, truncated_ids
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.delivery import Link
+from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import (
     AbortRequest,
     Accepted,
@@ -505,6 +507,66 @@ def test_chat_messages_use_the_chat_template(tok: Harness, tokenizer: Tokenizer)
     assert added.prompt_token_ids == expected
     assert accepted.num_prompt_tokens == len(expected)
     tok.send_api(AbortRequest(request_id))
+
+
+def test_truncated_ids_follow_vllms_rules() -> None:
+    ids = list(range(10))
+
+    def cut(limit: int | None, side: str | None = None, max_len: int = 100) -> list[int]:
+        params = SamplingParams(truncate_prompt_tokens=limit, truncation_side=side).validate()
+        return truncated_ids(ids, params, max_len)
+
+    assert cut(None) == cut(10) == cut(11) == cut(-1) == ids  # off, or not longer than k
+    assert cut(3) == cut(3, "left") == [7, 8, 9] and cut(3, "right") == [0, 1, 2]
+    assert cut(-1, max_len=4) == [6, 7, 8, 9] and cut(-1, "right", max_len=4) == [0, 1, 2, 3]
+    assert max_prompt_len(128, 4096) == 127 and max_prompt_len(128, 64) == 63  # the context, or the KV cache
+    for limit, side, param in ((0, None, "truncate_prompt_tokens"), (-2, None, "truncate_prompt_tokens"),
+                               (True, None, "truncate_prompt_tokens"), (2**63, None, "truncate_prompt_tokens"),
+                               (4, "middle", "truncation_side")):
+        with pytest.raises(InvalidRequestError) as caught:
+            SamplingParams(truncate_prompt_tokens=limit, truncation_side=side).validate()
+        assert caught.value.param == param
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(tok: Harness, tokenizer: Tokenizer) -> None:
+    """vLLM's truncate_prompt_tokens, after tokenization (chat: after the template): the scheduler gets the kept
+    tokens, the api their count (usage) and, for echo, their text; a larger k changes nothing."""
+    text = "The capital of France is Paris, and the capital of Spain is Madrid."
+    ids = tokenizer.encode(text)
+    for side, kept in ((None, ids[-5:]), ("left", ids[-5:]), ("right", ids[:5])):
+        params = SamplingParams(max_tokens=4, truncate_prompt_tokens=5, truncation_side=side)
+        request_id, accepted, added = tok.generate(params, prompt_text=text, return_prompt_text=True)
+        assert added.prompt_token_ids == kept and accepted.num_prompt_tokens == 5, side
+        assert accepted.prompt_text == tokenizer.decode(kept, skip_special_tokens=False)  # echo: the kept text
+        tok.send_api(AbortRequest(request_id))
+    request_id, accepted, added = tok.generate(SamplingParams(max_tokens=4, truncate_prompt_tokens=len(ids) + 1),
+                                               prompt_text=text, return_prompt_text=True)
+    assert (added.prompt_token_ids, accepted.prompt_text) == (ids, text)
+    tok.send_api(AbortRequest(request_id))
+    request_id, _, added = tok.generate(SamplingParams(max_tokens=4, truncate_prompt_tokens=3),
+                                        prompt_token_ids=ids)
+    assert added.prompt_token_ids == ids[-3:]
+    tok.send_api(AbortRequest(request_id))
+    messages = [ChatMessage("user", text)]
+    request_id, accepted, added = tok.generate(SamplingParams(max_tokens=4, truncate_prompt_tokens=6),
+                                               messages=messages)
+    assert added.prompt_token_ids == tokenizer.apply_chat_template([{"role": "user", "content": text}])[-6:]
+    tok.send_api(AbortRequest(request_id))
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_takes(tok: Harness, tokenizer: Tokenizer) -> None:
+    """-1: a prompt longer than the context keeps its last max_model_len - 1 tokens (one is left to generate), before
+    the prompt-too-long check; the default max_tokens then fills what the context leaves."""
+    ids = tokenizer.encode(LONG_TEXT)
+    assert len(ids) > MAX_MODEL_LEN
+    request_id, accepted, added = tok.generate(SamplingParams(max_tokens=None, truncate_prompt_tokens=-1),
+                                               prompt_text=LONG_TEXT)
+    assert added.prompt_token_ids == ids[-(MAX_MODEL_LEN - 1):] and accepted.num_prompt_tokens == MAX_MODEL_LEN - 1
+    tok.send_api(AbortRequest(request_id))
+    request_id = new_id()  # the truncated prompt still leaves no room for 2 tokens: max_tokens is named
+    tok.send_api(GenerateRequest(request_id, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1),
+                                 prompt_text=LONG_TEXT))
+    assert tok.expect_reply(request_id, RequestFailed).param == "max_tokens"
 
 
 LONG_TEXT = "hello " * MAX_MODEL_LEN

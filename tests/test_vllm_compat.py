@@ -141,6 +141,33 @@ def test_completion_prompt_logprobs_match_echo_scores(server: Server, client: op
     assert alone.usage.completion_tokens == 0
 
 
+def test_truncate_prompt_tokens_runs_and_reports_the_kept_prompt(server: Server, client: openai.OpenAI) -> None:
+    """vLLM's truncate_prompt_tokens (and truncation_side): the last (or first) k prompt tokens run; usage counts
+    them, return_token_ids lists them, echo shows their text and its logprobs score them (the echoed text is what
+    the prompt's logprob tokens join to); the answer is that of the kept tokens sent alone."""
+    prompt = "The capital of France is Paris, and the capital of Spain is"
+    prompt_ids = token_ids(server, prompt)
+    for side, kept in ((None, prompt_ids[-6:]), ("right", prompt_ids[:6])):
+        extra = {"truncate_prompt_tokens": 6, **({"truncation_side": side} if side else {})}
+        out = client.completions.create(model=SERVED, prompt=prompt, max_tokens=3, temperature=0,
+                                        extra_body={**extra, "return_token_ids": True})
+        alone = client.completions.create(model=SERVED, prompt=kept, max_tokens=3, temperature=0)
+        assert out.usage.prompt_tokens == 6 and out.choices[0].model_extra["prompt_token_ids"] == kept, side
+        assert out.choices[0].text == alone.choices[0].text
+        echo = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=1, extra_body=extra)
+        logprobs = echo.choices[0].logprobs
+        assert "".join(logprobs.tokens) == echo.choices[0].text  # the echoed text is the kept tokens'
+        assert len(logprobs.tokens) == 7 and logprobs.token_logprobs[0] is None
+        assert not echo.choices[0].text.startswith(prompt)
+    whole = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": len(prompt_ids) + 1})
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
+
+
 def test_chat_prompt_logprobs_at_the_top_level_null_when_not_asked(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=2, n=2, temperature=0.7, seed=3,
                                          extra_body={"prompt_logprobs": 1, "return_token_ids": True})

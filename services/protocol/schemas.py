@@ -71,6 +71,8 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
     bad_words: list[str] | None = None  # vLLM's: each word's last token is banned after its others
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: what the context takes)
+    truncation_side: str | None = None  # vLLM's: "left" (default: keep the last k) or "right" (the first k)
     # beam search, vLLM's fields (services/protocol/schemas._beam_kwargs)
     use_beam_search: bool | None = None
     best_of: int | None = None
@@ -245,7 +247,7 @@ def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) ->
     sent wins even when it equals SamplingParams' default: a body field left out (or null) is None."""
     names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-             "include_stop_str_in_output", "prompt_logprobs")
+             "include_stop_str_in_output", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     for name in ("temperature",) if body.use_beam_search else GENERATION_DEFAULT_FIELDS:
         if name not in kwargs and name in defaults:

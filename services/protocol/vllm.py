@@ -35,8 +35,6 @@ UNSUPPORTED_FIELDS = {
     "suffix": "fill-in-the-middle prompts are not implemented",
     "watermarking": "output watermarking is not implemented",
     "spaces_between_special_tokens": "the detokenizer has no such switch",
-    "truncate_prompt_tokens": "prompts are never truncated: a prompt that does not fit is refused",
-    "truncation_side": "prompts are never truncated: a prompt that does not fit is refused",
     "logprob_token_ids": "logprobs of chosen token ids are not implemented; use top_logprobs",
     "prompt_embeds": "prompt embeddings are not accepted: prompts are text or token ids",
     "request_id": "the server names every request itself",

@@ -1,5 +1,6 @@
 """Prompts: a request's prompt field (text, token ids or chat messages) becomes token ids through the model's
-tokenizer and chat template (tools included), checked against the model's limits. Pure functions of a request."""
+tokenizer and chat template (tools included), truncated when the request asks (truncate_prompt_tokens), checked
+against the model's limits. Pure functions of a request."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagoda.services.protocol.tools import tool_conversation
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, PagodaError
 from pagoda.shared.messages import (
+    TRUNCATE_TO_CONTEXT,
     ChatMessage,
     DetokenizeRequest,
     GenerateRequest,
@@ -78,6 +80,36 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
         raise InvalidRequestError(f"cannot tokenize the {param}: {exc}", param=param) from exc
 
 
+def max_prompt_len(max_model_len: int, max_num_tokens: int) -> int:
+    """The most prompt tokens a model takes: at least one token must be generated, in the context and in the KV
+    cache (which holds at most `max_num_tokens` tokens of one sequence)."""
+    return min(max_model_len, max_num_tokens) - 1
+
+
+def truncated_ids(token_ids: list[int], params: SamplingParams, max_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens k: the prompt's last k tokens (truncation_side "right": its first k); -1: as
+    many as the model takes (`max_len`, max_prompt_len's). The ids themselves when not asked or not longer."""
+    limit = params.truncate_prompt_tokens
+    if limit == TRUNCATE_TO_CONTEXT:
+        limit = max_len
+    if limit is None or len(token_ids) <= limit:
+        return token_ids
+    return token_ids[:limit] if params.truncation_side == "right" else token_ids[-limit:]
+
+
+def truncate_prompt(tokenizer: Tokenizer | None, prompt: Prompt, params: SamplingParams, max_len: int) -> Prompt:
+    """The prompt truncated as its request asks (truncated_ids). Its text becomes that of the tokens kept (decoded,
+    special tokens included), so that what reads the text (completions' echo, whose logprobs score the kept tokens;
+    a reasoning model's template end) sees the prompt the model runs."""
+    token_ids = truncated_ids(prompt.token_ids, params, max_len)
+    if len(token_ids) == len(prompt.token_ids):
+        return prompt
+    text = None
+    if prompt.text is not None and tokenizer is not None:
+        text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    return Prompt(token_ids, text, prompt.param)
+
+
 def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, param: str) -> None:
     """Raise InvalidRequestError unless the scheduler can run this prompt with these params."""
     if not token_ids:
@@ -85,12 +117,12 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
     if min(token_ids) < 0 or max(token_ids) >= info.vocab_size:
         bad = next(t for t in token_ids if not 0 <= t < info.vocab_size)
         raise InvalidRequestError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
-    # At least one token must be generated, in the context and in the KV cache.
-    max_prompt_len = min(info.max_model_len, info.max_num_tokens) - 1
+    max_len = max_prompt_len(info.max_model_len, info.max_num_tokens)
     num_tokens = len(token_ids)
-    if num_tokens > max_prompt_len:
+    if num_tokens > max_len:
         raise ContextLengthError(f"the prompt ({param}) has {num_tokens} tokens; this model accepts at most "
-                                 f"{max_prompt_len} prompt tokens", param=param)
+                                 f"{max_len} prompt tokens (truncate_prompt_tokens: -1 keeps the last {max_len})",
+                                 param=param)
     if params.max_tokens is not None and num_tokens + params.max_tokens > info.max_model_len:
         raise ContextLengthError(f"this model's maximum context length is {info.max_model_len} tokens, but "
                                  f"{num_tokens} prompt tokens plus max_tokens={params.max_tokens} exceed it",
@@ -112,15 +144,17 @@ def token_str(tokenizer: Tokenizer, token_id: int) -> str:
     return piece if isinstance(piece, str) else ""
 
 
-def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest) -> Prompt:
-    """A generation request's prompt. The api validated the params (SamplingParams.validate, at the edge); what it
-    cannot know, the prompt's length against the context and token ids against the vocabulary, check_prompt checks,
-    and the scheduler re-checks only the invariants it relies on."""
-    return tokenize_prompt(tokenizer, prompt_text=request.prompt_text, prompt_token_ids=request.prompt_token_ids,
-                           messages=request.messages, add_special_tokens=request.add_special_tokens,
-                           add_generation_prompt=request.add_generation_prompt,
-                           continue_final_message=request.continue_final_message,
-                           chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
+def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest, info: ModelInfo) -> Prompt:
+    """A generation request's prompt, truncated as it asks (chat: after its template is applied). The api validated
+    the params (SamplingParams.validate, at the edge); what it cannot know, the prompt's length against the context
+    and token ids against the vocabulary, check_prompt checks, and the scheduler re-checks only the invariants it
+    relies on."""
+    prompt = tokenize_prompt(tokenizer, prompt_text=request.prompt_text, prompt_token_ids=request.prompt_token_ids,
+                             messages=request.messages, add_special_tokens=request.add_special_tokens,
+                             add_generation_prompt=request.add_generation_prompt,
+                             continue_final_message=request.continue_final_message,
+                             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
+    return truncate_prompt(tokenizer, prompt, request.params, max_prompt_len(info.max_model_len, info.max_num_tokens))
 
 
 def tokenize_result(tokenizer: Tokenizer | None, request: TokenizeRequest, max_model_len: int) -> TokenizeResult:

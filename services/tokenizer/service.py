@@ -256,7 +256,7 @@ class TokenizerService:
         if request_id in self._requests or request_id in self._offload.owners:
             self._fail(api, request_id, InvalidRequestError(f"request id {request_id!r} is already in flight"))
             return
-        self._work(api, request_id, lambda: generate_prompt(self._tokenizer, request),
+        self._work(api, request_id, lambda: generate_prompt(self._tokenizer, request, info),
                    prompt_chars(request.prompt_text, request.messages) >= OFFLOAD_MIN_CHARS,
                    lambda prompt: self._admit(api, request, prompt))
 
