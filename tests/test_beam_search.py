@@ -137,6 +137,19 @@ def test_beams_fork_by_reference_and_copy_only_the_last_partial_block() -> None:
     scheduler.blocks.check_integrity([seq.table for seq in request.sequences])
 
 
+def plans_until_the_group_samples(scheduler: Scheduler) -> list[StepPlan]:
+    """Schedule (answering each plan with nothing sampled) until a plan samples a beam group again: the plans that
+    recompute a preempted group, the last one sampling it; at most four."""
+    plans = []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        plans.append(plan)
+        if plan.beam_groups:
+            break
+        scheduler.update(plan, StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[]))
+    return plans
+
+
 def test_preempted_beam_group_waits_whole_and_recomputes_each_beam() -> None:
     scheduler = make_scheduler()
     scheduler.add_request(beam_request(2, [10, 11, 12, 13, 14]))
@@ -145,13 +158,7 @@ def test_preempted_beam_group_waits_whole_and_recomputes_each_beam() -> None:
     request = scheduler.requests["r"]
     scheduler._preempt(request.sequences[1])
     assert all(seq.status == 0 and not seq.table.block_ids for seq in request.sequences)  # both wait, no blocks
-    plans = []
-    for _ in range(4):
-        plan = scheduler.schedule()
-        plans.append(plan)
-        if plan.beam_groups:
-            break
-        scheduler.update(plan, StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[]))
+    plans = plans_until_the_group_samples(scheduler)
     assert plans[-1].beam_groups and plans[-1].beam_groups[0].seq_ids == [0, 1]  # they sample together again
     assert all(not p.beam_groups or len(p.beam_groups[0].seq_ids) == 2 for p in plans)
     recomputed = [new.token_ids for p in plans for new in p.new_requests]
@@ -170,13 +177,7 @@ def test_a_salted_beam_group_caches_and_recomputes_under_its_salt() -> None:
     assert [seq.table.block_hashes for seq in request.sequences] == [[salted], [salted]]
     assert scheduler.blocks.lookup_prefix([10, 11, 12, 13, 14], 1) == ([], [])
     scheduler._preempt(request.sequences[1])
-    plans = []
-    for _ in range(4):
-        plan = scheduler.schedule()
-        plans.append(plan)
-        if plan.beam_groups:
-            break
-        scheduler.update(plan, StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[]))
+    plans = plans_until_the_group_samples(scheduler)
     assert plans[-1].beam_groups and plans[-1].beam_groups[0].seq_ids == [0, 1]
     assert [new.num_computed_tokens for p in plans for new in p.new_requests] == [4, 4]
 
