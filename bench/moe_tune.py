@@ -183,14 +183,14 @@ def layer_dims(name: str) -> tuple[int, int, int, int, int]:
 
 
 def compile_gemm_tiles(name: str, fp8: bool, group_k: int | None, dtype_name: str,
-                       entries: list[dict[str, Any]]) -> int:
+                       entries: list[dict[str, Any]], device_name: str = "cuda") -> int:
     """Launch both grouped GEMMs once with each tile (64 tokens, uninitialised weights of the layer's shape) so that
     Triton's on-disk cache holds their code before tune_shape times them; run in spawned processes (precompile).
     Returns how many launched (a tile out of shared memory does not: tune_shape skips it)."""
     h, i, e, k, num_shared = layer_dims(name)
     spec = SHAPES[name].moe
     assert spec is not None
-    device, dtype = torch.device("cuda"), getattr(torch, dtype_name)
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
 
     def weights(rows: int, cols: int) -> Weights:
         if not fp8:
@@ -208,7 +208,8 @@ def compile_gemm_tiles(name: str, fp8: bool, group_k: int | None, dtype_name: st
                 launched += 1
             except Exception:  # noqa: BLE001 - out of shared memory or registers: tune_shape skips it
                 continue
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return launched
 
 

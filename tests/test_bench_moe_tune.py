@@ -90,3 +90,39 @@ def test_gemm_runner_launches_what_the_tile_says() -> None:
     torch.testing.assert_close(got[False], expected, atol=1e-5, rtol=1e-4)
     assert not torch.equal(got[True], got[False])
     torch.testing.assert_close(got[True], expected, atol=0.1 * expected.abs().max().item(), rtol=0)
+
+
+class _Properties:
+    L2_cache_size = 1 << 20
+
+
+def test_fp8_tuning_runs_end_to_end_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune_shape and _measure on a tiny MoE shape with FP8 experts (interpreter; two grouped-GEMM tiles, one GEMV
+    tile each; a timer that makes the last candidate timed the fastest): every path the GPU run takes, so a
+    mistake in it costs no device time. The table names the FP8 file and keeps the W8A8 choice."""
+    monkeypatch.setattr(moe_tune, "CANDIDATES", [(16, 32, 32, 1, 4, 2), (16, 32, 16, 1, 4, 2)])
+    monkeypatch.setattr(moe_tune, "GEMV_CANDIDATES", [(16, 32, 4, 2)])
+    monkeypatch.setattr(moe_tune, "DOWN_GEMV_CANDIDATES", [(16, 32, 4, 2, True)])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Properties())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    timings = iter(range(10_000, 0, -1))
+
+    def timer(calls: object, reps: int = 10) -> float:
+        for call in calls if isinstance(calls, list) else [calls]:
+            call()
+        return next(timings) / 1000
+    monkeypatch.setattr(moe_tune, "graph_time_ms", timer)
+    result = moe_tune.tune_shape("tiny-moe", torch.float32, torch.device("cpu"), (2, 64), fp8=True)
+    assert result["file"] == moe.config_file_name(8, 32, 64, moe.FP8_TABLE_DTYPE, "Test GPU")
+    assert set(result["table"]) == {2, 64}
+    grouped = moe.tiles_from_json(result["table"][64])
+    assert grouped == (moe.TileConfig(16, 32, 16, 1, 4, 2, act_fp8=True),) * 2  # the last candidate timed
+    assert isinstance(moe.tiles_from_json(result["table"][2])[0], moe.GemvConfig)  # the GEMVs, timed last, won
+    for row in result["rows"]:
+        assert row["rel_err"] < 0.1  # e4m3 weights (and W8A8 activations) against the unquantized layer
+
+
+def test_compile_gemm_tiles_launches_each_tile_on_both_gemms() -> None:
+    tiles = [{"block_m": 16, "block_n": 32, "block_k": 32, "group_m": 1, "num_warps": 4, "num_stages": 2,
+              "act_fp8": True}]
+    assert moe_tune.compile_gemm_tiles("tiny-moe", True, None, "float32", tiles, device_name="cpu") == 2
