@@ -12,8 +12,8 @@ those two only).
 --weights fp8 tunes FP8 experts (e4m3, per-row scales as --quantization fp8 stores them; --group-k 128 for block
 scales) with bf16 activations: every grouped-GEMM tile both weight-only and W8A8 (act_fp8: the activation tile
 quantized where it is loaded), each GEMM's fastest form kept, into the dtype=float8_e4m3fn table. FP8 experts use
-that table only at the buckets it holds (the bf16 table's tiles elsewhere), so tune the buckets where the form
-matters (weight-only FP8 experts were slower than bf16 from ~1024 tokens on an H100, 2026-12-05).
+that table from its smallest bucket up (the bf16 table's tiles below it), so tune from where the form starts to
+matter (weight-only FP8 experts were slower than bf16 from ~1024 tokens on an H100, 2026-12-05).
 
 Decode runs a layer's experts once a step, with 26-60 other layers in between: its weights are never in L2. So where
 one launch reads less than 4x the L2 cache, each candidate is timed over several copies of the weights and as many

@@ -1084,8 +1084,8 @@ def _tuned_table(file_name: str) -> dict[int, Tiles] | None:
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int, intermediate: int, hidden: int,
                dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None) -> Tiles:
-    """(gate_up tile, down tile) for this shape: FP8 experts (weight_dtype e4m3) the FP8 table's bucket where it
-    tuned this one, else the table of the activations' dtype at its nearest bucket, else the default tiles."""
+    """(gate_up tile, down tile) for this shape: FP8 experts (weight_dtype e4m3) the FP8 table's from its smallest
+    bucket up, else the table of the activations' dtype at its nearest bucket, else the default tiles."""
     if device.type == "cuda":
         def table_of(dtype_name: str) -> dict[int, Tiles] | None:
             return _tuned_table(config_file_name(num_experts, intermediate, hidden, dtype_name,
@@ -1102,15 +1102,17 @@ FP8_TABLE_DTYPE = "float8_e4m3fn"  # the dtype in FP8 experts' table names (tune
 
 def tiles_from_tables(num_tokens: int, fp8_table: dict[int, Tiles] | None,
                       table: dict[int, Tiles] | None) -> Tiles | None:
-    """The FP8 table's entry for this bucket, only where it has that bucket (a table tuned at 256-8192 tokens says
-    nothing about one token: nearest would hand a decode step a large batch's grouped-GEMM tiles); else the other
-    table's nearest bucket; None without either."""
+    """The FP8 table's nearest bucket from its smallest one up (a table tuned at 128-8192 tokens says nothing about
+    one token: it would hand a decode step a large batch's grouped-GEMM tiles), else the other table's nearest
+    bucket; None without either."""
     bucket = _bucket(num_tokens)
-    if fp8_table and bucket in fp8_table:
-        return fp8_table[bucket]
-    if table:
-        return table[min(table, key=lambda b: abs(math.log2(b) - math.log2(bucket)))]
-    return None
+    if fp8_table and bucket >= min(fp8_table):
+        return _nearest(fp8_table, bucket)
+    return _nearest(table, bucket) if table else None
+
+
+def _nearest(table: dict[int, Tiles], bucket: int) -> Tiles:
+    return table[min(table, key=lambda b: abs(math.log2(b) - math.log2(bucket)))]
 
 
 # ---------------------------------------------------------------- prefill over CUTLASS grouped GEMM

@@ -295,15 +295,19 @@ def test_act_fp8_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         moe.moe_act_fp8(1, EXPERTS, tile)
 
 
-def test_fp8_table_only_for_the_buckets_it_tuned() -> None:
-    """FP8 experts take the FP8 table's entry for their bucket, the bf16 table's nearest bucket elsewhere: a table
-    tuned at 1024 tokens must not give one token its grouped-GEMM tiles."""
+def test_fp8_table_only_from_its_smallest_bucket_up() -> None:
+    """FP8 experts take the FP8 table's nearest bucket from its smallest one up, the bf16 table's nearest bucket
+    below: a table tuned from 256 tokens must not give one token its grouped-GEMM tiles."""
     gemv = (moe.GemvConfig(block_n=8, block_k=512), moe.GemvConfig(block_n=2, block_k=128))
     bf16 = {1: gemv, 1024: (moe.TileConfig(block_m=128), moe.TileConfig(block_m=128))}
-    fp8 = {1024: (moe.TileConfig(block_m=64, act_fp8=True), moe.TileConfig(block_m=64))}
+    fp8 = {256: (moe.TileConfig(block_m=32), moe.TileConfig(block_m=32)),
+           1024: (moe.TileConfig(block_m=64, act_fp8=True), moe.TileConfig(block_m=64))}
     assert moe.tiles_from_tables(1000, fp8, bf16) == fp8[1024]
+    assert moe.tiles_from_tables(16384, fp8, bf16) == fp8[1024]  # above the table: its largest bucket
+    assert moe.tiles_from_tables(300, fp8, bf16) == fp8[256]
+    assert moe.tiles_from_tables(200, fp8, bf16) == fp8[256]
+    assert moe.tiles_from_tables(128, fp8, bf16) == bf16[1024]  # below it: the bf16 table's nearest
     assert moe.tiles_from_tables(1, fp8, bf16) == gemv
-    assert moe.tiles_from_tables(2048, fp8, bf16) == bf16[1024]
     assert moe.tiles_from_tables(1000, None, bf16) == bf16[1024]
     assert moe.tiles_from_tables(1, None, None) is None
     entry = moe.tiles_to_json(fp8[1024])
