@@ -19,7 +19,7 @@ from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.output import advance, stop_reason
-from pagoda.services.tokenizer.prompts import max_prompt_len, truncated_ids
+from pagoda.services.tokenizer.prompts import Prompt, encode_text_prompt, max_prompt_len, truncated_ids
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device
@@ -112,16 +112,20 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self._encode(prompt).token_ids
+
+    def _encode(self, prompt: str | list[int]) -> Prompt:
+        """The prompt's ids, and for text the special tokens the tokenizer added (which truncation keeps)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: give prompts as token ids", param="prompt")
-            return self.tokenizer.encode(prompt)
+            return encode_text_prompt(self.tokenizer, prompt)
         # the distinct element types, collected at C speed (a per-token generator cost ~0.3 ms a 512-token prompt:
         # most of add_request, and of the lead before a 256-prompt batch's first step)
         if not isinstance(prompt, list) or not all(issubclass(kind, int) and kind is not bool
                                                    for kind in set(map(type, prompt))):
             raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
-        return list(prompt)
+        return Prompt(list(prompt), None, "prompt")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> str:
@@ -133,7 +137,8 @@ class LLMEngine:
         salt = check_cache_salt(cache_salt)
         params = with_bad_words_token_ids(params, self.tokenizer)
         params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
-        token_ids = truncated_ids(self.encode_prompt(prompt), params, self._max_prompt_len())
+        encoded = self._encode(prompt)
+        token_ids = truncated_ids(encoded.token_ids, params, self._max_prompt_len(), encoded.frame)
         forced = self._forced_start(params, len(token_ids)) if params.structured_outputs is not None else []
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=params,

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from pagoda.services.tokenizer.prompts import max_prompt_len, truncated_ids
+from pagoda.services.tokenizer.prompts import generate_prompt, max_prompt_len, truncated_ids
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.delivery import Link
 from pagoda.shared.errors import InvalidRequestError
@@ -567,6 +567,48 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_takes(tok: Harn
     tok.send_api(GenerateRequest(request_id, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1),
                                  prompt_text=LONG_TEXT))
     assert tok.expect_reply(request_id, RequestFailed).param == "max_tokens"
+
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A word-level tokenizer whose encode puts a BOS before the text, as Llama's, Mistral's and DeepSeek's do."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{word: 3 + i for i, word in enumerate("a b c d e f g h".split())}}
+    rust = RustTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    folder = tmp_path_factory.mktemp("bos_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(folder))
+    return Tokenizer(folder)
+
+
+def test_truncation_keeps_the_bos_the_tokenizer_adds(bos_tokenizer: Tokenizer) -> None:
+    """A text prompt is truncated as transformers' tokenizer truncates it (vLLM's way): the special tokens encode adds
+    (a BOS) stay and the text's own tokens make up the rest of the k, on either side; -1 likewise. Token-id prompts and
+    add_special_tokens=false prompts are cut as they are."""
+    from transformers import AutoTokenizer
+
+    text = "a b c d e f"
+    info = ModelInfo(max_model_len=5, vocab_size=bos_tokenizer.vocab_size, max_num_tokens=4096, eos_token_ids=[1])
+    for side, limit in (("left", 3), ("right", 3), ("left", -1), ("right", 1)):
+        params = SamplingParams(max_tokens=1, truncate_prompt_tokens=limit, truncation_side=side)
+        prompt = generate_prompt(bos_tokenizer, GenerateRequest("r", params, prompt_text=text), info)
+        reference = AutoTokenizer.from_pretrained(bos_tokenizer.path, truncation_side=side)
+        max_length = max_prompt_len(info.max_model_len, info.max_num_tokens) if limit == -1 else limit
+        expected = reference.encode(text, truncation=True, max_length=max_length)
+        assert prompt.token_ids == expected and expected[0] == 0, (side, limit)
+        assert prompt.text == bos_tokenizer.decode(expected[1:], skip_special_tokens=False)  # echo: the text's own
+    params = SamplingParams(max_tokens=1, truncate_prompt_tokens=3)
+    ids = bos_tokenizer.encode(text)
+    as_ids = GenerateRequest("r", params, prompt_token_ids=ids)
+    assert generate_prompt(bos_tokenizer, as_ids, info).token_ids == ids[-3:]
+    unframed = GenerateRequest("r", params, prompt_text=text, add_special_tokens=False)
+    assert generate_prompt(bos_tokenizer, unframed, info).token_ids == bos_tokenizer.encode(text, False)[-3:]
 
 
 LONG_TEXT = "hello " * MAX_MODEL_LEN

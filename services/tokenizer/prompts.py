@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from pagoda.services.protocol.tools import tool_conversation
-from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.services.tokenizer.tokenizer import NO_FRAME, SpecialFrame, Tokenizer
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, PagodaError
 from pagoda.shared.messages import (
     TRUNCATE_TO_CONTEXT,
@@ -30,6 +30,7 @@ class Prompt:
     token_ids: list[int]
     text: str | None  # the text the ids came from (None for token-id prompts)
     param: str  # the request field errors about this prompt name
+    frame: SpecialFrame = NO_FRAME  # the special tokens the tokenizer added around the text's own (a BOS)
 
 
 def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -72,12 +73,19 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
                                          chat_template_kwargs=chat_template_kwargs)
             return Prompt(tokenizer.encode(text, add_special_tokens=False), text, param)
         assert prompt_text is not None
-        return Prompt(tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens), prompt_text, param)
+        return encode_text_prompt(tokenizer, prompt_text, add_special_tokens, param)
     except PagodaError:
         raise
     except Exception as exc:
         # A template or tokenizer that raises is the request's problem, never the process's.
         raise InvalidRequestError(f"cannot tokenize the {param}: {exc}", param=param) from exc
+
+
+def encode_text_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True,
+                       param: str = "prompt") -> Prompt:
+    """A text prompt's ids, with the special tokens the tokenizer adds (its frame, which truncation keeps)."""
+    frame = tokenizer.special_frame if add_special_tokens else NO_FRAME
+    return Prompt(tokenizer.encode(text, add_special_tokens=add_special_tokens), text, param, frame)
 
 
 def max_prompt_len(max_model_len: int, max_num_tokens: int) -> int:
@@ -86,28 +94,37 @@ def max_prompt_len(max_model_len: int, max_num_tokens: int) -> int:
     return min(max_model_len, max_num_tokens) - 1
 
 
-def truncated_ids(token_ids: list[int], params: SamplingParams, max_len: int) -> list[int]:
+def truncated_ids(token_ids: list[int], params: SamplingParams, max_len: int,
+                  frame: SpecialFrame = NO_FRAME) -> list[int]:
     """vLLM's truncate_prompt_tokens k: the prompt's last k tokens (truncation_side "right": its first k); -1: as
-    many as the model takes (`max_len`, max_prompt_len's). The ids themselves when not asked or not longer."""
+    many as the model takes (`max_len`, max_prompt_len's). The ids themselves when not asked or not longer. The
+    special tokens of `frame` (a text prompt's BOS) stay where they are and count in k, as in transformers'
+    truncation (and so vLLM's): only the text's own tokens are cut."""
     limit = params.truncate_prompt_tokens
     if limit == TRUNCATE_TO_CONTEXT:
         limit = max_len
     if limit is None or len(token_ids) <= limit:
         return token_ids
-    return token_ids[:limit] if params.truncation_side == "right" else token_ids[-limit:]
+    start, end = frame.num_before, len(token_ids) - frame.num_after
+    own = token_ids[start:end]
+    num_kept = max(limit - frame.num_before - frame.num_after, 0)
+    kept = own[:num_kept] if params.truncation_side == "right" else own[len(own) - num_kept:]
+    return token_ids[:start] + kept + token_ids[end:]
 
 
 def truncate_prompt(tokenizer: Tokenizer | None, prompt: Prompt, params: SamplingParams, max_len: int) -> Prompt:
-    """The prompt truncated as its request asks (truncated_ids). Its text becomes that of the tokens kept (decoded,
-    special tokens included), so that what reads the text (completions' echo, whose logprobs score the kept tokens;
-    a reasoning model's template end) sees the prompt the model runs."""
-    token_ids = truncated_ids(prompt.token_ids, params, max_len)
+    """The prompt truncated as its request asks (truncated_ids). Its text becomes that of the text's own tokens kept
+    (decoded, special tokens included; the frame the tokenizer added, a BOS, left out as from a text kept whole), so
+    that what reads the text (completions' echo, whose logprobs score the kept tokens; a reasoning model's template
+    end) sees the prompt the model runs."""
+    token_ids = truncated_ids(prompt.token_ids, params, max_len, prompt.frame)
     if len(token_ids) == len(prompt.token_ids):
         return prompt
     text = None
-    if prompt.text is not None and tokenizer is not None:
-        text = tokenizer.decode(token_ids, skip_special_tokens=False)
-    return Prompt(token_ids, text, prompt.param)
+    if prompt.text is not None and tokenizer is not None:  # the text's own tokens, as an untruncated text is sent
+        own = token_ids[prompt.frame.num_before:len(token_ids) - prompt.frame.num_after]
+        text = tokenizer.decode(own, skip_special_tokens=False)
+    return Prompt(token_ids, text, prompt.param, prompt.frame)
 
 
 def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, param: str) -> None:

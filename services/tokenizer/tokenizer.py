@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,31 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 _SENTENCEPIECE_SPACE = "\u2581"  # "▁", how SentencePiece vocabularies write a leading space
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_FRAME_PROBE = "a b"  # a text that encodes to tokens of its own in any vocabulary (special_frame compares around it)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialFrame:
+    """How many special tokens encode(text, add_special_tokens=True) puts before and after the text's own tokens
+    (Llama's, Mistral's, DeepSeek's BOS: one before). Prompt truncation keeps them, as transformers' does."""
+
+    num_before: int = 0
+    num_after: int = 0
+
+
+NO_FRAME = SpecialFrame()
+
+
+def special_frame(hf: PreTrainedTokenizerBase) -> SpecialFrame:
+    """The SpecialFrame of a tokenizer, found by encoding a probe text with and without its special tokens."""
+    own = hf.encode(_FRAME_PROBE, add_special_tokens=False)
+    framed = hf.encode(_FRAME_PROBE, add_special_tokens=True)
+    if not own:
+        return NO_FRAME
+    for start in range(len(framed) - len(own) + 1):
+        if framed[start:start + len(own)] == own:
+            return SpecialFrame(start, len(framed) - start - len(own))
+    return NO_FRAME  # encode changes the text's own tokens too: nothing to keep apart
 
 
 def _uses_byte_level(backend: tokenizers.Tokenizer | None) -> bool:
@@ -87,6 +114,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.cached_property
+    def special_frame(self) -> SpecialFrame:
+        """The special tokens encode(text) adds around a text's own (special_frame)."""
+        return special_frame(self._hf)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: it rewrites text already streamed (" ." -> "."), so streaming and
