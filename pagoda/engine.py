@@ -19,7 +19,7 @@ from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.output import advance, stop_reason
-from pagoda.services.tokenizer.prompts import Prompt, encode_text_prompt, max_prompt_len, truncated_ids
+from pagoda.services.tokenizer.prompts import Prompt, encode_text_prompt, prompt_room, truncated_ids
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device
@@ -138,7 +138,7 @@ class LLMEngine:
         params = with_bad_words_token_ids(params, self.tokenizer)
         params = resolve_vocabulary(params, self.runner.arch.vocab_size, MAX_TOP_LOGPROBS)  # logprobs=-1 (refused)
         encoded = self._encode(prompt)
-        token_ids = truncated_ids(encoded.token_ids, params, self._max_prompt_len(), encoded.frame)
+        token_ids = truncated_ids(encoded.token_ids, params, self._prompt_room(params.max_tokens), encoded.frame)
         forced = self._forced_start(params, len(token_ids)) if params.structured_outputs is not None else []
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=params,
@@ -165,10 +165,11 @@ class LLMEngine:
                 self._silent.add(seq.seq_id)
         return request_id
 
-    def _max_prompt_len(self) -> int:
-        """The most prompt tokens this engine takes (the context and the KV cache each leave room for one more)."""
+    def _prompt_room(self, max_tokens: int | None) -> int:
+        """What truncate_prompt_tokens -1 keeps on this engine (prompt_room: the context and the KV cache each leave
+        room for max_tokens, or one token)."""
         scheduler = self.scheduler
-        return max_prompt_len(scheduler.max_model_len, scheduler.blocks.num_blocks * scheduler.block_size)
+        return prompt_room(scheduler.max_model_len, scheduler.blocks.num_blocks * scheduler.block_size, max_tokens)
 
     def _forced_start(self, params: SamplingParams, num_prompt_tokens: int) -> list[int]:
         """Structured outputs: compile (cached) before queueing, InvalidRequestError if the library rejects it;

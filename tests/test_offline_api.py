@@ -576,6 +576,9 @@ def test_truncate_prompt_tokens_runs_the_kept_tokens(llm: LLM) -> None:
     [fitted] = llm.generate([too_long], SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=-1))
     assert fitted.prompt_token_ids == llm.get_tokenizer().encode(too_long)[-511:]
     assert len(fitted.outputs[0].token_ids) == 1
+    [roomy] = llm.generate([too_long], SamplingParams(temperature=0.0, max_tokens=3, truncate_prompt_tokens=-1))
+    assert roomy.prompt_token_ids == llm.get_tokenizer().encode(too_long)[-509:]  # room left for max_tokens
+    assert len(roomy.outputs[0].token_ids) == 3
 
 
 def test_output_kind_is_taken_at_what_generate_returns(llm: LLM) -> None:

@@ -555,16 +555,21 @@ def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(tok: Harness, tok
 
 
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_takes(tok: Harness, tokenizer: Tokenizer) -> None:
-    """-1: a prompt longer than the context keeps its last max_model_len - 1 tokens (one is left to generate), before
-    the prompt-too-long check; the default max_tokens then fills what the context leaves."""
+    """-1: a prompt longer than the context keeps its last max_model_len - 1 tokens (one is left to generate) without
+    max_tokens, max_model_len - max_tokens with it (as vLLM's), before the prompt-too-long check; the default
+    max_tokens then fills what the context leaves. A max_tokens the context cannot hold is still refused."""
     ids = tokenizer.encode(LONG_TEXT)
     assert len(ids) > MAX_MODEL_LEN
     request_id, accepted, added = tok.generate(SamplingParams(max_tokens=None, truncate_prompt_tokens=-1),
                                                prompt_text=LONG_TEXT)
     assert added.prompt_token_ids == ids[-(MAX_MODEL_LEN - 1):] and accepted.num_prompt_tokens == MAX_MODEL_LEN - 1
     tok.send_api(AbortRequest(request_id))
-    request_id = new_id()  # the truncated prompt still leaves no room for 2 tokens: max_tokens is named
-    tok.send_api(GenerateRequest(request_id, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1),
+    request_id, accepted, added = tok.generate(SamplingParams(max_tokens=16, truncate_prompt_tokens=-1),
+                                               prompt_text=LONG_TEXT)
+    assert added.prompt_token_ids == ids[-(MAX_MODEL_LEN - 16):] and accepted.num_prompt_tokens == MAX_MODEL_LEN - 16
+    tok.send_api(AbortRequest(request_id))
+    request_id = new_id()
+    tok.send_api(GenerateRequest(request_id, SamplingParams(max_tokens=MAX_MODEL_LEN, truncate_prompt_tokens=-1),
                                  prompt_text=LONG_TEXT))
     assert tok.expect_reply(request_id, RequestFailed).param == "max_tokens"
 

@@ -94,10 +94,20 @@ def max_prompt_len(max_model_len: int, max_num_tokens: int) -> int:
     return min(max_model_len, max_num_tokens) - 1
 
 
+def prompt_room(max_model_len: int, max_num_tokens: int, max_tokens: int | None) -> int:
+    """What truncate_prompt_tokens -1 keeps: the most prompt tokens the model takes (max_prompt_len) that also leave
+    the request's max_tokens to generate within the context, where it sets them (as vLLM's); at least one (a
+    max_tokens the context cannot hold is then refused by check_prompt, naming it)."""
+    room = max_prompt_len(max_model_len, max_num_tokens)
+    if max_tokens is not None:
+        room = min(room, max_model_len - max_tokens)
+    return max(room, 1)
+
+
 def truncated_ids(token_ids: list[int], params: SamplingParams, max_len: int,
                   frame: SpecialFrame = NO_FRAME) -> list[int]:
     """vLLM's truncate_prompt_tokens k: the prompt's last k tokens (truncation_side "right": its first k); -1: as
-    many as the model takes (`max_len`, max_prompt_len's). The ids themselves when not asked or not longer. The
+    many as the request has room for (`max_len`, prompt_room's). The ids themselves when not asked or not longer. The
     special tokens of `frame` (a text prompt's BOS) stay where they are and count in k, as in transformers'
     truncation (and so vLLM's): only the text's own tokens are cut."""
     limit = params.truncate_prompt_tokens
@@ -138,7 +148,7 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
     num_tokens = len(token_ids)
     if num_tokens > max_len:
         raise ContextLengthError(f"the prompt ({param}) has {num_tokens} tokens; this model accepts at most "
-                                 f"{max_len} prompt tokens (truncate_prompt_tokens: -1 keeps the last {max_len})",
+                                 f"{max_len} prompt tokens (truncate_prompt_tokens: -1 keeps what fits)",
                                  param=param)
     if params.max_tokens is not None and num_tokens + params.max_tokens > info.max_model_len:
         raise ContextLengthError(f"this model's maximum context length is {info.max_model_len} tokens, but "
@@ -171,7 +181,8 @@ def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest, info:
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
                              chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
-    return truncate_prompt(tokenizer, prompt, request.params, max_prompt_len(info.max_model_len, info.max_num_tokens))
+    room = prompt_room(info.max_model_len, info.max_num_tokens, request.params.max_tokens)
+    return truncate_prompt(tokenizer, prompt, request.params, room)
 
 
 def tokenize_result(tokenizer: Tokenizer | None, request: TokenizeRequest, max_model_len: int) -> TokenizeResult:
