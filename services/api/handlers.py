@@ -20,7 +20,7 @@ from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
 from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog, tenant_cache_salt
-from pagoda.services.protocol.render import CHAT, COMPLETION, SSE_DONE, encode_json, renderer_for, sse
+from pagoda.services.protocol.render import CHAT, COMPLETION, Renderer, encode_json, renderer_for
 from pagoda.services.protocol.schemas import (
     ChatBody,
     CompletionBody,
@@ -180,8 +180,11 @@ class Handlers:
                                     constraint_param(body))
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,
-                        started_at: float, headers: dict[str, str], constraint: str | None) -> web.StreamResponse:
-        """`constraint`: the body field that asked for a constraint, which its compile error names."""
+                        started_at: float, headers: dict[str, str], constraint: str | None,
+                        renderer: Renderer | None = None) -> web.StreamResponse:
+        """`constraint`: the body field that asked for a constraint, which its compile error names. `renderer`:
+        one that renders here from the tokenizer's text (the messages then carry no RenderSpec) and sees every
+        batch, streamed or not (the Responses API, whose events and body need the whole output)."""
         found = request.get(TENANT)
         tenant: Tenant | None = found[1] if found is not None else None
         lease = self._admit(tenant)  # 429 over quota, before any work
@@ -190,18 +193,19 @@ class Handlers:
         # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share (and,
         # with --prefix-cache-isolation tenant, in the request's cache salt).
         n = messages[0].params.n
-        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n),
-                                            **self._tenant_fields(tenant, m.cache_salt))
+        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n)
+                                            if renderer is None else None, **self._tenant_fields(tenant, m.cache_salt))
                     for i, m in enumerate(messages)]
         gen: Generation | None = None
         status = 499  # the client left (the handler was cancelled) unless set below
         try:
             ticket = self.state.pool.submit(messages, self._engine_tokenizers())
             timeout = self.state.config.request_timeout
-            gen = Generation(ticket, n, started_at, self.state.metrics, renderer_for(spec), spec.stream,
+            gen = Generation(ticket, n, started_at, self.state.metrics, renderer or renderer_for(spec),
+                             spec.stream or renderer is not None,
                              deadline=started_at + timeout if timeout > 0 else None)
             inspector = self.state.console_requests
-            record = inspector.start("chat" if spec.route == CHAT else "completion", messages, spec.stream,
+            record = inspector.start(gen.renderer.route_name, messages, spec.stream,
                                      started_at) if inspector is not None else None
             try:
                 try:
@@ -298,7 +302,7 @@ class Handlers:
                     log.exception("stream %s failed", gen.ticket.request_ids[0])
                     exc = PagodaError("internal server error")
                 gen.error = exc.message
-                await response.write(sse(exc.to_dict()) + SSE_DONE)
+                await response.write(gen.renderer.stream_error(exc.to_dict()))
         except ConnectionResetError:
             log.info("client left stream %s", gen.ticket.request_ids[0])  # the caller's finally aborts it
         return response

@@ -180,6 +180,7 @@ class Renderer:
 
     object_name = ""
     chunk_object_name = ""
+    route_name = ""  # the console's name for the route
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool,
                  include_usage: bool, return_token_ids: bool = False, continuous_usage: bool = False,
@@ -239,6 +240,11 @@ class Renderer:
         return sse({"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
                     "model": self.model, "choices": [], "usage": usage}) + SSE_DONE
 
+    def stream_error(self, error: dict[str, Any]) -> bytes:
+        """The end of a stream that failed after its status line was sent: the error body as an event, then
+        [DONE]."""
+        return sse(error) + SSE_DONE
+
     def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -249,6 +255,7 @@ class Renderer:
 class CompletionRenderer(Renderer):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+    route_name = "completion"
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
                  echo: bool, return_token_ids: bool = False, **vllm: bool) -> None:
@@ -303,6 +310,7 @@ class CompletionRenderer(Renderer):
 class ChatRenderer(Renderer):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    route_name = "chat"
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
                  output: ChatOutputSpec | None = None, return_token_ids: bool = False, echo_text: str = "",
