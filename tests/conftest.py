@@ -220,7 +220,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # the modules that use the session's smollm2_server (below): one work unit for pytest-xdist, so it starts once
-SHARED_SERVER_MODULES = ("tests/test_server.py", "tests/test_tools.py", "tests/test_vllm_compat.py")
+SHARED_SERVER_MODULES = ("tests/test_server.py", "tests/test_tools.py", "tests/test_vllm_compat.py",
+                         "tests/test_responses.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it installed, never called
@@ -282,9 +283,9 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_dir: Path):  # noqa: ANN201  (an Iterator[tests.harness.Server])
     """`pagoda serve` with SmolLM2 and the default settings, started once for the modules that need nothing
-    else (tests/test_server.py, tests/test_tools.py, tests/test_vllm_compat.py); none of their tests changes what
-    the others see. One setting differs: --max-logprobs -1 (vLLM's tests also lift it), so that a request may ask
-    for the whole vocabulary's logprobs; requests asking for 20 or fewer are served as with the default."""
+    else (SHARED_SERVER_MODULES); none of their tests changes what the others see. One setting differs:
+    --max-logprobs -1 (vLLM's tests also lift it), so that a request may ask for the whole vocabulary's logprobs;
+    requests asking for 20 or fewer are served as with the default."""
     from tests.harness import running_server
 
     with running_server(smollm2_dir, "--max-logprobs", "-1") as server:

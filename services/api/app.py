@@ -14,6 +14,7 @@ from pagoda.services.api.console.routes import Console
 from pagoda.services.api.errors import AuthenticationError, RateLimitError, UnsupportedMediaTypeError
 from pagoda.services.api.handlers import DEFAULT_TENANT, TENANT, ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
+from pagoda.services.api.responses import ResponsesRoutes
 from pagoda.services.protocol.render import error_body
 from pagoda.services.protocol.vllm import UNSUPPORTED_ROUTES
 from pagoda.shared.errors import PagodaError
@@ -30,12 +31,19 @@ CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answe
 
 def build_app(state: ApiState) -> web.Application:
     handlers = Handlers(state)
+    responses = ResponsesRoutes(handlers)
     app = web.Application(middlewares=[error_middleware(state.metrics), auth_middleware(state),
                                        content_type_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app.add_routes([
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
+        web.post("/v1/responses", responses.create),
+        # nothing is stored to read back: 404 saying so
+        web.get("/v1/responses/{response_id}", responses.not_stored),
+        web.delete("/v1/responses/{response_id}", responses.not_stored),
+        web.post("/v1/responses/{response_id}/cancel", responses.not_stored),
+        web.get("/v1/responses/{response_id}/input_items", responses.not_stored),
         web.get("/v1/models", handlers.models),
         web.get("/v1/models/{model_id:.+}", handlers.model),
         web.post("/tokenize", handlers.tokenize),

@@ -60,9 +60,13 @@ UNSUPPORTED_FIELDS = {
     "structural_tag": "structural tags are not implemented (vLLM deprecated this field)",
 }
 
+# Why the routes that read a stored response back answer 404 (POST /v1/responses takes `store` and keeps nothing).
+RESPONSES_NOT_STORED = "responses are not stored here (store is accepted, nothing is kept after the answer)"
+
 # vLLM routes pagoda does not serve: path -> reason (answered 404 with it).
 UNSUPPORTED_ROUTES = {
-    "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions",
+    "/v1/responses/{response_id}": RESPONSES_NOT_STORED,
+    "/v1/responses/{response_id}/cancel": RESPONSES_NOT_STORED,
     "/v1/embeddings": "pagoda serves generative models only",
     "/pooling": "pagoda serves generative models only",
     "/classify": "pagoda serves generative models only",

@@ -1,0 +1,665 @@
+"""OpenAI's Responses API (POST /v1/responses): its body turned into a chat request, and its answer built from the
+completion's text as output items (reasoning, message, function calls), whole or as the stream's events.
+
+The request side maps onto chat: `input` items become chat messages (`instructions` a system message first,
+function_call / function_call_output items assistant tool calls and tool messages), Responses' flat function tools
+chat's nested ones, `text.format` chat's `response_format`; chat's own checks and wire message follow. The answer
+side reads the text through chat's ChoiceStream (the tool-call and reasoning parsers), one stream for both modes,
+so a streamed answer ends with exactly the response a non-streamed one returns. The api renders it (the tokenizer
+sends text): every event needs the items before it and the final response the whole output.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream
+from pagoda.services.protocol.render import Choice, Renderer, ResponseView, chat_logprobs, encode_json
+from pagoda.services.protocol.schemas import ChatBody, MessageBody, decode_body
+from pagoda.shared.errors import InvalidRequestError, PagodaError
+from pagoda.shared.messages import FinishReason, PositionLogprobs, TextDelta
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
+
+# Fields of OpenAI's (or vLLM's) Responses request that pagoda refuses unless null: field -> why (the 400's message).
+REFUSED_FIELDS = {
+    "previous_response_id": "responses are not stored here: send the whole conversation in input",
+    "conversation": "conversations are not stored here: send the whole conversation in input",
+    "prompt": "stored prompt templates are not served: send instructions and input",
+    "max_tool_calls": "it bounds calls to built-in tools, which pagoda does not have (parallel_tool_calls: false "
+                      "allows one function call)",
+    "prompt_cache_retention": "the prefix cache keeps blocks while memory allows; its retention is not set per request",
+    "prompt_cache_options": "the prefix cache keeps blocks while memory allows; its retention is not set per request",
+    "context_management": "server-side context compaction is not implemented",
+    "enable_response_messages": "the rendered prompt is not returned; use /tokenize",
+    "previous_input_messages": "send the conversation in input",
+}
+# A field taken at the values that change nothing here: field -> (those values, why others are refused).
+NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "background": ((None, False), "background responses need a response store, and responses are not stored here"),
+    "service_tier": ((None, "auto", "default"), "this server has one service tier (auto and default are it)"),
+    "truncation": ((None, "disabled"), "truncation 'auto' (dropping the conversation's first items) is not "
+                                       "implemented: a conversation past the context is refused"),
+}
+INPUT_PART_KINDS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /v1/responses; every field is honoured, taken at a value that changes nothing, or refused."""
+
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    # metadata only: echoed in the response, they change nothing about the answer
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint: pagoda caches and routes by prefix on its own
+    store: bool | None = None  # either value: nothing is kept after the answer (docs/vllm-compat.md)
+    # NO_OP_VALUES
+    background: bool | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None  # null fields only: effort and summaries are not passed to templates
+    # vLLM's extensions of its ResponsesRequest, as chat takes them; chat_template_kwargs and truncation as chat's
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, str | int | float | bool] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    # REFUSED_FIELDS: null is taken as not given
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    context_management: Any = None
+    enable_response_messages: Any = None
+    previous_input_messages: Any = None
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)
+
+
+def _keys(obj: dict[str, Any], allowed: set[str], param: str, shape: str) -> None:
+    """A 400 naming the first key of `obj` outside `allowed`."""
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise InvalidRequestError(f"Unrecognized argument {unknown[0]!r}: {shape}", param=f"{param}.{unknown[0]}")
+
+
+def decode_responses_body(data: bytes) -> ResponsesBody:
+    return decode_body(data, ResponsesBody)
+
+
+# --------------------------------------------------------------------------------------------
+# the request: a chat request
+
+
+@dataclass(slots=True, frozen=True)
+class ChatForm:
+    """A Responses body as chat: the body chat_request takes, and what the response echoes of the request."""
+
+    chat: ChatBody
+    constraint: str | None  # the Responses field that asked for a constraint (its compile error names it)
+    settings: dict[str, Any]  # the request's settings, echoed in every response object
+
+
+def to_chat(body: ResponsesBody) -> ChatForm:
+    """The chat request a Responses body asks for; InvalidRequestError names the Responses field at fault."""
+    _check_fields(body)
+    want_logprobs = _include(body.include or [])
+    _require(want_logprobs or not body.top_logprobs, "top_logprobs",
+             f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
+    chat_tools, echo_tools = _function_tools(body.tools or [])
+    response_format, echo_format = _text_format(body.text)
+    chat = ChatBody(
+        messages=input_messages(body), model=body.model, max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, logprobs=want_logprobs or None,
+        top_logprobs=body.top_logprobs if want_logprobs else None, tools=chat_tools or None,
+        tool_choice=_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format, stream=body.stream, user=body.user,
+        safety_identifier=body.safety_identifier, metadata=body.metadata, top_k=body.top_k,
+        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
+        logit_bias=body.logit_bias, skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output, priority=body.priority,
+        cache_salt=body.cache_salt, structured_outputs=body.structured_outputs,
+        chat_template_kwargs=body.chat_template_kwargs, truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side)
+    constraint = None
+    if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
+        constraint = "tools"  # decoded under a schema built from the functions' parameters
+    elif response_format is not None and response_format["type"] != "text":
+        constraint = "text.format"
+    elif body.structured_outputs is not None:
+        constraint = "structured_outputs"
+    settings = {
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
+        "text": {"format": echo_format}, "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": echo_tools, "top_logprobs": body.top_logprobs if body.top_logprobs is not None else 0,
+        "user": body.user}
+    return ChatForm(chat, constraint, settings)
+
+
+def _check_fields(body: ResponsesBody) -> None:
+    for name, reason in REFUSED_FIELDS.items():
+        _require(getattr(body, name) is None, name, f"{name} is not supported: {reason}")
+    for name, (values, reason) in NO_OP_VALUES.items():
+        value = getattr(body, name)
+        _require(value in values, name, f"{name} {value!r} is not supported: {reason}")
+    for key, value in (body.reasoning or {}).items():
+        _require(value is None, f"reasoning.{key}", f"reasoning.{key} is not supported: reasoning settings are not "
+                                                    "passed to chat templates; use chat_template_kwargs")
+    _require(body.stream_options is None or bool(body.stream), "stream_options",
+             "stream_options is only allowed when stream is true")
+    options = body.stream_options or {}
+    _keys(options, {"include_obfuscation"}, "stream_options", 'stream_options is {"include_obfuscation": false}')
+    _require(not options.get("include_obfuscation"), "stream_options.include_obfuscation",
+             "stream obfuscation is not implemented: events carry no obfuscation field")
+    metadata = body.metadata or {}
+    _require(len(metadata) <= MAX_METADATA_PAIRS and all(
+        len(k) <= MAX_METADATA_KEY_CHARS and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items()),
+        "metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY_CHARS} "
+                    f"characters and values of at most {MAX_METADATA_VALUE_CHARS}")
+
+
+def _include(include: list[str]) -> bool:
+    """Whether `include` asks for the message's logprobs, its one value served here."""
+    for i, name in enumerate(include):
+        what = ("encrypted reasoning, which is not made here (reasoning is returned as text)"
+                if name == "reasoning.encrypted_content" else "values of built-in tools or input images, which "
+                                                              "pagoda does not have")
+        _require(name == LOGPROBS_INCLUDE, f"include[{i}]",
+                 f"include supports {LOGPROBS_INCLUDE!r} only; {name!r} asks for {what}")
+    return LOGPROBS_INCLUDE in include
+
+
+def input_messages(body: ResponsesBody) -> list[MessageBody]:
+    """`instructions` as a system message, then `input`'s items as chat messages. A function_call item joins the
+    assistant turn just before it (a parallel call, or the text the model wrote before calling); its output
+    becomes a tool message. Reasoning items of earlier answers are dropped, as chat templates drop reasoning."""
+    messages = [MessageBody(role="system", content=body.instructions)] if body.instructions is not None else []
+    if isinstance(body.input, str):
+        return [*messages, MessageBody(role="user", content=body.input)]
+    _require(len(body.input) > 0, "input", "input must not be empty")
+    calls: dict[str, str] = {}  # call_id -> function name, of the function_call items so far
+    answered: set[str] = set()
+    joinable = False  # the last message is an assistant turn a function call joins
+    for i, item in enumerate(body.input):
+        param = f"input[{i}]"
+        _require(isinstance(item, dict), param, "an input item is an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            messages.append(_message(item, param))
+            joinable = messages[-1].role == "assistant"
+        elif kind == "function_call":
+            call = _function_call(item, param)
+            _require(call["id"] not in calls, f"{param}.call_id", f"call_id {call['id']!r} is used twice")
+            calls[call["id"]] = call["function"]["name"]
+            if joinable:
+                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+            else:
+                messages.append(MessageBody(role="assistant", tool_calls=[call]))
+                joinable = True
+        elif kind == "function_call_output":
+            call_id, output = _function_call_output(item, param)
+            _require(call_id in calls, f"{param}.call_id",
+                     f"No tool call found for function call output with call_id {call_id!r}: send its function_call "
+                     "item before it")
+            answered.add(call_id)
+            messages.append(MessageBody(role="tool", content=output, tool_call_id=call_id, name=calls[call_id]))
+            joinable = False
+        elif kind == "reasoning":
+            _keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, param,
+                  "a reasoning item is {type, id, summary, content, encrypted_content, status}")
+        elif kind == "item_reference":
+            raise InvalidRequestError("item references are not supported: responses are not stored here; send the "
+                                      "item itself", param=f"{param}.type")
+        else:
+            raise InvalidRequestError(f"input items are messages, function_call, function_call_output and reasoning; "
+                                      f"{kind!r} items are not accepted (pagoda has no built-in tools)",
+                                      param=f"{param}.type")
+    missing = next((call_id for call_id in calls if call_id not in answered), None)
+    _require(missing is None, "input", f"No tool output found for function call {missing!r}: send a "
+                                       "function_call_output item for it")
+    return messages
+
+
+def _message(item: dict[str, Any], param: str) -> MessageBody:
+    _keys(item, {"type", "role", "content", "id", "status", "phase"}, param,
+          "a message item is {type: message, role, content}")
+    role = item.get("role")
+    _require(role in ("user", "system", "developer", "assistant"), f"{param}.role",
+             f"role must be one of user, system, developer, assistant, got {role!r}")
+    content = item.get("content")
+    if isinstance(content, list):
+        content = "\n".join(_part_text(part, f"{param}.content[{j}]") for j, part in enumerate(content))
+    _require(isinstance(content, str), f"{param}.content", "content must be a string or a list of content parts")
+    return MessageBody(role=role, content=content)  # chat maps developer to system
+
+
+def _part_text(part: Any, param: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text"):
+        allowed = {"type", "text", "annotations", "logprobs"} if kind == "output_text" else {"type", "text"}
+        _require(set(part) <= allowed and isinstance(part.get("text"), str), param,
+                 f'an {kind} part is {{"type": "{kind}", "text": string}}')
+        return part["text"]
+    if kind == "refusal":
+        _require(set(part) <= {"type", "refusal"} and isinstance(part.get("refusal"), str), param,
+                 'a refusal part is {"type": "refusal", "refusal": string}')
+        return part["refusal"]
+    _require(kind not in INPUT_PART_KINDS, f"{param}.type",
+             f"{kind} parts are not accepted: pagoda serves text models ({INPUT_PART_KINDS.get(kind)} input is not "
+             "read)")
+    raise InvalidRequestError(f"content parts are input_text, output_text or refusal, got {kind!r}",
+                              param=f"{param}.type" if isinstance(part, dict) else param)
+
+
+def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
+    _keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, param,
+          "a function_call item is {type, call_id, name, arguments}")
+    for key in ("call_id", "name", "arguments"):
+        value = item.get(key)
+        _require(isinstance(value, str) and (bool(value) or key == "arguments"), f"{param}.{key}",
+                 f"{key} must be a {'' if key == 'arguments' else 'non-empty '}string")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _function_call_output(item: dict[str, Any], param: str) -> tuple[str, str]:
+    _keys(item, {"type", "call_id", "output", "id", "status"}, param,
+          "a function_call_output item is {type, call_id, output}")
+    call_id, output = item.get("call_id"), item.get("output")
+    _require(isinstance(call_id, str) and bool(call_id), f"{param}.call_id", "call_id must be a non-empty string")
+    if isinstance(output, list):
+        output = "\n".join(_part_text(part, f"{param}.output[{j}]") for j, part in enumerate(output))
+    _require(isinstance(output, str), f"{param}.output", "output must be a string or a list of input_text parts")
+    return call_id, output
+
+
+def _function_tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(chat's tools, the response's echo) of Responses' flat function tools."""
+    chat, echo = [], []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        _require(kind == "function", f"tools[{i}].type",
+                 f"only function tools are served; {kind!r} is a built-in tool pagoda does not have")
+        _keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]",
+              'a tool is {"type": "function", "name", "description"?, "parameters"?, "strict"?}')
+        name, description, parameters, strict = (tool.get(key) for key in ("name", "description", "parameters",
+                                                                            "strict"))
+        _require(isinstance(name, str) and bool(name), f"tools[{i}].name", "name must be a non-empty string")
+        _require(description is None or isinstance(description, str), f"tools[{i}].description",
+                 "description must be a string")
+        _require(parameters is None or isinstance(parameters, dict), f"tools[{i}].parameters",
+                 "parameters must be a JSON schema object")
+        _require(strict is None or isinstance(strict, bool), f"tools[{i}].strict", "strict must be a boolean")
+        function = {key: value for key, value in (("name", name), ("description", description),
+                                                  ("parameters", parameters), ("strict", strict))
+                    if value is not None}
+        chat.append({"type": "function", "function": function})
+        echo.append({"type": "function", "name": name, "description": description, "parameters": parameters,
+                     "strict": strict})
+    return chat, echo
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Chat's tool_choice (its checks follow: none/auto/required, a function among the tools)."""
+    if not isinstance(choice, dict):
+        return choice
+    _require(choice.get("type") == "function", "tool_choice",
+             f"tool_choice {choice.get('type')!r} names a built-in tool or tool set pagoda does not have; use none, "
+             'auto, required or {"type": "function", "name": ...}')
+    _keys(choice, {"type", "name"}, "tool_choice", 'a named tool_choice is {"type": "function", "name": string}')
+    _require(isinstance(choice.get("name"), str), "tool_choice.name", "name must be a string")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _text_format(text: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(chat's response_format, the response's text.format) of `text`."""
+    text = text or {}
+    _keys(text, {"format", "verbosity"}, "text", 'text is {"format": {"type": "text" | "json_object" | '
+                                                 '"json_schema", ...}}')
+    _require(text.get("verbosity") is None, "text.verbosity",
+             "text.verbosity is not supported: verbosity is not passed to the model")
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"type": "text"}
+    _require(isinstance(fmt, dict), "text.format", "text.format must be an object")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        _keys(fmt, {"type"}, "text.format", f'this format is {{"type": "{kind}"}}')
+        return {"type": kind}, {"type": kind}
+    _require(kind == "json_schema", "text.format.type",
+             f"text.format type must be text, json_object or json_schema, got {kind!r}")
+    _keys(fmt, {"type", "name", "schema", "strict", "description"}, "text.format",
+          "a json_schema format is {type, name, schema, strict?, description?}")
+    spec = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+    return {"type": "json_schema", "json_schema": spec}, dict(fmt)
+
+
+# Chat's names for what a Responses body calls otherwise: a refusal by chat's checks or the tokenizer names the
+# Responses field.
+_CHAT_PARAMS = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                ("messages", "input"), ("logprobs", "top_logprobs"))
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses field for a chat parameter (max_tokens -> max_output_tokens, response_format -> text.format,
+    messages -> input); other names are the same in both."""
+    if param is None:
+        return None
+    for chat, responses in _CHAT_PARAMS:
+        if param == chat or param.startswith((f"{chat}.", f"{chat}[")):
+            if chat == "messages":
+                return "input"  # message indices shift with instructions and joined calls: the input as a whole
+            return responses + param[len(chat):]
+    return param
+
+
+def rename_error(exc: PagodaError) -> PagodaError:
+    """`exc` naming the Responses field instead of chat's (its message too, for max_tokens)."""
+    param = responses_param(exc.param)
+    if param != exc.param:
+        if exc.param in ("max_tokens", "max_completion_tokens"):
+            exc.message = exc.message.replace(exc.param, "max_output_tokens")
+        elif exc.param == "messages":
+            exc.message = exc.message.replace("(messages)", "(input)")
+        exc.args = (exc.message,)
+        exc.param = param
+    return exc
+
+
+# --------------------------------------------------------------------------------------------
+# the answer: output items and events
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass(slots=True)
+class OutputItem:
+    """One item of the output as it is written: a reasoning item, a message (one output_text part) or a call."""
+
+    kind: str  # "reasoning" | "message" | "function_call"
+    id: str
+    parts: list[str] = field(default_factory=list)  # its text (message, reasoning) or its arguments (call)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # a message's tokens
+    call_id: str = ""
+    name: str = ""
+    status: str = "in_progress"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def part(self, as_ids: bool) -> dict[str, Any]:
+        """Its content part (message, reasoning)."""
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": self.text}
+        return {"type": "output_text", "text": self.text, "annotations": [],
+                "logprobs": _logprobs(self.logprobs, as_ids)}
+
+    def json(self, as_ids: bool) -> dict[str, Any]:
+        if self.kind == "function_call":
+            return {"id": self.id, "type": "function_call", "call_id": self.call_id, "name": self.name,
+                    "arguments": self.text, "status": self.status}
+        content = [self.part(as_ids)] if self.status != "in_progress" else []
+        if self.kind == "reasoning":
+            return {"id": self.id, "type": "reasoning", "summary": [], "content": content, "status": self.status}
+        return {"id": self.id, "type": "message", "role": "assistant", "status": self.status, "content": content}
+
+
+def _logprobs(positions: list[PositionLogprobs], as_ids: bool) -> list[dict[str, Any]]:
+    return chat_logprobs(positions, as_ids)["content"]
+
+
+class OutputBuilder:
+    """The output items of one completion, from its text as it comes: push() and finish() return the events (dicts
+    without sequence numbers) the Responses stream sends for it; `items` is the output so far."""
+
+    def __init__(self, spec: ChatOutputSpec, want_logprobs: bool, as_ids: bool = False) -> None:
+        self.stream = ChoiceStream(spec)  # chat's tool-call and reasoning parsing, streamed
+        self.want_logprobs = want_logprobs
+        self.as_ids = as_ids
+        self.items: list[OutputItem] = []
+        self.open: OutputItem | None = None
+        self.held_space = ""  # whitespace-only content not shown yet: before a function call it is dropped
+        self.pending: list[PositionLogprobs] = []  # logprobs of tokens whose content is not shown yet
+        self.num_reasoning_tokens = 0
+        self.finish_reason = -1
+
+    def push(self, text: str, logprobs: list[PositionLogprobs], num_new_tokens: int) -> list[dict[str, Any]]:
+        reasoning = self.stream.reasoning
+        in_reasoning = reasoning is not None and reasoning.state == "reasoning"
+        parts = self.stream.push(text)
+        if reasoning is not None and (in_reasoning or reasoning.state == "reasoning"):
+            self.num_reasoning_tokens += num_new_tokens  # the think block's tokens, its markers' too
+        elif self.want_logprobs:
+            self.pending.extend(logprobs)  # reasoning has no logprobs field: its tokens' are not shown
+        return self._parts(parts)
+
+    def finish(self, reason: int) -> list[dict[str, Any]]:
+        """The last parts, then the open item closed: incomplete when the completion ran out of tokens."""
+        self.finish_reason = reason
+        parts, _ = self.stream.finish()
+        events = self._parts(parts)
+        if self.held_space or not self.items:  # an answer of whitespace (or nothing) is a message still
+            events += self._content("", force=True)
+        status = "incomplete" if reason == FinishReason.LENGTH else "completed"
+        if self.open is not None and self.open.kind == "message":
+            self.open.logprobs.extend(self.pending)  # tokens whose text was held to the end (done carries them)
+        return events + self._close(status)
+
+    def _parts(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for part in parts:
+            if "reasoning_content" in part:
+                events += self._reasoning(part["reasoning_content"])
+            elif "content" in part:
+                events += self._content(part["content"] or "")
+            else:
+                events += self._call(part["tool_calls"][0])
+        return events
+
+    def _item(self, kind: str, **fields: str) -> list[dict[str, Any]]:
+        """Close the open item unless it is of this kind; open one of this kind if none is."""
+        if self.open is not None and self.open.kind == kind and kind != "function_call":
+            return []
+        events = self._close("completed")
+        self.open = OutputItem(kind, _new_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]),
+                               **fields)  # type: ignore[arg-type]
+        self.items.append(self.open)
+        index = len(self.items) - 1
+        events.append({"type": "response.output_item.added", "output_index": index,
+                       "item": self.open.json(self.as_ids)})
+        if kind != "function_call":
+            events.append({"type": "response.content_part.added", "item_id": self.open.id, "output_index": index,
+                           "content_index": 0, "part": self.open.part(self.as_ids)})
+        return events
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        events = self._item("reasoning")
+        assert self.open is not None
+        self.open.parts.append(text)
+        return events + [{"type": "response.reasoning_text.delta", "item_id": self.open.id,
+                          "output_index": len(self.items) - 1, "content_index": 0, "delta": text}]
+
+    def _content(self, text: str, force: bool = False) -> list[dict[str, Any]]:
+        if not force and (self.open is None or self.open.kind != "message") and not text.strip():
+            self.held_space += text  # shown with the content that follows it, dropped before a call
+            return []
+        text, self.held_space = self.held_space + text, ""
+        events = self._item("message")
+        assert self.open is not None
+        logprobs, self.pending = self.pending, []
+        self.open.parts.append(text)
+        self.open.logprobs.extend(logprobs)
+        if not text and not logprobs:
+            return events
+        return events + [{"type": "response.output_text.delta", "item_id": self.open.id,
+                          "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
+                          "logprobs": _logprobs(logprobs, self.as_ids)}]
+
+    def _call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        function = delta.get("function", {})
+        events: list[dict[str, Any]] = []
+        if "id" in delta:  # a call's first delta: its id and name
+            self.held_space = ""
+            self.pending.clear()
+            events = self._item("function_call", call_id=delta["id"], name=function.get("name", ""))
+        assert self.open is not None and self.open.kind == "function_call"
+        arguments = function.get("arguments") or ""
+        if arguments:
+            self.open.parts.append(arguments)
+            events.append({"type": "response.function_call_arguments.delta", "item_id": self.open.id,
+                           "output_index": len(self.items) - 1, "delta": arguments})
+        return events
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item.status = status
+        index = self.items.index(item)
+        events: list[dict[str, Any]] = []
+        if item.kind == "function_call":
+            events.append({"type": "response.function_call_arguments.done", "item_id": item.id, "output_index": index,
+                           "name": item.name, "arguments": item.text})
+        else:
+            done = "response.reasoning_text.done" if item.kind == "reasoning" else "response.output_text.done"
+            text_done = {"type": done, "item_id": item.id, "output_index": index, "content_index": 0,
+                         "text": item.text}
+            if item.kind == "message":
+                text_done["logprobs"] = _logprobs(item.logprobs, self.as_ids)
+            events += [text_done, {"type": "response.content_part.done", "item_id": item.id, "output_index": index,
+                                   "content_index": 0, "part": item.part(self.as_ids)}]
+        return events + [{"type": "response.output_item.done", "output_index": index, "item": item.json(self.as_ids)}]
+
+
+def response_usage(usage: dict[str, Any], num_reasoning_tokens: int) -> dict[str, Any]:
+    """Responses' usage from chat's usage_dict. cache_write_tokens counts OpenAI's cache writes with a retention
+    (prompt_cache_options), which pagoda does not offer: 0; cached_tokens counts the prefix cache's hits."""
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
+            "total_tokens": usage["total_tokens"]}
+
+
+class ResponsesRenderer(Renderer):
+    """One response's answer: its events (streaming) and its response object, from the completion's deltas.
+
+    It sees every batch, streamed or not (the api's Generation calls chunks() for it either way): the output items
+    are built once, and the non-streamed body is the object a stream's response.completed carries."""
+
+    route_name = "responses"
+
+    def __init__(self, response_id: str, model: str, created_at: int, settings: dict[str, Any], spec: ChatOutputSpec,
+                 *, stream: bool, want_logprobs: bool, temperature: float, top_p: float,
+                 tokens_as_ids: bool = False) -> None:
+        super().__init__(response_id, model, created_at, want_logprobs=want_logprobs, include_usage=False,
+                         tokens_as_ids=tokens_as_ids)
+        self.settings = settings
+        self.stream = stream
+        self.temperature = temperature
+        self.top_p = top_p
+        self.builder = OutputBuilder(spec, want_logprobs, tokens_as_ids)
+        self.sequence_number = 0
+
+    def response(self, status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The response object: the request's settings, the output so far and, once it ended, usage."""
+        incomplete = status == "incomplete"
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
+            "background": False, "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": self.settings["instructions"], "max_output_tokens": self.settings["max_output_tokens"],
+            "max_tool_calls": None, "metadata": self.settings["metadata"], "model": self.model,
+            "output": [item.json(self.tokens_as_ids) for item in self.builder.items],
+            "parallel_tool_calls": self.settings["parallel_tool_calls"], "previous_response_id": None,
+            "prompt_cache_key": self.settings["prompt_cache_key"], "reasoning": {"effort": None, "summary": None},
+            "safety_identifier": self.settings["safety_identifier"], "service_tier": "default",
+            "temperature": self.temperature, "text": self.settings["text"],
+            "tool_choice": self.settings["tool_choice"], "tools": self.settings["tools"],
+            "top_logprobs": self.settings["top_logprobs"], "top_p": self.top_p, "truncation": "disabled",
+            "usage": None if usage is None else response_usage(usage, self.builder.num_reasoning_tokens),
+            "user": self.settings["user"]}
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.builder.finish_reason == FinishReason.LENGTH else "completed"
+
+    def _events(self, events: list[dict[str, Any]]) -> bytes:
+        """SSE bytes of these events, numbered in order; b"" when not streaming."""
+        if not self.stream:
+            return b""
+        out = []
+        for event in events:
+            event["sequence_number"] = self.sequence_number
+            self.sequence_number += 1
+            out.append(b"event: " + event["type"].encode() + b"\ndata: " + encode_json(event) + b"\n\n")
+        return b"".join(out)
+
+    def opening(self, view: ResponseView) -> bytes:
+        created = self.response("in_progress", None)
+        return self._events([{"type": "response.created", "response": created},
+                             {"type": "response.in_progress", "response": created}])
+
+    def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
+        events: list[dict[str, Any]] = []
+        for _, delta in batch:
+            if self.builder.finish_reason >= 0:
+                continue
+            events += self.builder.push(delta.text, delta.logprobs, delta.num_new_tokens)
+            if delta.finish_reason >= 0:
+                events += self.builder.finish(delta.finish_reason)
+        return self._events(events)
+
+    def closing(self, usage: dict[str, Any]) -> bytes:
+        status = self.status
+        return self._events([{"type": f"response.{status}", "response": self.response(status, usage)}])
+
+    def body(self, view: ResponseView, usage: dict[str, Any]) -> dict[str, Any]:
+        return self.response(self.status, usage)
+
+    def stream_error(self, error: dict[str, Any]) -> bytes:
+        """The `error` event that ends a stream which failed after its first event."""
+        body = error.get("error", {})
+        return self._events([{"type": "error", "code": body.get("code"), "message": body.get("message", ""),
+                              "param": responses_param(body.get("param"))}])
