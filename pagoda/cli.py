@@ -45,6 +45,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:  # a bad flag or PAGODA_* value is the operator's error: said as the launcher says its own, no traceback
         engine_config, server_config = engine_config_from_args(args), server_config_from_args(args)
+        server_config.check_metrics_access()
     except ConfigError as exc:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
         return 2

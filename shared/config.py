@@ -26,6 +26,9 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8", "fp8_block")
 ROUTINGS = ("prefix", "round_robin", "random")  # how tokenizers pick an engine replica for a request
 PREFIX_CACHE_ISOLATIONS = ("shared", "tenant")  # whose requests may share prefix-cache blocks
+# who may read /metrics: open (anyone who reaches the port), key (the operator's --api-key only: the series name
+# every tenant), auto (key beside --api-keys-file, open without one)
+METRICS_ACCESSES = ("auto", "open", "key")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
 
 
@@ -234,6 +237,7 @@ class ServerConfig:
     advertise_host: str | None = None  # host or IP peers reach this process's bound sockets at; None: detected
     api_keys_file: str | None = None  # tenants: hashed API keys with quotas (services/api/tenants.py)
     prefix_cache_isolation: str = "shared"  # shared | tenant: each tenant's requests salted by the tenant (cache_salt)
+    metrics_access: str = "auto"  # auto | open | key: who may read /metrics (see metrics_need_key)
     usage_log: str | None = None  # a JSON line per finished generation request (tenant, tokens, times), appended
     cluster_key_dir: str | None = None  # CURVE key pair for tcp:// sockets (shared/transport.py); None: plain
     max_logprobs: int = 20  # most logprobs / top_logprobs / prompt_logprobs a request may ask (vLLM's); -1: no bound
@@ -249,6 +253,9 @@ class ServerConfig:
         if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATIONS:
             raise ConfigError(f"prefix_cache_isolation must be one of {PREFIX_CACHE_ISOLATIONS}",
                               param="prefix_cache_isolation")
+        if self.metrics_access not in METRICS_ACCESSES:
+            raise ConfigError(f"metrics_access must be one of {METRICS_ACCESSES}, got {self.metrics_access!r}",
+                              param="metrics_access")
         if self.data_parallel_size < 1 or self.replica_id < 0:
             raise ConfigError("data_parallel_size must be >= 1 and replica_id >= 0", param="data_parallel_size")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
@@ -270,6 +277,21 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be >= 0", param=name)
         if self.api_key is None and self.api_key_file:
             self.api_key = read_key_file(self.api_key_file)
+
+    def metrics_need_key(self) -> bool:
+        """Whether /metrics answers only the operator's key (--api-key): with metrics_access key, or auto beside a
+        keys file, whose tenants must not read each other's names and usage there."""
+        return self.metrics_access == "key" or (self.metrics_access == "auto" and bool(self.api_keys_file))
+
+    def check_metrics_access(self) -> None:
+        """The api's own check (run by the api process and `pagoda serve`, not by the other services, which may
+        not hold the operator's key): metrics_access key asked for by name needs that key to read /metrics with.
+        auto with a keys file and no operator key is not an error: /metrics is then closed to everyone (a server
+        that ran before must not stop serving over its metrics) and the api says so when it starts."""
+        if self.metrics_access == "key" and not self.api_key:
+            raise ConfigError("--metrics-access key needs the operator's key to read /metrics with: set --api-key, "
+                              "--api-key-file or PAGODA_API_KEY, or choose --metrics-access open",
+                              param="metrics_access")
 
     def endpoint(self, name: str) -> str:
         """One socket address (scheduler, plan, result or stats): given explicitly, or derived from runtime_dir.
@@ -405,6 +427,9 @@ _HELP: dict[str, str] = {
                        "cluster-keys DIR`): tcp:// sockets authenticate and encrypt with it and refuse peers without "
                        "it (ipc:// needs none; `pagoda serve` makes one in its runtime dir for tcp endpoints; "
                        "'none': plain tcp on purpose)",
+    "metrics_access": "who may read /metrics (per-tenant series, prefix-cache counters): open (anyone who "
+                      "reaches the HTTP port), key (only 'Authorization: Bearer' the operator's --api-key; a "
+                      "tenant's key is refused) or auto (key with --api-keys-file, open without; docs/security.md)",
     "usage_log": "append one JSON line per finished generation request (tenant, request id, tokens, times) here",
     "max_logprobs": "the most logprobs (completions), top_logprobs (chat) or prompt_logprobs a request may ask; "
                     "-1 allows the whole vocabulary, which requests then ask with -1 (vLLM's --max-logprobs)",

@@ -206,7 +206,12 @@ def test_over_quota_is_429_with_retry_after(tenant_stack: tuple) -> None:
     error = refused.json()["error"]
     assert refused.status_code == 429 and error["type"] == "tokens" and error["code"] == "rate_limit_exceeded"
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
-    metrics = parse_metrics(HTTP.get(stack.url + "/metrics").text)
+    # beside a keys file /metrics takes the operator's key alone (--metrics-access auto): tenants must not read
+    # each other's names and usage there
+    for refused in ({}, {"Authorization": f"Bearer {keys['one']}"}):
+        response = HTTP.get(stack.url + "/metrics", headers=refused)
+        assert response.status_code == 401 and "tenant=" not in response.text
+    metrics = parse_metrics(HTTP.get(stack.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text)
     assert metrics['pagoda_tenant_rejections_total{reason="concurrency",tenant="one"}'] == 1
     assert metrics['pagoda_tenant_rejections_total{reason="requests",tenant="rpm"}'] == 1
     assert metrics['pagoda_tenant_rejections_total{reason="tokens",tenant="tpm"}'] == 2

@@ -30,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_config = server_config_from_args(args)
         server_config.api_endpoint_list()  # fail here, with the parameter named, rather than half started
         server_config.endpoint("stats")
+        server_config.check_metrics_access()
     except ConfigError as exc:
         print(f"error: {exc.message} ({exc.param})", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from pagoda.services.api.errors import AuthenticationError, RateLimitError, Unsu
 from pagoda.services.api.handlers import DEFAULT_TENANT, TENANT, ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.responses import ResponsesRoutes
+from pagoda.services.api.tenants import Tenant
 from pagoda.services.protocol.render import error_body
 from pagoda.services.protocol.vllm import UNSUPPORTED_ROUTES
 from pagoda.shared.errors import PagodaError
@@ -23,8 +24,11 @@ log = logging.getLogger(__name__)
 
 # Large enough for a long prompt as token ids in JSON, small enough that its wire message fits a frame.
 MAX_BODY_BYTES = 32 << 20
-# /health, /ping, /version, /load, /metrics and the console's page and scripts stay open; its data needs the key
+# /health, /ping, /version, /load and the console's page and scripts stay open (probes and load balancers ask them;
+# they tell nothing of any tenant); the console's data needs the key. /metrics is open unless --metrics-access
+# says key, the default beside a keys file: its series name every tenant (docs/security.md)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", CONSOLE_API_PREFIX)
+METRICS_PATH = "/metrics"
 RETRY_AFTER_S = "1"
 CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
@@ -49,7 +53,7 @@ def build_app(state: ApiState) -> web.Application:
         web.post("/tokenize", handlers.tokenize),
         web.post("/detokenize", handlers.detokenize),
         web.get("/health", handlers.health),
-        web.get("/metrics", handlers.metrics),
+        web.get(METRICS_PATH, handlers.metrics),
         # vLLM's service routes (docs/vllm-compat.md)
         web.get("/tokenizer_info", handlers.tokenizer_info),
         web.get("/version", handlers.version),
@@ -65,32 +69,55 @@ def build_app(state: ApiState) -> web.Application:
 
 def auth_middleware(state: ApiState) -> Middleware:
     """With a key (--api-key) or a keys file (--api-keys-file), /v1 routes need 'Authorization: Bearer KEY'; a
-    key from the file makes the request its tenant's (request[TENANT], read by the handlers)."""
+    key from the file makes the request its tenant's (request[TENANT], read by the handlers). The console's data,
+    and /metrics when config.metrics_need_key(), take the operator's key (--api-key) alone: they show every tenant.
+    """
     api_key = state.config.api_key
     expected = f"Bearer {api_key}".encode() if api_key else None
     keys = state.keys
+    metrics_need_key = state.config.metrics_need_key()
+    metrics_refused = False  # logged once per process: a scraper or probe left without the key after an upgrade
+
+    def tenant_of(request: web.Request, operator_only: bool) -> tuple[str, Tenant] | None:
+        # Every Authorization header must hold the same key (a proxy may add or keep one). Header values are
+        # str with surrogates for bytes that are not UTF-8: those bytes compare as themselves.
+        given = [value.strip().encode("utf-8", "surrogateescape")
+                 for value in request.headers.getall("Authorization", [])]
+        if not given or any(value != given[0] for value in given):
+            raise AuthenticationError()
+        # constant time: no key guessing by timing (the file holds hashes: a lookup leaks nothing of a key)
+        if expected is not None and hmac.compare_digest(given[0], expected):
+            return DEFAULT_TENANT if keys is not None else None
+        found = keys.lookup(_bearer(given[0])) if keys is not None and not operator_only else None
+        if found is None:
+            raise AuthenticationError()
+        return found
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if (expected is not None or keys is not None) and request.path.startswith(PROTECTED_PREFIXES):
-            # Every Authorization header must hold the same key (a proxy may add or keep one). Header values are
-            # str with surrogates for bytes that are not UTF-8: those bytes compare as themselves.
-            given = [value.strip().encode("utf-8", "surrogateescape")
-                     for value in request.headers.getall("Authorization", [])]
-            if not given or any(value != given[0] for value in given):
-                raise AuthenticationError()
-            # constant time: no key guessing by timing (the file holds hashes: a lookup leaks nothing of a key)
-            if expected is not None and hmac.compare_digest(given[0], expected):
-                request[TENANT] = DEFAULT_TENANT if keys is not None else None
-            else:
-                found = keys.lookup(_bearer(given[0])) if keys is not None else None
-                # the console sees every tenant's requests: the operator's key (--api-key) only
-                if found is None or request.path.startswith(CONSOLE_API_PREFIX):
-                    raise AuthenticationError()
-                request[TENANT] = found
+        nonlocal metrics_refused
+        metrics = metrics_need_key and _is_metrics(request)
+        if metrics or ((expected is not None or keys is not None) and request.path.startswith(PROTECTED_PREFIXES)):
+            # the console and /metrics show every tenant's requests: the operator's key only, never a tenant's
+            try:
+                request[TENANT] = tenant_of(request, metrics or request.path.startswith(CONSOLE_API_PREFIX))
+            except AuthenticationError:
+                if metrics and not metrics_refused:
+                    metrics_refused = True
+                    log.warning("%s %s refused: /metrics takes the operator's key (--api-key)%s; give Prometheus "
+                                "that key as its bearer token, point probes at /version or /health, or choose "
+                                "--metrics-access open (docs/security.md)", request.method, request.path,
+                                "" if expected is not None else ", and this server has none")
+                raise
         return await handler(request)
 
     return check_key
+
+
+def _is_metrics(request: web.Request) -> bool:
+    """The request goes to /metrics: by the route the router matched (whatever spelling of the path reached it)."""
+    resource = request.match_info.route.resource
+    return request.path == METRICS_PATH or (resource is not None and resource.canonical == METRICS_PATH)
 
 
 def _bearer(value: bytes) -> str:

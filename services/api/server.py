@@ -91,6 +91,10 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
             settle_heap(f"api {config.api_index}")
             log.info("api %d serving %s on http://%s:%d", config.api_index, state.served_model_name,
                      config.host, config.port)
+            if config.metrics_need_key() and not config.api_key:
+                log.warning("/metrics is closed to everyone: --metrics-access %s with a keys file takes only the "
+                            "operator's key, and none is set (--api-key, --api-key-file or PAGODA_API_KEY; or "
+                            "--metrics-access open to leave it open)", config.metrics_access)
             await stop.wait()
             await _drain(state, site, config.shutdown_grace)
         finally:

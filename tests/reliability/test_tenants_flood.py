@@ -104,8 +104,10 @@ def test_tenant_flood_keeps_the_other_tenants_ttft(smollm2_dir: Path, tmp_path: 
     keys_path = tmp_path / "keys.json"
     _, key_a = add_key(keys_path, "a", {})
     _, key_b = add_key(keys_path, "b", {})
+    # --metrics-access open: the test reads the tenants' series itself (beside a keys file they take the operator's
+    # key by default, and this server has none)
     with running_server(smollm2_dir, "--api-keys-file", str(keys_path), "--max-num-seqs", "8",
-                        "--max-inflight-requests", "4096") as server:
+                        "--max-inflight-requests", "4096", "--metrics-access", "open") as server:
         figures = asyncio.run(_measure(server, key_a, key_b))
         ratio = figures["b_flooded_p99_s"] / figures["b_alone_p99_s"]
         print(f"\ntenant flood: {NUM_FLOOD} A streams, {NUM_B_STREAMS}x{B_REQUESTS_PER_STREAM} B requests: "
