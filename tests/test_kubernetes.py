@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pagoda.services.api.tenants import add_key
 from pagoda.shared.config import env_names
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (test extra) missing")
@@ -260,12 +261,25 @@ def test_every_container_runs_a_service_from_the_image_with_probes(overlay: tupl
     assert seen == COMPONENTS, name
 
 
-def test_api_readiness_is_health_and_liveness_does_not_depend_on_peers(overlay: tuple[str, list[Doc]]) -> None:
+def test_api_readiness_is_health_and_liveness_does_not_depend_on_peers(overlay: tuple[str, list[Doc]],
+                                                                       tmp_path: Path) -> None:
+    from tests.test_metrics_access import OPERATOR_KEY, serve
+
     _, docs = overlay
     [api] = [c for _, c in pagoda_containers(docs) if component(c) == "api"]
     assert api["readinessProbe"]["httpGet"]["path"] == "/health"
-    # /health is 503 while a tokenizer or the worker is missing: as liveness it would restart a healthy api.
-    assert api["livenessProbe"]["httpGet"]["path"] != "/health"
+    # The kubelet sends no key: each probe's path is asked, without one, of an api whose every other route is
+    # closed (a keys file, an operator key, /metrics by key) and that has no tokenizer or scheduler behind it.
+    probes = {name: api[name]["httpGet"] for name in ("readinessProbe", "livenessProbe", "startupProbe") if name in api}
+    assert all(not probe.get("httpHeaders") for probe in probes.values())  # no key written into a manifest
+    keys_path = tmp_path / "keys.json"
+    add_key(keys_path, "acme", {})
+    answers = serve(tmp_path, [("GET", probe["path"], {}) for probe in probes.values()],
+                    api_keys_file=str(keys_path), api_key=OPERATOR_KEY, metrics_access="key")
+    statuses = dict(zip(probes, (status for status, _ in answers), strict=True))
+    # /health is 503 while a tokenizer or the worker is missing (here): as liveness it would restart a healthy api
+    assert statuses["readinessProbe"] == 503
+    assert statuses["livenessProbe"] == 200, statuses
 
 
 def test_engine_pods_request_gpus_per_worker_rank(overlay: tuple[str, list[Doc]]) -> None:
