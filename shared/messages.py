@@ -28,6 +28,7 @@ MAX_BAD_WORD_TOKENS = 32  # tokens of one bad word (the worker's per-row tables 
 WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), resolved where the vocabulary is known
 TRUNCATE_TO_CONTEXT = -1  # truncate_prompt_tokens: as many prompt tokens as the model's context takes (vLLM's -1)
 MAX_CACHE_SALT_BYTES = 1024  # UTF-8 bytes of a request's cache_salt (vLLM sets no bound)
+MAX_PROMPT_CACHE_KEY_BYTES = 1024  # UTF-8 bytes of a request's prompt_cache_key (OpenAI states no bound)
 
 
 class FinishReason(IntEnum):
@@ -293,20 +294,32 @@ def _check(ok: bool, param: str, message: str) -> None:
 
 
 def cache_salt_bytes(cache_salt: str) -> bytes:
-    """A cache_salt as the bytes that are hashed (a lone surrogate from a JSON escape is kept, not refused)."""
+    """A cache_salt (or a prompt_cache_key) as the bytes that are hashed and counted (a lone surrogate from a JSON
+    escape is kept, not refused)."""
     return cache_salt.encode("utf-8", "surrogatepass")
+
+
+def _check_key_string(value: object, param: str, max_bytes: int) -> str:
+    """A client's optional key string: None is none (""), else a non-empty string of at most `max_bytes` UTF-8
+    bytes; InvalidRequestError naming `param` otherwise."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{param} must be a non-empty string if provided", param=param)
+    _check(len(cache_salt_bytes(value)) <= max_bytes, param, f"{param} must be at most {max_bytes} bytes (UTF-8)")
+    return value
 
 
 def check_cache_salt(cache_salt: object) -> str:
     """A client's cache_salt (vLLM's): None is no salt (""), else a non-empty string of at most
     MAX_CACHE_SALT_BYTES UTF-8 bytes; InvalidRequestError naming cache_salt otherwise."""
-    if cache_salt is None:
-        return ""
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise InvalidRequestError("cache_salt must be a non-empty string if provided", param="cache_salt")
-    _check(len(cache_salt_bytes(cache_salt)) <= MAX_CACHE_SALT_BYTES, "cache_salt",
-           f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes (UTF-8)")
-    return cache_salt
+    return _check_key_string(cache_salt, "cache_salt", MAX_CACHE_SALT_BYTES)
+
+
+def check_prompt_cache_key(prompt_cache_key: object) -> str:
+    """A client's prompt_cache_key (OpenAI's): None is none (""), else a non-empty string of at most
+    MAX_PROMPT_CACHE_KEY_BYTES UTF-8 bytes; InvalidRequestError naming prompt_cache_key otherwise."""
+    return _check_key_string(prompt_cache_key, "prompt_cache_key", MAX_PROMPT_CACHE_KEY_BYTES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,6 +548,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     # vLLM's cache_salt ("": none): mixed into the hash of the prompt's first prefix-cache block, so that only
     # requests with the same salt share cached blocks (with --prefix-cache-isolation tenant, the api's per tenant)
     cache_salt: str = ""
+    # OpenAI's prompt_cache_key ("": none): with data-parallel replicas, the request's routing key in place of its
+    # prompt's first blocks (with cache_salt), so that requests with the same key go to the same replica's cache
+    prompt_cache_key: str = ""
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):

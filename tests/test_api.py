@@ -587,6 +587,19 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "é" * 513},
      400, "cache_salt"),  # 1026 bytes in UTF-8
     ("/v1/completions", {"prompt": "x", "cache_salt": 7}, 400, "cache_salt"),
+    # OpenAI's prompt_cache_key: a non-empty string (null is none), bounded here, on the three generation routes
+    ("/v1/completions", {"prompt": "x", "prompt_cache_key": ""}, 400, "prompt_cache_key"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_cache_key": ""},
+     400, "prompt_cache_key"),
+    ("/v1/responses", {"input": "x", "prompt_cache_key": ""}, 400, "prompt_cache_key"),
+    ("/v1/completions", {"prompt": "x", "prompt_cache_key": "k" * 1025}, 400, "prompt_cache_key"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_cache_key": "é" * 513},
+     400, "prompt_cache_key"),  # 1026 bytes in UTF-8
+    ("/v1/responses", {"input": "x", "prompt_cache_key": "k" * 1025}, 400, "prompt_cache_key"),
+    ("/v1/completions", {"prompt": "x", "prompt_cache_key": 7}, 400, "prompt_cache_key"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_cache_key": ["k"]},
+     400, "prompt_cache_key"),
+    ("/v1/responses", {"input": "x", "prompt_cache_key": {"k": 1}}, 400, "prompt_cache_key"),
     # vLLM's truncate_prompt_tokens: k >= 1 or -1; truncation_side: left or right
     *[("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": value}, 400, "truncate_prompt_tokens")
       for value in (0, -2, True, 2**63, "8")],
@@ -607,6 +620,29 @@ def test_bad_requests(stack: Stack, path: str, body: dict[str, Any], status: int
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_prompt_cache_key_reaches_the_tokenizer_on_every_generation_route(stack: Stack) -> None:
+    """OpenAI's prompt_cache_key rides to the tokenizer, whose data-parallel routing keys on it: on completions (every
+    prompt of the request), chat and the Responses API (echoed there too); null or absent is none."""
+    client = stack.openai()
+    completion = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1,
+                                           extra_body={"prompt_cache_key": "conversation-1"})
+    assert [stack.tokenizer.requests[f"{completion.id}-{i}"].prompt_cache_key for i in (0, 1)] == \
+        ["conversation-1"] * 2
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          prompt_cache_key="conversation-2")
+    assert stack.tokenizer.requests[chat.id].prompt_cache_key == "conversation-2"
+    response = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, prompt_cache_key="user-3")
+    assert response.prompt_cache_key == "user-3"
+    assert stack.tokenizer.requests[response.id].prompt_cache_key == "user-3"
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+                       ("/v1/responses", {"input": "x", "max_output_tokens": 1})):
+        for extra in ({}, {"prompt_cache_key": None}):
+            answer = stack.post(path, {"model": MODEL, **body, **extra})
+            assert answer.status_code == 200, answer.text
+            assert stack.tokenizer.requests[answer.json()["id"]].prompt_cache_key == ""
 
 
 def test_malformed_bodies_and_routes(stack: Stack) -> None:

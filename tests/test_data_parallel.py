@@ -21,7 +21,7 @@ from pagoda.launcher import replica_devices
 from pagoda.services.api.metrics import SnapshotCollector
 from pagoda.services.api.stats import combine_stats
 from pagoda.services.tokenizer.replicas import Replica, ReplicaSet
-from pagoda.services.tokenizer.routing import RoutingConfig
+from pagoda.services.tokenizer.routing import RoutingConfig, client_key, rendezvous_order
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import ServerOverloadedError
 from pagoda.shared.messages import ModelInfo, SchedulerStats
@@ -126,6 +126,25 @@ def test_a_lost_replica_gets_no_requests_and_none_left_is_503() -> None:
     replica_set.replicas[1].model_info = None
     with pytest.raises(ServerOverloadedError):
         replica_set.route("late", [1] * 40)
+
+
+def test_a_prompt_cache_key_reaches_the_router() -> None:
+    """route() with a prompt_cache_key: the requests of one key go where (salt, key) ranks first, whatever their
+    prompts (one of them short of a block); keys spread over both replicas; one replica takes everything."""
+    replica_set = _replicas(2, "prefix")
+    homes = set()
+    for number in range(16):
+        key = f"conversation-{number}"
+        home = int(rendezvous_order(client_key("salt", key), ["0", "1"])[0])
+        prompts = [prompt for _, prompt in _token_workload(3, 1)] + [[number + 1, 2, 3]]
+        assert {replica_set.route(f"{key}-{i}", prompt, "salt", key).index for i, prompt in enumerate(prompts)} \
+            == {home}
+        for replica in replica_set.replicas:  # fresh stats: those requests finished
+            replica.routed_since_stats = 0
+        homes.add(home)
+    assert homes == {0, 1}
+    single = _replicas(1, "prefix")
+    assert {single.route(f"s{n}", [n + 1] * 40, "", f"k{n}").index for n in range(8)} == {0}
 
 
 # -------------------------------------------------------------------------------------------- metrics
@@ -311,6 +330,53 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
         service._peers.close(0)
         service._offload.close()
         for sock in [*schedulers, api]:
+            sock.close(linger=0)
+        context.term()
+
+
+def test_the_tokenizer_routes_a_generate_requests_prompt_cache_key(tmp_path: Path) -> None:
+    """A TokenizerService with prefix routing over two fake schedulers: the prompt_cache_key of a GenerateRequest
+    decides its replica (the one its key ranks first), whatever its prompt."""
+    import zmq
+
+    from pagoda.services.tokenizer.service import TokenizerService
+    from pagoda.shared.messages import (
+        AddRequest,
+        GenerateRequest,
+        SamplingParams,
+        SchedulerToTokenizer,
+        TokenizerToScheduler,
+    )
+    from pagoda.shared.transport import Codec
+
+    context = zmq.Context()
+    schedulers = [context.socket(zmq.ROUTER) for _ in range(2)]
+    for index, sock in enumerate(schedulers):
+        sock.bind(f"ipc://{tmp_path}/s{index}")
+    config = ServerConfig(api_endpoints=f"ipc://{tmp_path}/api", routing="prefix", heartbeat_timeout=5.0,
+                          scheduler_endpoints=f"ipc://{tmp_path}/s0,ipc://{tmp_path}/s1",
+                          stats_endpoints=f"ipc://{tmp_path}/t0,ipc://{tmp_path}/t1", tokenizer_id="tk")
+    service = TokenizerService(config, None, context)
+    to_tokenizer, from_tokenizer = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler)
+    try:
+        for index in range(2):
+            service._on_scheduler_frame(to_tokenizer.encode(INFO), index)
+        expected: dict[str, int] = {}
+        for key in ("alpha", "beta", "gamma", "delta"):
+            expected[key] = int(rendezvous_order(client_key("", key), ["0", "1"])[0])
+            for length in (3, 2 * BLOCK, 5 * BLOCK):  # different first blocks, or none
+                prompt = [(len(key) * 31 + length * 7 + j) % 900 + 1 for j in range(length)]
+                service._dispatch_api(0, GenerateRequest(f"{key}-{length}", SamplingParams(max_tokens=2),
+                                                         prompt_token_ids=prompt, prompt_cache_key=key))
+        added = [[m.request_id for m in _received(sock, from_tokenizer, AddRequest)] for sock in schedulers]
+        assert set(expected.values()) == {0, 1}  # these keys rank different replicas first
+        for key, home in expected.items():
+            assert [rid for rid in added[home] if rid.startswith(key)] == [f"{key}-{n}" for n in (3, 32, 80)]
+            assert not [rid for rid in added[1 - home] if rid.startswith(key)]
+    finally:
+        service._peers.close(0)
+        service._offload.close()
+        for sock in schedulers:
             sock.close(linger=0)
         context.term()
 

@@ -98,7 +98,7 @@ def test_tools_choice_format_and_sampling_map_to_chat() -> None:
                              "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False,
                              "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4, "stop": ["\n"],
                              "include": ["message.output_text.logprobs"], "top_logprobs": 2, "priority": 2,
-                             "metadata": {"k": "v"}})
+                             "metadata": {"k": "v"}, "prompt_cache_key": "user-1"})
     assert request.tools == [{"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER["parameters"],
         "strict": True}}]
@@ -111,6 +111,7 @@ def test_tools_choice_format_and_sampling_map_to_chat() -> None:
     assert (spec.tool_mode, spec.tool_name, spec.max_calls) == ("named", "get_weather", 1)
     assert form.settings["tool_choice"] == {"type": "function", "name": "get_weather"}
     assert form.settings["tools"] == [{**WEATHER, "strict": True}] and form.settings["metadata"] == {"k": "v"}
+    assert request.prompt_cache_key == form.settings["prompt_cache_key"] == "user-1"  # routed as chat's, and echoed
     request, form = chat_of({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "a",
                                                                  "schema": schema, "strict": True}}})
     assert request.params.structured_outputs.json == schema and form.constraint == "text.format"
@@ -172,6 +173,7 @@ def test_tools_choice_format_and_sampling_map_to_chat() -> None:
     ({"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be"),
     ({"input": "Hi", "temperature": -1}, "temperature", "temperature"),
+    ({"input": "Hi", "prompt_cache_key": ""}, "prompt_cache_key", "non-empty"),
     ({"input": "Hi", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
      "structured_outputs", "only one of"),
 ])

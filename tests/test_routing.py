@@ -20,6 +20,7 @@ from pagoda.services.tokenizer.routing import (
     RoutingConfig,
     affinity_key,
     choose_replica,
+    client_key,
     overload_limit,
     rendezvous_order,
     replica_load,
@@ -83,6 +84,51 @@ def test_a_cache_salt_keys_its_own_affinity() -> None:
         first.update(idle(replica))
         second.update(idle(replica))
     assert chosen == {"r0", "r1", "r2", "r3"}  # one prefix under many salts spreads
+
+
+def test_a_prompt_cache_key_is_the_key_whatever_the_prompt() -> None:
+    """OpenAI's prompt_cache_key: requests that name the same key (under the same salt) share a key whatever their
+    prompts, short ones too; the salt still separates, and no key is any prefix's."""
+    prompts = random_prompts(4, 6 * BLOCK, seed=9)
+    keyed = affinity_key(prompts[0], BLOCK, 4, prompt_cache_key="conversation-1")
+    assert keyed == client_key("", "conversation-1") and keyed is not None and len(keyed) == 16
+    for prompt in [*prompts, prompts[0][:BLOCK - 1], [5], []]:
+        assert affinity_key(prompt, BLOCK, 4, prompt_cache_key="conversation-1") == keyed
+    assert affinity_key(prompts[0], BLOCK, 4, prompt_cache_key="conversation-2") != keyed
+    salted = affinity_key(prompts[0], BLOCK, 4, "tenant-a", "conversation-1")
+    assert salted not in (keyed, affinity_key(prompts[0], BLOCK, 4, "tenant-b", "conversation-1"))
+    assert affinity_key(prompts[1], BLOCK, 4, "tenant-a", "conversation-1") == salted
+    assert client_key("ab", "c") != client_key("a", "bc")  # the pair, not its concatenation
+    prefix_keys = {affinity_key(p, BLOCK, 4, salt) for p in prompts for salt in ("", "tenant-a")}
+    assert not prefix_keys & {keyed, salted}
+    assert affinity_key(prompts[0], BLOCK, 4, prompt_cache_key="") == affinity_key(prompts[0], BLOCK, 4)  # none
+
+
+def test_requests_with_one_prompt_cache_key_go_to_one_replica() -> None:
+    """Different prompts (other first blocks, or no full block) with one key go where that key ranks first, from
+    any router; different keys spread over the replicas; the same key under another salt is another key."""
+    loads = [idle(f"r{i}") for i in range(4)]
+    first, second = PrefixRouter(), PrefixRouter()
+    for load in loads:
+        first.update(load)
+    for load in reversed(loads):
+        second.update(load)
+    homes: dict[str, str] = {}
+    for index in range(40):
+        key = f"user-{index}"
+        home = rendezvous_order(client_key("", key), [load.replica_id for load in loads])[0]
+        prompts = [*random_prompts(3, 5 * BLOCK, seed=index), [index, 1, 2]]  # the last one fills no block
+        assert {first.choose(p, prompt_cache_key=key) for p in prompts} == {home}
+        assert {second.choose(p, prompt_cache_key=key) for p in prompts} == {home}
+        assert {choose_replica(p, loads, RoutingConfig(), prompt_cache_key=key) for p in prompts} == {home}
+        for router in (first, second):
+            router.update(idle(home))  # fresh stats: the requests finished
+        homes[key] = home
+    counts = Counter(homes.values())
+    assert set(counts) == {"r0", "r1", "r2", "r3"} and max(counts.values()) <= 20  # the keys spread
+    salted = Counter(choose_replica([1] * 64, loads, RoutingConfig(), cache_salt=f"salt-{i}",
+                                    prompt_cache_key="user-0") for i in range(40))
+    assert len(salted) == 4  # one key under many salts spreads like many keys
 
 
 def test_the_ranking_is_the_same_in_another_process() -> None:
@@ -190,6 +236,30 @@ def test_an_overloaded_affine_replica_spills() -> None:
         assert choose_replica(prompt, past_limit, config) == other
     # waiting requests count as load too
     assert choose_replica(prompt, [idle(affine, running=2, waiting=9), idle(other, running=2)], config) == other
+
+
+def test_a_prompt_cache_key_spills_as_a_prefix_does() -> None:
+    """A keyed request stays on its key's replica up to the overload limit, also when its prompt fills no block
+    (such a prompt without a key goes to the least loaded at once), and past it spills to the key's second choice."""
+    config = RoutingConfig(min_load_gap=4, max_load_ratio=0.5)
+    affine, other = rendezvous_order(client_key("", "k"), ["r0", "r1"])
+    for prompt in (random_prompts(1, 6 * BLOCK, seed=10)[0], [1, 2, 3]):
+        for least in (0, 3, 10, 40):
+            limit = int(overload_limit(least, config))
+            at_limit = [idle(affine, running=limit), idle(other, running=least)]
+            past_limit = [idle(affine, running=limit + 1), idle(other, running=least)]
+            assert choose_replica(prompt, at_limit, config, prompt_cache_key="k") == affine
+            assert choose_replica(prompt, past_limit, config, prompt_cache_key="k") == other
+    short_loads = [idle(affine, running=2), idle(other, running=0)]
+    assert choose_replica([1, 2, 3], short_loads, config) == other  # no key: the least loaded
+    assert choose_replica([1, 2, 3], short_loads, config, prompt_cache_key="k") == affine
+    # a burst between stats: the router's own sends count, and the overflow spills to the second choice
+    router = PrefixRouter(config)
+    router.update(idle(affine))
+    router.update(idle(other))
+    burst = Counter(router.choose(prompt, prompt_cache_key="k") for prompt in random_prompts(40, 2 * BLOCK, seed=11))
+    assert burst[affine] > burst[other] > 0
+    assert burst[affine] - burst[other] <= 4 + 0.5 * burst[other] + 1
 
 
 def test_spilling_follows_the_ranking_not_just_the_least_loaded() -> None:

@@ -71,8 +71,9 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None  # a routing hint: pagoda caches and routes by prefix on its own
     store: bool | None = None  # either value: nothing is kept after the answer (docs/vllm-compat.md)
+    # chat's routing key (echoed too): requests with the same key go to the same data-parallel replica
+    prompt_cache_key: str | None = None
     # NO_OP_VALUES
     background: bool | None = None
     service_tier: str | None = None
@@ -152,7 +153,7 @@ def to_chat(body: ResponsesBody) -> ChatForm:
         repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
         logit_bias=body.logit_bias, skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output, priority=body.priority,
-        cache_salt=body.cache_salt, structured_outputs=body.structured_outputs,
+        cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, structured_outputs=body.structured_outputs,
         chat_template_kwargs=body.chat_template_kwargs, truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side)
     constraint = None

@@ -22,6 +22,7 @@ from pagoda.shared.messages import (
     StructuredOutputs,
     ToolCallMessage,
     check_cache_salt,
+    check_prompt_cache_key,
 )
 
 MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused before decoding
@@ -54,6 +55,8 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # OpenAI's: with data-parallel replicas, requests with the same key (and cache_salt) go to the same replica
+    prompt_cache_key: str | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -413,6 +416,7 @@ def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
     would otherwise hold the engine and the processes' memory from one request); None: no bound."""
     params = completion_params(body, max_logprobs, defaults)
     cache_salt = check_cache_salt(body.cache_salt)
+    prompt_cache_key = check_prompt_cache_key(body.prompt_cache_key)
     prompts = completion_prompts(body.prompt)
     per_prompt = max(params.n, params.best_of or 1)
     _require(max_completions is None or len(prompts) * per_prompt <= max_completions, "prompt",
@@ -426,7 +430,7 @@ def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
             request_id, params, prompt_text=text, prompt_token_ids=ids,
             add_special_tokens=True if body.add_special_tokens is None else body.add_special_tokens,
             priority=body.priority or 0, arrival_time=arrival_time, return_prompt_text=bool(body.echo),
-            return_token_ids=bool(body.return_token_ids), cache_salt=cache_salt))
+            return_token_ids=bool(body.return_token_ids), cache_salt=cache_salt, prompt_cache_key=prompt_cache_key))
     return requests
 
 
@@ -578,7 +582,8 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
         # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
         arrival_time=arrival_time, tools=tools if mode != "none" else [],
-        return_token_ids=bool(body.return_token_ids), cache_salt=check_cache_salt(body.cache_salt))
+        return_token_ids=bool(body.return_token_ids), cache_salt=check_cache_salt(body.cache_salt),
+        prompt_cache_key=check_prompt_cache_key(body.prompt_cache_key))
 
 
 def tokenize_tools(body: TokenizeBody) -> list[dict[str, Any]]:

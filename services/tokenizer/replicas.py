@@ -117,9 +117,11 @@ class ReplicaSet:
             replica = self.replicas[index]
             replica.stats, replica.stats_at, replica.routed_since_stats = stats, time.monotonic(), 0
 
-    def route(self, request_id: str, prompt_ids: Sequence[int], cache_salt: str = "") -> Replica:
+    def route(self, request_id: str, prompt_ids: Sequence[int], cache_salt: str = "",
+              prompt_cache_key: str = "") -> Replica:
         """The replica for a new request (recorded as its owner); ServerOverloadedError if none is live. With prefix
-        routing, requests of one prompt prefix and cache salt go to the same replica (load permitting)."""
+        routing, requests of one prompt prefix and cache salt go to the same replica (load permitting), and so do
+        requests of one prompt_cache_key and cache salt, whatever their prompts."""
         live = self.live()
         if not live:
             raise ServerOverloadedError("no engine replica is available; try again later", code="no_replica")
@@ -131,12 +133,13 @@ class ReplicaSet:
             chosen = live[self._next_round_robin % len(live)]
             self._next_round_robin += 1
         else:
-            chosen = self._by_prefix(live, prompt_ids, cache_salt)
+            chosen = self._by_prefix(live, prompt_ids, cache_salt, prompt_cache_key)
         chosen.routed_since_stats += 1
         self.owner[request_id] = chosen.index
         return chosen
 
-    def _by_prefix(self, live: list[Replica], prompt_ids: Sequence[int], cache_salt: str) -> Replica:
+    def _by_prefix(self, live: list[Replica], prompt_ids: Sequence[int], cache_salt: str,
+                   prompt_cache_key: str) -> Replica:
         now = time.monotonic()
         loads = []
         for r in live:
@@ -148,7 +151,7 @@ class ReplicaSet:
         if not any(load.alive for load in loads):  # e.g. every worker reports not ready: registration decides
             loads = [ReplicaLoad(r.replica_id, 0, 0, UNKNOWN_FREE_BLOCKS, UNKNOWN_FREE_BLOCKS) for r in live]
         routed = {r.replica_id: r.routed_since_stats for r in live}
-        chosen = choose_replica(prompt_ids, loads, self.routing_config, routed, cache_salt)
+        chosen = choose_replica(prompt_ids, loads, self.routing_config, routed, cache_salt, prompt_cache_key)
         return next(r for r in live if r.replica_id == chosen)
 
     def owner_of(self, request_id: str) -> Replica | None:

@@ -2,7 +2,9 @@
 
 A prompt's affinity key is a stable hash (blake2b) of the token ids of its first K full blocks, and of its
 cache_salt if it has one (only requests with the same salt share cached blocks), so two tokenizer processes that
-see the same system prompt compute the same key. Each live replica gets a weight
+see the same system prompt compute the same key. A request with a prompt_cache_key (OpenAI's) is keyed by that
+instead, with its salt: the client names which requests belong together (a conversation, a user), and they share
+a replica whatever their first blocks are, also when the prompt fills no block. Each live replica gets a weight
 hash(key, replica id) and the replicas are ranked by it (rendezvous, or highest-random-weight, hashing): a
 replica that dies takes only its own keys' first choice with it, and gets exactly those back when it returns.
 The request goes to the first replica in that ranking that is not overloaded, i.e. whose load is within a
@@ -14,8 +16,9 @@ second replica, which then caches it too.
     overloaded    = load - least load > max(min_load_gap, max_load_ratio * least load), or too few free KV
                     blocks for this prompt while another replica has them
 
-Prompts shorter than one block have no prefix worth keeping together: they go to the least-loaded replica
-(ties broken by the same hashing, so a burst of short prompts does not pile onto one replica).
+Prompts shorter than one block (and without a prompt_cache_key) have no prefix worth keeping together: they go to
+the least-loaded replica (ties broken by the same hashing, so a burst of short prompts does not pile onto one
+replica).
 """
 
 from __future__ import annotations
@@ -68,10 +71,14 @@ class RoutingConfig:
         assert self.min_load_gap >= 0 and self.max_load_ratio >= 0.0
 
 
-def affinity_key(prompt_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str = "") -> bytes | None:
+def affinity_key(prompt_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str = "",
+                 prompt_cache_key: str = "") -> bytes | None:
     """blake2b of the first `num_blocks` full blocks' token ids (fewer if the prompt is shorter), salted by the
     request's cache_salt (the same blocks under another salt are other cache entries); None when the prompt fills
-    no block. Independent of the process and of PYTHONHASHSEED."""
+    no block. With a prompt_cache_key: blake2b of (cache_salt, prompt_cache_key), whatever the prompt. Independent
+    of the process and of PYTHONHASHSEED."""
+    if prompt_cache_key:
+        return client_key(cache_salt, prompt_cache_key)
     num_tokens = min(len(prompt_ids) // block_size, num_blocks) * block_size
     if num_tokens == 0:
         return None
@@ -81,6 +88,14 @@ def affinity_key(prompt_ids: Sequence[int], block_size: int, num_blocks: int, ca
     salt = cache_salt_bytes(cache_salt)
     salted = struct.pack("<I", len(salt)) + salt + packed
     return hashlib.blake2b(salted, digest_size=16, person=b"pagoda-salt").digest()
+
+
+def client_key(cache_salt: str, prompt_cache_key: str) -> bytes:
+    """The affinity key of a request with a prompt_cache_key: a personalization of its own, so that it is no
+    prefix's key, and the salt length-prefixed, so that ("ab", "c") and ("a", "bc") differ."""
+    salt = cache_salt_bytes(cache_salt)
+    packed = struct.pack("<I", len(salt)) + salt + cache_salt_bytes(prompt_cache_key)
+    return hashlib.blake2b(packed, digest_size=16, person=b"pagoda-cachekey").digest()
 
 
 def rendezvous_order(key: bytes, replica_ids: Iterable[str]) -> list[str]:
@@ -99,9 +114,10 @@ def overload_limit(least_load: int, config: RoutingConfig) -> float:
 
 
 def choose_replica(prompt_ids: Sequence[int], loads: Sequence[ReplicaLoad], config: RoutingConfig,
-                   routed_since_stats: dict[str, int] | None = None, cache_salt: str = "") -> str:
-    """The replica for this prompt and cache salt (see the module docstring). Raises ServerOverloadedError if none is
-    alive."""
+                   routed_since_stats: dict[str, int] | None = None, cache_salt: str = "",
+                   prompt_cache_key: str = "") -> str:
+    """The replica for this prompt, cache salt and prompt_cache_key (see the module docstring). Raises
+    ServerOverloadedError if none is alive."""
     routed = routed_since_stats or {}
     live = {r.replica_id: r for r in loads if r.alive}
     if not live:
@@ -112,7 +128,7 @@ def choose_replica(prompt_ids: Sequence[int], loads: Sequence[ReplicaLoad], conf
     eligible = roomy or set(live)  # all short of blocks: the load alone decides
     least_load = min(load[rid] for rid in eligible)
     limit = overload_limit(least_load, config)
-    key = affinity_key(prompt_ids, config.block_size, config.num_affinity_blocks, cache_salt)
+    key = affinity_key(prompt_ids, config.block_size, config.num_affinity_blocks, cache_salt, prompt_cache_key)
     if key is None:  # no full block: least loaded, ties broken by hashing the whole (short) prompt
         key = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids), digest_size=16).digest()
         limit = least_load
@@ -139,8 +155,8 @@ class PrefixRouter:
         self.loads.pop(replica_id, None)
         self.routed_since_stats.pop(replica_id, None)
 
-    def choose(self, prompt_ids: Sequence[int], cache_salt: str = "") -> str:
+    def choose(self, prompt_ids: Sequence[int], cache_salt: str = "", prompt_cache_key: str = "") -> str:
         replica_id = choose_replica(prompt_ids, list(self.loads.values()), self.config, self.routed_since_stats,
-                                    cache_salt)
+                                    cache_salt, prompt_cache_key)
         self.routed_since_stats[replica_id] = self.routed_since_stats.get(replica_id, 0) + 1
         return replica_id

@@ -291,7 +291,7 @@ class TokenizerService:
                 forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
                                              info.max_num_tokens, ending_ids(params, self._eos_ids(info)))
         # raises (503) when none is live
-        replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt)
+        replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt, request.prompt_cache_key)
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
         renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced).renderer
         self._to_replica(replica, AddRequest(
