@@ -264,6 +264,30 @@ def test_env_example_lists_every_variable() -> None:
     assert not stale, f".env.example lists variables nothing reads: {stale}"
 
 
+def env_example_sections() -> dict[str, list[str]]:
+    """.env.example's `# --- title ---` sections: title -> the variables listed under it."""
+    sections: dict[str, list[str]] = {}
+    title = ""
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if line.startswith("# --- "):
+            title = line.removeprefix("# --- ").rstrip("- ")
+            sections[title] = []
+        elif (match := ENV_LINE_RE.match(line)) and title:
+            sections[title].append(match.group(1))
+    return sections
+
+
+def test_settings_said_to_be_passed_by_compose_are(rendered: dict[str, Any]) -> None:
+    """A setting .env.example lists as "passed by compose.yaml to every service" reaches every service: one
+    compose forgot would be set in .env and do nothing (PAGODA_PREFIX_CACHE_ISOLATION was, at first)."""
+    passed = [name for title, names in env_example_sections().items() if "passed by compose.yaml" in title
+              for name in names]
+    assert passed, "no section of .env.example says its settings are passed by compose.yaml"
+    for name, service in rendered["services"].items():
+        missing = sorted(set(passed) - set(service["environment"]))
+        assert not missing, f"{name} is not passed {missing}, which .env.example says compose passes"
+
+
 def test_env_example_shows_the_real_defaults(rendered: dict[str, Any]) -> None:
     entries = env_example_entries()
     fixed = {k: v for s in rendered["services"].values() for k, v in s["environment"].items() if v}
