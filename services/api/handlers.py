@@ -466,10 +466,11 @@ class Handlers:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-
 def _tenant(request: web.Request) -> Tenant | None:
     found = request.get(TENANT)
     return found[1] if found is not None else None
+
+
 def _log_finished(inspector: RequestLog, record: RequestRecord, gen: Generation) -> None:
     inspector.finish(record, finished=gen.finished, error=gen.error, tokenized_mono=gen.accepted_at,
                 first_token_mono=gen.first_token_at, prompt_tokens=gen.prompt_tokens,
