@@ -11,6 +11,8 @@ import random
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -281,21 +283,14 @@ def _received(sock: Any, codec: Any, kind: type) -> list[object]:
     return out
 
 
-def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(tmp_path: Path) -> None:
-    """A TokenizerService in this process (no tokenizer: token-id prompts) with two fake schedulers."""
+@contextmanager
+def _two_replica_tokenizer(tmp_path: Path, routing: str) -> Iterator[tuple[Any, list[Any], Any]]:
+    """A TokenizerService in this process (no tokenizer: token-id prompts) over two fake schedulers (ROUTER
+    sockets that have sent it their model info) and a fake api: (service, scheduler sockets, api socket)."""
     import zmq
 
     from pagoda.services.tokenizer.service import TokenizerService
-    from pagoda.shared.messages import (
-        AbortRequest,
-        AddRequest,
-        GenerateRequest,
-        RequestFailed,
-        SamplingParams,
-        SchedulerToTokenizer,
-        TokenizerToApi,
-        TokenizerToScheduler,
-    )
+    from pagoda.shared.messages import SchedulerToTokenizer
     from pagoda.shared.transport import Codec
 
     context = zmq.Context()
@@ -304,15 +299,38 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
     for index, sock in enumerate(schedulers):
         sock.bind(f"ipc://{tmp_path}/s{index}")
     api.bind(f"ipc://{tmp_path}/api")
-    config = ServerConfig(api_endpoints=f"ipc://{tmp_path}/api", routing="round_robin", heartbeat_timeout=5.0,
-                          scheduler_endpoints=f"ipc://{tmp_path}/s0,ipc://{tmp_path}/s1", tokenizer_id="tk")
+    config = ServerConfig(api_endpoints=f"ipc://{tmp_path}/api", routing=routing, heartbeat_timeout=5.0,
+                          scheduler_endpoints=f"ipc://{tmp_path}/s0,ipc://{tmp_path}/s1",
+                          stats_endpoints=f"ipc://{tmp_path}/t0,ipc://{tmp_path}/t1", tokenizer_id="tk")
     service = TokenizerService(config, None, context)
-    to_tokenizer, from_tokenizer = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler)
-    api_codec = Codec(TokenizerToApi)
-
     try:
         for index in range(2):
-            service._on_scheduler_frame(to_tokenizer.encode(INFO), index)
+            service._on_scheduler_frame(Codec(SchedulerToTokenizer).encode(INFO), index)
+        yield service, schedulers, api
+    finally:
+        service._peers.close(0)
+        service._offload.close()
+        for sock in [*schedulers, api]:
+            sock.close(linger=0)
+        context.term()
+
+
+def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(tmp_path: Path) -> None:
+    """Round-robin over two fake schedulers: each request, its abort and (when its replica is lost) its failure go
+    to one replica."""
+    from pagoda.shared.messages import (
+        AbortRequest,
+        AddRequest,
+        GenerateRequest,
+        RequestFailed,
+        SamplingParams,
+        TokenizerToApi,
+        TokenizerToScheduler,
+    )
+    from pagoda.shared.transport import Codec
+
+    from_tokenizer, api_codec = Codec(TokenizerToScheduler), Codec(TokenizerToApi)
+    with _two_replica_tokenizer(tmp_path, "round_robin") as (service, schedulers, api):
         for n in range(4):
             service._dispatch_api(0, GenerateRequest(f"q{n}", SamplingParams(max_tokens=2),
                                                      prompt_token_ids=[1, 2, n + 3]))
@@ -326,41 +344,16 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
         assert sorted(failed) == sorted(added[0])
         service._dispatch_api(0, GenerateRequest("late", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6]))
         assert [m.request_id for m in _received(schedulers[1], from_tokenizer, AddRequest)] == ["late"]
-    finally:
-        service._peers.close(0)
-        service._offload.close()
-        for sock in [*schedulers, api]:
-            sock.close(linger=0)
-        context.term()
 
 
 def test_the_tokenizer_routes_a_generate_requests_prompt_cache_key(tmp_path: Path) -> None:
-    """A TokenizerService with prefix routing over two fake schedulers: the prompt_cache_key of a GenerateRequest
-    decides its replica (the one its key ranks first), whatever its prompt."""
-    import zmq
-
-    from pagoda.services.tokenizer.service import TokenizerService
-    from pagoda.shared.messages import (
-        AddRequest,
-        GenerateRequest,
-        SamplingParams,
-        SchedulerToTokenizer,
-        TokenizerToScheduler,
-    )
+    """Prefix routing over two fake schedulers: the prompt_cache_key of a GenerateRequest decides its replica (the
+    one its key ranks first), whatever its prompt."""
+    from pagoda.shared.messages import AddRequest, GenerateRequest, SamplingParams, TokenizerToScheduler
     from pagoda.shared.transport import Codec
 
-    context = zmq.Context()
-    schedulers = [context.socket(zmq.ROUTER) for _ in range(2)]
-    for index, sock in enumerate(schedulers):
-        sock.bind(f"ipc://{tmp_path}/s{index}")
-    config = ServerConfig(api_endpoints=f"ipc://{tmp_path}/api", routing="prefix", heartbeat_timeout=5.0,
-                          scheduler_endpoints=f"ipc://{tmp_path}/s0,ipc://{tmp_path}/s1",
-                          stats_endpoints=f"ipc://{tmp_path}/t0,ipc://{tmp_path}/t1", tokenizer_id="tk")
-    service = TokenizerService(config, None, context)
-    to_tokenizer, from_tokenizer = Codec(SchedulerToTokenizer), Codec(TokenizerToScheduler)
-    try:
-        for index in range(2):
-            service._on_scheduler_frame(to_tokenizer.encode(INFO), index)
+    from_tokenizer = Codec(TokenizerToScheduler)
+    with _two_replica_tokenizer(tmp_path, "prefix") as (service, schedulers, _):
         expected: dict[str, int] = {}
         for key in ("alpha", "beta", "gamma", "delta"):
             expected[key] = int(rendezvous_order(client_key("", key), ["0", "1"])[0])
@@ -373,12 +366,6 @@ def test_the_tokenizer_routes_a_generate_requests_prompt_cache_key(tmp_path: Pat
         for key, home in expected.items():
             assert [rid for rid in added[home] if rid.startswith(key)] == [f"{key}-{n}" for n in (3, 32, 80)]
             assert not [rid for rid in added[1 - home] if rid.startswith(key)]
-    finally:
-        service._peers.close(0)
-        service._offload.close()
-        for sock in schedulers:
-            sock.close(linger=0)
-        context.term()
 
 
 # -------------------------------------------------------------------------------------------- discovery
