@@ -1147,6 +1147,8 @@ def check_request_fields(request: Request) -> None:
         raise InvalidRequestError(f"a tenant priority is in [-{MAX_TIER}, {MAX_TIER}]", param="tenant_priority")
     if request.cache_salt:
         check_cache_salt(request.cache_salt)
+
+
 class _Generated:
     """The live beams' generated tokens, as BeamSearch.step's history: sliced only for a new hypothesis."""
 
