@@ -372,10 +372,13 @@ def test_models_and_auth(stack: Stack) -> None:
         "max_model_len": MAX_MODEL_LEN}
     assert model_card["root"]  # the model as the engine was given it (vLLM's card: clients read it)
     assert [p["object"] for p in permission] == ["model_permission"] and permission[0]["allow_sampling"]
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}):
         response = httpx.get(stack.url + "/v1/models", headers=headers)
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
+    for scheme in ("bearer", "BEARER", "Bearer "):  # the scheme in any case (RFC 9110), as for a tenant's key
+        assert httpx.get(stack.url + "/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200
     assert stack.post("/tokenize", {"prompt": "a"}, headers={}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{stack.url}/v1", api_key="nope", max_retries=0).models.list()

@@ -73,7 +73,7 @@ def auth_middleware(state: ApiState) -> Middleware:
     and /metrics when config.metrics_need_key(), take the operator's key (--api-key) alone: they show every tenant.
     """
     api_key = state.config.api_key
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = api_key.encode("utf-8", "surrogateescape") if api_key else None  # the operator's bearer token
     keys = state.keys
     metrics_need_key = state.config.metrics_need_key()
     metrics_refused = False  # logged once per process: a scraper or probe left without the key after an upgrade
@@ -86,7 +86,7 @@ def auth_middleware(state: ApiState) -> Middleware:
         if not given or any(value != given[0] for value in given):
             raise AuthenticationError()
         # constant time: no key guessing by timing (the file holds hashes: a lookup leaks nothing of a key)
-        if expected is not None and hmac.compare_digest(given[0], expected):
+        if expected is not None and hmac.compare_digest(_bearer_token(given[0]), expected):
             return DEFAULT_TENANT if keys is not None else None
         found = keys.lookup(_bearer(given[0])) if keys is not None and not operator_only else None
         if found is None:
@@ -120,9 +120,15 @@ def _is_metrics(request: web.Request) -> bool:
     return request.path == METRICS_PATH or (resource is not None and resource.canonical == METRICS_PATH)
 
 
-def _bearer(value: bytes) -> str:
+def _bearer_token(value: bytes) -> bytes:
+    """The token of an Authorization value, its scheme "Bearer" in any case (RFC 9110: schemes are
+    case-insensitive), for the operator's key and a tenant's alike; b"" for another scheme."""
     scheme, _, token = value.partition(b" ")
-    return token.strip().decode("utf-8", "surrogateescape") if scheme.lower() == b"bearer" else ""
+    return token.strip() if scheme.lower() == b"bearer" else b""
+
+
+def _bearer(value: bytes) -> str:
+    return _bearer_token(value).decode("utf-8", "surrogateescape")
 
 
 JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/octet-stream")  # the last two: lenient clients
