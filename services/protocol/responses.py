@@ -281,9 +281,9 @@ def _part_text(part: Any, param: str) -> str:
         _require(set(part) <= {"type", "refusal"} and isinstance(part.get("refusal"), str), param,
                  'a refusal part is {"type": "refusal", "refusal": string}')
         return part["refusal"]
-    _require(kind not in INPUT_PART_KINDS, f"{param}.type",
-             f"{kind} parts are not accepted: pagoda serves text models ({INPUT_PART_KINDS.get(kind)} input is not "
-             "read)")
+    media = INPUT_PART_KINDS.get(kind) if isinstance(kind, str) else None  # a type may be any JSON value
+    _require(media is None, f"{param}.type",
+             f"{kind} parts are not accepted: pagoda serves text models ({media} input is not read)")
     raise InvalidRequestError(f"content parts are input_text, output_text or refusal, got {kind!r}",
                               param=f"{param}.type" if isinstance(part, dict) else param)
 
