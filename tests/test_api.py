@@ -560,6 +560,14 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
      400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    # json_schema's name, strict and description are typed (a wrong type was taken and echoed)
+    *[(route, {**body, **wrap({"name": "a", "schema": {}, key: value})}, 400, f"{param}.{key}")
+      for route, body, param, wrap in (
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "response_format.json_schema",
+           lambda spec: {"response_format": {"type": "json_schema", "json_schema": spec}}),
+          ("/v1/responses", {"input": "x"}, "text.format",
+           lambda spec: {"text": {"format": {"type": "json_schema", **spec}}}))
+      for key, value in (("name", []), ("name", ""), ("strict", "yes"), ("description", 5))],
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, 400, "store"),

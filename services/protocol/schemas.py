@@ -359,9 +359,22 @@ def _response_format(response_format: dict[str, Any]) -> StructuredOutputs | Non
     assert isinstance(spec, dict)
     unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
     _require(not unknown, "response_format.json_schema", f"unknown json_schema fields {unknown}")
+    _check_json_schema_fields(spec)
     schema = spec.get("schema", {"type": "object"})  # OpenAI: a missing schema allows any object
     _require(isinstance(schema, dict), "response_format.json_schema.schema", "schema must be a JSON object")
     return StructuredOutputs(json=schema)
+
+
+def _check_json_schema_fields(spec: dict[str, Any]) -> None:
+    """json_schema's name (a non-empty string), strict (a boolean) and description (a string), where given: a 400
+    naming the field, not a value taken and echoed."""
+    name, strict, description = spec.get("name"), spec.get("strict"), spec.get("description")
+    param = "response_format.json_schema"
+    _require(name is None or (isinstance(name, str) and bool(name)), f"{param}.name",
+             "json_schema name must be a non-empty string")
+    _require(strict is None or isinstance(strict, bool), f"{param}.strict", "json_schema strict must be a boolean")
+    _require(description is None or isinstance(description, str), f"{param}.description",
+             "json_schema description must be a string")
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
