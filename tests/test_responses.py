@@ -127,6 +127,17 @@ def test_tools_choice_format_and_sampling_map_to_chat() -> None:
     assert form.settings["tool_choice"] == "auto" and form.settings["parallel_tool_calls"] is True
 
 
+def test_tool_choice_auto_without_tools_is_the_default() -> None:
+    """OpenAI's default tool_choice, echoed in every response, is taken when sent back without tools (chat's
+    refusal of 'auto' without tools named a value the response itself reports)."""
+    for extra in ({}, {"tools": []}):
+        request, form = chat_of({"input": "Hi", "tool_choice": "auto", **extra})
+        assert not request.tools and form.constraint is None
+        assert form.settings["tool_choice"] == "auto" and form.settings["tools"] == []
+    request, _ = chat_of({"input": "Hi", "tool_choice": "auto", "tools": [WEATHER]})
+    assert request.tools is not None and len(request.tools) == 1  # with tools, chat's auto
+
+
 @pytest.mark.parametrize("body, param, needle", [
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
     ({"input": "Hi", "conversation": "conv_1"}, "conversation", "not stored"),

@@ -147,7 +147,7 @@ def to_chat(body: ResponsesBody) -> ChatForm:
         messages=input_messages(body), model=body.model, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, logprobs=want_logprobs or None,
         top_logprobs=body.top_logprobs if want_logprobs else None, tools=chat_tools or None,
-        tool_choice=_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
+        tool_choice=_tool_choice(body.tool_choice, bool(chat_tools)), parallel_tool_calls=body.parallel_tool_calls,
         response_format=response_format, stream=body.stream, user=body.user,
         safety_identifier=body.safety_identifier, metadata=body.metadata, top_k=body.top_k,
         repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
@@ -336,8 +336,11 @@ def _function_tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return chat, echo
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """Chat's tool_choice (its checks follow: none/auto/required, a function among the tools)."""
+def _tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> str | dict[str, Any] | None:
+    """Chat's tool_choice (its checks follow: none/auto/required, a function among the tools). 'auto' without tools
+    is OpenAI's default, which every response echoes: taken as not given (chat refuses it without tools)."""
+    if choice == "auto" and not has_tools:
+        return None
     if not isinstance(choice, dict):
         return choice
     _require(choice.get("type") == "function", "tool_choice",
