@@ -47,6 +47,7 @@ NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncation": ((None, "disabled"), "truncation 'auto' (dropping the conversation's first items) is not "
                                        "implemented: a conversation past the context is refused"),
 }
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")  # an output item's, as a client may send it back
 INPUT_PART_KINDS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
@@ -244,6 +245,7 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
         elif kind == "reasoning":
             _keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, param,
                   "a reasoning item is {type, id, summary, content, encrypted_content, status}")
+            _check_echoed(item, param, {"summary": list, "content": list, "encrypted_content": str})
         elif kind == "item_reference":
             raise InvalidRequestError("item references are not supported: responses are not stored here; send the "
                                       "item itself", param=f"{param}.type")
@@ -257,9 +259,23 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     return messages
 
 
+def _check_echoed(obj: dict[str, Any], param: str, types: dict[str, type], item: bool = True) -> None:
+    """Fields a client sends back from an earlier answer and nothing here reads (an item's id and status, a part's
+    annotations, ...): null or of their type, else a 400 naming the field rather than a value ignored."""
+    if item:
+        types = {"id": str, **types}
+        status = obj.get("status")
+        _require(status is None or (isinstance(status, str) and status in ITEM_STATUSES), f"{param}.status",
+                 f"status must be one of {', '.join(ITEM_STATUSES)}, got {status!r}")
+    for key, kind in types.items():
+        _require(obj.get(key) is None or isinstance(obj[key], kind), f"{param}.{key}",
+                 f"{key} must be {'a string' if kind is str else 'an array'}")
+
+
 def _message(item: dict[str, Any], param: str) -> MessageBody:
     _keys(item, {"type", "role", "content", "id", "status", "phase"}, param,
           "a message item is {type: message, role, content}")
+    _check_echoed(item, param, {"phase": str})
     role = item.get("role")
     _require(role in ("user", "system", "developer", "assistant"), f"{param}.role",
              f"role must be one of user, system, developer, assistant, got {role!r}")
@@ -276,6 +292,7 @@ def _part_text(part: Any, param: str) -> str:
         allowed = {"type", "text", "annotations", "logprobs"} if kind == "output_text" else {"type", "text"}
         _require(set(part) <= allowed and isinstance(part.get("text"), str), param,
                  f'an {kind} part is {{"type": "{kind}", "text": string}}')
+        _check_echoed(part, param, {"annotations": list, "logprobs": list}, item=False)
         return part["text"]
     if kind == "refusal":
         _require(set(part) <= {"type", "refusal"} and isinstance(part.get("refusal"), str), param,
@@ -291,6 +308,7 @@ def _part_text(part: Any, param: str) -> str:
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
     _keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, param,
           "a function_call item is {type, call_id, name, arguments}")
+    _check_echoed(item, param, {})
     for key in ("call_id", "name", "arguments"):
         value = item.get(key)
         _require(isinstance(value, str) and (bool(value) or key == "arguments"), f"{param}.{key}",
@@ -302,6 +320,7 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
 def _function_call_output(item: dict[str, Any], param: str) -> tuple[str, str]:
     _keys(item, {"type", "call_id", "output", "id", "status"}, param,
           "a function_call_output item is {type, call_id, output}")
+    _check_echoed(item, param, {})
     call_id, output = item.get("call_id"), item.get("output")
     _require(isinstance(call_id, str) and bool(call_id), f"{param}.call_id", "call_id must be a non-empty string")
     if isinstance(output, list):
