@@ -256,6 +256,7 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     missing = next((call_id for call_id in calls if call_id not in answered), None)
     _require(missing is None, "input", f"No tool output found for function call {missing!r}: send a "
                                        "function_call_output item for it")
+    _require(len(messages) > 0, "input", "input holds no message: reasoning items alone are dropped")
     return messages
 
 
