@@ -127,6 +127,20 @@ def test_tools_choice_format_and_sampling_map_to_chat() -> None:
     assert form.settings["tool_choice"] == "auto" and form.settings["parallel_tool_calls"] is True
 
 
+def test_calls_the_sdk_serializes_are_taken_back() -> None:
+    """A function_call item as the openai SDK writes it to JSON (model_dump(by_alias=True): async, caller and
+    namespace null) and an output with the function's name: taken (they were 400s 'Unrecognized argument')."""
+    call = {"arguments": '{"city": "Paris"}', "call_id": "call_1", "name": "get_weather", "type": "function_call",
+            "id": "fc_1", "async": None, "caller": None, "namespace": None, "status": "completed"}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "caller": None,
+              "name": "get_weather", "namespace": None}
+    request, _ = chat_of({"input": [{"role": "user", "content": "Weather?"}, call, output]})
+    assert request.messages[-1].role == "tool" and request.messages[-1].content == "sunny"
+    for field in ("async", "caller", "namespace"):
+        error = refusal({"input": [{"role": "user", "content": "Weather?"}, {**call, field: "x"}, output]})
+        assert error.param == f"input[1].{field}" and "not supported" in error.message, error.message
+
+
 def test_tool_choice_auto_without_tools_is_the_default() -> None:
     """OpenAI's default tool_choice, echoed in every response, is taken when sent back without tools (chat's
     refusal of 'auto' without tools named a value the response itself reports)."""

@@ -48,6 +48,13 @@ NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
                                        "implemented: a conversation past the context is refused"),
 }
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")  # an output item's, as a client may send it back
+# Fields of function_call and function_call_output items that the openai SDK writes, null, when it serializes one
+# (model_dump(by_alias=True)): field -> why a value is refused.
+CALL_NULL_FIELDS = {
+    "async": "calls run as the client runs them; pagoda has no asynchronous tool calls",
+    "caller": "only the model calls functions here (no programmatic tool calling)",
+    "namespace": "tools are not grouped in namespaces here",
+}
 INPUT_PART_KINDS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
@@ -306,10 +313,17 @@ def _part_text(part: Any, param: str) -> str:
                               param=f"{param}.type" if isinstance(part, dict) else param)
 
 
+def _check_null_fields(item: dict[str, Any], param: str) -> None:
+    """CALL_NULL_FIELDS, which the SDK writes (null) when it serializes a call or its output: taken when null."""
+    for key, reason in CALL_NULL_FIELDS.items():
+        _require(item.get(key) is None, f"{param}.{key}", f"{key} is not supported: {reason}")
+
+
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
-    _keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, param,
+    _keys(item, {"type", "call_id", "name", "arguments", "id", "status", *CALL_NULL_FIELDS}, param,
           "a function_call item is {type, call_id, name, arguments}")
     _check_echoed(item, param, {})
+    _check_null_fields(item, param)
     for key in ("call_id", "name", "arguments"):
         value = item.get(key)
         _require(isinstance(value, str) and (bool(value) or key == "arguments"), f"{param}.{key}",
@@ -319,9 +333,10 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def _function_call_output(item: dict[str, Any], param: str) -> tuple[str, str]:
-    _keys(item, {"type", "call_id", "output", "id", "status"}, param,
+    _keys(item, {"type", "call_id", "output", "id", "status", "name", *CALL_NULL_FIELDS}, param,
           "a function_call_output item is {type, call_id, output}")
-    _check_echoed(item, param, {})
+    _check_echoed(item, param, {"name": str})  # the function's name: the call's is used
+    _check_null_fields(item, param)
     call_id, output = item.get("call_id"), item.get("output")
     _require(isinstance(call_id, str) and bool(call_id), f"{param}.call_id", "call_id must be a non-empty string")
     if isinstance(output, list):
