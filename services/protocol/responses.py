@@ -236,8 +236,9 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
             call = _function_call(item, param)
             _require(call["id"] not in calls, f"{param}.call_id", f"call_id {call['id']!r} is used twice")
             calls[call["id"]] = call["function"]["name"]
-            if joinable:
-                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+            if joinable:  # appended in place: a copy per call made a long run of parallel calls quadratic
+                messages[-1].tool_calls = messages[-1].tool_calls or []
+                messages[-1].tool_calls.append(call)
             else:
                 messages.append(MessageBody(role="assistant", tool_calls=[call]))
                 joinable = True
