@@ -17,7 +17,8 @@ import msgspec
 import pytest
 import zmq
 
-from pagoda.services.tokenizer.prompts import generate_prompt, max_prompt_len, truncated_ids
+from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS
+from pagoda.services.tokenizer.prompts import generate_prompt, max_prompt_len, prompt_chars, truncated_ids
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.delivery import Link
 from pagoda.shared.errors import InvalidRequestError
@@ -49,6 +50,7 @@ from pagoda.shared.messages import (
     TokenizerHello,
     TokenizerToApi,
     TokenizerToScheduler,
+    ToolCallMessage,
 )
 from pagoda.shared.transport import Codec, ack_frame, make_socket, unseal
 
@@ -703,6 +705,21 @@ def test_large_prompt_tokenizes_off_the_loop(tok: Harness, tokenizer: Tokenizer)
     detok_id = new_id()
     tok.send_api(DetokenizeRequest(detok_id, large_ids))
     assert tok.expect_reply(detok_id, DetokenizeResult).text == tokenizer.decode(large_ids, skip_special_tokens=False)
+
+
+def test_a_conversation_of_many_tool_calls_renders_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:
+    """Tool calls and empty turns count as the work they are (prompt_chars): 20,000 calls with no content (the QA
+    helper's 200k stalled the loop past the heartbeat timeout, failing every request in flight) render on a thread,
+    so a small request sent after them is answered first."""
+    calls = [ToolCallMessage(f"call_{i}", "get_weather", '{"city": "Paris"}') for i in range(20_000)]
+    messages = [ChatMessage("user", "Weather?"), ChatMessage("assistant", "", tool_calls=calls)]
+    assert prompt_chars(None, messages) >= OFFLOAD_MIN_CHARS > prompt_chars(None, messages[:1]) + 20_000
+    large_id, small_id = new_id(), new_id()
+    tok.send_api(GenerateRequest(large_id, SamplingParams(max_tokens=1), messages=messages))
+    tok.send_api(TokenizeRequest(small_id, prompt_text="hello"))
+    first = tok.expect_api(lambda m: getattr(m, "request_id", None) in (large_id, small_id), what="an answer")
+    assert first == TokenizeResult(small_id, tokenizer.encode("hello"), MAX_MODEL_LEN)
+    assert tok.expect_reply(large_id, RequestFailed, timeout=60.0).code == "context_length_exceeded"
 
 
 def test_abort_while_a_thread_tokenizes(tok: Harness) -> None:

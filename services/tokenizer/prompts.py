@@ -160,9 +160,22 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
         raise InvalidRequestError(f"logit_bias token ids must be < {info.vocab_size}", param="logit_bias")
 
 
-def prompt_chars(prompt_text: str | None, messages: list[ChatMessage] | None) -> int:
-    """Characters to tokenize: what decides whether the work moves off the loop."""
-    return len(prompt_text or "") + sum(len(m.content) for m in messages or [])
+TURN_CHARS = 32  # what a chat template writes around one turn or one tool call besides its own text, at least
+
+
+def prompt_chars(prompt_text: str | None, messages: list[ChatMessage] | None,
+                 tools: list[dict[str, Any]] | None = None) -> int:
+    """Characters to render and tokenize, estimated: what decides whether the work moves off the loop. Every turn
+    and tool call counts with the text its template writes around it, and the tool definitions with their JSON, so a
+    conversation of many empty turns or calls (200k tool calls, 27 MiB: seconds of rendering) counts as the work it
+    is and does not hold the loop, and the heartbeats, up."""
+    total = len(prompt_text or "")
+    for message in messages or []:
+        total += TURN_CHARS + len(message.content) + len(message.name or "") + len(message.tool_call_id or "")
+        total += sum(TURN_CHARS + len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
+    if tools:
+        total += len(msgspec.json.encode(tools))
+    return total
 
 
 def token_str(tokenizer: Tokenizer, token_id: int) -> str:

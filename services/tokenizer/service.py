@@ -257,7 +257,7 @@ class TokenizerService:
             self._fail(api, request_id, InvalidRequestError(f"request id {request_id!r} is already in flight"))
             return
         self._work(api, request_id, lambda: generate_prompt(self._tokenizer, request, info),
-                   prompt_chars(request.prompt_text, request.messages) >= OFFLOAD_MIN_CHARS,
+                   prompt_chars(request.prompt_text, request.messages, request.tools) >= OFFLOAD_MIN_CHARS,
                    lambda prompt: self._admit(api, request, prompt))
 
     def _work(self, api: int, request_id: str, job: Callable[[], Any], large: bool,
@@ -319,7 +319,7 @@ class TokenizerService:
 
     def _on_tokenize(self, api: int, request: TokenizeRequest, info: ModelInfo) -> None:
         self._work(api, request.request_id, lambda: tokenize_result(self._tokenizer, request, info.max_model_len),
-                   prompt_chars(request.prompt_text, request.messages) >= OFFLOAD_MIN_CHARS,
+                   prompt_chars(request.prompt_text, request.messages, request.tools) >= OFFLOAD_MIN_CHARS,
                    lambda result: self._send_api(api, result))
 
     def _on_detokenize(self, api: int, request: DetokenizeRequest) -> None:
