@@ -23,6 +23,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.services.protocol.schemas import MAX_TURNS
 from pagoda.shared.delivery import Link
 from pagoda.shared.messages import (
     AbortRequest,
@@ -620,6 +621,13 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
      400, "truncation_side"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "truncation_side": "both"},
      400, "truncation_side"),
+    # turns and tool calls of one conversation: at most MAX_TURNS each (16,384)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (MAX_TURNS + 1)}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * (MAX_TURNS // 2 + 1)}] * 2},
+     400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * (MAX_TURNS + 1)}, 400, "messages"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "x"}] * (MAX_TURNS + 1)}, 400, "input"),
 ]
 
 

@@ -28,7 +28,7 @@ from pagoda.services.protocol.responses import (
     rename_error,
     to_chat,
 )
-from pagoda.services.protocol.schemas import chat_output_spec, chat_request
+from pagoda.services.protocol.schemas import MAX_TURNS, chat_output_spec, chat_request
 from pagoda.services.protocol.vllm import RESPONSES_NOT_STORED, UNSUPPORTED_FIELDS
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import ChatMessage, FinishReason, PositionLogprobs, TextDelta, TokenLogprob
@@ -128,10 +128,10 @@ def test_tools_choice_format_and_sampling_map_to_chat() -> None:
 
 
 def test_a_long_run_of_parallel_calls_joins_one_assistant_turn_in_order() -> None:
-    """20,000 parallel calls (a body well under 32 MiB): one assistant turn holding them in order, then their
-    outputs. Each call copied the turn's list of calls before (quadratic: about 2.5 minutes of the api's event
-    loop for a 32 MiB body); this pins the behaviour, not the speed."""
-    num_calls = 20_000
+    """8,191 parallel calls and their outputs (as many as MAX_TURNS input items allow): one assistant turn holding
+    them in order, then their outputs. Each call copied the turn's list of calls before (quadratic: about 2.5
+    minutes of the api's event loop for a 32 MiB body); this pins the behaviour, not the speed."""
+    num_calls = (MAX_TURNS - 1) // 2
     calls = [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": ""} for i in range(num_calls)]
     outputs = [{"type": "function_call_output", "call_id": f"c{i}", "output": ""} for i in range(num_calls)]
     request, _ = chat_of({"input": [{"role": "user", "content": "q"}, *calls, *outputs]})

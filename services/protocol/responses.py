@@ -14,13 +14,13 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream
 from pagoda.services.protocol.render import Choice, Renderer, ResponseView, chat_logprobs, encode_json
-from pagoda.services.protocol.schemas import ChatBody, MessageBody, decode_body
+from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, decode_body
 from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.messages import FinishReason, PositionLogprobs, TextDelta
 
@@ -61,7 +61,7 @@ INPUT_PART_KINDS = {"input_image": "image", "input_file": "file", "input_audio":
 class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """POST /v1/responses; every field is honoured, taken at a value that changes nothing, or refused."""
 
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TURNS)]  # items: at most MAX_TURNS
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None

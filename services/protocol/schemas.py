@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -112,18 +112,24 @@ class CompletionBody(_GenerationBody):
     echo: bool | None = None
 
 
+# Turns of one conversation (chat messages, Responses input items), and tool calls over all its turns. Each costs
+# the api ~17 us to convert and the tokenizer's template more: 200k tool calls (27 MiB) held an api's loop for
+# ~3.4 s. 16,384 already outnumbers what a 128k-token context holds (a turn or call is 10 tokens or more).
+MAX_TURNS = 16_384
+
+
 class MessageBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: str
     # parts are checked by hand so that an image part gets a clear message, not "unknown field"
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant turns
+    tool_calls: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TURNS)] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns
     reasoning_content: str | None = None  # an earlier answer sent back: dropped, as chat templates drop it
 
 
 class ChatBody(_GenerationBody):
-    messages: list[MessageBody]
+    messages: Annotated[list[MessageBody], msgspec.Meta(max_length=MAX_TURNS)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -140,7 +146,7 @@ class ChatBody(_GenerationBody):
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
-    messages: list[MessageBody] | None = None
+    messages: Annotated[list[MessageBody], msgspec.Meta(max_length=MAX_TURNS)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
@@ -449,6 +455,8 @@ def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
 
 def chat_messages(messages: list[MessageBody], param: str = "messages") -> list[ChatMessage]:
     _require(len(messages) > 0, param, "messages must not be empty")
+    num_calls = sum(len(m.tool_calls or ()) for m in messages)
+    _require(num_calls <= MAX_TURNS, param, f"a conversation holds at most {MAX_TURNS} tool calls, got {num_calls}")
     return [_chat_message(m, f"{param}[{i}]") for i, m in enumerate(messages)]
 
 
