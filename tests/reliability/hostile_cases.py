@@ -129,8 +129,9 @@ def _header_cases() -> list[Case]:
     cases = []
     for path in ("/v1/completions", "/v1/models", "/tokenize"):
         cases.append(Case(f"{path}:no key", path, body, auth=False, statuses=frozenset({401})))
+        # (the scheme is case-insensitive, RFC 9110: "bearer <the right key>" is let in, tests/test_api.py)
         for value in (b"Bearer \xff\xfe", b"\xc3\x28", b"Bearer " + b"x" * 4000, b"Basic Zm9vOmJhcg==", b"Bearer",
-                      b"bearer reliability-key"):
+                      b"bearer reliability-kez", b"Basic reliability-key", b"reliability-key"):
             cases.append(Case(f"{path}:Authorization {value[:20]!r}", path, body, auth=False,
                               headers=((b"Authorization", value),), statuses=frozenset({401})))
         cases.append(Case(f"{path}:second wrong key", path, body,
