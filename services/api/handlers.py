@@ -133,13 +133,16 @@ class Handlers:
     async def _read(self, request: web.Request, kind: type[T]) -> T:
         """The body, read within body_read_timeout and decoded as `kind`."""
         body = decode_body(await self._body(request), kind)
-        limit = self.state.config.max_prompt_bytes
-        size = prompt_bytes(body)
-        if size > limit:
-            param = "messages" if hasattr(body, "messages") and getattr(body, "messages", None) else "prompt"
-            raise InvalidRequestError(f"the prompt has {size} bytes; this server accepts at most {limit} "
-                                      "(--max-prompt-bytes)", param=param)
+        param = "messages" if hasattr(body, "messages") and getattr(body, "messages", None) else "prompt"
+        self._check_prompt_bytes(prompt_bytes(body), "prompt", param)
         return body
+
+    def _check_prompt_bytes(self, size: int, what: str, param: str) -> None:
+        """--max-prompt-bytes: an InvalidRequestError naming `param` when the prompt's text is past it."""
+        limit = self.state.config.max_prompt_bytes
+        if size > limit:
+            raise InvalidRequestError(f"the {what} has {size} bytes; this server accepts at most {limit} "
+                                      "(--max-prompt-bytes)", param=param)
 
     # ------------------------------------------------------------------ generation
 

@@ -37,10 +37,8 @@ class ResponsesRoutes:
         response_id = f"resp_{uuid.uuid4().hex}"
         try:
             form = to_chat(body)
-            size = prompt_bytes(form.chat)  # message contents: instructions, input texts, function outputs
-            if size > config.max_prompt_bytes:
-                raise InvalidRequestError(f"the input has {size} bytes; this server accepts at most "
-                                          f"{config.max_prompt_bytes} (--max-prompt-bytes)", param="input")
+            # message contents: instructions, input texts, function outputs
+            handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
             message = chat_request(form.chat, response_id, time.time(), config.max_logprobs,
                                    state.pool.sampling_defaults)
             output = chat_output_spec(form.chat, config.tool_call_parser
