@@ -216,7 +216,7 @@ class ServerConfig:
     max_inflight_requests: int = 4096  # per api process; more get HTTP 503
     log_level: str = "info"
     api_key_file: str | None = None  # a file holding the key (keeps it out of `ps`); PAGODA_API_KEY works too
-    max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of prompt text or message contents per request; more: 400
+    max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of template input (texts, tool calls, tools) a request; more: 400
     max_completions_per_request: int = 4096  # prompts x n (or best_of) one completions request may ask; more: 400
     request_timeout: float = 0.0  # seconds one HTTP request may take in all (aborted after); 0: no limit
     body_read_timeout: float = 30.0  # seconds to receive a request's headers and body (slow clients: 408)

@@ -37,7 +37,7 @@ class ResponsesRoutes:
         response_id = f"resp_{uuid.uuid4().hex}"
         try:
             form = to_chat(body)
-            # message contents: instructions, input texts, function outputs
+            # instructions, input texts, function calls and outputs, tool definitions
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
             message = chat_request(form.chat, response_id, time.time(), config.max_logprobs,
                                    state.pool.sampling_defaults)

@@ -621,7 +621,10 @@ def chat_echo_text(body: ChatBody, request: GenerateRequest) -> str:
 
 
 def prompt_bytes(body: object) -> int:
-    """UTF-8 bytes of the text a body asks to tokenize (prompt strings, message contents); ids count 0."""
+    """UTF-8 bytes of the text a body asks to tokenize; ids count 0.
+
+    Prompt strings, message contents, the assistant turns' tool calls (name and arguments: the template renders
+    them) and the tool definitions (as JSON, the form templates render them in)."""
     texts: list[str] = []
     prompt = getattr(body, "prompt", None)
     if isinstance(prompt, str):
@@ -634,5 +637,18 @@ def prompt_bytes(body: object) -> int:
         elif isinstance(message.content, list):
             texts.extend(part["text"] for part in message.content
                          if isinstance(part, dict) and isinstance(part.get("text"), str))
+        texts.extend(_tool_call_texts(message.tool_calls or []))
     # len() of a str counts code points; up to 4 bytes each, so encode only when it could matter
-    return sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    text_bytes = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    tools = getattr(body, "tools", None)
+    return text_bytes + (len(msgspec.json.encode(tools)) if tools else 0)
+
+
+def _tool_call_texts(calls: list[dict[str, Any]]) -> list[str]:
+    """The strings of tool calls that a template renders (their shape is checked later, by _message_tool_calls)."""
+    texts = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            texts.extend(v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str))
+    return texts
