@@ -41,11 +41,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.launcher import serve
+    from pagoda.services.api.tenants import read_keys_file
     from pagoda.shared.errors import ConfigError
 
     try:  # a bad flag or PAGODA_* value is the operator's error: said as the launcher says its own, no traceback
         engine_config, server_config = engine_config_from_args(args), server_config_from_args(args)
         server_config.check_metrics_access()
+        if server_config.api_keys_file:  # a missing or broken keys file: one line now, not an api's traceback later
+            read_keys_file(server_config.api_keys_file)
     except ConfigError as exc:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ first as plain objects, then through the api process against the fake tokenizer 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -249,6 +250,28 @@ def test_keys_cli_prints_the_key_once(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "pagoda.cli", "keys", "add", str(path), "--tenant", "t",
                           "--weight", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "weight" in bad.stderr
+
+
+@pytest.mark.parametrize("content", [None, "{broken",
+                                     '{"tenants": {}, "keys": [{"id": "x", "sha256": "00", "tenant": "t"}]}'])
+def test_serve_and_the_api_process_refuse_a_bad_keys_file_in_one_line(tmp_path: Path, content: str | None,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing, non-JSON or inconsistent keys file is the operator's error: `pagoda serve` says so in one line and
+    exits 2 before it starts any process (it used to start them all and print the api's traceback, exit 1)."""
+    from pagoda.cli import build_parser
+
+    path = tmp_path / "keys.json"
+    if content is not None:
+        path.write_text(content)
+    args = build_parser().parse_args(["serve", "--api-keys-file", str(path), "--runtime-dir", str(tmp_path)])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagoda: error:") and err.count("\n") == 1 and "key" in err, err
+    assert not list(tmp_path.glob("*.sock"))  # nothing was started
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
+    api = subprocess.run([sys.executable, "-m", "pagoda.services.api", "--api-keys-file", str(path),
+                          "--runtime-dir", str(tmp_path)], capture_output=True, text=True, timeout=60, env=env)
+    assert api.returncode == 2 and "(api_keys_file)" in api.stderr and "Traceback" not in api.stderr, api.stderr
 
 
 def test_the_console_takes_the_operators_key_not_a_tenants(tenant_stack: tuple) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import zmq
 
 from pagoda.services.api.server import run_api
+from pagoda.services.api.tenants import read_keys_file
 from pagoda.shared.config import (
     add_engine_args,
     add_server_args,
@@ -31,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_config.api_endpoint_list()  # fail here, with the parameter named, rather than half started
         server_config.endpoint("stats")
         server_config.check_metrics_access()
+        if server_config.api_keys_file:
+            read_keys_file(server_config.api_keys_file)
     except ConfigError as exc:
         print(f"error: {exc.message} ({exc.param})", file=sys.stderr)
         return 2
