@@ -116,7 +116,9 @@ for line in sys.stdin:
         print(line.rstrip()); continue
     r = json.loads(line)
     print(f\"{r['shape']:18s} T={r['tokens']:5d} bf16 {r['bf16_us']:8.1f} us ({r['bf16_hbm_fraction']:.2f} HBM) fp8 \"
-          f\"{r['fp8_us']:8.1f} us ({r['fp8_hbm_fraction']:.2f}) {r['speedup_fp8']:.2f}x err {r['fp8_rel_err']:.4f}\")"
+          f\"{r['fp8_us']:8.1f} us ({r['fp8_hbm_fraction']:.2f}) {r['speedup_fp8']:.2f}x err {r['fp8_rel_err']:.4f}\"
+          + (f\" | fp8 gmm {r['fp8_gmm_us']:8.1f} us {r['speedup_fp8_gmm']:.2f}x err {r['fp8_gmm_rel_err']:.4f}\"
+             if 'fp8_gmm_us' in r else ''))"
 }
 llama_fp8_runs() {  # llama3-8b FP8 runs; $1: the JSON files' prefix, then "workload kv-cache-dtype" pairs
   local prefix=$1 run

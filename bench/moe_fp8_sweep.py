@@ -7,7 +7,8 @@ against the reference.
     python -m pagoda.bench.moe_fp8_sweep [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--tokens 1,2,...] [--out f.json]
 
 Prints one row per (shape, tokens): both times, FP8's speedup, the HBM fraction each reaches on the expert bytes it
-reads, FP8's error; then the (shape, tokens) where FP8 is slower than bf16.
+reads, FP8's error (from FP8_GMM_MIN_TOKENS tokens on sm90 also FP8 on the gmm path: per-row W8A8 on
+torch._scaled_grouped_mm); then the (shape, tokens) where FP8 is slower than bf16.
 """
 
 from __future__ import annotations
@@ -66,10 +67,16 @@ def expert_bytes(touched: int, hidden: int, inter: int, fp8: bool) -> int:
 
 
 def _launch(x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor,
-            fp8: bool) -> Callable[[], torch.Tensor]:
-    """The layer's experts on x as the model calls them (the dispatch and tiles moe.fused_experts picks)."""
+            fp8: bool, path: str | None = None) -> Callable[[], torch.Tensor]:
+    """The layer's experts on x as the model calls them (the dispatch and tiles moe.fused_experts picks), or on
+    `path` ("gmm": for FP8 experts, per-row W8A8 on torch._scaled_grouped_mm)."""
     w_gate_up, w_down, gate_up_scale, down_scale = experts.args(fp8)
-    return functools.partial(moe.fused_experts, x, w_gate_up, w_down, weights, ids, gate_up_scale, down_scale)
+    return functools.partial(moe.fused_experts, x, w_gate_up, w_down, weights, ids, gate_up_scale, down_scale,
+                             path=path)
+
+
+# From this many tokens the sweep also times FP8 experts on the gmm path (PAGODA_MOE_FP8_GMM's candidate).
+FP8_GMM_MIN_TOKENS = 256
 
 
 def sweep_row(shape: str, num_tokens: int, copies: list[Experts], routings: list[tuple[torch.Tensor, torch.Tensor]],
@@ -90,6 +97,13 @@ def sweep_row(shape: str, num_tokens: int, copies: list[Experts], routings: list
     got = _launch(x, copies[0], weights, ids, True)().float()
     row["fp8_rel_err"] = round(((got - expected).norm() / expected.norm()).item(), 5)
     row["speedup_fp8"] = round(row["bf16_us"] / row["fp8_us"], 3)
+    if num_tokens >= FP8_GMM_MIN_TOKENS and x.is_cuda and moe.scaled_grouped_mm_device(x.device.index):
+        calls = [_launch(x, experts, weights, ids, True, "gmm") for experts, (weights, ids) in zip(copies, routings,
+                                                                                                   strict=True)]
+        row["fp8_gmm_us"] = round(1e3 * timer(calls), 2)
+        got = _launch(x, copies[0], *routings[0], True, "gmm")().float()
+        row["fp8_gmm_rel_err"] = round(((got - expected).norm() / expected.norm()).item(), 5)
+        row["speedup_fp8_gmm"] = round(row["bf16_us"] / row["fp8_gmm_us"], 3)
     return row
 
 

@@ -32,7 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 from pagoda.kernels import pdl
 from pagoda.kernels.activation import silu_and_mul
-from pagoda.kernels.fp8 import cast_e4m3, hw_cast
+from pagoda.kernels.fp8 import cast_e4m3, fast_accum, hw_cast, quantize_fp8_rows, silu_and_mul_quant_fp8
 from pagoda.kernels.fp8_weight_only import DeferredSum, pow2_scale
 
 log = logging.getLogger(__name__)
@@ -1133,6 +1133,31 @@ GMM_MIN_ROWS_PER_EXPERT = 512
 GMM_BLOCK_M = 1
 MOE_PATHS = ("triton", "gmm")
 CUTLASS_MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMM: "Can't process more than 1024 groups"
+# FP8 experts with per-row weight scales on the gmm path (torch._scaled_grouped_mm, W8A8 with per-row activation
+# scales): each expert's run padded to this many rows (torchao pads its FP8 grouped GEMMs' groups to 16 rows).
+GMM_FP8_BLOCK_M = 16
+# PAGODA_MOE_FP8_GMM: "1" sends FP8 experts with per-row scales to the gmm path from GMM_MIN_ROWS_PER_EXPERT rows an
+# expert, as bf16; unset or "0": the Triton grouped GEMM (the gmm FP8 path has not been timed against it yet).
+FP8_GMM_MODES = ("", "0", "1")
+
+
+def fp8_gmm_enabled() -> bool:
+    mode = os.environ.get("PAGODA_MOE_FP8_GMM", "")
+    if mode not in FP8_GMM_MODES:
+        raise ValueError(f"PAGODA_MOE_FP8_GMM must be 0, 1 or unset, got {mode!r}")
+    return mode == "1"
+
+
+@lru_cache(maxsize=16)
+def scaled_grouped_mm_device(index: int | None) -> bool:
+    """torch._scaled_grouped_mm runs CUTLASS's FP8 row-wise grouped GEMM on this CUDA device (sm90 only)."""
+    return hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def per_row_scales(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """e4m3 expert weights [E, rows, K] with one scale per row ([E, rows, 1]): what the FP8 gmm path takes."""
+    return (w.dtype == torch.float8_e4m3fn and scale is not None and scale.shape == (*w.shape[:2], 1)
+            and scale.dtype == torch.float32 and scale.is_contiguous())
 
 
 @lru_cache(maxsize=16)
@@ -1143,14 +1168,21 @@ def cutlass_grouped_mm_device(index: int | None) -> bool:
 
 
 def moe_path(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype, num_tokens: int, top_k: int,
-             num_experts: int, hidden: int, inter: int) -> str:
+             num_experts: int, hidden: int, inter: int, fp8_per_row: bool = False) -> str:
     """Which fused_experts path a call takes: "gmm" (torch._grouped_mm, CUTLASS) for large bf16 batches on a device
-    that has it, else "triton" (pagoda's grouped GEMM: FP8 weights, fp16, small batches, decode, CPU)."""
-    if device.type != "cuda" or dtype != torch.bfloat16 or weight_dtype != torch.bfloat16:
+    that has it, and with PAGODA_MOE_FP8_GMM=1 for large batches of FP8 experts with per-row scales (fp8_per_row)
+    where torch._scaled_grouped_mm has CUTLASS's FP8 kernel; else "triton" (pagoda's grouped GEMM: FP8 weights,
+    fp16, small batches, decode, CPU)."""
+    fp8 = weight_dtype == torch.float8_e4m3fn
+    if device.type != "cuda" or dtype != torch.bfloat16 or weight_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        return "triton"
+    if fp8 and not (fp8_per_row and fp8_gmm_enabled()):
         return "triton"
     if (num_tokens * top_k < GMM_MIN_ROWS_PER_EXPERT * num_experts or num_experts > CUTLASS_MAX_GROUPS
-            or hidden % 8 or inter % 8):
+            or hidden % (16 if fp8 else 8) or inter % (16 if fp8 else 8)):
         return "triton"  # strides of 16 bytes: TMA's rule
+    if fp8:
+        return "gmm" if scaled_grouped_mm_device(device.index) else "triton"
     return "gmm" if cutlass_grouped_mm_device(device.index) else "triton"
 
 
@@ -1164,10 +1196,12 @@ def expert_offsets(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> to
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _gather_sorted_kernel(x_ptr, sorted_pairs_ptr, num_padded_ptr, out_ptr, positions_ptr, num_pairs, hidden,
-                          stride_xt, stride_or, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_sorted_kernel(x_ptr, sorted_pairs_ptr, num_padded_ptr, out_ptr, positions_ptr, x_scale_ptr, out_scale_ptr,
+                          num_pairs, hidden, stride_xt, stride_or, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                          HAS_SCALE: tl.constexpr):
     """Row r of the expert-sorted layout: x[pair // k] for its pair, zeros for a padding row, nothing past
-    num_padded (the grouped GEMM reads no row past offs[-1]). Column block 0 records positions[pair] = r."""
+    num_padded (the grouped GEMM reads no row past offs[-1]). Column block 0 records positions[pair] = r and, with
+    HAS_SCALE (x quantized per token row), out_scale[r] = x_scale[pair // k] (1 for a padding row)."""
     row = tl.program_id(0)
     if row >= tl.load(num_padded_ptr):
         return
@@ -1176,10 +1210,12 @@ def _gather_sorted_kernel(x_ptr, sorted_pairs_ptr, num_padded_ptr, out_ptr, posi
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
     token = (pair // TOP_K).to(tl.int64)
-    vals = tl.load(x_ptr + token * stride_xt + cols, mask=mask & real, other=0.0)
+    vals = tl.load(x_ptr + token * stride_xt + cols, mask=mask & real, other=0)
     tl.store(out_ptr + row.to(tl.int64) * stride_or + cols, vals, mask=mask)
     if tl.program_id(1) == 0:
         tl.store(positions_ptr + pair, row, mask=real)
+        if HAS_SCALE:
+            tl.store(out_scale_ptr + row, tl.load(x_scale_ptr + token, mask=real, other=1.0))
 
 
 def gather_sorted(x: torch.Tensor, align: Alignment, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1194,9 +1230,31 @@ def gather_sorted(x: torch.Tensor, align: Alignment, top_k: int) -> tuple[torch.
     block = min(1024, triton.next_power_of_2(hidden))
     if max_padded:
         _gather_sorted_kernel[(max_padded, triton.cdiv(hidden, block))](
-            x, align.sorted_pairs, align.num_padded, rows, positions, num_pairs, hidden, x.stride(0),
-            rows.stride(0), TOP_K=top_k, BLOCK_H=block, num_warps=4)
+            x, align.sorted_pairs, align.num_padded, rows, positions, positions, positions, num_pairs, hidden,
+            x.stride(0), rows.stride(0), TOP_K=top_k, BLOCK_H=block, HAS_SCALE=False, num_warps=4)
     return rows, positions
+
+
+def gather_sorted_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, align: Alignment,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gather_sorted for e4m3 rows quantized per token: x_q [T, H] e4m3, x_scale [T, 1] fp32 -> (rows [max_padded, H]
+    e4m3, row_scales [max_padded] fp32: each row's token scale, 1 for padding, unwritten past num_padded; positions
+    [T * k] int32). One byte an element moved instead of two."""
+    num_tokens, hidden = x_q.shape
+    assert x_q.dtype == torch.float8_e4m3fn and x_q.stride(1) == 1
+    assert x_scale.shape == (num_tokens, 1) and x_scale.dtype == torch.float32 and x_scale.is_contiguous()
+    num_pairs = num_tokens * top_k
+    max_padded = align.sorted_pairs.numel()
+    rows = torch.empty(max_padded, hidden, dtype=torch.uint8, device=x_q.device)  # [max_padded, H] e4m3 bits
+    row_scales = torch.empty(max_padded, dtype=torch.float32, device=x_q.device)  # [max_padded]
+    positions = torch.empty(num_pairs, dtype=torch.int32, device=x_q.device)  # [T * k]
+    block = min(1024, triton.next_power_of_2(hidden))
+    if max_padded:  # moved as bytes (byte 0 is e4m3's +0 for the padding rows)
+        _gather_sorted_kernel[(max_padded, triton.cdiv(hidden, block))](
+            x_q.view(torch.uint8), align.sorted_pairs, align.num_padded, rows, positions, x_scale, row_scales,
+            num_pairs, hidden, x_q.stride(0), rows.stride(0), TOP_K=top_k, BLOCK_H=block, HAS_SCALE=True,
+            num_warps=4)
+    return rows.view(torch.float8_e4m3fn), row_scales, positions
 
 
 @triton.jit
@@ -1248,6 +1306,31 @@ def _fused_experts_gmm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
     return combine_top_k(o, positions, weights, top_k)  # [T, H]
 
 
+def _fused_experts_gmm_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                           w_gate_up_scale: torch.Tensor, w_down_scale: torch.Tensor, weights: torch.Tensor,
+                           topk_ids: torch.Tensor) -> torch.Tensor:
+    """FP8 experts with per-row weight scales on torch._scaled_grouped_mm (CUTLASS's FP8 grouped GEMM with row-wise
+    scales, Hopper): W8A8 with one scale per activation row. Each token row is quantized once (amax / 448) and
+    gathered as bytes into the expert-sorted layout (runs padded to GMM_FP8_BLOCK_M rows); the gate_up GEMM's bf16
+    output is quantized again per row by the SiLU-and-mul kernel; the weighted top-k sum as on the bf16 gmm path.
+    Semantics: reference.moe_experts_w8a8_rows."""
+    num_experts, two_i, hidden = w_gate_up.shape
+    top_k = topk_ids.shape[1]
+    align = align_pairs(topk_ids, num_experts, GMM_FP8_BLOCK_M)
+    offs = align.run_ends  # [E] int32
+    x_q, x_scale = quantize_fp8_rows(x)  # [T, H] e4m3, [T, 1]
+    rows, row_scales, positions = gather_sorted_fp8(x_q, x_scale, align, top_k)  # [max_padded, H], [max_padded]
+    accum = fast_accum()
+    gate_up = torch._scaled_grouped_mm(rows, w_gate_up.transpose(1, 2), row_scales,
+                                       w_gate_up_scale.view(num_experts, two_i), offs=offs, out_dtype=x.dtype,
+                                       use_fast_accum=accum)  # [max_padded, 2I]
+    act, act_scale = silu_and_mul_quant_fp8(gate_up)  # [max_padded, I] e4m3, [max_padded, 1]
+    o = torch._scaled_grouped_mm(act, w_down.transpose(1, 2), act_scale.view(-1),
+                                 w_down_scale.view(num_experts, hidden), offs=offs, out_dtype=x.dtype,
+                                 use_fast_accum=accum)  # [max_padded, H]
+    return combine_top_k(o, positions, weights, top_k)  # [T, H]
+
+
 # ---------------------------------------------------------------- the layer
 
 
@@ -1260,7 +1343,8 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]; topk_weights [T, k] fp32;
     topk_ids [T, k] int32. FP8 weights: e4m3 with scales [E, rows, K / group_k] (group_k = K: per row).
-    path: "triton" (pagoda's grouped GEMM or GEMVs, with `tiles`), "gmm" (torch._grouped_mm), None: moe_path's
+    path: "triton" (pagoda's grouped GEMM or GEMVs, with `tiles`), "gmm" (torch._grouped_mm; FP8 experts with
+    per-row scales: torch._scaled_grouped_mm, W8A8 with per-row activation scales), None: moe_path's
     choice, or "triton" when tiles are given. Returns [T, H] in x's dtype; with defer_sum, on the grouped-GEMM path
     (the one with a top-k sum of its own), the k weighted rows of each token as DeferredSum [k, T, H] for the
     next residual add + norm to sum."""
@@ -1269,10 +1353,15 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     _check_experts(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, group_k)
+    fp8_per_row = per_row_scales(w_gate_up, w_gate_up_scale) and per_row_scales(w_down, w_down_scale)
     if path is None:
         path = "triton" if tiles is not None else moe_path(x.device, x.dtype, w_gate_up.dtype, num_tokens, top_k,
-                                                             num_experts, hidden, inter)
-    _check_path(path, w_gate_up.dtype)
+                                                             num_experts, hidden, inter, fp8_per_row)
+    _check_path(path, w_gate_up.dtype, fp8_per_row)
+    if path == "gmm" and w_gate_up.dtype == torch.float8_e4m3fn:
+        assert w_gate_up_scale is not None and w_down_scale is not None
+        return _fused_experts_gmm_fp8(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale,
+                                      topk_weights.contiguous().view(-1), topk_ids.contiguous())
     if path == "gmm":
         return _fused_experts_gmm(x, w_gate_up, w_down, topk_weights.contiguous().view(-1), topk_ids.contiguous())
     if tiles is None:
@@ -1303,12 +1392,19 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
 
 
-def _check_path(path: str, weight_dtype: torch.dtype) -> None:
+def _check_path(path: str, weight_dtype: torch.dtype, fp8_per_row: bool) -> None:
     if path not in MOE_PATHS:
         raise ValueError(f"MoE path must be one of {MOE_PATHS}, got {path!r}")
-    if path == "gmm" and weight_dtype == torch.float8_e4m3fn:
-        raise ValueError("the gmm MoE path takes weights in the model dtype; FP8 experts run on the triton path")
-    if path == "gmm" and not hasattr(torch, "_grouped_mm"):
+    if path != "gmm":
+        return
+    if weight_dtype == torch.float8_e4m3fn:
+        if not fp8_per_row:
+            raise ValueError("the gmm MoE path takes FP8 experts with one fp32 scale per weight row ([E, rows, 1]); "
+                             "block-scaled FP8 experts run on the triton path")
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            raise ValueError(f"the gmm MoE path for FP8 experts needs torch._scaled_grouped_mm (torch "
+                             f"{torch.__version__} has none)")
+    elif not hasattr(torch, "_grouped_mm"):
         raise ValueError(f"the gmm MoE path needs torch._grouped_mm (torch {torch.__version__} has none)")
 
 

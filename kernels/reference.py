@@ -659,6 +659,24 @@ def moe_experts_act_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
     return out.to(x.dtype)
 
 
+def moe_experts_w8a8_rows(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, w_gate_up_scale: torch.Tensor,
+                          w_down_scale: torch.Tensor) -> torch.Tensor:
+    """moe_experts with W8A8 experts as the FP8 gmm path (moe._fused_experts_gmm_fp8) computes them: each GEMM's
+    activation quantized per row (amax / 448: quantize_fp8_rows; the intermediate by silu_and_mul_quant_fp8), e4m3
+    weights with per-row scales [E, rows, 1], each GEMM's output rounded to x's dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    ids = topk_ids.long()
+    for expert in ids.unique().tolist():
+        token_idx, slot = torch.where(ids == expert)  # [n] each
+        x_q, x_scale = quantize_fp8_rows(x[token_idx])  # [n, H], [n, 1]
+        gate_up = fp8_matmul(x_q, x_scale, w_gate_up[expert], w_gate_up_scale[expert], None, x.dtype)  # [n, 2I]
+        act_q, act_scale = silu_and_mul_quant_fp8(gate_up)  # [n, I], [n, 1]
+        y = fp8_matmul(act_q, act_scale, w_down[expert], w_down_scale[expert], None, x.dtype)  # [n, H]
+        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None])
+    return out.to(x.dtype)
+
+
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int, group_k: int | None,
                    dtype: torch.dtype) -> torch.Tensor:
     if w.dtype != torch.float8_e4m3fn:

@@ -486,6 +486,106 @@ def test_fp8_w8a8_experts_on_the_gpu(group_k: int | None, monkeypatch: pytest.Mo
     torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=5e-2)
 
 
+def _fake_scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                            offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                            scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                            use_fast_accum: bool = False) -> torch.Tensor:
+    """torch._scaled_grouped_mm's 2D x 3D case in fp32 on the CPU, with the layout its meta function checks (row-major
+    A, column-major B, scale_a one per row of A, scale_b [groups, N]) and the 16-row groups the FP8 path pads to."""
+    assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn and bias is None and scale_result is None
+    assert mat_a.dim() == 2 and mat_b.dim() == 3 and mat_a.shape[1] == mat_b.shape[1]
+    assert mat_a.stride(1) == 1 and mat_b.stride(1) == 1 and mat_b.stride(2) > 1
+    assert scale_a.shape == (mat_a.shape[0],) and scale_a.dtype == scale_b.dtype == torch.float32
+    assert scale_b.shape == (mat_b.shape[0], mat_b.shape[2]) and scale_b.stride(-1) == 1
+    assert offs is not None and offs.dtype == torch.int32 and offs.shape == (mat_b.shape[0],)
+    assert bool((offs % moe.GMM_FP8_BLOCK_M == 0).all())
+    out = torch.zeros(mat_a.shape[0], mat_b.shape[2], dtype=out_dtype or torch.bfloat16)  # [M, N]
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        a = mat_a[start:end].float() * scale_a[start:end, None]  # [rows, K]
+        out[start:end] = (a @ (mat_b[group].float() * scale_b[group][None, :])).to(out.dtype)
+        start = end
+    return out
+
+
+def test_gather_sorted_fp8_moves_bytes_and_token_scales() -> None:
+    top_k = 2
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(4))  # [T, H]
+    x_q, x_scale = ref.quantize_fp8_rows(x)  # [T, H], [T, 1]
+    _, ids = _gmm_routing("skewed", 13, seed=6)
+    align = moe.align_pairs(ids, EXPERTS, moe.GMM_FP8_BLOCK_M)
+    rows, row_scales, positions = moe.gather_sorted_fp8(x_q, x_scale, align, top_k)
+    used = int(align.num_padded)
+    pairs = align.sorted_pairs[:used].long()
+    real = pairs < ids.numel()
+    assert rows.dtype == torch.float8_e4m3fn
+    assert torch.equal(rows[:used][real].view(torch.uint8), x_q[pairs[real] // top_k].view(torch.uint8))
+    assert bool((rows[:used][~real].view(torch.uint8) == 0).all()), "padding rows are +0"
+    assert torch.equal(row_scales[:used][real], x_scale.view(-1)[pairs[real] // top_k])
+    assert bool((row_scales[:used][~real] == 1).all())
+    assert torch.equal(align.sorted_pairs[positions.long()].long(), torch.arange(ids.numel()))
+
+
+@pytest.mark.parametrize("kind", ["top2", "skewed", "shared"])
+def test_fp8_gmm_path_against_its_reference(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 experts with per-row scales on the gmm path (per-row W8A8 on torch._scaled_grouped_mm, here the CPU
+    stand-in above): the quantize, gather, SiLU-and-mul-quantize and combine kernels around the two grouped GEMMs
+    give reference.moe_experts_w8a8_rows; and it stays near the unquantized layer."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_scaled_grouped_mm, raising=False)
+    q_up, s_up, q_down, s_down = _fp8_weights(None)
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(8))  # [T, H]
+    weights, ids = _gmm_routing(kind, 37, seed=8)
+    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
+    expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    w_gate_up, w_down = _weights(torch.float32)
+    unquantized = ref.moe_experts(x, w_gate_up, w_down, weights, ids)
+    assert ((got - unquantized).norm() / unquantized.norm()).item() < 0.08
+
+
+def test_fp8_gmm_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 experts take the gmm path only with PAGODA_MOE_FP8_GMM=1, per-row scales, a device with CUTLASS's FP8
+    grouped GEMM, and as many rows an expert as bf16 needs; block-scaled FP8 experts are refused on it."""
+    monkeypatch.setattr(moe, "scaled_grouped_mm_device", lambda index: True)
+    cuda, bf16, fp8 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
+    big = moe.GMM_MIN_ROWS_PER_EXPERT * 66 // 8
+    monkeypatch.delenv("PAGODA_MOE_FP8_GMM", raising=False)
+    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
+    monkeypatch.setenv("PAGODA_MOE_FP8_GMM", "1")
+    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True) == "gmm"
+    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=False) == "triton"
+    assert moe.moe_path(cuda, bf16, fp8, big - 1, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
+    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1400, fp8_per_row=True) == "triton"  # 1400 % 16
+    monkeypatch.setattr(moe, "scaled_grouped_mm_device", lambda index: False)
+    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
+    monkeypatch.setenv("PAGODA_MOE_FP8_GMM", "yes")
+    with pytest.raises(ValueError, match="PAGODA_MOE_FP8_GMM"):
+        moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True)
+    q_up, s_up, q_down, s_down = _fp8_weights(32)
+    x, weights, ids = _routed(3, torch.float32)
+    with pytest.raises(ValueError, match="one fp32 scale per weight row"):
+        moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, 32, path="gmm")
+
+
+@pytest.mark.gpu
+def test_fp8_gmm_path_on_the_gpu_captures_in_a_graph() -> None:
+    """The FP8 gmm path on CUTLASS's FP8 grouped GEMM (sm90): near reference.moe_experts_w8a8_rows (bf16 rounding
+    of the intermediate and fast accumulation apart), and it captures in a CUDA graph."""
+    if not moe.scaled_grouped_mm_device(torch.cuda.current_device()):
+        pytest.skip("torch._scaled_grouped_mm has no CUTLASS FP8 kernel for this device")
+    q_up, s_up, q_down, s_down = (t.cuda() for t in _fp8_weights(None))
+    num_tokens = moe.GMM_MIN_ROWS_PER_EXPERT * EXPERTS // TOP_K
+    x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=3))
+    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
+    expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
+    torch.testing.assert_close(got.float(), expected.float(), atol=5e-2, rtol=5e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
+    graph.replay()
+    torch.testing.assert_close(captured, got, atol=0, rtol=0)
+
+
 def test_combine_top_k_matches_weighted_sum() -> None:
     gen = torch.Generator().manual_seed(7)
     num_tokens, top_k, num_rows = 6, 3, 25
@@ -519,11 +619,9 @@ def test_fused_experts_rejects_bad_paths() -> None:
     x, weights, ids = _routed(3, torch.float32)
     with pytest.raises(ValueError, match="MoE path"):
         moe.fused_experts(x, w_gate_up, w_down, weights, ids, path="cutlass")
-    q_up, s_up = ref.quantize_fp8_rows(w_gate_up.view(-1, HIDDEN))
-    q_down, s_down = ref.quantize_fp8_rows(w_down.reshape(-1, INTER))
+    q_up, s_up, q_down, s_down = _fp8_weights(16)  # block-scaled: the Triton path's alone
     with pytest.raises(ValueError, match="FP8"):
-        moe.fused_experts(x, q_up.view(w_gate_up.shape), q_down.view(w_down.shape), weights, ids,
-                          s_up.view(EXPERTS, 2 * INTER, 1), s_down.view(EXPERTS, HIDDEN, 1), path="gmm")
+        moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, 16, path="gmm")
 
 
 @pytest.mark.gpu
