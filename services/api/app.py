@@ -9,6 +9,7 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from pagoda.services.api.anthropic import MessagesRoutes, anthropic_middleware
 from pagoda.services.api.console.routes import API_PREFIX as CONSOLE_API_PREFIX
 from pagoda.services.api.console.routes import Console
 from pagoda.services.api.errors import AuthenticationError, RateLimitError, UnsupportedMediaTypeError
@@ -36,7 +37,9 @@ CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answe
 def build_app(state: ApiState) -> web.Application:
     handlers = Handlers(state)
     responses = ResponsesRoutes(handlers)
-    app = web.Application(middlewares=[error_middleware(state.metrics), auth_middleware(state),
+    messages = MessagesRoutes(handlers)
+    # anthropic_middleware: Anthropic's error shape and x-api-key under /v1/messages (auth runs inside it)
+    app = web.Application(middlewares=[error_middleware(state.metrics), anthropic_middleware, auth_middleware(state),
                                        content_type_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app.add_routes([
@@ -48,6 +51,8 @@ def build_app(state: ApiState) -> web.Application:
         web.delete("/v1/responses/{response_id}", responses.not_stored),
         web.post("/v1/responses/{response_id}/cancel", responses.not_stored),
         web.get("/v1/responses/{response_id}/input_items", responses.not_stored),
+        web.post("/v1/messages", messages.create),
+        web.post("/v1/messages/count_tokens", messages.count_tokens),
         web.get("/v1/models", handlers.models),
         web.get("/v1/models/{model_id:.+}", handlers.model),
         web.post("/tokenize", handlers.tokenize),

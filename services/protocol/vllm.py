@@ -82,7 +82,6 @@ UNSUPPORTED_ROUTES = {
     "/v1/chat/completions/render": "prompt rendering is offered by /tokenize",
     "/v1/completions/render": "prompt rendering is offered by /tokenize",
     "/inference/v1/generate": "token-in token-out generation is offered by /v1/completions with token-id prompts",
-    "/v1/messages": "the Anthropic Messages API is not implemented",
     "/server_info": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
     "/reset_prefix_cache": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",
     "/sleep": "a development route of vLLM (VLLM_SERVER_DEV_MODE)",

@@ -1,0 +1,121 @@
+"""POST /v1/messages, Anthropic's Messages API, on chat's path: the body becomes a chat request that runs as chat's
+do (tenants, limits, timeouts, metrics, aborts); the answer is rendered here (services/protocol/anthropic.py).
+/v1/messages/count_tokens counts the prompt as /tokenize does. Under /v1/messages errors take Anthropic's shape and
+Anthropic's `x-api-key` header carries the API key as `Authorization: Bearer` does elsewhere."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from multidict import CIMultiDict
+
+from pagoda.services.api.errors import AuthenticationError, RateLimitError
+from pagoda.services.api.handlers import Handlers, json_response
+from pagoda.services.protocol.anthropic import (
+    MessagesRenderer,
+    anthropic_error,
+    decode_count_tokens_body,
+    decode_messages_body,
+    new_id,
+    rename_error,
+    to_chat,
+)
+from pagoda.services.protocol.render import CHAT
+from pagoda.services.protocol.schemas import chat_output_spec, chat_request, prompt_bytes
+from pagoda.services.protocol.tools import default_tool_parser
+from pagoda.shared.errors import InvalidRequestError, PagodaError
+from pagoda.shared.messages import RenderSpec, TokenizeRequest, TokenizeResult
+
+MESSAGES_PATH = "/v1/messages"
+AUTH_HELP = "Invalid or missing API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'"
+
+
+class MessagesRoutes:
+    def __init__(self, handlers: Handlers) -> None:
+        self.handlers = handlers
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        handlers, state = self.handlers, self.handlers.state
+        config = state.config
+        started_at = time.monotonic()
+        body = decode_messages_body(await handlers._body(request))
+        model = handlers._check_model(body.model, request)
+        message_id = new_id("msg")
+        form = to_chat(body)  # its errors name the Messages fields already
+        try:
+            # system, texts, tool calls and results, tool definitions
+            handlers._check_prompt_bytes(prompt_bytes(form.chat), "prompt", "messages")
+            message = chat_request(form.chat, message_id, time.time(), config.max_logprobs,
+                                   state.pool.sampling_defaults)
+            output = chat_output_spec(form.chat, config.tool_call_parser
+                                      or default_tool_parser(sorted(state.model_names)), config.reasoning_parser)
+        except InvalidRequestError as exc:
+            raise rename_error(exc) from None
+        created = int(time.time())
+        stream = bool(body.stream)
+        renderer = MessagesRenderer(message_id, model, created, output, stream=stream)
+        spec = RenderSpec(CHAT, message_id, model, created, stream)  # the request's id, model and mode
+        try:
+            return await handlers._generate(request, [message], spec, started_at, {}, form.constraint, renderer)
+        except PagodaError as exc:  # a refusal by the tokenizer (the prompt too long, a schema that does not compile)
+            raise rename_error(exc) from None
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """The prompt a Messages body would run, tokenized as generation tokenizes it: {"input_tokens": N}."""
+        handlers = self.handlers
+        body = decode_count_tokens_body(await handlers._body(request))
+        handlers._check_model(body.model, request)
+        request_id = new_id("count")
+        form = to_chat(body.as_messages())
+        try:
+            handlers._check_prompt_bytes(prompt_bytes(form.chat), "prompt", "messages")
+            prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)
+        except InvalidRequestError as exc:
+            raise rename_error(exc) from None
+        try:
+            reply = await handlers._ask(TokenizeRequest(
+                request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
+                add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message, tools=prompt.tools,
+                chat_template_kwargs=prompt.chat_template_kwargs))
+        except PagodaError as exc:
+            raise rename_error(exc) from None
+        assert isinstance(reply, TokenizeResult), type(reply).__name__
+        return json_response({"input_tokens": len(reply.token_ids)})
+
+
+def _is_messages(request: web.Request) -> bool:
+    return request.path == MESSAGES_PATH or request.path.startswith(MESSAGES_PATH + "/")
+
+
+@web.middleware
+async def anthropic_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Under /v1/messages: `x-api-key` joins the Authorization headers as a bearer key (the auth middleware, inside
+    this one, checks it as any key: every header must hold the same one), and a failure is Anthropic's error body
+    with the status pagoda's error carries. Other routes pass through untouched."""
+    if not _is_messages(request):
+        return await handler(request)
+    api_keys = request.headers.getall("x-api-key", [])
+    if api_keys:
+        headers = CIMultiDict(request.headers)
+        for key in api_keys:
+            headers.add("Authorization", f"Bearer {key.strip()}")
+        request = request.clone(headers=headers)
+    try:
+        return await handler(request)
+    except PagodaError as exc:
+        message = AUTH_HELP if isinstance(exc, AuthenticationError) else exc.message
+        response = json_response(anthropic_error(exc.http_status, message, exc.param), status=exc.http_status)
+        if isinstance(exc, RateLimitError):
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+        if exc.status < 400:
+            raise
+        response = json_response(anthropic_error(exc.status, f"{exc.reason}: {request.method} {request.path}"),
+                                 status=exc.status)
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response

@@ -1,0 +1,608 @@
+"""Anthropic's Messages API (POST /v1/messages): the body turned into a chat request and the answer built from the
+text (unit), checked against the anthropic SDK's own types and stream accumulator; the api process against the fake
+tokenizer (x-api-key, tenants, limits, Anthropic's error shape); SmolLM2 through the shared server, against the
+chat route it is built on, with the anthropic SDK as the client."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import pydantic
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message, RawMessageStreamEvent
+
+from pagoda.services.protocol.anthropic import (
+    ERROR_PREFIX,
+    NO_OP_VALUES,
+    REFUSED_FIELDS,
+    MessagesBody,
+    MessagesRenderer,
+    decode_count_tokens_body,
+    decode_messages_body,
+    error_from_body,
+    rename_error,
+    to_chat,
+)
+from pagoda.services.protocol.schemas import chat_output_spec, chat_request
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import ChatMessage, FinishReason, TextDelta, ToolCallMessage
+from tests.harness import HTTP, SERVED, Server
+
+EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"], "additionalProperties": False}}
+USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def chat_of(body: dict[str, Any]) -> tuple[Any, Any]:
+    """(the GenerateRequest, the ChatForm) a Messages body becomes; chat's refusals renamed as the route renames
+    them (to_chat's name the Messages fields already)."""
+    form = to_chat(decode_messages_body(json.dumps({"model": SERVED, "max_tokens": 16, **body}).encode()))
+    try:
+        return chat_request(form.chat, "msg_test", 0.0, 20), form
+    except InvalidRequestError as exc:
+        raise rename_error(exc) from None
+
+
+def refusal(body: dict[str, Any]) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as failure:
+        chat_of(body)
+    return failure.value
+
+
+# --------------------------------------------------------------------------------------------
+# the request: Messages -> chat
+
+
+def test_turns_become_the_chat_conversation() -> None:
+    request, form = chat_of({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]})
+    assert request.messages == [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")]
+    assert request.add_generation_prompt and not request.continue_final_message and form.constraint is None
+    request, _ = chat_of({"system": [{"type": "text", "text": "Be brief."},
+                                     {"type": "text", "text": "Use metric units.", "cache_control": {
+                                         "type": "ephemeral"}}],
+                          "tools": [WEATHER], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Oslo?"}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hm", "signature": ""},
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}},
+            {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {"city": "Rome"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "5 C"},
+            {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
+             "content": [{"type": "text", "text": "no station"}]},
+            {"type": "text", "text": "Thanks"}]}]})
+    assert request.messages == [
+        ChatMessage("system", "Be brief.\nUse metric units."), ChatMessage("user", "Weather in\nOslo?"),
+        ChatMessage("assistant", "Let me look.", tool_calls=[
+            ToolCallMessage("t1", "get_weather", '{"city": "Oslo"}'),
+            ToolCallMessage("t2", "get_weather", '{"city": "Rome"}')]),
+        ChatMessage("tool", "5 C", "get_weather", tool_call_id="t1"),
+        ChatMessage("tool", ERROR_PREFIX + "no station", "get_weather", tool_call_id="t2"),
+        ChatMessage("user", "Thanks")]
+    assert request.tools == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER["input_schema"], "description": WEATHER["description"]}}]
+
+
+def test_a_last_assistant_turn_is_a_prefill_the_answer_continues() -> None:
+    request, _ = chat_of({"messages": [{"role": "user", "content": "Pick A or B"},
+                                       {"role": "assistant", "content": "The answer is ("}]})
+    assert request.continue_final_message and not request.add_generation_prompt
+    assert request.messages[-1] == ChatMessage("assistant", "The answer is (")
+
+
+def test_sampling_tools_and_formats_map_to_chat() -> None:
+    request, form = chat_of({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "temperature": 0.5,
+                             "top_p": 0.9, "top_k": 5, "stop_sequences": ["\n\n"], "metadata": {"user_id": "u1"},
+                             "service_tier": "standard_only", "thinking": {"type": "disabled"},
+                             "cache_control": {"type": "ephemeral", "ttl": "1h"}})
+    params = request.params
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.stop) == (7, 0.5, 0.9, 5,
+                                                                                                ["\n\n"])
+    assert form.chat.user == "u1"
+    hi = [{"role": "user", "content": "Hi"}]
+    request, form = chat_of({"messages": hi, "tools": [WEATHER], "tool_choice": {"type": "any"}})
+    assert request.params.structured_outputs is not None and form.constraint == "tool_choice"
+    assert form.chat.tool_choice == "required"
+    _, form = chat_of({"messages": hi, "tools": [{**WEATHER, "strict": True}],
+                       "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}})
+    assert form.chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert form.chat.parallel_tool_calls is False
+    request, form = chat_of({"messages": hi, "tools": [WEATHER], "tool_choice": {"type": "none"}})
+    assert request.tools == [] and request.params.structured_outputs is None
+    request, form = chat_of({"messages": hi, "tool_choice": {"type": "auto"}})  # auto without tools: nothing to call
+    assert request.tools == [] and form.chat.tool_choice is None
+    request, form = chat_of({"messages": hi, "output_config": {"format": {"type": "json_schema", "schema": {
+        "type": "object"}}}})
+    assert request.params.structured_outputs.json == {"type": "object"}
+    assert form.constraint == "output_config.format"
+
+
+def test_count_tokens_takes_the_prompt_fields_only() -> None:
+    body = decode_count_tokens_body(json.dumps({"model": SERVED, "messages": [{"role": "user", "content": "Hi"}],
+                                                "system": "s", "tools": [WEATHER]}).encode())
+    chat = to_chat(body.as_messages()).chat
+    assert [m.role for m in chat.messages] == ["system", "user"] and chat.tools
+    with pytest.raises(InvalidRequestError) as failure:
+        decode_count_tokens_body(json.dumps({"model": SERVED, "messages": [], "max_tokens": 3}).encode())
+    assert failure.value.param == "max_tokens"
+
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"messages": HI, "container": "c1"}, "container", "containers"),
+    ({"messages": HI, "mcp_servers": [{"type": "url"}]}, "mcp_servers", "MCP"),
+    ({"messages": HI, "context_management": {"edits": []}}, "context_management", "context editing"),
+    ({"messages": HI, "inference_geo": "us"}, "inference_geo", "region"),
+    ({"messages": HI, "service_tier": "priority"}, "service_tier", "one service tier"),
+    ({"messages": HI, "speed": "fast"}, "speed", "one speed"),
+    ({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking", "thinking budgets"),
+    ({"messages": HI, "metadata": {"user_id": "u", "team": "x"}}, "metadata.team", "Unrecognized"),
+    ({"messages": HI, "output_config": {"effort": "low"}}, "output_config.effort", "effort"),
+    ({"messages": HI, "output_config": {"format": {"type": "grammar"}}}, "output_config.format.type", "json_schema"),
+    ({"messages": HI, "cache_control": {"type": "persistent"}}, "cache_control", "ephemeral"),
+    ({"messages": []}, "messages", "must not be empty"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "user or assistant"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "Unrecognized"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type",
+     "text models"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+     "messages[0].content[0].type", "text models"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"ttl": "5m"}}]}]},
+     "messages[0].content[0].cache_control", "ephemeral"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "x"}]}]},
+     "messages[0].content[0].tool_use_id", "no tool_use"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": "next"}]},
+     "messages", "no tool_result"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": "{}"}]}]}, "messages[1].content[0].input", "object"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}]}]}, "messages[1].content[0].type", "redacted_thinking"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}]}]},
+     "messages[1].content[0].type", "server tools"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     "messages[0].content[0].type", "a user turn holds"),
+    ({"messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type",
+     "server tool"),
+    ({"messages": HI, "tools": [{"name": "f"}]}, "tools[0].input_schema", "JSON schema"),
+    ({"messages": HI, "tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading", "Unrecognized"),
+    ({"messages": HI, "tools": [{**WEATHER, "strict": True}]}, "tools[0].strict", "constrained"),
+    ({"messages": HI, "tools": [WEATHER, WEATHER]}, "tools", "unique"),
+    ({"messages": HI, "tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
+    ({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name",
+     "no tool named"),
+    ({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "required"}}, "tool_choice.type",
+     "auto, any, tool or none"),
+    ({"messages": HI, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"messages": HI, "temperature": -1}, "temperature", "temperature"),
+    ({"messages": HI, "stop_sequences": [""]}, "stop_sequences", "stop"),
+])
+def test_what_is_refused_names_the_messages_field(body: dict[str, Any], param: str, needle: str) -> None:
+    error = refusal(body)
+    assert error.param == param and needle in error.message, (error.param, error.message)
+
+
+def test_unknown_and_missing_fields_are_400s_naming_them() -> None:
+    for body, param in (({"model": SERVED, "max_tokens": 1, "messages": HI, "bogus": 1}, "bogus"),
+                        ({"model": SERVED, "messages": HI}, "max_tokens"),
+                        ({"max_tokens": 1, "messages": HI}, "model")):
+        with pytest.raises(InvalidRequestError) as failure:
+            decode_messages_body(json.dumps(body).encode())
+        assert failure.value.param == param
+    # null stands for "not given", also where a value is refused
+    chat_of({"messages": HI, **{field: None for field in REFUSED_FIELDS}})
+    for field, (values, _) in NO_OP_VALUES.items():
+        for value in values:
+            chat_of({"messages": HI, field: value})
+
+
+def test_errors_take_anthropics_shape() -> None:
+    renamed = rename_error(InvalidRequestError("stop strings must not be empty (stop)", param="stop"))
+    assert (renamed.param, renamed.message) == ("stop_sequences", "stop_sequences strings must not be empty "
+                                                                  "(stop_sequences)")
+    assert rename_error(InvalidRequestError("too long", param="messages[3].content")).param == "messages"
+    assert error_from_body(InvalidRequestError("too long", param="messages").to_dict()) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "messages: too long"}}
+    timeout = {"error": {"message": "late", "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
+    assert error_from_body(timeout)["error"]["type"] == "timeout_error"
+    assert error_from_body({"error": {"message": "x", "type": "server_error"}})["error"]["type"] == "api_error"
+
+
+# --------------------------------------------------------------------------------------------
+# the answer: events and the Message
+
+
+def render(pieces: list[str], reason: int = FinishReason.STOP, *, body: dict[str, Any] | None = None,
+           reasoning: str | None = None, stream: bool = True, stop: str | None = None,
+           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the events, the Message) of a completion whose deltas are `pieces`, one token each."""
+    request, form = chat_of(body or {"messages": HI})
+    spec = chat_output_spec(form.chat, "hermes", reasoning)
+    renderer = MessagesRenderer("msg_test", SERVED, 1, spec, stream=stream)
+
+    class View:
+        choices = [type("C", (), {"num_prompt_tokens": 7})()]
+
+    data = renderer.opening(View())  # type: ignore[arg-type]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        data += renderer.chunks([(None, TextDelta("msg_test", 0, piece, 1, reason if last else -1,
+                                                  stop_reason=stop if last else None))])  # type: ignore[list-item]
+    if not stream:
+        assert data == b""
+        return [], renderer.body(None, USAGE)  # type: ignore[arg-type]
+    data += renderer.closing(USAGE)
+    events = []
+    for block in data.decode().split("\n\n")[:-1]:
+        event_line, data_line = block.split("\n")
+        event = json.loads(data_line.removeprefix("data: "))
+        assert event_line == f"event: {event['type']}"
+        EVENTS.validate_python(event)  # the anthropic SDK's own event types
+        events.append(event)
+    return events, renderer.body(None, USAGE)  # type: ignore[arg-type]
+
+
+def check_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Anthropic's order: message_start, each block's start / deltas / stop, message_delta, message_stop. Returns
+    the Message the SDK's own accumulator builds from the events."""
+    assert events[0]["type"] == "message_start" and events[0]["message"]["content"] == []
+    assert [e["type"] for e in events[-2:]] == ["message_delta", "message_stop"]
+    index = 0
+    types = []
+    for event in events[1:-2]:
+        types.append(event["type"])
+        assert event["index"] == index
+        if event["type"] == "content_block_stop":
+            index += 1
+    assert re.fullmatch(r"(content_block_start (content_block_delta )*content_block_stop )*",
+                        "".join(t + " " for t in types)), types
+    snapshot, buffers = None, {}
+    for event in events:
+        snapshot = accumulate_event(event=EVENTS.validate_python(event), current_snapshot=snapshot,
+                                    json_bufs=buffers)
+    assert snapshot is not None
+    return snapshot.model_dump(exclude_none=True)
+
+
+def _plain(message: dict[str, Any]) -> dict[str, Any]:
+    """Its JSON without the null fields the SDK drops and with its tool ids replaced."""
+    return json.loads(re.sub(r'"toolu_[0-9a-f]+"', '"ID"', json.dumps(Message.model_validate(message).model_dump(
+        exclude_none=True))))
+
+
+def test_a_plain_answer_streams_the_text_the_message_holds() -> None:
+    events, message = render(["Hel", "lo", " there"])
+    Message.model_validate(message)
+    assert message["content"] == [{"type": "text", "text": "Hello there"}]
+    assert (message["id"], message["type"], message["role"], message["model"]) == ("msg_test", "message",
+                                                                                   "assistant", SERVED)
+    assert (message["stop_reason"], message["stop_sequence"]) == ("end_turn", None)
+    assert message["usage"] == {"input_tokens": 4, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 3,
+                                "output_tokens": 5, "service_tier": "standard"}
+    assert events[0]["message"]["usage"]["input_tokens"] == 7  # the prompt, before the cache's hits are known
+    assert _plain(check_stream(events)) == _plain(message)
+    assert [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"] == ["Hel", "lo", " there"]
+    assert _plain(render(["Hel", "lo", " there"], stream=False)[1]) == _plain(message)
+
+
+def test_stop_reasons() -> None:
+    assert render(["One", " two"], FinishReason.LENGTH)[1]["stop_reason"] == "max_tokens"
+    _, stopped = render(["One", " two"], stop="\n\n")
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "\n\n")
+    events, empty = render([""])
+    assert empty["content"] == [] and empty["stop_reason"] == "end_turn"
+    assert [e["type"] for e in events] == ["message_start", "message_delta", "message_stop"]
+
+
+def test_tool_calls_and_reasoning_become_blocks() -> None:
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    pieces = ["<think>", "The user", " asks.", "</think>", "Let me", " check.", "\n", "<tool_call>",
+              '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "</tool_call>",
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>']
+    events, message = render(pieces, body=body, reasoning="qwen3")
+    Message.model_validate(message)
+    thinking, text, *calls = message["content"]
+    assert thinking == {"type": "thinking", "thinking": "The user asks.", "signature": ""}
+    assert text == {"type": "text", "text": "Let me check.\n"}
+    assert [(c["type"], c["name"], c["input"]) for c in calls] == [("tool_use", "get_weather", {"city": "Oslo"}),
+                                                                    ("tool_use", "get_weather", {"city": "Rome"})]
+    assert all(c["id"].startswith("toolu_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert message["stop_reason"] == "tool_use"
+    assert _plain(check_stream(events)) == _plain(message)
+    assert _plain(render(pieces, body=body, reasoning="qwen3", stream=False)[1]) == _plain(message)
+    # whitespace before a call is no text block; disable_parallel_tool_use keeps the first call
+    _, alone = render(["\n", pieces[-1], pieces[-1]], body={**body, "tool_choice": {
+        "type": "auto", "disable_parallel_tool_use": True}})
+    assert [block["type"] for block in alone["content"]] == ["tool_use"]
+
+
+def test_a_named_tool_streams_its_input_json() -> None:
+    body = {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    events, message = render(['{"city"', ': "Oslo"}'], body=body)
+    [call] = message["content"]
+    assert call["name"] == "get_weather" and call["input"] == {"city": "Oslo"}
+    assert [e["delta"] for e in events if e["type"] == "content_block_delta"] == [
+        {"type": "input_json_delta", "partial_json": '{"city"'},
+        {"type": "input_json_delta", "partial_json": ': "Oslo"}'}]
+    assert events[1]["content_block"]["input"] == {}
+    assert _plain(check_stream(events)) == _plain(message)
+    # cut off by max_tokens: arguments that are no JSON object leave the input empty
+    _, cut = render(['{"city"', ': "Os'], FinishReason.LENGTH, body=body)
+    assert cut["content"][0]["input"] == {} and cut["stop_reason"] == "max_tokens"
+
+
+def test_an_error_after_the_first_event_is_an_error_event() -> None:
+    renderer = MessagesRenderer("msg_test", SERVED, 1, chat_output_spec(chat_of({"messages": HI})[1].chat,
+                                                                        "hermes", None), stream=True)
+    data = renderer.stream_error(InvalidRequestError("too long", param="max_tokens").to_dict())
+    assert data.startswith(b"event: error\ndata: ")
+    event = json.loads(data.decode().split("data: ", 1)[1])
+    assert event == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: too long"}}
+
+
+# --------------------------------------------------------------------------------------------
+# the api process against the fake tokenizer: keys, tenants, limits, the error shape
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, str], Path]]:
+    from pagoda.services.api.tenants import add_key
+    from tests.test_api import start_stack, stop_stack
+
+    folder = tmp_path_factory.mktemp("messages")
+    keys_path, usage_path = folder / "keys.json", folder / "usage.jsonl"
+    keys = {"one": add_key(keys_path, "one", {"requests_per_minute": 1, "weight": 2.0})[1],
+            "other": add_key(keys_path, "other", {"models": ["some-other-model"]})[1]}
+    stack = start_stack("--api-keys-file", str(keys_path), "--usage-log", str(usage_path),
+                        "--max-prompt-bytes", "200", "--request-timeout", "2")
+    yield stack, keys, usage_path
+    stop_stack(stack)
+    print(stack.log())
+
+
+def _post(stack: Any, headers: dict[str, str], body: dict[str, Any], path: str = "/v1/messages") -> httpx.Response:
+    return stack.post(path, {"model": SERVED, "max_tokens": 3, **body}, headers={**headers,
+                                                                                "anthropic-version": "2023-06-01"})
+
+
+def _error(response: httpx.Response, status: int, kind: str) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind, body
+    return body["error"]["message"]
+
+
+@pytest.mark.slow
+def test_keys_tenants_and_limits_apply_as_for_chat(stack: tuple[Any, dict[str, str], Path]) -> None:
+    from tests.test_api import API_KEY, fake_text
+
+    api, keys, usage_path = stack
+    hello = {"messages": [{"role": "user", "content": "hello there"}]}
+    assert "x-api-key" in _error(_post(api, {}, hello), 401, "authentication_error")
+    _error(_post(api, {"x-api-key": "pgk-unknown"}, hello), 401, "authentication_error")
+    # two keys that differ: refused, as two Authorization headers that differ are
+    _error(_post(api, {"x-api-key": keys["one"], "Authorization": f"Bearer {API_KEY}"}, hello), 401,
+           "authentication_error")
+    _error(_post(api, {"x-api-key": keys["other"]}, hello), 404, "not_found_error")  # not its model
+    response = _post(api, {"x-api-key": keys["one"]}, hello)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    assert message["id"].startswith("msg_") and message["stop_reason"] == "max_tokens"
+    assert message["content"] == [{"type": "text", "text": fake_text("hello", 0, 3)}]
+    forwarded = api.tokenizer.requests[message["id"]]
+    assert forwarded.render is None  # the api renders the Message from the tokenizer's text
+    assert (forwarded.tenant, forwarded.tenant_weight) == ("one", 2.0)
+    refused = _post(api, {"x-api-key": keys["one"]}, {"messages": [{"role": "user", "content": "hello again"}]})
+    _error(refused, 429, "rate_limit_error")
+    assert int(refused.headers["Retry-After"]) >= 1
+    record = next(json.loads(line) for line in usage_path.read_text().splitlines()
+                  if json.loads(line)["request_id"] == message["id"])
+    assert (record["tenant"], record["status"], record["completion_tokens"]) == ("one", 200, 3)
+    operator = {"Authorization": f"Bearer {API_KEY}"}
+    # --max-prompt-bytes counts the system prompt, the turns and the tool definitions
+    long = _post(api, operator, {"system": "s" * 150, "messages": [{"role": "user", "content": "x" * 60}]})
+    assert "--max-prompt-bytes" in _error(long, 400, "invalid_request_error")
+    tools = _post(api, operator, {"tools": [{**WEATHER, "description": "d" * 200}], **hello})
+    assert _error(tools, 400, "invalid_request_error").startswith("messages: ")
+    assert "thinking" in _error(_post(api, operator, {**hello, "thinking": {"type": "enabled"}}), 400,
+                                "invalid_request_error")
+    _error(_post(api, operator, {**hello, "model": "claude-sonnet-4-5"}), 404, "not_found_error")
+    # a tokenizer's refusal, and aiohttp's own errors, take the same shape; other routes keep OpenAI's
+    _error(_post(api, operator, {"messages": [{"role": "user", "content": "reject this"}]}), 400,
+           "invalid_request_error")
+    _error(HTTP.get(api.url + "/v1/messages", headers=operator), 405, "invalid_request_error")
+    _error(HTTP.post(api.url + "/v1/messages/batches", json={}, headers=operator), 404, "not_found_error")
+    assert api.post("/v1/chat/completions", {"messages": []}).json()["error"]["param"] == "messages"
+    counted = _post(api, {"x-api-key": API_KEY}, {"messages": [{"role": "user", "content": "one two three"}],
+                                                  "max_tokens": None}, path="/v1/messages/count_tokens")
+    assert counted.status_code == 400  # count_tokens takes no max_tokens
+    counted = api.post("/v1/messages/count_tokens", {"model": SERVED, "system": "s",
+                                                     "messages": [{"role": "user", "content": "one two three"}]},
+                       headers={"x-api-key": API_KEY})
+    assert counted.status_code == 200 and counted.json() == {"input_tokens": 4}  # the fake counts words
+
+
+@pytest.mark.slow
+def test_a_stream_that_times_out_ends_with_an_error_event(stack: tuple[Any, dict[str, str], Path]) -> None:
+    from tests.test_api import API_KEY
+
+    api = stack[0]
+    with httpx.stream("POST", api.url + "/v1/messages", headers={"x-api-key": API_KEY}, timeout=10, json={
+            "model": SERVED, "max_tokens": 5, "stream": True,
+            "messages": [{"role": "user", "content": "hang streamed"}]}) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["message_start", "error"]
+    assert events[-1]["error"]["type"] == "timeout_error"
+    timed_out = _post(api, {"x-api-key": API_KEY}, {"messages": [{"role": "user", "content": "hang plain"}]})
+    _error(timed_out, 408, "timeout_error")
+
+
+# --------------------------------------------------------------------------------------------
+# SmolLM2 through the shared server, with the anthropic SDK
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_server: Server) -> Server:
+    return smollm2_server
+
+
+# The anthropic SDK (2.x) no longer has sampling arguments; the API takes them, as older SDKs send them
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=120, max_retries=0)
+
+
+def chat(server: Server, messages: list[dict[str, Any]], **extra: Any) -> Any:
+    return server.client(timeout=120).chat.completions.create(model=SERVED, messages=messages, temperature=0,
+                                                               **extra)  # type: ignore[call-overload]
+
+
+@pytest.mark.slow
+def test_an_answer_is_chats_answer_to_the_same_conversation(server: Server, client: anthropic.Anthropic) -> None:
+    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+             {"role": "user", "content": "Another one?"}]
+    message = client.messages.create(model=SERVED, max_tokens=8, extra_body=GREEDY, system="You answer in one word.",
+                                     messages=turns)  # type: ignore[arg-type]
+    expected = chat(server, [{"role": "system", "content": "You answer in one word."}, *turns], max_tokens=8)
+    assert message.content[0].text == expected.choices[0].message.content
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    assert usage.output_tokens == expected.usage.completion_tokens
+    assert message.stop_reason == ("max_tokens" if expected.choices[0].finish_reason == "length" else "end_turn")
+    counted = client.messages.count_tokens(model=SERVED, system="You answer in one word.",
+                                           messages=turns)  # type: ignore[arg-type]
+    assert counted.input_tokens == expected.usage.prompt_tokens
+    # a prefill: the answer continues the last assistant turn, as chat's continue_final_message
+    prefill = [turns[0], {"role": "assistant", "content": "My favourite colour is"}]
+    continued = client.messages.create(model=SERVED, max_tokens=4, extra_body=GREEDY,
+                                       messages=prefill)  # type: ignore[arg-type]
+    expected = chat(server, prefill, max_tokens=4,
+                    extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert continued.content[0].text == expected.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_a_streamed_answer_is_the_answer(client: anthropic.Anthropic) -> None:
+    body: dict[str, Any] = {"model": SERVED, "max_tokens": 8, "extra_body": GREEDY,
+                            "messages": [{"role": "user", "content": "Write one short sentence about the sea."}]}
+    whole = client.messages.create(**body)
+    with client.messages.stream(**body) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()  # the SDK's own accumulator over the events
+    assert "".join(texts) == final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason == "max_tokens" and final.usage.output_tokens == 8
+    # a stop sequence from the middle of the greedy answer ends it there, not shown
+    stop = " " + whole.content[0].text.split()[2]
+    stopped = client.messages.create(**{**body, "stop_sequences": [stop]})
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert stopped.content[0].text == whole.content[0].text[:whole.content[0].text.index(stop)]
+
+
+@pytest.mark.slow
+def test_a_tool_round_trip(server: Server, client: anthropic.Anthropic) -> None:
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    first = client.messages.create(model=SERVED, max_tokens=40, extra_body=GREEDY, messages=[question],  # type: ignore
+                                   tools=[WEATHER], tool_choice={"type": "any"})  # type: ignore[list-item]
+    [call] = first.content
+    assert call.type == "tool_use" and call.name == "get_weather" and first.stop_reason == "tool_use"
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    second = client.messages.create(
+        model=SERVED, max_tokens=6, extra_body=GREEDY, tools=[WEATHER],  # type: ignore[list-item]
+        messages=[question, {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                "content": "Sunny, 21 C"}]}])  # type: ignore[list-item]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
+                                               "parameters": WEATHER["input_schema"]}}]
+    expected = chat(server, [question, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+        {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": "Sunny, 21 C"}],
+        tools=tools, max_tokens=6)
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    assert "".join(b.text for b in second.content if b.type == "text") == (expected.choices[0].message.content or "")
+    with client.messages.stream(model=SERVED, max_tokens=30, extra_body=GREEDY, messages=[question],  # type: ignore
+                                tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    [streamed] = final.content
+    jsonschema.validate(streamed.input, WEATHER["input_schema"])
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
+    assert json.loads(partial) == streamed.input
+
+
+@pytest.mark.slow
+def test_refusals_over_http_are_anthropic_errors(server: Server, client: anthropic.Anthropic) -> None:
+    url = server.url + "/v1/messages"
+    for body, needle in (({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+                         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                          "messages[0].content[0].type"),
+                         ({"messages": HI, "max_tokens": 5000}, "max_tokens"),  # past the context
+                         ({"messages": [{"role": "user", "content": "hello " * 1100}]}, "messages")):
+        response = HTTP.post(url, json={"model": SERVED, "max_tokens": 4, **body}, timeout=120)
+        assert response.status_code == 400, response.text
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["message"].startswith(needle), error
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=HI)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.BadRequestError) as failure:
+        client.messages.create(model=SERVED, max_tokens=4, messages=HI, extra_body={"mcp_servers": [{  # type: ignore
+            "type": "url", "url": "https://example.invalid", "name": "x"}]})
+    assert "mcp_servers" in str(failure.value)
+
+
+# --------------------------------------------------------------------------------------------
+# docs/vllm-compat.md's Messages table against the server
+
+
+def _table() -> list[list[str]]:
+    from tests.test_vllm_compat import doc_rows
+
+    return doc_rows("The Anthropic Messages API")
+
+
+@pytest.mark.slow
+def test_the_messages_table_matches_the_server(server: Server) -> None:
+    rows = _table()
+    for field, status, example, _notes in rows:
+        body = {"model": SERVED, "max_tokens": 1, "messages": HI, **json.loads(example)}
+        response = HTTP.post(server.url + "/v1/messages", json=body, timeout=120)
+        where = f"{field}: {response.text[:300]}"
+        if status in ("supported", "mapped"):
+            assert response.status_code == 200, where
+            if body.get("stream"):
+                for line in response.text.splitlines():
+                    if line.startswith("data: "):
+                        EVENTS.validate_python(json.loads(line[6:]))
+            else:
+                Message.model_validate(response.json())
+        else:
+            assert status == "refused" and response.status_code == 400, where
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error", where
+            assert error["message"].startswith(f"{field}: ") and REFUSED_FIELDS[field] in error["message"], where
+    assert len(rows) > 20
+
+
+def test_the_messages_table_covers_every_field() -> None:
+    rows = {row[0]: row[1] for row in _table()}
+    assert set(rows) == set(MessagesBody.__struct_fields__), "Messages fields and docs/vllm-compat.md's rows differ"
+    assert all(rows[field] == "refused" for field in REFUSED_FIELDS)
+    assert all(rows[field] == "mapped" for field in NO_OP_VALUES)
