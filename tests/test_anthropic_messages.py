@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from pagoda.services.protocol.anthropic import (
 from pagoda.services.protocol.schemas import chat_output_spec, chat_request
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import ChatMessage, FinishReason, TextDelta, ToolCallMessage
-from tests.harness import HTTP, SERVED, Server
+from tests.harness import HTTP, SERVED, Server, wait_until
 
 EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -74,8 +75,10 @@ def test_turns_become_the_chat_conversation() -> None:
         {"role": "user", "content": [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Oslo?"}]},
         {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "hm", "signature": ""},
-            {"type": "text", "text": "Let me look."},
-            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}},
+            {"type": "text", "text": "Let me look.", "citations": None},
+            # as the SDK writes an answer's block back (model_dump()): its null fields too
+            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}, "caller": None,
+             "toolset_name": None},
             {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {"city": "Rome"}}]},
         {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t1", "content": "5 C"},
@@ -171,6 +174,10 @@ HI = [{"role": "user", "content": "Hi"}]
         {"type": "tool_use", "id": "t1", "name": "f", "input": "{}"}]}]}, "messages[1].content[0].input", "object"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
         {"type": "redacted_thinking", "data": "x"}]}]}, "messages[1].content[0].type", "redacted_thinking"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}, "caller": {"type": "code_execution"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]},
+     "messages[1].content[0].caller", "programmatic"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
         {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}]}]},
      "messages[1].content[0].type", "server tools"),
@@ -368,7 +375,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[
     keys = {"one": add_key(keys_path, "one", {"requests_per_minute": 1, "weight": 2.0})[1],
             "other": add_key(keys_path, "other", {"models": ["some-other-model"]})[1]}
     stack = start_stack("--api-keys-file", str(keys_path), "--usage-log", str(usage_path),
-                        "--max-prompt-bytes", "200", "--request-timeout", "2")
+                        "--max-prompt-bytes", "200", "--request-timeout", "2", "--max-inflight-requests", "1")
     yield stack, keys, usage_path
     stop_stack(stack)
     print(stack.log())
@@ -437,7 +444,8 @@ def test_keys_tenants_and_limits_apply_as_for_chat(stack: tuple[Any, dict[str, s
 
 
 @pytest.mark.slow
-def test_a_stream_that_times_out_ends_with_an_error_event(stack: tuple[Any, dict[str, str], Path]) -> None:
+def test_a_timeout_ends_a_stream_with_an_error_event_and_inflight_requests_are_bounded(
+        stack: tuple[Any, dict[str, str], Path]) -> None:
     from tests.test_api import API_KEY
 
     api = stack[0]
@@ -448,8 +456,18 @@ def test_a_stream_that_times_out_ends_with_an_error_event(stack: tuple[Any, dict
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
     assert [e["type"] for e in events] == ["message_start", "error"]
     assert events[-1]["error"]["type"] == "timeout_error"
-    timed_out = _post(api, {"x-api-key": API_KEY}, {"messages": [{"role": "user", "content": "hang plain"}]})
-    _error(timed_out, 408, "timeout_error")
+    # past --max-inflight-requests (1): 503, Anthropic's overloaded_error, with Retry-After
+    hanging = threading.Thread(target=lambda: answers.append(_post(api, {"x-api-key": API_KEY}, {
+        "messages": [{"role": "user", "content": "hang plain"}]})))
+    answers: list[httpx.Response] = []
+    hanging.start()
+    wait_until(lambda: any(g.messages and g.messages[-1].content == "hang plain"
+                           for g in api.tokenizer.requests.values()), 5.0, "a request in flight")
+    overloaded = _post(api, {"x-api-key": API_KEY}, {"messages": [{"role": "user", "content": "one more"}]})
+    _error(overloaded, 503, "overloaded_error")
+    assert overloaded.headers["Retry-After"] == "1"
+    hanging.join(10)
+    _error(answers[0], 408, "timeout_error")  # --request-timeout 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,7 +544,7 @@ def test_a_tool_round_trip(server: Server, client: anthropic.Anthropic) -> None:
     jsonschema.validate(call.input, WEATHER["input_schema"])
     second = client.messages.create(
         model=SERVED, max_tokens=6, extra_body=GREEDY, tools=[WEATHER],  # type: ignore[list-item]
-        messages=[question, {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+        messages=[question, {"role": "assistant", "content": [call.model_dump()]},  # sent back whole
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                                 "content": "Sunny, 21 C"}]}])  # type: ignore[list-item]
     tools = [{"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],

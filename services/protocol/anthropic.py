@@ -36,6 +36,12 @@ NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "standard_only"), "this server has one service tier (standard)"),
     "speed": ((None, "standard"), "this server has one speed (standard)"),
 }
+# Fields of a tool_use block that the anthropic SDK writes, null, when a client sends an answer's block back whole
+# (model_dump()): field -> why a value is refused.
+TOOL_USE_NULL_FIELDS = {
+    "caller": "only the model calls tools here (no programmatic tool calling)",
+    "toolset_name": "tools are not grouped in toolsets here",
+}
 MEDIA_BLOCKS = {"image": "image", "document": "document", "search_result": "search result",
                 "container_upload": "file"}
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: chat's tool messages have no error flag; the model reads it
@@ -242,8 +248,10 @@ def _assistant(blocks: list[Any], param: str, calls: dict[str, str]) -> MessageB
         where = f"{param}[{j}]"
         block, kind = _block(obj, where)
         if kind == "tool_use":
-            _keys(block, {"type", "id", "name", "input", "cache_control"}, where,
+            _keys(block, {"type", "id", "name", "input", "cache_control", *TOOL_USE_NULL_FIELDS}, where,
                   'a tool_use block is {"type": "tool_use", "id", "name", "input"}')
+            for key, reason in TOOL_USE_NULL_FIELDS.items():
+                _require(block.get(key) is None, f"{where}.{key}", f"{key} is not supported: {reason}")
             for key in ("id", "name"):
                 _require(isinstance(block.get(key), str) and bool(block[key]), f"{where}.{key}",
                          f"{key} must be a non-empty string")
@@ -252,7 +260,8 @@ def _assistant(blocks: list[Any], param: str, calls: dict[str, str]) -> MessageB
             _cache_control(block.get("cache_control"), f"{where}.cache_control")
             calls[block["id"]] = block["name"]
             tool_calls.append({"id": block["id"], "type": "function",
-                               "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+                               "function": {"name": block["name"],
+                                            "arguments": json.dumps(block["input"], ensure_ascii=False)}})
         elif kind == "thinking":  # an earlier answer's reasoning: dropped, as chat templates drop reasoning
             _keys(block, {"type", "thinking", "signature"}, where,
                   'a thinking block is {"type": "thinking", "thinking", "signature"}')
