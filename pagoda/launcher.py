@@ -29,7 +29,7 @@ import msgspec
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.shared.errors import ConfigError, PagodaError
 from pagoda.shared.messages import PROCESS_TABLE_FILE, ProcessEntry, ProcessTable
-from pagoda.shared.shapes import check_divisible, resolve_arch
+from pagoda.shared.shapes import check_divisible, resolve_arch, resolve_max_model_len
 from pagoda.shared.transport import ClusterKeys
 
 SHUTDOWN_DEADLINE_S = 10.0
@@ -162,6 +162,7 @@ def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
     tp_size = engine_config.tensor_parallel_size
     arch = resolve_arch(engine_config.model, engine_config.load_format)
     check_divisible(arch, tp_size)
+    resolve_max_model_len(arch, engine_config.max_model_len)
     if tp_size > 1 and engine_config.tp_init_address is None:
         engine_config = replace(engine_config, tp_init_address=f"tcp://127.0.0.1:{free_ports(1)[0]}")
     return engine_config

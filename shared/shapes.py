@@ -489,6 +489,21 @@ def fit_vocab_to_tokenizer(arch: ModelArch, tokenizer: str) -> ModelArch:
     return replace(arch, vocab_size=vocab_size, eos_token_ids=eos_ids, bos_token_id=bos_id)
 
 
+def resolve_max_model_len(arch: ModelArch, wanted: int | None) -> int:
+    """The context to serve: --max-model-len (None: all the model supports), refused past the model's context limit
+    and its sliding window (no sliding-window attention here: stay inside it). Checked by the launcher before any
+    process starts and by the worker that sizes its cache."""
+    limit = arch.context_limit
+    if arch.sliding_window:
+        limit = min(limit, arch.sliding_window)
+    if wanted is None:
+        return limit
+    if wanted > limit:
+        raise ConfigError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens",
+                          param="max_model_len")
+    return wanted
+
+
 def check_divisible(arch: ModelArch, tp_size: int) -> None:
     """Tensor parallelism splits heads and MLP columns evenly; say which number does not divide."""
     sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),

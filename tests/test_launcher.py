@@ -119,3 +119,22 @@ def test_a_replica_failing_at_start_waits_down_then_comes_back() -> None:
     launcher.restart_replica(1)
     assert launcher.down_replicas == set()
     assert {c.num_restarts for c in launcher.children if c.replica == 1} == {2}
+
+
+def test_a_max_model_len_past_the_models_context_is_refused_before_any_process_starts(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--max-model-len` beyond the model's context is known from its config: `pagoda serve` says so in one line and
+    exits 2, as for a tensor-parallel size that does not divide its heads, instead of starting every process for the
+    worker to fail (exit 1, 'start-up failed')."""
+    from pagoda.cli import build_parser
+    from pagoda.shared.shapes import SHAPES, resolve_max_model_len
+
+    limit = SHAPES["tiny"].context_limit
+    assert resolve_max_model_len(SHAPES["tiny"], None) == limit
+    assert resolve_max_model_len(SHAPES["tiny"], limit) == limit
+    args = build_parser().parse_args(["serve", "--shape", "tiny", "--max-model-len", str(limit + 1),
+                                      "--runtime-dir", str(tmp_path)])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"pagoda: error: max_model_len {limit + 1} exceeds the model's context of {limit} tokens\n", err
+    assert not list(tmp_path.glob("*.sock"))

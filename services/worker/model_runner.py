@@ -48,7 +48,7 @@ from pagoda.shared.messages import (
     StepPlan,
     StepResult,
 )
-from pagoda.shared.shapes import ModelArch, check_divisible, resolve_arch
+from pagoda.shared.shapes import ModelArch, check_divisible, resolve_arch, resolve_max_model_len
 
 log = logging.getLogger(__name__)
 
@@ -314,14 +314,7 @@ class ModelRunner:
                 cache[:, :, blocks[start:start + SWAP_CHUNK]] = staged.movedim(0, 2)  # [L, kv tensors, C, bs, ...]
 
     def _max_model_len(self) -> int:
-        limit = self.arch.context_limit
-        if self.arch.sliding_window:
-            limit = min(limit, self.arch.sliding_window)  # no sliding-window attention: stay inside it
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ConfigError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens",
-                              param="max_model_len")
-        return wanted
+        return resolve_max_model_len(self.arch, self.config.max_model_len)
 
     def kv_bytes_per_block(self) -> int:
         itemsize = torch.finfo(self.kv_dtype).bits // 8
