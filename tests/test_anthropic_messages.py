@@ -84,7 +84,8 @@ def test_turns_become_the_chat_conversation() -> None:
             {"type": "tool_result", "tool_use_id": "t1", "content": "5 C"},
             {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
              "content": [{"type": "text", "text": "no station"}]},
-            {"type": "text", "text": "Thanks"}]}]})
+            {"type": "text", "text": "Thanks"}]},
+        {"role": "system", "content": [{"type": "text", "text": "Answer in French."}]}]})
     assert request.messages == [
         ChatMessage("system", "Be brief.\nUse metric units."), ChatMessage("user", "Weather in\nOslo?"),
         ChatMessage("assistant", "Let me look.", tool_calls=[
@@ -92,7 +93,7 @@ def test_turns_become_the_chat_conversation() -> None:
             ToolCallMessage("t2", "get_weather", '{"city": "Rome"}')]),
         ChatMessage("tool", "5 C", "get_weather", tool_call_id="t1"),
         ChatMessage("tool", ERROR_PREFIX + "no station", "get_weather", tool_call_id="t2"),
-        ChatMessage("user", "Thanks")]
+        ChatMessage("user", "Thanks"), ChatMessage("system", "Answer in French.")]
     assert request.tools == [{"type": "function", "function": {
         "name": "get_weather", "parameters": WEATHER["input_schema"], "description": WEATHER["description"]}}]
 
@@ -157,7 +158,9 @@ HI = [{"role": "user", "content": "Hi"}]
     ({"messages": HI, "output_config": {"format": {"type": "grammar"}}}, "output_config.format.type", "json_schema"),
     ({"messages": HI, "cache_control": {"type": "persistent"}}, "cache_control", "ephemeral"),
     ({"messages": []}, "messages", "must not be empty"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "user or assistant"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "user, assistant or system"),
+    ({"messages": [*HI, {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "messages[1].content[0].type", "expected a text block"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "Unrecognized"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type",
      "text models"),

@@ -214,7 +214,8 @@ def _text(obj: Any, param: str) -> str:
 
 def conversation(turns: list[Any]) -> list[MessageBody]:
     """`messages` as chat messages: a user turn's tool_result blocks become tool messages (in order, its text the
-    user message around them), an assistant turn's tool_use blocks its tool calls. Every tool_use needs a
+    user message around them), an assistant turn's tool_use blocks its tool calls, a system turn (text only) a
+    system message where it stands. Every tool_use needs a
     tool_result later, and every tool_result a tool_use before it."""
     _require(len(turns) > 0, "messages", "messages must not be empty")
     out: list[MessageBody] = []
@@ -225,12 +226,16 @@ def conversation(turns: list[Any]) -> list[MessageBody]:
         _require(isinstance(turn, dict), param, "a message is {role, content}")
         _keys(turn, {"role", "content"}, param, 'a message is {"role": "user" | "assistant", "content"}')
         role, content = turn.get("role"), turn.get("content")
-        _require(role in ("user", "assistant"), f"{param}.role", f"role must be user or assistant, got {role!r}")
+        _require(role in ("user", "assistant", "system"), f"{param}.role",
+                 f"role must be user, assistant or system, got {role!r}")
         if isinstance(content, str):
             out.append(MessageBody(role=role, content=content))
             continue
         _require(isinstance(content, list), f"{param}.content", "content must be a string or a list of blocks")
-        if role == "assistant":
+        if role == "system":  # a system message mid-conversation (Claude Code sends them): chat's, where it stands
+            texts = [_text(block, f"{param}.content[{j}]") for j, block in enumerate(content)]
+            out.append(MessageBody(role="system", content="\n".join(texts)))
+        elif role == "assistant":
             out.append(_assistant(content, f"{param}.content", calls))
         else:
             out.extend(_user(content, f"{param}.content", calls, answered))
