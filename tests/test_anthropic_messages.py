@@ -225,6 +225,10 @@ def test_errors_take_anthropics_shape() -> None:
     assert (renamed.param, renamed.message) == ("stop_sequences", "stop_sequences strings must not be empty "
                                                                   "(stop_sequences)")
     assert rename_error(InvalidRequestError("too long", param="messages[3].content")).param == "messages"
+    too_long = rename_error(InvalidRequestError("the prompt (messages) has 9 tokens; this model accepts at most 8 "
+                                                "prompt tokens (truncate_prompt_tokens: -1 keeps what fits)",
+                                                param="messages"))
+    assert too_long.message == "the prompt (messages) has 9 tokens; this model accepts at most 8 prompt tokens"
     assert error_from_body(InvalidRequestError("too long", param="messages").to_dict()) == {
         "type": "error", "error": {"type": "invalid_request_error", "message": "messages: too long"}}
     timeout = {"error": {"message": "late", "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
@@ -435,6 +439,10 @@ def test_keys_tenants_and_limits_apply_as_for_chat(stack: tuple[Any, dict[str, s
     _error(_post(api, operator, {"messages": [{"role": "user", "content": "reject this"}]}), 400,
            "invalid_request_error")
     _error(HTTP.get(api.url + "/v1/messages", headers=operator), 405, "invalid_request_error")
+    _error(HTTP.post(api.url + "/v1/messages", content=b"model=x", headers={
+        **operator, "Content-Type": "application/x-www-form-urlencoded"}), 415, "invalid_request_error")
+    _error(HTTP.post(api.url + "/v1/messages", content=b" " * (33 << 20), headers=operator), 413,
+           "request_too_large")
     _error(HTTP.post(api.url + "/v1/messages/batches", json={}, headers=operator), 404, "not_found_error")
     assert api.post("/v1/chat/completions", {"messages": []}).json()["error"]["param"] == "messages"
     counted = _post(api, {"x-api-key": API_KEY}, {"messages": [{"role": "user", "content": "one two three"}],
@@ -526,9 +534,12 @@ def test_a_streamed_answer_is_the_answer(client: anthropic.Anthropic) -> None:
                             "messages": [{"role": "user", "content": "Write one short sentence about the sea."}]}
     whole = client.messages.create(**body)
     with client.messages.stream(**body) as stream:
-        texts = list(stream.text_stream)
+        events = list(stream)
         final = stream.get_final_message()  # the SDK's own accumulator over the events
+    texts = [e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"]
     assert "".join(texts) == final.content[0].text == whole.content[0].text
+    assert events[0].type == "message_start"  # the whole prompt, before the prefix cache's share is known
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
     assert final.stop_reason == whole.stop_reason == "max_tokens" and final.usage.output_tokens == 8
     # a stop sequence from the middle of the greedy answer ends it there, not shown
     stop = " " + whole.content[0].text.split()[2]

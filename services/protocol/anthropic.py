@@ -406,12 +406,16 @@ def messages_param(param: str | None) -> str | None:
     return param
 
 
+CHAT_ONLY_HINT = " (truncate_prompt_tokens: -1 keeps what fits)"  # the tokenizer's, naming a field of chat's only
+
+
 def rename_error(exc: PagodaError) -> PagodaError:
     """`exc` naming the Messages field instead of chat's (its message too, for the names that differ)."""
     param = messages_param(exc.param)
-    if param != exc.param:
+    if param != exc.param or CHAT_ONLY_HINT in exc.message:
         if exc.param in ("max_completion_tokens", "stop") and exc.param is not None:
             exc.message = exc.message.replace(exc.param, param or "")
+        exc.message = exc.message.replace(CHAT_ONLY_HINT, "")
         exc.args = (exc.message,)
         exc.param = param
     return exc
