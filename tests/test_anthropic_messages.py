@@ -32,7 +32,7 @@ from pagoda.services.protocol.anthropic import (
     rename_error,
     to_chat,
 )
-from pagoda.services.protocol.schemas import chat_output_spec, chat_request
+from pagoda.services.protocol.schemas import MAX_TURNS, chat_output_spec, chat_request
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import ChatMessage, FinishReason, TextDelta, ToolCallMessage
 from tests.harness import HTTP, SERVED, Server, wait_until
@@ -197,6 +197,10 @@ HI = [{"role": "user", "content": "Hi"}]
      "no tool named"),
     ({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "required"}}, "tool_choice.type",
      "auto, any, tool or none"),
+    ({"messages": [*HI, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}} for i in range(MAX_TURNS + 1)]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}"} for i in range(MAX_TURNS + 1)]}]},
+     "messages", "at most 16384 tool calls"),
     ({"messages": HI, "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"messages": HI, "temperature": -1}, "temperature", "temperature"),
     ({"messages": HI, "stop_sequences": [""]}, "stop_sequences", "stop"),
@@ -209,7 +213,8 @@ def test_what_is_refused_names_the_messages_field(body: dict[str, Any], param: s
 def test_unknown_and_missing_fields_are_400s_naming_them() -> None:
     for body, param in (({"model": SERVED, "max_tokens": 1, "messages": HI, "bogus": 1}, "bogus"),
                         ({"model": SERVED, "messages": HI}, "max_tokens"),
-                        ({"max_tokens": 1, "messages": HI}, "model")):
+                        ({"max_tokens": 1, "messages": HI}, "model"),
+                        ({"model": SERVED, "max_tokens": 1, "messages": HI * (MAX_TURNS + 1)}, "messages")):
         with pytest.raises(InvalidRequestError) as failure:
             decode_messages_body(json.dumps(body).encode())
         assert failure.value.param == param
@@ -439,6 +444,8 @@ def test_keys_tenants_and_limits_apply_as_for_chat(stack: tuple[Any, dict[str, s
     _error(_post(api, operator, {"messages": [{"role": "user", "content": "reject this"}]}), 400,
            "invalid_request_error")
     _error(HTTP.get(api.url + "/v1/messages", headers=operator), 405, "invalid_request_error")
+    assert "not valid JSON" in _error(HTTP.post(api.url + "/v1/messages", content=b"{bad json", headers=operator),
+                                      400, "invalid_request_error")
     _error(HTTP.post(api.url + "/v1/messages", content=b"model=x", headers={
         **operator, "Content-Type": "application/x-www-form-urlencoded"}), 415, "invalid_request_error")
     _error(HTTP.post(api.url + "/v1/messages", content=b" " * (33 << 20), headers=operator), 413,
