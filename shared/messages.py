@@ -337,7 +337,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     num_computed_tokens: int  # tokens whose K/V already sit in block_ids (prefix cache, fork)
     sampling: SamplingParams
     seed: int  # the effective sampling seed (the request's, or one drawn at arrival)
-    eos_token_ids: list[int] = []  # min_tokens > 0 without ignore_eos: the EOS ids to ban until then
+    eos_token_ids: list[int] = []  # min_tokens > 0: the EOS ids to ban until then (ignore_eos too)
     grammar_hash: str = ""  # set: sampling.structured_outputs travelled once, in a GrammarDef with this hash
 
 

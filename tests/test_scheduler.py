@@ -1151,22 +1151,35 @@ def test_add_request_trusts_validation_done_at_the_edge(monkeypatch: pytest.Monk
     assert request.sequences[0].num_output_tokens == 4
 
 
+def test_min_tokens_bans_eos_with_ignore_eos_too() -> None:
+    """vLLM's min_tokens bans the EOS ids whatever ignore_eos says (they are in its all_stop_token_ids): a request
+    with both gets no EOS among its first min_tokens tokens; ignore_eos only keeps an EOS after them from stopping
+    it. Without min_tokens nothing is banned."""
+    sched = make_scheduler()
+    both = make_request("both", 10, max_tokens=8, min_tokens=3, ignore_eos=True)
+    only_ignore = make_request("ignore", 10, max_tokens=8, ignore_eos=True)
+    for request in (both, only_ignore):
+        sched.add_request(request)
+    plan, _ = step(sched, FakeWorker(16))
+    assert {new.seq_id: new.eos_token_ids for new in plan.new_requests} == {0: [EOS], 1: []}
+
+
 def test_tokenizer_eos_stops_its_own_requests_and_reaches_the_worker_with_the_plan() -> None:
     """The worker knows no tokenizer: the scheduler stops a request on the EOS its tokenizer registered (not on
     another tokenizer's), and a new request that bans EOS until min_tokens carries the ids to ban."""
     sched = make_scheduler()
     ended = make_request("eos", 10, max_tokens=8)
     banned = make_request("min", 10, max_tokens=8, min_tokens=2)
-    free = make_request("ignore", 10, max_tokens=8, min_tokens=2, ignore_eos=True)
+    ignoring = make_request("ignore", 10, max_tokens=8, min_tokens=2, ignore_eos=True)
     other = make_request("other", 10, max_tokens=3)  # another tokenizer's: 5 is no EOS of its
-    for request in (ended, banned, free):
+    for request in (ended, banned, ignoring):
         request.eos_token_ids = frozenset({5})
         sched.add_request(request)
     sched.add_request(other)
     worker = FakeWorker(16, lambda seq_id, k: 5 if seq_id in (0, 3) else 20)
     plan, _ = step(sched, worker)
     by_seq = {new.seq_id: new.eos_token_ids for new in plan.new_requests}
-    assert by_seq == {0: [], 1: [EOS, 5], 2: [], 3: []}
+    assert by_seq == {0: [], 1: [EOS, 5], 2: [EOS, 5], 3: []}  # ignore_eos keeps the ban (vLLM's)
     assert ended.sequences[0].finish_reason == FinishReason.STOP and ended.sequences[0].num_output_tokens == 1
     run_until_done(sched, worker)
     assert other.sequences[0].finish_reason == FinishReason.LENGTH and other.sequences[0].num_output_tokens == 3

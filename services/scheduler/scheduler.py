@@ -659,9 +659,10 @@ class Scheduler:
         return budget
 
     def _banned_eos(self, request: Request) -> list[int]:
-        """The EOS ids the worker bans until min_tokens (the worker knows no EOS of its own)."""
+        """The EOS ids the worker bans until min_tokens (the worker knows no EOS of its own). ignore_eos does not
+        lift the ban: as vLLM's, whose min_tokens bans the EOS whatever ignore_eos says."""
         params = request.sampling
-        if params.min_tokens == 0 or params.ignore_eos:
+        if params.min_tokens == 0:
             return []
         return sorted(self.eos_token_ids | request.eos_token_ids)
 

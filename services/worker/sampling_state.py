@@ -177,7 +177,7 @@ class SamplingState:
         params = new.sampling
         if params.min_tokens <= 0:
             return []
-        return list(dict.fromkeys([*params.stop_token_ids, *new.eos_token_ids]))  # the scheduler's, ignore_eos applied
+        return list(dict.fromkeys([*params.stop_token_ids, *new.eos_token_ids]))  # with ignore_eos too
 
     def _admit_counts(self, entries: Sequence[tuple[int, NewRequest]]) -> None:
         """Zero and refill the count rows of penalised requests (output tokens) and the prompt rows of
