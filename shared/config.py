@@ -465,11 +465,19 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def _from_text(field_name: str, kind: type, text: str) -> Any:
     if field_name in _PARSERS:
         return _PARSERS[field_name](text)
-    if kind is bool:
-        return text.strip().lower() in ("1", "true", "yes", "on")
+    if kind is bool:  # a word that is neither (PAGODA_RESTART_ON_FAILURE=enabled) is refused, not read as off
+        word = text.strip().lower()
+        if word in _TRUE_WORDS or word in _FALSE_WORDS:
+            return word in _TRUE_WORDS
+        raise ConfigError(f"{env_name(field_name)}={text!r} is not a valid bool (1, true, yes, on or 0, false, no, "
+                          "off)", param=field_name)
     try:
         return kind(text)
     except ValueError as exc:

@@ -113,3 +113,27 @@ def test_pagoda_serve_with_a_bad_environment_value_says_so_without_a_traceback(
     assert main(["serve"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("pagoda: error: PAGODA_MAX_NUM_SEQS='abc' is not a valid int") and "Traceback" not in error
+
+
+@pytest.mark.parametrize("value", ["enabled", "2", "tru"])
+def test_a_boolean_environment_value_that_is_no_boolean_is_refused(
+        value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_RESTART_ON_FAILURE=enabled used to read as off (any word but 1/true/yes/on did), silently; an int or
+    float setting of the wrong type was refused. Booleans now take 1/true/yes/on or 0/false/no/off, else exit 2."""
+    from pagoda.cli import main
+
+    monkeypatch.setenv("PAGODA_RESTART_ON_FAILURE", value)
+    # --port 0 would be refused too (after the environment): a server is never started, whatever the outcome
+    assert main(["serve", "--port", "0"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"pagoda: error: PAGODA_RESTART_ON_FAILURE={value!r} is not a valid bool"), error
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("On", True), ("yes", True), ("0", False),
+                                                 ("false", False), ("OFF", False), ("", False)])
+def test_boolean_environment_values(value: str, expected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.cli import build_parser
+    from pagoda.shared.config import server_config_from_args
+
+    monkeypatch.setenv("PAGODA_RESTART_ON_FAILURE", value)
+    assert server_config_from_args(build_parser().parse_args(["serve"])).restart_on_failure is expected
