@@ -81,7 +81,11 @@ class LLM:
         self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """The Hugging Face tokenizer itself, as vLLM's returns: a ported script's decode, apply_chat_template and
+        __call__ keep transformers' defaults (pagoda's own wrapper, engine.tokenizer, differs: its decode skips
+        special tokens and its chat template adds the generation prompt). None for a model without a tokenizer."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.hf if tokenizer is not None else None
 
     def get_default_sampling_params(self) -> vllm_params.SamplingParams:
         """A new SamplingParams with the generation config's sampling defaults (what generate uses without one)."""
@@ -115,8 +119,9 @@ class LLM:
             while engine.has_unfinished_requests():
                 engine.step(deltas=False)  # nothing reads the text before the end: detokenized in bulk
         except BaseException:
-            for request_id in request_ids:  # leave the engine clean for the next call
+            for request_id in request_ids:  # leave the engine clean for the next call: no request, no output
                 engine.abort_request(request_id)
+                engine._outputs.pop(request_id, None)
             raise
         outputs = [engine.pop_output(request_id) for request_id in request_ids]
         for output in (output for output, no_text in zip(outputs, bare, strict=True) if no_text):

@@ -287,8 +287,9 @@ def test_max_tokens_zero_only_scores_the_prompt(llm: LLM, reference_text: str) -
 def test_chat_applies_the_template(llm: LLM) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     [output] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=24))
-    tokenizer = llm.get_tokenizer()
-    assert output.prompt_token_ids == tokenizer.apply_chat_template(messages)
+    tokenizer = llm.get_tokenizer()  # vLLM's chat: the template's text, encoded without added special tokens
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert output.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
     assert "Paris" in output.outputs[0].text
     with pytest.raises(InvalidRequestError) as caught:
         llm.chat([{"role": "user"}], GREEDY)
@@ -300,13 +301,13 @@ def test_get_tokenizer_answers_as_a_hugging_face_tokenizer(llm: LLM) -> None:
     text (tokenize=False), len(), and the tokenizer's other methods and attributes."""
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "user", "content": "Hello"}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert isinstance(text, str) and "Hello" in text
-    assert tokenizer.encode(text, add_special_tokens=False) == tokenizer.apply_chat_template(messages)
-    assert len(tokenizer) == tokenizer.vocab_size == len(tokenizer.hf)
+    assert tokenizer.encode(text, add_special_tokens=False) == llm.engine.tokenizer.apply_chat_template(messages)
+    assert len(tokenizer) == len(llm.engine.tokenizer.hf)
     ids = tokenizer.encode("Paris")
-    assert tokenizer.convert_ids_to_tokens(ids) == tokenizer.hf.convert_ids_to_tokens(ids)
-    assert tokenizer.eos_token == tokenizer.hf.eos_token
+    assert tokenizer.convert_ids_to_tokens(ids) == llm.engine.tokenizer.hf.convert_ids_to_tokens(ids)
+    assert tokenizer.eos_token == llm.engine.tokenizer.hf.eos_token
     with pytest.raises(AttributeError):
         tokenizer.no_such_method  # noqa: B018 - the attribute access is the test
 
@@ -332,10 +333,10 @@ def test_chat_continues_the_final_message(llm: LLM) -> None:
     conversation = [{"role": "user", "content": "Finish the saying."},
                     {"role": "assistant", "content": "An apple a day keeps the"}]
     [output] = llm.chat(conversation, GREEDY, add_generation_prompt=False, continue_final_message=True)
-    rendered = llm.get_tokenizer().apply_chat_template(conversation, add_generation_prompt=False,
-                                                       continue_final_message=True)
-    assert output.prompt_token_ids == rendered
-    assert llm.get_tokenizer().decode(rendered).endswith("An apple a day keeps the")  # no end-of-turn after it
+    tokenizer = llm.get_tokenizer()
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
+    assert output.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert rendered.endswith("An apple a day keeps the")  # no end-of-turn after it
     with pytest.raises(InvalidRequestError) as caught:
         llm.chat(conversation, GREEDY, continue_final_message=True)  # add_generation_prompt defaults to True
     assert caught.value.param == "continue_final_message"

@@ -1,0 +1,63 @@
+"""The offline LLM API against what vLLM's gives for the same calls: get_tokenizer() is the Hugging Face tokenizer
+itself (its defaults, not pagoda's), and an interrupted generate leaves nothing behind in the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir: Path) -> LLM:
+    return LLM(str(smollm2_dir), max_model_len=512)
+
+
+def test_get_tokenizer_keeps_hugging_faces_defaults(llm: LLM, smollm2_dir: Path) -> None:
+    """vLLM's get_tokenizer() returns the Hugging Face tokenizer, so a ported script's calls get its defaults:
+    decode keeps special tokens, apply_chat_template adds no generation prompt, and the tokenizer is callable."""
+    reference = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer = llm.get_tokenizer()
+    ids = reference.encode("Hello world") + [reference.eos_token_id]
+    assert tokenizer.decode(ids) == reference.decode(ids)  # ends with <|im_end|>
+    assert tokenizer.decode(ids).endswith(reference.eos_token)
+    assert (tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+            == reference.apply_chat_template(MESSAGES, tokenize=False))
+    assert not tokenizer.apply_chat_template(MESSAGES, tokenize=False).endswith("assistant\n")
+    assert tokenizer("Hello world")["input_ids"] == reference("Hello world")["input_ids"]
+    assert tokenizer.encode("Hello world foo", truncation=True, max_length=2) == reference.encode(
+        "Hello world foo", truncation=True, max_length=2)
+
+
+def test_an_interrupted_generate_leaves_no_output_behind(llm: LLM) -> None:
+    """A KeyboardInterrupt (or any exception) out of generate's step loop aborts its requests and forgets their
+    outputs: each interrupted call kept them in the engine for as long as the LLM lived."""
+    engine = llm.engine
+    step = engine.step
+    num_steps = 0
+
+    def interrupted_step(deltas: bool = True) -> object:
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 3:
+            raise KeyboardInterrupt
+        return step(deltas)
+
+    engine.step = interrupted_step  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Hello there", "The capital of France is"], SamplingParams(n=2, max_tokens=16))
+    finally:
+        del engine.step  # the instance attribute goes; the method is back
+    assert not engine.has_unfinished_requests()
+    assert engine._outputs == {} and engine._completions == {}
+    blocks = engine.scheduler.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].finished
