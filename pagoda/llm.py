@@ -50,7 +50,8 @@ class BeamSearchParams:
 
 @dataclass(slots=True)
 class BeamSearchSequence:
-    """One finished hypothesis: the prompt and generated tokens (vLLM's layout), the generated text."""
+    """One finished hypothesis: the prompt and generated tokens and their text (vLLM's layout: tokenizer.decode of
+    them all, special tokens kept)."""
 
     tokens: list[int]
     text: str
@@ -179,10 +180,13 @@ class LLM:
         chunk_len = concurrency_limit or len(prompt_list)
         outputs = [output for start in range(0, len(prompt_list), chunk_len)
                    for output in self._generate(prompt_list[start:start + chunk_len], params.sampling_params(), None)]
-        return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text,
+        # vLLM's text: tokenizer.decode(tokens), the prompt's and the generated tokens', special tokens kept
+        hf = self.engine.tokenizer.hf if self.engine.tokenizer is not None else None
+        return [BeamSearchOutput([BeamSearchSequence(tokens, hf.decode(tokens) if hf is not None else c.text,
                                                      c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason,
                                                      c.stop_reason)
-                                  for c in output.outputs]) for output in outputs]
+                                  for c in output.outputs
+                                  for tokens in [output.prompt_token_ids + c.token_ids]]) for output in outputs]
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: a snapshot of the engine's metrics as Counter and Gauge objects (pagoda.outputs, the shapes of

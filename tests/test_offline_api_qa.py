@@ -61,3 +61,16 @@ def test_an_interrupted_generate_leaves_no_output_behind(llm: LLM) -> None:
     blocks = engine.scheduler.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
     assert llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].finished
+
+
+def test_beam_search_text_is_vllms_decode_of_the_whole_sequence(llm: LLM, smollm2_dir: Path) -> None:
+    """vLLM's LLM.beam_search sets each BeamSearchSequence's text to tokenizer.decode(tokens): the prompt and the
+    generated tokens, special tokens kept (the end-of-sequence one too). pagoda gave the generated text alone."""
+    from pagoda import BeamSearchParams
+
+    reference = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = "The capital of France is"
+    [result] = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6))
+    for sequence in result.sequences:
+        assert sequence.text == reference.decode(sequence.tokens)
+        assert sequence.text.startswith(prompt)
