@@ -468,6 +468,16 @@ def test_prefill_batches_align_over_the_whole_gpu(path: str) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
+def _assert_near_quantized(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """W8A8 on the GPU against its reference: the intermediate is rounded to bf16 before it is quantized again, and a
+    last-bit difference there moves a value across an e4m3 rounding boundary (one e4m3 step is 1/8 of the value), so
+    a few elements differ by ~0.1 (H100, 2026-12-06: 9-21 of 32k-131k). A wrong scale or tile moves many: the whole
+    result must be close in norm and all but 0.5% of the elements within 5e-2."""
+    assert ((got - expected).norm() / expected.norm()).item() < 0.02
+    far = (got - expected).abs() > 5e-2 + 5e-2 * expected.abs()
+    assert far.float().mean().item() < 0.005, f"{int(far.sum())} of {far.numel()} elements off"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("group_k", [None, 32])
 def test_fp8_w8a8_experts_on_the_gpu(group_k: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -483,7 +493,7 @@ def test_fp8_w8a8_experts_on_the_gpu(group_k: int | None, monkeypatch: pytest.Mo
     got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, group_k, tiles=tiles)
     expected = ref.moe_experts_act_fp8(x.float(), q_up, q_down, weights, ids, s_up, s_down, group_k,
                                        min(up_tile.block_k, HIDDEN), min(down_tile.block_k, INTER))
-    torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=5e-2)
+    _assert_near_quantized(got.float(), expected)
 
 
 def _fake_scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -578,7 +588,7 @@ def test_fp8_gmm_path_on_the_gpu_captures_in_a_graph() -> None:
     x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=3))
     got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
     expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
-    torch.testing.assert_close(got.float(), expected.float(), atol=5e-2, rtol=5e-2)
+    _assert_near_quantized(got.float(), expected.float())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
