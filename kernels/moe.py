@@ -1136,16 +1136,23 @@ CUTLASS_MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMM: "Can't process more t
 # FP8 experts with per-row weight scales on the gmm path (torch._scaled_grouped_mm, W8A8 with per-row activation
 # scales): each expert's run padded to this many rows (torchao pads its FP8 grouped GEMMs' groups to 16 rows).
 GMM_FP8_BLOCK_M = 16
-# PAGODA_MOE_FP8_GMM: "1" sends FP8 experts with per-row scales to the gmm path from GMM_MIN_ROWS_PER_EXPERT rows an
-# expert, as bf16; unset or "0": the Triton grouped GEMM (the gmm FP8 path has not been timed against it yet).
-FP8_GMM_MODES = ("", "0", "1")
+# FP8 experts with per-row scales take the gmm path from this many rows (token-expert pairs) an expert on average.
+# H100, 2026-12-06 (bench/moe_fp8_sweep.py, bench/results/s36/): per-row W8A8 on torch._scaled_grouped_mm against
+# the Triton FP8 grouped GEMM (weight-only tiles), speedups over bf16 experts: deepseek-v2-lite (66 experts incl. 2
+# shared, 8 a token) 1.55 / 1.62 at 64 tokens (7.8 rows an expert), 1.60 / 1.41 at 128 (15.5), 1.58 / 1.24 at 512,
+# 1.26 / 0.76 at 2048, 1.42 / 0.70 at 8192; qwen3-30b-a3b (128, 8) 1.47 / 1.63 at 128 (8 rows), 1.51 / 1.39 at 256
+# (16), 1.41 / 0.66 at 8192. Below ~8 rows the weight-only GEMVs and grouped GEMM read the same bytes with no
+# activation quantization and win.
+FP8_GMM_MIN_ROWS_PER_EXPERT = 12
+# PAGODA_MOE_FP8_GMM, for A/B runs: 0 never, 1 at every batch size; unset or auto: from FP8_GMM_MIN_ROWS_PER_EXPERT.
+FP8_GMM_MODES = ("", "auto", "0", "1")
 
 
-def fp8_gmm_enabled() -> bool:
+def fp8_gmm_mode() -> str:
     mode = os.environ.get("PAGODA_MOE_FP8_GMM", "")
     if mode not in FP8_GMM_MODES:
-        raise ValueError(f"PAGODA_MOE_FP8_GMM must be 0, 1 or unset, got {mode!r}")
-    return mode == "1"
+        raise ValueError(f"PAGODA_MOE_FP8_GMM must be one of {FP8_GMM_MODES[1:]} or unset, got {mode!r}")
+    return mode or "auto"
 
 
 @lru_cache(maxsize=16)
@@ -1170,15 +1177,19 @@ def cutlass_grouped_mm_device(index: int | None) -> bool:
 def moe_path(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype, num_tokens: int, top_k: int,
              num_experts: int, hidden: int, inter: int, fp8_per_row: bool = False) -> str:
     """Which fused_experts path a call takes: "gmm" (torch._grouped_mm, CUTLASS) for large bf16 batches on a device
-    that has it, and with PAGODA_MOE_FP8_GMM=1 for large batches of FP8 experts with per-row scales (fp8_per_row)
-    where torch._scaled_grouped_mm has CUTLASS's FP8 kernel; else "triton" (pagoda's grouped GEMM: FP8 weights,
-    fp16, small batches, decode, CPU)."""
+    that has it, and for FP8 experts with per-row scales (fp8_per_row) from FP8_GMM_MIN_ROWS_PER_EXPERT rows an expert
+    where torch._scaled_grouped_mm has CUTLASS's FP8 kernel (PAGODA_MOE_FP8_GMM overrides); else "triton" (pagoda's
+    grouped GEMM and GEMVs: block-scaled FP8, fp16, small batches, CPU)."""
     fp8 = weight_dtype == torch.float8_e4m3fn
     if device.type != "cuda" or dtype != torch.bfloat16 or weight_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return "triton"
-    if fp8 and not (fp8_per_row and fp8_gmm_enabled()):
-        return "triton"
-    if (num_tokens * top_k < GMM_MIN_ROWS_PER_EXPERT * num_experts or num_experts > CUTLASS_MAX_GROUPS
+    min_rows = GMM_MIN_ROWS_PER_EXPERT
+    if fp8:
+        mode = fp8_gmm_mode()
+        if not fp8_per_row or mode == "0":
+            return "triton"
+        min_rows = 0 if mode == "1" else FP8_GMM_MIN_ROWS_PER_EXPERT
+    if (num_tokens * top_k < min_rows * num_experts or num_experts > CUTLASS_MAX_GROUPS
             or hidden % (16 if fp8 else 8) or inter % (16 if fp8 else 8)):
         return "triton"  # strides of 16 bytes: TMA's rule
     if fp8:

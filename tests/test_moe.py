@@ -554,23 +554,28 @@ def test_fp8_gmm_path_against_its_reference(kind: str, monkeypatch: pytest.Monke
 
 
 def test_fp8_gmm_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FP8 experts take the gmm path only with PAGODA_MOE_FP8_GMM=1, per-row scales, a device with CUTLASS's FP8
-    grouped GEMM, and as many rows an expert as bf16 needs; block-scaled FP8 experts are refused on it."""
+    """FP8 experts with per-row scales take the gmm path from FP8_GMM_MIN_ROWS_PER_EXPERT rows an expert on a device
+    with CUTLASS's FP8 grouped GEMM (PAGODA_MOE_FP8_GMM: 0 never, 1 at any size); block-scaled FP8 experts never, and
+    they are refused on it."""
     monkeypatch.setattr(moe, "scaled_grouped_mm_device", lambda index: True)
     cuda, bf16, fp8 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
-    big = moe.GMM_MIN_ROWS_PER_EXPERT * 66 // 8
+    at = moe.FP8_GMM_MIN_ROWS_PER_EXPERT * 66 // 8  # tokens: that many rows for each of 66 experts at 8 a token
     monkeypatch.delenv("PAGODA_MOE_FP8_GMM", raising=False)
-    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
+    assert moe.moe_path(cuda, bf16, fp8, at, 8, 66, 2048, 1408, fp8_per_row=True) == "gmm"
+    assert moe.moe_path(cuda, bf16, fp8, at - 1, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
+    assert moe.moe_path(cuda, bf16, fp8, at, 8, 66, 2048, 1408, fp8_per_row=False) == "triton"
+    assert moe.moe_path(cuda, bf16, fp8, at, 8, 66, 2048, 1400, fp8_per_row=True) == "triton"  # 1400 % 16
+    assert moe.moe_path(torch.device("cpu"), bf16, fp8, at, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
     monkeypatch.setenv("PAGODA_MOE_FP8_GMM", "1")
-    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True) == "gmm"
-    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=False) == "triton"
-    assert moe.moe_path(cuda, bf16, fp8, big - 1, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
-    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1400, fp8_per_row=True) == "triton"  # 1400 % 16
+    assert moe.moe_path(cuda, bf16, fp8, 1, 8, 66, 2048, 1408, fp8_per_row=True) == "gmm"
+    monkeypatch.setenv("PAGODA_MOE_FP8_GMM", "0")
+    assert moe.moe_path(cuda, bf16, fp8, 10 * at, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
+    monkeypatch.setenv("PAGODA_MOE_FP8_GMM", "auto")
     monkeypatch.setattr(moe, "scaled_grouped_mm_device", lambda index: False)
-    assert moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
+    assert moe.moe_path(cuda, bf16, fp8, at, 8, 66, 2048, 1408, fp8_per_row=True) == "triton"
     monkeypatch.setenv("PAGODA_MOE_FP8_GMM", "yes")
     with pytest.raises(ValueError, match="PAGODA_MOE_FP8_GMM"):
-        moe.moe_path(cuda, bf16, fp8, big, 8, 66, 2048, 1408, fp8_per_row=True)
+        moe.moe_path(cuda, bf16, fp8, at, 8, 66, 2048, 1408, fp8_per_row=True)
     q_up, s_up, q_down, s_down = _fp8_weights(32)
     x, weights, ids = _routed(3, torch.float32)
     with pytest.raises(ValueError, match="one fp32 scale per weight row"):
