@@ -1137,12 +1137,15 @@ CUTLASS_MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMM: "Can't process more t
 # scales): each expert's run padded to this many rows (torchao pads its FP8 grouped GEMMs' groups to 16 rows).
 GMM_FP8_BLOCK_M = 16
 # FP8 experts with per-row scales take the gmm path from this many rows (token-expert pairs) an expert on average.
-# H100, 2026-12-06 (bench/moe_fp8_sweep.py, bench/results/s36/): per-row W8A8 on torch._scaled_grouped_mm against
-# the Triton FP8 grouped GEMM (weight-only tiles), speedups over bf16 experts: deepseek-v2-lite (66 experts incl. 2
-# shared, 8 a token) 1.55 / 1.62 at 64 tokens (7.8 rows an expert), 1.60 / 1.41 at 128 (15.5), 1.58 / 1.24 at 512,
-# 1.26 / 0.76 at 2048, 1.42 / 0.70 at 8192; qwen3-30b-a3b (128, 8) 1.47 / 1.63 at 128 (8 rows), 1.51 / 1.39 at 256
-# (16), 1.41 / 0.66 at 8192. Below ~8 rows the weight-only GEMVs and grouped GEMM read the same bytes with no
-# activation quantization and win.
+# bench/moe_fp8_sweep.py, 2026-12-06 (bench/results/s36/call2/): speedup over bf16 experts of per-row W8A8 on
+# torch._scaled_grouped_mm / the Triton FP8 grouped GEMM (weight-only tiles), at tokens (rows an expert):
+#   H200, deepseek-v2-lite (66 experts incl. 2 shared, 8 a token): 128 (15.5) 1.26 / 1.09, 256 1.27 / 1.13,
+#     512 1.30 / 0.97, 1024 0.82 / 0.80, 2048 1.25 / 0.74, 8192 1.43 / 0.69;
+#   H200, qwen3-30b-a3b (128 experts, 8 a token): 128 (8) 1.13 / 1.45, 256 (16) 1.14 / 1.17, 512 1.14 / 1.05,
+#     1024 1.30 / 0.82, 8192 1.41 / 0.65 (and the whole decode step at B=256, 16 rows: 19.45 ms against 19.14);
+#   H100: v2-lite 64 (7.8) 1.55 / 1.62, 128 1.60 / 1.41; qwen3 128 1.47 / 1.63, 256 1.51 / 1.39.
+# Below ~8 rows the weight-only kernels read the same bytes without quantizing activations and win; at 16 rows the
+# two are level on qwen3 and gmm wins on v2-lite.
 FP8_GMM_MIN_ROWS_PER_EXPERT = 12
 # PAGODA_MOE_FP8_GMM, for A/B runs: 0 never, 1 at every batch size; unset or auto: from FP8_GMM_MIN_ROWS_PER_EXPERT.
 FP8_GMM_MODES = ("", "auto", "0", "1")
