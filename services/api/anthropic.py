@@ -23,8 +23,7 @@ from pagoda.services.protocol.anthropic import (
     to_chat,
 )
 from pagoda.services.protocol.render import CHAT
-from pagoda.services.protocol.schemas import chat_output_spec, chat_request, prompt_bytes
-from pagoda.services.protocol.tools import default_tool_parser
+from pagoda.services.protocol.schemas import chat_request, prompt_bytes
 from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.messages import RenderSpec, TokenizeRequest, TokenizeResult
 
@@ -37,8 +36,7 @@ class MessagesRoutes:
         self.handlers = handlers
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        handlers, state = self.handlers, self.handlers.state
-        config = state.config
+        handlers = self.handlers
         started_at = time.monotonic()
         body = decode_messages_body(await handlers._body(request))
         model = handlers._check_model(body.model, request)
@@ -47,10 +45,7 @@ class MessagesRoutes:
         try:
             # system, texts, tool calls and results, tool definitions
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "prompt", "messages")
-            message = chat_request(form.chat, message_id, time.time(), config.max_logprobs,
-                                   state.pool.sampling_defaults)
-            output = chat_output_spec(form.chat, config.tool_call_parser
-                                      or default_tool_parser(sorted(state.model_names)), config.reasoning_parser)
+            message, output = handlers._chat_message(form.chat, message_id)
         except InvalidRequestError as exc:
             raise rename_error(exc) from None
         created = int(time.time())

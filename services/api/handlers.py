@@ -20,6 +20,7 @@ from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, TokenizerPool
 from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog, tenant_cache_salt
+from pagoda.services.protocol.chat_output import ChatOutputSpec
 from pagoda.services.protocol.render import CHAT, COMPLETION, Renderer, encode_json, renderer_for
 from pagoda.services.protocol.schemas import (
     ChatBody,
@@ -167,11 +168,7 @@ class Handlers:
         body = await self._read(request, ChatBody)
         model = self._check_model(body.model, request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        config = self.state.config
-        message = chat_request(body, response_id, time.time(), config.max_logprobs,
-                               self.state.pool.sampling_defaults)
-        output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
-                                  config.reasoning_parser)
+        message, output = self._chat_message(body, response_id)
         spec = RenderSpec(CHAT, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=bool(body.logprobs), include_usage=body.include_usage,
                           return_token_ids=bool(body.return_token_ids), tool_mode=output.tool_mode,
@@ -181,6 +178,15 @@ class Handlers:
                           tokens_as_ids=bool(body.return_tokens_as_token_ids), echo_text=chat_echo_text(body, message))
         return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields),
                                     constraint_param(body))
+
+    def _chat_message(self, body: ChatBody, request_id: str) -> tuple[GenerateRequest, ChatOutputSpec]:
+        """The chat path's request and output reading for a chat body: chat completions, and the Responses and
+        Messages APIs once their bodies are turned into chat."""
+        config = self.state.config
+        message = chat_request(body, request_id, time.time(), config.max_logprobs, self.state.pool.sampling_defaults)
+        output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
+                                  config.reasoning_parser)
+        return message, output
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,
                         started_at: float, headers: dict[str, str], constraint: str | None,

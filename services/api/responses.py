@@ -12,8 +12,7 @@ from aiohttp import web
 from pagoda.services.api.handlers import Handlers
 from pagoda.services.protocol.render import CHAT
 from pagoda.services.protocol.responses import ResponsesRenderer, decode_responses_body, rename_error, to_chat
-from pagoda.services.protocol.schemas import chat_output_spec, chat_request, prompt_bytes
-from pagoda.services.protocol.tools import default_tool_parser
+from pagoda.services.protocol.schemas import prompt_bytes
 from pagoda.services.protocol.vllm import RESPONSES_NOT_STORED
 from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.messages import RenderSpec
@@ -29,8 +28,7 @@ class ResponsesRoutes:
         self.handlers = handlers
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        handlers, state = self.handlers, self.handlers.state
-        config = state.config
+        handlers = self.handlers
         started_at = time.monotonic()
         body = decode_responses_body(await handlers._body(request))
         model = handlers._check_model(body.model, request)
@@ -39,10 +37,7 @@ class ResponsesRoutes:
             form = to_chat(body)
             # instructions, input texts, function calls and outputs, tool definitions
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
-            message = chat_request(form.chat, response_id, time.time(), config.max_logprobs,
-                                   state.pool.sampling_defaults)
-            output = chat_output_spec(form.chat, config.tool_call_parser
-                                      or default_tool_parser(sorted(state.model_names)), config.reasoning_parser)
+            message, output = handlers._chat_message(form.chat, response_id)
         except InvalidRequestError as exc:
             raise rename_error(exc) from None
         created_at = int(time.time())

@@ -20,6 +20,8 @@ import msgspec
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream
 from pagoda.services.protocol.render import Choice, Renderer, ResponseView, encode_json
 from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, decode_body
+from pagoda.services.protocol.schemas import reject_unknown_keys as _keys
+from pagoda.services.protocol.schemas import require as _require
 from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.messages import FinishReason, TextDelta
 
@@ -103,18 +105,6 @@ def decode_messages_body(data: bytes) -> MessagesBody:
 
 def decode_count_tokens_body(data: bytes) -> CountTokensBody:
     return decode_body(data, CountTokensBody)
-
-
-def _require(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(message, param=param)
-
-
-def _keys(obj: dict[str, Any], allowed: set[str], param: str, shape: str) -> None:
-    """A 400 naming the first key of `obj` outside `allowed`."""
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise InvalidRequestError(f"Unrecognized argument {unknown[0]!r}: {shape}", param=f"{param}.{unknown[0]}")
 
 
 def _block(obj: Any, param: str) -> tuple[dict[str, Any], str]:

@@ -21,6 +21,8 @@ import msgspec
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream
 from pagoda.services.protocol.render import Choice, Renderer, ResponseView, chat_logprobs, encode_json
 from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, decode_body
+from pagoda.services.protocol.schemas import reject_unknown_keys as _keys
+from pagoda.services.protocol.schemas import require as _require
 from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.messages import FinishReason, PositionLogprobs, TextDelta
 
@@ -112,18 +114,6 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     context_management: Any = None
     enable_response_messages: Any = None
     previous_input_messages: Any = None
-
-
-def _require(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(message, param=param)
-
-
-def _keys(obj: dict[str, Any], allowed: set[str], param: str, shape: str) -> None:
-    """A 400 naming the first key of `obj` outside `allowed`."""
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise InvalidRequestError(f"Unrecognized argument {unknown[0]!r}: {shape}", param=f"{param}.{unknown[0]}")
 
 
 def decode_responses_body(data: bytes) -> ResponsesBody:

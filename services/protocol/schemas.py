@@ -220,9 +220,20 @@ def _validation_error(text: str) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for '{path}': {detail}", param=path)
 
 
-def _require(ok: bool, param: str, message: str) -> None:
+def require(ok: bool, param: str, message: str) -> None:
+    """An InvalidRequestError (a 400 naming `param`) unless ok."""
     if not ok:
         raise InvalidRequestError(message, param=param)
+
+
+def reject_unknown_keys(obj: dict[str, Any], allowed: set[str], param: str, shape: str) -> None:
+    """A 400 naming the first key of `obj` outside `allowed` (`shape` says what the object may hold)."""
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise InvalidRequestError(f"Unrecognized argument {unknown[0]!r}: {shape}", param=f"{param}.{unknown[0]}")
+
+
+_require = require
 
 
 # --------------------------------------------------------------------------------------------
