@@ -158,12 +158,15 @@ class LLM:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                       param="continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [
-            tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
-                                          continue_final_message=continue_final_message,
-                                          chat_template_kwargs=chat_template_kwargs)
-            for conversation in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        texts = [tokenizer.render_chat(conversation, add_generation_prompt, tools,  # type: ignore[arg-type]
+                                       continue_final_message, chat_template_kwargs)
+                 for conversation in conversations]
+        # the template writes the special tokens, so encoding adds none
+        prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text  # vLLM's chat outputs carry the rendered prompt
+        return outputs
 
     def beam_search(self, prompts: Prompt | dict[str, Any] | Sequence[Prompt | dict[str, Any]],
                     params: BeamSearchParams, lora_request: Any = None, use_tqdm: bool = False,

@@ -290,6 +290,7 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()  # vLLM's chat: the template's text, encoded without added special tokens
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert output.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert output.prompt == text  # vLLM's chat outputs carry the rendered prompt
     assert "Paris" in output.outputs[0].text
     with pytest.raises(InvalidRequestError) as caught:
         llm.chat([{"role": "user"}], GREEDY)
@@ -336,7 +337,7 @@ def test_chat_continues_the_final_message(llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
     assert output.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
-    assert rendered.endswith("An apple a day keeps the")  # no end-of-turn after it
+    assert output.prompt == rendered and rendered.endswith("An apple a day keeps the")  # no end-of-turn after it
     with pytest.raises(InvalidRequestError) as caught:
         llm.chat(conversation, GREEDY, continue_final_message=True)  # add_generation_prompt defaults to True
     assert caught.value.param == "continue_final_message"
