@@ -1241,12 +1241,20 @@ def gather_sorted(x: torch.Tensor, align: Alignment, top_k: int) -> tuple[torch.
     max_padded = align.sorted_pairs.numel()
     rows = torch.empty(max_padded, hidden, dtype=x.dtype, device=x.device)  # [max_padded, H]
     positions = torch.empty(num_pairs, dtype=torch.int32, device=x.device)  # [T * k]
+    _launch_gather(x, align, top_k, rows, positions, None)
+    return rows, positions
+
+
+def _launch_gather(x: torch.Tensor, align: Alignment, top_k: int, rows: torch.Tensor, positions: torch.Tensor,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """_gather_sorted_kernel over align's rows; scales: (x's per-token scales, the rows' scales to write)."""
+    max_padded, hidden = rows.shape
     block = min(1024, triton.next_power_of_2(hidden))
+    x_scale, row_scales = scales if scales is not None else (positions, positions)  # unused pointers without
     if max_padded:
         _gather_sorted_kernel[(max_padded, triton.cdiv(hidden, block))](
-            x, align.sorted_pairs, align.num_padded, rows, positions, positions, positions, num_pairs, hidden,
-            x.stride(0), rows.stride(0), TOP_K=top_k, BLOCK_H=block, HAS_SCALE=False, num_warps=4)
-    return rows, positions
+            x, align.sorted_pairs, align.num_padded, rows, positions, x_scale, row_scales, positions.numel(), hidden,
+            x.stride(0), rows.stride(0), TOP_K=top_k, BLOCK_H=block, HAS_SCALE=scales is not None, num_warps=4)
 
 
 def gather_sorted_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, align: Alignment,
@@ -1257,17 +1265,12 @@ def gather_sorted_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, align: Alignment
     num_tokens, hidden = x_q.shape
     assert x_q.dtype == torch.float8_e4m3fn and x_q.stride(1) == 1
     assert x_scale.shape == (num_tokens, 1) and x_scale.dtype == torch.float32 and x_scale.is_contiguous()
-    num_pairs = num_tokens * top_k
     max_padded = align.sorted_pairs.numel()
     rows = torch.empty(max_padded, hidden, dtype=torch.uint8, device=x_q.device)  # [max_padded, H] e4m3 bits
     row_scales = torch.empty(max_padded, dtype=torch.float32, device=x_q.device)  # [max_padded]
-    positions = torch.empty(num_pairs, dtype=torch.int32, device=x_q.device)  # [T * k]
-    block = min(1024, triton.next_power_of_2(hidden))
-    if max_padded:  # moved as bytes (byte 0 is e4m3's +0 for the padding rows)
-        _gather_sorted_kernel[(max_padded, triton.cdiv(hidden, block))](
-            x_q.view(torch.uint8), align.sorted_pairs, align.num_padded, rows, positions, x_scale, row_scales,
-            num_pairs, hidden, x_q.stride(0), rows.stride(0), TOP_K=top_k, BLOCK_H=block, HAS_SCALE=True,
-            num_warps=4)
+    positions = torch.empty(num_tokens * top_k, dtype=torch.int32, device=x_q.device)  # [T * k]
+    # moved as bytes (byte 0 is e4m3's +0 for the padding rows)
+    _launch_gather(x_q.view(torch.uint8), align, top_k, rows, positions, (x_scale, row_scales))
     return rows.view(torch.float8_e4m3fn), row_scales, positions
 
 
