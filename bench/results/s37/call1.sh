@@ -4,7 +4,8 @@
 # qwen3-30b-a3b and deepseek-v2-lite with FP8 weights, default against PAGODA_MOE_FP8_GMM=0 (Triton FP8 experts
 # everywhere), each run its own process; then deepseek-v2-lite's FP8 decode step at B = 128 / 256 (15.5 / 31 rows an
 # expert) both ways (step_ab, graph-timed). On a card other than an H200 the H200's tables are installed under its
-# name first. ~500 s.
+# name first. First deepseek-v2-lite's experts around 1024 tokens kernel by kernel (moe_profile.py).
+# ~550 s.
 OUT=${OUT:-/tmp/out}
 start=$(date +%s)
 PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
@@ -15,6 +16,8 @@ if [[ $card != NVIDIA_H200 ]]; then
   for f in /tmp/site/pagoda/kernels/*_configs/*NVIDIA_H200*.json; do cp "$f" "${f//NVIDIA_H200/$card}"; done
   echo "H200 tables installed as $card"
 fi
+echo "== v2-lite experts around 1024 tokens, kernel by kernel [$(( $(date +%s) - start )) s]"
+timeout 100 python3 bench/results/s37/moe_profile.py 2>&1 | tail -40
 for shape in qwen3-30b-a3b deepseek-v2-lite; do
   for gmm in auto 0; do
     echo "== $shape FP8 reference, PAGODA_MOE_FP8_GMM=$gmm [$(( $(date +%s) - start )) s]"
