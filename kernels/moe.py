@@ -1151,6 +1151,59 @@ FP8_GMM_MIN_ROWS_PER_EXPERT = 12
 FP8_GMM_MODES = ("", "auto", "0", "1")
 
 
+# torch._scaled_grouped_mm (rows 2D x experts 3D) picks its CUTLASS tiles from M = rows of A / groups: 64 x 128 x 128
+# ping-pong tiles up to M = 128, else 128 x 256 x 64 cooperative ones (256 x 128 x 128 from M = 2048 with fast
+# accumulation). The larger tiles lost badly where runs are short: deepseek-v2-lite's two expert GEMMs took 268 us at
+# 768 tokens (M = 108) and 485 at 1024 (M = 139), 514 at 2048 (H100, 2026-12-06, bench/results/s37/call1.txt).
+# Handing the op f times the groups (expert_group_views: each expert one real group and f - 1 empty ones) keeps M
+# at most GMM_FP8_SMALL_TILE_M without a second launch. PAGODA_MOE_FP8_GMM_SPLIT=0 turns it off (A/B runs).
+GMM_FP8_SMALL_TILE_M = 128
+GMM_FP8_MAX_SPLIT = 64
+
+
+def fp8_gmm_split_enabled() -> bool:
+    mode = os.environ.get("PAGODA_MOE_FP8_GMM_SPLIT", "")
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"PAGODA_MOE_FP8_GMM_SPLIT must be 0 or 1 or unset, got {mode!r}")
+    return mode != "0"
+
+
+def expert_split(rows: int, weight: torch.Tensor, scale: torch.Tensor) -> int:
+    """How many groups f per expert the FP8 gmm path hands torch._scaled_grouped_mm for `rows` rows of A so that
+    rows // (E f) <= GMM_FP8_SMALL_TILE_M (1: no split). weight [E, N, K] e4m3, scale [E, N, 1] fp32. A split needs
+    room past the last expert for its empty groups' extents (a spare expert of storage: make_linear gives per-row
+    FP8 experts one) and every group's pointer 16-byte aligned."""
+    num_experts, n, k = weight.shape
+    split = 1
+    while rows // (num_experts * split) > GMM_FP8_SMALL_TILE_M and split < GMM_FP8_MAX_SPLIT:
+        split *= 2
+    if split == 1 or not fp8_gmm_split_enabled():
+        return 1
+    aligned = (n * k // split) % 16 == 0 and n % split == 0 and (n // split * 4) % 16 == 0
+    contiguous = weight.is_contiguous() and scale.is_contiguous()
+    room = (_room(weight, num_experts * n * k + (split - 1) * n * k // split)
+            and _room(scale, num_experts * n + (split - 1) * n // split))
+    return split if aligned and contiguous and room else 1
+
+
+def _room(t: torch.Tensor, elements: int) -> bool:
+    """t's storage holds `elements` elements from t's first one."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + elements) * t.element_size()
+
+
+def expert_group_views(weight: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                       split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [E, N, K], scale [E, N, 1], offs [E] int32 -> [E f, N, K] and [E f, N] views and offs [E f]: group
+    e f is expert e with its rows; groups e f + 1 .. e f + f - 1 are empty (their run ends where expert e's does)
+    and point inside expert e's bytes (the last ones into the storage's spare room), never read."""
+    num_experts, n, k = weight.shape
+    if split == 1:
+        return weight, scale.view(num_experts, n), offs
+    views = torch.as_strided(weight, (num_experts * split, n, k), (n * k // split, k, 1), weight.storage_offset())
+    scales = torch.as_strided(scale, (num_experts * split, n), (n // split, 1), scale.storage_offset())
+    return views, scales, offs[:, None].expand(num_experts, split).reshape(-1)  # [E f, N, K], [E f, N], [E f]
+
+
 def fp8_gmm_mode() -> str:
     mode = os.environ.get("PAGODA_MOE_FP8_GMM", "")
     if mode not in FP8_GMM_MODES:
@@ -1330,21 +1383,25 @@ def _fused_experts_gmm_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: tor
     scales, Hopper): W8A8 with one scale per activation row. Each token row is quantized once (amax / 448) and
     gathered as bytes into the expert-sorted layout (runs padded to GMM_FP8_BLOCK_M rows); the gate_up GEMM's bf16
     output is quantized again per row by the SiLU-and-mul kernel; the weighted top-k sum as on the bf16 gmm path.
-    Semantics: reference.moe_experts_w8a8_rows."""
-    num_experts, two_i, hidden = w_gate_up.shape
+    Semantics: reference.moe_experts_w8a8_rows. Both GEMMs see each expert as `split` groups (expert_split) where that
+    keeps torch's small tiles."""
+    num_experts = w_gate_up.shape[0]
     top_k = topk_ids.shape[1]
     align = align_pairs(topk_ids, num_experts, GMM_FP8_BLOCK_M)
     offs = align.run_ends  # [E] int32
     x_q, x_scale = quantize_fp8_rows(x)  # [T, H] e4m3, [T, 1]
     rows, row_scales, positions = gather_sorted_fp8(x_q, x_scale, align, top_k)  # [max_padded, H], [max_padded]
     accum = fast_accum()
-    gate_up = torch._scaled_grouped_mm(rows, w_gate_up.transpose(1, 2), row_scales,
-                                       w_gate_up_scale.view(num_experts, two_i), offs=offs, out_dtype=x.dtype,
-                                       use_fast_accum=accum)  # [max_padded, 2I]
+    split = expert_split(rows.shape[0], w_gate_up, w_gate_up_scale)
+    if split != expert_split(rows.shape[0], w_down, w_down_scale):  # both or neither: they share offs_split
+        split = 1
+    w_up, s_up, offs_split = expert_group_views(w_gate_up, w_gate_up_scale, offs, split)  # [E f, 2I, H], [E f, 2I]
+    gate_up = torch._scaled_grouped_mm(rows, w_up.transpose(1, 2), row_scales, s_up, offs=offs_split,
+                                       out_dtype=x.dtype, use_fast_accum=accum)  # [max_padded, 2I]
     act, act_scale = silu_and_mul_quant_fp8(gate_up)  # [max_padded, I] e4m3, [max_padded, 1]
-    o = torch._scaled_grouped_mm(act, w_down.transpose(1, 2), act_scale.view(-1),
-                                 w_down_scale.view(num_experts, hidden), offs=offs, out_dtype=x.dtype,
-                                 use_fast_accum=accum)  # [max_padded, H]
+    w_d, s_d, _ = expert_group_views(w_down, w_down_scale, offs, split)  # [E f, H, I], [E f, H]
+    o = torch._scaled_grouped_mm(act, w_d.transpose(1, 2), act_scale.view(-1), s_d, offs=offs_split,
+                                 out_dtype=x.dtype, use_fast_accum=accum)  # [max_padded, H]
     return combine_top_k(o, positions, weights, top_k)  # [T, H]
 
 

@@ -9,6 +9,7 @@ import torch
 
 from pagoda.kernels import moe
 from pagoda.kernels import reference as ref
+from pagoda.services.worker.models.base import Fp8Weights, make_linear
 
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 2
 
@@ -553,6 +554,74 @@ def test_fp8_gmm_path_against_its_reference(kind: str, monkeypatch: pytest.Monke
     assert ((got - unquantized).norm() / unquantized.norm()).item() < 0.08
 
 
+def _with_spare_expert(t: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """t [E, ...] copied onto storage for E + 1 experts on `device`, as make_linear allocates per-row FP8 experts."""
+    storage = torch.zeros(t.shape[0] + 1, *t.shape[1:], dtype=t.dtype, device=device)
+    storage[:t.shape[0]] = t
+    return storage[:t.shape[0]]
+
+
+def test_make_linear_gives_per_row_fp8_experts_spare_room() -> None:
+    fp8 = Fp8Weights(group_size=None)
+    weight, scale = make_linear(2 * INTER, HIDDEN, torch.bfloat16, torch.device("cpu"), fp8, EXPERTS)
+    assert weight.shape == (EXPERTS, 2 * INTER, HIDDEN) and scale.shape == (EXPERTS, 2 * INTER, 1)
+    assert weight.untyped_storage().nbytes() == (EXPERTS + 1) * 2 * INTER * HIDDEN
+    assert scale.untyped_storage().nbytes() == (EXPERTS + 1) * 2 * INTER * 4
+    blocked, _ = make_linear(2 * INTER, HIDDEN, torch.bfloat16, torch.device("cpu"), Fp8Weights(group_size=32),
+                             EXPERTS)
+    assert blocked.untyped_storage().nbytes() == EXPERTS * 2 * INTER * HIDDEN  # block-scaled: never on gmm
+
+
+def test_expert_split_keeps_torch_small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 gmm path hands torch._scaled_grouped_mm f groups an expert so that rows / (E f) stays within the small
+    tiles' M, where the weights' storage has room past the last expert; the views' group e f is expert e with its
+    run, the other groups empty."""
+    monkeypatch.delenv("PAGODA_MOE_FP8_GMM_SPLIT", raising=False)
+    q_up, s_up, _, _ = _fp8_weights(None)
+    spare_w, spare_s = _with_spare_expert(q_up), _with_spare_expert(s_up)
+    small = moe.GMM_FP8_SMALL_TILE_M * EXPERTS
+    assert moe.expert_split(small + EXPERTS - 1, spare_w, spare_s) == 1  # rows // E = M: still the small tiles
+    assert moe.expert_split(small + EXPERTS, spare_w, spare_s) == 2
+    assert moe.expert_split(4 * small + 4 * EXPERTS - 1, spare_w, spare_s) == 4
+    assert moe.expert_split(4 * small + 4 * EXPERTS, spare_w, spare_s) == 8
+    assert moe.expert_split(4 * small, q_up, s_up) == 1, "no room past the last expert: no split"
+    monkeypatch.setenv("PAGODA_MOE_FP8_GMM_SPLIT", "0")
+    assert moe.expert_split(4 * small, spare_w, spare_s) == 1
+    monkeypatch.setenv("PAGODA_MOE_FP8_GMM_SPLIT", "yes")
+    with pytest.raises(ValueError, match="PAGODA_MOE_FP8_GMM_SPLIT"):
+        moe.expert_split(4 * small, spare_w, spare_s)
+    offs = torch.tensor([16, 16, 48, 64, 64, 96, 112, 128], dtype=torch.int32)  # [E]
+    views, scales, offs_split = moe.expert_group_views(spare_w, spare_s, offs, 4)
+    assert views.shape == (4 * EXPERTS, 2 * INTER, HIDDEN) and scales.shape == (4 * EXPERTS, 2 * INTER)
+    for e in range(EXPERTS):
+        assert torch.equal(views[4 * e].view(torch.uint8), q_up[e].view(torch.uint8))
+        assert torch.equal(scales[4 * e], s_up[e, :, 0])
+    assert torch.equal(offs_split, offs.repeat_interleave(4))
+
+
+def test_fp8_gmm_path_with_split_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gmm path with each expert split into groups (the small-tile limit lowered so that 37 tokens split) gives
+    what it gives unsplit: reference.moe_experts_w8a8_rows."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_scaled_grouped_mm, raising=False)
+    monkeypatch.setattr(moe, "GMM_FP8_SMALL_TILE_M", 4)
+    monkeypatch.delenv("PAGODA_MOE_FP8_GMM_SPLIT", raising=False)
+    q_up, s_up, q_down, s_down = (_with_spare_expert(t) for t in _fp8_weights(None))
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(9))  # [T, H]
+    weights, ids = _gmm_routing("skewed", 37, seed=9)
+    calls: list[int] = []
+    fake = _fake_scaled_grouped_mm
+
+    def counting(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(mat_b.shape[0])
+        return fake(mat_a, mat_b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", counting, raising=False)
+    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
+    assert len(calls) == 2 and all(groups > EXPERTS for groups in calls), calls
+    expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_fp8_gmm_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """FP8 experts with per-row scales take the gmm path from FP8_GMM_MIN_ROWS_PER_EXPERT rows an expert on a device
     with CUTLASS's FP8 grouped GEMM (PAGODA_MOE_FP8_GMM: 0 never, 1 at any size); block-scaled FP8 experts never, and
@@ -599,6 +668,27 @@ def test_fp8_gmm_path_on_the_gpu_captures_in_a_graph() -> None:
         captured = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
     graph.replay()
     torch.testing.assert_close(captured, got, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_fp8_gmm_path_with_split_experts_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts split into groups on CUTLASS's FP8 grouped GEMM (the small-tile limit lowered so that the test's rows
+    split 8 ways): near reference.moe_experts_w8a8_rows, and near the unsplit call (other tiles: other summation
+    order)."""
+    if not moe.scaled_grouped_mm_device(torch.cuda.current_device()):
+        pytest.skip("torch._scaled_grouped_mm has no CUTLASS FP8 kernel for this device")
+    monkeypatch.delenv("PAGODA_MOE_FP8_GMM_SPLIT", raising=False)
+    q_up, s_up, q_down, s_down = (_with_spare_expert(t, "cuda") for t in _fp8_weights(None))
+    num_tokens = moe.GMM_MIN_ROWS_PER_EXPERT * EXPERTS // TOP_K
+    x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=5))
+    unsplit = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
+    monkeypatch.setattr(moe, "GMM_FP8_SMALL_TILE_M", 4)
+    rows = num_tokens * TOP_K + EXPERTS * (moe.GMM_FP8_BLOCK_M - 1)
+    assert moe.expert_split(rows, q_up, s_up) > 1, "the test's weights must split"
+    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
+    expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
+    _assert_near_quantized(got.float(), expected.float())
+    _assert_near_quantized(got.float(), unsplit.float())
 
 
 def test_combine_top_k_matches_weighted_sum() -> None:

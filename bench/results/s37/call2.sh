@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# Session 37, call 2 (s34/call4.sh with shorter limits to fit 600 s; H200): the 16-bit GEMV tuned for
-# deepseek-v2-lite's projections at decode batches (buckets 128 and 256: the twenty-ninth session's untimed preparation; at B=256 a sparse layer's cuBLAS GEMMs took ~25-30 us
-# against ~8 by bytes), step A/B at B=128 / 256, then the reference workload with the tuned table and without it
-# (PAGODA_DENSE_GEMV=0) on the same machine. Commit $OUT/gemv_tune/dense_table.json under kernels/gemv_configs/ if
-# it wins.
+# Session 37, call 2: FP8 experts on torch._scaled_grouped_mm with each expert split into groups where that keeps
+# torch's small CUTLASS tiles (M = rows / groups <= 128; kernels/moe.expert_split). Call 1 (H100) found the cliff:
+# v2-lite's two expert GEMMs 268 us at 768 tokens (M = 108), 485 at 1024 (M = 139). (1) GPU tests of the gmm paths;
+# (2) moe_fp8_sweep at 768-8192 tokens with the split (default) and without (PAGODA_MOE_FP8_GMM_SPLIT=0);
+# (3) the FP8 reference workload on deepseek-v2-lite and qwen3-30b-a3b both ways (prefill chunks of up to 8192
+# tokens take the split). On a card other than an H200 the H200's tables are installed under its name first.
 OUT=${OUT:-/tmp/out}
+start=$(date +%s)
 PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tests-path TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-start=$(date +%s)
-timeout 240 python3 -m pagoda.bench.gemv_tune --models deepseek-v2-lite --layers aq,o --buckets 128,256 \
-  --out "$OUT/gemv_tune" 2>&1 \
-  | grep -E "^tune|tuned|^precompiled" | cut -c1-220
-table=$(python3 -c "import torch; from pagoda.kernels import gemv
-print(gemv.config_name(torch.cuda.get_device_name().replace(' ', '_')))")
-cp "$OUT"/gemv_tune/dense_table.json "/tmp/site/pagoda/kernels/gemv_configs/$table" && echo "installed $table"
-timeout 130 python3 -m pagoda.bench.step_ab --model deepseek-v2-lite --batches 128,256 --context 640 \
-  off=PAGODA_DENSE_GEMV=0 tuned=PAGODA_DENSE_GEMV= 2>&1 | grep "B=" | tail -4
-for variant in tuned off; do
-  echo "== deepseek-v2-lite reference, $variant [$(( $(date +%s) - start )) s]"
-  env $([[ $variant == off ]] && echo PAGODA_DENSE_GEMV=0) timeout 110 python3 -m pagoda.bench throughput \
-    --model deepseek-v2-lite --load-format dummy --workload reference --timeout 100 \
-    --out "$OUT/v2lite_reference_$variant.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -3
+card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
+if [[ $card != NVIDIA_H200 ]]; then
+  for f in /tmp/site/pagoda/kernels/*_configs/*NVIDIA_H200*.json; do cp "$f" "${f//NVIDIA_H200/$card}"; done
+  echo "H200 tables installed as $card"
+fi
+source <(sed -n '/^moe_sweep_rows()/,/^}/p' bench/gpu_check.sh)
+echo "== GPU tests [$(( $(date +%s) - start )) s]"
+timeout 90 python3 -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_moe.py -m gpu \
+  -k "w8a8 or gmm or split" 2>&1 | tail -3
+for split in 1 0; do
+  echo "== FP8 against bf16, PAGODA_MOE_FP8_GMM_SPLIT=$split [$(( $(date +%s) - start )) s]"
+  PAGODA_MOE_FP8_GMM_SPLIT=$split timeout 120 python3 -m pagoda.bench.moe_fp8_sweep \
+    --tokens 768,1024,2048,4096,8192 --out "$OUT/moe_fp8_sweep_split_$split.json" 2>&1 | moe_sweep_rows
 done
+for shape in deepseek-v2-lite qwen3-30b-a3b; do
+  for split in 1 0; do
+    echo "== $shape FP8 reference, PAGODA_MOE_FP8_GMM_SPLIT=$split [$(( $(date +%s) - start )) s]"
+    PAGODA_MOE_FP8_GMM_SPLIT=$split timeout $(( 590 - ($(date +%s) - start) )) python3 -m pagoda.bench throughput \
+      --model $shape --load-format dummy --quantization fp8 --workload reference --timeout 100 \
+      --out "$OUT/ref_${shape}_split_$split.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -4
+  done
+done
+echo "== done [$(( $(date +%s) - start )) s]"

@@ -375,5 +375,16 @@ def make_linear(rows: int, cols: int, dtype: torch.dtype, device: torch.device, 
     if fp8 is None:
         return make_param((*lead, rows, cols), dtype, device), None
     groups = 1 if fp8.group_size is None else -(-cols // fp8.group_size)
+    if experts is not None and groups == 1:  # per-row FP8 experts: kernels/moe.expert_split's spare room
+        return (_param_with_spare_expert((experts, rows, cols), torch.float8_e4m3fn, device),
+                _param_with_spare_expert((experts, rows, 1), torch.float32, device))
     weight = make_param((*lead, rows, cols), torch.float8_e4m3fn, device)
     return weight, make_param((*lead, rows, groups), torch.float32, device)
+
+
+def _param_with_spare_expert(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """[E, rows, cols] over storage for E + 1 experts: the FP8 gmm path views each expert as several groups of
+    torch._scaled_grouped_mm, the last ones reaching past expert E - 1 (kernels/moe.expert_group_views)."""
+    experts, rows, cols = shape
+    storage = torch.empty(experts + 1, rows, cols, dtype=dtype, device=device)
+    return nn.Parameter(storage[:experts], requires_grad=False)
