@@ -102,7 +102,8 @@ class ModelArch:
     rope_theta: float
     rope_scaling: dict[str, Any] | None = None  # rope_type != default: its parameters
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama and Qwen3 where attention_bias says)
+    o_proj_bias: bool = False  # the output projection carries one too (Llama and Qwen3's attention_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -135,8 +136,9 @@ class ModelArch:
         h = self.hidden_size
         if self.mla is not None:
             return self.mla.attention_params(h, self.num_heads) + 2 * h
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + (2 * self.head_dim if self.qk_norm
-                                                                                  else 0)
+        biases = (self.q_size + 2 * self.kv_size if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
+        return (h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + biases
+                + (2 * self.head_dim if self.qk_norm else 0))
 
     def _mlp_params(self, layer: int, num_experts: float) -> float:
         """MLP weights of one layer: dense, or the router, `num_experts` experts and the shared expert."""
@@ -224,7 +226,7 @@ def _moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Mo
     sparse = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
     return MoeArch(num_experts=num_experts, top_k=config["num_experts_per_tok"],
                    expert_intermediate_size=config["moe_intermediate_size"],
-                   renormalize=bool(config.get("norm_topk_prob", model_type == "qwen3_moe")), sparse_layers=sparse,
+                   renormalize=bool(config.get("norm_topk_prob", False)), sparse_layers=sparse,
                    shared_expert_intermediate_size=(config.get("shared_expert_intermediate_size") or 0
                                                     if model_type == "qwen2_moe" else 0))
 
@@ -268,8 +270,12 @@ def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) 
     expert = config.get("moe_intermediate_size", 2048 if v3 else 1407)
     # transformers' V3 router is always sigmoid + correction bias over groups; its V2 router always softmax
     topk_method = "noaux_tc" if v3 else (config.get("topk_method") or "greedy")
-    if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+    if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc") or (not v3 and topk_method == "noaux_tc"):
         raise ConfigError(f"{model_type} topk_method {topk_method!r} is not supported", param="model")
+    if not v3 and config.get("norm_topk_prob"):
+        # transformers' V2 router ignores it (weights x routed_scaling_factor), DeepSeek's own code renormalises
+        # instead of scaling: no one answer to match (every DeepSeek-V2 checkpoint has it false)
+        raise ConfigError(f"{model_type} with norm_topk_prob true is not supported", param="model")
     groups = config.get("n_group", 8 if v3 else 1) or 1
     topk_groups = config.get("topk_group", 4 if v3 else 1) or 1
     if topk_method != "greedy" and (num_experts % groups or not 0 < topk_groups <= groups
@@ -320,6 +326,30 @@ ROPE_REQUIRED = {
 }
 
 
+def _attention_biases(config: dict[str, Any], model_type: str) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) as transformers builds each family's attention: Qwen2 always biases q/k/v,
+    Qwen2-MoE where qkv_bias says; Llama and Qwen3 bias all four projections where attention_bias says; Mistral
+    and Mixtral never (their attention_bias key, where present, is ignored); DeepSeek refuses it (_deepseek_from_hf)."""
+    if model_type == "qwen2":
+        return True, False
+    if model_type == "qwen2_moe":
+        return bool(config.get("qkv_bias", True)), False
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
+        bias = bool(config.get("attention_bias", False))
+        return bias, bias
+    return False, False
+
+
+def _sliding_window(config: dict[str, Any], model_type: str) -> int | None:
+    """The attention window transformers gives the family: Mistral and Mixtral's sliding_window; the Qwen families'
+    only with use_sliding_window (off by default); none for Llama and DeepSeek."""
+    if model_type in ("mistral", "mixtral"):
+        return config.get("sliding_window") or None
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and config.get("use_sliding_window", False):
+        return config.get("sliding_window") or None
+    return None
+
+
 def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     model_type = config.get("model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -331,10 +361,11 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     theta, scaling = _rope_settings(config)
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    window = _sliding_window(config, model_type)
     num_layers = config["num_hidden_layers"]
-    bias_default = model_type in ("qwen2", "qwen2_moe")
-    attention_bias = config.get("attention_bias", config.get("qkv_bias", bias_default))
+    qkv_bias, o_proj_bias = _attention_biases(config, model_type)
+    if model_type == "llama" and config.get("mlp_bias"):  # gate/up/down biases: no MLP path here adds them
+        raise ConfigError(f"{model_type} with mlp_bias is not supported", param="model")
     if model_type in MLA_MODEL_TYPES:
         mla, moe = _deepseek_from_hf(config, model_type, num_layers)
         config = {**config, "head_dim": mla.qk_rope_head_dim}  # the rope table's width, as transformers sets it
@@ -348,8 +379,8 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         max_position_embeddings=config.get("max_position_embeddings", 4096), rope_theta=theta,
         rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=bool(attention_bias), qk_norm=model_type in ("qwen3", "qwen3_moe"), eos_token_ids=eos_ids,
-        bos_token_id=config.get("bos_token_id"), sliding_window=window or None, moe=moe, mla=mla,
+        attention_bias=qkv_bias, o_proj_bias=o_proj_bias, qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"), sliding_window=window, moe=moe, mla=mla,
     )
 
 

@@ -68,6 +68,7 @@ class DecoderLayer(nn.Module):
         self.q_norm = make_param((arch.head_dim,), dtype, device) if arch.qk_norm else None  # [D]
         self.k_norm = make_param((arch.head_dim,), dtype, device) if arch.qk_norm else None
         self.o_weight, self.o_weight_scale = make_linear(h, self.q_size, dtype, device, fp8)  # [H, Q] local columns
+        self.o_bias = make_param((h,), dtype, device) if arch.o_proj_bias else None  # [H], added once (rank 0)
         self.mlp = mlp  # a sparse block replaces the dense MLP's weights
         self.gate_up_weight = self.gate_up_weight_scale = self.down_weight = self.down_weight_scale = None
         if mlp is None:
@@ -182,9 +183,11 @@ class DecoderLayer(nn.Module):
     def _finish(self, attn: torch.Tensor, residual: torch.Tensor, ops: Ops) -> tuple[Hidden, torch.Tensor]:
         """o projection, residual add + norm, MLP: attn [T, heads, D] -> (layer output [T, H], residual [T, H])."""
         attn = attn.reshape(-1, self.q_size)  # [T, Q]
-        x = deferred_linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops) if self.tp.size == 1 else None
+        deferrable = self.tp.size == 1 and self.o_bias is None  # split-K partials carry no bias
+        x = deferred_linear(attn, self.o_weight, self.o_weight_scale, self.fp8, ops) if deferrable else None
         if x is None:
-            x = self.tp.all_reduce(self.linear(attn, self.o_weight, self.o_weight_scale, None, ops))  # [T, H]
+            bias = self.o_bias if self.tp.rank == 0 else None  # one rank's bias in the all-reduced sum
+            x = self.tp.all_reduce(self.linear(attn, self.o_weight, self.o_weight_scale, bias, ops))  # [T, H]
         if self.mlp is not None:
             return self.mlp(x, residual, self.post_attn_norm, ops)
         gate_up, residual = self._norm_linear(x, residual, self.post_attn_norm, self.gate_up_weight,
@@ -209,6 +212,8 @@ class DecoderLayer(nn.Module):
                 yield Placement(attn + ".bias", (full,), self.qkv_bias[rows], 0, rank * size, size)
         yield Placement(prefix + "self_attn.o_proj.weight", (h, arch.q_size), self.o_weight, 1, rank * q, q,
                         self.o_weight_scale)
+        if self.o_bias is not None:
+            yield Placement(prefix + "self_attn.o_proj.bias", (h,), self.o_bias, None)
         if self.q_norm is not None and self.k_norm is not None:
             yield Placement(prefix + "self_attn.q_norm.weight", (arch.head_dim,), self.q_norm, None)
             yield Placement(prefix + "self_attn.k_norm.weight", (arch.head_dim,), self.k_norm, None)
