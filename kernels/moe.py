@@ -1153,12 +1153,15 @@ FP8_GMM_MODES = ("", "auto", "0", "1")
 
 # torch._scaled_grouped_mm (rows 2D x experts 3D) picks its CUTLASS tiles from M = rows of A / groups: 64 x 128 x 128
 # ping-pong tiles up to M = 128, else 128 x 256 x 64 cooperative ones (256 x 128 x 128 from M = 2048 with fast
-# accumulation). The larger tiles lost badly where runs are short: deepseek-v2-lite's two expert GEMMs took 268 us at
+# accumulation). The larger tiles lost badly just above M = 128: deepseek-v2-lite's two expert GEMMs took 268 us at
 # 768 tokens (M = 108) and 485 at 1024 (M = 139), 514 at 2048 (H100, 2026-12-06, bench/results/s37/call1.txt).
 # Handing the op f times the groups (expert_group_views: each expert one real group and f - 1 empty ones) keeps M
-# at most GMM_FP8_SMALL_TILE_M without a second launch. PAGODA_MOE_FP8_GMM_SPLIT=0 turns it off (A/B runs).
+# at most GMM_FP8_SMALL_TILE_M without a second launch. Whole layer, H200 (call 2), split / not: v2-lite 1024 tokens
+# (M = 139) 317 / 535 us, 2048 (M = 263) 547 / 620, 4096 (M = 511) 943 / 882, 8192 1815 / 1679; qwen3-30b-a3b 2048
+# (M = 143) 431 / 427, 4096 (M = 286) 687 / 629. So only from M above 128 up to GMM_FP8_SPLIT_MAX_M (between the
+# last win and the first loss). PAGODA_MOE_FP8_GMM_SPLIT=0 turns it off (A/B runs).
 GMM_FP8_SMALL_TILE_M = 128
-GMM_FP8_MAX_SPLIT = 64
+GMM_FP8_SPLIT_MAX_M = 272
 
 
 def fp8_gmm_split_enabled() -> bool:
@@ -1169,21 +1172,23 @@ def fp8_gmm_split_enabled() -> bool:
 
 
 def expert_split(rows: int, weight: torch.Tensor, scale: torch.Tensor) -> int:
-    """How many groups f per expert the FP8 gmm path hands torch._scaled_grouped_mm for `rows` rows of A so that
-    rows // (E f) <= GMM_FP8_SMALL_TILE_M (1: no split). weight [E, N, K] e4m3, scale [E, N, 1] fp32. A split needs
-    room past the last expert for its empty groups' extents (a spare expert of storage: make_linear gives per-row
-    FP8 experts one) and every group's pointer 16-byte aligned."""
+    """How many groups f per expert the FP8 gmm path hands torch._scaled_grouped_mm for `rows` rows of A (1: no
+    split): where rows // E is above GMM_FP8_SMALL_TILE_M and at most GMM_FP8_SPLIT_MAX_M, the least power of two
+    with rows // (E f) <= GMM_FP8_SMALL_TILE_M. weight [E, N, K] e4m3, scale [E, N, 1] fp32. A split needs room past
+    the last expert for its empty groups' extents (a spare expert of storage: make_linear gives per-row FP8 experts
+    one), every group's pointer 16-byte aligned and at most CUTLASS_MAX_GROUPS groups."""
     num_experts, n, k = weight.shape
-    split = 1
-    while rows // (num_experts * split) > GMM_FP8_SMALL_TILE_M and split < GMM_FP8_MAX_SPLIT:
-        split *= 2
-    if split == 1 or not fp8_gmm_split_enabled():
+    if not GMM_FP8_SMALL_TILE_M < rows // num_experts <= GMM_FP8_SPLIT_MAX_M or not fp8_gmm_split_enabled():
         return 1
+    split = 2
+    while rows // (num_experts * split) > GMM_FP8_SMALL_TILE_M:
+        split *= 2
     aligned = (n * k // split) % 16 == 0 and n % split == 0 and (n // split * 4) % 16 == 0
     contiguous = weight.is_contiguous() and scale.is_contiguous()
     room = (_room(weight, num_experts * n * k + (split - 1) * n * k // split)
             and _room(scale, num_experts * n + (split - 1) * n // split))
-    return split if aligned and contiguous and room else 1
+    fits = num_experts * split <= CUTLASS_MAX_GROUPS
+    return split if aligned and contiguous and room and fits else 1
 
 
 def _room(t: torch.Tensor, elements: int) -> bool:
