@@ -34,6 +34,7 @@ T = TypeVar("T")
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool | None = None  # vLLM's default: true once stream_options is given
     continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
+    include_obfuscation: bool | None = None  # OpenAI's: chunks padded with an `obfuscation` field; only false here
 
 
 class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -126,6 +127,13 @@ class MessageBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool_calls: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TURNS)] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns
     reasoning_content: str | None = None  # an earlier answer sent back: dropped, as chat templates drop it
+    # The rest of an answer's message, as the openai SDK hands it back (`message.model_dump()` writes every field,
+    # null where the answer had none; a parse() answer adds `parsed`): taken where it adds nothing to the turn.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    parsed: Any = None  # the SDK's own parse of `content`, which is kept
 
 
 class ChatBody(_GenerationBody):
@@ -250,6 +258,9 @@ def _common_checks(body: _GenerationBody) -> None:
     _require(not body.store, "store", "store is not supported: nothing is kept after the answer")
     _require(body.stream_options is None or bool(body.stream), "stream_options",
              "stream_options is only allowed when stream is true")
+    _require(not (body.stream_options and body.stream_options.include_obfuscation),
+             "stream_options.include_obfuscation", "stream obfuscation is not implemented: chunks carry no "
+             "obfuscation field")
     _require(body.prompt_logprobs is None or not body.stream, "prompt_logprobs",
              "`prompt_logprobs` are not available when `stream=True`.")
     _require(body.priority is None or MIN_INT64 <= body.priority <= MAX_INT64, "priority",
@@ -478,6 +489,11 @@ def _chat_message(message: MessageBody, param: str) -> ChatMessage:
              f"role must be one of {', '.join(CHAT_ROLES)}, tool, got {message.role!r}")
     _require(message.tool_calls is None or message.role == "assistant", f"{param}.tool_calls",
              "only assistant messages carry tool_calls")
+    _require(message.refusal is None, f"{param}.refusal", "a refusal is not rendered: send its text as content")
+    _require(not message.annotations, f"{param}.annotations", "annotations (citations) are not rendered")
+    _require(message.audio is None, f"{param}.audio", "audio answers are not made here")
+    _require(message.function_call is None, f"{param}.function_call",
+             "the deprecated function_call is not supported; use tool_calls")
     _require((message.tool_call_id is not None) == (message.role == "tool"), f"{param}.tool_call_id",
              "tool messages need a tool_call_id (and only they have one)")
     tool_calls = _message_tool_calls(message.tool_calls or [], f"{param}.tool_calls")
@@ -560,6 +576,9 @@ def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | N
                           max_calls=1 if body.parallel_tool_calls is False else 0)
 
 
+_WHOLE_OUTPUT_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 def _tool_constraint(body: ChatBody, tools: list[dict[str, Any]], mode: str, name: str) -> StructuredOutputs | None:
     """tool_choice required / named decode under a schema built from the functions' parameters."""
     if mode == "required":
@@ -594,8 +613,11 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
     mode, name = _tool_choice(body, tools)
     tool_constraint = _tool_constraint(body, tools, mode, name)
     if tool_constraint is not None:
-        _require("structured_outputs" not in kwargs, "tool_choice",
-                 f"tool_choice {mode!r} constrains the output itself: drop response_format / structured outputs")
+        # response_format shapes the message's text, which a forced call does not write: checked above, then it
+        # gives way (OpenAI takes both; vLLM's tool schema replaces the format's). vLLM's own constraints shape the
+        # whole output and conflict with the call's.
+        whole = next((given for given in _WHOLE_OUTPUT_CONSTRAINTS if getattr(body, given) is not None), None)
+        _require(whole is None, "tool_choice", f"tool_choice {mode!r} constrains the output itself: drop {whole}")
         kwargs["structured_outputs"] = tool_constraint.validate()
     try:
         params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs).validate(max_logprobs)

@@ -1,0 +1,157 @@
+"""What client libraries written for OpenAI and vLLM send a served SmolLM2, through the openai SDK or raw HTTP: an
+answer's message sent back as the SDK hands it over, a response format beside a forced tool call (the openai SDK's
+parse() with tools, instructor's Responses tools mode), OpenAI's stream options. (langchain, litellm and instructor
+themselves are not installed here: these are the bodies they send.)"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+import openai
+import pydantic
+import pytest
+
+from pagoda.services.protocol.schemas import ChatBody, chat_request, decode_body
+from pagoda.shared.errors import InvalidRequestError
+from tests.harness import HTTP, SERVED, Server
+
+
+class City(pydantic.BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]  # a few short values: the answer ends within its token budget
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+               "required": ["city"], "additionalProperties": False}
+CITY_TOOL = {"type": "function", "function": {"name": "record_city", "parameters": CITY_SCHEMA}}
+QUESTION = {"role": "user", "content": "Which city is the capital of France?"}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_server: Server) -> Server:
+    return smollm2_server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return server.client(timeout=120)
+
+
+def chat(server: Server, body: dict[str, Any]) -> Any:
+    return HTTP.post(server.url + "/v1/chat/completions", json={"model": SERVED, "max_tokens": 4, **body},
+                     timeout=120)
+
+
+# --------------------------------------------------------------------------------------------
+# an answer's message sent back
+
+
+def test_an_answer_message_dumped_by_the_sdk_is_taken_back(server: Server, client: openai.OpenAI) -> None:
+    """`messages.append(answer.choices[0].message.model_dump())`: the SDK writes every field of its message type,
+    null where the answer had none (refusal, annotations, audio, function_call, tool_calls)."""
+    answer = client.chat.completions.create(model=SERVED, messages=[QUESTION], max_tokens=4).choices[0].message
+    dumped = answer.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call", "tool_calls"} <= set(dumped)
+    again = client.chat.completions.create(
+        model=SERVED, messages=[QUESTION, dumped, {"role": "user", "content": "Why?"}], max_tokens=4)
+    assert again.choices[0].message.content
+
+
+def test_a_tool_call_answer_dumped_by_the_sdk_is_taken_back(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model=SERVED, messages=[QUESTION], tools=[CITY_TOOL],
+                                            tool_choice="required", parallel_tool_calls=False, max_tokens=30)
+    message = answer.choices[0].message
+    assert message.tool_calls and message.content is None
+    result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "recorded"}
+    again = client.chat.completions.create(model=SERVED, messages=[QUESTION, message.model_dump(), result],
+                                           tools=[CITY_TOOL], tool_choice="none", max_tokens=4)
+    assert again.choices[0].message.content
+
+
+def test_a_parsed_answer_is_taken_back_as_the_sdk_sends_it(client: openai.OpenAI) -> None:
+    """parse()'s message object in the next request's messages: the SDK sends its `parsed` field too."""
+    answer = client.chat.completions.parse(model=SERVED, messages=[QUESTION], response_format=City, max_tokens=30)
+    message = answer.choices[0].message
+    assert isinstance(message.parsed, City)
+    again = client.chat.completions.create(
+        model=SERVED, messages=[QUESTION, message, {"role": "user", "content": "Why?"}], max_tokens=4)  # type: ignore[list-item]
+    assert again.choices[0].message.content
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("refusal", "I can't help with that."), ("annotations", [{"type": "url_citation"}]),
+    ("audio", {"id": "audio_1"}), ("function_call", {"name": "f", "arguments": "{}"})])
+def test_what_an_answer_message_would_add_to_the_turn_is_refused(server: Server, field: str, value: Any) -> None:
+    """Only the values that add nothing are taken: a refusal, citations, an audio answer or a legacy function call
+    would be dropped from the prompt, so each is a 400 naming it."""
+    sent_back = {"role": "assistant", "content": "Paris", field: value}
+    response = chat(server, {"messages": [QUESTION, sent_back, {"role": "user", "content": "Why?"}]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == f"messages[1].{field}"
+
+
+# --------------------------------------------------------------------------------------------
+# a response format beside a forced tool call
+
+
+def test_a_named_tool_call_with_a_response_format_is_the_call(client: openai.OpenAI) -> None:
+    """The openai SDK's parse() with tools: the format shapes the message's text, which a forced call does not
+    write (OpenAI takes both); the call's arguments follow the tool's schema."""
+    tool = openai.pydantic_function_tool(City, name="record_city")
+    answer = client.chat.completions.parse(
+        model=SERVED, messages=[QUESTION], response_format=City, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "record_city"}}, max_tokens=30)
+    message = answer.choices[0].message
+    assert message.content is None and message.parsed is None
+    assert message.tool_calls and isinstance(message.tool_calls[0].function.parsed_arguments, City)
+
+
+def chat_of(body: dict[str, Any]) -> Any:
+    return chat_request(decode_body(msgspec.json.encode(body), ChatBody), "r", 0.0)
+
+
+def test_a_response_format_beside_a_forced_call_is_still_checked() -> None:
+    body = {"model": SERVED, "messages": [QUESTION], "tools": [CITY_TOOL], "tool_choice": "required"}
+    with_format = chat_of({**body, "response_format": {"type": "json_object"}})
+    assert with_format.params.structured_outputs == chat_of(body).params.structured_outputs  # the call's schema
+    with pytest.raises(InvalidRequestError) as bad:
+        chat_of({**body, "response_format": {"type": "json_schema"}})
+    assert bad.value.param == "response_format.json_schema"
+    for extension in ({"structured_outputs": {"choice": ["a"]}}, {"guided_regex": "a"}):
+        with pytest.raises(InvalidRequestError) as conflict:  # vLLM's constraints shape the whole output
+            chat_of({**body, **extension})
+        assert conflict.value.param == "tool_choice" and next(iter(extension)) in conflict.value.message
+
+
+def test_responses_text_format_beside_a_named_tool(server: Server, client: openai.OpenAI) -> None:
+    """instructor's RESPONSES_TOOLS mode sends the model's schema as text.format and as the one named tool."""
+    strict = openai.lib._pydantic.to_strict_json_schema(City)
+    response = client.responses.create(
+        model=SERVED, input="Which city is the capital of France?", max_output_tokens=30,
+        text={"format": {"type": "json_schema", "name": "City", "schema": strict, "strict": True}},
+        tools=[{"type": "function", "name": "City", "parameters": strict, "strict": True}],
+        tool_choice={"type": "function", "name": "City"})
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and len(calls) == 1 and calls[0].name == "City"
+    City.model_validate_json(calls[0].arguments)
+    assert response.text.format.type == "json_schema"  # echoed as asked
+
+
+# --------------------------------------------------------------------------------------------
+# stream options
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_obfuscation_off_is_taken_on_is_refused(server: Server, route: str) -> None:
+    """OpenAI's stream_options.include_obfuscation (the SDK's types carry it): false is what pagoda streams."""
+    body: dict[str, Any] = {"model": SERVED, "max_tokens": 2, "stream": True}
+    body.update({"messages": [QUESTION]} if "chat" in route else {"prompt": "Hello"})
+    with HTTP.stream("POST", server.url + route, timeout=120,
+                     json={**body, "stream_options": {"include_obfuscation": False}}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and all("obfuscation" not in line for line in lines)
+    refused = HTTP.post(server.url + route, json={**body, "stream_options": {"include_obfuscation": True}},
+                        timeout=120)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "stream_options.include_obfuscation"
