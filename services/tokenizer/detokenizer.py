@@ -7,6 +7,11 @@ paths: a flush (a sequence that ends inside a character must still show its byte
 decode does; DecodeStream keeps them forever) and a bound on held tokens (a model that emits invalid bytes
 would make each step re-decode an ever longer window). `IncrementalDetokenizer` is the same algorithm in
 Python over any `decode`; it serves tokenizers without a Rust backend.
+
+ByteFallback (Llama 2, Gemma, Mistral) rewrites text it already gave when more tokens come: it turns a whole run of
+byte tokens into U+FFFDs, one per byte, once a byte in the run is invalid, so "世" shown from three byte tokens becomes
+four U+FFFDs after a lone lead byte. No stream can take back what it showed: both detokenizers keep it, and give the
+tokens after it as their own decode (DecodeStream raises "Invalid prefix" on them).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, as vLLM doe
 # holds invalid bytes (which the whole decode shows as U+FFFD too), not a character waiting for its
 # last byte. Letting it go keeps the per-token cost bounded on a model that emits garbage bytes.
 MAX_HELD_TOKENS = 32
+INVALID_PREFIX = "Invalid prefix"  # how DecodeStream's error for a decoder that rewrote shown text begins
 
 
 class Decoder(Protocol):
@@ -84,6 +90,10 @@ class IncrementalDetokenizer:
         return self._emit(self._decode(self._window))
 
     def _emit(self, text: str) -> str:
+        if not text.startswith(self._prefix_text):  # ByteFallback rewrote shown text (module docstring)
+            del self._window[:self._read_offset]
+            self._read_offset, self._prefix_text = 0, ""
+            text = self._decode(self._window)
         delta = text[len(self._prefix_text):]
         # Slide: the tokens just emitted become the prefix of the next window.
         del self._window[:self._read_offset]
@@ -130,7 +140,7 @@ class StreamDetokenizer:
                 return text
         out = ""
         for token_id in new_token_ids:
-            text = self._stream.step(self._backend, token_id)
+            text = self._step(token_id)
             held = self._held
             if text is None:
                 held.append(token_id)
@@ -145,6 +155,18 @@ class StreamDetokenizer:
             out += text
         return out
 
+    def _step(self, token_id: int) -> str | None:
+        """DecodeStream's step; where ByteFallback rewrote shown text (module docstring), the held tokens and this
+        one as their own text, and the stream goes on after them."""
+        try:
+            return self._stream.step(self._backend, token_id)
+        except Exception as exc:  # the tokenizers library raises a plain Exception
+            if not str(exc).startswith(INVALID_PREFIX):
+                raise
+        token_ids = [*self._held, token_id]
+        self._stream = DecodeStream(token_ids[-NUM_CONTEXT_TOKENS:], skip_special_tokens=self._skip_special_tokens)
+        return self._decode(token_ids)
+
     def flush(self) -> str:
         """Whatever is still held (the sequence ended): invalid trailing bytes come out as U+FFFD."""
         return self._release() if self._held else ""
@@ -152,7 +174,8 @@ class StreamDetokenizer:
     def _release(self) -> str:
         """The held tokens' text after the context's, whatever it ends with; the stream starts over after it."""
         context = self._context[-NUM_CONTEXT_TOKENS:]
-        text = self._decode(context + self._held)[len(self._decode(context)):]
+        context_text, text = self._decode(context), self._decode(context + self._held)
+        text = text[len(context_text):] if text.startswith(context_text) else self._decode(self._held)
         # No context for what follows: the released tokens may end inside a character that no later byte may
         # complete without changing text already shown.
         self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)

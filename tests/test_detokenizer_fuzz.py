@@ -1,0 +1,266 @@
+"""Streamed text against the tokenizer's own decode, fuzzed over the tokenizer kinds models ship: byte-level BPE
+(GPT-2, with added special and plain tokens), SentencePiece-style BPE with byte fallback (Llama 2's and Gemma's
+decoders, and a Metaspace decoder), a Unigram with a lowercasing normalizer (T5), and WordPiece. Each tokenizer is
+trained here, at test time, on a few lines of multilingual text.
+
+The oracle is the whole decode of the same ids in the prompt's context (what the first token's leading space
+depends on): the deltas of both detokenizers concatenate to it, every prefix of them is a prefix of it (no
+U+FFFD it does not have), and stop strings cut it where they first match in it. Decoders that rewrite text they
+already gave (ByteFallback turns a whole run of byte tokens into U+FFFDs once a byte in it is invalid; WordPiece's
+clean-up joins "' s") cannot be followed by any stream: there the detokenizers must not fail, keep what they
+showed and agree with each other."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as RustTokenizer
+from transformers import PreTrainedTokenizerFast
+
+from pagoda.services.tokenizer.detokenizer import (
+    NUM_CONTEXT_TOKENS,
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    StreamDetokenizer,
+)
+from pagoda.services.tokenizer.text_stream import TextStream
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.messages import SamplingParams
+
+CORPUS = ["hello world, the quick brown fox jumps over the lazy dog.", "héllo naïve café déjà vu",
+          "世界 你好 世界 日本語のテキスト", "🎉 party 🎉 👍🏽 👨\u200d👩\u200d👧",
+          "e\u0301 a\u0308 o\u0302 combining marks", "Привет мир как дела", "مرحبا بالعالم",
+          "I don't know, it's fine! Isn't it? We're here.",
+          "x = f(a, b) + 3 * [1, 2]\n\tdef g(): return None"]
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<think>", "</think>", " hello world", "✓✓", "ab"]  # plain (not special) added tokens
+
+
+# ---- tokenizer kinds --------------------------------------------------------------------------------------------
+
+
+def _save(rust: RustTokenizer, folder: Path) -> Tokenizer:
+    rust.add_tokens([AddedToken(t, normalized=False) for t in ADDED_TOKENS])
+    PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            additional_special_tokens=SPECIAL_TOKENS[3:]).save_pretrained(str(folder))
+    return Tokenizer(folder)
+
+
+def _byte_level(folder: Path) -> Tokenizer:
+    rust = RustTokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL_TOKENS,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return _save(rust, folder)
+
+
+def _byte_fallback_bpe(folder: Path) -> RustTokenizer:
+    """A SentencePiece-style BPE over a small alphabet: other characters are spelled as <0xXX> byte tokens."""
+    trained = RustTokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=140, special_tokens=SPECIAL_TOKENS, initial_alphabet=list("abcdefghijklmnopqrstuvwxyz▁"),
+        limit_alphabet=27))
+    vocab_file, merges_file = trained.model.save(str(folder))
+    vocab = json.loads(Path(vocab_file).read_text())
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    Path(vocab_file).write_text(json.dumps(vocab))
+    rust = RustTokenizer(models.BPE.from_file(vocab_file, merges_file, byte_fallback=True, unk_token="<unk>"))
+    rust.add_special_tokens(SPECIAL_TOKENS)
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    return rust
+
+
+def _llama2(folder: Path) -> Tokenizer:
+    rust = _byte_fallback_bpe(folder)
+    rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    return _save(rust, folder / "hf")
+
+
+def _gemma(folder: Path) -> Tokenizer:
+    """No pre-tokenizer (spaces become "▁" in the normalizer) and no leading space stripped."""
+    rust = _byte_fallback_bpe(folder)
+    rust.normalizer = normalizers.Replace(" ", "▁")
+    rust.pre_tokenizer = None
+    rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return _save(rust, folder / "hf")
+
+
+def _metaspace(folder: Path) -> Tokenizer:
+    rust = _byte_fallback_bpe(folder)
+    rust.decoder = decoders.Sequence([decoders.ByteFallback(),
+                                      decoders.Metaspace(replacement="▁", prepend_scheme="first")])
+    return _save(rust, folder / "hf")
+
+
+def _unigram(folder: Path) -> Tokenizer:
+    """T5-like: NFKC, lowercase and strip; "▁" before every word."""
+    rust = RustTokenizer(models.Unigram())
+    rust.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase(), normalizers.Strip()])
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    rust.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    rust.train_from_iterator(CORPUS, trainers.UnigramTrainer(vocab_size=200, special_tokens=SPECIAL_TOKENS,
+                                                             unk_token="<unk>"))
+    return _save(rust, folder)
+
+
+def _wordpiece(folder: Path) -> Tokenizer:
+    rust = RustTokenizer(models.WordPiece(unk_token="<unk>"))
+    rust.normalizer = normalizers.BertNormalizer(lowercase=True)
+    rust.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    rust.decoder = decoders.WordPiece(cleanup=True)
+    rust.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS))
+    return _save(rust, folder)
+
+
+KINDS: dict[str, Callable[[Path], Tokenizer]] = {
+    "byte_level": _byte_level, "llama2": _llama2, "gemma": _gemma, "metaspace": _metaspace, "unigram": _unigram,
+    "wordpiece": _wordpiece}
+BYTE_FALLBACK_KINDS = ("llama2", "gemma", "metaspace")
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def tok(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return KINDS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _detokenizers(tok: Tokenizer, prompt: list[int], skip: bool) -> list[StreamDetokenizer | IncrementalDetokenizer]:
+    assert tok.backend is not None
+    return [StreamDetokenizer(tok.backend, prompt, skip), IncrementalDetokenizer(tok, prompt, skip)]
+
+
+def _push_all(detok: StreamDetokenizer | IncrementalDetokenizer, output: list[int],
+              sizes: list[int] | None = None) -> list[str]:
+    deltas, i = [], 0
+    for size in sizes or [1] * len(output):
+        deltas.append(detok.push(output[i:i + size]))
+        i += size
+    assert i >= len(output)
+    return [*deltas, detok.flush()]
+
+
+# ---- detokenizer ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BYTE_FALLBACK_KINDS)
+def test_byte_run_turning_invalid_after_shown_text(kind: str, tmp_path: Path) -> None:
+    # "世" (three byte tokens) is shown; then a lone lead byte and a letter: the whole decode turns the run into
+    # four U+FFFDs, which would rewrite the shown "世". DecodeStream raised "Invalid prefix" here (the request
+    # failed with an internal error); the Python detokenizer cut the first char off the new text.
+    tok = KINDS[kind](tmp_path)
+    word = tok.encode("世", add_special_tokens=False)
+    assert tok.hf.convert_ids_to_tokens(word)[-3:] == ["<0xE4>", "<0xB8>", "<0x96>"]
+    tail = [tok.hf.convert_tokens_to_ids("<0xE4>"), *tok.encode("ab c", add_special_tokens=False)]
+    output = word + tail
+    assert tok.decode(output).startswith(REPLACEMENT_CHAR * 4)
+    for detok in _detokenizers(tok, [], True):
+        deltas = _push_all(detok, output)
+        # what was shown stays, and the tokens after it come out as their own text
+        assert "".join(deltas) == tok.decode(word) + tok.decode(tail), (type(detok).__name__, deltas)
+
+
+def _random_case(tok: Tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(prompt ids, output ids): a run of encoded text, or ids drawn from text, special and added tokens and the
+    whole vocabulary; special or added tokens put in anywhere. Shorter than MAX_HELD_TOKENS, whose release may
+    show invalid bytes that later ones complete in the whole decode."""
+    text_ids = tok.encode(" ".join(CORPUS), add_special_tokens=False)
+    extra = tok.all_special_ids + tok.hf.convert_tokens_to_ids(ADDED_TOKENS)
+    if rng.random() < 0.4:
+        start = rng.randrange(len(text_ids))
+        output = text_ids[start:start + rng.randint(1, 24)]
+    else:
+        output = [rng.choice(text_ids + extra) if rng.random() < 0.85 else rng.randrange(tok.vocab_size)
+                  for _ in range(rng.randint(1, 24))]
+    for _ in range(rng.choice([0, 0, 1, 3])):
+        output.insert(rng.randint(0, len(output)), rng.choice(extra))
+    prompt = [rng.choice(text_ids + extra) for _ in range(rng.randint(0, 8))]
+    return prompt, output
+
+
+def _oracle(tok: Tokenizer, prompt: list[int], output: list[int], skip: bool) -> tuple[str, bool]:
+    """(The output's text in the prompt's context, whether the decode never rewrites text it gave.) The context is
+    the prompt's tail unless that ends inside a character (the detokenizers then decode the output alone)."""
+    context = prompt[-NUM_CONTEXT_TOKENS:]
+    if tok.decode(context, skip).endswith(REPLACEMENT_CHAR):
+        context = []
+    context_text, whole = tok.decode(context, skip), tok.decode(context + output, skip)
+    stable = whole.startswith(context_text) and all(
+        whole.startswith(text) for i in range(len(output))
+        if not (text := tok.decode(context + output[:i], skip)).endswith(REPLACEMENT_CHAR))
+    return whole[len(context_text):], stable
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_ids_follow_the_whole_decode(tok: Tokenizer, skip: bool) -> None:
+    rng = random.Random(int(skip))
+    num_stable = 0
+    for _ in range(150):
+        prompt, output = _random_case(tok, rng)
+        expected, stable = _oracle(tok, prompt, output, skip)
+        stream, python = (_push_all(detok, output) for detok in _detokenizers(tok, prompt, skip))
+        case = (prompt, output, stream, python, expected)
+        assert stream == python, case  # the same text, delta for delta
+        sizes = [rng.choice([1, 2, 3, 7, 24]) for _ in output]
+        chunked_stream, chunked_python = (_push_all(detok, output, sizes) for detok in _detokenizers(tok, prompt, skip))
+        assert "".join(chunked_stream) == "".join(stream), (case, sizes)  # DecodeStream steps token by token
+        if not stable:  # ByteFallback over invalid bytes: what was shown depends on where the pushes fell
+            continue
+        num_stable += 1
+        assert "".join(stream) == "".join(chunked_python) == expected, (case, sizes)
+        shown = ""
+        for delta in stream:  # each prefix of the stream is a prefix of the text: no U+FFFD it does not have
+            shown += delta
+            assert expected.startswith(shown), case
+    assert num_stable >= 100
+
+
+def _reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
+    matches = [(i, i + len(s)) for s in stop if (i := text.find(s)) >= 0]
+    if not matches:
+        return text, None
+    start, end = min(matches)
+    return (text[:end] if include else text[:start]), text[start:end]
+
+
+def test_stop_strings_cut_the_whole_decode(tok: Tokenizer) -> None:
+    # Stop strings drawn from the text (so they span token boundaries and begin or end inside a token, next to
+    # characters whose bytes are split over tokens), the text of special tokens, a lone combining mark.
+    rng = random.Random(3)
+    num_stopped = 0
+    for _ in range(200):
+        prompt, output = _random_case(tok, rng)
+        skip = rng.random() < 0.5
+        text, stable = _oracle(tok, prompt, output, skip)
+        if not stable or not text:
+            continue
+        stop = []
+        for _ in range(rng.randint(1, 3)):
+            start = rng.randrange(len(text))
+            stop.append(text[start:start + rng.randint(1, 6)])
+        if rng.random() < 0.3:
+            stop.append(rng.choice(["<|im_end|>", "</s>", "\u0301", "é", "🎉", "<think>", "世界"]))
+        include = rng.random() < 0.5
+        stream = TextStream(tok, prompt, SamplingParams(stop=stop, include_stop_str_in_output=include,
+                                                        skip_special_tokens=skip, max_tokens=64))
+        deltas, i = [], 0
+        while i < len(output) and not stream.stopped:
+            size = rng.choice([1, 1, 2, 5])
+            deltas.append(stream.push(output[i:i + size]))
+            i += size
+        deltas.append(stream.close())
+        expected, matched = _reference_stop(text, stop, include)
+        assert ("".join(deltas), stream.stop_reason) == (expected, matched), (prompt, output, stop, deltas)
+        assert stream.text == expected
+        num_stopped += matched is not None
+    assert num_stopped >= 50
