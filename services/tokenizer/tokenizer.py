@@ -14,6 +14,7 @@ import jinja2
 import tokenizers
 from transformers import PreTrainedTokenizerBase
 
+from pagoda.services.tokenizer.conversation import content_format, template_conversation
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer, tokenizer_folder
@@ -136,8 +137,11 @@ class Tokenizer:
             return b""
         if token_id in self._all_special_ids:
             return piece.encode("utf-8")
-        if self._byte_level and all(ch in _BYTE_LEVEL_ALPHABET for ch in piece):
-            return bytes(_BYTE_LEVEL_ALPHABET[ch] for ch in piece)
+        if self._byte_level:
+            # The ByteLevel decoder spells a piece of its alphabet as bytes, any other (an added token) as it is.
+            if all(ch in _BYTE_LEVEL_ALPHABET for ch in piece):
+                return bytes(_BYTE_LEVEL_ALPHABET[ch] for ch in piece)
+            return piece.encode("utf-8")
         byte_fallback = _BYTE_FALLBACK.fullmatch(piece)  # SentencePiece's "<0xE2>" for a byte it has no piece for
         if byte_fallback:
             return bytes([int(byte_fallback.group(1), 16)])
@@ -151,7 +155,8 @@ class Tokenizer:
             raise InvalidRequestError(f"the model's tokenizer in {str(self.path)!r} has no chat template; "
                                       "use the completions endpoint", param="messages",
                                       code="no_chat_template")
-        conversation = validate_messages(messages)
+        # vLLM's message normalisation, with the content format of the template that renders them
+        conversation = template_conversation(messages, content_format(self._hf.get_chat_template(None, tools)))
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
         kwargs = chat_template_kwargs or {}
@@ -197,41 +202,6 @@ class Tokenizer:
         if name.startswith("_"):  # private names (and those looked up before __init__ set _hf) are not delegated
             raise AttributeError(name)
         return getattr(self._hf, name)
-
-
-def validate_messages(messages: object) -> list[dict[str, Any]]:
-    """Check the OpenAI message shape; return copies whose content is a plain string (or None).
-
-    Text parts are joined with newlines because text-only templates concatenate `content` as a string.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}] must be an object", param="messages")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequestError(f"messages[{i}].role must be a non-empty string", param="messages")
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "\n".join(_part_text(part, i) for part in content)
-        elif content is None:
-            # OpenAI lets an assistant turn that only calls tools leave content null.
-            if not (role == "assistant" and message.get("tool_calls")):
-                raise InvalidRequestError(f"messages[{i}].content is required", param="messages")
-        elif not isinstance(content, str):
-            raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts",
-                                      param="messages")
-        out.append({**message, "content": content})
-    return out
-
-
-def _part_text(part: object, i: int) -> str:
-    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-        raise InvalidRequestError(f"messages[{i}].content parts must be text parts "
-                                  '{"type": "text", "text": "..."}', param="messages")
-    return part["text"]
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
