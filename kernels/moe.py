@@ -1153,15 +1153,21 @@ FP8_GMM_MODES = ("", "auto", "0", "1")
 
 # torch._scaled_grouped_mm (rows 2D x experts 3D) picks its CUTLASS tiles from M = rows of A / groups: 64 x 128 x 128
 # ping-pong tiles up to M = 128, else 128 x 256 x 64 cooperative ones (256 x 128 x 128 from M = 2048 with fast
-# accumulation). The larger tiles lost badly just above M = 128: deepseek-v2-lite's two expert GEMMs took 268 us at
-# 768 tokens (M = 108) and 485 at 1024 (M = 139), 514 at 2048 (H100, 2026-12-06, bench/results/s37/call1.txt).
-# Handing the op f times the groups (expert_group_views: each expert one real group and f - 1 empty ones) keeps M
-# at most GMM_FP8_SMALL_TILE_M without a second launch. Whole layer, H200 (call 2), split / not: v2-lite 1024 tokens
-# (M = 139) 317 / 535 us, 2048 (M = 263) 547 / 620, 4096 (M = 511) 943 / 882, 8192 1815 / 1679; qwen3-30b-a3b 2048
-# (M = 143) 431 / 427, 4096 (M = 286) 687 / 629. So only from M above 128 up to GMM_FP8_SPLIT_MAX_M (between the
-# last win and the first loss). PAGODA_MOE_FP8_GMM_SPLIT=0 turns it off (A/B runs).
+# accumulation). deepseek-v2-lite's two expert GEMMs took 268 us at 768 tokens (M = 108), 485 at 1024 (M = 139) and
+# 514 at 2048 (H100, 2026-12-06, bench/results/s37/call1.txt). Handing the op f times the groups
+# (expert_group_views: each expert one real group and f - 1 empty ones) keeps M at most GMM_FP8_SMALL_TILE_M without
+# a second launch. Whole layer, split / not (bench/results/s37/call2.txt H200, call3.txt H100):
+#   deepseek-v2-lite (64 routed + 2 shared experts): 1024 tokens (M = 139) 317 / 535 us (H200), 361 / 547 (H100);
+#     2048 (M = 263) 547 / 620, 570 / 639; 4096 (M = 511) 943 / 882; 8192 1815 / 1679;
+#   qwen3-30b-a3b (128 experts): 2048 (M = 143) 431 / 427, 468 / 467; 3072 (M = 207) 590 / 521 (H100);
+#     4096 (M = 286) 687 / 629.
+# So the split is taken per shape, where it was measured to win: GMM_FP8_SPLIT_MAX_M holds, for (experts, I, H),
+# the largest M it applies to (from above GMM_FP8_SMALL_TILE_M); other shapes keep torch's choice.
+# PAGODA_MOE_FP8_GMM_SPLIT=0 turns it off (A/B runs).
 GMM_FP8_SMALL_TILE_M = 128
-GMM_FP8_SPLIT_MAX_M = 272
+GMM_FP8_SPLIT_MAX_M: dict[tuple[int, int, int], int] = {
+    (66, 1408, 2048): 272,  # deepseek-v2-lite: between the last measured win (263) and the first loss (511)
+}
 
 
 def fp8_gmm_split_enabled() -> bool:
@@ -1171,14 +1177,14 @@ def fp8_gmm_split_enabled() -> bool:
     return mode != "0"
 
 
-def expert_split(rows: int, weight: torch.Tensor, scale: torch.Tensor) -> int:
+def expert_split(rows: int, weight: torch.Tensor, scale: torch.Tensor, max_m: int) -> int:
     """How many groups f per expert the FP8 gmm path hands torch._scaled_grouped_mm for `rows` rows of A (1: no
-    split): where rows // E is above GMM_FP8_SMALL_TILE_M and at most GMM_FP8_SPLIT_MAX_M, the least power of two
-    with rows // (E f) <= GMM_FP8_SMALL_TILE_M. weight [E, N, K] e4m3, scale [E, N, 1] fp32. A split needs room past
-    the last expert for its empty groups' extents (a spare expert of storage: make_linear gives per-row FP8 experts
-    one), every group's pointer 16-byte aligned and at most CUTLASS_MAX_GROUPS groups."""
+    split): where rows // E is above GMM_FP8_SMALL_TILE_M and at most max_m, the least power of two with
+    rows // (E f) <= GMM_FP8_SMALL_TILE_M. weight [E, N, K] e4m3, scale [E, N, 1] fp32. A split needs room past the
+    last expert for its empty groups' extents (a spare expert of storage: make_linear gives per-row FP8 experts one),
+    every group's pointer 16-byte aligned and at most CUTLASS_MAX_GROUPS groups."""
     num_experts, n, k = weight.shape
-    if not GMM_FP8_SMALL_TILE_M < rows // num_experts <= GMM_FP8_SPLIT_MAX_M or not fp8_gmm_split_enabled():
+    if not GMM_FP8_SMALL_TILE_M < rows // num_experts <= max_m or not fp8_gmm_split_enabled():
         return 1
     split = 2
     while rows // (num_experts * split) > GMM_FP8_SMALL_TILE_M:
@@ -1389,7 +1395,7 @@ def _fused_experts_gmm_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: tor
     gathered as bytes into the expert-sorted layout (runs padded to GMM_FP8_BLOCK_M rows); the gate_up GEMM's bf16
     output is quantized again per row by the SiLU-and-mul kernel; the weighted top-k sum as on the bf16 gmm path.
     Semantics: reference.moe_experts_w8a8_rows. Both GEMMs see each expert as `split` groups (expert_split) where that
-    keeps torch's small tiles."""
+    keeps torch's small tiles and was measured to win for this shape (GMM_FP8_SPLIT_MAX_M)."""
     num_experts = w_gate_up.shape[0]
     top_k = topk_ids.shape[1]
     align = align_pairs(topk_ids, num_experts, GMM_FP8_BLOCK_M)
@@ -1397,8 +1403,9 @@ def _fused_experts_gmm_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: tor
     x_q, x_scale = quantize_fp8_rows(x)  # [T, H] e4m3, [T, 1]
     rows, row_scales, positions = gather_sorted_fp8(x_q, x_scale, align, top_k)  # [max_padded, H], [max_padded]
     accum = fast_accum()
-    split = expert_split(rows.shape[0], w_gate_up, w_gate_up_scale)
-    if split != expert_split(rows.shape[0], w_down, w_down_scale):  # both or neither: they share offs_split
+    max_m = GMM_FP8_SPLIT_MAX_M.get((num_experts, w_down.shape[2], w_down.shape[1]), GMM_FP8_SMALL_TILE_M)
+    split = expert_split(rows.shape[0], w_gate_up, w_gate_up_scale, max_m)
+    if split != expert_split(rows.shape[0], w_down, w_down_scale, max_m):  # both or neither: they share offs_split
         split = 1
     w_up, s_up, offs_split = expert_group_views(w_gate_up, w_gate_up_scale, offs, split)  # [E f, 2I, H], [E f, 2I]
     gate_up = torch._scaled_grouped_mm(rows, w_up.transpose(1, 2), row_scales, s_up, offs=offs_split,

@@ -574,28 +574,28 @@ def test_make_linear_gives_per_row_fp8_experts_spare_room() -> None:
 
 def test_expert_split_keeps_torch_small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """The FP8 gmm path hands torch._scaled_grouped_mm f groups an expert so that rows / (E f) stays within the small
-    tiles' M, where the weights' storage has room past the last expert; the views' group e f is expert e with its
-    run, the other groups empty."""
+    tiles' M, up to the shape's measured bound, where the weights' storage has room past the last expert; the views'
+    group e f is expert e with its run, the other groups empty."""
     monkeypatch.delenv("PAGODA_MOE_FP8_GMM_SPLIT", raising=False)
     q_up, s_up, _, _ = _fp8_weights(None)
     spare_w, spare_s = _with_spare_expert(q_up), _with_spare_expert(s_up)
-    small = moe.GMM_FP8_SMALL_TILE_M * EXPERTS
-    assert moe.expert_split(small + EXPERTS - 1, spare_w, spare_s) == 1  # rows // E = M: still the small tiles
-    assert moe.expert_split(small + EXPERTS, spare_w, spare_s) == 2
-    assert moe.expert_split(2 * small + 2 * EXPERTS - 1, spare_w, spare_s) == 2
-    assert moe.expert_split(2 * small + 2 * EXPERTS, spare_w, spare_s) == 4
-    most = moe.GMM_FP8_SPLIT_MAX_M * EXPERTS
-    assert moe.expert_split(most + EXPERTS - 1, spare_w, spare_s) > 1
-    assert moe.expert_split(most + EXPERTS, spare_w, spare_s) == 1, "larger runs keep torch's larger tiles"
-    assert moe.expert_split(small + EXPERTS, q_up, s_up) == 1, "no room past the last expert: no split"
+    small, most = moe.GMM_FP8_SMALL_TILE_M * EXPERTS, 272
+    assert moe.expert_split(small + EXPERTS - 1, spare_w, spare_s, most) == 1  # rows // E = M: the small tiles
+    assert moe.expert_split(small + EXPERTS, spare_w, spare_s, most) == 2
+    assert moe.expert_split(2 * small + 2 * EXPERTS - 1, spare_w, spare_s, most) == 2
+    assert moe.expert_split(2 * small + 2 * EXPERTS, spare_w, spare_s, most) == 4
+    assert moe.expert_split(most * EXPERTS + EXPERTS - 1, spare_w, spare_s, most) > 1
+    assert moe.expert_split(most * EXPERTS + EXPERTS, spare_w, spare_s, most) == 1, "past the shape's bound"
+    assert moe.expert_split(small + EXPERTS, spare_w, spare_s, moe.GMM_FP8_SMALL_TILE_M) == 1, "a shape not measured"
+    assert moe.expert_split(small + EXPERTS, q_up, s_up, most) == 1, "no room past the last expert: no split"
     monkeypatch.setattr(moe, "CUTLASS_MAX_GROUPS", 2 * EXPERTS - 1)
-    assert moe.expert_split(small + EXPERTS, spare_w, spare_s) == 1, "at most CUTLASS_MAX_GROUPS groups"
+    assert moe.expert_split(small + EXPERTS, spare_w, spare_s, most) == 1, "at most CUTLASS_MAX_GROUPS groups"
     monkeypatch.setattr(moe, "CUTLASS_MAX_GROUPS", 1023)
     monkeypatch.setenv("PAGODA_MOE_FP8_GMM_SPLIT", "0")
-    assert moe.expert_split(small + EXPERTS, spare_w, spare_s) == 1
+    assert moe.expert_split(small + EXPERTS, spare_w, spare_s, most) == 1
     monkeypatch.setenv("PAGODA_MOE_FP8_GMM_SPLIT", "yes")
     with pytest.raises(ValueError, match="PAGODA_MOE_FP8_GMM_SPLIT"):
-        moe.expert_split(small + EXPERTS, spare_w, spare_s)
+        moe.expert_split(small + EXPERTS, spare_w, spare_s, most)
     offs = torch.tensor([16, 16, 48, 64, 64, 96, 112, 128], dtype=torch.int32)  # [E]
     views, scales, offs_split = moe.expert_group_views(spare_w, spare_s, offs, 4)
     assert views.shape == (4 * EXPERTS, 2 * INTER, HIDDEN) and scales.shape == (4 * EXPERTS, 2 * INTER)
@@ -606,27 +606,28 @@ def test_expert_split_keeps_torch_small_tiles(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_fp8_gmm_path_with_split_experts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gmm path with each expert split into groups (the small-tile limit lowered so that 37 tokens split) gives
-    what it gives unsplit: reference.moe_experts_w8a8_rows."""
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_scaled_grouped_mm, raising=False)
+    """The gmm path with each expert split into groups (the small-tile limit lowered so that 37 tokens split, the
+    test's shape given a bound) gives what it gives unsplit: reference.moe_experts_w8a8_rows; a shape without a
+    bound is not split."""
     monkeypatch.setattr(moe, "GMM_FP8_SMALL_TILE_M", 4)
-    monkeypatch.setattr(moe, "GMM_FP8_SPLIT_MAX_M", 64)
     monkeypatch.delenv("PAGODA_MOE_FP8_GMM_SPLIT", raising=False)
     q_up, s_up, q_down, s_down = (_with_spare_expert(t) for t in _fp8_weights(None))
     x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(9))  # [T, H]
     weights, ids = _gmm_routing("skewed", 37, seed=9)
-    calls: list[int] = []
-    fake = _fake_scaled_grouped_mm
+    expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
+    groups: list[int] = []
 
     def counting(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(mat_b.shape[0])
-        return fake(mat_a, mat_b, *args, **kwargs)
+        groups.append(mat_b.shape[0])
+        return _fake_scaled_grouped_mm(mat_a, mat_b, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", counting, raising=False)
-    got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
-    assert len(calls) == 2 and all(groups > EXPERTS for groups in calls), calls
-    expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for bound, split in (({}, False), ({(EXPERTS, INTER, HIDDEN): 64}, True)):
+        monkeypatch.setattr(moe, "GMM_FP8_SPLIT_MAX_M", bound)
+        groups.clear()
+        got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
+        assert len(groups) == 2 and all((g > EXPERTS) == split for g in groups), (bound, groups)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fp8_gmm_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -685,12 +686,12 @@ def test_fp8_gmm_path_with_split_experts_on_the_gpu(monkeypatch: pytest.MonkeyPa
         pytest.skip("torch._scaled_grouped_mm has no CUTLASS FP8 kernel for this device")
     monkeypatch.delenv("PAGODA_MOE_FP8_GMM_SPLIT", raising=False)
     q_up, s_up, q_down, s_down = (_with_spare_expert(t, "cuda") for t in _fp8_weights(None))
-    num_tokens = moe.GMM_MIN_ROWS_PER_EXPERT * EXPERTS // TOP_K
+    num_tokens = 64  # 128 pairs: 8 groups an expert with M <= 4
     x, weights, ids = (t.cuda() for t in _routed(num_tokens, torch.bfloat16, seed=5))
     monkeypatch.setattr(moe, "GMM_FP8_SMALL_TILE_M", 4)
-    monkeypatch.setattr(moe, "GMM_FP8_SPLIT_MAX_M", 1 << 20)
-    rows = num_tokens * TOP_K + EXPERTS * (moe.GMM_FP8_BLOCK_M - 1)
-    assert moe.expert_split(rows, q_up, s_up) > 1, "the test's weights must split"
+    monkeypatch.setattr(moe, "GMM_FP8_SPLIT_MAX_M", {(EXPERTS, INTER, HIDDEN): 1 << 20})
+    rows = moe.max_padded_rows(num_tokens * TOP_K, EXPERTS, moe.GMM_FP8_BLOCK_M)
+    assert moe.expert_split(rows, q_up, s_up, 1 << 20) > 1, "the test's weights must split"
     got = moe.fused_experts(x, q_up, q_down, weights, ids, s_up, s_down, path="gmm")
     expected = ref.moe_experts_w8a8_rows(x, q_up, q_down, weights, ids, s_up, s_down)
     _assert_near_quantized(got.float(), expected.float())
