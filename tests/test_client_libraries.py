@@ -1,7 +1,7 @@
 """What client libraries written for OpenAI and vLLM send a served SmolLM2, through the openai SDK or raw HTTP: an
 answer's message sent back as the SDK hands it over, a response format beside a forced tool call (the openai SDK's
-parse() with tools, instructor's Responses tools mode), OpenAI's stream options. (langchain, litellm and instructor
-themselves are not installed here: these are the bodies they send.)"""
+parse() with tools, instructor's Responses tools mode), OpenAI's stream options, the reasoning under vLLM's current
+name. (langchain, litellm and instructor themselves are not installed here: these are the bodies they send.)"""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import openai
 import pydantic
 import pytest
 
+from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, whole_message
 from pagoda.services.protocol.schemas import ChatBody, chat_request, decode_body
 from pagoda.shared.errors import InvalidRequestError
 from tests.harness import HTTP, SERVED, Server
@@ -155,3 +156,22 @@ def test_stream_obfuscation_off_is_taken_on_is_refused(server: Server, route: st
                         timeout=120)
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "stream_options.include_obfuscation"
+
+
+# --------------------------------------------------------------------------------------------
+# reasoning under vLLM's current name
+
+
+def test_reasoning_comes_under_both_names_whole_and_streamed() -> None:
+    """vLLM (0.11 on) and OpenRouter return the think block as `reasoning`; clients written before read
+    `reasoning_content`: both carry it."""
+    spec = ChatOutputSpec(reasoning_parser="qwen3")
+    text = "<think>two and two</think>Four."
+    message, _ = whole_message(spec, text)
+    assert message["reasoning"] == message["reasoning_content"] == "two and two" and message["content"] == "Four."
+    stream = ChoiceStream(spec)
+    deltas = [d for piece in ("<think>two", " and two</think>", "Four.") for d in stream.push(piece)]
+    deltas += stream.finish()[0]
+    reasoning = [d for d in deltas if "reasoning" in d or "reasoning_content" in d]
+    assert reasoning and all(d["reasoning"] == d["reasoning_content"] for d in reasoning)
+    assert "".join(d["reasoning"] for d in reasoning) == "two and two"

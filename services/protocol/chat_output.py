@@ -1,4 +1,5 @@
-"""A chat choice's text as OpenAI message parts: reasoning_content, content and tool_calls, whole or streamed.
+"""A chat choice's text as OpenAI message parts: reasoning (also as reasoning_content), content and tool_calls,
+whole or streamed.
 
 Streaming follows OpenAI: a tool call's first delta carries its index, id, type and name with empty arguments,
 later deltas carry argument fragments. Text that may begin a tool call is held back until the choice ends
@@ -48,8 +49,14 @@ def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool
     else:
         message["content"] = content
     if spec.reasoning_parser is not None:
-        message["reasoning_content"] = reasoning
+        message.update(reasoning_fields(reasoning))
     return message, calls is not None
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """The think block under both names clients read: `reasoning` (vLLM's since 0.11, OpenRouter's) and
+    `reasoning_content` (DeepSeek's, vLLM's before; the renderers of other APIs read this one)."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def _calls(spec: ChatOutputSpec, content: str) -> tuple[str, list[ToolCall]] | None:
@@ -84,7 +91,7 @@ class ChoiceStream:
         if self.reasoning is None:
             return self._content(text)
         reasoning, content = self.reasoning.push(text)
-        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        deltas = [reasoning_fields(reasoning)] if reasoning else []
         return deltas + self._content(content)
 
     def finish(self) -> tuple[list[dict[str, Any]], bool]:
@@ -92,7 +99,7 @@ class ChoiceStream:
         if self.reasoning is not None:
             reasoning, content = self.reasoning.close()
             if reasoning:
-                deltas.append({"reasoning_content": reasoning})
+                deltas.append(reasoning_fields(reasoning))
             deltas += self._content(content)
         if self.spec.tool_mode == "named":
             return deltas, True

@@ -54,7 +54,7 @@ UNSUPPORTED_FIELDS = {
     "media_io_kwargs": "multimodal inputs are not accepted",
     "mm_processor_kwargs": "multimodal inputs are not accepted",
     "reasoning_effort": "reasoning effort is not passed to chat templates; use chat_template_kwargs",
-    "include_reasoning": "the reasoning parser always returns reasoning_content",
+    "include_reasoning": "the reasoning parser always returns the reasoning (as reasoning and reasoning_content)",
     "logits_processors": "per-request logits processors were removed in vLLM V1 and are not implemented",
     "guided_whitespace_pattern": "JSON constraints allow no free whitespace (vLLM deprecated this field)",
     "structural_tag": "structural tags are not implemented (vLLM deprecated this field)",
