@@ -498,6 +498,8 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ToolCallMessage] = []  # assistant turns that called tools (content may then be "")
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    parts: list[str] = []  # content sent as text parts: their texts (content is them joined by newlines)
+    reasoning: str | None = None  # an earlier answer's reasoning sent back (templates render it, Qwen3's in tool loops)
 
 
 class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):

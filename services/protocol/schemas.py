@@ -126,7 +126,8 @@ class MessageBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str | None = None
     tool_calls: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TURNS)] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns
-    reasoning_content: str | None = None  # an earlier answer sent back: dropped, as chat templates drop it
+    reasoning: str | None = None  # an earlier answer's reasoning sent back: given to the template (vLLM's)
+    reasoning_content: str | None = None  # its older name
     # The rest of an answer's message, as the openai SDK hands it back (`message.model_dump()` writes every field,
     # null where the answer had none; a parse() answer adds `parsed`): taken where it adds nothing to the turn.
     refusal: str | None = None
@@ -501,8 +502,8 @@ def _chat_message(message: MessageBody, param: str) -> ChatMessage:
     if content is None and tool_calls:
         content = ""
     _require(content is not None, f"{param}.content", "content is required")
+    texts: list[str] = []
     if isinstance(content, list):
-        texts = []
         for j, part in enumerate(content):
             kind = part.get("type")
             _require(kind == "text", f"{param}.content[{j}].type",
@@ -512,8 +513,9 @@ def _chat_message(message: MessageBody, param: str) -> ChatMessage:
             texts.append(part["text"])
         content = "\n".join(texts)
     assert isinstance(content, str)
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
     return ChatMessage(CHAT_ROLES.get(message.role, message.role), content, message.name, tool_calls,
-                       message.tool_call_id)
+                       message.tool_call_id, texts, reasoning if message.role == "assistant" else None)
 
 
 def _message_tool_calls(calls: list[dict[str, Any]], param: str) -> list[ToolCallMessage]:

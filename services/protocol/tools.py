@@ -67,15 +67,23 @@ def template_takes_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template  # type: ignore[operator]
 
 
+def template_renders_tool_turns(chat_template: str | None) -> bool:
+    """Whether the template writes assistant tool calls itself (DeepSeek-V3's reads `tool_calls` but no tool list)."""
+    return bool(chat_template) and "tool_calls" in chat_template  # type: ignore[operator]
+
+
 def tool_conversation(chat_template: str | None, messages: list[dict[str, Any]],
                       tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) for the chat template: as they are when it takes tools, else in the Hermes format
-    (then the template gets no tools argument)."""
+    """(messages, tools) for the chat template: as they are when it takes tools, else the tool list in the Hermes
+    format (then the template gets no tools argument) and the tool turns too unless the template writes its own
+    (tool call arguments become objects when the template renders: conversation.template_conversation)."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not tools and not has_tool_turns:
         return messages, None
     if template_takes_tools(chat_template):
-        return template_messages(messages), tools
+        return messages, tools
+    if template_renders_tool_turns(chat_template):
+        return hermes_system(messages, tools), None
     return hermes_messages(messages, tools), None
 
 
@@ -88,21 +96,32 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
         if role == "assistant" and message.get("tool_calls"):
             calls = "\n".join(f"<tool_call>\n{json.dumps(_call_dict(c), ensure_ascii=False)}\n</tool_call>"
                               for c in message["tool_calls"])
-            content = message.get("content") or ""
-            out.append({"role": "assistant", "content": f"{content}\n{calls}".strip()})
+            out.append({"role": "assistant", "content": f"{_text(message.get('content'))}\n{calls}".strip()})
         elif role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n"
+            out.append({"role": "user", "content": f"<tool_response>\n{_text(message.get('content'))}\n"
                                                    "</tool_response>"})
         else:
-            out.append({key: value for key, value in message.items() if key in ("role", "content", "name")})
-    if tools:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        system = HERMES_SYSTEM.format(tools=listing)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
-        else:
-            out.insert(0, {"role": "system", "content": system})
-    return out
+            out.append({key: value for key, value in message.items()
+                        if key in ("role", "content", "name", "reasoning")})
+    return hermes_system(out, tools)
+
+
+def hermes_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The conversation with the Hermes tool list joining its system prompt (a first one when it has none)."""
+    if not tools:
+        return messages
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    system = HERMES_SYSTEM.format(tools=listing)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{_text(messages[0]['content'])}\n\n{system}"}, *messages[1:]]
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's content as text: its text parts joined by newlines, as a text template reads them."""
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
 
 
 def _call_dict(call: dict[str, Any]) -> dict[str, Any]:
@@ -110,26 +129,6 @@ def _call_dict(call: dict[str, Any]) -> dict[str, Any]:
     arguments = function.get("arguments")
     parsed = _loads(arguments) if isinstance(arguments, str) else arguments
     return {"name": function.get("name"), "arguments": parsed if isinstance(parsed, dict) else arguments}
-
-
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For templates that take tools: arguments as objects (Qwen's and Llama's templates `tojson` them)."""
-    out = []
-    for message in messages:
-        if message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                function = dict(call.get("function", {}))
-                arguments = function.get("arguments")
-                if isinstance(arguments, str):
-                    try:
-                        function["arguments"] = json.loads(arguments)
-                    except json.JSONDecodeError:
-                        pass
-                calls.append({**call, "function": function})
-            message = {**message, "tool_calls": calls}
-        out.append(message)
-    return out
 
 
 # --------------------------------------------------------------------------------------------

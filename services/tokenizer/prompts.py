@@ -36,7 +36,9 @@ class Prompt:
 def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for message in messages:
-        entry: dict[str, Any] = {"role": message.role, "content": message.content}
+        # text parts stay parts: a template that loops over them gets them (conversation.content_format)
+        content = [{"type": "text", "text": text} for text in message.parts] if message.parts else message.content
+        entry: dict[str, Any] = {"role": message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:
@@ -45,6 +47,8 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                    for c in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning is not None:
+            entry["reasoning"] = message.reasoning
         out.append(entry)
     return out
 
@@ -67,7 +71,8 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
     try:
         if messages is not None:
             # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
-            conversation, tools = tool_conversation(tokenizer.hf.chat_template, chat_dicts(messages), tools)
+            template = tokenizer.hf.get_chat_template(None, tools) if tokenizer.hf.chat_template else None
+            conversation, tools = tool_conversation(template, chat_dicts(messages), tools)
             text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
                                          continue_final_message=continue_final_message,
                                          chat_template_kwargs=chat_template_kwargs)
@@ -172,6 +177,7 @@ def prompt_chars(prompt_text: str | None, messages: list[ChatMessage] | None,
     total = len(prompt_text or "")
     for message in messages or []:
         total += TURN_CHARS + len(message.content) + len(message.name or "") + len(message.tool_call_id or "")
+        total += len(message.reasoning or "")
         total += sum(TURN_CHARS + len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
     if tools:
         total += len(msgspec.json.encode(tools))

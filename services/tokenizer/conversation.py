@@ -1,0 +1,132 @@
+"""Chat messages as vLLM hands them to a chat template: content as a string or as text parts (whichever the
+template reads: vLLM's "auto" content format), tool call arguments as objects, an earlier answer's reasoning under
+both of its names. Pure functions of the messages and the template's text."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Literal
+
+from jinja2 import nodes
+from transformers.utils.chat_template_utils import _compile_jinja_template
+
+from pagoda.shared.errors import InvalidRequestError
+
+ContentFormat = Literal["string", "openai"]
+
+
+@functools.lru_cache(maxsize=16)
+def content_format(chat_template: str) -> ContentFormat:
+    """vLLM's "auto" detection: "openai" (content as [{"type": "text", "text": ...}, ...]) when the template loops
+    over a message's content (`{% for part in message['content'] %}`: vision-era templates, which would loop over a
+    string's characters), else "string" (text parts joined by newlines)."""
+    try:
+        root = _compile_jinja_template(chat_template).environment.parse(chat_template)
+    except Exception:  # a template that does not compile fails when it renders, with its own message
+        return "string"
+    loops = list(root.find_all(nodes.For))
+    messages = _aliases(root, "messages")
+    message_names = {loop.target.name for loop in loops
+                     if isinstance(loop.target, nodes.Name) and _reads(loop.iter, messages)}
+    return "openai" if any(_reads(loop.iter, message_names, key="content") for loop in loops) else "string"
+
+
+def _aliases(root: nodes.Template, name: str) -> set[str]:
+    """`name` and the variables set from it (`{% set loop_messages = messages[1:] %}`), transitively."""
+    names, todo = {name}, [name]
+    while todo:
+        source = todo.pop()
+        for assign in root.find_all(nodes.Assign):
+            target = assign.target
+            if isinstance(target, nodes.Name) and target.name not in names and _reads(assign.node, {source}):
+                names.add(target.name)
+                todo.append(target.name)
+    return names
+
+
+def _reads(node: nodes.Node | None, names: set[str], key: str | None = None) -> bool:
+    """Whether `node` is one of `names` (with `key`: its `key` item), under filters, tests and slices."""
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
+                                                           and isinstance(node.arg, nodes.Slice)):
+        node = node.node
+    if key is not None:
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key:
+            node = node.node
+        elif isinstance(node, nodes.Getattr) and node.attr == key:
+            node = node.node
+        else:
+            return False
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+
+
+def template_conversation(messages: object, fmt: ContentFormat = "string") -> list[dict[str, Any]]:
+    """The messages as vLLM gives them to the template, checked for the OpenAI shape (InvalidRequestError): content
+    a string (text parts joined by newlines) or, for an "openai" template, text parts (a tool result stays a
+    string); a turn that only calls tools has empty content; tool call arguments sent as JSON text become objects
+    ({} where the text is not JSON), an empty tool_calls is dropped; an assistant's reasoning is there as both
+    `reasoning` and `reasoning_content` (templates read either). Other keys pass as they are."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{i}] must be an object", param="messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"messages[{i}].role must be a non-empty string", param="messages")
+        entry = {**message, "content": _content(message, i, "string" if role == "tool" else fmt)}
+        if role == "assistant":
+            _assistant_fields(entry)
+        out.append(entry)
+    return out
+
+
+def _content(message: dict[str, Any], i: int, fmt: ContentFormat) -> str | list[dict[str, str]]:
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [_part_text(part, i) for part in content]
+    elif isinstance(content, str):
+        texts = [content]
+    elif content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+        texts = []  # OpenAI lets an assistant turn that only calls tools leave content null
+    elif content is None:
+        raise InvalidRequestError(f"messages[{i}].content is required", param="messages")
+    else:
+        raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts",
+                                  param="messages")
+    return [{"type": "text", "text": text} for text in texts] if fmt == "openai" else "\n".join(texts)
+
+
+def _part_text(part: object, i: int) -> str:
+    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        raise InvalidRequestError(f"messages[{i}].content parts must be text parts "
+                                  '{"type": "text", "text": "..."}', param="messages")
+    return part["text"]
+
+
+def _assistant_fields(entry: dict[str, Any]) -> None:
+    """Arguments as objects (templates `tojson` them or loop over `.items()`), reasoning under both names."""
+    calls = entry.get("tool_calls")
+    if isinstance(calls, list) and not calls:
+        del entry["tool_calls"]
+    elif isinstance(calls, list):
+        entry["tool_calls"] = [_parsed_call(call) for call in calls]
+    reasoning = entry.get("reasoning", entry.get("reasoning_content"))
+    if isinstance(reasoning, str):
+        entry["reasoning"] = entry["reasoning_content"] = reasoning
+
+
+def _parsed_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = {}
+    elif not isinstance(arguments, (dict, list)):
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}

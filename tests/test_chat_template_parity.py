@@ -1,0 +1,598 @@
+"""The prompt a chat request renders to equals what vLLM feeds the model: transformers' apply_chat_template over
+vLLM's message normalisation (content as a string or as text parts, whichever the template reads; tool call
+arguments as objects; reasoning sent back), for templates in the style of the major families, unit-level (the
+served path's messages, LLM.chat's) and through /tokenize of a served random-weight model. A template's own
+error is a 400 with its message."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagoda.services.protocol.schemas import MessageBody, chat_messages
+from pagoda.services.tokenizer.conversation import content_format
+from pagoda.services.tokenizer.prompts import tokenize_prompt
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.errors import InvalidRequestError
+
+SMOLLM2 = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
+
+# ------------------------------------------------------------------------------------------------------------
+# templates (written for these tests, in the shape of each family's; their lines are as long as the families')
+# ruff: noqa: E501
+
+
+LLAMA31 = """{{- bos_token }}
+{%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}
+{%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true %}{%- endif %}
+{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
+{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\nToday Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions.\\n\\n" }}
+    {%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\\n\\n" }}{%- endfor %}
+{%- endif %}
+{{- system_message }}{{- "<|eot_id|>" }}
+{%- if tools_in_user_message and tools is not none %}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content'] | trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+    {%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, respond with a JSON function call.\\n\\n" }}
+    {%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\\n\\n" }}{%- endfor %}
+    {{- first_user_message + "<|eot_id|>" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls | length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", "parameters": ' }}{{- tool_call.arguments | tojson }}{{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}
+        {%- else %}{{- message.content }}{%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+
+QWEN25 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}
+    {%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+MISTRAL = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.last and system_message is defined %}
+            {{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}
+        {%- else %}
+            {{- '[INST] ' + message['content'] + '[/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token }}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+# DeepSeek-V3's shape: system prompts gathered first, `content is none` tells a pure tool-call turn, arguments
+# written with `~` (their string form), tool outputs grouped.
+DEEPSEEK_V3 = """{%- if not add_generation_prompt is defined %}{%- set add_generation_prompt = false %}{%- endif %}
+{%- set ns = namespace(is_tool=false, system_prompt='', is_first_sp=true) %}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' %}
+        {%- if ns.is_first_sp %}{%- set ns.system_prompt = ns.system_prompt + message['content'] %}{%- set ns.is_first_sp = false %}
+        {%- else %}{%- set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{{- bos_token }}{{- ns.system_prompt }}
+{%- for message in messages %}
+    {%- if message['role'] == 'user' %}
+        {%- set ns.is_tool = false %}{{- '<｜User｜>' + message['content'] }}
+    {%- elif message['role'] == 'assistant' and message['content'] is none %}
+        {%- set ns.is_tool = false %}
+        {{- '<｜Assistant｜><｜tool▁calls▁begin｜>' }}
+        {%- for tool in message['tool_calls'] %}
+            {{- '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n```json\\n' ~ tool['function']['arguments'] ~ '\\n```<｜tool▁call▁end｜>' }}
+        {%- endfor %}
+        {{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}
+    {%- elif message['role'] == 'assistant' %}
+        {%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- set ns.is_tool = false %}{%- endif %}
+        {{- '<｜Assistant｜>' + message['content'] }}
+        {%- if message['tool_calls'] %}
+            {%- for tool in message['tool_calls'] %}
+                {{- '<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' ~ tool['function']['arguments'] ~ '<｜tool▁call▁end｜>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<｜end▁of▁sentence｜>' }}
+    {%- elif message['role'] == 'tool' %}
+        {%- if not ns.is_tool %}{{- '<｜tool▁outputs▁begin｜>' }}{%- set ns.is_tool = true %}{%- endif %}
+        {{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}
+{%- if add_generation_prompt and not ns.is_tool %}{{- '<｜Assistant｜>' }}{%- endif %}
+"""
+
+QWEN3 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+    {{- "# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}
+                {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' }}{{- content }}{{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+# Arguments iterated as a mapping (as Hermes-2-Pro/Mistral-style XML templates do): needs them as an object.
+ARGS_ITEMS = """{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}
+    {%- for call in message.tool_calls or [] %}
+        {{- '<call name="' + call.function.name + '">' }}
+        {%- for key, value in call.function.arguments.items() %}{{- '<arg name="' + key + '">' ~ value ~ '</arg>' }}{%- endfor %}
+        {{- '</call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if tools %}{{- '<|im_start|>tools\\n' }}{%- for tool in tools %}{{- tool.function.name + ';' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# Content as a list of typed parts (Llama-4 / Gemma-3 / vision-model style): only iterates them.
+CONTENT_PARTS = """{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\\n' }}
+    {%- for part in message['content'] %}
+        {%- if part['type'] == 'text' %}{{- '[' + part['text'] + ']' }}{%- endif %}
+    {%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# Content read as a string straight from messages[0] (a system prompt taken whole).
+FIRST_AS_STRING = """{%- set first = messages[0]['content'] %}
+{{- '<|im_start|>system\\n' + first + '<|im_end|>\\n' }}
+{%- for message in messages[1:] %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# Retrieval documents (Command-R / Granite style) and the template's helpers.
+DOCUMENTS = """{{- bos_token }}
+{%- if documents %}{{- '<|im_start|>documents\\n' }}
+    {%- for doc in documents %}{{- 'Document ' ~ loop.index0 ~ ': ' ~ doc.title ~ '\\n' ~ doc.text ~ '\\n' }}{%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role not in ['system', 'user', 'assistant'] %}{{- raise_exception('Unknown role: ' + message.role) }}{%- endif %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+{{- eos_token if false else '' }}
+"""
+
+# Needs a variable no request carries: strict about an undefined name.
+NEEDS_VARIABLE = """{%- for message in messages %}{{- message.content + persona.upper() }}{%- endfor %}"""
+
+TEMPLATES = {"llama31": LLAMA31, "qwen25": QWEN25, "mistral": MISTRAL, "deepseek_v3": DEEPSEEK_V3, "qwen3": QWEN3,
+             "args_items": ARGS_ITEMS, "content_parts": CONTENT_PARTS, "first_as_string": FIRST_AS_STRING,
+             "documents": DOCUMENTS}
+TAKES_TOOLS = ("llama31", "qwen25", "qwen3", "args_items")
+FIXED = {"date_string": "01 Jan 2025"}  # Llama's date, so that both sides render the same day
+
+# ------------------------------------------------------------------------------------------------------------
+# the oracle: vLLM's normalisation (entrypoints/chat_utils), then transformers
+
+
+def vllm_conversation(messages: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
+    """What vLLM hands the template: content "" or [] when null, a string of the parts' texts joined by newlines
+    ("string") or [{"type": "text", "text": ...}] ("openai"; a tool result is joined back to a string); tool_calls
+    of assistants, arguments parsed from JSON ({} when not JSON); `reasoning` as both names."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        texts = [] if content is None else [content] if isinstance(content, str) else [p["text"] for p in content]
+        openai = fmt == "openai" and message["role"] != "tool"
+        entry = {"role": message["role"],
+                 "content": [{"type": "text", "text": t} for t in texts] if openai else "\n".join(texts)}
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = copy.deepcopy(message["tool_calls"])
+            for call in entry["tool_calls"]:
+                try:
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                except json.JSONDecodeError:
+                    call["function"]["arguments"] = {}
+        if message["role"] == "assistant" and message.get("reasoning") is not None:
+            entry["reasoning"] = entry["reasoning_content"] = message["reasoning"]
+        for key in ("tool_call_id", "name"):
+            if key in message:
+                entry[key] = message[key]
+        out.append(entry)
+    return out
+
+
+@cache
+def hf_tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(SMOLLM2)
+
+
+def oracle_text(template: str, messages: list[dict[str, Any]], fmt: str, tools: list[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                **kwargs: Any) -> str:
+    text = hf_tokenizer().apply_chat_template(
+        vllm_conversation(messages, fmt), chat_template=template, tools=tools, tokenize=False,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **kwargs)
+    assert isinstance(text, str)
+    return text
+
+
+def oracle_ids(text: str) -> list[int]:
+    return hf_tokenizer().encode(text, add_special_tokens=False)  # the template writes the special tokens
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pagoda's side: a tokenizer folder per template; the served path (request body -> ChatMessage -> prompt) and
+# LLM.chat's (Tokenizer.render_chat over the messages as given)
+
+
+def tokenizer_folder(root: Path, template: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SMOLLM2 / name, root / name)
+    (root / "chat_template.jinja").write_text(template)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
+    root = tmp_path_factory.mktemp("templates")
+    return {name: Tokenizer(tokenizer_folder(root / name, template)) for name, template in TEMPLATES.items()}
+
+
+def served(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+           add_generation_prompt: bool = True, continue_final_message: bool = False,
+           **kwargs: Any) -> tuple[str | None, list[int]]:
+    """The prompt of a chat request whose body carries these messages (schemas -> prompts, as the server's)."""
+    bodies = [msgspec.convert(m, MessageBody) for m in messages]
+    prompt = tokenize_prompt(tokenizer, prompt_text=None, prompt_token_ids=None, messages=chat_messages(bodies),
+                             add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, chat_template_kwargs=kwargs or None,
+                             tools=tools)
+    return prompt.text, prompt.token_ids
+
+
+def offline(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+            add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs: Any) -> str:
+    """LLM.chat's text (it renders the messages as given with render_chat)."""
+    return tokenizer.render_chat(copy.deepcopy(messages), add_generation_prompt, tools, continue_final_message,
+                                 kwargs or None)
+
+
+def assert_parity(name: str, tokenizer: Tokenizer, messages: list[dict[str, Any]], **options: Any) -> str:
+    template = TEMPLATES[name]
+    want = oracle_text(template, messages, content_format(template), **options)
+    text, ids = served(tokenizer, messages, **options)
+    assert text == want, name
+    assert ids == oracle_ids(want), name
+    assert offline(tokenizer, messages, **options) == want, name
+    return want
+
+
+# ------------------------------------------------------------------------------------------------------------
+# conversations
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"},
+                                                                         "days": {"type": "integer"}}}}}]
+
+
+def call(arguments: str = '{"city": "Oslo", "days": 2}', call_id: str = "call_1") -> dict[str, Any]:
+    """An assistant's tool call as OpenAI clients send it back: arguments as JSON text."""
+    return {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def tool_turns(arguments: str = '{"city": "Oslo", "days": 2}', content: str | None = None,
+               result: Any = "sunny, 21 C") -> list[dict[str, Any]]:
+    return [{"role": "system", "content": "You check the weather."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": content, "tool_calls": [call(arguments)]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result}]
+
+
+PLAIN_CASES = {
+    "user": ([{"role": "user", "content": "Hi"}], {}),
+    "system_and_turns": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello! "}, {"role": "user", "content": " Bye\n"}], {}),
+    "text_parts": ([{"role": "system", "content": [{"type": "text", "text": "Be brief."},
+                                                   {"type": "text", "text": "Answer in French."}]},
+                    {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}],
+                   {}),
+    "no_generation_prompt": ([{"role": "user", "content": "Hi"}], {"add_generation_prompt": False}),
+    "continue_final_message": ([{"role": "user", "content": "Tell a story"},
+                                {"role": "assistant", "content": "Once upon a"}],
+                               {"add_generation_prompt": False, "continue_final_message": True}),
+    "kwargs": ([{"role": "user", "content": "Hi"}], {"enable_thinking": False, "tools_in_user_message": False}),
+}
+
+
+@pytest.mark.parametrize("case", PLAIN_CASES)
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_plain_turns_render_as_transformers(tokenizers: dict[str, Tokenizer], name: str, case: str) -> None:
+    """Plain turns, system prompts, text parts (joined, or kept as parts for a template that loops over them),
+    continue_final_message and chat_template_kwargs: the same text and ids on the served path and LLM.chat's."""
+    messages, options = PLAIN_CASES[case]
+    assert_parity(name, tokenizers[name], messages, **FIXED, **options)
+
+
+TOOL_CASES = {
+    "definitions": ([{"role": "user", "content": "Weather in Oslo?"}], True),
+    "call_without_content": (tool_turns(), True),
+    "call_with_content": (tool_turns(content="Let me check."), True),
+    "empty_arguments": (tool_turns(arguments=""), True),
+    "arguments_not_json": (tool_turns(arguments="{city: Oslo"), True),
+    "result_as_parts": (tool_turns(result=[{"type": "text", "text": "sunny"}, {"type": "text", "text": "21 C"}]),
+                        True),
+    "history_without_definitions": (tool_turns(), False),
+}
+
+
+@pytest.mark.parametrize("case", TOOL_CASES)
+@pytest.mark.parametrize("name", TAKES_TOOLS)
+def test_tool_conversations_render_as_transformers(tokenizers: dict[str, Tokenizer], name: str, case: str) -> None:
+    """Tool definitions, assistant tool calls (arguments sent as JSON text, as OpenAI clients send them back;
+    empty or not JSON: {} as vLLM's), tool results (text parts joined), for templates that take tools: `tojson` of
+    the arguments (Llama, Qwen) and a loop over their items."""
+    messages, with_tools = TOOL_CASES[case]
+    if name == "llama31":  # its tools go in the first user turn: no system turn before it for the tool list
+        messages = [m for m in messages if m["role"] != "system"]
+    assert_parity(name, tokenizers[name], messages, tools=TOOLS if with_tools else None, **FIXED)
+
+
+def test_a_template_that_loops_over_content_parts_gets_parts(tokenizers: dict[str, Tokenizer]) -> None:
+    """vLLM's "openai" content format: a template that reads `for part in message['content']` gets text parts
+    (a string's characters before: every turn rendered empty); one reading content as a string gets it joined."""
+    assert content_format(CONTENT_PARTS) == "openai"
+    assert {content_format(TEMPLATES[n]) for n in TEMPLATES if n != "content_parts"} == {"string"}
+    aliased = "{% set turns = messages | list %}{% for m in turns %}{% for p in m.content %}{% endfor %}{% endfor %}"
+    assert content_format(aliased) == "openai"
+    messages = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+                {"role": "assistant", "content": "three"}]
+    text = assert_parity("content_parts", tokenizers["content_parts"], messages)
+    assert "[one][two]" in text and "[three]" in text
+
+
+def test_llm_chat_parses_tool_call_arguments(tokenizers: dict[str, Tokenizer]) -> None:
+    """LLM.chat's messages as OpenAI clients write them (arguments as JSON text, null content beside tool calls)
+    render as vLLM's LLM.chat renders them: arguments as objects, content "" (they were given to the template
+    as sent: a loop over `arguments.items()` failed, `tojson` quoted the text, `content is none` held)."""
+    messages = tool_turns()
+    for name in ("args_items", "llama31", "deepseek_v3"):
+        template = TEMPLATES[name]
+        want = oracle_text(template, messages, "string", tools=TOOLS, **FIXED)
+        assert offline(tokenizers[name], messages, tools=TOOLS, **FIXED) == want, name
+    assert '<arg name="city">Oslo</arg>' in offline(tokenizers["args_items"], messages)
+
+
+def test_reasoning_sent_back_reaches_the_template(tokenizers: dict[str, Tokenizer]) -> None:
+    """An earlier answer's reasoning (vLLM's `reasoning`, or `reasoning_content`) is the template's to render:
+    Qwen3's keeps it for the turns of a tool loop after the last user question."""
+    for key in ("reasoning", "reasoning_content"):
+        messages = tool_turns()
+        messages[2] = {**messages[2], key: "I should look it up."}
+        oracle_messages = [{("reasoning" if k == key else k): v for k, v in m.items()} for m in messages]
+        want = oracle_text(QWEN3, oracle_messages, "string", tools=TOOLS)
+        assert "<think>\nI should look it up.\n</think>" in want
+        assert served(tokenizers["qwen3"], messages, tools=TOOLS)[0] == want, key
+        assert offline(tokenizers["qwen3"], messages, tools=TOOLS) == want, key
+
+
+def test_a_template_that_writes_tool_calls_keeps_its_own_turns(tokenizers: dict[str, Tokenizer]) -> None:
+    """A template that renders assistant tool calls and tool results but takes no tool list (DeepSeek-V3's) gets
+    the tool turns as they are (they were rewritten as Hermes text); only a tool list goes into the Hermes system
+    prompt, as for any template that takes none."""
+    tokenizer = tokenizers["deepseek_v3"]
+    messages = tool_turns()
+    want = oracle_text(DEEPSEEK_V3, messages, "string")
+    assert served(tokenizer, messages)[0] == want
+    assert "get_weather<｜tool▁sep｜>{'city': 'Oslo', 'days': 2}" in want
+    with_tools = served(tokenizer, messages, tools=TOOLS)[0]
+    assert with_tools is not None and "<tools>" in with_tools and "<｜tool▁outputs▁begin｜>" in with_tools
+    assert with_tools.endswith(want.split("You check the weather.", 1)[1])
+
+
+TEMPLATE_ERRORS = [
+    ("mistral", [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Hi"}], {},
+     "conversation roles must alternate"),
+    ("llama31", [{"role": "user", "content": "Hi"},
+                 {"role": "assistant", "content": None, "tool_calls": [call(), call(call_id="call_2")]}],
+     {"tools": TOOLS}, "only supports single tool-calls"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TEMPLATE_ERRORS)))
+def test_a_template_error_is_the_requests_with_its_message(tokenizers: dict[str, Tokenizer], case: int) -> None:
+    """raise_exception (and a variable the template needs and no request passes) is an InvalidRequestError (a
+    400 naming messages) carrying the template's own words, on both paths."""
+    name, messages, options, words = TEMPLATE_ERRORS[case]
+    for render in (served, offline):
+        with pytest.raises(InvalidRequestError) as caught:
+            render(tokenizers[name], messages, **options)
+        assert words in str(caught.value) and caught.value.param == "messages", render
+
+
+def test_a_variable_the_template_needs_comes_from_chat_template_kwargs(tmp_path: Path) -> None:
+    tokenizer = Tokenizer(tokenizer_folder(tmp_path / "needs", NEEDS_VARIABLE))
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidRequestError, match="'persona' is undefined"):
+        served(tokenizer, messages)
+    want = oracle_text(NEEDS_VARIABLE, messages, "string", add_generation_prompt=True, persona="pirate")
+    assert served(tokenizer, messages, persona="pirate")[0] == want == "HiPIRATE"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# through the server: /tokenize of a random-weight model carrying a template
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201  (an Iterator[tests.harness.Server])
+    """`pagoda serve` of a 1-layer random Llama over SmolLM2's vocabulary with the Llama-3.1-style template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.harness import running_server
+
+    folder = tokenizer_folder(tmp_path_factory.mktemp("served") / "tiny-llama31", LLAMA31)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    with running_server(folder) as server:
+        yield server
+
+
+def test_tokenize_serves_the_template_prompt(llama_server: Any) -> None:
+    """/tokenize with messages answers the ids of transformers' rendering; a template error is a 400 carrying
+    its message, not a 500."""
+    url = llama_server.url.removesuffix("/v1") + "/tokenize"
+    cases = [
+        ({"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."},
+                                                      {"type": "text", "text": "Be kind."}]},
+                       {"role": "user", "content": "Hi"}]}, {}),
+        ({"messages": [m for m in tool_turns(content="Checking.") if m["role"] != "system"], "tools": TOOLS}, {}),
+        ({"messages": [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}],
+          "add_generation_prompt": False, "continue_final_message": True}, {}),
+        ({"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
+          "chat_template_kwargs": {"tools_in_user_message": False}}, {"tools_in_user_message": False}),
+    ]
+    for body, kwargs in cases:
+        response = httpx.post(url, json={**body, "chat_template_kwargs": {**FIXED, **kwargs}}, timeout=30)
+        assert response.status_code == 200, response.text
+        want = oracle_text(LLAMA31, body["messages"], "string", tools=body.get("tools"),
+                           add_generation_prompt=body.get("add_generation_prompt", True),
+                           continue_final_message=body.get("continue_final_message", False), **FIXED, **kwargs)
+        assert response.json()["tokens"] == oracle_ids(want), body
+    two_calls = {"messages": [{"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": None, "tool_calls": [call(), call(call_id="call_2")]}],
+                 "tools": TOOLS}
+    response = httpx.post(url, json=two_calls, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "only supports single tool-calls" in response.json()["error"]["message"]
