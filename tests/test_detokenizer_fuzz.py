@@ -27,9 +27,10 @@ from pagoda.services.tokenizer.detokenizer import (
     IncrementalDetokenizer,
     StreamDetokenizer,
 )
+from pagoda.services.tokenizer.output import Outputs
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer
-from pagoda.shared.messages import SamplingParams
+from pagoda.shared.messages import FinishReason, GenerateRequest, SamplingParams, TextDelta, TokenDeltas
 
 CORPUS = ["hello world, the quick brown fox jumps over the lazy dog.", "héllo naïve café déjà vu",
           "世界 你好 世界 日本語のテキスト", "🎉 party 🎉 👍🏽 👨\u200d👩\u200d👧",
@@ -294,3 +295,33 @@ def test_token_bytes_spell_the_decode(tok: Tokenizer) -> None:
         token_ids = [rng.choice(ids) for _ in range(rng.randint(1, 12))]
         spelled = b"".join(tok.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
         assert spelled == tok.decode(token_ids), (token_ids, tok.hf.convert_ids_to_tokens(token_ids))
+
+
+# ---- the tokenizer service's outputs ----------------------------------------------------------------------------
+
+
+def test_outputs_serve_random_byte_fallback_tokens(tmp_path: Path) -> None:
+    # What a tiny random-weight Llama with a Llama 2 tokenizer sends (checked by hand against `pagoda serve`): before,
+    # nearly each such completion failed with "internal error in the tokenizer" (DecodeStream's "Invalid prefix").
+    # One token per step through Outputs, as the tokenizer service takes the scheduler's TokenDeltas.
+    tok = _llama2(tmp_path)
+    outputs = Outputs(tok)
+    rng = random.Random(6)
+    for i in range(60):
+        prompt, output = _random_case(tok, rng)
+        skip = i % 2 == 0
+        params = SamplingParams(max_tokens=len(output), skip_special_tokens=skip, logprobs=0)
+        outputs.add(0, GenerateRequest(str(i), params, prompt_token_ids=prompt), params, prompt, None)
+        deltas: list[TextDelta] = []
+        for step, token_id in enumerate(output):
+            reason = FinishReason.LENGTH if step == len(output) - 1 else -1
+            batch = outputs.on_token_deltas(TokenDeltas([str(i)], [0], [token_id], [reason], [0], [0], [-1.0],
+                                                         [[]], [[]]))
+            assert not batch.failed, (prompt, output)
+            deltas += [d for message in batch.to_apis.get(0, []) for d in message.deltas]  # type: ignore[union-attr]
+        assert deltas[-1].finish_reason == FinishReason.LENGTH
+        text = "".join(d.text for d in deltas)
+        expected, stable = _oracle(tok, prompt, output, skip)
+        assert text == expected or not stable, (prompt, output, text, expected)
+        spelled = b"".join(bytes(p.sampled.bytes) for d in deltas for p in d.logprobs)
+        assert spelled == b"".join(tok.token_bytes(t) for t in output)
