@@ -233,6 +233,26 @@ def test_random_ids_follow_the_whole_decode(tok: Tokenizer, skip: bool) -> None:
     assert num_stable >= 80
 
 
+
+def test_long_invalid_byte_runs(tok: Tokenizer) -> None:
+    # Mostly byte tokens (ByteFallback's <0xNN>, or the byte-level alphabet), past MAX_HELD_TOKENS: the held tokens
+    # are let go as U+FFFDs, where ByteFallback may have rewritten the context they are decoded after. No failure,
+    # and the stream's text does not depend on how the tokens were pushed.
+    byte_ids = [t for t, piece in enumerate(tok.hf.convert_ids_to_tokens(list(range(tok.vocab_size))))
+                if piece.startswith("<0x") or len(piece) == 1]
+    text_ids = tok.encode(" ".join(CORPUS), add_special_tokens=False)
+    rng = random.Random(8)
+    for _ in range(20):
+        output = [rng.choice(byte_ids) if rng.random() < 0.8 else rng.choice(text_ids + tok.all_special_ids)
+                  for _ in range(rng.randint(40, 120))]
+        prompt = [rng.choice(text_ids) for _ in range(rng.randint(0, 6))]
+        skip = rng.random() < 0.5
+        assert tok.backend is not None
+        single = "".join(_push_all(StreamDetokenizer(tok.backend, prompt, skip), output))
+        sizes = [rng.choice([1, 2, 5, 40]) for _ in output]
+        assert "".join(_push_all(StreamDetokenizer(tok.backend, prompt, skip), output, sizes)) == single
+        _push_all(IncrementalDetokenizer(tok, prompt, skip), output, sizes)
+
 def _reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
     matches = [(i, i + len(s)) for s in stop if (i := text.find(s)) >= 0]
     if not matches:
