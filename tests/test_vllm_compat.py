@@ -490,6 +490,19 @@ def _expected_ok(status: str) -> bool:
     return status != "refused"
 
 
+def test_spaces_between_special_tokens_changes_nothing(client: openai.OpenAI) -> None:
+    """vLLM's default (true) and false give the text of the fast decoder, which has no such switch: special tokens
+    kept in an echoed prompt read the same either way."""
+    texts = []
+    for spaces in (True, False):
+        completion = client.completions.create(
+            model=client.models.list().data[0].id, prompt="<|im_start|>user<|im_end|><|im_start|>", max_tokens=1,
+            temperature=0, echo=True,
+            extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": spaces})
+        texts.append(completion.choices[0].text)
+    assert texts[0] == texts[1] and texts[0].startswith("<|im_start|>user<|im_end|><|im_start|>"), texts
+
+
 def test_the_field_table_matches_the_server(server: Server) -> None:
     checked = 0
     for field, endpoints, status, example, _notes in doc_rows("Request fields"):

@@ -66,6 +66,9 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's: taken and changes nothing. Text comes from the fast (tokenizers) decoder, which has no such switch,
+    # as in vLLM's detokenizer for fast tokenizers; true is its default, and clients send it
+    spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     priority: int | None = None
     add_special_tokens: bool | None = None
