@@ -240,6 +240,9 @@ def test_a_fill_waiting_for_a_compile_says_so_and_is_waited_for(tokenizer: Token
         def deep_copy(self) -> Matcher:
             return self
 
+        def is_error(self) -> bool:
+            return False
+
     def busy() -> None:
         calls.append(1)
         if len(calls) == 3:

@@ -112,6 +112,9 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
 NO_TOKEN_LEFT = "allowed_token_ids leave no token that the structured output allows next"
 # why a constrained row whose bad_words ban every token its grammar allows next fails
 NO_WORD_LEFT = "bad_words leave no token that the structured output allows next"
+# why a constrained row fails when its matcher cannot follow its tokens (a matcher that did not build, or a token it
+# refuses): a 500, never a completion that goes on unconstrained or restarts its grammar
+MATCHER_LOST = "structured outputs failed on the worker"
 # the failures that come from the request's own values, with the field to name (a 400); any other reason is the
 # grammar process's failure (a 500). The reasons cross from the grammar process as text.
 REQUEST_FAULTS = {NO_TOKEN_LEFT: "allowed_token_ids", NO_WORD_LEFT: "bad_words"}
@@ -178,7 +181,7 @@ class GrammarRows:
         self.pin_memory = pin_memory
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._flip = 0
-        self._no_token: list[tuple[int, str]] = []  # (sequence, why): its mask left no token (take_failures)
+        self._no_token: list[tuple[int, str]] = []  # (sequence, why): it can sample no token (take_failures)
         self._bad_words: dict[int, BadWords] = {}  # grammar rows with bad_words: sequence id -> words and window
         self._eos: torch.Tensor | None = None  # [W] the EOS ids' bits, once a row needs them
 
@@ -202,9 +205,9 @@ class GrammarRows:
         self._bad_words.clear()
 
     def take_failures(self) -> list[tuple[int, str]]:
-        """Sequences the last bitmask() found with no token left, and why: their grammar's mask and their
-        allowed_token_ids share none, or their bad_words ban all it allows (the runner ends them with an error,
-        unsampled)."""
+        """Sequences found with no token left since the last call, and why: their grammar's mask and their
+        allowed_token_ids share none, their bad_words ban all it allows, or their matcher cannot follow their
+        tokens (it did not build, or refused one: MATCHER_LOST). The runner ends them with an error, unsampled."""
         failed, self._no_token = self._no_token, []
         return failed
 
@@ -252,7 +255,8 @@ class GrammarRows:
         if not self._seqs and not self._allowed:
             return None
         rows = [(i, seq) for i, seq_id in enumerate(seq_ids) if (seq := self._seqs.get(seq_id)) is not None]
-        picked = [(seq.matcher, i) for i, seq in rows if self._ready(seq_ids[i], seq) and seq.matcher is not None]
+        picked = [(seq.matcher, i) for i, seq in rows
+                  if self._ready(seq_ids[i], seq) and seq.matcher is not None and not seq.failed]
         fixed = [(allowed, i) for i, seq_id in enumerate(seq_ids)
                  if (allowed := self._allowed.get(seq_id)) is not None] if self._allowed else []
         if not picked and not fixed:
@@ -312,12 +316,16 @@ class GrammarRows:
             for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
                 if (words := self._bad_words.get(seq_id)) is not None:
                     words.recent.append(token_id)
-        rows = [(seq_id, seq, token_id) for seq_id, token_id in zip(seq_ids, token_ids, strict=True)
-                if (seq := self._seqs.get(seq_id)) is not None]
-        waiting = [row for row in rows if row[1].compiling is not None and not row[1].compiling.done()]
-        for _, seq, token_id in waiting:  # still compiling: consumed when its matcher is here, nobody waits
-            seq.replay.append(token_id)
-        rows = [row for row in rows if not (row[1].compiling is not None and not row[1].compiling.done())]
+        rows = []
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+            if (seq := self._seqs.get(seq_id)) is None:
+                continue
+            # done() is asked once per row: a compile that ends between two looks would see the token kept for
+            # the matcher and consumed now as well (twice)
+            if seq.compiling is not None and not seq.compiling.done():
+                seq.replay.append(token_id)  # still compiling: consumed when its matcher is here, nobody waits
+            else:
+                rows.append((seq_id, seq, token_id))
         for seq_id, seq, _ in rows:
             self._ready(seq_id, seq)
         if not self._parallel_consume(len(rows)):
@@ -332,7 +340,7 @@ class GrammarRows:
             if not ok:
                 self._reject(seq_id, seq, token_id)
         for _, seq, token_id in rows:
-            if seq.matcher is None:
+            if seq.matcher is None and not seq.failed:
                 self._watch_reasoning(seq, token_id)
 
     def advance_and_fill(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]) -> GrammarMasks | None:
@@ -346,32 +354,51 @@ class GrammarRows:
 
     def _ready(self, seq_id: int, seq: SeqGrammar) -> bool:
         """Take the compiled matcher (waiting if it is still on its way) and consume the tokens that came
-        before it; False for a row with no matcher (waiting for reasoning_end)."""
+        before it; False for a row with no matcher (waiting for reasoning_end) or one that lost it (take_failures)."""
         if seq.compiling is not None:
             future, seq.compiling = seq.compiling, None
-            seq.matcher = future.result().deep_copy()
+            try:
+                pristine = future.result()
+            except Exception as exc:  # noqa: BLE001 - this row's grammar failed to build, not the step
+                log.exception("sequence %d: its grammar did not build", seq_id)
+                self._lose(seq_id, seq, f"its grammar did not build: {type(exc).__name__}: {exc}")
+                return False
+            if pristine.is_error():  # it would allow only EOS: an empty answer that breaks the grammar
+                self._lose(seq_id, seq, f"its grammar did not build: {pristine.get_error()}")
+                return False
+            seq.matcher = pristine.deep_copy()
             replay, seq.replay = seq.replay, []
             for token_id in replay:
                 self._advance(seq_id, seq, token_id)
-        return seq.matcher is not None
+        return seq.matcher is not None and not seq.failed
 
     def _advance(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         if seq.compiling is not None:
             seq.replay.append(token_id)
             return
+        if seq.failed:
+            return  # it ends with an error before it samples again (take_failures)
         if seq.matcher is None:
             self._watch_reasoning(seq, token_id)
             return
-        if seq.failed or seq.matcher.is_stopped():
+        if seq.matcher.is_stopped():
             return  # the next tokens are EOS; the scheduler ends the sequence on the first
         if not seq.matcher.consume_token(token_id):
             self._reject(seq_id, seq, token_id)
 
     def _reject(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
-        # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input.
+        # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input. The matcher
+        # no longer follows the row's tokens, so the row ends with an error rather than an answer its grammar
+        # forbids (a failed matcher allows only EOS: the answer would stop where it is).
         assert seq.matcher is not None
         log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, seq.matcher.get_error())
+        self._lose(seq_id, seq, f"token {token_id} is outside its grammar")
+
+    def _lose(self, seq_id: int, seq: SeqGrammar, why: str) -> None:
+        """The row's matcher cannot follow its tokens: it is never masked or advanced again and ends with an error
+        (take_failures), unsampled, instead of sampling without its grammar or after a restarted one."""
         seq.failed = True
+        self._no_token.append((seq_id, f"{MATCHER_LOST}: {why}"))
 
     def _parallel(self, num_rows: int) -> bool:
         return num_rows >= PARALLEL_ROWS and self._cpus >= PARALLEL_MIN_CPUS
