@@ -181,7 +181,7 @@ class GrammarRows:
         self.pin_memory = pin_memory
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._flip = 0
-        self._no_token: list[tuple[int, str]] = []  # (sequence, why): it can sample no token (take_failures)
+        self._failures: list[tuple[int, str]] = []  # (sequence, why): it ends with an error, unsampled (take_failures)
         self._bad_words: dict[int, BadWords] = {}  # grammar rows with bad_words: sequence id -> words and window
         self._eos: torch.Tensor | None = None  # [W] the EOS ids' bits, once a row needs them
 
@@ -201,14 +201,14 @@ class GrammarRows:
     def reset(self) -> None:
         self._seqs.clear()
         self._allowed.clear()
-        self._no_token.clear()
+        self._failures.clear()
         self._bad_words.clear()
 
     def take_failures(self) -> list[tuple[int, str]]:
-        """Sequences found with no token left since the last call, and why: their grammar's mask and their
-        allowed_token_ids share none, their bad_words ban all it allows, or their matcher cannot follow their
+        """Sequences that cannot go on, found since the last call, and why: their grammar's mask and their
+        allowed_token_ids share no token, their bad_words ban all it allows, or their matcher cannot follow their
         tokens (it did not build, or refused one: MATCHER_LOST). The runner ends them with an error, unsampled."""
-        failed, self._no_token = self._no_token, []
+        failed, self._failures = self._failures, []
         return failed
 
     def close(self) -> None:
@@ -299,7 +299,7 @@ class GrammarRows:
         if ends.any():
             row.copy_(ends)
         else:
-            self._no_token.append((seq_id, why))
+            self._failures.append((seq_id, why))
 
     def _eos_mask(self) -> torch.Tensor:
         """[W] int32: the tokenizer's EOS ids (a row with a matcher has a tokenizer)."""
@@ -398,7 +398,7 @@ class GrammarRows:
         """The row's matcher cannot follow its tokens: it is never masked or advanced again and ends with an error
         (take_failures), unsampled, instead of sampling without its grammar or after a restarted one."""
         seq.failed = True
-        self._no_token.append((seq_id, f"{MATCHER_LOST}: {why}"))
+        self._failures.append((seq_id, f"{MATCHER_LOST}: {why}"))
 
     def _parallel(self, num_rows: int) -> bool:
         return num_rows >= PARALLEL_ROWS and self._cpus >= PARALLEL_MIN_CPUS
