@@ -17,12 +17,15 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 5) -> list[l
     return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time, in fp32, EOS not stopping it."""
+def hf_greedy(folder: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
+              stop_at_eos: bool = False) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time, in fp32; EOS stops it only with
+    `stop_at_eos` (at the EOS ids its generation_config.json lists)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # pagoda runs with ignore_eos: no stop, no suppressed EOS
+    if not stop_at_eos:
+        model.generation_config.eos_token_id = None  # pagoda runs with ignore_eos: no stop, no suppressed EOS
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
