@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from pagoda.shared.messages import SamplingParams
+from tests.test_detokenizer_fuzz import byte_fallback_bpe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("PAGODA_TEST_MODEL_DIR") or REPO_ROOT / "models/smollm2-135m-instruct")
@@ -57,19 +57,7 @@ def tiny_bytelevel(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 def tiny_byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """Llama 2 style: Metaspace words, characters missing from the vocab spelled as <0xXX> tokens."""
     folder = tmp_path_factory.mktemp("bytefallback")
-    trained = RustTokenizer(models.BPE())
-    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=list("abcdefghijklmnopqrstuvwxyz▁"), limit_alphabet=27))
-    vocab_file, merges_file = trained.model.save(str(folder))
-    vocab = json.loads(Path(vocab_file).read_text())
-    for byte in range(256):
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    Path(vocab_file).write_text(json.dumps(vocab))
-    rust = RustTokenizer(models.BPE.from_file(vocab_file, merges_file, byte_fallback=True, unk_token="<unk>"))
-    rust.add_special_tokens(["<unk>", "<s>", "</s>"])
-    rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    rust = byte_fallback_bpe(folder, CORPUS, 120, ["<unk>", "<s>", "</s>"])
     rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                       decoders.Strip(" ", 1, 0)])
     return _save(rust, folder / "hf", eos_token="</s>", unk_token="<unk>", bos_token="<s>")

@@ -60,12 +60,13 @@ def _byte_level(folder: Path) -> Tokenizer:
     return _save(rust, folder)
 
 
-def _byte_fallback_bpe(folder: Path) -> RustTokenizer:
-    """A SentencePiece-style BPE over a small alphabet: other characters are spelled as <0xXX> byte tokens."""
+def byte_fallback_bpe(folder: Path, corpus: list[str], vocab_size: int, special_tokens: list[str]) -> RustTokenizer:
+    """A SentencePiece-style BPE over a small alphabet, trained on `corpus` (its files written to `folder`): other
+    characters are spelled as <0xXX> byte tokens. No decoder: the caller picks the family's."""
     trained = RustTokenizer(models.BPE())
     trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=140, special_tokens=SPECIAL_TOKENS, initial_alphabet=list("abcdefghijklmnopqrstuvwxyz▁"),
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=list("abcdefghijklmnopqrstuvwxyz▁"),
         limit_alphabet=27))
     vocab_file, merges_file = trained.model.save(str(folder))
     vocab = json.loads(Path(vocab_file).read_text())
@@ -73,9 +74,13 @@ def _byte_fallback_bpe(folder: Path) -> RustTokenizer:
         vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
     Path(vocab_file).write_text(json.dumps(vocab))
     rust = RustTokenizer(models.BPE.from_file(vocab_file, merges_file, byte_fallback=True, unk_token="<unk>"))
-    rust.add_special_tokens(SPECIAL_TOKENS)
+    rust.add_special_tokens(special_tokens)
     rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     return rust
+
+
+def _byte_fallback_bpe(folder: Path) -> RustTokenizer:
+    return byte_fallback_bpe(folder, CORPUS, 140, SPECIAL_TOKENS)
 
 
 def _llama2(folder: Path) -> Tokenizer:
@@ -233,7 +238,6 @@ def test_random_ids_follow_the_whole_decode(tok: Tokenizer, skip: bool) -> None:
     assert num_stable >= 80
 
 
-
 def test_long_invalid_byte_runs(tok: Tokenizer) -> None:
     # Mostly byte tokens (ByteFallback's <0xNN>, or the byte-level alphabet), past MAX_HELD_TOKENS: the held tokens
     # are let go as U+FFFDs, where ByteFallback may have rewritten the context they are decoded after. No failure,
@@ -252,6 +256,7 @@ def test_long_invalid_byte_runs(tok: Tokenizer) -> None:
         sizes = [rng.choice([1, 2, 5, 40]) for _ in output]
         assert "".join(_push_all(StreamDetokenizer(tok.backend, prompt, skip), output, sizes)) == single
         _push_all(IncrementalDetokenizer(tok, prompt, skip), output, sizes)
+
 
 def _reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
     matches = [(i, i + len(s)) for s in stop if (i := text.find(s)) >= 0]
