@@ -257,7 +257,7 @@ def _assistant(blocks: list[Any], param: str, calls: dict[str, str]) -> MessageB
             tool_calls.append({"id": block["id"], "type": "function",
                                "function": {"name": block["name"],
                                             "arguments": json.dumps(block["input"], ensure_ascii=False)}})
-        elif kind == "thinking":  # an earlier answer's reasoning: dropped, as chat templates drop reasoning
+        elif kind == "thinking":  # an earlier answer's reasoning: dropped (not chat's `reasoning`, which templates get)
             _keys(block, {"type", "thinking", "signature"}, where,
                   'a thinking block is {"type": "thinking", "thinking", "signature"}')
             _require(isinstance(block.get("thinking"), str), f"{where}.thinking", "thinking must be a string")

@@ -207,7 +207,8 @@ def _include(include: list[str]) -> bool:
 def input_messages(body: ResponsesBody) -> list[MessageBody]:
     """`instructions` as a system message, then `input`'s items as chat messages. A function_call item joins the
     assistant turn just before it (a parallel call, or the text the model wrote before calling); its output
-    becomes a tool message. Reasoning items of earlier answers are dropped, as chat templates drop reasoning."""
+    becomes a tool message. Reasoning items of earlier answers are dropped (chat's messages hand an assistant's
+    `reasoning` to the template, which Qwen3's renders in tool loops; these items do not reach it)."""
     messages = [MessageBody(role="system", content=body.instructions)] if body.instructions is not None else []
     if isinstance(body.input, str):
         return [*messages, MessageBody(role="user", content=body.input)]
