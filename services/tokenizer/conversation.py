@@ -83,6 +83,8 @@ def template_conversation(messages: object, fmt: ContentFormat = "string") -> li
 
 
 def _content(message: dict[str, Any], i: int, fmt: ContentFormat) -> str | list[dict[str, str]]:
+    """messages[i]'s content in `fmt`: its texts joined by newlines, or as text parts (InvalidRequestError where it
+    is neither a string nor text parts, or null outside an assistant turn that calls tools)."""
     content = message.get("content")
     if isinstance(content, list):
         texts = [_part_text(part, i) for part in content]
@@ -118,6 +120,7 @@ def _assistant_fields(entry: dict[str, Any]) -> None:
 
 
 def _parsed_call(call: Any) -> Any:
+    """A tool call with its arguments as an object ({} where they are not JSON); a call of another shape as it is."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
