@@ -5,7 +5,8 @@ of them answer. If any child dies the rest are stopped and the launcher exits no
 --restart-on-failure a tokenizer or api is replaced instead; replacements that keep failing at start are
 retried after a growing delay). SIGTERM or
 SIGINT stops the apis first (they finish or fail in-flight requests), then everything else; a child
-still alive after SHUTDOWN_DEADLINE_S is killed. Children get SIGTERM if the launcher itself dies.
+still alive after SHUTDOWN_DEADLINE_S is killed. Children get SIGTERM if the launcher itself dies. Each child is
+in a process group of its own: signals sent to the launcher's group (a terminal's) reach the launcher only.
 """
 
 from __future__ import annotations
@@ -217,8 +218,12 @@ class Launcher:
             metrics_dir = self.runtime_dir / "prometheus"
             metrics_dir.mkdir(exist_ok=True)
             env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        # Each child leads a process group of its own, so that signals for the launcher's group reach the launcher
+        # alone, which decides what they mean: a terminal's ^C (an ordered stop), a hangup (SIGHUP reloads keys),
+        # and the kernel's SIGHUP + SIGCONT to a group left orphaned (the launcher's parent exited) while a member
+        # is stopped, which killed every child but the api (exit code -1) when a SIGSTOPped scheduler shared it.
         process = subprocess.Popen([sys.executable, "-m", f"pagoda.services.{module}"], env=env,
-                                   preexec_fn=_die_with_parent)
+                                   preexec_fn=_die_with_parent, process_group=0)
         self.children.append(Child(name, process, module, dict(overrides), replica=replica))
 
     def start(self) -> None:
