@@ -58,16 +58,12 @@ def make_experts(num_experts: int, hidden: int, inter: int, device: torch.device
                  dtype: torch.dtype = torch.bfloat16) -> Experts:
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=device) * 0.02).to(dtype)
     down = (torch.randn(num_experts, hidden, inter, device=device) * 0.02).to(dtype)
-    return Experts(gate_up, down, *map(with_spare_expert, quantize_experts(gate_up)),
-                   *map(with_spare_expert, quantize_experts(down)))
+    return Experts(gate_up, down, *map(_as_served, quantize_experts(gate_up)), *map(_as_served, quantize_experts(down)))
 
 
-def with_spare_expert(t: torch.Tensor) -> torch.Tensor:
-    """t [E, ...] on storage for E + 1 experts, as the model allocates per-row FP8 experts (base.make_linear: room
-    for kernels/moe.expert_group_views)."""
-    storage = torch.empty(t.shape[0] + 1, *t.shape[1:], dtype=t.dtype, device=t.device)
-    storage[:t.shape[0]] = t
-    return storage[:t.shape[0]]
+def _as_served(t: torch.Tensor) -> torch.Tensor:
+    """t [E, ...] over storage for one more expert, as the model allocates per-row FP8 experts that may split."""
+    return moe.with_spare_expert(t.shape, t.dtype, t.device, like=t)
 
 
 def expert_bytes(touched: int, hidden: int, inter: int, fp8: bool) -> int:

@@ -1170,6 +1170,23 @@ GMM_FP8_SPLIT_MAX_M: dict[tuple[int, int, int], int] = {
 }
 
 
+def splits_experts(num_experts: int, rows: int, cols: int) -> bool:
+    """Whether per-row FP8 expert weights [E, rows, cols] (gate_up [E, 2I, H] or down [E, H, I]) are of a shape the
+    gmm path may split (GMM_FP8_SPLIT_MAX_M): only those need with_spare_expert's storage."""
+    return (num_experts, rows // 2, cols) in GMM_FP8_SPLIT_MAX_M or (num_experts, cols, rows) in GMM_FP8_SPLIT_MAX_M
+
+
+def with_spare_expert(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                      like: torch.Tensor | None = None) -> torch.Tensor:
+    """An [E, ...] tensor over storage for E + 1 experts (a copy of `like` if given): expert_group_views' last
+    groups reach past expert E - 1 into that room."""
+    storage = torch.empty(shape[0] + 1, *shape[1:], dtype=dtype, device=device)
+    experts = storage[:shape[0]]
+    if like is not None:
+        experts.copy_(like)
+    return experts
+
+
 def fp8_gmm_split_enabled() -> bool:
     mode = os.environ.get("PAGODA_MOE_FP8_GMM_SPLIT", "")
     if mode not in ("", "0", "1"):

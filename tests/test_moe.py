@@ -555,21 +555,24 @@ def test_fp8_gmm_path_against_its_reference(kind: str, monkeypatch: pytest.Monke
 
 
 def _with_spare_expert(t: torch.Tensor, device: str = "cpu") -> torch.Tensor:
-    """t [E, ...] copied onto storage for E + 1 experts on `device`, as make_linear allocates per-row FP8 experts."""
-    storage = torch.zeros(t.shape[0] + 1, *t.shape[1:], dtype=t.dtype, device=device)
-    storage[:t.shape[0]] = t
-    return storage[:t.shape[0]]
+    return moe.with_spare_expert(t.shape, t.dtype, device, like=t)
 
 
-def test_make_linear_gives_per_row_fp8_experts_spare_room() -> None:
-    fp8 = Fp8Weights(group_size=None)
-    weight, scale = make_linear(2 * INTER, HIDDEN, torch.bfloat16, torch.device("cpu"), fp8, EXPERTS)
-    assert weight.shape == (EXPERTS, 2 * INTER, HIDDEN) and scale.shape == (EXPERTS, 2 * INTER, 1)
-    assert weight.untyped_storage().nbytes() == (EXPERTS + 1) * 2 * INTER * HIDDEN
-    assert scale.untyped_storage().nbytes() == (EXPERTS + 1) * 2 * INTER * 4
-    blocked, _ = make_linear(2 * INTER, HIDDEN, torch.bfloat16, torch.device("cpu"), Fp8Weights(group_size=32),
-                             EXPERTS)
-    assert blocked.untyped_storage().nbytes() == EXPERTS * 2 * INTER * HIDDEN  # block-scaled: never on gmm
+def test_make_linear_gives_spare_room_to_the_fp8_experts_that_may_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-row FP8 experts of a shape in GMM_FP8_SPLIT_MAX_M (gate_up [E, 2I, H] and down [E, H, I]) are allocated
+    over storage for one more expert; others, and block-scaled ones, as they are."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(moe, "GMM_FP8_SPLIT_MAX_M", {(EXPERTS, INTER, HIDDEN): 256})
+    for rows, cols in ((2 * INTER, HIDDEN), (HIDDEN, INTER)):
+        weight, scale = make_linear(rows, cols, torch.bfloat16, cpu, Fp8Weights(group_size=None), EXPERTS)
+        assert weight.shape == (EXPERTS, rows, cols) and scale.shape == (EXPERTS, rows, 1)
+        assert weight.untyped_storage().nbytes() == (EXPERTS + 1) * rows * cols
+        assert scale.untyped_storage().nbytes() == (EXPERTS + 1) * rows * 4
+        blocked, _ = make_linear(rows, cols, torch.bfloat16, cpu, Fp8Weights(group_size=16), EXPERTS)
+        assert blocked.untyped_storage().nbytes() == EXPERTS * rows * cols  # block-scaled: never on gmm
+    monkeypatch.setattr(moe, "GMM_FP8_SPLIT_MAX_M", {})
+    weight, _ = make_linear(2 * INTER, HIDDEN, torch.bfloat16, cpu, Fp8Weights(group_size=None), EXPERTS)
+    assert weight.untyped_storage().nbytes() == EXPERTS * 2 * INTER * HIDDEN  # a shape that never splits
 
 
 def test_expert_split_keeps_torch_small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels import fp8_weight_only as w8a16
-from pagoda.kernels import gemv
+from pagoda.kernels import gemv, moe
 from pagoda.kernels import reference as ref
 
 # A layer's output: a tensor, or a split-K weight-only GEMM's fp32 partial sums that the next residual add + norm
@@ -375,16 +375,10 @@ def make_linear(rows: int, cols: int, dtype: torch.dtype, device: torch.device, 
     if fp8 is None:
         return make_param((*lead, rows, cols), dtype, device), None
     groups = 1 if fp8.group_size is None else -(-cols // fp8.group_size)
-    if experts is not None and groups == 1:  # per-row FP8 experts: kernels/moe.expert_split's spare room
-        return (_param_with_spare_expert((experts, rows, cols), torch.float8_e4m3fn, device),
-                _param_with_spare_expert((experts, rows, 1), torch.float32, device))
+    if experts is not None and groups == 1 and moe.splits_experts(experts, rows, cols):
+        # per-row FP8 experts the gmm path may split into groups: a spare expert of storage each (kernels/moe)
+        weight = moe.with_spare_expert((experts, rows, cols), torch.float8_e4m3fn, device)
+        scale = moe.with_spare_expert((experts, rows, 1), torch.float32, device)
+        return nn.Parameter(weight, requires_grad=False), nn.Parameter(scale, requires_grad=False)
     weight = make_param((*lead, rows, cols), torch.float8_e4m3fn, device)
     return weight, make_param((*lead, rows, groups), torch.float32, device)
-
-
-def _param_with_spare_expert(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    """[E, rows, cols] over storage for E + 1 experts: the FP8 gmm path views each expert as several groups of
-    torch._scaled_grouped_mm, the last ones reaching past expert E - 1 (kernels/moe.expert_group_views)."""
-    experts, rows, cols = shape
-    storage = torch.empty(experts + 1, rows, cols, dtype=dtype, device=device)
-    return nn.Parameter(storage[:experts], requires_grad=False)
