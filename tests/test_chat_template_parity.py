@@ -502,6 +502,10 @@ def test_reasoning_sent_back_reaches_the_template(tokenizers: dict[str, Tokenize
         assert "<think>\nI should look it up.\n</think>" in want
         assert served(tokenizers["qwen3"], messages, tools=TOOLS)[0] == want, key
         assert offline(tokenizers["qwen3"], messages, tools=TOOLS) == want, key
+        if key == "reasoning_content":  # beside a null `reasoning` (what an SDK's dump of the message carries)
+            messages[2] = {**messages[2], "reasoning": None}
+            assert served(tokenizers["qwen3"], messages, tools=TOOLS)[0] == want
+            assert offline(tokenizers["qwen3"], messages, tools=TOOLS) == want
 
 
 def test_a_template_that_writes_tool_calls_keeps_its_own_turns(tokenizers: dict[str, Tokenizer]) -> None:

@@ -114,7 +114,9 @@ def _assistant_fields(entry: dict[str, Any]) -> None:
         del entry["tool_calls"]
     elif isinstance(calls, list):
         entry["tool_calls"] = [_parsed_call(call) for call in calls]
-    reasoning = entry.get("reasoning", entry.get("reasoning_content"))
+    reasoning = entry.get("reasoning")
+    if reasoning is None:  # a null `reasoning` is absent, as the served path reads it
+        reasoning = entry.get("reasoning_content")
     if isinstance(reasoning, str):
         entry["reasoning"] = entry["reasoning_content"] = reasoning
 
