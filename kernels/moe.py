@@ -1198,8 +1198,8 @@ def expert_split(rows: int, weight: torch.Tensor, scale: torch.Tensor, max_m: in
     """How many groups f per expert the FP8 gmm path hands torch._scaled_grouped_mm for `rows` rows of A (1: no
     split): where rows // E is above GMM_FP8_SMALL_TILE_M and at most max_m, the least power of two with
     rows // (E f) <= GMM_FP8_SMALL_TILE_M. weight [E, N, K] e4m3, scale [E, N, 1] fp32. A split needs room past the
-    last expert for its empty groups' extents (a spare expert of storage: make_linear gives per-row FP8 experts one),
-    every group's pointer 16-byte aligned and at most CUTLASS_MAX_GROUPS groups."""
+    last expert for its empty groups' extents (with_spare_expert, which make_linear uses for the shapes
+    splits_experts names), every group's pointer 16-byte aligned and at most CUTLASS_MAX_GROUPS groups."""
     num_experts, n, k = weight.shape
     if not GMM_FP8_SMALL_TILE_M < rows // num_experts <= max_m or not fp8_gmm_split_enabled():
         return 1
