@@ -92,6 +92,8 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
     guided_decoding: GuidedDecodingParams | None = None
     # vLLM's engine-level output kind: only what LLM does (each request's output once, when it is done)
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    # vLLM's: taken and changes nothing, as on the server (the fast decoder has no such switch; not sent on the wire)
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self._normalize()

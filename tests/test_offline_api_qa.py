@@ -74,3 +74,11 @@ def test_beam_search_text_is_vllms_decode_of_the_whole_sequence(llm: LLM, smollm
     for sequence in result.sequences:
         assert sequence.text == reference.decode(sequence.tokens)
         assert sequence.text.startswith(prompt)
+
+
+def test_spaces_between_special_tokens_is_taken_and_changes_nothing() -> None:
+    """vLLM's field, as the server takes it: the engine gets the same request either way; an argument pagoda does not
+    have is still a TypeError naming it."""
+    assert SamplingParams(spaces_between_special_tokens=False).wire() == SamplingParams().wire()
+    with pytest.raises(TypeError, match="extra_args"):
+        SamplingParams(extra_args={})
