@@ -90,7 +90,7 @@ def test_turns_become_the_chat_conversation() -> None:
         ChatMessage("system", "Be brief.\nUse metric units."), ChatMessage("user", "Weather in\nOslo?"),
         ChatMessage("assistant", "Let me look.", tool_calls=[
             ToolCallMessage("t1", "get_weather", '{"city": "Oslo"}'),
-            ToolCallMessage("t2", "get_weather", '{"city": "Rome"}')]),
+            ToolCallMessage("t2", "get_weather", '{"city": "Rome"}')], reasoning="hm"),
         ChatMessage("tool", "5 C", "get_weather", tool_call_id="t1"),
         ChatMessage("tool", ERROR_PREFIX + "no station", "get_weather", tool_call_id="t2"),
         ChatMessage("user", "Thanks"), ChatMessage("system", "Answer in French.")]

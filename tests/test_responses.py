@@ -194,7 +194,8 @@ def test_tool_choice_auto_without_tools_is_the_default() -> None:
     ({"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice",
      "built-in tool"),
     ({"input": []}, "input", "must not be empty"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input holds no message"),  # not chat's "messages"
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 1}]}]}, "input[0].summary[0]",
+     "summary_text"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "role must be"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type", "text models"),

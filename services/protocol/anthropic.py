@@ -238,6 +238,7 @@ def conversation(turns: list[Any]) -> list[MessageBody]:
 
 def _assistant(blocks: list[Any], param: str, calls: dict[str, str]) -> MessageBody:
     texts: list[str] = []
+    thinking: list[str] = []  # an earlier answer's reasoning: chat's `reasoning`, which the template gets
     tool_calls: list[dict[str, Any]] = []
     for j, obj in enumerate(blocks):
         where = f"{param}[{j}]"
@@ -257,10 +258,11 @@ def _assistant(blocks: list[Any], param: str, calls: dict[str, str]) -> MessageB
             tool_calls.append({"id": block["id"], "type": "function",
                                "function": {"name": block["name"],
                                             "arguments": json.dumps(block["input"], ensure_ascii=False)}})
-        elif kind == "thinking":  # an earlier answer's reasoning: dropped (not chat's `reasoning`, which templates get)
+        elif kind == "thinking":
             _keys(block, {"type", "thinking", "signature"}, where,
                   'a thinking block is {"type": "thinking", "thinking", "signature"}')
             _require(isinstance(block.get("thinking"), str), f"{where}.thinking", "thinking must be a string")
+            thinking.append(block["thinking"])
         elif kind == "redacted_thinking":
             raise InvalidRequestError("redacted_thinking blocks are not accepted: pagoda makes none (its thinking "
                                       "blocks are plain text)", param=f"{where}.type")
@@ -269,7 +271,8 @@ def _assistant(blocks: list[Any], param: str, calls: dict[str, str]) -> MessageB
                      f"an assistant turn holds text, tool_use and thinking blocks; {kind!r} blocks are not accepted "
                      "(pagoda has no server tools)")
             texts.append(_text(block, where))
-    return MessageBody(role="assistant", content="\n".join(texts), tool_calls=tool_calls or None)
+    return MessageBody(role="assistant", content="\n".join(texts), tool_calls=tool_calls or None,
+                       reasoning="\n".join(thinking) if thinking else None)
 
 
 def _user(blocks: list[Any], param: str, calls: dict[str, str], answered: set[str]) -> list[MessageBody]:

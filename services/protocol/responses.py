@@ -45,7 +45,6 @@ REFUSED_FIELDS = {
 # A field taken at the values that change nothing here: field -> (those values, why others are refused).
 NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((None, False), "background responses need a response store, and responses are not stored here"),
-    "service_tier": ((None, "auto", "default"), "this server has one service tier (auto and default are it)"),
     "truncation": ((None, "disabled"), "truncation 'auto' (dropping the conversation's first items) is not "
                                        "implemented: a conversation past the context is refused"),
 }
@@ -84,9 +83,9 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store: bool | None = None  # either value: nothing is kept after the answer (docs/vllm-compat.md)
     # chat's routing key (echoed too): requests with the same key go to the same data-parallel replica
     prompt_cache_key: str | None = None
+    service_tier: str | None = None  # chat's (auto and default: the server's one tier)
     # NO_OP_VALUES
     background: bool | None = None
-    service_tier: str | None = None
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None  # null fields only: effort and summaries are not passed to templates
     # vLLM's extensions of its ResponsesRequest, as chat takes them; chat_template_kwargs and truncation as chat's
@@ -153,7 +152,7 @@ def to_chat(body: ResponsesBody) -> ChatForm:
         include_stop_str_in_output=body.include_stop_str_in_output, priority=body.priority,
         cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, structured_outputs=body.structured_outputs,
         chat_template_kwargs=body.chat_template_kwargs, truncate_prompt_tokens=body.truncate_prompt_tokens,
-        truncation_side=body.truncation_side)
+        truncation_side=body.truncation_side, service_tier=body.service_tier)
     constraint = None
     if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
         constraint = "tools"  # decoded under a schema built from the functions' parameters
@@ -205,10 +204,11 @@ def _include(include: list[str]) -> bool:
 
 
 def input_messages(body: ResponsesBody) -> list[MessageBody]:
-    """`instructions` as a system message, then `input`'s items as chat messages. A function_call item joins the
-    assistant turn just before it (a parallel call, or the text the model wrote before calling); its output
-    becomes a tool message. Reasoning items of earlier answers are dropped (chat's messages hand an assistant's
-    `reasoning` to the template, which Qwen3's renders in tool loops; these items do not reach it)."""
+    """`instructions` as a system message, then `input`'s items as chat messages. A reasoning item starts an
+    assistant turn with that reasoning (chat's `reasoning`, which the template gets: Qwen3's renders it in tool
+    loops), which the answer's message and calls after it join (an answer's items come in that order). A
+    function_call item joins the assistant turn just before it (a parallel call, or the text the model wrote before
+    calling); its output becomes a tool message."""
     messages = [MessageBody(role="system", content=body.instructions)] if body.instructions is not None else []
     if isinstance(body.input, str):
         return [*messages, MessageBody(role="user", content=body.input)]
@@ -216,13 +216,19 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     calls: dict[str, str] = {}  # call_id -> function name, of the function_call items so far
     answered: set[str] = set()
     joinable = False  # the last message is an assistant turn a function call joins
+    reasoning_only = False  # the last message is an assistant turn of a reasoning item alone, which its text joins
     for i, item in enumerate(body.input):
         param = f"input[{i}]"
         _require(isinstance(item, dict), param, "an input item is an object")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            messages.append(_message(item, param))
+            message = _message(item, param)
+            if reasoning_only and message.role == "assistant":
+                messages[-1].content = message.content
+            else:
+                messages.append(message)
             joinable = messages[-1].role == "assistant"
+            reasoning_only = False
         elif kind == "function_call":
             call = _function_call(item, param)
             _require(call["id"] not in calls, f"{param}.call_id", f"call_id {call['id']!r} is used twice")
@@ -233,6 +239,7 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
             else:
                 messages.append(MessageBody(role="assistant", tool_calls=[call]))
                 joinable = True
+            reasoning_only = False
         elif kind == "function_call_output":
             call_id, output = _function_call_output(item, param)
             _require(call_id in calls, f"{param}.call_id",
@@ -240,11 +247,14 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
                      "item before it")
             answered.add(call_id)
             messages.append(MessageBody(role="tool", content=output, tool_call_id=call_id, name=calls[call_id]))
-            joinable = False
+            joinable = reasoning_only = False
         elif kind == "reasoning":
-            _keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, param,
-                  "a reasoning item is {type, id, summary, content, encrypted_content, status}")
-            _check_echoed(item, param, {"summary": list, "content": list, "encrypted_content": str})
+            reasoning = _reasoning(item, param)
+            if reasoning_only:  # two in a row: one turn's
+                messages[-1].reasoning = f"{messages[-1].reasoning}\n{reasoning}"
+            else:
+                messages.append(MessageBody(role="assistant", content="", reasoning=reasoning))
+            joinable = reasoning_only = True
         elif kind == "item_reference":
             raise InvalidRequestError("item references are not supported: responses are not stored here; send the "
                                       "item itself", param=f"{param}.type")
@@ -255,8 +265,23 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     missing = next((call_id for call_id in calls if call_id not in answered), None)
     _require(missing is None, "input", f"No tool output found for function call {missing!r}: send a "
                                        "function_call_output item for it")
-    _require(len(messages) > 0, "input", "input holds no message: reasoning items alone are dropped")
     return messages
+
+
+def _reasoning(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (the model's reasoning, as pagoda's answers carry it), or
+    without any its summary_text parts (OpenAI's answers carry a summary only), joined by newlines."""
+    _keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, param,
+          "a reasoning item is {type, id, summary, content, encrypted_content, status}")
+    _check_echoed(item, param, {"summary": list, "content": list, "encrypted_content": str})
+    key, kind = ("content", "reasoning_text") if item.get("content") else ("summary", "summary_text")
+    texts = []
+    for j, part in enumerate(item.get(key) or []):
+        _require(isinstance(part, dict) and part.get("type") == kind and isinstance(part.get("text"), str)
+                 and set(part) <= {"type", "text"}, f"{param}.{key}[{j}]",
+                 f'a reasoning item\'s {key} holds {{"type": "{kind}", "text": string}} parts')
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _check_echoed(obj: dict[str, Any], param: str, types: dict[str, type], item: bool = True) -> None:

@@ -153,6 +153,11 @@ class ChatBody(_GenerationBody):
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, str | int | float | bool] | None = None
     echo: bool | None = None  # vLLM's: the reply's content starts with the last message (the one continued)
+    service_tier: str | None = None  # OpenAI's: SERVICE_TIERS only (the Responses API's too)
+
+
+# OpenAI's service tiers that name this server's one tier; flex, scale and priority would be ignored, so are refused
+SERVICE_TIERS = (None, "auto", "default")
 
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -479,6 +484,24 @@ def completion_requests(body: CompletionBody, base_id: str, arrival_time: float,
     return requests
 
 
+# The fields of an answer's message that a client sends back with it (the openai SDK's model_dump() writes them, null
+# where the answer had none) and no template renders: taken null (annotations also empty), else refused, on the
+# server and in LLM.chat alike (services/tokenizer/conversation.py). field -> why a value is refused.
+ANSWER_FIELDS = {
+    "refusal": "a refusal is not rendered: send its text as content",
+    "annotations": "annotations (citations) are not rendered",
+    "audio": "audio answers are not made here",
+    "function_call": "the deprecated function_call is not supported; use tool_calls",
+}
+
+
+def check_answer_fields(message: dict[str, Any], param: str) -> None:
+    """A 400 naming `param`.field for the first of ANSWER_FIELDS that the message holds a value in."""
+    for name, reason in ANSWER_FIELDS.items():
+        value = message.get(name)
+        _require(value is None or (name == "annotations" and value == []), f"{param}.{name}", reason)
+
+
 def chat_messages(messages: list[MessageBody], param: str = "messages") -> list[ChatMessage]:
     _require(len(messages) > 0, param, "messages must not be empty")
     num_calls = sum(len(m.tool_calls or ()) for m in messages)
@@ -493,11 +516,7 @@ def _chat_message(message: MessageBody, param: str) -> ChatMessage:
              f"role must be one of {', '.join(CHAT_ROLES)}, tool, got {message.role!r}")
     _require(message.tool_calls is None or message.role == "assistant", f"{param}.tool_calls",
              "only assistant messages carry tool_calls")
-    _require(message.refusal is None, f"{param}.refusal", "a refusal is not rendered: send its text as content")
-    _require(not message.annotations, f"{param}.annotations", "annotations (citations) are not rendered")
-    _require(message.audio is None, f"{param}.audio", "audio answers are not made here")
-    _require(message.function_call is None, f"{param}.function_call",
-             "the deprecated function_call is not supported; use tool_calls")
+    check_answer_fields({name: getattr(message, name) for name in ANSWER_FIELDS}, param)
     _require((message.tool_call_id is not None) == (message.role == "tool"), f"{param}.tool_call_id",
              "tool messages need a tool_call_id (and only they have one)")
     tool_calls = _message_tool_calls(message.tool_calls or [], f"{param}.tool_calls")
@@ -518,7 +537,8 @@ def _chat_message(message: MessageBody, param: str) -> ChatMessage:
     assert isinstance(content, str)
     reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
     return ChatMessage(CHAT_ROLES.get(message.role, message.role), content, message.name, tool_calls,
-                       message.tool_call_id, texts, reasoning if message.role == "assistant" else None)
+                       message.tool_call_id, [len(text) for text in texts],
+                       reasoning if message.role == "assistant" else None)
 
 
 def _message_tool_calls(calls: list[dict[str, Any]], param: str) -> list[ToolCallMessage]:
@@ -597,6 +617,9 @@ def _chat_checks(body: ChatBody) -> None:
     _common_checks(body)
     _require(body.top_logprobs is None or bool(body.logprobs), "top_logprobs",
              "top_logprobs requires logprobs to be true")
+    _require(body.service_tier in SERVICE_TIERS, "service_tier", f"service_tier {body.service_tier!r} is not "
+             "supported: this server has one service tier (auto and default are it; vLLM's priority field orders "
+             "requests)")
     _require(not (body.continue_final_message and body.add_generation_prompt), "continue_final_message",
              "continue_final_message and add_generation_prompt cannot both be true")
     _require(all(MIN_INT64 <= v <= MAX_INT64 for v in (body.chat_template_kwargs or {}).values()
@@ -662,7 +685,7 @@ def prompt_bytes(body: object) -> int:
     """UTF-8 bytes of the text a body asks to tokenize; ids count 0.
 
     Prompt strings, message contents, the assistant turns' tool calls (name and arguments: the template renders
-    them) and the tool definitions (as JSON, the form templates render them in)."""
+    them) and reasoning, and the tool definitions (as JSON, the form templates render them in)."""
     texts: list[str] = []
     prompt = getattr(body, "prompt", None)
     if isinstance(prompt, str):
@@ -676,6 +699,9 @@ def prompt_bytes(body: object) -> int:
             texts.extend(part["text"] for part in message.content
                          if isinstance(part, dict) and isinstance(part.get("text"), str))
         texts.extend(_tool_call_texts(message.tool_calls or []))
+        reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+        if isinstance(reasoning, str) and message.role == "assistant":  # an earlier answer's: the template's
+            texts.append(reasoning)
     # len() of a str counts code points; up to 4 bytes each, so encode only when it could matter
     text_bytes = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
     tools = getattr(body, "tools", None)
