@@ -494,12 +494,24 @@ class ToolCallMessage(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str  # system | user | assistant | tool
-    content: str
+    content: str  # its text; text parts joined by newlines
     name: str | None = None
     tool_calls: list[ToolCallMessage] = []  # assistant turns that called tools (content may then be "")
     tool_call_id: str | None = None  # tool turns: the call this result answers
-    parts: list[str] = []  # content sent as text parts: their texts (content is them joined by newlines)
+    # content sent as text parts: each part's length (content is the parts joined by newlines, so the text goes over
+    # the wire once and the parts are cut back out of it)
+    part_lens: list[int] = []
     reasoning: str | None = None  # an earlier answer's reasoning sent back (templates render it, Qwen3's in tool loops)
+
+    @property
+    def parts(self) -> list[str]:
+        """The texts of the parts the content was sent as; [] for content sent as a string."""
+        parts, start = [], 0
+        for part_len in self.part_lens:
+            parts.append(self.content[start:start + part_len])
+            start += part_len + 1  # the newline joining it to the next
+        assert not parts or start == len(self.content) + 1, "part_lens must add up to the content"
+        return parts
 
 
 class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):

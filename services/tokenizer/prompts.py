@@ -37,7 +37,7 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for message in messages:
         # text parts stay parts: a template that loops over them gets them (conversation.content_format)
-        content = [{"type": "text", "text": text} for text in message.parts] if message.parts else message.content
+        content = [{"type": "text", "text": text} for text in message.parts] if message.part_lens else message.content
         entry: dict[str, Any] = {"role": message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
