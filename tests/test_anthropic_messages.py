@@ -336,7 +336,7 @@ def test_tool_calls_and_reasoning_become_blocks() -> None:
     Message.model_validate(message)
     thinking, text, *calls = message["content"]
     assert thinking == {"type": "thinking", "thinking": "The user asks.", "signature": ""}
-    assert text == {"type": "text", "text": "Let me check.\n"}
+    assert text == {"type": "text", "text": "Let me check."}  # the whitespace before a call is no text
     assert [(c["type"], c["name"], c["input"]) for c in calls] == [("tool_use", "get_weather", {"city": "Oslo"}),
                                                                     ("tool_use", "get_weather", {"city": "Rome"})]
     assert all(c["id"].startswith("toolu_") for c in calls) and calls[0]["id"] != calls[1]["id"]

@@ -380,9 +380,9 @@ def test_tool_calls_reasoning_and_logprobs_become_items() -> None:
     Response.model_validate(response)
     reasoning, message, *calls = response["output"]
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user asks."}] and reasoning["summary"] == []
-    assert message["content"][0]["text"] == "Let me check.\n"
-    # the message's logprobs are its own tokens': not the reasoning's, nor the calls'
-    assert [entry["token"] for entry in message["content"][0]["logprobs"]] == ["Let me", " check.", "\n"]
+    assert message["content"][0]["text"] == "Let me check."  # the whitespace before a call is no content
+    # the message's logprobs are its own tokens': not the reasoning's, nor the calls' (nor that whitespace's)
+    assert [entry["token"] for entry in message["content"][0]["logprobs"]] == ["Let me", " check."]
     assert [(c["name"], json.loads(c["arguments"]), c["status"]) for c in calls] == [
         ("get_weather", {"city": "Oslo"}, "completed"), ("get_weather", {"city": "Rome"}, "completed")]
     assert all(c["call_id"].startswith("call_") and c["id"].startswith("fc_") for c in calls)

@@ -102,7 +102,8 @@ class ChoiceStream:
                 deltas.append(reasoning_fields(reasoning))
             deltas += self._content(content)
         if self.spec.tool_mode == "named":
-            return deltas, True
+            # a call with no arguments written (the tokens ran out first) is still the whole message's call
+            return deltas + self._named_header(), True
         if not self.held:
             return deltas, False
         calls = _calls(self.spec, self.held)
@@ -124,19 +125,24 @@ class ChoiceStream:
         if mode == "none":
             return [{"content": text}]
         if mode == "named":
-            deltas = []
-            if self.num_calls == 0:
-                self.num_calls = 1
-                deltas.append({"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
-                                               "function": {"name": self.spec.tool_name, "arguments": ""}}]})
-            return deltas + [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
+            return self._named_header() + [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
         if mode == "required" or self.holding:
             self.held += text
             return []
         return self._auto(text)
 
+    def _named_header(self) -> list[dict[str, Any]]:
+        """The named call's first delta (its id and name), once."""
+        if self.num_calls:
+            return []
+        self.num_calls = 1
+        return [{"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
+                                 "function": {"name": self.spec.tool_name, "arguments": ""}}]}]
+
     def _auto(self, text: str) -> list[dict[str, Any]]:
-        """Send content up to where a tool call could start; hold the rest until the end."""
+        """Send content up to where a tool call could start; hold the rest until the end. Whitespace at the end of
+        what is sent waits for the text after it: before a call it is no content (parse_tool_calls drops it), so a
+        streamed answer is the whole one."""
         marker = tool_start_marker(self.spec.tool_parser)
         pending = self.held + text
         self.held = ""
@@ -150,13 +156,11 @@ class ChoiceStream:
                 return []
             return [{"content": pending}]
         start = pending.find(marker)
-        if start >= 0:
-            self.holding, self.held = True, pending[start:]
-            return [{"content": pending[:start]}] if start else []
-        keep = next((n for n in range(min(len(marker) - 1, len(pending)), 0, -1)
-                     if marker.startswith(pending[-n:])), 0)
-        self.held = pending[len(pending) - keep:]
-        send = pending[:len(pending) - keep]
+        cut = start if start >= 0 else len(pending) - next(
+            (n for n in range(min(len(marker) - 1, len(pending)), 0, -1) if marker.startswith(pending[-n:])), 0)
+        send = pending[:cut].rstrip()
+        # what is held keeps the whitespace: content again if no call parses out of it
+        self.holding, self.held = start >= 0, pending[len(send):]
         return [{"content": send}] if send else []
 
 

@@ -190,7 +190,7 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
         if call is None:
             return text, []
         calls.append(call)
-    return text[:start].strip(), calls
+    return text[:start].rstrip(), calls  # whitespace before the calls is no content (streamed: never sent)
 
 
 def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
@@ -207,12 +207,12 @@ def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
             if call is None:
                 return text, []
             calls.append(call)
-        return text[:start].strip(), calls
+        return text[:start].rstrip(), calls
     objects = parsed if isinstance(parsed, list) else [parsed]
     calls = [_call_from_object(o) for o in objects]
     if not calls or any(c is None for c in calls):
         return text, []
-    return text[:start].strip(), calls  # type: ignore[return-value]
+    return text[:start].rstrip(), calls  # type: ignore[return-value]
 
 
 def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
