@@ -11,6 +11,7 @@ from typing import Any, Literal
 from jinja2 import nodes
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from pagoda.services.protocol.schemas import check_answer_fields
 from pagoda.shared.errors import InvalidRequestError
 
 ContentFormat = Literal["string", "openai"]
@@ -65,7 +66,8 @@ def template_conversation(messages: object, fmt: ContentFormat = "string") -> li
     a string (text parts joined by newlines) or, for an "openai" template, text parts (a tool result stays a
     string); a turn that only calls tools has empty content; tool call arguments sent as JSON text become objects
     ({} where the text is not JSON), an empty tool_calls is dropped; an assistant's reasoning is there as both
-    `reasoning` and `reasoning_content` (templates read either). Other keys pass as they are."""
+    `reasoning` and `reasoning_content` (templates read either); an answer's refusal, annotations, audio or
+    function_call is refused unless null, as the server refuses them. Other keys pass as they are."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out: list[dict[str, Any]] = []
@@ -75,6 +77,7 @@ def template_conversation(messages: object, fmt: ContentFormat = "string") -> li
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{i}].role must be a non-empty string", param="messages")
+        check_answer_fields(message, f"messages[{i}]")  # the server's refusal of what templates do not render
         entry = {**message, "content": _content(message, i, "string" if role == "tool" else fmt)}
         if role == "assistant":
             _assistant_fields(entry)
