@@ -14,11 +14,12 @@ quantize_fp8_rows keeps torch's bits."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.shared.config import measurement_switch, triton_interpreted
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -64,7 +65,7 @@ def quantize_by_inverse(h, scale, HW_CAST: tl.constexpr):
 
 def hw_cast() -> bool:
     """Whether kernels may cast fp32 -> e4m3 in hardware (not under Triton's interpreter)."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return not triton_interpreted()
 
 
 @triton.jit
@@ -251,7 +252,7 @@ def scaled_mm_rowwise(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
 
 def fast_accum() -> bool:
     """cuBLASLt's FP8 GEMMs accumulate without the periodic fp32 promotion (PAGODA_FP8_FAST_ACCUM, default on)."""
-    return os.environ.get("PAGODA_FP8_FAST_ACCUM", "1") != "0"
+    return measurement_switch("FP8_FAST_ACCUM") != "0"
 
 
 def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from triton.compiler.errors import CompilationError
@@ -38,6 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources, PTXASError
+
+from pagoda.shared.config import triton_interpreted
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _major(device_index: int) -> int:
 
 def on_hopper(q: torch.Tensor) -> bool:
     """q lives on an sm_90 GPU (the Gluon kernel's wgmma path), outside Triton's interpreter (which runs no Gluon)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or not q.is_cuda:
+    if triton_interpreted() or not q.is_cuda:
         return False
     return _major(q.device.index if q.device.index is not None else torch.cuda.current_device()) == 9
 

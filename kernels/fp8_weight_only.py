@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import triton.language as tl
 
 from pagoda.kernels import pdl
 from pagoda.kernels.fp8 import FP8_MIN_AMAX_C, cast_e4m3, hw_cast
+from pagoda.shared.config import triton_interpreted
 
 FP8_DTYPE = torch.float8_e4m3fn
 CONFIG_DIR = Path(__file__).with_name("fp8_configs")
@@ -435,7 +435,7 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     part = torch.empty((split, num_rows, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(num_rows, tiles.block_m), split)
     even_k = k % (split * tiles.block_k) == 0
-    fp32_dot = x2.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    fp32_dot = x2.dtype == torch.float32 or triton_interpreted()
     _w8a16_kernel[grid](x2, weight, weight_scale if weight_scale is not None else out, out, part,
                         bias if bias is not None else out, num_rows, n, k,
                         x2.stride(0), weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from pagoda.kernels.fp8_weight_only import (
     m_bucket,
     tiles_from_json,
 )
+from pagoda.shared.config import measurement_switch
 
 MAX_ROWS = 8  # rows the untuned tiles (the interpreter's switch) and head_gemv serve
 MAX_TUNED_ROWS = M_BUCKETS[-1]  # rows a GPU's tuned entry may serve (its tiles measured faster than cuBLAS there)
@@ -50,7 +50,7 @@ def enabled() -> bool:
     """PAGODA_DENSE_GEMV=1: every switch of the 16-bit GEMV on (head_gemv for MLA's absorbed projections, PDL for
     dense single-token steps, the linears on the interpreter too). Unset, only the linears whose tuned entry on
     this GPU holds tiles take it (linear_takes_gemv); 0: none."""
-    return os.environ.get("PAGODA_DENSE_GEMV") == "1"
+    return measurement_switch("DENSE_GEMV") == "1"
 
 
 def linear_takes_gemv(on_gpu: bool, entry: GemvTiles | str | None, rows: int = 1) -> bool:
@@ -60,7 +60,7 @@ def linear_takes_gemv(on_gpu: bool, entry: GemvTiles | str | None, rows: int = 1
     PAGODA_DENSE_GEMV=1. Above MAX_ROWS rows only tuned tiles. Default on since the H200 step measured faster with
     the tuned linears (deepseek-v2-lite B=1, 512 cached tokens, graph: 2.313 -> 2.253 ms; bench/results/s27,
     2026-12-04)."""
-    switch = os.environ.get("PAGODA_DENSE_GEMV")
+    switch = measurement_switch("DENSE_GEMV")
     if switch == "0" or (rows > MAX_ROWS and not isinstance(entry, GemvTiles)):
         return False
     return isinstance(entry, GemvTiles) if on_gpu else switch == "1"

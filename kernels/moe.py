@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache, partial
@@ -34,6 +33,7 @@ from pagoda.kernels import pdl
 from pagoda.kernels.activation import silu_and_mul
 from pagoda.kernels.fp8 import cast_e4m3, fast_accum, hw_cast, quantize_fp8_rows, silu_and_mul_quant_fp8
 from pagoda.kernels.fp8_weight_only import DeferredSum, pow2_scale
+from pagoda.shared.config import measurement_switch, triton_interpreted
 
 log = logging.getLogger(__name__)
 
@@ -954,7 +954,6 @@ def launch_fitting(launch: Callable[[TileConfig], None], tile: TileConfig, key: 
 # each weight tile bounds it (H100, 2026-12-05, bench/moe_fp8_sweep.py, weight-only FP8 against bf16: 1.31-1.77x at
 # 1-256 tokens, i.e. up to 31 rows per expert on deepseek-v2-lite, 0.98x at 124 rows and 0.66-0.72x at 8192 tokens).
 ACT_FP8_MIN_ROWS_PER_EXPERT = 64
-ACT_FP8_MODES = ("", "table", "0", "1", "auto")
 
 
 def moe_act_fp8(num_pairs: int, num_experts: int, tile: TileConfig) -> bool:
@@ -962,9 +961,7 @@ def moe_act_fp8(num_pairs: int, num_experts: int, tile: TileConfig) -> bool:
     tile's choice (an FP8 table's, measured by bench/moe_tune.py --weights fp8; weight-only in the bf16 tables and the
     default tiles), unless PAGODA_MOE_ACT_FP8 overrides it for an A/B: 0 never, 1 always, auto from
     ACT_FP8_MIN_ROWS_PER_EXPERT rows an expert; unset or "table": the tile's."""
-    mode = os.environ.get("PAGODA_MOE_ACT_FP8", "")
-    if mode not in ACT_FP8_MODES:
-        raise ValueError(f"PAGODA_MOE_ACT_FP8 must be one of {ACT_FP8_MODES[1:]} or unset, got {mode!r}")
+    mode = measurement_switch("MOE_ACT_FP8")
     if mode == "auto":
         return num_pairs >= ACT_FP8_MIN_ROWS_PER_EXPERT * num_experts
     if mode in ("0", "1"):
@@ -997,7 +994,7 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, gr
             IS_FP8=is_fp8, GROUP_K=group_k or k, EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             ACT_FP8=act_fp8, HW_CAST=hw_cast(),
-            FP32_DOT=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+            FP32_DOT=a.dtype == torch.float32 or triton_interpreted(),
             num_warps=tile.num_warps, num_stages=tile.num_stages)
 
     # the row tiles (block_m) come from the alignment: only the stages and the N and K blocks may change
@@ -1148,7 +1145,6 @@ GMM_FP8_BLOCK_M = 16
 # two are level on qwen3 and gmm wins on v2-lite.
 FP8_GMM_MIN_ROWS_PER_EXPERT = 12
 # PAGODA_MOE_FP8_GMM, for A/B runs: 0 never, 1 at every batch size; unset or auto: from FP8_GMM_MIN_ROWS_PER_EXPERT.
-FP8_GMM_MODES = ("", "auto", "0", "1")
 
 
 # torch._scaled_grouped_mm (rows 2D x experts 3D) picks its CUTLASS tiles from M = rows of A / groups: 64 x 128 x 128
@@ -1188,10 +1184,7 @@ def with_spare_expert(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
 
 
 def fp8_gmm_split_enabled() -> bool:
-    mode = os.environ.get("PAGODA_MOE_FP8_GMM_SPLIT", "")
-    if mode not in ("", "0", "1"):
-        raise ValueError(f"PAGODA_MOE_FP8_GMM_SPLIT must be 0 or 1 or unset, got {mode!r}")
-    return mode != "0"
+    return measurement_switch("MOE_FP8_GMM_SPLIT") != "0"
 
 
 def expert_split(rows: int, weight: torch.Tensor, scale: torch.Tensor, max_m: int) -> int:
@@ -1233,10 +1226,7 @@ def expert_group_views(weight: torch.Tensor, scale: torch.Tensor, offs: torch.Te
 
 
 def fp8_gmm_mode() -> str:
-    mode = os.environ.get("PAGODA_MOE_FP8_GMM", "")
-    if mode not in FP8_GMM_MODES:
-        raise ValueError(f"PAGODA_MOE_FP8_GMM must be one of {FP8_GMM_MODES[1:]} or unset, got {mode!r}")
-    return mode or "auto"
+    return measurement_switch("MOE_FP8_GMM") or "auto"
 
 
 @lru_cache(maxsize=16)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,6 +11,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import fp8_decode_gluon, pdl
+from pagoda.shared.config import measurement_switch, triton_interpreted
 
 # Finite stand-in for -inf as the running max: a row that has seen no key yet computes
 # exp2(NEG_BIG - NEG_BIG) = 1 times a zero sum, never exp2(-inf - -inf) = nan.
@@ -837,16 +837,14 @@ def _fp8_decode_override(config: AttentionConfig) -> AttentionConfig:
     on the dots' M rows for the fp8 tensor-core modes (qk_fp8, qk_fp8x2, qkv_fp8), which need them for wgmma.
     PAGODA_FP8_DECODE_PIPELINED=0 / 1 / 2-4 (the same kind of switch) turns the Gluon decode kernel
     (decode_pipelined) off, on (at least two ring slots), or on with that many ring slots."""
-    pipelined = os.environ.get("PAGODA_FP8_DECODE_PIPELINED")
+    pipelined = measurement_switch("FP8_DECODE_PIPELINED")
     if pipelined:
-        if pipelined not in ("0", "1", "2", "3", "4"):
-            raise ValueError(f"PAGODA_FP8_DECODE_PIPELINED must be 0, 1 or a ring depth 2-4, got {pipelined!r}")
         if pipelined == "0":
             config = replace(config, decode_pipelined=False)
         else:
             stages = max(2, config.decode_num_stages) if pipelined == "1" else int(pipelined)
             config = replace(config, decode_pipelined=True, decode_num_stages=stages)
-    convert = os.environ.get("PAGODA_FP8_KV_DECODE")
+    convert = measurement_switch("FP8_KV_DECODE")
     if not convert:
         return config
     if convert not in FP8_CONVERTS:
@@ -925,7 +923,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tiled_fp8_mode = _fp8_mode(fp8_kv, q.dtype, config.fp8_convert, head_dim, k_cache, v_cache, config.prefill_tile_n)
     shape = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                  NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                 HEADS_FAST=config.heads_fast, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
+                 HEADS_FAST=config.heads_fast, USE_ASM=not triton_interpreted())
 
     pdl_options = pdl.launch_options(q.device)
 

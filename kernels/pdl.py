@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -34,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from pagoda.shared.config import measurement_switch, triton_interpreted
 
 _IN_SCOPE: ContextVar[int] = ContextVar("pagoda_pdl_scope", default=0)
 
@@ -45,7 +46,7 @@ def _device_supports(index: int) -> bool:
 
 def supported(device: torch.device) -> bool:
     """CUDA sm90+, not the interpreter, not PAGODA_PDL=0."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PAGODA_PDL") == "0":
+    if device.type != "cuda" or triton_interpreted() or measurement_switch("PDL") == "0":
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -66,7 +67,7 @@ def scope(mode: int) -> Iterator[None]:
 
 def forced() -> bool:
     """PAGODA_PDL=force: every step opens its scope, whatever the model would choose (measurements)."""
-    return os.environ.get("PAGODA_PDL") == "force"
+    return measurement_switch("PDL") == "force"
 
 
 def active(device: torch.device) -> int:
@@ -76,7 +77,7 @@ def active(device: torch.device) -> int:
     mode = _IN_SCOPE.get()
     if not mode or not supported(device):
         return 0
-    return AT_EXIT if os.environ.get("PAGODA_PDL_TRIGGER") == "exit" else mode
+    return AT_EXIT if measurement_switch("PDL_TRIGGER") == "exit" else mode
 
 
 def launch_options(device: torch.device) -> dict[str, int | bool]:

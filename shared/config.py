@@ -572,3 +572,40 @@ def sampler_fault_seed() -> int | None:
     this seed, so that isolation can be tested through real processes. Unset in every real deployment."""
     text = os.environ.get(ENV_PREFIX + "TEST_SAMPLER_FAULT_SEED", "")
     return int(text) if text.strip() else None
+
+
+# Measurement switches: PAGODA_* variables that A/B a kernel or fusion choice for bench/step_ab.py, which sets them
+# between variants inside one process, so each is read where it is used, not once at start-up. Name (after the
+# prefix) -> the values it takes ("" = unset, the default behaviour); None: the kernel module checks the value.
+# Unset in a deployment: every default is the measured choice.
+MEASUREMENT_SWITCHES: dict[str, tuple[str, ...] | None] = {
+    "DENSE_GEMV": ("", "0", "1"),  # kernels/gemv: the 16-bit GEMV everywhere (1), nowhere (0), where tuned ("")
+    "HEAD_GEMV": ("", "0", "1"),  # MLA's per-head projections on the GEMV under DENSE_GEMV=1 (0: torch.bmm)
+    "FP8_FAST_ACCUM": ("", "0", "1"),  # cuBLASLt FP8 GEMMs without periodic fp32 promotion (default on)
+    "MOE_ACT_FP8": ("", "table", "0", "1", "auto"),  # FP8 experts' W8A8-or-weight-only choice
+    "MOE_FP8_GMM": ("", "auto", "0", "1"),  # FP8 experts on torch._scaled_grouped_mm
+    "MOE_FP8_GMM_SPLIT": ("", "0", "1"),  # that path's expert split (kernels/moe.expert_split)
+    "PDL": ("", "0", "1", "force"),  # programmatic dependent launch: off, default, every step
+    "PDL_TRIGGER": ("", "exit"),  # PDL kernels trigger their dependents as their programs exit
+    "FP8_DECODE_PIPELINED": ("", "0", "1", "2", "3", "4"),  # the Gluon fp8-cache decode kernel: off, on, ring depth
+    "FP8_KV_DECODE": None,  # an fp8-cache decode conversion mode (kernels/paged_attention.FP8_CONVERTS)
+    "FUSE_SPLIT_K": ("", "0", "norms", "1"),  # weight-only split-K partials summed by the next kernels
+    "FUSE_MOE_SUM": ("", "0", "1"),  # the sparse layers' top-k sum in the next norm
+    "FUSE_SILU_GEMV": ("", "0", "1"),  # SiLU-and-mul inside the FP8 down GEMV (default: at one row)
+}
+
+
+def measurement_switch(name: str) -> str:
+    """PAGODA_<name>'s value, "" when unset; a value MEASUREMENT_SWITCHES does not list is a ConfigError (a
+    mistyped switch would otherwise measure the default under another label)."""
+    accepted = MEASUREMENT_SWITCHES[name]
+    value = os.environ.get(ENV_PREFIX + name, "")
+    if accepted is not None and value not in accepted:
+        raise ConfigError(f"{ENV_PREFIX}{name} must be one of {[v for v in accepted if v]} or unset, got {value!r}",
+                          param=name.lower())
+    return value
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under its CPU interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -18,7 +18,7 @@ TIERS = ("services.api", "services.tokenizer", "services.scheduler", "services.w
 COMMON = ("shared", "services.protocol", "services.grammar")  # what every tier may import
 EXTRA = {"services.worker": ("kernels",)}  # the layer below the worker
 # Rooms other than the tiers, and what each may import besides itself.
-LIBRARIES = {"shared": (), "kernels": (), "services.protocol": ("shared",), "services.grammar": ("shared",),
+LIBRARIES = {"shared": (), "kernels": ("shared",), "services.protocol": ("shared",), "services.grammar": ("shared",),
              "services": ()}
 HEAVY = ("torch", "triton")
 NO_TORCH = ("shared", "services.api", "services.tokenizer", "services.scheduler")
@@ -234,6 +234,39 @@ def test_checks_catch_a_cycle_a_crossing_and_torch() -> None:
     assert heavy_imports("pagoda.services.api.app", fake) == [
         "pagoda.services.api.app -> pagoda.services.tokenizer.tools -> pagoda.shared.config -> pagoda.shared"
         " -> torch"]
+
+
+def environment_reads(path: Path, root: Path = ROOT) -> list[str]:
+    """'file:line NAME' for each os.environ.get / os.getenv / os.environ[...] of a string constant in the file."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        key: ast.AST | None = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            owner = ast.unparse(node.func.value)
+            if (owner == "os.environ" and node.func.attr == "get") or (owner == "os" and node.func.attr == "getenv"):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+            key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            found.append(f"{path.relative_to(root)}:{node.lineno} {key.value}")
+    return found
+
+
+def test_only_the_config_module_reads_pagoda_variables() -> None:
+    """DESIGN.md: one config module reads the environment. PAGODA_* settings and measurement switches, and whether
+    Triton runs interpreted, are read through pagoda.shared.config everywhere else."""
+    config = (ROOT / "shared" / "config.py").resolve()
+    reads = [read for name, path in source_files() if path.resolve() != config and not name.startswith("pagoda.bench")
+             for read in environment_reads(path)]  # bench/: measuring tools, outside the rooms
+    assert [r for r in reads if r.split()[-1].startswith("PAGODA_") or r.split()[-1] == "TRITON_INTERPRET"] == []
+
+
+def test_environment_reads_are_found(tmp_path: Path) -> None:
+    """The scan above sees each way of reading a variable (a blind scan would pass)."""
+    (tmp_path / "m.py").write_text('import os\na = os.environ.get("PAGODA_X")\nb = os.getenv("PAGODA_Y", "1")\n'
+                                   'c = os.environ["TRITON_INTERPRET"]\nd = os.environ.get(name)\n')
+    reads = [r.split(":", 1)[1] for r in environment_reads(tmp_path / "m.py", tmp_path)]
+    assert reads == ["2 PAGODA_X", "3 PAGODA_Y", "4 TRITON_INTERPRET"]
 
 
 def test_the_api_and_scheduler_load_no_torch() -> None:

@@ -4,7 +4,6 @@ parallelism, FP8 weight layout, weight placements and the KV layout a family ask
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,6 +14,7 @@ from torch import nn
 from pagoda.kernels import fp8_weight_only as w8a16
 from pagoda.kernels import gemv, moe
 from pagoda.kernels import reference as ref
+from pagoda.shared.config import measurement_switch
 
 # A layer's output: a tensor, or a split-K weight-only GEMM's fp32 partial sums that the next residual add + norm
 # sums in its own pass (one launch fewer; kernels/fp8_weight_only.py).
@@ -292,7 +292,7 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     device only: an all-reduce needs the sum. gated: x is [T, 2K] = [gate ‖ up], multiplied as silu(gate) * up in
     the same launch (fuse_silu_gemv)."""
     if (weight_scale is None or fp8 is None or ops.fp8_weight_only_deferred is None
-            or ops.add_rms_norm_parts is None or os.environ.get("PAGODA_FUSE_SPLIT_K") == "0"):
+            or ops.add_rms_norm_parts is None or measurement_switch("FUSE_SPLIT_K") == "0"):
         return None
     rows = x.numel() // x.shape[-1]
     if not ops.prefers_weight_only(rows, weight.shape[0], weight.shape[1], x.device):
@@ -304,7 +304,7 @@ def qkv_prep_sums_split_k() -> bool:
     """Whether qkv prep takes the qkv GEMV's split-K partials (deferred_linear) rather than the sum kernel's rows:
     one launch fewer a layer where the weight-only qkv GEMV splits K (the H200 table: 2-32 rows). Untimed as of
     2026-12-05. PAGODA_FUSE_SPLIT_K=norms (an A/B switch) leaves the partials to the norms only, 0 to nothing."""
-    return os.environ.get("PAGODA_FUSE_SPLIT_K") not in ("0", "norms")
+    return measurement_switch("FUSE_SPLIT_K") not in ("0", "norms")
 
 
 def moe_experts(ops: Ops, tp_size: int, fp8: Fp8Weights | None, *args: object) -> Hidden:
@@ -316,7 +316,7 @@ def moe_experts(ops: Ops, tp_size: int, fp8: Fp8Weights | None, *args: object) -
     which takes no parts), and the sum would cost that fusion. PAGODA_FUSE_MOE_SUM=0 (the A/B switch) keeps the sum
     in the MoE layer."""
     if (tp_size == 1 and ops.moe_experts_deferred is not None and ops.add_rms_norm_parts is not None
-            and (fp8 is None or fp8.group_size is not None) and os.environ.get("PAGODA_FUSE_MOE_SUM") != "0"):
+            and (fp8 is None or fp8.group_size is not None) and measurement_switch("FUSE_MOE_SUM") != "0"):
         return ops.moe_experts_deferred(*args)
     return ops.moe_experts(*args)
 
@@ -325,7 +325,7 @@ def uses_head_gemv(ops: Ops, num_tokens: int) -> bool:
     """Whether MLA's absorbed per-head projections of a step of num_tokens rows take ops.head_gemv (the switch of
     the 16-bit GEMV, at most its rows) rather than torch.bmm. PAGODA_HEAD_GEMV=0 keeps them on torch.bmm under
     that switch (an A/B switch: the linears on the GEMV, the per-head projections not)."""
-    return (ops.head_gemv is not None and gemv.enabled() and os.environ.get("PAGODA_HEAD_GEMV") != "0"
+    return (ops.head_gemv is not None and gemv.enabled() and measurement_switch("HEAD_GEMV") != "0"
             and 1 <= num_tokens <= gemv.MAX_ROWS)
 
 
@@ -337,7 +337,7 @@ def fuse_silu_gemv(rows: int) -> bool:
     3.272 -> 7.515 at B=8 (the gated tiles are untuned there); the B=1 pair on the one-row tiles' slow layout that
     a54432a undid (gated 325 SASS loop instructions against 261 now, 490 against 433 then). PAGODA_FUSE_SILU_GEMV
     (the A/B switch): 1 at every row count, 0 never."""
-    switch = os.environ.get("PAGODA_FUSE_SILU_GEMV")
+    switch = measurement_switch("FUSE_SILU_GEMV")
     return switch == "1" if switch else rows == 1
 
 
