@@ -350,11 +350,29 @@ def _sliding_window(config: dict[str, Any], model_type: str) -> int | None:
     return None
 
 
+# What each family's transformers config class gives a field config.json leaves out (transformers 5.x), where it
+# differs from the defaults arch_from_hf_config falls back to (eps 1e-6, rope theta 10000, 4096 positions).
+FAMILY_DEFAULTS: dict[str, dict[str, float]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768},
+    "qwen2_moe": {"max_position_embeddings": 32768},
+    "qwen3_moe": {"max_position_embeddings": 32768},
+    "deepseek_v2": {"max_position_embeddings": 2048},
+}
+
+
 def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     model_type = config.get("model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})",
                           param="model")
+    defaults = dict(FAMILY_DEFAULTS.get(model_type, {}))
+    if (config.get("rope_parameters") or {}).get("rope_theta") is not None:
+        defaults.pop("rope_theta", None)  # the theta is there, under its transformers 5 key
+    config = {**config, **{key: value for key, value in defaults.items() if config.get(key) is None}}
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {config.get('hidden_act')!r} is not supported (only silu)", param="model")
     num_heads = config["num_attention_heads"]

@@ -16,7 +16,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.shared.errors import ConfigError, ContextLengthError
-from pagoda.shared.shapes import arch_from_hf_config, load_arch, resolve_max_model_len
+from pagoda.shared.shapes import SUPPORTED_MODEL_TYPES, arch_from_hf_config, load_arch, resolve_max_model_len
 from tests.parity import TEST_KV_BLOCKS, hf_greedy, pagoda_greedy, random_prompts
 
 VOCAB = 256
@@ -199,6 +199,22 @@ def test_sliding_window_only_where_transformers_uses_one() -> None:
         hf_window = AutoConfig.for_model(**fields).sliding_window
         assert arch_from_hf_config(fields).sliding_window == (hf_window or None)
         assert arch_from_hf_config({**fields, "use_sliding_window": True}).sliding_window == WINDOW
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_absent_fields_default_as_in_transformers(model_type: str) -> None:
+    """A config.json without rms_norm_eps, a rope theta or max_position_embeddings reads them as the family's
+    transformers config class defaults them (mixtral: eps 1e-5 and theta 1e6 where the others have 1e-6 and 1e4;
+    the context from 2048 to 131072 positions)."""
+    from transformers import AutoConfig
+
+    fields = {"mixtral": dict(DENSE, num_local_experts=8, num_experts_per_tok=2),
+              "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK}.get(model_type, MOE if "moe" in model_type else DENSE)
+    fields = {key: value for key, value in fields.items() if key != "max_position_embeddings"}
+    hf = AutoConfig.for_model(model_type, **fields)
+    arch = arch_from_hf_config(dict(fields, model_type=model_type))
+    assert (arch.rms_norm_eps, arch.rope_theta, arch.max_position_embeddings) == (
+        hf.rms_norm_eps, hf.rope_parameters["rope_theta"], hf.max_position_embeddings)
 
 
 def test_qwen3_moe_norm_topk_prob_defaults_as_in_transformers() -> None:
