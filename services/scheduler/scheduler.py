@@ -324,10 +324,10 @@ class Scheduler:
         if base_seed is None:
             base_seed = self._rng.getrandbits(63) if self._rng is not None else secrets.randbits(63)
         if params.use_beam_search:
-            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            # the same stop ids as a sampled row's: its tokenizer's EOS too (the served path's request.eos_token_ids)
             request.beam = BeamSearch(width=params.beam_width, num_return=params.n,
                                       length_penalty=params.length_penalty, early_stopping=params.early_stopping,
-                                      max_new_tokens=max_len - len(request.prompt_token_ids), stop_ids=stop_ids)
+                                      max_new_tokens=max_len - len(request.prompt_token_ids), stop_ids=request.stop_ids)
         assert not request.forced_token_ids or len(request.sequences) == 0 and params.n == 1 \
             and not params.use_beam_search, "check_prompt: forced tokens are for one completion"
         for index in range(params.beam_width or params.n):
