@@ -1,12 +1,14 @@
 """Batched token sampling on the device: penalties, bias, bans, grammar bitmask, greedy, temperature,
 top-k/p, min-p and seeded Gumbel-max, reading the [B, V] logits about once.
 
-Order (as OpenAI / vLLM): penalties on the raw logits (repetition over prompt + output tokens, then
-frequency and presence over output tokens), then logit bias, then bans (min_tokens) and the grammar
-bitmask (-inf; the bitmask runs in the penalty pass, which gives the same result as -inf absorbs the
-bias); then greedy rows take the argmax, and the others draw from softmax(logits / T) after
-truncation. Truncation is a per-row threshold on the processed logits (kernels/reference.py
-`truncation_thresholds` states the rule, ties at the threshold are kept); the draw is
+Order (vLLM's): logit bias on the raw logits, then penalties (repetition over prompt + output tokens,
+then frequency and presence over output tokens), and bans (min_tokens, bad_words) and the grammar bitmask
+(-inf, which no bias or penalty undoes, so where they run does not matter); then greedy rows take the argmax,
+and the others draw from softmax(logits / T) after truncation. The bias and the additive penalties commute,
+so the bias is added before the penalty pass only when a row of the batch has a repetition penalty (which
+scales a biased logit: (l + b) / r, not l / r + b), else after it, as the bans are. Truncation is a per-row
+threshold on the processed logits (kernels/reference.py `truncation_thresholds` states the rule, ties at the
+threshold are kept); the draw is
 argmax(logits / T + Gumbel noise) where the noise is a hash of (seed, output index, token id), so a
 seeded row draws the same token whatever shares its batch, on CPU and GPU alike. Logprobs are those of
 the raw model distribution.
@@ -118,7 +120,10 @@ def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
 
     m = metadata
     penalised = m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
-    scattered = m.logit_bias_ids is not None or m.banned_token_ids is not None  # applied after the fused pass
+    if _bias_first(m):  # the repetition penalty scales the biased logits: an fp32 copy, biased, feeds the pass
+        logits = _biased_copy(logits, m)  # [B, V] fp32
+    # applied after the fused pass
+    scattered = (m.logit_bias_ids is not None and not _bias_first(m)) or m.banned_token_ids is not None
     thresholds = not m.all_greedy and (m.top_k is not None or m.min_p is not None)  # top-p alone needs none
     nucleus_pass = not m.all_greedy and m.top_p is not None and m.top_p_without_top_k
     if m.token_bitmask is not None and not (penalised or scattered or thresholds or nucleus_pass):
@@ -137,7 +142,7 @@ def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
             group_stats=thresholds and not scattered)
     processed = grouped.logits  # [B, V]: fp32 when written, else the model's logits
     if scattered:
-        processed = _scatter_bias_and_bans(processed, m)  # [B, V] fp32, in place
+        processed = _scatter_bias_and_bans(processed, m, not _bias_first(m))  # [B, V] fp32, in place
         if thresholds:  # the group maxima must see the bias: one more read
             grouped = sampling.process_logits_grouped(processed, write_out=False, group_stats=True)
     if m.all_greedy:
@@ -196,11 +201,14 @@ def process_logits(raw_logits: torch.Tensor, metadata: SamplingMetadata, use_tri
     penalised = m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
     prompt_mask = m.prompt_mask if m.repetition_penalty is not None else None
     logits = raw_logits
+    bias_first = _bias_first(m)
+    if bias_first:  # the repetition penalty scales the biased logits (vLLM's order)
+        logits = _biased_copy(raw_logits, m)  # [B, V] fp32
     if penalised or m.token_bitmask is not None:
         if use_triton:
             from pagoda.kernels import sampling
 
-            logits = sampling.process_logits(raw_logits, m.state_rows, m.output_counts, prompt_mask,
+            logits = sampling.process_logits(logits, m.state_rows, m.output_counts, prompt_mask,
                                              m.presence_penalty, m.frequency_penalty, m.repetition_penalty,
                                              m.token_bitmask, m.bitmask_rows)  # [B, V] new
         else:
@@ -209,20 +217,38 @@ def process_logits(raw_logits: torch.Tensor, metadata: SamplingMetadata, use_tri
                 assert m.output_counts is not None and m.state_rows is not None, "penalties need output_counts"
                 counts = m.output_counts.index_select(0, m.state_rows)  # [B, V]
                 prompts = prompt_mask.index_select(0, m.state_rows) if prompt_mask is not None else None
-            logits = reference.process_logits(raw_logits, counts, prompts, m.presence_penalty, m.frequency_penalty,
+            logits = reference.process_logits(logits, counts, prompts, m.presence_penalty, m.frequency_penalty,
                                               m.repetition_penalty)  # [B, V] new
             if m.token_bitmask is not None:
                 logits = apply_token_bitmask_host(logits, m.token_bitmask, m.bitmask_rows)  # [B, V]
-    if m.logit_bias_ids is not None or m.banned_token_ids is not None:
-        logits = _scatter_bias_and_bans(logits.clone() if logits is raw_logits else logits, m)
+    if (m.logit_bias_ids is not None and not bias_first) or m.banned_token_ids is not None:
+        logits = _scatter_bias_and_bans(logits.clone() if logits is raw_logits else logits, m, not bias_first)
     return logits
 
 
-def _scatter_bias_and_bans(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    """Logit bias, then min_tokens bans (-inf), written into logits [B, V] fp32 (owned by the caller)."""
+def _bias_first(m: SamplingMetadata) -> bool:
+    """Whether the logit bias goes in before the penalty pass: only a repetition penalty tells the orders apart."""
+    return m.logit_bias_ids is not None and m.repetition_penalty is not None
+
+
+def _biased_copy(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """A new fp32 copy of logits [B, V] (any float dtype; never written) with the logit bias added."""
+    return _add_bias(logits.float() if logits.dtype != torch.float32 else logits.clone(), m)  # [B, V] fp32
+
+
+def _add_bias(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """The logit bias added into logits [B, V] fp32 (owned by the caller)."""
     if m.logit_bias_ids is not None and m.logit_bias_values is not None:
         # padding adds 0.0 to id 0: harmless, and order-independent under duplicate ids
         logits.scatter_add_(1, m.logit_bias_ids, m.logit_bias_values)
+    return logits
+
+
+def _scatter_bias_and_bans(logits: torch.Tensor, m: SamplingMetadata, bias: bool = True) -> torch.Tensor:
+    """Logit bias (unless already added: bias False), then min_tokens and bad_words bans (-inf), written into
+    logits [B, V] fp32 (owned by the caller)."""
+    if bias:
+        _add_bias(logits, m)
     if m.banned_token_ids is not None:
         banned = m.banned_token_ids >= 0  # [B, K]
         values = torch.where(banned, float("-inf"), float("inf"))  # [B, K]; amin with +inf changes nothing

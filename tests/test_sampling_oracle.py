@@ -1,0 +1,241 @@
+"""Sampling parameters end to end against an independent oracle: transformers' fp32 SmolLM2 with vLLM's logits
+processing written out here in plain PyTorch (allowed ids, bad words, min_tokens, logit bias, then repetition over
+prompt + output and frequency / presence over output; temperature, min-p, top-k and top-p on what is left), driven
+through the offline API. Greedy runs compare tokens; sampled runs check each token lies in the oracle's kept set;
+logprobs are the model's raw ones (docs/vllm-compat.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+EOS = 2  # SmolLM2's <|im_end|>, its generation config's EOS
+LOGPROB_TOLERANCE = 2e-3  # pagoda's CPU fp32 kernels against transformers' fp32 forward
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while this module runs: on a shared 2-core host two threads each made transformers'
+    forward of 40 tokens take 4 s instead of 0.5 s (spin-waits against the other processes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir: Path) -> LLM:
+    return LLM(str(smollm2_dir), max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_dir: Path):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path):  # noqa: ANN201
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def _chat_ids(tokenizer: Any, text: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class Oracle:
+    """vLLM's per-request logits processing (V1 sampler order) over raw fp32 logits [V]."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    allowed_token_ids: list[int] = field(default_factory=list)
+
+    def process(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+        out = logits.float().clone()  # [V]
+        if self.allowed_token_ids:
+            allowed = torch.zeros_like(out, dtype=torch.bool)
+            allowed[self.allowed_token_ids] = True
+            out[~allowed] = float("-inf")
+        for word in self.bad_words_ids:
+            prefix = word[:-1]
+            if len(word) - 1 <= len(output_ids) and (not prefix or output_ids[-len(prefix):] == prefix):
+                out[word[-1]] = float("-inf")
+        if len(output_ids) < self.min_tokens:
+            out[[EOS, *self.stop_token_ids]] = float("-inf")
+        for token_id, bias in self.logit_bias.items():
+            out[token_id] += bias
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=out.shape[0]).float()  # [V]
+        if self.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[prompt_ids] = True
+            penalised = torch.where(out > 0, out / self.repetition_penalty, out * self.repetition_penalty)
+            out = torch.where(seen, penalised, out)
+        out = out - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
+        return out
+
+    def kept(self, processed: torch.Tensor) -> torch.Tensor:
+        """The ids [V] bool a sampled (temperature > 0) draw may take: min-p, then top-k and top-p, on
+        softmax(processed / T) (vLLM's, ties at each cut kept, as pagoda documents)."""
+        probs = torch.softmax(processed / self.temperature, dim=-1)  # [V]
+        keep = probs > 0
+        if self.min_p > 0:
+            keep &= probs >= self.min_p * probs.max()
+        if self.top_k > 0:
+            keep &= probs >= probs.topk(self.top_k).values[-1]
+        if self.top_p < 1.0:
+            kept_probs = torch.where(keep, probs, 0.0)
+            ordered = kept_probs.sort(descending=True).values
+            mass = ordered.cumsum(0)
+            count = int((mass < self.top_p * kept_probs.sum()).sum()) + 1
+            keep &= probs >= ordered[count - 1]
+        return keep
+
+
+def _forward(hf_model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [len(ids), V]."""
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def step_logits(hf_model: Any, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """The raw logits [len(output_ids), V] each output token was chosen from: one forward over the prompt and the
+    output (teacher forcing), so a check costs one forward whatever the output's length."""
+    return _forward(hf_model, prompt_ids + output_ids)[len(prompt_ids) - 1:len(prompt_ids) + len(output_ids) - 1]
+
+
+def assert_oracle_greedy(hf_model: Any, prompt_ids: list[int], output_ids: list[int], oracle: Oracle,
+                         max_tokens: int, ignore_eos: bool = False) -> torch.Tensor:
+    """output_ids is the greedy continuation under vLLM's processing: each token the argmax of the processed
+    logits after the tokens before it (a near tie, within fp32 noise, may go either way), ending at EOS (unless
+    ignore_eos) or a stop id, both included as vLLM's token_ids include them, or at max_tokens. Returns the raw
+    logits [N, V]."""
+    logits = step_logits(hf_model, prompt_ids, output_ids)
+    for i, token in enumerate(output_ids):
+        processed = oracle.process(logits[i], prompt_ids, output_ids[:i])
+        best = int(processed.argmax())
+        assert token == best or processed[token] >= processed[best] - 1e-4, (
+            f"step {i}: pagoda {token} ({float(processed[token]):.4f}), oracle {best} ({float(processed[best]):.4f}); "
+            f"output {output_ids}")
+        ends = (token == EOS and not ignore_eos) or token in oracle.stop_token_ids
+        assert not ends or i == len(output_ids) - 1, f"step {i}: {token} ends the output, yet it goes on"
+    last = output_ids[-1]
+    assert len(output_ids) == max_tokens or (last == EOS and not ignore_eos) or last in oracle.stop_token_ids
+    return logits
+
+
+def _params(oracle: Oracle, **extra: Any) -> SamplingParams:
+    fields = {name: getattr(oracle, name) for name in (
+        "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "min_tokens", "stop_token_ids", "allowed_token_ids")}
+    return SamplingParams(**fields, **extra)
+
+
+@pytest.fixture(scope="module")
+def rainbow(tokenizer: Any) -> list[int]:
+    """A chat prompt whose greedy answer repeats words, so penalties change it."""
+    return _chat_ids(tokenizer, "List the colors of the rainbow, repeating each color twice.")
+
+
+@pytest.fixture(scope="module")
+def sky(tokenizer: Any) -> list[int]:
+    """A chat prompt whose greedy answer ends with EOS after about ten tokens."""
+    return _chat_ids(tokenizer, "Answer with one word: what color is the sky?")
+
+
+PENALTIES = [Oracle(repetition_penalty=1.5), Oracle(repetition_penalty=0.7), Oracle(frequency_penalty=1.0),
+             Oracle(presence_penalty=1.5, frequency_penalty=-0.5), Oracle(repetition_penalty=1.2, presence_penalty=0.8),
+             Oracle(logit_bias={28: 4.0, 30: -3.0}, frequency_penalty=0.5)]
+
+
+def test_penalties_and_bias_give_the_oracles_greedy_tokens(llm: LLM, hf_model: Any, rainbow: list[int]) -> None:
+    """Greedy decoding under each penalty setting (one batch, the settings side by side) is the argmax of vLLM's
+    processing of transformers' logits at every step: repetition over prompt and output, frequency and presence over
+    the output only, with their signs and scales."""
+    max_tokens = 16
+    outputs = llm.generate([rainbow] * len(PENALTIES), [_params(o, max_tokens=max_tokens) for o in PENALTIES])
+    plain = llm.generate([rainbow], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].outputs[0].token_ids
+    for oracle, output in zip(PENALTIES, outputs, strict=True):
+        tokens = output.outputs[0].token_ids
+        assert_oracle_greedy(hf_model, rainbow, tokens, oracle, max_tokens)
+    assert sum(output.outputs[0].token_ids != plain for output in outputs) >= len(PENALTIES) - 1  # they bite
+
+
+def test_logit_bias_goes_in_before_the_repetition_penalty(llm: LLM, hf_model: Any, rainbow: list[int]) -> None:
+    """vLLM adds the bias to the raw logits and then applies the penalties, so a repetition penalty r scales a
+    biased prompt token's logit l to (l + b) / r; pagoda gave l / r + b. The bias is chosen from transformers'
+    logits so that the two orders pick different first tokens."""
+    penalty = 1.5
+    logits = _forward(hf_model, rainbow)[-1]  # [V]
+    penalised = Oracle(repetition_penalty=penalty).process(logits, rainbow, [])
+    best = int(penalised.argmax())
+    token = max((t for t in set(rainbow) if logits[t] > 0 and t != best), key=lambda t: float(penalised[t]))
+    rival = float(penalised[best])
+    # l / r + b > rival > (l + b) / r: after the penalty the bias wins; before it, it does not
+    low, high = rival - float(logits[token]) / penalty, penalty * rival - float(logits[token])
+    oracle = Oracle(repetition_penalty=penalty, logit_bias={token: (low + high) / 2})
+    tokens = llm.generate([rainbow], _params(oracle, max_tokens=4))[0].outputs[0].token_ids
+    assert tokens[0] == int(oracle.process(logits, rainbow, []).argmax()) != token
+    assert_oracle_greedy(hf_model, rainbow, tokens, oracle, 4)
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_bias_before_repetition_on_both_sampler_paths(use_kernels: bool) -> None:
+    """The sampler alone, on the CPU path and the Triton path (the interpreter where there is no GPU): a prompt id
+    with logit 12, a bias of 6 and a repetition penalty of 1.5 is (12 + 6) / 1.5 = 12 (vLLM's order), below a rival's
+    13, where bias after penalty would make it 14. A greedy row and a min-p row (which keeps only the top id) take
+    the rival; a row with the bias and no penalty beside them takes the biased id. Logprobs stay the raw ones."""
+    from pagoda.services.worker.sampler import SamplingMetadata, sample
+
+    device = torch.device("cuda" if use_kernels and torch.cuda.is_available() else "cpu")
+    vocab_size, seen_id, rival_id = 70, 11, 40
+    logits = torch.linspace(-3.0, 3.0, vocab_size).repeat(3, 1)  # [3, V]
+    logits[:, seen_id], logits[:, rival_id] = 12.0, 13.0
+    prompt_mask = torch.zeros(3, vocab_size, dtype=torch.bool)  # [3, V]
+    prompt_mask[:, seen_id] = True
+    metadata = SamplingMetadata(
+        temperature=torch.tensor([0.0, 1.0, 0.0]), seeds=torch.tensor([1, 2, 3]),
+        offsets=torch.zeros(3, dtype=torch.int64), min_p=torch.tensor([0.0, 0.5, 0.0]),
+        repetition_penalty=torch.tensor([1.5, 1.5, 1.0]), state_rows=torch.arange(3),
+        output_counts=torch.zeros(3, vocab_size, dtype=torch.int32), prompt_mask=prompt_mask,
+        logit_bias_ids=torch.full((3, 1), seen_id), logit_bias_values=torch.full((3, 1), 6.0), max_num_logprobs=0)
+    on_device = SamplingMetadata(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
+                                    for name in SamplingMetadata.__slots__
+                                    for value in [getattr(metadata, name)]})
+    out = sample(logits.to(device), on_device, use_kernels=use_kernels)
+    oracles = [Oracle(repetition_penalty=1.5, logit_bias={seen_id: 6.0}),
+               Oracle(temperature=1.0, min_p=0.5, repetition_penalty=1.5, logit_bias={seen_id: 6.0}),
+               Oracle(logit_bias={seen_id: 6.0})]
+    for row, (oracle, token) in enumerate(zip(oracles, out.token_ids.cpu().tolist(), strict=True)):
+        processed = oracle.process(logits[row], [seen_id], [])
+        if oracle.temperature == 0.0:
+            assert token == int(processed.argmax())
+        else:
+            assert oracle.kept(processed).nonzero().squeeze(1).tolist() == [token]
+    assert out.token_ids.cpu().tolist() == [rival_id, rival_id, seen_id]
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits, dim=-1).gather(1, out.token_ids.cpu().unsqueeze(1)).squeeze(1)  # [3]
+    assert torch.allclose(out.logprobs.cpu(), raw)
