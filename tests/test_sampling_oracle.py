@@ -98,20 +98,19 @@ class Oracle:
         return out
 
     def kept(self, processed: torch.Tensor) -> torch.Tensor:
-        """The ids [V] bool a sampled (temperature > 0) draw may take: min-p, then top-k and top-p, on
-        softmax(processed / T) (vLLM's, ties at each cut kept, as pagoda documents)."""
+        """The ids [V] bool a sampled (temperature > 0) draw may take, on softmax(processed / T): top-k, top-p over
+        what top-k keeps, then min-p, ties at each cut kept (docs/decoding.md's rule; vLLM V0's order: V1 applies
+        min-p first, so that its top-p counts only the mass min-p leaves)."""
         probs = torch.softmax(processed / self.temperature, dim=-1)  # [V]
-        keep = probs > 0
-        if self.min_p > 0:
-            keep &= probs >= self.min_p * probs.max()
+        keep = probs > 0  # [V]
         if self.top_k > 0:
             keep &= probs >= probs.topk(self.top_k).values[-1]
         if self.top_p < 1.0:
-            kept_probs = torch.where(keep, probs, 0.0)
-            ordered = kept_probs.sort(descending=True).values
-            mass = ordered.cumsum(0)
-            count = int((mass < self.top_p * kept_probs.sum()).sum()) + 1
+            ordered = torch.where(keep, probs, 0.0).sort(descending=True).values  # [V]
+            count = int((ordered.cumsum(0) < self.top_p * ordered.sum()).sum()) + 1
             keep &= probs >= ordered[count - 1]
+        if self.min_p > 0:
+            keep &= probs >= self.min_p * probs.max()
         return keep
 
 
@@ -147,6 +146,17 @@ def assert_oracle_greedy(hf_model: Any, prompt_ids: list[int], output_ids: list[
     return logits
 
 
+def vllm_bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's bad-word token sequences: each word (leading whitespace stripped) encoded alone, and after a space
+    where that gives as many tokens with another first token."""
+    sequences = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    return sequences
+
+
 def _params(oracle: Oracle, **extra: Any) -> SamplingParams:
     fields = {name: getattr(oracle, name) for name in (
         "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -167,15 +177,15 @@ def sky(tokenizer: Any) -> list[int]:
 
 
 PENALTIES = [Oracle(repetition_penalty=1.5), Oracle(repetition_penalty=0.7), Oracle(frequency_penalty=1.0),
-             Oracle(presence_penalty=1.5, frequency_penalty=-0.5), Oracle(repetition_penalty=1.2, presence_penalty=0.8),
-             Oracle(logit_bias={28: 4.0, 30: -3.0}, frequency_penalty=0.5)]
+             Oracle(presence_penalty=1.5, frequency_penalty=-0.5), Oracle(repetition_penalty=1.2, presence_penalty=0.8,
+                                                                         logit_bias={28: 4.0, 30: -3.0})]
 
 
 def test_penalties_and_bias_give_the_oracles_greedy_tokens(llm: LLM, hf_model: Any, rainbow: list[int]) -> None:
     """Greedy decoding under each penalty setting (one batch, the settings side by side) is the argmax of vLLM's
     processing of transformers' logits at every step: repetition over prompt and output, frequency and presence over
     the output only, with their signs and scales."""
-    max_tokens = 16
+    max_tokens = 12
     outputs = llm.generate([rainbow] * len(PENALTIES), [_params(o, max_tokens=max_tokens) for o in PENALTIES])
     plain = llm.generate([rainbow], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].outputs[0].token_ids
     for oracle, output in zip(PENALTIES, outputs, strict=True):
@@ -239,3 +249,137 @@ def test_bias_before_repetition_on_both_sampler_paths(use_kernels: bool) -> None
     assert out.logprobs is not None
     raw = torch.log_softmax(logits, dim=-1).gather(1, out.token_ids.cpu().unsqueeze(1)).squeeze(1)  # [3]
     assert torch.allclose(out.logprobs.cpu(), raw)
+
+
+def test_bans_bias_penalties_and_allowed_ids_side_by_side(llm: LLM, hf_model: Any, sky: list[int],
+                                                          rainbow: list[int], tokenizer: Any) -> None:
+    """One batch of greedy rows, each with other settings (so the per-row tables of bias, bans and bad-word windows
+    have rows of different widths, and min_tokens bans expire at different steps), each the oracle's tokens:
+    min_tokens holds EOS and stop ids back until that many tokens (also with ignore_eos); bad_words ban a word's
+    last token (vLLM's tokenization: bare and after a space); allowed_token_ids keeps the rest out."""
+    blue = vllm_bad_words_ids(tokenizer, ["blue"])
+    free = llm.generate([sky], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0].token_ids
+    assert free[-1] == EOS and blue[1][0] in free  # the cases below change this answer
+    period = tokenizer.encode(".", add_special_tokens=False)[0]
+    cases: list[tuple[list[int], Oracle, dict[str, Any]]] = [
+        (sky, Oracle(min_tokens=len(free) + 3), {}),
+        (rainbow, Oracle(repetition_penalty=1.3, logit_bias={28: 2.5}), {}),
+        (sky, Oracle(bad_words_ids=blue), {"bad_words": ["blue"]}),
+        (sky, Oracle(min_tokens=len(free) + 1, bad_words_ids=blue, stop_token_ids=[period]), {"bad_words": ["blue"]}),
+        (rainbow, Oracle(presence_penalty=1.0, min_tokens=3), {}),
+        (sky, Oracle(allowed_token_ids=sorted({*free[:6], 28, period, EOS})), {}),
+        (sky, Oracle(min_tokens=5), {"ignore_eos": True}),
+    ]
+    max_tokens = 16
+    outputs = llm.generate([prompt for prompt, _, _ in cases],
+                           [_params(oracle, max_tokens=max_tokens, **extra) for _, oracle, extra in cases])
+    for (prompt, oracle, extra), output in zip(cases, outputs, strict=True):
+        assert_oracle_greedy(hf_model, prompt, output.outputs[0].token_ids, oracle, max_tokens,
+                             ignore_eos=extra.get("ignore_eos", False))
+    assert len(outputs[0].outputs[0].token_ids) >= len(free) + 3
+    assert outputs[3].outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def poem(tokenizer: Any) -> list[int]:
+    return _chat_ids(tokenizer, "Write a short poem about the sea.")
+
+
+SAMPLED = [Oracle(temperature=1.5, top_k=5), Oracle(temperature=2.0, top_p=0.6, min_p=0.1),
+           Oracle(temperature=1.3, top_k=8, top_p=0.7, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.3,
+                  logit_bias={13: 3.0})]
+
+
+def test_seeded_draws_stay_in_the_oracles_kept_set_alone_and_in_a_batch(llm: LLM, hf_model: Any,
+                                                                        poem: list[int]) -> None:
+    """Seeded requests (n=2 each) under top-k, top-p, min-p and penalties: every token lies in the set vLLM's
+    truncation of transformers' logits keeps (after the request's own penalties, each completion its own output),
+    the same tokens come back alone and in one batch with an unseeded penalised stranger, the n completions
+    differ, and the logprobs returned are the raw model's."""
+    max_tokens = 8
+    seeded = [_params(oracle, max_tokens=max_tokens, seed=100 + i, n=2, logprobs=2) for i, oracle in enumerate(SAMPLED)]
+    alone = [llm.generate([poem], params)[0] for params in seeded]
+    stranger = SamplingParams(temperature=1.0, max_tokens=14, presence_penalty=0.5, top_k=3)
+    batch = llm.generate([poem, "Hello there", *[poem] * (len(SAMPLED) - 1)],
+                         [seeded[0], stranger, *seeded[1:]])
+    batch = [batch[0], *batch[2:]]
+    for oracle, single, batched in zip(SAMPLED, alone, batch, strict=True):
+        tokens = [c.token_ids for c in single.outputs]
+        assert tokens == [c.token_ids for c in batched.outputs]
+        assert tokens[0] != tokens[1]
+        for completion in single.outputs:
+            output = completion.token_ids
+            logits = step_logits(hf_model, poem, output)  # [N, V]
+            raw = torch.log_softmax(logits, dim=-1)  # [N, V]
+            assert completion.logprobs is not None
+            for i, token in enumerate(output):
+                kept = oracle.kept(oracle.process(logits[i], poem, output[:i]))  # [V]
+                assert kept[token], f"step {i}: {token} is outside the {int(kept.sum())} ids the oracle keeps"
+                assert abs(completion.logprobs[i][token] - float(raw[i, token])) < LOGPROB_TOLERANCE
+
+
+def _tokens_to_reach(tokenizer: Any, output_ids: list[int], num_chars: int) -> int:
+    """How many of output_ids it takes for their text to hold num_chars characters."""
+    return next(k for k in range(1, len(output_ids) + 1)
+                if len(tokenizer.decode(output_ids[:k], skip_special_tokens=True)) >= num_chars)
+
+
+def test_stop_strings_cut_the_oracles_text(llm: LLM, hf_model: Any, tokenizer: Any, poem: list[int]) -> None:
+    """Stop strings on the oracle's greedy text (a piece inside tokens, a newline, a word met twice with min_tokens
+    past its first end): the output ends with the token that completes the first counted match, its text is cut
+    before the stop string (through it with include_stop_str_in_output), stop_reason names it; a match counts
+    only where it ends in the text of a token after the first min_tokens (vLLM's detokenizer)."""
+    max_tokens = 30
+    free = llm.generate([poem], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].outputs[0].token_ids
+    assert_oracle_greedy(hf_model, poem, free, Oracle(), max_tokens)
+    text = tokenizer.decode(free, skip_special_tokens=True)
+    words = [w for w in text.replace(",", " ").split() if len(w) >= 4 and text.count(w) >= 2]
+    assert words and "\n" in text
+    twice = words[0]
+    first_end = text.index(twice) + len(twice)
+    cases = [(text[len(text) // 3:len(text) // 3 + 3], 0), ("\n", 0), (twice, 0),
+             (twice, _tokens_to_reach(tokenizer, free, first_end))]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=[stop], min_tokens=min_tokens,
+                             include_stop_str_in_output=include)
+              for stop, min_tokens in cases for include in (False, True)]
+    outputs = llm.generate([poem] * len(params), params)
+    for (stop, min_tokens), pair in zip(cases, zip(outputs[::2], outputs[1::2], strict=True), strict=True):
+        start = 0
+        while True:  # the first match that ends after the first min_tokens tokens' text
+            start = text.index(stop, start)
+            num_tokens = _tokens_to_reach(tokenizer, free, start + len(stop))
+            if num_tokens > min_tokens:
+                break
+            start += 1
+        for include, output in zip((False, True), pair, strict=True):
+            completion = output.outputs[0]
+            assert completion.token_ids == free[:num_tokens], (stop, min_tokens)
+            assert completion.text == text[:start + (len(stop) if include else 0)], (stop, min_tokens, include)
+            assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
+def test_n_best_of_and_prompt_logprobs(llm: LLM, hf_model: Any, tokenizer: Any, sky: list[int]) -> None:
+    """n=3 with best_of=3 gives three seeded completions that differ (child seeds seed + index, as vLLM's), the
+    second the same as a request with seed + 1; best_of other than n is refused naming it; prompt_logprobs are
+    transformers' log_softmax of the prompt with vLLM's ranks, the first position None."""
+    from pagoda import InvalidRequestError
+
+    params = SamplingParams(temperature=1.0, n=3, best_of=3, seed=11, max_tokens=6, prompt_logprobs=2)
+    output = llm.generate([sky], params)[0]
+    tokens = [c.token_ids for c in output.outputs]
+    assert [c.index for c in output.outputs] == [0, 1, 2] and len({tuple(t) for t in tokens}) == 3
+    second = llm.generate([sky], SamplingParams(temperature=1.0, seed=12, max_tokens=6))[0].outputs[0].token_ids
+    assert second == tokens[1]
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.generate([sky], SamplingParams(temperature=1.0, n=2, best_of=3, max_tokens=2))
+    assert caught.value.param == "best_of"
+    raw = torch.log_softmax(_forward(hf_model, sky), dim=-1)  # [P, V]
+    scores = output.prompt_logprobs
+    assert scores is not None and len(scores) == len(sky) and scores[0] is None
+    for position, (token, entry) in enumerate(zip(sky[1:], scores[1:], strict=True)):
+        expected = raw[position]  # [V]: the distribution token `position + 1` was scored from
+        top = expected.topk(2).indices.tolist()
+        assert set(entry) == {token, *top}, position
+        for token_id, logprob in entry.items():
+            assert abs(logprob - float(expected[token_id])) < LOGPROB_TOLERANCE
+            assert logprob.rank == int((expected > expected[token_id]).sum()) + 1
