@@ -383,3 +383,50 @@ def test_n_best_of_and_prompt_logprobs(llm: LLM, hf_model: Any, tokenizer: Any, 
         for token_id, logprob in entry.items():
             assert abs(logprob - float(expected[token_id])) < LOGPROB_TOLERANCE
             assert logprob.rank == int((expected > expected[token_id]).sum()) + 1
+
+
+def test_bias_before_repetition_kernel_path_draws_the_cpu_paths_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The biased copy feeding the fused pass, under every way a row is drawn (greedy, top-k from the gathered
+    groups, top-k + top-p, top-p by rejection rounds, min-p, bans beside them), in bf16 logits: the Triton path
+    (interpreted, small blocks, 4-id groups) draws the CPU path's tokens, and the CPU path's greedy rows are the
+    oracle's argmax."""
+    from pagoda.kernels import sampling as kernels
+    from pagoda.services.worker.sampler import SamplingMetadata, sample
+
+    if not torch.cuda.is_available():
+        for name, value in (("PROCESS_BLOCK", 32), ("ARGMAX_BLOCK", 16), ("ARGMAX_SPLIT", 32), ("TOP_P_BLOCK", 16),
+                            ("TOP_P_PIVOT_BLOCK", 16), ("TOP_K_GROUP", 4)):
+            monkeypatch.setattr(kernels, name, value)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    num_rows, vocab_size = 8, 70
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(num_rows, vocab_size, generator=gen) * 3).to(torch.bfloat16)  # [B, V]
+    prompts = [torch.randint(0, vocab_size, (6,), generator=gen).tolist() for _ in range(num_rows)]
+    outputs = [torch.randint(0, vocab_size, (4,), generator=gen).tolist() for _ in range(num_rows)]
+    prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool)  # [B, V]
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32)  # [B, V]
+    for row in range(num_rows):
+        prompt_mask[row, prompts[row]] = True
+        for token in outputs[row]:
+            counts[row, token] += 1
+    bias_ids = torch.tensor([[p[0], o[0]] for p, o in zip(prompts, outputs, strict=True)])  # [B, 2]: seen ids
+    bias_values = torch.randn(num_rows, 2, generator=gen) * 4  # [B, 2]
+    metadata = SamplingMetadata(
+        temperature=torch.tensor([0.0, 0.9, 1.2, 0.8, 1.0, 0.0, 1.5, 0.7]), seeds=torch.arange(num_rows) + 40,
+        offsets=torch.full((num_rows,), 3), top_k=torch.tensor([0, 6, 5, 0, 0, 0, 0, 3]), max_top_k=6,
+        top_p=torch.tensor([1.0, 1.0, 0.8, 0.7, 1.0, 1.0, 0.5, 1.0]), top_p_without_top_k=True,
+        min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.1]),
+        repetition_penalty=torch.tensor([1.4, 1.3, 0.8, 1.2, 1.5, 1.0, 1.1, 2.0]),
+        frequency_penalty=torch.full((num_rows,), 0.2), state_rows=torch.arange(num_rows), output_counts=counts,
+        prompt_mask=prompt_mask, logit_bias_ids=bias_ids, logit_bias_values=bias_values,
+        banned_token_ids=torch.tensor([[-1], [-1], [-1], [-1], [-1], [-1], [-1], [7]]))
+    on_device = SamplingMetadata(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
+                                    for name in SamplingMetadata.__slots__
+                                    for value in [getattr(metadata, name)]})
+    expected = sample(logits, metadata, use_kernels=False).token_ids
+    got = sample(logits.to(device), on_device, use_kernels=True).token_ids.cpu()
+    assert got.tolist() == expected.tolist()
+    for row in (0, 5):  # the greedy rows
+        oracle = Oracle(repetition_penalty=float(metadata.repetition_penalty[row]), frequency_penalty=0.2,
+                        logit_bias={int(t): float(v) for t, v in zip(bias_ids[row], bias_values[row], strict=True)})
+        assert int(expected[row]) == int(oracle.process(logits[row].float(), prompts[row], outputs[row]).argmax())
