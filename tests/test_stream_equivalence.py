@@ -11,15 +11,29 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jsonschema
 import msgspec
+import pydantic
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message, RawMessageStreamEvent
+from openai import omit
 from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.lib.streaming.responses import ResponseStreamState
+from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
 
 from pagoda.services.protocol.render import CHAT, PromptRenderer, renderer_for, usage_dict
 from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
+from tests.harness import SERVED, Server, http_client
+
+RESPONSE_EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)  # the SDKs' own event types, strictly
+MESSAGE_EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
 
 # --------------------------------------------------------------------------------------------
 # the renderers, fed the same deltas both ways
@@ -110,6 +124,23 @@ def sse_payloads(data: bytes) -> list[dict[str, Any]]:
     return [json.loads(p) for p in payloads[:-1]]
 
 
+def same(got: Any, want: Any, where: str = "") -> None:
+    """Equal, but for floats within 1e-4: two requests run in different batches, whose sums may round apart (the
+    tokens are the same; their logprobs may differ in the last bits)."""
+    if isinstance(want, float) and isinstance(got, float):
+        assert got == pytest.approx(want, abs=1e-4), where
+    elif isinstance(want, dict) and isinstance(got, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list) and isinstance(got, list):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            same(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
 def accumulate_chat(chunks: list[dict[str, Any]]) -> ChatCompletion:
     """The openai SDK's own reassembly of a chat stream (`client.chat.completions.stream`'s snapshot; its final
     completion would refuse a choice cut off by length)."""
@@ -120,7 +151,7 @@ def accumulate_chat(chunks: list[dict[str, Any]]) -> ChatCompletion:
 
 
 def check_chat_chunks(chunks: list[dict[str, Any]], n: int) -> dict[int, Any]:
-    """Every chunk's envelope; each choice's role comes first and once, its finish_reason last and once; each tool
+    """Every chunk's envelope; each choice's role comes first and once, its finish_reason once and last; each tool
     call's first delta alone carries its id, type and name, every later one only argument text. Returns each
     choice's stop_reason."""
     stop_reasons: dict[int, Any] = {}
@@ -140,7 +171,6 @@ def check_chat_chunks(chunks: list[dict[str, Any]], n: int) -> dict[int, Any]:
             if choice["finish_reason"] is not None:
                 finished.add(index)
                 stop_reasons[index] = choice["stop_reason"]  # vLLM's field, which the SDK's snapshot leaves out
-                assert delta == {}, "the finish_reason comes on a chunk of its own, after the text"
             for call in delta.get("tool_calls", []):
                 key = (index, call["index"])
                 if "id" in call:
@@ -169,8 +199,8 @@ def same_chat_answer(streamed: ChatCompletion, whole: ChatCompletion, *, want_lo
         assert got.finish_reason == want.finish_reason
         if want_logprobs:
             assert got.logprobs is not None and want.logprobs is not None
-            assert [t.model_dump() for t in got.logprobs.content or []] == \
-                [t.model_dump() for t in want.logprobs.content or []]
+            same([t.model_dump() for t in got.logprobs.content or []],
+                 [t.model_dump() for t in want.logprobs.content or []])
         else:
             assert got.logprobs is None and want.logprobs is None
 
@@ -192,3 +222,389 @@ def test_chat_stream_reassembles_into_the_body(mode: tuple[str, str, str | None,
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
     whole = ChatCompletion.model_validate(body)
     same_chat_answer(accumulate_chat(chunks), whole, want_logprobs=spec.want_logprobs)
+
+
+# --------------------------------------------------------------------------------------------
+# one served SmolLM2: each question asked streamed and not
+
+PROMPT = "The capital of France is"
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {
+                                                "type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}},
+                                                "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+# A Hermes answer the model is held to (structured_outputs under tool_choice auto): text, then two calls whose
+# city the model picks; the parser, not the constraint, finds the calls.
+HERMES_ANSWER = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,8}"\}\}\n'
+                 r'</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>')
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+SAMPLED = {"temperature": 0.9, "seed": 7}  # n > 1: distinct choices, the same ones each time
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_server: Server) -> Server:
+    return smollm2_server  # conftest's one default SmolLM2 server (Hermes tool parser, no reasoning parser)
+
+
+def ask_both(server: Server, questions: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, tuple[bytes, Any]]:
+    """Each question (route, body) asked streamed and not, all at once (the engine batches them): name -> (the
+    stream's bytes, the body's JSON)."""
+    client = http_client()
+
+    def whole(path: str, body: dict[str, Any]) -> Any:
+        body = {key: value for key, value in body.items() if key != "stream_options"}  # a 400 unless streaming
+        response = client.post(server.url + path, json={**body, "stream": False}, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def streamed(path: str, body: dict[str, Any]) -> bytes:
+        with client.stream("POST", server.url + path, json={**body, "stream": True}, timeout=300) as response:
+            data = response.read()
+            assert response.status_code == 200, data
+            assert response.headers["content-type"].startswith("text/event-stream")
+            return data
+
+    with ThreadPoolExecutor(2 * len(questions)) as pool:
+        futures = {name: (pool.submit(streamed, *question), pool.submit(whole, *question))
+                   for name, question in questions.items()}
+        return {name: (s.result(), w.result()) for name, (s, w) in futures.items()}
+
+
+COMPLETIONS, CHAT_ROUTE, RESPONSES, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/responses", \
+    "/v1/messages"
+USAGE_EVERY_CHUNK = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@pytest.fixture(scope="module")
+def answers(server: Server) -> dict[str, tuple[bytes, Any]]:
+    """Every first question of this module, asked at once."""
+    return ask_both(server, {
+        "completion": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "n": 2, "echo": True, **SAMPLED,
+                                     **USAGE_EVERY_CHUNK}),  # echo with logprobs is not streamed (a 400)
+        "completion_greedy": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 2}),
+        "chat": (CHAT_ROUTE, {"messages": ASK, "max_tokens": 12, "n": 2, "logprobs": True, "top_logprobs": 2,
+                              **SAMPLED, **USAGE_EVERY_CHUNK}),
+        "chat_greedy": (CHAT_ROUTE, {"messages": ASK, "max_tokens": 12, "temperature": 0, "logprobs": True}),
+        "chat_auto_calls": (CHAT_ROUTE, {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 60,
+                                         "temperature": 0, "logprobs": True, "structured_outputs": {
+                                             "regex": HERMES_ANSWER}}),
+        "chat_required": (CHAT_ROUTE, {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
+                                       "parallel_tool_calls": False, "max_tokens": 40, "temperature": 0}),
+        "chat_named": (CHAT_ROUTE, {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 40, "temperature": 0,
+                                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        "chat_json": (CHAT_ROUTE, {"messages": ASK, "max_tokens": 40, "temperature": 0, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}}),
+        "responses": (RESPONSES, {"input": ASK[0]["content"], "max_output_tokens": 12, "temperature": 0,
+                                  "include": ["message.output_text.logprobs"], "top_logprobs": 2}),
+        "responses_calls": (RESPONSES, {"input": ASK[0]["content"], "max_output_tokens": 60, "temperature": 0,
+                                        "tools": [_flat(WEATHER), _flat(TIME)],
+                                        "structured_outputs": {"regex": HERMES_ANSWER}}),
+        "responses_json": (RESPONSES, {"input": ASK[0]["content"], "max_output_tokens": 40, "temperature": 0,
+                                       "text": {"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                           "strict": True}}}),
+        "messages": (MESSAGES, {"model": SERVED, "messages": ASK, "max_tokens": 12, "temperature": 0}),
+        "messages_tool": (MESSAGES, {"model": SERVED, "messages": ASK, "max_tokens": 40, "temperature": 0,
+                                     "tools": [_anthropic(WEATHER), _anthropic(TIME)],
+                                     "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}),
+    })
+
+
+def _flat(tool: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool in the Responses API's flat form."""
+    return {"type": "function", **tool["function"]}
+
+
+def _anthropic(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    return {"name": function["name"], "description": function.get("description", ""),
+            "input_schema": function["parameters"]}
+
+
+def accumulate_completions(chunks: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """A completions stream reassembled per choice: text and logprobs joined, the finish and stop reasons, and the
+    running usage of its last chunk (continuous_usage_stats). The reassembled choices are checked as the SDK's
+    Completion (it reads each chunk as one too, unchecked: a chunk's finish_reason is null)."""
+    assert len({(c["id"], c["created"], c["model"], c["object"]) for c in chunks}) == 1
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            assert set(choice) <= {"index", "text", "logprobs", "finish_reason", "stop_reason"}, choice
+            entry = choices.setdefault(choice["index"], {"text": "", "logprobs": None, "finish_reason": None})
+            assert entry["finish_reason"] is None, "nothing comes after a choice's finish_reason"
+            entry["text"] += choice["text"]
+            if choice["logprobs"] is not None:
+                logprobs = entry["logprobs"] = entry["logprobs"] or {key: [] for key in choice["logprobs"]}
+                for key, values in choice["logprobs"].items():
+                    logprobs[key] += values
+            if choice["finish_reason"] is not None:
+                entry["finish_reason"], entry["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
+            if chunk.get("usage") is not None:
+                entry["usage"] = chunk["usage"]
+    return choices
+
+
+@pytest.mark.slow
+def test_a_completions_stream_is_the_completion(answers: dict[str, tuple[bytes, Any]]) -> None:
+    """n = 2 with echo, and greedy with logprobs: each choice's chunks join to its text (the prompt first), its
+    logprobs (tokens, values, top logprobs and text offsets, in order) and reasons; usage at the end is the body's,
+    and each choice's running usage ends at its own share."""
+    for name in ("completion", "completion_greedy"):
+        data, body = answers[name]
+        Completion.model_validate(body)
+        chunks = sse_payloads(data)
+        usage = chunks.pop()["usage"] if chunks[-1]["choices"] == [] else None
+        streamed = accumulate_completions(chunks)
+        Completion.model_validate({**chunks[0], "choices": [{"index": i, **{k: v for k, v in c.items() if k != "usage"}}
+                                                            for i, c in streamed.items()]})
+        assert sorted(streamed) == [c["index"] for c in body["choices"]] == list(range(len(body["choices"])))
+        for want in body["choices"]:
+            got = streamed[want["index"]]
+            assert got["text"] == want["text"] and got["text"].startswith(PROMPT if name == "completion" else "")
+            assert (got["finish_reason"], got["stop_reason"]) == (want["finish_reason"], want["stop_reason"])
+            same(got["logprobs"], want["logprobs"])
+        if name == "completion":
+            assert _without_ids(usage) == _without_ids(body["usage"])
+            assert sum(c["usage"]["completion_tokens"] for c in streamed.values()) == usage["completion_tokens"]
+            assert all(c["usage"]["prompt_tokens"] == usage["prompt_tokens"] for c in streamed.values())
+        else:
+            assert usage is None
+
+
+def chat_pair(answers: dict[str, tuple[bytes, Any]], name: str) -> tuple[list[dict[str, Any]], ChatCompletion,
+                                                                        ChatCompletion, dict[str, Any] | None]:
+    """(the chunks, the SDK's reassembly of them, the body, the closing usage chunk's usage) of a chat question."""
+    data, body = answers[name]
+    chunks = sse_payloads(data)
+    usage = chunks.pop()["usage"] if chunks[-1]["choices"] == [] else None
+    whole = ChatCompletion.model_validate(body)
+    stop_reasons = check_chat_chunks(chunks, len(body["choices"]))
+    assert stop_reasons == {c["index"]: c["stop_reason"] for c in body["choices"]}
+    streamed = accumulate_chat(chunks)
+    same_chat_answer(streamed, whole, want_logprobs=body["choices"][0]["logprobs"] is not None)
+    return chunks, streamed, whole, usage
+
+
+@pytest.mark.slow
+def test_a_chat_stream_is_the_answer(answers: dict[str, tuple[bytes, Any]]) -> None:
+    """n = 2 (seeded) with top logprobs and usage on every chunk, and greedy with logprobs: the same messages,
+    logprobs (token, value, bytes, top alternatives, in order), finish and stop reasons, usage."""
+    chunks, _, whole, usage = chat_pair(answers, "chat")
+    assert whole.usage is not None and _without_ids(usage) == _without_ids(whole.usage.model_dump(exclude_none=True))
+    last: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:  # continuous usage stats: each choice's own count so far, on each of its chunks
+        for choice in chunk["choices"]:
+            assert chunk["usage"]["prompt_tokens"] == whole.usage.prompt_tokens
+            assert chunk["usage"]["completion_tokens"] >= last.get(choice["index"], {"completion_tokens": 0})[
+                "completion_tokens"]
+            last[choice["index"]] = chunk["usage"]
+    assert sum(u["completion_tokens"] for u in last.values()) == whole.usage.completion_tokens
+    assert len({c.message.content for c in whole.choices}) == 2, "seeded choices differ (else n proves little)"
+    _, _, _, usage = chat_pair(answers, "chat_greedy")
+    assert usage is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["chat_auto_calls", "chat_required", "chat_named"])
+def test_streamed_tool_calls_are_the_answers_calls(answers: dict[str, tuple[bytes, Any]], name: str) -> None:
+    """Tool calls the Hermes parser finds (tool_choice auto), the constrained calls of required and of a named
+    function: names and argument JSON assembled from the deltas, the content beside them, tool_calls as the
+    finish_reason, each call's id on its first delta only (check_chat_chunks)."""
+    _, streamed, whole, _ = chat_pair(answers, name)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.tool_calls
+    for call in message.tool_calls:
+        assert call.id.startswith("call_") and isinstance(json.loads(call.function.arguments), dict)
+    names = [c.function.name for c in message.tool_calls]
+    if name == "chat_auto_calls":  # the text before the calls, without the newline that led to them
+        assert names == ["get_weather", "get_time"] and message.content == "Sure."
+        assert streamed.choices[0].message.content == "Sure."
+        assert whole.choices[0].logprobs is not None
+        assert "".join(t.token for t in whole.choices[0].logprobs.content or []).startswith("Sure.\n<tool_call>")
+    else:
+        assert len(names) == 1 and (name != "chat_named" or names == ["get_weather"])
+
+
+@pytest.mark.slow
+def test_a_streamed_json_schema_answer_is_the_answer(answers: dict[str, tuple[bytes, Any]]) -> None:
+    _, streamed, whole, _ = chat_pair(answers, "chat_json")
+    assert json.loads(whole.choices[0].message.content or "") == json.loads(streamed.choices[0].message.content or "")
+    jsonschema.validate(json.loads(whole.choices[0].message.content or ""), PERSON)
+
+
+def named_events(data: bytes) -> list[dict[str, Any]]:
+    """The `event:` / `data:` pairs of a Responses or Messages stream (no [DONE]: neither API sends one)."""
+    blocks = data.decode().split("\n\n")
+    assert blocks[-1] == ""
+    events = []
+    for block in blocks[:-1]:
+        event_line, data_line = block.split("\n")
+        event = json.loads(data_line.removeprefix("data: "))
+        assert event_line == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+def _without_ids(obj: Any) -> Any:
+    """The object with its random ids, clock readings and prefix-cache hits blanked: each side makes its own ids,
+    and which of the two found the other's blocks cached depends on which ran first. The SDK's own `parsed` is
+    left out too."""
+    text = json.dumps(obj)
+    text = re.sub(r'"(resp|rs|msg|fc|call|toolu)_[0-9a-f]+"', '"ID"', text)
+    text = re.sub(r'"(created_at|completed_at|cached_tokens)": \d+', r'"\1": 0', text)
+    return json.loads(re.sub(r', "parsed(_arguments)?": null', "", text))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["responses", "responses_calls", "responses_json"])
+def test_a_responses_stream_is_the_response(answers: dict[str, tuple[bytes, Any]], name: str) -> None:
+    """The events in OpenAI's order (created, in_progress, each item's added / deltas / done, one terminal
+    event, sequence numbers from 0), their deltas joined to each item's text or arguments (the openai SDK's
+    ResponseStreamState keeps the same snapshots), the terminal event's response the body."""
+    data, body = answers[name]
+    Response.model_validate(body)
+    events = named_events(data)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] == f"response.{body['status']}"
+    same(_without_ids(events[-1]["response"]), _without_ids(body))
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    snapshots: dict[int, str] = {}  # output index -> the SDK's text or arguments so far
+    for event in events:
+        for handled in state.handle_event(RESPONSE_EVENTS.validate_python(event)):
+            if handled.type in ("response.output_text.delta", "response.function_call_arguments.delta"):
+                snapshots[handled.output_index] = handled.snapshot
+            final = handled
+    assert final.type == events[-1]["type"]
+    same(_without_ids(final.response.model_dump(mode="json", exclude_unset=True)["output"]),
+         _without_ids(body["output"]))
+    joined: dict[int, str] = {}
+    open_items: list[int] = []
+    for event in events[2:-1]:
+        kind, index = event["type"].removeprefix("response."), event["output_index"]
+        if kind == "output_item.added":
+            assert index == len(joined) and not open_items, "one item at a time, in order"
+            open_items.append(index)
+            joined[index] = ""
+        elif kind.endswith(".delta"):
+            assert open_items == [index]
+            joined[index] += event["delta"]
+        elif kind == "output_item.done":
+            assert open_items.pop() == index
+            same(_without_ids(event["item"]), _without_ids(body["output"][index]))
+    for index, item in enumerate(body["output"]):
+        text = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
+        assert joined[index] == text and snapshots.get(index, "") == (text if item["type"] != "reasoning" else "")
+    kinds = [item["type"] for item in body["output"]]
+    if name == "responses_calls":
+        assert kinds == ["message", "function_call", "function_call"] and body["output"][0]["content"][0][
+            "text"] == "Sure."
+    if name == "responses":  # the message's logprobs: each delta's, in order, are the done text's
+        deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+        assert deltas
+        same(deltas, body["output"][0]["content"][0]["logprobs"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["messages", "messages_tool"])
+def test_a_messages_stream_is_the_message(answers: dict[str, tuple[bytes, Any]], name: str) -> None:
+    """Anthropic's order (message_start, each block's start / deltas / stop, message_delta, message_stop), the
+    anthropic SDK's accumulate_event over the events, and the body: the same message."""
+    data, body = answers[name]
+    Message.model_validate(body)
+    events = named_events(data)
+    types = " ".join(e["type"] for e in events)
+    assert re.fullmatch(r"message_start( content_block_start( content_block_delta)* content_block_stop)* "
+                        r"message_delta message_stop", types), types
+    snapshot = None
+    for event in events:
+        snapshot = accumulate_event(event=MESSAGE_EVENTS.validate_python(event), current_snapshot=snapshot,
+                                    json_bufs={})
+    assert snapshot is not None
+    got = snapshot.model_dump(mode="json", exclude_unset=True)
+    for key in ("content", "stop_reason", "stop_sequence", "role", "model"):
+        assert _without_ids(got[key]) == _without_ids(body[key]), key
+    usage = {k: v for k, v in got["usage"].items() if v is not None}
+    assert usage.keys() == body["usage"].keys() and usage["output_tokens"] == body["usage"]["output_tokens"]
+    # the prompt: the tokens the prefix cache held (which of the two found the other's depends on which ran
+    # first) and the others
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == \
+        body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"]
+    if name == "messages_tool":
+        assert body["stop_reason"] == "tool_use" and [b["type"] for b in body["content"]] == ["tool_use"]
+
+
+def _stop_across_tokens(tokens: list[str]) -> str:
+    """A stop string that spans two tokens of an answer: the end of one and the start of the next, in the middle
+    of the answer, where the detokenizer must hold back text that may turn out to be the stop."""
+    for k in range(len(tokens) // 2, len(tokens) - 1):
+        left, right = tokens[k].strip(), tokens[k + 1]
+        if len(left) >= 2 and right.strip():
+            return tokens[k][-2:] + right[:2]
+    raise AssertionError(f"no two tokens to span in {tokens!r}")
+
+
+@pytest.fixture(scope="module")
+def stopped(server: Server, answers: dict[str, tuple[bytes, Any]]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The greedy answers asked again with a stop string spanning two of their tokens, shown and not:
+    (route family -> the stop and the answer without it, name -> (stream, body))."""
+    completion = answers["completion_greedy"][1]["choices"][0]
+    chat = answers["chat_greedy"][1]["choices"][0]
+    stops = {"completion": _stop_across_tokens(completion["logprobs"]["tokens"]),
+             "chat": _stop_across_tokens([t["token"] for t in chat["logprobs"]["content"]])}
+    texts = {"completion": completion["text"], "chat": chat["message"]["content"]}
+    questions: dict[str, tuple[str, dict[str, Any]]] = {}
+    for shown in (False, True):
+        extra = {"include_stop_str_in_output": shown}
+        questions[f"completion_stop_{shown}"] = (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                                               "logprobs": 1, "stop": [stops["completion"]], **extra})
+        questions[f"chat_stop_{shown}"] = (CHAT_ROUTE, {"messages": ASK, "max_tokens": 12, "temperature": 0,
+                                                        "logprobs": True, "stop": [stops["chat"]], **extra,
+                                                        **USAGE_EVERY_CHUNK})
+        questions[f"responses_stop_{shown}"] = (RESPONSES, {"input": ASK[0]["content"], "max_output_tokens": 12,
+                                                            "temperature": 0, "stop": [stops["chat"]], **extra})
+    questions["messages_stop"] = (MESSAGES, {"model": SERVED, "messages": ASK, "max_tokens": 12, "temperature": 0,
+                                             "stop_sequences": [stops["chat"]]})
+    return {"stops": stops, "texts": texts}, ask_both(server, questions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shown", [False, True])
+def test_a_stop_string_across_tokens_ends_both_answers_alike(stopped: tuple[dict[str, Any], dict[str, Any]],
+                                                             shown: bool) -> None:
+    """The stream holds back text that may be the stop string and never shows what the body does not: both end
+    where the greedy answer first holds the stop (at it, or after it with include_stop_str_in_output), with
+    finish_reason stop and the stop as stop_reason, on completions, chat, Responses and Messages."""
+    known, asked = stopped
+    for family, route in (("completion", "completion"), ("chat", "chat"), ("chat", "responses")):
+        stop, full = known["stops"][family], known["texts"][family]
+        expected = full[:full.index(stop) + (len(stop) if shown else 0)]
+        data, body = asked[f"{route}_stop_{shown}"]
+        if route == "completion":
+            chunks = sse_payloads(data)
+            choice = accumulate_completions(chunks)[0]
+            assert choice["text"] == body["choices"][0]["text"] == expected
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+            assert (body["choices"][0]["finish_reason"], body["choices"][0]["stop_reason"]) == ("stop", stop)
+            same(choice["logprobs"], body["choices"][0]["logprobs"])
+        elif route == "chat":
+            _, streamed, whole, usage = chat_pair(asked, f"chat_stop_{shown}")
+            assert streamed.choices[0].message.content == whole.choices[0].message.content == expected
+            assert whole.choices[0].finish_reason == "stop" and (whole.choices[0].model_extra or {})[
+                "stop_reason"] == stop
+            assert whole.usage is not None and usage is not None
+            assert usage["completion_tokens"] == whole.usage.completion_tokens
+        else:
+            final = named_events(data)[-1]["response"]
+            same(_without_ids(final), _without_ids(body))
+            assert body["status"] == "completed" and body["output"][0]["content"][0]["text"] == expected
+    if not shown:
+        data, body = asked["messages_stop"]
+        events = named_events(data)
+        text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+        stop, full = known["stops"]["chat"], known["texts"]["chat"]
+        assert text == body["content"][0]["text"] == full[:full.index(stop)]
+        assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+        assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", stop)
