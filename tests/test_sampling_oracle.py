@@ -315,7 +315,11 @@ def test_seeded_draws_stay_in_the_oracles_kept_set_alone_and_in_a_batch(llm: LLM
             for i, token in enumerate(output):
                 kept = oracle.kept(oracle.process(logits[i], poem, output[:i]))  # [V]
                 assert kept[token], f"step {i}: {token} is outside the {int(kept.sum())} ids the oracle keeps"
-                assert abs(completion.logprobs[i][token] - float(raw[i, token])) < LOGPROB_TOLERANCE
+                entry = completion.logprobs[i]  # the sampled id and the raw top 2, with vLLM's ranks
+                assert set(entry) == {token, *raw[i].topk(2).indices.tolist()}
+                for token_id, logprob in entry.items():
+                    assert abs(logprob - float(raw[i, token_id])) < LOGPROB_TOLERANCE
+                    assert logprob.rank == int((raw[i] > raw[i, token_id]).sum()) + 1
 
 
 def _tokens_to_reach(tokenizer: Any, output_ids: list[int], num_chars: int) -> int:
