@@ -39,13 +39,18 @@ SETTINGS: dict[str, dict | tuple[dict, ...]] = {  # a tuple: row i takes entry i
     "top_p": dict(temperature=1.0, top_p=0.9),
     "openai": dict(OPENAI),
     "mixed": MIXED,
+    # OpenAI sampling with a repetition penalty and a logit bias on every row: the bias goes in before the penalty
+    # (vLLM's order), through an fp32 copy of the logits (b8e7a63); a tuple, as the old sampler has neither
+    "openai_rep_bias": (dict(OPENAI, repetition_penalty=1.1, logit_bias={11: 2.0, 13: -5.0, 500: 1.5}),),
 }
 # full [B, V] passes of the new path in units of one fp32 row read (bf16 logits read = 0.5), per setting:
 # greedy: the argmax reads bf16; sampled: bf16 logits + int32 counts in, fp32 out (the threshold and the draw
 # read only the groups holding the top k); top_p alone: the draw, then one rejection round over every row (later
-# rounds read the few undecided rows); mixed: the fused pass (group maxima), the draw and the round for its rows
+# rounds read the few undecided rows); mixed: the fused pass (group maxima), the draw and the round for its rows;
+# openai_rep_bias: the biased fp32 copy (bf16 in, fp32 out), the penalty pass (fp32 and counts in, fp32 out), the
+# draw and one round
 NEW_PASSES = {"greedy": 0.5, "sampled": 0.5 + 1 + 1, "top_p": 0.5 + 0.5, "openai": 0.5 + 0.5,
-              "mixed": 0.5 + 0.5 * 0.75 + 0.5 * 0.25}
+              "mixed": 0.5 + 0.5 * 0.75 + 0.5 * 0.25, "openai_rep_bias": 0.5 + 1 + 1 + 1 + 1 + 1 + 1}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:

@@ -107,7 +107,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     prompt_logprobs: int | None = None  # None: none; k >= 0 (or -1: all): each prompt token's logprob (not the first)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] = {}  # token id -> added to its logit (after penalties) before sampling
+    logit_bias: dict[int, float] = {}  # token id -> added to its raw logit (before penalties, as vLLM)
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (a grammar's token mask)
     # beam search (vLLM's fields): best_of beams (default n), the n best finished hypotheses returned, ranked by
     # sum(logprobs) / generated_len ** length_penalty with transformers' early_stopping (True, False, "never")
