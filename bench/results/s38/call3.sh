@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Session 38, call 3, on the final tree: (1) the GPU tests of what this session changed: the sampler (logit bias
 # before the repetition penalty, on the Triton path too: b8e7a63), beam search on the device, and the kernels whose
-# measurement switches now come from pagoda.shared.config (0c0381e: paged attention, PDL, FP8, MoE, MLA); (2) as the
+# measurement switches now come from pagoda.shared.config (0c0381e: paged attention, PDL, FP8, MoE, MLA); (2) the
 # sampler's step time with a repetition penalty and a logit bias on every row (bench/sampler_bench.py
 # openai_rep_bias: the path b8e7a63 added) beside plain OpenAI sampling (T 0.7, top_p 0.95, no top_k); (3) as the
-# time left allows, llama3-8b FP8 batch-1 and deepseek-v2-lite reference + batch-1 (issue figures). On a card other than an H200 the H200's tables are installed under its name first.
+# time left allows, llama3-8b FP8 batch-1 and deepseek-v2-lite reference + batch-1 (issue figures).
+# On a card other than an H200 the H200's tables are installed under its name first.
 OUT=${OUT:-/tmp/out}
 start=$(date +%s)
 PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
