@@ -292,3 +292,16 @@ def test_llm_beam_search_returns_vllms_fields_as_the_oracle(tiny: tuple[Path, in
             ("stop" if h.stopped else "length", stop if h.stopped and h.token_ids[-1] == stop else None) for h in hyps]
         assert [s.tokens for s in again.sequences] == [s.tokens for s in result.sequences]
     assert any(s.stop_reason == stop for result in whole for s in result.sequences)
+
+
+def test_a_length_penalty_past_floats_range_ends_the_search_instead_of_raising(llm) -> None:  # noqa: ANN001
+    """length_penalty is any finite number: generated_len ** 1000 overflows a float at length 3 and ** -1000
+    underflows to 0; the score saturates (-0.0 or -inf: cumulative logprobs are negative) and every search still
+    answers (on the server an OverflowError in the scheduler ended the process, and every request with it)."""
+    for length_penalty in (1000.0, -1000.0):
+        outputs = llm.generate(PROMPTS[:3], beam_params(2, 2, 6, length_penalty))
+        for output in outputs:
+            assert [c.finish_reason in ("stop", "length") for c in output.outputs] == [True, True]
+            assert all(c.token_ids and c.score == c.score for c in output.outputs)  # never NaN
+    llm.engine.scheduler.blocks.check_integrity([])
+    assert not llm.engine.scheduler.requests

@@ -18,6 +18,7 @@ The n best hypotheses are the answer. No torch, no zmq: tested with plain lists.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -72,9 +73,8 @@ class BeamSearch:
         running = ranked[:self.width]
         closed = (len(self.hypotheses) == self.width and self.early_stopping is True) or not self.improvable
         if not closed:
-            penalty = generated ** self.length_penalty
-            fresh = [Hypothesis(scores[k] / penalty, scores[k], [*history[parents[k]], token_ids[k]],
-                                token_ids[k] in self.stop_ids)
+            fresh = [Hypothesis(normalised(scores[k], generated, self.length_penalty), scores[k],
+                                [*history[parents[k]], token_ids[k]], token_ids[k] in self.stop_ids)
                      for k in range(min(self.width, len(token_ids))) if hits[k]]
             merged = self.hypotheses + fresh
             merged.sort(key=lambda h: -h.score)  # stable: an earlier hypothesis wins a tie
@@ -95,8 +95,21 @@ class BeamSearch:
             best_length = self.max_new_tokens
         else:
             best_length = generated
-        best_possible = max(self.scores) / best_length ** self.length_penalty
+        best_possible = normalised(max(self.scores), best_length, self.length_penalty)
         self.improvable = self.improvable and best_possible > min(h.score for h in self.hypotheses)
+
+
+def normalised(cumulative_logprob: float, length: int, length_penalty: float) -> float:
+    """cumulative_logprob / length ** length_penalty. A length_penalty so large in magnitude that the power leaves
+    float's range (1000 overflows at length 3, -1000 underflows to 0) saturates the quotient (to -0.0 or -inf, as
+    cumulative logprobs are <= 0) where Python's float power would raise OverflowError or divide by zero."""
+    try:
+        penalty = float(length) ** length_penalty
+    except OverflowError:
+        penalty = math.inf
+    if penalty == 0.0:
+        return -math.inf if cumulative_logprob < 0.0 else 0.0
+    return cumulative_logprob / penalty
 
 
 def assign_slots(parents: Sequence[int], num_slots: int) -> list[int]:
