@@ -28,7 +28,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 
+from pagoda.services.protocol.anthropic import MessagesRenderer
+from pagoda.services.protocol.chat_output import ChatOutputSpec
 from pagoda.services.protocol.render import CHAT, PromptRenderer, renderer_for, usage_dict
+from pagoda.services.protocol.responses import ResponsesRenderer
 from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
 from tests.harness import SERVED, Server, http_client
 
@@ -224,6 +227,48 @@ def test_chat_stream_reassembles_into_the_body(mode: tuple[str, str, str | None,
     same_chat_answer(accumulate_chat(chunks), whole, want_logprobs=spec.want_logprobs)
 
 
+def render_builders(renderer_of: Any, pieces: list[str], want_logprobs: bool) -> tuple[list[dict[str, Any]], Any]:
+    """(the stream's events, the body) of a Responses or Messages renderer fed these pieces, one token each, then a
+    last token with no text (a stop token shown with include_stop_str_in_output: its logprob, no text)."""
+    out: dict[bool, Any] = {}
+    deltas = [*pieces, ""]
+    usage = usage_dict(3, len(deltas), 0)
+    for stream in (True, False):
+        renderer = renderer_of(stream)
+        data = renderer.opening(None)
+        for k, piece in enumerate(deltas):
+            last = k == len(deltas) - 1
+            data += renderer.chunks([(None, TextDelta("r", 0, piece, 1, FinishReason.STOP if last else -1,
+                                                      [_logprob(piece, k)] if want_logprobs else []))])
+        out[stream] = named_events(data + renderer.closing(usage)) if stream else renderer.body(None, usage)
+        assert stream or data == b""
+    return out[True], out[False]
+
+
+RESPONSE_SETTINGS = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
+                     "prompt_cache_key": None, "safety_identifier": None, "text": {"format": {"type": "text"}},
+                     "tool_choice": "auto", "tools": [], "top_logprobs": 2, "user": None}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("mode", "text"), CHAT_CASES, ids=[f"{c[0][0]}-{c[0][1]}-{c[0][2]}-{i}"
+                                                             for i, c in enumerate(CHAT_CASES)])
+def test_responses_and_messages_events_add_up_to_the_body(mode: tuple[str, str, str | None, int], text: str,
+                                                          seed: int) -> None:
+    """The Responses and Messages renderers, fed the same deltas streamed and not: the events' deltas join to each
+    item's (block's) text, arguments and logprobs, the SDKs' accumulators agree, and the end is the body."""
+    tool_mode, tool_parser, reasoning_parser, max_calls = mode
+    spec = ChatOutputSpec(tool_mode, tool_parser, "f" if tool_mode == "named" else "", reasoning_parser, max_calls)
+    pieces = _cuts(text, seed)
+    events, body = render_builders(lambda stream: ResponsesRenderer(
+        "resp_1", "m", 1, RESPONSE_SETTINGS, spec, stream=stream, want_logprobs=True, temperature=0.0, top_p=1.0),
+        pieces, want_logprobs=True)
+    check_response_events(events, body)
+    events, message = render_builders(lambda stream: MessagesRenderer("msg_1", "m", 1, spec, stream=stream),
+                                      pieces, want_logprobs=False)
+    check_message_events(events, message)
+
+
 # --------------------------------------------------------------------------------------------
 # one served SmolLM2: each question asked streamed and not
 
@@ -299,6 +344,9 @@ def answers(server: Server) -> dict[str, tuple[bytes, Any]]:
             "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}}),
         "responses": (RESPONSES, {"input": ASK[0]["content"], "max_output_tokens": 12, "temperature": 0,
                                   "include": ["message.output_text.logprobs"], "top_logprobs": 2}),
+        # the stop token shown: its logprob comes with no text, after the answer's last text
+        "responses_eos": (RESPONSES, {"input": "Say hi.", "max_output_tokens": 40, "temperature": 0,
+                                      "include": ["message.output_text.logprobs"], "include_stop_str_in_output": True}),
         "responses_calls": (RESPONSES, {"input": ASK[0]["content"], "max_output_tokens": 60, "temperature": 0,
                                         "tools": [_flat(WEATHER), _flat(TIME)],
                                         "structured_outputs": {"regex": HERMES_ANSWER}}),
@@ -457,15 +505,12 @@ def _without_ids(obj: Any) -> Any:
     return json.loads(re.sub(r', "parsed(_arguments)?": null', "", text))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["responses", "responses_calls", "responses_json"])
-def test_a_responses_stream_is_the_response(answers: dict[str, tuple[bytes, Any]], name: str) -> None:
+def check_response_events(events: list[dict[str, Any]], body: dict[str, Any]) -> None:
     """The events in OpenAI's order (created, in_progress, each item's added / deltas / done, one terminal
-    event, sequence numbers from 0), their deltas joined to each item's text or arguments (the openai SDK's
-    ResponseStreamState keeps the same snapshots), the terminal event's response the body."""
-    data, body = answers[name]
+    event, sequence numbers from 0), their deltas joined to each item's text or arguments and the message's
+    logprobs (the openai SDK's ResponseStreamState keeps the same snapshots), the terminal event's response the
+    body."""
     Response.model_validate(body)
-    events = named_events(data)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[-1]["type"] == f"response.{body['status']}"
@@ -481,6 +526,7 @@ def test_a_responses_stream_is_the_response(answers: dict[str, tuple[bytes, Any]
     same(_without_ids(final.response.model_dump(mode="json", exclude_unset=True)["output"]),
          _without_ids(body["output"]))
     joined: dict[int, str] = {}
+    logprobs: dict[int, list[Any]] = {}
     open_items: list[int] = []
     for event in events[2:-1]:
         kind, index = event["type"].removeprefix("response."), event["output_index"]
@@ -491,37 +537,42 @@ def test_a_responses_stream_is_the_response(answers: dict[str, tuple[bytes, Any]
         elif kind.endswith(".delta"):
             assert open_items == [index]
             joined[index] += event["delta"]
+            logprobs.setdefault(index, []).extend(event.get("logprobs", []))
         elif kind == "output_item.done":
             assert open_items.pop() == index
             same(_without_ids(event["item"]), _without_ids(body["output"][index]))
+    assert sorted(joined) == list(range(len(body["output"])))
     for index, item in enumerate(body["output"]):
         text = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
         assert joined[index] == text and snapshots.get(index, "") == (text if item["type"] != "reasoning" else "")
+        if item["type"] == "message":  # each delta's logprobs, in order, are the message's
+            same(logprobs.get(index, []), item["content"][0]["logprobs"], f"output[{index}] logprobs")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["responses", "responses_eos", "responses_calls", "responses_json"])
+def test_a_responses_stream_is_the_response(answers: dict[str, tuple[bytes, Any]], name: str) -> None:
+    data, body = answers[name]
+    check_response_events(named_events(data), body)
     kinds = [item["type"] for item in body["output"]]
     if name == "responses_calls":
         assert kinds == ["message", "function_call", "function_call"] and body["output"][0]["content"][0][
             "text"] == "Sure."
-    if name == "responses":  # the message's logprobs: each delta's, in order, are the done text's
-        deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
-        assert deltas
-        same(deltas, body["output"][0]["content"][0]["logprobs"])
+    if name == "responses":
+        assert body["output"][0]["content"][0]["logprobs"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["messages", "messages_tool"])
-def test_a_messages_stream_is_the_message(answers: dict[str, tuple[bytes, Any]], name: str) -> None:
+def check_message_events(events: list[dict[str, Any]], body: dict[str, Any]) -> None:
     """Anthropic's order (message_start, each block's start / deltas / stop, message_delta, message_stop), the
     anthropic SDK's accumulate_event over the events, and the body: the same message."""
-    data, body = answers[name]
     Message.model_validate(body)
-    events = named_events(data)
     types = " ".join(e["type"] for e in events)
     assert re.fullmatch(r"message_start( content_block_start( content_block_delta)* content_block_stop)* "
                         r"message_delta message_stop", types), types
-    snapshot = None
+    snapshot, json_bufs = None, {}  # the SDK's partial input JSON per block, across events
     for event in events:
         snapshot = accumulate_event(event=MESSAGE_EVENTS.validate_python(event), current_snapshot=snapshot,
-                                    json_bufs={})
+                                    json_bufs=json_bufs)
     assert snapshot is not None
     got = snapshot.model_dump(mode="json", exclude_unset=True)
     for key in ("content", "stop_reason", "stop_sequence", "role", "model"):
@@ -532,6 +583,13 @@ def test_a_messages_stream_is_the_message(answers: dict[str, tuple[bytes, Any]],
     # first) and the others
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == \
         body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["messages", "messages_tool"])
+def test_a_messages_stream_is_the_message(answers: dict[str, tuple[bytes, Any]], name: str) -> None:
+    data, body = answers[name]
+    check_message_events(named_events(data), body)
     if name == "messages_tool":
         assert body["stop_reason"] == "tool_use" and [b["type"] for b in body["content"]] == ["tool_use"]
 

@@ -536,9 +536,11 @@ class OutputBuilder:
         events = self._parts(parts)
         if self.held_space or not self.items:  # an answer of whitespace (or nothing) is a message still
             events += self._content("", force=True)
+        if self.pending and self.open is not None and self.open.kind == "message":
+            # tokens with no text of their own at the end (a stop token shown by include_stop_str_in_output): their
+            # logprobs come in a delta too, so that the deltas' add up to the message's
+            events += self._content("", force=True)
         status = "incomplete" if reason == FinishReason.LENGTH else "completed"
-        if self.open is not None and self.open.kind == "message":
-            self.open.logprobs.extend(self.pending)  # tokens whose text was held to the end (done carries them)
         return events + self._close(status)
 
     def _parts(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
