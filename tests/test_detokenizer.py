@@ -287,13 +287,19 @@ def test_tokenizer_errors(tiny_bytelevel: Tokenizer, tmp_path: Path) -> None:
 # ---- stop strings -----------------------------------------------------------------------------
 
 
-def _reference_stop(full: str, stop: list[str], include: bool, num_protected: int = 0) -> tuple[str, bool]:
-    """The first match that ends past the first `num_protected` chars (min_tokens' text)."""
-    matches = [(i, i + len(s)) for s in stop if (i := full.find(s, max(0, num_protected - len(s) + 1))) >= 0]
-    if not matches:
-        return full, False
-    start, end = min(matches)
-    return full[:end] if include else full[:start], True
+def _reference_stop(deltas: list[str], stop: list[str], include: bool, num_protected: int = 0) -> tuple[str, bool]:
+    """vLLM's: the first delta that completes a match ending past the first `num_protected` chars (min_tokens'
+    text) ends the text, at the earliest-starting (then shortest) of the matches it completes."""
+    full = "".join(deltas)
+    seen = 0
+    for delta in deltas:
+        seen += len(delta)
+        matches = [(i, i + len(s)) for s in stop
+                   if 0 <= (i := full.find(s, max(0, num_protected - len(s) + 1))) <= seen - len(s)]
+        if matches:
+            start, end = min(matches)
+            return full[:end] if include else full[:start], True
+    return full, False
 
 
 def _run_stop(deltas: list[str], stop: list[str], include: bool, num_protected: int = 0) -> tuple[str, bool]:
@@ -324,10 +330,10 @@ def test_stop_checker_matches_reference(data: st.DataObject) -> None:
     cuts = sorted(data.draw(st.lists(st.integers(0, len(full)), max_size=10)))
     deltas = [full[a:b] for a, b in zip([0, *cuts], [*cuts, len(full)], strict=True)]
     include = data.draw(st.booleans())
-    assert _run_stop(deltas, stop, include) == _reference_stop(full, stop, include)
+    assert _run_stop(deltas, stop, include) == _reference_stop(deltas, stop, include)
     num_protected = data.draw(st.integers(0, len(deltas)))
     assert _run_stop(deltas, stop, include, num_protected) == \
-        _reference_stop(full, stop, include, len("".join(deltas[:num_protected])))
+        _reference_stop(deltas, stop, include, len("".join(deltas[:num_protected])))
 
 
 def test_stop_checker_cases() -> None:
@@ -340,10 +346,12 @@ def test_stop_checker_cases() -> None:
     assert checker.push("OP more") == ("", True)
     with pytest.raises(AssertionError):
         checker.push("again")
-    # An earlier-starting, longer stop string beats a shorter one that completes first.
-    assert _run_stop(["xab", "c", "d"], ["abcd", "bc"], False) == ("x", True)
+    # The stop string that completes first ends the text (vLLM's), though a longer one began before it; of two
+    # completed by one delta, the earlier-starting
+    assert _run_stop(["xab", "c", "d"], ["abcd", "bc"], False) == ("xa", True)
     assert _run_stop(["xab", "c", "X"], ["abcd", "bc"], False) == ("xa", True)
-    assert _run_stop(["xab", "c"], ["abcd", "bc"], True) == ("xabc", True)  # flush finds the wait
+    assert _run_stop(["xab", "c"], ["abcd", "bc"], True) == ("xabc", True)
+    assert _run_stop(["xa", "bcd"], ["cd", "abcd"], False) == ("x", True)
     assert _run_stop(["hello"], [], False) == ("hello", False)
     assert _run_stop(["a<|", "end|>b"], ["<|end|>"], True) == ("a<|end|>", True)
 

@@ -11,11 +11,13 @@ there the detokenizers must not fail, and must agree with each other."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as RustTokenizer
@@ -258,12 +260,18 @@ def test_long_invalid_byte_runs(tok: Tokenizer) -> None:
         _push_all(IncrementalDetokenizer(tok, prompt, skip), output, sizes)
 
 
-def _reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
-    matches = [(i, i + len(s)) for s in stop if (i := text.find(s)) >= 0]
-    if not matches:
-        return text, None
-    start, end = min(matches)
-    return (text[:end] if include else text[:start]), text[start:end]
+def _reference_stop(deltas: list[str], stop: list[str], include: bool) -> tuple[str, str | None]:
+    """vLLM's: the first delta (push) that completes a stop string ends the text, at the earliest-starting (then
+    shortest) match it completes."""
+    text = "".join(deltas)
+    seen = 0
+    for delta in deltas:
+        seen += len(delta)
+        matches = [(i, i + len(s)) for s in stop if 0 <= (i := text.find(s)) <= seen - len(s)]
+        if matches:
+            start, end = min(matches)
+            return (text[:end] if include else text[:start]), text[start:end]
+    return text, None
 
 
 def test_stop_strings_cut_the_whole_decode(tok: Tokenizer) -> None:
@@ -284,15 +292,22 @@ def test_stop_strings_cut_the_whole_decode(tok: Tokenizer) -> None:
         if rng.random() < 0.3:
             stop.append(rng.choice(["<|im_end|>", "</s>", "\u0301", "é", "🎉", "<think>", "世界"]))
         include = rng.random() < 0.5
-        stream = TextStream(tok, prompt, SamplingParams(stop=stop, include_stop_str_in_output=include,
-                                                        skip_special_tokens=skip, max_tokens=64))
-        deltas, i = [], 0
-        while i < len(output) and not stream.stopped:
-            size = rng.choice([1, 1, 2, 5])
-            deltas.append(stream.push(output[i:i + size]))
-            i += size
+        params = SamplingParams(stop=stop, include_stop_str_in_output=include, skip_special_tokens=skip,
+                                max_tokens=64)
+        sizes = [rng.choice([1, 1, 2, 5]) for _ in output]
+        starts = list(itertools.accumulate(sizes, initial=0))
+        chunks = [output[a:b] for a, b in zip(starts, starts[1:], strict=False) if a < len(output)]
+        plain = TextStream(tok, prompt, msgspec.structs.replace(params, stop=[]))  # each push's text, no stops
+        pushed = [plain.push(chunk) for chunk in chunks] + [plain.close()]
+        assert "".join(pushed) == text
+        stream = TextStream(tok, prompt, params)
+        deltas = []
+        for chunk in chunks:
+            if stream.stopped:
+                break
+            deltas.append(stream.push(chunk))
         deltas.append(stream.close())
-        expected, matched = _reference_stop(text, stop, include)
+        expected, matched = _reference_stop(pushed, stop, include)
         assert ("".join(deltas), stream.stop_reason) == (expected, matched), (prompt, output, stop, deltas)
         assert stream.text == expected
         num_stopped += matched is not None

@@ -328,11 +328,28 @@ def _tokens_to_reach(tokenizer: Any, output_ids: list[int], num_chars: int) -> i
                 if len(tokenizer.decode(output_ids[:k], skip_special_tokens=True)) >= num_chars)
 
 
+def _first_stop(tokenizer: Any, output_ids: list[int], text: str, stops: list[str],
+                min_tokens: int) -> tuple[int, int, str]:
+    """vLLM's stop rule on a known output: the first token whose text completes a stop string, counting only
+    matches that end after the first min_tokens tokens' text; of those it completes, the earliest-starting. Returns
+    (tokens kept, the match's start in text, the stop string)."""
+    for num_tokens in range(min_tokens + 1, len(output_ids) + 1):
+        seen = len(tokenizer.decode(output_ids[:num_tokens], skip_special_tokens=True))
+        protected = len(tokenizer.decode(output_ids[:min_tokens], skip_special_tokens=True))
+        found = [(i, len(stop), stop) for stop in stops
+                 if 0 <= (i := text.find(stop, max(0, protected - len(stop) + 1))) <= seen - len(stop)]
+        if found:
+            start, _, stop = min(found)
+            return num_tokens, start, stop
+    raise AssertionError(f"no stop string of {stops} in {text!r}")
+
+
 def test_stop_strings_cut_the_oracles_text(llm: LLM, hf_model: Any, tokenizer: Any, poem: list[int]) -> None:
     """Stop strings on the oracle's greedy text (a piece inside tokens, a newline, a word met twice with min_tokens
-    past its first end): the output ends with the token that completes the first counted match, its text is cut
-    before the stop string (through it with include_stop_str_in_output), stop_reason names it; a match counts
-    only where it ends in the text of a token after the first min_tokens (vLLM's detokenizer)."""
+    past its first end, a word beside a longer stop string that begins earlier and never completes): the output
+    ends with the token that completes the first counted match, its text is cut before the stop string (through it
+    with include_stop_str_in_output), stop_reason names it; a match counts only where it ends in the text of a
+    token after the first min_tokens (vLLM's detokenizer)."""
     max_tokens = 30
     free = llm.generate([poem], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].outputs[0].token_ids
     assert_oracle_greedy(hf_model, poem, free, Oracle(), max_tokens)
@@ -341,24 +358,21 @@ def test_stop_strings_cut_the_oracles_text(llm: LLM, hf_model: Any, tokenizer: A
     assert words and "\n" in text
     twice = words[0]
     first_end = text.index(twice) + len(twice)
-    cases = [(text[len(text) // 3:len(text) // 3 + 3], 0), ("\n", 0), (twice, 0),
-             (twice, _tokens_to_reach(tokenizer, free, first_end))]
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=[stop], min_tokens=min_tokens,
-                             include_stop_str_in_output=include)
-              for stop, min_tokens in cases for include in (False, True)]
+    cases = [([text[len(text) // 3:len(text) // 3 + 3]], 0), (["\n"], 0), ([twice], 0),
+             ([twice], _tokens_to_reach(tokenizer, free, first_end)),
+             # the longer one starts first and fails only after `twice` completed: pagoda waited for it
+             ([twice, text[:first_end] + " @@"], 0)]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stops, min_tokens=min_tokens,
+                             include_stop_str_in_output=include, logprobs=0)
+              for stops, min_tokens in cases for include in (False, True)]
     outputs = llm.generate([poem] * len(params), params)
-    for (stop, min_tokens), pair in zip(cases, zip(outputs[::2], outputs[1::2], strict=True), strict=True):
-        start = 0
-        while True:  # the first match that ends after the first min_tokens tokens' text
-            start = text.index(stop, start)
-            num_tokens = _tokens_to_reach(tokenizer, free, start + len(stop))
-            if num_tokens > min_tokens:
-                break
-            start += 1
+    for (stops, min_tokens), pair in zip(cases, zip(outputs[::2], outputs[1::2], strict=True), strict=True):
+        num_tokens, start, stop = _first_stop(tokenizer, free, text, stops, min_tokens)
         for include, output in zip((False, True), pair, strict=True):
             completion = output.outputs[0]
-            assert completion.token_ids == free[:num_tokens], (stop, min_tokens)
-            assert completion.text == text[:start + (len(stop) if include else 0)], (stop, min_tokens, include)
+            assert completion.token_ids == free[:num_tokens], (stops, min_tokens)
+            assert completion.logprobs is not None and len(completion.logprobs) == num_tokens
+            assert completion.text == text[:start + (len(stop) if include else 0)], (stops, min_tokens, include)
             assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 class StopChecker:
     """One sequence's stop strings; the emitted text is the full text cut at the first stop string.
 
-    "First" means the match that starts earliest (of two starting at one place, the shorter). So a
-    completed match still waits while a longer stop string that starts before it may yet complete.
+    "First" means the first to complete, as vLLM's: the sequence ends with the push (token) that completes a stop
+    string, never later, so its tokens, logprobs and usage end where its text does. Of several completed by the
+    same push, the one that starts earliest (of two starting at one place, the shorter); vLLM takes the first in
+    its list there.
 
     text seen:  [ emitted ..................... | held: may begin a stop string ]
     Nothing emitted can begin a match: every position where one could still start is held.
@@ -34,10 +36,9 @@ class StopChecker:
         text = self._held + delta_text
         num_protected = len(text) if protected else self._num_protected
         match = self._first_match(text, num_protected)
-        partial_start = self._partial_start(text)
-        if match is not None and match[0] <= partial_start:
+        if match is not None:  # it ends in delta_text: the held text completes none
             return self._cut(text, match), True
-        # With a match after partial_start, a stop string starting earlier may still complete.
+        partial_start = self._partial_start(text)
         self._held = text[partial_start:]
         self._num_protected = max(0, num_protected - partial_start)
         return text[:partial_start], False
