@@ -666,3 +666,23 @@ def test_a_stop_string_across_tokens_ends_both_answers_alike(stopped: tuple[dict
         assert text == body["content"][0]["text"] == full[:full.index(stop)]
         assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
         assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", stop)
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_never_exceed_the_prompt(server: Server) -> None:
+    """A grammar's forced start is fast-forwarded onto the prompt, and a later request with the same start finds
+    those blocks cached too: usage still counts only the prompt's hits (cached_tokens <= prompt_tokens), and
+    Anthropic's input_tokens (the prompt less its hits) never goes below 0."""
+    forced = {"type": "object", "properties": {"note": {"type": "string", "enum": [
+        "a forced start, long enough to fill a block or two of the prefix cache with tokens past the prompt"]}},
+        "required": ["note"], "additionalProperties": False}
+    client = http_client()
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "note", "schema": forced}}}
+    usages = [client.post(server.url + CHAT_ROUTE, json=chat, timeout=120).json()["usage"] for _ in range(2)]
+    assert all(u["prompt_tokens_details"]["cached_tokens"] <= u["prompt_tokens"] for u in usages), usages
+    messages = {"model": SERVED, "messages": chat["messages"], "max_tokens": 40, "temperature": 0,
+                "output_config": {"format": {"type": "json_schema", "schema": forced}}}
+    usage = client.post(server.url + MESSAGES, json=messages, timeout=120).json()["usage"]
+    assert usage["input_tokens"] >= 0 and usage["input_tokens"] + usage["cache_read_input_tokens"] == \
+        usages[0]["prompt_tokens"], usage

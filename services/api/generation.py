@@ -171,7 +171,7 @@ class Generation:
                 continue
             self._observe(choice, num_new_tokens, now)
             choice.num_tokens += num_new_tokens
-            self.num_cached_tokens[i] = max(self.num_cached_tokens[i], num_cached_tokens)
+            self._cached(i, num_cached_tokens)
             if self.stream:
                 out.append(data)
             elif data:
@@ -191,11 +191,18 @@ class Generation:
             self._observe(choice, delta.num_new_tokens, now)
             choice.apply(delta)
             self.prompt_logprobs[i].extend(delta.prompt_logprobs)
-            self.num_cached_tokens[i] = max(self.num_cached_tokens[i], delta.num_cached_tokens)
+            self._cached(i, delta.num_cached_tokens)
             if delta.finish_reason >= 0:
                 self._end(i, choice, delta.finish_reason)
             applied.append((choice, delta))
         return self.renderer.chunks(applied) if self.stream else b""
+
+    def _cached(self, i: int, num_cached_tokens: int) -> None:
+        """Prompt i's prefix-cache hits, at most its prompt: the scheduler counts its hits over the sequence it
+        admits, which holds a grammar's fast-forwarded start beside the prompt (cached too when a request with the
+        same start ran before), so it may report more (usage then had cached_tokens past prompt_tokens, and
+        Anthropic's input_tokens, the prompt less the hits, below 0)."""
+        self.num_cached_tokens[i] = max(self.num_cached_tokens[i], min(num_cached_tokens, self.num_prompt_tokens[i]))
 
     def _observe(self, choice: Choice, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:
