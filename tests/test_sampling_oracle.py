@@ -1,8 +1,8 @@
 """Sampling parameters end to end against an independent oracle: transformers' fp32 SmolLM2 with vLLM's logits
 processing written out here in plain PyTorch (allowed ids, bad words, min_tokens, logit bias, then repetition over
-prompt + output and frequency / presence over output; temperature, min-p, top-k and top-p on what is left), driven
-through the offline API. Greedy runs compare tokens; sampled runs check each token lies in the oracle's kept set;
-logprobs are the model's raw ones (docs/vllm-compat.md)."""
+prompt + output and frequency / presence over output; then temperature, and top-k, top-p and min-p in the order
+docs/decoding.md states), driven through the offline API. Greedy runs compare tokens; sampled runs check each token
+lies in the oracle's kept set; logprobs are the model's raw ones (docs/vllm-compat.md)."""
 
 from __future__ import annotations
 
