@@ -625,6 +625,16 @@ def stopped(server: Server, answers: dict[str, tuple[bytes, Any]]) -> tuple[dict
                                                             "temperature": 0, "stop": [stops["chat"]], **extra})
     questions["messages_stop"] = (MESSAGES, {"model": SERVED, "messages": ASK, "max_tokens": 12, "temperature": 0,
                                              "stop_sequences": [stops["chat"]]})
+    # a stop that the answer's last characters begin and that never comes: the stream holds them back to the end
+    never = {family: text[-3:] + "\x07" for family, text in texts.items()}
+    questions["completion_held"] = (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+                                                  "stop": [never["completion"]]})
+    questions["chat_held"] = (CHAT_ROUTE, {"messages": ASK, "max_tokens": 12, "temperature": 0, "logprobs": True,
+                                           "stop": [never["chat"]]})
+    questions["responses_held"] = (RESPONSES, {"input": ASK[0]["content"], "max_output_tokens": 12, "temperature": 0,
+                                               "stop": [never["chat"]], "include": ["message.output_text.logprobs"]})
+    questions["messages_held"] = (MESSAGES, {"model": SERVED, "messages": ASK, "max_tokens": 12, "temperature": 0,
+                                             "stop_sequences": [never["chat"]]})
     return {"stops": stops, "texts": texts}, ask_both(server, questions)
 
 
@@ -686,3 +696,24 @@ def test_prefix_cache_hits_never_exceed_the_prompt(server: Server) -> None:
     usage = client.post(server.url + MESSAGES, json=messages, timeout=120).json()["usage"]
     assert usage["input_tokens"] >= 0 and usage["input_tokens"] + usage["cache_read_input_tokens"] == \
         usages[0]["prompt_tokens"], usage
+
+
+@pytest.mark.slow
+def test_text_held_back_for_a_stop_that_never_comes_ends_both_answers(
+        stopped: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """The answer's last characters may begin a stop string when its tokens run out: the stream shows them at the
+    end, as the body does, on every route."""
+    known, asked = stopped
+    texts = known["texts"]
+    data, body = asked["completion_held"]
+    choice = accumulate_completions(sse_payloads(data))[0]
+    assert choice["text"] == body["choices"][0]["text"] == texts["completion"] and choice["finish_reason"] == "length"
+    same(choice["logprobs"], body["choices"][0]["logprobs"])
+    _, streamed, whole, _ = chat_pair(asked, "chat_held")
+    assert streamed.choices[0].message.content == whole.choices[0].message.content == texts["chat"]
+    data, body = asked["responses_held"]
+    check_response_events(named_events(data), body)
+    assert body["output"][0]["content"][0]["text"] == texts["chat"] and body["status"] == "incomplete"
+    data, body = asked["messages_held"]
+    check_message_events(named_events(data), body)
+    assert body["content"][0]["text"] == texts["chat"] and body["stop_reason"] == "max_tokens"
