@@ -46,7 +46,8 @@ def oracle_beams(model, prompt: list[int], width: int, n: int, max_new: int, len
         logits = next_logits(model, [prompt + tokens for tokens, _ in running])  # [beams, vocab]
         sums = torch.log_softmax(logits / scale, dim=-1) + torch.tensor([c for _, c in running])[:, None]
         vocab = sums.shape[-1]
-        top, flat = torch.topk(sums.flatten(), num_candidates)  # [num_candidates]
+        # transformers' first step also offers its copies of the one beam at -1e9: never among the width best
+        top, flat = torch.topk(sums.flatten(), min(num_candidates, sums.numel()))  # [num_candidates]
         candidates = [(float(s), int(i) // vocab, int(i) % vocab) for s, i in zip(top, flat, strict=True)]
         hits = [token in stop_ids or generated == max_new for _, _, token in candidates]
         if not ((early_stopping is True and len(finished) == width) or not improvable):
@@ -306,3 +307,23 @@ def test_a_length_penalty_past_floats_range_ends_the_search_instead_of_raising(l
             assert all(c.token_ids and c.score == c.score for c in output.outputs)  # never NaN
     llm.engine.scheduler.blocks.check_integrity([])
     assert not llm.engine.scheduler.requests
+
+
+def test_a_first_step_with_more_candidates_than_the_vocabulary_beside_a_wider_group(tiny: tuple[Path, int], model,  # noqa: ANN001
+                                                                                    llm) -> None:
+    """(1 + stop ids) x width candidates can exceed the vocabulary (here 41 x 8 > 256; on a 32k vocabulary, width 128
+    with 256 stop ids). A first step has one beam, so the worker pads its candidates with -inf, and beside a group
+    with more beams in the same step the padding names parents that do not exist yet: it is no continuation, not a
+    malformed answer (the search ended with an error)."""
+    _, eos = tiny
+    stops = list(range(200, 240))
+    engine = llm.engine
+    wider = engine.add_request(PROMPTS[1], beam_params(4, 4, 12))
+    while not engine.scheduler.requests[wider].beam.num_generated:
+        engine.step()
+    request_id = engine.add_request(PROMPTS[0], beam_params(8, 8, 12, stop_token_ids=stops))
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = oracle_beams(model, PROMPTS[0], 8, 8, 12, stop_ids=frozenset(stops) | {eos})
+    assert_matches([engine.get_output(request_id)], [expected], tuple(stops))
+    assert_matches([engine.get_output(wider)], [oracle_beams(model, PROMPTS[1], 4, 4, 12, stop_ids=frozenset({eos}))])

@@ -907,6 +907,7 @@ class Scheduler:
         if any(seq.is_finished or seq.seq_id not in step.sampler_ids or seq.num_pending != 1 for seq in live):
             return []  # not the group this step ran: the worker's answer is dropped (and the beams aborted)
         resolved.update(seq.seq_id for seq in live)
+        candidates = _without_padding(candidates, len(live))
         if not self._candidates_valid(candidates, len(live)):
             return self._end_beam_search(request, FinishReason.ERROR)  # a malformed answer ends this request only
         for seq in live:  # the provisional tokens: what each slot gets is decided here
@@ -1148,6 +1149,19 @@ def check_request_fields(request: Request) -> None:
         raise InvalidRequestError(f"a tenant priority is in [-{MAX_TIER}, {MAX_TIER}]", param="tenant_priority")
     if request.cache_salt:
         check_cache_salt(request.cache_salt)
+
+
+def _without_padding(candidates: BeamCandidates, num_live: int) -> BeamCandidates:
+    """A first step's candidates less the worker's padding: one beam has fewer continuations than the group asks
+    for when (1 + stop ids) x width exceeds the vocabulary, and sampler.beam_candidates pads them with -inf entries
+    whose parents lie past the live beams when a group with more beams shares the step. They continue nothing."""
+    if all(parent < num_live for parent in candidates.parents):
+        return candidates
+    keep = [k for k, (parent, score) in enumerate(zip(candidates.parents, candidates.scores, strict=False))
+            if parent < num_live or score != -math.inf]  # a finite score past the live beams stays: malformed
+    return BeamCandidates(candidates.seq_id, [candidates.token_ids[k] for k in keep],
+                          [candidates.parents[k] for k in keep], [candidates.scores[k] for k in keep],
+                          candidates.slot_parents)
 
 
 class _Generated:
