@@ -215,7 +215,7 @@ def test_chat_stream_reassembles_into_the_body(mode: tuple[str, str, str | None,
     tool_mode, tool_parser, reasoning_parser, max_calls = mode
     spec = RenderSpec(CHAT, "chatcmpl-1", "m", 1700000000, True, want_logprobs=seed != 1, include_usage=True,
                       tool_mode=tool_mode, tool_parser=tool_parser, tool_name="f" if tool_mode == "named" else "",
-                      reasoning_parser=reasoning_parser, max_calls=max_calls)
+                      reasoning_parser=reasoning_parser, max_calls=max_calls, continuous_usage=seed == 2)
     # n = 2: the second choice writes the same text cut elsewhere and ends by length, the first by a stop string
     pieces = [_cuts(text, seed), _cuts(text, seed + 10)]
     data, body = render_both(spec, pieces, [FinishReason.STOP, FinishReason.LENGTH], ["\n\n", None])
@@ -223,6 +223,9 @@ def test_chat_stream_reassembles_into_the_body(mode: tuple[str, str, str | None,
     stop_reasons = check_chat_chunks(chunks[:-1], 2)
     assert stop_reasons == {c["index"]: c["stop_reason"] for c in body["choices"]}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+    if spec.continuous_usage:  # each choice's last chunk counts all its tokens, text held back or not
+        last = {c["choices"][0]["index"]: c["usage"]["completion_tokens"] for c in chunks[:-1]}
+        assert last == {i: len(p) for i, p in enumerate(pieces)}
     whole = ChatCompletion.model_validate(body)
     same_chat_answer(accumulate_chat(chunks), whole, want_logprobs=spec.want_logprobs)
 
@@ -328,10 +331,10 @@ def answers(server: Server) -> dict[str, tuple[bytes, Any]]:
     """Every first question of this module, asked at once."""
     return ask_both(server, {
         "completion": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "n": 2, "echo": True, **SAMPLED,
-                                     **USAGE_EVERY_CHUNK}),  # echo with logprobs is not streamed (a 400)
+                                     "return_token_ids": True, **USAGE_EVERY_CHUNK}),  # echo + logprobs: a 400
         "completion_greedy": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 2}),
         "chat": (CHAT_ROUTE, {"messages": ASK, "max_tokens": 12, "n": 2, "logprobs": True, "top_logprobs": 2,
-                              **SAMPLED, **USAGE_EVERY_CHUNK}),
+                              "return_token_ids": True, **SAMPLED, **USAGE_EVERY_CHUNK}),
         "chat_greedy": (CHAT_ROUTE, {"messages": ASK, "max_tokens": 12, "temperature": 0, "logprobs": True}),
         "chat_auto_calls": (CHAT_ROUTE, {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 60,
                                          "temperature": 0, "logprobs": True, "structured_outputs": {
@@ -379,10 +382,16 @@ def accumulate_completions(chunks: list[dict[str, Any]]) -> dict[int, dict[str, 
     choices: dict[int, dict[str, Any]] = {}
     for chunk in chunks:
         for choice in chunk["choices"]:
-            assert set(choice) <= {"index", "text", "logprobs", "finish_reason", "stop_reason"}, choice
+            assert set(choice) <= {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                                   "prompt_token_ids"}, choice
             entry = choices.setdefault(choice["index"], {"text": "", "logprobs": None, "finish_reason": None})
             assert entry["finish_reason"] is None, "nothing comes after a choice's finish_reason"
             entry["text"] += choice["text"]
+            if "token_ids" in choice:  # return_token_ids: the prompt's on the choice's first chunk, once
+                entry["token_ids"] = entry.get("token_ids", []) + choice["token_ids"]
+                if "prompt_token_ids" in choice:
+                    assert "prompt_token_ids" not in entry
+                    entry["prompt_token_ids"] = choice["prompt_token_ids"]
             if choice["logprobs"] is not None:
                 logprobs = entry["logprobs"] = entry["logprobs"] or {key: [] for key in choice["logprobs"]}
                 for key, values in choice["logprobs"].items():
@@ -413,6 +422,8 @@ def test_a_completions_stream_is_the_completion(answers: dict[str, tuple[bytes, 
             assert got["text"] == want["text"] and got["text"].startswith(PROMPT if name == "completion" else "")
             assert (got["finish_reason"], got["stop_reason"]) == (want["finish_reason"], want["stop_reason"])
             same(got["logprobs"], want["logprobs"])
+            for key in ("token_ids", "prompt_token_ids"):
+                assert got.get(key) == want.get(key), key
         if name == "completion":
             assert _without_ids(usage) == _without_ids(body["usage"])
             assert sum(c["usage"]["completion_tokens"] for c in streamed.values()) == usage["completion_tokens"]
@@ -432,6 +443,12 @@ def chat_pair(answers: dict[str, tuple[bytes, Any]], name: str) -> tuple[list[di
     assert stop_reasons == {c["index"]: c["stop_reason"] for c in body["choices"]}
     streamed = accumulate_chat(chunks)
     same_chat_answer(streamed, whole, want_logprobs=body["choices"][0]["logprobs"] is not None)
+    if "prompt_token_ids" in body:  # return_token_ids: the prompt's once per choice (its role chunk), then each token's
+        assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == \
+            [body["prompt_token_ids"]] * len(body["choices"])
+        for want in body["choices"]:
+            assert [i for c in chunks for choice in c["choices"] if choice["index"] == want["index"]
+                    for i in choice.get("token_ids", [])] == want["token_ids"]
     return chunks, streamed, whole, usage
 
 
