@@ -2,10 +2,13 @@
 stream's chunks or events add up to the body, on every endpoint, judged by the SDKs' own stream accumulators (openai's
 ChatCompletionStreamState and ResponseStreamState, anthropic's accumulate_event) and by a plain reassembly.
 
-The first half feeds the renderers the servers use the same text cut at seeded random places (markers split
-anywhere), streamed and not: content, reasoning, tool calls of every parser, logprobs, finish and stop reasons,
-n > 1. The second half asks one served SmolLM2 each question twice, streamed and not: completions (echo, logprobs,
-stop strings, n, usage), chat (logprobs, n, stop, usage, forced tool calls, json_schema), Responses and Messages."""
+The first half feeds the renderers the servers use (chat's as the tokenizer renders it, Responses', Messages') the
+same text cut at seeded random places (markers split anywhere), streamed and not: content, reasoning, tool calls of
+every parser, logprobs, finish and stop reasons, n > 1, usage. The second half asks one served SmolLM2 each question
+twice, streamed and not, all at once: completions (echo, logprobs, stop strings, n, usage, token ids), chat (the
+same, forced tool calls, json_schema), Responses and Messages; the model serves no reasoning parser, so think blocks
+are checked in the first half only. Ids, clock readings and prefix-cache hits differ by request and are not
+compared; logprob values are compared within 1e-4 (two requests run in different batches)."""
 
 from __future__ import annotations
 
