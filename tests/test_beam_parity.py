@@ -3,8 +3,8 @@
 model's logits with transformers' rules, itself checked against generate. Cases test_beam_search.py and
 test_beam_device.py leave out: widths 1 to 8, max_tokens 1, length penalties 0 and negative with "never", stop ids,
 temperature, ignore_eos, cumulative logprobs, a context-bound search, beams beside greedy rows on a small cache, the
-prefix cache after beams, LLM.beam_search's fields, the tokenizer's own EOS on the served path, and a length penalty
-past float's range."""
+prefix cache after beams, LLM.beam_search's fields, the tokenizer's own EOS on the served path, a length penalty
+past float's range, and a first step with more candidates than the vocabulary."""
 
 from __future__ import annotations
 
