@@ -548,19 +548,22 @@ def check_response_events(events: list[dict[str, Any]], body: dict[str, Any]) ->
     joined: dict[int, str] = {}
     logprobs: dict[int, list[Any]] = {}
     open_items: list[int] = []
+    output = events[-1]["response"]["output"]  # this stream's own: its ids are the events' ids
     for event in events[2:-1]:
         kind, index = event["type"].removeprefix("response."), event["output_index"]
         if kind == "output_item.added":
             assert index == len(joined) and not open_items, "one item at a time, in order"
             open_items.append(index)
             joined[index] = ""
-        elif kind.endswith(".delta"):
-            assert open_items == [index]
-            joined[index] += event["delta"]
-            logprobs.setdefault(index, []).extend(event.get("logprobs", []))
+            assert (event["item"]["id"], event["item"].get("call_id")) == (output[index]["id"],
+                                                                            output[index].get("call_id"))
         elif kind == "output_item.done":
-            assert open_items.pop() == index
-            same(_without_ids(event["item"]), _without_ids(body["output"][index]))
+            assert open_items.pop() == index and event["item"] == output[index]
+        else:
+            assert open_items == [index] and event.get("item_id", output[index]["id"]) == output[index]["id"]
+            if kind.endswith(".delta"):
+                joined[index] += event["delta"]
+                logprobs.setdefault(index, []).extend(event.get("logprobs", []))
     assert sorted(joined) == list(range(len(body["output"])))
     for index, item in enumerate(body["output"]):
         text = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
