@@ -32,7 +32,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 
 from pagoda.services.protocol.anthropic import MessagesRenderer
-from pagoda.services.protocol.chat_output import ChatOutputSpec
+from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, whole_message
 from pagoda.services.protocol.render import CHAT, PromptRenderer, renderer_for, usage_dict
 from pagoda.services.protocol.responses import ResponsesRenderer
 from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
@@ -60,6 +60,7 @@ CHAT_CASES: list[tuple[tuple[str, str, str | None, int], str]] = [
     (("auto", "llama3_json", None, 0), ' {"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'),
     (("auto", "llama3_json", None, 0), '<|python_tag|>{"name": "f", "arguments": "{\\"a\\": 2}"}'),
     (("auto", "llama3_json", None, 0), "{not a call} and text"),
+    (("auto", "llama3_json", None, 0), 'Text first, so no call: {"name": "f", "parameters": {"a": 1}}'),
     (("required", "hermes", None, 0), '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'),
     (("required", "hermes", None, 0), '[{"name": "f", "param'),
     (("named", "hermes", None, 0), '{"a": 1, "b": "x"}'),
@@ -231,6 +232,18 @@ def test_chat_stream_reassembles_into_the_body(mode: tuple[str, str, str | None,
         assert last == {i: len(p) for i, p in enumerate(pieces)}
     whole = ChatCompletion.model_validate(body)
     same_chat_answer(accumulate_chat(chunks), whole, want_logprobs=spec.want_logprobs)
+
+
+def test_llama3_json_after_text_is_content_when_streamed_too() -> None:
+    """Llama 3's calls are the whole answer: an object after text is content, also when it begins a later token."""
+    spec = ChatOutputSpec("auto", "llama3_json")
+    pieces = ["Use it:", " ", '{"name": "f", "parameters": {"a": 1}}']
+    message, calls_tools = whole_message(spec, "".join(pieces))
+    stream = ChoiceStream(spec)
+    deltas = [d for piece in pieces for d in stream.push(piece)]
+    more, streamed_calls = stream.finish()
+    assert not calls_tools and not streamed_calls
+    assert "".join(d["content"] for d in deltas + more) == message["content"] == "".join(pieces)
 
 
 def render_builders(renderer_of: Any, pieces: list[str], want_logprobs: bool) -> tuple[list[dict[str, Any]], Any]:

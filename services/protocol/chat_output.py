@@ -81,6 +81,7 @@ class ChoiceStream:
     reasoning: ReasoningStream | None = None
     held: str = ""  # content that may be a tool call
     holding: bool = False
+    plain: bool = False  # llama3_json: content was sent, so the answer is no call (its calls are the whole answer)
     num_calls: int = 0
 
     def __post_init__(self) -> None:
@@ -148,12 +149,13 @@ class ChoiceStream:
         self.held = ""
         if self.spec.tool_parser == "llama3_json":  # calls are the whole answer: hold if it opens with {
             stripped = pending.lstrip()
-            if not stripped:
+            if not stripped and not self.plain:
                 self.held = pending
                 return []
-            if stripped.startswith("{") or "<|python_tag|>".startswith(stripped[:14]):
+            if not self.plain and (stripped.startswith("{") or "<|python_tag|>".startswith(stripped[:14])):
                 self.holding, self.held = True, pending
                 return []
+            self.plain = True
             return [{"content": pending}]
         start = pending.find(marker)
         cut = start if start >= 0 else len(pending) - next(
