@@ -8,7 +8,7 @@ from typing import Any
 
 import pagoda.params as vllm_params
 from pagoda.engine import LLMEngine, is_model_reference
-from pagoda.outputs import Logprob, Metric, RequestOutput, StreamDelta
+from pagoda.outputs import CompletionOutput, Logprob, Metric, RequestOutput, StreamDelta
 from pagoda.services.tokenizer.generation_config import sampling_defaults
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.shared.errors import InvalidRequestError
@@ -31,7 +31,9 @@ class _PromptInput:
 
 @dataclass(frozen=True, slots=True)
 class BeamSearchParams:
-    """vLLM's BeamSearchParams, plus transformers' early_stopping (True, False or "never")."""
+    """vLLM's BeamSearchParams, plus transformers' early_stopping (True, False or "never") and stop_token_ids.
+    include_stop_str_in_output: a hypothesis that ended on its end-of-sequence (or stop) token keeps that token in
+    its tokens and text; vLLM's default, False, leaves it out (its log-probability stays in the score)."""
 
     beam_width: int
     max_tokens: int
@@ -40,6 +42,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(use_beam_search=True, best_of=self.beam_width, n=self.beam_width,
@@ -189,7 +192,8 @@ class LLM:
                                                      c.cumulative_logprob or 0.0, c.score or 0.0, c.finish_reason,
                                                      c.stop_reason)
                                   for c in output.outputs
-                                  for tokens in [output.prompt_token_ids + c.token_ids]]) for output in outputs]
+                                  for tokens in [output.prompt_token_ids + _beam_tokens(c, params)]])
+                for output in outputs]
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: a snapshot of the engine's metrics as Counter and Gauge objects (pagoda.outputs, the shapes of
@@ -249,6 +253,13 @@ class LLM:
                 self.engine.pop_output(request_id)
             raise
         return request_ids
+
+
+def _beam_tokens(completion: CompletionOutput, params: BeamSearchParams) -> list[int]:
+    """A hypothesis's generated tokens as vLLM's beam_search returns them: a beam ends with "stop" only on its
+    end-of-sequence or a stop token, which is left out unless include_stop_str_in_output."""
+    ends_on_stop = completion.finish_reason == "stop" and completion.token_ids
+    return completion.token_ids[:-1] if ends_on_stop and not params.include_stop_str_in_output else completion.token_ids
 
 
 def _no_lora(lora_request: Any) -> None:

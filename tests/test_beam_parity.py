@@ -274,8 +274,9 @@ def test_blocks_beams_wrote_serve_later_prompts_from_the_prefix_cache(tiny: tupl
 
 
 def test_llm_beam_search_returns_vllms_fields_as_the_oracle(tiny: tuple[Path, int], model, llm) -> None:  # noqa: ANN001
-    """LLM.beam_search: per prompt the beam_width best, each the prompt's tokens and its own, its cumulative logprob
-    and score, finish and stop reasons; concurrency_limit searches in chunks with the same answers."""
+    """LLM.beam_search: per prompt the beam_width best, each the prompt's tokens and its own (the closing stop token
+    left out, as vLLM's default), its cumulative logprob and score, finish and stop reasons; concurrency_limit
+    searches in chunks with the same answers."""
     from pagoda import BeamSearchParams
 
     _, eos = tiny
@@ -286,7 +287,8 @@ def test_llm_beam_search_returns_vllms_fields_as_the_oracle(tiny: tuple[Path, in
     chunked = llm.beam_search(PROMPTS, params, concurrency_limit=4)
     for prompt, result, again in zip(PROMPTS, whole, chunked, strict=True):
         hyps = oracle_beams(model, prompt, 3, 3, 10, 0.8, stop_ids=frozenset({eos, stop}))
-        assert [s.tokens for s in result.sequences] == [prompt + h.token_ids for h in hyps]
+        # vLLM's default include_stop_str_in_output=False: a hypothesis's closing stop token is not returned
+        assert [s.tokens for s in result.sequences] == [prompt + h.token_ids[:-1 if h.stopped else None] for h in hyps]
         assert [s.cum_logprob for s in result.sequences] == pytest.approx([h.cumulative_logprob for h in hyps],
                                                                           rel=1e-4, abs=1e-5)
         assert [s.score for s in result.sequences] == pytest.approx([h.score for h in hyps], rel=1e-4, abs=1e-5)

@@ -9,6 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagoda import LLM, SamplingParams
+from pagoda.shared.shapes import load_arch
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +75,27 @@ def test_beam_search_text_is_vllms_decode_of_the_whole_sequence(llm: LLM, smollm
     for sequence in result.sequences:
         assert sequence.text == reference.decode(sequence.tokens)
         assert sequence.text.startswith(prompt)
+
+
+def test_beam_search_leaves_the_end_of_sequence_out_unless_asked(llm: LLM, smollm2_dir: Path) -> None:
+    """vLLM's BeamSearchParams.include_stop_str_in_output (default False): a hypothesis that ended on its
+    end-of-sequence token returns without it in its tokens and text, its score unchanged; True keeps it. pagoda had
+    no such field (a TypeError for scripts that pass it) and always kept the token."""
+    from pagoda import BeamSearchParams
+
+    reference = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = reference.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with a number only."}], tokenize=False,
+                                           add_generation_prompt=True)
+    params = {"beam_width": 2, "max_tokens": 24}
+    [kept] = llm.beam_search([prompt], BeamSearchParams(**params, include_stop_str_in_output=True))
+    [left] = llm.beam_search([prompt], BeamSearchParams(**params))
+    ended = [i for i, s in enumerate(kept.sequences) if s.finish_reason == "stop"]
+    assert ended, "the case needs a hypothesis that ends on its end-of-sequence token"
+    for i in ended:
+        assert left.sequences[i].tokens == kept.sequences[i].tokens[:-1]
+        assert kept.sequences[i].tokens[-1] in (reference.eos_token_id, *load_arch(smollm2_dir).eos_token_ids)
+        assert left.sequences[i].text == reference.decode(left.sequences[i].tokens)
+        assert left.sequences[i].score == kept.sequences[i].score
 
 
 def test_spaces_between_special_tokens_is_taken_and_changes_nothing() -> None:
