@@ -69,6 +69,7 @@ CHAT_CASES: list[tuple[tuple[str, str, str | None, int], str]] = [
     (("none", "hermes", "qwen3", 0), "No think block </think> here."),
     (("none", "hermes", "qwen3", 0), "<think>cut off inside the think bl"),
     (("none", "hermes", "deepseek_r1", 0), "reasoning first</think>then the answer"),
+    (("none", "hermes", "deepseek_r1", 0), "\n<think>The opener again, then <think> in the text.</think>Answer."),
     (("auto", "hermes", "qwen3", 0), "<think>I should call it.</think>\nOn it.\n" + CALL),
     (("auto", "mistral", "deepseek_r1", 0), 'hm</think>[TOOL_CALLS] [{"name": "f", "arguments": {}}]'),
 ]
@@ -244,6 +245,19 @@ def test_llama3_json_after_text_is_content_when_streamed_too() -> None:
     more, streamed_calls = stream.finish()
     assert not calls_tools and not streamed_calls
     assert "".join(d["content"] for d in deltas + more) == message["content"] == "".join(pieces)
+
+
+@pytest.mark.parametrize("pieces", [["<th", "ink>", "Hm, <", "think> is a tag.</think>", "Done."],
+                                    ["\n", "<think>Hm, ", "<think> is a tag.</think>", "Done."]])
+def test_deepseek_r1_drops_a_repeated_opener_only_at_the_start_streamed_too(pieces: list[str]) -> None:
+    """Some R1 variants write the `<think>` the template opened already: dropped at the start of the reasoning,
+    also when cut across tokens; a `<think>` later in the reasoning is its text, also when a token begins with it."""
+    spec = ChatOutputSpec(reasoning_parser="deepseek_r1")
+    message, _ = whole_message(spec, "".join(pieces))
+    stream = ChoiceStream(spec)
+    deltas = [d for piece in pieces for d in stream.push(piece)] + stream.finish()[0]
+    assert message["reasoning"] == "".join(d.get("reasoning", "") for d in deltas) == "Hm, <think> is a tag."
+    assert message["content"] == "".join(d.get("content", "") for d in deltas) == "Done."
 
 
 def render_builders(renderer_of: Any, pieces: list[str], want_logprobs: bool) -> tuple[list[dict[str, Any]], Any]:

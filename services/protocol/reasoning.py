@@ -32,6 +32,7 @@ class ReasoningStream:
     pending: str = ""
     saw_reasoning: bool = False
     strip_newlines: bool = False  # just after </think>: the template's newlines are not content
+    opening: bool = True  # deepseek_r1: nothing of the reasoning seen yet (where a repeated opener may stand)
 
     def __post_init__(self) -> None:
         assert self.parser in REASONING_PARSERS, self.parser
@@ -53,8 +54,13 @@ class ReasoningStream:
             else:
                 self.state = "content"
         if self.state == "reasoning":
-            if self.parser == "deepseek_r1" and self.pending.lstrip().startswith(THINK_START):
-                self.pending = self.pending.lstrip()[len(THINK_START):]  # some R1 variants repeat the opener
+            if self.parser == "deepseek_r1" and self.opening:  # some R1 variants repeat the opener: dropped
+                stripped = self.pending.lstrip()
+                if len(stripped) < len(THINK_START) and THINK_START.startswith(stripped):
+                    return "", ""  # may still become the opener, cut across tokens
+                if stripped.startswith(THINK_START):
+                    self.pending = stripped[len(THINK_START):]
+                self.opening = False  # only at the start: a "<think>" later is the reasoning's text
             end = self.pending.find(THINK_END)
             if end < 0:
                 keep = _partial_suffix(self.pending, THINK_END)
