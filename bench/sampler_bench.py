@@ -33,6 +33,7 @@ from pagoda.services.worker.sampling_state import SamplingState
 from pagoda.shared.messages import NewRequest, SamplingParams
 
 PROMPT_LEN, OUTPUT_LEN = 512, 256
+REP_BIAS = {11: 2.0, 13: -5.0, 500: 1.5}  # logit_bias of the *_bias settings
 SETTINGS: dict[str, dict | tuple[dict, ...]] = {  # a tuple: row i takes entry i % len
     "greedy": dict(temperature=0.0),
     "sampled": dict(temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.5, frequency_penalty=0.2),
@@ -41,7 +42,9 @@ SETTINGS: dict[str, dict | tuple[dict, ...]] = {  # a tuple: row i takes entry i
     "mixed": MIXED,
     # OpenAI sampling with a repetition penalty and a logit bias on every row: the bias goes in before the penalty
     # (vLLM's order), through an fp32 copy of the logits (b8e7a63); a tuple, as the old sampler has neither
-    "openai_rep_bias": (dict(OPENAI, repetition_penalty=1.1, logit_bias={11: 2.0, 13: -5.0, 500: 1.5}),),
+    "openai_rep_bias": (dict(OPENAI, repetition_penalty=1.1, logit_bias=REP_BIAS),),
+    "openai_rep": (dict(OPENAI, repetition_penalty=1.1),),  # each alone: no copy (the penalty pass writes fp32)
+    "openai_bias": (dict(OPENAI, logit_bias=REP_BIAS),),
 }
 # full [B, V] passes of the new path in units of one fp32 row read (bf16 logits read = 0.5), per setting:
 # greedy: the argmax reads bf16; sampled: bf16 logits + int32 counts in, fp32 out (the threshold and the draw
@@ -50,7 +53,8 @@ SETTINGS: dict[str, dict | tuple[dict, ...]] = {  # a tuple: row i takes entry i
 # openai_rep_bias: the biased fp32 copy (bf16 in, fp32 out), the penalty pass (fp32 and counts in, fp32 out), the
 # draw and one round
 NEW_PASSES = {"greedy": 0.5, "sampled": 0.5 + 1 + 1, "top_p": 0.5 + 0.5, "openai": 0.5 + 0.5,
-              "mixed": 0.5 + 0.5 * 0.75 + 0.5 * 0.25, "openai_rep_bias": 0.5 + 1 + 1 + 1 + 1 + 1 + 1}
+              "mixed": 0.5 + 0.5 * 0.75 + 0.5 * 0.25, "openai_rep_bias": 0.5 + 1 + 1 + 1 + 1 + 1 + 1,
+              "openai_rep": 0.5 + 1 + 1 + 1 + 1, "openai_bias": 0.5 + 0.5 + 1 + 1}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
