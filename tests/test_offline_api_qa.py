@@ -84,8 +84,8 @@ def test_beam_search_leaves_the_end_of_sequence_out_unless_asked(llm: LLM, smoll
     from pagoda import BeamSearchParams
 
     reference = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompt = reference.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with a number only."}], tokenize=False,
-                                           add_generation_prompt=True)
+    question = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
+    prompt = reference.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     params = {"beam_width": 2, "max_tokens": 24}
     [kept] = llm.beam_search([prompt], BeamSearchParams(**params, include_stop_str_in_output=True))
     [left] = llm.beam_search([prompt], BeamSearchParams(**params))
@@ -95,7 +95,9 @@ def test_beam_search_leaves_the_end_of_sequence_out_unless_asked(llm: LLM, smoll
         assert left.sequences[i].tokens == kept.sequences[i].tokens[:-1]
         assert kept.sequences[i].tokens[-1] in (reference.eos_token_id, *load_arch(smollm2_dir).eos_token_ids)
         assert left.sequences[i].text == reference.decode(left.sequences[i].tokens)
-        assert left.sequences[i].score == kept.sequences[i].score
+        # the two searches run apart (the second hits the prefix cache): equal up to float noise (1e-5 on the CPU)
+        assert left.sequences[i].score == pytest.approx(kept.sequences[i].score, abs=1e-4)
+        assert left.sequences[i].cum_logprob == pytest.approx(kept.sequences[i].cum_logprob, abs=1e-4)
 
 
 def test_spaces_between_special_tokens_is_taken_and_changes_nothing() -> None:
