@@ -13,7 +13,7 @@ from pagoda.services.scheduler.beam import BeamSearch, assign_slots
 from pagoda.services.scheduler.block_manager import hash_block, salted_root
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.shared.errors import InvalidRequestError
-from pagoda.shared.messages import BeamCandidates, SamplingParams, StepPlan, StepResult
+from pagoda.shared.messages import BeamCandidates, FinishReason, SamplingParams, StepPlan, StepResult
 
 EOS = 2
 
@@ -148,6 +148,24 @@ def plans_until_the_group_samples(scheduler: Scheduler) -> list[StepPlan]:
             break
         scheduler.update(plan, StepResult(step_id=plan.step_id, seq_ids=[], sampled_token_ids=[]))
     return plans
+
+
+@pytest.mark.parametrize(("tokens", "parents", "scores"), [
+    ([20, 21, 22], [0, 0], [-1.0, -2.0, -3.0]),  # a token without a parent
+    ([20], [3, 0], [float("-inf"), -1.0]),  # padding-like, one token short
+    ([], [], []),  # no candidate at all
+])
+def test_a_first_steps_malformed_candidates_end_the_request_only(tokens: list[int], parents: list[int],
+                                                                 scores: list[float]) -> None:
+    """Lists of unequal length or none at all (a worker bug): the request ends with an error, where BeamSearch.step's
+    assert (or an index past the padding filter's end) would end the scheduler process and every request in it."""
+    scheduler = make_scheduler()
+    scheduler.add_request(beam_request(2, [10, 11, 12, 13, 14]))
+    plan = scheduler.schedule()
+    request = scheduler.requests["r"]
+    updates = scheduler.update(plan, answer(plan, tokens, parents, scores))
+    assert [update.finish_reason for update in updates] == [FinishReason.ERROR] * 2
+    assert all(seq.is_finished for seq in request.sequences) and "r" not in scheduler.requests
 
 
 def test_preempted_beam_group_waits_whole_and_recomputes_each_beam() -> None:

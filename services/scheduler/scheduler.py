@@ -998,9 +998,10 @@ class Scheduler:
         return []
 
     def _candidates_valid(self, candidates: BeamCandidates, num_live: int) -> bool:
-        """Every candidate continues a live beam with a token of the vocabulary (else the worker's answer is
-        malformed)."""
-        return all(0 <= parent < num_live for parent in candidates.parents) and all(
+        """Some candidates, each a token, a parent and a score, and every one continues a live beam with a token of
+        the vocabulary (else the worker's answer is malformed: BeamSearch.step would fail an assert)."""
+        return len(candidates.token_ids) == len(candidates.parents) == len(candidates.scores) > 0 and all(
+            0 <= parent < num_live for parent in candidates.parents) and all(
             0 <= token < self.vocab_size for token in candidates.token_ids)
 
     def _decide_beams(self, request: Request, candidates: BeamCandidates, live: list[Sequence]
@@ -1155,9 +1156,10 @@ def _without_padding(candidates: BeamCandidates, num_live: int) -> BeamCandidate
     """A first step's candidates less the worker's padding: one beam has fewer continuations than the group asks
     for when (1 + stop ids) x width exceeds the vocabulary, and sampler.beam_candidates pads them with -inf entries
     whose parents lie past the live beams when a group with more beams shares the step. They continue nothing."""
-    if all(parent < num_live for parent in candidates.parents):
-        return candidates
-    keep = [k for k, (parent, score) in enumerate(zip(candidates.parents, candidates.scores, strict=False))
+    if all(parent < num_live for parent in candidates.parents) or not (
+            len(candidates.token_ids) == len(candidates.parents) == len(candidates.scores)):
+        return candidates  # nothing to drop, or malformed (_candidates_valid says so)
+    keep = [k for k, (parent, score) in enumerate(zip(candidates.parents, candidates.scores, strict=True))
             if parent < num_live or score != -math.inf]  # a finite score past the live beams stays: malformed
     return BeamCandidates(candidates.seq_id, [candidates.token_ids[k] for k in keep],
                           [candidates.parents[k] for k in keep], [candidates.scores[k] for k in keep],
