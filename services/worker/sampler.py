@@ -120,10 +120,11 @@ def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
 
     m = metadata
     penalised = m.presence_penalty is not None or m.frequency_penalty is not None or m.repetition_penalty is not None
-    if _bias_first(m):  # the repetition penalty scales the biased logits: an fp32 copy, biased, feeds the pass
+    bias_first = _bias_first(m)
+    if bias_first:  # the repetition penalty scales the biased logits: an fp32 copy, biased, feeds the pass
         logits = _biased_copy(logits, m)  # [B, V] fp32
     # applied after the fused pass
-    scattered = (m.logit_bias_ids is not None and not _bias_first(m)) or m.banned_token_ids is not None
+    scattered = (m.logit_bias_ids is not None and not bias_first) or m.banned_token_ids is not None
     thresholds = not m.all_greedy and (m.top_k is not None or m.min_p is not None)  # top-p alone needs none
     nucleus_pass = not m.all_greedy and m.top_p is not None and m.top_p_without_top_k
     if m.token_bitmask is not None and not (penalised or scattered or thresholds or nucleus_pass):
@@ -142,7 +143,7 @@ def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
             group_stats=thresholds and not scattered)
     processed = grouped.logits  # [B, V]: fp32 when written, else the model's logits
     if scattered:
-        processed = _scatter_bias_and_bans(processed, m, not _bias_first(m))  # [B, V] fp32, in place
+        processed = _scatter_bias_and_bans(processed, m, not bias_first)  # [B, V] fp32, in place
         if thresholds:  # the group maxima must see the bias: one more read
             grouped = sampling.process_logits_grouped(processed, write_out=False, group_stats=True)
     if m.all_greedy:
