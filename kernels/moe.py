@@ -1144,7 +1144,6 @@ GMM_FP8_BLOCK_M = 16
 # Below ~8 rows the weight-only kernels read the same bytes without quantizing activations and win; at 16 rows the
 # two are level on qwen3 and gmm wins on v2-lite.
 FP8_GMM_MIN_ROWS_PER_EXPERT = 12
-# PAGODA_MOE_FP8_GMM, for A/B runs: 0 never, 1 at every batch size; unset or auto: from FP8_GMM_MIN_ROWS_PER_EXPERT.
 
 
 # torch._scaled_grouped_mm (rows 2D x experts 3D) picks its CUTLASS tiles from M = rows of A / groups: 64 x 128 x 128
@@ -1226,6 +1225,8 @@ def expert_group_views(weight: torch.Tensor, scale: torch.Tensor, offs: torch.Te
 
 
 def fp8_gmm_mode() -> str:
+    """PAGODA_MOE_FP8_GMM, for A/B runs: 0 never, 1 at every batch size; unset or auto: from
+    FP8_GMM_MIN_ROWS_PER_EXPERT."""
     return measurement_switch("MOE_FP8_GMM") or "auto"
 
 
