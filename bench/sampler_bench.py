@@ -54,7 +54,7 @@ SETTINGS: dict[str, dict | tuple[dict, ...]] = {  # a tuple: row i takes entry i
 # draw and one round
 NEW_PASSES = {"greedy": 0.5, "sampled": 0.5 + 1 + 1, "top_p": 0.5 + 0.5, "openai": 0.5 + 0.5,
               "mixed": 0.5 + 0.5 * 0.75 + 0.5 * 0.25, "openai_rep_bias": 0.5 + 1 + 1 + 1 + 1 + 1 + 1,
-              "openai_rep": 0.5 + 1 + 1 + 1 + 1, "openai_bias": 0.5 + 0.5 + 1 + 1}
+              "openai_rep": 0.5 + 1 + 1 + 1 + 1, "openai_bias": 0.5 + 1 + 1 + 1}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
