@@ -110,6 +110,19 @@ def test_offline_engine_prefills_the_forced_start(smollm2_dir: Path, tokenizer: 
     assert plain_steps == len(plain.token_ids) > num_steps
 
 
+def test_cached_tokens_count_the_prompt_only(smollm2_dir: Path, tokenizer: Tokenizer) -> None:
+    """The second of two equal constrained requests finds the first's blocks cached, the forced start's too: its
+    num_cached_tokens (usage's cached_tokens) counts the prompt's hits only. The scheduler reported hits past the
+    prompt (here 32 of 30 tokens) whenever the last hit block held forced tokens."""
+    llm = LLM(str(smollm2_dir), max_model_len=256)
+    ids = tokenizer.encode("Review: the food was wonderful and the staff kind. Sentiment as JSON:")
+    block_size = llm.engine.scheduler.block_size
+    prompt = (ids * 4)[:2 * block_size - 2]  # the forced start fills the second block: it is cached as a whole
+    first, second = (llm.generate({"prompt_token_ids": prompt}, constrained())[0] for _ in range(2))
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == len(prompt)  # two blocks hit: the whole prompt and two forced tokens
+
+
 def test_tokenizer_service_sends_and_shows_the_forced_start(smollm2_dir: Path, tokenizer: Tokenizer) -> None:
     from tests.test_tokenizer_service import Harness, model_info
 

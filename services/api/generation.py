@@ -198,11 +198,9 @@ class Generation:
         return self.renderer.chunks(applied) if self.stream else b""
 
     def _cached(self, i: int, num_cached_tokens: int) -> None:
-        """Prompt i's prefix-cache hits, at most its prompt: the scheduler counts its hits over the sequence it
-        admits, which holds a grammar's fast-forwarded start beside the prompt (cached too when a request with the
-        same start ran before), so it may report more (usage then had cached_tokens past prompt_tokens, and
-        Anthropic's input_tokens, the prompt less the hits, below 0)."""
-        self.num_cached_tokens[i] = max(self.num_cached_tokens[i], min(num_cached_tokens, self.num_prompt_tokens[i]))
+        """Prompt i's prefix-cache hits, as the scheduler counts them (at most the prompt, a grammar's forced start
+        left out: Anthropic's input_tokens is the prompt less these)."""
+        self.num_cached_tokens[i] = max(self.num_cached_tokens[i], num_cached_tokens)
 
     def _observe(self, choice: Choice, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:

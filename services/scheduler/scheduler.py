@@ -721,7 +721,7 @@ class Scheduler:
             seq.table.block_hashes.extend(hit_hashes)
             seq.num_computed_tokens = num_hit_tokens
         if seq.num_preemptions == 0 and seq.index == 0:
-            seq.num_cached_tokens = num_hit_tokens
+            seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)  # not a forced start's hits
             self.stats.prefix_query_tokens += seq.num_tokens
             self.stats.prefix_hit_tokens += num_hit_tokens
         table.grow(seq.table, start + count)
