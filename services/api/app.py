@@ -13,7 +13,7 @@ from pagoda.services.api.anthropic import MessagesRoutes, anthropic_middleware
 from pagoda.services.api.console.routes import API_PREFIX as CONSOLE_API_PREFIX
 from pagoda.services.api.console.routes import Console
 from pagoda.services.api.errors import AuthenticationError, RateLimitError, UnsupportedMediaTypeError
-from pagoda.services.api.handlers import DEFAULT_TENANT, TENANT, ApiState, Handlers, json_response
+from pagoda.services.api.handlers import COUNTED, DEFAULT_TENANT, TENANT, ApiState, Handlers, json_response
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.responses import ResponsesRoutes
 from pagoda.services.api.tenants import Tenant
@@ -31,6 +31,9 @@ MAX_BODY_BYTES = 32 << 20
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", CONSOLE_API_PREFIX)
 METRICS_PATH = "/metrics"
 RETRY_AFTER_S = "1"
+# the routes whose POSTs are generation requests, counted per tenant by status (docs/tenants.md)
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                              "/invocations"})
 CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
 
@@ -114,7 +117,18 @@ def auth_middleware(state: ApiState) -> Middleware:
                                 "--metrics-access open (docs/security.md)", request.method, request.path,
                                 "" if expected is not None else ", and this server has none")
                 raise
-        return await handler(request)
+        found = request.get(TENANT)
+        if found is None or request.method != "POST" or request.path not in GENERATION_PATHS:
+            return await handler(request)
+        try:
+            return await handler(request)
+        except (PagodaError, web.HTTPException) as exc:
+            # refused before the handler's own accounting (a bad body, a model the tenant may not use, a quota):
+            # pagoda_tenant_requests_total counts every answered generation request of the tenant, these too
+            status = exc.http_status if isinstance(exc, PagodaError) else exc.status
+            if not request.get(COUNTED) and status >= 400:
+                state.metrics.tenant_finished(found[1].name, status, 0, 0, None)
+            raise
 
     return check_key
 

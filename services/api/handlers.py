@@ -59,6 +59,9 @@ T = TypeVar("T")
 
 TENANT = "pagoda.tenant"  # request[TENANT]: (key id, Tenant) of the key that authenticated it, or None
 DEFAULT_TENANT = ("default", Tenant("default"))  # the --api-key key beside a keys file: no limits
+# request[COUNTED]: the generation request reached the tenant accounting of _generate (its status, tokens, usage
+# line); one refused before then (a bad body, a model the tenant may not use, a quota) is counted by app.py
+COUNTED = "pagoda.counted"
 
 
 def _headers(deprecated: list[str]) -> dict[str, str]:
@@ -196,7 +199,10 @@ class Handlers:
         batch, streamed or not (the Responses API, whose events and body need the whole output)."""
         found = request.get(TENANT)
         tenant: Tenant | None = found[1] if found is not None else None
-        lease = self._admit(tenant)  # 429 over quota, before any work
+        # 429 over quota, before any work. The operator's key (tenant "default", no limits) takes no lease: it must not
+        # count against, nor reset the buckets of, a keys-file tenant that is also named "default".
+        lease = self._admit(tenant) if found is not DEFAULT_TENANT else None
+        request[COUNTED] = True  # from here _account counts it, whatever happens
         arrival = messages[0].arrival_time
         # The tokenizer renders each prompt's choices (they start at prompt index * n); the same renderer here
         # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share (and,
@@ -381,6 +387,7 @@ class Handlers:
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         """vLLM's /tokenizer_info: the tokenizer's configuration, as the tokenizer process loaded it."""
+        self._check_model(None, request)  # a tenant that may not use the model reads nothing of it (404, as /tokenize)
         reply = await self._ask(TokenizerInfoRequest(f"tokenizer-info-{uuid.uuid4().hex}"))
         if not isinstance(reply, TokenizerInfoResult):
             raise UpstreamError(502, f"unexpected reply {type(reply).__name__}", "server_error")

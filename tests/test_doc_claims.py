@@ -1,0 +1,82 @@
+"""Claims of the docs (README.md, docs/tenants.md, docs/security.md, docs/operations.md) checked against the api
+process, where no other test checks them: tenants' models, the operator's key beside a keys file, what the
+per-tenant metrics count. One api process over the fake tokenizer of test_api serves the module."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pagoda.services.api.tenants import add_key
+from tests.harness import HTTP, parse_metrics
+from tests.test_api import API_KEY, MODEL, Stack, start_stack, stop_stack
+
+REPLY_TIMEOUT_S = 10.0  # an answer the api gives by itself comes at once; the fake tokenizer never answers some asks
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> object:
+    folder = tmp_path_factory.mktemp("doc_claims")
+    keys_path = folder / "keys.json"
+    keys = {
+        "other": add_key(keys_path, "other", {"models": ["some-other-model"]})[1],
+        # a keys-file tenant that shares its name with the operator's key (docs/tenants.md: "tenant default")
+        "default": add_key(keys_path, "default", {"requests_per_minute": 1})[1],
+        "plain": add_key(keys_path, "plain", {})[1],
+    }
+    running = start_stack("--api-keys-file", str(keys_path))
+    yield running, keys
+    stop_stack(running)
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _complete(stack: Stack, key: str, **body: object) -> httpx.Response:
+    return stack.post("/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 1, **body},
+                      headers=_auth(key))
+
+
+def test_tokenizer_info_refuses_a_tenant_that_may_not_use_the_model(stack: tuple) -> None:
+    """docs/tenants.md: another model is a 404 model_not_found for a tenant. /tokenize, /detokenize and
+    /v1/models/{id} said so; /tokenizer_info answered the model's tokenizer and chat template to any tenant."""
+    api, keys = stack
+    response = HTTP.get(api.url + "/tokenizer_info", headers=_auth(keys["other"]), timeout=REPLY_TIMEOUT_S)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found"
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert api.post(path, body, headers=_auth(keys["other"])).status_code == 404
+
+
+def test_the_operators_key_leaves_a_tenant_named_default_its_own_quota(stack: tuple) -> None:
+    """The operator's key (--api-key beside the keys file) is tenant "default" without limits. Its requests went
+    through the quota gate under that name: each one dropped the buckets of a keys-file tenant named "default"
+    (limits 0: no bucket), which then started the minute again full, and its requests in flight counted against
+    that tenant's max_concurrent."""
+    api, keys = stack
+    assert _complete(api, keys["default"]).status_code == 200  # the tenant's one request of the minute
+    for _ in range(2):
+        assert _complete(api, API_KEY).status_code == 200  # the operator: no limits
+    refused = _complete(api, keys["default"])
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["type"] == "requests"
+
+
+def test_tenant_requests_count_every_answered_generation_request(stack: tuple) -> None:
+    """docs/tenants.md: pagoda_tenant_requests_total{tenant, status} counts generation requests answered, by HTTP
+    status. Only those that reached the handler's accounting were counted: a tenant's bad bodies, models it may not
+    use and unknown models (400, 404) left no trace in its series."""
+    api, keys = stack
+    assert _complete(api, keys["plain"]).status_code == 200
+    assert _complete(api, keys["plain"], n=0).status_code == 400  # refused where the body is decoded
+    assert _complete(api, keys["plain"], model="no-such-model").status_code == 404
+    plain = _auth(keys["plain"])
+    assert api.post("/v1/chat/completions", {"model": MODEL, "messages": [], "max_tokens": 1},
+                    headers=plain).status_code == 400
+    assert api.post("/tokenize", {"prompt": "hi", "n": 2}, headers=plain).status_code == 400  # not a generation
+    metrics = parse_metrics(HTTP.get(api.url + "/metrics", headers=_auth(API_KEY)).text)
+    counted = {status: metrics.get(f'pagoda_tenant_requests_total{{status="{status}",tenant="plain"}}')
+               for status in ("200", "400", "404")}
+    assert counted == {"200": 1, "400": 2, "404": 1}, counted
+    assert metrics['pagoda_tenant_prompt_tokens_total{tenant="plain"}'] == 2  # the refused ones carried no tokens
