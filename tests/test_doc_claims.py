@@ -9,7 +9,7 @@ import pytest
 
 from pagoda.services.api.tenants import add_key
 from tests.harness import HTTP, parse_metrics
-from tests.test_api import API_KEY, MODEL, Stack, start_stack, stop_stack
+from tests.test_api import API_KEY, MODEL, MODEL_PATH, Stack, start_stack, stop_stack
 
 REPLY_TIMEOUT_S = 10.0  # an answer the api gives by itself comes at once; the fake tokenizer never answers some asks
 
@@ -23,6 +23,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> object:
         # a keys-file tenant that shares its name with the operator's key (docs/tenants.md: "tenant default")
         "default": add_key(keys_path, "default", {"requests_per_minute": 1})[1],
         "plain": add_key(keys_path, "plain", {})[1],
+        "counted": add_key(keys_path, "counted", {})[1],  # test_tenant_requests_count_... alone
     }
     running = start_stack("--api-keys-file", str(keys_path))
     yield running, keys
@@ -49,6 +50,22 @@ def test_tokenizer_info_refuses_a_tenant_that_may_not_use_the_model(stack: tuple
         assert api.post(path, body, headers=_auth(keys["other"])).status_code == 404
 
 
+def test_a_tenant_that_may_not_use_the_model_is_not_told_its_name(stack: tuple) -> None:
+    """docs/tenants.md: /v1/models lists only the models a tenant may use. The 404 for a name the server does not
+    serve said which one it does (`this server serves ...`), and the 404 of a request that named no model named the
+    served one, to tenants that may not use it."""
+    api, keys = stack
+    refusals = [_complete(api, keys["other"], model="no-such-model"), _complete(api, keys["other"], model=None),
+                api.post("/tokenize", {"prompt": "hi"}, headers=_auth(keys["other"])),
+                HTTP.get(api.url + "/v1/models/no-such-model", headers=_auth(keys["other"])),
+                HTTP.get(api.url + "/tokenizer_info", headers=_auth(keys["other"]), timeout=REPLY_TIMEOUT_S)]
+    for response in refusals:
+        assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found", response.text
+        assert MODEL not in response.text and MODEL_PATH not in response.text, response.text
+    # a tenant that may use it is still told what the server serves
+    assert MODEL in _complete(api, keys["plain"], model="no-such-model").json()["error"]["message"]
+
+
 def test_the_operators_key_leaves_a_tenant_named_default_its_own_quota(stack: tuple) -> None:
     """The operator's key (--api-key beside the keys file) is tenant "default" without limits. Its requests went
     through the quota gate under that name: each one dropped the buckets of a keys-file tenant named "default"
@@ -68,15 +85,15 @@ def test_tenant_requests_count_every_answered_generation_request(stack: tuple) -
     status. Only those that reached the handler's accounting were counted: a tenant's bad bodies, models it may not
     use and unknown models (400, 404) left no trace in its series."""
     api, keys = stack
-    assert _complete(api, keys["plain"]).status_code == 200
-    assert _complete(api, keys["plain"], n=0).status_code == 400  # refused where the body is decoded
-    assert _complete(api, keys["plain"], model="no-such-model").status_code == 404
-    plain = _auth(keys["plain"])
+    assert _complete(api, keys["counted"]).status_code == 200
+    assert _complete(api, keys["counted"], n=0).status_code == 400  # refused where the body is decoded
+    assert _complete(api, keys["counted"], model="no-such-model").status_code == 404
+    headers = _auth(keys["counted"])
     assert api.post("/v1/chat/completions", {"model": MODEL, "messages": [], "max_tokens": 1},
-                    headers=plain).status_code == 400
-    assert api.post("/tokenize", {"prompt": "hi", "n": 2}, headers=plain).status_code == 400  # not a generation
+                    headers=headers).status_code == 400
+    assert api.post("/tokenize", {"prompt": "hi", "n": 2}, headers=headers).status_code == 400  # not a generation
     metrics = parse_metrics(HTTP.get(api.url + "/metrics", headers=_auth(API_KEY)).text)
-    counted = {status: metrics.get(f'pagoda_tenant_requests_total{{status="{status}",tenant="plain"}}')
+    counted = {status: metrics.get(f'pagoda_tenant_requests_total{{status="{status}",tenant="counted"}}')
                for status in ("200", "400", "404")}
     assert counted == {"200": 1, "400": 2, "404": 1}, counted
-    assert metrics['pagoda_tenant_prompt_tokens_total{tenant="plain"}'] == 2  # the refused ones carried no tokens
+    assert metrics['pagoda_tenant_prompt_tokens_total{tenant="counted"}'] == 2  # the refused ones carried no tokens

@@ -116,14 +116,15 @@ class Handlers:
         self.state = state
 
     def _check_model(self, name: str | None, request: web.Request) -> str:
-        if name is not None and name not in self.state.model_names:
-            raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
-                                     f"`{self.state.served_model_name}`.")
+        # A tenant that may not use the served model learns nothing of it, not even its name (/v1/models lists none)
         tenant = _tenant(request)
         if tenant is not None and not tenant.allows(self.state.model_names):
             self.state.metrics.tenant_rejected(tenant.name, "model")
-            raise ModelNotFoundError(f"The model `{name or self.state.served_model_name}` does not exist or your "
-                                     "API key may not use it.")
+            raise ModelNotFoundError(f"The model `{name}` does not exist or your API key may not use it." if name
+                                     else "This server serves no model your API key may use.")
+        if name is not None and name not in self.state.model_names:
+            raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
+                                     f"`{self.state.served_model_name}`.")
         return self.state.served_model_name
 
     async def _body(self, request: web.Request) -> bytes:
