@@ -233,8 +233,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(not self.logit_bias, "logit_bias", "logit_bias is not supported with beam search")
         _check(not self.allowed_token_ids, "allowed_token_ids", "allowed_token_ids is not supported with beam search")
         _check(not self.bad_words, "bad_words", "bad_words are not supported with beam search")
-        _check(self.logprobs is None and self.prompt_logprobs is None, "logprobs",
-               "logprobs are not supported with beam search")
+        _check(self.logprobs is None, "logprobs", "logprobs are not supported with beam search")
+        _check(self.prompt_logprobs is None, "prompt_logprobs", "prompt_logprobs are not supported with beam search")
         _check(not self.stop, "stop", "stop strings are not supported with beam search; use stop_token_ids")
         _check(self.structured_outputs is None, "structured_outputs",
                "structured outputs are not supported with beam search")

@@ -97,3 +97,20 @@ def test_tenant_requests_count_every_answered_generation_request(stack: tuple) -
                for status in ("200", "400", "404")}
     assert counted == {"200": 1, "400": 2, "404": 1}, counted
     assert metrics['pagoda_tenant_prompt_tokens_total{tenant="counted"}'] == 2  # the refused ones carried no tokens
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), [
+    ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+])
+def test_beam_search_refusals_name_the_field_sent(stack: tuple, route: str, extra: dict, param: str) -> None:
+    """README: a field pagoda cannot honour is refused with a 400 whose param names it; docs/decoding.md: beam search
+    refuses logprobs and structured outputs. Beam search named structured_outputs for a guided_choice or a
+    response_format, and logprobs for prompt_logprobs."""
+    api, _ = stack
+    body = {"model": MODEL, "max_tokens": 1, "use_beam_search": True, "best_of": 2, "temperature": 0, **extra}
+    body |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    response = api.post(route, body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

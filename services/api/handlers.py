@@ -74,6 +74,14 @@ def _name_constraint(exc: PagodaError, constraint: str | None) -> None:
     if constraint is not None and (exc.param or "").startswith("structured_outputs"):
         exc.param = constraint
 
+def _name_body_constraint(exc: PagodaError, body: CompletionBody | ChatBody) -> None:
+    """A refusal of the request's SamplingParams that names their structured_outputs names the body's field that
+    asked for the constraint (guided_*, response_format, tools), as a refusal from the tokenizer does; a body that
+    sent structured_outputs itself keeps the param as it is (its sub-field)."""
+    constraint = constraint_param(body)
+    if constraint != "structured_outputs":
+        _name_constraint(exc, constraint)
+
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # proxies must pass each event on at once
 
@@ -156,9 +164,13 @@ class Handlers:
         body = await self._read(request, CompletionBody)
         model = self._check_model(body.model, request)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs,
-                                       self.state.config.max_completions_per_request,
-                                       self.state.pool.sampling_defaults)
+        try:
+            messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs,
+                                           self.state.config.max_completions_per_request,
+                                           self.state.pool.sampling_defaults)
+        except InvalidRequestError as exc:
+            _name_body_constraint(exc, body)  # e.g. beam search refusing the guided_choice it was sent
+            raise
         spec = RenderSpec(COMPLETION, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=body.logprobs is not None, include_usage=body.include_usage,
                           echo=bool(body.echo), return_token_ids=bool(body.return_token_ids),
@@ -172,7 +184,11 @@ class Handlers:
         body = await self._read(request, ChatBody)
         model = self._check_model(body.model, request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        message, output = self._chat_message(body, response_id)
+        try:
+            message, output = self._chat_message(body, response_id)
+        except InvalidRequestError as exc:
+            _name_body_constraint(exc, body)  # e.g. beam search refusing the response_format it was sent
+            raise
         spec = RenderSpec(CHAT, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=bool(body.logprobs), include_usage=body.include_usage,
                           return_token_ids=bool(body.return_token_ids), tool_mode=output.tool_mode,
