@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from pagoda.services.api.tenants import add_key
+from pagoda.services.protocol.tools import default_tool_parser
 from tests.harness import HTTP, parse_metrics
 from tests.test_api import API_KEY, MODEL, MODEL_PATH, Stack, start_stack, stop_stack
 
@@ -114,3 +115,11 @@ def test_beam_search_refusals_name_the_field_sent(stack: tuple, route: str, extr
     body |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     response = api.post(route, body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_the_default_tool_call_parser_follows_the_models_name() -> None:
+    """README (as corrected): without --tool-call-parser the api picks the parser by the model's name (its path or
+    served name), not by its config's family, which the api process never reads."""
+    assert default_tool_parser(["models/Meta-Llama-3.1-8B-Instruct", "llama"]) == "llama3_json"
+    assert default_tool_parser(["/m/Mixtral-8x7B-Instruct", "mixtral"]) == "mistral"
+    assert default_tool_parser(["models/acme-chat", "acme-chat"]) == "hermes"  # a Llama 3 named otherwise too
