@@ -22,7 +22,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> object:
     keys = {
         "other": add_key(keys_path, "other", {"models": ["some-other-model"]})[1],
         # a keys-file tenant that shares its name with the operator's key (docs/tenants.md: "tenant default")
-        "default": add_key(keys_path, "default", {"requests_per_minute": 1})[1],
+        "default": add_key(keys_path, "default", {"requests_per_minute": 1, "weight": 2.0, "priority": 1})[1],
         "plain": add_key(keys_path, "plain", {})[1],
         "counted": add_key(keys_path, "counted", {})[1],  # test_tenant_requests_count_... alone
     }
@@ -79,6 +79,19 @@ def test_the_operators_key_leaves_a_tenant_named_default_its_own_quota(stack: tu
     refused = _complete(api, keys["default"])
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["type"] == "requests"
+
+
+
+def test_the_operators_requests_run_in_the_share_of_the_tenant_named_default(stack: tuple) -> None:
+    """The operator's key is tenant "default" (docs/tenants.md). Its requests told the scheduler tenant "default"
+    had weight 1 and tier 0, and the scheduler's record of a tenant follows its latest request: an operator's request
+    rewrote the weight and tier of a keys-file tenant named "default". They now carry that tenant's."""
+    api, _ = stack
+    response = _complete(api, API_KEY)
+    assert response.status_code == 200, response.text
+    request_id = response.json()["id"]
+    forwarded = next(r for r in api.tokenizer.requests.values() if r.render and r.render.response_id == request_id)
+    assert (forwarded.tenant, forwarded.tenant_weight, forwarded.tenant_priority) == ("default", 2.0, 1)
 
 
 def test_tenant_requests_count_every_answered_generation_request(stack: tuple) -> None:

@@ -220,13 +220,14 @@ class Handlers:
         # count against, nor reset the buckets of, a keys-file tenant that is also named "default".
         lease = self._admit(tenant) if found is not DEFAULT_TENANT else None
         request[COUNTED] = True  # from here _account counts it, whatever happens
+        shared = self._scheduled_tenant(found)  # the share of the engine it runs in
         arrival = messages[0].arrival_time
         # The tokenizer renders each prompt's choices (they start at prompt index * n); the same renderer here
         # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share (and,
         # with --prefix-cache-isolation tenant, in the request's cache salt).
         n = messages[0].params.n
         messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n)
-                                            if renderer is None else None, **self._tenant_fields(tenant, m.cache_salt))
+                                            if renderer is None else None, **self._tenant_fields(shared, m.cache_salt))
                     for i, m in enumerate(messages)]
         gen: Generation | None = None
         status = 499  # the client left (the handler was cancelled) unless set below
@@ -271,6 +272,14 @@ class Handlers:
             raise
         finally:
             self._account(found, lease, gen, spec, status, arrival, started_at)
+
+    def _scheduled_tenant(self, found: tuple[str, Tenant] | None) -> Tenant | None:
+        """The tenant whose share of the engine the request runs in. The operator's key is tenant "default": beside a
+        keys file that defines one, with that tenant's weight and tier (the scheduler's record of a tenant follows its
+        latest request, so the operator's own weight 1 and tier 0 would rewrite them), though none of its quotas."""
+        if found is DEFAULT_TENANT and self.state.keys is not None:
+            return self.state.keys.tenant(DEFAULT_TENANT[1].name) or DEFAULT_TENANT[1]
+        return found[1] if found is not None else None
 
     def _tenant_fields(self, tenant: Tenant | None, cache_salt: str) -> dict[str, Any]:
         """What a request carries of its tenant: its name, weight and tier for the scheduler's fair share and, with

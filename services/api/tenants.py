@@ -235,6 +235,10 @@ class KeyTable:
     def lookup(self, key: str) -> tuple[str, Tenant] | None:
         return self.keys.get(hash_key(key))
 
+    def tenant(self, name: str) -> Tenant | None:
+        """The tenant of that name, as a key of the file names it (None: no key names it)."""
+        return next((tenant for _, tenant in self.keys.values() if tenant.name == name), None)
+
 
 @dataclass(slots=True)
 class Bucket:
