@@ -11,8 +11,8 @@ default GEMV tiles at real row lengths; then the sampler's
 start-up warm-up, which launches every sampling-kernel variant a served batch can. Outputs are never
 computed (launches do nothing), so the models' numbers are garbage and only the compiles matter.
 
-    TRITON_INTERPRET=0 python tests/gpu_compile.py [1 | 2]  # one half (PARTS); tests/test_gpu_compile.py runs
-                                                            # the two halves in two subprocesses side by side
+    TRITON_INTERPRET=0 python tests/gpu_compile.py [1 | 2 | 3]  # one part (PARTS); tests/test_gpu_compile.py
+                                                                # runs 1 and 2 in two subprocesses side by side
 
 Prints one line per kernel (ok / FAIL with the compiler's message) and any step the runner could not run (a
 wrapper's check refusing a launch shape), and exits 1 on either.
@@ -194,22 +194,37 @@ def run_moe_act_fp8() -> None:
         os.environ.pop("PAGODA_MOE_ACT_FP8")
 
 
+# fp8_convert / key tile / keys on the dots' M rows: the default decode launch's (pick_config: "qk_fp8x2", 64-key
+# tiles, keys on M), then the measured candidates no served launch takes (bench/kv_fp8_bench.py, attention_sass):
+# "qk_fp8" (e4m3 q x e4m3 K on the tensor cores), "qkv_fp8" (also e4m3 p x e4m3 V, falling back to "qk_fp8" on
+# 16-key tiles, below the fp8 MMA's K), "f16_pinned", and "qk_fp8x2" with keys off M.
+FP8_QK_DEFAULT = (("qk_fp8x2", 64, True),)
+FP8_QK_CANDIDATES = (("qk_fp8", 64, True), ("qk_fp8", 128, True), ("qk_fp8", 64, False), ("qkv_fp8", 64, True),
+                     ("qkv_fp8", 16, False), ("f16_pinned", 64, False), ("f16_pinned", 128, False),
+                     ("f16_pinned", 64, True), ("qk_fp8x2", 64, False))
+
+
 def run_fp8_qk_attention_shapes() -> None:
-    """Paged attention over an fp8 cache with fp8_convert="qk_fp8" (e4m3 q x e4m3 K on the tensor cores; "qkv_fp8"
-    also e4m3 p x e4m3 V, falling back to "qk_fp8" on 16-key tiles, below the fp8 MMA's K; "qk_fp8x2" q as two
-    e4m3 terms) and "f16_pinned" (a measured candidate, not the default) at
-    qwen3-0.6b's (16 q / 8 kv heads) and llama3-8b's (32 / 8) real dims, head_dim 128: decode batches large (one
-    program per sequence and kv head) and small (split-KV), 64- and 128-key tiles, keys on the dots' M rows or
-    not; and chunks over cached context beside decode rows (the tiled launch)."""
+    """The default fp8-cache decode launch mode forced on every launch shape below (FP8_QK_DEFAULT)."""
+    _fp8_qk_attention_shapes(FP8_QK_DEFAULT)
+
+
+def run_fp8_qk_attention_candidates() -> None:
+    """The measured candidates' modes on the same launch shapes (FP8_QK_CANDIDATES; ~2 minutes of compiles)."""
+    _fp8_qk_attention_shapes(FP8_QK_CANDIDATES)
+
+
+def _fp8_qk_attention_shapes(modes: tuple[tuple[str, int, bool], ...]) -> None:
+    """Paged attention over an fp8 cache in each (fp8_convert, key tile, keys on M) of `modes` at qwen3-0.6b's
+    (16 q / 8 kv heads) and llama3-8b's (32 / 8) real dims, head_dim 128: decode batches large (one program per
+    sequence and kv head) and small (split-KV); and chunks over cached context beside decode rows (the tiled
+    launch)."""
     from dataclasses import replace
 
     from pagoda.kernels.paged_attention import AttentionConfig, paged_attention, pick_config
 
     for num_heads, (num_seqs, query_len), (convert, tile_n, keys_on_m) in itertools.product(
-            (16, 32), ((256, 1), (4, 1), (3, 64)),
-            (("qk_fp8", 64, True), ("qk_fp8", 128, True), ("qk_fp8", 64, False), ("qkv_fp8", 64, True),
-             ("qkv_fp8", 16, False), ("f16_pinned", 64, False), ("f16_pinned", 128, False), ("f16_pinned", 64, True),
-             ("qk_fp8x2", 64, True), ("qk_fp8x2", 64, False))):
+            (16, 32), ((256, 1), (4, 1), (3, 64)), modes):
         context, num_kv_heads = 1024, 8
         query_lens = [query_len] * num_seqs + ([1, 1] if query_len > 1 else [])  # chunks beside decode rows
         q = torch.empty(sum(query_lens), num_heads, 128, dtype=torch.bfloat16)  # [T, heads, D]
@@ -416,19 +431,21 @@ def run_w8a16_act_fp8() -> None:
                                 gated=True)
 
 
-# The two halves test_gpu_compile.py runs side by side (one process each: ~90 s of compiles apiece on the 2-core
-# CPU, cold). Each keeps the order the whole ran in: from run_fp8_gluon_decode_shapes on, fp8-cache decode launches
-# take the Gluon kernel (on_hopper is patched), and what follows it in its half relies on that.
+# The two halves test_gpu_compile.py runs side by side in the default run (one process each; on the 2-core CPU,
+# cold: ~105 s and ~120 s of compiles, alone), and part 3, the measured candidates no served launch takes (~130 s; the
+# `extended` test, make test-all). Each keeps the order the whole ran in: from run_fp8_gluon_decode_shapes on,
+# fp8-cache decode launches take the Gluon kernel (on_hopper is patched), and what follows it relies on that.
 PARTS = {
-    "1": ("run_models", "run_mla_shapes", "run_sampler", "run_block_copy", "run_dense_gemv", "run_w8a16_swap_ab",
-          "run_w8a16_act_fp8"),
-    "2": ("run_moe_shapes", "run_moe_act_fp8", "run_fp8_qk_attention_shapes", "run_fp8_default_decode_shapes",
+    "1": ("run_models", "run_sampler", "run_block_copy", "run_dense_gemv", "run_w8a16_swap_ab", "run_w8a16_act_fp8"),
+    "2": ("run_mla_shapes", "run_moe_shapes", "run_moe_act_fp8", "run_fp8_qk_attention_shapes",
+          "run_fp8_default_decode_shapes",
           "run_fp8_gluon_decode_shapes", "run_decode_occupancy_candidates", "run_fp8_chunk_attention_shapes"),
+    "3": ("run_fp8_qk_attention_candidates",),
 }
 
 
 def main(argv: list[str]) -> int:
-    """argv: a PARTS key to compile that half only; none: both, one after the other."""
+    """argv: a PARTS key to compile that part only; none: all of them, one after the other."""
     parts = argv or sorted(PARTS)
     if not set(parts) <= PARTS.keys():
         print(f"usage: gpu_compile.py [{' | '.join(PARTS)}]")
