@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, Counter, Gauge, Logprob, Metric, RequestOutput, StreamDelta
 from pagoda.services.grammar.compiler import GrammarChecker, ending_ids, fast_forward_tokens
-from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
+from pagoda.services.scheduler.pipeline import PlanPipeline, run_step, settle_idle
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.output import advance, stop_reason
@@ -193,6 +193,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         request = self.scheduler.abort_request(request_id)
+        settle_idle(self.pipeline, self.runner.launch, self._finish_step)
         output = self._outputs.get(request_id)
         if request is None or output is None:
             return
@@ -254,9 +255,12 @@ class LLMEngine:
                 self._add_prompt_scores(self._outputs[update.seq.request.request_id], update.prompt_scores)
         if not deltas:
             self._apply_quietly(updates, result)
+            settle_idle(self.pipeline, self.runner.launch, self._finish_step)
             return []
-        return [self._apply(update, result) for update in updates
-                if update.has_token or update.finish_reason is not None]
+        applied = [self._apply(update, result) for update in updates
+                   if update.has_token or update.finish_reason is not None]
+        settle_idle(self.pipeline, self.runner.launch, self._finish_step)  # the last request ended (stop string too)
+        return applied
 
     def metrics(self) -> list[Metric]:
         """The engine's counters and gauges now, named as the server's /metrics names them (services/api/metrics.py):

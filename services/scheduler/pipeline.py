@@ -25,8 +25,11 @@ class PlanPipeline:
     inflight: deque[StepPlan] = field(default_factory=deque)
 
     def wants_plan(self) -> bool:
-        """Another plan may be scheduled now: there is work and room in flight."""
-        return self.scheduler.has_unfinished() and len(self.inflight) < self.scheduler.max_inflight_plans
+        """Another plan may be scheduled now: there is work (or ended sequences the worker should drop) and room
+        in flight."""
+        scheduler = self.scheduler
+        return ((scheduler.has_unfinished() or scheduler.has_unsent_drops())
+                and len(self.inflight) < scheduler.max_inflight_plans)
 
     def schedule(self) -> StepPlan:
         """The next plan; one with requests is in flight until complete() gets its result."""
@@ -68,3 +71,17 @@ def run_step(pipeline: PlanPipeline, launch: Callable[[StepPlan], bool],
     result = finish()
     _, updates = pipeline.complete(result)
     return result, updates
+
+
+def settle_idle(pipeline: PlanPipeline, launch: Callable[[StepPlan], bool], finish: Callable[[], StepResult]) -> None:
+    """With no request left: take the results of plans still in flight (their sequences ended: nothing in them is
+    delivered) and send the plan that tells the runner to drop the ended sequences (rows, sampling state, grammar
+    matchers), so that an idle engine holds no sequence's state until the next request instead of after it."""
+    if pipeline.scheduler.has_unfinished():
+        return
+    while pipeline.inflight:
+        pipeline.complete(finish())
+    if pipeline.wants_plan():
+        plan = pipeline.schedule()
+        assert not plan.seq_ids
+        launch(plan)

@@ -374,6 +374,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_unsent_drops(self) -> bool:
+        """Sequences ended or preempted since the last plan, whose worker state (a row, a grammar matcher) the next
+        plan drops: with nothing else to run, a plan of these alone goes out, so an idle worker holds none."""
+        return bool(self._forgotten)
+
     @property
     def oldest_inflight_has_prefill(self) -> bool:
         """Whether the oldest plan in flight computes prompt tokens (False when none is in flight)."""
@@ -1129,6 +1134,8 @@ class Scheduler:
             self._num_beam_searches -= request.beam is not None
             self.waiting.forget_idle(request.tenant)
             self._unforked_beams.pop(request.request_id, None)
+            if self._forked_waiting:  # its siblings, were they forked: the list must not keep an ended request
+                self._forked_waiting = [sibling for sibling in self._forked_waiting if sibling.request is not request]
         elif seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in request.sequences[1:]:  # never forked: they end with the first one
                 if not sibling.is_finished:
