@@ -136,16 +136,55 @@ def _call_dict(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls, each one of the tools with arguments matching its parameters."""
-    variants = [{"type": "object",
-                 "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                "parameters": _parameters(t)},
-                 "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    item = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    """A JSON array of calls, each one of the tools with arguments matching its parameters. Each tool's parameters
+    sit inside this array's schema, so their local $refs (pydantic's "#/$defs/Model") are rebased to where they
+    now sit: left as written they pointed at this schema's root, which has no $defs (a 400 for every nested
+    pydantic model)."""
+    def variant(tool: dict[str, Any], at: str) -> dict[str, Any]:
+        return {"type": "object",
+                "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                               "parameters": rebase_refs(_parameters(tool), f"{at}/properties/parameters")},
+                "required": ["name", "parameters"], "additionalProperties": False}
+
+    item = (variant(tools[0], "/items") if len(tools) == 1
+            else {"anyOf": [variant(t, f"/items/anyOf/{i}") for i, t in enumerate(tools)]})
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+# keywords whose values are JSON data, not schemas: a "$ref" key inside them is data and stays as written
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# keywords whose values map names to schemas: a property named "enum" or "$ref" is a schema, not the keyword
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebase_refs(schema: Any, pointer: str) -> Any:
+    """`schema` moved to JSON pointer `pointer` of a larger schema: each local "$ref" ("#", "#/...") rewritten to
+    resolve where it did before. A schema with its own "$id" is its own resource, where its refs resolve already."""
+    if not isinstance(schema, dict) or "$id" in schema:
+        return schema
+    return _rebased(schema, pointer)
+
+
+def _rebased(node: Any, pointer: str) -> Any:
+    """A schema (or a list of them) with its local $refs rebased under `pointer`."""
+    if isinstance(node, list):
+        return [_rebased(item, pointer) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, pointer) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, pointer)
+    return out
 
 
 def named_schema(tool: dict[str, Any]) -> dict[str, Any]:

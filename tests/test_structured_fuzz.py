@@ -1,0 +1,345 @@
+"""Structured outputs against independent oracles: what pagoda's grammars allow, and what the engine and the server
+emit under them at temperature 1.0, checked by the `jsonschema` package (and pydantic for its own models),
+Python's `re.fullmatch`, and plain membership for choices; schema features llguidance cannot enforce are a 400 that
+names them.
+
+Two samplers explore each grammar: a random walk over its masks (a uniform pick among the tokens it allows, leaning
+to one-byte tokens and to ending where it may: thousands of paths a second, no model), and SmolLM2 itself (the
+offline LLM and the HTTP server). A walk or completion that ends with `stop` must validate; one cut by its token
+budget must say `length`."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import random
+import re
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import llguidance
+import numpy as np
+import pytest
+
+from pagoda.services.grammar.compiler import GrammarChecker, grammar_text, ll_tokenizer
+from pagoda.services.protocol.tools import parse_required, required_schema
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import StructuredOutputs
+
+jsonschema = pytest.importorskip("jsonschema")
+pydantic = pytest.importorskip("pydantic")
+
+# --------------------------------------------------------------------------------------------
+# the corpus: schemas people send, pydantic's among them
+
+
+def text(max_chars: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": max_chars}
+
+
+class Color(enum.StrEnum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Address(pydantic.BaseModel):
+    street: Annotated[str, pydantic.StringConstraints(max_length=6)]
+    zip: Annotated[str, pydantic.StringConstraints(pattern=r"^\d{5}$")]
+
+
+class Person(pydantic.BaseModel):
+    """$defs and $ref, an enum class, exclusive bounds, Optional with a default, Literal, a date, a tuple."""
+
+    name: Annotated[str, pydantic.StringConstraints(min_length=1, max_length=6)]
+    age: Annotated[int, pydantic.Field(gt=0, lt=130)]
+    nickname: Annotated[str, pydantic.StringConstraints(max_length=4)] | None = None
+    color: Color
+    address: Address
+    tags: Annotated[list[Annotated[str, pydantic.StringConstraints(max_length=4)]],
+                    pydantic.Field(min_length=1, max_length=2)]
+    kind: Literal["a", "b"]
+    born: datetime.date
+    pair: tuple[int, bool]
+
+
+class Tree(pydantic.BaseModel):
+    """Recursive: the root is a $ref into $defs."""
+
+    value: Annotated[int, pydantic.Field(ge=0, le=9)]
+    children: Annotated[list[Tree], pydantic.Field(max_length=2)] = []
+
+
+class Cat(pydantic.BaseModel):
+    kind: Literal["cat"]
+    lives: Annotated[int, pydantic.Field(ge=1, le=9)]
+
+
+class Dog(pydantic.BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Owner(pydantic.BaseModel):
+    """A discriminated union: pydantic writes oneOf with a discriminator (disjoint by the const kind)."""
+
+    pet: Annotated[Cat | Dog, pydantic.Field(discriminator="kind")]
+    id: uuid.UUID
+
+
+PYDANTIC_MODELS: dict[str, type[pydantic.BaseModel]] = {"Person": Person, "Tree": Tree, "Owner": Owner}
+
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "empty": {},
+    "object": {"type": "object"},
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer"}, "name": text(5)},
+                 "required": ["id"], "additionalProperties": False},
+        "active": {"type": "boolean"}}, "required": ["user", "active"], "additionalProperties": False},
+    "array_bounds": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                     "minItems": 2, "maxItems": 4},
+    "enum_const": {"type": "object", "properties": {"mode": {"enum": ["fast", "slow", 3, None]},
+                                                    "v": {"const": "v1"}},
+                   "required": ["mode", "v"], "additionalProperties": False},
+    "any_of": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                          "additionalProperties": False},
+                         {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}]},
+    "one_of_disjoint": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"type": "string", "maxLength": 3}]},
+    "defs_ref": {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                                  "required": ["x", "y"], "additionalProperties": False}},
+                 "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}},
+                 "required": ["a"], "additionalProperties": False},
+    "definitions_draft7": {"$schema": DRAFT7, "definitions": {"n": {"type": "integer", "minimum": 3, "maximum": 4}},
+                           "type": "array", "items": [{"$ref": "#/definitions/n"}, {"type": "string", "maxLength": 2}],
+                           "additionalItems": False},
+    "optional_fields": {"type": "object", "properties": {"a": text(3), "b": {"type": "integer"}, "c": {"type": "null"}},
+                        "additionalProperties": False},
+    "strings": {"type": "object", "properties": {
+        "short": {"type": "string", "minLength": 2, "maxLength": 4},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{2}$"},
+        "free_pattern": {"type": "string", "pattern": "[0-9]", "maxLength": 4},
+        "greek": {"type": "string", "pattern": "^[α-ω]{1,3}$"}},
+        "required": ["short", "code", "free_pattern", "greek"], "additionalProperties": False},
+    "formats": {"type": "object", "properties": {
+        "d": {"type": "string", "format": "date"}, "t": {"type": "string", "format": "time"},
+        "u": {"type": "string", "format": "uuid"}, "ip": {"type": "string", "format": "ipv4"},
+        "e": {"type": "string", "format": "email", "maxLength": 12}},
+        "required": ["d", "t", "u", "ip", "e"], "additionalProperties": False},
+    "numbers": {"type": "object", "properties": {
+        "excl": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5},
+        "neg": {"type": "number", "minimum": -2.5, "exclusiveMaximum": -1},
+        "half": {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 3},
+        "third": {"type": "integer", "multipleOf": 3, "minimum": -10, "maximum": 10},
+        "frac_bounds": {"type": "integer", "minimum": 1.5, "maximum": 3.5}},
+        "required": ["excl", "neg", "half", "third", "frac_bounds"], "additionalProperties": False},
+    "nullable": {"type": "object", "properties": {"a": {"type": ["string", "null"], "maxLength": 3},
+                                                  "b": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+                                                  "c": {"type": ["array", "null"], "items": {"type": "integer"},
+                                                        "maxItems": 2}},
+                 "required": ["a", "b", "c"], "additionalProperties": False},
+    "additional_schema": {"type": "object", "additionalProperties": {"type": "boolean"}, "maxProperties": 2},
+    "pattern_properties": {"type": "object", "patternProperties": {"^x_[a-z]$": {"type": "integer"}},
+                           "additionalProperties": False},
+    "prefix_items": {"type": "array", "prefixItems": [{"type": "integer"}, {"enum": ["a", "b"]}], "items": False},
+    "all_of": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 5}},
+                          "required": ["a"]}, {"properties": {"a": {"maximum": 7}}}]},
+    "escapes": {"enum": ["", " ", 'a"b', "\\", "\u00e9", "\n", "\U0001f600"]},
+    **{name: model.model_json_schema() for name, model in PYDANTIC_MODELS.items()},
+}
+
+# What llguidance cannot enforce: each is refused with a message that names it, never served unconstrained.
+UNSUPPORTED: list[tuple[dict[str, Any], str]] = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+    ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"$schema": DRAFT7, "type": "object", "dependencies": {"a": ["b"]}}, "dependencies"),
+    ({"not": {"type": "string"}}, "not"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if"),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, "propertyNames"),
+    ({"type": "object", "unevaluatedProperties": False}, "unevaluatedProperties"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),  # overlapping: anyOf would not do
+    ({"type": "string", "format": "color-hex"}, "color-hex"),
+    ({"$ref": "https://example.com/schema.json"}, "https://example.com/schema.json"),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# the random walk
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+
+
+class Walker:
+    """Random paths through a grammar's masks: at each step a token the mask allows, uniformly, often among the
+    one-byte tokens and sometimes among the closing ones (so that strings, numbers and objects end), and the end
+    wherever EOS is allowed, half the time."""
+
+    def __init__(self, ll: llguidance.LLTokenizer, vocab_size: int) -> None:
+        self.ll = ll
+        self.vocab_size = vocab_size
+        self.eos = ll.eos_token
+        pieces = [ll.decode_bytes([t]) for t in range(vocab_size)]
+        self.one_byte = np.array([len(piece) == 1 for piece in pieces])  # [V] bool
+        self.closing = np.array([piece in (b'"', b"}", b"]") for piece in pieces])  # [V] bool
+
+    def walk(self, grammar: str, seed: int, max_tokens: int) -> tuple[str, str]:
+        """(text, "stop" | "length") of one path."""
+        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        rng = random.Random(seed)
+        ids: list[int] = []
+        for _ in range(max_tokens):
+            words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(words, bitorder="little")[:self.vocab_size].astype(bool)  # [V]
+            assert allowed.any(), f"the grammar allows nothing after {self.ll.decode_bytes(ids)!r}"
+            if allowed[self.eos] and rng.random() < 0.5:
+                return self.ll.decode_bytes(ids).decode(), "stop"
+            closing, short = np.flatnonzero(allowed & self.closing), np.flatnonzero(allowed & self.one_byte)
+            draw = rng.random()
+            pool = (closing if len(closing) and draw < 0.25 else short if len(short) and draw < 0.8
+                    else np.flatnonzero(allowed))
+            token_id = int(pool[rng.randrange(len(pool))])
+            if token_id == self.eos:
+                return self.ll.decode_bytes(ids).decode(), "stop"
+            assert matcher.consume_token(token_id), matcher.get_error()
+            ids.append(token_id)
+        return self.ll.decode_bytes(ids).decode(errors="replace"), "length"
+
+
+@pytest.fixture(scope="module")
+def walker(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> Walker:
+    return Walker(ll, tokenizer.vocab_size)
+
+
+def validator(schema: dict[str, Any]) -> Any:
+    """The schema's own draft (by $schema; 2020-12 without one), formats asserted."""
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def schema_errors(schema: dict[str, Any], text: str) -> list[str]:
+    """What the oracles find wrong with a finished answer: JSON, the schema, and pydantic for its own models."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return [f"not JSON: {exc}"]
+    errors = [e.message for e in validator(schema).iter_errors(value)]
+    model = next((m for m in PYDANTIC_MODELS.values() if m.model_json_schema() == schema), None)
+    if model is not None and not errors:
+        try:
+            model.model_validate_json(text)
+        except pydantic.ValidationError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+# --------------------------------------------------------------------------------------------
+# grammars against the oracles (no model)
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_walk_of_a_schema_validates(walker: Walker, name: str) -> None:
+    schema = SCHEMAS[name]
+    grammar = grammar_text(StructuredOutputs(json=schema))
+    finished = 0
+    for seed in range(6):
+        answer, reason = walker.walk(grammar, seed, max_tokens=150)
+        if reason == "stop":
+            finished += 1
+            assert schema_errors(schema, answer) == [], answer
+    assert finished, "no walk finished: the test says nothing about this schema"
+
+
+REGEXES = ["^[a-z]{2,4}$", "abc$", "(?i)ab", "\\d{3}-\\d{4}", "[A-Z][a-z]{0,5}", "(yes|no|maybe)",
+           "[\\w.+-]{1,8}@[a-z]{1,5}\\.com", "\\s?x", "[^a-z]{2}", "(\\d{1,2}:){2}\\d{2}", "\u00e9{2}|\U0001f600",
+           "[\u4e00-\u9fff]{1,3}", "(ab){1,3}c?", "(a|ab)(c|bcd)", "\\$\\d+", "[$^]", "\\\\", "[\\]]", "[a\\-z]",
+           "a{0}b", "x|", "[^\\n]{1,3}"]
+
+
+@pytest.mark.parametrize("regex", REGEXES)
+def test_every_walk_of_a_regex_fullmatches(walker: Walker, regex: str) -> None:
+    grammar = grammar_text(StructuredOutputs(regex=regex))
+    for seed in range(6):
+        answer, reason = walker.walk(grammar, seed, max_tokens=40)
+        assert reason == "stop" and re.fullmatch(regex, answer), (answer, reason)
+
+
+CHOICES = [["a", "ab", "abc"], [" a", "a ", "a"], ["\U0001f600", "\u00e9", 'a"b', "tab\t", "back\\slash", "new\nline"],
+           ["\u65e5\u672c", "\u65e5\u672c\u8a9e"], ["{{", "}}", "|", "/a/", "'q'"], ["  ", "\n", "x"]]
+
+
+@pytest.mark.parametrize("choices", CHOICES)
+def test_every_walk_of_a_choice_is_one_of_them(walker: Walker, choices: list[str]) -> None:
+    grammar = grammar_text(StructuredOutputs(choice=choices))
+    seen = set()
+    for seed in range(16):
+        answer, reason = walker.walk(grammar, seed, max_tokens=20)
+        assert reason == "stop" and answer in choices, (answer, reason)
+        seen.add(answer)
+    assert len(seen) > 1  # the walk reaches more than one (a prefix does not hide the longer ones)
+
+
+@pytest.mark.parametrize(("schema", "feature"), UNSUPPORTED)
+def test_unsupported_schema_features_are_refused_by_name(ll: llguidance.LLTokenizer, schema: dict[str, Any],
+                                                        feature: str) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        GrammarChecker(ll).check(StructuredOutputs(json=schema))
+    assert feature in raised.value.message
+
+
+def tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+class Point(pydantic.BaseModel):
+    x: Annotated[int, pydantic.Field(ge=0, le=9)]
+
+
+class Plot(pydantic.BaseModel):
+    """Its $defs holds a Point that is not tool "move"'s Point: the same name, another schema."""
+
+    points: Annotated[list[Point], pydantic.Field(min_length=1, max_length=2)]
+
+
+class Move(pydantic.BaseModel):
+    to: Annotated[str, pydantic.StringConstraints(pattern="^[a-h][1-8]$")]
+    via: Point | None = None
+
+
+# tool_choice "required" nests each tool's parameters in an array schema: their "#/$defs/..." refs pointed at its
+# root, which has none (every pydantic model with a nested model was a 400), and two tools' $defs may share a name
+TOOLS = [tool("plot", Plot.model_json_schema()), tool("move", {**Move.model_json_schema(), "$defs": {
+    "Point": {"type": "object", "properties": {"x": {"type": "string", "maxLength": 2}}, "required": ["x"]}}}),
+         tool("tree", Tree.model_json_schema())]
+
+
+@pytest.mark.parametrize("tools", [TOOLS[:1], TOOLS], ids=["one", "three"])
+def test_required_tool_calls_with_refs_validate_against_their_tools(walker: Walker, ll: llguidance.LLTokenizer,
+                                                                    tools: list[dict[str, Any]]) -> None:
+    constraint = StructuredOutputs(json=required_schema(tools, parallel=True))
+    GrammarChecker(ll).check(constraint)
+    grammar = grammar_text(constraint)
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    finished = 0
+    for seed in range(8):
+        answer, reason = walker.walk(grammar, seed, max_tokens=200)
+        if reason != "stop":
+            continue
+        finished += 1
+        calls = parse_required(answer)
+        assert calls and len(calls) == len(json.loads(answer)), answer
+        for call in calls:
+            assert schema_errors(parameters[call.name], call.arguments) == [], (call.name, call.arguments)
+    assert finished
