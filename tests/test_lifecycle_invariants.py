@@ -139,3 +139,59 @@ def test_n_siblings_leave_no_forked_record(tiny_dir: Path, one_thread: None) -> 
     [output] = llm.generate([list(range(100, 120))], SamplingParams(temperature=1.0, n=3, max_tokens=2, seed=1))
     assert [len(c.token_ids) for c in output.outputs] == [2, 2, 2]
     assert_engine_idle(llm.engine)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the scheduler service, with a plain-Python worker
+
+
+def test_scheduler_service_tells_the_worker_to_drop_what_ended_when_it_goes_idle(tmp_path: Path) -> None:
+    """The served scheduler: requests that finish, stop (a tokenizer's StopSequence), are aborted while running and
+    while waiting (a client gone), n > 1 and preempted on a small cache; once none is left the worker has been told
+    to drop every sequence (no row, no matcher kept until the next request), and the service keeps no owner, the
+    snapshot says idle."""
+    import time
+
+    from pagoda.services.scheduler.service import Peer
+    from pagoda.shared.messages import AbortRequest, AddRequest, SchedulerToWorker, StepPlan, StopSequence
+    from pagoda.shared.messages import SamplingParams as WireParams
+    from pagoda.shared.transport import Codec
+    from tests.test_async_scheduling import service_on_outboxes
+    from tests.test_scheduler import FakeWorker
+
+    to_worker = Codec(SchedulerToWorker)
+    with service_on_outboxes(tmp_path, 4, num_kv_blocks=10, block_size=4, max_model_len=64, max_num_batched_tokens=16,
+                             max_inflight_plans=2, num_swap_blocks=0) as (service, plans_out, _):
+        identity = b"tok0"
+        peer = service.tokenizers[identity] = Peer(0.0)
+        worker = FakeWorker(4)
+        lengths = (9, 14, 5, 11, 7, 3)
+        for index, length in enumerate(lengths):
+            params = WireParams(temperature=0.0, max_tokens=6 + 4 * index, ignore_eos=True, n=2 if index == 1 else 1)
+            service._on_add(identity, peer, AddRequest(f"r{index}", [50 * (index + 1) + i for i in range(length)],
+                                                       params))
+        endings = {3: StopSequence("r3", 0), 5: AbortRequest("r2"), 6: AbortRequest("r5")}
+        for turn in range(200):
+            if turn in endings:
+                service._on_tokenizer_message(identity, peer, endings[turn])
+            service._maybe_step()
+            plans = [plan for payload in plans_out.sent if isinstance(plan := to_worker.decode(payload), StepPlan)]
+            plans_out.sent.clear()
+            results = []
+            for plan in plans:  # as the worker does: each plan runs before the next one drops what it ran
+                worker.apply(plan)
+                if plan.seq_ids:
+                    results.append(worker.execute(plan))
+            for result in results:
+                service._on_result(result)
+            if not service.scheduler.has_unfinished() and not service.pipeline.inflight and not plans:
+                break
+        scheduler = service.scheduler
+        assert scheduler.stats.num_preemptions > 0
+        assert not scheduler.has_unfinished() and not scheduler._forgotten
+        assert worker.state == {}, f"the worker still holds sequences {sorted(worker.state)}"
+        assert not service.owner and not peer.request_ids
+        scheduler.blocks.check_integrity()
+        stats = service._stats(time.monotonic())
+        assert (stats.num_running, stats.num_waiting, stats.num_preempted) == (0, 0, 0)
+        assert stats.kv_blocks_free == stats.kv_blocks_total and scheduler.host.num_free_blocks == 0
