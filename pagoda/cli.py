@@ -8,7 +8,16 @@ import sys
 from collections.abc import Sequence
 
 from pagoda.bench.commands import add_commands
-from pagoda.shared.config import add_engine_args, add_server_args, engine_config_from_args, server_config_from_args
+from pagoda.shared.config import (
+    add_engine_args,
+    add_server_args,
+    add_vllm_serve_args,
+    apply_vllm_serve_args,
+    engine_config_from_args,
+    server_config_from_args,
+)
+
+log = logging.getLogger("pagoda.serve")
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -45,6 +54,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.shared.errors import ConfigError
 
     try:  # a bad flag or PAGODA_* value is the operator's error: said as the launcher says its own, no traceback
+        notes = apply_vllm_serve_args(args)  # vLLM's flags: mapped onto pagoda's settings, or refused
         engine_config, server_config = engine_config_from_args(args), server_config_from_args(args)
         server_config.check_metrics_access()
         if server_config.api_keys_file:  # a missing or broken keys file: one line now, not an api's traceback later
@@ -52,6 +62,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
         return 2
+    for note in notes:
+        log.info("%s", note)
     return serve(engine_config, server_config)
 
 
@@ -141,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(server)
     add_server_args(server)
+    add_vllm_serve_args(server)
     server.set_defaults(func=_cmd_serve)
 
     _add_keys_parser(commands)

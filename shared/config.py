@@ -21,6 +21,7 @@ DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names for two of them
 LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMAT_ALIASES = {"safetensors": "auto"}  # vLLM's name for what auto loads here (pagoda reads safetensors only)
 # fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales; fp8_block: scales per row and
 # 128 columns, activations per token and 128 columns (the layout and GEMM of 128x128 block-wise checkpoints)
 QUANTIZATIONS = ("fp8", "fp8_block")
@@ -38,6 +39,8 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL_DIR  # a Hugging Face folder, or a dummy shape name (load_format=dummy)
     tokenizer: str | None = None  # defaults to the model folder
+    # vLLM's --chat-template: a Jinja file, or the template itself, that renders chats instead of the tokenizer's
+    chat_template: str | None = None
     # where requests' sampling defaults come from (vLLM's --generation-config): auto: the model folder's
     # generation_config.json; vllm: none (SamplingParams' own); else a folder holding a generation_config.json
     generation_config: str = "auto"
@@ -79,8 +82,11 @@ class EngineConfig:
         if not self.generation_config:
             raise ConfigError("generation_config must be 'auto', 'vllm' or a folder", param="generation_config")
         self.generation_overrides()  # a bad JSON text fails here, before any process starts
+        self.load_format = LOAD_FORMAT_ALIASES.get(self.load_format, self.load_format)
         if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}", param="load_format")
+            raise ConfigError(f"--load-format {self.load_format}: pagoda loads safetensors (auto, safetensors) or "
+                              "random weights for a shape (dummy), no other format", param="load_format")
+        self.chat_template_text()  # a path that cannot be read fails here, before any process starts
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)
@@ -89,15 +95,30 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}",
-                              param="quantization")
+            raise ConfigError(f"--quantization {self.quantization}: pagoda implements only {', '.join(QUANTIZATIONS)} "
+                              "(FP8 checkpoints are detected without the flag)", param="quantization")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
-                              param="kv_cache_dtype")
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: pagoda's KV cache is one of "
+                              f"{', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3)", param="kv_cache_dtype")
         if self.swap_space is not None and not (math.isfinite(self.swap_space) and self.swap_space >= 0):
             raise ConfigError("swap_space must be a number of GiB >= 0", param="swap_space")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template as a template: a readable file's text, else the value itself when it holds Jinja
+        ("{", "}" or a line break; on one line, the \\n and \\t a shell leaves as two characters become what they
+        say, as in vLLM), else a ConfigError (a path that cannot be read). None: the tokenizer's own template."""
+        value = self.chat_template
+        if value is None:
+            return None
+        try:
+            return Path(value).read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:  # ValueError: a template too long or odd to be a file name
+            if not any(ch in value for ch in "{}\n"):
+                raise ConfigError(f"--chat-template {value!r} looks like a file path but cannot be read: {exc}",
+                                  param="chat_template") from None
+        return value if "\n" in value else value.replace("\\n", "\n").replace("\\t", "\t")
 
     def generation_overrides(self) -> dict[str, Any]:
         """override_generation_config as a dict ({} when unset); ConfigError if it is not a JSON object."""
@@ -190,6 +211,23 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
+_TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_token_count(text: str) -> int:
+    """A number of tokens as vLLM reads one: '32k' -> 32000, '32K' -> 32768, '25.6k' -> 25600, '4096' -> 4096."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgKMG]?)\s*", text)
+    if match is None:
+        hint = (" (vLLM's auto, fitting the context to memory, is not implemented: give a length, or none for the "
+                "model's own)") if text.strip().lower() in ("auto", "-1") else ""
+        raise ConfigError(f"cannot read {text!r} as a number of tokens (e.g. 8192, 32k, 32K){hint}",
+                          param="max_model_len")
+    value = float(match.group(1)) * _TOKEN_UNITS[match.group(2)]
+    if value != int(value):
+        raise ConfigError(f"{text!r} is not a whole number of tokens", param="max_model_len")
+    return int(value)
+
+
 
 @dataclass(slots=True)
 class ServerConfig:
@@ -198,7 +236,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None  # default: the model folder's name
+    # the names clients may send as `model`, comma-separated (vLLM's --served-model-name takes several); the first
+    # is the one responses and /health report. Default: the model folder's name
+    served_model_name: str | None = None
     api_workers: int = 1  # api processes sharing the port (SO_REUSEPORT)
     tokenizer_workers: int = 1
     runtime_dir: str | None = None  # where ipc:// endpoints live (the launcher makes a private one)
@@ -244,6 +284,15 @@ class ServerConfig:
     console: bool = True  # the browser console at / (playground, live view, request inspector)
     console_show_prompts: bool = False  # the request inspector shows prompt text (off: only counts and times)
     console_max_requests: int = 200  # finished requests the inspector keeps (per api process)
+    # vLLM's front-end flags (docs/vllm-compat.md#server-flags)
+    response_role: str = "assistant"  # the role of a chat answer's message when the request adds a generation prompt
+    root_path: str = ""  # the path prefix a proxy serves this server under: routes answer with and without it
+    # CORS: origins (JSON list or comma-separated; "*": any) whose browser pages may call the API; None: no CORS
+    allowed_origins: str | None = None
+    allowed_methods: str = "*"  # with allowed_origins: the methods a preflight may ask for
+    allowed_headers: str = "*"  # with allowed_origins: the request headers a preflight may ask for
+    allow_credentials: bool = False  # with allowed_origins: browsers may send cookies and HTTP auth
+    log_requests: bool = False  # the api logs one line per generation request (id, route, prompts, sampling)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
@@ -277,6 +326,19 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be >= 0", param=name)
         if self.api_key is None and self.api_key_file:
             self.api_key = read_key_file(self.api_key_file)
+        if self.served_model_name is not None and not self.served_model_names():
+            raise ConfigError("served_model_name names no model", param="served_model_name")
+        if not self.response_role.strip():
+            raise ConfigError("response_role must not be empty", param="response_role")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path == "/"):
+            raise ConfigError(f"--root-path {self.root_path!r} must be a path such as /llm", param="root_path")
+        self.root_path = self.root_path.rstrip("/")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            parse_list(getattr(self, name), name)  # a broken JSON list fails now
+
+    def served_model_names(self) -> list[str]:
+        """The names of --served-model-name (empty when unset)."""
+        return [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
 
     def metrics_need_key(self) -> bool:
         """Whether /metrics answers only the operator's key (--api-key): with metrics_access key, or auto beside a
@@ -337,6 +399,21 @@ class ServerConfig:
                          plan=self.endpoint("plan"), result=self.endpoint("result"), stats=self.endpoint("stats"))
 
 
+def parse_list(text: str | None, name: str) -> list[str]:
+    """A list setting as vLLM writes it (a JSON list, '["http://a.example"]') or as a comma-separated text."""
+    if text is None:
+        return []
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--{name.replace('_', '-')} is not a JSON list: {exc}", param=name) from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a list of strings", param=name)
+        return [v.strip() for v in value if v.strip()]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def read_key_file(path: str) -> str:
     try:
         key = Path(path).read_text().strip()
@@ -378,10 +455,21 @@ def bind_address(endpoint: str) -> str:
 # --------------------------------------------------------------------------------------------
 # flags and environment variables, derived from the dataclass fields
 
-_PARSERS: dict[str, Any] = {"kv_cache_memory": parse_bytes}
+_PARSERS: dict[str, Any] = {"kv_cache_memory": parse_bytes, "max_model_len": parse_token_count,
+                            "max_num_batched_tokens": parse_token_count}
 # True (or auto) by default: a --no- flag
 _FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "async_scheduling": "no-async-scheduling",
-                               "console": "no-console", "grammar_fast_forward": "no-grammar-fast-forward"}
+                               "console": "no-console", "grammar_fast_forward": "no-grammar-fast-forward",
+                               "log_requests": "enable-log-requests"}
+# vLLM's spellings of the same settings: other option strings of a field's flag
+_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),
+                                        "api_workers": ("--api-server-count", "-asc")}
+# a switch's other flags, vLLM's (flag -> the value it sets)
+_SWITCHES: dict[str, dict[str, bool]] = {
+    "enable_prefix_caching": {"--enable-prefix-caching": True, "--no-enable-prefix-caching": False},
+    "async_scheduling": {"--async-scheduling": True},
+}
+_LISTS = frozenset({"served_model_name"})  # several values after the flag, kept comma-separated
 _HELP: dict[str, str] = {
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
@@ -446,6 +534,23 @@ _HELP: dict[str, str] = {
                             "with the grammar's own tokenization of that text)",
     "async_scheduling": "serial steps: plan a step only after the previous one's tokens are back "
                         "(default: overlap planning with the GPU on CUDA)",
+    "max_model_len": "context limit in tokens, e.g. 8192, 32k (32000) or 32K (32768) (default: the model's)",
+    "max_num_batched_tokens": "tokens one step computes, e.g. 8192 or 8k (default: 8192 on CUDA, 2048 on CPU)",
+    "served_model_name": "the names clients may send as `model` (several: the first is the one responses "
+                         "report; default: the model folder's name)",
+    "chat_template": "a Jinja chat template, or a file holding one, that renders chats instead of the "
+                     "tokenizer's own (vLLM's --chat-template)",
+    "response_role": "the role of a chat answer's message when the request adds a generation prompt "
+                     "(default: assistant; vLLM's --response-role)",
+    "root_path": "the path prefix a proxy serves this server under, e.g. /llm: every route answers with and without "
+                 "it (vLLM's --root-path)",
+    "allowed_origins": "CORS: origins whose browser pages may call the API, a JSON list or comma-separated "
+                       "('[\"*\"]': any; default: none, no CORS headers)",
+    "allowed_methods": "CORS: the methods a preflight may ask for (default *)",
+    "allowed_headers": "CORS: the request headers a preflight may ask for (default *)",
+    "allow_credentials": "CORS: browsers may send cookies and HTTP auth along",
+    "log_requests": "log one line per generation request at info: id, route, prompt sizes, sampling (vLLM's "
+                    "--enable-log-requests)",
 }
 
 
@@ -485,6 +590,17 @@ def _from_text(field_name: str, kind: type, text: str) -> Any:
                           param=field_name) from exc
 
 
+def _flag_type(parse: Any) -> Any:
+    """A flag's type function whose ConfigError argparse shows as its message (not 'invalid parse_... value')."""
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+    checked.__name__ = getattr(parse, "__name__", "value")
+    return checked
+
+
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
     group = parser.add_argument_group(title)
     hints = get_type_hints(cls)
@@ -497,16 +613,21 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) 
             inverted = flag.startswith("no-")
             group.add_argument("--" + flag, dest=f.name, action="store_false" if inverted else "store_true",
                                default=default, help=_HELP.get(f.name))
+            for other, value in _SWITCHES.get(f.name, {}).items():
+                group.add_argument(other, dest=f.name, action="store_true" if value else "store_false",
+                                   default=default, help=f"(vLLM's spelling: {'on' if value else 'off'})")
             continue
         parse = _PARSERS.get(f.name, kind)
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse, default=default,
+        group.add_argument("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()), dest=f.name,
+                           type=_flag_type(parse), default=default, nargs="+" if f.name in _LISTS else None,
                            help=_HELP.get(f.name, f"(env {env_name(f.name)})"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags; each defaults to its PAGODA_<NAME> environment variable, then the dataclass default."""
     _add_dataclass_args(parser, EngineConfig, "engine")
-    parser.add_argument("--shape", default=None, help="dummy shape name (= --model NAME --load-format dummy)")
+    parser.add_argument("--shape", default=os.environ.get(ENV_PREFIX + "SHAPE") or None,
+                        help="dummy shape name (= --model NAME --load-format dummy; env PAGODA_SHAPE)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -514,7 +635,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _from_namespace(cls: type, args: argparse.Namespace) -> Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    for name in _LISTS & values.keys():  # given as flags: a list; from the environment: already one text
+        if isinstance(values[name], list):
+            values[name] = ",".join(values[name])
+    return cls(**values)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -525,6 +650,137 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return _from_namespace(ServerConfig, args)
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's `vllm serve` flags that are not settings of pagoda's own (docs/vllm-compat.md#server-flags): a command line
+# written for vLLM starts pagoda, or stops it with one line naming the flag it cannot honour. The settings both
+# have are the dataclass fields above under vLLM's names (--max-model-len, --enable-prefix-caching, -tp, ...).
+
+# Accepted, changing nothing here: flag -> (its values: 0 none, 1 one, "+" one or more; why). Logged at start-up.
+VLLM_NO_OP_FLAGS: dict[str, tuple[int | str, str]] = {
+    "--enable-chunked-prefill": (0, "pagoda always chunks prefills: a step mixes decode tokens and prompt "
+                                        "chunks up to --max-num-batched-tokens"),
+    "--enable-auto-tool-choice": (0, "tool_choice auto is always on here, parsed with --tool-call-parser "
+                                         "(default: chosen by the model's name)"),
+    "--trust-remote-code": (0, "pagoda never runs code from a model folder: its model classes are its own and "
+                                   "tokenizers load without remote code"),
+    "--disable-log-requests": (0, "pagoda logs no requests unless --enable-log-requests is given"),
+    "--disable-log-stats": (0, "pagoda logs no periodic stats (/metrics has them)"),
+    "--disable-fastapi-docs": (0, "pagoda serves no /docs, /redoc or /openapi.json"),
+    "--disable-uvicorn-access-log": (0, "the api logs HTTP access lines only at --log-level debug"),
+    "--revision": (1, "pagoda loads local folders only (no hub download), and a folder holds one revision"),
+    "--tokenizer-revision": (1, "pagoda loads local folders only (no hub download), and a folder holds one "
+                                   "revision"),
+    "--code-revision": (1, "pagoda loads local folders only and runs no code from them"),
+    "--download-dir": (1, "pagoda loads local folders only: nothing is downloaded"),
+    "--max-seq-len-to-capture": (1, "pagoda's decode CUDA graphs serve every sequence length up to "
+                                       "--max-model-len"),
+}
+# Refused: flag -> (its values, why). pagoda would not do what the flag asks, so it does not start.
+VLLM_REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
+    "--no-enable-chunked-prefill": (0, "pagoda's scheduler always chunks prefills (a larger "
+                                           "--max-num-batched-tokens keeps more prompts whole)"),
+    "--speculative-config": (1, "pagoda has no speculative decoding"),
+    "--enable-lora": (0, "pagoda serves no LoRA adapters"),
+    "--lora-modules": ("+", "pagoda serves no LoRA adapters"),
+    "--max-loras": (1, "pagoda serves no LoRA adapters"),
+    "--max-lora-rank": (1, "pagoda serves no LoRA adapters"),
+    "--cuda-graph-sizes": ("+", "pagoda captures decode graphs for 1, 2, 4, 8 and every 16 sequences up to "
+                                 "--max-num-seqs: set --max-num-seqs, or --enforce-eager for none"),
+    "--ssl-keyfile": (1, "pagoda serves plain HTTP: terminate TLS at a proxy in front of it"),
+    "--ssl-certfile": (1, "pagoda serves plain HTTP: terminate TLS at a proxy in front of it"),
+    "--enable-sleep-mode": (0, "pagoda cannot release and reload its GPU memory while running"),
+    "--kv-transfer-config": (1, "pagoda has no disaggregated prefill (KV transfer between instances)"),
+    "--enable-expert-parallel": (0, "pagoda shards experts by tensor parallelism only"),
+}
+DISTRIBUTED_BACKENDS = ("mp", "uni")  # one process per rank on this host: what pagoda always does
+UVICORN_LOG_LEVELS = {"critical": "critical", "error": "error", "warning": "warning", "info": "info",
+                      "debug": "debug", "trace": "debug"}
+TOKENIZER_MODES = ("auto", "hf")  # transformers' fast tokenizer from the folder, the only kind pagoda loads
+
+
+def _dest(flag: str) -> str:
+    return "vllm_" + flag.lstrip("-").replace("-", "_")
+
+
+def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
+    """`vllm serve`'s flags with no pagoda field: the positional model, value-dependent ones, no-ops and refusals.
+    apply_vllm_serve_args reads them."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model folder, as vLLM takes it (the same as --model)")
+    group = parser.add_argument_group("vLLM flags", "accepted for command lines written for `vllm serve` "
+                                      "(docs/vllm-compat.md#server-flags)")
+    for table, what in ((VLLM_NO_OP_FLAGS, "changes nothing here"), (VLLM_REFUSED_FLAGS, "refused")):
+        for flag, (num_values, why) in table.items():
+            described = f"{what}: {why}".replace("%", "%%")
+            if num_values == 0:
+                group.add_argument(flag, dest=_dest(flag), action="store_const", const=True, help=described)
+            else:
+                group.add_argument(flag, dest=_dest(flag), nargs="+" if num_values == "+" else None, help=described)
+    group.add_argument("--pipeline-parallel-size", "-pp", dest="vllm_pipeline_parallel_size", type=int,
+                       default=None, help="1 only: pagoda has no pipeline parallelism")
+    group.add_argument("--distributed-executor-backend", dest="vllm_distributed_executor_backend", default=None,
+                       help="mp or uni (pagoda's one process per rank); ray and external_launcher are refused")
+    group.add_argument("--limit-mm-per-prompt", dest="vllm_limit_mm_per_prompt", default=None,
+                       help="only zeros (e.g. '{\"image\": 0}'): pagoda serves text")
+    group.add_argument("--uvicorn-log-level", dest="vllm_uvicorn_log_level", default=None,
+                       choices=sorted(UVICORN_LOG_LEVELS), help="sets --log-level (trace: debug)")
+    group.add_argument("--tokenizer-mode", dest="vllm_tokenizer_mode", default=None,
+                       help="auto or hf: the folder's fast tokenizer; slow, mistral and custom are refused")
+
+
+def apply_vllm_serve_args(args: argparse.Namespace) -> list[str]:
+    """Turn add_vllm_serve_args' flags into pagoda's settings on `args` (before the configs are built from it). A
+    flag pagoda cannot honour is a ConfigError naming it; the lines returned say, once each, the flags given that
+    change nothing here (the caller logs them)."""
+    notes: list[str] = []
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag  # vLLM's positional model wins over --model, as in vLLM
+    for flag, (_, why) in VLLM_REFUSED_FLAGS.items():
+        if getattr(args, _dest(flag), None) is not None:
+            raise ConfigError(f"{flag} is not supported: {why}", param=_dest(flag)[5:])
+    for flag, (_, why) in VLLM_NO_OP_FLAGS.items():
+        if getattr(args, _dest(flag), None) is not None:
+            notes.append(f"{flag} changes nothing here: {why}")
+    pipeline = getattr(args, "vllm_pipeline_parallel_size", None)
+    if pipeline is not None and pipeline != 1:
+        raise ConfigError(f"--pipeline-parallel-size {pipeline} is not supported: pagoda has no pipeline "
+                          "parallelism; use --tensor-parallel-size", param="pipeline_parallel_size")
+    backend = getattr(args, "vllm_distributed_executor_backend", None)
+    if backend is not None and backend not in DISTRIBUTED_BACKENDS:
+        raise ConfigError(f"--distributed-executor-backend {backend} is not supported: pagoda runs one process per "
+                          "GPU on one host (mp); across hosts, run its services with tcp:// endpoints "
+                          "(docs/operations.md)", param="distributed_executor_backend")
+    if backend is not None:
+        notes.append(f"--distributed-executor-backend {backend} changes nothing here: pagoda always runs one "
+                     "process per worker rank")
+    limits = getattr(args, "vllm_limit_mm_per_prompt", None)
+    if limits is not None:
+        _check_no_multimodal(limits)
+        notes.append("--limit-mm-per-prompt changes nothing here: pagoda serves text only, and it allows no items")
+    mode = getattr(args, "vllm_tokenizer_mode", None)
+    if mode is not None and mode not in TOKENIZER_MODES:
+        raise ConfigError(f"--tokenizer-mode {mode} is not supported: pagoda loads the folder's fast tokenizer "
+                          "(auto, hf)", param="tokenizer_mode")
+    level = getattr(args, "vllm_uvicorn_log_level", None)
+    if level is not None:
+        args.log_level = UVICORN_LOG_LEVELS[level]
+    dummy = getattr(args, "load_format", "auto") == "dummy" or getattr(args, "shape", None)
+    if getattr(args, "seed", 0) != 0 and not dummy:
+        notes.append(f"--seed {args.seed} changes no sampling here: it seeds only dummy weights; a request "
+                     "without a seed samples fresh randomness (send `seed` per request to repeat an answer)")
+    return notes
+
+
+def _check_no_multimodal(text: str) -> None:
+    try:
+        limits = json.loads(text)
+    except ValueError:  # vLLM's older form: image=0,video=0
+        limits = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    if not isinstance(limits, dict) or any(str(v).strip() not in ("0", "0.0") and v != 0 for v in limits.values()):
+        raise ConfigError(f"--limit-mm-per-prompt {text} is not supported: pagoda serves text only (no images, "
+                          "audio or video); only zero limits are accepted", param="limit_mm_per_prompt")
 
 
 def to_env(*configs: EngineConfig | ServerConfig) -> dict[str, str]:

@@ -13,10 +13,11 @@ from typing import Any
 import jinja2
 import tokenizers
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from pagoda.services.tokenizer.conversation import content_format, template_conversation
 from pagoda.shared.config import EngineConfig
-from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
+from pagoda.shared.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer, tokenizer_folder
 
 _HF_CHAT_ARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
@@ -73,7 +74,8 @@ def _uses_byte_level(backend: tokenizers.Tokenizer | None) -> bool:
 class Tokenizer:
     """One model's tokenizer: encode, decode, and render chats with the model's own template."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template`: a Jinja template that renders chats instead of the folder's own (--chat-template)."""
         folder = Path(path)
         # Checked before transformers sees the name: a missing folder would otherwise be taken as a hub id.
         if not has_tokenizer(folder):
@@ -83,6 +85,13 @@ class Tokenizer:
         except (OSError, ValueError, ImportError) as exc:
             raise ModelNotFoundError(f"cannot load the tokenizer in {str(folder)!r}: {exc}") from exc
         self.path = folder
+        if chat_template is not None:  # every reader of the template (render_chat, prompts, /tokenizer_info) sees it
+            try:
+                _compile_jinja_template(chat_template)
+            except jinja2.TemplateError as exc:
+                raise ConfigError(f"--chat-template is not a valid Jinja template: {exc}",
+                                  param="chat_template") from None
+            self._hf.chat_template = chat_template
         self._all_special_ids = sorted(set(self._hf.all_special_ids))
         self._vocab_size = len(self._hf)
         # The Rust tokenizer decodes about 4x faster than transformers' wrapper around it, and the
@@ -207,4 +216,4 @@ class Tokenizer:
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     """--tokenizer if given, else the model folder's own; None when there is none (prompts are then ids)."""
     folder = tokenizer_folder(config.model, config.load_format, config.tokenizer)
-    return Tokenizer(folder) if folder is not None else None
+    return Tokenizer(folder, config.chat_template_text()) if folder is not None else None
