@@ -105,7 +105,6 @@ class LLMEngine:
         self._silent: set[int] = set()  # seq ids whose running tokens a step without deltas leaves alone
         self._ids = itertools.count()
         self._grammars: GrammarChecker | None = None
-        self.num_prompt_tokens_total = 0  # prompt tokens of requests added (the server's pagoda_prompt_tokens)
         self.num_generation_tokens_total = 0  # tokens sampled into completions (pagoda_generation_tokens)
         settle_heap("engine")
 
@@ -145,7 +144,6 @@ class LLMEngine:
                           arrival_time=time.monotonic(), priority=priority, forced_token_ids=forced, cache_salt=salt)
         self.scheduler.check_prompt(request)  # the rest of Scheduler.validate: params were checked above
         self.scheduler.add_request(request)
-        self.num_prompt_tokens_total += len(token_ids)
         output = self._outputs[request_id] = RequestOutput(
             request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,
             outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
@@ -274,7 +272,7 @@ class LLMEngine:
                     "pagoda_prefix_cache_query_tokens": stats.prefix_query_tokens,
                     "pagoda_num_preemptions": stats.num_preemptions,
                     "pagoda_num_swapped_preemptions": stats.num_swapped,
-                    "pagoda_prompt_tokens": self.num_prompt_tokens_total,
+                    "pagoda_prompt_tokens": stats.prompt_tokens,
                     "pagoda_generation_tokens": self.num_generation_tokens_total}
         return [*(Gauge(name, {}, float(value)) for name, value in gauges.items()),
                 *(Counter(name, {}, int(value)) for name, value in counters.items())]

@@ -5,17 +5,23 @@ equal what the clients received."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine import LLMEngine
 from pagoda.shared.messages import StructuredOutputs
+from tests.harness import Server, http_client, running_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +119,6 @@ def test_offline_engine_returns_to_idle_after_messy_traffic(tiny_dir: Path, one_
     for _ in range(10):
         prompt = shared[:rng.randrange(4, 24)] + [rng.randrange(100, 40000) for _ in range(rng.randrange(0, 24))]
         request_ids.append(engine.add_request(prompt, _random_params(rng)))
-    num_prompt_tokens = engine.num_prompt_tokens_total
     while engine.has_unfinished_requests():
         engine.step(deltas=rng.random() < 0.5)
         if rng.random() < 0.1:
@@ -126,7 +131,9 @@ def test_offline_engine_returns_to_idle_after_messy_traffic(tiny_dir: Path, one_
     assert not engine._outputs
     metrics = {metric.name: metric.value for metric in engine.metrics()}
     assert metrics["pagoda_generation_tokens"] == sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    assert metrics["pagoda_prompt_tokens"] == num_prompt_tokens == sum(len(o.prompt_token_ids) for o in outputs)
+    # every request that got a token was prefilled; one aborted before its first admission never was
+    served = sum(len(o.prompt_token_ids) for o in outputs if any(c.token_ids for c in o.outputs))
+    assert served <= metrics["pagoda_prompt_tokens"] <= sum(len(o.prompt_token_ids) for o in outputs)
     # and it still serves, from idle
     assert llm.generate([shared], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].finish_reason
     assert_engine_idle(engine)
@@ -139,6 +146,29 @@ def test_n_siblings_leave_no_forked_record(tiny_dir: Path, one_thread: None) -> 
     [output] = llm.generate([list(range(100, 120))], SamplingParams(temperature=1.0, n=3, max_tokens=2, seed=1))
     assert [len(c.token_ids) for c in output.outputs] == [2, 2, 2]
     assert_engine_idle(llm.engine)
+
+
+def test_prompt_tokens_count_requests_that_reached_the_model(tiny_dir: Path, one_thread: None) -> None:
+    """pagoda_prompt_tokens counts prompt tokens computed (vLLM's vllm:prompt_tokens counts a request's prompt
+    when it is prefilled): a request cancelled while it waits adds none, one preempted and recomputed counts once."""
+    llm = LLM(str(tiny_dir), max_model_len=256, num_kv_blocks=24, block_size=8, max_num_seqs=1, seed=0)
+    engine = llm.engine
+
+    def prompt_tokens() -> float:
+        return next(m.value for m in engine.metrics() if m.name == "pagoda_prompt_tokens")
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    served = engine.add_request(list(range(100, 110)), params)
+    queued = engine.add_request(list(range(200, 230)), params)  # one seat: it waits
+    engine.step()
+    assert engine.scheduler.requests[queued].sequences[0].num_computed_tokens == 0
+    engine.abort_request(queued)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.pop_output(served).outputs[0].token_ids) == 4
+    assert engine.pop_output(queued).outputs[0].token_ids == []
+    assert prompt_tokens() == 10, "the cancelled request's prompt was never computed"
+    assert_engine_idle(engine)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -195,3 +225,137 @@ def test_scheduler_service_tells_the_worker_to_drop_what_ended_when_it_goes_idle
         stats = service._stats(time.monotonic())
         assert (stats.num_running, stats.num_waiting, stats.num_preempted) == (0, 0, 0)
         assert stats.kv_blocks_free == stats.kv_blocks_total and scheduler.host.num_free_blocks == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the served processes
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_dir: Path) -> Iterator[Server]:
+    """`pagoda serve` on the tiny model with a cache of 24 blocks of 8 tokens and 32-token steps: chunked prefill,
+    preemption by recompute and by swap."""
+    with running_server(tiny_dir, "--num-kv-blocks", "24", "--block-size", "8", "--max-num-batched-tokens", "32",
+                        "--max-num-seqs", "8", "--swap-space", "0.002", "--max-model-len", "256") as server:
+        yield server
+
+
+def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics, parsed by prometheus_client's own parser, keyed by name and labels."""
+    text = http_client().get(server.url + "/metrics", timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return sum(value for (sample, sample_labels), value in samples.items()
+               if sample == name and labels.items() <= dict(sample_labels).items())
+
+
+@dataclass
+class Seen:
+    """What one client saw: usage (None when it went away part way), finish reasons, tokens streamed."""
+
+    kind: str
+    prompt_tokens: int
+    usage: dict[str, Any] | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    num_streamed: int = 0
+    max_tokens: int = 0
+
+
+def _client(server: Server, model: str, index: int) -> Seen:
+    """One request of a random kind; prompts are token ids over a shared prefix, so their lengths are known."""
+    rng = random.Random(index)
+    prompt = list(range(300, 300 + rng.choice([4, 16, 24]))) + [1000 + index] * rng.randrange(1, 30)
+    kind = ["plain", "n", "beam", "stop", "stream", "gone", "chat", "json"][index % 8]
+    max_tokens = rng.choice([1, 4, 24, 60])
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                            "seed": index, "ignore_eos": True}
+    route = "/v1/completions"
+    if kind == "n":
+        body["n"] = 3
+    elif kind == "beam":
+        body.update(use_beam_search=True, n=2, best_of=2, temperature=0.0, max_tokens=min(max_tokens, 6))
+    elif kind == "stop":
+        body["stop"] = ["ld", "or", "e"]
+    elif kind in ("chat", "json"):
+        route = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": f"say {index}"}]
+        del body["prompt"]
+        if kind == "json":
+            body["response_format"] = {"type": "json_object"}
+            del body["ignore_eos"]
+    seen = Seen(kind, len(prompt), max_tokens=body["max_tokens"] * body.get("n", 1))
+    if kind in ("stream", "gone"):
+        body.update(stream=True, stream_options={"include_usage": True})
+        if kind == "gone":
+            body["max_tokens"] = seen.max_tokens = 60
+        with http_client().stream("POST", server.url + route, json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                seen.usage = chunk.get("usage") or seen.usage
+                for choice in chunk["choices"]:
+                    seen.num_streamed += bool(choice["text"])
+                    if choice.get("finish_reason"):
+                        seen.finish_reasons.append(choice["finish_reason"])
+                if kind == "gone" and seen.num_streamed >= 3:
+                    return seen  # the client goes away mid-stream: the server aborts the request
+        return seen
+    response = http_client().post(server.url + route, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    seen.usage = data["usage"]
+    seen.finish_reasons = [choice["finish_reason"] for choice in data["choices"]]
+    return seen
+
+
+def test_served_engine_returns_to_idle_and_metrics_match_usage(small_server: Server) -> None:
+    """Concurrent completions and chats (n > 1, beam search, stop strings, JSON mode, streams with usage, clients
+    that leave mid-stream) on a cache that forces chunked prefill and preemption: afterwards every block is free
+    (or cached), nothing runs or waits, the api serves nothing; /metrics parses, its counters did not go down, and
+    its token counters and histograms agree with what the clients were told."""
+    model = http_client().get(small_server.url + "/v1/models").json()["data"][0]["id"]
+    before = scrape(small_server)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        seen = list(pool.map(lambda i: _client(small_server, model, i), range(16)))
+
+    def idle() -> bool:
+        samples = scrape(small_server)
+        return (total(samples, "pagoda_num_requests_running") == total(samples, "pagoda_num_requests_waiting") == 0
+                and total(samples, "pagoda_kv_blocks_free") == total(samples, "pagoda_kv_blocks_total")
+                and http_client().get(small_server.url + "/load").json()["server_load"] == 0)
+
+    wait_until(idle, 30, "the server to go idle")
+    gone = [s for s in seen if s.kind == "gone" and not s.finish_reasons]
+    assert gone, "no client left mid-stream"
+    finished = [s for s in seen if s not in gone]
+    assert all(s.usage is not None for s in finished)
+
+    def grew(name: str) -> float:  # the scheduler's counters arrive with its next snapshot
+        return total(scrape(small_server), name) - total(before, name)
+
+    prompt_tokens = sum(s.usage["prompt_tokens"] for s in finished) + sum(s.prompt_tokens for s in gone)
+    wait_until(lambda: grew("pagoda_prompt_tokens_total") == prompt_tokens, 10, "the prompt tokens counted")
+    completion_tokens = sum(s.usage["completion_tokens"] for s in finished)
+    generated = grew("pagoda_generation_tokens_total")
+    assert (completion_tokens + sum(s.num_streamed for s in gone) <= generated
+            <= completion_tokens + sum(s.max_tokens for s in gone))
+    after = scrape(small_server)
+    assert total(after, "pagoda_num_preemptions_total") > total(before, "pagoda_num_preemptions_total")
+    for (name, labels), value in before.items():
+        if name.endswith(("_total", "_count", "_sum", "_bucket")):
+            assert after.get((name, labels), 0.0) >= value, f"{name}{dict(labels)} went down"
+    num_answered = len(finished)
+    assert total(after, "pagoda_e2e_request_latency_seconds_count") - total(
+        before, "pagoda_e2e_request_latency_seconds_count") == num_answered
+    assert total(after, "pagoda_time_to_first_token_seconds_count") - total(
+        before, "pagoda_time_to_first_token_seconds_count") == len(seen)
+    statuses = {route: total(after, "pagoda_http_requests_total", route=route, status="200")
+                - total(before, "pagoda_http_requests_total", route=route, status="200")
+                for route in ("/v1/completions", "/v1/chat/completions")}
+    assert statuses == {"/v1/completions": num_answered - 4 + sum(s.kind in ("chat", "json") for s in gone),
+                        "/v1/chat/completions": 4}

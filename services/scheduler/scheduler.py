@@ -188,6 +188,9 @@ class SchedulerStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_steps: int = 0
+    # prompt tokens of requests admitted (counted at their first admission, once per request): those that reached
+    # the model, as vLLM's vllm:prompt_tokens, so a request cancelled while it waits adds none
+    prompt_tokens: int = 0
 
 
 class Scheduler:
@@ -729,6 +732,7 @@ class Scheduler:
             seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)  # not a forced start's hits
             self.stats.prefix_query_tokens += seq.num_tokens
             self.stats.prefix_hit_tokens += num_hit_tokens
+            self.stats.prompt_tokens += len(seq.request.prompt_token_ids)
         table.grow(seq.table, start + count)
         return count
 

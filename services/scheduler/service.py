@@ -139,7 +139,6 @@ class SchedulerService:
         self.pipeline: PlanPipeline | None = None  # plans out at the worker, oldest first (with the scheduler)
         self.inflight_since = 0.0  # when the oldest plan in flight went out (or its predecessor's result came)
         self.worker_last_seen = 0.0
-        self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.tenant_queue: dict[str, list[float]] = {}  # tenant -> [requests admitted, seconds queued]
         self.num_unsent = 0  # messages to tokenizers dropped: the peer vanished or its queue reached the HWM
@@ -413,7 +412,6 @@ class SchedulerService:
         self.owner[message.request_id] = identity
         peer.request_ids.add(message.request_id)
         peer.num_requests += 1
-        self.prompt_tokens_total += len(message.prompt_token_ids)
         if self.tracer is not None:
             self.tracer.on_add(request, time.time())
 
@@ -779,7 +777,8 @@ class SchedulerService:
             prefix_query_tokens_total=stats.prefix_query_tokens if stats else 0,
             num_preemptions_total=stats.num_preemptions if stats else 0,
             num_swapped_total=stats.num_swapped if stats else 0,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=stats.prompt_tokens if stats else 0,
+            generation_tokens_total=self.generation_tokens_total,
             num_steps_total=stats.num_steps if stats else 0, worker_ready=scheduler is not None,
             worker_alive=self._worker_alive(now), tokenizer_ids=[i.decode(errors="replace") for i in self.tokenizers],
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
