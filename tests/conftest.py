@@ -222,7 +222,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # the modules that use the session's smollm2_server (below): one work unit for pytest-xdist, so it starts once
 SHARED_SERVER_MODULES = ("tests/test_server.py", "tests/test_tools.py", "tests/test_vllm_compat.py",
                          "tests/test_responses.py", "tests/test_anthropic_messages.py",
-                         "tests/test_client_libraries.py", "tests/test_stream_equivalence.py")
+                         "tests/test_client_libraries.py", "tests/test_stream_equivalence.py",
+                         "tests/test_structured_fuzz.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it installed, never called

@@ -10,6 +10,7 @@ budget must say `length`."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import enum
 import json
@@ -28,9 +29,11 @@ from pagoda.services.protocol.tools import parse_required, required_schema
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import StructuredOutputs
+from tests.harness import HTTP, SERVED, Server
 
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
+openai = pytest.importorskip("openai")
 
 # --------------------------------------------------------------------------------------------
 # the corpus: schemas people send, pydantic's among them
@@ -304,16 +307,20 @@ def tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
 
 
 class Point(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # additionalProperties false: short answers
     x: Annotated[int, pydantic.Field(ge=0, le=9)]
 
 
 class Plot(pydantic.BaseModel):
     """Its $defs holds a Point that is not tool "move"'s Point: the same name, another schema."""
 
+    model_config = pydantic.ConfigDict(extra="forbid")
+
     points: Annotated[list[Point], pydantic.Field(min_length=1, max_length=2)]
 
 
 class Move(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
     to: Annotated[str, pydantic.StringConstraints(pattern="^[a-h][1-8]$")]
     via: Point | None = None
 
@@ -321,7 +328,8 @@ class Move(pydantic.BaseModel):
 # tool_choice "required" nests each tool's parameters in an array schema: their "#/$defs/..." refs pointed at its
 # root, which has none (every pydantic model with a nested model was a 400), and two tools' $defs may share a name
 TOOLS = [tool("plot", Plot.model_json_schema()), tool("move", {**Move.model_json_schema(), "$defs": {
-    "Point": {"type": "object", "properties": {"x": {"type": "string", "maxLength": 2}}, "required": ["x"]}}}),
+    "Point": {"type": "object", "properties": {"x": {"type": "string", "maxLength": 2}}, "required": ["x"],
+              "additionalProperties": False}}}),
          tool("tree", Tree.model_json_schema())]
 
 
@@ -343,3 +351,188 @@ def test_required_tool_calls_with_refs_validate_against_their_tools(walker: Walk
         for call in calls:
             assert schema_errors(parameters[call.name], call.arguments) == [], (call.name, call.arguments)
     assert finished
+
+
+# --------------------------------------------------------------------------------------------
+# the model: the offline LLM and the server, at temperature 1.0
+
+# Schemas whose every answer is short (bounded strings, numbers, arrays, no free properties): a completion that
+# ends inside max_tokens says `stop`, one cut says `length`; neither outcome is assumed, each is checked.
+BOUNDED = ["nested", "array_bounds", "enum_const", "defs_ref", "numbers", "nullable", "prefix_items", "escapes",
+           "one_of_disjoint"]
+MAX_TOKENS = 32
+
+
+def prefix_ok(ll: llguidance.LLTokenizer, tokenizer: Tokenizer, constraint: StructuredOutputs, ids: list[int]) -> bool:
+    """The tokens are a path the grammar allows (finished or not)."""
+    return llguidance.LLMatcher(ll, grammar_text(constraint), log_level=0).consume_tokens(ids)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir: Path) -> Any:
+    from pagoda import LLM
+
+    return LLM(str(smollm2_dir), max_model_len=256)
+
+
+def test_offline_llm_answers_validate(llm: Any, ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+    """One batch of schemas, regexes and choices through LLM.generate (some with n=2): every `stop` answer passes
+    its oracle, every `length` one is a cut path of its grammar."""
+    from pagoda import SamplingParams
+
+    jobs: list[tuple[StructuredOutputs, Any]] = [(StructuredOutputs(json=SCHEMAS[name]), SCHEMAS[name])
+                                                 for name in BOUNDED]
+    jobs += [(StructuredOutputs(regex=regex), regex) for regex in ("\\d{3}-\\d{4}", "\u00e9{2}|x")]
+    jobs += [(StructuredOutputs(choice=choices), choices) for choices in CHOICES[1:3]]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, n=1 + i % 3 // 2, structured_outputs=c)
+              for i, (c, _) in enumerate(jobs)]
+    outputs = llm.generate([f"Answer {i} in the format asked." for i in range(len(jobs))], params)
+    num_stopped = 0
+    for (constraint, oracle), output in zip(jobs, outputs, strict=True):
+        for completion in output.outputs:
+            answer, reason = completion.text, completion.finish_reason
+            if reason == "length":
+                assert len(completion.token_ids) == MAX_TOKENS
+                assert prefix_ok(ll, tokenizer, constraint, list(completion.token_ids)), answer
+                continue
+            assert reason == "stop", reason
+            num_stopped += 1
+            if constraint.json is not None:
+                assert schema_errors(oracle, answer) == [], answer
+            elif constraint.regex is not None:
+                assert re.fullmatch(oracle, answer), (oracle, answer)
+            else:
+                assert answer in oracle
+    assert num_stopped >= len(jobs) // 2
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_server: Server) -> Server:
+    return smollm2_server  # conftest's one default SmolLM2 server (SHARED_SERVER_MODULES)
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(status, body) of a request, or of a stream put back together: each choice's text (or its tool calls'
+    arguments, by call) joined, and its finish_reason."""
+    url = server.url + path
+    if not body.get("stream"):
+        response = HTTP.post(url, json=body, timeout=300)
+        return response.status_code, response.json()
+    choices: dict[int, dict[str, Any]] = {}
+    with HTTP.stream("POST", url, json=body, timeout=300) as stream:
+        if stream.status_code != 200:
+            stream.read()
+            return stream.status_code, stream.json()
+        for line in stream.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[len("data: "):])["choices"]:
+                joined = choices.setdefault(choice["index"], {"text": "", "tool_calls": {}, "finish_reason": None})
+                delta = choice.get("delta", choice)
+                joined["text"] += delta.get("text") or delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:
+                    into = joined["tool_calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                    into["name"] += call.get("function", {}).get("name") or ""
+                    into["arguments"] += call.get("function", {}).get("arguments") or ""
+                joined["finish_reason"] = choice.get("finish_reason") or joined["finish_reason"]
+    return 200, {"choices": [choices[i] for i in sorted(choices)]}
+
+
+def answers(status: int, body: dict[str, Any]) -> list[tuple[str, str]]:
+    """(text, finish_reason) of each choice of a 200 answer, streamed or not."""
+    assert status == 200, body
+    return [(c.get("message", {}).get("content") if "message" in c else c["text"], c["finish_reason"])
+            for c in body["choices"]]
+
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(extra: dict[str, Any], seed: int, stream: bool, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"model": SERVED, "messages": [{"role": "user", "content": f"Answer {seed} in the format asked."}],
+            "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": stream, **extra}
+
+
+def response_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+
+
+def test_server_answers_validate_streamed_or_not(server: Server) -> None:
+    """Chat (response_format, guided_json) and completions (guided_regex, guided_choice), streamed and not, all at
+    once: every `stop` answer passes its oracle, every `length` one does not parse as a finished answer."""
+    jobs: list[tuple[str, dict[str, Any], Any]] = []
+    for i, name in enumerate(["nested", "defs_ref", "Tree", "nullable"]):
+        jobs.append((CHAT, chat_body(response_format(SCHEMAS[name]), i, stream=i % 2 == 0), SCHEMAS[name]))
+        jobs.append((CHAT, chat_body({"guided_json": SCHEMAS[name]}, i, stream=i % 2 == 1), SCHEMAS[name]))
+    for i, (key, oracle) in enumerate([("guided_regex", "[A-Z][a-z]{0,5}"), ("guided_regex", "(\\d{1,2}:){2}\\d{2}"),
+                                       ("guided_choice", CHOICES[0]), ("guided_choice", CHOICES[2])]):
+        body = {"model": SERVED, "prompt": "Pick:", "max_tokens": 24, "temperature": 1.0, "seed": i, "n": 2,
+                "stream": i % 2 == 0, key: oracle}
+        jobs.append(("/v1/completions", body, oracle))
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: post(server, job[0], job[1]), jobs))
+    for (_, _, oracle), result in zip(jobs, results, strict=True):
+        for answer, reason in answers(*result):
+            if isinstance(oracle, dict):
+                errors = schema_errors(oracle, answer)
+                assert (errors == []) == (reason == "stop"), (answer, reason, errors)
+            elif isinstance(oracle, str):
+                assert reason == "stop" and re.fullmatch(oracle, answer), (oracle, answer, reason)
+            else:
+                assert reason == "stop" and answer in oracle, (answer, reason)
+
+
+def test_an_answer_cut_mid_object_says_length(server: Server) -> None:
+    """max_tokens ends the answer inside its object: finish_reason `length` (vLLM's), whose text does not parse,
+    streamed or not, chat or completions; the openai client's parse() then refuses it (LengthFinishReasonError)."""
+    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 40}}, "required": ["story"]}
+    bodies = [(CHAT, chat_body(response_format(schema), 1, stream=stream, max_tokens=8)) for stream in (False, True)]
+    bodies += [("/v1/completions", {"model": SERVED, "prompt": "A story:", "max_tokens": 8, "guided_json": schema,
+                                    "stream": stream}) for stream in (False, True)]
+    for path, body in bodies:
+        (answer, reason), = answers(*post(server, path, body))
+        assert reason == "length" and answer.startswith('{"story": "'), (answer, reason)
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(answer)
+    client = server.client(timeout=300)
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model=SERVED, messages=[{"role": "user", "content": "A story."}],
+                                      response_format=Story, max_tokens=8)
+
+
+class Story(pydantic.BaseModel):
+    story: Annotated[str, pydantic.StringConstraints(min_length=40)]
+
+
+def test_required_tool_calls_from_pydantic_models_are_served(server: Server) -> None:
+    """tool_choice required over tools whose parameters hold $defs (a 400 before, see the walk test above), streamed
+    or not: each call's arguments validate against its own tool's parameters."""
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda stream: post(server, CHAT, chat_body(
+            {"tools": TOOLS[:2], "tool_choice": "required", "parallel_tool_calls": False}, 3, stream=stream,
+            max_tokens=32)), (False, True)))
+    for stream, (status, body) in zip((False, True), results, strict=True):
+        assert status == 200, body
+        choice = body["choices"][0]
+        calls = (list(choice["tool_calls"].values()) if stream else
+                 [c["function"] for c in choice["message"].get("tool_calls") or []])
+        assert choice["finish_reason"] in ("tool_calls", "length"), choice
+        if choice["finish_reason"] == "tool_calls":
+            assert len(calls) == 1  # parallel_tool_calls false
+            for call in calls:
+                assert schema_errors(parameters[call["name"]], call["arguments"]) == [], call
+
+
+@pytest.mark.parametrize(("extra", "param", "feature"), [
+    (response_format(UNSUPPORTED[0][0]), "response_format", "uniqueItems"),
+    ({"guided_json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "guided_json", "oneOf"),
+    ({"structured_outputs": {"json": {"type": "string", "format": "color-hex"}}}, "structured_outputs", "color-hex"),
+    ({"tools": [tool("f", {"type": "object", "not": {"required": ["a"]}})], "tool_choice": "required"}, "tools",
+     '["not"]'),
+    ({"guided_regex": "\\bword"}, "guided_regex", "lookaround"),
+])
+def test_unsupported_features_are_a_400_naming_them(server: Server, extra: dict[str, Any], param: str,
+                                                    feature: str) -> None:
+    status, body = post(server, CHAT, chat_body(extra, 0, stream=False, max_tokens=4))
+    assert status == 400 and body["error"]["param"] == param and feature in body["error"]["message"], body
