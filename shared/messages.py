@@ -536,6 +536,7 @@ class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     prompt_logprobs: bool = False  # the response carries the prompt's logprobs (vLLM's prompt_logprobs field)
     tokens_as_ids: bool = False  # logprob tokens read "token_id:N" (vLLM's return_tokens_as_token_ids)
     echo_text: str = ""  # chat echo: this text leads each choice's content (the last message, continued)
+    role: str = "assistant"  # chat: the answer's role (--response-role; no generation prompt: the last message's)
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):

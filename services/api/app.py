@@ -19,6 +19,7 @@ from pagoda.services.api.responses import ResponsesRoutes
 from pagoda.services.api.tenants import Tenant
 from pagoda.services.protocol.render import error_body
 from pagoda.services.protocol.vllm import UNSUPPORTED_ROUTES
+from pagoda.shared.config import ServerConfig, parse_list
 from pagoda.shared.errors import PagodaError
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ RETRY_AFTER_S = "1"
 # the routes whose POSTs are generation requests, counted per tenant by status (docs/tenants.md)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                               "/invocations"})
+CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what --allowed-methods '*' allows
 CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
 
@@ -42,9 +44,16 @@ def build_app(state: ApiState) -> web.Application:
     responses = ResponsesRoutes(handlers)
     messages = MessagesRoutes(handlers)
     # anthropic_middleware: Anthropic's error shape and x-api-key under /v1/messages (auth runs inside it)
-    app = web.Application(middlewares=[error_middleware(state.metrics), anthropic_middleware, auth_middleware(state),
-                                       content_type_middleware],
+    config = state.config
+    front: list[Middleware] = [root_path_middleware(config.root_path)] if config.root_path else []
+    cors = Cors(config) if config.allowed_origins else None
+    if cors is not None:  # a browser's preflight carries no key: answered before the key check
+        front.append(cors.preflight)
+    app = web.Application(middlewares=[*front, error_middleware(state.metrics), anthropic_middleware,
+                                       auth_middleware(state), content_type_middleware],
                           client_max_size=MAX_BODY_BYTES)
+    if cors is not None:
+        app.on_response_prepare.append(cors.add_headers)  # before the headers go: streamed answers get them too
     app.add_routes([
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
@@ -73,6 +82,74 @@ def build_app(state: ApiState) -> web.Application:
     if state.config.console:
         Console(state, handlers.health_problems).install(app)
     return app
+
+
+def root_path_middleware(root_path: str) -> Middleware:
+    """--root-path: a request under the prefix (a proxy that forwards it) is handled as the same request without
+    it, from routing on, so that every check (the key, /metrics) sees the route's own path; a request without the
+    prefix (a proxy that strips it) is handled as it came."""
+
+    @web.middleware
+    async def strip(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.rel_url.path
+        if path != root_path and not path.startswith(root_path + "/"):
+            return await handler(request)
+        inner = request.clone(rel_url=request.rel_url.with_path(path[len(root_path):] or "/")
+                              .with_query(request.rel_url.query))
+        return await request.app._handle(inner)  # routed again: the route, its middlewares and handler
+
+    return strip
+
+
+class Cors:
+    """CORS for browser pages on other origins (--allowed-origins, --allowed-methods, --allowed-headers,
+    --allow-credentials; vLLM's, with its defaults of * for methods and headers)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.origins = frozenset(parse_list(config.allowed_origins, "allowed_origins"))
+        self.methods = [m.upper() for m in parse_list(config.allowed_methods, "allowed_methods")]
+        self.headers = parse_list(config.allowed_headers, "allowed_headers")
+        self.credentials = config.allow_credentials
+
+    def _allowed_origin(self, origin: str) -> str | None:
+        """The Access-Control-Allow-Origin value for a request from `origin`; None if it may not call."""
+        if "*" in self.origins:
+            return origin if self.credentials else "*"  # credentials may not go with "*"
+        return origin if origin in self.origins else None
+
+    @web.middleware
+    async def preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        method = request.headers.get("Access-Control-Request-Method")
+        origin = request.headers.get("Origin")
+        if request.method != "OPTIONS" or method is None or origin is None:
+            return await handler(request)
+        allow_origin = self._allowed_origin(origin)
+        asked = [h.strip() for h in request.headers.get("Access-Control-Request-Headers", "").split(",") if h.strip()]
+        refused = ("origin" if allow_origin is None
+                   else "method" if "*" not in self.methods and method.upper() not in self.methods
+                   else "headers" if "*" not in self.headers and
+                   any(h.lower() not in {x.lower() for x in self.headers} for h in asked)
+                   else None)
+        if refused is not None:
+            return web.Response(status=400, text=f"Disallowed CORS {refused}")
+        headers = {"Access-Control-Allow-Origin": allow_origin or "*", "Access-Control-Max-Age": "600",
+                   "Access-Control-Allow-Methods": ", ".join(CORS_METHODS if "*" in self.methods else self.methods),
+                   "Access-Control-Allow-Headers": ", ".join(asked if "*" in self.headers else self.headers),
+                   "Vary": "Origin"}
+        if self.credentials:
+            headers["Access-Control-Allow-Credentials"] = "true"
+        return web.Response(status=200, headers=headers)
+
+    async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        allow_origin = self._allowed_origin(origin) if origin is not None else None
+        if allow_origin is None or "Access-Control-Allow-Origin" in response.headers:
+            return
+        response.headers["Access-Control-Allow-Origin"] = allow_origin
+        if allow_origin != "*":
+            response.headers.add("Vary", "Origin")
+        if self.credentials:
+            response.headers["Access-Control-Allow-Credentials"] = "true"
 
 
 def auth_middleware(state: ApiState) -> Middleware:

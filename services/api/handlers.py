@@ -31,6 +31,7 @@ from pagoda.services.protocol.schemas import (
     chat_messages,
     chat_output_spec,
     chat_request,
+    chat_response_role,
     completion_requests,
     constraint_param,
     decode_body,
@@ -117,6 +118,7 @@ class ApiState:
     gate: QuotaGate = field(default_factory=QuotaGate)
     usage_log: UsageLog | None = None
     console_requests: RequestLog | None = None  # the console's request inspector (None: --no-console)
+    served_names: tuple[str, ...] = ()  # every --served-model-name (the first is served_model_name); (): that one
 
 
 class Handlers:
@@ -189,13 +191,15 @@ class Handlers:
         except InvalidRequestError as exc:
             _name_body_constraint(exc, body)  # e.g. beam search refusing the response_format it was sent
             raise
+        role = chat_response_role(message, self.state.config.response_role)
         spec = RenderSpec(CHAT, response_id, model, int(time.time()), bool(body.stream),
                           want_logprobs=bool(body.logprobs), include_usage=body.include_usage,
                           return_token_ids=bool(body.return_token_ids), tool_mode=output.tool_mode,
                           tool_parser=output.tool_parser, tool_name=output.tool_name,
                           reasoning_parser=output.reasoning_parser, max_calls=output.max_calls,
                           continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
-                          tokens_as_ids=bool(body.return_tokens_as_token_ids), echo_text=chat_echo_text(body, message))
+                          tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                          echo_text=chat_echo_text(body, message, role), role=role)
         return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields),
                                     constraint_param(body))
 
@@ -226,6 +230,11 @@ class Handlers:
         # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share (and,
         # with --prefix-cache-isolation tenant, in the request's cache salt).
         n = messages[0].params.n
+        if self.state.config.log_requests:  # vLLM's --enable-log-requests: sizes and settings, never prompt text
+            log.info("request %s: %s, model %s, tenant %s, %d prompt(s) %s, params %s", messages[0].request_id,
+                     "chat" if spec.route == CHAT else "completion", spec.model, found[1].name if found else "-",
+                     len(messages), [_prompt_size(m) for m in messages],
+                     msgspec.json.encode(messages[0].params).decode())
         messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n)
                                             if renderer is None else None, **self._tenant_fields(shared, m.cache_salt))
                     for i, m in enumerate(messages)]
@@ -445,21 +454,23 @@ class Handlers:
 
     # ------------------------------------------------------------------ state
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str | None = None) -> dict[str, Any]:
         stats = self.state.stats.latest
         max_model_len = stats.max_model_len if stats is not None and stats.max_model_len > 0 else None
         state = self.state
-        permission = {"id": f"modelperm-{state.served_model_name}", "object": "model_permission",
+        name = name or state.served_model_name
+        permission = {"id": f"modelperm-{name}", "object": "model_permission",
                       "created": state.started, "allow_create_engine": False, "allow_sampling": True,
                       "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                       "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
-        return {"id": state.served_model_name, "object": "model", "created": state.started, "owned_by": "pagoda",
+        return {"id": name, "object": "model", "created": state.started, "owned_by": "pagoda",
                 "root": state.model_root, "parent": None, "max_model_len": max_model_len, "permission": [permission]}
 
     async def models(self, request: web.Request) -> web.Response:
         tenant = _tenant(request)
         visible = tenant is None or tenant.allows(self.state.model_names)
-        return json_response({"object": "list", "data": [self._model_card()] if visible else []})
+        names = self.state.served_names or (self.state.served_model_name,)  # vLLM: a card per --served-model-name
+        return json_response({"object": "list", "data": [self._model_card(n) for n in names] if visible else []})
 
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id}: the SDK's models.retrieve; 404 for a name this server does not serve."""
@@ -518,3 +529,12 @@ def _log_finished(inspector: RequestLog, record: RequestRecord, gen: Generation)
                 first_token_mono=gen.first_token_at, prompt_tokens=gen.prompt_tokens,
                 completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
                 finish_reasons=[c.finish_reason for c in gen.choices])
+
+
+def _prompt_size(message: GenerateRequest) -> str:
+    """A prompt's size for the request log: its token ids, characters or chat messages (never its text)."""
+    if message.prompt_token_ids is not None:
+        return f"{len(message.prompt_token_ids)} ids"
+    if message.prompt_text is not None:
+        return f"{len(message.prompt_text)} chars"
+    return f"{len(message.messages or [])} messages"

@@ -32,7 +32,9 @@ KEYS_POLL_S = 1.0  # how often the keys file's mtime is looked at
 
 
 def served_model_name(engine_config: EngineConfig, config: ServerConfig) -> str:
-    return config.served_model_name or os.path.basename(engine_config.model.rstrip("/")) or engine_config.model
+    """The name responses report: the first --served-model-name, else the model folder's name."""
+    names = config.served_model_names()
+    return names[0] if names else os.path.basename(engine_config.model.rstrip("/")) or engine_config.model
 
 
 def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
@@ -55,7 +57,9 @@ def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, confi
     else:
         pool = TokenizerPool(context, config.api_endpoint_list()[config.api_index], config)
         stats = ReplicaStatsFeed(context, config.replica_endpoint_list("stats"), config.heartbeat_timeout)
-    return ApiState(config=config, served_model_name=name, model_names=frozenset({name, engine_config.model}),
+    names = tuple(config.served_model_names()) or (name,)
+    return ApiState(config=config, served_model_name=name, model_names=frozenset({*names, engine_config.model}),
+                    served_names=names,
                     model_root=engine_config.model,
                     pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
                     started=int(time.time()), keys=KeyTable(config.api_keys_file) if config.api_keys_file else None,

@@ -314,12 +314,13 @@ class ChatRenderer(Renderer):
 
     def __init__(self, response_id: str, model: str, created: int, *, want_logprobs: bool, include_usage: bool,
                  output: ChatOutputSpec | None = None, return_token_ids: bool = False, echo_text: str = "",
-                 **vllm: bool) -> None:
+                 role: str = "assistant", **vllm: bool) -> None:
         super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
                          return_token_ids=return_token_ids, **vllm)
         self.output = output if output is not None and output.active else None  # tools / reasoning parsing
         self._streams = ChatStreams(self.output) if self.output is not None else None
         self.echo_text = echo_text  # vLLM's chat echo: leads each choice's content
+        self.role = role  # the answer's role (--response-role)
 
     def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
         logprobs = chat_logprobs(choice.logprobs, self.tokens_as_ids) if self.want_logprobs else None
@@ -328,6 +329,7 @@ class ChatRenderer(Renderer):
             finish = _tools_finish(choice.finish_reason, calls_tools)
         else:
             message, finish = {"role": "assistant", "content": choice.text}, _finish_name(choice.finish_reason)
+        message["role"] = self.role  # --response-role, or the role of the message the answer continues
         if self.echo_text:
             message["content"] = self.echo_text + (message.get("content") or "")
         out = {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
@@ -384,7 +386,7 @@ class ChatRenderer(Renderer):
         return b"".join(self._opening_chunk(view, c) for c in view.choices)
 
     def _opening_chunk(self, view: ResponseView, choice: Choice) -> bytes:
-        out: dict[str, Any] = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+        out: dict[str, Any] = {"index": choice.index, "delta": {"role": self.role, "content": ""},
                                "logprobs": None, "finish_reason": None}
         echo = self._chunk([{"index": choice.index, "delta": {"content": self.echo_text}, "logprobs": None,
                              "finish_reason": None}], choice) if self.echo_text else b""
@@ -421,7 +423,7 @@ def renderer_for(spec: RenderSpec) -> Renderer:
                                 spec.max_calls)
         return ChatRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
                             include_usage=spec.include_usage, output=output, return_token_ids=spec.return_token_ids,
-                            echo_text=spec.echo_text, **vllm)
+                            echo_text=spec.echo_text, role=spec.role, **vllm)
     return CompletionRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
                               include_usage=spec.include_usage, echo=spec.echo,
                               return_token_ids=spec.return_token_ids, **vllm)

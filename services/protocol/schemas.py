@@ -674,11 +674,19 @@ def tokenize_tools(body: TokenizeBody) -> list[dict[str, Any]]:
     return _tools(body)
 
 
-def chat_echo_text(body: ChatBody, request: GenerateRequest) -> str:
+def chat_echo_text(body: ChatBody, request: GenerateRequest, role: str = "assistant") -> str:
     """vLLM's chat echo: the reply's content starts with the last message when that message has the reply's role
-    (pagoda replies as the assistant: the message continued, or a prefill)."""
+    (the message continued, or a prefill)."""
     last = request.messages[-1] if request.messages else None
-    return last.content if body.echo and last is not None and last.role == "assistant" else ""
+    return last.content if body.echo and last is not None and last.role == role else ""
+
+
+def chat_response_role(request: GenerateRequest, response_role: str) -> str:
+    """The role of a chat answer, as vLLM gives it: --response-role when the prompt ends with a generation prompt,
+    else the last message's (the answer continues that message)."""
+    if request.add_generation_prompt or not request.messages:
+        return response_role
+    return request.messages[-1].role
 
 
 def prompt_bytes(body: object) -> int:
