@@ -237,9 +237,10 @@ def test_scheduler_service_tells_the_worker_to_drop_what_ended_when_it_goes_idle
 @pytest.fixture(scope="module")
 def small_server(tiny_dir: Path) -> Iterator[Server]:
     """`pagoda serve` on the tiny model with a cache of 24 blocks of 8 tokens and 32-token steps: chunked prefill,
-    preemption by recompute and by swap."""
+    preemption by recompute and by swap; async scheduling (two plans in flight), as on a GPU."""
     with running_server(tiny_dir, "--num-kv-blocks", "24", "--block-size", "8", "--max-num-batched-tokens", "32",
-                        "--max-num-seqs", "8", "--swap-space", "0.002", "--max-model-len", "256") as server:
+                        "--max-num-seqs", "8", "--swap-space", "0.002", "--max-model-len", "256",
+                        "--async-scheduling") as server:
         yield server
 
 
