@@ -296,7 +296,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
-            raise ConfigError("tool_call_parser must be hermes, llama3_json or mistral", param="tool_call_parser")
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser}: pagoda parses tool calls with hermes, "
+                              "llama3_json or mistral", param="tool_call_parser")
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}", param="routing")
         if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATIONS:
@@ -308,7 +309,8 @@ class ServerConfig:
         if self.data_parallel_size < 1 or self.replica_id < 0:
             raise ConfigError("data_parallel_size must be >= 1 and replica_id >= 0", param="data_parallel_size")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
-            raise ConfigError("reasoning_parser must be qwen3 or deepseek_r1", param="reasoning_parser")
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: pagoda has the qwen3 and deepseek_r1 "
+                              "reasoning parsers", param="reasoning_parser")
         for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes",
                      "max_completions_per_request", "console_max_requests"):
             if getattr(self, name) < 1:
@@ -576,7 +578,10 @@ _FALSE_WORDS = ("0", "false", "no", "off")
 
 def _from_text(field_name: str, kind: type, text: str) -> Any:
     if field_name in _PARSERS:
-        return _PARSERS[field_name](text)
+        try:
+            return _PARSERS[field_name](text)
+        except ConfigError as exc:  # said with the variable's name: the flag was not given
+            raise ConfigError(f"{env_name(field_name)}: {exc.message}", param=field_name) from None
     if kind is bool:  # a word that is neither (PAGODA_RESTART_ON_FAILURE=enabled) is refused, not read as off
         word = text.strip().lower()
         if word in _TRUE_WORDS or word in _FALSE_WORDS:
@@ -717,7 +722,8 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
             if num_values == 0:
                 group.add_argument(flag, dest=_dest(flag), action="store_const", const=True, help=described)
             else:
-                group.add_argument(flag, dest=_dest(flag), nargs="+" if num_values == "+" else None, help=described)
+                group.add_argument(flag, dest=_dest(flag), nargs="+" if num_values == "+" else None, metavar="VALUE",
+                                   help=described)
     group.add_argument("--pipeline-parallel-size", "-pp", dest="vllm_pipeline_parallel_size", type=int,
                        default=None, help="1 only: pagoda has no pipeline parallelism")
     group.add_argument("--distributed-executor-backend", dest="vllm_distributed_executor_backend", default=None,

@@ -78,6 +78,8 @@ def test_a_length_that_is_not_a_count_of_tokens_is_refused_naming_the_flag(
     (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"), (["--load-format", "gguf"], "--load-format"),
     (["--chat-template", "no/such/template.jinja"], "--chat-template"), (["--root-path", "llm"], "--root-path"),
     (["--allowed-origins", '["http://a"'], "--allowed-origins"),
+    (["--tool-call-parser", "pythonic"], "--tool-call-parser"),
+    (["--reasoning-parser", "granite"], "--reasoning-parser"),
 ])
 def test_a_flag_pagoda_cannot_honour_stops_it_with_one_line_naming_the_flag(
         argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
