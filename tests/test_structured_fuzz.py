@@ -294,6 +294,29 @@ def test_every_walk_of_a_choice_is_one_of_them(walker: Walker, choices: list[str
     assert len(seen) > 1  # the walk reaches more than one (a prefix does not hide the longer ones)
 
 
+# (grammar, what it allows as a Python regex): Lark and GBNF, told apart by the first rule (a Lark grammar that held
+# "::=" in a literal or a comment was taken for GBNF and refused)
+GRAMMARS = [('start: "x ::= y"', "x ::= y"),
+            ('// not a rule ::= here\nstart: "ok" | "no"', "ok|no"),
+            ('start: item+\nitem: /[0-9]/ | "-"', "[0-9-]+"),
+            ('root ::= color ("," color)*\ncolor ::= "red" | "blue"', "(red|blue)(,(red|blue))*"),
+            ('# a comment\nroot ::= [a-c]+ "::="', "[a-c]+::=")]
+
+
+@pytest.mark.parametrize(("grammar", "oracle"), GRAMMARS)
+def test_every_walk_of_a_grammar_matches_it(walker: Walker, ll: llguidance.LLTokenizer, grammar: str,
+                                            oracle: str) -> None:
+    constraint = StructuredOutputs(grammar=grammar)
+    GrammarChecker(ll).check(constraint)
+    lark = grammar_text(constraint)
+    finished = 0
+    for seed in range(6):
+        answer, reason = walker.walk(lark, seed, max_tokens=30)
+        finished += reason == "stop"
+        assert reason == "length" or re.fullmatch(oracle, answer), (answer, reason)
+    assert finished
+
+
 @pytest.mark.parametrize(("schema", "feature"), UNSUPPORTED)
 def test_unsupported_schema_features_are_refused_by_name(ll: llguidance.LLTokenizer, schema: dict[str, Any],
                                                         feature: str) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -72,6 +73,20 @@ def ascii_shorthands(regex: str) -> str:
     return "".join(out)
 
 
+_GBNF_RULE = re.compile(r"[\w-]+\s*::=")  # GBNF's `name ::= ...` (Lark's is `name: ...`)
+
+
+def is_gbnf(grammar: str) -> bool:
+    """Whether a grammar is GBNF rather than Lark: its first rule, past blank and comment lines, is `name ::=`.
+    A "::=" elsewhere decides nothing: a Lark grammar may hold one in a literal, a regex or a comment (looking for
+    it anywhere refused `start: "x ::= y"` as broken GBNF)."""
+    for line in grammar.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "//")):
+            return _GBNF_RULE.match(line) is not None
+    return False
+
+
 def grammar_text(constraint: StructuredOutputs) -> str:
     """llguidance's grammar for a constraint (not yet checked; `compile_error` does that)."""
     matcher = llguidance.LLMatcher
@@ -88,7 +103,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choice))
         if constraint.grammar is not None:
             text = constraint.grammar
-            if "::=" in text:  # GBNF (llama.cpp's, as vLLM's xgrammar backend takes it)
+            if is_gbnf(text):  # llama.cpp's, as vLLM's xgrammar backend takes it
                 text = gbnf_to_lark(text)
             return matcher.grammar_from_lark(text)
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
