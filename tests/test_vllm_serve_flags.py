@@ -124,6 +124,13 @@ def test_the_new_settings_are_environment_variables_too(monkeypatch: pytest.Monk
     assert (engine.model, engine.load_format) == ("tiny", "dummy")
 
 
+def test_a_chat_template_that_does_not_compile_stops_the_tokenizer_naming_the_flag(smollm2_dir: Path) -> None:
+    from pagoda.services.tokenizer.tokenizer import Tokenizer
+
+    with pytest.raises(ConfigError, match="--chat-template is not a valid Jinja template"):
+        Tokenizer(smollm2_dir, "{% for x %}")
+
+
 def test_a_chat_template_is_a_file_or_the_template_itself() -> None:
     inline = EngineConfig(chat_template="{% for m in messages %}{{ m.content }}\\n{% endfor %}")
     assert inline.chat_template_text() == "{% for m in messages %}{{ m.content }}\n{% endfor %}"
@@ -183,6 +190,11 @@ def test_a_vllm_command_line_serves_a_chat_rendered_by_its_chat_template(vllm_se
     assert ids["count"] == answer["usage"]["prompt_tokens"]
     listed = HTTP.get(url + "/v1/models", headers=KEY, timeout=10).json()["data"]
     assert [card["id"] for card in listed] == ["smol", "smol-alias"]
+    # without a generation prompt the answer continues the last message, in its role (vLLM's rule)
+    continued = HTTP.post(url + "/v1/chat/completions", headers=KEY, timeout=60,
+                          json={"model": "smol", "messages": chat, "max_tokens": 2, "temperature": 0,
+                                "add_generation_prompt": False}).json()
+    assert continued["choices"][0]["message"]["role"] == "user"
 
 
 def test_routes_answer_under_the_root_path_behind_the_same_key(vllm_server: tuple[str, Path]) -> None:
