@@ -91,6 +91,7 @@ def assert_engine_idle(engine: LLMEngine) -> None:
     assert all(not t.heap and not t.num_running for t in scheduler.waiting.tenants.values())
     assert not scheduler._forked_waiting, "ended sequences are still listed as forked and waiting"
     assert not scheduler._unforked_beams and not scheduler._swapped_out_by_step and not scheduler._num_beam_searches
+    assert not (scheduler._beam_forks or scheduler._swap_out or scheduler._swap_in or scheduler._swap_out_seqs)
     assert not scheduler._forgotten, "ended sequences the worker was never told to drop"
     scheduler.blocks.check_integrity()
     assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
