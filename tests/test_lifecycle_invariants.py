@@ -284,7 +284,9 @@ def _client(server: Server, model: str, index: int) -> Seen:
         body.update(use_beam_search=True, n=2, best_of=2, temperature=0.0, max_tokens=min(max_tokens, 6))
     elif kind == "stop":
         body["stop"] = ["ld", "or", "e"]
-    elif kind in ("chat", "json"):
+    elif kind == "gone" and index > 9:  # a chat stream of two completions
+        body["n"] = 2
+    if kind in ("chat", "json") or (kind == "gone" and index > 9):
         route = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": f"say {index}"}]
         del body["prompt"]
@@ -292,10 +294,14 @@ def _client(server: Server, model: str, index: int) -> Seen:
             body["response_format"] = {"type": "json_object"}
             del body["ignore_eos"]
     seen = Seen(kind, len(prompt), max_tokens=body["max_tokens"] * body.get("n", 1))
+    if "messages" in body:  # the chat template's tokens, as the server counts them
+        tokenized = http_client().post(server.url + "/tokenize", json={"model": model, "messages": body["messages"]})
+        seen.prompt_tokens = tokenized.json()["count"]
     if kind in ("stream", "gone"):
         body.update(stream=True, stream_options={"include_usage": True})
         if kind == "gone":
-            body["max_tokens"] = seen.max_tokens = 60
+            body["max_tokens"] = 60
+            seen.max_tokens = 60 * body.get("n", 1)
         with http_client().stream("POST", server.url + route, json=body, timeout=120) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
@@ -304,7 +310,7 @@ def _client(server: Server, model: str, index: int) -> Seen:
                 chunk = json.loads(line[len("data: "):])
                 seen.usage = chunk.get("usage") or seen.usage
                 for choice in chunk["choices"]:
-                    seen.num_streamed += bool(choice["text"])
+                    seen.num_streamed += bool(choice.get("text") or choice.get("delta", {}).get("content"))
                     if choice.get("finish_reason"):
                         seen.finish_reasons.append(choice["finish_reason"])
                 if kind == "gone" and seen.num_streamed >= 3:
@@ -348,6 +354,8 @@ def test_served_engine_returns_to_idle_and_metrics_match_usage(small_server: Ser
     assert impatient, "no client gave up early"
     finished = [s for s in seen if s not in gone and s not in impatient]
     assert all(s.usage is not None for s in finished)
+    # usage's prompt_tokens: the ids sent, or /tokenize's count of the chat template's tokens
+    assert [s.usage["prompt_tokens"] for s in finished] == [s.prompt_tokens for s in finished]
 
     def grew(name: str) -> float:  # the scheduler's counters arrive with its next snapshot
         return total(scrape(small_server), name) - total(before, name)
