@@ -325,6 +325,42 @@ def test_unsupported_schema_features_are_refused_by_name(ll: llguidance.LLTokeni
     assert feature in raised.value.message
 
 
+# Numeric bounds past 2**53: llguidance rounds them through a float and saturates them to 64-bit integers, so its
+# answers broke them (a minimum of 1e29 allowed only 9223372036854775807), and a range at the bottom of the 64-bit
+# integers crashed the compiling process (the tokenizer's: one request stopped the whole server). Refused by name.
+OUT_OF_RANGE = [
+    ({"type": "integer", "minimum": 1e29, "maximum": 1e30}, "minimum at /minimum"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 9223372036854775790,
+                                             "maximum": 9223372036854775800}}}, "minimum at /properties/n/minimum"),
+    ({"type": "number", "minimum": -9223372036854775800, "maximum": -9223372036854775790}, "minimum at /minimum"),
+    ({"type": "integer", "minimum": -1e19, "maximum": -9223372036854775800}, "minimum at /minimum"),  # the crash
+]
+
+
+@pytest.mark.parametrize(("schema", "named"), OUT_OF_RANGE)
+@pytest.mark.parametrize("kind", ["json", "grammar"])
+def test_bounds_past_2_53_are_refused_by_name(ll: llguidance.LLTokenizer, schema: dict[str, Any], named: str,
+                                              kind: str) -> None:
+    constraint = (StructuredOutputs(json=schema) if kind == "json" else
+                  StructuredOutputs(grammar="start: %json " + json.dumps(schema)))  # a Lark grammar embeds schemas
+    with pytest.raises(InvalidRequestError) as raised:
+        GrammarChecker(ll).check(constraint)
+    assert named in raised.value.message and "2**53" in raised.value.message
+
+
+@pytest.mark.parametrize("schema", [{"type": "integer", "minimum": -2**53, "maximum": 2**53},
+                                    {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+                                    {"type": "integer", "maximum": 2**64 - 1},
+                                    {"type": "integer", "exclusiveMaximum": 2**63}])
+def test_bounds_within_range_or_past_the_top_are_served(walker: Walker, schema: dict[str, Any]) -> None:
+    """At most 2**53 in magnitude, or an upper bound at or past the 64-bit top (int64's and uint64's maximum,
+    which code generators write): every walk validates."""
+    grammar = grammar_text(StructuredOutputs(json=schema))
+    for seed in range(4):
+        answer, reason = walker.walk(grammar, seed, max_tokens=40)
+        assert reason == "length" or schema_errors(schema, answer) == [], answer
+
+
 def tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
@@ -554,6 +590,7 @@ def test_required_tool_calls_from_pydantic_models_are_served(server: Server) -> 
     ({"tools": [tool("f", {"type": "object", "not": {"required": ["a"]}})], "tool_choice": "required"}, "tools",
      '["not"]'),
     ({"guided_regex": "\\bword"}, "guided_regex", "lookaround"),
+    ({"guided_json": OUT_OF_RANGE[0][0]}, "guided_json", "2**53"),
 ])
 def test_unsupported_features_are_a_400_naming_them(server: Server, extra: dict[str, Any], param: str,
                                                     feature: str) -> None:

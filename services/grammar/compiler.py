@@ -87,6 +87,54 @@ def is_gbnf(grammar: str) -> bool:
     return False
 
 
+# llguidance reads a numeric bound through a float and a 64-bit integer: past 2**53 it rounds (an integer maximum of
+# 9223372036854775800 let 9223372036854775807 through) and saturates (a minimum of 1e29 allowed only 2**63 - 1), and
+# a range at the bottom of the 64-bit integers crashed the process that compiled it (the tokenizer's: one request
+# stopped the server). Such bounds are refused; an upper one at or past the top of the 64-bit range only restates it.
+MAX_EXACT_BOUND = 2**53
+_BOUNDS = frozenset({"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"})
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _bound_is_exact(key: str, value: float) -> bool:
+    return (abs(value) <= MAX_EXACT_BOUND or (key == "maximum" and value >= 2**63 - 1)
+            or (key == "exclusiveMaximum" and value >= 2**63))
+
+
+def check_bounds(schema: Any, pointer: str = "") -> None:
+    """InvalidRequestError naming the first numeric bound of a JSON schema that llguidance cannot hold exactly."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_bounds(item, f"{pointer}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        at = f"{pointer}/{key}"
+        if key in _BOUNDS:
+            if isinstance(value, int | float) and not isinstance(value, bool) and not _bound_is_exact(key, value):
+                raise InvalidRequestError(
+                    f"the JSON schema's {key} at {at} ({value}) cannot be enforced: numeric bounds must be within "
+                    f"+-2**53 ({MAX_EXACT_BOUND}), where they are exact", param=CONSTRAINT_PARAM)
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_bounds(sub, f"{at}/{name}")
+        elif key not in _DATA_KEYWORDS:
+            check_bounds(value, at)
+
+
+def _check_lark_json(grammar: str) -> None:
+    """check_bounds for each JSON schema a Lark grammar embeds (`%json {...}`)."""
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"%json\s*", grammar):
+        try:
+            schema, _ = decoder.raw_decode(grammar, match.end())
+        except json.JSONDecodeError:
+            continue  # llguidance reports it
+        check_bounds(schema)
+
+
 def grammar_text(constraint: StructuredOutputs) -> str:
     """llguidance's grammar for a constraint (not yet checked; `compile_error` does that)."""
     matcher = llguidance.LLMatcher
@@ -95,6 +143,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param=CONSTRAINT_PARAM)
+            check_bounds(schema)
             return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if constraint.regex is not None:
             return matcher.grammar_from_regex(ascii_shorthands(constraint.regex))
@@ -105,6 +154,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             text = constraint.grammar
             if is_gbnf(text):  # llama.cpp's, as vLLM's xgrammar backend takes it
                 text = gbnf_to_lark(text)
+            _check_lark_json(text)
             return matcher.grammar_from_lark(text)
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     except InvalidRequestError:
