@@ -826,6 +826,21 @@ class RequestTrace(msgspec.Struct, array_like=True, frozen=True, omit_defaults=T
     rescheduled_at: list[float] = []  # admitted again after a preemption (same bound)
 
 
+# Bucket upper bounds of the histograms the scheduler keeps (vLLM's, so that its dashboards read them unchanged)
+REQUEST_PHASE_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_PHASES = ("queue", "prefill", "decode", "inference")  # the order of SchedulerStats.request_phases
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class HistogramCounts(msgspec.Struct, array_like=True, frozen=True):
+    """A histogram the scheduler keeps: observations per bucket (not cumulative; one more than the bounds, the
+    last for those above the top bound) and their sum."""
+
+    counts: list[int]
+    sum: float = 0.0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     time: float
     num_running: int
@@ -856,6 +871,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats", frozen=True):
     tenant_admitted_total: list[int] = []  # requests admitted (first time) so far
     tenant_queue_seconds_total: list[float] = []  # their time from arrival to first admission, summed
     num_swapped_total: int = 0  # of the preemptions, those whose blocks went to host memory (not recomputed)
+    # requests that left, per phase of REQUEST_PHASES over REQUEST_PHASE_BUCKETS_S (empty: none kept)
+    request_phases: list[HistogramCounts] = []
+    step_tokens: HistogramCounts | None = None  # tokens each step scheduled, over STEP_TOKEN_BUCKETS
 
 
 class ReplicaAddress(msgspec.Struct, array_like=True, frozen=True):

@@ -33,6 +33,7 @@ class Generation:
         self.n = n
         self.started_at = started_at  # time.monotonic() at HTTP arrival
         self._metrics = metrics
+        self.vllm = metrics.vllm_series(ticket.identity)  # the vLLM-named series of the engine that runs it
         num_prompts = len(ticket.request_ids)
         self._prompt_index = {request_id: i for i, request_id in enumerate(ticket.request_ids)}
         self.choices = [Choice(i) for i in range(num_prompts * n)]
@@ -208,10 +209,19 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = now
             self._metrics.ttft.observe(now - self.started_at)
+            self.vllm.ttft.observe(now - self.started_at)
         elif choice.last_token_at > 0.0:
             # One observation per delta, spread over its tokens (a delta is one token in steady decode).
-            self._metrics.itl.observe((now - choice.last_token_at) / num_new_tokens)
+            itl = (now - choice.last_token_at) / num_new_tokens
+            self._metrics.itl.observe(itl)
+            self.vllm.itl.observe(itl)
         choice.last_token_at = now
+
+    def observe_e2e(self) -> None:
+        """The response is complete: HTTP arrival to now, under both names."""
+        e2e = time.monotonic() - self.started_at
+        self._metrics.e2e.observe(e2e)
+        self.vllm.e2e.observe(e2e)
 
 
 def _raise_if_abnormal(reason: int) -> None:

@@ -260,7 +260,7 @@ class Handlers:
                 else:
                     while not gen.finished:
                         await gen.next_batch()
-                    self.state.metrics.e2e.observe(time.monotonic() - started_at)
+                    gen.observe_e2e()
                     response = json_response(gen.body(), headers=headers)
                 status = response.status
                 return response
@@ -271,6 +271,7 @@ class Handlers:
                 # Runs on success, on error and on cancellation (the client hung up): whatever still runs is
                 # aborted.
                 self.state.pool.finish(ticket, gen.unfinished_request_ids())
+                self.state.metrics.vllm_finished(gen, messages[0].params.max_tokens)
                 if inspector is not None and record is not None:
                     _log_finished(inspector, record, gen)
         except PagodaError as exc:
@@ -342,7 +343,7 @@ class Handlers:
                     data = await gen.next_batch()
                     if data:
                         await response.write(data)
-                self.state.metrics.e2e.observe(time.monotonic() - gen.started_at)
+                gen.observe_e2e()
                 await response.write(gen.closing())
             except Exception as exc:
                 # The status line is sent already: the error travels as an event, then the stream ends.

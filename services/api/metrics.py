@@ -1,16 +1,39 @@
-"""Prometheus metrics: latency histograms observed here, scheduler numbers from its latest snapshot."""
+"""Prometheus metrics: latency histograms observed here, scheduler numbers from its latest snapshot.
+
+Every figure goes out under pagoda's names and, where pagoda measures what vLLM measures, under vLLM V1's too
+(`vllm:*`, labels model_name and engine, vLLM's buckets), so dashboards, alerts and autoscalers built for vLLM read
+pagoda unchanged. docs/operations.md lists both sets and where they differ.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from pagoda.shared.messages import SchedulerStats
+from pagoda.shared.messages import (
+    REQUEST_PHASE_BUCKETS_S,
+    REQUEST_PHASES,
+    STEP_TOKEN_BUCKETS,
+    FinishReason,
+    HistogramCounts,
+    SchedulerStats,
+)
+
+if TYPE_CHECKING:
+    from pagoda.services.api.generation import Generation
 
 # prometheus_client picks its value storage from this variable when first imported; the launcher sets it
 # (for api_workers > 1) before this process starts, and we only mirror prometheus_client's own choice.
@@ -24,6 +47,29 @@ E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 
                  240.0, 480.0, 960.0, 1920.0)
 
 
+# vLLM V1's buckets (vllm/v1/metrics/loggers.py), kept equal so that its dashboards' bucket queries match
+VLLM_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0)
+VLLM_N_BUCKETS = (1, 2, 5, 10, 20)
+VLLM_LABELS = ("model_name", "engine")
+# vLLM's finished_reason values that pagoda can produce ("repetition" it cannot: it has no repetition detector)
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
+
+
 PerReplica = Callable[[], list[tuple[str, SchedulerStats]]]
 
 
@@ -34,19 +80,24 @@ class SnapshotCollector:
     engine replicas (per_replica lists more than one) each series carries a `replica` label instead.
     """
 
-    def __init__(self, latest: Callable[[], SchedulerStats | None], per_replica: PerReplica | None = None) -> None:
+    def __init__(self, latest: Callable[[], SchedulerStats | None], per_replica: PerReplica | None = None,
+                 model_name: str = "", cache_info: dict[str, str] | None = None) -> None:
         self._latest = latest
         self._per_replica = per_replica
+        self._model_name = model_name
+        self._cache_info = cache_info or {}
 
     def collect(self) -> Iterator[Metric]:
         replicas = self._per_replica() if self._per_replica is not None else []
         if self._per_replica is not None and (len(replicas) > 1 or (replicas and replicas[0][0] != "0")):
             yield from _families(replicas, labelled=True)
-            return
-        stats = self._latest()
-        if stats is None:
-            return  # nothing known yet: absent, not a fake zero
-        yield from _families([("", stats)], labelled=False)
+        else:
+            stats = self._latest()
+            if stats is None:
+                return  # nothing known yet: absent, not a fake zero
+            yield from _families([("", stats)], labelled=False)
+            replicas = [("0", stats)]
+        yield from _vllm_families(replicas, self._model_name, self._cache_info)
 
 
 def _families(replicas: list[tuple[str, SchedulerStats]], labelled: bool) -> Iterator[Metric]:
@@ -108,10 +159,79 @@ def _tenant_families(replicas: list[tuple[str, SchedulerStats]], labelled: bool)
     yield from (waiting, running, queue)
 
 
+def _vllm_families(replicas: list[tuple[str, SchedulerStats]], model_name: str,
+                   cache_info: dict[str, str]) -> Iterator[Metric]:
+    """The scheduler's numbers under vLLM's names: one series per engine (a replica, labelled by its id)."""
+    labels = list(VLLM_LABELS)
+    gauges = (("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+              ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+              ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"))
+    counters = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                 "prefix_query_tokens_total"),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 "prefix_hit_tokens_total"),
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions_total"),
+                ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total"),
+                ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"))
+    for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, doc, attr in table:
+            family = kind(name, doc, labels=labels)
+            for engine, stats in replicas:
+                family.add_metric([model_name, engine], getattr(stats, attr))
+            yield family
+    phase_docs = {"queue": "Histogram of time spent in WAITING phase for request.",
+                  "prefill": "Histogram of time spent in PREFILL phase for request.",
+                  "decode": "Histogram of time spent in DECODE phase for request.",
+                  "inference": "Histogram of time spent in RUNNING phase for request."}
+    for i, phase in enumerate(REQUEST_PHASES):
+        family = HistogramMetricFamily(f"vllm:request_{phase}_time_seconds", phase_docs[phase], labels=labels)
+        for engine, stats in replicas:
+            if i < len(stats.request_phases):
+                _add_buckets(family, [model_name, engine], REQUEST_PHASE_BUCKETS_S, stats.request_phases[i])
+        yield family
+    steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                  labels=labels)
+    for engine, stats in replicas:
+        if stats.step_tokens is not None:
+            _add_buckets(steps, [model_name, engine], STEP_TOKEN_BUCKETS, stats.step_tokens)
+    yield steps
+    # vLLM's info gauge: always 1, the cache settings in its labels (and no model_name, as vLLM's)
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                             labels=[*cache_info, "num_gpu_blocks", "engine"])
+    for engine, stats in replicas:
+        if stats.kv_blocks_total:  # the worker sized the cache: before that the block count is unknown
+            info.add_metric([*cache_info.values(), str(stats.kv_blocks_total), engine], 1)
+    yield info
+
+
+def _add_buckets(family: HistogramMetricFamily, values: list[str], bounds: Sequence[float],
+                 histogram: HistogramCounts) -> None:
+    if len(histogram.counts) != len(bounds) + 1:
+        return  # a peer with other bounds: shown as absent rather than wrong
+    cumulative, running = [], 0
+    for bound, count in zip([*map(float, bounds), float("inf")], histogram.counts, strict=True):
+        running += count
+        cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    family.add_metric(values, cumulative, sum_value=histogram.sum)
+
+
+@dataclass(slots=True)
+class VllmSeries:
+    """One engine's vLLM request series observed in this process (the labelled children, looked up once)."""
+
+    engine: str
+    ttft: Any
+    itl: Any
+    e2e: Any
+    n: Any
+    success: dict[int, Any]  # FinishReason -> its counter
+
+
 class ApiMetrics:
     """This process's metrics and the registry /metrics renders."""
 
-    def __init__(self, latest: Callable[[], SchedulerStats | None], per_replica: PerReplica | None = None) -> None:
+    def __init__(self, latest: Callable[[], SchedulerStats | None], per_replica: PerReplica | None = None,
+                 model_name: str = "", cache_info: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
         multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         if multiprocess:
@@ -138,7 +258,12 @@ class ApiMetrics:
                                          registry=own)
         self.tenant_ttft = Histogram("pagoda_tenant_time_to_first_token_seconds", "Time from HTTP arrival to the "
                                      "first token, by tenant", ["tenant"], buckets=TTFT_BUCKETS_S, registry=own)
-        self.registry.register(SnapshotCollector(latest, per_replica))
+        self._latest = latest
+        self._per_replica = per_replica
+        self._model_name = model_name
+        self._own = own
+        self._init_vllm(own)
+        self.registry.register(SnapshotCollector(latest, per_replica, model_name, cache_info))
         self._files = MultiProcessCollector(None) if multiprocess else None  # every api process's histograms
 
     def latency_buckets(self) -> dict[str, list[tuple[float, float]]]:
@@ -165,6 +290,85 @@ class ApiMetrics:
         self.tenant_generation_tokens.labels(tenant).inc(generation_tokens)
         if first_token_s is not None:
             self.tenant_ttft.labels(tenant).observe(first_token_s)
+
+    # ------------------------------------------------------------------ vLLM's request series
+
+    def _init_vllm(self, own: CollectorRegistry | None) -> None:
+        labels = list(VLLM_LABELS)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                   labels, buckets=VLLM_TTFT_BUCKETS_S, registry=own)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                  labels, buckets=VLLM_ITL_BUCKETS_S, registry=own)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                  labels, buckets=REQUEST_PHASE_BUCKETS_S, registry=own)
+        self.vllm_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", labels,
+                                buckets=VLLM_N_BUCKETS, registry=own)
+        self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                    [*labels, "finished_reason"], registry=own)
+        # bucketed up to the model's context, which the first snapshot tells (_token_histograms)
+        self._vllm_tokens: tuple[Any, Any, Any] | None = None
+        self._vllm_series: dict[str, VllmSeries] = {}
+
+    def engine_of(self, tokenizer: bytes) -> str:
+        """The engine (replica id) whose scheduler lists this tokenizer: where its requests run."""
+        replicas = self._per_replica() if self._per_replica is not None else []
+        if len(replicas) <= 1:
+            return replicas[0][0] if replicas else "0"
+        name = tokenizer.decode(errors="replace")
+        return next((replica_id for replica_id, stats in replicas if name in stats.tokenizer_ids), "")
+
+    def vllm_series(self, tokenizer: bytes) -> VllmSeries:
+        engine = self.engine_of(tokenizer)
+        series = self._vllm_series.get(engine)
+        if series is None:
+            values = (self._model_name, engine)
+            # every finish reason's counter exists from the start (at 0), as vLLM's do: rate() needs a prior sample
+            series = self._vllm_series[engine] = VllmSeries(
+                engine=engine, ttft=self.vllm_ttft.labels(*values), itl=self.vllm_itl.labels(*values),
+                e2e=self.vllm_e2e.labels(*values), n=self.vllm_n.labels(*values),
+                success={reason: self.vllm_success.labels(*values, reason.openai_name) for reason in FinishReason})
+        return series
+
+    def _token_histograms(self) -> tuple[Any, Any, Any] | None:
+        """vLLM's per-request token histograms, bucketed 1-2-5 up to max_model_len; None until a snapshot tells
+        max_model_len (no request finishes before one does)."""
+        if self._vllm_tokens is None:
+            stats = self._latest()
+            if stats is None or stats.max_model_len <= 0:
+                return None
+            buckets = buckets_1_2_5(stats.max_model_len)
+            labels = list(VLLM_LABELS)
+            self._vllm_tokens = (
+                Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
+                          buckets=buckets, registry=self._own),
+                Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", labels,
+                          buckets=buckets, registry=self._own),
+                Histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", labels,
+                          buckets=buckets, registry=self._own))
+        return self._vllm_tokens
+
+    def vllm_finished(self, gen: Generation, max_tokens: int | None) -> None:
+        """A generation request ended: vLLM counts each completion (its n of them, each prompt's) as a request that
+        finished with its reason. One the client left or the server cut short (a timeout) counts as abort, as vLLM
+        counts a request aborted on disconnect. A request refused before every prompt was admitted never reached
+        the engine and counts nowhere."""
+        if gen.accepted_at is None:
+            return
+        series = gen.vllm
+        tokens = self._token_histograms()
+        max_model_len = stats.max_model_len if (stats := self._latest()) is not None else 0
+        for _ in range(len(gen.num_prompt_tokens)):
+            series.n.observe(gen.n)
+        for choice in gen.choices:
+            reason = choice.finish_reason if choice.finish_reason in series.success else FinishReason.ABORT
+            series.success[reason].inc()
+            if tokens is None:
+                continue
+            prompt, generation, limit = (h.labels(self._model_name, series.engine) for h in tokens)
+            prompt.observe(choice.num_prompt_tokens)
+            generation.observe(choice.num_tokens)
+            # vLLM's server fills an absent max_tokens with what the context leaves; pagoda's None means the same
+            limit.observe(max_tokens if max_tokens is not None else max(0, max_model_len - choice.num_prompt_tokens))
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, in the format the scraper asked for."""

@@ -48,6 +48,14 @@ def run_api(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     uvloop.run(_serve(engine_config, server_config))
 
 
+def _cache_info(engine_config: EngineConfig) -> dict[str, str]:
+    """vllm:cache_config_info's labels: the cache settings pagoda shares with vLLM's CacheConfig, as vLLM spells
+    them (the block count joins from the scheduler's snapshot)."""
+    return {"block_size": str(engine_config.block_size), "cache_dtype": engine_config.kv_cache_dtype,
+            "enable_prefix_caching": str(engine_config.enable_prefix_caching),
+            "gpu_memory_utilization": str(engine_config.gpu_memory_utilization)}
+
+
 def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, config: ServerConfig) -> ApiState:
     name = served_model_name(engine_config, config)
     if config.registry_endpoint:  # discovery: bind any port, tokenizers learn the address from the registry
@@ -61,7 +69,8 @@ def _make_state(context: zmq.asyncio.Context, engine_config: EngineConfig, confi
     return ApiState(config=config, served_model_name=name, model_names=frozenset({*names, engine_config.model}),
                     served_names=names,
                     model_root=engine_config.model,
-                    pool=pool, stats=stats, metrics=ApiMetrics(lambda: stats.latest, stats.per_replica),
+                    pool=pool, stats=stats,
+                    metrics=ApiMetrics(lambda: stats.latest, stats.per_replica, name, _cache_info(engine_config)),
                     started=int(time.time()), keys=KeyTable(config.api_keys_file) if config.api_keys_file else None,
                     usage_log=UsageLog(config.usage_log) if config.usage_log else None,
                     console_requests=RequestLog(config.console_max_requests, config.console_show_prompts)

@@ -101,6 +101,11 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     beam: BeamSearch | None = None  # a beam search: its sequences are the beams' slots
+    # the service's time.monotonic() readings for vLLM's phase metrics (phases.py); 0.0: not yet
+    queued_at: float = 0.0
+    scheduled_at: float = 0.0  # first admitted to a step
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
 
 @dataclass(slots=True, eq=False)

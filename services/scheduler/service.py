@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from pagoda.services.scheduler.health import StepWatch
+from pagoda.services.scheduler.phases import PhaseClock
 from pagoda.services.scheduler.pipeline import PlanPipeline
 from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
@@ -151,6 +152,7 @@ class SchedulerService:
         # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
         self.prefill_step_s = self.decode_step_s = self.host_s = 0.0
         self.tracer = RequestTracer() if server_config.console else None  # the request inspector's timelines
+        self.phases = PhaseClock()  # vLLM's request phase and step token histograms
         self.running = True
         self.stalled = False
         self.instance_id = f"scheduler-{os.getpid()}-{time.time_ns()}"  # tokenizers spot a restart by it
@@ -203,6 +205,7 @@ class SchedulerService:
                 return
             if plan.new_requests:
                 self._count_queue_time(plan)
+            self.phases.on_plan(plan, pipeline.scheduler, started)
             self._send_plan(plan)
             sent = time.monotonic()
             self.host_s += sent - started
@@ -412,6 +415,7 @@ class SchedulerService:
         self.owner[message.request_id] = identity
         peer.request_ids.add(message.request_id)
         peer.num_requests += 1
+        self.phases.on_add(request, time.monotonic())
         if self.tracer is not None:
             self.tracer.on_add(request, time.time())
 
@@ -432,6 +436,7 @@ class SchedulerService:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        self.phases.on_done(request_id)
         if self.tracer is not None:
             self.tracer.on_done(request_id, time.time())
         identity = self.owner.pop(request_id, None)
@@ -678,12 +683,17 @@ class SchedulerService:
         finished: list[str] = []
         owner = self.owner
         num_tokens = 0
+        now = time.monotonic()
         for update in updates:  # once per row and step: no properties, attributes read once
             token_id = update.token_id
             has_token = token_id >= 0
             num_tokens += has_token
             seq = update.seq
             request = seq.request
+            if has_token:  # vLLM's phase times (phases.py)
+                request.last_token_at = now
+                if not request.first_token_at:
+                    request.first_token_at = now
             identity = owner.get(request.request_id)
             if identity is None:
                 continue
@@ -784,7 +794,8 @@ class SchedulerService:
             tokenizer_requests_total=[peer.num_requests for peer in self.tokenizers.values()],
             max_model_len=self.model_info.max_model_len if self.model_info else 0, problem=self.problem,
             num_preempted=preempted, **self._step_seconds(now), host_seconds_total=self.host_s,
-            traces=self.tracer.take() if self.tracer is not None else [], **self._tenant_stats())
+            traces=self.tracer.take() if self.tracer is not None else [], **self._tenant_stats(),
+            request_phases=[b.snapshot() for b in self.phases.phases], step_tokens=self.phases.step_tokens.snapshot())
 
     def _tenant_stats(self) -> dict[str, list]:
         shares = self.scheduler.waiting.tenants if self.scheduler is not None else {}
