@@ -5,6 +5,7 @@ values agree with what the clients were told and with the `pagoda_*` twins; the 
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.services.api.metrics import buckets_1_2_5
+from pagoda.services.api.generation import Generation
+from pagoda.services.api.metrics import ApiMetrics, buckets_1_2_5
+from pagoda.services.api.pool import Ticket
+from pagoda.shared.messages import FinishReason, SchedulerStats
 from tests.harness import Server, http_client, running_server, wait_until
 
 MAX_MODEL_LEN = 256
@@ -78,6 +82,41 @@ def test_buckets_1_2_5() -> None:
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
     assert buckets_1_2_5(256) == [1, 2, 5, 10, 20, 50, 100, 200]
     assert buckets_1_2_5(0) == []
+
+
+def _stats(replica: int, tokenizer: str) -> SchedulerStats:
+    return SchedulerStats(time=0.0, num_running=replica + 1, num_waiting=0, kv_blocks_free=10, kv_blocks_total=20,
+                          kv_cache_usage=0.5, prefix_hit_tokens_total=0, prefix_query_tokens_total=0,
+                          num_preemptions_total=0, prompt_tokens_total=0, generation_tokens_total=0, num_steps_total=0,
+                          worker_ready=True, worker_alive=True, tokenizer_ids=[tokenizer], tokenizer_requests_total=[1],
+                          max_model_len=100)
+
+
+def test_several_replicas_are_engines_and_requests_count_where_they_ran() -> None:
+    """With two replicas each scheduler series has its replica's id as `engine`; a request is counted under the
+    engine whose scheduler lists its tokenizer; a completion whose prompt failed in the engine counts as error, one
+    cut short (the client left) as abort."""
+    replicas = [("0", _stats(0, "tok-a")), ("1", _stats(1, "tok-b"))]
+    metrics = ApiMetrics(lambda: replicas[0][1], lambda: replicas, "m", {"block_size": "16"})
+    assert (metrics.engine_of(b"tok-a"), metrics.engine_of(b"tok-b")) == ("0", "1")
+    gen = Generation(Ticket(["r1", "r2"], b"tok-b"), 2, time.monotonic(), metrics, None, stream=True)  # type: ignore[arg-type]
+    gen.accepted_at = time.monotonic()
+    gen.choices[0].finish_reason = FinishReason.STOP
+    gen._failed.add(1)  # the second prompt's RequestFailed
+    metrics.vllm_finished(gen, 7)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render(None)[0].decode())}
+    running = {s.labels["engine"]: s.value for s in families["vllm:num_requests_running"].samples}
+    assert running == {"0": 1, "1": 2}
+    success = {(s.labels["engine"], s.labels["finished_reason"]): s.value
+               for s in families["vllm:request_success"].samples if s.name.endswith("_total")}
+    assert {key: value for key, value in success.items() if value} == {("1", "stop"): 1, ("1", "abort"): 1,
+                                                                        ("1", "error"): 2}
+    info = {s.labels["engine"]: s.labels for s in families["vllm:cache_config_info"].samples}
+    assert info["1"] == {"engine": "1", "block_size": "16", "num_gpu_blocks": "20"}
+    max_tokens = {s.name: s.value for s in families["vllm:request_params_max_tokens"].samples
+                  if s.labels["engine"] == "1" and not s.name.endswith("_bucket")}
+    assert (max_tokens["vllm:request_params_max_tokens_count"], max_tokens["vllm:request_params_max_tokens_sum"]) \
+        == (4, 28)
 
 
 @pytest.fixture(scope="module")

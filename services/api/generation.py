@@ -79,6 +79,13 @@ class Generation:
     def body(self) -> dict[str, Any]:
         return self.renderer.body(self, self.usage())
 
+    def final_reasons(self) -> list[int]:
+        """Each choice's FinishReason once the response is over: one still unfinished ended with its prompt's
+        failure (ERROR) or was cut short by the client leaving or a timeout (ABORT)."""
+        return [c.finish_reason if c.finish_reason >= 0
+                else FinishReason.ERROR if i // self.n in self._failed else FinishReason.ABORT
+                for i, c in enumerate(self.choices)]
+
     def unfinished_request_ids(self) -> list[str]:
         """Wire ids the tokenizer still runs: these get an AbortRequest if the response ends early."""
         return [rid for i, rid in enumerate(self.ticket.request_ids)

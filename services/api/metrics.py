@@ -350,8 +350,8 @@ class ApiMetrics:
     def vllm_finished(self, gen: Generation, max_tokens: int | None) -> None:
         """A generation request ended: vLLM counts each completion (its n of them, each prompt's) as a request that
         finished with its reason. One the client left or the server cut short (a timeout) counts as abort, as vLLM
-        counts a request aborted on disconnect. A request refused before every prompt was admitted never reached
-        the engine and counts nowhere."""
+        counts a request aborted on disconnect; one whose prompt failed in the engine as error. A request refused
+        before every prompt was admitted never reached the engine and counts nowhere."""
         if gen.accepted_at is None:
             return
         series = gen.vllm
@@ -359,9 +359,8 @@ class ApiMetrics:
         max_model_len = stats.max_model_len if (stats := self._latest()) is not None else 0
         for _ in range(len(gen.num_prompt_tokens)):
             series.n.observe(gen.n)
-        for choice in gen.choices:
-            reason = choice.finish_reason if choice.finish_reason in series.success else FinishReason.ABORT
-            series.success[reason].inc()
+        for choice, reason in zip(gen.choices, gen.final_reasons(), strict=True):
+            series.success[reason if reason in series.success else FinishReason.ERROR].inc()
             if tokens is None:
                 continue
             prompt, generation, limit = (h.labels(self._model_name, series.engine) for h in tokens)
