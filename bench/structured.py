@@ -54,7 +54,7 @@ def compile_times(llm: LLM) -> dict[str, float]:
     """What the tokenizer process pays per new schema (first) and per repeated one (cached)."""
     arch = llm.engine.runner.arch
     started = time.perf_counter()
-    checker = GrammarChecker(ll_tokenizer(llm.get_tokenizer().hf, arch.vocab_size, list(arch.eos_token_ids)))
+    checker = GrammarChecker(ll_tokenizer(llm.get_tokenizer(), arch.vocab_size, list(arch.eos_token_ids)))
     tokenizer_s = time.perf_counter() - started
     timings = {"llguidance_tokenizer_s": tokenizer_s}
     # the tokenizer's first grammar pays llguidance's one-off set-up; a server meets it once per process

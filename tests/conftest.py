@@ -252,9 +252,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 @pytest.fixture(autouse=True)
 def _unfreeze_heap():  # noqa: ANN202
     """An in-process engine freezes its start-up objects (pagoda.shared.heap); a test process builds hundreds of
-    engines, so each test hands its frozen objects back to the collector when it ends."""
+    engines, so each test hands its frozen objects back to the collector when it ends. On a CUDA machine the
+    collector also runs then: an engine that sized its KV cache to the free GPU memory (tests/
+    test_async_scheduling.py's no-compile test: ~70 GiB) stayed alive until a full collection, so the next module's
+    GPU tests ran out of memory (6 paged-attention tests on an H100, session 39). On the CPU the collector's own
+    schedule is kept (a collection a test would cost the suite time)."""
     yield
     gc.unfreeze()
+    if HAS_CUDA:
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(autouse=True, scope="session")
