@@ -441,9 +441,9 @@ class Scheduler:
             budget = self._admit_waiting(budget, num_tokens, new_requests)
 
         self._step_id += 1
-        self.stats.num_steps += 1
         beam_groups = self._beam_groups(num_tokens)
-        if num_tokens:
+        if num_tokens:  # a step computes something: a plan that only drops ended sequences is not one
+            self.stats.num_steps += 1
             # a decoding sequence computes one token: more tokens than sequences means a prompt chunk ran
             has_prefill = self.max_num_batched_tokens - budget > len(num_tokens)
             self._inflight.append(self._launch(num_tokens, has_prefill))
