@@ -237,6 +237,8 @@ def _replica_states(server: Server) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # test_launcher.py (the back-off policy and the launcher's replacements) and test_console.py
+# (a backed-off replica shown restarting) cover it in the default run
 def test_a_replica_failing_at_start_backs_off_and_returns_when_it_can_start(smollm2_dir: Path,
                                                                             tmp_path: Path) -> None:
     """--restart-on-failure with two replicas: replica 1 killed while its model folder is gone fails at each start,

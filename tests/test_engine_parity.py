@@ -187,7 +187,9 @@ def test_prompt_logprobs_survive_preemption(smollm2_dir: Path, prompts) -> None:
             assert b.prompt_logprobs[i][prompt[i]] == pytest.approx(a.prompt_logprobs[i][prompt[i]], abs=1e-4)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+# serial: extended (make test-all); tests/test_swap_families.py and test_result_invariance.py swap under serial
+# steps in the default run
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_swapped_preemption_gives_the_unhurried_outputs(smollm2_dir: Path, prompts,  # noqa: ANN001
                                                         async_scheduling: bool) -> None:
     """Preempted sequences' blocks go to host slots and come back (swap space) instead of being recomputed: the
