@@ -48,6 +48,29 @@ def __getattr__(name: str) -> Any:
 METRIC_RE = re.compile(r"([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+|NaN|\+Inf)")
 
 
+def tiny_llama_over_smollm2_vocab(folder: Path, smollm2_dir: Path) -> Path:
+    """A 2-layer Llama of hidden size 64 over SmolLM2's vocabulary saved in `folder` (random weights, seed 0,
+    embeddings scaled for sharper distributions than the init's) with SmolLM2's tokenizer files and chat template:
+    stop strings, grammars and chat at a fraction of SmolLM2's cost."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30.0)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, folder / name)
+    return folder
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda import LLM, SamplingParams
 from pagoda.engine import LLMEngine
 from pagoda.shared.messages import StructuredOutputs
-from tests.harness import Server, http_client, running_server, wait_until
+from tests.harness import Server, http_client, running_server, tiny_llama_over_smollm2_vocab, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,21 +32,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A 2-layer Llama of hidden size 64 over SmolLM2's vocabulary (random weights; its tokenizer and chat template),
     so that stop strings, grammars and chat run at a fraction of SmolLM2's cost."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-lifecycle")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config).float()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(30.0)  # sharper distributions than the init's
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).is_file():
-            shutil.copy(smollm2_dir / name, folder / name)
-    return folder
+    return tiny_llama_over_smollm2_vocab(tmp_path_factory.mktemp("tiny-lifecycle"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")

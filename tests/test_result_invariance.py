@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from pagoda.outputs import RequestOutput
 from pagoda.params import GuidedDecodingParams
 from pagoda.services.worker.cuda_graphs import DecodeGraphs
 from pagoda.services.worker.models import AttentionMetadata
+from tests.harness import tiny_llama_over_smollm2_vocab
 
 NEAR_TIE = 1e-4  # top-1 minus top-2 logprob under which rounding noise may flip a choice
 LOGPROB_TOL = 1e-4
@@ -234,20 +234,7 @@ def test_padded_decode_batches_give_the_alone_result(model: str) -> None:
 @pytest.fixture(scope="module")
 def tokenizer_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A 2-layer Llama of hidden size 64 over SmolLM2's vocabulary (random weights, its tokenizer files)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-smollm2-vocab")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config).float()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(30.0)  # sharper distributions than the init's
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, folder / name)
-    return folder
+    return tiny_llama_over_smollm2_vocab(tmp_path_factory.mktemp("tiny-smollm2-vocab"), smollm2_dir)
 
 
 def test_constrained_and_stopped_rows_keep_their_state_through_preemption(tokenizer_model: Path) -> None:
