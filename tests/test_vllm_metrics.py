@@ -4,21 +4,20 @@ values agree with what the clients were told and with the `pagoda_*` twins; the 
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.services.api.errors import UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ApiMetrics, buckets_1_2_5
 from pagoda.services.api.pool import Ticket
-from pagoda.shared.messages import FinishReason, SchedulerStats
-from tests.harness import Server, http_client, running_server, wait_until
+from pagoda.shared.messages import FinishReason, RequestFailed, SchedulerStats
+from tests.harness import Server, http_client, running_server, tiny_llama_over_smollm2_vocab, wait_until
 
 MAX_MODEL_LEN = 256
 ENGINE_LABELS = {"model_name", "engine"}
@@ -119,20 +118,26 @@ def test_several_replicas_are_engines_and_requests_count_where_they_ran() -> Non
         == (4, 28)
 
 
+@pytest.mark.parametrize(("status", "counted"), [(400, {}), (500, {"error": 1})])
+def test_a_request_refused_after_admission_counts_nowhere(status: int, counted: dict[str, int]) -> None:
+    """A prompt failed with a 4xx after it was admitted (a grammar the tokenizer cannot compile) is a refusal, which
+    vLLM makes before its engine sees the request: no request_success count. A 5xx there is the engine's error."""
+    metrics = ApiMetrics(lambda: _stats(0, "tok-a"), None, "m")
+    gen = Generation(Ticket(["r1"], b"tok-a"), 1, time.monotonic(), metrics, None, stream=False)  # type: ignore[arg-type]
+    gen.accepted_at = time.monotonic()
+    with pytest.raises(UpstreamError):
+        gen._raise_if_failed(RequestFailed("r1", status, "the json constraint cannot be compiled"))
+    metrics.vllm_finished(gen, 5)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render(None)[0].decode())}
+    success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
+               if s.name.endswith("_total") and s.value}
+    assert success == counted
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A 2-layer Llama of hidden size 64 over SmolLM2's vocabulary (random weights, its tokenizer)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-vllm-metrics")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).float().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, folder / name)
-    return folder
+    return tiny_llama_over_smollm2_vocab(tmp_path_factory.mktemp("tiny-vllm-metrics"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ class Generation:
         self.openings: list[bytes] = [b""] * num_prompts  # rendered by the tokenizer (streaming)
         self._num_running = [n] * num_prompts  # unfinished completions per prompt
         self._failed: set[int] = set()  # prompts the tokenizer already ended with RequestFailed
+        self.refused = False  # a prompt failed with a 4xx after it was admitted (e.g. its grammar cannot compile)
         self._early: deque[Reply] = deque()  # replies taken off the queue, not handled yet
         self.first_token_at: float | None = None
         self.accepted_at: float | None = None  # time.monotonic() when every prompt was tokenized and admitted
@@ -152,6 +153,7 @@ class Generation:
             i = self._prompt_index.get(reply.request_id)
             if i is not None:
                 self._failed.add(i)
+            self.refused = self.refused or 400 <= reply.status < 500
             raise UpstreamError.from_failed(reply)
         log.warning("ignored an unexpected %s for %s", type(reply).__name__, self.ticket.request_ids[0])
 

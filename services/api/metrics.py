@@ -351,8 +351,9 @@ class ApiMetrics:
         """A generation request ended: vLLM counts each completion (its n of them, each prompt's) as a request that
         finished with its reason. One the client left or the server cut short (a timeout) counts as abort, as vLLM
         counts a request aborted on disconnect; one whose prompt failed in the engine as error. A request refused
-        before every prompt was admitted never reached the engine and counts nowhere."""
-        if gen.accepted_at is None:
+        (before every prompt was admitted, or by a 4xx after, as a grammar that cannot compile) counts nowhere: vLLM
+        refuses those before its engine sees them."""
+        if gen.accepted_at is None or gen.refused:
             return
         series = gen.vllm
         tokens = self._token_histograms()
