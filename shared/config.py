@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import ipaddress
 import json
 import math
@@ -11,6 +12,7 @@ import os
 import re
 import types
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -214,17 +216,17 @@ def parse_bytes(text: str) -> int:
 _TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def parse_token_count(text: str) -> int:
+def parse_token_count(text: str, param: str = "max_model_len") -> int:
     """A number of tokens as vLLM reads one: '32k' -> 32000, '32K' -> 32768, '25.6k' -> 25600, '4096' -> 4096."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgKMG]?)\s*", text)
     if match is None:
         hint = (" (vLLM's auto, fitting the context to memory, is not implemented: give a length, or none for the "
                 "model's own)") if text.strip().lower() in ("auto", "-1") else ""
         raise ConfigError(f"cannot read {text!r} as a number of tokens (e.g. 8192, 32k, 32K){hint}",
-                          param="max_model_len")
-    value = float(match.group(1)) * _TOKEN_UNITS[match.group(2)]
+                          param=param)
+    value = Decimal(match.group(1)) * _TOKEN_UNITS[match.group(2)]  # exact: 0.1k is 100
     if value != int(value):
-        raise ConfigError(f"{text!r} is not a whole number of tokens", param="max_model_len")
+        raise ConfigError(f"{text!r} is not a whole number of tokens", param=param)
     return int(value)
 
 
@@ -337,6 +339,15 @@ class ServerConfig:
         self.root_path = self.root_path.rstrip("/")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             parse_list(getattr(self, name), name)  # a broken JSON list fails now
+        if self.allowed_origins is None and (self.allow_credentials or self.allowed_methods != "*"
+                                             or self.allowed_headers != "*"):
+            raise ConfigError("--allow-credentials, --allowed-methods and --allowed-headers need --allowed-origins: "
+                              "pagoda answers CORS only for the origins given (vLLM's default is any)",
+                              param="allowed_origins")
+        if self.allow_credentials and "*" in parse_list(self.allowed_origins, "allowed_origins"):
+            raise ConfigError("--allow-credentials with --allowed-origins '*' would let any web page call this "
+                              "server with its visitors' cookies or proxy logins: name the origins",
+                              param="allow_credentials")
 
     def served_model_names(self) -> list[str]:
         """The names of --served-model-name (empty when unset)."""
@@ -458,7 +469,8 @@ def bind_address(endpoint: str) -> str:
 # flags and environment variables, derived from the dataclass fields
 
 _PARSERS: dict[str, Any] = {"kv_cache_memory": parse_bytes, "max_model_len": parse_token_count,
-                            "max_num_batched_tokens": parse_token_count}
+                            "max_num_batched_tokens": functools.partial(parse_token_count,
+                                                                        param="max_num_batched_tokens")}
 # True (or auto) by default: a --no- flag
 _FLAG_NAMES: dict[str, str] = {"enable_prefix_caching": "no-prefix-caching", "async_scheduling": "no-async-scheduling",
                                "console": "no-console", "grammar_fast_forward": "no-grammar-fast-forward",

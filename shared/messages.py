@@ -47,7 +47,7 @@ class FinishReason(IntEnum):
 class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """A constraint on the generated text; vLLM's StructuredOutputsParams: exactly one kind is set.
 
-    `grammar` is a Lark grammar in llguidance's dialect, or GBNF (told apart by `::=`).
+    `grammar` is a Lark grammar in llguidance's dialect, or GBNF (its first rule is `name ::= ...`).
     `reasoning_end` is set by the server, never the client: constraints start after this text appears
     in the output (a reasoning model's `</think>`); empty means from the first token.
     """

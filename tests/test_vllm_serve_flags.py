@@ -22,6 +22,7 @@ from pagoda.shared.config import (
     apply_vllm_serve_args,
     engine_config_from_args,
     env_names,
+    parse_token_count,
     server_config_from_args,
 )
 from pagoda.shared.errors import ConfigError
@@ -67,6 +68,13 @@ def test_a_length_that_is_not_a_count_of_tokens_is_refused_naming_the_flag(
     assert "--max-model-len" in err and "tokens" in err
 
 
+def test_token_counts_are_exact_and_refusals_name_their_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert [parse_token_count(t) for t in ("0.1k", "25.6k", "32K", "2048")] == [100, 25600, 32768, 2048]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-num-batched-tokens", "8x"])
+    assert "--max-num-batched-tokens" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--enable-lora"], "--enable-lora"), (["--lora-modules", "a=/x", "b=/y"], "--lora-modules"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
@@ -80,6 +88,9 @@ def test_a_length_that_is_not_a_count_of_tokens_is_refused_naming_the_flag(
     (["--allowed-origins", '["http://a"'], "--allowed-origins"),
     (["--tool-call-parser", "pythonic"], "--tool-call-parser"),
     (["--reasoning-parser", "granite"], "--reasoning-parser"),
+    (["--allow-credentials"], "--allow-credentials"),  # CORS settings without origins: CORS would stay off
+    (["--allowed-methods", "GET,POST"], "--allowed-methods"),
+    (["--allowed-origins", "*", "--allow-credentials"], "--allow-credentials"),  # any page, the visitor's cookies
 ])
 def test_a_flag_pagoda_cannot_honour_stops_it_with_one_line_naming_the_flag(
         argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,6 +201,7 @@ def test_a_vllm_command_line_serves_a_chat_rendered_by_its_chat_template(vllm_se
     assert ids["count"] == answer["usage"]["prompt_tokens"]
     listed = HTTP.get(url + "/v1/models", headers=KEY, timeout=10).json()["data"]
     assert [card["id"] for card in listed] == ["smol", "smol-alias"]
+    assert HTTP.get(url + "/v1/models/smol-alias", headers=KEY, timeout=10).json()["id"] == "smol-alias"
     # without a generation prompt the answer continues the last message, in its role (vLLM's rule)
     continued = HTTP.post(url + "/v1/chat/completions", headers=KEY, timeout=60,
                           json={"model": "smol", "messages": chat, "max_tokens": 2, "temperature": 0,
@@ -223,8 +235,9 @@ def test_cors_answers_the_allowed_origin_only(vllm_server: tuple[str, Path]) -> 
 def test_no_op_flags_are_logged_once_and_requests_when_asked(vllm_server: tuple[str, Path]) -> None:
     url, log_path = vllm_server
     HTTP.post(url + "/v1/completions", headers=KEY, timeout=60,
-              json={"model": "smol", "prompt": "Hello", "max_tokens": 1})
+              json={"model": "smol", "prompt": "Hello", "max_tokens": 1, "stop": ["SECRET-STOP"]})
     text = log_path.read_text()
+    assert "SECRET-STOP" not in text and "stop=<list of 1>" in text  # the client's texts only as kind and size
     for flag in ("--enable-chunked-prefill", "--trust-remote-code", "--disable-log-requests"):
         assert text.count(f"{flag} changes nothing here") == 1, flag
     assert "request cmpl-" in text and "completion, model smol" in text and "Hello" not in text

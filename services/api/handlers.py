@@ -75,6 +75,16 @@ def _name_constraint(exc: PagodaError, constraint: str | None) -> None:
     if constraint is not None and (exc.param or "").startswith("structured_outputs"):
         exc.param = constraint
 
+def _params_summary(params: msgspec.Struct) -> str:
+    """The settings a request sent, for --enable-log-requests: numbers and switches as they are; texts, lists and
+    objects (stop strings, choices, schemas, bias maps: the client's content) only as their kind and size."""
+    sent = msgspec.to_builtins(params)  # omit_defaults: what differs from the defaults
+    parts = [f"{name}={value}" if isinstance(value, bool | int | float) or value is None
+             else f"{name}=<{type(value).__name__} of {len(value) if hasattr(value, '__len__') else 1}>"
+             for name, value in sent.items()]
+    return " ".join(parts)
+
+
 def _name_body_constraint(exc: PagodaError, body: CompletionBody | ChatBody) -> None:
     """A refusal of the request's SamplingParams that names their structured_outputs names the body's field that
     asked for the constraint (guided_*, response_format, tools), as a refusal from the tokenizer does; a body that
@@ -223,24 +233,24 @@ class Handlers:
         # 429 over quota, before any work. The operator's key (tenant "default", no limits) takes no lease: it must not
         # count against, nor reset the buckets of, a keys-file tenant that is also named "default".
         lease = self._admit(tenant) if found is not DEFAULT_TENANT else None
-        request[COUNTED] = True  # from here _account counts it, whatever happens
-        shared = self._scheduled_tenant(found)  # the share of the engine it runs in
-        arrival = messages[0].arrival_time
-        # The tokenizer renders each prompt's choices (they start at prompt index * n); the same renderer here
-        # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share (and,
-        # with --prefix-cache-isolation tenant, in the request's cache salt).
-        n = messages[0].params.n
-        if self.state.config.log_requests:  # vLLM's --enable-log-requests: sizes and settings, never prompt text
-            log.info("request %s: %s, model %s, tenant %s, %d prompt(s) %s, params %s", messages[0].request_id,
-                     "chat" if spec.route == CHAT else "completion", spec.model, found[1].name if found else "-",
-                     len(messages), [_prompt_size(m) for m in messages],
-                     msgspec.json.encode(messages[0].params).decode())
-        messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n)
-                                            if renderer is None else None, **self._tenant_fields(shared, m.cache_salt))
-                    for i, m in enumerate(messages)]
+        request[COUNTED] = True  # from here _account counts it (and releases the lease), whatever happens
         gen: Generation | None = None
         status = 499  # the client left (the handler was cancelled) unless set below
+        arrival = messages[0].arrival_time
         try:
+            shared = self._scheduled_tenant(found)  # the share of the engine it runs in
+            # The tokenizer renders each prompt's choices (they start at prompt index * n); the same renderer here
+            # serves a tokenizer that answers with text instead. The tenant rides along for the scheduler's share
+            # (and, with --prefix-cache-isolation tenant, in the request's cache salt).
+            n = messages[0].params.n
+            if self.state.config.log_requests:  # vLLM's --enable-log-requests: sizes and settings, never prompt text
+                log.info("request %s: %s, model %s, tenant %s, %d prompt(s) %s, params %s", messages[0].request_id,
+                         "chat" if spec.route == CHAT else "completion", spec.model, found[1].name if found else "-",
+                         len(messages), [_prompt_size(m) for m in messages], _params_summary(messages[0].params))
+            messages = [msgspec.structs.replace(m, render=msgspec.structs.replace(spec, first_choice=i * n)
+                                                if renderer is None else None,
+                                                **self._tenant_fields(shared, m.cache_salt))
+                        for i, m in enumerate(messages)]
             ticket = self.state.pool.submit(messages, self._engine_tokenizers())
             timeout = self.state.config.request_timeout
             gen = Generation(ticket, n, started_at, self.state.metrics, renderer or renderer_for(spec),
@@ -475,8 +485,9 @@ class Handlers:
 
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id}: the SDK's models.retrieve; 404 for a name this server does not serve."""
-        self._check_model(request.match_info["model_id"], request)
-        return json_response(self._model_card())
+        name = request.match_info["model_id"]
+        self._check_model(name, request)
+        return json_response(self._model_card(name if name in self.state.served_names else None))
 
     async def health(self, request: web.Request) -> web.Response:
         problems = self.health_problems()

@@ -54,8 +54,6 @@ VLLM_ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
                       40.0, 80.0)
 VLLM_N_BUCKETS = (1, 2, 5, 10, 20)
 VLLM_LABELS = ("model_name", "engine")
-# vLLM's finished_reason values that pagoda can produce ("repetition" it cannot: it has no repetition detector)
-VLLM_FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -323,10 +321,12 @@ class ApiMetrics:
         if series is None:
             values = (self._model_name, engine)
             # every finish reason's counter exists from the start (at 0), as vLLM's do: rate() needs a prior sample
-            series = self._vllm_series[engine] = VllmSeries(
+            series = VllmSeries(
                 engine=engine, ttft=self.vllm_ttft.labels(*values), itl=self.vllm_itl.labels(*values),
                 e2e=self.vllm_e2e.labels(*values), n=self.vllm_n.labels(*values),
                 success={reason: self.vllm_success.labels(*values, reason.openai_name) for reason in FinishReason})
+            if engine:  # "": no replica's snapshot lists the tokenizer yet: looked up again next time
+                self._vllm_series[engine] = series
         return series
 
     def _token_histograms(self) -> tuple[Any, Any, Any] | None:
