@@ -275,6 +275,22 @@ def _smaller_default_cpu_kv_cache() -> None:
     model_runner.DEFAULT_CPU_KV_BYTES = min(model_runner.DEFAULT_CPU_KV_BYTES, 512 << 20)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path):  # noqa: ANN201  (pagoda's Tokenizer over SmolLM2; imported here lazily)
+    """pagoda's Tokenizer over the SmolLM2 folder (the grammar tests'; a module's own `tokenizer` fixture wins)."""
+    from pagoda.services.tokenizer.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def ll(tokenizer):  # noqa: ANN001, ANN201  (an llguidance.LLTokenizer)
+    """llguidance's tokenizer over `tokenizer` (the grammar tests' masks and walks)."""
+    from pagoda.services.grammar.compiler import ll_tokenizer
+
+    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder: $PAGODA_TEST_MODEL_DIR, else models/ (made if missing)."""

@@ -11,7 +11,6 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from pagoda.services.grammar.compiler import ll_tokenizer
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker import grammar
 from pagoda.services.worker.grammar import GrammarRows
@@ -21,16 +20,6 @@ from pagoda.shared.messages import NewRequest, SamplingParams, StepPlan, Structu
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
 
 
 def new_request(seq_id: int, constraint: StructuredOutputs) -> NewRequest:

@@ -6,12 +6,11 @@ an error (take_failures, a 500), never samples without its mask, and never resta
 from __future__ import annotations
 
 from concurrent.futures import Future
-from pathlib import Path
 
 import llguidance
 import pytest
 
-from pagoda.services.grammar.compiler import GrammarChecker, ll_tokenizer
+from pagoda.services.grammar.compiler import GrammarChecker
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker.grammar import MATCHER_LOST, GrammarMasks, GrammarRows
 from pagoda.shared.messages import NewRequest, SamplingParams, StepPlan, StructuredOutputs
@@ -20,16 +19,6 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Pa
         "required": ["city"], "additionalProperties": False}
 CONSTRAINT = StructuredOutputs(json=CITY)
 PROMPT = [1, 2]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from pagoda.services.grammar.compiler import GrammarChecker, grammar_text, ll_tokenizer
+from pagoda.services.grammar.compiler import GrammarChecker, grammar_text
 from pagoda.services.protocol.tools import parse_required, required_schema
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError
@@ -171,16 +171,6 @@ UNSUPPORTED: list[tuple[dict[str, Any], str]] = [
 
 # --------------------------------------------------------------------------------------------
 # the random walk
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
 
 
 class Walker:

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import torch
 
-from pagoda.services.grammar.compiler import GrammarChecker, constrain_after_reasoning, grammar_text, ll_tokenizer
+from pagoda.services.grammar.compiler import GrammarChecker, constrain_after_reasoning, grammar_text
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker.grammar import GrammarRows
 from pagoda.shared.errors import InvalidRequestError
@@ -34,16 +34,6 @@ pydantic = pytest.importorskip("pydantic")
 
 # --------------------------------------------------------------------------------------------
 # compile and matchers with SmolLM2's tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def ll(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    return ll_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
 
 
 @pytest.mark.parametrize("constraint", [
