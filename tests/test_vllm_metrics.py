@@ -4,6 +4,7 @@ values agree with what the clients were told and with the `pagoda_*` twins; the 
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.services.api.errors import UpstreamError
 from pagoda.services.api.generation import Generation
-from pagoda.services.api.metrics import ApiMetrics, buckets_1_2_5
+from pagoda.services.api.metrics import ITL_BUCKETS_S, VLLM_ITL_BUCKETS_S, ApiMetrics, buckets_1_2_5
 from pagoda.services.api.pool import Ticket
 from pagoda.shared.messages import FinishReason, RequestFailed, SchedulerStats
 from tests.harness import Server, http_client, running_server, tiny_llama_over_smollm2_vocab, wait_until
@@ -116,6 +117,44 @@ def test_several_replicas_are_engines_and_requests_count_where_they_ran() -> Non
                   if s.labels["engine"] == "1" and not s.name.endswith("_bucket")}
     assert (max_tokens["vllm:request_params_max_tokens_count"], max_tokens["vllm:request_params_max_tokens_sum"]) \
         == (4, 28)
+
+
+def _histogram_samples(metrics: ApiMetrics, name: str) -> dict[tuple[str, str], float]:
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render(None)[0].decode())}
+    return {(s.name, s.labels.get("le", "")): s.value for s in families[name].samples
+            if not s.name.endswith("_created")}
+
+
+def test_tallied_inter_token_latencies_equal_direct_observations() -> None:
+    """The api tallies ITL once a token over both names' bounds and adds the counts in bulk: every bucket, count
+    and sum equals what observing each histogram directly gives, values on bounds, below and above them included;
+    nothing is lost when requests end on another series or /metrics reads between observations."""
+    rng = random.Random(0)
+    bounds = sorted({*ITL_BUCKETS_S, *VLLM_ITL_BUCKETS_S})
+    values = [*bounds, 0.0, 1e-6, 1e4, *(rng.choice(bounds) * rng.uniform(0.5, 1.5) for _ in range(3000))]
+    tallied = ApiMetrics(lambda: _stats(0, "tok-a"), None, "m")
+    direct = ApiMetrics(lambda: _stats(0, "tok-a"), None, "m")
+    series = tallied.vllm_series(b"tok-a")
+    direct_vllm = direct.vllm_itl.labels("m", "0")
+    clock = 0.0
+    for i, value in enumerate(values):
+        clock += rng.choice((0.0, 0.01, 0.3))  # flushes at observations a second apart, and some reads between
+        series.itl.observe(value, clock)
+        direct.itl.observe(value)
+        direct_vllm.observe(value)
+        if i % 997 == 0:
+            tallied.render(None)
+    gen = Generation(Ticket(["r1"], b"tok-a"), 1, time.monotonic(), tallied, None, stream=True)  # type: ignore[arg-type]
+    gen.vllm.itl.observe(0.02, clock)
+    direct.itl.observe(0.02)
+    direct_vllm.observe(0.02)
+    tallied.vllm_finished(gen, None)  # a request's end flushes its series
+    assert not any(series.itl.counts)
+    for name in ("pagoda_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"):
+        got, want = _histogram_samples(tallied, name), _histogram_samples(direct, name)
+        assert got.keys() == want.keys() and len(want) > 20
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-9), key
 
 
 @pytest.mark.parametrize(("status", "counted"), [(400, {}), (500, {"error": 1})])

@@ -221,9 +221,7 @@ class Generation:
             self.vllm.ttft.observe(now - self.started_at)
         elif choice.last_token_at > 0.0:
             # One observation per delta, spread over its tokens (a delta is one token in steady decode).
-            itl = (now - choice.last_token_at) / num_new_tokens
-            self._metrics.itl.observe(itl)
-            self.vllm.itl.observe(itl)
+            self.vllm.itl.observe((now - choice.last_token_at) / num_new_tokens, now)  # both names' histograms
         choice.last_token_at = now
 
     def observe_e2e(self) -> None:

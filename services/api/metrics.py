@@ -8,6 +8,8 @@ pagoda unchanged. docs/operations.md lists both sets and where they differ.
 from __future__ import annotations
 
 import os
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -213,13 +215,63 @@ def _add_buckets(family: HistogramMetricFamily, values: list[str], bounds: Seque
     family.add_metric(values, cumulative, sum_value=histogram.sum)
 
 
+TALLY_FLUSH_S = 1.0  # the longest a tally keeps observations from the histograms while tokens flow
+
+
+class ItlTally:
+    """Inter-token latencies counted here, over the union of several histograms' bounds, and added to all of them
+    in bulk (`flush`): one bisect a token instead of a prometheus_client observation per histogram (each a locked
+    bucket scan, ~1.3 us on this project's 2-core host; two a token cost the served api 4.5 us a token on an H100
+    host, bench/RESULTS.md, fortieth session).
+
+    The histograms are prometheus_client Histogram children: their bucket values are added to through the
+    library's own value objects (`_buckets`, `_sum`), which also write the shared files with several api
+    processes. Flushed when /metrics or the console reads, when a request ends, and at an observation a second
+    after the last flush, so another api process's scrape lags by at most that while tokens flow.
+    """
+
+    __slots__ = ("bounds", "counts", "sum", "flushed_at", "_targets")
+
+    def __init__(self, histograms: Sequence[Any]) -> None:
+        targets = [(h, tuple(h._upper_bounds[:-1])) for h in histograms]  # the last bound is +Inf
+        for histogram, bounds in targets:
+            assert len(histogram._buckets) == len(bounds) + 1, "prometheus_client's histogram layout changed"
+        self.bounds: tuple[float, ...] = tuple(sorted({b for _, bounds in targets for b in bounds}))
+        self.counts = [0] * (len(self.bounds) + 1)  # per union bucket, the last: above every bound
+        self.sum = 0.0
+        self.flushed_at = 0.0
+        # union bucket j (upper bound u) lies inside the target bucket of the first target bound >= u
+        self._targets = [(h, [bisect_left(bounds, u) for u in self.bounds] + [len(bounds)]) for h, bounds in targets]
+
+    def observe(self, value: float, now: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # Prometheus' `le`: a value on a bound counts in it
+        self.sum += value
+        if now - self.flushed_at >= TALLY_FLUSH_S:
+            self.flush(now)
+
+    def flush(self, now: float) -> None:
+        self.flushed_at = now
+        if not any(self.counts):
+            return
+        for histogram, to_target in self._targets:
+            per_bucket = [0] * len(histogram._buckets)
+            for j, count in enumerate(self.counts):
+                per_bucket[to_target[j]] += count
+            for value, count in zip(histogram._buckets, per_bucket, strict=True):
+                if count:
+                    value.inc(count)
+            histogram._sum.inc(self.sum)
+        self.counts = [0] * len(self.counts)
+        self.sum = 0.0
+
+
 @dataclass(slots=True)
 class VllmSeries:
     """One engine's vLLM request series observed in this process (the labelled children, looked up once)."""
 
     engine: str
     ttft: Any
-    itl: Any
+    itl: ItlTally  # both names' inter-token latency: pagoda's histogram and this engine's vLLM one
     e2e: Any
     n: Any
     success: dict[int, Any]  # FinishReason -> its counter
@@ -267,6 +319,7 @@ class ApiMetrics:
     def latency_buckets(self) -> dict[str, list[tuple[float, float]]]:
         """TTFT and ITL as cumulative (upper bound, count) pairs: this process's, or with several api processes
         all of theirs (read from the shared files). The console's percentiles over the last minute."""
+        self.flush_tallies()
         wanted = {self.ttft._name: "ttft", self.itl._name: "itl"}  # type: ignore[attr-defined]
         families = self._files.collect() if self._files is not None else [*self.ttft.collect(), *self.itl.collect()]
         out: dict[str, list[tuple[float, float]]] = {"ttft": [], "itl": []}
@@ -322,7 +375,8 @@ class ApiMetrics:
             values = (self._model_name, engine)
             # every finish reason's counter exists from the start (at 0), as vLLM's do: rate() needs a prior sample
             series = VllmSeries(
-                engine=engine, ttft=self.vllm_ttft.labels(*values), itl=self.vllm_itl.labels(*values),
+                engine=engine, ttft=self.vllm_ttft.labels(*values),
+                itl=ItlTally([self.itl, self.vllm_itl.labels(*values)]),
                 e2e=self.vllm_e2e.labels(*values), n=self.vllm_n.labels(*values),
                 success={reason: self.vllm_success.labels(*values, reason.openai_name) for reason in FinishReason})
             if engine:  # "": no replica's snapshot lists the tokenizer yet: looked up again next time
@@ -353,6 +407,7 @@ class ApiMetrics:
         counts a request aborted on disconnect; one whose prompt failed in the engine as error. A request refused
         (before every prompt was admitted, or by a 4xx after, as a grammar that cannot compile) counts nowhere: vLLM
         refuses those before its engine sees them."""
+        gen.vllm.itl.flush(time.monotonic())
         if gen.accepted_at is None or gen.refused:
             return
         series = gen.vllm
@@ -370,7 +425,15 @@ class ApiMetrics:
             # vLLM's server fills an absent max_tokens with what the context leaves; pagoda's None means the same
             limit.observe(max_tokens if max_tokens is not None else max(0, max_model_len - choice.num_prompt_tokens))
 
+    def flush_tallies(self) -> None:
+        """This process's tallied observations into its histograms (a series not cached yet flushes when its
+        request ends)."""
+        now = time.monotonic()
+        for series in self._vllm_series.values():
+            series.itl.flush(now)
+
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, in the format the scraper asked for."""
+        self.flush_tallies()
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
