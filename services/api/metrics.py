@@ -221,8 +221,8 @@ TALLY_FLUSH_S = 1.0  # the longest a tally keeps observations from the histogram
 class ItlTally:
     """Inter-token latencies counted here, over the union of several histograms' bounds, and added to all of them
     in bulk (`flush`): one bisect a token instead of a prometheus_client observation per histogram (each a locked
-    bucket scan, ~1.3 us on this project's 2-core host; two a token cost the served api 4.5 us a token on an H100
-    host, bench/RESULTS.md, fortieth session).
+    bucket scan, ~1.3 us on this project's 2-core host; the second one, vLLM's name, cost the served api ~4.5 us of
+    CPU a token on an H100 host: bench/RESULTS.md, fortieth session).
 
     The histograms are prometheus_client Histogram children: their bucket values are added to through the
     library's own value objects (`_buckets`, `_sum`), which also write the shared files with several api
