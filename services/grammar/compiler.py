@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import msgspec
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from pagoda.services.grammar.vocab import model_ll_tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
@@ -166,10 +166,9 @@ def grammar_text(constraint: StructuredOutputs) -> str:
 
 def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     """llguidance's view of the tokenizer; masks are `vocab_size` bits wide (the model's logits), and a
-    finished grammar allows exactly the model's EOS ids."""
-    # A dummy-weight shape served with some real tokenizer may name EOS ids the tokenizer does not have.
-    known = [t for t in eos_token_ids if 0 <= t < len(hf_tokenizer)]
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=known or None)
+    finished grammar allows exactly the model's EOS ids (those the tokenizer has: a dummy-weight shape served with
+    some real tokenizer may name others). Text a grammar forces is never tokenized into a special token (vocab.py)."""
+    return model_ll_tokenizer(hf_tokenizer, vocab_size, eos_token_ids)
 
 
 def load_ll_tokenizer(folder: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
