@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -266,10 +265,10 @@ class GrammarRows:
         mask = self._buffer(len(index))  # [K, W]
         compact = [(matcher, slot[i]) for matcher, i in picked]
         if self._parallel(len(compact)):
-            llguidance.torch.fill_next_token_bitmask_par(self._ensure_executor(), compact, mask)
+            fill_masks_par(self._ensure_executor(), compact, mask)
         else:
             for matcher, k in compact:
-                llguidance.torch.fill_next_token_bitmask(matcher, mask, k)
+                fill_mask(matcher, mask, k)
         filled = {i for _, i in picked}
         for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
             if i in filled:
@@ -334,8 +333,8 @@ class GrammarRows:
             return
         running = [(seq_id, seq, token_id) for seq_id, seq, token_id in rows
                    if seq.matcher is not None and not seq.failed and not seq.matcher.is_stopped()]
-        accepted = llguidance.torch.consume_token_par(  # it refuses an empty list (every grammar done)
-            self._ensure_executor(), [(seq.matcher, token_id) for _, seq, token_id in running]) if running else []
+        accepted = self._ensure_executor().consume_token_par(  # it refuses an empty list (every grammar done)
+            [(seq.matcher, token_id) for _, seq, token_id in running]) if running else []
         for (seq_id, seq, token_id), ok in zip(running, accepted, strict=True):
             if not ok:
                 self._reject(seq_id, seq, token_id)
@@ -468,6 +467,24 @@ class GrammarRows:
         if self._tokenizer is None:
             raise RuntimeError("structured outputs need the model's tokenizer on the worker")
         return self._tokenizer
+
+
+def fill_mask(matcher: llguidance.LLMatcher, masks: torch.Tensor, row: int) -> None:
+    """masks[row] [W] int32 := the matcher's next-token bitmask (llguidance.torch.fill_next_token_bitmask, without
+    importing llguidance.torch: its @torch.compile at import pulls in torch._dynamo and inductor, ~3 s of CPU that
+    the grammar process spent at every start)."""
+    assert masks.dtype == torch.int32 and masks.device.type == "cpu" and masks.dim() == 2
+    mask = masks[row]  # [W]
+    assert mask.is_contiguous()
+    matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+
+
+def fill_masks_par(executor: llguidance.LLExecutor, matchers: list[tuple[llguidance.LLMatcher, int]],
+                   masks: torch.Tensor) -> None:
+    """masks[k] for each (matcher, k) on llguidance's pool (llguidance.torch.fill_next_token_bitmask_par)."""
+    assert masks.dtype == torch.int32 and masks.device.type == "cpu" and masks.dim() == 2 and masks.is_contiguous()
+    num_rows, num_words = masks.shape
+    executor.unsafe_compute_mask_ptr(matchers, masks.data_ptr(), num_words * 4, num_rows)
 
 
 def allowed_bitmask(token_ids: list[int], vocab_size: int) -> torch.Tensor:

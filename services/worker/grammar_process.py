@@ -302,7 +302,8 @@ class MaskJob:
 
 class MaskProcess:
     """GrammarRows' interface for the runner, with the matchers in a grammar process (one at a time, started on
-    construction and again after a failure when a grammar next needs one)."""
+    construction, which returns once it has built its tokenizer, and again after a failure when a grammar next needs
+    one). Idle, the process blocks in a read of its socket: it takes no CPU while no request is constrained."""
 
     def __init__(self, spec: TokenizerSpec, max_rows: int, pin_memory: bool = False) -> None:
         self.spec = spec
@@ -323,6 +324,7 @@ class MaskProcess:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(MaskProcessToWorker)
         self._start()
+        self.wait_started()
 
     # ---------------------------------------------------------------- GrammarRows' interface
 
@@ -407,6 +409,34 @@ class MaskProcess:
         if self._child is not None:
             self._child.stop()
             self._child = None
+
+    def wait_started(self) -> bool:
+        """Block until the grammar process has imported its modules and built llguidance's tokenizer (MaskStarted):
+        seconds of one core that, left to run after the worker reports ready, were taken from the first requests'
+        api, tokenizer and scheduler (8-9 s of CPU in the first served round on an H100 host, no grammar sent).
+        False when it ended or stayed silent for START_TIMEOUT_S (it is killed; a grammar starts another)."""
+        child = self._child
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while child is not None and child is self._child and not child.started:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._lose(f"the grammar process did not start in {START_TIMEOUT_S:.0f} s")
+                break
+            try:
+                ready = child.conn.poll(min(remaining, POLL_SLICE_S))
+                message = self._decoder.decode(child.conn.recv_bytes()) if ready else None
+            except (EOFError, OSError):
+                self._lose(_ended(child))
+                break
+            if message is None:
+                if not child.alive():
+                    self._lose(_ended(child))
+                continue
+            if not isinstance(message, MaskStarted):  # only a fill is answered, and none was sent
+                self._lose(f"the grammar process sent {type(message).__name__} before it started")
+                break
+            child.started = True
+        return self._child is not None and self._child.started
 
     @property
     def pid(self) -> int | None:

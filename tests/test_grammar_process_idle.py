@@ -1,0 +1,94 @@
+"""The grammar process costs nothing while no request is constrained: MaskProcess returns only once the process has
+built its tokenizer (its start-up CPU is spent before the worker reports ready, not during the first requests), the
+idle process blocks in a read of its socket with no timeout (no polling loop), unconstrained steps send it nothing,
+and its module does not import torch's compiler stack (llguidance.torch's @torch.compile did: ~3 s of CPU at every
+start)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pagoda.services.worker.grammar_process import MaskProcess, TokenizerSpec
+from pagoda.shared.messages import NewRequest, SamplingParams, StepPlan
+
+# (read, futex) syscall numbers, as /proc/<pid>/task/<tid>/syscall shows them
+SYSCALLS = {"x86_64": (0, 202), "aarch64": (63, 98)}
+
+
+@pytest.fixture
+def idle_process(smollm2_dir: Path) -> Iterator[MaskProcess]:
+    rows = MaskProcess(TokenizerSpec(str(smollm2_dir), 49152, (2,)), max_rows=4)
+    yield rows
+    rows.close()
+
+
+def conn_fd(pid: int) -> int:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(argv[argv.index(b"--conn-fd") + 1])
+
+
+def thread_syscalls(pid: int) -> dict[int, list[str]]:
+    """Each thread's current system call: [number, args...] as /proc shows them ('running' when on a CPU)."""
+    calls = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            calls[int(tid)] = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return calls
+
+
+def blocked_in_read(pid: int, fd: int, read_nr: int) -> bool:
+    fields = thread_syscalls(pid).get(pid, ["running"])
+    return fields[0] == str(read_nr) and int(fields[1], 16) == fd
+
+
+def test_construction_returns_once_the_process_has_built_its_tokenizer(idle_process: MaskProcess) -> None:
+    child = idle_process._child
+    assert child is not None and child.started and child.alive()
+    assert not child.conn.poll(0)  # MaskStarted was read here; the process says nothing more unasked
+
+
+@pytest.mark.skipif(platform.machine() not in SYSCALLS, reason="syscall numbers known for x86_64 and aarch64")
+def test_an_idle_process_blocks_in_a_read_without_timeout(idle_process: MaskProcess,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    read_nr, futex_nr = SYSCALLS[platform.machine()]
+    pid = idle_process.pid
+    assert pid is not None
+    fd = conn_fd(pid)
+    sent: list[object] = []
+    monkeypatch.setattr(idle_process, "_send", lambda message: sent.append(message) or True)
+    # unconstrained steps: a new request, its tokens, a fill, its end: nothing goes to the process
+    new = NewRequest(7, [1, 2, 3], 2, [0], 0, SamplingParams(temperature=0.7, top_p=0.95), 0)
+    idle_process.apply(StepPlan(0, [7], [1], new_requests=[new]))
+    idle_process.accept([7], [5])
+    assert idle_process.submit([([7], [6])], [7]).result() is None
+    idle_process.drop([7])
+    assert sent == []
+    # The process reaches its read soon after MaskStarted; waiting for that is not what is asserted.
+    deadline = time.monotonic() + 30.0
+    while not blocked_in_read(pid, fd, read_nr) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The main thread sleeps in read(conn) (no timeout: a message or EOF wakes it), and any other thread waits on a
+    # futex with no timeout: nothing wakes up to look whether there is work.
+    calls = thread_syscalls(pid)
+    assert calls[pid][0] == str(read_nr) and int(calls[pid][1], 16) == fd, calls
+    for tid, fields in calls.items():
+        if tid != pid:
+            assert fields[0] == str(futex_nr) and int(fields[4], 16) == 0, (tid, fields)
+    assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
+
+
+def test_the_grammar_process_module_leaves_out_torchs_compiler() -> None:
+    code = ("import sys, pagoda.services.worker.grammar_process; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'llguidance.torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
