@@ -34,6 +34,7 @@ import llguidance
 import msgspec
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from pagoda.services.grammar.schema_walk import visit_keywords
 from pagoda.services.grammar.vocab import model_ll_tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer
@@ -93,8 +94,6 @@ def is_gbnf(grammar: str) -> bool:
 # stopped the server). Such bounds are refused; an upper one at or past the top of the 64-bit range only restates it.
 MAX_EXACT_BOUND = 2**53
 _BOUNDS = frozenset({"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"})
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _bound_is_exact(key: str, value: float) -> bool:
@@ -102,26 +101,17 @@ def _bound_is_exact(key: str, value: float) -> bool:
             or (key == "exclusiveMaximum" and value >= 2**63))
 
 
-def check_bounds(schema: Any, pointer: str = "") -> None:
+def _check_bound(key: str, value: Any, at: str) -> None:
+    if key in _BOUNDS and isinstance(value, int | float) and not isinstance(value, bool) \
+            and not _bound_is_exact(key, value):
+        raise InvalidRequestError(
+            f"the JSON schema's {key} at {at} ({value}) cannot be enforced: numeric bounds must be within "
+            f"+-2**53 ({MAX_EXACT_BOUND}), where they are exact", param=CONSTRAINT_PARAM)
+
+
+def check_bounds(schema: Any) -> None:
     """InvalidRequestError naming the first numeric bound of a JSON schema that llguidance cannot hold exactly."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            check_bounds(item, f"{pointer}/{i}")
-        return
-    if not isinstance(schema, dict):
-        return
-    for key, value in schema.items():
-        at = f"{pointer}/{key}"
-        if key in _BOUNDS:
-            if isinstance(value, int | float) and not isinstance(value, bool) and not _bound_is_exact(key, value):
-                raise InvalidRequestError(
-                    f"the JSON schema's {key} at {at} ({value}) cannot be enforced: numeric bounds must be within "
-                    f"+-2**53 ({MAX_EXACT_BOUND}), where they are exact", param=CONSTRAINT_PARAM)
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
-            for name, sub in value.items():
-                check_bounds(sub, f"{at}/{name}")
-        elif key not in _DATA_KEYWORDS:
-            check_bounds(value, at)
+    visit_keywords(schema, _check_bound)
 
 
 def _check_lark_json(grammar: str) -> None:

@@ -16,6 +16,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.services.grammar.schema_walk import map_keywords
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 HERMES_SYSTEM = """# Tools
@@ -154,37 +156,19 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     return schema
 
 
-# keywords whose values are JSON data, not schemas: a "$ref" key inside them is data and stays as written
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-# keywords whose values map names to schemas: a property named "enum" or "$ref" is a schema, not the keyword
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
 def rebase_refs(schema: Any, pointer: str) -> Any:
     """`schema` moved to JSON pointer `pointer` of a larger schema: each local "$ref" ("#", "#/...") rewritten to
-    resolve where it did before. A schema with its own "$id" is its own resource, where its refs resolve already."""
+    resolve where it did before (a "$ref" inside data, a const or an enum, stays as written). A schema with its own
+    "$id" is its own resource, where its refs resolve already."""
     if not isinstance(schema, dict) or "$id" in schema:
         return schema
-    return _rebased(schema, pointer)
 
-
-def _rebased(node: Any, pointer: str) -> Any:
-    """A schema (or a list of them) with its local $refs rebased under `pointer`."""
-    if isinstance(node, list):
-        return [_rebased(item, pointer) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
+    def rebase(key: str, value: Any, at: str) -> Any:
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = "#" + pointer + value[1:]
-        elif key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
-            out[key] = {name: _rebased(sub, pointer) for name, sub in value.items()}
-        else:
-            out[key] = _rebased(value, pointer)
-    return out
+            return "#" + pointer + value[1:]
+        return value
+
+    return map_keywords(schema, rebase)
 
 
 def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
