@@ -1,11 +1,11 @@
 """The one JSON-schema walk (services/grammar/schema_walk.py) as its two users see it: local $refs rebased under a
-new pointer (tools.rebase_refs) and numeric bounds checked (compiler.check_bounds), data left alone by both."""
+new pointer (tools.rebase_refs) and numeric bounds checked (compiler.check_schema), data left alone by both."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagoda.services.grammar.compiler import check_bounds
+from pagoda.services.grammar.compiler import check_schema
 from pagoda.services.protocol.tools import rebase_refs
 from pagoda.shared.errors import InvalidRequestError
 
@@ -36,11 +36,11 @@ def test_rebase_refs_rewrites_local_refs_in_schemas_only() -> None:
     ({"anyOf": [{}, {"items": {"exclusiveMaximum": -1e20}}]}, "/anyOf/1/items/exclusiveMaximum"),
     ({"$defs": {"x": {"maximum": -1e300}}}, "/$defs/x/maximum"),
 ])
-def test_check_bounds_names_the_bound_where_it_is(schema: dict, pointer: str) -> None:
+def test_check_schema_names_the_bound_where_it_is(schema: dict, pointer: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        check_bounds(schema)
+        check_schema(schema)
     assert f"at {pointer} " in info.value.message
 
 
-def test_check_bounds_leaves_data_and_exact_bounds_alone() -> None:
-    check_bounds({"const": {"minimum": 1e300}, "enum": [{"maximum": -1e300}], "maximum": 2**63 - 1, "minimum": -5})
+def test_check_schema_leaves_data_and_exact_bounds_alone() -> None:
+    check_schema({"const": {"minimum": 1e300}, "enum": [{"maximum": -1e300}], "maximum": 2**63 - 1, "minimum": -5})

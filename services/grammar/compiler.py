@@ -34,6 +34,7 @@ import llguidance
 import msgspec
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from pagoda.services.grammar.repetition import lark_repeat_error, literal_error, regex_repeat_error
 from pagoda.services.grammar.schema_walk import visit_keywords
 from pagoda.services.grammar.vocab import model_ll_tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
@@ -109,20 +110,45 @@ def _check_bound(key: str, value: Any, at: str) -> None:
             f"+-2**53 ({MAX_EXACT_BOUND}), where they are exact", param=CONSTRAINT_PARAM)
 
 
-def check_bounds(schema: Any) -> None:
-    """InvalidRequestError naming the first numeric bound of a JSON schema that llguidance cannot hold exactly."""
-    visit_keywords(schema, _check_bound)
+def _check_pattern(key: str, value: Any, at: str) -> None:
+    patterns: list[tuple[str, str]] = []  # (where, regex)
+    if key == "pattern" and isinstance(value, str):
+        patterns = [(at, value)]
+    elif key == "patternProperties" and isinstance(value, dict):  # its names are regexes
+        patterns = [(f"{at}/{name}", name) for name in value]
+    for where, pattern in patterns:
+        if (why := regex_repeat_error(pattern)) is not None:
+            raise InvalidRequestError(f"the JSON schema's pattern at {where}: {why}", param=CONSTRAINT_PARAM)
 
 
-def _check_lark_json(grammar: str) -> None:
-    """check_bounds for each JSON schema a Lark grammar embeds (`%json {...}`)."""
+def _check_keyword(key: str, value: Any, at: str) -> None:
+    _check_bound(key, value, at)
+    _check_pattern(key, value, at)
+    if key in ("const", "enum"):  # data: the text a value forces
+        for i, item in enumerate(value if key == "enum" and isinstance(value, list) else [value]):
+            if (why := literal_error(json.dumps(item))) is not None:
+                where = f"{at}/{i}" if key == "enum" else at
+                raise InvalidRequestError(f"the JSON schema's {key} at {where}: {why}", param=CONSTRAINT_PARAM)
+
+
+def check_schema(schema: Any) -> None:
+    """InvalidRequestError naming the first numeric bound of a JSON schema that llguidance cannot hold exactly, or
+    the first pattern with a repetition, or const or enum value, too long for it to force (repetition.py)."""
+    visit_keywords(schema, _check_keyword)
+
+
+def _check_lark(grammar: str) -> None:
+    """A Lark grammar's repetitions (repetition.py), and check_schema for each JSON schema it embeds
+    (`%json {...}`)."""
+    if (why := lark_repeat_error(grammar)) is not None:
+        raise InvalidRequestError(why, param=CONSTRAINT_PARAM)
     decoder = json.JSONDecoder()
     for match in re.finditer(r"%json\s*", grammar):
         try:
             schema, _ = decoder.raw_decode(grammar, match.end())
         except json.JSONDecodeError:
             continue  # llguidance reports it
-        check_bounds(schema)
+        check_schema(schema)
 
 
 def grammar_text(constraint: StructuredOutputs) -> str:
@@ -133,18 +159,22 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param=CONSTRAINT_PARAM)
-            check_bounds(schema)
+            check_schema(schema)
             return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if constraint.regex is not None:
+            if (why := regex_repeat_error(constraint.regex)) is not None:
+                raise InvalidRequestError(why, param=CONSTRAINT_PARAM)
             return matcher.grammar_from_regex(ascii_shorthands(constraint.regex))
         if constraint.choice is not None:
             # Lark string literals take JSON's escapes, so each choice is matched verbatim.
-            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choice))
+            text = "start: " + " | ".join(json.dumps(c) for c in constraint.choice)
+            _check_lark(text)
+            return matcher.grammar_from_lark(text)
         if constraint.grammar is not None:
             text = constraint.grammar
             if is_gbnf(text):  # llama.cpp's, as vLLM's xgrammar backend takes it
                 text = gbnf_to_lark(text)
-            _check_lark_json(text)
+            _check_lark(text)
             return matcher.grammar_from_lark(text)
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     except InvalidRequestError:
