@@ -504,7 +504,7 @@ class BlockBuilder:
         parts, _ = self.stream.finish()
         events = self._parts(parts)
         if self.held_space and not any(b.kind == "tool_use" for b in self.blocks):
-            events += self._text(self.held_space, force=True)
+            events += self._text("", force=True)  # _text puts the held space before the text it is given
         return events + self._close()
 
     @property
