@@ -4,6 +4,7 @@ through the openai client (tool_choice required / named, a tool round trip, stre
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -108,7 +109,7 @@ def _reassemble(deltas: list[dict[str, Any]]) -> dict[str, Any]:
         for call in delta.get("tool_calls", []):
             entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
             if "id" in call:
-                assert call["id"].startswith("call_") and call["type"] == "function"
+                assert re.fullmatch(r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}", call["id"]) and call["type"] == "function"
                 entry["name"] = call["function"]["name"]
             entry["arguments"] += call["function"].get("arguments", "")
     return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)]}

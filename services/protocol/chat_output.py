@@ -45,7 +45,7 @@ def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool
     if calls is not None:
         leftover, parsed = calls
         message["content"] = leftover or None
-        message["tool_calls"] = [c.to_openai(new_call_id()) for c in parsed]
+        message["tool_calls"] = [c.to_openai(new_call_id(spec.tool_parser)) for c in parsed]
     else:
         message["content"] = content
     if spec.reasoning_parser is not None:
@@ -114,7 +114,7 @@ class ChoiceStream:
         if leftover:
             deltas.append({"content": leftover})
         for i, call in enumerate(parsed):
-            deltas.append({"tool_calls": [{"index": i, "id": new_call_id(), "type": "function",
+            deltas.append({"tool_calls": [{"index": i, "id": new_call_id(self.spec.tool_parser), "type": "function",
                                            "function": {"name": call.name, "arguments": ""}}]})
             deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
         return deltas, True
@@ -137,7 +137,7 @@ class ChoiceStream:
         if self.num_calls:
             return []
         self.num_calls = 1
-        return [{"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
+        return [{"tool_calls": [{"index": 0, "id": new_call_id(self.spec.tool_parser), "type": "function",
                                  "function": {"name": self.spec.tool_name, "arguments": ""}}]}]
 
     def _auto(self, text: str) -> list[dict[str, Any]]:

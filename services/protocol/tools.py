@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,15 @@ class ToolCall:
         return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def new_call_id() -> str:
+MISTRAL_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_call_id(parser: str = "") -> str:
+    """A tool call's id. Mistral's chat templates raise on any id that is not 9 alphanumerics ("Tool call IDs should be
+    alphanumeric strings with length 9!") when the call comes back in the conversation, so under the mistral parser
+    the ids are those (vLLM's MistralToolCall ids); OpenAI's form elsewhere."""
+    if parser == "mistral":
+        return "".join(secrets.choice(MISTRAL_ID_ALPHABET) for _ in range(9))
     return f"call_{secrets.token_hex(12)}"
 
 
