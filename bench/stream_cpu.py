@@ -6,10 +6,11 @@ concurrent streaming clients, on any machine (a tiny model on the CPU by default
 The server is `pagoda serve` (OMP_NUM_THREADS=1, as the tests' harness); by default the model is a 2-layer Llama of
 hidden size 64 over SmolLM2's vocabulary (tests/harness.py's tiny_llama_over_smollm2_vocab) with SmolLM2's
 tokenizer, so the worker is cheap and the api and tokenizer carry a real share of the load. Each round sends
-`num-prompts` token-id prompts (openai sampling: T 0.7, top_p 0.95; EOS ignored; stream with usage) to
+`num-prompts` token-id prompts (openai sampling: T 0.7, top_p 0.95, or --greedy; EOS ignored; stream with usage) to
 /v1/completions, at most `concurrency` at once, with prompts no earlier round sent; the client only counts
 `data:` lines (no JSON parse), so it takes little of the machine's CPU. Per round and process: CPU seconds
-(utime + stime from /proc/<pid>/stat, all threads, children summed per role) and microseconds per output token.
+(utime + stime from /proc/<pid>/stat, all threads, children summed per role) and microseconds per output token
+(ROLE:sys: the stime part, the kernel's: socket writes and reads, wake-ups).
 Also the grammar process's CPU from the server's start to its health and over each round (--grammar-process).
 
 --profile ROLE (api, tokenizer, scheduler, worker) runs that service under cProfile (a sitecustomize on PYTHONPATH)
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--greedy", action="store_true", help="temperature 0 (a cheaper worker step on a CPU)")
     parser.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions")
     parser.add_argument("--profile", default="", help="run this service under cProfile (api, tokenizer, ...)")
     parser.add_argument("--profile-out", default="/tmp/stream_cpu.prof")
@@ -100,6 +102,7 @@ def cpu_by_role(root: int) -> dict[str, float]:
         match = ROLE.search(cmdline)
         role = match.group(1) if match else ("launcher" if pid == root else "other")
         seconds[role] = seconds.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+        seconds[role + ":sys"] = seconds.get(role + ":sys", 0.0) + int(fields[12]) / TICKS_PER_S
     return seconds
 
 
@@ -126,7 +129,8 @@ async def run_round(port: int, args: argparse.Namespace, offset: int) -> tuple[i
     limit = asyncio.Semaphore(args.concurrency)
     path = "/v1/chat/completions" if args.chat else "/v1/completions"
     url = f"http://127.0.0.1:{port}{path}"
-    common = {"model": "m", "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0.7, "top_p": 0.95,
+    sampling = {"temperature": 0.0} if args.greedy else {"temperature": 0.7, "top_p": 0.95}
+    common = {"model": "m", "max_tokens": args.output_len, "ignore_eos": True, **sampling,
               "stream": True, "stream_options": {"include_usage": True}}
 
     def body(i: int) -> dict[str, Any]:
@@ -165,7 +169,8 @@ import atexit, cProfile, os, signal, sys
 _role = os.environ.get("PAGODA_BENCH_PROFILE")
 _argv = " ".join(getattr(sys, "orig_argv", sys.argv))
 if _role and ("pagoda.services." + _role + " ") in (_argv + " "):
-    _profile = cProfile.Profile()
+    import time
+    _profile = cProfile.Profile(time.thread_time)  # CPU time: wall time counts waits for the 2 cores as work
     def _dump(*_):
         _profile.disable()
         _profile.dump_stats(os.environ["PAGODA_BENCH_PROFILE_OUT"])
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"the server did not start: {line!r}")
         at_health = cpu_by_role(server.pid)
         print(f"healthy after {time.monotonic() - started:.1f} s; CPU s so far: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(at_health.items())))
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(at_health.items()) if ":" not in k))
         rows: list[dict[str, float]] = []
         offset = 0
         for r in range(args.rounds + 1):  # round 0 is a warm-up: not in the medians

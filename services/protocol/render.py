@@ -194,6 +194,7 @@ class Renderer:
         self.continuous_usage = continuous_usage  # vLLM's: every chunk carries its choice's usage so far
         self.prompt_logprobs = prompt_logprobs  # vLLM's: the response carries the prompt's scores
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
+        self._text_parts: dict[int, tuple[bytes, bytes]] = {}  # choice index -> a text chunk's bytes around its text
 
     def _with_ids(self, out: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
         """`out` with the choice's token ids, when asked for or when they are all there is (no tokenizer)."""
@@ -229,9 +230,31 @@ class Renderer:
 
     def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
         """One chunk per delta that says something (text, logprobs or an end), in one write."""
+        if len(batch) == 1:  # a streamed token's usual batch (the tokenizer renders one delta at a time)
+            choice, delta = batch[0]
+            if delta.text and delta.finish_reason < 0 and not delta.logprobs and not delta.token_ids \
+                    and self._plain_text:
+                return self._text_chunk(choice.index, delta.text)
         return b"".join(self._chunk([self._with_ids(self._delta_choice(choice, delta), delta.token_ids)], choice)
                         for choice, delta in batch
                         if delta.text or delta.logprobs or delta.token_ids or delta.finish_reason >= 0)
+
+    @property
+    def _plain_text(self) -> bool:
+        """A running delta with text only renders as head + its text as JSON + tail (_text_chunk): no logprobs, no
+        token ids, no per-chunk usage asked for."""
+        return not (self.want_logprobs or self.return_token_ids or self.continuous_usage)
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """The bytes _chunk renders for a running delta that carries only text, from the envelope rendered once per
+        choice (per streamed token: one JSON string encoded instead of two dicts)."""
+        parts = self._text_parts.get(index)
+        if parts is None:
+            marker = "\x00"  # a JSON string's encoding never holds it raw: the split point is unambiguous
+            rendered = self._chunk([self._delta_choice(Choice(index), TextDelta("", index, marker, 1))])
+            head, _, tail = rendered.rpartition(encode_json(marker))  # the text follows the id and the model
+            parts = self._text_parts[index] = (head, tail)
+        return parts[0] + _encoder.encode(text) + parts[1]
 
     def closing(self, usage: dict[str, Any]) -> bytes:
         """The usage chunk when asked for, then [DONE]."""

@@ -137,7 +137,7 @@ class Outputs:
                 continue  # aborted or failed here: these tokens were already on their way
             try:
                 delta = self._text_delta(state, request_id, index, token_id, reason, message.num_cached_tokens[row],
-                                         self._row_logprobs(message, lp_at, row, token_id),
+                                         self._row_logprobs(message, lp_at, row, token_id) if lp_at else None,
                                          scores_at.get(row) if scores_at is not None else None, batch)
                 if delta is None:
                     continue
@@ -178,7 +178,8 @@ class Outputs:
         stream = state.streams[index]
         if stream is None:
             return None  # a stop string finished it here; tokens sampled before the scheduler knew are dropped
-        prompt_logprobs = self._prompt_logprobs(state, index, scores)
+        prompt_logprobs = self._prompt_logprobs(state, index, scores) \
+            if scores is not None or state.first_prompt_token >= 0 else []
         if token_id < 0 and reason < 0:
             return TextDelta(request_id, index, "", 0, prompt_logprobs=prompt_logprobs) if prompt_logprobs else None
         token_ids = [token_id] if token_id >= 0 else []
