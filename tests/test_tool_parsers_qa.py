@@ -3,6 +3,7 @@ models write, cut anywhere, gives the same answer streamed and whole, on chat, M
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -52,3 +53,26 @@ def test_mistral_call_ids_are_nine_alphanumerics(spec: ChatOutputSpec, text: str
     assert ids and all(MISTRAL_ID.fullmatch(i) for i in ids), ids
     hermes, _ = whole_message(ChatOutputSpec("named", "hermes", "f"), text)
     assert hermes["tool_calls"][0]["id"].startswith("call_")
+
+
+def test_hermes_argument_that_holds_the_closing_tag() -> None:
+    """A call's object is read as JSON, not cut at the first `</tool_call>`: an argument may hold that text (a coding
+    agent writing a parser, a template); the answer was all content before. Streamed too."""
+    code = 'print("<tool_call>{}</tool_call>")\n'
+    text = ("Writing it.\n<tool_call>\n" + json.dumps({"name": "write_file", "arguments": {"text": code}})
+            + "\n</tool_call>\n<tool_call>\n{\"name\": \"run\", \"arguments\": {}}\n</tool_call>")
+    spec = ChatOutputSpec("auto", "hermes")
+    message, calls_tools = whole_message(spec, text)
+    assert calls_tools and message["content"] == "Writing it."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("write_file", {"text": code}), ("run", {})]
+    stream = ChoiceStream(spec)
+    deltas = [d for i in range(0, len(text), 3) for d in stream.push(text[i:i + 3])] + stream.finish()[0]
+    assert "".join(d.get("content", "") for d in deltas) == "Writing it."
+    assert [c["function"].get("arguments") for d in deltas for c in d.get("tool_calls", []) if "id" not in c] == [
+        c["function"]["arguments"] for c in message["tool_calls"]]
+    # still content: text after an object inside the tag, an unclosed object, a tag with no object
+    for broken in ('<tool_call>{"name": "f", "arguments": {}} and more</tool_call>',
+                   '<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"',
+                   'a <tool_call> b</tool_call>'):
+        assert whole_message(spec, broken) == ({"role": "assistant", "content": broken}, False)

@@ -209,20 +209,35 @@ def parse_tool_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     raise ValueError(f"unknown tool call parser {parser!r}")
 
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 
 
 def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
-    start = text.find("<tool_call>")
+    """Each `<tool_call>` holds one JSON object, then `</tool_call>` (or the end of the text: the last tag may be
+    left open). The object is read as JSON, not cut at the first `</tool_call>`: an argument may hold that text."""
+    start = text.find(HERMES_START)
     if start < 0:
         return text, []
-    calls = []
-    for body in _HERMES_CALL.findall(text[start:]):
-        call = _call_from_object(_loads(body))
-        if call is None:
+    decoder = json.JSONDecoder()
+    calls, at = [], start
+    while at >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, _skip_space(text, at + len(HERMES_START)))
+        except json.JSONDecodeError:
+            return text, []
+        end = _skip_space(text, end)
+        call = _call_from_object(obj)
+        if call is None or not (end == len(text) or text.startswith(HERMES_END, end)):
             return text, []
         calls.append(call)
+        at = text.find(HERMES_START, end)
     return text[:start].rstrip(), calls  # whitespace before the calls is no content (streamed: never sent)
+
+
+def _skip_space(text: str, index: int) -> int:
+    while index < len(text) and text[index].isspace():
+        index += 1
+    return index
 
 
 def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
