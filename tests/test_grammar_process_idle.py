@@ -1,5 +1,5 @@
-"""The grammar process costs nothing while no request is constrained: MaskProcess returns only once the process has
-built its tokenizer (its start-up CPU is spent before the worker reports ready, not during the first requests), the
+"""The grammar process costs nothing while no request is constrained: the runner waits for the process to build its
+tokenizer before it reports ready (its start-up CPU is spent then, not during the first requests), the
 idle process blocks in a read of its socket with no timeout (no polling loop), unconstrained steps send it nothing,
 and its module does not import torch's compiler stack (llguidance.torch's @torch.compile did: ~3 s of CPU at every
 start)."""
@@ -26,6 +26,7 @@ SYSCALLS = {"x86_64": (0, 202), "aarch64": (63, 98)}
 @pytest.fixture
 def idle_process(smollm2_dir: Path) -> Iterator[MaskProcess]:
     rows = MaskProcess(TokenizerSpec(str(smollm2_dir), 49152, (2,)), max_rows=4)
+    assert rows.wait_started()  # as the runner does once its own start-up is done
     yield rows
     rows.close()
 
@@ -51,7 +52,7 @@ def blocked_in_read(pid: int, fd: int, read_nr: int) -> bool:
     return fields[0] == str(read_nr) and int(fields[1], 16) == fd
 
 
-def test_construction_returns_once_the_process_has_built_its_tokenizer(idle_process: MaskProcess) -> None:
+def test_wait_started_returns_once_the_process_has_built_its_tokenizer(idle_process: MaskProcess) -> None:
     child = idle_process._child
     assert child is not None and child.started and child.alive()
     assert not child.conn.poll(0)  # MaskStarted was read here; the process says nothing more unasked

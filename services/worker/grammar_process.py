@@ -302,8 +302,9 @@ class MaskJob:
 
 class MaskProcess:
     """GrammarRows' interface for the runner, with the matchers in a grammar process (one at a time, started on
-    construction, which returns once it has built its tokenizer, and again after a failure when a grammar next needs
-    one). Idle, the process blocks in a read of its socket: it takes no CPU while no request is constrained."""
+    construction, and again after a failure when a grammar next needs one; the worker's runner waits for its start-up,
+    `wait_started`, once its own is done, before it reports ready). Idle, the process blocks in a read of its socket:
+    it takes no CPU while no request is constrained."""
 
     def __init__(self, spec: TokenizerSpec, max_rows: int, pin_memory: bool = False) -> None:
         self.spec = spec
@@ -324,7 +325,6 @@ class MaskProcess:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(MaskProcessToWorker)
         self._start()
-        self.wait_started()
 
     # ---------------------------------------------------------------- GrammarRows' interface
 

@@ -265,6 +265,8 @@ class ModelRunner:
             for layer in self.model.layers:  # after the dummy passes above: the first real prefill sets them
                 layer.calibrate_kv = True
         self.swap_pool = swap_job.result()  # [S, L, kv tensors, bs, heads, D] on the host
+        if isinstance(self.grammars, MaskProcess):  # its start-up ran beside the capture and warm-ups above: its CPU
+            self.grammars.wait_started()  # is spent before the worker reports ready, not in the first requests
         log.info("model %s: %.1fM params, %s on %s, %d KV blocks of %d tokens", config.model,
                  self.arch.num_params() / 1e6, self.dtype, self.device, self.num_blocks, self.block_size)
 
