@@ -145,6 +145,18 @@ def server_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
+def die_with_parent() -> None:
+    """Popen's preexec_fn for a server a test starts: the kernel sends it SIGTERM (its launcher then stops its own
+    processes) when the test process dies, even by SIGKILL. Without it a pytest worker killed for memory left its
+    server running; xdist's replacement worker started another, and on the 2-core, 24 GiB host 172 orphaned
+    servers ran out the memory (2026-12-06)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def running_server(model_dir: Path, *extra: str) -> Iterator[Server]:
     port = free_port()
@@ -153,7 +165,7 @@ def running_server(model_dir: Path, *extra: str) -> Iterator[Server]:
     process = subprocess.Popen(
         [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--runtime-dir", str(runtime_dir), "--max-model-len", "1024", "--heartbeat-timeout", "3", *extra],
-        stdout=subprocess.PIPE, text=True, env=server_env())
+        stdout=subprocess.PIPE, text=True, env=server_env(), preexec_fn=die_with_parent)
     server = Server(process, port, runtime_dir)
     try:
         assert process.stdout is not None

@@ -48,7 +48,7 @@ from pagoda.shared.messages import (
     TokenLogprob,
 )
 from pagoda.shared.transport import Codec, ack_frame, unseal
-from tests.harness import HTTP, free_port, wait_until
+from tests.harness import HTTP, die_with_parent, free_port, wait_until
 
 API_KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
@@ -308,7 +308,8 @@ def start_stack(*extra_args: str, env: dict[str, str] | None = None,
             [sys.executable, "-m", "pagoda.services.api", "--model", MODEL_PATH, "--runtime-dir", str(tmp),
              "--api-endpoints", f"ipc://{tmp}/api0.sock", "--stats-endpoint", f"ipc://{tmp}/stats.sock",
              "--port", str(port), "--api-key", API_KEY, "--heartbeat-interval", str(HEARTBEAT_S),
-             "--heartbeat-timeout", "1.0", *extra_args], stdout=log, stderr=subprocess.STDOUT, env=child_env)
+             "--heartbeat-timeout", "1.0", *extra_args], stdout=log, stderr=subprocess.STDOUT, env=child_env,
+            preexec_fn=die_with_parent)
     # ZeroMQ connects before the api binds and delivers the hello once it does.
     tokenizer = FakeTokenizer(f"ipc://{tmp}/api0.sock", sampling_defaults=sampling_defaults).start()
     stack = Stack(tmp, port, proc, tokenizer, stats)

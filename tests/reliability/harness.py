@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import HTTP, free_port, parse_metrics, service_children, wait_until
+from tests.harness import HTTP, die_with_parent, free_port, parse_metrics, service_children, wait_until
 
 SERVED = "smollm2-135m-instruct"
 API_KEY = "reliability-key"
@@ -97,7 +97,8 @@ def running_server(model_dir: Path, *extra: str, env: dict[str, str] | None = No
         process = subprocess.Popen(
             [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
              "--runtime-dir", str(runtime_dir), "--max-model-len", "1024", "--api-key-file", str(key_file),
-             "--heartbeat-timeout", "3", *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
+             "--heartbeat-timeout", "3", *extra], stdout=log, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=die_with_parent)
     server = Server(process, port, runtime_dir, log_path)
     try:
         wait_until(lambda: "pagoda: serving" in server.log() or process.poll() is not None, START_TIMEOUT_S,
