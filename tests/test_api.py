@@ -53,6 +53,7 @@ from tests.harness import HTTP, die_with_parent, free_port, wait_until
 API_KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
 MODEL_PATH = f"/models/{MODEL}"  # never read: the api only derives the served name from it
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 NUM_FAKE_TOKENS = 8  # a fake completion without a smaller max_tokens stops ("stop") after this many
 SLOW_TOKEN_S = 0.02  # prompts containing "slow" get one token per this many seconds
 HEARTBEAT_S = 0.1
@@ -409,6 +410,21 @@ def test_chat_non_streaming(stack: Stack) -> None:
     assert usage.prompt_tokens_details.cached_tokens == 2
     sent = stack.tokenizer.requests[response.id]
     assert [m.role for m in sent.messages] == ["system", "user"] and sent.add_generation_prompt
+
+
+@pytest.mark.parametrize(("extra", "skip_sent"), [
+    ({"tools": TOOLS}, False),  # auto under the hermes parser (this model's name): markers may be special tokens
+    ({"tools": TOOLS, "tool_choice": "none"}, True),
+    ({"tools": TOOLS, "skip_special_tokens": True}, True),  # the client's choice stands
+    ({}, True)])
+def test_auto_tool_calls_keep_special_tokens_unless_the_client_says(stack: Stack, extra: dict[str, Any],
+                                                                    skip_sent: bool) -> None:
+    """As vLLM's hermes and mistral parsers: an auto tool request's text keeps special tokens (Mistral's
+    [TOOL_CALLS] is one), so its calls can be read."""
+    body = {"model": MODEL_PATH, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    response = stack.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert stack.tokenizer.requests[response.json()["id"]].params.skip_special_tokens is skip_sent
 
 
 def test_chat_defaults_content_parts_and_logprobs(stack: Stack) -> None:

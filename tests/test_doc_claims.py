@@ -136,3 +136,5 @@ def test_the_default_tool_call_parser_follows_the_models_name() -> None:
     assert default_tool_parser(["models/Meta-Llama-3.1-8B-Instruct", "llama"]) == "llama3_json"
     assert default_tool_parser(["/m/Mixtral-8x7B-Instruct", "mixtral"]) == "mistral"
     assert default_tool_parser(["models/acme-chat", "acme-chat"]) == "hermes"  # a Llama 3 named otherwise too
+    # a Llama 3.1 fine-tune that writes Hermes' <tool_call> format: "hermes" in the name wins
+    assert default_tool_parser(["/m/Hermes-3-Llama-3.1-8B", "Hermes-3-Llama-3.1-8B"]) == "hermes"

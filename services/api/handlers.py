@@ -38,7 +38,7 @@ from pagoda.services.protocol.schemas import (
     prompt_bytes,
     tokenize_tools,
 )
-from pagoda.services.protocol.tools import default_tool_parser
+from pagoda.services.protocol.tools import default_tool_parser, keeps_special_tokens
 from pagoda.services.protocol.vllm import deprecation_header
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError, PagodaError
@@ -220,6 +220,9 @@ class Handlers:
         message = chat_request(body, request_id, time.time(), config.max_logprobs, self.state.pool.sampling_defaults)
         output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
                                   config.reasoning_parser)
+        if body.skip_special_tokens is None and keeps_special_tokens(output.tool_mode, output.tool_parser):
+            message = msgspec.structs.replace(message, params=msgspec.structs.replace(message.params,
+                                                                                      skip_special_tokens=False))
         return message, output
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,

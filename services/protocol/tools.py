@@ -50,6 +50,17 @@ class ToolCall:
 MISTRAL_ID_ALPHABET = string.ascii_letters + string.digits
 
 
+# Parsers whose start marker is a special token in some tokenizers (Mistral's [TOOL_CALLS]; <tool_call> in some
+# Hermes-format ones): their text must keep special tokens, or the marker is gone and calls come back as content.
+PARSERS_WITH_SPECIAL_MARKERS = ("hermes", "mistral")
+
+
+def keeps_special_tokens(tool_mode: str, tool_parser: str) -> bool:
+    """Whether a chat request's text must keep special tokens so its tool calls can be read (vLLM's hermes and
+    mistral parsers set skip_special_tokens false the same way; a client that sends the field keeps its choice)."""
+    return tool_mode == "auto" and tool_parser in PARSERS_WITH_SPECIAL_MARKERS
+
+
 def new_call_id(parser: str = "") -> str:
     """A tool call's id. Mistral's chat templates raise on any id that is not 9 alphanumerics ("Tool call IDs should be
     alphanumeric strings with length 9!") when the call comes back in the conversation, so under the mistral parser
@@ -60,9 +71,11 @@ def new_call_id(parser: str = "") -> str:
 
 
 def default_tool_parser(model_names: list[str]) -> str:
-    """The parser for a model family, by its name: Llama 3.x JSON, Mistral, else Hermes (Qwen, and every
-    model whose template takes no tools, which get the Hermes prompt)."""
+    """The parser for a model family, by its name: Hermes where the name says so (Hermes-3 is a Llama 3.1), Llama 3.x
+    JSON, Mistral, else Hermes (Qwen, and every model whose template takes no tools, which get the Hermes prompt)."""
     names = " ".join(model_names).lower()
+    if "hermes" in names:
+        return "hermes"
     if re.search(r"llama-?3", names):
         return "llama3_json"
     if "mistral" in names or "mixtral" in names:
