@@ -62,6 +62,8 @@ def test_which_requests_fast_forward() -> None:
     assert fast_forward_tokens(forced, constrained(max_tokens=1), 10, 100, 1000, set()) == []
     # they stop before an id that would end the completion
     assert fast_forward_tokens(forced, constrained(), 10, 100, 1000, {13}) == [11, 12]
+    # an id past the model's logits (a tokenizer with more tokens than the model): the forced start ends before it
+    assert fast_forward_tokens(forced, constrained(), 10, 100, 1000, set(), vocab_size=13) == [11, 12]
 
 
 def test_scheduler_refuses_forced_tokens_that_do_not_fit() -> None:

@@ -293,13 +293,15 @@ def ending_ids(params: SamplingParams, eos_token_ids: set[int] | frozenset[int])
 
 
 def fast_forward_tokens(forced: list[int], params: SamplingParams, num_prompt_tokens: int, max_model_len: int,
-                        max_num_tokens: int, stop_ids: set[int]) -> list[int]:
+                        max_num_tokens: int, stop_ids: set[int], vocab_size: int | None = None) -> list[int]:
     """The forced start of a constrained completion that joins its prompt's prefill as output tokens already
     generated (llguidance's fast-forward): the steps that could only have produced these tokens one by one are
     skipped. Empty where it does not apply: the grammar starts after reasoning, several completions or beams
     (they would fork from a longer prefix), logprobs (a forced token has none), a bias, a ban, bad words or an
-    allow-list that might refuse a forced id. Cut before a stop or EOS id, and so that a sampled token still fits after
-    them (max_tokens, the context, the KV cache)."""
+    allow-list that might refuse a forced id. Cut before a stop or EOS id, before an id the model has no logit for
+    (`vocab_size`: the tokenizer process's grammar has the tokenizer's width, which can exceed the model's; the
+    worker's grammar spells that text with the model's ids), and so that a sampled token still fits after them
+    (max_tokens, the context, the KV cache)."""
     constraint = params.structured_outputs
     if (not forced or constraint is None or constraint.reasoning_end or params.n != 1 or params.use_beam_search
             or params.logprobs is not None or params.logit_bias or params.allowed_token_ids or params.bad_words):
@@ -309,7 +311,7 @@ def fast_forward_tokens(forced: list[int], params: SamplingParams, num_prompt_to
         room = min(room, params.max_tokens - 1)
     kept: list[int] = []
     for token_id in forced[:max(room, 0)]:
-        if token_id in stop_ids:
+        if token_id in stop_ids or (vocab_size is not None and token_id >= vocab_size):
             break
         kept.append(token_id)
     return kept

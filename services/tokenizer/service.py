@@ -289,7 +289,8 @@ class TokenizerService:
                                                  else params.allowed_token_ids)
             if self._fast_forward:
                 forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
-                                             info.max_num_tokens, ending_ids(params, self._eos_ids(info)))
+                                             info.max_num_tokens, ending_ids(params, self._eos_ids(info)),
+                                             info.vocab_size)
         # raises (503) when none is live
         replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt, request.prompt_cache_key)
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
