@@ -19,7 +19,7 @@ PYTHONPATH=/tmp/site:/tmp/tests-path timeout 90 python3 -m pytest -q -p no:cache
   --tb=short tests/test_grammar_bitmask.py tests/test_grammar_process.py tests/test_grammar_vocab.py 2>&1 | tail -6
 for tree in prev head prev head; do
   site=/tmp/site; [[ $tree == prev ]] && site=/tmp/site-prev
-  (( $(date +%s) - start > 220 )) && break
+  (( $(date +%s) - start > 150 )) && break
   echo "== $tree: structured rows served [$(( $(date +%s) - start )) s]"
   PYTHONPATH=$site timeout 90 python3 -m pagoda.bench.structured --model qwen3-0.6b --load-format dummy \
     --tokenizer .gpu/smollm2-tok --num-requests 128 --max-tokens 128 --prompt-len 64 --rounds 2 \
@@ -35,7 +35,7 @@ cpu_snapshot() {  # "role ticks" per pagoda process
 round=0
 for tree in prev head prev head; do
   round=$((round + 1))
-  (( $(date +%s) - start > 330 )) && break
+  (( $(date +%s) - start > 230 )) && break
   site=/tmp/site; [[ $tree == prev ]] && site=/tmp/site-prev
   port=$((8180 + round))
   PYTHONPATH=$site python3 -m pagoda.cli serve --model qwen3-0.6b --load-format dummy --tokenizer .gpu/smollm2-tok \
