@@ -145,16 +145,29 @@ def server_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
-def die_with_parent() -> None:
-    """Popen's preexec_fn for a server a test starts: the kernel sends it SIGTERM (its launcher then stops its own
-    processes) when the test process dies, even by SIGKILL. Without it a pytest worker killed for memory left its
-    server running; xdist's replacement worker started another, and on the 2-core, 24 GiB host 172 orphaned
-    servers ran out the memory (2026-12-06)."""
-    if sys.platform == "linux":
-        import ctypes
+def _resolve_prctl() -> Callable[..., int] | None:
+    if sys.platform != "linux":
+        return None
+    import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    return ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a forked child of a threaded process only calls
+
+
+_PRCTL = _resolve_prctl()
+_PR_SET_PDEATHSIG = 1
+_TEST_PROCESS = os.getpid()
+
+
+def die_with_parent() -> None:
+    """Popen's preexec_fn for a process a test starts: the kernel sends it SIGTERM (a launcher then stops its own
+    processes) when the test process dies, even by SIGKILL. Without it a pytest worker killed for memory left its
+    server running (2026-12-06: 172 orphaned servers filled the 2-core, 24 GiB host). Runs in the forked child:
+    no lookups or allocations beyond the call; a parent that died before it means the child ends at once."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != _TEST_PROCESS:  # the parent died between the fork and the call: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

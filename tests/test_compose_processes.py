@@ -34,7 +34,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
 )
 from pagoda.shared.transport import ClusterKeys, Codec, make_socket, use_cluster_keys
-from tests.harness import HTTP, free_port, generate_as_tokenizer, opened, server_env, wait_until
+from tests.harness import HTTP, die_with_parent, free_port, generate_as_tokenizer, opened, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,8 @@ class Processes:
             command[2] = command[2].replace("exec python ", f"exec {sys.executable} ")
         env = self.env(service, {"HOSTNAME": name, **overrides})
         with (self.log_dir / f"{name}.log").open("wb") as log:
-            self.running[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.running[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                  preexec_fn=die_with_parent)
 
     def check_alive(self) -> None:
         for name, process in self.running.items():

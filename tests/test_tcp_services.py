@@ -21,7 +21,7 @@ import pytest
 
 from pagoda.shared.config import env_names
 from pagoda.shared.transport import ClusterKeys
-from tests.harness import HTTP, free_ports, parse_metrics, server_env, wait_until
+from tests.harness import HTTP, die_with_parent, free_ports, parse_metrics, server_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,8 @@ class Cluster:
     def start(self, name: str, service: str, *flags: str) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
         self.processes[name] = subprocess.Popen([sys.executable, "-m", f"pagoda.services.{service}", *flags],
-                                                env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                                                env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                preexec_fn=die_with_parent)
         log.close()  # the child holds its own descriptor
 
     def logs(self) -> str:

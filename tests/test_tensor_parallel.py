@@ -16,7 +16,7 @@ from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import SamplingParams
 from pagoda.shared.shapes import check_divisible, load_arch
-from tests.harness import free_port, generate_as_tokenizer, server_env
+from tests.harness import die_with_parent, free_port, generate_as_tokenizer, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +53,10 @@ def _generate_with_services(model_dir: Path, tp_size: int) -> dict[str, list[int
     env = {**server_env(), "PAGODA_RUNTIME_DIR": runtime, "PAGODA_MODEL": str(model_dir), "PAGODA_DEVICE": "cpu",
            "PAGODA_TENSOR_PARALLEL_SIZE": str(tp_size), "PAGODA_TP_INIT_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "PAGODA_NUM_KV_BLOCKS": "64", "PAGODA_MAX_NUM_BATCHED_TOKENS": "64", "PAGODA_HEARTBEAT_INTERVAL": "0.2"}
-    processes = [subprocess.Popen([sys.executable, "-m", "pagoda.services.scheduler"], env=env)]
+    processes = [subprocess.Popen([sys.executable, "-m", "pagoda.services.scheduler"], env=env,
+                                  preexec_fn=die_with_parent)]
     processes += [subprocess.Popen([sys.executable, "-m", "pagoda.services.worker", "--worker-rank", str(rank)],
-                                   env=env) for rank in range(tp_size)]
+                                   env=env, preexec_fn=die_with_parent) for rank in range(tp_size)]
 
     def check_alive() -> None:
         assert all(p.poll() is None for p in processes), "a service process died"

@@ -53,6 +53,7 @@ from pagoda.shared.messages import (
     ToolCallMessage,
 )
 from pagoda.shared.transport import Codec, ack_frame, make_socket, unseal
+from tests.harness import die_with_parent
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +103,7 @@ class Harness:
                  "--api-endpoints", api_endpoint, "--scheduler-endpoint", scheduler_endpoint,
                  "--heartbeat-interval", str(HEARTBEAT_INTERVAL), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
                  "--tokenizer-id", "tok-test", "--log-level", "info", *extra_args],
-                stdout=log_file, stderr=subprocess.STDOUT)
+                stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -26,7 +26,7 @@ from pagoda.shared.config import (
     server_config_from_args,
 )
 from pagoda.shared.errors import ConfigError
-from tests.harness import HTTP, free_port, server_env
+from tests.harness import HTTP, die_with_parent, free_port, server_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,7 +170,8 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "--runtime-dir", str(folder / "run"), "--heartbeat-timeout", "3"]
     (folder / "run").mkdir()
     with log_path.open("w") as log:
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=server_env())
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=server_env(),
+                                   preexec_fn=die_with_parent)
         try:
             assert process.stdout is not None
             line = process.stdout.readline()  # the launcher prints one line once every process is healthy
