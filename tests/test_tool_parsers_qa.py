@@ -56,6 +56,15 @@ def test_mistral_call_ids_are_nine_alphanumerics(spec: ChatOutputSpec, text: str
     assert hermes["tool_calls"][0]["id"].startswith("call_")
 
 
+def test_messages_tool_use_ids_under_the_mistral_parser_are_nine_alphanumerics() -> None:
+    """The Messages API's tool_use ids come back as the chat template's call ids next turn: under the mistral parser
+    they take Mistral's form (its templates refuse others); Anthropic's toolu_ form elsewhere."""
+    mistral = _blocks(ChatOutputSpec("auto", "mistral"), ['[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]'])
+    assert [b["type"] for b in mistral] == ["tool_use"] and MISTRAL_ID.fullmatch(mistral[0]["id"]), mistral
+    hermes = _blocks(ChatOutputSpec("auto", "hermes"), ['<tool_call>{"name": "f", "arguments": {}}</tool_call>'])
+    assert hermes[0]["id"].startswith("toolu_"), hermes
+
+
 def test_hermes_argument_that_holds_the_closing_tag() -> None:
     """A call's object is read as JSON, not cut at the first `</tool_call>`: an argument may hold that text (a coding
     agent writing a parser, a template); the answer was all content before. Streamed too."""

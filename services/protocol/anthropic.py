@@ -553,7 +553,10 @@ class BlockBuilder:
         events: list[dict[str, Any]] = []
         if "id" in delta:  # a call's first delta: its name
             self.held_space = ""
-            events = self._start(ContentBlock("tool_use", id=new_id("toolu"), name=function.get("name", "")))
+            # Anthropic's id form, except under the mistral parser: Mistral's chat templates refuse any id but the
+            # 9 alphanumerics its calls carry (tools.new_call_id) when the tool_use comes back in the next turn
+            call_id = delta["id"] if self.stream.spec.tool_parser == "mistral" else new_id("toolu")
+            events = self._start(ContentBlock("tool_use", id=call_id, name=function.get("name", "")))
         assert self.open is not None and self.open.kind == "tool_use"
         arguments = function.get("arguments") or ""
         if arguments:
