@@ -34,7 +34,7 @@ import llguidance
 import msgspec
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from pagoda.services.grammar.repetition import lark_repeat_error, literal_error, regex_repeat_error
+from pagoda.services.grammar.repetition import fixed_json_error, lark_repeat_error, literal_error, regex_repeat_error
 from pagoda.services.grammar.schema_walk import visit_keywords
 from pagoda.services.grammar.vocab import model_ll_tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
@@ -124,9 +124,9 @@ def _check_pattern(key: str, value: Any, at: str) -> None:
 def _check_keyword(key: str, value: Any, at: str) -> None:
     _check_bound(key, value, at)
     _check_pattern(key, value, at)
-    if key in ("const", "enum"):  # data: the text a value forces
+    if key in ("const", "enum") and at != "/const":  # data: the text a value forces (the root's is walked at once)
         for i, item in enumerate(value if key == "enum" and isinstance(value, list) else [value]):
-            if (why := literal_error(json.dumps(item))) is not None:
+            if (why := literal_error(json.dumps(item, ensure_ascii=False))) is not None:
                 where = f"{at}/{i}" if key == "enum" else at
                 raise InvalidRequestError(f"the JSON schema's {key} at {where}: {why}", param=CONSTRAINT_PARAM)
 
@@ -135,6 +135,20 @@ def check_schema(schema: Any) -> None:
     """InvalidRequestError naming the first numeric bound of a JSON schema that llguidance cannot hold exactly, or
     the first pattern with a repetition, or const or enum value, too long for it to force (repetition.py)."""
     visit_keywords(schema, _check_keyword)
+    _check_fixed(schema, "")
+
+
+def _check_fixed(node: Any, at: str) -> None:
+    """fixed_json_error for each schema object at any depth (data keywords' values skipped)."""
+    if isinstance(node, dict):
+        if (why := fixed_json_error(node)) is not None:
+            raise InvalidRequestError(f"the JSON schema at {at or '/'}: {why}", param=CONSTRAINT_PARAM)
+        for key, value in node.items():
+            if key not in ("const", "enum", "default", "examples"):
+                _check_fixed(value, f"{at}/{key}")
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_fixed(item, f"{at}/{i}")
 
 
 def _check_lark(grammar: str) -> None:
@@ -149,6 +163,9 @@ def _check_lark(grammar: str) -> None:
         except json.JSONDecodeError:
             continue  # llguidance reports it
         check_schema(schema)
+        if isinstance(schema, dict) and "const" in schema:  # not the grammar's start here: checked like any const
+            if (why := literal_error(json.dumps(schema["const"], ensure_ascii=False))) is not None:
+                raise InvalidRequestError(f"the JSON schema's const at /const: {why}", param=CONSTRAINT_PARAM)
 
 
 def grammar_text(constraint: StructuredOutputs) -> str:
@@ -162,7 +179,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             check_schema(schema)
             return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if constraint.regex is not None:
-            if (why := regex_repeat_error(constraint.regex)) is not None:
+            if (why := regex_repeat_error(constraint.regex, at_start=True)) is not None:
                 raise InvalidRequestError(why, param=CONSTRAINT_PARAM)
             return matcher.grammar_from_regex(ascii_shorthands(constraint.regex))
         if constraint.choice is not None:
@@ -283,7 +300,11 @@ class GrammarChecker:
         start_mask = matcher.compute_bitmask()
         may_end = any(start_mask[i // 8] >> (i % 8) & 1 for i in self.tokenizer.eos_tokens if i < 8 * len(start_mask))
         forced = list(matcher.compute_ff_tokens())
-        return GrammarOutcome("", forced if not matcher.is_error() else [], start_mask, may_end)
+        # Walking the forced start here is what the sequence would do first: a grammar llguidance fails on there
+        # (a lexer or parser limit, repetition.py) is a 400 now rather than a 500 once the answer reaches it.
+        if matcher.is_error() or not matcher.consume_tokens(forced) or matcher.is_error():
+            return GrammarOutcome(f"its forced start cannot be walked: {matcher.get_error().splitlines()[0]}", [], b"")
+        return GrammarOutcome("", forced, start_mask, may_end)
 
 
 def ending_ids(params: SamplingParams, eos_token_ids: set[int] | frozenset[int]) -> set[int]:
