@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import llguidance
+import numpy as np
 import pytest
 
 from pagoda import LLM
@@ -36,9 +38,9 @@ def walk(ll: llguidance.LLTokenizer, constraint: StructuredOutputs, pick: int) -
     matcher = llguidance.LLMatcher(ll, grammar_text(constraint), log_level=0)
     ids: list[int] = []
     while not matcher.is_stopped():
-        mask = matcher.compute_bitmask()
-        allowed = [i for i in range(ll.vocab_size) if mask[i // 8] >> (i % 8) & 1]
-        token_id = allowed[min(pick, len(allowed) - 1)]
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[:ll.vocab_size])  # [num_allowed] ids, ascending
+        token_id = int(allowed[min(pick, len(allowed) - 1)])
         assert matcher.consume_token(token_id), matcher.get_error()
         if token_id in ll.eos_tokens:
             break
@@ -76,6 +78,19 @@ def test_forced_text_without_special_tokens_is_tokenized_as_the_tokenizer_does(l
     assert GrammarChecker(ll).check(StructuredOutputs(json=schema)) == tokenizer.encode(text)
 
 
+@pytest.fixture(scope="module")
+def tiny_llamas(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """tiny_llama's folder for a vocab_size, made once for the module's tests."""
+    folders: dict[int, Path] = {}
+
+    def folder(vocab_size: int) -> Path:
+        if vocab_size not in folders:
+            folders[vocab_size] = tiny_llama(tmp_path_factory.mktemp(f"tiny{vocab_size}"), smollm2_dir, vocab_size)
+        return folders[vocab_size]
+
+    return folder
+
+
 def tiny_llama(folder: Path, smollm2_dir: Path, vocab_size: int) -> Path:
     """A 2-layer random Llama with `vocab_size` logits and SmolLM2's tokenizer (49152 tokens) in `folder`."""
     import torch
@@ -92,10 +107,10 @@ def tiny_llama(folder: Path, smollm2_dir: Path, vocab_size: int) -> Path:
     return folder
 
 
-def test_offline_answers_spell_special_tokens_as_text(smollm2_dir: Path, tmp_path: Path) -> None:
+def test_offline_answers_spell_special_tokens_as_text(tiny_llamas: Callable[[int], Path]) -> None:
     """End to end (offline, fast-forward on and off): the answer is the whole text, finished by the grammar. Before,
     it stopped at the special token ("a", finish_reason stop)."""
-    model = tiny_llama(tmp_path / "tiny", smollm2_dir, 49152)
+    model = tiny_llamas(49152)
     for fast_forward in (True, False):
         llm = LLM(str(model), max_model_len=128, grammar_fast_forward=fast_forward)
         for constraint, answers in SPELLED:
@@ -105,13 +120,14 @@ def test_offline_answers_spell_special_tokens_as_text(smollm2_dir: Path, tmp_pat
 
 
 @pytest.mark.parametrize("vocab_size", [49000, 49300])
-def test_a_model_with_more_or_fewer_logits_than_tokens_serves_grammars(smollm2_dir: Path, tmp_path: Path,
+def test_a_model_with_more_or_fewer_logits_than_tokens_serves_grammars(smollm2_dir: Path,
+                                                                      tiny_llamas: Callable[[int], Path],
                                                                       vocab_size: int) -> None:
     """Masks have the model's width: ids past the tokenizer's are never allowed; with fewer logits than tokens, the
     tokens past them are never allowed nor forced (text the tokenizer spells with one of them is spelled with
     others). Fewer raised "structured outputs need the model's tokenizer on the worker" (llguidance refused the
     width)."""
-    llm = LLM(str(tiny_llama(tmp_path / "tiny", smollm2_dir, vocab_size)), tokenizer=str(smollm2_dir),
+    llm = LLM(str(tiny_llamas(vocab_size)), tokenizer=str(smollm2_dir),
               max_model_len=128)
     tail_word = Tokenizer(smollm2_dir).hf.convert_ids_to_tokens(49100).replace("Ġ", " ")  # one token past 49000
     constraints = [(StructuredOutputs(choice=["red", "blue"]), "red|blue"),
