@@ -138,3 +138,5 @@ def test_the_default_tool_call_parser_follows_the_models_name() -> None:
     assert default_tool_parser(["models/acme-chat", "acme-chat"]) == "hermes"  # a Llama 3 named otherwise too
     # a Llama 3.1 fine-tune that writes Hermes' <tool_call> format: "hermes" in the name wins
     assert default_tool_parser(["/m/Hermes-3-Llama-3.1-8B", "Hermes-3-Llama-3.1-8B"]) == "hermes"
+    for name in ("Ministral-8B-Instruct-2410", "Devstral-Small-2505", "Magistral-Small-2506"):  # not "mistral"
+        assert default_tool_parser([f"/m/{name}", name]) == "mistral", name

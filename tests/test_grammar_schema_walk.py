@@ -1,4 +1,4 @@
-"""The one JSON-schema walk (services/grammar/schema_walk.py) as its two users see it: local $refs rebased under a
+"""The one JSON-schema walk (shared/schema_walk.py) as its two users see it: local $refs rebased under a
 new pointer (tools.rebase_refs) and numeric bounds checked (compiler.check_schema), data left alone by both."""
 
 from __future__ import annotations

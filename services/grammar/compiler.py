@@ -35,11 +35,11 @@ import msgspec
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagoda.services.grammar.repetition import fixed_json_error, lark_repeat_error, literal_error, regex_repeat_error
-from pagoda.services.grammar.schema_walk import visit_keywords
 from pagoda.services.grammar.vocab import model_ll_tokenizer
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
+from pagoda.shared.schema_walk import visit_keywords
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,8 @@ class GrammarChecker:
         # Walking the forced start here is what the sequence would do first: a grammar llguidance fails on there
         # (a lexer or parser limit, repetition.py) is a 400 now rather than a 500 once the answer reaches it.
         if matcher.is_error() or not matcher.consume_tokens(forced) or matcher.is_error():
-            return GrammarOutcome(f"its forced start cannot be walked: {matcher.get_error().splitlines()[0]}", [], b"")
+            why = (matcher.get_error() or "a forced token was refused").splitlines()[0]
+            return GrammarOutcome(f"its forced start cannot be walked: {why}", [], b"")
         return GrammarOutcome("", forced, start_mask, may_end)
 
 

@@ -17,7 +17,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.services.grammar.schema_walk import map_keywords
+from pagoda.shared.schema_walk import map_keywords
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -78,7 +78,7 @@ def default_tool_parser(model_names: list[str]) -> str:
         return "hermes"
     if re.search(r"llama-?3", names):
         return "llama3_json"
-    if "mistral" in names or "mixtral" in names:
+    if re.search(r"mistral|mixtral|ministral|devstral|magistral|codestral|pixtral", names):  # Mistral AI's names
         return "mistral"
     return "hermes"
 

@@ -1,5 +1,5 @@
 """One walk over a JSON schema's keywords, at every depth, for the passes that read or rewrite them (numeric bounds and
-patterns checked in compiler.py, local $refs rebased in services/protocol/tools.py)."""
+patterns checked in services/grammar/compiler.py, local $refs rebased in services/protocol/tools.py)."""
 
 from __future__ import annotations
 
