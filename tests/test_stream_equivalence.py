@@ -549,7 +549,7 @@ def _without_ids(obj: Any) -> Any:
     left out too."""
     text = json.dumps(obj)
     text = re.sub(r'"(resp|rs|msg|fc|call|toolu)_[0-9a-f]+"', '"ID"', text)
-    text = re.sub(r'"call_id": "[A-Za-z0-9]{9}"', '"call_id": "ID"', text)  # the mistral parser's call ids
+    text = re.sub(r'"(call_)?id": "[A-Za-z0-9]{9}"', r'"\1id": "ID"', text)  # the mistral parser's call ids
     text = re.sub(r'"(created_at|completed_at|cached_tokens)": \d+', r'"\1": 0', text)
     return json.loads(re.sub(r', "parsed(_arguments)?": null', "", text))
 
