@@ -104,12 +104,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(model: str, *extra: str, startup_timeout: float = 300.0) -> Iterator[Server]:
-    """`pagoda serve` in a child process until the block ends (SIGTERM, then wait)."""
+def serving(model: str, *extra: str, startup_timeout: float = 300.0,
+            env: dict[str, str] | None = None) -> Iterator[Server]:
+    """`pagoda serve` in a child process until the block ends (SIGTERM, then wait); `env`: its environment."""
     port = free_ports(1)[0]
     process = subprocess.Popen(
         [sys.executable, "-m", "pagoda.cli", "serve", "--model", model, "--port", str(port),
-         "--served-model-name", "m", *extra], stdout=subprocess.PIPE, text=True)
+         "--served-model-name", "m", *extra], stdout=subprocess.PIPE, text=True, env=env)
     server = Server(process, port)
     try:
         assert process.stdout is not None

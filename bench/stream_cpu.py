@@ -27,9 +27,7 @@ import asyncio
 import os
 import random
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from pagoda.bench.data_parallel import serving
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
@@ -151,16 +151,14 @@ async def run_round(port: int, args: argparse.Namespace, offset: int) -> tuple[i
         return sum(counts), time.perf_counter() - start
 
 
-def start_server(model: str, args: argparse.Namespace, port: int, hook_dir: Path) -> subprocess.Popen[str]:
+def server_env(args: argparse.Namespace, hook_dir: Path) -> dict[str, str]:
+    """One intra-op thread a process; with --profile, the hook that profiles the named service."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if args.profile:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook_dir), env.get("PYTHONPATH", "")]))
         env["PAGODA_BENCH_PROFILE"] = args.profile
         env["PAGODA_BENCH_PROFILE_OUT"] = args.profile_out
-    tokenizer = [] if args.model else ["--tokenizer", str(SMOLLM2)]
-    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", model, "--port", str(port),
-               "--served-model-name", "m", "--max-model-len", "1024", *tokenizer, *args.serve_args.split()]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    return env
 
 
 SITECUSTOMIZE = '''\
@@ -183,27 +181,22 @@ if _role and ("pagoda.services." + _role + " ") in (_argv + " "):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model or str(tiny_model(Path(tempfile.gettempdir()) / "pagoda-stream-cpu-tiny"))
-    from pagoda.launcher import free_ports
-
-    port = free_ports(1)[0]
     hook_dir = Path(tempfile.mkdtemp(prefix="stream_cpu_hook"))
     (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    tokenizer = [] if args.model else ["--tokenizer", str(SMOLLM2)]
     started = time.monotonic()
-    server = start_server(model, args, port, hook_dir)
-    try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        if "serving" not in line:
-            raise RuntimeError(f"the server did not start: {line!r}")
-        at_health = cpu_by_role(server.pid)
+    with serving(model, "--max-model-len", "1024", *tokenizer, *args.serve_args.split(),
+                 startup_timeout=args.startup_timeout, env=server_env(args, hook_dir)) as server:
+        pid, port = server.process.pid, server.port
+        at_health = cpu_by_role(pid)
         print(f"healthy after {time.monotonic() - started:.1f} s; CPU s so far: "
               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(at_health.items()) if ":" not in k))
         rows: list[dict[str, float]] = []
         offset = 0
         for r in range(args.rounds + 1):  # round 0 is a warm-up: not in the medians
-            before, client_before = cpu_by_role(server.pid), self_cpu()
+            before, client_before = cpu_by_role(pid), self_cpu()
             tokens, seconds = asyncio.run(run_round(port, args, offset))
-            after, client_after = cpu_by_role(server.pid), self_cpu()
+            after, client_after = cpu_by_role(pid), self_cpu()
             offset += args.num_prompts
             per_token = {role: 1e6 * (after[role] - before.get(role, 0.0)) / max(tokens, 1) for role in after}
             per_token["client"] = 1e6 * (client_after - client_before) / max(tokens, 1)
@@ -218,14 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         if rows:
             print("median us/token: " + ", ".join(
                 f"{k} {statistics.median(row.get(k, 0.0) for row in rows):.1f}" for k in sorted(rows[0])))
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
     if args.profile:
         print(f"profile of {args.profile}: {args.profile_out} (python -m pstats)")
     return 0
