@@ -117,22 +117,25 @@ def parse_keys(data: Any) -> dict[str, tuple[str, Tenant]]:
         if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
                 or len(entry["sha256"]) != 64 or not all(c in "0123456789abcdef" for c in entry["sha256"]):
             raise ConfigError("each key is {id, sha256 (64 lowercase hex digits), tenant}", param="api_keys_file")
-        tenant = tenants.get(entry.get("tenant"))  # type: ignore[arg-type]
+        name = entry.get("tenant")
+        tenant = tenants.get(name) if isinstance(name, str) else None  # a list or an object is no name (unhashable)
         if tenant is None:
-            raise ConfigError(f"key {entry.get('id')!r} names tenant {entry.get('tenant')!r}, which 'tenants' "
-                              "does not define", param="api_keys_file")
+            raise ConfigError(f"key {entry.get('id')!r} names tenant {name!r}, which 'tenants' does not define",
+                              param="api_keys_file")
+        if entry["sha256"] in table:  # one key for two tenants (or twice): which one it serves is not for us to pick
+            raise ConfigError(f"key {entry.get('id')!r}: its sha256 appears twice", param="api_keys_file")
         table[entry["sha256"]] = (str(entry.get("id", entry["sha256"][:8])), tenant)
     return table
 
 
 def read_keys_file(path: str | Path) -> dict[str, tuple[str, Tenant]]:
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the keys file {path}: {exc}", param="api_keys_file") from exc
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise ConfigError(f"the keys file {path} is not JSON: {exc}", param="api_keys_file") from exc
     return parse_keys(data)
 
@@ -216,10 +219,12 @@ class KeyTable:
         signature = self._stat()
         try:
             keys = read_keys_file(self.path)
-        except ConfigError as exc:
+        except Exception as exc:  # not only ConfigError: whatever the file holds, the old keys stay and polling goes on
+            error = exc if isinstance(exc, ConfigError) else ConfigError(
+                f"the keys file {self.path} does not load: {type(exc).__name__}: {exc}", param="api_keys_file")
             if self._signature is None and not self.keys:
-                raise  # at start-up a broken file is the operator's error to see at once
-            log.error("keys file not reloaded (the previous keys stay): %s", exc.message)
+                raise error from exc  # at start-up a broken file is the operator's error to see at once
+            log.error("keys file not reloaded (the previous keys stay): %s", error.message)
             self._signature = signature
             return False
         self.keys, self._signature = keys, signature

@@ -1,0 +1,74 @@
+"""Tenants as a hostile or careless client (or operator) meets them: keys files that do not load, model allow-lists,
+quota charging and the usage log's status for every ending. Plain objects first, then the api process against the
+fake tokenizer of test_api."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagoda.services.api.tenants import add_key, hash_key, parse_keys, read_keys_file
+from pagoda.shared.errors import ConfigError
+from tests.harness import HTTP, wait_until
+from tests.test_api import MODEL, Stack, start_stack, stop_stack
+
+# ---------------------------------------------------------------- plain objects
+
+
+def test_keys_files_that_are_not_keys_files_are_config_errors(tmp_path: Path) -> None:
+    """Every broken keys file is a ConfigError (the reload logs it and keeps the old keys): a key naming its tenant
+    by a list used to raise TypeError, a file that is not UTF-8 UnicodeDecodeError, deep nesting RecursionError."""
+    digest = "0" * 64
+    for document in [
+        {"tenants": {"a": {}}, "keys": [{"id": "x", "sha256": digest, "tenant": ["a"]}]},
+        {"tenants": {"a": {}}, "keys": [{"id": "x", "sha256": digest, "tenant": {"a": 1}}]},
+        # one key for two tenants: which one it would serve is an accident of the file's order
+        {"tenants": {"a": {}, "b": {}}, "keys": [{"id": "x", "sha256": digest, "tenant": "a"},
+                                                 {"id": "y", "sha256": digest, "tenant": "b"}]},
+    ]:
+        with pytest.raises(ConfigError):
+            parse_keys(document)
+    path = tmp_path / "keys.json"
+    for content in [b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000]:
+        path.write_bytes(content)
+        with pytest.raises(ConfigError):
+            read_keys_file(path)
+
+
+# ---------------------------------------------------------------- the api process
+
+
+def _post(stack: Stack, key: str, prompt: str = "hello there", path: str = "/v1/completions",
+          **body: object) -> object:
+    return stack.post(path, {"model": MODEL, "prompt": prompt, **body}, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.fixture(scope="module")
+def qa_stack(tmp_path_factory: pytest.TempPathFactory) -> object:
+    folder = tmp_path_factory.mktemp("tenants_qa")
+    keys_path = folder / "keys.json"
+    keys = {"open": add_key(keys_path, "open", {})[1]}
+    usage_path = folder / "usage.jsonl"
+    stack = start_stack("--api-keys-file", str(keys_path), "--usage-log", str(usage_path))
+    yield stack, keys, keys_path, usage_path
+    stop_stack(stack)
+
+
+def test_a_keys_file_that_fails_oddly_keeps_the_watch_alive(qa_stack: tuple) -> None:
+    """A keys file whose key names its tenant by a list raised TypeError out of the reload, which ended the task that
+    polls the file: every later change, a revocation included, went unnoticed until a SIGHUP or a restart."""
+    stack, keys, keys_path, _ = qa_stack
+    key_id, doomed = add_key(keys_path, "doomed", {})
+    wait_until(lambda: _post(stack, doomed, max_tokens=1).status_code == 200, 10, "the new key to work")
+    good = json.loads(keys_path.read_text())
+    broken = json.loads(keys_path.read_text())
+    broken["keys"][0]["tenant"] = ["open"]
+    keys_path.write_text(json.dumps(broken))
+    wait_until(lambda: "keys file not reloaded" in stack.log(), 10, "the broken file to be logged")
+    assert _post(stack, keys["open"], max_tokens=1).status_code == 200  # the old keys stay
+    good["keys"] = [entry for entry in good["keys"] if entry["id"] != key_id]  # the revocation
+    keys_path.write_text(json.dumps(good))
+    wait_until(lambda: _post(stack, doomed, max_tokens=1).status_code == 401, 10, "the revoked key to be refused")
+    assert hash_key(doomed) not in keys_path.read_text()
