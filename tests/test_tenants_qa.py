@@ -72,3 +72,32 @@ def test_a_keys_file_that_fails_oddly_keeps_the_watch_alive(qa_stack: tuple) -> 
     keys_path.write_text(json.dumps(good))
     wait_until(lambda: _post(stack, doomed, max_tokens=1).status_code == 401, 10, "the revoked key to be refused")
     assert hash_key(doomed) not in keys_path.read_text()
+
+
+def test_a_tenant_may_name_only_the_aliases_its_models_list(tmp_path: Path) -> None:
+    """`models` lists served model names: a tenant allowed alias-b used to run under alias-a too (any listed name
+    opened every name), and saw alias-a's card in /v1/models and /v1/models/alias-a."""
+    keys_path = tmp_path / "keys.json"
+    key = add_key(keys_path, "narrow", {"models": ["alias-b"]})[1]
+    stack = start_stack("--api-keys-file", str(keys_path), "--served-model-name", "alias-a,alias-b")
+    try:
+        auth = {"Authorization": f"Bearer {key}"}
+        for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+                           ("/tokenize", {"prompt": "hi"})]:
+            refused = stack.post(path, {"model": "alias-a", **body}, headers=auth)
+            assert refused.status_code == 404, (path, refused.text)
+            assert refused.json()["error"]["code"] == "model_not_found"
+            served = stack.post(path, {"model": "alias-b", **body}, headers=auth)
+            assert served.status_code == 200, (path, served.text)
+            assert served.json().get("model", "alias-b") == "alias-b"  # never the alias it may not use
+        unknown = stack.post("/v1/completions", {"model": "nope", "prompt": "hi"}, headers=auth)
+        assert unknown.status_code == 404 and "alias-a" not in unknown.text
+        listed = HTTP.get(stack.url + "/v1/models", headers=auth).json()["data"]
+        assert [card["id"] for card in listed] == ["alias-b"]
+        assert HTTP.get(stack.url + "/v1/models/alias-a", headers=auth).status_code == 404
+        assert HTTP.get(stack.url + "/v1/models/alias-b", headers=auth).status_code == 200
+        omitted = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=auth)
+        assert omitted.status_code == 200 and omitted.json()["model"] == "alias-b"
+    finally:
+        stop_stack(stack)

@@ -135,17 +135,27 @@ class Handlers:
     def __init__(self, state: ApiState) -> None:
         self.state = state
 
+    def _allowed_names(self, tenant: Tenant | None) -> frozenset[str]:
+        """The model names (served names, the model's path) the request's tenant may send; all for no tenant."""
+        names = self.state.model_names
+        return names if tenant is None or "*" in tenant.models else names & frozenset(tenant.models)
+
     def _check_model(self, name: str | None, request: web.Request) -> str:
-        # A tenant that may not use the served model learns nothing of it, not even its name (/v1/models lists none)
+        """The name the answer reports. A tenant may send only the names its `models` lists (an alias of the same
+        model it does not list is another served name: 404), and learns nothing of the names it may not use."""
         tenant = _tenant(request)
-        if tenant is not None and not tenant.allows(self.state.model_names):
+        allowed = self._allowed_names(tenant)
+        if tenant is not None and (not allowed or (name is not None and name not in allowed)):
             self.state.metrics.tenant_rejected(tenant.name, "model")
             raise ModelNotFoundError(f"The model `{name}` does not exist or your API key may not use it." if name
                                      else "This server serves no model your API key may use.")
         if name is not None and name not in self.state.model_names:
             raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
                                      f"`{self.state.served_model_name}`.")
-        return self.state.served_model_name
+        if self.state.served_model_name in allowed:
+            return self.state.served_model_name
+        # a tenant allowed another alias only: its answers name that alias, never the one it may not use
+        return name or next(n for n in (*self.state.served_names, *sorted(allowed)) if n in allowed)
 
     async def _body(self, request: web.Request) -> bytes:
         """The body, read within body_read_timeout (a slow client gets 408); aiohttp keeps it for a second read."""
@@ -481,10 +491,9 @@ class Handlers:
                 "root": state.model_root, "parent": None, "max_model_len": max_model_len, "permission": [permission]}
 
     async def models(self, request: web.Request) -> web.Response:
-        tenant = _tenant(request)
-        visible = tenant is None or tenant.allows(self.state.model_names)
+        allowed = self._allowed_names(_tenant(request))
         names = self.state.served_names or (self.state.served_model_name,)  # vLLM: a card per --served-model-name
-        return json_response({"object": "list", "data": [self._model_card(n) for n in names] if visible else []})
+        return json_response({"object": "list", "data": [self._model_card(n) for n in names if n in allowed]})
 
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id}: the SDK's models.retrieve; 404 for a name this server does not serve."""

@@ -49,9 +49,6 @@ class Tenant:
     priority: int = 0  # tier: lower is scheduled first
     weight: float = 1.0  # share of the running slots among tenants of its tier
 
-    def allows(self, model_names: frozenset[str]) -> bool:
-        return "*" in self.models or any(name in model_names for name in self.models)
-
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         del out["name"]
