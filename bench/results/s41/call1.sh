@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 41, call 1: session 40's call 4 as written (it never ran then). prev = 1b39a4c (session 39's end), head = 6a9e824.
+# Session 41, call 1: session 40's call 4 (it never ran then); on an H200 first llama3-8b's o retuned at 64 / 128. prev = 1b39a4c (session 39's end), head = 6a9e824.
 # Session 40, call 4: the session's grammar and streaming changes on a GPU, against session 39's end (prev =
 # 1b39a4c): (1) the grammar GPU tests; (2) constrained rows served (bench/structured.py, qwen3-0.6b dummy, SmolLM2's
 # tokenizer, grammar process on, 128 x 128 tokens, every row constrained and one in four), prev / head / prev / head:
@@ -11,6 +11,13 @@ start=$(date +%s)
 PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
+if [[ $card == NVIDIA_H200 ]]; then  # first the H200's o cells at 64 / 128 rows (0.95x / 0.85x in session 32)
+  echo "== llama3-8b o retuned at 64 / 128 rows, then swept [$(( $(date +%s) - start )) s]"
+  PYTHONPATH=/tmp/site timeout 150 python3 -m pagoda.bench.fp8_tune --shapes llama3-8b --layers o --buckets 64,128 \
+    --out "$OUT/tune_o" 2>&1 | grep -E "^(tune|sweep|FP8)" | cut -c1-240
+  start=$(date +%s)  # the served parts' time limits count from here
+fi
 rm -rf /tmp/prev && mkdir -p /tmp/prev && tar xzf .snap/prev.tgz -C /tmp/prev
 (cd /tmp/prev && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site-prev . \
   >/dev/null 2>&1)
