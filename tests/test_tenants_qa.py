@@ -11,8 +11,8 @@ import pytest
 
 from pagoda.services.api.tenants import add_key, hash_key, parse_keys, read_keys_file
 from pagoda.shared.errors import ConfigError
-from tests.harness import HTTP, wait_until
-from tests.test_api import MODEL, Stack, start_stack, stop_stack
+from tests.harness import HTTP, parse_metrics, wait_until
+from tests.test_api import API_KEY, MODEL, Stack, start_stack, stop_stack
 
 # ---------------------------------------------------------------- plain objects
 
@@ -51,7 +51,7 @@ def qa_stack(tmp_path_factory: pytest.TempPathFactory) -> object:
     keys_path = folder / "keys.json"
     keys = {"open": add_key(keys_path, "open", {})[1]}
     usage_path = folder / "usage.jsonl"
-    stack = start_stack("--api-keys-file", str(keys_path), "--usage-log", str(usage_path))
+    stack = start_stack("--api-keys-file", str(keys_path), "--usage-log", str(usage_path), "--request-timeout", "2")
     yield stack, keys, keys_path, usage_path
     stop_stack(stack)
 
@@ -101,3 +101,31 @@ def test_a_tenant_may_name_only_the_aliases_its_models_list(tmp_path: Path) -> N
         assert omitted.status_code == 200 and omitted.json()["model"] == "alias-b"
     finally:
         stop_stack(stack)
+
+
+def _usage_line(usage_path: Path, request_id: str) -> dict:
+    """The usage log's line for a request, once written (the api writes it as the request ends)."""
+    def line() -> dict | None:
+        lines = [json.loads(text) for text in usage_path.read_text().splitlines()] if usage_path.exists() else []
+        return next((entry for entry in lines if entry["request_id"] == request_id), None)
+    wait_until(lambda: line() is not None, 10, f"the usage line of {request_id}")
+    return line()  # type: ignore[return-value]
+
+
+def _tenant_requests(stack: Stack, tenant: str, status: int) -> float:
+    text = HTTP.get(stack.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return parse_metrics(text).get(f'pagoda_tenant_requests_total{{status="{status}",tenant="{tenant}"}}', 0.0)
+
+
+def test_a_stream_that_ends_in_an_error_is_logged_with_its_error(qa_stack: tuple) -> None:
+    """A stream cut by --request-timeout sends 200 and then an error event: its usage line and the tenant's
+    requests_total said 200, as if it had finished, where the same request unstreamed says 408."""
+    stack, _, keys_path, usage_path = qa_stack
+    key = add_key(keys_path, "streams", {})[1]
+    wait_until(lambda: _post(stack, key, max_tokens=1).status_code == 200, 10, "the new key to work")
+    response = _post(stack, key, prompt="slow story", max_tokens=400, stream=True)
+    assert response.status_code == 200 and '"code":"request_timeout"' in response.text.replace(" ", "")
+    request_id = json.loads(response.text.split("data: ", 2)[1].split("\n")[0])["id"]
+    line = _usage_line(usage_path, request_id)
+    assert line["status"] == 408 and line["tenant"] == "streams" and 0 < line["completion_tokens"] < 400
+    assert _tenant_requests(stack, "streams", 408) == 1 and _tenant_requests(stack, "streams", 200) == 1

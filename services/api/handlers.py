@@ -279,13 +279,15 @@ class Handlers:
                     _name_constraint(exc, constraint)
                     raise
                 if spec.stream:
-                    response = await self._stream(request, gen, headers)
+                    # the status line went out as 200; a stream that then ends in an error event is counted and
+                    # logged with that error's status, as the same request unstreamed would be
+                    response, status = await self._stream(request, gen, headers)
                 else:
                     while not gen.finished:
                         await gen.next_batch()
                     gen.observe_e2e()
                     response = json_response(gen.body(), headers=headers)
-                status = response.status
+                    status = response.status
                 return response
             except Exception as exc:
                 gen.error = exc.message if isinstance(exc, PagodaError) else "internal server error"
@@ -356,8 +358,12 @@ class Handlers:
                 "first_token_s": None if first_token_s is None else round(first_token_s, 6),
                 "duration_s": round(now - started_at, 6), "end_time": time.time()})
 
-    async def _stream(self, request: web.Request, gen: Generation, headers: dict[str, str]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, gen: Generation,
+                      headers: dict[str, str]) -> tuple[web.StreamResponse, int]:
+        """The streamed answer, and the status it ended with: 200, the status of the error its last event carries,
+        or 499 when the client left."""
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        status = 200
         try:
             await response.prepare(request)
             try:
@@ -376,10 +382,12 @@ class Handlers:
                     log.exception("stream %s failed", gen.ticket.request_ids[0])
                     exc = PagodaError("internal server error")
                 gen.error = exc.message
+                status = exc.http_status
                 await response.write(gen.renderer.stream_error(exc.to_dict()))
         except ConnectionResetError:
             log.info("client left stream %s", gen.ticket.request_ids[0])  # the caller's finally aborts it
-        return response
+            status = 499
+        return response, status
 
     # ------------------------------------------------------------------ tokenizer utilities
 
