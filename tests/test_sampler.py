@@ -492,6 +492,29 @@ def test_cpu_top_k_candidate_thresholds_match_reference(seed: int) -> None:
     assert torch.equal(logits >= got[:, None], logits >= want[:, None])
 
 
+@pytest.mark.parametrize("first_width", [4, 256])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_nucleus_candidate_thresholds_match_reference(seed: int, first_width: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-p rows without top-k on the CPU path (candidates widened until the nucleus fits, no full sort) keep
+    exactly the reference's tokens: flat rows whose nucleus is most of the row, peaked ones, ties, rows with
+    top-k and min-p beside them. A first width of 4 widens 4 -> 32 -> 256 -> the whole row."""
+    from pagoda.services.worker import sampler
+
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", first_width)
+    num_rows, vocab_size = 40, 300
+    logits = tied_logits(num_rows, vocab_size, seed)  # [B, V]
+    logits[::5] *= 0.02  # [B/5, V]: nearly flat, the nucleus holds most of the row
+    logits[1::5] *= 4.0  # peaked
+    settings = random_settings(num_rows, vocab_size, seed)
+    settings["top_k"][::2] = 0  # half the rows top-p over the whole row
+    settings["top_p"][::5] = 0.999
+    meta = make_metadata(num_rows, **settings, top_p_without_top_k=True)
+    got = sampler.truncation_thresholds(logits, meta, use_triton=False)  # [B]
+    want = reference.truncation_thresholds(logits, **settings)  # [B]
+    assert torch.equal(logits >= got[:, None], logits >= want[:, None])
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. distributions with penalties, bias and truncation together
 

@@ -17,7 +17,8 @@ On CUDA the work runs in kernels/sampling.py: one fused pass over the model-dtyp
 and each group of 64 ids' maximum and tie count), the batch's largest k from the groups with the largest
 maxima, the top-p search over those (the mass of the gathered groups plus the ties outside them), and one
 Gumbel-argmax kernel that reads only the blocks reaching a row's threshold. On CPU the PyTorch references of
-kernels/reference.py run.
+kernels/reference.py run, except the truncation thresholds: from each row's largest logits (torch.topk, widened
+until a top-p nucleus fits) instead of the reference's full sort.
 
 Grammar hook (structured output): set `metadata.token_bitmask` [B, ceil(V/32)] int32 (bit j of word w set:
 token 32 * w + j allowed, the xgrammar / llguidance layout) and, when only some rows have a grammar,
@@ -304,9 +305,7 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
             top_k = None
     if top_k is None and m.top_p is None and m.min_p is None:
         return None
-    if top_k is not None and not (m.top_p is not None and m.top_p_without_top_k):
-        return _top_k_thresholds(logits, m, top_k, max_top_k)  # [B]: no full sort
-    return reference.truncation_thresholds(logits, m.temperature, top_k, m.top_p, m.min_p)  # [B]
+    return _candidate_thresholds(logits, m, top_k, max_top_k if top_k is not None else 0)  # [B]: no full sort
 
 
 def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: GroupedLogits
@@ -350,24 +349,43 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
     return threshold, None
 
 
-def _top_k_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_k: torch.Tensor,
-                      max_top_k: int) -> torch.Tensor:
-    """CPU thresholds when every top-p row also has top-k: the batch's largest k instead of a full sort.
-    Top-p runs over those candidates with the mass of the whole kept set {logit >= k-th} (ties beyond the
+NUCLEUS_CANDIDATES = 256  # first candidate width for top-p rows without top-k; x8 while a row's nucleus is wider
+
+
+def _candidate_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_k: torch.Tensor | None,
+                          max_top_k: int) -> torch.Tensor:
+    """CPU thresholds [B] from the rows' largest logits instead of a full sort of [B, V] (a 49k-id row's sort
+    is most of a CPU decode step's sampling). Candidates: the batch's largest k, or for top-p rows without top-k
+    NUCLEUS_CANDIDATES widened x8 until each such row's nucleus fits (the whole row at worst, where topk is the
+    sort). Top-p runs over the candidates with the mass of the whole kept set {logit >= k-th} (ties beyond the
     candidates included), so the result is reference.truncation_thresholds'."""
     m = metadata
+    vocab_size = logits.shape[1]
     temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).unsqueeze(1)  # [B, 1]
-    candidates = logits.topk(max_top_k, dim=-1).values  # [B, K] descending
-    has_k = top_k > 0  # [B]
-    kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1))  # [B, 1]
-    threshold = torch.where(has_k.unsqueeze(1), kth, float("-inf"))  # [B, 1]
+    has_k = top_k > 0 if top_k is not None else torch.zeros_like(m.temperature, dtype=torch.bool)  # [B]
+    nucleus = (m.top_p < 1.0) & ~has_k if m.top_p is not None else None  # [B]: top-p over the whole row
+    width = max_top_k
+    if nucleus is not None and bool(nucleus.any()):
+        width = max(width, min(NUCLEUS_CANDIDATES, vocab_size))
+    candidates = logits.topk(max(width, 1), dim=-1).values  # [B, K] descending
     row_max = candidates[:, :1]  # [B, 1]
+    threshold = torch.full_like(row_max, float("-inf"))  # [B, 1]
+    if max_top_k > 0:
+        assert top_k is not None
+        kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1))  # [B, 1]
+        threshold = torch.where(has_k.unsqueeze(1), kth, threshold)  # [B, 1]
     if m.top_p is not None:
         weights = ((logits - row_max) / temperature).exp_().masked_fill_(logits < threshold, 0.0)  # [B, V]
         total = weights.sum(dim=1, keepdim=True)  # [B, 1]
-        kept = candidates.masked_fill(candidates < threshold, float("-inf"))  # [B, K]
-        cum = ((kept - row_max) / temperature).exp().cumsum(dim=1)  # [B, K]
-        reached = cum >= m.top_p.unsqueeze(1) * total  # [B, K]
+        while True:
+            kept = candidates.masked_fill(candidates < threshold, float("-inf"))  # [B, K]
+            cum = ((kept - row_max) / temperature).exp().cumsum(dim=1)  # [B, K]
+            reached = cum >= m.top_p.unsqueeze(1) * total  # [B, K]
+            short = nucleus & ~reached.any(dim=1) if nucleus is not None else None  # [B]: nucleus past K
+            if short is None or width >= vocab_size or not bool(short.any()):
+                break
+            width = min(width * 8, vocab_size)
+            candidates = logits.topk(width, dim=-1).values  # [B, K'] descending
         index = reached.int().argmax(dim=1, keepdim=True)  # [B, 1] first True (0 when none)
         pth = torch.where(reached.any(dim=1, keepdim=True), kept.gather(1, index), threshold)  # [B, 1]
         threshold = torch.where(m.top_p.unsqueeze(1) < 1.0, torch.maximum(threshold, pth), threshold)
