@@ -129,3 +129,18 @@ def test_a_stream_that_ends_in_an_error_is_logged_with_its_error(qa_stack: tuple
     line = _usage_line(usage_path, request_id)
     assert line["status"] == 408 and line["tenant"] == "streams" and 0 < line["completion_tokens"] < 400
     assert _tenant_requests(stack, "streams", 408) == 1 and _tenant_requests(stack, "streams", 200) == 1
+
+
+def test_a_beam_search_is_charged_for_its_beams(qa_stack: tuple) -> None:
+    """best_of 64 beams with n 1 runs 64 beams, but only the one returned hypothesis was charged to the tenant's
+    tokens_per_minute: a 64th of the engine's work."""
+    stack, _, keys_path, usage_path = qa_stack
+    key = add_key(keys_path, "beams", {"tokens_per_minute": 100})[1]
+    wait_until(lambda: _post(stack, key, "hi", max_tokens=1).status_code == 200, 10, "the new key to work")
+    beam = _post(stack, key, "hi", max_tokens=4, use_beam_search=True, best_of=64, n=1)
+    assert beam.status_code == 200, beam.text  # type: ignore[attr-defined]
+    assert beam.json()["usage"]["completion_tokens"] == 4  # type: ignore[attr-defined]  # what it returned
+    refused = _post(stack, key, "hi", max_tokens=1)
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"  # type: ignore[attr-defined]
+    line = _usage_line(usage_path, beam.json()["id"])  # type: ignore[attr-defined]
+    assert line["completion_tokens"] == 4 and line["charged_tokens"] == 1 + 64 * 4

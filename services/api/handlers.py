@@ -306,7 +306,7 @@ class Handlers:
             status = 500
             raise
         finally:
-            self._account(found, lease, gen, spec, status, arrival, started_at)
+            self._account(found, lease, gen, spec, status, arrival, started_at, messages[0].params.beam_width)
 
     def _scheduled_tenant(self, found: tuple[str, Tenant] | None) -> Tenant | None:
         """The tenant whose share of the engine the request runs in. The operator's key is tenant "default": beside a
@@ -338,13 +338,15 @@ class Handlers:
             raise
 
     def _account(self, found: tuple[str, Tenant] | None, lease: Lease | None, gen: Generation | None,
-                 spec: RenderSpec, status: int, arrival: float, started_at: float) -> None:
+                 spec: RenderSpec, status: int, arrival: float, started_at: float, beam_width: int = 0) -> None:
         """A finished generation request: its tokens charged to its tenant, counted, and logged for billing."""
         prompt_tokens = gen.prompt_tokens if gen is not None else 0
         completion_tokens = gen.completion_tokens if gen is not None else 0
+        charged_tokens = prompt_tokens + _beam_tokens(gen, beam_width) if gen is not None and beam_width > gen.n \
+            else prompt_tokens + completion_tokens
         now = time.monotonic()
         if lease is not None:
-            self.state.gate.release(lease, prompt_tokens + completion_tokens, now)
+            self.state.gate.release(lease, charged_tokens, now)
         first_token_s = gen.first_token_at - started_at if gen is not None and gen.first_token_at else None
         if found is not None:
             self.state.metrics.tenant_finished(found[1].name, status, prompt_tokens, completion_tokens,
@@ -354,7 +356,8 @@ class Handlers:
                 "tenant": found[1].name if found is not None else "", "key_id": found[0] if found else "",
                 "request_id": spec.response_id, "model": spec.model, "status": status,
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "cached_tokens": gen.cached_tokens if gen is not None else 0, "arrival_time": arrival,
+                "cached_tokens": gen.cached_tokens if gen is not None else 0, "charged_tokens": charged_tokens,
+                "arrival_time": arrival,
                 "first_token_s": None if first_token_s is None else round(first_token_s, 6),
                 "duration_s": round(now - started_at, 6), "end_time": time.time()})
 
@@ -561,6 +564,14 @@ def _log_finished(inspector: RequestLog, record: RequestRecord, gen: Generation)
                 first_token_mono=gen.first_token_at, prompt_tokens=gen.prompt_tokens,
                 completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
                 finish_reasons=[c.finish_reason for c in gen.choices])
+
+
+def _beam_tokens(gen: Generation, beam_width: int) -> int:
+    """The completion tokens a beam search ran, for its tenant's tokens_per_minute: each prompt's beam_width beams
+    (best_of) for as many steps as its longest returned hypothesis, not only the n hypotheses its usage reports (a
+    tenant sending best_of 128, n 1 would otherwise pay for 1/128th of what it runs)."""
+    return sum(beam_width * max(c.num_tokens for c in gen.choices[i * gen.n:(i + 1) * gen.n])
+               for i in range(len(gen.num_prompt_tokens)))
 
 
 def _prompt_size(message: GenerateRequest) -> str:

@@ -8,7 +8,7 @@ The keys file (JSON, written by `pagoda keys add`, reloaded when it changes or o
 
 Quotas (0: no limit): concurrent generation requests; requests and tokens per minute as token buckets that
 hold a minute's worth and refill continuously. Tokens (prompt + completion) are charged when a request ends,
-so a tenant may overdraw by one request; while its token bucket is below zero its requests get 429. `priority`
+so the requests a tenant has in flight may overdraw; while its token bucket is below zero its requests get 429. `priority`
 is a tier (lower tiers are scheduled first) and `weight` its share of the running slots within a tier: both
 travel with each request to the scheduler (services/scheduler/fairness.py).
 """
