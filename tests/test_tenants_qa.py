@@ -51,7 +51,7 @@ def qa_stack(tmp_path_factory: pytest.TempPathFactory) -> object:
     keys_path = folder / "keys.json"
     keys = {"open": add_key(keys_path, "open", {})[1]}
     usage_path = folder / "usage.jsonl"
-    stack = start_stack("--api-keys-file", str(keys_path), "--usage-log", str(usage_path), "--request-timeout", "2")
+    stack = start_stack("--api-keys-file", str(keys_path), "--usage-log", str(usage_path), "--request-timeout", "3")
     yield stack, keys, keys_path, usage_path
     stop_stack(stack)
 
@@ -144,3 +144,44 @@ def test_a_beam_search_is_charged_for_its_beams(qa_stack: tuple) -> None:
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"  # type: ignore[attr-defined]
     line = _usage_line(usage_path, beam.json()["id"])  # type: ignore[attr-defined]
     assert line["completion_tokens"] == 4 and line["charged_tokens"] == 1 + 64 * 4
+
+
+def test_a_client_that_leaves_a_stream_gives_its_concurrency_slot_back(qa_stack: tuple) -> None:
+    stack, _, keys_path, usage_path = qa_stack
+    key = add_key(keys_path, "leaver", {"max_concurrent": 1})[1]
+    wait_until(lambda: _post(stack, key, max_tokens=1).status_code == 200, 10, "the new key to work")
+    with HTTP.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                     json={"model": MODEL, "prompt": "slow story", "max_tokens": 400, "stream": True}) as response:
+        lines = response.iter_lines()  # one iterator: closing it (a new one each time) would close the stream
+        first = next(line for line in lines if line.startswith("data: "))
+        request_id = json.loads(first[len("data: "):])["id"]
+        assert _post(stack, key, max_tokens=1).status_code == 429  # the stream holds the only slot
+    line = _usage_line(usage_path, request_id)  # written as the api sees the client go
+    assert line["status"] == 499 and line["completion_tokens"] < 400
+    assert _post(stack, key, max_tokens=1).status_code == 200  # the slot came back with the line
+
+
+def test_a_key_revoked_or_tenant_removed_mid_request_ends_cleanly(qa_stack: tuple) -> None:
+    """The revoked key is refused from its next request; the request it has in flight runs to its end, is charged to
+    its tenant and logged; the tenant, added again under the same name, finds its slot given back."""
+    stack, _, keys_path, usage_path = qa_stack
+    key_id, key = add_key(keys_path, "removed", {"max_concurrent": 1})
+    wait_until(lambda: _post(stack, key, max_tokens=1).status_code == 200, 10, "the new key to work")
+    before = json.loads(keys_path.read_text())
+    with HTTP.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                     json={"model": MODEL, "prompt": "slow story", "max_tokens": 60, "stream": True}) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        document = json.loads(keys_path.read_text())
+        del document["tenants"]["removed"]
+        document["keys"] = [entry for entry in document["keys"] if entry["id"] != key_id]
+        keys_path.write_text(json.dumps(document))
+        stack.proc.send_signal(1)  # SIGHUP: reloaded at once
+        wait_until(lambda: _post(stack, key, max_tokens=1).status_code == 401, 10, "the revoked key to be refused")
+        rest = "\n".join(lines)
+    assert "[DONE]" in rest and '"error"' not in rest
+    line = _usage_line(usage_path, json.loads(first[len("data: "):])["id"])
+    assert line["status"] == 200 and line["tenant"] == "removed" and line["completion_tokens"] == 60
+    keys_path.write_text(json.dumps(before))  # the tenant and its key again
+    stack.proc.send_signal(1)
+    wait_until(lambda: _post(stack, key, max_tokens=1).status_code == 200, 10, "the key to work again")
