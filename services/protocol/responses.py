@@ -501,7 +501,15 @@ class OutputItem:
 
 
 def _logprobs(positions: list[PositionLogprobs], as_ids: bool) -> list[dict[str, Any]]:
+    """An output_text part's logprobs (its Logprob: token, logprob, bytes, top_logprobs with bytes)."""
     return chat_logprobs(positions, as_ids)["content"]
+
+
+def _event_logprobs(positions: list[PositionLogprobs], as_ids: bool) -> list[dict[str, Any]]:
+    """output_text.delta and .done's logprobs: OpenAI's ResponseLogProb, which has no bytes (the part's has)."""
+    return [{"token": lp["token"], "logprob": lp["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in lp["top_logprobs"]]}
+            for lp in _logprobs(positions, as_ids)]
 
 
 class OutputBuilder:
@@ -591,7 +599,7 @@ class OutputBuilder:
             return events
         return events + [{"type": "response.output_text.delta", "item_id": self.open.id,
                           "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
-                          "logprobs": _logprobs(logprobs, self.as_ids)}]
+                          "logprobs": _event_logprobs(logprobs, self.as_ids)}]
 
     def _call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         function = delta.get("function", {})
@@ -623,7 +631,7 @@ class OutputBuilder:
             text_done = {"type": done, "item_id": item.id, "output_index": index, "content_index": 0,
                          "text": item.text}
             if item.kind == "message":
-                text_done["logprobs"] = _logprobs(item.logprobs, self.as_ids)
+                text_done["logprobs"] = _event_logprobs(item.logprobs, self.as_ids)
             events += [text_done, {"type": "response.content_part.done", "item_id": item.id, "output_index": index,
                                    "content_index": 0, "part": item.part(self.as_ids)}]
         return events + [{"type": "response.output_item.done", "output_index": index, "item": item.json(self.as_ids)}]
