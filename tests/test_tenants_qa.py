@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.services.api.tenants import add_key, hash_key, parse_keys, read_keys_file
+from pagoda.services.api.tenants import KeyTable, add_key, hash_key, parse_keys, read_keys_file
 from pagoda.shared.errors import ConfigError
 from tests.harness import HTTP, parse_metrics, wait_until
 from tests.test_api import API_KEY, MODEL, Stack, start_stack, stop_stack
@@ -185,3 +185,20 @@ def test_a_key_revoked_or_tenant_removed_mid_request_ends_cleanly(qa_stack: tupl
     keys_path.write_text(json.dumps(before))  # the tenant and its key again
     stack.proc.send_signal(1)
     wait_until(lambda: _post(stack, key, max_tokens=1).status_code == 200, 10, "the key to work again")
+
+
+def test_a_keys_file_emptied_then_removed_then_broken_never_stops_the_reloads(tmp_path: Path) -> None:
+    """KeyTable took 'no signature and no keys' for start-up: once every key was revoked and the file went missing
+    (a deploy that rewrites it), the next broken version raised out of the reload, ending the polling task."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"tenants": {}, "keys": []}))
+    table = KeyTable(str(path))
+    path.unlink()
+    assert not table.maybe_reload()  # logged: the old (empty) keys stay
+    path.write_text("{ not json")
+    assert not table.maybe_reload()
+    key = add_key(tmp_path / "fresh.json", "back", {})[1]
+    (tmp_path / "fresh.json").replace(path)
+    assert table.maybe_reload() and table.lookup(key) is not None
+    with pytest.raises(ConfigError):
+        KeyTable(str(tmp_path / "missing.json"))  # at start-up a missing file is still an error

@@ -143,7 +143,10 @@ async def _watch_keys(keys: KeyTable) -> None:
     """Keys reload without a restart when the file changes (polled; SIGHUP reloads at once)."""
     while True:
         await asyncio.sleep(KEYS_POLL_S)
-        keys.maybe_reload()
+        try:
+            keys.maybe_reload()
+        except Exception:  # never the end of the watch: a revocation after it must still take effect
+            log.exception("keys file check failed; checking again in %g s", KEYS_POLL_S)
 
 
 def _stop_on_signal() -> asyncio.Event:

@@ -202,7 +202,7 @@ class KeyTable:
         self.path = Path(path)
         self._signature: tuple[int, int, int] | None = None
         self.keys: dict[str, tuple[str, Tenant]] = {}
-        self.reload()
+        self.reload(at_start=True)
 
     def _stat(self) -> tuple[int, int, int] | None:
         try:
@@ -211,15 +211,16 @@ class KeyTable:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def reload(self) -> bool:
-        """Load the file now; False (logged) if it does not load and the old keys stay."""
+    def reload(self, at_start: bool = False) -> bool:
+        """Load the file now; False (logged) if it does not load and the old keys stay. Raises (ConfigError) only
+        `at_start`: later, a file that is gone or broken, even beside no keys at all, must not end the polling."""
         signature = self._stat()
         try:
             keys = read_keys_file(self.path)
         except Exception as exc:  # not only ConfigError: whatever the file holds, the old keys stay and polling goes on
             error = exc if isinstance(exc, ConfigError) else ConfigError(
                 f"the keys file {self.path} does not load: {type(exc).__name__}: {exc}", param="api_keys_file")
-            if self._signature is None and not self.keys:
+            if at_start:
                 raise error from exc  # at start-up a broken file is the operator's error to see at once
             log.error("keys file not reloaded (the previous keys stay): %s", error.message)
             self._signature = signature
