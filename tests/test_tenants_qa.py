@@ -30,7 +30,16 @@ def test_keys_files_that_are_not_keys_files_are_config_errors(tmp_path: Path) ->
     ]:
         with pytest.raises(ConfigError):
             parse_keys(document)
+    for limits in [{"weight": float("nan")}, {"weight": float("inf")}, {"weight": -1.0}, {"weight": 1e7},
+                   {"weight": "2"}, {"weight": True}, {"priority": 1.5}, {"priority": "high"}, {"priority": 1 << 21},
+                   {"priority": -(1 << 21)}, {"max_concurrent": 1e3}, {"requests_per_minute": -1},
+                   {"tokens_per_minute": 1 << 40}, {"models": "*"}, {"models": [""]}]:
+        with pytest.raises(ConfigError):
+            parse_keys({"tenants": {"a": limits}, "keys": []})
     path = tmp_path / "keys.json"
+    path.write_text('{"tenants": {"a": {"weight": NaN}}, "keys": []}')  # Python's json reads NaN
+    with pytest.raises(ConfigError):
+        read_keys_file(path)
     for content in [b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000]:
         path.write_bytes(content)
         with pytest.raises(ConfigError):
