@@ -12,7 +12,7 @@ import pytest
 from pagoda.services.api.tenants import KeyTable, add_key, hash_key, parse_keys, read_keys_file
 from pagoda.shared.errors import ConfigError
 from tests.harness import HTTP, parse_metrics, wait_until
-from tests.test_api import API_KEY, MODEL, Stack, start_stack, stop_stack
+from tests.test_api import API_KEY, MODEL, MODEL_PATH, Stack, start_stack, stop_stack
 
 # ---------------------------------------------------------------- plain objects
 
@@ -88,6 +88,7 @@ def test_a_tenant_may_name_only_the_aliases_its_models_list(tmp_path: Path) -> N
     opened every name), and saw alias-a's card in /v1/models and /v1/models/alias-a."""
     keys_path = tmp_path / "keys.json"
     key = add_key(keys_path, "narrow", {"models": ["alias-b"]})[1]
+    by_path = add_key(keys_path, "by-path", {"models": [MODEL_PATH]})[1]  # the path is the first served name
     stack = start_stack("--api-keys-file", str(keys_path), "--served-model-name", "alias-a,alias-b")
     try:
         auth = {"Authorization": f"Bearer {key}"}
@@ -108,6 +109,12 @@ def test_a_tenant_may_name_only_the_aliases_its_models_list(tmp_path: Path) -> N
         assert HTTP.get(stack.url + "/v1/models/alias-b", headers=auth).status_code == 200
         omitted = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=auth)
         assert omitted.status_code == 200 and omitted.json()["model"] == "alias-b"
+        path_auth = {"Authorization": f"Bearer {by_path}"}
+        listed = HTTP.get(stack.url + "/v1/models", headers=path_auth).json()["data"]
+        assert [card["id"] for card in listed] == ["alias-a"]
+        for name, status in [("alias-a", 200), (MODEL_PATH, 200), ("alias-b", 404)]:
+            answer = stack.post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 1}, headers=path_auth)
+            assert answer.status_code == status, (name, answer.text)
     finally:
         stop_stack(stack)
 

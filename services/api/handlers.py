@@ -136,9 +136,15 @@ class Handlers:
         self.state = state
 
     def _allowed_names(self, tenant: Tenant | None) -> frozenset[str]:
-        """The model names (served names, the model's path) the request's tenant may send; all for no tenant."""
-        names = self.state.model_names
-        return names if tenant is None or "*" in tenant.models else names & frozenset(tenant.models)
+        """The model names (served names, the model's path) the request's tenant may send; all for no tenant. The
+        model's path (--model) and the first served name are one name: listing either allows both."""
+        state = self.state
+        if tenant is None or "*" in tenant.models:
+            return state.model_names
+        listed = set(tenant.models)
+        if listed & {state.model_root, state.served_model_name}:
+            listed |= {state.model_root, state.served_model_name}
+        return state.model_names & listed
 
     def _check_model(self, name: str | None, request: web.Request) -> str:
         """The name the answer reports. A tenant may send only the names its `models` lists (an alias of the same
