@@ -120,3 +120,65 @@ def test_responses_text_events_carry_logprobs_in_the_events_shape() -> None:
     assert [lp["bytes"] for lp in part["logprobs"]] == [list(t.encode()) for t in ("Hel", "lo", " world")]
     assert [{k: v for k, v in lp.items() if k != "bytes"} | {"top_logprobs": [{"token": "a", "logprob": -2.0}]}
             for lp in part["logprobs"]] == deltas
+
+
+# --------------------------------------------------------------------------------------------
+# the prompt of a tool round trip, for a template that takes no tools
+
+# A template of Mistral-7B-Instruct-v0.2's kind: no tools; after a system message, user and assistant turns
+# must alternate
+ALTERNATING = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}
+{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + ' [/INST]' }}
+    {%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}
+{%- endfor %}
+"""
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _call(call_id: str, city: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+
+
+def test_parallel_tool_results_are_one_user_turn_for_a_template_without_tools(tmp_path: Any,
+                                                                                smollm2_dir: Any) -> None:
+    """The Hermes prompt pagoda writes for a template that takes no tools puts the results of one turn's calls in
+    one user turn (Qwen2.5's Hermes template groups consecutive tool messages so). Each result used to be a user
+    turn of its own: a template that requires alternating turns refused a parallel call's round trip with a 400."""
+    import shutil
+
+    import msgspec
+
+    from pagoda.services.protocol.schemas import MessageBody, chat_messages
+    from pagoda.services.tokenizer.prompts import tokenize_prompt
+    from pagoda.services.tokenizer.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(ALTERNATING)
+    messages = [{"role": "user", "content": "Weather in Paris and Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [_call("call_1", "Paris"), _call("call_2", "Rome")]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "rainy"}]},
+                {"role": "assistant", "content": "Sunny in Paris, rainy in Rome."},
+                {"role": "user", "content": "And Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [_call("call_3", "Oslo")]},
+                {"role": "tool", "tool_call_id": "call_3", "content": "snow"}]
+    prompt = tokenize_prompt(Tokenizer(tmp_path), prompt_text=None, prompt_token_ids=None,
+                             messages=chat_messages([msgspec.convert(m, MessageBody) for m in messages]),
+                             add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None,
+                             tools=[WEATHER])
+    assert prompt.text is not None
+    turns = prompt.text.split("[INST] ")[1:]
+    assert len(turns) == 4
+    assert turns[1].startswith("<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n</tool_response>"
+                               " [/INST] Sunny in Paris")
+    assert turns[3] == "<tool_response>\nsnow\n</tool_response> [/INST]"

@@ -113,8 +113,11 @@ def tool_conversation(chat_template: str | None, messages: list[dict[str, Any]],
 
 def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The conversation for a template that knows nothing of tools: the tool list joins the system prompt,
-    assistant tool calls become `<tool_call>` text, tool results become user turns in `<tool_response>`."""
+    assistant tool calls become `<tool_call>` text, tool results become a user turn in `<tool_response>`: the
+    results of one turn's calls (consecutive tool messages) share one user turn, as Qwen2.5's Hermes template writes
+    them, so that a template that requires user and assistant turns to alternate takes parallel calls too."""
     out: list[dict[str, Any]] = []
+    previous = ""  # the role of the message before this one
     for message in messages:
         role = message["role"]
         if role == "assistant" and message.get("tool_calls"):
@@ -122,11 +125,15 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
                               for c in message["tool_calls"])
             out.append({"role": "assistant", "content": f"{_text(message.get('content'))}\n{calls}".strip()})
         elif role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{_text(message.get('content'))}\n"
-                                                   "</tool_response>"})
+            response = f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"
+            if previous == "tool":
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
         else:
             out.append({key: value for key, value in message.items()
                         if key in ("role", "content", "name", "reasoning")})
+        previous = role
     return hermes_system(out, tools)
 
 
