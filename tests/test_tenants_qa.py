@@ -218,3 +218,19 @@ def test_a_keys_file_emptied_then_removed_then_broken_never_stops_the_reloads(tm
     assert table.maybe_reload() and table.lookup(key) is not None
     with pytest.raises(ConfigError):
         KeyTable(str(tmp_path / "missing.json"))  # at start-up a missing file is still an error
+
+
+def test_a_long_request_counts_against_tokens_per_minute_while_it_runs(qa_stack: tuple) -> None:
+    """Tokens were charged only when a request ended: a tenant whose stream had used its minute's tokens many times
+    over could still start new requests until that stream finished (or for ever, with streams long enough)."""
+    stack, _, keys_path, _ = qa_stack
+    key = add_key(keys_path, "long", {"tokens_per_minute": 10})[1]
+    wait_until(lambda: _post(stack, key, "a", max_tokens=1).status_code == 200, 10, "the new key to work")
+    with HTTP.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                     json={"model": MODEL, "prompt": "slow story", "max_tokens": 400, "stream": True}) as response:
+        lines = response.iter_lines()
+        num_tokens = 0
+        while num_tokens < 12:  # 2 prompt tokens + 12 generated: past the minute's 10 (the api charges, then sends)
+            num_tokens += next(lines).startswith("data: ")
+        refused = _post(stack, key, "a", max_tokens=1)
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"  # type: ignore[attr-defined]

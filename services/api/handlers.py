@@ -284,13 +284,15 @@ class Handlers:
                 except PagodaError as exc:
                     _name_constraint(exc, constraint)
                     raise
+                self._charge(lease, gen)  # the prompt, at once: a long request's tokens count while it runs
                 if spec.stream:
                     # the status line went out as 200; a stream that then ends in an error event is counted and
                     # logged with that error's status, as the same request unstreamed would be
-                    response, status = await self._stream(request, gen, headers)
+                    response, status = await self._stream(request, gen, headers, lease)
                 else:
                     while not gen.finished:
                         await gen.next_batch()
+                        self._charge(lease, gen)
                     gen.observe_e2e()
                     response = json_response(gen.body(), headers=headers)
                     status = response.status
@@ -343,6 +345,11 @@ class Handlers:
                                                else "concurrency")
             raise
 
+    def _charge(self, lease: Lease | None, gen: Generation) -> None:
+        """Charge the tenant's tokens_per_minute the tokens its request has used so far."""
+        if lease is not None:
+            self.state.gate.charge(lease, gen.prompt_tokens + gen.completion_tokens, time.monotonic())
+
     def _account(self, found: tuple[str, Tenant] | None, lease: Lease | None, gen: Generation | None,
                  spec: RenderSpec, status: int, arrival: float, started_at: float, beam_width: int = 0) -> None:
         """A finished generation request: its tokens charged to its tenant, counted, and logged for billing."""
@@ -367,8 +374,8 @@ class Handlers:
                 "first_token_s": None if first_token_s is None else round(first_token_s, 6),
                 "duration_s": round(now - started_at, 6), "end_time": time.time()})
 
-    async def _stream(self, request: web.Request, gen: Generation,
-                      headers: dict[str, str]) -> tuple[web.StreamResponse, int]:
+    async def _stream(self, request: web.Request, gen: Generation, headers: dict[str, str],
+                      lease: Lease | None = None) -> tuple[web.StreamResponse, int]:
         """The streamed answer, and the status it ended with: 200, the status of the error its last event carries,
         or 499 when the client left."""
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
@@ -379,6 +386,7 @@ class Handlers:
                 await response.write(gen.opening())
                 while not gen.finished:
                     data = await gen.next_batch()
+                    self._charge(lease, gen)
                     if data:
                         await response.write(data)
                 gen.observe_e2e()

@@ -7,9 +7,9 @@ The keys file (JSON, written by `pagoda keys add`, reloaded when it changes or o
      "keys": [{"id": "3f9c0a1b", "sha256": "<hex digest of the key>", "tenant": "acme", "created": "..."}]}
 
 Quotas (0: no limit): concurrent generation requests; requests and tokens per minute as token buckets that
-hold a minute's worth and refill continuously. Tokens (prompt + completion) are charged when a request ends,
-so the requests a tenant has in flight may overdraw; while its token bucket is below zero its requests get 429. `priority`
-is a tier (lower tiers are scheduled first) and `weight` its share of the running slots within a tier: both
+hold a minute's worth and refill continuously. Tokens (prompt + completion) are charged as they come (the prompt
+once admitted, the completion as it streams), so the requests a tenant has in flight may overdraw; while its token
+bucket is below zero its requests get 429. `priority` is a tier (lower tiers are scheduled first) and `weight` its share of the running slots within a tier: both
 travel with each request to the scheduler (services/scheduler/fairness.py).
 """
 
@@ -272,10 +272,11 @@ class Usage:
 
 @dataclass(slots=True)
 class Lease:
-    """One admitted request: given back with its token count when it ends."""
+    """One admitted request: charged its tokens as they come, given back when it ends."""
 
     tenant: Tenant
     released: bool = False
+    num_charged: int = 0  # tokens charged to the tenant's bucket so far
 
 
 @dataclass(slots=True)
@@ -316,8 +317,21 @@ class QuotaGate:
         usage.in_flight += 1
         return Lease(tenant)
 
+    def charge(self, lease: Lease, num_tokens: int, now: float) -> None:
+        """The request has used `num_tokens` so far (prompt + completion, a running total): the bucket is charged
+        what it was not yet, so that a long request's tokens count while it runs (its tenant's next requests are
+        refused once the bucket is below zero, not only after it ends)."""
+        usage = self.usage.get(lease.tenant.name)
+        if lease.released or usage is None or num_tokens <= lease.num_charged:
+            return
+        if usage.tokens is not None:
+            usage.tokens.refill(now)
+            usage.tokens.level -= num_tokens - lease.num_charged
+        lease.num_charged = num_tokens
+
     def release(self, lease: Lease, num_tokens: int, now: float) -> None:
-        """The request ended having used `num_tokens` (prompt + completion): charged now."""
+        """The request ended having used `num_tokens` in all: what was not charged yet is charged now."""
+        self.charge(lease, num_tokens, now)
         if lease.released:
             return
         lease.released = True
@@ -326,9 +340,6 @@ class QuotaGate:
             return
         usage.in_flight -= 1
         assert usage.in_flight >= 0
-        if usage.tokens is not None:
-            usage.tokens.refill(now)
-            usage.tokens.level -= num_tokens
 
 
 def _rebucket(bucket: Bucket | None, per_minute: int, now: float) -> Bucket | None:
