@@ -238,3 +238,45 @@ def test_a_long_request_counts_against_tokens_per_minute_while_it_runs(qa_stack:
             num_tokens += next(lines).startswith("data: ")
         refused = _post(stack, key, "a", max_tokens=1)
         assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"  # type: ignore[attr-defined]
+
+
+def _raw(stack: Stack, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes = b"") -> int:
+    """The status of a request written byte by byte (spellings an HTTP client would refuse to send)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=10) as sock:
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+        sock.sendall(b"%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n%s\r\n%s" % (method.encode(), path.encode(), len(body), head, body))
+        answer = b""
+        while b"\r\n" not in answer and (chunk := sock.recv(4096)):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_key_spellings_and_path_spellings_that_must_not_pass(qa_stack: tuple) -> None:
+    """Held: the scheme in any case and spaces around the key pass; anything else, conflicting headers, and
+    percent-encoded spellings of protected paths are refused."""
+    stack, keys, _, _ = qa_stack
+    key = keys["open"].encode()
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    chat = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    auth = b"Authorization"
+    for headers, status in [
+        ([(auth, b"bearer " + key)], 200), ([(auth, b"BEARER   " + key + b"  ")], 200),
+        ([(auth, key)], 401), ([(auth, b"Bearer\t" + key)], 401), ([(auth, b"Basic " + key)], 401),
+        ([(auth, b"Bearer " + key + b"x")], 401), ([(auth, b"Bearer " + key[:-1])], 401),
+        ([(auth, b"Bearer " + key), (auth, b"Bearer " + API_KEY.encode())], 401),  # two keys: neither
+        ([(auth, b"Bearer " + key), (auth, b"Bearer " + key)], 200),
+        ([(auth, "Bearer pgk-ключ".encode())], 401), ([(auth, b"Bearer \xff\xfe")], 401),
+        ([(b"x-api-key", key)], 401),  # Anthropic's header only under /v1/messages
+    ]:
+        assert _raw(stack, "POST", "/v1/completions", headers, body) == status, headers
+    assert _raw(stack, "POST", "/v1/completions", [(auth, b"Bearer " + b"k" * 20_000)], body) in (400, 431)
+    assert _raw(stack, "POST", "/v1/messages", [(b"x-api-key", key)], chat) == 200
+    assert _raw(stack, "POST", "/v1/messages", [(b"x-api-key", key), (auth, b"Bearer " + API_KEY.encode())],
+                chat) == 401
+    for path in ["/%761/completions", "/v1/%63ompletions", "/v1//completions", "/%74okenize", "/%69nvocations",
+                 "/%63onsole/api/info", "/console/%61pi/requests", "/%6detrics", "/v1/models/%2e%2e"]:
+        method = "POST" if "completions" in path or "tokenize" in path or "invocations" in path else "GET"
+        assert _raw(stack, method, path, [], body if method == "POST" else b"") in (401, 404), path
