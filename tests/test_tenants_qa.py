@@ -273,6 +273,8 @@ def test_key_spellings_and_path_spellings_that_must_not_pass(qa_stack: tuple) ->
     ]:
         assert _raw(stack, "POST", "/v1/completions", headers, body) == status, headers
     assert _raw(stack, "POST", "/v1/completions", [(auth, b"Bearer " + b"k" * 20_000)], body) in (400, 431)
+    assert _raw(stack, "POST", "/v1/completions", [(auth, b"Bearer " + key + b"\x00")], body) in (400, 401)
+    assert _raw(stack, "POST", "/v1/completions", [(auth, b"Bearer \x00" + key)], body) in (400, 401)
     assert _raw(stack, "POST", "/v1/messages", [(b"x-api-key", key)], chat) == 200
     assert _raw(stack, "POST", "/v1/messages", [(b"x-api-key", key), (auth, b"Bearer " + API_KEY.encode())],
                 chat) == 401
