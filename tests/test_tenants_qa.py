@@ -282,3 +282,23 @@ def test_key_spellings_and_path_spellings_that_must_not_pass(qa_stack: tuple) ->
                  "/%63onsole/api/info", "/console/%61pi/requests", "/%6detrics", "/v1/models/%2e%2e"]:
         method = "POST" if "completions" in path or "tokenize" in path or "invocations" in path else "GET"
         assert _raw(stack, method, path, [], body if method == "POST" else b"") in (401, 404), path
+
+
+def test_requests_per_minute_covers_the_tokenizer_routes(qa_stack: tuple) -> None:
+    """/tokenize, /detokenize, /tokenizer_info and count_tokens make the shared tokenizers work (a chat template, up
+    to --max-prompt-bytes of text) but took nothing from requests_per_minute: a tenant held to 2 requests a minute
+    could send them without end, slowing every other tenant's prompts."""
+    stack, _, keys_path, _ = qa_stack
+    key = add_key(keys_path, "tokenizing", {"requests_per_minute": 3})[1]
+    auth = {"Authorization": f"Bearer {key}"}
+    wait_until(lambda: HTTP.get(stack.url + "/v1/models", headers=auth).status_code == 200, 10, "the key to work")
+    assert stack.post("/tokenize", {"model": MODEL, "prompt": "hi"}, headers=auth).status_code == 200
+    assert stack.post("/detokenize", {"model": MODEL, "tokens": [1]}, headers=auth).status_code == 200
+    counted = stack.post("/v1/messages/count_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                         headers={"x-api-key": key})
+    assert counted.status_code == 200, counted.text
+    refused = stack.post("/tokenize", {"model": MODEL, "prompt": "hi"}, headers=auth)
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "requests"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 20
+    assert _post(stack, key, max_tokens=1).status_code == 429  # one bucket for every route
+    assert HTTP.get(stack.url + "/v1/models", headers=auth).status_code == 200  # listing models is free

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -35,6 +36,9 @@ RETRY_AFTER_S = "1"
 # the routes whose POSTs are generation requests, counted per tenant by status (docs/tenants.md)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                               "/invocations"})
+# the routes that make the (shared) tokenizers work without generating: each takes one of a tenant's
+# requests_per_minute, as a generation request does (docs/tenants.md)
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/v1/messages/count_tokens"})
 CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what --allowed-methods '*' allows
 CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
@@ -195,6 +199,12 @@ def auth_middleware(state: ApiState) -> Middleware:
                                 "" if expected is not None else ", and this server has none")
                 raise
         found = request.get(TENANT)
+        if found is not None and found is not DEFAULT_TENANT and request.path in TOKENIZER_PATHS:
+            try:
+                state.gate.admit_utility(found[1], time.monotonic())
+            except RateLimitError as exc:
+                state.metrics.tenant_rejected(found[1].name, exc.error_type)
+                raise
         if found is None or request.method != "POST" or request.path not in GENERATION_PATHS:
             return await handler(request)
         try:

@@ -307,15 +307,24 @@ class QuotaGate:
                 wait = usage.tokens.seconds_until(0.0)
                 raise RateLimitError(f"tenant {tenant.name!r} used its {tenant.tokens_per_minute} tokens per minute",
                                      "tokens", math.ceil(wait))
-        if usage.requests is not None:
-            usage.requests.refill(now)
-            if usage.requests.level < 1:
-                wait = usage.requests.seconds_until(1.0)
-                raise RateLimitError(f"tenant {tenant.name!r} used its {tenant.requests_per_minute} requests per "
-                                     "minute", "requests", math.ceil(wait))
-            usage.requests.level -= 1
+        self._take_request(tenant, usage, now)
         usage.in_flight += 1
         return Lease(tenant)
+
+    def admit_utility(self, tenant: Tenant, now: float) -> None:
+        """A tokenizer route's request (/tokenize, count_tokens, ...): it takes one of the tenant's requests per
+        minute (it makes the shared tokenizers work), or RateLimitError; no lease, no tokens."""
+        self._take_request(tenant, self._usage(tenant, now), now)
+
+    def _take_request(self, tenant: Tenant, usage: Usage, now: float) -> None:
+        if usage.requests is None:
+            return
+        usage.requests.refill(now)
+        if usage.requests.level < 1:
+            wait = usage.requests.seconds_until(1.0)
+            raise RateLimitError(f"tenant {tenant.name!r} used its {tenant.requests_per_minute} requests per minute",
+                                 "requests", math.ceil(wait))
+        usage.requests.level -= 1
 
     def charge(self, lease: Lease, num_tokens: int, now: float) -> None:
         """The request has used `num_tokens` so far (prompt + completion, a running total): the bucket is charged
