@@ -178,6 +178,7 @@ def test_a_client_that_leaves_a_stream_gives_its_concurrency_slot_back(qa_stack:
         assert _post(stack, key, max_tokens=1).status_code == 429  # the stream holds the only slot
     line = _usage_line(usage_path, request_id)  # written as the api sees the client go
     assert line["status"] == 499 and line["completion_tokens"] < 400
+    assert line["charged_tokens"] == line["prompt_tokens"] + line["completion_tokens"]
     assert _post(stack, key, max_tokens=1).status_code == 200  # the slot came back with the line
 
 
