@@ -44,6 +44,8 @@ def test_keys_files_that_are_not_keys_files_are_config_errors(tmp_path: Path) ->
         path.write_bytes(content)
         with pytest.raises(ConfigError):
             read_keys_file(path)
+        with pytest.raises(ConfigError):  # `pagoda keys add` on it: one line, not a traceback
+            add_key(path, "a", {})
 
 
 # ---------------------------------------------------------------- the api process

@@ -144,7 +144,10 @@ def read_keys_file(path: str | Path) -> dict[str, tuple[str, Tenant]]:
 def load_document(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {"tenants": {}, "keys": []}
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"the keys file {path} is not JSON: {exc}", param="api_keys_file") from exc
     parse_keys(data)  # refuse to edit a file that would not load
     return data
 
