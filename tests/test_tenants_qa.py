@@ -305,3 +305,38 @@ def test_requests_per_minute_covers_the_tokenizer_routes(qa_stack: tuple) -> Non
     assert 1 <= int(refused.headers["Retry-After"]) <= 20
     assert _post(stack, key, max_tokens=1).status_code == 429  # one bucket for every route
     assert HTTP.get(stack.url + "/v1/models", headers=auth).status_code == 200  # listing models is free
+
+
+def test_refusals_by_the_tokenizer_are_usage_logged_and_quota_refusals_are_not(qa_stack: tuple) -> None:
+    """docs/tenants.md: a request admitted by its tenant's quotas gets a usage line however it ends (a tokenizer's
+    400 included, with no tokens); one refused before that (429) only counts in pagoda_tenant_requests_total."""
+    stack, _, keys_path, usage_path = qa_stack
+    key = add_key(keys_path, "refusals", {"requests_per_minute": 2})[1]
+    wait_until(lambda: _post(stack, key, "reject this", max_tokens=1).status_code == 400, 10, "the key to work")
+    assert _post(stack, key, "fine", max_tokens=1).status_code == 200
+    assert _post(stack, key, "fine", max_tokens=1).status_code == 429
+    lines = [json.loads(text) for text in usage_path.read_text().splitlines()]
+    mine = [(line["status"], line["charged_tokens"]) for line in lines if line["tenant"] == "refusals"]
+    assert mine == [(400, 0), (200, 2)]  # the fake counts a prompt word as a token: 1 + 1 generated
+    assert _tenant_requests(stack, "refusals", 429) == 1 and _tenant_requests(stack, "refusals", 400) == 1
+
+
+def test_the_engine_keeps_tenants_cached_prefixes_apart(smollm2_dir: Path, tmp_path: Path) -> None:
+    """--prefix-cache-isolation tenant, end to end on SmolLM2: a prompt tenant A sent is cached for A, and tenant B
+    (or the operator) sending it learns nothing (cached_tokens 0), whatever cache_salt B sends."""
+    from tests.harness import SERVED, running_server
+
+    keys_path = tmp_path / "keys.json"
+    key_a, key_b = (add_key(keys_path, name, {})[1] for name in ("a", "b"))
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12  # several blocks
+    with running_server(smollm2_dir, "--api-keys-file", str(keys_path), "--prefix-cache-isolation", "tenant",
+                        "--api-key", "operator") as server:
+        def cached(key: str, **body: object) -> int:
+            response = HTTP.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": SERVED, "prompt": prompt, "max_tokens": 1, **body}, timeout=120)
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(key_a) == 0
+        assert cached(key_a) > 0  # the control: A's own repeat hits
+        assert cached(key_b) == cached(key_b, cache_salt="x") == cached("operator") == 0
