@@ -108,7 +108,9 @@ def test_a_tenant_may_name_only_the_aliases_its_models_list(tmp_path: Path) -> N
             assert served.status_code == 200, (path, served.text)
             assert served.json().get("model", "alias-b") == "alias-b"  # never the alias it may not use
         unknown = stack.post("/v1/completions", {"model": "nope", "prompt": "hi"}, headers=auth)
-        assert unknown.status_code == 404 and "alias-a" not in unknown.text
+        assert unknown.status_code == 404 and "alias-a" not in unknown.text and "alias-b" in unknown.text
+        hidden = stack.post("/v1/completions", {"model": "alias-a", "prompt": "hi"}, headers=auth)
+        assert hidden.text.replace("alias-a", "nope") == unknown.text  # a served name it may not use: no tell
         listed = HTTP.get(stack.url + "/v1/models", headers=auth).json()["data"]
         assert [card["id"] for card in listed] == ["alias-b"]
         assert HTTP.get(stack.url + "/v1/models/alias-a", headers=auth).status_code == 404

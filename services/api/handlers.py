@@ -148,20 +148,26 @@ class Handlers:
 
     def _check_model(self, name: str | None, request: web.Request) -> str:
         """The name the answer reports. A tenant may send only the names its `models` lists (an alias of the same
-        model it does not list is another served name: 404), and learns nothing of the names it may not use."""
+        model it does not list is another served name: 404), and learns nothing of the names it may not use: a
+        refused name, served or not, gets one message, naming only what the tenant may use."""
+        state = self.state
         tenant = _tenant(request)
         allowed = self._allowed_names(tenant)
-        if tenant is not None and (not allowed or (name is not None and name not in allowed)):
-            self.state.metrics.tenant_rejected(tenant.name, "model")
+        if not allowed:  # a tenant that may use no served name learns none
+            assert tenant is not None
+            state.metrics.tenant_rejected(tenant.name, "model")
             raise ModelNotFoundError(f"The model `{name}` does not exist or your API key may not use it." if name
                                      else "This server serves no model your API key may use.")
-        if name is not None and name not in self.state.model_names:
-            raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
-                                     f"`{self.state.served_model_name}`.")
-        if self.state.served_model_name in allowed:
-            return self.state.served_model_name
-        # a tenant allowed another alias only: its answers name that alias, never the one it may not use
-        return name or next(n for n in (*self.state.served_names, *sorted(allowed)) if n in allowed)
+        # what answers and refusals name: the first served name, else the first the tenant may use
+        shown = next((n for n in (*state.served_names, state.served_model_name, *sorted(allowed)) if n in allowed))
+        if name is not None and name not in allowed:
+            if allowed == state.model_names:  # every name is allowed: this one is not served
+                raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves `{shown}`.")
+            if tenant is not None and name in state.model_names:  # refused by its list, not a typo
+                state.metrics.tenant_rejected(tenant.name, "model")
+            raise ModelNotFoundError(f"The model `{name}` does not exist or your API key may not use it; it may use "
+                                     f"`{shown}`.")
+        return state.served_model_name if state.served_model_name in allowed else name or shown
 
     async def _body(self, request: web.Request) -> bytes:
         """The body, read within body_read_timeout (a slow client gets 408); aiohttp keeps it for a second read."""
