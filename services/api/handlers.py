@@ -352,8 +352,9 @@ class Handlers:
             raise
 
     def _charge(self, lease: Lease | None, gen: Generation) -> None:
-        """Charge the tenant's tokens_per_minute the tokens its request has used so far."""
-        if lease is not None:
+        """Charge the tenant's tokens_per_minute the tokens its request has used so far (per batch: nothing to do
+        for a tenant without that quota, whose whole count release() takes at the end)."""
+        if lease is not None and lease.tenant.tokens_per_minute:
             self.state.gate.charge(lease, gen.prompt_tokens + gen.completion_tokens, time.monotonic())
 
     def _account(self, found: tuple[str, Tenant] | None, lease: Lease | None, gen: Generation | None,
