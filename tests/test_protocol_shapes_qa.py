@@ -158,17 +158,6 @@ def test_parallel_tool_results_are_one_user_turn_for_a_template_without_tools(tm
     """The Hermes prompt pagoda writes for a template that takes no tools puts the results of one turn's calls in
     one user turn (Qwen2.5's Hermes template groups consecutive tool messages so). Each result used to be a user
     turn of its own: a template that requires alternating turns refused a parallel call's round trip with a 400."""
-    import shutil
-
-    import msgspec
-
-    from pagoda.services.protocol.schemas import MessageBody, chat_messages
-    from pagoda.services.tokenizer.prompts import tokenize_prompt
-    from pagoda.services.tokenizer.tokenizer import Tokenizer
-
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, tmp_path / name)
-    (tmp_path / "chat_template.jinja").write_text(ALTERNATING)
     messages = [{"role": "user", "content": "Weather in Paris and Rome?"},
                 {"role": "assistant", "content": None,
                  "tool_calls": [_call("call_1", "Paris"), _call("call_2", "Rome")]},
@@ -178,16 +167,46 @@ def test_parallel_tool_results_are_one_user_turn_for_a_template_without_tools(tm
                 {"role": "user", "content": "And Oslo?"},
                 {"role": "assistant", "content": None, "tool_calls": [_call("call_3", "Oslo")]},
                 {"role": "tool", "tool_call_id": "call_3", "content": "snow"}]
-    prompt = tokenize_prompt(Tokenizer(tmp_path), prompt_text=None, prompt_token_ids=None,
-                             messages=chat_messages([msgspec.convert(m, MessageBody) for m in messages]),
-                             add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None,
-                             tools=[WEATHER])
-    assert prompt.text is not None
-    turns = prompt.text.split("[INST] ")[1:]
+    text = _rendered(tmp_path, smollm2_dir, messages)
+    turns = text.split("[INST] ")[1:]
     assert len(turns) == 4
     assert turns[1].startswith("<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n</tool_response>"
                                " [/INST] Sunny in Paris")
     assert turns[3] == "<tool_response>\nsnow\n</tool_response> [/INST]"
+
+
+def test_a_user_message_after_tool_results_joins_their_turn_for_a_template_without_tools(tmp_path: Any,
+                                                                                         smollm2_dir: Any) -> None:
+    """A user turn that holds tool results and text (Anthropic's tool_result blocks beside a text block, which
+    Claude Code sends; chat's tool messages then a user message) is one user turn of the Hermes prompt. It was two
+    user turns in a row: a template that requires alternating turns refused it with a 400."""
+    text = _rendered(tmp_path, smollm2_dir, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("call_1", "Paris")]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": [{"type": "text", "text": "Thanks."}, {"type": "text", "text": "And Rome?"}]}])
+    assert text.split("[INST] ")[2] == "<tool_response>\nsunny\n</tool_response>\nThanks.\nAnd Rome? [/INST]"
+
+
+def _rendered(folder: Any, smollm2_dir: Any, messages: list[dict[str, Any]]) -> str:
+    """The served prompt of `messages` (with the weather tool) under the ALTERNATING template."""
+    import shutil
+
+    import msgspec
+
+    from pagoda.services.protocol.schemas import MessageBody, chat_messages
+    from pagoda.services.tokenizer.prompts import tokenize_prompt
+    from pagoda.services.tokenizer.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    (folder / "chat_template.jinja").write_text(ALTERNATING)
+    prompt = tokenize_prompt(Tokenizer(folder), prompt_text=None, prompt_token_ids=None,
+                             messages=chat_messages([msgspec.convert(m, MessageBody) for m in messages]),
+                             add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None,
+                             tools=[WEATHER])
+    assert prompt.text is not None
+    return prompt.text
 
 
 # --------------------------------------------------------------------------------------------

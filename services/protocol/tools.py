@@ -115,7 +115,8 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     """The conversation for a template that knows nothing of tools: the tool list joins the system prompt,
     assistant tool calls become `<tool_call>` text, tool results become a user turn in `<tool_response>`: the
     results of one turn's calls (consecutive tool messages) share one user turn, as Qwen2.5's Hermes template writes
-    them, so that a template that requires user and assistant turns to alternate takes parallel calls too."""
+    them, and a user message right after them joins it too (Anthropic's user turn of tool_result blocks and text),
+    so that a template that requires user and assistant turns to alternate takes either."""
     out: list[dict[str, Any]] = []
     previous = ""  # the role of the message before this one
     for message in messages:
@@ -130,6 +131,8 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
                 out[-1]["content"] += "\n" + response
             else:
                 out.append({"role": "user", "content": response})
+        elif role == "user" and previous == "tool":
+            out[-1]["content"] += "\n" + _text(message.get("content"))
         else:
             out.append({key: value for key, value in message.items()
                         if key in ("role", "content", "name", "reasoning")})
