@@ -279,3 +279,16 @@ def test_the_console_takes_the_operators_key_not_a_tenants(tenant_stack: tuple) 
     url = stack.url + "/console/api/info"
     assert HTTP.get(url, headers={"Authorization": f"Bearer {keys['one']}"}).status_code == 401
     assert HTTP.get(url, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_operator_key_is_refused_not_taken_for_no_key(key: str) -> None:
+    """`--api-key "$UNSET"` in a script served every route without authentication (the api process read "" as no
+    key); the launcher's config refuses it before any process starts."""
+    with pytest.raises(ConfigError, match="api-key is empty") as refused:
+        ServerConfig(api_key=key)
+    assert refused.value.param == "api_key"
+    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", "tiny", "--load-format", "dummy",
+                             "--api-key", key], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "api-key is empty" in result.stderr
