@@ -615,6 +615,7 @@ class Accepted(msgspec.Struct, array_like=True, tag="accepted", frozen=True, omi
     prompt_text: str | None = None
     prompt_token_ids: list[int] = []  # only when the request asked (return_token_ids)
     opening: bytes = b""  # rendered requests that stream: the SSE bytes of this prompt's choices before any token
+    prompt_reasoning: str = ""  # chat with a reasoning parser: where the prompt left the think block
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):

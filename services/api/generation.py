@@ -105,6 +105,7 @@ class Generation:
                 self.prompt_texts[i] = reply.prompt_text or ""
                 self.prompt_token_ids[i] = reply.prompt_token_ids
                 self.openings[i] = reply.opening
+                self.renderer.prompt_accepted(reply.prompt_reasoning)
                 pending.discard(reply.request_id)
             elif isinstance(reply, list | Rows):
                 self._early.append(reply)

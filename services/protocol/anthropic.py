@@ -594,6 +594,9 @@ class MessagesRenderer(Renderer):
         self.stream = stream
         self.builder = BlockBuilder(spec)
 
+    def prompt_accepted(self, prompt_reasoning: str) -> None:
+        self.builder.stream.after_prompt(prompt_reasoning)
+
     def message(self, usage: dict[str, Any] | None, num_prompt_tokens: int = 0) -> dict[str, Any]:
         """The Message: the content so far and, once it ended, its stop reason and usage."""
         done = usage is not None

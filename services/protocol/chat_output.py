@@ -8,7 +8,7 @@ later deltas carry argument fragments. Text that may begin a tool call is held b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagoda.services.protocol.reasoning import ReasoningStream, split_reasoning
@@ -30,6 +30,7 @@ class ChatOutputSpec:
     tool_name: str = ""  # named mode
     reasoning_parser: str | None = None
     max_calls: int = 0  # parallel_tool_calls=false: 1 (the first call is kept); 0: no limit
+    prompt_reasoning: str = ""  # where the prompt left the think block (reasoning.prompt_reasoning), once tokenized
 
     @property
     def active(self) -> bool:
@@ -38,7 +39,7 @@ class ChatOutputSpec:
 
 def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool]:
     """The message of a finished choice, and whether it calls tools."""
-    reasoning, content = (split_reasoning(spec.reasoning_parser, text) if spec.reasoning_parser
+    reasoning, content = (split_reasoning(spec.reasoning_parser, text, spec.prompt_reasoning) if spec.reasoning_parser
                           else (None, text))
     calls = _calls(spec, content)
     message: dict[str, Any] = {"role": "assistant"}
@@ -86,7 +87,13 @@ class ChoiceStream:
 
     def __post_init__(self) -> None:
         if self.spec.reasoning_parser is not None:
-            self.reasoning = ReasoningStream(self.spec.reasoning_parser)
+            self.reasoning = ReasoningStream(self.spec.reasoning_parser, self.spec.prompt_reasoning)
+
+    def after_prompt(self, prompt_reasoning: str) -> None:
+        """Before any text: the prompt was rendered, and left the think block so (reasoning.prompt_reasoning)."""
+        if self.reasoning is not None:
+            self.spec = replace(self.spec, prompt_reasoning=prompt_reasoning)
+            self.reasoning = ReasoningStream(self.reasoning.parser, prompt_reasoning)
 
     def push(self, text: str) -> list[dict[str, Any]]:
         if self.reasoning is None:

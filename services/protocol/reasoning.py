@@ -3,6 +3,11 @@
 - qwen3: reasoning only when the output opens with `<think>` (enable_thinking=False gives none).
 - deepseek_r1: the template opens the think block in the prompt, so the output starts inside it and
   everything up to `</think>` is reasoning; an output that never closes it is all reasoning.
+
+Either parser follows the prompt where its end says (vLLM's `prompt_is_reasoning_end`, and its qwen3 parser for
+Qwen3-Thinking-2507 and Qwen3.5, whose templates open the block): a prompt that opened the think block (ends with
+`<think>`) starts the output inside it; one that closed it (ends with `</think>`: enable_thinking=False) makes the
+whole output content.
 """
 
 from __future__ import annotations
@@ -11,11 +16,18 @@ from dataclasses import dataclass
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START, THINK_END = "<think>", "</think>"
+PROMPT_OPENED, PROMPT_CLOSED = "opened", "closed"  # where the prompt left the think block; "" neither
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
-    """(reasoning_content or None, content) of a finished output."""
-    stream = ReasoningStream(parser)
+def prompt_reasoning(prompt_text: str) -> str:
+    """Whether the rendered prompt ends inside a think block it opened, or just after one it closed, or neither."""
+    end = prompt_text.rstrip()
+    return PROMPT_OPENED if end.endswith(THINK_START) else PROMPT_CLOSED if end.endswith(THINK_END) else ""
+
+
+def split_reasoning(parser: str, text: str, prompt: str = "") -> tuple[str | None, str]:
+    """(reasoning_content or None, content) of a finished output; `prompt` is prompt_reasoning's word."""
+    stream = ReasoningStream(parser, prompt)
     reasoning, content = stream.push(text)
     more_reasoning, more_content = stream.close()
     reasoning += more_reasoning
@@ -28,17 +40,21 @@ class ReasoningStream:
     """Splits streamed text; holds back a tail that may be the start of a marker."""
 
     parser: str
+    prompt: str = ""  # prompt_reasoning's word for the prompt this output continues
     state: str = "start"  # start -> reasoning -> content (or start -> content)
     pending: str = ""
     saw_reasoning: bool = False
     strip_newlines: bool = False  # just after </think>: the template's newlines are not content
-    opening: bool = True  # deepseek_r1: nothing of the reasoning seen yet (where a repeated opener may stand)
+    opening: bool = False  # the prompt opened the block and none of the reasoning was seen yet: a repeated
+    # opener may stand here
 
     def __post_init__(self) -> None:
         assert self.parser in REASONING_PARSERS, self.parser
-        if self.parser == "deepseek_r1":
-            self.state = "reasoning"
-            self.saw_reasoning = True
+        assert self.prompt in ("", PROMPT_OPENED, PROMPT_CLOSED), self.prompt
+        if self.prompt == PROMPT_CLOSED:
+            self.state = "content"  # the template closed the block: the model writes no reasoning
+        elif self.parser == "deepseek_r1" or self.prompt == PROMPT_OPENED:
+            self.state, self.saw_reasoning, self.opening = "reasoning", True, True
 
     def push(self, text: str) -> tuple[str, str]:
         """(reasoning, content) that can be sent now."""
@@ -54,7 +70,7 @@ class ReasoningStream:
             else:
                 self.state = "content"
         if self.state == "reasoning":
-            if self.parser == "deepseek_r1" and self.opening:  # some R1 variants repeat the opener: dropped
+            if self.opening:  # some models repeat the opener the template wrote: dropped
                 stripped = self.pending.lstrip()
                 if len(stripped) < len(THINK_START) and THINK_START.startswith(stripped):
                     return "", ""  # may still become the opener, cut across tokens

@@ -9,7 +9,7 @@ tokenizer's `PromptView` (the one prompt it serves). Choice index = prompt index
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -196,6 +196,10 @@ class Renderer:
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
         self._text_parts: dict[int, tuple[bytes, bytes]] = {}  # choice index -> a text chunk's bytes around its text
 
+    def prompt_accepted(self, prompt_reasoning: str) -> None:
+        """The tokenizer rendered the prompt, which left the think block so (reasoning.prompt_reasoning): a
+        renderer that reads reasoning starts there."""
+
     def _with_ids(self, out: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
         """`out` with the choice's token ids, when asked for or when they are all there is (no tokenizer)."""
         if self.return_token_ids or token_ids:
@@ -345,6 +349,11 @@ class ChatRenderer(Renderer):
         self.echo_text = echo_text  # vLLM's chat echo: leads each choice's content
         self.role = role  # the answer's role (--response-role)
 
+    def prompt_accepted(self, prompt_reasoning: str) -> None:
+        if self.output is not None and self.output.reasoning_parser is not None:
+            self.output = replace(self.output, prompt_reasoning=prompt_reasoning)
+            self._streams = ChatStreams(self.output)
+
     def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
         logprobs = chat_logprobs(choice.logprobs, self.tokens_as_ids) if self.want_logprobs else None
         if self.output is not None:
@@ -437,13 +446,14 @@ def _with_stop_reason(choice: dict[str, Any], delta: TextDelta) -> dict[str, Any
     return choice
 
 
-def renderer_for(spec: RenderSpec) -> Renderer:
-    """The renderer a RenderSpec describes (the api builds the same one for the text path)."""
+def renderer_for(spec: RenderSpec, prompt_reasoning: str = "") -> Renderer:
+    """The renderer a RenderSpec describes (the api builds the same one for the text path); `prompt_reasoning`:
+    where the chat prompt left the think block (reasoning.prompt_reasoning), known once it is rendered."""
     vllm = {"continuous_usage": spec.continuous_usage, "prompt_logprobs": spec.prompt_logprobs,
             "tokens_as_ids": spec.tokens_as_ids}
     if spec.route == CHAT:
         output = ChatOutputSpec(spec.tool_mode, spec.tool_parser, spec.tool_name, spec.reasoning_parser,
-                                spec.max_calls)
+                                spec.max_calls, prompt_reasoning)
         return ChatRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
                             include_usage=spec.include_usage, output=output, return_token_ids=spec.return_token_ids,
                             echo_text=spec.echo_text, role=spec.role, **vllm)
@@ -455,9 +465,10 @@ def renderer_for(spec: RenderSpec) -> Renderer:
 class PromptRenderer:
     """The tokenizer's renderer for one prompt of a response: its choices' bytes as their deltas come."""
 
-    def __init__(self, spec: RenderSpec, n: int, prompt_text: str, prompt_token_ids: list[int]) -> None:
+    def __init__(self, spec: RenderSpec, n: int, prompt_text: str, prompt_token_ids: list[int],
+                 prompt_reasoning: str = "") -> None:
         self.stream = spec.stream
-        self.renderer = renderer_for(spec)
+        self.renderer = renderer_for(spec, prompt_reasoning)
         self._prompt = spec.first_choice // n
         self.view = PromptView(n, [Choice(spec.first_choice + i, len(prompt_token_ids)) for i in range(n)],
                                {self._prompt: prompt_text}, {self._prompt: prompt_token_ids}, {self._prompt: []})

@@ -668,6 +668,9 @@ class ResponsesRenderer(Renderer):
         self.builder = OutputBuilder(spec, want_logprobs, tokens_as_ids)
         self.sequence_number = 0
 
+    def prompt_accepted(self, prompt_reasoning: str) -> None:
+        self.builder.stream.after_prompt(prompt_reasoning)
+
     def response(self, status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
         """The response object: the request's settings, the output so far and, once it ended, usage."""
         incomplete = status == "incomplete"

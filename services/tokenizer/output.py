@@ -106,12 +106,13 @@ class Outputs:
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
 
     def add(self, api: int, request: GenerateRequest, params: SamplingParams, prompt_token_ids: list[int],
-            echo: str | None, forced: list[int] | None = None) -> RequestState:
-        """A request admitted here: its completions' text streams, and its renderer when the api takes bytes."""
+            echo: str | None, forced: list[int] | None = None, prompt_reasoning: str = "") -> RequestState:
+        """A request admitted here: its completions' text streams, and its renderer when the api takes bytes
+        (`prompt_reasoning`: where a chat prompt left the think block, for the reasoning parser)."""
         streams: list[TextStream | None] = [TextStream(self.tokenizer, prompt_token_ids, params)
                                             for _ in range(params.n)]
         first_token = prompt_token_ids[0] if params.prompt_logprobs is not None else -1
-        renderer = (PromptRenderer(request.render, params.n, echo or "", prompt_token_ids)
+        renderer = (PromptRenderer(request.render, params.n, echo or "", prompt_token_ids, prompt_reasoning)
                     if request.render is not None else None)
         state = self.requests[request.request_id] = RequestState(
             api, params, streams, params.n, first_token, request.return_token_ids or self.tokenizer is None, renderer,

@@ -20,6 +20,7 @@ from pagoda.services.grammar.compiler import (
     ending_ids,
     fast_forward_tokens,
 )
+from pagoda.services.protocol.reasoning import prompt_reasoning
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.directory import Peers
 from pagoda.services.tokenizer.generation_config import sampling_defaults, with_default_max_tokens
@@ -294,13 +295,16 @@ class TokenizerService:
         # raises (503) when none is live
         replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt, request.prompt_cache_key)
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
-        renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced).renderer
+        # where the chat template left the think block: the reasoning parser starts there
+        reasoning = (prompt_reasoning(prompt.text or "") if request.messages is not None
+                     and self._reasoning_parser is not None else "")
+        renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced, reasoning).renderer
         self._to_replica(replica, AddRequest(
             request_id, prompt.token_ids, params, request.priority, request.arrival_time, request.tenant,
             request.tenant_weight, request.tenant_priority, forced, request.cache_salt))
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else [],
-                                     renderer.opening() if renderer is not None else b""))
+                                     renderer.opening() if renderer is not None else b"", reasoning))
 
     def _eos_ids(self, info: ModelInfo) -> set[int]:
         """The model's EOS ids and the tokenizer's."""

@@ -1,0 +1,196 @@
+"""Reasoning models as vLLM's users expect them (`--reasoning-parser qwen3|deepseek_r1`): the think block becomes
+`reasoning` and the rest `content`, whole and streamed, at every cut of what SmolLM2's tokenizer makes of it, and
+where the chat template left the block decides where the output starts (vLLM's `prompt_is_reasoning_end`, and its
+qwen3 parser for Qwen3-Thinking-2507 and Qwen3.5, whose templates open `<think>` in the prompt). One SmolLM2 server
+with the qwen3 parser checks the routes; a prefilled assistant turn stands in for a template that opens or closes
+the block."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, whole_message
+from pagoda.services.protocol.reasoning import PROMPT_CLOSED, PROMPT_OPENED, prompt_reasoning
+from tests.harness import SERVED, Server, http_client, running_server
+
+PARSERS = ("qwen3", "deepseek_r1")
+PROMPTS = ("", PROMPT_OPENED, PROMPT_CLOSED)
+
+
+def _expected(parser: str, prompt: str, text: str) -> tuple[str | None, str]:
+    """vLLM's split of a finished output, written apart from the parser: a prompt that closed the block makes all
+    content; one that opened it (or deepseek_r1, whose template always does) starts inside, where a repeated opener
+    is dropped; otherwise (qwen3) only an output that opens with `<think>` has reasoning. No `</think>`: the tokens
+    ran out inside the block, all of it is reasoning. The newlines right after `</think>` are the template's."""
+    if prompt == PROMPT_CLOSED:
+        return None, text
+    stripped = text.lstrip()
+    if parser == "qwen3" and prompt != PROMPT_OPENED and not stripped.startswith("<think>"):
+        return None, text
+    rest = stripped[len("<think>"):] if stripped.startswith("<think>") else text
+    reasoning, end, content = rest.partition("</think>")
+    return reasoning, content.lstrip("\n") if end else ""
+
+
+def _streamed(spec: ChatOutputSpec, pieces: list[str]) -> tuple[str | None, str]:
+    """(reasoning or None, content) as a client joins the deltas of these pieces."""
+    stream = ChoiceStream(spec)
+    deltas = [d for piece in pieces for d in stream.push(piece)] + stream.finish()[0]
+    reasoning = [d["reasoning"] for d in deltas if "reasoning" in d]
+    assert reasoning == [d["reasoning_content"] for d in deltas if "reasoning" in d]
+    assert all(r for r in reasoning), deltas  # no empty reasoning deltas
+    return ("".join(reasoning) if reasoning else None), "".join(d.get("content") or "" for d in deltas)
+
+
+def _token_pieces(tokenizer: Any, text: str) -> list[str]:
+    """The text as the detokenizer streams it: one piece per token, a character cut across tokens held back."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces, sent = [], ""
+    for i in range(1, len(ids) + 1):
+        prefix = tokenizer.decode(ids[:i])
+        if not prefix.endswith("\ufffd"):
+            pieces.append(prefix[len(sent):])
+            sent = prefix
+    assert sent == text
+    return pieces
+
+
+WORDS = ["<think>", "</think>", "<think>\n", "\n</think>\n\n", "<", "</", "think", ">", "\n", "\n\n", " ", "ok",
+         "Hm, let me see.", "é", "日本", "<tool_call>", "answer 4", "</thi", "nk>"]
+
+
+def test_prompt_reasoning_reads_where_the_template_left_the_block(tokenizer: Any) -> None:
+    """Qwen3-Thinking-2507's and Qwen3.5's generation prompt and DeepSeek-R1's open the block; Qwen3's
+    enable_thinking=False closes it; a prefilled assistant turn may do either."""
+    assert prompt_reasoning("<|im_start|>assistant\n<think>\n") == PROMPT_OPENED
+    assert prompt_reasoning("<｜Assistant｜><think>\n") == PROMPT_OPENED
+    assert prompt_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") == PROMPT_CLOSED
+    assert prompt_reasoning("<|im_start|>user\nsay <think>\n<|im_end|>\n<|im_start|>assistant\n") == ""
+    chat = [{"role": "user", "content": "hi"}]
+    assert prompt_reasoning(tokenizer.render_chat(chat)) == ""
+    opened = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n"}], False,
+                                   continue_final_message=True)
+    assert prompt_reasoning(opened) == PROMPT_OPENED
+    closed = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}], False,
+                                   continue_final_message=True)
+    assert prompt_reasoning(closed) == PROMPT_CLOSED
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_split_matches_vllm_at_every_cut(tokenizer: Any, parser: str, prompt: str) -> None:
+    """Seeded random outputs of markers, words, newlines and multi-byte characters: the whole message, the stream
+    token by token and the stream cut once at every character give vLLM's split."""
+    rng = random.Random(f"{parser}{prompt}")
+    texts = ["", "\n", "<think>", "</think>", "plain answer", "<think>a</think>", "a</think>b"]
+    texts += ["".join(rng.choice(WORDS) for _ in range(rng.randint(1, 7))) for _ in range(40)]
+    spec = ChatOutputSpec(reasoning_parser=parser, prompt_reasoning=prompt)
+    for text in texts:
+        want = _expected(parser, prompt, text)
+        message, calls = whole_message(spec, text)
+        assert (message["reasoning"], message["content"]) == want, (text, message)
+        assert message["reasoning_content"] == message["reasoning"] and not calls
+        got = _streamed(spec, _token_pieces(tokenizer, text))
+        assert got == (want[0] or None, want[1]), (text, got)
+        for cut in range(len(text) + 1):
+            got = _streamed(spec, [text[:cut], text[cut:]])
+            assert got == (want[0] or None, want[1]), (text, cut, got)
+
+
+def test_a_prompt_that_closed_the_block_makes_all_content_under_deepseek_r1() -> None:
+    """A template that closes the block itself (DeepSeek-V3.1's or Qwen3's with thinking off) gets an answer, not
+    reasoning: the grammar of response_format then applies from the first token (constrain_after_reasoning), and its
+    JSON came back as `reasoning` with `content` "" before, as did every other answer under deepseek_r1."""
+    spec = ChatOutputSpec(reasoning_parser="deepseek_r1", prompt_reasoning=prompt_reasoning("<think>\n\n</think>\n\n"))
+    message, _ = whole_message(spec, '{"a": 1}')
+    assert (message["content"], message["reasoning"]) == ('{"a": 1}', None)
+    assert _streamed(spec, ['{"a"', ": 1}"]) == (None, '{"a": 1}')
+
+
+def test_a_prompt_that_opened_the_block_starts_inside_it_under_qwen3() -> None:
+    """Qwen3-Thinking-2507's and Qwen3.5's templates write `<think>` in the prompt: the model writes only `</think>`.
+    Under the qwen3 parser the whole output (its `</think>` too) came back as content, with reasoning null."""
+    spec = ChatOutputSpec(reasoning_parser="qwen3", prompt_reasoning=PROMPT_OPENED)
+    message, _ = whole_message(spec, "Let me think.\n</think>\n\nIt is 4.")
+    assert (message["reasoning"], message["content"]) == ("Let me think.\n", "It is 4.")
+
+
+def test_hermes_calls_inside_the_thinking_are_no_calls() -> None:
+    """A `<tool_call>` the model writes while it thinks is reasoning; the call after `</think>` is the one made."""
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    text = f"<think>maybe {call.replace('1', '2')}</think>\n\n{call}"
+    for prompt in ("", PROMPT_OPENED):
+        spec = ChatOutputSpec("auto", "hermes", reasoning_parser="qwen3", prompt_reasoning=prompt)
+        body = text if not prompt else text[len("<think>"):]
+        message, calls = whole_message(spec, body)
+        assert calls and [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a": 1}']
+        assert "tool_call" in message["reasoning"] and not message["content"]
+
+
+# The routes, on one SmolLM2 server with the qwen3 parser
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[Server]:
+    with running_server(smollm2_dir, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                        "--enable-auto-tool-choice") as served:
+        yield served
+
+
+def _post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = http_client().post(server.url + path, json={"model": SERVED, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _events(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with http_client().stream("POST", server.url + path, json={"model": SERVED, "stream": True, **body},
+                              timeout=60) as response:
+        assert response.status_code == 200
+        return [json.loads(line[6:]) for line in response.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _prefilled(prefill: str, **body: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": prefill}],
+            "continue_final_message": True, "add_generation_prompt": False, "temperature": 0, **body}
+
+
+def test_chat_after_a_prompt_that_opened_the_block_is_reasoning(server: Server) -> None:
+    """The prompt ends inside the think block, the tokens run out before `</think>`: everything is reasoning,
+    streamed and not, finish_reason length (content was the model's thinking before)."""
+    body = _prefilled("<think>\n", max_tokens=12)
+    choice = _post(server, "/v1/chat/completions", body)["choices"][0]
+    message = choice["message"]
+    assert message["reasoning"] and message["reasoning"] == message["reasoning_content"]
+    assert not message["content"] and choice["finish_reason"] == "length"
+    chunks = _events(server, "/v1/chat/completions", body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_messages_after_a_prompt_that_opened_the_block_is_a_thinking_block(server: Server) -> None:
+    """The Messages API renders on the api side (the tokenizer says where the prompt left the block): a prefill
+    that opens it gives a thinking block, streamed and not."""
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\n"}],
+            "max_tokens": 8, "temperature": 0}
+    content = _post(server, "/v1/messages", body)["content"]
+    assert [block["type"] for block in content] == ["thinking"] and content[0]["thinking"]
+    events = _events(server, "/v1/messages", body)
+    thinking = "".join(e["delta"]["thinking"] for e in events if e["type"] == "content_block_delta")
+    assert thinking == content[0]["thinking"]
+
+
+def test_json_after_a_prompt_that_closed_the_block_is_content(server: Server) -> None:
+    """The template closed the block: the grammar applies from the first token and its JSON is the content."""
+    body = _prefilled("<think>\n\n</think>\n\n", max_tokens=20, response_format={"type": "json_object"})
+    message = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert message["reasoning"] is None and isinstance(json.loads(message["content"]), dict)
