@@ -17,6 +17,8 @@ import pytest
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, whole_message
 from pagoda.services.protocol.reasoning import PROMPT_CLOSED, PROMPT_OPENED, prompt_reasoning
+from pagoda.services.protocol.responses import OutputBuilder
+from pagoda.shared.messages import FinishReason, PositionLogprobs, TokenLogprob
 from tests.harness import SERVED, Server, http_client, running_server
 
 PARSERS = ("qwen3", "deepseek_r1")
@@ -194,3 +196,38 @@ def test_json_after_a_prompt_that_closed_the_block_is_content(server: Server) ->
     body = _prefilled("<think>\n\n</think>\n\n", max_tokens=20, response_format={"type": "json_object"})
     message = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
     assert message["reasoning"] is None and isinstance(json.loads(message["content"]), dict)
+
+
+def _position(token: str) -> PositionLogprobs:
+    return PositionLogprobs(TokenLogprob(token, 0, -0.5, list(token.encode())), [])
+
+
+@pytest.mark.parametrize("prompt", ["", PROMPT_OPENED])
+def test_responses_count_and_show_the_tokens_of_an_opener_cut_across_tokens(tokenizer: Any, prompt: str) -> None:
+    """SmolLM2 writes `<think>` as `<`, `think`, `>`: the tokens held while it may still be the opener are the
+    think block's (reasoning_tokens counts them, the markers' too), not the message's. The `<` (and whitespace before
+    it) was left out of reasoning_tokens and its logprob led the message's, whose text it is not part of."""
+    text = "\n<think>\nLet me see.</think>\n\nIt is 4."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = _token_pieces(tokenizer, text)
+    assert len(pieces) == len(ids) and pieces[1] == "<"
+    builder = OutputBuilder(ChatOutputSpec(reasoning_parser="qwen3", prompt_reasoning=prompt), want_logprobs=True)
+    for piece in pieces:
+        builder.push(piece, [_position(piece)], 1)
+    builder.finish(FinishReason.STOP)
+    reasoning, message = builder.items
+    num_answer = len(tokenizer.encode("It is 4.", add_special_tokens=False))
+    assert builder.num_reasoning_tokens == len(ids) - num_answer
+    assert [lp.sampled.token for lp in message.logprobs] == pieces[-num_answer:]
+    assert (reasoning.text, message.text) == ("\nLet me see.", "It is 4.")
+
+
+def test_responses_show_the_logprobs_of_a_held_start_that_was_no_opener(tokenizer: Any) -> None:
+    """Held as a possible `<think>` that turned out not to be: the tokens are the message's, logprobs included."""
+    builder = OutputBuilder(ChatOutputSpec(reasoning_parser="qwen3"), want_logprobs=True)
+    for piece in ["\n", "<", "b>", " hi"]:
+        builder.push(piece, [_position(piece)], 1)
+    builder.finish(FinishReason.STOP)
+    [message] = builder.items
+    assert message.text == "\n<b> hi" and [lp.sampled.token for lp in message.logprobs] == ["\n", "<", "b>", " hi"]
+    assert builder.num_reasoning_tokens == 0

@@ -525,21 +525,39 @@ class OutputBuilder:
         self.held_space = ""  # whitespace-only content not shown yet: before a function call it is dropped
         self.pending: list[PositionLogprobs] = []  # logprobs of tokens whose content is not shown yet
         self.num_reasoning_tokens = 0
+        # tokens held while they may still open a think block (qwen3: `<`, `think`, ...): the block's if they do
+        self.num_undecided_tokens = 0
+        self.undecided: list[PositionLogprobs] = []
         self.finish_reason = -1
 
     def push(self, text: str, logprobs: list[PositionLogprobs], num_new_tokens: int) -> list[dict[str, Any]]:
         reasoning = self.stream.reasoning
         in_reasoning = reasoning is not None and reasoning.state == "reasoning"
         parts = self.stream.push(text)
-        if reasoning is not None and (in_reasoning or reasoning.state == "reasoning"):
-            self.num_reasoning_tokens += num_new_tokens  # the think block's tokens, its markers' too
-        elif self.want_logprobs:
-            self.pending.extend(logprobs)  # reasoning has no logprobs field: its tokens' are not shown
+        if reasoning is not None and reasoning.state == "start":
+            self.num_undecided_tokens += num_new_tokens
+            self.undecided.extend(logprobs)
+        elif reasoning is not None and (in_reasoning or reasoning.state == "reasoning" or reasoning.strip_newlines):
+            # the think block's tokens, its markers' and the newlines after it too (none is the message's text);
+            # reasoning has no logprobs field: their logprobs are not shown
+            self.num_reasoning_tokens += num_new_tokens + self.num_undecided_tokens
+            self.num_undecided_tokens, self.undecided = 0, []
+        else:
+            self._decided_content()
+            if self.want_logprobs:
+                self.pending.extend(logprobs)
         return self._parts(parts)
+
+    def _decided_content(self) -> None:
+        """The tokens held at the start opened no think block: they are the message's."""
+        if self.want_logprobs:
+            self.pending.extend(self.undecided)
+        self.num_undecided_tokens, self.undecided = 0, []
 
     def finish(self, reason: int) -> list[dict[str, Any]]:
         """The last parts, then the open item closed: incomplete when the completion ran out of tokens."""
         self.finish_reason = reason
+        self._decided_content()
         parts, _ = self.stream.finish()
         events = self._parts(parts)
         if self.held_space or not self.items:  # an answer of whitespace (or nothing) is a message still
