@@ -73,12 +73,18 @@ def test_prompt_reasoning_reads_where_the_template_left_the_block(tokenizer: Any
     assert prompt_reasoning("<|im_start|>assistant\n<think>\n") == PROMPT_OPENED
     assert prompt_reasoning("<｜Assistant｜><think>\n") == PROMPT_OPENED
     assert prompt_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") == PROMPT_CLOSED
-    assert prompt_reasoning("<|im_start|>user\nsay <think>\n<|im_end|>\n<|im_start|>assistant\n") == ""
+    # an earlier turn's block kept in the history neither opens nor closes this answer's
+    history = "<|im_start|>assistant\n<think>\nr\n</think>\n\ncall<|im_end|>\n<|im_start|>user\nok<|im_end|>\n"
+    assert prompt_reasoning(history + "<|im_start|>assistant\n") == ""
+    assert prompt_reasoning(history + "<|im_start|>assistant\n<think>\n") == PROMPT_OPENED
     chat = [{"role": "user", "content": "hi"}]
     assert prompt_reasoning(tokenizer.render_chat(chat)) == ""
     opened = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n"}], False,
                                    continue_final_message=True)
     assert prompt_reasoning(opened) == PROMPT_OPENED
+    thinking = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\nSo far"}], False,
+                                     continue_final_message=True)  # a prefill of thinking begun
+    assert prompt_reasoning(thinking) == PROMPT_OPENED
     closed = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}], False,
                                    continue_final_message=True)
     assert prompt_reasoning(closed) == PROMPT_CLOSED
@@ -231,3 +237,16 @@ def test_responses_show_the_logprobs_of_a_held_start_that_was_no_opener(tokenize
     [message] = builder.items
     assert message.text == "\n<b> hi" and [lp.sampled.token for lp in message.logprobs] == ["\n", "<", "b>", " hi"]
     assert builder.num_reasoning_tokens == 0
+
+
+def test_json_after_a_prefill_of_thinking_begun_follows_the_think_block(server: Server) -> None:
+    """An assistant prefill that began the thinking (`<think>\\nok`): the grammar waits for `</think>` (nudged here
+    with logit_bias), and the parser too, so the JSON is the content; it was all content, `</think>` included."""
+    nudge = {str(i): 12 for i in (9617, 17400, 46)}  # SmolLM2's `</`, `think`, `>`
+    body = _prefilled("<think>\nok", max_tokens=30, logit_bias=nudge, response_format={"type": "json_object"})
+    message = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert message["reasoning"] is not None and "</think>" not in message["content"]
+    assert isinstance(json.loads(message["content"]), dict)
+    deltas = [c["choices"][0]["delta"] for c in _events(server, "/v1/chat/completions", body) if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]

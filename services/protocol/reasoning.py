@@ -4,10 +4,9 @@
 - deepseek_r1: the template opens the think block in the prompt, so the output starts inside it and
   everything up to `</think>` is reasoning; an output that never closes it is all reasoning.
 
-Either parser follows the prompt where its end says (vLLM's `prompt_is_reasoning_end`, and its qwen3 parser for
-Qwen3-Thinking-2507 and Qwen3.5, whose templates open the block): a prompt that opened the think block (ends with
-`<think>`) starts the output inside it; one that closed it (ends with `</think>`: enable_thinking=False) makes the
-whole output content.
+Either parser follows the prompt (vLLM's `prompt_is_reasoning_end`, and its qwen3 parser for Qwen3-Thinking-2507
+and Qwen3.5, whose templates open the block): a prompt inside a think block it opened starts the output inside it;
+one that ends by closing it (enable_thinking=False) makes the whole output content.
 """
 
 from __future__ import annotations
@@ -20,9 +19,13 @@ PROMPT_OPENED, PROMPT_CLOSED = "opened", "closed"  # where the prompt left the t
 
 
 def prompt_reasoning(prompt_text: str) -> str:
-    """Whether the rendered prompt ends inside a think block it opened, or just after one it closed, or neither."""
-    end = prompt_text.rstrip()
-    return PROMPT_OPENED if end.endswith(THINK_START) else PROMPT_CLOSED if end.endswith(THINK_END) else ""
+    """Whether the rendered prompt ends inside a think block it opened (its last marker is `<think>`: the template's,
+    or an assistant prefill's thinking), or just after one it closed, or neither. Closed only at its very end, as
+    constrain_after_reasoning reads it: an earlier turn's block kept in the history (Qwen3's tool turns) closes
+    nothing of this answer."""
+    if prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END):
+        return PROMPT_OPENED
+    return PROMPT_CLOSED if prompt_text.rstrip().endswith(THINK_END) else ""
 
 
 def split_reasoning(parser: str, text: str, prompt: str = "") -> tuple[str | None, str]:
