@@ -77,14 +77,16 @@ def test_prompt_reasoning_reads_where_the_template_left_the_block(tokenizer: Any
     history = "<|im_start|>assistant\n<think>\nr\n</think>\n\ncall<|im_end|>\n<|im_start|>user\nok<|im_end|>\n"
     assert prompt_reasoning(history + "<|im_start|>assistant\n") == ""
     assert prompt_reasoning(history + "<|im_start|>assistant\n<think>\n") == PROMPT_OPENED
+    markers = tokenizer.hf.all_special_tokens
     chat = [{"role": "user", "content": "hi"}]
-    assert prompt_reasoning(tokenizer.render_chat(chat)) == ""
+    told = tokenizer.render_chat([{"role": "system", "content": "Reason inside <think> tags."}, *chat])
+    assert prompt_reasoning(told, markers) == "" and prompt_reasoning(told + "<think>\n", markers) == PROMPT_OPENED
     opened = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n"}], False,
                                    continue_final_message=True)
-    assert prompt_reasoning(opened) == PROMPT_OPENED
+    assert prompt_reasoning(opened, tokenizer.hf.all_special_tokens) == PROMPT_OPENED
     thinking = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\nSo far"}], False,
                                      continue_final_message=True)  # a prefill of thinking begun
-    assert prompt_reasoning(thinking) == PROMPT_OPENED
+    assert prompt_reasoning(thinking, tokenizer.hf.all_special_tokens) == PROMPT_OPENED
     closed = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}], False,
                                    continue_final_message=True)
     assert prompt_reasoning(closed) == PROMPT_CLOSED
@@ -250,3 +252,11 @@ def test_json_after_a_prefill_of_thinking_begun_follows_the_think_block(server: 
     deltas = [c["choices"][0]["delta"] for c in _events(server, "/v1/chat/completions", body) if c["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+
+
+def test_a_system_prompt_that_mentions_think_tags_opens_no_block(server: Server) -> None:
+    """"Reason inside <think> tags" in the system prompt is no opener: an answer that opens no block is content."""
+    messages = [{"role": "system", "content": "Reason inside <think> tags."}, {"role": "user", "content": "hi"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "logit_bias": {"44": -100}}  # no `<`
+    message = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert message["content"] and message["reasoning"] is None

@@ -11,6 +11,7 @@ one that ends by closing it (enable_thinking=False) makes the whole output conte
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -18,13 +19,18 @@ THINK_START, THINK_END = "<think>", "</think>"
 PROMPT_OPENED, PROMPT_CLOSED = "opened", "closed"  # where the prompt left the think block; "" neither
 
 
-def prompt_reasoning(prompt_text: str) -> str:
+def prompt_reasoning(prompt_text: str, turn_markers: Iterable[str] = ()) -> str:
     """Whether the rendered prompt ends inside a think block it opened (its last marker is `<think>`: the template's,
-    or an assistant prefill's thinking), or just after one it closed, or neither. Closed only at its very end, as
+    or an assistant prefill's thinking begun), or just after one it closed, or neither. Opened only where none of
+    `turn_markers` (the tokenizer's special tokens: `<|im_end|>`, ...) follows that `<think>`: one a system or user
+    message mentions ("reason inside <think> tags") opens nothing. Closed only at its very end, as
     constrain_after_reasoning reads it: an earlier turn's block kept in the history (Qwen3's tool turns) closes
     nothing of this answer."""
-    if prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END):
-        return PROMPT_OPENED
+    start = prompt_text.rfind(THINK_START)
+    if start > prompt_text.rfind(THINK_END):
+        tail = prompt_text[start:]
+        if not any(marker and marker in tail for marker in turn_markers):
+            return PROMPT_OPENED
     return PROMPT_CLOSED if prompt_text.rstrip().endswith(THINK_END) else ""
 
 

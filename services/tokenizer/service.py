@@ -125,6 +125,8 @@ class TokenizerService:
         self._num_beats = 0
         self._grammars = LazyGrammarChecker(tokenizer)  # builds llguidance's tokenizer now, before registration
         self._reasoning_parser = server_config.reasoning_parser
+        # where a chat prompt's turns end: a <think> before one of them opens no think block (prompt_reasoning)
+        self._turn_markers = tuple(tokenizer.hf.all_special_tokens) if tokenizer is not None else ()
         self._fast_forward = fast_forward  # a grammar's forced start joins the prefill (compiler.fast_forward_tokens)
         self._max_logprobs = server_config.max_logprobs
         self._sampling_defaults = sampling_defaults or {}  # the model's generation config (generation_config.py)
@@ -296,7 +298,7 @@ class TokenizerService:
         replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt, request.prompt_cache_key)
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
         # where the chat template left the think block: the reasoning parser starts there
-        reasoning = (prompt_reasoning(prompt.text or "") if request.messages is not None
+        reasoning = (prompt_reasoning(prompt.text or "", self._turn_markers) if request.messages is not None
                      and self._reasoning_parser is not None else "")
         renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced, reasoning).renderer
         self._to_replica(replica, AddRequest(
