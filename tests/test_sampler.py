@@ -515,6 +515,43 @@ def test_cpu_nucleus_candidate_thresholds_match_reference(seed: int, first_width
     assert torch.equal(logits >= got[:, None], logits >= want[:, None])
 
 
+def test_cpu_nucleus_widens_only_the_sampled_rows_it_must(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy row's top_p never widens the candidates (its draw is the argmax: its threshold is its maximum), and
+    a sampled row whose nucleus is wide widens alone, not the whole batch (one such row made every row's topk
+    run 256 -> 2048 -> 16384 -> 49152 wide, slower than the sort it replaced)."""
+    from pagoda.services.worker import sampler
+
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", 4)
+    widths: list[tuple[int, int]] = []  # (rows, k) of each topk
+    topk = torch.Tensor.topk
+
+    def spy(self: torch.Tensor, k: int, *args, **kwargs):
+        widths.append((self.shape[0], k))
+        return topk(self, k, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "topk", spy)
+    vocab_size = 300
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(2, vocab_size, generator=gen) * 8  # [2, V]: nuclei of a few tokens
+    flat = torch.randn(1, vocab_size, generator=gen) * 0.01  # [1, V]: the nucleus is most of the row
+    logits = torch.cat([peaked, flat])  # [3, V]
+    settings = dict(temperature=torch.tensor([0.7, 0.7, 0.0]), top_p=torch.full((3,), 0.9))
+    meta = make_metadata(3, **settings, top_p_without_top_k=True)
+    got = sampler.truncation_thresholds(logits, meta, use_triton=False)  # [3]
+    assert widths == [(3, 4)]
+    assert got[2] == logits[2].max()  # the greedy row keeps its maximum
+    want = reference.truncation_thresholds(logits[:2], settings["temperature"][:2], None, settings["top_p"][:2], None)
+    assert torch.equal(logits[:2] >= got[:2, None], logits[:2] >= want[:, None])
+
+    widths.clear()
+    settings["temperature"][2] = 1.5  # now sampled: it alone widens, 4 -> 32 -> the whole row
+    meta = make_metadata(3, **settings, top_p_without_top_k=True)
+    got = sampler.truncation_thresholds(logits, meta, use_triton=False)  # [3]
+    assert widths[0] == (3, 4) and widths[1:] and all(rows == 1 for rows, _ in widths[1:])
+    want = reference.truncation_thresholds(logits, settings["temperature"], None, settings["top_p"], None)
+    assert torch.equal(logits >= got[:, None], logits >= want[:, None])
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. distributions with penalties, bias and truncation together
 

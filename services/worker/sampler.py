@@ -349,21 +349,24 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
     return threshold, None
 
 
-NUCLEUS_CANDIDATES = 256  # first candidate width for top-p rows without top-k; x8 while a row's nucleus is wider
+NUCLEUS_CANDIDATES = 256  # first candidate width for top-p rows without top-k; x8 for the rows whose nucleus is wider
 
 
 def _candidate_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_k: torch.Tensor | None,
                           max_top_k: int) -> torch.Tensor:
     """CPU thresholds [B] from the rows' largest logits instead of a full sort of [B, V] (a 49k-id row's sort
-    is most of a CPU decode step's sampling). Candidates: the batch's largest k, or for top-p rows without top-k
-    NUCLEUS_CANDIDATES widened x8 until each such row's nucleus fits (the whole row at worst, where topk is the
-    sort). Top-p runs over the candidates with the mass of the whole kept set {logit >= k-th} (ties beyond the
-    candidates included), so the result is reference.truncation_thresholds'."""
+    is most of a CPU decode step's sampling). Candidates: the batch's largest k, or for sampled top-p rows without
+    top-k NUCLEUS_CANDIDATES, widened x8 (then to the whole row, where topk is the sort) for only the rows whose
+    nucleus is wider. Top-p runs over the candidates with the mass of the whole kept set {logit >= k-th} (ties
+    beyond the candidates included), so the result is reference.truncation_thresholds' (up to fp32 rounding where
+    top_p equals a prefix's mass), except for greedy rows (T = 0): their threshold is the row's maximum, since the
+    draw takes their argmax whatever the threshold."""
     m = metadata
     vocab_size = logits.shape[1]
-    temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).unsqueeze(1)  # [B, 1]
-    has_k = top_k > 0 if top_k is not None else torch.zeros_like(m.temperature, dtype=torch.bool)  # [B]
-    nucleus = (m.top_p < 1.0) & ~has_k if m.top_p is not None else None  # [B]: top-p over the whole row
+    greedy = m.temperature == 0.0  # [B]
+    temperature = torch.where(greedy, 1.0, m.temperature).unsqueeze(1)  # [B, 1]
+    has_k = top_k > 0 if top_k is not None else torch.zeros_like(greedy)  # [B]
+    nucleus = (m.top_p < 1.0) & ~has_k & ~greedy if m.top_p is not None else None  # [B]: top-p over the whole row
     width = max_top_k
     if nucleus is not None and bool(nucleus.any()):
         width = max(width, min(NUCLEUS_CANDIDATES, vocab_size))
@@ -375,23 +378,37 @@ def _candidate_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_
         kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1))  # [B, 1]
         threshold = torch.where(has_k.unsqueeze(1), kth, threshold)  # [B, 1]
     if m.top_p is not None:
+        top_p = m.top_p.unsqueeze(1)  # [B, 1]
         weights = ((logits - row_max) / temperature).exp_().masked_fill_(logits < threshold, 0.0)  # [B, V]
         total = weights.sum(dim=1, keepdim=True)  # [B, 1]
-        while True:
-            kept = candidates.masked_fill(candidates < threshold, float("-inf"))  # [B, K]
-            cum = ((kept - row_max) / temperature).exp().cumsum(dim=1)  # [B, K]
-            reached = cum >= m.top_p.unsqueeze(1) * total  # [B, K]
-            short = nucleus & ~reached.any(dim=1) if nucleus is not None else None  # [B]: nucleus past K
-            if short is None or width >= vocab_size or not bool(short.any()):
-                break
-            width = min(width * 8, vocab_size)
-            candidates = logits.topk(width, dim=-1).values  # [B, K'] descending
-        index = reached.int().argmax(dim=1, keepdim=True)  # [B, 1] first True (0 when none)
-        pth = torch.where(reached.any(dim=1, keepdim=True), kept.gather(1, index), threshold)  # [B, 1]
-        threshold = torch.where(m.top_p.unsqueeze(1) < 1.0, torch.maximum(threshold, pth), threshold)
+        pth, reached = _top_p_cut(candidates, threshold, row_max, temperature, top_p, total)  # [B, 1], [B]
+        short = nucleus & ~reached if nucleus is not None else None  # [B]: the nucleus is wider than K
+        while short is not None and width < vocab_size and bool(short.any()):
+            width = width * 8 if width * 32 < vocab_size else vocab_size
+            rows = short.nonzero().squeeze(1)  # [R]
+            wider = logits[rows].topk(width, dim=-1).values  # [R, K'] descending
+            pth[rows], reached_rows = _top_p_cut(wider, threshold[rows], row_max[rows], temperature[rows],
+                                                 top_p[rows], total[rows])
+            short[rows] = ~reached_rows
+        threshold = torch.where(top_p < 1.0, torch.maximum(threshold, pth), threshold)  # [B, 1]
     if m.min_p is not None:
         threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p).unsqueeze(1))
+    threshold = torch.where(greedy.unsqueeze(1), row_max, threshold)  # [B, 1]
     return threshold.squeeze(1)  # [B]
+
+
+def _top_p_cut(candidates: torch.Tensor, threshold: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
+               top_p: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p threshold [R, 1] of rows from their largest logits candidates [R, K] (descending), given their
+    top-k threshold, max, temperature, top_p and the mass of their whole kept set (each [R, 1]): the first
+    candidate whose cumulative mass reaches top_p * total, else the top-k threshold; and whether it was reached
+    [R] bool."""
+    kept = candidates.masked_fill(candidates < threshold, float("-inf"))  # [R, K]
+    cum = ((kept - row_max) / temperature).exp().cumsum(dim=1)  # [R, K]
+    reached = cum >= top_p * total  # [R, K]
+    found = reached.any(dim=1)  # [R]
+    index = reached.int().argmax(dim=1, keepdim=True)  # [R, 1] first True (0 when none)
+    return torch.where(found.unsqueeze(1), kept.gather(1, index), threshold), found  # [R, 1], [R]
 
 
 # ---------------------------------------------------------------------------------------------
