@@ -118,7 +118,7 @@ def _add_keys_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     add.add_argument("--max-concurrent", dest="max_concurrent", type=int, default=None, help="0: no limit")
     add.add_argument("--requests-per-minute", dest="requests_per_minute", type=int, default=None)
     add.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=int, default=None,
-                     help="prompt + completion tokens, charged as requests end")
+                     help="prompt + completion tokens, charged as they come (a beam search: its beams)")
     add.add_argument("--priority", type=int, default=None, help="tier: lower tiers are scheduled first")
     add.add_argument("--weight", type=float, default=None, help="share of the running slots within a tier")
     revoke = keys_commands.add_parser("revoke", help="remove a key by its id")

@@ -320,7 +320,8 @@ class Handlers:
             status = 500
             raise
         finally:
-            self._account(found, lease, gen, spec, status, arrival, started_at, messages[0].params.beam_width)
+            self._account(found, lease, gen, spec, status, arrival, started_at, messages[0].params.beam_width,
+                          messages[0].params.max_tokens)
 
     def _scheduled_tenant(self, found: tuple[str, Tenant] | None) -> Tenant | None:
         """The tenant whose share of the engine the request runs in. The operator's key is tenant "default": beside a
@@ -358,12 +359,18 @@ class Handlers:
             self.state.gate.charge(lease, gen.prompt_tokens + gen.completion_tokens, time.monotonic())
 
     def _account(self, found: tuple[str, Tenant] | None, lease: Lease | None, gen: Generation | None,
-                 spec: RenderSpec, status: int, arrival: float, started_at: float, beam_width: int = 0) -> None:
-        """A finished generation request: its tokens charged to its tenant, counted, and logged for billing."""
+                 spec: RenderSpec, status: int, arrival: float, started_at: float, beam_width: int = 0,
+                 max_tokens: int | None = None) -> None:
+        """A finished generation request: its tokens charged to its tenant, counted, and logged for billing.
+        `beam_width` and `max_tokens`: a beam search's, which charge what its beams ran (or could run, when cut)."""
         prompt_tokens = gen.prompt_tokens if gen is not None else 0
         completion_tokens = gen.completion_tokens if gen is not None else 0
-        charged_tokens = prompt_tokens + _beam_tokens(gen, beam_width) if gen is not None and beam_width > gen.n \
-            else prompt_tokens + completion_tokens
+        if gen is not None and beam_width > gen.n:
+            stats = self.state.stats.latest
+            charged_tokens = prompt_tokens + _beam_tokens(gen, beam_width, max_tokens,
+                                                          stats.max_model_len if stats is not None else 0)
+        else:
+            charged_tokens = prompt_tokens + completion_tokens
         now = time.monotonic()
         if lease is not None:
             self.state.gate.release(lease, charged_tokens, now)
@@ -587,12 +594,21 @@ def _log_finished(inspector: RequestLog, record: RequestRecord, gen: Generation)
                 finish_reasons=[c.finish_reason for c in gen.choices])
 
 
-def _beam_tokens(gen: Generation, beam_width: int) -> int:
+def _beam_tokens(gen: Generation, beam_width: int, max_tokens: int | None, max_model_len: int) -> int:
     """The completion tokens a beam search ran, for its tenant's tokens_per_minute: each prompt's beam_width beams
     (best_of) for as many steps as its longest returned hypothesis, not only the n hypotheses its usage reports (a
-    tenant sending best_of 128, n 1 would otherwise pay for 1/128th of what it runs)."""
-    return sum(beam_width * max(c.num_tokens for c in gen.choices[i * gen.n:(i + 1) * gen.n])
-               for i in range(len(gen.num_prompt_tokens)))
+    tenant sending best_of 128, n 1 would otherwise pay for 1/128th of what it runs). A prompt whose search was cut
+    (the client left, a timeout, an error) returned no hypotheses, though its beams ran: it is charged its budget,
+    beam_width x max_tokens (or the context left after its prompt), else leaving just before the end would make
+    any search free."""
+    total = 0
+    for i, num_prompt_tokens in enumerate(gen.num_prompt_tokens):
+        choices = gen.choices[i * gen.n:(i + 1) * gen.n]
+        if all(c.finish_reason >= 0 for c in choices):
+            total += beam_width * max(c.num_tokens for c in choices)
+        elif num_prompt_tokens > 0:  # admitted, then cut before its hypotheses came back
+            total += beam_width * (max_tokens if max_tokens is not None else max(0, max_model_len - num_prompt_tokens))
+    return total
 
 
 def _prompt_size(message: GenerateRequest) -> str:
