@@ -328,9 +328,12 @@ class ServerConfig:
         for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", param=name)
-        if self.api_key is not None and not self.api_key.strip():  # `--api-key "$UNSET"`: not "no key"
-            raise ConfigError("--api-key is empty: give the key, or leave the flag out to serve without one",
-                              param="api_key")
+        if self.api_key is not None:
+            # a key from a file-made secret often ends in a newline, which no Authorization header carries
+            self.api_key = self.api_key.strip()
+            if not self.api_key:  # `--api-key "$UNSET"`: not "no key"
+                raise ConfigError("--api-key is empty: give the key, or leave the flag out to serve without one",
+                                  param="api_key")
         if self.api_key is None and self.api_key_file:
             self.api_key = read_key_file(self.api_key_file)
         if self.served_model_name is not None and not self.served_model_names():

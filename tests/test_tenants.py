@@ -292,3 +292,8 @@ def test_an_empty_operator_key_is_refused_not_taken_for_no_key(key: str) -> None
                              "--api-key", key], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "api-key is empty" in result.stderr
+
+
+def test_the_operator_key_loses_surrounding_whitespace() -> None:
+    """A key from a secret made with --from-file ends in a newline: compared as given, every request got a 401."""
+    assert ServerConfig(api_key="s3cret\n").api_key == "s3cret"
