@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
+from pagoda.services.grammar.compiler import constrain_after_reasoning
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, whole_message
 from pagoda.services.protocol.reasoning import PROMPT_CLOSED, PROMPT_OPENED, prompt_reasoning
 from pagoda.services.protocol.responses import OutputBuilder
-from pagoda.shared.messages import FinishReason, PositionLogprobs, TokenLogprob
+from pagoda.shared.messages import FinishReason, PositionLogprobs, SamplingParams, StructuredOutputs, TokenLogprob
 from tests.harness import SERVED, Server, http_client, running_server
 
 PARSERS = ("qwen3", "deepseek_r1")
@@ -74,10 +75,10 @@ def test_prompt_reasoning_reads_where_the_template_left_the_block(tokenizer: Any
     assert prompt_reasoning("<｜Assistant｜><think>\n") == PROMPT_OPENED
     assert prompt_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") == PROMPT_CLOSED
     # an earlier turn's block kept in the history neither opens nor closes this answer's
-    history = "<|im_start|>assistant\n<think>\nr\n</think>\n\ncall<|im_end|>\n<|im_start|>user\nok<|im_end|>\n"
-    assert prompt_reasoning(history + "<|im_start|>assistant\n") == ""
-    assert prompt_reasoning(history + "<|im_start|>assistant\n<think>\n") == PROMPT_OPENED
     markers = tokenizer.hf.all_special_tokens
+    history = "<|im_start|>assistant\n<think>\nr\n</think>\n\ncall<|im_end|>\n<|im_start|>user\nok<|im_end|>\n"
+    assert prompt_reasoning(history + "<|im_start|>assistant\n", markers) == ""
+    assert prompt_reasoning(history + "<|im_start|>assistant\n<think>\n", markers) == PROMPT_OPENED
     chat = [{"role": "user", "content": "hi"}]
     told = tokenizer.render_chat([{"role": "system", "content": "Reason inside <think> tags."}, *chat])
     assert prompt_reasoning(told, markers) == "" and prompt_reasoning(told + "<think>\n", markers) == PROMPT_OPENED
@@ -90,6 +91,25 @@ def test_prompt_reasoning_reads_where_the_template_left_the_block(tokenizer: Any
     closed = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}], False,
                                    continue_final_message=True)
     assert prompt_reasoning(closed) == PROMPT_CLOSED
+
+
+def test_prompt_reasoning_with_think_as_a_special_token_and_an_answer_prefill(tokenizer: Any) -> None:
+    """A tokenizer listing <think> / </think> among its special tokens (a common fine-tuning recipe) never found the
+    block opened (the <think> itself counted as a turn marker after it); a prefilled answer after an empty block
+    (Qwen3's template renders every final assistant message so) was "neither", so the grammar waited for a
+    </think> that never came and response_format was not applied."""
+    markers = (*tokenizer.hf.all_special_tokens, "<think>", "</think>")
+    assert prompt_reasoning("<|im_start|>assistant\n<think>\n", markers) == PROMPT_OPENED
+    chat = [{"role": "user", "content": "hi"}]
+    prefill = tokenizer.render_chat([*chat, {"role": "assistant", "content": "<think>\n\n</think>\n\n{"}], False,
+                                    continue_final_message=True)
+    assert prompt_reasoning(prefill, markers) == PROMPT_CLOSED
+    # a block closed in an earlier turn, or a </think> a user message mentions, closes nothing of this answer
+    told = tokenizer.render_chat([{"role": "user", "content": "What does </think> mean?"}])
+    assert prompt_reasoning(told, markers) == ""
+    params = SamplingParams(structured_outputs=StructuredOutputs(json_object=True))
+    closed = constrain_after_reasoning(params, prompt_closed=prompt_reasoning(prefill, markers) == PROMPT_CLOSED)
+    assert closed.structured_outputs.reasoning_end == ""  # the grammar starts where the parser says content does
 
 
 @pytest.mark.parametrize("parser", PARSERS)

@@ -306,8 +306,8 @@ def test_allowed_token_ids_mask_alone_and_narrowing_a_grammar(ll: llguidance.LLT
 
 def test_reasoning_models_are_constrained_after_think(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
     params = SamplingParams(structured_outputs=StructuredOutputs(choice=["yes"]))
-    assert constrain_after_reasoning(params, "<think>\n\n</think>\n\n").structured_outputs.reasoning_end == ""
-    params = constrain_after_reasoning(params, "<|im_start|>assistant\n")
+    assert constrain_after_reasoning(params, prompt_closed=True).structured_outputs.reasoning_end == ""
+    params = constrain_after_reasoning(params, prompt_closed=False)
     rows = _rows(ll, tokenizer.vocab_size)
     rows.apply(StepPlan(0, [], [], new_requests=[NewRequest(1, [3], 1, [0], 0, params, 0)]))
     for token_id in tokenizer.encode("<think>I may say no</thi", add_special_tokens=False):

@@ -223,11 +223,12 @@ def load_ll_tokenizer(folder: str, vocab_size: int, eos_token_ids: list[int]) ->
 REASONING_END = "</think>"
 
 
-def constrain_after_reasoning(params: SamplingParams, prompt_text: str) -> SamplingParams:
+def constrain_after_reasoning(params: SamplingParams, prompt_closed: bool) -> SamplingParams:
     """With a reasoning parser on, the grammar applies after the model's `</think>` (its reasoning stays free),
-    unless the prompt closed the think block already (Qwen3's enable_thinking=False renders an empty one)."""
+    unless the prompt closed the think block already (`prompt_closed`: Qwen3's enable_thinking=False renders an
+    empty one; the reasoning parser's prompt_reasoning decides it, so that the two agree)."""
     constraint = params.structured_outputs
-    if constraint is None or prompt_text.rstrip().endswith(REASONING_END):
+    if constraint is None or prompt_closed:
         return params
     return msgspec.structs.replace(
         params, structured_outputs=msgspec.structs.replace(constraint, reasoning_end=REASONING_END))

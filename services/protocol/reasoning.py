@@ -21,17 +21,20 @@ PROMPT_OPENED, PROMPT_CLOSED = "opened", "closed"  # where the prompt left the t
 
 def prompt_reasoning(prompt_text: str, turn_markers: Iterable[str] = ()) -> str:
     """Whether the rendered prompt ends inside a think block it opened (its last marker is `<think>`: the template's,
-    or an assistant prefill's thinking begun), or just after one it closed, or neither. Opened only where none of
-    `turn_markers` (the tokenizer's special tokens: `<|im_end|>`, ...) follows that `<think>`: one a system or user
-    message mentions ("reason inside <think> tags") opens nothing. Closed only at its very end, as
-    constrain_after_reasoning reads it: an earlier turn's block kept in the history (Qwen3's tool turns) closes
-    nothing of this answer."""
-    start = prompt_text.rfind(THINK_START)
-    if start > prompt_text.rfind(THINK_END):
-        tail = prompt_text[start:]
-        if not any(marker and marker in tail for marker in turn_markers):
-            return PROMPT_OPENED
-    return PROMPT_CLOSED if prompt_text.rstrip().endswith(THINK_END) else ""
+    or an assistant prefill's thinking begun), or after one it closed (its last marker is `</think>`: Qwen3's
+    enable_thinking=False, or a prefill of an answer after an empty block), or neither. Either only where none of
+    `turn_markers` (the tokenizer's special tokens: `<|im_end|>`, ...; `<think>` and `</think>` themselves aside,
+    which some tokenizers list) follows that marker: a `<think>` a system or user message mentions ("reason inside
+    <think> tags") opens nothing, and an earlier turn's block kept in the history (Qwen3's tool turns) closes
+    nothing of this answer. The grammar of a constrained answer starts where this says (constrain_after_reasoning)."""
+    start, end = prompt_text.rfind(THINK_START), prompt_text.rfind(THINK_END)
+    if start < 0 and end < 0:
+        return ""
+    word, tail = (PROMPT_OPENED, prompt_text[start + len(THINK_START):]) if start > end \
+        else (PROMPT_CLOSED, prompt_text[end + len(THINK_END):])
+    if any(marker and marker in tail for marker in turn_markers if marker not in (THINK_START, THINK_END)):
+        return ""
+    return word
 
 
 def split_reasoning(parser: str, text: str, prompt: str = "") -> tuple[str | None, str]:

@@ -20,7 +20,7 @@ from pagoda.services.grammar.compiler import (
     ending_ids,
     fast_forward_tokens,
 )
-from pagoda.services.protocol.reasoning import prompt_reasoning
+from pagoda.services.protocol.reasoning import PROMPT_CLOSED, prompt_reasoning
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.directory import Peers
 from pagoda.services.tokenizer.generation_config import sampling_defaults, with_default_max_tokens
@@ -280,10 +280,13 @@ class TokenizerService:
         # logprobs -1, allowed_token_ids, bad words' ids; chat asks the count as top_logprobs
         params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs,
                                     "top_logprobs" if request.messages is not None else "logprobs")
+        # where the chat template left the think block: the reasoning parser starts there, and so does a grammar
+        reasoning = (prompt_reasoning(prompt.text or "", self._turn_markers) if request.messages is not None
+                     and self._reasoning_parser is not None else "")
         forced: list[int] = []
         if params.structured_outputs is not None:
             if request.messages is not None and self._reasoning_parser is not None:
-                params = constrain_after_reasoning(params, prompt.text or "")
+                params = constrain_after_reasoning(params, prompt_closed=reasoning == PROMPT_CLOSED)
             constraint = params.structured_outputs
             assert constraint is not None
             # Compiled here (cached), never on the worker's step loop; 400 if the library rejects it, or if an
@@ -297,9 +300,6 @@ class TokenizerService:
         # raises (503) when none is live
         replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt, request.prompt_cache_key)
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
-        # where the chat template left the think block: the reasoning parser starts there
-        reasoning = (prompt_reasoning(prompt.text or "", self._turn_markers) if request.messages is not None
-                     and self._reasoning_parser is not None else "")
         renderer = self._outputs.add(api, request, params, prompt.token_ids, echo, forced, reasoning).renderer
         self._to_replica(replica, AddRequest(
             request_id, prompt.token_ids, params, request.priority, request.arrival_time, request.tenant,
