@@ -497,13 +497,24 @@ def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -
     vocab_words = mul32_(vocab_ids, GOLDEN32)  # [V]
     # The golden-ratio spread makes two rows' XOR-keyed inputs almost never coincide inside [0, V).
     bits = mix32_(row_keys(seeds, offsets).unsqueeze(1) ^ vocab_words.unsqueeze(0))  # [B, V] in [0, 2^32)
-    numerators = bits.bitwise_right_shift_(8).bitwise_or_(1)  # [B, V] odd in [1, 2^24): exact in float32
-    return numerators.float().mul_(UNIFORM_SCALE)  # [B, V], never 0 or 1
+    return _uniform_from_bits(bits)  # [B, V]
+
+
+def _uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    numerators = bits.bitwise_right_shift_(8).bitwise_or_(1)  # odd in [1, 2^24): exact in float32
+    return numerators.float().mul_(UNIFORM_SCALE)  # never 0 or 1
 
 
 def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise [B, V]: argmax(logits + noise) samples from softmax(logits)."""
     return uniform_noise(seeds, offsets, vocab_size).log_().neg_().log_().neg_()  # [B, V] = -log(-log u)
+
+
+def gumbel_noise_at(keys: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """gumbel_noise's values at single (row, id) points: keys [N] (row_keys of each point's row) and
+    vocab_ids [N] int64 -> [N] float32, bit for bit the [B, V] noise's entries."""
+    bits = mix32_(keys ^ mul32_(vocab_ids.clone(), GOLDEN32))  # [N] in [0, 2^32)
+    return _uniform_from_bits(bits).log_().neg_().log_().neg_()  # [N]
 
 
 def token_bitmask_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -585,13 +596,46 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
     """Token ids [B] int64: the argmax of logits [B, V] for greedy rows ([B] bool, None: none), otherwise
     argmax(logits / T + Gumbel(seed, offset, id)) over the tokens with logit >= threshold [B]."""
     temperature = torch.where(temperature == 0.0, 1.0, temperature)  # [B]; greedy rows are replaced below
-    scaled = logits / temperature.unsqueeze(1)  # [B, V]
-    if threshold is not None:
-        scaled.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
-    noise = gumbel_noise(seeds, offsets, logits.shape[1])  # [B, V]
-    token_ids = noise.add_(scaled).argmax(dim=-1)  # [B] int64
+    token_ids = _kept_gumbel_argmax(logits, temperature, threshold, seeds, offsets)  # [B] or None
+    if token_ids is None:
+        scaled = logits / temperature.unsqueeze(1)  # [B, V]
+        if threshold is not None:
+            scaled.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+        noise = gumbel_noise(seeds, offsets, logits.shape[1])  # [B, V]
+        token_ids = noise.add_(scaled).argmax(dim=-1)  # [B] int64
     if greedy is not None:
         token_ids = torch.where(greedy, logits.argmax(dim=-1), token_ids)  # [B]
+    return token_ids
+
+
+KEPT_DRAW_MAX_FRACTION = 0.25  # the draw over kept ids only while they are at most this share of [B, V]
+
+
+def _kept_gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
+                        seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """gumbel_argmax's sampled ids [B] from the kept ids alone (logit >= threshold; a top-p nucleus is a few
+    hundred of a 49k vocabulary): their noise and scores only, instead of ~20 passes of 64-bit hashing over
+    [B, V] (most of a CPU decode step's sampling). Same floats and ties (the smallest id of a row's maximum) as
+    the dense draw; None where it does not pay (no threshold, a wide kept set) or a row holds a NaN score."""
+    if threshold is None:
+        return None
+    num_rows = logits.shape[0]
+    kept = ~(logits < threshold.unsqueeze(1))  # [B, V]: the dense draw's unmasked entries (NaN ones too)
+    if int(kept.sum()) > KEPT_DRAW_MAX_FRACTION * kept.numel():
+        return None
+    rows, vocab_ids = kept.nonzero(as_tuple=True)  # [N] each
+    noise = gumbel_noise_at(row_keys(seeds, offsets)[rows], vocab_ids)  # [N]
+    scores = noise.add_(logits[rows, vocab_ids] / temperature[rows])  # [N]: the dense draw's entries
+    if bool(scores.isnan().any()):
+        return None  # argmax's NaN rule (the first NaN wins) is the dense path's to keep
+    best = torch.full((num_rows,), float("-inf"), device=logits.device)  # [B]
+    best = best.scatter_reduce(0, rows, scores, "amax")  # [B]
+    vocab_size = logits.shape[1]
+    at_best = torch.where(scores == best[rows], vocab_ids, vocab_size)  # [N]
+    token_ids = torch.full((num_rows,), vocab_size, dtype=torch.int64, device=logits.device)  # [B]
+    token_ids = token_ids.scatter_reduce(0, rows, at_best, "amin")  # [B]
+    if bool((token_ids == vocab_size).any()):
+        return None  # a row kept nothing: never with a threshold from these logits
     return token_ids
 
 

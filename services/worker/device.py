@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,32 @@ def resolve_device(config: EngineConfig) -> str:
     if config.device != "auto":
         return config.device
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def served_cpu_threads(num_cpus: int, num_local_ranks: int, env: Mapping[str, str]) -> int | None:
+    """torch's intra-op threads for one CPU worker rank of a server: the CPUs this process may use less one (kept
+    for the api, tokenizer and scheduler processes, the clients and the OS), shared by the host's ranks; None
+    where OMP_NUM_THREADS decides (the operator's, or the launcher's for data-parallel replicas). torch's default,
+    one thread a core, left no core to the other processes: its OpenMP threads spin after each op and an op
+    waits for its slowest thread, so one descheduled thread stalls every op of the step. On the 2-core host
+    (bench/RESULTS.md, CPU, forty-first session) 2 threads cost about twice the worker CPU a token of 1 and fell
+    to a third of its speed whenever other work shared the host; on an idle host they streamed ~8% more at 8
+    streams (OMP_NUM_THREADS=2 keeps them)."""
+    if "OMP_NUM_THREADS" in env:
+        return None
+    return max(1, (num_cpus - 1) // max(1, num_local_ranks))
+
+
+def limit_served_cpu_threads(config: EngineConfig) -> None:
+    """In a served CPU worker (not the in-process engine, whose scheduler shares its thread): at most
+    served_cpu_threads intra-op threads."""
+    if resolve_device(config) != "cpu":
+        return
+    threads = served_cpu_threads(len(os.sched_getaffinity(0)), config.tensor_parallel_size, os.environ)
+    if threads is not None and threads < torch.get_num_threads():
+        log.info("CPU worker: %d intra-op thread(s) of %d (one CPU left to the other processes; "
+                 "OMP_NUM_THREADS overrides)", threads, torch.get_num_threads())
+        torch.set_num_threads(threads)
 
 
 def page_locked_empty(shape: tuple[int, ...], dtype: torch.dtype,

@@ -71,9 +71,11 @@ class WorkerService:
         from pagoda.services.worker.parallel import init_tensor_parallel
 
         tp = init_tensor_parallel(engine_config, self.rank)
+        from pagoda.services.worker.device import limit_served_cpu_threads
         from pagoda.services.worker.model_runner import ModelRunner
         from pagoda.shared.shapes import eos_token_ids
 
+        limit_served_cpu_threads(engine_config)
         self.runner = ModelRunner(engine_config, tp)
         # The model's own EOS ids (config.json, generation_config.json); the tokenizer's reaches the scheduler
         # when a tokenizer registers, and the worker gets what it bans (min_tokens) with each new request.
