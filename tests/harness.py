@@ -5,6 +5,7 @@ it serves and stopped with SIGTERM (`running_server`). Import it as `tests.harne
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -84,6 +85,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
             return time.monotonic() - started
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def named_events(data: bytes) -> list[dict[str, Any]]:
+    """The `event:` / `data:` pairs of a Responses or Messages stream (no [DONE]: neither API sends one), each
+    event's name checked against its type."""
+    blocks = data.decode().split("\n\n")
+    assert blocks[-1] == ""
+    events = []
+    for block in blocks[:-1]:
+        event_line, data_line = block.split("\n")
+        event = json.loads(data_line.removeprefix("data: "))
+        assert event_line == f"event: {event['type']}"
+        events.append(event)
+    return events
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pagoda.services.protocol.chat_output import ChatOutputSpec
 from pagoda.services.protocol.responses import ResponsesRenderer
 from pagoda.shared.messages import FinishReason, PositionLogprobs, TextDelta, TokenLogprob
-from tests.harness import SERVED, Server, http_client
+from tests.harness import SERVED, Server, http_client, named_events
 
 RESPONSE_EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 MESSAGE_EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
@@ -72,17 +72,6 @@ def check_shape(sdk_type: Any, raw: dict[str, Any]) -> Any:
     return model
 
 
-def sse_events(data: bytes) -> list[dict[str, Any]]:
-    """The events of `event: NAME / data: JSON` SSE bytes, each event's name checked against its type."""
-    events = []
-    for block in data.decode().split("\n\n")[:-1]:
-        event_line, data_line = block.split("\n")
-        event = json.loads(data_line.removeprefix("data: "))
-        assert event_line == f"event: {event['type']}"
-        events.append(event)
-    return events
-
-
 def _logprob(token: str) -> PositionLogprobs:
     return PositionLogprobs(TokenLogprob(token, 7, -0.25, list(token.encode())), [TokenLogprob("a", 8, -2.0, [97])])
 
@@ -107,7 +96,7 @@ def responses_stream(pieces: list[str], spec: ChatOutputSpec = PLAIN, *, logprob
         last = i == len(pieces) - 1
         data += renderer.chunks([(None, TextDelta("resp_test", 0, piece, 1, reason if last else -1,  # type: ignore[list-item]
                                                   [_logprob(piece)] if logprobs else []))])
-    return sse_events(data + renderer.closing(USAGE))
+    return named_events(data + renderer.closing(USAGE))
 
 
 def test_responses_text_events_carry_logprobs_in_the_events_shape() -> None:
@@ -254,7 +243,7 @@ def server(smollm2_server: Server) -> Server:
 def _stream_events(data: bytes) -> list[dict[str, Any]]:
     """An SSE stream's events: `data:` only (chat, completions: [DONE] last, once) or `event:` + `data:`."""
     if data.startswith(b"event: "):
-        return sse_events(data)
+        return named_events(data)
     payloads = [block.removeprefix("data: ") for block in data.decode().split("\n\n")[:-1]]
     assert payloads.count("[DONE]") == 1 and payloads[-1] == "[DONE]"
     return [json.loads(p) for p in payloads[:-1]]

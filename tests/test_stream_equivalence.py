@@ -36,7 +36,7 @@ from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, w
 from pagoda.services.protocol.render import CHAT, PromptRenderer, renderer_for, usage_dict
 from pagoda.services.protocol.responses import ResponsesRenderer
 from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
-from tests.harness import SERVED, Server, http_client
+from tests.harness import SERVED, Server, http_client, named_events
 
 RESPONSE_EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)  # the SDKs' own event types, strictly
 MESSAGE_EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
@@ -528,19 +528,6 @@ def test_a_streamed_json_schema_answer_is_the_answer(answers: dict[str, tuple[by
     _, streamed, whole, _ = chat_pair(answers, "chat_json")
     assert json.loads(whole.choices[0].message.content or "") == json.loads(streamed.choices[0].message.content or "")
     jsonschema.validate(json.loads(whole.choices[0].message.content or ""), PERSON)
-
-
-def named_events(data: bytes) -> list[dict[str, Any]]:
-    """The `event:` / `data:` pairs of a Responses or Messages stream (no [DONE]: neither API sends one)."""
-    blocks = data.decode().split("\n\n")
-    assert blocks[-1] == ""
-    events = []
-    for block in blocks[:-1]:
-        event_line, data_line = block.split("\n")
-        event = json.loads(data_line.removeprefix("data: "))
-        assert event_line == f"event: {event['type']}"
-        events.append(event)
-    return events
 
 
 def _without_ids(obj: Any) -> Any:

@@ -159,7 +159,7 @@ class Handlers:
             raise ModelNotFoundError(f"The model `{name}` does not exist or your API key may not use it." if name
                                      else "This server serves no model your API key may use.")
         # what answers and refusals name: the first served name, else the first the tenant may use
-        shown = next((n for n in (*state.served_names, state.served_model_name, *sorted(allowed)) if n in allowed))
+        shown = next(n for n in (*state.served_names, state.served_model_name, *sorted(allowed)) if n in allowed)
         if name is not None and name not in allowed:
             if allowed == state.model_names:  # every name is allowed: this one is not served
                 raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves `{shown}`.")

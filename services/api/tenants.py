@@ -9,8 +9,9 @@ The keys file (JSON, written by `pagoda keys add`, reloaded when it changes or o
 Quotas (0: no limit): concurrent generation requests; requests and tokens per minute as token buckets that
 hold a minute's worth and refill continuously. Tokens (prompt + completion) are charged as they come (the prompt
 once admitted, the completion as it streams), so the requests a tenant has in flight may overdraw; while its token
-bucket is below zero its requests get 429. `priority` is a tier (lower tiers are scheduled first) and `weight` its share of the running slots within a tier: both
-travel with each request to the scheduler (services/scheduler/fairness.py).
+bucket is below zero its requests get 429. `priority` is a tier (lower tiers are scheduled first) and `weight` its
+share of the running slots within a tier: both travel with each request to the scheduler
+(services/scheduler/fairness.py).
 """
 
 from __future__ import annotations
