@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import llguidance
 
 from pagoda.services.grammar.compiler import GRAMMAR_CACHE_SIZE, GrammarChecker
 from pagoda.services.tokenizer.offload import Offloader
+from pagoda.shared.config import ServerConfig
 from pagoda.shared.messages import StructuredOutputs
 
 
@@ -48,3 +50,41 @@ def test_offloader_forgets_cancelled_jobs_once_drained() -> None:
         assert done == []  # a cancelled job's result (or error) is dropped
     finally:
         offloader.close()
+
+
+def test_a_replica_that_keeps_moving_leaves_no_socket_behind(tmp_path: Path) -> None:
+    """A replica back at a new address (a pod rescheduled) is lost at its old one. Its old DEALER and SUB stayed
+    open, reconnecting forever, and the DEALER queued every heartbeat (HWM 100,000): two sockets and up to
+    ~10 MB per move, for the tokenizer's life. Now they are closed and unwatched; heartbeats go on."""
+    import zmq
+
+    from pagoda.services.tokenizer.service import TokenizerService
+    from pagoda.shared.messages import Directory, ModelInfo, ReplicaAddress, SchedulerToTokenizer
+    from pagoda.shared.transport import Codec
+
+    context = zmq.Context()
+    registry = context.socket(zmq.ROUTER)
+    registry.bind(f"ipc://{tmp_path}/s0")
+    config = ServerConfig(registry_endpoint=f"ipc://{tmp_path}/s0", routing="prefix", tokenizer_id="tk")
+    service = TokenizerService(config, None, context)
+    codec = Codec(SchedulerToTokenizer)
+    info = ModelInfo(max_model_len=1024, vocab_size=1000, max_num_tokens=4096, eos_token_ids=[0])
+    try:
+        service._on_scheduler_frame(codec.encode(info), 0)
+        watched = []
+        for move in range(12):
+            directory = Directory(apis=[], registry_replica_id=0, replicas=[
+                ReplicaAddress(0, f"ipc://{tmp_path}/s0", f"ipc://{tmp_path}/st0", "a"),
+                ReplicaAddress(1, f"ipc://{tmp_path}/s1-{move}", f"ipc://{tmp_path}/st1-{move}", "b")])
+            service._on_scheduler_frame(codec.encode(directory), 0)
+            service._send_heartbeats()  # a retired replica's closed socket is skipped, not an error
+            watched.append(len(service._peers.handlers))
+        moved = service._replicas.replicas[1:-1]
+        assert len(moved) == 11 and all(r.lost for r in moved)
+        assert all(r.sock.closed and (r.stats_sock is None or r.stats_sock.closed) for r in moved)
+        assert watched[-1] == watched[0]  # only the live replicas' sockets are polled
+    finally:
+        service._peers.close(0)
+        service._offload.close()
+        registry.close(linger=0)
+        context.term()

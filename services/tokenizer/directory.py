@@ -98,6 +98,17 @@ class Peers:
         sock.close(linger=0)
         return address
 
+    def retire(self, replica: Replica) -> None:
+        """A replica that moved: its sockets to the old address are closed (else each move kept two sockets
+        reconnecting forever and a DEALER queueing every heartbeat). Its entry stays, lost, as indices name
+        replicas; the service's sends to it are dropped (`_send` skips a closed socket)."""
+        for sock in (replica.sock, replica.stats_sock):
+            if sock is not None and sock in self.handlers:
+                self.poller.unregister(sock)
+                del self.handlers[sock]
+            if sock is not None:
+                sock.close(linger=0)
+
     def apply(self, directory: Directory, index: int) -> Changes:
         """The registry's live apis and replicas (it is replica `index`): connect to new ones, drop apis gone."""
         changes = Changes()

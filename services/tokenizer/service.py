@@ -387,6 +387,7 @@ class TokenizerService:
         changes = self._peers.apply(directory, index)
         for replica, address in changes.moved:
             self._lose_scheduler(f"it moved to {address}", replica.index)
+            self._peers.retire(replica)
         for replica in changes.new_replicas:
             _send(replica.sock, self._scheduler_out.encode(self._hello(replica.link.stream)))
         for api in changes.new_apis:
@@ -503,6 +504,8 @@ class TokenizerService:
 
 def _send(sock: zmq.Socket, data: bytes) -> None:
     # Never block the loop: with no high-water mark a DEALER queues while its peer is away.
+    if sock.closed:  # a moved replica's old socket (Peers.retire): nothing listens there any more
+        return
     if not send_nowait(sock, data):
         log.warning("dropped an outgoing message of %d bytes: the socket cannot take it", len(data))
 
