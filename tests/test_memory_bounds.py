@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import llguidance
 
 from pagoda.services.grammar.compiler import GRAMMAR_CACHE_SIZE, GrammarChecker
+from pagoda.services.scheduler.service import MAX_WORKER_GRAMMAR_BYTES, MAX_WORKER_GRAMMARS, WorkerGrammars
 from pagoda.services.tokenizer.offload import Offloader
 from pagoda.shared.config import ServerConfig
 from pagoda.shared.messages import StructuredOutputs
@@ -30,6 +32,38 @@ def test_grammar_checker_keeps_at_most_its_bound_of_distinct_constraints(ll: llg
     assert len(checker._outcomes) == 8
     checker.check(_schema(39))  # the newest is still cached: a hit, no growth
     assert len(checker._outcomes) == 8
+
+
+def test_the_workers_constraints_stay_within_their_count_and_bytes() -> None:
+    """The scheduler evicts for the workers (GrammarDef's evict list): whatever sizes distinct constraints come in,
+    what a worker holds stays within both bounds, the least recently used goes first, and only held ones are
+    named (a bound by count alone let 512 constraints of 1 MiB each sit in every worker)."""
+    assert MAX_WORKER_GRAMMAR_BYTES < MAX_WORKER_GRAMMARS * (1 << 20)
+    grammars = WorkerGrammars(max_count=16, max_bytes=10_000)
+    held: dict[str, int] = {}  # what a worker holds, following the evict lists
+    order: list[str] = []  # their use, oldest first
+    rng = random.Random(7)
+    evicted_for_bytes = 0
+    for i in range(3000):
+        if held and rng.random() < 0.3:  # a constraint sent again
+            digest = rng.choice(order)
+            assert grammars.touch(digest)
+            order.remove(digest)
+            order.append(digest)
+            continue
+        digest, size = f"g{i}", rng.choice([rng.randint(1, 300), rng.randint(1000, 4000)])
+        assert not grammars.touch(digest)
+        evict = grammars.add(digest, size)
+        assert evict == order[:len(evict)]
+        evicted_for_bytes += bool(evict) and len(held) - len(evict) < 15  # more went than the count needed
+        for old in evict:
+            del held[old]
+        del order[:len(evict)]
+        held[digest] = size
+        order.append(digest)
+        assert len(held) <= 16 and sum(held.values()) <= 10_000
+        assert grammars.total_bytes == sum(held.values()) and list(grammars.sizes) == order
+    assert evicted_for_bytes > 0  # the byte bound decided some evictions, not only the count
 
 
 def test_offloader_forgets_cancelled_jobs_once_drained() -> None:

@@ -78,7 +78,8 @@ STATS_INTERVAL_S = 0.25
 MAX_TENANT_STATS = 1024  # tenants whose queue times are kept (the keys file's; more would be a forger's)
 MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
 MAX_TOKENIZER_EOS = 16  # EOS ids one tokenizer may register
-MAX_WORKER_GRAMMARS = 512  # constraints the workers keep by hash (each up to 1 MiB of text)
+MAX_WORKER_GRAMMARS = 512  # constraints the workers keep by hash (each up to 1 MiB of text) ...
+MAX_WORKER_GRAMMAR_BYTES = 64 << 20  # ... and their encoded sizes together (512 of 1 MiB would be 512 MiB a worker)
 LINK_TICK_MS = 20  # while a tokenizer stream has something unacknowledged (either way), the loop looks this often
 IDLE_NACK_S = 0.05  # a message out this long that an idle worker rank has not applied was lost (the worker acks
 # IDLE_ACK_MS after its last step when no plan came; one still in flight then is only sent twice, harmlessly)
@@ -94,6 +95,38 @@ class Peer:
     num_requests: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # from its hello: its requests stop on these too (not others')
     stream: int = 0  # the stream its latest hello named: a new one is a fresh registration
+
+
+@dataclass(slots=True)
+class WorkerGrammars:
+    """The constraints the workers hold by hash (GrammarDef), as the scheduler tracks them: it evicts for them,
+    least recently used first, so that at most max_count are held and their encoded sizes add up to at most
+    max_bytes."""
+
+    max_count: int = MAX_WORKER_GRAMMARS
+    max_bytes: int = MAX_WORKER_GRAMMAR_BYTES
+    sizes: OrderedDict[str, int] = field(default_factory=OrderedDict)  # hash -> encoded bytes, oldest use first
+    total_bytes: int = 0
+
+    def touch(self, digest: str) -> bool:
+        """Whether the workers hold this constraint; if so it becomes the most recently used."""
+        if digest not in self.sizes:
+            return False
+        self.sizes.move_to_end(digest)
+        return True
+
+    def add(self, digest: str, size: int) -> list[str]:
+        """Record a constraint the workers are about to receive; return the hashes they must drop first (all of
+        them for one larger than max_bytes alone: the api's body limit keeps it far below)."""
+        assert digest not in self.sizes, digest
+        evict = []
+        while self.sizes and (len(self.sizes) >= self.max_count or self.total_bytes + size > self.max_bytes):
+            old, old_size = self.sizes.popitem(last=False)
+            self.total_bytes -= old_size
+            evict.append(old)
+        self.sizes[digest] = size
+        self.total_bytes += size
+        return evict
 
 
 @dataclass(slots=True)
@@ -146,7 +179,7 @@ class SchedulerService:
         self.sends = SendLog()  # plans and constraints to the workers not yet known done (shared/delivery.py)
         self.early_results: dict[int, StepResult] = {}  # results that came before an older plan's (by step id)
         self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
-        self.worker_grammars: OrderedDict[str, None] = OrderedDict()  # constraint hashes the workers hold (LRU)
+        self.worker_grammars = WorkerGrammars()  # constraint hashes the workers hold (LRU)
         self.unsampled_constrained: set[int] = set()  # sequences whose grammar the worker may still be compiling
         self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
         # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
@@ -244,14 +277,10 @@ class SchedulerService:
         constraint = new.sampling.structured_outputs
         if constraint is None:
             return new
-        digest = hashlib.sha256(self.grammar_codec.encode(constraint)).hexdigest()
-        if digest in self.worker_grammars:
-            self.worker_grammars.move_to_end(digest)
-        else:
-            evict = []
-            while len(self.worker_grammars) >= MAX_WORKER_GRAMMARS:
-                evict.append(self.worker_grammars.popitem(last=False)[0])
-            self.worker_grammars[digest] = None
+        encoded = self.grammar_codec.encode(constraint)
+        digest = hashlib.sha256(encoded).hexdigest()
+        if not self.worker_grammars.touch(digest):
+            evict = self.worker_grammars.add(digest, len(encoded))
             seq = self.sends.take_seq()
             data = self.to_workers.encode(GrammarDef(seq, digest, constraint, evict))
             self.sends.record(seq, data, now, self.watch.resend_after())
