@@ -175,3 +175,57 @@ def test_reasoning_comes_under_both_names_whole_and_streamed() -> None:
     reasoning = [d for d in deltas if "reasoning" in d or "reasoning_content" in d]
     assert reasoning and all(d["reasoning"] == d["reasoning_content"] for d in reasoning)
     assert "".join(d["reasoning"] for d in reasoning) == "two and two"
+
+
+# --------------------------------------------------------------------------------------------
+# a forced call cut short, a tool that takes nothing
+
+
+def test_a_required_call_cut_short_is_still_a_call() -> None:
+    """tool_choice required with too few tokens: the whole calls, then the one being written with its arguments
+    so far, as OpenAI answers (and as a named call was); the raw array came back as the message's content, which
+    langchain, litellm and the agents SDK read as the model's text answer."""
+    spec = ChatOutputSpec(tool_mode="required")
+    cut = '[{"name": "f", "parameters": {"x": 3}}, {"name": "g", "parameters": {"city": "Pa'
+    message, called = whole_message(spec, cut)
+    assert called and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("f", '{"x": 3}'), ("g", '{"city": "Pa')]
+    message, called = whole_message(spec, '[{"name": "f", "param')
+    assert called and [c["function"]["arguments"] for c in message["tool_calls"]] == [""]
+    assert whole_message(spec, '[{"name": "f')[0]["content"] == '[{"name": "f'  # no name yet: no call to give
+    stream = ChoiceStream(spec)
+    assert stream.push(cut[:30]) == [] and stream.push(cut[30:]) == []
+    deltas, called = stream.finish()
+    assert called and [d["tool_calls"][0].get("function", {}).get("arguments") for d in deltas] == [
+        "", '{"x": 3}', "", '{"city": "Pa']
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_out_of_tokens_comes_back_as_a_call(client: openai.OpenAI, stream: bool) -> None:
+    body: dict[str, Any] = {"model": SERVED, "messages": [QUESTION], "tools": [CITY_TOOL], "tool_choice": "required",
+                            "max_tokens": 12, "temperature": 0}
+    if not stream:
+        choice = client.chat.completions.create(**body).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert choice.finish_reason == "length" and choice.message.content is None
+    else:
+        chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
+        assert not any(c.choices[0].delta.content for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        names = [t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.function.name]
+        arguments = "".join(t.function.arguments or "" for c in chunks for t in c.choices[0].delta.tool_calls or [])
+        calls = [(name, arguments) for name in names]
+    assert calls and calls[0][0] == "record_city"
+    assert not calls[0][1] or not calls[0][1].endswith("}")  # cut short, not a whole object
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "now"}}])
+def test_a_tool_without_parameters_is_called_with_none(client: openai.OpenAI, tool_choice: Any) -> None:
+    """OpenAI: "omitting parameters defines a function with an empty parameter list"; the forced call's arguments
+    were any object, so the model wrote some."""
+    tool = {"type": "function", "function": {"name": "now", "description": "The time now."}}
+    choice = client.chat.completions.create(model=SERVED, messages=[QUESTION], tools=[tool], tool_choice=tool_choice,
+                                            parallel_tool_calls=False, max_tokens=30, temperature=0).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == [("now", "{}")]

@@ -123,7 +123,8 @@ class ChoiceStream:
         for i, call in enumerate(parsed):
             deltas.append({"tool_calls": [{"index": i, "id": new_call_id(self.spec.tool_parser), "type": "function",
                                            "function": {"name": call.name, "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+            if call.arguments:  # none written yet: a call cut short before its arguments
+                deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
         return deltas, True
 
     def _content(self, text: str) -> list[dict[str, Any]]:

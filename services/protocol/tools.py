@@ -208,8 +208,11 @@ def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameter schema; none given (or {}) is OpenAI's "empty parameter list": the object {} only. It
+    allowed any object, so a forced call of a tool that takes nothing had the model invent arguments."""
     parameters = tool["function"].get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object", "properties": {}}
+    return (parameters if isinstance(parameters, dict) and parameters
+            else {"type": "object", "properties": {}, "additionalProperties": False})
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,12 +320,42 @@ def _split_objects(body: str) -> list[str]:
 
 
 def parse_required(text: str) -> list[ToolCall]:
-    """The constrained `required` output: [{"name", "parameters"}, ...]."""
+    """The constrained `required` output: [{"name", "parameters"}, ...]. A text cut short (max_tokens, a stop
+    string) still holds its calls, as OpenAI's and a named call's do: the whole ones, then the one being written
+    once its name is, with the arguments written so far (JSON cut short, as `finish_reason: length` says);
+    before, the raw array came back as the message's content."""
     parsed = _loads(text)
     if not isinstance(parsed, list):
-        return []
+        return _required_cut_short(text)
     calls = [_call_from_object(o) for o in parsed]
     return [c for c in calls if c is not None]
+
+
+# the call being written when the tokens ran out: its name whole, then its parameters so far
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"parameters"\s*:\s*(.*))?', re.DOTALL)
+
+
+def _required_cut_short(text: str) -> list[ToolCall]:
+    """The calls of a `required` array whose text ends before its `]`."""
+    decoder, calls = json.JSONDecoder(), []
+    index = len(text) - len(text.lstrip())
+    if not text.startswith("[", index):
+        return []
+    index += 1
+    while True:
+        while index < len(text) and text[index] in " \n\t\r,":
+            index += 1
+        try:
+            obj, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            break
+        call = _call_from_object(obj)
+        if call is not None:
+            calls.append(call)
+    cut = _CUT_CALL.match(text, index)
+    if cut is not None:
+        calls.append(ToolCall(json.loads(cut.group(1)), cut.group(2) or ""))
+    return calls
 
 
 def _call_from_object(obj: Any) -> ToolCall | None:
