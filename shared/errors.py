@@ -34,6 +34,34 @@ class ContextLengthError(InvalidRequestError):
     def __init__(self, message: str, param: str = "prompt") -> None:
         super().__init__(message, param=param, code="context_length_exceeded")
 
+    @classmethod
+    def prompt_too_long(cls, num_tokens: int, param: str, max_model_len: int,
+                        max_num_tokens: int) -> ContextLengthError:
+        """A prompt that leaves no token to generate within the context or, where smaller, the KV cache
+        (`max_num_tokens`: the most tokens of one sequence it holds); vLLM's words and numbers."""
+        max_len = min(max_model_len, max_num_tokens) - 1
+        return cls(f"{_context_phrase(max_model_len, max_num_tokens)}. However, your request has {num_tokens} "
+                   f"input tokens ({param}); at most {max_len} fit, leaving one to generate. Please reduce the "
+                   "length of the input (truncate_prompt_tokens: -1 keeps what fits).", param=param)
+
+    @classmethod
+    def max_tokens_too_large(cls, num_tokens: int, max_tokens: int, max_model_len: int,
+                             max_num_tokens: int) -> ContextLengthError:
+        """A prompt plus max_tokens past the context or, where smaller, the KV cache; vLLM's words and numbers."""
+        limit = min(max_model_len, max_num_tokens)
+        return cls(f"max_tokens is too large: {max_tokens}. {_context_phrase(max_model_len, max_num_tokens)} and "
+                   f"your request has {num_tokens} input tokens ({max_tokens} > {limit} - {num_tokens}).",
+                   param="max_tokens")
+
+
+def _context_phrase(max_model_len: int, max_num_tokens: int) -> str:
+    """vLLM's opening words, which clients match to tell a context overflow from other 400s (LiteLLM maps
+    "This model's maximum context length is" to ContextWindowExceededError), and the KV cache where it binds."""
+    phrase = f"This model's maximum context length is {max_model_len} tokens"
+    if max_num_tokens < max_model_len:
+        phrase += f" (this server's KV cache holds at most {max_num_tokens} tokens of one sequence)"
+    return phrase
+
 
 class ModelNotFoundError(PagodaError, FileNotFoundError):
     """The model named is neither a folder with a config.json nor a known dummy shape."""

@@ -648,8 +648,9 @@ def test_bad_requests_fail_with_400(tok: Harness, tokenizer: Tokenizer, prompt: 
     failed = tok.expect_reply(request_id, RequestFailed)
     assert (failed.status, failed.error_type, failed.param, failed.code) == (
         400, "invalid_request_error", param, code), failed
-    if code and param != "max_tokens":  # a sentence whatever the field: "the messages has" read wrong
-        assert failed.message.startswith(f"the prompt ({param}) has "), failed.message
+    if code and param != "max_tokens":  # vLLM's words (clients match them), naming the field
+        assert failed.message.startswith("This model's maximum context length is "), failed.message
+        assert f" input tokens ({param}); " in failed.message, failed.message
 
 
 def test_prompt_plus_max_tokens_at_the_limit_is_accepted(tok: Harness) -> None:

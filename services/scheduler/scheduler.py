@@ -262,21 +262,14 @@ class Scheduler:
         if any(token >= self.vocab_size for token in request.sampling.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be < {self.vocab_size}", param="logit_bias")
         self._check_forced(request)
-        if self.blocks.num_blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens; the KV cache holds at most "
-                f"{self.blocks.num_blocks * self.block_size - 1}", param="prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt)} tokens, leaving no room to generate", param="prompt")
+        capacity = self.blocks.num_blocks * self.block_size  # the most tokens of one sequence the cache holds
+        if len(prompt) >= min(self.max_model_len, capacity):
+            raise ContextLengthError.prompt_too_long(len(prompt), "prompt", self.max_model_len, capacity)
         self._check_beam_search(request)
         max_tokens = request.sampling.max_tokens
-        if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you asked for "
-                f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} to generate)",
-                param="max_tokens")
+        if max_tokens is not None and len(prompt) + max_tokens > min(self.max_model_len, capacity):
+            # a sequence cannot outgrow the cache: such a max_tokens could never be met
+            raise ContextLengthError.max_tokens_too_large(len(prompt), max_tokens, self.max_model_len, capacity)
 
     def _check_forced(self, request: Request) -> None:
         """A grammar's forced start (compiler.fast_forward_tokens decided it): one completion, vocabulary ids, and

@@ -93,10 +93,16 @@ def encode_text_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool
     return Prompt(tokenizer.encode(text, add_special_tokens=add_special_tokens), text, param, frame)
 
 
+def context_limit(max_model_len: int, max_num_tokens: int) -> int:
+    """The most tokens one sequence may hold, prompt and output: the context, or the KV cache where it is smaller
+    (a sequence cannot outgrow the cache, so a max_tokens past it could never be met)."""
+    return min(max_model_len, max_num_tokens)
+
+
 def max_prompt_len(max_model_len: int, max_num_tokens: int) -> int:
     """The most prompt tokens a model takes: at least one token must be generated, in the context and in the KV
     cache (which holds at most `max_num_tokens` tokens of one sequence)."""
-    return min(max_model_len, max_num_tokens) - 1
+    return context_limit(max_model_len, max_num_tokens) - 1
 
 
 def prompt_room(max_model_len: int, max_num_tokens: int, max_tokens: int | None) -> int:
@@ -105,7 +111,7 @@ def prompt_room(max_model_len: int, max_num_tokens: int, max_tokens: int | None)
     max_tokens the context cannot hold is then refused by check_prompt, naming it)."""
     room = max_prompt_len(max_model_len, max_num_tokens)
     if max_tokens is not None:
-        room = min(room, max_model_len - max_tokens)
+        room = min(room, context_limit(max_model_len, max_num_tokens) - max_tokens)
     return max(room, 1)
 
 
@@ -152,13 +158,11 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
     max_len = max_prompt_len(info.max_model_len, info.max_num_tokens)
     num_tokens = len(token_ids)
     if num_tokens > max_len:
-        raise ContextLengthError(f"the prompt ({param}) has {num_tokens} tokens; this model accepts at most "
-                                 f"{max_len} prompt tokens (truncate_prompt_tokens: -1 keeps what fits)",
-                                 param=param)
-    if params.max_tokens is not None and num_tokens + params.max_tokens > info.max_model_len:
-        raise ContextLengthError(f"this model's maximum context length is {info.max_model_len} tokens, but "
-                                 f"{num_tokens} prompt tokens plus max_tokens={params.max_tokens} exceed it",
-                                 param="max_tokens")
+        raise ContextLengthError.prompt_too_long(num_tokens, param, info.max_model_len, info.max_num_tokens)
+    if params.max_tokens is not None and num_tokens + params.max_tokens > context_limit(info.max_model_len,
+                                                                                        info.max_num_tokens):
+        raise ContextLengthError.max_tokens_too_large(num_tokens, params.max_tokens, info.max_model_len,
+                                                      info.max_num_tokens)
     if any(t >= info.vocab_size for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be < {info.vocab_size}", param="stop_token_ids")
     if any(t >= info.vocab_size for t in params.logit_bias):

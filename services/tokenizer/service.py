@@ -29,6 +29,7 @@ from pagoda.services.tokenizer.output import Outputs, RequestState
 from pagoda.services.tokenizer.prompts import (
     Prompt,
     check_prompt,
+    context_limit,
     detokenize_job,
     echo_text,
     generate_prompt,
@@ -274,7 +275,8 @@ class TokenizerService:
         info = self._model_info
         if info is None:  # the scheduler went away while a thread tokenized
             raise ServerOverloadedError(SCHEDULER_UNAVAILABLE)
-        params = with_default_max_tokens(params, self._sampling_defaults, len(prompt.token_ids), info.max_model_len)
+        params = with_default_max_tokens(params, self._sampling_defaults, len(prompt.token_ids),
+                                         context_limit(info.max_model_len, info.max_num_tokens))
         check_prompt(prompt.token_ids, params, info, prompt.param)
         params = with_bad_words_token_ids(params, self._tokenizer)
         # logprobs -1, allowed_token_ids, bad words' ids; chat asks the count as top_logprobs
