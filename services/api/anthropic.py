@@ -5,6 +5,7 @@ Anthropic's `x-api-key` header carries the API key as `Authorization: Bearer` do
 
 from __future__ import annotations
 
+import re
 import time
 
 from aiohttp import web
@@ -55,7 +56,7 @@ class MessagesRoutes:
         try:
             return await handlers._generate(request, [message], spec, started_at, {}, form.constraint, renderer)
         except PagodaError as exc:  # a refusal by the tokenizer (the prompt too long, a schema that does not compile)
-            raise rename_error(exc) from None
+            raise anthropic_context_error(rename_error(exc)) from None
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """The prompt a Messages body would run, tokenized as generation tokenizes it: {"input_tokens": N}."""
@@ -79,6 +80,29 @@ class MessagesRoutes:
             raise rename_error(exc) from None
         assert isinstance(reply, TokenizeResult), type(reply).__name__
         return json_response({"input_tokens": len(reply.token_ids)})
+
+
+# the numbers of the tokenizer's context refusals (ContextLengthError.prompt_too_long / max_tokens_too_large)
+_PROMPT_TOO_LONG = re.compile(r"your request has (\d+) input tokens \([^)]*\); at most (\d+) fit")
+_MAX_TOKENS_TOO_LARGE = re.compile(r"your request has (\d+) input tokens \((\d+) > (\d+) - \d+\)")
+
+
+def anthropic_context_error(exc: PagodaError) -> PagodaError:
+    """A context overflow in Anthropic's words, which clients of its API match (Claude Code's "prompt is too long"
+    handling): "prompt is too long: N tokens > M maximum", and "input length and `max_tokens` exceed context limit:
+    N + K > L, ..."; with no field in front, as Anthropic's. Other errors as they are."""
+    if exc.code != "context_length_exceeded":
+        return exc
+    if match := _MAX_TOKENS_TOO_LARGE.search(exc.message):
+        num_tokens, max_tokens, limit = match.groups()
+        message = (f"input length and `max_tokens` exceed context limit: {num_tokens} + {max_tokens} > {limit}, "
+                   "decrease input length or `max_tokens` and try again")
+    elif match := _PROMPT_TOO_LONG.search(exc.message):
+        num_tokens, max_len = match.groups()
+        message = f"prompt is too long: {num_tokens} tokens > {max_len} maximum"
+    else:
+        return exc
+    return InvalidRequestError(message, code=exc.code)
 
 
 def _is_messages(request: web.Request) -> bool:
