@@ -93,6 +93,16 @@ def _name_body_constraint(exc: PagodaError, body: CompletionBody | ChatBody) -> 
     if constraint != "structured_outputs":
         _name_constraint(exc, constraint)
 
+
+def _name_max_completion_tokens(exc: PagodaError, body: ChatBody) -> None:
+    """A refusal naming max_tokens (the tokenizer's context check, a SamplingParams range) names the field the chat
+    body sent it as: max_completion_tokens, when that was sent."""
+    if exc.param == "max_tokens" and body.max_completion_tokens is not None:
+        exc.message = exc.message.replace("max_tokens", "max_completion_tokens")
+        exc.args = (exc.message,)
+        exc.param = "max_completion_tokens"
+
+
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # proxies must pass each event on at once
 
@@ -222,6 +232,7 @@ class Handlers:
             message, output = self._chat_message(body, response_id)
         except InvalidRequestError as exc:
             _name_body_constraint(exc, body)  # e.g. beam search refusing the response_format it was sent
+            _name_max_completion_tokens(exc, body)
             raise
         role = chat_response_role(message, self.state.config.response_role)
         spec = RenderSpec(CHAT, response_id, model, int(time.time()), bool(body.stream),
@@ -232,8 +243,12 @@ class Handlers:
                           continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
                           tokens_as_ids=bool(body.return_tokens_as_token_ids),
                           echo_text=chat_echo_text(body, message, role), role=role)
-        return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields),
-                                    constraint_param(body))
+        try:
+            return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields),
+                                        constraint_param(body))
+        except PagodaError as exc:  # the tokenizer's refusal of the prompt plus max_tokens past the context
+            _name_max_completion_tokens(exc, body)
+            raise
 
     def _chat_message(self, body: ChatBody, request_id: str) -> tuple[GenerateRequest, ChatOutputSpec]:
         """The chat path's request and output reading for a chat body: chat completions, and the Responses and
