@@ -111,7 +111,8 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class CompletionBody(_GenerationBody):
     prompt: str | list[str | int | list[int]]
-    max_tokens: int | None = None
+    # omitted: 16 (OpenAI's and vLLM's default); null: what the context leaves (vLLM's get_max_tokens)
+    max_tokens: int | None | msgspec.UnsetType = msgspec.UNSET
     logprobs: int | None = None
     echo: bool | None = None
 
@@ -427,12 +428,13 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
 def completion_params(body: CompletionBody, max_logprobs: int = MAX_TOP_LOGPROBS,
                       defaults: dict[str, float | int] | None = None) -> SamplingParams:
     """`defaults`: the model's generation-config sampling defaults. An omitted max_tokens is 16, the completions
-    API's own default (vLLM's too), so the generation config's max_tokens does not apply here."""
+    API's own default (vLLM's too), so the generation config's max_tokens does not apply here; a null one is unset,
+    as vLLM's: the generation config's max_tokens or what the context leaves after the prompt (chat's unset)."""
     _common_checks(body)
     scores_prompt = bool(body.echo) and body.logprobs is not None  # echo's logprobs cover the prompt too
     _require(not (scores_prompt and body.stream), "echo",
              "echo together with logprobs is not supported when streaming")
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    max_tokens = 16 if body.max_tokens is msgspec.UNSET else body.max_tokens
     kwargs = _sampling_kwargs(body, defaults or {})
     if scores_prompt and body.prompt_logprobs is None:  # vLLM's: prompt_logprobs, else echo's logprobs
         kwargs["prompt_logprobs"] = body.logprobs
