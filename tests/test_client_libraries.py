@@ -229,3 +229,20 @@ def test_a_tool_without_parameters_is_called_with_none(client: openai.OpenAI, to
                                             parallel_tool_calls=False, max_tokens=30, temperature=0).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == [("now", "{}")]
+
+
+# --------------------------------------------------------------------------------------------
+# routes a library calls that pagoda does not serve
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files"])
+def test_a_form_to_a_route_not_served_is_a_404(server: Server, client: openai.OpenAI, path: str) -> None:
+    """The openai SDK posts multipart forms (client.audio.transcriptions.create, client.files.create): the answer
+    is the route's 404, not a 415 telling it to send JSON to a route that is not there."""
+    response = HTTP.post(server.url + path, files={"file": ("a.wav", b"RIFF0000")}, data={"model": SERVED},
+                         timeout=120)
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):
+        client.audio.transcriptions.create(model=SERVED, file=("a.wav", b"RIFF0000"))
+    form = HTTP.post(server.url + "/v1/chat/completions", files={"file": ("a", b"x")}, timeout=120)
+    assert form.status_code == 415  # a route that is served still says what it reads

@@ -242,8 +242,11 @@ JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/octet-strea
 
 @web.middleware
 async def content_type_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A body that is not JSON is refused with 415 before anything reads it (a form post is not JSON)."""
-    if request.method == "POST" and request.headers.get("Content-Type"):
+    """A body that is not JSON is refused with 415 before anything reads it (a form post is not JSON). A route
+    that is not served stays a 404: the openai SDK posts multipart forms to /v1/audio/*, which a 415 telling it to
+    send JSON would misdirect."""
+    if (request.method == "POST" and request.headers.get("Content-Type")
+            and request.match_info.http_exception is None):
         media_type = request.content_type.lower()
         if media_type not in JSON_CONTENT_TYPES and not media_type.endswith("+json"):
             raise UnsupportedMediaTypeError(media_type)
