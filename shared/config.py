@@ -221,7 +221,7 @@ def parse_token_count(text: str, param: str = "max_model_len") -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgKMG]?)\s*", text)
     if match is None:
         hint = (" (vLLM's auto, fitting the context to memory, is not implemented: give a length, or none for the "
-                "model's own)") if text.strip().lower() in ("auto", "-1") else ""
+                "model's own)") if param == "max_model_len" and text.strip().lower() in ("auto", "-1") else ""
         raise ConfigError(f"cannot read {text!r} as a number of tokens (e.g. 8192, 32k, 32K){hint}",
                           param=param)
     value = Decimal(match.group(1)) * _TOKEN_UNITS[match.group(2)]  # exact: 0.1k is 100
