@@ -54,6 +54,14 @@ class ContextLengthError(InvalidRequestError):
                    param="max_tokens")
 
 
+def min_tokens_past_room(min_tokens: int, num_tokens: int, limit: int) -> InvalidRequestError:
+    """A min_tokens above what an unset max_tokens becomes, the room the context (`limit`: or the KV cache) leaves
+    after the prompt; vLLM fills max_tokens so and refuses min_tokens > max_tokens."""
+    return InvalidRequestError(f"min_tokens must not exceed max_tokens: min_tokens={min_tokens}, and an unset "
+                               f"max_tokens is the {limit - num_tokens} tokens the context of {limit} leaves after "
+                               f"{num_tokens} prompt tokens", param="min_tokens")
+
+
 def _context_phrase(max_model_len: int, max_num_tokens: int) -> str:
     """vLLM's opening words, which clients match to tell a context overflow from other 400s (LiteLLM maps
     "This model's maximum context length is" to ContextWindowExceededError), and the KV cache where it binds."""

@@ -52,7 +52,7 @@ from pagoda.services.scheduler.fairness import (
     TenantShare,
     may_take,
 )
-from pagoda.shared.errors import ContextLengthError, InvalidRequestError
+from pagoda.shared.errors import ContextLengthError, InvalidRequestError, min_tokens_past_room
 from pagoda.shared.messages import (
     GREEDY_TEMPERATURE,
     MAX_INT64,
@@ -270,6 +270,8 @@ class Scheduler:
         if max_tokens is not None and len(prompt) + max_tokens > min(self.max_model_len, capacity):
             # a sequence cannot outgrow the cache: such a max_tokens could never be met
             raise ContextLengthError.max_tokens_too_large(len(prompt), max_tokens, self.max_model_len, capacity)
+        if max_tokens is None and len(prompt) + request.sampling.min_tokens > min(self.max_model_len, capacity):
+            raise min_tokens_past_room(request.sampling.min_tokens, len(prompt), min(self.max_model_len, capacity))
 
     def _check_forced(self, request: Request) -> None:
         """A grammar's forced start (compiler.fast_forward_tokens decided it): one completion, vocabulary ids, and

@@ -12,7 +12,7 @@ import msgspec
 
 from pagoda.services.protocol.tools import tool_conversation
 from pagoda.services.tokenizer.tokenizer import NO_FRAME, SpecialFrame, Tokenizer
-from pagoda.shared.errors import ContextLengthError, InvalidRequestError, PagodaError
+from pagoda.shared.errors import ContextLengthError, InvalidRequestError, PagodaError, min_tokens_past_room
 from pagoda.shared.messages import (
     TRUNCATE_TO_CONTEXT,
     ChatMessage,
@@ -163,6 +163,10 @@ def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, 
                                                                                         info.max_num_tokens):
         raise ContextLengthError.max_tokens_too_large(num_tokens, params.max_tokens, info.max_model_len,
                                                       info.max_num_tokens)
+    if params.max_tokens is None and num_tokens + params.min_tokens > context_limit(info.max_model_len,
+                                                                                   info.max_num_tokens):
+        raise min_tokens_past_room(params.min_tokens, num_tokens, context_limit(info.max_model_len,
+                                                                               info.max_num_tokens))
     if any(t >= info.vocab_size for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be < {info.vocab_size}", param="stop_token_ids")
     if any(t >= info.vocab_size for t in params.logit_bias):
