@@ -138,6 +138,26 @@ def test_responses_text_format_beside_a_named_tool(server: Server, client: opena
     assert response.text.format.type == "json_schema"  # echoed as asked
 
 
+def test_responses_include_encrypted_reasoning_is_taken(server: Server) -> None:
+    """litellm's Anthropic-to-Responses bridge (an openai/ model behind litellm.anthropic.messages, as Claude Code
+    through a litellm proxy) and Codex ask for reasoning.encrypted_content on every request: a 400 broke every
+    turn. The reasoning a stateless client sends back is the reasoning item's text, which the next turn reads."""
+    body = {"model": SERVED, "max_output_tokens": 4, "include": ["reasoning.encrypted_content"],
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}
+    response = HTTP.post(server.url + "/v1/responses", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert [item["type"] for item in response.json()["output"]] == ["message"]
+    sent_back = [*body["input"], {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None,
+                                  "content": [{"type": "reasoning_text", "text": "A greeting."}]},
+                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+                 {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again"}]}]
+    again = HTTP.post(server.url + "/v1/responses", json={**body, "input": sent_back}, timeout=120)
+    assert again.status_code == 200, again.text
+    refused = HTTP.post(server.url + "/v1/responses", json={**body, "include": ["web_search_call.results"]},
+                        timeout=120)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "include[0]"
+
+
 # --------------------------------------------------------------------------------------------
 # stream options
 

@@ -177,7 +177,6 @@ def test_tool_choice_auto_without_tools_is_the_default() -> None:
     ({"input": "Hi", "stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation", "obfuscation"),
     ({"input": "Hi", "stream_options": {"include_obfuscation": False}}, "stream_options", "stream is true"),
-    ({"input": "Hi", "include": ["reasoning.encrypted_content"]}, "include[0]", "encrypted reasoning"),
     ({"input": "Hi", "include": ["file_search_call.results"]}, "include[0]", "built-in tool"),
     ({"input": "Hi", "top_logprobs": 2}, "top_logprobs", "message.output_text.logprobs"),
     ({"input": "Hi", "text": {"verbosity": "low"}}, "text.verbosity", "verbosity"),

@@ -27,6 +27,7 @@ from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.messages import FinishReason, PositionLogprobs, TextDelta
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+REASONING_INCLUDE = "reasoning.encrypted_content"  # taken: the reasoning comes back as text (see _include)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 
 # Fields of OpenAI's (or vLLM's) Responses request that pagoda refuses unless null: field -> why (the 400's message).
@@ -193,13 +194,14 @@ def _check_fields(body: ResponsesBody) -> None:
 
 
 def _include(include: list[str]) -> bool:
-    """Whether `include` asks for the message's logprobs, its one value served here."""
+    """Whether `include` asks for the message's logprobs. `reasoning.encrypted_content` asks for what a client
+    without a response store sends back so the next turn keeps the reasoning: here that is the reasoning item's
+    text, always returned and read back from `input`, so it is taken and nothing is encrypted (litellm's
+    Anthropic-to-Responses bridge and Codex send it on every request; it was a 400)."""
     for i, name in enumerate(include):
-        what = ("encrypted reasoning, which is not made here (reasoning is returned as text)"
-                if name == "reasoning.encrypted_content" else "values of built-in tools or input images, which "
-                                                              "pagoda does not have")
-        _require(name == LOGPROBS_INCLUDE, f"include[{i}]",
-                 f"include supports {LOGPROBS_INCLUDE!r} only; {name!r} asks for {what}")
+        _require(name in (LOGPROBS_INCLUDE, REASONING_INCLUDE), f"include[{i}]",
+                 f"include supports {LOGPROBS_INCLUDE!r} and {REASONING_INCLUDE!r} only; {name!r} asks for values "
+                 "of built-in tools or input images, which pagoda does not have")
     return LOGPROBS_INCLUDE in include
 
 
