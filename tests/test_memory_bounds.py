@@ -10,9 +10,11 @@ from typing import Any
 import llguidance
 
 from pagoda.services.grammar.compiler import GRAMMAR_CACHE_SIZE, GrammarChecker
-from pagoda.services.scheduler.service import MAX_WORKER_GRAMMAR_BYTES, MAX_WORKER_GRAMMARS, WorkerGrammars
+from pagoda.services.scheduler.service import MAX_WORKER_GRAMMAR_BYTES, MAX_WORKER_GRAMMARS
 from pagoda.services.tokenizer.offload import Offloader
+from pagoda.services.worker.grammar import MATCHER_CACHE_BYTES, MATCHER_CACHE_SIZE, GrammarRows
 from pagoda.shared.config import ServerConfig
+from pagoda.shared.lru import SizedLru
 from pagoda.shared.messages import StructuredOutputs
 
 
@@ -34,36 +36,56 @@ def test_grammar_checker_keeps_at_most_its_bound_of_distinct_constraints(ll: llg
     assert len(checker._outcomes) == 8
 
 
-def test_the_workers_constraints_stay_within_their_count_and_bytes() -> None:
-    """The scheduler evicts for the workers (GrammarDef's evict list): whatever sizes distinct constraints come in,
-    what a worker holds stays within both bounds, the least recently used goes first, and only held ones are
-    named (a bound by count alone let 512 constraints of 1 MiB each sit in every worker)."""
+def test_a_sized_lru_keeps_both_bounds_and_evicts_the_least_recently_used() -> None:
+    """The scheduler evicts for the workers (GrammarDef's evict list) and the worker keeps its compiled matchers
+    in this map: whatever sizes distinct keys come in, it stays within its count and its bytes, the least recently
+    used goes first, and only held keys are named (a bound by count alone let 512 constraints of 1 MiB each sit in
+    every worker, and 256 compiled matchers of ~35 MB each)."""
     assert MAX_WORKER_GRAMMAR_BYTES < MAX_WORKER_GRAMMARS * (1 << 20)
-    grammars = WorkerGrammars(max_count=16, max_bytes=10_000)
+    lru: SizedLru[str, int] = SizedLru(max_count=16, max_bytes=10_000)
     held: dict[str, int] = {}  # what a worker holds, following the evict lists
     order: list[str] = []  # their use, oldest first
     rng = random.Random(7)
     evicted_for_bytes = 0
     for i in range(3000):
         if held and rng.random() < 0.3:  # a constraint sent again
-            digest = rng.choice(order)
-            assert grammars.touch(digest)
-            order.remove(digest)
-            order.append(digest)
+            key = rng.choice(order)
+            assert lru.touch(key) if i % 2 else lru.get(key) == held[key]
+            order.remove(key)
+            order.append(key)
             continue
-        digest, size = f"g{i}", rng.choice([rng.randint(1, 300), rng.randint(1000, 4000)])
-        assert not grammars.touch(digest)
-        evict = grammars.add(digest, size)
+        key, size = f"g{i}", rng.choice([rng.randint(1, 300), rng.randint(1000, 4000)])
+        assert not lru.touch(key) and lru.get(key) is None
+        evict = lru.put(key, size, size)
         assert evict == order[:len(evict)]
         evicted_for_bytes += bool(evict) and len(held) - len(evict) < 15  # more went than the count needed
         for old in evict:
             del held[old]
         del order[:len(evict)]
-        held[digest] = size
-        order.append(digest)
+        held[key] = size
+        order.append(key)
         assert len(held) <= 16 and sum(held.values()) <= 10_000
-        assert grammars.total_bytes == sum(held.values()) and list(grammars.sizes) == order
+        assert lru.total_bytes == sum(held.values()) and lru.keys() == order
     assert evicted_for_bytes > 0  # the byte bound decided some evictions, not only the count
+    assert lru.put("huge", 1, 50_000) == order and lru.keys() == ["huge"]  # the newest stays, alone
+
+
+def test_the_workers_compiled_matchers_stay_within_their_bytes(ll: llguidance.LLTokenizer) -> None:
+    """Distinct large constraints (a tenant sending a new big schema each time) do not pile up compiled matchers in
+    the worker past MATCHER_CACHE_BYTES of constraint text; small ones still fill the count."""
+    assert MATCHER_CACHE_BYTES < MATCHER_CACHE_SIZE * (1 << 20)
+    rows = GrammarRows(lambda: ll, vocab_size=ll.vocab_size)
+    try:
+        assert (rows._pristine.max_count, rows._pristine.max_bytes) == (MATCHER_CACHE_SIZE, MATCHER_CACHE_BYTES)
+        rows._pristine = SizedLru(MATCHER_CACHE_SIZE, 4096)  # the same map, scaled down (big ones compile slowly)
+        for i in range(6):  # each a regex of ~1/4 of the budget: at most 3 are kept
+            rows._compile(StructuredOutputs(regex=f"{i}(" + "a" * 1024 + ")?"))
+        assert len(rows._pristine) == 3 and rows._pristine.total_bytes <= 4096
+        for i in range(MATCHER_CACHE_SIZE + 8):
+            rows._compile(StructuredOutputs(regex=f"b{i}"))
+        assert len(rows._pristine) == MATCHER_CACHE_SIZE
+    finally:
+        rows.close()
 
 
 def test_offloader_forgets_cancelled_jobs_once_drained() -> None:

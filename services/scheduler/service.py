@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,6 +30,7 @@ from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.delivery import Link, SendLog
 from pagoda.shared.errors import PagodaError
 from pagoda.shared.heap import settle_heap
+from pagoda.shared.lru import SizedLru
 from pagoda.shared.messages import (
     MAX_INT32,
     AbortRequest,
@@ -98,38 +98,6 @@ class Peer:
 
 
 @dataclass(slots=True)
-class WorkerGrammars:
-    """The constraints the workers hold by hash (GrammarDef), as the scheduler tracks them: it evicts for them,
-    least recently used first, so that at most max_count are held and their encoded sizes add up to at most
-    max_bytes."""
-
-    max_count: int = MAX_WORKER_GRAMMARS
-    max_bytes: int = MAX_WORKER_GRAMMAR_BYTES
-    sizes: OrderedDict[str, int] = field(default_factory=OrderedDict)  # hash -> encoded bytes, oldest use first
-    total_bytes: int = 0
-
-    def touch(self, digest: str) -> bool:
-        """Whether the workers hold this constraint; if so it becomes the most recently used."""
-        if digest not in self.sizes:
-            return False
-        self.sizes.move_to_end(digest)
-        return True
-
-    def add(self, digest: str, size: int) -> list[str]:
-        """Record a constraint the workers are about to receive; return the hashes they must drop first (all of
-        them for one larger than max_bytes alone: the api's body limit keeps it far below)."""
-        assert digest not in self.sizes, digest
-        evict = []
-        while self.sizes and (len(self.sizes) >= self.max_count or self.total_bytes + size > self.max_bytes):
-            old, old_size = self.sizes.popitem(last=False)
-            self.total_bytes -= old_size
-            evict.append(old)
-        self.sizes[digest] = size
-        self.total_bytes += size
-        return evict
-
-
-@dataclass(slots=True)
 class _Columns:
     """One tokenizer's share of a step, gathered row by row (see TokenDeltas)."""
 
@@ -179,7 +147,8 @@ class SchedulerService:
         self.sends = SendLog()  # plans and constraints to the workers not yet known done (shared/delivery.py)
         self.early_results: dict[int, StepResult] = {}  # results that came before an older plan's (by step id)
         self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
-        self.worker_grammars = WorkerGrammars()  # constraint hashes the workers hold (LRU)
+        # the constraints the workers hold, by hash (-> None): they drop what the scheduler evicts for them
+        self.worker_grammars: SizedLru[str, None] = SizedLru(MAX_WORKER_GRAMMARS, MAX_WORKER_GRAMMAR_BYTES)
         self.unsampled_constrained: set[int] = set()  # sequences whose grammar the worker may still be compiling
         self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
         # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
@@ -280,7 +249,7 @@ class SchedulerService:
         encoded = self.grammar_codec.encode(constraint)
         digest = hashlib.sha256(encoded).hexdigest()
         if not self.worker_grammars.touch(digest):
-            evict = self.worker_grammars.add(digest, len(encoded))
+            evict = self.worker_grammars.put(digest, None, len(encoded))
             seq = self.sends.take_seq()
             data = self.to_workers.encode(GrammarDef(seq, digest, constraint, evict))
             self.sends.record(seq, data, now, self.watch.resend_after())

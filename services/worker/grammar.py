@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +52,7 @@ import torch
 from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.hf_tokenizer import tokenizer_folder
+from pagoda.shared.lru import SizedLru
 from pagoda.shared.messages import NewRequest, RowFailure, StepPlan, StructuredOutputs
 from pagoda.shared.shapes import ModelArch
 
@@ -59,7 +60,10 @@ log = logging.getLogger(__name__)
 
 GrammarMasks = tuple[np.ndarray, torch.Tensor, np.ndarray]  # flags [B] bool, masks [K, W] int32, their rows [K]
 
-MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copied for each sequence
+MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copied for each sequence ...
+# ... and their constraints' encoded sizes together: a matcher holds ~60x its grammar's text (a 550 KiB schema of
+# 8,000 properties: ~35 MB and 7-14 s of compiling on the 2-core host), so 256 large ones would take gigabytes
+MATCHER_CACHE_BYTES = 8 << 20
 # From this many constrained rows, on a machine with this many CPUs, masks are filled and tokens consumed by
 # llguidance's thread pool (a mask costs ~30-80 us for a 150k vocabulary: 256 rows serially would cost more
 # than a decode step). Below it, or on a small CPU, one thread is faster than the pool's hand-off.
@@ -173,7 +177,8 @@ class GrammarRows:
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
         self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: sequence id -> its fixed mask [W] int32
-        self._pristine: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()  # bounded, LRU
+        self._pristine: SizedLru[bytes, Future[llguidance.LLMatcher]] = SizedLru(MATCHER_CACHE_SIZE,
+                                                                                 MATCHER_CACHE_BYTES)
         self._compiler = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
         self._cpus = available_cpus()
         self._executor: llguidance.LLExecutor | None = None
@@ -437,11 +442,7 @@ class GrammarRows:
         if pristine is None:
             tokenizer = self._ensure_tokenizer()  # no tokenizer fails here, in the step that admits the row
             pristine = self._compiler.submit(self._build, tokenizer, constraint)
-            self._pristine[key] = pristine
-            if len(self._pristine) > MATCHER_CACHE_SIZE:
-                self._pristine.popitem(last=False)
-        else:
-            self._pristine.move_to_end(key)
+            self._pristine.put(key, pristine, len(key))
         return pristine
 
     @staticmethod
