@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import zmq
 
+from pagoda.services.grammar.compiler import SLOW_COMPILE_MIN_BYTES
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS
 from pagoda.services.tokenizer.prompts import generate_prompt, max_prompt_len, prompt_chars, truncated_ids
 from pagoda.services.tokenizer.tokenizer import Tokenizer
@@ -42,6 +43,7 @@ from pagoda.shared.messages import (
     SchedulerToTokenizer,
     Sequenced,
     StopSequence,
+    StructuredOutputs,
     TextDelta,
     TextDeltas,
     TokenDeltas,
@@ -722,6 +724,26 @@ def test_a_conversation_of_many_tool_calls_renders_off_the_loop(tok: Harness, to
     first = tok.expect_api(lambda m: getattr(m, "request_id", None) in (large_id, small_id), what="an answer")
     assert first == TokenizeResult(small_id, tokenizer.encode("hello"), MAX_MODEL_LEN)
     assert tok.expect_reply(large_id, RequestFailed, timeout=60.0).code == "context_length_exceeded"
+
+
+def test_a_large_constraint_compiles_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:
+    """A large JSON schema takes llguidance seconds to compile (~8 s for 600 KB on the 2-core host): on the loop it
+    silenced the process's heartbeats until the api and the scheduler dropped the tokenizer, failing every request
+    it held. It compiles on a thread with the prompt (SLOW_COMPILE_MIN_BYTES): a small request sent after it is
+    answered first, and the constrained one still reaches the scheduler with its constraint."""
+    properties = {f"field_{i}_" + "x" * 20: {"type": ["integer", "string", "boolean"]} for i in range(1500)}
+    constraint = StructuredOutputs(json={"type": "object", "properties": properties})
+    assert len(msgspec.json.encode(constraint)) >= SLOW_COMPILE_MIN_BYTES
+    large_id, small_id = new_id(), new_id()
+    tok.send_api(GenerateRequest(large_id, SamplingParams(max_tokens=1, structured_outputs=constraint),
+                                 prompt_text="hi"))
+    tok.send_api(TokenizeRequest(small_id, prompt_text="hello"))
+    first = tok.expect_api(lambda m: getattr(m, "request_id", None) in (large_id, small_id), what="an answer")
+    assert first == TokenizeResult(small_id, tokenizer.encode("hello"), MAX_MODEL_LEN)
+    tok.expect_reply(large_id, Accepted, timeout=60.0)
+    added = tok.expect_scheduler(lambda m: isinstance(m, AddRequest) and m.request_id == large_id)
+    assert added.params.structured_outputs == constraint
+    tok.send_api(AbortRequest(large_id))
 
 
 def test_abort_while_a_thread_tokenizes(tok: Harness) -> None:

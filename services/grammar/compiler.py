@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,6 +45,10 @@ from pagoda.shared.schema_walk import visit_keywords
 log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 512  # distinct constraints remembered per process
+# Constraints this large (encoded) compile on a thread in the tokenizer process: a JSON schema compiles in ~12 ms at
+# 3.4 KB, ~0.3 s at 69 KB and ~8 s at 600 KB (2-core host, SmolLM2's vocabulary), and on the process's loop the
+# largest silenced its heartbeats until the api and the scheduler dropped it, failing every request it held
+SLOW_COMPILE_MIN_BYTES = 4 << 10
 CONSTRAINT_PARAM = "structured_outputs"  # what a constraint's error names: SamplingParams' field (the api: the body's)
 # JSON as json.dumps writes it: no free whitespace, which small models otherwise fill with runs of newlines and
 # indentation until max_tokens (a schema's "x-guidance" options still override these).
@@ -264,22 +269,38 @@ class GrammarChecker:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
         self._outcomes: OrderedDict[bytes, GrammarOutcome] = OrderedDict()
+        self._lock = threading.Lock()  # the cache's; a compile runs outside it (llguidance releases the GIL)
         self.last_compile_s = 0.0  # the latest compile that missed the cache (for figures and logs)
+
+    def cached(self, constraint: StructuredOutputs) -> bool:
+        """Whether the constraint's outcome is at hand (check would not compile)."""
+        key = cache_key(constraint)
+        with self._lock:
+            return key in self._outcomes
+
+    def outcome(self, constraint: StructuredOutputs) -> GrammarOutcome:
+        """The constraint's compile outcome, remembered or compiled now; safe on any thread (a large schema
+        compiles for seconds: the tokenizer process compiles those on a thread, off its loop)."""
+        key = cache_key(constraint)
+        with self._lock:
+            outcome = self._outcomes.get(key)
+            if outcome is not None:
+                self._outcomes.move_to_end(key)
+                return outcome
+        outcome = self._compile(constraint)
+        with self._lock:
+            self._outcomes[key] = outcome
+            self._outcomes.move_to_end(key)
+            if len(self._outcomes) > self.max_entries:
+                self._outcomes.popitem(last=False)
+        return outcome
 
     def check(self, constraint: StructuredOutputs, allowed_token_ids: Sequence[int] | None = None) -> list[int]:
         """Raise InvalidRequestError (400) unless the constraint compiles for this tokenizer and, where the request
         allows only allowed_token_ids from its first token on, one of them may start the grammar (else every
         sampled token would break it); return the token ids its grammar forces before the model has any choice
         (often empty)."""
-        key = cache_key(constraint)
-        outcome = self._outcomes.get(key)
-        if outcome is None:
-            outcome = self._compile(constraint)
-            self._outcomes[key] = outcome
-            if len(self._outcomes) > self.max_entries:
-                self._outcomes.popitem(last=False)
-        else:
-            self._outcomes.move_to_end(key)
+        outcome = self.outcome(constraint)
         if outcome.error:
             raise InvalidRequestError(f"the {constraint.kind} constraint cannot be compiled: {outcome.error}",
                                       param=CONSTRAINT_PARAM)
@@ -367,3 +388,15 @@ class LazyGrammarChecker:
             raise InvalidRequestError("structured outputs are unavailable: the grammar library could not load "
                                       "this tokenizer", param=CONSTRAINT_PARAM)
         return self._checker.check(constraint, allowed_token_ids)
+
+    def compiles_slowly(self, constraint: StructuredOutputs) -> bool:
+        """Whether checking this constraint would compile a large grammar (its text at least
+        SLOW_COMPILE_MIN_BYTES, not remembered): seconds of CPU for the largest, which the caller keeps off its
+        loop by calling `prepare` on a thread first."""
+        return (self._checker is not None and len(cache_key(constraint)) >= SLOW_COMPILE_MIN_BYTES
+                and not self._checker.cached(constraint))
+
+    def prepare(self, constraint: StructuredOutputs) -> None:
+        """Compile the constraint into the cache (any thread); check then finds it there."""
+        if self._checker is not None:
+            self._checker.outcome(constraint)

@@ -260,9 +260,18 @@ class TokenizerService:
         if request_id in self._requests or request_id in self._offload.owners:
             self._fail(api, request_id, InvalidRequestError(f"request id {request_id!r} is already in flight"))
             return
-        self._work(api, request_id, lambda: generate_prompt(self._tokenizer, request, info),
-                   prompt_chars(request.prompt_text, request.messages, request.tools) >= OFFLOAD_MIN_CHARS,
-                   lambda prompt: self._admit(api, request, prompt))
+        constraint = request.params.structured_outputs
+        compile_first = constraint is not None and self._grammars.compiles_slowly(constraint)
+
+        def job() -> Prompt:
+            prompt = generate_prompt(self._tokenizer, request, info)
+            if compile_first:  # on the thread with the prompt: _admit then finds it compiled
+                assert constraint is not None
+                self._grammars.prepare(constraint)
+            return prompt
+
+        large = prompt_chars(request.prompt_text, request.messages, request.tools) >= OFFLOAD_MIN_CHARS
+        self._work(api, request_id, job, large or compile_first, lambda prompt: self._admit(api, request, prompt))
 
     def _work(self, api: int, request_id: str, job: Callable[[], Any], large: bool,
               finish: Callable[[Any], None]) -> None:
