@@ -13,7 +13,7 @@ import pydantic
 import pytest
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream, whole_message
-from pagoda.services.protocol.schemas import ChatBody, chat_request, decode_body
+from pagoda.services.protocol.schemas import ChatBody, chat_output_spec, chat_request, decode_body
 from pagoda.shared.errors import InvalidRequestError
 from tests.harness import HTTP, SERVED, Server
 
@@ -266,3 +266,53 @@ def test_a_form_to_a_route_not_served_is_a_404(server: Server, client: openai.Op
         client.audio.transcriptions.create(model=SERVED, file=("a.wav", b"RIFF0000"))
     form = HTTP.post(server.url + "/v1/chat/completions", files={"file": ("a", b"x")}, timeout=120)
     assert form.status_code == 415  # a route that is served still says what it reads
+
+
+# --------------------------------------------------------------------------------------------
+# allowed_tools: a subset of the tools to choose from
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def allowed(mode: str, *names: str) -> dict[str, Any]:
+    return {"type": "allowed_tools",
+            "allowed_tools": {"mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+def test_allowed_tools_is_its_mode_over_the_tools_it_names() -> None:
+    """pydantic-ai (OpenAIProvider, any base_url) sends OpenAI's allowed_tools tool_choice to restrict a call to
+    some tools; it was a 400 naming a 'named tool_choice'."""
+    body = {"model": SERVED, "messages": [QUESTION], "tools": [CITY_TOOL, WEATHER_TOOL]}
+    required = chat_of({**body, "tool_choice": allowed("required", "weather")})
+    only_weather = chat_of({**body, "tool_choice": "required", "tools": [WEATHER_TOOL]})
+    assert required.params.structured_outputs == only_weather.params.structured_outputs
+    assert [t["function"]["name"] for t in required.tools] == ["weather"]
+    auto = chat_of({**body, "tool_choice": allowed("auto", "record_city", "weather")})
+    assert auto.params.structured_outputs is None and len(auto.tools) == 2
+    spec = chat_output_spec(decode_body(msgspec.json.encode({**body, "tool_choice": allowed("required", "weather")}),
+                                        ChatBody), "hermes", None)
+    assert spec.tool_mode == "required"
+    for choice, param in ((allowed("required", "nope"), "tool_choice.allowed_tools.tools[0]"),
+                          (allowed("none", "weather"), "tool_choice.allowed_tools"),
+                          (allowed("required"), "tool_choice.allowed_tools"),
+                          ({**allowed("auto", "weather"), "extra": 1}, "tool_choice.extra")):
+        with pytest.raises(InvalidRequestError) as bad:
+            chat_of({**body, "tool_choice": choice})
+        assert bad.value.param == param
+
+
+def test_allowed_tools_required_calls_one_of_them(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=SERVED, messages=[QUESTION], tools=[CITY_TOOL, WEATHER_TOOL], tool_choice=allowed("required", "weather"),
+        parallel_tool_calls=False, max_tokens=30, temperature=0)  # type: ignore[arg-type]
+    calls = answer.choices[0].message.tool_calls or []
+    assert answer.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["weather"]
+    response = client.responses.create(
+        model=SERVED, input="Which city is the capital of France?", max_output_tokens=30, parallel_tool_calls=False,
+        tools=[{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"],
+                "strict": True} for t in (CITY_TOOL, WEATHER_TOOL)],
+        tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "weather"}]})
+    assert [(item.type, getattr(item, "name", None)) for item in response.output] == [("function_call", "weather")]

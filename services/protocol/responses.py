@@ -155,7 +155,8 @@ def to_chat(body: ResponsesBody) -> ChatForm:
         chat_template_kwargs=body.chat_template_kwargs, truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side, service_tier=body.service_tier)
     constraint = None
-    if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
+    if body.tool_choice == "required" or (isinstance(body.tool_choice, dict) and body.tool_choice.get("mode")
+                                           != "auto"):
         constraint = "tools"  # decoded under a schema built from the functions' parameters
     elif response_format is not None and response_format["type"] != "text":
         constraint = "text.format"
@@ -397,6 +398,18 @@ def _tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> str | 
         return None
     if not isinstance(choice, dict):
         return choice
+    if choice.get("type") == "allowed_tools":  # the Responses form: its mode and tools beside the type
+        _keys(choice, {"type", "mode", "tools"}, "tool_choice", 'allowed_tools is {"type": "allowed_tools", '
+                                                                '"mode": "auto" | "required", "tools": [...]}')
+        refs = choice.get("tools")
+        _require(isinstance(refs, list) and all(isinstance(ref, dict) and ref.get("type") == "function"
+                                                and set(ref) <= {"type", "name"} for ref in refs),
+                 "tool_choice.tools", 'an allowed tool is {"type": "function", "name": string} (pagoda has no '
+                                      'built-in tools)')
+        assert isinstance(refs, list)
+        return {"type": "allowed_tools", "allowed_tools": {
+            "mode": choice.get("mode"), "tools": [{"type": "function", "function": {"name": ref.get("name")}}
+                                                  for ref in refs]}}
     _require(choice.get("type") == "function", "tool_choice",
              f"tool_choice {choice.get('type')!r} names a built-in tool or tool set pagoda does not have; use none, "
              'auto, required or {"type": "function", "name": ...}')

@@ -377,7 +377,7 @@ def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
 def constraint_param(body: _GenerationBody) -> str | None:
     """The body field that asked for a constraint (None: none did). A grammar that does not compile is refused
     where the tokenizer is, under SamplingParams' name (structured_outputs); the client is told this field."""
-    if isinstance(body, ChatBody) and _tool_choice(body, _tools(body))[0] in ("required", "named"):
+    if isinstance(body, ChatBody) and _tool_choice(body, _offered_tools(body))[0] in ("required", "named"):
         return "tools"
     names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     return next((name for name in names if getattr(body, name) is not None), None)
@@ -575,8 +575,44 @@ def _tools(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
     return tools
 
 
+def _offered_tools(body: ChatBody) -> list[dict[str, Any]]:
+    """The tools the model may call: all of them, or the subset OpenAI's allowed_tools tool_choice names (the
+    others are not rendered: the model is offered those alone; OpenAI keeps them in the prompt for its cache)."""
+    tools = _tools(body)
+    allowed = _allowed_tools(body.tool_choice, tools)
+    return tools if allowed is None else [t for t in tools if t["function"]["name"] in allowed]
+
+
+def _allowed_tools(choice: Any, tools: list[dict[str, Any]]) -> set[str] | None:
+    """The names of an allowed_tools tool_choice ({"type": "allowed_tools", "allowed_tools": {"mode": "auto" |
+    "required", "tools": [{"type": "function", "function": {"name"}}, ...]}}: pydantic-ai sends it for a subset
+    of tools to choose from), or None for another tool_choice."""
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return None
+    reject_unknown_keys(choice, {"type", "allowed_tools"}, "tool_choice",
+                        'this tool_choice is {"type", "allowed_tools"}')
+    allowed = choice.get("allowed_tools")
+    _require(isinstance(allowed, dict) and set(allowed) <= {"mode", "tools"}
+             and allowed.get("mode") in ("auto", "required") and isinstance(allowed.get("tools"), list)
+             and len(allowed["tools"]) > 0, "tool_choice.allowed_tools",
+             'allowed_tools is {"mode": "auto" | "required", "tools": [{"type": "function", "function": {"name"}}, '
+             '...]}')
+    names = set()
+    for i, ref in enumerate(allowed["tools"]):
+        function = ref.get("function") if isinstance(ref, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        _require(isinstance(ref, dict) and ref.get("type") == "function" and isinstance(name, str),
+                 f"tool_choice.allowed_tools.tools[{i}]", 'an allowed tool is {"type": "function", "function": '
+                                                          '{"name": string}}')
+        _require(any(t["function"]["name"] == name for t in tools), f"tool_choice.allowed_tools.tools[{i}]",
+                 f"no tool named {name!r}")
+        names.add(name)
+    return names
+
+
 def _tool_choice(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str]:
-    """(mode, function name): mode none | auto | required | named."""
+    """(mode, function name): mode none | auto | required | named; allowed_tools is its mode over the tools it
+    names (_offered_tools)."""
     choice = body.tool_choice
     if choice is None:
         return ("auto" if tools else "none"), ""
@@ -585,10 +621,13 @@ def _tool_choice(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str]
                  "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\"}}")
         _require(choice == "none" or bool(tools), "tool_choice", f"tool_choice {choice!r} needs tools")
         return choice, ""
+    if choice.get("type") == "allowed_tools":
+        return choice["allowed_tools"]["mode"], ""  # checked by _offered_tools, which gave `tools`
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     _require(choice.get("type") == "function" and isinstance(name, str), "tool_choice",
-             'a named tool_choice is {"type": "function", "function": {"name": string}}')
+             'a named tool_choice is {"type": "function", "function": {"name": string}} (or OpenAI\'s '
+             '{"type": "allowed_tools", ...})')
     assert isinstance(name, str)
     _require(any(t["function"]["name"] == name for t in tools), "tool_choice", f"no tool named {name!r}")
     return "named", name
@@ -596,7 +635,7 @@ def _tool_choice(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str]
 
 def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | None) -> ChatOutputSpec:
     """How the api reads this request's choices (tools and reasoning)."""
-    tools = _tools(body)
+    tools = _offered_tools(body)
     mode, name = _tool_choice(body, tools)
     return ChatOutputSpec(tool_mode=mode, tool_parser=tool_parser, tool_name=name,
                           reasoning_parser=reasoning_parser,
@@ -639,7 +678,7 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     kwargs = _sampling_kwargs(body, defaults)
-    tools = _tools(body)
+    tools = _offered_tools(body)
     mode, name = _tool_choice(body, tools)
     tool_constraint = _tool_constraint(body, tools, mode, name)
     if tool_constraint is not None:
