@@ -592,8 +592,9 @@ def test_refusals_over_http_are_anthropic_errors(server: Server, client: anthrop
     for body, needle in (({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
                          ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
                           "messages[0].content[0].type"),
-                         ({"messages": HI, "max_tokens": 5000}, "max_tokens"),  # past the context
-                         ({"messages": [{"role": "user", "content": "hello " * 1100}]}, "messages")):
+                         # past the context: Anthropic's words, which its clients match
+                         ({"messages": HI, "max_tokens": 5000}, "input length and `max_tokens` exceed context limit: "),
+                         ({"messages": [{"role": "user", "content": "hello " * 1100}]}, "prompt is too long: ")):
         response = HTTP.post(url, json={"model": SERVED, "max_tokens": 4, **body}, timeout=120)
         assert response.status_code == 400, response.text
         error = response.json()
