@@ -93,6 +93,16 @@ def test_the_offline_engines_scheduler_refuses_as_the_tokenizer() -> None:
     assert_all_free(sched)
 
 
+def test_a_beam_search_is_sized_by_what_one_sequence_can_hold() -> None:
+    """An unset max_tokens runs each beam to the context or the cache, whichever is smaller: the refusal of a group
+    that cannot fit names that length (128 here), not the 512-token context no beam can reach."""
+    sched = make_scheduler(num_blocks=8, block_size=16, max_model_len=512)
+    with pytest.raises(ContextLengthError) as refused:
+        sched.validate(make_request("beam", 20, max_tokens=None, use_beam_search=True, n=2, best_of=2))
+    assert refused.value.param == "best_of" and "over 128 tokens needs up to 16 KV blocks" in refused.value.message
+    sched.validate(make_request("beam", 20, max_tokens=40, use_beam_search=True, n=2, best_of=2))  # 2 x 4 blocks
+
+
 def wire(error: ContextLengthError) -> UpstreamError:
     """The error as the api gets it from the tokenizer (RequestFailed carries message, param and code)."""
     return UpstreamError.from_failed(RequestFailed("r", error.http_status, error.message, error.error_type,

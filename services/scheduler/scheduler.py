@@ -297,7 +297,9 @@ class Scheduler:
                                       param="best_of")
         max_tokens = request.sampling.max_tokens
         prompt_len = len(request.prompt_token_ids)
-        longest = min(prompt_len + (max_tokens if max_tokens is not None else self.max_model_len), self.max_model_len)
+        # as add_request bounds a sequence: by max_tokens, the context, and the cache (what one sequence can hold)
+        longest = min(prompt_len + (max_tokens if max_tokens is not None else self.max_model_len), self.max_model_len,
+                      self.blocks.num_blocks * self.block_size)
         if width * self.blocks.num_blocks_for(longest) > self.blocks.num_blocks:
             # every beam may end up holding blocks of its own: a group that cannot fit whole would never finish
             raise ContextLengthError(
