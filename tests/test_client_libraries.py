@@ -316,3 +316,8 @@ def test_allowed_tools_required_calls_one_of_them(client: openai.OpenAI) -> None
                 "strict": True} for t in (CITY_TOOL, WEATHER_TOOL)],
         tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "weather"}]})
     assert [(item.type, getattr(item, "name", None)) for item in response.output] == [("function_call", "weather")]
+    with pytest.raises(openai.BadRequestError) as unknown:  # named as the Responses body names it
+        client.responses.create(model=SERVED, input="Hi", max_output_tokens=1, tools=[
+            {"type": "function", "name": "weather", "parameters": WEATHER_TOOL["function"]["parameters"]}],
+            tool_choice={"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]})
+    assert unknown.value.body["param"] == "tool_choice.tools[0]"  # type: ignore[index]

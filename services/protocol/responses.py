@@ -445,7 +445,8 @@ def _text_format(text: dict[str, Any] | None) -> tuple[dict[str, Any] | None, di
 # Responses field.
 _CHAT_PARAMS = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
                 ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-                ("messages", "input"), ("logprobs", "top_logprobs"))
+                ("messages", "input"), ("logprobs", "top_logprobs"),
+                ("tool_choice.allowed_tools.tools", "tool_choice.tools"), ("tool_choice.allowed_tools", "tool_choice"))
 
 
 def responses_param(param: str | None) -> str | None:
