@@ -413,6 +413,11 @@ class TokenizerService:
         replica = self._replicas.replicas[index]
         if info != replica.model_info:
             log.info("registered with scheduler %d: %s", index, info)
+            if info.max_num_tokens < info.max_model_len:  # vLLM refuses to start so; here requests are bounded
+                log.warning("scheduler %d's KV cache holds %d tokens of one sequence, less than --max-model-len %d: "
+                            "a prompt plus max_tokens past %d is refused (raise --kv-cache-memory / --num-kv-blocks "
+                            "or lower --max-model-len)", index, info.max_num_tokens, info.max_model_len,
+                            info.max_num_tokens)
         replica.model_info = info
         self._model_info = info
         waiting, self._waiting = self._waiting, deque()
