@@ -321,3 +321,19 @@ def test_allowed_tools_required_calls_one_of_them(client: openai.OpenAI) -> None
             {"type": "function", "name": "weather", "parameters": WEATHER_TOOL["function"]["parameters"]}],
             tool_choice={"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]})
     assert unknown.value.body["param"] == "tool_choice.tools[0]"  # type: ignore[index]
+
+
+def test_responses_input_tokens_counts_what_the_response_would_run(server: Server, client: openai.OpenAI) -> None:
+    """OpenAI's POST /v1/responses/input_tokens (client.responses.input_tokens.count; litellm's count_tokens for an
+    openai/ model, pydantic-ai's count_tokens_before_request): it was a 405."""
+    tools = [{"type": "function", "name": "record_city", "parameters": CITY_SCHEMA}]
+    for extra in ({}, {"instructions": "Be brief.", "tools": tools}):
+        counted = client.responses.input_tokens.count(model=SERVED, input="Which city is the capital of France?",
+                                                      **extra)  # type: ignore[arg-type]
+        ran = client.responses.create(model=SERVED, input="Which city is the capital of France?",
+                                      max_output_tokens=1, **extra)  # type: ignore[arg-type]
+        assert counted.object == "response.input_tokens"
+        assert ran.usage is not None and counted.input_tokens == ran.usage.input_tokens
+    refused = HTTP.post(server.url + "/v1/responses/input_tokens", json={"input": "Hi", "max_output_tokens": 4},
+                        timeout=120)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_output_tokens"

@@ -101,6 +101,7 @@ def test_a_tenant_may_name_only_the_aliases_its_models_list(tmp_path: Path) -> N
                            ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
                            ("/v1/messages", {"messages": chat, "max_tokens": 1}),
                            ("/v1/messages/count_tokens", {"messages": chat}),
+                           ("/v1/responses/input_tokens", {"input": "hi"}),
                            ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})]:
             refused = stack.post(path, {"model": "alias-a", **body}, headers=auth)
             assert refused.status_code == 404 and "model" in refused.text, (path, refused.text)

@@ -38,7 +38,8 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/re
                               "/invocations"})
 # the routes that make the (shared) tokenizers work without generating: each takes one of a tenant's
 # requests_per_minute, as a generation request does (docs/tenants.md)
-TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/v1/messages/count_tokens"})
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/v1/messages/count_tokens",
+                             "/v1/responses/input_tokens"})
 CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what --allowed-methods '*' allows
 CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
@@ -62,6 +63,7 @@ def build_app(state: ApiState) -> web.Application:
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
         web.post("/v1/responses", responses.create),
+        web.post("/v1/responses/input_tokens", responses.input_tokens),  # before {response_id}: a plain path
         # nothing is stored to read back: 404 saying so
         web.get("/v1/responses/{response_id}", responses.not_stored),
         web.delete("/v1/responses/{response_id}", responses.not_stored),

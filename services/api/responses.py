@@ -9,13 +9,19 @@ import uuid
 
 from aiohttp import web
 
-from pagoda.services.api.handlers import Handlers
+from pagoda.services.api.handlers import Handlers, json_response
 from pagoda.services.protocol.render import CHAT
-from pagoda.services.protocol.responses import ResponsesRenderer, decode_responses_body, rename_error, to_chat
-from pagoda.services.protocol.schemas import prompt_bytes
+from pagoda.services.protocol.responses import (
+    ResponsesRenderer,
+    decode_input_tokens_body,
+    decode_responses_body,
+    rename_error,
+    to_chat,
+)
+from pagoda.services.protocol.schemas import chat_request, prompt_bytes
 from pagoda.services.protocol.vllm import RESPONSES_NOT_STORED
 from pagoda.shared.errors import InvalidRequestError, PagodaError
-from pagoda.shared.messages import RenderSpec
+from pagoda.shared.messages import RenderSpec, TokenizeRequest, TokenizeResult
 
 
 class ResponseNotFoundError(PagodaError):
@@ -50,6 +56,28 @@ class ResponsesRoutes:
             return await handlers._generate(request, [message], spec, started_at, {}, form.constraint, renderer)
         except PagodaError as exc:  # a refusal by the tokenizer (the prompt too long, a schema that does not compile)
             raise rename_error(exc) from None
+
+    async def input_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/input_tokens (OpenAI's; litellm's count_tokens for an openai/ model, pydantic-ai's
+        count_tokens_before_request): the prompt a Responses body would run, tokenized as generation tokenizes it,
+        as /v1/messages/count_tokens counts a Messages body."""
+        handlers = self.handlers
+        body = decode_input_tokens_body(await handlers._body(request))
+        handlers._check_model(body.model, request)
+        request_id = f"count_{uuid.uuid4().hex}"
+        try:
+            form = to_chat(body)
+            handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
+            prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)
+            reply = await handlers._ask(TokenizeRequest(
+                request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
+                add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message, tools=prompt.tools,
+                chat_template_kwargs=prompt.chat_template_kwargs))
+        except PagodaError as exc:
+            raise rename_error(exc) from None
+        assert isinstance(reply, TokenizeResult), type(reply).__name__
+        return json_response({"object": "response.input_tokens", "input_tokens": len(reply.token_ids)})
 
     async def not_stored(self, request: web.Request) -> web.Response:
         """GET / DELETE /v1/responses/{id}, its cancel and input_items: there is nothing stored to read."""

@@ -120,6 +120,22 @@ def decode_responses_body(data: bytes) -> ResponsesBody:
     return decode_body(data, ResponsesBody)
 
 
+# OpenAI's POST /v1/responses/input_tokens takes the fields that make the prompt (and chat_template_kwargs, which the
+# template reads); the others would change no count, so they are refused rather than taken and ignored.
+INPUT_TOKENS_FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+                       "reasoning", "truncation", "conversation", "previous_response_id", "chat_template_kwargs")
+
+
+def decode_input_tokens_body(data: bytes) -> ResponsesBody:
+    """A body of POST /v1/responses/input_tokens: a Responses body of INPUT_TOKENS_FIELDS only."""
+    body = decode_body(data, ResponsesBody)
+    extra = next((name for name in body.__struct_fields__
+                  if name not in INPUT_TOKENS_FIELDS and getattr(body, name) is not None), None)
+    _require(extra is None, str(extra), f"Unrecognized request argument supplied: {extra} (input_tokens counts the "
+                                        f"prompt; it takes {', '.join(INPUT_TOKENS_FIELDS)})")
+    return body
+
+
 # --------------------------------------------------------------------------------------------
 # the request: a chat request
 
