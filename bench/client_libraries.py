@@ -298,6 +298,7 @@ def pydantic_ai_checks(base: str) -> list[tuple[str, Callable[[], Any]]]:
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.settings import ModelSettings
     from pydantic_ai.tools import ToolDefinition
+    from pydantic_ai.usage import UsageLimits
 
     provider, City = OpenAIProvider(base_url=base, api_key="x"), city_model()
     settings = ModelSettings(temperature=0, max_tokens=30)
@@ -313,6 +314,9 @@ def pydantic_ai_checks(base: str) -> list[tuple[str, Callable[[], Any]]]:
                     m, [ModelRequest.user_text_prompt("Weather in Paris?")],
                     model_settings=ModelSettings(temperature=0, max_tokens=30, tool_choice=["get_weather", "get_time"]),
                     model_request_parameters=ModelRequestParameters(function_tools=tools)).parts)]
+    out.append(("pydantic-ai responses count_tokens_before_request (/v1/responses/input_tokens)", lambda: Agent(
+        OpenAIResponsesModel(MODEL, provider=provider), model_settings=settings).run_sync(
+            QUESTION, usage_limits=UsageLimits(count_tokens_before_request=True, input_tokens_limit=1000)).usage))
     return out
 
 
