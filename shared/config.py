@@ -199,6 +199,10 @@ class EngineConfig:
 
 DEFAULT_SWAP_GIB = 16.0  # host swap space per CUDA worker rank when swap_space is unset
 GRAMMAR_PROCESS_MIN_CPUS = 4  # the step loop, the grammar process and its fill threads each want a core
+# Constraints this large (encoded) compile off the loops that would wait for them: on a thread in the tokenizer
+# process, and in the workers before their request joins the batch (the scheduler holds it: grammar_gate.py). A
+# JSON schema compiles in ~12 ms at 3.4 KB, ~0.3 s at 69 KB and ~8 s at 600 KB (2-core host, SmolLM2's vocabulary)
+SLOW_COMPILE_MIN_BYTES = 4 << 10
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,

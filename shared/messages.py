@@ -401,6 +401,15 @@ class GrammarDef(msgspec.Struct, tag="grammar", array_like=True, omit_defaults=T
     evict: list[str] = []  # hashes no plan will name any more: the worker drops them (the scheduler's LRU)
 
 
+class GrammarCompiled(msgspec.Struct, tag="gcompiled", array_like=True, frozen=True):
+    """A worker rank built the matcher of a GrammarDef's constraint (or failed to: its rows then fail alone at
+    sampling). The worker compiles each GrammarDef as it arrives; the scheduler holds a request with a large
+    constraint out of the batch until this comes, so that no step waits seconds for a compile."""
+
+    rank: int
+    hash: str
+
+
 class PromptScores(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Logprobs of consecutive prompt tokens, from one step's prompt chunk (prompt_logprobs)."""
 
@@ -964,6 +973,14 @@ class MaskFill(msgspec.Struct, tag="mfill", array_like=True, gc=False, frozen=Tr
     slot: int
 
 
+class MaskPrepare(msgspec.Struct, tag="mprepare", array_like=True, frozen=True):
+    """Compile this constraint now (a GrammarDef came); answered by a MaskCompiled whenever it is built, between
+    any other answers."""
+
+    hash: str
+    constraint: StructuredOutputs
+
+
 class MaskReset(msgspec.Struct, tag="mreset", array_like=True, frozen=True):
     """Forget every sequence (a new scheduler)."""
 
@@ -983,6 +1000,12 @@ class MaskBusy(msgspec.Struct, tag="mbusy", array_like=True, frozen=True):
     a hung one)."""
 
     job_id: int
+
+
+class MaskCompiled(msgspec.Struct, tag="mcompiled", array_like=True, frozen=True):
+    """A MaskPrepare's constraint is built (or failed to build)."""
+
+    hash: str
 
 
 class MaskReady(msgspec.Struct, tag="mready", array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -1005,7 +1028,7 @@ TokenizerToScheduler = (TokenizerHello | Heartbeat | AddRequest | AbortRequest |
                         | Sequenced | Ack)
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory | Sequenced | Ack
 SchedulerToWorker = StepPlan | GrammarDef | Shutdown | Heartbeat  # heartbeats double as subscription probes
-WorkerToScheduler = WorkerReady | StepResult | Heartbeat
+WorkerToScheduler = WorkerReady | StepResult | Heartbeat | GrammarCompiled
 SchedulerToApi = SchedulerStats
-WorkerToMaskProcess = MaskApply | MaskAccept | MaskFill | MaskReset | MaskStop
-MaskProcessToWorker = MaskStarted | MaskBusy | MaskReady
+WorkerToMaskProcess = MaskApply | MaskAccept | MaskFill | MaskPrepare | MaskReset | MaskStop
+MaskProcessToWorker = MaskStarted | MaskBusy | MaskReady | MaskCompiled

@@ -27,6 +27,7 @@ import pytest
 from pagoda.services.grammar.compiler import GrammarChecker, grammar_text
 from pagoda.services.protocol.tools import parse_required, required_schema
 from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import StructuredOutputs
 from tests.harness import HTTP, SERVED, Server
@@ -586,3 +587,22 @@ def test_unsupported_features_are_a_400_naming_them(server: Server, extra: dict[
                                                     feature: str) -> None:
     status, body = post(server, CHAT, chat_body(extra, 0, stream=False, max_tokens=4))
     assert status == 400 and body["error"]["param"] == param and feature in body["error"]["message"], body
+
+
+def test_a_large_constraint_is_answered_through_the_grammar_gate(server: Server) -> None:
+    """A schema past SLOW_COMPILE_MIN_BYTES waits out of the batch until the worker has compiled it (the scheduler's
+    GrammarGate; before, every row of the batch waited for the compile): requests beside it and the constrained
+    ones (the first held, the second after its matcher is built) all answer, the constrained ones valid."""
+    description = " ".join(f"Say yes when clause {i} holds, no otherwise." for i in range(120))
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"],
+                                                          "description": description}},
+              "required": ["answer"], "additionalProperties": False}
+    assert len(json.dumps(schema)) >= SLOW_COMPILE_MIN_BYTES  # by its description: the answer itself is short
+    jobs = [(CHAT, chat_body(response_format(schema), seed, stream=seed == 1, max_tokens=48)) for seed in (0, 1)]
+    jobs += [(CHAT, chat_body({}, seed, stream=False, max_tokens=8)) for seed in (2, 3)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: post(server, *job), jobs))
+    for (status, body), constrained in zip(results, [True, True, False, False], strict=True):
+        for text, finish_reason in answers(status, body):
+            if constrained:
+                assert finish_reason == "stop" and schema_errors(schema, text) == [], text

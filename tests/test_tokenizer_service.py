@@ -17,10 +17,10 @@ import msgspec
 import pytest
 import zmq
 
-from pagoda.services.grammar.compiler import SLOW_COMPILE_MIN_BYTES
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS
 from pagoda.services.tokenizer.prompts import generate_prompt, max_prompt_len, prompt_chars, truncated_ids
 from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES
 from pagoda.shared.delivery import Link
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import (

@@ -37,6 +37,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagoda.services.grammar.repetition import fixed_json_error, lark_repeat_error, literal_error, regex_repeat_error
 from pagoda.services.grammar.vocab import model_ll_tokenizer
+from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES
 from pagoda.shared.errors import InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
@@ -45,10 +46,6 @@ from pagoda.shared.schema_walk import visit_keywords
 log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 512  # distinct constraints remembered per process
-# Constraints this large (encoded) compile on a thread in the tokenizer process: a JSON schema compiles in ~12 ms at
-# 3.4 KB, ~0.3 s at 69 KB and ~8 s at 600 KB (2-core host, SmolLM2's vocabulary), and on the process's loop the
-# largest silenced its heartbeats until the api and the scheduler dropped it, failing every request it held
-SLOW_COMPILE_MIN_BYTES = 4 << 10
 CONSTRAINT_PARAM = "structured_outputs"  # what a constraint's error names: SamplingParams' field (the api: the body's)
 # JSON as json.dumps writes it: no free whitespace, which small models otherwise fill with runs of newlines and
 # indentation until max_tokens (a schema's "x-guidance" options still override these).

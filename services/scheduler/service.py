@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from pagoda.services.scheduler.grammar_gate import GrammarGate
 from pagoda.services.scheduler.health import StepWatch
 from pagoda.services.scheduler.phases import PhaseClock
 from pagoda.services.scheduler.pipeline import PlanPipeline
 from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.scheduler.tracing import RequestTracer
-from pagoda.shared.config import EngineConfig, ServerConfig
+from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES, EngineConfig, ServerConfig
 from pagoda.shared.delivery import Link, SendLog
-from pagoda.shared.errors import PagodaError
+from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.heap import settle_heap
 from pagoda.shared.lru import SizedLru
 from pagoda.shared.messages import (
@@ -38,6 +39,7 @@ from pagoda.shared.messages import (
     AddRequest,
     ApiJoin,
     FinishReason,
+    GrammarCompiled,
     GrammarDef,
     Heartbeat,
     ModelInfo,
@@ -54,6 +56,7 @@ from pagoda.shared.messages import (
     StepPlan,
     StepResult,
     StopSequence,
+    StructuredOutputs,
     TokenDeltas,
     TokenizerHello,
     TokenizerToScheduler,
@@ -149,6 +152,8 @@ class SchedulerService:
         self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
         # the constraints the workers hold, by hash (-> None): they drop what the scheduler evicts for them
         self.worker_grammars: SizedLru[str, None] = SizedLru(MAX_WORKER_GRAMMARS, MAX_WORKER_GRAMMAR_BYTES)
+        self.compiled_grammars: set[str] = set()  # of those, the ones a worker said it built (GrammarCompiled)
+        self.grammar_gate = GrammarGate()  # requests waiting for the workers to compile their large constraint
         self.unsampled_constrained: set[int] = set()  # sequences whose grammar the worker may still be compiling
         self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
         # the console's step split: wall time of steps with and without prompt tokens, and this loop's own time
@@ -248,14 +253,59 @@ class SchedulerService:
             return new
         encoded = self.grammar_codec.encode(constraint)
         digest = hashlib.sha256(encoded).hexdigest()
-        if not self.worker_grammars.touch(digest):
-            evict = self.worker_grammars.put(digest, None, len(encoded))
-            seq = self.sends.take_seq()
-            data = self.to_workers.encode(GrammarDef(seq, digest, constraint, evict))
-            self.sends.record(seq, data, now, self.watch.resend_after())
-            self.plans.send(data, copy=False)
+        self._define(digest, constraint, len(encoded), now)
         return msgspec.structs.replace(new, sampling=msgspec.structs.replace(new.sampling, structured_outputs=None),
                                        grammar_hash=digest)
+
+    def _define(self, digest: str, constraint: StructuredOutputs, size: int, now: float) -> None:
+        """Send the workers a GrammarDef unless they hold it (the scheduler evicts for them, LRU); they compile it
+        as it comes and answer GrammarCompiled."""
+        if self.worker_grammars.touch(digest):
+            return
+        evict = self.worker_grammars.put(digest, None, size)
+        self.compiled_grammars.difference_update(evict)
+        seq = self.sends.take_seq()
+        data = self.to_workers.encode(GrammarDef(seq, digest, constraint, evict))
+        self.sends.record(seq, data, now, self.watch.resend_after())
+        self.plans.send(data, copy=False)
+
+    def _held_for_grammar(self, request: Request) -> bool:
+        """Hold a request with a large constraint the workers have not built out of the queue (grammar_gate.py):
+        its GrammarDef goes now, and GrammarCompiled admits it. False: it joins the queue now."""
+        constraint = request.sampling.structured_outputs
+        if constraint is None:
+            return False
+        assert self.scheduler is not None
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        encoded = self.grammar_codec.encode(constraint)
+        if len(encoded) < SLOW_COMPILE_MIN_BYTES:
+            return False
+        digest = hashlib.sha256(encoded).hexdigest()
+        if digest in self.compiled_grammars and self.worker_grammars.touch(digest):
+            return False
+        now = time.monotonic()
+        self._define(digest, constraint, len(encoded), now)
+        self.grammar_gate.hold(request, digest, now)
+        return True
+
+    def _on_grammar_compiled(self, message: GrammarCompiled) -> None:
+        if message.hash in self.worker_grammars:
+            self.compiled_grammars.add(message.hash)
+        for request in self.grammar_gate.release(message.hash):
+            self._admit_held(request)
+
+    def _admit_held(self, request: Request) -> None:
+        """A held request joins the queue (as _on_add would have added it)."""
+        assert self.scheduler is not None
+        try:
+            self.scheduler.add_request(request)
+        except PagodaError as exc:
+            identity = self.owner.get(request.request_id)
+            if identity is not None:
+                self._fail(identity, request.request_id, exc.http_status, exc.message, exc.error_type, exc.param,
+                           exc.code)
+            self._forget(request.request_id)
 
     def _resend_due(self, now: float) -> None:
         """Sequenced messages the workers have not answered in time go again (a lost plan, or a lost result:
@@ -289,6 +339,10 @@ class SchedulerService:
             self._sweep_dead_tokenizers(now)
             self._registry_tick(now)
             self._check_progress(now)
+            for request in self.grammar_gate.expired(now):
+                log.warning("request %s: no worker said its constraint compiled in %.0f s; queued anyway",
+                            request.request_id, self.grammar_gate.timeout_s)
+                self._admit_held(request)
             if len(self.ready_ranks) < self.engine_config.tensor_parallel_size:
                 # subscription probe; its sender tells a worker whether this is the scheduler it knows
                 self.plans.send(self.to_workers.encode(Heartbeat(sender=self.instance_id)))
@@ -387,7 +441,8 @@ class SchedulerService:
             self._fail(identity, message.request_id, 503, "the model is still loading", "server_error")
             return
         limit = self.config.max_waiting_requests
-        if limit and len(self.scheduler.waiting) >= limit:  # bounded queue: the api adds Retry-After to the 503
+        if limit and len(self.scheduler.waiting) + len(self.grammar_gate) >= limit:  # bounded queue: the api adds
+            # Retry-After to the 503
             self._fail(identity, message.request_id, 503, f"the server is overloaded ({limit} requests waiting); "
                        "try again later", "server_error")
             return
@@ -400,7 +455,10 @@ class SchedulerService:
             # Checked again though the api and the tokenizer did: a peer's values are its own request's problem
             # (a forged n of 2**31 would otherwise make 2**31 sequences here), never the scheduler's.
             self.scheduler.validate(request)
-            self.scheduler.add_request(request)
+            if request.request_id in self.grammar_gate:  # held: add_request cannot see it
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+            if not self._held_for_grammar(request):
+                self.scheduler.add_request(request)
         except PagodaError as exc:
             self._fail(identity, message.request_id, exc.http_status, exc.message, exc.error_type, exc.param,
                        exc.code)
@@ -425,7 +483,7 @@ class SchedulerService:
             self._forget_if_done(message.request_id)
 
     def _abort(self, request_id: str) -> None:
-        if self.scheduler is not None:
+        if self.scheduler is not None and not self.grammar_gate.drop(request_id):
             self.scheduler.abort_request(request_id)
         self._forget(request_id)
 
@@ -521,6 +579,8 @@ class SchedulerService:
             self._on_result(message)
         elif isinstance(message, WorkerReady):
             self._on_worker_ready(message)
+        elif isinstance(message, GrammarCompiled):
+            self._on_grammar_compiled(message)
         elif isinstance(message, Heartbeat) and message.acked >= -1:
             self._on_ack(message.sender, message.acked, message.gap, message.idle)
 
@@ -775,7 +835,7 @@ class SchedulerService:
         stats = scheduler.stats if scheduler is not None else None
         running = len({seq.request.request_id for seq in scheduler.running}) if scheduler is not None else 0
         waiting_seqs = [seq for seq in scheduler.waiting if not seq.is_finished] if scheduler is not None else []
-        waiting = len({seq.request.request_id for seq in waiting_seqs})
+        waiting = len({seq.request.request_id for seq in waiting_seqs}) + len(self.grammar_gate)
         preempted = len({seq.request.request_id for seq in waiting_seqs if seq.num_preemptions})
         return SchedulerStats(
             time=time.time(), num_running=running, num_waiting=waiting,

@@ -188,6 +188,8 @@ class GrammarRows:
         self._failures: list[tuple[int, str]] = []  # (sequence, why): it ends with an error, unsampled (take_failures)
         self._bad_words: dict[int, BadWords] = {}  # grammar rows with bad_words: sequence id -> words and window
         self._eos: torch.Tensor | None = None  # [W] the EOS ids' bits, once a row needs them
+        self._preparing: set[str] = set()  # GrammarDef hashes being compiled (prepare) ...
+        self._prepared: deque[str] = deque()  # ... and those built since take_compiled (appended by compile threads)
 
     @property
     def active(self) -> bool:
@@ -217,6 +219,36 @@ class GrammarRows:
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def preparing(self) -> bool:
+        """Some prepare()d constraint is still compiling (the worker then looks for take_compiled often)."""
+        return bool(self._preparing)
+
+    def prepare(self, digest: str, constraint: StructuredOutputs,
+                on_built: Callable[[str], None] | None = None) -> None:
+        """Compile a GrammarDef's constraint now, on a thread (the rows that name it later find its matcher built);
+        once built (or failed: those rows then fail alone), take_compiled names it, or on_built(digest) is called
+        on the compiling thread."""
+        notify = on_built if on_built is not None else self._prepared.append
+        try:
+            future = self._compile(constraint)
+        except Exception:  # noqa: BLE001 - no tokenizer: its rows fail when added; nothing to wait for
+            log.exception("cannot compile constraint %s", digest[:12])
+            notify(digest)
+            return
+        if on_built is None:
+            self._preparing.add(digest)
+        future.add_done_callback(lambda _: notify(digest))
+
+    def take_compiled(self) -> list[str]:
+        """The prepare()d constraints built since the last call."""
+        built = []
+        while self._prepared:
+            digest = self._prepared.popleft()
+            self._preparing.discard(digest)
+            built.append(digest)
+        return built
 
     def apply(self, plan: StepPlan) -> None:
         self.drop(plan.finished_seq_ids)
@@ -391,12 +423,16 @@ class GrammarRows:
             self._reject(seq_id, seq, token_id)
 
     def _reject(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
-        # Only a token outside the mask gets here (the mask allows nothing else): a bug, not bad input. The matcher
-        # no longer follows the row's tokens, so the row ends with an error rather than an answer its grammar
-        # forbids (a failed matcher allows only EOS: the answer would stop where it is).
+        # A token outside the mask (the mask allows nothing else: a bug), or one the mask allowed but the parser
+        # could not take past one of llguidance's limits (a JSON object of 8,000 optional properties: "Current row
+        # has 32007 items; max is 2000"). The matcher no longer follows the row's tokens, so the row ends with an
+        # error rather than an answer its grammar forbids (a failed matcher allows only EOS). Only the error's
+        # first line is kept: the rest is the parser's state and the whole grammar (600 KB for that schema).
         assert seq.matcher is not None
-        log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, seq.matcher.get_error())
-        self._lose(seq_id, seq, f"token {token_id} is outside its grammar")
+        why = (seq.matcher.get_error() or "").splitlines()[0][:500] if seq.matcher.is_error() else ""
+        log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, why or "outside its mask")
+        self._lose(seq_id, seq, f"its grammar failed at token {token_id}: {why}" if why
+                   else f"token {token_id} is outside its grammar")
 
     def _lose(self, seq_id: int, seq: SeqGrammar, why: str) -> None:
         """The row's matcher cannot follow its tokens: it is never masked or advanced again and ends with an error

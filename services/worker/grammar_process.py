@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -62,7 +63,9 @@ from pagoda.shared.messages import (
     MaskAccept,
     MaskApply,
     MaskBusy,
+    MaskCompiled,
     MaskFill,
+    MaskPrepare,
     MaskProcessToWorker,
     MaskReady,
     MaskReset,
@@ -70,6 +73,7 @@ from pagoda.shared.messages import (
     MaskStop,
     NewRequest,
     StepPlan,
+    StructuredOutputs,
     WorkerToMaskProcess,
 )
 from pagoda.shared.shapes import ModelArch
@@ -153,9 +157,21 @@ def serve(conn: Connection, spec: TokenizerSpec, masks_fd: int, max_rows: int) -
     os.close(masks_fd)
     slots = torch.frombuffer(buffer, dtype=torch.int32, count=num_bytes // 4).view(2, max_rows, num_words)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(WorkerToMaskProcess)
+    send_lock = threading.Lock()  # compile threads send MaskCompiled between the loop's answers
+
+    def send(message: MaskProcessToWorker) -> None:
+        with send_lock:
+            conn.send_bytes(encoder.encode(message))
+
+    def built(digest: str) -> None:
+        try:
+            send(MaskCompiled(digest))
+        except (OSError, ValueError):
+            pass  # the worker is gone: the loop reads EOF and ends
+
     job_id = [0]  # the fill in progress
-    rows = SharedMaskRows(spec, slots, lambda: conn.send_bytes(encoder.encode(MaskBusy(job_id[0]))))
-    conn.send_bytes(encoder.encode(MaskStarted(os.getpid())))
+    rows = SharedMaskRows(spec, slots, lambda: send(MaskBusy(job_id[0])))
+    send(MaskStarted(os.getpid()))
     failed: dict[int, str] = {}  # sequences whose matcher could not be built, told with the next MaskReady
     while True:
         try:
@@ -171,8 +187,10 @@ def serve(conn: Connection, spec: TokenizerSpec, masks_fd: int, max_rows: int) -
                 rows.accept(seq_ids, token_ids)
         elif isinstance(message, MaskFill):
             job_id[0] = message.job_id
-            conn.send_bytes(encoder.encode(_fill(rows, message, failed)))
+            send(_fill(rows, message, failed))
             failed = {}
+        elif isinstance(message, MaskPrepare):
+            rows.prepare(message.hash, message.constraint, on_built=built)
         elif isinstance(message, MaskReset):
             rows.reset()
             failed.clear()
@@ -324,6 +342,8 @@ class MaskProcess:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(MaskProcessToWorker)
+        self._preparing: set[str] = set()  # MaskPrepare hashes not yet answered by a MaskCompiled
+        self._prepared: list[str] = []  # answered since take_compiled
         self._start()
 
     # ---------------------------------------------------------------- GrammarRows' interface
@@ -342,10 +362,39 @@ class MaskProcess:
             return False
         return any(seq_id in self._grammar_ids or seq_id in self._failed for seq_id in seq_ids)
 
+    @property
+    def preparing(self) -> bool:
+        return bool(self._preparing)
+
+    def prepare(self, digest: str, constraint: StructuredOutputs) -> None:
+        """GrammarRows.prepare in the grammar process: it answers MaskCompiled once the matcher is built."""
+        if self._child is not None and not self._child.alive():
+            self._lose(_ended(self._child))
+        if self._child is None:
+            self._start()
+        if self._send(MaskPrepare(digest, constraint)):
+            self._preparing.add(digest)
+        else:
+            self._prepared.append(digest)  # nothing to wait for: its rows start another process when added
+
+    def take_compiled(self) -> list[str]:
+        """The prepare()d constraints built since the last call (reads what the process sent, never waits)."""
+        if self._preparing:
+            job = self._job
+            if job is not None and not job.finished and job.reply is None and not job.lost:
+                self._poll(job)  # its reader takes MaskCompiled too
+            else:
+                self._read_idle()
+        built, self._prepared = self._prepared, []
+        self._preparing.difference_update(built)
+        return built
+
     def reset(self) -> None:
         self._grammar_ids.clear()
         self._allowed_ids.clear()
         self._failed.clear()
+        self._preparing.clear()
+        self._prepared.clear()
         if self._child is not None:
             self._send(MaskReset())
 
@@ -567,7 +616,7 @@ class MaskProcess:
             heard = self._read(job)
             if heard is MaskStarted:
                 deadline = time.monotonic() + REPLY_TIMEOUT_S
-            elif heard is MaskBusy:
+            elif heard is MaskBusy or heard is MaskCompiled:
                 deadline = max(deadline, min(time.monotonic() + REPLY_TIMEOUT_S, busy_until))
         if job.reply is None:
             job.lost = True
@@ -584,6 +633,9 @@ class MaskProcess:
         if isinstance(message, MaskStarted):
             child.started = True
             return MaskStarted
+        if isinstance(message, MaskCompiled):
+            self._prepared.append(message.hash)
+            return MaskCompiled
         if message.job_id != job.job_id:
             log.error("grammar process answered job %d, expected %d", message.job_id, job.job_id)
             self._lose("the grammar process answered out of order")
@@ -598,8 +650,29 @@ class MaskProcess:
         job.reply = message
         return MaskReady
 
+    def _read_idle(self) -> None:
+        """With no fill in flight: read what the process sent (MaskCompiled, a late MaskStarted), never waiting."""
+        child = self._child
+        while child is not None and child is self._child:
+            try:
+                if not child.conn.poll(0):
+                    return
+                message = self._decoder.decode(child.conn.recv_bytes())
+            except (EOFError, OSError, ValueError):
+                self._lose(_ended(child))
+                return
+            if isinstance(message, MaskCompiled):
+                self._prepared.append(message.hash)
+            elif isinstance(message, MaskStarted):
+                child.started = True
+            else:
+                self._lose(f"the grammar process sent {type(message).__name__} with no fill in flight")
+                return
+
     def _lose(self, why: str) -> None:
-        """The process is gone or hung: kill it; every sequence it held fails; the next grammar starts another."""
+        """The process is gone or hung: kill it; every sequence it held fails; the next grammar starts another
+        (and compiles what the lost one had not built when its rows are added: nothing is waited for)."""
+        self._prepared.extend(self._preparing - set(self._prepared))
         child, self._child = self._child, None
         if child is None:
             return

@@ -21,6 +21,7 @@ from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.delivery import InOrder
 from pagoda.shared.heap import settle_heap
 from pagoda.shared.messages import (
+    GrammarCompiled,
     GrammarDef,
     Heartbeat,
     NewRequest,
@@ -40,6 +41,7 @@ FORCE_EXIT_S = 3.0  # after SIGTERM, the loop gets this long to end on its own
 CACHED_REPLIES = 16  # results kept by plan sequence number, to answer a resent plan whose result was lost
 IDLE_ACK_MS = 20  # idle this long after a step without a new plan: an ack saying so (a lost plan or result shows),
 # again after twice as long, and so on up to the heartbeat interval (the scheduler may take longer than this to plan)
+COMPILE_POLL_MS = 10  # idle while a GrammarDef compiles: look this often whether it is built (GrammarCompiled)
 
 
 def _force_exit() -> None:
@@ -91,12 +93,15 @@ class WorkerService:
         log.info("worker rank %d ready", self.rank)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         while self.running:
+            if self.runner.grammars.preparing:
+                self._send_compiled()
             if self.runner.num_launched:
                 message = self._message_while_busy()
                 if message is None:  # the device finished first: no plan to launch ahead
                     self._finish()
                     continue
-            elif not self.plans.poll(self.idle_ack_ms or interval_ms):
+            elif not self.plans.poll(COMPILE_POLL_MS if self.runner.grammars.preparing
+                                     else self.idle_ack_ms or interval_ms):
                 self._send_ack(idle=True)  # the scheduler sends at once what this rank lacks
                 if self.idle_ack_ms is not None:
                     self.idle_ack_ms = 2 * self.idle_ack_ms if 2 * self.idle_ack_ms < interval_ms else None
@@ -158,6 +163,8 @@ class WorkerService:
                 for digest in item.evict:
                     self.grammar_defs.pop(digest, None)
                 self.grammar_defs[item.hash] = item.constraint
+                self.runner.grammars.prepare(item.hash, item.constraint)  # GrammarCompiled once built
+                self._send_compiled()
             else:
                 self._launch(item)
 
@@ -187,6 +194,8 @@ class WorkerService:
     def _message_while_busy(self) -> SchedulerToWorker | None:
         """The next message if it arrives before the oldest launched step completes on the device, else None."""
         while not self.runner.step_done():
+            if self.runner.grammars.preparing:
+                self._send_compiled()
             if self.plans.poll(0):
                 message = self._recv()
                 if message is not None:
@@ -228,6 +237,11 @@ class WorkerService:
         self.runner.resume()  # a step waiting for grammar masks: result N is out, now N+1's masks fill
         if not self.runner.num_launched:
             self.idle_ack_ms = IDLE_ACK_MS
+
+    def _send_compiled(self) -> None:
+        """Tell the scheduler which GrammarDefs' matchers are built: it holds their requests until then."""
+        for digest in self.runner.grammars.take_compiled():
+            self._send(GrammarCompiled(self.rank, digest))
 
     def _send(self, message: WorkerToScheduler) -> None:
         self._send_data(self.to_scheduler.encode(message))

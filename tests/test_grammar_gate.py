@@ -1,0 +1,105 @@
+"""A request with a large constraint waits out of the batch while the workers compile it (vLLM's WAITING_FOR_FSM):
+the scheduler's GrammarGate, the workers' prepare / take_compiled in process and in the grammar process, and a
+served SmolLM2 answering through the gate."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from pagoda.services.scheduler.grammar_gate import GrammarGate
+from pagoda.services.scheduler.scheduler import Request
+from pagoda.services.tokenizer.tokenizer import Tokenizer
+from pagoda.services.worker.grammar import GrammarRows
+from pagoda.services.worker.grammar_process import MaskProcess, TokenizerSpec
+from pagoda.shared.messages import SamplingParams, StructuredOutputs
+
+DEADLINE_S = 120.0  # a compile on a loaded 2-core host; the tests poll until it ends or this passes
+
+
+def request(request_id: str) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=[1, 2], sampling=SamplingParams())
+
+
+def test_the_gate_releases_by_constraint_in_arrival_order_and_forgets_the_aborted() -> None:
+    gate = GrammarGate(timeout_s=10.0)
+    for request_id, digest, now in [("a", "x", 0.0), ("b", "y", 1.0), ("c", "x", 2.0), ("d", "x", 3.0)]:
+        gate.hold(request(request_id), digest, now)
+    assert len(gate) == 4 and "c" in gate and gate.waits_for("x")
+    assert gate.drop("c") and not gate.drop("c") and "c" not in gate
+    assert [r.request_id for r in gate.release("x")] == ["a", "d"]
+    assert not gate.waits_for("x") and gate.release("x") == []
+    assert [r.request_id for r in gate.release("y")] == ["b"] and len(gate) == 0
+
+
+def test_the_gate_lets_late_constraints_through_with_their_followers() -> None:
+    """A GrammarCompiled that never comes (a dropped message) strands nothing: after timeout_s the constraint's
+    requests are admitted, the later ones with the first; release_all empties it oldest constraint first."""
+    gate = GrammarGate(timeout_s=10.0)
+    gate.hold(request("a"), "x", 0.0)
+    gate.hold(request("b"), "y", 5.0)
+    gate.hold(request("c"), "x", 9.0)
+    assert gate.expired(9.9) == []
+    assert [r.request_id for r in gate.expired(10.0)] == ["a", "c"]
+    assert [r.request_id for r in gate.expired(20.0)] == ["b"] and len(gate) == 0
+    gate.hold(request("d"), "z", 30.0)
+    gate.hold(request("e"), "w", 31.0)
+    gate.hold(request("f"), "z", 32.0)
+    assert [r.request_id for r in gate.release_all()] == ["d", "f", "e"] and len(gate) == 0
+
+
+def _until_compiled(rows: GrammarRows | MaskProcess, digest: str) -> list[str]:
+    built: list[str] = []
+    deadline = time.monotonic() + DEADLINE_S
+    while digest not in built and time.monotonic() < deadline:
+        built += rows.take_compiled()
+        if digest not in built:
+            time.sleep(0.01)  # polling the rows' own report, with a deadline
+    return built
+
+
+CONSTRAINT = StructuredOutputs(regex="(ab|cd){1,8}x")
+
+
+def test_rows_in_process_report_a_prepared_constraint_once(ll: llguidance.LLTokenizer) -> None:
+    rows = GrammarRows(lambda: ll, vocab_size=ll.vocab_size)
+    try:
+        assert not rows.preparing and rows.take_compiled() == []
+        rows.prepare("h1", CONSTRAINT)
+        assert _until_compiled(rows, "h1") == ["h1"]
+        assert not rows.preparing and rows.take_compiled() == []
+        rows.prepare("h2", CONSTRAINT)  # built already: reported at once, from the cache
+        assert _until_compiled(rows, "h2") == ["h2"]
+    finally:
+        rows.close()
+
+
+@pytest.fixture(scope="module")
+def spec(smollm2_dir: Path) -> TokenizerSpec:
+    tokenizer = Tokenizer(smollm2_dir)
+    return TokenizerSpec(str(smollm2_dir), tokenizer.vocab_size, (tokenizer.eos_token_id,))
+
+
+@pytest.fixture
+def process(spec: TokenizerSpec) -> Iterator[MaskProcess]:
+    rows = MaskProcess(spec, max_rows=4)
+    yield rows
+    rows.close()
+
+
+def test_the_grammar_process_reports_a_prepared_constraint(process: MaskProcess) -> None:
+    """MaskPrepare is answered by MaskCompiled between any other answers; the worker reads it while idle. A
+    process that dies leaves nothing waiting: what it had not built is reported as done (the rows start another
+    process when they are added)."""
+    assert process.wait_started()
+    process.prepare("h1", CONSTRAINT)
+    assert process.preparing
+    assert _until_compiled(process, "h1") == ["h1"]
+    assert not process.preparing
+    process.prepare("h2", StructuredOutputs(regex="[0-9]{3}"))
+    process._lose("killed by the test")
+    assert process.take_compiled() == ["h2"] and not process.preparing
