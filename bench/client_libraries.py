@@ -11,6 +11,8 @@ skipped. The resolver may hold one library back for another's pins, so give each
     make run ARGS="--port 8311" &
     for v in /tmp/v_*; do $v/bin/python -P bench/client_libraries.py --base-url http://127.0.0.1:8311/v1; done
 
+Offline, set LITELLM_LOCAL_MODEL_COST_MAP=True: litellm otherwise retries fetching its price list for seconds.
+
 Serve SmolLM2-135M (`make run`): answers are judged for protocol (a call where one is forced, JSON where a schema
 is, the library parsing what comes back), not for quality. Tested last with openai 3.63, anthropic 2.17,
 openai-agents 0.24, langchain-openai 1.8.1 (langchain-core 1.8.3), litellm 1.110.2, instructor 1.17,
