@@ -225,6 +225,13 @@ def load_ll_tokenizer(folder: str, vocab_size: int, eos_token_ids: list[int]) ->
 REASONING_END = "</think>"
 
 
+def quiet_limits() -> llguidance.LLParserLimits:
+    """llguidance's default limits, with errors that leave out the parser's state and the whole grammar (its
+    default appends both: a 600 KB schema's refusal or a row's failure carried the schema back into the 400's
+    message and the worker's log)."""
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
 def constrain_after_reasoning(params: SamplingParams, prompt_closed: bool) -> SamplingParams:
     """With a reasoning parser on, the grammar applies after the model's `</think>` (its reasoning stays free),
     unless the prompt closed the think block already (`prompt_closed`: Qwen3's enable_thinking=False renders an
@@ -312,7 +319,7 @@ class GrammarChecker:
             grammar = grammar_text(constraint)
         except InvalidRequestError as exc:
             return GrammarOutcome(exc.message, [], b"")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=quiet_limits())
         self.last_compile_s = time.perf_counter() - started
         if matcher.is_error():
             return GrammarOutcome(matcher.get_error(), [], b"")

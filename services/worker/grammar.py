@@ -49,7 +49,7 @@ import llguidance
 import numpy as np
 import torch
 
-from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer
+from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer, quiet_limits
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.lru import SizedLru
@@ -483,7 +483,7 @@ class GrammarRows:
 
     @staticmethod
     def _build(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputs) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0, limits=quiet_limits())
         if matcher.is_error():  # the tokenizer compiled it already: this is not the client's error
             log.error("grammar failed on the worker: %s", matcher.get_error())
         return matcher
