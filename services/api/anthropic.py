@@ -26,7 +26,7 @@ from pagoda.services.protocol.anthropic import (
 from pagoda.services.protocol.render import CHAT
 from pagoda.services.protocol.schemas import chat_request, prompt_bytes
 from pagoda.shared.errors import InvalidRequestError, PagodaError
-from pagoda.shared.messages import RenderSpec, TokenizeRequest, TokenizeResult
+from pagoda.shared.messages import RenderSpec
 
 MESSAGES_PATH = "/v1/messages"
 AUTH_HELP = "Invalid or missing API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'"
@@ -71,15 +71,10 @@ class MessagesRoutes:
         except InvalidRequestError as exc:
             raise rename_error(exc) from None
         try:
-            reply = await handlers._ask(TokenizeRequest(
-                request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
-                add_generation_prompt=prompt.add_generation_prompt,
-                continue_final_message=prompt.continue_final_message, tools=prompt.tools,
-                chat_template_kwargs=prompt.chat_template_kwargs))
+            input_tokens = await handlers._count_prompt_tokens(prompt)
         except PagodaError as exc:
             raise rename_error(exc) from None
-        assert isinstance(reply, TokenizeResult), type(reply).__name__
-        return json_response({"input_tokens": len(reply.token_ids)})
+        return json_response({"input_tokens": input_tokens})
 
 
 # the numbers of the tokenizer's context refusals (ContextLengthError.prompt_too_long / max_tokens_too_large)

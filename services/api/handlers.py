@@ -447,6 +447,16 @@ class Handlers:
             raise UpstreamError.from_failed(reply)
         return reply
 
+    async def _count_prompt_tokens(self, prompt: GenerateRequest) -> int:
+        """How many tokens a chat request's prompt renders to, as generation renders it (the count_tokens routes of
+        the Messages and Responses APIs)."""
+        reply = await self._ask(TokenizeRequest(
+            prompt.request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
+            add_generation_prompt=prompt.add_generation_prompt, continue_final_message=prompt.continue_final_message,
+            tools=prompt.tools, chat_template_kwargs=prompt.chat_template_kwargs))
+        assert isinstance(reply, TokenizeResult), type(reply).__name__
+        return len(reply.token_ids)
+
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._read(request, TokenizeBody)
         self._check_model(body.model, request)

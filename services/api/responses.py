@@ -21,7 +21,7 @@ from pagoda.services.protocol.responses import (
 from pagoda.services.protocol.schemas import chat_request, prompt_bytes
 from pagoda.services.protocol.vllm import RESPONSES_NOT_STORED
 from pagoda.shared.errors import InvalidRequestError, PagodaError
-from pagoda.shared.messages import RenderSpec, TokenizeRequest, TokenizeResult
+from pagoda.shared.messages import RenderSpec
 
 
 class ResponseNotFoundError(PagodaError):
@@ -69,15 +69,10 @@ class ResponsesRoutes:
             form = to_chat(body)
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
             prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)
-            reply = await handlers._ask(TokenizeRequest(
-                request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
-                add_generation_prompt=prompt.add_generation_prompt,
-                continue_final_message=prompt.continue_final_message, tools=prompt.tools,
-                chat_template_kwargs=prompt.chat_template_kwargs))
+            input_tokens = await handlers._count_prompt_tokens(prompt)
         except PagodaError as exc:
             raise rename_error(exc) from None
-        assert isinstance(reply, TokenizeResult), type(reply).__name__
-        return json_response({"object": "response.input_tokens", "input_tokens": len(reply.token_ids)})
+        return json_response({"object": "response.input_tokens", "input_tokens": input_tokens})
 
     async def not_stored(self, request: web.Request) -> web.Response:
         """GET / DELETE /v1/responses/{id}, its cancel and input_items: there is nothing stored to read."""
