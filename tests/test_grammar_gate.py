@@ -1,21 +1,17 @@
 """A request with a large constraint waits out of the batch while the workers compile it (vLLM's WAITING_FOR_FSM):
-the scheduler's GrammarGate, the workers' prepare / take_compiled in process and in the grammar process, and a
-served SmolLM2 answering through the gate."""
+the scheduler's GrammarGate and the workers' prepare / take_compiled in process (the grammar process's:
+test_grammar_process.py; a served answer through the gate: test_structured_fuzz.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import llguidance
-import pytest
 
 from pagoda.services.scheduler.grammar_gate import GrammarGate
 from pagoda.services.scheduler.scheduler import Request
-from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.services.worker.grammar import GrammarRows
-from pagoda.services.worker.grammar_process import MaskProcess, TokenizerSpec
+from pagoda.services.worker.grammar_process import MaskProcess
 from pagoda.shared.messages import SamplingParams, StructuredOutputs
 
 DEADLINE_S = 120.0  # a compile on a loaded 2-core host; the tests poll until it ends or this passes
@@ -52,7 +48,7 @@ def test_the_gate_lets_late_constraints_through_with_their_followers() -> None:
     assert [r.request_id for r in gate.release_all()] == ["d", "f", "e"] and len(gate) == 0
 
 
-def _until_compiled(rows: GrammarRows | MaskProcess, digest: str) -> list[str]:
+def until_compiled(rows: GrammarRows | MaskProcess, digest: str) -> list[str]:
     built: list[str] = []
     deadline = time.monotonic() + DEADLINE_S
     while digest not in built and time.monotonic() < deadline:
@@ -70,36 +66,9 @@ def test_rows_in_process_report_a_prepared_constraint_once(ll: llguidance.LLToke
     try:
         assert not rows.preparing and rows.take_compiled() == []
         rows.prepare("h1", CONSTRAINT)
-        assert _until_compiled(rows, "h1") == ["h1"]
+        assert until_compiled(rows, "h1") == ["h1"]
         assert not rows.preparing and rows.take_compiled() == []
         rows.prepare("h2", CONSTRAINT)  # built already: reported at once, from the cache
-        assert _until_compiled(rows, "h2") == ["h2"]
+        assert until_compiled(rows, "h2") == ["h2"]
     finally:
         rows.close()
-
-
-@pytest.fixture(scope="module")
-def spec(smollm2_dir: Path) -> TokenizerSpec:
-    tokenizer = Tokenizer(smollm2_dir)
-    return TokenizerSpec(str(smollm2_dir), tokenizer.vocab_size, (tokenizer.eos_token_id,))
-
-
-@pytest.fixture
-def process(spec: TokenizerSpec) -> Iterator[MaskProcess]:
-    rows = MaskProcess(spec, max_rows=4)
-    yield rows
-    rows.close()
-
-
-def test_the_grammar_process_reports_a_prepared_constraint(process: MaskProcess) -> None:
-    """MaskPrepare is answered by MaskCompiled between any other answers; the worker reads it while idle. A
-    process that dies leaves nothing waiting: what it had not built is reported as done (the rows start another
-    process when they are added)."""
-    assert process.wait_started()
-    process.prepare("h1", CONSTRAINT)
-    assert process.preparing
-    assert _until_compiled(process, "h1") == ["h1"]
-    assert not process.preparing
-    process.prepare("h2", StructuredOutputs(regex="[0-9]{3}"))
-    process._lose("killed by the test")
-    assert process.take_compiled() == ["h2"] and not process.preparing

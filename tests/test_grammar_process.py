@@ -32,6 +32,8 @@ from pagoda.shared.messages import (
     StructuredOutputs,
 )
 from tests.test_constrained_overlap import SCHEMA  # the same small schema in both files
+from tests.test_grammar_gate import CONSTRAINT as PREPARED
+from tests.test_grammar_gate import until_compiled
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +299,17 @@ def test_the_process_is_the_default_where_steps_overlap_on_a_gpu_host_with_cpus_
     assert not EngineConfig(async_scheduling=False).resolved_grammar_process("cuda", 16)
     assert EngineConfig(grammar_process=True).resolved_grammar_process("cpu", 2)
     assert not EngineConfig(grammar_process=False).resolved_grammar_process("cuda", 64)
+
+
+def test_the_grammar_process_reports_a_prepared_constraint(process: MaskProcess) -> None:
+    """MaskPrepare is answered by MaskCompiled between any other answers; the worker reads it while idle. A
+    process that dies leaves nothing waiting: what it had not built is reported as done (the rows start another
+    process when they are added)."""
+    assert process.wait_started()
+    process.prepare("h1", PREPARED)
+    assert process.preparing
+    assert until_compiled(process, "h1") == ["h1"]
+    assert not process.preparing
+    process.prepare("h2", StructuredOutputs(regex="[0-9]{3}"))
+    process._lose("killed by the test")
+    assert process.take_compiled() == ["h2"] and not process.preparing
