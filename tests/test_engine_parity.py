@@ -92,6 +92,21 @@ def check_hf_greedy(hf_model):  # noqa: ANN001, ANN201
     return check
 
 
+@pytest.fixture(scope="module")
+def uncached_llm(smollm2_dir: Path) -> LLM:
+    """The default engine without prefix caching, for the tests that only generate with it (an engine took ~2 s of
+    CPU to build)."""
+    return LLM(str(smollm2_dir), enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def unhurried(uncached_llm: LLM, prompts: list[list[int]]) -> list:  # list[RequestOutput]
+    """prompts[6:12] (64-230 tokens) with room for all: 24 greedy tokens with their logprobs, and the prompts'
+    scores; what the preemption tests' cramped engines must give (each compared its own run of these before)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, prompt_logprobs=1)
+    return uncached_llm.generate(prompts[6:12], params)
+
+
 def _pagoda_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
@@ -171,11 +186,11 @@ def test_prompt_logprobs_match_transformers(smollm2_dir: Path, hf_model, prompts
             torch.testing.assert_close(got, row[[prompt[i], *top]], atol=2e-4, rtol=1e-4)
 
 
-def test_prompt_logprobs_survive_preemption(smollm2_dir: Path, prompts) -> None:  # noqa: ANN001
+def test_prompt_logprobs_survive_preemption(smollm2_dir: Path, prompts, unhurried) -> None:  # noqa: ANN001
     """A preempted prompt is computed again: its scores still come once each, and equal an unhurried run's."""
     params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1)
     prompts = prompts[6:12]  # 64-230 tokens: ~58 blocks wanted against 40 (56 by the prompts), the longest fits alone
-    calm = LLM(str(smollm2_dir)).generate(prompts, params)
+    calm = unhurried
     cramped = LLM(str(smollm2_dir), num_kv_blocks=40)
     pressed = cramped.generate(prompts, params)
     assert cramped.engine.scheduler.stats.num_preemptions > 0
@@ -190,13 +205,13 @@ def test_prompt_logprobs_survive_preemption(smollm2_dir: Path, prompts) -> None:
 # serial: extended (make test-all); tests/test_swap_families.py and test_result_invariance.py swap under serial
 # steps in the default run
 @pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.extended), True])
-def test_swapped_preemption_gives_the_unhurried_outputs(smollm2_dir: Path, prompts,  # noqa: ANN001
+def test_swapped_preemption_gives_the_unhurried_outputs(smollm2_dir: Path, prompts, unhurried,  # noqa: ANN001
                                                         async_scheduling: bool) -> None:
     """Preempted sequences' blocks go to host slots and come back (swap space) instead of being recomputed: the
     same tokens and logprobs as a run with room for all, serial and with a step in flight at each preemption."""
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
     prompts = prompts[6:12]  # 64-230 tokens: ~60 blocks wanted against 40
-    calm = LLM(str(smollm2_dir), enable_prefix_caching=False).generate(prompts, params)
+    calm = unhurried
     swapping = LLM(str(smollm2_dir), num_kv_blocks=40, swap_space=0.25, async_scheduling=async_scheduling,
                    enable_prefix_caching=False)  # no prefix hits: every block comes back by copy
     pressed = swapping.generate(prompts, params)
@@ -276,7 +291,7 @@ def test_logits_match_transformers_tiny_qwen3(tmp_path: Path) -> None:
             assert (ours - expected).abs().amax(dim=-1).min().item() <= 1e-3
 
 
-def test_prefix_cache_recomputes_only_the_tail(smollm2_dir: Path, prompts) -> None:  # noqa: ANN001
+def test_prefix_cache_recomputes_only_the_tail(smollm2_dir: Path, prompts, uncached_llm: LLM) -> None:  # noqa: ANN001
     llm = LLM(str(smollm2_dir))
     shared = (prompts[15] * 2)[:256]
     first = shared + prompts[3][:20]
@@ -293,8 +308,7 @@ def test_prefix_cache_recomputes_only_the_tail(smollm2_dir: Path, prompts) -> No
     assert computed == len(second) - 256 + num_outputs - 1
     assert plans[0].new_requests[0].num_computed_tokens == 256
     assert cached_output.num_cached_tokens == 256
-    fresh = LLM(str(smollm2_dir), enable_prefix_caching=False)
-    [uncached_output] = fresh.generate([second], params)
+    [uncached_output] = uncached_llm.generate([second], params)
     assert cached_output.outputs[0].token_ids == uncached_output.outputs[0].token_ids
 
 
