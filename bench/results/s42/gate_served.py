@@ -1,7 +1,8 @@
 """Session 42: a served stream's longest gap between tokens while another request brings a large JSON schema
 (the grammar gate, a6ba6a8, against the session's start). Stdlib only (runs on the device as is).
 
-python gate_served.py PORT PROPERTIES: streams one completion (ignore_eos, max_tokens 3000) and, 1 s in, sends a chat
+python gate_served.py PORT PROPERTIES [MODEL] [MAX_TOKENS]: streams one completion (ignore_eos, MAX_TOKENS,
+default 3000) and, 1 s in, sends a chat
 request whose response_format is a schema of PROPERTIES optional integer properties; prints the stream's tokens,
 its longest gap between SSE events and when it came, and the large request's status and time."""
 
@@ -13,10 +14,12 @@ import sys
 import threading
 import time
 
+MODEL, MAX_TOKENS = "qwen3-0.6b", 3000
+
 
 def stream(port: int, out: dict) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    body = {"model": "qwen3-0.6b", "prompt": "Count:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
             "stream": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -36,7 +39,7 @@ def stream(port: int, out: dict) -> None:
 
 def large(port: int, properties: int, out: dict) -> None:
     schema = {"type": "object", "properties": {f"p_{i}_{'x' * 20}": {"type": "integer"} for i in range(properties)}}
-    body = {"model": "qwen3-0.6b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
     data = json.dumps(body)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
@@ -48,7 +51,10 @@ def large(port: int, properties: int, out: dict) -> None:
 
 
 def main() -> None:
+    global MODEL, MAX_TOKENS
     port, properties = int(sys.argv[1]), int(sys.argv[2])
+    if len(sys.argv) > 3:
+        MODEL, MAX_TOKENS = sys.argv[3], int(sys.argv[4])
     streamed: dict = {}
     big: dict = {}
     thread = threading.Thread(target=stream, args=(port, streamed))
