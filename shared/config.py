@@ -203,6 +203,12 @@ GRAMMAR_PROCESS_MIN_CPUS = 4  # the step loop, the grammar process and its fill 
 # process, and in the workers before their request joins the batch (the scheduler holds it: grammar_gate.py). A
 # JSON schema compiles in ~12 ms at 3.4 KB, ~0.3 s at 69 KB and ~8 s at 600 KB (2-core host, SmolLM2's vocabulary)
 SLOW_COMPILE_MIN_BYTES = 4 << 10
+# The worker's compiled matchers (services/worker/grammar.py): at most this many distinct constraints, and their
+# encoded sizes together at most this many bytes (a matcher holds ~60x its grammar's text: a 550 KiB schema of 8,000
+# properties ~35 MB, so 256 large ones would take gigabytes). The scheduler's ledger of which large constraints the
+# workers have built keeps half of each (grammar_gate.py): a constraint it counts as built is still there.
+MATCHER_CACHE_SIZE = 256
+MATCHER_CACHE_BYTES = 8 << 20
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,

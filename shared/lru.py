@@ -46,6 +46,15 @@ class SizedLru(Generic[K, V]):
         self._entries.move_to_end(key)
         return entry[0]
 
+    def size_of(self, key: K) -> int | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
+
+    def discard(self, key: K) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.total_bytes -= entry[1]
+
     def put(self, key: K, value: V, size: int) -> list[K]:
         """Add (or replace) an entry as the most recently used; return the keys dropped to make room."""
         assert size >= 0, size

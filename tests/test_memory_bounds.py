@@ -12,8 +12,8 @@ import llguidance
 from pagoda.services.grammar.compiler import GRAMMAR_CACHE_SIZE, GrammarChecker
 from pagoda.services.scheduler.service import MAX_WORKER_GRAMMAR_BYTES, MAX_WORKER_GRAMMARS
 from pagoda.services.tokenizer.offload import Offloader
-from pagoda.services.worker.grammar import MATCHER_CACHE_BYTES, MATCHER_CACHE_SIZE, GrammarRows
-from pagoda.shared.config import ServerConfig
+from pagoda.services.worker.grammar import GrammarRows
+from pagoda.shared.config import MATCHER_CACHE_BYTES, MATCHER_CACHE_SIZE, ServerConfig
 from pagoda.shared.lru import SizedLru
 from pagoda.shared.messages import StructuredOutputs
 

@@ -66,9 +66,5 @@ class GrammarGate:
         late = {entry.digest for entry in self.held.values() if now - entry.since >= self.timeout_s}
         return [request for digest in sorted(late, key=self._first_since) for request in self.release(digest)]
 
-    def release_all(self) -> list[Request]:
-        """Every held request (the workers started over: nothing they were compiling will be reported)."""
-        return [request for digest in sorted(self.by_digest, key=self._first_since) for request in self.release(digest)]
-
     def _first_since(self, digest: str) -> float:
         return self.held[self.by_digest[digest][0]].since

@@ -27,7 +27,13 @@ from pagoda.services.scheduler.pipeline import PlanPipeline
 from pagoda.services.scheduler.registry import RegistryHost
 from pagoda.services.scheduler.scheduler import Request, Scheduler, SeqUpdate
 from pagoda.services.scheduler.tracing import RequestTracer
-from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES, EngineConfig, ServerConfig
+from pagoda.shared.config import (
+    MATCHER_CACHE_BYTES,
+    MATCHER_CACHE_SIZE,
+    SLOW_COMPILE_MIN_BYTES,
+    EngineConfig,
+    ServerConfig,
+)
 from pagoda.shared.delivery import Link, SendLog
 from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.heap import settle_heap
@@ -152,7 +158,11 @@ class SchedulerService:
         self.rank_acked: dict[str, int] = {}  # each worker rank's last applied sequenced message
         # the constraints the workers hold, by hash (-> None): they drop what the scheduler evicts for them
         self.worker_grammars: SizedLru[str, None] = SizedLru(MAX_WORKER_GRAMMARS, MAX_WORKER_GRAMMAR_BYTES)
-        self.compiled_grammars: set[str] = set()  # of those, the ones a worker said it built (GrammarCompiled)
+        # of those, the ones every worker rank said it built (GrammarCompiled), within half the workers' matcher
+        # cache (every constraint a plan names counts: small ones fill the workers' cache too), so that one counted
+        # as built is still there when its request is added; and which ranks answered for each, until all have
+        self.compiled_grammars: SizedLru[str, None] = SizedLru(MATCHER_CACHE_SIZE // 2, MATCHER_CACHE_BYTES // 2)
+        self.compiled_ranks: dict[str, set[int]] = {}
         self.grammar_gate = GrammarGate()  # requests waiting for the workers to compile their large constraint
         self.unsampled_constrained: set[int] = set()  # sequences whose grammar the worker may still be compiling
         self.grammar_codec = msgspec.msgpack.Encoder(order="deterministic")
@@ -254,6 +264,8 @@ class SchedulerService:
         encoded = self.grammar_codec.encode(constraint)
         digest = hashlib.sha256(encoded).hexdigest()
         self._define(digest, constraint, len(encoded), now)
+        if not self.compiled_grammars.touch(digest) and len(encoded) < SLOW_COMPILE_MIN_BYTES:
+            self.compiled_grammars.put(digest, None, len(encoded))  # the worker compiles it now: it takes room there
         return msgspec.structs.replace(new, sampling=msgspec.structs.replace(new.sampling, structured_outputs=None),
                                        grammar_hash=digest)
 
@@ -263,7 +275,9 @@ class SchedulerService:
         if self.worker_grammars.touch(digest):
             return
         evict = self.worker_grammars.put(digest, None, size)
-        self.compiled_grammars.difference_update(evict)
+        for gone in evict:
+            self.compiled_grammars.discard(gone)
+            self.compiled_ranks.pop(gone, None)
         seq = self.sends.take_seq()
         data = self.to_workers.encode(GrammarDef(seq, digest, constraint, evict))
         self.sends.record(seq, data, now, self.watch.resend_after())
@@ -282,7 +296,7 @@ class SchedulerService:
         if len(encoded) < SLOW_COMPILE_MIN_BYTES:
             return False
         digest = hashlib.sha256(encoded).hexdigest()
-        if digest in self.compiled_grammars and self.worker_grammars.touch(digest):
+        if self.compiled_grammars.touch(digest) and self.worker_grammars.touch(digest):
             return False
         now = time.monotonic()
         self._define(digest, constraint, len(encoded), now)
@@ -290,14 +304,25 @@ class SchedulerService:
         return True
 
     def _on_grammar_compiled(self, message: GrammarCompiled) -> None:
-        if message.hash in self.worker_grammars:
-            self.compiled_grammars.add(message.hash)
+        """Once every rank has built it (each compiles it; a step waits for the slowest), its requests go."""
+        size = self.worker_grammars.size_of(message.hash)
+        if size is None and not self.grammar_gate.waits_for(message.hash):
+            return  # evicted, nobody waits: a late answer
+        ranks = self.compiled_ranks.setdefault(message.hash, set())
+        if 0 <= message.rank < self.engine_config.tensor_parallel_size:
+            ranks.add(message.rank)
+        if len(ranks) < self.engine_config.tensor_parallel_size:
+            return
+        del self.compiled_ranks[message.hash]
+        if size is not None:
+            self.compiled_grammars.put(message.hash, None, size)
         for request in self.grammar_gate.release(message.hash):
             self._admit_held(request)
 
     def _admit_held(self, request: Request) -> None:
         """A held request joins the queue (as _on_add would have added it)."""
         assert self.scheduler is not None
+        self.stalled = False  # something may be runnable now (a timeout admits without a socket event)
         try:
             self.scheduler.add_request(request)
         except PagodaError as exc:

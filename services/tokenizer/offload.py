@@ -55,16 +55,18 @@ class Offloader:
         return len(self.pending) >= MAX_PENDING
 
     def run(self, key: str, owner: Any, job: Callable[[], Any], large: bool, finish: Callable[[Any], None],
-            fail: Callable[[PagodaError], None]) -> None:
+            fail: Callable[[PagodaError], None], bounded: bool = True) -> None:
         """finish(job()) now, or on a thread when `large` (the loop goes on; finish then runs in drain()). A
-        PagodaError from either goes to `fail`; any other error from a thread's job, as an internal one."""
+        PagodaError from either goes to `fail`; any other error from a thread's job, as an internal one. `bounded`
+        False: a job that holds no large input (a small prompt with a constraint to compile) is queued past
+        MAX_PENDING (a burst of requests with one new schema waits for its one compile, not a 503)."""
         if not large:
             try:
                 finish(job())
             except PagodaError as exc:
                 fail(exc)
             return
-        if self.full():
+        if bounded and self.full():
             fail(ServerOverloadedError("too many large prompts are being tokenized"))
             return
         self.owners[key] = owner

@@ -271,7 +271,9 @@ class TokenizerService:
             return prompt
 
         large = prompt_chars(request.prompt_text, request.messages, request.tools) >= OFFLOAD_MIN_CHARS
-        self._work(api, request_id, job, large or compile_first, lambda prompt: self._admit(api, request, prompt))
+        self._offload.run(request_id, api, job, large or compile_first,
+                          lambda prompt: self._admit(api, request, prompt),
+                          lambda exc: self._fail(api, request_id, exc), bounded=large)
 
     def _work(self, api: int, request_id: str, job: Callable[[], Any], large: bool,
               finish: Callable[[Any], None]) -> None:

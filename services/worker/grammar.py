@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer, quiet_limits
-from pagoda.shared.config import EngineConfig
+from pagoda.shared.config import MATCHER_CACHE_BYTES, MATCHER_CACHE_SIZE, EngineConfig
 from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.lru import SizedLru
 from pagoda.shared.messages import NewRequest, RowFailure, StepPlan, StructuredOutputs
@@ -60,10 +61,6 @@ log = logging.getLogger(__name__)
 
 GrammarMasks = tuple[np.ndarray, torch.Tensor, np.ndarray]  # flags [B] bool, masks [K, W] int32, their rows [K]
 
-MATCHER_CACHE_SIZE = 256  # pristine matchers per distinct constraint, deep-copied for each sequence ...
-# ... and their constraints' encoded sizes together: a matcher holds ~60x its grammar's text (a 550 KiB schema of
-# 8,000 properties: ~35 MB and 7-14 s of compiling on the 2-core host), so 256 large ones would take gigabytes
-MATCHER_CACHE_BYTES = 8 << 20
 # From this many constrained rows, on a machine with this many CPUs, masks are filled and tokens consumed by
 # llguidance's thread pool (a mask costs ~30-80 us for a 150k vocabulary: 256 rows serially would cost more
 # than a decode step). Below it, or on a small CPU, one thread is faster than the pool's hand-off.
@@ -179,6 +176,7 @@ class GrammarRows:
         self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: sequence id -> its fixed mask [W] int32
         self._pristine: SizedLru[bytes, Future[llguidance.LLMatcher]] = SizedLru(MATCHER_CACHE_SIZE,
                                                                                  MATCHER_CACHE_BYTES)
+        self._pristine_lock = threading.Lock()
         self._compiler = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
         self._cpus = available_cpus()
         self._executor: llguidance.LLExecutor | None = None
@@ -425,14 +423,13 @@ class GrammarRows:
     def _reject(self, seq_id: int, seq: SeqGrammar, token_id: int) -> None:
         # A token outside the mask (the mask allows nothing else: a bug), or one the mask allowed but the parser
         # could not take past one of llguidance's limits (a JSON object of 8,000 optional properties: "Current row
-        # has 32007 items; max is 2000"). The matcher no longer follows the row's tokens, so the row ends with an
-        # error rather than an answer its grammar forbids (a failed matcher allows only EOS). Only the error's
-        # first line is kept: the rest is the parser's state and the whole grammar (600 KB for that schema).
+        # has 32007 items; max is 2000"); llguidance's error says which. The matcher no longer follows the row's
+        # tokens, so the row ends with an error rather than an answer its grammar forbids (a failed matcher allows
+        # only EOS). Only the error's first line is kept (verbose errors would add the state and the grammar).
         assert seq.matcher is not None
-        why = (seq.matcher.get_error() or "").splitlines()[0][:500] if seq.matcher.is_error() else ""
-        log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, why or "outside its mask")
-        self._lose(seq_id, seq, f"its grammar failed at token {token_id}: {why}" if why
-                   else f"token {token_id} is outside its grammar")
+        why = ((seq.matcher.get_error() or "").splitlines() or [""])[0][:500]
+        log.error("sequence %d: token %d rejected by its grammar: %s", seq_id, token_id, why)
+        self._lose(seq_id, seq, f"token {token_id} is outside its grammar" + (f": {why}" if why else ""))
 
     def _lose(self, seq_id: int, seq: SeqGrammar, why: str) -> None:
         """The row's matcher cannot follow its tokens: it is never masked or advanced again and ends with an error
@@ -472,13 +469,15 @@ class GrammarRows:
 
     def _compile(self, constraint: StructuredOutputs) -> Future[llguidance.LLMatcher]:
         """The constraint's pristine matcher (each row deep-copies it), compiled on a thread once per distinct
-        constraint while the cache keeps it."""
+        constraint while the cache keeps it. Called from the step loop (prepare, add) and from the mask thread
+        (a row's </think>), hence the lock."""
         key = cache_key(constraint)
-        pristine = self._pristine.get(key)
-        if pristine is None:
-            tokenizer = self._ensure_tokenizer()  # no tokenizer fails here, in the step that admits the row
-            pristine = self._compiler.submit(self._build, tokenizer, constraint)
-            self._pristine.put(key, pristine, len(key))
+        with self._pristine_lock:
+            pristine = self._pristine.get(key)
+            if pristine is None:
+                tokenizer = self._ensure_tokenizer()  # no tokenizer fails here, in the step that admits the row
+                pristine = self._compiler.submit(self._build, tokenizer, constraint)
+                self._pristine.put(key, pristine, len(key))
         return pristine
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 
 import msgspec
@@ -68,6 +69,7 @@ class WorkerService:
         self.replies: OrderedDict[int, bytes] = OrderedDict()  # plan seq -> its result as sent
         self.seq_of_step: dict[int, int] = {}  # launched plans: step id -> seq
         self.grammar_defs: dict[str, StructuredOutputs] = {}  # constraints by hash (GrammarDef), until evicted
+        self.next_idle_ack = 0.0  # while a GrammarDef compiles and nothing runs: when the next idle ack goes
         self.idle_ack_ms: int | None = None  # idle this long without a plan: an ack (IDLE_ACK_MS after a step, then
         # doubling); None: the heartbeat interval
         from pagoda.services.worker.parallel import init_tensor_parallel
@@ -100,8 +102,13 @@ class WorkerService:
                 if message is None:  # the device finished first: no plan to launch ahead
                     self._finish()
                     continue
-            elif not self.plans.poll(COMPILE_POLL_MS if self.runner.grammars.preparing
-                                     else self.idle_ack_ms or interval_ms):
+            elif self.runner.grammars.preparing and not self.plans.poll(COMPILE_POLL_MS):
+                now = time.monotonic()  # looking for built constraints: the idle ack at its usual pace, not each poll
+                if now >= self.next_idle_ack:
+                    self._send_ack(idle=True)
+                    self.next_idle_ack = now + interval_ms / 1000
+                continue
+            elif not self.plans.poll(self.idle_ack_ms or interval_ms):
                 self._send_ack(idle=True)  # the scheduler sends at once what this rank lacks
                 if self.idle_ack_ms is not None:
                     self.idle_ack_ms = 2 * self.idle_ack_ms if 2 * self.idle_ack_ms < interval_ms else None
