@@ -86,3 +86,17 @@ def walk(ll: llguidance.LLTokenizer, constraint: StructuredOutputs, forced: list
 ])
 def test_runs_llguidance_walks_are_served(ll: llguidance.LLTokenizer, constraint: StructuredOutputs) -> None:
     walk(ll, constraint, GrammarChecker(ll).check(constraint), num_steps=8)
+
+
+def properties(count: int) -> StructuredOutputs:
+    return StructuredOutputs(json={"type": "object", "properties": {f"p_{i}_{'x' * 20}": {"type": "integer"}
+                                                                     for i in range(count)}})
+
+
+def test_an_object_past_the_parsers_row_limit_is_refused_at_submission(ll: llguidance.LLTokenizer) -> None:
+    """600 optional properties compile, but the first property token passes llguidance's row limit (2407 items, max
+    2000): the row failed mid-answer once sampling reached it (a 500); a 400 at submission now. 400 are served."""
+    with pytest.raises(InvalidRequestError) as info:
+        GrammarChecker(ll).check(properties(600))
+    assert "limit of the grammar engine" in info.value.message and "max is 2000" in info.value.message
+    walk(ll, properties(400), GrammarChecker(ll).check(properties(400)), num_steps=8)

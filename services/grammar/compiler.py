@@ -35,6 +35,7 @@ from typing import Any
 
 import llguidance
 import msgspec
+import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagoda.services.grammar.repetition import fixed_json_error, lark_repeat_error, literal_error, regex_repeat_error
@@ -352,7 +353,26 @@ class GrammarChecker:
         if matcher.is_error() or not matcher.consume_tokens(forced) or matcher.is_error():
             why = (matcher.get_error() or "a forced token was refused").splitlines()[0]
             return GrammarOutcome(f"its forced start cannot be walked: {why}", [], b"")
+        if (why := _first_token_error(matcher, self.tokenizer.vocab_size)) is not None:
+            return GrammarOutcome(f"its first free token passes a limit of the grammar engine: {why}", [], b"")
         return GrammarOutcome("", forced, start_mask, may_end)
+
+
+PROBED_FIRST_TOKENS = 8  # allowed first tokens tried on copies of a fresh matcher (~0.2 ms each)
+
+
+def _first_token_error(matcher: llguidance.LLMatcher, vocab_size: int) -> str | None:
+    """The error of llguidance taking one of the first tokens its mask allows (after the forced start), if any: an
+    object of ~600+ optional properties compiles, but its first property token passes the parser's row limit
+    ("Current row has 2407 items; max is 2000"), which failed the row once sampling reached it (a 500 mid-answer);
+    it is a 400 at admission now. Every token the mask allows is taken unless a limit stops it."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab_size]
+    for token_id in np.flatnonzero(bits)[:PROBED_FIRST_TOKENS].tolist():
+        probe = matcher.deep_copy()
+        probe.consume_token(token_id)
+        if probe.is_error():
+            return (probe.get_error() or "").splitlines()[0]
+    return None
 
 
 def ending_ids(params: SamplingParams, eos_token_ids: set[int] | frozenset[int]) -> set[int]:
