@@ -120,9 +120,10 @@ def large(tag: str) -> StructuredOutputs:
     return StructuredOutputs(json=json.dumps(schema))
 
 
-def add(svc: SchedulerService, request_id: str, constraint: StructuredOutputs | None = None) -> None:
-    params = SamplingParams(max_tokens=4, structured_outputs=constraint)
-    svc._on_add(b"tok", svc.tokenizers[b"tok"], AddRequest(request_id, [5, 6, 7], params))
+def add(svc: SchedulerService, request_id: str, constraint: StructuredOutputs | None = None, tenant: str = "",
+        n: int = 1) -> None:
+    params = SamplingParams(max_tokens=4, structured_outputs=constraint, n=n)
+    svc._on_add(b"tok", svc.tokenizers[b"tok"], AddRequest(request_id, [5, 6, 7], params, tenant=tenant))
 
 
 def to_workers(plans: Outbox) -> list[Any]:
@@ -201,3 +202,33 @@ def test_a_built_constraint_pushed_out_by_small_ones_is_held_again(tmp_path: Pat
                 regex=f"x{i}")), 0), time.monotonic())
         add(svc, "b", large("1"))
         assert "b" in svc.grammar_gate
+
+
+def test_held_requests_count_as_their_tenants_waiting_sequences(tmp_path: Path) -> None:
+    with service(tmp_path) as (svc, plans, _):
+        add(svc, "a", large("1"), tenant="acme", n=3)
+        add(svc, "b", tenant="other")
+        stats = svc._tenant_stats()
+        held = dict(zip(stats["tenant_names"], stats["tenant_waiting"], strict=True))
+        assert held["acme"] > 0 and held["other"] == 1
+        [definition] = [m for m in to_workers(plans) if isinstance(m, GrammarDef)]
+        svc._on_grammar_compiled(GrammarCompiled(0, definition.hash))
+        assert "a" in svc.scheduler.requests
+        stats = svc._tenant_stats()  # queued now: counted by the queue, as it was counted while held
+        assert dict(zip(stats["tenant_names"], stats["tenant_waiting"], strict=True)) == held
+
+
+def test_a_partial_compile_of_an_evicted_constraint_is_forgotten(tmp_path: Path) -> None:
+    """With two ranks, one rank's answer came after the constraint was evicted and the other rank's never came:
+    the timeout queues the request, and the half-built entry goes at the next heartbeat."""
+    with service(tmp_path, tp=2) as (svc, plans, _):
+        svc.grammar_gate.timeout_s = 0.0
+        add(svc, "a", large("1"))
+        [definition] = [m for m in to_workers(plans) if isinstance(m, GrammarDef)]
+        svc.worker_grammars.discard(definition.hash)  # pushed out of the workers' cache by later constraints
+        svc._on_grammar_compiled(GrammarCompiled(1, definition.hash))
+        assert definition.hash in svc.compiled_ranks  # someone still waits for it
+        svc._next_heartbeat = 0.0
+        svc.worker_last_seen = time.monotonic()
+        svc._periodic()
+        assert "a" in svc.scheduler.requests and not svc.compiled_ranks

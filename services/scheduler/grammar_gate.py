@@ -38,6 +38,10 @@ class GrammarGate:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.held
 
+    def requests(self) -> list[Request]:
+        """Every held request, in arrival order."""
+        return [entry.request for entry in self.held.values()]
+
     def waits_for(self, digest: str) -> bool:
         return digest in self.by_digest
 

@@ -319,6 +319,13 @@ class SchedulerService:
         for request in self.grammar_gate.release(message.hash):
             self._admit_held(request)
 
+    def _forget_partial_compiles(self) -> None:
+        """The ranks that built a constraint nobody waits for and the workers no longer hold: some rank's
+        GrammarCompiled was lost (or came after the eviction), so the entry would never be completed or evicted."""
+        for digest in [d for d in self.compiled_ranks
+                       if self.worker_grammars.size_of(d) is None and not self.grammar_gate.waits_for(d)]:
+            del self.compiled_ranks[digest]
+
     def _admit_held(self, request: Request) -> None:
         """A held request joins the queue (as _on_add would have added it)."""
         assert self.scheduler is not None
@@ -368,6 +375,7 @@ class SchedulerService:
                 log.warning("request %s: no worker said its constraint compiled in %.0f s; queued anyway",
                             request.request_id, self.grammar_gate.timeout_s)
                 self._admit_held(request)
+            self._forget_partial_compiles()
             if len(self.ready_ranks) < self.engine_config.tensor_parallel_size:
                 # subscription probe; its sender tells a worker whether this is the scheduler it knows
                 self.plans.send(self.to_workers.encode(Heartbeat(sender=self.instance_id)))
@@ -882,12 +890,16 @@ class SchedulerService:
 
     def _tenant_stats(self) -> dict[str, list]:
         shares = self.scheduler.waiting.tenants if self.scheduler is not None else {}
-        names = sorted({*self.tenant_queue, *(name for name in shares if name)})
+        held = {request.tenant for request in self.grammar_gate.requests() if request.tenant}
+        names = sorted({*self.tenant_queue, *(name for name in shares if name), *held})
         waiting = dict.fromkeys(names, 0)
         if self.scheduler is not None:
             for seq in self.scheduler.waiting:
                 if not seq.is_finished and seq.tenant in waiting:
                     waiting[seq.tenant] += 1
+        for request in self.grammar_gate.requests():  # held for their constraint: waiting too (as num_waiting)
+            if request.tenant in waiting:  # as the queue counts it: one sequence (siblings fork after its prefill)
+                waiting[request.tenant] += 1
         return {"tenant_names": names, "tenant_waiting": [waiting[n] for n in names],
                 "tenant_running": [shares[n].num_running if n in shares else 0 for n in names],
                 "tenant_admitted_total": [int(self.tenant_queue.get(n, (0, 0.0))[0]) for n in names],
