@@ -334,6 +334,9 @@ def test_responses_input_tokens_counts_what_the_response_would_run(server: Serve
                                       max_output_tokens=1, **extra)  # type: ignore[arg-type]
         assert counted.object == "response.input_tokens"
         assert ran.usage is not None and counted.input_tokens == ran.usage.input_tokens
+    counted = client.responses.input_tokens.count(model=SERVED, instructions="Be brief.")  # input is optional
+    ran = client.responses.create(model=SERVED, instructions="Be brief.", max_output_tokens=1)
+    assert ran.usage is not None and counted.input_tokens == ran.usage.input_tokens > 0
     refused = HTTP.post(server.url + "/v1/responses/input_tokens", json={"input": "Hi", "max_output_tokens": 4},
                         timeout=120)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_output_tokens"

@@ -63,7 +63,8 @@ INPUT_PART_KINDS = {"input_image": "image", "input_file": "file", "input_audio":
 class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """POST /v1/responses; every field is honoured, taken at a value that changes nothing, or refused."""
 
-    input: str | Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TURNS)]  # items: at most MAX_TURNS
+    # items: at most MAX_TURNS. Optional as OpenAI's (instructions alone make a prompt; input_tokens counts them)
+    input: str | Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TURNS)] | None = None
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -231,6 +232,10 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     messages = [MessageBody(role="system", content=body.instructions)] if body.instructions is not None else []
     if isinstance(body.input, str):
         return [*messages, MessageBody(role="user", content=body.input)]
+    if body.input is None:
+        _require(bool(messages), "input", "input is required when there are no instructions: nothing is stored, "
+                                          "so a response has no earlier conversation to answer")
+        return messages
     _require(len(body.input) > 0, "input", "input must not be empty")
     calls: dict[str, str] = {}  # call_id -> function name, of the function_call items so far
     answered: set[str] = set()
