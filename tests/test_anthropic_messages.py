@@ -210,6 +210,14 @@ def test_what_is_refused_names_the_messages_field(body: dict[str, Any], param: s
     assert error.param == param and needle in error.message, (error.param, error.message)
 
 
+@pytest.mark.parametrize("max_tokens", [0, -1, 2**31])
+def test_max_tokens_out_of_range_speaks_of_messages_alone(max_tokens: int) -> None:
+    """The Messages API has no prompt scoring: its refusal does not offer completions' max_tokens 0 cases."""
+    error = refusal({"messages": HI, "max_tokens": max_tokens})
+    assert error.param == "max_tokens" and "[1, 2147483647]" in error.message
+    assert "echo" not in error.message and "prompt_logprobs" not in error.message
+
+
 def test_unknown_and_missing_fields_are_400s_naming_them() -> None:
     for body, param in (({"model": SERVED, "max_tokens": 1, "messages": HI, "bogus": 1}, "bogus"),
                         ({"model": SERVED, "messages": HI}, "max_tokens"),

@@ -23,7 +23,7 @@ from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, d
 from pagoda.services.protocol.schemas import reject_unknown_keys as _keys
 from pagoda.services.protocol.schemas import require as _require
 from pagoda.shared.errors import InvalidRequestError, PagodaError
-from pagoda.shared.messages import FinishReason, TextDelta
+from pagoda.shared.messages import MAX_INT32, FinishReason, TextDelta
 
 # Fields of Anthropic's request that pagoda refuses unless null: field -> why (the 400's message).
 REFUSED_FIELDS = {
@@ -129,6 +129,8 @@ class ChatForm:
 def to_chat(body: MessagesBody) -> ChatForm:
     """The chat request a Messages body asks for; InvalidRequestError names the Messages field at fault."""
     _check_fields(body)
+    # here, not in SamplingParams.validate: its words name completions' prompt scoring, which max_tokens 0 allows
+    _require(1 <= body.max_tokens <= MAX_INT32, "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}]")
     _cache_control(body.cache_control, "cache_control")
     messages = _system(body.system) + conversation(body.messages)
     chat_tools = _tools(body.tools or [])
