@@ -218,6 +218,7 @@ def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: objec
         Heartbeat,
         ModelInfo,
         SchedulerToTokenizer,
+        Sequenced,
         TokenDeltas,
         TokenizerHello,
         TokenizerToScheduler,
@@ -229,6 +230,9 @@ def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: objec
     send, recv = Codec(TokenizerToScheduler), Codec(SchedulerToTokenizer)
     outputs: dict[str, list[int]] = {}
     finished: set[str] = set()
+    # this player never acknowledges the scheduler's sequenced frames, so a busy host sees some sent again (the
+    # scheduler's resend timer): apply each (stream, seq) once, or its tokens are counted twice
+    seen: set[tuple[int, int]] = set()
     try:
         sock.send(send.encode(TokenizerHello(identity, os.getpid())))
         deadline = time.monotonic() + timeout
@@ -237,7 +241,12 @@ def generate_as_tokenizer(endpoint: str, prompts: list[list[int]], params: objec
             check_alive()
             if not sock.poll(200):
                 continue
-            message = opened(recv, recv.decode(sock.recv()))
+            frame = recv.decode(sock.recv())
+            if isinstance(frame, Sequenced):
+                if (frame.stream, frame.seq) in seen:
+                    continue
+                seen.add((frame.stream, frame.seq))
+            message = opened(recv, frame)
             if isinstance(message, ModelInfo):
                 for i, prompt in enumerate(prompts):
                     sock.send(send.encode(AddRequest(request_id=str(i), prompt_token_ids=prompt,
