@@ -32,6 +32,8 @@ PREFIX_CACHE_ISOLATIONS = ("shared", "tenant")  # whose requests may share prefi
 # who may read /metrics: open (anyone who reaches the port), key (the operator's --api-key only: the series name
 # every tenant), auto (key beside --api-keys-file, open without one)
 METRICS_ACCESSES = ("auto", "open", "key")
+# --tool-call-parser's names (vLLM's), read by services/protocol/tools.parse_tool_calls
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
 
 
@@ -278,7 +280,7 @@ class ServerConfig:
     resend_interval: float = 0.5  # the first wait before an unacknowledged message between the api, tokenizer and
     # scheduler goes again (doubling up to 8 s): about what a lost frame costs its requests (shared/delivery.Link)
     restart_on_failure: bool = False  # restart a dead or hung tokenizer or api process instead of stopping
-    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: by the model's family
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS; default: by the model's name
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content
     data_parallel_size: int = 1  # engine replicas (each a scheduler and its worker ranks) the launcher starts
     replica_id: int = 0  # which replica a scheduler or worker process belongs to (its derived endpoints)
@@ -307,9 +309,9 @@ class ServerConfig:
     log_requests: bool = False  # the api logs one line per generation request (id, route, prompts, sampling)
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
-            raise ConfigError(f"--tool-call-parser {self.tool_call_parser}: pagoda parses tool calls with hermes, "
-                              "llama3_json or mistral", param="tool_call_parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser}: pagoda parses tool calls with "
+                              f"{', '.join(TOOL_CALL_PARSERS)}", param="tool_call_parser")
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}", param="routing")
         if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATIONS:
@@ -501,6 +503,8 @@ _SWITCHES: dict[str, dict[str, bool]] = {
 }
 _LISTS = frozenset({"served_model_name"})  # several values after the flag, kept comma-separated
 _HELP: dict[str, str] = {
+    "tool_call_parser": f"how tool_choice auto answers are read for calls: {', '.join(TOOL_CALL_PARSERS)} (vLLM's "
+                        "names; default: by the model's name: deepseek, qwen3-coder, hermes, llama-3, mistral...)",
     "model": "model folder (config.json + safetensors) or dummy shape name with --load-format dummy",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, what fits on CUDA)",
     "generation_config": "where sampling defaults for fields a request leaves unset come from (temperature, top_p, "

@@ -546,6 +546,8 @@ class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     tokens_as_ids: bool = False  # logprob tokens read "token_id:N" (vLLM's return_tokens_as_token_ids)
     echo_text: str = ""  # chat echo: this text leads each choice's content (the last message, continued)
     role: str = "assistant"  # chat: the answer's role (--response-role; no generation prompt: the last message's)
+    # chat: function name -> parameter schema, for the tool-call parsers that type arguments by it (qwen3_coder)
+    tool_parameters: dict[str, Any] = {}
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):

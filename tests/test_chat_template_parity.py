@@ -510,15 +510,15 @@ def test_reasoning_sent_back_reaches_the_template(tokenizers: dict[str, Tokenize
 
 def test_a_template_that_writes_tool_calls_keeps_its_own_turns(tokenizers: dict[str, Tokenizer]) -> None:
     """A template that renders assistant tool calls and tool results but takes no tool list (DeepSeek-V3's) gets
-    the tool turns as they are (they were rewritten as Hermes text); only a tool list goes into the Hermes system
-    prompt, as for any template that takes none."""
+    the tool turns as they are (they were rewritten as Hermes text); only a tool list goes into the system prompt, as
+    DeepSeek's "## Tools" block asking for the call form the template writes (tools.deepseek_tools_prompt)."""
     tokenizer = tokenizers["deepseek_v3"]
     messages = tool_turns()
     want = oracle_text(DEEPSEEK_V3, messages, "string")
     assert served(tokenizer, messages)[0] == want
     assert "get_weather<｜tool▁sep｜>{'city': 'Oslo', 'days': 2}" in want
     with_tools = served(tokenizer, messages, tools=TOOLS)[0]
-    assert with_tools is not None and "<tools>" in with_tools and "<｜tool▁outputs▁begin｜>" in with_tools
+    assert with_tools is not None and "## Tools" in with_tools and "<｜tool▁outputs▁begin｜>" in with_tools
     assert with_tools.endswith(want.split("You check the weather.", 1)[1])
 
 

@@ -242,7 +242,8 @@ class Handlers:
                           reasoning_parser=output.reasoning_parser, max_calls=output.max_calls,
                           continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
                           tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                          echo_text=chat_echo_text(body, message, role), role=role)
+                          echo_text=chat_echo_text(body, message, role), role=role,
+                          tool_parameters=output.tool_parameters)
         try:
             return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields),
                                         constraint_param(body))

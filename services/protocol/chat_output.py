@@ -31,6 +31,8 @@ class ChatOutputSpec:
     reasoning_parser: str | None = None
     max_calls: int = 0  # parallel_tool_calls=false: 1 (the first call is kept); 0: no limit
     prompt_reasoning: str = ""  # where the prompt left the think block (reasoning.prompt_reasoning), once tokenized
+    # function name -> parameter schema, for the parsers that type arguments by it (tools.tool_parameters)
+    tool_parameters: dict[str, Any] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -68,7 +70,7 @@ def _calls(spec: ChatOutputSpec, content: str) -> tuple[str, list[ToolCall]] | N
     if spec.tool_mode == "required":
         calls = parse_required(content)
     elif spec.tool_mode == "auto":
-        leftover, calls = parse_tool_calls(spec.tool_parser, content)
+        leftover, calls = parse_tool_calls(spec.tool_parser, content, spec.tool_parameters)
     if not calls:
         return None
     return leftover, calls[:spec.max_calls] if spec.max_calls else calls

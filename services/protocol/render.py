@@ -453,7 +453,7 @@ def renderer_for(spec: RenderSpec, prompt_reasoning: str = "") -> Renderer:
             "tokens_as_ids": spec.tokens_as_ids}
     if spec.route == CHAT:
         output = ChatOutputSpec(spec.tool_mode, spec.tool_parser, spec.tool_name, spec.reasoning_parser,
-                                spec.max_calls, prompt_reasoning)
+                                spec.max_calls, prompt_reasoning, spec.tool_parameters)
         return ChatRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
                             include_usage=spec.include_usage, output=output, return_token_ids=spec.return_token_ids,
                             echo_text=spec.echo_text, role=spec.role, **vllm)

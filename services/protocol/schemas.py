@@ -8,7 +8,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec
-from pagoda.services.protocol.tools import named_schema, required_schema
+from pagoda.services.protocol.tools import named_schema, required_schema, tool_parameters
 from pagoda.services.protocol.vllm import DEPRECATED_FIELDS, check_guided_backend, unsupported_reason
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import (
@@ -639,7 +639,8 @@ def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | N
     mode, name = _tool_choice(body, tools)
     return ChatOutputSpec(tool_mode=mode, tool_parser=tool_parser, tool_name=name,
                           reasoning_parser=reasoning_parser,
-                          max_calls=1 if body.parallel_tool_calls is False else 0)
+                          max_calls=1 if body.parallel_tool_calls is False else 0,
+                          tool_parameters=tool_parameters(tool_parser, tools) if mode == "auto" else {})
 
 
 _WHOLE_OUTPUT_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")

@@ -1,5 +1,6 @@
-"""Tool calling: tools into the prompt (the model's template, else the Hermes default) and tool calls out of
-the text (Hermes/Qwen `<tool_call>`, Llama 3.x JSON, Mistral `[TOOL_CALLS]`). Pure functions; no torch.
+"""Tool calling: tools into the prompt (the model's template, else the Hermes default, or DeepSeek's own for its
+templates) and tool calls out of the text (Hermes/Qwen `<tool_call>`, Llama 3.x JSON, Mistral `[TOOL_CALLS]`,
+DeepSeek-V3 / V3.1 `<｜tool▁calls▁begin｜>`, Qwen3-Coder's XML). Pure functions; no torch.
 
 Output modes (chosen by the api from tool_choice):
 - "auto": the model may answer in text or call tools in its family's format; `parse_tool_calls` finds them.
@@ -11,15 +12,16 @@ Output modes (chosen by the api from tool_choice):
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.shared.config import TOOL_CALL_PARSERS as TOOL_CALL_PARSERS  # the names live with the flag
 from pagoda.shared.schema_walk import map_keywords
-
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 HERMES_SYSTEM = """# Tools
 
@@ -50,9 +52,17 @@ class ToolCall:
 MISTRAL_ID_ALPHABET = string.ascii_letters + string.digits
 
 
-# Parsers whose start marker is a special token in some tokenizers (Mistral's [TOOL_CALLS]; <tool_call> in some
-# Hermes-format ones): their text must keep special tokens, or the marker is gone and calls come back as content.
-PARSERS_WITH_SPECIAL_MARKERS = ("hermes", "mistral")
+# Parsers whose markers are special tokens in some tokenizers (Mistral's [TOOL_CALLS]; <tool_call> in some
+# Hermes-format ones, and Qwen3-Coder writes the same <tool_call>): their text must keep special tokens, or the marker
+# is gone and calls come back as content. DeepSeek's <｜tool▁...｜> markers are added tokens of its tokenizer, which
+# DeepSeek's own tokenizer.json does not flag special (vLLM's deepseek parsers read them with special tokens skipped);
+# they are kept all the same: for a tokenizer that does not flag them, keeping special tokens changes nothing in a
+# DeepSeek answer (its only special tokens are the begin and end of sentence, and the end stops the answer before
+# it is text), and a converted or fine-tuned tokenizer that flags them (as V3.2's DSML marker is) still works.
+PARSERS_WITH_SPECIAL_MARKERS = ("hermes", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder")
+
+# Parsers that read the request's tools: Qwen3-Coder writes each argument as raw text, typed by its parameter schema.
+PARSERS_WITH_SCHEMAS = ("qwen3_coder",)
 
 
 def keeps_special_tokens(tool_mode: str, tool_parser: str) -> bool:
@@ -71,11 +81,16 @@ def new_call_id(parser: str = "") -> str:
 
 
 def default_tool_parser(model_names: list[str]) -> str:
-    """The parser for a model family, by its name: Hermes where the name says so (Hermes-3 is a Llama 3.1), Llama 3.x
-    JSON, Mistral, else Hermes (Qwen, and every model whose template takes no tools, which get the Hermes prompt)."""
+    """The parser for a model family, by its name: Hermes where the name says so (Hermes-3 is a Llama 3.1), DeepSeek
+    (V3.1 and V3.2 write calls without V3's fenced JSON), Qwen3-Coder's XML, Llama 3.x JSON, Mistral, else Hermes
+    (Qwen, and every model whose template takes no tools, which get the Hermes prompt)."""
     names = " ".join(model_names).lower()
     if "hermes" in names:
         return "hermes"
+    if "deepseek" in names:  # V2 has no tool format of its own; its chat template is V3's shape
+        return "deepseek_v31" if re.search(r"v3[._-]?[12](?!\d)|v31(?!\d)", names) else "deepseek_v3"
+    if re.search(r"qwen3[-_]?coder", names):
+        return "qwen3_coder"
     if re.search(r"llama-?3", names):
         return "llama3_json"
     if re.search(r"mistral|mixtral|ministral|devstral|magistral|codestral|pixtral", names):  # Mistral AI's names
@@ -100,15 +115,52 @@ def tool_conversation(chat_template: str | None, messages: list[dict[str, Any]],
                       tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template: as they are when it takes tools, else the tool list in the Hermes
     format (then the template gets no tools argument) and the tool turns too unless the template writes its own
-    (tool call arguments become objects when the template renders: conversation.template_conversation)."""
+    (tool call arguments become objects when the template renders: conversation.template_conversation). A DeepSeek
+    template writes its own turns and takes no tool list: the list goes into the system prompt as DeepSeek's, asking
+    for calls in the form the template writes them, which the deepseek parsers read."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not tools and not has_tool_turns:
         return messages, None
     if template_takes_tools(chat_template):
         return messages, tools
     if template_renders_tool_turns(chat_template):
+        deepseek = deepseek_call_form(chat_template)
+        if deepseek is not None:
+            return with_system_text(messages, deepseek_tools_prompt(tools, deepseek) if tools else ""), None
         return hermes_system(messages, tools), None
     return hermes_messages(messages, tools), None
+
+
+def deepseek_call_form(chat_template: str | None) -> str | None:
+    """The DeepSeek call form a template writes: "deepseek_v3" (V3, V3-0324, R1: `function<｜tool▁sep｜>NAME` then
+    the arguments in a ```json fence), "deepseek_v31" (V3.1, V3.2-Exp: `NAME<｜tool▁sep｜>ARGS`), None: not
+    DeepSeek's."""
+    if not chat_template or DS_SEP not in chat_template:
+        return None
+    return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+
+
+def deepseek_tools_prompt(tools: list[dict[str, Any]], form: str) -> str:
+    """DeepSeek's tool list for the system prompt: the "## Tools" block of DeepSeek-V3.1's model card (DeepSeek's
+    templates take no tool list; V3's publish no prompt, so V3 gets the same block with its own call form)."""
+    sections = []
+    for tool in tools:
+        function = tool.get("function", {})
+        parameters = json.dumps(function.get("parameters") or {}, ensure_ascii=False)
+        sections.append(f"### {function.get('name', '')}\nDescription: {function.get('description') or ''}\n\n"
+                        f"Parameters: {parameters}\n")
+    if form == "deepseek_v3":
+        call = f"{DS_CALL_BEGIN}function{DS_SEP}tool_call_name\n```json\ntool_call_arguments\n```{DS_CALL_END}"
+        chain = "chain them with a newline between them"
+    else:
+        call = f"{DS_CALL_BEGIN}tool_call_name{DS_SEP}tool_call_arguments{DS_CALL_END}"
+        chain = "chain them directly without separators or spaces"
+    return ("## Tools\nYou have access to the following tools:\n\n" + "\n".join(sections)
+            + f"\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n{DS_CALLS_BEGIN}{call}"
+            + f"{{additional_tool_calls}}{DS_CALLS_END}\n\nWhere:\n"
+            + "- `tool_call_name` must be an exact match to one of the available tools\n"
+            + "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+            + f"- For multiple tool calls, {chain}")
 
 
 def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -145,7 +197,13 @@ def hermes_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | 
     if not tools:
         return messages
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    system = HERMES_SYSTEM.format(tools=listing)
+    return with_system_text(messages, HERMES_SYSTEM.format(tools=listing))
+
+
+def with_system_text(messages: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
+    """The conversation with `system` after its system prompt's text (a first system message when it has none)."""
+    if not system:
+        return messages
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{_text(messages[0]['content'])}\n\n{system}"}, *messages[1:]]
     return [{"role": "system", "content": system}, *messages]
@@ -219,19 +277,40 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 # tool calls out of the text
 
 
+# DeepSeek-V3's markers: full-width vertical bars (U+FF5C) around words joined by U+2581 (the SentencePiece space)
+DS_CALLS_BEGIN, DS_CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+DS_CALL_BEGIN, DS_CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+DS_SEP = "<\uff5ctool\u2581sep\uff5c>"
+
+
 def tool_start_marker(parser: str) -> str:
     """Where calls begin in a model's output; llama3_json has none (the answer is a JSON object)."""
-    return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
+    return {"hermes": HERMES_START, "mistral": "[TOOL_CALLS]", "llama3_json": "{", "deepseek_v3": DS_CALLS_BEGIN,
+            "deepseek_v31": DS_CALLS_BEGIN, "qwen3_coder": HERMES_START}[parser]
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
-    """(content left over, calls) of a finished text; no calls when the text holds none that parse."""
+def tool_parameters(parser: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a parser needs of the request's tools: each function's parameter schema by its name, for the parsers
+    that type arguments by it (PARSERS_WITH_SCHEMAS); nothing for the others."""
+    if parser not in PARSERS_WITH_SCHEMAS:
+        return {}
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+
+
+def parse_tool_calls(parser: str, text: str,
+                     parameters: Mapping[str, Any] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content left over, calls) of a finished text; no calls when the text holds none that parse. `parameters`:
+    the offered functions' parameter schemas by name (tool_parameters), which qwen3_coder types arguments by."""
     if parser == "hermes":
         return _parse_hermes(text)
     if parser == "mistral":
         return _parse_mistral(text)
     if parser == "llama3_json":
         return _parse_llama3(text)
+    if parser in ("deepseek_v3", "deepseek_v31"):
+        return _parse_deepseek(text)
+    if parser == "qwen3_coder":
+        return _parse_qwen3_coder(text, parameters or {})
     raise ValueError(f"unknown tool call parser {parser!r}")
 
 
@@ -286,6 +365,176 @@ def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
     if not calls or any(c is None for c in calls):
         return text, []
     return text[:start].rstrip(), calls  # type: ignore[return-value]
+
+
+def _parse_deepseek(text: str) -> tuple[str, list[ToolCall]]:
+    """DeepSeek's calls: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>` HEAD `<｜tool▁sep｜>` BODY
+    `<｜tool▁call▁end｜>` (whitespace between calls), then `<｜tool▁calls▁end｜>`. V3 writes `function` SEP NAME, a
+    newline and the arguments in a ```json fence; V3.1 writes NAME SEP ARGUMENTS. Either form is read under both
+    parsers (a model named unlike its version still gets its calls). The arguments are read as JSON, not cut at
+    the first marker or fence: an argument may hold that text. The last call may be cut short after its arguments
+    (max_tokens); anything else that does not parse makes the whole text content."""
+    start = text.find(DS_CALLS_BEGIN)
+    if start < 0:
+        return text, []
+    calls, at = [], start + len(DS_CALLS_BEGIN)
+    while True:
+        at = _skip_space(text, at)
+        if at == len(text) or text.startswith(DS_CALLS_END, at):
+            break
+        if not text.startswith(DS_CALL_BEGIN, at):
+            return text, []
+        parsed = _deepseek_call(text, at + len(DS_CALL_BEGIN))
+        if parsed is None:
+            return text, []
+        call, at = parsed
+        calls.append(call)
+    if not calls:
+        return text, []
+    return text[:start].rstrip(), calls  # whitespace before the calls is no content (streamed: never sent)
+
+
+def _deepseek_call(text: str, at: int) -> tuple[ToolCall, int] | None:
+    """One call whose head starts at `at`: (the call, where the text after its end marker starts) or None."""
+    sep = text.find(DS_SEP, at)
+    if sep < 0 or "\n" in text[at:sep]:
+        return None
+    head, body = text[at:sep].strip(), _skip_space(text, sep + len(DS_SEP))
+    if text.startswith("{", body):  # V3.1: NAME<｜tool▁sep｜>{...}
+        name = head
+    else:  # V3: function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+        line_end = text.find("\n", body)
+        if line_end < 0:
+            return None
+        name, body = text[body:line_end].strip(), _skip_space(text, line_end)
+        if not text.startswith("```", body):
+            return None
+        body = _skip_space(text, body + 3 + (4 if text.startswith("json", body + 3) else 0))
+    try:
+        arguments, end = json.JSONDecoder().raw_decode(text, body)
+    except json.JSONDecodeError:
+        return None
+    call = _call_from_object({"name": name, "arguments": arguments})
+    end = _skip_space(text, end)
+    if text.startswith("```", end):
+        end = _skip_space(text, end + 3)
+    if call is None or not (end == len(text) or text.startswith(DS_CALL_END, end)):
+        return None
+    return call, min(end + len(DS_CALL_END), len(text))
+
+
+QWEN_FUNCTION, QWEN_FUNCTION_END = "<function=", "</function>"
+QWEN_PARAMETER, QWEN_PARAMETER_END = "<parameter=", "</parameter>"
+
+
+def _parse_qwen3_coder(text: str, parameters: Mapping[str, Any]) -> tuple[str, list[ToolCall]]:
+    """Qwen3-Coder's calls: `<tool_call>` `<function=NAME>`, then per argument `<parameter=KEY>` VALUE
+    `</parameter>`, then `</function>` `</tool_call>` (the last may be left open at the end of the text). Each VALUE is
+    raw text, one newline trimmed either side as the template writes them, typed by the function's parameter schema
+    (_typed_argument). Text after the calls is no content, as for hermes; a call that does not parse (no function,
+    an unclosed one) makes the whole text content."""
+    start = text.find(HERMES_START)
+    if start < 0:
+        return text, []
+    calls, at = [], start
+    while at >= 0:
+        parsed = _qwen_function(text, _skip_space(text, at + len(HERMES_START)), parameters)
+        if parsed is None:
+            return text, []
+        call, end = parsed
+        end = _skip_space(text, end)
+        if not (end == len(text) or text.startswith(HERMES_END, end)):
+            return text, []
+        calls.append(call)
+        at = text.find(HERMES_START, end)
+    return text[:start].rstrip(), calls
+
+
+def _qwen_function(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[ToolCall, int] | None:
+    """The `<function=NAME>...</function>` at `at`: (the call, where the text after it starts) or None. A value ends
+    at its `</parameter>` (so it may hold `</function>` or `<parameter=`); only whitespace between the tags."""
+    if not text.startswith(QWEN_FUNCTION, at):
+        return None
+    name_end = text.find(">", at)
+    name = text[at + len(QWEN_FUNCTION):name_end].strip() if name_end >= 0 else ""
+    if not name or "\n" in name:
+        return None
+    schema, arguments, at = parameters.get(name), {}, _skip_space(text, name_end + 1)
+    while text.startswith(QWEN_PARAMETER, at):
+        key_end = text.find(">", at)
+        value_end = text.find(QWEN_PARAMETER_END, key_end)
+        key = text[at + len(QWEN_PARAMETER):key_end].strip()
+        if key_end < 0 or value_end < 0 or not key or "\n" in key:
+            return None
+        value = text[key_end + 1:value_end]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        arguments[key] = _typed_argument(value, _property_schema(schema, key))
+        at = _skip_space(text, value_end + len(QWEN_PARAMETER_END))
+    if not text.startswith(QWEN_FUNCTION_END, at):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False)), at + len(QWEN_FUNCTION_END)
+
+
+def _property_schema(schema: Any, key: str) -> dict[str, Any] | None:
+    """The schema of argument `key` in a function's parameter schema (a local $ref followed); None: none given."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+        return None
+    prop = schema["properties"].get(key)
+    for _ in range(8):  # a chain of $refs, not a cycle
+        if not (isinstance(prop, dict) and isinstance(prop.get("$ref"), str) and prop["$ref"].startswith("#/")):
+            break
+        target: Any = schema
+        for part in prop["$ref"][2:].split("/"):
+            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+        prop = target if isinstance(target, dict) else {}
+    return prop if isinstance(prop, dict) else None
+
+
+def _schema_types(schema: dict[str, Any]) -> list[str]:
+    """The JSON types a schema allows: its type (a name or a list), else those of its anyOf / oneOf branches."""
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    types: list[str] = []
+    for branch in (schema.get("anyOf") or []) + (schema.get("oneOf") or []):
+        if isinstance(branch, dict):
+            types += [k for k in _schema_types(branch) if k not in types]
+    return types
+
+
+def _typed_argument(value: str, schema: dict[str, Any] | None) -> Any:
+    """An argument's raw text as its schema's type. No schema for it (the model named a parameter the function
+    lacks): the text. A type that the text is not (an integer parameter given "a few"): the text, as the model wrote
+    it, for the tool to judge; so is a string parameter's text that looks like JSON. With several types (a list,
+    anyOf), the first that reads the text, strings last; none named (a bare $ref or {}): an object or array that
+    reads as JSON, else the text."""
+    if schema is None:
+        return value
+    types = _schema_types(schema)
+    if not types:
+        parsed = _loads(value.strip())
+        return parsed if isinstance(parsed, dict | list) else value
+    stripped = value.strip()
+    for kind in sorted(types, key=lambda k: k == "string"):  # strings last: any text is one
+        if kind == "string":
+            return value
+        if kind == "null" and stripped == "null":
+            return None
+        if kind == "boolean" and stripped.lower() in ("true", "false"):
+            return stripped.lower() == "true"
+        if kind in ("integer", "number"):
+            number = _loads(stripped)
+            if isinstance(number, int | float) and not isinstance(number, bool) and math.isfinite(number):
+                if kind == "number" or float(number).is_integer():
+                    return int(number) if kind == "integer" else number
+        if kind in ("object", "array"):
+            parsed = _loads(stripped)
+            if isinstance(parsed, dict if kind == "object" else list):
+                return parsed
+    return value
 
 
 def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
