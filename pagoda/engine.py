@@ -261,8 +261,9 @@ class LLMEngine:
         return applied
 
     def metrics(self) -> list[Metric]:
-        """The engine's counters and gauges now, named as the server's /metrics names them (services/api/metrics.py):
-        requests running and waiting, the KV cache, prefix-cache lookups, preemptions, prompt and generated tokens."""
+        """The engine's counters and gauges now, named as the server's /metrics names them (services/api/metrics.py),
+        pagoda's and vLLM's: requests running and waiting, the KV cache, prefix-cache lookups, preemptions, prompt
+        and generated tokens."""
         scheduler, blocks, stats = self.scheduler, self.scheduler.blocks, self.scheduler.stats
         waiting = {seq.request.request_id for seq in scheduler.waiting if not seq.is_finished}
         gauges = {"pagoda_num_requests_running": len({seq.request.request_id for seq in scheduler.running}),
@@ -274,8 +275,21 @@ class LLMEngine:
                     "pagoda_num_swapped_preemptions": stats.num_swapped,
                     "pagoda_prompt_tokens": stats.prompt_tokens,
                     "pagoda_generation_tokens": self.num_generation_tokens_total}
+        # vLLM's names for the same numbers (its LLM.get_metrics() series, labelled by model and engine): scripts
+        # ported from vLLM look them up by these
+        labels = {"model_name": self.config.model, "engine": "0"}
+        vllm_gauges = {"vllm:num_requests_running": gauges["pagoda_num_requests_running"],
+                       "vllm:num_requests_waiting": gauges["pagoda_num_requests_waiting"],
+                       "vllm:kv_cache_usage_perc": gauges["pagoda_kv_cache_usage_ratio"]}
+        vllm_counters = {"vllm:prefix_cache_queries": counters["pagoda_prefix_cache_query_tokens"],
+                         "vllm:prefix_cache_hits": counters["pagoda_prefix_cache_hit_tokens"],
+                         "vllm:num_preemptions": counters["pagoda_num_preemptions"],
+                         "vllm:prompt_tokens": counters["pagoda_prompt_tokens"],
+                         "vllm:generation_tokens": counters["pagoda_generation_tokens"]}
         return [*(Gauge(name, {}, float(value)) for name, value in gauges.items()),
-                *(Counter(name, {}, int(value)) for name, value in counters.items())]
+                *(Counter(name, {}, int(value)) for name, value in counters.items()),
+                *(Gauge(name, dict(labels), float(value)) for name, value in vllm_gauges.items()),
+                *(Counter(name, dict(labels), int(value)) for name, value in vllm_counters.items())]
 
     def _fail_rows(self, result: StepResult, updates: list[SeqUpdate]) -> list[SeqUpdate]:
         """The result's failed rows end with finish_reason "error" (the scheduler ended those it expected a token

@@ -614,3 +614,11 @@ def test_get_metrics_are_the_engines_counters(llm: LLM) -> None:
     assert after["pagoda_num_requests_running"].value == after["pagoda_num_requests_waiting"].value == 0
     assert after["pagoda_kv_blocks_total"].value == llm.engine.scheduler.blocks.num_blocks > 0
     assert after["pagoda_prefix_cache_query_tokens"].value >= before["pagoda_prefix_cache_query_tokens"]
+    # vLLM's names for the same numbers, labelled as vLLM's reader labels them
+    for vllm_name, name in (("vllm:generation_tokens", "pagoda_generation_tokens"),
+                            ("vllm:prompt_tokens", "pagoda_prompt_tokens"),
+                            ("vllm:prefix_cache_hits", "pagoda_prefix_cache_hit_tokens"),
+                            ("vllm:num_requests_running", "pagoda_num_requests_running"),
+                            ("vllm:kv_cache_usage_perc", "pagoda_kv_cache_usage_ratio")):
+        assert type(after[vllm_name]) is type(after[name]) and after[vllm_name].value == after[name].value
+        assert after[vllm_name].labels == {"model_name": llm.engine.config.model, "engine": "0"}
