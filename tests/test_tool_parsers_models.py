@@ -129,11 +129,13 @@ MALFORMED: list[tuple[str, str]] = [
     ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}{DS_SEP}{{}}{DS_CALL_END}"),  # no name
     ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{}} trailing{DS_CALL_END}"),
     ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{{}}{DS_CALL_END}"),  # no separator
+    ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{{}}{DS_CALL_END}{v31_call('g', {})}"),  # nor in this call
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=x>\n1\n"),  # cut in a value
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n"),  # cut before </function>
     ("qwen3_coder", "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"),  # Hermes JSON
     ("qwen3_coder", "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>"),
     ("qwen3_coder", "<tool_call>\n<function=>\n</function>\n</tool_call>"),  # no name
+    ("qwen3_coder", "<tool_call>\n<function=f</function>\n</tool_call>"),  # no name's end
     ("qwen3_coder", "<tool_call>\n<function=f>\n</function> and more\n</tool_call>"),
 ]
 
@@ -250,6 +252,7 @@ TYPED = [
     ({"type": "integer"}, "3.0", 3),
     ({"type": "integer"}, "3.5", "3.5"),  # not an integer: the text, for the tool to judge
     ({"type": "integer"}, "a few", "a few"),
+    ({"type": "integer"}, "null", None),  # how the template writes a None argument
     ({"type": "number"}, "2.5", 2.5),
     ({"type": "number"}, "1e3", 1000.0),
     ({"type": "number"}, "NaN", "NaN"),  # not JSON
@@ -264,6 +267,7 @@ TYPED = [
     ({"type": "null"}, "null", None),
     ({"type": ["integer", "null"]}, "null", None),
     ({"type": ["integer", "null"]}, "5", 5),
+    ({"type": ["string", "null"]}, "null", "null"),  # a string may be the text null
     ({"type": ["string", "integer"]}, "5", 5),  # strings last: any text is one
     ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "12", 12),
     ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "twelve", "twelve"),

@@ -397,7 +397,7 @@ def _parse_deepseek(text: str) -> tuple[str, list[ToolCall]]:
 def _deepseek_call(text: str, at: int) -> tuple[ToolCall, int] | None:
     """One call whose head starts at `at`: (the call, where the text after its end marker starts) or None."""
     sep = text.find(DS_SEP, at)
-    if sep < 0 or "\n" in text[at:sep]:
+    if sep < 0 or "\n" in text[at:sep] or "<\uff5c" in text[at:sep]:  # a head of one line, in this call
         return None
     head, body = text[at:sep].strip(), _skip_space(text, sep + len(DS_SEP))
     if text.startswith("{", body):  # V3.1: NAME<｜tool▁sep｜>{...}
@@ -457,7 +457,7 @@ def _qwen_function(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[T
         return None
     name_end = text.find(">", at)
     name = text[at + len(QWEN_FUNCTION):name_end].strip() if name_end >= 0 else ""
-    if not name or "\n" in name:
+    if not name or "\n" in name or "<" in name:
         return None
     schema, arguments, at = parameters.get(name), {}, _skip_space(text, name_end + 1)
     while text.startswith(QWEN_PARAMETER, at):
@@ -508,9 +508,10 @@ def _schema_types(schema: dict[str, Any]) -> list[str]:
 def _typed_argument(value: str, schema: dict[str, Any] | None) -> Any:
     """An argument's raw text as its schema's type. No schema for it (the model named a parameter the function
     lacks): the text. A type that the text is not (an integer parameter given "a few"): the text, as the model wrote
-    it, for the tool to judge; so is a string parameter's text that looks like JSON. With several types (a list,
-    anyOf), the first that reads the text, strings last; none named (a bare $ref or {}): an object or array that
-    reads as JSON, else the text."""
+    it, for the tool to judge; so is a string parameter's text that looks like JSON. `null` where no string is
+    allowed is null (the template writes a None argument so). With several types (a list, anyOf), the first that
+    reads the text, strings last; none named (a bare $ref or {}): an object or array that reads as JSON, else the
+    text."""
     if schema is None:
         return value
     types = _schema_types(schema)
@@ -518,11 +519,11 @@ def _typed_argument(value: str, schema: dict[str, Any] | None) -> Any:
         parsed = _loads(value.strip())
         return parsed if isinstance(parsed, dict | list) else value
     stripped = value.strip()
+    if stripped == "null" and "string" not in types:
+        return None
     for kind in sorted(types, key=lambda k: k == "string"):  # strings last: any text is one
         if kind == "string":
             return value
-        if kind == "null" and stripped == "null":
-            return None
         if kind == "boolean" and stripped.lower() in ("true", "false"):
             return stripped.lower() == "true"
         if kind in ("integer", "number"):
