@@ -99,14 +99,27 @@ def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.Mo
     from pagoda.kernels.mla import ExpandPolicy
     from pagoda.services.worker.models import deepseek
 
-    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16,
-                                                                    join_min_query_len=join))
+    # the layer passes its own min_query_len (expand_min_query_len(heads): 512 here), which a partial's keyword
+    # would not override: patch that function, and count the steps that did expand
+    monkeypatch.setattr(deepseek, "expand_min_query_len", lambda heads: 16)
+    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, join_min_query_len=join))
+    expanded_steps: list[list[int]] = []
+    chunks = ExpandPolicy.expanded_chunks
+
+    def counted(policy: ExpandPolicy, query_lens: list[int], seq_lens: list[int]) -> list[int]:
+        expanded = chunks(policy, query_lens, seq_lens)
+        if expanded:
+            expanded_steps.append(expanded)
+        return expanded
+
+    monkeypatch.setattr(ExpandPolicy, "expanded_chunks", counted)
     folder = _v2(tmp_path)
     arch = load_arch(folder)
     assert arch.mla is not None and arch.mla.q_lora_rank is None and arch.moe is not None
     assert arch.moe.sparse_layers == (1, 2) and arch.moe.topk_method == "group_limited_greedy"
     assert arch.context_limit == 4 * ORIGINAL_WINDOW
     check_greedy_parity(folder, random_prompts([7, 45, 100], VOCAB), preempt_blocks=10)
+    assert expanded_steps, "no chunk took the expanded path"
 
 
 def test_deepseek_v3_matches_transformers(tmp_path: Path) -> None:
