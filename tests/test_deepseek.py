@@ -464,13 +464,24 @@ def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -
     from pagoda.kernels.mla import ExpandPolicy
     from pagoda.services.worker.models import deepseek
 
-    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, min_query_len=16))
+    monkeypatch.setattr(deepseek, "expand_min_query_len", lambda heads: 16)  # the layer passes min_query_len
+    expanded_steps: list[list[int]] = []
+    chunks = ExpandPolicy.expanded_chunks
+
+    def counted(policy: ExpandPolicy, query_lens: list[int], seq_lens: list[int]) -> list[int]:
+        expanded = chunks(policy, query_lens, seq_lens)
+        if expanded:
+            expanded_steps.append(expanded)
+        return expanded
+
+    monkeypatch.setattr(ExpandPolicy, "expanded_chunks", counted)
     generator = torch.Generator().manual_seed(12)
     shared = torch.randint(3, 500, (32,), generator=generator).tolist()
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (3, 20, 41)]
     prompts += [shared + [7, 8, 9], shared + [10, 11]]  # the second reuses the first's cached blocks
     ref_tokens, ref_logits = _run("reference", "tiny-deepseek-v3", prompts, budget=24)
     tri_tokens, tri_logits = _run("triton", "tiny-deepseek-v3", prompts, budget=24)
+    assert expanded_steps, "no chunk took the expanded path"
     assert tri_tokens == ref_tokens
     assert len(tri_logits) == len(ref_logits)
     # fp32 dots: exact under the interpreter; on a GPU Triton's tl.dot takes fp32 operands as TF32 (10-bit mantissa)
