@@ -405,7 +405,10 @@ def test_deepseek_templates_get_deepseeks_tool_prompt() -> None:
     ("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3"),
     ("deepseek-ai/DeepSeek-R1", "deepseek_v3"),
     ("deepseek-ai/DeepSeek-R1-0528", "deepseek_v3"),
-    ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek_v3"),
+    ("deepseek-ai/DeepSeek-V2-Lite-Chat", "hermes"),  # no tool format: its template writes no calls
+    ("deepseek-ai/DeepSeek-V2-Chat", "hermes"),
+    ("deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct", "hermes"),
+    ("deepseek-ai/DeepSeek-V2.5", "deepseek_v3"),  # V2.5's template writes V3's calls
     ("DeepSeek-R1-Distill-Llama-70B", "deepseek_v3"),  # R1's template on a Llama 3.3: DeepSeek's calls
     ("deepseek-ai/DeepSeek-V3.1", "deepseek_v31"),
     ("deepseek-ai/DeepSeek-V3.1-Terminus", "deepseek_v31"),

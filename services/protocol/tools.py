@@ -82,12 +82,13 @@ def new_call_id(parser: str = "") -> str:
 
 def default_tool_parser(model_names: list[str]) -> str:
     """The parser for a model family, by its name: Hermes where the name says so (Hermes-3 is a Llama 3.1), DeepSeek
-    (V3.1 and V3.2 write calls without V3's fenced JSON), Qwen3-Coder's XML, Llama 3.x JSON, Mistral, else Hermes
+    (V3.1 and V3.2 write calls without V3's fenced JSON; V2-Chat and V2-Lite-Chat have no tool format, their templates
+    write no calls, so they get the Hermes prompt and parser), Qwen3-Coder's XML, Llama 3.x JSON, Mistral, else Hermes
     (Qwen, and every model whose template takes no tools, which get the Hermes prompt)."""
     names = " ".join(model_names).lower()
     if "hermes" in names:
         return "hermes"
-    if "deepseek" in names:  # V2 has no tool format of its own; its chat template is V3's shape
+    if "deepseek" in names and re.search(r"v3|r1|v2[._-]5", names):  # the releases with DeepSeek's calls
         return "deepseek_v31" if re.search(r"v3[._-]?[12](?!\d)|v31(?!\d)", names) else "deepseek_v3"
     if re.search(r"qwen3[-_]?coder", names):
         return "qwen3_coder"
