@@ -17,14 +17,15 @@ from pagoda.shared.errors import ConfigError, ModelNotFoundError
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2",
-                         "deepseek_v3")
+                         "deepseek_v3", "glm4_moe")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                    "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,9 @@ class ModelArch:
     sliding_window: int | None = None
     moe: MoeArch | None = None
     mla: MlaArch | None = None  # DeepSeek: head_dim is then the rope dims (the rope table's width)
+    # GLM-4.5's partial_rotary_factor: rope over the first rotary_dim dims of each q/k head, the rest passed through
+    # (None: the whole head). The worker permutes q/k rows at load so the kernels' whole-head rope does this.
+    rotary_dim: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -118,6 +122,11 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head that rope rotates (the checkpoint's rotary_dim, else all of head_dim)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def context_limit(self) -> int:
@@ -189,9 +198,26 @@ class ModelArch:
             config["use_sliding_window"] = False
         if self.mla is not None:
             config.update(_deepseek_hf_fields(self))
+        elif model_type == "glm4_moe":
+            config.update(_glm4_moe_hf_fields(self))
+            rope["partial_rotary_factor"] = self.rope_dim / self.head_dim
         elif self.moe is not None:
             config.update(_moe_hf_fields(self))
         return config
+
+
+def _glm4_moe_hf_fields(arch: ModelArch) -> dict[str, Any]:
+    moe = arch.moe
+    assert moe is not None
+    first_sparse = min(moe.sparse_layers, default=arch.num_layers)
+    assert moe.sparse_layers == tuple(range(first_sparse, arch.num_layers)), "GLM-4.5: dense layers, then sparse"
+    return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.expert_intermediate_size,
+            "n_shared_experts": moe.shared_expert_intermediate_size // moe.expert_intermediate_size,
+            "first_k_dense_replace": first_sparse, "norm_topk_prob": moe.renormalize,
+            "routed_scaling_factor": moe.routed_scaling_factor, "n_group": moe.num_groups,
+            "topk_group": moe.topk_groups, "use_qk_norm": arch.qk_norm,
+            "partial_rotary_factor": arch.rope_dim / arch.head_dim, "num_nextn_predict_layers": 0}
 
 
 def _moe_hf_fields(arch: ModelArch) -> dict[str, Any]:
@@ -278,10 +304,8 @@ def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) 
         raise ConfigError(f"{model_type} with norm_topk_prob true is not supported", param="model")
     groups = config.get("n_group", 8 if v3 else 1) or 1
     topk_groups = config.get("topk_group", 4 if v3 else 1) or 1
-    if topk_method != "greedy" and (num_experts % groups or not 0 < topk_groups <= groups
-                                    or top_k > topk_groups * (num_experts // groups)):
-        raise ConfigError(f"{model_type}: {num_experts} experts do not split into n_group {groups} groups of which "
-                          f"topk_group {topk_groups} hold num_experts_per_tok {top_k} experts", param="model")
+    if topk_method != "greedy":
+        _check_groups(model_type, num_experts, groups, topk_groups, top_k)
     moe = MoeArch(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert,
                   renormalize=bool(config.get("norm_topk_prob", v3)),
                   sparse_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
@@ -292,18 +316,49 @@ def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) 
     return mla, moe
 
 
+def _glm4_moe_from_hf(config: dict[str, Any], num_layers: int) -> MoeArch:
+    """GLM-4.5's MoE, DeepSeek-V3's router and experts: layers from first_k_dense_replace on are sparse (the MTP
+    layers after num_hidden_layers are not loaded); n_shared_experts ungated shared experts; sigmoid scores chosen
+    with e_score_correction_bias among the topk_group best of n_group groups (their two best summed), weights
+    renormalised where norm_topk_prob says, times routed_scaling_factor. Defaults: transformers' Glm4MoeConfig."""
+    if config.get("mlp_bias"):
+        raise ConfigError("glm4_moe with mlp_bias is not supported", param="model")
+    for field, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if config.get(field) not in (None, expected):  # transformers' router is always these: refuse another
+            raise ConfigError(f"glm4_moe {field} {config[field]!r} is not supported (only {expected!r}, as "
+                              f"transformers routes)", param="model")
+    num_experts = config.get("n_routed_experts") or config.get("num_local_experts") or 128
+    top_k = config.get("num_experts_per_tok") or 8
+    expert = config.get("moe_intermediate_size") or 1408
+    groups = config.get("n_group") or 1
+    topk_groups = config.get("topk_group") or 1
+    _check_groups("glm4_moe", num_experts, groups, topk_groups, top_k)
+    first_dense = config.get("first_k_dense_replace", 1) or 0
+    return MoeArch(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert,
+                   renormalize=bool(config.get("norm_topk_prob", True)),
+                   sparse_layers=tuple(range(first_dense, num_layers)),
+                   shared_expert_intermediate_size=expert * (config.get("n_shared_experts", 1) or 0),
+                   shared_expert_gated=False, scoring_func="sigmoid", topk_method="noaux_tc", num_groups=groups,
+                   topk_groups=topk_groups,
+                   routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0))
+
+
+def _check_groups(model_type: str, num_experts: int, groups: int, topk_groups: int, top_k: int) -> None:
+    if num_experts % groups or not 0 < topk_groups <= groups or top_k > topk_groups * (num_experts // groups):
+        raise ConfigError(f"{model_type}: {num_experts} experts do not split into n_group {groups} groups of which "
+                          f"topk_group {topk_groups} hold num_experts_per_tok {top_k} experts", param="model")
+
+
 def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """Rope theta and scaling, wherever this config keeps them (rope_parameters, rope_theta, rope_scaling)."""
     params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or {}
     theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
     params = {**scaling, **params}
+    params.pop("partial_rotary_factor", None)  # _rotary_dim reads it
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})",
-                          param="rope_scaling")
-    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ConfigError("partial_rotary_factor is not supported (rope over the whole head only)",
                           param="rope_scaling")
     if rope_type == "default":
         return float(theta), None
@@ -317,6 +372,33 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     if missing:
         raise ConfigError(f"rope_type {rope_type!r} needs {', '.join(missing)}", param="rope_scaling")
     return float(theta), params
+
+
+# Families whose rope may cover part of each head (partial_rotary_factor), and the factor transformers gives them
+# when config.json leaves it out
+PARTIAL_ROTARY_DEFAULTS = {"glm4_moe": 0.5}
+
+
+def _rotary_dim(config: dict[str, Any], model_type: str, head_dim: int) -> int | None:
+    """The dims of each head rope rotates, int(head_dim x partial_rotary_factor) as transformers takes them (from
+    rope_parameters, rope_scaling, or the top level), None for the whole head; refused for the other families."""
+    factor = None
+    for source in (config.get("rope_parameters"), config.get("rope_scaling"), config):
+        if isinstance(source, dict) and source.get("partial_rotary_factor") is not None:
+            factor = float(source["partial_rotary_factor"])
+            break
+    if factor is None:
+        factor = PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0)
+    if factor == 1.0:
+        return None
+    if model_type not in PARTIAL_ROTARY_DEFAULTS:
+        raise ConfigError(f"partial_rotary_factor {factor} is not supported for {model_type} (rope over the whole "
+                          f"head only; supported for {', '.join(PARTIAL_ROTARY_DEFAULTS)})", param="rope_scaling")
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ConfigError(f"partial_rotary_factor {factor} of head_dim {head_dim} gives {rotary_dim} rope dims: "
+                          f"they must be even and in 2..{head_dim}", param="rope_scaling")
+    return None if rotary_dim == head_dim else rotary_dim
 
 
 ROPE_REQUIRED = {
@@ -337,6 +419,8 @@ def _attention_biases(config: dict[str, Any], model_type: str) -> tuple[bool, bo
     if model_type in ("llama", "qwen3", "qwen3_moe"):
         bias = bool(config.get("attention_bias", False))
         return bias, bias
+    if model_type == "glm4_moe":  # q/k/v only: its o_proj never has one
+        return bool(config.get("attention_bias", False)), False
     return False, False
 
 
@@ -361,6 +445,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, float]] = {
     "qwen2_moe": {"max_position_embeddings": 32768},
     "qwen3_moe": {"max_position_embeddings": 32768},
     "deepseek_v2": {"max_position_embeddings": 2048},
+    "glm4_moe": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
 }
 
 
@@ -387,18 +472,22 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     if model_type in MLA_MODEL_TYPES:
         mla, moe = _deepseek_from_hf(config, model_type, num_layers)
         config = {**config, "head_dim": mla.qk_rope_head_dim}  # the rope table's width, as transformers sets it
+    elif model_type == "glm4_moe":
+        mla, moe = None, _glm4_moe_from_hf(config, num_layers)
     else:
         mla, moe = None, _moe_from_hf(config, model_type, num_layers)
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(config.get("use_qk_norm")))
     return ModelArch(
         model_type=model_type, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
         num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads, head_dim=head_dim,
         intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         max_position_embeddings=config.get("max_position_embeddings", 4096), rope_theta=theta,
         rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias, o_proj_bias=o_proj_bias, qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        attention_bias=qkv_bias, o_proj_bias=o_proj_bias, qk_norm=qk_norm,
         eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"), sliding_window=window, moe=moe, mla=mla,
+        rotary_dim=None if mla is not None else _rotary_dim(config, model_type, head_dim),
     )
 
 
@@ -495,6 +584,33 @@ SHAPES: dict[str, ModelArch] = {
         eos_token_ids=(2,), bos_token_id=1,
         mla=MlaArch(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24),
         moe=MoeArch(num_experts=8, top_k=2, expert_intermediate_size=32, renormalize=True, sparse_layers=(1,),
+                    shared_expert_intermediate_size=32, shared_expert_gated=False, scoring_func="sigmoid",
+                    topk_method="noaux_tc", num_groups=4, topk_groups=2, routed_scaling_factor=2.5)),
+    # GLM-4.5-Air (106B, 12B active; its config.json): GQA with q/k/v bias, rope over half of each 128-dim head
+    # (theta 1e6), layer 0 dense, then 128 routed experts of 1408 (8 a token, sigmoid + correction bias) and one
+    # shared expert. 212 GB in bf16: one H200 holds it with --quantization fp8 (or tensor_parallel_size 2)
+    "glm-4.5-air": ModelArch(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+        head_dim=128, intermediate_size=10944, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, attention_bias=True, eos_token_ids=(151329, 151336, 151338), rotary_dim=64,
+        moe=MoeArch(num_experts=128, top_k=8, expert_intermediate_size=1408, renormalize=True,
+                    sparse_layers=tuple(range(1, 46)), shared_expert_intermediate_size=1408, shared_expert_gated=False,
+                    scoring_func="sigmoid", topk_method="noaux_tc", routed_scaling_factor=1.0)),
+    # GLM-4.5's layer dimensions (hidden 5120, q/k RMSNorm, 160 routed experts of 1536, x2.5) with 1 dense + 4
+    # sparse layers instead of 3 + 89: per-layer figures scale to the 355B model
+    "glm-4.5-slice": ModelArch(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=5120, num_layers=5, num_heads=96, num_kv_heads=8,
+        head_dim=128, intermediate_size=12288, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, attention_bias=True, qk_norm=True, eos_token_ids=(151329, 151336, 151338),
+        rotary_dim=64,
+        moe=MoeArch(num_experts=160, top_k=8, expert_intermediate_size=1536, renormalize=True,
+                    sparse_layers=(1, 2, 3, 4), shared_expert_intermediate_size=1536, shared_expert_gated=False,
+                    scoring_func="sigmoid", topk_method="noaux_tc", routed_scaling_factor=2.5)),
+    "tiny-glm4-moe": ModelArch(
+        model_type="glm4_moe", vocab_size=512, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=2048, rope_theta=10000.0,
+        attention_bias=True, qk_norm=True, eos_token_ids=(2,), bos_token_id=1, rotary_dim=8,
+        moe=MoeArch(num_experts=8, top_k=2, expert_intermediate_size=32, renormalize=True, sparse_layers=(1, 2),
                     shared_expert_intermediate_size=32, shared_expert_gated=False, scoring_func="sigmoid",
                     topk_method="noaux_tc", num_groups=4, topk_groups=2, routed_scaling_factor=2.5)),
     "tiny-moe": ModelArch(model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,

@@ -38,15 +38,20 @@ def fill(model: CausalLM, source: Source) -> None:
         for place in placements(model):
             tensor = source(place.hf_name, place.full_shape, place.shard_dim, place.shard_start, place.shard_len)
             assert tensor.shape == place.target.shape, (place.hf_name, tensor.shape, place.target.shape)
+            order = place.row_order.to(tensor.device) if place.row_order is not None else None
             if place.scale_target is None:
                 if tensor.dtype == torch.float8_e4m3fn and place.target.dtype != torch.float8_e4m3fn:
                     tensor = _dequantized(source, place, tensor)  # a weight the model keeps unquantized
-                place.target.copy_(tensor)
+                place.target.copy_(tensor if order is None else tensor.index_select(0, order))
                 continue
+            if order is not None:
+                tensor = tensor.index_select(0, order)
             if tensor.dtype == torch.float8_e4m3fn:  # as the checkpoint ships it, with its scales
                 assert isinstance(source, SafetensorsSource)
                 scale = source.fp8_scale(place.hf_name, place.full_shape, place.shard_dim, place.shard_start,
                                          place.shard_len)
+                if order is not None:  # per-row scales (block scales are expanded to rows): they follow their rows
+                    scale = scale.index_select(0, order.to(scale.device))
             else:  # quantize here (a bf16 checkpoint, dummy weights, or a layer the checkpoint left unquantized)
                 tensor, scale = ref.quantize_fp8_rows(tensor.to(place.target.device), group_size)
             assert scale.shape == place.scale_target.shape, (place.hf_name, scale.shape, place.scale_target.shape)
@@ -310,7 +315,10 @@ def export_hf_state_dict(model: CausalLM, arch: ModelArch) -> dict[str, torch.Te
     assert model.tp.size == 1 and model.fp8 is None, "exports bf16/fp32 weights of one rank only"
     state: dict[str, torch.Tensor] = {}
     for place in placements(model):
-        state[place.hf_name] = place.target.detach().clone()
+        value = place.target.detach().clone()
+        if place.row_order is not None:  # back to the checkpoint's row order
+            value = value.index_select(0, torch.argsort(place.row_order.to(value.device)))
+        state[place.hf_name] = value
     if arch.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import gemv, pdl
-from pagoda.services.worker.models import deepseek, llama, moe
+from pagoda.services.worker.models import deepseek, glm4_moe, llama, moe
 from pagoda.services.worker.models.base import (
     AttentionMetadata,
     Fp8Weights,
@@ -40,7 +40,7 @@ __all__ = ["AttentionMetadata", "CausalLM", "Fp8Weights", "KvLayout", "Ops", "Pl
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama,
     "qwen2_moe": moe, "qwen3_moe": moe, "mixtral": moe,
-    "deepseek_v2": deepseek, "deepseek_v3": deepseek,
+    "deepseek_v2": deepseek, "deepseek_v3": deepseek, "glm4_moe": glm4_moe,
 }
 
 

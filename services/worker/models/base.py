@@ -256,6 +256,9 @@ class Placement:
     shard_start: int = 0
     shard_len: int = 0
     scale_target: torch.Tensor | None = None  # an FP8 weight's scale rows [rows, 1 or K / g]
+    # target row t takes row row_order[t] of the slice read (and of its scales): GLM's q/k heads, permuted so the
+    # kernels' whole-head rope does a partial rope (rope.permute_rotary_dims). None: in order
+    row_order: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

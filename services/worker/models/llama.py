@@ -33,6 +33,7 @@ from pagoda.services.worker.models.base import (
     quantized_linear,
     uses_weight_only,
 )
+from pagoda.services.worker.models.rope import permute_rotary_dims
 from pagoda.shared.shapes import ModelArch
 
 
@@ -196,27 +197,39 @@ class DecoderLayer(nn.Module):
         return all_reduce_hidden(self.tp, self._mlp(gate_up, ops)), residual
 
 
+    def _rotary_order(self) -> torch.Tensor | None:
+        """Slot -> checkpoint dim of every q/k head [D] where rope covers only part of it (arch.rotary_dim)."""
+        if self.arch.rope_dim == self.head_dim:
+            return None
+        return permute_rotary_dims(self.head_dim, self.arch.rope_dim)
+
     def placements(self, prefix: str, rank: int) -> Iterator[Placement]:
         """This layer's Hugging Face tensors (`prefix` = "model.layers.{i}.") and where this rank's slices go."""
         arch, h = self.arch, self.arch.hidden_size
         q, kv = self.q_size, self.kv_size
         yield Placement(prefix + "input_layernorm.weight", (h,), self.input_norm, None)
         yield Placement(prefix + "post_attention_layernorm.weight", (h,), self.post_attn_norm, None)
+        head_order = self._rotary_order()  # [D] or None: q and k heads permuted for a partial rope
         for name, rows, size, full in (("q_proj", slice(0, q), q, arch.q_size),
                                        ("k_proj", slice(q, q + kv), kv, arch.kv_size),
                                        ("v_proj", slice(q + kv, q + 2 * kv), kv, arch.kv_size)):
             attn = prefix + "self_attn." + name
+            order = None
+            if head_order is not None and name != "v_proj":  # each head of this rank's slice the same way
+                order = (torch.arange(0, size, self.head_dim)[:, None] + head_order[None, :]).reshape(-1)  # [size]
             yield Placement(attn + ".weight", (full, h), self.qkv_weight[rows], 0, rank * size, size,
-                            scale_rows(self.qkv_weight_scale, rows))
+                            scale_rows(self.qkv_weight_scale, rows), order)
             if self.qkv_bias is not None:
-                yield Placement(attn + ".bias", (full,), self.qkv_bias[rows], 0, rank * size, size)
+                yield Placement(attn + ".bias", (full,), self.qkv_bias[rows], 0, rank * size, size, row_order=order)
         yield Placement(prefix + "self_attn.o_proj.weight", (h, arch.q_size), self.o_weight, 1, rank * q, q,
                         self.o_weight_scale)
         if self.o_bias is not None:
             yield Placement(prefix + "self_attn.o_proj.bias", (h,), self.o_bias, None)
         if self.q_norm is not None and self.k_norm is not None:
-            yield Placement(prefix + "self_attn.q_norm.weight", (arch.head_dim,), self.q_norm, None)
-            yield Placement(prefix + "self_attn.k_norm.weight", (arch.head_dim,), self.k_norm, None)
+            yield Placement(prefix + "self_attn.q_norm.weight", (arch.head_dim,), self.q_norm, None,
+                            row_order=head_order)
+            yield Placement(prefix + "self_attn.k_norm.weight", (arch.head_dim,), self.k_norm, None,
+                            row_order=head_order)
         if self.mlp is not None:
             yield from self.mlp.placements(prefix, rank)
             return

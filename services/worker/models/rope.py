@@ -1,7 +1,11 @@
 """Rotary-embedding tables from a model's rope settings: default, linear, llama3, yarn and dynamic NTK.
 
-The worker keeps one cos/sin table [positions, rotary_dim] per model; every attention kernel reads rows of it by
-position. YaRN's attention factor is folded into the table (cos and sin both scaled), as Hugging Face does.
+The worker keeps one cos/sin table [positions, head_dim] per model; every attention kernel reads rows of it by
+position and rotates dims (i, i + head_dim / 2) of each head. YaRN's attention factor is folded into the table (cos
+and sin both scaled), as Hugging Face does. A rope over only the first rotary_dim dims of a head (GLM-4.5's
+partial_rotary_factor) fills slots [rotary_dim / 2, head_dim / 2) of each half with cos 1, sin 0: those dims pass
+through unchanged, and the weight loader permutes each q/k head so that its rotary pairs land on the other slots
+(permute_rotary_dims).
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from pagoda.shared.shapes import ModelArch
 class RopeSpec:
     """Everything that decides the table: dimension, base, scaling type and its parameters."""
 
-    dim: int  # rotary dimensions (head_dim, or the rope part of an MLA head)
+    dim: int  # rotary dimensions (head_dim, its rotary part, or the rope part of an MLA head)
     theta: float
     scaling: dict[str, Any]  # {} for the default rope
     max_position_embeddings: int
+    table_dim: int = 0  # the table's width (the kernels' head_dim) when it is wider than dim (0: dim)
 
     @classmethod
     def of(cls, arch: ModelArch, dim: int | None = None) -> RopeSpec:
-        return cls(dim or arch.head_dim, arch.rope_theta, dict(arch.rope_scaling or {}), arch.max_position_embeddings)
+        return cls(dim or arch.rope_dim, arch.rope_theta, dict(arch.rope_scaling or {}), arch.max_position_embeddings,
+                   0 if dim else arch.head_dim)
 
     @property
     def rope_type(self) -> str:
@@ -140,7 +146,24 @@ def rope_table(spec: RopeSpec, num_positions: int, dtype: torch.dtype,
         angles = _dynamic_angles(spec, positions)  # [P, dim / 2]
     else:
         angles = positions.float()[:, None] * inv_freq(spec)[None, :]  # [P, dim / 2]
-    emb = torch.cat((angles, angles), dim=-1)  # [P, dim]
     factor = attention_factor(spec)
-    cos, sin = emb.cos() * factor, emb.sin() * factor
+    cos, sin = angles.cos() * factor, angles.sin() * factor  # [P, dim / 2]
+    pad = max(spec.table_dim, spec.dim) // 2 - spec.dim // 2
+    if pad:  # pass-through slots: cos 1, sin 0 exactly (the attention factor scales only the rotated dims)
+        cos = torch.cat((cos, cos.new_ones(num_positions, pad)), dim=-1)  # [P, table_dim / 2]
+        sin = torch.cat((sin, sin.new_zeros(num_positions, pad)), dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [P, table_dim]
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def permute_rotary_dims(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Slot -> checkpoint dim of one q/k head [head_dim] int64, for a rope over its first rotary_dim dims in
+    rotate-half order (pairs (i, i + r / 2), i < r / 2, as transformers' apply_rotary_pos_emb rotates them): the
+    kernels rotate pairs (j, j + head_dim / 2), so checkpoint dim i goes to slot i and i + r / 2 to slot
+    head_dim / 2 + i; the pass-through dims fill the rest of each half in order. q . k is unchanged when q and k
+    (and their biases and norm weights) share the permutation; V and o_proj keep the checkpoint's order."""
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    assert rotary_dim % 2 == 0 and head_dim % 2 == 0 and 0 < rotary_dim <= head_dim
+    passed = torch.arange(rotary_dim, head_dim)  # [head_dim - r]
+    first, second = passed[:half - rot_half], passed[half - rot_half:]
+    return torch.cat((torch.arange(rot_half), first, torch.arange(rot_half, rotary_dim), second))  # [head_dim]
