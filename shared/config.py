@@ -33,7 +33,11 @@ PREFIX_CACHE_ISOLATIONS = ("shared", "tenant")  # whose requests may share prefi
 # every tenant), auto (key beside --api-keys-file, open without one)
 METRICS_ACCESSES = ("auto", "open", "key")
 # --tool-call-parser's names (vLLM's), read by services/protocol/tools.parse_tool_calls
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45",
+                     "glm47")
+# vLLM's reasoning parser names that pagoda reads with one of its own (GLM-4.5's <think> block opens the output, or
+# the template closes an empty one in the prompt when thinking is off: qwen3's rules)
+REASONING_PARSER_ALIASES = {"glm45": "qwen3"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
 
 
@@ -322,9 +326,11 @@ class ServerConfig:
                               param="metrics_access")
         if self.data_parallel_size < 1 or self.replica_id < 0:
             raise ConfigError("data_parallel_size must be >= 1 and replica_id >= 0", param="data_parallel_size")
+        if self.reasoning_parser in REASONING_PARSER_ALIASES:
+            self.reasoning_parser = REASONING_PARSER_ALIASES[self.reasoning_parser]
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: pagoda has the qwen3 and deepseek_r1 "
-                              "reasoning parsers", param="reasoning_parser")
+                              "reasoning parsers (glm45 reads as qwen3)", param="reasoning_parser")
         for name in ("api_workers", "tokenizer_workers", "max_inflight_requests", "max_prompt_bytes",
                      "max_completions_per_request", "console_max_requests"):
             if getattr(self, name) < 1:

@@ -278,3 +278,87 @@ def test_glm4_moe_fp8_checkpoint_loads_as_it_ships(tmp_path: Path, kind: str) ->
     ours, theirs = (_prompt_logprobs(tmp_path / name, prompt)[0] for name in ("fp8", "deq"))
     diff = (ours - theirs).abs()
     assert diff.mean() < 0.08 and diff.max() < 0.5, (diff.mean(), diff.max())  # a wrong weight: O(1)
+
+
+# --------------------------------------------------------------------------------------------
+# GLM-4.5's tool calls and reasoning
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array", "items": {"type": "integer"}}, "where": {"$ref": "#/$defs/place"},
+    "limit": {"type": ["integer", "null"]}, "note": {"type": "string"}}, "$defs": {"place": {"type": "object"}}}
+
+
+def _glm_calls(text: str, parser: str = "glm45") -> tuple[str, list[tuple[str, dict]]]:
+    from pagoda.services.protocol.tools import parse_tool_calls, tool_parameters
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "now"}}]
+    content, calls = parse_tool_calls(parser, text, tool_parameters(parser, tools))
+    return content, [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+def test_glm45_tool_calls_typed_by_the_schema() -> None:
+    """GLM-4.5's template: `<tool_call>NAME\\n`, then `<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n` per argument
+    (a string as it is, anything else as JSON), `</tool_call>`; content before the calls is content."""
+    text = ("Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York, NY</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>true</arg_value>\n"
+            "<arg_key>hours</arg_key>\n<arg_value>[6, 18]</arg_value>\n<arg_key>where</arg_key>\n"
+            '<arg_value>{"lat": 40.7}</arg_value>\n<arg_key>limit</arg_key>\n<arg_value>null</arg_value>\n</tool_call>'
+            "\n<tool_call>now\n</tool_call>")
+    content, calls = _glm_calls(text)
+    assert content == "Let me check."
+    assert calls == [("get_weather", {"city": "New York, NY", "days": 3, "metric": True, "hours": [6, 18],
+                                      "where": {"lat": 40.7}, "limit": None}),
+                     ("now", {})]
+    # a string parameter keeps text that looks like JSON; a value that is not its type stays text; a parameter the
+    # schema lacks is text; a value may hold the closing tags
+    content, calls = _glm_calls("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
+                                "<arg_key>days</arg_key>\n<arg_value>a few</arg_value>\n<arg_key>extra</arg_key>\n"
+                                "<arg_value>[1]</arg_value>\n<arg_key>note</arg_key>\n"
+                                "<arg_value>a </tool_call> b <arg_key></arg_value>\n</tool_call>")
+    assert content == "" and calls == [("get_weather", {"city": "42", "days": "a few", "extra": "[1]",
+                                                        "note": "a </tool_call> b <arg_key>"})]
+
+
+@pytest.mark.parametrize("parser", ["glm45", "glm47"])
+def test_glm47_form_and_open_last_call(parser: str) -> None:
+    """GLM-4.7 writes the tags with no newlines (`<tool_call>NAME<arg_key>...`); either parser reads either form.
+    The last call may be left open at the end of the text (a stop string, max_tokens after its last value)."""
+    text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>" \
+           "<arg_value>2</arg_value></tool_call><tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value>"
+    assert _glm_calls(text, parser) == ("", [("get_weather", {"city": "Paris", "days": 2}),
+                                             ("get_weather", {"city": "Rome"})])
+
+
+def test_glm45_unparsable_calls_are_content() -> None:
+    for text in ("<tool_call>\n<arg_key>city</arg_key>\n<arg_value>x</arg_value>\n</tool_call>",  # no name
+                 "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>",  # no value tag
+                 "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris\n</tool_call>",  # unclosed value
+                 "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>x</arg_value>\nmore</tool_call>"):
+        assert _glm_calls(text) == (text, [])
+    assert _glm_calls("no calls here") == ("no calls here", [])
+
+
+def test_glm_names_choose_glm45_and_keep_its_special_tokens() -> None:
+    from pagoda.services.protocol.tools import default_tool_parser, keeps_special_tokens
+    from pagoda.shared.config import ServerConfig
+
+    for name in ("zai-org/GLM-4.5", "zai-org/GLM-4.5-Air-FP8", "zai-org/GLM-4.6", "glm-4.7", "my-glm4_moe-ft", "glm4"):
+        assert default_tool_parser([name]) == "glm45", name
+    for name in ("zai-org/GLM-4.5V", "THUDM/GLM-4.1V-9B-Thinking"):  # vision models: not this format
+        assert default_tool_parser([name]) == "hermes", name
+    assert keeps_special_tokens("auto", "glm45")  # <tool_call>, <arg_key>... are special tokens of GLM's tokenizer
+    assert ServerConfig(tool_call_parser="glm45").tool_call_parser == "glm45"
+    assert ServerConfig(reasoning_parser="glm45").reasoning_parser == "qwen3"
+
+
+def test_glm45_reasoning_reads_as_qwen3() -> None:
+    """GLM-4.5 thinks in a `<think>` block that opens its output; with thinking off its template ends the prompt
+    with an empty `<think></think>`, and the output is all content."""
+    from pagoda.services.protocol.reasoning import prompt_reasoning, split_reasoning
+
+    assert split_reasoning("qwen3", "<think>Sum them.</think>\nIt is 4.") == ("Sum them.", "It is 4.")
+    closed = prompt_reasoning("[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>",
+                              ["<|user|>", "<|assistant|>"])
+    assert split_reasoning("qwen3", "\nHello.", closed) == (None, "\nHello.")

@@ -59,10 +59,11 @@ MISTRAL_ID_ALPHABET = string.ascii_letters + string.digits
 # they are kept all the same: for a tokenizer that does not flag them, keeping special tokens changes nothing in a
 # DeepSeek answer (its only special tokens are the begin and end of sentence, and the end stops the answer before
 # it is text), and a converted or fine-tuned tokenizer that flags them (as V3.2's DSML marker is) still works.
-PARSERS_WITH_SPECIAL_MARKERS = ("hermes", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder")
+PARSERS_WITH_SPECIAL_MARKERS = ("hermes", "mistral", "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "glm47")
 
-# Parsers that read the request's tools: Qwen3-Coder writes each argument as raw text, typed by its parameter schema.
-PARSERS_WITH_SCHEMAS = ("qwen3_coder",)
+# Parsers that read the request's tools: Qwen3-Coder and GLM-4.5 write each argument as raw text (GLM: a string
+# as it is, anything else as JSON), typed by its parameter schema.
+PARSERS_WITH_SCHEMAS = ("qwen3_coder", "glm45", "glm47")
 
 
 def keeps_special_tokens(tool_mode: str, tool_parser: str) -> bool:
@@ -92,6 +93,8 @@ def default_tool_parser(model_names: list[str]) -> str:
         return "deepseek_v31" if re.search(r"v3[._-]?[12](?!\d)|v31(?!\d)", names) else "deepseek_v3"
     if re.search(r"qwen3[-_]?coder", names):
         return "qwen3_coder"
+    if re.search(r"glm[-_]?4(?![._-]?\d*v)", names):  # GLM-4.5, 4.6, 4.7 (Air, FP8); not the vision GLM-4.xV
+        return "glm45"
     if re.search(r"llama-?3", names):
         return "llama3_json"
     if re.search(r"mistral|mixtral|ministral|devstral|magistral|codestral|pixtral", names):  # Mistral AI's names
@@ -287,7 +290,8 @@ DS_SEP = "<\uff5ctool\u2581sep\uff5c>"
 def tool_start_marker(parser: str) -> str:
     """Where calls begin in a model's output; llama3_json has none (the answer is a JSON object)."""
     return {"hermes": HERMES_START, "mistral": "[TOOL_CALLS]", "llama3_json": "{", "deepseek_v3": DS_CALLS_BEGIN,
-            "deepseek_v31": DS_CALLS_BEGIN, "qwen3_coder": HERMES_START}[parser]
+            "deepseek_v31": DS_CALLS_BEGIN, "qwen3_coder": HERMES_START, "glm45": HERMES_START,
+            "glm47": HERMES_START}[parser]
 
 
 def tool_parameters(parser: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -312,6 +316,8 @@ def parse_tool_calls(parser: str, text: str,
         return _parse_deepseek(text)
     if parser == "qwen3_coder":
         return _parse_qwen3_coder(text, parameters or {})
+    if parser in ("glm45", "glm47"):
+        return _parse_glm45(text, parameters or {})
     raise ValueError(f"unknown tool call parser {parser!r}")
 
 
@@ -475,6 +481,55 @@ def _qwen_function(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[T
     if not text.startswith(QWEN_FUNCTION_END, at):
         return None
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False)), at + len(QWEN_FUNCTION_END)
+
+
+GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+
+def _parse_glm45(text: str, parameters: Mapping[str, Any]) -> tuple[str, list[ToolCall]]:
+    """GLM-4.5 / 4.6 / 4.7's calls: `<tool_call>NAME`, then per argument `<arg_key>KEY</arg_key>`
+    `<arg_value>VALUE</arg_value>` (whitespace between the tags: a newline in 4.5's template, none in 4.7's), then
+    `</tool_call>` (the last may be left open at the end of the text). The template writes a string VALUE as it is
+    and anything else as JSON: each is typed by the function's parameter schema (_typed_argument, as qwen3_coder's).
+    Text after the calls is no content, as for hermes; a call that does not parse makes the whole text content."""
+    start = text.find(HERMES_START)
+    if start < 0:
+        return text, []
+    calls, at = [], start
+    while at >= 0:
+        parsed = _glm_call(text, at + len(HERMES_START), parameters)
+        if parsed is None:
+            return text, []
+        call, at = parsed
+        calls.append(call)
+        at = text.find(HERMES_START, at)
+    return text[:start].rstrip(), calls
+
+
+def _glm_call(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[ToolCall, int] | None:
+    """The call whose name starts at `at` (just after `<tool_call>`): (the call, where the text after its
+    `</tool_call>` starts) or None. The name ends at the line's end or the first tag; a value ends at its
+    `</arg_value>` (so it may hold `</tool_call>` or `<arg_key>`)."""
+    ends = [i for i in (text.find("\n", at), text.find("<", at)) if i >= 0]
+    name_end = min(ends) if ends else len(text)
+    name = text[at:name_end].strip()
+    if not name:
+        return None
+    schema, arguments, at = parameters.get(name), {}, _skip_space(text, name_end)
+    while text.startswith(GLM_KEY, at):
+        key_end = text.find(GLM_KEY_END, at)
+        key = text[at + len(GLM_KEY):key_end].strip() if key_end >= 0 else ""
+        value_at = _skip_space(text, key_end + len(GLM_KEY_END))
+        if not key or "<" in key or not text.startswith(GLM_VALUE, value_at):
+            return None
+        value_end = text.find(GLM_VALUE_END, value_at)
+        if value_end < 0:
+            return None
+        arguments[key] = _typed_argument(text[value_at + len(GLM_VALUE):value_end], _property_schema(schema, key))
+        at = _skip_space(text, value_end + len(GLM_VALUE_END))
+    if at < len(text) and not text.startswith(HERMES_END, at):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False)), min(at + len(HERMES_END), len(text))
 
 
 def _property_schema(schema: Any, key: str) -> dict[str, Any] | None:
