@@ -269,8 +269,8 @@ def _completions(llm: LLM, prompts: list[list[int]], params: list[SamplingParams
 @pytest.mark.parametrize("pressure", ["recompute", "swap-chunked"])
 def test_preempted_requests_give_what_they_give_on_a_roomy_cache(family: Family, pressure: str) -> None:
     """The mixed workload on 22 blocks of 8 (beam groups and n=2 forks included): preempted by recompute (its prefix
-    cache hits make that cheap), or by swap (2 MiB of host slots) with 16-token chunks; each request's completions equal those
-    of the roomy engine, and every block and host slot comes back."""
+    cache hits make that cheap), or by swap (2 MiB of host slots) with 16-token chunks; each request's completions
+    equal those of the roomy engine, and every block and host slot comes back."""
     prompts, params = _mixed_workload()
     roomy = _completions(family.llm, prompts, params)
     if pressure == "recompute":
@@ -374,3 +374,77 @@ def test_context_and_capacity_refusals_name_their_limit(family: Family) -> None:
     assert "beam search of width 3" in str(beams.value)
     assert len(small.generate([[5, 6, 7]], _greedy(4))[0].outputs[0].token_ids) == 4
     _assert_no_blocks_held(small)
+
+
+# ------------------------------------------------------------------------------- processes (make test-all runs them)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ["deepseek-v2", "qwen3-moe"])
+def test_two_tensor_parallel_ranks_generate_what_one_does(folders: dict[str, Path], name: str) -> None:
+    """DeepSeek-V2 without q_lora (q_proj split by heads; the latent cache on both ranks) and Qwen3-MoE (experts
+    split along their intermediate dim) on two gloo ranks: one rank's greedy tokens (test_deepseek covers V3)."""
+    from tests.test_tensor_parallel import _generate_in_process, _generate_with_services
+
+    single = _generate_in_process(folders[name])
+    assert _generate_with_services(folders[name], 2) == single
+
+
+@pytest.mark.extended
+def test_two_served_replicas_on_a_small_swapping_cache(folders: dict[str, Path]) -> None:
+    """`pagoda serve -dp 2` of DeepSeek-V2 with 20 blocks of 8 and swap space a replica: twelve concurrent requests
+    get the offline engine's greedy and seeded n=2 tokens (preempted by swap on the way); echo's prompt logprobs are
+    transformers'; a second prompt on a cached prefix reports its cached tokens, a salted one none."""
+    import concurrent.futures
+
+    from tests.harness import running_server
+
+    folder = folders["deepseek-v2"]
+    prompts = random_prompts([5, 30, 12, 41, 8, 25, 17, 33, 50, 20, 9, 44], VOCAB, seed=3)
+    offline = LLM(str(folder), dtype="float32", num_kv_blocks=256, block_size=BLOCK)
+    greedy = [list(o.outputs[0].token_ids) for o in offline.generate(prompts, _greedy(12))]
+    seeded = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=12, ignore_eos=True)
+    sampled = [[list(c.token_ids) for c in o.outputs] for o in offline.generate(prompts, seeded)]
+    family = Family("deepseek-v2", folder)
+    with running_server(folder, "--max-model-len", str(4 * WINDOW), "--data-parallel-size", "2", "--num-kv-blocks",
+                        "20", "--block-size", str(BLOCK), "--swap-space", "0.002") as server:
+        client = server.client()
+        model = client.models.list().data[0].id
+        as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+        def ids(choice: Any) -> list[int]:
+            return [int(token.split(":")[1]) for token in choice.logprobs.tokens]
+
+        def one(prompt: list[int]) -> list[int]:
+            answer = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                               extra_body=as_ids)
+            return ids(answer.choices[0])
+
+        def two(prompt: list[int]) -> list[list[int]]:
+            answer = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.9, seed=5,
+                                               n=2, logprobs=0, extra_body=as_ids)
+            return [ids(choice) for choice in sorted(answer.choices, key=lambda c: c.index)]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(one, prompts)) == greedy
+            assert list(pool.map(two, prompts)) == sampled
+        metrics = server.metrics()
+        assert sum(v for k, v in metrics.items() if k.startswith("pagoda_num_swapped_preemptions_total")) > 0
+
+        prompt = random_prompts([40], VOCAB, seed=12)[0]
+        echoed = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                           extra_body={"return_tokens_as_token_ids": True}).choices[0]
+        expected = family.log_softmax(prompt)
+        assert echoed.logprobs.token_logprobs[0] is None
+        assert echoed.logprobs.token_logprobs[1:] == pytest.approx(
+            [expected[i - 1, prompt[i]].item() for i in range(1, len(prompt))], abs=2e-4)
+
+        def cached(prompt: list[int], **extra: Any) -> int:
+            usage = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                              extra_body=extra).usage
+            return usage.prompt_tokens_details.cached_tokens
+
+        shared = random_prompts([40], VOCAB, seed=13)[0]
+        assert cached(shared + [7]) == 0
+        assert cached(shared + [8]) == 40 // BLOCK * BLOCK
+        assert cached(shared + [9], cache_salt="tenant-b") == 0
