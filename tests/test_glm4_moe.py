@@ -104,6 +104,18 @@ def test_glm4_moe_loads_the_checkpoint_as_it_ships(tmp_path: Path) -> None:
     assert ours == expected
 
 
+@pytest.mark.extended
+def test_two_ranks_generate_what_one_does(tmp_path: Path) -> None:
+    """Tensor parallel 2: each rank holds 2 of the 4 q heads and 1 of the 2 kv heads, each permuted as a whole head,
+    and half of every expert's and the shared expert's intermediate dim; the scheduler and both ranks run as
+    processes and generate what one rank does."""
+    from tests.test_tensor_parallel import _generate_in_process, _generate_with_services
+
+    folder = _glm(tmp_path, qk_norm=True, seed=5)
+    single = _generate_in_process(folder)
+    assert _generate_with_services(folder, 2) == single
+
+
 def _hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' partial rotate-half rope: x [T, heads, D], cos/sin [T, r] over the first r dims."""
     from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
