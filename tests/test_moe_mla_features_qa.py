@@ -247,23 +247,32 @@ def test_prefix_cache_hits_give_the_uncached_tokens_and_salts_keep_apart(family:
     _assert_no_blocks_held(llm)
 
 
+SMALL_SCHEMA = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6}}, "required": ["k"],
+                "additionalProperties": False}
+
+
 def _mixed_workload() -> tuple[list[list[int]], list[SamplingParams]]:
     """Eight prompts sharing 20 tokens, in four modes: greedy with logprobs, seeded n=2 sampling with top_p, beam
-    search (width 3, n 2), seeded top_k sampling with all three penalties."""
+    search (width 3, n 2), seeded top_k sampling with all three penalties under a JSON schema."""
     shared = random_prompts([20], VOCAB, seed=9)[0]
     prompts = [shared + p for p in random_prompts([5, 30, 12, 41, 8, 25, 17, 33], VOCAB, seed=3)]
     modes: list[Callable[[int], SamplingParams]] = [
         lambda i: _greedy(12, logprobs=2),
         lambda i: SamplingParams(temperature=0.9, top_p=0.9, seed=i, n=2, max_tokens=12, ignore_eos=True),
         lambda i: SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=10, temperature=0.0),
-        lambda i: SamplingParams(temperature=0.7, top_k=20, seed=i, max_tokens=12, ignore_eos=True,
-                                 presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+        lambda i: SamplingParams(temperature=0.7, top_k=20, seed=i, max_tokens=24,
+                                 presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                                 structured_outputs=StructuredOutputs(json=SMALL_SCHEMA)),
     ]
     return prompts, [modes[i % 4](i) for i in range(len(prompts))]
 
 
 def _completions(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
-    return [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params)]
+    outputs = llm.generate(prompts, params)
+    for output, sampling in zip(outputs, params, strict=True):
+        if sampling.structured_outputs is not None:
+            assert set(json.loads(output.outputs[0].text)) == {"k"}
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
 
 
 @pytest.mark.parametrize("pressure", ["recompute", "swap-chunked"])
