@@ -320,6 +320,24 @@ def test_fp8_cache_serves_its_own_prefix_hits_and_holds_four_times_the_blocks(fa
         assert runner.num_blocks == budget // runner.kv_bytes_per_block()
 
 
+@pytest.mark.parametrize(("shape", "ratio"), [("deepseek-v2-lite", 8.9), ("deepseek-v3-slice", 71.1)])
+def test_latent_blocks_per_gib_against_per_head_k_and_v(shape: str, ratio: float) -> None:
+    """docs/deepseek.md's figures: a bf16 GiB holds 8.9x (V2-Lite, 16 heads) and 71x (V3, 128 heads) the tokens it
+    would with K (qk_nope + qk_rope) and V per head; the worker's layout and the shape's byte count agree, on every
+    tensor-parallel rank (the latent is replicated)."""
+    from pagoda.services.worker.models import deepseek
+    from pagoda.shared.shapes import SHAPES
+
+    arch = SHAPES[shape]
+    assert arch.mla is not None
+    for tp_size in (1, 2):
+        assert deepseek.kv_layout(arch, tp_size).bytes_per_token(arch.num_layers, 2) == arch.kv_bytes_per_token(2)
+    per_head = arch.num_layers * arch.num_heads * (arch.mla.qk_head_dim + arch.mla.v_head_dim) * 2
+    assert per_head / arch.kv_bytes_per_token(2) == pytest.approx(ratio, abs=0.05)
+    blocks_per_gib = (1 << 30) // (16 * arch.kv_bytes_per_token(2))
+    assert blocks_per_gib == (1 << 30) // (16 * arch.num_layers * 576 * 2)
+
+
 # ---------------------------------------------------------------------------------------------- what users send
 
 
