@@ -165,21 +165,25 @@ def test_rope_table_matches_transformers_partial_inv_freq() -> None:
 
 
 def test_triton_rope_and_qkv_prep_take_the_padded_table() -> None:
-    """The Triton rope and the fused q/k-norm + rope + cache write read the padded table as the reference does."""
+    """The Triton rope and the fused q/k-norm + rope + cache write read the padded table as the reference does (on
+    CPU under the interpreter: bit for bit); the pass-through slots come out exactly as they went in."""
     from pagoda.kernels.qkv_prep import prepare_qkv
     from pagoda.kernels.rope import apply_rope
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     head_dim, heads, kv_heads, tokens = 16, 4, 2, 6
-    cos, sin = rope_table(RopeSpec(8, 10000.0, {}, 64, table_dim=head_dim), 64, torch.float32, torch.device("cpu"))
-    positions = torch.tensor([0, 3, 9, 17, 40, 63])
-    q, k = torch.randn(tokens, heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    cos, sin = rope_table(RopeSpec(8, 10000.0, {}, 64, table_dim=head_dim), 64, torch.float32, device)
+    positions = torch.tensor([0, 3, 9, 17, 40, 63], device=device)
+    q, k = torch.randn(tokens, heads, head_dim, device=device), torch.randn(tokens, kv_heads, head_dim, device=device)
     ours_q, ours_k = apply_rope(q, k, cos, sin, positions)
-    assert torch.equal(ours_q, ref.apply_rope(q, cos[positions], sin[positions]))
-    assert torch.equal(ours_k, ref.apply_rope(k, cos[positions], sin[positions]))
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
-    norms = (1 + 0.2 * torch.randn(head_dim), 1 + 0.2 * torch.randn(head_dim))
-    caches = [torch.zeros(4, 16, kv_heads, head_dim) for _ in range(4)]
-    slots = torch.arange(tokens) * 5
+    torch.testing.assert_close(ours_q, ref.apply_rope(q, cos[positions], sin[positions]), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours_k, ref.apply_rope(k, cos[positions], sin[positions]), atol=1e-6, rtol=1e-6)
+    passed = torch.tensor([4, 5, 6, 7, 12, 13, 14, 15], device=device)  # slots [r/2, D/2) of each half
+    assert torch.equal(ours_q[..., passed], q[..., passed]) and torch.equal(ours_k[..., passed], k[..., passed])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device)
+    norms = (1 + 0.2 * torch.randn(head_dim, device=device), 1 + 0.2 * torch.randn(head_dim, device=device))
+    caches = [torch.zeros(4, 16, kv_heads, head_dim, device=device) for _ in range(4)]
+    slots = torch.arange(tokens, device=device) * 5
     out = prepare_qkv(qkv.clone(), heads, kv_heads, head_dim, *norms, 1e-5, cos, sin, positions, caches[0], caches[1],
                       slots, None, None)
     expected = ref.prepare_qkv(qkv.clone(), heads, kv_heads, head_dim, *norms, 1e-5, cos, sin, positions, caches[2],
