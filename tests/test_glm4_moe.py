@@ -7,6 +7,7 @@ permutation that turns the kernels' whole-head rope into the partial rope, exact
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -223,8 +224,27 @@ def test_glm4_moe_shapes_round_trip_through_transformers_configs() -> None:
     assert sum(p.numel() for p in model.parameters()) == tiny.num_params()
     assert model.config.rope_parameters["partial_rotary_factor"] == 0.5
     air = SHAPES["glm-4.5-air"]
+    assert arch_from_hf_config(GLM_45_AIR_CONFIG) == air  # the published config.json reads as the shape
     assert 106e9 < air.num_params() < 107.5e9
     assert 11.5e9 < air.layer_weight_params(1) + air.vocab_size * air.hidden_size < 13e9
+    glm = SHAPES["glm-4.5-slice"]  # its layers, 92 of them (3 dense), are GLM-4.5: 355B with the MTP layer, 32B active
+    assert glm.moe is not None
+    full = replace(glm, num_layers=92, moe=replace(glm.moe, sparse_layers=tuple(range(3, 92))))
+    assert 352e9 < full.num_params() < 354e9
+    assert 32e9 < full.layer_weight_params(1) + full.vocab_size * full.hidden_size < 34e9
+
+
+# zai-org/GLM-4.5-Air's config.json as published (transformers 4.54 keys: partial_rotary_factor at the top level)
+GLM_45_AIR_CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": [151329, 151336, 151338], "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 10944, "max_position_embeddings": 131072,
+    "model_type": "glm4_moe", "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8,
+    "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "pad_token_id": 151329,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.1", "use_cache": True, "use_qk_norm": False, "vocab_size": 151552}
 
 
 def test_triton_model_matches_reference_model() -> None:
