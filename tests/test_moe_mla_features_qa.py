@@ -295,6 +295,35 @@ def test_preempted_requests_give_what_they_give_on_a_roomy_cache(family: Family,
     assert llm.engine.scheduler.host.num_free_blocks == llm.engine.scheduler.host.num_blocks
 
 
+def test_aborting_beams_and_forks_mid_swap_returns_every_block_and_slot(family: Family) -> None:
+    """A beam search, an n=3 request and two greedy ones on 22 blocks with swap space: once some sequence has been
+    swapped out, all four are aborted; every block and host slot comes back and the engine serves on."""
+    llm = family.engine(num_kv_blocks=22, swap_space=0.002)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    prompts = random_prompts([30, 41, 25, 33], VOCAB, seed=2)
+    request_ids = [
+        engine.add_request(prompts[0], SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=20,
+                                                      temperature=0.0)),
+        engine.add_request(prompts[1], SamplingParams(temperature=0.9, n=3, seed=1, max_tokens=30, ignore_eos=True)),
+        *(engine.add_request(prompt, _greedy(30)) for prompt in prompts[2:]),
+    ]
+    for _ in range(40):
+        if scheduler.stats.num_swapped > 0:
+            break
+        engine.step()
+    assert scheduler.stats.num_swapped > 0
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+    for _ in range(4):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    _assert_no_blocks_held(llm)
+    scheduler.host.settle()
+    assert scheduler.host.num_free_blocks == scheduler.host.num_blocks
+    assert len(llm.generate([prompts[2]], _greedy(8))[0].outputs[0].token_ids) == 8
+
+
 def test_fp8_cache_serves_its_own_prefix_hits_and_holds_four_times_the_blocks(family: Family) -> None:
     """--kv-cache-dtype fp8 runs on the CPU: a prompt served again from its cached e4m3 blocks gives the tokens and
     logprobs of its first, uncached run; a byte budget holds 4x the fp32 blocks, and an MLA block is one
