@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.services.protocol.schemas import MessageBody, chat_messages
-from pagoda.services.tokenizer.conversation import content_format
+from pagoda.services.tokenizer.conversation import arguments_as_text, content_format
 from pagoda.services.tokenizer.prompts import tokenize_prompt
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError
@@ -301,10 +301,12 @@ FIXED = {"date_string": "01 Jan 2025"}  # Llama's date, so that both sides rende
 # the oracle: vLLM's normalisation (entrypoints/chat_utils), then transformers
 
 
-def vllm_conversation(messages: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
+def vllm_conversation(messages: list[dict[str, Any]], fmt: str, text_arguments: bool = False) -> list[dict[str, Any]]:
     """What vLLM hands the template: content "" or [] when null, a string of the parts' texts joined by newlines
     ("string") or [{"type": "text", "text": ...}] ("openai"; a tool result is joined back to a string); tool_calls
-    of assistants, arguments parsed from JSON ({} when not JSON); `reasoning` as both names."""
+    of assistants, arguments parsed from JSON ({} when not JSON); `reasoning` as both names. `text_arguments`:
+    pagoda's one departure, for a template that joins the arguments as text (DeepSeek's): they stay JSON text (vLLM
+    gives an object, which such a template writes as a Python repr, or fails to join with `+`)."""
     out = []
     for message in messages:
         content = message.get("content")
@@ -314,7 +316,7 @@ def vllm_conversation(messages: list[dict[str, Any]], fmt: str) -> list[dict[str
                  "content": [{"type": "text", "text": t} for t in texts] if openai else "\n".join(texts)}
         if message["role"] == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = copy.deepcopy(message["tool_calls"])
-            for call in entry["tool_calls"]:
+            for call in entry["tool_calls"] if not text_arguments else []:
                 try:
                     call["function"]["arguments"] = json.loads(call["function"]["arguments"])
                 except json.JSONDecodeError:
@@ -337,7 +339,8 @@ def oracle_text(template: str, messages: list[dict[str, Any]], fmt: str, tools: 
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 **kwargs: Any) -> str:
     text = hf_tokenizer().apply_chat_template(
-        vllm_conversation(messages, fmt), chat_template=template, tools=tools, tokenize=False,
+        vllm_conversation(messages, fmt, arguments_as_text(template)), chat_template=template, tools=tools,
+        tokenize=False,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **kwargs)
     assert isinstance(text, str)
     return text
@@ -516,10 +519,39 @@ def test_a_template_that_writes_tool_calls_keeps_its_own_turns(tokenizers: dict[
     messages = tool_turns()
     want = oracle_text(DEEPSEEK_V3, messages, "string")
     assert served(tokenizer, messages)[0] == want
-    assert "get_weather<｜tool▁sep｜>{'city': 'Oslo', 'days': 2}" in want
+    assert 'get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}' in want  # JSON text, as the model wrote it
     with_tools = served(tokenizer, messages, tools=TOOLS)[0]
     assert with_tools is not None and "## Tools" in with_tools and "<｜tool▁outputs▁begin｜>" in with_tools
     assert with_tools.endswith(want.split("You check the weather.", 1)[1])
+
+
+# DeepSeek-V3.1's shape: the arguments joined with `+` (an object there cannot be joined to a string)
+DEEPSEEK_V31_CALLS = """{%- for message in messages %}
+    {%- if message['role'] == 'user' %}{{- '<｜User｜>' + message['content'] + '<｜Assistant｜>' }}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] is defined %}
+        {%- for tool in message['tool_calls'] %}
+            {%- if message['content'] is none %}{{- '<｜tool▁call▁begin｜>' + tool['function']['name'] }}
+            {%- else %}{{- message['content'] + '<｜tool▁call▁begin｜>' + tool['function']['name'] }}{%- endif %}
+            {{- '<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>' }}
+        {%- endfor %}{{- '<｜end▁of▁sentence｜>' }}
+    {%- elif message['role'] == 'tool' %}{{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}
+    {%- endif %}
+{%- endfor %}"""
+
+
+def test_a_template_that_joins_arguments_as_text_gets_json_text(tmp_path: Path) -> None:
+    """DeepSeek's templates join `tool['function']['arguments']` to strings: given an object (vLLM's normalisation)
+    the second turn of every tool loop failed ("can only concatenate str (not "dict") to str"). They get the JSON
+    text; templates that `tojson` the arguments or loop over their items still get an object."""
+    assert arguments_as_text(DEEPSEEK_V31_CALLS) and arguments_as_text(DEEPSEEK_V3)
+    assert not any(arguments_as_text(TEMPLATES[name]) for name in ("llama31", "qwen25", "qwen3", "args_items"))
+    tokenizer = Tokenizer(tokenizer_folder(tmp_path / "v31", DEEPSEEK_V31_CALLS))
+    for arguments in ('{"city": "Oslo", "days": 2}', "{city: Oslo"):  # not JSON: as sent, the model's own text
+        text, _ = served(tokenizer, tool_turns(arguments=arguments)[1:])
+        assert text == (f"<｜User｜>Weather in Oslo?<｜Assistant｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                        f"{arguments}<｜tool▁call▁end｜><｜end▁of▁sentence｜><｜tool▁output▁begin｜>sunny, 21 C"
+                        "<｜tool▁output▁end｜>")
+        assert offline(tokenizer, tool_turns(arguments=arguments)[1:]) == text
 
 
 TEMPLATE_ERRORS = [

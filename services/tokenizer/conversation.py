@@ -33,6 +33,28 @@ def content_format(chat_template: str) -> ContentFormat:
     return "openai" if any(_reads(loop.iter, message_names, key="content") for loop in loops) else "string"
 
 
+@functools.lru_cache(maxsize=16)
+def arguments_as_text(chat_template: str) -> bool:
+    """Whether the template joins a tool call's arguments to strings with `+` or `~` (DeepSeek's write
+    `... + tool['function']['arguments'] + ...`), so it needs them as JSON text: an object there raised "can only
+    concatenate str (not "dict") to str". Every other template gets them as an object (they `tojson` them or loop
+    over `.items()`), as vLLM gives them."""
+    try:
+        root = _compile_jinja_template(chat_template).environment.parse(chat_template)
+    except Exception:  # a template that does not compile fails when it renders, with its own message
+        return False
+    joined = (operand for node in root.find_all((nodes.Add, nodes.Concat))
+              for operand in ([node.left, node.right] if isinstance(node, nodes.Add) else node.nodes))
+    return any(_item_named(operand, "arguments") for operand in joined)
+
+
+def _item_named(node: nodes.Node, key: str) -> bool:
+    """Whether `node` reads an item or attribute called `key` (`x['key']` or `x.key`), unfiltered."""
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == key
+    return isinstance(node, nodes.Getattr) and node.attr == key
+
+
 def _aliases(root: nodes.Template, name: str) -> set[str]:
     """`name` and the variables set from it (`{% set loop_messages = messages[1:] %}`), transitively."""
     names, todo = {name}, [name]
@@ -61,13 +83,15 @@ def _reads(node: nodes.Node | None, names: set[str], key: str | None = None) -> 
     return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
 
 
-def template_conversation(messages: object, fmt: ContentFormat = "string") -> list[dict[str, Any]]:
+def template_conversation(messages: object, fmt: ContentFormat = "string",
+                          text_arguments: bool = False) -> list[dict[str, Any]]:
     """The messages as vLLM gives them to the template, checked for the OpenAI shape (InvalidRequestError): content
     a string (text parts joined by newlines) or, for an "openai" template, text parts (a tool result stays a
     string); a turn that only calls tools has empty content; tool call arguments sent as JSON text become objects
     ({} where the text is not JSON), an empty tool_calls is dropped; an assistant's reasoning is there as both
     `reasoning` and `reasoning_content` (templates read either); an answer's refusal, annotations, audio or
-    function_call is refused unless null, as the server refuses them. Other keys pass as they are."""
+    function_call is refused unless null, as the server refuses them. Other keys pass as they are.
+    `text_arguments` (arguments_as_text): the arguments stay JSON text, for templates that join them as text."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out: list[dict[str, Any]] = []
@@ -80,7 +104,7 @@ def template_conversation(messages: object, fmt: ContentFormat = "string") -> li
         check_answer_fields(message, f"messages[{i}]")  # the server's refusal of what templates do not render
         entry = {**message, "content": _content(message, i, "string" if role == "tool" else fmt)}
         if role == "assistant":
-            _assistant_fields(entry)
+            _assistant_fields(entry, text_arguments)
         out.append(entry)
     return out
 
@@ -110,18 +134,30 @@ def _part_text(part: object, i: int) -> str:
     return part["text"]
 
 
-def _assistant_fields(entry: dict[str, Any]) -> None:
-    """Arguments as objects (templates `tojson` them or loop over `.items()`), reasoning under both names."""
+def _assistant_fields(entry: dict[str, Any], arguments_as_text: bool = False) -> None:
+    """Arguments as objects (templates `tojson` them or loop over `.items()`) unless the template joins them as
+    text, reasoning under both names."""
     calls = entry.get("tool_calls")
     if isinstance(calls, list) and not calls:
         del entry["tool_calls"]
     elif isinstance(calls, list):
-        entry["tool_calls"] = [_parsed_call(call) for call in calls]
+        entry["tool_calls"] = [_text_call(call) if arguments_as_text else _parsed_call(call) for call in calls]
     reasoning = entry.get("reasoning")
     if reasoning is None:  # a null `reasoning` is absent, as the served path reads it
         reasoning = entry.get("reasoning_content")
     if isinstance(reasoning, str):
         entry["reasoning"] = entry["reasoning_content"] = reasoning
+
+
+def _text_call(call: Any) -> Any:
+    """A tool call with its arguments as JSON text (an object sent is written as JSON); a call of another shape as
+    it is."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), str):
+        return call
+    arguments = function.get("arguments")
+    text = json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, (dict, list)) else "{}"
+    return {**call, "function": {**function, "arguments": text}}
 
 
 def _parsed_call(call: Any) -> Any:

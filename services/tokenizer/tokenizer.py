@@ -15,7 +15,7 @@ import tokenizers
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from pagoda.services.tokenizer.conversation import content_format, template_conversation
+from pagoda.services.tokenizer.conversation import arguments_as_text, content_format, template_conversation
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer, tokenizer_folder
@@ -165,7 +165,8 @@ class Tokenizer:
                                       "use the completions endpoint", param="messages",
                                       code="no_chat_template")
         # vLLM's message normalisation, with the content format of the template that renders them
-        conversation = template_conversation(messages, content_format(self._hf.get_chat_template(None, tools)))
+        template = self._hf.get_chat_template(None, tools)
+        conversation = template_conversation(messages, content_format(template), arguments_as_text(template))
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
         kwargs = chat_template_kwargs or {}
