@@ -577,6 +577,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     # OpenAI's prompt_cache_key ("": none): with data-parallel replicas, the request's routing key in place of its
     # prompt's first blocks (with cache_salt), so that requests with the same key go to the same replica's cache
     prompt_cache_key: str = ""
+    # chat: the api's --tool-call-parser for this request ("": not given); the tokenizer asks for calls in the form it
+    # reads where the template has a choice (a DeepSeek template: DeepSeek's tool list, else Hermes')
+    tool_parser: str = ""
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -593,6 +596,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=Tr
     return_token_strs: bool = False  # the tokens' vocabulary strings too (vLLM's /tokenize)
     tools: list[dict[str, Any]] = []  # chat: tool definitions the template renders, as in generation
     chat_template_kwargs: dict[str, str | int | float | bool] = {}
+    tool_parser: str = ""  # chat: as GenerateRequest's, so that a count is the prompt generation renders
 
 
 class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):

@@ -20,9 +20,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.services.protocol.schemas import MessageBody, chat_messages
 from pagoda.services.tokenizer.conversation import arguments_as_text, content_format
-from pagoda.services.tokenizer.prompts import tokenize_prompt
+from pagoda.services.tokenizer.prompts import generate_prompt, tokenize_prompt, tokenize_result
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import GenerateRequest, ModelInfo, SamplingParams, TokenizeRequest
 
 SMOLLM2 = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
 
@@ -523,6 +524,24 @@ def test_a_template_that_writes_tool_calls_keeps_its_own_turns(tokenizers: dict[
     with_tools = served(tokenizer, messages, tools=TOOLS)[0]
     assert with_tools is not None and "## Tools" in with_tools and "<｜tool▁outputs▁begin｜>" in with_tools
     assert with_tools.endswith(want.split("You check the weather.", 1)[1])
+
+
+@pytest.mark.parametrize(("parser", "listing"), [("", "## Tools"), ("deepseek_v3", "## Tools"),
+                                                 ("deepseek_v31", "## Tools"), ("hermes", "<tools>"),
+                                                 ("qwen3_coder", "<tools>")])
+def test_a_deepseek_template_lists_tools_for_the_requests_parser(tokenizers: dict[str, Tokenizer], parser: str,
+                                                               listing: str) -> None:
+    """A DeepSeek template takes no tool list, so the tokenizer writes one: DeepSeek's, asking for the calls its
+    parsers read, unless the request's parser is another (`--tool-call-parser hermes` on a DeepSeek model, which
+    read nothing of the DeepSeek calls it asked for): then the Hermes list that parser reads. The same on /tokenize
+    (TokenizeRequest) and in generation (GenerateRequest), which carry the api's parser."""
+    messages = chat_messages([msgspec.convert(m, MessageBody) for m in tool_turns()])
+    generate = GenerateRequest("r", SamplingParams(), messages=messages, tools=TOOLS, tool_parser=parser)
+    count = TokenizeRequest("t", messages=messages, tools=TOOLS, tool_parser=parser)
+    info = ModelInfo(max_model_len=4096, vocab_size=49152, max_num_tokens=4096, eos_token_ids=[2])
+    text = generate_prompt(tokenizers["deepseek_v3"], generate, info).text
+    assert text is not None and listing in text and ("## Tools" in text) != ("<tools>" in text)
+    assert tokenize_result(tokenizers["deepseek_v3"], count, 4096).token_ids == oracle_ids(text)
 
 
 # DeepSeek-V3.1's shape: the arguments joined with `+` (an object there cannot be joined to a string)

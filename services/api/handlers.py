@@ -256,12 +256,16 @@ class Handlers:
         Messages APIs once their bodies are turned into chat."""
         config = self.state.config
         message = chat_request(body, request_id, time.time(), config.max_logprobs, self.state.pool.sampling_defaults)
-        output = chat_output_spec(body, config.tool_call_parser or default_tool_parser(sorted(self.state.model_names)),
-                                  config.reasoning_parser)
+        output = chat_output_spec(body, self._tool_parser(), config.reasoning_parser)
+        message = msgspec.structs.replace(message, tool_parser=output.tool_parser)
         if body.skip_special_tokens is None and keeps_special_tokens(output.tool_mode, output.tool_parser):
             message = msgspec.structs.replace(message, params=msgspec.structs.replace(message.params,
                                                                                       skip_special_tokens=False))
         return message, output
+
+    def _tool_parser(self) -> str:
+        """The parser of `auto` tool calls: --tool-call-parser, else the default for the served model's names."""
+        return self.state.config.tool_call_parser or default_tool_parser(sorted(self.state.model_names))
 
     async def _generate(self, request: web.Request, messages: list[GenerateRequest], spec: RenderSpec,
                         started_at: float, headers: dict[str, str], constraint: str | None,
@@ -454,7 +458,7 @@ class Handlers:
         reply = await self._ask(TokenizeRequest(
             prompt.request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
             add_generation_prompt=prompt.add_generation_prompt, continue_final_message=prompt.continue_final_message,
-            tools=prompt.tools, chat_template_kwargs=prompt.chat_template_kwargs))
+            tools=prompt.tools, chat_template_kwargs=prompt.chat_template_kwargs, tool_parser=prompt.tool_parser))
         assert isinstance(reply, TokenizeResult), type(reply).__name__
         return len(reply.token_ids)
 
@@ -486,7 +490,8 @@ class Handlers:
                                       add_special_tokens=bool(body.add_special_tokens),
                                       add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final, return_token_strs=want_strs,
-                                      tools=tools, chat_template_kwargs=body.chat_template_kwargs or {})
+                                      tools=tools, chat_template_kwargs=body.chat_template_kwargs or {},
+                                      tool_parser=self._tool_parser())
         else:
             message = TokenizeRequest(request_id, prompt_text=body.prompt,
                                       add_special_tokens=body.add_special_tokens is not False,

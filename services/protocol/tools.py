@@ -115,24 +115,29 @@ def template_renders_tool_turns(chat_template: str | None) -> bool:
     return bool(chat_template) and "tool_calls" in chat_template  # type: ignore[operator]
 
 
-def tool_conversation(chat_template: str | None, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def tool_conversation(chat_template: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      tool_parser: str = "") -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template: as they are when it takes tools, else the tool list in the Hermes
     format (then the template gets no tools argument) and the tool turns too unless the template writes its own
     (tool call arguments become objects when the template renders: conversation.template_conversation). A DeepSeek
     template writes its own turns and takes no tool list: the list goes into the system prompt as DeepSeek's, asking
-    for calls in the form the template writes them, which the deepseek parsers read."""
+    for calls in the form the template writes them, which the deepseek parsers read; unless the request's parser
+    (`tool_parser`, "": not known) is another, which then gets the Hermes list it reads (`--tool-call-parser hermes`
+    on a DeepSeek model)."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not tools and not has_tool_turns:
         return messages, None
     if template_takes_tools(chat_template):
         return messages, tools
     if template_renders_tool_turns(chat_template):
-        deepseek = deepseek_call_form(chat_template)
+        deepseek = deepseek_call_form(chat_template) if tool_parser in ("", *DEEPSEEK_PARSERS) else None
         if deepseek is not None:
             return with_system_text(messages, deepseek_tools_prompt(tools, deepseek) if tools else ""), None
         return hermes_system(messages, tools), None
     return hermes_messages(messages, tools), None
+
+
+DEEPSEEK_PARSERS = ("deepseek_v3", "deepseek_v31")
 
 
 def deepseek_call_form(chat_template: str | None) -> str | None:
@@ -330,13 +335,12 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     start = text.find(HERMES_START)
     if start < 0:
         return text, []
-    decoder = json.JSONDecoder()
     calls, at = [], start
     while at >= 0:
-        try:
-            obj, end = decoder.raw_decode(text, _skip_space(text, at + len(HERMES_START)))
-        except json.JSONDecodeError:
+        decoded = _decode(text, _skip_space(text, at + len(HERMES_START)))
+        if decoded is None:
             return text, []
+        obj, end = decoded
         end = _skip_space(text, end)
         call = _call_from_object(obj)
         if call is None or not (end == len(text) or text.startswith(HERMES_END, end)):
@@ -417,10 +421,10 @@ def _deepseek_call(text: str, at: int) -> tuple[ToolCall, int] | None:
         if not text.startswith("```", body):
             return None
         body = _skip_space(text, body + 3 + (4 if text.startswith("json", body + 3) else 0))
-    try:
-        arguments, end = json.JSONDecoder().raw_decode(text, body)
-    except json.JSONDecodeError:
+    decoded = _decode(text, body)
+    if decoded is None:
         return None
+    arguments, end = decoded
     call = _call_from_object({"name": name, "arguments": arguments})
     end = _skip_space(text, end)
     if text.startswith("```", end):
@@ -478,9 +482,10 @@ def _qwen_function(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[T
         value = value[:-1] if value.endswith("\n") else value
         arguments[key] = _typed_argument(value, _property_schema(schema, key))
         at = _skip_space(text, value_end + len(QWEN_PARAMETER_END))
-    if not text.startswith(QWEN_FUNCTION_END, at):
+    written = _arguments_text(arguments)
+    if written is None or not text.startswith(QWEN_FUNCTION_END, at):
         return None
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False)), at + len(QWEN_FUNCTION_END)
+    return ToolCall(name, written), at + len(QWEN_FUNCTION_END)
 
 
 GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -527,9 +532,10 @@ def _glm_call(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[ToolCa
             return None
         arguments[key] = _typed_argument(text[value_at + len(GLM_VALUE):value_end], _property_schema(schema, key))
         at = _skip_space(text, value_end + len(GLM_VALUE_END))
-    if at < len(text) and not text.startswith(HERMES_END, at):
+    written = _arguments_text(arguments)
+    if written is None or (at < len(text) and not text.startswith(HERMES_END, at)):
         return None
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False)), min(at + len(HERMES_END), len(text))
+    return ToolCall(name, written), min(at + len(HERMES_END), len(text))
 
 
 def _property_schema(schema: Any, key: str) -> dict[str, Any] | None:
@@ -547,17 +553,20 @@ def _property_schema(schema: Any, key: str) -> dict[str, Any] | None:
     return prop if isinstance(prop, dict) else None
 
 
-def _schema_types(schema: dict[str, Any]) -> list[str]:
-    """The JSON types a schema allows: its type (a name or a list), else those of its anyOf / oneOf branches."""
+def _schema_types(schema: Any, depth: int = 0) -> list[str]:
+    """The JSON types a schema allows: its type (a name or a list), else those of its anyOf / oneOf branches. A
+    client's schema may be any shape: what is not a schema (or nests past 16 levels) names no type."""
+    if not isinstance(schema, dict) or depth > 16:
+        return []
     kind = schema.get("type")
     if isinstance(kind, str):
         return [kind]
     if isinstance(kind, list):
         return [k for k in kind if isinstance(k, str)]
     types: list[str] = []
-    for branch in (schema.get("anyOf") or []) + (schema.get("oneOf") or []):
-        if isinstance(branch, dict):
-            types += [k for k in _schema_types(branch) if k not in types]
+    for key in ("anyOf", "oneOf"):
+        for branch in schema[key] if isinstance(schema.get(key), list) else []:
+            types += [k for k in _schema_types(branch, depth + 1) if k not in types]
     return types
 
 
@@ -584,9 +593,10 @@ def _typed_argument(value: str, schema: dict[str, Any] | None) -> Any:
             return stripped.lower() == "true"
         if kind in ("integer", "number"):
             number = _loads(stripped)
-            if isinstance(number, int | float) and not isinstance(number, bool) and math.isfinite(number):
-                if kind == "number" or float(number).is_integer():
-                    return int(number) if kind == "integer" else number
+            if isinstance(number, int) and not isinstance(number, bool):  # any size: no float() of it
+                return number
+            if isinstance(number, float) and math.isfinite(number) and (kind == "number" or number.is_integer()):
+                return int(number) if kind == "integer" else number
         if kind in ("object", "array"):
             parsed = _loads(stripped)
             if isinstance(parsed, dict if kind == "object" else list):
@@ -611,13 +621,12 @@ def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _split_objects(body: str) -> list[str]:
-    decoder = json.JSONDecoder()
     parts, index = [], 0
     while index < len(body):
-        try:
-            _, end = decoder.raw_decode(body, index)
-        except json.JSONDecodeError:
+        decoded = _decode(body, index)
+        if decoded is None:
             return [body]  # not a sequence of objects: the whole body fails to parse later
+        end = decoded[1]
         parts.append(body[index:end])
         index = end
         while index < len(body) and body[index] in " \n\t;":
@@ -643,7 +652,7 @@ _CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"paramet
 
 def _required_cut_short(text: str) -> list[ToolCall]:
     """The calls of a `required` array whose text ends before its `]`."""
-    decoder, calls = json.JSONDecoder(), []
+    calls: list[ToolCall] = []
     index = len(text) - len(text.lstrip())
     if not text.startswith("[", index):
         return []
@@ -651,32 +660,62 @@ def _required_cut_short(text: str) -> list[ToolCall]:
     while True:
         while index < len(text) and text[index] in " \n\t\r,":
             index += 1
-        try:
-            obj, index = decoder.raw_decode(text, index)
-        except json.JSONDecodeError:
+        decoded = _decode(text, index)
+        if decoded is None:
             break
+        obj, index = decoded
         call = _call_from_object(obj)
         if call is not None:
             calls.append(call)
     cut = _CUT_CALL.match(text, index)
-    if cut is not None:
-        calls.append(ToolCall(json.loads(cut.group(1)), cut.group(2) or ""))
+    name = _loads(cut.group(1)) if cut is not None else None
+    if isinstance(name, str) and not _SURROGATE.search(name):
+        calls.append(ToolCall(name, cut.group(2) or ""))  # type: ignore[union-attr]
     return calls
 
 
 def _call_from_object(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
+    if _SURROGATE.search(obj["name"]):  # a lone surrogate escape in JSON: no UTF-8 text, so no name
+        return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments = _loads(arguments)
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    text = _arguments_text(arguments) if isinstance(arguments, dict) else None
+    return None if text is None else ToolCall(obj["name"], text)
+
+
+# Model text that is no JSON we read: malformed, nested past the recursion limit (RecursionError) or an integer
+# past Python's digit limit (ValueError). Where it is read the text is no call (content) or an argument stays text;
+# never an error, which would be a 500 for what a model wrote.
+_JSON_ERRORS = (ValueError, RecursionError)
 
 
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
+    except (*_JSON_ERRORS, TypeError):
         return None
+
+
+def _decode(text: str, at: int) -> tuple[Any, int] | None:
+    """The JSON value that starts at `at` and the index after it; None: none reads there."""
+    try:
+        return json.JSONDecoder().raw_decode(text, at)
+    except _JSON_ERRORS:
+        return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _arguments_text(arguments: dict[str, Any]) -> str | None:
+    """A call's arguments as JSON text; None where they do not write (nested as deep as the recursion limit). A lone
+    surrogate (JSON's "\\ud800", which a model may write) has no UTF-8, so the response could not be sent: such
+    arguments keep JSON's escapes."""
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+    except _JSON_ERRORS:
+        return None
+    return json.dumps(arguments) if _SURROGATE.search(text) else text

@@ -57,8 +57,9 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
                     messages: list[ChatMessage] | None, add_special_tokens: bool = True,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> Prompt:
-    """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault."""
+                    tools: list[dict[str, Any]] | None = None, tool_parser: str = "") -> Prompt:
+    """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault. `tool_parser`: the
+    parser that reads the answer's calls, where the template leaves the call form open (tool_conversation)."""
     if sum(field is not None for field in (prompt_text, prompt_token_ids, messages)) != 1:
         raise InvalidRequestError("exactly one of a prompt, prompt token ids or messages must be given",
                                   param="prompt")
@@ -72,7 +73,7 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
         if messages is not None:
             # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
             template = tokenizer.hf.get_chat_template(None, tools) if tokenizer.hf.chat_template else None
-            conversation, tools = tool_conversation(template, chat_dicts(messages), tools)
+            conversation, tools = tool_conversation(template, chat_dicts(messages), tools, tool_parser)
             text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
                                          continue_final_message=continue_final_message,
                                          chat_template_kwargs=chat_template_kwargs)
@@ -207,7 +208,8 @@ def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest, info:
                              messages=request.messages, add_special_tokens=request.add_special_tokens,
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
-                             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
+                             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None,
+                             tool_parser=request.tool_parser)
     room = prompt_room(info.max_model_len, info.max_num_tokens, request.params.max_tokens)
     return truncate_prompt(tokenizer, prompt, request.params, room)
 
@@ -219,7 +221,8 @@ def tokenize_result(tokenizer: Tokenizer | None, request: TokenizeRequest, max_m
                              messages=request.messages, add_special_tokens=request.add_special_tokens,
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
-                             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None)
+                             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None,
+                             tool_parser=request.tool_parser)
     token_strs = ([token_str(tokenizer, t) for t in prompt.token_ids]
                   if request.return_token_strs and tokenizer is not None else [])
     return TokenizeResult(request.request_id, prompt.token_ids, max_model_len, token_strs)
