@@ -253,6 +253,13 @@ TYPED = [
     ({"type": "integer"}, "3.5", "3.5"),  # not an integer: the text, for the tool to judge
     ({"type": "integer"}, "a few", "a few"),
     ({"type": "integer"}, "null", None),  # how the template writes a None argument
+    ({"type": "integer"}, "1" + "0" * 400, 10 ** 400),  # past a double's range: still the integer (no float())
+    ({"type": "number"}, "-1" + "0" * 400, -10 ** 400),
+    ({"type": "integer"}, "1" + "0" * 5000, "1" + "0" * 5000),  # past Python's int digit limit: the text
+    ({"type": "object"}, '{"x": 1' + "0" * 5000 + "}", '{"x": 1' + "0" * 5000 + "}"),
+    ({"type": "array"}, "[" * 5000 + "]" * 5000, "[" * 5000 + "]" * 5000),  # past the recursion limit: the text
+    ({"anyOf": {"type": "integer"}}, "5", "5"),  # anyOf not a list: no type named
+    ({"anyOf": [{"type": "integer"}], "oneOf": ({"type": "string"},)}, "5", 5),
     ({"type": "number"}, "2.5", 2.5),
     ({"type": "number"}, "1e3", 1000.0),
     ({"type": "number"}, "NaN", "NaN"),  # not JSON
@@ -447,3 +454,91 @@ def test_the_flag_takes_vllms_names_and_refuses_others() -> None:
     assert server_config_from_args(cli.parse_args(["--tool-call-parser", "qwen3_coder"])).tool_call_parser == (
         "qwen3_coder")
     assert "deepseek_v31" in cli.format_help()
+
+
+# --------------------------------------------------------------------------------------------
+# hostile model output and odd client schemas: content or text, never an error (a 500)
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
+DEEP_SCHEMA = _nested(5000)
+HOSTILE_JSON = ["1" + "0" * 5000, "1" + "0" * 400, "-1" + "0" * 400, "1" + "0" * 400 + ".0", "1e400", "-1e400",
+                "NaN", "Infinity", "-Infinity", "[NaN, 1]", '{"x": Infinity}', "[" * 5000 + "]" * 5000,
+                '{"a":' * 3000 + "1" + "}" * 3000, '{"a": 1' + "0" * 5000 + "}", '"\\ud800"', '{"a": "\\udfff"}',
+                '"\\x"', "\x00", "{", '{"a": [1, 2}', ""]
+HOSTILE_SCHEMAS: list[Any] = [
+    {"type": "integer"}, {"type": "number"}, {"type": ["integer", "number", "boolean", "object", "array", "null"]},
+    {"anyOf": {"type": "integer"}}, {"anyOf": [{"type": "integer"}], "oneOf": ({"type": "string"},)},
+    {"anyOf": [1, None, "x", [], {"type": 5}]}, {"oneOf": "integer"}, DEEP_SCHEMA, {"enum": 3}, {"enum": [[], {}]},
+    {"const": float("nan")}, {"$ref": "#/$defs/A"}, {"$ref": 5}, {"$ref": "#/properties/v/0"},
+    {"$ref": "#"}, {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]}, {"type": 5}, True, None, [], "string",
+]
+
+
+def _hostile_texts(payload: str) -> dict[str, list[str]]:
+    """Each parser's call forms around one hostile JSON value or raw text."""
+    return {
+        "hermes": [f'<tool_call>{{"name": "f", "arguments": {payload}}}</tool_call>', f"<tool_call>{payload}",
+                   f'<tool_call>{{"name": {payload}, "arguments": {{}}}}</tool_call>'],
+        "mistral": [f'[TOOL_CALLS][{{"name": "f", "arguments": {payload}}}]', f"[TOOL_CALLS]f[ARGS]{payload}"],
+        "llama3_json": [f'{{"name": "f", "parameters": {payload}}}', f'{{"name": "f", "parameters": {{}}}};{payload}'],
+        "deepseek_v3": [f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{payload}\n```{DS_CALL_END}",
+                        f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{\"a\": {payload}}}{DS_CALL_END}"],
+        "deepseek_v31": [f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{payload}{DS_CALL_END}{DS_CALLS_END}",
+                         f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{\"a\": {payload}}}{DS_CALL_END}"],
+        "qwen3_coder": [f"<tool_call>\n<function=f>\n<parameter=v>\n{payload}\n</parameter>\n</function>\n</tool_call>",
+                        f"<tool_call>\n<function={payload}>\n</function>\n</tool_call>"],
+        "glm45": [f"<tool_call>f\n<arg_key>v</arg_key>\n<arg_value>{payload}</arg_value>\n</tool_call>",
+                  f"<tool_call>{payload}\n</tool_call>", f"<tool_call>f<arg_key>{payload}</arg_key></tool_call>"],
+    }
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    text.encode()  # UTF-8 as it is sent: no lone surrogate
+    return json.loads(text)
+
+
+def test_hostile_output_never_raises() -> None:
+    """Numbers past Python's int digit limit or a double's range, nesting past the recursion limit, NaN, lone
+    surrogates, broken JSON, under every parser and every odd schema a client may send: each text reads as content
+    or calls, whole and streamed, and every call's arguments are JSON text that can be sent."""
+    from pagoda.services.protocol.tools import PARSERS_WITH_SCHEMAS, TOOL_CALL_PARSERS, parse_required
+
+    checked = 0
+    for payload in HOSTILE_JSON:
+        forms = _hostile_texts(payload)
+        forms["glm47"] = forms["glm45"]
+        for parser in TOOL_CALL_PARSERS:
+            for text in forms[parser]:
+                for schema in HOSTILE_SCHEMAS if parser in PARSERS_WITH_SCHEMAS else HOSTILE_SCHEMAS[:1]:
+                    parameters = {"f": {"type": "object", "properties": {"v": schema}, "$defs": {
+                        "A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}}
+                    _, calls = parse_tool_calls(parser, text, parameters)
+                    for call in calls:
+                        assert isinstance(_strict_json(call.arguments), dict) and call.name.encode(), (parser, text)
+                    checked += 1
+                for parameters in ({"f": [1]}, {"f": {"properties": [1]}}, {"f": True}):
+                    parse_tool_calls(parser, text, parameters)  # type: ignore[arg-type]
+                spec = ChatOutputSpec("auto", parser, tool_parameters={"f": {"properties": {"v": DEEP_SCHEMA}}})
+                message, _ = whole_message(spec, text)
+                msgspec.json.encode(message)
+                _streamed(spec, [text[:7], text[7:]])
+        for required in (f'[{{"name": "f", "parameters": {payload}}}]', f'[{{"name": "f", "parameters": {payload}',
+                         f'[{{"name": {payload}, "parameters": {{}}}}]', f'[{{"name": "\\x{payload}'):
+            msgspec.json.encode([c.to_openai("c") for c in parse_required(required)])
+    assert checked > 600
+    for payload in ("1" + "0" * 5000, "[" * 5000 + "]" * 5000, '{"a":' * 3000 + "1" + "}" * 3000):
+        for parser in ("hermes", "deepseek_v3", "deepseek_v31"):  # arguments that are no JSON we read: content
+            text = _hostile_texts(payload)[parser][-1 if parser == "deepseek_v3" else 0]
+            assert parse_tool_calls(parser, text) == (text, []), parser
+    surrogate = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>')
+    assert surrogate[1][0].arguments == '{"a": "\\ud800"}'  # kept as JSON's escape, which UTF-8 can carry
