@@ -126,6 +126,12 @@ MALFORMED: list[tuple[str, str]] = [
     ("deepseek_v3", f"{DS_CALLS_BEGIN}{DS_CALLS_END}"),  # no call
     ("deepseek_v3", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n[1, 2]\n```{DS_CALL_END}"),
     ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{'x': 1}}{DS_CALL_END}"),  # not JSON
+    ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{\"a\": NaN}}{DS_CALL_END}"),  # nor NaN, Infinity
+    ("deepseek_v3", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}f\n```json\n{{\"a\": [-Infinity]}}\n```"),
+    ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{\"a\": 1e400}}{DS_CALL_END}"),  # inf as a double
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": Infinity}}]'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": NaN}}'),
     ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}{DS_SEP}{{}}{DS_CALL_END}"),  # no name
     ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{DS_SEP}{{}} trailing{DS_CALL_END}"),
     ("deepseek_v31", f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}f{{}}{DS_CALL_END}"),  # no separator
@@ -263,6 +269,10 @@ TYPED = [
     ({"type": "number"}, "2.5", 2.5),
     ({"type": "number"}, "1e3", 1000.0),
     ({"type": "number"}, "NaN", "NaN"),  # not JSON
+    ({"type": "number"}, "-Infinity", "-Infinity"),
+    ({"type": "number"}, "1e400", "1e400"),  # past a double's range: no JSON number, so the text
+    ({"type": "array"}, "[NaN, 1]", "[NaN, 1]"),  # arguments are strict JSON: the text holding NaN stays text
+    ({}, '{"x": Infinity}', '{"x": Infinity}'),
     ({"type": "boolean"}, "true", True),
     ({"type": "boolean"}, "False", False),
     ({"type": "boolean"}, "yes", "yes"),
@@ -504,7 +514,7 @@ def _strict_json(text: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
     text.encode()  # UTF-8 as it is sent: no lone surrogate
-    return json.loads(text)
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_hostile_output_never_raises() -> None:

@@ -595,7 +595,7 @@ def _typed_argument(value: str, schema: dict[str, Any] | None) -> Any:
             number = _loads(stripped)
             if isinstance(number, int) and not isinstance(number, bool):  # any size: no float() of it
                 return number
-            if isinstance(number, float) and math.isfinite(number) and (kind == "number" or number.is_integer()):
+            if isinstance(number, float) and (kind == "number" or number.is_integer()):  # finite: _DECODER
                 return int(number) if kind == "integer" else number
         if kind in ("object", "array"):
             parsed = _loads(stripped)
@@ -692,9 +692,27 @@ def _call_from_object(obj: Any) -> ToolCall | None:
 _JSON_ERRORS = (ValueError, RecursionError)
 
 
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} is past a double's range")
+    return number
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# Standard JSON only, one rule for every parser: NaN, Infinity and -Infinity (which Python's json reads) and numbers
+# past a double's range (1e400 reads as inf) have no JSON text, so a model's text holding them is no JSON. A call
+# whose arguments hold them is content (hermes, mistral, llama3_json, deepseek); a schema-typed argument
+# (qwen3_coder, glm45) that is one, or holds one, stays text. So every call's arguments are strict JSON.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+
+
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
+        return _DECODER.decode(text)
     except (*_JSON_ERRORS, TypeError):
         return None
 
@@ -702,7 +720,7 @@ def _loads(text: str) -> Any:
 def _decode(text: str, at: int) -> tuple[Any, int] | None:
     """The JSON value that starts at `at` and the index after it; None: none reads there."""
     try:
-        return json.JSONDecoder().raw_decode(text, at)
+        return _DECODER.raw_decode(text, at)
     except _JSON_ERRORS:
         return None
 
@@ -715,7 +733,7 @@ def _arguments_text(arguments: dict[str, Any]) -> str | None:
     surrogate (JSON's "\\ud800", which a model may write) has no UTF-8, so the response could not be sent: such
     arguments keep JSON's escapes."""
     try:
-        text = json.dumps(arguments, ensure_ascii=False)
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except _JSON_ERRORS:
         return None
     return json.dumps(arguments) if _SURROGATE.search(text) else text
