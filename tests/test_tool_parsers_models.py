@@ -243,7 +243,8 @@ def test_r1_thinks_then_calls() -> None:
 
 def _typed(schema: dict[str, Any] | None, value: str, tool: str = "f") -> Any:
     tools = {} if schema is None else {"f": {"type": "object", "properties": {"v": schema}, "$defs": {
-        "Point": {"type": "object", "properties": {"x": {"type": "number"}}}}}}
+        "Point": {"type": "object", "properties": {"x": {"type": "number"}}},
+        "Loop": {"anyOf": [{"$ref": "#/$defs/Loop"}, {"$ref": "#/$defs/Loop"}]}}}}
     _, calls = parse_tool_calls("qwen3_coder", qwen_call(tool, {"v": value}), tools)
     return json.loads(calls[0].arguments)["v"]
 
@@ -293,6 +294,20 @@ TYPED = [
     ({"oneOf": [{"type": "boolean"}, {"type": "array"}]}, "[true]", [True]),
     ({"$ref": "#/$defs/Point"}, '{"x": 1.5}', {"x": 1.5}),  # a pydantic model's field: its $ref followed
     ({"$ref": "#/$defs/Missing"}, '{"x": 1}', {"x": 1}),  # no type known: JSON object or array, else text
+    ({"anyOf": [{"$ref": "#/$defs/Point"}, {"type": "null"}]}, '{"x": 2}', {"x": 2}),  # pydantic's Optional[Point]
+    ({"anyOf": [{"$ref": "#/$defs/Point"}, {"type": "null"}]}, "null", None),
+    ({"oneOf": [{"$ref": "#/$defs/Point"}, {"type": "integer"}]}, "3", 3),
+    ({"allOf": [{"$ref": "#/$defs/Point"}]}, '{"x": 1}', {"x": 1}),
+    ({"$ref": "#/$defs/Loop"}, "5", "5"),  # a cycle of $refs (doubling at each step): read 64 schemas, no type
+    ({"$ref": "#/$defs/Loop"}, "[5]", [5]),
+    ({"enum": [1, 2, 3]}, "2", 2),  # an enum or const without a type: its values' JSON types
+    ({"enum": [1, 2, 3]}, "two", "two"),
+    ({"const": True}, "true", True),
+    ({"enum": [0.5, "auto"]}, "0.5", 0.5),
+    ({"enum": [0.5, "auto"]}, "auto", "auto"),
+    ({"enum": ["1", 2]}, "1", "1"),  # the text is one of its strings: that string
+    ({"enum": ["1", 2]}, "2", 2),
+    ({"const": {"k": 1}}, '{"k": 1}', {"k": 1}),
     ({}, '[1, 2]', [1, 2]),
     ({}, "42", "42"),
     ({"description": "anything"}, "plain words", "plain words"),
@@ -304,6 +319,30 @@ TYPED = [
 def test_qwen3_coder_types_arguments_by_the_schema(schema: dict[str, Any] | None, value: str, want: Any) -> None:
     got = _typed(schema, value)
     assert got == want and type(got) is type(want)
+
+
+# pydantic's model_json_schema() of: sub: Sub | None = None; subs: list[Sub] | None = None; level: Literal[1, 2, 3];
+# mode: Literal["fast", "slow"] = "fast"; on: Literal[True] = True; note: str | None = None (Sub: x: int)
+PYDANTIC_ARGS = json.loads(
+    '{"$defs": {"Sub": {"properties": {"x": {"title": "X", "type": "integer"}}, "required": ["x"], "title": "Sub", '
+    '"type": "object"}}, "properties": {"sub": {"anyOf": [{"$ref": "#/$defs/Sub"}, {"type": "null"}], "default": '
+    'null}, "subs": {"anyOf": [{"items": {"$ref": "#/$defs/Sub"}, "type": "array"}, {"type": "null"}], "default": '
+    'null, "title": "Subs"}, "level": {"enum": [1, 2, 3], "title": "Level", "type": "integer"}, "mode": {"default": '
+    '"fast", "enum": ["fast", "slow"], "title": "Mode", "type": "string"}, "on": {"const": true, "default": true, '
+    '"title": "On", "type": "boolean"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": null, '
+    '"title": "Note"}}, "required": ["level"], "title": "Args", "type": "object"}')
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "glm45"])
+def test_pydantic_models_arguments_are_typed(parser: str) -> None:
+    """A tool whose parameters are a pydantic model's schema: Optional[Sub] (a $ref inside anyOf) is the object, a
+    list of them the list, Literal values their JSON types. GLM's template writes non-strings as JSON too."""
+    written = {"sub": '{"x": 1}', "subs": '[{"x": 2}]', "level": "2", "mode": "slow", "on": "true", "note": "hi"}
+    text = (qwen_call("f", written) if parser == "qwen3_coder" else "<tool_call>f\n" + "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in written.items()) + "</tool_call>")
+    _, calls = parse_tool_calls(parser, text, {"f": PYDANTIC_ARGS})
+    assert json.loads(calls[0].arguments) == {"sub": {"x": 1}, "subs": [{"x": 2}], "level": 2, "mode": "slow",
+                                              "on": True, "note": "hi"}
 
 
 def test_qwen3_coder_parameter_the_schema_lacks_is_text() -> None:

@@ -480,7 +480,7 @@ def _qwen_function(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[T
         value = text[key_end + 1:value_end]
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
-        arguments[key] = _typed_argument(value, _property_schema(schema, key))
+        arguments[key] = _typed_argument(value, _property_schema(schema, key), schema)
         at = _skip_space(text, value_end + len(QWEN_PARAMETER_END))
     written = _arguments_text(arguments)
     if written is None or not text.startswith(QWEN_FUNCTION_END, at):
@@ -530,7 +530,8 @@ def _glm_call(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[ToolCa
         value_end = text.find(GLM_VALUE_END, value_at)
         if value_end < 0:
             return None
-        arguments[key] = _typed_argument(text[value_at + len(GLM_VALUE):value_end], _property_schema(schema, key))
+        arguments[key] = _typed_argument(text[value_at + len(GLM_VALUE):value_end], _property_schema(schema, key),
+                                         schema)
         at = _skip_space(text, value_end + len(GLM_VALUE_END))
     written = _arguments_text(arguments)
     if written is None or (at < len(text) and not text.startswith(HERMES_END, at)):
@@ -542,44 +543,76 @@ def _property_schema(schema: Any, key: str) -> dict[str, Any] | None:
     """The schema of argument `key` in a function's parameter schema (a local $ref followed); None: none given."""
     if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
         return None
-    prop = schema["properties"].get(key)
-    for _ in range(8):  # a chain of $refs, not a cycle
-        if not (isinstance(prop, dict) and isinstance(prop.get("$ref"), str) and prop["$ref"].startswith("#/")):
-            break
-        target: Any = schema
-        for part in prop["$ref"][2:].split("/"):
-            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
-        prop = target if isinstance(target, dict) else {}
+    prop = _resolve(schema["properties"].get(key), schema)
     return prop if isinstance(prop, dict) else None
 
 
-def _schema_types(schema: Any, depth: int = 0) -> list[str]:
-    """The JSON types a schema allows: its type (a name or a list), else those of its anyOf / oneOf branches. A
-    client's schema may be any shape: what is not a schema (or nests past 16 levels) names no type."""
-    if not isinstance(schema, dict) or depth > 16:
-        return []
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return [kind]
-    if isinstance(kind, list):
-        return [k for k in kind if isinstance(k, str)]
+def _resolve(schema: Any, root: Any) -> Any:
+    """`schema` with its local $ref ("#", "#/...") followed in `root`, the function's parameter schema (a chain of
+    them, pydantic's "#/$defs/Model"). One that leads nowhere, or round a cycle, is {}: a schema that says nothing."""
+    for _ in range(8):
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+            return schema
+        target: Any = root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+        schema = target if isinstance(target, dict) else {}
+    return {}
+
+
+_LITERAL_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+                  (dict, "object"), (type(None), "null"))
+
+
+def _literals(schema: dict[str, Any]) -> list[Any] | None:
+    """The values an `enum` or `const` allows; None: neither says."""
+    if "const" in schema:
+        return [schema["const"]]
+    enum = schema.get("enum")
+    return enum if isinstance(enum, list) else None
+
+
+def _schema_types(schema: Any, root: Any) -> list[str]:
+    """The JSON types a schema allows: its type (a name or a list), else the types of its enum's or const's values,
+    else those of its anyOf / oneOf / allOf branches, local $refs followed in `root` (pydantic's Optional[Model]:
+    anyOf [{"$ref"}, {"type": "null"}]). A client's schema may be any shape: what is not a schema names no type, and
+    at most 64 schemas are read (a cycle of $refs, or branches nested thousands deep, ends there)."""
     types: list[str] = []
-    for key in ("anyOf", "oneOf"):
-        for branch in schema[key] if isinstance(schema.get(key), list) else []:
-            types += [k for k in _schema_types(branch, depth + 1) if k not in types]
+    pending, budget = [schema], 64
+    while pending and budget:
+        budget -= 1
+        node = _resolve(pending.pop(), root)
+        if not isinstance(node, dict):
+            continue
+        kind, literals = node.get("type"), _literals(node)
+        if isinstance(kind, str | list):
+            named = [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)]
+        elif literals is not None:
+            named = [next(n for t, n in _LITERAL_TYPES if isinstance(v, t)) for v in literals
+                     if isinstance(v, tuple(t for t, _ in _LITERAL_TYPES))]
+        else:
+            branches = [b for key in ("anyOf", "oneOf", "allOf") if isinstance(node.get(key), list) for b in node[key]]
+            pending += reversed(branches)  # depth first, in the order written
+            continue
+        types += [k for k in named if k not in types]
     return types
 
 
-def _typed_argument(value: str, schema: dict[str, Any] | None) -> Any:
-    """An argument's raw text as its schema's type. No schema for it (the model named a parameter the function
-    lacks): the text. A type that the text is not (an integer parameter given "a few"): the text, as the model wrote
-    it, for the tool to judge; so is a string parameter's text that looks like JSON. `null` where no string is
-    allowed is null (the template writes a None argument so). With several types (a list, anyOf), the first that
-    reads the text, strings last; none named (a bare $ref or {}): an object or array that reads as JSON, else the
-    text."""
+def _typed_argument(value: str, schema: dict[str, Any] | None, root: Any) -> Any:
+    """An argument's raw text as its schema's type (`root`: the function's parameter schema, where its $refs point).
+    No schema for it (the model named a parameter the function lacks): the text. A type that the text is not (an
+    integer parameter given "a few"): the text, as the model wrote it, for the tool to judge; so is a string
+    parameter's text that looks like JSON. `null` where no string is allowed is null (the template writes a None
+    argument so). With several types (a list, anyOf), the first that reads the text, strings last; an enum or const
+    by its values' types (a text that is one of its strings is that string); none named (a bare unresolved $ref or
+    {}): an object or array that reads as JSON, else the text."""
     if schema is None:
         return value
-    types = _schema_types(schema)
+    literals = _literals(schema)
+    if literals is not None and value in literals:  # enum ["1", 2] given 1: the string, not the integer
+        return value
+    types = _schema_types(schema, root)
     if not types:
         parsed = _loads(value.strip())
         return parsed if isinstance(parsed, dict | list) else value
