@@ -285,7 +285,13 @@ TYPED = [
     ({"type": "null"}, "null", None),
     ({"type": ["integer", "null"]}, "null", None),
     ({"type": ["integer", "null"]}, "5", 5),
-    ({"type": ["string", "null"]}, "null", "null"),  # a string may be the text null
+    ({"type": ["string", "null"]}, "null", None),  # null allowed: null (as vLLM's), though a string could be "null"
+    ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "null", None),
+    ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "None", "None"),  # a string allowed: None may be the word
+    ({"type": "integer"}, "None", None),  # Qwen3-Coder's template writes a None argument as None (none|string)
+    ({"anyOf": [{"type": "object"}, {"type": "null"}]}, "None", None),
+    ({"type": "boolean"}, " None\n", None),
+    ({"enum": [None, "a"]}, "null", None),
     ({"type": ["string", "integer"]}, "5", 5),  # strings last: any text is one
     ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "12", 12),
     ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "twelve", "twelve"),

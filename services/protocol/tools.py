@@ -603,8 +603,10 @@ def _typed_argument(value: str, schema: dict[str, Any] | None, root: Any) -> Any
     """An argument's raw text as its schema's type (`root`: the function's parameter schema, where its $refs point).
     No schema for it (the model named a parameter the function lacks): the text. A type that the text is not (an
     integer parameter given "a few"): the text, as the model wrote it, for the tool to judge; so is a string
-    parameter's text that looks like JSON. `null` where no string is allowed is null (the template writes a None
-    argument so). With several types (a list, anyOf), the first that reads the text, strings last; an enum or const
+    parameter's text that looks like JSON. A None argument is written `null` (GLM's template, tojson) or `None`
+    (Qwen3-Coder's, Jinja's none|string): `null` is null where the schema allows null or no string (`anyOf [string,
+    null]` given `null` is null, as vLLM's reads it; a string-only parameter keeps the text), `None` where it allows
+    no string (where a string is allowed, `None` may be the word). With several types (a list, anyOf), the first that reads the text, strings last; an enum or const
     by its values' types (a text that is one of its strings is that string); none named (a bare unresolved $ref or
     {}): an object or array that reads as JSON, else the text."""
     if schema is None:
@@ -617,7 +619,8 @@ def _typed_argument(value: str, schema: dict[str, Any] | None, root: Any) -> Any
         parsed = _loads(value.strip())
         return parsed if isinstance(parsed, dict | list) else value
     stripped = value.strip()
-    if stripped == "null" and "string" not in types:
+    if (stripped == "null" and ("null" in types or "string" not in types)) or (
+            stripped == "None" and "string" not in types):
         return None
     for kind in sorted(types, key=lambda k: k == "string"):  # strings last: any text is one
         if kind == "string":
