@@ -606,9 +606,9 @@ def _typed_argument(value: str, schema: dict[str, Any] | None, root: Any) -> Any
     parameter's text that looks like JSON. A None argument is written `null` (GLM's template, tojson) or `None`
     (Qwen3-Coder's, Jinja's none|string): `null` is null where the schema allows null or no string (`anyOf [string,
     null]` given `null` is null, as vLLM's reads it; a string-only parameter keeps the text), `None` where it allows
-    no string (where a string is allowed, `None` may be the word). With several types (a list, anyOf), the first that reads the text, strings last; an enum or const
-    by its values' types (a text that is one of its strings is that string); none named (a bare unresolved $ref or
-    {}): an object or array that reads as JSON, else the text."""
+    no string (where a string is allowed, `None` may be the word). With several types (a list, anyOf), the first
+    that reads the text, strings last; an enum or const by its values' types (a text that is one of its strings is
+    that string); none named (a bare unresolved $ref or {}): an object or array that reads as JSON, else the text."""
     if schema is None:
         return value
     literals = _literals(schema)
