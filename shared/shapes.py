@@ -588,7 +588,7 @@ SHAPES: dict[str, ModelArch] = {
                     topk_method="noaux_tc", num_groups=4, topk_groups=2, routed_scaling_factor=2.5)),
     # GLM-4.5-Air (106B, 12B active; its config.json): GQA with q/k/v bias, rope over half of each 128-dim head
     # (theta 1e6), layer 0 dense, then 128 routed experts of 1408 (8 a token, sigmoid + correction bias) and one
-    # shared expert. 212 GB in bf16: one H200 holds it with --quantization fp8 (or tensor_parallel_size 2)
+    # shared expert. 212 GB in bf16; 100.7 GiB with --quantization fp8 (computed: an H200 should hold it)
     "glm-4.5-air": ModelArch(
         model_type="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
         head_dim=128, intermediate_size=10944, rms_norm_eps=1e-5, max_position_embeddings=131072,
