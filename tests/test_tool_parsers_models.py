@@ -597,3 +597,32 @@ def test_hostile_output_never_raises() -> None:
             assert parse_tool_calls(parser, text) == (text, []), parser
     surrogate = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>')
     assert surrogate[1][0].arguments == '{"a": "\\ud800"}'  # kept as JSON's escape, which UTF-8 can carry
+
+
+# --------------------------------------------------------------------------------------------
+# long answers stream in linear time
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "hermes", "llama3_json"])
+def test_a_long_call_or_whitespace_run_is_held_in_pieces(parser: str) -> None:
+    """64k tokens inside a call, or a model looping on newlines: what is held is the tokens as they came, joined once
+    at the end (`held += text` copied all of it on every token: a second of CPU for 64k), and the streamed answer is
+    still the whole one."""
+    n = 64_000
+    head = {"qwen3_coder": "<tool_call>\n<function=write_file>\n<parameter=text>\n",
+            "hermes": '<tool_call>{"name": "write_file", "arguments": {"text": "',
+            "llama3_json": '{"name": "write_file", "parameters": {"text": "'}[parser]
+    tail = {"qwen3_coder": "\n</parameter>\n</function>\n</tool_call>", "hermes": '"}}</tool_call>',
+            "llama3_json": '"}}'}[parser]
+    spec = _spec(parser)
+    for pieces in ([head] + ["abc "] * n + [tail], ["Sure."] + ["\n"] * n + [" Done."], ["\n"] * n + [head, tail]):
+        stream = ChoiceStream(spec)
+        deltas = [d for piece in pieces[:-1] for d in stream.push(piece)]
+        # the tokens held as they came, not one growing string (llama3_json after text: sent, nothing held)
+        assert len(stream.held) >= n or pieces[0] == "\n" or stream.plain
+        deltas += stream.push(pieces[-1])
+        more, calls_tools = stream.finish()
+        message, whole_calls = whole_message(spec, "".join(pieces))
+        want = (message["content"] or "", "", [(c["function"]["name"], c["function"]["arguments"])
+                                               for c in message.get("tool_calls", [])])
+        assert (_client_view(deltas + more), calls_tools) == (want, whole_calls)

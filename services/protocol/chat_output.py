@@ -82,7 +82,9 @@ class ChoiceStream:
 
     spec: ChatOutputSpec
     reasoning: ReasoningStream | None = None
-    held: str = ""  # content that may be a tool call
+    # content that may be a tool call, in pieces joined once at the end: `held += text` copied all of it on every
+    # token (a 64k-token call: a second of the tokenizer's CPU)
+    held: list[str] = field(default_factory=list)
     holding: bool = False
     plain: bool = False  # llama3_json: content was sent, so the answer is no call (its calls are the whole answer)
     num_calls: int = 0
@@ -114,11 +116,12 @@ class ChoiceStream:
         if self.spec.tool_mode == "named":
             # a call with no arguments written (the tokens ran out first) is still the whole message's call
             return deltas + self._named_header(), True
-        if not self.held:
+        held = "".join(self.held)
+        if not held:
             return deltas, False
-        calls = _calls(self.spec, self.held)
+        calls = _calls(self.spec, held)
         if calls is None:
-            return deltas + [{"content": self.held}], False
+            return deltas + [{"content": held}], False
         leftover, parsed = calls
         if leftover:
             deltas.append({"content": leftover})
@@ -138,7 +141,7 @@ class ChoiceStream:
         if mode == "named":
             return self._named_header() + [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
         if mode == "required" or self.holding:
-            self.held += text
+            self.held.append(text)
             return []
         return self._auto(text)
 
@@ -154,16 +157,21 @@ class ChoiceStream:
         """Send content up to where a tool call could start; hold the rest until the end. Whitespace at the end of
         what is sent waits for the text after it: before a call it is no content (parse_tool_calls drops it), so a
         streamed answer is the whole one."""
+        if text.isspace() and not self.plain and (len(self.held) > 1 or not self.held or self.held[0].isspace()):
+            # whitespace after whitespace waits, as below, without joining what waits on every token (a model
+            # looping on newlines); more than one piece held here is whitespace only
+            self.held.append(text)
+            return []
         marker = tool_start_marker(self.spec.tool_parser)
-        pending = self.held + text
-        self.held = ""
+        pending = "".join(self.held) + text
+        self.held = []
         if self.spec.tool_parser == "llama3_json":  # calls are the whole answer: hold if it opens with {
             stripped = pending.lstrip()
             if not stripped and not self.plain:
-                self.held = pending
+                self.held = [pending]
                 return []
             if not self.plain and (stripped.startswith("{") or "<|python_tag|>".startswith(stripped[:14])):
-                self.holding, self.held = True, pending
+                self.holding, self.held = True, [pending]
                 return []
             self.plain = True
             return [{"content": pending}]
@@ -172,7 +180,7 @@ class ChoiceStream:
             (n for n in range(min(len(marker) - 1, len(pending)), 0, -1) if marker.startswith(pending[-n:])), 0)
         send = pending[:cut].rstrip()
         # what is held keeps the whitespace: content again if no call parses out of it
-        self.holding, self.held = start >= 0, pending[len(send):]
+        self.holding, self.held = start >= 0, [pending[len(send):]]
         return [{"content": send}] if send else []
 
 
