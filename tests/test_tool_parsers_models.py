@@ -626,3 +626,39 @@ def test_a_long_call_or_whitespace_run_is_held_in_pieces(parser: str) -> None:
         want = (message["content"] or "", "", [(c["function"]["name"], c["function"]["arguments"])
                                                for c in message.get("tool_calls", [])])
         assert (_client_view(deltas + more), calls_tools) == (want, whole_calls)
+
+
+# --------------------------------------------------------------------------------------------
+# GLM-4.5 / 4.7: the name after <tool_call> is a function's name, else the text is prose
+
+
+@pytest.mark.parametrize("parser", ["glm45", "glm47"])
+def test_glm_text_after_tool_call_that_is_no_name_is_content(parser: str) -> None:
+    """`<tool_call>` then a function's name (letters, digits, `_-.:/`) and `<arg_key>`, `</tool_call>` or a newline
+    at the end; prose mentioning the tag, or another model's format, is content (it was a call named "in the docs",
+    or one whose name was JSON text)."""
+    for text in ("See <tool_call> in the docs.", "Wrap it as <tool_call>get_weather now</tool_call>.",
+                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+                 "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",  # Qwen3-Coder's XML
+                 "<tool_call>get weather\n</tool_call>", "<tool_call>f()\n</tool_call>", "the <tool_call>tag",
+                 "<tool_call>\nget_weather\n</tool_call>", "<tool_call></tool_call>"):
+        assert parse_tool_calls(parser, text) == (text, []), text
+        assert whole_message(ChatOutputSpec("auto", parser), text) == ({"role": "assistant", "content": text}, False)
+
+
+@pytest.mark.parametrize("parser", ["glm45", "glm47"])
+def test_glm_names_and_the_whitespace_after_them(parser: str) -> None:
+    """4.5's newline, 4.7's nothing, the spaces some runtimes leave; names as MCP clients write them."""
+    for text, name, arguments in [
+        ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", "get_weather",
+         {"city": "Paris"}),
+        ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", "get_weather",
+         {"city": "Paris"}),
+        ("<tool_call>ls <arg_key>dirPath</arg_key> <arg_value>backend</arg_value> </tool_call>", "ls",
+         {"dirPath": "backend"}),
+        ("<tool_call>github.search:repos/list-1\n</tool_call>", "github.search:repos/list-1", {}),
+        ("<tool_call>天气\n</tool_call>", "天气", {}),
+        ("<tool_call>now\n", "now", {}),  # cut short after the name's line
+    ]:
+        content, calls = parse_tool_calls(parser, "Checking.\n" + text)
+        assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [(name, arguments)]

@@ -489,6 +489,7 @@ def _qwen_function(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[T
 
 
 GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+_GLM_NAME = re.compile(r"[ \t]*([\w.:/-]+)")  # a function's name, as OpenAI's, MCP's (server.tool, a/b) write them
 
 
 def _parse_glm45(text: str, parameters: Mapping[str, Any]) -> tuple[str, list[ToolCall]]:
@@ -513,14 +514,18 @@ def _parse_glm45(text: str, parameters: Mapping[str, Any]) -> tuple[str, list[To
 
 def _glm_call(text: str, at: int, parameters: Mapping[str, Any]) -> tuple[ToolCall, int] | None:
     """The call whose name starts at `at` (just after `<tool_call>`): (the call, where the text after its
-    `</tool_call>` starts) or None. The name ends at the line's end or the first tag; a value ends at its
-    `</arg_value>` (so it may hold `</tool_call>` or `<arg_key>`)."""
-    ends = [i for i in (text.find("\n", at), text.find("<", at)) if i >= 0]
-    name_end = min(ends) if ends else len(text)
-    name = text[at:name_end].strip()
-    if not name:
+    `</tool_call>` starts) or None. The name is a function's: letters, digits and `_-.:/`, then (after whitespace,
+    which 4.5's template writes as a newline and 4.7's not at all) `<arg_key>` or `</tool_call>`, or a newline and
+    the end of the text (cut short); anything else after `<tool_call>` is prose ("see <tool_call> in the docs") or
+    another format (Hermes JSON), no call. A value ends at its `</arg_value>` (so it may hold `</tool_call>` or
+    `<arg_key>`)."""
+    named = _GLM_NAME.match(text, at)
+    after = _skip_space(text, named.end()) if named is not None else at
+    if named is None or not (text.startswith((GLM_KEY, HERMES_END), after)
+                             or (after == len(text) and "\n" in text[named.end():])):
         return None
-    schema, arguments, at = parameters.get(name), {}, _skip_space(text, name_end)
+    name = named.group(1)
+    schema, arguments, at = parameters.get(name), {}, after
     while text.startswith(GLM_KEY, at):
         key_end = text.find(GLM_KEY_END, at)
         key = text[at + len(GLM_KEY):key_end].strip() if key_end >= 0 else ""
