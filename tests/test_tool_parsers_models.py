@@ -475,6 +475,17 @@ def test_deepseek_templates_get_deepseeks_tool_prompt() -> None:
     ("deepseek-ai/DeepSeek-V3.1", "deepseek_v31"),
     ("deepseek-ai/DeepSeek-V3.1-Terminus", "deepseek_v31"),
     ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek_v31"),
+    ("deepseek-ai/DeepSeek-V3.2-Exp-Base", "deepseek_v31"),
+    ("deepseek-ai/DeepSeek-V3.2", "hermes"),  # DSML calls, which no parser here reads: what unknown names get
+    ("deepseek-ai/DeepSeek-V3.2-Speciale", "hermes"),
+    ("models/deepseek_v3_2", "hermes"),
+    ("tngtech/DeepSeek-R1T-Chimera", "deepseek_v3"),  # R1 and V3 merged: R1's template
+    ("deepseek-ai/DeepSeek-V3-Base", "deepseek_v3"),
+    ("unsloth/DeepSeek-V3.1-GGUF", "deepseek_v31"),
+    ("deepseek-ai/deepseek-llm-7b-chat", "hermes"),
+    ("deepseek-ai/deepseek-vl2", "hermes"),
+    ("deepseek-ai/DeepSeek-Prover-V2-671B", "hermes"),
+    ("huggyllama/llama-30b", "hermes"),  # LLaMA 1, no Llama 3
     ("models/deepseek-v31-fp8", "deepseek_v31"),
     ("models/deepseek_v3_1", "deepseek_v31"),
     ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3_coder"),
@@ -488,6 +499,21 @@ def test_deepseek_templates_get_deepseeks_tool_prompt() -> None:
 ])
 def test_default_parser_by_the_models_name(name: str, parser: str) -> None:
     assert default_tool_parser([name, name.rsplit("/", 1)[-1].lower()]) == parser
+
+
+@pytest.mark.parametrize(("names", "parser"), [
+    (["/data/nvme-r1/deepseek-ai/DeepSeek-V2-Lite-Chat"], "hermes"),  # r1 in a directory says nothing
+    (["/srv/v3-cluster/deepseek-llm-7b-chat"], "hermes"),
+    (["/models/hermes-pool/Meta-Llama-3.1-8B-Instruct"], "llama3_json"),
+    (["/mnt/qwen3-coder-runs/glm-4.5-air/"], "glm45"),  # a trailing slash
+    (["/root/.cache/huggingface/hub/models--deepseek-ai--DeepSeek-V3.1/snapshots/9f2c1a0b"], "deepseek_v31"),
+    (["/root/.cache/huggingface/hub/models--Qwen--Qwen3-Coder-30B-A3B-Instruct/snapshots/abc/"], "qwen3_coder"),
+    (["/models/ckpt-7", "my-agent"], "hermes"),
+    (["/models/ckpt-7", "deepseek-r1"], "deepseek_v3"),  # a served name that says what the model is
+    (["/models/deepseek-v3.2", "deepseek-v3.1"], "deepseek_v31"),
+])
+def test_default_parser_reads_each_names_last_component(names: list[str], parser: str) -> None:
+    assert default_tool_parser(names) == parser
 
 
 def test_the_new_parsers_keep_special_tokens_under_auto() -> None:

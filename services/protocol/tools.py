@@ -82,24 +82,61 @@ def new_call_id(parser: str = "") -> str:
 
 
 def default_tool_parser(model_names: list[str]) -> str:
-    """The parser for a model family, by its name: Hermes where the name says so (Hermes-3 is a Llama 3.1), DeepSeek
-    (V3.1 and V3.2 write calls without V3's fenced JSON; V2-Chat and V2-Lite-Chat have no tool format, their templates
-    write no calls, so they get the Hermes prompt and parser), Qwen3-Coder's XML, Llama 3.x JSON, Mistral, else Hermes
-    (Qwen, and every model whose template takes no tools, which get the Hermes prompt)."""
-    names = " ".join(model_names).lower()
-    if "hermes" in names:
+    """The parser for a model family, by its names (each one's last path component: directories say nothing of the
+    model; a Hugging Face cache's snapshot path gives its repository's name), version tokens matched whole
+    (`/srv/v3-cluster/deepseek-llm-7b-chat` is no V3): Hermes where a name says so (Hermes-3 is a Llama 3.1), DeepSeek
+    (V3.1 and V3.2-Exp write calls without V3's fenced JSON; V2-Chat and V2-Lite-Chat have no tool format, their
+    templates write no calls, so they get the Hermes prompt and parser; V3.2 and V3.2-Speciale write DSML, which no
+    parser here reads, so they get what an unknown name gets), Qwen3-Coder's XML, GLM-4.5's, Llama 3.x JSON,
+    Mistral, else Hermes (Qwen, and every model whose template takes no tools, which get the Hermes prompt)."""
+    names = [_model_name(name) for name in model_names]
+
+    def named(pattern: str) -> bool:
+        return any(re.search(pattern, name) for name in names)
+
+    if named("hermes"):
         return "hermes"
-    if "deepseek" in names and re.search(r"v3|r1|v2[._-]5", names):  # the releases with DeepSeek's calls
-        return "deepseek_v31" if re.search(r"v3[._-]?[12](?!\d)|v31(?!\d)", names) else "deepseek_v3"
-    if re.search(r"qwen3[-_]?coder", names):
+    deepseek = [parser for name in names if "deepseek" in name and (parser := _deepseek_parser(name))]
+    if deepseek:
+        return "deepseek_v31" if "deepseek_v31" in deepseek else "deepseek_v3"
+    if named(r"qwen3[-_]?coder"):
         return "qwen3_coder"
-    if re.search(r"glm[-_]?4(?![._-]?\d*v)", names):  # GLM-4.5, 4.6, 4.7 (Air, FP8); not the vision GLM-4.xV
+    if named(r"glm[-_]?4(?![._-]?\d*v)"):  # GLM-4.5, 4.6, 4.7 (Air, FP8); not the vision GLM-4.xV
         return "glm45"
-    if re.search(r"llama-?3", names):
+    if named(r"llama-?3(?!\d)"):  # not LLaMA-30B
         return "llama3_json"
-    if re.search(r"mistral|mixtral|ministral|devstral|magistral|codestral|pixtral", names):  # Mistral AI's names
+    if named(r"mistral|mixtral|ministral|devstral|magistral|codestral|pixtral"):  # Mistral AI's names
         return "mistral"
     return "hermes"
+
+
+def _model_name(name: str) -> str:
+    """A --model path's or served name's last component, lower case; `.../models--org--name/snapshots/HASH` (a
+    Hugging Face cache) gives `name`."""
+    parts = [part for part in name.lower().split("/") if part]
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].rsplit("--", 1)[-1]
+    return parts[-1] if parts else ""
+
+
+_VERSION_START, _VERSION_END = r"(?:(?<![a-z0-9])|(?<=deepseek))", r"(?!\d)"  # v3 whole: not v30, nor xv3; R1T is R1
+
+
+def _deepseek_parser(name: str) -> str | None:
+    """The parser of a DeepSeek release by its name, None: one with no DeepSeek calls (V2, V2-Lite, Coder-V2-Lite,
+    deepseek-llm) or with DSML's (V3.2, V3.2-Speciale)."""
+    def version(pattern: str) -> bool:
+        return re.search(_VERSION_START + pattern + _VERSION_END, name) is not None
+
+    if version(r"v3[._-]?2[._-]?exp"):
+        return "deepseek_v31"
+    if version(r"v3[._-]?2"):  # no "(?!exp)" needed: "v3.2" must end there
+        return None
+    if version(r"v3[._-]?1|v31"):
+        return "deepseek_v31"
+    if version(r"v3|r1|v2[._-]5"):
+        return "deepseek_v3"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
