@@ -47,7 +47,9 @@ def _glm(folder: Path, qk_norm: bool, seed: int = 0) -> Path:
             if name.endswith("gate.weight"):
                 param.normal_(0.0, 0.5)
             if "self_attn" in name and name.endswith("_proj.bias"):
-                param.normal_(0.0, 0.5)
+                param.normal_(0.0, 0.5 if "v_proj" not in name else 0.05)
+            if "embed_tokens" in name or "lm_head" in name:
+                param.normal_(0.0, 1.0)
             if "self_attn" in name and "o_proj" not in name and name.endswith("weight") and param.dim() == 2:
                 param.normal_(0.0, 1.5 / param.shape[1] ** 0.5)
         for name, buffer in model.named_buffers():
