@@ -487,7 +487,7 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias, o_proj_bias=o_proj_bias, qk_norm=qk_norm,
         eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"), sliding_window=window, moe=moe, mla=mla,
-        rotary_dim=None if mla is not None else _rotary_dim(config, model_type, head_dim),
+        rotary_dim=_rotary_dim(config, model_type, head_dim),  # MLA families: None, or a ConfigError
     )
 
 
@@ -588,7 +588,7 @@ SHAPES: dict[str, ModelArch] = {
                     topk_method="noaux_tc", num_groups=4, topk_groups=2, routed_scaling_factor=2.5)),
     # GLM-4.5-Air (106B, 12B active; its config.json): GQA with q/k/v bias, rope over half of each 128-dim head
     # (theta 1e6), layer 0 dense, then 128 routed experts of 1408 (8 a token, sigmoid + correction bias) and one
-    # shared expert. 212 GB in bf16; 100.7 GiB with --quantization fp8 (computed: an H200 should hold it)
+    # shared expert. 214 GB in bf16; 100.7 GiB with --quantization fp8 (computed: an H200 should hold it)
     "glm-4.5-air": ModelArch(
         model_type="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
         head_dim=128, intermediate_size=10944, rms_norm_eps=1e-5, max_position_embeddings=131072,

@@ -386,6 +386,12 @@ def test_deepseek_config_errors() -> None:
     v2 = {**base, "model_type": "deepseek_v2"}
     with pytest.raises(ConfigError, match="topk_method"):
         arch_from_hf_config({**v2, "topk_method": "seq_aux"})
+    # rope over part of qk_rope_head_dim would change the math: refused, at the top level and in the rope dict
+    for config in ({**base, "partial_rotary_factor": 0.5},
+                   {**base, "rope_scaling": {**(base.get("rope_scaling") or {"rope_type": "default"}),
+                                             "partial_rotary_factor": 0.5}}):
+        with pytest.raises(ConfigError, match="partial_rotary_factor"):
+            arch_from_hf_config(config)
 
 
 def test_v3_fp8_block_checkpoint_loads_as_it_ships(tmp_path: Path) -> None:
