@@ -23,6 +23,7 @@ from pagoda.services.protocol.tools import (
     deepseek_call_form,
     default_tool_parser,
     keeps_special_tokens,
+    parse_required,
     parse_tool_calls,
     tool_conversation,
     tool_start_marker,
@@ -688,3 +689,19 @@ def test_glm_names_and_the_whitespace_after_them(parser: str) -> None:
     ]:
         content, calls = parse_tool_calls(parser, "Checking.\n" + text)
         assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [(name, arguments)]
+
+
+def test_required_calls_keep_numbers_past_a_doubles_range_verbatim() -> None:
+    """`required` decodes under a grammar that admits any JSON number: `80E680792574` is JSON past a double's range,
+    which the strict reader refuses. The whole array's calls all come back (the fuzz found the call holding it and
+    every call after it lost), that call's arguments as the model wrote them; a cut-short array still ends in the
+    call being written."""
+    calls = [{"name": "tree", "parameters": {"value": 6}}, {"name": "move", "parameters": {"to": "c4"}}]
+    big = '{"name": "tree", "parameters": {"value": 1, "w": 80E680792574}}'
+    text = f"[{json.dumps(calls[0])}, {big}, {json.dumps(calls[1])}]"
+    parsed = parse_required(text)
+    assert [c.name for c in parsed] == ["tree", "tree", "move"]
+    assert parsed[1].arguments == '{"value": 1, "w": 80E680792574}'
+    assert [json.loads(c.arguments) for c in (parsed[0], parsed[2])] == [c["parameters"] for c in calls]
+    cut = parse_required(text[:-12])
+    assert [c.name for c in cut] == ["tree", "tree", "move"] and cut[1].arguments == parsed[1].arguments

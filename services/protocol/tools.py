@@ -740,7 +740,12 @@ def _required_cut_short(text: str) -> list[ToolCall]:
             index += 1
         decoded = _decode(text, index)
         if decoded is None:
-            break
+            verbatim = _verbatim_call(text, index)
+            if verbatim is None:
+                break
+            call, index = verbatim
+            calls.append(call)
+            continue
         obj, index = decoded
         call = _call_from_object(obj)
         if call is not None:
@@ -750,6 +755,29 @@ def _required_cut_short(text: str) -> list[ToolCall]:
     if isinstance(name, str) and not _SURROGATE.search(name):
         calls.append(ToolCall(name, cut.group(2) or ""))  # type: ignore[union-attr]
     return calls
+
+
+# reads 1e400 (as inf), still not NaN or Infinity: only to find where a whole call ends
+_PERMISSIVE = json.JSONDecoder(parse_constant=lambda name: _no_constant(name))  # defined below
+
+
+def _verbatim_call(text: str, index: int) -> tuple[ToolCall, int] | None:
+    """A whole `required` call at `index` that the strict reader refuses, with its parameters as the model wrote
+    them, and the index after it; None: no whole call there. The grammar admits any JSON number, and one past a
+    double's range (`80E680792574`) is JSON all the same: the call is the model's, its arguments its own text."""
+    try:
+        obj, end = _PERMISSIVE.raw_decode(text, index)
+    except _JSON_ERRORS:
+        return None
+    cut = _CUT_CALL.match(text, index)
+    if not isinstance(obj, dict) or not isinstance(obj.get("parameters"), dict) or cut is None \
+            or cut.group(2) is None:
+        return None
+    name = _loads(cut.group(1))
+    arguments = text[cut.start(2):end].rstrip()
+    if not isinstance(name, str) or not name or _SURROGATE.search(name) or not arguments.endswith("}"):
+        return None
+    return ToolCall(name, arguments[:-1].rstrip()), end  # without the call's own closing brace
 
 
 def _call_from_object(obj: Any) -> ToolCall | None:
