@@ -96,6 +96,18 @@ def test_glm4_moe_matches_transformers(tmp_path: Path, qk_norm: bool) -> None:
     check_greedy_parity(folder, random_prompts([9, 50, 90], VOCAB, seed=6 + int(qk_norm)), preempt_blocks=10)
 
 
+def test_glm4_moe_with_yarn_matches_transformers_past_the_original_window(tmp_path: Path) -> None:
+    """YaRN x4 over an original window of 32 on the partial rope: prompts of 50 and 90 tokens run past it, chunked
+    and preempted; the pass-through dims stay unscaled, as transformers leaves them."""
+    folder = _glm(tmp_path, qk_norm=True, seed=2)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                 "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_arch(folder).rotary_dim == 8
+    check_greedy_parity(folder, random_prompts([9, 50, 90], VOCAB, seed=3), preempt_blocks=10)
+
+
 def test_glm4_moe_loads_the_checkpoint_as_it_ships(tmp_path: Path) -> None:
     """Per-expert keys and an MTP layer (NaN-filled here: loading any of it would show) give transformers' tokens."""
     folder = _glm(tmp_path / "hf", qk_norm=True, seed=2)
