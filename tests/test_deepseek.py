@@ -91,18 +91,14 @@ def _v3(folder: Path) -> Path:
     return _save(DeepseekV3ForCausalLM(config).float(), folder, bias=True)
 
 
-@pytest.mark.parametrize("join", [16, 3])
-def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, join: int) -> None:
-    """Chunks of >= 16 queries take the expanded path here (prefills beside decode rows and short chunks in one
-    step, chunks after cached context), and with join 3 every chunk of >= 3 queries joins them (the absorbed rows
-    of such steps a sub-batch of their own); the V3 test keeps the default threshold: every chunk absorbed."""
+def _expand_from_16_queries(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Chunks of >= 16 queries take the expanded MLA path; the returned list collects each step's expanded chunks.
+    The layer passes its own min_query_len (expand_min_query_len(heads): 512 for these models), which a partial's
+    keyword would not override: patch that function."""
     from pagoda.kernels.mla import ExpandPolicy
     from pagoda.services.worker.models import deepseek
 
-    # the layer passes its own min_query_len (expand_min_query_len(heads): 512 here), which a partial's keyword
-    # would not override: patch that function, and count the steps that did expand
     monkeypatch.setattr(deepseek, "expand_min_query_len", lambda heads: 16)
-    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, join_min_query_len=join))
     expanded_steps: list[list[int]] = []
     chunks = ExpandPolicy.expanded_chunks
 
@@ -113,6 +109,19 @@ def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.Mo
         return expanded
 
     monkeypatch.setattr(ExpandPolicy, "expanded_chunks", counted)
+    return expanded_steps
+
+
+@pytest.mark.parametrize("join", [16, 3])
+def test_deepseek_v2_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, join: int) -> None:
+    """Chunks of >= 16 queries take the expanded path here (prefills beside decode rows and short chunks in one
+    step, chunks after cached context), and with join 3 every chunk of >= 3 queries joins them (the absorbed rows
+    of such steps a sub-batch of their own); the V3 test keeps the default threshold: every chunk absorbed."""
+    from pagoda.kernels.mla import ExpandPolicy
+    from pagoda.services.worker.models import deepseek
+
+    expanded_steps = _expand_from_16_queries(monkeypatch)
+    monkeypatch.setattr(deepseek, "ExpandPolicy", functools.partial(ExpandPolicy, join_min_query_len=join))
     folder = _v2(tmp_path)
     arch = load_arch(folder)
     assert arch.mla is not None and arch.mla.q_lora_rank is None and arch.moe is not None
@@ -467,20 +476,7 @@ def _prompt_logprobs(folder: Path, prompt: list[int], **engine_args) -> tuple[to
 def test_triton_model_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny-deepseek-v3 (dummy weights) with the Triton kernels (interpreter on CPU) against the reference ops:
     the same logits through chunked prefill, prefix hits and decode, with chunks of >= 16 queries expanded."""
-    from pagoda.kernels.mla import ExpandPolicy
-    from pagoda.services.worker.models import deepseek
-
-    monkeypatch.setattr(deepseek, "expand_min_query_len", lambda heads: 16)  # the layer passes min_query_len
-    expanded_steps: list[list[int]] = []
-    chunks = ExpandPolicy.expanded_chunks
-
-    def counted(policy: ExpandPolicy, query_lens: list[int], seq_lens: list[int]) -> list[int]:
-        expanded = chunks(policy, query_lens, seq_lens)
-        if expanded:
-            expanded_steps.append(expanded)
-        return expanded
-
-    monkeypatch.setattr(ExpandPolicy, "expanded_chunks", counted)
+    expanded_steps = _expand_from_16_queries(monkeypatch)
     generator = torch.Generator().manual_seed(12)
     shared = torch.randint(3, 500, (32,), generator=generator).tolist()
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (3, 20, 41)]
