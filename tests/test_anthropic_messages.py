@@ -330,6 +330,13 @@ def test_stop_reasons() -> None:
     assert render(["One", " two"], FinishReason.LENGTH)[1]["stop_reason"] == "max_tokens"
     _, stopped = render(["One", " two"], stop="\n\n")
     assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "\n\n")
+    # tool_choice any (`required`): a stop sequence that cut the calls' array is what ended the answer
+    body = {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "any"}}
+    _, cut = render(['[{"name": "get_weather", "parameters": {"city": "Os'], body=body, stop="lo")
+    assert [b["type"] for b in cut["content"]] == ["tool_use"]
+    assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", "lo")
+    _, whole = render(['[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'], body=body)
+    assert [b["type"] for b in whole["content"]] == ["tool_use"] and whole["stop_reason"] == "tool_use"
     events, empty = render([""])
     assert empty["content"] == [] and empty["stop_reason"] == "end_turn"
     assert [e["type"] for e in events] == ["message_start", "message_delta", "message_stop"]

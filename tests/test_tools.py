@@ -140,6 +140,28 @@ def test_streamed_deltas_reassemble_into_the_whole_message(spec: ChatOutputSpec,
         assert got["calls"] == whole_calls
 
 
+@pytest.mark.parametrize(("text", "finished"), [
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', True),
+    (' [{"name": "f", "parameters": {"a": 80E680792574}}]\n', True),  # a number past a double's range is JSON
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "param', False),  # a stop string cut the array
+    ('[{"name": "f", "parameters": {"a": [1]', False),  # ends at a `]`, not the array's
+    ('[{"name": "f", "parameters": {"a": 1}}', False),
+])
+def test_a_required_array_cut_short_holds_calls_but_is_no_finished_answer(text: str, finished: bool) -> None:
+    """finish_reason "tool_calls" says the answer is its calls; a `required` array a stop string ended before its
+    `]` still shows the calls written so far, and the choice keeps finish_reason "stop", as max_tokens keeps
+    "length"."""
+    spec = ChatOutputSpec("required")
+    message, calls_tools = whole_message(spec, text)
+    assert message["tool_calls"] and message["tool_calls"][0]["function"]["name"] == "f"
+    assert calls_tools is finished
+    stream = ChoiceStream(spec)
+    deltas = stream.push(text)
+    more, streamed_calls = stream.finish()
+    assert streamed_calls is finished
+    assert _reassemble(deltas + more)["calls"][0]["name"] == "f"
+
+
 def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "description": f"the {name} tool",
                                              "parameters": parameters}}

@@ -513,9 +513,9 @@ class BlockBuilder:
     def stop_reason(self) -> str:
         if self.finish_reason == FinishReason.LENGTH:
             return "max_tokens"
-        if any(b.kind == "tool_use" for b in self.blocks):
-            return "tool_use"
-        return "stop_sequence" if self.stop_sequence is not None else "end_turn"
+        if self.stop_sequence is not None:  # what ended the answer, a tool_use it cut short included
+            return "stop_sequence"
+        return "tool_use" if any(b.kind == "tool_use" for b in self.blocks) else "end_turn"
 
     def _parts(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []

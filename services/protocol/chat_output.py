@@ -17,6 +17,7 @@ from pagoda.services.protocol.tools import (
     new_call_id,
     parse_required,
     parse_tool_calls,
+    required_array_closed,
     tool_start_marker,
 )
 
@@ -53,7 +54,15 @@ def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool
         message["content"] = content
     if spec.reasoning_parser is not None:
         message.update(reasoning_fields(reasoning))
-    return message, calls is not None
+    return message, _finished_calls(spec, content, calls)
+
+
+def _finished_calls(spec: ChatOutputSpec, content: str, calls: tuple[str, list[ToolCall]] | None) -> bool:
+    """Whether the choice's answer is tool calls (finish_reason "tool_calls" when it stopped): a `required` array
+    that a stop string cut before its `]` holds calls, but is no finished answer."""
+    if calls is None:
+        return False
+    return spec.tool_mode != "required" or required_array_closed(content)
 
 
 def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
@@ -130,7 +139,7 @@ class ChoiceStream:
                                            "function": {"name": call.name, "arguments": ""}}]})
             if call.arguments:  # none written yet: a call cut short before its arguments
                 deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-        return deltas, True
+        return deltas, _finished_calls(self.spec, held, calls)
 
     def _content(self, text: str) -> list[dict[str, Any]]:
         if not text:

@@ -724,6 +724,17 @@ def parse_required(text: str) -> list[ToolCall]:
     return [c for c in calls if c is not None]
 
 
+def required_array_closed(text: str) -> bool:
+    """Whether a `required` output is its whole array, `]` included: a stop string or max_tokens can end it
+    earlier, and then its calls (parse_required) are no finished answer."""
+    start = len(text) - len(text.lstrip())
+    try:
+        value, end = _PERMISSIVE.raw_decode(text, start)
+    except _JSON_ERRORS:
+        return False
+    return isinstance(value, list) and not text[end:].strip()
+
+
 # the call being written when the tokens ran out: its name whole, then its parameters so far
 _CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"parameters"\s*:\s*(.*))?', re.DOTALL)
 
