@@ -408,7 +408,9 @@ def test_scheduler_service_keeps_two_plans_in_flight_and_fails_only_the_failed_s
         assert service.scheduler.blocks.num_free_blocks == service.scheduler.blocks.num_blocks
 
 
-@pytest.mark.parametrize("num_kv_blocks", [None, 12])
+# [None] (no preemption) is extended: [12] runs the same two modes on the same rows with the same assertions, its
+# rows preempted, plus the grammar process; test_async_outputs_equal_serial[None] keeps an unpreempted async run
+@pytest.mark.parametrize("num_kv_blocks", [pytest.param(None, marks=pytest.mark.extended), 12])
 def test_async_structured_outputs_equal_serial(smollm2_dir: Path, num_kv_blocks: int | None) -> None:
     """Constrained rows next to free ones: with two plans in flight the mask of step N+1 must follow step N's
     token, so both modes give the same (valid) outputs, also through preemption."""
