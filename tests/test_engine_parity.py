@@ -13,7 +13,7 @@ from pagoda.shared.messages import StepPlan
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 PROMPT_LENGTHS = [5, 8, 13, 21, 34, 50, 64, 90, 120, 150, 190, 230, 270, 320, 360, 400]
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -101,9 +101,9 @@ def uncached_llm(smollm2_dir: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def unhurried(uncached_llm: LLM, prompts: list[list[int]]) -> list:  # list[RequestOutput]
-    """prompts[6:12] (64-230 tokens) with room for all: 24 greedy tokens with their logprobs, and the prompts'
+    """prompts[6:12] (64-230 tokens) with room for all: 16 greedy tokens with their logprobs, and the prompts'
     scores; what the preemption tests' cramped engines must give (each compared its own run of these before)."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, prompt_logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1, prompt_logprobs=1)
     return uncached_llm.generate(prompts[6:12], params)
 
 
@@ -137,7 +137,7 @@ def test_greedy_matches_transformers_batched(smollm2_dir: Path, greedy_prompts, 
 @pytest.mark.extended  # test_prompt_logprobs_survive_preemption and test_async_scheduling cover preemption
 def test_greedy_matches_transformers_under_preemption(smollm2_dir: Path, greedy_prompts,  # noqa: ANN001
                                                      check_hf_greedy) -> None:  # noqa: ANN001
-    # 30 blocks x 16 tokens hold the longest sequence (392 tokens) but not all 8 at once (~80 blocks).
+    # 30 blocks x 16 tokens hold the longest sequence (376 tokens) but not all 8 at once (~78 blocks).
     llm = LLM(str(smollm2_dir), num_kv_blocks=30)
     check_hf_greedy(greedy_prompts, _pagoda_greedy(llm, greedy_prompts))
     assert llm.engine.scheduler.stats.num_preemptions > 0
@@ -209,8 +209,8 @@ def test_swapped_preemption_gives_the_unhurried_outputs(smollm2_dir: Path, promp
                                                         async_scheduling: bool) -> None:
     """Preempted sequences' blocks go to host slots and come back (swap space) instead of being recomputed: the
     same tokens and logprobs as a run with room for all, serial and with a step in flight at each preemption."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
-    prompts = prompts[6:12]  # 64-230 tokens: ~60 blocks wanted against 40
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    prompts = prompts[6:12]  # 64-230 tokens: ~59 blocks wanted against 40
     calm = unhurried
     swapping = LLM(str(smollm2_dir), num_kv_blocks=40, swap_space=0.25, async_scheduling=async_scheduling,
                    enable_prefix_caching=False)  # no prefix hits: every block comes back by copy
