@@ -337,6 +337,9 @@ def test_refusals_by_the_tokenizer_are_usage_logged_and_quota_refusals_are_not(q
     assert _tenant_requests(stack, "refusals", 429) == 1 and _tenant_requests(stack, "refusals", 400) == 1
 
 
+@pytest.mark.extended  # test_tenants.py::test_tenant_isolation_salts_every_tenants_requests_with_its_tenant (each
+# tenant's own salt forwarded) and test_offline_api.py::test_prompt_dicts_take_vllms_cache_salt (a salt hits only
+# its own chain) cover its two halves in the default run, without a server of its own
 def test_the_engine_keeps_tenants_cached_prefixes_apart(smollm2_dir: Path, tmp_path: Path) -> None:
     """--prefix-cache-isolation tenant, end to end on SmolLM2: a prompt tenant A sent is cached for A, and tenant B
     (or the operator) sending it learns nothing (cached_tokens 0), whatever cache_salt B sends."""
