@@ -13,7 +13,7 @@ from pagoda.shared.messages import StepPlan
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 16
+NEW_TOKENS = 32  # issue 2 asked 64; 32 since 4fe7d33 (the transformers reference fixture took 76 s for 64)
 PROMPT_LENGTHS = [5, 8, 13, 21, 34, 50, 64, 90, 120, 150, 190, 230, 270, 320, 360, 400]
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
