@@ -509,11 +509,11 @@ def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> N
         return response.choices[0].message.content or ""
 
     def free(i: int) -> str:
-        # Preemption by construction, cheaply on a CPU: a ~210-token prompt (prefill is cheap) that differs from
-        # its first words (no prefix hits), and 48 tokens with ignore_eos, need 17 blocks a row; admission fills
-        # the 96 blocks with prompt chunks (the 8 prompts alone need 112), so rows that grow preempt others.
+        # Preemption by construction, cheaply on a CPU: a ~230-token prompt (prefill is cheap) that differs from
+        # its first words (no prefix hits), and 24 tokens with ignore_eos, need 16 blocks a row; admission fills
+        # the 96 blocks with prompt chunks (the 8 prompts alone need 120), so rows that grow preempt others.
         prompt = f"Story {i}: " + FILLER + f" Continue this story about {TOPICS[i]}."
-        return _chat(client, prompt, max_tokens=48, temperature=0.8, seed=i,
+        return _chat(client, prompt, max_tokens=24, temperature=0.8, seed=i,
                      extra_body={"ignore_eos": True}).choices[0].message.content or ""
 
     def aborted(i: int) -> int:
