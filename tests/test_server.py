@@ -104,9 +104,9 @@ def test_streamed_completion_concatenates_to_the_same_text(server: Server, offli
 
 
 def test_chat_streaming_and_not(server: Server, offline: LLM) -> None:
-    [expected] = offline.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=24))
+    [expected] = offline.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=12))
     client = server.client()
-    response = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=24, temperature=0)
+    response = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=12, temperature=0)
     assert response.object == "chat.completion"
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected.outputs[0].text
@@ -114,7 +114,7 @@ def test_chat_streaming_and_not(server: Server, offline: LLM) -> None:
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
 
-    chunks = list(client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=24, temperature=0,
+    chunks = list(client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=12, temperature=0,
                                                  stream=True))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
