@@ -100,7 +100,7 @@ def test_offline_bad_words_hold_for_every_sampled_completion(llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     words = ["the", "a", "Paris"]
     banned_ids = {ids[0] for ids in bad_words_token_ids(words, tokenizer)}
-    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=24, ignore_eos=True, bad_words=words)
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True, bad_words=words)
     outputs = llm.generate(PROMPT, params)[0].outputs
     assert len(outputs) == 3
     assert all(not banned_ids.intersection(o.token_ids) for o in outputs)
