@@ -242,6 +242,8 @@ def _hf_last_logits(model, prompt: list[int]) -> torch.Tensor:  # noqa: ANN001
         return model(torch.tensor([prompt])).logits[0, -1].float()
 
 
+@pytest.mark.extended  # test_prompt_logprobs_match_transformers (every position's log_softmax of chunked prompts, to
+# 2e-4) and test_greedy_matches_transformers_batched (the sampler's row after each prefill: HF's argmax) cover it
 def test_logits_match_transformers_smollm2(smollm2_dir: Path, hf_model, prompts) -> None:  # noqa: ANN001
     # A small budget makes the longer prompts arrive in chunks over several steps.
     llm = LLM(str(smollm2_dir), max_num_batched_tokens=96)
