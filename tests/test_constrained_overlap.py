@@ -102,7 +102,11 @@ def test_cpus_respect_the_cgroup_quota(tmp_path: Path, monkeypatch: pytest.Monke
     assert grammar.available_cpus() == 192
 
 
-def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_dir: Path,
+# [True] (the grammar process as a third mode) is extended: test_async_scheduling.py's
+# test_async_structured_outputs_equal_serial[12] runs the grammar process against the serial path, and
+# test_grammar_process.py's test_masks_equal_the_in_process_rows checks its masks bit for bit, in the default run
+@pytest.mark.parametrize("with_process", [False, pytest.param(True, marks=pytest.mark.extended)])
+def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_dir: Path, with_process: bool,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """JSON-schema, regex and choice rows beside free ones (greedy and seeded): the serial worker (one thread,
     sampling in launch), the fast one (llguidance's pool from one row, async scheduling: each constrained
@@ -135,7 +139,8 @@ def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_di
 
     monkeypatch.setattr(ModelRunner, "_prepare_ahead", counting_prepare_ahead)
     results = {}
-    for fast, in_process in ((False, False), (True, False), (True, True)):
+    modes = [(False, False), (True, False)] + ([(True, True)] if with_process else [])
+    for fast, in_process in modes:
         monkeypatch.setattr(grammar, "PARALLEL_ROWS", 1 if fast else 10**6)
         monkeypatch.setattr(grammar, "PARALLEL_MIN_CPUS", 1)
         deferred.clear()
@@ -148,8 +153,9 @@ def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_di
         assert bool(ahead) == fast  # and prepared the next steps' inputs while their masks filled
         llm.engine.runner.grammars.close()
     assert results[True, False] == results[False, False]
-    assert results[True, True] == results[False, False]  # the grammar process's masks are the same
-    assert results[True, True][2][1] in ("red", "green", "blue")
+    for mode in modes[2:]:
+        assert results[mode] == results[False, False]  # the grammar process's masks are the same
+    assert results[modes[-1]][2][1] in ("red", "green", "blue")
 
 
 def test_masks_fill_on_a_thread_after_the_result_is_out(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
