@@ -207,17 +207,18 @@ def test_a_required_call_cut_short_is_still_a_call() -> None:
     langchain, litellm and the agents SDK read as the model's text answer."""
     spec = ChatOutputSpec(tool_mode="required")
     cut = '[{"name": "f", "parameters": {"x": 3}}, {"name": "g", "parameters": {"city": "Pa'
-    message, called = whole_message(spec, cut)
-    assert called and message["content"] is None
+    # `finished` (finish_reason "tool_calls" had it stopped) is False: the array was cut before its `]`
+    message, finished = whole_message(spec, cut)
+    assert not finished and message["content"] is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
         ("f", '{"x": 3}'), ("g", '{"city": "Pa')]
-    message, called = whole_message(spec, '[{"name": "f", "param')
-    assert called and [c["function"]["arguments"] for c in message["tool_calls"]] == [""]
+    message, finished = whole_message(spec, '[{"name": "f", "param')
+    assert not finished and [c["function"]["arguments"] for c in message["tool_calls"]] == [""]
     assert whole_message(spec, '[{"name": "f')[0]["content"] == '[{"name": "f'  # no name yet: no call to give
     stream = ChoiceStream(spec)
     assert stream.push(cut[:30]) == [] and stream.push(cut[30:]) == []
-    deltas, called = stream.finish()
-    assert called and [d["tool_calls"][0].get("function", {}).get("arguments") for d in deltas] == [
+    deltas, finished = stream.finish()
+    assert not finished and [d["tool_calls"][0].get("function", {}).get("arguments") for d in deltas] == [
         "", '{"x": 3}', "", '{"city": "Pa']
 
 

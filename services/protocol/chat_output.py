@@ -41,7 +41,8 @@ class ChatOutputSpec:
 
 
 def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool]:
-    """The message of a finished choice, and whether it calls tools."""
+    """The message of a finished choice, and whether its answer is tool calls (finish_reason "tool_calls" when it
+    stopped; a `required` array cut before its `]` still shows its calls, but is no finished answer)."""
     reasoning, content = (split_reasoning(spec.reasoning_parser, text, spec.prompt_reasoning) if spec.reasoning_parser
                           else (None, text))
     calls = _calls(spec, content)
@@ -87,7 +88,8 @@ def _calls(spec: ChatOutputSpec, content: str) -> tuple[str, list[ToolCall]] | N
 
 @dataclass(slots=True)
 class ChoiceStream:
-    """One streamed choice: push text, get delta dicts; finish() flushes and says whether tools were called."""
+    """One streamed choice: push text, get delta dicts; finish() flushes and says whether the answer is tool calls
+    (whole_message's flag)."""
 
     spec: ChatOutputSpec
     reasoning: ReasoningStream | None = None
