@@ -338,6 +338,11 @@ def test_stop_reasons() -> None:
     assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", "lo")
     _, whole = render(['[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'], body=body)
     assert [b["type"] for b in whole["content"]] == ["tool_use"] and whole["stop_reason"] == "tool_use"
+    # a whole call, then a stop sequence (auto): the answer is the call, which an agent loop runs on tool_use
+    auto = {"messages": HI, "tools": [WEATHER]}
+    _, called = render(['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'],
+                       body=auto, stop="\n\n")
+    assert [b["type"] for b in called["content"]] == ["tool_use"] and called["stop_reason"] == "tool_use"
     events, empty = render([""])
     assert empty["content"] == [] and empty["stop_reason"] == "end_turn"
     assert [e["type"] for e in events] == ["message_start", "message_delta", "message_stop"]

@@ -496,6 +496,7 @@ class BlockBuilder:
         self.held_space = ""  # whitespace-only text not shown yet: before a tool_use it is dropped
         self.finish_reason = -1
         self.stop_sequence: str | None = None
+        self.calls_finished = False  # the answer is its tool calls (chat's finish_reason "tool_calls")
 
     def push(self, text: str) -> list[dict[str, Any]]:
         return self._parts(self.stream.push(text))
@@ -503,7 +504,7 @@ class BlockBuilder:
     def finish(self, reason: int, stop: str | int | None) -> list[dict[str, Any]]:
         self.finish_reason = reason
         self.stop_sequence = stop if isinstance(stop, str) else None
-        parts, _ = self.stream.finish()
+        parts, self.calls_finished = self.stream.finish()
         events = self._parts(parts)
         if self.held_space and not any(b.kind == "tool_use" for b in self.blocks):
             events += self._text("", force=True)  # _text puts the held space before the text it is given
@@ -513,7 +514,9 @@ class BlockBuilder:
     def stop_reason(self) -> str:
         if self.finish_reason == FinishReason.LENGTH:
             return "max_tokens"
-        if self.stop_sequence is not None:  # what ended the answer, a tool_use it cut short included
+        if self.calls_finished:
+            return "tool_use"
+        if self.stop_sequence is not None:  # what ended the answer, a tool_use (`any`) it cut short included
             return "stop_sequence"
         return "tool_use" if any(b.kind == "tool_use" for b in self.blocks) else "end_turn"
 
