@@ -5,7 +5,6 @@ chat route it is built on, with the anthropic SDK as the client."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import re
 import threading
@@ -36,7 +35,7 @@ from pagoda.services.protocol.anthropic import (
 from pagoda.services.protocol.schemas import MAX_TURNS, chat_output_spec, chat_request
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import ChatMessage, FinishReason, TextDelta, ToolCallMessage
-from tests.harness import HTTP, SERVED, Server, wait_until
+from tests.harness import HTTP, SERVED, Server, send_all, wait_until
 
 EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -644,8 +643,7 @@ def test_the_messages_table_matches_the_server(server: Server) -> None:
     rows = _table()
     bodies = [{"model": SERVED, "max_tokens": 1, "messages": HI, **json.loads(example)} for _, _, example, _ in rows]
     # sent 8 at a time (the engine batches them): the same requests as one after the other
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda body: HTTP.post(server.url + "/v1/messages", json=body, timeout=120), bodies))
+    responses = send_all([("POST", server.url + "/v1/messages", body) for body in bodies])
     for (field, status, _example, _notes), body, response in zip(rows, bodies, responses, strict=True):
         where = f"{field}: {response.text[:300]}"
         if status in ("supported", "mapped"):

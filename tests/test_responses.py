@@ -5,7 +5,6 @@ of docs/vllm-compat.md row by row."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import re
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from pagoda.services.protocol.schemas import MAX_TURNS, chat_output_spec, chat_r
 from pagoda.services.protocol.vllm import RESPONSES_NOT_STORED, UNSUPPORTED_FIELDS
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import ChatMessage, FinishReason, PositionLogprobs, TextDelta, TokenLogprob
-from tests.harness import HTTP, SERVED, Server, wait_until
+from tests.harness import HTTP, SERVED, Server, send_all, wait_until
 
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -646,8 +645,7 @@ def test_the_responses_table_matches_the_server(server: Server) -> None:
     bodies = [{"model": SERVED, "input": "Hi", "max_output_tokens": 1, **json.loads(example)}
               for _, _, example, _ in rows]
     # sent 8 at a time (nothing is stored, the engine batches them): the same requests as one after the other
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda body: HTTP.post(server.url + "/v1/responses", json=body, timeout=120), bodies))
+    responses = send_all([("POST", server.url + "/v1/responses", body) for body in bodies])
     for (field, status, _example, _notes), response in zip(rows, responses, strict=True):
         where = f"{field}: {response.text[:300]}"
         if status in ("supported", "mapped"):

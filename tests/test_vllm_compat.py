@@ -3,7 +3,6 @@ the shared SmolLM2 server; and docs/vllm-compat.md's tables checked row by row a
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.metadata
 import json
 import math
@@ -29,7 +28,7 @@ from pagoda.services.protocol.vllm import GUIDED_BACKENDS, UNSUPPORTED_FIELDS, U
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.hf_tokenizer import load_hf_tokenizer
 from pagoda.shared.messages import SamplingParams, resolve_vocabulary
-from tests.harness import HTTP, SERVED, Server
+from tests.harness import HTTP, SERVED, Server, send_all
 
 pytestmark = pytest.mark.slow
 
@@ -517,9 +516,7 @@ def test_the_field_table_matches_the_server(server: Server) -> None:
                 body["max_tokens"] = 1
             cases.append((field, endpoint, status, method, path, body))
     # sent 8 at a time (the engine batches them): the same requests and checks as one after the other
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda case: HTTP.request(case[3], server.url + case[4], json=case[5], timeout=120),
-                                  cases))
+    responses = send_all([(method, server.url + path, body) for _, _, _, method, path, body in cases])
     for (field, endpoint, status, _method, _path, _body), response in zip(cases, responses, strict=True):
         where = f"{field} on {endpoint}: {response.text[:300]}"
         if _expected_ok(status):
