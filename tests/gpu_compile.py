@@ -11,8 +11,8 @@ default GEMV tiles at real row lengths; then the sampler's
 start-up warm-up, which launches every sampling-kernel variant a served batch can. Outputs are never
 computed (launches do nothing), so the models' numbers are garbage and only the compiles matter.
 
-    TRITON_INTERPRET=0 python tests/gpu_compile.py [1 | 2 | 3]  # one part (PARTS); tests/test_gpu_compile.py
-                                                                # runs 1 and 2 in two subprocesses side by side
+    TRITON_INTERPRET=0 python tests/gpu_compile.py [--to-ptx] [1 | 2 | 3]  # one part (PARTS); --to-ptx: no
+                                    # ptxas; tests/test_gpu_compile.py runs 1 and 2 in two subprocesses side by side
 
 Prints one line per kernel (ok / FAIL with the compiler's message) and any step the runner could not run (a
 wrapper's check refusing a launch shape), and exits 1 on either.
@@ -34,6 +34,7 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED_BYTES = 227 * 1024  # an sm_90 block's dynamic shared memory at most (H100 and H200)
 RESULTS: dict[str, str] = {}
 STEP_ERRORS: list[str] = []  # a step the runner could not run (logged and swallowed by the worker's loop)
 
@@ -68,16 +69,35 @@ class CompileOnlyDriver:
         return True
 
 
+def stop_at_ptx() -> None:
+    """Leave out the last stage, ptxas (PTX -> SASS, ~20% of the compile time): every Triton pass and LLVM's
+    instruction selection for sm_90 still run. The compiles go to a Triton cache of their own (the cache key does
+    not see this hook), since a GPU launch or a SASS dump that found an entry with no cubin in it would fail."""
+    from triton import knobs
+
+    knobs.cache.dir = f"{knobs.cache.dir.rstrip(os.sep)}-to-ptx"
+
+    def without_ptxas(backend: Any, stages: dict[str, Any], options: Any, language: Any, capability: Any) -> None:
+        stages["cubin"] = lambda ptx, metadata: b""
+
+    knobs.runtime.add_stages_inspection_hook = without_ptxas
+
+
 def install() -> None:
     driver.set_active(CompileOnlyDriver())
     launch = JITFunction.run
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         try:
-            launch(self, *args, grid=grid, warmup=True, **kwargs)
-            RESULTS.setdefault(self.__name__, "ok")
+            kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as exc:  # the compiler's error is the result this script reports
             RESULTS[self.__name__] = f"FAIL {type(exc).__name__}: {exc}"
+            return
+        shared = getattr(getattr(kernel, "metadata", None), "shared", 0)
+        if shared > MAX_SHARED_BYTES:  # a launch would refuse it (Triton checks only when it loads the binary)
+            RESULTS[self.__name__] = f"FAIL out of shared memory: {shared} B > {MAX_SHARED_BYTES} B"
+        else:
+            RESULTS.setdefault(self.__name__, "ok")
 
     JITFunction.run = compile_only  # type: ignore[method-assign]
 
@@ -441,11 +461,15 @@ PARTS = {
 
 
 def main(argv: list[str]) -> int:
-    """argv: a PARTS key to compile that part only; none: all of them, one after the other."""
-    parts = argv or sorted(PARTS)
+    """argv: a PARTS key to compile that part only (none: all of them, one after the other); --to-ptx: without
+    ptxas (stop_at_ptx)."""
+    to_ptx = "--to-ptx" in argv
+    parts = [arg for arg in argv if arg != "--to-ptx"] or sorted(PARTS)
     if not set(parts) <= PARTS.keys():
-        print(f"usage: gpu_compile.py [{' | '.join(PARTS)}]")
+        print(f"usage: gpu_compile.py [--to-ptx] [{' | '.join(PARTS)}]")
         return 2
+    if to_ptx:
+        stop_at_ptx()
     install()
     logging.getLogger("pagoda").addHandler(StepErrors(level=logging.ERROR))
     for part in parts:
