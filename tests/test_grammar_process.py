@@ -46,11 +46,20 @@ def spec(smollm2_dir: Path, tokenizer: Tokenizer) -> TokenizerSpec:
     return TokenizerSpec(str(smollm2_dir), tokenizer.vocab_size, (tokenizer.eos_token_id,))
 
 
-@pytest.fixture
-def process(spec: TokenizerSpec) -> Iterator[MaskProcess]:
+@pytest.fixture(scope="module")
+def shared_process(spec: TokenizerSpec) -> Iterator[MaskProcess]:
     rows = MaskProcess(spec, max_rows=16)
     yield rows
     rows.close()
+
+
+@pytest.fixture
+def process(shared_process: MaskProcess) -> Iterator[MaskProcess]:
+    """One MaskProcess for the module, its rows reset after each test (a process start costs ~4 s of CPU here: four
+    tests took four): a test that kills or loses its process leaves the next one to start another, as the rows do
+    when their next request is added."""
+    yield shared_process
+    shared_process.reset()
 
 
 def new_request(seq_id: int, generated: list[int] | None = None, constraint: StructuredOutputs | None = None,
