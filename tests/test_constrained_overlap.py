@@ -103,7 +103,7 @@ def test_cpus_respect_the_cgroup_quota(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 # [True] (the grammar process as a third mode) is extended: test_async_scheduling.py's
-# test_async_structured_outputs_equal_serial[12] runs the grammar process against the serial path, and
+# test_async_structured_outputs_equal_serial[11] runs the grammar process against the serial path, and
 # test_grammar_process.py's test_masks_equal_the_in_process_rows checks its masks bit for bit, in the default run
 @pytest.mark.parametrize("with_process", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_constrained_outputs_equal_with_and_without_the_parallel_path(smollm2_dir: Path, with_process: bool,
