@@ -510,10 +510,11 @@ def test_constrained_and_free_rows_in_one_batch_with_aborts(server: Server) -> N
 
     def free(i: int) -> str:
         # Preemption by construction, cheaply on a CPU: a ~230-token prompt (prefill is cheap) that differs from
-        # its first words (no prefix hits), and 24 tokens with ignore_eos, need 16 blocks a row; admission fills
-        # the 96 blocks with prompt chunks (the 8 prompts alone need 120), so rows that grow preempt others.
+        # its first words (no prefix hits), and 12 tokens with ignore_eos, need 16 blocks a row (past 240 tokens:
+        # 24 tokens, as before, only cost 12 more decode steps of the whole batch); admission fills the 96 blocks
+        # with prompt chunks (the 8 prompts alone need 120), so rows that grow preempt others (asserted below).
         prompt = f"Story {i}: " + FILLER + f" Continue this story about {TOPICS[i]}."
-        return _chat(client, prompt, max_tokens=24, temperature=0.8, seed=i,
+        return _chat(client, prompt, max_tokens=12, temperature=0.8, seed=i,
                      extra_body={"ignore_eos": True}).choices[0].message.content or ""
 
     def aborted(i: int) -> int:
