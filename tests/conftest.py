@@ -267,9 +267,10 @@ def _unfreeze_heap():  # noqa: ANN202
 @pytest.fixture(autouse=True, scope="session")
 def _smaller_default_cpu_kv_cache() -> None:
     """An engine on the CPU without num_kv_blocks takes min(1 GiB, a quarter of the free RAM) for its KV cache
-    and zeroes it at start: ~0.25 s for each of the ~120 engines this process builds (29 s of the suite). 512 MiB
-    still holds a whole 8192-token context of SmolLM2 in fp32 (377 MB) and far more than any test asks of an
-    engine that keeps the default; what the default is was never part of a test (it depends on the host's RAM)."""
+    (zeroed pages the OS maps as they are used: device.zeroed; torch.zeros had cost ~0.25 s an engine), and the
+    scheduler a free list of that many blocks. 512 MiB still holds a whole 8192-token context of SmolLM2 in fp32
+    (377 MB) and far more than any test asks of an engine that keeps the default; what the default is was never
+    part of a test (it depends on the host's RAM)."""
     from pagoda.services.worker import model_runner
 
     model_runner.DEFAULT_CPU_KV_BYTES = min(model_runner.DEFAULT_CPU_KV_BYTES, 512 << 20)

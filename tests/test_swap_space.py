@@ -51,6 +51,22 @@ def test_the_pool_is_registered_over_plain_pages_and_unregistered_before_they_ar
     assert page_locked_empty((0, 5), torch.bfloat16, register, unregistered.append).numel() == 0
 
 
+def test_a_cpu_cache_is_zeroed_pages_the_os_maps_when_used() -> None:
+    """device.zeroed on the CPU: zeros of the shape and dtype asked for (fp8 too), contiguous and writable, its
+    bytes owned by a fresh zeroed mapping rather than written by torch."""
+    import torch
+
+    from pagoda.services.worker.device import zeroed
+
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+        cache = zeroed((2, 3, 4, 16, 5), dtype, torch.device("cpu"))  # [L, kv tensors, N, bs, heads]
+        assert cache.shape == (2, 3, 4, 16, 5) and cache.dtype == dtype and cache.is_contiguous()
+        assert not cache.float().any()
+        cache[1, 2, 3, 15, 4] = 2.0  # the last element is the tensor's own
+        assert float(cache.float().sum()) == 2.0
+    assert zeroed((0, 7), torch.bfloat16, torch.device("cpu")).shape == (0, 7)
+
+
 def test_a_worker_whose_swap_copies_fail_lets_the_plans_departures_go() -> None:
     """The worker runs a plan's swap copies before anything else of it: when they raise, the step fails, the
     scheduler ends that plan's requests and the sequences it swapped out (swapped_out_by), and the worker frees

@@ -74,6 +74,16 @@ def page_locked_empty(shape: tuple[int, ...], dtype: torch.dtype,
     return torch.from_numpy(pages).view(dtype).view(shape)
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, except on the CPU: there the pages come zeroed from the OS (numpy's calloc; a large block is a
+    fresh mapping) and are touched only where the tensor is used, so a KV cache costs nothing until its blocks are
+    written (torch.zeros writes every byte first: ~0.25 s for 512 MiB on a 2-core host)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def _cuda_host_register(address: int, nbytes: int) -> int:
     return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))
 

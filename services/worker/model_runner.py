@@ -29,7 +29,7 @@ import torch
 from pagoda.kernels import reference as kernel_ref
 from pagoda.services.worker.batch_state import BatchState
 from pagoda.services.worker.cuda_graphs import DecodeGraphs, PinnedStaging
-from pagoda.services.worker.device import CompileWatch, page_locked_empty, resolve_device
+from pagoda.services.worker.device import CompileWatch, page_locked_empty, resolve_device, zeroed
 from pagoda.services.worker.grammar import GrammarMasks, GrammarRows, grammar_tokenizer_loader, row_failure
 from pagoda.services.worker.grammar_process import MaskJob, MaskProcess, grammar_rows
 from pagoda.services.worker.isolation import FaultySampler, bisect_failures
@@ -277,7 +277,7 @@ class ModelRunner:
         layout = self.model.kv_layout()
         shape = (self.arch.num_layers, layout.num_tensors, num_blocks, self.block_size, layout.num_heads,
                  layout.head_dim)
-        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # [L, kv tensors, N, bs, heads, D]
+        cache = zeroed(shape, self.kv_dtype, self.device)  # [L, kv tensors, N, bs, heads, D]
         per_layer = [tuple(cache[i, j] for j in range(layout.num_tensors)) for i in range(self.arch.num_layers)]
         return cache, per_layer
 
