@@ -382,8 +382,9 @@ def _chat(client: openai.OpenAI, content: str, **kwargs: object) -> openai.types
 @pytest.mark.slow
 @pytest.mark.parametrize("num_topics", [4, pytest.param(20, marks=pytest.mark.extended)])
 def test_json_schema_answers_validate_for_each_of_5_schemas(server: Server, num_topics: int) -> None:
-    """Every schema, several prompts each, all at once (20 concurrent requests preempt one another in 96 blocks);
-    the 100-request run (20 prompts a schema) is the same property under more load (make test-all)."""
+    """Every schema, several prompts each, all at once (20 concurrent constrained rows in one batch; they fit the 96
+    blocks: two runs counted no preemption, which test_constrained_and_free_rows_in_one_batch_with_aborts forces and
+    asserts); the 100-request run (20 prompts a schema) is the same property under more load (make test-all)."""
     client = server.client(timeout=900)
     jobs = [(schema, topic) for schema in SCHEMAS for topic in TOPICS[:num_topics]]
 
