@@ -52,8 +52,8 @@ def test_the_pool_is_registered_over_plain_pages_and_unregistered_before_they_ar
 
 
 def test_a_cpu_cache_is_zeroed_pages_the_os_maps_when_used() -> None:
-    """device.zeroed on the CPU: zeros of the shape and dtype asked for (fp8 too), contiguous and writable, its
-    bytes owned by a fresh zeroed mapping rather than written by torch."""
+    """device.zeroed on the CPU: zeros of the shape and dtype asked for (fp8 too), contiguous, page-aligned and
+    writable, its bytes owned by a fresh zeroed mapping rather than written by torch."""
     import torch
 
     from pagoda.services.worker.device import zeroed
@@ -61,6 +61,7 @@ def test_a_cpu_cache_is_zeroed_pages_the_os_maps_when_used() -> None:
     for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
         cache = zeroed((2, 3, 4, 16, 5), dtype, torch.device("cpu"))  # [L, kv tensors, N, bs, heads]
         assert cache.shape == (2, 3, 4, 16, 5) and cache.dtype == dtype and cache.is_contiguous()
+        assert cache.data_ptr() % 4096 == 0  # page-aligned (calloc's pointer is not; unaligned rows decoded slower)
         assert not cache.float().any()
         cache[1, 2, 3, 15, 4] = 2.0  # the last element is the tensor's own
         assert float(cache.float().sum()) == 2.0

@@ -74,6 +74,9 @@ def page_locked_empty(shape: tuple[int, ...], dtype: torch.dtype,
     return torch.from_numpy(pages).view(dtype).view(shape)
 
 
+PAGE_BYTES = 4096
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, except on the CPU: there the pages come zeroed from the OS (numpy's calloc; a large block is a
     fresh mapping) and are touched only where the tensor is used, so a KV cache costs nothing until its blocks are
@@ -81,7 +84,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    pages = np.zeros(nbytes + PAGE_BYTES, dtype=np.uint8)
+    start = -pages.ctypes.data % PAGE_BYTES  # calloc's block starts 16 bytes into a page: aligned as torch's are
+    return torch.from_numpy(pages[start:start + nbytes]).view(dtype).view(shape)
 
 
 def _cuda_host_register(address: int, nbytes: int) -> int:
