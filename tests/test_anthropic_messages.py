@@ -565,8 +565,13 @@ def test_a_streamed_answer_is_the_answer(client: anthropic.Anthropic) -> None:
         final = stream.get_final_message()  # the SDK's own accumulator over the events
     texts = [e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"]
     assert "".join(texts) == final.content[0].text == whole.content[0].text
-    assert events[0].type == "message_start"  # the whole prompt, before the prefix cache's share is known
-    assert events[0].message.usage.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    # message_start splits the prompt as the end does; the prompt's blocks are cached by the first request
+    assert events[0].type == "message_start"
+    start, end = events[0].message.usage, final.usage
+    assert start.input_tokens + start.cache_read_input_tokens == \
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert (start.input_tokens, start.cache_read_input_tokens) == (end.input_tokens, end.cache_read_input_tokens)
+    assert start.cache_read_input_tokens > 0
     assert final.stop_reason == whole.stop_reason == "max_tokens" and final.usage.output_tokens == 8
     # a stop sequence from the middle of the greedy answer ends it there, not shown
     stop = " " + whole.content[0].text.split()[2]

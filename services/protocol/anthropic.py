@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream
-from pagoda.services.protocol.render import Choice, Renderer, ResponseView, encode_json
+from pagoda.services.protocol.render import Choice, Renderer, ResponseView, encode_json, usage_dict
 from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, decode_body
 from pagoda.services.protocol.schemas import reject_unknown_keys as _keys
 from pagoda.services.protocol.schemas import require as _require
@@ -598,20 +598,23 @@ class MessagesRenderer(Renderer):
         super().__init__(message_id, model, created, want_logprobs=False, include_usage=False)
         self.stream = stream
         self.builder = BlockBuilder(spec)
+        # message_start waits for the first output, which carries the prefix cache's share of the prompt
+        self._start_pending = False
+        self._num_prompt_tokens = 0
 
     def prompt_accepted(self, prompt_reasoning: str) -> None:
         self.builder.stream.after_prompt(prompt_reasoning)
 
-    def message(self, usage: dict[str, Any] | None, num_prompt_tokens: int = 0) -> dict[str, Any]:
-        """The Message: the content so far and, once it ended, its stop reason and usage."""
+    def message(self, usage: dict[str, Any] | None, num_cached_tokens: int = 0) -> dict[str, Any]:
+        """The Message: the content so far and, once it ended, its stop reason and usage; before that (the stream's
+        message_start), the prompt split into what the prefix cache held and the rest."""
         done = usage is not None
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": self.model,
                 "content": [block.json() for block in self.builder.blocks] if done else [],
                 "stop_reason": self.builder.stop_reason if done else None,
                 "stop_sequence": self.builder.stop_sequence if done else None,
-                "usage": message_usage(usage) if usage is not None else {
-                    "input_tokens": num_prompt_tokens, "cache_creation_input_tokens": 0,
-                    "cache_read_input_tokens": 0, "output_tokens": 0, "service_tier": "standard"}}
+                "usage": message_usage(usage if usage is not None else usage_dict(
+                    self._num_prompt_tokens, 0, num_cached_tokens))}
 
     def _events(self, events: list[dict[str, Any]]) -> bytes:
         """SSE bytes of these events; b"" when not streaming."""
@@ -621,11 +624,21 @@ class MessagesRenderer(Renderer):
                         for event in events)
 
     def opening(self, view: ResponseView) -> bytes:
-        num_prompt_tokens = view.choices[0].num_prompt_tokens if view is not None and view.choices else 0
-        return self._events([{"type": "message_start", "message": self.message(None, num_prompt_tokens)}])
+        """Nothing yet: message_start goes out with the first output (_start), whose count of prompt tokens found in
+        the prefix cache its usage splits the prompt by, as the final message_delta does."""
+        self._num_prompt_tokens = view.choices[0].num_prompt_tokens if view is not None and view.choices else 0
+        self._start_pending = True
+        return b""
+
+    def _start(self, num_cached_tokens: int) -> list[dict[str, Any]]:
+        """message_start, if the stream has not sent it yet."""
+        if not self._start_pending:
+            return []
+        self._start_pending = False
+        return [{"type": "message_start", "message": self.message(None, num_cached_tokens)}]
 
     def chunks(self, batch: list[tuple[Choice, TextDelta]]) -> bytes:
-        events: list[dict[str, Any]] = []
+        events = self._start(batch[0][1].num_cached_tokens) if batch else []
         for _, delta in batch:
             if self.builder.finish_reason >= 0:
                 continue
@@ -637,13 +650,14 @@ class MessagesRenderer(Renderer):
     def closing(self, usage: dict[str, Any]) -> bytes:
         final = self.message(usage)
         usage = {key: value for key, value in final["usage"].items() if key != "service_tier"}  # the Message's
-        return self._events([{"type": "message_delta", "delta": {"stop_reason": final["stop_reason"],
-                                                                 "stop_sequence": final["stop_sequence"]},
-                              "usage": usage}, {"type": "message_stop"}])
+        delta = {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}
+        return self._events([*self._start(usage["cache_read_input_tokens"]),
+                             {"type": "message_delta", "delta": delta, "usage": usage}, {"type": "message_stop"}])
 
     def body(self, view: ResponseView, usage: dict[str, Any]) -> dict[str, Any]:
         return self.message(usage)
 
     def stream_error(self, error: dict[str, Any]) -> bytes:
-        """The `error` event that ends a stream which failed after its first event."""
-        return self._events([error_from_body(error)])
+        """The `error` event that ends a stream which failed after its HTTP status went out (message_start first, if
+        no output came before the failure)."""
+        return self._events([*self._start(0), error_from_body(error)])
