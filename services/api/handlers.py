@@ -58,11 +58,19 @@ from pagoda.shared.messages import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TENANT = "pagoda.tenant"  # request[TENANT]: (key id, Tenant) of the key that authenticated it, or None
+
+def _request_key(name: str, kind: type) -> Any:
+    """A key of a request's storage: typed where aiohttp has them (web.RequestKey; a plain string key there draws
+    a NotAppKeyWarning), else the string."""
+    return web.RequestKey(name, kind) if hasattr(web, "RequestKey") else name
+
+
+# request[TENANT]: (key id, Tenant) of the key that authenticated it, or None
+TENANT = _request_key("pagoda.tenant", tuple)
 DEFAULT_TENANT = ("default", Tenant("default"))  # the --api-key key beside a keys file: no limits
 # request[COUNTED]: the generation request reached the tenant accounting of _generate (its status, tokens, usage
 # line); one refused before then (a bad body, a model the tenant may not use, a quota) is counted by app.py
-COUNTED = "pagoda.counted"
+COUNTED = _request_key("pagoda.counted", bool)
 
 
 def _headers(deprecated: list[str]) -> dict[str, str]:
