@@ -10,6 +10,7 @@ summed over layers. Run on the GPU (Triton ops) or on CPU (the PyTorch reference
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from collections import defaultdict
@@ -193,7 +194,9 @@ def run(shape: str, prompt_len: int, dtype_name: str, device_name: str, seed: in
         next_id = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
         for capture in captures:
             capture.tensors.clear()
-        hf(next_id, past_key_values=out.past_key_values, use_cache=True)
+        # transformers' cache argument: `cache` from 5.2x on (`past_key_values` then warns that it goes in 5.40)
+        cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        hf(next_id, use_cache=True, **{cache_arg: getattr(out, cache_arg)})
         probe_layers(model, hf, captures, torch.tensor([prompt_len], device=device), kv_caches, prompt_len + 1,
                      block_size, tallies, "decode.")
         for handle in handles:
