@@ -624,8 +624,8 @@ class MessagesRenderer(Renderer):
                         for event in events)
 
     def opening(self, view: ResponseView) -> bytes:
-        """Nothing yet: message_start goes out with the first output (_start), whose count of prompt tokens found in
-        the prefix cache its usage splits the prompt by, as the final message_delta does."""
+        """Nothing yet: message_start goes out with the first output (_start). That output says how many prompt
+        tokens the prefix cache held, and message_start's usage splits the prompt by it, as message_delta's does."""
         self._num_prompt_tokens = view.choices[0].num_prompt_tokens if view is not None and view.choices else 0
         self._start_pending = True
         return b""
