@@ -565,9 +565,10 @@ def truncation_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k
     """Per-row threshold [B] fp32 on the processed logits [B, V]: a row keeps exactly the tokens whose
     logit is >= its threshold (-inf: all). Sort-based. The rule (ties at the threshold are all kept):
       top-k: the k-th largest logit (k <= 0: off);
-      top-p (after top-k): over the tokens top-k keeps, with probabilities softmax(logit / T), the logit
-        of the m-th largest token where m is the smallest count whose mass reaches top_p (1.0: off);
       min-p: max_logit + T * log(min_p), i.e. prob >= min_p * max_prob (0: off);
+      top-p (after both, vLLM V1's order): over the tokens top-k and min-p keep, with probabilities
+        softmax(logit / T), the logit of the m-th largest token where m is the smallest count whose mass
+        reaches top_p (1.0: off);
     the row's threshold is the largest of these. Greedy rows (T = 0) use T = 1 here."""
     num_rows, vocab_size = logits.shape
     temperature = torch.where(temperature == 0.0, 1.0, temperature)  # [B]
@@ -579,15 +580,15 @@ def truncation_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k
         k = torch.where(top_k <= 0, vocab_size, top_k).clamp(1, vocab_size)  # [B]
         kth = ordered.gather(1, (k - 1).unsqueeze(1)).squeeze(1)  # [B]
         threshold = torch.where(top_k > 0, kth, threshold)  # [B]
+    if min_p is not None:
+        mth = ordered[:, 0] + temperature * torch.log(min_p)  # [B]; log 0 = -inf keeps all
+        threshold = torch.maximum(threshold, mth)  # [B]
     if top_p is not None:
         kept = ordered.masked_fill(ordered < threshold.unsqueeze(1), float("-inf"))  # [B, V]
         cum_probs = (kept / temperature.unsqueeze(1)).softmax(dim=-1).cumsum(dim=-1)  # [B, V]
         m = (cum_probs < top_p.unsqueeze(1)).sum(dim=-1).clamp(max=vocab_size - 1)  # [B]: 0-based index of m-th
         pth = kept.gather(1, m.unsqueeze(1)).squeeze(1)  # [B]
         threshold = torch.where(top_p < 1.0, torch.maximum(threshold, pth), threshold)  # [B]
-    if min_p is not None:
-        mth = ordered[:, 0] + temperature * torch.log(min_p)  # [B]; log 0 = -inf keeps all
-        threshold = torch.maximum(threshold, mth)  # [B]
     return threshold
 
 

@@ -358,8 +358,9 @@ def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ti
                              BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """One program per row, from the chosen groups' logits gathered[b, :num_gathered]. m_K, the smallest chosen
     group maximum, bounds the k-th largest from below, and no id outside the chosen groups is above m_K. So: the
-    k-th largest by a count search over [m_K, row max], the top-p threshold by a mass search with the ids at the
-    k-th largest outside the chosen groups added (there are some only when it equals m_K), min-p. whole_row[b]:
+    k-th largest by a count search over [m_K, row max], min-p, then the top-p threshold by a mass search over the
+    ids both keep, with the ids at the k-th largest outside the chosen groups added where min-p keeps them (there
+    are some only when it equals m_K). whole_row[b]:
     the row needs its whole row for the draw (no top-k, or ids outside the chosen groups reach the threshold);
     a row without top-k gets min-p's threshold (or -inf): its top-p needs the caller's whole-row search."""
     b = tl.program_id(0).to(tl.int64)
@@ -403,6 +404,13 @@ def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ti
                 count = tl.load(group_ties_ptr + b * num_groups + group, mask=slots < num_chosen, other=0)
                 outside -= tl.where(maxima == kth, count, 0)
         num_outside = tl.sum(outside, axis=0)
+        lower_key = kth_key  # top-p runs over the ids top-k and min-p keep (vLLM V1's order)
+        if HAS_MIN_P:
+            min_p_threshold = row_max + temperature * tl.log(tl.load(min_p_ptr + b))
+            if min_p_threshold > kth:  # every id at or above it lies in the gathered groups (it is > m_K)
+                threshold = min_p_threshold
+                lower_key = _float_key(min_p_threshold).to(tl.int64)
+                num_outside = num_outside * 0
         if HAS_TOP_P:
             top_p = tl.load(top_p_ptr + b)
             if top_p < 1.0:
@@ -410,13 +418,11 @@ def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ti
                 for start in range(0, num_gathered, BLOCK):
                     cols = start + tl.arange(0, BLOCK)
                     x = tl.load(row + cols, mask=cols < num_gathered, other=float("-inf"))
-                    lane_sum += tl.where(x >= kth, tl.exp((x - row_max) / temperature), 0.0)
+                    lane_sum += tl.where(x >= threshold, tl.exp((x - row_max) / temperature), 0.0)
                 total = tl.sum(lane_sum, axis=0) + num_outside.to(tl.float32) * tl.exp((kth - row_max) / temperature)
-                key = _search(row, num_gathered, kth_key, _float_key(row_max).to(tl.int64), top_p * total, row_max,
-                              temperature, BLOCK, NUM_PIVOTS)
-                threshold = _key_float(key.to(tl.int32))
-        if HAS_MIN_P:
-            threshold = tl.maximum(threshold, row_max + temperature * tl.log(tl.load(min_p_ptr + b)))
+                key = _search(row, num_gathered, lower_key, _float_key(row_max).to(tl.int64), top_p * total,
+                              row_max, temperature, BLOCK, NUM_PIVOTS)
+                threshold = tl.maximum(threshold, _key_float(key.to(tl.int32)))
         whole_row = (threshold == kth) & (num_outside > 0)
     elif HAS_MIN_P:
         threshold = row_max + temperature * tl.log(tl.load(min_p_ptr + b))
@@ -595,7 +601,8 @@ def row_top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
 # Gumbel-max: noise from the (seed, offset, id) hash in registers, threshold mask, running argmax.
 #
 # Top-p without top-k draws by rejection, exactly under reference.truncation_thresholds' rule: a row keeps
-# {x >= t*}, and id i is kept iff the mass of {x > x_i} is below top_p of the row's mass (ties at t* all kept).
+# {x >= t*}, and id i is kept iff the mass of {x > x_i} is below top_p of the mass min-p keeps (the row's mass
+# without min-p; ties at t* all kept).
 # The draw over {x > lo} (lo = -inf at first) gives a candidate; kept, it is the draw over the kept set (same
 # noise, and the kept set lies inside {x > lo}); rejected, t* > x_candidate, and the next round draws over
 # {x > x_candidate}. A candidate is rejected with probability below (1 - top_p) / top_p; rows still undecided
@@ -686,7 +693,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
                           NUCLEUS: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_BITMASK_ROWS: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): the best score and its id; for top-p rows (NUCLEUS) also the split's largest logit and
-    its mass sum(exp((x - max) / T)) over every id (top-p's total). HAS_BITMASK: a grammar bitmask applies to the
+    its mass sum(exp((x - max) / T)) over the ids at or above the threshold (top-p's total: a top-p row's
+    threshold here is its min-p's, or -inf). HAS_BITMASK: a grammar bitmask applies to the
     flagged rows on the fly (their disallowed ids read as -inf), so a masked row needs no written-out copy."""
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -730,10 +738,15 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
             score = tl.where(x >= threshold, _gumbel_score(x, cols, key, temperature), float("-inf"))
         else:  # every id of the block is truncated away (most blocks under top-k): no noise to draw
             score = tl.full([BLOCK], float("-inf"), tl.float32)
-        if in_nucleus:  # one exp an id, rescaled once a block
-            new_max = tl.maximum(split_max, block_max)
+        if in_nucleus:  # one exp an id, rescaled once a block; over what min-p (the threshold) keeps
+            kept = x
+            kept_max = block_max
+            if HAS_THRESHOLD:
+                kept = tl.where(x >= threshold, x, float("-inf"))
+                kept_max = tl.max(kept, axis=0)
+            new_max = tl.maximum(split_max, kept_max)
             split_sum = split_sum * tl.exp((split_max - new_max) / temperature) \
-                + tl.sum(tl.exp((x - new_max) / temperature), axis=0)
+                + tl.sum(tl.exp((kept - new_max) / temperature), axis=0)
             split_max = new_max
         score = tl.where(in_vocab, score, float("-inf"))
         better = score > best  # strict: a lane keeps its first maximum
@@ -890,8 +903,9 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, threshold: to
                   bitmask_rows: torch.Tensor | None = None) -> torch.Tensor:
     """reference.gumbel_argmax in one read of logits [B, V]: token ids [B] int64. rows [B] bool: only those rows
     are drawn (the others' ids are left unspecified, for the caller to replace). nucleus [B] bool (or int64 0/1)
-    with top_p [B] fp32: rows (drawn, never greedy) whose kept set is also cut by top-p over the whole row (no
-    top-k), as reference.truncation_thresholds then max with `threshold`: drawn by rejection (see above).
+    with top_p [B] fp32: rows (drawn, never greedy, no top-k) whose kept set {x >= threshold} (min-p's, or the
+    whole row) is also cut by top-p over that set, as reference.truncation_thresholds: drawn by rejection (see
+    above).
     bitmask [B, >= V/32] int32 with bitmask_rows [B] bool (None: every row): the draw of
     reference.apply_token_bitmask(logits, bitmask, bitmask_rows), read in the same pass (not with nucleus rows,
     whose rejection rounds read the row again)."""

@@ -427,12 +427,15 @@ def test_logprobs_zero_and_none() -> None:
 
 
 def sorted_rule_keep(row: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[bool]:
-    """The rule of reference.truncation_thresholds, one row in float64 Python: keep logit >= threshold."""
+    """The rule of reference.truncation_thresholds, one row in float64 Python: keep logit >= threshold. vLLM V1's
+    order: top-k and min-p, then top-p over what they keep."""
     values = sorted(row, reverse=True)
     temperature = temperature or 1.0
     threshold = -math.inf
     if top_k > 0:
         threshold = values[min(top_k, len(values)) - 1]
+    if min_p > 0.0:
+        threshold = max(threshold, values[0] + temperature * math.log(min_p))
     if top_p < 1.0:
         kept = [v for v in values if v >= threshold]
         weights = [math.exp((v - kept[0]) / temperature) for v in kept]
@@ -442,8 +445,6 @@ def sorted_rule_keep(row: list[float], temperature: float, top_k: int, top_p: fl
             if mass >= top_p * total:
                 threshold = max(threshold, v)
                 break
-    if min_p > 0.0:
-        threshold = max(threshold, values[0] + temperature * math.log(min_p))
     return [v >= threshold for v in row]
 
 

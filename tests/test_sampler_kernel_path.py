@@ -219,3 +219,39 @@ def test_chi_square_check_has_teeth(monkeypatch: pytest.MonkeyPatch) -> None:
     token_ids = kernel_draws(row, temperature=1.2, min_p=torch.full((NUM_DRAWS,), 0.2))
     with pytest.raises(AssertionError, match="chi-square"):
         check_frequencies(token_ids, target_of(row.tolist(), 0.6, min_p=0.2 ** (1.2 / 0.6)))
+
+
+# ---------------------------------------------------------------------------------------------
+# min-p before top-p (vLLM V1's order) on every kernel path
+
+
+def min_p_first_row() -> tuple[torch.Tensor, list[int]]:
+    """[VOCAB] logits (T = 1): probabilities 0.4, 0.3, 0.2, 0.05, 0.05 at five ids in distinct groups, the rest
+    ~0; and those five ids. min_p 0.3 keeps the first three (0.9 of the mass); top_p 0.75 over them keeps two
+    (0.7 >= 0.675), where top-p before min-p (vLLM V0's order) would keep three (0.7 < 0.75)."""
+    ids = [37, 6, 21, 14, 45]
+    row = torch.full((VOCAB,), -30.0)  # [V]
+    row[ids] = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.05]).log()
+    return row, ids
+
+
+@pytest.mark.parametrize("top_k", [0, 4, 13], ids=["rejection", "gathered-groups", "past-the-groups"])
+def test_min_p_cuts_before_top_p_on_the_kernel_path(top_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draws of every path (top-p without top-k by rejection, top-k within the gathered groups, top-k past
+    them) take exactly the two ids vLLM V1's order keeps, and the thresholds keep the same."""
+    from pagoda.services.worker.sampler import truncation_thresholds
+
+    shrink(monkeypatch, ONE_BLOCK)
+    row, ids = min_p_first_row()
+    n = NUM_DRAWS
+    fields: dict = dict(top_p=torch.full((n,), 0.75), min_p=torch.full((n,), 0.3))
+    if top_k:
+        fields.update(top_k=torch.full((n,), top_k), max_top_k=top_k, top_p_without_top_k=False)
+    assert set(kernel_draws(row, **fields).tolist()) == set(ids[:2])
+    meta = SamplingMetadata(temperature=torch.ones(1), seeds=torch.zeros(1, dtype=torch.int64),
+                            offsets=torch.zeros(1, dtype=torch.int64), top_k=torch.tensor([top_k]),
+                            top_p=torch.tensor([0.75]), min_p=torch.tensor([0.3]))
+    logits = row.unsqueeze(0)  # [1, V]
+    for use_triton in (True, False):
+        threshold = truncation_thresholds(logits.to(device()), on(meta, device()), use_triton=use_triton).cpu()
+        assert (logits[0] >= threshold[0]).nonzero().squeeze(1).tolist() == sorted(ids[:2]), use_triton

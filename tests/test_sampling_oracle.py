@@ -98,19 +98,19 @@ class Oracle:
         return out
 
     def kept(self, processed: torch.Tensor) -> torch.Tensor:
-        """The ids [V] bool a sampled (temperature > 0) draw may take, on softmax(processed / T): top-k, top-p over
-        what top-k keeps, then min-p, ties at each cut kept (docs/decoding.md's rule; vLLM V0's order: V1 applies
-        min-p first, so that its top-p counts only the mass min-p leaves)."""
+        """The ids [V] bool a sampled (temperature > 0) draw may take, on softmax(processed / T): min-p (vLLM V1
+        applies it first, an argmax-invariant logits processor), then top-k, then top-p over what both keep
+        (renormalised), ties at each cut kept (docs/decoding.md's rule)."""
         probs = torch.softmax(processed / self.temperature, dim=-1)  # [V]
         keep = probs > 0  # [V]
+        if self.min_p > 0:
+            keep &= probs >= self.min_p * probs.max()
         if self.top_k > 0:
             keep &= probs >= probs.topk(self.top_k).values[-1]
         if self.top_p < 1.0:
             ordered = torch.where(keep, probs, 0.0).sort(descending=True).values  # [V]
             count = int((ordered.cumsum(0) < self.top_p * ordered.sum()).sum()) + 1
             keep &= probs >= ordered[count - 1]
-        if self.min_p > 0:
-            keep &= probs >= self.min_p * probs.max()
         return keep
 
 

@@ -293,11 +293,11 @@ def truncation_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, use_
         if m.top_p is None:
             return threshold
         # top-p without top-k: the sampler draws by rejection and never needs it; here one program a row searches
+        # over what min-p keeps (the threshold of such a row)
         whole = (m.top_p < 1.0) & (m.top_k <= 0) if m.top_k is not None else m.top_p < 1.0  # [B]
         temperature = torch.where(m.temperature == 0.0, 1.0, m.temperature).float()  # [B]
         top_p = torch.where(whole, m.top_p, 1.0).float().contiguous()  # [B]
-        lowest = torch.full_like(temperature, float("-inf"))  # [B]
-        return torch.maximum(threshold, sampling.top_p_threshold(logits, temperature, top_p, lowest))  # [B]
+        return torch.maximum(threshold, sampling.top_p_threshold(logits, temperature, top_p, threshold))  # [B]
     top_k = m.top_k
     if top_k is not None:
         max_top_k = min(m.max_top_k or int(top_k.max()), logits.shape[1])
@@ -335,9 +335,6 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
         has_k = top_k > 0  # [B]
         kth = candidates.values.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)  # [B]
         threshold = torch.where(has_k, kth, threshold)  # [B]
-        if top_p is not None:
-            threshold = sampling.top_p_threshold(logits, temperature, top_p, threshold, candidates.values, has_k,
-                                                 search_full_rows=False)  # [B]
     if m.min_p is not None:
         if candidates is not None and candidates.values is not None:
             row_max = candidates.values[:, 0]  # [B]
@@ -346,6 +343,10 @@ def _device_thresholds(logits: torch.Tensor, m: SamplingMetadata, grouped: Group
         else:
             row_max = logits.amax(dim=-1).float()  # [B]
         threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p))  # [B]
+    if candidates is not None and top_p is not None:  # top-k rows: top-p over what top-k and min-p keep
+        assert candidates.values is not None
+        threshold = sampling.top_p_threshold(logits, temperature, top_p, threshold, candidates.values, top_k > 0,
+                                             search_full_rows=False)  # [B]
     return threshold, None
 
 
@@ -357,10 +358,10 @@ def _candidate_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_
     """CPU thresholds [B] from the rows' largest logits instead of a full sort of [B, V] (a 49k-id row's sort
     is most of a CPU decode step's sampling). Candidates: the batch's largest k, or for sampled top-p rows without
     top-k NUCLEUS_CANDIDATES, widened x8 (then to the whole row, where topk is the sort) for only the rows whose
-    nucleus is wider. Top-p runs over the candidates with the mass of the whole kept set {logit >= k-th} (ties
-    beyond the candidates included), so the result is reference.truncation_thresholds' (up to fp32 rounding where
-    top_p equals a prefix's mass), except for greedy rows (T = 0): their threshold is the row's maximum, since the
-    draw takes their argmax whatever the threshold."""
+    nucleus is wider. Top-p runs over the candidates with the mass of the whole set top-k and min-p keep
+    {logit >= max(k-th, min-p's threshold)} (ties beyond the candidates included), so the result is
+    reference.truncation_thresholds' (up to fp32 rounding where top_p equals a prefix's mass), except for greedy
+    rows (T = 0): their threshold is the row's maximum, since the draw takes their argmax whatever the threshold."""
     m = metadata
     vocab_size = logits.shape[1]
     greedy = m.temperature == 0.0  # [B]
@@ -377,6 +378,8 @@ def _candidate_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_
         assert top_k is not None
         kth = candidates.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1))  # [B, 1]
         threshold = torch.where(has_k.unsqueeze(1), kth, threshold)  # [B, 1]
+    if m.min_p is not None:  # before top-p, whose mass counts only what top-k and min-p keep (vLLM V1's order)
+        threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p).unsqueeze(1))
     if m.top_p is not None:
         top_p = m.top_p.unsqueeze(1)  # [B, 1]
         weights = ((logits - row_max) / temperature).exp_().masked_fill_(logits < threshold, 0.0)  # [B, V]
@@ -391,8 +394,6 @@ def _candidate_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, top_
                                                  top_p[rows], total[rows])
             short[rows] = ~reached_rows
         threshold = torch.where(top_p < 1.0, torch.maximum(threshold, pth), threshold)  # [B, 1]
-    if m.min_p is not None:
-        threshold = torch.maximum(threshold, row_max + temperature * torch.log(m.min_p).unsqueeze(1))
     threshold = torch.where(greedy.unsqueeze(1), row_max, threshold)  # [B, 1]
     return threshold.squeeze(1)  # [B]
 
