@@ -740,11 +740,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
             score = tl.full([BLOCK], float("-inf"), tl.float32)
         if in_nucleus:  # one exp an id, rescaled once a block; over what min-p (the threshold) keeps
             kept = x
-            kept_max = block_max
-            if HAS_THRESHOLD:
+            if HAS_THRESHOLD:  # the row's maximum is kept (min-p's threshold is at or below it): same reference
                 kept = tl.where(x >= threshold, x, float("-inf"))
-                kept_max = tl.max(kept, axis=0)
-            new_max = tl.maximum(split_max, kept_max)
+            new_max = tl.maximum(split_max, block_max)
             split_sum = split_sum * tl.exp((split_max - new_max) / temperature) \
                 + tl.sum(tl.exp((kept - new_max) / temperature), axis=0)
             split_max = new_max
