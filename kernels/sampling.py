@@ -360,9 +360,9 @@ def _group_thresholds_kernel(gathered_ptr, num_gathered, group_max_ptr, group_ti
     group maximum, bounds the k-th largest from below, and no id outside the chosen groups is above m_K. So: the
     k-th largest by a count search over [m_K, row max], min-p, then the top-p threshold by a mass search over the
     ids both keep, with the ids at the k-th largest outside the chosen groups added where min-p keeps them (there
-    are some only when it equals m_K). whole_row[b]:
-    the row needs its whole row for the draw (no top-k, or ids outside the chosen groups reach the threshold);
-    a row without top-k gets min-p's threshold (or -inf): its top-p needs the caller's whole-row search."""
+    are some only when it equals m_K). whole_row[b]: the row needs its whole row for the draw (no top-k, or ids
+    outside the chosen groups reach the threshold); a row without top-k gets min-p's threshold (or -inf): its
+    top-p needs the caller's whole-row search."""
     b = tl.program_id(0).to(tl.int64)
     row = gathered_ptr + b * num_gathered
     temperature = tl.load(temperature_ptr + b)
