@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 48, call 1, H200 only (on another card: stop at once; the sampler's CUDA tests already passed on an H100
+# in session 47). The unrun H200 work of sessions 41-47: llama3-8b's o retuned at 64 / 128 rows (FP8 0.95x / 0.85x
+# bf16 there), llama3-8b FP8 batch-1 (2.78-2.82 ms against 2.6), deepseek-v2-lite reference + batch-1 (0.67-0.709
+# of floor against 0.7; 1.88x floor against 1.5x).
+OUT=${OUT:-/tmp/out}
+start=$(date +%s)
+card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
+if [[ $card != NVIDIA_H200 ]]; then echo "== not an H200 ($card): done"; exit 0; fi
+PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tests-path TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+left() { echo $(( 570 - ($(date +%s) - start) )); }
+echo "== llama3-8b o retuned at 64 / 128 rows, then swept [$(( $(date +%s) - start )) s]"
+timeout 190 python3 -m pagoda.bench.fp8_tune --shapes llama3-8b --layers o --buckets 64,128 --out "$OUT/tune_o" \
+  2>&1 | grep -E "^(tune|sweep|FP8)" | cut -c1-240
+ls "$OUT/tune_o" 2>/dev/null
+echo "== llama3-8b fp8 batch-1 after 512 tokens [$(( $(date +%s) - start )) s]"
+if (( $(left) > 130 )); then
+  timeout 100 python3 -m pagoda.bench throughput --model llama3-8b --load-format dummy --quantization fp8 \
+    --num-prompts 8 --input-len 512 --input-len-jitter 0 --output-len 16 --latency-prompt-len 512 --timeout 90 \
+    --out "$OUT/figures_llama3-8b_fp8_b1.json" 2>&1 | grep -v "^[a-z-]*: {" | tail -2
+fi
+echo "== deepseek-v2-lite reference + batch-1 [$(( $(date +%s) - start )) s]"
+if (( $(left) > 120 )); then
+  timeout $(( $(left) - 5 )) python3 -m pagoda.bench throughput --model deepseek-v2-lite --load-format dummy \
+    --workload reference --latency-prompt-len 512 --timeout 100 --out "$OUT/figures_deepseek-v2-lite.json" 2>&1 \
+    | grep -v "^[a-z-]*: {" | tail -5
+fi
+echo "== done [$(( $(date +%s) - start )) s]"
