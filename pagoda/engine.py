@@ -7,6 +7,7 @@ before step N finishes when async scheduling is on.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pagoda.outputs import CompletionOutput, Counter, Gauge, Logprob, Metric, RequestOutput, StreamDelta
-from pagoda.services.grammar.compiler import GrammarChecker, ending_ids, fast_forward_tokens
+from pagoda.services.grammar.compiler import GrammarChecker, cache_key, ending_ids, fast_forward_tokens
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step, settle_idle
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
@@ -23,6 +24,8 @@ from pagoda.services.tokenizer.prompts import Prompt, encode_text_prompt, prompt
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device
+from pagoda.services.worker.grammar import GrammarRows
+from pagoda.services.worker.grammar_process import MaskProcess
 from pagoda.services.worker.model_runner import ModelRunner
 from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError
@@ -176,9 +179,14 @@ class LLMEngine:
         assert constraint is not None
         if self.tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
-        if self._grammars is None:
-            self._grammars = GrammarChecker(self.runner.grammars.tokenizer())
+        rows = self.runner.grammars
+        if self._grammars is None:  # in-process rows take the matcher this check builds: one compile, none in a step
+            keep = rows.adopt if isinstance(rows, GrammarRows) else None
+            self._grammars = GrammarChecker(rows.tokenizer(), keep=keep)
+        compiles_here = not self._grammars.cached(constraint)
         forced = self._grammars.check(constraint, None if constraint.reasoning_end else params.allowed_token_ids)
+        if compiles_here and isinstance(rows, MaskProcess):  # the grammar process builds its own now, not in a step
+            rows.prepare(hashlib.sha256(cache_key(constraint)).hexdigest(), constraint)
         if not self.config.grammar_fast_forward:
             return []
         scheduler = self.scheduler
@@ -230,6 +238,8 @@ class LLMEngine:
         completion gained. With async scheduling the next step is already running when this returns.
         deltas=False (LLM.generate): return nothing, and leave the text of completions without stop strings to
         their end (or to get_output): the same text, without a detokenizer call and a delta per row and step."""
+        if self.runner.grammars.preparing:  # the grammar process's answers to _forced_start's prepare: read, unused
+            self.runner.grammars.take_compiled()
         try:
             done = run_step(self.pipeline, self.runner.launch, self._finish_step)
         except BaseException:

@@ -3,6 +3,7 @@ n > 1, logprobs, stop strings, seeds and chat behave as documented."""
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 import pytest
 
 from pagoda import LLM, ContextLengthError, InvalidRequestError, Logprob, ModelNotFoundError, SamplingParams
+from pagoda.services.worker.grammar import GrammarRows
+from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES
 from pagoda.shared.errors import ConfigError
 from pagoda.shared.messages import StructuredOutputs
 
@@ -622,3 +625,25 @@ def test_get_metrics_are_the_engines_counters(llm: LLM) -> None:
                             ("vllm:kv_cache_usage_perc", "pagoda_kv_cache_usage_ratio")):
         assert type(after[vllm_name]) is type(after[name]) and after[vllm_name].value == after[name].value
         assert after[vllm_name].labels == {"model_name": llm.engine.config.model, "engine": "0"}
+
+
+def test_a_new_constraint_compiles_once_at_admission(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The matcher add_request's check builds is the one its rows copy: a large new constraint compiles once, before
+    add_request returns, and no step builds it again (a second compile there froze every row of the batch)."""
+    rows = llm.engine.runner.grammars
+    assert isinstance(rows, GrammarRows)  # on CPU the matchers live in this process
+    built: list[StructuredOutputs] = []
+    build = GrammarRows._build
+
+    def counted(tokenizer: Any, constraint: StructuredOutputs) -> Any:
+        built.append(constraint)
+        return build(tokenizer, constraint)
+
+    monkeypatch.setattr(GrammarRows, "_build", staticmethod(counted))
+    schema = {"type": "object", "description": "offline " + "x" * SLOW_COMPILE_MIN_BYTES, "additionalProperties": False,
+              "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}
+    constraint = StructuredOutputs(json=json.dumps(schema))
+    params = SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=constraint)
+    completions = llm.generate(["Pick a colour: red or blue?", "Your favourite colour, as JSON:"], [params, params])
+    assert [json.loads(c.outputs[0].text)["colour"] in ("red", "blue") for c in completions] == [True, True]
+    assert built == []

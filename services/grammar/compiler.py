@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,9 +291,13 @@ class GrammarOutcome:
 class GrammarChecker:
     """Compiles constraints against one tokenizer; remembers the last GRAMMAR_CACHE_SIZE outcomes."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = GRAMMAR_CACHE_SIZE,
+                 keep: Callable[[StructuredOutputs, llguidance.LLMatcher], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
+        # keep(constraint, pristine matcher): called after a compile that built, with an unused copy of the matcher
+        # (the offline engine hands it to its in-process GrammarRows, which then need not compile it again)
+        self.keep = keep
         self._outcomes: OrderedDict[bytes, GrammarOutcome] = OrderedDict()
         self._lock = threading.Lock()  # the cache's; a compile runs outside it (llguidance releases the GIL)
         self.last_compile_s = 0.0  # the latest compile that missed the cache (for figures and logs)
@@ -345,6 +349,7 @@ class GrammarChecker:
         self.last_compile_s = time.perf_counter() - started
         if matcher.is_error():
             return GrammarOutcome(matcher.get_error(), [], b"")
+        pristine = matcher.deep_copy() if self.keep is not None else None  # before the walk below moves it
         start_mask = matcher.compute_bitmask()
         may_end = any(start_mask[i // 8] >> (i % 8) & 1 for i in self.tokenizer.eos_tokens if i < 8 * len(start_mask))
         forced = list(matcher.compute_ff_tokens())
@@ -355,6 +360,8 @@ class GrammarChecker:
             return GrammarOutcome(f"its forced start cannot be walked: {why}", [], b"")
         if (why := _first_token_error(matcher, self.tokenizer.vocab_size)) is not None:
             return GrammarOutcome(f"its first free token passes a limit of the grammar engine: {why}", [], b"")
+        if self.keep is not None and pristine is not None:
+            self.keep(constraint, pristine)
         return GrammarOutcome("", forced, start_mask, may_end)
 
 

@@ -239,6 +239,17 @@ class GrammarRows:
             self._preparing.add(digest)
         future.add_done_callback(lambda _: notify(digest))
 
+    def adopt(self, constraint: StructuredOutputs, pristine: llguidance.LLMatcher) -> None:
+        """Take a matcher compiled elsewhere in this process with this tokenizer (the offline engine's admission
+        check), unless one is cached: rows that name the constraint copy it and never wait for a compile."""
+        assert not pristine.is_error(), "only a matcher that built"
+        key = cache_key(constraint)
+        with self._pristine_lock:
+            if self._pristine.get(key) is None:
+                built: Future[llguidance.LLMatcher] = Future()
+                built.set_result(pristine)
+                self._pristine.put(key, built, len(key))
+
     def take_compiled(self) -> list[str]:
         """The prepare()d constraints built since the last call."""
         built = []
