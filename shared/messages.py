@@ -548,6 +548,7 @@ class RenderSpec(msgspec.Struct, array_like=True, frozen=True, omit_defaults=Tru
     role: str = "assistant"  # chat: the answer's role (--response-role; no generation prompt: the last message's)
     # chat: function name -> parameter schema, for the tool-call parsers that type arguments by it (qwen3_coder)
     tool_parameters: dict[str, Any] = {}
+    include_reasoning: bool = True  # chat: false drops the reasoning the parser separates (vLLM's include_reasoning)
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, omit_defaults=True):
@@ -580,6 +581,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     # chat: the api's --tool-call-parser for this request ("": not given); the tokenizer asks for calls in the form it
     # reads where the template has a choice (a DeepSeek template: DeepSeek's tool list, else Hermes')
     tool_parser: str = ""
+    # chat: vLLM's retrieval documents, the template's `documents` (None: not given; last, so that an older sender's
+    # message decodes)
+    documents: list[dict[str, str]] | None = None
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -597,6 +601,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=Tr
     tools: list[dict[str, Any]] = []  # chat: tool definitions the template renders, as in generation
     chat_template_kwargs: dict[str, str | int | float | bool] = {}
     tool_parser: str = ""  # chat: as GenerateRequest's, so that a count is the prompt generation renders
+    documents: list[dict[str, str]] | None = None  # chat: as GenerateRequest's (the count routes pass them on)
 
 
 class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):

@@ -81,7 +81,8 @@ def _logprob(token: str) -> PositionLogprobs:
 
 SETTINGS = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
             "prompt_cache_key": None, "safety_identifier": None, "text": {"format": {"type": "text"}},
-            "tool_choice": "auto", "tools": [], "top_logprobs": 1, "user": None}
+            "tool_choice": "auto", "tools": [], "top_logprobs": 1, "user": None,
+            "reasoning": {"effort": None, "summary": None}}
 
 
 PLAIN = ChatOutputSpec()

@@ -281,7 +281,8 @@ def render_builders(renderer_of: Any, pieces: list[str], want_logprobs: bool) ->
 
 RESPONSE_SETTINGS = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
                      "prompt_cache_key": None, "safety_identifier": None, "text": {"format": {"type": "text"}},
-                     "tool_choice": "auto", "tools": [], "top_logprobs": 2, "user": None}
+                     "tool_choice": "auto", "tools": [], "top_logprobs": 2, "user": None,
+                     "reasoning": {"effort": None, "summary": None}}
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -251,7 +251,7 @@ class Handlers:
                           continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
                           tokens_as_ids=bool(body.return_tokens_as_token_ids),
                           echo_text=chat_echo_text(body, message, role), role=role,
-                          tool_parameters=output.tool_parameters)
+                          tool_parameters=output.tool_parameters, include_reasoning=output.include_reasoning)
         try:
             return await self._generate(request, [message], spec, started_at, _headers(body.deprecated_fields),
                                         constraint_param(body))
@@ -466,7 +466,8 @@ class Handlers:
         reply = await self._ask(TokenizeRequest(
             prompt.request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
             add_generation_prompt=prompt.add_generation_prompt, continue_final_message=prompt.continue_final_message,
-            tools=prompt.tools, chat_template_kwargs=prompt.chat_template_kwargs, tool_parser=prompt.tool_parser))
+            tools=prompt.tools, chat_template_kwargs=prompt.chat_template_kwargs, tool_parser=prompt.tool_parser,
+            documents=prompt.documents))
         assert isinstance(reply, TokenizeResult), type(reply).__name__
         return len(reply.token_ids)
 

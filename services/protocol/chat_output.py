@@ -34,10 +34,17 @@ class ChatOutputSpec:
     prompt_reasoning: str = ""  # where the prompt left the think block (reasoning.prompt_reasoning), once tokenized
     # function name -> parameter schema, for the parsers that type arguments by it (tools.tool_parameters)
     tool_parameters: dict[str, Any] = field(default_factory=dict)
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning the parser separates
 
     @property
     def active(self) -> bool:
         return self.tool_mode != "none" or self.reasoning_parser is not None
+
+    @property
+    def hides_reasoning(self) -> bool:
+        """The parser separates reasoning and the request asked not to see it (include_reasoning false): no
+        reasoning field, and no logprobs or token ids, which would spell it out (vLLM's)."""
+        return self.reasoning_parser is not None and not self.include_reasoning
 
 
 def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool]:
@@ -53,7 +60,7 @@ def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool
         message["tool_calls"] = [c.to_openai(new_call_id(spec.tool_parser)) for c in parsed]
     else:
         message["content"] = content
-    if spec.reasoning_parser is not None:
+    if spec.reasoning_parser is not None and spec.include_reasoning:
         message.update(reasoning_fields(reasoning))
     return message, _finished_calls(spec, content, calls)
 
@@ -114,16 +121,13 @@ class ChoiceStream:
         if self.reasoning is None:
             return self._content(text)
         reasoning, content = self.reasoning.push(text)
-        deltas = [reasoning_fields(reasoning)] if reasoning else []
-        return deltas + self._content(content)
+        return self._reasoning(reasoning) + self._content(content)
 
     def finish(self) -> tuple[list[dict[str, Any]], bool]:
         deltas: list[dict[str, Any]] = []
         if self.reasoning is not None:
             reasoning, content = self.reasoning.close()
-            if reasoning:
-                deltas.append(reasoning_fields(reasoning))
-            deltas += self._content(content)
+            deltas += self._reasoning(reasoning) + self._content(content)
         if self.spec.tool_mode == "named":
             # a call with no arguments written (the tokens ran out first) is still the whole message's call
             return deltas + self._named_header(), True
@@ -142,6 +146,10 @@ class ChoiceStream:
             if call.arguments:  # none written yet: a call cut short before its arguments
                 deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
         return deltas, _finished_calls(self.spec, held, calls)
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """The reasoning delta of `text`: none when empty, or when the request does not want it."""
+        return [reasoning_fields(text)] if text and self.spec.include_reasoning else []
 
     def _content(self, text: str) -> list[dict[str, Any]]:
         if not text:

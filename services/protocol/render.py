@@ -354,8 +354,15 @@ class ChatRenderer(Renderer):
             self.output = replace(self.output, prompt_reasoning=prompt_reasoning)
             self._streams = ChatStreams(self.output)
 
+    @property
+    def _hides_tokens(self) -> bool:
+        """include_reasoning false under a reasoning parser: the choice's logprobs and token ids, which would spell
+        the reasoning out, are not returned either (vLLM's)."""
+        return self.output is not None and self.output.hides_reasoning
+
     def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
-        logprobs = chat_logprobs(choice.logprobs, self.tokens_as_ids) if self.want_logprobs else None
+        hidden = self._hides_tokens
+        logprobs = chat_logprobs(choice.logprobs, self.tokens_as_ids) if self.want_logprobs and not hidden else None
         if self.output is not None:
             message, calls_tools = whole_message(self.output, choice.text)
             finish = _tools_finish(choice.finish_reason, calls_tools)
@@ -368,7 +375,7 @@ class ChatRenderer(Renderer):
                "stop_reason": choice.stop_reason}
         if self.prompt_logprobs and choice.index == 0:  # carried here, moved to the response by body()
             out["prompt_logprobs"] = self._prompt_logprobs(view, choice)
-        return self._with_ids(out, choice.token_ids)
+        return out if hidden else self._with_ids(out, choice.token_ids)
 
     def body(self, view: ResponseView, usage: dict[str, Any]) -> dict[str, Any]:
         out = super().body(view, usage)
@@ -398,15 +405,18 @@ class ChatRenderer(Renderer):
             if delta.finish_reason >= 0:
                 more, calls_tools = stream.finish()
                 parts += more
-            logprobs = chat_logprobs(delta.logprobs, self.tokens_as_ids) if self.want_logprobs else None
-            if (logprobs is not None or delta.token_ids) and not parts:
+            hidden = self._hides_tokens
+            logprobs = chat_logprobs(delta.logprobs, self.tokens_as_ids) if self.want_logprobs and not hidden \
+                else None
+            token_ids = [] if hidden else delta.token_ids
+            if (logprobs is not None or token_ids) and not parts:
                 parts = [{}]
             for i, part in enumerate(parts):
                 first = i == 0
-                out.append(self._chunk([self._with_ids({"index": choice.index, "delta": part,
-                                                        "logprobs": logprobs if first else None,
-                                                        "finish_reason": None},
-                                                       delta.token_ids if first else [])], choice))
+                part_choice = {"index": choice.index, "delta": part, "logprobs": logprobs if first else None,
+                               "finish_reason": None}
+                out.append(self._chunk([part_choice if hidden else
+                                        self._with_ids(part_choice, token_ids if first else [])], choice))
             if delta.finish_reason >= 0:
                 out.append(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
                                          "finish_reason": _tools_finish(delta.finish_reason, calls_tools),
@@ -453,7 +463,7 @@ def renderer_for(spec: RenderSpec, prompt_reasoning: str = "") -> Renderer:
             "tokens_as_ids": spec.tokens_as_ids}
     if spec.route == CHAT:
         output = ChatOutputSpec(spec.tool_mode, spec.tool_parser, spec.tool_name, spec.reasoning_parser,
-                                spec.max_calls, prompt_reasoning, spec.tool_parameters)
+                                spec.max_calls, prompt_reasoning, spec.tool_parameters, spec.include_reasoning)
         return ChatRenderer(spec.response_id, spec.model, spec.created, want_logprobs=spec.want_logprobs,
                             include_usage=spec.include_usage, output=output, return_token_ids=spec.return_token_ids,
                             echo_text=spec.echo_text, role=spec.role, **vllm)

@@ -20,7 +20,7 @@ import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream
 from pagoda.services.protocol.render import Choice, Renderer, ResponseView, chat_logprobs, encode_json
-from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, decode_body
+from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, check_reasoning_effort, decode_body
 from pagoda.services.protocol.schemas import reject_unknown_keys as _keys
 from pagoda.services.protocol.schemas import require as _require
 from pagoda.shared.errors import InvalidRequestError, PagodaError
@@ -89,7 +89,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # NO_OP_VALUES
     background: bool | None = None
     truncation: str | None = None
-    reasoning: dict[str, Any] | None = None  # null fields only: effort and summaries are not passed to templates
+    reasoning: dict[str, Any] | None = None  # effort: chat's reasoning_effort; any other key only null (no summaries)
     # vLLM's extensions of its ResponsesRequest, as chat takes them; chat_template_kwargs and truncation as chat's
     top_k: int | None = None
     repetition_penalty: float | None = None
@@ -170,7 +170,7 @@ def to_chat(body: ResponsesBody) -> ChatForm:
         include_stop_str_in_output=body.include_stop_str_in_output, priority=body.priority,
         cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, structured_outputs=body.structured_outputs,
         chat_template_kwargs=body.chat_template_kwargs, truncate_prompt_tokens=body.truncate_prompt_tokens,
-        truncation_side=body.truncation_side, service_tier=body.service_tier)
+        truncation_side=body.truncation_side, service_tier=body.service_tier, reasoning_effort=_effort(body))
     constraint = None
     if body.tool_choice == "required" or (isinstance(body.tool_choice, dict) and body.tool_choice.get("mode")
                                            != "auto"):
@@ -185,8 +185,13 @@ def to_chat(body: ResponsesBody) -> ChatForm:
         "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
         "text": {"format": echo_format}, "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "tools": echo_tools, "top_logprobs": body.top_logprobs if body.top_logprobs is not None else 0,
-        "user": body.user}
+        "user": body.user, "reasoning": {"effort": _effort(body), "summary": None}}
     return ChatForm(chat, constraint, settings)
+
+
+def _effort(body: ResponsesBody) -> str | None:
+    """`reasoning.effort` (checked by _check_reasoning), or None."""
+    return (body.reasoning or {}).get("effort")
 
 
 def _check_fields(body: ResponsesBody) -> None:
@@ -195,9 +200,7 @@ def _check_fields(body: ResponsesBody) -> None:
     for name, (values, reason) in NO_OP_VALUES.items():
         value = getattr(body, name)
         _require(value in values, name, f"{name} {value!r} is not supported: {reason}")
-    for key, value in (body.reasoning or {}).items():
-        _require(value is None, f"reasoning.{key}", f"reasoning.{key} is not supported: reasoning settings are not "
-                                                    "passed to chat templates; use chat_template_kwargs")
+    _check_reasoning(body.reasoning or {})
     _require(body.stream_options is None or bool(body.stream), "stream_options",
              "stream_options is only allowed when stream is true")
     options = body.stream_options or {}
@@ -209,6 +212,17 @@ def _check_fields(body: ResponsesBody) -> None:
         len(k) <= MAX_METADATA_KEY_CHARS and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items()),
         "metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY_CHARS} "
                     f"characters and values of at most {MAX_METADATA_VALUE_CHARS}")
+
+
+def _check_reasoning(reasoning: dict[str, Any]) -> None:
+    """`reasoning.effort` is chat's reasoning_effort (vLLM's Responses passes it to the template the same way);
+    summaries are not made (the reasoning comes back whole, as a reasoning item's text), so `summary`,
+    `generate_summary` and any other key are taken only null."""
+    check_reasoning_effort(reasoning.get("effort"), "reasoning.effort")
+    for key, value in reasoning.items():
+        _require(key == "effort" or value is None, f"reasoning.{key}",
+                 f"reasoning.{key} is not supported: no reasoning summaries are made (with --reasoning-parser the "
+                 "reasoning comes back whole, as a reasoning item); reasoning.effort is the one setting taken")
 
 
 def _include(include: list[str]) -> bool:
@@ -737,7 +751,7 @@ class ResponsesRenderer(Renderer):
             "max_tool_calls": None, "metadata": self.settings["metadata"], "model": self.model,
             "output": [item.json(self.tokens_as_ids) for item in self.builder.items],
             "parallel_tool_calls": self.settings["parallel_tool_calls"], "previous_response_id": None,
-            "prompt_cache_key": self.settings["prompt_cache_key"], "reasoning": {"effort": None, "summary": None},
+            "prompt_cache_key": self.settings["prompt_cache_key"], "reasoning": self.settings["reasoning"],
             "safety_identifier": self.settings["safety_identifier"], "service_tier": "default",
             "temperature": self.temperature, "text": self.settings["text"],
             "tool_choice": self.settings["tool_choice"], "tools": self.settings["tools"],

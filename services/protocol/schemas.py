@@ -141,6 +141,10 @@ class MessageBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parsed: Any = None  # the SDK's own parse of `content`, which is kept
 
 
+# vLLM's reasoning_effort values (OpenAI's, and "max" of DeepSeek V4's templates): the chat template's variable
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 class ChatBody(_GenerationBody):
     messages: Annotated[list[MessageBody], msgspec.Meta(max_length=MAX_TURNS)]
     max_tokens: int | None = None
@@ -155,6 +159,12 @@ class ChatBody(_GenerationBody):
     chat_template_kwargs: dict[str, str | int | float | bool] | None = None
     echo: bool | None = None  # vLLM's: the reply's content starts with the last message (the one continued)
     service_tier: str | None = None  # OpenAI's: SERVICE_TIERS only (the Responses API's too)
+    # vLLM's: the template's `reasoning_effort`, and `enable_thinking` unless chat_template_kwargs sets it
+    reasoning_effort: str | None = None
+    include_reasoning: bool | None = None  # vLLM's: false drops the reasoning the parser separates (default true)
+    # vLLM's: retrieval documents, the template's `documents` (Command-R / Granite RAG templates); each renders once,
+    # as a turn does, so they are bounded as turns are, and their text counts in --max-prompt-bytes (prompt_bytes)
+    documents: Annotated[list[dict[str, str]], msgspec.Meta(max_length=MAX_TURNS)] | None = None
 
 
 # OpenAI's service tiers that name this server's one tier; flex, scale and priority would be ignored, so are refused
@@ -640,7 +650,8 @@ def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | N
     return ChatOutputSpec(tool_mode=mode, tool_parser=tool_parser, tool_name=name,
                           reasoning_parser=reasoning_parser,
                           max_calls=1 if body.parallel_tool_calls is False else 0,
-                          tool_parameters=tool_parameters(tool_parser, tools) if mode == "auto" else {})
+                          tool_parameters=tool_parameters(tool_parser, tools) if mode == "auto" else {},
+                          include_reasoning=body.include_reasoning is not False)
 
 
 _WHOLE_OUTPUT_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -667,6 +678,25 @@ def _chat_checks(body: ChatBody) -> None:
     _require(all(MIN_INT64 <= v <= MAX_INT64 for v in (body.chat_template_kwargs or {}).values()
                  if isinstance(v, int)), "chat_template_kwargs",
              f"chat_template_kwargs integers must be in [{MIN_INT64}, {MAX_INT64}]")
+    check_reasoning_effort(body.reasoning_effort, "reasoning_effort")
+
+
+def check_reasoning_effort(effort: object, param: str) -> None:
+    """A 400 naming `param` unless `effort` is null or one of REASONING_EFFORTS (vLLM's Literal)."""
+    _require(effort is None or effort in REASONING_EFFORTS, param,
+             f"{param} must be one of {', '.join(REASONING_EFFORTS)} (or null), got {effort!r}")
+
+
+def chat_template_variables(body: ChatBody) -> dict[str, str | int | float | bool]:
+    """The variables the chat template gets beside the conversation, as vLLM's build_chat_params merges them:
+    chat_template_kwargs, then reasoning_effort as given and, unless chat_template_kwargs sets it, enable_thinking =
+    (reasoning_effort != "none"). A template reads whichever it declares (Jinja ignores the others). The field wins
+    over a `reasoning_effort` key in chat_template_kwargs (vLLM's merge puts the request's fields last)."""
+    variables = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        variables["reasoning_effort"] = body.reasoning_effort
+        variables.setdefault("enable_thinking", body.reasoning_effort != "none")
+    return variables
 
 
 def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logprobs: int = MAX_TOP_LOGPROBS,
@@ -702,12 +732,12 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
     add_generation_prompt = not continue_final if body.add_generation_prompt is None else body.add_generation_prompt
     return GenerateRequest(
         request_id, params, messages=messages, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final, chat_template_kwargs=body.chat_template_kwargs or {},
+        continue_final_message=continue_final, chat_template_kwargs=chat_template_variables(body),
         # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
         arrival_time=arrival_time, tools=tools if mode != "none" else [],
         return_token_ids=bool(body.return_token_ids), cache_salt=check_cache_salt(body.cache_salt),
-        prompt_cache_key=check_prompt_cache_key(body.prompt_cache_key))
+        prompt_cache_key=check_prompt_cache_key(body.prompt_cache_key), documents=body.documents)
 
 
 def tokenize_tools(body: TokenizeBody) -> list[dict[str, Any]]:
@@ -735,7 +765,8 @@ def prompt_bytes(body: object) -> int:
     """UTF-8 bytes of the text a body asks to tokenize; ids count 0.
 
     Prompt strings, message contents, the assistant turns' tool calls (name and arguments: the template renders
-    them) and reasoning, and the tool definitions (as JSON, the form templates render them in)."""
+    them) and reasoning, retrieval documents (their keys and values), and the tool definitions (as JSON, the form
+    templates render them in)."""
     texts: list[str] = []
     prompt = getattr(body, "prompt", None)
     if isinstance(prompt, str):
@@ -752,6 +783,8 @@ def prompt_bytes(body: object) -> int:
         reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
         if isinstance(reasoning, str) and message.role == "assistant":  # an earlier answer's: the template's
             texts.append(reasoning)
+    for document in getattr(body, "documents", None) or []:
+        texts.extend(text for pair in document.items() for text in pair)
     # len() of a str counts code points; up to 4 bytes each, so encode only when it could matter
     text_bytes = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
     tools = getattr(body, "tools", None)

@@ -57,9 +57,11 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
                     messages: list[ChatMessage] | None, add_special_tokens: bool = True,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None, tool_parser: str = "") -> Prompt:
+                    tools: list[dict[str, Any]] | None = None, tool_parser: str = "",
+                    documents: list[dict[str, str]] | None = None) -> Prompt:
     """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault. `tool_parser`: the
-    parser that reads the answer's calls, where the template leaves the call form open (tool_conversation)."""
+    parser that reads the answer's calls, where the template leaves the call form open (tool_conversation).
+    `documents`: a chat's retrieval documents, for the template."""
     if sum(field is not None for field in (prompt_text, prompt_token_ids, messages)) != 1:
         raise InvalidRequestError("exactly one of a prompt, prompt token ids or messages must be given",
                                   param="prompt")
@@ -76,7 +78,7 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
             conversation, tools = tool_conversation(template, chat_dicts(messages), tools, tool_parser)
             text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
                                          continue_final_message=continue_final_message,
-                                         chat_template_kwargs=chat_template_kwargs)
+                                         chat_template_kwargs=chat_template_kwargs, documents=documents)
             return Prompt(tokenizer.encode(text, add_special_tokens=False), text, param)
         assert prompt_text is not None
         return encode_text_prompt(tokenizer, prompt_text, add_special_tokens, param)
@@ -178,16 +180,18 @@ TURN_CHARS = 32  # what a chat template writes around one turn or one tool call 
 
 
 def prompt_chars(prompt_text: str | None, messages: list[ChatMessage] | None,
-                 tools: list[dict[str, Any]] | None = None) -> int:
-    """Characters to render and tokenize, estimated: what decides whether the work moves off the loop. Every turn
-    and tool call counts with the text its template writes around it, and the tool definitions with their JSON, so a
-    conversation of many empty turns or calls (200k tool calls, 27 MiB: seconds of rendering) counts as the work it
-    is and does not hold the loop, and the heartbeats, up."""
+                 tools: list[dict[str, Any]] | None = None, documents: list[dict[str, str]] | None = None) -> int:
+    """Characters to render and tokenize, estimated: what decides whether the work moves off the loop. Every turn,
+    tool call and retrieval document counts with the text its template writes around it, and the tool definitions
+    with their JSON, so a conversation of many empty turns or calls (200k tool calls, 27 MiB: seconds of rendering)
+    counts as the work it is and does not hold the loop, and the heartbeats, up."""
     total = len(prompt_text or "")
     for message in messages or []:
         total += TURN_CHARS + len(message.content) + len(message.name or "") + len(message.tool_call_id or "")
         total += len(message.reasoning or "")
         total += sum(TURN_CHARS + len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
+    for document in documents or []:  # each rendered as a turn is
+        total += TURN_CHARS + sum(len(key) + len(value) for key, value in document.items())
     if tools:
         total += len(msgspec.json.encode(tools))
     return total
@@ -209,7 +213,7 @@ def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest, info:
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
                              chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None,
-                             tool_parser=request.tool_parser)
+                             tool_parser=request.tool_parser, documents=request.documents)
     room = prompt_room(info.max_model_len, info.max_num_tokens, request.params.max_tokens)
     return truncate_prompt(tokenizer, prompt, request.params, room)
 
@@ -222,7 +226,7 @@ def tokenize_result(tokenizer: Tokenizer | None, request: TokenizeRequest, max_m
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
                              chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None,
-                             tool_parser=request.tool_parser)
+                             tool_parser=request.tool_parser, documents=request.documents)
     token_strs = ([token_str(tokenizer, t) for t in prompt.token_ids]
                   if request.return_token_strs and tokenizer is not None else [])
     return TokenizeResult(request.request_id, prompt.token_ids, max_model_len, token_strs)

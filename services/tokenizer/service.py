@@ -270,7 +270,8 @@ class TokenizerService:
                 self._grammars.prepare(constraint)
             return prompt
 
-        large = prompt_chars(request.prompt_text, request.messages, request.tools) >= OFFLOAD_MIN_CHARS
+        large = prompt_chars(request.prompt_text, request.messages, request.tools,
+                             request.documents) >= OFFLOAD_MIN_CHARS
         self._offload.run(request_id, api, job, large or compile_first,
                           lambda prompt: self._admit(api, request, prompt),
                           lambda exc: self._fail(api, request_id, exc), bounded=large)
@@ -339,7 +340,8 @@ class TokenizerService:
 
     def _on_tokenize(self, api: int, request: TokenizeRequest, info: ModelInfo) -> None:
         self._work(api, request.request_id, lambda: tokenize_result(self._tokenizer, request, info.max_model_len),
-                   prompt_chars(request.prompt_text, request.messages, request.tools) >= OFFLOAD_MIN_CHARS,
+                   prompt_chars(request.prompt_text, request.messages, request.tools,
+                                request.documents) >= OFFLOAD_MIN_CHARS,
                    lambda result: self._send_api(api, result))
 
     def _on_detokenize(self, api: int, request: DetokenizeRequest) -> None:

@@ -158,8 +158,11 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
-        """The prompt text the model's chat template makes of `messages`."""
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    documents: list[dict[str, str]] | None = None) -> str:
+        """The prompt text the model's chat template makes of `messages`. `documents`: retrieval documents, given to
+        the template as transformers' `documents` argument (vLLM's chat field; a template without them ignores
+        them); chat_template_kwargs may not set them, nor any other of transformers' own arguments."""
         if self._hf.chat_template is None:
             raise InvalidRequestError(f"the model's tokenizer in {str(self.path)!r} has no chat template; "
                                       "use the completions endpoint", param="messages",
@@ -182,7 +185,7 @@ class Tokenizer:
         try:
             text = self._hf.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False,
+                continue_final_message=continue_final_message, tokenize=False, documents=documents,
                 **kwargs)
         except jinja2.TemplateError as exc:
             # Templates reject conversations themselves (raise_exception: roles must alternate, ...).
