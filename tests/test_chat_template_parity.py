@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagoda.services.protocol.schemas import MessageBody, chat_messages
+from pagoda.services.protocol.schemas import ChatBody, MessageBody, chat_messages, chat_request, decode_body
 from pagoda.services.tokenizer.conversation import arguments_as_text, content_format
 from pagoda.services.tokenizer.prompts import generate_prompt, tokenize_prompt, tokenize_result
 from pagoda.services.tokenizer.tokenizer import Tokenizer
@@ -602,24 +602,114 @@ def test_a_variable_the_template_needs_comes_from_chat_template_kwargs(tmp_path:
     assert served(tokenizer, messages, persona="pirate")[0] == want == "HiPIRATE"
 
 
+# A reasoning model's switches (gpt-oss / DeepSeek-V4 style `reasoning_effort`, Qwen3 / Gemma style
+# `enable_thinking`), each read only where defined, and Command-R / Granite style retrieval documents.
+EFFORT = """{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+    {%- if reasoning_effort is defined %}{{- '<effort>' + reasoning_effort + '</effort>' }}{%- endif %}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+EFFORT_AND_DOCUMENTS = DOCUMENTS.replace("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+                                         EFFORT.split("{%- endfor %}\n", 1)[1])
+DOCS = [{"title": "Oslo", "text": "Rain, 9 C."}, {"title": "Paris", "text": "Sun, 21 C.", "url": "https://x"}]
+INFO = ModelInfo(max_model_len=4096, vocab_size=49152, max_num_tokens=4096, eos_token_ids=[2])
+
+
+def served_body(tokenizer: Tokenizer, body: dict[str, Any]) -> str | None:
+    """The prompt text of a chat completions body, through the api's checks (schemas) and the tokenizer's render."""
+    request = chat_request(decode_body(json.dumps(body).encode(), ChatBody), "r", 0.0)
+    return generate_prompt(tokenizer, request, INFO).text
+
+
+# reasoning_effort, chat_template_kwargs -> the variables vLLM's build_chat_params gives the template
+EFFORT_CASES = [
+    ("low", None, {"reasoning_effort": "low", "enable_thinking": True}),
+    ("none", None, {"reasoning_effort": "none", "enable_thinking": False}),
+    ("max", None, {"reasoning_effort": "max", "enable_thinking": True}),
+    ("high", {"enable_thinking": False}, {"reasoning_effort": "high", "enable_thinking": False}),  # the client's
+    ("none", {"enable_thinking": True}, {"reasoning_effort": "none", "enable_thinking": True}),
+    ("low", {"reasoning_effort": "high"}, {"reasoning_effort": "low", "enable_thinking": True}),  # the field's
+    (None, {"reasoning_effort": "high"}, {"reasoning_effort": "high"}),
+    (None, None, {}),
+]
+
+
+@pytest.mark.parametrize("effort, kwargs, variables", EFFORT_CASES)
+def test_reasoning_effort_reaches_the_template_as_vllm_gives_it(tmp_path: Path, effort: str | None,
+                                                                kwargs: dict[str, Any] | None,
+                                                                variables: dict[str, Any]) -> None:
+    """vLLM's reasoning_effort: the template's `reasoning_effort`, and `enable_thinking` = (effort != "none") unless
+    chat_template_kwargs sets it (the client's then wins); the field wins over a `reasoning_effort` key there (vLLM's
+    merge). A template reads whichever it declares: the same request renders on one that declares neither."""
+    tokenizer = Tokenizer(tokenizer_folder(tmp_path / "effort", EFFORT))
+    messages = [{"role": "user", "content": "Hi"}]
+    body = {"messages": messages, "reasoning_effort": effort, "chat_template_kwargs": kwargs}
+    want = oracle_text(EFFORT, messages, "string", **variables)
+    assert served_body(tokenizer, body) == want
+    if effort is not None:
+        assert f"<effort>{variables['reasoning_effort']}</effort>" in want
+    assert ("<think>\n\n</think>" in want) == (variables.get("enable_thinking") is False)
+    plain = Tokenizer(tokenizer_folder(tmp_path / "plain", FIRST_AS_STRING))
+    assert served_body(plain, body) == oracle_text(FIRST_AS_STRING, messages, "string")
+
+
+def test_documents_reach_a_documents_template(tmp_path: Path) -> None:
+    """vLLM's documents: transformers' `documents` argument, which a RAG template renders (with reasoning_effort
+    beside them); a template without them renders as without. chat_template_kwargs still may not set them."""
+    tokenizer = Tokenizer(tokenizer_folder(tmp_path / "rag", EFFORT_AND_DOCUMENTS))
+    messages = [{"role": "user", "content": "Weather?"}]
+    body = {"messages": messages, "documents": DOCS, "reasoning_effort": "none"}
+    want = oracle_text(EFFORT_AND_DOCUMENTS, messages, "string", documents=DOCS, reasoning_effort="none",
+                       enable_thinking=False)
+    assert "Document 1: Paris\nSun, 21 C." in want and "<effort>none</effort><think>" in want
+    assert served_body(tokenizer, body) == want
+    request = chat_request(decode_body(json.dumps(body).encode(), ChatBody), "r", 0.0)
+    count = TokenizeRequest("t", messages=request.messages, chat_template_kwargs=request.chat_template_kwargs,
+                            documents=request.documents)  # the count routes' request renders them too
+    assert tokenize_result(tokenizer, count, 4096).token_ids == oracle_ids(want)
+    assert served_body(tokenizer, {"messages": messages, "documents": []}) == oracle_text(
+        EFFORT_AND_DOCUMENTS, messages, "string")
+    plain = Tokenizer(tokenizer_folder(tmp_path / "plain", FIRST_AS_STRING))
+    assert served_body(plain, body) == oracle_text(FIRST_AS_STRING, messages, "string")
+    with pytest.raises(InvalidRequestError) as caught:
+        tokenizer.render_chat(messages, chat_template_kwargs={"documents": DOCS})
+    assert caught.value.param == "chat_template_kwargs"
+
+
 # ------------------------------------------------------------------------------------------------------------
 # through the server: /tokenize of a random-weight model carrying a template
 
 
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201  (an Iterator[tests.harness.Server])
-    """`pagoda serve` of a 1-layer random Llama over SmolLM2's vocabulary with the Llama-3.1-style template."""
+def random_llama(folder: Path, template: str) -> Path:
+    """A 1-layer random Llama over SmolLM2's vocabulary carrying `template`, in `folder`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.harness import running_server
-
-    folder = tokenizer_folder(tmp_path_factory.mktemp("served") / "tiny-llama31", LLAMA31)
+    tokenizer_folder(folder, template)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201  (an Iterator[tests.harness.Server])
+    """`pagoda serve` of a 1-layer random Llama over SmolLM2's vocabulary with the Llama-3.1-style template."""
+    from tests.harness import running_server
+
+    with running_server(random_llama(tmp_path_factory.mktemp("served") / "tiny-llama31", LLAMA31)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def rag_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201  (an Iterator[tests.harness.Server])
+    """The same random Llama with a template that renders retrieval documents and the reasoning switches."""
+    from tests.harness import running_server
+
+    folder = random_llama(tmp_path_factory.mktemp("served") / "tiny-rag", EFFORT_AND_DOCUMENTS)
     with running_server(folder) as server:
         yield server
 
@@ -651,3 +741,32 @@ def test_tokenize_serves_the_template_prompt(llama_server: Any) -> None:
     response = httpx.post(url, json=two_calls, timeout=30)
     assert response.status_code == 400, response.text
     assert "only supports single tool-calls" in response.json()["error"]["message"]
+
+
+def test_chat_completions_render_documents_and_reasoning_effort(rag_server: Any) -> None:
+    """Over HTTP: the prompt a chat completion runs (its prompt_token_ids) is transformers' rendering with the
+    documents and vLLM's reasoning variables; a bad effort or bad documents are a 400 naming the field."""
+    url = rag_server.url + "/v1/chat/completions"
+    messages = [{"role": "user", "content": "Weather?"}]
+    cases = [({"documents": DOCS, "reasoning_effort": "none"},
+              {"documents": DOCS, "reasoning_effort": "none", "enable_thinking": False}),
+             ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+              {"reasoning_effort": "low", "enable_thinking": False}),
+             ({}, {})]
+    for fields, variables in cases:
+        body = {"messages": messages, "max_tokens": 1, "return_token_ids": True, **fields}
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        want = oracle_text(EFFORT_AND_DOCUMENTS, messages, "string", **variables)
+        assert response.json()["prompt_token_ids"] == oracle_ids(want), fields
+    refused = [({"reasoning_effort": "extreme"}, "reasoning_effort", "none, minimal, low, medium, high, xhigh, max"),
+               ({"reasoning_effort": 1}, "reasoning_effort", "str"),
+               ({"documents": "Oslo: rain"}, "documents", "array"),
+               ({"documents": [{"title": "Oslo", "rank": 1}]}, "documents[0]", "str"),
+               ({"documents": [["Oslo"]]}, "documents[0]", "object"),
+               ({"include_reasoning": "no"}, "include_reasoning", "bool")]
+    for fields, param, needle in refused:
+        response = httpx.post(url, json={"messages": messages, "max_tokens": 1, **fields}, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and needle in error["message"], error
