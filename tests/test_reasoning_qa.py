@@ -163,6 +163,29 @@ def test_hermes_calls_inside_the_thinking_are_no_calls() -> None:
         assert "tool_call" in message["reasoning"] and not message["content"]
 
 
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_content(tokenizer: Any, parser: str,
+                                                                          prompt: str) -> None:
+    """vLLM's include_reasoning=false: what the parser separates as reasoning is not returned, whole (neither
+    `reasoning` nor `reasoning_content`) or streamed (no reasoning delta, none empty either); the content is the
+    one include_reasoning=true gives, at every cut."""
+    rng = random.Random(f"hidden{parser}{prompt}")
+    texts = ["", "<think>only thinking", "<think>a</think>\n\nb", "plain answer"]
+    texts += ["".join(rng.choice(WORDS) for _ in range(rng.randint(1, 7))) for _ in range(20)]
+    shown = ChatOutputSpec(reasoning_parser=parser, prompt_reasoning=prompt)
+    hidden = ChatOutputSpec(reasoning_parser=parser, prompt_reasoning=prompt, include_reasoning=False)
+    assert hidden.hides_reasoning and not shown.hides_reasoning
+    for text in texts:
+        message, _ = whole_message(hidden, text)
+        assert message == {"role": "assistant", "content": whole_message(shown, text)[0]["content"]}, text
+        for pieces in (_token_pieces(tokenizer, text), [text[:len(text) // 2], text[len(text) // 2:]]):
+            stream = ChoiceStream(hidden)
+            deltas = [d for piece in pieces for d in stream.push(piece)] + stream.finish()[0]
+            assert all(set(d) == {"content"} and d["content"] for d in deltas), (text, deltas)
+            assert "".join(d["content"] for d in deltas) == message["content"], text
+
+
 # The routes, on one SmolLM2 server with the qwen3 parser
 
 
@@ -280,3 +303,49 @@ def test_a_system_prompt_that_mentions_think_tags_opens_no_block(server: Server)
     body = {"messages": messages, "max_tokens": 6, "temperature": 0, "logit_bias": {"44": -100}}  # no `<`
     message = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
     assert message["content"] and message["reasoning"] is None
+
+
+def _lines(server: Server, body: dict[str, Any]) -> list[str]:
+    """The SSE data lines of a streamed chat completion, [DONE] included."""
+    with http_client().stream("POST", server.url + "/v1/chat/completions",
+                              json={"model": SERVED, "stream": True, **body}, timeout=60) as response:
+        assert response.status_code == 200
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_include_reasoning_false_returns_no_reasoning_whole_or_streamed(server: Server) -> None:
+    """include_reasoning=false: an answer that was all reasoning comes back with no reasoning field and empty content,
+    its tokens counted in usage; its logprobs null and its token ids absent (vLLM's: they would spell the reasoning
+    out). Streamed, no delta carries reasoning, and the stream still ends: the finish chunk, the usage, [DONE]."""
+    body = _prefilled("<think>\n", max_tokens=12, logprobs=True, return_token_ids=True)
+    shown = _post(server, "/v1/chat/completions", body)["choices"][0]
+    assert shown["message"]["reasoning"] and shown["logprobs"] and shown["token_ids"]
+    answer = _post(server, "/v1/chat/completions", {**body, "include_reasoning": False})
+    choice = answer["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": ""}, choice
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None and "token_ids" not in choice
+    assert answer["usage"]["completion_tokens"] == 12 and answer["prompt_token_ids"]
+    lines = _lines(server, {**body, "include_reasoning": False, "stream_options": {"include_usage": True}})
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert deltas[0]["delta"]["role"] == "assistant" and deltas[-1]["finish_reason"] == "length"
+    assert all("reasoning" not in d["delta"] and "reasoning_content" not in d["delta"] and d["logprobs"] is None
+               and "token_ids" not in d for d in deltas[1:]), deltas
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_include_reasoning_false_keeps_the_answer_after_the_thinking(server: Server) -> None:
+    """Thinking, then `</think>` (nudged with logit_bias), then an answer: include_reasoning=false returns the same
+    content as true, whole and streamed, without the reasoning."""
+    nudge = {str(i): 12 for i in (9617, 17400, 46)}  # SmolLM2's `</`, `think`, `>`
+    body = _prefilled("<think>\nok", max_tokens=20, logit_bias=nudge)
+    shown = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert shown["reasoning"] is not None and shown["content"]
+    hidden = _post(server, "/v1/chat/completions", {**body, "include_reasoning": False})["choices"][0]["message"]
+    assert hidden == {"role": "assistant", "content": shown["content"]}
+    deltas = [c["choices"][0]["delta"] for c in _events(server, "/v1/chat/completions",
+                                                         {**body, "include_reasoning": False}) if c["choices"]]
+    assert not any("reasoning" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == shown["content"]
