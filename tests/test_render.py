@@ -142,3 +142,30 @@ def test_abnormal_ends_render_nothing() -> None:
         assert bool(renderer.render(TextDelta("r", 0, "hi", 1))) == stream
         assert renderer.render(TextDelta("r", 0, "", 0, FinishReason.ABORT)) == b""
         assert renderer.render(TextDelta("r", 0, "", 0, FinishReason.ERROR)) == b""
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_hidden_reasoning_renders_the_same_on_both_sides_without_it(stream: bool) -> None:
+    """include_reasoning false under a reasoning parser (RenderSpec.include_reasoning): the tokenizer's bytes are the
+    api's, with no reasoning and, as vLLM's, no logprobs or token ids of the choice (the prompt's ids stay)."""
+    spec = RenderSpec(CHAT, "resp-1", "m", 1700000000, stream, want_logprobs=True, include_usage=True,
+                      return_token_ids=True, reasoning_parser="qwen3", include_reasoning=False)
+    steps = steps_of(["r0"], 2, TEXTS["reasoning"], True, False, True, [FinishReason.STOP, FinishReason.LENGTH])
+    expected, view = api_side(spec, 2, [""], [[10, 11, 12]], steps)
+    rendered, choices = tokenizer_side(spec, 2, [""], [[10, 11, 12]], steps)
+    if stream:
+        assert rendered == expected
+        chunks = [msgspec.json.decode(line[6:]) for line in rendered.split(b"\n\n") if line.startswith(b"data: ")]
+        deltas = [c["choices"][0] for c in chunks if c["choices"] and "role" not in c["choices"][0]["delta"]]
+        assert "".join(d["delta"].get("content") or "" for d in deltas if d["index"] == 0) == "The answer is 4."
+    else:
+        for choice in view.choices:
+            choice.rendered = choices[choice.index]
+        body = msgspec.json.decode(msgspec.json.encode(renderer_for(spec).body(view, usage_dict(3, 12, 0))))
+        deltas = body["choices"]
+        # the second completion's `<THINK>` is no marker: all content
+        assert [d["message"] for d in deltas] == [{"role": "assistant", "content": "The answer is 4."},
+                                                  {"role": "assistant", "content": "".join(TEXTS["reasoning"]).upper()}]
+        assert body["prompt_token_ids"] == [10, 11, 12]
+    assert b"reasoning" not in rendered + b"".join(choices.values())
+    assert all(d["logprobs"] is None and "token_ids" not in d for d in deltas), deltas
