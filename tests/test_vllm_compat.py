@@ -20,6 +20,7 @@ from pagoda.services.protocol.schemas import (
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
+    chat_output_spec,
     chat_request,
     completion_params,
     decode_body,
@@ -568,3 +569,43 @@ def test_seed_minus_one_is_vllms_no_seed() -> None:
     assert completion_params(decode_body(b'{"prompt": "Hi", "seed": 7}', CompletionBody)).seed == 7
     chat = decode_body(b'{"messages": [{"role": "user", "content": "Hi"}], "seed": -1}', ChatBody)
     assert chat_request(chat, "r", 0.0).params.seed is None
+
+
+def _chat_refusal(fields: dict[str, Any]) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as caught:
+        chat_request(decode_body(json.dumps({"messages": CHAT, **fields}).encode(), ChatBody), "r", 0.0)
+    return caught.value
+
+
+@pytest.mark.parametrize("fields, param, needle", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "none, minimal, low, medium, high, xhigh, max"),
+    ({"reasoning_effort": "LOW"}, "reasoning_effort", "must be one of"),
+    ({"reasoning_effort": 2}, "reasoning_effort", "Expected `str | null`"),
+    ({"include_reasoning": "false"}, "include_reasoning", "Expected `bool | null`"),
+    ({"include_reasoning": 0}, "include_reasoning", "Expected `bool | null`"),
+    ({"documents": {"title": "t", "text": "x"}}, "documents", "Expected `array | null`"),
+    ({"documents": [{"title": "t", "year": 2024}]}, "documents[0]", "Expected `str`"),
+    ({"documents": ["x"]}, "documents[0]", "Expected `object`"),
+    ({"documents": [{"text": "x"}] * 16_385}, "documents", "length <= 16384"),
+])
+def test_reasoning_and_documents_fields_are_checked(fields: dict[str, Any], param: str, needle: str) -> None:
+    """vLLM's reasoning_effort (its Literal), include_reasoning (a bool) and documents (objects of strings, at most as
+    many as the turns of a conversation): anything else is a 400 naming the field."""
+    error = _chat_refusal(fields)
+    assert error.param == param and needle in error.message, error.message
+
+
+def test_reasoning_and_documents_fields_are_taken() -> None:
+    """Every effort vLLM takes, include_reasoning either way, documents: the request goes on, carrying them (the
+    effort as the template variables, the documents as their own field); null is not set."""
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        body = decode_body(json.dumps({"messages": CHAT, "reasoning_effort": effort}).encode(), ChatBody)
+        variables = chat_request(body, "r", 0.0).chat_template_kwargs
+        assert variables == {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    documents = [{"title": "t", "text": "x"}, {}]
+    body = decode_body(json.dumps({"messages": CHAT, "documents": documents, "include_reasoning": False,
+                                   "reasoning_effort": None}).encode(), ChatBody)
+    request = chat_request(body, "r", 0.0)
+    assert request.documents == documents and request.chat_template_kwargs == {}
+    assert chat_output_spec(body, "hermes", "qwen3").include_reasoning is False
+    assert chat_request(decode_body(json.dumps({"messages": CHAT}).encode(), ChatBody), "r", 0.0).documents is None
