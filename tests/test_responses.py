@@ -137,6 +137,22 @@ def test_tools_choice_format_and_sampling_map_to_chat() -> None:
     assert form.settings["tool_choice"] == "auto" and form.settings["parallel_tool_calls"] is True
 
 
+def test_reasoning_effort_is_chats() -> None:
+    """reasoning.effort is chat's reasoning_effort (vLLM's Responses passes it to the template): the template's
+    reasoning_effort and enable_thinking (chat_template_kwargs' own enable_thinking wins), echoed in the response's
+    reasoning; null keys are taken (the SDK's dump of a Reasoning), and change nothing."""
+    request, form = chat_of({"input": "Hi", "reasoning": {"effort": "low", "summary": None}})
+    assert request.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
+    assert form.settings["reasoning"] == {"effort": "low", "summary": None}
+    request, _ = chat_of({"input": "Hi", "reasoning": {"effort": "none"}, "chat_template_kwargs": {"x": 1}})
+    assert request.chat_template_kwargs == {"x": 1, "reasoning_effort": "none", "enable_thinking": False}
+    request, _ = chat_of({"input": "Hi", "reasoning": {"effort": "high"},
+                          "chat_template_kwargs": {"enable_thinking": False}})
+    assert request.chat_template_kwargs == {"reasoning_effort": "high", "enable_thinking": False}
+    request, form = chat_of({"input": "Hi", "reasoning": {"effort": None, "generate_summary": None}})
+    assert request.chat_template_kwargs == {} and form.settings["reasoning"] == {"effort": None, "summary": None}
+
+
 def test_a_long_run_of_parallel_calls_joins_one_assistant_turn_in_order() -> None:
     """8,191 parallel calls and their outputs (as many as MAX_TURNS input items allow): one assistant turn holding
     them in order, then their outputs. Each call copied the turn's list of calls before (quadratic: about 2.5
@@ -183,7 +199,10 @@ def test_tool_choice_auto_without_tools_is_the_default() -> None:
     ({"input": "Hi", "background": True}, "background", "store"),
     ({"input": "Hi", "truncation": "auto"}, "truncation", "not implemented"),
     ({"input": "Hi", "service_tier": "flex"}, "service_tier", "one service tier"),
-    ({"input": "Hi", "reasoning": {"effort": "low"}}, "reasoning.effort", "chat_template_kwargs"),
+    ({"input": "Hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "none, minimal, low, medium, high"),
+    ({"input": "Hi", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary",
+     "no reasoning summaries"),
+    ({"input": "Hi", "reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary", "summaries"),
     ({"input": "Hi", "stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation", "obfuscation"),
     ({"input": "Hi", "stream_options": {"include_obfuscation": False}}, "stream_options", "stream is true"),
@@ -551,6 +570,14 @@ def test_an_answer_is_chats_answer_to_the_same_conversation(server: Server, clie
     assert response.model == SERVED and response.object == "response" and response.temperature == 0
     plain = client.responses.create(model=SERVED, input="Name a colour.", max_output_tokens=4, temperature=0)
     assert plain.output_text == chat(client, turns[:1], max_tokens=4).choices[0].message.content
+
+
+@pytest.mark.slow
+def test_the_response_echoes_the_reasoning_effort(server: Server) -> None:
+    raw = post(server, {"input": "Hi", "max_output_tokens": 1, "reasoning": {"effort": "minimal"}})
+    assert raw.status_code == 200, raw.text
+    assert Response.model_validate(raw.json()).reasoning.effort == "minimal"
+    assert raw.json()["reasoning"] == {"effort": "minimal", "summary": None}
 
 
 @pytest.mark.slow
