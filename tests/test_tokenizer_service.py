@@ -514,6 +514,53 @@ def test_chat_messages_use_the_chat_template(tok: Harness, tokenizer: Tokenizer)
     tok.send_api(AbortRequest(request_id))
 
 
+# Command-R / Granite style retrieval documents and the reasoning switches, each rendered where given
+RAG_TEMPLATE = """{%- for doc in documents or [] %}{{- 'Document ' ~ loop.index0 ~ ': ' ~ doc.title ~ '\\n' }}
+{%- endfor %}
+{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if reasoning_effort is defined %}{{- '<effort>' + reasoning_effort + '</effort>' }}{%- endif %}"""
+
+
+def test_documents_and_template_variables_reach_the_template(smollm2_dir: Path, tmp_path: Path) -> None:
+    """GenerateRequest.documents and TokenizeRequest.documents cross the wire to the template beside the chat
+    template variables (the api's reasoning_effort among them): the prompt the scheduler gets and the count are the
+    template's rendering with them. A request without them renders as before."""
+    template = tmp_path / "rag.jinja"
+    template.write_text(RAG_TEMPLATE)
+    rag = Tokenizer(smollm2_dir, RAG_TEMPLATE)
+    harness = Harness(smollm2_dir, "--chat-template", str(template))
+    try:
+        harness.start(model_info(rag))
+        messages = [ChatMessage("user", "Weather?")]
+        conversation = [{"role": "user", "content": "Weather?"}]
+        documents = [{"title": "Oslo", "text": "rain"}, {"title": "Paris", "text": "sun"}]
+        variables = {"reasoning_effort": "low", "enable_thinking": True}
+        want = rag.render_chat(conversation, chat_template_kwargs=variables, documents=documents)
+        assert want.startswith("Document 0: Oslo\nDocument 1: Paris\n") and want.endswith("<effort>low</effort>")
+        request_id, _, added = harness.generate(messages=messages, documents=documents,
+                                                chat_template_kwargs=variables)
+        assert added.prompt_token_ids == rag.encode(want, add_special_tokens=False)
+        harness.send_api(AbortRequest(request_id))
+        count_id = new_id()
+        harness.send_api(TokenizeRequest(count_id, messages=messages, documents=documents,
+                                         chat_template_kwargs=variables))
+        assert harness.expect_reply(count_id, TokenizeResult).token_ids == added.prompt_token_ids
+        request_id, _, added = harness.generate(messages=messages)
+        assert added.prompt_token_ids == rag.encode(rag.render_chat(conversation), add_special_tokens=False)
+        harness.send_api(AbortRequest(request_id))
+    finally:
+        harness.close()
+
+
+def test_documents_count_in_the_work_estimate() -> None:
+    """Retrieval documents are rendered as turns are: their text counts in prompt_chars, which moves a large render
+    off the loop."""
+    messages = [ChatMessage("user", "Weather?")]
+    documents = [{"title": f"doc {i}", "text": "x" * 1000} for i in range(40)]
+    assert prompt_chars(None, messages, documents=documents) >= OFFLOAD_MIN_CHARS > prompt_chars(None, messages)
+
+
 def test_truncated_ids_follow_vllms_rules() -> None:
     ids = list(range(10))
 
