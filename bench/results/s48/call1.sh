@@ -10,9 +10,10 @@ if [[ $card != NVIDIA_H200 ]]; then echo "== not an H200 ($card): done"; exit 0;
 PHASES=none bash bench/gpu_check.sh >/dev/null 2>&1
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tests-path TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-left() { echo $(( 570 - ($(date +%s) - start) )); }
+BUDGET=${BUDGET:-570}  # seconds this call may run (the device budget left, less the start)
+left() { echo $(( BUDGET - ($(date +%s) - start) )); }
 echo "== llama3-8b o retuned at 64 / 128 rows, then swept [$(( $(date +%s) - start )) s]"
-timeout 190 python3 -m pagoda.bench.fp8_tune --shapes llama3-8b --layers o --buckets 64,128 --out "$OUT/tune_o" \
+timeout $(( $(left) < 190 ? $(left) - 5 : 190 )) python3 -m pagoda.bench.fp8_tune --shapes llama3-8b --layers o --buckets 64,128 --out "$OUT/tune_o" \
   2>&1 | grep -E "^(tune|sweep|FP8)" | cut -c1-240
 ls "$OUT/tune_o" 2>/dev/null
 echo "== llama3-8b fp8 batch-1 after 512 tokens [$(( $(date +%s) - start )) s]"
