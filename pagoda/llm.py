@@ -326,5 +326,8 @@ def _bare_logprobs(step: dict[int, Logprob]) -> dict[int, Logprob]:
 
 
 def _frozen(params: SamplingParams) -> SamplingParams:
-    """What the engine keeps: vLLM's mutable SamplingParams as set now, the wire's frozen struct as it is."""
-    return params.wire() if isinstance(params, vllm_params.SamplingParams) else params
+    """What the engine keeps: vLLM's mutable SamplingParams as set now, the wire's frozen struct as it is (either
+    refused where the offline engine cannot honour it, vllm_params.check_offline)."""
+    frozen = params.wire() if isinstance(params, vllm_params.SamplingParams) else params
+    vllm_params.check_offline(frozen)
+    return frozen

@@ -69,6 +69,16 @@ class GuidedDecodingParams:
             raise InvalidRequestError(exc.message, param="guided_decoding") from None
 
 
+def check_offline(params: messages.SamplingParams) -> None:
+    """What the offline engine cannot honour, refused when a request is added (as vLLM's engine refuses a thinking
+    budget without its reasoning config): thinking_token_budget bounds the think block that a server's
+    --reasoning-parser reads, and LLM has no reasoning parser; `thinking` is the server's own reading of it."""
+    if params.bounds_thinking or params.thinking is not None:
+        raise InvalidRequestError("thinking_token_budget needs a reasoning parser, which the offline LLM does not "
+                                  "have: serve the model with --reasoning-parser (qwen3, deepseek_r1) to bound its "
+                                  "think block (-1 or None: no budget)", param="thinking_token_budget")
+
+
 class RequestOutputKind(Enum):
     """vLLM's (vllm.sampling_params.RequestOutputKind): what each RequestOutput of a request holds. LLM's generate and
     chat return each request's output once, when it is done: FINAL_ONLY, the kind vLLM's LLM sets itself."""

@@ -29,6 +29,7 @@ WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), re
 TRUNCATE_TO_CONTEXT = -1  # truncate_prompt_tokens: as many prompt tokens as the model's context takes (vLLM's -1)
 MAX_CACHE_SALT_BYTES = 1024  # UTF-8 bytes of a request's cache_salt (vLLM sets no bound)
 MAX_PROMPT_CACHE_KEY_BYTES = 1024  # UTF-8 bytes of a request's prompt_cache_key (OpenAI states no bound)
+NO_THINKING_BUDGET = -1  # thinking_token_budget: vLLM's "unlimited", the same as null
 
 
 class FinishReason(IntEnum):
@@ -83,6 +84,28 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
         return self
 
 
+class ThinkingBudget(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """vLLM's thinking_token_budget as the worker enforces it (services/worker/thinking.py): set by the tokenizer
+    process from the request's budget, the reasoning parser's markers and where the prompt left the think block
+    (services/protocol/reasoning.thinking_budget), never by the client. The output may write `max_tokens` tokens
+    inside its think block; then `end_token_ids` (the tokenizer's spelling of `end`) are forced one by one, and the
+    answer after them goes on freely."""
+
+    max_tokens: int  # tokens left to the output inside the block (the request's budget less the prompt's own)
+    end: str  # the marker that closes the block (`</think>`), also when the model writes it itself
+    end_token_ids: list[int]
+    start: str = ""  # "": the output starts inside the block; else it has one only when it opens with this text
+    # (after whitespace), and the tokens after it count
+
+    def validate(self) -> ThinkingBudget:
+        _check(isinstance(self.max_tokens, int) and 0 <= self.max_tokens <= MAX_INT32, "thinking_token_budget",
+               f"thinking's max_tokens must be an integer in [0, {MAX_INT32}]")
+        _check(bool(self.end) and 0 < len(self.end_token_ids) <= MAX_BAD_WORD_TOKENS
+               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.end_token_ids),
+               "thinking_token_budget", f"thinking needs its end marker as 1 to {MAX_BAD_WORD_TOKENS} token ids")
+        return self
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """How to pick tokens and when to stop; the shape of vLLM's SamplingParams.
 
@@ -126,10 +149,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     # the prompt is checked against the context: the scheduler and the worker get the truncated prompt
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None  # "left" (None: vLLM's default) or "right"
+    # vLLM's thinking_token_budget: at most this many tokens inside the think block that the reasoning parser reads
+    # (chat with --reasoning-parser), then `</think>` is forced; None or -1 (vLLM's "unlimited"): no budget
+    thinking_token_budget: int | None = None
+    thinking: ThinkingBudget | None = None  # the budget as the worker enforces it: the tokenizer process's, only
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def bounds_thinking(self) -> bool:
+        """thinking_token_budget is a budget (not None, nor vLLM's -1)."""
+        return self.thinking_token_budget is not None and self.thinking_token_budget != NO_THINKING_BUDGET
 
     @property
     def beam_width(self) -> int:
@@ -187,8 +219,20 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         self._validate_bad_words()
         self._validate_truncation()
         self._validate_structured()
+        self._validate_thinking()
         self._validate_beam_search()
         return self
+
+    def _validate_thinking(self) -> None:
+        budget = self.thinking_token_budget
+        whole = isinstance(budget, int) and not isinstance(budget, bool)
+        _check(budget is None or (whole and NO_THINKING_BUDGET <= budget <= MAX_INT32), "thinking_token_budget",
+               f"thinking_token_budget must be an integer in [0, {MAX_INT32}], or -1 or null for no budget, "
+               f"got {budget!r}")
+        if self.thinking is not None:
+            _check(isinstance(self.thinking, ThinkingBudget), "thinking_token_budget",
+                   "thinking must be a ThinkingBudget")
+            self.thinking.validate()
 
     def _validate_truncation(self) -> None:
         limit = self.truncate_prompt_tokens
@@ -238,6 +282,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(not self.stop, "stop", "stop strings are not supported with beam search; use stop_token_ids")
         _check(self.structured_outputs is None, "structured_outputs",
                "structured outputs are not supported with beam search")
+        _check(not self.bounds_thinking and self.thinking is None, "thinking_token_budget",
+               "thinking_token_budget is not supported with beam search")
 
     def _validate_structured(self) -> None:
         constraint = self.structured_outputs
@@ -1028,6 +1074,8 @@ class MaskReady(msgspec.Struct, tag="mready", array_like=True, omit_defaults=Tru
     ended_at: float  # its time.perf_counter() when they were ready (CLOCK_MONOTONIC: one clock per host)
     failed_seq_ids: list[int] = []  # sequences it could not take (their matcher failed to build): dropped there
     failed_messages: list[str] = []
+    # sequences that need no more masks: their thinking budget's block closed and they have no grammar (dropped there)
+    released_seq_ids: list[int] = []
 
 
 # One union per socket direction; decoders are built once per process from these.

@@ -501,6 +501,29 @@ def test_guided_decoding_params_are_vllms_older_structured_outputs(llm: LLM) -> 
     assert GuidedDecodingParams.from_optional(regex="a+") == GuidedDecodingParams(regex="a+")
 
 
+def test_thinking_token_budget_needs_a_reasoning_parser_which_llm_has_not(llm: LLM, reference_text: str) -> None:
+    """vLLM's SamplingParams field is taken at construction (as vLLM's), and -1 / None (no budget) run as without
+    it; a budget is refused when the request is added, naming the field (vLLM's engine refuses it without its
+    reasoning config): LLM has no --reasoning-parser to read a think block. The engine still serves."""
+    from pagoda.shared.messages import SamplingParams as WireParams
+    from pagoda.shared.messages import ThinkingBudget
+
+    assert SamplingParams(thinking_token_budget=10).thinking_token_budget == 10
+    for off in (-1, None):
+        assert llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                    thinking_token_budget=off)
+                            )[0].outputs[0].text == reference_text
+    budget = ThinkingBudget(max_tokens=1, end="</think>", end_token_ids=[46])
+    for params in (SamplingParams(temperature=0.0, max_tokens=4, thinking_token_budget=10),
+                   WireParams(max_tokens=4, thinking_token_budget=0), WireParams(max_tokens=4, thinking=budget)):
+        with pytest.raises(InvalidRequestError) as caught:
+            llm.generate(["The quick brown fox"], params)
+        assert caught.value.param == "thinking_token_budget" and "reasoning parser" in caught.value.message
+        with pytest.raises(InvalidRequestError):
+            llm.chat([{"role": "user", "content": "Hi"}], params)
+    _assert_still_serves(llm, reference_text)
+
+
 @pytest.mark.parametrize(("guided", "extra", "param"), [
     (dict(choice=["a"], regex="a"), {}, "guided_decoding"),
     ({}, {}, "guided_decoding"),

@@ -349,3 +349,106 @@ def test_include_reasoning_false_keeps_the_answer_after_the_thinking(server: Ser
                                                          {**body, "include_reasoning": False}) if c["choices"]]
     assert not any("reasoning" in d for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == shown["content"]
+
+
+# vLLM's thinking_token_budget (services/worker/thinking.py), on the same server
+
+
+END_IDS = [9617, 17400, 46]  # SmolLM2's `</`, `think`, `>`: the tokenizer's spelling of `</think>`, which is forced
+
+
+def _thinking(server: Server, body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """(the choice's token ids, its message)."""
+    choice = _post(server, "/v1/chat/completions", {**body, "return_token_ids": True})["choices"][0]
+    return choice["token_ids"], choice["message"]
+
+
+def _end_at(token_ids: list[int]) -> int:
+    """Where the end marker's ids start in an output (its reasoning's length in tokens); -1: nowhere."""
+    return next((i for i in range(len(token_ids)) if token_ids[i:i + len(END_IDS)] == END_IDS), -1)
+
+
+@pytest.mark.parametrize("budget", [0, 2, 4])
+def test_a_thinking_budget_closes_the_block_after_that_many_tokens(server: Server, tokenizer: Any,
+                                                                   budget: int) -> None:
+    """The prompt opened the block ("<think>\\n", whose newline counts against the budget as in vLLM): the output
+    writes budget - 1 reasoning tokens (none for 0), then `</think>` is forced and the answer follows, where without
+    a budget the same greedy request reasons on and never closes the block."""
+    body = _prefilled("<think>\n", max_tokens=16)
+    free_ids, free = _thinking(server, body)
+    assert _end_at(free_ids) < 0 and not free["content"]
+    assert len(tokenizer.encode(free["reasoning"], add_special_tokens=False)) > budget
+    token_ids, message = _thinking(server, {**body, "thinking_token_budget": budget})
+    spent = len(tokenizer.encode("\n", add_special_tokens=False))
+    assert _end_at(token_ids) == max(budget - spent, 0)
+    assert token_ids[:_end_at(token_ids)] == free_ids[:_end_at(token_ids)]  # the model's own tokens until then
+    assert message["content"] and message["reasoning"] == tokenizer.decode(token_ids[:_end_at(token_ids)])
+
+
+def test_a_block_the_model_closes_within_the_budget_is_left_as_it_was(server: Server, tokenizer: Any) -> None:
+    """`</think>` nudged with logit_bias, written after a few reasoning tokens: a budget that covers them (down to
+    the last one before the marker) leaves the answer the same token for token; one below cuts the thinking there."""
+    body = _prefilled("<think>\nok", max_tokens=20, logit_bias={str(i): 5 for i in END_IDS})
+    free_ids, free = _thinking(server, body)
+    end = _end_at(free_ids)
+    assert end > 2 and free["content"], free
+    spent = len(tokenizer.encode("\nok", add_special_tokens=False))  # the prompt's own tokens in the block
+    for budget in (64, spent + end):
+        assert _thinking(server, {**body, "thinking_token_budget": budget}) == (free_ids, free), budget
+    cut_ids, cut = _thinking(server, {**body, "thinking_token_budget": spent + 2})
+    assert _end_at(cut_ids) == 2 and cut_ids[:2] == free_ids[:2] and cut["reasoning"] != free["reasoning"]
+
+
+def test_a_thinking_budget_streams_as_it_answers_whole(server: Server) -> None:
+    """The forced `</think>` splits the stream's deltas where it splits the whole answer."""
+    body = _prefilled("<think>\n", max_tokens=12, thinking_token_budget=3)
+    message = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    deltas = [c["choices"][0]["delta"] for c in _events(server, "/v1/chat/completions", body) if c["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"] != ""
+
+
+def test_a_thinking_budget_with_response_format_starts_the_grammar_at_the_forced_end(server: Server) -> None:
+    """Thinking that would not end by itself (without a budget the JSON never starts) is closed, and the grammar
+    takes the answer from there."""
+    body = _prefilled("<think>\n", max_tokens=24, response_format={"type": "json_object"})
+    assert _post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == ""
+    message = _post(server, "/v1/chat/completions", {**body, "thinking_token_budget": 2})["choices"][0]["message"]
+    assert message["reasoning"] is not None and message["content"].startswith("{")
+
+
+def test_bad_words_that_ban_the_forced_end_are_a_400(server: Server) -> None:
+    """The end marker must come once the budget is spent: bad_words that ban its first token leave no token."""
+    body = _prefilled("<think>\n", max_tokens=4, thinking_token_budget=0, bad_words=["</"])
+    response = http_client().post(server.url + "/v1/chat/completions", json={"model": SERVED, **body}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words", response.text
+    assert "thinking_token_budget" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("value", [-2, 2**31, 2**70, 1.5, True, "3"])
+def test_bad_thinking_budgets_are_refused_naming_the_field(server: Server, value: object) -> None:
+    """vLLM's values are a non-negative integer, or -1 (or null) for none; past int32 is refused as other counts."""
+    body = _prefilled("<think>\n", max_tokens=2, thinking_token_budget=value)
+    response = http_client().post(server.url + "/v1/chat/completions", json={"model": SERVED, **body}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "thinking_token_budget", response.text
+    assert "[0, 2147483647]" in error["message"] or "Expected `int | null`" in error["message"], error
+
+
+def test_no_thinking_budget_is_vllms_minus_one_or_null(server: Server) -> None:
+    body = _prefilled("<think>\n", max_tokens=6)
+    plain = _thinking(server, body)
+    assert _thinking(server, {**body, "thinking_token_budget": -1}) == plain
+    assert _thinking(server, {**body, "thinking_token_budget": None}) == plain
+
+
+def test_a_thinking_budget_on_completions_is_refused(server: Server) -> None:
+    """/v1/completions renders no chat template: no reasoning parser reads a think block there (no budget passes)."""
+    def post(budget: int) -> Any:
+        return http_client().post(server.url + "/v1/completions", timeout=60, json={
+            "model": SERVED, "prompt": "<think>\n", "max_tokens": 2, "thinking_token_budget": budget})
+
+    refused = post(3)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
+    assert "/v1/completions" in refused.json()["error"]["message"]
+    assert post(-1).status_code == 200

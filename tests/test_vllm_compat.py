@@ -609,3 +609,18 @@ def test_reasoning_and_documents_fields_are_taken() -> None:
     assert request.documents == documents and request.chat_template_kwargs == {}
     assert chat_output_spec(body, "hermes", "qwen3").include_reasoning is False
     assert chat_request(decode_body(json.dumps({"messages": CHAT}).encode(), ChatBody), "r", 0.0).documents is None
+
+
+def test_thinking_token_budget_without_a_reasoning_parser_is_refused(server: Server) -> None:
+    """vLLM refuses a budget without its reasoning config; this server has no --reasoning-parser, so no think block is
+    read: a 400 naming the field and the flag. No budget (-1, null) changes nothing. With a parser:
+    tests/test_reasoning_qa.py."""
+    body = {"model": SERVED, "messages": CHAT, "max_tokens": 2, "temperature": 0}
+    refused = post(server, "/v1/chat/completions", {**body, "thinking_token_budget": 10})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "thinking_token_budget"
+    assert "--reasoning-parser" in error["message"], error
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    for budget in (-1, None):
+        taken = post(server, "/v1/chat/completions", {**body, "thinking_token_budget": budget})
+        assert taken.status_code == 200 and taken.json()["choices"][0]["message"] == plain

@@ -32,6 +32,7 @@ from pagoda.services.protocol.schemas import (
     chat_output_spec,
     chat_request,
     chat_response_role,
+    check_thinking_budget,
     completion_requests,
     constraint_param,
     decode_body,
@@ -264,6 +265,7 @@ class Handlers:
         Messages APIs once their bodies are turned into chat."""
         config = self.state.config
         message = chat_request(body, request_id, time.time(), config.max_logprobs, self.state.pool.sampling_defaults)
+        check_thinking_budget(message.params, config.reasoning_parser)
         output = chat_output_spec(body, self._tool_parser(), config.reasoning_parser)
         message = msgspec.structs.replace(message, tool_parser=output.tool_parser)
         if body.skip_special_tokens is None and keeps_special_tokens(output.tool_mode, output.tool_parser):

@@ -7,12 +7,17 @@
 Either parser follows the prompt (vLLM's `prompt_is_reasoning_end`, and its qwen3 parser for Qwen3-Thinking-2507
 and Qwen3.5, whose templates open the block): a prompt inside a think block it opened starts the output inside it;
 one that ends by closing it (enable_thinking=False) makes the whole output content.
+
+vLLM's thinking_token_budget bounds that block: `thinking_budget` says what the worker enforces (its
+ThinkingCounter, services/worker/thinking.py), from the same reading of where the prompt left it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from pagoda.shared.messages import ThinkingBudget
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -35,6 +40,25 @@ def prompt_reasoning(prompt_text: str, turn_markers: Iterable[str] = ()) -> str:
     if any(marker and marker in tail for marker in turn_markers if marker not in (THINK_START, THINK_END)):
         return ""
     return word
+
+
+def thinking_budget(budget: int, parser: str, prompt: str, prompt_text: str,
+                    encode: Callable[[str], list[int]]) -> ThinkingBudget | None:
+    """vLLM's thinking_token_budget for one chat prompt (`prompt`: prompt_reasoning's word for `prompt_text`; `encode`:
+    text -> the tokenizer's ids, no special tokens added), or None where the prompt closed the block (the output
+    has no reasoning to bound). The output starts inside the block where the prompt opened it, or always under
+    deepseek_r1 (as ReasoningStream reads it); under qwen3 otherwise only an output that opens with `<think>` has
+    one. As vLLM's, the tokens a prompt wrote inside the block it left open (an assistant prefill's thinking,
+    DeepSeek-R1's newline after `<think>`) are spent already: its text after the opener, tokenized on its own."""
+    assert parser in REASONING_PARSERS, parser
+    if prompt == PROMPT_CLOSED:
+        return None
+    spent = 0
+    if prompt == PROMPT_OPENED:
+        spent = len(encode(prompt_text[prompt_text.rfind(THINK_START) + len(THINK_START):]))
+    inside = parser == "deepseek_r1" or prompt == PROMPT_OPENED
+    return ThinkingBudget(max_tokens=max(budget - spent, 0), end=THINK_END, end_token_ids=encode(THINK_END),
+                          start="" if inside else THINK_START)
 
 
 def split_reasoning(parser: str, text: str, prompt: str = "") -> tuple[str | None, str]:

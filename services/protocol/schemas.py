@@ -93,6 +93,8 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # vLLM's, deprecated: names of pagoda's one grammar engine
+    # vLLM's: at most this many tokens inside the think block (chat with --reasoning-parser); -1 or null: no budget
+    thinking_token_budget: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -298,7 +300,8 @@ def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) ->
     sent wins even when it equals SamplingParams' default: a body field left out (or null) is None."""
     names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-             "include_stop_str_in_output", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side")
+             "include_stop_str_in_output", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side",
+             "thinking_token_budget")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     for name in ("temperature",) if body.use_beam_search else GENERATION_DEFAULT_FIELDS:
         if name not in kwargs and name in defaults:
@@ -448,7 +451,11 @@ def completion_params(body: CompletionBody, max_logprobs: int = MAX_TOP_LOGPROBS
     kwargs = _sampling_kwargs(body, defaults or {})
     if scores_prompt and body.prompt_logprobs is None:  # vLLM's: prompt_logprobs, else echo's logprobs
         kwargs["prompt_logprobs"] = body.logprobs
-    return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.logprobs).validate(max_logprobs)
+    params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.logprobs).validate(max_logprobs)
+    _require(not params.bounds_thinking, "thinking_token_budget",
+             "thinking_token_budget bounds the think block of a chat answer, which --reasoning-parser reads; "
+             "/v1/completions renders no chat template and reads no think block (-1 or null: no budget)")
+    return params
 
 
 def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -641,6 +648,14 @@ def _tool_choice(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str]
     assert isinstance(name, str)
     _require(any(t["function"]["name"] == name for t in tools), "tool_choice", f"no tool named {name!r}")
     return "named", name
+
+
+def check_thinking_budget(params: SamplingParams, reasoning_parser: str | None) -> None:
+    """vLLM's thinking_token_budget bounds the think block that the reasoning parser reads: a 400 without one (vLLM
+    refuses it without its reasoning config too)."""
+    _require(not params.bounds_thinking or reasoning_parser is not None, "thinking_token_budget",
+             "thinking_token_budget needs a reasoning model served with --reasoning-parser (qwen3, deepseek_r1): it "
+             "bounds the think block that parser reads, and this server has none (-1 or null: no budget)")
 
 
 def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | None) -> ChatOutputSpec:

@@ -46,7 +46,6 @@ UNSUPPORTED_FIELDS = {
     "ec_transfer_params": "encoder-cache transfer is not implemented",
     "vllm_xargs": "custom extension arguments are not accepted",
     "repetition_detection": "n-gram repetition detection is not implemented",
-    "thinking_token_budget": "reasoning budgets are not implemented",
     "stream_interval": "each step's tokens are streamed as they come",
     "chat_template": "the model's own chat template is used",
     "media_io_kwargs": "multimodal inputs are not accepted",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from pagoda.services.grammar.compiler import (
@@ -20,7 +21,7 @@ from pagoda.services.grammar.compiler import (
     ending_ids,
     fast_forward_tokens,
 )
-from pagoda.services.protocol.reasoning import PROMPT_CLOSED, prompt_reasoning
+from pagoda.services.protocol.reasoning import PROMPT_CLOSED, prompt_reasoning, thinking_budget
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.directory import Peers
 from pagoda.services.tokenizer.generation_config import sampling_defaults, with_default_max_tokens
@@ -55,6 +56,7 @@ from pagoda.shared.messages import (
     Heartbeat,
     ModelInfo,
     RequestFailed,
+    SamplingParams,
     SchedulerToTokenizer,
     Sequenced,
     StopSequence,
@@ -297,6 +299,8 @@ class TokenizerService:
         # where the chat template left the think block: the reasoning parser starts there, and so does a grammar
         reasoning = (prompt_reasoning(prompt.text or "", self._turn_markers) if request.messages is not None
                      and self._reasoning_parser is not None else "")
+        if params.bounds_thinking:
+            params = self._with_thinking(request, params, prompt, reasoning)
         forced: list[int] = []
         if params.structured_outputs is not None:
             if request.messages is not None and self._reasoning_parser is not None:
@@ -321,6 +325,19 @@ class TokenizerService:
         self._send_api(api, Accepted(request_id, len(prompt.token_ids), echo,
                                      prompt.token_ids if request.return_token_ids else [],
                                      renderer.opening() if renderer is not None else b"", reasoning))
+
+    def _with_thinking(self, request: GenerateRequest, params: SamplingParams, prompt: Prompt,
+                       reasoning: str) -> SamplingParams:
+        """vLLM's thinking_token_budget as the worker enforces it (SamplingParams.thinking), from where the chat
+        prompt left the think block; a 400 where no block is read (the api refuses it first)."""
+        tokenizer, parser = self._tokenizer, self._reasoning_parser
+        if request.messages is None or parser is None or tokenizer is None:
+            raise InvalidRequestError("thinking_token_budget bounds the think block of a chat answer that the "
+                                      "server reads with --reasoning-parser", param="thinking_token_budget")
+        assert params.thinking_token_budget is not None
+        budget = thinking_budget(params.thinking_token_budget, parser, reasoning, prompt.text or "",
+                                 lambda text: tokenizer.encode(text, add_special_tokens=False))
+        return msgspec.structs.replace(params, thinking=budget)
 
     def _eos_ids(self, info: ModelInfo) -> set[int]:
         """The model's EOS ids and the tokenizer's."""

@@ -33,6 +33,12 @@ mask thread is then unused, and the matchers' GIL is not the step loop's.
 A grammar that is complete allows only the model's EOS ids, so the sequence ends with `stop` on its next token
 (the scheduler's EOS check). Reasoning models: with `reasoning_end` set, the matcher starts once that text
 (`</think>`) has appeared in the output; until then the row is unconstrained.
+
+Thinking budgets (vLLM's thinking_token_budget, SamplingParams.thinking): a ThinkingCounter (thinking.py) per sequence
+counts its tokens inside the think block; once the budget is spent its mask allows only the end marker's next id, one
+step at a time (whatever its allowed_token_ids say, as vLLM forces them past its other logits processors). Its row
+waits for its previous token like a grammar's while the block is open; once it closes, a sequence without a grammar
+needs nothing more and is dropped here (the grammar process tells the worker's mirror, MaskReady.released_seq_ids).
 """
 
 from __future__ import annotations
@@ -51,10 +57,11 @@ import numpy as np
 import torch
 
 from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer, quiet_limits
+from pagoda.services.worker.thinking import ThinkingCounter
 from pagoda.shared.config import MATCHER_CACHE_BYTES, MATCHER_CACHE_SIZE, EngineConfig
 from pagoda.shared.hf_tokenizer import tokenizer_folder
 from pagoda.shared.lru import SizedLru
-from pagoda.shared.messages import NewRequest, RowFailure, StepPlan, StructuredOutputs
+from pagoda.shared.messages import NewRequest, RowFailure, StepPlan, StructuredOutputs, ThinkingBudget
 from pagoda.shared.shapes import ModelArch
 
 log = logging.getLogger(__name__)
@@ -115,9 +122,13 @@ NO_WORD_LEFT = "bad_words leave no token that the structured output allows next"
 # why a constrained row fails when its matcher cannot follow its tokens (a matcher that did not build, or a token it
 # refuses): a 500, never a completion that goes on unconstrained or restarts its grammar
 MATCHER_LOST = "structured outputs failed on the worker"
+# why a row fails whose bad_words ban the end marker's id that its thinking budget forces next
+NO_END_LEFT = "bad_words ban the end of the think block that thinking_token_budget forces"
+# why a row fails whose sampled token is not the end marker's id its thinking budget forced (its mask did not hold)
+BUDGET_LOST = "thinking_token_budget's forced end of the think block was not sampled"
 # the failures that come from the request's own values, with the field to name (a 400); any other reason is the
 # grammar process's failure (a 500). The reasons cross from the grammar process as text.
-REQUEST_FAULTS = {NO_TOKEN_LEFT: "allowed_token_ids", NO_WORD_LEFT: "bad_words"}
+REQUEST_FAULTS = {NO_TOKEN_LEFT: "allowed_token_ids", NO_WORD_LEFT: "bad_words", NO_END_LEFT: "bad_words"}
 
 
 def row_failure(seq_id: int, why: str) -> RowFailure:
@@ -173,6 +184,7 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._seqs: dict[int, SeqGrammar] = {}
+        self._budgets: dict[int, ThinkingCounter] = {}  # thinking budgets whose block is still open (or to come)
         self._allowed: dict[int, torch.Tensor] = {}  # allowed_token_ids: sequence id -> its fixed mask [W] int32
         self._pristine: SizedLru[bytes, Future[llguidance.LLMatcher]] = SizedLru(MATCHER_CACHE_SIZE,
                                                                                  MATCHER_CACHE_BYTES)
@@ -191,19 +203,23 @@ class GrammarRows:
 
     @property
     def active(self) -> bool:
-        return bool(self._seqs)
+        return bool(self._seqs) or bool(self._budgets)
 
     def constrains(self, seq_ids: list[int]) -> bool:
-        """Some of these requests has a grammar or allowed_token_ids (their sampling needs bitmasks)."""
-        return ((bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids))
-                or (bool(self._allowed) and any(seq_id in self._allowed for seq_id in seq_ids)))
+        """Some of these requests has a grammar, a thinking budget or allowed_token_ids (their sampling needs
+        bitmasks)."""
+        allowed = bool(self._allowed) and any(seq_id in self._allowed for seq_id in seq_ids)
+        return allowed or self.has_matchers(seq_ids)
 
     def has_matchers(self, seq_ids: list[int]) -> bool:
-        """Some of these requests has a grammar, whose mask depends on the previous token."""
-        return bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids)
+        """Some of these requests has a grammar or an open thinking budget, whose mask depends on the previous
+        token."""
+        return ((bool(self._seqs) and any(seq_id in self._seqs for seq_id in seq_ids))
+                or (bool(self._budgets) and any(seq_id in self._budgets for seq_id in seq_ids)))
 
     def reset(self) -> None:
         self._seqs.clear()
+        self._budgets.clear()
         self._allowed.clear()
         self._failures.clear()
         self._bad_words.clear()
@@ -267,27 +283,36 @@ class GrammarRows:
     def drop(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._seqs.pop(seq_id, None)
+            self._budgets.pop(seq_id, None)
             self._allowed.pop(seq_id, None)
             self._bad_words.pop(seq_id, None)
 
     def add(self, new: NewRequest) -> None:
-        self._seqs.pop(new.seq_id, None)
-        self._allowed.pop(new.seq_id, None)
-        self._bad_words.pop(new.seq_id, None)
+        self.drop([new.seq_id])
         if new.sampling.allowed_token_ids:
             self._allowed[new.seq_id] = allowed_bitmask(new.sampling.allowed_token_ids, self.vocab_size)
-        constraint = new.sampling.structured_outputs
-        if constraint is None:
-            return
+        constraint, thinking = new.sampling.structured_outputs, new.sampling.thinking
+        if (constraint is not None or thinking is not None) and new.sampling.bad_words_token_ids:
+            self._bad_words[new.seq_id] = BadWords.of(new)
+        if constraint is not None:
+            self._add_grammar(new, constraint)
+        if thinking is not None:
+            self._add_budget(new, thinking)
+
+    def _add_grammar(self, new: NewRequest, constraint: StructuredOutputs) -> None:
         seq = SeqGrammar(constraint, None)
         self._seqs[new.seq_id] = seq
-        if new.sampling.bad_words_token_ids:
-            self._bad_words[new.seq_id] = BadWords.of(new)
         if not constraint.reasoning_end:
             seq.compiling = self._compile(constraint)  # on a thread: this step's launch does not wait for it
         generated = new.token_ids[new.num_prompt_tokens:]
         for token_id in generated:
             self._advance(new.seq_id, seq, token_id)
+
+    def _add_budget(self, new: NewRequest, thinking: ThinkingBudget) -> None:
+        """A thinking budget's counter, caught up with the tokens the sequence generated already (a recompute)."""
+        self._budgets[new.seq_id] = ThinkingCounter.of(thinking)
+        generated = new.token_ids[new.num_prompt_tokens:]
+        self._count_thinking([new.seq_id] * len(generated), generated)
 
     # ---------------------------------------------------------------- per step
 
@@ -297,16 +322,17 @@ class GrammarRows:
         None when no row is constrained. A row whose matcher still compiles waits for it here. The masks are one
         of two reused buffers (pinned on CUDA): the step that reads one has synced before it comes round again
         (the worker has every earlier step's tokens before it fills masks)."""
-        if not self._seqs and not self._allowed:
+        if not self._seqs and not self._allowed and not self._budgets:
             return None
         rows = [(i, seq) for i, seq_id in enumerate(seq_ids) if (seq := self._seqs.get(seq_id)) is not None]
         picked = [(seq.matcher, i) for i, seq in rows
                   if self._ready(seq_ids[i], seq) and seq.matcher is not None and not seq.failed]
         fixed = [(allowed, i) for i, seq_id in enumerate(seq_ids)
                  if (allowed := self._allowed.get(seq_id)) is not None] if self._allowed else []
-        if not picked and not fixed:
+        forced = self._forced(seq_ids)
+        if not picked and not fixed and not forced:
             return None
-        index = sorted({i for _, i in picked} | {i for _, i in fixed})  # batch rows with a mask
+        index = sorted({i for _, i in picked} | {i for _, i in fixed} | {i for _, i in forced})  # batch rows masked
         slot = {i: k for k, i in enumerate(index)}  # -> their row of the compact mask
         mask = self._buffer(len(index))  # [K, W]
         compact = [(matcher, slot[i]) for matcher, i in picked]
@@ -327,10 +353,30 @@ class GrammarRows:
                 banned = words.banned() if words is not None else []
                 if banned:  # the sampler bans these too; here a grammar left with none of its tokens fails
                     self._narrow(mask[slot[i]], ~allowed_bitmask(banned, self.vocab_size), seq_ids[i], NO_WORD_LEFT)
+        for token_id, i in forced:  # the end of a spent think block: that id alone, past allowed_token_ids too
+            mask[slot[i]] = allowed_bitmask([token_id], self.vocab_size)
         rows_index = np.asarray(index, dtype=np.int64)  # [K]
         flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
         flags[rows_index] = True
         return flags, mask, rows_index
+
+    def _forced(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """(the id it must write, batch row) of each row whose thinking budget is spent; a row whose bad_words ban
+        that id fails (take_failures), as its sampler would leave it no token."""
+        if not self._budgets:
+            return []
+        forced = []
+        for i, seq_id in enumerate(seq_ids):
+            counter = self._budgets.get(seq_id)
+            token_id = counter.forced_token_id() if counter is not None else None
+            if token_id is None:
+                continue
+            words = self._bad_words.get(seq_id)
+            if words is not None and token_id in words.banned():
+                self._failures.append((seq_id, NO_END_LEFT))
+            else:
+                forced.append((token_id, i))
+        return forced
 
     def _narrow(self, row: torch.Tensor, allowed: torch.Tensor, seq_id: int, why: str) -> None:
         """row [W] (the grammar's mask) &= allowed [W]. Where they share no token: a grammar that may end here keeps
@@ -355,12 +401,16 @@ class GrammarRows:
 
     def accept(self, seq_ids: list[int], token_ids: list[int]) -> None:
         """Advance each constrained sequence with its sampled token."""
-        if not self._seqs:
+        if not self._seqs and not self._budgets:
             return
         if self._bad_words:
             for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
                 if (words := self._bad_words.get(seq_id)) is not None:
                     words.recent.append(token_id)
+        if self._budgets:
+            self._count_thinking(seq_ids, token_ids)
+        if not self._seqs:
+            return
         rows = []
         for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
             if (seq := self._seqs.get(seq_id)) is None:
@@ -387,6 +437,32 @@ class GrammarRows:
         for _, seq, token_id in rows:
             if seq.matcher is None and not seq.failed:
                 self._watch_reasoning(seq, token_id)
+
+    def _count_thinking(self, seq_ids: list[int], token_ids: list[int]) -> None:
+        """Each open thinking budget takes its sequence's token; one whose forced id was not sampled fails."""
+        tokenizer = self._ensure_tokenizer()  # none fails the step that admits the row (add)
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+            counter = self._budgets.get(seq_id)
+            if counter is None:
+                continue
+            if not counter.push(token_id, tokenizer.decode_bytes([token_id])):
+                log.error("sequence %d: token %d is not the end id %s its thinking budget forced", seq_id, token_id,
+                          counter.forced_token_id())
+                del self._budgets[seq_id]
+                self._failures.append((seq_id, f"{MATCHER_LOST}: {BUDGET_LOST}"))
+            elif counter.done:
+                self._budget_closed(seq_id)
+
+    def _budget_closed(self, seq_id: int) -> None:
+        """The sequence's think block closed (or never opened): its budget asks nothing more, and a sequence without
+        a grammar no mask that depends on its tokens (_released)."""
+        del self._budgets[seq_id]
+        if seq_id not in self._seqs:
+            self._bad_words.pop(seq_id, None)
+            self._released(seq_id)
+
+    def _released(self, seq_id: int) -> None:
+        """A sequence left with no grammar nor budget here (the grammar process tells the worker's mirror)."""
 
     def advance_and_fill(self, accepts: list[tuple[list[int], list[int]]], seq_ids: list[int]) -> GrammarMasks | None:
         """accept() each step's tokens in order, then bitmask(seq_ids): one step's host work, which the runner

@@ -20,6 +20,9 @@ Python competes for their GIL.
   is killed; every sequence it held ends with an error (take_failures: the runner reports them as RowFailure and
   drops them), and the next request with a grammar starts a new one. A constraint that fails to build a matcher
   there ends its own request only. The worker never waits without a deadline.
+- Thinking budgets (SamplingParams.thinking) are rows here too while their think block is open; once it closes, a
+  sequence without a grammar is named in the next MaskReady (released_seq_ids) and the mirror forgets it, unless the
+  worker added it anew after that fill was sent (its recompute's row then answers for it).
 - Shutdown: close() (the worker service's), the MaskProcess being collected, or the interpreter's exit stop it
   (weakref.finalize); if the worker is killed, the process reads EOF on its socket and ends.
 """
@@ -121,6 +124,15 @@ class SharedMaskRows(GrammarRows):
         self.slots = slots  # [2, max_rows, W] int32, shared with the worker
         self.slot = 0  # where the next bitmask() goes (MaskFill.slot)
         self.busy = busy  # tells the worker a fill still waits for a compile
+        self.released: list[int] = []  # sequences whose masks ended since the last MaskReady (a closed think block)
+
+    def _released(self, seq_id: int) -> None:
+        self.released.append(seq_id)
+
+    def drop(self, seq_ids: list[int]) -> None:
+        super().drop(seq_ids)
+        if self.released:  # a sequence dropped, or added anew, since: what is released is no longer it
+            self.released = [seq_id for seq_id in self.released if seq_id not in seq_ids]
 
     def _ready(self, seq_id: int, seq: SeqGrammar) -> bool:
         if seq.compiling is not None:
@@ -234,9 +246,10 @@ def _fill(rows: SharedMaskRows, message: MaskFill, failed: dict[int, str]) -> Ma
     for seq_id, why in rows.take_failures():  # no token left: told now, never masked again
         rows.drop([seq_id])
         failed[seq_id] = why
+    released, rows.released = rows.released, []
     ended = time.perf_counter()
     return MaskReady(message.job_id, masks[2].tolist() if masks is not None else [], ended - started, ended,
-                     list(failed), list(failed.values()))
+                     list(failed), list(failed.values()), released)
 
 
 # ---------------------------------------------------------------- the worker's side
@@ -330,7 +343,8 @@ class MaskProcess:
         self.num_words = -(-spec.vocab_size // 32)
         self.max_rows = max_rows
         self.pin_memory = pin_memory
-        self._grammar_ids: set[int] = set()  # sequences with a constraint (a matcher there)
+        self._grammar_ids: set[int] = set()  # sequences with a constraint or a thinking budget (a matcher there)
+        self._added_at: dict[int, int] = {}  # each of those: the last job submitted when it was mirrored
         self._allowed_ids: set[int] = set()  # sequences with allowed_token_ids
         self._failed: dict[int, str] = {}  # sequences the process lost, until the runner takes them
         self._child: _Child | None = None
@@ -391,6 +405,7 @@ class MaskProcess:
 
     def reset(self) -> None:
         self._grammar_ids.clear()
+        self._added_at.clear()
         self._allowed_ids.clear()
         self._failed.clear()
         self._preparing.clear()
@@ -502,7 +517,7 @@ class MaskProcess:
         news = []
         for new in new_requests:
             params = new.sampling
-            if params.structured_outputs is not None or params.allowed_token_ids:
+            if params.structured_outputs is not None or params.thinking is not None or params.allowed_token_ids:
                 news.append(msgspec.structs.replace(new, token_ids=new.token_ids[new.num_prompt_tokens:],
                                                     num_prompt_tokens=0, block_ids=[], num_computed_tokens=0))
             elif new.seq_id in self._grammar_ids or new.seq_id in self._allowed_ids:
@@ -511,10 +526,12 @@ class MaskProcess:
             return
         for seq_id in gone:
             self._grammar_ids.discard(seq_id)
+            self._added_at.pop(seq_id, None)
             self._allowed_ids.discard(seq_id)
         for new in news:  # mirrored before the send: a process found dead now fails these too
-            if new.sampling.structured_outputs is not None:
+            if new.sampling.structured_outputs is not None or new.sampling.thinking is not None:
                 self._grammar_ids.add(new.seq_id)
+                self._added_at[new.seq_id] = self._job_id
             if new.sampling.allowed_token_ids:
                 self._allowed_ids.add(new.seq_id)
         if news and self._child is not None and not self._child.alive():
@@ -647,8 +664,17 @@ class MaskProcess:
                 self._grammar_ids.discard(seq_id)
                 self._allowed_ids.discard(seq_id)
                 self._failed[seq_id] = why
+        self._release(message.released_seq_ids, job.job_id)
         job.reply = message
         return MaskReady
+
+    def _release(self, seq_ids: list[int], job_id: int) -> None:
+        """Sequences whose think block closed with no grammar: their tokens and steps need the process no more. One
+        mirrored again since the job was sent (a recompute added it anew there, after this answer) stays."""
+        for seq_id in seq_ids:
+            if self._added_at.get(seq_id, job_id) < job_id:
+                self._grammar_ids.discard(seq_id)
+                del self._added_at[seq_id]
 
     def _read_idle(self) -> None:
         """With no fill in flight: read what the process sent (MaskCompiled, a late MaskStarted), never waiting."""
@@ -692,6 +718,7 @@ class MaskProcess:
         for seq_id in self._grammar_ids | self._allowed_ids:
             self._failed[seq_id] = message
         self._grammar_ids.clear()
+        self._added_at.clear()
         self._allowed_ids.clear()
 
     def _masks(self, job: MaskJob) -> GrammarMasks | None:

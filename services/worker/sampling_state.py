@@ -89,6 +89,10 @@ def _sampling_error(params: SamplingParams, vocab_size: int) -> str:
             for ids in params.bad_words_token_ids):
         return (f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} sequences of 1 to {MAX_BAD_WORD_TOKENS} "
                 f"ids in [0, {vocab_size})")
+    thinking = params.thinking
+    if thinking is not None and (not 1 <= len(thinking.end_token_ids) <= MAX_BAD_WORD_TOKENS
+                                 or not _ids_below(thinking.end_token_ids, vocab_size) or thinking.max_tokens < 0):
+        return f"thinking needs 1 to {MAX_BAD_WORD_TOKENS} end ids in [0, {vocab_size}) and max_tokens >= 0"
     return ""
 
 
