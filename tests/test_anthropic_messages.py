@@ -105,6 +105,30 @@ def test_a_last_assistant_turn_is_a_prefill_the_answer_continues() -> None:
     assert request.messages[-1] == ChatMessage("assistant", "The answer is (")
 
 
+def test_extended_thinking_is_the_templates_switch_and_chats_thinking_budget() -> None:
+    """Anthropic's thinking: "enabled" with budget_tokens is chat's thinking_token_budget and enable_thinking true
+    (Qwen3's template switch); "adaptive" enable_thinking true and no budget; "disabled" enable_thinking false, which
+    output_config.effort does not turn back on; absent leaves the template its default."""
+    request, form = chat_of({"messages": HI, "max_tokens": 4096,
+                             "thinking": {"type": "enabled", "budget_tokens": 2048}})
+    assert (form.chat.thinking_token_budget, request.params.thinking_token_budget) == (2048, 2048)
+    assert request.params.bounds_thinking and request.chat_template_kwargs == {"enable_thinking": True}
+    request, form = chat_of({"messages": HI, "thinking": {"type": "disabled"}})
+    assert request.chat_template_kwargs == {"enable_thinking": False} and not request.params.bounds_thinking
+    request, form = chat_of({"messages": HI})
+    assert request.chat_template_kwargs == {} and not request.params.bounds_thinking
+    # adaptive (Claude Code's default) thinks as the model will, at output_config.effort: chat's reasoning_effort
+    request, form = chat_of({"messages": HI, "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"}})
+    assert request.chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert not request.params.bounds_thinking
+    request, form = chat_of({"messages": HI, "thinking": {"type": "disabled"}, "output_config": {"effort": "low"}})
+    assert request.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
+    # count_tokens has no max_tokens to stay below: any budget from 1024 up renders as generation would
+    count = to_chat(decode_count_tokens_body(json.dumps({"model": SERVED, "messages": HI, "thinking": {
+        "type": "enabled", "budget_tokens": 100_000}}).encode()).as_messages(), count_only=True)
+    assert count.chat.chat_template_kwargs == {"enable_thinking": True}
+
+
 def test_sampling_tools_and_formats_map_to_chat() -> None:
     request, form = chat_of({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "temperature": 0.5,
                              "top_p": 0.9, "top_k": 5, "stop_sequences": ["\n\n"], "metadata": {"user_id": "u1"},
@@ -152,9 +176,20 @@ HI = [{"role": "user", "content": "Hi"}]
     ({"messages": HI, "inference_geo": "us"}, "inference_geo", "region"),
     ({"messages": HI, "service_tier": "priority"}, "service_tier", "one service tier"),
     ({"messages": HI, "speed": "fast"}, "speed", "one speed"),
-    ({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking", "thinking budgets"),
+    ({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.budget_tokens",
+     "below max_tokens (16)"),
+    ({"messages": HI, "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 512}},
+     "thinking.budget_tokens", "at least 1024"),
+    ({"messages": HI, "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": True}},
+     "thinking.budget_tokens", "an integer"),
+    ({"messages": HI, "thinking": {"type": "enabled"}}, "thinking.budget_tokens", "an integer"),
+    ({"messages": HI, "thinking": {"type": "auto"}}, "thinking.type", '"enabled", "adaptive" or "disabled"'),
+    ({"messages": HI, "thinking": {"type": "adaptive", "budget_tokens": 2048}}, "thinking.budget_tokens",
+     "Unrecognized"),
+    ({"messages": HI, "thinking": {"type": "disabled", "budget_tokens": 2048}}, "thinking.budget_tokens",
+     "Unrecognized"),
     ({"messages": HI, "metadata": {"user_id": "u", "team": "x"}}, "metadata.team", "Unrecognized"),
-    ({"messages": HI, "output_config": {"effort": "low"}}, "output_config.effort", "effort"),
+    ({"messages": HI, "output_config": {"effort": "extreme"}}, "output_config.effort", "must be one of"),
     ({"messages": HI, "output_config": {"format": {"type": "grammar"}}}, "output_config.format.type", "json_schema"),
     ({"messages": HI, "cache_control": {"type": "persistent"}}, "cache_control", "ephemeral"),
     ({"messages": []}, "messages", "must not be empty"),
@@ -615,6 +650,9 @@ def test_a_tool_round_trip(server: Server, client: anthropic.Anthropic) -> None:
 def test_refusals_over_http_are_anthropic_errors(server: Server, client: anthropic.Anthropic) -> None:
     url = server.url + "/v1/messages"
     for body, needle in (({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+                         # a budget needs --reasoning-parser, which this server has not: named as the Messages field
+                         ({"messages": HI, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+                          "thinking.budget_tokens: thinking.budget_tokens needs a reasoning model"),
                          ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
                           "messages[0].content[0].type"),
                          # past the context: Anthropic's words, which its clients match

@@ -64,7 +64,7 @@ class MessagesRoutes:
         body = decode_count_tokens_body(await handlers._body(request))
         handlers._check_model(body.model, request)
         request_id = new_id("count")
-        form = to_chat(body.as_messages())
+        form = to_chat(body.as_messages(), count_only=True)
         try:
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "prompt", "messages")
             prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)

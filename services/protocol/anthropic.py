@@ -19,7 +19,14 @@ import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChoiceStream
 from pagoda.services.protocol.render import Choice, Renderer, ResponseView, encode_json, usage_dict
-from pagoda.services.protocol.schemas import MAX_TURNS, ChatBody, MessageBody, decode_body
+from pagoda.services.protocol.schemas import (
+    MAX_TURNS,
+    NO_BUDGET_HINT,
+    ChatBody,
+    MessageBody,
+    check_reasoning_effort,
+    decode_body,
+)
 from pagoda.services.protocol.schemas import reject_unknown_keys as _keys
 from pagoda.services.protocol.schemas import require as _require
 from pagoda.shared.errors import InvalidRequestError, PagodaError
@@ -65,8 +72,8 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None  # user_id only: chat's user (metadata)
-    output_config: dict[str, Any] | None = None  # format: chat's json_schema response_format; effort refused
-    thinking: dict[str, Any] | None = None  # {"type": "disabled"} only
+    output_config: dict[str, Any] | None = None  # format: chat's json_schema response_format; effort: reasoning_effort
+    thinking: dict[str, Any] | None = None  # enabled (a budget, under --reasoning-parser), adaptive, disabled
     cache_control: dict[str, Any] | None = None  # the prefix cache caches every prompt: checked, changes nothing
     # NO_OP_VALUES
     service_tier: str | None = None
@@ -126,8 +133,9 @@ class ChatForm:
     constraint: str | None  # the Messages field whose constraint a compile error names
 
 
-def to_chat(body: MessagesBody) -> ChatForm:
-    """The chat request a Messages body asks for; InvalidRequestError names the Messages field at fault."""
+def to_chat(body: MessagesBody, count_only: bool = False) -> ChatForm:
+    """The chat request a Messages body asks for; InvalidRequestError names the Messages field at fault.
+    count_only: for count_tokens, whose body has no max_tokens to bound a thinking budget."""
     _check_fields(body)
     # here, not in SamplingParams.validate: its words name completions' prompt scoring, which max_tokens 0 allows
     _require(1 <= body.max_tokens <= MAX_INT32, "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}]")
@@ -143,7 +151,10 @@ def to_chat(body: MessagesBody) -> ChatForm:
     response_format = _output_format(body.output_config)
     prefill = messages[-1].role == "assistant"  # the answer continues it (Anthropic's prefill)
     user = (body.metadata or {}).get("user_id")
+    template_kwargs, budget = _thinking(body.thinking, None if count_only else body.max_tokens)
     chat = ChatBody(
+        chat_template_kwargs=template_kwargs, thinking_token_budget=budget,
+        reasoning_effort=(body.output_config or {}).get("effort"),  # checked by _output_format
         messages=messages, model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences, stream=body.stream, user=user,
         tools=chat_tools or None, tool_choice=tool_choice, parallel_tool_calls=parallel,
@@ -163,12 +174,35 @@ def _check_fields(body: MessagesBody) -> None:
     _keys(metadata, {"user_id"}, "metadata", 'metadata is {"user_id": string}')
     _require(metadata.get("user_id") is None or isinstance(metadata["user_id"], str), "metadata.user_id",
              "user_id must be a string")
-    thinking = body.thinking or {"type": "disabled"}
-    _require(thinking.get("type") == "disabled", "thinking",
-             f"thinking {thinking.get('type')!r} is not supported: thinking budgets are not passed to chat templates "
-             '(send {"type": "disabled"} or leave it out); with --reasoning-parser a reasoning model\'s think block '
-             "comes back as a thinking block")
-    _keys(thinking, {"type"}, "thinking", 'thinking is {"type": "disabled"}')
+
+
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
+def _thinking(thinking: dict[str, Any] | None, max_tokens: int | None,
+              ) -> tuple[dict[str, str | int | float | bool] | None, int | None]:
+    """Anthropic's extended thinking as chat's (the template's variables, thinking_token_budget): "enabled" thinks
+    within budget_tokens (at least MIN_THINKING_BUDGET and below max_tokens, as Anthropic checks), which needs
+    --reasoning-parser (the think block comes back as a thinking block, and the budget bounds it: chat's 400 names
+    thinking.budget_tokens otherwise); "adaptive" thinks as the model will (output_config.effort is chat's
+    reasoning_effort); "disabled" asks the template not to think. Each sets `enable_thinking`, the switch of the
+    templates that have one (Qwen3's); a template without it renders as before. Absent: the template's default."""
+    if thinking is None:
+        return None, None
+    kind = thinking.get("type")
+    if kind in ("disabled", "adaptive"):
+        _keys(thinking, {"type"}, "thinking", f'thinking is {{"type": "{kind}"}}')
+        return {"enable_thinking": kind == "adaptive"}, None
+    _require(kind == "enabled", "thinking.type", f'thinking.type is "enabled", "adaptive" or "disabled", got {kind!r}')
+    _keys(thinking, {"type", "budget_tokens"}, "thinking", 'thinking is {"type": "enabled", "budget_tokens": int}')
+    budget = thinking.get("budget_tokens")
+    below = max_tokens if max_tokens is not None else MAX_INT32 + 1
+    bound = f"below max_tokens ({max_tokens})" if max_tokens is not None else f"at most {MAX_INT32}"
+    _require(isinstance(budget, int) and not isinstance(budget, bool) and MIN_THINKING_BUDGET <= budget < below,
+             "thinking.budget_tokens", f"budget_tokens must be an integer of at least {MIN_THINKING_BUDGET} and "
+                                       f"{bound}, got {budget!r}")
+    assert isinstance(budget, int)
+    return {"enable_thinking": True}, budget
 
 
 def _cache_control(value: Any, param: str) -> None:
@@ -370,9 +404,8 @@ def _tool_choice(choice: dict[str, Any] | None,
 def _output_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """Chat's response_format of output_config.format (Anthropic's structured outputs)."""
     config = config or {}
-    _keys(config, {"format", "effort"}, "output_config", 'output_config is {"format"?}')
-    _require(config.get("effort") is None, "output_config.effort",
-             "output_config.effort is not supported: effort is not passed to chat templates")
+    _keys(config, {"format", "effort"}, "output_config", 'output_config is {"format"?, "effort"?}')
+    check_reasoning_effort(config.get("effort"), "output_config.effort")
     fmt = config.get("format")
     if fmt is None:
         return None
@@ -387,7 +420,7 @@ def _output_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
 # Messages field.
 _CHAT_PARAMS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"), ("messages", "messages"),
                 ("response_format", "output_config.format"), ("user", "metadata.user_id"),
-                ("continue_final_message", "messages"))
+                ("continue_final_message", "messages"), ("thinking_token_budget", "thinking.budget_tokens"))
 
 
 def messages_param(param: str | None) -> str | None:
@@ -408,9 +441,9 @@ def rename_error(exc: PagodaError) -> PagodaError:
     """`exc` naming the Messages field instead of chat's (its message too, for the names that differ)."""
     param = messages_param(exc.param)
     if param != exc.param or CHAT_ONLY_HINT in exc.message:
-        if exc.param in ("max_completion_tokens", "stop") and exc.param is not None:
+        if exc.param in ("max_completion_tokens", "stop", "thinking_token_budget") and exc.param is not None:
             exc.message = exc.message.replace(exc.param, param or "")
-        exc.message = exc.message.replace(CHAT_ONLY_HINT, "")
+        exc.message = exc.message.replace(CHAT_ONLY_HINT, "").replace(NO_BUDGET_HINT, "")
         exc.args = (exc.message,)
         exc.param = param
     return exc

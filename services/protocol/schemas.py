@@ -650,12 +650,15 @@ def _tool_choice(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str]
     return "named", name
 
 
+NO_BUDGET_HINT = " (-1 or null: no budget)"  # chat's way to send none (the Messages API's is to leave it out)
+
+
 def check_thinking_budget(params: SamplingParams, reasoning_parser: str | None) -> None:
     """vLLM's thinking_token_budget bounds the think block that the reasoning parser reads: a 400 without one (vLLM
     refuses it without its reasoning config too)."""
     _require(not params.bounds_thinking or reasoning_parser is not None, "thinking_token_budget",
              "thinking_token_budget needs a reasoning model served with --reasoning-parser (qwen3, deepseek_r1): it "
-             "bounds the think block that parser reads, and this server has none (-1 or null: no budget)")
+             f"bounds the think block that parser reads, and this server has none{NO_BUDGET_HINT}")
 
 
 def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | None) -> ChatOutputSpec:
