@@ -771,11 +771,15 @@ def _nucleus_decide(b, prev, row, vocab_size, num_rows, num_splits, temperature,
     splits = tl.arange(0, SPLITS)
     valid = splits < num_splits
     base = (prev * num_rows + b) * num_splits
-    scores = tl.load(score_ptr + base + splits, mask=valid, other=float("-inf"))
-    indices = tl.load(index_ptr + base + splits, mask=valid, other=2147483647)
+    was_active = prev == 0
+    if prev > 0:  # a row decided before round prev ran no programs in it: its slots there hold nothing written
+        was_active = tl.load(active_ptr + (prev - 1) * num_rows + b) != 0
+    live = valid & was_active
+    scores = tl.load(score_ptr + base + splits, mask=live, other=float("-inf"))
+    indices = tl.load(index_ptr + base + splits, mask=live, other=2147483647)
     top = tl.max(scores, axis=0)
-    best = tl.min(tl.where(valid & (scores == top), indices, 2147483647), axis=0)  # first split: smallest id
-    masses = tl.load(mass_ptr + base + splits, mask=valid, other=0.0)
+    best = tl.min(tl.where(live & (scores == top), indices, 2147483647), axis=0)  # first split: smallest id
+    masses = tl.load(mass_ptr + base + splits, mask=live, other=0.0)
     if prev == 0:
         maxima = tl.load(part_max_ptr + b * num_splits + splits, mask=valid, other=-1.0e30)
         row_max = tl.max(maxima, axis=0)
@@ -788,7 +792,6 @@ def _nucleus_decide(b, prev, row, vocab_size, num_rows, num_splits, temperature,
         slot = (prev - 1) * num_rows + b
         row_max = tl.load(row_max_ptr + b)
         target = tl.load(target_ptr + b)
-        was_active = tl.load(active_ptr + slot) != 0
         prev_cand = tl.load(cand_ptr + slot)
         active = was_active & (tl.sum(masses, axis=0) >= target)  # the candidate is below t*
         cand = tl.where(active, best, prev_cand)
