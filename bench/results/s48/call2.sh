@@ -28,6 +28,6 @@ for tree in prev head prev head; do
   (( $(left) < 40 )) && break
   echo "== $tree: openai step by kernel [$(( $(date +%s) - start )) s]"
   PYTHONPATH=$site timeout 40 python3 -m pagoda.bench.sampler_bench --settings openai --vocab 151936 --iters 100 \
-    --profile 2>&1 | grep -E "kernel|ms" | head -12
+    --profile 2>&1 | tail -15
 done
 echo "== done [$(( $(date +%s) - start )) s]"
