@@ -699,7 +699,13 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, vocab_size, temperature_ptr, thr
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if HAS_ROWS:
-        if tl.load(rows_ptr + b) == 0:  # drawn elsewhere (gathered_gumbel_argmax): nothing to read
+        if tl.load(rows_ptr + b) == 0:  # drawn elsewhere (gathered_gumbel_argmax): no logits read; an empty split
+            out = b * num_splits + split  # written all the same: the nucleus kernels read every row's round 0
+            tl.store(best_value_ptr + out, tl.full((), float("-inf"), tl.float32))
+            tl.store(best_index_ptr + out, (split * SPLIT).to(tl.int32))
+            if NUCLEUS:
+                tl.store(part_max_ptr + out, tl.full((), -1.0e30, tl.float32))
+                tl.store(part_sum_ptr + out, tl.zeros((), dtype=tl.float32))
             return
     masked = False
     if HAS_BITMASK:
