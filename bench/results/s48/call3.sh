@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Session 48, call 3, any card: 6227727 + this commit (rows drawn elsewhere get an empty round 0 written) on CUDA: the
-# 6227727's change to _nucleus_decide (a round's per-split slots read only for rows still undecided) on CUDA: the
-# sampler's GPU tests, and the top-p-without-top-k kernels of one step ("openai": temperature + top_p, the nucleus
-# rejection rounds) profiled prev (7f90ec2, .snap/prev.tgz) / head, twice each.
+# Session 48, call 3, any card: the two sampler kernel changes on CUDA (6227727: _nucleus_decide reads a round's
+# per-split slots only for rows still undecided; 865b473: _gumbel_argmax_kernel writes an empty split for rows
+# drawn elsewhere): the sampler's GPU tests, and "mixed" and "openai" steps by kernel, prev (7f90ec2, .snap/prev.tgz) /
+# head, twice each.
 OUT=${OUT:-/tmp/out}
 start=$(date +%s)
 BUDGET=${BUDGET:-560}  # seconds this call may run
