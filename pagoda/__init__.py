@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING, Any
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, PagodaError
-from pagoda.shared.messages import StructuredOutputs
+from pagoda.shared.messages import RepetitionDetection, StructuredOutputs
 
 StructuredOutputsParams = StructuredOutputs  # vLLM's name for the same thing
+RepetitionDetectionParams = RepetitionDetection  # vLLM's (vllm.sampling_params.RepetitionDetectionParams)
 
 if TYPE_CHECKING:
     from pagoda.llm import LLM, BeamSearchParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams",
+           "RepetitionDetectionParams",
            "GuidedDecodingParams", "RequestOutputKind",
            "RequestOutput", "CompletionOutput", "Logprob",
            "PagodaError", "InvalidRequestError", "ContextLengthError",

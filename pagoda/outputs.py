@@ -41,8 +41,10 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # per generated token: {token id: Logprob} for the sampled token plus the top-k asked for
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
-    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it, else None
+    finish_reason: str | None = None  # "stop", "length", "repetition", "abort", "error" or None while running
+    # vLLM's: the stop string or stop_token_ids id that ended it, "repetition_detected" (repetition_detection),
+    # else None
+    stop_reason: str | int | None = None
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty, its rank
     lora_request: None = None  # vLLM's: LoRA adapters are not implemented
 

@@ -79,6 +79,14 @@ def check_offline(params: messages.SamplingParams) -> None:
                                   "think block (-1 or None: no budget)", param="thinking_token_budget")
 
 
+def _repetition_detection(fields: dict[str, Any]) -> messages.RepetitionDetection:
+    unknown = sorted(set(fields) - set(messages.RepetitionDetection.__struct_fields__))
+    if unknown:
+        raise InvalidRequestError(f"repetition_detection takes max_pattern_size, min_pattern_size and min_count, not "
+                                  f"{', '.join(unknown)}", param=f"repetition_detection.{unknown[0]}")
+    return messages.RepetitionDetection(**fields)
+
+
 class RequestOutputKind(Enum):
     """vLLM's (vllm.sampling_params.RequestOutputKind): what each RequestOutput of a request holds. LLM's generate and
     chat return each request's output once, when it is done: FINAL_ONLY, the kind vLLM's LLM sets itself."""
@@ -135,6 +143,8 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
         if self.bad_words_token_ids:  # vLLM's is private (_bad_words_token_ids): set by the engine alone
             raise InvalidRequestError("bad_words_token_ids is made by the engine from bad_words; give bad_words",
                                       param="bad_words_token_ids")
+        if isinstance(self.repetition_detection, dict):  # vLLM's pydantic dataclass takes its fields as a dict too
+            self.repetition_detection = _repetition_detection(self.repetition_detection)
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True: they are matched in the text", param="stop")
 

@@ -30,6 +30,9 @@ TRUNCATE_TO_CONTEXT = -1  # truncate_prompt_tokens: as many prompt tokens as the
 MAX_CACHE_SALT_BYTES = 1024  # UTF-8 bytes of a request's cache_salt (vLLM sets no bound)
 MAX_PROMPT_CACHE_KEY_BYTES = 1024  # UTF-8 bytes of a request's prompt_cache_key (OpenAI states no bound)
 NO_THINKING_BUDGET = -1  # thinking_token_budget: vLLM's "unlimited", the same as null
+# repetition_detection: the longest pattern a request may watch for. The scheduler scans that many earlier tokens
+# for every new one (services/scheduler/repetition.py), in C, plus a little Python for each that matches
+MAX_REPETITION_PATTERN = 2048
 
 
 class FinishReason(IntEnum):
@@ -39,10 +42,15 @@ class FinishReason(IntEnum):
     LENGTH = 1  # max_tokens or the model's context
     ABORT = 2  # the client went away or the server is shutting down
     ERROR = 3  # the request failed inside the engine
+    REPETITION = 4  # the output ended in a repeated pattern (vLLM's repetition_detection)
 
     @property
     def openai_name(self) -> str:
-        return ("stop", "length", "abort", "error")[self]
+        return ("stop", "length", "abort", "error", "repetition")[self]
+
+
+# the ends of a completion that is answered (it ended on its own terms: not aborted, not failed)
+ANSWERED = frozenset({FinishReason.STOP, FinishReason.LENGTH, FinishReason.REPETITION})
 
 
 class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -106,6 +114,37 @@ class ThinkingBudget(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         return self
 
 
+class RepetitionDetection(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """vLLM's RepetitionDetectionParams: a completion ends (finish_reason "repetition") once its output ends with
+    `min_count` copies in a row of one pattern of `min_pattern_size` to `max_pattern_size` tokens (after min_tokens).
+    max_pattern_size 0 turns it off; min_pattern_size 0 means 1."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_pattern_size > 0
+
+    @property
+    def shortest(self) -> int:
+        return max(self.min_pattern_size, 1)
+
+    def validate(self) -> RepetitionDetection:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT32,
+                   f"repetition_detection.{name}", f"{name} must be an integer in [0, {MAX_INT32}], got {value!r}")
+        _check(self.min_pattern_size <= self.max_pattern_size, "repetition_detection.min_pattern_size",
+               "min_pattern_size must not exceed max_pattern_size (both 0: no repetition detection)")
+        _check(self.max_pattern_size <= MAX_REPETITION_PATTERN, "repetition_detection.max_pattern_size",
+               f"max_pattern_size must be at most {MAX_REPETITION_PATTERN}")
+        _check(not self.enabled or self.min_count >= 2, "repetition_detection.min_count",
+               "min_count must be >= 2 to detect a repeated pattern (max_pattern_size 0: no detection)")
+        return self
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """How to pick tokens and when to stop; the shape of vLLM's SamplingParams.
 
@@ -153,6 +192,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     # (chat with --reasoning-parser), then `</think>` is forced; None or -1 (vLLM's "unlimited"): no budget
     thinking_token_budget: int | None = None
     thinking: ThinkingBudget | None = None  # the budget as the worker enforces it: the tokenizer process's, only
+    # vLLM's repetition_detection: the scheduler ends a completion whose output ends in a repeated pattern
+    repetition_detection: RepetitionDetection | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -220,8 +261,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         self._validate_truncation()
         self._validate_structured()
         self._validate_thinking()
+        self._validate_repetition()
         self._validate_beam_search()
         return self
+
+    @property
+    def detects_repetition(self) -> bool:
+        return self.repetition_detection is not None and self.repetition_detection.enabled
+
+    def _validate_repetition(self) -> None:
+        if self.repetition_detection is not None:
+            _check(isinstance(self.repetition_detection, RepetitionDetection), "repetition_detection",
+                   "repetition_detection must be an object of max_pattern_size, min_pattern_size and min_count")
+            self.repetition_detection.validate()
 
     def _validate_thinking(self) -> None:
         budget = self.thinking_token_budget
@@ -284,6 +336,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                "structured outputs are not supported with beam search")
         _check(not self.bounds_thinking and self.thinking is None, "thinking_token_budget",
                "thinking_token_budget is not supported with beam search")
+        _check(not self.detects_repetition, "repetition_detection",
+               "repetition_detection is not supported with beam search")
 
     def _validate_structured(self) -> None:
         constraint = self.structured_outputs

@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from pagoda import LLM, ContextLengthError, InvalidRequestError, Logprob, ModelNotFoundError, SamplingParams
+from pagoda import (
+    LLM,
+    ContextLengthError,
+    InvalidRequestError,
+    Logprob,
+    ModelNotFoundError,
+    RepetitionDetectionParams,
+    SamplingParams,
+)
 from pagoda.services.worker.grammar import GrammarRows
 from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES
 from pagoda.shared.errors import ConfigError
@@ -96,6 +104,19 @@ def test_stop_reason_names_the_stop_string_or_token(llm: LLM) -> None:
     assert (by_id[0].outputs[0].finish_reason, by_id[0].outputs[0].stop_reason) == ("stop", greedy.token_ids[1])
     by_string = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, stop=[word]))
     assert (by_string[0].outputs[0].finish_reason, by_string[0].outputs[0].stop_reason) == ("stop", word)
+
+
+def test_repetition_detection_ends_a_loop_offline(llm: LLM) -> None:
+    """vLLM's RepetitionDetectionParams (or a dict of its fields): one allowed token loops, and the completion ends at
+    the 4th copy with finish_reason "repetition" and stop_reason "repetition_detected"."""
+    (dot,) = llm.get_tokenizer().encode(".", add_special_tokens=False)
+    for watch in (RepetitionDetectionParams(max_pattern_size=3, min_count=4), {"max_pattern_size": 3, "min_count": 4}):
+        params = SamplingParams(temperature=0.0, max_tokens=16, allowed_token_ids=[dot], repetition_detection=watch)
+        [out] = llm.generate(["The capital of France is"], params)[0].outputs
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([dot] * 4, "repetition", "repetition_detected")
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(repetition_detection={"max_pattern_size": 3, "min_count": 4, "window": 2})
+    assert caught.value.param == "repetition_detection.window"
 
 
 @pytest.mark.parametrize(("values", "param_name"), [

@@ -331,6 +331,43 @@ def test_stop_reason_names_what_stopped_each_choice(client: openai.OpenAI, strea
     assert reason("chat", max_tokens=1) == ("length", None)
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_repetition_detection_ends_a_loop_with_vllms_reasons(server: Server, route: str, stream: bool) -> None:
+    """One allowed token makes the output loop on it: with repetition_detection (patterns of 1-2 tokens, 5 copies)
+    it ends at its 5th token with vLLM's finish_reason "repetition" and stop_reason "repetition_detected", at
+    min_tokens when that is later, and runs to max_tokens without it."""
+    (dot,) = token_ids(server, ".")
+    base: dict[str, Any] = {"model": SERVED, "max_tokens": 12, "temperature": 0, "allowed_token_ids": [dot]}
+    base |= {"prompt": SAYING} if route == "/v1/completions" else {"messages": CHAT}
+
+    def run(**extra: Any) -> tuple[str, object, int]:
+        body = {**base, **extra}
+        if not stream:
+            out = post(server, route, body).json()
+            return out["choices"][0]["finish_reason"], out["choices"][0]["stop_reason"], \
+                out["usage"]["completion_tokens"]
+        chunks = sse_chunks(server, route, {**body, "stream_options": {"include_usage": True}})
+        last = [chunk["choices"][0] for chunk in chunks if chunk["choices"]][-1]
+        return last["finish_reason"], last["stop_reason"], chunks[-1]["usage"]["completion_tokens"]
+
+    watch = {"max_pattern_size": 2, "min_count": 5}
+    assert run(repetition_detection=watch) == ("repetition", "repetition_detected", 5)
+    assert run(repetition_detection=watch, min_tokens=7) == ("repetition", "repetition_detected", 7)
+    assert run(repetition_detection={**watch, "min_pattern_size": 2}) == ("repetition", "repetition_detected", 10)
+    assert run() == ("length", None, 12)
+    assert run(repetition_detection={"max_pattern_size": 0}) == ("length", None, 12)
+
+
+@pytest.mark.parametrize("watch, param", [({"max_pattern_size": 3, "min_count": 1}, "repetition_detection.min_count"),
+                                          ({"max_pattern_size": 3, "min_count": 2, "n": 2}, "repetition_detection"),
+                                          ({"max_pattern_size": 5000, "min_count": 2},
+                                           "repetition_detection.max_pattern_size")])
+def test_bad_repetition_detection_is_refused(server: Server, watch: dict[str, int], param: str) -> None:
+    response = post(server, "/v1/completions", {"model": SERVED, "prompt": "Hi", "repetition_detection": watch})
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith(param), response.text
+
+
 @pytest.mark.parametrize("ids, needle", [([], "must not be empty"), ([5, VOCAB_SIZE], "outside the vocabulary")])
 def test_bad_allowed_token_ids_are_refused(client: openai.OpenAI, ids: list[int], needle: str) -> None:
     with pytest.raises(openai.BadRequestError) as failure:

@@ -16,7 +16,7 @@ from pagoda.services.api.errors import RequestTimeoutError, UpstreamError
 from pagoda.services.api.metrics import ApiMetrics
 from pagoda.services.api.pool import Reply, Rows, Ticket
 from pagoda.services.protocol.render import Choice, Renderer, usage_dict
-from pagoda.shared.messages import Accepted, FinishReason, PositionLogprobs, RequestFailed, TextDelta
+from pagoda.shared.messages import ANSWERED, Accepted, FinishReason, PositionLogprobs, RequestFailed, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -237,5 +237,5 @@ def _raise_if_abnormal(reason: int) -> None:
         raise UpstreamError(503, "the request was aborted by the server", "server_error")
     if reason == FinishReason.ERROR:
         raise UpstreamError(500, "the request failed inside the engine", "server_error")
-    if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+    if reason not in ANSWERED:
         raise UpstreamError(500, f"unknown finish reason {reason}", "server_error")

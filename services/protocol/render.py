@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec, ChatStreams, whole_message
-from pagoda.shared.messages import FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
+from pagoda.shared.messages import ANSWERED, FinishReason, PositionLogprobs, RenderSpec, TextDelta, TokenLogprob
 
 _encoder = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -489,7 +489,7 @@ class PromptRenderer:
     def render(self, delta: TextDelta) -> bytes:
         """Streaming: this delta's SSE chunks. Otherwise the choice's JSON once it ends normally, else b"".
         An abnormal end (abort, error) renders nothing: the api answers it with an error."""
-        if delta.finish_reason >= 0 and delta.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        if delta.finish_reason >= 0 and delta.finish_reason not in ANSWERED:
             return b""
         choice = self.view.choices[delta.index]
         if self.stream:

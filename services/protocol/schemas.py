@@ -18,6 +18,7 @@ from pagoda.shared.messages import (
     MIN_INT64,
     ChatMessage,
     GenerateRequest,
+    RepetitionDetection,
     SamplingParams,
     StructuredOutputs,
     ToolCallMessage,
@@ -29,6 +30,14 @@ MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused b
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 T = TypeVar("T")
+
+
+class RepetitionDetectionBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's RepetitionDetectionParams as a request sends it (checked by shared.messages.RepetitionDetection)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -95,6 +104,8 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_decoding_backend: str | None = None  # vLLM's, deprecated: names of pagoda's one grammar engine
     # vLLM's: at most this many tokens inside the think block (chat with --reasoning-parser); -1 or null: no budget
     thinking_token_budget: int | None = None
+    # vLLM's: end a completion once its output ends in min_count copies of one pattern (finish_reason "repetition")
+    repetition_detection: RepetitionDetectionBody | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -316,6 +327,11 @@ def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) ->
         kwargs["allowed_token_ids"] = body.allowed_token_ids
     if body.bad_words:
         kwargs["bad_words"] = body.bad_words
+    if body.repetition_detection is not None:
+        watch = body.repetition_detection
+        kwargs["repetition_detection"] = RepetitionDetection(
+            max_pattern_size=watch.max_pattern_size, min_pattern_size=watch.min_pattern_size,
+            min_count=watch.min_count)
     if body.guided_decoding_backend is not None:
         check_guided_backend(body.guided_decoding_backend)
     constraint = structured_outputs(body)

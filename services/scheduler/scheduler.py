@@ -52,6 +52,7 @@ from pagoda.services.scheduler.fairness import (
     TenantShare,
     may_take,
 )
+from pagoda.services.scheduler.repetition import RepetitionWatch
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, min_tokens_past_room
 from pagoda.shared.messages import (
     GREEDY_TEMPERATURE,
@@ -131,6 +132,7 @@ class Sequence:
     # preempted by swap: the host slots holding the K/V of its first num_swapped_tokens tokens, block by block
     swapped: list[int] | None = None
     num_swapped_tokens: int = 0
+    repetition: RepetitionWatch | None = None  # repetition_detection: its runs over the output, once it is watched
 
     @property
     def num_tokens(self) -> int:
@@ -839,6 +841,8 @@ class Scheduler:
                 reason = FinishReason.STOP
             elif index + 1 >= seq.max_len:  # index + 1 tokens known now
                 reason = FinishReason.LENGTH
+            elif request.sampling.repetition_detection is not None and _ends_in_repetition(seq, index + 1):
+                reason = FinishReason.REPETITION
             if reason is not None:
                 self._finish(seq, reason)
             updates.append(SeqUpdate(seq, token_id, row, reason, prompt_scores))
@@ -1197,6 +1201,18 @@ def _needs_prompt_scores(seq: Sequence) -> bool:
     """prompt_logprobs asked and not all given yet: one completion (the first) carries them."""
     return (seq.request.sampling.prompt_logprobs is not None and seq.index == 0
             and seq.next_prompt_score < seq.num_prompt_tokens)
+
+
+def _ends_in_repetition(seq: Sequence, end: int) -> bool:
+    """vLLM's repetition_detection, checked after the stop ids and the length (as vLLM's check_stop) and, as there,
+    only once the output has min_tokens: whether token_ids[:end] (known tokens) end in a repeated pattern."""
+    sampling = seq.request.sampling
+    if not sampling.detects_repetition or end - seq.num_prompt_tokens < sampling.min_tokens:
+        return False
+    if seq.repetition is None:
+        assert sampling.repetition_detection is not None
+        seq.repetition = RepetitionWatch(sampling.repetition_detection)
+    return seq.repetition.advance(seq.token_ids, seq.num_prompt_tokens, end)
 
 
 def _rank(seq: Sequence) -> tuple[int, float, int]:

@@ -28,6 +28,7 @@ from pagoda.shared.messages import (
 log = logging.getLogger(__name__)
 
 RUNNING = -1  # the finish reason of a completion that goes on
+REPETITION_DETECTED = "repetition_detected"  # vLLM's stop_reason where repetition_detection ended a completion
 
 
 @dataclass(slots=True)
@@ -62,9 +63,12 @@ def stop_reason(stream: TextStream, params: SamplingParams, token_id: int, finis
                 tokenizer: Tokenizer | None) -> str | int | None:
     """vLLM's stop_reason of a completion that ends with this token: the stop string that matched, else the id
     of params' stop_token_ids it sampled; None for EOS (listed among the stop ids too, unless EOS is ignored, as
-    vLLM checks EOS first), length, or while it runs. Per token: the tokenizer is asked only at such a stop."""
+    vLLM checks EOS first), length, or while it runs; vLLM's "repetition_detected" where repetition_detection
+    ended it. Per token: the tokenizer is asked only at such a stop."""
     if stream.stop_reason is not None:
         return stream.stop_reason
+    if finish_reason == FinishReason.REPETITION:
+        return REPETITION_DETECTED
     if finish_reason != FinishReason.STOP or token_id not in params.stop_token_ids:
         return None
     is_eos = tokenizer is not None and token_id == tokenizer.eos_token_id
