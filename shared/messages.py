@@ -30,8 +30,8 @@ TRUNCATE_TO_CONTEXT = -1  # truncate_prompt_tokens: as many prompt tokens as the
 MAX_CACHE_SALT_BYTES = 1024  # UTF-8 bytes of a request's cache_salt (vLLM sets no bound)
 MAX_PROMPT_CACHE_KEY_BYTES = 1024  # UTF-8 bytes of a request's prompt_cache_key (OpenAI states no bound)
 NO_THINKING_BUDGET = -1  # thinking_token_budget: vLLM's "unlimited", the same as null
-# repetition_detection: the longest pattern a request may watch for. The scheduler scans that many earlier tokens
-# for every new one (services/scheduler/repetition.py), in C, plus a little Python for each that matches
+# repetition_detection: the longest pattern a request may watch for. The scheduler compares every new token with that
+# many earlier ones (services/scheduler/repetition.py: ~8 us a token at 2048 on the 2-core build host)
 MAX_REPETITION_PATTERN = 2048
 
 
