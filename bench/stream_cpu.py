@@ -13,6 +13,11 @@ tokenizer, so the worker is cheap and the api and tokenizer carry a real share o
 (ROLE:sys: the stime part, the kernel's: socket writes and reads, wake-ups).
 Also the grammar process's CPU from the server's start to its health and over each round (--grammar-process).
 
+--stream-interval N sends vLLM's stream_interval with every request (a chunk every N new tokens after the first);
+`--serve-args "--stream-interval N"` sets the server's floor instead, the same for these requests:
+
+    python -m pagoda.bench.stream_cpu --concurrency 64 --num-prompts 256 --output-len 128 --rounds 3 --stream-interval 4
+
 --profile ROLE (api, tokenizer, scheduler, worker) runs that service under cProfile (a sitecustomize on PYTHONPATH)
 and writes its stats to --profile-out when the process exits; print them with `python -m pstats FILE`.
 
@@ -55,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--greedy", action="store_true", help="temperature 0 (a cheaper worker step on a CPU)")
     parser.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions")
+    parser.add_argument("--stream-interval", type=int, default=None,
+                        help="the requests' stream_interval: new tokens a chunk carries after the first (default: the "
+                             "server's, 1 unless --serve-args sets --stream-interval)")
     parser.add_argument("--profile", default="", help="run this service under cProfile (api, tokenizer, ...)")
     parser.add_argument("--profile-out", default="/tmp/stream_cpu.prof")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -132,6 +140,8 @@ async def run_round(port: int, args: argparse.Namespace, offset: int) -> tuple[i
     sampling = {"temperature": 0.0} if args.greedy else {"temperature": 0.7, "top_p": 0.95}
     common = {"model": "m", "max_tokens": args.output_len, "ignore_eos": True, **sampling,
               "stream": True, "stream_options": {"include_usage": True}}
+    if args.stream_interval is not None:
+        common["stream_interval"] = args.stream_interval
 
     def body(i: int) -> dict[str, Any]:
         ids = [rng.randrange(100, 49000) for _ in range(args.input_len)]

@@ -39,6 +39,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepsee
 # the template closes an empty one in the prompt when thinking is off: qwen3's rules)
 REASONING_PARSER_ALIASES = {"glm45": "qwen3"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 = fp8_e4m3 with per-layer scales
+MAX_STREAM_INTERVAL = 2**31 - 1  # --stream-interval's bound, a request's stream_interval's (messages.MAX_INT32)
 
 
 @dataclass(slots=True)
@@ -304,6 +305,9 @@ class ServerConfig:
     console_max_requests: int = 200  # finished requests the inspector keeps (per api process)
     # vLLM's front-end flags (docs/vllm-compat.md#server-flags)
     response_role: str = "assistant"  # the role of a chat answer's message when the request adds a generation prompt
+    # a streamed completion's chunks carry at least this many new tokens after its first (a request's stream_interval
+    # may raise it); the tokenizer processes hold the deltas back (services/tokenizer/pacing.py)
+    stream_interval: int = 1
     root_path: str = ""  # the path prefix a proxy serves this server under: routes answer with and without it
     # CORS: origins (JSON list or comma-separated; "*": any) whose browser pages may call the API; None: no CORS
     allowed_origins: str | None = None
@@ -341,6 +345,9 @@ class ServerConfig:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
         if self.max_logprobs < -1:
             raise ConfigError("max_logprobs must be -1 (the whole vocabulary) or >= 0", param="max_logprobs")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ConfigError(f"--stream-interval {self.stream_interval}: new tokens per streamed chunk, an integer in "
+                              f"[1, {MAX_STREAM_INTERVAL}]", param="stream_interval")
         if self.resend_interval <= 0:
             raise ConfigError("resend_interval must be > 0", param="resend_interval")
         for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests"):
@@ -582,6 +589,9 @@ _HELP: dict[str, str] = {
                      "tokenizer's own (vLLM's --chat-template)",
     "response_role": "the role of a chat answer's message when the request adds a generation prompt "
                      "(default: assistant; vLLM's --response-role)",
+    "stream_interval": "new tokens a streamed completion's chunks carry at least, after its first chunk, which goes "
+                       "out at once (its end goes out at once too); a request's stream_interval may raise it, never "
+                       "lower it (default 1: every step's tokens; vLLM's --stream-interval)",
     "root_path": "the path prefix a proxy serves this server under, e.g. /llm: every route answers with and without "
                  "it (vLLM's --root-path)",
     "allowed_origins": "CORS: origins whose browser pages may call the API, a JSON list or comma-separated "

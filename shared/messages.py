@@ -194,6 +194,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     thinking: ThinkingBudget | None = None  # the budget as the worker enforces it: the tokenizer process's, only
     # vLLM's repetition_detection: the scheduler ends a completion whose output ends in a repeated pattern
     repetition_detection: RepetitionDetection | None = None
+    # vLLM's stream_interval: a completion's output is sent in deltas of at least this many new tokens after its
+    # first one (and whatever is left at its end); raised to the server's --stream-interval (the tokenizer process
+    # holds the deltas back: services/tokenizer/pacing.py). None: the server's. Offline (LLM) it changes nothing.
+    stream_interval: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -263,7 +267,15 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         self._validate_thinking()
         self._validate_repetition()
         self._validate_beam_search()
+        self._validate_stream_interval()
         return self
+
+    def _validate_stream_interval(self) -> None:
+        interval = self.stream_interval
+        _check(interval is None or (isinstance(interval, int) and not isinstance(interval, bool)
+                                    and 1 <= interval <= MAX_INT32), "stream_interval",
+               f"stream_interval must be an integer in [1, {MAX_INT32}] (new tokens per streamed delta), or null for "
+               f"the server's --stream-interval, got {interval!r}")
 
     @property
     def detects_repetition(self) -> bool:

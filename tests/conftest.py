@@ -223,7 +223,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 SHARED_SERVER_MODULES = ("tests/test_server.py", "tests/test_tools.py", "tests/test_vllm_compat.py",
                          "tests/test_responses.py", "tests/test_anthropic_messages.py",
                          "tests/test_client_libraries.py", "tests/test_stream_equivalence.py",
-                         "tests/test_structured_fuzz.py", "tests/test_bad_words.py", "tests/test_protocol_shapes_qa.py")
+                         "tests/test_structured_fuzz.py", "tests/test_bad_words.py", "tests/test_protocol_shapes_qa.py",
+                         "tests/test_stream_interval.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it installed, never called

@@ -724,6 +724,30 @@ def test_scheduler_failure_is_forwarded(tok: Harness) -> None:
                                                                         "internal_error")
 
 
+def test_a_failure_follows_the_output_a_stream_interval_held(tok: Harness, tokenizer: Tokenizer) -> None:
+    """stream_interval 8: after the first token the output is held; the scheduler's failure sends it first (the
+    client sees the output up to the error, as without an interval), once."""
+    request_id, _, _ = tok.generate(SamplingParams(max_tokens=None, stream_interval=8), prompt_text="Hi")
+
+    def mine(message: Any) -> bool:
+        return getattr(message, "request_id", None) == request_id \
+            or (isinstance(message, TextDeltas) and message.deltas[0].request_id == request_id)
+
+    ids = tokenizer.encode(" one two three", add_special_tokens=False)
+    tok.send_scheduler(token_deltas([(request_id, 0, ids, -1)]))
+    assert [d.num_new_tokens for d in tok.expect_api(mine, what="the first delta").deltas] == [1]
+    tok.send_scheduler(RequestFailed(request_id, 500, "worker error", "internal_error"))
+    held = tok.expect_api(mine, what="the held output")
+    assert isinstance(held, TextDeltas), held  # before the failure
+    assert [(d.request_id, d.text, d.num_new_tokens, d.finish_reason) for d in held.deltas] == [
+        (request_id, tokenizer.decode(ids[1:]), len(ids) - 1, -1)]
+    assert tok.expect_reply(request_id, RequestFailed).message == "worker error"
+    tok.send_scheduler(RequestFailed(request_id, 500, "again", "internal_error"))  # gone: nothing more is sent
+    other_id, _, _ = tok.generate(prompt_text="x")
+    assert tok.feed(other_id, [42], FinishReason.LENGTH).request_id == other_id
+    assert not any(map(mine, tok.api_inbox))
+
+
 def test_tokenize_and_detokenize(tok: Harness, tokenizer: Tokenizer) -> None:
     request_id = new_id()
     tok.send_api(TokenizeRequest(request_id, prompt_text="hello world"))

@@ -1,10 +1,12 @@
 """A command line written for `vllm serve` starts `pagoda serve`: vLLM's flags map onto pagoda's settings, the small
-ones pagoda implements (--chat-template, --response-role, --root-path, CORS, several --served-model-name) work
+ones pagoda implements (--chat-template, --response-role, --root-path, CORS, several --served-model-name,
+--stream-interval) work
 through a real server, the ones it cannot honour stop it with one line naming the flag, and the ones that change
 nothing here are logged once (docs/vllm-compat.md#server-flags)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from pagoda.shared.config import (
     server_config_from_args,
 )
 from pagoda.shared.errors import ConfigError
-from tests.harness import HTTP, die_with_parent, free_port, server_env
+from tests.harness import HTTP, die_with_parent, free_port, named_events, server_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,6 +93,7 @@ def test_token_counts_are_exact_and_refusals_name_their_flag(capsys: pytest.Capt
     (["--allow-credentials"], "--allow-credentials"),  # CORS settings without origins: CORS would stay off
     (["--allowed-methods", "GET,POST"], "--allowed-methods"),
     (["--allowed-origins", "*", "--allow-credentials"], "--allow-credentials"),  # any page, the visitor's cookies
+    (["--stream-interval", "0"], "--stream-interval"),
 ])
 def test_a_flag_pagoda_cannot_honour_stops_it_with_one_line_naming_the_flag(
         argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,16 +125,19 @@ def test_flags_that_change_nothing_here_are_accepted_and_each_said_once() -> Non
 
 
 def test_the_new_settings_are_environment_variables_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("CHAT_TEMPLATE", "RESPONSE_ROLE", "ROOT_PATH", "ALLOWED_ORIGINS", "ALLOW_CREDENTIALS", "LOG_REQUESTS"):
+    for name in ("CHAT_TEMPLATE", "RESPONSE_ROLE", "ROOT_PATH", "ALLOWED_ORIGINS", "ALLOW_CREDENTIALS", "LOG_REQUESTS",
+                 "STREAM_INTERVAL"):
         assert f"PAGODA_{name}" in env_names()
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0].content }}")
     monkeypatch.setenv("PAGODA_CHAT_TEMPLATE", str(template))
     monkeypatch.setenv("PAGODA_SERVED_MODEL_NAME", "a,b")
     monkeypatch.setenv("PAGODA_SHAPE", "tiny")
+    monkeypatch.setenv("PAGODA_STREAM_INTERVAL", "4")
     engine, server, _ = configs()
     assert engine.chat_template_text() == "{{ messages[0].content }}"
-    assert server.served_model_names() == ["a", "b"]
+    assert server.served_model_names() == ["a", "b"] and server.stream_interval == 4
+    assert configs("--stream-interval", "6")[1].stream_interval == 6 and ServerConfig().stream_interval == 1
     assert (engine.model, engine.load_format) == ("tiny", "dummy")
 
 
@@ -167,6 +173,7 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "--enable-chunked-prefill", "--trust-remote-code", "--disable-log-requests", "--enable-log-requests",
             "--chat-template", str(folder / "chat.jinja"), "--response-role", "bot", "--root-path", "/llm",
             "--allowed-origins", '["http://app.example"]', "--api-key", "k", "--uvicorn-log-level", "info",
+            "--stream-interval", "3",
             "--runtime-dir", str(folder / "run"), "--heartbeat-timeout", "3"]
     (folder / "run").mkdir()
     with log_path.open("w") as log:
@@ -244,6 +251,39 @@ def test_no_op_flags_are_logged_once_and_requests_when_asked(vllm_server: tuple[
     assert "request cmpl-" in text and "completion, model smol" in text and "Hello" not in text
 
 
+def test_stream_interval_is_a_floor_that_a_request_may_raise(vllm_server: tuple[str, Path]) -> None:
+    """--stream-interval 3: a streamed completion's chunks carry 3 new tokens after its first; a request's 2 is
+    raised to 3, its 5 kept (vLLM's clamp). Responses and Messages streams follow the server's interval."""
+    url, _ = vllm_server
+    base = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 10, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True}
+
+    def counts(**fields: object) -> tuple[list[int], str]:
+        with HTTP.stream("POST", url + "/v1/completions", headers=KEY, timeout=60,
+                         json={**base, "stream": True, **fields}) as response:
+            assert response.status_code == 200, response.read()
+            choices = [json.loads(line[6:])["choices"][0] for line in response.iter_lines()
+                       if line.startswith("data: {")]
+        return [len(c["token_ids"]) for c in choices if c["token_ids"]], "".join(c["text"] for c in choices)
+
+    whole = HTTP.post(url + "/v1/completions", headers=KEY, timeout=60, json=base).json()["choices"][0]["text"]
+    assert counts(stream_interval=2) == counts() == ([1, 3, 3, 3], whole)
+    assert counts(stream_interval=5) == ([1, 5, 4], whole)
+    chat = [{"role": "user", "content": "Tell me a story."}]
+    for path, body, text_of, delta_of in [
+            ("/v1/responses", {"input": chat, "max_output_tokens": 10},
+             lambda r: r["output"][0]["content"][0]["text"],
+             lambda e: e["delta"] if e["type"] == "response.output_text.delta" else None),
+            ("/v1/messages", {"messages": chat, "max_tokens": 10},
+             lambda r: r["content"][0]["text"],
+             lambda e: e["delta"]["text"] if e["type"] == "content_block_delta" else None)]:
+        body = {"model": "smol", "temperature": 0, **body}
+        answer = text_of(HTTP.post(url + path, headers=KEY, timeout=60, json=body).json())
+        events = named_events(HTTP.post(url + path, headers=KEY, timeout=60, json={**body, "stream": True}).content)
+        pieces = [piece for piece in map(delta_of, events) if piece is not None]
+        assert "".join(pieces) == answer != "" and len(pieces) <= 4, (path, pieces)  # 10 tokens: 1 + 3 + 3 + 3
+
+
 def test_refusal_happens_before_any_process_starts(smollm2_dir: Path) -> None:
     """The real command, not only main(): one line on stderr, exit 2, nothing listening."""
     done = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", str(smollm2_dir), "--enable-lora"],
@@ -257,5 +297,5 @@ def test_the_docs_table_has_a_row_per_flag() -> None:
     section = (ROOT / "docs/vllm-compat.md").read_text().split("## Server flags", 1)[1].split("\n## ", 1)[0]
     for flag in [*VLLM_NO_OP_FLAGS, *VLLM_REFUSED_FLAGS, "--pipeline-parallel-size", "--distributed-executor-backend",
                  "--limit-mm-per-prompt", "--uvicorn-log-level", "--tokenizer-mode", "--chat-template",
-                 "--response-role", "--root-path", "--allowed-origins", "--enable-log-requests"]:
+                 "--response-role", "--root-path", "--allowed-origins", "--enable-log-requests", "--stream-interval"]:
         assert f"`{flag}" in section, flag

@@ -106,6 +106,9 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     thinking_token_budget: int | None = None
     # vLLM's: end a completion once its output ends in min_count copies of one pattern (finish_reason "repetition")
     repetition_detection: RepetitionDetectionBody | None = None
+    # vLLM's: a streamed completion's chunks carry at least this many new tokens after its first (>= 1; at least the
+    # server's --stream-interval; null: the server's)
+    stream_interval: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -312,7 +315,7 @@ def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) ->
     names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
              "include_stop_str_in_output", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side",
-             "thinking_token_budget")
+             "thinking_token_budget", "stream_interval")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     for name in ("temperature",) if body.use_beam_search else GENERATION_DEFAULT_FIELDS:
         if name not in kwargs and name in defaults:

@@ -1,7 +1,8 @@
 """Outputs: token ids become text. `advance` is the one output step shared by the offline engine and the tokenizer
 service (a completion's new token, or none, and the scheduler's finish reason become the text it gained and its
 final finish reason); `Outputs` is the tokenizer service's side: a step's TokenDeltas become TextDeltas, or bytes
-rendered by the protocol package (RenderedRows), per api."""
+rendered by the protocol package (RenderedRows), per api; a request under a stream interval (vLLM's stream_interval)
+has its deltas held back and merged before either (pacing.py), so that both honour it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pagoda.services.protocol.render import PromptRenderer
+from pagoda.services.tokenizer.pacing import Pacer
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.messages import (
@@ -90,6 +92,12 @@ class RequestState:
     return_token_ids: bool = False  # deltas carry their token ids (asked for, or no tokenizer to make text)
     renderer: PromptRenderer | None = None  # the api asked for bytes (RenderedRows), not TextDeltas
     forced: list[int] = field(default_factory=list)  # a grammar's forced start: shown with completion 0's first token
+    pacer: Pacer | None = None  # a stream interval above 1: the completions' deltas held back and merged
+
+
+def stream_interval(params: SamplingParams, server_interval: int) -> int:
+    """vLLM's rule: a request's stream_interval raises the server's --stream-interval, never lowers it."""
+    return max(params.stream_interval or 1, server_interval)
 
 
 @dataclass(slots=True)
@@ -104,8 +112,9 @@ class OutputBatch:
 class Outputs:
     """The requests in flight here and their completions' text: token ids in, text or rendered bytes out."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval  # the server's --stream-interval
         self.requests: dict[str, RequestState] = {}
         self._token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (its string, its bytes)
 
@@ -118,9 +127,10 @@ class Outputs:
         first_token = prompt_token_ids[0] if params.prompt_logprobs is not None else -1
         renderer = (PromptRenderer(request.render, params.n, echo or "", prompt_token_ids, prompt_reasoning)
                     if request.render is not None else None)
+        interval = stream_interval(params, self.stream_interval)
         state = self.requests[request.request_id] = RequestState(
             api, params, streams, params.n, first_token, request.return_token_ids or self.tokenizer is None, renderer,
-            list(forced or ()))
+            list(forced or ()), Pacer(interval, params.n) if interval > 1 else None)
         assert not state.forced or params.n == 1, "a forced start is for one completion"
         return state
 
@@ -130,8 +140,7 @@ class Outputs:
         if not message.columns_agree():
             log.error("dropped a TokenDeltas frame whose columns disagree (%d rows)", len(message))
             return batch
-        texts: dict[int, list[TextDelta]] = {}  # requests that take text (TextDeltas), by api
-        rendered: dict[int, list[tuple[TextDelta, bytes]]] = {}  # requests that take bytes (RenderedRows), by api
+        sends = _Sends()
         lp_at = {row: i for i, row in enumerate(message.logprob_rows)} if message.logprob_rows else None
         scores_at = dict(zip(message.prompt_score_rows, message.prompt_scores, strict=True)) \
             if message.prompt_scores else None
@@ -146,20 +155,34 @@ class Outputs:
                                          scores_at.get(row) if scores_at is not None else None, batch)
                 if delta is None:
                     continue
-                if state.renderer is not None:
-                    rendered.setdefault(state.api, []).append((delta, state.renderer.render(delta)))
-                    continue
+                if state.pacer is None:
+                    sends.add(state, delta)
+                else:
+                    for paced in state.pacer.pace(delta):
+                        sends.add(state, paced)
             except Exception:
                 log.exception("failed on the tokens of %s", request_id)
                 batch.failed.append((state.api, request_id))
-                continue
-            texts.setdefault(state.api, []).append(delta)
-        for api, rows in rendered.items():
-            batch.to_apis.setdefault(api, []).append(RenderedRows(
-                [d.request_id for d, _ in rows], [d.index for d, _ in rows], [d.num_new_tokens for d, _ in rows],
-                [d.finish_reason for d, _ in rows], [d.num_cached_tokens for d, _ in rows], [data for _, data in rows]))
-        for api, deltas in texts.items():
-            batch.to_apis.setdefault(api, []).append(TextDeltas(deltas))
+        sends.into(batch)
+        return batch
+
+    def flush(self, request_id: str) -> OutputBatch:
+        """A request about to fail (the scheduler failed it or went away, the server stops): what its completions
+        hold back under a stream interval, to be sent before the failure, as without an interval it would have
+        been. Empty for a request that holds nothing, or is not here. A request aborted by its client (gone) is
+        dropped without this: nobody would read it."""
+        batch = OutputBatch()
+        state = self.requests.get(request_id)
+        if state is None or state.pacer is None:
+            return batch
+        sends = _Sends()
+        try:
+            for delta in state.pacer.flush():
+                sends.add(state, delta)
+        except Exception:  # a renderer's bug: the failure still goes out, alone
+            log.exception("failed on the held output of %s", request_id)
+            return batch
+        sends.into(batch)
         return batch
 
     def _row_logprobs(self, message: TokenDeltas, lp_at: dict[int, int] | None, row: int,
@@ -240,3 +263,25 @@ class Outputs:
                 raw = token.encode("utf-8")
             cached = self._token_texts[token_id] = (token, list(raw))
         return TokenLogprob(cached[0], token_id, logprob, cached[1], rank)
+
+
+@dataclass(slots=True)
+class _Sends:
+    """The deltas one frame (or a flush) sends, grouped by api: as text (TextDeltas), or rendered (RenderedRows)."""
+
+    texts: dict[int, list[TextDelta]] = field(default_factory=dict)  # requests that take text, by api
+    rendered: dict[int, list[tuple[TextDelta, bytes]]] = field(default_factory=dict)  # requests that take bytes
+
+    def add(self, state: RequestState, delta: TextDelta) -> None:
+        if state.renderer is not None:
+            self.rendered.setdefault(state.api, []).append((delta, state.renderer.render(delta)))
+        else:
+            self.texts.setdefault(state.api, []).append(delta)
+
+    def into(self, batch: OutputBatch) -> None:
+        for api, rows in self.rendered.items():
+            batch.to_apis.setdefault(api, []).append(RenderedRows(
+                [d.request_id for d, _ in rows], [d.index for d, _ in rows], [d.num_new_tokens for d, _ in rows],
+                [d.finish_reason for d, _ in rows], [d.num_cached_tokens for d, _ in rows], [data for _, data in rows]))
+        for api, deltas in self.texts.items():
+            batch.to_apis.setdefault(api, []).append(TextDeltas(deltas))

@@ -120,7 +120,7 @@ class TokenizerService:
         self._scheduler_out: Codec[TokenizerToScheduler] = Codec(TokenizerToScheduler)
         self._offload = Offloader()  # large prompts tokenize on a thread: heartbeats keep going meanwhile
         self._peers.poller.register(self._offload.fd, zmq.POLLIN)
-        self._outputs = Outputs(tokenizer)
+        self._outputs = Outputs(tokenizer, server_config.stream_interval)
         self._requests: dict[str, RequestState] = self._outputs.requests
         self._waiting: deque[Waiting] = deque()
         self._model_info: ModelInfo | None = None
@@ -391,6 +391,7 @@ class TokenizerService:
         elif isinstance(message, ModelInfo):
             self._on_model_info(message, replica)
         elif isinstance(message, RequestFailed):
+            self._send_held(message.request_id)
             state = self._requests.pop(message.request_id, None)
             if state is not None:
                 self._send_api(state.api, message)
@@ -461,6 +462,7 @@ class TokenizerService:
         owned = [rid for rid in self._replicas.owned_by(index) if rid in self._requests]
         log.warning("%s: failing its %d in-flight requests", reason, len(owned))
         for request_id in owned:
+            self._send_held(request_id)
             state = self._requests.pop(request_id)
             self._fail(state.api, request_id, ServerOverloadedError(reason))
             self._to_replica(replica, AbortRequest(request_id))  # it may only be slow
@@ -479,6 +481,13 @@ class TokenizerService:
 
     # ---------------------------------------------------------------- sending
 
+    def _send_held(self, request_id: str) -> None:
+        """A request about to fail: the output its completions hold back (a stream interval) goes to its api first,
+        as without an interval it would have gone already."""
+        for api, messages in self._outputs.flush(request_id).to_apis.items():
+            for out in messages:
+                self._send_api(api, out)
+
     def _drop(self, request_id: str, abort: bool) -> None:
         if self._requests.pop(request_id, None) is not None and abort:
             self._send_scheduler(AbortRequest(request_id))
@@ -492,6 +501,7 @@ class TokenizerService:
             self._fail(waiting.api, waiting.message.request_id, error)
         self._waiting.clear()
         for request_id, state in self._requests.items():
+            self._send_held(request_id)
             self._fail(state.api, request_id, error)
             self._send_scheduler(AbortRequest(request_id))
         self._requests.clear()
