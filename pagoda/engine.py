@@ -349,13 +349,14 @@ class LLMEngine:
             output.prompt_logprobs.append(self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs))
 
     def _logprob_entry(self, token_id: int, logprob: float, rank: int | None, top_ids: list[int],
-                       top_logprobs: list[float]) -> dict[int, Logprob]:
+                       top_logprobs: list[float], ranked: bool = True) -> dict[int, Logprob]:
         """{token id: Logprob} for a chosen token and the top k of its distribution (ranked 1..k), vLLM's order:
-        the chosen token first, unless it is among the top k."""
+        the chosen token first, unless it is among the top k. ranked False: top_ids are logprob_token_ids (rank
+        None: their place in the distribution is not computed)."""
         chosen = Logprob(logprob, rank, self._token_text(token_id))
         entry = {token_id: chosen}
         for place, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
-            entry[top_id] = Logprob(top_logprob, place, self._token_text(top_id))
+            entry[top_id] = Logprob(top_logprob, place if ranked else None, self._token_text(top_id))
         entry[token_id] = chosen
         return entry
 
@@ -424,8 +425,9 @@ class LLMEngine:
         row = update.result_index
         logprob = result.sampled_logprobs[row]
         rank = result.sampled_ranks[row] if result.sampled_ranks else None
+        listed = bool(update.seq.request.sampling.logprob_token_ids)  # its ids, not its top k: no place is a rank
         completion.logprobs.append(self._logprob_entry(update.token_id, logprob, rank, result.top_token_ids[row],
-                                                       result.top_logprobs[row]))
+                                                       result.top_logprobs[row], ranked=not listed))
         completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + logprob
 
 

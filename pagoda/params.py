@@ -121,7 +121,7 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
         if isinstance(self.stop, str):  # left a str, each of its characters would be a stop string
             self.stop = [self.stop]
         for name, empty in (("stop", list), ("stop_token_ids", list), ("allowed_token_ids", list),
-                            ("bad_words", list), ("logit_bias", dict)):
+                            ("bad_words", list), ("logprob_token_ids", list), ("logit_bias", dict)):
             if getattr(self, name) is None:
                 setattr(self, name, empty())
         if self.seed == -1:  # vLLM's "no seed"

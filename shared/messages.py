@@ -33,6 +33,7 @@ NO_THINKING_BUDGET = -1  # thinking_token_budget: vLLM's "unlimited", the same a
 # repetition_detection: the longest pattern a request may watch for. The scheduler compares every new token with that
 # many earlier ones (services/scheduler/repetition.py: ~8 us a token at 2048 on the 2-core build host)
 MAX_REPETITION_PATTERN = 2048
+MAX_LOGPROB_TOKEN_IDS = 128  # logprob_token_ids entries (vLLM's MAX_LOGPROB_TOKEN_IDS)
 
 
 class FinishReason(IntEnum):
@@ -178,6 +179,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     allowed_token_ids: list[int] = []  # non-empty: only these ids may be sampled (vLLM's allowed_token_ids)
+    # vLLM's logprob_token_ids: with logprobs on, each generated position lists these ids' logprobs (in this order)
+    # instead of its top `logprobs`; the sampled token's logprob comes as always
+    logprob_token_ids: list[int] = []
     # vLLM's bad_words: a word's last token is banned where the output so far ends with its other tokens
     bad_words: list[str] = []
     # bad_words as token sequences (services/tokenizer/bad_words.py), made where the text is tokenized (the tokenizer
@@ -262,6 +266,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         self._validate_bad_words()
+        self._validate_logprob_token_ids()
         self._validate_truncation()
         self._validate_structured()
         self._validate_thinking()
@@ -276,6 +281,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                                     and 1 <= interval <= MAX_INT32), "stream_interval",
                f"stream_interval must be an integer in [1, {MAX_INT32}] (new tokens per streamed delta), or null for "
                f"the server's --stream-interval, got {interval!r}")
+
+    @property
+    def top_list_length(self) -> int:
+        """What each generated position lists beside the sampled token: logprob_token_ids, else the top `logprobs`;
+        -1 without logprobs."""
+        if self.logprobs is None:
+            return -1
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
 
     @property
     def detects_repetition(self) -> bool:
@@ -297,6 +310,22 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
             _check(isinstance(self.thinking, ThinkingBudget), "thinking_token_budget",
                    "thinking must be a ThinkingBudget")
             self.thinking.validate()
+
+    def _validate_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        _check(isinstance(ids, list) and len(ids) <= MAX_LOGPROB_TOKEN_IDS
+               and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in ids),
+               "logprob_token_ids", f"logprob_token_ids must be at most {MAX_LOGPROB_TOKEN_IDS} token ids in "
+                                    f"[0, {MAX_INT32}]")
+        if not ids:
+            return
+        _check(len(set(ids)) == len(ids), "logprob_token_ids", "logprob_token_ids must not repeat an id")
+        _check(self.logprobs is not None, "logprob_token_ids",
+               "logprob_token_ids needs logprobs (completions: logprobs >= 0; chat: logprobs true): they are listed "
+               "where the top logprobs would be")
+        _check(self.max_tokens != 0, "logprob_token_ids",
+               "logprob_token_ids scores generated positions, and max_tokens 0 generates none (prompt positions: "
+               "prompt_logprobs)")
 
     def _validate_truncation(self) -> None:
         limit = self.truncate_prompt_tokens
@@ -375,8 +404,8 @@ def _check_logprobs(value: int | None, param: str, kind: str, max_logprobs: int)
 def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: int,
                        logprobs_field: str = "logprobs") -> SamplingParams:
     """Where the vocabulary is known: logprobs of -1 become `vocab_size` (refused past `max_logprobs`, -1: no
-    bound) and allowed_token_ids and bad_words' tokens are checked against it. `logprobs_field` is the name the
-    client sent the count under (chat's top_logprobs)."""
+    bound) and allowed_token_ids, logprob_token_ids and bad_words' tokens are checked against it. `logprobs_field`
+    is the name the client sent the count under (chat's top_logprobs)."""
     changes: dict[str, int] = {}
     for param, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         if getattr(params, param) == WHOLE_VOCABULARY:
@@ -389,6 +418,10 @@ def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: in
     if bad is not None:
         raise InvalidRequestError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})",
                                   param="allowed_token_ids")
+    bad = next((t for t in params.logprob_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"logprob_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})",
+                                  param="logprob_token_ids")
     bad = next((t for ids in params.bad_words_token_ids for t in ids if t >= vocab_size), None)
     if bad is not None:
         raise InvalidRequestError(f"a bad word's tokens hold {bad}, outside the model's vocabulary [0, {vocab_size})",

@@ -119,6 +119,25 @@ def test_repetition_detection_ends_a_loop_offline(llm: LLM) -> None:
     assert caught.value.param == "repetition_detection.window"
 
 
+def test_logprob_token_ids_offline(llm: LLM) -> None:
+    """vLLM's logprob_token_ids: each position's entry holds the sampled token and the listed ids (rank None), with
+    the logprobs a top-20 entry gives those of them it holds (the first position's 2nd, 5th and 10th are listed)."""
+    prompt = ["The capital of France is"]
+    [whole] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=20))[0].outputs
+    assert whole.logprobs is not None
+    by_rank = {logprob.rank: token for token, logprob in whole.logprobs[0].items()}
+    listed = [by_rank[2], 5, by_rank[10], by_rank[5]]
+    [picked] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=0,
+                                                   logprob_token_ids=listed))[0].outputs
+    assert picked.token_ids == whole.token_ids and picked.logprobs is not None
+    for token_id, top, entry in zip(picked.token_ids, whole.logprobs, picked.logprobs, strict=True):
+        assert set(entry) == {token_id, *listed} and entry[token_id] == pytest.approx(top[token_id], abs=1e-4)
+        shared = [t for t in listed if t in top]
+        assert [entry[t] for t in shared] == pytest.approx([top[t] for t in shared], abs=1e-4)
+        assert all(entry[t].rank is None and entry[t] < 0 for t in listed if t != token_id)
+    assert len([t for t in listed if t in whole.logprobs[0]]) == 3
+
+
 @pytest.mark.parametrize(("values", "param_name"), [
     ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 3}, "min_tokens"),

@@ -286,6 +286,52 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client: openai.Op
     assert logprobs.text_offset == plain.choices[0].logprobs.text_offset  # offsets still follow the text
 
 
+def test_logprob_token_ids_list_those_ids_at_every_generated_position(server: Server) -> None:
+    """vLLM's logprob_token_ids: each position's top list is the listed ids (in their order), with the logprobs
+    the whole vocabulary's list gives them, on both routes; the sampled token's logprob as always."""
+    listed = [token_ids(server, " apple")[0], 5, 100, token_ids(server, " day")[0]]
+    extra = {"return_tokens_as_token_ids": True, "max_tokens": 3, "temperature": 0}
+    names = [f"token_id:{t}" for t in listed]
+
+    whole = post(server, "/v1/completions", {"model": SERVED, "prompt": SAYING, "logprobs": -1, **extra}).json()
+    picked = post(server, "/v1/completions", {"model": SERVED, "prompt": SAYING, "logprobs": 1,
+                                              "logprob_token_ids": listed, **extra}).json()
+    want, got = whole["choices"][0]["logprobs"], picked["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"] and got["token_logprobs"] == pytest.approx(want["token_logprobs"])
+    for everything, top in zip(want["top_logprobs"], got["top_logprobs"], strict=True):
+        shown = {name: lp for name, lp in top.items() if name in names}
+        assert list(shown) == names, top  # completions' dict also holds the sampled token
+        assert list(shown.values()) == pytest.approx([everything[name] for name in names], abs=1e-4)
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    whole = post(server, "/v1/chat/completions", {"model": SERVED, "messages": messages, "logprobs": True,
+                                                  "top_logprobs": -1, **extra}).json()
+    picked = post(server, "/v1/chat/completions", {"model": SERVED, "messages": messages, "logprobs": True,
+                                                   "logprob_token_ids": listed, **extra}).json()
+    want, got = whole["choices"][0]["logprobs"]["content"], picked["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in got] == [e["token"] for e in want]
+    for everything, entry in zip(want, got, strict=True):
+        assert [alt["token"] for alt in entry["top_logprobs"]] == names
+        by_name = {alt["token"]: alt["logprob"] for alt in everything["top_logprobs"]}
+        assert [alt["logprob"] for alt in entry["top_logprobs"]] == pytest.approx(
+            [by_name[name] for name in names], abs=1e-4)
+
+
+@pytest.mark.parametrize("route, body, needle", [
+    ("/v1/chat/completions", {"messages": CHAT, "logprob_token_ids": [5]}, "needs logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "logprob_token_ids": [5, VOCAB_SIZE]},
+     "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "logprob_token_ids": [5, 5]}, "repeat"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "echo": True, "max_tokens": 0, "logprob_token_ids": [5]},
+     "max_tokens 0"),
+])
+def test_bad_logprob_token_ids_are_refused(server: Server, route: str, body: dict[str, Any], needle: str) -> None:
+    response = post(server, route, {"model": SERVED, **body})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "logprob_token_ids" and needle in error["message"], \
+        response.text
+
+
 def test_allowed_token_ids_restrict_sampling_on_both_endpoints(server: Server, client: openai.OpenAI) -> None:
     allowed = sorted({*token_ids(server, " red"), *token_ids(server, " blue"), *token_ids(server, " green")})
     out = client.completions.create(model=SERVED, prompt="My favourite colours are", max_tokens=6, temperature=1.0,

@@ -85,6 +85,7 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_tokens_as_token_ids: bool | None = None  # logprob tokens read "token_id:N" (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k (-1: every token)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
+    logprob_token_ids: list[int] | None = None  # vLLM's: these ids' logprobs at each generated position (logprobs on)
     bad_words: list[str] | None = None  # vLLM's: each word's last token is banned after its others
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: what the context takes)
@@ -330,6 +331,8 @@ def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) ->
         kwargs["allowed_token_ids"] = body.allowed_token_ids
     if body.bad_words:
         kwargs["bad_words"] = body.bad_words
+    if body.logprob_token_ids:  # an empty list is vLLM's "not set" (the top logprobs as usual)
+        kwargs["logprob_token_ids"] = body.logprob_token_ids
     if body.repetition_detection is not None:
         watch = body.repetition_detection
         kwargs["repetition_detection"] = RepetitionDetection(

@@ -34,7 +34,6 @@ DEPRECATED_FIELDS = {
 UNSUPPORTED_FIELDS = {
     "suffix": "fill-in-the-middle prompts are not implemented",
     "watermarking": "output watermarking is not implemented",
-    "logprob_token_ids": "logprobs of chosen token ids are not implemented; use top_logprobs",
     "prompt_embeds": "prompt embeddings are not accepted: prompts are text or token ids",
     "request_id": "the server names every request itself",
     "session_id": "sessions are not tracked",

@@ -103,7 +103,7 @@ class BatchState:
         self.num_blocks[row] = len(new.block_ids)
         self.lineage_on_device[row] = False
         params = new.sampling
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_logprobs[row] = params.top_list_length
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
 
     def release(self, seq_id: int) -> None:

@@ -64,6 +64,8 @@ class SamplingMetadata:
     token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 grammar masks
     bitmask_rows: torch.Tensor | None = None  # [B] bool: rows whose token_bitmask applies (None: all)
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: sampled logprob plus top k
+    # logprob_token_ids: a row's listed ids take the place of its top k (-1: none there; its top k stay) [B, K] int64
+    logprob_token_ids: torch.Tensor | None = None
     all_greedy: bool = False  # every row greedy: skip the random path entirely
     max_top_k: int = 0  # host copy of max(top_k) (0: read it from top_k, a device sync)
     top_p_without_top_k: bool = True  # host flag: some row has top_p < 1 and no top-k (False skips a search)
@@ -109,7 +111,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, use_kernels: bool |
             threshold = truncation_thresholds(processed, metadata, use_triton=False)  # [B] or None
             token_ids = reference.gumbel_argmax(processed, metadata.temperature, threshold, metadata.seeds,
                                                 metadata.offsets, is_greedy_row(metadata))  # [B] int64
-    return gather_logprobs(logits, token_ids, metadata.max_num_logprobs)
+    return gather_logprobs(logits, token_ids, metadata.max_num_logprobs, metadata.logprob_token_ids)
 
 
 def _sample_on_device(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -415,14 +417,22 @@ def _top_p_cut(candidates: torch.Tensor, threshold: torch.Tensor, row_max: torch
 # ---------------------------------------------------------------------------------------------
 
 
-def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
-                    max_num_logprobs: int | None) -> SamplerOutput:
-    """Logprobs of the raw model distribution (vLLM's default), not of the penalised one."""
+def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, max_num_logprobs: int | None,
+                    listed_ids: torch.Tensor | None = None) -> SamplerOutput:
+    """Logprobs of the raw model distribution (vLLM's default), not of the penalised one. listed_ids [B, K] (K <=
+    max_num_logprobs; -1 where a row lists nothing): vLLM's logprob_token_ids, in place of those rows' top k."""
     if max_num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     logprobs = torch.log_softmax(raw_logits, dim=-1, dtype=torch.float32)  # [B, V] fp32, from any float dtype
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
     top_logprobs, top_token_ids = logprobs.topk(max_num_logprobs, dim=-1)  # [B, k], [B, k] int64
+    if listed_ids is not None:
+        width = listed_ids.shape[1]
+        assert width <= max_num_logprobs, "a row's listed ids are counted in the batch's logprobs width"
+        listed = listed_ids >= 0  # [B, K]
+        picked = logprobs.gather(1, listed_ids.clamp(min=0))  # [B, K]
+        top_logprobs[:, :width] = torch.where(listed, picked, top_logprobs[:, :width])
+        top_token_ids[:, :width] = torch.where(listed, listed_ids, top_token_ids[:, :width])
     ranks = (logprobs >= sampled[:, None]).sum(dim=-1)  # [B]: 1 for the likeliest, as the prompt's ranks (vLLM's)
     return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs, ranks)
 

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 
 from pagoda.services.worker.sampler import SamplingMetadata
-from pagoda.shared.messages import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, NewRequest, SamplingParams
+from pagoda.shared.messages import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGPROB_TOKEN_IDS,
+    NewRequest,
+    SamplingParams,
+)
 
 # columns of the per-row float table
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
@@ -80,8 +86,11 @@ def _sampling_error(params: SamplingParams, vocab_size: int) -> str:
         if count is not None and not 0 <= count <= vocab_size:
             return f"{name} must be in [0, {vocab_size}]"
     if not _ids_below(list(params.logit_bias), vocab_size) or not _ids_below(params.stop_token_ids, vocab_size) \
-            or not _ids_below(params.allowed_token_ids, vocab_size):
-        return f"a logit_bias, stop_token_ids or allowed_token_ids id is outside the vocabulary [0, {vocab_size})"
+            or not _ids_below(params.allowed_token_ids, vocab_size) \
+            or not _ids_below(params.logprob_token_ids, vocab_size) \
+            or len(params.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+        return (f"a logit_bias, stop_token_ids, allowed_token_ids or logprob_token_ids id is outside the vocabulary "
+                f"[0, {vocab_size}), or logprob_token_ids has more than {MAX_LOGPROB_TOKEN_IDS} ids")
     if not all(math.isfinite(value) for value in params.logit_bias.values()):
         return "logit_bias values must be finite numbers"
     if len(params.bad_words_token_ids) > 2 * MAX_BAD_WORDS or any(
@@ -116,7 +125,8 @@ class SamplingState:
         self.top_k = np.zeros(rows, dtype=np.int64)  # [R] 0 = off
         self.min_tokens = np.zeros(rows, dtype=np.int64)  # [R]
         self.num_output = np.zeros(rows, dtype=np.int64)  # [R] tokens generated so far = next offset
-        self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # [R] -1: none
+        self.num_logprobs = np.full(rows, -1, dtype=np.int64)  # [R] -1: none; else the top list's length
+        self.num_logprob_ids = np.zeros(rows, dtype=np.int64)  # [R] logprob_token_ids entries (0: the top k)
         self.num_bias = np.zeros(rows, dtype=np.int64)  # [R] logit_bias entries
         self.num_banned = np.zeros(rows, dtype=np.int64)  # [R] ids banned while output < min_tokens
         self.num_bad_words = np.zeros(rows, dtype=np.int64)  # [R] bad_words token sequences
@@ -132,6 +142,7 @@ class SamplingState:
         self.bias_ids: torch.Tensor | None = None  # [R, K] int64 padded with 0
         self.bias_values: torch.Tensor | None = None  # [R, K] fp32 padded with 0
         self.banned_ids: torch.Tensor | None = None  # [R, K] int64 padded with -1
+        self.logprob_ids: torch.Tensor | None = None  # [R, K] int64 logprob_token_ids, padded with -1 (none)
         # made when a row first has bad_words: each word's ids right-aligned, -1 (any token) before them, and
         # each row's last L - 1 generated ids right-aligned, -2 (no token) where fewer were generated
         self.bad_words: torch.Tensor | None = None  # [R, W, L] int64
@@ -170,7 +181,8 @@ class SamplingState:
         self.top_k[row] = params.top_k if 0 < params.top_k < self.vocab_size else 0
         self.min_tokens[row] = min(max(params.min_tokens, 0), INT32_MAX)
         self.num_output[row] = len(new.token_ids) - new.num_prompt_tokens
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_logprob_ids[row] = len(params.logprob_token_ids) if params.logprobs is not None else 0
+        self.num_logprobs[row] = params.top_list_length
         self.num_bias[row] = len(params.logit_bias)
         banned = self._banned_ids(new)
         self.num_banned[row] = len(banned)
@@ -237,6 +249,14 @@ class SamplingState:
                 ids = self._banned_ids(new)
                 banned[i, :len(ids)] = ids
             self.banned_ids, _ = self._write_list(self.banned_ids, None, rows, banned, None, pad=-1, name="banned")
+        if self.logprob_ids is not None or self.num_logprob_ids[rows].any():
+            width = max(1, int(self.num_logprob_ids[rows].max()))
+            listed = np.full((len(entries), width), -1, dtype=np.int64)  # [N, K]
+            for i, (row, new) in enumerate(entries):
+                count = int(self.num_logprob_ids[row])
+                listed[i, :count] = new.sampling.logprob_token_ids[:count]
+            self.logprob_ids, _ = self._write_list(self.logprob_ids, None, rows, listed, None, pad=-1,
+                                                   name="logprob_ids")
 
     def _write_list(self, ids_table: torch.Tensor | None, values_table: torch.Tensor | None, rows: np.ndarray,
                     ids: np.ndarray, values: np.ndarray | None, pad: int,
@@ -391,6 +411,10 @@ class SamplingState:
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             metadata.max_num_logprobs = int(num_logprobs.max())
+        num_listed = self.num_logprob_ids[rows]  # [B]
+        if self.logprob_ids is not None and num_listed.any():
+            width = int(num_listed.max())
+            metadata.logprob_token_ids = self.logprob_ids.index_select(0, state_rows)[:, :width]  # [B, K]
         return metadata
 
     def record(self, rows: np.ndarray, token_ids: torch.Tensor, state_rows: torch.Tensor | None = None) -> None:
