@@ -29,6 +29,7 @@ WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1), re
 TRUNCATE_TO_CONTEXT = -1  # truncate_prompt_tokens: as many prompt tokens as the model's context takes (vLLM's -1)
 MAX_CACHE_SALT_BYTES = 1024  # UTF-8 bytes of a request's cache_salt (vLLM sets no bound)
 MAX_PROMPT_CACHE_KEY_BYTES = 1024  # UTF-8 bytes of a request's prompt_cache_key (OpenAI states no bound)
+MAX_REQUEST_ID_BYTES = 1024  # UTF-8 bytes of a client's request_id / X-Request-Id (vLLM sets no bound)
 NO_THINKING_BUDGET = -1  # thinking_token_budget: vLLM's "unlimited", the same as null
 # repetition_detection: the longest pattern a request may watch for. The scheduler compares every new token with that
 # many earlier ones (services/scheduler/repetition.py: ~8 us a token at 2048 on the 2-core build host)
@@ -465,6 +466,12 @@ def check_prompt_cache_key(prompt_cache_key: object) -> str:
     """A client's prompt_cache_key (OpenAI's): None is none (""), else a non-empty string of at most
     MAX_PROMPT_CACHE_KEY_BYTES UTF-8 bytes; InvalidRequestError naming prompt_cache_key otherwise."""
     return _check_key_string(prompt_cache_key, "prompt_cache_key", MAX_PROMPT_CACHE_KEY_BYTES)
+
+
+def check_client_request_id(request_id: object, param: str) -> str:
+    """A client's name for its request (vLLM's request_id field or X-Request-Id header): None is none (""), else a
+    non-empty string of at most MAX_REQUEST_ID_BYTES UTF-8 bytes; InvalidRequestError naming `param` otherwise."""
+    return _check_key_string(request_id, param, MAX_REQUEST_ID_BYTES)
 
 
 # --------------------------------------------------------------------------------------------

@@ -321,6 +321,22 @@ def test_request_log_is_bounded_and_joins_the_scheduler_trace() -> None:
     assert r3["timeline"][3]["ms"] == pytest.approx(50.0, abs=1.0) and r3["finish_reasons"] == ["length"]
 
 
+def test_requests_a_client_named_alike_are_kept_apart_and_the_log_stays_bounded() -> None:
+    """A client's request_id (vLLM's) may repeat: records are kept by the engine's ids, each still shown under the
+    client's, and the log's wire index shrinks back as the oldest records are dropped."""
+    log = RequestLog(max_finished=2, show_prompts=False)
+    records = []
+    for i in range(6):
+        request = msgspec.structs.replace(_generate(f"r{i}"), render=RenderSpec(0, "cmpl-mine", "m", 0, True))
+        records.append(log.start("completion", [request], True, started_mono=float(i)))
+    assert len(log.to_list()) == 6 and {r["id"] for r in log.to_list()} == {"cmpl-mine"}
+    for record in records:
+        log.finish(record, finished=True, error="", tokenized_mono=None, first_token_mono=None, prompt_tokens=1,
+                   completion_tokens=1, cached_tokens=0, finish_reasons=[int(FinishReason.STOP)])
+    assert [r["status"] for r in log.to_list()] == ["ok", "ok"]
+    assert not log.open and set(log._by_wire) == {"r4", "r5"}
+
+
 def test_prompts_are_shown_only_when_asked() -> None:
     log = RequestLog(max_finished=2, show_prompts=True)
     record = log.start("completion", [_generate("r0", "hello there")], False, started_mono=0.0)

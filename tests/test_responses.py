@@ -267,7 +267,7 @@ def test_what_is_refused_names_the_responses_field(body: dict[str, Any], param: 
 
 
 def test_unknown_and_vllm_refused_fields_are_400s_naming_them() -> None:
-    for field in ("bogus", "request_id", "vllm_xargs"):
+    for field in ("bogus", "kv_transfer_params", "vllm_xargs"):
         with pytest.raises(InvalidRequestError) as failure:
             decode_responses_body(json.dumps({"input": "Hi", field: 1}).encode())
         assert failure.value.param == field and UNSUPPORTED_FIELDS.get(field, "Unrecognized") in failure.value.message

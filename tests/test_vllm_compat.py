@@ -332,6 +332,46 @@ def test_bad_logprob_token_ids_are_refused(server: Server, route: str, body: dic
         response.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_id_names_the_response_and_x_request_id_wins(server: Server, stream: bool) -> None:
+    """vLLM's request_id: the response's id (every chunk's) is cmpl- / chatcmpl- + it, X-Request-Id's over the
+    body's; two requests named alike both run."""
+    def ids(route: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> set[str]:
+        body = {"model": SERVED, "max_tokens": 2, **body}
+        if not stream:
+            response = HTTP.post(server.url + route, json=body, headers=headers, timeout=120)
+            assert response.status_code == 200, response.text
+            return {response.json()["id"]}
+        with HTTP.stream("POST", server.url + route, json={**body, "stream": True}, headers=headers,
+                         timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            return {json.loads(line[6:])["id"] for line in response.iter_lines()
+                    if line.startswith("data: ") and line != "data: [DONE]"}
+
+    chat = {"messages": CHAT}
+    assert ids("/v1/completions", {"prompt": "Hi", "request_id": "trace-7"}) == {"cmpl-trace-7"}
+    assert ids("/v1/chat/completions", {**chat, "request_id": "trace-7"}) == {"chatcmpl-trace-7"}
+    assert ids("/v1/chat/completions", {**chat, "request_id": "body"}, {"X-Request-Id": "head"}) == {"chatcmpl-head"}
+    assert ids("/v1/completions", {"prompt": "Hi"}, {"X-Request-Id": "head"}) == {"cmpl-head"}
+    [plain] = ids("/v1/completions", {"prompt": "Hi"})
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", plain)
+    together = send_all([("POST", server.url + "/v1/completions",
+                          {"model": SERVED, "prompt": f"Count to {i}", "max_tokens": 2, "request_id": "same"})
+                         for i in range(4)])
+    assert [r.status_code for r in together] == [200] * 4 and {r.json()["id"] for r in together} == {"cmpl-same"}
+
+
+@pytest.mark.parametrize("body, headers, param", [({"request_id": ""}, None, "request_id"),
+                                                  ({"request_id": "x" * 1025}, None, "request_id"),
+                                                  ({"request_id": 7}, None, "request_id"),
+                                                  ({}, {"X-Request-Id": ""}, "X-Request-Id")])
+def test_bad_request_ids_are_refused(server: Server, body: dict[str, Any], headers: dict[str, str] | None,
+                                     param: str) -> None:
+    response = HTTP.post(server.url + "/v1/completions", json={"model": SERVED, "prompt": "Hi", **body},
+                         headers=headers, timeout=120)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_allowed_token_ids_restrict_sampling_on_both_endpoints(server: Server, client: openai.OpenAI) -> None:
     allowed = sorted({*token_ids(server, " red"), *token_ids(server, " blue"), *token_ids(server, " green")})
     out = client.completions.create(model=SERVED, prompt="My favourite colours are", max_tokens=6, temperature=1.0,

@@ -54,6 +54,7 @@ from pagoda.shared.messages import (
     TokenizeResult,
     TokenizerInfoRequest,
     TokenizerInfoResult,
+    check_client_request_id,
 )
 
 log = logging.getLogger(__name__)
@@ -216,9 +217,10 @@ class Handlers:
         started_at = time.monotonic()
         body = await self._read(request, CompletionBody)
         model = self._check_model(body.model, request)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{uuid.uuid4().hex}"  # the engine's: unique whatever the client names its request
+        response_id = _client_response_id("cmpl-", request, body.request_id) or request_id
         try:
-            messages = completion_requests(body, response_id, time.time(), self.state.config.max_logprobs,
+            messages = completion_requests(body, request_id, time.time(), self.state.config.max_logprobs,
                                            self.state.config.max_completions_per_request,
                                            self.state.pool.sampling_defaults)
         except InvalidRequestError as exc:
@@ -236,9 +238,10 @@ class Handlers:
         started_at = time.monotonic()
         body = await self._read(request, ChatBody)
         model = self._check_model(body.model, request)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's: unique whatever the client names its request
+        response_id = _client_response_id("chatcmpl-", request, body.request_id) or request_id
         try:
-            message, output = self._chat_message(body, response_id)
+            message, output = self._chat_message(body, request_id)
         except InvalidRequestError as exc:
             _name_body_constraint(exc, body)  # e.g. beam search refusing the response_format it was sent
             _name_max_completion_tokens(exc, body)
@@ -660,3 +663,12 @@ def _prompt_size(message: GenerateRequest) -> str:
     if message.prompt_text is not None:
         return f"{len(message.prompt_text)} chars"
     return f"{len(message.messages or [])} messages"
+
+
+def _client_response_id(prefix: str, request: web.Request, body_id: str | None) -> str:
+    """vLLM's id for a response the client named: `prefix` + the X-Request-Id header, else + the body's request_id;
+    "" when it named none. Only the response shows it: the engine's own id stays unique."""
+    header = request.headers.get("X-Request-Id")
+    if header is not None:
+        return prefix + check_client_request_id(header, "X-Request-Id")
+    return prefix + check_client_request_id(body_id, "request_id") if body_id is not None else ""

@@ -42,6 +42,8 @@ REFUSED_FIELDS = {
     "context_management": "server-side context compaction is not implemented",
     "enable_response_messages": "the rendered prompt is not returned; use /tokenize",
     "previous_input_messages": "send the conversation in input",
+    "request_id": "a response's id is the server's here (chat and completions take vLLM's request_id and the "
+                  "X-Request-Id header)",
 }
 # A field taken at the values that change nothing here: field -> (those values, why others are refused).
 NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -115,6 +117,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     context_management: Any = None
     enable_response_messages: Any = None
     previous_input_messages: Any = None
+    request_id: Any = None
 
 
 def decode_responses_body(data: bytes) -> ResponsesBody:

@@ -67,6 +67,7 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store: bool | None = None
     # OpenAI's: with data-parallel replicas, requests with the same key (and cache_salt) go to the same replica
     prompt_cache_key: str | None = None
+    request_id: str | None = None  # vLLM's: the response's id is "cmpl-" / "chatcmpl-" + it (X-Request-Id wins)
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None

@@ -35,7 +35,6 @@ UNSUPPORTED_FIELDS = {
     "suffix": "fill-in-the-middle prompts are not implemented",
     "watermarking": "output watermarking is not implemented",
     "prompt_embeds": "prompt embeddings are not accepted: prompts are text or token ids",
-    "request_id": "the server names every request itself",
     "session_id": "sessions are not tracked",
     "routed_experts_prompt_start": "routed-expert data is not returned",
     "return_token_offsets": "token offsets are only for vLLM's render endpoints, which pagoda does not serve",

@@ -107,7 +107,7 @@ class RequestLog:
             prompt=_prompt_text(messages) if self.show_prompts else None)
         if first.tools:
             record.constraint = (record.constraint + " tools").strip()
-        self.open[request_id] = record
+        self.open[first.request_id] = record  # keyed by the engine's id: a client's request_id may repeat
         for wire_id in record.wire_ids:
             self._by_wire[wire_id] = record
         self.num_started += 1
@@ -126,8 +126,8 @@ class RequestLog:
         record.cached_tokens = cached_tokens
         record.finish_reasons = [FinishReason(r).openai_name for r in finish_reasons
                                  if r in FinishReason._value2member_map_]
-        self.open.pop(record.request_id, None)
-        self.finished[record.request_id] = record
+        self.open.pop(record.wire_ids[0], None)
+        self.finished[record.wire_ids[0]] = record
         while len(self.finished) > self.max_finished:
             _, old = self.finished.popitem(last=False)
             for wire_id in old.wire_ids:
