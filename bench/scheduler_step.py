@@ -11,6 +11,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.shared.messages import RepetitionDetection, SamplingParams, StepResult
@@ -28,12 +29,12 @@ def measure(num_seqs: int, prompt_len: int, num_steps: int, block_size: int = 16
     for i in range(num_seqs):
         prompt = [(i * 31 + j) % 40000 + 100 for j in range(prompt_len)]
         scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=params, arrival_time=i))
-    rng = random.Random(0)
-    _step(scheduler, tokens, rng)  # the prefill step
+    draws = _draws(tokens, num_seqs, num_steps + 1)
+    _step(scheduler, draws)  # the prefill step
     times = []
     for _ in range(num_steps):
         start = time.perf_counter()
-        num_scheduled = _step(scheduler, tokens, rng)
+        num_scheduled = _step(scheduler, draws)
         times.append(time.perf_counter() - start)
         assert num_scheduled == num_seqs
     times.sort()
@@ -42,12 +43,19 @@ def measure(num_seqs: int, prompt_len: int, num_steps: int, block_size: int = 16
             "p50_ms": 1e3 * times[len(times) // 2], "p99_ms": 1e3 * times[int(len(times) * 0.99)]}
 
 
-def _step(scheduler: Scheduler, tokens: str, rng: random.Random) -> int:
-    plan = scheduler.schedule()
+def _draws(tokens: str, num_seqs: int, num_steps: int) -> Iterator[list[int]] | None:
+    """Each step's sampled ids for `text`, drawn before the clock starts (random ids, a fifth of them from 50
+    common ones); None for `same`, whose ids come from the sequence ids as the bench always made them."""
     if tokens == "same":
-        sampled = [1000 + (r % 500) for r in plan.seq_ids]
-    else:
-        sampled = [rng.randrange(100, 150) if rng.random() < 0.2 else rng.randrange(1000, 40000) for _ in plan.seq_ids]
+        return None
+    rng = random.Random(0)
+    return iter([[rng.randrange(100, 150) if rng.random() < 0.2 else rng.randrange(1000, 40000)
+                  for _ in range(num_seqs)] for _ in range(num_steps)])
+
+
+def _step(scheduler: Scheduler, draws: Iterator[list[int]] | None) -> int:
+    plan = scheduler.schedule()
+    sampled = [1000 + (r % 500) for r in plan.seq_ids] if draws is None else next(draws)[:len(plan.seq_ids)]
     result = StepResult(step_id=plan.step_id, seq_ids=plan.seq_ids, sampled_token_ids=sampled)
     scheduler.update(plan, result)
     return len(plan.seq_ids)
