@@ -308,6 +308,8 @@ class ServerConfig:
     # a streamed completion's chunks carry at least this many new tokens after its first (a request's stream_interval
     # may raise it); the tokenizer processes hold the deltas back (services/tokenizer/pacing.py)
     stream_interval: int = 1
+    # every response carries X-Request-Id: the request's own header, else a fresh uuid (vLLM's flag)
+    enable_request_id_headers: bool = False
     root_path: str = ""  # the path prefix a proxy serves this server under: routes answer with and without it
     # CORS: origins (JSON list or comma-separated; "*": any) whose browser pages may call the API; None: no CORS
     allowed_origins: str | None = None
@@ -592,6 +594,8 @@ _HELP: dict[str, str] = {
     "stream_interval": "new tokens a streamed completion's chunks carry at least, after its first chunk, which goes "
                        "out at once (its end goes out at once too); a request's stream_interval may raise it, never "
                        "lower it (default 1: every step's tokens; vLLM's --stream-interval)",
+    "enable_request_id_headers": "every response carries an X-Request-Id header: the one the request sent, else a "
+                                 "fresh id (vLLM's --enable-request-id-headers)",
     "root_path": "the path prefix a proxy serves this server under, e.g. /llm: every route answers with and without "
                  "it (vLLM's --root-path)",
     "allowed_origins": "CORS: origins whose browser pages may call the API, a JSON list or comma-separated "

@@ -7,6 +7,7 @@ nothing here are logged once (docs/vllm-compat.md#server-flags)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def test_flags_that_change_nothing_here_are_accepted_and_each_said_once() -> Non
 
 def test_the_new_settings_are_environment_variables_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in ("CHAT_TEMPLATE", "RESPONSE_ROLE", "ROOT_PATH", "ALLOWED_ORIGINS", "ALLOW_CREDENTIALS", "LOG_REQUESTS",
-                 "STREAM_INTERVAL"):
+                 "STREAM_INTERVAL", "ENABLE_REQUEST_ID_HEADERS"):
         assert f"PAGODA_{name}" in env_names()
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0].content }}")
@@ -173,7 +174,7 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "--enable-chunked-prefill", "--trust-remote-code", "--disable-log-requests", "--enable-log-requests",
             "--chat-template", str(folder / "chat.jinja"), "--response-role", "bot", "--root-path", "/llm",
             "--allowed-origins", '["http://app.example"]', "--api-key", "k", "--uvicorn-log-level", "info",
-            "--stream-interval", "3",
+            "--stream-interval", "3", "--enable-request-id-headers",
             "--runtime-dir", str(folder / "run"), "--heartbeat-timeout", "3"]
     (folder / "run").mkdir()
     with log_path.open("w") as log:
@@ -215,6 +216,22 @@ def test_a_vllm_command_line_serves_a_chat_rendered_by_its_chat_template(vllm_se
                           json={"model": "smol", "messages": chat, "max_tokens": 2, "temperature": 0,
                                 "add_generation_prompt": False}).json()
     assert continued["choices"][0]["message"]["role"] == "user"
+
+
+def test_every_response_carries_the_request_id_header(vllm_server: tuple[str, Path]) -> None:
+    """--enable-request-id-headers: the request's X-Request-Id comes back (a chat's also names its answer), else a
+    fresh one per response; errors and streams carry it too."""
+    url, _ = vllm_server
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    named = HTTP.post(url + "/v1/chat/completions", headers={**KEY, "X-Request-Id": "trace-1"}, json=body, timeout=60)
+    assert named.headers["X-Request-Id"] == "trace-1" and named.json()["id"] == "chatcmpl-trace-1"
+    fresh = [HTTP.get(url + "/v1/models", headers=KEY, timeout=10).headers["X-Request-Id"] for _ in range(2)]
+    assert fresh[0] != fresh[1] and all(re.fullmatch(r"[0-9a-f]{32}", value) for value in fresh)
+    refused = HTTP.post(url + "/v1/chat/completions", headers={"X-Request-Id": "no-key"}, json=body, timeout=10)
+    assert refused.status_code == 401 and refused.headers["X-Request-Id"] == "no-key"
+    with HTTP.stream("POST", url + "/v1/chat/completions", headers={**KEY, "X-Request-Id": "s-1"},
+                     json={**body, "stream": True}, timeout=60) as streamed:
+        assert streamed.headers["X-Request-Id"] == "s-1" and streamed.read().endswith(b"data: [DONE]\n\n")
 
 
 def test_routes_answer_under_the_root_path_behind_the_same_key(vllm_server: tuple[str, Path]) -> None:
@@ -297,5 +314,6 @@ def test_the_docs_table_has_a_row_per_flag() -> None:
     section = (ROOT / "docs/vllm-compat.md").read_text().split("## Server flags", 1)[1].split("\n## ", 1)[0]
     for flag in [*VLLM_NO_OP_FLAGS, *VLLM_REFUSED_FLAGS, "--pipeline-parallel-size", "--distributed-executor-backend",
                  "--limit-mm-per-prompt", "--uvicorn-log-level", "--tokenizer-mode", "--chat-template",
-                 "--response-role", "--root-path", "--allowed-origins", "--enable-log-requests", "--stream-interval"]:
+                 "--response-role", "--root-path", "--allowed-origins", "--enable-log-requests", "--stream-interval",
+                 "--enable-request-id-headers"]:
         assert f"`{flag}" in section, flag

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -44,6 +45,11 @@ CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # w
 CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
 
+async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """--enable-request-id-headers (vLLM's): the response carries the request's X-Request-Id, else a fresh one."""
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
 def build_app(state: ApiState) -> web.Application:
     handlers = Handlers(state)
     responses = ResponsesRoutes(handlers)
@@ -59,6 +65,8 @@ def build_app(state: ApiState) -> web.Application:
                           client_max_size=MAX_BODY_BYTES)
     if cors is not None:
         app.on_response_prepare.append(cors.add_headers)  # before the headers go: streamed answers get them too
+    if config.enable_request_id_headers:
+        app.on_response_prepare.append(add_request_id_header)
     app.add_routes([
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
