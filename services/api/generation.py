@@ -50,10 +50,12 @@ class Generation:
         self.first_token_at: float | None = None
         self.accepted_at: float | None = None  # time.monotonic() when every prompt was tokenized and admitted
         self.error = ""  # the error the client got, if any (the console's request inspector)
+        # An abnormal end (abort, error) seen while applying output: raised once the output before it is written.
+        self._failure: UpstreamError | None = None
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason >= 0 for c in self.choices)
+        return self._failure is None and all(c.finish_reason >= 0 for c in self.choices)
 
     @property
     def prompt_tokens(self) -> int:
@@ -115,12 +117,22 @@ class Generation:
 
     async def next_batch(self) -> bytes:
         """The output of this request that arrived by the time it woke, applied to the choices; with streaming,
-        the SSE bytes to write. One wake-up (and one write) takes everything queued, not one step at a time."""
+        the SSE bytes to write. One wake-up (and one write) takes everything queued, not one step at a time.
+        A completion that ended abnormally raises UpstreamError after the bytes before its end: at once when there
+        are none, else at the next call (`finished` stays False until then)."""
+        self._raise_failure()
         while True:
             reply = self._early.popleft() if self._early else await self._get()
             if isinstance(reply, list | Rows):
-                return b"".join([self._apply(batch) for batch in self._take_queued(reply)])
+                data = b"".join([self._apply(batch) for batch in self._take_queued(reply)])
+                if not data:
+                    self._raise_failure()
+                return data
             self._raise_if_failed(reply)
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     def _take_queued(self, batch: list[TextDelta] | Rows) -> list[list[TextDelta] | Rows]:
         """`batch` plus every batch queued behind it, up to the first reply of another kind."""
@@ -170,7 +182,8 @@ class Generation:
     def _end(self, i: int, choice: Choice, reason: int) -> None:
         choice.finish_reason = reason
         self._num_running[i] -= 1
-        _raise_if_abnormal(reason)
+        if self._failure is None:
+            self._failure = _abnormal_end(reason)
 
     def _apply_rows(self, rows: Rows) -> bytes:
         """Rendered output: count, then keep the bytes (streaming: to write now; otherwise the choice's JSON)."""
@@ -184,7 +197,7 @@ class Generation:
             choice.num_tokens += num_new_tokens
             self._cached(i, num_cached_tokens)
             if self.stream:
-                out.append(data)
+                out.append(data)  # an abnormal end renders nothing (PromptRenderer.render)
             elif data:
                 choice.rendered = data
             if reason >= 0:
@@ -205,6 +218,8 @@ class Generation:
             self._cached(i, delta.num_cached_tokens)
             if delta.finish_reason >= 0:
                 self._end(i, choice, delta.finish_reason)
+                if delta.finish_reason not in ANSWERED:
+                    continue  # answered with the error, as PromptRenderer.render does
             applied.append((choice, delta))
         return self.renderer.chunks(applied) if self.stream else b""
 
@@ -232,10 +247,12 @@ class Generation:
         self.vllm.e2e.observe(e2e)
 
 
-def _raise_if_abnormal(reason: int) -> None:
+def _abnormal_end(reason: int) -> UpstreamError | None:
+    """The error a completion that ended for `reason` answers with; None for a normal end."""
     if reason == FinishReason.ABORT:
-        raise UpstreamError(503, "the request was aborted by the server", "server_error")
+        return UpstreamError(503, "the request was aborted by the server", "server_error")
     if reason == FinishReason.ERROR:
-        raise UpstreamError(500, "the request failed inside the engine", "server_error")
+        return UpstreamError(500, "the request failed inside the engine", "server_error")
     if reason not in ANSWERED:
-        raise UpstreamError(500, f"unknown finish reason {reason}", "server_error")
+        return UpstreamError(500, f"unknown finish reason {reason}", "server_error")
+    return None
