@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.services.api.errors import UpstreamError
 from pagoda.services.api.generation import Generation
@@ -100,3 +101,20 @@ def test_text_deltas_before_an_abort_are_rendered_and_the_abort_is_not() -> None
     events = _events(written[0])
     assert "".join(e["choices"][0]["text"] for e in events) == "Hello world"
     assert all(e["choices"][0]["finish_reason"] is None for e in events)
+
+
+def test_a_chunk_of_several_tokens_counts_each_token_in_the_inter_token_latency() -> None:
+    """With --stream-interval a delta carries several tokens: the gap before it counts once per token, each the
+    gap spread over them, so the histogram's count is the tokens after the first and its sum the decode time."""
+    gen = _generation(1, stream=True)
+    for tokens in (1, 4, 3):
+        gen.ticket.queue.put_nowait(Rows([_row(0, -1, b"x", tokens)]))
+        asyncio.run(gen.next_batch())
+    text = gen._metrics.render(None)[0].decode()  # flushes the tally
+    first, last = gen.first_token_at, gen.choices[0].last_token_at
+    assert first is not None
+    for name in ("pagoda_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"):
+        family = next(f for f in text_string_to_metric_families(text) if f.name == name)
+        values = {s.name.removeprefix(name): s.value for s in family.samples if not s.name.endswith("_bucket")}
+        assert values["_count"] == 4 + 3
+        assert values["_sum"] == pytest.approx(last - first, rel=1e-6, abs=1e-9)

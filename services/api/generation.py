@@ -236,8 +236,9 @@ class Generation:
             self._metrics.ttft.observe(now - self.started_at)
             self.vllm.ttft.observe(now - self.started_at)
         elif choice.last_token_at > 0.0:
-            # One observation per delta, spread over its tokens (a delta is one token in steady decode).
-            self.vllm.itl.observe((now - choice.last_token_at) / num_new_tokens, now)  # both names' histograms
+            # The gap since the last delta, spread over its tokens: one observation per token (a delta is one token
+            # in steady decode; several with --stream-interval), so the count is tokens and the sum decode time.
+            self.vllm.itl.observe((now - choice.last_token_at) / num_new_tokens, now, num_new_tokens)  # both names
         choice.last_token_at = now
 
     def observe_e2e(self) -> None:

@@ -243,9 +243,10 @@ class ItlTally:
         # union bucket j (upper bound u) lies inside the target bucket of the first target bound >= u
         self._targets = [(h, [bisect_left(bounds, u) for u in self.bounds] + [len(bounds)]) for h, bounds in targets]
 
-    def observe(self, value: float, now: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # Prometheus' `le`: a value on a bound counts in it
-        self.sum += value
+    def observe(self, value: float, now: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect_left(self.bounds, value)] += count  # Prometheus' `le`: a value on a bound counts in it
+        self.sum += value * count
         if now - self.flushed_at >= TALLY_FLUSH_S:
             self.flush(now)
 
