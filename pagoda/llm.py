@@ -140,14 +140,12 @@ class LLM:
              tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate.
+        """Apply the model's chat template (or `chat_template`: a Jinja template, or the name of one of the model's)
+        to one conversation or a list of them, then generate.
         continue_final_message: the reply continues the last message (vLLM's; no generation prompt then).
-        vLLM's other keywords are taken at the value that changes nothing here, refused otherwise: the model's own
-        template renders text content ("auto" or "string" content format), with no LoRA and no multimodal input."""
+        vLLM's other keywords are taken at the value that changes nothing here, refused otherwise: the template
+        renders text content ("auto" or "string" content format), with no LoRA and no multimodal input."""
         _no_lora(lora_request)
-        if chat_template is not None:
-            raise InvalidRequestError("chat_template is not supported: the model's own chat template is used",
-                                      param="chat_template")
         if chat_template_content_format not in ("auto", "string"):
             raise InvalidRequestError("chat_template_content_format must be 'auto' or 'string': message content is "
                                       "rendered as text", param="chat_template_content_format")
@@ -162,7 +160,7 @@ class LLM:
                                       param="continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         texts = [tokenizer.render_chat(conversation, add_generation_prompt, tools,  # type: ignore[arg-type]
-                                       continue_final_message, chat_template_kwargs)
+                                       continue_final_message, chat_template_kwargs, chat_template=chat_template)
                  for conversation in conversations]
         # the template writes the special tokens, so encoding adds none
         prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]

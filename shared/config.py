@@ -310,6 +310,9 @@ class ServerConfig:
     stream_interval: int = 1
     # every response carries X-Request-Id: the request's own header, else a fresh uuid (vLLM's flag)
     enable_request_id_headers: bool = False
+    # a chat or /tokenize request's own `chat_template` renders its prompt; off: such a request is refused (a
+    # template is code the server runs, in transformers' Jinja sandbox; vLLM's flag and default)
+    trust_request_chat_template: bool = False
     root_path: str = ""  # the path prefix a proxy serves this server under: routes answer with and without it
     # CORS: origins (JSON list or comma-separated; "*": any) whose browser pages may call the API; None: no CORS
     allowed_origins: str | None = None
@@ -596,6 +599,9 @@ _HELP: dict[str, str] = {
                        "lower it (default 1: every step's tokens; vLLM's --stream-interval)",
     "enable_request_id_headers": "every response carries an X-Request-Id header: the one the request sent, else a "
                                  "fresh id (vLLM's --enable-request-id-headers)",
+    "trust_request_chat_template": "a chat or /tokenize request may send its own chat_template, which then renders "
+                                   "its prompt; without the flag such a request is refused (vLLM's "
+                                   "--trust-request-chat-template)",
     "root_path": "the path prefix a proxy serves this server under, e.g. /llm: every route answers with and without "
                  "it (vLLM's --root-path)",
     "allowed_origins": "CORS: origins whose browser pages may call the API, a JSON list or comma-separated "

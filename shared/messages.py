@@ -736,6 +736,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     # chat: vLLM's retrieval documents, the template's `documents` (None: not given; last, so that an older sender's
     # message decodes)
     documents: list[dict[str, str]] | None = None
+    # chat: the request's own Jinja template, or the name of one of the model's ("": the model's own; the api lets
+    # it through only under --trust-request-chat-template)
+    chat_template: str = ""
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -754,6 +757,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize", frozen=Tr
     chat_template_kwargs: dict[str, str | int | float | bool] = {}
     tool_parser: str = ""  # chat: as GenerateRequest's, so that a count is the prompt generation renders
     documents: list[dict[str, str]] | None = None  # chat: as GenerateRequest's (the count routes pass them on)
+    chat_template: str = ""  # chat: as GenerateRequest's
 
 
 class DetokenizeRequest(msgspec.Struct, array_like=True, tag="detokenize", frozen=True):

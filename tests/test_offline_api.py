@@ -466,7 +466,7 @@ def test_default_sampling_params_come_from_the_generation_config(llm: LLM, tmp_p
 
 def test_vllms_keywords_at_their_off_value_pass_and_others_are_refused(llm: LLM) -> None:
     """Scripts pass vLLM's lora_request=None, chat_template=None, use_tqdm / concurrency_limit to beam_search: taken;
-    a LoRA adapter or another chat template is refused naming the keyword, never dropped."""
+    a LoRA adapter or another content format is refused naming the keyword, never dropped."""
     from pagoda import BeamSearchParams
 
     messages = [{"role": "user", "content": "Hi"}]
@@ -476,7 +476,6 @@ def test_vllms_keywords_at_their_off_value_pass_and_others_are_refused(llm: LLM)
     [output] = llm.generate(["Hi"], STILL_SERVES, lora_request=None)
     assert output.outputs[0].text == llm.generate(["Hi"], STILL_SERVES)[0].outputs[0].text
     for call, param in ((lambda: llm.generate(["Hi"], STILL_SERVES, lora_request=object()), "lora_request"),
-                        (lambda: llm.chat(messages, STILL_SERVES, chat_template="{{ messages }}"), "chat_template"),
                         (lambda: llm.chat(messages, STILL_SERVES, mm_processor_kwargs={"a": 1}), "mm_processor_kwargs"),
                         (lambda: llm.chat(messages, STILL_SERVES, chat_template_content_format="x"),
                          "chat_template_content_format")):
@@ -488,6 +487,22 @@ def test_vllms_keywords_at_their_off_value_pass_and_others_are_refused(llm: LLM)
     together = llm.beam_search(prompts, beams)
     by_one = llm.beam_search(prompts, beams, lora_request=None, use_tqdm=False, concurrency_limit=1)
     assert [[s.tokens for s in o.sequences] for o in by_one] == [[s.tokens for s in o.sequences] for o in together]
+
+
+def test_chat_renders_with_the_chat_template_it_is_given(llm: LLM) -> None:
+    """vLLM's LLM.chat(chat_template=...): that template renders the conversation (output.prompt is its text, the
+    prompt ids its encoding) in place of the model's own; one that does not compile names the keyword."""
+    template = ("{% for m in messages %}<{{ m.role }}:{{ m.content }}>{% endfor %}"
+                "{% if add_generation_prompt %}>{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}]
+    [output] = llm.chat(messages, STILL_SERVES, chat_template=template)
+    tokenizer = llm.get_tokenizer()
+    assert output.prompt == "<user:Hi>>"
+    assert output.prompt_token_ids == tokenizer.encode("<user:Hi>>", add_special_tokens=False)
+    assert llm.chat(messages, STILL_SERVES)[0].prompt != output.prompt
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.chat(messages, STILL_SERVES, chat_template="{% for m in messages %}")
+    assert caught.value.param == "chat_template"
 
 
 def test_outputs_have_vllms_fields(llm: LLM) -> None:

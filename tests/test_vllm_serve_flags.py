@@ -174,7 +174,7 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "--enable-chunked-prefill", "--trust-remote-code", "--disable-log-requests", "--enable-log-requests",
             "--chat-template", str(folder / "chat.jinja"), "--response-role", "bot", "--root-path", "/llm",
             "--allowed-origins", '["http://app.example"]', "--api-key", "k", "--uvicorn-log-level", "info",
-            "--stream-interval", "3", "--enable-request-id-headers",
+            "--stream-interval", "3", "--enable-request-id-headers", "--trust-request-chat-template",
             "--runtime-dir", str(folder / "run"), "--heartbeat-timeout", "3"]
     (folder / "run").mkdir()
     with log_path.open("w") as log:
@@ -216,6 +216,38 @@ def test_a_vllm_command_line_serves_a_chat_rendered_by_its_chat_template(vllm_se
                           json={"model": "smol", "messages": chat, "max_tokens": 2, "temperature": 0,
                                 "add_generation_prompt": False}).json()
     assert continued["choices"][0]["message"]["role"] == "user"
+
+
+REQUEST_TEMPLATE = "{% for m in messages %}<{{ m.content }}>{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+def test_a_request_chat_template_renders_its_prompt_under_the_trust_flag(vllm_server: tuple[str, Path]) -> None:
+    """--trust-request-chat-template: a chat's or /tokenize's own chat_template renders its prompt in place of
+    --chat-template's ("" is the server's); one that does not compile is a 400 naming it, as is one on /tokenize
+    without messages. (Without the flag the field is refused: tests/test_vllm_compat.py's field table.)"""
+    url, _ = vllm_server
+    chat = [{"role": "user", "content": "Say hi."}]
+
+    def rendered(template: str | None) -> tuple[str, int]:
+        body = {"model": "smol", "messages": chat, **({} if template is None else {"chat_template": template})}
+        ids = HTTP.post(url + "/tokenize", headers=KEY, timeout=30, json=body).json()
+        text = HTTP.post(url + "/detokenize", headers=KEY, timeout=30,
+                         json={"model": "smol", "tokens": ids["tokens"]}).json()["prompt"]
+        return text, ids["count"]
+
+    text, count = rendered(REQUEST_TEMPLATE)
+    assert text == "<Say hi.>="
+    assert rendered("")[0] == rendered(None)[0] == "[USER] Say hi.\n[BOT]"
+    answer = HTTP.post(url + "/v1/chat/completions", headers=KEY, timeout=60,
+                       json={"model": "smol", "messages": chat, "max_tokens": 2, "temperature": 0,
+                             "chat_template": REQUEST_TEMPLATE}).json()
+    assert answer["usage"]["prompt_tokens"] == count
+    for route, body in (("/v1/chat/completions", {"messages": chat, "max_tokens": 2}),
+                        ("/tokenize", {"messages": chat}), ("/tokenize", {"prompt": "Hi"})):
+        template = "{% for m in messages %}" if "messages" in body else REQUEST_TEMPLATE
+        refused = HTTP.post(url + route, headers=KEY, timeout=30,
+                            json={"model": "smol", **body, "chat_template": template})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template", refused.text
 
 
 def test_every_response_carries_the_request_id_header(vllm_server: tuple[str, Path]) -> None:

@@ -267,6 +267,7 @@ class Handlers:
         """The chat path's request and output reading for a chat body: chat completions, and the Responses and
         Messages APIs once their bodies are turned into chat."""
         config = self.state.config
+        self._check_request_template(body.chat_template)
         message = chat_request(body, request_id, time.time(), config.max_logprobs, self.state.pool.sampling_defaults)
         check_thinking_budget(message.params, config.reasoning_parser)
         output = chat_output_spec(body, self._tool_parser(), config.reasoning_parser)
@@ -275,6 +276,12 @@ class Handlers:
             message = msgspec.structs.replace(message, params=msgspec.structs.replace(message.params,
                                                                                       skip_special_tokens=False))
         return message, output
+
+    def _check_request_template(self, template: str | None) -> None:
+        """A request's own chat_template runs only under --trust-request-chat-template (vLLM's rule and words)."""
+        if template is not None and not self.state.config.trust_request_chat_template:
+            raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is not "
+                                      "set. Refused request with untrusted chat template.", param="chat_template")
 
     def _tool_parser(self) -> str:
         """The parser of `auto` tool calls: --tool-call-parser, else the default for the served model's names."""
@@ -472,7 +479,7 @@ class Handlers:
             prompt.request_id, messages=prompt.messages, add_special_tokens=prompt.add_special_tokens,
             add_generation_prompt=prompt.add_generation_prompt, continue_final_message=prompt.continue_final_message,
             tools=prompt.tools, chat_template_kwargs=prompt.chat_template_kwargs, tool_parser=prompt.tool_parser,
-            documents=prompt.documents))
+            documents=prompt.documents, chat_template=prompt.chat_template))
         assert isinstance(reply, TokenizeResult), type(reply).__name__
         return len(reply.token_ids)
 
@@ -492,6 +499,9 @@ class Handlers:
         tools = tokenize_tools(body)
         if body.chat_template_kwargs is not None and body.messages is None:
             raise InvalidRequestError("chat_template_kwargs needs messages", param="chat_template_kwargs")
+        if body.chat_template is not None and body.messages is None:
+            raise InvalidRequestError("chat_template needs messages", param="chat_template")
+        self._check_request_template(body.chat_template)
         if body.messages is not None:
             messages = chat_messages(body.messages)
             if continue_final and messages[-1].role != "assistant":
@@ -505,7 +515,7 @@ class Handlers:
                                       add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final, return_token_strs=want_strs,
                                       tools=tools, chat_template_kwargs=body.chat_template_kwargs or {},
-                                      tool_parser=self._tool_parser())
+                                      tool_parser=self._tool_parser(), chat_template=body.chat_template or "")
         else:
             message = TokenizeRequest(request_id, prompt_text=body.prompt,
                                       add_special_tokens=body.add_special_tokens is not False,

@@ -183,6 +183,9 @@ class ChatBody(_GenerationBody):
     # vLLM's: retrieval documents, the template's `documents` (Command-R / Granite RAG templates); each renders once,
     # as a turn does, so they are bounded as turns are, and their text counts in --max-prompt-bytes (prompt_bytes)
     documents: Annotated[list[dict[str, str]], msgspec.Meta(max_length=MAX_TURNS)] | None = None
+    # vLLM's: a Jinja template (or the name of one of the model's) that renders this prompt; served only under
+    # --trust-request-chat-template, its text counted in --max-prompt-bytes
+    chat_template: str | None = None
 
 
 # OpenAI's service tiers that name this server's one tier; flex, scale and priority would be ignored, so are refused
@@ -199,6 +202,7 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_token_strs: bool | None = None
     tools: list[dict[str, Any]] | None = None  # chat: rendered into the prompt as generation would
     chat_template_kwargs: dict[str, str | int | float | bool] | None = None
+    chat_template: str | None = None  # as chat's
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -778,7 +782,8 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
         arrival_time=arrival_time, tools=tools if mode != "none" else [],
         return_token_ids=bool(body.return_token_ids), cache_salt=check_cache_salt(body.cache_salt),
-        prompt_cache_key=check_prompt_cache_key(body.prompt_cache_key), documents=body.documents)
+        prompt_cache_key=check_prompt_cache_key(body.prompt_cache_key), documents=body.documents,
+        chat_template=body.chat_template or "")
 
 
 def tokenize_tools(body: TokenizeBody) -> list[dict[str, Any]]:
@@ -806,8 +811,8 @@ def prompt_bytes(body: object) -> int:
     """UTF-8 bytes of the text a body asks to tokenize; ids count 0.
 
     Prompt strings, message contents, the assistant turns' tool calls (name and arguments: the template renders
-    them) and reasoning, retrieval documents (their keys and values), and the tool definitions (as JSON, the form
-    templates render them in)."""
+    them) and reasoning, retrieval documents (their keys and values), a request's own chat template, and the tool
+    definitions (as JSON, the form templates render them in)."""
     texts: list[str] = []
     prompt = getattr(body, "prompt", None)
     if isinstance(prompt, str):
@@ -826,6 +831,9 @@ def prompt_bytes(body: object) -> int:
             texts.append(reasoning)
     for document in getattr(body, "documents", None) or []:
         texts.extend(text for pair in document.items() for text in pair)
+    template = getattr(body, "chat_template", None)
+    if isinstance(template, str):
+        texts.append(template)
     # len() of a str counts code points; up to 4 bytes each, so encode only when it could matter
     text_bytes = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
     tools = getattr(body, "tools", None)

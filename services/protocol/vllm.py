@@ -43,7 +43,6 @@ UNSUPPORTED_FIELDS = {
     "kv_transfer_params": "disaggregated prefill (KV transfer) is not implemented",
     "ec_transfer_params": "encoder-cache transfer is not implemented",
     "vllm_xargs": "custom extension arguments are not accepted",
-    "chat_template": "the model's own chat template is used",
     "media_io_kwargs": "multimodal inputs are not accepted",
     "mm_processor_kwargs": "multimodal inputs are not accepted",
     "logits_processors": "per-request logits processors were removed in vLLM V1 and are not implemented",

@@ -58,10 +58,11 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None, tool_parser: str = "",
-                    documents: list[dict[str, str]] | None = None) -> Prompt:
+                    documents: list[dict[str, str]] | None = None, chat_template: str = "") -> Prompt:
     """Token ids of whichever prompt field is set; InvalidRequestError names the field at fault. `tool_parser`: the
     parser that reads the answer's calls, where the template leaves the call form open (tool_conversation).
-    `documents`: a chat's retrieval documents, for the template."""
+    `documents`: a chat's retrieval documents, for the template. `chat_template`: the request's own template, or the
+    name of one of the model's ("": the model's own)."""
     if sum(field is not None for field in (prompt_text, prompt_token_ids, messages)) != 1:
         raise InvalidRequestError("exactly one of a prompt, prompt token ids or messages must be given",
                                   param="prompt")
@@ -74,11 +75,13 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
     try:
         if messages is not None:
             # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
-            template = tokenizer.hf.get_chat_template(None, tools) if tokenizer.hf.chat_template else None
+            template = (tokenizer.hf.get_chat_template(chat_template or None, tools)
+                        if chat_template or tokenizer.hf.chat_template else None)
             conversation, tools = tool_conversation(template, chat_dicts(messages), tools, tool_parser)
             text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
                                          continue_final_message=continue_final_message,
-                                         chat_template_kwargs=chat_template_kwargs, documents=documents)
+                                         chat_template_kwargs=chat_template_kwargs, documents=documents,
+                                         chat_template=chat_template or None)
             return Prompt(tokenizer.encode(text, add_special_tokens=False), text, param)
         assert prompt_text is not None
         return encode_text_prompt(tokenizer, prompt_text, add_special_tokens, param)
@@ -213,7 +216,8 @@ def generate_prompt(tokenizer: Tokenizer | None, request: GenerateRequest, info:
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
                              chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None,
-                             tool_parser=request.tool_parser, documents=request.documents)
+                             tool_parser=request.tool_parser, documents=request.documents,
+                             chat_template=request.chat_template)
     room = prompt_room(info.max_model_len, info.max_num_tokens, request.params.max_tokens)
     return truncate_prompt(tokenizer, prompt, request.params, room)
 
@@ -226,7 +230,8 @@ def tokenize_result(tokenizer: Tokenizer | None, request: TokenizeRequest, max_m
                              add_generation_prompt=request.add_generation_prompt,
                              continue_final_message=request.continue_final_message,
                              chat_template_kwargs=request.chat_template_kwargs, tools=request.tools or None,
-                             tool_parser=request.tool_parser, documents=request.documents)
+                             tool_parser=request.tool_parser, documents=request.documents,
+                             chat_template=request.chat_template)
     token_strs = ([token_str(tokenizer, t) for t in prompt.token_ids]
                   if request.return_token_strs and tokenizer is not None else [])
     return TokenizeResult(request.request_id, prompt.token_ids, max_model_len, token_strs)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 import tokenizers
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -69,6 +70,10 @@ def _uses_byte_level(backend: tokenizers.Tokenizer | None) -> bool:
         return False
     decoder = json.loads(backend.to_str()).get("decoder") or {}
     return "ByteLevel" in json.dumps(decoder)
+
+
+# A template's own faults, as opposed to a template rejecting the messages it is given (raise_exception)
+_TEMPLATE_FAULTS = (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError, jinja2.sandbox.SecurityError)
 
 
 class Tokenizer:
@@ -159,16 +164,18 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    documents: list[dict[str, str]] | None = None) -> str:
+                    documents: list[dict[str, str]] | None = None, chat_template: str | None = None) -> str:
         """The prompt text the model's chat template makes of `messages`. `documents`: retrieval documents, given to
         the template as transformers' `documents` argument (vLLM's chat field; a template without them ignores
-        them); chat_template_kwargs may not set them, nor any other of transformers' own arguments."""
-        if self._hf.chat_template is None:
+        them); chat_template_kwargs may not set them, nor any other of transformers' own arguments.
+        `chat_template`: a template to use instead of the model's, or the name of one of the model's (None: its
+        default)."""
+        if self._hf.chat_template is None and chat_template is None:
             raise InvalidRequestError(f"the model's tokenizer in {str(self.path)!r} has no chat template; "
                                       "use the completions endpoint", param="messages",
                                       code="no_chat_template")
         # vLLM's message normalisation, with the content format of the template that renders them
-        template = self._hf.get_chat_template(None, tools)
+        template = self._hf.get_chat_template(chat_template, tools)
         conversation = template_conversation(messages, content_format(template), arguments_as_text(template))
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
@@ -186,8 +193,12 @@ class Tokenizer:
             text = self._hf.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=False, documents=documents,
-                **kwargs)
+                chat_template=template, **kwargs)
         except jinja2.TemplateError as exc:
+            if chat_template is not None and isinstance(exc, _TEMPLATE_FAULTS):
+                # the request's own template (--trust-request-chat-template) does not compile or breaks the sandbox
+                raise InvalidRequestError(f"the chat_template cannot render: {type(exc).__name__}: {exc}",
+                                          param="chat_template") from exc
             # Templates reject conversations themselves (raise_exception: roles must alternate, ...).
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                       param="messages") from exc
