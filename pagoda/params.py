@@ -11,7 +11,7 @@ from pagoda.services.protocol.vllm import check_guided_backend
 from pagoda.shared import messages
 from pagoda.shared.errors import InvalidRequestError
 
-_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(slots=True)
@@ -44,11 +44,9 @@ class GuidedDecodingParams:
 
     def structured_outputs(self) -> messages.StructuredOutputs:
         """The same constraint as pagoda's (vLLM's new) StructuredOutputs; InvalidRequestError names the field."""
-        for name, reason in (("whitespace_pattern", "JSON constraints allow no free whitespace"),
-                             ("structural_tag", "structural tags are not implemented")):
-            if getattr(self, name) is not None:
-                raise InvalidRequestError(f"guided_decoding.{name} is not supported: {reason}",
-                                          param=f"guided_decoding.{name}")
+        if self.whitespace_pattern is not None:
+            raise InvalidRequestError("guided_decoding.whitespace_pattern is not supported: JSON constraints allow no "
+                                      "free whitespace", param="guided_decoding.whitespace_pattern")
         if self.disable_additional_properties:
             name = "guided_decoding.disable_additional_properties"
             raise InvalidRequestError(f"{name} is not supported: a JSON schema's own additionalProperties decides",

@@ -20,6 +20,8 @@ MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the 
 MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
 MAX_CHOICES = 1024
+# the constraint kinds of StructuredOutputs besides json_object, each a field holding its spec
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids entries (more than any vocabulary)
 MAX_BAD_WORDS = 128  # bad_words entries (each becomes up to two token sequences: as given, and after a space)
@@ -59,6 +61,9 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
     """A constraint on the generated text; vLLM's StructuredOutputsParams: exactly one kind is set.
 
     `grammar` is a Lark grammar in llguidance's dialect, or GBNF (its first rule is `name ::= ...`).
+    `structural_tag` is vLLM's structural tag as JSON text, `{"structures": [{"begin", "schema", "end"}], "triggers":
+    [...]}`: free text in which each trigger must go on as one of the structures whose `begin` starts with it,
+    `begin`, JSON of its schema, `end` (tool calls amid text; check_structural_tag has the rules).
     `reasoning_end` is set by the server, never the client: constraints start after this text appears
     in the output (a reasoning model's `</think>`); empty means from the first token.
     """
@@ -68,17 +73,24 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False  # any JSON object
+    structural_tag: str | None = None
     reasoning_end: str = ""
 
     @property
     def kind(self) -> str:
-        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds = [name for name in CONSTRAINT_KINDS if getattr(self, name) is not None]
         return kinds[0] if kinds else "json_object"
 
     def validate(self) -> StructuredOutputs:
-        num_set = sum(getattr(self, name) is not None for name in ("json", "regex", "choice", "grammar"))
+        num_set = sum(getattr(self, name) is not None for name in CONSTRAINT_KINDS)
         _check(num_set + int(bool(self.json_object)) == 1, "structured_outputs",
-               "structured_outputs needs exactly one of json, regex, choice, grammar and json_object")
+               "structured_outputs needs exactly one of json, regex, choice, grammar, structural_tag and "
+               "json_object")
+        if self.structural_tag is not None:
+            _check(isinstance(self.structural_tag, str) and 0 < len(self.structural_tag) <= MAX_GRAMMAR_CHARS,
+                   "structured_outputs.structural_tag",
+                   f"structural_tag must be JSON text of at most {MAX_GRAMMAR_CHARS} characters")
+            check_structural_tag(self.structural_tag)
         _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
                "json must be a JSON schema (an object, or its text)")
         for name in ("regex", "grammar"):
@@ -432,6 +444,38 @@ def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: in
 
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_structural_tag(text: str) -> None:
+    """vLLM's structural tag (its legacy form, the one its guidance backend serves): a JSON object of `structures`,
+    each `{"begin": str, "schema": JSON schema object, "end": str}`, and `triggers`, non-empty strings; every begin
+    starts with a trigger. `type` may say "structural_tag". xgrammar's `format` form is refused."""
+    param = "structured_outputs.structural_tag"
+    try:
+        spec = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"structural_tag is not JSON: {exc}", param=param) from None
+    _check(isinstance(spec, dict), param, "structural_tag must be a JSON object of structures and triggers")
+    _check("format" not in spec, param, "structural_tag's `format` form (xgrammar's) is not supported: send "
+                                        "`structures` and `triggers`, as vLLM's guidance backend takes them")
+    unknown = sorted(set(spec) - {"type", "structures", "triggers"})
+    _check(not unknown, param, f"structural_tag takes type, structures and triggers, not {', '.join(unknown)}")
+    _check(spec.get("type", "structural_tag") == "structural_tag", param, "structural_tag's type must be "
+                                                                         "\"structural_tag\"")
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    _check(isinstance(triggers, list) and 0 < len(triggers) <= MAX_CHOICES
+           and all(isinstance(t, str) and t for t in triggers), f"{param}.triggers",
+           f"triggers must be 1 to {MAX_CHOICES} non-empty strings")
+    _check(isinstance(structures, list) and 0 < len(structures) <= MAX_CHOICES, f"{param}.structures",
+           f"structures must be a list of 1 to {MAX_CHOICES} objects")
+    for i, structure in enumerate(structures):
+        at = f"{param}.structures[{i}]"
+        _check(isinstance(structure, dict) and set(structure) <= {"begin", "schema", "end"}
+               and isinstance(structure.get("begin"), str) and isinstance(structure.get("end"), str)
+               and isinstance(structure.get("schema"), dict), at,
+               "a structure is {\"begin\": string, \"schema\": JSON schema object, \"end\": string}")
+        _check(any(structure["begin"].startswith(t) for t in triggers), f"{at}.begin",
+               f"begin {structure['begin']!r} starts with none of the triggers")
 
 
 def _check(ok: bool, param: str, message: str) -> None:

@@ -586,7 +586,7 @@ def test_thinking_token_budget_needs_a_reasoning_parser_which_llm_has_not(llm: L
     (dict(json={"type": "object"}, whitespace_pattern=r"\s*"), {}, "guided_decoding.whitespace_pattern"),
     (dict(json={"type": "object"}, disable_additional_properties=True), {},
      "guided_decoding.disable_additional_properties"),
-    (dict(choice=["a"], structural_tag="{}"), {}, "guided_decoding.structural_tag"),
+    (dict(choice=["a"], structural_tag="{}"), {}, "guided_decoding"),
     (dict(choice=["a"], backend="sglang"), {}, "guided_decoding.backend"),
 ])
 def test_guided_decoding_params_refuse_what_pagoda_cannot_honour(guided: dict[str, Any], extra: dict[str, Any],

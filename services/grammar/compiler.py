@@ -55,6 +55,9 @@ CONSTRAINT_PARAM = "structured_outputs"  # what a constraint's error names: Samp
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# How a grammar names a special token (<|python_tag|>); structural-tag triggers of that form may be one
+_SPECIAL_TOKEN_RE = re.compile(r"<[^<>\s\"]+>")
+
 # ECMAScript's shorthand classes, which JSON Schema patterns use (llguidance reads those so) and vLLM's default
 # structured-output backend gives its regexes: llguidance's plain regexes are Rust's, where \d, \w and \s are
 # Unicode classes (a phone-number regex \d{3} admitted Kannada digits, three tokens each).
@@ -173,8 +176,9 @@ def _check_lark(grammar: str) -> None:
                 raise InvalidRequestError(f"the JSON schema's const at /const: {why}", param=CONSTRAINT_PARAM)
 
 
-def grammar_text(constraint: StructuredOutputs) -> str:
-    """llguidance's grammar for a constraint (not yet checked; `compile_error` does that)."""
+def grammar_text(constraint: StructuredOutputs, tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """llguidance's grammar for a constraint (not yet checked; `compile_error` does that). `tokenizer`: the one it
+    will run with, which tells a structural tag's triggers that are special tokens (None: none are)."""
     matcher = llguidance.LLMatcher
     try:
         if constraint.json is not None:
@@ -192,6 +196,10 @@ def grammar_text(constraint: StructuredOutputs) -> str:
             text = "start: " + " | ".join(json.dumps(c) for c in constraint.choice)
             _check_lark(text)
             return matcher.grammar_from_lark(text)
+        if constraint.structural_tag is not None:
+            text = structural_tag_lark(constraint.structural_tag, tokenizer)
+            _check_lark(text)
+            return matcher.grammar_from_lark(text)
         if constraint.grammar is not None:
             text = constraint.grammar
             if is_gbnf(text):  # llama.cpp's, as vLLM's xgrammar backend takes it
@@ -204,6 +212,39 @@ def grammar_text(constraint: StructuredOutputs) -> str:
     except Exception as exc:  # the library's own parse errors (bad JSON text, bad GBNF)
         raise InvalidRequestError(f"invalid {constraint.kind} for structured outputs: {exc}",
                                   param=CONSTRAINT_PARAM) from exc
+
+
+def structural_tag_lark(spec_text: str, tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The Lark grammar of a structural tag (StructuredOutputs.validate checked its shape): free text, in which each
+    trigger goes on as one of the structures whose begin starts with it (its first such trigger, as vLLM's guidance
+    backend pairs them): the rest of `begin`, JSON of its schema (written as every JSON constraint here:
+    JSON_OPTIONS), `end`; then free text again. A text trigger is a lazy lexeme (it matches where it first
+    appears); one that is a special token of `tokenizer` is that token."""
+    spec = json.loads(spec_text)
+    rules = []
+    for i, structure in enumerate(spec["structures"]):
+        begin, end, schema = structure["begin"], structure["end"], structure["schema"]
+        trigger = next(t for t in spec["triggers"] if begin.startswith(t))
+        options = {**JSON_OPTIONS, **schema.get("x-guidance", {})}  # the schema's own options win, as elsewhere
+        parts = [json.dumps(begin[len(trigger):]) if begin != trigger else "",
+                 f"%json {json.dumps({**schema, 'x-guidance': options})}", json.dumps(end) if end else ""]
+        body = " ".join(part for part in parts if part)
+        if tokenizer is not None and _is_special_token(tokenizer, trigger):
+            rules.append(f"tag_{i}: FREE_TEXT {trigger} {body}")
+        else:
+            rules += [f"tag_{i}_trigger[lazy]: FREE_TEXT {json.dumps(trigger)}", f"tag_{i}: tag_{i}_trigger {body}"]
+    tags = " | ".join(f"tag_{i}" for i in range(len(spec["structures"])))
+    return "\n".join(["%llguidance {}", f"start: ({tags})* FREE_TEXT", r"FREE_TEXT: /(.|\n)*/", *rules])
+
+
+def _is_special_token(tokenizer: llguidance.LLTokenizer, text: str) -> bool:
+    """Whether `text` is one special token of the tokenizer (`<|python_tag|>`, `<tool_call>`), which a grammar
+    names as `<...>`: its text would not match it (this project's tokenizers never spell text into special tokens,
+    vocab.py). Asked of llguidance itself, ~2 ms, once per compile."""
+    if not _SPECIAL_TOKEN_RE.fullmatch(text):
+        return False
+    return not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(f"start: {text}"),
+                                                     tokenizer)
 
 
 def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
@@ -342,7 +383,7 @@ class GrammarChecker:
     def _compile(self, constraint: StructuredOutputs) -> GrammarOutcome:
         started = time.perf_counter()
         try:
-            grammar = grammar_text(constraint)
+            grammar = grammar_text(constraint, self.tokenizer)
         except InvalidRequestError as exc:
             return GrammarOutcome(exc.message, [], b"")
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=quiet_limits())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -104,6 +105,7 @@ class _GenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # vLLM's, deprecated: names of pagoda's one grammar engine
+    structural_tag: str | None = None  # vLLM's, deprecated: structured_outputs.structural_tag
     # vLLM's: at most this many tokens inside the think block (chat with --reasoning-parser); -1 or null: no budget
     thinking_token_budget: int | None = None
     # vLLM's: end a completion once its output ends in min_count copies of one pattern (finish_reason "repetition")
@@ -379,7 +381,7 @@ def _beam_kwargs(body: _GenerationBody) -> dict[str, Any]:
     return {}
 
 
-_STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object"})
+_STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object", "structural_tag"})
 
 
 def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
@@ -403,6 +405,8 @@ def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
         value = getattr(body, f"guided_{name}")
         if value is not None:
             given.append((f"guided_{name}", StructuredOutputs(**{name: value})))
+    if body.structural_tag is not None:
+        given.append(("structural_tag", StructuredOutputs(structural_tag=body.structural_tag)))
     if not given:
         return None
     if len(given) > 1:
@@ -419,7 +423,8 @@ def constraint_param(body: _GenerationBody) -> str | None:
     where the tokenizer is, under SamplingParams' name (structured_outputs); the client is told this field."""
     if isinstance(body, ChatBody) and _tool_choice(body, _offered_tools(body))[0] in ("required", "named"):
         return "tools"
-    names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+             "structural_tag")
     return next((name for name in names if getattr(body, name) is not None), None)
 
 
@@ -429,8 +434,10 @@ def _response_format(response_format: dict[str, Any]) -> StructuredOutputs | Non
         return None
     if kind == "json_object":
         return StructuredOutputs(json_object=True)
+    if kind == "structural_tag":
+        return _structural_tag_format(response_format)
     _require(kind == "json_schema", "response_format.type",
-             f"response_format type must be text, json_object or json_schema, got {kind!r}")
+             f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}")
     spec = response_format.get("json_schema")
     _require(isinstance(spec, dict), "response_format.json_schema",
              "response_format json_schema needs a json_schema object {name, schema, strict}")
@@ -441,6 +448,12 @@ def _response_format(response_format: dict[str, Any]) -> StructuredOutputs | Non
     schema = spec.get("schema", {"type": "object"})  # OpenAI: a missing schema allows any object
     _require(isinstance(schema, dict), "response_format.json_schema.schema", "schema must be a JSON object")
     return StructuredOutputs(json=schema)
+
+
+def _structural_tag_format(response_format: dict[str, Any]) -> StructuredOutputs:
+    """vLLM's `{"type": "structural_tag", "structures": [...], "triggers": [...]}` (its legacy form; xgrammar's
+    `format` form is refused when the constraint is checked): the same constraint as structured_outputs'."""
+    return StructuredOutputs(structural_tag=json.dumps(response_format))
 
 
 def _check_json_schema_fields(spec: dict[str, Any]) -> None:
@@ -699,7 +712,8 @@ def chat_output_spec(body: ChatBody, tool_parser: str, reasoning_parser: str | N
                           include_reasoning=body.include_reasoning is not False)
 
 
-_WHOLE_OUTPUT_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_WHOLE_OUTPUT_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                             "structural_tag")
 
 
 def _tool_constraint(body: ChatBody, tools: list[dict[str, Any]], mode: str, name: str) -> StructuredOutputs | None:
@@ -762,6 +776,8 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
         # gives way (OpenAI takes both; vLLM's tool schema replaces the format's). vLLM's own constraints shape the
         # whole output and conflict with the call's.
         whole = next((given for given in _WHOLE_OUTPUT_CONSTRAINTS if getattr(body, given) is not None), None)
+        if whole is None and (body.response_format or {}).get("type") == "structural_tag":
+            whole = "response_format"  # a structural tag shapes the whole output too
         _require(whole is None, "tool_choice", f"tool_choice {mode!r} constrains the output itself: drop {whole}")
         kwargs["structured_outputs"] = tool_constraint.validate()
     try:

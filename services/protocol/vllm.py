@@ -27,6 +27,7 @@ DEPRECATED_FIELDS = {
     "guided_regex": "structured_outputs.regex",
     "guided_choice": "structured_outputs.choice",
     "guided_grammar": "structured_outputs.grammar",
+    "structural_tag": "structured_outputs.structural_tag or response_format {\"type\": \"structural_tag\"}",
     "guided_decoding_backend": "nothing: the server chooses the backend (vLLM V1 refuses request-level backends)",
 }
 
@@ -47,7 +48,6 @@ UNSUPPORTED_FIELDS = {
     "mm_processor_kwargs": "multimodal inputs are not accepted",
     "logits_processors": "per-request logits processors were removed in vLLM V1 and are not implemented",
     "guided_whitespace_pattern": "JSON constraints allow no free whitespace (vLLM deprecated this field)",
-    "structural_tag": "structural tags are not implemented (vLLM deprecated this field)",
 }
 
 # Why the routes that read a stored response back answer 404 (POST /v1/responses takes `store` and keeps nothing).

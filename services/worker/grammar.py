@@ -569,7 +569,8 @@ class GrammarRows:
 
     @staticmethod
     def _build(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputs) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0, limits=quiet_limits())
+        matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint, tokenizer), log_level=0,
+                                       limits=quiet_limits())
         if matcher.is_error():  # the tokenizer compiled it already: this is not the client's error
             log.error("grammar failed on the worker: %s", matcher.get_error())
         return matcher
