@@ -33,12 +33,17 @@ the qwen3-0.6b shape's vocabulary (so the forward costs little), every row const
 fill (accept + fill, wherever it ran) and waited (what the step loop blocked on them), with the mask thread,
 with the grammar process, and with the masks filled inline in the step loop (the worker before the thread).
 
+--constraint structural_tag runs every row under a structural tag instead (free text in which "<tool_call>" goes on
+as JSON of the same schema, then "</tool_call>": a tool-calling tag): the rows then draw free text, the masks
+being free text's with the trigger watched.
+
 JSON goes to $OUT/grammar_step.json when OUT is set (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -84,8 +89,16 @@ def pick_tokens(mask: torch.Tensor, rng: np.random.Generator, real_vocab: int) -
     return picked
 
 
+# a tool-calling structural tag over the same schema (--constraint structural_tag)
+TOOL_TAG = {"structures": [{"begin": "<tool_call>", "schema": LONG_SCHEMA, "end": "</tool_call>"}],
+            "triggers": ["<tool_call>"]}
+CONSTRAINTS = {"json": StructuredOutputs(json=LONG_SCHEMA),
+               "structural_tag": StructuredOutputs(structural_tag=json.dumps(TOOL_TAG))}
+constraint = CONSTRAINTS["json"]  # every row's (main sets it from --constraint)
+
+
 def new_request(seq_id: int) -> NewRequest:
-    params = SamplingParams(max_tokens=4096, structured_outputs=StructuredOutputs(json=LONG_SCHEMA))
+    params = SamplingParams(max_tokens=4096, structured_outputs=constraint)
     return NewRequest(seq_id=seq_id, token_ids=[1, 2, 3], num_prompt_tokens=3, block_ids=[], num_computed_tokens=0,
                       sampling=params, seed=0)
 
@@ -233,8 +246,7 @@ def engine_case(tokenizer_dir: str, num_rows: int, num_tokens: int, mode: str) -
                   max_model_len=num_tokens + 64, async_scheduling=True, grammar_process=mode == "process")
         tokenizer = llm.get_tokenizer()
         prompts = [tokenizer.encode(f"Write a JSON list #{i}") for i in range(num_rows)]
-        params = SamplingParams(max_tokens=num_tokens, temperature=0.0,
-                                structured_outputs=StructuredOutputs(json=LONG_SCHEMA))
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, structured_outputs=constraint)
         llm.generate(prompts[:2], [params, params])  # warm-up: the matcher compiles
         llm.engine.runner.mask_times = MaskTimes()
         started = time.perf_counter()
@@ -262,8 +274,12 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="also the offline engine's mask times (see above)")
     parser.add_argument("--engine-tokens", type=int, default=48)
     parser.add_argument("--no-process", action="store_true", help="skip the grammar process's round trip")
+    parser.add_argument("--constraint", choices=sorted(CONSTRAINTS), default="json",
+                        help="every row's constraint (see above)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
+    global constraint
+    constraint = CONSTRAINTS[args.constraint]
     cpus = grammar_module.available_cpus()
     threads = args.threads or sorted({1, 2, cpus})
     tokenizer = load_ll_tokenizer(args.tokenizer, VOCAB_SIZE, [])
@@ -302,7 +318,7 @@ def main() -> None:
                   f"waited {e['waited_ms']:6.2f}  ({e['steps']} steps, {e['elapsed_s']:.2f} s)")
     if args.out:
         write_json(Path(args.out, "grammar_step.json"),
-                   {"cpus": cpus, "affinity": len(os.sched_getaffinity(0)),
+                   {"constraint": args.constraint, "cpus": cpus, "affinity": len(os.sched_getaffinity(0)),
                     "cgroup_quota": grammar_module.cgroup_cpu_quota(), "cpu_count": os.cpu_count(),
                     "main_python_ms": args.main_python_ms, "switch_interval_s": sys.getswitchinterval(),
                     "results": results, "process": process, "engine": engine})
