@@ -313,6 +313,10 @@ class ServerConfig:
     # a chat or /tokenize request's own `chat_template` renders its prompt; off: such a request is refused (a
     # template is code the server runs, in transformers' Jinja sandbox; vLLM's flag and default)
     trust_request_chat_template: bool = False
+    # the Responses API keeps this many finished responses (0: none, vLLM's default), for previous_response_id and
+    # GET /v1/responses/{id}; in responses_store_dir (default: runtime_dir/responses), which the api processes share
+    responses_store: int = 0
+    responses_store_dir: str | None = None
     root_path: str = ""  # the path prefix a proxy serves this server under: routes answer with and without it
     # CORS: origins (JSON list or comma-separated; "*": any) whose browser pages may call the API; None: no CORS
     allowed_origins: str | None = None
@@ -350,6 +354,8 @@ class ServerConfig:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
         if self.max_logprobs < -1:
             raise ConfigError("max_logprobs must be -1 (the whole vocabulary) or >= 0", param="max_logprobs")
+        if self.responses_store < 0:
+            raise ConfigError("--responses-store must be >= 0 (0: no responses are kept)", param="responses_store")
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
             raise ConfigError(f"--stream-interval {self.stream_interval}: new tokens per streamed chunk, an integer in "
                               f"[1, {MAX_STREAM_INTERVAL}]", param="stream_interval")
@@ -403,6 +409,16 @@ class ServerConfig:
             raise ConfigError("--metrics-access key needs the operator's key to read /metrics with: set --api-key, "
                               "--api-key-file or PAGODA_API_KEY, or choose --metrics-access open",
                               param="metrics_access")
+
+    def responses_folder(self) -> Path | None:
+        """Where --responses-store keeps responses; None when it keeps none."""
+        if self.responses_store == 0:
+            return None
+        folder = self.responses_store_dir or (f"{self.runtime_dir}/responses" if self.runtime_dir else None)
+        if folder is None:
+            raise ConfigError("--responses-store needs a folder: set --responses-store-dir (there is no runtime "
+                              "folder to default to)", param="responses_store_dir")
+        return Path(folder)
 
     def endpoint(self, name: str) -> str:
         """One socket address (scheduler, plan, result or stats): given explicitly, or derived from runtime_dir.
@@ -599,6 +615,12 @@ _HELP: dict[str, str] = {
                        "lower it (default 1: every step's tokens; vLLM's --stream-interval)",
     "enable_request_id_headers": "every response carries an X-Request-Id header: the one the request sent, else a "
                                  "fresh id (vLLM's --enable-request-id-headers)",
+    "responses_store": "the Responses API keeps this many finished responses (0: none, the default), so that "
+                       "previous_response_id continues one and GET / DELETE /v1/responses/{id} and its input_items "
+                       "read it; the oldest is dropped past the count (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, "
+                       "bounded)",
+    "responses_store_dir": "where --responses-store keeps responses, one JSON file each, shared by the api processes "
+                           "(default: the runtime folder's responses/; give a shared volume to several hosts)",
     "trust_request_chat_template": "a chat or /tokenize request may send its own chat_template, which then renders "
                                    "its prompt; without the flag such a request is refused (vLLM's "
                                    "--trust-request-chat-template)",

@@ -53,6 +53,7 @@ async def add_request_id_header(request: web.Request, response: web.StreamRespon
 def build_app(state: ApiState) -> web.Application:
     handlers = Handlers(state)
     responses = ResponsesRoutes(handlers)
+    stored = responses.store is not None  # --responses-store: the routes that read a response back serve it
     messages = MessagesRoutes(handlers)
     # anthropic_middleware: Anthropic's error shape and x-api-key under /v1/messages (auth runs inside it)
     config = state.config
@@ -73,10 +74,10 @@ def build_app(state: ApiState) -> web.Application:
         web.post("/v1/responses", responses.create),
         web.post("/v1/responses/input_tokens", responses.input_tokens),  # before {response_id}: a plain path
         # nothing is stored to read back: 404 saying so
-        web.get("/v1/responses/{response_id}", responses.not_stored),
-        web.delete("/v1/responses/{response_id}", responses.not_stored),
-        web.post("/v1/responses/{response_id}/cancel", responses.not_stored),
-        web.get("/v1/responses/{response_id}/input_items", responses.not_stored),
+        web.get("/v1/responses/{response_id}", responses.retrieve if stored else responses.not_stored),
+        web.delete("/v1/responses/{response_id}", responses.delete if stored else responses.not_stored),
+        web.post("/v1/responses/{response_id}/cancel", responses.cancel if stored else responses.not_stored),
+        web.get("/v1/responses/{response_id}/input_items", responses.input_items if stored else responses.not_stored),
         web.post("/v1/messages", messages.create),
         web.post("/v1/messages/count_tokens", messages.count_tokens),
         web.get("/v1/models", handlers.models),

@@ -171,7 +171,7 @@ class Handlers:
         model it does not list is another served name: 404), and learns nothing of the names it may not use: a
         refused name, served or not, gets one message, naming only what the tenant may use."""
         state = self.state
-        tenant = _tenant(request)
+        tenant = request_tenant(request)
         allowed = self._allowed_names(tenant)
         if not allowed:  # a tenant that may use no served name learns none
             assert tenant is not None
@@ -585,7 +585,7 @@ class Handlers:
                 "root": state.model_root, "parent": None, "max_model_len": max_model_len, "permission": [permission]}
 
     async def models(self, request: web.Request) -> web.Response:
-        allowed = self._allowed_names(_tenant(request))
+        allowed = self._allowed_names(request_tenant(request))
         names = self.state.served_names or (self.state.served_model_name,)  # vLLM: a card per --served-model-name
         return json_response({"object": "list", "data": [self._model_card(n) for n in names if n in allowed]})
 
@@ -637,7 +637,8 @@ class Handlers:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def _tenant(request: web.Request) -> Tenant | None:
+def request_tenant(request: web.Request) -> Tenant | None:
+    """The tenant (API key) a request was let in as; None without API keys."""
     found = request.get(TENANT)
     return found[1] if found is not None else None
 

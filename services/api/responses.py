@@ -1,27 +1,39 @@
 """POST /v1/responses, OpenAI's Responses API, on chat's path: the body becomes a chat request that runs as chat's do
 (tenants, limits, timeouts, priority, metrics, aborts); the answer is rendered here (services/protocol/responses.py).
-Responses are not stored: the routes that would read one back answer 404 saying so."""
+With --responses-store N finished responses are kept (services/api/response_store.py): previous_response_id
+continues one, and GET / DELETE /v1/responses/{id} and its input_items read it. Without it the routes that would
+read one back answer 404 saying so."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from pagoda.services.api.handlers import Handlers, json_response
+from pagoda.services.api.handlers import Handlers, json_response, request_tenant
+from pagoda.services.api.response_store import ResponseStore, StoredResponse
 from pagoda.services.protocol.render import CHAT
 from pagoda.services.protocol.responses import (
+    ResponsesBody,
     ResponsesRenderer,
     decode_input_tokens_body,
     decode_responses_body,
     rename_error,
+    stored_input_items,
     to_chat,
 )
-from pagoda.services.protocol.schemas import chat_request, prompt_bytes
+from pagoda.services.protocol.schemas import MAX_TURNS, chat_request, prompt_bytes
+from pagoda.services.protocol.schemas import require as _require
 from pagoda.services.protocol.vllm import RESPONSES_NOT_STORED
 from pagoda.shared.errors import InvalidRequestError, PagodaError
 from pagoda.shared.messages import RenderSpec
+
+log = logging.getLogger(__name__)
 
 
 class ResponseNotFoundError(PagodaError):
@@ -32,6 +44,9 @@ class ResponseNotFoundError(PagodaError):
 class ResponsesRoutes:
     def __init__(self, handlers: Handlers) -> None:
         self.handlers = handlers
+        folder = handlers.state.config.responses_folder()
+        capacity = handlers.state.config.responses_store
+        self.store = ResponseStore(folder, capacity) if folder is not None else None
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         handlers = self.handlers
@@ -39,23 +54,59 @@ class ResponsesRoutes:
         body = decode_responses_body(await handlers._body(request))
         model = handlers._check_model(body.model, request)
         response_id = f"resp_{uuid.uuid4().hex}"
+        tenant = _tenant_name(request)
+        previous_response_id = body.previous_response_id
         try:
+            body = await self._continued(body, tenant)
             form = to_chat(body)
             # instructions, input texts, function calls and outputs, tool definitions
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
             message, output = handlers._chat_message(form.chat, response_id)
         except InvalidRequestError as exc:
             raise rename_error(exc) from None
+        keep = self.store is not None and body.store is not False  # OpenAI's default: stored
+        form.settings.update(store=keep, previous_response_id=previous_response_id)
+        on_final = self._keeper(response_id, tenant, body) if keep else None
         created_at = int(time.time())
         stream = bool(body.stream)
         renderer = ResponsesRenderer(response_id, model, created_at, form.settings, output, stream=stream,
                                      want_logprobs=bool(form.chat.logprobs), temperature=message.params.temperature,
-                                     top_p=message.params.top_p)
+                                     top_p=message.params.top_p, on_final=on_final)
         spec = RenderSpec(CHAT, response_id, model, created_at, stream)  # the request's id, model and mode
         try:
             return await handlers._generate(request, [message], spec, started_at, {}, form.constraint, renderer)
         except PagodaError as exc:  # a refusal by the tokenizer (the prompt too long, a schema that does not compile)
             raise rename_error(exc) from None
+
+    def _keeper(self, response_id: str, tenant: str, body: ResponsesBody) -> Callable[[dict[str, Any]], None]:
+        """What keeps the finished response object (the renderer calls it once, before the answer's last bytes)."""
+        store, items = self.store, stored_input_items(body.input)
+        assert store is not None
+
+        def keep(response: dict[str, Any]) -> None:
+            try:
+                store.put_now(response_id, StoredResponse(tenant, response, items))
+            except OSError as exc:  # the answer still goes out; continuing this one will say it is not found
+                log.warning("could not keep response %s in %s: %s", response_id, store.folder, exc)
+        return keep
+
+    async def _continued(self, body: ResponsesBody, tenant: str) -> ResponsesBody:
+        """With previous_response_id (and a store): the body whose input is that response's conversation (its input
+        items, earlier turns included, then its output) followed by this input. OpenAI's rule: the earlier
+        instructions are not carried over."""
+        if body.previous_response_id is None or self.store is None:
+            return body  # without a store, to_chat refuses the field
+        previous_id = body.previous_response_id
+        _require(isinstance(previous_id, str), "previous_response_id", "previous_response_id must be a string")
+        previous = await self.store.get(previous_id, tenant)
+        _require(previous is not None, "previous_response_id",
+                 f"Previous response with id {previous_id!r} not found (never stored, store: false, deleted, or "
+                 f"dropped past the --responses-store count)")
+        assert previous is not None
+        conversation = [*previous.conversation(), *stored_input_items(body.input)]
+        _require(len(conversation) <= MAX_TURNS, "previous_response_id",
+                 f"the conversation would have {len(conversation)} items; at most {MAX_TURNS}")
+        return msgspec.structs.replace(body, input=conversation, previous_response_id=None)
 
     async def input_tokens(self, request: web.Request) -> web.Response:
         """POST /v1/responses/input_tokens (OpenAI's; litellm's count_tokens for an openai/ model, pydantic-ai's
@@ -66,6 +117,7 @@ class ResponsesRoutes:
         handlers._check_model(body.model, request)
         request_id = f"count_{uuid.uuid4().hex}"
         try:
+            body = await self._continued(body, _tenant_name(request))
             form = to_chat(body)
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
             prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)
@@ -74,7 +126,68 @@ class ResponsesRoutes:
             raise rename_error(exc) from None
         return json_response({"object": "response.input_tokens", "input_tokens": input_tokens})
 
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: the stored response object, as its answer gave it."""
+        _no_query(request, ())
+        return json_response((await self._stored(request)).response)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if self.store is None or not await self.store.delete(response_id, _tenant_name(request)):
+            raise self._not_found(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items: the conversation the response answered (earlier turns' items
+        included, instructions not), OpenAI's list: `order` desc (default) or asc, `limit` 1-100 (20), `after` an
+        item id."""
+        _no_query(request, ("order", "limit", "after"))
+        items = list((await self._stored(request)).input_items)
+        order, limit, after = request.query.get("order", "desc"), request.query.get("limit", "20"), \
+            request.query.get("after")
+        _require(order in ("asc", "desc"), "order", "order must be asc or desc")
+        _require(limit.isdigit() and 1 <= int(limit) <= 100, "limit", "limit must be an integer in [1, 100]")
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            _require(after in ids, "after", f"no input item {after!r} in this response")
+            items = items[ids.index(after) + 1:]
+        page = items[:int(limit)]
+        return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/{id}/cancel: only a background response can be, and none runs in the background."""
+        await self._stored(request)
+        raise InvalidRequestError("Only responses created with background set to true can be cancelled (background "
+                                  "responses are not served: every response here has finished)", param=None)
+
     async def not_stored(self, request: web.Request) -> web.Response:
-        """GET / DELETE /v1/responses/{id}, its cancel and input_items: there is nothing stored to read."""
+        """GET / DELETE /v1/responses/{id}, its cancel and input_items without a store: nothing to read."""
         response_id = request.match_info["response_id"]
         raise ResponseNotFoundError(f"Response with id {response_id!r} not found: {RESPONSES_NOT_STORED}")
+
+    async def _stored(self, request: web.Request) -> StoredResponse:
+        response_id = request.match_info["response_id"]
+        found = await self.store.get(response_id, _tenant_name(request)) if self.store is not None else None
+        if found is None:
+            raise self._not_found(response_id)
+        return found
+
+    def _not_found(self, response_id: str) -> PagodaError:
+        if self.store is None:
+            return ResponseNotFoundError(f"Response with id {response_id!r} not found: {RESPONSES_NOT_STORED}")
+        return ResponseNotFoundError(f"Response with id {response_id!r} not found")
+
+
+def _tenant_name(request: web.Request) -> str:
+    tenant = request_tenant(request)
+    return tenant.name if tenant is not None else ""
+
+
+def _no_query(request: web.Request, allowed: tuple[str, ...]) -> None:
+    """Query parameters outside `allowed` (stream, include, ...) would be ignored: refused naming the first."""
+    extra = next((name for name in request.query if name not in allowed), None)
+    _require(extra is None, str(extra), f"the query parameter {extra!r} is not supported here"
+                                        + (f" (this route takes {', '.join(allowed)})" if allowed else ""))

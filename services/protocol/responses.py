@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -32,7 +33,8 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 5
 
 # Fields of OpenAI's (or vLLM's) Responses request that pagoda refuses unless null: field -> why (the 400's message).
 REFUSED_FIELDS = {
-    "previous_response_id": "responses are not stored here: send the whole conversation in input",
+    "previous_response_id": "responses are not stored here (the server keeps them with --responses-store N): send the "
+                            "whole conversation in input",
     "conversation": "conversations are not stored here: send the whole conversation in input",
     "prompt": "stored prompt templates are not served: send instructions and input",
     "max_tool_calls": "it bounds calls to built-in tools, which pagoda does not have (parallel_tool_calls: false "
@@ -307,6 +309,30 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     _require(missing is None, "input", f"No tool output found for function call {missing!r}: send a "
                                        "function_call_output item for it")
     return messages
+
+
+def stored_input_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`input` (checked by to_chat) as the items a response store lists (GET .../input_items) and a later turn starts
+    from, in OpenAI's item shape: a string as a user message; a message with `type` and `status`, its text content as
+    one input_text part (output_text for an assistant's); every item with an id (its own, or a new one)."""
+    if given is None:
+        return []
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part_type = "output_text" if item.get("role") == "assistant" else "input_text"
+                part: dict[str, Any] = {"type": part_type, "text": content}
+                content = [{**part, "annotations": []} if part_type == "output_text" else part]
+            item = {**item, "type": "message", "content": content, "status": item.get("status") or "completed"}
+        if not isinstance(item.get("id"), str):
+            item = {**item, "id": _new_id("msg" if kind == "message" else "item")}
+        items.append(item)
+    return items
 
 
 def _reasoning(item: dict[str, Any], param: str) -> str:
@@ -730,7 +756,7 @@ class ResponsesRenderer(Renderer):
 
     def __init__(self, response_id: str, model: str, created_at: int, settings: dict[str, Any], spec: ChatOutputSpec,
                  *, stream: bool, want_logprobs: bool, temperature: float, top_p: float,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, on_final: Callable[[dict[str, Any]], None] | None = None) -> None:
         super().__init__(response_id, model, created_at, want_logprobs=want_logprobs, include_usage=False,
                          tokens_as_ids=tokens_as_ids)
         self.settings = settings
@@ -739,6 +765,9 @@ class ResponsesRenderer(Renderer):
         self.top_p = top_p
         self.builder = OutputBuilder(spec, want_logprobs, tokens_as_ids)
         self.sequence_number = 0
+        # the finished response object, before the client has it (--responses-store keeps it: a client that sends
+        # its previous_response_id as soon as it reads the answer finds it)
+        self.on_final = on_final
 
     def prompt_accepted(self, prompt_reasoning: str) -> None:
         self.builder.stream.after_prompt(prompt_reasoning)
@@ -753,9 +782,11 @@ class ResponsesRenderer(Renderer):
             "instructions": self.settings["instructions"], "max_output_tokens": self.settings["max_output_tokens"],
             "max_tool_calls": None, "metadata": self.settings["metadata"], "model": self.model,
             "output": [item.json(self.tokens_as_ids) for item in self.builder.items],
-            "parallel_tool_calls": self.settings["parallel_tool_calls"], "previous_response_id": None,
+            "parallel_tool_calls": self.settings["parallel_tool_calls"],
+            "previous_response_id": self.settings.get("previous_response_id"),
             "prompt_cache_key": self.settings["prompt_cache_key"], "reasoning": self.settings["reasoning"],
             "safety_identifier": self.settings["safety_identifier"], "service_tier": "default",
+            "store": self.settings.get("store", False),
             "temperature": self.temperature, "text": self.settings["text"],
             "tool_choice": self.settings["tool_choice"], "tools": self.settings["tools"],
             "top_logprobs": self.settings["top_logprobs"], "top_p": self.top_p, "truncation": "disabled",
@@ -794,10 +825,16 @@ class ResponsesRenderer(Renderer):
 
     def closing(self, usage: dict[str, Any]) -> bytes:
         status = self.status
-        return self._events([{"type": f"response.{status}", "response": self.response(status, usage)}])
+        return self._events([{"type": f"response.{status}", "response": self._final(usage)}])
 
     def body(self, view: ResponseView, usage: dict[str, Any]) -> dict[str, Any]:
-        return self.response(self.status, usage)
+        return self._final(usage)
+
+    def _final(self, usage: dict[str, Any]) -> dict[str, Any]:
+        response = self.response(self.status, usage)
+        if self.on_final is not None:
+            self.on_final(response)
+        return response
 
     def stream_error(self, error: dict[str, Any]) -> bytes:
         """The `error` event that ends a stream which failed after its first event."""

@@ -51,7 +51,8 @@ UNSUPPORTED_FIELDS = {
 }
 
 # Why the routes that read a stored response back answer 404 (POST /v1/responses takes `store` and keeps nothing).
-RESPONSES_NOT_STORED = "responses are not stored here (store is accepted, nothing is kept after the answer)"
+RESPONSES_NOT_STORED = ("responses are not stored here (store is accepted, nothing is kept after the answer; "
+                        "the server keeps them with --responses-store N)")
 
 # vLLM routes pagoda does not serve: path -> reason (answered 404 with it).
 UNSUPPORTED_ROUTES = {

@@ -1,0 +1,104 @@
+"""The Responses API's store (--responses-store N): finished responses kept so that previous_response_id continues
+one and GET / DELETE /v1/responses/{id} and its input_items read it.
+
+One JSON file a response in a folder every api process of the server shares (a response made by one process is
+read by another), written whole and renamed into place so that a reader never sees half a file. Past N files the
+oldest are removed. A response belongs to the tenant (API key) that made it: another tenant gets "not found".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")  # the ids this server makes (and so the only file names read)
+
+
+@dataclass(slots=True, frozen=True)
+class StoredResponse:
+    tenant: str  # "" without API keys
+    response: dict[str, Any]  # the response object, as the answer gave it
+    input_items: list[dict[str, Any]]  # the conversation before its output (earlier turns included), each with an id
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """What a response continuing this one starts from: its input items, then its output items."""
+        return [*self.input_items, *self.response.get("output", [])]
+
+
+class ResponseStore:
+    def __init__(self, folder: Path, capacity: int) -> None:
+        assert capacity > 0, capacity
+        self.folder = folder
+        self.capacity = capacity
+        folder.mkdir(parents=True, exist_ok=True)
+
+    async def get(self, response_id: str, tenant: str) -> StoredResponse | None:
+        """The response, or None when it is not kept (never made, not stored, dropped, deleted, another tenant's)."""
+        return await asyncio.to_thread(self._get, response_id, tenant)
+
+    async def delete(self, response_id: str, tenant: str) -> bool:
+        return await asyncio.to_thread(self._delete, response_id, tenant)
+
+    def _path(self, response_id: str) -> Path | None:
+        return self.folder / f"{response_id}.json" if RESPONSE_ID_RE.fullmatch(response_id) else None
+
+    def put_now(self, response_id: str, record: StoredResponse) -> None:
+        """Keep a finished response, on the caller's thread: the api writes it before the answer's last bytes go out
+        (one small file; a long conversation's, a few MB, is a few ms), so a client that continues it at once
+        finds it."""
+        path = self._path(response_id)
+        assert path is not None, response_id
+        temporary = path.with_name(f".{response_id}.{os.getpid()}.tmp")
+        temporary.write_bytes(msgspec.json.encode({"tenant": record.tenant, "response": record.response,
+                                                   "input_items": record.input_items}))
+        written = time.time_ns()  # set exactly: the file system's own stamps are as coarse as the kernel's tick
+        os.utime(temporary, ns=(written, written))
+        os.replace(temporary, path)
+        self._evict()
+
+    def _get(self, response_id: str, tenant: str) -> StoredResponse | None:
+        path = self._path(response_id)
+        try:
+            data = msgspec.json.decode(path.read_bytes()) if path is not None else None
+        except (FileNotFoundError, msgspec.DecodeError):
+            return None
+        if data is None or data.get("tenant") != tenant:
+            return None
+        return StoredResponse(data["tenant"], data["response"], data["input_items"])
+
+    def _delete(self, response_id: str, tenant: str) -> bool:
+        path = self._path(response_id)
+        if path is None or self._get(response_id, tenant) is None:
+            return False
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False  # another process deleted or dropped it meanwhile
+        return True
+
+    def _evict(self) -> None:
+        """Past `capacity` files, remove the oldest (by modification time, which put_now sets to its clock's ns;
+        several processes may race to remove the same one)."""
+        files = []
+        with os.scandir(self.folder) as entries:
+            for entry in entries:
+                if entry.name.endswith(".json"):
+                    try:
+                        files.append((entry.stat().st_mtime_ns, entry.path))
+                    except FileNotFoundError:
+                        pass  # removed since the listing
+        if len(files) <= self.capacity:
+            return
+        files.sort()
+        for _, path in files[:len(files) - self.capacity]:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

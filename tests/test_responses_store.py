@@ -1,0 +1,183 @@
+"""--responses-store: finished Responses kept for previous_response_id and GET / DELETE /v1/responses/{id} and its
+input_items, in a folder two api processes share (each against its own fake tokenizer), per tenant, the oldest
+dropped past the count. Without the flag the routes answer 404 and previous_response_id is refused
+(tests/test_responses.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.harness import HTTP
+
+CAPACITY = 4
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, dict[str, str]]]:
+    from pagoda.services.api.tenants import add_key
+    from tests.test_api import start_stack, stop_stack
+
+    folder = tmp_path_factory.mktemp("responses-store")
+    keys_path = folder / "keys.json"
+    keys = {name: add_key(keys_path, name, {})[1] for name in ("one", "two")}
+    flags = ("--responses-store", str(CAPACITY), "--responses-store-dir", str(folder / "kept"),
+             "--api-keys-file", str(keys_path))
+    first = start_stack(*flags)
+    second = start_stack(*flags)
+    yield first, second, keys
+    stop_stack(first)
+    stop_stack(second)
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _create(stack: Any, key: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = stack.post("/v1/responses", {"max_output_tokens": 3, **body}, headers=_auth(key))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _get(stack: Any, key: str, path: str) -> httpx.Response:
+    return HTTP.get(stack.url + path, headers=_auth(key), timeout=10)
+
+
+def _text(item: dict[str, Any]) -> str:
+    content = item["content"]
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def test_a_response_is_read_back_from_another_api_process_by_its_tenant_only(stacks: tuple[Any, Any, dict]) -> None:
+    first, second, keys = stacks
+    made = _create(first, keys["one"], {"input": "hello there"})
+    assert made["store"] is True and made["previous_response_id"] is None
+    read = _get(second, keys["one"], f"/v1/responses/{made['id']}")
+    assert read.status_code == 200 and read.json() == made
+    assert _get(second, keys["two"], f"/v1/responses/{made['id']}").status_code == 404  # another tenant's
+    refused = _get(second, keys["one"], f"/v1/responses/{made['id']}?stream=true")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+    cancel = second.post(f"/v1/responses/{made['id']}/cancel", {}, headers=_auth(keys["one"]))
+    assert cancel.status_code == 400 and "background" in cancel.json()["error"]["message"]
+    for path in ("/v1/responses/resp_nope", "/v1/responses/../keys.json", f"/v1/responses/{'0' * 40}/input_items"):
+        assert _get(first, keys["one"], path).status_code == 404, path
+
+
+def test_previous_response_id_continues_the_conversation(stacks: tuple[Any, Any, dict]) -> None:
+    """The next turn's prompt is the earlier input, its answer, then the new input (the earlier instructions are
+    not carried, as OpenAI's); input_items lists that conversation; input_tokens counts it."""
+    first, second, keys = stacks
+    one = keys["one"]
+    opening = _create(first, one, {"instructions": "Be brief.", "input": "alpha beta"})
+    answer = opening["output"][0]["content"][0]["text"]
+    follow = _create(second, one, {"input": [{"role": "user", "content": "gamma delta"}],
+                                   "previous_response_id": opening["id"]})
+    assert follow["previous_response_id"] == opening["id"]
+    sent = second.tokenizer.requests[follow["id"]].messages
+    assert [(m.role, m.content) for m in sent] == [("user", "alpha beta"), ("assistant", answer),
+                                                   ("user", "gamma delta")]
+    third = _create(first, one, {"input": "epsilon", "previous_response_id": follow["id"]})
+    assert [m.content for m in first.tokenizer.requests[third["id"]].messages] == [
+        "alpha beta", answer, "gamma delta", follow["output"][0]["content"][0]["text"], "epsilon"]
+
+    listed = _get(first, one, f"/v1/responses/{follow['id']}/input_items").json()
+    assert [(item["role"], _text(item)) for item in listed["data"]] == [
+        ("user", "gamma delta"), ("assistant", answer), ("user", "alpha beta")]  # newest first
+    assert listed["has_more"] is False and all(item["id"] for item in listed["data"])
+    assert (listed["first_id"], listed["last_id"]) == (listed["data"][0]["id"], listed["data"][-1]["id"])
+    ascending = _get(first, one, f"/v1/responses/{follow['id']}/input_items?order=asc&limit=2").json()
+    assert [_text(item) for item in ascending["data"]] == ["alpha beta", answer] and ascending["has_more"] is True
+    after = _get(first, one, f"/v1/responses/{follow['id']}/input_items?order=asc&after={ascending['last_id']}")
+    assert [_text(item) for item in after.json()["data"]] == ["gamma delta"]
+    bad = _get(first, one, f"/v1/responses/{follow['id']}/input_items?limit=0")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+    counted = second.post("/v1/responses/input_tokens", {"input": "zeta", "previous_response_id": follow["id"]},
+                          headers=_auth(one))
+    whole = [{"role": "user", "content": "alpha beta"}, {"role": "assistant", "content": answer},
+             {"role": "user", "content": "gamma delta"},
+             {"role": "assistant", "content": follow["output"][0]["content"][0]["text"]},
+             {"role": "user", "content": "zeta"}]
+    explicit = second.post("/v1/responses/input_tokens", {"input": whole}, headers=_auth(one))
+    assert counted.status_code == 200 and counted.json() == explicit.json()
+
+
+def test_unstored_deleted_and_unknown_responses_cannot_be_continued(stacks: tuple[Any, Any, dict]) -> None:
+    first, second, keys = stacks
+    one, two = keys["one"], keys["two"]
+    unstored = _create(first, one, {"input": "hello", "store": False})
+    assert unstored["store"] is False
+    assert _get(second, one, f"/v1/responses/{unstored['id']}").status_code == 404
+    kept = _create(first, one, {"input": "hello"})
+    for key, previous in ((one, unstored["id"]), (two, kept["id"]), (one, "resp_x")):
+        refused = second.post("/v1/responses", {"input": "more", "previous_response_id": previous},
+                              headers=_auth(key))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    assert HTTP.delete(second.url + f"/v1/responses/{kept['id']}", headers=_auth(two), timeout=10).status_code == 404
+    deleted = HTTP.delete(second.url + f"/v1/responses/{kept['id']}", headers=_auth(one), timeout=10)
+    assert deleted.status_code == 200 and deleted.json() == {"id": kept["id"], "object": "response", "deleted": True}
+    assert _get(first, one, f"/v1/responses/{kept['id']}").status_code == 404
+    assert HTTP.delete(second.url + f"/v1/responses/{kept['id']}", headers=_auth(one), timeout=10).status_code == 404
+
+
+def test_a_streamed_response_is_kept_before_its_last_event_and_the_oldest_go_past_the_count(
+        stacks: tuple[Any, Any, dict]) -> None:
+    first, second, keys = stacks
+    one = keys["one"]
+    with HTTP.stream("POST", first.url + "/v1/responses", headers=_auth(one), timeout=10,
+                     json={"input": "streamed words", "max_output_tokens": 3, "stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+        completed = events[-1]["response"]
+        # read as soon as the last event arrived: it was kept before that event went out
+        assert _get(second, one, f"/v1/responses/{completed['id']}").json() == completed
+    made = [_create(first if i % 2 else second, one, {"input": f"turn {i}"})["id"] for i in range(CAPACITY)]
+    assert _get(first, one, f"/v1/responses/{completed['id']}").status_code == 404  # the oldest, dropped
+    assert all(_get(second, one, f"/v1/responses/{response_id}").status_code == 200 for response_id in made)
+    # --responses-store-dir: the stacks' own runtime folders hold none
+    assert not any((Path(stack.tmp) / "responses").exists() for stack in (first, second))
+
+
+def test_the_openai_sdk_continues_reads_lists_and_deletes(stacks: tuple[Any, Any, dict]) -> None:
+    """The openai SDK's own calls, its types parsing the answers (the operator's key)."""
+    first, second, _ = stacks
+    client, other = first.openai(), second.openai()
+    opening = client.responses.create(model="smollm2-135m-instruct", input="kappa lambda", max_output_tokens=2)
+    follow = other.responses.create(model="smollm2-135m-instruct", input="mu", max_output_tokens=2,
+                                    previous_response_id=opening.id)
+    assert follow.previous_response_id == opening.id and follow.store is True
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
+    items = list(other.responses.input_items.list(follow.id, order="asc"))
+    assert [item.type for item in items] == ["message", "message", "message"]
+    assert [item.content[0].text for item in items] == ["kappa lambda", opening.output_text, "mu"]  # type: ignore
+    assert client.responses.delete(follow.id) is None  # the SDK returns nothing for a delete
+    assert _get(second, "test-key", f"/v1/responses/{follow.id}").status_code == 404
+
+
+def test_the_store_reads_only_its_own_ids_keeps_tenants_apart_and_holds_its_count(tmp_path: Path) -> None:
+    import asyncio
+
+    from pagoda.services.api.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(tmp_path / "kept", capacity=2)
+    ids = [f"resp_{i:032x}" for i in range(3)]
+    for i, response_id in enumerate(ids):
+        store.put_now(response_id, StoredResponse("one", {"id": response_id, "output": [{"n": i}]}, [{"id": "m"}]))
+    (tmp_path / "secret.json").write_text('{"tenant": "one", "response": {}, "input_items": []}')
+
+    async def read(response_id: str, tenant: str = "one") -> StoredResponse | None:
+        return await store.get(response_id, tenant)
+
+    assert asyncio.run(read(ids[0])) is None  # the oldest, dropped past 2
+    kept = asyncio.run(read(ids[2]))
+    assert kept is not None and kept.conversation() == [{"id": "m"}, {"n": 2}]
+    assert asyncio.run(read(ids[2], "two")) is None
+    for hostile in ("../secret", "resp_../../secret", ids[2] + "/..", ids[2].upper()):
+        assert asyncio.run(read(hostile)) is None, hostile
+    assert not asyncio.run(store.delete(ids[2], "two")) and asyncio.run(store.delete(ids[2], "one"))
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"{ids[1]}.json"]
