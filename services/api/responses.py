@@ -65,7 +65,7 @@ class ResponsesRoutes:
         except InvalidRequestError as exc:
             raise rename_error(exc) from None
         keep = self.store is not None and body.store is not False  # OpenAI's default: stored
-        form.settings.update(store=keep, previous_response_id=previous_response_id)
+        form.settings["previous_response_id"] = previous_response_id
         on_final = self._keeper(response_id, tenant, body) if keep else None
         created_at = int(time.time())
         stream = bool(body.stream)

@@ -786,7 +786,6 @@ class ResponsesRenderer(Renderer):
             "previous_response_id": self.settings.get("previous_response_id"),
             "prompt_cache_key": self.settings["prompt_cache_key"], "reasoning": self.settings["reasoning"],
             "safety_identifier": self.settings["safety_identifier"], "service_tier": "default",
-            "store": self.settings.get("store", False),
             "temperature": self.temperature, "text": self.settings["text"],
             "tool_choice": self.settings["tool_choice"], "tools": self.settings["tools"],
             "top_logprobs": self.settings["top_logprobs"], "top_p": self.top_p, "truncation": "disabled",
