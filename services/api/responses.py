@@ -133,8 +133,9 @@ class ResponsesRoutes:
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
-        if self.store is None or not await self.store.delete(response_id, _tenant_name(request)):
-            raise self._not_found(response_id)
+        assert self.store is not None  # the routes that read the store are served only with one (build_app)
+        if not await self.store.delete(response_id, _tenant_name(request)):
+            raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def input_items(self, request: web.Request) -> web.Response:
@@ -170,15 +171,15 @@ class ResponsesRoutes:
 
     async def _stored(self, request: web.Request) -> StoredResponse:
         response_id = request.match_info["response_id"]
-        found = await self.store.get(response_id, _tenant_name(request)) if self.store is not None else None
+        assert self.store is not None  # the routes that read the store are served only with one (build_app)
+        found = await self.store.get(response_id, _tenant_name(request))
         if found is None:
-            raise self._not_found(response_id)
+            raise _not_found(response_id)
         return found
 
-    def _not_found(self, response_id: str) -> PagodaError:
-        if self.store is None:
-            return ResponseNotFoundError(f"Response with id {response_id!r} not found: {RESPONSES_NOT_STORED}")
-        return ResponseNotFoundError(f"Response with id {response_id!r} not found")
+
+def _not_found(response_id: str) -> PagodaError:
+    return ResponseNotFoundError(f"Response with id {response_id!r} not found")
 
 
 def _tenant_name(request: web.Request) -> str:
