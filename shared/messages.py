@@ -63,7 +63,8 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
     `grammar` is a Lark grammar in llguidance's dialect, or GBNF (its first rule is `name ::= ...`).
     `structural_tag` is vLLM's structural tag as JSON text, `{"structures": [{"begin", "schema", "end"}], "triggers":
     [...]}`: free text in which each trigger must go on as one of the structures whose `begin` starts with it,
-    `begin`, JSON of its schema, `end` (tool calls amid text; check_structural_tag has the rules).
+    `begin`, JSON of its schema, `end` (tool calls amid text; check_structural_tag has the rules); or xgrammar's
+    `{"format": {...}}`, a tree of format objects (check_structural_format).
     `reasoning_end` is set by the server, never the client: constraints start after this text appears
     in the output (a reasoning model's `</think>`); empty means from the first token.
     """
@@ -447,21 +448,27 @@ def _finite(value: object) -> bool:
 
 
 def check_structural_tag(text: str) -> None:
-    """vLLM's structural tag (its legacy form, the one its guidance backend serves): a JSON object of `structures`,
-    each `{"begin": str, "schema": JSON schema object, "end": str}`, and `triggers`, non-empty strings; every begin
-    starts with a trigger. `type` may say "structural_tag". xgrammar's `format` form is refused."""
+    """vLLM's structural tag: its legacy form, a JSON object of `structures`, each `{"begin": str, "schema": JSON
+    schema object, "end": str}`, and `triggers`, non-empty strings (every begin starts with a trigger); or
+    xgrammar's form, `{"format": {...}}`, a tree of format objects (check_structural_format). `type` may say
+    "structural_tag"."""
     param = "structured_outputs.structural_tag"
     try:
         spec = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"structural_tag is not JSON: {exc}", param=param) from None
-    _check(isinstance(spec, dict), param, "structural_tag must be a JSON object of structures and triggers")
-    _check("format" not in spec, param, "structural_tag's `format` form (xgrammar's) is not supported: send "
-                                        "`structures` and `triggers`, as vLLM's guidance backend takes them")
-    unknown = sorted(set(spec) - {"type", "structures", "triggers"})
-    _check(not unknown, param, f"structural_tag takes type, structures and triggers, not {', '.join(unknown)}")
+    _check(isinstance(spec, dict), param, "structural_tag must be a JSON object of structures and triggers, or of "
+                                          "a format")
     _check(spec.get("type", "structural_tag") == "structural_tag", param, "structural_tag's type must be "
                                                                          "\"structural_tag\"")
+    if "format" in spec:
+        unknown = sorted(set(spec) - {"type", "format"})
+        _check(not unknown, param, f"structural_tag's format form takes type and format, not {', '.join(unknown)}")
+        check_structural_format(spec["format"], f"{param}.format")
+        return
+    unknown = sorted(set(spec) - {"type", "structures", "triggers"})
+    _check(not unknown, param, f"structural_tag takes type, structures and triggers (or format), not "
+                               f"{', '.join(unknown)}")
     triggers, structures = spec.get("triggers"), spec.get("structures")
     _check(isinstance(triggers, list) and 0 < len(triggers) <= MAX_CHOICES
            and all(isinstance(t, str) and t for t in triggers), f"{param}.triggers",
@@ -476,6 +483,202 @@ def check_structural_tag(text: str) -> None:
                "a structure is {\"begin\": string, \"schema\": JSON schema object, \"end\": string}")
         _check(any(structure["begin"].startswith(t) for t in triggers), f"{at}.begin",
                f"begin {structure['begin']!r} starts with none of the triggers")
+
+
+# xgrammar's structural-tag formats served: (required fields, optional fields), `type` aside
+_FORMAT_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "const_string": (frozenset({"value"}), frozenset()),
+    "json_schema": (frozenset({"json_schema"}), frozenset({"style", "any_order", "max_whitespace_cnt"})),
+    "grammar": (frozenset({"grammar"}), frozenset()),
+    "regex": (frozenset({"pattern"}), frozenset()),
+    "any_text": (frozenset(), frozenset({"excludes", "max_tokens", "max_chars"})),
+    "sequence": (frozenset({"elements"}), frozenset()),
+    "or": (frozenset({"elements"}), frozenset()),
+    "optional": (frozenset({"content"}), frozenset()),
+    "plus": (frozenset({"content"}), frozenset()),
+    "star": (frozenset({"content"}), frozenset()),
+    "repeat": (frozenset({"min", "max", "content"}), frozenset()),
+    "tag": (frozenset({"begin", "content", "end"}), frozenset()),
+    "triggered_tags": (frozenset({"triggers", "tags"}), frozenset({"at_least_one", "stop_after_first", "excludes"})),
+    "tags_with_separator": (frozenset({"tags", "separator"}), frozenset({"at_least_one", "stop_after_first"})),
+    "dispatch": (frozenset({"rules"}), frozenset({"loop", "excludes"})),
+}
+# the formats refused, and why: each is a 400 naming where it stands, never a part accepted and ignored
+_TOKEN_LEVEL = ("token-level formats are not supported: this server's grammars match text, and write special "
+                "tokens only where a string names one (`<|python_tag|>`); use a string begin, end or trigger")
+_REFUSED_FORMATS = {"token": _TOKEN_LEVEL, "exclude_token": _TOKEN_LEVEL, "any_tokens": _TOKEN_LEVEL,
+                    "token_triggered_tags": _TOKEN_LEVEL, "token_dispatch": _TOKEN_LEVEL,
+                    "qwen_xml_parameter": "qwen_xml_parameter (the XML style of JSON arguments) is not supported: "
+                                          "use json_schema with the JSON style"}
+MAX_FORMAT_NODES = 1024  # format objects in one structural tag
+MAX_FORMAT_DEPTH = 32  # format objects nested in one another
+MAX_FORMAT_REPEAT = 1024  # repeat's bounds (each repetition is a copy in the grammar)
+
+
+def check_structural_format(node: object, at: str) -> None:
+    """The shape of xgrammar's structural-tag `format` (a tree of format objects, its structural_tag.py): every
+    object of a served type with its fields, sizes and depth bounded; a 400 naming the first part that is not (`at`
+    is where `node` stands, e.g. response_format.format.tags[2].content). Whether free text has something to end
+    it is the compiler's question (services/grammar/compiler.py)."""
+    num_nodes = [0]
+    _check_format(node, at, 1, num_nodes)
+
+
+def _check_format(node: object, at: str, depth: int, num_nodes: list[int], default_type: str | None = None) -> None:
+    num_nodes[0] += 1
+    _check(num_nodes[0] <= MAX_FORMAT_NODES, at, f"a structural tag holds at most {MAX_FORMAT_NODES} format objects")
+    _check(depth <= MAX_FORMAT_DEPTH, at, f"format objects nest at most {MAX_FORMAT_DEPTH} deep")
+    _check(isinstance(node, dict), at, "a format must be a JSON object with a type")
+    assert isinstance(node, dict)
+    kind = node.get("type", default_type)
+    _check(isinstance(kind, str), at, "a format needs a type (a string)")
+    _check(kind not in _REFUSED_FORMATS, f"{at}.type", f"{kind}: {_REFUSED_FORMATS.get(kind)}")
+    _check(kind in _FORMAT_FIELDS, f"{at}.type", f"unknown format type {kind!r}: one of "
+                                                 f"{', '.join(_FORMAT_FIELDS)} is served")
+    required, optional = _FORMAT_FIELDS[kind]
+    unknown = sorted(set(node) - required - optional - {"type"})
+    _check(not unknown, at, f"a {kind} format takes {', '.join(sorted(required | optional))}, not "
+                            f"{', '.join(unknown)}")
+    missing = sorted(required - set(node))
+    _check(not missing, at, f"a {kind} format needs {', '.join(missing)}")
+    _FORMAT_CHECKS[kind](node, at, depth, num_nodes)
+
+
+def _check_child(node: dict[str, Any], key: str, at: str, depth: int, num_nodes: list[int]) -> None:
+    _check_format(node[key], f"{at}.{key}", depth + 1, num_nodes)
+
+
+def _check_formats(node: dict[str, Any], key: str, at: str, depth: int, num_nodes: list[int]) -> None:
+    items = node[key]
+    _check(isinstance(items, list) and 0 < len(items) <= MAX_CHOICES, f"{at}.{key}",
+           f"{key} must be a list of 1 to {MAX_CHOICES} formats")
+    for i, item in enumerate(items):
+        _check_format(item, f"{at}.{key}[{i}]", depth + 1, num_nodes)
+
+
+def _check_strings(node: dict[str, Any], key: str, at: str, non_empty_list: bool = False) -> list[str]:
+    """node[key]: a list of non-empty strings (absent: empty, unless `non_empty_list`)."""
+    items = node.get(key, [])
+    _check(isinstance(items, list) and len(items) <= MAX_CHOICES and (len(items) > 0 or not non_empty_list)
+           and all(isinstance(s, str) and s for s in items), f"{at}.{key}",
+           f"{key} must be {'1' if non_empty_list else '0'} to {MAX_CHOICES} non-empty strings")
+    return items
+
+
+def _check_flags(node: dict[str, Any], at: str, *keys: str) -> None:
+    for key in keys:
+        _check(isinstance(node.get(key, False), bool), f"{at}.{key}", f"{key} must be a boolean")
+
+
+def _check_const_string(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    _check(isinstance(node["value"], str), f"{at}.value", "a const_string's value must be a string")
+
+
+def _check_json_schema(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    schema = node["json_schema"]
+    _check(isinstance(schema, dict) or schema is True, f"{at}.json_schema",
+           "json_schema must be a JSON schema object (or true: any JSON value)")
+    _check(node.get("style", "json") == "json", f"{at}.style", "only the \"json\" style is supported (the XML "
+                                                               "styles of tool arguments are not)")
+    _check(node.get("any_order", False) is False, f"{at}.any_order",
+           "any_order is not supported: properties are written in the schema's order")
+    count = node.get("max_whitespace_cnt")
+    _check(count is None or (isinstance(count, int) and not isinstance(count, bool) and count >= 0),
+           f"{at}.max_whitespace_cnt", "max_whitespace_cnt must be a non-negative integer or null")
+
+
+def _check_text_field(node: dict[str, Any], key: str, at: str) -> None:
+    _check(isinstance(node[key], str) and node[key], f"{at}.{key}", f"{key} must be a non-empty string")
+
+
+def _check_grammar(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    _check_text_field(node, "grammar", at)
+
+
+def _check_regex(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    _check_text_field(node, "pattern", at)
+
+
+def _check_any_text(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    _check_strings(node, "excludes", at)
+    for key in ("max_tokens", "max_chars"):
+        _check(node.get(key) is None, f"{at}.{key}", f"any_text's {key} is not supported (free text is bounded "
+                                                     "by the request's max_tokens)")
+
+
+def _check_sequence(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    _check_formats(node, "elements", at, depth, num_nodes)
+
+
+def _check_content(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    _check_child(node, "content", at, depth, num_nodes)
+
+
+def _check_repeat(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    low, high = node["min"], node["max"]
+    _check(isinstance(low, int) and not isinstance(low, bool) and 0 <= low <= MAX_FORMAT_REPEAT, f"{at}.min",
+           f"repeat's min must be an integer in [0, {MAX_FORMAT_REPEAT}]")
+    _check(isinstance(high, int) and not isinstance(high, bool) and (high == -1 or low <= high <= MAX_FORMAT_REPEAT),
+           f"{at}.max", f"repeat's max must be -1 (no bound) or an integer in [min, {MAX_FORMAT_REPEAT}]")
+    _check_child(node, "content", at, depth, num_nodes)
+
+
+def _check_tag(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    begin, end = node["begin"], node["end"]
+    for key in ("begin", "end"):
+        _check(not isinstance(node[key], dict), f"{at}.{key}", _TOKEN_LEVEL)
+    _check(isinstance(begin, str), f"{at}.begin", "a tag's begin must be a string")
+    _check(isinstance(end, str) or (isinstance(end, list) and 0 < len(end) <= MAX_CHOICES
+                                    and all(isinstance(e, str) for e in end)),
+           f"{at}.end", f"a tag's end must be a string or a list of 1 to {MAX_CHOICES} strings")
+    _check_child(node, "content", at, depth, num_nodes)
+
+
+def _check_tags(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    """node's `tags`: tag formats (their type may be left out)."""
+    tags = node["tags"]
+    _check(isinstance(tags, list) and 0 < len(tags) <= MAX_CHOICES, f"{at}.tags",
+           f"tags must be a list of 1 to {MAX_CHOICES} tag formats")
+    for i, tag in enumerate(tags):
+        _check(not isinstance(tag, dict) or tag.get("type", "tag") == "tag", f"{at}.tags[{i}].type",
+               "each of tags must be a tag format")
+        _check_format(tag, f"{at}.tags[{i}]", depth + 1, num_nodes, default_type="tag")
+
+
+def _check_triggered_tags(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    triggers = _check_strings(node, "triggers", at, non_empty_list=True)
+    _check_tags(node, at, depth, num_nodes)
+    for i, tag in enumerate(node["tags"]):
+        matched = [t for t in triggers if tag["begin"].startswith(t)]
+        _check(len(matched) == 1, f"{at}.tags[{i}].begin", f"begin {tag['begin']!r} must start with exactly one "
+                                                           f"of the triggers, not {len(matched)}")
+    _check_strings(node, "excludes", at)
+    _check_flags(node, at, "at_least_one", "stop_after_first")
+
+
+def _check_tags_with_separator(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    _check_tags(node, at, depth, num_nodes)
+    _check(isinstance(node["separator"], str), f"{at}.separator", "separator must be a string")
+    _check_flags(node, at, "at_least_one", "stop_after_first")
+
+
+def _check_dispatch(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
+    rules = node["rules"]
+    _check(isinstance(rules, list) and 0 < len(rules) <= MAX_CHOICES, f"{at}.rules",
+           f"rules must be a list of 1 to {MAX_CHOICES} [pattern, format] pairs")
+    for i, rule in enumerate(rules):
+        _check(isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str) and rule[0], f"{at}.rules[{i}]",
+               "a rule is [pattern (a non-empty string), format]")
+        _check_format(rule[1], f"{at}.rules[{i}][1]", depth + 1, num_nodes)
+    _check_strings(node, "excludes", at)
+    _check_flags(node, at, "loop")
+
+
+_FORMAT_CHECKS = {"const_string": _check_const_string, "json_schema": _check_json_schema, "grammar": _check_grammar,
+                  "regex": _check_regex, "any_text": _check_any_text, "sequence": _check_sequence,
+                  "or": _check_sequence, "optional": _check_content, "plus": _check_content, "star": _check_content,
+                  "repeat": _check_repeat, "tag": _check_tag, "triggered_tags": _check_triggered_tags,
+                  "tags_with_separator": _check_tags_with_separator, "dispatch": _check_dispatch}
 
 
 def _check(ok: bool, param: str, message: str) -> None:

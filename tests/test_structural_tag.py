@@ -1,6 +1,7 @@
 """vLLM's structural tags: free text in which each trigger goes on as a structure (begin, JSON of a schema, end).
 The shape checks, the grammar against SmolLM2's tokenizer (text and special-token triggers), and the server's three
-ways to ask (response_format, structured_outputs, the deprecated top-level field) on a tiny random model."""
+ways to ask (response_format, structured_outputs, the deprecated top-level field) on a tiny random model, and
+xgrammar's format form there (its grammars are test_structural_tag_format.py's)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _constraint(tag: dict[str, Any]) -> StructuredOutputs:
      "structured_outputs.structural_tag.structures[0]", "JSON schema object"),
     ({"structures": [{"begin": "<f>", "end": ""}], "triggers": ["<f"]},
      "structured_outputs.structural_tag.structures[0]", "JSON schema object"),
-    ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "structured_outputs.structural_tag",
-     "format"),
+    ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "structured_outputs.structural_tag.format",
+     "needs tags, triggers"),
     ({"structures": [{"begin": "<f>", "schema": {}, "end": ""}], "triggers": ["<f"], "at_least_one": True},
      "structured_outputs.structural_tag", "at_least_one"),
 ])
@@ -136,12 +137,28 @@ def test_the_server_holds_each_trigger_to_its_structure(server: Server, favour_e
     assert seen and E_RULE.search(unconstrained), "the random model writes e followed by other text when free"
 
 
+# xgrammar's format form of E_TAG
+E_FORMAT = {"type": "triggered_tags", "triggers": ["e"], "tags": [{"type": "tag", "begin": "e", "content": {
+    "type": "json_schema", "json_schema": E_TAG["structures"][0]["schema"]}, "end": "!"}]}
+
+
+def test_the_server_holds_the_format_form(server: Server, favour_e: dict[str, float]) -> None:
+    response = _complete(server, seed=0, logit_bias=favour_e,
+                         response_format={"type": "structural_tag", "format": E_FORMAT})
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["text"]
+    assert "e" in text and not E_RULE.search(_complete_text(text)), text
+
+
 def test_structural_tag_refusals_name_the_field(server: Server) -> None:
     bad = {"structures": [{"begin": "x", "schema": {}, "end": ""}], "triggers": ["e"]}
     refused = _complete(server, response_format={"type": "structural_tag", **bad})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
-    refused = _complete(server, response_format={"type": "structural_tag", "format": {"type": "any_text"}})
-    assert refused.status_code == 400 and "format" in refused.json()["error"]["message"]
+    refused = _complete(server, response_format={"type": "structural_tag", "format": {"type": "token", "token": 1}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format.format.type"
+    unended = {"type": "sequence", "elements": [{"type": "any_text"}, {"type": "const_string", "value": "."}]}
+    refused = _complete(server, response_format={"type": "structural_tag", "format": unended})  # the compiler's
+    assert refused.status_code == 400 and "format.elements[0]" in refused.json()["error"]["message"]
     refused = _complete(server, structured_outputs={"structural_tag": json.dumps(E_TAG)}, guided_regex="a")
     assert refused.status_code == 400
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -197,6 +197,9 @@ def grammar_text(constraint: StructuredOutputs, tokenizer: llguidance.LLTokenize
             _check_lark(text)
             return matcher.grammar_from_lark(text)
         if constraint.structural_tag is not None:
+            spec = json.loads(constraint.structural_tag)
+            if "format" in spec:  # xgrammar's form
+                return structural_format_grammar(spec["format"], tokenizer)
             text = structural_tag_lark(constraint.structural_tag, tokenizer)
             _check_lark(text)
             return matcher.grammar_from_lark(text)
@@ -245,6 +248,303 @@ def _is_special_token(tokenizer: llguidance.LLTokenizer, text: str) -> bool:
         return False
     return not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(f"start: {text}"),
                                                      tokenizer)
+
+
+# --------------------------------------------------------------------------------------------
+# xgrammar's structural tag, `{"format": {...}}`: a tree of formats (StructuredOutputs.validate checked its shape)
+# compiled to one Lark grammar for llguidance, with a side grammar per `grammar` / `regex` node.
+#
+# Free text (any_text, and the text between triggered tags or dispatch patterns) must know where it ends, since
+# llguidance's lexemes are greedy: it ends the output, or is one lazy lexeme with what follows it (the enclosing tag's
+# end, or a const_string after it in a sequence that it excludes), which ends where that first appears; xgrammar
+# likewise keeps the enclosing tag's end out of such text. Free text with nothing of the kind after it is refused.
+
+# What follows a format, which its expression takes in: None, the end of the output; a tuple of strings, one of
+# them (the expression ends with it); (), something else, which the caller writes.
+Follow = tuple[str, ...] | None
+_ANY_TEXT = r"/(.|\n)*/"
+_UNENDED = ("free text here has nothing to end it: it must end the output, or a tag's content, or come before a "
+            "const_string that it excludes")
+
+
+@dataclass(slots=True)
+class _FormatGrammar:
+    """The grammar a structural tag's format becomes, built node by node: rules of its main Lark grammar, side
+    grammars (a `grammar` or `regex` node's own, each with its start rule and lexer) and free-text terminals."""
+
+    tokenizer: llguidance.LLTokenizer | None
+    rules: list[str] = field(default_factory=list)
+    side_grammars: list[dict[str, Any]] = field(default_factory=list)
+    texts: dict[tuple[str, ...], str] = field(default_factory=dict)  # excluded strings -> terminal of free text
+    specials: dict[str, bool] = field(default_factory=dict)  # `<...>` -> whether it is a special token
+
+    def rule(self, body: str, lazy: bool = False) -> str:
+        """A new rule of `body`; its name. A lazy rule is one lexeme that ends where it first can."""
+        name = f"r{len(self.rules)}"
+        self.rules.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
+        return name
+
+    def side(self, grammar: dict[str, Any]) -> str:
+        """A side grammar; how the main grammar names it."""
+        name = f"g{len(self.side_grammars)}"
+        self.side_grammars.append({**grammar, "name": name})
+        return "@" + name
+
+    def text(self, excludes: Sequence[str]) -> str:
+        """The terminal of free text in which none of `excludes` appears."""
+        key = tuple(sorted(set(excludes)))
+        if key not in self.texts:
+            body = _ANY_TEXT if not key else (f"{_ANY_TEXT} & ~({_ANY_TEXT} ("
+                                              + " | ".join(json.dumps(s) for s in key) + f") {_ANY_TEXT})")
+            self.texts[key] = f"TEXT_{len(self.texts)}: {body}"
+        return self.texts[key].split(":", 1)[0]
+
+    def is_special(self, text: str) -> bool:
+        if text not in self.specials:
+            self.specials[text] = self.tokenizer is not None and _is_special_token(self.tokenizer, text)
+        return self.specials[text]
+
+    def literal(self, text: str) -> str:
+        """`text` matched verbatim, where a `<...>` in it that is a special token of the tokenizer is that token."""
+        parts: list[str] = []
+        start = 0
+        for match in _SPECIAL_TOKEN_RE.finditer(text):
+            if self.is_special(match.group()):
+                parts += [json.dumps(text[start:match.start()])] if match.start() > start else []
+                parts.append(match.group())
+                start = match.end()
+        parts += [json.dumps(text[start:])] if start < len(text) or not parts else []
+        return " ".join(parts)
+
+    def lark(self, start: str) -> str:
+        return "\n".join(["%llguidance {}", f"start: {start}", *self.rules, *self.texts.values()])
+
+
+def structural_format_grammar(fmt: dict[str, Any], tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """llguidance's grammar for an xgrammar structural tag's `format`: its main Lark grammar (with a side grammar for
+    each `grammar` and `regex` node). `tokenizer` tells the `<...>` strings that are its special tokens (None: none
+    are); each is that token wherever it is written (a begin, an end, a trigger, a const_string)."""
+    built = _FormatGrammar(tokenizer)
+    main = built.lark(_format_expr(built, fmt, "format", None, ()))
+    _check_lark(main)
+    if not built.side_grammars:
+        return llguidance.LLMatcher.grammar_from_lark(main)
+    return json.dumps({"grammars": [{"name": "structural_tag", "lark_grammar": main}, *built.side_grammars]})
+
+
+def _refuse(at: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"structural_tag's {at}: {why}", param=CONSTRAINT_PARAM)
+
+
+def _format_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow, tag_ends: tuple[str, ...]) -> str:
+    """The Lark expression of format `node` (standing at `at`) followed by `follow`; `tag_ends`: the end strings of
+    the tag it is inside, which its free text never holds (as xgrammar keeps them out)."""
+    kind = node.get("type", "tag")
+    return _FORMAT_EXPRS[kind](g, node, at, follow, tag_ends)
+
+
+def _then(g: _FormatGrammar, expr: str, follow: Follow) -> str:
+    """`expr` followed by `follow` (nothing for None and ())."""
+    if not follow:
+        return expr
+    return f"{expr} ({' | '.join(g.literal(s) for s in follow)})"
+
+
+def _until(g: _FormatGrammar, excludes: Sequence[str], delimiter: str, at: str) -> str:
+    """Free text without `excludes`, up to and with the first `delimiter`. Text before a special token is greedy
+    (the token is no text); text before a string is one lazy lexeme with it."""
+    if not delimiter:
+        raise _refuse(at, "an empty string cannot end free text")
+    first = _SPECIAL_TOKEN_RE.search(delimiter)
+    special = first is not None and g.is_special(first.group())
+    if special and first is not None and first.start() == 0:
+        return g.rule(f"{g.text(excludes)} {g.literal(delimiter)}")
+    if special:
+        raise _refuse(at, f"free text cannot end at {delimiter!r}: text then a special token inside it")
+    return g.rule(f"{g.text(excludes)} {json.dumps(delimiter)}", lazy=True)
+
+
+def _free_text(g: _FormatGrammar, excludes: Sequence[str], follow: Follow, at: str) -> str:
+    """Free text without `excludes`, then `follow`: to the end of the output, or to the first of follow's strings."""
+    if follow is None:
+        return g.text(excludes)
+    if not follow:
+        raise _refuse(at, _UNENDED)
+    return "(" + " | ".join(_until(g, excludes, end, at) for end in follow) + ")"
+
+
+def _const_string_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                       tag_ends: tuple[str, ...]) -> str:
+    return _then(g, g.literal(node["value"]), follow)
+
+
+def _json_schema_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                      tag_ends: tuple[str, ...]) -> str:
+    """JSON as every JSON constraint here writes it (JSON_OPTIONS, no free whitespace: within any
+    max_whitespace_cnt of 1 or more; 0 drops the separators' spaces too); the schema's own x-guidance wins."""
+    schema = node["json_schema"] if isinstance(node["json_schema"], dict) else {}
+    options = dict(JSON_OPTIONS)
+    if node.get("max_whitespace_cnt") == 0:
+        options.update(item_separator=",", key_separator=":")
+    schema = {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
+    return _then(g, f"%json {json.dumps(schema)}", follow)
+
+
+def _grammar_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                  tag_ends: tuple[str, ...]) -> str:
+    """A grammar as the `grammar` constraint takes it: Lark, or GBNF (xgrammar's EBNF, `root ::= ...`)."""
+    text = node["grammar"]
+    try:
+        text = gbnf_to_lark(text) if is_gbnf(text) else text
+    except Exception as exc:
+        raise _refuse(f"{at}.grammar", f"invalid GBNF: {exc}") from exc
+    _check_lark(text)
+    return _then(g, g.side({"lark_grammar": text}), follow)
+
+
+def _regex_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow, tag_ends: tuple[str, ...]) -> str:
+    """A regex as the `regex` constraint takes it (ECMAScript's ASCII shorthands), matched whole."""
+    pattern = node["pattern"]
+    if (why := regex_repeat_error(pattern)) is not None:
+        raise _refuse(f"{at}.pattern", why)
+    try:
+        [side] = json.loads(llguidance.LLMatcher.grammar_from_regex(ascii_shorthands(pattern)))["grammars"]
+    except ValueError as exc:
+        raise _refuse(f"{at}.pattern", str(exc)) from exc
+    return _then(g, g.side(side), follow)
+
+
+def _any_text_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                   tag_ends: tuple[str, ...]) -> str:
+    return _free_text(g, [*node.get("excludes", []), *(e for e in tag_ends if e)], follow, at)
+
+
+_FREE_TEXT_KINDS = ("any_text", "triggered_tags", "dispatch")
+
+
+def _sequence_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                   tag_ends: tuple[str, ...]) -> str:
+    """Each element then the next; free text followed by a const_string it excludes ends at that string."""
+    elements, parts, i = node["elements"], [], 0
+    while i < len(elements):
+        element, where = elements[i], f"{at}.elements[{i}]"
+        after = elements[i + 1] if i + 1 < len(elements) else None
+        if after is None:
+            parts.append(_format_expr(g, element, where, follow, tag_ends))
+        elif (element.get("type") in _FREE_TEXT_KINDS and after.get("type") == "const_string" and after["value"]
+              and after["value"] in [*element.get("excludes", []), *tag_ends]):
+            expr = _format_expr(g, element, where, (after["value"],), tag_ends)
+            parts.append(_then(g, expr, follow) if i + 2 == len(elements) else expr)
+            i += 1
+        else:
+            parts.append(_format_expr(g, element, where, (), tag_ends))
+        i += 1
+    return " ".join(part for part in parts if part)
+
+
+def _or_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow, tag_ends: tuple[str, ...]) -> str:
+    branches = [_format_expr(g, element, f"{at}.elements[{i}]", follow, tag_ends)
+                for i, element in enumerate(node["elements"])]
+    return "(" + " | ".join(branches) + ")"
+
+
+def _repeat_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                 tag_ends: tuple[str, ...]) -> str:
+    """optional, plus, star and repeat: their content (which must end on its own) so many times, then follow."""
+    kind = node.get("type")
+    low, high = {"optional": (0, 1), "plus": (1, -1), "star": (0, -1)}.get(kind, (node.get("min"), node.get("max")))
+    assert isinstance(low, int) and isinstance(high, int)
+    if high == 0:
+        return _then(g, '""', follow)
+    content = g.rule(_format_expr(g, node["content"], f"{at}.content", (), tag_ends))
+    return _then(g, f"{content}{{{low},{'' if high == -1 else high}}}", follow)
+
+
+def _tag_ends(node: dict[str, Any]) -> tuple[str, ...]:
+    end = node["end"]
+    return (end,) if isinstance(end, str) else tuple(end)
+
+
+def _tag_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow, tag_ends: tuple[str, ...],
+              skip: int = 0) -> str:
+    """begin (less its first `skip` characters: a trigger written already), content, one of the ends; then
+    follow. Free text in the content ends at the first end."""
+    ends = _tag_ends(node)
+    body = _format_expr(g, node["content"], f"{at}.content", ends, ends)
+    begin = node["begin"][skip:]
+    return _then(g, f"{g.literal(begin)} {body}" if begin else body, follow)
+
+
+def _tags_expr(g: _FormatGrammar, node: dict[str, Any], at: str, tag_ends: tuple[str, ...]) -> str:
+    """One of node's tags, whole."""
+    return "(" + " | ".join(_tag_expr(g, tag, f"{at}.tags[{i}]", (), tag_ends)
+                            for i, tag in enumerate(node["tags"])) + ")"
+
+
+def _dispatch(g: _FormatGrammar, cases: list[tuple[str, Callable[[Follow], str]]], excludes: Sequence[str],
+              loop: bool, follow: Follow, at: str) -> str:
+    """Free text in which each trigger goes on as its case (`cases`: trigger, its expression with a given
+    follow): again and again while `loop`, else once at most; then free text to `follow`. A trigger never stays
+    text."""
+    if loop:
+        steps = " | ".join(f"{_until(g, excludes, trigger, at)} {case(())}" for trigger, case in cases)
+        return f"({steps})* {_free_text(g, excludes, follow, at)}"
+    if follow == ():  # after its one case, the caller's part comes: the case is one rule, taken or not
+        raise _refuse(at, _UNENDED)
+    steps = " | ".join(f"{_until(g, excludes, trigger, at)} {case(follow)}" for trigger, case in cases)
+    return f"({steps} | {_free_text(g, excludes, follow, at)})"
+
+
+def _triggered_tags_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                         tag_ends: tuple[str, ...]) -> str:
+    """Free text in which a trigger goes on as one of the tags whose begin starts with it; at_least_one: a tag
+    first (no text before it); stop_after_first: the format ends after one tag."""
+    if node.get("at_least_one") and node.get("stop_after_first"):
+        return _then(g, _tags_expr(g, node, at, tag_ends), follow)
+    excludes = [*node.get("excludes", []), *(e for e in tag_ends if e)]
+    cases = [(trigger, _trigger_case(g, node, at, trigger, tag_ends)) for trigger in node["triggers"]]
+    if node.get("at_least_one"):
+        return f"{_tags_expr(g, node, at, tag_ends)} {_dispatch(g, cases, excludes, True, follow, at)}"
+    return _dispatch(g, cases, excludes, not node.get("stop_after_first"), follow, at)
+
+
+def _trigger_case(g: _FormatGrammar, node: dict[str, Any], at: str, trigger: str,
+                  tag_ends: tuple[str, ...]) -> Callable[[Follow], str]:
+    tags = [(i, tag) for i, tag in enumerate(node["tags"]) if tag["begin"].startswith(trigger)]
+
+    def case(follow: Follow) -> str:
+        return "(" + " | ".join(_tag_expr(g, tag, f"{at}.tags[{i}]", follow, tag_ends, skip=len(trigger))
+                                for i, tag in tags) + ")"
+    return case
+
+
+def _dispatch_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                   tag_ends: tuple[str, ...]) -> str:
+    """Free text in which each pattern (written as text) goes on as its format; loop: again and again."""
+    def case_of(i: int, fmt: dict[str, Any]) -> Callable[[Follow], str]:
+        return lambda after: _format_expr(g, fmt, f"{at}.rules[{i}][1]", after, tag_ends)
+
+    cases = [(pattern, case_of(i, fmt)) for i, (pattern, fmt) in enumerate(node["rules"])]
+    excludes = [*node.get("excludes", []), *(e for e in tag_ends if e)]
+    return _dispatch(g, cases, excludes, node.get("loop", True), follow, at)
+
+
+def _tags_with_separator_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow,
+                              tag_ends: tuple[str, ...]) -> str:
+    """Tags and nothing else, separator between them: none or more (at_least_one: one or more; stop_after_first:
+    at most one)."""
+    tags = g.rule(_tags_expr(g, node, at, tag_ends))
+    separator = f"{g.literal(node['separator'])} " if node["separator"] else ""
+    many = tags if node.get("stop_after_first") else f"{tags} ({separator}{tags})*"
+    return _then(g, many if node.get("at_least_one") else f"({many})?", follow)
+
+
+_FORMAT_EXPRS: dict[str, Callable[[_FormatGrammar, dict[str, Any], str, Follow, tuple[str, ...]], str]] = {
+    "const_string": _const_string_expr, "json_schema": _json_schema_expr, "grammar": _grammar_expr,
+    "regex": _regex_expr, "any_text": _any_text_expr, "sequence": _sequence_expr, "or": _or_expr,
+    "optional": _repeat_expr, "plus": _repeat_expr, "star": _repeat_expr, "repeat": _repeat_expr, "tag": _tag_expr,
+    "triggered_tags": _triggered_tags_expr, "tags_with_separator": _tags_with_separator_expr,
+    "dispatch": _dispatch_expr}
 
 
 def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:

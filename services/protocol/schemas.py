@@ -415,7 +415,18 @@ def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
     try:
         return constraint.validate()
     except InvalidRequestError as exc:
-        raise InvalidRequestError(exc.message, param=name) from None
+        raise InvalidRequestError(exc.message, param=_field_param(exc.param or "", name)) from None
+
+
+_TAG_PARAM = "structured_outputs.structural_tag"
+
+
+def _field_param(param: str, name: str) -> str:
+    """A constraint error's param under the body field `name` that asked for it: the field itself, or for a part of
+    a structural tag's format, its path under that field (response_format.format.tags[2].content)."""
+    if not param.startswith(f"{_TAG_PARAM}.format"):
+        return name
+    return (_TAG_PARAM if name == "structured_outputs" else name) + param[len(_TAG_PARAM):]
 
 
 def constraint_param(body: _GenerationBody) -> str | None:
@@ -451,8 +462,8 @@ def _response_format(response_format: dict[str, Any]) -> StructuredOutputs | Non
 
 
 def _structural_tag_format(response_format: dict[str, Any]) -> StructuredOutputs:
-    """vLLM's `{"type": "structural_tag", "structures": [...], "triggers": [...]}` (its legacy form; xgrammar's
-    `format` form is refused when the constraint is checked): the same constraint as structured_outputs'."""
+    """vLLM's `{"type": "structural_tag", "structures": [...], "triggers": [...]}` (its legacy form) or xgrammar's
+    `{"type": "structural_tag", "format": {...}}`: the same constraint as structured_outputs'."""
     return StructuredOutputs(structural_tag=json.dumps(response_format))
 
 
