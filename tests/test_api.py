@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -92,7 +93,8 @@ def fake_text(tag: str, index: int, num_tokens: int) -> str:
 
 
 class FakeTokenizer:
-    """A DEALER that behaves like a tokenizer process; prompts with "slow", "hang" or "reject" change its pace."""
+    """A DEALER that behaves like a tokenizer process; prompts with "slow", "hang" or "reject" change its pace, and
+    one with the word "held" waits for release(its request id)."""
 
     def __init__(self, endpoint: str, identity: bytes = b"fake-tok",
                  sampling_defaults: dict[str, float | int] | None = None) -> None:
@@ -105,6 +107,11 @@ class FakeTokenizer:
         self.alive.set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-tokenizer", daemon=True)
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def release(self, request_id: str) -> None:
+        """A "held" request starts its tokens (at its next turn of the loop)."""
+        self._released.put(request_id)
 
     def start(self) -> FakeTokenizer:
         self._thread.start()
@@ -148,6 +155,10 @@ class FakeTokenizer:
                         messages = [message]
                     for reply in (r for m in messages for r in self._handle(m, streams)):
                         sock.send(out.encode(reply))
+            while not self._released.empty():
+                held = streams.get(self._released.get())
+                if held is not None:
+                    held.next_at = time.monotonic()
             batch = self._due_deltas(streams, time.monotonic())
             if batch:
                 sock.send(out.encode(TextDeltas(batch)))
@@ -189,7 +200,7 @@ class FakeTokenizer:
         limit = 500 if slow else NUM_FAKE_TOKENS
         num_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         reason = FinishReason.LENGTH if num_tokens == params.max_tokens else FinishReason.STOP
-        start = math.inf if "hang" in text else time.monotonic()
+        start = math.inf if "hang" in text or "held" in text.split() else time.monotonic()
         tag = text.split()[0] if request.prompt_token_ids is None else "ids"
         streams[request.request_id] = FakeStream(request.request_id, params.n, tag, num_tokens, reason,
                                                  SLOW_TOKEN_S if slow else 0.0, params.logprobs, start)

@@ -490,6 +490,9 @@ def test_keys_tenants_and_the_usage_log_apply_as_for_chat(stack: tuple[Any, dict
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "previous_response_id"
     stored = HTTP.get(api.url + "/v1/responses/resp_x", headers={"Authorization": f"Bearer {API_KEY}"})
     assert stored.status_code == 404 and RESPONSES_NOT_STORED in stored.json()["error"]["message"]
+    background = _post(api, API_KEY, {"input": "hello", "background": True})  # its state would be read back
+    assert background.status_code == 400 and background.json()["error"]["param"] == "background"
+    assert "--responses-store" in background.json()["error"]["message"]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """--responses-store: finished Responses kept for previous_response_id and GET / DELETE /v1/responses/{id} and its
 input_items, in a folder two api processes share (each against its own fake tokenizer), per tenant, the oldest
-dropped past the count. Without the flag the routes answer 404 and previous_response_id is refused
+dropped past the count; background responses run on, are read and cancelled from either process, and end in the
+store at shutdown. Without the flag the routes answer 404, previous_response_id and background are refused
 (tests/test_responses.py)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import HTTP
+from tests.harness import HTTP, wait_until
 
 CAPACITY = 4
 
@@ -27,7 +28,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any,
     keys_path = folder / "keys.json"
     keys = {name: add_key(keys_path, name, {})[1] for name in ("one", "two")}
     flags = ("--responses-store", str(CAPACITY), "--responses-store-dir", str(folder / "kept"),
-             "--api-keys-file", str(keys_path))
+             "--api-keys-file", str(keys_path), "--shutdown-grace", "0.1")  # the last test stops one
     first = start_stack(*flags)
     second = start_stack(*flags)
     yield first, second, keys
@@ -158,6 +159,88 @@ def test_the_openai_sdk_continues_reads_lists_and_deletes(stacks: tuple[Any, Any
     assert _get(second, "test-key", f"/v1/responses/{follow.id}").status_code == 404
 
 
+def _ended(stack: Any, key: str, response_id: str) -> dict[str, Any]:
+    """The background response once it has ended (a client polls GET so: there is nothing to wait on)."""
+    read: dict[str, Any] = {}
+
+    def ended() -> bool:
+        read.update(_get(stack, key, f"/v1/responses/{response_id}").json())
+        return read["status"] not in ("queued", "in_progress")
+    wait_until(ended, 5.0, f"background response {response_id} to end")
+    return read
+
+
+def _cancel(stack: Any, key: str, response_id: str) -> httpx.Response:
+    return stack.post(f"/v1/responses/{response_id}/cancel", {}, headers=_auth(key))
+
+
+def test_a_background_response_runs_on_and_is_read_from_the_other_api_process(stacks: tuple[Any, Any, dict]) -> None:
+    """queued at once; in_progress from either process while the (held) generation runs; then the final object,
+    which a cancel answers unchanged; another tenant's id is a 404, and a running one cannot be continued."""
+    from tests.test_api import fake_text
+
+    first, second, keys = stacks
+    one = keys["one"]
+    made = _create(first, one, {"input": "held words", "background": True})
+    assert (made["status"], made["background"], made["output"]) == ("queued", True, [])
+    running = _get(second, one, f"/v1/responses/{made['id']}")
+    assert running.status_code == 200 and running.json()["status"] == "in_progress"  # its prompt was admitted
+    assert _get(second, keys["two"], f"/v1/responses/{made['id']}").status_code == 404
+    assert _cancel(second, keys["two"], made["id"]).status_code == 404
+    early = second.post("/v1/responses", {"input": "more", "previous_response_id": made["id"]}, headers=_auth(one))
+    assert early.status_code == 400 and "not finished" in early.json()["error"]["message"]
+    first.tokenizer.release(made["id"])
+    done = _ended(second, one, made["id"])
+    assert (done["status"], done["background"]) == ("incomplete", True)  # max_output_tokens 3
+    assert done["output"][0]["content"][0]["text"] == fake_text("held", 0, 3) and done["usage"]["output_tokens"] == 3
+    again = _cancel(second, one, made["id"])  # OpenAI's: cancelling one that ended answers its final object
+    assert again.status_code == 200 and again.json() == done
+    assert made["id"] not in first.tokenizer.aborted
+
+
+def test_cancel_aborts_a_running_background_response_from_either_api_process(stacks: tuple[Any, Any, dict]) -> None:
+    first, second, keys = stacks
+    one = keys["one"]
+    for owner, canceller in ((first, second), (second, second)):
+        made = _create(owner, one, {"input": "held story", "background": True})
+        cancelled = _cancel(canceller, one, made["id"])
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        # the owner aborts its generation as for a client that left (another process's cancel: its next look)
+        aborted, response_id = owner.tokenizer.aborted, made["id"]
+        wait_until(lambda: response_id in aborted, 5.0, "the abort of a cancelled response")  # noqa: B023
+        for stack in (first, second):
+            assert _get(stack, one, f"/v1/responses/{made['id']}").json() == cancelled.json()
+        assert _cancel(first, one, made["id"]).json() == cancelled.json()  # idempotent
+
+
+def test_background_is_refused_unstored_or_streamed(stacks: tuple[Any, Any, dict]) -> None:
+    first, _, keys = stacks
+    for extra, param, needle in (({"store": False}, "background", "`store` is true"),
+                                 ({"stream": True}, "stream", "not supported")):
+        refused = first.post("/v1/responses", {"input": "x", "background": True, **extra}, headers=_auth(keys["one"]))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert needle in refused.json()["error"]["message"]
+    rejected = first.post("/v1/responses", {"input": "reject this", "background": True}, headers=_auth(keys["one"]))
+    assert rejected.status_code == 400  # the tokenizer's refusal is the POST's answer: nothing runs, nothing kept
+    [response_id] = [rid for rid, g in first.tokenizer.requests.items() if g.messages[-1].content == "reject this"]
+    assert _get(first, keys["one"], f"/v1/responses/{response_id}").status_code == 404
+
+
+def test_the_openai_sdk_creates_retrieves_and_cancels_in_the_background(stacks: tuple[Any, Any, dict]) -> None:
+    first, second, _ = stacks
+    client, other = first.openai(), second.openai()
+    made = client.responses.create(model="smollm2-135m-instruct", input="held sdk", background=True,
+                                   max_output_tokens=2)
+    assert made.status == "queued" and made.background is True
+    assert other.responses.retrieve(made.id).status == "in_progress"
+    cancelled = other.responses.cancel(made.id)
+    assert cancelled.status == "cancelled" and cancelled.id == made.id
+    assert client.responses.retrieve(made.id).status == "cancelled"
+    finished = client.responses.create(model="smollm2-135m-instruct", input="quick", background=True,
+                                       max_output_tokens=2)
+    wait_until(lambda: other.responses.retrieve(finished.id).status == "incomplete", 5.0, "the response to end")
+
+
 def test_the_store_reads_only_its_own_ids_keeps_tenants_apart_and_holds_its_count(tmp_path: Path) -> None:
     import asyncio
 
@@ -180,3 +263,14 @@ def test_the_store_reads_only_its_own_ids_keeps_tenants_apart_and_holds_its_coun
         assert asyncio.run(read(hostile)) is None, hostile
     assert not asyncio.run(store.delete(ids[2], "two")) and asyncio.run(store.delete(ids[2], "one"))
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"{ids[1]}.json"]
+
+
+def test_at_shutdown_a_running_background_response_ends_failed(stacks: tuple[Any, Any, dict]) -> None:
+    """Last here: it stops the first api process (its drain's grace, 0.1 s, then every request still running fails)."""
+    from tests.test_api import stop_stack
+
+    first, second, keys = stacks
+    made = _create(first, keys["one"], {"input": "held forever", "background": True})
+    stop_stack(first)
+    ended = _get(second, keys["one"], f"/v1/responses/{made['id']}").json()
+    assert ended["status"] == "failed" and "shutting down" in ended["error"]["message"], ended

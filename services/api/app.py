@@ -68,6 +68,8 @@ def build_app(state: ApiState) -> web.Application:
         app.on_response_prepare.append(cors.add_headers)  # before the headers go: streamed answers get them too
     if config.enable_request_id_headers:
         app.on_response_prepare.append(add_request_id_header)
+    if responses.background is not None:  # at shutdown, after the drain: no background response left in_progress
+        app.on_shutdown.append(responses.background.close)
     app.add_routes([
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),

@@ -4,6 +4,12 @@ one and GET / DELETE /v1/responses/{id} and its input_items read it.
 One JSON file a response in a folder every api process of the server shares (a response made by one process is
 read by another), written whole and renamed into place so that a reader never sees half a file. Past N files the
 oldest are removed. A response belongs to the tenant (API key) that made it: another tenant gets "not found".
+
+A background response (services/api/background.py) is written while it runs (queued, in_progress), then ends once:
+its terminal record is published by a hard link to `{id}.end`, which only the first of its run's end, a cancel
+from any api process, or the shutdown can make (link(2) fails when the name exists, on a local folder and on NFS
+alike), and then renamed over `{id}.json`. So two processes never both decide how it ended, and a loser reads the
+winner's record from `{id}.end`.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import asyncio
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,12 +68,59 @@ class ResponseStore:
         once finds it. Dropping the oldest: see evict_every."""
         path = self._path(response_id)
         assert path is not None, response_id
-        temporary = path.with_name(f".{response_id}.{os.getpid()}.tmp")
+        os.replace(self._temporary(path, record), path)
+        self._count_put()
+
+    def put_running(self, response_id: str, record: StoredResponse) -> None:
+        """A background response's queued or in_progress record, which never hides its terminal one: one that ended
+        meanwhile (a cancel from another process between the check and the rename) is put back over it."""
+        path = self._path(response_id)
+        assert path is not None, response_id
+        end = path.with_suffix(".end")
+        if end.exists():
+            return
+        os.replace(self._temporary(path, record), path)
+        ended = self._read(end)
+        if ended is not None:
+            os.replace(self._temporary(path, ended), path)
+        self._count_put()
+
+    def end_now(self, response_id: str, record: StoredResponse) -> StoredResponse | None:
+        """Publish a background response's terminal record, once (see the module's docstring): None when this call
+        did, else the record that ended it first (kept unchanged)."""
+        path = self._path(response_id)
+        assert path is not None, response_id
+        temporary = self._temporary(path, record)
+        try:
+            os.link(temporary, path.with_suffix(".end"))
+        except FileExistsError:
+            temporary.unlink()
+            return self._read(path.with_suffix(".end"))
+        os.replace(temporary, path)
+        self._count_put()
+        return None
+
+    def drop_now(self, response_id: str) -> None:
+        """Remove a background response's record that never ran (refused before its prompt was admitted)."""
+        path = self._path(response_id)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def ended(self, response_id: str) -> bool:
+        """A background response's terminal record is published (it may be in no api process's hands any more)."""
+        path = self._path(response_id)
+        return path is not None and path.with_suffix(".end").exists()
+
+    def _temporary(self, path: Path, record: StoredResponse) -> Path:
+        """The record written whole beside `path`, stamped now, to be renamed or linked into place."""
+        temporary = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         temporary.write_bytes(msgspec.json.encode({"tenant": record.tenant, "response": record.response,
                                                    "input_items": record.input_items}))
         written = time.time_ns()  # set exactly: the file system's own stamps are as coarse as the kernel's tick
         os.utime(temporary, ns=(written, written))
-        os.replace(temporary, path)
+        return temporary
+
+    def _count_put(self) -> None:
         self._puts += 1
         if self._puts % self.evict_every or self._evicting:
             return
@@ -81,11 +135,14 @@ class ResponseStore:
 
     def _get(self, response_id: str, tenant: str) -> StoredResponse | None:
         path = self._path(response_id)
+        found = self._read(path) if path is not None else None
+        return found if found is not None and found.tenant == tenant else None
+
+    @staticmethod
+    def _read(path: Path) -> StoredResponse | None:
         try:
-            data = msgspec.json.decode(path.read_bytes()) if path is not None else None
+            data = msgspec.json.decode(path.read_bytes())
         except (FileNotFoundError, msgspec.DecodeError):
-            return None
-        if data is None or data.get("tenant") != tenant:
             return None
         return StoredResponse(data["tenant"], data["response"], data["input_items"])
 
@@ -97,6 +154,7 @@ class ResponseStore:
             path.unlink()
         except FileNotFoundError:
             return False  # another process deleted or dropped it meanwhile
+        path.with_suffix(".end").unlink(missing_ok=True)
         return True
 
     def _evict(self) -> None:
@@ -120,7 +178,8 @@ class ResponseStore:
             return
         files.sort()
         for _, path in files[:len(files) - self.capacity]:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            for name in (path, path.removesuffix(".json") + ".end"):  # a background response's end with it
+                try:
+                    os.unlink(name)
+                except FileNotFoundError:
+                    pass

@@ -1,8 +1,9 @@
 """POST /v1/responses, OpenAI's Responses API, on chat's path: the body becomes a chat request that runs as chat's do
 (tenants, limits, timeouts, priority, metrics, aborts); the answer is rendered here (services/protocol/responses.py).
 With --responses-store N finished responses are kept (services/api/response_store.py): previous_response_id
-continues one, and GET / DELETE /v1/responses/{id} and its input_items read it. Without it the routes that would
-read one back answer 404 saying so."""
+continues one, and GET / DELETE /v1/responses/{id} and its input_items read it; `background: true` runs on
+detached from its request, read back while it runs, and can be cancelled (services/api/background.py). Without
+it the routes that would read one back answer 404 saying so."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from pagoda.services.api.background import RUNNING, BackgroundRenderer, BackgroundRuns, Run
 from pagoda.services.api.handlers import Handlers, json_response, request_tenant
 from pagoda.services.api.response_store import ResponseStore, StoredResponse
 from pagoda.services.protocol.render import CHAT
 from pagoda.services.protocol.responses import (
+    NO_OP_VALUES,
     ResponsesBody,
     ResponsesRenderer,
     decode_input_tokens_body,
@@ -47,6 +50,7 @@ class ResponsesRoutes:
         folder = handlers.state.config.responses_folder()
         capacity = handlers.state.config.responses_store
         self.store = ResponseStore(folder, capacity) if folder is not None else None
+        self.background = BackgroundRuns(self.store) if self.store is not None else None
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         handlers = self.handlers
@@ -56,8 +60,9 @@ class ResponsesRoutes:
         response_id = f"resp_{uuid.uuid4().hex}"
         tenant = _tenant_name(request)
         previous_response_id = body.previous_response_id
+        background = self._background(body)
         try:
-            body = await self._continued(body, tenant)
+            body = await self._continued(msgspec.structs.replace(body, background=None), tenant)
             form = to_chat(body)
             # instructions, input texts, function calls and outputs, tool definitions
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
@@ -66,17 +71,47 @@ class ResponsesRoutes:
             raise rename_error(exc) from None
         keep = self.store is not None and body.store is not False  # OpenAI's default: stored
         form.settings["previous_response_id"] = previous_response_id
-        on_final = self._keeper(response_id, tenant, body) if keep else None
+        form.settings["background"] = background
         created_at = int(time.time())
         stream = bool(body.stream)
-        renderer = ResponsesRenderer(response_id, model, created_at, form.settings, output, stream=stream,
-                                     want_logprobs=bool(form.chat.logprobs), temperature=message.params.temperature,
-                                     top_p=message.params.top_p, on_final=on_final)
+        run = Run(response_id, tenant, BackgroundRenderer(
+            response_id, model, created_at, form.settings, output, stream=False,
+            want_logprobs=bool(form.chat.logprobs), temperature=message.params.temperature,
+            top_p=message.params.top_p), stored_input_items(body.input)) if background else None
+        if run is not None:
+            assert self.background is not None
+            run.renderer.on_final = self.background.keep(run)
+            renderer: ResponsesRenderer = run.renderer
+        else:
+            renderer = ResponsesRenderer(response_id, model, created_at, form.settings, output, stream=stream,
+                                         want_logprobs=bool(form.chat.logprobs),
+                                         temperature=message.params.temperature, top_p=message.params.top_p,
+                                         on_final=self._keeper(response_id, tenant, body) if keep else None)
         spec = RenderSpec(CHAT, response_id, model, created_at, stream)  # the request's id, model and mode
         try:
+            if run is not None:
+                assert self.background is not None
+                # the generation runs as any request (the tenant's quota and concurrency, the in-flight limit, the
+                # request timeout, metrics), in a task of its own; the POST answers once its prompt is admitted
+                queued = await self.background.start(run, lambda: handlers._generate(
+                    request, [message], spec, started_at, {}, form.constraint, run.renderer))
+                return json_response(queued)
             return await handlers._generate(request, [message], spec, started_at, {}, form.constraint, renderer)
         except PagodaError as exc:  # a refusal by the tokenizer (the prompt too long, a schema that does not compile)
             raise rename_error(exc) from None
+
+    def _background(self, body: ResponsesBody) -> bool:
+        """`background: true`, which needs the store (its state is read back from it) and store not false (vLLM's
+        words); streamed, it is refused (no resumable event log: create it unstreamed, then GET it)."""
+        if not body.background:
+            return False
+        _require(self.store is not None, "background",
+                 f"{NO_OP_VALUES['background'][1]}, which this server does not keep")
+        _require(body.store is not False, "background", "background can only be used when `store` is true")
+        _require(not body.stream, "stream", "background with stream: true is not supported here (a background "
+                                            "response's events cannot be resumed): send stream false, then GET "
+                                            "/v1/responses/{id} until it ends")
+        return True
 
     def _keeper(self, response_id: str, tenant: str, body: ResponsesBody) -> Callable[[dict[str, Any]], None]:
         """What keeps the finished response object (the renderer calls it once, before the answer's last bytes)."""
@@ -103,6 +138,9 @@ class ResponsesRoutes:
                  f"Previous response with id {previous_id!r} not found (never stored, store: false, deleted, or "
                  f"dropped past the --responses-store count)")
         assert previous is not None
+        _require(previous.response.get("status") not in RUNNING, "previous_response_id",
+                 f"Previous response with id {previous_id!r} has not finished (a background response): wait until "
+                 f"it ends")
         conversation = [*previous.conversation(), *stored_input_items(body.input)]
         _require(len(conversation) <= MAX_TURNS, "previous_response_id",
                  f"the conversation would have {len(conversation)} items; at most {MAX_TURNS}")
@@ -159,10 +197,18 @@ class ResponsesRoutes:
                               "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
 
     async def cancel(self, request: web.Request) -> web.Response:
-        """POST /v1/responses/{id}/cancel: only a background response can be, and none runs in the background."""
-        await self._stored(request)
-        raise InvalidRequestError("Only responses created with background set to true can be cancelled (background "
-                                  "responses are not served: every response here has finished)", param=None)
+        """POST /v1/responses/{id}/cancel: a background response still running ends `cancelled` (its generation
+        aborted, whichever api process runs it: services/api/background.py) and that object is the answer; one that
+        ended answers its final object unchanged (OpenAI's: a cancel is idempotent). Only a background response can
+        be cancelled."""
+        found = await self._stored(request)
+        if not found.response.get("background"):
+            raise InvalidRequestError("Only responses created with background set to true can be cancelled",
+                                      param=None)
+        if found.response.get("status") not in RUNNING:
+            return json_response(found.response)
+        assert self.background is not None
+        return json_response(await self.background.cancel(found))
 
     async def not_stored(self, request: web.Request) -> web.Response:
         """GET / DELETE /v1/responses/{id}, its cancel and input_items without a store: nothing to read."""

@@ -49,7 +49,8 @@ REFUSED_FIELDS = {
 }
 # A field taken at the values that change nothing here: field -> (those values, why others are refused).
 NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "background": ((None, False), "background responses need a response store, and responses are not stored here"),
+    # taken by the api when the response store is kept (services/api/background.py)
+    "background": ((None, False), "background responses need the response store (--responses-store N)"),
     "truncation": ((None, "disabled"), "truncation 'auto' (dropping the conversation's first items) is not "
                                        "implemented: a conversation past the context is refused"),
 }
@@ -777,7 +778,8 @@ class ResponsesRenderer(Renderer):
         incomplete = status == "incomplete"
         return {
             "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-            "background": False, "completed_at": int(time.time()) if status == "completed" else None,
+            "background": self.settings.get("background", False),
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": self.settings["instructions"], "max_output_tokens": self.settings["max_output_tokens"],
             "max_tool_calls": None, "metadata": self.settings["metadata"], "model": self.model,

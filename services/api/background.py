@@ -1,0 +1,192 @@
+"""Background responses (the Responses API's `background: true`): generations that run on in this api process,
+detached from the HTTP request that made them, their state kept in the response store for any api process to read.
+
+    POST /v1/responses {background} --> admitted (quota, in-flight limit, tokenizer's Accepted) --> 200 `queued`
+        run task: _generate as any request -----> {id}.json: queued -> in_progress -> completed / incomplete /
+                                                                                         failed / cancelled ({id}.end)
+    POST /v1/responses/{id}/cancel (any api process) --> publishes `cancelled` as {id}.end, first wins
+        the owning process: its run task cancelled at once (the same process), or at its next look at the folder
+        (another process: within CANCEL_CHECK_S) --> _generate's finally aborts it, as a client that hung up
+
+Why the folder carries a cancel from another api process: an api reaches only tokenizers, each request's replies go
+back to the api that owns it, and a tokenizer drops an aborted request without a word to that owner; an abort sent by
+another api would leave the owner's run waiting for output that never comes (and break the rule that a peer acts
+only on what it owns). The api processes share nothing else (SO_REUSEPORT picks one per connection; several hosts
+share only the store's volume), so the owner looks at the folder for the `.end` of its runs, once every
+CANCEL_CHECK_S while it has any: one stat a run, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from pagoda.services.api.response_store import ResponseStore, StoredResponse
+from pagoda.services.protocol.responses import ResponsesRenderer
+from pagoda.shared.errors import PagodaError
+
+log = logging.getLogger(__name__)
+
+CANCEL_CHECK_S = 0.2  # how often an api process looks for cancels of its runs made by another process
+RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
+
+
+class BackgroundRenderer(ResponsesRenderer):
+    """A background response's renderer: it tells its run when the prompt is admitted (the POST answers then)."""
+
+    on_accepted: Callable[[], None] = staticmethod(lambda: None)
+
+    def prompt_accepted(self, prompt_reasoning: str) -> None:
+        super().prompt_accepted(prompt_reasoning)
+        self.on_accepted()
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    response_id: str
+    tenant: str
+    renderer: BackgroundRenderer
+    input_items: list[dict[str, Any]]
+    task: asyncio.Task[None] | None = None
+    accepted: asyncio.Event = field(default_factory=asyncio.Event)
+    # "cancelled": its end is published by a cancel (this process cancels its task); "shutdown": this process cancels
+    # it at shutdown; "ended": its own end is published (a cancel seen now must not cut the task's last steps)
+    ending: str = ""
+
+    def record(self, response: dict[str, Any]) -> StoredResponse:
+        return StoredResponse(self.tenant, response, self.input_items)
+
+
+class BackgroundRuns:
+    """This api process's background responses: each one's task, its records in the store, its cancel."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+        self._runs: dict[str, Run] = {}
+        self._watch: asyncio.Task[None] | None = None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._runs)
+
+    async def start(self, run: Run, generate: Callable[[], Awaitable[web.StreamResponse]]) -> dict[str, Any]:
+        """Start the run; its response object once the prompt is admitted. A refusal before then (a tenant's quota,
+        the in-flight limit, the tokenizer's 400) is raised as the POST's answer, and nothing stays stored."""
+        queued = run.renderer.response("queued", None)
+        await asyncio.to_thread(self.store.put_running, run.response_id, run.record(queued))
+        run.renderer.on_accepted = lambda: self._accepted(run)
+        run.task = asyncio.create_task(self._run(run, generate), name=f"background {run.response_id}")
+        self._runs[run.response_id] = run
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_cancels(), name="background cancels")
+        accepted = asyncio.create_task(run.accepted.wait())
+        try:
+            # a client that leaves meanwhile cancels only this wait: the run goes on
+            await asyncio.wait((run.task, accepted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            accepted.cancel()
+        refusal = run.task.exception() if run.task.done() and not run.task.cancelled() else None
+        if refusal is not None and not run.accepted.is_set():
+            raise refusal
+        return queued
+
+    def _accepted(self, run: Run) -> None:
+        """The prompt is tokenized and with the engine: in_progress (written before any output can end it)."""
+        run.accepted.set()
+        try:
+            self.store.put_running(run.response_id, run.record(run.renderer.response("in_progress", None)))
+        except OSError as exc:
+            log.warning("could not write background response %s: %s", run.response_id, exc)
+
+    async def _run(self, run: Run, generate: Callable[[], Awaitable[web.StreamResponse]]) -> None:
+        """The generation, as any request's; its end published once (the renderer's on_final for a normal end)."""
+        try:
+            await generate()
+        except asyncio.CancelledError:
+            if run.ending != "cancelled":  # the shutdown: failed, unless a cancel was published first
+                self._end(run, "failed", {"code": "server_error", "message": "the server shut down before the "
+                                          "response finished"})
+            raise
+        except PagodaError as exc:
+            if not run.accepted.is_set():  # refused before it ran: the POST answers with the error
+                await asyncio.to_thread(self.store.drop_now, run.response_id)
+                raise
+            self._end(run, "failed", {"code": "server_error" if exc.http_status >= 500 else exc.code or
+                                      "invalid_prompt", "message": exc.message})
+        except Exception:
+            log.exception("background response %s failed", run.response_id)
+            self._end(run, "failed", {"code": "server_error", "message": "internal server error"})
+        finally:
+            self._runs.pop(run.response_id, None)
+
+    def keep(self, run: Run) -> Callable[[dict[str, Any]], None]:
+        """The renderer's on_final: a run's completed or incomplete object, published unless a cancel was first."""
+        def keep(response: dict[str, Any]) -> None:
+            self._publish(run, response)
+        return keep
+
+    def _end(self, run: Run, status: str, error: dict[str, Any] | None = None) -> None:
+        response = run.renderer.response(status, None)
+        response["error"] = error
+        self._publish(run, response)
+
+    def _publish(self, run: Run, response: dict[str, Any]) -> None:
+        run.ending = run.ending or "ended"
+        try:
+            self.store.end_now(run.response_id, run.record(response))
+        except OSError as exc:
+            log.warning("could not write background response %s: %s", run.response_id, exc)
+
+    async def cancel(self, found: StoredResponse) -> dict[str, Any]:
+        """Cancel a background response that was still running when read: `cancelled` published (or, when its run
+        ended first, that end), and its run aborted here or by its own process (the module's docstring)."""
+        response = {**found.response, "status": "cancelled"}
+        response_id = response["id"]
+        first = await asyncio.to_thread(self.store.end_now, response_id, StoredResponse(
+            found.tenant, response, found.input_items))
+        if first is not None:
+            return first.response  # it ended (or was cancelled) first: that end, as a second cancel answers
+        run = self._runs.get(response_id)
+        if run is not None and run.task is not None:
+            run.ending = "cancelled"
+            run.task.cancel()  # its _generate's finally sends the abort
+        return response
+
+    async def _watch_cancels(self) -> None:
+        """Cancel the runs whose end another process published (a cancel), while there are any."""
+        try:
+            while self._runs:
+                await asyncio.sleep(CANCEL_CHECK_S)
+                runs = list(self._runs.values())
+                ended = await asyncio.to_thread(self._ended, [run.response_id for run in runs])
+                for run, done in zip(runs, ended, strict=True):
+                    if done and run.task is not None and not run.task.done() and not run.ending:
+                        run.ending = "cancelled"
+                        run.task.cancel()
+        finally:
+            self._watch = None
+
+    def _ended(self, response_ids: list[str]) -> list[bool]:
+        return [self.store.ended(response_id) for response_id in response_ids]
+
+    async def close(self, _app: web.Application | None = None) -> None:
+        """The shutdown (after the drain's grace and its failing of what was left): every run still going ends
+        `failed`, written so, never left in_progress."""
+        runs = [run for run in self._runs.values() if run.task is not None and not run.task.done()]
+        if runs:
+            log.warning("ending %d background response(s) at shutdown", len(runs))
+        started = time.monotonic()
+        for run in runs:
+            run.ending = run.ending or "shutdown"
+            assert run.task is not None
+            run.task.cancel()
+        await asyncio.gather(*(run.task for run in runs if run.task is not None), return_exceptions=True)
+        if self._watch is not None:
+            self._watch.cancel()
+        log.debug("background responses ended in %.3f s", time.monotonic() - started)
