@@ -203,6 +203,8 @@ def test_cancel_aborts_a_running_background_response_from_either_api_process(sta
     one = keys["one"]
     for owner, canceller in ((first, second), (second, second)):
         made = _create(owner, one, {"input": "held story", "background": True})
+        running = HTTP.delete(canceller.url + f"/v1/responses/{made['id']}", headers=_auth(one), timeout=10)
+        assert running.status_code == 400 and "cancel it first" in running.json()["error"]["message"]
         cancelled = _cancel(canceller, one, made["id"])
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
         # the owner aborts its generation as for a client that left (another process's cancel: its next look)
@@ -239,6 +241,27 @@ def test_the_openai_sdk_creates_retrieves_and_cancels_in_the_background(stacks: 
     finished = client.responses.create(model="smollm2-135m-instruct", input="quick", background=True,
                                        max_output_tokens=2)
     wait_until(lambda: other.responses.retrieve(finished.id).status == "incomplete", 5.0, "the response to end")
+
+
+def test_a_running_response_whose_api_process_was_killed_reads_failed(stacks: tuple[Any, Any, dict]) -> None:
+    """A process killed without its shutdown cannot end its runs: a reader on its host finds the owner gone."""
+    import subprocess
+
+    from pagoda.services.api.background import GONE, process_name
+    from pagoda.services.api.response_store import ResponseStore, StoredResponse
+
+    first, second, keys = stacks
+    args = list(first.proc.args)  # type: ignore[arg-type]
+    store = ResponseStore(Path(args[args.index("--responses-store-dir") + 1]), CAPACITY)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    response_id = f"resp_{gone.pid:032x}"
+    running = {"id": response_id, "object": "response", "status": "in_progress", "background": True, "output": []}
+    host = process_name().split(" ")[0]  # this host's (the api's too)
+    store.put_running(response_id, StoredResponse("one", running, [], f"{host} {gone.pid} 1"))
+    read = _get(second, keys["one"], f"/v1/responses/{response_id}").json()
+    assert (read["status"], read["error"]["message"]) == ("failed", GONE)
+    assert _cancel(first, keys["one"], response_id).json() == read
 
 
 def test_the_store_reads_only_its_own_ids_keeps_tenants_apart_and_holds_its_count(tmp_path: Path) -> None:

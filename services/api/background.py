@@ -14,15 +14,22 @@ another api would leave the owner's run waiting for output that never comes (and
 only on what it owns). The api processes share nothing else (SO_REUSEPORT picks one per connection; several hosts
 share only the store's volume), so the owner looks at the folder for the `.end` of its runs, once every
 CANCEL_CHECK_S while it has any: one stat a run, off the event loop.
+
+A process that dies without its shutdown (killed) cannot end its runs: their records name their owner (host, pid and
+the pid's start time), and a reader on the same host that finds the owner gone publishes them `failed` (`settle`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -35,6 +42,59 @@ log = logging.getLogger(__name__)
 
 CANCEL_CHECK_S = 0.2  # how often an api process looks for cancels of its runs made by another process
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
+GONE = "the api process that ran this background response ended without finishing it"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux's /proc; "" elsewhere), None when it is gone: with
+    the pid it names one process, whatever later takes the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name before ")" may hold spaces
+
+
+@functools.cache
+def _host() -> str:
+    """Where a pid means the same process: this host's name, boot and pid namespace (containers that share the
+    store's volume and a host name still differ in their namespaces)."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(path) if path.endswith("/pid") else Path(path).read_text().strip())
+        except OSError:
+            parts.append("")
+    return "|".join(parts).replace(" ", "_")
+
+
+@functools.cache
+def process_name() -> str:
+    """This api process, as the records of its runs name it: host, pid and the pid's start time."""
+    return f"{_host()} {os.getpid()} {_start_time(os.getpid()) or ''}"
+
+
+def owner_gone(owner: str) -> bool:
+    """The process a record names is known to be gone: on this host, its pid is no longer that process. False when
+    it cannot be told (another host, a record without one)."""
+    host, _, rest = owner.partition(" ")
+    pid, _, started = rest.partition(" ")
+    if host != _host() or not pid.isdigit():
+        return False
+    now = _start_time(int(pid)) if os.path.isdir("/proc") else ("" if _pid_alive(int(pid)) else None)
+    return now is None or (bool(started) and bool(now) and now != started)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class BackgroundRenderer(ResponsesRenderer):
@@ -60,7 +120,8 @@ class Run:
     ending: str = ""
 
     def record(self, response: dict[str, Any]) -> StoredResponse:
-        return StoredResponse(self.tenant, response, self.input_items)
+        running = response["status"] in RUNNING
+        return StoredResponse(self.tenant, response, self.input_items, process_name() if running else "")
 
 
 class BackgroundRuns:
@@ -157,6 +218,16 @@ class BackgroundRuns:
             run.ending = "cancelled"
             run.task.cancel()  # its _generate's finally sends the abort
         return response
+
+    async def settle(self, found: StoredResponse) -> StoredResponse:
+        """A record read back: a running one whose process is gone (killed on this host) published `failed`."""
+        if found.response.get("status") not in RUNNING or found.response["id"] in self._runs \
+                or not owner_gone(found.owner):
+            return found
+        response = {**found.response, "status": "failed", "error": {"code": "server_error", "message": GONE}}
+        record = StoredResponse(found.tenant, response, found.input_items)
+        first = await asyncio.to_thread(self.store.end_now, response["id"], record)
+        return first if first is not None else record
 
     async def _watch_cancels(self) -> None:
         """Cancel the runs whose end another process published (a cancel), while there are any."""

@@ -33,6 +33,7 @@ class StoredResponse:
     tenant: str  # "" without API keys
     response: dict[str, Any]  # the response object, as the answer gave it
     input_items: list[dict[str, Any]]  # the conversation before its output (earlier turns included), each with an id
+    owner: str = ""  # a running background response's: the api process that runs it (background.process_name())
 
     def conversation(self) -> list[dict[str, Any]]:
         """What a response continuing this one starts from: its input items, then its output items."""
@@ -115,7 +116,7 @@ class ResponseStore:
         """The record written whole beside `path`, stamped now, to be renamed or linked into place."""
         temporary = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         temporary.write_bytes(msgspec.json.encode({"tenant": record.tenant, "response": record.response,
-                                                   "input_items": record.input_items}))
+                                                   "input_items": record.input_items, "owner": record.owner}))
         written = time.time_ns()  # set exactly: the file system's own stamps are as coarse as the kernel's tick
         os.utime(temporary, ns=(written, written))
         return temporary
@@ -144,7 +145,7 @@ class ResponseStore:
             data = msgspec.json.decode(path.read_bytes())
         except (FileNotFoundError, msgspec.DecodeError):
             return None
-        return StoredResponse(data["tenant"], data["response"], data["input_items"])
+        return StoredResponse(data["tenant"], data["response"], data["input_items"], data.get("owner", ""))
 
     def _delete(self, response_id: str, tenant: str) -> bool:
         path = self._path(response_id)

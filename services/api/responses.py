@@ -134,6 +134,8 @@ class ResponsesRoutes:
         previous_id = body.previous_response_id
         _require(isinstance(previous_id, str), "previous_response_id", "previous_response_id must be a string")
         previous = await self.store.get(previous_id, tenant)
+        if previous is not None and self.background is not None:
+            previous = await self.background.settle(previous)
         _require(previous is not None, "previous_response_id",
                  f"Previous response with id {previous_id!r} not found (never stored, store: false, deleted, or "
                  f"dropped past the --responses-store count)")
@@ -172,6 +174,10 @@ class ResponsesRoutes:
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         assert self.store is not None  # the routes that read the store are served only with one (build_app)
+        found = await self._stored(request)
+        # its run would write it back: cancel it first
+        _require(found.response.get("status") not in RUNNING, "response_id",
+                 f"Response with id {response_id!r} is a background response still running: cancel it first")
         if not await self.store.delete(response_id, _tenant_name(request)):
             raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
@@ -221,7 +227,8 @@ class ResponsesRoutes:
         found = await self.store.get(response_id, _tenant_name(request))
         if found is None:
             raise _not_found(response_id)
-        return found
+        assert self.background is not None
+        return await self.background.settle(found)  # a running one whose api process was killed: failed
 
 
 def _not_found(response_id: str) -> PagodaError:
