@@ -215,17 +215,53 @@ def test_cancel_aborts_a_running_background_response_from_either_api_process(sta
         assert _cancel(first, one, made["id"]).json() == cancelled.json()  # idempotent
 
 
-def test_background_is_refused_unstored_or_streamed(stacks: tuple[Any, Any, dict]) -> None:
+def test_background_is_refused_unstored_and_so_is_a_stream_of_one_not_streamed(stacks: tuple[Any, Any, dict]) -> None:
     first, _, keys = stacks
-    for extra, param, needle in (({"store": False}, "background", "`store` is true"),
-                                 ({"stream": True}, "stream", "not supported")):
-        refused = first.post("/v1/responses", {"input": "x", "background": True, **extra}, headers=_auth(keys["one"]))
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
-        assert needle in refused.json()["error"]["message"]
+    refused = first.post("/v1/responses", {"input": "x", "background": True, "store": False},
+                         headers=_auth(keys["one"]))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "background", refused.text
+    assert "`store` is true" in refused.json()["error"]["message"]
+    plain = _create(first, keys["one"], {"input": "quiet", "background": True})
+    for query, param in (("stream=true", "stream"), ("starting_after=1", "starting_after"),
+                         ("stream=true&starting_after=x", "starting_after")):
+        refused = _get(first, keys["one"], f"/v1/responses/{plain['id']}?{query}")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, query
     rejected = first.post("/v1/responses", {"input": "reject this", "background": True}, headers=_auth(keys["one"]))
     assert rejected.status_code == 400  # the tokenizer's refusal is the POST's answer: nothing runs, nothing kept
     [response_id] = [rid for rid, g in first.tokenizer.requests.items() if g.messages[-1].content == "reject this"]
     assert _get(first, keys["one"], f"/v1/responses/{response_id}").status_code == 404
+
+
+def test_a_streamed_background_response_runs_on_without_its_client_and_resumes_from_the_other_process(
+        stacks: tuple[Any, Any, dict]) -> None:
+    from tests.harness import named_events
+    from tests.test_api import fake_text
+
+    first, second, keys = stacks
+    one = keys["one"]
+    body = {"input": "streamed words", "max_output_tokens": 3, "stream": True, "background": True}
+    with HTTP.stream("POST", first.url + "/v1/responses", headers=_auth(one), json=body, timeout=10) as streamed:
+        events = named_events(streamed.read())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [events[0]["type"], events[1]["type"], events[-1]["type"]] == [
+        "response.created", "response.in_progress", "response.incomplete"]
+    final = events[-1]["response"]
+    assert final["background"] is True and final["output"][0]["content"][0]["text"] == fake_text("streamed", 0, 3)
+    resumed = _get(second, one, f"/v1/responses/{final['id']}?stream=true&starting_after=2")
+    assert named_events(resumed.content) == events[3:]
+    assert _get(second, one, f"/v1/responses/{final['id']}").json() == final
+
+    # a client that leaves after the first events: its response runs on, and the other process streams the rest
+    with HTTP.stream("POST", first.url + "/v1/responses", headers=_auth(one), json={**body, "input": "held stream"},
+                     timeout=10) as streamed:
+        lines = streamed.iter_lines()
+        opening = next(json.loads(line[6:]) for line in lines if line.startswith("data: ") and "in_progress" in line)
+    response_id = opening["response"]["id"]
+    first.tokenizer.release(response_id)
+    rest = named_events(_get(second, one, f"/v1/responses/{response_id}?stream=true&starting_after=1").content)
+    assert rest[0]["sequence_number"] == 2 and rest[-1]["type"] == "response.incomplete"
+    assert rest[-1]["response"]["output"][0]["content"][0]["text"] == fake_text("held", 0, 3)
+    assert response_id not in first.tokenizer.aborted
 
 
 def test_the_openai_sdk_creates_retrieves_and_cancels_in_the_background(stacks: tuple[Any, Any, dict]) -> None:
@@ -241,6 +277,11 @@ def test_the_openai_sdk_creates_retrieves_and_cancels_in_the_background(stacks: 
     finished = client.responses.create(model="smollm2-135m-instruct", input="quick", background=True,
                                        max_output_tokens=2)
     wait_until(lambda: other.responses.retrieve(finished.id).status == "incomplete", 5.0, "the response to end")
+    streamed = list(client.responses.create(model="smollm2-135m-instruct", input="flowing", background=True,
+                                            max_output_tokens=2, stream=True))
+    assert streamed[-1].type == "response.incomplete" and streamed[-1].response.background is True
+    again = list(other.responses.retrieve(streamed[0].response.id, stream=True, starting_after=0))
+    assert [event.sequence_number for event in again] == [event.sequence_number for event in streamed[1:]]
 
 
 def test_a_running_response_whose_api_process_was_killed_reads_failed(stacks: tuple[Any, Any, dict]) -> None:

@@ -27,14 +27,16 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from pagoda.services.api.response_store import ResponseStore, StoredResponse
+from pagoda.services.protocol.render import encode_json
 from pagoda.services.protocol.responses import ResponsesRenderer
 from pagoda.shared.errors import PagodaError
 
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 CANCEL_CHECK_S = 0.2  # how often an api process looks for cancels of its runs made by another process
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
+TAIL_S = 0.1  # how often a reader of another process's streamed run reads its log again while nothing new came
+LAST_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 GONE = "the api process that ran this background response ended without finishing it"
 
 
@@ -98,13 +102,34 @@ def _pid_alive(pid: int) -> bool:
 
 
 class BackgroundRenderer(ResponsesRenderer):
-    """A background response's renderer: it tells its run when the prompt is admitted (the POST answers then)."""
+    """A background response's renderer: it tells its run when the prompt is admitted (the POST answers then) and,
+    streamed, hands it every event as it is made (its run's log, which readers follow), the last one included: the
+    run's request is never streamed itself (its handler takes the body), so the closing event is made here."""
 
     on_accepted: Callable[[], None] = staticmethod(lambda: None)
+    on_events: Callable[[list[dict[str, Any]]], None] = staticmethod(lambda events: None)
+    final: dict[str, Any] | None = None
 
     def prompt_accepted(self, prompt_reasoning: str) -> None:
         super().prompt_accepted(prompt_reasoning)
         self.on_accepted()
+
+    def _events(self, events: list[dict[str, Any]]) -> bytes:
+        data = super()._events(events)  # numbered in place
+        if self.stream and events:
+            self.on_events(events)
+        return data
+
+    def _final(self, usage: dict[str, Any]) -> dict[str, Any]:
+        self.final = super()._final(usage)
+        return self.final
+
+    def body(self, view: Any, usage: dict[str, Any]) -> dict[str, Any]:
+        if not self.stream:
+            return super().body(view, usage)
+        self.closing(usage)  # response.completed / incomplete, which carries the final object (kept by on_final)
+        assert self.final is not None
+        return self.final
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +143,8 @@ class Run:
     # "cancelled": its end is published by a cancel (this process cancels its task); "shutdown": this process cancels
     # it at shutdown; "ended": its own end is published (a cancel seen now must not cut the task's last steps)
     ending: str = ""
+    events: list[tuple[int, str, bytes]] = field(default_factory=list)  # streamed: (sequence_number, type, JSON)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when events are added
 
     def record(self, response: dict[str, Any]) -> StoredResponse:
         running = response["status"] in RUNNING
@@ -142,6 +169,7 @@ class BackgroundRuns:
         queued = run.renderer.response("queued", None)
         await asyncio.to_thread(self.store.put_running, run.response_id, run.record(queued))
         run.renderer.on_accepted = lambda: self._accepted(run)
+        run.renderer.on_events = lambda events: self._log(run, events)
         run.task = asyncio.create_task(self._run(run, generate), name=f"background {run.response_id}")
         self._runs[run.response_id] = run
         if self._watch is None:
@@ -164,6 +192,19 @@ class BackgroundRuns:
             self.store.put_running(run.response_id, run.record(run.renderer.response("in_progress", None)))
         except OSError as exc:
             log.warning("could not write background response %s: %s", run.response_id, exc)
+        run.renderer.opening(None)  # streamed: response.created and response.in_progress, the log's first events
+
+    def _log(self, run: Run, events: list[dict[str, Any]]) -> None:
+        """A streamed run's new events: kept for this process's readers and appended to its log in the store."""
+        lines = [encode_json(event) for event in events]
+        run.events += [(event["sequence_number"], event["type"], line) for event, line in zip(events, lines,
+                                                                                             strict=True)]
+        try:
+            self.store.append_events(run.response_id, b"".join(line + b"\n" for line in lines))
+        except OSError as exc:
+            log.warning("could not log events of background response %s: %s", run.response_id, exc)
+        run.changed.set()
+        run.changed = asyncio.Event()
 
     async def _run(self, run: Run, generate: Callable[[], Awaitable[web.StreamResponse]]) -> None:
         """The generation, as any request's; its end published once (the renderer's on_final for a normal end)."""
@@ -185,6 +226,7 @@ class BackgroundRuns:
             self._end(run, "failed", {"code": "server_error", "message": "internal server error"})
         finally:
             self._runs.pop(run.response_id, None)
+            run.changed.set()  # its readers see the end (a cancelled run logs no last event)
 
     def keep(self, run: Run) -> Callable[[dict[str, Any]], None]:
         """The renderer's on_final: a run's completed or incomplete object, published unless a cancel was first."""
@@ -192,7 +234,9 @@ class BackgroundRuns:
             self._publish(run, response)
         return keep
 
-    def _end(self, run: Run, status: str, error: dict[str, Any] | None = None) -> None:
+    def _end(self, run: Run, status: str, error: dict[str, Any]) -> None:
+        """A run that failed: streamed, its last event says so (before its end is published)."""
+        run.renderer.stream_error({"error": {"param": None, **error}})
         response = run.renderer.response(status, None)
         response["error"] = error
         self._publish(run, response)
@@ -242,6 +286,47 @@ class BackgroundRuns:
                         run.task.cancel()
         finally:
             self._watch = None
+
+    async def events(self, found: StoredResponse, starting_after: int, run: Run | None = None) -> AsyncIterator[bytes]:
+        """A streamed background response's events after `starting_after` as SSE bytes, until its last: from this
+        process's run while it runs here, else from its log in the store (another process's run, or one that
+        ended), read again every TAIL_S while nothing new comes, until it ends."""
+        run = run or self._runs.get(found.response["id"])
+        source = self._run_events(run) if run is not None else self._logged_events(found)
+        async for number, kind, line in source:
+            if number > starting_after:
+                yield b"event: " + kind.encode() + b"\ndata: " + line + b"\n\n"
+            if kind in LAST_EVENTS:
+                return
+
+    async def _run_events(self, run: Run) -> AsyncIterator[tuple[int, str, bytes]]:
+        i = 0
+        while True:
+            while i < len(run.events):
+                yield run.events[i]
+                i += 1
+            if run.task is None or run.task.done():
+                return
+            await run.changed.wait()
+
+    async def _logged_events(self, found: StoredResponse) -> AsyncIterator[tuple[int, str, bytes]]:
+        response_id, offset, pending, num_quiet = found.response["id"], 0, b"", 0
+        while num_quiet < 2:  # ended, and nothing came in the read after: a cancel, or a log cut short
+            data = await asyncio.to_thread(self.store.read_events, response_id, offset)
+            if data is None:
+                return  # deleted, or dropped past the store's count
+            offset += len(data)
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                event = msgspec.json.decode(line)
+                yield event["sequence_number"], event["type"], line
+            if data:
+                num_quiet = 0
+            else:
+                current = await self.store.get(response_id, found.tenant)
+                ended = current is None or (await self.settle(current)).response.get("status") not in RUNNING
+                num_quiet = num_quiet + 1 if ended else 0
+            await asyncio.sleep(TAIL_S)
 
     def _ended(self, response_ids: list[str]) -> list[bool]:
         return [self.store.ended(response_id) for response_id in response_ids]

@@ -101,11 +101,30 @@ class ResponseStore:
         self._count_put()
         return None
 
+    def append_events(self, response_id: str, lines: bytes) -> None:
+        """A streamed background response's events, one JSON object a line, added to its log `{id}.events` (read
+        from any api process to resume the stream). One write: a reader may see a line cut short, never reordered."""
+        path = self._path(response_id)
+        assert path is not None, response_id
+        with open(path.with_suffix(".events"), "ab") as log:
+            log.write(lines)
+
+    def read_events(self, response_id: str, offset: int) -> bytes | None:
+        """The event log's bytes from `offset` (b"": none yet); None when the response keeps no log."""
+        path = self._path(response_id)
+        try:
+            with open(path.with_suffix(".events") if path is not None else "", "rb") as log:
+                log.seek(offset)
+                return log.read()
+        except FileNotFoundError:
+            return None
+
     def drop_now(self, response_id: str) -> None:
         """Remove a background response's record that never ran (refused before its prompt was admitted)."""
         path = self._path(response_id)
         if path is not None:
             path.unlink(missing_ok=True)
+            path.with_suffix(".events").unlink(missing_ok=True)
 
     def ended(self, response_id: str) -> bool:
         """A background response's terminal record is published (it may be in no api process's hands any more)."""
@@ -156,6 +175,7 @@ class ResponseStore:
         except FileNotFoundError:
             return False  # another process deleted or dropped it meanwhile
         path.with_suffix(".end").unlink(missing_ok=True)
+        path.with_suffix(".events").unlink(missing_ok=True)
         return True
 
     def _evict(self) -> None:
@@ -179,7 +199,8 @@ class ResponseStore:
             return
         files.sort()
         for _, path in files[:len(files) - self.capacity]:
-            for name in (path, path.removesuffix(".json") + ".end"):  # a background response's end with it
+            stem = path.removesuffix(".json")
+            for name in (path, stem + ".end", stem + ".events"):  # a background response's end and events with it
                 try:
                     os.unlink(name)
                 except FileNotFoundError:

@@ -7,6 +7,7 @@ it the routes that would read one back answer 404 saying so."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -17,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from pagoda.services.api.background import RUNNING, BackgroundRenderer, BackgroundRuns, Run
-from pagoda.services.api.handlers import Handlers, json_response, request_tenant
+from pagoda.services.api.handlers import SSE_HEADERS, Handlers, json_response, request_tenant
 from pagoda.services.api.response_store import ResponseStore, StoredResponse
 from pagoda.services.protocol.render import CHAT
 from pagoda.services.protocol.responses import (
@@ -73,9 +74,9 @@ class ResponsesRoutes:
         form.settings["previous_response_id"] = previous_response_id
         form.settings["background"] = background
         created_at = int(time.time())
-        stream = bool(body.stream)
+        stream = bool(body.stream) and not background  # a background run's request is never streamed itself
         run = Run(response_id, tenant, BackgroundRenderer(
-            response_id, model, created_at, form.settings, output, stream=False,
+            response_id, model, created_at, form.settings, output, stream=bool(body.stream),
             want_logprobs=bool(form.chat.logprobs), temperature=message.params.temperature,
             top_p=message.params.top_p), stored_input_items(body.input)) if background else None
         if run is not None:
@@ -95,6 +96,8 @@ class ResponsesRoutes:
                 # request timeout, metrics), in a task of its own; the POST answers once its prompt is admitted
                 queued = await self.background.start(run, lambda: handlers._generate(
                     request, [message], spec, started_at, {}, form.constraint, run.renderer))
+                if body.stream:  # its events as they come; a client that leaves stops reading, not the run
+                    return await self._stream_events(request, run.record(queued), -1, run)
                 return json_response(queued)
             return await handlers._generate(request, [message], spec, started_at, {}, form.constraint, renderer)
         except PagodaError as exc:  # a refusal by the tokenizer (the prompt too long, a schema that does not compile)
@@ -102,15 +105,12 @@ class ResponsesRoutes:
 
     def _background(self, body: ResponsesBody) -> bool:
         """`background: true`, which needs the store (its state is read back from it) and store not false (vLLM's
-        words); streamed, it is refused (no resumable event log: create it unstreamed, then GET it)."""
+        words)."""
         if not body.background:
             return False
         _require(self.store is not None, "background",
                  f"{NO_OP_VALUES['background'][1]}, which this server does not keep")
         _require(body.store is not False, "background", "background can only be used when `store` is true")
-        _require(not body.stream, "stream", "background with stream: true is not supported here (a background "
-                                            "response's events cannot be resumed): send stream false, then GET "
-                                            "/v1/responses/{id} until it ends")
         return True
 
     def _keeper(self, response_id: str, tenant: str, body: ResponsesBody) -> Callable[[dict[str, Any]], None]:
@@ -166,10 +166,37 @@ class ResponsesRoutes:
             raise rename_error(exc) from None
         return json_response({"object": "response.input_tokens", "input_tokens": input_tokens})
 
-    async def retrieve(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id}: the stored response object, as its answer gave it."""
-        _no_query(request, ())
-        return json_response((await self._stored(request)).response)
+    async def retrieve(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/responses/{id}: the stored response object, as its answer gave it; with `stream=true` (a
+        background response created streamed) its events again, those after `starting_after` (a sequence_number),
+        until its last, as OpenAI's resumption of a background stream."""
+        found = await self._stored(request)
+        if not found.response.get("background"):
+            _no_query(request, ())
+        _no_query(request, ("stream", "starting_after"))
+        stream, starting_after = request.query.get("stream", "false"), request.query.get("starting_after", "-1")
+        _require(stream in ("true", "false"), "stream", "stream must be true or false")
+        _require(starting_after == "-1" or starting_after.isdigit(), "starting_after",
+                 "starting_after must be an integer >= -1 (a sequence_number)")
+        if stream == "false":
+            _require("starting_after" not in request.query, "starting_after", "starting_after needs stream=true")
+            return json_response(found.response)
+        assert self.store is not None
+        _require(await asyncio.to_thread(self.store.read_events, found.response["id"], 0) is not None, "stream",
+                 "this background response was not created with stream: true: it has no events to stream")
+        return await self._stream_events(request, found, int(starting_after))
+
+    async def _stream_events(self, request: web.Request, found: StoredResponse, starting_after: int,
+                             run: Run | None = None) -> web.StreamResponse:
+        assert self.background is not None
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            async for data in self.background.events(found, starting_after, run):
+                await response.write(data)
+        except ConnectionResetError:
+            log.info("client left the stream of background response %s", found.response["id"])
+        return response
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
