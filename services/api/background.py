@@ -15,6 +15,10 @@ only on what it owns). The api processes share nothing else (SO_REUSEPORT picks 
 share only the store's volume), so the owner looks at the folder for the `.end` of its runs, once every
 CANCEL_CHECK_S while it has any: one stat a run, off the event loop.
 
+Streamed (`stream: true`), a run's events go to its readers in this process as they are made and to its log in the
+store (`{id}.events`, one JSON event a line): GET /v1/responses/{id}?stream=true&starting_after=N from any process
+resumes them, reading another process's log again every TAIL_S until the last event (or the end, for a cancel).
+
 A process that dies without its shutdown (killed) cannot end its runs: their records name their owner (host, pid and
 the pid's start time), and a reader on the same host that finds the owner gone publishes them `failed` (`settle`).
 """
@@ -158,10 +162,6 @@ class BackgroundRuns:
         self.store = store
         self._runs: dict[str, Run] = {}
         self._watch: asyncio.Task[None] | None = None
-
-    @property
-    def num_running(self) -> int:
-        return len(self._runs)
 
     async def start(self, run: Run, generate: Callable[[], Awaitable[web.StreamResponse]]) -> dict[str, Any]:
         """Start the run; its response object once the prompt is admitted. A refusal before then (a tenant's quota,
@@ -318,7 +318,11 @@ class BackgroundRuns:
             offset += len(data)
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
-                event = msgspec.json.decode(line)
+                try:
+                    event = msgspec.json.decode(line)
+                except msgspec.DecodeError:  # a write cut short (a full disk): the events after it still come
+                    log.warning("skipped a broken event in the log of %s", response_id)
+                    continue
                 yield event["sequence_number"], event["type"], line
             if data:
                 num_quiet = 0
