@@ -27,6 +27,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any,
     folder = tmp_path_factory.mktemp("responses-store")
     keys_path = folder / "keys.json"
     keys = {name: add_key(keys_path, name, {})[1] for name in ("one", "two")}
+    keys["solo"] = add_key(keys_path, "solo", {"max_concurrent": 1})[1]
     flags = ("--responses-store", str(CAPACITY), "--responses-store-dir", str(folder / "kept"),
              "--api-keys-file", str(keys_path), "--shutdown-grace", "0.1")  # the last test stops one
     first = start_stack(*flags)
@@ -213,6 +214,16 @@ def test_cancel_aborts_a_running_background_response_from_either_api_process(sta
         for stack in (first, second):
             assert _get(stack, one, f"/v1/responses/{made['id']}").json() == cancelled.json()
         assert _cancel(first, one, made["id"]).json() == cancelled.json()  # idempotent
+
+
+def test_a_background_response_counts_against_its_tenants_concurrency(stacks: tuple[Any, Any, dict]) -> None:
+    first, _, keys = stacks
+    solo = keys["solo"]  # max_concurrent 1
+    made = _create(first, solo, {"input": "held alone", "background": True})
+    for background in (True, False):
+        refused = first.post("/v1/responses", {"input": "another", "background": background}, headers=_auth(solo))
+        assert refused.status_code == 429, refused.text
+    assert _cancel(first, solo, made["id"]).json()["status"] == "cancelled"
 
 
 def test_background_is_refused_unstored_and_so_is_a_stream_of_one_not_streamed(stacks: tuple[Any, Any, dict]) -> None:
