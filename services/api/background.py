@@ -149,6 +149,7 @@ class Run:
     ending: str = ""
     events: list[tuple[int, str, bytes]] = field(default_factory=list)  # streamed: (sequence_number, type, JSON)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when events are added
+    refusal: PagodaError | None = None  # refused before its prompt was admitted: the POST's answer
 
     def record(self, response: dict[str, Any]) -> StoredResponse:
         running = response["status"] in RUNNING
@@ -180,9 +181,8 @@ class BackgroundRuns:
             await asyncio.wait((run.task, accepted), return_when=asyncio.FIRST_COMPLETED)
         finally:
             accepted.cancel()
-        refusal = run.task.exception() if run.task.done() and not run.task.cancelled() else None
-        if refusal is not None and not run.accepted.is_set():
-            raise refusal
+        if run.refusal is not None:
+            raise run.refusal
         return queued
 
     def _accepted(self, run: Run) -> None:
@@ -217,8 +217,9 @@ class BackgroundRuns:
             raise
         except PagodaError as exc:
             if not run.accepted.is_set():  # refused before it ran: the POST answers with the error
+                run.refusal = exc
                 await asyncio.to_thread(self.store.drop_now, run.response_id)
-                raise
+                return
             self._end(run, "failed", {"code": "server_error" if exc.http_status >= 500 else exc.code or
                                       "invalid_prompt", "message": exc.message})
         except Exception:
