@@ -319,7 +319,7 @@ def _two_replica_tokenizer(tmp_path: Path, routing: str) -> Iterator[tuple[Any, 
 
 def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(tmp_path: Path) -> None:
     """Round-robin over two fake schedulers: each request, its abort and (when its replica is lost) its failure go
-    to one replica."""
+    to one replica; an abort from an api that did not send the request goes nowhere."""
     from pagoda.shared.messages import (
         AbortRequest,
         AddRequest,
@@ -338,7 +338,9 @@ def test_tokenizer_sends_each_request_its_abort_and_its_failure_to_one_replica(t
                                                      prompt_token_ids=[1, 2, n + 3]))
         added = [[m.request_id for m in _received(sock, from_tokenizer, AddRequest)] for sock in schedulers]
         assert sorted(added[0] + added[1]) == ["q0", "q1", "q2", "q3"] and added[0] and added[1]
-        service._on_abort(added[1][0])
+        service._dispatch_api(1, AbortRequest(added[1][0]))  # another api's abort of api 0's request: dropped
+        assert added[1][0] in service._requests
+        service._dispatch_api(0, AbortRequest(added[1][0]))
         assert [m.request_id for m in _received(schedulers[1], from_tokenizer, AbortRequest)] == [added[1][0]]
         assert _received(schedulers[0], from_tokenizer, AbortRequest) == []
         service._lose_scheduler("silent", 0)  # replica 0 lost: only its requests fail

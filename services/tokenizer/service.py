@@ -55,6 +55,7 @@ from pagoda.shared.messages import (
     GenerateRequest,
     Heartbeat,
     ModelInfo,
+    PromptRendered,
     RequestFailed,
     SamplingParams,
     SchedulerToTokenizer,
@@ -238,7 +239,7 @@ class TokenizerService:
                 else:
                     self._on_tokenize(api, message, self._model_info)
             elif isinstance(message, AbortRequest):
-                self._on_abort(message.request_id)
+                self._on_abort(api, message.request_id)
             elif isinstance(message, DetokenizeRequest):
                 self._on_detokenize(api, message)
             elif isinstance(message, TokenizerInfoRequest):
@@ -292,6 +293,7 @@ class TokenizerService:
         params = with_default_max_tokens(params, self._sampling_defaults, len(prompt.token_ids),
                                          context_limit(info.max_model_len, info.max_num_tokens))
         check_prompt(prompt.token_ids, params, info, prompt.param)
+        rendered = params  # the params as the client could send them (the rest below are the engine's own forms)
         params = with_bad_words_token_ids(params, self._tokenizer)
         # logprobs -1, allowed_token_ids, bad words' ids; chat asks the count as top_logprobs
         params = resolve_vocabulary(params, info.vocab_size, self._max_logprobs,
@@ -315,6 +317,9 @@ class TokenizerService:
                 forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
                                              info.max_num_tokens, ending_ids(params, self._eos_ids(info)),
                                              info.vocab_size)
+        if request.render_only:  # vLLM's render routes: every check passed, nothing runs
+            self._send_api(api, PromptRendered(request_id, prompt.token_ids, rendered))
+            return
         # raises (503) when none is live
         replica = self._replicas.route(request_id, prompt.token_ids, request.cache_salt, request.prompt_cache_key)
         echo = echo_text(self._tokenizer, prompt) if request.return_prompt_text else None
@@ -346,7 +351,13 @@ class TokenizerService:
             eos_ids.add(self._tokenizer.eos_token_id)
         return eos_ids
 
-    def _on_abort(self, request_id: str) -> None:
+    def _on_abort(self, api: int, request_id: str) -> None:
+        """An api's abort of one of its own requests (a peer acts only on what it owns: another api's abort of an id
+        it did not send is dropped with a warning)."""
+        owner = self._owner(request_id)
+        if owner is not None and owner != api:
+            log.warning("dropped api %d's abort of %s, a request of api %d", api, request_id, owner)
+            return
         if self._offload.cancel(request_id):
             return  # still tokenizing: its result will be dropped
         if request_id in self._requests:
@@ -354,6 +365,15 @@ class TokenizerService:
         elif self._waiting:
             self._waiting = deque(w for w in self._waiting if w.message.request_id != request_id)
         # Otherwise it already finished or failed here; its last deltas crossed the abort.
+
+    def _owner(self, request_id: str) -> int | None:
+        """The api that sent a request in flight here (tokenizing, waiting for ModelInfo or running); None if none."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            return state.api
+        if request_id in self._offload.owners:
+            return self._offload.owners[request_id]
+        return next((w.api for w in self._waiting if w.message.request_id == request_id), None)
 
     def _on_tokenize(self, api: int, request: TokenizeRequest, info: ModelInfo) -> None:
         self._work(api, request.request_id, lambda: tokenize_result(self._tokenizer, request, info.max_model_len),
