@@ -986,6 +986,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag="gen", frozen=True, o
     # chat: the request's own Jinja template, or the name of one of the model's ("": the model's own; the api lets
     # it through only under --trust-request-chat-template)
     chat_template: str = ""
+    # vLLM's render routes: the tokenizer takes the prompt through every check of generation (template, truncation,
+    # context, grammar) and answers PromptRendered instead of admitting it; nothing runs
+    render_only: bool = False
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag="abort", frozen=True):
@@ -1108,6 +1111,14 @@ class RequestFailed(msgspec.Struct, array_like=True, tag="failed", frozen=True, 
     error_type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+
+
+class PromptRendered(msgspec.Struct, array_like=True, tag="prompt_rendered", frozen=True):
+    """A render_only GenerateRequest's answer: its prompt's token ids and the sampling params it would run with."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
 
 
 class TokenizeResult(msgspec.Struct, array_like=True, tag="tokenized", frozen=True):
@@ -1439,7 +1450,7 @@ class MaskReady(msgspec.Struct, tag="mready", array_like=True, omit_defaults=Tru
 ApiToTokenizer = (GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
                   | Sequenced | Ack)
 TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
-                  | DetokenizeResult | TokenizerInfoResult | Sequenced | Ack)
+                  | DetokenizeResult | TokenizerInfoResult | PromptRendered | Sequenced | Ack)
 TokenizerToScheduler = (TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin
                         | Sequenced | Ack)
 SchedulerToTokenizer = ModelInfo | TokenDeltas | RequestFailed | Heartbeat | Directory | Sequenced | Ack

@@ -224,7 +224,7 @@ SHARED_SERVER_MODULES = ("tests/test_server.py", "tests/test_tools.py", "tests/t
                          "tests/test_responses.py", "tests/test_anthropic_messages.py",
                          "tests/test_client_libraries.py", "tests/test_stream_equivalence.py",
                          "tests/test_structured_fuzz.py", "tests/test_bad_words.py", "tests/test_protocol_shapes_qa.py",
-                         "tests/test_stream_interval.py")
+                         "tests/test_stream_interval.py", "tests/test_render_generate.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it installed, never called

@@ -31,16 +31,17 @@ MAX_BODY_BYTES = 32 << 20
 # /health, /ping, /version, /load and the console's page and scripts stay open (probes and load balancers ask them;
 # they tell nothing of any tenant); the console's data needs the key. /metrics is open unless --metrics-access
 # says key, the default beside a keys file: its series name every tenant (docs/security.md)
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", CONSOLE_API_PREFIX)
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", "/inference/",
+                      CONSOLE_API_PREFIX)
 METRICS_PATH = "/metrics"
 RETRY_AFTER_S = "1"
 # the routes whose POSTs are generation requests, counted per tenant by status (docs/tenants.md)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                              "/invocations"})
+                              "/invocations", "/inference/v1/generate"})
 # the routes that make the (shared) tokenizers work without generating: each takes one of a tenant's
 # requests_per_minute, as a generation request does (docs/tenants.md)
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/v1/messages/count_tokens",
-                             "/v1/responses/input_tokens"})
+                             "/v1/responses/input_tokens", "/v1/chat/completions/render", "/v1/completions/render"})
 CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what --allowed-methods '*' allows
 CLIENT_CLOSED_STATUS = 499  # counted for a client that hung up before its answer (nginx's code, as the tenants' metric)
 
@@ -73,6 +74,10 @@ def build_app(state: ApiState) -> web.Application:
     app.add_routes([
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
+        # vLLM's token-in / token-out API: an inference body rendered to the request generate takes, and generate
+        web.post("/v1/completions/render", handlers.completions_render),
+        web.post("/v1/chat/completions/render", handlers.chat_completions_render),
+        web.post("/inference/v1/generate", handlers.generate),
         web.post("/v1/responses", responses.create),
         web.post("/v1/responses/input_tokens", responses.input_tokens),  # before {response_id}: a plain path
         # nothing is stored to read back: 404 saying so

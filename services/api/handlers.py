@@ -21,6 +21,14 @@ from pagoda.services.api.pool import Reply, TokenizerPool
 from pagoda.services.api.stats import ReplicaStatsFeed
 from pagoda.services.api.tenants import KeyTable, Lease, QuotaGate, Tenant, UsageLog, tenant_cache_salt
 from pagoda.services.protocol.chat_output import ChatOutputSpec
+from pagoda.services.protocol.generate import (
+    GenerateBody,
+    GenerateRenderer,
+    check_render_fields,
+    completion_body,
+    generate_error,
+    generate_request_json,
+)
 from pagoda.services.protocol.render import CHAT, COMPLETION, Renderer, encode_json, renderer_for
 from pagoda.services.protocol.schemas import (
     ChatBody,
@@ -48,6 +56,7 @@ from pagoda.shared.messages import (
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
+    PromptRendered,
     RenderSpec,
     RequestFailed,
     TokenizeRequest,
@@ -262,6 +271,96 @@ class Handlers:
         except PagodaError as exc:  # the tokenizer's refusal of the prompt plus max_tokens past the context
             _name_max_completion_tokens(exc, body)
             raise
+
+    # ------------------------------------------------------------------ vLLM's token-in / token-out API
+
+    async def completions_render(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/completions/render: each prompt of a completions body as the request generate takes (its
+        token ids and the sampling params it would run with), checked as the completion would be; nothing runs."""
+        body = await self._read(request, CompletionBody)
+        model = self._check_model(body.model, request)
+        check_render_fields(body)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        response_id = _client_response_id("cmpl-", request, body.request_id) or request_id
+        try:
+            messages = completion_requests(body, request_id, time.time(), self.state.config.max_logprobs,
+                                           self.state.config.max_completions_per_request,
+                                           self.state.pool.sampling_defaults)
+        except InvalidRequestError as exc:
+            _name_body_constraint(exc, body)
+            raise
+        rendered = await self._render(messages, constraint_param(body))
+        ids = [response_id] if len(rendered) == 1 else [f"{response_id}-{i}" for i in range(len(rendered))]
+        return json_response([generate_request_json(rid, r.token_ids, r.params, model, bool(body.stream),
+                                                    body.stream_options, body.cache_salt, body.priority or 0)
+                              for rid, r in zip(ids, rendered, strict=True)], headers=_headers(body.deprecated_fields))
+
+    async def chat_completions_render(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/chat/completions/render: the chat body's prompt (template, tools, truncation) as the request
+        generate takes, checked as the chat completion would be; nothing runs."""
+        body = await self._read(request, ChatBody)
+        model = self._check_model(body.model, request)
+        check_render_fields(body)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id = _client_response_id("chatcmpl-", request, body.request_id) or request_id
+        try:
+            message, _ = self._chat_message(body, request_id)
+            (rendered,) = await self._render([message], constraint_param(body))
+        except InvalidRequestError as exc:
+            _name_body_constraint(exc, body)
+            _name_max_completion_tokens(exc, body)
+            raise
+        except PagodaError as exc:
+            _name_max_completion_tokens(exc, body)
+            raise
+        return json_response(generate_request_json(response_id, rendered.token_ids, rendered.params, model,
+                                                   bool(body.stream), body.stream_options, body.cache_salt,
+                                                   body.priority or 0), headers=_headers(body.deprecated_fields))
+
+    async def _render(self, messages: list[GenerateRequest], constraint: str | None) -> list[PromptRendered]:
+        """The tokenizer's rendering of each prompt (every check generation makes, nothing admitted), in order; the
+        first refusal is the answer."""
+        messages = [msgspec.structs.replace(m, render_only=True) for m in messages]
+        ticket = self.state.pool.submit(messages, self._engine_tokenizers())
+        rendered: dict[str, PromptRendered] = {}
+        try:
+            while len(rendered) < len(messages):
+                reply = await ticket.queue.get()
+                if isinstance(reply, RequestFailed):
+                    exc = UpstreamError.from_failed(reply)
+                    _name_constraint(exc, constraint)
+                    raise exc
+                assert isinstance(reply, PromptRendered), type(reply).__name__
+                rendered[reply.request_id] = reply
+        finally:  # the prompts still rendering (one failed, or the client left) are dropped
+            self.state.pool.finish(ticket, [m.request_id for m in messages if m.request_id not in rendered])
+        return [rendered[m.request_id] for m in messages]
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /inference/v1/generate: token ids in, generated token ids out. It runs as a completion of a
+        token-id prompt (admission, tenants, limits, metrics, aborts) and answers in vLLM's GenerateResponse."""
+        started_at = time.monotonic()
+        generate_body = decode_body(await self._body(request), GenerateBody)
+        body = completion_body(generate_body)
+        model = self._check_model(body.model, request)
+        request_id = f"generate-tokens-{uuid.uuid4().hex}"
+        response_id = _client_response_id("generate-tokens-", request, generate_body.request_id) or request_id
+        try:
+            messages = completion_requests(body, request_id, time.time(), self.state.config.max_logprobs,
+                                           self.state.config.max_completions_per_request,
+                                           self.state.pool.sampling_defaults)
+        except InvalidRequestError as exc:
+            raise generate_error(exc) from None
+        created = int(time.time())
+        stream = bool(body.stream)
+        renderer = GenerateRenderer(response_id, model, created, want_logprobs=body.logprobs is not None,
+                                    include_usage=body.include_usage, continuous_usage=body.continuous_usage,
+                                    prompt_logprobs=body.prompt_logprobs is not None)
+        spec = RenderSpec(COMPLETION, response_id, model, created, stream)
+        try:
+            return await self._generate(request, messages, spec, started_at, {}, "structured_outputs", renderer)
+        except PagodaError as exc:  # the tokenizer's refusal (an id past the vocabulary, the context)
+            raise generate_error(exc) from None
 
     def _chat_message(self, body: ChatBody, request_id: str) -> tuple[GenerateRequest, ChatOutputSpec]:
         """The chat path's request and output reading for a chat body: chat completions, and the Responses and

@@ -29,6 +29,7 @@ from pagoda.shared.messages import (
     ApiToTokenizer,
     DetokenizeResult,
     Heartbeat,
+    PromptRendered,
     RenderedRows,
     RequestFailed,
     Sequenced,
@@ -64,8 +65,8 @@ class Rows:
 
 
 # What a handler finds in its queue: one reply, or this request's share of a TextDeltas or RenderedRows batch.
-Reply = (Accepted | RequestFailed | TokenizeResult | DetokenizeResult | TokenizerInfoResult | list[TextDelta]
-         | Rows)
+Reply = (Accepted | RequestFailed | TokenizeResult | DetokenizeResult | TokenizerInfoResult | PromptRendered
+         | list[TextDelta] | Rows)
 
 
 @dataclass(slots=True, eq=False)

@@ -318,6 +318,9 @@ class TokenizerService:
                                              info.max_num_tokens, ending_ids(params, self._eos_ids(info)),
                                              info.vocab_size)
         if request.render_only:  # vLLM's render routes: every check passed, nothing runs
+            if rendered.max_tokens is None:  # up to the context, as a number (vLLM's get_max_tokens)
+                room = context_limit(info.max_model_len, info.max_num_tokens) - len(prompt.token_ids)
+                rendered = msgspec.structs.replace(rendered, max_tokens=room)
             self._send_api(api, PromptRendered(request_id, prompt.token_ids, rendered))
             return
         # raises (503) when none is live
