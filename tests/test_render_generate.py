@@ -187,6 +187,8 @@ def test_refusals_are_the_inference_routes(server: Server) -> None:
              ("/v1/chat/completions/render", {"model": SERVED, "messages": CHAT, "use_beam_search": True},
               "use_beam_search"),
              ("/v1/completions/render", {"model": SERVED, "prompt": "x", "echo": True}, "echo"),
+             ("/v1/chat/completions/render", {"model": SERVED, "messages": CHAT, "include_reasoning": False},
+              "include_reasoning"),
              ("/inference/v1/generate", {"token_ids": [1, 10**9], "sampling_params": {"max_tokens": 1}},
               "token_ids"),
              ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 10**6}},

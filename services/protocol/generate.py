@@ -83,10 +83,14 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def check_render_fields(body: msgspec.Struct) -> None:
-    """A 400 naming the first field of RENDER_REFUSED that an inference body sets (false and null are not set)."""
+    """A 400 naming the first field of RENDER_REFUSED that an inference body sets (false and null are not set), or
+    chat's include_reasoning false: generate answers with token ids, there is no reasoning text to drop."""
     for name, reason in RENDER_REFUSED.items():
         if getattr(body, name, None):
             raise InvalidRequestError(f"{name} is not served by the render routes: {reason}", param=name)
+    if getattr(body, "include_reasoning", None) is False:
+        raise InvalidRequestError("include_reasoning is not served by the render routes: generate answers with "
+                                  "token ids, which hold the reasoning", param="include_reasoning")
 
 
 def completion_body(body: GenerateBody) -> CompletionBody:
