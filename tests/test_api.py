@@ -394,6 +394,10 @@ def test_models_and_auth(stack: Stack) -> None:
     for scheme in ("bearer", "BEARER", "Bearer "):  # the scheme in any case (RFC 9110), as for a tenant's key
         assert httpx.get(stack.url + "/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200
     assert stack.post("/tokenize", {"prompt": "a"}, headers={}).status_code == 401
+    # vLLM's token-in / token-out routes take the key as the generation routes do
+    generate = {"token_ids": [1], "sampling_params": {}}
+    assert stack.post("/inference/v1/generate", generate, headers={}).status_code == 401
+    assert stack.post("/v1/completions/render", {"prompt": "a"}, headers={}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{stack.url}/v1", api_key="nope", max_retries=0).models.list()
     assert httpx.get(stack.url + "/health").status_code == 200  # open without a key
