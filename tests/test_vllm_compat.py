@@ -8,6 +8,7 @@ import json
 import math
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -438,11 +439,14 @@ def test_repetition_detection_ends_a_loop_with_vllms_reasons(server: Server, rou
         return last["finish_reason"], last["stop_reason"], chunks[-1]["usage"]["completion_tokens"]
 
     watch = {"max_pattern_size": 2, "min_count": 5}
-    assert run(repetition_detection=watch) == ("repetition", "repetition_detected", 5)
-    assert run(repetition_detection=watch, min_tokens=7) == ("repetition", "repetition_detected", 7)
-    assert run(repetition_detection={**watch, "min_pattern_size": 2}) == ("repetition", "repetition_detected", 10)
-    assert run() == ("length", None, 12)
-    assert run(repetition_detection={"max_pattern_size": 0}) == ("length", None, 12)
+    cases = [({"repetition_detection": watch}, ("repetition", "repetition_detected", 5)),
+             ({"repetition_detection": watch, "min_tokens": 7}, ("repetition", "repetition_detected", 7)),
+             ({"repetition_detection": {**watch, "min_pattern_size": 2}}, ("repetition", "repetition_detected", 10)),
+             ({}, ("length", None, 12)),
+             ({"repetition_detection": {"max_pattern_size": 0}}, ("length", None, 12))]
+    with ThreadPoolExecutor(len(cases)) as pool:  # at once: the engine batches them, each row detected alone
+        results = list(pool.map(lambda case: run(**case[0]), cases))
+    assert results == [expected for _, expected in cases]
 
 
 @pytest.mark.parametrize("watch, param", [({"max_pattern_size": 3, "min_count": 1}, "repetition_detection.min_count"),
