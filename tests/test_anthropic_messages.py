@@ -9,6 +9,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -618,28 +619,35 @@ def test_a_streamed_answer_is_the_answer(client: anthropic.Anthropic) -> None:
 @pytest.mark.slow
 def test_a_tool_round_trip(server: Server, client: anthropic.Anthropic) -> None:
     question = {"role": "user", "content": "What is the weather in Paris?"}
-    first = client.messages.create(model=SERVED, max_tokens=40, extra_body=GREEDY, messages=[question],  # type: ignore
-                                   tools=[WEATHER], tool_choice={"type": "any"})  # type: ignore[list-item]
+
+    def streamed_call() -> tuple[list[Any], Message]:
+        with client.messages.stream(model=SERVED, max_tokens=30, extra_body=GREEDY, messages=[question],  # type: ignore
+                                    tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+            return list(stream), stream.get_final_message()
+
+    with ThreadPoolExecutor(2) as pool:  # the first call and the stream at once (independent): the engine batches them
+        streaming = pool.submit(streamed_call)
+        first = client.messages.create(model=SERVED, max_tokens=40, extra_body=GREEDY, messages=[question],  # type: ignore
+                                       tools=[WEATHER], tool_choice={"type": "any"})  # type: ignore[list-item]
+        events, final = streaming.result()
     [call] = first.content
     assert call.type == "tool_use" and call.name == "get_weather" and first.stop_reason == "tool_use"
     jsonschema.validate(call.input, WEATHER["input_schema"])
-    second = client.messages.create(
-        model=SERVED, max_tokens=6, extra_body=GREEDY, tools=[WEATHER],  # type: ignore[list-item]
-        messages=[question, {"role": "assistant", "content": [call.model_dump()]},  # sent back whole
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                                "content": "Sunny, 21 C"}]}])  # type: ignore[list-item]
     tools = [{"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
                                                "parameters": WEATHER["input_schema"]}}]
-    expected = chat(server, [question, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
-        {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": "Sunny, 21 C"}],
-        tools=tools, max_tokens=6)
+    with ThreadPoolExecutor(2) as pool:  # the answer to the result and chat's at once (both need only `call`)
+        answering = pool.submit(lambda: client.messages.create(
+            model=SERVED, max_tokens=6, extra_body=GREEDY, tools=[WEATHER],  # type: ignore[list-item]
+            messages=[question, {"role": "assistant", "content": [call.model_dump()]},  # sent back whole
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                    "content": "Sunny, 21 C"}]}]))  # type: ignore[list-item]
+        expected = chat(server, [question, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+            {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": "Sunny, 21 C"}],
+            tools=tools, max_tokens=6)
+        second = answering.result()
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == expected.usage.prompt_tokens
     assert "".join(b.text for b in second.content if b.type == "text") == (expected.choices[0].message.content or "")
-    with client.messages.stream(model=SERVED, max_tokens=30, extra_body=GREEDY, messages=[question],  # type: ignore
-                                tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}) as stream:
-        events = list(stream)
-        final = stream.get_final_message()
     [streamed] = final.content
     jsonschema.validate(streamed.input, WEATHER["input_schema"])
     partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
