@@ -46,13 +46,15 @@ def _offline_text(llm: LLM, prompt: str | list[int], max_tokens: int) -> tuple[s
 def test_completions_match_the_offline_engine(server: Server, offline: LLM) -> None:
     client = server.client()
     lengths = (8, 20, 12, 16, 4)
-    # the offline engine's answers in one batch (20 steps, not 60), then the server's one request at a time
+    # the offline engine's answers in one batch (20 steps, not 60), then the server's, sent at once (batched too)
     expected = offline.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths])
-    for prompt, max_tokens, out in zip(PROMPTS, lengths, expected, strict=True):
+    with concurrent.futures.ThreadPoolExecutor(len(lengths)) as pool:
+        responses = list(pool.map(lambda case: client.completions.create(
+            model=SERVED, prompt=case[0], max_tokens=case[1], temperature=0), zip(PROMPTS, lengths, strict=True)))
+    for out, response in zip(expected, responses, strict=True):
         completion = out.outputs[0]
         text, reason = completion.text, completion.finish_reason or ""
         num_prompt, num_generated = len(out.prompt_token_ids), len(completion.token_ids)
-        response = client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens, temperature=0)
         choice = response.choices[0]
         assert response.object == "text_completion"
         assert choice.text == text and choice.finish_reason == reason
