@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -315,20 +317,31 @@ def test_stream_interval_is_a_floor_that_a_request_may_raise(vllm_server: tuple[
                        if line.startswith("data: {")]
         return [len(c["token_ids"]) for c in choices if c["token_ids"]], "".join(c["text"] for c in choices)
 
-    whole = HTTP.post(url + "/v1/completions", headers=KEY, timeout=60, json=base).json()["choices"][0]["text"]
-    assert counts(stream_interval=2) == counts() == ([1, 3, 3, 3], whole)
-    assert counts(stream_interval=5) == ([1, 5, 4], whole)
     chat = [{"role": "user", "content": "Tell me a story."}]
-    for path, body, text_of, delta_of in [
-            ("/v1/responses", {"input": chat, "max_output_tokens": 10},
-             lambda r: r["output"][0]["content"][0]["text"],
-             lambda e: e["delta"] if e["type"] == "response.output_text.delta" else None),
-            ("/v1/messages", {"messages": chat, "max_tokens": 10},
-             lambda r: r["content"][0]["text"],
-             lambda e: e["delta"]["text"] if e["type"] == "content_block_delta" else None)]:
-        body = {"model": "smol", "temperature": 0, **body}
-        answer = text_of(HTTP.post(url + path, headers=KEY, timeout=60, json=body).json())
-        events = named_events(HTTP.post(url + path, headers=KEY, timeout=60, json={**body, "stream": True}).content)
+    routes = [("/v1/responses", {"input": chat, "max_output_tokens": 10},
+               lambda r: r["output"][0]["content"][0]["text"],
+               lambda e: e["delta"] if e["type"] == "response.output_text.delta" else None),
+              ("/v1/messages", {"messages": chat, "max_tokens": 10},
+               lambda r: r["content"][0]["text"],
+               lambda e: e["delta"]["text"] if e["type"] == "content_block_delta" else None)]
+    bodies = [{"model": "smol", "temperature": 0, **body} for _, body, _, _ in routes]
+
+    def post(path: str, body: dict[str, object]) -> Any:
+        return HTTP.post(url + path, headers=KEY, timeout=60, json=body)
+
+    with ThreadPoolExecutor(8) as pool:  # all at once (none needs another's answer): the engine batches them
+        whole_of = pool.submit(post, "/v1/completions", base)
+        counted = [pool.submit(counts, **fields) for fields in ({"stream_interval": 2}, {}, {"stream_interval": 5})]
+        answers = [pool.submit(post, path, body) for (path, _, _, _), body in zip(routes, bodies, strict=True)]
+        streams = [pool.submit(post, path, {**body, "stream": True})
+                   for (path, _, _, _), body in zip(routes, bodies, strict=True)]
+        whole = whole_of.result().json()["choices"][0]["text"]
+        raised, plain, kept = (future.result() for future in counted)
+    assert raised == plain == ([1, 3, 3, 3], whole)
+    assert kept == ([1, 5, 4], whole)
+    for (path, _, text_of, delta_of), answered, streamed in zip(routes, answers, streams, strict=True):
+        answer = text_of(answered.result().json())
+        events = named_events(streamed.result().content)
         pieces = [piece for piece in map(delta_of, events) if piece is not None]
         assert "".join(pieces) == answer != "" and len(pieces) <= 4, (path, pieces)  # 10 tokens: 1 + 3 + 3 + 3
 
