@@ -5,6 +5,7 @@ LLM and over HTTP (n > 1, streaming, with structured outputs), and refused where
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -141,21 +142,27 @@ def _completion(server: Server, **body: object) -> dict:
 
 @pytest.mark.slow
 def test_server_bad_words_on_completions_streamed_and_chat(smollm2_server: Server) -> None:
-    base = _completion(smollm2_server, return_token_ids=True)["choices"][0]["token_ids"]
-    tokens = httpx.post(smollm2_server.url + "/detokenize", json={"tokens": base[5:7]}, timeout=30).json()
-    word = tokens["prompt"]
-    body = _completion(smollm2_server, n=2, bad_words=[word], return_token_ids=True)
+    def streamed(word: str) -> list[dict]:
+        with httpx.stream("POST", smollm2_server.url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True,
+                                "bad_words": [word]}) as response:
+            assert response.status_code == 200
+            return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+    with ThreadPoolExecutor(2) as pool:  # independent requests at once (the engine batches them)
+        chatting = pool.submit(lambda: httpx.post(smollm2_server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
+            "temperature": 0, "bad_words": ["Paris"]}))
+        base = _completion(smollm2_server, return_token_ids=True)["choices"][0]["token_ids"]
+        tokens = httpx.post(smollm2_server.url + "/detokenize", json={"tokens": base[5:7]}, timeout=30).json()
+        word = tokens["prompt"]
+        streaming = pool.submit(streamed, word)  # needs only the word, as the n=2 request
+        body = _completion(smollm2_server, n=2, bad_words=[word], return_token_ids=True)
+        chunks = streaming.result()
+        chat = chatting.result()
     for choice in body["choices"]:
         assert choice["token_ids"][:6] == base[:6] and choice["token_ids"][6] != base[6]
-    with httpx.stream("POST", smollm2_server.url + "/v1/completions", timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True,
-                            "bad_words": [word]}) as response:
-        assert response.status_code == 200
-        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
-    chat = httpx.post(smollm2_server.url + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
-        "temperature": 0, "bad_words": ["Paris"]})
     assert chat.status_code == 200 and "Paris" not in chat.json()["choices"][0]["message"]["content"]
 
 
