@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,12 @@ def _events(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, A
                 if line.startswith("data: ") and line != "data: [DONE]"]
 
 
+def _at_once(*calls: Callable[[], Any]) -> list[Any]:
+    """The calls' results, the calls made at once (independent requests: the engine batches them)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
 def _prefilled(prefill: str, **body: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": prefill}],
             "continue_final_message": True, "add_generation_prompt": False, "temperature": 0, **body}
@@ -318,14 +325,16 @@ def test_include_reasoning_false_returns_no_reasoning_whole_or_streamed(server: 
     its tokens counted in usage; its logprobs null and its token ids absent (vLLM's: they would spell the reasoning
     out). Streamed, no delta carries reasoning, and the stream still ends: the finish chunk, the usage, [DONE]."""
     body = _prefilled("<think>\n", max_tokens=12, logprobs=True, return_token_ids=True)
-    shown = _post(server, "/v1/chat/completions", body)["choices"][0]
+    whole, answer, lines = _at_once(
+        lambda: _post(server, "/v1/chat/completions", body),
+        lambda: _post(server, "/v1/chat/completions", {**body, "include_reasoning": False}),
+        lambda: _lines(server, {**body, "include_reasoning": False, "stream_options": {"include_usage": True}}))
+    shown = whole["choices"][0]
     assert shown["message"]["reasoning"] and shown["logprobs"] and shown["token_ids"]
-    answer = _post(server, "/v1/chat/completions", {**body, "include_reasoning": False})
     choice = answer["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": ""}, choice
     assert choice["finish_reason"] == "length" and choice["logprobs"] is None and "token_ids" not in choice
     assert answer["usage"]["completion_tokens"] == 12 and answer["prompt_token_ids"]
-    lines = _lines(server, {**body, "include_reasoning": False, "stream_options": {"include_usage": True}})
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
@@ -341,12 +350,13 @@ def test_include_reasoning_false_keeps_the_answer_after_the_thinking(server: Ser
     content as true, whole and streamed, without the reasoning."""
     nudge = {str(i): 12 for i in (9617, 17400, 46)}  # SmolLM2's `</`, `think`, `>`
     body = _prefilled("<think>\nok", max_tokens=20, logit_bias=nudge)
-    shown = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    shown, hidden, chunks = _at_once(
+        lambda: _post(server, "/v1/chat/completions", body)["choices"][0]["message"],
+        lambda: _post(server, "/v1/chat/completions", {**body, "include_reasoning": False})["choices"][0]["message"],
+        lambda: _events(server, "/v1/chat/completions", {**body, "include_reasoning": False}))
     assert shown["reasoning"] is not None and shown["content"]
-    hidden = _post(server, "/v1/chat/completions", {**body, "include_reasoning": False})["choices"][0]["message"]
     assert hidden == {"role": "assistant", "content": shown["content"]}
-    deltas = [c["choices"][0]["delta"] for c in _events(server, "/v1/chat/completions",
-                                                         {**body, "include_reasoning": False}) if c["choices"]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert not any("reasoning" in d for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == shown["content"]
 
@@ -375,10 +385,10 @@ def test_a_thinking_budget_closes_the_block_after_that_many_tokens(server: Serve
     writes budget - 1 reasoning tokens (none for 0), then `</think>` is forced and the answer follows, where without
     a budget the same greedy request reasons on and never closes the block."""
     body = _prefilled("<think>\n", max_tokens=16)
-    free_ids, free = _thinking(server, body)
+    (free_ids, free), (token_ids, message) = _at_once(
+        lambda: _thinking(server, body), lambda: _thinking(server, {**body, "thinking_token_budget": budget}))
     assert _end_at(free_ids) < 0 and not free["content"]
     assert len(tokenizer.encode(free["reasoning"], add_special_tokens=False)) > budget
-    token_ids, message = _thinking(server, {**body, "thinking_token_budget": budget})
     spent = len(tokenizer.encode("\n", add_special_tokens=False))
     assert _end_at(token_ids) == max(budget - spent, 0)
     assert token_ids[:_end_at(token_ids)] == free_ids[:_end_at(token_ids)]  # the model's own tokens until then
@@ -389,13 +399,15 @@ def test_a_block_the_model_closes_within_the_budget_is_left_as_it_was(server: Se
     """`</think>` nudged with logit_bias, written after a few reasoning tokens: a budget that covers them (down to
     the last one before the marker) leaves the answer the same token for token; one below cuts the thinking there."""
     body = _prefilled("<think>\nok", max_tokens=20, logit_bias={str(i): 5 for i in END_IDS})
-    free_ids, free = _thinking(server, body)
+    spent = len(tokenizer.encode("\nok", add_special_tokens=False))  # the prompt's own tokens in the block
+    # at once: those that need no answer first (the engine batches them), then the budget that needs `end`
+    (free_ids, free), covering, (cut_ids, cut) = _at_once(
+        lambda: _thinking(server, body), lambda: _thinking(server, {**body, "thinking_token_budget": 64}),
+        lambda: _thinking(server, {**body, "thinking_token_budget": spent + 2}))
     end = _end_at(free_ids)
     assert end > 2 and free["content"], free
-    spent = len(tokenizer.encode("\nok", add_special_tokens=False))  # the prompt's own tokens in the block
-    for budget in (64, spent + end):
-        assert _thinking(server, {**body, "thinking_token_budget": budget}) == (free_ids, free), budget
-    cut_ids, cut = _thinking(server, {**body, "thinking_token_budget": spent + 2})
+    assert covering == (free_ids, free), 64
+    assert _thinking(server, {**body, "thinking_token_budget": spent + end}) == (free_ids, free), spent + end
     assert _end_at(cut_ids) == 2 and cut_ids[:2] == free_ids[:2] and cut["reasoning"] != free["reasoning"]
 
 
