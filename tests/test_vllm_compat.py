@@ -391,11 +391,6 @@ def test_allowed_token_ids_restrict_sampling_on_both_endpoints(server: Server, c
 def test_stop_reason_names_what_stopped_each_choice(client: openai.OpenAI, stream: bool) -> None:
     """vLLM's stop_reason on both endpoints: the stop token id, the stop string, null for max_tokens; streamed, on
     the chunk that carries the finish_reason."""
-    greedy = client.completions.create(model=SERVED, prompt="The capital of France is", max_tokens=4, temperature=0,
-                                       extra_body={"return_token_ids": True})
-    ids = greedy.choices[0].model_extra["token_ids"]
-    word = greedy.choices[0].text.split()[0]
-
     def reason(route: str, **extra: object) -> tuple[str | None, object]:
         body: dict[str, object] = {"model": SERVED, "max_tokens": 4, "temperature": 0, "stream": stream, **extra}
         if route == "completions":
@@ -406,16 +401,28 @@ def test_stop_reason_names_what_stopped_each_choice(client: openai.OpenAI, strea
         last = [chunk.choices[0] for chunk in out if chunk.choices][-1] if stream else out.choices[0]
         return last.finish_reason, last.model_extra["stop_reason"]
 
-    assert reason("completions", extra_body={"stop_token_ids": [ids[1]]}) == ("stop", ids[1])
-    assert reason("completions", stop=[word]) == ("stop", word)
-    assert reason("completions") == ("length", None)
-    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "The capital of France "
-                                                                     "is"}], max_tokens=4, temperature=0,
-                                          extra_body={"return_token_ids": True})
-    chat_ids = chat.choices[0].model_extra["token_ids"]
-    assert chat.choices[0].finish_reason == "length", "four tokens of an answer, no EOS among them"
-    assert reason("chat", extra_body={"stop_token_ids": [chat_ids[1]]}) == ("stop", chat_ids[1])
-    assert reason("chat", max_tokens=1) == ("length", None)
+    with ThreadPoolExecutor(4) as pool:  # those that need no earlier answer at once, then those that need one
+        greedy_of = pool.submit(lambda: client.completions.create(
+            model=SERVED, prompt="The capital of France is", max_tokens=4, temperature=0,
+            extra_body={"return_token_ids": True}))
+        chat_of = pool.submit(lambda: client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": "The capital of France is"}], max_tokens=4,
+            temperature=0, extra_body={"return_token_ids": True}))
+        plain = pool.submit(reason, "completions")
+        one_token = pool.submit(reason, "chat", max_tokens=1)
+        greedy, chat = greedy_of.result(), chat_of.result()
+        ids = greedy.choices[0].model_extra["token_ids"]
+        word = greedy.choices[0].text.split()[0]
+        chat_ids = chat.choices[0].model_extra["token_ids"]
+        by_id = pool.submit(reason, "completions", extra_body={"stop_token_ids": [ids[1]]})
+        by_word = pool.submit(reason, "completions", stop=[word])
+        chat_by_id = pool.submit(reason, "chat", extra_body={"stop_token_ids": [chat_ids[1]]})
+        assert by_id.result() == ("stop", ids[1])
+        assert by_word.result() == ("stop", word)
+        assert plain.result() == ("length", None)
+        assert chat.choices[0].finish_reason == "length", "four tokens of an answer, no EOS among them"
+        assert chat_by_id.result() == ("stop", chat_ids[1])
+        assert one_token.result() == ("length", None)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -472,22 +479,28 @@ def test_bad_allowed_token_ids_are_refused(client: openai.OpenAI, ids: list[int]
 def test_chat_echo_with_continue_final_message(server: Server, client: openai.OpenAI, stream: bool) -> None:
     messages = [{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": SAYING}]
     body = {"max_tokens": 8, "temperature": 0, "continue_final_message": True, "add_generation_prompt": False}
-    plain = client.chat.completions.create(model=SERVED, messages=messages, extra_body=body)
+
+    def echo() -> str:
+        if stream:
+            chunks = sse_chunks(server, "/v1/chat/completions", {"model": SERVED, "messages": messages, "echo": True,
+                                                                  **body})
+            return "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
+        return client.chat.completions.create(model=SERVED, messages=messages,
+                                              extra_body={**body, "echo": True}).choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:  # the four requests at once (none needs another's answer)
+        plain_of = pool.submit(client.chat.completions.create, model=SERVED, messages=messages, extra_body=body)
+        echoed_of = pool.submit(echo)
+        # a user message last is not the reply's role: nothing to echo
+        user_last_of = pool.submit(client.chat.completions.create, model=SERVED, messages=CHAT, max_tokens=3,
+                                   temperature=0, extra_body={"echo": True})
+        unechoed_of = pool.submit(client.chat.completions.create, model=SERVED, messages=CHAT, max_tokens=3,
+                                  temperature=0)
+        plain, echoed, user_last, unechoed = (f.result() for f in (plain_of, echoed_of, user_last_of, unechoed_of))
     continued = plain.choices[0].message.content
     assert SAYING not in continued
-    if stream:
-        chunks = sse_chunks(server, "/v1/chat/completions", {"model": SERVED, "messages": messages, "echo": True,
-                                                              **body})
-        echoed = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
-    else:
-        echoed = client.chat.completions.create(model=SERVED, messages=messages,
-                                                extra_body={**body, "echo": True}).choices[0].message.content
     assert echoed == SAYING + continued
-    # a user message last is not the reply's role: nothing to echo
-    user_last = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=3, temperature=0,
-                                               extra_body={"echo": True})
-    assert user_last.choices[0].message.content == client.chat.completions.create(
-        model=SERVED, messages=CHAT, max_tokens=3, temperature=0).choices[0].message.content
+    assert user_last.choices[0].message.content == unechoed.choices[0].message.content
 
 
 def test_top_logprobs_of_the_whole_vocabulary(client: openai.OpenAI) -> None:
