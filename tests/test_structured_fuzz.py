@@ -539,15 +539,18 @@ def test_an_answer_cut_mid_object_says_length(server: Server) -> None:
     bodies = [(CHAT, chat_body(response_format(schema), 1, stream=stream, max_tokens=8)) for stream in (False, True)]
     bodies += [("/v1/completions", {"model": SERVED, "prompt": "A story:", "max_tokens": 8, "guided_json": schema,
                                     "stream": stream}) for stream in (False, True)]
-    for path, body in bodies:
-        (answer, reason), = answers(*post(server, path, body))
+    client = server.client(timeout=300)
+    with concurrent.futures.ThreadPoolExecutor(len(bodies) + 1) as pool:  # all at once: the engine batches them
+        parsed = pool.submit(client.chat.completions.parse, model=SERVED,
+                             messages=[{"role": "user", "content": "A story."}], response_format=Story, max_tokens=8)
+        results = list(pool.map(lambda job: post(server, job[0], job[1]), bodies))
+        with pytest.raises(openai.LengthFinishReasonError):
+            parsed.result()
+    for result in results:
+        (answer, reason), = answers(*result)
         assert reason == "length" and answer.startswith('{"story": "'), (answer, reason)
         with pytest.raises(json.JSONDecodeError):
             json.loads(answer)
-    client = server.client(timeout=300)
-    with pytest.raises(openai.LengthFinishReasonError):
-        client.chat.completions.parse(model=SERVED, messages=[{"role": "user", "content": "A story."}],
-                                      response_format=Story, max_tokens=8)
 
 
 class Story(pydantic.BaseModel):
