@@ -222,6 +222,12 @@ class Handlers:
 
     # ------------------------------------------------------------------ generation
 
+    def _completion_requests(self, body: CompletionBody, request_id: str) -> list[GenerateRequest]:
+        """A completions body's engine requests (one a prompt) under this server's limits and sampling defaults."""
+        config = self.state.config
+        return completion_requests(body, request_id, time.time(), config.max_logprobs,
+                                   config.max_completions_per_request, self.state.pool.sampling_defaults)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started_at = time.monotonic()
         body = await self._read(request, CompletionBody)
@@ -229,9 +235,7 @@ class Handlers:
         request_id = f"cmpl-{uuid.uuid4().hex}"  # the engine's: unique whatever the client names its request
         response_id = _client_response_id("cmpl-", request, body.request_id) or request_id
         try:
-            messages = completion_requests(body, request_id, time.time(), self.state.config.max_logprobs,
-                                           self.state.config.max_completions_per_request,
-                                           self.state.pool.sampling_defaults)
+            messages = self._completion_requests(body, request_id)
         except InvalidRequestError as exc:
             _name_body_constraint(exc, body)  # e.g. beam search refusing the guided_choice it was sent
             raise
@@ -283,9 +287,7 @@ class Handlers:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         response_id = _client_response_id("cmpl-", request, body.request_id) or request_id
         try:
-            messages = completion_requests(body, request_id, time.time(), self.state.config.max_logprobs,
-                                           self.state.config.max_completions_per_request,
-                                           self.state.pool.sampling_defaults)
+            messages = self._completion_requests(body, request_id)
         except InvalidRequestError as exc:
             _name_body_constraint(exc, body)
             raise
@@ -346,9 +348,7 @@ class Handlers:
         request_id = f"generate-tokens-{uuid.uuid4().hex}"
         response_id = _client_response_id("generate-tokens-", request, generate_body.request_id) or request_id
         try:
-            messages = completion_requests(body, request_id, time.time(), self.state.config.max_logprobs,
-                                           self.state.config.max_completions_per_request,
-                                           self.state.pool.sampling_defaults)
+            messages = self._completion_requests(body, request_id)
         except InvalidRequestError as exc:
             raise generate_error(exc) from None
         created = int(time.time())
