@@ -119,6 +119,11 @@ class ResponseStore:
         except FileNotFoundError:
             return None
 
+    def has_events(self, response_id: str) -> bool:
+        """Whether the response keeps an event log (it was created streamed in the background)."""
+        path = self._path(response_id)
+        return path is not None and path.with_suffix(".events").exists()
+
     def drop_now(self, response_id: str) -> None:
         """Remove a background response's record that never ran (refused before its prompt was admitted)."""
         path = self._path(response_id)

@@ -182,7 +182,7 @@ class ResponsesRoutes:
             _require("starting_after" not in request.query, "starting_after", "starting_after needs stream=true")
             return json_response(found.response)
         assert self.store is not None
-        _require(await asyncio.to_thread(self.store.read_events, found.response["id"], 0) is not None, "stream",
+        _require(await asyncio.to_thread(self.store.has_events, found.response["id"]), "stream",
                  "this background response was not created with stream: true: it has no events to stream")
         return await self._stream_events(request, found, int(starting_after))
 
