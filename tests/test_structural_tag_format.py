@@ -212,3 +212,22 @@ def test_a_special_token_in_a_string_is_that_token(ll: llguidance.LLTokenizer, t
     thinking = grammar_text(_constraint(_tag("<|im_start|>", {"type": "any_text"}, "<|im_end|>")), ll)
     assert _accepts(ll, thinking, [im_start] + ids("free text") + [im_end])
     assert not _accepts(ll, thinking, [im_start] + ids("free text"))
+
+
+def test_nested_tags_written_twice_keep_the_grammar_linear(ll: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+    """triggered_tags with at_least_one writes each tag twice (whole first, then after its trigger): nested to the
+    depth bound, its content is one rule each time, not a copy (15 levels were 2^14 copies of the innermost: 3.3 MB
+    of grammar, seconds to build in the tokenizer and again in the worker, from a 2 KB body)."""
+    def nested(levels: int) -> dict[str, Any]:
+        inner: dict[str, Any] = {"type": "const_string", "value": "x"}
+        for _ in range(levels):
+            inner = {"type": "triggered_tags", "triggers": ["<a"], "at_least_one": True,
+                     "tags": [_tag("<a>", inner, "</a>")]}
+        return inner
+
+    levels = (MAX_FORMAT_DEPTH - 1) // 2  # each level is two format objects deep
+    one, deepest = grammar_text(_constraint(nested(1)), ll), grammar_text(_constraint(nested(levels)), ll)
+    assert len(deepest) < 2 * levels * len(one), len(deepest)
+    assert _accepts(ll, deepest, tokenizer.encode("<a>" * levels + "x" + "</a>" * levels, add_special_tokens=False))
+    assert not _accepts(ll, deepest, tokenizer.encode("<a>" * levels + "y" + "</a>" * levels,
+                                                      add_special_tokens=False))

@@ -277,6 +277,9 @@ class _FormatGrammar:
     side_grammars: list[dict[str, Any]] = field(default_factory=list)
     texts: dict[tuple[str, ...], str] = field(default_factory=dict)  # excluded strings -> terminal of free text
     specials: dict[str, bool] = field(default_factory=dict)  # `<...>` -> whether it is a special token
+    # id of a tag format -> the rule of its content: triggered_tags with at_least_one writes each tag twice (whole,
+    # then after its trigger), which nested would double the grammar at every level (2^14 copies at the depth bound)
+    contents: dict[int, str] = field(default_factory=dict)
 
     def rule(self, body: str, lazy: bool = False) -> str:
         """A new rule of `body`; its name. A lazy rule is one lexeme that ends where it first can."""
@@ -470,7 +473,9 @@ def _tag_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Follow, 
     """begin (less its first `skip` characters: a trigger written already), content, one of the ends; then
     follow. Free text in the content ends at the first end."""
     ends = _tag_ends(node)
-    body = _format_expr(g, node["content"], f"{at}.content", ends, ends)
+    body = g.contents.get(id(node))
+    if body is None:  # the content, followed by its ends, does not depend on skip or follow: one rule
+        body = g.contents[id(node)] = g.rule(_format_expr(g, node["content"], f"{at}.content", ends, ends))
     begin = node["begin"][skip:]
     return _then(g, f"{g.literal(begin)} {body}" if begin else body, follow)
 
