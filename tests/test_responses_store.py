@@ -243,6 +243,31 @@ def test_background_is_refused_unstored_and_so_is_a_stream_of_one_not_streamed(s
     assert _get(first, keys["one"], f"/v1/responses/{response_id}").status_code == 404
 
 
+def test_a_query_number_is_an_ascii_integer_and_a_parameter_comes_once(stacks: tuple[Any, Any, dict]) -> None:
+    """"²" passes str.isdigit and 5,000 digits pass it too, but int() refuses both (each was a 500); a parameter
+    given twice would have its second value ignored."""
+    from tests.harness import named_events
+
+    first, _, keys = stacks
+    streamed = first.post("/v1/responses", {"input": "numbers", "max_output_tokens": 3, "stream": True,
+                                            "background": True}, headers=_auth(keys["one"]))
+    made = named_events(streamed.content)[-1]["response"]
+    many = "9" * 5000
+    for path, param in (("?stream=true&starting_after=%C2%B2", "starting_after"),
+                        (f"?stream=true&starting_after={many}", "starting_after"),
+                        ("?stream=true&starting_after=%D9%A1", "starting_after"),  # an Arabic-Indic 1
+                        ("?stream=false&stream=true", "stream"), ("?stream=true&starting_after=1&starting_after=2",
+                                                                 "starting_after"),
+                        ("/input_items?limit=%C2%B2", "limit"), (f"/input_items?limit={many}", "limit"),
+                        ("/input_items?limit=1&limit=2", "limit"), ("/input_items?order=asc&order=desc", "order")):
+        refused = _get(first, keys["one"], f"/v1/responses/{made['id']}{path}")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (path[:60], refused.text)
+    assert _get(first, keys["one"], f"/v1/responses/{made['id']}/input_items?limit=1").json()["data"][0]["id"]
+    resumed = named_events(_get(first, keys["one"], f"/v1/responses/{made['id']}?stream=true&starting_after="
+                                f"{many[:18]}").content)
+    assert resumed == []  # past the last event: nothing more
+
+
 def test_a_streamed_background_response_runs_on_without_its_client_and_resumes_from_the_other_process(
         stacks: tuple[Any, Any, dict]) -> None:
     from tests.harness import named_events

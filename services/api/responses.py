@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -174,17 +175,18 @@ class ResponsesRoutes:
         if not found.response.get("background"):
             _no_query(request, ())
         _no_query(request, ("stream", "starting_after"))
-        stream, starting_after = request.query.get("stream", "false"), request.query.get("starting_after", "-1")
+        stream, starting_after = request.query.get("stream", "false"), _query_int(request, "starting_after", "-1")
         _require(stream in ("true", "false"), "stream", "stream must be true or false")
-        _require(starting_after == "-1" or starting_after.isdigit(), "starting_after",
+        _require(starting_after is not None and starting_after >= -1, "starting_after",
                  "starting_after must be an integer >= -1 (a sequence_number)")
+        assert starting_after is not None
         if stream == "false":
             _require("starting_after" not in request.query, "starting_after", "starting_after needs stream=true")
             return json_response(found.response)
         assert self.store is not None
         _require(await asyncio.to_thread(self.store.has_events, found.response["id"]), "stream",
                  "this background response was not created with stream: true: it has no events to stream")
-        return await self._stream_events(request, found, int(starting_after))
+        return await self._stream_events(request, found, starting_after)
 
     async def _stream_events(self, request: web.Request, found: StoredResponse, starting_after: int,
                              run: Run | None = None) -> web.StreamResponse:
@@ -215,17 +217,18 @@ class ResponsesRoutes:
         item id."""
         _no_query(request, ("order", "limit", "after"))
         items = list((await self._stored(request)).input_items)
-        order, limit, after = request.query.get("order", "desc"), request.query.get("limit", "20"), \
+        order, limit, after = request.query.get("order", "desc"), _query_int(request, "limit", "20"), \
             request.query.get("after")
         _require(order in ("asc", "desc"), "order", "order must be asc or desc")
-        _require(limit.isdigit() and 1 <= int(limit) <= 100, "limit", "limit must be an integer in [1, 100]")
+        _require(limit is not None and 1 <= limit <= 100, "limit", "limit must be an integer in [1, 100]")
+        assert limit is not None
         if order == "desc":
             items.reverse()
         if after is not None:
             ids = [item.get("id") for item in items]
             _require(after in ids, "after", f"no input item {after!r} in this response")
             items = items[ids.index(after) + 1:]
-        page = items[:int(limit)]
+        page = items[:limit]
         return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                               "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
 
@@ -268,7 +271,17 @@ def _tenant_name(request: web.Request) -> str:
 
 
 def _no_query(request: web.Request, allowed: tuple[str, ...]) -> None:
-    """Query parameters outside `allowed` (stream, include, ...) would be ignored: refused naming the first."""
+    """Query parameters outside `allowed` (stream, include, ...) would be ignored: refused naming the first; so would
+    a repeat of one (only the first is read)."""
     extra = next((name for name in request.query if name not in allowed), None)
     _require(extra is None, str(extra), f"the query parameter {extra!r} is not supported here"
                                         + (f" (this route takes {', '.join(allowed)})" if allowed else ""))
+    repeated = next((name for name in allowed if len(request.query.getall(name, ())) > 1), None)
+    _require(repeated is None, str(repeated), f"the query parameter {repeated!r} is given more than once")
+
+
+def _query_int(request: web.Request, name: str, default: str) -> int | None:
+    """A query parameter's integer: ASCII digits, at most 18 (str.isdigit passes "²", which int() refuses, and int()
+    refuses past 4300 digits: each was a 500), an optional minus; None when it is not one."""
+    value = request.query.get(name, default)
+    return int(value) if re.fullmatch(r"-?[0-9]{1,18}", value) else None
