@@ -365,6 +365,27 @@ def test_the_store_reads_only_its_own_ids_keeps_tenants_apart_and_holds_its_coun
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"{ids[1]}.json"]
 
 
+def test_a_running_background_response_is_not_dropped_past_the_count(tmp_path: Path) -> None:
+    """The oldest files go past the count, but not one still running: it read "not found" (no cancel could reach
+    it) while its run went on, and its end wrote it back."""
+    import asyncio
+
+    from pagoda.services.api.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(tmp_path / "kept", capacity=2)
+    running, *done = [f"resp_{i:032x}" for i in range(4)]
+    store.put_running(running, StoredResponse("one", {"id": running, "status": "in_progress"}, [], "host 1 1"))
+    for response_id in done:
+        store.put_now(response_id, StoredResponse("one", {"id": response_id, "status": "completed"}, []))
+    kept = asyncio.run(store.get(running, "one"))
+    assert kept is not None and kept.response["status"] == "in_progress"
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"{running}.json", f"{done[-1]}.json"]
+    assert store.end_now(running, StoredResponse("one", {"id": running, "status": "completed"}, [])) is None
+    store.put_now(done[0], StoredResponse("one", {"id": done[0], "status": "completed"}, []))
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir() if p.suffix == ".json") == sorted(
+        f"{rid}.json" for rid in (running, done[0]))  # ended, it is the newest but one
+
+
 def test_at_shutdown_a_running_background_response_ends_failed(stacks: tuple[Any, Any, dict]) -> None:
     """Last here: it stops the first api process (its drain's grace, 0.1 s, then every request still running fails)."""
     from tests.test_api import stop_stack

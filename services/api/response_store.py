@@ -3,7 +3,8 @@ one and GET / DELETE /v1/responses/{id} and its input_items read it.
 
 One JSON file a response in a folder every api process of the server shares (a response made by one process is
 read by another), written whole and renamed into place so that a reader never sees half a file. Past N files the
-oldest are removed. A response belongs to the tenant (API key) that made it: another tenant gets "not found".
+oldest are removed (a background response still running is kept). A response belongs to the tenant (API key) that
+made it: another tenant gets "not found".
 
 A background response (services/api/background.py) is written while it runs (queued, in_progress), then ends once:
 its terminal record is published by a hard link to `{id}.end`, which only the first of its run's end, a cancel
@@ -185,7 +186,10 @@ class ResponseStore:
 
     def _evict(self) -> None:
         """Past `capacity` files, remove the oldest (by modification time, which put_now sets to its clock's ns;
-        several processes may race to remove the same one)."""
+        several processes may race to remove the same one), but not a background response still running: it would
+        read "not found" and could not be cancelled while its run went on (and its end would write it back). So the
+        store holds its count of finished responses and those running; one whose process was killed stays running
+        until a read finds it so (BackgroundRuns.settle publishes it failed)."""
         try:
             self._drop_oldest()
         finally:
@@ -203,7 +207,14 @@ class ResponseStore:
         if len(files) <= self.capacity:
             return
         files.sort()
-        for _, path in files[:len(files) - self.capacity]:
+        num_excess = len(files) - self.capacity
+        for _, path in files:
+            if num_excess == 0:
+                break
+            found = self._read(Path(path))
+            if found is not None and found.owner:  # running (only a running record names its owner)
+                continue
+            num_excess -= 1
             stem = path.removesuffix(".json")
             for name in (path, stem + ".end", stem + ".events"):  # a background response's end and events with it
                 try:
