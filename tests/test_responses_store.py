@@ -386,6 +386,65 @@ def test_a_running_background_response_is_not_dropped_past_the_count(tmp_path: P
         f"{rid}.json" for rid in (running, done[0]))  # ended, it is the newest but one
 
 
+def test_a_streamed_runs_writes_go_in_order_off_the_event_loop(tmp_path: Path) -> None:
+    """A streamed background run's log lines and its end are written on a worker thread, never the event loop's, in
+    the order made, the end after the last event (the renderer publishes it first); its readers here see each event
+    once it is in the log, and the last once the end is published."""
+    import asyncio
+    import threading
+
+    from pagoda.services.api.background import BackgroundRuns, Run
+    from pagoda.services.api.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(tmp_path / "kept", capacity=4)
+    response_id = f"resp_{7:032x}"
+    writes: list[tuple[str, bytes]] = []
+    append_events, end_now = store.append_events, store.end_now
+
+    def appending(rid: str, lines: bytes) -> None:
+        writes.append((threading.current_thread().name, lines))
+        append_events(rid, lines)
+
+    def ending(rid: str, record: StoredResponse) -> StoredResponse | None:
+        writes.append((threading.current_thread().name, b"end"))
+        return end_now(rid, record)
+
+    store.append_events, store.end_now = appending, ending  # type: ignore[method-assign]
+    types = ["response.created", "response.in_progress", "response.output_text.delta", "response.completed"]
+    events = [{"type": kind, "sequence_number": i} for i, kind in enumerate(types)]
+
+    async def main() -> list[bytes]:
+        runs = BackgroundRuns(store)
+        run = Run(response_id, "one", None, [])  # type: ignore[arg-type]  # the renderer is not used here
+        store.put_running(response_id, run.record({"id": response_id, "status": "in_progress"}))
+        seen: list[bytes] = []
+
+        async def generate() -> None:
+            runs._log(run, events[:2])
+            await asyncio.sleep(0)
+            runs._log(run, events[2:3])
+            runs._publish(run, {"id": response_id, "status": "completed"})  # as closing() does: the end first
+            runs._log(run, events[3:])
+
+        async def read() -> None:
+            async for data in runs.events(StoredResponse("one", {"id": response_id}, []), -1, run):
+                if b"response.completed" in data:
+                    found = await store.get(response_id, "one")
+                    assert found is not None and found.response["status"] == "completed"
+                seen.append(data)
+
+        run.task = asyncio.create_task(runs._run(run, generate))
+        await asyncio.gather(run.task, read())
+        return seen
+
+    seen = asyncio.run(main())
+    assert writes and all(thread != threading.main_thread().name for thread, _ in writes), writes
+    assert writes[-1][1] == b"end" and [line for _, lines in writes[:-1] for line in lines.splitlines()] == [
+        json.dumps(event, separators=(",", ":")).encode() for event in events]
+    assert store.read_events(response_id, 0) == b"".join(lines for _, lines in writes[:-1])
+    assert [data.split(b"\n", 1)[0] for data in seen] == [f"event: {kind}".encode() for kind in types]
+
+
 def test_at_shutdown_a_running_background_response_ends_failed(stacks: tuple[Any, Any, dict]) -> None:
     """Last here: it stops the first api process (its drain's grace, 0.1 s, then every request still running fails)."""
     from tests.test_api import stop_stack

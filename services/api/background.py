@@ -15,9 +15,11 @@ only on what it owns). The api processes share nothing else (SO_REUSEPORT picks 
 share only the store's volume), so the owner looks at the folder for the `.end` of its runs, once every
 CANCEL_CHECK_S while it has any: one stat a run, off the event loop.
 
-Streamed (`stream: true`), a run's events go to its readers in this process as they are made and to its log in the
-store (`{id}.events`, one JSON event a line): GET /v1/responses/{id}?stream=true&starting_after=N from any process
-resumes them, reading another process's log again every TAIL_S until the last event (or the end, for a cancel).
+Streamed (`stream: true`), a run's events go to its log in the store (`{id}.events`, one JSON event a line) and then
+to its readers in this process: GET /v1/responses/{id}?stream=true&starting_after=N from any process resumes them,
+reading another process's log again every TAIL_S until the last event (or the end, for a cancel). A run's writes (its
+log's lines, then its end) go in order on a worker thread, one batch at a time, off the event loop; a reader here
+sees an event once it is in the log, and the last one once the end is published too.
 
 A process that dies without its shutdown (killed) cannot end its runs: their records name their owner (host, pid and
 the pid's start time), and a reader on the same host that finds the owner gone publishes them `failed` (`settle`).
@@ -148,7 +150,11 @@ class Run:
     # it at shutdown; "ended": its own end is published (a cancel seen now must not cut the task's last steps)
     ending: str = ""
     events: list[tuple[int, str, bytes]] = field(default_factory=list)  # streamed: (sequence_number, type, JSON)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when events are added
+    num_logged: int = 0  # of events: those written to the log (what its readers here see)
+    unlogged: bytes = b""  # the log's lines not yet handed to the writer
+    end: StoredResponse | None = None  # its terminal record, not yet handed to the writer
+    writer: asyncio.Task[None] | None = None  # the writes in flight (BackgroundRuns._write)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when its readers may go on
     refusal: PagodaError | None = None  # refused before its prompt was admitted: the POST's answer
 
     def record(self, response: dict[str, Any]) -> StoredResponse:
@@ -199,19 +205,43 @@ class BackgroundRuns:
         lines = [encode_json(event) for event in events]
         run.events += [(event["sequence_number"], event["type"], line) for event, line in zip(events, lines,
                                                                                              strict=True)]
-        try:
-            self.store.append_events(run.response_id, b"".join(line + b"\n" for line in lines))
-        except OSError as exc:
-            log.warning("could not log events of background response %s: %s", run.response_id, exc)
-        run.changed.set()
-        run.changed = asyncio.Event()
+        run.unlogged += b"".join(line + b"\n" for line in lines)
+        self._flush(run)
+
+    def _flush(self, run: Run) -> None:
+        """Hand the run's pending writes to its writer (started when none is running)."""
+        if run.writer is None or run.writer.done():
+            run.writer = asyncio.create_task(self._write(run), name=f"background writes {run.response_id}")
+
+    async def _write(self, run: Run) -> None:
+        """The run's pending writes, in order, until none is left: its log's new lines, then its end, on a worker
+        thread; then its readers here see those events (the renderer publishes the end before it makes the last
+        event: written together, the end goes after)."""
+        while run.unlogged or run.end is not None:
+            lines, end, num_events = run.unlogged, run.end, len(run.events)
+            run.unlogged, run.end = b"", None
+            await asyncio.to_thread(self._write_now, run.response_id, lines, end)
+            run.num_logged = num_events
+            _changed(run)
+
+    def _write_now(self, response_id: str, lines: bytes, end: StoredResponse | None) -> None:
+        if lines:
+            try:
+                self.store.append_events(response_id, lines)
+            except OSError as exc:
+                log.warning("could not log events of background response %s: %s", response_id, exc)
+        if end is not None:
+            try:
+                self.store.end_now(response_id, end)
+            except OSError as exc:
+                log.warning("could not write background response %s: %s", response_id, exc)
 
     async def _run(self, run: Run, generate: Callable[[], Awaitable[web.StreamResponse]]) -> None:
         """The generation, as any request's; its end published once (the renderer's on_final for a normal end)."""
         try:
             await generate()
         except asyncio.CancelledError:
-            if run.ending != "cancelled":  # the shutdown: failed, unless a cancel was published first
+            if run.ending not in ("cancelled", "ended"):  # the shutdown: failed, unless an end was published first
                 self._end(run, "failed", {"code": "server_error", "message": "the server shut down before the "
                                           "response finished"})
             raise
@@ -226,8 +256,12 @@ class BackgroundRuns:
             log.exception("background response %s failed", run.response_id)
             self._end(run, "failed", {"code": "server_error", "message": "internal server error"})
         finally:
-            self._runs.pop(run.response_id, None)
-            run.changed.set()  # its readers see the end (a cancelled run logs no last event)
+            try:
+                if run.writer is not None:  # its log and end written before it is done (a cancel may cut this)
+                    await asyncio.shield(run.writer)
+            finally:
+                self._runs.pop(run.response_id, None)
+                _changed(run)  # its readers see the end (a cancelled run logs no last event)
 
     def keep(self, run: Run) -> Callable[[dict[str, Any]], None]:
         """The renderer's on_final: a run's completed or incomplete object, published unless a cancel was first."""
@@ -243,22 +277,25 @@ class BackgroundRuns:
         self._publish(run, response)
 
     def _publish(self, run: Run, response: dict[str, Any]) -> None:
+        """The run's end, published by its writer after the events before it (a second one loses, as to a
+        cancel)."""
         run.ending = run.ending or "ended"
-        try:
-            self.store.end_now(run.response_id, run.record(response))
-        except OSError as exc:
-            log.warning("could not write background response %s: %s", run.response_id, exc)
+        if run.end is None:
+            run.end = run.record(response)
+        self._flush(run)
 
     async def cancel(self, found: StoredResponse) -> dict[str, Any]:
         """Cancel a background response that was still running when read: `cancelled` published (or, when its run
         ended first, that end), and its run aborted here or by its own process (the module's docstring)."""
         response = {**found.response, "status": "cancelled"}
         response_id = response["id"]
+        run = self._runs.get(response_id)
+        if run is not None and run.ending == "ended" and run.writer is not None:
+            await asyncio.shield(run.writer)  # its own end is decided (its writer has it): that end answers
         first = await asyncio.to_thread(self.store.end_now, response_id, StoredResponse(
             found.tenant, response, found.input_items))
         if first is not None:
             return first.response  # it ended (or was cancelled) first: that end, as a second cancel answers
-        run = self._runs.get(response_id)
         if run is not None and run.task is not None:
             run.ending = "cancelled"
             run.task.cancel()  # its _generate's finally sends the abort
@@ -303,10 +340,10 @@ class BackgroundRuns:
     async def _run_events(self, run: Run) -> AsyncIterator[tuple[int, str, bytes]]:
         i = 0
         while True:
-            while i < len(run.events):
+            while i < run.num_logged:
                 yield run.events[i]
                 i += 1
-            if run.task is None or run.task.done():
+            if run.task is None or (run.task.done() and (run.writer is None or run.writer.done())):
                 return
             await run.changed.wait()
 
@@ -348,6 +385,13 @@ class BackgroundRuns:
             assert run.task is not None
             run.task.cancel()
         await asyncio.gather(*(run.task for run in runs if run.task is not None), return_exceptions=True)
+        await asyncio.gather(*(run.writer for run in runs if run.writer is not None), return_exceptions=True)
         if self._watch is not None:
             self._watch.cancel()
         log.debug("background responses ended in %.3f s", time.monotonic() - started)
+
+
+def _changed(run: Run) -> None:
+    """Wake the run's readers here (each waits on the event of its time)."""
+    run.changed.set()
+    run.changed = asyncio.Event()
