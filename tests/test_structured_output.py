@@ -407,22 +407,28 @@ def test_json_schema_answers_validate_for_each_of_5_schemas(server: Server, num_
 def test_json_object_guided_choice_and_regex(server: Server, ll: llguidance.LLTokenizer,
                                              tokenizer: Tokenizer) -> None:
     client = server.client(timeout=600)
+    choices = ["positive", "negative", "neutral"]
+    grammar = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
+    # the four requests are independent: sent at once (the engine batches them), each checked on its own below
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        dogs_job = pool.submit(_chat, client, "Give me a JSON object about dogs.", max_tokens=80,
+                               response_format={"type": "json_object"})
+        choice_job = pool.submit(_chat, client, "I love this!", n=3, max_tokens=10, temperature=1.0,
+                                 extra_body={"guided_choice": choices})
+        regex_job = pool.submit(client.completions.create, model=SERVED, prompt="My phone number is", max_tokens=20,
+                                extra_body={"structured_outputs": {"regex": r"\d{3}-\d{3}-\d{4}"}})
+        grammar_job = pool.submit(client.completions.create, model=SERVED, prompt="2+2?", max_tokens=20,
+                                  extra_body={"guided_grammar": grammar})
     # json_object bounds nothing: the answer must be a valid JSON prefix, and a whole object when it stopped
-    dogs = _chat(client, "Give me a JSON object about dogs.", max_tokens=80,
-                 response_format={"type": "json_object"}).choices[0]
+    dogs = dogs_job.result().choices[0]
     text = dogs.message.content or ""
     assert text.startswith("{") and _is_prefix(ll, tokenizer, StructuredOutputs(json_object=True), text), text
     assert dogs.finish_reason == "length" or isinstance(json.loads(text), dict), (dogs.finish_reason, text)
-    choices = ["positive", "negative", "neutral"]
-    for n_choice in _chat(client, "I love this!", n=3, max_tokens=10, temperature=1.0,
-                          extra_body={"guided_choice": choices}).choices:
+    for n_choice in choice_job.result().choices:
         assert n_choice.message.content in choices and n_choice.finish_reason == "stop"
-    completion = client.completions.create(model=SERVED, prompt="My phone number is", max_tokens=20,
-                                           extra_body={"structured_outputs": {"regex": r"\d{3}-\d{3}-\d{4}"}})
+    completion = regex_job.result()
     assert re.fullmatch(r"\d{3}-\d{3}-\d{4}", completion.choices[0].text)
-    grammar = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
-    text = client.completions.create(model=SERVED, prompt="2+2?", max_tokens=20,
-                                     extra_body={"guided_grammar": grammar}).choices[0].text
+    text = grammar_job.result().choices[0].text
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", text)
 
 
