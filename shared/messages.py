@@ -457,6 +457,8 @@ def check_structural_tag(text: str) -> None:
         spec = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"structural_tag is not JSON: {exc}", param=param) from None
+    except RecursionError:  # the decoder recurses per level; the body's depth check does not look into a string
+        raise InvalidRequestError("structural_tag nests arrays or objects thousands deep", param=param) from None
     _check(isinstance(spec, dict), param, "structural_tag must be a JSON object of structures and triggers, or of "
                                           "a format")
     _check(spec.get("type", "structural_tag") == "structural_tag", param, "structural_tag's type must be "

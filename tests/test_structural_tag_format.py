@@ -100,6 +100,16 @@ def test_the_offline_guided_decoding_params_take_the_format_form() -> None:
     assert constraint == StructuredOutputs(structural_tag=text) and constraint.validate()
 
 
+def test_a_structural_tag_text_nested_thousands_deep_is_refused() -> None:
+    """The text form is decoded apart from the body (whose depth check sees a string): msgspec raised RecursionError
+    past ~1000 levels, a 500."""
+    deep = '{"type": "optional", "content": ' * 20_000 + '{"type": "const_string", "value": "x"}' + "}" * 20_000
+    for text in (f'{{"type": "structural_tag", "format": {deep}}}', "[" * 20_000 + "]" * 20_000):
+        with pytest.raises(InvalidRequestError) as caught:
+            StructuredOutputs(structural_tag=text).validate()
+        assert caught.value.param == TAG and "deep" in caught.value.message, caught.value.message
+
+
 @pytest.mark.parametrize(("fmt", "where"), [
     ({"type": "sequence", "elements": [{"type": "any_text"}, {"type": "json_schema", "json_schema": CITY}]},
      "format.elements[0]"),  # nothing ends the text
