@@ -931,12 +931,15 @@ def test_hello_carries_the_generation_configs_sampling_defaults(tmp_path: Path) 
                 # vLLM's --override-generation-config, over the file (null unsets a key)
                 (("--override-generation-config", '{"temperature": 0.2, "top_k": null}'),
                  {"temperature": 0.2, "top_p": 0.95, "min_p": 0, "repetition_penalty": 1.1, "max_tokens": 512})]
-    for args, defaults in expected:
-        harness = Harness(model_dir, *args)
-        try:
+    harnesses: list[Harness] = []
+    try:
+        for args, _ in expected:  # the four processes start at once (each its own sockets), then each is asked
+            harnesses.append(Harness(model_dir, *args))
+        for harness, (args, defaults) in zip(harnesses, expected, strict=True):
             hello = harness.expect_api(lambda m: isinstance(m, TokenizerHello), STARTUP_TIMEOUT, "hello")
             assert hello.sampling_defaults == defaults, args
-        finally:
+    finally:
+        for harness in harnesses:
             harness.close()
 
 
