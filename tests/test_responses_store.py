@@ -216,6 +216,21 @@ def test_cancel_aborts_a_running_background_response_from_either_api_process(sta
         assert _cancel(first, one, made["id"]).json() == cancelled.json()  # idempotent
 
 
+def test_a_response_cancelled_and_deleted_from_the_other_process_stays_deleted(stacks: tuple[Any, Any, dict]) -> None:
+    """A delete right after another process's cancel removed the end the owner looks for: its run went on to the
+    end of its tokens and then wrote the response back. The owner takes the deleted record for a cancel."""
+    first, second, keys = stacks
+    one = keys["one"]
+    made = _create(first, one, {"input": "held then deleted", "background": True})
+    assert _cancel(second, one, made["id"]).json()["status"] == "cancelled"
+    deleted = HTTP.delete(second.url + f"/v1/responses/{made['id']}", headers=_auth(one), timeout=10)
+    assert deleted.status_code == 200, deleted.text
+    aborted, response_id = first.tokenizer.aborted, made["id"]
+    wait_until(lambda: response_id in aborted, 5.0, "the abort of a cancelled, deleted response")
+    for stack in (first, second):
+        assert _get(stack, one, f"/v1/responses/{made['id']}").status_code == 404
+
+
 def test_a_background_response_counts_against_its_tenants_concurrency(stacks: tuple[Any, Any, dict]) -> None:
     first, _, keys = stacks
     solo = keys["solo"]  # max_concurrent 1
@@ -384,6 +399,27 @@ def test_a_running_background_response_is_not_dropped_past_the_count(tmp_path: P
     store.put_now(done[0], StoredResponse("one", {"id": done[0], "status": "completed"}, []))
     assert sorted(p.name for p in (tmp_path / "kept").iterdir() if p.suffix == ".json") == sorted(
         f"{rid}.json" for rid in (running, done[0]))  # ended, it is the newest but one
+
+
+def test_a_deleted_background_response_is_not_written_back(tmp_path: Path) -> None:
+    """Cancelled by one process and deleted: the owner's run, which had not seen the cancel, takes the delete for
+    one, and its late events and end write nothing back."""
+    import asyncio
+
+    from pagoda.services.api.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(tmp_path / "kept", capacity=4)
+    response_id = f"resp_{9:032x}"
+    store.put_running(response_id, StoredResponse("one", {"id": response_id, "status": "in_progress"}, [], "h 1 1"))
+    store.append_events(response_id, b'{"type":"response.created","sequence_number":0}\n')
+    assert not store.ended(response_id)
+    assert store.end_now(response_id, StoredResponse("one", {"id": response_id, "status": "cancelled"}, [])) is None
+    assert asyncio.run(store.delete(response_id, "one"))
+    assert store.ended(response_id)  # what the owner's watch asks: its run is cancelled
+    store.append_events(response_id, b'{"type":"response.completed","sequence_number":1}\n')
+    store.end_now(response_id, StoredResponse("one", {"id": response_id, "status": "completed"}, []))
+    assert asyncio.run(store.get(response_id, "one")) is None
+    assert list((tmp_path / "kept").iterdir()) == []
 
 
 def test_a_streamed_runs_writes_go_in_order_off_the_event_loop(tmp_path: Path) -> None:

@@ -147,7 +147,8 @@ class Run:
     task: asyncio.Task[None] | None = None
     accepted: asyncio.Event = field(default_factory=asyncio.Event)
     # "cancelled": its end is published by a cancel (this process cancels its task); "shutdown": this process cancels
-    # it at shutdown; "ended": its own end is published (a cancel seen now must not cut the task's last steps)
+    # it at shutdown; "ended": its own end is published (a cancel seen now must not cut the task's last steps);
+    # "refused": refused before its prompt was admitted (its record is dropped)
     ending: str = ""
     events: list[tuple[int, str, bytes]] = field(default_factory=list)  # streamed: (sequence_number, type, JSON)
     num_logged: int = 0  # of events: those written to the log (what its readers here see)
@@ -247,7 +248,7 @@ class BackgroundRuns:
             raise
         except PagodaError as exc:
             if not run.accepted.is_set():  # refused before it ran: the POST answers with the error
-                run.refusal = exc
+                run.refusal, run.ending = exc, "refused"  # its record dropped now is no delete to watch for
                 await asyncio.to_thread(self.store.drop_now, run.response_id)
                 return
             self._end(run, "failed", {"code": "server_error" if exc.http_status >= 500 else exc.code or
@@ -312,7 +313,8 @@ class BackgroundRuns:
         return first if first is not None else record
 
     async def _watch_cancels(self) -> None:
-        """Cancel the runs whose end another process published (a cancel), while there are any."""
+        """Cancel the runs whose end another process published (a cancel), or whose record it deleted after one
+        (before this look), while there are any."""
         try:
             while self._runs:
                 await asyncio.sleep(CANCEL_CHECK_S)

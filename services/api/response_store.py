@@ -89,7 +89,8 @@ class ResponseStore:
 
     def end_now(self, response_id: str, record: StoredResponse) -> StoredResponse | None:
         """Publish a background response's terminal record, once (see the module's docstring): None when this call
-        did, else the record that ended it first (kept unchanged)."""
+        did, else the record that ended it first (kept unchanged). One deleted meanwhile (cancelled by another
+        process, then deleted before its run saw the cancel) stays deleted: nothing is written back."""
         path = self._path(response_id)
         assert path is not None, response_id
         temporary = self._temporary(path, record)
@@ -98,15 +99,22 @@ class ResponseStore:
         except FileExistsError:
             temporary.unlink()
             return self._read(path.with_suffix(".end"))
+        if not path.exists():  # deleted (a running record is never dropped past the count)
+            for name in (temporary, path.with_suffix(".end"), path.with_suffix(".events")):
+                name.unlink(missing_ok=True)
+            return None
         os.replace(temporary, path)
         self._count_put()
         return None
 
     def append_events(self, response_id: str, lines: bytes) -> None:
         """A streamed background response's events, one JSON object a line, added to its log `{id}.events` (read
-        from any api process to resume the stream). One write: a reader may see a line cut short, never reordered."""
+        from any api process to resume the stream). One write: a reader may see a line cut short, never reordered.
+        Nothing once the response is deleted (its run may not have seen the cancel yet)."""
         path = self._path(response_id)
         assert path is not None, response_id
+        if not path.exists():
+            return
         with open(path.with_suffix(".events"), "ab") as log:
             log.write(lines)
 
@@ -133,9 +141,10 @@ class ResponseStore:
             path.with_suffix(".events").unlink(missing_ok=True)
 
     def ended(self, response_id: str) -> bool:
-        """A background response's terminal record is published (it may be in no api process's hands any more)."""
+        """A background response's terminal record is published (it may be in no api process's hands any more), or
+        it is deleted (a cancel from another process, then a delete before its run looked)."""
         path = self._path(response_id)
-        return path is not None and path.with_suffix(".end").exists()
+        return path is None or path.with_suffix(".end").exists() or not path.exists()
 
     def _temporary(self, path: Path, record: StoredResponse) -> Path:
         """The record written whole beside `path`, stamped now, to be renamed or linked into place."""
