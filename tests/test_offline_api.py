@@ -99,11 +99,12 @@ def test_stop_reason_names_the_stop_string_or_token(llm: LLM) -> None:
     greedy = llm.generate(["The capital of France is"], GREEDY)[0].outputs[0]
     word = greedy.text.split()[0]
     assert greedy.finish_reason == "length" and greedy.stop_reason is None
-    by_id = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8,
-                                                                       stop_token_ids=[greedy.token_ids[1]]))
-    assert (by_id[0].outputs[0].finish_reason, by_id[0].outputs[0].stop_reason) == ("stop", greedy.token_ids[1])
-    by_string = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, stop=[word]))
-    assert (by_string[0].outputs[0].finish_reason, by_string[0].outputs[0].stop_reason) == ("stop", word)
+    # the two stopped requests are independent: one generate (the engine batches them)
+    by_id, by_string = llm.generate(["The capital of France is"] * 2, [
+        SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[greedy.token_ids[1]]),
+        SamplingParams(temperature=0.0, max_tokens=8, stop=[word])])
+    assert (by_id.outputs[0].finish_reason, by_id.outputs[0].stop_reason) == ("stop", greedy.token_ids[1])
+    assert (by_string.outputs[0].finish_reason, by_string.outputs[0].stop_reason) == ("stop", word)
 
 
 def test_repetition_detection_ends_a_loop_offline(llm: LLM) -> None:
@@ -277,24 +278,25 @@ def test_stop_string_cuts_the_text_and_ends_the_sequence(llm: LLM) -> None:
     text = base.outputs[0].text
     stop = text[len(text) // 3:len(text) // 3 + 3]
     assert stop.strip(), "the greedy text is too short to pick a stop string from"
-    cut = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))[0]
+    # the cut and the kept request are independent: one generate (the engine batches them)
+    cut, kept = llm.generate(["Count: one, two, three,"] * 2, [
+        SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=True)])
     assert cut.outputs[0].text == text[:text.index(stop)]
     assert cut.outputs[0].finish_reason == "stop"
     assert len(cut.outputs[0].token_ids) < len(base.outputs[0].token_ids)
-    kept = llm.generate(["Count: one, two, three,"], SamplingParams(
-        temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0]
     assert kept.outputs[0].text == text[:text.index(stop) + len(stop)]
 
 
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     base = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
     stop_id = base.token_ids[3]
-    stopped = llm.generate(["Count: one, two, three,"], SamplingParams(
-        temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]))[0].outputs[0]
+    # the stopped and the held request are independent: one generate (the engine batches them)
+    stopped, held = (out.outputs[0] for out in llm.generate(["Count: one, two, three,"] * 2, [
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=10)]))
     assert stopped.token_ids == base.token_ids[:base.token_ids.index(stop_id) + 1]
     assert stopped.finish_reason == "stop"
-    held = llm.generate(["Count: one, two, three,"], SamplingParams(
-        temperature=0.0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=10))[0].outputs[0]
     assert stop_id not in held.token_ids[:10]
     assert len(held.token_ids) >= 10
 
@@ -303,11 +305,11 @@ def test_logit_bias_steers_greedy_decoding(llm: LLM) -> None:
     prompt = "Count: one, two, three,"
     base = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].token_ids
     forced_id = base[5]  # a token the model would only say later
-    forced = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                                   logit_bias={forced_id: 100.0}))[0].outputs[0]
+    # the forced and the avoided request are independent: one generate (the engine batches them)
+    forced, avoided = (out.outputs[0] for out in llm.generate([prompt] * 2, [
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={forced_id: 100.0}),
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias={base[0]: -100.0})]))
     assert forced.token_ids == [forced_id] * 4
-    avoided = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
-                                                    logit_bias={base[0]: -100.0}))[0].outputs[0]
     assert avoided.token_ids[0] != base[0] and base[0] not in avoided.token_ids
     # Bias in one request leaves its batch companions alone.
     both = llm.generate([prompt, prompt], [SamplingParams(temperature=0.0, max_tokens=8),
@@ -644,22 +646,29 @@ def test_truncate_prompt_tokens_runs_the_kept_tokens(llm: LLM) -> None:
     of a prompt too long for it (the fixture's 512: 511 tokens and one to generate); a larger k changes nothing."""
     text = "The capital of France is Paris, and the capital of Spain is"
     ids = llm.get_tokenizer().encode(text)
-    for side, kept in ((None, ids[-6:]), ("right", ids[:6])):
-        params = SamplingParams(**GREEDY_ARGS, truncate_prompt_tokens=6, truncation_side=side, prompt_logprobs=0)
-        [truncated] = llm.generate([text], params)
-        [alone] = llm.generate([kept], SamplingParams(**GREEDY_ARGS))
+    sides = ((None, ids[-6:]), ("right", ids[:6]))
+    # each side's truncated prompt and its kept tokens sent alone, and the whole prompt: one generate (independent
+    # requests; the engine batches them)
+    outputs = llm.generate([p for _, kept in sides for p in (text, kept)] + [text], [
+        *(p for side, _ in sides for p in (
+            SamplingParams(**GREEDY_ARGS, truncate_prompt_tokens=6, truncation_side=side, prompt_logprobs=0),
+            SamplingParams(**GREEDY_ARGS))),
+        SamplingParams(**GREEDY_ARGS, truncate_prompt_tokens=len(ids) + 5)])
+    for i, (_, kept) in enumerate(sides):
+        truncated, alone = outputs[2 * i], outputs[2 * i + 1]
         assert truncated.prompt_token_ids == kept and truncated.prompt == text  # vLLM's: the prompt as given
         assert truncated.outputs[0].token_ids == alone.outputs[0].token_ids
         assert truncated.prompt_logprobs is not None and len(truncated.prompt_logprobs) == 6
-    [whole] = llm.generate([text], SamplingParams(**GREEDY_ARGS, truncate_prompt_tokens=len(ids) + 5))
+    whole = outputs[-1]
     assert whole.prompt_token_ids == ids
     too_long = "word " * 600
     with pytest.raises(ContextLengthError):
         llm.generate([too_long], SamplingParams(temperature=0.0, max_tokens=1))
-    [fitted] = llm.generate([too_long], SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=-1))
+    fitted, roomy = llm.generate([too_long] * 2, [  # independent: one generate
+        SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=-1),
+        SamplingParams(temperature=0.0, max_tokens=3, truncate_prompt_tokens=-1)])
     assert fitted.prompt_token_ids == llm.get_tokenizer().encode(too_long)[-511:]
     assert len(fitted.outputs[0].token_ids) == 1
-    [roomy] = llm.generate([too_long], SamplingParams(temperature=0.0, max_tokens=3, truncate_prompt_tokens=-1))
     assert roomy.prompt_token_ids == llm.get_tokenizer().encode(too_long)[-509:]  # room left for max_tokens
     assert len(roomy.outputs[0].token_ids) == 3
 
