@@ -222,6 +222,7 @@ _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
 
 _JSON_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _EMPTY_PAIR_RE = re.compile(rb"\[\]|\{\}")
+_ESCAPE_RE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)  # a JSON escape; \uXXXX gives its hex digits
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
@@ -250,9 +251,37 @@ def decode_body(data: bytes, kind: type[T]) -> T:
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        raise InvalidRequestError(_decode_error(data, exc)) from None
     except RecursionError:
         raise InvalidRequestError(f"the request body nests more than {MAX_JSON_DEPTH} deep") from None
+
+
+def _decode_error(data: bytes, exc: msgspec.DecodeError) -> str:
+    lone = _lone_surrogate(data)
+    if lone is not None:  # JSON's grammar allows it, Unicode text does not (msgspec may call it "truncated")
+        start, digits = lone
+        return (f"the request body is not valid JSON: a string holds the unpaired UTF-16 surrogate \\u{digits} "
+                f"(byte {start}), which no Unicode text can hold (a surrogate pair cut in half?)")
+    return f"the request body is not valid JSON: {exc}"
+
+
+def _lone_surrogate(data: bytes) -> tuple[int, str] | None:
+    """The first \\uD800-\\uDFFF escape not in a high-then-low pair: (its byte offset, its hex digits)."""
+    high: re.Match[bytes] | None = None  # a high surrogate waiting for its low half right after it
+    for escape in _ESCAPE_RE.finditer(data):
+        code = int(escape.group(1), 16) if escape.group(1) else -1
+        if high is not None:
+            if 0xDC00 <= code <= 0xDFFF and escape.start() == high.end():
+                high = None
+                continue
+            break
+        if 0xD800 <= code <= 0xDBFF:
+            high = escape
+        elif 0xDC00 <= code <= 0xDFFF:
+            return escape.start(), escape.group(1).decode()
+    if high is not None:
+        return high.start(), high.group(1).decode()
+    return None
 
 
 def _validation_error(text: str) -> InvalidRequestError:
