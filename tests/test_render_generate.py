@@ -71,7 +71,7 @@ def test_rendered_sampling_params_come_back_as_the_same_params(params: SamplingP
     ({"sampling_params": {"thinking_token_budget": 8}}, "sampling_params.thinking_token_budget", "chat prompt"),
     ({"sampling_params": {"nonsense": 1}}, "sampling_params.nonsense", "Unrecognized"),
     ({"sampling_params": {"detokenize": False}}, "sampling_params.detokenize", "must be true"),
-    ({"sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "temperature"),
+    ({"sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "'sampling_params.temperature'"),
     ({"features": {"mm_hashes": {}}}, "features", "multimodal"),
     ({"kv_transfer_params": {"x": 1}}, "kv_transfer_params", "KV transfer"),
     ({"token_ids": []}, "token_ids", ""),

@@ -132,6 +132,9 @@ def generate_error(exc: PagodaError) -> PagodaError:
             exc.param = "token_ids" + param[len(head):]
         elif head in SAMPLING_FIELDS:
             exc.param = f"sampling_params.{param}"
+        if exc.param != param:  # the message quotes the field by the name it has in the generate body too
+            exc.message = exc.message.replace(f"'{param}'", f"'{exc.param}'")
+            exc.args = (exc.message,)
     return exc
 
 
