@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class ResponseStore:
         self.evict_every = max(1, capacity // 64)
         self._puts = 0
         self._evicting = False
+        self._count_lock = threading.Lock()  # puts come from the event loop's thread and from worker threads
         folder.mkdir(parents=True, exist_ok=True)
 
     async def get(self, response_id: str, tenant: str) -> StoredResponse | None:
@@ -156,10 +158,11 @@ class ResponseStore:
         return temporary
 
     def _count_put(self) -> None:
-        self._puts += 1
-        if self._puts % self.evict_every or self._evicting:
-            return
-        self._evicting = True
+        with self._count_lock:
+            self._puts += 1
+            if self._puts % self.evict_every or self._evicting:
+                return
+            self._evicting = True
         if self.evict_every == 1:  # a store of < 128: its scan is short, so the count holds exactly
             self._evict()
             return
