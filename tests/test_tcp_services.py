@@ -192,9 +192,12 @@ def test_container_healthcheck_script(cluster: Cluster) -> None:
 
 def test_requests_land_on_both_tokenizers(cluster: Cluster) -> None:
     client = cluster.client()
-    for i in range(6):
-        cluster.num_generations += 1
-        response = client.completions.create(model=SERVED, prompt=f"Count to {i + 3}:", max_tokens=4, temperature=0)
+    cluster.num_generations += 6
+    # six independent requests sent at once (the engine batches them; the api spreads them over the tokenizers)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda i: client.completions.create(model=SERVED, prompt=f"Count to {i + 3}:",
+                                                                      max_tokens=4, temperature=0), range(6)))
+    for response in responses:
         assert response.choices[0].finish_reason == "length"
     counts = cluster.settled_tokenizer_counts()
     assert set(counts) == set(TOKENIZER_IDS) and all(n > 0 for n in counts.values()), counts
