@@ -100,13 +100,6 @@ def uncached_llm(smollm2_dir: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def default_llm(smollm2_dir: Path) -> LLM:
-    """The default engine (prefix caching on), shared by the two tests that built one each (~1 s of CPU a build in
-    this process): each records its plans only while it runs, and the prefix-cache test empties the cache first."""
-    return LLM(str(smollm2_dir))
-
-
-@pytest.fixture(scope="module")
 def unhurried(uncached_llm: LLM, prompts: list[list[int]]) -> list:  # list[RequestOutput]
     """prompts[6:12] (64-230 tokens) with room for all: 16 greedy tokens with their logprobs, and the prompts'
     scores; what the preemption tests' cramped engines must give (each compared its own run of these before)."""
@@ -119,8 +112,8 @@ def _pagoda_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
-def _record_plans(llm: LLM, monkeypatch: pytest.MonkeyPatch | None = None) -> list[StepPlan]:
-    """Spy on the plans the engine sends its runner (until the test ends, with a monkeypatch: a shared engine)."""
+def _record_plans(llm: LLM) -> list[StepPlan]:
+    """Spy on the plans the engine sends its runner."""
     plans: list[StepPlan] = []
     runner = llm.engine.runner
     launch = runner.launch
@@ -129,17 +122,14 @@ def _record_plans(llm: LLM, monkeypatch: pytest.MonkeyPatch | None = None) -> li
         plans.append(plan)
         return launch(plan)
 
-    if monkeypatch is None:
-        runner.launch = recording  # type: ignore[method-assign]
-    else:
-        monkeypatch.setattr(runner, "launch", recording)
+    runner.launch = recording  # type: ignore[method-assign]
     return plans
 
 
-def test_greedy_matches_transformers_batched(default_llm: LLM, greedy_prompts,  # noqa: ANN001
-                                             check_hf_greedy, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    llm = default_llm
-    plans = _record_plans(llm, monkeypatch)
+def test_greedy_matches_transformers_batched(smollm2_dir: Path, greedy_prompts,  # noqa: ANN001
+                                             check_hf_greedy) -> None:  # noqa: ANN001
+    llm = LLM(str(smollm2_dir))
+    plans = _record_plans(llm)
     check_hf_greedy(greedy_prompts, _pagoda_greedy(llm, greedy_prompts))
     assert max(len(plan.seq_ids) for plan in plans) == len(greedy_prompts), "the prompts never ran together"
 
@@ -303,16 +293,14 @@ def test_logits_match_transformers_tiny_qwen3(tmp_path: Path) -> None:
             assert (ours - expected).abs().amax(dim=-1).min().item() <= 1e-3
 
 
-def test_prefix_cache_recomputes_only_the_tail(default_llm: LLM, prompts, uncached_llm: LLM,  # noqa: ANN001
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = default_llm
-    assert llm.reset_prefix_cache()  # cold, as a new engine (the shared one ran the greedy prompts)
+def test_prefix_cache_recomputes_only_the_tail(smollm2_dir: Path, prompts, uncached_llm: LLM) -> None:  # noqa: ANN001
+    llm = LLM(str(smollm2_dir))
     shared = (prompts[15] * 2)[:256]
     first = shared + prompts[3][:20]
     second = shared + prompts[5][:30]
     params = SamplingParams(temperature=0.0, max_tokens=16)
     llm.generate([first], params)
-    plans = _record_plans(llm, monkeypatch)
+    plans = _record_plans(llm)
     [cached_output] = llm.generate([second], params)
     seq_id = plans[0].new_requests[0].seq_id
     computed = sum(count for plan in plans for req, count in zip(plan.seq_ids, plan.num_scheduled_tokens,
