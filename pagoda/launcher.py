@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -115,18 +117,49 @@ def _die_with_parent() -> None:
         pass
 
 
+# free_ports draws from here up to the kernel's ephemeral range (below 1024 needs root; 1024-9999 holds many
+# well-known services' ports)
+CHOSEN_PORTS_LOW = 10_000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports that were free a moment ago (all held open together while chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """`count` distinct loopback ports that were free a moment ago (all held open together while chosen), drawn
+    at random below the kernel's ephemeral range. A port the kernel hands out itself (a bind to port 0, as a ZeroMQ
+    wildcard bind; the local end of an outgoing connection) is never one chosen here and not yet bound by the
+    process it was chosen for: when both came from that range, a service's wildcard bind took a port a moment
+    after it was chosen for another's HTTP server ("address already in use")."""
+    sockets: list[socket.socket] = []
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
+        for port in _candidate_ports(count):
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use (or, for port 0, nothing left: let it raise below)
+                sock.close()
+                if port == 0:
+                    raise
+                continue
+            sockets.append(sock)
+            if len(sockets) == count:
+                return [int(held.getsockname()[1]) for held in sockets]
+        raise OSError(f"no {count} free loopback ports")
     finally:
         for sock in sockets:
             sock.close()
 
 
+def _candidate_ports(count: int) -> Iterator[int]:
+    """Random ports from CHOSEN_PORTS_LOW up to the ephemeral range, then 0 (the kernel's choice) for what is
+    still missing: where that range starts too low to leave room, or its ports are taken."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32_768  # Linux's default
+    if ephemeral_low - CHOSEN_PORTS_LOW >= 64 * count:
+        yield from random.sample(range(CHOSEN_PORTS_LOW, ephemeral_low), 16 * count)
+    while True:
+        yield 0
 def visible_devices(visible: str | None) -> list[str]:
     """The GPUs the launcher may hand out: CUDA_VISIBLE_DEVICES, else the /dev/nvidiaN nodes (none on CPU)."""
     if visible is not None:

@@ -5,6 +5,8 @@ their longer start counted in."""
 
 from __future__ import annotations
 
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -12,12 +14,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from pagoda import launcher
 from pagoda.launcher import (
+    CHOSEN_PORTS_LOW,
+    EPHEMERAL_RANGE,
     MAX_RESTART_DELAY_S,
     REPLICA_QUICK_FAILURE_S,
     Child,
     Launcher,
     ReplicaBackoff,
+    free_ports,
     restart_delay,
 )
 
@@ -138,3 +144,20 @@ def test_a_max_model_len_past_the_models_context_is_refused_before_any_process_s
     err = capsys.readouterr().err
     assert err == f"pagoda: error: max_model_len {limit + 1} exceeds the model's context of {limit} tokens\n", err
     assert not list(tmp_path.glob("*.sock"))
+
+
+def test_free_ports_are_below_the_kernels_ephemeral_range_and_skip_taken_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chosen ports never come from the range the kernel hands out for port-0 binds (a ZeroMQ wildcard bind took a
+    port a moment after the tests chose it for another api's HTTP server), and a port in use is passed over."""
+    ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(CHOSEN_PORTS_LOW <= port < ephemeral_low for port in ports), ports
+    with socket.socket() as taken:  # a listening port among the first candidates is skipped
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        monkeypatch.setattr(random, "sample", lambda population, k: [ports[0], ports[1]] + [ports[2]] * (k - 2))
+        assert free_ports(2) == [ports[1], ports[2]]
+    monkeypatch.setattr(launcher, "CHOSEN_PORTS_LOW", ephemeral_low - 10)  # no room: the kernel's ports
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(port >= ephemeral_low for port in ports), ports
