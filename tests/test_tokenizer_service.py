@@ -797,6 +797,27 @@ def test_a_conversation_of_many_tool_calls_renders_off_the_loop(tok: Harness, to
     assert tok.expect_reply(large_id, RequestFailed, timeout=60.0).code == "context_length_exceeded"
 
 
+def test_a_requests_own_chat_template_renders_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:
+    """A request's own chat_template (--trust-request-chat-template) costs what its loops cost, whatever the body's
+    size: on the loop, a 90-byte template of nested range() calls silenced the heartbeats until the api and the
+    scheduler dropped the tokenizer (every request on it a 503). It renders on a thread, for generation and for a
+    count alike: a small request sent after each is answered first, and each still gets its answer."""
+    template = "{% for i in range(100000) %}{% for j in range(20) %}{% endfor %}{% endfor %}hello"
+    messages = [ChatMessage("user", "hi")]
+    slow_generate, slow_count = new_id(), new_id()
+    tok.send_api(GenerateRequest(slow_generate, SamplingParams(max_tokens=1), messages=messages,
+                                 chat_template=template))
+    tok.send_api(TokenizeRequest(slow_count, messages=messages, chat_template=template))
+    small_id = new_id()
+    tok.send_api(TokenizeRequest(small_id, prompt_text="hello"))
+    first = tok.expect_api(lambda m: getattr(m, "request_id", None) in (slow_generate, slow_count, small_id),
+                           what="an answer")
+    assert first == TokenizeResult(small_id, tokenizer.encode("hello"), MAX_MODEL_LEN)
+    assert tok.expect_reply(slow_count, TokenizeResult, timeout=60.0).token_ids == tokenizer.encode("hello")
+    assert tok.expect_reply(slow_generate, Accepted, timeout=60.0).num_prompt_tokens == len(tokenizer.encode("hello"))
+    tok.send_api(AbortRequest(slow_generate))
+
+
 def test_a_large_constraint_compiles_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:
     """A large JSON schema takes llguidance seconds to compile (~8 s for 600 KB on the 2-core host): on the loop it
     silenced the process's heartbeats until the api and the scheduler dropped the tokenizer, failing every request

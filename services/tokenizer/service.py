@@ -87,6 +87,14 @@ def request_failed(request_id: str, error: PagodaError) -> RequestFailed:
     return RequestFailed(request_id, error.http_status, error.message, error.error_type, error.param, error.code)
 
 
+def _renders_off_the_loop(request: GenerateRequest | TokenizeRequest) -> bool:
+    """A large prompt, or a request's own chat template (--trust-request-chat-template): a template's loops cost
+    what they will whatever the body's size (two nested range() calls in 90 bytes render for minutes), and on the
+    loop they silenced the heartbeats until the api and the scheduler dropped this tokenizer with all it held."""
+    return bool(request.chat_template) or prompt_chars(request.prompt_text, request.messages, request.tools,
+                                                       request.documents) >= OFFLOAD_MIN_CHARS
+
+
 @dataclass(slots=True)
 class Waiting:
     """A request that needs ModelInfo, which the scheduler has not sent (yet, or again)."""
@@ -273,8 +281,7 @@ class TokenizerService:
                 self._grammars.prepare(constraint)
             return prompt
 
-        large = prompt_chars(request.prompt_text, request.messages, request.tools,
-                             request.documents) >= OFFLOAD_MIN_CHARS
+        large = _renders_off_the_loop(request)
         self._offload.run(request_id, api, job, large or compile_first,
                           lambda prompt: self._admit(api, request, prompt),
                           lambda exc: self._fail(api, request_id, exc), bounded=large)
@@ -380,9 +387,7 @@ class TokenizerService:
 
     def _on_tokenize(self, api: int, request: TokenizeRequest, info: ModelInfo) -> None:
         self._work(api, request.request_id, lambda: tokenize_result(self._tokenizer, request, info.max_model_len),
-                   prompt_chars(request.prompt_text, request.messages, request.tools,
-                                request.documents) >= OFFLOAD_MIN_CHARS,
-                   lambda result: self._send_api(api, result))
+                   _renders_off_the_loop(request), lambda result: self._send_api(api, result))
 
     def _on_detokenize(self, api: int, request: DetokenizeRequest) -> None:
         info = self._model_info
