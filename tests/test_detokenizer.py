@@ -248,9 +248,12 @@ def test_chat_template_matches_transformers(smol: Tokenizer) -> None:
         assert smol.render_chat(CONVERSATION, add_generation_prompt=gen) == smol.hf.apply_chat_template(
             expected_conv, add_generation_prompt=gen, tokenize=False)
     assert smol.render_chat([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
-    with pytest.raises(InvalidRequestError) as info:
-        smol.render_chat(CONVERSATION, chat_template_kwargs={"tokenize": True})
-    assert info.value.param == "chat_template_kwargs"
+    # transformers' own arguments, and `messages`, which it gives the template itself (a second value was a
+    # TypeError, a 400 blaming the messages)
+    for kwargs in ({"tokenize": True}, {"messages": []}):
+        with pytest.raises(InvalidRequestError) as info:
+            smol.render_chat(CONVERSATION, chat_template_kwargs=kwargs)
+        assert info.value.param == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize("messages", [

@@ -21,7 +21,11 @@ from pagoda.shared.config import EngineConfig
 from pagoda.shared.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from pagoda.shared.hf_tokenizer import has_tokenizer, load_hf_tokenizer, tokenizer_folder
 
-_HF_CHAT_ARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+# The names chat_template_kwargs may not set: transformers' own arguments (they would change how it renders or
+# tokenizes, not what the template sees) and `messages`, which transformers gives the template itself (a second
+# value was a TypeError, blamed on the messages)
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"} | {"messages"}
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -180,9 +184,7 @@ class Tokenizer:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
         kwargs = chat_template_kwargs or {}
-        # Template variables only: a key naming one of transformers' own arguments would change how it
-        # renders or tokenizes (tokenize=True, chat_template=...), not what the template sees.
-        reserved = sorted(set(kwargs) & (_HF_CHAT_ARGS - {"kwargs"}))
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)  # template variables only
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}",
                                       param="chat_template_kwargs")
