@@ -110,6 +110,20 @@ def test_previous_response_id_continues_the_conversation(stacks: tuple[Any, Any,
     assert counted.status_code == 200 and counted.json() == explicit.json()
 
 
+def test_a_refused_item_of_a_continuation_is_named_by_its_place_in_the_clients_input(
+        stacks: tuple[Any, Any, dict]) -> None:
+    """The conversation puts the previous response's items before the client's input: a 400 about the client's
+    input[0] named input[2] (the earlier turn's input and output counted), for a response and its count alike."""
+    first, _, keys = stacks
+    opening = _create(first, keys["one"], {"input": "hello"})
+    orphan = {"input": [{"type": "message", "role": "user", "content": "result:"},
+                        {"type": "function_call_output", "call_id": "call_nope", "output": "42"}],
+              "previous_response_id": opening["id"]}
+    for path in ("/v1/responses", "/v1/responses/input_tokens"):
+        refused = first.post(path, orphan, headers=_auth(keys["one"]))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input[1].call_id", refused.text
+
+
 def test_unstored_deleted_and_unknown_responses_cannot_be_continued(stacks: tuple[Any, Any, dict]) -> None:
     first, second, keys = stacks
     one, two = keys["one"], keys["two"]

@@ -28,6 +28,7 @@ from pagoda.services.protocol.responses import (
     ResponsesRenderer,
     decode_input_tokens_body,
     decode_responses_body,
+    own_input_error,
     rename_error,
     stored_input_items,
     to_chat,
@@ -63,14 +64,15 @@ class ResponsesRoutes:
         tenant = _tenant_name(request)
         previous_response_id = body.previous_response_id
         background = self._background(body)
+        num_earlier = 0  # the previous response's items before the client's input
         try:
-            body = await self._continued(msgspec.structs.replace(body, background=None), tenant)
+            body, num_earlier = await self._continued(msgspec.structs.replace(body, background=None), tenant)
             form = to_chat(body)
             # instructions, input texts, function calls and outputs, tool definitions
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
             message, output = handlers._chat_message(form.chat, response_id)
         except InvalidRequestError as exc:
-            raise rename_error(exc) from None
+            raise rename_error(own_input_error(exc, num_earlier)) from None
         keep = self.store is not None and body.store is not False  # OpenAI's default: stored
         form.settings["previous_response_id"] = previous_response_id
         form.settings["background"] = background
@@ -126,12 +128,12 @@ class ResponsesRoutes:
                 log.warning("could not keep response %s in %s: %s", response_id, store.folder, exc)
         return keep
 
-    async def _continued(self, body: ResponsesBody, tenant: str) -> ResponsesBody:
+    async def _continued(self, body: ResponsesBody, tenant: str) -> tuple[ResponsesBody, int]:
         """With previous_response_id (and a store): the body whose input is that response's conversation (its input
-        items, earlier turns included, then its output) followed by this input. OpenAI's rule: the earlier
-        instructions are not carried over."""
+        items, earlier turns included, then its output) followed by this input, and the number of those earlier
+        items. OpenAI's rule: the earlier instructions are not carried over."""
         if body.previous_response_id is None or self.store is None:
-            return body  # without a store, to_chat refuses the field
+            return body, 0  # without a store, to_chat refuses the field
         previous_id = body.previous_response_id
         _require(isinstance(previous_id, str), "previous_response_id", "previous_response_id must be a string")
         previous = await self.store.get(previous_id, tenant)
@@ -144,10 +146,11 @@ class ResponsesRoutes:
         _require(previous.response.get("status") not in RUNNING, "previous_response_id",
                  f"Previous response with id {previous_id!r} has not finished (a background response): wait until "
                  f"it ends")
-        conversation = [*previous.conversation(), *stored_input_items(body.input)]
+        earlier = previous.conversation()
+        conversation = [*earlier, *stored_input_items(body.input)]
         _require(len(conversation) <= MAX_TURNS, "previous_response_id",
                  f"the conversation would have {len(conversation)} items; at most {MAX_TURNS}")
-        return msgspec.structs.replace(body, input=conversation, previous_response_id=None)
+        return msgspec.structs.replace(body, input=conversation, previous_response_id=None), len(earlier)
 
     async def input_tokens(self, request: web.Request) -> web.Response:
         """POST /v1/responses/input_tokens (OpenAI's; litellm's count_tokens for an openai/ model, pydantic-ai's
@@ -157,14 +160,15 @@ class ResponsesRoutes:
         body = decode_input_tokens_body(await handlers._body(request))
         handlers._check_model(body.model, request)
         request_id = f"count_{uuid.uuid4().hex}"
+        num_earlier = 0
         try:
-            body = await self._continued(body, _tenant_name(request))
+            body, num_earlier = await self._continued(body, _tenant_name(request))
             form = to_chat(body)
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
             prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)
             input_tokens = await handlers._count_prompt_tokens(prompt)
         except PagodaError as exc:
-            raise rename_error(exc) from None
+            raise rename_error(own_input_error(exc, num_earlier)) from None
         return json_response({"object": "response.input_tokens", "input_tokens": input_tokens})
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:

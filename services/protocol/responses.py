@@ -540,6 +540,25 @@ def rename_error(exc: PagodaError) -> PagodaError:
     return exc
 
 
+def own_input_error(exc: PagodaError, num_earlier: int) -> PagodaError:
+    """`exc` naming the client's own input item where a continued response's conversation put `num_earlier` items of
+    the previous response before it (to_chat counts them): input[k] is the client's input[k - num_earlier]; an
+    earlier item at fault is the previous response's."""
+    index, rest = _input_index(exc.param)
+    if num_earlier == 0 or index is None:
+        return exc
+    exc.param = f"input[{index - num_earlier}]{rest}" if index >= num_earlier else "previous_response_id"
+    return exc
+
+
+def _input_index(param: str | None) -> tuple[int | None, str]:
+    """(k, what follows) of a param "input[k]..."; None when it names no input item."""
+    if param is None or not param.startswith("input["):
+        return None, ""
+    digits, bracket, rest = param[len("input["):].partition("]")
+    return (int(digits), rest) if bracket and digits.isascii() and digits.isdigit() else (None, "")
+
+
 # --------------------------------------------------------------------------------------------
 # the answer: output items and events
 
