@@ -3,12 +3,14 @@ the engine against transformers' generate(num_beams=W, do_sample=False) on tiny 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from pagoda.services.protocol.schemas import ChatBody, chat_request, decode_body
 from pagoda.services.scheduler.beam import BeamSearch, assign_slots
 from pagoda.services.scheduler.block_manager import hash_block, salted_root
 from pagoda.services.scheduler.scheduler import Request, Scheduler
@@ -198,6 +200,18 @@ def test_a_salted_beam_group_caches_and_recomputes_under_its_salt() -> None:
     plans = plans_until_the_group_samples(scheduler)
     assert plans[-1].beam_groups and plans[-1].beam_groups[0].seq_ids == [0, 1]
     assert [new.num_computed_tokens for p in plans for new in p.new_requests] == [4, 4]
+
+
+@pytest.mark.parametrize(("logprob_fields", "named"), [
+    ({"logprobs": True}, "logprobs"),  # chat's logprobs alone: the field the body set
+    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+])
+def test_a_chat_beam_search_with_logprobs_names_the_field_set(logprob_fields: dict[str, object], named: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2,
+            "best_of": 2, **logprob_fields}
+    with pytest.raises(InvalidRequestError) as error:
+        chat_request(decode_body(json.dumps(body).encode(), ChatBody), "r", 0.0)
+    assert error.value.param == named and "beam search" in error.value.message
 
 
 def test_beam_search_parameters_are_checked() -> None:

@@ -822,9 +822,9 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
         kwargs["structured_outputs"] = tool_constraint.validate()
     try:
         params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs).validate(max_logprobs)
-    except InvalidRequestError as exc:  # chat names the count top_logprobs
-        raise InvalidRequestError(exc.message, param="top_logprobs" if exc.param == "logprobs" else exc.param) \
-            from None
+    except InvalidRequestError as exc:  # chat names the count top_logprobs (logprobs alone, as beam search refuses)
+        named = "top_logprobs" if exc.param == "logprobs" and body.top_logprobs is not None else exc.param
+        raise InvalidRequestError(exc.message, param=named) from None
     messages = chat_messages(body.messages)
     continue_final = bool(body.continue_final_message)
     _require(not continue_final or messages[-1].role == "assistant", "continue_final_message",
