@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import math
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -735,6 +737,28 @@ def test_hostile_bodies_and_headers(stack: Stack) -> None:
     same = [(b"Authorization", f"Bearer {API_KEY}".encode())] * 2
     assert httpx.get(stack.url + "/v1/models", headers=same).status_code == 200
     assert stack.healthy()
+
+
+def test_a_body_its_content_encoding_cannot_decode_is_a_400(stack: Stack) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    tracebacks = stack.log().count("Traceback")
+    gzipped = gzip.compress(b'{"prompt": "x", "max_tokens": 1}')
+    assert stack.post("/v1/completions", content=gzipped, headers=headers | {"Content-Encoding": "gzip"}) \
+        .status_code == 200
+    for encoding, path in (("gzip", "/v1/completions"), ("deflate", "/tokenize")):
+        response = stack.post(path, content=b'{"prompt": "x"}', headers=headers | {"Content-Encoding": encoding})
+        assert response.status_code == 400, response.text
+        assert f"content-encoding: {encoding}" in response.json()["error"]["message"]
+    # the connection cannot be read past that body: it closes after the answer, rather than leave the next
+    # request on it unanswered
+    body = b'{"prompt": "x"}'
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=10.0) as conn:
+        conn.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body + b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b"".join(iter(lambda: conn.recv(65536), b""))  # to the end: the server closed it
+    assert received.startswith(b"HTTP/1.1 400") and received.count(b"HTTP/1.1") == 1, received
+    assert stack.log().count("Traceback") == tracebacks  # nor one from aiohttp draining the body afterwards
 
 
 def test_retrieve_model(stack: Stack) -> None:

@@ -205,6 +205,14 @@ class Handlers:
             return await asyncio.wait_for(request.read(), timeout)
         except TimeoutError:
             raise RequestTimeoutError(f"the request body did not arrive within {timeout:g} s") from None
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding: gzip body that is not gzip
+            # Nothing more of it, nor of the connection, can be read: the body is marked ended (else aiohttp, draining
+            # it after the answer, fails again) and the connection closes after the answer (else a next request on it
+            # waits for an answer that never comes).
+            request.content.feed_eof()
+            request.protocol.close()
+            detail = getattr(exc.__cause__, "message", None) or str(exc)
+            raise InvalidRequestError(f"the request body could not be read: {detail}") from None
 
     async def _read(self, request: web.Request, kind: type[T]) -> T:
         """The body, read within body_read_timeout and decoded as `kind`."""
