@@ -279,10 +279,18 @@ def _dict_prompt(prompt: PromptDict) -> _PromptInput:
         raise InvalidRequestError(f"prompt dict key(s) {unknown} are not supported: a prompt dict holds 'prompt' "
                                   "or 'prompt_token_ids', and may hold 'cache_salt'", param="prompt")
     cache_salt = prompt.get("cache_salt")
+    # each key holds its own kind, checked here: the engine takes text and token ids alike, so ids under "prompt"
+    # (or text under "prompt_token_ids") would otherwise run as the other kind of prompt
     if "prompt_token_ids" in prompt:
         token_ids = prompt["prompt_token_ids"]
-        return _PromptInput(list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids, cache_salt)
+        if not isinstance(token_ids, (list, tuple)):
+            raise InvalidRequestError(f"a prompt dict's 'prompt_token_ids' must be a list of token ids, got "
+                                      f"{type(token_ids).__name__}", param="prompt")
+        return _PromptInput(list(token_ids), cache_salt)
     if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise InvalidRequestError(f"a prompt dict's 'prompt' must be a string (token ids go in "
+                                      f"'prompt_token_ids'), got {type(prompt['prompt']).__name__}", param="prompt")
         return _PromptInput(prompt["prompt"], cache_salt)
     raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
 

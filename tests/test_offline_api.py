@@ -369,7 +369,9 @@ def test_generate_takes_vllms_prompt_dicts_and_use_tqdm(llm: LLM) -> None:
     assert all(o.prompt_token_ids == token_ids for o in outputs)
     [single] = llm.generate({"prompt_token_ids": token_ids}, GREEDY)
     assert single.outputs[0].text == plain
-    for bad in ({}, {"prompt": text, "multi_modal_data": {}}):  # nothing is dropped silently
+    # nothing is dropped silently, nor run as the other kind of prompt (text under prompt_token_ids was generated
+    # from as text, ids under prompt as ids)
+    for bad in ({}, {"prompt": text, "multi_modal_data": {}}, {"prompt_token_ids": text}, {"prompt": token_ids}):
         with pytest.raises(InvalidRequestError) as caught:
             llm.generate(bad, GREEDY)
         assert caught.value.param == "prompt"
