@@ -312,6 +312,10 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [_frozen(params) if frozen else params] * count
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        # a dict of fields was read as a sequence of its keys: an AttributeError from deep in the engine
+        raise InvalidRequestError("sampling_params must be a SamplingParams or a list of them, one per prompt, got "
+                                  f"{type(params).__name__}", param="sampling_params")
     if len(params) != count:
         raise InvalidRequestError("sampling_params needs one entry per prompt", param="sampling_params")
     return [_frozen(p) if frozen else p for p in params]

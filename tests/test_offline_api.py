@@ -13,6 +13,7 @@ import pytest
 
 from pagoda import (
     LLM,
+    BeamSearchParams,
     ContextLengthError,
     InvalidRequestError,
     Logprob,
@@ -170,6 +171,17 @@ def test_sampling_params_take_vllms_shapes(llm: LLM) -> None:
 def test_a_bad_prompt_in_a_batch_queues_none_of_it(llm: LLM, reference_text: str) -> None:
     with pytest.raises(InvalidRequestError):
         llm.generate(["fine", "also fine", ""], GREEDY)
+    _assert_still_serves(llm, reference_text)
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 2}, [{"max_tokens": 2}],
+                                    BeamSearchParams(beam_width=2, max_tokens=2)])
+def test_sampling_params_of_another_kind_are_refused_naming_them(llm: LLM, reference_text: str, params: Any) -> None:
+    """A dict of fields (read as a sequence of its keys: an AttributeError from the engine), a list of dicts or a
+    BeamSearchParams (a TypeError) given for sampling_params: an InvalidRequestError naming it."""
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.generate("hello", params)
+    assert caught.value.param == "sampling_params"
     _assert_still_serves(llm, reference_text)
 
 
