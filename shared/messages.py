@@ -262,6 +262,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                f"min_tokens must be an integer in [0, {MAX_INT32}]")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                "min_tokens must not exceed max_tokens")
+        # a list as typed: the offline API builds these without the wire's decoding (stop=5 was a TypeError)
+        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
+            _check(isinstance(getattr(self, name), (list, tuple)), name, f"{name} must be a list")
+        _check(isinstance(self.logit_bias, dict), "logit_bias", "logit_bias must be a map of token ids to biases")
         _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
                "stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS

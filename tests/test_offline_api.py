@@ -147,6 +147,9 @@ def test_logprob_token_ids_offline(llm: LLM) -> None:
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 4, "truncation_side": "up"}, "truncation_side"),
+    # not lists (nor a map) as typed: were TypeErrors
+    ({"stop": 5}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids"), ({"allowed_token_ids": 5}, "allowed_token_ids"),
+    ({"logit_bias": [1]}, "logit_bias"),
 ])
 def test_sampling_params_refuse_bad_values_at_construction(values: dict[str, Any], param_name: str) -> None:
     """As vLLM's SamplingParams: a ValueError where the value is written, not at the first generate."""
