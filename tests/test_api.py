@@ -761,6 +761,17 @@ def test_a_body_its_content_encoding_cannot_decode_is_a_400(stack: Stack) -> Non
     assert stack.log().count("Traceback") == tracebacks  # nor one from aiohttp draining the body afterwards
 
 
+def test_a_request_line_or_header_too_long_is_a_400_logged_without_a_traceback(stack: Stack) -> None:
+    """aiohttp refuses a line past 8190 bytes before any handler; it logged that with a traceback at ERROR."""
+    tracebacks = stack.log().count("Traceback")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert HTTP.get(stack.url + "/v1/models/" + "x" * 9000, headers=auth, timeout=10.0).status_code == 400
+    assert HTTP.get(stack.url + "/v1/models", headers=auth | {"X-Big": "x" * 9000}, timeout=10.0).status_code == 400
+    assert stack.log().count("Traceback") == tracebacks
+    assert stack.log().count("WARNING Error handling request from 127.0.0.1: 400 Got more than 8190 bytes") == 2
+    assert stack.healthy()
+
+
 def test_retrieve_model(stack: Stack) -> None:
     model = stack.openai().models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model"

@@ -9,7 +9,7 @@ import signal
 import time
 
 import zmq.asyncio
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from pagoda.services.api.app import build_app
 from pagoda.services.api.console.inspector import RequestLog
@@ -25,6 +25,26 @@ from pagoda.shared.heap import settle_heap
 from pagoda.shared.transport import load_cluster_keys
 
 log = logging.getLogger(__name__)
+
+
+class _ClientHttpErrors(logging.Filter):
+    """aiohttp logs a request it cannot parse (a URL or header line past 8190 bytes, a malformed request line) with
+    a traceback at ERROR, as if the server had failed; the client gets its 400. Such a record becomes one WARNING
+    line naming the fault, so that server logs keep tracebacks for the server's own errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if (record.levelno >= logging.ERROR and isinstance(exc, http_exceptions.HttpProcessingError)
+                and 400 <= exc.code < 500):
+            record.msg, record.args = f"{record.getMessage()}: {exc.code} {exc.message}", None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+# aiohttp's protocol errors go to this logger (its own, aiohttp.server, is left as it is)
+http_log = logging.getLogger(f"{__name__}.http")
+http_log.addFilter(_ClientHttpErrors())
 
 FAIL_FLUSH_S = 2.0  # after the grace period: time for handlers to write their error and return
 CLOSE_TIMEOUT_S = 1.0  # then aiohttp cancels whatever is left
@@ -87,7 +107,8 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         # keepalive_timeout also bounds a new connection that never completes its headers (slow-loris):
         # aiohttp closes a connection still waiting for a request that long after it opened.
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S,
-                               access_log=access_log, keepalive_timeout=config.body_read_timeout or 75.0)
+                               access_log=access_log, keepalive_timeout=config.body_read_timeout or 75.0,
+                               logger=http_log)
         await runner.setup()
         registry = _registry_client(context, config, state)
         watch = asyncio.create_task(_watch_keys(state.keys)) if state.keys is not None else None
