@@ -121,10 +121,10 @@ class ThinkingBudget(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     # (after whitespace), and the tokens after it count
 
     def validate(self) -> ThinkingBudget:
-        _check(isinstance(self.max_tokens, int) and 0 <= self.max_tokens <= MAX_INT32, "thinking_token_budget",
+        _check(_whole(self.max_tokens) and 0 <= self.max_tokens <= MAX_INT32, "thinking_token_budget",
                f"thinking's max_tokens must be an integer in [0, {MAX_INT32}]")
         _check(bool(self.end) and 0 < len(self.end_token_ids) <= MAX_BAD_WORD_TOKENS
-               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.end_token_ids),
+               and all(_whole(t) and 0 <= t <= MAX_INT32 for t in self.end_token_ids),
                "thinking_token_budget", f"thinking needs its end marker as 1 to {MAX_BAD_WORD_TOKENS} token ids")
         return self
 
@@ -149,7 +149,7 @@ class RepetitionDetection(msgspec.Struct, frozen=True, omit_defaults=True, kw_on
     def validate(self) -> RepetitionDetection:
         for name in ("max_pattern_size", "min_pattern_size", "min_count"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT32,
+            _check(_whole(value) and 0 <= value <= MAX_INT32,
                    f"repetition_detection.{name}", f"{name} must be an integer in [0, {MAX_INT32}], got {value!r}")
         _check(self.min_pattern_size <= self.max_pattern_size, "repetition_detection.min_pattern_size",
                "min_pattern_size must not exceed max_pattern_size (both 0: no repetition detection)")
@@ -239,11 +239,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     def validate(self, max_logprobs: int = MAX_TOP_LOGPROBS) -> SamplingParams:
         """Check every field; return self so calls can chain. `max_logprobs` bounds logprobs and prompt_logprobs
         (vLLM's --max-logprobs; -1: no bound); their -1 (the whole vocabulary) is checked by `resolve_vocabulary`."""
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}]")
+        _check(_whole(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}]")
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
                "temperature must be a finite number >= 0")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and (0 <= self.top_k <= MAX_INT32 or self.top_k == -1), "top_k",
+        _check(_whole(self.top_k) and (0 <= self.top_k <= MAX_INT32 or self.top_k == -1), "top_k",
                f"top_k must be -1 or 0 (disabled) or a positive integer <= {MAX_INT32}")
         _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -251,14 +251,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
             _check(_finite(value) and -2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2]")
         _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                "repetition_penalty", "repetition_penalty must be in (0, 10]")
-        _check(self.seed is None or (isinstance(self.seed, int) and MIN_INT64 <= self.seed <= MAX_INT64), "seed",
+        _check(self.seed is None or (_whole(self.seed) and MIN_INT64 <= self.seed <= MAX_INT64), "seed",
                f"seed must be an integer in [{MIN_INT64}, {MAX_INT64}]")
         scoring_only = self.prompt_logprobs is not None and self.n == 1  # max_tokens=0: score the prompt, no more
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
+        _check(self.max_tokens is None or (_whole(self.max_tokens)
                                            and (0 if scoring_only else 1) <= self.max_tokens <= MAX_INT32),
                "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}] (0 only to score a prompt: "
                              "prompt_logprobs, or echo with logprobs, and n=1)")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= MAX_INT32, "min_tokens",
+        _check(_whole(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT32, "min_tokens",
                f"min_tokens must be an integer in [0, {MAX_INT32}]")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                "min_tokens must not exceed max_tokens")
@@ -269,17 +269,17 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
                "stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
+               and all(_whole(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers in [0, {MAX_INT32}]")
         _check_logprobs(self.logprobs, "logprobs", "sample", max_logprobs)
         _check_logprobs(self.prompt_logprobs, "prompt_logprobs", "prompt", max_logprobs)
         _check(len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
-               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids),
+               and all(_whole(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids),
                "allowed_token_ids", f"allowed_token_ids must be at most {MAX_ALLOWED_TOKEN_IDS} token ids in "
                                     f"[0, {MAX_INT32}]")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
-        _check(all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.logit_bias), "logit_bias",
+        _check(all(_whole(t) and 0 <= t <= MAX_INT32 for t in self.logit_bias), "logit_bias",
                f"logit_bias keys must be token ids in [0, {MAX_INT32}]")
         _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
@@ -295,7 +295,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
 
     def _validate_stream_interval(self) -> None:
         interval = self.stream_interval
-        _check(interval is None or (isinstance(interval, int) and not isinstance(interval, bool)
+        _check(interval is None or (_whole(interval)
                                     and 1 <= interval <= MAX_INT32), "stream_interval",
                f"stream_interval must be an integer in [1, {MAX_INT32}] (new tokens per streamed delta), or null for "
                f"the server's --stream-interval, got {interval!r}")
@@ -320,7 +320,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
 
     def _validate_thinking(self) -> None:
         budget = self.thinking_token_budget
-        whole = isinstance(budget, int) and not isinstance(budget, bool)
+        whole = _whole(budget)
         _check(budget is None or (whole and NO_THINKING_BUDGET <= budget <= MAX_INT32), "thinking_token_budget",
                f"thinking_token_budget must be an integer in [0, {MAX_INT32}], or -1 or null for no budget, "
                f"got {budget!r}")
@@ -332,7 +332,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     def _validate_logprob_token_ids(self) -> None:
         ids = self.logprob_token_ids
         _check(isinstance(ids, list) and len(ids) <= MAX_LOGPROB_TOKEN_IDS
-               and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in ids),
+               and all(_whole(t) and 0 <= t <= MAX_INT32 for t in ids),
                "logprob_token_ids", f"logprob_token_ids must be at most {MAX_LOGPROB_TOKEN_IDS} token ids in "
                                     f"[0, {MAX_INT32}]")
         if not ids:
@@ -347,7 +347,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
 
     def _validate_truncation(self) -> None:
         limit = self.truncate_prompt_tokens
-        _check(limit is None or (isinstance(limit, int) and not isinstance(limit, bool)
+        _check(limit is None or (_whole(limit)
                                  and (limit == TRUNCATE_TO_CONTEXT or 1 <= limit <= MAX_INT64)),
                "truncate_prompt_tokens", "truncate_prompt_tokens must be an integer >= 1 (the prompt tokens to keep, "
                                          f"at most 2**63 - 1) or -1 (as many as the context takes), got {limit!r}")
@@ -361,13 +361,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                             "characters, each with a character other than whitespace")
         _check(len(self.bad_words_token_ids) <= 2 * len(self.bad_words)
                and all(isinstance(ids, list) and 1 <= len(ids) <= MAX_BAD_WORD_TOKENS
-                       and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in ids)
+                       and all(_whole(t) and 0 <= t <= MAX_INT32 for t in ids)
                        for ids in self.bad_words_token_ids), "bad_words",
                f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens (at most two spellings a word)")
 
     def _validate_beam_search(self) -> None:
         _check(isinstance(self.use_beam_search, bool), "use_beam_search", "use_beam_search must be a boolean")
-        _check(self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool)
+        _check(self.best_of is None or (_whole(self.best_of)
                                         and 1 <= self.best_of <= MAX_N), "best_of",
                f"best_of must be an integer in [1, {MAX_N}]")
         _check(_finite(self.length_penalty), "length_penalty", "length_penalty must be a finite number")
@@ -411,7 +411,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
 
 
 def _check_logprobs(value: int | None, param: str, kind: str, max_logprobs: int) -> None:
-    _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+    _check(value is None or (_whole(value)
                              and (value >= 0 or value == WHOLE_VOCABULARY)),
            param, f"`{param}` must be a non-negative integer or -1 (the whole vocabulary)")
     if value is not None and value > max_logprobs >= 0:
@@ -445,6 +445,11 @@ def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: in
         raise InvalidRequestError(f"a bad word's tokens hold {bad}, outside the model's vocabulary [0, {vocab_size})",
                                   param="bad_words")
     return msgspec.structs.replace(params, **changes) if changes else params
+
+
+def _whole(value: object) -> bool:
+    """An integer, not a bool (Python's bool is an int: max_tokens=True would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _finite(value: object) -> bool:
@@ -589,7 +594,7 @@ def _check_json_schema(node: dict[str, Any], at: str, depth: int, num_nodes: lis
     _check(node.get("any_order", False) is False, f"{at}.any_order",
            "any_order is not supported: properties are written in the schema's order")
     count = node.get("max_whitespace_cnt")
-    _check(count is None or (isinstance(count, int) and not isinstance(count, bool) and count >= 0),
+    _check(count is None or (_whole(count) and count >= 0),
            f"{at}.max_whitespace_cnt", "max_whitespace_cnt must be a non-negative integer or null")
 
 
@@ -622,9 +627,9 @@ def _check_content(node: dict[str, Any], at: str, depth: int, num_nodes: list[in
 
 def _check_repeat(node: dict[str, Any], at: str, depth: int, num_nodes: list[int]) -> None:
     low, high = node["min"], node["max"]
-    _check(isinstance(low, int) and not isinstance(low, bool) and 0 <= low <= MAX_FORMAT_REPEAT, f"{at}.min",
+    _check(_whole(low) and 0 <= low <= MAX_FORMAT_REPEAT, f"{at}.min",
            f"repeat's min must be an integer in [0, {MAX_FORMAT_REPEAT}]")
-    _check(isinstance(high, int) and not isinstance(high, bool) and (high == -1 or low <= high <= MAX_FORMAT_REPEAT),
+    _check(_whole(high) and (high == -1 or low <= high <= MAX_FORMAT_REPEAT),
            f"{at}.max", f"repeat's max must be -1 (no bound) or an integer in [min, {MAX_FORMAT_REPEAT}]")
     _check_child(node, "content", at, depth, num_nodes)
 
