@@ -177,6 +177,9 @@ class LLM:
         {"prompt_token_ids": [...]} dicts (with a "cache_salt" or not). concurrency_limit: at most this many prompts
         searched at once."""
         _no_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):  # a SamplingParams has no sampling_params() to call
+            raise InvalidRequestError(f"beam_search takes a BeamSearchParams, not {type(params).__name__} (generate "
+                                      "takes SamplingParams(use_beam_search=True, ...))", param="params")
         prompt_list = _as_prompt_list(prompts)
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise InvalidRequestError("concurrency_limit must be a positive integer or None",

@@ -150,6 +150,8 @@ def test_logprob_token_ids_offline(llm: LLM) -> None:
     # not lists (nor a map) as typed: were TypeErrors
     ({"stop": 5}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids"), ({"allowed_token_ids": 5}, "allowed_token_ids"),
     ({"logit_bias": [1]}, "logit_bias"),
+    # a bool is no count (Python's bool is an int: max_tokens=True ran as 1)
+    ({"max_tokens": True}, "max_tokens"), ({"n": True}, "n"), ({"stop_token_ids": [False]}, "stop_token_ids"),
 ])
 def test_sampling_params_refuse_bad_values_at_construction(values: dict[str, Any], param_name: str) -> None:
     """As vLLM's SamplingParams: a ValueError where the value is written, not at the first generate."""
@@ -497,7 +499,8 @@ def test_vllms_keywords_at_their_off_value_pass_and_others_are_refused(llm: LLM)
     for call, param in ((lambda: llm.generate(["Hi"], STILL_SERVES, lora_request=object()), "lora_request"),
                         (lambda: llm.chat(messages, STILL_SERVES, mm_processor_kwargs={"a": 1}), "mm_processor_kwargs"),
                         (lambda: llm.chat(messages, STILL_SERVES, chat_template_content_format="x"),
-                         "chat_template_content_format")):
+                         "chat_template_content_format"),
+                        (lambda: llm.beam_search(["Hi"], STILL_SERVES), "params")):
         with pytest.raises(InvalidRequestError) as caught:
             call()
         assert caught.value.param == param
