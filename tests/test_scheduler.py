@@ -161,6 +161,7 @@ def step(sched: Scheduler, worker: FakeWorker,
         while_running()  # e.g. an abort that lands while the worker runs the step
     updates = sched.update(plan, result)
     sched.blocks.check_integrity(live_tables(sched))
+    assert sched.num_waiting_requests == len({seq.request.request_id for seq in sched.waiting if not seq.is_finished})
     sched.host.check_integrity([seq.swapped for request in sched.requests.values() for seq in request.sequences
                                 if seq.swapped is not None])
     for seq in sched.running:
@@ -1183,3 +1184,43 @@ def test_tokenizer_eos_stops_its_own_requests_and_reaches_the_worker_with_the_pl
     assert ended.sequences[0].finish_reason == FinishReason.STOP and ended.sequences[0].num_output_tokens == 1
     run_until_done(sched, worker)
     assert other.sequences[0].finish_reason == FinishReason.LENGTH and other.sequences[0].num_output_tokens == 3
+
+
+def test_a_bounded_queue_counts_only_requests_still_waiting(tmp_path) -> None:  # noqa: ANN001
+    """--max-waiting-requests: requests aborted while they wait (clients gone) no longer count against the limit,
+    though the queue's heap keeps their entries until admission reaches them; a request past the limit of live ones
+    is still refused with a 503."""
+    import dataclasses
+
+    from pagoda.services.scheduler.service import Peer
+    from pagoda.shared.messages import AbortRequest, AddRequest, RequestFailed, SchedulerToTokenizer, Sequenced
+    from pagoda.shared.messages import SamplingParams as WireParams
+    from pagoda.shared.transport import Codec
+    from tests.test_async_scheduling import service_on_outboxes
+
+    codec = Codec(SchedulerToTokenizer)
+
+    def refusals(front_out) -> list[RequestFailed]:  # noqa: ANN001
+        messages = [codec.decode(frames[-1]) for frames in front_out.sent]
+        front_out.sent.clear()
+        messages = [codec.decode(m.body) if isinstance(m, Sequenced) else m for m in messages]
+        return [m for m in messages if isinstance(m, RequestFailed)]
+
+    with service_on_outboxes(tmp_path, 1, num_kv_blocks=64, block_size=4, max_model_len=64,
+                             max_num_batched_tokens=64, max_inflight_plans=1) as (service, plans_out, front_out):
+        service.config = dataclasses.replace(service.config, max_waiting_requests=2)
+        identity = b"tok0"
+        peer = service.tokenizers[identity] = Peer(0.0)
+        params = WireParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        service._on_add(identity, peer, AddRequest("running", [5] * 7, params))
+        service._maybe_step()  # max_num_seqs=1: it runs, the others wait behind it
+        for name in ("gone1", "gone2"):
+            service._on_add(identity, peer, AddRequest(name, [6] * 7, params))
+            service._on_tokenizer_message(identity, peer, AbortRequest(name))
+        service._on_add(identity, peer, AddRequest("fresh1", [7] * 7, params))
+        service._on_add(identity, peer, AddRequest("fresh2", [8] * 7, params))
+        assert refusals(front_out) == []
+        assert {"fresh1", "fresh2"} <= set(service.scheduler.requests)
+        service._on_add(identity, peer, AddRequest("over", [9] * 7, params))
+        [refused] = refusals(front_out)
+        assert (refused.request_id, refused.status) == ("over", 503) and "2 requests waiting" in refused.message

@@ -101,6 +101,7 @@ class Request:
     prefix_root: int = ROOT_HASH  # the root of its blocks' hash chain: salted_root(cache_salt), set by add_request
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
+    num_queued: int = 0  # of its sequences, those in the waiting queue (not finished): it counts as waiting while > 0
     beam: BeamSearch | None = None  # a beam search: its sequences are the beams' slots
     # the service's time.monotonic() readings for vLLM's phase metrics (phases.py); 0.0: not yet
     queued_at: float = 0.0
@@ -133,6 +134,7 @@ class Sequence:
     swapped: list[int] | None = None
     num_swapped_tokens: int = 0
     repetition: RepetitionWatch | None = None  # repetition_detection: its runs over the output, once it is watched
+    queued: bool = False  # in the waiting queue and not finished (a finished one's heap entry stays until skipped)
 
     @property
     def num_tokens(self) -> int:
@@ -223,6 +225,9 @@ class Scheduler:
         self.waiting = FairQueue()  # a heap by rank per tenant; tenants served by weighted fair share
         self.running: list[Sequence] = []  # sorted by rank
         self.requests: dict[str, Request] = {}
+        # requests with a sequence in the waiting queue: the heap keeps an aborted sequence's entry until admission
+        # reaches it, so its length overstates what waits (a bounded queue refused requests for clients long gone)
+        self.num_waiting_requests = 0
         self._num_beam_searches = 0  # of self.requests: none, and a step's beam bookkeeping skips its rows
         self.stats = SchedulerStats()
         self._seqs: dict[int, Sequence] = {}
@@ -658,6 +663,7 @@ class Scheduler:
                     continue  # forked siblings waiting behind it held the blocks it needs
                 break  # the head of the queue does not fit: FCFS, nothing overtakes it
             self.waiting.pop(seq)
+            self._dequeue(seq)
             self._start_running(seq)
             if beam is not None and not beam.num_generated:
                 self._unforked_beams[seq.request.request_id] = beam.width - 1  # its first step forks the rest
@@ -1089,8 +1095,18 @@ class Scheduler:
     # ---------------------------------------------------------------- state changes
 
     def _push_waiting(self, seq: Sequence) -> None:
+        assert not seq.queued, "a sequence is queued once"
         seq.status = SeqStatus.WAITING
+        seq.queued = True
+        self.num_waiting_requests += seq.request.num_queued == 0
+        seq.request.num_queued += 1
         self.waiting.push(seq, seq.request.weight, seq.request.tier)
+
+    def _dequeue(self, seq: Sequence) -> None:
+        """`seq` leaves the waiting queue (admitted, or finished while it waits: its heap entry is skipped later)."""
+        seq.queued = False
+        seq.request.num_queued -= 1
+        self.num_waiting_requests -= seq.request.num_queued == 0
 
     def _start_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=_rank)
@@ -1130,6 +1146,8 @@ class Scheduler:
             self._stop_running(seq)
             self._forgotten.append(seq.seq_id)
         # a waiting sequence stays in the heap until admission skips it (removal from a heap is O(n))
+        if seq.queued:
+            self._dequeue(seq)
         self.blocks.free(seq.table)
         if seq.swapped is not None:  # nothing reads its slots any more (a copy out in flight may still write them)
             self.host.free(seq.swapped)

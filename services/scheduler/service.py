@@ -474,8 +474,8 @@ class SchedulerService:
             self._fail(identity, message.request_id, 503, "the model is still loading", "server_error")
             return
         limit = self.config.max_waiting_requests
-        if limit and len(self.scheduler.waiting) + len(self.grammar_gate) >= limit:  # bounded queue: the api adds
-            # Retry-After to the 503
+        # bounded queue (the api adds Retry-After to the 503): requests still waiting, as /metrics counts them
+        if limit and self.scheduler.num_waiting_requests + len(self.grammar_gate) >= limit:
             self._fail(identity, message.request_id, 503, f"the server is overloaded ({limit} requests waiting); "
                        "try again later", "server_error")
             return
