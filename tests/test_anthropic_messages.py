@@ -420,6 +420,20 @@ def test_a_named_tool_streams_its_input_json() -> None:
     assert cut["content"][0]["input"] == {} and cut["stop_reason"] == "max_tokens"
 
 
+def test_a_named_input_nested_past_the_recursion_limit_is_left_empty() -> None:
+    """A schema that lets arrays nest (a recursive $ref) and max_tokens cutting the model's `[[[[...`: Python's
+    json gives up (RecursionError) before it sees the text is cut short. The input is {} as for any arguments that
+    are no JSON object (it was a 500, the message lost); the stream's input_json_delta carries the text."""
+    body = {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    pieces = ['{"city": ', *["[" * 100] * 30]
+    events, message = render(pieces, FinishReason.LENGTH, body=body)
+    assert message["content"][0]["input"] == {} and message["stop_reason"] == "max_tokens"
+    assert "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta") == "".join(
+        pieces)
+    closed = '{"city": ' + "[" * 3000 + "]" * 3000 + "}"  # whole, and as deep: no object Python reads either
+    assert render([closed], body=body)[1]["content"][0]["input"] == {}
+
+
 def test_an_error_after_the_first_event_is_an_error_event() -> None:
     renderer = MessagesRenderer("msg_test", SERVED, 1, chat_output_spec(chat_of({"messages": HI})[1].chat,
                                                                         "hermes", None), stream=True)

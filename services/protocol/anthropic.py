@@ -510,10 +510,11 @@ class ContentBlock:
 
 def tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as the tool_use block's `input`: {} for arguments that are no JSON object (a call cut
-    off by max_tokens; the stream's input_json_delta events carry what was written)."""
+    off by max_tokens; the stream's input_json_delta events carry what was written), or that nest past Python's
+    recursion limit (a recursive schema's arrays: RecursionError, which was a 500 and lost the answer)."""
     try:
         value = json.loads(arguments) if arguments else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
