@@ -90,7 +90,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
         else:
             data = tenants.load_document(path)
             for name, spec in sorted(data["tenants"].items()):
-                ids = [k["id"] for k in data["keys"] if k["tenant"] == name]
+                ids = [tenants.entry_id(k) for k in data["keys"] if k["tenant"] == name]
                 print(f"{name}: {spec} keys {ids}")
     except (ConfigError, ValueError, OSError) as exc:
         print(f"pagoda keys: error: {getattr(exc, 'message', exc)}", file=sys.stderr)

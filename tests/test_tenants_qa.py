@@ -5,6 +5,8 @@ fake tokenizer of test_api."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,29 @@ def test_keys_files_that_are_not_keys_files_are_config_errors(tmp_path: Path) ->
             read_keys_file(path)
         with pytest.raises(ConfigError):  # `pagoda keys add` on it: one line, not a traceback
             add_key(path, "a", {})
+
+
+def _keys_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pagoda.cli", "keys", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_key_without_an_id_is_listed_and_revoked_by_the_id_it_serves_under(tmp_path: Path) -> None:
+    """A key the file gives no id serves under its digest's first 8 digits (the usage log's key_id), but `pagoda keys
+    list` failed on it with a KeyError traceback and `pagoda keys revoke` said there was no such key: it could not
+    be revoked but by editing the file. An id that is not a string (a number, null) was served as its str()."""
+    path = tmp_path / "keys.json"
+    digest = hash_key("k1")
+    path.write_text(json.dumps({"tenants": {"a": {}}, "keys": [{"sha256": digest, "tenant": "a"}]}))
+    assert read_keys_file(path)[digest][0] == digest[:8]
+    listed = _keys_cli("list", str(path))
+    assert listed.returncode == 0 and digest[:8] in listed.stdout, listed.stderr
+    revoked = _keys_cli("revoke", str(path), digest[:8])
+    assert revoked.returncode == 0, revoked.stderr
+    assert read_keys_file(path) == {}
+    for bad_id in [7, None, "", ["x"]]:
+        with pytest.raises(ConfigError, match="id"):
+            parse_keys({"tenants": {"a": {}}, "keys": [{"id": bad_id, "sha256": digest, "tenant": "a"}]})
 
 
 # ---------------------------------------------------------------- the api process

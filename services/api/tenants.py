@@ -122,8 +122,19 @@ def parse_keys(data: Any) -> dict[str, tuple[str, Tenant]]:
                               param="api_keys_file")
         if entry["sha256"] in table:  # one key for two tenants (or twice): which one it serves is not for us to pick
             raise ConfigError(f"key {entry.get('id')!r}: its sha256 appears twice", param="api_keys_file")
-        table[entry["sha256"]] = (str(entry.get("id", entry["sha256"][:8])), tenant)
+        table[entry["sha256"]] = (entry_id(entry), tenant)
     return table
+
+
+def entry_id(entry: dict[str, Any]) -> str:
+    """A key entry's id: the one the file gives (a non-empty string), else its digest's first 8 digits. The server
+    logs it (the usage log's key_id) and `pagoda keys` lists and revokes by it: one rule for all three."""
+    if "id" not in entry:
+        return entry["sha256"][:8]
+    if not isinstance(entry["id"], str) or not entry["id"]:
+        raise ConfigError(f"key {entry['sha256'][:8]}...: its id is {entry['id']!r}, not a non-empty string "
+                          "(or leave id out: its sha256's first 8 digits)", param="api_keys_file")
+    return entry["id"]
 
 
 def read_keys_file(path: str | Path) -> dict[str, tuple[str, Tenant]]:
@@ -186,7 +197,7 @@ def add_key(path: Path, tenant: str, limits: dict[str, Any]) -> tuple[str, str]:
 
 def revoke_key(path: Path, key_id: str) -> bool:
     data = load_document(path)
-    kept = [entry for entry in data["keys"] if entry.get("id") != key_id]
+    kept = [entry for entry in data["keys"] if entry_id(entry) != key_id]
     if len(kept) == len(data["keys"]):
         return False
     data["keys"] = kept
