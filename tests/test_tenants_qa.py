@@ -73,6 +73,25 @@ def test_a_key_without_an_id_is_listed_and_revoked_by_the_id_it_serves_under(tmp
             parse_keys({"tenants": {"a": {}}, "keys": [{"id": bad_id, "sha256": digest, "tenant": "a"}]})
 
 
+def test_a_name_given_twice_in_the_keys_file_is_refused_not_the_last_one_taken(tmp_path: Path) -> None:
+    """JSON lets an object name a member twice and Python's json keeps the last: a tenant written twice (a limited
+    entry, then an unlimited one pasted below it), a limit given twice or a second 'keys' list silently replaced the
+    first, at start-up and on every reload. Each is a ConfigError naming the name, for the server and `pagoda keys`."""
+    path = tmp_path / "keys.json"
+    key = {"id": "k", "sha256": hash_key("k"), "tenant": "acme"}
+    for text, name in [
+        ('{"tenants": {"acme": {"max_concurrent": 2}, "acme": {}}, "keys": [%s]}', "acme"),
+        ('{"tenants": {"acme": {"max_concurrent": 2, "max_concurrent": 0}}, "keys": [%s]}', "max_concurrent"),
+        ('{"tenants": {"acme": {}}, "keys": [%s], "keys": []}', "keys"),
+        ('{"tenants": {"acme": {}}, "keys": [{"id": "k", "id": "j", "sha256": "%s", "tenant": "acme"}]}', "id"),
+    ]:
+        path.write_text(text % (json.dumps(key) if "%s]" in text else key["sha256"]))
+        with pytest.raises(ConfigError, match=f"{name!r} twice"):
+            read_keys_file(path)
+        with pytest.raises(ConfigError, match=f"{name!r} twice"):
+            add_key(path, "acme", {})
+
+
 # ---------------------------------------------------------------- the api process
 
 

@@ -142,11 +142,34 @@ def read_keys_file(path: str | Path) -> dict[str, tuple[str, Tenant]]:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the keys file {path}: {exc}", param="api_keys_file") from exc
+    return parse_keys(parse_json(text, path))
+
+
+class _NamedTwice(Exception):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a name given twice (json keeps the last one: a tenant pasted twice, or a
+    limit, would lose the first without a word)."""
+    members: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in members:
+            raise _NamedTwice(name)
+        members[name] = value
+    return members
+
+
+def parse_json(text: str, path: str | Path) -> Any:
+    """The keys file's text as JSON; ConfigError if it is not JSON or an object in it names a member twice."""
     try:
-        data = json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_members)
+    except _NamedTwice as exc:
+        raise ConfigError(f"the keys file {path} gives {exc.name!r} twice in one object (JSON would keep only the "
+                          "last): give it once", param="api_keys_file") from None
     except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise ConfigError(f"the keys file {path} is not JSON: {exc}", param="api_keys_file") from exc
-    return parse_keys(data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,9 +180,10 @@ def load_document(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {"tenants": {}, "keys": []}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"the keys file {path} is not JSON: {exc}", param="api_keys_file") from exc
+    data = parse_json(text, path)
     parse_keys(data)  # refuse to edit a file that would not load
     return data
 
