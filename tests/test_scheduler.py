@@ -1224,3 +1224,35 @@ def test_a_bounded_queue_counts_only_requests_still_waiting(tmp_path) -> None:  
         service._on_add(identity, peer, AddRequest("over", [9] * 7, params))
         [refused] = refusals(front_out)
         assert (refused.request_id, refused.status) == ("over", 503) and "2 requests waiting" in refused.message
+
+
+def test_the_step_loop_schedules_again_after_a_plan_that_only_preempted() -> None:
+    """The only running sequence needs a block that a higher-ranked waiting sibling holds (forked from its first
+    sequence's prompt): it is preempted, and that plan admits nothing (admission waits a step after a preemption).
+    run_step schedules again rather than report nothing in flight, which the offline engine took for 'the KV cache
+    is too small' and raised, though the sibling can run now."""
+    from pagoda.services.scheduler.pipeline import PlanPipeline, run_step
+
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=16)
+    worker = FakeWorker(4)
+    pipeline = PlanPipeline(sched)
+    results: deque[StepResult] = deque()
+
+    def launch(plan: StepPlan) -> bool:
+        worker.apply(plan)
+        if plan.seq_ids:
+            results.append(worker.execute(plan))
+        return bool(plan.seq_ids)
+
+    low = make_request("low", 3, max_tokens=12, priority=2)
+    sched.add_request(low)
+    assert run_step(pipeline, launch, results.popleft) is not None
+    high = make_request("high", 12, max_tokens=1, n=2, priority=1, arrival_time=1.0)
+    sched.add_request(high)
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        assert run_step(pipeline, launch, results.popleft) is not None, "nothing in flight while requests wait"
+    assert sched.stats.num_preemptions > 0
+    assert [seq.finish_reason for seq in (*low.sequences, *high.sequences)] == [FinishReason.LENGTH] * 3
+    assert_all_free(sched)

@@ -64,8 +64,10 @@ def run_step(pipeline: PlanPipeline, launch: Callable[[StepPlan], bool],
         plan = pipeline.schedule()
         launched = launch(plan)
         assert launched == bool(plan.seq_ids), "the runner answers exactly the plans that run requests"
-        if not plan.seq_ids:
+        if not plan.seq_ids and (pipeline.inflight or not plan.finished_seq_ids):
             break  # nothing runnable now: finish what is in flight first
+        # else a plan that only dropped sequences with nothing in flight (the only runner was preempted, and that
+        # plan admits nothing): what waits may fit now, so schedule again, as the service's loop does
     if not pipeline.inflight:
         return None
     result = finish()
