@@ -403,3 +403,25 @@ def test_the_engine_keeps_tenants_cached_prefixes_apart(smollm2_dir: Path, tmp_p
         assert cached(key_a) == 0
         assert cached(key_a) > 0  # the control: A's own repeat hits
         assert cached(key_b) == cached(key_b, cache_salt="x") == cached("operator") == 0
+
+
+def test_the_operator_runs_at_the_weight_and_tier_of_a_default_tenant_that_has_no_key(qa_stack: tuple) -> None:
+    """docs/tenants.md: the operator's key runs in the share of a keys-file tenant named default, at its weight and
+    tier. Only a tenant some key named was kept, so a file that defines `default` for the operator alone (no key of
+    its own, the natural way to give the operator's key a tier) was ignored: weight 1, tier 0."""
+    stack, _, keys_path, _ = qa_stack
+    document = json.loads(keys_path.read_text())
+    document["tenants"]["default"] = {"priority": -1, "weight": 3.0}
+    num_loads = stack.log().count("keys file loaded")
+    keys_path.write_text(json.dumps(document))
+    stack.proc.send_signal(1)  # SIGHUP: reloaded at once
+
+    def forwarded() -> tuple:
+        response = _post(stack, API_KEY, max_tokens=1)
+        assert response.status_code == 200, response.text  # type: ignore[attr-defined]
+        request_id = response.json()["id"]  # type: ignore[attr-defined]
+        sent = next(r for r in stack.tokenizer.requests.values() if r.render and r.render.response_id == request_id)
+        return sent.tenant, sent.tenant_weight, sent.tenant_priority
+
+    wait_until(lambda: stack.log().count("keys file loaded") > num_loads, 10, "the keys file to be read again")
+    assert forwarded() == ("default", 3.0, -1)

@@ -101,6 +101,12 @@ def parse_tenant(name: str, spec: Any) -> Tenant:
 
 def parse_keys(data: Any) -> dict[str, tuple[str, Tenant]]:
     """The keys file's content as {sha256 hex: (key id, tenant)}."""
+    return parse_document(data)[1]
+
+
+def parse_document(data: Any) -> tuple[dict[str, Tenant], dict[str, tuple[str, Tenant]]]:
+    """The keys file's content: its tenants by name (those no key names too: `default` may be the operator's
+    alone) and its keys as {sha256 hex: (key id, tenant)}."""
     if not isinstance(data, dict) or set(data) - {"tenants", "keys"}:
         raise ConfigError("the keys file is a JSON object with 'tenants' and 'keys'", param="api_keys_file")
     tenants_spec = data.get("tenants", {})
@@ -123,7 +129,7 @@ def parse_keys(data: Any) -> dict[str, tuple[str, Tenant]]:
         if entry["sha256"] in table:  # one key for two tenants (or twice): which one it serves is not for us to pick
             raise ConfigError(f"key {entry.get('id')!r}: its sha256 appears twice", param="api_keys_file")
         table[entry["sha256"]] = (entry_id(entry), tenant)
-    return table
+    return tenants, table
 
 
 def entry_id(entry: dict[str, Any]) -> str:
@@ -138,11 +144,16 @@ def entry_id(entry: dict[str, Any]) -> str:
 
 
 def read_keys_file(path: str | Path) -> dict[str, tuple[str, Tenant]]:
+    return read_document(path)[1]
+
+
+def read_document(path: str | Path) -> tuple[dict[str, Tenant], dict[str, tuple[str, Tenant]]]:
+    """The keys file's tenants and keys (parse_document); ConfigError if it does not load."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the keys file {path}: {exc}", param="api_keys_file") from exc
-    return parse_keys(parse_json(text, path))
+    return parse_document(parse_json(text, path))
 
 
 class _NamedTwice(Exception):
@@ -241,6 +252,7 @@ class KeyTable:
         self.path = Path(path)
         self._signature: tuple[int, int, int] | None = None
         self.keys: dict[str, tuple[str, Tenant]] = {}
+        self.tenants: dict[str, Tenant] = {}
         self.reload(at_start=True)
 
     def _stat(self) -> tuple[int, int, int] | None:
@@ -255,7 +267,7 @@ class KeyTable:
         `at_start`: later, a file that is gone or broken, even beside no keys at all, must not end the polling."""
         signature = self._stat()
         try:
-            keys = read_keys_file(self.path)
+            tenants, keys = read_document(self.path)
         except Exception as exc:  # not only ConfigError: whatever the file holds, the old keys stay and polling goes on
             error = exc if isinstance(exc, ConfigError) else ConfigError(
                 f"the keys file {self.path} does not load: {type(exc).__name__}: {exc}", param="api_keys_file")
@@ -264,8 +276,8 @@ class KeyTable:
             log.error("keys file not reloaded (the previous keys stay): %s", error.message)
             self._signature = signature
             return False
-        self.keys, self._signature = keys, signature
-        log.info("keys file loaded: %d key(s), %d tenant(s)", len(keys), len({t.name for _, t in keys.values()}))
+        self.keys, self.tenants, self._signature = keys, tenants, signature
+        log.info("keys file loaded: %d key(s), %d tenant(s)", len(keys), len(tenants))
         return True
 
     def maybe_reload(self) -> bool:
@@ -278,8 +290,8 @@ class KeyTable:
         return self.keys.get(hash_key(key))
 
     def tenant(self, name: str) -> Tenant | None:
-        """The tenant of that name, as a key of the file names it (None: no key names it)."""
-        return next((tenant for _, tenant in self.keys.values() if tenant.name == name), None)
+        """The tenant of that name, as the file defines it, whether or not a key names it (None: not defined)."""
+        return self.tenants.get(name)
 
 
 @dataclass(slots=True)
