@@ -372,6 +372,9 @@ class ServerConfig:
                                   param="api_key")
         if self.api_key is None and self.api_key_file:
             self.api_key = read_key_file(self.api_key_file)
+            _check_header_safe(self.api_key, "api_key_file")
+        elif self.api_key is not None:
+            _check_header_safe(self.api_key, "api_key")
         if self.served_model_name is not None and not self.served_model_names():
             raise ConfigError("served_model_name names no model", param="served_model_name")
         if not self.response_role.strip():
@@ -477,6 +480,15 @@ def parse_list(text: str | None, name: str) -> list[str]:
             raise ConfigError(f"--{name.replace('_', '-')} must be a list of strings", param=name)
         return [v.strip() for v in value if v.strip()]
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _check_header_safe(key: str, name: str) -> None:
+    """The operator's key travels in an Authorization header, which cannot hold a control character but a tab (a line
+    break ends the header): a key with one would let nobody in, the operator included, every request a 401."""
+    bad = next((i for i, c in enumerate(key) if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ConfigError(f"--{name.replace('_', '-')}: the key holds a control character ({key[bad]!r} at index "
+                          f"{bad}; a second line?), which no HTTP header can carry: give the key alone", param=name)
 
 
 def read_key_file(path: str) -> str:

@@ -297,3 +297,19 @@ def test_an_empty_operator_key_is_refused_not_taken_for_no_key(key: str) -> None
 def test_the_operator_key_loses_surrounding_whitespace() -> None:
     """A key from a secret made with --from-file ends in a newline: compared as given, every request got a 401."""
     assert ServerConfig(api_key="s3cret\n").api_key == "s3cret"
+
+
+@pytest.mark.parametrize("key", ["two\nlines", "tab\tthen\x00nul", "bell\x07", "del\x7f"])
+def test_an_operator_key_no_header_can_carry_is_refused_at_start(key: str, tmp_path: Path) -> None:
+    """A key with a line break inside (a key file holding a comment line and the key, two keys) or another control
+    character cannot be sent in an HTTP header: the server started and answered every request with 401, the
+    operator's included."""
+    with pytest.raises(ConfigError, match="control character") as refused:
+        ServerConfig(api_key=key)
+    assert refused.value.param == "api_key"
+    path = tmp_path / "key"
+    path.write_text(f"\n{key}\n")
+    with pytest.raises(ConfigError, match="control character") as refused:
+        ServerConfig(api_key_file=str(path))
+    assert refused.value.param == "api_key_file"
+    assert ServerConfig(api_key="inner space\tand tab").api_key == "inner space\tand tab"  # a header carries these
