@@ -425,3 +425,18 @@ def test_the_operator_runs_at_the_weight_and_tier_of_a_default_tenant_that_has_n
 
     wait_until(lambda: stack.log().count("keys file loaded") > num_loads, 10, "the keys file to be read again")
     assert forwarded() == ("default", 3.0, -1)
+
+
+def test_headers_that_hold_one_key_in_two_spellings_pass(qa_stack: tuple) -> None:
+    """Every Authorization header (and x-api-key under /v1/messages) must hold the same key, but their whole values
+    were compared: `bearer KEY` beside `Bearer KEY` (a proxy that adds its own), or beside x-api-key KEY, was a 401,
+    though each alone passes. Two different keys are still refused."""
+    stack, keys, _, _ = qa_stack
+    key = keys["open"].encode()
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    chat = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    auth = b"Authorization"
+    assert _raw(stack, "POST", "/v1/completions", [(auth, b"bearer " + key), (auth, b"Bearer  " + key)], body) == 200
+    assert _raw(stack, "POST", "/v1/messages", [(auth, b"bearer " + key), (b"x-api-key", key)], chat) == 200
+    assert _raw(stack, "POST", "/v1/completions", [(auth, b"bearer " + key), (auth, b"Basic " + key)], body) == 401
+    assert _raw(stack, "POST", "/v1/messages", [(auth, b"bearer " + key), (b"x-api-key", key + b"x")], chat) == 401

@@ -186,16 +186,18 @@ def auth_middleware(state: ApiState) -> Middleware:
     metrics_refused = False  # logged once per process: a scraper or probe left without the key after an upgrade
 
     def tenant_of(request: web.Request, operator_only: bool) -> tuple[str, Tenant] | None:
-        # Every Authorization header must hold the same key (a proxy may add or keep one). Header values are
-        # str with surrogates for bytes that are not UTF-8: those bytes compare as themselves.
-        given = [value.strip().encode("utf-8", "surrogateescape")
+        # Every Authorization header must hold the same key (a proxy may add or keep one), whatever the spelling of
+        # its scheme; another scheme holds none. Header values are str with surrogates for bytes that are not
+        # UTF-8: those bytes compare as themselves.
+        given = [_bearer_token(value.strip().encode("utf-8", "surrogateescape"))
                  for value in request.headers.getall("Authorization", [])]
-        if not given or any(value != given[0] for value in given):
+        if not given or any(token != given[0] for token in given):
             raise AuthenticationError()
         # constant time: no key guessing by timing (the file holds hashes: a lookup leaks nothing of a key)
-        if expected is not None and hmac.compare_digest(_bearer_token(given[0]), expected):
+        if expected is not None and hmac.compare_digest(given[0], expected):
             return DEFAULT_TENANT if keys is not None else None
-        found = keys.lookup(_bearer(given[0])) if keys is not None and not operator_only else None
+        token = given[0].decode("utf-8", "surrogateescape")
+        found = keys.lookup(token) if keys is not None and not operator_only else None
         if found is None:
             raise AuthenticationError()
         return found
@@ -249,10 +251,6 @@ def _bearer_token(value: bytes) -> bytes:
     case-insensitive), for the operator's key and a tenant's alike; b"" for another scheme."""
     scheme, _, token = value.partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else b""
-
-
-def _bearer(value: bytes) -> str:
-    return _bearer_token(value).decode("utf-8", "surrogateescape")
 
 
 JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/octet-stream")  # the last two: lenient clients
