@@ -121,7 +121,7 @@ def _add_keys_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
                      help="prompt + completion tokens, charged as they come (a beam search: its beams)")
     add.add_argument("--priority", type=int, default=None, help="tier: lower tiers are scheduled first")
     add.add_argument("--weight", type=float, default=None, help="share of the running slots within a tier")
-    revoke = keys_commands.add_parser("revoke", help="remove a key by its id")
+    revoke = keys_commands.add_parser("revoke", help="remove a key by its id (or its sha256)")
     revoke.add_argument("file")
     revoke.add_argument("key_id")
     listing = keys_commands.add_parser("list", help="tenants, their limits and key ids")

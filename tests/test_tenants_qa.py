@@ -440,3 +440,28 @@ def test_headers_that_hold_one_key_in_two_spellings_pass(qa_stack: tuple) -> Non
     assert _raw(stack, "POST", "/v1/messages", [(auth, b"bearer " + key), (b"x-api-key", key)], chat) == 200
     assert _raw(stack, "POST", "/v1/completions", [(auth, b"bearer " + key), (auth, b"Basic " + key)], body) == 401
     assert _raw(stack, "POST", "/v1/messages", [(auth, b"bearer " + key), (b"x-api-key", key + b"x")], chat) == 401
+
+
+def test_a_key_id_two_keys_share_is_never_revoked_for_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Key ids are 8 hex digits of the key's digest: among 10,000 keys two share one about once in a hundred files,
+    and a hand-written id may repeat another. `pagoda keys revoke ID` removed every key of that id, another tenant's
+    included, and said nothing. Now `keys add` never makes an id the file has, and a revoke naming several keys
+    removes none and says so; the sha256 names one."""
+    from pagoda.services.api import tenants
+
+    path = tmp_path / "keys.json"
+    made = iter(["pgk-first", "pgk-second"])
+    monkeypatch.setattr(tenants, "new_key", lambda: next(made))
+    taken = hash_key("pgk-first")[:8]
+    path.write_text(json.dumps({"tenants": {"other": {}}, "keys": [
+        {"id": taken, "sha256": hash_key("pgk-other"), "tenant": "other"}]}))
+    key_id, key = add_key(path, "acme", {})
+    assert key == "pgk-second" and key_id == hash_key("pgk-second")[:8] != taken
+    document = json.loads(path.read_text())
+    document["keys"].append({"id": taken, "sha256": hash_key("pgk-third"), "tenant": "acme"})  # hand-written
+    path.write_text(json.dumps(document))
+    with pytest.raises(ConfigError, match="2 keys"):
+        tenants.revoke_key(path, taken)
+    assert len(read_keys_file(path)) == 3
+    assert tenants.revoke_key(path, hash_key("pgk-third"))
+    assert set(read_keys_file(path)) == {hash_key("pgk-other"), hash_key("pgk-second")}

@@ -221,7 +221,10 @@ def add_key(path: Path, tenant: str, limits: dict[str, Any]) -> tuple[str, str]:
     data = load_document(path)
     spec = {**data["tenants"].get(tenant, {}), **limits}
     data["tenants"][tenant] = parse_tenant(tenant, spec).to_json()
+    used = {entry_id(entry) for entry in data["keys"]}
     key = new_key()
+    while hash_key(key)[:8] in used:  # an id names one key: revoking by it must not take another with it
+        key = new_key()
     digest = hash_key(key)
     key_id = digest[:8]
     data["keys"].append({"id": key_id, "sha256": digest, "tenant": tenant,
@@ -231,10 +234,17 @@ def add_key(path: Path, tenant: str, limits: dict[str, Any]) -> tuple[str, str]:
 
 
 def revoke_key(path: Path, key_id: str) -> bool:
+    """Remove the key of that id (or sha256); False if there is none. An id that several keys share (written by
+    hand) removes none of them: ConfigError, asking for the sha256 of the one meant."""
     data = load_document(path)
-    kept = [entry for entry in data["keys"] if entry_id(entry) != key_id]
-    if len(kept) == len(data["keys"]):
+    named = [key_id in (entry_id(entry), entry["sha256"]) for entry in data["keys"]]
+    if not any(named):
         return False
+    if sum(named) > 1:
+        tenants = sorted({entry["tenant"] for entry, hit in zip(data["keys"], named, strict=True) if hit})
+        raise ConfigError(f"key id {key_id!r} names {sum(named)} keys (of tenants {', '.join(tenants)}): none "
+                          "revoked; give the sha256 of the one to revoke, as the file shows it", param="key_id")
+    kept = [entry for entry, hit in zip(data["keys"], named, strict=True) if not hit]
     data["keys"] = kept
     save_document(path, data)
     return True
