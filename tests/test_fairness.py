@@ -250,3 +250,28 @@ def test_random_tenants_finish_with_their_own_tokens(seed: int) -> None:
                                                          for i in range(request.sampling.max_tokens or 0)]
     assert_all_free(sched)
     assert not sched.waiting.tenants, "idle tenants are forgotten"
+
+
+def test_a_sibling_of_another_tenant_gives_back_its_blocks_when_nothing_runs() -> None:
+    """Regression (deadlock): a forked sibling waits holding its prompt's blocks; the queue's head is another
+    tenant's request, first by the fair share (arrival across tenants) though ranked after the sibling by its
+    request priority. Nothing runs and the head needs those blocks: the sibling gives them back (they stay cached),
+    rather than the waiting siblings being released only when ranked below the head, which left every request
+    waiting forever."""
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=40)
+    worker = FakeWorker(4)
+    forked = tenant_request("forked", "b", prompt_len=21, max_tokens=1, priority=0, arrival_time=2.0)
+    forked.sampling = SamplingParams(temperature=0.0, max_tokens=1, n=2)
+    sched.add_request(forked)
+    step(sched, worker)  # the first sequence's prefill and token: it ends, its sibling forks 5 blocks and waits
+    sibling = forked.sequences[1]
+    assert sibling.status == SeqStatus.WAITING and len(sibling.table.block_ids) == 5
+    early = tenant_request("early", "a", prompt_len=30, max_tokens=2, priority=1, arrival_time=1.0)
+    sched.add_request(early)  # 8 blocks; 5 are free
+    assert sched.waiting.head() is early.sequences[0]
+    for _ in range(50):
+        if not sched.has_unfinished():
+            break
+        step(sched, worker)
+    assert [seq.finish_reason for seq in (*forked.sequences, *early.sequences)] == [FinishReason.LENGTH] * 3
+    assert_all_free(sched)

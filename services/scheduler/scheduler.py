@@ -659,7 +659,7 @@ class Scheduler:
             count = self._admit_one(seq, budget)
             if count == 0 and not (beam is not None and beam.num_generated
                                    and seq.num_tokens - seq.num_computed_tokens == 1):
-                if not self.running and self._release_waiting_blocks(seq):
+                if not self.running and self._release_waiting_blocks(seq, every_other=True):
                     continue  # forked siblings waiting behind it held the blocks it needs
                 break  # the head of the queue does not fit: FCFS, nothing overtakes it
             self.waiting.pop(seq)
@@ -684,8 +684,11 @@ class Scheduler:
             return []
         return sorted(self.eos_token_ids | request.eos_token_ids)
 
-    def _release_waiting_blocks(self, seq: Sequence) -> bool:
-        """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked.
+    def _release_waiting_blocks(self, seq: Sequence, every_other: bool = False) -> bool:
+        """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked (`every_other`:
+        all but seq, for the queue's head when nothing runs: it is admitted next whatever their ranks, since the
+        fair share among tenants, not rank alone, orders the queue; a sibling of another tenant ranked above the
+        head kept its blocks and nothing ever ran again).
 
         Forked siblings wait holding blocks and preemption only takes running sequences, so without
         this the pool can stay full with nothing running (a deadlock) or the only runner can be admitted
@@ -695,7 +698,7 @@ class Scheduler:
                                 if sibling.status == SeqStatus.WAITING and sibling.table.block_ids]
         released = False
         for sibling in self._forked_waiting:
-            if sibling.rank > seq.rank:
+            if sibling is not seq and (every_other or sibling.rank > seq.rank):
                 self.blocks.free(sibling.table)
                 sibling.num_computed_tokens = 0
                 released = True
