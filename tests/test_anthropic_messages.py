@@ -373,6 +373,16 @@ def test_stop_reasons() -> None:
     assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", "lo")
     _, whole = render(['[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'], body=body)
     assert [b["type"] for b in whole["content"]] == ["tool_use"] and whole["stop_reason"] == "tool_use"
+    # a named tool alike: a stop sequence that cut its input is what ended the answer, a whole input is a tool_use
+    named = {**body, "tool_choice": {"type": "tool", "name": "get_weather"}}
+    _, cut = render(['{"city"'], body=named, stop=":")
+    assert [b["type"] for b in cut["content"]] == ["tool_use"] and cut["content"][0]["input"] == {}
+    assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", ":")
+    assert render(['{"city": "Oslo"}'], body=named)[1]["stop_reason"] == "tool_use"
+    # the think block never closed (the model ended inside it): no input was written, the turn ended, as chat's stop
+    _, unwritten = render(["The user asks", " about Oslo."], body=named, reasoning="deepseek_r1")
+    assert [b["type"] for b in unwritten["content"]] == ["thinking", "tool_use"]
+    assert unwritten["stop_reason"] == "end_turn"
     # a whole call, then a stop sequence (auto): the answer is the call, which an agent loop runs on tool_use
     auto = {"messages": HI, "tools": [WEATHER]}
     _, called = render(['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'],

@@ -162,6 +162,30 @@ def test_a_required_array_cut_short_holds_calls_but_is_no_finished_answer(text: 
     assert _reassemble(deltas + more)["calls"][0]["name"] == "f"
 
 
+@pytest.mark.parametrize(("spec", "text", "finished"), [
+    (ChatOutputSpec("named", tool_name="f"), '{"a": 1, "b": "x"}', True),
+    (ChatOutputSpec("named", tool_name="f"), ' {"a": 80E680792574}\n', True),  # a number past a double's range
+    (ChatOutputSpec("named", tool_name="f"), '{"city"', False),  # stop: [":"] cut the arguments
+    (ChatOutputSpec("named", tool_name="f"), '{"a": {"b": 1}', False),  # ends at a `}`, not the object's
+    (ChatOutputSpec("named", tool_name="f"), "", False),  # a stop string before the first token
+    # the reasoning never closed (EOS or a stop string inside the think block): no arguments were written
+    (ChatOutputSpec("named", tool_name="f", reasoning_parser="deepseek_r1"), "all of it is reasoning", False),
+    (ChatOutputSpec("named", tool_name="f", reasoning_parser="qwen3"), '<think>a</think>\n{"a": 1}', True),
+])
+def test_a_named_call_cut_short_is_no_finished_answer(spec: ChatOutputSpec, text: str, finished: bool) -> None:
+    """As for `required`: arguments that a stop string ended before their object closed (or before they began)
+    are still the message's call, but the choice keeps finish_reason "stop" (it said "tool_calls", and an agent
+    loop ran json.loads on `{"city"`); Messages' stop_reason is then stop_sequence, not tool_use."""
+    message, calls_tools = whole_message(spec, text)
+    assert message["tool_calls"][0]["function"]["name"] == "f"
+    assert calls_tools is finished
+    stream = ChoiceStream(spec)
+    deltas = [d for ch in text for d in stream.push(ch)]
+    more, streamed_calls = stream.finish()
+    assert streamed_calls is finished
+    assert _reassemble(deltas + more)["calls"][0]["name"] == "f"
+
+
 def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "description": f"the {name} tool",
                                              "parameters": parameters}}

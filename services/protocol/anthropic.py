@@ -550,9 +550,10 @@ class BlockBuilder:
             return "max_tokens"
         if self.calls_finished:
             return "tool_use"
-        if self.stop_sequence is not None:  # what ended the answer, a tool_use (`any`) it cut short included
+        if self.stop_sequence is not None:  # what ended the answer, a tool_use (`any`, named) it cut short included
             return "stop_sequence"
-        return "tool_use" if any(b.kind == "tool_use" for b in self.blocks) else "end_turn"
+        # a tool_use here is no finished call: a named one whose think block never closed (chat's finish "stop")
+        return "end_turn"
 
     def _parts(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []

@@ -14,10 +14,10 @@ from typing import Any
 from pagoda.services.protocol.reasoning import ReasoningStream, split_reasoning
 from pagoda.services.protocol.tools import (
     ToolCall,
+    constrained_output_closed,
     new_call_id,
     parse_required,
     parse_tool_calls,
-    required_array_closed,
     tool_start_marker,
 )
 
@@ -67,10 +67,15 @@ def whole_message(spec: ChatOutputSpec, text: str) -> tuple[dict[str, Any], bool
 
 def _finished_calls(spec: ChatOutputSpec, content: str, calls: tuple[str, list[ToolCall]] | None) -> bool:
     """Whether the choice's answer is tool calls (finish_reason "tool_calls" when it stopped): a `required` array
-    that a stop string cut before its `]` holds calls, but is no finished answer."""
+    that a stop string cut before its `]` holds calls, but is no finished answer; nor is a named call whose
+    arguments it cut before their object closed (or before they began: the think block never closed)."""
     if calls is None:
         return False
-    return spec.tool_mode != "required" or required_array_closed(content)
+    if spec.tool_mode == "required":
+        return constrained_output_closed(content, list)
+    if spec.tool_mode == "named":
+        return constrained_output_closed(content, dict)
+    return True
 
 
 def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
@@ -100,8 +105,8 @@ class ChoiceStream:
 
     spec: ChatOutputSpec
     reasoning: ReasoningStream | None = None
-    # content that may be a tool call, in pieces joined once at the end: `held += text` copied all of it on every
-    # token (a 64k-token call: a second of the tokenizer's CPU)
+    # content that may be a tool call (a named call's arguments, sent as they come), in pieces joined once at the
+    # end: `held += text` copied all of it on every token (a 64k-token call: a second of the tokenizer's CPU)
     held: list[str] = field(default_factory=list)
     holding: bool = False
     plain: bool = False  # llama3_json: content was sent, so the answer is no call (its calls are the whole answer)
@@ -130,7 +135,8 @@ class ChoiceStream:
             deltas += self._reasoning(reasoning) + self._content(content)
         if self.spec.tool_mode == "named":
             # a call with no arguments written (the tokens ran out first) is still the whole message's call
-            return deltas + self._named_header(), True
+            arguments = "".join(self.held)
+            return deltas + self._named_header(), _finished_calls(self.spec, arguments, _calls(self.spec, arguments))
         held = "".join(self.held)
         if not held:
             return deltas, False
@@ -157,7 +163,8 @@ class ChoiceStream:
         mode = self.spec.tool_mode
         if mode == "none":
             return [{"content": text}]
-        if mode == "named":
+        if mode == "named":  # sent at once, and kept: finish() tells whether the object closed
+            self.held.append(text)
             return self._named_header() + [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
         if mode == "required" or self.holding:
             self.held.append(text)

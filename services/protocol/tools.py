@@ -724,15 +724,16 @@ def parse_required(text: str) -> list[ToolCall]:
     return [c for c in calls if c is not None]
 
 
-def required_array_closed(text: str) -> bool:
-    """Whether a `required` output is its whole array, `]` included: a stop string or max_tokens can end it
-    earlier, and then its calls (parse_required) are no finished answer."""
+def constrained_output_closed(text: str, kind: type[list[Any]] | type[dict[str, Any]]) -> bool:
+    """Whether a constrained output is its whole value, closed: a `required` output its array (kind list), a named
+    call's its arguments object (dict). A stop string or max_tokens can end it earlier, and then its calls
+    (parse_required, or the named call) are no finished answer."""
     start = len(text) - len(text.lstrip())
     try:
         value, end = _PERMISSIVE.raw_decode(text, start)
     except _JSON_ERRORS:
         return False
-    return isinstance(value, list) and not text[end:].strip()
+    return isinstance(value, kind) and not text[end:].strip()
 
 
 # the call being written when the tokens ran out: its name whole, then its parameters so far
