@@ -275,3 +275,23 @@ def test_a_sibling_of_another_tenant_gives_back_its_blocks_when_nothing_runs() -
         step(sched, worker)
     assert [seq.finish_reason for seq in (*forked.sequences, *early.sequences)] == [FinishReason.LENGTH] * 3
     assert_all_free(sched)
+
+
+def test_a_runner_takes_the_blocks_of_another_tenants_sibling_the_queue_would_admit_after_it() -> None:
+    """Regression (livelock): tenant a's runner needs a block that a waiting sibling of tenant c holds; the sibling's
+    request priority is better, but c (weight 0.5) is owed no slot of a's (weight 3), so the fair queue puts the
+    runner first again. Giving way by rank, the runner was preempted, readmitted, and preempted again before its
+    recomputed block was cached (two plans in flight), forever. It takes the sibling's blocks instead."""
+    from tests.test_scheduler import expected_tokens, run_overlapped
+
+    sched = make_scheduler(num_blocks=4, block_size=8, max_num_seqs=2, max_num_batched_tokens=3, max_model_len=32,
+                           max_inflight_plans=2)
+    worker = FakeWorker(8)
+    runner = tenant_request("runner", "a", prompt_len=2, max_tokens=29, weight=3.0, priority=0, arrival_time=1.0)
+    forked = tenant_request("forked", "c", prompt_len=21, weight=0.5, priority=-1, arrival_time=3.0)
+    forked.sampling = SamplingParams(temperature=0.0, max_tokens=1, n=2)
+    run_overlapped(sched, worker, [(0, runner), (0, forked)], max_turns=2000)
+    for seq in (*runner.sequences, *forked.sequences):
+        want, _ = expected_tokens(seq.seq_id, seq.request.sampling.max_tokens or 0, default_token, set())
+        assert seq.finish_reason == FinishReason.LENGTH and seq.token_ids[seq.num_prompt_tokens:] == want
+    assert_all_free(sched)

@@ -685,10 +685,9 @@ class Scheduler:
         return sorted(self.eos_token_ids | request.eos_token_ids)
 
     def _release_waiting_blocks(self, seq: Sequence, every_other: bool = False) -> bool:
-        """`seq` cannot get blocks: waiting sequences ranked below it drop the blocks they forked (`every_other`:
-        all but seq, for the queue's head when nothing runs: it is admitted next whatever their ranks, since the
-        fair share among tenants, not rank alone, orders the queue; a sibling of another tenant ranked above the
-        head kept its blocks and nothing ever ran again).
+        """`seq` cannot get blocks: waiting sequences that would be admitted after it drop the blocks they forked
+        (_after). `every_other`: all but seq, for the queue's head when nothing runs: it is admitted next whatever
+        their ranks (a sibling of another tenant ranked above the head kept its blocks and nothing ever ran again).
 
         Forked siblings wait holding blocks and preemption only takes running sequences, so without
         this the pool can stay full with nothing running (a deadlock) or the only runner can be admitted
@@ -698,11 +697,22 @@ class Scheduler:
                                 if sibling.status == SeqStatus.WAITING and sibling.table.block_ids]
         released = False
         for sibling in self._forked_waiting:
-            if sibling is not seq and (every_other or sibling.rank > seq.rank):
+            if sibling is not seq and (every_other or self._after(sibling, seq)):
                 self.blocks.free(sibling.table)
                 sibling.num_computed_tokens = 0
                 released = True
         return released
+
+    def _after(self, waiting: Sequence, running: Sequence) -> bool:
+        """Whether a waiting sequence would be admitted after `running` were that one preempted: of its tenant,
+        ranked below it; of another tenant, unless that tenant is owed a running slot of `running`'s
+        (fairness.may_take: preempted, `running` would come after it). The fair share, not rank alone, orders the
+        queue across tenants: by rank, a runner gave way to a better-ranked sibling of another tenant, was first in
+        the queue again, readmitted and preempted, over and over."""
+        if waiting.tenant == running.tenant:
+            return waiting.rank > running.rank
+        tenants = self.waiting.tenants
+        return not may_take(tenants[waiting.tenant], tenants[running.tenant], extra=1)
 
     def _num_seats_taken(self) -> int:
         """Running sequences, plus the beams that admitted beam searches will fork at their first step."""
