@@ -168,6 +168,8 @@ def test_a_required_array_cut_short_holds_calls_but_is_no_finished_answer(text: 
     (ChatOutputSpec("named", tool_name="f"), '{"city"', False),  # stop: [":"] cut the arguments
     (ChatOutputSpec("named", tool_name="f"), '{"a": {"b": 1}', False),  # ends at a `}`, not the object's
     (ChatOutputSpec("named", tool_name="f"), "", False),  # a stop string before the first token
+    (ChatOutputSpec("named", tool_name="f"), '"a string"', True),  # a tool whose parameters are {"type": "string"}
+    (ChatOutputSpec("named", tool_name="f"), '"a str', False),
     # the reasoning never closed (EOS or a stop string inside the think block): no arguments were written
     (ChatOutputSpec("named", tool_name="f", reasoning_parser="deepseek_r1"), "all of it is reasoning", False),
     (ChatOutputSpec("named", tool_name="f", reasoning_parser="qwen3"), '<think>a</think>\n{"a": 1}', True),

@@ -74,7 +74,7 @@ def _finished_calls(spec: ChatOutputSpec, content: str, calls: tuple[str, list[T
     if spec.tool_mode == "required":
         return constrained_output_closed(content, list)
     if spec.tool_mode == "named":
-        return constrained_output_closed(content, dict)
+        return constrained_output_closed(content)
     return True
 
 

@@ -724,10 +724,10 @@ def parse_required(text: str) -> list[ToolCall]:
     return [c for c in calls if c is not None]
 
 
-def constrained_output_closed(text: str, kind: type[list[Any]] | type[dict[str, Any]]) -> bool:
+def constrained_output_closed(text: str, kind: type = object) -> bool:
     """Whether a constrained output is its whole value, closed: a `required` output its array (kind list), a named
-    call's its arguments object (dict). A stop string or max_tokens can end it earlier, and then its calls
-    (parse_required, or the named call) are no finished answer."""
+    call's its arguments (an object, or whatever JSON the tool's schema names). A stop string or max_tokens can end
+    it earlier, and then its calls (parse_required, or the named call) are no finished answer."""
     start = len(text) - len(text.lstrip())
     try:
         value, end = _PERMISSIVE.raw_decode(text, start)
