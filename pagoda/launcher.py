@@ -12,6 +12,7 @@ in a process group of its own: signals sent to the launcher's group (a terminal'
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import random
 import shutil
@@ -202,6 +203,31 @@ def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
     return engine_config
 
 
+def check_http_address(host: str, port: int) -> None:
+    """Fail before any process starts unless the api processes can listen on host:port: the host resolves to an
+    address of this machine and no other server listens on the port. The apis bind it with SO_REUSEPORT, to share
+    it, which lets a second server of the same user bind it too: both would serve, the kernel splitting the
+    clients' connections between them. A bind without SO_REUSEPORT fails beside any listener."""
+    try:  # as the apis' TCPSite resolves it ("": every interface)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r} does not resolve: {exc.strerror}", param="host") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+            if family == socket.AF_INET6:  # as asyncio binds it: beside, not over, the IPv4 address
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(f"--host {host!r}: {address[0]} is no address of this machine to listen on",
+                                      param="host") from None
+                why = "in use (another server listens there)" if exc.errno == errno.EADDRINUSE else exc.strerror
+                raise ConfigError(f"--port {port}: cannot listen on {address[0]}:{port}: {why}",
+                                  param="port") from None
+
+
 def uses_tcp(config: ServerConfig) -> bool:
     """Whether any ZeroMQ endpoint given is tcp:// (the derived ones are ipc://)."""
     given = [config.api_endpoints, config.scheduler_endpoint, config.plan_endpoint, config.result_endpoint,
@@ -212,6 +238,7 @@ def uses_tcp(config: ServerConfig) -> bool:
 class Launcher:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.engine_config = check_engine_config(engine_config)
+        check_http_address(server_config.host, server_config.port)
         check_shared_gpus(self.engine_config, server_config.data_parallel_size,
                           visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.own_runtime_dir = server_config.runtime_dir is None

@@ -161,3 +161,43 @@ def test_free_ports_are_below_the_kernels_ephemeral_range_and_skip_taken_ones(
     monkeypatch.setattr(launcher, "CHOSEN_PORTS_LOW", ephemeral_low - 10)  # no room: the kernel's ports
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(port >= ephemeral_low for port in ports), ports
+
+
+def _serve_exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`pagoda serve ARGV` on the tiny dummy model: its exit code and what it wrote to stderr."""
+    from pagoda.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--shape", "tiny", *argv])
+    code = args.func(args)
+    return code, capsys.readouterr().err
+
+
+def _no_start(self: Launcher) -> None:
+    raise AssertionError("the launcher started its processes")
+
+
+def test_a_port_another_server_listens_on_is_refused_before_any_process_starts(
+        tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The api processes bind their port with SO_REUSEPORT (to share it), which let a second `pagoda serve` of the
+    same user bind a port a first one served: both started, and the kernel split the clients' connections between
+    two servers (two models, two configurations). The launcher now finds the port taken and says so in one line,
+    naming --port, before starting anything; a listener with SO_REUSEPORT (another pagoda) counts as taken."""
+    monkeypatch.setattr(Launcher, "start", _no_start)
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as an api of another server binds it
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        code, err = _serve_exit(["--port", str(port), "--runtime-dir", str(tmp_path)], capsys)
+    assert code == 2
+    assert err.startswith(f"pagoda: error: --port {port}: ") and "in use" in err and err.count("\n") == 1, err
+
+
+def test_a_host_that_does_not_resolve_is_refused_before_any_process_starts(
+        tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--host no.such.host.invalid started every process, and the api died with 'cannot serve: [Errno -2] Name or
+    service not known', naming no flag; now one line naming --host, nothing started."""
+    monkeypatch.setattr(Launcher, "start", _no_start)
+    code, err = _serve_exit(["--host", "no.such.host.invalid", "--runtime-dir", str(tmp_path)], capsys)
+    assert code == 2
+    assert err.startswith("pagoda: error: --host 'no.such.host.invalid' ") and err.count("\n") == 1, err
