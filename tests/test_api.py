@@ -207,7 +207,12 @@ class FakeTokenizer:
         streams[request.request_id] = FakeStream(request.request_id, params.n, tag, num_tokens, reason,
                                                  SLOW_TOKEN_S if slow else 0.0, params.logprobs, start)
         prompt_text = text if request.return_prompt_text else None
-        return [Accepted(request.request_id, num_prompt_tokens, prompt_text)]
+        accepted = Accepted(request.request_id, num_prompt_tokens, prompt_text)
+        if "overload" in text:  # forwarded, then refused by the scheduler (--max-waiting-requests): a 503 after Accepted
+            del streams[request.request_id]
+            return [accepted, RequestFailed(request.request_id, 503, "the server is overloaded (1 requests waiting); "
+                                            "try again later", "server_error")]
+        return [accepted]
 
     def _due_deltas(self, streams: dict[str, FakeStream], now: float) -> list[TextDelta]:
         """One more token for every completion of every due stream, in one batch as a tokenizer sends."""

@@ -465,3 +465,35 @@ def test_a_key_id_two_keys_share_is_never_revoked_for_both(tmp_path: Path, monke
     assert len(read_keys_file(path)) == 3
     assert tenants.revoke_key(path, hash_key("pgk-third"))
     assert set(read_keys_file(path)) == {hash_key("pgk-other"), hash_key("pgk-second")}
+
+
+def test_a_request_the_engine_refuses_after_its_prompt_was_charged_costs_nothing(qa_stack: tuple) -> None:
+    """The prompt is charged to tokens_per_minute once the tokenizer accepts it, before the scheduler admits it: a
+    request the scheduler then refused (503 overloaded, --max-waiting-requests) kept its prompt's charge. Under
+    overload every retry of a long prompt drained its tenant's minute (on SmolLM2, 4 refused 101-token prompts: 404
+    of a 1000-token minute) until it got 429 for tokens it never used. Given back now, and logged charged 0."""
+    stack, _, keys_path, usage_path = qa_stack
+    key = add_key(keys_path, "overloaded", {"tokens_per_minute": 10})[1]
+    wait_until(lambda: _post(stack, key, "a", max_tokens=1).status_code == 200, 10, "the new key to work")
+    refused = _post(stack, key, "overload " * 12, max_tokens=1)  # 12 prompt tokens: past the minute's 10
+    assert refused.status_code == 503, refused.text  # type: ignore[attr-defined]
+    assert _post(stack, key, "a", max_tokens=1).status_code == 200  # the minute is as it was
+    lines = [json.loads(text) for text in usage_path.read_text().splitlines()]
+    line = next(line for line in lines if line["tenant"] == "overloaded" and line["status"] == 503)
+    assert line["prompt_tokens"] == 12 and line["charged_tokens"] == 0
+
+
+def test_the_gate_gives_back_a_charge_the_request_ended_below() -> None:
+    """QuotaGate.release with fewer tokens than were charged as the request ran gives the difference back (never past
+    the bucket's minute); with more, it charges the rest as before."""
+    from pagoda.services.api.tenants import QuotaGate, Tenant
+
+    gate, tenant = QuotaGate(), Tenant("t", tokens_per_minute=100)
+    lease = gate.admit(tenant, 0.0)
+    gate.charge(lease, 150, 0.0)
+    gate.release(lease, 0, 0.0)
+    assert gate.usage["t"].tokens.level == 100  # type: ignore[union-attr]
+    lease = gate.admit(tenant, 0.0)
+    gate.charge(lease, 30, 0.0)
+    gate.release(lease, 50, 0.0)
+    assert gate.usage["t"].tokens.level == 50  # type: ignore[union-attr]

@@ -46,6 +46,7 @@ class Generation:
         self._num_running = [n] * num_prompts  # unfinished completions per prompt
         self._failed: set[int] = set()  # prompts the tokenizer already ended with RequestFailed
         self.refused = False  # a prompt failed with a 4xx after it was admitted (e.g. its grammar cannot compile)
+        self.failed_upstream = False  # a prompt ended in the engine's refusal or failure (RequestFailed)
         self._early: deque[Reply] = deque()  # replies taken off the queue, not handled yet
         self.first_token_at: float | None = None
         self.accepted_at: float | None = None  # time.monotonic() when every prompt was tokenized and admitted
@@ -167,6 +168,7 @@ class Generation:
             if i is not None:
                 self._failed.add(i)
             self.refused = self.refused or 400 <= reply.status < 500
+            self.failed_upstream = True
             raise UpstreamError.from_failed(reply)
         log.warning("ignored an unexpected %s for %s", type(reply).__name__, self.ticket.request_ids[0])
 

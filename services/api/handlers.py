@@ -512,7 +512,11 @@ class Handlers:
         `beam_width` and `max_tokens`: a beam search's, which charge what its beams ran (or could run, when cut)."""
         prompt_tokens = gen.prompt_tokens if gen is not None else 0
         completion_tokens = gen.completion_tokens if gen is not None else 0
-        if gen is not None and beam_width > gen.n:
+        if gen is not None and gen.failed_upstream and completion_tokens == 0:
+            # the engine refused it (overloaded, a check of the scheduler's) or failed before any output came back:
+            # nothing to bill, and its prompt's charge, taken once the tokenizer accepted it, is given back
+            charged_tokens = 0
+        elif gen is not None and beam_width > gen.n:
             stats = self.state.stats.latest
             charged_tokens = prompt_tokens + _beam_tokens(gen, beam_width, max_tokens,
                                                           stats.max_model_len if stats is not None else 0)
@@ -761,7 +765,7 @@ def _beam_tokens(gen: Generation, beam_width: int, max_tokens: int | None, max_m
     """The completion tokens a beam search ran, for its tenant's tokens_per_minute: each prompt's beam_width beams
     (best_of) for as many steps as its longest returned hypothesis, not only the n hypotheses its usage reports (a
     tenant sending best_of 128, n 1 would otherwise pay for 1/128th of what it runs). A prompt whose search was cut
-    (the client left, a timeout, an error) returned no hypotheses, though its beams ran: it is charged its budget,
+    (the client left, a timeout) returned no hypotheses, though its beams ran: it is charged its budget,
     beam_width x max_tokens (or the context left after its prompt), else leaving just before the end would make
     any search free."""
     total = 0

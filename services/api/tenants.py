@@ -400,12 +400,17 @@ class QuotaGate:
         lease.num_charged = num_tokens
 
     def release(self, lease: Lease, num_tokens: int, now: float) -> None:
-        """The request ended having used `num_tokens` in all: what was not charged yet is charged now."""
-        self.charge(lease, num_tokens, now)
+        """The request ended having used `num_tokens` in all: what was not charged yet is charged now, and what was
+        charged beyond it is given back (a prompt charged once accepted, then refused by the engine)."""
         if lease.released:
             return
-        lease.released = True
         usage = self.usage.get(lease.tenant.name)
+        if num_tokens < lease.num_charged and usage is not None and usage.tokens is not None:
+            usage.tokens.refill(now)
+            usage.tokens.level = min(usage.tokens.capacity, usage.tokens.level + lease.num_charged - num_tokens)
+            lease.num_charged = num_tokens
+        self.charge(lease, num_tokens, now)
+        lease.released = True
         if usage is None:
             return
         usage.in_flight -= 1
