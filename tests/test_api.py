@@ -208,7 +208,7 @@ class FakeTokenizer:
                                                  SLOW_TOKEN_S if slow else 0.0, params.logprobs, start)
         prompt_text = text if request.return_prompt_text else None
         accepted = Accepted(request.request_id, num_prompt_tokens, prompt_text)
-        if "overload" in text:  # forwarded, then refused by the scheduler (--max-waiting-requests): a 503 after Accepted
+        if "overload" in text:  # forwarded, then refused by the scheduler (--max-waiting-requests): 503 after Accepted
             del streams[request.request_id]
             return [accepted, RequestFailed(request.request_id, 503, "the server is overloaded (1 requests waiting); "
                                             "try again later", "server_error")]
