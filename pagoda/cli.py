@@ -13,6 +13,7 @@ from pagoda.shared.config import (
     add_server_args,
     add_vllm_serve_args,
     apply_vllm_serve_args,
+    check_log_level,
     engine_config_from_args,
     server_config_from_args,
 )
@@ -176,7 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        level = check_log_level(args.log_level)
+    except ConfigError as exc:
+        print(f"pagoda: error: {exc.message}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return int(args.func(args) or 0)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import ipaddress
 import json
+import logging
 import math
 import os
 import re
@@ -337,6 +338,7 @@ class ServerConfig:
         if self.metrics_access not in METRICS_ACCESSES:
             raise ConfigError(f"metrics_access must be one of {METRICS_ACCESSES}, got {self.metrics_access!r}",
                               param="metrics_access")
+        self.log_level = check_log_level(self.log_level).lower()  # " DEBUG" from a file: "debug"
         if self.data_parallel_size < 1 or self.replica_id < 0:
             raise ConfigError("data_parallel_size must be >= 1 and replica_id >= 0", param="data_parallel_size")
         if self.reasoning_parser in REASONING_PARSER_ALIASES:
@@ -489,6 +491,17 @@ def _check_header_safe(key: str, name: str) -> None:
     if bad is not None:
         raise ConfigError(f"--{name.replace('_', '-')}: the key holds a control character ({key[bad]!r} at index "
                           f"{bad}; a second line?), which no HTTP header can carry: give the key alone", param=name)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def check_log_level(level: str) -> str:
+    """A level logging.basicConfig takes by name (any case); a ConfigError naming log_level otherwise (logging's own
+    ValueError was a traceback from `pagoda serve`, or from each service process it started)."""
+    if level.strip().upper() not in logging.getLevelNamesMapping():
+        raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {level!r}", param="log_level")
+    return level.strip().upper()
 
 
 def read_key_file(path: str) -> str:
