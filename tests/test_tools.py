@@ -69,6 +69,26 @@ def test_required_output_and_schema() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 3})]
 
 
+@pytest.mark.parametrize(("parameters", "arguments"), [
+    ({"type": "string"}, '"{\\"a\\": 1}"'), ({"type": "array"}, "[1, 2]"), ({"type": "integer"}, "7"),
+    ({"type": "number"}, "1e400"),  # past a double's range: JSON all the same, as the model wrote it
+])
+def test_required_calls_of_a_tool_whose_parameters_are_no_object(parameters: dict[str, Any], arguments: str) -> None:
+    """A tool whose parameters name another JSON type (vLLM takes them, as a named tool_choice here does: its
+    arguments are that value): the grammar held `required`'s "parameters" to it, so the call is that value, as the
+    named call's is. The array came back as the message's content, finish_reason stop, no call (a string that held
+    JSON was read as the object inside it)."""
+    spec = ChatOutputSpec("required")
+    text = f'[{{"name": "f", "parameters": {arguments}}}, {{"name": "g", "parameters": {{}}}}]'
+    message, calls_tools = whole_message(spec, text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("f", arguments), ("g", "{}")]
+    assert message["content"] is None and calls_tools
+    assert [(c.name, c.arguments) for c in parse_required(text[:-10])] == [("f", arguments), ("g", "")]
+    named, _ = whole_message(ChatOutputSpec("named", tool_name="f"), arguments)
+    assert named["tool_calls"][0]["function"]["arguments"] == arguments
+
+
 def test_default_parser_by_family() -> None:
     assert default_tool_parser(["Meta-Llama-3.1-8B-Instruct"]) == "llama3_json"
     assert default_tool_parser(["Mistral-7B-Instruct-v0.3"]) == "mistral"

@@ -720,7 +720,7 @@ def parse_required(text: str) -> list[ToolCall]:
     parsed = _loads(text)
     if not isinstance(parsed, list):
         return _required_cut_short(text)
-    calls = [_call_from_object(o) for o in parsed]
+    calls = [_required_call(o) for o in parsed]
     return [c for c in calls if c is not None]
 
 
@@ -759,7 +759,7 @@ def _required_cut_short(text: str) -> list[ToolCall]:
             calls.append(call)
             continue
         obj, index = decoded
-        call = _call_from_object(obj)
+        call = _required_call(obj)
         if call is not None:
             calls.append(call)
     cut = _CUT_CALL.match(text, index)
@@ -782,8 +782,7 @@ def _verbatim_call(text: str, index: int) -> tuple[ToolCall, int] | None:
     except _JSON_ERRORS:
         return None
     cut = _CUT_CALL.match(text, index)
-    if not isinstance(obj, dict) or not isinstance(obj.get("parameters"), dict) or cut is None \
-            or cut.group(2) is None:
+    if not isinstance(obj, dict) or "parameters" not in obj or cut is None or cut.group(2) is None:
         return None
     name = _loads(cut.group(1))
     arguments = text[cut.start(2):end].rstrip()
@@ -792,10 +791,25 @@ def _verbatim_call(text: str, index: int) -> tuple[ToolCall, int] | None:
     return ToolCall(name, arguments[:-1].rstrip()), end  # without the call's own closing brace
 
 
-def _call_from_object(obj: Any) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+def _required_call(obj: Any) -> ToolCall | None:
+    """One call of a `required` array: its parameters are the arguments whatever JSON they are (the grammar held
+    them to the tool's schema, which may name a string, an array, a number: vLLM takes such tools), a string
+    included, which is no JSON text of the arguments as some models write them under `auto`."""
+    if not _named_object(obj):
         return None
-    if _SURROGATE.search(obj["name"]):  # a lone surrogate escape in JSON: no UTF-8 text, so no name
+    text = _arguments_text(obj.get("parameters", {}))
+    return None if text is None else ToolCall(obj["name"], text)
+
+
+def _named_object(obj: Any) -> bool:
+    """Whether a call's object has a name: a non-empty string with no lone surrogate escape (JSON's "\\ud800": no
+    UTF-8 text, so no name)."""
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str) and bool(obj["name"]) \
+        and not _SURROGATE.search(obj["name"])
+
+
+def _call_from_object(obj: Any) -> ToolCall | None:
+    if not _named_object(obj):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
@@ -846,7 +860,7 @@ def _decode(text: str, at: int) -> tuple[Any, int] | None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _arguments_text(arguments: dict[str, Any]) -> str | None:
+def _arguments_text(arguments: Any) -> str | None:
     """A call's arguments as JSON text; None where they do not write (nested as deep as the recursion limit). A lone
     surrogate (JSON's "\\ud800", which a model may write) has no UTF-8, so the response could not be sent: such
     arguments keep JSON's escapes."""
