@@ -23,6 +23,7 @@ ENV_PREFIX = "PAGODA_"
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names for two of them
+DEVICE_PATTERN = r"auto|cpu|cuda(:[0-9]+)?"  # --device: what the worker runs on (auto: cuda when present)
 LOAD_FORMATS = ("auto", "dummy")
 LOAD_FORMAT_ALIASES = {"safetensors": "auto"}  # vLLM's name for what auto loads here (pagoda reads safetensors only)
 # fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales; fp8_block: scales per row and
@@ -92,6 +93,9 @@ class EngineConfig:
         if not self.generation_config:
             raise ConfigError("generation_config must be 'auto', 'vllm' or a folder", param="generation_config")
         self.generation_overrides()  # a bad JSON text fails here, before any process starts
+        if not re.fullmatch(DEVICE_PATTERN, self.device):  # torch's own error came from the worker, once started
+            raise ConfigError(f"--device {self.device!r}: pagoda runs on auto (cuda when present, else cpu), cpu, "
+                              "cuda or cuda:N", param="device")
         self.load_format = LOAD_FORMAT_ALIASES.get(self.load_format, self.load_format)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format {self.load_format}: pagoda loads safetensors (auto, safetensors) or "

@@ -45,3 +45,35 @@ def test_logging_levels_in_any_case_are_accepted(level: str) -> None:
     from pagoda.shared.config import ServerConfig
 
     assert ServerConfig(log_level=f" {level}").log_level == level.lower()
+
+
+@pytest.mark.parametrize("device", ["tpu", "npu", "cuda:x", ""])
+def test_a_device_torch_cannot_name_is_refused_before_any_process_starts(
+        device: str, capsys: pytest.CaptureFixture[str], no_start: None) -> None:
+    """`--device tpu` started every process; the worker died with torch's RuntimeError ('Expected one of cpu, cuda,
+    ipu, ...'), a traceback, and the launcher said 'start-up failed'."""
+    assert "device" in _refused(["serve", "--shape", "tiny", "--device", device], capsys)
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
+def test_devices_pagoda_runs_on_are_accepted(device: str) -> None:
+    from pagoda.shared.config import EngineConfig
+
+    assert EngineConfig(model="tiny", load_format="dummy", device=device).device == device
+
+
+def test_cuda_where_torch_sees_no_gpu_is_one_line_naming_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--device cuda` on a host without a GPU (or with a CPU-only torch): the worker died with torch's
+    AssertionError 'Torch not compiled with CUDA enabled', a traceback; now a ConfigError naming device, which the
+    worker process prints as one line."""
+    import torch
+
+    from pagoda.services.worker.device import resolve_device
+    from pagoda.shared.config import EngineConfig
+    from pagoda.shared.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as caught:
+        resolve_device(EngineConfig(model="tiny", load_format="dummy", device="cuda"))
+    assert caught.value.param == "device" and "--device cpu" in caught.value.message
+    assert resolve_device(EngineConfig(model="tiny", load_format="dummy", device="auto")) == "cpu"

@@ -13,16 +13,22 @@ import numpy as np
 import torch
 
 from pagoda.shared.config import EngineConfig
+from pagoda.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
 def resolve_device(config: EngineConfig) -> str:
-    """config.device, or for "auto" cuda when torch sees a GPU, else cpu."""
-    if config.device != "auto":
-        return config.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """config.device, or for "auto" cuda when torch sees a GPU, else cpu. A CUDA device where torch sees none is
+    a ConfigError naming device (torch's own was an AssertionError from deep in the model's loading)."""
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+        raise ConfigError(f"--device {config.device}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+                          f"{build}); use --device cpu, or auto", param="device")
+    return config.device
 
 
 def served_cpu_threads(num_cpus: int, num_local_ranks: int, env: Mapping[str, str]) -> int | None:
