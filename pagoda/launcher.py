@@ -228,6 +228,20 @@ def check_http_address(host: str, port: int) -> None:
                                   param="port") from None
 
 
+def make_runtime_dir(given: str | None) -> Path:
+    """The folder of the ipc:// sockets and the process table: the one given (made if missing), else a private
+    new one. One that cannot be made is a ConfigError naming runtime_dir (it was the OSError's traceback)."""
+    try:
+        if given is None:
+            return Path(tempfile.mkdtemp(prefix="pagoda-"))
+        path = Path(given)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path
+    except OSError as exc:
+        what = f"--runtime-dir {given}" if given is not None else f"a runtime folder in {tempfile.gettempdir()}"
+        raise ConfigError(f"cannot make {what}: {exc.strerror or exc}", param="runtime_dir") from None
+
+
 def uses_tcp(config: ServerConfig) -> bool:
     """Whether any ZeroMQ endpoint given is tcp:// (the derived ones are ipc://)."""
     given = [config.api_endpoints, config.scheduler_endpoint, config.plan_endpoint, config.result_endpoint,
@@ -242,10 +256,8 @@ class Launcher:
         check_shared_gpus(self.engine_config, server_config.data_parallel_size,
                           visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.own_runtime_dir = server_config.runtime_dir is None
-        runtime_dir = server_config.runtime_dir or tempfile.mkdtemp(prefix="pagoda-")
-        self.server_config = replace(server_config, runtime_dir=runtime_dir)
-        self.runtime_dir = Path(runtime_dir)
-        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.runtime_dir = make_runtime_dir(server_config.runtime_dir)
+        self.server_config = replace(server_config, runtime_dir=str(self.runtime_dir))
         if self.server_config.cluster_key_dir is None and uses_tcp(self.server_config):
             # tcp endpoints on one host: a key pair of this launch, in the private runtime dir, for every process
             key_dir = self.runtime_dir / "keys"

@@ -77,3 +77,14 @@ def test_cuda_where_torch_sees_no_gpu_is_one_line_naming_device(monkeypatch: pyt
         resolve_device(EngineConfig(model="tiny", load_format="dummy", device="cuda"))
     assert caught.value.param == "device" and "--device cpu" in caught.value.message
     assert resolve_device(EngineConfig(model="tiny", load_format="dummy", device="auto")) == "cpu"
+
+
+def test_a_runtime_dir_that_is_a_file_is_refused_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str],
+                                                              no_start: None) -> None:
+    """`--runtime-dir /etc/passwd` was FileExistsError from the launcher's mkdir, a traceback."""
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    err = _refused(["serve", "--shape", "tiny", "--runtime-dir", str(path)], capsys)
+    assert "--runtime-dir" in err and str(path) in err, err
+    nested = _refused(["serve", "--shape", "tiny", "--runtime-dir", str(path / "below")], capsys)
+    assert "--runtime-dir" in nested, nested
