@@ -495,6 +495,18 @@ def test_llm_chat_parses_tool_call_arguments(tokenizers: dict[str, Tokenizer]) -
     assert '<arg name="city">Oslo</arg>' in offline(tokenizers["args_items"], messages)
 
 
+@pytest.mark.parametrize("arguments", ['{"n": ' + "9" * 5000 + "}", "[" * 5000 + "]" * 5000])
+def test_tool_call_arguments_python_cannot_read_are_an_empty_object(tokenizers: dict[str, Tokenizer],
+                                                                     arguments: str) -> None:
+    """Arguments that are JSON Python's reader refuses, an integer past its 4300 digits (a forced call's unbounded
+    integer, which the model writes until max_tokens) or arrays nested past the recursion limit: {} as for text
+    that is no JSON. They were a 400 naming messages ("cannot tokenize the messages: Exceeds the limit (4300
+    digits) ... use sys.set_int_max_str_digits()"): a tool loop could not go on past the server's own answer."""
+    want = oracle_text(TEMPLATES["args_items"], tool_turns("{}"), "string", tools=TOOLS)
+    assert served(tokenizers["args_items"], tool_turns(arguments), tools=TOOLS)[0] == want
+    assert offline(tokenizers["args_items"], tool_turns(arguments), tools=TOOLS) == want
+
+
 def test_reasoning_sent_back_reaches_the_template(tokenizers: dict[str, Tokenizer]) -> None:
     """An earlier answer's reasoning (vLLM's `reasoning`, or `reasoning_content`) is the template's to render:
     Qwen3's keeps it for the turns of a tool loop after the last user question."""

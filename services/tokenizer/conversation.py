@@ -161,7 +161,9 @@ def _text_call(call: Any) -> Any:
 
 
 def _parsed_call(call: Any) -> Any:
-    """A tool call with its arguments as an object ({} where they are not JSON); a call of another shape as it is."""
+    """A tool call with its arguments as an object ({} where they are not JSON, or JSON Python does not read: an
+    integer past its digit limit, a ValueError; arrays nested past the recursion limit); a call of another shape as
+    it is."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
@@ -169,7 +171,7 @@ def _parsed_call(call: Any) -> Any:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             arguments = {}
     elif not isinstance(arguments, (dict, list)):
         arguments = {}
