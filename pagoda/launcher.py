@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import random
 import shutil
@@ -27,6 +28,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -242,6 +244,30 @@ def make_runtime_dir(given: str | None) -> Path:
         raise ConfigError(f"cannot make {what}: {exc.strerror or exc}", param="runtime_dir") from None
 
 
+RUNTIME_LOCK_FILE = "launcher.lock"  # held (flock) by the launcher using the runtime dir, for its whole life
+METRICS_DIR = "prometheus"  # in the runtime dir: the api processes' Prometheus files (PROMETHEUS_MULTIPROC_DIR)
+
+
+def lock_runtime_dir(runtime_dir: Path) -> BinaryIO:
+    """Hold the runtime dir for this launcher (released when the returned file closes, or the process ends). A
+    second launcher there would bind the first's ipc:// socket paths and, at its stop, delete its sockets and its
+    apis' Prometheus files: a ConfigError naming runtime_dir, with the holder's pid."""
+    lock = (runtime_dir / RUNTIME_LOCK_FILE).open("a+b")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().decode(errors="replace").strip() or "?"
+        lock.close()
+        raise ConfigError(f"--runtime-dir {runtime_dir} is in use by another pagoda serve (pid {holder}): give each "
+                          "server a runtime dir of its own (or none: a private one is made)",
+                          param="runtime_dir") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()).encode())
+    lock.flush()
+    return lock
+
+
 def uses_tcp(config: ServerConfig) -> bool:
     """Whether any ZeroMQ endpoint given is tcp:// (the derived ones are ipc://)."""
     given = [config.api_endpoints, config.scheduler_endpoint, config.plan_endpoint, config.result_endpoint,
@@ -257,6 +283,10 @@ class Launcher:
                           visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.own_runtime_dir = server_config.runtime_dir is None
         self.runtime_dir = make_runtime_dir(server_config.runtime_dir)
+        self._lock = lock_runtime_dir(self.runtime_dir)
+        # the apis' Prometheus files: a launcher killed before its clean stop left its own, which the apis would
+        # count as theirs
+        shutil.rmtree(self.runtime_dir / METRICS_DIR, ignore_errors=True)
         self.server_config = replace(server_config, runtime_dir=str(self.runtime_dir))
         if self.server_config.cluster_key_dir is None and uses_tcp(self.server_config):
             # tcp endpoints on one host: a key pair of this launch, in the private runtime dir, for every process
@@ -287,7 +317,7 @@ class Launcher:
             if devices:
                 env["CUDA_VISIBLE_DEVICES"] = replica_devices(replica, engine.tensor_parallel_size, devices)
         if module == "api":
-            metrics_dir = self.runtime_dir / "prometheus"
+            metrics_dir = self.runtime_dir / METRICS_DIR
             metrics_dir.mkdir(exist_ok=True)
             env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         # Each child leads a process group of its own, so that signals for the launcher's group reach the launcher
@@ -512,8 +542,12 @@ class Launcher:
         for endpoint in [*endpoints.api, *self._replica_endpoints()]:
             if endpoint.startswith("ipc://"):  # a process killed mid-way leaves its socket file behind
                 Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
-        shutil.rmtree(self.runtime_dir / "prometheus", ignore_errors=True)
+        shutil.rmtree(self.runtime_dir / METRICS_DIR, ignore_errors=True)
         (self.runtime_dir / PROCESS_TABLE_FILE).unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Let another launcher use the runtime dir (after shutdown; the process's exit does it too)."""
+        self._lock.close()
 
     def _replica_endpoints(self) -> list[str]:
         out = []
@@ -567,6 +601,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         code = launcher.supervise()
     finally:
         launcher.shutdown()
+        launcher.release()
     return code
 
 

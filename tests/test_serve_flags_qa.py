@@ -88,3 +88,33 @@ def test_a_runtime_dir_that_is_a_file_is_refused_in_one_line(tmp_path, capsys: p
     assert "--runtime-dir" in err and str(path) in err, err
     nested = _refused(["serve", "--shape", "tiny", "--runtime-dir", str(path / "below")], capsys)
     assert "--runtime-dir" in nested, nested
+
+
+def _launcher(runtime_dir: str) -> Launcher:
+    from pagoda.shared.config import EngineConfig, ServerConfig
+
+    return Launcher(EngineConfig(model="tiny", load_format="dummy"), ServerConfig(runtime_dir=runtime_dir))
+
+
+def test_a_runtime_dir_another_launcher_uses_is_refused(tmp_path, capsys: pytest.CaptureFixture[str],
+                                                         no_start: None) -> None:
+    """Two `pagoda serve` given one --runtime-dir (PAGODA_RUNTIME_DIR set for both) bound the same ipc:// socket
+    paths, and the second's shutdown deleted the first's sockets and its Prometheus folder: the first served on
+    with every api series (latencies, pagoda_http_requests_total, vLLM's request series) gone from /metrics. The
+    second is now refused while the first runs, and may start once it is gone."""
+    first = _launcher(str(tmp_path))
+    err = _refused(["serve", "--shape", "tiny", "--runtime-dir", str(tmp_path), "--port", "8349"], capsys)
+    assert f"--runtime-dir {tmp_path} is in use" in err and "another pagoda serve" in err, err
+    first.release()
+    _launcher(str(tmp_path)).release()
+
+
+def test_metrics_files_a_killed_launcher_left_are_not_counted_by_the_next(tmp_path) -> None:
+    """The apis' Prometheus files live in the runtime dir, removed at a clean stop only: after a kill -9, the next
+    server on that --runtime-dir summed the dead one's counters and histograms into its own /metrics."""
+    stale = tmp_path / "prometheus" / "counter_12345.db"
+    stale.parent.mkdir()
+    stale.write_bytes(b"\0" * 8)
+    launcher = _launcher(str(tmp_path))
+    assert not stale.exists()
+    launcher.release()
