@@ -497,3 +497,43 @@ def test_the_gate_gives_back_a_charge_the_request_ended_below() -> None:
     gate.charge(lease, 30, 0.0)
     gate.release(lease, 50, 0.0)
     assert gate.usage["t"].tokens.level == 50  # type: ignore[union-attr]
+
+
+def test_a_tenant_name_with_a_control_character_or_a_space_at_an_end_is_refused() -> None:
+    """A tenant's name labels its metrics, usage-log lines and console rows: "acme " (a stray space) was another
+    tenant than "acme", and a name holding a newline or an escape passed into all of them."""
+    for name in ["acme ", " acme", "ac\nme", "acme\x1b[31m", "\u200facme\u2028"]:
+        with pytest.raises(ConfigError, match="control character"):
+            parse_keys({"tenants": {name: {}}, "keys": []})
+    parse_keys({"tenants": {"acme corp": {}, "équipe-β": {}}, "keys": []})  # spaces inside, any script: fine
+
+
+def test_keys_file_edits_hold_a_lock_from_read_to_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `pagoda keys add` at once (a provisioning script) both read the old file and the second write dropped
+    the first one's key. An edit holds a lock beside the file from its read to its write: here, a second taker
+    trying the lock while the edit has the file read finds it taken, for add and for revoke."""
+    import fcntl
+
+    from pagoda.services.api import tenants
+
+    path = tmp_path / "keys.json"
+    load = tenants.load_document
+    held: list[bool] = []
+
+    def load_and_try_the_lock(at: Path) -> dict:
+        with open(tmp_path / ".keys.json.lock", "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.append(True)
+            else:
+                fcntl.flock(other, fcntl.LOCK_UN)
+                held.append(False)
+        return load(at)
+
+    monkeypatch.setattr(tenants, "load_document", load_and_try_the_lock)
+    key_id, _ = add_key(path, "acme", {})
+    assert tenants.revoke_key(path, key_id)
+    assert held == [True, True]
+    add_key(path, "acme", {})  # the lock was let go: the next edit goes through
+    assert len(read_keys_file(path)) == 1

@@ -16,7 +16,9 @@ share of the running slots within a tier: both travel with each request to the s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import logging
@@ -24,6 +26,7 @@ import math
 import os
 import secrets
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,10 @@ def parse_tenant(name: str, spec: Any) -> Tenant:
     where = f"tenant {name!r}"
     if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_CHARS:
         raise ConfigError(f"{where}: a tenant name is 1 to {MAX_TENANT_CHARS} characters", param="api_keys_file")
+    if not name.isprintable() or name != name.strip():
+        # the name labels metrics, the usage log and the console: "acme " would be another tenant than "acme"
+        raise ConfigError(f"{where}: a tenant name holds no control character and no space at either end",
+                          param="api_keys_file")
     if not isinstance(spec, dict) or set(spec) - set(TENANT_FIELDS):
         raise ConfigError(f"{where}: an object with fields among {', '.join(TENANT_FIELDS)}", param="api_keys_file")
     models = spec.get("models", ["*"])
@@ -215,9 +222,28 @@ def save_document(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
+@contextlib.contextmanager
+def editing(path: Path) -> Iterator[None]:
+    """Held while `pagoda keys` reads, changes and writes the file back: two edits at once (two `keys add` in a
+    script) would otherwise both read the old file, and the second write would drop the first one's key. The lock
+    is a file beside it (the keys file itself is replaced on every write)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def add_key(path: Path, tenant: str, limits: dict[str, Any]) -> tuple[str, str]:
     """Make a key for `tenant` (created with `limits`, or its limits updated with those given); returns (key id,
     key). The key itself is stored nowhere: only its SHA-256."""
+    with editing(path):
+        return _add_key(path, tenant, limits)
+
+
+def _add_key(path: Path, tenant: str, limits: dict[str, Any]) -> tuple[str, str]:
     data = load_document(path)
     spec = {**data["tenants"].get(tenant, {}), **limits}
     data["tenants"][tenant] = parse_tenant(tenant, spec).to_json()
@@ -236,6 +262,11 @@ def add_key(path: Path, tenant: str, limits: dict[str, Any]) -> tuple[str, str]:
 def revoke_key(path: Path, key_id: str) -> bool:
     """Remove the key of that id (or sha256); False if there is none. An id that several keys share (written by
     hand) removes none of them: ConfigError, asking for the sha256 of the one meant."""
+    with editing(path):
+        return _revoke_key(path, key_id)
+
+
+def _revoke_key(path: Path, key_id: str) -> bool:
     data = load_document(path)
     named = [key_id in (entry_id(entry), entry["sha256"]) for entry in data["keys"]]
     if not any(named):
