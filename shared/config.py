@@ -356,6 +356,12 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be >= 1", param=name)
         if not 0 < self.port < 65536:
             raise ConfigError("port must be in 1..65535", param="port")
+        for f in dataclasses.fields(self):  # NaN passes every comparison below (each is false), inf is no time
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number of seconds, got {value}", param=f.name)
+        if self.heartbeat_interval <= 0:
+            raise ConfigError("heartbeat_interval must be > 0", param="heartbeat_interval")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must exceed heartbeat_interval", param="heartbeat_timeout")
         if self.max_logprobs < -1:
@@ -367,7 +373,8 @@ class ServerConfig:
                               f"[1, {MAX_STREAM_INTERVAL}]", param="stream_interval")
         if self.resend_interval <= 0:
             raise ConfigError("resend_interval must be > 0", param="resend_interval")
-        for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests"):
+        for name in ("request_timeout", "body_read_timeout", "step_timeout", "hang_floor", "max_waiting_requests",
+                     "shutdown_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", param=name)
         if self.api_key is not None:

@@ -118,3 +118,18 @@ def test_metrics_files_a_killed_launcher_left_are_not_counted_by_the_next(tmp_pa
     launcher = _launcher(str(tmp_path))
     assert not stale.exists()
     launcher.release()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--heartbeat-interval", "nan"], ["--heartbeat-interval", "-1"], ["--heartbeat-interval", "0"],
+    ["--heartbeat-timeout", "nan"], ["--heartbeat-timeout", "inf"], ["--shutdown-grace", "-5"],
+    ["--shutdown-grace", "nan"], ["--request-timeout", "nan"], ["--body-read-timeout", "inf"],
+    ["--step-timeout", "nan"], ["--hang-floor", "nan"], ["--resend-interval", "nan"], ["--resend-interval", "inf"]])
+def test_times_that_are_no_finite_number_of_seconds_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str],
+                                                                 no_start: None) -> None:
+    """--heartbeat-interval nan started every process and the scheduler died with 'cannot convert float NaN to
+    integer'; --heartbeat-interval -1 passed (the timeout exceeded it) and the tokenizer heart-beat in a busy loop,
+    141,509 'dropped an outgoing message' warnings in 45 s, never healthy, its api killed at the stop. NaN passed
+    every `< 0` check (a comparison with NaN is false), so every time setting took it."""
+    name = argv[0][2:].replace("-", "_")
+    assert name in _refused(["serve", "--shape", "tiny", *argv], capsys)
