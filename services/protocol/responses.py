@@ -739,7 +739,8 @@ class OutputBuilder:
         if item is None:
             return []
         item.status = status
-        index = self.items.index(item)
+        index = len(self.items) - 1  # the open item is the last one (_item); list.index compared it with each before
+        assert self.items[index] is item
         events: list[dict[str, Any]] = []
         if item.kind == "function_call":
             events.append({"type": "response.function_call_arguments.done", "item_id": item.id, "output_index": index,
