@@ -12,7 +12,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -307,7 +307,26 @@ def load_model(model: CausalLM, model_dir: str | Path | None, load_format: str, 
     assert model_dir is not None
     source = SafetensorsSource(model_dir)
     fill(model, source)
+    check_tied_head(model, source)
     return source.bytes_read
+
+
+def check_tied_head(model: CausalLM, source: SafetensorsSource) -> None:
+    """config.json ties the LM head to the embeddings, yet the checkpoint saved an lm_head.weight: served tied when
+    its values are the embeddings', refused otherwise (transformers 5 then unties them and uses lm_head.weight,
+    earlier versions and vLLM the embeddings: the same folder gives other tokens in each)."""
+    if not model.arch.tie_word_embeddings or "lm_head.weight" not in source._file_of:
+        return
+    embed = next(place for place in placements(model) if place.hf_name == "model.embed_tokens.weight")
+    place = replace(embed, hf_name="lm_head.weight")
+    head = source(place.hf_name, place.full_shape, place.shard_dim, place.shard_start, place.shard_len)
+    if head.dtype == torch.float8_e4m3fn:
+        head = _dequantized(source, place, head)
+    if not torch.equal(head.to(embed.target.device, embed.target.dtype), embed.target):
+        raise ConfigError("config.json says tie_word_embeddings true, but the checkpoint's lm_head.weight differs "
+                          "from model.embed_tokens.weight (transformers 5 would use lm_head.weight, older versions "
+                          "the embeddings): set tie_word_embeddings false to serve lm_head.weight, or remove "
+                          "lm_head.weight to serve the embeddings", param="model")
 
 
 def export_hf_state_dict(model: CausalLM, arch: ModelArch) -> dict[str, torch.Tensor]:
