@@ -178,23 +178,56 @@ def summarize(records: list[RequestRecord], elapsed: float, concurrency: int | N
             "errors": sorted({r.error for r in records if r.error})[:5]}
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    return value
+
+
+def positive_rate(text: str) -> float:
+    """An argparse type: a finite number > 0 (requests/s, milliseconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
+def comma_list(item: Any) -> Any:
+    """An argparse type: comma-separated items of `item` ('' for none)."""
+    def parse(text: str) -> list[Any]:
+        return [item(part.strip()) for part in text.split(",") if part.strip()]
+    parse.__name__ = f"list of {item.__name__}"
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the served model name")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels ('' for none)")
-    parser.add_argument("--request-rate", default=None,
+    parser.add_argument("--concurrency", type=comma_list(positive_int), default=[1, 8, 32],
+                        help="comma-separated levels ('' for none)")
+    parser.add_argument("--request-rate", type=comma_list(positive_rate), default=[],
                         help="comma-separated Poisson arrival rates, requests/s (run after the concurrency levels)")
     parser.add_argument("--workload", default=None, choices=tuple(PRESETS),
                         help="prompt shape and sampling of a named workload; size flags override its numbers")
-    parser.add_argument("--num-prompts", type=int, default=None, help="per load level (default 64)")
-    parser.add_argument("--input-len", type=int, default=None, help="default 128")
-    parser.add_argument("--output-len", type=int, default=None, help="default 64")
-    parser.add_argument("--rounds", type=int, default=4,
+    parser.add_argument("--num-prompts", type=positive_int, default=None, help="per load level (default 64)")
+    parser.add_argument("--input-len", type=positive_int, default=None, help="default 128")
+    parser.add_argument("--output-len", type=positive_int, default=None, help="default 64")
+    parser.add_argument("--rounds", type=positive_int, default=4,
                         help="a concurrency level c sends max(c, min(num_prompts, rounds * c)) prompts")
-    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT p99 bound for the best-rate line")
-    parser.add_argument("--slo-itl-ms", type=float, default=50.0, help="ITL p99 bound for the best-rate line")
-    parser.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
+    parser.add_argument("--slo-ttft-ms", type=positive_rate, default=1000.0,
+                        help="TTFT p99 bound for the best-rate line")
+    parser.add_argument("--slo-itl-ms", type=positive_rate, default=50.0, help="ITL p99 bound for the best-rate line")
+    parser.add_argument("--vocab-size", type=positive_int, default=49152,
+                        help="random prompt ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON results (a PNG plot is written beside it)")
     parser.add_argument("--console", action="store_true",
@@ -215,8 +248,8 @@ def main(args: argparse.Namespace) -> int:
         print("beam search is not streamed: run the beam4 workload with bench/throughput.py", file=sys.stderr)
         return 2
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    levels: list[tuple[int | None, float | None]] = [(int(c), None) for c in args.concurrency.split(",") if c]
-    levels += [(None, float(r)) for r in (args.request_rate or "").split(",") if r]
+    levels: list[tuple[int | None, float | None]] = [(c, None) for c in args.concurrency]
+    levels += [(None, r) for r in args.request_rate]
     results = []
     offset = 0
     for concurrency, rate in levels:
@@ -262,6 +295,8 @@ def _print_row(r: dict[str, Any]) -> None:
           f"ITL p50/p99 {r['itl_p50_ms']:7.1f}/{r['itl_p99_ms']:7.1f} ms  failed {r['num_failed']}"
           + (f"  console {r['console']['ticks_per_s']:.2f} ticks/s, max gap {r['console']['max_gap_s']:.2f} s"
              if "console" in r else ""), flush=True)
+    if r["num_failed"] and r["errors"]:  # the reason, which the JSON alone (--out) carried
+        print(f"{'':<12} first error: {r['errors'][0]}", flush=True)
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
