@@ -3,6 +3,7 @@ would is refused at load, naming the file, tensor or field; one it serves genera
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda import LLM
-from pagoda.shared.errors import PagodaError
+from pagoda.shared.errors import ModelNotFoundError, PagodaError
 from tests.parity import TEST_KV_BLOCKS
 from tests.test_arch_variants import DENSE, _assert_greedy_parity, _build
 
@@ -44,4 +45,51 @@ def test_tied_embeddings_beside_another_lm_head_are_refused(tmp_path: Path) -> N
     folder = _build(tmp_path, "Llama", dict(DENSE, tie_word_embeddings=True))
     _rewrite(folder, lambda state: _save_head(state, torch.randn_like(state["model.embed_tokens.weight"])))
     with pytest.raises(PagodaError, match="tie_word_embeddings.*lm_head.weight"):
+        _load(folder)
+
+
+def _shard(folder: Path) -> list[str]:
+    """model.safetensors split in two shards and their index, as save_pretrained writes a large model."""
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    files = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    weight_map = {}
+    for file, part in zip(files, (names[:len(names) // 2], names[len(names) // 2:]), strict=True):
+        save_file({name: state[name] for name in part}, folder / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return files
+
+
+def test_sharded_checkpoint_matches_transformers(tmp_path: Path) -> None:
+    folder = _build(tmp_path, "Llama", DENSE)
+    _shard(folder)
+    _assert_greedy_parity(folder)
+
+
+def test_shard_the_index_names_but_the_folder_lacks_is_refused(tmp_path: Path) -> None:
+    """A download cut short: the index names a shard that is not there (it was a FileNotFoundError traceback from
+    the worker)."""
+    folder = _build(tmp_path, "Llama", DENSE)
+    missing = _shard(folder)[1]
+    (folder / missing).unlink()
+    with pytest.raises(ModelNotFoundError, match=f"model.safetensors.index.json.*{missing}"):
+        _load(folder)
+
+
+@pytest.mark.parametrize("index", ['{"metadata": {}}', '{"weight_map": ["a"]}', "{not json"])
+def test_index_without_a_weight_map_is_refused(tmp_path: Path, index: str) -> None:
+    folder = _build(tmp_path, "Llama", DENSE)
+    _shard(folder)
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelNotFoundError, match="model.safetensors.index.json"):
+        _load(folder)
+
+
+def test_truncated_safetensors_file_is_refused(tmp_path: Path) -> None:
+    folder = _build(tmp_path, "Llama", DENSE)
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ModelNotFoundError, match="model.safetensors"):
         _load(folder)

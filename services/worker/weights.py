@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagoda.kernels import reference as ref
 from pagoda.services.worker.models import CausalLM, Fp8Weights, Placement
@@ -90,15 +90,7 @@ class SafetensorsSource:
 
     def __init__(self, model_dir: str | Path) -> None:
         folder = Path(model_dir)
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-            if not files:
-                raise ModelNotFoundError(f"no *.safetensors files in {str(folder)!r}")
-        self._handles = {name: safe_open(str(folder / name), framework="pt") for name in files}
+        self._handles = {name: _open_safetensors(folder / name) for name in checkpoint_files(folder)}
         self._file_of = {key: name for name, handle in self._handles.items() for key in handle.keys()}
         self.bytes_read = 0
         self.fp8 = checkpoint_fp8(folder)
@@ -210,6 +202,39 @@ class SafetensorsSource:
                                      f"{None if scale is None else tuple(scale.shape)}", param="model")
         rows = scale.float().reshape(-1, 1).expand(n, 1)  # [N, 1]: per tensor -> the same for every row
         return rows[start:start + length] if shard_dim == 0 else rows
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """The safetensors files of a checkpoint: those its index's weight_map names (each must be there), else every
+    *.safetensors file in the folder."""
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"no *.safetensors files in {str(folder)!r}")
+        return files
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as exc:
+        raise ModelNotFoundError(f"{INDEX_FILE} in {str(folder)!r} is no JSON object: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise ModelNotFoundError(f"{INDEX_FILE} in {str(folder)!r} has no weight_map of tensor names to files")
+    files = sorted(set(weight_map.values()))
+    missing = [file for file in files if not (folder / file).is_file()]
+    if missing:
+        raise ModelNotFoundError(f"{INDEX_FILE} in {str(folder)!r} names {len(missing)} file(s) the folder lacks: "
+                                 f"{', '.join(missing)} (an incomplete download?)")
+    return files
+
+
+def _open_safetensors(path: Path) -> safe_open:
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:  # a truncated or corrupt file, one that cannot be read
+        raise ModelNotFoundError(f"cannot read {path.name} in {str(path.parent)!r}: {exc}") from None
 
 
 FUSED_EXPERT_NAME = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
