@@ -101,6 +101,8 @@ class EngineConfig:
             raise ConfigError(f"--load-format {self.load_format}: pagoda loads safetensors (auto, safetensors) or "
                               "random weights for a shape (dummy), no other format", param="load_format")
         self.chat_template_text()  # a path that cannot be read fails here, before any process starts
+        if not -(2**63) <= self.seed < 2**64:  # torch.manual_seed's range (its own error was a worker's traceback)
+            raise ConfigError(f"seed must be in [-2**63, 2**64), got {self.seed}", param="seed")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1", param=name)

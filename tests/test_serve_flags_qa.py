@@ -133,3 +133,32 @@ def test_times_that_are_no_finite_number_of_seconds_are_refused(argv: list[str],
     every `< 0` check (a comparison with NaN is false), so every time setting took it."""
     name = argv[0][2:].replace("-", "_")
     assert name in _refused(["serve", "--shape", "tiny", *argv], capsys)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**23])
+def test_a_seed_torch_cannot_take_is_refused_before_any_process_starts(
+        seed: int, capsys: pytest.CaptureFixture[str], no_start: None) -> None:
+    """`--seed 99999999999999999999999` started every process for the worker to die with torch's 'Overflow when
+    unpacking long long', a traceback."""
+    assert "seed" in _refused(["serve", "--shape", "tiny", "--seed", str(seed)], capsys)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**63, -(2**63), 10**13, -(10**13)])
+def test_dummy_weights_take_every_seed_torch_does(seed: int) -> None:
+    """Each dummy tensor's generator is seeded with seed * 1_000_003 + a name's CRC, which overflowed torch's 64
+    bits for seeds past ~9.2e12 (in range for the config): the derived seed now wraps into torch's range, the seeds
+    that fitted keep their weights."""
+    import zlib
+
+    import torch
+
+    from pagoda.services.worker.weights import DummySource
+    from pagoda.shared.config import EngineConfig
+
+    EngineConfig(model="tiny", load_format="dummy", seed=seed)
+    torch.manual_seed(seed)  # the worker's own seeding takes it as well
+    source = DummySource(seed, torch.device("cpu"), torch.float32)
+    assert source("layers.0.mlp.weight", (3, 2), None, 0, 3).shape == (3, 2)
+    fitted = DummySource(7, torch.device("cpu"), torch.float32)("w", (4,), None, 0, 4)
+    expected = 0.02 * torch.randn((4,), generator=torch.Generator().manual_seed(7 * 1_000_003 + zlib.crc32(b"w")))
+    assert torch.equal(fitted, expected)

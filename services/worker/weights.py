@@ -313,7 +313,10 @@ class DummySource:
     def __call__(self, name: str, full_shape: tuple[int, ...], shard_dim: int | None, start: int,
                  length: int) -> torch.Tensor:
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        seed = self.seed * 1_000_003 + zlib.crc32(name.encode())
+        if not -(2**63) <= seed < 2**64:  # into torch's range (a seed within it keeps its weights)
+            seed %= 2**64
+        generator.manual_seed(seed)
         if name.endswith("norm.weight"):
             full = 1.0 + 0.1 * torch.randn(full_shape, generator=generator, device=self.device)
         else:
