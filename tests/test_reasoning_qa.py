@@ -152,6 +152,25 @@ def test_a_prompt_that_opened_the_block_starts_inside_it_under_qwen3() -> None:
     assert (message["reasoning"], message["content"]) == ("Let me think.\n", "It is 4.")
 
 
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("prompt", ("", PROMPT_OPENED))
+def test_a_whitespace_run_at_the_start_is_held_in_pieces(parser: str, prompt: str) -> None:
+    """A model looping on newlines before it decides (a `<think>` may still come, or the opener the prompt wrote
+    repeated): the whitespace is held as the tokens came, joined once something else comes (`pending += text` and
+    its lstrip() went over all of it on every token: 128k newlines, 11 s of the tokenizer's CPU), and the streamed
+    answer is still the whole one, whatever comes after it."""
+    n = 64_000
+    spec = ChatOutputSpec(reasoning_parser=parser, prompt_reasoning=prompt)
+    for tail in (["<think>", "Hm.</think>", "Yes."], ["Yes."], ["\t", "", " "], ["<th", "ink>x"]):
+        pieces = ["\n"] * n + ["", " \n"] + tail
+        stream = ChoiceStream(spec)
+        deltas = [d for piece in pieces[:n + 2] for d in stream.push(piece)]
+        assert deltas == [] and stream.reasoning is not None and len(stream.reasoning.space) == n + 2
+        assert _streamed(spec, pieces) == _expected(parser, prompt, "".join(pieces))
+        message, _ = whole_message(spec, "".join(pieces))
+        assert (message["reasoning"], message["content"]) == _expected(parser, prompt, "".join(pieces))
+
+
 def test_hermes_calls_inside_the_thinking_are_no_calls() -> None:
     """A `<tool_call>` the model writes while it thinks is reasoning; the call after `</think>` is the one made."""
     call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'

@@ -15,7 +15,7 @@ ThinkingCounter, services/worker/thinking.py), from the same reading of where th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagoda.shared.messages import ThinkingBudget
 
@@ -83,6 +83,10 @@ class ReasoningStream:
     strip_newlines: bool = False  # just after </think>: the template's newlines are not content
     opening: bool = False  # the prompt opened the block and none of the reasoning was seen yet: a repeated
     # opener may stand here
+    # whitespace while the start is undecided (a `<think>` may follow), in pieces joined once something else comes:
+    # `pending += text` and its lstrip() copied and scanned all of it on every token (a model looping on newlines:
+    # 128k of them, 11 s of the tokenizer's CPU). While it holds any, `pending` is empty.
+    space: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert self.parser in REASONING_PARSERS, self.parser
@@ -94,6 +98,11 @@ class ReasoningStream:
 
     def push(self, text: str) -> tuple[str, str]:
         """(reasoning, content) that can be sent now."""
+        if (self.state == "start" or self.opening) and not self.pending and not text.strip():
+            self.space.append(text)  # undecided either way: whitespace decides nothing
+            return "", ""
+        if self.space:
+            self.pending, self.space = "".join(self.space), []
         self.pending += text
         reasoning = content = ""
         if self.state == "start":
@@ -129,7 +138,7 @@ class ReasoningStream:
         return reasoning, content
 
     def close(self) -> tuple[str, str]:
-        rest, self.pending = self.pending, ""
+        rest, self.pending, self.space = "".join(self.space) + self.pending, "", []
         if self.state == "reasoning":
             return rest, ""
         return "", rest.lstrip("\n") if self.strip_newlines else rest
