@@ -379,6 +379,11 @@ class ServerConfig:
                      "shutdown_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", param=name)
+        for name in ENDPOINT_FIELDS:  # ZeroMQ's own error was a service's traceback, once every process had started
+            for address in parse_list(getattr(self, name), name) if name.endswith("s") else [getattr(self, name)]:
+                if address is not None and not re.fullmatch(ENDPOINT_PATTERN, address):
+                    raise ConfigError(f"{name} {address!r} is no ZeroMQ address (tcp://HOST:PORT or ipc:///PATH)",
+                                      param=name)
         if self.api_key is not None:
             # a key from a file-made secret often ends in a newline, which no Authorization header carries
             self.api_key = self.api_key.strip()
@@ -480,6 +485,11 @@ class ServerConfig:
         """Every socket address (the launcher's view)."""
         return Endpoints(api=self.api_endpoint_list(), scheduler=self.endpoint("scheduler"),
                          plan=self.endpoint("plan"), result=self.endpoint("result"), stats=self.endpoint("stats"))
+
+
+ENDPOINT_FIELDS = ("api_endpoints", "scheduler_endpoint", "plan_endpoint", "result_endpoint", "stats_endpoint",
+                   "scheduler_endpoints", "stats_endpoints", "registry_endpoint")
+ENDPOINT_PATTERN = r"tcp://([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):([0-9]+|\*)|ipc://\S+|inproc://\S+"
 
 
 def parse_list(text: str | None, name: str) -> list[str]:

@@ -162,3 +162,24 @@ def test_dummy_weights_take_every_seed_torch_does(seed: int) -> None:
     fitted = DummySource(7, torch.device("cpu"), torch.float32)("w", (4,), None, 0, 4)
     expected = 0.02 * torch.randn((4,), generator=torch.Generator().manual_seed(7 * 1_000_003 + zlib.crc32(b"w")))
     assert torch.equal(fitted, expected)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--scheduler-endpoint", "garbage"), ("--registry-endpoint", "garbage"), ("--plan-endpoint", "tcp://host"),
+    ("--api-endpoints", "tcp://a:1,garbage"), ("--stats-endpoints", "ipc://"), ("--result-endpoint", "http://a:1")])
+def test_an_endpoint_that_is_no_zeromq_address_is_refused_naming_it(flag: str, value: str,
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     no_start: None) -> None:
+    """`--scheduler-endpoint garbage` started every process for the scheduler to die with ZeroMQ's 'Invalid
+    argument (addr='garbage')', a traceback (the registry's the same from the api)."""
+    err = _refused(["serve", "--shape", "tiny", flag, value], capsys)
+    assert flag[2:].replace("-", "_") in err, err
+
+
+@pytest.mark.parametrize("value", ["tcp://10.0.0.1:5555", "tcp://scheduler:5555", "tcp://[::1]:5555",
+                                   "tcp://*:5555", "ipc:///run/pagoda/scheduler.sock"])
+def test_zeromq_addresses_are_accepted(value: str) -> None:
+    from pagoda.shared.config import ServerConfig
+
+    assert ServerConfig(scheduler_endpoint=value).scheduler_endpoint == value
+
