@@ -268,6 +268,25 @@ def lock_runtime_dir(runtime_dir: Path) -> BinaryIO:
     return lock
 
 
+def check_api_files(config: ServerConfig) -> None:
+    """Open what the api processes open at their start (the usage log, the responses folder): one they cannot use
+    is a ConfigError naming its flag, before any process starts (the api's 'cannot serve: [Errno 2] No such file or
+    directory' named none, once every process had started)."""
+    if config.usage_log:
+        try:  # as services/api/tenants.UsageLog opens it
+            os.close(os.open(config.usage_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
+        except OSError as exc:
+            raise ConfigError(f"--usage-log {config.usage_log}: cannot append to it: {exc.strerror}",
+                              param="usage_log") from None
+    folder = config.responses_folder()
+    if folder is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--responses-store-dir {folder}: cannot make it: {exc.strerror}",
+                              param="responses_store_dir") from None
+
+
 def uses_tcp(config: ServerConfig) -> bool:
     """Whether any ZeroMQ endpoint given is tcp:// (the derived ones are ipc://)."""
     given = [config.api_endpoints, config.scheduler_endpoint, config.plan_endpoint, config.result_endpoint,
@@ -288,6 +307,7 @@ class Launcher:
         # count as theirs
         shutil.rmtree(self.runtime_dir / METRICS_DIR, ignore_errors=True)
         self.server_config = replace(server_config, runtime_dir=str(self.runtime_dir))
+        check_api_files(self.server_config)
         if self.server_config.cluster_key_dir is None and uses_tcp(self.server_config):
             # tcp endpoints on one host: a key pair of this launch, in the private runtime dir, for every process
             key_dir = self.runtime_dir / "keys"

@@ -183,3 +183,15 @@ def test_zeromq_addresses_are_accepted(value: str) -> None:
 
     assert ServerConfig(scheduler_endpoint=value).scheduler_endpoint == value
 
+
+@pytest.mark.parametrize(("flag", "path"), [("--usage-log", "missing/usage.jsonl"), ("--usage-log", "."),
+                                            ("--responses-store-dir", "a-file")])
+def test_a_file_the_api_cannot_open_is_refused_before_any_process_starts(
+        flag: str, path: str, tmp_path, capsys: pytest.CaptureFixture[str], no_start: None) -> None:
+    """`--usage-log /nonexistent/dir/x.log` started every process for the api to die with 'cannot serve: [Errno 2]
+    No such file or directory', naming no flag; `--responses-store-dir` on a file the same ('File exists')."""
+    (tmp_path / "a-file").write_text("x")
+    extra = ["--responses-store", "4"] if flag == "--responses-store-dir" else []
+    err = _refused(["serve", "--shape", "tiny", "--runtime-dir", str(tmp_path / "run"), *extra,
+                    flag, str(tmp_path / path)], capsys)
+    assert err.startswith(f"pagoda: error: {flag} "), err
