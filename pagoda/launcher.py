@@ -33,7 +33,9 @@ from typing import BinaryIO
 import msgspec
 
 from pagoda.shared.config import EngineConfig, ServerConfig, to_env
+from pagoda.services.tokenizer.generation_config import sampling_defaults
 from pagoda.shared.errors import ConfigError, PagodaError
+from pagoda.shared.hf_tokenizer import TOKENIZER_FILES, has_tokenizer
 from pagoda.shared.messages import PROCESS_TABLE_FILE, ProcessEntry, ProcessTable
 from pagoda.shared.shapes import check_divisible, resolve_arch, resolve_max_model_len
 from pagoda.shared.transport import ClusterKeys
@@ -194,12 +196,24 @@ def check_shared_gpus(engine_config: EngineConfig, data_parallel_size: int, devi
                           param="kv_cache_memory")
 
 
+def check_tokenizer_files(engine_config: EngineConfig) -> None:
+    """What the tokenizer processes read at their start: a --tokenizer folder without a tokenizer, or a
+    --generation-config they cannot read, is a ConfigError naming it before any process starts (the tokenizer's
+    own came once every process had started; the first named model)."""
+    folder = engine_config.tokenizer
+    if folder is not None and not has_tokenizer(folder):
+        raise ConfigError(f"--tokenizer {folder!r}: no tokenizer there (a folder with {' or '.join(TOKENIZER_FILES)})",
+                          param="tokenizer")
+    sampling_defaults(engine_config.model, engine_config.generation_config, engine_config.generation_overrides())
+
+
 def check_engine_config(engine_config: EngineConfig) -> EngineConfig:
     """Fail before any process starts on what can be known up front; pick a meeting address for the ranks."""
     tp_size = engine_config.tensor_parallel_size
     arch = resolve_arch(engine_config.model, engine_config.load_format)
     check_divisible(arch, tp_size)
     resolve_max_model_len(arch, engine_config.max_model_len)
+    check_tokenizer_files(engine_config)
     if tp_size > 1 and engine_config.tp_init_address is None:
         engine_config = replace(engine_config, tp_init_address=f"tcp://127.0.0.1:{free_ports(1)[0]}")
     return engine_config

@@ -195,3 +195,15 @@ def test_a_file_the_api_cannot_open_is_refused_before_any_process_starts(
     err = _refused(["serve", "--shape", "tiny", "--runtime-dir", str(tmp_path / "run"), *extra,
                     flag, str(tmp_path / path)], capsys)
     assert err.startswith(f"pagoda: error: {flag} "), err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--generation-config", "/nonexistent"), ("--tokenizer", "/nonexistent"),
+                                             ("--generation-config", "."), ("--tokenizer", ".")])
+def test_a_folder_the_tokenizers_read_is_checked_before_any_process_starts(
+        flag: str, value: str, tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        no_start: None) -> None:
+    """`--generation-config /nonexistent` and `--tokenizer /nonexistent` started every process for the tokenizer to
+    fail (the latter's line named model, not tokenizer); an empty folder the same."""
+    monkeypatch.chdir(tmp_path)  # "." : a folder without the files
+    err = _refused(["serve", "--shape", "tiny", flag, value], capsys)
+    assert flag[2:].replace("-", "_") in err or flag in err, err
