@@ -22,6 +22,7 @@ from pagoda.services.protocol.chat_output import ChatOutputSpec
 from pagoda.services.protocol.responses import (
     NO_OP_VALUES,
     REFUSED_FIELDS,
+    OutputBuilder,
     OutputItem,
     ResponsesBody,
     ResponsesRenderer,
@@ -418,6 +419,23 @@ def test_tool_calls_reasoning_and_logprobs_become_items() -> None:
     _, alone = render(["\n", pieces[-1], pieces[-1]], body={"input": "Hi", "tools": [WEATHER],
                                                            "parallel_tool_calls": False})
     assert [item["type"] for item in alone["output"]] == ["function_call"] and not alone["parallel_tool_calls"]
+
+
+def test_a_whitespace_run_is_held_in_pieces() -> None:
+    """A model looping on newlines (no tools, so chat's stream passes each one on): the whitespace waits as the
+    tokens came, joined once (`held_space += text` copied all of it on every token: 256k newlines, 2.4 s of the
+    api's event loop), and the answer is the same message, streamed or not, text after it or none."""
+    n = 64_000
+    for tail in (["Yes."], []):
+        builder = OutputBuilder(ChatOutputSpec(), want_logprobs=False)
+        assert [e for _ in range(n) for e in builder.push(" \n", [], 1)] == [] and len(builder.held_space) == n
+        events, response = render(["\n"] * 3 + tail + [""])
+        assert check_stream(events) == response
+        assert [item["content"][0]["text"] for item in response["output"]] == ["\n" * 3 + "".join(tail)]
+        for piece in tail:
+            builder.push(piece, [], 1)
+        builder.finish(FinishReason.STOP)
+        assert [item.text for item in builder.items] == [" \n" * n + "".join(tail)]
 
 
 def test_closing_an_item_compares_no_items(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -527,7 +527,9 @@ class BlockBuilder:
         self.stream = ChoiceStream(spec)  # chat's tool-call and reasoning parsing, streamed
         self.blocks: list[ContentBlock] = []
         self.open: ContentBlock | None = None
-        self.held_space = ""  # whitespace-only text not shown yet: before a tool_use it is dropped
+        # whitespace-only text not shown yet, before a tool_use dropped; in pieces joined once (`+= text` copied
+        # all of it on every token of a model looping on newlines)
+        self.held_space: list[str] = []
         self.finish_reason = -1
         self.stop_sequence: str | None = None
         self.calls_finished = False  # the answer is its tool calls (chat's finish_reason "tool_calls")
@@ -583,16 +585,17 @@ class BlockBuilder:
 
     def _text(self, text: str, force: bool = False) -> list[dict[str, Any]]:
         if not force and (self.open is None or self.open.kind != "text") and not text.strip():
-            self.held_space += text  # shown with the text that follows it, dropped before a tool_use
+            if text:
+                self.held_space.append(text)  # shown with the text that follows it, dropped before a tool_use
             return []
-        text, self.held_space = self.held_space + text, ""
+        text, self.held_space = "".join(self.held_space) + text, []
         return self._delta("text", text) if text else []
 
     def _call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         function = delta.get("function", {})
         events: list[dict[str, Any]] = []
         if "id" in delta:  # a call's first delta: its name
-            self.held_space = ""
+            self.held_space = []
             # Anthropic's id form, except under the mistral parser: Mistral's chat templates refuse any id but the
             # 9 alphanumerics its calls carry (tools.new_call_id) when the tool_use comes back in the next turn
             call_id = delta["id"] if self.stream.spec.tool_parser == "mistral" else new_id("toolu")

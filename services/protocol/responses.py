@@ -622,7 +622,9 @@ class OutputBuilder:
         self.as_ids = as_ids
         self.items: list[OutputItem] = []
         self.open: OutputItem | None = None
-        self.held_space = ""  # whitespace-only content not shown yet: before a function call it is dropped
+        # whitespace-only content not shown yet, before a function call dropped; in pieces joined once (`+= text`
+        # copied all of it on every token of a model looping on newlines)
+        self.held_space: list[str] = []
         self.pending: list[PositionLogprobs] = []  # logprobs of tokens whose content is not shown yet
         self.num_reasoning_tokens = 0
         # tokens held while they may still open a think block (qwen3: `<`, `think`, ...): the block's if they do
@@ -705,9 +707,10 @@ class OutputBuilder:
 
     def _content(self, text: str, force: bool = False) -> list[dict[str, Any]]:
         if not force and (self.open is None or self.open.kind != "message") and not text.strip():
-            self.held_space += text  # shown with the content that follows it, dropped before a call
+            if text:
+                self.held_space.append(text)  # shown with the content that follows it, dropped before a call
             return []
-        text, self.held_space = self.held_space + text, ""
+        text, self.held_space = "".join(self.held_space) + text, []
         events = self._item("message")
         assert self.open is not None
         logprobs, self.pending = self.pending, []
@@ -723,7 +726,7 @@ class OutputBuilder:
         function = delta.get("function", {})
         events: list[dict[str, Any]] = []
         if "id" in delta:  # a call's first delta: its id and name
-            self.held_space = ""
+            self.held_space = []
             self.pending.clear()
             events = self._item("function_call", call_id=delta["id"], name=function.get("name", ""))
         assert self.open is not None and self.open.kind == "function_call"
