@@ -24,6 +24,8 @@ DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names for two of them
 DEVICE_PATTERN = r"auto|cpu|cuda(:[0-9]+)?"  # --device: what the worker runs on (auto: cuda when present)
+# --tp-init-address: torch.distributed's init_method (its other schemes, file:// and env://, work too)
+TP_INIT_PATTERN = r"tcp://([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):[0-9]+|file://\S+|env://"
 LOAD_FORMATS = ("auto", "dummy")
 LOAD_FORMAT_ALIASES = {"safetensors": "auto"}  # vLLM's name for what auto loads here (pagoda reads safetensors only)
 # fp8: e4m3 weights, per-output-channel scales, dynamic per-token activation scales; fp8_block: scales per row and
@@ -96,6 +98,9 @@ class EngineConfig:
         if not re.fullmatch(DEVICE_PATTERN, self.device):  # torch's own error came from the worker, once started
             raise ConfigError(f"--device {self.device!r}: pagoda runs on auto (cuda when present, else cpu), cpu, "
                               "cuda or cuda:N", param="device")
+        if self.tp_init_address is not None and not re.fullmatch(TP_INIT_PATTERN, self.tp_init_address):
+            raise ConfigError(f"tp_init_address {self.tp_init_address!r} is no address torch.distributed meets at "
+                              "(tcp://HOST:PORT)", param="tp_init_address")
         self.load_format = LOAD_FORMAT_ALIASES.get(self.load_format, self.load_format)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format {self.load_format}: pagoda loads safetensors (auto, safetensors) or "

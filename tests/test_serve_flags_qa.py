@@ -207,3 +207,19 @@ def test_a_folder_the_tokenizers_read_is_checked_before_any_process_starts(
     monkeypatch.chdir(tmp_path)  # "." : a folder without the files
     err = _refused(["serve", "--shape", "tiny", flag, value], capsys)
     assert flag[2:].replace("-", "_") in err or flag in err, err
+
+
+@pytest.mark.parametrize("value", ["garbage", "tcp://host", "127.0.0.1:29500", "http://a:1"])
+def test_a_tp_init_address_torch_cannot_meet_at_is_refused(value: str, capsys: pytest.CaptureFixture[str],
+                                                           no_start: None) -> None:
+    """`-tp 3 --tp-init-address garbage` started every process for each worker rank to die with torch's
+    'No rendezvous handler for ://', three tracebacks."""
+    assert "tp_init_address" in _refused(["serve", "--shape", "tiny", "--tp-init-address", value], capsys)
+
+
+@pytest.mark.parametrize("value", ["tcp://worker:29511", "tcp://127.0.0.1:29500", "tcp://[::1]:29500",
+                                   "file:///tmp/pagoda-tp", "env://"])
+def test_tp_init_addresses_torch_meets_at_are_accepted(value: str) -> None:
+    from pagoda.shared.config import EngineConfig
+
+    assert EngineConfig(model="tiny", load_format="dummy", tp_init_address=value).tp_init_address == value
