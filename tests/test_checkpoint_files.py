@@ -93,3 +93,35 @@ def test_truncated_safetensors_file_is_refused(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ModelNotFoundError, match="model.safetensors"):
         _load(folder)
+
+
+@pytest.mark.parametrize(("dtype", "words"), [
+    (torch.float8_e4m3fn, "no fp8 quantization_config"),  # an FP8 export whose config.json lost the section
+    (torch.float8_e5m2, "float8_e5m2"),
+    (torch.int8, "int8"),  # integer weights: a quantized export without its quantization_config
+    (torch.int32, "int32"),
+])
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj.weight", "model.layers.1.input_layernorm.weight"])
+def test_weight_of_a_dtype_pagoda_cannot_read_is_refused(tmp_path: Path, name: str, dtype: torch.dtype,
+                                                         words: str) -> None:
+    """A weight that is not floating point, or float8 where config.json declares no FP8 checkpoint, was cast as it
+    is (integers and e5m2 into garbage weights) or failed an assertion; refused naming the tensor and its dtype."""
+    folder = _build(tmp_path, "Llama", DENSE)
+
+    def retype(state: dict[str, torch.Tensor]) -> None:
+        state[name] = state[name].to(dtype)
+
+    _rewrite(folder, retype)
+    with pytest.raises(ModelNotFoundError, match=f"{name}.*{words}"):
+        _load(folder)
+
+
+def test_half_precision_weights_beside_float32_ones_load(tmp_path: Path) -> None:
+    """Float weights of mixed dtypes (an fp16 tensor in an fp32 folder) are converted: transformers' tokens."""
+    folder = _build(tmp_path, "Llama", DENSE)
+
+    def retype(state: dict[str, torch.Tensor]) -> None:
+        state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].half()
+
+    _rewrite(folder, retype)
+    _assert_greedy_parity(folder)

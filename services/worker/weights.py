@@ -115,6 +115,20 @@ class SafetensorsSource:
         else:
             tensor = view[:, start:start + length]
         self.bytes_read += tensor.numel() * tensor.element_size()
+        return self._readable(name, tensor)
+
+    def _readable(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` if its dtype is one the model takes: a float of 16 bits or more (converted to the model's), or
+        e4m3 in an FP8 checkpoint; integers (a quantized export whose config.json lost its quantization_config) and
+        other 8-bit floats would be cast into other numbers."""
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tensor.dtype == torch.float8_e4m3fn and self.fp8 is None:
+            raise ModelNotFoundError(f"weight {name!r} is {dtype} but config.json has no fp8 quantization_config "
+                                     f"to say how it is scaled", param="model")
+        if tensor.dtype != torch.float8_e4m3fn and (not tensor.dtype.is_floating_point or tensor.element_size() < 2):
+            raise ModelNotFoundError(f"weight {name!r} is {dtype}: pagoda reads float32, bfloat16 and float16 "
+                                     f"weights, and float8_e4m3fn ones of an FP8 checkpoint (is this a quantized "
+                                     f"checkpoint without its quantization_config?)", param="model")
         return tensor
 
     def _fused_expert(self, name: str, full_shape: tuple[int, ...], shard_dim: int | None, start: int,
@@ -148,7 +162,7 @@ class SafetensorsSource:
             tensor = view[one, first:first + rows]
         tensor = tensor[0]
         self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+        return self._readable(key, tensor)
 
     def _read_whole(self, name: str) -> torch.Tensor | None:
         file = self._file_of.get(name)
