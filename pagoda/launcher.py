@@ -32,8 +32,8 @@ from typing import BinaryIO
 
 import msgspec
 
-from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.services.tokenizer.generation_config import sampling_defaults
+from pagoda.shared.config import EngineConfig, ServerConfig, to_env
 from pagoda.shared.errors import ConfigError, PagodaError
 from pagoda.shared.hf_tokenizer import TOKENIZER_FILES, has_tokenizer
 from pagoda.shared.messages import PROCESS_TABLE_FILE, ProcessEntry, ProcessTable
