@@ -32,6 +32,7 @@ class Sent:
     sent_at: float
     wait_s: float  # until the next send if nothing completes it
     num_sends: int = 1
+    first_sent_at: float = 0.0  # when it went the first time (sent_at moves with each resend)
 
 
 @dataclass(slots=True)
@@ -48,7 +49,12 @@ class SendLog:
 
     def record(self, seq: int, data: bytes, now: float, wait_s: float, tag: int = -1) -> None:
         assert seq not in self.entries and wait_s > 0
-        self.entries[seq] = Sent(seq, data, tag, now, wait_s)
+        self.entries[seq] = Sent(seq, data, tag, now, wait_s, first_sent_at=now)
+
+    def unanswered_s(self, now: float) -> float:
+        """How long the oldest entry has waited since its first send (0 when none waits): the peer's silence."""
+        oldest = next(iter(self.entries.values()), None)
+        return 0.0 if oldest is None else now - oldest.first_sent_at
 
     def seq_of(self, tag: int) -> int | None:
         return next((e.seq for e in self.entries.values() if e.tag == tag), None)

@@ -1458,8 +1458,9 @@ class MaskReady(msgspec.Struct, tag="mready", array_like=True, omit_defaults=Tru
 
 
 # One union per socket direction; decoders are built once per process from these.
+# an api's Heartbeat opens its sequenced stream to a tokenizer it registers (services/api/pool.py)
 ApiToTokenizer = (GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerInfoRequest
-                  | Sequenced | Ack)
+                  | Heartbeat | Sequenced | Ack)
 TokenizerToApi = (TokenizerHello | Heartbeat | Accepted | TextDeltas | RenderedRows | RequestFailed | TokenizeResult
                   | DetokenizeResult | TokenizerInfoResult | PromptRendered | Sequenced | Ack)
 TokenizerToScheduler = (TokenizerHello | Heartbeat | AddRequest | AbortRequest | StopSequence | ApiJoin | ReplicaJoin

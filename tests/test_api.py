@@ -105,6 +105,7 @@ class FakeTokenizer:
         self.sampling_defaults = sampling_defaults or {}  # announced in its hellos, as the model's generation config
         self.requests: dict[str, GenerateRequest] = {}
         self.aborted: set[str] = set()
+        self.api_streams: list[int] = []  # the api's sequenced streams to it, in the order they began
         self.alive = threading.Event()  # cleared: silent like a hung process (no heartbeats, no replies)
         self.alive.set()
         self._stop = threading.Event()
@@ -153,6 +154,8 @@ class FakeTokenizer:
                     if isinstance(message, Sequenced | Ack):  # the api's stream: applied once, in order, acked
                         messages = unseal(inbound, link, message, time.monotonic())
                         sock.send(ack_frame(out, link))
+                        if link.peer_stream not in self.api_streams:
+                            self.api_streams.append(link.peer_stream)
                     else:
                         messages = [message]
                     for reply in (r for m in messages for r in self._handle(m, streams)):
@@ -885,6 +888,20 @@ def test_requests_spread_over_tokenizers(stack: Stack) -> None:
     wait_until(lambda: "tokenizer b'fake-tok-2' dropped" in stack.log(), 5.0, "the api to drop the second one")
     for _ in range(3):
         assert client.completions.create(model=MODEL, prompt="after", max_tokens=1).id in stack.tokenizer.requests
+
+
+def test_the_api_opens_its_stream_to_a_tokenizer_it_registers(stack: Stack) -> None:
+    """On registering a tokenizer the api opens its sequenced stream to it at once, before any request: a tokenizer
+    still running requests of a killed api process at this address learns from the new stream that their clients
+    are gone (it aborts them) without waiting for this process to send it a request."""
+    second = FakeTokenizer(stack.api_endpoint, identity=b"fake-tok-opened").start()
+    try:
+        wait_until(lambda: "tokenizer b'fake-tok-opened' (pid" in stack.log(), 5.0, "the api to register it")
+        wait_until(lambda: len(second.api_streams) == 1, 5.0, "the api's stream to it to begin")
+        assert not second.requests
+    finally:
+        second.stop()
+    wait_until(lambda: "tokenizer b'fake-tok-opened' dropped" in stack.log(), 5.0, "the api to drop it")
 
 
 def test_a_tokenizer_the_scheduler_does_not_list_is_not_ready(stack: Stack) -> None:

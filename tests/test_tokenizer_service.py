@@ -54,7 +54,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
     ToolCallMessage,
 )
-from pagoda.shared.transport import Codec, ack_frame, make_socket, unseal
+from pagoda.shared.transport import Codec, ack_frame, make_socket, seal, unseal
 from tests.harness import die_with_parent
 
 pytestmark = pytest.mark.slow
@@ -98,6 +98,7 @@ class Harness:
         self.last_scheduler_send = 0.0
         self.link: Link[Any] = Link(resend_s=1.0)  # the fake scheduler's end of the tokenizer's stream
         self.api_link: Link[Any] = Link(resend_s=1.0)  # the fake api's
+        self.api_alive = True  # False: the fake api takes nothing in and acknowledges nothing (a process gone)
         self.log_path = self.dir / "tokenizer.log"
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
@@ -125,6 +126,10 @@ class Harness:
     def send_api_frames(self, frames: list[bytes]) -> None:
         assert self.identity is not None, "the tokenizer has not said hello yet"
         self.api.send_multipart([self.identity, *frames])
+
+    def send_api_sealed(self, message: msgspec.Struct, link: Link[Any]) -> None:
+        """As a real api sends: in its sequenced stream `link` (a new Link: a new api process)."""
+        self.send_api_frames([seal(self.api_out, link, message, time.monotonic())])
 
     def send_scheduler(self, message: msgspec.Struct) -> None:
         self.send_scheduler_frames([self.scheduler_out.encode(message)])
@@ -161,6 +166,7 @@ class Harness:
             if self.api in events:
                 identity, payload = self.api.recv_multipart()
                 self.identity = identity
+            if self.api in events and self.api_alive:
                 message = self.api_in.decode(payload)
                 if isinstance(message, Sequenced | Ack):  # the tokenizer's stream to the api: once, in order, acked
                     self.api_inbox += unseal(self.api_in, self.api_link, message, now)
@@ -878,6 +884,43 @@ def test_silent_scheduler_fails_inflight_then_tokenizer_registers_again(own_tok:
     own_tok.expect_scheduler(lambda m: isinstance(m, TokenizerHello), what="a fresh hello")
     request_id, accepted, _ = own_tok.generate(prompt_text="again")
     assert accepted.num_prompt_tokens > 0
+
+
+def test_a_restarted_apis_requests_are_aborted(own_tok: Harness) -> None:
+    """An api process killed and replaced at its address: its clients went with it, so when the new process's
+    stream begins, the old one's requests are aborted at the scheduler (they ran on to max_tokens, holding KV
+    blocks), and the new process's request is served."""
+    old_api = Link[Any](resend_s=1.0)
+    orphan_id = new_id()
+    own_tok.send_api_sealed(GenerateRequest(orphan_id, SamplingParams(max_tokens=None), prompt_text="orphan"),
+                            old_api)
+    own_tok.expect_reply(orphan_id, Accepted)
+    own_tok.expect_scheduler(lambda m: isinstance(m, AddRequest) and m.request_id == orphan_id)
+    own_tok.api_link = Link(resend_s=1.0)  # the new process's receiving end, fresh too
+    request_id = new_id()
+    own_tok.send_api_sealed(GenerateRequest(request_id, SamplingParams(max_tokens=None), prompt_text="new"),
+                            Link(resend_s=1.0))
+    own_tok.expect_scheduler(lambda m: m == AbortRequest(orphan_id), what="the orphan's AbortRequest")
+    own_tok.expect_scheduler(lambda m: isinstance(m, AddRequest) and m.request_id == request_id)
+    own_tok.expect_reply(request_id, Accepted)
+    assert own_tok.feed(request_id, [42], FinishReason.LENGTH).request_id == request_id
+    assert AbortRequest(request_id) not in own_tok.scheduler_inbox
+
+
+def test_a_silent_apis_requests_are_aborted_and_failed(own_tok: Harness) -> None:
+    """An api that acknowledges nothing for the heartbeat timeout (killed and not back yet, or stopped) is taken
+    for gone: its requests are aborted at the scheduler; one that was only slow hears that they failed."""
+    request_id, _, _ = own_tok.generate(prompt_text="orphan")
+    own_tok.api_alive = False
+    own_tok.send_scheduler(token_deltas([(request_id, 0, [42], -1)]))  # output the api never acknowledges
+    own_tok.expect_scheduler(lambda m: m == AbortRequest(request_id), timeout=HEARTBEAT_TIMEOUT + REPLY_TIMEOUT,
+                             what="the orphan's AbortRequest")
+    own_tok.api_alive = True
+    failed = own_tok.expect_reply(request_id, RequestFailed, timeout=HEARTBEAT_TIMEOUT + REPLY_TIMEOUT)
+    assert (failed.status, failed.error_type) == (503, "server_error")
+    own_tok.api_inbox.clear()  # the output it missed came before the failure, in order
+    request_id, _, _ = own_tok.generate(prompt_text="served again")
+    assert own_tok.feed(request_id, [42], FinishReason.LENGTH).request_id == request_id
 
 
 def test_scheduler_restart_is_seen_in_its_heartbeats(tok: Harness) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -292,6 +293,9 @@ class TokenizerPool:
             assert isinstance(message, TokenizerHello)
             peer = self._peers[identity] = Peer(identity, message.pid, time.monotonic(),
                                                 Link(self._config.resend_interval))
+            # Our stream to it begins now, not at our first request: a tokenizer still running the requests of a
+            # process that held this address before (killed, its clients gone) sees a new stream and aborts them.
+            self._send(identity, Heartbeat(f"api {os.getpid()}"))
         now = peer.last_seen = time.monotonic()
         if isinstance(message, Sequenced | Ack):
             for inner in unseal(self._decoder, peer.link, message, now):

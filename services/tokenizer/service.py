@@ -132,6 +132,7 @@ class TokenizerService:
         self._outputs = Outputs(tokenizer, server_config.stream_interval)
         self._requests: dict[str, RequestState] = self._outputs.requests
         self._waiting: deque[Waiting] = deque()
+        self._api_heard_at: dict[int, float] = {}  # api key -> time.monotonic() of its latest frame
         self._model_info: ModelInfo | None = None
         self._next_heartbeat = 0.0
         self._num_beats = 0
@@ -189,6 +190,7 @@ class TokenizerService:
 
     def _tick(self, now: float) -> None:
         self._tend_links(now)
+        self._check_apis(now)
         if now >= self._next_heartbeat:
             self._send_heartbeats()
             self._next_heartbeat = now + self._interval
@@ -230,12 +232,53 @@ class TokenizerService:
 
     def _on_api_frame(self, api: int, frame: Any) -> None:
         message = self._api_in.decode(frame)
+        self._api_heard_at[api] = time.monotonic()
         if isinstance(message, Sequenced | Ack):
             link = self._peers.api_links.get(api)
-            for inner in unseal(self._api_in, link, message, time.monotonic()) if link is not None else []:
+            if link is None:
+                return
+            stream = link.peer_stream
+            messages = unseal(self._api_in, link, message, time.monotonic())
+            if stream and link.peer_stream != stream:
+                # An api's stream to this process begins when it registers this process: a new one at the same
+                # address is a new api process (the old one was killed, and its clients went with it) or one that
+                # dropped this process and failed what it had sent here. Either way it waits for none of them.
+                self._lose_api(api, "a new stream began from its address (it restarted, or registered this "
+                                    "tokenizer afresh)")
+            for inner in messages:
                 self._dispatch_api(api, inner)
         elif message is not None:
             self._dispatch_api(api, message)
+
+    def _check_apis(self, now: float) -> None:
+        """An api that has acknowledged nothing we sent, and sent nothing, for the heartbeat timeout is gone (killed
+        and not replaced yet, or stopped): its requests would otherwise run on to their max_tokens."""
+        for api, link in self._peers.api_links.items():
+            silent_s = now - self._api_heard_at.get(api, now)
+            if link.sends.unanswered_s(now) > self._timeout and silent_s > self._timeout and self._owns_work(api):
+                self._lose_api(api, f"it acknowledged nothing for {silent_s:.1f} s")
+
+    def _owns_work(self, api: int) -> bool:
+        return (any(state.api == api for state in self._requests.values())
+                or any(w.api == api for w in self._waiting) or api in self._offload.owners.values())
+
+    def _lose_api(self, api: int, reason: str) -> None:
+        """Abort every request of an api that is gone at the scheduler (freeing its blocks) and here; each one fails
+        at that api too, in case it was only slow (a new process at its address ignores ids it does not know)."""
+        error = ServerOverloadedError(f"the api process that sent this request seemed gone: {reason}")
+        cancelled = [request_id for request_id, owner in self._offload.owners.items() if owner == api]
+        for request_id in cancelled:
+            self._offload.cancel(request_id)
+        waiting = [w.message.request_id for w in self._waiting if w.api == api]
+        self._waiting = deque(w for w in self._waiting if w.api != api)
+        running = [request_id for request_id, state in self._requests.items() if state.api == api]
+        for request_id in running:
+            self._drop(request_id, abort=True)
+        if cancelled or waiting or running:
+            log.warning("api %s: %s; aborting its %d request(s)", self._peers.api_address.get(api, api), reason,
+                        len(cancelled) + len(waiting) + len(running))
+        for request_id in cancelled + waiting + running:
+            self._fail(api, request_id, error)
 
     def _dispatch_api(self, api: int, message: ApiToTokenizer) -> None:
         try:
@@ -252,6 +295,8 @@ class TokenizerService:
                 self._on_detokenize(api, message)
             elif isinstance(message, TokenizerInfoRequest):
                 self._send_api(api, TokenizerInfoResult(message.request_id, tokenizer_info(self._tokenizer)))
+            elif isinstance(message, Heartbeat):
+                pass  # an api opening its stream to this process (_on_api_frame saw that it began)
             else:
                 log.warning("dropped an unexpected %s from api %d", type(message).__name__, api)
         except Exception:
@@ -454,10 +499,8 @@ class TokenizerService:
         for api in changes.new_apis:
             self._send_api(api, self._hello())
         for api, address in changes.gone_apis:
-            orphans = [request_id for request_id, state in self._requests.items() if state.api == api]
-            log.warning("api %s is gone: aborting its %d request(s)", address, len(orphans))
-            for request_id in orphans:
-                self._drop(request_id, abort=True)
+            self._api_heard_at.pop(api, None)
+            self._lose_api(api, f"the registry no longer lists {address}")
 
     def _on_model_info(self, info: ModelInfo, index: int = 0) -> None:
         replica = self._replicas.replicas[index]
