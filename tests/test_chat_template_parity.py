@@ -268,6 +268,24 @@ CONTENT_PARTS = """{%- for message in messages %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
+# Content rendered by a macro that loops over its argument (Qwen3.5 style: `for item in content`, where `content`
+# is the macro's parameter), text parts written back to back: it needs them as parts, as vLLM detects.
+CONTENT_MACRO = """{%- macro render_content(content) %}
+    {%- if content is string %}{{- content }}
+    {%- elif content is iterable and content is not mapping %}
+        {%- for item in content %}
+            {%- if 'text' in item %}{{- item.text }}{%- else %}{{- raise_exception('Unexpected item type in content.') }}{%- endif %}
+        {%- endfor %}
+    {%- elif content is none %}{{- '' }}
+    {%- endif %}
+{%- endmacro %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content)|trim %}
+    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
 # Content read as a string straight from messages[0] (a system prompt taken whole).
 FIRST_AS_STRING = """{%- set first = messages[0]['content'] %}
 {{- '<|im_start|>system\\n' + first + '<|im_end|>\\n' }}
@@ -293,8 +311,8 @@ DOCUMENTS = """{{- bos_token }}
 NEEDS_VARIABLE = """{%- for message in messages %}{{- message.content + persona.upper() }}{%- endfor %}"""
 
 TEMPLATES = {"llama31": LLAMA31, "qwen25": QWEN25, "mistral": MISTRAL, "deepseek_v3": DEEPSEEK_V3, "qwen3": QWEN3,
-             "args_items": ARGS_ITEMS, "content_parts": CONTENT_PARTS, "first_as_string": FIRST_AS_STRING,
-             "documents": DOCUMENTS}
+             "args_items": ARGS_ITEMS, "content_parts": CONTENT_PARTS, "content_macro": CONTENT_MACRO,
+             "first_as_string": FIRST_AS_STRING, "documents": DOCUMENTS}
 TAKES_TOOLS = ("llama31", "qwen25", "qwen3", "args_items")
 FIXED = {"date_string": "01 Jan 2025"}  # Llama's date, so that both sides render the same day
 
@@ -474,13 +492,26 @@ def test_a_template_that_loops_over_content_parts_gets_parts(tokenizers: dict[st
     """vLLM's "openai" content format: a template that reads `for part in message['content']` gets text parts
     (a string's characters before: every turn rendered empty); one reading content as a string gets it joined."""
     assert content_format(CONTENT_PARTS) == "openai"
-    assert {content_format(TEMPLATES[n]) for n in TEMPLATES if n != "content_parts"} == {"string"}
+    assert {content_format(TEMPLATES[n]) for n in TEMPLATES if n not in ("content_parts", "content_macro")} == {"string"}
     aliased = "{% set turns = messages | list %}{% for m in turns %}{% for p in m.content %}{% endfor %}{% endfor %}"
     assert content_format(aliased) == "openai"
     messages = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
                 {"role": "assistant", "content": "three"}]
     text = assert_parity("content_parts", tokenizers["content_parts"], messages)
     assert "[one][two]" in text and "[three]" in text
+
+
+def test_a_template_that_loops_over_content_in_a_macro_gets_parts(tokenizers: dict[str, Tokenizer]) -> None:
+    """Qwen3.5's templates render content with a macro that loops `for item in content` (its parameter): vLLM's
+    detection reads that loop too, so such a template gets text parts and writes them back to back, as
+    transformers does with the parts sent (joined by newlines first, they were rendered "one\\ntwo")."""
+    assert content_format(CONTENT_MACRO) == "openai"
+    messages = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    text = assert_parity("content_macro", tokenizers["content_macro"], messages)
+    assert "<|im_start|>user\nonetwo<|im_end|>" in text
+    raw = hf_tokenizer().apply_chat_template(messages, chat_template=CONTENT_MACRO, tokenize=False,
+                                             add_generation_prompt=True)
+    assert text == raw
 
 
 def test_llm_chat_parses_tool_call_arguments(tokenizers: dict[str, Tokenizer]) -> None:

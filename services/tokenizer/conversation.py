@@ -21,7 +21,8 @@ ContentFormat = Literal["string", "openai"]
 def content_format(chat_template: str) -> ContentFormat:
     """vLLM's "auto" detection: "openai" (content as [{"type": "text", "text": ...}, ...]) when the template loops
     over a message's content (`{% for part in message['content'] %}`: vision-era templates, which would loop over a
-    string's characters), else "string" (text parts joined by newlines)."""
+    string's characters) or over a variable named `content` (`{% for item in content %}`: Qwen3.5's macro that
+    renders a message's content, as vLLM reads it too), else "string" (text parts joined by newlines)."""
     try:
         root = _compile_jinja_template(chat_template).environment.parse(chat_template)
     except Exception:  # a template that does not compile fails when it renders, with its own message
@@ -30,7 +31,8 @@ def content_format(chat_template: str) -> ContentFormat:
     messages = _aliases(root, "messages")
     message_names = {loop.target.name for loop in loops
                      if isinstance(loop.target, nodes.Name) and _reads(loop.iter, messages)}
-    return "openai" if any(_reads(loop.iter, message_names, key="content") for loop in loops) else "string"
+    parts = any(_reads(loop.iter, message_names, key="content") or _reads(loop.iter, {"content"}) for loop in loops)
+    return "openai" if parts else "string"
 
 
 @functools.lru_cache(maxsize=16)
