@@ -21,8 +21,10 @@ from pagoda.services.protocol.schemas import (
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
+    chat_echo_text,
     chat_output_spec,
     chat_request,
+    chat_response_role,
     completion_params,
     decode_body,
 )
@@ -501,6 +503,22 @@ def test_chat_echo_with_continue_final_message(server: Server, client: openai.Op
     assert SAYING not in continued
     assert echoed == SAYING + continued
     assert user_last.choices[0].message.content == unechoed.choices[0].message.content
+
+
+@pytest.mark.parametrize(("messages", "extra", "role", "echoed"), [
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}],
+     {"continue_final_message": True}, "assistant", "Once"),
+    ([{"role": "user", "content": "Hi"}], {}, "assistant", ""),  # a generation prompt: the reply is the assistant's
+    ([{"role": "user", "content": "Hi"}], {"add_generation_prompt": False}, "user", "Hi"),  # the user's, continued
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], {}, "assistant", "Hello")])
+def test_chat_echo_follows_the_replys_role(messages: list[dict[str, Any]], extra: dict[str, Any], role: str,
+                                           echoed: str) -> None:
+    """As vLLM's (and docs/vllm-compat.md's echo row): the reply's role is --response-role's with a generation
+    prompt, else the last message's; echo puts the last message first when it has that role."""
+    body = decode_body(json.dumps({"messages": messages, "echo": True, **extra}).encode(), ChatBody)
+    request = chat_request(body, "r", 0.0)
+    assert chat_response_role(request, "assistant") == role
+    assert chat_echo_text(body, request, role) == echoed
 
 
 def test_top_logprobs_of_the_whole_vocabulary(client: openai.OpenAI) -> None:
