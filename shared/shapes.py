@@ -244,14 +244,14 @@ def _moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Mo
     if not num_experts:
         raise ConfigError(f"{model_type} config has no num_experts / num_local_experts", param="model")
     if model_type == "mixtral":  # every layer sparse; experts are intermediate_size wide; always renormalised
-        return MoeArch(num_experts=num_experts, top_k=config["num_experts_per_tok"],
-                       expert_intermediate_size=config["intermediate_size"], renormalize=True,
+        return MoeArch(num_experts=num_experts, top_k=_count(config, "num_experts_per_tok"),
+                       expert_intermediate_size=_count(config, "intermediate_size"), renormalize=True,
                        sparse_layers=tuple(range(num_layers)))
     step = config.get("decoder_sparse_step") or 1
     dense_only = set(config.get("mlp_only_layers") or [])
     sparse = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
-    return MoeArch(num_experts=num_experts, top_k=config["num_experts_per_tok"],
-                   expert_intermediate_size=config["moe_intermediate_size"],
+    return MoeArch(num_experts=num_experts, top_k=_count(config, "num_experts_per_tok"),
+                   expert_intermediate_size=_count(config, "moe_intermediate_size"),
                    renormalize=bool(config.get("norm_topk_prob", False)), sparse_layers=sparse,
                    shared_expert_intermediate_size=(config.get("shared_expert_intermediate_size") or 0
                                                     if model_type == "qwen2_moe" else 0))
@@ -351,10 +351,13 @@ def _check_groups(model_type: str, num_experts: int, groups: int, topk_groups: i
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """Rope theta and scaling, wherever this config keeps them (rope_parameters, rope_theta, rope_scaling)."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
-    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    params = dict(_section(config, "rope_parameters"))
+    scaling = _section(config, "rope_scaling")
+    theta = _optional_number(params, "rope_theta") or _optional_number(config, "rope_theta") or 10000.0
+    params.pop("rope_theta", None)
     params = {**scaling, **params}
+    for key in ROPE_NUMBERS:
+        _optional_number(params, key)
     params.pop("partial_rotary_factor", None)  # _rotary_dim reads it
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -372,6 +375,11 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     if missing:
         raise ConfigError(f"rope_type {rope_type!r} needs {', '.join(missing)}", param="rope_scaling")
     return float(theta), params
+
+
+# The numeric parameters of the rope types pagoda computes (rope.py reads them as floats)
+ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
+                "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "partial_rotary_factor")
 
 
 # Families whose rope may cover part of each head (partial_rotary_factor), and the factor transformers gives them
@@ -449,6 +457,60 @@ FAMILY_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A config file's JSON object, or a ConfigError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path.name} in {str(path.parent)!r}: {exc}", param="model") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path.name} in {str(path.parent)!r} holds no JSON object", param="model")
+    return value
+
+
+def _count(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """config.json's `key`, a whole number >= 1; `default` where it is absent or null (required without one)."""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"config.json has no {key}", param="model")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config.json {key} must be a whole number >= 1, got {value!r}", param="model")
+    return value
+
+
+def _optional_number(config: dict[str, Any], key: str) -> float | None:
+    """config.json's `key`, a number, or None where it is absent or null."""
+    value = config.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ConfigError(f"config.json {key} must be a number, got {value!r}", param="model")
+    return value
+
+
+def _number(config: dict[str, Any], key: str, default: float) -> float:
+    value = _optional_number(config, key)
+    return default if value is None else value
+
+
+def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
+    """config.json's `key`, a JSON object ({} where it is absent or null)."""
+    value = config.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config.json {key} must be a JSON object, got {value!r}", param="model")
+    return value
+
+
+def token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """An eos_token_id: one id, a list of them, or null (none)."""
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ConfigError(f"{where} must be a token id or a list of them, got {value!r}", param="model")
+    return tuple(ids)
+
+
 def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     model_type = config.get("model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -460,12 +522,16 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     config = {**config, **{key: value for key, value in defaults.items() if config.get(key) is None}}
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {config.get('hidden_act')!r} is not supported (only silu)", param="model")
-    num_heads = config["num_attention_heads"]
+    num_heads = _count(config, "num_attention_heads")
+    num_kv_heads = _count(config, "num_key_value_heads", num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"config.json: num_attention_heads {num_heads} is no multiple of num_key_value_heads "
+                          f"{num_kv_heads}", param="model")
+    hidden_size = _count(config, "hidden_size")
     theta, scaling = _rope_settings(config)
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    eos_ids = token_ids(config.get("eos_token_id"), "config.json eos_token_id")
     window = _sliding_window(config, model_type)
-    num_layers = config["num_hidden_layers"]
+    num_layers = _count(config, "num_hidden_layers")
     qkv_bias, o_proj_bias = _attention_biases(config, model_type)
     if model_type == "llama" and config.get("mlp_bias"):  # gate/up/down biases: no MLP path here adds them
         raise ConfigError(f"{model_type} with mlp_bias is not supported", param="model")
@@ -476,14 +542,13 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         mla, moe = None, _glm4_moe_from_hf(config, num_layers)
     else:
         mla, moe = None, _moe_from_hf(config, model_type, num_layers)
-    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    head_dim = _count(config, "head_dim", hidden_size // num_heads)
     qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(config.get("use_qk_norm")))
     return ModelArch(
-        model_type=model_type, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-        num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads, head_dim=head_dim,
-        intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=config.get("max_position_embeddings", 4096), rope_theta=theta,
+        model_type=model_type, vocab_size=_count(config, "vocab_size"), hidden_size=hidden_size,
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=_count(config, "intermediate_size"), rms_norm_eps=_number(config, "rms_norm_eps", 1e-6),
+        max_position_embeddings=_count(config, "max_position_embeddings", 4096), rope_theta=theta,
         rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias, o_proj_bias=o_proj_bias, qk_norm=qk_norm,
         eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"), sliding_window=window, moe=moe, mla=mla,
@@ -496,12 +561,10 @@ def load_arch(model_dir: str | Path) -> ModelArch:
     if not path.is_file():
         raise ModelNotFoundError(f"no model at {str(model_dir)!r}: expected a folder with config.json, "
                                  f"or a dummy shape ({', '.join(SHAPES)}) with load_format='dummy'")
-    config = json.loads(path.read_text())
-    arch = arch_from_hf_config(config)
+    arch = arch_from_hf_config(read_json_object(path))
     generation = Path(model_dir) / "generation_config.json"
     if generation.is_file():  # chat models often list their end-of-turn tokens only here
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        extra = token_ids(read_json_object(generation).get("eos_token_id"), "generation_config.json eos_token_id")
         merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
         arch = replace(arch, eos_token_ids=merged)
     return arch

@@ -262,3 +262,52 @@ def test_output_projection_bias_added_once_across_ranks(tmp_path: Path) -> None:
 
     folder = _build(tmp_path, "Llama", dict(DENSE, attention_bias=True, head_dim=16))
     assert _generate_with_services(folder, 2) == _generate_in_process(folder)
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    ({"vocab_size": None}, "vocab_size"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"num_attention_heads": None}, "num_attention_heads"),
+    ({"intermediate_size": None}, "intermediate_size"),
+    ({"num_attention_heads": "4"}, "num_attention_heads"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"vocab_size": -5}, "vocab_size"),
+    ({"num_hidden_layers": True}, "num_hidden_layers"),
+    ({"head_dim": 16.5}, "head_dim"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),  # 4 heads do not share 3 kv heads out
+    ({"max_position_embeddings": "2k"}, "max_position_embeddings"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
+    ({"eos_token_id": "2"}, "eos_token_id"),
+    ({"eos_token_id": [2, None]}, "eos_token_id"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, "rope_theta"),
+    ({"rope_scaling": ["linear", 2.0]}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "factor"),
+])
+def test_config_fields_of_no_usable_value_are_refused_by_name(edit: dict[str, Any], field: str) -> None:
+    """A field config.json lacks (one written by hand) or holds as another type fails as a ConfigError naming it
+    (they were KeyError, TypeError or AttributeError tracebacks at `pagoda serve`, an AssertionError for kv heads
+    that do not divide the heads, or an architecture of 0 heads that failed later)."""
+    config = dict(DENSE, model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    arch_from_hf_config(config)
+    for key, value in edit.items():
+        config.pop(key) if value is None else config.update({key: value})
+    with pytest.raises(ConfigError, match=field):
+        arch_from_hf_config(config)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("text", ["{\"vocab_size\": 256,}", "[1, 2]"])
+def test_unreadable_config_files_are_refused_naming_the_file(tmp_path: Path, name: str, text: str) -> None:
+    """A config.json or generation_config.json edited into no JSON object (a trailing comma) was a JSONDecodeError
+    or AttributeError traceback at `pagoda serve`, before any process started."""
+    from pagoda.launcher import check_engine_config
+    from pagoda.shared.config import EngineConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(DENSE, model_type="llama")))
+    load_arch(tmp_path)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=name):
+        load_arch(tmp_path)
+    with pytest.raises(ConfigError, match=name):
+        check_engine_config(EngineConfig(model=str(tmp_path), device="cpu"))

@@ -166,7 +166,8 @@ def test_rope_table_matches_transformers_partial_inv_freq() -> None:
     from transformers import Glm4MoeConfig
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
 
-    config = Glm4MoeConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=512,
+    config = Glm4MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=512,
                            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
     arch = arch_from_hf_config(config.to_dict())
     positions = torch.arange(300)

@@ -165,8 +165,8 @@ def test_rope_tables_match_transformers(rope: dict) -> None:
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = Qwen3Config(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=131072,
-                         rope_parameters={"rope_theta": 1_000_000.0, **rope})
+    config = Qwen3Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                         max_position_embeddings=131072, rope_parameters={"rope_theta": 1_000_000.0, **rope})
     arch = arch_from_hf_config(config.to_dict())
     spec = RopeSpec.of(arch)
     if rope["rope_type"] == "default":
@@ -184,7 +184,8 @@ def test_dynamic_table_follows_the_context_length() -> None:
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = Qwen3Config(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=4096,
+    config = Qwen3Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                         max_position_embeddings=4096,
                          rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0})
     arch = arch_from_hf_config(config.to_dict())
     assert arch.context_limit == 8192
