@@ -370,6 +370,35 @@ def test_a_running_response_whose_api_process_was_killed_reads_failed(stacks: tu
     assert _cancel(first, keys["one"], response_id).json() == read
 
 
+def test_a_resumed_stream_whose_api_process_was_killed_ends_with_an_error_event(stacks: tuple[Any, Any, dict]) -> None:
+    """A streamed background response whose process was killed mid-run: a reader resuming it from another process
+    gets the events logged, then an `error` event saying why it ended (as a run that fails in its own process
+    logs), not a stream that stops after a delta with no last event."""
+    import subprocess
+
+    from pagoda.services.api.background import GONE, process_name
+    from pagoda.services.api.response_store import ResponseStore, StoredResponse
+
+    first, second, keys = stacks
+    args = list(first.proc.args)  # type: ignore[arg-type]
+    store = ResponseStore(Path(args[args.index("--responses-store-dir") + 1]), CAPACITY)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    response_id = f"resp_{gone.pid + 1:032x}"
+    running = {"id": response_id, "object": "response", "status": "in_progress", "background": True, "output": []}
+    store.put_running(response_id, StoredResponse("one", running, [], f"{process_name().split(' ')[0]} {gone.pid} 1"))
+    logged = [{"type": "response.created", "sequence_number": 0, "response": running},
+              {"type": "response.output_text.delta", "sequence_number": 1, "delta": "half"}]
+    store.append_events(response_id, b"".join(json.dumps(event).encode() + b"\n" for event in logged))
+    with HTTP.stream("GET", second.url + f"/v1/responses/{response_id}?stream=true", headers=_auth(keys["one"]),
+                     timeout=10) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [event["sequence_number"] for event in events] == [0, 1, 2]
+    assert {k: events[-1][k] for k in ("type", "code", "message")} == {"type": "error", "code": "server_error",
+                                                                       "message": GONE}
+
+
 def test_the_store_reads_only_its_own_ids_keeps_tenants_apart_and_holds_its_count(tmp_path: Path) -> None:
     import asyncio
 

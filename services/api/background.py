@@ -351,6 +351,7 @@ class BackgroundRuns:
 
     async def _logged_events(self, found: StoredResponse) -> AsyncIterator[tuple[int, str, bytes]]:
         response_id, offset, pending, num_quiet = found.response["id"], 0, b"", 0
+        last_number, current = -1, found
         while num_quiet < 2:  # ended, and nothing came in the read after: a cancel, or a log cut short
             data = await asyncio.to_thread(self.store.read_events, response_id, offset)
             if data is None:
@@ -363,14 +364,21 @@ class BackgroundRuns:
                 except msgspec.DecodeError:  # a write cut short (a full disk): the events after it still come
                     log.warning("skipped a broken event in the log of %s", response_id)
                     continue
-                yield event["sequence_number"], event["type"], line
+                last_number = event["sequence_number"]
+                yield last_number, event["type"], line
             if data:
                 num_quiet = 0
             else:
-                current = await self.store.get(response_id, found.tenant)
-                ended = current is None or (await self.settle(current)).response.get("status") not in RUNNING
+                read = await self.store.get(response_id, found.tenant)
+                current = await self.settle(read) if read is not None else found
+                ended = read is None or current.response.get("status") not in RUNNING
                 num_quiet = num_quiet + 1 if ended else 0
             await asyncio.sleep(TAIL_S)
+        error = current.response.get("error") if current.response.get("status") == "failed" else None
+        if isinstance(error, dict):  # its process died mid-run (settle): its log has no last event to say so
+            yield last_number + 1, "error", encode_json({"type": "error", "code": error.get("code"),
+                                                         "message": error.get("message", ""), "param": None,
+                                                         "sequence_number": last_number + 1})
 
     def _ended(self, response_ids: list[str]) -> list[bool]:
         return [self.store.ended(response_id) for response_id in response_ids]
