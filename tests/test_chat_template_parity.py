@@ -330,9 +330,11 @@ def vllm_conversation(messages: list[dict[str, Any]], fmt: str, text_arguments: 
     for message in messages:
         content = message.get("content")
         texts = [] if content is None else [content] if isinstance(content, str) else [p["text"] for p in content]
-        openai = fmt == "openai" and message["role"] != "tool"
-        entry = {"role": message["role"],
-                 "content": [{"type": "text", "text": t} for t in texts] if openai else "\n".join(texts)}
+        if fmt != "openai":  # vLLM leaves empty text parts out before joining
+            joined = "\n".join(t for t in texts if t)
+        else:  # parts kept; a tool result's joined back to a string, every part's text
+            joined = "\n".join(texts) if message["role"] == "tool" else [{"type": "text", "text": t} for t in texts]
+        entry = {"role": message["role"], "content": joined}
         if message["role"] == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = copy.deepcopy(message["tool_calls"])
             for call in entry["tool_calls"] if not text_arguments else []:
@@ -447,6 +449,9 @@ PLAIN_CASES = {
                                                    {"type": "text", "text": "Answer in French."}]},
                     {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}],
                    {}),
+    "empty_text_parts": ([{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": ""},
+                                                        {"type": "text", "text": "two"}, {"type": "text", "text": ""}]}],
+                         {}),
     "no_generation_prompt": ([{"role": "user", "content": "Hi"}], {"add_generation_prompt": False}),
     "continue_final_message": ([{"role": "user", "content": "Tell a story"},
                                 {"role": "assistant", "content": "Once upon a"}],
@@ -472,6 +477,8 @@ TOOL_CASES = {
     "arguments_not_json": (tool_turns(arguments="{city: Oslo"), True),
     "result_as_parts": (tool_turns(result=[{"type": "text", "text": "sunny"}, {"type": "text", "text": "21 C"}]),
                         True),
+    "result_with_empty_parts": (tool_turns(result=[{"type": "text", "text": "sunny"}, {"type": "text", "text": ""},
+                                                   {"type": "text", "text": "21 C"}]), True),
     "history_without_definitions": (tool_turns(), False),
 }
 
@@ -512,6 +519,15 @@ def test_a_template_that_loops_over_content_in_a_macro_gets_parts(tokenizers: di
     raw = hf_tokenizer().apply_chat_template(messages, chat_template=CONTENT_MACRO, tokenize=False,
                                              add_generation_prompt=True)
     assert text == raw
+
+
+def test_empty_text_parts_are_left_out_of_the_tool_turns_pagoda_writes(tokenizers: dict[str, Tokenizer]) -> None:
+    """A template that takes no tools gets the tool turns as text (tools.hermes_messages): a result sent as parts
+    with empty ones reads as the parts joined without them, as a text template reads any turn's parts (vLLM's)."""
+    parts = [{"type": "text", "text": "sunny"}, {"type": "text", "text": ""}, {"type": "text", "text": "21 C"}]
+    plain = tokenizers["mistral"]  # no tools argument: the turns become Hermes text
+    assert served(plain, tool_turns(result=parts), tools=TOOLS) == served(plain, tool_turns(result="sunny\n21 C"),
+                                                                         tools=TOOLS)
 
 
 def test_llm_chat_parses_tool_call_arguments(tokenizers: dict[str, Tokenizer]) -> None:

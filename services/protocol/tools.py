@@ -256,9 +256,10 @@ def with_system_text(messages: list[dict[str, Any]], system: str) -> list[dict[s
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
-    """A message's content as text: its text parts joined by newlines, as a text template reads them."""
+    """A message's content as text: its non-empty text parts joined by newlines, as a text template reads them
+    (conversation.template_conversation)."""
     if isinstance(content, list):
-        return "\n".join(part["text"] for part in content)
+        return "\n".join(part["text"] for part in content if part["text"])
     return content or ""
 
 

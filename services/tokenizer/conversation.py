@@ -88,8 +88,8 @@ def _reads(node: nodes.Node | None, names: set[str], key: str | None = None) -> 
 def template_conversation(messages: object, fmt: ContentFormat = "string",
                           text_arguments: bool = False) -> list[dict[str, Any]]:
     """The messages as vLLM gives them to the template, checked for the OpenAI shape (InvalidRequestError): content
-    a string (text parts joined by newlines) or, for an "openai" template, text parts (a tool result stays a
-    string); a turn that only calls tools has empty content; tool call arguments sent as JSON text become objects
+    a string (non-empty text parts joined by newlines) or, for an "openai" template, text parts (a tool result stays
+    a string); a turn that only calls tools has empty content; tool call arguments sent as JSON text become objects
     ({} where the text is not JSON), an empty tool_calls is dropped; an assistant's reasoning is there as both
     `reasoning` and `reasoning_content` (templates read either); an answer's refusal, annotations, audio or
     function_call is refused unless null, as the server refuses them. Other keys pass as they are.
@@ -104,7 +104,7 @@ def template_conversation(messages: object, fmt: ContentFormat = "string",
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{i}].role must be a non-empty string", param="messages")
         check_answer_fields(message, f"messages[{i}]")  # the server's refusal of what templates do not render
-        entry = {**message, "content": _content(message, i, "string" if role == "tool" else fmt)}
+        entry = {**message, "content": _content(message, i, fmt)}
         if role == "assistant":
             _assistant_fields(entry, text_arguments)
         out.append(entry)
@@ -112,8 +112,10 @@ def template_conversation(messages: object, fmt: ContentFormat = "string",
 
 
 def _content(message: dict[str, Any], i: int, fmt: ContentFormat) -> str | list[dict[str, str]]:
-    """messages[i]'s content in `fmt`: its texts joined by newlines, or as text parts (InvalidRequestError where it
-    is neither a string nor text parts, or null outside an assistant turn that calls tools)."""
+    """messages[i]'s content in `fmt`, as vLLM gives it: "string", its non-empty texts joined by newlines (vLLM
+    leaves an empty text part out); "openai", its text parts, a tool result's texts joined back into a string
+    (InvalidRequestError where it is neither a string nor text parts, or null outside an assistant turn that calls
+    tools)."""
     content = message.get("content")
     if isinstance(content, list):
         texts = [_part_text(part, i) for part in content]
@@ -126,7 +128,11 @@ def _content(message: dict[str, Any], i: int, fmt: ContentFormat) -> str | list[
     else:
         raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts",
                                   param="messages")
-    return [{"type": "text", "text": text} for text in texts] if fmt == "openai" else "\n".join(texts)
+    if fmt == "string":
+        return "\n".join(text for text in texts if text)
+    if message.get("role") == "tool":  # most templates write a tool result as a string
+        return "\n".join(texts)
+    return [{"type": "text", "text": text} for text in texts]
 
 
 def _part_text(part: object, i: int) -> str:
