@@ -311,3 +311,27 @@ def test_unreadable_config_files_are_refused_naming_the_file(tmp_path: Path, nam
         load_arch(tmp_path)
     with pytest.raises(ConfigError, match=name):
         check_engine_config(EngineConfig(model=str(tmp_path), device="cpu"))
+
+
+def test_eos_ids_past_the_vocabulary_stop_nothing_and_ban_nothing(tmp_path: Path) -> None:
+    """generation_config.json naming an EOS id the model has no logit for (one of a tokenizer larger than the
+    model): it can never be sampled, so min_tokens bans only the others (the ban indexed the logits past their end:
+    every request with min_tokens failed); transformers' min_new_tokens ignores it too."""
+    folder = _build(tmp_path, "Llama", DENSE)
+    prompts = random_prompts([6, 40], VOCAB)
+    free = hf_greedy(folder, prompts, NEW_TOKENS)
+    stops = [free[0][2], free[1][10], VOCAB + 100]  # the first one banned by min_tokens 6, the second not
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops, "bos_token_id": 1}))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=6, pad_token_id=0)
+        expected.append(out[0, len(prompt):].tolist())
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=TEST_KV_BLOCKS)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=6))
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    assert all(len(tokens) >= 6 for tokens in expected) and len(expected[1]) == 11, "min_tokens, then a listed EOS"

@@ -190,10 +190,13 @@ class SamplingState:
         self.bad_word_len[row] = max((len(ids) for ids in params.bad_words_token_ids), default=0)
 
     def _banned_ids(self, new: NewRequest) -> list[int]:
+        """The ids min_tokens bans: stop_token_ids and the EOS ids, with ignore_eos too, but not an EOS id past the
+        vocabulary (generation_config.json or a tokenizer larger than the model may name one): no logit to ban."""
         params = new.sampling
         if params.min_tokens <= 0:
             return []
-        return list(dict.fromkeys([*params.stop_token_ids, *new.eos_token_ids]))  # with ignore_eos too
+        eos_ids = [t for t in new.eos_token_ids if t < self.vocab_size]
+        return list(dict.fromkeys([*params.stop_token_ids, *eos_ids]))
 
     def _admit_counts(self, entries: Sequence[tuple[int, NewRequest]]) -> None:
         """Zero and refill the count rows of penalised requests (output tokens) and the prompt rows of
