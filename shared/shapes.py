@@ -524,7 +524,7 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         raise ConfigError(f"hidden_act {config.get('hidden_act')!r} is not supported (only silu)", param="model")
     num_heads = _count(config, "num_attention_heads")
     num_kv_heads = _count(config, "num_key_value_heads", num_heads)
-    if num_heads % num_kv_heads:
+    if num_heads % num_kv_heads and model_type not in MLA_MODEL_TYPES:  # MLA caches a latent: no kv heads
         raise ConfigError(f"config.json: num_attention_heads {num_heads} is no multiple of num_key_value_heads "
                           f"{num_kv_heads}", param="model")
     hidden_size = _count(config, "hidden_size")
