@@ -290,7 +290,11 @@ def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) 
     if mla.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}", param="model")
     first_dense = config.get("first_k_dense_replace", 3 if v3 else 0) or 0
-    freq = config.get("moe_layer_freq") or 1
+    if (config.get("moe_layer_freq") or 1) != 1:
+        # transformers makes every layer from first_k_dense_replace on sparse, DeepSeek's own modeling code only
+        # every moe_layer_freq-th of them: no one answer to match (every DeepSeek checkpoint has 1)
+        raise ConfigError(f"{model_type} with moe_layer_freq {config['moe_layer_freq']} is not supported (only 1)",
+                          param="model")
     num_experts = config.get("n_routed_experts", 256 if v3 else 64)
     top_k = config.get("num_experts_per_tok") or (8 if v3 else 6)
     expert = config.get("moe_intermediate_size", 2048 if v3 else 1407)
@@ -308,7 +312,7 @@ def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) 
         _check_groups(model_type, num_experts, groups, topk_groups, top_k)
     moe = MoeArch(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert,
                   renormalize=bool(config.get("norm_topk_prob", v3)),
-                  sparse_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
+                  sparse_layers=tuple(range(first_dense, num_layers)),
                   shared_expert_intermediate_size=expert * (config.get("n_shared_experts", 1 if v3 else 2) or 0),
                   shared_expert_gated=False, scoring_func="sigmoid" if v3 else "softmax", topk_method=topk_method,
                   num_groups=groups, topk_groups=topk_groups,
