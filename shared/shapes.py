@@ -447,13 +447,14 @@ def _sliding_window(config: dict[str, Any], model_type: str) -> int | None:
 
 
 # What each family's transformers config class gives a field config.json leaves out (transformers 5.x), where it
-# differs from the defaults arch_from_hf_config falls back to (eps 1e-6, rope theta 10000, 4096 positions).
+# differs from the defaults arch_from_hf_config falls back to (eps 1e-6, rope theta 10000, 4096 positions, head_dim
+# hidden / heads).
 FAMILY_DEFAULTS: dict[str, dict[str, float]] = {
     "llama": {"max_position_embeddings": 2048},
     "mistral": {"max_position_embeddings": 131072},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
     "qwen2": {"max_position_embeddings": 32768},
-    "qwen3": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},  # head_dim 128 whatever hidden / heads is
     "qwen2_moe": {"max_position_embeddings": 32768},
     "qwen3_moe": {"max_position_embeddings": 32768},
     "deepseek_v2": {"max_position_embeddings": 2048},

@@ -210,11 +210,21 @@ def test_absent_fields_default_as_in_transformers(model_type: str) -> None:
 
     fields = {"mixtral": dict(DENSE, num_local_experts=8, num_experts_per_tok=2),
               "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK}.get(model_type, MOE if "moe" in model_type else DENSE)
-    fields = {key: value for key, value in fields.items() if key != "max_position_embeddings"}
+    fields = {key: value for key, value in fields.items() if key not in ("max_position_embeddings", "head_dim")}
     hf = AutoConfig.for_model(model_type, **fields)
     arch = arch_from_hf_config(dict(fields, model_type=model_type))
     assert (arch.rms_norm_eps, arch.rope_theta, arch.max_position_embeddings) == (
         hf.rms_norm_eps, hf.rope_parameters["rope_theta"], hf.max_position_embeddings)
+    if model_type not in ("deepseek_v2", "deepseek_v3"):  # MLA's head_dim is its rope dims
+        assert arch.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
+
+def test_qwen3_without_head_dim_reads_it_as_transformers_does(tmp_path: Path) -> None:
+    """Qwen3's head_dim defaults to 128 whatever hidden_size / heads is (transformers' Qwen3Config): a config.json
+    without it was read as hidden / heads and its checkpoint refused as of the wrong shape."""
+    folder = _build(tmp_path, "Qwen3", dict(DENSE, hidden_size=128, head_dim=128),
+                    lambda config: config.pop("head_dim"))
+    _assert_greedy_parity(folder, [6])
 
 
 def test_qwen3_moe_norm_topk_prob_defaults_as_in_transformers() -> None:
