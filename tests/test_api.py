@@ -467,7 +467,8 @@ def test_chat_defaults_content_parts_and_logprobs(stack: Stack) -> None:
     assert content[0].bytes == list(content[0].token.encode())
     assert [t.token for t in content[0].top_logprobs] == ["alt0", "alt1"]
     sent = stack.tokenizer.requests[response.id]
-    assert sent.messages[0].role == "system" and sent.messages[1].content == "hi\nyou"
+    # the developer turn as sent: the tokenizer gives it to the template as vLLM does (developer_as_system)
+    assert sent.messages[0].role == "developer" and sent.messages[1].content == "hi\nyou"
     params = sent.params
     assert (params.max_tokens, params.logprobs, params.temperature, params.seed, params.stop, params.top_k) == \
         (None, 2, 0.0, 7, ["zzz"], 5)

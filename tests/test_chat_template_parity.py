@@ -530,6 +530,57 @@ def test_empty_text_parts_are_left_out_of_the_tool_turns_pagoda_writes(tokenizer
                                                                          tools=TOOLS)
 
 
+# A template that knows the developer role (as gpt-oss's and OpenAI-era templates do): it writes the turn itself.
+KNOWS_DEVELOPER = """{%- for message in messages %}
+    {%- if message.role == 'developer' %}{{- '<|im_start|>developer\\n# Instructions\\n' + message.content + '<|im_end|>\\n' }}
+    {%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def vllm_developer(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """vLLM's developer turns, for a template whose text never names the role: each becomes a system turn, and
+    then the system turns are merged into one, first, their texts joined by a blank line (where one stood after
+    another turn, or there were several)."""
+    if "'developer'" in template or '"developer"' in template or all(m["role"] != "developer" for m in messages):
+        return messages
+    turns = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(turns) if m["role"] == "system"]
+    if systems == [0]:
+        return turns
+    merged = {"role": "system", "content": "\n\n".join(turns[i]["content"] for i in systems if turns[i]["content"])}
+    return [merged, *(m for m in turns if m["role"] != "system")]
+
+
+DEVELOPER_CASES = {
+    "first": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    "after_system": [{"role": "system", "content": "You are Ada."}, {"role": "developer", "content": "Be brief."},
+                     {"role": "user", "content": "Hi"}],
+    "mid_conversation": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                         {"role": "developer", "content": "Now in French."}, {"role": "user", "content": "Bye"}],
+}
+
+
+@pytest.mark.parametrize("case", DEVELOPER_CASES)
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "knows_developer"])
+def test_developer_turns_reach_the_template_as_vllm_gives_them(tmp_path: Path, name: str, case: str) -> None:
+    """vLLM's: a template that names the developer role gets the turn as it is; any other gets it as a system turn,
+    the system turns merged into one at the start (a system turn after the first, which Qwen3.5's and Mistral's
+    templates refuse, was a 400; a developer turn after a system prompt was a second system turn). The served path
+    and LLM.chat's render the same."""
+    template = KNOWS_DEVELOPER if name == "knows_developer" else TEMPLATES[name]
+    tokenizer = Tokenizer(tokenizer_folder(tmp_path / name, template))
+    messages = DEVELOPER_CASES[case]
+    want = hf_tokenizer().apply_chat_template(vllm_developer(messages, template), chat_template=template,
+                                              tokenize=False, add_generation_prompt=True)
+    text, ids = served(tokenizer, messages)
+    assert text == want
+    assert ids == oracle_ids(want)
+    assert offline(tokenizer, messages) == want
+    assert ("<|im_start|>developer" in want) is (name == "knows_developer")
+
+
 def test_llm_chat_parses_tool_call_arguments(tokenizers: dict[str, Tokenizer]) -> None:
     """LLM.chat's messages as OpenAI clients write them (arguments as JSON text, null content beside tool calls)
     render as vLLM's LLM.chat renders them: arguments as objects, content "" (they were given to the template

@@ -90,7 +90,9 @@ def test_input_items_become_the_chat_conversation() -> None:
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "No more."}]},
         {"role": "user", "content": "Thanks"}], "tools": [WEATHER]})
     roles = [(m.role, m.content, m.name, m.tool_call_id) for m in request.messages]
-    assert roles == [("system", "Be brief.", None, None), ("system", "Use metric units.", None, None),
+    # the developer turn reaches the template as chat's do (merged into the system turn where the template does
+    # not name the role: conversation.developer_as_system)
+    assert roles == [("system", "Be brief.", None, None), ("developer", "Use metric units.", None, None),
                      ("user", "Weather in\nOslo and Rome?", None, None), ("assistant", "Let me look.", None, None),
                      ("tool", "5 C", "get_weather", "c1"), ("tool", "20 C", "get_weather", "c2"),
                      ("assistant", "No more.", None, None), ("user", "Thanks", None, None)]

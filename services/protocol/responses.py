@@ -376,7 +376,7 @@ def _message(item: dict[str, Any], param: str) -> MessageBody:
     if isinstance(content, list):
         content = "\n".join(_part_text(part, f"{param}.content[{j}]") for j, part in enumerate(content))
     _require(isinstance(content, str), f"{param}.content", "content must be a string or a list of content parts")
-    return MessageBody(role=role, content=content)  # chat maps developer to system
+    return MessageBody(role=role, content=content)  # a developer turn reaches the template as chat gives it
 
 
 def _part_text(part: Any, param: str) -> str:

@@ -28,7 +28,8 @@ from pagoda.shared.messages import (
 )
 
 MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused before decoding
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# developer turns reach the template as vLLM gives them (conversation.developer_as_system)
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 T = TypeVar("T")
 
@@ -635,7 +636,7 @@ def _chat_message(message: MessageBody, param: str) -> ChatMessage:
         content = "\n".join(texts)
     assert isinstance(content, str)
     reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
-    return ChatMessage(CHAT_ROLES.get(message.role, message.role), content, message.name, tool_calls,
+    return ChatMessage(message.role, content, message.name, tool_calls,
                        message.tool_call_id, [len(text) for text in texts],
                        reasoning if message.role == "assistant" else None)
 

@@ -85,15 +85,16 @@ def _reads(node: nodes.Node | None, names: set[str], key: str | None = None) -> 
     return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
 
 
-def template_conversation(messages: object, fmt: ContentFormat = "string",
-                          text_arguments: bool = False) -> list[dict[str, Any]]:
+def template_conversation(messages: object, fmt: ContentFormat = "string", text_arguments: bool = False,
+                          chat_template: str | None = None) -> list[dict[str, Any]]:
     """The messages as vLLM gives them to the template, checked for the OpenAI shape (InvalidRequestError): content
     a string (non-empty text parts joined by newlines) or, for an "openai" template, text parts (a tool result stays
     a string); a turn that only calls tools has empty content; tool call arguments sent as JSON text become objects
     ({} where the text is not JSON), an empty tool_calls is dropped; an assistant's reasoning is there as both
     `reasoning` and `reasoning_content` (templates read either); an answer's refusal, annotations, audio or
     function_call is refused unless null, as the server refuses them. Other keys pass as they are.
-    `text_arguments` (arguments_as_text): the arguments stay JSON text, for templates that join them as text."""
+    `text_arguments` (arguments_as_text): the arguments stay JSON text, for templates that join them as text.
+    `chat_template`: the template's text, which decides how developer turns reach it (developer_as_system)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out: list[dict[str, Any]] = []
@@ -108,7 +109,35 @@ def template_conversation(messages: object, fmt: ContentFormat = "string",
         if role == "assistant":
             _assistant_fields(entry, text_arguments)
         out.append(entry)
-    return out
+    return developer_as_system(out, chat_template)
+
+
+def names_developer(chat_template: str) -> bool:
+    """Whether the template's text names the developer role (vLLM's test: 'developer' or "developer" in it)."""
+    return "'developer'" in chat_template or '"developer"' in chat_template
+
+
+def developer_as_system(messages: list[dict[str, Any]], chat_template: str | None) -> list[dict[str, Any]]:
+    """vLLM's developer turns: as they are for a template that names the role (names_developer); for any other,
+    system turns, and then the system turns merged into one, first, their texts joined by a blank line, where one
+    stands after another turn or there are several (templates refuse a system turn after the first, or drop a role
+    they do not know). The messages' content: a string or text parts."""
+    if chat_template is None or names_developer(chat_template) or all(m["role"] != "developer" for m in messages):
+        return messages
+    turns = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [m for m in turns if m["role"] == "system"]
+    if len(systems) == 1 and turns[0] is systems[0]:
+        return turns
+    texts = (_text(m.get("content")) for m in systems)
+    merged = {"role": "system", "content": "\n\n".join(text for text in texts if text)}
+    return [merged, *(m for m in turns if m["role"] != "system")]
+
+
+def _text(content: object) -> str:
+    """A system turn's content as text: a string, or its text parts' non-empty texts joined by newlines."""
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("text"))
+    return content if isinstance(content, str) else ""
 
 
 def _content(message: dict[str, Any], i: int, fmt: ContentFormat) -> str | list[dict[str, str]]:

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from pagoda.services.protocol.tools import tool_conversation
+from pagoda.services.tokenizer.conversation import developer_as_system
 from pagoda.services.tokenizer.tokenizer import NO_FRAME, SpecialFrame, Tokenizer
 from pagoda.shared.errors import ContextLengthError, InvalidRequestError, PagodaError, min_tokens_past_room
 from pagoda.shared.messages import (
@@ -77,7 +78,9 @@ def tokenize_prompt(tokenizer: Tokenizer | None, *, prompt_text: str | None, pro
             # render_chat + encode is Tokenizer.apply_chat_template, keeping the text for echo.
             template = (tokenizer.hf.get_chat_template(chat_template or None, tools)
                         if chat_template or tokenizer.hf.chat_template else None)
-            conversation, tools = tool_conversation(template, chat_dicts(messages), tools, tool_parser)
+            # developer turns first, so that a tool list pagoda writes joins the system turn they become
+            conversation, tools = tool_conversation(template, developer_as_system(chat_dicts(messages), template),
+                                                    tools, tool_parser)
             text = tokenizer.render_chat(conversation, add_generation_prompt, tools=tools,
                                          continue_final_message=continue_final_message,
                                          chat_template_kwargs=chat_template_kwargs, documents=documents,

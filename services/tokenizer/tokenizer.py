@@ -180,7 +180,8 @@ class Tokenizer:
                                       code="no_chat_template")
         # vLLM's message normalisation, with the content format of the template that renders them
         template = self._hf.get_chat_template(chat_template, tools)
-        conversation = template_conversation(messages, content_format(template), arguments_as_text(template))
+        conversation = template_conversation(messages, content_format(template), arguments_as_text(template),
+                                             template)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
         kwargs = chat_template_kwargs or {}
