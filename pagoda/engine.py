@@ -21,7 +21,7 @@ from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, Se
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
 from pagoda.services.tokenizer.output import advance, stop_reason
 from pagoda.services.tokenizer.prompts import Prompt, encode_text_prompt, prompt_room, truncated_ids
-from pagoda.services.tokenizer.text_stream import TextStream
+from pagoda.services.tokenizer.text_stream import TextStream, tokens_before_stop
 from pagoda.services.tokenizer.tokenizer import load_tokenizer
 from pagoda.services.worker.device import resolve_device
 from pagoda.services.worker.grammar import GrammarRows
@@ -142,6 +142,7 @@ class LLMEngine:
         encoded = self._encode(prompt)
         token_ids = truncated_ids(encoded.token_ids, params, self._prompt_room(params.max_tokens), encoded.frame)
         forced = self._forced_start(params, len(token_ids)) if params.structured_outputs is not None else []
+        forced = forced[:tokens_before_stop(self.tokenizer, token_ids, params, forced)]
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=params,
                           arrival_time=time.monotonic(), priority=priority, forced_token_ids=forced, cache_salt=salt)

@@ -112,6 +112,21 @@ def test_offline_engine_prefills_the_forced_start(smollm2_dir: Path, tokenizer: 
     assert plain_steps == len(plain.token_ids) > num_steps
 
 
+@pytest.mark.parametrize("stop", ["iment", '{"', '": "'])
+def test_a_stop_string_inside_the_forced_start_ends_the_answer_there(smollm2_dir: Path, stop: str) -> None:
+    """A stop string the forced start completes ends the answer at the token that completes it, as sampling the
+    start token by token does: its token ids and usage held the whole forced start and one sampled token past the
+    stop ('{"' cut the text to '' and still counted six tokens, "positive" among them)."""
+    params = constrained(stop=[stop])
+    prompt = "Review: the food was wonderful and the staff kind. Sentiment as JSON:"
+    outputs = [LLM(str(smollm2_dir), max_model_len=256, grammar_fast_forward=fast_forward).generate(
+        [prompt], params)[0].outputs[0] for fast_forward in (True, False)]
+    for output in outputs:
+        assert (output.finish_reason, output.stop_reason) == ("stop", stop)
+        assert output.text == FORCED_TEXT[:FORCED_TEXT.index(stop)]
+    assert outputs[0].token_ids == outputs[1].token_ids
+
+
 def test_cached_tokens_count_the_prompt_only(smollm2_dir: Path, tokenizer: Tokenizer) -> None:
     """The second of two equal constrained requests finds the first's blocks cached, the forced start's too: its
     num_cached_tokens (usage's cached_tokens) counts the prompt's hits only. The scheduler reported hits past the
@@ -143,5 +158,8 @@ def test_tokenizer_service_sends_and_shows_the_forced_start(smollm2_dir: Path, t
         # a request that asked for logprobs samples every token itself
         _, _, plain = harness.generate(constrained(logprobs=0), prompt_text="Sentiment as JSON:")
         assert plain.forced_token_ids == []
+        # a stop string the forced start completes: the token that completes it is sampled, not forced
+        _, _, stopped = harness.generate(constrained(stop=["iment"]), prompt_text="Sentiment as JSON:")
+        assert tokenizer.decode(stopped.forced_token_ids) == '{"sent'
     finally:
         harness.close()

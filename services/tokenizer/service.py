@@ -39,6 +39,7 @@ from pagoda.services.tokenizer.prompts import (
     tokenizer_info,
 )
 from pagoda.services.tokenizer.replicas import Replica
+from pagoda.services.tokenizer.text_stream import tokens_before_stop
 from pagoda.services.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from pagoda.shared.config import EngineConfig, ServerConfig
 from pagoda.shared.errors import InvalidRequestError, PagodaError, ServerOverloadedError
@@ -369,6 +370,7 @@ class TokenizerService:
                 forced = fast_forward_tokens(grammar_start, params, len(prompt.token_ids), info.max_model_len,
                                              info.max_num_tokens, ending_ids(params, self._eos_ids(info)),
                                              info.vocab_size)
+                forced = forced[:tokens_before_stop(self._tokenizer, prompt.token_ids, params, forced)]
         if request.render_only:  # vLLM's render routes: every check passed, nothing runs
             if rendered.max_tokens is None:  # up to the context, as a number (vLLM's get_max_tokens)
                 room = context_limit(info.max_model_len, info.max_num_tokens) - len(prompt.token_ids)

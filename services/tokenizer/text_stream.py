@@ -63,3 +63,18 @@ class TextStream:
                 self._closed = True
         self.text += text
         return text
+
+
+def tokens_before_stop(tokenizer: Decoder | None, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       token_ids: Sequence[int]) -> int:
+    """How many of `token_ids`, as a completion's first tokens, complete none of params' stop strings: a grammar's
+    forced start is cut there, so that the token that completes one is sampled and the completion ends with it
+    (forced tokens past it would count in usage and token_ids though the text ends before them)."""
+    if not params.stop:
+        return len(token_ids)
+    stream = TextStream(tokenizer, prompt_token_ids, params)
+    for i, token_id in enumerate(token_ids):
+        stream.push((token_id,))
+        if stream.stopped:
+            return i
+    return len(token_ids)
