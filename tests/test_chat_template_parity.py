@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.services.protocol.schemas import ChatBody, MessageBody, chat_messages, chat_request, decode_body
 from pagoda.services.tokenizer.conversation import arguments_as_text, content_format
-from pagoda.services.tokenizer.prompts import generate_prompt, tokenize_prompt, tokenize_result
+from pagoda.services.tokenizer.prompts import check_prompt, generate_prompt, tokenize_prompt, tokenize_result
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import GenerateRequest, ModelInfo, SamplingParams, TokenizeRequest
@@ -701,6 +701,18 @@ def test_a_template_error_is_the_requests_with_its_message(tokenizers: dict[str,
         with pytest.raises(InvalidRequestError) as caught:
             render(tokenizers[name], messages, **options)
         assert words in str(caught.value) and caught.value.param == "messages", render
+
+
+def test_a_template_that_renders_nothing_is_a_400_that_says_so(tmp_path: Path) -> None:
+    """A template that writes nothing for these messages leaves no prompt: the 400 names messages and says the
+    template made an empty prompt of them (it said "the messages is empty" of a request whose messages were not)."""
+    tokenizer = Tokenizer(tokenizer_folder(tmp_path / "silent", "{%- if false %}x{%- endif %}"))
+    text, ids = served(tokenizer, [{"role": "user", "content": "Hi"}])
+    assert (text, ids) == ("", [])
+    with pytest.raises(InvalidRequestError) as caught:
+        check_prompt(ids, SamplingParams(), INFO, "messages")
+    assert caught.value.param == "messages"
+    assert "the chat template rendered the messages as an empty prompt" in caught.value.message
 
 
 def test_a_variable_the_template_needs_comes_from_chat_template_kwargs(tmp_path: Path) -> None:

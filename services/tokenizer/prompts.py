@@ -160,7 +160,9 @@ def truncate_prompt(tokenizer: Tokenizer | None, prompt: Prompt, params: Samplin
 def check_prompt(token_ids: list[int], params: SamplingParams, info: ModelInfo, param: str) -> None:
     """Raise InvalidRequestError unless the scheduler can run this prompt with these params."""
     if not token_ids:
-        raise InvalidRequestError(f"the {param} is empty", param=param)
+        what = "the chat template rendered the messages as an empty prompt" if param == "messages" \
+            else f"the {param} is empty"
+        raise InvalidRequestError(what, param=param)
     if min(token_ids) < 0 or max(token_ids) >= info.vocab_size:
         bad = next(t for t in token_ids if not 0 <= t < info.vocab_size)
         raise InvalidRequestError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
