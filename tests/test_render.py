@@ -158,6 +158,9 @@ def test_hidden_reasoning_renders_the_same_on_both_sides_without_it(stream: bool
         chunks = [msgspec.json.decode(line[6:]) for line in rendered.split(b"\n\n") if line.startswith(b"data: ")]
         deltas = [c["choices"][0] for c in chunks if c["choices"] and "role" not in c["choices"][0]["delta"]]
         assert "".join(d["delta"].get("content") or "" for d in deltas if d["index"] == 0) == "The answer is 4."
+        # the role chunk too: its `token_ids: []` read, joined, as a choice of no tokens where the body has none
+        assert all("token_ids" not in c["choices"][0] for c in chunks if c["choices"]), chunks[0]
+        assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [[10, 11, 12]] * 2
     else:
         for choice in view.choices:
             choice.rendered = choices[choice.index]

@@ -434,7 +434,8 @@ class ChatRenderer(Renderer):
                              "finish_reason": None}], choice) if self.echo_text else b""
         if not self.return_token_ids:
             return self._chunk([out], choice) + echo
-        out["token_ids"] = []
+        if not self._hides_tokens:  # hidden: the choice has no token ids, not an empty list of them
+            out["token_ids"] = []
         chunk: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name, "created": self.created,
                                  "model": self.model, "choices": [out],
                                  "prompt_token_ids": view.prompt_token_ids[choice.index // view.n]}
