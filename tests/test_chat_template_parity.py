@@ -581,6 +581,20 @@ def test_developer_turns_reach_the_template_as_vllm_gives_them(tmp_path: Path, n
     assert ("<|im_start|>developer" in want) is (name == "knows_developer")
 
 
+@pytest.mark.parametrize("case", ["after_system", "mid_conversation"])
+def test_merged_system_turn_reaches_a_parts_template_as_parts(tmp_path: Path, case: str) -> None:
+    """A template that loops over a turn's content parts got the merged system turn as one string in LLM.chat,
+    whose messages are turned into parts before the developer turns are merged: the loop read the string's
+    characters and wrote an empty system block, the instructions gone (vLLM's own bug, its PR 56391). The merged
+    turn is one text part there; the served path and LLM.chat render alike."""
+    tokenizer = Tokenizer(tokenizer_folder(tmp_path / "parts", CONTENT_PARTS))
+    messages = DEVELOPER_CASES[case]
+    text, _ = served(tokenizer, messages)
+    assert offline(tokenizer, messages) == text
+    instructions = "\n\n".join(m["content"] for m in messages if m["role"] in ("system", "developer"))
+    assert text.startswith(f"<|im_start|>system\n[{instructions}]<|im_end|>\n")
+
+
 def test_llm_chat_parses_tool_call_arguments(tokenizers: dict[str, Tokenizer]) -> None:
     """LLM.chat's messages as OpenAI clients write them (arguments as JSON text, null content beside tool calls)
     render as vLLM's LLM.chat renders them: arguments as objects, content "" (they were given to the template

@@ -129,7 +129,10 @@ def developer_as_system(messages: list[dict[str, Any]], chat_template: str | Non
     if len(systems) == 1 and turns[0] is systems[0]:
         return turns
     texts = (_text(m.get("content")) for m in systems)
-    merged = {"role": "system", "content": "\n\n".join(text for text in texts if text)}
+    text = "\n\n".join(text for text in texts if text)
+    # as parts where the turns came as parts (a template that loops over them would read a string's characters)
+    as_parts = any(isinstance(m.get("content"), list) for m in systems)
+    merged = {"role": "system", "content": [{"type": "text", "text": text}] if as_parts else text}
     return [merged, *(m for m in turns if m["role"] != "system")]
 
 
