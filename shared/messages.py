@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from enum import IntEnum
 from typing import Any
 
@@ -445,6 +446,24 @@ def resolve_vocabulary(params: SamplingParams, vocab_size: int, max_logprobs: in
         raise InvalidRequestError(f"a bad word's tokens hold {bad}, outside the model's vocabulary [0, {vocab_size})",
                                   param="bad_words")
     return msgspec.structs.replace(params, **changes) if changes else params
+
+
+def check_allowed_left(params: SamplingParams, eos_token_ids: Iterable[int]) -> None:
+    """allowed_token_ids must leave an id the sampler may draw: InvalidRequestError names bad_words when each id is a
+    one-token bad word (banned at every step), and min_tokens when the rest are EOS ids (`eos_token_ids`, banned
+    until min_tokens whatever ignore_eos says) or stop_token_ids. The sampler would otherwise draw from a row of
+    -inf logits, an id outside the list. bad_words_token_ids must be made already (services/tokenizer/bad_words.py);
+    a longer bad word's ban depends on the tokens before it and is not foreseen here."""
+    if not params.allowed_token_ids:
+        return
+    left = set(params.allowed_token_ids) - {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+    if not left:
+        raise InvalidRequestError("bad_words ban every id of allowed_token_ids: no token is left to sample",
+                                  param="bad_words")
+    if params.min_tokens > 0 and not left - set(params.stop_token_ids) - set(eos_token_ids):
+        raise InvalidRequestError(f"min_tokens bans EOS and stop_token_ids until {params.min_tokens} tokens are "
+                                  "generated, and allowed_token_ids holds no other id (bad words aside): no token "
+                                  "is left to sample", param="min_tokens")
 
 
 def _whole(value: object) -> bool:

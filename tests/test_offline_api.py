@@ -81,6 +81,11 @@ def _assert_still_serves(llm: LLM, reference_text: str) -> None:
     # an allow-list with no token the grammar may start with (every sampled token would break it)
     ("hello", dict(structured_outputs=StructuredOutputs(choice=["red", "blue"]), allowed_token_ids=[5, 6]),
      "allowed_token_ids", InvalidRequestError),
+    # an allow-list that the bans leave empty: the sampler would draw an id outside it (id 0 on a row of -inf)
+    ("hello", dict(allowed_token_ids=[2], min_tokens=3, max_tokens=5), "min_tokens", InvalidRequestError),
+    ("hello", dict(allowed_token_ids=[2, 9], stop_token_ids=[9], min_tokens=1, ignore_eos=True), "min_tokens",
+     InvalidRequestError),
+    ("hello", dict(allowed_token_ids=[4607, 787], bad_words=["no"]), "bad_words", InvalidRequestError),
 ])
 def test_bad_input_raises_typed_error_and_engine_survives(llm: LLM, reference_text: str, prompt: object,
                                                           params: dict[str, Any], param_name: str,

@@ -474,6 +474,17 @@ def test_bad_allowed_token_ids_are_refused(client: openai.OpenAI, ids: list[int]
     assert failure.value.body["param"] == "allowed_token_ids" and needle in failure.value.body["message"]
 
 
+@pytest.mark.parametrize("extra, param", [({"allowed_token_ids": [2], "min_tokens": 3}, "min_tokens"),
+                                          ({"allowed_token_ids": [4607, 787], "bad_words": ["no"]}, "bad_words")])
+def test_allowed_token_ids_that_the_bans_empty_are_refused(client: openai.OpenAI, extra: dict[str, Any],
+                                                           param: str) -> None:
+    """EOS (SmolLM2's 2) banned until min_tokens, or a one-token bad word (both spellings of "no"), takes every
+    allowed id: a 400 naming the field, not a completion of ids outside the list (the sampler's row was all -inf)."""
+    with pytest.raises(openai.BadRequestError) as failure:
+        client.completions.create(model=SERVED, prompt="Hi", max_tokens=4, temperature=0, extra_body=extra)
+    assert failure.value.body["param"] == param and "no token is left" in failure.value.body["message"]
+
+
 # ------------------------------------------------------------------ chat echo, top_logprobs -1
 
 

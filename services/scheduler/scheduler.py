@@ -67,6 +67,7 @@ from pagoda.shared.messages import (
     SamplingParams,
     StepPlan,
     StepResult,
+    check_allowed_left,
     check_cache_salt,
 )
 
@@ -268,6 +269,7 @@ class Scheduler:
             raise InvalidRequestError(f"stop_token_ids must be < {self.vocab_size}", param="stop_token_ids")
         if any(token >= self.vocab_size for token in request.sampling.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be < {self.vocab_size}", param="logit_bias")
+        check_allowed_left(request.sampling, self.eos_token_ids | request.eos_token_ids)
         self._check_forced(request)
         capacity = self.blocks.num_blocks * self.block_size  # the most tokens of one sequence the cache holds
         if len(prompt) >= min(self.max_model_len, capacity):
