@@ -325,6 +325,9 @@ class ServerConfig:
     # a chat or /tokenize request's own `chat_template` renders its prompt; off: such a request is refused (a
     # template is code the server runs, in transformers' Jinja sandbox; vLLM's flag and default)
     trust_request_chat_template: bool = False
+    # a chat request's tools stay in its prompt under tool_choice "none" (vLLM's default, and OpenAI's: the model
+    # knows of them, it does not call them); on: left out of the prompt (vLLM's flag)
+    exclude_tools_when_tool_choice_none: bool = False
     # the Responses API keeps this many finished responses (0: none, vLLM's default), for previous_response_id and
     # GET /v1/responses/{id}; in responses_store_dir (default: runtime_dir/responses), which the api processes share
     responses_store: int = 0
@@ -677,6 +680,9 @@ _HELP: dict[str, str] = {
     "trust_request_chat_template": "a chat or /tokenize request may send its own chat_template, which then renders "
                                    "its prompt; without the flag such a request is refused (vLLM's "
                                    "--trust-request-chat-template)",
+    "exclude_tools_when_tool_choice_none": "leave a chat request's tools out of its prompt when its tool_choice is "
+                                           "none (default: the template renders them, the model calls none; "
+                                           "vLLM's --exclude-tools-when-tool-choice-none)",
     "root_path": "the path prefix a proxy serves this server under, e.g. /llm: every route answers with and without "
                  "it (vLLM's --root-path)",
     "allowed_origins": "CORS: origins whose browser pages may call the API, a JSON list or comma-separated "

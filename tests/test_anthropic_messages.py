@@ -149,8 +149,13 @@ def test_sampling_tools_and_formats_map_to_chat() -> None:
                        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}})
     assert form.chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert form.chat.parallel_tool_calls is False
+    # none: the tools stay in the prompt (Anthropic prices their system prompt for auto and none alike), unless
+    # --exclude-tools-when-tool-choice-none; nothing constrains or parses a call
     request, form = chat_of({"messages": hi, "tools": [WEATHER], "tool_choice": {"type": "none"}})
-    assert request.tools == [] and request.params.structured_outputs is None
+    assert [tool["function"]["name"] for tool in request.tools] == ["get_weather"]
+    assert request.params.structured_outputs is None and form.chat.tool_choice == "none"
+    request = chat_request(form.chat, "msg_test", 0.0, 20, exclude_tools_when_none=True)
+    assert request.tools == []
     request, form = chat_of({"messages": hi, "tool_choice": {"type": "auto"}})  # auto without tools: nothing to call
     assert request.tools == [] and form.chat.tool_choice is None
     request, form = chat_of({"messages": hi, "output_config": {"format": {"type": "json_schema", "schema": {

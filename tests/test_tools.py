@@ -7,6 +7,7 @@ import json
 import re
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 
@@ -310,3 +311,18 @@ def test_tool_requests_that_are_refused(server: Server) -> None:
         body = {"model": SERVED, "messages": ASK, "max_tokens": 5, **extra}
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.slow
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(server: Server) -> None:
+    """tool_choice "none" offers the tools to the model without letting it call them: they stay in the prompt, as
+    vLLM's default and OpenAI's (the prompt left them out, so /tokenize with the same tools counted more tokens
+    than the answer's usage, and a tool loop's none step missed its cached prefix). Nothing is parsed as a call."""
+    client = server.client(timeout=600)
+    none = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=1)
+    bare = client.chat.completions.create(model=SERVED, messages=ASK, max_tokens=1)
+    counted = httpx.post(f"{server.url}/tokenize", json={"model": SERVED, "messages": ASK, "tools": [WEATHER]},
+                         timeout=600).json()
+    assert none.usage.prompt_tokens == counted["count"] > bare.usage.prompt_tokens
+    assert not none.choices[0].message.tool_calls

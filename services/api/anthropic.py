@@ -67,7 +67,8 @@ class MessagesRoutes:
         form = to_chat(body.as_messages(), count_only=True)
         try:
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "prompt", "messages")
-            prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)
+            prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs,
+                                  exclude_tools_when_none=handlers.state.config.exclude_tools_when_tool_choice_none)
         except InvalidRequestError as exc:
             raise rename_error(exc) from None
         try:

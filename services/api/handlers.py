@@ -375,7 +375,8 @@ class Handlers:
         Messages APIs once their bodies are turned into chat."""
         config = self.state.config
         self._check_request_template(body.chat_template)
-        message = chat_request(body, request_id, time.time(), config.max_logprobs, self.state.pool.sampling_defaults)
+        message = chat_request(body, request_id, time.time(), config.max_logprobs, self.state.pool.sampling_defaults,
+                               config.exclude_tools_when_tool_choice_none)
         check_thinking_budget(message.params, config.reasoning_parser)
         output = chat_output_spec(body, self._tool_parser(), config.reasoning_parser)
         message = msgspec.structs.replace(message, tool_parser=output.tool_parser)

@@ -165,7 +165,8 @@ class ResponsesRoutes:
             body, num_earlier = await self._continued(body, _tenant_name(request))
             form = to_chat(body)
             handlers._check_prompt_bytes(prompt_bytes(form.chat), "input", "input")
-            prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs)
+            prompt = chat_request(form.chat, request_id, time.time(), handlers.state.config.max_logprobs,
+                                  exclude_tools_when_none=handlers.state.config.exclude_tools_when_tool_choice_none)
             input_tokens = await handlers._count_prompt_tokens(prompt)
         except PagodaError as exc:
             raise rename_error(own_input_error(exc, num_earlier)) from None

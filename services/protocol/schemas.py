@@ -800,10 +800,13 @@ def chat_template_variables(body: ChatBody) -> dict[str, str | int | float | boo
 
 
 def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logprobs: int = MAX_TOP_LOGPROBS,
-                 defaults: dict[str, float | int] | None = None) -> GenerateRequest:
+                 defaults: dict[str, float | int] | None = None,
+                 exclude_tools_when_none: bool = False) -> GenerateRequest:
     """`defaults`: the model's generation-config sampling defaults. Its max_tokens, for an unset
     max_completion_tokens / max_tokens, is the tokenizer's to apply: capped by the context the prompt leaves
-    (generation_config.with_default_max_tokens); without one, up to the model's context."""
+    (generation_config.with_default_max_tokens); without one, up to the model's context. The tools stay in the
+    prompt under tool_choice "none" (vLLM's and OpenAI's), unless `exclude_tools_when_none`
+    (--exclude-tools-when-tool-choice-none)."""
     _chat_checks(body)
     defaults = defaults or {}
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -837,7 +840,7 @@ def chat_request(body: ChatBody, request_id: str, arrival_time: float, max_logpr
         continue_final_message=continue_final, chat_template_kwargs=chat_template_variables(body),
         # chat templates carry their own BOS; adding one more would double it (vLLM's default too)
         add_special_tokens=bool(body.add_special_tokens), priority=body.priority or 0,
-        arrival_time=arrival_time, tools=tools if mode != "none" else [],
+        arrival_time=arrival_time, tools=[] if mode == "none" and exclude_tools_when_none else tools,
         return_token_ids=bool(body.return_token_ids), cache_salt=check_cache_salt(body.cache_salt),
         prompt_cache_key=check_prompt_cache_key(body.prompt_cache_key), documents=body.documents,
         chat_template=body.chat_template or "")
