@@ -842,6 +842,7 @@ DISTRIBUTED_BACKENDS = ("mp", "uni")  # one process per rank on this host: what 
 UVICORN_LOG_LEVELS = {"critical": "critical", "error": "error", "warning": "warning", "info": "info",
                       "debug": "debug", "trace": "debug"}
 TOKENIZER_MODES = ("auto", "hf")  # transformers' fast tokenizer from the folder, the only kind pagoda loads
+RAW_LOGPROBS = "raw_logprobs"  # vLLM's --logprobs-mode default, the only one pagoda serves (worker/sampler.py)
 
 
 def _dest(flag: str) -> str:
@@ -873,6 +874,9 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
                        choices=sorted(UVICORN_LOG_LEVELS), help="sets --log-level (trace: debug)")
     group.add_argument("--tokenizer-mode", dest="vllm_tokenizer_mode", default=None,
                        help="auto or hf: the folder's fast tokenizer; slow, mistral and custom are refused")
+    group.add_argument("--logprobs-mode", dest="vllm_logprobs_mode", default=None,
+                       help="raw_logprobs only (vLLM's default): logprobs are the model's raw distribution's; "
+                            "raw_logits and the processed modes are refused")
 
 
 def apply_vllm_serve_args(args: argparse.Namespace) -> list[str]:
@@ -908,6 +912,14 @@ def apply_vllm_serve_args(args: argparse.Namespace) -> list[str]:
     if mode is not None and mode not in TOKENIZER_MODES:
         raise ConfigError(f"--tokenizer-mode {mode} is not supported: pagoda loads the folder's fast tokenizer "
                           "(auto, hf)", param="tokenizer_mode")
+    logprobs_mode = getattr(args, "vllm_logprobs_mode", None)
+    if logprobs_mode is not None and logprobs_mode != RAW_LOGPROBS:
+        raise ConfigError(f"--logprobs-mode {logprobs_mode} is not supported: pagoda returns the log-probabilities of "
+                          "the model's raw distribution, before logit_bias, penalties, bans and temperature "
+                          f"({RAW_LOGPROBS}, vLLM's default)", param="logprobs_mode")
+    if logprobs_mode is not None:
+        notes.append(f"--logprobs-mode {RAW_LOGPROBS} changes nothing here: pagoda's logprobs are always the model's "
+                     "raw distribution's")
     level = getattr(args, "vllm_uvicorn_log_level", None)
     if level is not None:
         args.log_level = UVICORN_LOG_LEVELS[level]

@@ -97,6 +97,7 @@ def test_token_counts_are_exact_and_refusals_name_their_flag(capsys: pytest.Capt
     (["--allowed-methods", "GET,POST"], "--allowed-methods"),
     (["--allowed-origins", "*", "--allow-credentials"], "--allow-credentials"),  # any page, the visitor's cookies
     (["--stream-interval", "0"], "--stream-interval"),
+    (["--logprobs-mode", "processed_logprobs"], "--logprobs-mode"),  # pagoda's logprobs are the raw ones only
 ])
 def test_a_flag_pagoda_cannot_honour_stops_it_with_one_line_naming_the_flag(
         argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,10 +120,10 @@ def test_flags_that_change_nothing_here_are_accepted_and_each_said_once() -> Non
     for flag, (num_values, _) in VLLM_NO_OP_FLAGS.items():
         argv += [flag, *(["1"] if num_values else [])]
     _, _, notes = configs(*argv, "--distributed-executor-backend", "mp", "--limit-mm-per-prompt", '{"image": 0}',
-                          "--seed", "7", "-pp", "1", "--tokenizer-mode", "auto")
+                          "--seed", "7", "-pp", "1", "--tokenizer-mode", "auto", "--logprobs-mode", "raw_logprobs")
     said = [note.split(" ")[0] for note in notes]
     assert sorted(said) == sorted([*VLLM_NO_OP_FLAGS, "--distributed-executor-backend", "--limit-mm-per-prompt",
-                                   "--seed"])
+                                   "--seed", "--logprobs-mode"])
     assert all("changes nothing here" in note or "changes no sampling" in note for note in notes)
     assert configs("--shape", "tiny", "--seed", "7")[2] == []  # the seed draws dummy weights: not a no-op
 
