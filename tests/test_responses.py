@@ -268,6 +268,9 @@ def test_tool_choice_auto_without_tools_is_the_default() -> None:
 def test_what_is_refused_names_the_responses_field(body: dict[str, Any], param: str, needle: str) -> None:
     error = refusal(body)
     assert error.param == param and needle in error.message, (error.param, error.message)
+    # chat's words for its own fields never leak into a Responses refusal (max_output_tokens 0 named prompt_logprobs
+    # and echo, which Responses does not have)
+    assert "prompt_logprobs" not in error.message and "echo" not in error.message, error.message
 
 
 def test_unknown_and_vllm_refused_fields_are_400s_naming_them() -> None:

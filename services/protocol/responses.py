@@ -159,6 +159,10 @@ class ChatForm:
 def to_chat(body: ResponsesBody) -> ChatForm:
     """The chat request a Responses body asks for; InvalidRequestError names the Responses field at fault."""
     _check_fields(body)
+    # here: chat's check allows max_tokens 0 for prompt scoring, and its message names prompt_logprobs and echo,
+    # which Responses does not have (the upper bound stays chat's, renamed)
+    _require(body.max_output_tokens is None or body.max_output_tokens >= 1, "max_output_tokens",
+             "max_output_tokens must be at least 1")
     want_logprobs = _include(body.include or [])
     _require(want_logprobs or not body.top_logprobs, "top_logprobs",
              f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
