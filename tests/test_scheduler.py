@@ -665,6 +665,25 @@ def test_no_hits_with_prefix_caching_disabled() -> None:
         assert new.num_computed_tokens == 0 and count == len(prompt)
         run_until_done(sched, worker)
     assert sched.stats.prefix_hit_tokens == 0 and sched.blocks.num_cached_blocks == 0
+    assert sched.stats.prefix_query_tokens == 0, "nothing was looked up"
+    assert sched.stats.prompt_tokens == 2 * len(prompt)
+    assert_all_free(sched)
+
+
+def test_only_prompts_looked_up_count_as_prefix_cache_queries() -> None:
+    """The query counter (vllm:prefix_cache_queries, the console's hit rate) counts the prompt tokens looked up in
+    the cache, as vLLM's: a prompt_logprobs request, which skips the cache for its prompt, is no query (it was one,
+    a miss of its whole prompt, under a hit rate that only fell however often its prompt was cached)."""
+    sched = make_scheduler(block_size=16)
+    worker = FakeWorker(16)
+    prompt = list(range(2, 70))
+    for name, params in (("plain", {}), ("scored", {"prompt_logprobs": 1}), ("again", {})):
+        request = make_request(name, prompt, max_tokens=2, **params)
+        sched.add_request(request)
+        run_until_done(sched, worker)
+    assert sched.stats.prefix_query_tokens == 2 * len(prompt)
+    assert sched.stats.prefix_hit_tokens == 64  # "again": four blocks; "scored" found none, as it looked for none
+    assert sched.stats.prompt_tokens == 3 * len(prompt)
     assert_all_free(sched)
 
 

@@ -734,7 +734,9 @@ class Scheduler:
             return self._admit_swapped(seq, budget)
         table = self.blocks
         hit_ids: list[int] = []
-        if seq.num_computed_tokens == 0 and not _needs_prompt_scores(seq):  # cached positions are never scored
+        # cached positions are never scored: prompt_logprobs computes its whole prompt
+        looked_up = table.enable_prefix_caching and seq.num_computed_tokens == 0 and not _needs_prompt_scores(seq)
+        if looked_up:
             max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # keep one token to compute
             hit_ids, hit_hashes = table.lookup_prefix(seq.token_ids, max_hit_blocks, seq.request.prefix_root)
         num_hit_tokens = len(hit_ids) * self.block_size
@@ -755,8 +757,9 @@ class Scheduler:
             seq.num_computed_tokens = num_hit_tokens
         if seq.num_preemptions == 0 and seq.index == 0:
             seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)  # not a forced start's hits
-            self.stats.prefix_query_tokens += seq.num_tokens
-            self.stats.prefix_hit_tokens += num_hit_tokens
+            if looked_up:  # as vLLM's: a prompt not looked up (prompt_logprobs, caching off) is no query
+                self.stats.prefix_query_tokens += seq.num_tokens
+                self.stats.prefix_hit_tokens += num_hit_tokens
             self.stats.prompt_tokens += len(seq.request.prompt_token_ids)
         table.grow(seq.table, start + count)
         return count
