@@ -215,16 +215,19 @@ def test_a_beam_search_is_charged_for_its_beams(qa_stack: tuple) -> None:
     assert line["completion_tokens"] == 4 and line["charged_tokens"] == 1 + 64 * 4
 
 
-def test_a_beam_search_cut_short_is_charged_its_budget(qa_stack: tuple) -> None:
+@pytest.mark.parametrize("beams", [{"best_of": 8, "n": 1}, {"n": 8}, {"best_of": 8, "n": 8}])
+def test_a_beam_search_cut_short_is_charged_its_budget(qa_stack: tuple, beams: dict[str, int]) -> None:
     """A beam search's hypotheses come back only when it ends: one cut by --request-timeout (or a client leaving
-    just before the end) was charged its prompt alone, however long its beams had run."""
+    just before the end) was charged its prompt alone, however long its beams had run. With n equal to the beam
+    width (vLLM's way: n beams, best_of unset) it still was: only best_of > n was charged for its beams."""
     stack, _, keys_path, usage_path = qa_stack
-    key = add_key(keys_path, "cut-beams", {"tokens_per_minute": 1_000_000})[1]
+    tenant = "cut-beams-" + "-".join(f"{name}{value}" for name, value in beams.items())
+    key = add_key(keys_path, tenant, {"tokens_per_minute": 1_000_000})[1]
     wait_until(lambda: _post(stack, key, "hi", max_tokens=1).status_code == 200, 10, "the new key to work")
-    cut = _post(stack, key, "slow story", max_tokens=400, use_beam_search=True, best_of=8, n=1)
+    cut = _post(stack, key, "slow story", max_tokens=400, use_beam_search=True, **beams)
     assert cut.status_code == 408, cut.text  # type: ignore[attr-defined]  # the stack's 3 s request timeout
     lines = [json.loads(line) for line in usage_path.read_text().splitlines()]
-    line = next(line for line in reversed(lines) if line["tenant"] == "cut-beams" and line["status"] == 408)
+    line = next(line for line in reversed(lines) if line["tenant"] == tenant and line["status"] == 408)
     assert line["prompt_tokens"] > 0 and line["charged_tokens"] == line["prompt_tokens"] + 8 * 400
 
 

@@ -517,7 +517,7 @@ class Handlers:
             # the engine refused it (overloaded, a check of the scheduler's) or failed before any output came back:
             # nothing to bill, and its prompt's charge, taken once the tokenizer accepted it, is given back
             charged_tokens = 0
-        elif gen is not None and beam_width > gen.n:
+        elif gen is not None and beam_width > 0:  # n == best_of too: its hypotheses come back only at the end
             stats = self.state.stats.latest
             charged_tokens = prompt_tokens + _beam_tokens(gen, beam_width, max_tokens,
                                                           stats.max_model_len if stats is not None else 0)
