@@ -258,6 +258,13 @@ def test_tool_choice_auto_without_tools_is_the_default() -> None:
     ({"input": [{"type": "function_call", "call_id": "c", "name": "", "arguments": "{}"}]}, "input[0].name",
      "non-empty"),
     ({"input": [{"role": "user", "content": "Hi", "name": "bob"}]}, "input[0].name", "Unrecognized"),
+    # OpenAI's "Duplicate item found with id": a stored conversation listed by input_items pages by item id (an
+    # `after` naming an id twice paged back to its first place: the SDK's auto-pagination looped forever)
+    ({"input": [{"role": "user", "content": "a", "id": "msg_1"}, {"role": "assistant", "content": "b", "id": "msg_1"}]},
+     "input[1].id", "Duplicate item found with id 'msg_1'"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "id": "fc_1"},
+                {"type": "function_call_output", "call_id": "c", "output": "r", "id": "fc_1"}]}, "input[1].id",
+     "Duplicate item"),
     ({"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be"),
     ({"input": "Hi", "temperature": -1}, "temperature", "temperature"),

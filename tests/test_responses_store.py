@@ -124,6 +124,21 @@ def test_a_refused_item_of_a_continuation_is_named_by_its_place_in_the_clients_i
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "input[1].call_id", refused.text
 
 
+def test_an_item_of_the_previous_response_sent_again_is_a_duplicate(stacks: tuple[Any, Any, dict]) -> None:
+    """previous_response_id with the previous output sent again in input (OpenAI's 400 "Duplicate item found"): the
+    conversation held that item twice, in the prompt and in input_items, whose `after` then paged back to the id's
+    first place (the openai SDK's auto-pagination looped forever)."""
+    first, _, keys = stacks
+    opening = _create(first, keys["one"], {"input": "hello"})
+    again = {"input": [{"role": "user", "content": "more"}, *opening["output"]],
+             "previous_response_id": opening["id"]}
+    for path in ("/v1/responses", "/v1/responses/input_tokens"):
+        refused = first.post(path, again, headers=_auth(keys["one"]))
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "input[1].id" and "Duplicate item" in error["message"], error
+
+
 def test_unstored_deleted_and_unknown_responses_cannot_be_continued(stacks: tuple[Any, Any, dict]) -> None:
     first, second, keys = stacks
     one, two = keys["one"], keys["two"]

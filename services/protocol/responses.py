@@ -265,9 +265,11 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     answered: set[str] = set()
     joinable = False  # the last message is an assistant turn a function call joins
     reasoning_only = False  # the last message is an assistant turn of a reasoning item alone, which its text joins
+    item_ids: set[str] = set()
     for i, item in enumerate(body.input):
         param = f"input[{i}]"
         _require(isinstance(item, dict), param, "an input item is an object")
+        _unique_id(item, param, item_ids)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             message = _message(item, param)
@@ -314,6 +316,19 @@ def input_messages(body: ResponsesBody) -> list[MessageBody]:
     _require(missing is None, "input", f"No tool output found for function call {missing!r}: send a "
                                        "function_call_output item for it")
     return messages
+
+
+def _unique_id(item: dict[str, Any], param: str, seen: set[str]) -> None:
+    """An item's id (its type checked with the item's fields) names one item of the conversation, as OpenAI's: an
+    item twice (the previous response's output sent again beside previous_response_id) would be read twice, and
+    input_items, which pages by id, could not tell the two apart."""
+    item_id = item.get("id")
+    if not isinstance(item_id, str):
+        return
+    _require(item_id not in seen, f"{param}.id",
+             f"Duplicate item found with id {item_id!r}: an input item's id names one item (with "
+             "previous_response_id, the previous response's items are there already: send only what follows them)")
+    seen.add(item_id)
 
 
 def stored_input_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
