@@ -148,7 +148,10 @@ def test_unstored_deleted_and_unknown_responses_cannot_be_continued(stacks: tupl
     for key, previous in ((one, unstored["id"]), (two, kept["id"]), (one, "resp_x")):
         refused = second.post("/v1/responses", {"input": "more", "previous_response_id": previous},
                               headers=_auth(key))
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "previous_response_id"
+        # OpenAI's code, which clients match to send the whole conversation instead (it was null)
+        assert error["code"] == "previous_response_not_found", error
     assert HTTP.delete(second.url + f"/v1/responses/{kept['id']}", headers=_auth(two), timeout=10).status_code == 404
     deleted = HTTP.delete(second.url + f"/v1/responses/{kept['id']}", headers=_auth(one), timeout=10)
     assert deleted.status_code == 200 and deleted.json() == {"id": kept["id"], "object": "response", "deleted": True}

@@ -139,10 +139,10 @@ class ResponsesRoutes:
         previous = await self.store.get(previous_id, tenant)
         if previous is not None and self.background is not None:
             previous = await self.background.settle(previous)
-        _require(previous is not None, "previous_response_id",
-                 f"Previous response with id {previous_id!r} not found (never stored, store: false, deleted, or "
-                 f"dropped past the --responses-store count)")
-        assert previous is not None
+        if previous is None:  # OpenAI's code: clients match it to send the whole conversation instead
+            raise InvalidRequestError(f"Previous response with id {previous_id!r} not found (never stored, store: "
+                                      "false, deleted, or dropped past the --responses-store count)",
+                                      param="previous_response_id", code="previous_response_not_found")
         _require(previous.response.get("status") not in RUNNING, "previous_response_id",
                  f"Previous response with id {previous_id!r} has not finished (a background response): wait until "
                  f"it ends")
