@@ -442,8 +442,10 @@ def test_the_store_reads_only_its_own_ids_keeps_tenants_apart_and_holds_its_coun
 
 
 def test_a_running_background_response_is_not_dropped_past_the_count(tmp_path: Path) -> None:
-    """The oldest files go past the count, but not one still running: it read "not found" (no cancel could reach
-    it) while its run went on, and its end wrote it back."""
+    """The oldest finished responses go past the count, but not one still running: it read "not found" (no cancel
+    could reach it) while its run went on, and its end wrote it back. Nor does a running one count: the store keeps
+    the last N finished responses (with N runs going, every response made meanwhile was dropped at once, its
+    previous_response_id not found)."""
     import asyncio
 
     from pagoda.services.api.response_store import ResponseStore, StoredResponse
@@ -455,11 +457,26 @@ def test_a_running_background_response_is_not_dropped_past_the_count(tmp_path: P
         store.put_now(response_id, StoredResponse("one", {"id": response_id, "status": "completed"}, []))
     kept = asyncio.run(store.get(running, "one"))
     assert kept is not None and kept.response["status"] == "in_progress"
-    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"{running}.json", f"{done[-1]}.json"]
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == sorted(
+        f"{rid}.json" for rid in (running, *done[-2:]))
     assert store.end_now(running, StoredResponse("one", {"id": running, "status": "completed"}, [])) is None
     store.put_now(done[0], StoredResponse("one", {"id": done[0], "status": "completed"}, []))
     assert sorted(p.name for p in (tmp_path / "kept").iterdir() if p.suffix == ".json") == sorted(
         f"{rid}.json" for rid in (running, done[0]))  # ended, it is the newest but one
+
+
+def test_a_running_record_of_the_layout_with_its_owner_last_is_not_dropped(tmp_path: Path) -> None:
+    """Records written before the owner came first (a store folder kept across an upgrade) are still told running."""
+    from pagoda.services.api.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(tmp_path / "kept", capacity=1)
+    running = f"resp_{7:032x}"
+    (tmp_path / "kept" / f"{running}.json").write_text(json.dumps(
+        {"tenant": "one", "response": {"id": running, "status": "in_progress"}, "input_items": [], "owner": "h 1 1"}))
+    done = [f"resp_{i:032x}" for i in range(2)]
+    for response_id in done:
+        store.put_now(response_id, StoredResponse("one", {"id": response_id, "status": "completed"}, []))
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == sorted(f"{rid}.json" for rid in (running, done[1]))
 
 
 def test_a_deleted_background_response_is_not_written_back(tmp_path: Path) -> None:

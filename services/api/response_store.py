@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")  # the ids this server makes (and so the only file names read)
+_OWNER, _NO_OWNER = b'{"owner":', b'{"owner":""'  # how a record starts (_temporary), and a finished one
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,8 +152,9 @@ class ResponseStore:
     def _temporary(self, path: Path, record: StoredResponse) -> Path:
         """The record written whole beside `path`, stamped now, to be renamed or linked into place."""
         temporary = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        temporary.write_bytes(msgspec.json.encode({"tenant": record.tenant, "response": record.response,
-                                                   "input_items": record.input_items, "owner": record.owner}))
+        # the owner first: eviction tells a running record from its first bytes (_running)
+        temporary.write_bytes(msgspec.json.encode({"owner": record.owner, "tenant": record.tenant,
+                                                   "response": record.response, "input_items": record.input_items}))
         written = time.time_ns()  # set exactly: the file system's own stamps are as coarse as the kernel's tick
         os.utime(temporary, ns=(written, written))
         return temporary
@@ -177,6 +179,20 @@ class ResponseStore:
         return found if found is not None and found.tenant == tenant else None
 
     @staticmethod
+    def _running(path: str) -> bool:
+        """Whether the record is a background response's still running (only such a record names its owner), read
+        from its first bytes where _temporary writes the owner (a whole record of the layout before that)."""
+        try:
+            with open(path, "rb") as file:
+                head = file.read(len(_NO_OWNER))
+        except FileNotFoundError:
+            return False
+        if head.startswith(_OWNER):
+            return head != _NO_OWNER
+        found = ResponseStore._read(Path(path))
+        return found is not None and bool(found.owner)
+
+    @staticmethod
     def _read(path: Path) -> StoredResponse | None:
         try:
             data = msgspec.json.decode(path.read_bytes())
@@ -197,11 +213,12 @@ class ResponseStore:
         return True
 
     def _evict(self) -> None:
-        """Past `capacity` files, remove the oldest (by modification time, which put_now sets to its clock's ns;
-        several processes may race to remove the same one), but not a background response still running: it would
-        read "not found" and could not be cancelled while its run went on (and its end would write it back). So the
-        store holds its count of finished responses and those running; one whose process was killed stays running
-        until a read finds it so (BackgroundRuns.settle publishes it failed)."""
+        """Past `capacity` finished responses, remove the oldest (by modification time, which put_now sets to its
+        clock's ns; several processes may race to remove the same one). A background response still running is
+        neither removed (it would read "not found" and could not be cancelled while its run went on, and its end
+        would write it back) nor counted: so the store holds its count of finished responses and those running
+        (counted, N runs going dropped every response made meanwhile at once); one whose process was killed stays
+        running until a read finds it so (BackgroundRuns.settle publishes it failed)."""
         try:
             self._drop_oldest()
         finally:
@@ -218,15 +235,8 @@ class ResponseStore:
                         pass  # removed since the listing
         if len(files) <= self.capacity:
             return
-        files.sort()
-        num_excess = len(files) - self.capacity
-        for _, path in files:
-            if num_excess == 0:
-                break
-            found = self._read(Path(path))
-            if found is not None and found.owner:  # running (only a running record names its owner)
-                continue
-            num_excess -= 1
+        finished = sorted(file for file in files if not self._running(file[1]))
+        for _, path in finished[:max(len(finished) - self.capacity, 0)]:
             stem = path.removesuffix(".json")
             for name in (path, stem + ".end", stem + ".events"):  # a background response's end and events with it
                 try:
