@@ -132,3 +132,35 @@ def test_a_grammar_that_builds_in_error_fails_the_row(ll: llguidance.LLTokenizer
     assert rows.bitmask([1]) is None
     [(seq_id, why)] = rows.take_failures()
     assert seq_id == 1 and why.startswith(MATCHER_LOST) and "did not build" in why
+
+
+# A regex whose lexer runs out of room mid-answer: llguidance then errors while it computes the mask ("lexer error:
+# too many expressions constructed"), and the mask it leaves allows only EOS. Its lexer is shared by every copy of
+# the pristine matcher, so a later row of the same constraint errors at its first mask.
+LEXER_HUNGRY = StructuredOutputs(regex="(a|b|c|[a-z]{3,9}|[0-9]+x){1,200}")
+
+
+def test_a_mask_the_grammar_engine_fails_to_compute_fails_the_row(ll: llguidance.LLTokenizer,
+                                                                  tokenizer: Tokenizer) -> None:
+    """A matcher that errors while computing its mask allows only EOS: sampled, the answer stopped there, ''
+    or a word short of what the regex needs, with finish_reason stop. The row fails instead, and a later request
+    of the same constraint gets a matcher of its own rather than the exhausted one."""
+    words = tokenizer.encode("abcdefghijklmnopqrstuvwxyz" * 4, add_special_tokens=False)
+    rows = GrammarRows(lambda: ll, tokenizer.vocab_size)
+    params = SamplingParams(structured_outputs=LEXER_HUNGRY)
+    rows.apply(StepPlan(0, [], [], new_requests=[NewRequest(1, PROMPT, len(PROMPT), [0], 0, params, 0)]))
+    failures: list[tuple[int, str]] = []
+    for token_id in words:
+        assert rows.bitmask([1]) is not None
+        failures = rows.take_failures()
+        if failures:
+            break
+        rows.accept([1], [token_id])
+    [(seq_id, why)] = failures
+    assert seq_id == 1 and why.startswith(MATCHER_LOST) and "too many expressions" in why
+    rows.apply(StepPlan(1, [], [], finished_seq_ids=[1],
+                        new_requests=[NewRequest(2, PROMPT, len(PROMPT), [0], 0, params, 0)]))
+    masks = masked(rows.bitmask([2]))
+    assert not rows.take_failures()
+    eos = tokenizer.eos_token_id
+    assert not masks[0][eos // 32] >> (eos % 32) & 1  # a fresh matcher: a letter first, not EOS

@@ -325,8 +325,8 @@ class GrammarRows:
         if not self._seqs and not self._allowed and not self._budgets:
             return None
         rows = [(i, seq) for i, seq_id in enumerate(seq_ids) if (seq := self._seqs.get(seq_id)) is not None]
-        picked = [(seq.matcher, i) for i, seq in rows
-                  if self._ready(seq_ids[i], seq) and seq.matcher is not None and not seq.failed]
+        ready = [(seq, i) for i, seq in rows if self._ready(seq_ids[i], seq) and seq.matcher is not None]
+        picked = [(seq.matcher, i) for seq, i in ready]
         fixed = [(allowed, i) for i, seq_id in enumerate(seq_ids)
                  if (allowed := self._allowed.get(seq_id)) is not None] if self._allowed else []
         forced = self._forced(seq_ids)
@@ -341,6 +341,7 @@ class GrammarRows:
         else:
             for matcher, k in compact:
                 fill_mask(matcher, mask, k)
+        self._check_masks(ready, seq_ids)
         filled = {i for _, i in picked}
         for allowed, i in fixed:  # allowed_token_ids: alone, or narrowing the grammar's mask
             if i in filled:
@@ -359,6 +360,21 @@ class GrammarRows:
         flags = np.zeros(len(seq_ids), dtype=bool)  # [B]
         flags[rows_index] = True
         return flags, mask, rows_index
+
+    def _check_masks(self, ready: list[tuple[SeqGrammar, int]], seq_ids: list[int]) -> None:
+        """A matcher that failed while computing its mask (a lexer past llguidance's limit: "too many expressions
+        constructed") left a mask of EOS alone: sampled, the answer would stop short of its grammar. The row fails
+        instead (take_failures), and the constraint's pristine matcher, whose lexer every copy shares, is dropped
+        from the cache so that the next row of it builds its own."""
+        for seq, i in ready:
+            assert seq.matcher is not None
+            if not seq.matcher.is_error():
+                continue
+            why = ((seq.matcher.get_error() or "").splitlines() or [""])[0][:500]
+            log.error("sequence %d: its grammar failed to compute a mask: %s", seq_ids[i], why)
+            self._lose(seq_ids[i], seq, f"its grammar failed to compute a mask: {why}")
+            with self._pristine_lock:
+                self._pristine.discard(cache_key(seq.constraint))
 
     def _forced(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """(the id it must write, batch row) of each row whose thinking budget is spent; a row whose bad_words ban
