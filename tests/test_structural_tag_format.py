@@ -143,6 +143,8 @@ CASES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
                             ['{"city":"Oslo"}'], ['{"city": "Oslo"}']),
     "json_schema true": ({"type": "json_schema", "json_schema": True}, ["[1, 2]", '"x"'], ["[1,"]),
     "grammar gbnf": ({"type": "grammar", "grammar": 'root ::= ("yes" | "no") "!"'}, ["yes!", "no!"], ["maybe!"]),
+    "grammar gbnf unicode escapes": ({"type": "grammar", "grammar": r'root ::= [\u0041-\u0043]+ "\u00e9"'},
+                                     ["AB\u00e9"], ["AD\u00e9", "AB"]),
     "grammar lark": ({"type": "sequence", "elements": [{"type": "grammar", "grammar": 'start: "a"+'},
                                                       {"type": "const_string", "value": "."}]}, ["aaa."], ["ab."]),
     "regex": ({"type": "regex", "pattern": r"[A-Z]{3}-\d{2}"}, ["ABC-12"], ["AB-12", "ABC-1x"]),

@@ -291,7 +291,11 @@ GRAMMARS = [('start: "x ::= y"', "x ::= y"),
             ('// not a rule ::= here\nstart: "ok" | "no"', "ok|no"),
             ('start: item+\nitem: /[0-9]/ | "-"', "[0-9-]+"),
             ('root ::= color ("," color)*\ncolor ::= "red" | "blue"', "(red|blue)(,(red|blue))*"),
-            ('# a comment\nroot ::= [a-c]+ "::="', "[a-c]+::=")]
+            ('# a comment\nroot ::= [a-c]+ "::="', "[a-c]+::="),
+            # llama.cpp's \u and \U escapes (gbnf_to_lark wrote \u41 and \U1F600, which llguidance refuses)
+            (r'root ::= [\u0041-\u0043]{1,3} "\u00e9" "\u0022"', '[A-C]{1,3}\u00e9"'),
+            (r'root ::= "x" [\U0001F600-\U0001F64F]? [\u0000-\u0020]', "x[\U0001F600-\U0001F64F]?[\x00-\x20]"),
+            (r'root ::= "\\u0041" [\u005D]', r"\\u0041\]")]
 
 
 @pytest.mark.parametrize(("grammar", "oracle"), GRAMMARS)

@@ -86,6 +86,34 @@ def ascii_shorthands(regex: str) -> str:
 _GBNF_RULE = re.compile(r"[\w-]+\s*::=")  # GBNF's `name ::= ...` (Lark's is `name: ...`)
 
 
+def as_lark(grammar: str) -> str:
+    """A grammar constraint's text as Lark: GBNF (llama.cpp's, as vLLM's xgrammar backend takes it) converted, Lark
+    as it is."""
+    return gbnf_to_lark(gbnf_unicode_escapes(grammar)) if is_gbnf(grammar) else grammar
+
+
+_GBNF_ESCAPE = re.compile(r"\\(?:u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|.)", re.DOTALL)
+
+
+def gbnf_unicode_escapes(grammar: str) -> str:
+    """A GBNF grammar with llama.cpp's \\uXXXX and \\UXXXXXXXX escapes written as llguidance's converter reads
+    them: a code point up to 0xFF as \\xHH, any other as the character itself (never one GBNF gives a meaning). The
+    converter turned them into \\u41 and \\U1F600, which its regexes and literals refuse ("invalid hexadecimal
+    digit"), so a grammar with [\\u0041-\\u005A] was a 400. Other escapes, an escaped backslash among them, stay.
+    ValueError for a code point that is not a Unicode scalar value (a surrogate, or past 0x10FFFF)."""
+
+    def rewrite(match: re.Match[str]) -> str:
+        digits = match.group(1) or match.group(2)
+        if digits is None:
+            return match.group(0)
+        code = int(digits, 16)
+        if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+            raise ValueError(f"{match.group(0)} is not a Unicode character")
+        return f"\\x{code:02X}" if code <= 0xFF else chr(code)
+
+    return _GBNF_ESCAPE.sub(rewrite, grammar)
+
+
 def is_gbnf(grammar: str) -> bool:
     """Whether a grammar is GBNF rather than Lark: its first rule, past blank and comment lines, is `name ::=`.
     A "::=" elsewhere decides nothing: a Lark grammar may hold one in a literal, a regex or a comment (looking for
@@ -204,9 +232,7 @@ def grammar_text(constraint: StructuredOutputs, tokenizer: llguidance.LLTokenize
             _check_lark(text)
             return matcher.grammar_from_lark(text)
         if constraint.grammar is not None:
-            text = constraint.grammar
-            if is_gbnf(text):  # llama.cpp's, as vLLM's xgrammar backend takes it
-                text = gbnf_to_lark(text)
+            text = as_lark(constraint.grammar)
             _check_lark(text)
             return matcher.grammar_from_lark(text)
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -398,7 +424,7 @@ def _grammar_expr(g: _FormatGrammar, node: dict[str, Any], at: str, follow: Foll
     """A grammar as the `grammar` constraint takes it: Lark, or GBNF (xgrammar's EBNF, `root ::= ...`)."""
     text = node["grammar"]
     try:
-        text = gbnf_to_lark(text) if is_gbnf(text) else text
+        text = as_lark(text)
     except Exception as exc:
         raise _refuse(f"{at}.grammar", f"invalid GBNF: {exc}") from exc
     _check_lark(text)
