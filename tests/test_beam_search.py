@@ -234,6 +234,23 @@ def test_beam_search_parameters_are_checked() -> None:
     assert error.value.param == "best_of"
 
 
+@pytest.mark.parametrize("best_of", [None, 9])
+def test_a_width_the_server_cannot_run_names_the_field_that_set_it(best_of: int | None) -> None:
+    """The width is best_of, else n (vLLM's clients send n alone): a search too wide for a step or for the KV cache
+    named best_of to a client that had not sent it."""
+    named = "best_of" if best_of is not None else "n"
+    scheduler = make_scheduler(num_blocks=8)  # max_num_seqs 8
+    too_wide = SamplingParams(use_beam_search=True, best_of=best_of, n=9, max_tokens=2, temperature=0.0).validate()
+    with pytest.raises(InvalidRequestError) as error:
+        scheduler.add_request(Request(request_id="wide", prompt_token_ids=[1, 2], sampling=too_wide))
+    assert error.value.param == named and "width 9" in error.value.message
+    too_long = SamplingParams(use_beam_search=True, best_of=best_of and 4, n=4, max_tokens=6,
+                              temperature=0.0).validate()  # 4 beams of up to 17 tokens: 20 blocks of 4, not 8
+    with pytest.raises(InvalidRequestError) as error:
+        scheduler.add_request(Request(request_id="long", prompt_token_ids=[1] * 11, sampling=too_long))
+    assert error.value.param == named and "KV blocks" in error.value.message
+
+
 # ---------------------------------------------------------------------------------------------
 # the engine against transformers
 

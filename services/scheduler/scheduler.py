@@ -300,10 +300,11 @@ class Scheduler:
         width = request.sampling.beam_width
         if width <= 1:
             return
+        field = "best_of" if request.sampling.best_of is not None else "n"  # the field that set the width
         if width > min(self.max_num_seqs, self.max_num_batched_tokens):
             raise InvalidRequestError(f"a beam search of width {width} needs that many sequences in one step; this "
                                       f"server runs at most {min(self.max_num_seqs, self.max_num_batched_tokens)}",
-                                      param="best_of")
+                                      param=field)
         max_tokens = request.sampling.max_tokens
         prompt_len = len(request.prompt_token_ids)
         # as add_request bounds a sequence: by max_tokens, the context, and the cache (what one sequence can hold)
@@ -314,7 +315,7 @@ class Scheduler:
             raise ContextLengthError(
                 f"a beam search of width {width} over {longest} tokens needs up to "
                 f"{width * self.blocks.num_blocks_for(longest)} KV blocks; the cache has {self.blocks.num_blocks}",
-                param="best_of")
+                param=field)
 
     def add_request(self, request: Request) -> None:
         """Queue a request that `validate` (or the api and tokenizer) already checked: only O(1) invariants
