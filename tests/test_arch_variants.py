@@ -101,6 +101,10 @@ PARITY_CASES: dict[str, tuple[str, dict[str, Any], Edit | None]] = {
     # Llama-2 long-context fine-tunes: linear and dynamic-NTK scaling, old spelling {"type": ...}
     "llama-linear-rope-old-keys": ("Llama", DENSE, _old_rope(10000.0, type="linear", factor=2.0)),
     "llama-dynamic-rope-old-keys": ("Llama", DENSE, _old_rope(10000.0, type="dynamic", factor=2.0)),
+    # an original_max_position_embeddings beside dynamic NTK: transformers (and vLLM) grow the base past
+    # max_position_embeddings only, whatever that key says
+    "llama-dynamic-rope-original-key": ("Llama", DENSE, _old_rope(10000.0, type="dynamic", factor=2.0,
+                                                                  original_max_position_embeddings=WINDOW)),
     "llama3.1-rope-old-keys": ("Llama", DENSE, _old_rope(500000.0, **LLAMA3)),
     # Mistral-Nemo: head_dim 128 with hidden 5120 / 32 heads, no window
     "mistral-nemo-head-dim": ("Mistral", dict(DENSE, head_dim=32, sliding_window=None), None),

@@ -109,9 +109,11 @@ def _dynamic_angles(spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
     """Dynamic NTK: the base grows with the context once it passes the original length. A token at position p
     is rotated with the base for a context of p + 1 tokens, as Hugging Face's decoding computes it token by
     token (a prompt longer than the original context is rotated there with its whole length's base, which a
-    position-indexed table cannot express; vLLM fixes one base for the maximum length instead)."""
+    position-indexed table cannot express; vLLM fixes one base for the maximum length instead). The original
+    context is max_position_embeddings, as transformers and vLLM take it: an original_max_position_embeddings key
+    beside a dynamic rope is not read."""
     dim, factor = spec.dim, float(spec.scaling["factor"])
-    original = float(spec.scaling.get("original_max_position_embeddings") or spec.max_position_embeddings)
+    original = float(spec.max_position_embeddings)
     length = torch.clamp(positions.double() + 1, min=original)  # [P]
     base = spec.theta * ((factor * length / original) - (factor - 1)) ** (dim / (dim - 2))  # [P]
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim / 2]
