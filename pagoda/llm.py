@@ -12,7 +12,7 @@ from pagoda.outputs import CompletionOutput, Logprob, Metric, RequestOutput, Str
 from pagoda.services.tokenizer.generation_config import sampling_defaults
 from pagoda.shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.shared.errors import InvalidRequestError
-from pagoda.shared.messages import SamplingParams
+from pagoda.shared.messages import MAX_N, SamplingParams
 from pagoda.shared.shapes import SHAPES
 
 Prompt = str | list[int]
@@ -184,9 +184,16 @@ class LLM:
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise InvalidRequestError("concurrency_limit must be a positive integer or None",
                                       param="concurrency_limit")
+        _check_beam_width(params.beam_width)
         chunk_len = concurrency_limit or len(prompt_list)
-        outputs = [output for start in range(0, len(prompt_list), chunk_len)
-                   for output in self._generate(prompt_list[start:start + chunk_len], params.sampling_params(), None)]
+        try:
+            outputs = [output for start in range(0, len(prompt_list), chunk_len)
+                       for output in self._generate(prompt_list[start:start + chunk_len], params.sampling_params(),
+                                                    None)]
+        except InvalidRequestError as exc:
+            if exc.param in ("n", "best_of"):  # SamplingParams' two names for the width: the caller set beam_width
+                exc.param = "beam_width"
+            raise
         # vLLM's text: tokenizer.decode(tokens), the prompt's and the generated tokens', special tokens kept
         hf = self.engine.tokenizer.hf if self.engine.tokenizer is not None else None
         return [BeamSearchOutput([BeamSearchSequence(tokens, hf.decode(tokens) if hf is not None else c.text,
@@ -254,6 +261,12 @@ class LLM:
                 self.engine.pop_output(request_id)
             raise
         return request_ids
+
+
+def _check_beam_width(width: object) -> None:
+    """BeamSearchParams.beam_width, which beam_search passes as both n and best_of, checked under its own name."""
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_N:
+        raise InvalidRequestError(f"beam_width must be an integer in [1, {MAX_N}], got {width!r}", param="beam_width")
 
 
 def _beam_tokens(completion: CompletionOutput, params: BeamSearchParams) -> list[int]:

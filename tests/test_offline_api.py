@@ -516,6 +516,21 @@ def test_vllms_keywords_at_their_off_value_pass_and_others_are_refused(llm: LLM)
     assert [[s.tokens for s in o.sequences] for o in by_one] == [[s.tokens for s in o.sequences] for o in together]
 
 
+def test_a_beam_width_that_cannot_run_names_beam_width(llm: LLM) -> None:
+    """BeamSearchParams has one width, beam_width, which beam_search passes as both n and best_of: a width out of
+    range was refused as "n must be an integer in [1, 128]" and one too wide for the KV cache named best_of, fields
+    the caller never set."""
+    from pagoda import BeamSearchParams
+
+    for width in (0, -2, 129, 2.0, True):
+        with pytest.raises(InvalidRequestError) as caught:
+            llm.beam_search(["Hi"], BeamSearchParams(beam_width=width, max_tokens=2))  # type: ignore[arg-type]
+        assert caught.value.param == "beam_width" and "beam_width" in caught.value.message, caught.value
+    with pytest.raises(InvalidRequestError) as caught:  # 128 beams of up to 511 tokens: more than the cache holds
+        llm.beam_search(["Hi"], BeamSearchParams(beam_width=128, max_tokens=510))
+    assert caught.value.param == "beam_width" and "KV blocks" in caught.value.message, caught.value
+
+
 def test_chat_renders_with_the_chat_template_it_is_given(llm: LLM) -> None:
     """vLLM's LLM.chat(chat_template=...): that template renders the conversation (output.prompt is its text, the
     prompt ids its encoding) in place of the model's own; one that does not compile names the keyword."""
