@@ -151,6 +151,10 @@ PARITY_CASES: dict[str, tuple[str, dict[str, Any], Edit | None]] = {
                                               _old_rope(10000.0, type="yarn", factor=4.0, beta_fast=32, beta_slow=1,
                                                         original_max_position_embeddings=WINDOW, mscale=1.0,
                                                         mscale_all_dim=0.8)),
+    # an rms_norm_eps other than 1e-6 (Moonlight's 1e-5; larger here so that it shows): the layer and final norms
+    # read it, MLA's q_a / kv_a latent norms keep 1e-6 in transformers and DeepSeek's own code
+    "deepseek-v3-rms-norm-eps": ("DeepseekV3", dict(DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2,
+                                                    first_k_dense_replace=1, rms_norm_eps=0.05), None),
 }
 
 

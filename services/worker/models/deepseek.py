@@ -64,6 +64,11 @@ from pagoda.services.worker.models.rope import RopeSpec, yarn_factor, yarn_mscal
 from pagoda.shared.shapes import MlaArch, ModelArch, MoeArch
 
 
+# MLA's q_a_layernorm and kv_a_layernorm (the latent norms) take RMSNorm's default eps in transformers and in
+# DeepSeek's own modeling code, whatever rms_norm_eps says (that one is the layer and final norms')
+LATENT_NORM_EPS = 1e-6
+
+
 def softmax_scale(arch: ModelArch) -> float:
     """1 / sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under a scaled rope that sets mscale_all_dim
     (YaRN in DeepSeek's configs), as DeepSeek and transformers compute it."""
@@ -161,7 +166,7 @@ class MlaAttention(nn.Module):
             return aq[:, entry:].view(-1, self.num_heads, self.mla.qk_head_dim), aq[:, :entry]
         a = _linear(h, self.a_weight, self.a_weight_scale, self.fp8, ops)  # [T, q_lora + R + P]
         if self.q_a_norm is not None:
-            q_low = ops.rms_norm(a[:, :self.q_lora], self.q_a_norm, self.arch.rms_norm_eps)  # [T, q_lora]
+            q_low = ops.rms_norm(a[:, :self.q_lora], self.q_a_norm, LATENT_NORM_EPS)  # [T, q_lora]
             q = _linear(q_low, self.q_weight, self.q_weight_scale, self.fp8, ops)
         else:
             q = _linear(h, self.q_weight, self.q_weight_scale, self.fp8, ops)  # [T, heads * (Dn + P)]
@@ -171,7 +176,7 @@ class MlaAttention(nn.Module):
                    kv_scale: torch.Tensor) -> None:
         """An fp8 cache's scale from this step's entries (2 x amax / 448 of [normed c_kv ‖ rotated k_pe])."""
         lat = self.mla.kv_lora_rank
-        kv_c = ref.rms_norm(kv_a[:, :lat], self.kv_a_norm, self.arch.rms_norm_eps)  # [T, R]
+        kv_c = ref.rms_norm(kv_a[:, :lat], self.kv_a_norm, LATENT_NORM_EPS)  # [T, R]
         cos, sin = rope_cache[0][positions], rope_cache[1][positions]  # [T, P]
         rotate = ref.apply_rope_interleaved if self.mla.rope_interleave else ref.apply_rope
         k_pe = rotate(kv_a[:, None, lat:], cos, sin)  # [T, 1, P]
@@ -187,7 +192,7 @@ class MlaAttention(nn.Module):
         q, kv_a = self._project(h, ops)  # [T, heads, Dn + P], [T, R + P]
         if calibrate and kv_scale is not None:
             self._calibrate(kv_a, rope_cache, positions, kv_scale)
-        ops.mla_prepare(q, kv_a, self.kv_a_norm, self.arch.rms_norm_eps, rope_cache[0], rope_cache[1], positions,
+        ops.mla_prepare(q, kv_a, self.kv_a_norm, LATENT_NORM_EPS, rope_cache[0], rope_cache[1], positions,
                         cache, meta.slot_mapping, kv_scale, mla.rope_interleave)  # q_pe rotated; entries cached
         expanded: list[int] = []
         if meta.max_query_len >= self.expand.min_query_len:  # never in decode steps (no host lists read there)
