@@ -547,6 +547,9 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         mla, moe = None, _glm4_moe_from_hf(config, num_layers)
     else:
         mla, moe = None, _moe_from_hf(config, model_type, num_layers)
+    if moe is not None and moe.top_k > moe.num_experts:  # torch.topk's 'selected index k out of range' every step
+        raise ConfigError(f"config.json num_experts_per_tok {moe.top_k} exceeds the {moe.num_experts} experts of a "
+                          "layer", param="model")
     head_dim = _count(config, "head_dim", hidden_size // num_heads)
     qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(config.get("use_qk_norm")))
     return ModelArch(

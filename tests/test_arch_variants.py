@@ -318,6 +318,28 @@ def test_config_fields_of_no_usable_value_are_refused_by_name(edit: dict[str, An
         arch_from_hf_config(config)
 
 
+def _family_fields(model_type: str) -> dict[str, Any]:
+    return {"mixtral": dict(DENSE, num_local_experts=8, num_experts_per_tok=2), "deepseek_v2": DEEPSEEK,
+            "deepseek_v3": DEEPSEEK, "glm4_moe": dict(MOE, n_routed_experts=8)}.get(
+        model_type, MOE if "moe" in model_type else DENSE)
+
+
+@pytest.mark.parametrize(("model_type", "fields", "field"), [
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("qwen2_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("mixtral", {"num_local_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok"),
+    ("deepseek_v2", {"topk_method": "greedy", "num_experts_per_tok": 9}, "num_experts_per_tok"),
+])
+def test_more_experts_a_token_than_the_layer_has_are_refused(model_type: str, fields: dict[str, Any],
+                                                              field: str) -> None:
+    """num_experts_per_tok past the experts (transformers' topk fails on it too): the model loaded and every step
+    failed with torch's 'selected index k out of range'."""
+    base = dict(_family_fields(model_type), model_type=model_type)
+    arch_from_hf_config(base)
+    with pytest.raises(ConfigError, match=field):
+        arch_from_hf_config({**base, **fields})
+
+
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
 @pytest.mark.parametrize("text", ["{\"vocab_size\": 256,}", "[1, 2]"])
 def test_unreadable_config_files_are_refused_naming_the_file(tmp_path: Path, name: str, text: str) -> None:
