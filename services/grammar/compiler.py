@@ -619,6 +619,42 @@ def _built_ll_tokenizer(folder: str, stamp: tuple[tuple[str, int, int], ...], vo
 REASONING_END = "</think>"
 
 
+# llguidance builds a grammar by recursion over its rules and schema nodes, 3-8 KB of native stack a level: a JSON
+# schema of $refs that each reach the next needs ~8 KB a level (up to llguidance's node limit, ~15,000), a Lark chain of
+# rules that each name the next up to ~500 bytes of stack per byte of grammar text (MAX_GRAMMAR_CHARS of it: ~500 MB).
+# On a thread's usual 8 MB a chain of ~1,000 $refs (60 KB of request) overflowed it: SIGSEGV in the process that
+# compiled it (the tokenizer's stopped the server). Only the part of the stack a compile uses is committed.
+COMPILE_STACK_BYTES = 1 << 30
+INLINE_COMPILE_MAX_CHARS = 2048  # a grammar this short needs at most ~1 MB of stack: built on the caller's thread
+_STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is the process's: set, start the thread, set back
+
+
+def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """llguidance.LLMatcher for a grammar (quiet_limits); one longer than INLINE_COMPILE_MAX_CHARS is built on a thread
+    of its own with COMPILE_STACK_BYTES of stack, which the caller waits for (llguidance's compile releases the GIL)."""
+    if len(grammar) <= INLINE_COMPILE_MAX_CHARS:
+        return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=quiet_limits())
+    outcome: list[llguidance.LLMatcher | BaseException] = []
+
+    def build() -> None:
+        try:
+            outcome.append(llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=quiet_limits()))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            outcome.append(exc)
+
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=build, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
 def quiet_limits() -> llguidance.LLParserLimits:
     """llguidance's default limits, with errors that leave out the parser's state and the whole grammar (its
     default appends both: a 600 KB schema's refusal or a row's failure carried the schema back into the 400's
@@ -717,7 +753,7 @@ class GrammarChecker:
             grammar = grammar_text(constraint, self.tokenizer)
         except InvalidRequestError as exc:
             return GrammarOutcome(exc.message, [], b"")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=quiet_limits())
+        matcher = new_matcher(self.tokenizer, grammar)
         self.last_compile_s = time.perf_counter() - started
         if matcher.is_error():
             return GrammarOutcome(matcher.get_error(), [], b"")

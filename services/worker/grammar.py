@@ -56,7 +56,7 @@ import llguidance
 import numpy as np
 import torch
 
-from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer, quiet_limits
+from pagoda.services.grammar.compiler import cache_key, grammar_text, load_ll_tokenizer, new_matcher
 from pagoda.services.worker.thinking import ThinkingCounter
 from pagoda.shared.config import MATCHER_CACHE_BYTES, MATCHER_CACHE_SIZE, EngineConfig
 from pagoda.shared.hf_tokenizer import tokenizer_folder
@@ -585,8 +585,7 @@ class GrammarRows:
 
     @staticmethod
     def _build(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputs) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint, tokenizer), log_level=0,
-                                       limits=quiet_limits())
+        matcher = new_matcher(tokenizer, grammar_text(constraint, tokenizer))
         if matcher.is_error():  # the tokenizer compiled it already: this is not the client's error
             log.error("grammar failed on the worker: %s", matcher.get_error())
         return matcher
