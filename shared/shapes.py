@@ -551,6 +551,9 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         raise ConfigError(f"config.json num_experts_per_tok {moe.top_k} exceeds the {moe.num_experts} experts of a "
                           "layer", param="model")
     head_dim = _count(config, "head_dim", hidden_size // num_heads)
+    if head_dim % 2:  # rope rotates pairs of dims (i, i + head_dim / 2)
+        raise ConfigError(f"config.json head_dim {head_dim} (given, or hidden_size / num_attention_heads) is odd: "
+                          "rope needs an even head_dim", param="model")
     qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(config.get("use_qk_norm")))
     return ModelArch(
         model_type=model_type, vocab_size=_count(config, "vocab_size"), hidden_size=hidden_size,

@@ -340,6 +340,17 @@ def test_more_experts_a_token_than_the_layer_has_are_refused(model_type: str, fi
         arch_from_hf_config({**base, **fields})
 
 
+@pytest.mark.parametrize(("model_type", "fields"), [("llama", {"head_dim": 15}), ("qwen3", {"head_dim": 15}),
+                                                    ("mistral", {"hidden_size": 60, "num_attention_heads": 4})])
+def test_odd_head_dims_are_refused(model_type: str, fields: dict[str, Any]) -> None:
+    """Rope rotates pairs of a head's dims: an odd head_dim (given, or hidden_size / heads) loaded and every step
+    failed on a shape mismatch (transformers' rotate_half fails on it too)."""
+    base = dict(_family_fields(model_type), model_type=model_type)
+    arch_from_hf_config(base)
+    with pytest.raises(ConfigError, match="head_dim"):
+        arch_from_hf_config({**base, **fields})
+
+
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
 @pytest.mark.parametrize("text", ["{\"vocab_size\": 256,}", "[1, 2]"])
 def test_unreadable_config_files_are_refused_naming_the_file(tmp_path: Path, name: str, text: str) -> None:
