@@ -381,9 +381,11 @@ def test_eos_as_last_token_adds_no_text(tok: Harness, tokenizer: Tokenizer) -> N
     assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == (FinishReason.STOP, None)
 
 
-def test_include_stop_str_in_output_shows_the_stop_token(tok: Harness, tokenizer: Tokenizer) -> None:
-    # vLLM's include_stop_str_in_output covers stop tokens too: the stop token id's text, logprob and id are shown
-    # (the EOS's text too, "<|im_end|>" here with skip_special_tokens=False); it was dropped whatever the flag.
+def test_include_stop_str_in_output_shows_the_stop_tokens_text(tok: Harness, tokenizer: Tokenizer) -> None:
+    # vLLM's include_stop_str_in_output covers stop tokens too: the stop token's text is shown (the EOS's too,
+    # "<|im_end|>" here with skip_special_tokens=False); it was dropped whatever the flag. Its id and logprob are
+    # listed either way, as vLLM's (its detokenizer leaves only the text out), so token_ids, logprobs and usage
+    # count the same tokens: they left it out without the flag while usage counted it.
     ids = tokenizer.encode("The capital is Paris", add_special_tokens=False)
     eos = tokenizer.eos_token_id
     assert eos is not None
@@ -395,8 +397,7 @@ def test_include_stop_str_in_output_shows_the_stop_token(tok: Harness, tokenizer
         sent = [*ids[:-1], stop_ids[0]] if stop_ids[0] == ids[-1] else [*ids, eos]
         delta = tok.feed(request_id, sent, FinishReason.STOP, logprobs=[-0.5] * len(sent))
         assert (delta.text, delta.finish_reason) == (expected, FinishReason.STOP)
-        shown = sent if include else sent[:-1]
-        assert delta.token_ids == shown and [p.sampled.token_id for p in delta.logprobs] == shown
+        assert delta.token_ids == sent and [p.sampled.token_id for p in delta.logprobs] == sent
         assert delta.num_new_tokens == len(sent)  # the stop token counts as generated either way
         assert delta.stop_reason == (None if stop_ids[0] == eos else stop_ids[0])  # vLLM's: EOS is checked first
 
@@ -486,15 +487,17 @@ def test_logprobs_carry_token_strings(tok: Harness, tokenizer: Tokenizer) -> Non
     tok.send_api(AbortRequest(request_id))
 
 
-def test_logprob_tokens_join_to_the_text(tok: Harness, tokenizer: Tokenizer) -> None:
-    """The EOS that ends a completion is not in its text, so not in its logprob tokens either."""
+def test_logprob_tokens_join_to_the_text_then_the_eos(tok: Harness, tokenizer: Tokenizer) -> None:
+    """The EOS that ends a completion is not in its text, but has its logprob entry, as vLLM's: one entry per
+    token that usage counts."""
     request_id, _, _ = tok.generate(SamplingParams(max_tokens=None, logprobs=0), prompt_text="Hi")
     ids = tokenizer.encode(" fine", add_special_tokens=False)
     eos = tokenizer.eos_token_id
     delta = tok.feed(request_id, [*ids, eos], FinishReason.STOP, logprobs=[-0.1] * (len(ids) + 1),
                      top_token_ids=[[]] * (len(ids) + 1), top_logprobs=[[]] * (len(ids) + 1))
-    assert "".join(p.sampled.token for p in delta.logprobs) == delta.text == " fine"
-    assert delta.num_new_tokens == len(ids) + 1  # usage still counts it
+    assert delta.text == " fine"
+    assert "".join(p.sampled.token for p in delta.logprobs) == delta.text + tokenizer.decode([eos], False)
+    assert delta.num_new_tokens == len(delta.logprobs) == len(ids) + 1
 
 
 def test_tokenize_token_strs_and_continue_final_message(tok: Harness, tokenizer: Tokenizer) -> None:

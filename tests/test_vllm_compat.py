@@ -289,6 +289,36 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client: openai.Op
     assert logprobs.text_offset == plain.choices[0].logprobs.text_offset  # offsets still follow the text
 
 
+def test_an_eos_ended_answer_lists_the_eos_in_token_ids_and_logprobs(server: Server) -> None:
+    """vLLM's detokenizer leaves a stop token out of the text only: its id stays in token_ids and its logprob in
+    logprobs (vLLM's own test decodes a chat's token_ids to its content + "<|im_end|>"), so token_ids, logprobs
+    and usage's completion_tokens count the same tokens, on every route, streamed or not."""
+    eos = 2  # SmolLM2's <|im_end|>
+    body = {"model": SERVED, "messages": CHAT, "max_tokens": 64, "temperature": 0, "logprobs": True,
+            "return_token_ids": True}
+    chat = post(server, "/v1/chat/completions", body).json()
+    choice = chat["choices"][0]
+    assert choice["finish_reason"] == "stop" and "<|im_end|>" not in choice["message"]["content"]
+    ids, entries = choice["token_ids"], choice["logprobs"]["content"]
+    assert ids[-1] == eos and entries[-1]["token"] == "<|im_end|>"
+    assert len(entries) == len(ids) == chat["usage"]["completion_tokens"]
+    chunks = sse_chunks(server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [t for c in streamed for t in c.get("token_ids") or []] == ids
+    assert len([e for c in streamed for e in (c["logprobs"] or {}).get("content", [])]) == len(ids)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+
+    prompt = chat["prompt_token_ids"]
+    out = post(server, "/v1/completions", {"model": SERVED, "prompt": prompt, "max_tokens": 64, "temperature": 0,
+                                           "logprobs": 0, "return_token_ids": True}).json()
+    assert out["choices"][0]["token_ids"] == ids and out["choices"][0]["text"] == choice["message"]["content"]
+    assert len(out["choices"][0]["logprobs"]["tokens"]) == len(ids) == out["usage"]["completion_tokens"]
+    generated = post(server, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
+        "max_tokens": 64, "temperature": 0, "logprobs": 0}}).json()
+    assert generated["choices"][0]["token_ids"] == ids
+    assert len(generated["choices"][0]["logprobs"]["content"]) == len(ids) == generated["usage"]["completion_tokens"]
+
+
 def test_logprob_token_ids_list_those_ids_at_every_generated_position(server: Server) -> None:
     """vLLM's logprob_token_ids: each position's top list is the listed ids (in their order), with the logprobs
     the whole vocabulary's list gives them, on both routes; the sampled token's logprob as always."""

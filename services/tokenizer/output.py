@@ -44,7 +44,7 @@ def advance(stream: TextStream, token_id: int, finish_reason: int) -> TextStep:
     """Push one step's token (-1: none) into `stream`; on a finish, release what it held back.
 
     A stop token's own text (EOS, stop_token_ids: finish STOP with a token) is not part of the output unless the
-    request includes stop strings in it (vLLM's include_stop_str_in_output).
+    request includes stop strings in it (vLLM's include_stop_str_in_output); its id and logprob are, either way.
     A stop string that matches turns a running completion into STOP; one that completes only in the text
     held back until the end turns LENGTH into STOP too.
     """
@@ -78,7 +78,8 @@ def stop_reason(stream: TextStream, params: SamplingParams, token_id: int, finis
 
 
 def hides_stop_token(stream: TextStream, token_id: int, finish_reason: int) -> bool:
-    """Whether this step's token is a stop token the output leaves out (its text, logprob and id)."""
+    """Whether this step's token is a stop token whose text the output leaves out. Its id and logprob stay, as
+    vLLM's (its detokenizer skips only the text), so that token_ids, logprobs and usage count the same tokens."""
     return finish_reason == FinishReason.STOP and token_id >= 0 and not stream.include_stop_token
 
 
@@ -216,7 +217,6 @@ class Outputs:
             forced, state.forced = state.forced, []
             forced_text = stream.push(forced)
             token_ids = forced + token_ids
-        stop_token = hides_stop_token(stream, token_id, reason)
         step = advance(stream, token_id, reason)
         if forced_text:
             step.text = forced_text + step.text
@@ -224,8 +224,8 @@ class Outputs:
             batch.stops.append(StopSequence(request_id, index))
         if step.finish_reason >= 0:
             self._finish_completion(state, request_id, index)
-        logprobs = [logprob] if logprob is not None and state.params.logprobs is not None and not stop_token else []
-        shown_ids = (token_ids[:-1] if stop_token else token_ids) if state.return_token_ids else []
+        logprobs = [logprob] if logprob is not None and state.params.logprobs is not None else []
+        shown_ids = token_ids if state.return_token_ids else []
         return TextDelta(request_id, index, step.text, len(token_ids), step.finish_reason, logprobs,
                          num_cached_tokens, stop_reason(stream, state.params, token_id, step.finish_reason,
                                                         self.tokenizer), prompt_logprobs, shown_ids)
