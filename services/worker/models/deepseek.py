@@ -63,7 +63,6 @@ from pagoda.services.worker.models.moe import shared_expert_placements
 from pagoda.services.worker.models.rope import RopeSpec, yarn_factor, yarn_mscale
 from pagoda.shared.shapes import MlaArch, ModelArch, MoeArch
 
-
 # MLA's q_a_layernorm and kv_a_layernorm (the latent norms) take RMSNorm's default eps in transformers and in
 # DeepSeek's own modeling code, whatever rms_norm_eps says (that one is the layer and final norms')
 LATENT_NORM_EPS = 1e-6
