@@ -46,3 +46,28 @@ def test_a_deeply_recursive_grammar_compiles_without_overflowing_the_stack(smoll
                            capture_output=True, timeout=600)
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     assert b"worker False" in child.stdout, child.stdout
+
+
+ERROR_CHILD = """
+import sys, msgspec
+from pagoda.services.grammar.compiler import GrammarChecker, load_ll_tokenizer
+from pagoda.shared.errors import InvalidRequestError
+from pagoda.shared.messages import StructuredOutputs
+folder, constraint = sys.argv[1], msgspec.json.decode(sys.stdin.buffer.read(), type=StructuredOutputs)
+try:
+    GrammarChecker(load_ll_tokenizer(folder, 49152, [2])).check(constraint)
+except InvalidRequestError as exc:
+    print(exc.message, end="")
+"""
+
+
+def test_a_panic_in_the_grammar_engine_is_a_400_without_its_backtrace(smollm2_dir: Path) -> None:
+    """An 8,000-$ref chain passes an assertion of llguidance's (its grammar's symbols must fit 16 bits), which it
+    reports as a panic with a backtrace of `<unknown>` frames: the 400 says what failed, without them."""
+    child = subprocess.run([sys.executable, "-c", ERROR_CHILD, str(smollm2_dir)],
+                           input=msgspec.json.encode(StructuredOutputs(json=ref_chain(8000))), capture_output=True,
+                           timeout=600)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    message = child.stdout.decode()
+    assert message.startswith("the json constraint cannot be compiled: panic: assertion failed"), message
+    assert "backtrace" not in message and "<unknown>" not in message and "\n" not in message, message

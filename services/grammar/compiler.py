@@ -756,7 +756,7 @@ class GrammarChecker:
         matcher = new_matcher(self.tokenizer, grammar)
         self.last_compile_s = time.perf_counter() - started
         if matcher.is_error():
-            return GrammarOutcome(matcher.get_error(), [], b"")
+            return GrammarOutcome(without_backtrace(matcher.get_error()), [], b"")
         pristine = matcher.deep_copy() if self.keep is not None else None  # before the walk below moves it
         start_mask = matcher.compute_bitmask()
         may_end = any(start_mask[i // 8] >> (i % 8) & 1 for i in self.tokenizer.eos_tokens if i < 8 * len(start_mask))
@@ -771,6 +771,12 @@ class GrammarChecker:
         if self.keep is not None and pristine is not None:
             self.keep(constraint, pristine)
         return GrammarOutcome("", forced, start_mask, may_end)
+
+
+def without_backtrace(error: str) -> str:
+    """llguidance's error without the backtrace it appends to a panic (`<backtrace>` and a line per frame, each
+    `<unknown>` in its stripped build)."""
+    return error.split("\n<backtrace>", 1)[0]
 
 
 PROBED_FIRST_TOKENS = 8  # allowed first tokens tried on copies of a fresh matcher (~0.2 ms each)
