@@ -100,3 +100,17 @@ def test_an_object_past_the_parsers_row_limit_is_refused_at_submission(ll: llgui
         GrammarChecker(ll).check(properties(600))
     assert "limit of the grammar engine" in info.value.message and "max is 2000" in info.value.message
     walk(ll, properties(400), GrammarChecker(ll).check(properties(400)), num_steps=8)
+
+
+def test_a_long_chain_of_lark_rules_is_checked_without_recursing_per_rule(ll: llguidance.LLTokenizer) -> None:
+    """The run check walked a grammar's rules by recursion, one Python frame group per rule: a chain of 1,000 rules
+    that each name the next (which llguidance compiles) was a 400 'maximum recursion depth exceeded'. It is served,
+    and a chain that forces too long a run is still refused by name."""
+    num_rules = 3000
+    chain = "\n".join(f'r{i}: "x" r{i + 1} | "y"' for i in range(num_rules))
+    GrammarChecker(ll).check(StructuredOutputs(grammar=f'start: r0\n{chain}\nr{num_rules}: "done"'))
+    xs = " ".join(['"x"'] * 11)
+    forced = "\n".join(f"r{i}: {xs} r{i + 1}" for i in range(num_rules))  # 33,000 forced lexemes
+    with pytest.raises(InvalidRequestError) as info:
+        GrammarChecker(ll).check(StructuredOutputs(grammar=f'start: ("a"|"b") r0\n{forced}\nr{num_rules}: "done"'))
+    assert "forces a run of" in info.value.message

@@ -203,14 +203,39 @@ def lark_repeat_error(grammar: str) -> str | None:
             text = f"{lo},{int(exact)}"
         if tokens is not None and kind not in ("comment", "nl", None):
             tokens.append((kind, text))
-    runs: dict[str, Run] = {}
+    runs = _rule_runs(rules)
     for name in rules:
-        run = _rule_run(name, rules, runs, set())
+        run = runs[name]
         num_lexemes = max(run.prefix, run.inner, run.suffix) if name != "start" else longest_after_start(run)
         if num_lexemes > MAX_FORCED_LEXEMES:
             return (f"the rule {name!r} forces a run of {num_lexemes} lexemes after a choice; at most "
                     f"{MAX_FORCED_LEXEMES} are supported")
     return None
+
+
+def _rule_runs(rules: dict[str, list[tuple[str, str]]]) -> dict[str, Run]:
+    """Each rule's run, the rules it names first (depth first, on an explicit stack: a chain of thousands of rules
+    that each name the next passed Python's recursion limit); a rule named again while its own run is being found
+    (recursion) counts as the model's choice there."""
+    runs: dict[str, Run] = {}
+    for root in rules:
+        stack, on_path = [root], set()
+        while stack:
+            name = stack[-1]
+            if name in runs:
+                stack.pop()
+                continue
+            if name not in on_path:
+                on_path.add(name)
+                named = [text for kind, text in rules[name] if kind == "ref"]
+                pending = [ref for ref in named if ref in rules and ref not in runs and ref not in on_path]
+                if pending:
+                    stack.extend(reversed(pending))
+                    continue
+            runs[name] = _rule_run(name, rules, runs, on_path - {name})  # every rule it names is known or on the path
+            on_path.discard(name)
+            stack.pop()
+    return runs
 
 
 def _rule_run(name: str, rules: dict[str, list[tuple[str, str]]], runs: dict[str, Run], seen: set[str]) -> Run:
