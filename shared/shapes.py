@@ -357,7 +357,11 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     """Rope theta and scaling, wherever this config keeps them (rope_parameters, rope_theta, rope_scaling)."""
     params = dict(_section(config, "rope_parameters"))
     scaling = _section(config, "rope_scaling")
-    theta = _optional_number(params, "rope_theta") or _optional_number(config, "rope_theta") or 10000.0
+    theta = _optional_number(params, "rope_theta")
+    theta = _optional_number(config, "rope_theta") if theta is None else theta
+    theta = 10000.0 if theta is None else theta
+    if theta <= 0:  # NaN or infinite rotations
+        raise ConfigError(f"config.json rope_theta must be > 0, got {theta!r}", param="model")
     params.pop("rope_theta", None)
     params = {**scaling, **params}
     for key in ROPE_NUMBERS:
@@ -371,6 +375,8 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
         return float(theta), None
     params["rope_type"] = rope_type
     params.pop("type", None)
+    if params.get("factor") is not None and params["factor"] <= 0:
+        raise ConfigError(f"rope_type {rope_type!r} factor must be > 0, got {params['factor']!r}", param="rope_scaling")
     if "original_max_position_embeddings" not in params and config.get("original_max_position_embeddings"):
         params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     missing = [key for key in ROPE_REQUIRED[rope_type] if params.get(key) is None]
@@ -554,11 +560,14 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     if head_dim % 2:  # rope rotates pairs of dims (i, i + head_dim / 2)
         raise ConfigError(f"config.json head_dim {head_dim} (given, or hidden_size / num_attention_heads) is odd: "
                           "rope needs an even head_dim", param="model")
+    rms_norm_eps = _number(config, "rms_norm_eps", 1e-6)
+    if rms_norm_eps < 0:  # the root of a negative mean square: NaN
+        raise ConfigError(f"config.json rms_norm_eps must be >= 0, got {rms_norm_eps!r}", param="model")
     qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(config.get("use_qk_norm")))
     return ModelArch(
         model_type=model_type, vocab_size=_count(config, "vocab_size"), hidden_size=hidden_size,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        intermediate_size=_count(config, "intermediate_size"), rms_norm_eps=_number(config, "rms_norm_eps", 1e-6),
+        intermediate_size=_count(config, "intermediate_size"), rms_norm_eps=rms_norm_eps,
         max_position_embeddings=_count(config, "max_position_embeddings", 4096), rope_theta=theta,
         rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias, o_proj_bias=o_proj_bias, qk_norm=qk_norm,

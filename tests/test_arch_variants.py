@@ -305,11 +305,19 @@ def test_output_projection_bias_added_once_across_ranks(tmp_path: Path) -> None:
     ({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, "rope_theta"),
     ({"rope_scaling": ["linear", 2.0]}, "rope_scaling"),
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "factor"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 0}}, "factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": -4.0,
+                          "original_max_position_embeddings": 64}}, "factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}}, "rope_theta"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
 ])
 def test_config_fields_of_no_usable_value_are_refused_by_name(edit: dict[str, Any], field: str) -> None:
     """A field config.json lacks (one written by hand) or holds as another type fails as a ConfigError naming it
     (they were KeyError, TypeError or AttributeError tracebacks at `pagoda serve`, an AssertionError for kv heads
-    that do not divide the heads, or an architecture of 0 heads that failed later)."""
+    that do not divide the heads, or an architecture of 0 heads that failed later). A rope factor or theta of 0 or
+    less, or a negative rms_norm_eps, was served (NaN rotations or norms: a linear factor of 0 gave token id 0 every
+    step; a rope_theta of 0 was read as 10000)."""
     config = dict(DENSE, model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     arch_from_hf_config(config)
     for key, value in edit.items():
