@@ -298,10 +298,18 @@ def _deepseek_from_hf(config: dict[str, Any], model_type: str, num_layers: int) 
     num_experts = config.get("n_routed_experts", 256 if v3 else 64)
     top_k = config.get("num_experts_per_tok") or (8 if v3 else 6)
     expert = config.get("moe_intermediate_size", 2048 if v3 else 1407)
-    # transformers' V3 router is always sigmoid + correction bias over groups; its V2 router always softmax
+    # transformers' V3 router is always sigmoid + correction bias over groups; its V2 router always softmax: a config
+    # that asks for another (DeepSeek's own code would follow it) is refused, as glm4_moe's is
     topk_method = "noaux_tc" if v3 else (config.get("topk_method") or "greedy")
     if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc") or (not v3 and topk_method == "noaux_tc"):
         raise ConfigError(f"{model_type} topk_method {topk_method!r} is not supported", param="model")
+    if v3 and config.get("topk_method") not in (None, "noaux_tc"):
+        raise ConfigError(f"{model_type} topk_method {config['topk_method']!r} is not supported (only 'noaux_tc', "
+                          "as transformers routes)", param="model")
+    scoring = "sigmoid" if v3 else "softmax"
+    if config.get("scoring_func") not in (None, scoring):
+        raise ConfigError(f"{model_type} scoring_func {config['scoring_func']!r} is not supported (only {scoring!r}, "
+                          "as transformers routes)", param="model")
     if not v3 and config.get("norm_topk_prob"):
         # transformers' V2 router ignores it (weights x routed_scaling_factor), DeepSeek's own code renormalises
         # instead of scaling: no one answer to match (every DeepSeek-V2 checkpoint has it false)

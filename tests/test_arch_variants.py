@@ -265,12 +265,17 @@ def test_generation_config_eos_list_stops_where_transformers_does(tmp_path: Path
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
     ("deepseek_v2", {"moe_layer_freq": 2}, "moe_layer_freq"),
     ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method"),
 ])
 def test_unsupported_fields_refused_by_name(model_type: str, fields: dict[str, Any], field: str) -> None:
     """Features that would otherwise be silently dropped: Llama's MLP biases; DeepSeek-V2 routing that
     transformers' V2 router does not do (it ignores norm_topk_prob, has no noaux_tc); DeepSeek's moe_layer_freq,
     which transformers ignores and DeepSeek's own code follows (sparse layers were DeepSeek's, so a checkpoint
-    saved by transformers failed to load naming a missing dense weight)."""
+    saved by transformers failed to load naming a missing dense weight); a router other than the one transformers
+    gives the family (V2 softmax; V3 sigmoid with noaux_tc), which DeepSeek's own code would follow and pagoda served
+    as transformers' (glm4_moe refuses the same)."""
     base = dict(DEEPSEEK if model_type.startswith("deepseek") else DENSE, model_type=model_type)
     arch_from_hf_config(base)
     with pytest.raises(ConfigError, match=field):
