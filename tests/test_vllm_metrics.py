@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.services.api.errors import UpstreamError
@@ -171,6 +172,41 @@ def test_a_request_refused_after_admission_counts_nowhere(status: int, counted: 
     success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
                if s.name.endswith("_total") and s.value}
     assert success == counted
+
+
+# What Prometheus sends: 2.x (no escaping named: prometheus_client takes underscores), 3.x (UTF-8 names)
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                     "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+                     "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;"
+                     "q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+                     "application/openmetrics-text", "text/plain;version=1.0.0", None)
+
+
+@pytest.mark.parametrize("accept", PROMETHEUS_ACCEPT)
+def test_every_exposition_format_names_samples_as_their_family(accept: str | None) -> None:
+    """Whatever format the scraper negotiates, each sample keeps its family's name (vllm:*, colon and all): Prometheus
+    2.x asks for OpenMetrics without naming an escaping, and prometheus_client's underscores escaping wrote
+    `vllm_num_requests_running` under `# TYPE vllm:num_requests_running` (client_python#1177), so Prometheus stored
+    vllm_* series that no vLLM dashboard queries, each as an untyped metric."""
+    metrics = ApiMetrics(lambda: _stats(0, "tok-a"), None, "m")
+    gen = Generation(Ticket(["r1"], b"tok-a"), 1, time.monotonic(), metrics, None, stream=True)  # type: ignore[arg-type]
+    gen.accepted_at = time.monotonic()
+    gen.choices[0].finish_reason = FinishReason.STOP
+    metrics.vllm_finished(gen, 5)
+    body, content_type = metrics.render(accept)
+    if content_type.startswith("application/openmetrics-text"):
+        families = list(openmetrics_families(body.decode()))
+    else:
+        families = list(text_string_to_metric_families(body.decode()))
+    by_name = {f.name: f for f in families}
+    for name in ("vllm:num_requests_running", "vllm:request_success", "vllm:time_to_first_token_seconds"):
+        assert name in by_name and by_name[name].type != "unknown", (name, sorted(by_name))
+    success = [s for s in by_name["vllm:request_success"].samples if s.name == "vllm:request_success_total"]
+    assert {s.labels["finished_reason"]: s.value for s in success}["stop"] == 1
+    for family in families:
+        assert family.type != "unknown", family.name
+        assert all(s.name.startswith(family.name) for s in family.samples), family.name
 
 
 @pytest.fixture(scope="module")

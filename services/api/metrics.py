@@ -12,6 +12,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -24,6 +25,7 @@ from prometheus_client.metrics_core import (
     SummaryMetricFamily,
 )
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 from pagoda.shared.messages import (
     REQUEST_PHASE_BUCKETS_S,
@@ -436,5 +438,18 @@ class ApiMetrics:
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, in the format the scraper asked for."""
         self.flush_tallies()
-        encoder, content_type = choose_encoder(accept or "")
+        encoder, content_type = _choose_encoder(accept or "")
         return encoder(self.registry), content_type
+
+
+def _choose_encoder(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
+    """prometheus_client's choice, less its OpenMetrics underscores escaping (what Prometheus 2.x gets: it names no
+    escaping), which writes each sample's name by the label-name rules, so `vllm:num_requests_running` went out as
+    `vllm_num_requests_running` under a `# TYPE vllm:num_requests_running` line (client_python#1177). Every name
+    served here is a legacy one (a colon is a legal metric-name character), which that escaping leaves as it is: the
+    body is written unescaped, its content type still says underscores."""
+    encoder, content_type = choose_encoder(accept)
+    if (isinstance(encoder, partial) and encoder.func is openmetrics_exposition.generate_latest
+            and encoder.keywords.get("escaping") == openmetrics_exposition.UNDERSCORES):
+        encoder = partial(encoder, escaping=openmetrics_exposition.ALLOWUTF8)
+    return encoder, content_type
