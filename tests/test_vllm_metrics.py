@@ -174,6 +174,29 @@ def test_a_request_refused_after_admission_counts_nowhere(status: int, counted: 
     assert success == counted
 
 
+REQUEST_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                  "vllm:e2e_request_latency_seconds_count", "vllm:request_params_n_count",
+                  "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                  "vllm:request_params_max_tokens_count")
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_request_series_exist_at_zero_before_any_request(num_replicas: int) -> None:
+    """Each engine's request counters and histograms are served at 0 from the first scrape that knows the engine, as
+    vLLM makes them at start: they appeared only when the first request reached them, at its count already, so
+    rate() and increase() over vllm:request_success_total lost every first request (no sample before it), and an idle
+    server's panels read 'no data'."""
+    replicas = [(str(i), _stats(i, f"tok-{i}")) for i in range(num_replicas)]
+    metrics = ApiMetrics(lambda: replicas[0][1], lambda: replicas, "m")
+    samples = {(s.name, s.labels.get("engine"), s.labels.get("finished_reason")): s.value
+               for f in text_string_to_metric_families(metrics.render(None)[0].decode()) for s in f.samples}
+    for engine, _ in replicas:
+        for reason in ("stop", "length", "abort", "error"):
+            assert samples[("vllm:request_success_total", engine, reason)] == 0, (engine, reason)
+        for name in REQUEST_SERIES:
+            assert samples[(name, engine, None)] == 0, (engine, name)
+
+
 # What Prometheus sends: 2.x (no escaping named: prometheus_client takes underscores), 3.x (UTF-8 names)
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",

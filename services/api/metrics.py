@@ -372,11 +372,14 @@ class ApiMetrics:
         return next((replica_id for replica_id, stats in replicas if name in stats.tokenizer_ids), "")
 
     def vllm_series(self, tokenizer: bytes) -> VllmSeries:
-        engine = self.engine_of(tokenizer)
+        return self._engine_series(self.engine_of(tokenizer))
+
+    def _engine_series(self, engine: str) -> VllmSeries:
         series = self._vllm_series.get(engine)
         if series is None:
             values = (self._model_name, engine)
-            # every finish reason's counter exists from the start (at 0), as vLLM's do: rate() needs a prior sample
+            # every finish reason's counter exists at 0 before a request ends, as vLLM's do: rate() needs a prior
+            # sample (create_known_series makes them at a scrape, before any request)
             series = VllmSeries(
                 engine=engine, ttft=self.vllm_ttft.labels(*values),
                 itl=ItlTally([self.itl, self.vllm_itl.labels(*values)]),
@@ -385,6 +388,17 @@ class ApiMetrics:
             if engine:  # "": no replica's snapshot lists the tokenizer yet: looked up again next time
                 self._vllm_series[engine] = series
         return series
+
+    def create_known_series(self) -> None:
+        """Every engine the snapshots name gets its request series now, at 0 (vLLM makes them at start): made at a
+        request's first, they showed its count with no sample before it, which rate() and increase() drop."""
+        replicas = self._per_replica() if self._per_replica is not None else []
+        engines = [replica_id for replica_id, _ in replicas] or (["0"] if self._latest() is not None else [])
+        tokens = self._token_histograms()
+        for engine in engines:
+            self._engine_series(engine)
+            for histogram in tokens or ():
+                histogram.labels(self._model_name, engine)
 
     def _token_histograms(self) -> tuple[Any, Any, Any] | None:
         """vLLM's per-request token histograms, bucketed 1-2-5 up to max_model_len; None until a snapshot tells
@@ -437,6 +451,7 @@ class ApiMetrics:
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, in the format the scraper asked for."""
+        self.create_known_series()
         self.flush_tallies()
         encoder, content_type = _choose_encoder(accept or "")
         return encoder(self.registry), content_type
