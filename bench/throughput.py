@@ -106,7 +106,7 @@ def measure_pagoda(llm: Any, workload: Workload, load_s: float = 0.0, latency_pr
                    shared_prefix_len=0).prompts(runner.arch.vocab_size)
     llm.generate(warm, [SamplingParams(max_tokens=4, ignore_eos=True, **workload.sampling_kwargs(i))
                         for i in range(len(warm))])
-    steps_before = llm.engine.scheduler.stats.num_steps
+    before = replace(llm.engine.scheduler.stats)  # the counters are the engine's since start: report the run's
     timer = None
     if getattr(runner.device, "type", "cpu") == "cuda":
         from pagoda.services.worker.model_runner import StepTimer
@@ -117,21 +117,28 @@ def measure_pagoda(llm: Any, workload: Workload, load_s: float = 0.0, latency_pr
     outputs = llm.generate(prompts, params)
     _sync(runner.device)
     elapsed = time.perf_counter() - start
+    run = _stats_since(before, llm.engine.scheduler.stats)  # before the batch-1 timing's steps
     runner.step_timer = None
     token_lists = [c.token_ids for o in outputs for c in o.outputs]
     num_output = sum(len(t) for t in token_lists)
     latency = single_request_latency(llm, prompts[0][:latency_prompt_len], 64) if latency_prompt_len else {}
     return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_output,
-            "prefix_hit_tokens": llm.engine.scheduler.stats.prefix_hit_tokens, **latency,
+            "prefix_hit_tokens": run["prefix_hit_tokens"], **latency,
             **_step_summary(timer), "max_inflight_plans": llm.engine.scheduler.max_inflight_plans,
             "output_tok_per_s": num_output / elapsed, "load_s": load_s,
-            "num_steps": llm.engine.scheduler.stats.num_steps - steps_before,
-            "num_preemptions": llm.engine.scheduler.stats.num_preemptions, "num_kv_blocks": runner.num_blocks,
-            "num_swapped": llm.engine.scheduler.stats.num_swapped, "num_swap_blocks": runner.num_swap_blocks,
+            "num_steps": run["num_steps"],
+            "num_preemptions": run["num_preemptions"], "num_kv_blocks": runner.num_blocks,
+            "num_swapped": run["num_swapped"], "num_swap_blocks": runner.num_swap_blocks,
             "device": str(runner.device), "dtype": str(runner.dtype),
             "compiles_after_start_up": [[name, round(1e3 * seconds, 1)] for name, seconds in
                                         getattr(getattr(runner, "compile_watch", None), "compiles", [])],
             "first_outputs": [t[:32] for t in token_lists[:4]]}
+
+
+def _stats_since(before: Any, now: Any) -> dict[str, int]:
+    """The scheduler's counters (SchedulerStats) over the timed run alone: now less what they were before it."""
+    names = ("prefix_hit_tokens", "num_steps", "num_preemptions", "num_swapped")
+    return {name: getattr(now, name) - getattr(before, name) for name in names}
 
 
 def _sync(device: Any) -> None:
