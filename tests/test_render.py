@@ -172,3 +172,46 @@ def test_hidden_reasoning_renders_the_same_on_both_sides_without_it(stream: bool
         assert body["prompt_token_ids"] == [10, 11, 12]
     assert b"reasoning" not in rendered + b"".join(choices.values())
     assert all(d["logprobs"] is None and "token_ids" not in d for d in deltas), deltas
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_text_offsets_of_tokens_that_split_characters_point_into_the_text(tokenizer: Any, stream: bool) -> None:
+    """Legacy completions' text_offset is where a token starts in the text: a token holding part of a multi-byte
+    character starts where that character does. Offsets summed the lengths of the tokens' own strings, one U+FFFD
+    for each such token, so they ran past the characters they meant (SmolLM2 spells "日本の首都は東京です。" in 19
+    tokens: the offset of す read 18 where the text has it at 9; echoing the prompt "日本の", its token の read 3,
+    the prompt's length, where the completion starts, for 2)."""
+    prompt, answer = "日本の", "首都は東京です。 Tokyo 🗼!"
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    answer_ids = tokenizer.encode(answer, add_special_tokens=False)
+
+    def position(token_id: int, logprob: float | None = -0.5) -> PositionLogprobs:
+        token = TokenLogprob(tokenizer.decode([token_id], False), token_id, logprob,
+                             list(tokenizer.token_bytes(token_id)))
+        return PositionLogprobs(token, [])
+
+    def starts(ids: list[int], base: int) -> list[int]:  # where each token's first byte lands in the text
+        return [base + len(tokenizer.decode(ids[:i]).removesuffix("\ufffd")) for i in range(len(ids))]
+
+    spec = RenderSpec(COMPLETION, "cmpl-1", "m", 1700000000, stream, want_logprobs=True, include_usage=False,
+                      echo=not stream)
+    steps, shown = [], ""
+    for k, token_id in enumerate(answer_ids):
+        text = tokenizer.decode(answer_ids[:k + 1]).removesuffix("\ufffd")[len(shown):]
+        shown += text
+        last = k == len(answer_ids) - 1
+        scores = [position(prompt_ids[0], None), *map(position, prompt_ids[1:])] if k == 0 else []
+        steps.append([TextDelta("r0", 0, text, 1, FinishReason.LENGTH if last else -1, [position(token_id)], 0,
+                                None, scores, [])])
+    assert shown == answer
+    rendered, view = api_side(spec, 1, [prompt], [prompt_ids], steps)
+    if stream:
+        chunks = [msgspec.json.decode(line[6:]) for line in rendered.split(b"\n\n") if line.startswith(b"data: ")]
+        offsets = [o for c in chunks for choice in c["choices"] if choice["logprobs"]
+                   for o in choice["logprobs"]["text_offset"]]
+        assert offsets == starts(answer_ids, 0)
+    else:
+        body = msgspec.json.decode(msgspec.json.encode(renderer_for(spec).body(view, usage_dict(3, 12, 0))))
+        choice = body["choices"][0]
+        assert choice["text"] == prompt + answer
+        assert choice["logprobs"]["text_offset"] == starts(prompt_ids, 0) + starts(answer_ids, len(prompt))

@@ -9,6 +9,7 @@ tokenizer's `PromptView` (the one prompt it serves). Choice index = prompt index
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -115,12 +116,31 @@ def _name(token: TokenLogprob, as_ids: bool) -> str:
     return f"token_id:{token.token_id}" if as_ids else token.token
 
 
-def completion_logprobs(positions: list[PositionLogprobs], offset: int, end: int | None = None,
+class TextCursor:
+    """Where a choice's next token starts in its text (legacy completions' text_offset). A token starts where the
+    character holding its first byte does: the offset advances by the characters the tokens' bytes finish (the
+    decoder holds a character's first bytes until its last come), not by the lengths of the tokens' own strings,
+    which give each token of part of a character a U+FFFD of its own. A stream keeps one per choice."""
+
+    __slots__ = ("offset", "_decoder")
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token: TokenLogprob) -> int:
+        """The token's offset; the cursor moves past the characters it finishes."""
+        start = self.offset
+        self.offset += len(self._decoder.decode(bytes(token.bytes)))
+        return start
+
+
+def completion_logprobs(positions: list[PositionLogprobs], cursor: TextCursor, end: int | None = None,
                         as_ids: bool = False) -> dict[str, Any]:
-    """The legacy shape; `offset` is where the first token starts in the choice's text. With `end` (the
-    length of the text these tokens make), offsets never pass it: a token whose string is not in the text
-    (a special token the text skips) keeps the offsets monotone and inside the text. Offsets follow the text
-    also when tokens are named by id (`as_ids`)."""
+    """The legacy shape; `cursor` is where the first token starts in the choice's text, and moves past these
+    tokens. With `end` (the length of the text these tokens make), offsets never pass it: a token whose string is
+    not in the text (a special token the text skips) keeps the offsets monotone and inside the text. Offsets follow
+    the text also when tokens are named by id (`as_ids`)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float | None] | None] = []
@@ -136,8 +156,8 @@ def completion_logprobs(positions: list[PositionLogprobs], offset: int, end: int
             alternatives = {_name(t, as_ids): t.logprob for t in position.top}
             alternatives.setdefault(name, sampled.logprob)  # vLLM's convention: the pick is listed
             top_logprobs.append(alternatives)
+        offset = cursor.advance(sampled)
         text_offset.append(offset if end is None else min(offset, end))
-        offset += len(sampled.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 
@@ -289,7 +309,7 @@ class CompletionRenderer(Renderer):
         super().__init__(response_id, model, created, want_logprobs=want_logprobs, include_usage=include_usage,
                          return_token_ids=return_token_ids, **vllm)
         self.echo = echo
-        self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token (streaming)
+        self._cursors: dict[int, TextCursor] = {}  # choice index -> where its next token starts (streaming)
 
     def _prompt_text(self, view: ResponseView, choice: Choice) -> str:
         return view.prompt_texts[choice.index // view.n] if self.echo else ""
@@ -297,10 +317,10 @@ class CompletionRenderer(Renderer):
     def _choice(self, view: ResponseView, choice: Choice) -> dict[str, Any]:
         prompt_text = self._prompt_text(view, choice)
         as_ids = self.tokens_as_ids
-        logprobs = completion_logprobs(choice.logprobs, len(prompt_text), as_ids=as_ids) if self.want_logprobs \
-            else None
+        logprobs = completion_logprobs(choice.logprobs, TextCursor(len(prompt_text)), as_ids=as_ids) \
+            if self.want_logprobs else None
         if logprobs is not None and self.echo:  # the prompt's tokens first, then the completion's
-            prompt = completion_logprobs(view.prompt_logprobs[choice.index // view.n], 0, len(prompt_text),
+            prompt = completion_logprobs(view.prompt_logprobs[choice.index // view.n], TextCursor(), len(prompt_text),
                                          as_ids=as_ids)
             logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
         out = {"index": choice.index, "text": prompt_text + choice.text, "logprobs": logprobs,
@@ -327,9 +347,8 @@ class CompletionRenderer(Renderer):
     def _delta_choice(self, choice: Choice, delta: TextDelta) -> dict[str, Any]:
         logprobs = None
         if self.want_logprobs:
-            offset = self._offsets.get(choice.index, 0)
-            logprobs = completion_logprobs(delta.logprobs, offset, as_ids=self.tokens_as_ids)
-            self._offsets[choice.index] = offset + sum(len(p.sampled.token) for p in delta.logprobs)
+            cursor = self._cursors.setdefault(choice.index, TextCursor())
+            logprobs = completion_logprobs(delta.logprobs, cursor, as_ids=self.tokens_as_ids)
         return _with_stop_reason({"index": choice.index, "text": delta.text, "logprobs": logprobs,
                                   "finish_reason": _finish_name(delta.finish_reason)}, delta)
 
