@@ -164,12 +164,15 @@ def test_live_rates_come_from_counter_differences_summed_over_replicas() -> None
         "1": _stats(102.0, generation_tokens_total=200, num_running=2, kv_blocks_free=50,
                     decode_step_seconds_total=2.0, num_steps_total=20, tokenizer_requests_total=[2])}
     engine = live.tick()["engine"]
-    assert engine["tokens_out_per_s"] == pytest.approx(600 / 4)  # (400 + 200) tokens over 2 x 2 replica-seconds
-    assert engine["tokens_in_per_s"] == pytest.approx(1000 / 4)
-    assert engine["requests_per_s"] == pytest.approx(6 / 4)
+    # the server's throughput: each replica's rate, summed (400 and 200 tokens in 2 s), not their mean
+    assert engine["tokens_out_per_s"] == pytest.approx(400 / 2 + 200 / 2)
+    assert engine["tokens_in_per_s"] == pytest.approx(1000 / 2)
+    assert engine["requests_per_s"] == pytest.approx(4 / 2 + 2 / 2)
+    assert engine["steps_per_s"] == pytest.approx(40 / 2 + 20 / 2)
     assert engine["running"] == 5 and engine["preempted"] == 1
     assert engine["kv_blocks_used"] == 10 + 50 and engine["kv_blocks_total"] == 200
     assert engine["prefix_hit_rate"] == pytest.approx(0.3)
+    # a share of the replicas' time: over 2 x 2 replica-seconds
     assert engine["prefill_frac"] == pytest.approx(0.5 / 4) and engine["decode_frac"] == pytest.approx(3.0 / 4)
     assert engine["host_frac"] == pytest.approx(0.2 / 4)
     # replica 1 restarted: its counters start again from zero and give no rate this tick
@@ -180,11 +183,11 @@ def test_live_rates_come_from_counter_differences_summed_over_replicas() -> None
     assert engine["tokens_out_per_s"] == pytest.approx(800 / 4)  # replica 0 over its window: 100 s to 104 s
     assert live.history.rows[-1][live.history.fields.index("tokens_out_per_s")] == pytest.approx(200.0)
     # nothing generated since: the 5 s window still holds replica 0's 800 tokens of 100 s to 106 s, and replica 1
-    # (counting again since its restart at 104 s) adds 2 replica-seconds with none
+    # (counting again since its restart at 104 s) adds a rate of 0
     feed.snapshots = {"0": _stats(106.0, generation_tokens_total=800, prompt_tokens_total=1000, num_steps_total=80,
                                   tokenizer_requests_total=[4]),
                       "1": _stats(106.0, generation_tokens_total=10, num_steps_total=1)}
-    assert live.tick()["engine"]["tokens_out_per_s"] == pytest.approx(800 / 8)
+    assert live.tick()["engine"]["tokens_out_per_s"] == pytest.approx(800 / 6)
 
 
 def test_tenant_section_is_empty_until_the_stats_carry_tenants() -> None:

@@ -168,28 +168,32 @@ class LiveStats:
         return snapshot
 
     def _engine(self, per_replica: list[tuple[str, SchedulerStats]]) -> dict[str, float | None]:
-        """Sums over replicas; rates from each replica's counters over the last RATE_WINDOW_S."""
+        """Sums over replicas; rates from each replica's counters over the last RATE_WINDOW_S: a throughput is the
+        sum of the replicas' rates (the server's), a share of time their mean (deltas over replica-seconds)."""
         deltas = dict.fromkeys(_counters(None), 0.0)
-        elapsed = 0.0
+        rates = dict.fromkeys(_counters(None), 0.0)
+        elapsed = 0.0  # replica-seconds
         for replica_id, stats in per_replica:
             base = self._base(replica_id, stats)
             if base is None:
                 continue  # first sight, or a restarted replica (counters from zero)
-            elapsed += stats.time - base.time
+            replica_s = stats.time - base.time  # > 0 (_base)
+            elapsed += replica_s
             old = _counters(base)
             for name, value in _counters(stats).items():
-                deltas[name] += max(0.0, value - old[name])  # a tokenizer forgotten takes its count along
+                delta = max(0.0, value - old[name])  # a tokenizer forgotten takes its count along
+                deltas[name] += delta
+                rates[name] += delta / replica_s
         for gone in set(self._readings) - {replica_id for replica_id, _ in per_replica}:
             del self._readings[gone]
 
         def per_s(name: str) -> float | None:
-            return deltas[name] / elapsed if elapsed > 0 else None
+            return rates[name] if elapsed > 0 else None
 
         def share(name: str) -> float | None:
             # a step is counted whole in the snapshot its result falls in: a share may pass 1 by a step's length
             # over the window
-            value = per_s(name)
-            return None if value is None else min(1.0, value)
+            return min(1.0, deltas[name] / elapsed) if elapsed > 0 else None
 
         totals = [stats for _, stats in per_replica]
         query = sum(s.prefix_query_tokens_total for s in totals)
