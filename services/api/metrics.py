@@ -117,7 +117,8 @@ def _families(replicas: list[tuple[str, SchedulerStats]], labelled: bool) -> Ite
                 ("pagoda_num_preemptions", "Sequences preempted for lack of KV blocks", "num_preemptions_total"),
                 ("pagoda_num_swapped_preemptions", "Preempted sequences whose KV blocks went to host memory "
                  "instead of being recomputed", "num_swapped_total"),
-                ("pagoda_prompt_tokens", "Prompt tokens computed", "prompt_tokens_total"),
+                ("pagoda_prompt_tokens", "Prompt tokens of requests admitted, once a request, prefix-cache hits "
+                 "included", "prompt_tokens_total"),
                 ("pagoda_generation_tokens", "Tokens generated", "generation_tokens_total"))
     for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
         for name, doc, attr in table:
