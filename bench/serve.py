@@ -35,9 +35,14 @@ class RequestRecord:
     ok: bool
     ttft_s: float = 0.0
     e2e_s: float = 0.0
-    output_tokens: int = 0
-    gaps_s: list[float] = field(default_factory=list)  # between successive streamed chunks, per token
+    output_tokens: int = 0  # usage's completion_tokens: all `choices` completions together
+    gaps_s: list[float] = field(default_factory=list)  # between successive streamed chunks of one completion
     error: str = ""
+    choices: int = 1  # completions of the request (its n)
+
+    @property
+    def tokens_per_choice(self) -> float:
+        return self.output_tokens / self.choices
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int] | str,
@@ -45,8 +50,8 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, **sampling,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    record = RequestRecord(ok=False)
-    last = start
+    record = RequestRecord(ok=False, choices=int(sampling.get("n", 1)))
+    last: dict[int, float] = {}  # per choice index: when its latest chunk came (n > 1 streams interleave them)
     try:
         async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
@@ -60,12 +65,13 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices"):
+                for choice in chunk.get("choices") or ():
                     if record.ttft_s == 0.0:
                         record.ttft_s = now - start
-                    else:
-                        record.gaps_s.append(now - last)
-                    last = now
+                    index = choice.get("index", 0)
+                    if index in last:
+                        record.gaps_s.append(now - last[index])
+                    last[index] = now
         record.e2e_s = time.perf_counter() - start
         record.ok = record.output_tokens > 0
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -166,7 +172,7 @@ def summarize(records: list[RequestRecord], elapsed: float, concurrency: int | N
     tokens = sum(r.output_tokens for r in good)
     ttft = [r.ttft_s for r in good]
     itl = [gap for r in good for gap in r.gaps_s]
-    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.tokens_per_choice - 1) for r in good if r.tokens_per_choice > 1]
     e2e = [r.e2e_s for r in good]
     return {"concurrency": concurrency, "request_rate": rate, "num_requests": len(records),
             "num_failed": len(records) - len(good), "elapsed_s": elapsed, "requests_per_s": len(good) / elapsed,
