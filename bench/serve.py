@@ -58,13 +58,16 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                 record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return record
             async for raw in response.content:
-                line = raw.decode().strip()
+                line = raw.decode(errors="replace").strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = _stream_event(line[6:])
                 now = time.perf_counter()
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                if isinstance(chunk, str):  # an error event, or no chunk at all: the request failed so
+                    record.error = chunk
+                    return record
+                if isinstance(chunk.get("usage"), dict):
+                    record.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
                 for choice in chunk.get("choices") or ():
                     if record.ttft_s == 0.0:
                         record.ttft_s = now - start
@@ -74,9 +77,27 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                     last[index] = now
         record.e2e_s = time.perf_counter() - start
         record.ok = record.output_tokens > 0
+        if not record.ok:
+            record.error = "the stream ended without a usage chunk counting its tokens"
     except (TimeoutError, aiohttp.ClientError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     return record
+
+
+def _stream_event(text: str) -> dict[str, Any] | str:
+    """One streamed event's JSON object, or what the request failed with instead: the message of an error event
+    (a server that fails a stream after its 200 sends its error body as the last event), or a line that is no
+    chunk at all."""
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return f"not a JSON event: {text[:200]}"
+    if not isinstance(event, dict):
+        return f"not a JSON object: {text[:200]}"
+    if "error" in event:
+        error = event["error"]
+        return f"error event: {error.get('message') if isinstance(error, dict) else error}"[:300]
+    return event
 
 
 @dataclass(slots=True)

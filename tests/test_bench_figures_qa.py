@@ -122,3 +122,21 @@ def test_n_completions_time_each_completions_own_gaps(monkeypatch: pytest.Monkey
     assert summary["tpot_p50_ms"] == 1e3 * (8.0 - 1.0) / (3 - 1)  # per completion: 3 tokens, 2 after the first
     one = stream(completion_chunks(3, 1), monkeypatch)  # n = 1 as before
     assert one.gaps_s == [1.0, 1.0] and summarize([one], 5.0, 1, None)["tpot_p50_ms"] == 1e3 * (5.0 - 1.0) / 2
+
+
+@pytest.mark.parametrize(("lines", "reason"), [
+    ([sse({"choices": [{"index": 0, "text": "a"}]}), sse({"error": {"message": "queue full", "code": 503}}),
+      b"data: [DONE]\n"], "error event: queue full"),
+    ([sse({"choices": [{"index": 0, "text": "a"}]})], "without a usage chunk"),  # the server went away cleanly
+    ([b"data: <html>bad gateway</html>\n"], "not a JSON event: <html>"),
+    ([b"data: 5\n"], "not a JSON object: 5"),
+    ([b"data: \xff\xfe\n"], "not a JSON event"),
+])
+def test_a_stream_that_fails_after_its_200_is_a_failure_that_says_why(lines: list[bytes], reason: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that ended with an error event (pagoda's when --max-waiting-requests refuses a streamed request,
+    or a request times out before its first token) or without usage counted as failed with no reason: the level
+    printed 'failed N' alone and its JSON said errors []; a line that was not JSON ended the whole run with a
+    JSONDecodeError traceback (an undecodable one with a UnicodeDecodeError)."""
+    record = stream(lines, monkeypatch)
+    assert not record.ok and reason in record.error, record
