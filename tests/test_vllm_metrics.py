@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,7 +19,16 @@ from pagoda.services.api.errors import UpstreamError
 from pagoda.services.api.generation import Generation
 from pagoda.services.api.metrics import ITL_BUCKETS_S, VLLM_ITL_BUCKETS_S, ApiMetrics, buckets_1_2_5
 from pagoda.services.api.pool import Ticket
-from pagoda.shared.messages import FinishReason, RequestFailed, SchedulerStats
+from pagoda.services.api.stats import combine_stats
+from pagoda.shared.messages import (
+    REQUEST_PHASE_BUCKETS_S,
+    REQUEST_PHASES,
+    STEP_TOKEN_BUCKETS,
+    FinishReason,
+    HistogramCounts,
+    RequestFailed,
+    SchedulerStats,
+)
 from tests.harness import Server, http_client, running_server, tiny_llama_over_smollm2_vocab, wait_until
 
 MAX_MODEL_LEN = 256
@@ -172,6 +182,25 @@ def test_a_request_refused_after_admission_counts_nowhere(status: int, counted: 
     success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
                if s.name.endswith("_total") and s.value}
     assert success == counted
+
+
+def test_one_replica_reporting_of_several_keeps_its_phase_histograms_and_tenants() -> None:
+    """With --data-parallel-size 2 and one replica that never reported (still loading, or failed at start), the one
+    that did is served from its own snapshot: the scheduler's phase and step histograms and its tenants came from
+    the replicas' combined stats, which carry none of them, so vllm:request_queue_time_seconds and the others were
+    served empty and the tenant series vanished while the other replica was missing."""
+    phases = [HistogramCounts(counts=[2] + [0] * len(REQUEST_PHASE_BUCKETS_S), sum=0.25) for _ in REQUEST_PHASES]
+    steps = HistogramCounts(counts=[0, 3] + [0] * (len(STEP_TOKEN_BUCKETS) - 1), sum=12.0)
+    stats = msgspec.structs.replace(_stats(0, "tok-a"), request_phases=phases, step_tokens=steps,
+                                    tenant_names=["acme"], tenant_waiting=[1], tenant_running=[2],
+                                    tenant_admitted_total=[3], tenant_queue_seconds_total=[0.5])
+    metrics = ApiMetrics(lambda: combine_stats([stats]), lambda: [("0", stats)], "m")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics.render(None)[0].decode()) for s in f.samples}
+    for phase in REQUEST_PHASES:
+        assert total(samples, f"vllm:request_{phase}_time_seconds_count", engine="0") == 2, phase
+    assert total(samples, "vllm:iteration_tokens_total_sum", engine="0") == 12
+    assert total(samples, "pagoda_tenant_sequences_running", tenant="acme") == 2
 
 
 REQUEST_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",

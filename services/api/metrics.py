@@ -94,7 +94,9 @@ class SnapshotCollector:
         if self._per_replica is not None and (len(replicas) > 1 or (replicas and replicas[0][0] != "0")):
             yield from _families(replicas, labelled=True)
         else:
-            stats = self._latest()
+            # replica 0's own snapshot when it is the one reporting: `latest` combines the replicas (another one may
+            # be configured and silent), which keeps neither the phase and step histograms nor the tenants
+            stats = replicas[0][1] if replicas else self._latest()
             if stats is None:
                 return  # nothing known yet: absent, not a fake zero
             yield from _families([("", stats)], labelled=False)
