@@ -181,10 +181,15 @@ async def run_level(url: str, model: str, prompts: list[Any], output_len: int, c
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1) by linear interpolation between the two nearest ranks, as numpy's percentile
+    (and so vLLM's benchmark_serving) computes it: the median of [10, 20] is 15, their p99 19.9."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def summarize(records: list[RequestRecord], elapsed: float, concurrency: int | None,

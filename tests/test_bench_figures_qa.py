@@ -140,3 +140,18 @@ def test_a_stream_that_fails_after_its_200_is_a_failure_that_says_why(lines: lis
     JSONDecodeError traceback (an undecodable one with a UnicodeDecodeError)."""
     record = stream(lines, monkeypatch)
     assert not record.ok and reason in record.error, record
+
+
+def test_latency_percentiles_interpolate_between_ranks_as_numpy_does() -> None:
+    """_pct took the value at int(q * n): the upper one of two middles, so the p50 of two requests was the slower
+    one (and equal to their p99), the p50 of [1, 2, 3, 4] was 3 and the p99 of 100 samples their maximum."""
+    import numpy as np
+
+    from pagoda.bench.serve import _pct
+
+    for values in ([10.0, 20.0], [4.0, 1.0, 3.0, 2.0], [float(v) for v in range(1, 101)], [7.0],
+                   [0.3, 0.1, 0.9, 0.5, 0.2, 0.8, 0.4]):
+        for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+            assert _pct(values, q) == pytest.approx(float(np.percentile(values, 100 * q))), (values, q)
+    assert _pct([10.0, 20.0], 0.5) == 15.0 and _pct([5.0], 0.99) == 5.0
+    assert _pct([float(v) for v in range(1, 101)], 0.99) == pytest.approx(99.01)
