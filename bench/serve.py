@@ -165,10 +165,10 @@ async def run_level(url: str, model: str, prompts: list[Any], output_len: int, c
 
         start = time.perf_counter()
         tasks = []
-        for prompt, fields in zip(prompts, per_prompt, strict=True):
-            tasks.append(asyncio.create_task(limited(prompt, fields)))
-            if rate:
+        for i, (prompt, fields) in enumerate(zip(prompts, per_prompt, strict=True)):
+            if rate and i:  # the gap before each arrival after the first: none after the last, inside the window
                 await asyncio.sleep(rng.expovariate(rate))  # the arrival process itself, not synchronisation
+            tasks.append(asyncio.create_task(limited(prompt, fields)))
         records = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
         if watcher is not None:

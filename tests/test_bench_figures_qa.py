@@ -155,3 +155,43 @@ def test_latency_percentiles_interpolate_between_ranks_as_numpy_does() -> None:
             assert _pct(values, q) == pytest.approx(float(np.percentile(values, 100 * q))), (values, q)
     assert _pct([10.0, 20.0], 0.5) == 15.0 and _pct([5.0], 0.99) == 5.0
     assert _pct([float(v) for v in range(1, 101)], 0.99) == pytest.approx(99.01)
+
+
+def test_poisson_arrivals_follow_the_seed_and_the_window_ends_with_the_last_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_level slept one more exponential gap after sending its last request: that wait, in which nothing was
+    sent and every request may long have finished, was inside the measured window, so the rate level's elapsed_s
+    took one mean gap (1 / rate) more and its out tok/s and req/s came out low (by 1 / num_prompts of the window
+    at saturation, more at low rates)."""
+    import asyncio
+    import random
+
+    from pagoda.bench import serve
+
+    clock = {"now": 0.0}
+    sent: list[float] = []
+
+    class VirtualTime:
+        @staticmethod
+        def perf_counter() -> float:
+            return clock["now"]
+
+    real_sleep = asyncio.sleep
+
+    async def virtual_sleep(delay: float) -> None:
+        await real_sleep(0)  # the requests already created start now, as they do at a real sleep's start
+        clock["now"] += delay
+
+    async def instant(*args: object) -> serve.RequestRecord:
+        sent.append(clock["now"])
+        return serve.RequestRecord(ok=True, ttft_s=0.0, e2e_s=0.0, output_tokens=4)
+
+    monkeypatch.setattr(serve, "time", VirtualTime())
+    monkeypatch.setattr(serve.asyncio, "sleep", virtual_sleep)
+    monkeypatch.setattr(serve, "_one", instant)
+    result = asyncio.run(serve.run_level("http://x", "m", [[1]] * 5, 4, None, 2.0, {}, seed=7))
+    rng = random.Random(7)
+    gaps = [rng.expovariate(2.0) for _ in range(4)]
+    assert sent == pytest.approx([sum(gaps[:i]) for i in range(5)])  # the seeded arrivals, the first at once
+    assert result["elapsed_s"] == pytest.approx(sum(gaps))  # to the last request's end, which is its arrival here
+    assert result["output_tok_per_s"] == pytest.approx(20 / sum(gaps))
