@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -15,11 +16,24 @@ def stamp() -> str:
 
 
 def write_json(path: str | Path, data: Any, indent: int = 2) -> Path:
-    """`data` as JSON in `path`, its folder made when missing."""
+    """`data` as JSON in `path`, its folder made when missing. A figure that is no number (NaN or infinite: a
+    percentile of no samples, a rate over no time) is written null: JSON has no NaN, and strict readers (JSON.parse,
+    Go, serde) refuse the file that Python's default writes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent))
+    path.write_text(json.dumps(finite(data), indent=indent, allow_nan=False))
     return path
+
+
+def finite(data: Any) -> Any:
+    """`data` with every float that is NaN or infinite replaced by None, through dicts, lists and tuples."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: finite(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite(value) for value in data]
+    return data
 
 
 def report_path(out: str | Path | None, default_name: str, fallback_dir: str | None = None) -> Path | None:

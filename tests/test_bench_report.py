@@ -30,3 +30,17 @@ def test_nowhere_without_out_unless_a_fallback(tmp_path: Path, monkeypatch: pyte
     assert write_report({"a": 1}, None, "bench.json") is None
     path = write_report({"a": 1}, None, "bench.json", fallback_dir=str(tmp_path / "fallback"))
     assert path == tmp_path / "fallback" / "bench.json" and path.exists()
+
+
+def test_a_figure_that_is_no_number_is_written_null(tmp_path: Path) -> None:
+    """A serve level whose requests all failed (every percentile of no samples), or one of 1-token outputs (no
+    inter-token gaps), wrote NaN into the report: no JSON, and JSON.parse, jq's strict readers or Go refused the
+    whole file."""
+    from pagoda.bench.report import write_json
+
+    path = write_json(tmp_path / "r.json", {"levels": [{"ttft_p50_ms": float("nan"), "rate": float("inf"),
+                                                        "ok": 1.5, "list": [float("-inf"), 2], "t": (float("nan"),)}]})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"levels": [{"ttft_p50_ms": None, "rate": None, "ok": 1.5, "list": [None, 2],
+                                            "t": [None]}]}
