@@ -36,6 +36,23 @@ def finite(data: Any) -> Any:
     return data
 
 
+def unwritable(path: str | Path) -> str | None:
+    """Why a report could not be written at `path`, or None when it can: its folder is made and the file opened for
+    appending (a file this creates is removed again). A benchmark asks before it runs, so that a long run does not
+    end in a traceback that loses its figures."""
+    path = Path(path)
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        return f"{exc.strerror or exc}: {exc.filename or path}"
+    return None
+
+
 def report_path(out: str | Path | None, default_name: str, fallback_dir: str | None = None) -> Path | None:
     """--out when given, else $OUT/default_name, else fallback_dir/default_name; None: no report wanted."""
     if out:

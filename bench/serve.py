@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from pagoda.bench.report import stamp, write_json
+from pagoda.bench.report import stamp, unwritable, write_json
 from pagoda.bench.workload import PRESETS, Workload, preset
 
 CONSOLE_POLL_S = 2.0  # the request inspector's poll (services/api/console/static/inspector.js)
@@ -275,6 +275,9 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.out and (why := unwritable(args.out)):
+        print(f"--out {args.out}: cannot write the report there ({why})", file=sys.stderr)
+        return 2
     workload = _workload(args)
     if workload.sampling == "beam":
         print("beam search is not streamed: run the beam4 workload with bench/throughput.py", file=sys.stderr)

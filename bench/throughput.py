@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from pagoda.bench.report import stamp, write_json
+from pagoda.bench.report import stamp, unwritable, write_json
 from pagoda.bench.roofline import Precision, batch1_floor_ms, checkpoint_quantization, roofline_seconds
 from pagoda.bench.workload import ENGINE_DEFAULTS, PRESETS, Workload, preset
 from pagoda.shared.config import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -244,6 +244,9 @@ def main(args: argparse.Namespace) -> int:
     if args.system:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return 0
+    if args.out and (why := unwritable(args.out)):
+        print(f"--out {args.out}: cannot write the report there ({why})", file=sys.stderr)
+        return 2
     systems = ([] if args.skip_pagoda else ["pagoda"]) + args.peer
     workload = workload_from_args(args)
     if args.peer and (workload.n > 1 or workload.sampling != "greedy"):

@@ -195,3 +195,31 @@ def test_poisson_arrivals_follow_the_seed_and_the_window_ends_with_the_last_requ
     assert sent == pytest.approx([sum(gaps[:i]) for i in range(5)])  # the seeded arrivals, the first at once
     assert result["elapsed_s"] == pytest.approx(sum(gaps))  # to the last request's end, which is its arrival here
     assert result["output_tok_per_s"] == pytest.approx(20 / sum(gaps))
+
+
+@pytest.mark.parametrize("command", ["serve", "throughput"])
+def test_an_unwritable_out_is_refused_before_the_run(command: str, tmp_path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """--out under a file (or a folder, or a read-only place) was found out when the report was written: serve's
+    after every level had run, throughput's after pagoda's whole run, each a FileExistsError traceback whose
+    report was lost (and throughput's peers never ran)."""
+    from pagoda.bench import serve, throughput
+    from pagoda.bench.report import unwritable
+    from pagoda.cli import main
+
+    def no_run(*args: object) -> None:
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(serve, "run_level", no_run)
+    monkeypatch.setattr(throughput, "_run_child", no_run)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker / "report.json", tmp_path):  # under a file; a folder
+        argv = ["bench", command, "--out", str(out), "--num-prompts", "1", "--input-len", "4", "--output-len", "2"]
+        argv += ["--concurrency", "1"] if command == "serve" else ["--model", "tiny", "--load-format", "dummy"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: cannot write the report there" in err and "Traceback" not in err, err
+    fresh = tmp_path / "new" / "report.json"
+    assert unwritable(fresh) is None and not fresh.exists()  # the check leaves no empty report behind
+    assert unwritable(blocker) is None and blocker.exists()  # nor removes one that was there
