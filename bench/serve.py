@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from pagoda.bench.report import stamp, unwritable, write_json
-from pagoda.bench.workload import PRESETS, Workload, preset
+from pagoda.bench.workload import PRESETS, Workload, positive_int, preset
 
 CONSOLE_POLL_S = 2.0  # the request inspector's poll (services/api/console/static/inspector.js)
 
@@ -208,17 +208,6 @@ def summarize(records: list[RequestRecord], elapsed: float, concurrency: int | N
             **{f"tpot_p{q}_ms": 1e3 * _pct(tpot, q / 100) for q in (50, 99)},
             **{f"e2e_p{q}_s": _pct(e2e, q / 100) for q in (50, 99)},
             "errors": sorted({r.error for r in records if r.error})[:5]}
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (argparse names the flag in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
-    return value
 
 
 def positive_rate(text: str) -> float:

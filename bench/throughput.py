@@ -17,7 +17,15 @@ from typing import Any
 
 from pagoda.bench.report import stamp, unwritable, write_json
 from pagoda.bench.roofline import Precision, batch1_floor_ms, checkpoint_quantization, roofline_seconds
-from pagoda.bench.workload import ENGINE_DEFAULTS, PRESETS, Workload, preset
+from pagoda.bench.workload import (
+    ENGINE_DEFAULTS,
+    PRESETS,
+    Workload,
+    jitter_fraction,
+    non_negative_int,
+    positive_int,
+    preset,
+)
 from pagoda.shared.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
@@ -207,10 +215,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     parser.add_argument("--workload", default=None, choices=tuple(PRESETS),
                         help="a named workload (bench/workload.py); size flags below override its numbers")
-    parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--input-len", type=int, default=None)
-    parser.add_argument("--input-len-jitter", type=float, default=None)
-    parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--num-prompts", type=positive_int, default=None)
+    parser.add_argument("--input-len", type=positive_int, default=None)
+    parser.add_argument("--input-len-jitter", type=jitter_fraction, default=None,
+                        help="prompt lengths uniform in input-len * [1 - j, 1 + j], j in [0, 1]")
+    parser.add_argument("--output-len", type=positive_int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
@@ -230,9 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", action="append", default=[], choices=("hf-static", "hf-compiled", "hf-cb"),
                         help="also run this Hugging Face peer (repeatable)")
     parser.add_argument("--skip-pagoda", action="store_true", help="run only the peers")
-    parser.add_argument("--latency-prompt-len", type=int, default=0,
+    parser.add_argument("--latency-prompt-len", type=non_negative_int, default=0,
                         help="also time batch-1 decode after a prompt of this many tokens")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="pagoda only: time the workload this many times in one process (fresh prompts each) and "
                              "report the median run")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each system may run")

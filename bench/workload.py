@@ -37,6 +37,8 @@ requests entering and leaving); `--num-prompts 3000` reproduces that count at th
 
 from __future__ import annotations
 
+import argparse
+import math
 import random
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -125,3 +127,34 @@ def preset(name: str, model: str = "", **overrides: Any) -> Workload:
     if name == "long" and model in LONG_INPUT_LEN:
         workload = replace(workload, input_len=LONG_INPUT_LEN[model])
     return replace(workload, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    value = non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    return value
+
+
+def jitter_fraction(text: str) -> float:
+    """An argparse type: --input-len-jitter, a fraction in [0, 1] (lengths uniform in input_len * [1 - j, 1 + j],
+    so past 1 they would go below zero)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a fraction in [0, 1]")
+    return value

@@ -223,3 +223,31 @@ def test_an_unwritable_out_is_refused_before_the_run(command: str, tmp_path, cap
     fresh = tmp_path / "new" / "report.json"
     assert unwritable(fresh) is None and not fresh.exists()  # the check leaves no empty report behind
     assert unwritable(blocker) is None and blocker.exists()  # nor removes one that was there
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--num-prompts", "0"), ("--num-prompts", "-3"), ("--input-len", "0"), ("--output-len", "0"),
+    ("--output-len", "x"), ("--input-len-jitter", "1.5"), ("--input-len-jitter", "-0.5"),
+    ("--input-len-jitter", "nan"), ("--repeats", "0"), ("--latency-prompt-len", "-1")])
+def test_a_bad_throughput_size_flag_is_refused_naming_it(flag: str, value: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """bench throughput took any int or float: --num-prompts 0 / -3, --output-len 0 and --repeats 0 started the
+    child and ended in its traceback ('pagoda failed'; the floor printed -62,736,299 out tok/s for -3 prompts);
+    --input-len 0 ran 1-token prompts under a report saying 0; --input-len-jitter 1.5 or -0.5 ran, its lengths
+    clipped at 1, with the flag's value reported."""
+    from pagoda.cli import build_parser
+
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["bench", "throughput", flag, value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and "Traceback" not in err, err
+
+
+def test_throughput_size_flags_take_their_edges() -> None:
+    from pagoda.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "throughput", "--num-prompts", "1", "--output-len", "1",
+                                      "--input-len-jitter", "0", "--latency-prompt-len", "0", "--repeats", "1"])
+    assert (args.num_prompts, args.output_len, args.input_len_jitter, args.latency_prompt_len) == (1, 1, 0.0, 0)
+    assert build_parser().parse_args(["bench", "throughput", "--input-len-jitter", "1"]).input_len_jitter == 1.0
