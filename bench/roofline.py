@@ -5,10 +5,10 @@ once (all sequences in lockstep), at HBM bandwidth, or does its FLOPs at the pea
 
 Everything is counted in the precision the engine stores it (issue 25):
 - `--quantization fp8` / `fp8_block`: the linear layers the engine quantizes (attention projections, dense MLPs,
-  routed experts, DeepSeek's shared experts) read one byte per weight plus their fp32 scales (one per output
-  channel; fp8_block: one per output row and 128 input columns), and their GEMMs run at the FP8 peak. Embeddings,
-  the LM head, norms, routers, MLA's kv_b and Qwen2-MoE's shared expert stay in the model dtype (as the engine
-  keeps them: services/worker/models/*.py).
+  routed experts, DeepSeek's and GLM-4.5's shared experts) read one byte per weight plus their fp32 scales (one per
+  output channel; fp8_block: one per output row and 128 input columns), and their GEMMs run at the FP8 peak.
+  Embeddings, the LM head, norms, routers, MLA's kv_b and Qwen2-MoE's shared expert stay in the model dtype (as the
+  engine keeps them: services/worker/models/*.py).
 - `--kv-cache-dtype fp8`: one byte per cached element (K and V, or MLA's latent entry); its scales are per layer
   and tensor, so nothing per token.
 
@@ -102,7 +102,8 @@ def fp8_linears(arch: ModelArch, layer: int) -> tuple[list[tuple[str, int, int]]
     expert = moe.expert_intermediate_size
     experts = [("expert_gate_up", 2 * expert, h), ("expert_down", h, expert)]
     shared = moe.shared_expert_intermediate_size
-    if shared and mla is not None:  # DeepSeek's shared experts are a quantized dense MLP; Qwen2-MoE's stay bf16
+    if shared and not moe.shared_expert_gated:  # DeepSeek's and GLM-4.5's (DeepseekMoe) are quantized; Qwen2-MoE's
+        # sigmoid-gated one stays in the model dtype
         attention += [("shared_gate_up", 2 * shared, h), ("shared_down", h, shared)]
     return attention, experts
 

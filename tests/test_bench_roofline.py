@@ -201,3 +201,22 @@ def test_gemm_sweep_shapes_are_the_engines_linears() -> None:
     variants = gemm_variants()
     assert {"bf16", "fp8_rowwise_linear", "fp8_block_linear"} <= variants.keys()
     assert all(v.weights in ("bf16", "channel", "block", "none") for v in variants.values())
+
+
+@pytest.mark.parametrize("name", ["glm-4.5-air", "tiny-glm4-moe"])
+def test_glm4_moe_shared_experts_are_counted_in_fp8(name: str) -> None:
+    """GLM-4.5's sparse block is DeepSeek's (models/glm4_moe.py: DeepseekMoe), whose shared experts the engine
+    stores in FP8 (fused in as more experts, or a quantized dense MLP); the floor counted them bf16, as Qwen2-MoE's
+    gated one, because only an MLA model's were taken as FP8 (tiny-glm4-moe: 12,288 of the engine's 172,032 FP8
+    layer weights counted at 2 bytes)."""
+    arch = SHAPES[name]
+    moe = arch.moe
+    assert moe is not None and arch.mla is None and not moe.shared_expert_gated
+    h = arch.hidden_size
+    sparse, dense = len(moe.sparse_layers), arch.num_layers - len(moe.sparse_layers)
+    attention = arch.num_layers * (h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h)
+    experts_per_token = moe.top_k + moe.shared_expert_intermediate_size / moe.expert_intermediate_size
+    expected = attention + dense * 3 * h * arch.intermediate_size + sparse * experts_per_token * moe.expert_params(h)
+    weights = layer_weights(arch, 1, FP8)
+    assert weights.fp8_params == pytest.approx(expected)
+    assert weights.fp8_params + weights.plain_params == pytest.approx(arch.layer_weight_params(1))
