@@ -193,15 +193,18 @@ def prefill_seconds(arch: ModelArch, workload: Workload, precision: Precision) -
 
 
 def roofline_seconds(arch: ModelArch, workload: Workload, precision: Precision | None = None) -> dict[str, Any]:
-    """The physical floor of the workload: prefill at the matmul peak, then every decode step at its roofline."""
+    """The physical floor of the workload: prefill at the matmul peak, then every decode step at its roofline.
+
+    The prefill samples each sequence's first token (its logits row is in prefill_seconds), so output_len tokens
+    take output_len - 1 decode steps; the step making token k + 1 attends over the prompt and k tokens."""
     precision = precision or Precision()
     p, o, shared = workload.input_len, workload.output_len, workload.shared_prefix_len
     seqs = workload.num_prompts * workload.n
     prefill_s, prefill_tokens = prefill_seconds(arch, workload, precision)
-    decode_s = sum(step_seconds(arch, seqs, seqs * (shared + p + i), precision) for i in range(o))
+    decode_s = sum(step_seconds(arch, seqs, seqs * (shared + p + k), precision) for k in range(1, o))
     return {"floor_s": prefill_s + decode_s, "floor_prefill_s": prefill_s, "floor_decode_s": decode_s,
             "floor_out_tok_per_s": seqs * o / (prefill_s + decode_s),
-            "floor_decode_step_ms": 1e3 * decode_s / max(o, 1),
+            "floor_decode_step_ms": 1e3 * decode_s / max(o - 1, 1),
             "floor_batch1_ms_at_prompt": batch1_floor_ms(arch, shared + p, precision),
             "prefill_tokens": prefill_tokens, "weight_bytes_batch1": weight_bytes_per_step(arch, 1, precision),
             "kv_bytes_per_token": arch.kv_bytes_per_token(precision.kv_bytes),

@@ -220,3 +220,20 @@ def test_glm4_moe_shared_experts_are_counted_in_fp8(name: str) -> None:
     weights = layer_weights(arch, 1, FP8)
     assert weights.fp8_params == pytest.approx(expected)
     assert weights.fp8_params + weights.plain_params == pytest.approx(arch.layer_weight_params(1))
+
+
+def test_decode_floor_takes_one_step_fewer_than_the_output_tokens() -> None:
+    """The prefill samples every sequence's first token (its logits row is in the prefill floor), so output_len
+    tokens take output_len - 1 decode steps (bench throughput's 4 x 16 -> 8 run: 8 steps, one of them the
+    prefill). The floor took output_len steps, from a context of the prompt alone: one weight read and a prompt's
+    KV too many, so a 1-token workload had a whole decode step in its floor."""
+    from pagoda.bench.roofline import step_seconds
+
+    arch = SHAPES["llama3-8b"]
+    one = replace(PRESETS["reference"], num_prompts=8, input_len=100, output_len=1)
+    assert roofline_seconds(arch, one)["floor_decode_s"] == 0.0
+    floor = roofline_seconds(arch, replace(one, output_len=3))
+    assert floor["floor_decode_s"] == pytest.approx(step_seconds(arch, 8, 8 * 101, BF16)
+                                                    + step_seconds(arch, 8, 8 * 102, BF16))
+    assert floor["floor_decode_step_ms"] == pytest.approx(1e3 * floor["floor_decode_s"] / 2)
+    assert floor["floor_out_tok_per_s"] == pytest.approx(8 * 3 / (floor["floor_prefill_s"] + floor["floor_decode_s"]))
