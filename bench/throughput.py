@@ -26,7 +26,7 @@ from pagoda.bench.workload import (
     positive_int,
     preset,
 )
-from pagoda.shared.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from pagoda.shared.config import DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _step_summary(timer: Any) -> dict[str, Any]:
@@ -206,7 +206,10 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
 def precision_from_args(args: argparse.Namespace) -> Precision:
     """The storage the floor counts: the model dtype, --quantization (or an FP8 checkpoint's own), the KV dtype."""
     quantization = args.quantization or checkpoint_quantization(args.model)
-    dtype_bytes = 4 if args.dtype in ("float32", "fp32") else 2
+    dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)  # --dtype float is float32, as the engine reads it
+    if dtype == "auto":  # the engine's choice: float32 on a CPU named, else bf16 (a device left auto: CUDA's)
+        dtype = "float32" if args.device == "cpu" else "bfloat16"
+    dtype_bytes = 4 if dtype == "float32" else 2
     return Precision(dtype_bytes, quantization, args.kv_cache_dtype or "auto")
 
 

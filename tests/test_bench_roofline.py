@@ -237,3 +237,14 @@ def test_decode_floor_takes_one_step_fewer_than_the_output_tokens() -> None:
                                                     + step_seconds(arch, 8, 8 * 102, BF16))
     assert floor["floor_decode_step_ms"] == pytest.approx(1e3 * floor["floor_decode_s"] / 2)
     assert floor["floor_out_tok_per_s"] == pytest.approx(8 * 3 / (floor["floor_prefill_s"] + floor["floor_decode_s"]))
+
+
+@pytest.mark.parametrize(("flags", "dtype_bytes"), [
+    ([], 2), (["--dtype", "bfloat16"], 2), (["--dtype", "float16"], 2), (["--dtype", "half"], 2),
+    (["--dtype", "float32"], 4), (["--dtype", "float"], 4), (["--device", "cpu"], 4),
+    (["--device", "cpu", "--dtype", "bfloat16"], 2)])
+def test_the_floor_counts_weights_in_the_dtype_the_engine_runs(flags: list[str], dtype_bytes: int) -> None:
+    """--dtype float (vLLM's name for float32, which the engine takes) was counted at 2 bytes a weight, and so was
+    --device cpu with --dtype auto, where the engine runs float32 (the run's own 'dtype': 'torch.float32')."""
+    args = build_parser().parse_args(["bench", "throughput", "--model", "tiny", "--load-format", "dummy", *flags])
+    assert precision_from_args(args).dtype_bytes == dtype_bytes
