@@ -259,6 +259,9 @@ def main(args: argparse.Namespace) -> int:
     if args.out and (why := unwritable(args.out)):
         print(f"--out {args.out}: cannot write the report there ({why})", file=sys.stderr)
         return 2
+    if why := plan_error(args):
+        print(why, file=sys.stderr)
+        return 2
     systems = ([] if args.skip_pagoda else ["pagoda"]) + args.peer
     workload = workload_from_args(args)
     if args.peer and (workload.n > 1 or workload.sampling != "greedy"):
@@ -276,6 +279,30 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
     _print_table(report)
     return 0 if all("error" not in r for r in results) else 1
+
+
+def plan_error(args: argparse.Namespace) -> str | None:
+    """Why the run cannot go as asked, found before any process starts (a child found it only as a traceback): a
+    model that is no folder or dummy shape, a --max-model-len past its context, or a prompt of the workload that
+    leaves no room for --output-len tokens."""
+    from pagoda.shared.errors import PagodaError
+    from pagoda.shared.shapes import resolve_arch, resolve_max_model_len
+
+    try:
+        arch = resolve_arch(args.model, "dummy" if args.load_format == "dummy" else "auto", args.tokenizer)
+    except PagodaError as exc:
+        return f"--model {args.model}: {exc}"
+    try:
+        context = resolve_max_model_len(arch, args.max_model_len)
+    except PagodaError as exc:
+        return f"--max-model-len {args.max_model_len}: {exc}"
+    workload = workload_from_args(args)
+    longest = max(len(prompt) for prompt in workload.prompts(arch.vocab_size))
+    if longest + workload.output_len > context:
+        return (f"--input-len / --output-len: the workload's longest prompt ({longest} tokens) and "
+                f"{workload.output_len} output tokens exceed the {context}-token context of {args.model} "
+                "(--max-model-len)")
+    return None
 
 
 _FORWARDED = ("model", "load_format", "workload", "num_prompts", "input_len", "input_len_jitter", "output_len", "seed",

@@ -251,3 +251,38 @@ def test_throughput_size_flags_take_their_edges() -> None:
                                       "--input-len-jitter", "0", "--latency-prompt-len", "0", "--repeats", "1"])
     assert (args.num_prompts, args.output_len, args.input_len_jitter, args.latency_prompt_len) == (1, 1, 0.0, 0)
     assert build_parser().parse_args(["bench", "throughput", "--input-len-jitter", "1"]).input_len_jitter == 1.0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--model", "nosuch"], "--model nosuch: unknown dummy shape 'nosuch'"),
+    (["--input-len", "9000"], "exceed the 2048-token context of tiny"),
+    (["--input-len", "8", "--output-len", "2041"], "longest prompt (9 tokens) and 2041 output tokens exceed"),
+    (["--max-model-len", "99999"], "--max-model-len 99999: max_model_len 99999 exceeds"),
+])
+def test_a_throughput_plan_that_cannot_run_is_refused_before_any_process(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unknown model, a --max-model-len past the model's context or a prompt with no room for its outputs
+    started the child anyway, and came back as 'pagoda failed' with 2,000 characters of its traceback (the reason
+    on the last line, cut off in the JSON's error), exit 1."""
+    from pagoda.bench import throughput
+    from pagoda.cli import main
+
+    def no_run(*args: object) -> None:
+        raise AssertionError("a child was started")
+
+    monkeypatch.setattr(throughput, "_run_child", no_run)
+    argv = ["bench", "throughput", "--model", "tiny", "--load-format", "dummy", "--num-prompts", "2",
+            "--input-len", "8", "--input-len-jitter", "0.1", "--output-len", "4", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_a_plan_that_fits_the_context_exactly_runs() -> None:
+    from pagoda.bench.throughput import plan_error
+    from pagoda.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "throughput", "--model", "tiny", "--load-format", "dummy",
+                                      "--num-prompts", "2", "--input-len", "2000", "--input-len-jitter", "0",
+                                      "--output-len", "48"])
+    assert plan_error(args) is None  # 2000 + 48 = 2048: the engine takes it
