@@ -264,6 +264,9 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.concurrency and not args.request_rate:
+        print("--concurrency / --request-rate: no load level to run (both are empty)", file=sys.stderr)
+        return 2
     if args.out and (why := unwritable(args.out)):
         print(f"--out {args.out}: cannot write the report there ({why})", file=sys.stderr)
         return 2

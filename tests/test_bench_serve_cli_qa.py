@@ -46,3 +46,10 @@ def test_a_level_whose_requests_failed_says_why(capsys: pytest.CaptureFixture[st
     assert code == 1
     out = capsys.readouterr().out
     assert "failed 1" in out and "first error: ClientConnectorError" in out, out
+
+
+def test_no_load_level_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--concurrency '' without --request-rate ran nothing, wrote a report of no levels and exited 0, as if it had
+    measured."""
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--concurrency", ""]) == 2
+    assert "no load level to run" in capsys.readouterr().err
