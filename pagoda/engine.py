@@ -19,6 +19,8 @@ from pagoda.services.grammar.compiler import GrammarChecker, cache_key, ending_i
 from pagoda.services.scheduler.pipeline import PlanPipeline, run_step, settle_idle
 from pagoda.services.scheduler.scheduler import Request, Scheduler, Sequence, SeqUpdate
 from pagoda.services.tokenizer.bad_words import with_bad_words_token_ids
+from pagoda.services.tokenizer.detokenizer import REPLACEMENT_CHAR
+from pagoda.services.tokenizer.logprob_text import MAX_CONTEXT_TOKENS, prompt_context, shown_token_text
 from pagoda.services.tokenizer.output import advance, stop_reason
 from pagoda.services.tokenizer.prompts import Prompt, encode_text_prompt, prompt_room, truncated_ids
 from pagoda.services.tokenizer.text_stream import TextStream, tokens_before_stop
@@ -344,25 +346,43 @@ class LLMEngine:
     def _add_prompt_scores(self, output: RequestOutput, scores: PromptScores) -> None:
         assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == scores.first
         ranks = scores.ranks or [None] * len(scores.token_ids)
-        for token_id, logprob, top_ids, top_logprobs, rank in zip(scores.token_ids, scores.logprobs,
-                                                                  scores.top_token_ids, scores.top_logprobs, ranks,
-                                                                  strict=True):
-            output.prompt_logprobs.append(self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs))
+        for k, (token_id, logprob, top_ids, top_logprobs, rank) in enumerate(zip(
+                scores.token_ids, scores.logprobs, scores.top_token_ids, scores.top_logprobs, ranks, strict=True)):
+            context = prompt_context(output.prompt_token_ids, scores.first + k)
+            output.prompt_logprobs.append(self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs,
+                                                              context))
 
     def _logprob_entry(self, token_id: int, logprob: float, rank: int | None, top_ids: list[int],
-                       top_logprobs: list[float], ranked: bool = True) -> dict[int, Logprob]:
+                       top_logprobs: list[float], context: list[int], ranked: bool = True) -> dict[int, Logprob]:
         """{token id: Logprob} for a chosen token and the top k of its distribution (ranked 1..k), vLLM's order:
         the chosen token first, unless it is among the top k. ranked False: top_ids are logprob_token_ids (rank
-        None: their place in the distribution is not computed)."""
-        chosen = Logprob(logprob, rank, self._token_text(token_id))
+        None: their place in the distribution is not computed). `context`: the sequence's tokens before this
+        position, which a token holding part of a UTF-8 character is shown after (logprob_text)."""
+        chosen = Logprob(logprob, rank, self._shown_text(token_id, context))
         entry = {token_id: chosen}
         for place, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
-            entry[top_id] = Logprob(top_logprob, place if ranked else None, self._token_text(top_id))
+            entry[top_id] = Logprob(top_logprob, place if ranked else None, self._shown_text(top_id, context))
         entry[token_id] = chosen
         return entry
 
+    def _shown_text(self, token_id: int, context: list[int]) -> str | None:
+        """vLLM's decoded_token: the token's own text, or for one that holds part of a UTF-8 character "" (a
+        leading piece) or the character (the piece that completes it); None without a tokenizer."""
+        text = self._token_text(token_id)
+        if text is None or not text.endswith(REPLACEMENT_CHAR):
+            return text
+        assert self.tokenizer is not None
+        tokenizer = self.tokenizer
+        return shown_token_text(token_id, text, context,
+                                lambda ids: tokenizer.decode(ids, skip_special_tokens=False), self._own_text)
+
+    def _own_text(self, token_id: int) -> str:
+        text = self._token_text(token_id)
+        assert text is not None
+        return text
+
     def _token_text(self, token_id: int) -> str | None:
-        """A token's own text (vLLM's decoded_token), cached; None without a tokenizer."""
+        """A token's own decode, cached; None without a tokenizer."""
         if self.tokenizer is None:
             return None
         text = self._token_texts.get(token_id)
@@ -427,8 +447,9 @@ class LLMEngine:
         logprob = result.sampled_logprobs[row]
         rank = result.sampled_ranks[row] if result.sampled_ranks else None
         listed = bool(update.seq.request.sampling.logprob_token_ids)  # its ids, not its top k: no place is a rank
+        context = completion.token_ids[-MAX_CONTEXT_TOKENS - 1:-1]  # the tokens before this one (appended already)
         completion.logprobs.append(self._logprob_entry(update.token_id, logprob, rank, result.top_token_ids[row],
-                                                       result.top_logprobs[row], ranked=not listed))
+                                                       result.top_logprobs[row], context, ranked=not listed))
         completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + logprob
 
 

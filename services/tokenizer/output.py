@@ -7,9 +7,12 @@ has its deltas held back and merged before either (pacing.py), so that both hono
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagoda.services.protocol.render import PromptRenderer
+from pagoda.services.tokenizer.detokenizer import REPLACEMENT_CHAR
+from pagoda.services.tokenizer.logprob_text import RecentIds, prompt_context, shown_token_text
 from pagoda.services.tokenizer.pacing import Pacer
 from pagoda.services.tokenizer.text_stream import TextStream
 from pagoda.services.tokenizer.tokenizer import Tokenizer
@@ -94,6 +97,9 @@ class RequestState:
     renderer: PromptRenderer | None = None  # the api asked for bytes (RenderedRows), not TextDeltas
     forced: list[int] = field(default_factory=list)  # a grammar's forced start: shown with completion 0's first token
     pacer: Pacer | None = None  # a stream interval above 1: the completions' deltas held back and merged
+    # logprobs: each completion's last tokens, and the prompt's, which a token's shown string may need (logprob_text)
+    recent_ids: list[RecentIds] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 def stream_interval(params: SamplingParams, server_interval: int) -> int:
@@ -133,6 +139,10 @@ class Outputs:
             api, params, streams, params.n, first_token, request.return_token_ids or self.tokenizer is None, renderer,
             list(forced or ()), Pacer(interval, params.n) if interval > 1 else None)
         assert not state.forced or params.n == 1, "a forced start is for one completion"
+        if params.logprobs is not None:
+            state.recent_ids = [RecentIds(state.forced if i == 0 else ()) for i in range(params.n)]
+        if params.prompt_logprobs is not None:
+            state.prompt_token_ids = prompt_token_ids
         return state
 
     def on_token_deltas(self, message: TokenDeltas) -> OutputBatch:
@@ -152,7 +162,8 @@ class Outputs:
                 continue  # aborted or failed here: these tokens were already on their way
             try:
                 delta = self._text_delta(state, request_id, index, token_id, reason, message.num_cached_tokens[row],
-                                         self._row_logprobs(message, lp_at, row, token_id) if lp_at else None,
+                                         self._row_logprobs(message, lp_at, row, token_id, state, index)
+                                         if lp_at else None,
                                          scores_at.get(row) if scores_at is not None else None, batch)
                 if delta is None:
                     continue
@@ -186,16 +197,20 @@ class Outputs:
         sends.into(batch)
         return batch
 
-    def _row_logprobs(self, message: TokenDeltas, lp_at: dict[int, int] | None, row: int,
-                      token_id: int) -> PositionLogprobs | None:
+    def _row_logprobs(self, message: TokenDeltas, lp_at: dict[int, int] | None, row: int, token_id: int,
+                      state: RequestState, index: int) -> PositionLogprobs | None:
         if lp_at is None or token_id < 0:
             return None
         i = lp_at.get(row)
         if i is None:
             return None
-        top = [self.token_logprob(t, lp) for t, lp in zip(message.top_token_ids[i], message.top_logprobs[i],
-                                                           strict=False)]
-        return PositionLogprobs(self.token_logprob(token_id, message.logprobs[i]), top)
+        recent = state.recent_ids[index] if 0 <= index < len(state.recent_ids) else RecentIds()
+        context = recent.ids  # the tokens before this position: read before this one joins them
+        top = [self.token_logprob(t, lp, context=context)
+               for t, lp in zip(message.top_token_ids[i], message.top_logprobs[i], strict=False)]
+        position = PositionLogprobs(self.token_logprob(token_id, message.logprobs[i], context=context), top)
+        recent.add(token_id)
+        return position
 
     def _text_delta(self, state: RequestState, request_id: str, index: int, token_id: int, reason: int,
                     num_cached_tokens: int, logprob: PositionLogprobs | None, scores: PromptScores | None,
@@ -246,13 +261,31 @@ class Outputs:
         if scores is None:
             return lead
         ranks = scores.ranks or [0] * len(scores.token_ids)
-        return lead + [PositionLogprobs(self.token_logprob(token_id, logprob, rank),
-                                        [self.token_logprob(t, lp) for t, lp in zip(top_ids, top_lps, strict=False)])
-                       for token_id, logprob, top_ids, top_lps, rank in zip(scores.token_ids, scores.logprobs,
-                                                                            scores.top_token_ids, scores.top_logprobs,
-                                                                            ranks, strict=False)]
+        positions = []
+        for k, (token_id, logprob, top_ids, top_lps, rank) in enumerate(zip(
+                scores.token_ids, scores.logprobs, scores.top_token_ids, scores.top_logprobs, ranks, strict=False)):
+            context = prompt_context(state.prompt_token_ids, scores.first + k)
+            positions.append(PositionLogprobs(
+                self.token_logprob(token_id, logprob, rank, context),
+                [self.token_logprob(t, lp, context=context) for t, lp in zip(top_ids, top_lps, strict=False)]))
+        return lead + positions
 
-    def token_logprob(self, token_id: int, logprob: float | None, rank: int = 0) -> TokenLogprob:
+    def token_logprob(self, token_id: int, logprob: float | None, rank: int = 0,
+                      context: Sequence[int] | None = None) -> TokenLogprob:
+        """A logprob entry. Its string is the token's own decode; with `context` (the sequence's tokens before its
+        position: a scored position's entries), a token that holds part of a UTF-8 character shows what vLLM
+        shows (logprob_text): "" for a leading piece, the character on the token that completes it. Its bytes
+        stay the token's own."""
+        token, raw = self._token_text(token_id)
+        if context is not None and self.tokenizer is not None and token.endswith(REPLACEMENT_CHAR):
+            token = shown_token_text(token_id, token, context, self._decode, self._own_text)
+        return TokenLogprob(token, token_id, logprob, raw, rank)
+
+    def _own_text(self, token_id: int) -> str:
+        return self._token_text(token_id)[0]
+
+    def _token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's own decode and bytes, cached."""
         cached = self._token_texts.get(token_id)
         if cached is None:
             if self.tokenizer is not None:
@@ -262,7 +295,11 @@ class Outputs:
                 token = f"token_id:{token_id}"
                 raw = token.encode("utf-8")
             cached = self._token_texts[token_id] = (token, list(raw))
-        return TokenLogprob(cached[0], token_id, logprob, cached[1], rank)
+        return cached
+
+    def _decode(self, token_ids: list[int]) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 @dataclass(slots=True)
