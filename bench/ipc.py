@@ -16,6 +16,7 @@ import time
 
 import zmq
 
+from pagoda.bench.workload import positive_int
 from pagoda.shared.messages import (
     SchedulerToTokenizer,
     SchedulerToWorker,
@@ -108,8 +109,8 @@ def measure_deltas(num_seqs: int, num_steps: int) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--num-seqs", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=2000)
 
 
 def main(args: argparse.Namespace) -> int:

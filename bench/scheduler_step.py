@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Iterator
 
+from pagoda.bench.workload import non_negative_int, positive_int
 from pagoda.services.scheduler.scheduler import Request, Scheduler
 from pagoda.shared.messages import RepetitionDetection, SamplingParams, StepResult
 
@@ -62,10 +63,10 @@ def _step(scheduler: Scheduler, draws: Iterator[list[int]] | None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--repetition-sizes", type=int, default=0,
+    parser.add_argument("--num-seqs", type=positive_int, default=256)
+    parser.add_argument("--prompt-len", type=positive_int, default=512)
+    parser.add_argument("--steps", type=positive_int, default=500)
+    parser.add_argument("--repetition-sizes", type=non_negative_int, default=0,
                         help="repetition_detection over patterns of 1..N tokens on every sequence (0: off)")
     parser.add_argument("--tokens", choices=("text", "same"), default="text",
                         help="sampled ids: random text-like ones, or one id per sequence again and again")

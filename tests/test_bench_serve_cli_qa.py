@@ -53,3 +53,17 @@ def test_no_load_level_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     measured."""
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--concurrency", ""]) == 2
     assert "no load level to run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "flag", "value"), [
+    ("scheduler", "--num-seqs", "0"), ("scheduler", "--steps", "0"), ("scheduler", "--prompt-len", "-1"),
+    ("scheduler", "--repetition-sizes", "-1"), ("ipc", "--num-seqs", "0"), ("ipc", "--steps", "-2")])
+def test_scheduler_and_ipc_counts_are_refused_naming_the_flag(command: str, flag: str, value: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """bench scheduler --num-seqs 0 was an AssertionError traceback and --steps 0 a StatisticsError one; bench ipc
+    --num-seqs 0 waited forever for a worker answer to a plan of no sequences."""
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["bench", command, flag, value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and "Traceback" not in err, err
