@@ -770,6 +770,43 @@ def test_a_body_its_content_encoding_cannot_decode_is_a_400(stack: Stack) -> Non
     assert stack.log().count("Traceback") == tracebacks  # nor one from aiohttp draining the body afterwards
 
 
+def _first_answer(port: int, head: bytes) -> bytes:
+    """What the server sends first to a request of which only `head` (its line and headers) was sent: a status
+    line and headers, and the body its Content-Length gives (the connection stays open)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10.0) as conn:
+        received = b""
+        conn.sendall(head)
+        while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < _content_length(received):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        return received
+
+
+def _content_length(answer: bytes) -> int:
+    for line in answer.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_a_body_declared_past_the_limit_is_a_413_before_any_of_it_is_sent(stack: Stack) -> None:
+    """A Content-Length past 32 MiB is refused as it arrives: neither '100 Continue' to a client that asks before
+    sending it (curl does, for large bodies), nor a wait for a body it would refuse after reading 32 MiB of it."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {(32 << 20) + 1}\r\n").encode()
+    for expect in (b"Expect: 100-continue\r\n", b""):
+        answer = _first_answer(stack.port, head + expect + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 413 "), answer
+        error = msgspec.json.decode(answer.partition(b"\r\n\r\n")[2])["error"]  # JSON, as any error
+        assert error["type"] == "invalid_request_error" and "Request Entity Too Large" in error["message"], error
+    within = head.replace(str((32 << 20) + 1).encode(), b"15") + b"Expect: 100-continue\r\n\r\n"
+    assert _first_answer(stack.port, within).startswith(b"HTTP/1.1 100 Continue")  # one it takes: go ahead
+    assert stack.healthy()
+
+
 def test_a_request_line_or_header_too_long_is_a_400_logged_without_a_traceback(stack: Stack) -> None:
     """aiohttp refuses a line past 8190 bytes before any handler; it logged that with a traceback at ERROR."""
     tracebacks = stack.log().count("Traceback")

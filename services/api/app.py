@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.typedefs import Handler, Middleware
 
 from pagoda.services.api.anthropic import MessagesRoutes, anthropic_middleware
@@ -63,7 +63,7 @@ def build_app(state: ApiState) -> web.Application:
     if cors is not None:  # a browser's preflight carries no key: answered before the key check
         front.append(cors.preflight)
     app = web.Application(middlewares=[*front, error_middleware(state.metrics), anthropic_middleware,
-                                       auth_middleware(state), content_type_middleware],
+                                       auth_middleware(state), body_size_middleware, content_type_middleware],
                           client_max_size=MAX_BODY_BYTES)
     if cors is not None:
         app.on_response_prepare.append(cors.add_headers)  # before the headers go: streamed answers get them too
@@ -71,7 +71,7 @@ def build_app(state: ApiState) -> web.Application:
         app.on_response_prepare.append(add_request_id_header)
     if responses.background is not None:  # at shutdown, after the drain: no background response left in_progress
         app.on_shutdown.append(responses.background.close)
-    app.add_routes([
+    app.add_routes(_with_expect_handler([
         web.post("/v1/completions", handlers.completions),
         web.post("/v1/chat/completions", handlers.chat_completions),
         # vLLM's token-in / token-out API: an inference body rendered to the request generate takes, and generate
@@ -100,10 +100,33 @@ def build_app(state: ApiState) -> web.Application:
         web.get("/ping", handlers.ping),
         web.post("/ping", handlers.ping),
         web.post("/invocations", handlers.invocations),
-    ])
+    ]))
     if state.config.console:
         Console(state, handlers.health_problems).install(app)
     return app
+
+
+def _with_expect_handler(routes: list[web.RouteDef]) -> list[web.RouteDef]:
+    """The routes, each answering 'Expect: 100-continue' with expect_continue."""
+    return [web.RouteDef(r.method, r.path, r.handler, {**r.kwargs, "expect_handler": expect_continue}) for r in routes]
+
+
+def _declared_too_large(request: web.Request) -> bool:
+    length = request.content_length
+    return length is not None and length > MAX_BODY_BYTES
+
+
+async def expect_continue(request: web.Request) -> None:
+    """'Expect: 100-continue', which aiohttp answers before any middleware: a body declared past MAX_BODY_BYTES
+    gets no '100 Continue' (the client would send it all to be refused), body_size_middleware answers 413; any
+    other body is let come, as aiohttp's own handler does. An expectation other than 100-continue is a 417."""
+    if _declared_too_large(request):
+        return
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers.get('Expect')}")
+    if request.version == HttpVersion11:  # HTTP/1.0 has no interim answers
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's size, for the access log, counts from its status line
 
 
 def root_path_middleware(root_path: str) -> Middleware:
@@ -251,6 +274,16 @@ def _bearer_token(value: bytes) -> bytes:
     case-insensitive), for the operator's key and a tenant's alike; b"" for another scheme."""
     scheme, _, token = value.partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else b""
+
+
+@web.middleware
+async def body_size_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body whose Content-Length is past MAX_BODY_BYTES is refused (413) before any of it is read: reading it
+    would take 32 MiB of it first (or wait for a client that waits for '100 Continue'). A chunked body has no
+    length to check: reading it stops at the limit. A route that is not served stays a 404 or 405."""
+    if _declared_too_large(request) and request.match_info.http_exception is None:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length or 0)
+    return await handler(request)
 
 
 JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/octet-stream")  # the last two: lenient clients
