@@ -45,8 +45,10 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def sampling_params(self) -> SamplingParams:
+        # vLLM's beam search makes a SamplingParams of its temperature: one in (0, 0.01) is raised, with its warning
         return SamplingParams(use_beam_search=True, best_of=self.beam_width, n=self.beam_width,
-                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, temperature=self.temperature,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=vllm_params.raised_or_same_temperature(self.temperature),
                               length_penalty=self.length_penalty, early_stopping=self.early_stopping,
                               stop_token_ids=list(self.stop_token_ids))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from pagoda.services.protocol.vllm import check_guided_backend
 from pagoda.shared import messages
 from pagoda.shared.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 _CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -65,6 +68,15 @@ class GuidedDecodingParams:
             return messages.StructuredOutputs(**given).validate()
         except InvalidRequestError as exc:
             raise InvalidRequestError(exc.message, param="guided_decoding") from None
+
+
+def raised_or_same_temperature(temperature: float) -> float:
+    """vLLM's SamplingParams: a temperature in (0, 0.01) is sampled at 0.01, with vLLM's warning in the log."""
+    raised = messages.raised_temperature(temperature)
+    if raised is None:
+        return temperature
+    log.warning(messages.TEMPERATURE_RAISED_WARNING, temperature, messages.MIN_SAMPLING_TEMPERATURE, raised)
+    return raised
 
 
 def check_offline(params: messages.SamplingParams) -> None:
@@ -124,6 +136,7 @@ class SamplingParams(messages.SamplingParams, frozen=False, omit_defaults=True, 
                 setattr(self, name, empty())
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
+        self.temperature = raised_or_same_temperature(self.temperature)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # vLLM's: the chosen token's logprob, and one more
                 setattr(self, name, 1)

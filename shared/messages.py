@@ -24,6 +24,11 @@ MAX_CHOICES = 1024
 # the constraint kinds of StructuredOutputs besides json_object, each a field holding its spec
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
+# vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it where SamplingParams are made (raised_temperature)
+MIN_SAMPLING_TEMPERATURE = 1e-2
+# vLLM's warning then (SamplingParams.__post_init__), logged with the temperature, this bound and this bound
+TEMPERATURE_RAISED_WARNING = ("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. "
+                              "We have maxed it out to %s.")
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids entries (more than any vocabulary)
 MAX_BAD_WORDS = 128  # bad_words entries (each becomes up to two token sequences: as given, and after a space)
 MAX_BAD_WORD_CHARS = 256  # characters of one bad word
@@ -469,6 +474,15 @@ def check_allowed_left(params: SamplingParams, eos_token_ids: Iterable[int]) -> 
 def _whole(value: object) -> bool:
     """An integer, not a bool (Python's bool is an int: max_tokens=True would pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def raised_temperature(temperature: float) -> float | None:
+    """vLLM's clamp of a small temperature: MIN_SAMPLING_TEMPERATURE for one in (0, MIN_SAMPLING_TEMPERATURE), which
+    would sample from logits / T so large they overflow (vLLM raises it, with TEMPERATURE_RAISED_WARNING in the log,
+    rather than sampling greedily); None when the temperature stands (0 is greedy; a bad value is validate's)."""
+    if _finite(temperature) and 0.0 < temperature < MIN_SAMPLING_TEMPERATURE:
+        return MIN_SAMPLING_TEMPERATURE
+    return None
 
 
 def _finite(value: object) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -17,6 +18,8 @@ from pagoda.shared.messages import (
     MAX_INT64,
     MAX_TOP_LOGPROBS,
     MIN_INT64,
+    MIN_SAMPLING_TEMPERATURE,
+    TEMPERATURE_RAISED_WARNING,
     ChatMessage,
     GenerateRequest,
     RepetitionDetection,
@@ -25,7 +28,10 @@ from pagoda.shared.messages import (
     ToolCallMessage,
     check_cache_salt,
     check_prompt_cache_key,
+    raised_temperature,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 128  # arrays and objects nested deeper than this are refused before decoding
 # developer turns reach the template as vLLM gives them (conversation.developer_as_system)
@@ -358,6 +364,9 @@ def _sampling_kwargs(body: _GenerationBody, defaults: dict[str, float | int]) ->
     for name in ("temperature",) if body.use_beam_search else GENERATION_DEFAULT_FIELDS:
         if name not in kwargs and name in defaults:
             kwargs[name] = defaults[name]
+    if "temperature" in kwargs and (raised := raised_temperature(kwargs["temperature"])) is not None:
+        log.warning(TEMPERATURE_RAISED_WARNING, kwargs["temperature"], MIN_SAMPLING_TEMPERATURE, raised)
+        kwargs["temperature"] = raised  # vLLM's SamplingParams: a temperature in (0, 0.01) is sampled at 0.01
     if kwargs.get("seed") == -1:  # vLLM's SamplingParams read -1 as no seed
         del kwargs["seed"]
     kwargs["stop"] = _stop_list(body.stop)
