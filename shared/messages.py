@@ -15,7 +15,8 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
-LOGIT_BIAS_LIMIT = 100.0  # |bias| as in OpenAI's API
+LOGIT_BIAS_LIMIT = 100.0  # |bias| as OpenAI documents it: a request body's biases are clamped to it (vLLM's server)
+MAX_LOGIT_BIAS_VALUE = 3.4e38  # |bias| the worker can add: it adds them in float32, past which a bias would be inf
 MAX_INT32 = 2**31 - 1  # bound of counts and token ids: the worker holds them in int32/int64 rows
 MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the wire's int64
 MAX_STOP_TOKEN_IDS = 1024
@@ -287,8 +288,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids")
         _check(all(_whole(t) and 0 <= t <= MAX_INT32 for t in self.logit_bias), "logit_bias",
                f"logit_bias keys must be token ids in [0, {MAX_INT32}]")
-        _check(all(_finite(b) and abs(b) <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()), "logit_bias",
-               f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        # vLLM's offline SamplingParams takes any bias (its server clamps a body's to [-100, 100]: the api does too)
+        _check(all(_finite(b) and abs(b) <= MAX_LOGIT_BIAS_VALUE for b in self.logit_bias.values()), "logit_bias",
+               f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}] "
+               "(float32's range)")
         self._validate_bad_words()
         self._validate_logprob_token_ids()
         self._validate_truncation()

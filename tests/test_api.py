@@ -580,7 +580,6 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"fifty": -100}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"7": "up"}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 2, "stream": True}, 400, "stream"),

@@ -12,6 +12,7 @@ import pytest
 
 from pagoda.params import SamplingParams as OfflineParams
 from pagoda.services.protocol.schemas import ChatBody, CompletionBody, chat_request, completion_params, decode_body
+from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import SamplingParams
 
 WARNING = ("temperature {} is less than 0.01, which may cause numerical errors nan or inf in tensors. We have maxed it "
@@ -64,3 +65,32 @@ def test_a_beam_search_temperature_below_a_hundredth_is_raised(caplog: pytest.Lo
         assert BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.001).sampling_params().temperature == 0.01
         assert BeamSearchParams(beam_width=2, max_tokens=4).sampling_params().temperature == 0.0
     assert [r.getMessage() for r in caplog.records] == [WARNING.format(0.001)]
+
+
+# ------------------------------------------------------------------ logit_bias
+
+
+def test_a_body_bias_past_a_hundred_is_clamped_to_it() -> None:
+    """OpenAI documents biases from -100 to 100; vLLM's server clamps one past them (SamplingParams.from_optional)
+    where pagoda answered 400."""
+    bias = {"7": 101, "8": -1e9, "9": 2.5, "10": -100}
+    expected = {7: 100.0, 8: -100.0, 9: 2.5, 10: -100.0}
+    assert served({"logit_bias": bias}).logit_bias == expected
+    assert served_chat({"logit_bias": bias}).logit_bias == expected
+
+
+@pytest.mark.parametrize("value", ["up", True, None, [1], {"a": 1}])
+def test_a_body_bias_that_is_not_a_number_is_a_400_naming_logit_bias(value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        served({"logit_bias": {"7": value}})
+    assert caught.value.param == "logit_bias"
+
+
+def test_an_offline_bias_is_taken_as_given() -> None:
+    """vLLM's offline SamplingParams takes any bias and adds it as given (only its server clamps); one past float32's
+    range (inf in the worker's float32 add) or not finite is refused naming logit_bias."""
+    assert OfflineParams(logit_bias={7: 500.0, 8: -250}).logit_bias == {7: 500.0, 8: -250}
+    for bad in (1e39, float("inf"), float("nan"), "up"):
+        with pytest.raises(InvalidRequestError) as caught:
+            OfflineParams(logit_bias={7: bad})
+        assert caught.value.param == "logit_bias"

@@ -14,6 +14,7 @@ from pagoda.services.protocol.tools import named_schema, required_schema, tool_p
 from pagoda.services.protocol.vllm import DEPRECATED_FIELDS, check_guided_backend, unsupported_reason
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import (
+    LOGIT_BIAS_LIMIT,
     MAX_INT32,
     MAX_INT64,
     MAX_TOP_LOGPROBS,
@@ -519,12 +520,14 @@ def _check_json_schema_fields(spec: dict[str, Any]) -> None:
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI sends token ids as JSON object keys, so as strings: "50256" -> 50256."""
+    """OpenAI sends token ids as JSON object keys, so as strings: "50256" -> 50256. A bias past OpenAI's [-100, 100]
+    is clamped to it, as vLLM's server does (SamplingParams.from_optional); a value that is not a number is a 400
+    (the body's decoding)."""
     out: dict[int, float] = {}
     for key, value in bias.items():
         _require(key.isascii() and key.isdigit() and len(key) <= 10, "logit_bias",
                  f"logit_bias keys must be token ids written as decimal integers, got {key!r}")
-        out[int(key)] = value
+        out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))
     return out
 
 
