@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -789,6 +790,29 @@ def test_large_prompt_tokenizes_off_the_loop(tok: Harness, tokenizer: Tokenizer)
     detok_id = new_id()
     tok.send_api(DetokenizeRequest(detok_id, large_ids))
     assert tok.expect_reply(detok_id, DetokenizeResult).text == tokenizer.decode(large_ids, skip_special_tokens=False)
+
+
+def test_a_long_decode_lets_other_threads_run(tokenizer: Tokenizer) -> None:
+    """The tokenizer decodes a long id list (/detokenize) on a thread so that its loop keeps sending heartbeats;
+    the Rust decode held the GIL throughout (15M ids, a 28 MiB /detokenize body, held it 5 s: the api and the
+    scheduler dropped the tokenizer as silent, with every request it held). With the switch interval out of reach
+    the other thread can run only if the decode lets go of the GIL."""
+    ran = threading.Event()
+    go = threading.Event()
+    other = threading.Thread(target=lambda: go.wait() and ran.set())
+    other.start()  # now waiting on `go`: it needs the GIL to go on
+    ids = list(range(100, 200)) * 400
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # this thread keeps the GIL unless a call lets it go
+    try:
+        go.set()
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        ran_during_decode = ran.is_set()
+    finally:
+        sys.setswitchinterval(interval)
+        other.join()
+    assert ran_during_decode
+    assert text == tokenizer.backend.decode(ids, skip_special_tokens=False)  # the same text as decode's
 
 
 def test_a_conversation_of_many_tool_calls_renders_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:

@@ -28,6 +28,12 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
     inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"} | {"messages"}
 
 
+# The Rust decode holds the GIL throughout; decode_batch lets go of it. A long list (/detokenize's, decoded on the
+# offloader's thread) goes through decode_batch, so that the loop keeps its heartbeats meanwhile (15M ids: 5 s).
+# Shorter ones, the detokenizer's two a token, keep decode: decode_batch's thread pool costs more than they do.
+RELEASE_GIL_MIN_IDS = 4096
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE (GPT-2 and its descendants) spells each byte as one printable character: printable
     Latin-1 bytes as themselves, the other 68 bytes as chr(256 + n) in byte order. Character -> byte."""
@@ -143,6 +149,8 @@ class Tokenizer:
         # No clean-up of spaces: it rewrites text already streamed (" ." -> "."), so streaming and
         # whole decodes would disagree.
         if self._backend is not None:
+            if len(token_ids) >= RELEASE_GIL_MIN_IDS:  # one text, as decode makes it
+                return self._backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
             return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                clean_up_tokenization_spaces=False)
