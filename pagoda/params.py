@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from pagoda.services.protocol.vllm import check_guided_backend
+from pagoda.services.protocol.vllm import backend_disables_whitespace, check_guided_backend
 from pagoda.shared import messages
 from pagoda.shared.errors import InvalidRequestError
 
@@ -21,9 +21,9 @@ _CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "stru
 class GuidedDecodingParams:
     """vLLM's structured-output parameters before it renamed them StructuredOutputsParams (`from
     vllm.sampling_params import GuidedDecodingParams`): SamplingParams(guided_decoding=...) becomes its
-    structured_outputs. Exactly one constraint; the options that hold in pagoda by construction are taken (any
-    backend name of services/protocol/vllm.GUIDED_BACKENDS, no fallback, JSON without free whitespace), the others
-    refused naming the field."""
+    structured_outputs. Exactly one constraint; its options are StructuredOutputs' (disable_any_whitespace, also
+    as the backend option `disable-any-whitespace`; disable_additional_properties; whitespace_pattern; and
+    disable_fallback, which changes nothing); any backend name of services/protocol/vllm.GUIDED_BACKENDS."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -33,7 +33,7 @@ class GuidedDecodingParams:
     backend: str | None = None
     backend_was_auto: bool = False  # vLLM's own bookkeeping
     disable_fallback: bool = False  # pagoda never falls back to another engine: holds either way
-    disable_any_whitespace: bool = False  # pagoda's JSON has no free whitespace: holds either way
+    disable_any_whitespace: bool = False  # compact JSON
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
@@ -47,13 +47,6 @@ class GuidedDecodingParams:
 
     def structured_outputs(self) -> messages.StructuredOutputs:
         """The same constraint as pagoda's (vLLM's new) StructuredOutputs; InvalidRequestError names the field."""
-        if self.whitespace_pattern is not None:
-            raise InvalidRequestError("guided_decoding.whitespace_pattern is not supported: JSON constraints allow no "
-                                      "free whitespace", param="guided_decoding.whitespace_pattern")
-        if self.disable_additional_properties:
-            name = "guided_decoding.disable_additional_properties"
-            raise InvalidRequestError(f"{name} is not supported: a JSON schema's own additionalProperties decides",
-                                      param=name)
         if self.backend is not None:
             try:
                 check_guided_backend(self.backend)
@@ -64,10 +57,16 @@ class GuidedDecodingParams:
         if len(given) != 1:
             raise InvalidRequestError(f"guided_decoding needs exactly one of {', '.join(_CONSTRAINT_FIELDS)}; "
                                       f"got {', '.join(given) or 'none'}", param="guided_decoding")
+        compact = self.disable_any_whitespace or backend_disables_whitespace(self.backend or "")
         try:
-            return messages.StructuredOutputs(**given).validate()
+            return messages.StructuredOutputs(
+                **given, disable_any_whitespace=compact, whitespace_pattern=self.whitespace_pattern,
+                disable_additional_properties=self.disable_additional_properties,
+                disable_fallback=self.disable_fallback).validate()
         except InvalidRequestError as exc:
-            raise InvalidRequestError(exc.message, param="guided_decoding") from None
+            name = (exc.param or "").replace("structured_outputs", "guided_decoding")
+            raise InvalidRequestError(exc.message, param=name if name.startswith("guided_decoding.") else
+                                      "guided_decoding") from None
 
 
 def raised_or_same_temperature(temperature: float) -> float:

@@ -22,6 +22,7 @@ MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1  # seeds and priorities must fit the 
 MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or grammar text, serialized
 MAX_CHOICES = 1024
+MAX_WHITESPACE_PATTERN_CHARS = 1024  # a structured output's whitespace_pattern (a regex)
 # the constraint kinds of StructuredOutputs besides json_object, each a field holding its spec
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 GREEDY_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): x / T would overflow
@@ -72,6 +73,12 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
     [...]}`: free text in which each trigger must go on as one of the structures whose `begin` starts with it,
     `begin`, JSON of its schema, `end` (tool calls amid text; check_structural_tag has the rules); or xgrammar's
     `{"format": {...}}`, a tree of format objects (check_structural_format).
+    The options shape the JSON of `json`, `json_object` and a legacy structural tag's schemas (as vLLM's guidance
+    backend applies them; the other kinds write no JSON of their own): `disable_any_whitespace` writes it compact
+    (`{"a":1,"b":[1,2]}`; by default `{"a": 1, "b": [1, 2]}`, json.dumps' form), `whitespace_pattern` lets a regex's
+    whitespace stand between its tokens instead, `disable_additional_properties` closes every object schema with
+    properties and no additionalProperties of its own. `disable_fallback` changes nothing: the one engine never
+    falls back to another.
     `reasoning_end` is set by the server, never the client: constraints start after this text appears
     in the output (a reasoning model's `</think>`); empty means from the first token.
     """
@@ -82,6 +89,10 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
     grammar: str | None = None
     json_object: bool = False  # any JSON object
     structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
     reasoning_end: str = ""
 
     @property
@@ -111,7 +122,19 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
                "structured_outputs.choice", f"choice must be 1 to {MAX_CHOICES} non-empty strings")
         _check(isinstance(self.json, dict) or len(self.json or "") <= MAX_GRAMMAR_CHARS,
                "structured_outputs.json", f"json must be at most {MAX_GRAMMAR_CHARS} characters")
+        self._validate_options()
         return self
+
+    def _validate_options(self) -> None:
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            _check(isinstance(getattr(self, name), bool), f"structured_outputs.{name}", f"{name} must be a boolean")
+        pattern = self.whitespace_pattern
+        _check(pattern is None or (isinstance(pattern, str) and 0 < len(pattern) <= MAX_WHITESPACE_PATTERN_CHARS),
+               "structured_outputs.whitespace_pattern",
+               f"whitespace_pattern must be a non-empty regex of at most {MAX_WHITESPACE_PATTERN_CHARS} characters")
+        _check(pattern is None or not self.disable_any_whitespace, "structured_outputs.whitespace_pattern",
+               "give whitespace_pattern (the whitespace JSON may hold between its tokens) or disable_any_whitespace "
+               "(none), not both")
 
 
 class ThinkingBudget(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):

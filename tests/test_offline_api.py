@@ -625,9 +625,8 @@ def test_thinking_token_budget_needs_a_reasoning_parser_which_llm_has_not(llm: L
     (dict(choice=["a"], regex="a"), {}, "guided_decoding"),
     ({}, {}, "guided_decoding"),
     (dict(choice=["a"]), dict(structured_outputs=StructuredOutputs(regex="b")), "guided_decoding"),
-    (dict(json={"type": "object"}, whitespace_pattern=r"\s*"), {}, "guided_decoding.whitespace_pattern"),
-    (dict(json={"type": "object"}, disable_additional_properties=True), {},
-     "guided_decoding.disable_additional_properties"),
+    (dict(json={"type": "object"}, whitespace_pattern=r"\s*", disable_any_whitespace=True), {},
+     "guided_decoding.whitespace_pattern"),
     (dict(choice=["a"], structural_tag="{}"), {}, "guided_decoding"),
     (dict(choice=["a"], backend="sglang"), {}, "guided_decoding.backend"),
 ])

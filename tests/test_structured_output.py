@@ -470,7 +470,9 @@ def test_openai_parse_with_a_pydantic_model(server: Server) -> None:
       "tool_choice": "required"}, "tools"),
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
-    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " ", "disable_any_whitespace": True}},
+     "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
     # an allow-list with no token the grammar may start with: every sampled token broke the grammar (200 with

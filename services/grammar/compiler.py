@@ -53,6 +53,40 @@ CONSTRAINT_PARAM = "structured_outputs"  # what a constraint's error names: Samp
 # JSON as json.dumps writes it: no free whitespace, which small models otherwise fill with runs of newlines and
 # indentation until max_tokens (a schema's "x-guidance" options still override these).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# StructuredOutputs.disable_any_whitespace: llguidance's own separators without free whitespace, compact JSON (what
+# vLLM's guidance backend writes with its disable_any_whitespace)
+COMPACT_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+def json_options(constraint: StructuredOutputs) -> dict[str, Any]:
+    """How the constraint's JSON is written (a schema's own x-guidance still wins): JSON_OPTIONS, compact with
+    disable_any_whitespace, or with whitespace_pattern's whitespace between its tokens (llguidance's separators)."""
+    if constraint.whitespace_pattern is not None:
+        return {"whitespace_flexible": True, "whitespace_pattern": constraint.whitespace_pattern}
+    return COMPACT_JSON_OPTIONS if constraint.disable_any_whitespace else JSON_OPTIONS
+
+
+def closed_objects(schema: Any) -> Any:
+    """vLLM's disable_additional_properties: a copy of `schema` in which every object schema with properties or
+    patternProperties and no additionalProperties of its own has `additionalProperties: false` (every dict of
+    the tree is looked at, as vLLM's walk does). Walked on an explicit stack: schemas nest deeper than Python's
+    recursion limit."""
+    root = [schema]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        parent, key = stack.pop()
+        value = parent[key]
+        if isinstance(value, dict):
+            value = dict(value)
+            if "additionalProperties" not in value and ("properties" in value or "patternProperties" in value):
+                value["additionalProperties"] = False
+        elif isinstance(value, list):
+            value = list(value)
+        else:
+            continue
+        parent[key] = value
+        stack.extend((value, k) for k in (value if isinstance(value, dict) else range(len(value))))
+    return root[0]
 
 
 # How a grammar names a special token (<|python_tag|>); structural-tag triggers of that form may be one
@@ -214,7 +248,9 @@ def grammar_text(constraint: StructuredOutputs, tokenizer: llguidance.LLTokenize
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param=CONSTRAINT_PARAM)
             check_schema(schema)
-            return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            if constraint.disable_additional_properties:
+                schema = closed_objects(schema)
+            return matcher.grammar_from_json_schema(schema, defaults=json_options(constraint))
         if constraint.regex is not None:
             if (why := regex_repeat_error(constraint.regex, at_start=True)) is not None:
                 raise InvalidRequestError(why, param=CONSTRAINT_PARAM)
@@ -228,14 +264,14 @@ def grammar_text(constraint: StructuredOutputs, tokenizer: llguidance.LLTokenize
             spec = json.loads(constraint.structural_tag)
             if "format" in spec:  # xgrammar's form
                 return structural_format_grammar(spec["format"], tokenizer)
-            text = structural_tag_lark(constraint.structural_tag, tokenizer)
+            text = structural_tag_lark(constraint.structural_tag, tokenizer, constraint)
             _check_lark(text)
             return matcher.grammar_from_lark(text)
         if constraint.grammar is not None:
             text = as_lark(constraint.grammar)
             _check_lark(text)
             return matcher.grammar_from_lark(text)
-        return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return matcher.grammar_from_json_schema({"type": "object"}, defaults=json_options(constraint))
     except InvalidRequestError:
         raise
     except Exception as exc:  # the library's own parse errors (bad JSON text, bad GBNF)
@@ -243,18 +279,23 @@ def grammar_text(constraint: StructuredOutputs, tokenizer: llguidance.LLTokenize
                                   param=CONSTRAINT_PARAM) from exc
 
 
-def structural_tag_lark(spec_text: str, tokenizer: llguidance.LLTokenizer | None = None) -> str:
+def structural_tag_lark(spec_text: str, tokenizer: llguidance.LLTokenizer | None = None,
+                        constraint: StructuredOutputs | None = None) -> str:
     """The Lark grammar of a structural tag (StructuredOutputs.validate checked its shape): free text, in which each
     trigger goes on as one of the structures whose begin starts with it (its first such trigger, as vLLM's guidance
     backend pairs them): the rest of `begin`, JSON of its schema (written as every JSON constraint here:
-    JSON_OPTIONS), `end`; then free text again. A text trigger is a lazy lexeme (it matches where it first
-    appears); one that is a special token of `tokenizer` is that token."""
+    `constraint`'s json_options and disable_additional_properties), `end`; then free text again. A text trigger is a
+    lazy lexeme (it matches where it first appears); one that is a special token of `tokenizer` is that token."""
     spec = json.loads(spec_text)
+    json_form = json_options(constraint) if constraint is not None else JSON_OPTIONS
+    close = constraint is not None and constraint.disable_additional_properties
     rules = []
     for i, structure in enumerate(spec["structures"]):
         begin, end, schema = structure["begin"], structure["end"], structure["schema"]
         trigger = next(t for t in spec["triggers"] if begin.startswith(t))
-        options = {**JSON_OPTIONS, **schema.get("x-guidance", {})}  # the schema's own options win, as elsewhere
+        if close:
+            schema = closed_objects(schema)
+        options = {**json_form, **schema.get("x-guidance", {})}  # the schema's own options win, as elsewhere
         parts = [json.dumps(begin[len(trigger):]) if begin != trigger else "",
                  f"%json {json.dumps({**schema, 'x-guidance': options})}", json.dumps(end) if end else ""]
         body = " ".join(part for part in parts if part)

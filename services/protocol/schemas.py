@@ -11,7 +11,12 @@ import msgspec
 
 from pagoda.services.protocol.chat_output import ChatOutputSpec
 from pagoda.services.protocol.tools import named_schema, required_schema, tool_parameters
-from pagoda.services.protocol.vllm import DEPRECATED_FIELDS, check_guided_backend, unsupported_reason
+from pagoda.services.protocol.vllm import (
+    DEPRECATED_FIELDS,
+    backend_disables_whitespace,
+    check_guided_backend,
+    unsupported_reason,
+)
 from pagoda.shared.errors import InvalidRequestError
 from pagoda.shared.messages import (
     LOGIT_BIAS_LIMIT,
@@ -421,7 +426,10 @@ def _beam_kwargs(body: _GenerationBody) -> dict[str, Any]:
     return {}
 
 
-_STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object", "structural_tag"})
+# vLLM's StructuredOutputsParams fields: a constraint, and its options (StructuredOutputs says what each does)
+_OPTION_KEYS = frozenset({"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                          "disable_fallback"})
+_STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object", "structural_tag"}) | _OPTION_KEYS
 
 
 def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
@@ -452,6 +460,8 @@ def structured_outputs(body: _GenerationBody) -> StructuredOutputs | None:
     if len(given) > 1:
         raise InvalidRequestError(f"give only one of {', '.join(name for name, _ in given)}", param=given[1][0])
     name, constraint = given[0]
+    if body.guided_decoding_backend is not None and backend_disables_whitespace(body.guided_decoding_backend):
+        constraint = msgspec.structs.replace(constraint, disable_any_whitespace=True)
     try:
         return constraint.validate()
     except InvalidRequestError as exc:
@@ -464,6 +474,8 @@ _TAG_PARAM = "structured_outputs.structural_tag"
 def _field_param(param: str, name: str) -> str:
     """A constraint error's param under the body field `name` that asked for it: the field itself, or for a part of
     a structural tag's format, its path under that field (response_format.format.tags[2].content)."""
+    if name == "structured_outputs" and param.rpartition(".")[2] in _OPTION_KEYS:
+        return param  # an option of the structured_outputs object: named as sent
     if not param.startswith(f"{_TAG_PARAM}.format"):
         return name
     return (_TAG_PARAM if name == "structured_outputs" else name) + param[len(_TAG_PARAM):]

@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 # vLLM V0 did (outlines took grammars, lm-format-enforcer fell back to outlines for them); V1's outlines and
 # lm-format-enforcer backends refuse grammars, a limitation of theirs that no client relies on.
 GUIDED_BACKENDS = ("auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
-# vLLM's "backend:option,option" suffixes that hold in pagoda by construction: it never falls back to another
-# engine, and its JSON has no free whitespace (services/grammar/compiler.JSON_OPTIONS).
+# vLLM's "backend:option,option" suffixes: it never falls back to another engine (no-fallback holds either way), and
+# disable-any-whitespace is StructuredOutputs.disable_any_whitespace (compact JSON)
 BACKEND_OPTIONS = ("no-fallback", "disable-any-whitespace")
 
 # Fields vLLM has deprecated that pagoda still takes: field -> what replaces it. They are named in a `Warning`
@@ -47,7 +47,7 @@ UNSUPPORTED_FIELDS = {
     "media_io_kwargs": "multimodal inputs are not accepted",
     "mm_processor_kwargs": "multimodal inputs are not accepted",
     "logits_processors": "per-request logits processors were removed in vLLM V1 and are not implemented",
-    "guided_whitespace_pattern": "JSON constraints allow no free whitespace (vLLM deprecated this field)",
+    "guided_whitespace_pattern": "vLLM deprecated this field: give structured_outputs' whitespace_pattern",
 }
 
 # Why the routes that read a stored response back answer 404 (POST /v1/responses takes `store` and keeps nothing).
@@ -97,6 +97,11 @@ def check_guided_backend(backend: str) -> None:
     if unknown:
         raise InvalidRequestError(f"guided_decoding_backend option(s) {', '.join(unknown)} are not supported; "
                                   f"the options are {', '.join(BACKEND_OPTIONS)}", param="guided_decoding_backend")
+
+
+def backend_disables_whitespace(backend: str) -> bool:
+    """Whether a `guided_decoding_backend` (checked) carries the disable-any-whitespace option."""
+    return "disable-any-whitespace" in backend.partition(":")[2].split(",")
 
 
 def deprecation_header(fields: list[str]) -> str:
