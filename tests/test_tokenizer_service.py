@@ -19,7 +19,13 @@ import pytest
 import zmq
 
 from pagoda.services.tokenizer.offload import OFFLOAD_MIN_CHARS
-from pagoda.services.tokenizer.prompts import generate_prompt, max_prompt_len, prompt_chars, truncated_ids
+from pagoda.services.tokenizer.prompts import (
+    MAX_DETOKENIZED_BYTES,
+    generate_prompt,
+    max_prompt_len,
+    prompt_chars,
+    truncated_ids,
+)
 from pagoda.services.tokenizer.tokenizer import Tokenizer
 from pagoda.shared.config import SLOW_COMPILE_MIN_BYTES
 from pagoda.shared.delivery import Link
@@ -55,7 +61,7 @@ from pagoda.shared.messages import (
     TokenizerToScheduler,
     ToolCallMessage,
 )
-from pagoda.shared.transport import Codec, ack_frame, make_socket, seal, unseal
+from pagoda.shared.transport import MAX_FRAME_BYTES, Codec, ack_frame, make_socket, seal, unseal
 from tests.harness import die_with_parent
 
 pytestmark = pytest.mark.slow
@@ -774,6 +780,25 @@ def test_tokenize_and_detokenize(tok: Harness, tokenizer: Tokenizer) -> None:
     request_id = new_id()
     tok.send_api(DetokenizeRequest(request_id, [1, 10**9]))
     assert tok.expect_reply(request_id, RequestFailed).status == 400
+
+
+def test_a_detokenize_whose_text_cannot_fit_a_frame_is_a_400(tok: Harness, tokenizer: Tokenizer) -> None:
+    """Ids decode to up to 81 bytes each (SmolLM2's longest token): a 28 MiB /detokenize body of them made a text
+    past the 64 MiB frame ZeroMQ takes, which the api's socket refused, the tokenizer sent again, forever, with
+    every answer queued behind it ('no tokenizer process is available' from then on). The text is refused
+    instead, naming tokens, and the stream goes on."""
+    assert MAX_DETOKENIZED_BYTES + (1 << 20) < MAX_FRAME_BYTES  # room for the message around the text
+    longest = max(range(tokenizer.vocab_size), key=lambda i: len(tokenizer.token_bytes(i)))
+    ids = [longest] * (MAX_DETOKENIZED_BYTES // len(tokenizer.token_bytes(longest)) + 1)
+    request_id = new_id()
+    tok.send_api(DetokenizeRequest(request_id, ids))
+    failed = tok.expect_reply(request_id, RequestFailed, timeout=60.0)
+    assert failed.status == 400 and failed.param == "tokens" and "bytes" in failed.message, failed
+    fits = ids[:len(ids) // 2]
+    request_id = new_id()
+    tok.send_api(DetokenizeRequest(request_id, fits))
+    assert tok.expect_reply(request_id, DetokenizeResult, timeout=60.0).text == \
+        tokenizer.decode(fits, skip_special_tokens=False)
 
 
 def test_large_prompt_tokenizes_off_the_loop(tok: Harness, tokenizer: Tokenizer) -> None:

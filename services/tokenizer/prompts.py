@@ -270,6 +270,11 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+# /detokenize's text at most: its answer travels to the api in one frame, which ZeroMQ refuses past
+# shared.transport.MAX_FRAME_BYTES (64 MiB; not imported: the offline engine imports this module, without zmq)
+MAX_DETOKENIZED_BYTES = 32 << 20
+
+
 def detokenize_job(tokenizer: Tokenizer | None, request: DetokenizeRequest,
                    vocab_size: int | None) -> Callable[[], str]:
     """/detokenize: the ids are checked now (InvalidRequestError), the returned job decodes them."""
@@ -282,9 +287,14 @@ def detokenize_job(tokenizer: Tokenizer | None, request: DetokenizeRequest,
 
     def decode() -> str:
         try:
-            return tokenizer.decode(request.token_ids, skip_special_tokens=False)
+            text = tokenizer.decode(request.token_ids, skip_special_tokens=False)
         except Exception as exc:
             raise InvalidRequestError(f"cannot decode: {exc}", param="tokens") from exc
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_DETOKENIZED_BYTES:  # sent, it would never arrive: refused, and sent again, forever
+            raise InvalidRequestError(f"the tokens decode to {size} bytes of text; this server answers at most "
+                                      f"{MAX_DETOKENIZED_BYTES}: send fewer tokens a request", param="tokens")
+        return text
 
     return decode
 
