@@ -806,6 +806,23 @@ def test_a_body_declared_past_the_limit_is_a_413_before_any_of_it_is_sent(stack:
     assert stack.healthy()
 
 
+def test_an_x_request_id_not_utf8_is_a_400_naming_it(stack: Stack) -> None:
+    """The header's bytes that are not UTF-8 reach the handler as surrogates, which the wire to the tokenizer cannot
+    carry: the 400 said 'the request holds a value out of range: 'utf-8' codec can't encode ...' naming nothing."""
+    headers = [(b"Authorization", f"Bearer {API_KEY}".encode()), (b"Content-Type", b"application/json"),
+               (b"X-Request-Id", b"trace-\xff\xfe")]
+    for path, body in (("/v1/completions", b'{"prompt": "x", "max_tokens": 1}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}')):
+        response = HTTP.post(stack.url + path, content=body, headers=headers, timeout=10.0)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "X-Request-Id" and "UTF-8" in error["message"], error
+    utf8 = [*headers[:2], (b"X-Request-Id", "trace-é".encode())]
+    answer = HTTP.post(stack.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 1}', headers=utf8,
+                       timeout=10.0)
+    assert answer.status_code == 200 and answer.json()["id"] == "cmpl-trace-é", answer.text
+
+
 def test_a_request_line_or_header_too_long_is_a_400_logged_without_a_traceback(stack: Stack) -> None:
     """aiohttp refuses a line past 8190 bytes before any handler; it logged that with a traceback at ERROR."""
     tracebacks = stack.log().count("Traceback")

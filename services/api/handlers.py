@@ -793,5 +793,17 @@ def _client_response_id(prefix: str, request: web.Request, body_id: str | None) 
     "" when it named none. Only the response shows it: the engine's own id stays unique."""
     header = request.headers.get("X-Request-Id")
     if header is not None:
+        if not _is_utf8(header):
+            raise InvalidRequestError("X-Request-Id must be UTF-8 text", param="X-Request-Id")
         return prefix + check_client_request_id(header, "X-Request-Id")
     return prefix + check_client_request_id(body_id, "request_id") if body_id is not None else ""
+
+
+def _is_utf8(header_value: str) -> bool:
+    """aiohttp hands a header's bytes that are not UTF-8 over as surrogates (surrogateescape), which no wire
+    message can carry."""
+    try:
+        header_value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
