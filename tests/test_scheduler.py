@@ -1275,3 +1275,26 @@ def test_the_step_loop_schedules_again_after_a_plan_that_only_preempted() -> Non
     assert sched.stats.num_preemptions > 0
     assert [seq.finish_reason for seq in (*low.sequences, *high.sequences)] == [FinishReason.LENGTH] * 3
     assert_all_free(sched)
+
+
+def test_a_request_whose_logprobs_would_overfill_a_steps_message_is_refused_naming_the_field() -> None:
+    """A served step's logprobs travel in one message, which ZeroMQ refuses past its frame size (the step was sent
+    again forever: whole-vocabulary prompt_logprobs over a 400-token prompt wedged the server). One request may make
+    a step carry at most max_logprob_entries: its prompt chunk's positions, or its n rows, times k + 1."""
+    sched = make_scheduler(max_logprob_entries=1000, max_num_batched_tokens=256)
+    sched.validate(make_request("short", 10, prompt_logprobs=99))  # 9 positions x 100 entries
+    sched.validate(make_request("at-bound", 101, prompt_logprobs=9))  # 100 positions x 10
+    with pytest.raises(InvalidRequestError, match=r"ask at most 8 or send a shorter prompt") as refused:
+        sched.validate(make_request("over", 102, prompt_logprobs=9))  # 101 x 10
+    assert refused.value.param == "prompt_logprobs"
+    # a chunk of the prompt runs a step: positions past the token budget are another step's
+    sched.validate(make_request("long", 2000, max_tokens=8, prompt_logprobs=2))  # 256 x 3
+    with pytest.raises(InvalidRequestError, match=r"ask at most 2\b") as refused:
+        sched.validate(make_request("long-k", 2000, max_tokens=8, prompt_logprobs=3))  # 256 x 4
+    assert refused.value.param == "prompt_logprobs"
+    sched.validate(make_request("n", 10, logprobs=99, n=10))  # 10 rows x 100
+    with pytest.raises(InvalidRequestError, match=r"ask at most 99\b") as refused:
+        sched.validate(make_request("n-over", 10, logprobs=100, n=10))
+    assert refused.value.param == "logprobs"
+    assert not sched.requests  # refusals admitted nothing
+    make_scheduler(max_num_batched_tokens=256).validate(make_request("unbounded", 102, prompt_logprobs=9))

@@ -209,8 +209,12 @@ class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = (),
                  enable_prefix_caching: bool = True, seed: int | None = None, max_inflight_plans: int = 1,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, max_logprob_entries: int = 0) -> None:
         assert max_num_batched_tokens >= 1 and max_num_seqs >= 1 and max_inflight_plans >= 1
+        assert max_logprob_entries >= 0
+        # the most logprob entries (a token and its alternatives each) one request may make one step carry; 0: no
+        # bound (the offline engine's results stay in its process; a served step's travel in one message)
+        self.max_logprob_entries = max_logprob_entries
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.host = HostBlocks(num_swap_blocks)  # the worker's swap space, in blocks
         self._swap_out: list[int] = []  # this plan's (device block, host slot) pairs, flattened
@@ -275,12 +279,35 @@ class Scheduler:
         if len(prompt) >= min(self.max_model_len, capacity):
             raise ContextLengthError.prompt_too_long(len(prompt), "prompt", self.max_model_len, capacity)
         self._check_beam_search(request)
+        self._check_logprob_entries(request)
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and len(prompt) + max_tokens > min(self.max_model_len, capacity):
             # a sequence cannot outgrow the cache: such a max_tokens could never be met
             raise ContextLengthError.max_tokens_too_large(len(prompt), max_tokens, self.max_model_len, capacity)
         if max_tokens is None and len(prompt) + request.sampling.min_tokens > min(self.max_model_len, capacity):
             raise min_tokens_past_room(request.sampling.min_tokens, len(prompt), min(self.max_model_len, capacity))
+
+    def _check_logprob_entries(self, request: Request) -> None:
+        """A served step's logprobs travel in one message (worker -> scheduler -> tokenizer -> api), which ZeroMQ
+        refuses past its frame size: a step too large was sent again, forever, and the server made no progress
+        (whole-vocabulary prompt_logprobs over a 400-token prompt under --max-logprobs -1). One request may make
+        a step carry at most max_logprob_entries: its prompt chunk's positions (prompt_logprobs) or its n rows
+        (logprobs), each with its k alternatives and the token itself. Several such requests in one step are
+        not bounded together."""
+        if not self.max_logprob_entries:
+            return
+        params = request.sampling
+        prompt_positions = min(len(request.prompt_token_ids) - 1, self.max_num_batched_tokens)
+        for k, param, rows in ((params.prompt_logprobs, "prompt_logprobs", prompt_positions),
+                               (params.logprobs, "logprobs", max(params.n, params.best_of or 0))):
+            if k is None or rows <= 0 or (k + 1) * rows <= self.max_logprob_entries:
+                continue
+            largest = self.max_logprob_entries // rows - 1
+            raise InvalidRequestError(
+                f"{param} {k} over {rows} {'prompt positions a step' if param == 'prompt_logprobs' else 'completions'}"
+                f" makes more logprobs than one step of this server can carry ({self.max_logprob_entries:,} entries): "
+                f"ask at most {max(largest, 0)}" + (" or send a shorter prompt" if param == "prompt_logprobs" else ""),
+                param=param)
 
     def _check_forced(self, request: Request) -> None:
         """A grammar's forced start (compiler.fast_forward_tokens decided it): one completion, vocabulary ids, and

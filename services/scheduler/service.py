@@ -71,6 +71,7 @@ from pagoda.shared.messages import (
 )
 from pagoda.shared.service_main import run_service
 from pagoda.shared.transport import (
+    MAX_FRAME_BYTES,
     Codec,
     ack_frame,
     drain,
@@ -87,6 +88,11 @@ STATS_INTERVAL_S = 0.25
 MAX_TENANT_STATS = 1024  # tenants whose queue times are kept (the keys file's; more would be a forger's)
 MAX_SWEPT_TOKENIZERS = 64  # identities remembered after a silence sweep (a restarted one comes with a new name)
 MAX_TOKENIZER_EOS = 16  # EOS ids one tokenizer may register
+# logprob entries (a token or one of its alternatives) one request may make a step carry: the api's message of a
+# step holds ~30 bytes an entry (msgspec: the token's text, id, logprob, bytes and rank), so one request at the bound
+# fills under half of the frame ZeroMQ takes (Scheduler._check_logprob_entries)
+LOGPROB_ENTRY_BYTES = 30
+MAX_LOGPROB_ENTRIES = MAX_FRAME_BYTES // (2 * LOGPROB_ENTRY_BYTES)
 MAX_WORKER_GRAMMARS = 512  # constraints the workers keep by hash (each up to 1 MiB of text) ...
 MAX_WORKER_GRAMMAR_BYTES = 64 << 20  # ... and their encoded sizes together (512 of 1 MiB would be 512 MiB a worker)
 LINK_TICK_MS = 20  # while a tokenizer stream has something unacknowledged (either way), the loop looks this often
@@ -668,7 +674,8 @@ class SchedulerService:
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
             eos_token_ids=ready.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_inflight_plans=ready.max_inflight_plans, num_swap_blocks=ready.num_swap_blocks)
+            max_inflight_plans=ready.max_inflight_plans, num_swap_blocks=ready.num_swap_blocks,
+            max_logprob_entries=MAX_LOGPROB_ENTRIES)
         self.pipeline = PlanPipeline(self.scheduler)
         if self.tracer is not None:
             self.scheduler.preemption_log = []
